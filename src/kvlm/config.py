@@ -1,0 +1,194 @@
+"""ModelConfig: the few numbers the transformer and the cache need, from either format.
+
+Both constructors normalise to one vocabulary so nothing downstream knows whether a
+model came from a Hugging Face `config.json` or from GGUF metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvlm.errors import UnsupportedModelError
+
+# model_type (HF) / general.architecture (GGUF) -> what the model code switches on.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(slots=True, frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. `default` means plain `theta ** (-2i/d)` frequencies."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"unsupported architecture {self.architecture!r} "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise UnsupportedModelError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported RoPE scaling {self.rope_scaling.rope_type!r} "
+                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """K and V elements one token occupies across all layers (times itemsize = bytes)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], name: str = "") -> ModelConfig:
+        """Build from a Hugging Face `config.json` dict (Llama, Mistral, Qwen2, Qwen3)."""
+        arch = str(cfg.get("model_type", "")).lower()
+        if arch not in SUPPORTED_ARCHITECTURES:
+            archs = cfg.get("architectures") or [arch or "?"]
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs[0]!r} "
+                f"(supported model_type: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            window = cfg.get("sliding_window")
+            if arch == "qwen2" and not cfg.get("use_sliding_window", False):
+                window = None
+            eos = cfg.get("eos_token_id")
+            return cls(
+                architecture=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(_hf_rope(cfg).get("rope_theta", 10000.0)),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                qk_norm=arch == "qwen3",
+                sliding_window=int(window) if window else None,
+                rope_scaling=_hf_rope_scaling(cfg),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=_as_ids(eos),
+                name=name,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UnsupportedModelError(
+                f"config.json is missing or has a bad field: {exc}"
+            ) from exc
+
+    @classmethod
+    def from_gguf(cls, meta: dict[str, Any], name: str = "") -> ModelConfig:
+        """Build from GGUF key/value metadata (`general.architecture` = llama/qwen2/qwen3)."""
+        arch = str(meta.get("general.architecture", ""))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"unsupported GGUF architecture {arch!r} "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+
+        def key(k: str, default: Any = None) -> Any:
+            v = meta.get(f"{arch}.{k}", default)
+            if v is None:
+                raise UnsupportedModelError(f"GGUF metadata lacks {arch}.{k}")
+            return v
+
+        hidden = int(key("embedding_length"))
+        heads = int(key("attention.head_count"))
+        vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+        scaling = RopeScaling()
+        scaling_type = meta.get(f"{arch}.rope.scaling.type")
+        if scaling_type == "linear":
+            scaling = RopeScaling("linear", float(key("rope.scaling.factor")))
+        elif scaling_type not in (None, "none"):
+            raise UnsupportedModelError(f"unsupported GGUF RoPE scaling {scaling_type!r}")
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(key("feed_forward_length")),
+            num_layers=int(key("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads),
+            head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // heads),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+            max_position_embeddings=int(key("context_length", 4096)),
+            tie_word_embeddings=False,  # decided by the loader from the tensor list
+            qk_norm=arch == "qwen3",
+            sliding_window=None,
+            rope_scaling=scaling,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=_as_ids(eos),
+            name=name,
+        )
+
+
+def _as_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, list | tuple):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def _hf_rope(cfg: dict[str, Any]) -> dict[str, Any]:
+    """transformers>=5 writes `rope_parameters`; older configs use rope_theta/rope_scaling."""
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    if "rope_theta" in cfg:
+        params.setdefault("rope_theta", cfg["rope_theta"])
+    return params
+
+
+def _hf_rope_scaling(cfg: dict[str, Any]) -> RopeScaling:
+    params = _hf_rope(cfg)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "default":
+        return RopeScaling()
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
+        ),
+    )

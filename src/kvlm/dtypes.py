@@ -1,0 +1,33 @@
+"""Names users type for dtypes, and what they mean."""
+
+from __future__ import annotations
+
+import torch
+
+from kvlm.errors import InvalidRequestError
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        if name not in SHORT_NAMES:
+            raise InvalidRequestError(f"unsupported dtype {name}; use fp32, bf16 or fp16")
+        return name
+    dtype = DTYPES.get(str(name).lower())
+    if dtype is None:
+        raise InvalidRequestError(f"unknown dtype {name!r}; use fp32, bf16 or fp16")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return SHORT_NAMES.get(dtype, str(dtype).removeprefix("torch."))

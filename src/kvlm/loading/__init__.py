@@ -1,0 +1,99 @@
+"""Model resolution and loading: a path, a Hub id or nothing (the default model)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvlm.config import ModelConfig
+from kvlm.errors import ModelLoadError
+from kvlm.loading.default import default_model_path
+from kvlm.loading.gguf import GGUFWeights, is_gguf_file
+from kvlm.loading.hf import SafetensorsWeights
+from kvlm.loading.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_folder
+from kvlm.loading.weights import WeightSource
+
+__all__ = ["LoadedModel", "load_model", "resolve_model_path"]
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    path: Path
+    format: str  # "gguf" | "hf"
+    config: ModelConfig
+    weights: WeightSource
+    tokenizer: Tokenizer
+    weight_types: list[str]  # GGUF quant types or safetensors dtypes found in the file
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """None -> the embedded default; an existing path -> itself; `org/name` -> Hub download."""
+    if model is None or str(model) == "":
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    if isinstance(model, str) and _HUB_ID.match(model):
+        return _download(model)
+    raise ModelLoadError(f"model not found: {model}")
+
+
+def load_model(model: str | Path | None = None) -> LoadedModel:
+    path = resolve_model_path(model)
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if (path / "config.json").is_file():
+            return _load_hf(path)
+        if len(ggufs) == 1:
+            path = ggufs[0]
+        else:
+            raise ModelLoadError(
+                f"{path} has no config.json and {len(ggufs)} .gguf files; pass one file"
+            )
+    if is_gguf_file(path):
+        return _load_gguf(path)
+    raise ModelLoadError(f"{path} is neither a GGUF file nor a Hugging Face model folder")
+
+
+def _load_gguf(path: Path) -> LoadedModel:
+    weights = GGUFWeights(path)
+    return LoadedModel(
+        path=path,
+        format="gguf",
+        config=weights.config,
+        weights=weights,
+        tokenizer=tokenizer_from_gguf(weights.metadata),
+        weight_types=weights.quant_types,
+    )
+
+
+def _load_hf(folder: Path) -> LoadedModel:
+    weights = SafetensorsWeights(folder)
+    return LoadedModel(
+        path=folder,
+        format="hf",
+        config=weights.config,
+        weights=weights,
+        tokenizer=tokenizer_from_hf_folder(folder, weights.config.eos_token_ids),
+        weight_types=weights.dtypes,
+    )
+
+
+def _download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as exc:
+        raise ModelLoadError(
+            f"{repo_id!r} looks like a Hub id but huggingface_hub is not installed"
+        ) from exc
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+    except Exception as exc:  # network, auth, missing repo: one line for the user
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelLoadError(
+            f"cannot download {repo_id!r} from the Hugging Face Hub: {reason}"
+        ) from exc

@@ -1,0 +1,143 @@
+"""GGUF files (llama.cpp's format): metadata, tokenizer and dequantized tensors.
+
+Tensors are dequantized with the `gguf` package, one at a time, into Hugging Face names
+and layout. llama.cpp's converter permutes the rows of Llama's q/k projections so that its
+interleaved RoPE sees HF's rotate-half pairs; we undo that permutation so one RoPE serves
+both formats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvlm.config import ModelConfig
+from kvlm.errors import ModelLoadError, UnsupportedModelError
+
+try:
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+except ImportError as exc:  # pragma: no cover - gguf is a declared dependency
+    raise ImportError("kvlm needs the `gguf` package: pip install gguf") from exc
+
+GGUF_MAGIC = b"GGUF"
+# Types kvlm loads. Float types keep their dtype; quantized types go through gguf.quants.
+FLOAT_TYPES = {Q.F32: np.float32, Q.F16: np.float16, Q.BF16: np.int16}
+QUANT_TYPES = {
+    Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
+    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+}  # fmt: skip
+SUPPORTED_TYPES = set(FLOAT_TYPES) | QUANT_TYPES
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "rope_freqs": "rope_freqs",
+}
+
+
+def is_gguf_file(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (None if unknown)."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    parts = stem.split(".")
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    return None
+
+
+class GGUFWeights:
+    """A `WeightSource` over one GGUF file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        if not is_gguf_file(path):
+            raise ModelLoadError(f"{path} is not a GGUF file (bad magic)")
+        try:
+            self.reader = gguf.GGUFReader(str(path))
+            self.metadata: dict[str, Any] = {
+                key: field.contents() for key, field in self.reader.fields.items()
+            }
+        except Exception as exc:  # the reader raises ValueError/IndexError/struct errors
+            raise ModelLoadError(f"cannot read {path}: truncated or corrupt GGUF ({exc})") from exc
+        self.config = self._config()
+        self._tensors = {}
+        for t in self.reader.tensors:
+            name = hf_name(t.name)
+            if name is None:
+                continue
+            if t.tensor_type not in SUPPORTED_TYPES:
+                raise UnsupportedModelError(
+                    f"{path.name}: tensor {t.name} has type {t.tensor_type.name}, which kvlm does "
+                    f"not load (supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})"
+                )
+            self._tensors[name] = t
+        self.quant_types = sorted({t.tensor_type.name for t in self._tensors.values()})
+
+    def _config(self) -> ModelConfig:
+        cfg = ModelConfig.from_gguf(self.metadata, name=self.path.name)
+        names = {t.name for t in self.reader.tensors}
+        tied = "output.weight" not in names
+        return replace(cfg, tie_word_embeddings=tied)
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self._tensors[name]
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne0 (innermost) first
+        try:
+            if t.tensor_type in FLOAT_TYPES:
+                # np.array copies out of the read-only mmap; BF16 travels as int16 bits.
+                out = torch.from_numpy(np.array(t.data).view(FLOAT_TYPES[t.tensor_type]))
+                if t.tensor_type == Q.BF16:
+                    out = out.view(torch.bfloat16)
+            else:
+                out = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
+            out = out.reshape(shape)
+        except (ValueError, RuntimeError) as exc:
+            raise ModelLoadError(f"{self.path.name}: cannot decode tensor {t.name}: {exc}") from exc
+        is_qk = name.endswith(("q_proj.weight", "k_proj.weight"))
+        if self.config.architecture == "llama" and is_qk:
+            heads = self.config.num_heads if "q_proj" in name else self.config.num_kv_heads
+            out = unpermute_qk(out, heads)
+        return out
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation.
+
+    Within each head, HF orders rows [x_0 .. x_{d/2-1}, y_0 .. y_{d/2-1}] (rotate-half
+    pairs x_i, y_i); llama.cpp stores them interleaved [x_0, y_0, x_1, y_1, ...].
+    """
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    # (heads, half, 2, ...) interleaved  ->  (heads, 2, half, ...) rotate-half
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

@@ -1,0 +1,68 @@
+"""Hugging Face model folders: config.json, *.safetensors, tokenizer files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from kvlm.config import ModelConfig
+from kvlm.errors import ModelLoadError
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ModelLoadError(f"missing {path}") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+
+
+class SafetensorsWeights:
+    """A `WeightSource` over the safetensors shards of one folder."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        raw = read_json(folder / "config.json")
+        self.config = ModelConfig.from_hf(_with_generation_eos(folder, raw), name=folder.name)
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(
+                f"{folder} has no *.safetensors files (pytorch_model.bin is not supported)"
+            )
+        self._where: dict[str, Any] = {}
+        for file in files:
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except Exception as exc:  # safetensors raises its own SafetensorError
+                raise ModelLoadError(f"cannot read {file}: {exc}") from exc
+            for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                self._where[name] = handle
+        self.dtypes = sorted({str(self._where[n].get_slice(n).get_dtype()) for n in self._where})
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self._where[name].get_tensor(name)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot read tensor {name}: {exc}") from exc
+
+
+def _with_generation_eos(folder: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+    """generation_config.json often lists more end tokens than config.json (chat turns)."""
+    gen_path = folder / "generation_config.json"
+    if not gen_path.is_file():
+        return cfg
+    gen = read_json(gen_path)
+    if gen.get("eos_token_id") is None:
+        return cfg
+    ids = cfg.get("eos_token_id")
+    ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
+    extra = gen["eos_token_id"] if isinstance(gen["eos_token_id"], list) else [gen["eos_token_id"]]
+    return {**cfg, "eos_token_id": list(dict.fromkeys([*ids, *extra]))}

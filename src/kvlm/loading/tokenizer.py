@@ -1,0 +1,310 @@
+"""Tokenizers and chat templates, built with the libraries made for the job.
+
+- GGUF: the vocabulary, merges and token types stored in the file become a
+  `tokenizers.Tokenizer`. Byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`)
+  use llama.cpp's pre-tokenizer regexes, chosen by `tokenizer.ggml.pre`; SentencePiece
+  vocabularies (`"llama"`) become a byte-fallback BPE whose merges are ranked by the
+  stored scores.
+- Hugging Face folders: `tokenizer.json` is loaded as is; `tokenizer_config.json` (or
+  `chat_template.jinja`) supplies the special tokens and the chat template.
+- Chat templates are Jinja2, rendered in a sandbox with the same helpers transformers
+  gives them (`raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+from kvlm.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
+from kvlm.loading.hf import read_json
+
+# llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp), applied one after another, each
+# splitting the pieces the previous one produced and keeping both matches and the rest.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DIGIT_THEN_GPT2 = (r"\p{N}", _GPT2)
+PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
+    "gpt2": (_GPT2,),
+    "gpt-2": (_GPT2,),
+    "mpt": (_GPT2,),
+    "olmo": (_GPT2,),
+    "llama3": (_LLAMA3,),
+    "llama-bpe": (_LLAMA3,),
+    "llama-v3": (_LLAMA3,),
+    "dbrx": (_LLAMA3,),
+    "smaug-bpe": (_LLAMA3,),
+    "qwen2": (_QWEN2,),
+    "stablelm2": (_QWEN2,),
+    "smollm": _DIGIT_THEN_GPT2,
+    "starcoder": _DIGIT_THEN_GPT2,
+    "refact": _DIGIT_THEN_GPT2,
+    "command-r": _DIGIT_THEN_GPT2,
+    "codeshell": _DIGIT_THEN_GPT2,
+    "exaone": _DIGIT_THEN_GPT2,
+    "default": (
+        r"[\p{P}\$\+<=>\^~\|]+",
+        _GPT2,
+        r"\p{N}+",
+        r"[0-9][0-9][0-9]",
+    ),
+}
+# Pre-tokenizers whose reference tokenizer.json sets BPE `ignore_merges` (whole-word hits
+# in the vocabulary win over merging).
+_IGNORE_MERGES = {"llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe"}
+
+# GGUF token types (llama.cpp's llama_token_type).
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+_TOKEN_BYTE = 6
+
+
+class Tokenizer:
+    """Text <-> token ids, special tokens, and the model's chat template."""
+
+    def __init__(
+        self,
+        backend: _HFTokenizer,
+        *,
+        bos_token: str | None,
+        eos_token: str | None,
+        chat_template: str | None,
+        extra_eos_ids: Sequence[int] = (),
+    ) -> None:
+        self.backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.chat_template = chat_template
+        eos = [self.token_to_id(eos_token)] if eos_token else []
+        self.eos_token_ids: tuple[int, ...] = tuple(
+            dict.fromkeys(i for i in (*eos, *extra_eos_ids) if i is not None)
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> DecodeStream:
+        """An incremental decoder: `.step(tokenizer.backend, id)` returns new text or None."""
+        return DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def render_chat(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        if not self.chat_template:
+            raise InvalidRequestError("this model has no chat template; use --no-chat")
+        try:
+            return self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except jinja2.TemplateError as exc:
+            raise InvalidRequestError(f"chat template failed: {exc}") from exc
+
+    def encode_chat(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        # The template writes the BOS token itself where the model wants one, so the
+        # rendered text is encoded without adding special tokens (as transformers does).
+        text = self.render_chat(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_template_error
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            return env.from_string(self.chat_template or "")
+        except jinja2.TemplateError as exc:
+            raise ModelLoadError(f"the model's chat template does not parse: {exc}") from exc
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **kw: Any) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kw)
+
+
+def _raise_template_error(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+
+def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
+    """Build the tokenizer described by GGUF metadata (`tokenizer.ggml.*`)."""
+    kind = meta.get("tokenizer.ggml.model")
+    tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
+    if not tokens:
+        raise UnsupportedModelError("GGUF file has no tokenizer.ggml.tokens")
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    if kind == "gpt2":
+        backend = _gguf_bpe(meta, tokens)
+    elif kind == "llama":
+        backend = _gguf_sentencepiece(meta, tokens, types)
+    else:
+        raise UnsupportedModelError(
+            f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)"
+        )
+    specials = [
+        AddedToken(tok, special=t == _TOKEN_CONTROL, normalized=False)
+        for tok, t in zip(tokens, types, strict=False)
+        if t in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)
+    ]
+    backend.add_special_tokens([t for t in specials if t.special])
+    backend.add_tokens([t for t in specials if not t.special])
+
+    def token(key: str) -> str | None:
+        idx = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
+
+    bos, eos = token("bos"), token("eos")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+    if add_bos and bos is not None:
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))]
+        )
+    # End-of-turn tokens (Llama 3's <|eot_id|>, <|eom_id|>) also end a generation.
+    extra = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+    return Tokenizer(
+        backend,
+        bos_token=bos,
+        eos_token=eos,
+        chat_template=meta.get("tokenizer.chat_template"),
+        extra_eos_ids=[int(i) for i in extra if i is not None],
+    )
+
+
+def _gguf_bpe(meta: dict[str, Any], tokens: list[str]) -> _HFTokenizer:
+    pre = str(meta.get("tokenizer.ggml.pre", "default"))
+    regexes = PRE_TOKENIZER_REGEXES.get(pre)
+    if regexes is None:
+        raise UnsupportedModelError(
+            f"unsupported GGUF pre-tokenizer {pre!r} "
+            f"(supported: {', '.join(PRE_TOKENIZER_REGEXES)})"
+        )
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    backend = _HFTokenizer(
+        models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _IGNORE_MERGES)
+    )
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _gguf_sentencepiece(meta: dict[str, Any], tokens: list[str], types: list[int]) -> _HFTokenizer:
+    scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    unk_id = int(meta.get("tokenizer.ggml.unknown_token_id", 0))
+    mergeable = {
+        tok: score
+        for tok, score, t in zip(tokens, scores, types, strict=False)
+        if t not in (_TOKEN_CONTROL, _TOKEN_BYTE)
+    }
+    backend = _HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_merges_from_scores(vocab, mergeable),
+            unk_token=tokens[unk_id],
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    steps: list[normalizers.Normalizer] = []
+    if meta.get("tokenizer.ggml.add_space_prefix", True):
+        steps.append(normalizers.Prepend("▁"))
+    steps.append(normalizers.Replace(" ", "▁"))
+    backend.normalizer = normalizers.Sequence(steps)
+    strip = [decoders.Strip(" ", 1, 0)] if meta.get("tokenizer.ggml.add_space_prefix", True) else []
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+    )
+    return backend
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """SentencePiece BPE stores no merges: a piece is formed by merging any split of it into
+    two known pieces, and a higher piece score means an earlier merge."""
+    ranked: list[tuple[float, int, int, int, int, str, str]] = []
+    for piece, score in scores.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append(
+                    (-score, len(left), len(right), vocab[left], vocab[right], left, right)
+                )
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+# ----------------------------------------------------------------------------- HF folders
+
+
+def tokenizer_from_hf_folder(folder: Path, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{folder} has no tokenizer.json (kvlm reads fast tokenizers only)")
+    try:
+        backend = _HFTokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    config_path = folder / "tokenizer_config.json"
+    cfg = read_json(config_path) if config_path.is_file() else {}
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default") or next(iter(named.values()), None)
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        template = jinja_file.read_text(encoding="utf-8")
+    return Tokenizer(
+        backend,
+        bos_token=_token_text(cfg.get("bos_token")),
+        eos_token=_token_text(cfg.get("eos_token")),
+        chat_template=template,
+        extra_eos_ids=eos_token_ids,
+    )
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
