@@ -1,0 +1,70 @@
+"""Grouped-query self-attention over whatever the cache step hands back."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvlm.model.layers import Linear, RMSNorm, apply_rope
+
+
+class KVStep(Protocol):
+    """What attention needs from the cache for one forward (see kvlm.cache.base)."""
+
+    mask: torch.Tensor | None
+    is_causal: bool
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        layer_idx: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qkv: Linear,
+        o_proj: Linear,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.qkv = qkv
+        self.o_proj = o_proj
+        self.q_norm = q_norm
+        self.k_norm = k_norm
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVStep
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, Hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv(x).view(B, T, H + 2 * Hkv, self.head_dim)
+        qk, v = qkv.split([H + Hkv, Hkv], dim=2)  # q and k heads side by side
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+            q, k = qk.split([H, Hkv], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+        qk = apply_rope(qk, cos, sin)  # one rotation for all q and k heads
+        q, k = qk.transpose(1, 2).split([H, Hkv], dim=1)  # (B, H, T, D), (B, Hkv, T, D)
+        v = v.transpose(1, 2)  # (B, Hkv, T, D)
+        # The cache stores this step's K/V and returns everything the queries may see.
+        k_all, v_all = kv.update(self.layer_idx, k, v)  # (B, Hkv, S, D)
+        out = F.scaled_dot_product_attention(
+            q,
+            k_all,
+            v_all,
+            attn_mask=kv.mask,
+            is_causal=kv.is_causal,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # (B, H, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
