@@ -1,0 +1,58 @@
+"""Per-request timing: time to first token, decode rate, and every forward's duration."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Metrics:
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens actually computed (fewer when a prefix was cached)
+    per_forward_ms: list[float] = field(default_factory=list)
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+    _start: float = field(default_factory=time.perf_counter, repr=False)
+    _first: float | None = field(default=None, repr=False)
+    _last: float | None = field(default=None, repr=False)
+    _tokens: int = field(default=0, repr=False)
+
+    def record_forward(self, seconds: float) -> None:
+        self.per_forward_ms.append(seconds * 1000.0)
+
+    def record_token(self) -> None:
+        now = time.perf_counter()
+        if self._first is None:
+            self._first = now
+            self.ttft_ms = (now - self._start) * 1000.0
+        self._last = now
+        self._tokens += 1
+
+    def finish(self) -> None:
+        self.total_ms = (time.perf_counter() - self._start) * 1000.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first, over the time since the first (prefill excluded)."""
+        if self._tokens < 2 or self._first is None or self._last is None:
+            return 0.0
+        elapsed = self._last - self._first
+        return (self._tokens - 1) / elapsed if elapsed > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        if not self.per_forward_ms or not self.prefill_tokens:
+            return 0.0
+        return self.prefill_tokens / (self.per_forward_ms[0] / 1000.0)
+
+    def to_dict(self) -> dict:
+        return {
+            "ttft_ms": round(self.ttft_ms, 3),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
+            "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 3),
+            "prompt_tokens": self.prompt_tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "total_ms": round(self.total_ms, 3),
+            "per_forward_ms": [round(ms, 3) for ms in self.per_forward_ms],
+        }

@@ -1,0 +1,112 @@
+"""Sampling parameters (validated at the door) and the sampler that turns logits into ids."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlm.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20  # as OpenAI's API
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. `temperature=0` is greedy."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # how many top alternatives to report per token
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be >= 1")
+        _check(
+            math.isfinite(self.temperature) and self.temperature >= 0,
+            "temperature must be a finite number >= 0",
+        )
+        _check(0 < self.top_p <= 1, "top_p must be in (0, 1]")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be >= 0 (0 = off)")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            f"logprobs must be between 0 and {MAX_LOGPROBS}",
+        )
+        _check(self.seed is None or isinstance(self.seed, int), "seed must be an integer")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message)
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """The log-probability of a generated token and of the `top` most likely ones."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+    def to_dict(self) -> dict:
+        return {
+            "token_id": self.token_id,
+            "logprob": self.logprob,
+            "top": [{"token_id": t, "logprob": lp} for t, lp in self.top.items()],
+        }
+
+
+class Sampler:
+    """One request's sampler; owns its random generator so seeds are reproducible."""
+
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
+        self.params = params
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator(device=device).manual_seed(params.seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """logits (V,) fp32 -> a token id."""
+        p = self.params
+        if p.greedy:
+            return int(torch.argmax(logits))
+        x = logits / p.temperature
+        if 0 < p.top_k < x.shape[-1]:
+            kth = torch.topk(x, p.top_k).values[-1]
+            x = x.masked_fill(x < kth, -math.inf)
+        if p.top_p < 1.0:
+            x = _top_p_filter(x, p.top_p)
+        probs = torch.softmax(x, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def _top_p_filter(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches top_p."""
+    sorted_x, order = torch.sort(x, descending=True)
+    probs = torch.softmax(sorted_x, dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs  # mass strictly ahead of each token
+    drop = before >= top_p  # never drops the first (its `before` is 0)
+    return x.scatter(-1, order[drop], -math.inf)
+
+
+def token_logprob(logits: torch.Tensor, token_id: int, top: int) -> TokenLogprob:
+    """Log-probabilities of the raw model distribution (before temperature/top-k/top-p)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(logprobs, top) if top else None
+    top_map = (
+        {} if best is None else dict(zip(best.indices.tolist(), best.values.tolist(), strict=True))
+    )
+    return TokenLogprob(token_id, float(logprobs[token_id]), top_map)

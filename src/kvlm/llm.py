@@ -1,0 +1,160 @@
+"""LLM: the offline Python API, shaped like vLLM's (`LLM(...).generate(prompts, params)`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvlm.cache import CacheSpec, KVCache, create_cache
+from kvlm.dtypes import dtype_name, parse_dtype
+from kvlm.engine.chat import ChatSession
+from kvlm.engine.generate import Generation, RequestOutput
+from kvlm.engine.runner import ModelRunner
+from kvlm.engine.sampling import SamplingParams
+from kvlm.errors import InvalidRequestError
+from kvlm.loading import load_model
+from kvlm.model.transformer import Transformer
+
+# The contiguous cache preallocates this many tokens unless told otherwise (the model's
+# own limit when smaller). 4096 is llama.cpp's default context too.
+DEFAULT_MAX_CONTEXT = 4096
+
+
+class LLM:
+    """A loaded model with one cache, ready to generate.
+
+    >>> llm = LLM()                                  # the embedded SmolLM2-135M
+    >>> out = llm.generate(["The capital of France is"], SamplingParams(temperature=0))
+    >>> out[0].text
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        kv: str = "contiguous",
+        dtype: str | torch.dtype = "fp32",
+        device: str = "cpu",
+        kv_dtype: str | torch.dtype | None = None,
+        max_context: int | None = None,
+        threads: int | None = None,
+        progress: bool = True,
+    ) -> None:
+        if threads is not None:
+            if threads < 1:
+                raise InvalidRequestError("threads must be >= 1")
+            torch.set_num_threads(threads)
+        self.device = _check_device(device)
+        self.dtype = parse_dtype(dtype)
+        self.kv_dtype = parse_dtype(kv_dtype) if kv_dtype is not None else self.dtype
+        self.loaded = load_model(model)
+        self.config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        limit = self.config.max_position_embeddings
+        self.max_context = min(limit, DEFAULT_MAX_CONTEXT) if max_context is None else max_context
+        if not 0 < self.max_context <= limit:
+            raise InvalidRequestError(
+                f"max_context must be between 1 and the model's limit of {limit} tokens"
+            )
+        self.kv_mode = kv
+        self.cache = self.new_cache(kv)  # validates the mode before the slow weight load
+        self.model = Transformer(
+            self.config, self.loaded.weights, self.dtype, self.device, progress
+        )
+        self.runner = ModelRunner(self.model)
+
+    @property
+    def model_name(self) -> str:
+        return self.loaded.path.name
+
+    def new_cache(self, mode: str | None = None, batch: int = 1) -> KVCache:
+        spec = CacheSpec.for_model(
+            self.config, self.max_context, self.kv_dtype, self.device, batch=batch
+        )
+        return create_cache(mode or self.kv_mode, spec)
+
+    def encode(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
+        """Token ids of a prompt; with `chat`, wrapped in the model's chat template."""
+        if not chat:
+            return self.tokenizer.encode(prompt)
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": prompt})
+        return self.tokenizer.encode_chat(messages)
+
+    def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, prompt: str | None = None
+    ) -> Generation:
+        """A fresh request on the shared cache; iterate it for text as it is generated."""
+        self.cache.reset()
+        return Generation(
+            self.runner,
+            self.tokenizer,
+            self.cache,
+            prompt_ids,
+            params,
+            prompt=prompt,
+            vocab_size=self.config.vocab_size,
+        )
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt (raw text, no chat template; see `chat`)."""
+        params = sampling_params or SamplingParams()
+        if (prompts is None) == (prompt_token_ids is None):
+            raise InvalidRequestError("pass exactly one of prompts or prompt_token_ids")
+        if prompts is not None:
+            texts = [prompts] if isinstance(prompts, str) else list(prompts)
+            requests = [(t, self.tokenizer.encode(t)) for t in texts]
+        else:
+            requests = [(None, list(ids)) for ids in prompt_token_ids or []]
+        return [self.stream(ids, params, prompt=text).run() for text, ids in requests]
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        sampling_params: SamplingParams | None = None,
+    ) -> RequestOutput:
+        ids = self.tokenizer.encode_chat(messages)
+        return self.stream(ids, sampling_params or SamplingParams()).run()
+
+    def chat_session(self, params: SamplingParams, system: str | None = None) -> ChatSession:
+        """A multi-turn conversation that prefills only each turn's new tokens."""
+        return ChatSession(
+            self.runner,
+            self.tokenizer,
+            self.cache,
+            params,
+            system=system,
+            vocab_size=self.config.vocab_size,
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "model": self.model_name,
+            "kv_mode": self.kv_mode,
+            "dtype": dtype_name(self.dtype),
+            "kv_dtype": dtype_name(self.kv_dtype),
+            "max_context": self.max_context,
+            "device": str(self.device),
+        }
+
+
+def _check_device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise InvalidRequestError(f"unknown device {device!r}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError("device 'cuda' requested but no CUDA GPU is available")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise InvalidRequestError("device 'mps' requested but MPS is not available")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise InvalidRequestError(f"unsupported device {device!r} (cpu, cuda, mps)")
+    return dev
