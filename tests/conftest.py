@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from helpers import save_tiny_model
+
+torch.set_num_threads(2)
+
+# (architecture, seed, config overrides): one tiny random model per family and variant.
+TINY_MODELS = {
+    "llama": ("llama", 0, {}),
+    "mistral": ("mistral", 1, {}),
+    "qwen2": ("qwen2", 2, {}),
+    "qwen3": ("qwen3", 3, {}),
+    # variants exercising less common code paths
+    "llama-bias": ("llama", 4, {"attention_bias": True}),
+    "llama3-rope": (
+        "llama",
+        5,
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
+    ),
+    "mistral-window": ("mistral", 6, {"sliding_window": 8}),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: name in TINY_MODELS -> folder with config, safetensors and tokenizer."""
+    made: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in made:
+            arch, seed, overrides = TINY_MODELS[name]
+            made[name] = save_tiny_model(
+                tmp_path_factory.mktemp(name), arch, seed=seed, **overrides
+            )
+        return made[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    from kvlm import LLM
+
+    return LLM(progress=False, max_context=1024)
+
+
+@pytest.fixture(scope="session")
+def hf_default():
+    """transformers loading the same GGUF, fp32: the reference for the real model."""
+    from transformers import AutoModelForCausalLM
+
+    from kvlm.loading.default import default_model_path
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()

@@ -1,0 +1,413 @@
+"""Builders shared by the tests: tiny tokenizers and models, GGUF writing, agreement rules."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "What is the capital of France? The capital of France is Paris.",
+    "A KV cache stores keys and values so decoding does not recompute them.",
+    "Numbers like 12345 and 3.14159 appear in text, as do emojis and accents: café.",
+    "def add(a, b):\n    return a + b\n",
+] * 20
+
+
+def train_tiny_tokenizer(vocab_size: int = 320):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+def tiny_config(arch: str, vocab_size: int, **overrides):
+    """A small random-weight config of each supported family (transformers classes)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        # Peaked distributions, so greedy decoding is a real test of the cache path
+        # rather than a coin toss between near-equal logits.
+        initializer_range=0.2,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
+    if arch == "llama":
+        cfg = LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0)
+    elif arch == "mistral":
+        cfg = MistralConfig(**common, sliding_window=None, rope_theta=10000.0)
+    elif arch == "qwen2":
+        cfg = Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)
+    elif arch == "qwen3":
+        # head_dim 32 != hidden/heads: Qwen3 sets head_dim explicitly.
+        cfg = Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    else:
+        raise ValueError(arch)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def save_tiny_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:
+    """Random-weight HF model + tokenizer files in `folder`; returns the folder."""
+    from transformers import AutoModelForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = train_tiny_tokenizer()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHATML})
+    )
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, tok.get_vocab_size(), **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _bump_norm_and_biases(model, seed)
+    model.save_pretrained(folder)
+    return folder
+
+
+def _bump_norm_and_biases(model, seed: int) -> None:
+    """HF initialises norms to 1 and biases to 0; randomise them so a loader that drops or
+    misplaces one fails the comparison."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def load_hf(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt_ids: Sequence[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """HF generate, greedy, exactly n tokens (EOS disabled); returns ids and per-step logits."""
+    out = model.generate(
+        torch.tensor([list(prompt_ids)]),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    ids = out.sequences[0, len(prompt_ids) :].tolist()
+    return ids, torch.stack([lg[0].float() for lg in out.logits])
+
+
+def assert_greedy_agreement(
+    ours: Sequence[int],
+    our_top: Sequence[Sequence[int]],
+    ref: Sequence[int],
+    ref_logits: torch.Tensor,
+    k: int = 5,
+) -> int | None:
+    """Tokens identical until the first divergence; there, each side's token must be in
+    the other side's top-k. Returns the divergence index (None when all equal)."""
+    assert len(ours) == len(ref), (len(ours), len(ref))
+    for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        if a != b:
+            ref_top = torch.topk(ref_logits[i], k).indices.tolist()
+            assert a in ref_top, f"step {i}: ours {a} not in reference top-{k} {ref_top}"
+            assert b in list(our_top[i])[:k], f"step {i}: ref {b} not in our top-{k} {our_top[i]}"
+            return i
+    return None
+
+
+# ---------------------------------------------------------------------------- GGUF writing
+
+
+def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation (the inverse of what kvlm undoes)."""
+    return (
+        w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+_GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    parts = hf.split(".")  # model.layers.N.<module...>.weight
+    module = ".".join(parts[3:-1])
+    return f"blk.{parts[2]}.{_GGUF_NAMES[module]}.{parts[-1]}"
+
+
+def write_gguf_from_hf(
+    folder: Path,
+    out: Path,
+    quant=None,
+    arch: str = "llama",
+    extra_tensors: dict[str, tuple[np.ndarray, object]] | None = None,
+) -> Path:
+    """Write an HF tiny model as a GGUF the way llama.cpp's converter would.
+
+    `quant` (a GGMLQuantizationType) applies to 2-D weights whose rows fit its block size;
+    norms stay F32, as llama.cpp keeps them.
+    """
+    import gguf
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+
+    cfg = json.loads((folder / "config.json").read_text())
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    _add_tokenizer(w, Tokenizer.from_file(str(folder / "tokenizer.json")))
+    replace = dict(extra_tensors or {})  # GGUF name -> (array or packed bytes, type)
+    for name, t in tensors.items():
+        arr = t.float().numpy()
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            arr = permute_qk(arr, heads)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            arr = permute_qk(arr, kv_heads)
+        if gguf_name(name) in replace:
+            continue
+        _add_tensor(w, gguf_name(name), arr, quant)
+    for name, (arr, qtype) in replace.items():
+        _add_tensor(w, name, arr, qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _add_tensor(w, name: str, arr: np.ndarray, quant) -> None:
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    if arr.dtype == np.uint8:  # pre-packed raw blocks (rows, bytes)
+        w.add_tensor(name, arr, raw_shape=arr.shape, raw_dtype=quant)
+        return
+    block = gguf.GGML_QUANT_SIZES[quant][0] if quant is not None else 1
+    if quant is None or quant == Q.F32 or arr.ndim != 2 or arr.shape[1] % block:
+        w.add_tensor(name, arr.astype(np.float32))
+        return
+    data = gguf.quants.quantize(arr.astype(np.float32), quant)
+    w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=quant)
+
+
+def _add_tokenizer(w, tok) -> None:
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    specials = {a["content"] for a in data["added_tokens"] if a["special"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in specials else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(vocab["<s>"])
+    w.add_eos_token_id(vocab["</s>"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+
+
+# ------------------------------------------- reference block decoders (ggml's C layouts)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return b.copy().view(np.float16).astype(np.float32)
+
+
+def ref_dequant_rows(raw: np.ndarray, qtype_name: str) -> np.ndarray:
+    """Decode (rows, bytes) blocks written in ggml's layout, independently of gguf-py."""
+    return np.stack([_ref_row(row, qtype_name) for row in raw])
+
+
+def _ref_row(row: np.ndarray, kind: str) -> np.ndarray:
+    size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}[kind]
+    out = []
+    for blk in row.reshape(-1, size):
+        if kind == "Q8_0":  # d, qs[32] int8
+            out.append(_f16(blk[0:2]) * blk[2:].view(np.int8).astype(np.float32))
+        elif kind == "Q4_0":  # d, qs[16]: low nibbles are 0..15, high nibbles 16..31
+            d, qs = _f16(blk[0:2]), blk[2:].astype(np.int32)
+            out.append(d * (np.concatenate([qs & 15, qs >> 4]) - 8))
+        elif kind == "Q4_1":  # d, m, qs[16]
+            d, m, qs = _f16(blk[0:2]), _f16(blk[2:4]), blk[4:].astype(np.int32)
+            out.append(d * np.concatenate([qs & 15, qs >> 4]) + m)
+        elif kind == "Q4_K":  # d, dmin, scales[12], qs[128]
+            d, dmin = _f16(blk[0:2]), _f16(blk[2:4])
+            sc, mn = _unpack_k4_scales(blk[4:16].astype(np.int32))
+            qs = blk[16:].astype(np.int32).reshape(4, 32)
+            codes = np.concatenate([np.concatenate([q & 15, q >> 4]) for q in qs])
+            out.append(d * sc.repeat(32) * codes - dmin * mn.repeat(32))
+        else:  # Q6_K: ql[128], qh[64], scales[16] int8, d
+            ql, qh = blk[:128].astype(np.int32), blk[128:192].astype(np.int32)
+            scales = blk[192:208].view(np.int8).astype(np.float32)
+            d = _f16(blk[208:210])
+            codes = np.empty(256, np.int32)
+            for n in range(2):
+                lo, hi = ql[64 * n : 64 * n + 64], qh[32 * n : 32 * n + 32]
+                for g, (nib, shift) in enumerate(
+                    [(lo[:32] & 15, 0), (lo[32:] & 15, 2), (lo[:32] >> 4, 4), (lo[32:] >> 4, 6)]
+                ):
+                    codes[128 * n + 32 * g : 128 * n + 32 * g + 32] = nib | (
+                        ((hi >> shift) & 3) << 4
+                    )
+            out.append(d * scales.repeat(16) * (codes - 32))
+    return np.concatenate(out).astype(np.float32)
+
+
+def _unpack_k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    sc = np.array(
+        [s[j] & 63 if j < 4 else (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4) for j in range(8)]
+    )
+    mn = np.array(
+        [s[j + 4] & 63 if j < 4 else (s[j + 4] >> 4) | ((s[j] >> 6) << 4) for j in range(8)]
+    )
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def pack_q6_k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q6_K blocks (rows, cols/256*210) from random 6-bit codes and scales."""
+    blocks = []
+    for _ in range(rows * cols // 256):
+        c = rng.integers(0, 64, 256)
+        ql, qh = np.zeros(128, np.uint8), np.zeros(64, np.uint8)
+        for n in range(2):
+            for lane in range(32):
+                c1, c2, c3, c4 = (c[128 * n + 32 * g + lane] for g in range(4))
+                ql[64 * n + lane] = (c1 & 15) | ((c3 & 15) << 4)
+                ql[64 * n + lane + 32] = (c2 & 15) | ((c4 & 15) << 4)
+                qh[32 * n + lane] = (
+                    (c1 >> 4) | ((c2 >> 4) << 2) | ((c3 >> 4) << 4) | ((c4 >> 4) << 6)
+                )
+        scales = rng.integers(-60, 60, 16).astype(np.int8).view(np.uint8)
+        d = np.array([rng.uniform(0.001, 0.01)], np.float16).view(np.uint8)
+        blocks.append(np.concatenate([ql, qh, scales, d]))
+    return np.concatenate(blocks).reshape(rows, -1)
+
+
+def pack_q4_k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q4_K blocks (rows, cols/256*144): 4-bit codes, 6-bit scales and mins."""
+    blocks = []
+    for _ in range(rows * cols // 256):
+        c = rng.integers(0, 16, 256)
+        sc, mn = rng.integers(0, 64, 8), rng.integers(0, 64, 8)
+        s = np.zeros(12, np.int64)
+        for j in range(4):
+            s[j] = (sc[j] & 63) | ((sc[j + 4] >> 4) << 6)
+            s[j + 4] = (mn[j] & 63) | ((mn[j + 4] >> 4) << 6)
+            s[j + 8] = (sc[j + 4] & 15) | ((mn[j + 4] & 15) << 4)
+        qs = np.concatenate(
+            [c[64 * j : 64 * j + 32] | (c[64 * j + 32 : 64 * j + 64] << 4) for j in range(4)]
+        )
+        d = np.array([rng.uniform(0.001, 0.01), rng.uniform(0.001, 0.01)], np.float16).view(
+            np.uint8
+        )
+        blocks.append(np.concatenate([d, s.astype(np.uint8), qs.astype(np.uint8)]))
+    return np.concatenate(blocks).reshape(rows, -1)
+
+
+def write_spm_gguf(path: Path) -> Path:
+    """A metadata-only GGUF with a SentencePiece-style vocabulary (`tokenizer.ggml.model`
+    = llama): byte tokens <0x00>.., pieces with '▁', scores ranking the merges."""
+    import gguf
+    from tokenizers import SentencePieceBPETokenizer
+
+    sp = SentencePieceBPETokenizer()
+    sp.train_from_iterator(
+        CORPUS, vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
+    data = json.loads(sp.to_str())
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    rank = {m.replace(" ", ""): i for i, m in enumerate(merges)}
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    scores = [0.0] * len(tokens)
+    for piece, _ in sorted(data["model"]["vocab"].items(), key=lambda kv: kv[1]):
+        if piece not in tokens:
+            tokens.append(piece)
+            types.append(1)
+            scores.append(-float(rank[piece] + 1) if piece in rank else 0.0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,0 +1,147 @@
+"""The real embedded model (SmolLM2-135M, Q4_1 GGUF) against transformers, and the cache
+modes against each other."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import assert_greedy_agreement, hf_greedy
+from kvlm import SamplingParams
+from kvlm.engine.generate import Generation
+from kvlm.errors import CacheOverflowError
+
+pytestmark = pytest.mark.slow
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence what a KV cache does in a language model.",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
+
+
+def run(llm, ids, params=GREEDY, kv="contiguous"):
+    llm.cache = llm.new_cache(kv)
+    return llm.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+
+
+@pytest.mark.parametrize("prompt", CHAT_PROMPTS)
+def test_32_greedy_tokens_match_transformers(default_llm, hf_default, prompt):
+    ids = default_llm.encode(prompt, chat=True)
+    ref_ids, ref_logits = hf_greedy(hf_default, ids, 32)
+    out = run(default_llm, ids)
+    assert_greedy_agreement(
+        out.token_ids, [list(lp.top) for lp in out.logprobs], ref_ids, ref_logits
+    )
+
+
+def test_first_answer_is_right(default_llm):
+    ids = default_llm.encode(CHAT_PROMPTS[0], chat=True)
+    out = run(default_llm, ids, SamplingParams(temperature=0, max_tokens=32))
+    assert out.text == "The capital of France is Paris."
+    assert out.finish_reason == "stop"  # ended on <|im_end|>, which the text does not show
+    assert out.token_ids[-1] in default_llm.tokenizer.eos_token_ids
+
+
+def test_cache_modes_give_identical_tokens(default_llm):
+    ids = default_llm.encode(CHAT_PROMPTS[1], chat=True)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    outs = {
+        kv: run(default_llm, ids, params, kv).token_ids for kv in ("off", "basic", "contiguous")
+    }
+    assert outs["off"] == outs["basic"] == outs["contiguous"]
+    assert len(outs["off"]) == 48
+
+
+@pytest.mark.parametrize("kv", ["contiguous", "basic"])
+@pytest.mark.parametrize("back", [1, 5, 20])
+def test_rollback_then_regenerate_is_identical(default_llm, kv, back):
+    ids = default_llm.encode(CHAT_PROMPTS[2], chat=True)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    first = run(default_llm, ids, params, kv).token_ids
+    cache = default_llm.cache  # holds prompt + first[:-1]
+    assert cache.num_tokens == len(ids) + 31
+    cache.rollback(back)
+    resume = ids + first[: 32 - back]  # the cache holds all but the last of these
+    again = Generation(
+        default_llm.runner,
+        default_llm.tokenizer,
+        cache,
+        resume,
+        SamplingParams(temperature=0, max_tokens=back, ignore_eos=True),
+    ).run()
+    assert again.token_ids == first[32 - back :]
+    assert again.metrics.prefill_tokens == 1  # only the one token past the kept prefix
+
+
+def test_prompt_longer_than_the_cache_is_refused_and_nothing_is_written(default_llm):
+    default_llm.cache = default_llm.new_cache("contiguous")
+    run(default_llm, default_llm.encode("hello", chat=True), kv="contiguous")
+    cache = default_llm.cache
+    before = cache.buffer.clone()
+    too_long = default_llm.encode("word " * (default_llm.max_context + 10))
+    with pytest.raises(CacheOverflowError, match=f"at most {default_llm.max_context}"):
+        default_llm.stream(too_long, GREEDY).run()
+    assert torch.equal(cache.buffer, before)
+    ok = default_llm.generate(
+        ["The capital of France is"], SamplingParams(temperature=0, max_tokens=4)
+    )
+    assert len(ok[0].token_ids) == 4  # and the engine carries on
+
+
+def test_generation_stops_when_the_context_is_full(default_llm):
+    """max_tokens past the cache's end: the request ends with 'length', no error."""
+    from kvlm import LLM
+
+    small = LLM(max_context=40, progress=False)
+    ids = small.encode("Tell me a long story.", chat=True)
+    out = small.stream(ids, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)).run()
+    assert out.finish_reason == "length"
+    assert len(ids) + len(out.token_ids) == 41  # 40 in the cache + the last sampled token
+
+
+def test_bf16_cache_agrees_with_fp32(default_llm):
+    from kvlm.cache import CacheSpec, create_cache
+
+    ids = default_llm.encode(CHAT_PROMPTS[0], chat=True)
+    fp32 = run(default_llm, ids)
+    spec = CacheSpec.for_model(default_llm.config, 256, dtype=torch.bfloat16)
+    default_llm.cache = create_cache("contiguous", spec)
+    bf16 = default_llm.stream(ids, GREEDY).run()
+    tops = [list(lp.top) for lp in fp32.logprobs]
+    ref_logits = torch.full((32, default_llm.config.vocab_size), -1e9)
+    for i, lp in enumerate(bf16.logprobs):
+        for tok, val in lp.top.items():
+            ref_logits[i, tok] = val
+    assert_greedy_agreement(fp32.token_ids, tops, bf16.token_ids, ref_logits)
+    assert default_llm.cache.nbytes == spec.bytes_per_token * 256
+
+
+def test_metrics_are_recorded(default_llm):
+    out = run(default_llm, default_llm.encode("Hi", chat=True))
+    m = out.metrics
+    assert len(m.per_forward_ms) == len(out.token_ids) == 32
+    assert m.ttft_ms > 0 and m.decode_tokens_per_s > 0 and m.total_ms >= m.ttft_ms
+    assert m.prefill_tokens == m.prompt_tokens == len(out.prompt_token_ids)
+
+
+def test_chat_session_reuses_its_cache(default_llm):
+    default_llm.cache = default_llm.new_cache("contiguous")
+    params = SamplingParams(temperature=0, max_tokens=24)
+    session = default_llm.chat_session(params)
+    first = session.send("What is the capital of France?").run()
+    second_turn = session.send("And of Germany?")
+    second = second_turn.run()
+    m = second.metrics
+    assert m.prompt_tokens - m.prefill_tokens >= len(first.prompt_token_ids)  # turn 1 reused
+    assert m.prefill_tokens < 20
+    # The same conversation from scratch gives the same reply.
+    history = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "And of Germany?"},
+    ]
+    fresh = default_llm.chat(history, params)
+    assert second.token_ids == fresh.token_ids
+    assert second.prompt_token_ids == fresh.prompt_token_ids

@@ -1,0 +1,123 @@
+"""SamplingParams validation, the sampler, logprobs and stop strings."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvlm.engine.generate import StopText
+from kvlm.engine.sampling import Sampler, SamplingParams, _top_p_filter, token_logprob
+from kvlm.errors import InvalidRequestError
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_tokens": 0},
+        {"max_tokens": -5},
+        {"temperature": -0.1},
+        {"temperature": math.nan},
+        {"temperature": math.inf},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"top_k": -1},
+        {"logprobs": 21},
+        {"logprobs": -1},
+        {"stop": [""]},
+        {"seed": "abc"},
+    ],
+)
+def test_absurd_values_are_refused(kwargs):
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kwargs)
+
+
+def test_a_single_stop_string_is_accepted():
+    assert SamplingParams(stop="END").stop == ["END"]
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    assert Sampler(SamplingParams(temperature=0))(logits) == 1
+
+
+def test_seed_makes_sampling_reproducible():
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=1.0, seed=1234)
+    s1, s2 = Sampler(params), Sampler(params)
+    a = [s1(logits) for _ in range(20)]
+    b = [s2(logits) for _ in range(20)]
+    assert a == b
+    assert len(set(a)) > 1  # it did sample, not argmax
+
+
+def test_top_k_keeps_only_the_k_best():
+    logits = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0, 0.0])
+    sampler = Sampler(SamplingParams(temperature=5.0, top_k=2, seed=0))
+    assert {sampler(logits) for _ in range(200)} == {0, 1}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    # probabilities 0.5, 0.25, 0.125, 0.125
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.125, 0.125]))
+    kept = torch.isfinite(_top_p_filter(logits, 0.7))
+    assert kept.tolist() == [True, True, False, False]
+    kept = torch.isfinite(_top_p_filter(logits, 0.5))
+    assert kept.tolist() == [True, False, False, False]
+    kept = torch.isfinite(_top_p_filter(logits, 0.01))
+    assert kept.tolist() == [True, False, False, False]  # never empty
+    sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.7, seed=0))
+    assert {sampler(logits) for _ in range(300)} == {0, 1}
+
+
+def test_logprobs_of_the_raw_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.0])
+    lp = token_logprob(logits, 1, top=2)
+    expected = torch.log_softmax(logits, -1)
+    assert lp.token_id == 1
+    assert lp.logprob == pytest.approx(float(expected[1]))
+    assert list(lp.top) == [0, 1]
+    assert lp.top[0] == pytest.approx(float(expected[0]))
+    assert token_logprob(logits, 2, top=0).top == {}
+
+
+def stream(stops, pieces):
+    st = StopText(stops)
+    shown = [st.push(p) for p in pieces]
+    shown.append(st.flush())
+    return "".join(shown), st
+
+
+def test_stop_string_cuts_the_text():
+    shown, st = stream(["\n\n"], ["Paris", ".", "\n", "\n", "More"])
+    assert st.stopped
+    assert st.text == "Paris."
+    assert shown == "Paris."
+
+
+def test_stop_string_split_across_tokens_is_never_shown():
+    st = StopText(["STOP"])
+    assert st.push("abc ST") == "abc "  # "ST" might start "STOP": held back
+    assert st.push("O") == ""
+    assert st.push("P tail") == ""
+    assert st.stopped and st.text == "abc "
+
+
+def test_held_back_text_is_released_when_it_cannot_be_a_stop():
+    st = StopText(["STOP"])
+    assert st.push("abc ST") == "abc "
+    assert st.push("ray") == "STray"
+    assert not st.stopped
+    assert st.flush() == ""
+
+
+def test_earliest_of_several_stops_wins():
+    _, st = stream(["world", "lo"], ["hello world"])
+    assert st.text == "hel"
+
+
+def test_no_stops_streams_everything():
+    shown, st = stream([], ["a", "b"])
+    assert shown == "ab" and not st.stopped
