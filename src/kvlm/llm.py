@@ -16,6 +16,7 @@ from kvlm.engine.runner import ModelRunner
 from kvlm.engine.sampling import SamplingParams
 from kvlm.errors import InvalidRequestError
 from kvlm.loading import load_model
+from kvlm.model.blas import set_blas_threads
 from kvlm.model.transformer import Transformer
 
 # The contiguous cache preallocates this many tokens unless told otherwise (the model's
@@ -46,6 +47,7 @@ class LLM:
             if threads < 1:
                 raise InvalidRequestError("threads must be >= 1")
             torch.set_num_threads(threads)
+            set_blas_threads(threads)
         self.device = _check_device(device)
         self.dtype = parse_dtype(dtype)
         self.kv_dtype = parse_dtype(kv_dtype) if kv_dtype is not None else self.dtype

@@ -23,7 +23,8 @@ class ModelRunner:
         """
         step = cache.begin(len(token_ids))  # raises on overflow before any write
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        logits = self.model(ids.expand(cache.spec.batch, -1), step.positions, step)
+        with self.model.step_context(cache.spec.batch * len(token_ids)):
+            logits = self.model(ids.expand(cache.spec.batch, -1), step.positions, step)
         cache.commit(step)
         return logits[0, -1]
 

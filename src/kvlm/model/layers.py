@@ -9,15 +9,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlm.config import ModelConfig
+from kvlm.model.blas import openblas_available
 
 
 class Linear(nn.Module):
     """y = x @ W^T + b, from a Hugging Face weight [out, in].
 
-    On CPU in fp32 the weight is stored transposed, [in, out]: MKL's one-row GEMM reads
-    that layout about 1.7x faster than `F.linear`'s (measured on this project's 2-core
-    machine, 1728x576: 217 us vs 365 us). Decode is one row per step, so this is most of
-    the forward. Other dtypes and devices keep [out, in] and use `F.linear`.
+    On CPU in fp32 the weight is stored transposed, [in, out]: MKL's GEMM reads that layout
+    about 1.7x faster than `F.linear`'s for a few rows (1728x576: 217 us vs 365 us on this
+    project's 2-core machine), and one row (a decode step) goes to OpenBLAS through a numpy
+    view of the same memory (see kvlm.model.blas). Other dtypes and devices keep [out, in]
+    and use `F.linear`.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -28,12 +30,20 @@ class Linear(nn.Module):
         w = weight.t().contiguous() if self.transposed else weight.contiguous()
         self.register_buffer("weight", w, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
+        self._blas = w.numpy() if self.transposed and openblas_available() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._blas is not None and x.numel() == self.in_features:  # one row: OpenBLAS
+            y = torch.from_numpy(x.reshape(1, -1).numpy() @ self._blas).view(*x.shape[:-1], -1)
+            return y if self.bias is None else y + self.bias
         if self.transposed:
             y = torch.matmul(x, self.weight)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
+
+    @property
+    def uses_blas(self) -> bool:
+        return self._blas is not None
 
     def weight_as_rows(self) -> torch.Tensor:
         """The weight as [out, in] (a view when stored transposed): an embedding table."""

@@ -7,6 +7,7 @@ tokens are fed, at which positions, and which cache step they attend through.
 from __future__ import annotations
 
 import sys
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
@@ -16,6 +17,7 @@ from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError
 from kvlm.loading.weights import WeightSource
 from kvlm.model.attention import Attention, KVStep
+from kvlm.model.blas import one_torch_thread
 from kvlm.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding
 
 
@@ -60,6 +62,12 @@ class Transformer(nn.Module):
                 self._embed_table = embed
             freq_factors = loader.take_raw("rope_freqs.weight")
         self.rope = RotaryEmbedding(config, self.device, freq_factors)
+
+    def step_context(self, rows: int) -> AbstractContextManager:
+        """Thread arrangement for a forward of `rows` token rows (see kvlm.model.blas)."""
+        if rows == 1 and self.lm_head.uses_blas:
+            return one_torch_thread()
+        return nullcontext()
 
     @property
     def embed_table(self) -> torch.Tensor:
