@@ -130,6 +130,7 @@ def per_forward(args, llm: LLM) -> dict:
     ids = llm.encode("Tell me a long story about a lighthouse keeper.", chat=True)
     curves = {}
     for mode in args.modes:
+        time.sleep(IDLE_S)
         llm.cache = llm.new_cache(mode)
         params = SamplingParams(temperature=0, max_tokens=args.curve_tokens, ignore_eos=True)
         out = llm.stream(ids, params).run()

@@ -73,3 +73,26 @@ def test_sliding_window_is_applied(tiny_model_dir):
 
     unwindowed = create_cache("off", replace(llm.cache.spec, sliding_window=None))
     assert not torch.allclose(llm.runner.logits(ids, unwindowed), ref, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_low_precision_matches_hf_at_the_same_dtype(tiny_model_dir, dtype):
+    """kvlm in bf16/fp16 (oneDNN-packed or F.linear weights) against HF in the same dtype."""
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    folder = tiny_model_dir("llama")
+    llm = LLM(model=folder, dtype=dtype, progress=False)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).eval()
+    ids = llm.tokenizer.encode(PROMPT)
+    ours = llm.runner.logits(ids, llm.new_cache("off"))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    scale = ref.abs().max()
+    assert (ours - ref).abs().max() < 0.03 * scale
+    ref_ids, ref_logits = hf_greedy(hf, ids, 16)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    out = llm.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    assert_greedy_agreement(
+        out.token_ids, [list(lp.top) for lp in out.logprobs], ref_ids, ref_logits
+    )

@@ -11,6 +11,12 @@ OpenBLAS's pthreads both spinning, the same step took 264 ms. So while a one-row
 runs, torch drops to one thread (its remaining ops are tiny at one row) and OpenBLAS owns
 the cores; multi-row steps (prefill) keep torch's threads and MKL.
 
+OpenBLAS's workers spin for about 0.1 s after a call (OPENBLAS_THREAD_TIMEOUT, 2^28
+cycles), so a multi-row forward that starts right after a one-row one shares the cores
+for that moment: a 40-token prefill took ~200 ms instead of ~150 ms. Making them sleep at
+once (timeout 2^4) removes that but costs every decode step 3-12 ms (five alternating
+runs), so the default stays.
+
 Used only where it wins: CPU, fp32, numpy linked against OpenBLAS. KVLM_CPU_BLAS=torch
 turns it off.
 """

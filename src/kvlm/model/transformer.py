@@ -56,7 +56,8 @@ class Transformer(nn.Module):
             embed = loader.take("model.embed_tokens.weight")
             if config.tie_word_embeddings or not loader.has("lm_head.weight"):
                 self.lm_head = Linear(embed)
-                self._embed_table = None  # embeddings read the lm_head weight (tied)
+                # Tied: read embeddings out of lm_head's weight unless it is packed.
+                self._embed_table = None if self.lm_head.rows() is not None else embed
             else:
                 self.lm_head = Linear(loader.take("lm_head.weight"))
                 self._embed_table = embed
@@ -73,7 +74,7 @@ class Transformer(nn.Module):
     def embed_table(self) -> torch.Tensor:
         """(V, H); a strided view of lm_head's weight when the embeddings are tied."""
         table = self._embed_table
-        return self.lm_head.weight_as_rows() if table is None else table
+        return self.lm_head.rows() if table is None else table
 
     def forward(
         self,

@@ -1,0 +1,49 @@
+"""Linear kernels against F.linear, per dtype and row count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvlm.model.layers import Linear, _onednn_bf16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_f_linear(dtype, rows, with_bias):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 32, generator=g).to(dtype)
+    b = torch.randn(48, generator=g).to(dtype) if with_bias else None
+    x = torch.randn(2, rows, 32, generator=g).to(dtype)[:1]  # (1, rows, 32)
+    lin = Linear(w, b)
+    with torch.inference_mode():
+        got = lin(x)
+    expected = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.shape == (1, rows, 48) and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
+
+
+def test_kernel_choice_and_rows_view():
+    w = torch.randn(16, 8)
+    fp32 = Linear(w)
+    assert fp32.kernel == "cpu-fp32" and fp32.weight.shape == (8, 16)
+    assert torch.equal(fp32.rows(), w)  # a view of the transposed storage
+    fp16 = Linear(w.half())
+    assert fp16.kernel == "torch" and torch.equal(fp16.rows(), w.half())
+    bf16 = Linear(w.bfloat16())
+    if _onednn_bf16():
+        assert bf16.kernel == "onednn" and bf16.rows() is None
+        x = torch.randn(1, 8).bfloat16()
+        assert torch.equal(bf16(x), F.linear(x, w.bfloat16()))  # packed, bitwise the same
+    else:
+        assert bf16.kernel == "torch"
+
+
+def test_one_row_fp32_takes_the_blas_path_when_available():
+    from kvlm.model.blas import openblas_available
+
+    lin = Linear(torch.randn(16, 8))
+    assert lin.uses_blas == openblas_available()
