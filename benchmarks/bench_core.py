@@ -158,18 +158,20 @@ def markdown(result: dict) -> str:
         "",
     ]
     curves = result["per_forward"]["per_forward_ms"]
-    steps = [1, 2, 16, 64, 128, 192, 256]
-    steps = [s for s in steps if all(s <= len(v) for v in curves.values())]
+    steps = [s for s in (16, 64, 128, 192, 256) if all(s <= len(v) for v in curves.values())]
     lines += [
-        f"Per-forward ms at generated token n (prompt {result['per_forward']['prompt_tokens']} "
-        "tokens; n=1 is the prefill):",
+        f"Per-forward ms around generated token n (median of n-4..n+4; prompt "
+        f"{result['per_forward']['prompt_tokens']} tokens, whose prefill is forward 1):",
         "",
-        "| kv mode | " + " | ".join(f"n={s}" for s in steps) + " | last/second |",
-        "| --- | " + " | ".join("---:" for _ in steps) + " | ---: |",
+        "| kv mode | prefill | " + " | ".join(f"n={s}" for s in steps) + " | n=256 / n=16 |",
+        "| --- | ---: | " + " | ".join("---:" for _ in steps) + " | ---: |",
     ]
     for mode, ms in curves.items():
-        cells = " | ".join(f"{ms[s - 1]:.1f}" for s in steps)
-        lines.append(f"| {mode} | {cells} | {ms[-1] / ms[1]:.2f}x |")
+        around = {s: statistics.median(ms[max(1, s - 5) : s + 4]) for s in steps}
+        cells = " | ".join(f"{around[s]:.1f}" for s in steps)
+        lines.append(
+            f"| {mode} | {ms[0]:.0f} | {cells} | {around[steps[-1]] / around[steps[0]]:.2f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -184,7 +186,11 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["off", "basic", "contiguous"])
     ap.add_argument("--skip-curve", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("bench-out/core.json"))
+    ap.add_argument("--report", type=Path, help="only print the tables of an earlier --out")
     args = ap.parse_args()
+    if args.report:
+        print(markdown(json.loads(args.report.read_text())))
+        return
 
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM

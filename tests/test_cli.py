@@ -135,3 +135,13 @@ def test_inspect(capsys, tiny_gguf):
 def test_cuda_without_a_gpu_is_a_clear_error(capsys, tiny_gguf):
     code, _, err = run_cli(capsys, "generate", "hi", "--model", str(tiny_gguf), "--device", "cuda")
     assert code == 2 and "no CUDA GPU is available" in err
+
+
+def test_help_names_every_cache_mode_and_skips_torch():
+    from kvlm.cache import CACHE_MODES
+    from kvlm.cli import KV_HELP
+
+    assert all(mode in KV_HELP for mode in CACHE_MODES)
+    code = "import sys, kvlm.cli; kvlm.cli.build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

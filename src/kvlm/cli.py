@@ -8,10 +8,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvlm.cache import CACHE_MODES
 from kvlm.errors import KvlmError
 
 EXIT_USER_ERROR = 2
+# Spelled out rather than imported from kvlm.cache, which pulls in torch: `kvlm --help`
+# stays instant. tests/test_cli.py checks it names every mode the factory knows.
+KV_HELP = "cache mode: off, basic, contiguous (default)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="GGUF file, HF folder or Hub id (default: SmolLM2-135M)")
-    p.add_argument("--kv", default="contiguous", help=f"cache mode: {', '.join(CACHE_MODES)}")
+    p.add_argument("--kv", default="contiguous", help=KV_HELP)
     p.add_argument("--dtype", default="fp32", help="compute dtype: fp32, bf16, fp16")
     p.add_argument("--kv-dtype", default=None, help="cache dtype (default: --dtype)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
@@ -85,7 +87,7 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from kvlm.llm import LLM  # torch import is slow: keep `kvlm --help` instant
+    from kvlm.llm import LLM  # imports torch: only once a command runs
 
     return LLM(
         model=args.model,

@@ -2,20 +2,21 @@
 
 Why not torch's: torch sends fp32 GEMM to MKL, whose one-row path runs on a single core
 (and MKL takes slow code paths on AMD CPUs). OpenBLAS's sgemv spreads over every core and
-reads weights near memory bandwidth. On this project's 2-core EPYC, one decode step of
-SmolLM2-135M in fp32 took 40 ms through MKL and 33 ms through OpenBLAS (576x3072 weight:
-366 us vs 215 us; the 576x49152 lm_head: 4.8 ms vs 2.3 ms).
+reads weights near memory bandwidth. On this project's 2-core EPYC one decode row through
+a 576x3072 weight took 373 us with MKL and 226 us with OpenBLAS, the 576x49152 lm_head
+5.0 ms and 3.2 ms (benchmarks/bench_kernels.py; docs/BENCHMARKS.md).
 
 The trap: two thread pools on the same cores fight. With torch's OpenMP threads and
-OpenBLAS's pthreads both spinning, the same step took 264 ms. So while a one-row step
+OpenBLAS's pthreads both spinning, a decode step takes several times as long (the
+"torch left at all threads" row of benchmarks/bench_kernels.py). So while a one-row step
 runs, torch drops to one thread (its remaining ops are tiny at one row) and OpenBLAS owns
 the cores; multi-row steps (prefill) keep torch's threads and MKL.
 
 OpenBLAS's workers spin for about 0.1 s after a call (OPENBLAS_THREAD_TIMEOUT, 2^28
 cycles), so a multi-row forward that starts right after a one-row one shares the cores
-for that moment: a 40-token prefill took ~200 ms instead of ~150 ms. Making them sleep at
-once (timeout 2^4) removes that but costs every decode step 3-12 ms (five alternating
-runs), so the default stays.
+for that moment (the prefill rows of the same benchmark). Making them sleep at once
+(OPENBLAS_THREAD_TIMEOUT=4) removes that but made every decode step slower in five
+alternating runs of the same benchmark, so the default stays.
 
 Used only where it wins: CPU, fp32, numpy linked against OpenBLAS. KVLM_CPU_BLAS=torch
 turns it off.

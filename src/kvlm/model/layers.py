@@ -15,14 +15,14 @@ from kvlm.model.blas import openblas_available
 
 class Linear(nn.Module):
     """y = x @ W^T + b, from a Hugging Face weight [out, in], with the kernel that is fastest
-    for its dtype and device, chosen once at construction. Times are from this project's
-    2-core EPYC, one decode row, 576x3072 weight:
+    for its dtype and device, chosen once at construction. Times: one decode row through a
+    576x3072 weight on this project's 2-core EPYC (benchmarks/bench_kernels.py):
 
     - CPU fp32: the weight is stored [in, out]. One row goes to OpenBLAS through a numpy
-      view of the same memory (215 us; kvlm.model.blas); more rows to MKL, which reads
-      this layout faster than `F.linear`'s (366 us vs 649 us at one row).
-    - CPU bf16 with oneDNN bf16 support: the weight is packed once for oneDNN (201 us vs
-      452 us for `F.linear`, bitwise the same result).
+      view of the same memory (226 us; kvlm.model.blas); more rows to MKL, which reads
+      this layout faster than `F.linear`'s (373 us vs 805 us at one row).
+    - CPU bf16 with oneDNN bf16 support: the weight is packed once for oneDNN (179 us vs
+      365 us for `F.linear`, bitwise the same result).
     - anything else (GPU, fp16, ...): `F.linear` on [out, in].
     """
 
