@@ -127,7 +127,6 @@ def test_metrics_are_recorded(default_llm):
 
 
 def test_chat_session_reuses_its_cache(default_llm):
-    default_llm.cache = default_llm.new_cache("contiguous")
     params = SamplingParams(temperature=0, max_tokens=24)
     session = default_llm.chat_session(params)
     first = session.send("What is the capital of France?").run()
@@ -145,3 +144,18 @@ def test_chat_session_reuses_its_cache(default_llm):
     fresh = default_llm.chat(history, params)
     assert second.token_ids == fresh.token_ids
     assert second.prompt_token_ids == fresh.prompt_token_ids
+
+
+def test_chat_session_survives_other_requests(default_llm):
+    """A generate() between two turns must not leak into the session's cache."""
+    params = SamplingParams(temperature=0, max_tokens=12)
+    session = default_llm.chat_session(params)
+    first = session.send("What is the capital of France?").run()
+    default_llm.generate(["Numbers: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13"], params)
+    second = session.send("And of Germany?").run()
+    history = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "And of Germany?"},
+    ]
+    assert second.token_ids == default_llm.chat(history, params).token_ids

@@ -181,7 +181,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         m = turn.output.metrics
         reused = m.prompt_tokens - m.prefill_tokens
         print(f"[reused {reused} cached tokens, prefilled {m.prefill_tokens}; "
-              f"{len(turn.output.token_ids)} tokens at {m.decode_tokens_per_s:.1f} tok/s]",
+              f"{len(turn.output.token_ids)} tokens at {m.decode_tokens_per_s:.1f} tok/s; "
+              f"cache {session.cache.num_tokens}/{session.cache.capacity} tokens]",
               file=sys.stderr)  # fmt: skip
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from kvlm.cache import CacheSpec, KVCache, create_cache
+from kvlm.cache.factory import check_mode
 from kvlm.dtypes import dtype_name, parse_dtype
 from kvlm.engine.chat import ChatSession
 from kvlm.engine.generate import Generation, RequestOutput
@@ -60,8 +61,9 @@ class LLM:
             raise InvalidRequestError(
                 f"max_context must be between 1 and the model's limit of {limit} tokens"
             )
+        check_mode(kv)  # before the slow weight load
         self.kv_mode = kv
-        self.cache = self.new_cache(kv)  # validates the mode before the slow weight load
+        self._cache: KVCache | None = None  # allocated on first use
         self.model = Transformer(
             self.config, self.loaded.weights, self.dtype, self.device, progress
         )
@@ -70,6 +72,17 @@ class LLM:
     @property
     def model_name(self) -> str:
         return self.loaded.path.name
+
+    @property
+    def cache(self) -> KVCache:
+        """The cache `generate`, `chat` and `stream` run on (each request resets it)."""
+        if self._cache is None:
+            self._cache = self.new_cache()
+        return self._cache
+
+    @cache.setter
+    def cache(self, cache: KVCache) -> None:
+        self._cache = cache
 
     def new_cache(self, mode: str | None = None, batch: int = 1) -> KVCache:
         spec = CacheSpec.for_model(
@@ -127,11 +140,14 @@ class LLM:
         return self.stream(ids, sampling_params or SamplingParams()).run()
 
     def chat_session(self, params: SamplingParams, system: str | None = None) -> ChatSession:
-        """A multi-turn conversation that prefills only each turn's new tokens."""
+        """A multi-turn conversation that prefills only each turn's new tokens.
+
+        It owns its cache: requests on this LLM in between cannot touch the conversation.
+        """
         return ChatSession(
             self.runner,
             self.tokenizer,
-            self.cache,
+            self.new_cache(),
             params,
             system=system,
             vocab_size=self.config.vocab_size,

@@ -15,10 +15,14 @@ CACHE_MODES: dict[str, type[KVCache]] = {
 }
 
 
-def create_cache(mode: str, spec: CacheSpec) -> KVCache:
+def check_mode(mode: str) -> type[KVCache]:
     cls = CACHE_MODES.get(mode)
     if cls is None:
         raise InvalidRequestError(
             f"unknown cache mode {mode!r}; valid modes: {', '.join(CACHE_MODES)}"
         )
-    return cls(spec)
+    return cls
+
+
+def create_cache(mode: str, spec: CacheSpec) -> KVCache:
+    return check_mode(mode)(spec)
