@@ -2,57 +2,88 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from kvlm.cache import CACHE_MODES, CacheSpec, create_cache
+from kvlm.cache import (
+    CACHE_MODES,
+    CacheFileError,
+    CacheSpec,
+    create_cache,
+    planned_nbytes,
+)
 from kvlm.cache.base import causal_mask
 from kvlm.errors import CacheOverflowError, InvalidRequestError
 
-SPEC = CacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, max_tokens=8)
-STATEFUL = ["basic", "contiguous"]
+SPEC = CacheSpec(
+    num_layers=2, num_kv_heads=2, head_dim=4, max_tokens=8, block_size=4, window=4, sinks=1
+)
+STATEFUL = ["basic", "contiguous", "paged", "int8", "window"]
+DENSE = ["basic", "contiguous", "paged", "int8"]  # hold every token in order
+FLOAT_DENSE = ["basic", "contiguous", "paged"]
 
 
-def kv(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def kv(n: int, seed: int, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(1, 2, n, 4, generator=g), torch.randn(1, 2, n, 4, generator=g)
+    shape = (batch, 2, n, 4)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
 
 def feed(cache, n: int, seed: int):
-    """One 'forward' of n tokens through every layer; returns what layer 0 saw."""
+    """One 'forward' of n tokens through every layer; returns what each layer saw."""
     step = cache.begin(n)
-    seen = []
-    for layer in range(SPEC.num_layers):
-        k, v = kv(n, seed * 10 + layer)
-        seen.append(step.update(layer, k, v))
+    seen = [step.update(layer, *kv(n, seed * 10 + layer, cache.batch)) for layer in range(2)]
     cache.commit(step)
     return step, seen
 
 
+def storage(cache) -> list[torch.Tensor]:
+    """Every tensor a cache keeps, for before/after comparisons."""
+    if cache.mode == "basic":
+        return [t for t in (*cache.k, *cache.v) if t is not None]
+    store = cache.pool.store if hasattr(cache, "pool") else getattr(cache, "store", None)
+    if store is None:
+        return []
+    return [store.values] + ([store.scales] if store.scales is not None else [])
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (a pool's unallocated blocks may hold NaN patterns)."""
+    return torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+    )
+
+
 def test_unknown_mode_lists_the_valid_ones():
-    with pytest.raises(InvalidRequestError, match="valid modes: off, basic, contiguous"):
+    with pytest.raises(InvalidRequestError, match="valid modes: off, basic, contiguous, paged"):
         create_cache("paged-ish", SPEC)
 
 
-@pytest.mark.parametrize("mode", STATEFUL)
+def test_every_mode_is_registered():
+    assert set(CACHE_MODES) == {"off", "basic", "contiguous", "paged", "int8", "window"}
+
+
+@pytest.mark.parametrize("mode", FLOAT_DENSE)
 def test_history_is_returned_in_order(mode):
     cache = create_cache(mode, SPEC)
     feed(cache, 3, seed=1)
-    _, seen = feed(cache, 1, seed=2)
+    _, seen = feed(cache, 2, seed=2)
     k_all, v_all = seen[0]
-    assert k_all.shape == (1, 2, 4, 4)
-    torch.testing.assert_close(k_all[:, :, :3], kv(3, 10)[0], rtol=0, atol=0)
-    torch.testing.assert_close(k_all[:, :, 3:], kv(1, 20)[0], rtol=0, atol=0)
-    torch.testing.assert_close(v_all[:, :, 3:], kv(1, 20)[1], rtol=0, atol=0)
-    assert cache.num_tokens == 4
+    assert k_all.shape == (1, 2, 5, 4)
+    assert torch.equal(k_all[:, :, :3], kv(3, 10)[0])
+    assert torch.equal(k_all[:, :, 3:], kv(2, 20)[0])
+    assert torch.equal(v_all[:, :, 3:], kv(2, 20)[1])
+    assert cache.num_tokens == 5
 
 
 def test_positions_come_from_the_cache():
     cache = create_cache("contiguous", SPEC)
     step, _ = feed(cache, 3, seed=1)
     assert step.positions.tolist() == [[0, 1, 2]]
-    step = cache.begin(2)
-    assert step.positions.tolist() == [[3, 4]]
+    cache.fork(2)
+    assert cache.begin(2).positions.tolist() == [[3, 4], [3, 4]]
 
 
 def test_off_cache_holds_nothing():
@@ -61,28 +92,36 @@ def test_off_cache_holds_nothing():
     assert cache.num_tokens == 0 and cache.nbytes == 0
     assert step.is_causal and step.mask is None
     assert seen[0][0].shape[2] == 5
+    with pytest.raises(CacheFileError, match="keeps no cache"):
+        cache.snapshot()
 
 
-@pytest.mark.parametrize("mode", list(CACHE_MODES))
+@pytest.mark.parametrize("mode", ["off", *DENSE])
 def test_overflow_is_refused_before_any_write(mode):
     cache = create_cache(mode, SPEC)
     if mode != "off":
         feed(cache, 6, seed=1)
-    before = [t.clone() for t in _storage(cache)]
-    assert cache.would_overflow(SPEC.max_tokens - cache.num_tokens + 1)
+    before = [t.clone() for t in storage(cache)]
+    tables = [list(t) for t in getattr(cache, "tables", [])]
+    too_many = SPEC.max_tokens - cache.num_tokens + 1
+    assert cache.would_overflow(too_many)
     with pytest.raises(CacheOverflowError, match="exceed the cache capacity of 8"):
-        cache.begin(SPEC.max_tokens - cache.num_tokens + 1)
+        cache.begin(too_many)
     assert cache.num_tokens == (6 if mode != "off" else 0)
-    for old, new in zip(before, _storage(cache), strict=True):
-        assert torch.equal(old, new)
+    assert all(same_bytes(a, b) for a, b in zip(before, storage(cache), strict=True))
+    assert [list(t) for t in getattr(cache, "tables", [])] == tables
 
 
-def _storage(cache) -> list[torch.Tensor]:
-    if cache.mode == "contiguous":
-        return [cache.buffer]
-    if cache.mode == "basic":
-        return [t for t in (*cache.k, *cache.v) if t is not None]
-    return []
+def test_paged_pool_exhaustion_is_refused_before_any_allocation():
+    cache = create_cache("paged", replace(SPEC, num_blocks=3, max_tokens=16))
+    feed(cache, 6, seed=1)  # 2 blocks
+    cache.fork(2)  # shares them
+    free_before = cache.pool.num_free
+    assert not cache.would_overflow(2)  # row 0 copies the shared partial block, row 1 writes
+    # 9 tokens: a copy of the shared partial block + 1 new block per row = 3 > 1 free
+    with pytest.raises(CacheOverflowError, match="out of blocks: this step needs 3, 1 of 3"):
+        cache.begin(3)
+    assert cache.pool.num_free == free_before and cache.tables == [[0, 1], [0, 1]]
 
 
 @pytest.mark.parametrize("mode", STATEFUL)
@@ -92,14 +131,16 @@ def test_a_forward_that_raises_changes_nothing(mode):
     step = cache.begin(2)
     step.update(0, *kv(2, 5))  # layer 0 written, then the forward dies
     assert cache.num_tokens == 3
-    _, seen = feed(cache, 1, seed=7)  # the next forward starts where the cache really is
-    assert seen[0][0].shape[2] == 4
-    torch.testing.assert_close(seen[0][0][:, :, 3:], kv(1, 70)[0], rtol=0, atol=0)
+    step2, seen = feed(cache, 1, seed=7)  # the next forward starts where the cache really is
+    assert step2.positions.tolist() == [[3]]
+    if mode in FLOAT_DENSE:
+        assert seen[0][0].shape[2] == 4
+        assert torch.equal(seen[0][0][:, :, 3:], kv(1, 70)[0])
     with pytest.raises(RuntimeError, match="stale"):
         cache.commit(step)
 
 
-@pytest.mark.parametrize("mode", STATEFUL)
+@pytest.mark.parametrize("mode", FLOAT_DENSE)
 def test_rollback_then_rewrite(mode):
     cache = create_cache(mode, SPEC)
     feed(cache, 5, seed=1)
@@ -108,8 +149,8 @@ def test_rollback_then_rewrite(mode):
     _, seen = feed(cache, 2, seed=9)
     k_all = seen[0][0]
     assert k_all.shape[2] == 5
-    torch.testing.assert_close(k_all[:, :, :3], kv(5, 10)[0][:, :, :3], rtol=0, atol=0)
-    torch.testing.assert_close(k_all[:, :, 3:], kv(2, 90)[0], rtol=0, atol=0)
+    assert torch.equal(k_all[:, :, :3], kv(5, 10)[0][:, :, :3])
+    assert torch.equal(k_all[:, :, 3:], kv(2, 90)[0])
     with pytest.raises(InvalidRequestError):
         cache.rollback(6)
     with pytest.raises(InvalidRequestError):
@@ -118,31 +159,174 @@ def test_rollback_then_rewrite(mode):
     assert cache.num_tokens == 0
 
 
-def test_nbytes_is_exact():
-    contiguous = create_cache("contiguous", SPEC)
-    assert contiguous.nbytes == 2 * 2 * 1 * 2 * 8 * 4 * 4  # layers, K/V, batch, heads, len, D, fp32
-    assert contiguous.nbytes == SPEC.bytes_per_token * SPEC.max_tokens
-    basic = create_cache("basic", SPEC)
-    assert basic.nbytes == 0
-    feed(basic, 3, seed=1)
-    assert basic.nbytes == 3 * SPEC.bytes_per_token
-    basic.rollback(1)
-    assert basic.nbytes == 2 * SPEC.bytes_per_token
+@pytest.mark.parametrize("mode", list(CACHE_MODES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_nbytes_is_exact_and_matches_the_planner(mode, dtype):
+    """The bytes a cache holds after 2 sequences of 6 tokens are what `kvlm memory` plans."""
+    spec = replace(SPEC, dtype=dtype)
+    if mode == "basic" and dtype == torch.int8:
+        with pytest.raises(InvalidRequestError, match="int8 needs"):
+            create_cache(mode, spec)
+        return
+    cache = create_cache(mode, spec)
+    feed(cache, 6, seed=1)
+    cache.fork(2)  # paged: shares the blocks; so write one token to un-share the tail
+    feed(cache, 1, seed=2)
+    if mode == "paged" or mode == "int8":
+        # 7 tokens = 2 blocks per row; the first is shared, so 3 distinct blocks
+        assert cache.blocks_used == 3
+        expected = 3 * cache.pool.block_nbytes
+    else:
+        expected = planned_nbytes(mode, spec, 7, 2)
+    assert cache.nbytes == expected
+    fresh = create_cache(mode, spec)
+    for _ in range(1):
+        feed(fresh, 7, seed=3)
+    assert fresh.nbytes == planned_nbytes(mode, spec, 7, 1)
 
 
-@pytest.mark.parametrize("mode", STATEFUL)
+def test_bytes_per_token_counts_int8_scales():
+    fp32 = SPEC.bytes_per_token
+    assert fp32 == 2 * 2 * 2 * 4 * 4
+    int8 = replace(SPEC, dtype=torch.int8, head_dim=64).bytes_per_token
+    assert int8 == 2 * 2 * 2 * (64 + 2)  # one fp16 scale per token and head
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "paged", "window"])
 def test_narrow_cache_dtype(mode):
     """A bf16 cache stores bf16 and hands fp32 back to an fp32 model."""
-    spec = CacheSpec(2, 2, 4, 8, dtype=torch.bfloat16)
-    cache = create_cache(mode, spec)
+    cache = create_cache(mode, replace(SPEC, dtype=torch.bfloat16))
     step = cache.begin(3)
     k, v = kv(3, 1)
     k_all, _ = step.update(0, k, v)
     assert k_all.dtype == torch.float32
-    torch.testing.assert_close(k_all, k.to(torch.bfloat16).float(), rtol=0, atol=0)
-    if mode == "contiguous":
-        assert cache.buffer.dtype == torch.bfloat16
-        assert cache.nbytes == spec.bytes_per_token * 8 == 2 * 2 * 2 * 8 * 4 * 2
+    assert torch.equal(k_all[:, :, -3:], k.to(torch.bfloat16).float())
+
+
+def test_paged_fork_shares_blocks_and_copies_on_write():
+    cache = create_cache("paged", SPEC)
+    feed(cache, 6, seed=1)  # blocks 0 (full) and 1 (partial, 2 of 4 slots)
+    assert cache.tables == [[0, 1]]
+    cache.fork(3)
+    assert cache.tables == [[0, 1]] * 3 and cache.pool.refs[:2] == [3, 3]
+    assert cache.blocks_used == 2  # nothing copied
+    _, seen = feed(cache, 1, seed=2)
+    # rows 0 and 1 copied the shared partial block; row 2, its last holder, wrote in place
+    assert cache.tables == [[0, 2], [0, 3], [0, 1]]
+    assert cache.pool.refs[:4] == [3, 1, 1, 1]
+    prefix = kv(6, 10)[0]
+    for row in range(3):
+        assert torch.equal(seen[0][0][row, :, :6], prefix[0])
+    cache.free()
+    assert cache.pool.num_free == cache.pool.num_blocks
+
+
+def test_paged_frees_tail_blocks_first():
+    cache = create_cache("paged", SPEC)
+    feed(cache, 8, seed=1)  # blocks 0, 1
+    cache.free()
+    assert list(cache.pool.free_queue)[-2:] == [1, 0]  # the tail is evicted first
+
+
+def test_paged_waste_accounting():
+    cache = create_cache("paged", replace(SPEC, max_tokens=64))
+    feed(cache, 9, seed=1)  # 3 blocks of 4 = 12 slots for 9 tokens
+    assert cache.blocks_used == 3 and cache.tokens_stored == 9
+    assert cache.waste == pytest.approx(3 / 12)
+    cache.fork(2)  # shared: still 9 distinct tokens in 3 blocks
+    assert cache.tokens_stored == 9 and cache.waste == pytest.approx(3 / 12)
+
+
+def test_window_memory_stays_constant_past_its_size():
+    cache = create_cache("window", SPEC)  # 1 sink + 4 recent
+    start = cache.nbytes
+    for i in range(20):
+        feed(cache, 1 if i else 3, seed=i)
+        assert cache.nbytes == start
+    assert cache.num_tokens == 22 and not cache.would_overflow(10**6)
+    assert sorted(cache.slot_pos.tolist()) == [0, 18, 19, 20, 21]
+
+
+def test_window_rollback_is_refused_once_it_would_need_evicted_tokens():
+    cache = create_cache("window", SPEC)
+    feed(cache, 4, seed=1)
+    cache.rollback(3)  # nothing evicted yet: exact
+    feed(cache, 8, seed=2)  # 9 tokens > 5 slots: the ring has wrapped
+    cache.rollback(1)
+    with pytest.raises(InvalidRequestError, match="evicted"):
+        cache.rollback(2)
+
+
+@pytest.mark.parametrize("mode", STATEFUL)
+def test_snapshot_restore(mode):
+    cache = create_cache(mode, SPEC)
+    feed(cache, 3, seed=1)
+    snap = cache.snapshot()
+    feed(cache, 2, seed=2)
+    cache.restore(snap)
+    assert cache.num_tokens == 3
+    _, after = feed(cache, 1, seed=3)
+    fresh = create_cache(mode, SPEC)
+    feed(fresh, 3, seed=1)
+    _, want = feed(fresh, 1, seed=3)
+    assert torch.equal(after[1][0], want[1][0])
+
+
+@pytest.mark.parametrize("src", FLOAT_DENSE)
+@pytest.mark.parametrize("dst", FLOAT_DENSE)
+def test_files_round_trip_across_dense_modes(tmp_path, src, dst):
+    a = create_cache(src, SPEC)
+    feed(a, 5, seed=1)
+    a.fork(2)
+    path = tmp_path / "c.kv"
+    a.save(path, "fp-1", extra={"note": "hi"})
+    b = create_cache(dst, SPEC)
+    assert b.load(path, "fp-1") == {"note": "hi"}
+    assert (b.num_tokens, b.batch) == (5, 2)
+    _, got = feed(b, 1, seed=2)
+    _, want = feed(a, 1, seed=2)
+    assert torch.equal(got[1][0], want[1][0])
+
+
+def test_cache_files_refuse_what_does_not_fit(tmp_path):
+    a = create_cache("contiguous", SPEC)
+    feed(a, 5, seed=1)
+    path = tmp_path / "c.kv"
+    a.save(path, "model-A")
+    with pytest.raises(CacheFileError, match="another model"):
+        create_cache("contiguous", SPEC).load(path, "model-B")
+    with pytest.raises(CacheFileError, match="does not match this model"):
+        create_cache("contiguous", replace(SPEC, num_kv_heads=4)).load(path, "model-A")
+    with pytest.raises(CacheFileError, match="same --kv-dtype"):
+        create_cache("contiguous", replace(SPEC, dtype=torch.bfloat16)).load(path, "model-A")
+    with pytest.raises(CacheFileError, match="cannot be restored into --kv window"):
+        create_cache("window", SPEC).load(path, "model-A")
+    with pytest.raises(CacheFileError, match="more than this cache's capacity"):
+        create_cache("contiguous", replace(SPEC, max_tokens=4)).load(path, "model-A")
+    broken = tmp_path / "broken.kv"
+    broken.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(CacheFileError, match="not a readable cache file"):
+        create_cache("contiguous", SPEC).load(broken, "model-A")
+    with pytest.raises(CacheFileError, match="not found"):
+        create_cache("contiguous", SPEC).load(tmp_path / "nope.kv", "model-A")
+
+
+def test_tampered_cache_file_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    a = create_cache("contiguous", SPEC)
+    feed(a, 5, seed=1)
+    path = tmp_path / "c.kv"
+    a.save(path, "m")
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    tensors = load_file(str(path))
+    tensors["values"] = tensors["values"][:, :, :, :, :3].contiguous()  # length mismatch
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(CacheFileError, match="damaged"):
+        create_cache("contiguous", SPEC).load(path, "m")
 
 
 def test_causal_mask_forms():
@@ -163,5 +347,6 @@ def test_cache_spec_rejects_nonsense():
     from kvlm.config import ModelConfig
 
     cfg = ModelConfig("llama", 10, 8, 16, 1, 2, 1, 4, 1e-6, 1e4, 64, False)
-    with pytest.raises(InvalidRequestError):
-        CacheSpec.for_model(cfg, 0)
+    for bad in ({"max_tokens": 0}, {"block_size": 0}, {"window": -1}, {"sinks": -1}):
+        with pytest.raises(InvalidRequestError):
+            CacheSpec.for_model(cfg, **{"max_tokens": 8, **bad})

@@ -79,11 +79,11 @@ def test_prompt_longer_than_the_cache_is_refused_and_nothing_is_written(default_
     default_llm.cache = default_llm.new_cache("contiguous")
     run(default_llm, default_llm.encode("hello", chat=True), kv="contiguous")
     cache = default_llm.cache
-    before = cache.buffer.clone()
+    before = cache.store.values.clone()
     too_long = default_llm.encode("word " * (default_llm.max_context + 10))
     with pytest.raises(CacheOverflowError, match=f"at most {default_llm.max_context}"):
         default_llm.stream(too_long, GREEDY).run()
-    assert torch.equal(cache.buffer, before)
+    assert torch.equal(cache.store.values, before)
     ok = default_llm.generate(
         ["The capital of France is"], SamplingParams(temperature=0, max_tokens=4)
     )

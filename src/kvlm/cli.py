@@ -13,7 +13,8 @@ from kvlm.errors import KvlmError
 EXIT_USER_ERROR = 2
 # Spelled out rather than imported from kvlm.cache, which pulls in torch: `kvlm --help`
 # stays instant. tests/test_cli.py checks it names every mode the factory knows.
-KV_HELP = "cache mode: off, basic, contiguous (default)"
+KV_HELP = "cache mode: off, basic, contiguous (default), paged, int8, window"
+VERIFY_PROMPT = "Explain what a KV cache is and why it makes text generation faster."
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -40,14 +41,41 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("prompt", nargs="?", default="-", help="the prompt ('-' or none: stdin)")
     _model_args(gen)
+    _cache_args(gen)
     _sampling_args(gen, temperature=0.0)
+    gen.add_argument("-n", "--n", type=int, default=1, help="samples from one prefill")
+    _session_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="an interactive conversation that keeps its KV cache")
     _model_args(chat)
+    _cache_args(chat)
     _sampling_args(chat, temperature=0.7)
+    _session_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    verify = sub.add_parser(
+        "verify", help="greedy agreement and logit drift of a cache mode against --kv off"
+    )
+    verify.add_argument("prompt", nargs="?", default=VERIFY_PROMPT)
+    _model_args(verify)
+    _cache_args(verify)
+    verify.add_argument("--max-new-tokens", type=int, default=64)
+    verify.add_argument("--json", action="store_true")
+    verify.set_defaults(func=cmd_verify)
+
+    memory = sub.add_parser("memory", help="KV cache bytes for a model, context and batch")
+    memory.add_argument("--model", help="GGUF file, HF folder or Hub id (default: SmolLM2-135M)")
+    memory.add_argument("--context", type=int, default=None, help="tokens per sequence")
+    memory.add_argument("--batch", type=int, default=1, help="sequences")
+    memory.add_argument("--kv", default="contiguous", help=KV_HELP)
+    memory.add_argument("--kv-dtype", default="fp32", help="fp32, bf16, fp16 or int8")
+    memory.add_argument("--dtype", default="fp32", help="weights dtype, for the budget")
+    memory.add_argument("--budget", default=None, help="memory for the cache (default: free RAM)")
+    _size_args(memory)
+    memory.add_argument("--json", action="store_true")
+    memory.set_defaults(func=cmd_memory)
 
     inspect = sub.add_parser("inspect", help="show a model's configuration and cache sizes")
     inspect.add_argument("--model", help="GGUF file, HF folder or Hub id (default: SmolLM2-135M)")
@@ -58,11 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="GGUF file, HF folder or Hub id (default: SmolLM2-135M)")
-    p.add_argument("--kv", default="contiguous", help=KV_HELP)
     p.add_argument("--dtype", default="fp32", help="compute dtype: fp32, bf16, fp16")
-    p.add_argument("--kv-dtype", default=None, help="cache dtype (default: --dtype)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
-    p.add_argument("--max-context", type=int, default=None, help="cache capacity in tokens")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--system", default=None, help="system prompt for the chat template")
     p.add_argument(
@@ -71,6 +96,21 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         default=True,
         help="apply the model's chat template (default: on when the model has one)",
     )
+
+
+def _cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv", default="contiguous", help=KV_HELP)
+    p.add_argument("--kv-dtype", default=None, help="cache storage: fp32, bf16, fp16, int8")
+    p.add_argument("--max-context", type=int, default=None, help="cache capacity in tokens")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="prefill N tokens at a time")
+    _size_args(p)
+
+
+def _size_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--block-size", type=int, default=16, help="paged/int8: tokens per block")
+    p.add_argument("--kv-blocks", type=int, default=None, help="paged/int8: blocks in the pool")
+    p.add_argument("--window", type=int, default=256, help="window: recent tokens kept")
+    p.add_argument("--sinks", type=int, default=4, help="window: first tokens kept")
 
 
 def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
@@ -86,8 +126,13 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     p.add_argument("--logprobs", type=int, default=None, help="report top-N logprobs per token")
 
 
+def _session_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--save-cache", metavar="FILE", help="save the conversation and its cache")
+    p.add_argument("--load-cache", metavar="FILE", help="resume a conversation saved before")
+
+
 def _load(args: argparse.Namespace):
-    from kvlm.llm import LLM  # imports torch: only once a command runs
+    from kvlm.llm import LLM, CacheOptions  # imports torch: only once a command runs
 
     return LLM(
         model=args.model,
@@ -98,10 +143,12 @@ def _load(args: argparse.Namespace):
         max_context=args.max_context,
         threads=args.threads,
         progress=sys.stderr.isatty(),
+        cache_options=CacheOptions(args.block_size, args.kv_blocks, args.window, args.sinks),
+        prefill_chunk=args.prefill_chunk,
     )
 
 
-def _params(args: argparse.Namespace):
+def _params(args: argparse.Namespace, n: int = 1):
     from kvlm.engine.sampling import SamplingParams
 
     return SamplingParams(
@@ -113,51 +160,69 @@ def _params(args: argparse.Namespace):
         stop=args.stop,
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
+        n=n,
     )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    params = _params(args)  # validate before the slow load
+    params = _params(args, n=args.n)  # validate before the slow load
+    if params.n > 1 and (args.save_cache or args.load_cache):
+        raise KvlmError("--save-cache/--load-cache continue one conversation: use -n 1")
     llm = _load(args)
     use_chat = args.chat and llm.tokenizer.chat_template is not None
-    ids = llm.encode(prompt, chat=use_chat, system=args.system)
-    stream = llm.stream(ids, params, prompt=prompt)
-    for delta in stream:
+    if args.save_cache or args.load_cache:
+        session = llm.chat_session(params, system=args.system, use_template=use_chat)
+        if args.load_cache:
+            session.load(args.load_cache, llm.fingerprint)
+        turn, cache = session.send(prompt), session.cache
+    else:
+        ids = llm.encode(prompt, chat=use_chat, system=args.system)
+        turn, cache = llm.stream(ids, params, prompt=prompt), llm.cache
+    for delta in turn:
         if not args.json:
             sys.stdout.write(delta)
             sys.stdout.flush()
-    out = stream.output
+    if args.save_cache:
+        session.save(args.save_cache, llm.fingerprint)
+    out = turn.output
     if args.json:
         record = {
             **llm.describe(),
             **out.to_dict(),
             "chat_template": use_chat,
-            "kv_bytes": llm.cache.nbytes,
-            "kv_bytes_used": llm.cache.num_tokens * llm.cache.spec.bytes_per_token,
+            "kv_bytes": cache.nbytes,
+            "kv_bytes_used": cache.num_tokens * cache.batch * cache.spec.bytes_per_token,
         }
         print(json.dumps(record))
-    else:
-        print()
-        print(_summary(out, llm), file=sys.stderr)
+        return 0
+    print()
+    for sample in out.outputs[1:]:
+        print(f"--- sample {sample.index} ---\n{sample.text}")
+    print(_summary(out, llm.kv_mode, cache), file=sys.stderr)
     return 0
 
 
-def _summary(out: Any, llm: Any) -> str:
+def _summary(out: Any, mode: str, cache: Any) -> str:
     m = out.metrics
+    reused = m.prompt_tokens - m.prefill_tokens
     return (
-        f"[{len(out.token_ids)} tokens, {out.finish_reason}; prefill {m.prefill_tokens} tokens, "
-        f"TTFT {m.ttft_ms:.0f} ms; decode {m.decode_tokens_per_s:.1f} tok/s; "
-        f"kv {llm.kv_mode} {llm.cache.nbytes / 2**20:.1f} MiB]"
+        f"[{sum(len(o.token_ids) for o in out.outputs)} tokens, {out.finish_reason}; "
+        f"prefill {m.prefill_tokens} tokens (reused {reused}), TTFT {m.ttft_ms:.0f} ms; "
+        f"decode {m.decode_tokens_per_s:.1f} tok/s; kv {mode} {cache.nbytes / 2**20:.1f} MiB, "
+        f"{cache.num_tokens} tokens]"
     )
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     params = _params(args)
     llm = _load(args)
-    if llm.tokenizer.chat_template is None:
-        raise KvlmError("this model has no chat template; use `kvlm generate --no-chat`")
-    session = llm.chat_session(params, system=args.system)
+    use_chat = args.chat and llm.tokenizer.chat_template is not None
+    if args.chat and not use_chat:
+        raise KvlmError("this model has no chat template; use `kvlm chat --no-chat`")
+    session = llm.chat_session(params, system=args.system, use_template=use_chat)
+    if args.load_cache:
+        session.load(args.load_cache, llm.fingerprint)
     print(f"kvlm chat: {llm.model_name} (kv {llm.kv_mode}). /reset clears, Ctrl-D quits.")
     while True:
         try:
@@ -166,7 +231,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print()
             return 0
         if line.strip() == "/reset":
-            session = llm.chat_session(params, system=args.system)
+            session = llm.chat_session(params, system=args.system, use_template=use_chat)
             continue
         if not line.strip():
             continue
@@ -178,12 +243,84 @@ def cmd_chat(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass  # stop this reply, keep the conversation
         print()
-        m = turn.output.metrics
-        reused = m.prompt_tokens - m.prefill_tokens
-        print(f"[reused {reused} cached tokens, prefilled {m.prefill_tokens}; "
-              f"{len(turn.output.token_ids)} tokens at {m.decode_tokens_per_s:.1f} tok/s; "
-              f"cache {session.cache.num_tokens}/{session.cache.capacity} tokens]",
-              file=sys.stderr)  # fmt: skip
+        print(_summary(turn.output, llm.kv_mode, session.cache), file=sys.stderr)
+        if args.save_cache:
+            session.save(args.save_cache, llm.fingerprint)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from kvlm.engine.verify import verify_mode
+
+    if args.max_new_tokens < 1:
+        raise KvlmError("--max-new-tokens must be >= 1")
+    llm = _load(args)
+    use_chat = args.chat and llm.tokenizer.chat_template is not None
+    ids = llm.encode(args.prompt, chat=use_chat, system=args.system)
+    result = verify_mode(llm, ids, args.kv, args.max_new_tokens)
+    if args.json:
+        print(json.dumps({"model": llm.model_name, **result.to_dict()}))
+        return 0
+    first = result.first_disagreement
+    print(
+        f"--kv {result.mode} ({result.kv_dtype}) vs --kv off on {llm.model_name}, "
+        f"{result.prompt_tokens}-token prompt, {result.steps} greedy steps:\n"
+        f"  greedy agreement  {result.agreement:.2%}"
+        f"{'' if first is None else f' (first disagreement at step {first})'}\n"
+        f"  max logit drift   {result.max_logit_drift:.3g}\n"
+        f"  mean logit drift  {result.mean_logit_drift:.3g}  (per step, largest |difference|)\n"
+        f"  cache bytes       {result.kv_bytes}"
+    )
+    return 0
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    from kvlm.cache.factory import check_mode
+    from kvlm.cache.memory import parse_size, plan, table
+    from kvlm.dtypes import parse_dtype, parse_kv_dtype
+    from kvlm.loading import load_model
+
+    check_mode(args.kv)
+    budget = parse_size(args.budget) if args.budget else None
+    config = load_model(args.model).config
+    context = args.context or config.max_position_embeddings
+    if not 0 < context <= config.max_position_embeddings:
+        raise KvlmError(f"--context must be between 1 and {config.max_position_embeddings}")
+    sizes = {"block_size": args.block_size, "window": args.window, "sinks": args.sinks}
+    p = plan(
+        config, args.kv, context, args.batch, parse_kv_dtype(args.kv_dtype),
+        parse_dtype(args.dtype), budget, **sizes,
+    )  # fmt: skip
+    rows = table(config, context, args.batch, **sizes)
+    if args.json:
+        print(json.dumps({"model": config.name, **p.to_dict(), "table": rows}))
+        return 0
+    print(_memory_report(config.name, p, rows))
+    return 0
+
+
+def _memory_report(name: str, p: Any, rows: list[dict]) -> str:
+    fits = "?" if p.sequences_in_budget is None else f"{p.sequences_in_budget:,}"
+    budget = "unknown (pass --budget)" if p.budget_bytes is None else _mib(p.budget_bytes)
+    lines = [
+        f"{name}: --kv {p.mode} ({p.kv_dtype}), context {p.context:,} tokens, batch {p.batch}",
+        f"  bytes per token     {p.bytes_per_token:,}",
+        f"  per sequence        {_mib(p.bytes_per_sequence)}",
+        f"  total (batch {p.batch:<3})   {_mib(p.total_bytes)}",
+        f"  weights             {_mib(p.weight_bytes)}",
+        f"  budget              {budget}: {fits} sequences of {p.context:,} tokens",
+        "",
+        f"| mode | kv dtype | bytes/token | total for {p.batch} x {p.context:,} tokens |",
+        "| --- | --- | ---: | ---: |",
+    ]
+    lines += [
+        f"| {r['mode']} | {r['kv_dtype']} | {r['bytes_per_token']:,} | {_mib(r['total_bytes'])} |"
+        for r in rows
+    ]
+    return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -15,17 +15,32 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+SHORT_NAMES = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.int8: "int8",
+}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """A compute dtype: fp32, bf16 or fp16."""
+    return _parse(name, DTYPES, "fp32, bf16 or fp16")
+
+
+def parse_kv_dtype(name: str | torch.dtype) -> torch.dtype:
+    """A cache storage dtype: the compute dtypes, or int8 (with per-token scales)."""
+    return _parse(name, {**DTYPES, "int8": torch.int8}, "fp32, bf16, fp16 or int8")
+
+
+def _parse(name: str | torch.dtype, table: dict[str, torch.dtype], valid: str) -> torch.dtype:
     if isinstance(name, torch.dtype):
-        if name not in SHORT_NAMES:
-            raise InvalidRequestError(f"unsupported dtype {name}; use fp32, bf16 or fp16")
+        if name not in table.values():
+            raise InvalidRequestError(f"unsupported dtype {name}; use {valid}")
         return name
-    dtype = DTYPES.get(str(name).lower())
+    dtype = table.get(str(name).lower())
     if dtype is None:
-        raise InvalidRequestError(f"unknown dtype {name!r}; use fp32, bf16 or fp16")
+        raise InvalidRequestError(f"unknown dtype {name!r}; use {valid}")
     return dtype
 
 

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvlm.cache import CacheSpec, KVCache, create_cache
-from kvlm.cache.factory import check_mode
-from kvlm.dtypes import dtype_name, parse_dtype
+from kvlm.cache.factory import check_mode, mode_spec
+from kvlm.dtypes import dtype_name, parse_dtype, parse_kv_dtype
 from kvlm.engine.chat import ChatSession
 from kvlm.engine.generate import Generation, RequestOutput
 from kvlm.engine.runner import ModelRunner
@@ -23,6 +25,16 @@ from kvlm.model.transformer import Transformer
 # The contiguous cache preallocates this many tokens unless told otherwise (the model's
 # own limit when smaller). 4096 is llama.cpp's default context too.
 DEFAULT_MAX_CONTEXT = 4096
+
+
+@dataclass(slots=True, frozen=True)
+class CacheOptions:
+    """Sizes of the mode-specific caches (see kvlm.cache.base.CacheSpec)."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    window: int = 256
+    sinks: int = 4
 
 
 class LLM:
@@ -43,15 +55,23 @@ class LLM:
         max_context: int | None = None,
         threads: int | None = None,
         progress: bool = True,
+        cache_options: CacheOptions | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         if threads is not None:
             if threads < 1:
                 raise InvalidRequestError("threads must be >= 1")
             torch.set_num_threads(threads)
             set_blas_threads(threads)
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise InvalidRequestError("prefill_chunk must be >= 1")
         self.device = _check_device(device)
         self.dtype = parse_dtype(dtype)
-        self.kv_dtype = parse_dtype(kv_dtype) if kv_dtype is not None else self.dtype
+        self.kv_dtype = parse_kv_dtype(kv_dtype) if kv_dtype is not None else self.dtype
+        self.cache_options = cache_options or CacheOptions()
+        self.prefill_chunk = prefill_chunk
+        check_mode(kv)  # before the slow load
+        self.kv_mode = kv
         self.loaded = load_model(model)
         self.config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
@@ -61,17 +81,20 @@ class LLM:
             raise InvalidRequestError(
                 f"max_context must be between 1 and the model's limit of {limit} tokens"
             )
-        check_mode(kv)  # before the slow weight load
-        self.kv_mode = kv
+        self.cache_spec(kv)  # every cache setting checked before the weights load
         self._cache: KVCache | None = None  # allocated on first use
-        self.model = Transformer(
-            self.config, self.loaded.weights, self.dtype, self.device, progress
-        )
+        weights = self.loaded.weights
+        self.model = Transformer(self.config, weights, self.dtype, self.device, progress)
         self.runner = ModelRunner(self.model)
 
     @property
     def model_name(self) -> str:
         return self.loaded.path.name
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Identifies the weights; cache files carry it so another model's are refused."""
+        return self.loaded.weights.fingerprint()
 
     @property
     def cache(self) -> KVCache:
@@ -84,11 +107,23 @@ class LLM:
     def cache(self, cache: KVCache) -> None:
         self._cache = cache
 
-    def new_cache(self, mode: str | None = None, batch: int = 1) -> KVCache:
+    def cache_spec(self, mode: str | None = None) -> CacheSpec:
+        o = self.cache_options
         spec = CacheSpec.for_model(
-            self.config, self.max_context, self.kv_dtype, self.device, batch=batch
+            self.config,
+            self.max_context,
+            self.kv_dtype,
+            self.device,
+            block_size=o.block_size,
+            num_blocks=o.num_blocks,
+            window=o.window,
+            sinks=o.sinks,
         )
-        return create_cache(mode or self.kv_mode, spec)
+        return mode_spec(mode or self.kv_mode, spec)
+
+    def new_cache(self, mode: str | None = None) -> KVCache:
+        mode = mode or self.kv_mode
+        return create_cache(mode, self.cache_spec(mode))
 
     def encode(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
         """Token ids of a prompt; with `chat`, wrapped in the model's chat template."""
@@ -102,7 +137,7 @@ class LLM:
         self, prompt_ids: Sequence[int], params: SamplingParams, prompt: str | None = None
     ) -> Generation:
         """A fresh request on the shared cache; iterate it for text as it is generated."""
-        self.cache.reset()
+        self.cache.free()  # back to one empty sequence (a fork may have left n)
         return Generation(
             self.runner,
             self.tokenizer,
@@ -111,6 +146,7 @@ class LLM:
             params,
             prompt=prompt,
             vocab_size=self.config.vocab_size,
+            prefill_chunk=self.prefill_chunk,
         )
 
     def generate(
@@ -139,7 +175,9 @@ class LLM:
         ids = self.tokenizer.encode_chat(messages)
         return self.stream(ids, sampling_params or SamplingParams()).run()
 
-    def chat_session(self, params: SamplingParams, system: str | None = None) -> ChatSession:
+    def chat_session(
+        self, params: SamplingParams, system: str | None = None, use_template: bool = True
+    ) -> ChatSession:
         """A multi-turn conversation that prefills only each turn's new tokens.
 
         It owns its cache: requests on this LLM in between cannot touch the conversation.
@@ -151,6 +189,8 @@ class LLM:
             params,
             system=system,
             vocab_size=self.config.vocab_size,
+            use_template=use_template,
+            prefill_chunk=self.prefill_chunk,
         )
 
     def describe(self) -> dict[str, Any]:
@@ -158,7 +198,7 @@ class LLM:
             "model": self.model_name,
             "kv_mode": self.kv_mode,
             "dtype": dtype_name(self.dtype),
-            "kv_dtype": dtype_name(self.kv_dtype),
+            "kv_dtype": dtype_name(self.cache_spec().dtype),
             "max_context": self.max_context,
             "device": str(self.device),
         }

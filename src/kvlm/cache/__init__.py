@@ -1,4 +1,14 @@
-from kvlm.cache.base import CacheSpec, CacheStep, KVCache
-from kvlm.cache.factory import CACHE_MODES, create_cache
+from kvlm.cache.base import CacheFileError, CacheSnapshot, CacheSpec, CacheStep, KVCache
+from kvlm.cache.factory import CACHE_MODES, EXACT_MODES, create_cache, planned_nbytes
 
-__all__ = ["CACHE_MODES", "CacheSpec", "CacheStep", "KVCache", "create_cache"]
+__all__ = [
+    "CACHE_MODES",
+    "EXACT_MODES",
+    "CacheFileError",
+    "CacheSnapshot",
+    "CacheSpec",
+    "CacheStep",
+    "KVCache",
+    "create_cache",
+    "planned_nbytes",
+]

@@ -8,44 +8,71 @@ One forward pass goes through a cache like this:
         #              attention(q, k_all, v_all, step.mask, step.is_causal)
     cache.commit(step)               # only now does the cache hold n_new more tokens
 
-If the forward raises, `commit` never runs and the cache still holds exactly what it held
-before (a contiguous cache may have scribbled past its counter; nothing reads there).
+If the forward raises, `commit` never runs and the cache holds what it held before (a
+layout may have written past its counter, or allocated blocks it keeps; nothing reads them).
 
-Positions are owned by the cache, never inferred from tensor contents: the new tokens sit
-at `num_tokens .. num_tokens + n_new - 1`. That one rule makes prefill, decode, chunked
-prefill and a chat turn that resumes a conversation the same code path. A cache that
-stores nothing (`off`) always reports 0 tokens, so its caller re-feeds the whole sequence.
+A cache holds `batch` sequences of one length, advanced in lockstep: one after a prefill,
+n after `fork(n)` (n samples decoding from one prompt). Positions are owned by the cache,
+never inferred from tensor contents: the new tokens sit at num_tokens .. num_tokens+n-1.
+That one rule makes prefill, decode, chunked prefill and a resumed conversation the same
+code path. A cache that stores nothing (`off`) always reports 0 tokens, so its caller
+re-feeds the whole sequence.
 
-Later modes fit the same shape: a paged cache's step gathers the sequence's blocks, an
-int8 cache's step dequantizes, a window cache's step builds its mask from the positions
-its ring slots hold.
+Beyond the forward: rollback(n), reset(), free(), fork(n), snapshot()/restore(),
+save()/load() to a safetensors file, nbytes (exact), and planned_nbytes() (what a cache of
+this mode allocates for a workload, the figure `kvlm memory` prints).
 """
 
 from __future__ import annotations
 
+import json
+import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 import torch
 
+from kvlm.cache.storage import itemsize
 from kvlm.config import ModelConfig
-from kvlm.errors import CacheOverflowError, InvalidRequestError
+from kvlm.dtypes import dtype_name
+from kvlm.errors import CacheOverflowError, InvalidRequestError, KvlmError
+
+CACHE_FILE_FORMAT = "kvlm-cache/1"
+
+
+class CacheFileError(KvlmError):
+    """A cache file that cannot be used here: unreadable, corrupt, or from another model."""
 
 
 @dataclass(slots=True, frozen=True)
 class CacheSpec:
-    """The shape of one cache: the model's K/V geometry and how many tokens it may hold."""
+    """The shape of one cache: the model's K/V geometry, how many tokens a sequence may
+    hold, and the mode-specific sizes (each mode reads the fields it needs)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     max_tokens: int
     batch: int = 1
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32  # storage: fp32, bf16, fp16, or int8 (+ fp16 scales)
     device: torch.device = torch.device("cpu")  # noqa: RUF009 - immutable
     # The model's own attention window (Mistral), applied in the mask; not the window cache.
     sliding_window: int | None = None
+    block_size: int = 16  # paged: tokens per block
+    num_blocks: int | None = None  # paged: pool size (None: room for 8 full-length sequences)
+    window: int = 256  # window: recent tokens kept
+    sinks: int = 4  # window: first tokens kept forever
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "batch", "block_size", "window"):
+            if getattr(self, name) <= 0:
+                raise InvalidRequestError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.sinks < 0:
+            raise InvalidRequestError(f"sinks must be >= 0, got {self.sinks}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise InvalidRequestError(f"num_blocks must be positive, got {self.num_blocks}")
 
     @classmethod
     def for_model(
@@ -54,39 +81,48 @@ class CacheSpec:
         max_tokens: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        batch: int = 1,
+        **sizes: int | None,
     ) -> CacheSpec:
-        if max_tokens <= 0:
-            raise InvalidRequestError(f"cache length must be positive, got {max_tokens}")
+        """`sizes`: batch, block_size, num_blocks, window, sinks."""
         return cls(
             num_layers=config.num_layers,
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
             max_tokens=max_tokens,
-            batch=batch,
             dtype=dtype,
             device=torch.device(device),
             sliding_window=config.sliding_window,
+            **{k: v for k, v in sizes.items() if v is not None},
         )
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token in every layer, for one sequence."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        """K and V of one token in every layer, for one sequence, scales included."""
+        per_head = round(self.head_dim * itemsize(self.dtype, self.head_dim))
+        return 2 * self.num_layers * self.num_kv_heads * per_head
+
+    def geometry(self) -> dict[str, int]:
+        return {"layers": self.num_layers, "kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
 
 
 class CacheStep(ABC):
     """One forward's view of a cache: where the new tokens go and what they attend to."""
 
-    def __init__(self, spec: CacheSpec, start: int, n_new: int, n_keys: int) -> None:
+    def __init__(
+        self,
+        start: int,
+        n_new: int,
+        batch: int,
+        device: torch.device,
+        mask: torch.Tensor | None,
+        is_causal: bool,
+    ) -> None:
         self.start = start
         self.n_new = n_new
-        pos = torch.arange(start, start + n_new, device=spec.device)
-        self.positions = pos.expand(spec.batch, n_new)  # (B, T) int64
-        self.mask, self.is_causal = causal_mask(
-            start, n_new, n_keys, spec.sliding_window, spec.device
-        )
+        pos = torch.arange(start, start + n_new, device=device)
+        self.positions = pos.expand(batch, n_new)  # (B, T) int64
+        self.mask = mask  # (T, S) bool, True = may attend; or None
+        self.is_causal = is_causal
 
     @abstractmethod
     def update(
@@ -124,14 +160,36 @@ def causal_mask(
     return allowed, False  # (T, S) broadcasts over batch and heads
 
 
+@dataclass(slots=True)
+class CacheSnapshot:
+    """A cache's contents, detached from it: what snapshot() returns and files hold.
+
+    `layout` says how to read `tensors`: "dense" is values [layers, 2, batch, heads, length,
+    head_dim] (and scales without head_dim for int8), shared by basic, contiguous and paged;
+    "window" is the ring as stored plus the position of each slot.
+    """
+
+    layout: str
+    dtype: str
+    length: int
+    batch: int
+    geometry: dict[str, int]
+    tensors: dict[str, torch.Tensor]
+    extra: dict[str, int] = field(default_factory=dict)
+
+
 class KVCache(ABC):
     """A KV cache of one of the modes in kvlm.cache.factory.CACHE_MODES."""
 
     mode: ClassVar[str]
+    layout: ClassVar[str] = "dense"
 
     def __init__(self, spec: CacheSpec) -> None:
         self.spec = spec
         self._length = 0
+        self.batch = spec.batch
+
+    # ------------------------------------------------------------------ the forward
 
     @property
     def num_tokens(self) -> int:
@@ -140,22 +198,25 @@ class KVCache(ABC):
 
     @property
     def capacity(self) -> int:
-        """The most tokens one forward may see: its stored prefix plus the new tokens."""
+        """The most tokens one sequence may hold, counting the new ones of a step."""
         return self.spec.max_tokens
 
     def would_overflow(self, n_new: int) -> bool:
         return self.num_tokens + n_new > self.capacity
 
     def begin(self, n_new: int) -> CacheStep:
-        """Plan a forward of `n_new` tokens. Raises before anything is written."""
+        """Plan a forward of `n_new` tokens per sequence. Raises before anything is written."""
         if n_new <= 0:
             raise InvalidRequestError(f"a forward needs at least one token, got {n_new}")
         if self.would_overflow(n_new):
-            raise CacheOverflowError(
-                f"{self.num_tokens} cached + {n_new} new tokens exceed the cache capacity of "
-                f"{self.capacity} tokens (raise --max-context, up to the model's limit)"
-            )
+            raise CacheOverflowError(self._overflow_message(n_new))
         return self._begin(n_new)
+
+    def _overflow_message(self, n_new: int) -> str:
+        return (
+            f"{self.num_tokens} cached + {n_new} new tokens exceed the cache capacity of "
+            f"{self.capacity} tokens (raise --max-context, up to the model's limit)"
+        )
 
     def commit(self, step: CacheStep) -> None:
         """The forward succeeded: the cache now holds the step's tokens."""
@@ -164,24 +225,142 @@ class KVCache(ABC):
         self._commit(step)
         self._length = step.start + step.n_new
 
+    # ------------------------------------------------------------------ lifetime
+
     def rollback(self, n: int) -> None:
         """Forget the last `n` tokens (speculation rejected, a chat turn diverged)."""
         if not 0 <= n <= self._length:
             raise InvalidRequestError(f"cannot roll back {n} of {self._length} cached tokens")
+        self._check_rollback(n)
         self._length -= n
         self._truncate(self._length)
 
     def reset(self) -> None:
+        """Empty, keeping the batch and whatever storage the cache owns."""
         self._length = 0
         self._truncate(0)
+
+    def free(self) -> None:
+        """Empty and give storage back (blocks to their pool); back to the initial batch."""
+        self.reset()
+        self._release()
+        self.batch = self.spec.batch
+
+    def fork(self, n: int) -> None:
+        """Turn each sequence into n that share its prefix (n samples of one prompt).
+        Sequence i becomes rows i*n .. i*n + n-1."""
+        if n < 1:
+            raise InvalidRequestError(f"fork needs n >= 1, got {n}")
+        if n > 1:
+            self._fork(n)
+            self.batch *= n
+
+    # ------------------------------------------------------------------ state
+
+    def snapshot(self) -> CacheSnapshot:
+        """A copy of the contents that outlives later writes (restore() brings it back)."""
+        tensors = {k: t.clone() for k, t in self._export().items()}
+        return CacheSnapshot(
+            layout=self.layout,
+            dtype=dtype_name(self.spec.dtype),
+            length=self._length,
+            batch=self.batch,
+            geometry=self.spec.geometry(),
+            tensors=tensors,
+            extra=self._layout_extra(),
+        )
+
+    def restore(self, snap: CacheSnapshot) -> None:
+        self._check_compatible(snap)
+        self.free()
+        self.batch = snap.batch
+        self._import(snap.tensors, snap.length)
+        self._length = snap.length
+
+    def save(self, path: str | Path, fingerprint: str, extra: dict | None = None) -> None:
+        """Write the contents to a safetensors file with what load() needs to check it."""
+        from safetensors.torch import save_file
+
+        snap = self.snapshot()
+        meta = {
+            "format": CACHE_FILE_FORMAT,
+            "fingerprint": fingerprint,
+            "mode": self.mode,
+            "layout": snap.layout,
+            "dtype": snap.dtype,
+            "length": str(snap.length),
+            "batch": str(snap.batch),
+            "geometry": json.dumps(snap.geometry),
+            "layout_extra": json.dumps(snap.extra),
+            "extra": json.dumps(extra or {}),
+        }
+        tensors = {k: t.contiguous().cpu() for k, t in snap.tensors.items()}
+        try:
+            save_file(tensors, str(path), metadata=meta)
+        except OSError as exc:
+            raise CacheFileError(f"cannot write cache file {path}: {exc}") from exc
+
+    def load(self, path: str | Path, fingerprint: str) -> dict:
+        """Restore from a file written by save(); returns the caller's `extra` dict."""
+        snap, meta = read_cache_file(path)
+        if meta["fingerprint"] != fingerprint:
+            raise CacheFileError(
+                f"{path} was saved from another model (fingerprint {meta['fingerprint']}, "
+                f"this model {fingerprint})"
+            )
+        snap.tensors = {k: t.to(self.spec.device) for k, t in snap.tensors.items()}
+        self.restore(snap)
+        return meta["extra"]
+
+    def _check_compatible(self, snap: CacheSnapshot) -> None:
+        if snap.layout != self.layout:
+            raise CacheFileError(f"a {snap.layout} cache cannot be restored into --kv {self.mode}")
+        if snap.dtype != dtype_name(self.spec.dtype):
+            raise CacheFileError(
+                f"the cache holds {snap.dtype} values but this cache stores "
+                f"{dtype_name(self.spec.dtype)} (use the same --kv-dtype)"
+            )
+        if snap.geometry != self.spec.geometry():
+            raise CacheFileError(
+                f"cache shape {snap.geometry} does not match this model's {self.spec.geometry()}"
+            )
+        if snap.extra != self._layout_extra():
+            raise CacheFileError(
+                f"cache layout {snap.extra} does not match this cache's {self._layout_extra()}"
+            )
+        if snap.length > self.capacity:
+            raise CacheFileError(
+                f"the cache holds {snap.length} tokens, more than this cache's capacity of "
+                f"{self.capacity} (raise --max-context)"
+            )
+
+    # ------------------------------------------------------------------ accounting
 
     @property
     @abstractmethod
     def nbytes(self) -> int:
         """Bytes of K/V storage this cache holds right now (allocated, not just used)."""
 
+    @classmethod
+    @abstractmethod
+    def planned_nbytes(cls, spec: CacheSpec, tokens: int, batch: int) -> int:
+        """Bytes this mode allocates for `batch` sequences of `tokens` tokens each."""
+
+    # ------------------------------------------------------------------ per-mode hooks
+
     @abstractmethod
     def _begin(self, n_new: int) -> CacheStep: ...
+
+    @abstractmethod
+    def _export(self) -> dict[str, torch.Tensor]:
+        """The held contents as raw tensors (views are fine: snapshot() clones)."""
+
+    @abstractmethod
+    def _import(self, tensors: dict[str, torch.Tensor], length: int) -> None:
+        """Load contents of `length` tokens for `self.batch` rows into an empty cache."""
+
+    @abstractmethod
+    def _fork(self, n: int) -> None: ...
 
     def _commit(self, step: CacheStep) -> None:  # noqa: B027 - most modes write in update()
         pass
@@ -189,5 +368,71 @@ class KVCache(ABC):
     def _truncate(self, length: int) -> None:  # noqa: B027 - a counter move is enough for most
         pass
 
+    def _release(self) -> None:  # noqa: B027 - only pools and growable caches give memory back
+        pass
+
+    def _check_rollback(self, n: int) -> None:  # noqa: B027 - every token is kept by most
+        pass
+
+    def _layout_extra(self) -> dict[str, int]:
+        return {}
+
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.num_tokens}/{self.capacity} tokens, {self.nbytes} B>"
+        return (
+            f"<{type(self).__name__} {self.batch}x{self.num_tokens}/{self.capacity} tokens, "
+            f"{self.nbytes} B>"
+        )
+
+
+def read_cache_file(path: str | Path) -> tuple[CacheSnapshot, dict]:
+    """Parse and check a cache file; every problem is a CacheFileError with the reason."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise CacheFileError(f"cache file not found: {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    except Exception as exc:  # safetensors raises its own error types on corrupt headers
+        raise CacheFileError(f"{path} is not a readable cache file ({exc})") from exc
+    if meta.get("format") != CACHE_FILE_FORMAT:
+        raise CacheFileError(f"{path} is not a kvlm cache file (format {meta.get('format')!r})")
+    try:
+        snap = CacheSnapshot(
+            layout=meta["layout"],
+            dtype=meta["dtype"],
+            length=int(meta["length"]),
+            batch=int(meta["batch"]),
+            geometry=json.loads(meta["geometry"]),
+            tensors=tensors,
+            extra=json.loads(meta["layout_extra"]),
+        )
+        parsed = {"fingerprint": meta["fingerprint"], "mode": meta["mode"]}
+        parsed["extra"] = json.loads(meta["extra"])
+    except (KeyError, ValueError) as exc:
+        raise CacheFileError(f"{path} has damaged metadata ({exc})") from exc
+    _check_tensor_shapes(path, snap)
+    return snap, parsed
+
+
+def _check_tensor_shapes(path: Path, snap: CacheSnapshot) -> None:
+    g = snap.geometry
+    values = snap.tensors.get("values")
+    if snap.layout == "dense":
+        want = (g["layers"], 2, snap.batch, g["kv_heads"], snap.length, g["head_dim"])
+    else:
+        want = (g["layers"], 2, snap.batch, g["kv_heads"], -1, g["head_dim"])
+    ok = values is not None and values.dim() == 6
+    ok = ok and all(w in (-1, s) for w, s in zip(want, values.shape, strict=True))
+    scales = snap.tensors.get("scales")
+    ok = ok and (scales is None or tuple(scales.shape) == tuple(values.shape[:-1]))
+    ok = ok and (scales is not None) == (snap.dtype == "int8")
+    if not ok:
+        shape = None if values is None else tuple(values.shape)
+        raise CacheFileError(f"{path} is damaged: tensor shape {shape} does not match {want}")
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return math.ceil(tokens / block_size)

@@ -1,6 +1,7 @@
 """`contiguous`: one preallocated, zero-filled, head-major buffer and a position counter.
 
-    buffer: (layers, 2, batch, kv_heads, max_tokens, head_dim)      2 = K, V
+    values: (layers, 2, batch, kv_heads, max_tokens, head_dim)      2 = K, V
+            (int8: plus one fp16 scale per token and head, see kvlm.cache.storage)
 
     layer l, K, one sequence, one kv head:
       slot  0    1    2   ...  n-1 | n  ...  max_tokens-1
@@ -17,25 +18,32 @@ from __future__ import annotations
 
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep, KVCache
+from kvlm.cache.base import CacheSpec, CacheStep, KVCache, causal_mask
+from kvlm.cache.storage import Store
+
+ALL = slice(None)
 
 
 class _ContiguousStep(CacheStep):
-    def __init__(self, cache: ContiguousCache, start: int, n_new: int) -> None:
-        super().__init__(cache.spec, start, n_new, n_keys=start + n_new)
-        self.buffer = cache.buffer
+    def __init__(self, cache: ContiguousCache, n_new: int) -> None:
+        start = cache.num_tokens
+        spec = cache.spec
+        mask, causal = causal_mask(start, n_new, start + n_new, spec.sliding_window, spec.device)
+        super().__init__(start, n_new, cache.batch, spec.device, mask, causal)
+        self.store = cache.store
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        t0, t1 = self.start, self.start + self.n_new
-        kv = self.buffer[layer]  # (2, B, Hkv, max_tokens, D)
-        kv[0, :, :, t0:t1] = k
-        kv[1, :, :, t0:t1] = v
-        k_all, v_all = kv[0, :, :, :t1], kv[1, :, :, :t1]  # views, no copy
-        if k_all.dtype != k.dtype:  # a cache dtype narrower than the compute dtype
-            return k_all.to(k.dtype), v_all.to(v.dtype)
-        return k_all, v_all
+        new = slice(self.start, self.start + self.n_new)
+        seen = slice(0, self.start + self.n_new)
+        self.store.put((layer, 0, ALL, ALL, new), k)
+        self.store.put((layer, 1, ALL, ALL, new), v)
+        # views when the storage dtype is the compute dtype; dequantized/cast copies otherwise
+        return (
+            self.store.get((layer, 0, ALL, ALL, seen), k.dtype),
+            self.store.get((layer, 1, ALL, ALL, seen), v.dtype),
+        )
 
 
 class ContiguousCache(KVCache):
@@ -43,19 +51,39 @@ class ContiguousCache(KVCache):
 
     def __init__(self, spec: CacheSpec) -> None:
         super().__init__(spec)
-        shape = (
-            spec.num_layers,
-            2,
-            spec.batch,
-            spec.num_kv_heads,
-            spec.max_tokens,
-            spec.head_dim,
-        )
-        self.buffer = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+        self.store = self._allocate(spec.batch)
+
+    def _allocate(self, batch: int) -> Store:
+        s = self.spec
+        shape = (s.num_layers, 2, batch, s.num_kv_heads, s.max_tokens, s.head_dim)
+        return Store(shape, s.dtype, s.device)
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+        return self.store.nbytes
+
+    @classmethod
+    def planned_nbytes(cls, spec: CacheSpec, tokens: int, batch: int) -> int:
+        return batch * spec.max_tokens * spec.bytes_per_token  # preallocated, whatever is used
 
     def _begin(self, n_new: int) -> CacheStep:
-        return _ContiguousStep(self, self.num_tokens, n_new)
+        return _ContiguousStep(self, n_new)
+
+    def _fork(self, n: int) -> None:
+        old = self.store
+        self.store = self._allocate(self.batch * n)
+        held = (ALL, ALL, ALL, ALL, slice(0, self.num_tokens))
+        raw = {k: t.repeat_interleave(n, dim=2) for k, t in old.raw(held).items()}
+        self.store.put_raw(held, raw)
+
+    def _release(self) -> None:
+        if self.store.values.shape[2] != self.spec.batch:  # shrink back after a fork
+            self.store = self._allocate(self.spec.batch)
+
+    def _export(self) -> dict[str, torch.Tensor]:
+        return self.store.raw((ALL, ALL, ALL, ALL, slice(0, self.num_tokens)))
+
+    def _import(self, tensors: dict[str, torch.Tensor], length: int) -> None:
+        if self.store.values.shape[2] != self.batch:
+            self.store = self._allocate(self.batch)
+        self.store.put_raw((ALL, ALL, ALL, ALL, slice(0, length)), tensors)

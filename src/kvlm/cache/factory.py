@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import torch
+
 from kvlm.cache.base import CacheSpec, KVCache
 from kvlm.cache.basic import BasicCache
 from kvlm.cache.contiguous import ContiguousCache
 from kvlm.cache.off import OffCache
+from kvlm.cache.paged import Int8PagedCache, PagedCache
+from kvlm.cache.window import WindowCache
 from kvlm.errors import InvalidRequestError
 
 CACHE_MODES: dict[str, type[KVCache]] = {
     "off": OffCache,
     "basic": BasicCache,
     "contiguous": ContiguousCache,
+    "paged": PagedCache,
+    "int8": Int8PagedCache,
+    "window": WindowCache,
 }
+# Modes whose attention equals full attention over the whole sequence, bit for bit in the
+# stored dtype (int8 quantizes; window drops what falls out of it).
+EXACT_MODES = ("off", "basic", "contiguous", "paged")
 
 
 def check_mode(mode: str) -> type[KVCache]:
@@ -24,5 +36,15 @@ def check_mode(mode: str) -> type[KVCache]:
     return cls
 
 
+def mode_spec(mode: str, spec: CacheSpec) -> CacheSpec:
+    """The spec a mode really runs with (`int8` always stores int8)."""
+    return replace(spec, dtype=torch.int8) if mode == "int8" else spec
+
+
 def create_cache(mode: str, spec: CacheSpec) -> KVCache:
-    return check_mode(mode)(spec)
+    return check_mode(mode)(mode_spec(mode, spec))
+
+
+def planned_nbytes(mode: str, spec: CacheSpec, tokens: int, batch: int) -> int:
+    """What a cache of this mode allocates for `batch` sequences of `tokens` tokens."""
+    return check_mode(mode).planned_nbytes(mode_spec(mode, spec), tokens, batch)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlm.cache.base import CacheStep, KVCache
+from kvlm.cache.base import CacheFileError, CacheSpec, CacheStep, KVCache, causal_mask
 
 
 class _OffStep(CacheStep):
@@ -25,8 +25,22 @@ class OffCache(KVCache):
     def nbytes(self) -> int:
         return 0
 
+    @classmethod
+    def planned_nbytes(cls, spec: CacheSpec, tokens: int, batch: int) -> int:
+        return 0
+
     def _begin(self, n_new: int) -> CacheStep:
-        return _OffStep(self.spec, start=0, n_new=n_new, n_keys=n_new)
+        mask, causal = causal_mask(0, n_new, n_new, self.spec.sliding_window, self.spec.device)
+        return _OffStep(0, n_new, self.batch, self.spec.device, mask, causal)
 
     def commit(self, step: CacheStep) -> None:
         """Nothing is kept, so the caller feeds the full sequence again next time."""
+
+    def _fork(self, n: int) -> None:
+        pass  # nothing stored; the caller feeds each row's full sequence
+
+    def _export(self) -> dict[str, torch.Tensor]:
+        raise CacheFileError("--kv off keeps no cache: there is nothing to save or snapshot")
+
+    def _import(self, tensors: dict[str, torch.Tensor], length: int) -> None:
+        raise CacheFileError("--kv off keeps no cache: it cannot be restored into")

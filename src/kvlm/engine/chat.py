@@ -1,4 +1,4 @@
-"""A conversation that keeps its KV cache between turns.
+"""A conversation that keeps its KV cache between turns, and can be saved and resumed.
 
 Each turn renders the whole conversation with the chat template, keeps the longest
 prefix the cache already holds, rolls back the rest, and prefills only the new tokens:
@@ -6,16 +6,22 @@ prefix the cache already holds, rolls back the rest, and prefills only the new t
     turn 1 cache: [system][user 1][assistant 1 .. last sampled token not yet fed]
     turn 2 ids:   [system][user 1][assistant 1<|im_end|>][user 2][assistant header]
                   |<------ shared, kept ------>|<- rolled back and re-fed from here ->|
+
+Without a template (`use_template=False`) a turn's text is appended to the token history.
+save()/load() write the cache with the history and messages, so a later process resumes
+the conversation without recomputing its prefix.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
-from kvlm.cache import KVCache
+from kvlm.cache import CacheFileError, KVCache
 from kvlm.engine.generate import Generation
 from kvlm.engine.runner import ModelRunner
 from kvlm.engine.sampling import SamplingParams
+from kvlm.errors import InvalidRequestError
 from kvlm.loading.tokenizer import Tokenizer
 
 
@@ -28,28 +34,48 @@ class ChatSession:
         params: SamplingParams,
         system: str | None = None,
         vocab_size: int | None = None,
+        use_template: bool = True,
+        prefill_chunk: int | None = None,
     ) -> None:
+        if params.n != 1:
+            raise InvalidRequestError("a conversation continues one sample: use n=1")
         self.runner = runner
         self.tokenizer = tokenizer
         self.cache = cache
         self.params = params
         self.vocab_size = vocab_size
+        self.use_template = use_template
+        self.prefill_chunk = prefill_chunk
         self.messages: list[dict[str, str]] = []
-        if system:
+        if system and use_template:
             self.messages.append({"role": "system", "content": system})
-        self.cached_ids: list[int] = []  # exactly the tokens whose K/V the cache holds
+        self.history: list[int] = []  # every token so far, the last sampled one included
         cache.reset()
         self._turn: Generation | None = None
 
-    def send(self, user_text: str) -> Generation:
+    @property
+    def cached_ids(self) -> list[int]:
+        """Exactly the tokens whose K/V the cache holds."""
+        return self.history[: self.cache.num_tokens]
+
+    def send(self, text: str) -> Generation:
         """Start a turn; iterate the returned Generation for the reply's text."""
         self._settle()
-        self.messages.append({"role": "user", "content": user_text})
-        ids = self.tokenizer.encode_chat(self.messages)
+        if self.use_template:
+            self.messages.append({"role": "user", "content": text})
+            ids = self.tokenizer.encode_chat(self.messages)
+        else:
+            ids = self.history + self.tokenizer.encode(text, add_special_tokens=not self.history)
         keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)
-        self.cache.rollback(self.cache.num_tokens - min(keep, self.cache.num_tokens))
+        self.cache.rollback(self.cache.num_tokens - keep)
         self._turn = Generation(
-            self.runner, self.tokenizer, self.cache, ids, self.params, vocab_size=self.vocab_size
+            self.runner,
+            self.tokenizer,
+            self.cache,
+            ids,
+            self.params,
+            vocab_size=self.vocab_size,
+            prefill_chunk=self.prefill_chunk,
         )
         return self._turn
 
@@ -58,8 +84,31 @@ class ChatSession:
         turn, self._turn = self._turn, None
         if turn is None:
             return
-        self.cached_ids = turn.tokens[: self.cache.num_tokens]
-        self.messages.append({"role": "assistant", "content": turn.output.text})
+        self.history = list(turn.tokens)
+        if self.use_template:
+            self.messages.append({"role": "assistant", "content": turn.output.text})
+
+    def save(self, path: str | Path, fingerprint: str) -> None:
+        self._settle()
+        extra = {"kind": "chat" if self.use_template else "text", "history": self.history}
+        if self.use_template:
+            extra["messages"] = self.messages
+        self.cache.save(path, fingerprint, extra)
+
+    def load(self, path: str | Path, fingerprint: str) -> None:
+        extra = self.cache.load(path, fingerprint)
+        kind = "chat" if self.use_template else "text"
+        if extra.get("kind") != kind:
+            raise CacheFileError(
+                f"{path} holds a {extra.get('kind')!r} conversation; this one is {kind!r} "
+                "(use the same --chat/--no-chat)"
+            )
+        history = extra.get("history")
+        if not isinstance(history, list) or len(history) < self.cache.num_tokens:
+            raise CacheFileError(f"{path} has no usable token history")
+        self.history = [int(t) for t in history]
+        self.messages = list(extra.get("messages") or [])
+        self._turn = None
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

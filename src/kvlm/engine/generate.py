@@ -1,9 +1,14 @@
-"""One request on one cache: the prefill-then-decode loop, streaming, and stop conditions.
+"""One request on one cache: prefill, fan-out to n samples, decode, stream, stop.
 
-Every iteration feeds `tokens[cache.num_tokens:]`. After a prefill that is one token, so
-the loop is "prefill, then decode" for every cache that keeps state, and "recompute
-everything" for `off`, whose cache always reports zero tokens. The loop itself never
-knows which mode it is running.
+Every step feeds each row's `tokens[cache.num_tokens:]`. After a prefill that is one token
+per row, so the loop is "prefill, then decode" for every cache that keeps state, and
+"recompute everything" for `off`, whose cache always reports zero tokens. The loop never
+knows which mode it runs.
+
+n > 1 samples (the nanochat fan-out): the prompt is prefilled once, n first tokens are
+drawn from its logits, then `cache.fork(n)` turns the one sequence into n that share the
+prompt (paged: the same blocks) and they decode in lockstep. A sample that finishes keeps
+feeding its last token so the rows stay the same length; its output stops growing.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from kvlm.cache import KVCache
 from kvlm.engine.metrics import Metrics
@@ -22,27 +29,62 @@ from kvlm.loading.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)
-class RequestOutput:
-    """The result of one request: generated ids and text, why it ended, and its timings."""
+class CompletionOutput:
+    """One sample of a request."""
 
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None  # "stop" (EOS or stop string) | "length" | None while running
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
     logprobs: list[TokenLogprob] | None = None
-    metrics: Metrics = field(default_factory=Metrics)
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "prompt_tokens": len(self.prompt_token_ids),
-            "completion_tokens": len(self.token_ids),
+            "index": self.index,
             "token_ids": self.token_ids,
             "text": self.text,
             "finish_reason": self.finish_reason,
             "logprobs": None if self.logprobs is None else [lp.to_dict() for lp in self.logprobs],
+        }
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The result of one request. `token_ids`, `text`, `finish_reason` and `logprobs` are
+    the first sample's; `outputs` holds all n."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: Metrics = field(default_factory=Metrics)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.outputs[0].logprobs
+
+    def to_dict(self) -> dict[str, Any]:
+        first = self.outputs[0].to_dict()
+        record = {
+            "prompt_tokens": len(self.prompt_token_ids),
+            "completion_tokens": len(self.token_ids),
+            **{k: first[k] for k in ("token_ids", "text", "finish_reason", "logprobs")},
             "metrics": self.metrics.to_dict(),
         }
+        if len(self.outputs) > 1:
+            record["samples"] = [o.to_dict() for o in self.outputs]
+        return record
 
 
 class StopText:
@@ -90,11 +132,49 @@ class StopText:
         return out
 
 
-class Generation:
-    """Iterate for text deltas as tokens are produced; `output` holds the result.
+class _Sample:
+    """One row's decoding state."""
 
-    The cache must hold a prefix of `prompt_ids` (nothing, for a fresh request); the
-    caller owns that invariant (LLM resets, a chat session rolls back to the shared part).
+    def __init__(self, index: int, prompt_ids: Sequence[int], gen: Generation) -> None:
+        self.seq = list(prompt_ids)  # what this row has fed and will feed (lockstep)
+        self.out = CompletionOutput(index, logprobs=[] if gen.params.logprobs is not None else None)
+        self.decoder = gen.tokenizer.decode_stream(skip_special_tokens=True)
+        self.stop = StopText(gen.params.stop)
+        self.gen = gen
+
+    @property
+    def done(self) -> bool:
+        return self.out.finish_reason is not None
+
+    def accept(self, token: int, logits: torch.Tensor) -> str:
+        """Record a sampled token; return the text now safe to show."""
+        gen, out = self.gen, self.out
+        self.seq.append(token)
+        out.token_ids.append(token)
+        if out.logprobs is not None:
+            out.logprobs.append(token_logprob(logits, token, gen.params.logprobs or 0))
+        piece = self.decoder.step(gen.tokenizer.backend, token)
+        delta = self.stop.push(piece) if piece else ""
+        out.text = self.stop.text  # kept current, so an interrupted turn still has its text
+        if token in gen.stop_ids or self.stop.stopped:
+            out.finish_reason = "stop"
+        elif len(out.token_ids) >= gen.params.max_tokens:
+            out.finish_reason = "length"
+        return delta
+
+    def finish(self) -> str:
+        tail = self.stop.flush()
+        self.out.text = self.stop.text
+        return tail
+
+
+class Generation:
+    """Iterate for the first sample's text deltas as tokens are produced; `output` holds the
+    result. All n samples run; only sample 0 streams.
+
+    The cache must hold a prefix of `prompt_ids` (nothing, for a fresh request), for one
+    sequence; the caller owns that (LLM resets, a chat session rolls back to the shared
+    part, a resumed conversation loads a file).
     """
 
     def __init__(
@@ -106,8 +186,11 @@ class Generation:
         params: SamplingParams,
         prompt: str | None = None,
         vocab_size: int | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         _check_prompt(prompt_ids, vocab_size)
+        if cache.batch != 1:
+            raise InvalidRequestError("a request starts from a cache holding one sequence")
         if cache.num_tokens >= len(prompt_ids):
             raise InvalidRequestError("the cache already holds the whole prompt; roll it back")
         if cache.would_overflow(len(prompt_ids) - cache.num_tokens):
@@ -115,58 +198,77 @@ class Generation:
                 f"the prompt has {len(prompt_ids)} tokens but the cache holds at most "
                 f"{cache.capacity} (raise --max-context, up to the model's limit)"
             )
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise InvalidRequestError("prefill_chunk must be >= 1")
         self.runner = runner
         self.tokenizer = tokenizer
         self.cache = cache
         self.params = params
-        self.tokens: list[int] = list(prompt_ids)  # prompt + generated, grows as we go
+        self.prefill_chunk = prefill_chunk
+        self.stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self.stop_ids.update(tokenizer.eos_token_ids)
+        self.samples = [_Sample(i, prompt_ids, self) for i in range(params.n)]
         self.output = RequestOutput(
             prompt=prompt,
             prompt_token_ids=list(prompt_ids),
-            token_ids=[],
-            text="",
-            finish_reason=None,
-            logprobs=[] if params.logprobs is not None else None,
+            outputs=[s.out for s in self.samples],
         )
         self.output.metrics.prompt_tokens = len(prompt_ids)
         self.output.metrics.prefill_tokens = len(prompt_ids) - cache.num_tokens
-        self._stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            self._stop_ids.update(tokenizer.eos_token_ids)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The first sample's sequence: prompt and generated tokens so far."""
+        return self.samples[0].seq
 
     def __iter__(self) -> Iterator[str]:
-        out, params, cache = self.output, self.params, self.cache
-        sampler = Sampler(params, self.runner.device)
-        decoder = self.tokenizer.decode_stream(skip_special_tokens=True)
-        text = StopText(params.stop)
-        while out.finish_reason is None:
-            pending = self.tokens[cache.num_tokens :]
-            if out.token_ids and cache.would_overflow(len(pending)):
-                out.finish_reason = "length"  # context full: end, as max_tokens would
-                break
-            t0 = time.perf_counter()
-            logits = self.runner.forward(pending, cache)
-            out.metrics.record_forward(time.perf_counter() - t0)
-            token = sampler(logits)
-            out.metrics.record_token()
-            self.tokens.append(token)
-            out.token_ids.append(token)
-            if out.logprobs is not None:
-                out.logprobs.append(token_logprob(logits, token, params.logprobs or 0))
-            piece = decoder.step(self.tokenizer.backend, token)
-            delta = text.push(piece) if piece else ""
-            out.text = text.text  # kept current, so an interrupted turn still has its text
-            if token in self._stop_ids or text.stopped:
-                out.finish_reason = "stop"
-            elif len(out.token_ids) >= params.max_tokens:
-                out.finish_reason = "length"
-            if delta:
+        sampler = Sampler(self.params, self.runner.device)
+        logits = self._prefill()
+        for sample in self.samples:  # n first tokens from the one prefill
+            delta = sample.accept(sampler(logits[0]), logits[0])
+            if sample.out.index == 0 and delta:
                 yield delta
-        tail = text.flush()
-        if tail:
-            yield tail
-        out.text = text.text
-        out.metrics.finish()
+        self.output.metrics.record_token(len(self.samples))
+        self.cache.fork(len(self.samples))
+        while not all(s.done for s in self.samples):
+            rows = [s.seq[self.cache.num_tokens :] for s in self.samples]
+            if self.cache.would_overflow(len(rows[0])):
+                for s in self.samples:  # context full: end, as max_tokens would
+                    s.out.finish_reason = s.out.finish_reason or "length"
+                break
+            logits = self._forward(rows)
+            live = [s for s in self.samples if not s.done]
+            for s in self.samples:
+                if s.done:  # keep the rows in lockstep; nothing is recorded
+                    s.seq.append(s.seq[-1])
+                    continue
+                delta = s.accept(sampler(logits[s.out.index]), logits[s.out.index])
+                if s.out.index == 0 and delta:
+                    yield delta
+            self.output.metrics.record_token(len(live))
+        for s in self.samples:
+            tail = s.finish()
+            if s.out.index == 0 and tail:
+                yield tail
+        self.output.metrics.finish()
+
+    def _prefill(self) -> torch.Tensor:
+        """Feed the prompt (in chunks of prefill_chunk) and return the last logits (1, V)."""
+        pending = self.samples[0].seq[self.cache.num_tokens :]
+        chunk = self.prefill_chunk or len(pending)
+        if self.cache.mode == "off":
+            chunk = len(pending)  # nothing is kept between forwards: chunks cannot help
+        logits = None
+        for start in range(0, len(pending), chunk):
+            logits = self._forward([pending[start : start + chunk]])
+        return logits
+
+    def _forward(self, rows: list[list[int]]) -> torch.Tensor:
+        t0 = time.perf_counter()
+        logits = self.runner.forward_rows(rows, self.cache)
+        self.output.metrics.record_forward(time.perf_counter() - t0)
+        return logits
 
     def run(self) -> RequestOutput:
         for _ in self:

@@ -17,28 +17,32 @@ class Metrics:
     _first: float | None = field(default=None, repr=False)
     _last: float | None = field(default=None, repr=False)
     _tokens: int = field(default=0, repr=False)
+    _first_count: int = field(default=0, repr=False)
 
     def record_forward(self, seconds: float) -> None:
         self.per_forward_ms.append(seconds * 1000.0)
 
-    def record_token(self) -> None:
+    def record_token(self, count: int = 1) -> None:
+        """`count` tokens (one per live sample) came out of the latest step."""
         now = time.perf_counter()
         if self._first is None:
             self._first = now
+            self._first_count = count
             self.ttft_ms = (now - self._start) * 1000.0
         self._last = now
-        self._tokens += 1
+        self._tokens += count
 
     def finish(self) -> None:
         self.total_ms = (time.perf_counter() - self._start) * 1000.0
 
     @property
     def decode_tokens_per_s(self) -> float:
-        """Tokens after the first, over the time since the first (prefill excluded)."""
-        if self._tokens < 2 or self._first is None or self._last is None:
+        """Tokens after the first step's, over the time since it (prefill excluded); with n
+        samples, all of them together."""
+        if self._first is None or self._last is None or self._tokens <= self._first_count:
             return 0.0
         elapsed = self._last - self._first
-        return (self._tokens - 1) / elapsed if elapsed > 0 else 0.0
+        return (self._tokens - self._first_count) / elapsed if elapsed > 0 else 0.0
 
     @property
     def prefill_tokens_per_s(self) -> float:

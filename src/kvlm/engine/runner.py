@@ -1,4 +1,4 @@
-"""ModelRunner: feeds tokens through the model and one cache step, and times it."""
+"""ModelRunner: feeds token rows through the model and one cache step."""
 
 from __future__ import annotations
 
@@ -16,17 +16,24 @@ class ModelRunner:
         self.device = model.device
 
     @torch.inference_mode()
-    def forward(self, token_ids: Sequence[int], cache: KVCache) -> torch.Tensor:
-        """Run `token_ids` after what `cache` holds; return the last position's logits (V,).
+    def forward_rows(self, rows: Sequence[Sequence[int]], cache: KVCache) -> torch.Tensor:
+        """Run each row's tokens after what `cache` holds for that row (one row per cached
+        sequence, all the same length); return each row's last logits, (B, V).
 
         The cache commits the tokens only if the whole forward succeeded.
         """
-        step = cache.begin(len(token_ids))  # raises on overflow before any write
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        with self.model.step_context(cache.spec.batch * len(token_ids)):
-            logits = self.model(ids.expand(cache.spec.batch, -1), step.positions, step)
+        if len(rows) != cache.batch or len({len(r) for r in rows}) != 1:
+            raise ValueError(f"need {cache.batch} rows of one length, got {[len(r) for r in rows]}")
+        step = cache.begin(len(rows[0]))  # raises on overflow before any write
+        ids = torch.tensor(rows, dtype=torch.long, device=self.device)
+        with self.model.step_context(ids.numel()):
+            logits = self.model(ids, step.positions, step)
         cache.commit(step)
-        return logits[0, -1]
+        return logits[:, -1]
+
+    def forward(self, token_ids: Sequence[int], cache: KVCache) -> torch.Tensor:
+        """One sequence: its last logits, (V,)."""
+        return self.forward_rows([token_ids], cache)[0]
 
     @torch.inference_mode()
     def logits(self, token_ids: Sequence[int], cache: KVCache) -> torch.Tensor:

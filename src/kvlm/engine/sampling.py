@@ -10,6 +10,7 @@ import torch
 from kvlm.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # as OpenAI's API
+MAX_SAMPLES = 64
 
 
 @dataclass(slots=True)
@@ -25,6 +26,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # how many top alternatives to report per token
+    n: int = 1  # samples of the prompt, decoded together from one prefill
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,6 +44,9 @@ class SamplingParams:
             f"logprobs must be between 0 and {MAX_LOGPROBS}",
         )
         _check(self.seed is None or isinstance(self.seed, int), "seed must be an integer")
+        _check(
+            isinstance(self.n, int) and 1 <= self.n <= MAX_SAMPLES, f"n must be 1..{MAX_SAMPLES}"
+        )
 
     @property
     def greedy(self) -> bool:

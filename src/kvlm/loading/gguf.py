@@ -17,6 +17,7 @@ import torch
 
 from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError, UnsupportedModelError
+from kvlm.loading.weights import fingerprint_of
 
 try:
     import gguf
@@ -109,6 +110,12 @@ class GGUFWeights:
 
     def names(self) -> list[str]:
         return list(self._tensors)
+
+    def fingerprint(self) -> str:
+        """Config + the raw bytes of the final norm and the first 4 KiB of the embedding."""
+        raw = [self._tensors[n] for n in ("model.norm.weight", "model.embed_tokens.weight")]
+        config = replace(self.config, name="")  # the file name is not the model
+        return fingerprint_of(config, *(np.asarray(t.data).tobytes()[:4096] for t in raw))
 
     def get(self, name: str) -> torch.Tensor:
         t = self._tensors[name]

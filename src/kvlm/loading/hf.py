@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from safetensors import safe_open
 
 from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError
+from kvlm.loading.weights import fingerprint_of
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -47,11 +49,22 @@ class SafetensorsWeights:
     def names(self) -> list[str]:
         return list(self._where)
 
+    def fingerprint(self) -> str:
+        """Config + the final norm and the first rows of the embedding, as stored."""
+        config = replace(self.config, name="")
+        norm = self.get("model.norm.weight")
+        embed = self._where["model.embed_tokens.weight"].get_slice("model.embed_tokens.weight")
+        return fingerprint_of(config, _bytes(norm), _bytes(embed[:8]))
+
     def get(self, name: str) -> torch.Tensor:
         try:
             return self._where[name].get_tensor(name)
         except Exception as exc:
             raise ModelLoadError(f"cannot read tensor {name}: {exc}") from exc
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def _with_generation_eos(folder: Path, cfg: dict[str, Any]) -> dict[str, Any]:

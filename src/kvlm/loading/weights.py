@@ -18,3 +18,20 @@ class WeightSource(Protocol):
     def names(self) -> list[str]: ...
 
     def get(self, name: str) -> torch.Tensor: ...
+
+    def fingerprint(self) -> str:
+        """A short hash that tells this model's weights from another's (cache files)."""
+        ...
+
+
+def fingerprint_of(config: object, *chunks: bytes) -> str:
+    """sha256 of the config and a few raw weight bytes: cheap, and independent of the dtype
+    the model is later run in."""
+    import hashlib
+    import json
+    from dataclasses import asdict
+
+    h = hashlib.sha256(json.dumps(asdict(config), sort_keys=True, default=str).encode())
+    for chunk in chunks:
+        h.update(chunk)
+    return h.hexdigest()[:16]

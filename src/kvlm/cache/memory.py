@@ -1,0 +1,136 @@
+"""The memory planner behind `kvlm memory`: what a cache costs, before allocating it.
+
+The figures come from each mode's own planned_nbytes(), the same accounting its nbytes
+reports once allocated (tests/test_cache.py and tests/test_memory.py check the two agree),
+generalising Akunu's table: any model config, any mode, any storage dtype.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvlm.cache.base import CacheSpec
+from kvlm.cache.factory import mode_spec, planned_nbytes
+from kvlm.config import ModelConfig
+from kvlm.dtypes import dtype_name
+from kvlm.errors import InvalidRequestError
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 1000, "m": 2**20, "mib": 2**20,
+          "mb": 10**6, "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40,
+          "tb": 10**12}  # fmt: skip
+
+
+@dataclass(slots=True)
+class MemoryPlan:
+    mode: str
+    kv_dtype: str
+    context: int
+    batch: int
+    bytes_per_token: int  # per sequence, all layers, K and V, scales included
+    bytes_per_sequence: int  # what one sequence of `context` tokens allocates in this mode
+    total_bytes: int  # `batch` such sequences
+    weight_bytes: int  # the model's weights at the compute dtype
+    budget_bytes: int | None
+    sequences_in_budget: int | None  # how many sequences of `context` tokens fit the budget
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def parse_size(text: str) -> int:
+    """'8GiB', '512MB', '1.5g', '2e9' -> bytes."""
+    t = text.strip().lower().replace(" ", "")
+    number = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(number) :]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value < 0:
+        raise InvalidRequestError(f"cannot read the size {text!r} (examples: 8GiB, 512MB, 2e9)")
+    return int(value * _UNITS[unit])
+
+
+def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    c = config
+    q = c.num_heads * c.head_dim
+    kv = c.num_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+    per_layer += 2 * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)
+    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    params = c.num_layers * per_layer + embeddings + c.hidden_size
+    return params * torch.empty((), dtype=dtype).element_size()
+
+
+def available_memory() -> int | None:
+    """Bytes the OS could give this process now (Linux: MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def plan(
+    config: ModelConfig,
+    mode: str,
+    context: int,
+    batch: int,
+    kv_dtype: torch.dtype,
+    compute_dtype: torch.dtype = torch.float32,
+    budget: int | None = None,
+    **sizes: int | None,
+) -> MemoryPlan:
+    """`sizes`: block_size, num_blocks, window, sinks (as CacheSpec)."""
+    if batch < 1:
+        raise InvalidRequestError("batch must be >= 1")
+    spec = mode_spec(mode, CacheSpec.for_model(config, context, kv_dtype, **sizes))
+    per_seq = planned_nbytes(mode, spec, context, 1)
+    weights = weight_bytes(config, compute_dtype)
+    if budget is None:
+        free = available_memory()
+        budget = None if free is None else max(0, free - weights)
+    fits = None if budget is None or per_seq == 0 else budget // per_seq
+    return MemoryPlan(
+        mode=mode,
+        kv_dtype=dtype_name(spec.dtype),
+        context=context,
+        batch=batch,
+        bytes_per_token=spec.bytes_per_token,
+        bytes_per_sequence=per_seq,
+        total_bytes=planned_nbytes(mode, spec, context, batch),
+        weight_bytes=weights,
+        budget_bytes=budget,
+        sequences_in_budget=fits,
+    )
+
+
+def table(config: ModelConfig, context: int, batch: int, **sizes: int | None) -> list[dict]:
+    """Every mode x storage dtype for one workload: the generalised Akunu table."""
+    rows = []
+    for mode, dtype in TABLE_ROWS:
+        spec = mode_spec(mode, CacheSpec.for_model(config, context, dtype, **sizes))
+        rows.append(
+            {
+                "mode": mode,
+                "kv_dtype": dtype_name(spec.dtype),
+                "bytes_per_token": spec.bytes_per_token if mode != "off" else 0,
+                "total_bytes": planned_nbytes(mode, spec, context, batch),
+            }
+        )
+    return rows
+
+
+F32, BF16, I8 = torch.float32, torch.bfloat16, torch.int8
+TABLE_ROWS = [("off", F32), ("basic", F32), ("basic", BF16), ("contiguous", F32),
+              ("contiguous", BF16), ("contiguous", I8), ("paged", F32), ("paged", BF16),
+              ("int8", I8), ("window", F32), ("window", BF16), ("window", I8)]  # fmt: skip

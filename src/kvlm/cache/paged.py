@@ -1,0 +1,260 @@
+"""`paged`: a pool of fixed-size blocks, per-sequence block tables, reference counts.
+
+    pool values: (layers, 2, num_blocks, kv_heads, block_size, head_dim)
+
+    sequence 0 table: [ 7 | 2 | 9 ]      block_size 4, 10 tokens: 9 is partial
+    sequence 1 table: [ 7 | 2 | 4 ]      forked from 0: shares 7 and 2 (ref 2 each)
+
+    block 7: [t0 t1 t2 t3]  block 2: [t4 t5 t6 t7]  block 9: [t8 t9 .  .]  <- partial,
+                                                                   slots 10, 11 masked
+
+A sequence only owns whole blocks as it needs them, so the waste is at most one partial
+block per sequence (vLLM's < 4% figure) instead of a buffer sized for the longest
+possible sequence. Blocks are shared by reference count: fork(n) copies a table, not the
+tokens. Writing into a block someone else also references copies it first (copy on write).
+
+The free queue is first-in first-out over block ids (an ordered dict, so a block can also
+be taken out of its middle): a freed block goes to the back, allocation takes from the
+front. A sequence's blocks are freed tail first, so its last (least shareable) blocks are
+reused before its first ones: the order prefix reuse will want.
+
+Attention reads a sequence by gathering its blocks into (B, kv_heads, S, head_dim); that
+is a copy per layer per step, the price of not being contiguous.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+
+import torch
+
+from kvlm.cache.base import CacheSpec, CacheStep, KVCache, blocks_for, causal_mask
+from kvlm.cache.storage import Store
+from kvlm.errors import CacheOverflowError
+
+ALL = slice(None)
+# Default pool: room for this many full-length sequences. The pool is reserved, not
+# touched: a block's memory is committed when it is first allocated (and zeroed).
+DEFAULT_POOL_SEQUENCES = 8
+
+
+class BlockPool:
+    """Fixed-size K/V blocks with reference counts and a FIFO free queue."""
+
+    def __init__(self, spec: CacheSpec, num_blocks: int) -> None:
+        self.block_size = spec.block_size
+        self.num_blocks = num_blocks
+        shape = (spec.num_layers, 2, num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
+        # Uninitialised: allocate() zeroes a block before handing it out, so gathered slots
+        # past a sequence's end hold zeros, never NaN garbage that 0 * NaN would spread.
+        self.store = Store(shape, spec.dtype, spec.device, zero=False)
+        self.refs = [0] * num_blocks
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.store.nbytes // self.num_blocks
+
+    def allocate(self) -> int:
+        if not self.free_queue:
+            raise CacheOverflowError(f"the KV block pool is full ({self.num_blocks} blocks)")
+        block, _ = self.free_queue.popitem(last=False)
+        self.refs[block] = 1
+        self.store.zero_((ALL, ALL, block))
+        return block
+
+    def share(self, block: int) -> None:
+        if self.refs[block] <= 0:
+            raise RuntimeError(f"share of free block {block}")
+        self.refs[block] += 1
+
+    def release(self, block: int) -> None:
+        if self.refs[block] <= 0:
+            raise RuntimeError(f"double free of block {block}")
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            self.free_queue[block] = None
+
+    def copy(self, src: int, dst: int) -> None:
+        self.store.put_raw((ALL, ALL, dst), self.store.raw((ALL, ALL, src)))
+
+
+class _PagedStep(CacheStep):
+    def __init__(self, cache: PagedCache, n_new: int) -> None:
+        start = cache.num_tokens
+        spec = cache.spec
+        mask, causal = causal_mask(start, n_new, start + n_new, spec.sliding_window, spec.device)
+        super().__init__(start, n_new, cache.batch, spec.device, mask, causal)
+        self.store = cache.pool.store
+        bs = spec.block_size
+        pos = torch.arange(start, start + n_new)
+        tables = torch.tensor(cache.tables, dtype=torch.long)  # (B, blocks)
+        # where each new token goes: its row's block for pos // bs, slot pos % bs
+        self.write_blocks = tables[:, pos // bs].to(spec.device)  # (B, T)
+        self.write_slots = (pos % bs).expand(cache.batch, n_new).to(spec.device)  # (B, T)
+        self.read_tables = tables.to(spec.device)
+        self.n_keys = start + n_new
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # (layer, K/V, block[B,T], :, slot[B,T]) addresses (B, T, heads, D)
+        self.store.put((layer, 0, self.write_blocks, ALL, self.write_slots), k.transpose(1, 2))
+        self.store.put((layer, 1, self.write_blocks, ALL, self.write_slots), v.transpose(1, 2))
+        return self._gather(layer, 0, k.dtype), self._gather(layer, 1, v.dtype)
+
+    def _gather(self, layer: int, kv: int, dtype: torch.dtype) -> torch.Tensor:
+        blocks = self.store.get((layer, kv, self.read_tables), dtype)  # (B, nb, H, bs, D)
+        B, nb, H, bs, D = blocks.shape
+        rows = blocks.transpose(1, 2).reshape(B, H, nb * bs, D)
+        return rows[:, :, : self.n_keys]  # the partial last block's tail is cut, not masked
+
+
+class PagedCache(KVCache):
+    mode = "paged"
+
+    def __init__(self, spec: CacheSpec, pool: BlockPool | None = None) -> None:
+        super().__init__(spec)
+        default = blocks_for(spec.max_tokens, spec.block_size) * DEFAULT_POOL_SEQUENCES
+        self.pool = pool or BlockPool(spec, spec.num_blocks or default)
+        self.tables: list[list[int]] = [[] for _ in range(spec.batch)]
+
+    # ------------------------------------------------------------------ capacity
+
+    def _blocks_to_add(self, n_new: int) -> int:
+        """Blocks the next step of n_new tokens takes from the pool: new blocks, plus the
+        copies of shared partial blocks it writes into. Of r rows sharing a partial block,
+        r - 1 copy it and the last writes in place, unless someone outside this cache also
+        holds it, in which case all r copy."""
+        bs = self.spec.block_size
+        need = blocks_for(self.num_tokens + n_new, bs)
+        total = sum(need - len(table) for table in self.tables)
+        if self.num_tokens % bs:
+            sharers = Counter(table[-1] for table in self.tables)
+            for block, rows in sharers.items():
+                if self.pool.refs[block] > 1:
+                    total += rows if self.pool.refs[block] > rows else rows - 1
+        return total
+
+    def would_overflow(self, n_new: int) -> bool:
+        if self.num_tokens + n_new > self.capacity:
+            return True
+        return self._blocks_to_add(n_new) > self.pool.num_free
+
+    def _overflow_message(self, n_new: int) -> str:
+        if self.num_tokens + n_new > self.capacity:
+            return super()._overflow_message(n_new)
+        return (
+            f"the KV block pool is out of blocks: this step needs {self._blocks_to_add(n_new)}, "
+            f"{self.pool.num_free} of {self.pool.num_blocks} are free"
+        )
+
+    # ------------------------------------------------------------------ the forward
+
+    def _begin(self, n_new: int) -> CacheStep:
+        bs = self.spec.block_size
+        need = blocks_for(self.num_tokens + n_new, bs)
+        for table in self.tables:
+            if self.num_tokens % bs and self.pool.refs[table[-1]] > 1:
+                shared = table[-1]  # copy on write: this step writes into it
+                table[-1] = self.pool.allocate()
+                self.pool.copy(shared, table[-1])
+                self.pool.release(shared)
+            while len(table) < need:
+                table.append(self.pool.allocate())
+        return _PagedStep(self, n_new)
+
+    # ------------------------------------------------------------------ lifetime
+
+    def _truncate(self, length: int) -> None:
+        keep = blocks_for(length, self.spec.block_size)
+        for table in self.tables:
+            while len(table) > keep:  # tail first: the last blocks are evicted first
+                self.pool.release(table.pop())
+
+    def _release(self) -> None:
+        self._truncate(0)
+        self.tables = [[] for _ in range(self.spec.batch)]
+
+    def _fork(self, n: int) -> None:
+        forked = []
+        for table in self.tables:
+            for _ in range(n - 1):
+                for block in table:
+                    self.pool.share(block)
+            forked += [list(table) for _ in range(n)]
+        self.tables = forked
+
+    def _export(self) -> dict[str, torch.Tensor]:
+        tables = torch.tensor(self.tables, dtype=torch.long)  # (B, blocks), blocks may be 0
+        raw = self.pool.store.raw((ALL, ALL, tables.to(self.spec.device)))
+        out = {}
+        for name, t in raw.items():  # (L, 2, B, nb, H, bs[, D]) -> (L, 2, B, H, n[, D])
+            t = t.transpose(3, 4)
+            t = t.reshape(*t.shape[:4], -1, *t.shape[6:])
+            out[name] = t[:, :, :, :, : self.num_tokens]
+        return out
+
+    def _import(self, tensors: dict[str, torch.Tensor], length: int) -> None:
+        bs = self.spec.block_size
+        self.tables = [
+            [self.pool.allocate() for _ in range(blocks_for(length, bs))] for _ in range(self.batch)
+        ]
+        if length == 0:
+            return
+        pos = torch.arange(length)
+        tables = torch.tensor(self.tables, dtype=torch.long)
+        blocks = tables[:, pos // bs].to(self.spec.device)  # (B, n)
+        slots = (pos % bs).expand(self.batch, length).to(self.spec.device)
+        # (L, 2, block[B,n], H, slot[B,n]) addresses (B, n, L, 2, H[, D])
+        raw = {k: t.permute(2, 4, 0, 1, 3, *range(5, t.dim())) for k, t in tensors.items()}
+        self.pool.store.put_raw((ALL, ALL, blocks, ALL, slots), raw)
+
+    # ------------------------------------------------------------------ accounting
+
+    @property
+    def blocks_used(self) -> int:
+        """Distinct blocks this cache references (shared ones once)."""
+        return len({b for table in self.tables for b in table})
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks_used * self.pool.block_nbytes
+
+    @property
+    def tokens_stored(self) -> int:
+        """Distinct token slots holding data: a shared prefix counts once."""
+        bs, filled = self.spec.block_size, {}
+        for table in self.tables:
+            for j, block in enumerate(table):
+                filled[block] = max(filled.get(block, 0), min(bs, self.num_tokens - j * bs))
+        return sum(filled.values())
+
+    @property
+    def waste(self) -> float:
+        """Fraction of the allocated slots that hold no token (partial last blocks)."""
+        slots = self.blocks_used * self.spec.block_size
+        return 0.0 if slots == 0 else 1 - self.tokens_stored / slots
+
+    @classmethod
+    def planned_nbytes(cls, spec: CacheSpec, tokens: int, batch: int) -> int:
+        blocks = batch * blocks_for(tokens, spec.block_size)
+        return blocks * spec.block_size * spec.bytes_per_token
+
+
+class Int8PagedCache(PagedCache):
+    """`int8`: the paged layout with int8 values and per-token scales (kvlm.cache.storage).
+
+    The factory gives it an int8 spec whatever --kv-dtype says; `--kv paged --kv-dtype
+    int8` is the same cache, and contiguous and window take --kv-dtype int8 too.
+    """
+
+    mode = "int8"
