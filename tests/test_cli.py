@@ -145,3 +145,82 @@ def test_help_names_every_cache_mode_and_skips_torch():
     code = "import sys, kvlm.cli; kvlm.cli.build_parser(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("kv", ["paged", "int8", "window"])
+def test_generate_json_on_the_new_modes(capsys, tiny_gguf, kv):
+    code, out, _ = run_cli(
+        capsys, "generate", "hello", "--model", str(tiny_gguf), "--json", "--kv", kv,
+        "--max-new-tokens", "6", "--ignore-eos", "--no-chat", "--window", "4", "--sinks", "1",
+        "--block-size", "4", "--prefill-chunk", "2",
+    )  # fmt: skip
+    assert code == 0
+    record = json.loads(out)
+    assert record["kv_mode"] == kv and record["completion_tokens"] == 6
+    assert record["kv_dtype"] == ("int8" if kv == "int8" else "fp32")
+    assert len(record["metrics"]["per_forward_ms"]) >= 6
+
+
+def test_generate_n_samples(capsys, tiny_gguf):
+    code, out, _ = run_cli(
+        capsys, "generate", "hello", "--model", str(tiny_gguf), "--json", "-n", "3",
+        "--temperature", "1.0", "--seed", "3", "--max-new-tokens", "5", "--ignore-eos",
+        "--kv", "paged",
+    )  # fmt: skip
+    assert code == 0
+    record = json.loads(out)
+    assert len(record["samples"]) == 3
+    assert record["token_ids"] == record["samples"][0]["token_ids"]
+
+
+def test_save_and_load_cache_resume_a_conversation(capsys, tiny_gguf, tmp_path):
+    conv = tmp_path / "conv.kv"
+    base = ["--model", str(tiny_gguf), "--json", "--max-new-tokens", "4", "--ignore-eos"]
+    code, out, _ = run_cli(capsys, "generate", "hello there", *base, "--save-cache", str(conv))
+    assert code == 0 and conv.is_file()
+    code, out, _ = run_cli(capsys, "generate", "and then", *base, "--load-cache", str(conv))
+    assert code == 0
+    record = json.loads(out)
+    assert record["metrics"]["prefill_tokens"] < record["prompt_tokens"]  # prefix reused
+    code, _, err = run_cli(capsys, "generate", "x", "--model", str(tiny_gguf), "--load-cache",
+                           str(tmp_path / "missing.kv"))  # fmt: skip
+    assert code == 2 and "cache file not found" in err and err.count("\n") == 1
+    code, _, err = run_cli(capsys, "generate", "x", "--model", str(tiny_gguf), "-n", "2",
+                           "--save-cache", str(conv))  # fmt: skip
+    assert code == 2 and "use -n 1" in err
+
+
+def test_memory_command(capsys, tiny_gguf):
+    code, out, _ = run_cli(
+        capsys, "memory", "--model", str(tiny_gguf), "--context", "128", "--batch", "4",
+        "--kv", "paged", "--kv-dtype", "bf16", "--budget", "1MiB", "--json",
+    )  # fmt: skip
+    assert code == 0
+    record = json.loads(out)
+    assert record["bytes_per_token"] == 2 * 2 * 2 * 16 * 2
+    assert record["total_bytes"] == 4 * 128 * record["bytes_per_token"]
+    assert record["sequences_in_budget"] == 2**20 // (128 * record["bytes_per_token"])
+    code, out, _ = run_cli(capsys, "memory", "--model", str(tiny_gguf), "--context", "64")
+    assert code == 0 and "| window | int8 |" in out
+    code, _, err = run_cli(capsys, "memory", "--model", str(tiny_gguf), "--context", "100000")
+    assert code == 2 and "--context must be between 1 and 256" in err
+    code, _, err = run_cli(capsys, "memory", "--model", str(tiny_gguf), "--budget", "lots")
+    assert code == 2 and "cannot read the size" in err
+
+
+@pytest.mark.parametrize("kv", ["contiguous", "int8", "window"])
+def test_verify_command(capsys, tiny_gguf, kv):
+    code, out, _ = run_cli(
+        capsys, "verify", "hello world", "--model", str(tiny_gguf), "--kv", kv, "--json",
+        "--max-new-tokens", "12", "--window", "4", "--sinks", "1",
+    )  # fmt: skip
+    assert code == 0
+    record = json.loads(out)
+    assert record["steps"] == 12 and record["mode"] == kv
+    if kv == "contiguous":
+        assert record["agreement"] == 1.0 and record["max_logit_drift"] < 1e-4
+    if kv == "window":  # a 1 + 4 window on a longer sequence changes the model's output
+        assert record["max_logit_drift"] > 1e-3
+    code, out, _ = run_cli(capsys, "verify", "--model", str(tiny_gguf), "--kv", kv,
+                           "--max-new-tokens", "4")  # fmt: skip
+    assert code == 0 and "greedy agreement" in out
