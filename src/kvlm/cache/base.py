@@ -34,7 +34,7 @@ from typing import ClassVar
 
 import torch
 
-from kvlm.cache.storage import itemsize
+from kvlm.cache.storage import PARAMS_PER_ROW, Store, itemsize, key_rotation
 from kvlm.config import ModelConfig
 from kvlm.dtypes import dtype_name
 from kvlm.errors import CacheOverflowError, InvalidRequestError, KvlmError
@@ -56,7 +56,7 @@ class CacheSpec:
     head_dim: int
     max_tokens: int
     batch: int = 1
-    dtype: torch.dtype = torch.float32  # storage: fp32, bf16, fp16, or int8 (+ fp16 scales)
+    dtype: torch.dtype = torch.float32  # storage: fp32, bf16, fp16, or int8 (+ fp16 params)
     device: torch.device = torch.device("cpu")  # noqa: RUF009 - immutable
     # The model's own attention window (Mistral), applied in the mask; not the window cache.
     sliding_window: int | None = None
@@ -97,7 +97,7 @@ class CacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token in every layer, for one sequence, scales included."""
+        """K and V of one token in every layer, for one sequence, int8 parameters included."""
         per_head = round(self.head_dim * itemsize(self.dtype, self.head_dim))
         return 2 * self.num_layers * self.num_kv_heads * per_head
 
@@ -123,12 +123,24 @@ class CacheStep(ABC):
         self.positions = pos.expand(batch, n_new)  # (B, T) int64
         self.mask = mask  # (T, S) bool, True = may attend; or None
         self.is_causal = is_causal
+        # When set, the keys update() returns are k @ R (int8 caches quantize K in a rotated
+        # basis, kvlm.cache.storage) and attention must use q @ R: (qR).(kR) = q.k.
+        self.key_rotation: torch.Tensor | None = None
 
     @abstractmethod
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v (B, Hkv, T, D) for `layer`; return all visible (B, Hkv, S, D)."""
+
+    def _over(self, store: Store) -> None:
+        """This step reads and writes `store`; an int8 store keeps K rotated."""
+        if store.quantized:
+            self.key_rotation = key_rotation(store.values.shape[-1]).to(store.values.device)
+
+    def _keys_in(self, k: torch.Tensor) -> torch.Tensor:
+        """K as the store keeps it (rotated for int8)."""
+        return k if self.key_rotation is None else k @ self.key_rotation.to(k.dtype)
 
 
 def causal_mask(
@@ -165,7 +177,8 @@ class CacheSnapshot:
     """A cache's contents, detached from it: what snapshot() returns and files hold.
 
     `layout` says how to read `tensors`: "dense" is values [layers, 2, batch, heads, length,
-    head_dim] (and scales without head_dim for int8), shared by basic, contiguous and paged;
+    head_dim] (and for int8 "scales", [..., length, 2]: step and zero point per token),
+    shared by basic, contiguous and paged;
     "window" is the ring as stored plus the position of each slot.
     """
 
@@ -427,7 +440,7 @@ def _check_tensor_shapes(path: Path, snap: CacheSnapshot) -> None:
     ok = values is not None and values.dim() == 6
     ok = ok and all(w in (-1, s) for w, s in zip(want, values.shape, strict=True))
     scales = snap.tensors.get("scales")
-    ok = ok and (scales is None or tuple(scales.shape) == tuple(values.shape[:-1]))
+    ok = ok and (scales is None or tuple(scales.shape) == (*values.shape[:-1], PARAMS_PER_ROW))
     ok = ok and (scales is not None) == (snap.dtype == "int8")
     if not ok:
         shape = None if values is None else tuple(values.shape)

@@ -31,10 +31,12 @@ class _ContiguousStep(CacheStep):
         mask, causal = causal_mask(start, n_new, start + n_new, spec.sliding_window, spec.device)
         super().__init__(start, n_new, cache.batch, spec.device, mask, causal)
         self.store = cache.store
+        self._over(self.store)
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self._keys_in(k)
         new = slice(self.start, self.start + self.n_new)
         seen = slice(0, self.start + self.n_new)
         self.store.put((layer, 0, ALL, ALL, new), k)

@@ -29,7 +29,7 @@ class MemoryPlan:
     kv_dtype: str
     context: int
     batch: int
-    bytes_per_token: int  # per sequence, all layers, K and V, scales included
+    bytes_per_token: int  # per sequence, all layers, K and V, int8 parameters included
     bytes_per_sequence: int  # what one sequence of `context` tokens allocates in this mode
     total_bytes: int  # `batch` such sequences
     weight_bytes: int  # the model's weights at the compute dtype

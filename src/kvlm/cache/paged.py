@@ -94,6 +94,7 @@ class _PagedStep(CacheStep):
         mask, causal = causal_mask(start, n_new, start + n_new, spec.sliding_window, spec.device)
         super().__init__(start, n_new, cache.batch, spec.device, mask, causal)
         self.store = cache.pool.store
+        self._over(self.store)
         bs = spec.block_size
         pos = torch.arange(start, start + n_new)
         tables = torch.tensor(cache.tables, dtype=torch.long)  # (B, blocks)
@@ -106,6 +107,7 @@ class _PagedStep(CacheStep):
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self._keys_in(k)
         # (layer, K/V, block[B,T], :, slot[B,T]) addresses (B, T, heads, D)
         self.store.put((layer, 0, self.write_blocks, ALL, self.write_slots), k.transpose(1, 2))
         self.store.put((layer, 1, self.write_blocks, ALL, self.write_slots), v.transpose(1, 2))
@@ -251,7 +253,8 @@ class PagedCache(KVCache):
 
 
 class Int8PagedCache(PagedCache):
-    """`int8`: the paged layout with int8 values and per-token scales (kvlm.cache.storage).
+    """`int8`: the paged layout with int8 codes and a per-token step and zero point
+    (kvlm.cache.storage).
 
     The factory gives it an int8 spec whatever --kv-dtype says; `--kv paged --kv-dtype
     int8` is the same cache, and contiguous and window take --kv-dtype int8 too.

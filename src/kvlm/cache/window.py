@@ -43,11 +43,13 @@ class _WindowStep(CacheStep):
         super().__init__(start, n_new, cache.batch, spec.device, visible, False)
         self.key_positions = k  # the position each returned key holds (-1: empty slot)
         self.store = cache.store
+        self._over(self.store)
         self.staged: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * spec.num_layers
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self._keys_in(k)
         self.staged[layer] = (k, v)  # written by commit, after every layer has read the ring
         # The new tokens are seen as they will be read back later (rounded to the storage
         # dtype), so a result never depends on how a prompt was split into steps.

@@ -16,6 +16,7 @@ class KVStep(Protocol):
 
     mask: torch.Tensor | None
     is_causal: bool
+    key_rotation: torch.Tensor | None
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -59,6 +60,8 @@ class Attention(nn.Module):
         v = v.transpose(1, 2)  # (B, Hkv, T, D)
         # The cache stores this step's K/V and returns everything the queries may see.
         k_all, v_all = kv.update(self.layer_idx, k, v)  # (B, Hkv, S, D)
+        if kv.key_rotation is not None:  # keys came back as k @ R: rotate the queries too
+            q = q @ kv.key_rotation.to(q.dtype)
         out = F.scaled_dot_product_attention(
             q,
             k_all,
