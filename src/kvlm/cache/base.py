@@ -143,6 +143,16 @@ class CacheStep(ABC):
         return k if self.key_rotation is None else k @ self.key_rotation.to(k.dtype)
 
 
+class DenseStep(CacheStep):
+    """A step whose keys are the sequence's tokens 0 .. start+n_new-1, in order (basic,
+    contiguous, paged): the causal mask over positions, in its cheapest exact form."""
+
+    def __init__(self, cache: KVCache, n_new: int) -> None:
+        start, spec = cache.num_tokens, cache.spec
+        mask, causal = causal_mask(start, n_new, start + n_new, spec.sliding_window, spec.device)
+        super().__init__(start, n_new, cache.batch, spec.device, mask, causal)
+
+
 def causal_mask(
     q_start: int, n_new: int, n_keys: int, window: int | None, device: torch.device
 ) -> tuple[torch.Tensor | None, bool]:

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep, KVCache, causal_mask
+from kvlm.cache.base import CacheSpec, CacheStep, DenseStep, KVCache
 from kvlm.errors import InvalidRequestError
 
 
-class _BasicStep(CacheStep):
+class _BasicStep(DenseStep):
     def __init__(self, cache: BasicCache, n_new: int) -> None:
-        start = cache.num_tokens
-        spec = cache.spec
-        mask, causal = causal_mask(start, n_new, start + n_new, spec.sliding_window, spec.device)
-        super().__init__(start, n_new, cache.batch, spec.device, mask, causal)
+        super().__init__(cache, n_new)
         self.cache = cache
         # Staged per layer; swapped in by commit, so a forward that raises changes nothing.
         self.staged: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(cache.k)

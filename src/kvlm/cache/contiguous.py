@@ -18,18 +18,15 @@ from __future__ import annotations
 
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep, KVCache, causal_mask
-from kvlm.cache.storage import Store
+from kvlm.cache.base import CacheSpec, CacheStep, DenseStep
+from kvlm.cache.rows import RowCache
 
 ALL = slice(None)
 
 
-class _ContiguousStep(CacheStep):
+class _ContiguousStep(DenseStep):
     def __init__(self, cache: ContiguousCache, n_new: int) -> None:
-        start = cache.num_tokens
-        spec = cache.spec
-        mask, causal = causal_mask(start, n_new, start + n_new, spec.sliding_window, spec.device)
-        super().__init__(start, n_new, cache.batch, spec.device, mask, causal)
+        super().__init__(cache, n_new)
         self.store = cache.store
         self._over(self.store)
 
@@ -48,21 +45,14 @@ class _ContiguousStep(CacheStep):
         )
 
 
-class ContiguousCache(KVCache):
+class ContiguousCache(RowCache):
     mode = "contiguous"
 
     def __init__(self, spec: CacheSpec) -> None:
-        super().__init__(spec)
-        self.store = self._allocate(spec.batch)
+        super().__init__(spec, slots=spec.max_tokens)
 
-    def _allocate(self, batch: int) -> Store:
-        s = self.spec
-        shape = (s.num_layers, 2, batch, s.num_kv_heads, s.max_tokens, s.head_dim)
-        return Store(shape, s.dtype, s.device)
-
-    @property
-    def nbytes(self) -> int:
-        return self.store.nbytes
+    def _held(self) -> tuple:
+        return (ALL, ALL, ALL, ALL, slice(0, self.num_tokens))
 
     @classmethod
     def planned_nbytes(cls, spec: CacheSpec, tokens: int, batch: int) -> int:
@@ -71,21 +61,8 @@ class ContiguousCache(KVCache):
     def _begin(self, n_new: int) -> CacheStep:
         return _ContiguousStep(self, n_new)
 
-    def _fork(self, n: int) -> None:
-        old = self.store
-        self.store = self._allocate(self.batch * n)
-        held = (ALL, ALL, ALL, ALL, slice(0, self.num_tokens))
-        raw = {k: t.repeat_interleave(n, dim=2) for k, t in old.raw(held).items()}
-        self.store.put_raw(held, raw)
-
-    def _release(self) -> None:
-        if self.store.values.shape[2] != self.spec.batch:  # shrink back after a fork
-            self.store = self._allocate(self.spec.batch)
-
     def _export(self) -> dict[str, torch.Tensor]:
-        return self.store.raw((ALL, ALL, ALL, ALL, slice(0, self.num_tokens)))
+        return self.store.raw(self._held())
 
     def _import(self, tensors: dict[str, torch.Tensor], length: int) -> None:
-        if self.store.values.shape[2] != self.batch:
-            self.store = self._allocate(self.batch)
-        self.store.put_raw((ALL, ALL, ALL, ALL, slice(0, length)), tensors)
+        self._import_rows(tensors, (ALL, ALL, ALL, ALL, slice(0, length)))

@@ -28,7 +28,7 @@ from collections import Counter, OrderedDict
 
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep, KVCache, blocks_for, causal_mask
+from kvlm.cache.base import CacheSpec, CacheStep, DenseStep, KVCache, blocks_for
 from kvlm.cache.storage import Store
 from kvlm.errors import CacheOverflowError
 
@@ -87,12 +87,10 @@ class BlockPool:
         self.store.put_raw((ALL, ALL, dst), self.store.raw((ALL, ALL, src)))
 
 
-class _PagedStep(CacheStep):
+class _PagedStep(DenseStep):
     def __init__(self, cache: PagedCache, n_new: int) -> None:
-        start = cache.num_tokens
-        spec = cache.spec
-        mask, causal = causal_mask(start, n_new, start + n_new, spec.sliding_window, spec.device)
-        super().__init__(start, n_new, cache.batch, spec.device, mask, causal)
+        super().__init__(cache, n_new)
+        start, spec = cache.num_tokens, cache.spec
         self.store = cache.pool.store
         self._over(self.store)
         bs = spec.block_size

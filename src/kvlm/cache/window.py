@@ -24,8 +24,8 @@ import sys
 
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep, KVCache
-from kvlm.cache.storage import Store
+from kvlm.cache.base import CacheSpec, CacheStep
+from kvlm.cache.rows import RowCache
 from kvlm.errors import InvalidRequestError
 
 ALL = slice(None)
@@ -58,20 +58,13 @@ class _WindowStep(CacheStep):
         return k_all, v_all
 
 
-class WindowCache(KVCache):
+class WindowCache(RowCache):
     mode = "window"
     layout = "window"
 
     def __init__(self, spec: CacheSpec) -> None:
-        super().__init__(spec)
-        self.slots = spec.sinks + spec.window
-        self.store = self._allocate(spec.batch)
+        super().__init__(spec, slots=spec.sinks + spec.window)
         self.slot_pos = torch.full((self.slots,), -1, dtype=torch.long, device=spec.device)
-
-    def _allocate(self, batch: int) -> Store:
-        s = self.spec
-        shape = (s.num_layers, 2, batch, s.num_kv_heads, self.slots, s.head_dim)
-        return Store(shape, s.dtype, s.device)
 
     @property
     def capacity(self) -> int:
@@ -109,30 +102,15 @@ class WindowCache(KVCache):
     def _truncate(self, length: int) -> None:
         self.slot_pos[self.slot_pos >= length] = -1
 
-    def _fork(self, n: int) -> None:
-        old = self.store
-        self.store = self._allocate(self.batch * n)
-        self.store.put_raw((), {k: t.repeat_interleave(n, dim=2) for k, t in old.raw(()).items()})
-
-    def _release(self) -> None:
-        if self.store.values.shape[2] != self.spec.batch:
-            self.store = self._allocate(self.spec.batch)
-
     def _export(self) -> dict[str, torch.Tensor]:
         return {**self.store.raw(()), "slot_pos": self.slot_pos}
 
     def _import(self, tensors: dict[str, torch.Tensor], length: int) -> None:
-        if self.store.values.shape[2] != self.batch:
-            self.store = self._allocate(self.batch)
-        self.store.put_raw((), {k: t for k, t in tensors.items() if k != "slot_pos"})
+        self._import_rows({k: t for k, t in tensors.items() if k != "slot_pos"}, ())
         self.slot_pos.copy_(tensors["slot_pos"])
 
     def _layout_extra(self) -> dict[str, int]:
         return {"sinks": self.spec.sinks, "window": self.spec.window}
-
-    @property
-    def nbytes(self) -> int:
-        return self.store.nbytes
 
     @classmethod
     def planned_nbytes(cls, spec: CacheSpec, tokens: int, batch: int) -> int:
