@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -76,6 +77,28 @@ def build_parser() -> argparse.ArgumentParser:
     _size_args(memory)
     memory.add_argument("--json", action="store_true")
     memory.set_defaults(func=cmd_memory)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for many clients")
+    _model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key", default=os.environ.get("KVLM_API_KEY"), help="require this bearer key"
+    )
+    serve.add_argument("--served-model-name", default=None, help="the model id clients use")
+    serve.add_argument("--kv-dtype", default=None, help="cache storage: fp32, bf16, fp16, int8")
+    serve.add_argument("--max-context", type=int, default=None, help="tokens per sequence")
+    serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    serve.add_argument("--kv-blocks", type=int, default=None, help="blocks in the KV pool")
+    serve.add_argument("--kv-memory", default="1GiB", help="KV pool size when --kv-blocks unset")
+    serve.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
+    serve.add_argument("--max-waiting", type=int, default=64, help="queued requests before 503")
+    serve.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per step")
+    serve.add_argument(
+        "--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="reuse the KV blocks of prompts seen before (default: on)",
+    )  # fmt: skip
+    serve.set_defaults(func=cmd_serve)
 
     inspect = sub.add_parser("inspect", help="show a model's configuration and cache sizes")
     inspect.add_argument("--model", help="GGUF file, HF folder or Hub id (default: SmolLM2-135M)")
@@ -321,6 +344,36 @@ def _memory_report(name: str, p: Any, rows: list[dict]) -> str:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvlm.cache.memory import parse_size
+    from kvlm.engine.engine import EngineConfig
+    from kvlm.engine.scheduler import SchedulerConfig
+    from kvlm.errors import InvalidRequestError
+    from kvlm.llm import LLM, CacheOptions
+    from kvlm.server import serve
+
+    if not 0 < args.port < 65536:
+        raise InvalidRequestError(f"--port must be 1..65535, got {args.port}")
+    try:
+        sched = SchedulerConfig(args.max_num_seqs, args.prefill_chunk, args.max_waiting)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from exc
+    config = EngineConfig(args.kv_blocks, parse_size(args.kv_memory), args.prefix_caching, sched)
+    llm = LLM(
+        model=args.model,
+        kv="paged",
+        dtype=args.dtype,
+        device=args.device,
+        kv_dtype=args.kv_dtype,
+        max_context=args.max_context,
+        threads=args.threads,
+        progress=sys.stderr.isatty(),
+        cache_options=CacheOptions(args.block_size, args.kv_blocks),
+    )
+    serve(llm, config, args.host, args.port, args.api_key, args.served_model_name)
+    return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -28,7 +28,7 @@ from collections import Counter, OrderedDict
 
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep, DenseStep, KVCache, blocks_for
+from kvlm.cache.base import CacheSpec, CacheStep, DenseStep, KVCache, blocks_for, causal_mask
 from kvlm.cache.storage import Store
 from kvlm.errors import CacheOverflowError
 
@@ -50,6 +50,12 @@ class BlockPool:
         self.store = Store(shape, spec.dtype, spec.device, zero=False)
         self.refs = [0] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Prefix cache (kvlm.cache.prefix): a full block's chained hash and its tokens. A
+        # freed block keeps both, and stays findable, until allocate() hands it out again.
+        self.cached: dict[int, int] = {}  # hash -> block
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.evictions = 0
 
     @property
     def num_free(self) -> int:
@@ -66,10 +72,45 @@ class BlockPool:
     def allocate(self) -> int:
         if not self.free_queue:
             raise CacheOverflowError(f"the KV block pool is full ({self.num_blocks} blocks)")
-        block, _ = self.free_queue.popitem(last=False)
+        block, _ = self.free_queue.popitem(last=False)  # the least recently freed
+        self.forget(block)
         self.refs[block] = 1
         self.store.zero_((ALL, ALL, block))
         return block
+
+    def revive(self, block: int) -> None:
+        """Take a block found in the prefix cache: shared if in use, else out of the free
+        queue (from wherever it sits) with its contents as they are."""
+        if self.refs[block] == 0:
+            del self.free_queue[block]
+        self.refs[block] += 1
+
+    def register(self, block: int, block_hash: int, tokens: tuple[int, ...]) -> None:
+        """Make a full block findable by its chained hash (the first holder of a hash wins)."""
+        if block_hash in self.cached or self.block_hash[block] is not None:
+            return
+        self.cached[block_hash] = block
+        self.block_hash[block] = block_hash
+        self.block_tokens[block] = tokens
+
+    def lookup(self, block_hash: int, tokens: tuple[int, ...]) -> int | None:
+        """The cached block holding exactly `tokens` after the same prefix, or None. The
+        token comparison confirms the hash, so a collision can never serve wrong K/V."""
+        block = self.cached.get(block_hash)
+        if block is None or self.block_tokens[block] != tokens:
+            return None
+        return block
+
+    def forget(self, block: int) -> None:
+        """Drop a block from the prefix cache (evicted, or about to be overwritten)."""
+        h = self.block_hash[block]
+        if h is None:
+            return
+        if self.refs[block] == 0:
+            self.evictions += 1
+        del self.cached[h]
+        self.block_hash[block] = None
+        self.block_tokens[block] = None
 
     def share(self, block: int) -> None:
         if self.refs[block] <= 0:
@@ -259,3 +300,56 @@ class Int8PagedCache(PagedCache):
     """
 
     mode = "int8"
+
+
+class TableStep(_PagedStep):
+    """One forward over sequences of different lengths that live in one pool (the
+    scheduler's batch): row b feeds `n_new` tokens at positions starts[b].. through its
+    own block table. The pool allocator (kvlm.cache.prefix) has made every written slot
+    exclusively the row's.
+
+        row 0 (start 5):  k0 k1 k2 k3 k4 [k5] .  .       keys gathered from its table,
+        row 1 (start 2):  k0 k1 [k2] .  .  .  .  .       padded to the longest row;
+                                                         a row's padding is masked
+    """
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        spec: CacheSpec,
+        tables: list[list[int]],
+        starts: list[int],
+        n_new: int,
+    ) -> None:
+        device, bs = spec.device, pool.block_size
+        batch = len(tables)
+        n_keys = max(starts) + n_new
+        if len(set(starts)) == 1:  # rows of one length: the cheap exact forms of the mask
+            mask, causal = causal_mask(starts[0], n_new, n_keys, spec.sliding_window, device)
+        else:
+            mask, causal = _row_mask(starts, n_new, n_keys, spec.sliding_window, device), False
+        CacheStep.__init__(self, 0, n_new, batch, device, mask, causal)
+        pos = torch.tensor(starts)[:, None] + torch.arange(n_new)  # (B, T)
+        self.positions = pos.to(device)
+        width = blocks_for(n_keys, bs)
+        # Pad short tables with their own last block: its slots hold finite values (never
+        # an unallocated block's garbage, which 0 * NaN would carry through the mask).
+        padded = torch.tensor([t[:width] + t[-1:] * (width - len(t[:width])) for t in tables])
+        self.write_blocks = padded.gather(1, pos // bs).to(device)  # (B, T)
+        self.write_slots = (pos % bs).to(device)  # (B, T)
+        self.read_tables = padded.to(device)  # (B, width); the padding is masked
+        self.n_keys = n_keys
+        self.store = pool.store
+        self._over(self.store)
+
+
+def _row_mask(
+    starts: list[int], n_new: int, n_keys: int, window: int | None, device: torch.device
+) -> torch.Tensor:
+    """(B, 1, T, S) bool: row b's query at position p sees its keys 0..p (within window)."""
+    q = torch.tensor(starts, device=device)[:, None] + torch.arange(n_new, device=device)
+    k = torch.arange(n_keys, device=device)
+    allowed = k[None, None, :] <= q[:, :, None]  # (B, T, S)
+    if window is not None:
+        allowed &= (q[:, :, None] - k[None, None, :]) < window
+    return allowed[:, None]

@@ -132,15 +132,24 @@ class StopText:
         return out
 
 
-class _Sample:
-    """One row's decoding state."""
+class SampleState:
+    """One sample's decoding state: its tokens, streamed text, stop checks, logprobs."""
 
-    def __init__(self, index: int, prompt_ids: Sequence[int], gen: Generation) -> None:
-        self.seq = list(prompt_ids)  # what this row has fed and will feed (lockstep)
-        self.out = CompletionOutput(index, logprobs=[] if gen.params.logprobs is not None else None)
-        self.decoder = gen.tokenizer.decode_stream(skip_special_tokens=True)
-        self.stop = StopText(gen.params.stop)
-        self.gen = gen
+    def __init__(
+        self,
+        index: int,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        stop_ids: set[int],
+    ) -> None:
+        self.seq = list(prompt_ids)  # what this sample has fed and will feed
+        self.out = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
+        self.decoder = tokenizer.decode_stream(skip_special_tokens=True)
+        self.stop = StopText(params.stop)
+        self.params = params
+        self.tokenizer = tokenizer
+        self.stop_ids = stop_ids
 
     @property
     def done(self) -> bool:
@@ -148,19 +157,23 @@ class _Sample:
 
     def accept(self, token: int, logits: torch.Tensor) -> str:
         """Record a sampled token; return the text now safe to show."""
-        gen, out = self.gen, self.out
+        out = self.out
         self.seq.append(token)
         out.token_ids.append(token)
         if out.logprobs is not None:
-            out.logprobs.append(token_logprob(logits, token, gen.params.logprobs or 0))
-        piece = self.decoder.step(gen.tokenizer.backend, token)
+            out.logprobs.append(token_logprob(logits, token, self.params.logprobs or 0))
+        piece = self.decoder.step(self.tokenizer.backend, token)
         delta = self.stop.push(piece) if piece else ""
         out.text = self.stop.text  # kept current, so an interrupted turn still has its text
-        if token in gen.stop_ids or self.stop.stopped:
+        if token in self.stop_ids or self.stop.stopped:
             out.finish_reason = "stop"
-        elif len(out.token_ids) >= gen.params.max_tokens:
+        elif len(out.token_ids) >= self.params.max_tokens:
             out.finish_reason = "length"
         return delta
+
+    def clone(self, index: int) -> SampleState:
+        """A fresh sample of the same prompt (parallel sampling)."""
+        return SampleState(index, self.seq, self.params, self.tokenizer, self.stop_ids)
 
     def finish(self) -> str:
         tail = self.stop.flush()
@@ -188,7 +201,7 @@ class Generation:
         vocab_size: int | None = None,
         prefill_chunk: int | None = None,
     ) -> None:
-        _check_prompt(prompt_ids, vocab_size)
+        check_prompt(prompt_ids, vocab_size)
         if cache.batch != 1:
             raise InvalidRequestError("a request starts from a cache holding one sequence")
         if cache.num_tokens >= len(prompt_ids):
@@ -205,10 +218,10 @@ class Generation:
         self.cache = cache
         self.params = params
         self.prefill_chunk = prefill_chunk
-        self.stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            self.stop_ids.update(tokenizer.eos_token_ids)
-        self.samples = [_Sample(i, prompt_ids, self) for i in range(params.n)]
+        self.stop_ids = stop_token_ids(params, tokenizer)
+        self.samples = [
+            SampleState(i, prompt_ids, params, tokenizer, self.stop_ids) for i in range(params.n)
+        ]
         self.output = RequestOutput(
             prompt=prompt,
             prompt_token_ids=list(prompt_ids),
@@ -276,7 +289,7 @@ class Generation:
         return self.output
 
 
-def _check_prompt(prompt_ids: Sequence[int], vocab_size: int | None) -> None:
+def check_prompt(prompt_ids: Sequence[int], vocab_size: int | None) -> None:
     if len(prompt_ids) == 0:
         raise InvalidRequestError("the prompt is empty")
     bad = [t for t in prompt_ids if not isinstance(t, int) or t < 0]
@@ -284,3 +297,11 @@ def _check_prompt(prompt_ids: Sequence[int], vocab_size: int | None) -> None:
         bad += [t for t in prompt_ids if isinstance(t, int) and t >= vocab_size]
     if bad:
         raise InvalidRequestError(f"prompt token id {bad[0]!r} is outside the vocabulary")
+
+
+def stop_token_ids(params: SamplingParams, tokenizer: Tokenizer) -> set[int]:
+    """The ids that end a sample: the request's own, and EOS unless it is ignored."""
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids.update(tokenizer.eos_token_ids)
+    return ids

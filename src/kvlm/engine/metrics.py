@@ -60,3 +60,48 @@ class Metrics:
             "total_ms": round(self.total_ms, 3),
             "per_forward_ms": [round(ms, 3) for ms in self.per_forward_ms],
         }
+
+
+# Prometheus-style cumulative buckets for time to first token, in seconds.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters of a serving engine, read by /metrics (kvlm.server.metrics)."""
+
+    requests_added: int = 0
+    requests_finished: int = 0
+    aborted: int = 0
+    errors: int = 0
+    prefill_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    ttft_counts: list[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS))
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
+    # (time, generated_tokens) at recent steps, for a tokens/s over the last few seconds
+    _recent: list[tuple[float, int]] = field(default_factory=list, repr=False)
+
+    def record_ttft(self, seconds: float) -> None:
+        self.ttft_sum += seconds
+        self.ttft_count += 1
+        for i, bound in enumerate(TTFT_BUCKETS):
+            if seconds <= bound:
+                self.ttft_counts[i] += 1
+
+    def record_step(self, seconds: float, decode_rows: int) -> None:
+        self.steps += 1
+        now = time.perf_counter()
+        self._recent.append((now, self.generated_tokens))
+        while self._recent and now - self._recent[0][0] > 10.0:
+            self._recent.pop(0)
+
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second over the last 10 s (0 when idle)."""
+        now = time.perf_counter()
+        recent = [(t, n) for t, n in self._recent if now - t <= 10.0]
+        if len(recent) < 2:
+            return 0.0
+        (t0, n0), (t1, n1) = recent[0], recent[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0

@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvlm.cache import KVCache
+from kvlm.cache import CacheSpec, KVCache
+from kvlm.cache.paged import BlockPool, TableStep
 from kvlm.model.transformer import Transformer
 
 
@@ -29,6 +30,24 @@ class ModelRunner:
         with self.model.step_context(ids.numel()):
             logits = self.model(ids, step.positions, step)
         cache.commit(step)
+        return logits[:, -1]
+
+    @torch.inference_mode()
+    def forward_table(
+        self,
+        pool: BlockPool,
+        spec: CacheSpec,
+        rows: Sequence[Sequence[int]],
+        tables: Sequence[list[int]],
+        starts: Sequence[int],
+    ) -> torch.Tensor:
+        """Sequences of different lengths in one pool (the scheduler's batch): row b feeds
+        its tokens at positions starts[b].. through block table tables[b]. Every row has the
+        same number of tokens. Returns each row's last logits, (B, V)."""
+        step = TableStep(pool, spec, list(tables), list(starts), len(rows[0]))
+        ids = torch.tensor(rows, dtype=torch.long, device=self.device)
+        with self.model.step_context(ids.numel()):
+            logits = self.model(ids, step.positions, step)
         return logits[:, -1]
 
     def forward(self, token_ids: Sequence[int], cache: KVCache) -> torch.Tensor:

@@ -12,6 +12,12 @@ from torch import nn
 from kvlm.config import ModelConfig
 from kvlm.model.blas import openblas_available
 
+# oneDNN picks its packed layout for this many rows; one packing serves any count.
+ONEDNN_BATCH_HINT = 64
+# fp32 products of at most this many rows go to OpenBLAS (decode, batched decode); more
+# rows (prefill) to MKL. See kvlm.model.blas.
+BLAS_MAX_ROWS = 64
+
 
 class Linear(nn.Module):
     """y = x @ W^T + b, from a Hugging Face weight [out, in], with the kernel that is fastest
@@ -44,8 +50,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "cpu-fp32":
-            if self._blas is not None and x.numel() == self.in_features:  # one row: OpenBLAS
-                y = torch.from_numpy(x.reshape(1, -1).numpy() @ self._blas)
+            if self._blas is not None and x.numel() <= BLAS_MAX_ROWS * self.in_features:
+                y = torch.from_numpy(x.reshape(-1, self.in_features).numpy() @ self._blas)
                 y = y.view(*x.shape[:-1], self.out_features)
             else:
                 y = torch.matmul(x, self.weight)
@@ -53,6 +59,20 @@ class Linear(nn.Module):
         if self.kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def pack_onednn(self, batch_hint: int = ONEDNN_BATCH_HINT) -> None:
+        """Re-store an fp32 CPU weight packed for oneDNN: the kernel for batched decode.
+
+        oneDNN's packed fp32 product costs nearly the same for 1 row as for 16 and gives a
+        row the same bits alone or in a batch, where OpenBLAS and MKL repack the weight
+        at every call of more than one row (benchmarks/bench_kernels.py).
+        """
+        if self.kernel != "cpu-fp32" or not _onednn_fp32():
+            return
+        w = self.weight.t().contiguous()  # [out, in]
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
+        self.kernel = "onednn"
+        self._blas = None
 
     @property
     def uses_blas(self) -> bool:
@@ -77,17 +97,26 @@ def _pick_kernel(weight: torch.Tensor) -> str:
 
 
 @cache
-def _onednn_bf16() -> bool:
-    """oneDNN can run bf16 here (AVX512-BF16/AMX, or emulated on AVX512): ask it once."""
+def _onednn_works(dtype: torch.dtype) -> bool:
+    """oneDNN can run packed products of this dtype here: ask it once."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), 1)
-        x = torch.ones(1, 8, dtype=torch.bfloat16)
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 1)
+        x = torch.ones(1, 8, dtype=dtype)
         torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     except (RuntimeError, AttributeError):
         return False
     return True
+
+
+def _onednn_bf16() -> bool:
+    """bf16 needs AVX512-BF16/AMX, or oneDNN's emulation on AVX512."""
+    return _onednn_works(torch.bfloat16)
+
+
+def _onednn_fp32() -> bool:
+    return _onednn_works(torch.float32)
 
 
 class RMSNorm(nn.Module):

@@ -18,7 +18,7 @@ from kvlm.errors import ModelLoadError
 from kvlm.loading.weights import WeightSource
 from kvlm.model.attention import Attention, KVStep
 from kvlm.model.blas import one_torch_thread
-from kvlm.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding
+from kvlm.model.layers import BLAS_MAX_ROWS, MLP, Linear, RMSNorm, RotaryEmbedding
 
 
 class Block(nn.Module):
@@ -66,9 +66,19 @@ class Transformer(nn.Module):
 
     def step_context(self, rows: int) -> AbstractContextManager:
         """Thread arrangement for a forward of `rows` token rows (see kvlm.model.blas)."""
-        if rows == 1 and self.lm_head.uses_blas:
+        if rows <= BLAS_MAX_ROWS and self.lm_head.uses_blas:
             return one_torch_thread()
         return nullcontext()
+
+    def pack_for_batches(self) -> None:
+        """Switch fp32 CPU weights to oneDNN's packed layout (kvlm.model.layers.Linear):
+        what a server wants, many rows per step. Single-stream decode is faster on the
+        default OpenBLAS layout."""
+        if self._embed_table is None:  # tied: keep the rows before lm_head is repacked
+            self._embed_table = self.lm_head.rows().contiguous()
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_onednn()
 
     @property
     def embed_table(self) -> torch.Tensor:

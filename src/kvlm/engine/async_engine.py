@@ -1,0 +1,137 @@
+"""AsyncEngine: the Engine on a thread of its own, fed and read from an asyncio loop.
+
+    event loop (HTTP)                       engine thread
+    submit() --("add", ...)---> inbox ---> drain inbox, engine.step(), ...
+    abort()  --("abort", id)--> inbox       |
+    stream queue <--- call_soon_threadsafe -+ StepOutput events
+
+The loop never waits for a step: requests and aborts go through a queue the engine thread
+drains before every step, and events come back through the loop's own queue per request.
+A request whose consumer goes away (a client that disconnects) is aborted in the
+consumer's `finally`, so its blocks are freed by the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvlm.engine.engine import Engine, StepOutput
+from kvlm.engine.sampling import SamplingParams
+from kvlm.engine.scheduler import QueueFullError
+from kvlm.errors import KvlmError
+
+log = logging.getLogger("kvlm.engine")
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[StepOutput | BaseException]
+    remaining: int  # samples not yet finished
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_requests: int | None = None) -> None:
+        self.engine = engine
+        sched = engine.scheduler.config
+        # Requests held at once (running + queued); one more is refused with QueueFullError.
+        self.max_requests = max_requests or sched.max_num_seqs + sched.max_waiting
+        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="kvlm-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------------ the loop's side
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[StepOutput]:
+        """Events of one request until all its samples finish. Raises KvlmError subclasses
+        before the first event for a request that cannot run (checked at once)."""
+        rid = request_id or f"req-{next(self._ids)}"
+        self.engine.check_request(prompt_ids, params)
+        if len(self._streams) >= self.max_requests:
+            raise QueueFullError(f"the server is busy ({self.max_requests} requests held)")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
+        self._streams[rid] = stream
+        self._send(("add", rid, prompt_ids, params))
+        return self._events(rid, stream)
+
+    async def _events(self, rid: str, stream: _Stream) -> AsyncIterator[StepOutput]:
+        try:
+            while stream.remaining:
+                event = await stream.events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                if event.finish_reason is not None:
+                    stream.remaining -= 1
+                yield event
+        finally:
+            self._streams.pop(rid, None)
+            if stream.remaining:  # the consumer left early: free the request's blocks
+                self._send(("abort", rid))
+
+    def _send(self, message: tuple) -> None:
+        self._inbox.put(message)
+        self._wake.set()
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._drain()
+            if not self.engine.has_work():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            self._deliver(self.engine.step())
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if message[0] == "abort":
+                self._deliver(self.engine.abort(message[1]))
+                continue
+            _, rid, prompt_ids, params = message
+            try:
+                self.engine.add_request(rid, prompt_ids, params)
+            except KvlmError as exc:  # e.g. the queue filled since the check
+                self._fail(rid, exc)
+
+    def _deliver(self, events: list[StepOutput]) -> None:
+        for event in events:
+            stream = self._streams.get(event.request_id)
+            if stream is not None:
+                stream.loop.call_soon_threadsafe(stream.events.put_nowait, event)
+
+    def _fail(self, rid: str, exc: BaseException) -> None:
+        stream = self._streams.get(rid)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.events.put_nowait, exc)

@@ -1,0 +1,273 @@
+"""Engine: many requests at once on one paged pool (continuous batching).
+
+    add_request() -> scheduler.waiting
+    step():  batch = scheduler.schedule()
+             prefill forwards (one per sequence chunk) -+
+             one decode forward for all decoding rows  -+-> sample -> StepOutput events
+             finished sequences free their blocks (full ones stay in the prefix cache)
+
+A request with n > 1 samples prefills once; when its prompt is done the sequence is forked
+into n that share its blocks, and each samples its own first token from the same logits.
+
+The engine is single-threaded: kvlm.engine.async_engine drives it from a thread of its own
+and carries requests in and events out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlm.cache.base import blocks_for
+from kvlm.cache.paged import BlockPool
+from kvlm.cache.prefix import BlockManager
+from kvlm.engine.generate import SampleState, check_prompt, stop_token_ids
+from kvlm.engine.metrics import EngineStats
+from kvlm.engine.sampling import Sampler, SamplingParams, TokenLogprob
+from kvlm.engine.scheduler import Batch, QueueFullError, Scheduler, SchedulerConfig
+from kvlm.engine.sequence import Sequence
+from kvlm.errors import InvalidRequestError
+from kvlm.llm import LLM
+
+log = logging.getLogger("kvlm.engine")
+
+
+@dataclass(slots=True, frozen=True)
+class EngineConfig:
+    num_blocks: int | None = None  # pool size; None: as many as kv_memory holds, at most
+    # max_num_seqs full contexts. Blocks are committed when first used, so the resident
+    # memory grows to this as the prefix cache fills and then stays.
+    kv_memory: int = 1 << 30
+    prefix_caching: bool = True
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step produced for one sample of a request."""
+
+    request_id: str
+    index: int
+    text: str  # text that became safe to show (stop strings are held back until decided)
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    seqs: list[Sequence] = field(default_factory=list)
+    first_token: float | None = None
+
+
+class Engine:
+    def __init__(self, llm: LLM, config: EngineConfig | None = None) -> None:
+        self.llm = llm
+        self.config = config or EngineConfig()
+        self.tokenizer = llm.tokenizer
+        self.runner = llm.runner
+        llm.model.pack_for_batches()  # one weight layout for 1..64 rows, batch-invariant
+        self.max_model_len = llm.max_context
+        self.spec = llm.cache_spec("paged")
+        bs, sched = self.spec.block_size, self.config.scheduler
+        least = blocks_for(self.max_model_len, bs) + sched.reserve_blocks
+        block_bytes = bs * self.spec.bytes_per_token
+        num_blocks = self.config.num_blocks or min(
+            blocks_for(self.max_model_len, bs) * sched.max_num_seqs,
+            max(least, self.config.kv_memory // block_bytes),
+        )
+        if num_blocks < least:
+            raise InvalidRequestError(
+                f"{num_blocks} KV blocks cannot hold one sequence of the context limit "
+                f"({self.max_model_len} tokens needs {least} blocks of {bs})"
+            )
+        self.pool = BlockPool(self.spec, num_blocks)
+        self.manager = BlockManager(self.pool, self.config.prefix_caching)
+        self.scheduler = Scheduler(self.manager, sched)
+        self.requests: dict[str, _Request] = {}
+        self.stats = EngineStats()
+        self.last_error: Exception | None = None
+
+    # ------------------------------------------------------------------ requests
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError for a request this engine can never run."""
+        check_prompt(prompt_ids, self.llm.config.vocab_size)
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_ids)} tokens; this server's context limit is "
+                f"{self.max_model_len} tokens, prompt and completion together"
+            )
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.check_request(prompt_ids, params)
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
+        req = _Request(request_id, list(prompt_ids), params, time.perf_counter())
+        seq = self._sequence(req, 0)
+        seq.fan_out = params.n
+        self.scheduler.add(seq)  # may raise QueueFullError: nothing is kept
+        self.requests[request_id] = req
+        self.stats.requests_added += 1
+
+    def _sequence(self, req: _Request, index: int) -> Sequence:
+        stops = stop_token_ids(req.params, self.tokenizer)
+        sample = SampleState(index, req.prompt_ids, req.params, self.tokenizer, stops)
+        sampler = Sampler(req.params, self.runner.device)
+        if sampler.generator is not None:
+            sampler.generator.manual_seed(req.params.seed + index)  # each sample its own
+        seq = Sequence(req.request_id, sample, sampler, len(req.prompt_ids), arrival=req.arrival)
+        req.seqs.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> list[StepOutput]:
+        """Stop a request now and free its blocks."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return []
+        events = []
+        for seq in req.seqs:
+            if seq.sample.done:
+                continue
+            self.scheduler.finish(seq)
+            seq.sample.out.finish_reason = "abort"
+            events.append(self._event(req, seq, [], [], "abort"))
+        self.stats.aborted += 1
+        return events
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        events: list[StepOutput] = []
+        t0 = time.perf_counter()
+        try:
+            self._run(batch, events)
+        except Exception as exc:  # a bug must not take every other request down with it
+            events += self._fail(batch, exc)
+        self.stats.record_step(time.perf_counter() - t0, len(batch.decode))
+        return events
+
+    def _run(self, batch: Batch, events: list[StepOutput]) -> None:
+        for seq, n in batch.prefill:
+            fed = seq.token_ids[seq.num_computed : seq.num_computed + n]
+            logits = self.runner.forward_table(
+                self.pool, self.spec, [fed], [seq.table.blocks], [seq.num_computed]
+            )
+            self._advance(seq, n)
+            self.stats.prefill_tokens += n
+            if seq.num_pending == 0:
+                self._sample(seq, logits[0], events)
+        if batch.decode:
+            seqs = batch.decode
+            logits = self.runner.forward_table(
+                self.pool,
+                self.spec,
+                [[s.token_ids[-1]] for s in seqs],
+                [s.table.blocks for s in seqs],
+                [s.num_computed for s in seqs],
+            )
+            for i, seq in enumerate(seqs):
+                self._advance(seq, 1)
+                self._sample(seq, logits[i], events)
+
+    def _advance(self, seq: Sequence, n: int) -> None:
+        seq.num_computed += n
+        self.manager.seal(seq.table, seq.token_ids, seq.num_computed)
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor, events: list[StepOutput]) -> None:
+        req = self.requests[seq.request_id]
+        family = [seq]
+        if seq.fan_out > 1:  # the prompt is in: split off the other samples
+            for index in range(1, seq.fan_out):
+                child = self._sequence(req, index)
+                self.scheduler.fork(seq, child)
+                family.append(child)
+            seq.fan_out = 1
+        now = time.perf_counter()
+        if req.first_token is None:
+            req.first_token = now
+            self.stats.record_ttft(now - req.arrival)
+        for s in family:
+            token = s.sampler(logits)
+            text = s.accept(token, logits)
+            out = s.sample.out
+            if out.finish_reason is None and s.num_tokens >= self.max_model_len:
+                out.finish_reason = "length"  # the context is full
+            lp = out.logprobs[-1:] if out.logprobs is not None else []
+            if out.finish_reason is not None:
+                text += s.sample.finish()
+                self.scheduler.finish(s)
+            events.append(self._event(req, s, [token], lp, out.finish_reason, text))
+            self.stats.generated_tokens += 1
+        if all(s.sample.done for s in req.seqs) and not any(s.fan_out > 1 for s in req.seqs):
+            del self.requests[req.request_id]
+            self.stats.requests_finished += 1
+
+    def _event(
+        self,
+        req: _Request,
+        seq: Sequence,
+        tokens: list[int],
+        logprobs: list[TokenLogprob],
+        finish: str | None,
+        text: str = "",
+    ) -> StepOutput:
+        return StepOutput(
+            req.request_id,
+            seq.index,
+            text,
+            tokens,
+            logprobs,
+            finish,
+            prompt_tokens=len(req.prompt_ids),
+            cached_tokens=req.seqs[0].num_cached,
+        )
+
+    def _fail(self, batch: Batch, exc: Exception) -> list[StepOutput]:
+        """End every request of a step whose forward raised; the engine goes on."""
+        self.stats.errors += 1
+        log.exception("a step failed; its requests end with finish_reason 'error'")
+        ids = {s.request_id for s in batch.decode} | {s.request_id for s, _ in batch.prefill}
+        events = []
+        for rid in ids:
+            for ev in self.abort(rid):
+                ev.finish_reason = "error"
+                events.append(ev)
+        self.last_error = exc
+        return events
+
+    # ------------------------------------------------------------------ state
+
+    def snapshot(self) -> dict[str, float]:
+        """Gauges and counters for /metrics."""
+        s, pool = self.scheduler, self.pool
+        return {
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "blocks_used": pool.num_used,
+            "blocks_free": pool.num_free,
+            "blocks_total": pool.num_blocks,
+            "prefix_queries": self.manager.stats.queries,
+            "prefix_hits": self.manager.stats.hits,
+            "prefix_hit_rate": self.manager.stats.hit_rate,
+            "prefix_evictions": pool.evictions,
+            "preemptions": s.preemptions,
+        }
+
+
+__all__ = ["Engine", "EngineConfig", "QueueFullError", "StepOutput"]

@@ -1,0 +1,55 @@
+"""/metrics in the Prometheus text format (version 0.0.4), written by hand: a few gauges,
+counters and one histogram do not need a client library."""
+
+from __future__ import annotations
+
+from kvlm.engine.async_engine import AsyncEngine
+from kvlm.engine.metrics import TTFT_BUCKETS
+
+# (name, type, help, key): key in Engine.snapshot(), or an EngineStats attribute.
+_SERIES = [
+    ("requests_running", "gauge", "Sequences holding cache blocks.", "running"),
+    ("requests_waiting", "gauge", "Sequences queued for admission.", "waiting"),
+    ("kv_blocks_used", "gauge", "KV cache blocks referenced by sequences.", "blocks_used"),
+    ("kv_blocks_free", "gauge", "KV cache blocks free, cached ones included.", "blocks_free"),
+    ("kv_blocks_total", "gauge", "KV cache blocks in the pool.", "blocks_total"),
+    ("prefix_cache_queries_total", "counter", "Prompt tokens looked up.", "prefix_queries"),
+    ("prefix_cache_hits_total", "counter", "Prompt tokens served from cache.", "prefix_hits"),
+    ("prefix_cache_hit_rate", "gauge", "Prefix cache hits over queries.", "prefix_hit_rate"),
+    ("prefix_cache_evictions_total", "counter", "Cached blocks reused.", "prefix_evictions"),
+    ("preemptions_total", "counter", "Sequences preempted (recomputed).", "preemptions"),
+    ("requests_total", "counter", "Requests accepted.", "requests_added"),
+    ("requests_finished_total", "counter", "Requests finished.", "requests_finished"),
+    ("requests_aborted_total", "counter", "Requests aborted.", "aborted"),
+    ("engine_errors_total", "counter", "Engine steps that raised.", "errors"),
+    ("prompt_tokens_computed_total", "counter", "Prompt tokens computed.", "prefill_tokens"),
+    ("generation_tokens_total", "counter", "Tokens generated.", "generated_tokens"),
+]
+
+
+def render_metrics(engine: AsyncEngine) -> str:
+    eng = engine.engine
+    snap, stats = eng.snapshot(), eng.stats
+    values = snap | {
+        "requests_held": engine.num_requests,
+        "tokens_per_s": stats.tokens_per_s(),
+    }
+    series = [
+        *_SERIES,
+        ("requests_held", "gauge", "Requests accepted and not finished.", "requests_held"),
+        ("generation_tokens_per_second", "gauge", "Tokens per second, last 10 s.", "tokens_per_s"),
+    ]
+    lines: list[str] = []
+    for name, kind, help_, key in series:
+        value = values[key] if key in values else getattr(stats, key)
+        lines += [f"# HELP kvlm_{name} {help_}", f"# TYPE kvlm_{name} {kind}"]
+        lines.append(f"kvlm_{name} {value:g}")
+
+    name = "kvlm_time_to_first_token_seconds"
+    lines += [f"# HELP {name} Time from arrival to first token.", f"# TYPE {name} histogram"]
+    for bound, count in zip(TTFT_BUCKETS, stats.ttft_counts, strict=True):
+        lines.append(f'{name}_bucket{{le="{bound:g}"}} {count}')
+    lines.append(f'{name}_bucket{{le="+Inf"}} {stats.ttft_count}')
+    lines.append(f"{name}_sum {stats.ttft_sum:g}")
+    lines.append(f"{name}_count {stats.ttft_count}")
+    return "\n".join(lines) + "\n"
