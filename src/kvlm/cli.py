@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="reuse the KV blocks of prompts seen before (default: on)",
     )  # fmt: skip
+    serve.add_argument("--log-level", default="info", help="HTTP log: info (requests), warning")
     serve.set_defaults(func=cmd_serve)
 
     inspect = sub.add_parser("inspect", help="show a model's configuration and cache sizes")
@@ -372,7 +373,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         progress=sys.stderr.isatty(),
         cache_options=CacheOptions(args.block_size, args.kv_blocks),
     )
-    serve(llm, config, args.host, args.port, args.api_key, args.served_model_name)
+    serve(llm, config, args.host, args.port, args.api_key, args.served_model_name, args.log_level)
     return 0
 
 

@@ -91,6 +91,10 @@ class Engine:
                 f"({self.max_model_len} tokens needs {least} blocks of {bs})"
             )
         self.pool = BlockPool(self.spec, num_blocks)
+        # Commit the whole pool now, as a GPU server reserves its memory at start: the
+        # process's memory is what it will stay at, and a pool that does not fit fails here
+        # rather than under load.
+        self.pool.store.zero_((slice(None),))
         self.manager = BlockManager(self.pool, self.config.prefix_caching)
         self.scheduler = Scheduler(self.manager, sched)
         self.requests: dict[str, _Request] = {}

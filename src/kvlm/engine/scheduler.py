@@ -38,7 +38,7 @@ class QueueFullError(KvlmError):
 class SchedulerConfig:
     max_num_seqs: int = 16  # sequences decoding together
     prefill_chunk: int = 256  # prompt tokens fed per step, over all prefilling sequences
-    max_waiting: int = 64  # requests queued beyond the running ones before refusing more
+    max_waiting: int = 64  # requests queued beyond max_num_seqs before refusing more
     reserve_blocks: int = 1  # kept free at admission for running sequences to grow into
 
     def __post_init__(self) -> None:
@@ -64,9 +64,14 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions = 0
 
+    @property
+    def capacity(self) -> int:
+        """Sequences held at once, running and queued; one more is refused."""
+        return self.config.max_num_seqs + self.config.max_waiting
+
     def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.config.max_waiting:
-            raise QueueFullError(f"the queue is full ({self.config.max_waiting} waiting requests)")
+        if len(self.waiting) + len(self.running) >= self.capacity:
+            raise QueueFullError(f"the server is full ({self.capacity} requests held)")
         seq.status = Status.WAITING
         self.waiting.append(seq)
 

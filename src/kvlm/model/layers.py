@@ -14,9 +14,6 @@ from kvlm.model.blas import openblas_available
 
 # oneDNN picks its packed layout for this many rows; one packing serves any count.
 ONEDNN_BATCH_HINT = 64
-# fp32 products of at most this many rows go to OpenBLAS (decode, batched decode); more
-# rows (prefill) to MKL. See kvlm.model.blas.
-BLAS_MAX_ROWS = 64
 
 
 class Linear(nn.Module):
@@ -50,8 +47,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "cpu-fp32":
-            if self._blas is not None and x.numel() <= BLAS_MAX_ROWS * self.in_features:
-                y = torch.from_numpy(x.reshape(-1, self.in_features).numpy() @ self._blas)
+            if self._blas is not None and x.numel() == self.in_features:  # one row: OpenBLAS
+                y = torch.from_numpy(x.reshape(1, -1).numpy() @ self._blas)
                 y = y.view(*x.shape[:-1], self.out_features)
             else:
                 y = torch.matmul(x, self.weight)

@@ -18,7 +18,7 @@ from kvlm.errors import ModelLoadError
 from kvlm.loading.weights import WeightSource
 from kvlm.model.attention import Attention, KVStep
 from kvlm.model.blas import one_torch_thread
-from kvlm.model.layers import BLAS_MAX_ROWS, MLP, Linear, RMSNorm, RotaryEmbedding
+from kvlm.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding
 
 
 class Block(nn.Module):
@@ -66,7 +66,7 @@ class Transformer(nn.Module):
 
     def step_context(self, rows: int) -> AbstractContextManager:
         """Thread arrangement for a forward of `rows` token rows (see kvlm.model.blas)."""
-        if rows <= BLAS_MAX_ROWS and self.lm_head.uses_blas:
+        if rows == 1 and self.lm_head.uses_blas:
             return one_torch_thread()
         return nullcontext()
 

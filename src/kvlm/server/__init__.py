@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
+import time
 
 from kvlm.engine.async_engine import AsyncEngine
 from kvlm.engine.engine import Engine, EngineConfig
+from kvlm.errors import KvlmError
 from kvlm.llm import LLM
 
 
@@ -19,24 +23,40 @@ def serve(
     model_name: str | None = None,
     log_level: str = "info",
 ) -> None:
-    """Run the server until interrupted."""
+    """Serve until interrupted (Ctrl-C or SIGTERM): HTTP on a thread, the engine on this
+    one (see AsyncEngine.run_forever)."""
     import uvicorn
 
     from kvlm.server.app import create_app
 
     engine = AsyncEngine(Engine(llm, config))
-    engine.start()
     name = model_name or llm.model_name
     app = create_app(engine, name, api_key)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    http = uvicorn.Server(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)
+    )
+    thread = threading.Thread(target=http.run, name="kvlm-http", daemon=True)
+    thread.start()
+    while not http.started:  # bound and listening, or failed trying
+        if not thread.is_alive():
+            raise KvlmError(f"could not serve on {host}:{port} (is the port in use?)")
+        time.sleep(0.05)
     pool = engine.engine.pool
     print(
         f"kvlm: serving {name} on http://{host}:{port}/v1 "
         f"(KV pool {pool.num_blocks} blocks of {pool.block_size} tokens, "
         f"{pool.store.nbytes / 2**20:,.0f} MiB; context {engine.engine.max_model_len})",
         file=sys.stderr,
+        flush=True,
     )
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    previous = signal.signal(signal.SIGTERM, lambda *_: engine.stop())
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)
+        engine.run_forever()
+    except KeyboardInterrupt:
+        pass
     finally:
-        engine.shutdown()
+        signal.signal(signal.SIGTERM, previous)
+        engine.stop()
+        http.should_exit = True
+        thread.join(timeout=5)

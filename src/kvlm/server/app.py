@@ -147,7 +147,10 @@ async def _respond(
     if body.stream:
         sse = _sse(events, choices, head, body.include_usage, len(ids))
         return StreamingResponse(sse, media_type="text/event-stream")
-    result = await _collect(events, choices, request)
+    try:
+        result = await _collect(events, choices, request)
+    except QueueFullError as exc:  # filled between the check and the engine's intake
+        raise ServerError(503, str(exc), "server_busy", code="queue_full") from exc
     if result is None:  # the client went away: its request was aborted
         return JSONResponse({}, status_code=499)
     if any(c.finish_reason == "error" for c in choices.state):

@@ -1,0 +1,187 @@
+"""The serving engine: continuous batching gives every request the tokens it would get
+alone; prefix reuse, preemption, chunked prefill, fan-out and abort keep that true."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlm import LLM, SamplingParams
+from kvlm.engine.engine import Engine, EngineConfig
+from kvlm.engine.scheduler import SchedulerConfig
+from kvlm.errors import InvalidRequestError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a kingdom by the sea, there lived",
+    "def fibonacci(n):",
+    "List three colours:",
+    "The quick brown fox",
+    "Water boils at a temperature of",
+    "In 1492, Columbus sailed",
+    "My favourite food is",
+]
+
+
+def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
+    """Submit all, step to the end; {request id: {sample index: token ids}}."""
+    for rid, (ids, params) in requests.items():
+        engine.add_request(rid, ids, params)
+    out: dict[str, dict[int, list[int]]] = {rid: {} for rid in requests}
+    while engine.has_work():
+        for ev in engine.step():
+            out[ev.request_id].setdefault(ev.index, []).extend(ev.token_ids)
+    assert engine.pool.num_used == 0  # every block back
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return LLM(model=tiny_model_dir("llama"), progress=False, max_context=256)
+
+
+@pytest.fixture(scope="module")
+def real():
+    # Its own LLM: the engine repacks the weights (oneDNN), which other tests should not see.
+    return LLM(progress=False, max_context=1024)
+
+
+def test_batched_requests_match_the_single_stream_engine(tiny):
+    reference = {p: tiny.generate(p, GREEDY)[0].token_ids for p in PROMPTS}
+    engine = Engine(tiny, EngineConfig(num_blocks=64))
+    reqs = {p: (tiny.tokenizer.encode(p), GREEDY) for p in PROMPTS}
+    out = run(engine, reqs)
+    assert {p: out[p][0] for p in PROMPTS} == reference
+
+
+@pytest.mark.slow
+def test_batch_invariance_on_the_default_model(real):
+    """A request's greedy tokens are the same alone or batched with 7 others."""
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    engine = Engine(real)
+    reqs = {p: (real.tokenizer.encode(p), params) for p in PROMPTS}
+    alone = {p: run(engine, {p: reqs[p]})[p][0] for p in PROMPTS}
+    together = run(engine, reqs)
+    assert {p: together[p][0] for p in PROMPTS} == alone
+
+
+@pytest.mark.slow
+def test_a_shared_system_prompt_is_not_recomputed(real):
+    system = "You are a helpful assistant who answers briefly. " * 20
+    first = real.tokenizer.encode_chat(
+        [{"role": "system", "content": system}, {"role": "user", "content": "Name a fruit."}]
+    )
+    second = real.tokenizer.encode_chat(
+        [{"role": "system", "content": system}, {"role": "user", "content": "Name a city."}]
+    )
+    shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    engine = Engine(real)
+    run(engine, {"1": (first, GREEDY)})
+    computed = engine.stats.prefill_tokens
+    engine.add_request("2", second, GREEDY)
+    engine.step()
+    hit = engine.manager.stats.hits
+    assert hit == (shared // 16) * 16 and hit >= 128
+    assert engine.stats.prefill_tokens - computed == len(second) - hit
+    while engine.has_work():
+        engine.step()
+    cold = Engine(real, EngineConfig(prefix_caching=False))
+    assert run(cold, {"2": (second, GREEDY)}) == run(engine, {"2": (second, GREEDY)})
+
+
+def test_preemption_recomputes_and_changes_no_token(tiny):
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    reqs = {p: (tiny.tokenizer.encode(p), params) for p in PROMPTS[:4]}
+    roomy = run(Engine(tiny, EngineConfig(num_blocks=64)), reqs)
+    # 17 blocks of 16: one full context (256 tokens) and the reserve, far from 4 x 75.
+    tight = Engine(tiny, EngineConfig(num_blocks=17))
+    assert run(tight, reqs) == roomy
+    assert tight.scheduler.preemptions > 0
+
+
+def test_chunked_prefill_changes_no_token(tiny):
+    long_prompt = " ".join(PROMPTS)
+    ids = tiny.tokenizer.encode(long_prompt)
+    assert len(ids) > 100
+    whole = run(Engine(tiny, EngineConfig(num_blocks=64)), {"a": (ids, GREEDY)})
+    cfg = EngineConfig(num_blocks=64, scheduler=SchedulerConfig(prefill_chunk=7))
+    assert run(Engine(tiny, cfg), {"a": (ids, GREEDY)}) == whole
+
+
+def test_fan_out_shares_the_prompt_and_greedy_samples_agree(tiny):
+    ids = tiny.tokenizer.encode(PROMPTS[1])
+    engine = Engine(tiny, EngineConfig(num_blocks=64))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=3)
+    engine.add_request("a", ids, params)
+    engine.step()  # prefill, fork, three first tokens
+    assert len(engine.scheduler.running) == 3
+    prompt_blocks = -(-len(ids) // 16)
+    assert engine.pool.num_used == prompt_blocks  # shared, not copied
+    while engine.has_work():
+        engine.step()
+    out = run(engine, {"b": (ids, params)})["b"]
+    assert out[0] == out[1] == out[2] == tiny.generate(PROMPTS[1], GREEDY)[0].token_ids[:8]
+
+
+def test_seeded_samples_do_not_depend_on_the_batch(tiny):
+    params = SamplingParams(temperature=1.0, max_tokens=16, seed=5, n=2)
+    ids = tiny.tokenizer.encode(PROMPTS[0])
+    engine = Engine(tiny, EngineConfig(num_blocks=64))
+    alone = run(engine, {"a": (ids, params)})["a"]
+    others = {p: (tiny.tokenizer.encode(p), GREEDY) for p in PROMPTS[1:]}
+    batched = run(engine, {"a": (ids, params), **others})["a"]
+    assert alone == batched and alone[0] != alone[1]
+
+
+def test_abort_frees_blocks_at_once(tiny):
+    engine = Engine(tiny, EngineConfig(num_blocks=64))
+    engine.add_request("a", tiny.tokenizer.encode(PROMPTS[1]), GREEDY)
+    engine.add_request("b", tiny.tokenizer.encode(PROMPTS[2]), GREEDY)
+    engine.step()
+    assert engine.pool.num_used > 0
+    events = engine.abort("a") + engine.abort("b")
+    assert [e.finish_reason for e in events] == ["abort", "abort"]
+    assert engine.pool.num_used == 0 and not engine.has_work()
+    assert engine.abort("a") == []  # twice is harmless
+
+
+def test_context_limit_ends_a_sequence_with_length(tiny):
+    ids = tiny.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    engine = Engine(tiny, EngineConfig(num_blocks=64))
+    engine.add_request("a", ids, params)
+    events = []
+    while engine.has_work():
+        events += engine.step()
+    assert events[-1].finish_reason == "length"
+    assert len(ids) + sum(len(e.token_ids) for e in events) == 256
+
+
+def test_bad_requests_are_refused_before_anything_is_held(tiny):
+    engine = Engine(tiny, EngineConfig(num_blocks=64))
+    with pytest.raises(InvalidRequestError, match="context limit"):
+        engine.add_request("a", [5] * 256, GREEDY)
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        engine.add_request("a", [10**6], GREEDY)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request("a", [], GREEDY)
+    assert not engine.has_work() and not engine.requests
+    with pytest.raises(InvalidRequestError, match="cannot hold one sequence"):
+        Engine(tiny, EngineConfig(num_blocks=4))
+
+
+def test_a_failing_step_ends_its_requests_and_the_engine_goes_on(tiny, monkeypatch):
+    engine = Engine(tiny, EngineConfig(num_blocks=64))
+    engine.add_request("a", tiny.tokenizer.encode(PROMPTS[0]), GREEDY)
+    real_forward = engine.runner.forward_table
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(engine.runner, "forward_table", broken)
+    events = engine.step()
+    assert [e.finish_reason for e in events] == ["error"]
+    assert engine.pool.num_used == 0 and engine.stats.errors == 1
+    monkeypatch.setattr(engine.runner, "forward_table", real_forward)
+    out = run(engine, {"b": (tiny.tokenizer.encode(PROMPTS[0]), GREEDY)})
+    assert out["b"][0] == tiny.generate(PROMPTS[0], GREEDY)[0].token_ids
