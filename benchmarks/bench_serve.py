@@ -96,7 +96,8 @@ class Server:
     def stream(self, prompt: str, max_tokens: int, hang_up_after: int | None = None) -> Result:
         """One streamed completion; returns its token count, TTFT and total time."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0, "stream": True, "ignore_eos": True}  # fmt: skip
+                "temperature": 0, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
         t0 = time.perf_counter()
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         try:
@@ -111,7 +112,11 @@ class Server:
                     done = True
                     break
                 if line.startswith(b"data: {"):
-                    tokens += 1
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):  # the last chunk: the exact token count
+                        tokens = chunk["usage"]["completion_tokens"]
+                        continue
+                    tokens += 1  # a chunk per token, less any held back (decode, stops)
                     if tokens == 1:
                         ttft = time.perf_counter() - t0
                     if hang_up_after is not None and tokens >= hang_up_after:

@@ -185,3 +185,16 @@ def test_a_failing_step_ends_its_requests_and_the_engine_goes_on(tiny, monkeypat
     monkeypatch.setattr(engine.runner, "forward_table", real_forward)
     out = run(engine, {"b": (tiny.tokenizer.encode(PROMPTS[0]), GREEDY)})
     assert out["b"][0] == tiny.generate(PROMPTS[0], GREEDY)[0].token_ids
+
+
+def test_an_int8_pool_serves_batches_as_it_serves_one(tiny_model_dir):
+    llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=256, kv_dtype="int8")
+    engine = Engine(llm, EngineConfig(num_blocks=64))
+    assert engine.pool.store.quantized
+    reqs = {p: (llm.tokenizer.encode(p), GREEDY) for p in PROMPTS[:4]}
+    alone = {p: run(engine, {p: reqs[p]})[p] for p in reqs}
+    assert run(engine, reqs) == alone
+    fp32 = run(Engine(LLM(model=tiny_model_dir("llama"), progress=False, max_context=256),
+                      EngineConfig(num_blocks=64)), reqs)  # fmt: skip
+    agree = [a[0][:8] == fp32[p][0][:8] for p, a in alone.items()]
+    assert sum(agree) >= 3  # int8 K/V: the first tokens agree with fp32 on this model

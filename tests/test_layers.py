@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvlm.model.layers import Linear, _onednn_bf16
+from kvlm.model.layers import Linear, _onednn_bf16, _onednn_fp32
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -47,3 +47,21 @@ def test_one_row_fp32_takes_the_blas_path_when_available():
 
     lin = Linear(torch.randn(16, 8))
     assert lin.uses_blas == openblas_available()
+
+
+@pytest.mark.skipif(not _onednn_fp32(), reason="oneDNN cannot run fp32 products here")
+def test_onednn_packed_rows_do_not_depend_on_their_batch():
+    """The serving kernel: a row's result is the same bits alone, in a decode batch, or in
+    a padded prefill chunk (kvlm.model.layers.Linear._onednn)."""
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 64), torch.randn(96)
+    lin = Linear(w, b)
+    lin.pack_onednn()
+    assert lin.kernel == "onednn" and not lin.uses_blas
+    x = torch.randn(1, 40, 64)
+    alone = torch.cat([lin(x[:, i : i + 1]) for i in range(40)], dim=1)
+    for rows in (1, 5, 16, 17, 33, 40):  # exact, exact, exact, padded, padded, padded
+        y = lin(x[:, :rows])
+        assert y.shape == (1, rows, 96)
+        assert torch.equal(y, alone[:, :rows])
+    torch.testing.assert_close(alone, F.linear(x, w, b), atol=1e-4, rtol=1e-5)

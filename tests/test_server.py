@@ -280,6 +280,20 @@ def test_a_client_that_disconnects_has_its_blocks_freed(server, model):
     assert after["kvlm_generation_tokens_total"] - before["kvlm_generation_tokens_total"] < 400
 
 
+def test_a_client_that_leaves_a_whole_answer_has_it_aborted(server, model):
+    before = metrics(server)["kvlm_requests_aborted_total"]
+    body = {"model": model, "prompt": "Tell me a story.", "max_tokens": 900, "ignore_eos": True}
+    conn = http.client.HTTPConnection("127.0.0.1", server, timeout=60)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers=headers)
+    deadline = time.time() + 30
+    while metrics(server)["kvlm_kv_blocks_used"] == 0 and time.time() < deadline:
+        time.sleep(0.1)
+    conn.close()  # gone before the answer
+    after = wait_idle(server)
+    assert after["kvlm_requests_aborted_total"] == before + 1
+
+
 def test_a_full_server_answers_503_and_recovers(server, client, model):
     # Not waiting for first tokens: the last two wait for seats, and hold their places.
     streams = [open_stream(server, model, wait=False) for _ in range(MAX_SEQS + MAX_WAITING)]

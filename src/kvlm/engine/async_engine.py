@@ -119,7 +119,20 @@ class AsyncEngine:
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
-            self._deliver(self.engine.step())
+            try:
+                events = self.engine.step()
+            except Exception:  # a scheduler bug: end every request, keep serving
+                log.exception("the engine step failed; ending all requests")
+                events = self._abort_all()
+            self._deliver(events)
+
+    def _abort_all(self) -> list[StepOutput]:
+        events = []
+        for rid in list(self.engine.requests):
+            for event in self.engine.abort(rid):
+                event.finish_reason = "error"
+                events.append(event)
+        return events
 
     def _drain(self) -> None:
         while True:
