@@ -111,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="GGUF file, HF folder or Hub id (default: SmolLM2-135M)")
     p.add_argument("--dtype", default="fp32", help="compute dtype: fp32, bf16, fp16")
+    p.add_argument("--weights", default=None, help="weight storage: as --dtype (default) or int8")
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--system", default=None, help="system prompt for the chat template")
@@ -169,6 +170,7 @@ def _load(args: argparse.Namespace):
         progress=sys.stderr.isatty(),
         cache_options=CacheOptions(args.block_size, args.kv_blocks, args.window, args.sinks),
         prefill_chunk=args.prefill_chunk,
+        weights=args.weights,
     )
 
 
@@ -372,6 +374,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         threads=args.threads,
         progress=sys.stderr.isatty(),
         cache_options=CacheOptions(args.block_size, args.kv_blocks),
+        weights=args.weights,
     )
     serve(llm, config, args.host, args.port, args.api_key, args.served_model_name, args.log_level)
     return 0

@@ -25,6 +25,9 @@ from kvlm.model.transformer import Transformer
 # The contiguous cache preallocates this many tokens unless told otherwise (the model's
 # own limit when smaller). 4096 is llama.cpp's default context too.
 DEFAULT_MAX_CONTEXT = 4096
+# How the projection weights are stored: None = in the compute dtype (--dtype); "int8" =
+# per-channel int8 (kvlm.model.layers.Linear.quantize_int8).
+WEIGHT_FORMATS = (None, "int8")
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,6 +60,7 @@ class LLM:
         progress: bool = True,
         cache_options: CacheOptions | None = None,
         prefill_chunk: int | None = None,
+        weights: str | None = None,
     ) -> None:
         if threads is not None:
             if threads < 1:
@@ -71,6 +75,13 @@ class LLM:
         self.cache_options = cache_options or CacheOptions()
         self.prefill_chunk = prefill_chunk
         check_mode(kv)  # before the slow load
+        if weights not in WEIGHT_FORMATS:
+            raise InvalidRequestError(
+                f"unknown weight format {weights!r}; valid: int8 (default: stored as --dtype)"
+            )
+        if weights == "int8" and self.device.type != "cpu":
+            raise InvalidRequestError("--weights int8 runs on the CPU kernel only, for now")
+        self.weights = weights
         self.kv_mode = kv
         self.loaded = load_model(model)
         self.config = self.loaded.config
@@ -85,6 +96,8 @@ class LLM:
         self._cache: KVCache | None = None  # allocated on first use
         weights = self.loaded.weights
         self.model = Transformer(self.config, weights, self.dtype, self.device, progress)
+        if self.weights is not None:
+            self.model.quantize_weights(self.weights)
         self.runner = ModelRunner(self.model)
 
     @property
@@ -198,6 +211,7 @@ class LLM:
             "model": self.model_name,
             "kv_mode": self.kv_mode,
             "dtype": dtype_name(self.dtype),
+            "weights": self.weights or dtype_name(self.dtype),
             "kv_dtype": dtype_name(self.cache_spec().dtype),
             "max_context": self.max_context,
             "device": str(self.device),

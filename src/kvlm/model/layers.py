@@ -47,6 +47,7 @@ class Linear(nn.Module):
             w = weight.contiguous()
         self.register_buffer("weight", w, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
+        self.scales: torch.Tensor | None = None  # int8: one per output channel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "cpu-fp32":
@@ -58,6 +59,11 @@ class Linear(nn.Module):
             return y if self.bias is None else y + self.bias
         if self.kernel == "onednn":
             return self._onednn(x)
+        if self.kernel == "int8":
+            flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales)
+            y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,6 +79,32 @@ class Linear(nn.Module):
             flat = F.pad(flat, (0, 0, 0, pad))
         y = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
         return y[:rows].view(*x.shape[:-1], self.out_features)
+
+    def quantize_int8(self) -> None:
+        """Re-store the weight as int8, one symmetric scale per output channel, multiplied
+        by torch's CPU int8 kernel (`_weight_int8pack_mm`) in bf16: 4x fewer bytes than
+        fp32 to read per decode step. Inputs are cast to bf16 for the product only, and
+        the output back to the model's dtype, so norms, attention and the residual stream
+        keep their precision. Only the fp32 input path of that kernel is unvectorised here
+        (8 ms vs 0.8 ms for one row through 3072x576), hence bf16."""
+        if self.kernel == "int8":
+            return
+        w = self.dense_weight().float()  # [out, in]
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        self.weight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self.scales = scale.to(torch.bfloat16)
+        self.kernel = "int8"
+        self._blas = None
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as [out, in] in a plain layout (dequantized for int8)."""
+        if self.kernel == "cpu-fp32":
+            return self.weight.t()
+        if self.kernel == "int8":
+            return self.weight.float() * self.scales.float()[:, None]
+        if self.kernel == "onednn":
+            raise ValueError("a oneDNN-packed weight cannot be read back")
+        return self.weight
 
     def pack_onednn(self, batch_hint: int = ONEDNN_BATCH_HINT) -> None:
         """Re-store an fp32 CPU weight packed for oneDNN: the kernel for batched decode.
@@ -97,7 +129,7 @@ class Linear(nn.Module):
         table; None when it is packed in a kernel-specific layout."""
         if self.kernel == "cpu-fp32":
             return self.weight.t()
-        return None if self.kernel == "onednn" else self.weight
+        return None if self.kernel in ("onednn", "int8") else self.weight
 
 
 def _pick_kernel(weight: torch.Tensor) -> str:

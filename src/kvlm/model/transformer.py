@@ -70,6 +70,18 @@ class Transformer(nn.Module):
             return one_torch_thread()
         return nullcontext()
 
+    def quantize_weights(self, fmt: str) -> None:
+        """Swap the projections' weights to another storage format (gpt-fast's module
+        swap: the model code stays plain). "int8": see Linear.quantize_int8. The embedding
+        table stays in the model's dtype (one row is read per token)."""
+        if fmt != "int8":
+            raise ValueError(f"unknown weight format {fmt!r}")
+        if self._embed_table is None:  # tied: keep the rows before lm_head is quantized
+            self._embed_table = self.lm_head.rows().contiguous()
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.quantize_int8()
+
     def pack_for_batches(self) -> None:
         """Switch fp32 CPU weights to oneDNN's packed layout (kvlm.model.layers.Linear):
         what a server wants, many rows per step. Single-stream decode is faster on the
