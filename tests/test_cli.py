@@ -225,3 +225,33 @@ def test_verify_command(capsys, tiny_gguf, kv):
     code, out, _ = run_cli(capsys, "verify", "--model", str(tiny_gguf), "--kv", kv,
                            "--max-new-tokens", "4")  # fmt: skip
     assert code == 0 and "greedy agreement" in out
+
+
+def test_bench_compares_modes_and_peers_in_one_run(capsys, tiny_gguf, tmp_path):
+    out_file = tmp_path / "bench.json"
+    code, out, err = run_cli(
+        capsys, "bench", "--model", str(tiny_gguf), "--kv", "contiguous,paged",
+        "--prompts", "8,24", "--new-tokens", "4", "--json", str(out_file),
+    )  # fmt: skip
+    assert code == 0, err
+    assert "[1/8]" in err and "[8/8]" in err  # progress: 2 prompts x (2 modes + 2 peers)
+    result = json.loads(out_file.read_text())
+    engines = {(r["engine"], r["prompt_tokens"]) for r in result["rows"]}
+    assert engines == {
+        (e, n) for e in ("kvlm-contiguous", "kvlm-paged", "hf", "hf-static") for n in (8, 24)
+    }
+    for r in result["rows"]:
+        assert r["ttft_ms"] > 0 and r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0
+    assert len(result["ratios"]) == 8  # 2 modes x 2 peers x 2 prompts
+    assert result["bandwidth_gb_s"] > 0 and result["decode_bound_tok_s"] > 0
+    assert "| kvlm-paged | hf-static | 24 |" in out
+
+
+def test_bench_refuses_bad_arguments_in_one_line(capsys, tiny_gguf):
+    for args, message in [
+        (["--prompts", "8,x"], "--prompts takes comma-separated token counts"),
+        (["--peers", "vllm"], "unknown peer 'vllm'"),
+        (["--kv", "contiguous,nope", "--prompts", "8"], "unknown cache mode 'nope'"),
+    ]:
+        code, _, err = run_cli(capsys, "bench", "--model", str(tiny_gguf), *args)
+        assert code == 2 and err.startswith("kvlm: error: ") and message in err, err

@@ -101,6 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", help="HTTP log: info (requests), warning")
     serve.set_defaults(func=cmd_serve)
 
+    bench = sub.add_parser("bench", help="kvlm vs transformers on the same model and prompts")
+    _model_args(bench)
+    bench.add_argument("--kv", default="contiguous", help="cache modes, comma-separated")
+    bench.add_argument("--prompts", default="128,512,2048", help="prompt lengths in tokens")
+    bench.add_argument("--new-tokens", type=int, default=128, help="tokens decoded per run")
+    bench.add_argument("--peers", default="hf,hf-static", help="hf, hf-static, or none")
+    bench.add_argument("--rounds", type=int, default=1, help="runs per cell (median)")
+    bench.add_argument("--max-context", type=int, default=None, help="cache capacity")
+    bench.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    bench.set_defaults(func=cmd_bench)
+
     inspect = sub.add_parser("inspect", help="show a model's configuration and cache sizes")
     inspect.add_argument("--model", help="GGUF file, HF folder or Hub id (default: SmolLM2-135M)")
     inspect.add_argument("--json", action="store_true")
@@ -377,6 +388,50 @@ def cmd_serve(args: argparse.Namespace) -> int:
         weights=args.weights,
     )
     serve(llm, config, args.host, args.port, args.api_key, args.served_model_name, args.log_level)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvlm.bench import BenchConfig, bench, markdown
+    from kvlm.cache.factory import check_mode
+    from kvlm.errors import InvalidRequestError
+    from kvlm.llm import LLM
+
+    try:
+        prompts = [int(x) for x in args.prompts.split(",")]
+    except ValueError as exc:
+        raise InvalidRequestError(f"--prompts takes comma-separated token counts: {exc}") from exc
+    if min(prompts) < 1 or args.new_tokens < 2 or args.rounds < 1:
+        raise InvalidRequestError("prompts must be >= 1 token, --new-tokens >= 2, --rounds >= 1")
+    modes = args.kv.split(",")
+    peers = [] if args.peers == "none" else args.peers.split(",")
+    unknown = set(peers) - {"hf", "hf-static"}
+    if unknown:
+        raise InvalidRequestError(f"unknown peer {sorted(unknown)[0]!r}; valid: hf, hf-static")
+    for mode in modes:
+        check_mode(mode)  # before the slow load
+    need = max(prompts) + args.new_tokens
+    llm = LLM(
+        model=args.model,
+        kv=modes[0],
+        dtype=args.dtype,
+        device=args.device,
+        max_context=args.max_context or need,
+        threads=args.threads,
+        progress=sys.stderr.isatty(),
+        weights=args.weights,
+    )
+    for mode in modes[1:]:
+        llm.cache_spec(mode)  # every mode's settings checked before the long run
+    config = BenchConfig(prompts, args.new_tokens, modes, peers, args.rounds)
+    try:
+        result = bench(llm, config)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from exc
+    print(markdown(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
     return 0
 
 

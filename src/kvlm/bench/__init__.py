@@ -1,0 +1,219 @@
+"""`kvlm bench`: kvlm and its peers on the same model file and prompts, in one run.
+
+    for each prompt length (128, 512, 2048 by default), for each engine:
+        TTFT, prefill tokens/s, decode tokens/s over `new_tokens` greedy tokens (EOS off)
+    plus this machine's memory bandwidth and the decode bound it sets for kvlm's weights
+    (weight bytes read per token / bandwidth), and kvlm's share of that bound.
+
+Engines: kvlm with each chosen cache mode; Hugging Face transformers loading the same file
+(its default DynamicCache, and its static cache) when `transformers` is installed. Runs are
+sequential and alone: two CPU-heavy engines at once distort each other.
+
+Not here yet (issue [4]): llama.cpp through llama-cpp-python, peak RSS per engine, plots.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvlm import LLM, SamplingParams
+from kvlm.model.layers import Linear
+
+FILLER = (
+    "The KV cache stores the keys and values of every token already processed, so decoding "
+    "runs one token against the cache instead of the whole sequence again. "
+)
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    prompts: list[int] = field(default_factory=lambda: [128, 512, 2048])
+    new_tokens: int = 128
+    modes: list[str] = field(default_factory=lambda: ["contiguous"])
+    peers: list[str] = field(default_factory=lambda: ["hf", "hf-static"])
+    rounds: int = 1
+
+
+def prompt_ids(llm: LLM, n: int) -> list[int]:
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += llm.tokenizer.encode(FILLER, add_special_tokens=False)
+    return ids[:n]
+
+
+def run_kvlm(llm: LLM, mode: str, ids: list[int], new: int) -> dict[str, float]:
+    llm.cache = llm.new_cache(mode)
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    out = llm.stream(ids, params).run()
+    m = out.metrics
+    return {
+        "ttft_ms": m.ttft_ms,
+        "prefill_tok_s": m.prefill_tokens_per_s,
+        "decode_tok_s": m.decode_tokens_per_s,
+    }
+
+
+class _Clock:
+    """A transformers streamer that timestamps every generated token."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.seen_prompt = False
+
+    def put(self, value: Any) -> None:
+        if self.seen_prompt:
+            self.times.append(time.perf_counter())
+        self.seen_prompt = True  # the first put is the prompt
+
+    def end(self) -> None:
+        pass
+
+
+def run_hf(model: Any, ids: list[int], new: int, static: bool) -> dict[str, float]:
+    clock = _Clock()
+    extra = {"cache_implementation": "static"} if static else {}
+    start = time.perf_counter()
+    model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                   pad_token_id=0, streamer=clock, **extra)  # fmt: skip
+    t = clock.times
+    ttft = t[0] - start
+    return {
+        "ttft_ms": ttft * 1000,
+        "prefill_tok_s": len(ids) / ttft,
+        "decode_tok_s": (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 else 0.0,
+    }
+
+
+def load_hf(llm: LLM) -> Any:
+    """transformers on the same file and dtype, or None when it is not installed."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return None
+    path = llm.loaded.path
+    kw = {"gguf_file": path.name} if path.is_file() else {}
+    folder = path.parent if path.is_file() else path
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=llm.dtype, **kw).eval()
+
+
+def memory_bandwidth(mib: int = 512, reps: int = 5) -> float:
+    """Read bandwidth in GB/s: a multi-threaded sum over a buffer far larger than caches."""
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def weight_bytes_per_token(llm: LLM) -> int:
+    """Bytes of projection weights a decode step reads (every Linear once; one embedding
+    row is negligible)."""
+    total = 0
+    for module in llm.model.modules():
+        if isinstance(module, Linear):
+            total += module.weight.numel() * module.weight.element_size()
+            if module.scales is not None:
+                total += module.scales.numel() * module.scales.element_size()
+    return total
+
+
+def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
+    limit = max(config.prompts) + config.new_tokens
+    if limit > llm.max_context:
+        raise ValueError(f"the longest prompt + new tokens ({limit}) exceed --max-context")
+    hf = load_hf(llm) if any(p.startswith("hf") for p in config.peers) else None
+    engines = [f"kvlm-{m}" for m in config.modes]
+    engines += [p for p in config.peers if hf is not None and p in ("hf", "hf-static")]
+    warm = prompt_ids(llm, 16)
+    rows = []
+    total = len(config.prompts) * len(engines) * config.rounds
+    done = 0
+    for n in config.prompts:
+        ids = prompt_ids(llm, n)
+        for engine in engines:
+            runs = []
+            for _ in range(config.rounds):
+                done += 1
+                print(f"[{done}/{total}] {engine}, prompt {n} tokens", file=sys.stderr,
+                      flush=True)  # fmt: skip
+                runs.append(_run(engine, llm, hf, ids, warm, config.new_tokens))
+            med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            rows.append({"engine": engine, "prompt_tokens": n, **med})
+    bandwidth = memory_bandwidth()
+    per_token = weight_bytes_per_token(llm)
+    bound = bandwidth * 1e9 / per_token
+    return {
+        "model": llm.model_name,
+        "describe": llm.describe(),
+        "threads": torch.get_num_threads(),
+        "new_tokens": config.new_tokens,
+        "bandwidth_gb_s": round(bandwidth, 2),
+        "weight_bytes_per_token": per_token,
+        "decode_bound_tok_s": round(bound, 1),
+        "rows": rows,
+        "ratios": _ratios(rows),
+    }
+
+
+def _run(engine: str, llm: LLM, hf: Any, ids: list[int], warm: list[int], new: int) -> dict:
+    if engine.startswith("kvlm-"):
+        mode = engine.removeprefix("kvlm-")
+        run_kvlm(llm, mode, warm, 4)
+        return run_kvlm(llm, mode, ids, new)
+    static = engine == "hf-static"
+    run_hf(hf, warm, 4, static)
+    return run_hf(hf, ids, new, static)
+
+
+def _ratios(rows: list[dict]) -> list[dict]:
+    """kvlm over each peer, per prompt length: decode speed up, TTFT down is better."""
+    out = []
+    for r in rows:
+        if not r["engine"].startswith("kvlm-"):
+            continue
+        for peer in rows:
+            if peer["prompt_tokens"] == r["prompt_tokens"] and not peer["engine"].startswith(
+                "kvlm-"
+            ):
+                out.append({
+                    "kvlm": r["engine"], "peer": peer["engine"],
+                    "prompt_tokens": r["prompt_tokens"],
+                    "decode_ratio": round(r["decode_tok_s"] / peer["decode_tok_s"], 3),
+                    "ttft_ratio": round(r["ttft_ms"] / peer["ttft_ms"], 3),
+                })  # fmt: skip
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        f"model {result['model']}, {result['threads']} threads, "
+        f"{result['new_tokens']} new tokens; memory bandwidth {result['bandwidth_gb_s']} GB/s, "
+        f"weights {result['weight_bytes_per_token'] / 2**20:.0f} MiB per token -> decode bound "
+        f"{result['decode_bound_tok_s']} tok/s",
+        "",
+        "| engine | prompt | TTFT ms | prefill tok/s | decode tok/s | share of bound |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in result["rows"]:
+        share = r["decode_tok_s"] / result["decode_bound_tok_s"]
+        share_text = f"{share:.0%}" if r["engine"].startswith("kvlm-") else ""
+        lines.append(
+            f"| {r['engine']} | {r['prompt_tokens']} | {r['ttft_ms']:.0f} | "
+            f"{r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | {share_text} |"
+        )
+    if result["ratios"]:
+        lines += ["", "| kvlm | peer | prompt | decode ratio | TTFT ratio |",
+                  "| --- | --- | ---: | ---: | ---: |"]  # fmt: skip
+        for q in result["ratios"]:
+            lines.append(f"| {q['kvlm']} | {q['peer']} | {q['prompt_tokens']} | "
+                         f"{q['decode_ratio']:.2f}x | {q['ttft_ratio']:.2f}x |")  # fmt: skip
+    return "\n".join(lines) + "\n"
