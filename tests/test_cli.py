@@ -232,6 +232,7 @@ def test_bench_compares_modes_and_peers_in_one_run(capsys, tiny_gguf, tmp_path):
     code, out, err = run_cli(
         capsys, "bench", "--model", str(tiny_gguf), "--kv", "contiguous,paged",
         "--prompts", "8,24", "--new-tokens", "4", "--json", str(out_file),
+        "--peers", "hf,hf-static", "--plots", str(tmp_path / "plots"),
     )  # fmt: skip
     assert code == 0, err
     assert "[1/8]" in err and "[8/8]" in err  # progress: 2 prompts x (2 modes + 2 peers)
@@ -245,6 +246,34 @@ def test_bench_compares_modes_and_peers_in_one_run(capsys, tiny_gguf, tmp_path):
     assert len(result["ratios"]) == 8  # 2 modes x 2 peers x 2 prompts
     assert result["bandwidth_gb_s"] > 0 and result["decode_bound_tok_s"] > 0
     assert "| kvlm-paged | hf-static | 24 |" in out
+    curves = result["per_forward_ms"]
+    assert set(curves) == {"off", "contiguous", "paged"} and len(curves["off"]) == 3
+    for name in ("per_forward.png", "decode_vs_context.png"):
+        assert (tmp_path / "plots" / name).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_bench_runs_llama_cpp_when_it_is_installed(capsys, tmp_path):
+    pytest.importorskip("llama_cpp")  # the optional `bench` extra; not in CI
+    out_file = tmp_path / "bench.json"
+    args = ["--prompts", "8", "--new-tokens", "4", "--peers", "llama.cpp", "--json", str(out_file)]
+    code, _, err = run_cli(capsys, "bench", *args)  # the default model's GGUF
+    assert code == 0, err
+    rows = json.loads(out_file.read_text())["rows"]
+    assert [r["engine"] for r in rows] == ["kvlm-contiguous", "llama.cpp"]
+    assert rows[1]["decode_tok_s"] > 0
+
+
+def test_bench_reports_a_peer_that_cannot_load_and_goes_on(capsys, tiny_gguf, tmp_path):
+    pytest.importorskip("llama_cpp")
+    out_file = tmp_path / "bench.json"
+    args = ["--prompts", "8", "--new-tokens", "4", "--peers", "llama.cpp", "--json", str(out_file)]
+    code, out, err = run_cli(capsys, "bench", "--model", str(tiny_gguf), *args)
+    assert code == 0, err
+    result = json.loads(out_file.read_text())
+    assert [r["engine"] for r in result["rows"]] == ["kvlm-contiguous"]
+    assert result["skipped"]["llama.cpp"].startswith("failed to load")
+    assert "skipped llama.cpp: failed to load" in out
 
 
 def test_bench_refuses_bad_arguments_in_one_line(capsys, tiny_gguf):

@@ -106,7 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--kv", default="contiguous", help="cache modes, comma-separated")
     bench.add_argument("--prompts", default="128,512,2048", help="prompt lengths in tokens")
     bench.add_argument("--new-tokens", type=int, default=128, help="tokens decoded per run")
-    bench.add_argument("--peers", default="hf,hf-static", help="hf, hf-static, or none")
+    bench.add_argument(
+        "--peers", default="hf,hf-static,llama.cpp", help="hf, hf-static, llama.cpp, or none"
+    )
+    bench.add_argument("--plots", metavar="DIR", help="write PNG plots here (matplotlib)")
     bench.add_argument("--rounds", type=int, default=1, help="runs per cell (median)")
     bench.add_argument("--max-context", type=int, default=None, help="cache capacity")
     bench.add_argument("--json", metavar="FILE", help="write the results as JSON")
@@ -392,7 +395,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from kvlm.bench import BenchConfig, bench, markdown
+    from kvlm.bench import PEERS, BenchConfig, bench, markdown
     from kvlm.cache.factory import check_mode
     from kvlm.errors import InvalidRequestError
     from kvlm.llm import LLM
@@ -405,12 +408,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise InvalidRequestError("prompts must be >= 1 token, --new-tokens >= 2, --rounds >= 1")
     modes = args.kv.split(",")
     peers = [] if args.peers == "none" else args.peers.split(",")
-    unknown = set(peers) - {"hf", "hf-static"}
+    unknown = set(peers) - set(PEERS)
     if unknown:
-        raise InvalidRequestError(f"unknown peer {sorted(unknown)[0]!r}; valid: hf, hf-static")
+        raise InvalidRequestError(f"unknown peer {sorted(unknown)[0]!r}; valid: {', '.join(PEERS)}")
+    if args.plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            raise InvalidRequestError("--plots needs matplotlib: pip install matplotlib") from exc
     for mode in modes:
         check_mode(mode)  # before the slow load
-    need = max(prompts) + args.new_tokens
+    need = max(*prompts, 16) + args.new_tokens  # 16: the warm-up and per-forward prompt
     llm = LLM(
         model=args.model,
         kv=modes[0],
@@ -423,7 +431,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     for mode in modes[1:]:
         llm.cache_spec(mode)  # every mode's settings checked before the long run
-    config = BenchConfig(prompts, args.new_tokens, modes, peers, args.rounds)
+    config = BenchConfig(prompts, args.new_tokens, modes, peers, args.rounds, args.plots)
     try:
         result = bench(llm, config)
     except ValueError as exc:

@@ -6,10 +6,13 @@
     (weight bytes read per token / bandwidth), and kvlm's share of that bound.
 
 Engines: kvlm with each chosen cache mode; Hugging Face transformers loading the same file
-(its default DynamicCache, and its static cache) when `transformers` is installed. Runs are
+(its default DynamicCache, and its static cache) when `transformers` is installed; llama.cpp
+through `llama-cpp-python` when installed (a GGUF model only; it builds from source, so it
+is an optional extra). A peer that is not installed is listed under "skipped". Runs are
 sequential and alone: two CPU-heavy engines at once distort each other.
 
-Not here yet (issue [4]): llama.cpp through llama-cpp-python, peak RSS per engine, plots.
+Plots (`plots=DIR`, matplotlib): per-forward latency vs position with and without the cache
+(the seeds' headline: flat vs growing), and decode tokens/s vs prompt length per engine.
 """
 
 from __future__ import annotations
@@ -36,8 +39,12 @@ class BenchConfig:
     prompts: list[int] = field(default_factory=lambda: [128, 512, 2048])
     new_tokens: int = 128
     modes: list[str] = field(default_factory=lambda: ["contiguous"])
-    peers: list[str] = field(default_factory=lambda: ["hf", "hf-static"])
+    peers: list[str] = field(default_factory=lambda: ["hf", "hf-static", "llama.cpp"])
     rounds: int = 1
+    plots: str | None = None  # folder for PNGs
+
+
+PEERS = ("hf", "hf-static", "llama.cpp")
 
 
 def prompt_ids(llm: LLM, n: int) -> list[int]:
@@ -102,6 +109,36 @@ def load_hf(llm: LLM) -> Any:
     return AutoModelForCausalLM.from_pretrained(folder, dtype=llm.dtype, **kw).eval()
 
 
+def load_llamacpp(llm: LLM, n_ctx: int) -> Any:
+    """llama.cpp on the same GGUF, or None when llama-cpp-python is not installed."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    path = llm.loaded.path
+    if not path.is_file():
+        return None
+    threads = torch.get_num_threads()
+    return Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads,
+                 n_threads_batch=threads, n_batch=512, verbose=False)  # fmt: skip
+
+
+def run_llamacpp(model: Any, ids: list[int], new: int) -> dict[str, float]:
+    model.reset()  # no reuse of the previous run's tokens
+    times = []
+    start = time.perf_counter()
+    for _ in model.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
+        times.append(time.perf_counter())
+        if len(times) >= new:
+            break
+    ttft = times[0] - start
+    return {
+        "ttft_ms": ttft * 1000,
+        "prefill_tok_s": len(ids) / ttft,
+        "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0,
+    }
+
+
 def memory_bandwidth(mib: int = 512, reps: int = 5) -> float:
     """Read bandwidth in GB/s: a multi-threaded sum over a buffer far larger than caches."""
     x = torch.ones(mib * 2**20 // 4)
@@ -130,9 +167,19 @@ def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
     limit = max(config.prompts) + config.new_tokens
     if limit > llm.max_context:
         raise ValueError(f"the longest prompt + new tokens ({limit}) exceed --max-context")
-    hf = load_hf(llm) if any(p.startswith("hf") for p in config.peers) else None
-    engines = [f"kvlm-{m}" for m in config.modes]
-    engines += [p for p in config.peers if hf is not None and p in ("hf", "hf-static")]
+    peers: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    loaders = {"hf": lambda: load_hf(llm), "llama.cpp": lambda: load_llamacpp(llm, limit + 8)}
+    for name in dict.fromkeys(p.removesuffix("-static") for p in config.peers):
+        try:
+            peers[name] = loaders[name]()
+        except Exception as exc:  # a peer that cannot read this file is reported, not fatal
+            skipped[name] = f"failed to load: {exc}"
+        else:
+            if peers[name] is None:
+                skipped[name] = "not installed"
+    available = [p for p in config.peers if peers.get(p.removesuffix("-static")) is not None]
+    engines = [f"kvlm-{m}" for m in config.modes] + available
     warm = prompt_ids(llm, 16)
     rows = []
     total = len(config.prompts) * len(engines) * config.rounds
@@ -145,13 +192,14 @@ def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
                 done += 1
                 print(f"[{done}/{total}] {engine}, prompt {n} tokens", file=sys.stderr,
                       flush=True)  # fmt: skip
-                runs.append(_run(engine, llm, hf, ids, warm, config.new_tokens))
+                runs.append(_run(engine, llm, peers, ids, warm, config.new_tokens))
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             rows.append({"engine": engine, "prompt_tokens": n, **med})
     bandwidth = memory_bandwidth()
     per_token = weight_bytes_per_token(llm)
     bound = bandwidth * 1e9 / per_token
-    return {
+    forwards = per_forward_curves(llm, config)
+    result = {
         "model": llm.model_name,
         "describe": llm.describe(),
         "threads": torch.get_num_threads(),
@@ -161,17 +209,79 @@ def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
         "decode_bound_tok_s": round(bound, 1),
         "rows": rows,
         "ratios": _ratios(rows),
+        "per_forward_ms": forwards,
+        "skipped": skipped,
     }
+    if config.plots:
+        result["plots"] = plot(result, config.plots)
+    return result
 
 
-def _run(engine: str, llm: LLM, hf: Any, ids: list[int], warm: list[int], new: int) -> dict:
+def per_forward_curves(llm: LLM, config: BenchConfig) -> dict[str, list[float]]:
+    """Milliseconds of every forward while generating `new_tokens` from a 16-token prompt,
+    without a cache (`off`: each step recomputes the sequence) and with each chosen mode."""
+    ids = prompt_ids(llm, 16)
+    curves = {}
+    for mode in ["off", *config.modes]:
+        llm.cache = llm.new_cache(mode)
+        params = SamplingParams(temperature=0, max_tokens=config.new_tokens, ignore_eos=True)
+        out = llm.stream(ids, params).run()
+        curves[mode] = [round(ms, 3) for ms in out.metrics.per_forward_ms[1:]]  # decode steps
+    return curves
+
+
+def plot(result: dict[str, Any], folder: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from pathlib import Path
+
+    import matplotlib.pyplot as plt
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode, ms in result["per_forward_ms"].items():
+        ax.plot(range(17, 17 + len(ms)), ms, label="no cache (off)" if mode == "off" else mode)
+    ax.set(xlabel="position of the token being decoded", ylabel="ms per forward",
+           title=f"{result['model']}: per-forward latency")  # fmt: skip
+    ax.legend()
+    paths.append(_save(fig, out / "per_forward.png"))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for engine in dict.fromkeys(r["engine"] for r in result["rows"]):
+        pts = [(r["prompt_tokens"], r["decode_tok_s"]) for r in result["rows"]
+               if r["engine"] == engine]  # fmt: skip
+        ax.plot(*zip(*pts, strict=True), marker="o", label=engine)
+    ax.axhline(result["decode_bound_tok_s"], linestyle="--", color="grey",
+               label="bandwidth bound (kvlm weights)")  # fmt: skip
+    ax.set(xscale="log", xlabel="prompt tokens (context)", ylabel="decode tokens/s",
+           title=f"{result['model']}: decode speed vs context")  # fmt: skip
+    ax.legend()
+    paths.append(_save(fig, out / "decode_vs_context.png"))
+    return paths
+
+
+def _save(fig: Any, path: Any) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return str(path)
+
+
+def _run(engine: str, llm: LLM, peers: dict, ids: list[int], warm: list[int], new: int) -> dict:
     if engine.startswith("kvlm-"):
         mode = engine.removeprefix("kvlm-")
         run_kvlm(llm, mode, warm, 4)
         return run_kvlm(llm, mode, ids, new)
+    if engine == "llama.cpp":
+        run_llamacpp(peers["llama.cpp"], warm, 4)
+        return run_llamacpp(peers["llama.cpp"], ids, new)
     static = engine == "hf-static"
-    run_hf(hf, warm, 4, static)
-    return run_hf(hf, ids, new, static)
+    run_hf(peers["hf"], warm, 4, static)
+    return run_hf(peers["hf"], ids, new, static)
 
 
 def _ratios(rows: list[dict]) -> list[dict]:
@@ -216,4 +326,6 @@ def markdown(result: dict[str, Any]) -> str:
         for q in result["ratios"]:
             lines.append(f"| {q['kvlm']} | {q['peer']} | {q['prompt_tokens']} | "
                          f"{q['decode_ratio']:.2f}x | {q['ttft_ratio']:.2f}x |")  # fmt: skip
+    for peer, why in result["skipped"].items():
+        lines += ["", f"skipped {peer}: {why}"]
     return "\n".join(lines) + "\n"
