@@ -170,21 +170,33 @@ def _session_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-cache", metavar="FILE", help="resume a conversation saved before")
 
 
-def _load(args: argparse.Namespace):
-    from kvlm.llm import LLM, CacheOptions  # imports torch: only once a command runs
+def _model(args: argparse.Namespace, **settings: Any):
+    """An LLM from the flags every model command has (_model_args), plus the command's own
+    cache settings."""
+    from kvlm.llm import LLM  # imports torch: only once a command runs
 
     return LLM(
         model=args.model,
-        kv=args.kv,
         dtype=args.dtype,
         device=args.device,
+        threads=args.threads,
+        weights=args.weights,
+        progress=sys.stderr.isatty(),
+        **settings,
+    )
+
+
+def _load(args: argparse.Namespace):
+    """generate, chat, verify: every cache flag (_cache_args) applies."""
+    from kvlm.llm import CacheOptions
+
+    return _model(
+        args,
+        kv=args.kv,
         kv_dtype=args.kv_dtype,
         max_context=args.max_context,
-        threads=args.threads,
-        progress=sys.stderr.isatty(),
         cache_options=CacheOptions(args.block_size, args.kv_blocks, args.window, args.sinks),
         prefill_chunk=args.prefill_chunk,
-        weights=args.weights,
     )
 
 
@@ -368,7 +380,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvlm.engine.engine import EngineConfig
     from kvlm.engine.scheduler import SchedulerConfig
     from kvlm.errors import InvalidRequestError
-    from kvlm.llm import LLM, CacheOptions
+    from kvlm.llm import CacheOptions
     from kvlm.server import serve
 
     if not 0 < args.port < 65536:
@@ -378,17 +390,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from exc
     config = EngineConfig(args.kv_blocks, parse_size(args.kv_memory), args.prefix_caching, sched)
-    llm = LLM(
-        model=args.model,
+    llm = _model(
+        args,
         kv="paged",
-        dtype=args.dtype,
-        device=args.device,
         kv_dtype=args.kv_dtype,
         max_context=args.max_context,
-        threads=args.threads,
-        progress=sys.stderr.isatty(),
         cache_options=CacheOptions(args.block_size, args.kv_blocks),
-        weights=args.weights,
     )
     serve(llm, config, args.host, args.port, args.api_key, args.served_model_name, args.log_level)
     return 0
@@ -398,7 +405,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kvlm.bench import PEERS, BenchConfig, bench, markdown
     from kvlm.cache.factory import check_mode
     from kvlm.errors import InvalidRequestError
-    from kvlm.llm import LLM
 
     try:
         prompts = [int(x) for x in args.prompts.split(",")]
@@ -419,16 +425,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for mode in modes:
         check_mode(mode)  # before the slow load
     need = max(*prompts, 16) + args.new_tokens  # 16: the warm-up and per-forward prompt
-    llm = LLM(
-        model=args.model,
-        kv=modes[0],
-        dtype=args.dtype,
-        device=args.device,
-        max_context=args.max_context or need,
-        threads=args.threads,
-        progress=sys.stderr.isatty(),
-        weights=args.weights,
-    )
+    llm = _model(args, kv=modes[0], max_context=args.max_context or need)
     for mode in modes[1:]:
         llm.cache_spec(mode)  # every mode's settings checked before the long run
     config = BenchConfig(prompts, args.new_tokens, modes, peers, args.rounds, args.plots)
