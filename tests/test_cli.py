@@ -92,7 +92,10 @@ def test_generate_streams_text_and_reads_stdin(capsys, monkeypatch, tiny_gguf):
         (["--device", "tpu"], "unknown device 'tpu'"),
         (["--max-context", "999999"], "max_context must be between 1 and"),
         (["--top-p", "0"], "top_p"),
-        (["--weights", "int3"], "unknown weight format 'int3'; valid: int8"),
+        (
+            ["--weights", "int3"],
+            "unknown weight format 'int3'; valid: f32, bf16, int8, int4, native",
+        ),
     ],
 )
 def test_user_mistakes_end_in_one_line(capsys, tiny_gguf, args, message):

@@ -125,7 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="GGUF file, HF folder or Hub id (default: SmolLM2-135M)")
     p.add_argument("--dtype", default="fp32", help="compute dtype: fp32, bf16, fp16")
-    p.add_argument("--weights", default=None, help="weight storage: as --dtype (default) or int8")
+    p.add_argument(
+        "--weights",
+        default=None,
+        help="projection weights: as --dtype (default), bf16, int8 or int4 (groups of 32), "
+        "or native (a GGUF file's Q8_0/Q4_0/Q4_1 blocks as stored)",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--system", default=None, help="system prompt for the chat template")

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from kvlm import kernels
 from kvlm.cache import CacheSpec, KVCache, create_cache
 from kvlm.cache.factory import check_mode, mode_spec
 from kvlm.dtypes import dtype_name, parse_dtype, parse_kv_dtype
@@ -25,9 +26,10 @@ from kvlm.model.transformer import Transformer
 # The contiguous cache preallocates this many tokens unless told otherwise (the model's
 # own limit when smaller). 4096 is llama.cpp's default context too.
 DEFAULT_MAX_CONTEXT = 4096
-# How the projection weights are stored: None = in the compute dtype (--dtype); "int8" =
-# per-channel int8 (kvlm.model.layers.Linear.quantize_int8).
-WEIGHT_FORMATS = (None, "int8")
+# How the projection weights are stored (kvlm.model.transformer.Transformer): None / "f32" =
+# in the compute dtype (--dtype); "bf16" = bf16 weights under fp32 activations; "int8",
+# "int4" = groups of 32 (kvlm.model.quant); "native" = the GGUF file's own blocks.
+WEIGHT_FORMATS = (None, "f32", "bf16", "int8", "int4", "native")
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,11 +78,17 @@ class LLM:
         self.prefill_chunk = prefill_chunk
         check_mode(kv)  # before the slow load
         if weights not in WEIGHT_FORMATS:
+            valid = ", ".join(f for f in WEIGHT_FORMATS if f)
+            raise InvalidRequestError(f"unknown weight format {weights!r}; valid: {valid}")
+        if weights == "f32":
+            if self.dtype != torch.float32:
+                raise InvalidRequestError("--weights f32 needs --dtype fp32")
+            weights = None
+        if weights is not None and self.device.type != "cpu":
             raise InvalidRequestError(
-                f"unknown weight format {weights!r}; valid: int8 (default: stored as --dtype)"
+                f"--weights {weights} runs on the CPU kernels only; on {self.device.type} use "
+                "--dtype bf16 or fp16"
             )
-        if weights == "int8" and self.device.type != "cpu":
-            raise InvalidRequestError("--weights int8 runs on the CPU kernel only, for now")
         self.weights = weights
         self.kv_mode = kv
         self.loaded = load_model(model)
@@ -95,9 +103,9 @@ class LLM:
         self.cache_spec(kv)  # every cache setting checked before the weights load
         self._cache: KVCache | None = None  # allocated on first use
         weights = self.loaded.weights
-        self.model = Transformer(self.config, weights, self.dtype, self.device, progress)
-        if self.weights is not None:
-            self.model.quantize_weights(self.weights)
+        self.model = Transformer(
+            self.config, weights, self.dtype, self.device, progress, self.weights
+        )
         self.runner = ModelRunner(self.model)
 
     @property
@@ -212,6 +220,7 @@ class LLM:
             "kv_mode": self.kv_mode,
             "dtype": dtype_name(self.dtype),
             "weights": self.weights or dtype_name(self.dtype),
+            "kernels": kernels.status() if self.weights in ("int8", "int4", "native") else None,
             "kv_dtype": dtype_name(self.cache_spec().dtype),
             "max_context": self.max_context,
             "device": str(self.device),

@@ -157,13 +157,7 @@ def memory_bandwidth(mib: int = 512, reps: int = 7) -> float:
 def weight_bytes_per_token(llm: LLM) -> int:
     """Bytes of projection weights a decode step reads (every Linear once; one embedding
     row is negligible)."""
-    total = 0
-    for module in llm.model.modules():
-        if isinstance(module, Linear):
-            total += module.weight.numel() * module.weight.element_size()
-            if module.scales is not None:
-                total += module.scales.numel() * module.scales.element_size()
-    return total
+    return sum(m.nbytes for m in llm.model.modules() if isinstance(m, Linear))
 
 
 def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import torch
 
 from kvlm.cache import CacheSpec, KVCache
 from kvlm.cache.paged import BlockPool, TableStep
+from kvlm.model import fused
 from kvlm.model.transformer import Transformer
 
 
@@ -15,6 +16,19 @@ class ModelRunner:
     def __init__(self, model: Transformer) -> None:
         self.model = model
         self.device = model.device
+        # One token of one sequence on a contiguous cache: one C call (kvlm.model.fused).
+        self.fused_reason = fused.why_not(model)
+        self._fused: dict[int, fused.FusedDecoder] = {}
+
+    def fused_for(self, cache: KVCache) -> fused.FusedDecoder | None:
+        """The fused decode step for this cache, when it applies."""
+        if self.fused_reason is not None:
+            return None
+        slots = cache.spec.max_tokens
+        decoder = self._fused.get(slots)
+        if decoder is None:
+            decoder = self._fused[slots] = fused.FusedDecoder(self.model, slots)
+        return decoder if decoder.accepts(cache) else None
 
     @torch.inference_mode()
     def forward_rows(self, rows: Sequence[Sequence[int]], cache: KVCache) -> torch.Tensor:
@@ -25,6 +39,8 @@ class ModelRunner:
         """
         if len(rows) != cache.batch or len({len(r) for r in rows}) != 1:
             raise ValueError(f"need {cache.batch} rows of one length, got {[len(r) for r in rows]}")
+        if len(rows) == 1 and len(rows[0]) == 1 and (decoder := self.fused_for(cache)):
+            return decoder.step(rows[0][0], cache)
         step = cache.begin(len(rows[0]))  # raises on overflow before any write
         ids = torch.tensor(rows, dtype=torch.long, device=self.device)
         with self.model.step_context(ids.numel()):

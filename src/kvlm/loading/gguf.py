@@ -18,6 +18,7 @@ import torch
 from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 from kvlm.loading.weights import fingerprint_of
+from kvlm.model.quant import QuantWeight
 
 try:
     import gguf
@@ -131,11 +132,54 @@ class GGUFWeights:
             out = out.reshape(shape)
         except (ValueError, RuntimeError) as exc:
             raise ModelLoadError(f"{self.path.name}: cannot decode tensor {t.name}: {exc}") from exc
+        return self._unpermute(name, out)
+
+    def is_quantized(self, name: str) -> bool:
+        return self._tensors[name].tensor_type in QUANT_TYPES
+
+    def get_quant(self, name: str) -> QuantWeight | None:
+        """The tensor's own Q8_0/Q4_0/Q4_1 blocks, unrounded (None for other types)."""
+        t = self._tensors[name]
+        if t.tensor_type not in NATIVE_BLOCKS or len(t.shape) != 2:
+            return None
+        rows = int(t.shape[1])
+        try:
+            q = _blocks_to_quant(np.asarray(t.data), t.tensor_type, rows)
+        except ValueError as exc:
+            raise ModelLoadError(f"{self.path.name}: cannot decode tensor {t.name}: {exc}") from exc
+        codes, scale = self._unpermute(name, q.codes), self._unpermute(name, q.scale)
+        zero = None if q.zero is None else self._unpermute(name, q.zero)
+        return QuantWeight(q.kind, codes, scale, zero)
+
+    def _unpermute(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         is_qk = name.endswith(("q_proj.weight", "k_proj.weight"))
         if self.config.architecture == "llama" and is_qk:
             heads = self.config.num_heads if "q_proj" in name else self.config.num_kv_heads
-            out = unpermute_qk(out, heads)
-        return out
+            rows = unpermute_qk(rows, heads)
+        return rows
+
+
+# GGUF blocks kvlm multiplies as they are (`--weights native`): bytes per block of 32.
+NATIVE_BLOCKS = {Q.Q8_0: ("q8", 34), Q.Q4_0: ("q4", 18), Q.Q4_1: ("q4", 20)}
+
+
+def _blocks_to_quant(data: np.ndarray, qtype: Q, rows: int) -> QuantWeight:
+    """Q8_0 = (f16 d, int8 q[32]), Q4_0 = (f16 d, nibbles[16]), Q4_1 = (f16 d, f16 m,
+    nibbles[16]), each over 32 weights; nibble j holds weights j (low) and j + 16 (high),
+    which is the layout QuantWeight uses."""
+    _, size = NATIVE_BLOCKS[qtype]
+    blocks = np.ascontiguousarray(data).reshape(rows, -1, size)
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0]).float()
+    if qtype == Q.Q8_0:
+        codes = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(rows, -1)
+        return QuantWeight("q8", codes, d)
+    if qtype == Q.Q4_1:
+        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0]).float()
+        codes = torch.from_numpy(blocks[..., 4:].copy()).reshape(rows, -1)
+    else:  # Q4_0: w = d * (q - 8)
+        m = -8.0 * d
+        codes = torch.from_numpy(blocks[..., 2:].copy()).reshape(rows, -1)
+    return QuantWeight("q4", codes, d, m)
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:

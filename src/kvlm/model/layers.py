@@ -11,6 +11,7 @@ from torch import nn
 
 from kvlm.config import ModelConfig
 from kvlm.model.blas import openblas_available
+from kvlm.model.quant import FORMATS, QuantWeight, can_quantize, quantize
 
 # oneDNN picks its packed layout for this many rows; one packing serves any count.
 ONEDNN_BATCH_HINT = 64
@@ -47,7 +48,7 @@ class Linear(nn.Module):
             w = weight.contiguous()
         self.register_buffer("weight", w, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
-        self.scales: torch.Tensor | None = None  # int8: one per output channel
+        self.quant: QuantWeight | None = None  # low-bit weights (kernel "quant")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "cpu-fp32":
@@ -59,14 +60,18 @@ class Linear(nn.Module):
             return y if self.bias is None else y + self.bias
         if self.kernel == "onednn":
             return self._onednn(x)
-        if self.kernel == "int8":
-            flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales)
-            y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        if self.kernel == "quant":
+            flat = x.reshape(-1, self.in_features)
+            if flat.dtype != torch.float32 or not flat.is_contiguous():
+                flat = flat.float().contiguous()
+            y = self.quant.matmul(flat).to(x.dtype).view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
+        if self.kernel == "bf16":  # bf16 weight, model dtype kept outside the product
+            y = self._onednn(x.to(torch.bfloat16), bias=None).to(x.dtype)
+            return y if self.bias is None else y + self.bias.to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
-    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+    def _onednn(self, x: torch.Tensor, bias: torch.Tensor | str | None = "own") -> torch.Tensor:
         """oneDNN keeps a primitive (with its buffers) per row count it has seen, up to
         1,024 of them: a server feeding prompts of every length grew by ~0.8 MiB/s (RSS,
         benchmarks/bench_serve.py soak). Row counts above ONEDNN_EXACT_ROWS are padded to
@@ -77,32 +82,58 @@ class Linear(nn.Module):
         flat = x.reshape(rows, self.in_features)
         if pad:
             flat = F.pad(flat, (0, 0, 0, pad))
-        y = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
+        bias = self.bias if isinstance(bias, str) else bias
+        y = torch.ops.mkldnn._linear_pointwise(flat, self.weight, bias, "none", [], "")
         return y[:rows].view(*x.shape[:-1], self.out_features)
 
-    def quantize_int8(self) -> None:
-        """Re-store the weight as int8, one symmetric scale per output channel, multiplied
-        by torch's CPU int8 kernel (`_weight_int8pack_mm`) in bf16: 4x fewer bytes than
-        fp32 to read per decode step. Inputs are cast to bf16 for the product only, and
-        the output back to the model's dtype, so norms, attention and the residual stream
-        keep their precision. Only the fp32 input path of that kernel is unvectorised here
-        (8 ms vs 0.8 ms for one row through 3072x576), hence bf16."""
-        if self.kernel == "int8":
-            return
-        w = self.dense_weight().float()  # [out, in]
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        self.weight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        self.scales = scale.to(torch.bfloat16)
-        self.kernel = "int8"
+    @classmethod
+    def from_quant(cls, quant: QuantWeight, bias: torch.Tensor | None = None) -> Linear:
+        """A projection over low-bit weights (kvlm.model.quant): a GGUF file's own blocks."""
+        lin = cls(torch.empty(quant.out_features, 0), bias)
+        lin._set_quant(quant)
+        return lin
+
+    def _set_quant(self, quant: QuantWeight) -> None:
+        self.in_features, self.out_features = quant.in_features, quant.out_features
+        self.quant = quant
+        self.weight = quant.codes
+        self.kernel = "quant"
         self._blas = None
 
+    def convert(self, fmt: str) -> None:
+        """Re-store the weight as `fmt`: "int8" / "int4" (groups of 32, kvlm.model.quant;
+        the C kernels read 1 or 0.5 byte per weight instead of 4) or "bf16" (oneDNN packed,
+        inputs cast to bf16 for the product only, so norms, attention and the residual
+        stream keep the model's precision). A weight that cannot take the format (width not
+        a multiple of 32; no oneDNN bf16) stays as it is."""
+        if fmt in FORMATS:
+            if self.kernel != "quant" and can_quantize(self.dense_weight()):
+                self._set_quant(quantize(self.dense_weight(), FORMATS[fmt]))
+        elif fmt == "bf16":
+            if self.kernel == "cpu-fp32" and _onednn_bf16():
+                w = self.dense_weight().to(torch.bfloat16).contiguous()
+                self.weight = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+                self.kernel = "bf16"
+                self._blas = None
+        else:
+            raise ValueError(f"unknown weight format {fmt!r}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight a product reads (codes and their scales for low-bit weights)."""
+        if self.kernel == "quant":
+            return self.quant.nbytes
+        if self.kernel == "bf16":
+            return self.in_features * self.out_features * 2
+        return self.weight.numel() * self.weight.element_size()
+
     def dense_weight(self) -> torch.Tensor:
-        """The weight as [out, in] in a plain layout (dequantized for int8)."""
+        """The weight as [out, in] in a plain layout (dequantized for low-bit weights)."""
         if self.kernel == "cpu-fp32":
             return self.weight.t()
-        if self.kernel == "int8":
-            return self.weight.float() * self.scales.float()[:, None]
-        if self.kernel == "onednn":
+        if self.kernel == "quant":
+            return self.quant.dense()
+        if self.kernel in ("onednn", "bf16"):
             raise ValueError("a oneDNN-packed weight cannot be read back")
         return self.weight
 
@@ -129,7 +160,7 @@ class Linear(nn.Module):
         table; None when it is packed in a kernel-specific layout."""
         if self.kernel == "cpu-fp32":
             return self.weight.t()
-        return None if self.kernel in ("onednn", "int8") else self.weight
+        return None if self.kernel in ("onednn", "bf16", "quant") else self.weight
 
 
 def _pick_kernel(weight: torch.Tensor) -> str:

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError
 from kvlm.loading.weights import WeightSource
+from kvlm.model import quant
 from kvlm.model.attention import Attention, KVStep
 from kvlm.model.blas import one_torch_thread
 from kvlm.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding
@@ -44,22 +45,28 @@ class Transformer(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         progress: bool = True,
+        weight_format: str | None = None,
     ) -> None:
+        """`weight_format` (kvlm.model.layers.Linear.convert): None keeps the projections
+        in `dtype`; "bf16", "int8", "int4" convert each as it loads; "native" multiplies a
+        GGUF file's Q8_0/Q4_0/Q4_1 blocks as stored (other quantized types as int8, float
+        tensors as `dtype`). The embedding table stays in `dtype` (one row per token)."""
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        loader = _WeightTaker(weights, config, dtype, self.device, progress)
+        self.weight_format = weight_format
+        loader = _WeightTaker(weights, config, dtype, self.device, progress, weight_format)
         with loader:
             self.layers = nn.ModuleList(loader.block(i) for i in range(config.num_layers))
             self.norm = RMSNorm(loader.take("model.norm.weight"), config.rms_norm_eps)
             embed = loader.take("model.embed_tokens.weight")
             if config.tie_word_embeddings or not loader.has("lm_head.weight"):
-                self.lm_head = Linear(embed)
+                self.lm_head = loader.linear("model.embed_tokens.weight", embed)
                 # Tied: read embeddings out of lm_head's weight unless it is packed.
                 self._embed_table = None if self.lm_head.rows() is not None else embed
             else:
-                self.lm_head = Linear(loader.take("lm_head.weight"))
+                self.lm_head = loader.linear("lm_head.weight")
                 self._embed_table = embed
             freq_factors = loader.take_raw("rope_freqs.weight")
         self.rope = RotaryEmbedding(config, self.device, freq_factors)
@@ -69,18 +76,6 @@ class Transformer(nn.Module):
         if rows == 1 and self.lm_head.uses_blas:
             return one_torch_thread()
         return nullcontext()
-
-    def quantize_weights(self, fmt: str) -> None:
-        """Swap the projections' weights to another storage format (gpt-fast's module
-        swap: the model code stays plain). "int8": see Linear.quantize_int8. The embedding
-        table stays in the model's dtype (one row is read per token)."""
-        if fmt != "int8":
-            raise ValueError(f"unknown weight format {fmt!r}")
-        if self._embed_table is None:  # tied: keep the rows before lm_head is quantized
-            self._embed_table = self.lm_head.rows().contiguous()
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.quantize_int8()
 
     def pack_for_batches(self) -> None:
         """Switch fp32 CPU weights to oneDNN's packed layout (kvlm.model.layers.Linear):
@@ -129,8 +124,10 @@ class _WeightTaker:
         dtype: torch.dtype,
         device: torch.device,
         progress: bool,
+        weight_format: str | None = None,
     ) -> None:
         self.weights = weights
+        self.weight_format = weight_format
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -167,17 +164,55 @@ class _WeightTaker:
 
     def fused_linear(self, prefix: str, parts: tuple[str, ...]) -> Linear:
         """Concatenate projections that read the same input (q|k|v, gate|up) into one."""
-        ws = [self.take(f"{prefix}.{p}.weight") for p in parts]
+        names = [f"{prefix}.{p}.weight" for p in parts]
         biases = [self.take_raw(f"{prefix}.{p}.bias") for p in parts]
         bias = None
         if any(b is not None for b in biases):
+            rows = [self._rows(n) for n in names]
             bias = torch.cat(
                 [
-                    torch.zeros(w.shape[0]) if b is None else b.float()
-                    for w, b in zip(ws, biases, strict=True)
+                    torch.zeros(r) if b is None else b.float()
+                    for r, b in zip(rows, biases, strict=True)
                 ]
             ).to(device=self.device, dtype=self.dtype)
-        return Linear(torch.cat(ws, dim=0), bias)
+        native = [self._native(n) for n in names]
+        if all(q is not None for q in native) and len({q.kind for q in native}) == 1:
+            self.bar.update(len(names))
+            return Linear.from_quant(quant.concat(native), bias)
+        return self._make(torch.cat([self.take(n) for n in names], dim=0), bias, names)
+
+    def linear(
+        self, name: str, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None
+    ) -> Linear:
+        """One projection (`weight`: already taken, e.g. the tied embedding)."""
+        native = self._native(name)
+        if native is not None:
+            if weight is None:
+                self.bar.update(1)
+            return Linear.from_quant(native, bias)
+        return self._make(self.take(name) if weight is None else weight, bias, [name])
+
+    def _rows(self, name: str) -> int:
+        return self.weights.get(name).shape[0]
+
+    def _native(self, name: str) -> quant.QuantWeight | None:
+        """The file's own low-bit blocks for `name`, when --weights native can use them."""
+        if self.weight_format != "native" or not hasattr(self.weights, "get_quant"):
+            return None
+        return self.weights.get_quant(name)
+
+    def _make(self, weight: torch.Tensor, bias: torch.Tensor | None, names: list[str]) -> Linear:
+        """A Linear in the requested weight format (kvlm.model.layers.Linear.convert)."""
+        fmt = self.weight_format
+        if fmt == "native":  # no kernel for the stored type: int8 if it was quantized at all
+            stored = getattr(self.weights, "is_quantized", lambda name: False)
+            fmt = "int8" if any(stored(n) for n in names) else None
+        if fmt in ("int8", "int4") and quant.can_quantize(weight):
+            return Linear.from_quant(quant.quantize(weight, quant.FORMATS[fmt]), bias)
+        lin = Linear(weight, bias)
+        if fmt == "bf16":
+            lin.convert(fmt)
+        return lin
 
     def block(self, i: int) -> Block:
         c = self.config
@@ -194,16 +229,16 @@ class _WeightTaker:
             c.num_kv_heads,
             c.head_dim,
             qkv=self.fused_linear(f"{p}.self_attn", ("q_proj", "k_proj", "v_proj")),
-            o_proj=Linear(
-                self.take(f"{p}.self_attn.o_proj.weight"),
-                None if o_bias is None else o_bias.to(self.device, self.dtype),
+            o_proj=self.linear(
+                f"{p}.self_attn.o_proj.weight",
+                bias=None if o_bias is None else o_bias.to(self.device, self.dtype),
             ),
             q_norm=q_norm,
             k_norm=k_norm,
         )
         mlp = MLP(
             self.fused_linear(f"{p}.mlp", ("gate_proj", "up_proj")),
-            Linear(self.take(f"{p}.mlp.down_proj.weight")),
+            self.linear(f"{p}.mlp.down_proj.weight"),
         )
         return Block(
             attn,

@@ -1,0 +1,119 @@
+"""kvlm's C kernels (qgemm.c), compiled for this machine on first use.
+
+The low-bit weight formats (`--weights int8|int4|native`) multiply through these. The
+library is built once with the system C compiler (`$CC`, else `cc`/`gcc`), `-O3
+-march=native -fopenmp`, into `$KVLM_CACHE_DIR` (default `~/.cache/kvlm`) under a name
+that hashes the source, the compiler and the flags, so an upgrade or another CPU rebuilds.
+A build takes about a second. Without a compiler (or with `KVLM_NO_KERNELS=1`) `library()`
+returns None and the formats fall back to a torch path with the same numerics, slower;
+`status()` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch  # noqa: F401 - loaded first, so the kernels share torch's OpenMP runtime
+
+SOURCE = Path(__file__).with_name("qgemm.c")
+ABI = 1
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+BUILD_TIMEOUT_S = 120
+
+_reason = ""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KVLM_CACHE_DIR") or Path.home() / ".cache" / "kvlm"
+    return Path(root) / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _compiler_id(cc: str) -> str:
+    try:
+        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+        return out.stdout.splitlines()[0] if out.stdout else cc
+    except (OSError, subprocess.SubprocessError):
+        return cc
+
+
+def _build(cc: str) -> Path:
+    """Compile qgemm.c unless a build for this source/compiler/flags exists; return it."""
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + _compiler_id(cc).encode() + " ".join(FLAGS).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"qgemm-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: a concurrent process sees all of it or none.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if out.returncode != 0:
+            raise OSError(f"{' '.join(cmd)} failed: {out.stderr.strip()[-400:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    lib.kvlm_q8_gemm.argtypes = [p, i, i, p, p, i, p]
+    lib.kvlm_q4_gemm.argtypes = [p, i, i, p, p, p, i, p]
+    lib.kvlm_q8_dequant.argtypes = [i, p, p, i, p]
+    lib.kvlm_q4_dequant.argtypes = [i, p, p, p, i, p]
+    for fn in (lib.kvlm_q8_gemm, lib.kvlm_q4_gemm, lib.kvlm_q8_dequant, lib.kvlm_q4_dequant):
+        fn.restype = None
+    return lib
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (see `status()`)."""
+    global _reason
+    if os.environ.get("KVLM_NO_KERNELS"):
+        _reason = "disabled by KVLM_NO_KERNELS"
+        return None
+    if sys.platform == "win32":
+        _reason = "not built on Windows"
+        return None
+    cc = _compiler()
+    if cc is None:
+        _reason = "no C compiler found (set CC, or install gcc)"
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+        if lib.kvlm_kernel_abi() != ABI:
+            raise OSError("stale kernel library")
+        return _bind(lib)
+    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        _reason = f"build failed: {exc}"
+        return None
+
+
+def status() -> str:
+    """One line for `kvlm info` / logs: which kernels run and why."""
+    lib = library()
+    if lib is None:
+        return f"torch fallback ({_reason})"
+    simd = lib.kvlm_kernel_simd()
+    return f"compiled C kernels ({'AVX-512' if simd == 512 else 'scalar, compiler-vectorised'})"

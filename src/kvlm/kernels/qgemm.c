@@ -1,0 +1,302 @@
+/* Low-bit weight products for kvlm: y[M, N] = x[M, K] . dequant(W)[N, K]^T, all fp32.
+ *
+ * Weights are stored in groups of 32 along K, llama.cpp's block size:
+ *   q8: int8 codes [N, K] and one scale per group: w = s * q            (GGUF Q8_0)
+ *   q4: 4-bit codes [N, K/2] and (d, m) per group: w = d * q + m        (Q4_1; Q4_0: m = -8d)
+ *       byte j of a group holds element j in its low nibble and j + 16 in its high one.
+ * Activations stay fp32: each weight is widened to fp32 in registers and multiplied there,
+ * so the result is the dequantized weight's product up to summation order. (llama.cpp
+ * quantizes the activations to 8 bits as well; kvlm does not, to keep its tokens.)
+ *
+ * Decode reads every weight once per token, so the loop runs over output rows, split
+ * across OpenMP threads (torch's own runtime: torch is loaded first and ships the same
+ * libgomp.so.1), and reuses each widened group for up to 4 rows of x. Many rows (prefill)
+ * should dequantize once (kvlm_*_dequant) and call a real GEMM.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define G 32  /* weights per group */
+#define MT 4  /* rows of x per pass over a weight row */
+
+enum { Q8 = 8, Q4 = 4 };
+
+int kvlm_kernel_abi(void) { return 1; }
+
+int kvlm_kernel_simd(void) {
+#ifdef __AVX512F__
+    return 512;
+#else
+    return 0;
+#endif
+}
+
+/* Group g of row `qrow` as 32 floats (scalar path and dequant). */
+static inline void group_scalar(int kind, const void *qrow, const float *p0, const float *p1,
+                                int64_t g, float *w) {
+    if (kind == Q8) {
+        const int8_t *q = (const int8_t *)qrow + g * G;
+        for (int j = 0; j < G; j++) w[j] = p0[g] * (float)q[j];
+    } else {
+        const uint8_t *q = (const uint8_t *)qrow + g * (G / 2);
+        for (int j = 0; j < G / 2; j++) {
+            w[j] = p0[g] * (float)(q[j] & 0x0F) + p1[g];
+            w[j + G / 2] = p0[g] * (float)(q[j] >> 4) + p1[g];
+        }
+    }
+}
+
+#ifdef __AVX512F__
+static inline void group_avx512(int kind, const void *qrow, const float *p0, const float *p1,
+                                int64_t g, __m512 *lo, __m512 *hi) {
+    if (kind == Q8) {
+        const int8_t *q = (const int8_t *)qrow + g * G;
+        __m512 s = _mm512_set1_ps(p0[g]);
+        __m512i a = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q));
+        __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
+        *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(a), s);
+        *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(b), s);
+    } else {
+        const uint8_t *q = (const uint8_t *)qrow + g * (G / 2);
+        __m128i raw = _mm_loadu_si128((const __m128i *)q);
+        __m128i nib = _mm_set1_epi8(0x0F);
+        __m512i a = _mm512_cvtepu8_epi32(_mm_and_si128(raw, nib));
+        __m512i b = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), nib));
+        __m512 d = _mm512_set1_ps(p0[g]), m = _mm512_set1_ps(p1[g]);
+        *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), d, m);
+        *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), d, m);
+    }
+}
+#endif
+
+/* y[m0 + t, n] for t < mt: one weight row against up to MT rows of x. */
+static inline __attribute__((always_inline)) void
+row_product(int kind, const float *x, int64_t K, int64_t N, int64_t m0, int mt,
+            const void *qrow, const float *p0, const float *p1, float *y, int64_t n) {
+    int64_t groups = K / G;
+#ifdef __AVX512F__
+    __m512 acc[MT];
+    for (int t = 0; t < MT; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 lo, hi;
+        group_avx512(kind, qrow, p0, p1, g, &lo, &hi);
+        const float *xg = x + m0 * K + g * G;
+        switch (mt) { /* falls through: rows mt-1 .. 0 */
+        case 4:
+            acc[3] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xg + 3 * K), acc[3]);
+            acc[3] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + 3 * K + 16), acc[3]);
+            /* fall through */
+        case 3:
+            acc[2] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xg + 2 * K), acc[2]);
+            acc[2] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + 2 * K + 16), acc[2]);
+            /* fall through */
+        case 2:
+            acc[1] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xg + K), acc[1]);
+            acc[1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + K + 16), acc[1]);
+            /* fall through */
+        default:
+            acc[0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xg), acc[0]);
+            acc[0] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + 16), acc[0]);
+        }
+    }
+    for (int t = 0; t < mt; t++) y[(m0 + t) * N + n] = _mm512_reduce_add_ps(acc[t]);
+#else
+    float acc[MT] = {0};
+    float w[G];
+    for (int64_t g = 0; g < groups; g++) {
+        group_scalar(kind, qrow, p0, p1, g, w);
+        for (int t = 0; t < mt; t++) {
+            const float *xg = x + (m0 + t) * K + g * G;
+            float s = 0.f;
+            for (int j = 0; j < G; j++) s += w[j] * xg[j];
+            acc[t] += s;
+        }
+    }
+    for (int t = 0; t < mt; t++) y[(m0 + t) * N + n] = acc[t];
+#endif
+}
+
+/* The row loop, written out per kind: OpenMP outlines the loop body before constants
+ * propagate, so a `kind` argument would become a runtime branch in the innermost loop. */
+#define GEMM_ROWS(KIND, x, M, K, q, row_bytes, p0, p1, N, y)                                 \
+    do {                                                                                     \
+        int64_t groups_ = (K) / G;                                                           \
+        _Pragma("omp parallel for schedule(static)")                                         \
+        for (int64_t n = 0; n < (N); n++) {                                                  \
+            for (int64_t m0 = 0; m0 < (M); m0 += MT) {                                       \
+                int mt = (int)((M) - m0 < MT ? (M) - m0 : MT);                               \
+                row_product(KIND, x, K, N, m0, mt, (q) + n * (row_bytes), (p0) + n * groups_, \
+                            (p1) ? (p1) + n * groups_ : 0, y, n);                            \
+            }                                                                                \
+        }                                                                                    \
+    } while (0)
+
+/* x [M, K], q int8 [N, K], s [N, K/32] -> y [M, N] */
+void kvlm_q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *q, const float *s,
+                  int64_t N, float *y) {
+    const float *none = 0;
+    GEMM_ROWS(Q8, x, M, K, (const uint8_t *)q, K, s, none, N, y);
+}
+
+/* x [M, K], q packed nibbles [N, K/2], d and m [N, K/32] -> y [M, N] */
+void kvlm_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q, const float *d,
+                  const float *m, int64_t N, float *y) {
+    GEMM_ROWS(Q4, x, M, K, q, K / 2, d, m, N, y);
+}
+
+static void dequant(int kind, int64_t K, const uint8_t *q, int64_t row_bytes, const float *p0,
+                    const float *p1, int64_t N, float *w) {
+    int64_t groups = K / G;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t g = 0; g < groups; g++)
+            group_scalar(kind, q + n * row_bytes, p0 + n * groups, p1 ? p1 + n * groups : 0, g,
+                         w + n * K + g * G);
+}
+
+/* The dense weight [N, K], for products with many rows (prefill). */
+void kvlm_q8_dequant(int64_t K, const int8_t *q, const float *s, int64_t N, float *w) {
+    dequant(Q8, K, (const uint8_t *)q, K, s, 0, N, w);
+}
+
+void kvlm_q4_dequant(int64_t K, const uint8_t *q, const float *d, const float *m, int64_t N,
+                     float *w) {
+    dequant(Q4, K, q, K / 2, d, m, N, w);
+}
+
+/* ------------------------------------------------------------------------------------
+ * One decode step of a Llama-family model, whole, for one sequence on a contiguous fp32
+ * KV cache: the per-token path without ~500 small torch ops. The math is the torch
+ * model's (kvlm.model.transformer), in the same order; only summation order differs.
+ * ------------------------------------------------------------------------------------ */
+
+typedef struct {
+    int64_t kind; /* 8 or 4 */
+    const void *codes;
+    const float *scale;
+    const float *zero;
+    int64_t n, k;
+} kvlm_qmat;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    kvlm_qmat qkv, o, gate_up, down;
+} kvlm_qlayer;
+
+typedef struct {
+    int64_t n_layers, hidden, n_heads, n_kv_heads, head_dim, inter, slots;
+    float eps;
+    const kvlm_qlayer *layers;
+    const float *final_norm;
+    kvlm_qmat lm_head;
+} kvlm_qmodel;
+
+static void matvec(const kvlm_qmat *w, const float *x, float *y) {
+    if (w->kind == Q8)
+        kvlm_q8_gemm(x, 1, w->k, (const int8_t *)w->codes, w->scale, w->n, y);
+    else
+        kvlm_q4_gemm(x, 1, w->k, (const uint8_t *)w->codes, w->scale, w->zero, w->n, y);
+}
+
+static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *y) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * r * w[i];
+}
+
+/* rotate-half RoPE on one head in place */
+static void rope(float *v, const float *cos, const float *sin, int64_t d) {
+    int64_t h = d / 2;
+    for (int64_t i = 0; i < h; i++) {
+        float a = v[i], b = v[i + h];
+        v[i] = a * cos[i] - b * sin[i];
+        v[i + h] = b * cos[i + h] + a * sin[i + h];
+    }
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+#ifdef __AVX512F__
+    if (n % 16 == 0) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
+    float s = 0.f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* y += a * x */
+static inline void axpy(float a, const float *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+/* x [hidden]: the token's embedding in, overwritten; cos/sin [head_dim] at `pos`;
+ * kv: (layers, 2, kv_heads, slots, head_dim) fp32, slot `pos` written here;
+ * scratch: kvlm_decode_scratch() floats; logits [vocab] out. */
+int64_t kvlm_decode_scratch(const kvlm_qmodel *m) {
+    int64_t qkv = (m->n_heads + 2 * m->n_kv_heads) * m->head_dim;
+    return 2 * m->hidden + qkv + m->n_heads * m->head_dim + 3 * m->inter +
+           m->n_heads * m->slots;
+}
+
+void kvlm_decode_step(const kvlm_qmodel *m, float *x, int64_t pos, const float *cos,
+                      const float *sin, float *kv, float *scratch, float *logits) {
+    const int64_t H = m->hidden, D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
+    const int64_t S = m->slots, group = Hq / Hkv, n = pos + 1;
+    const float scale = 1.0f / sqrtf((float)D);
+    float *h = scratch;                  /* H */
+    float *qkv = h + H;                  /* (Hq + 2 Hkv) D */
+    float *att = qkv + (Hq + 2 * Hkv) * D; /* Hq D */
+    float *gu = att + Hq * D;            /* 2 I */
+    float *act = gu + 2 * m->inter;      /* I */
+    float *scores = act + m->inter;      /* Hq S */
+    float *tmp = scores + Hq * S;        /* H */
+    for (int64_t l = 0; l < m->n_layers; l++) {
+        const kvlm_qlayer *L = m->layers + l;
+        float *kc = kv + (l * 2) * Hkv * S * D, *vc = kv + (l * 2 + 1) * Hkv * S * D;
+        rms_norm(x, L->input_norm, H, m->eps, h);
+        matvec(&L->qkv, h, qkv);
+        for (int64_t j = 0; j < Hq + Hkv; j++) rope(qkv + j * D, cos, sin, D);
+        for (int64_t g = 0; g < Hkv; g++) {
+            memcpy(kc + (g * S + pos) * D, qkv + (Hq + g) * D, D * sizeof(float));
+            memcpy(vc + (g * S + pos) * D, qkv + (Hq + Hkv + g) * D, D * sizeof(float));
+        }
+#pragma omp parallel for schedule(static)
+        for (int64_t j = 0; j < Hq; j++) {
+            const float *q = qkv + j * D;
+            const float *K = kc + (j / group) * S * D, *V = vc + (j / group) * S * D;
+            float *p = scores + j * S, mx = -INFINITY, sum = 0.f;
+            for (int64_t s = 0; s < n; s++) {
+                p[s] = dot(q, K + s * D, D) * scale;
+                mx = p[s] > mx ? p[s] : mx;
+            }
+            for (int64_t s = 0; s < n; s++) {
+                p[s] = expf(p[s] - mx);
+                sum += p[s];
+            }
+            float *o = att + j * D;
+            memset(o, 0, D * sizeof(float));
+            for (int64_t s = 0; s < n; s++) axpy(p[s] / sum, V + s * D, o, D);
+        }
+        matvec(&L->o, att, tmp);
+        for (int64_t i = 0; i < H; i++) x[i] += tmp[i];
+        rms_norm(x, L->post_norm, H, m->eps, h);
+        matvec(&L->gate_up, h, gu);
+        for (int64_t i = 0; i < m->inter; i++) {
+            float g = gu[i];
+            act[i] = g / (1.0f + expf(-g)) * gu[m->inter + i];
+        }
+        matvec(&L->down, act, tmp);
+        for (int64_t i = 0; i < H; i++) x[i] += tmp[i];
+    }
+    rms_norm(x, m->final_norm, H, m->eps, h);
+    matvec(&m->lm_head, h, logits);
+}

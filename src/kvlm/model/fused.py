@@ -1,0 +1,176 @@
+"""The fused decode step: one C call per token for one sequence (kernels/qgemm.c).
+
+A decode step of the torch model is ~500 small ops (norms, RoPE, cache writes, attention,
+residuals) around 121 products; at 576 wide each op costs a few microseconds of dispatch,
+together about as much as the low-bit products themselves. `kvlm_decode_step` runs the
+same math for one token in one call: every layer's norm, fused q|k|v product, RoPE, K/V
+written into the contiguous cache's slot, attention over the slots so far, o product,
+residual, norm, gate|up, SiLU, down, residual, then the final norm and the vocabulary.
+
+It applies where that is the whole story: CPU, fp32 activations, low-bit weights in every
+projection (`--weights int8|int4|native`), a Llama-shaped block (no biases, no q/k norm,
+no sliding window), and a `contiguous` fp32 cache holding one sequence. Anything else
+(prefill, batches, other caches and formats) runs the torch model. `KVLM_NO_FUSED=1`
+turns it off. Tests hold its logits to the torch path's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from kvlm import kernels
+from kvlm.cache import KVCache
+from kvlm.cache.contiguous import ContiguousCache
+from kvlm.model.layers import Linear
+from kvlm.model.transformer import Transformer
+
+_KIND = {"q8": 8, "q4": 4}
+
+
+class _QMat(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int64),
+        ("codes", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("zero", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+    ]
+
+
+class _QLayer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv", _QMat),
+        ("o", _QMat),
+        ("gate_up", _QMat),
+        ("down", _QMat),
+    ]
+
+
+class _QModel(ctypes.Structure):
+    _fields_ = [
+        ("n_layers", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("n_heads", ctypes.c_int64),
+        ("n_kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("inter", ctypes.c_int64),
+        ("slots", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("layers", ctypes.POINTER(_QLayer)),
+        ("final_norm", ctypes.c_void_p),
+        ("lm_head", _QMat),
+    ]
+
+
+def _qmat(lin: Linear) -> _QMat:
+    q = lin.quant
+    zero = None if q.zero is None else q.zero.data_ptr()
+    return _QMat(
+        _KIND[q.kind], q.codes.data_ptr(), q.scale.data_ptr(), zero, q.out_features, q.in_features
+    )
+
+
+def why_not(model: Transformer) -> str | None:
+    """None when the fused step can run this model, else the reason it cannot."""
+    if os.environ.get("KVLM_NO_FUSED"):
+        return "disabled by KVLM_NO_FUSED"
+    if kernels.library() is None:
+        return "no compiled kernels"
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return "needs fp32 activations on the CPU"
+    c = model.config
+    if c.qk_norm or c.sliding_window is not None:
+        return "q/k norm or a sliding window"
+    for module in model.modules():
+        if isinstance(module, Linear):
+            if module.kernel != "quant":
+                return "needs low-bit weights in every projection (--weights int8|int4|native)"
+            if module.bias is not None:
+                return "projection biases"
+    return None
+
+
+class FusedDecoder:
+    """Binds a model's weights once; `step` runs one token of one sequence."""
+
+    def __init__(self, model: Transformer, slots: int) -> None:
+        reason = why_not(model)
+        if reason is not None:
+            raise ValueError(f"the fused decode step cannot run this model: {reason}")
+        self.lib = kernels.library()
+        c = model.config
+        self.model = model
+        self.slots = slots
+        self.hidden = c.hidden_size
+        positions = torch.arange(slots, dtype=torch.long)[None]
+        cos, sin = model.rope(positions, torch.float32)  # the torch path's own values
+        self.cos = cos.reshape(slots, -1).contiguous()
+        self.sin = sin.reshape(slots, -1).contiguous()
+        layers = (_QLayer * c.num_layers)()
+        for i, block in enumerate(model.layers):
+            layers[i] = _QLayer(
+                block.input_norm.weight.data_ptr(),
+                block.post_norm.weight.data_ptr(),
+                _qmat(block.attn.qkv),
+                _qmat(block.attn.o_proj),
+                _qmat(block.mlp.gate_up),
+                _qmat(block.mlp.down),
+            )
+        self._layers = layers  # keep alive: the struct points into it
+        self.spec = _QModel(
+            c.num_layers,
+            c.hidden_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.intermediate_size,
+            slots,
+            c.rms_norm_eps,
+            layers,
+            model.norm.weight.data_ptr(),
+            _qmat(model.lm_head),
+        )
+        self.lib.kvlm_decode_scratch.restype = ctypes.c_int64
+        self.lib.kvlm_decode_scratch.argtypes = [ctypes.c_void_p]
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        self.lib.kvlm_decode_step.argtypes = [p, p, i, p, p, p, p, p]
+        self.lib.kvlm_decode_step.restype = None
+        n = self.lib.kvlm_decode_scratch(ctypes.byref(self.spec))
+        self.scratch = torch.empty(n, dtype=torch.float32)
+        self.x = torch.empty(c.hidden_size, dtype=torch.float32)
+        self.vocab = model.lm_head.out_features
+
+    def accepts(self, cache: KVCache) -> bool:
+        return (
+            type(cache) is ContiguousCache
+            and cache.batch == 1
+            and cache.store.values.dtype == torch.float32
+            and cache.store.values.shape[-2] == self.slots
+            and cache.store.values.is_contiguous()
+        )
+
+    @torch.inference_mode()
+    def step(self, token: int, cache: KVCache) -> torch.Tensor:
+        """Logits (1, V) of `token` fed after what `cache` holds; the cache commits it."""
+        step = cache.begin(1)  # raises on overflow before any write
+        pos = step.start
+        self.x.copy_(self.model.embed_table[token])
+        logits = torch.empty(1, self.vocab, dtype=torch.float32)
+        self.lib.kvlm_decode_step(
+            ctypes.byref(self.spec),
+            self.x.data_ptr(),
+            pos,
+            self.cos[pos].data_ptr(),
+            self.sin[pos].data_ptr(),
+            cache.store.values.data_ptr(),
+            self.scratch.data_ptr(),
+            logits.data_ptr(),
+        )
+        cache.commit(step)
+        return logits
