@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=1, help="runs per cell (median)")
     bench.add_argument("--max-context", type=int, default=None, help="cache capacity")
     bench.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    bench.add_argument(
+        "--streams", default="1,2,4,8", help="concurrent streams for the engine run, or none"
+    )
     bench.set_defaults(func=cmd_bench)
 
     inspect = sub.add_parser("inspect", help="show a model's configuration and cache sizes")
@@ -433,7 +436,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     llm = _model(args, kv=modes[0], max_context=args.max_context or need)
     for mode in modes[1:]:
         llm.cache_spec(mode)  # every mode's settings checked before the long run
-    config = BenchConfig(prompts, args.new_tokens, modes, peers, args.rounds, args.plots)
+    try:
+        streams = [] if args.streams == "none" else [int(x) for x in args.streams.split(",")]
+    except ValueError as exc:
+        raise InvalidRequestError(f"--streams takes comma-separated counts: {exc}") from exc
+    if streams and min(streams) < 1:
+        raise InvalidRequestError("--streams counts must be >= 1")
+    config = BenchConfig(prompts, args.new_tokens, modes, peers, args.rounds, args.plots, streams)
     try:
         result = bench(llm, config)
     except ValueError as exc:

@@ -42,6 +42,7 @@ class BenchConfig:
     peers: list[str] = field(default_factory=lambda: ["hf", "hf-static", "llama.cpp"])
     rounds: int = 1
     plots: str | None = None  # folder for PNGs
+    streams: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # [] skips
 
 
 PEERS = ("hf", "hf-static", "llama.cpp")
@@ -154,6 +155,89 @@ def memory_bandwidth(mib: int = 512, reps: int = 7) -> float:
     return x.numel() * 4 / best / 1e9
 
 
+def _proc_status(key: str) -> float | None:
+    """A /proc/self/status field in MiB (Linux), else None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> None:
+    """Start VmHWM over from the current RSS (Linux: `5` to clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def position_cost(llm: LLM, mode: str, positions: tuple[int, ...] = (16, 1024)) -> dict:
+    """Median ms of a decode forward at each position (16 steps after a prompt of that
+    length): the cache's promise is that the cost barely grows with the position."""
+    out = {}
+    for pos in positions:
+        if pos + 17 > llm.max_context:
+            continue
+        llm.cache = llm.new_cache(mode)
+        params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)
+        m = llm.stream(prompt_ids(llm, pos), params).run().metrics
+        out[str(pos)] = round(statistics.median(m.per_forward_ms[1:]), 3)
+    if len(out) == len(positions):
+        out["ratio"] = round(out[str(positions[-1])] / out[str(positions[0])], 3)
+    return out
+
+
+def memory_waste(llm: LLM, modes: list[str], requests: int = 64) -> list[dict]:
+    """KV bytes each cache mode allocates for a mixed workload (lognormal prompt + output
+    lengths around 300 + 150 tokens, capped at the context) against the bytes the tokens
+    need: what a fixed-size cache wastes and what blocks save."""
+    from kvlm.cache import planned_nbytes
+
+    g = torch.Generator().manual_seed(0)
+    lengths = (torch.exp(torch.randn(requests, generator=g) * 0.9 + 6.0)).long()
+    lengths = lengths.clamp(2, llm.max_context).tolist()
+    rows = []
+    for mode in modes:
+        spec = llm.cache_spec(mode)
+        planned = sum(planned_nbytes(mode, spec, n, 1) for n in lengths)
+        needed = sum(lengths) * spec.bytes_per_token
+        rows.append({
+            "mode": mode, "allocated_mib": round(planned / 2**20, 1),
+            "needed_mib": round(needed / 2**20, 1),
+            "waste": round(1 - needed / planned, 4) if planned else 0.0,
+        })  # fmt: skip
+    return rows
+
+
+def stream_throughput(llm: LLM, streams: list[int], prompt: int = 64, new: int = 64) -> list[dict]:
+    """Aggregate tokens/s of the serving engine (continuous batching over the paged pool)
+    with n requests at once, from admission to the last token (the 64-token prefills
+    included). Runs last: the engine repacks fp32 weights for batches."""
+    from kvlm.engine.engine import Engine, EngineConfig
+    from kvlm.engine.scheduler import SchedulerConfig
+
+    room = llm.max_context - max(streams)  # prompts differ by up to one token per stream
+    prompt, new = min(prompt, max(1, room // 2)), min(new, max(2, room // 2))
+    engine = Engine(llm, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max(streams))))
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    rows = []
+    for n in streams:
+        for i in range(n):
+            ids = prompt_ids(llm, prompt + i)  # distinct prompts: no prefix hits
+            engine.add_request(f"s{n}-{i}", ids, params)
+        start, tokens = time.perf_counter(), 0
+        while engine.has_work():
+            tokens += sum(len(o.token_ids) for o in engine.step())
+        elapsed = time.perf_counter() - start
+        rows.append({"streams": n, "tokens": tokens, "tok_s": round(tokens / elapsed, 1)})
+    return rows
+
+
 def weight_bytes_per_token(llm: LLM) -> int:
     """Bytes of projection weights a decode step reads (every Linear once; one embedding
     row is negligible)."""
@@ -167,9 +251,14 @@ def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
     peers: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     loaders = {"hf": lambda: load_hf(llm), "llama.cpp": lambda: load_llamacpp(llm, limit + 8)}
+    loaded_mib: dict[str, float] = {}
     for name in dict.fromkeys(p.removesuffix("-static") for p in config.peers):
+        before = _proc_status("VmRSS")
         try:
             peers[name] = loaders[name]()
+            after = _proc_status("VmRSS")
+            if before is not None and after is not None:
+                loaded_mib[name] = round(after - before, 1)
         except Exception as exc:  # a peer that cannot read this file is reported, not fatal
             skipped[name] = f"failed to load: {exc}"
         else:
@@ -189,13 +278,19 @@ def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
                 done += 1
                 print(f"[{done}/{total}] {engine}, prompt {n} tokens", file=sys.stderr,
                       flush=True)  # fmt: skip
-                runs.append(_run(engine, llm, peers, ids, warm, config.new_tokens))
+                _reset_peak_rss()
+                run = _run(engine, llm, peers, ids, warm, config.new_tokens)
+                peak = _proc_status("VmHWM")
+                runs.append({**run, "peak_rss_mib": peak if peak is not None else float("nan")})
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             rows.append({"engine": engine, "prompt_tokens": n, **med})
     bandwidth = memory_bandwidth()
     per_token = weight_bytes_per_token(llm)
     bound = bandwidth * 1e9 / per_token
     forwards = per_forward_curves(llm, config)
+    positions = {mode: position_cost(llm, mode) for mode in config.modes}
+    waste = memory_waste(llm, ["contiguous", "paged", "int8", "window"])
+    streams = stream_throughput(llm, config.streams) if config.streams else []
     result = {
         "model": llm.model_name,
         "describe": llm.describe(),
@@ -207,6 +302,10 @@ def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
         "rows": rows,
         "ratios": _ratios(rows),
         "per_forward_ms": forwards,
+        "position_cost_ms": positions,
+        "memory_waste": waste,
+        "streams": streams,
+        "loaded_rss_mib": loaded_mib,
         "skipped": skipped,
     }
     if config.plots:
@@ -256,6 +355,25 @@ def plot(result: dict[str, Any], folder: str) -> list[str]:
            title=f"{result['model']}: decode speed vs context")  # fmt: skip
     ax.legend()
     paths.append(_save(fig, out / "decode_vs_context.png"))
+    if result.get("memory_waste"):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        w = result["memory_waste"]
+        ax.bar([r["mode"] for r in w], [r["allocated_mib"] for r in w], label="allocated")
+        ax.bar([r["mode"] for r in w], [r["needed_mib"] for r in w], label="held by tokens")
+        for i, r in enumerate(w):
+            ax.text(i, r["allocated_mib"], f"{r['waste']:.0%} waste", ha="center", va="bottom")
+        ax.set(ylabel="KV MiB", title="KV memory for 64 mixed requests, by cache mode")
+        ax.legend()
+        paths.append(_save(fig, out / "memory_waste.png"))
+    if result.get("streams"):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        st = result["streams"]
+        ax.plot([r["streams"] for r in st], [r["tok_s"] for r in st], marker="o",
+                label="kvlm engine")  # fmt: skip
+        ax.set(xlabel="concurrent streams", ylabel="aggregate tokens/s",
+               title=f"{result['model']}: throughput vs streams")  # fmt: skip
+        ax.legend()
+        paths.append(_save(fig, out / "throughput_vs_streams.png"))
     return paths
 
 
@@ -307,16 +425,37 @@ def markdown(result: dict[str, Any]) -> str:
         f"weights {result['weight_bytes_per_token'] / 2**20:.0f} MiB per token -> decode bound "
         f"{result['decode_bound_tok_s']} tok/s",
         "",
-        "| engine | prompt | TTFT ms | prefill tok/s | decode tok/s | share of bound |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        f"kernels: {result['describe'].get('kernels') or 'torch'}",
+        "",
+        "| engine | prompt | TTFT ms | prefill tok/s | decode tok/s | share of bound "
+        "| peak RSS MiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["rows"]:
         share = r["decode_tok_s"] / result["decode_bound_tok_s"]
         share_text = f"{share:.0%}" if r["engine"].startswith("kvlm-") else ""
         lines.append(
             f"| {r['engine']} | {r['prompt_tokens']} | {r['ttft_ms']:.0f} | "
-            f"{r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | {share_text} |"
+            f"{r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | {share_text} "
+            f"| {r.get('peak_rss_mib', float('nan')):.0f} |"
         )
+    if result.get("loaded_rss_mib"):
+        loads = ", ".join(f"{k} +{v:.0f} MiB" for k, v in result["loaded_rss_mib"].items())
+        lines += ["", f"RSS added by loading each peer: {loads} (peak RSS is the process's, "
+                  "all loaded engines included)"]  # fmt: skip
+    for mode, cost in result.get("position_cost_ms", {}).items():
+        if "ratio" in cost:
+            lines += ["", f"kvlm-{mode}: forward at position 1024 {cost['1024']:.2f} ms vs "
+                      f"position 16 {cost['16']:.2f} ms = {cost['ratio']:.2f}x"]  # fmt: skip
+    if result.get("memory_waste"):
+        lines += ["", "| cache mode | KV allocated MiB | held by tokens MiB | waste |",
+                  "| --- | ---: | ---: | ---: |"]  # fmt: skip
+        for r in result["memory_waste"]:
+            lines.append(f"| {r['mode']} | {r['allocated_mib']} | {r['needed_mib']} | "
+                         f"{r['waste']:.1%} |")  # fmt: skip
+    if result.get("streams"):
+        lines += ["", "| streams | aggregate tok/s |", "| ---: | ---: |"]
+        lines += [f"| {r['streams']} | {r['tok_s']} |" for r in result["streams"]]
     if result["ratios"]:
         lines += ["", "| kvlm | peer | prompt | decode ratio | TTFT ratio |",
                   "| --- | --- | ---: | ---: | ---: |"]  # fmt: skip

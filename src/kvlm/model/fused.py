@@ -80,8 +80,6 @@ def why_not(model: Transformer) -> str | None:
     """None when the fused step can run this model, else the reason it cannot."""
     if os.environ.get("KVLM_NO_FUSED"):
         return "disabled by KVLM_NO_FUSED"
-    if kernels.library() is None:
-        return "no compiled kernels"
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return "needs fp32 activations on the CPU"
     c = model.config
@@ -93,6 +91,8 @@ def why_not(model: Transformer) -> str | None:
                 return "needs low-bit weights in every projection (--weights int8|int4|native)"
             if module.bias is not None:
                 return "projection biases"
+    if kernels.library() is None:
+        return "no compiled kernels"
     return None
 
 
