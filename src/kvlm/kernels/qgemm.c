@@ -233,6 +233,41 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+/* p[i] = exp(p[i] - mx) for i < n; returns the sum. AVX-512: Cephes' expf polynomial
+ * (relative error ~1e-7) scaled by 2^k with scalef; scalar expf otherwise. */
+static float exp_sum(float *p, int64_t n, float mx) {
+    float sum = 0.f;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps(), vmx = _mm512_set1_ps(mx);
+    for (; i < n; i += 16) {
+        __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, p + i), vmx);
+        x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+        __m512 e = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512 r = _mm512_fnmadd_ps(e, _mm512_set1_ps(0.693359375f), x);
+        r = _mm512_fnmadd_ps(e, _mm512_set1_ps(-2.12194440e-4f), r);
+        __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+        y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+        y = _mm512_scalef_ps(y, e);
+        _mm512_mask_storeu_ps(p + i, k, y);
+        acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(k, y));
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < n; i++) {
+        p[i] = expf(p[i] - mx);
+        sum += p[i];
+    }
+    return sum;
+}
+
 /* y += a * x */
 static inline void axpy(float a, const float *x, float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
@@ -273,18 +308,16 @@ void kvlm_decode_step(const kvlm_qmodel *m, float *x, int64_t pos, const float *
         for (int64_t j = 0; j < Hq; j++) {
             const float *q = qkv + j * D;
             const float *K = kc + (j / group) * S * D, *V = vc + (j / group) * S * D;
-            float *p = scores + j * S, mx = -INFINITY, sum = 0.f;
+            float *p = scores + j * S, mx = -INFINITY, sum;
             for (int64_t s = 0; s < n; s++) {
                 p[s] = dot(q, K + s * D, D) * scale;
                 mx = p[s] > mx ? p[s] : mx;
             }
-            for (int64_t s = 0; s < n; s++) {
-                p[s] = expf(p[s] - mx);
-                sum += p[s];
-            }
-            float *o = att + j * D;
+            sum = exp_sum(p, n, mx);
+            float *o = att + j * D, inv = 1.0f / sum;
             memset(o, 0, D * sizeof(float));
-            for (int64_t s = 0; s < n; s++) axpy(p[s] / sum, V + s * D, o, D);
+            for (int64_t s = 0; s < n; s++) axpy(p[s], V + s * D, o, D);
+            for (int64_t i = 0; i < D; i++) o[i] *= inv;
         }
         matvec(&L->o, att, tmp);
         for (int64_t i = 0; i < H; i++) x[i] += tmp[i];
