@@ -148,7 +148,7 @@ def test_weight_format_mistakes_are_clear():
         LLM(weights="f32", dtype="bf16", progress=False)
 
 
-def _fused_vs_torch(llm, prompt_ids, steps):
+def _fused_vs_torch(llm, prompt_ids, steps, exact_cache=False):
     """Feed the same greedy tokens through the fused step and the torch model."""
     runner = llm.runner
     fused_cache, torch_cache = llm.new_cache("contiguous"), llm.new_cache("contiguous")
@@ -168,7 +168,11 @@ def _fused_vs_torch(llm, prompt_ids, steps):
     assert fused_cache.num_tokens == torch_cache.num_tokens
     ours = fused_cache.store.values[..., : fused_cache.num_tokens, :]
     theirs = torch_cache.store.values[..., : torch_cache.num_tokens, :]
-    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    if exact_cache:  # bf16 slots: equal to a rounding step (fp32 sums that differ in order
+        # land on either side of a bf16 boundary, and that difference feeds later layers)
+        torch.testing.assert_close(ours.float(), theirs.float(), atol=3e-2, rtol=2**-6)
+    else:
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
     return worst
 
 
@@ -179,6 +183,16 @@ def test_fused_decode_step_matches_the_torch_model_on_the_real_model():
     llm = LLM(progress=False, max_context=256, weights="native")
     ids = llm.encode("The history of the city of Paris begins")
     assert _fused_vs_torch(llm, ids, 48) < 1e-3
+
+
+@needs_kernels
+def test_fused_decode_step_reads_and_writes_a_bf16_cache():
+    from kvlm import LLM
+
+    llm = LLM(progress=False, max_context=256, weights="native", kv_dtype="bf16")
+    assert llm.new_cache("contiguous").store.values.dtype == torch.bfloat16
+    ids = llm.encode("The history of the city of Paris begins")
+    assert _fused_vs_torch(llm, ids, 32, exact_cache=True) < 0.1
 
 
 @needs_kernels

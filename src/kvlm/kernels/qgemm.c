@@ -51,8 +51,10 @@ static inline void group_scalar(int kind, const void *qrow, const float *p0, con
 }
 
 #ifdef __AVX512F__
+/* exact: d * q + m rounded twice, as the float loader computes it (dense weights are then
+ * bit-identical to the fp32 path's); otherwise one fma (products: order differs anyway). */
 static inline void group_avx512(int kind, const void *qrow, const float *p0, const float *p1,
-                                int64_t g, __m512 *lo, __m512 *hi) {
+                                int64_t g, __m512 *lo, __m512 *hi, int exact) {
     if (kind == Q8) {
         const int8_t *q = (const int8_t *)qrow + g * G;
         __m512 s = _mm512_set1_ps(p0[g]);
@@ -67,8 +69,13 @@ static inline void group_avx512(int kind, const void *qrow, const float *p0, con
         __m512i a = _mm512_cvtepu8_epi32(_mm_and_si128(raw, nib));
         __m512i b = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), nib));
         __m512 d = _mm512_set1_ps(p0[g]), m = _mm512_set1_ps(p1[g]);
-        *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), d, m);
-        *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), d, m);
+        if (exact) {
+            *lo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), d), m);
+            *hi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(b), d), m);
+        } else {
+            *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), d, m);
+            *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), d, m);
+        }
     }
 }
 #endif
@@ -83,7 +90,7 @@ row_product(int kind, const float *x, int64_t K, int64_t N, int64_t m0, int mt,
     for (int t = 0; t < MT; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m512 lo, hi;
-        group_avx512(kind, qrow, p0, p1, g, &lo, &hi);
+        group_avx512(kind, qrow, p0, p1, g, &lo, &hi, 0);
         const float *xg = x + m0 * K + g * G;
         switch (mt) { /* falls through: rows mt-1 .. 0 */
         case 4:
@@ -148,24 +155,39 @@ void kvlm_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
     GEMM_ROWS(Q4, x, M, K, q, K / 2, d, m, N, y);
 }
 
-static void dequant(int kind, int64_t K, const uint8_t *q, int64_t row_bytes, const float *p0,
-                    const float *p1, int64_t N, float *w) {
-    int64_t groups = K / G;
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t g = 0; g < groups; g++)
-            group_scalar(kind, q + n * row_bytes, p0 + n * groups, p1 ? p1 + n * groups : 0, g,
-                         w + n * K + g * G);
+static inline __attribute__((always_inline)) void
+dequant_row(int kind, int64_t K, const uint8_t *qrow, const float *p0, const float *p1,
+            float *w) {
+    for (int64_t g = 0; g < K / G; g++) {
+#ifdef __AVX512F__
+        __m512 lo, hi;
+        group_avx512(kind, qrow, p0, p1, g, &lo, &hi, 1);
+        _mm512_storeu_ps(w + g * G, lo);
+        _mm512_storeu_ps(w + g * G + 16, hi);
+#else
+        group_scalar(kind, qrow, p0, p1, g, w + g * G);
+#endif
+    }
 }
+
+#define DEQUANT_ROWS(KIND, K, q, row_bytes, p0, p1, N, w)                                    \
+    do {                                                                                     \
+        int64_t groups_ = (K) / G;                                                           \
+        _Pragma("omp parallel for schedule(static)")                                         \
+        for (int64_t n = 0; n < (N); n++)                                                    \
+            dequant_row(KIND, K, (q) + n * (row_bytes), (p0) + n * groups_,                  \
+                        (p1) ? (p1) + n * groups_ : 0, (w) + n * (K));                       \
+    } while (0)
 
 /* The dense weight [N, K], for products with many rows (prefill). */
 void kvlm_q8_dequant(int64_t K, const int8_t *q, const float *s, int64_t N, float *w) {
-    dequant(Q8, K, (const uint8_t *)q, K, s, 0, N, w);
+    const float *none = 0;
+    DEQUANT_ROWS(Q8, K, (const uint8_t *)q, K, s, none, N, w);
 }
 
 void kvlm_q4_dequant(int64_t K, const uint8_t *q, const float *d, const float *m, int64_t N,
                      float *w) {
-    dequant(Q4, K, q, K / 2, d, m, N, w);
+    DEQUANT_ROWS(Q4, K, q, K / 2, d, m, N, w);
 }
 
 /* ------------------------------------------------------------------------------------
@@ -193,6 +215,7 @@ typedef struct {
     const kvlm_qlayer *layers;
     const float *final_norm;
     kvlm_qmat lm_head;
+    int64_t kv_bf16; /* the cache stores bf16 (else fp32) */
 } kvlm_qmodel;
 
 static void matvec(const kvlm_qmat *w, const float *x, float *y) {
@@ -268,13 +291,53 @@ static float exp_sum(float *p, int64_t n, float mx) {
     return sum;
 }
 
+/* fp32 -> bf16 as torch rounds it (nearest even; NaN stays a quiet NaN) */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#ifdef __AVX512F__
+static inline __m512 load_bf16(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+static inline float dot_bf16(const float *a, const uint16_t *b, int64_t n) {
+#ifdef __AVX512F__
+    if (n % 16 == 0) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load_bf16(b + i), acc);
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
+    float s = 0.f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * from_bf16(b[i]);
+    return s;
+}
+
+static inline void axpy_bf16(float a, const uint16_t *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += a * from_bf16(x[i]);
+}
+
 /* y += a * x */
 static inline void axpy(float a, const float *x, float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
 /* x [hidden]: the token's embedding in, overwritten; cos/sin [head_dim] at `pos`;
- * kv: (layers, 2, kv_heads, slots, head_dim) fp32, slot `pos` written here;
+ * kv: (layers, 2, kv_heads, slots, head_dim) fp32 or bf16, slot `pos` written here;
  * scratch: kvlm_decode_scratch() floats; logits [vocab] out. */
 int64_t kvlm_decode_scratch(const kvlm_qmodel *m) {
     int64_t qkv = (m->n_heads + 2 * m->n_kv_heads) * m->head_dim;
@@ -283,7 +346,7 @@ int64_t kvlm_decode_scratch(const kvlm_qmodel *m) {
 }
 
 void kvlm_decode_step(const kvlm_qmodel *m, float *x, int64_t pos, const float *cos,
-                      const float *sin, float *kv, float *scratch, float *logits) {
+                      const float *sin, void *kv, float *scratch, float *logits) {
     const int64_t H = m->hidden, D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
     const int64_t S = m->slots, group = Hq / Hkv, n = pos + 1;
     const float scale = 1.0f / sqrtf((float)D);
@@ -296,27 +359,47 @@ void kvlm_decode_step(const kvlm_qmodel *m, float *x, int64_t pos, const float *
     float *tmp = scores + Hq * S;        /* H */
     for (int64_t l = 0; l < m->n_layers; l++) {
         const kvlm_qlayer *L = m->layers + l;
-        float *kc = kv + (l * 2) * Hkv * S * D, *vc = kv + (l * 2 + 1) * Hkv * S * D;
+        const int bf = m->kv_bf16 != 0;
+        const int64_t esz = bf ? 2 : 4;
+        char *kc = (char *)kv + (l * 2) * Hkv * S * D * esz;
+        char *vc = (char *)kv + (l * 2 + 1) * Hkv * S * D * esz;
         rms_norm(x, L->input_norm, H, m->eps, h);
         matvec(&L->qkv, h, qkv);
         for (int64_t j = 0; j < Hq + Hkv; j++) rope(qkv + j * D, cos, sin, D);
         for (int64_t g = 0; g < Hkv; g++) {
-            memcpy(kc + (g * S + pos) * D, qkv + (Hq + g) * D, D * sizeof(float));
-            memcpy(vc + (g * S + pos) * D, qkv + (Hq + Hkv + g) * D, D * sizeof(float));
+            const float *k = qkv + (Hq + g) * D, *v = qkv + (Hq + Hkv + g) * D;
+            char *kd = kc + (g * S + pos) * D * esz, *vd = vc + (g * S + pos) * D * esz;
+            if (bf) {
+                for (int64_t i = 0; i < D; i++) {
+                    ((uint16_t *)kd)[i] = to_bf16(k[i]);
+                    ((uint16_t *)vd)[i] = to_bf16(v[i]);
+                }
+            } else {
+                memcpy(kd, k, D * sizeof(float));
+                memcpy(vd, v, D * sizeof(float));
+            }
         }
 #pragma omp parallel for schedule(static)
         for (int64_t j = 0; j < Hq; j++) {
             const float *q = qkv + j * D;
-            const float *K = kc + (j / group) * S * D, *V = vc + (j / group) * S * D;
+            const char *K = kc + (j / group) * S * D * esz, *V = vc + (j / group) * S * D * esz;
             float *p = scores + j * S, mx = -INFINITY, sum;
             for (int64_t s = 0; s < n; s++) {
-                p[s] = dot(q, K + s * D, D) * scale;
+                const char *row = K + s * D * esz;
+                p[s] = (bf ? dot_bf16(q, (const uint16_t *)row, D) : dot(q, (const float *)row, D)) *
+                       scale;
                 mx = p[s] > mx ? p[s] : mx;
             }
             sum = exp_sum(p, n, mx);
             float *o = att + j * D, inv = 1.0f / sum;
             memset(o, 0, D * sizeof(float));
-            for (int64_t s = 0; s < n; s++) axpy(p[s], V + s * D, o, D);
+            for (int64_t s = 0; s < n; s++) {
+                const char *row = V + s * D * esz;
+                if (bf)
+                    axpy_bf16(p[s], (const uint16_t *)row, o, D);
+                else
+                    axpy(p[s], (const float *)row, o, D);
+            }
             for (int64_t i = 0; i < D; i++) o[i] *= inv;
         }
         matvec(&L->o, att, tmp);

@@ -4,12 +4,12 @@ A decode step of the torch model is ~500 small ops (norms, RoPE, cache writes, a
 residuals) around 121 products; at 576 wide each op costs a few microseconds of dispatch,
 together about as much as the low-bit products themselves. `kvlm_decode_step` runs the
 same math for one token in one call: every layer's norm, fused q|k|v product, RoPE, K/V
-written into the contiguous cache's slot, attention over the slots so far, o product,
+written into the contiguous cache's slot (fp32, or bf16 rounded as torch rounds), attention over the slots so far, o product,
 residual, norm, gate|up, SiLU, down, residual, then the final norm and the vocabulary.
 
 It applies where that is the whole story: CPU, fp32 activations, low-bit weights in every
 projection (`--weights int8|int4|native`), a Llama-shaped block (no biases, no q/k norm,
-no sliding window), and a `contiguous` fp32 cache holding one sequence. Anything else
+no sliding window), and a `contiguous` fp32 or bf16 cache holding one sequence. Anything else
 (prefill, batches, other caches and formats) runs the torch model. `KVLM_NO_FUSED=1`
 turns it off. Tests hold its logits to the torch path's.
 """
@@ -65,6 +65,7 @@ class _QModel(ctypes.Structure):
         ("layers", ctypes.POINTER(_QLayer)),
         ("final_norm", ctypes.c_void_p),
         ("lm_head", _QMat),
+        ("kv_bf16", ctypes.c_int64),
     ]
 
 
@@ -150,7 +151,7 @@ class FusedDecoder:
         return (
             type(cache) is ContiguousCache
             and cache.batch == 1
-            and cache.store.values.dtype == torch.float32
+            and cache.store.values.dtype in (torch.float32, torch.bfloat16)
             and cache.store.values.shape[-2] == self.slots
             and cache.store.values.is_contiguous()
         )
@@ -162,6 +163,7 @@ class FusedDecoder:
         pos = step.start
         self.x.copy_(self.model.embed_table[token])
         logits = torch.empty(1, self.vocab, dtype=torch.float32)
+        self.spec.kv_bf16 = int(cache.store.values.dtype == torch.bfloat16)
         self.lib.kvlm_decode_step(
             ctypes.byref(self.spec),
             self.x.data_ptr(),

@@ -59,10 +59,10 @@ class QuantWeight:
         )
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def dense(self) -> torch.Tensor:
-        """The weight as fp32 [N, K]."""
+    def dense(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight as fp32 [N, K] (written into `out` when given)."""
         n, k = self.out_features, self.in_features
-        out = torch.empty(n, k, dtype=torch.float32)
+        out = torch.empty(n, k, dtype=torch.float32) if out is None else out.view(n, k)
         lib = kernels.library()
         if lib is not None:
             if self.kind == "q8":
@@ -79,7 +79,7 @@ class QuantWeight:
         m, k = x.shape
         lib = kernels.library()
         if lib is None or m > SMALL_M:
-            return torch.matmul(x, self.dense().t())
+            return torch.matmul(x, self.dense(_scratch(self.out_features * self.in_features)).t())
         n = self.out_features
         y = torch.empty(m, n, dtype=torch.float32)
         if self.kind == "q8":
@@ -89,6 +89,17 @@ class QuantWeight:
                 _ptr(x), m, k, _ptr(self.codes), _ptr(self.scale), _ptr(self.zero), n, _ptr(y)
             )
         return y
+
+
+_SCRATCH: list[torch.Tensor] = [torch.empty(0)]
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """One reused fp32 buffer for the weight being multiplied densely (prefill): a fresh
+    7 MiB tensor per product would be page-faulted and zeroed by the OS every time."""
+    if _SCRATCH[0].numel() < numel:
+        _SCRATCH[0] = torch.empty(numel, dtype=torch.float32)
+    return _SCRATCH[0][:numel]
 
 
 def _ptr(t: torch.Tensor) -> int:
