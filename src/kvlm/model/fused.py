@@ -4,8 +4,9 @@ A decode step of the torch model is ~500 small ops (norms, RoPE, cache writes, a
 residuals) around 121 products; at 576 wide each op costs a few microseconds of dispatch,
 together about as much as the low-bit products themselves. `kvlm_decode_step` runs the
 same math for one token in one call: every layer's norm, fused q|k|v product, RoPE, K/V
-written into the contiguous cache's slot (fp32, or bf16 rounded as torch rounds), attention over the slots so far, o product,
-residual, norm, gate|up, SiLU, down, residual, then the final norm and the vocabulary.
+written into the contiguous cache's slot (fp32, or bf16 rounded as torch rounds),
+attention over the slots so far, o product, residual, norm, gate|up, SiLU, down, residual,
+then the final norm and the vocabulary.
 
 It applies where that is the whole story: CPU, fp32 activations, low-bit weights in every
 projection (`--weights int8|int4|native`), a Llama-shaped block (no biases, no q/k norm,
