@@ -336,13 +336,138 @@ static inline void axpy(float a, const float *x, float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
+#define MAX_CHUNKS 8 /* position chunks per KV head: the threads' work items */
+
+#ifdef __AVX512F__
+static inline __m512 kv_load(const char *row, int bf, int64_t i) {
+    return bf ? load_bf16((const uint16_t *)row + i) : _mm512_loadu_ps((const float *)row + i);
+}
+
+/* lanes 0..3 = the sums of a, b, c, d */
+static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+#define HALVES(v)                                                                            \
+    _mm256_add_ps(_mm512_castps512_ps256(v),                                                 \
+                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))
+    __m256 ab = _mm256_hadd_ps(HALVES(a), HALVES(b)), cd = _mm256_hadd_ps(HALVES(c), HALVES(d));
+#undef HALVES
+    __m256 abcd = _mm256_hadd_ps(ab, cd);
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* p[h * S + s] = scale * q_h . K[s] for s in [s0, s1), four positions per reduction */
+static inline __attribute__((always_inline)) void
+scores_avx512(const float *q, int ng, const char *K, int bf, int64_t esz, int64_t D, int64_t S,
+              int64_t s0, int64_t s1, float scale, float *p) {
+    const int nv = (int)(D / 16);
+    const __m512 zero = _mm512_setzero_ps();
+    for (int h = 0; h < ng; h++) {
+        __m512 qv[8];
+        for (int v = 0; v < nv; v++) qv[v] = _mm512_mul_ps(_mm512_loadu_ps(q + h * D + 16 * v),
+                                                          _mm512_set1_ps(scale));
+        float *ph = p + h * S;
+        int64_t s = s0;
+        for (; s + 4 <= s1; s += 4) {
+            const char *r = K + s * D * esz;
+            __m512 a0 = zero, a1 = zero, a2 = zero, a3 = zero;
+            for (int v = 0; v < nv; v++) {
+                a0 = _mm512_fmadd_ps(qv[v], kv_load(r, bf, 16 * v), a0);
+                a1 = _mm512_fmadd_ps(qv[v], kv_load(r + D * esz, bf, 16 * v), a1);
+                a2 = _mm512_fmadd_ps(qv[v], kv_load(r + 2 * D * esz, bf, 16 * v), a2);
+                a3 = _mm512_fmadd_ps(qv[v], kv_load(r + 3 * D * esz, bf, 16 * v), a3);
+            }
+            _mm_storeu_ps(ph + s, reduce4(a0, a1, a2, a3));
+        }
+        for (; s < s1; s++) {
+            const char *r = K + s * D * esz;
+            __m512 a = zero;
+            for (int v = 0; v < nv; v++) a = _mm512_fmadd_ps(qv[v], kv_load(r, bf, 16 * v), a);
+            ph[s] = _mm512_reduce_add_ps(a);
+        }
+    }
+}
+
+/* o[h] = sum_s p[h * S + s] V[s] over [s0, s1), each V row read once for the NG heads;
+ * NG and NV constant where inlined, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void
+pv_avx512(const int NG, const int NV, const float *p, const char *V, int bf, int64_t esz,
+          int64_t D, int64_t S, int64_t s0, int64_t s1, float *o) {
+    __m512 acc[8][8];
+    for (int h = 0; h < NG; h++)
+        for (int v = 0; v < NV; v++) acc[h][v] = _mm512_setzero_ps();
+    for (int64_t s = s0; s < s1; s++) {
+        const char *r = V + s * D * esz;
+        for (int v = 0; v < NV; v++) {
+            __m512 vv = kv_load(r, bf, 16 * v);
+            for (int h = 0; h < NG; h++)
+                acc[h][v] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * S + s]), vv, acc[h][v]);
+        }
+    }
+    for (int h = 0; h < NG; h++)
+        for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + h * D + 16 * v, acc[h][v]);
+}
+
+static void pv_dispatch(int ng, int nv, const float *p, const char *V, int bf, int64_t esz,
+                        int64_t D, int64_t S, int64_t s0, int64_t s1, float *o) {
+#define PV_CASE(G_, V_)                                                                      \
+    if (ng == G_ && nv == V_) {                                                              \
+        pv_avx512(G_, V_, p, V, bf, esz, D, S, s0, s1, o);                                   \
+        return;                                                                              \
+    }
+    PV_CASE(1, 4) PV_CASE(2, 4) PV_CASE(3, 4) PV_CASE(4, 4) PV_CASE(1, 8) PV_CASE(2, 8)
+    PV_CASE(4, 8)
+#undef PV_CASE
+    for (int h = 0; h < ng; h++) pv_avx512(1, nv, p + h * S, V, bf, esz, D, S, s0, s1, o + h * D);
+}
+#endif
+
+/* Attention of the `ng` query heads of one KV head over positions [s0, s1): unnormalised
+ * output o (ng x D), running max m and sum l per head (combined across chunks later). */
+static void attend_chunk(const float *q, int ng, const char *K, const char *V, int bf,
+                         int64_t esz, int64_t D, int64_t S, int64_t s0, int64_t s1, float scale,
+                         float *p, float *m, float *l, float *o) {
+#ifdef __AVX512F__
+    if (D % 16 == 0 && D <= 128) {
+        scores_avx512(q, ng, K, bf, esz, D, S, s0, s1, scale, p);
+        for (int h = 0; h < ng; h++) {
+            float mx = -INFINITY;
+            for (int64_t s = s0; s < s1; s++) mx = p[h * S + s] > mx ? p[h * S + s] : mx;
+            m[h] = mx;
+            l[h] = exp_sum(p + h * S + s0, s1 - s0, mx);
+        }
+        pv_dispatch(ng, (int)(D / 16), p, V, bf, esz, D, S, s0, s1, o);
+        return;
+    }
+#endif
+    for (int h = 0; h < ng; h++) {
+        const float *qh = q + h * D;
+        float *ph = p + h * S, mx = -INFINITY;
+        for (int64_t s = s0; s < s1; s++) {
+            const char *row = K + s * D * esz;
+            ph[s] = (bf ? dot_bf16(qh, (const uint16_t *)row, D) : dot(qh, (const float *)row, D)) *
+                    scale;
+            mx = ph[s] > mx ? ph[s] : mx;
+        }
+        m[h] = mx;
+        l[h] = exp_sum(ph + s0, s1 - s0, mx);
+        float *oh = o + h * D;
+        memset(oh, 0, D * sizeof(float));
+        for (int64_t s = s0; s < s1; s++) {
+            const char *row = V + s * D * esz;
+            if (bf)
+                axpy_bf16(ph[s], (const uint16_t *)row, oh, D);
+            else
+                axpy(ph[s], (const float *)row, oh, D);
+        }
+    }
+}
+
 /* x [hidden]: the token's embedding in, overwritten; cos/sin [head_dim] at `pos`;
  * kv: (layers, 2, kv_heads, slots, head_dim) fp32 or bf16, slot `pos` written here;
  * scratch: kvlm_decode_scratch() floats; logits [vocab] out. */
 int64_t kvlm_decode_scratch(const kvlm_qmodel *m) {
     int64_t qkv = (m->n_heads + 2 * m->n_kv_heads) * m->head_dim;
     return 2 * m->hidden + qkv + m->n_heads * m->head_dim + 3 * m->inter +
-           m->n_heads * m->slots;
+           m->n_heads * m->slots + m->n_heads * MAX_CHUNKS * (m->head_dim + 2);
 }
 
 void kvlm_decode_step(const kvlm_qmodel *m, float *x, int64_t pos, const float *cos,
@@ -357,6 +482,7 @@ void kvlm_decode_step(const kvlm_qmodel *m, float *x, int64_t pos, const float *
     float *act = gu + 2 * m->inter;      /* I */
     float *scores = act + m->inter;      /* Hq S */
     float *tmp = scores + Hq * S;        /* H */
+    float *part = tmp + H;               /* per (head, chunk): o [D], max, sum */
     for (int64_t l = 0; l < m->n_layers; l++) {
         const kvlm_qlayer *L = m->layers + l;
         const int bf = m->kv_bf16 != 0;
@@ -379,28 +505,43 @@ void kvlm_decode_step(const kvlm_qmodel *m, float *x, int64_t pos, const float *
                 memcpy(vd, v, D * sizeof(float));
             }
         }
+        /* work items: (KV head, chunk of positions), so two threads share even 3 heads */
+        const int64_t chunks = n < 64 ? 1 : (n / 64 < MAX_CHUNKS ? n / 64 : MAX_CHUNKS);
+        const int64_t per = (n + chunks - 1) / chunks;
 #pragma omp parallel for schedule(static)
-        for (int64_t j = 0; j < Hq; j++) {
-            const float *q = qkv + j * D;
-            const char *K = kc + (j / group) * S * D * esz, *V = vc + (j / group) * S * D * esz;
-            float *p = scores + j * S, mx = -INFINITY, sum;
-            for (int64_t s = 0; s < n; s++) {
-                const char *row = K + s * D * esz;
-                p[s] = (bf ? dot_bf16(q, (const uint16_t *)row, D) : dot(q, (const float *)row, D)) *
-                       scale;
-                mx = p[s] > mx ? p[s] : mx;
+        for (int64_t item = 0; item < Hkv * chunks; item++) {
+            const int64_t g = item / chunks, c = item % chunks;
+            const int64_t s0 = c * per, s1 = s0 + per < n ? s0 + per : n;
+            float *pt = part + (g * group * MAX_CHUNKS + c) * (D + 2);
+            /* heads g*group .. : o at pt + h*MAX_CHUNKS*(D+2), max/sum after it */
+            float o[8 * 128], mh[8], lh[8];
+            if (s0 < s1 && group <= 8 && D <= 128) {
+                attend_chunk(qkv + g * group * D, (int)group, kc + g * S * D * esz,
+                             vc + g * S * D * esz, bf, esz, D, S, s0, s1, scale,
+                             scores + g * group * S, mh, lh, o);
+            } else {
+                for (int64_t h = 0; h < group && h < 8; h++) mh[h] = -INFINITY, lh[h] = 0.f;
+                memset(o, 0, sizeof(o));
             }
-            sum = exp_sum(p, n, mx);
-            float *o = att + j * D, inv = 1.0f / sum;
-            memset(o, 0, D * sizeof(float));
-            for (int64_t s = 0; s < n; s++) {
-                const char *row = V + s * D * esz;
-                if (bf)
-                    axpy_bf16(p[s], (const uint16_t *)row, o, D);
-                else
-                    axpy(p[s], (const float *)row, o, D);
+            for (int64_t h = 0; h < group && h < 8; h++) {
+                float *dst = pt + h * MAX_CHUNKS * (D + 2);
+                memcpy(dst, o + h * D, D * sizeof(float));
+                dst[D] = mh[h];
+                dst[D + 1] = lh[h];
             }
-            for (int64_t i = 0; i < D; i++) o[i] *= inv;
+        }
+        for (int64_t j = 0; j < Hq; j++) { /* merge the chunks: log-sum-exp */
+            const float *pj = part + j * MAX_CHUNKS * (D + 2);
+            float M = -INFINITY, Lsum = 0.f, *out = att + j * D;
+            for (int64_t c = 0; c < chunks; c++) M = pj[c * (D + 2) + D] > M ? pj[c * (D + 2) + D] : M;
+            memset(out, 0, D * sizeof(float));
+            for (int64_t c = 0; c < chunks; c++) {
+                const float *pc = pj + c * (D + 2);
+                float w = pc[D] == -INFINITY ? 0.f : expf(pc[D] - M);
+                Lsum += w * pc[D + 1];
+                axpy(w, pc, out, D);
+            }
+            for (int64_t i = 0; i < D; i++) out[i] /= Lsum;
         }
         matvec(&L->o, att, tmp);
         for (int64_t i = 0; i < H; i++) x[i] += tmp[i];

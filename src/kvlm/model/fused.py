@@ -5,8 +5,9 @@ residuals) around 121 products; at 576 wide each op costs a few microseconds of 
 together about as much as the low-bit products themselves. `kvlm_decode_step` runs the
 same math for one token in one call: every layer's norm, fused q|k|v product, RoPE, K/V
 written into the contiguous cache's slot (fp32, or bf16 rounded as torch rounds),
-attention over the slots so far, o product, residual, norm, gate|up, SiLU, down, residual,
-then the final norm and the vocabulary.
+attention over the slots so far (the query heads of a KV head together, positions split
+in chunks across threads and merged by log-sum-exp), o product, residual, norm, gate|up,
+SiLU, down, residual, then the final norm and the vocabulary.
 
 It applies where that is the whole story: CPU, fp32 activations, low-bit weights in every
 projection (`--weights int8|int4|native`), a Llama-shaped block (no biases, no q/k norm,
@@ -87,6 +88,8 @@ def why_not(model: Transformer) -> str | None:
     c = model.config
     if c.qk_norm or c.sliding_window is not None:
         return "q/k norm or a sliding window"
+    if c.num_heads // c.num_kv_heads > 8 or c.head_dim > 128:
+        return "more than 8 query heads per KV head, or head_dim > 128"
     for module in model.modules():
         if isinstance(module, Linear):
             if module.kernel != "quant":
