@@ -112,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plots", metavar="DIR", help="write PNG plots here (matplotlib)")
     bench.add_argument("--rounds", type=int, default=1, help="runs per cell (median)")
     bench.add_argument("--max-context", type=int, default=None, help="cache capacity")
+    bench.add_argument("--kv-dtype", default=None, help="cache storage: fp32, bf16, fp16, int8")
     bench.add_argument("--json", metavar="FILE", help="write the results as JSON")
     bench.add_argument(
         "--streams", default="1,2,4,8", help="concurrent streams for the engine run, or none"
@@ -433,7 +434,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for mode in modes:
         check_mode(mode)  # before the slow load
     need = max(*prompts, 16) + args.new_tokens  # 16: the warm-up and per-forward prompt
-    llm = _model(args, kv=modes[0], max_context=args.max_context or need)
+    llm = _model(args, kv=modes[0], max_context=args.max_context or need, kv_dtype=args.kv_dtype)
     for mode in modes[1:]:
         llm.cache_spec(mode)  # every mode's settings checked before the long run
     try:
