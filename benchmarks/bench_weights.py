@@ -1,6 +1,6 @@
 """Weight formats: decode speed, TTFT and fidelity against fp32 on the default model.
 
-    python benchmarks/bench_weights.py --threads 2
+    python benchmarks/bench_weights.py --threads 2 --formats fp32,int8,native,native:bf16
 
 For each format: TTFT of a 512-token prompt, decode tokens/s over 128 greedy tokens (median
 of the prompts), and fidelity: at every step of the format's greedy run, the fp32 model's
@@ -35,7 +35,9 @@ def main() -> None:
     long_ids = ref.tokenizer.encode(" ".join(PROMPTS * 40))[:512]
     rows = []
     for fmt in args.formats.split(","):
-        llm = ref if fmt == "fp32" else LLM(progress=False, max_context=1024, weights=fmt)
+        weights, _, prefill = fmt.partition(":")  # "native:bf16" = bf16 prefill products
+        llm = ref if fmt == "fp32" else LLM(progress=False, max_context=1024, weights=weights,
+                                            prefill_dtype=prefill or "fp32")  # fmt: skip
         llm.generate(prompt_token_ids=[long_ids[:32]], sampling_params=params)  # warm up
         ttft = llm.generate(prompt_token_ids=[long_ids], sampling_params=params)[0]
         speeds, agree, top5 = [], [], True

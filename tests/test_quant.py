@@ -138,6 +138,36 @@ def test_low_bit_formats_agree_with_fp32_on_the_real_model(default_llm, fmt):
     assert_greedy_agreement(b.token_ids, our_top, a.token_ids, ref_logits)
 
 
+def test_bf16_prefill_rounds_the_dense_weight_as_torch_does():
+    torch.manual_seed(0)
+    q = quant.quantize(torch.randn(64, 96), "q4")
+    torch.testing.assert_close(
+        q.dense_bf16(), quant._dense_torch(q).to(torch.bfloat16), atol=0, rtol=0
+    )
+    x = torch.randn(40, 96)  # more than SMALL_M rows: the dense path
+    ref = x.bfloat16().float() @ quant._dense_torch(q).bfloat16().float().t()
+    # bf16 inputs, fp32 accumulation, the result rounded to bf16 (one step: 2^-8 relative)
+    torch.testing.assert_close(q.matmul(x, prefill_bf16=True), ref, atol=1e-2, rtol=2**-7)
+    # decode-sized products are unaffected by the prefill setting
+    x1 = torch.randn(1, 96)
+    assert torch.equal(q.matmul(x1, prefill_bf16=True), q.matmul(x1))
+
+
+def test_bf16_prefill_keeps_greedy_agreement_on_the_real_model(default_llm):
+    from helpers import assert_greedy_agreement
+    from kvlm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
+    llm = LLM(progress=False, max_context=256, weights="native", prefill_dtype="bf16")
+    assert llm.describe()["prefill_dtype"] == "bf16"
+    prompt = "The three most important inventions of the nineteenth century were"
+    a, b = default_llm.generate(prompt, params)[0], llm.generate(prompt, params)[0]
+    ids = default_llm.tokenizer.encode(prompt) + a.token_ids[:-1]
+    ref_logits = default_llm.runner.logits(ids, default_llm.new_cache("off"))[-32:]
+    our_top = [list(lp.top) for lp in b.logprobs]
+    assert_greedy_agreement(b.token_ids, our_top, a.token_ids, ref_logits)
+
+
 def test_weight_format_mistakes_are_clear():
     from kvlm import LLM
     from kvlm.errors import InvalidRequestError
@@ -146,6 +176,10 @@ def test_weight_format_mistakes_are_clear():
         LLM(weights="q3", progress=False)
     with pytest.raises(InvalidRequestError, match="needs --dtype fp32"):
         LLM(weights="f32", dtype="bf16", progress=False)
+    with pytest.raises(InvalidRequestError, match="applies to --weights int8"):
+        LLM(prefill_dtype="bf16", progress=False)
+    with pytest.raises(InvalidRequestError, match="unknown prefill dtype 'fp8'"):
+        LLM(weights="native", prefill_dtype="fp8", progress=False)
 
 
 def _fused_vs_torch(llm, prompt_ids, steps, exact_cache=False):

@@ -135,6 +135,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         help="projection weights: as --dtype (default), bf16, int8 or int4 (groups of 32), "
         "or native (a GGUF file's Q8_0/Q4_0/Q4_1 blocks as stored)",
     )
+    p.add_argument(
+        "--prefill-dtype",
+        default="fp32",
+        help="with low-bit --weights: fp32 (default, exact) or bf16 (prompt products in bf16, "
+        "~2x faster prefill; agreement in docs/BENCHMARKS.md)",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--system", default=None, help="system prompt for the chat template")
@@ -190,6 +196,7 @@ def _model(args: argparse.Namespace, **settings: Any):
         device=args.device,
         threads=args.threads,
         weights=args.weights,
+        prefill_dtype=args.prefill_dtype,
         progress=sys.stderr.isatty(),
         **settings,
     )

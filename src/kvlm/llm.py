@@ -21,6 +21,7 @@ from kvlm.engine.sampling import SamplingParams
 from kvlm.errors import InvalidRequestError
 from kvlm.loading import load_model
 from kvlm.model.blas import set_blas_threads
+from kvlm.model.layers import Linear
 from kvlm.model.transformer import Transformer
 
 # The contiguous cache preallocates this many tokens unless told otherwise (the model's
@@ -63,6 +64,7 @@ class LLM:
         cache_options: CacheOptions | None = None,
         prefill_chunk: int | None = None,
         weights: str | None = None,
+        prefill_dtype: str = "fp32",
     ) -> None:
         if threads is not None:
             if threads < 1:
@@ -89,7 +91,12 @@ class LLM:
                 f"--weights {weights} runs on the CPU kernels only; on {self.device.type} use "
                 "--dtype bf16 or fp16"
             )
+        if prefill_dtype not in ("fp32", "bf16"):
+            raise InvalidRequestError(f"unknown prefill dtype {prefill_dtype!r}; valid: fp32, bf16")
+        if prefill_dtype == "bf16" and weights not in ("int8", "int4", "native"):
+            raise InvalidRequestError("--prefill-dtype bf16 applies to --weights int8|int4|native")
         self.weights = weights
+        self.prefill_dtype = prefill_dtype
         self.kv_mode = kv
         self.loaded = load_model(model)
         self.config = self.loaded.config
@@ -106,6 +113,10 @@ class LLM:
         self.model = Transformer(
             self.config, weights, self.dtype, self.device, progress, self.weights
         )
+        if prefill_dtype == "bf16":
+            for module in self.model.modules():
+                if isinstance(module, Linear):
+                    module.prefill_bf16 = True
         self.runner = ModelRunner(self.model)
 
     @property
@@ -221,6 +232,7 @@ class LLM:
             "dtype": dtype_name(self.dtype),
             "weights": self.weights or dtype_name(self.dtype),
             "kernels": kernels.status() if self.weights in ("int8", "int4", "native") else None,
+            "prefill_dtype": self.prefill_dtype,
             "kv_dtype": dtype_name(self.cache_spec().dtype),
             "max_context": self.max_context,
             "device": str(self.device),

@@ -81,7 +81,16 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvlm_q4_gemm.argtypes = [p, i, i, p, p, p, i, p]
     lib.kvlm_q8_dequant.argtypes = [i, p, p, i, p]
     lib.kvlm_q4_dequant.argtypes = [i, p, p, p, i, p]
-    for fn in (lib.kvlm_q8_gemm, lib.kvlm_q4_gemm, lib.kvlm_q8_dequant, lib.kvlm_q4_dequant):
+    lib.kvlm_q8_dequant_bf16.argtypes = [i, p, p, i, p]
+    lib.kvlm_q4_dequant_bf16.argtypes = [i, p, p, p, i, p]
+    for fn in (
+        lib.kvlm_q8_gemm,
+        lib.kvlm_q4_gemm,
+        lib.kvlm_q8_dequant,
+        lib.kvlm_q4_dequant,
+        lib.kvlm_q8_dequant_bf16,
+        lib.kvlm_q4_dequant_bf16,
+    ):
         fn.restype = None
     return lib
 

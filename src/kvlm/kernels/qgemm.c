@@ -25,6 +25,21 @@
 
 enum { Q8 = 8, Q4 = 4 };
 
+/* fp32 -> bf16 as torch rounds it (nearest even; NaN stays a quiet NaN) */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 int kvlm_kernel_abi(void) { return 1; }
 
 int kvlm_kernel_simd(void) {
@@ -185,6 +200,49 @@ void kvlm_q8_dequant(int64_t K, const int8_t *q, const float *s, int64_t N, floa
     DEQUANT_ROWS(Q8, K, (const uint8_t *)q, K, s, none, N, w);
 }
 
+/* The dense weight in bf16 (rounded to nearest even, as torch rounds; NaN not special-cased:
+ * weights have none), for bf16 prefill products. */
+static inline __attribute__((always_inline)) void
+dequant_row_bf16(int kind, int64_t K, const uint8_t *qrow, const float *p0, const float *p1,
+                 uint16_t *w) {
+    for (int64_t g = 0; g < K / G; g++) {
+#ifdef __AVX512F__
+        __m512 half[2];
+        group_avx512(kind, qrow, p0, p1, g, &half[0], &half[1], 1);
+        for (int i = 0; i < 2; i++) {
+            __m512i bits = _mm512_castps_si512(half[i]);
+            __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+            __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+            _mm256_storeu_si256((__m256i *)(w + g * G + 16 * i),
+                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+        }
+#else
+        float tmp[G];
+        group_scalar(kind, qrow, p0, p1, g, tmp);
+        for (int j = 0; j < G; j++) w[g * G + j] = to_bf16(tmp[j]);
+#endif
+    }
+}
+
+#define DEQUANT_ROWS_BF16(KIND, K, q, row_bytes, p0, p1, N, w)                               \
+    do {                                                                                     \
+        int64_t groups_ = (K) / G;                                                           \
+        _Pragma("omp parallel for schedule(static)")                                         \
+        for (int64_t n = 0; n < (N); n++)                                                    \
+            dequant_row_bf16(KIND, K, (q) + n * (row_bytes), (p0) + n * groups_,             \
+                             (p1) ? (p1) + n * groups_ : 0, (w) + n * (K));                  \
+    } while (0)
+
+void kvlm_q8_dequant_bf16(int64_t K, const int8_t *q, const float *s, int64_t N, uint16_t *w) {
+    const float *none = 0;
+    DEQUANT_ROWS_BF16(Q8, K, (const uint8_t *)q, K, s, none, N, w);
+}
+
+void kvlm_q4_dequant_bf16(int64_t K, const uint8_t *q, const float *d, const float *m,
+                          int64_t N, uint16_t *w) {
+    DEQUANT_ROWS_BF16(Q4, K, q, K / 2, d, m, N, w);
+}
+
 void kvlm_q4_dequant(int64_t K, const uint8_t *q, const float *d, const float *m, int64_t N,
                      float *w) {
     DEQUANT_ROWS(Q4, K, q, K / 2, d, m, N, w);
@@ -289,21 +347,6 @@ static float exp_sum(float *p, int64_t n, float mx) {
         sum += p[i];
     }
     return sum;
-}
-
-/* fp32 -> bf16 as torch rounds it (nearest even; NaN stays a quiet NaN) */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if (f != f) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
-static inline float from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
 }
 
 #ifdef __AVX512F__
