@@ -411,3 +411,16 @@ def write_spm_gguf(path: Path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def assert_generation_agrees(ref, llm, prompt: str, n: int) -> None:
+    """Greedy n tokens from `ref` (an fp32 LLM) and `llm` on `prompt`; `llm`'s tokens held to
+    the top-5 rule against `ref`'s teacher-forced logits (the `off` oracle)."""
+    from kvlm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
+    a, b = ref.generate(prompt, params)[0], llm.generate(prompt, params)[0]
+    ids = ref.tokenizer.encode(prompt) + a.token_ids[:-1]
+    ref_logits = ref.runner.logits(ids, ref.new_cache("off"))[-n:]
+    our_top = [list(lp.top) for lp in b.logprobs]
+    assert_greedy_agreement(b.token_ids, our_top, a.token_ids, ref_logits)

@@ -65,21 +65,3 @@ def test_onednn_packed_rows_do_not_depend_on_their_batch():
         assert y.shape == (1, rows, 96)
         assert torch.equal(y, alone[:, :rows])
     torch.testing.assert_close(alone, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
-
-
-def test_int8_weights_on_a_tiny_model_agree_with_fp32(tiny_model_dir):
-    from helpers import assert_greedy_agreement
-    from kvlm import LLM, SamplingParams
-
-    folder = tiny_model_dir("llama")
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
-    ref = LLM(model=folder, progress=False, max_context=128)
-    q8 = LLM(model=folder, progress=False, max_context=128, weights="int8")
-    assert q8.describe()["weights"] == "int8"
-    prompt = "The quick brown fox"
-    a, b = ref.generate(prompt, params)[0], q8.generate(prompt, params)[0]
-    ref_logits = ref.runner.logits(
-        ref.tokenizer.encode(prompt) + a.token_ids[:-1], ref.new_cache("off")
-    )[-24:]
-    our_top = [list(lp.top) for lp in b.logprobs]
-    assert_greedy_agreement(b.token_ids, our_top, a.token_ids, ref_logits)

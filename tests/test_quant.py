@@ -10,6 +10,7 @@ from kvlm.model import quant
 from kvlm.model.layers import Linear
 
 needs_kernels = pytest.mark.skipif(kernels.library() is None, reason=kernels.status())
+REAL_PROMPT = "The three most important inventions of the nineteenth century were"
 
 
 @pytest.mark.parametrize("kind", ["q8", "q4"])
@@ -105,44 +106,31 @@ def test_native_blocks_are_the_files_own_numbers(default_llm):
 def test_weight_formats_agree_with_fp32_on_a_tiny_model(tiny_model_dir, fmt):
     """(int4 on random weights moves near-tied logits past the top-5 rule: it is held to the
     rule on the real model below, and its agreement is measured in BENCHMARKS.md.)"""
-    from helpers import assert_greedy_agreement
-    from kvlm import LLM, SamplingParams
+    from helpers import assert_generation_agrees
+    from kvlm import LLM
 
     folder = tiny_model_dir("llama")
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
     ref = LLM(model=folder, progress=False, max_context=128)
     llm = LLM(model=folder, progress=False, max_context=128, weights=fmt)
     assert llm.describe()["weights"] == ("fp32" if fmt == "f32" else fmt)
-    prompt = "The quick brown fox"
-    a, b = ref.generate(prompt, params)[0], llm.generate(prompt, params)[0]
-    ref_logits = ref.runner.logits(
-        ref.tokenizer.encode(prompt) + a.token_ids[:-1], ref.new_cache("off")
-    )[-24:]
-    our_top = [list(lp.top) for lp in b.logprobs]
-    assert_greedy_agreement(b.token_ids, our_top, a.token_ids, ref_logits)
+    assert_generation_agrees(ref, llm, "The quick brown fox", 24)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "native"])
 def test_low_bit_formats_agree_with_fp32_on_the_real_model(default_llm, fmt):
     """The default file is Q4_1: `native` multiplies its blocks, `int4` re-derives them."""
-    from helpers import assert_greedy_agreement
-    from kvlm import LLM, SamplingParams
+    from helpers import assert_generation_agrees
+    from kvlm import LLM
 
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
     llm = LLM(progress=False, max_context=256, weights=fmt)
-    prompt = "The three most important inventions of the nineteenth century were"
-    a, b = default_llm.generate(prompt, params)[0], llm.generate(prompt, params)[0]
-    ids = default_llm.tokenizer.encode(prompt) + a.token_ids[:-1]
-    ref_logits = default_llm.runner.logits(ids, default_llm.new_cache("off"))[-32:]
-    our_top = [list(lp.top) for lp in b.logprobs]
-    assert_greedy_agreement(b.token_ids, our_top, a.token_ids, ref_logits)
+    assert_generation_agrees(default_llm, llm, REAL_PROMPT, 32)
 
 
 def test_bf16_prefill_rounds_the_dense_weight_as_torch_does():
     torch.manual_seed(0)
     q = quant.quantize(torch.randn(64, 96), "q4")
     torch.testing.assert_close(
-        q.dense_bf16(), quant._dense_torch(q).to(torch.bfloat16), atol=0, rtol=0
+        q.dense(dtype=torch.bfloat16), quant._dense_torch(q).to(torch.bfloat16), atol=0, rtol=0
     )
     x = torch.randn(40, 96)  # more than SMALL_M rows: the dense path
     ref = x.bfloat16().float() @ quant._dense_torch(q).bfloat16().float().t()
@@ -154,18 +142,12 @@ def test_bf16_prefill_rounds_the_dense_weight_as_torch_does():
 
 
 def test_bf16_prefill_keeps_greedy_agreement_on_the_real_model(default_llm):
-    from helpers import assert_greedy_agreement
-    from kvlm import LLM, SamplingParams
+    from helpers import assert_generation_agrees
+    from kvlm import LLM
 
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
     llm = LLM(progress=False, max_context=256, weights="native", prefill_dtype="bf16")
     assert llm.describe()["prefill_dtype"] == "bf16"
-    prompt = "The three most important inventions of the nineteenth century were"
-    a, b = default_llm.generate(prompt, params)[0], llm.generate(prompt, params)[0]
-    ids = default_llm.tokenizer.encode(prompt) + a.token_ids[:-1]
-    ref_logits = default_llm.runner.logits(ids, default_llm.new_cache("off"))[-32:]
-    our_top = [list(lp.top) for lp in b.logprobs]
-    assert_greedy_agreement(b.token_ids, our_top, a.token_ids, ref_logits)
+    assert_generation_agrees(default_llm, llm, REAL_PROMPT, 32)
 
 
 def test_weight_format_mistakes_are_clear():

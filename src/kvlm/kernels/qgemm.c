@@ -170,82 +170,73 @@ void kvlm_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
     GEMM_ROWS(Q4, x, M, K, q, K / 2, d, m, N, y);
 }
 
+/* Row n of the dense weight [N, K], into fp32 or (bf16 != 0) bf16 rounded to nearest even
+ * as torch rounds (NaN not special-cased: weights have none). Values: d * q + m rounded
+ * twice, exactly as the float loader computes them. */
 static inline __attribute__((always_inline)) void
-dequant_row(int kind, int64_t K, const uint8_t *qrow, const float *p0, const float *p1,
-            float *w) {
-    for (int64_t g = 0; g < K / G; g++) {
-#ifdef __AVX512F__
-        __m512 lo, hi;
-        group_avx512(kind, qrow, p0, p1, g, &lo, &hi, 1);
-        _mm512_storeu_ps(w + g * G, lo);
-        _mm512_storeu_ps(w + g * G + 16, hi);
-#else
-        group_scalar(kind, qrow, p0, p1, g, w + g * G);
-#endif
-    }
-}
-
-#define DEQUANT_ROWS(KIND, K, q, row_bytes, p0, p1, N, w)                                    \
-    do {                                                                                     \
-        int64_t groups_ = (K) / G;                                                           \
-        _Pragma("omp parallel for schedule(static)")                                         \
-        for (int64_t n = 0; n < (N); n++)                                                    \
-            dequant_row(KIND, K, (q) + n * (row_bytes), (p0) + n * groups_,                  \
-                        (p1) ? (p1) + n * groups_ : 0, (w) + n * (K));                       \
-    } while (0)
-
-/* The dense weight [N, K], for products with many rows (prefill). */
-void kvlm_q8_dequant(int64_t K, const int8_t *q, const float *s, int64_t N, float *w) {
-    const float *none = 0;
-    DEQUANT_ROWS(Q8, K, (const uint8_t *)q, K, s, none, N, w);
-}
-
-/* The dense weight in bf16 (rounded to nearest even, as torch rounds; NaN not special-cased:
- * weights have none), for bf16 prefill products. */
-static inline __attribute__((always_inline)) void
-dequant_row_bf16(int kind, int64_t K, const uint8_t *qrow, const float *p0, const float *p1,
-                 uint16_t *w) {
+dequant_row(int kind, int bf16, int64_t K, const uint8_t *qrow, const float *p0,
+            const float *p1, void *out) {
+    float *wf = (float *)out;
+    uint16_t *wh = (uint16_t *)out;
     for (int64_t g = 0; g < K / G; g++) {
 #ifdef __AVX512F__
         __m512 half[2];
         group_avx512(kind, qrow, p0, p1, g, &half[0], &half[1], 1);
         for (int i = 0; i < 2; i++) {
+            if (!bf16) {
+                _mm512_storeu_ps(wf + g * G + 16 * i, half[i]);
+                continue;
+            }
             __m512i bits = _mm512_castps_si512(half[i]);
             __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
             __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-            _mm256_storeu_si256((__m256i *)(w + g * G + 16 * i),
+            _mm256_storeu_si256((__m256i *)(wh + g * G + 16 * i),
                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
         }
 #else
         float tmp[G];
         group_scalar(kind, qrow, p0, p1, g, tmp);
-        for (int j = 0; j < G; j++) w[g * G + j] = to_bf16(tmp[j]);
+        for (int j = 0; j < G; j++) {
+            if (bf16)
+                wh[g * G + j] = to_bf16(tmp[j]);
+            else
+                wf[g * G + j] = tmp[j];
+        }
 #endif
     }
 }
 
-#define DEQUANT_ROWS_BF16(KIND, K, q, row_bytes, p0, p1, N, w)                               \
+/* KIND and BF16 are literals: the loop body is outlined by OpenMP (see GEMM_ROWS). */
+#define DEQUANT_ROWS(KIND, BF16, K, q, row_bytes, p0, p1, N, w)                              \
     do {                                                                                     \
         int64_t groups_ = (K) / G;                                                           \
+        size_t esz_ = (BF16) ? sizeof(uint16_t) : sizeof(float);                             \
         _Pragma("omp parallel for schedule(static)")                                         \
         for (int64_t n = 0; n < (N); n++)                                                    \
-            dequant_row_bf16(KIND, K, (q) + n * (row_bytes), (p0) + n * groups_,             \
-                             (p1) ? (p1) + n * groups_ : 0, (w) + n * (K));                  \
+            dequant_row(KIND, BF16, K, (q) + n * (row_bytes), (p0) + n * groups_,            \
+                        (p1) ? (p1) + n * groups_ : 0, (char *)(w) + n * (K) * esz_);        \
     } while (0)
 
-void kvlm_q8_dequant_bf16(int64_t K, const int8_t *q, const float *s, int64_t N, uint16_t *w) {
+/* The dense weight [N, K], for products with many rows (prefill): fp32, or bf16 for
+ * --prefill-dtype bf16. */
+void kvlm_q8_dequant(int64_t K, const int8_t *q, const float *s, int64_t N, float *w) {
     const float *none = 0;
-    DEQUANT_ROWS_BF16(Q8, K, (const uint8_t *)q, K, s, none, N, w);
-}
-
-void kvlm_q4_dequant_bf16(int64_t K, const uint8_t *q, const float *d, const float *m,
-                          int64_t N, uint16_t *w) {
-    DEQUANT_ROWS_BF16(Q4, K, q, K / 2, d, m, N, w);
+    DEQUANT_ROWS(Q8, 0, K, (const uint8_t *)q, K, s, none, N, w);
 }
 
 void kvlm_q4_dequant(int64_t K, const uint8_t *q, const float *d, const float *m, int64_t N,
                      float *w) {
-    DEQUANT_ROWS(Q4, K, q, K / 2, d, m, N, w);
+    DEQUANT_ROWS(Q4, 0, K, q, K / 2, d, m, N, w);
+}
+
+void kvlm_q8_dequant_bf16(int64_t K, const int8_t *q, const float *s, int64_t N, uint16_t *w) {
+    const float *none = 0;
+    DEQUANT_ROWS(Q8, 1, K, (const uint8_t *)q, K, s, none, N, w);
+}
+
+void kvlm_q4_dequant_bf16(int64_t K, const uint8_t *q, const float *d, const float *m,
+                          int64_t N, uint16_t *w) {
+    DEQUANT_ROWS(Q4, 1, K, q, K / 2, d, m, N, w);
 }
 
 /* ------------------------------------------------------------------------------------

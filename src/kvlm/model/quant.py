@@ -59,34 +59,23 @@ class QuantWeight:
         )
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def dense(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The weight as fp32 [N, K] (written into `out` when given)."""
-        n, k = self.out_features, self.in_features
-        out = torch.empty(n, k, dtype=torch.float32) if out is None else out.view(n, k)
-        lib = kernels.library()
-        if lib is not None:
-            if self.kind == "q8":
-                lib.kvlm_q8_dequant(k, _ptr(self.codes), _ptr(self.scale), n, _ptr(out))
-            else:
-                lib.kvlm_q4_dequant(
-                    k, _ptr(self.codes), _ptr(self.scale), _ptr(self.zero), n, _ptr(out)
-                )
-            return out
-        return _dense_torch(self)
-
-    def dense_bf16(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The weight as bf16 [N, K] (the fp32 weight rounded to nearest even)."""
+    def dense(
+        self, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """The weight as [N, K] in fp32, or in bf16 rounded to nearest even as torch rounds
+        (written into `out` when given)."""
         n, k = self.out_features, self.in_features
         lib = kernels.library()
         if lib is None:
-            return _dense_torch(self).to(torch.bfloat16)
-        out = torch.empty(n, k, dtype=torch.bfloat16) if out is None else out.view(n, k)
+            return _dense_torch(self).to(dtype)
+        out = torch.empty(n, k, dtype=dtype) if out is None else out.view(n, k)
+        suffix = "_bf16" if dtype == torch.bfloat16 else ""
         if self.kind == "q8":
-            lib.kvlm_q8_dequant_bf16(k, _ptr(self.codes), _ptr(self.scale), n, _ptr(out))
+            fn = getattr(lib, "kvlm_q8_dequant" + suffix)
+            fn(k, _ptr(self.codes), _ptr(self.scale), n, _ptr(out))
         else:
-            lib.kvlm_q4_dequant_bf16(
-                k, _ptr(self.codes), _ptr(self.scale), _ptr(self.zero), n, _ptr(out)
-            )
+            fn = getattr(lib, "kvlm_q4_dequant" + suffix)
+            fn(k, _ptr(self.codes), _ptr(self.scale), _ptr(self.zero), n, _ptr(out))
         return out
 
     def matmul(self, x: torch.Tensor, prefill_bf16: bool = False) -> torch.Tensor:
@@ -97,7 +86,7 @@ class QuantWeight:
         lib = kernels.library()
         numel = self.out_features * self.in_features
         if m > SMALL_M and prefill_bf16:
-            w = self.dense_bf16(_scratch(numel, torch.bfloat16))
+            w = self.dense(_scratch(numel, torch.bfloat16), torch.bfloat16)
             return torch.matmul(x.to(torch.bfloat16), w.t()).float()
         if lib is None or m > SMALL_M:
             return torch.matmul(x, self.dense(_scratch(numel)).t())
