@@ -1,6 +1,6 @@
 """Weight formats: decode speed, TTFT and fidelity against fp32 on the default model.
 
-    python benchmarks/bench_weights.py --threads 2 --formats fp32,int8,native,native:bf16
+    python benchmarks/bench_weights.py --threads 2 --formats fp32,int8,native,native:bf16,native:i8
 
 For each format: TTFT of a 512-token prompt, decode tokens/s over 128 greedy tokens (median
 of the prompts), and fidelity: at every step of the format's greedy run, the fp32 model's
@@ -35,9 +35,13 @@ def main() -> None:
     long_ids = ref.tokenizer.encode(" ".join(PROMPTS * 40))[:512]
     rows = []
     for fmt in args.formats.split(","):
-        weights, _, prefill = fmt.partition(":")  # "native:bf16" = bf16 prefill products
-        llm = ref if fmt == "fp32" else LLM(progress=False, max_context=1024, weights=weights,
-                                            prefill_dtype=prefill or "fp32")  # fmt: skip
+        # "native:bf16" = bf16 prefill products; "native:i8" = int8 activations
+        weights, *opts = fmt.split(":")
+        llm = ref if fmt == "fp32" else LLM(
+            progress=False, max_context=1024, weights=weights,
+            prefill_dtype="bf16" if "bf16" in opts else "fp32",
+            activations="int8" if "i8" in opts else "fp32",
+        )  # fmt: skip
         llm.generate(prompt_token_ids=[long_ids[:32]], sampling_params=params)  # warm up
         ttft = llm.generate(prompt_token_ids=[long_ids], sampling_params=params)[0]
         speeds, agree, top5 = [], [], True

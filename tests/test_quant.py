@@ -62,6 +62,70 @@ def test_without_kernels_the_torch_fallback_gives_the_same_product(monkeypatch):
     torch.testing.assert_close(q.matmul(x), expected, atol=1e-5, rtol=1e-5)
 
 
+@needs_kernels
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 16])
+@pytest.mark.parametrize("width", [32, 96, 576])
+def test_int8_activation_products_round_x_per_group(kind, rows, width):
+    """--activations int8: x rounded per group of 32 to int8 (round_activations), then the
+    integer products (VNNI here) give x' @ W^T of the dequantized weight. Widths cover a
+    partial step of four groups (q4) and two (q8)."""
+    torch.manual_seed(rows * width)
+    q = quant.quantize(torch.randn(70, width) * 0.1, kind)
+    x = torch.randn(rows, width) * 3
+    x[0, :32] = 0.0  # an all-zero group: scale 0, no division by it
+    xr = quant.round_activations(x)
+    # the rounding: 255 levels per group, within half a step, the group max kept exactly
+    g, gr = x.view(rows, -1, 32), xr.view(rows, -1, 32)
+    step = g.abs().amax(-1, keepdim=True) / 127
+    assert ((gr - g).abs() <= step / 2 + 1e-6).all()
+    torch.testing.assert_close(gr.abs().amax(-1), g.abs().amax(-1))
+    ref = xr @ quant._dense_torch(q).t()
+    torch.testing.assert_close(q.matmul(x, act_int8=True), ref, atol=1e-4, rtol=1e-5)
+    # prefill-sized products keep fp32 activations
+    many = torch.randn(20, width)
+    torch.testing.assert_close(
+        q.matmul(many, act_int8=True), many @ quant._dense_torch(q).t(), atol=1e-4, rtol=1e-5
+    )
+
+
+def test_int8_activations_without_kernels_give_the_same_product(monkeypatch):
+    torch.manual_seed(1)
+    q = quant.quantize(torch.randn(64, 96), "q4")
+    x = torch.randn(3, 96)
+    expected = quant.round_activations(x) @ quant._dense_torch(q).t()
+    monkeypatch.setattr(kernels, "library", lambda: None)
+    torch.testing.assert_close(q.matmul(x, act_int8=True), expected, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.skipif(
+    kernels.library() is None or kernels.library().kvlm_kernel_simd() != 512,
+    reason="checks the portable build against the AVX-512 one",
+)
+def test_the_portable_build_computes_the_same_products(tmp_path, monkeypatch):
+    """The code paths for CPUs without AVX-512 / VNNI, built here with -march=x86-64."""
+    import ctypes
+
+    monkeypatch.setenv("KVLM_CACHE_DIR", str(tmp_path))
+    flags = tuple("-march=x86-64" if f == "-march=native" else f for f in kernels.FLAGS)
+    portable = kernels._bind(ctypes.CDLL(str(kernels._build(kernels._compiler(), flags))))
+    assert portable.kvlm_kernel_simd() == 0 and portable.kvlm_kernel_vnni() == 0
+    torch.manual_seed(2)
+    cases = []
+    for kind in ("q8", "q4"):
+        q = quant.quantize(torch.randn(40, 96), kind)
+        x = torch.randn(5, 96)
+        cases.append((q, x, [q.matmul(x, act_int8=a) for a in (False, True)]))
+    monkeypatch.setattr(kernels, "library", lambda: portable)
+    for q, x, fast in cases:
+        for act_int8, expected in zip((False, True), fast, strict=True):
+            torch.testing.assert_close(
+                q.matmul(x, act_int8=act_int8), expected, atol=1e-4, rtol=1e-5
+            )
+        assert torch.equal(q.dense(), quant._dense_torch(q))
+        assert torch.equal(q.dense(dtype=torch.bfloat16), quant._dense_torch(q).bfloat16())
+
+
 def test_a_failed_build_is_reported_not_raised(tmp_path, monkeypatch):
     monkeypatch.setenv("KVLM_CACHE_DIR", str(tmp_path))
     with pytest.raises(OSError, match="failed"):
@@ -126,6 +190,15 @@ def test_low_bit_formats_agree_with_fp32_on_the_real_model(default_llm, fmt):
     assert_generation_agrees(default_llm, llm, REAL_PROMPT, 32)
 
 
+def test_int8_activations_keep_greedy_agreement_on_the_real_model(default_llm):
+    from helpers import assert_generation_agrees
+    from kvlm import LLM
+
+    llm = LLM(progress=False, max_context=256, weights="native", activations="int8")
+    assert llm.describe()["activations"] == "int8"
+    assert_generation_agrees(default_llm, llm, REAL_PROMPT, 32)
+
+
 def test_bf16_prefill_rounds_the_dense_weight_as_torch_does():
     torch.manual_seed(0)
     q = quant.quantize(torch.randn(64, 96), "q4")
@@ -162,6 +235,10 @@ def test_weight_format_mistakes_are_clear():
         LLM(prefill_dtype="bf16", progress=False)
     with pytest.raises(InvalidRequestError, match="unknown prefill dtype 'fp8'"):
         LLM(weights="native", prefill_dtype="fp8", progress=False)
+    with pytest.raises(InvalidRequestError, match="--activations int8 applies to --weights"):
+        LLM(activations="int8", progress=False)
+    with pytest.raises(InvalidRequestError, match="unknown activations 'int4'"):
+        LLM(weights="native", activations="int4", progress=False)
 
 
 def _fused_vs_torch(llm, prompt_ids, steps, exact_cache=False):
@@ -212,11 +289,18 @@ def test_fused_decode_step_reads_and_writes_a_bf16_cache():
 
 
 @needs_kernels
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4:i8"])
 def test_fused_decode_step_matches_the_torch_model_on_a_tiny_model(tiny_model_dir, fmt):
     from kvlm import LLM
 
-    llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=64, weights=fmt)
+    weights, _, act = fmt.partition(":")
+    llm = LLM(
+        model=tiny_model_dir("llama"),
+        progress=False,
+        max_context=64,
+        weights=weights,
+        activations="int8" if act else "fp32",
+    )
     assert _fused_vs_torch(llm, llm.encode("a b c d e"), 40) < 1e-4
 
 

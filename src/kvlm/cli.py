@@ -141,6 +141,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         help="with low-bit --weights: fp32 (default, exact) or bf16 (prompt products in bf16, "
         "~2x faster prefill; agreement in docs/BENCHMARKS.md)",
     )
+    p.add_argument(
+        "--activations",
+        default="fp32",
+        help="with low-bit --weights: fp32 (default, exact) or int8 (per-token products round "
+        "activations to int8 per group of 32, as llama.cpp does; faster decode, agreement in "
+        "docs/BENCHMARKS.md)",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--system", default=None, help="system prompt for the chat template")
@@ -197,6 +204,7 @@ def _model(args: argparse.Namespace, **settings: Any):
         threads=args.threads,
         weights=args.weights,
         prefill_dtype=args.prefill_dtype,
+        activations=args.activations,
         progress=sys.stderr.isatty(),
         **settings,
     )

@@ -65,6 +65,7 @@ class LLM:
         prefill_chunk: int | None = None,
         weights: str | None = None,
         prefill_dtype: str = "fp32",
+        activations: str = "fp32",
     ) -> None:
         if threads is not None:
             if threads < 1:
@@ -95,8 +96,13 @@ class LLM:
             raise InvalidRequestError(f"unknown prefill dtype {prefill_dtype!r}; valid: fp32, bf16")
         if prefill_dtype == "bf16" and weights not in ("int8", "int4", "native"):
             raise InvalidRequestError("--prefill-dtype bf16 applies to --weights int8|int4|native")
+        if activations not in ("fp32", "int8"):
+            raise InvalidRequestError(f"unknown activations {activations!r}; valid: fp32, int8")
+        if activations == "int8" and weights not in ("int8", "int4", "native"):
+            raise InvalidRequestError("--activations int8 applies to --weights int8|int4|native")
         self.weights = weights
         self.prefill_dtype = prefill_dtype
+        self.activations = activations
         self.kv_mode = kv
         self.loaded = load_model(model)
         self.config = self.loaded.config
@@ -113,10 +119,10 @@ class LLM:
         self.model = Transformer(
             self.config, weights, self.dtype, self.device, progress, self.weights
         )
-        if prefill_dtype == "bf16":
-            for module in self.model.modules():
-                if isinstance(module, Linear):
-                    module.prefill_bf16 = True
+        for module in self.model.modules():
+            if isinstance(module, Linear):
+                module.prefill_bf16 = prefill_dtype == "bf16"
+                module.act_int8 = activations == "int8"
         self.runner = ModelRunner(self.model)
 
     @property
@@ -233,6 +239,7 @@ class LLM:
             "weights": self.weights or dtype_name(self.dtype),
             "kernels": kernels.status() if self.weights in ("int8", "int4", "native") else None,
             "prefill_dtype": self.prefill_dtype,
+            "activations": self.activations,
             "kv_dtype": dtype_name(self.cache_spec().dtype),
             "max_context": self.max_context,
             "device": str(self.device),

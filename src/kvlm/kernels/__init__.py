@@ -24,7 +24,7 @@ from pathlib import Path
 import torch  # noqa: F401 - loaded first, so the kernels share torch's OpenMP runtime
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-ABI = 1
+ABI = 2
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 120
 
@@ -51,10 +51,11 @@ def _compiler_id(cc: str) -> str:
         return cc
 
 
-def _build(cc: str) -> Path:
-    """Compile qgemm.c unless a build for this source/compiler/flags exists; return it."""
+def _build(cc: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Compile qgemm.c unless a build for this source/compiler/flags exists; return it.
+    (Tests pass other `flags` to check the portable code paths on this CPU.)"""
     key = hashlib.sha256(
-        SOURCE.read_bytes() + _compiler_id(cc).encode() + " ".join(FLAGS).encode()
+        SOURCE.read_bytes() + _compiler_id(cc).encode() + " ".join(flags).encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"qgemm-{key}.so"
     if target.exists():
@@ -64,7 +65,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"]
+        cmd = [cc, *flags, "-o", tmp, str(SOURCE), "-lm"]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if out.returncode != 0:
             raise OSError(f"{' '.join(cmd)} failed: {out.stderr.strip()[-400:]}")
@@ -83,6 +84,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvlm_q4_dequant.argtypes = [i, p, p, p, i, p]
     lib.kvlm_q8_dequant_bf16.argtypes = [i, p, p, i, p]
     lib.kvlm_q4_dequant_bf16.argtypes = [i, p, p, p, i, p]
+    lib.kvlm_q8_gemm_i8.argtypes = [p, i, i, p, p, i, p]
+    lib.kvlm_q4_gemm_i8.argtypes = [p, i, i, p, p, p, i, p]
+    lib.kvlm_q8_gemm_i8.restype = lib.kvlm_q4_gemm_i8.restype = ctypes.c_int
     for fn in (
         lib.kvlm_q8_gemm,
         lib.kvlm_q4_gemm,
@@ -124,5 +128,6 @@ def status() -> str:
     lib = library()
     if lib is None:
         return f"torch fallback ({_reason})"
-    simd = lib.kvlm_kernel_simd()
-    return f"compiled C kernels ({'AVX-512' if simd == 512 else 'scalar, compiler-vectorised'})"
+    simd = "AVX-512" if lib.kvlm_kernel_simd() == 512 else "scalar, compiler-vectorised"
+    vnni = "VNNI" if lib.kvlm_kernel_vnni() else "scalar"
+    return f"compiled C kernels ({simd}; int8 activations: {vnni})"

@@ -15,6 +15,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -22,6 +23,7 @@
 
 #define G 32  /* weights per group */
 #define MT 4  /* rows of x per pass over a weight row */
+#define SMALL_ROWS 16 /* the most rows the int8-activation products take (quant.SMALL_M) */
 
 enum { Q8 = 8, Q4 = 4 };
 
@@ -40,11 +42,20 @@ static inline float from_bf16(uint16_t h) {
     return f;
 }
 
-int kvlm_kernel_abi(void) { return 1; }
+int kvlm_kernel_abi(void) { return 2; }
 
 int kvlm_kernel_simd(void) {
 #ifdef __AVX512F__
     return 512;
+#else
+    return 0;
+#endif
+}
+
+/* 1 when the int8-activation products run on AVX512-VNNI, 0 for the scalar loop */
+int kvlm_kernel_vnni(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 1;
 #else
     return 0;
 #endif
@@ -170,6 +181,203 @@ void kvlm_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
     GEMM_ROWS(Q4, x, M, K, q, K / 2, d, m, N, y);
 }
 
+/* ------------------------------------------------------------------------------------
+ * int8 activations (--activations int8): llama.cpp's numerics for the per-token products.
+ * Each row of x is rounded per group of 32 to int8 codes c with one scale e = max|x| / 127
+ * (nearest even), so a group's product is
+ *     q8: s e sum(q c)                 q4: d e sum(q c) + m e sum(c)
+ * with the integer sums on AVX512-VNNI (vpdpbusd: 64 byte products per instruction) where
+ * the CPU has it, else in scalar integer code. Rounding x costs one pass over K per row.
+ * ------------------------------------------------------------------------------------ */
+
+/* A row of x as int8, in two layouts: `nat` (natural order, for q8 rows of 64 bytes = two
+ * groups) and `quad` (for q4: 64 bytes of packed nibbles = four groups; their low nibbles
+ * are elements 0..15 of each group, the high ones 16..31, so quad j is stored as
+ * [g0 0..15 | g1 0..15 | g2 0..15 | g3 0..15] then the same for 16..31). Groups are padded
+ * to a multiple of 16 with zero codes and zero scales. */
+typedef struct {
+    int8_t *nat, *quad;
+    float *e, *es; /* per group: e, and e * sum(c) */
+} kvlm_actrow;
+
+static inline int64_t groups_padded(int64_t K) { return (K / G + 15) / 16 * 16; }
+
+/* bytes per quantized row; a multiple of 64 */
+static inline int64_t actrow_bytes(int64_t K) { return groups_padded(K) * (2 * G + 8); }
+
+static kvlm_actrow actrow_at(char *buf, int64_t K, int64_t t) {
+    int64_t gp = groups_padded(K);
+    char *p = buf + t * actrow_bytes(K);
+    kvlm_actrow r = {(int8_t *)p, (int8_t *)(p + gp * G), (float *)(p + 2 * gp * G),
+                     (float *)(p + 2 * gp * G) + gp};
+    return r;
+}
+
+static void quantize_act_row(const float *x, int64_t K, kvlm_actrow r) {
+    int64_t groups = K / G, gp = groups_padded(K);
+    memset(r.nat, 0, 2 * gp * G);
+    memset(r.e, 0, 2 * gp * sizeof(float));
+    for (int64_t g = 0; g < groups; g++) {
+        const float *xg = x + g * G;
+        int8_t c[G];
+        float amax = 0.f;
+        for (int j = 0; j < G; j++) amax = fmaxf(amax, fabsf(xg[j]));
+        float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t sum = 0;
+        for (int j = 0; j < G; j++) {
+            c[j] = (int8_t)nearbyintf(xg[j] * inv); /* |.| <= 127; nearest even */
+            sum += c[j];
+        }
+        memcpy(r.nat + g * G, c, G);
+        int8_t *qd = r.quad + (g / 4) * 128 + (g % 4) * 16;
+        memcpy(qd, c, 16);
+        memcpy(qd + 64, c + 16, 16);
+        r.e[g] = amax / 127.f;
+        r.es[g] = r.e[g] * (float)sum;
+    }
+}
+
+/* Thread-local scratch for the quantized rows (the caller's thread quantizes; the
+ * OpenMP team reads it). Grows, never shrinks: at most SMALL_M rows of the widest K. */
+static __thread char *act_buf;
+static __thread size_t act_cap;
+
+static char *act_scratch(size_t bytes) {
+    if (bytes > act_cap) {
+        free(act_buf);
+        act_buf = aligned_alloc(64, bytes);
+        act_cap = act_buf ? bytes : 0;
+    }
+    return act_buf;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* R rows of x (R a literal: loops unroll) against weight row n. */
+static inline __attribute__((always_inline)) void
+row_product_i8(int kind, const int R, const uint8_t *qrow, const float *p0, const float *p1,
+               int64_t groups, const kvlm_actrow *a, float *y, int64_t N, int64_t n,
+               int64_t m0) {
+    __m512 acc[MT];
+    for (int t = 0; t < R; t++) acc[t] = _mm512_setzero_ps();
+    const __m512i nib = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+        int64_t ng = groups - g0 < 16 ? groups - g0 : 16;
+        __mmask16 km = (__mmask16)((1u << ng) - 1);
+        __m512 dv = _mm512_maskz_loadu_ps(km, p0 + g0), sv[MT];
+        /* q4: + m e sum(c); q8 (codes offset by 128 below): - 128 s e sum(c) */
+        __m512 zv = kind == Q4 ? _mm512_maskz_loadu_ps(km, p1 + g0)
+                               : _mm512_mul_ps(dv, _mm512_set1_ps(-128.f));
+        for (int t = 0; t < R; t++) {
+            sv[t] = _mm512_mul_ps(dv, _mm512_loadu_ps(a[t].e + g0));
+            acc[t] = _mm512_fmadd_ps(zv, _mm512_loadu_ps(a[t].es + g0), acc[t]);
+        }
+        if (kind == Q4) { /* four groups per step; lane i of a product = group i / 4 */
+            __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+            for (int64_t g = g0; g < g0 + ng; g += 4) {
+                const uint8_t *src = qrow + g * (G / 2);
+                __m512i raw = groups - g >= 4
+                                  ? _mm512_loadu_si512(src)
+                                  : _mm512_maskz_loadu_epi8((1ULL << ((groups - g) * 16)) - 1, src);
+                __m512i lo = _mm512_and_si512(raw, nib);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+                for (int t = 0; t < R; t++) {
+                    const int8_t *xq = a[t].quad + g * G;
+                    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
+                                                    _mm512_load_si512(xq));
+                    p = _mm512_dpbusd_epi32(p, hi, _mm512_load_si512(xq + 64));
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
+                                             _mm512_permutexvar_ps(idx, sv[t]), acc[t]);
+                }
+                idx = _mm512_add_epi32(idx, _mm512_set1_epi32(4));
+            }
+        } else { /* two groups per step; codes + 128 are the unsigned operand */
+            __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+            for (int64_t g = g0; g < g0 + ng; g += 2) {
+                const uint8_t *src = qrow + g * G;
+                __m512i raw = groups - g >= 2 ? _mm512_loadu_si512(src)
+                                              : _mm512_maskz_loadu_epi8(0xFFFFFFFFULL, src);
+                __m512i u = _mm512_xor_si512(raw, flip);
+                for (int t = 0; t < R; t++) {
+                    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u,
+                                                    _mm512_load_si512(a[t].nat + g * G));
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
+                                             _mm512_permutexvar_ps(idx, sv[t]), acc[t]);
+                }
+                idx = _mm512_add_epi32(idx, _mm512_set1_epi32(2));
+            }
+        }
+    }
+    for (int t = 0; t < R; t++) y[(m0 + t) * N + n] = _mm512_reduce_add_ps(acc[t]);
+}
+#else
+static inline __attribute__((always_inline)) void
+row_product_i8(int kind, const int R, const uint8_t *qrow, const float *p0, const float *p1,
+               int64_t groups, const kvlm_actrow *a, float *y, int64_t N, int64_t n,
+               int64_t m0) {
+    for (int t = 0; t < R; t++) {
+        float acc = 0.f;
+        for (int64_t g = 0; g < groups; g++) {
+            int32_t dot = 0;
+            const int8_t *c = a[t].nat + g * G;
+            if (kind == Q8) {
+                const int8_t *q = (const int8_t *)qrow + g * G;
+                for (int j = 0; j < G; j++) dot += q[j] * c[j];
+                acc += p0[g] * a[t].e[g] * (float)dot;
+            } else {
+                const uint8_t *q = qrow + g * (G / 2);
+                for (int j = 0; j < G / 2; j++)
+                    dot += (q[j] & 0x0F) * c[j] + (q[j] >> 4) * c[j + G / 2];
+                acc += p0[g] * a[t].e[g] * (float)dot + p1[g] * a[t].es[g];
+            }
+        }
+        y[(m0 + t) * N + n] = acc;
+    }
+}
+#endif
+
+/* KIND literal, as GEMM_ROWS; rows of x in blocks of MT so each weight row is read once
+ * per block. */
+#define GEMM_ROWS_I8(KIND, x, M, K, q, row_bytes, p0, p1, N, y)                              \
+    do {                                                                                     \
+        int64_t groups_ = (K) / G;                                                           \
+        char *buf_ = act_scratch((size_t)(M)*actrow_bytes(K));                               \
+        if (!buf_) return -1;                                                                \
+        kvlm_actrow rows_[SMALL_ROWS];                                                       \
+        for (int64_t t = 0; t < (M); t++) {                                                  \
+            rows_[t] = actrow_at(buf_, K, t);                                                \
+            quantize_act_row((x) + t * (K), K, rows_[t]);                                    \
+        }                                                                                    \
+        _Pragma("omp parallel for schedule(static)")                                         \
+        for (int64_t n = 0; n < (N); n++) {                                                  \
+            const uint8_t *qr_ = (q) + n * (row_bytes);                                      \
+            const float *a_ = (p0) + n * groups_, *b_ = (p1) ? (p1) + n * groups_ : 0;       \
+            for (int64_t m0 = 0; m0 < (M); m0 += MT) {                                       \
+                switch ((M) - m0 < MT ? (M) - m0 : MT) {                                     \
+                case 1: row_product_i8(KIND, 1, qr_, a_, b_, groups_, rows_ + m0, y, N, n, m0); break; \
+                case 2: row_product_i8(KIND, 2, qr_, a_, b_, groups_, rows_ + m0, y, N, n, m0); break; \
+                case 3: row_product_i8(KIND, 3, qr_, a_, b_, groups_, rows_ + m0, y, N, n, m0); break; \
+                default: row_product_i8(KIND, 4, qr_, a_, b_, groups_, rows_ + m0, y, N, n, m0); \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        return 0;                                                                            \
+    } while (0)
+
+/* As kvlm_q8_gemm / kvlm_q4_gemm with x rounded to int8 per group; M <= SMALL_ROWS.
+ * Returns 0, or -1 when M is too large or scratch memory cannot be had (y untouched). */
+int kvlm_q8_gemm_i8(const float *x, int64_t M, int64_t K, const int8_t *q, const float *s,
+                    int64_t N, float *y) {
+    const float *none = 0;
+    if (M < 1 || M > SMALL_ROWS) return -1;
+    GEMM_ROWS_I8(Q8, x, M, K, (const uint8_t *)q, K, s, none, N, y);
+}
+
+int kvlm_q4_gemm_i8(const float *x, int64_t M, int64_t K, const uint8_t *q, const float *d,
+                    const float *m, int64_t N, float *y) {
+    if (M < 1 || M > SMALL_ROWS) return -1;
+    GEMM_ROWS_I8(Q4, x, M, K, q, K / 2, d, m, N, y);
+}
+
 /* Row n of the dense weight [N, K], into fp32 or (bf16 != 0) bf16 rounded to nearest even
  * as torch rounds (NaN not special-cased: weights have none). Values: d * q + m rounded
  * twice, exactly as the float loader computes them. */
@@ -265,9 +473,16 @@ typedef struct {
     const float *final_norm;
     kvlm_qmat lm_head;
     int64_t kv_bf16; /* the cache stores bf16 (else fp32) */
+    int64_t act_int8; /* products round x to int8 per group (--activations int8) */
 } kvlm_qmodel;
 
-static void matvec(const kvlm_qmat *w, const float *x, float *y) {
+static void matvec(const kvlm_qmat *w, const float *x, float *y, int act_int8) {
+    if (act_int8 && w->kind == Q8 &&
+        kvlm_q8_gemm_i8(x, 1, w->k, (const int8_t *)w->codes, w->scale, w->n, y) == 0)
+        return;
+    if (act_int8 && w->kind == Q4 &&
+        kvlm_q4_gemm_i8(x, 1, w->k, (const uint8_t *)w->codes, w->scale, w->zero, w->n, y) == 0)
+        return;
     if (w->kind == Q8)
         kvlm_q8_gemm(x, 1, w->k, (const int8_t *)w->codes, w->scale, w->n, y);
     else
@@ -509,6 +724,7 @@ void kvlm_decode_step(const kvlm_qmodel *m, float *x, int64_t pos, const float *
     const int64_t H = m->hidden, D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
     const int64_t S = m->slots, group = Hq / Hkv, n = pos + 1;
     const float scale = 1.0f / sqrtf((float)D);
+    const int ai8 = m->act_int8 != 0;
     float *h = scratch;                  /* H */
     float *qkv = h + H;                  /* (Hq + 2 Hkv) D */
     float *att = qkv + (Hq + 2 * Hkv) * D; /* Hq D */
@@ -524,7 +740,7 @@ void kvlm_decode_step(const kvlm_qmodel *m, float *x, int64_t pos, const float *
         char *kc = (char *)kv + (l * 2) * Hkv * S * D * esz;
         char *vc = (char *)kv + (l * 2 + 1) * Hkv * S * D * esz;
         rms_norm(x, L->input_norm, H, m->eps, h);
-        matvec(&L->qkv, h, qkv);
+        matvec(&L->qkv, h, qkv, ai8);
         for (int64_t j = 0; j < Hq + Hkv; j++) rope(qkv + j * D, cos, sin, D);
         for (int64_t g = 0; g < Hkv; g++) {
             const float *k = qkv + (Hq + g) * D, *v = qkv + (Hq + Hkv + g) * D;
@@ -577,17 +793,17 @@ void kvlm_decode_step(const kvlm_qmodel *m, float *x, int64_t pos, const float *
             }
             for (int64_t i = 0; i < D; i++) out[i] /= Lsum;
         }
-        matvec(&L->o, att, tmp);
+        matvec(&L->o, att, tmp, ai8);
         for (int64_t i = 0; i < H; i++) x[i] += tmp[i];
         rms_norm(x, L->post_norm, H, m->eps, h);
-        matvec(&L->gate_up, h, gu);
+        matvec(&L->gate_up, h, gu, ai8);
         for (int64_t i = 0; i < m->inter; i++) {
             float g = gu[i];
             act[i] = g / (1.0f + expf(-g)) * gu[m->inter + i];
         }
-        matvec(&L->down, act, tmp);
+        matvec(&L->down, act, tmp, ai8);
         for (int64_t i = 0; i < H; i++) x[i] += tmp[i];
     }
     rms_norm(x, m->final_norm, H, m->eps, h);
-    matvec(&m->lm_head, h, logits);
+    matvec(&m->lm_head, h, logits, ai8);
 }

@@ -68,6 +68,7 @@ class _QModel(ctypes.Structure):
         ("final_norm", ctypes.c_void_p),
         ("lm_head", _QMat),
         ("kv_bf16", ctypes.c_int64),
+        ("act_int8", ctypes.c_int64),
     ]
 
 
@@ -168,6 +169,8 @@ class FusedDecoder:
         self.x.copy_(self.model.embed_table[token])
         logits = torch.empty(1, self.vocab, dtype=torch.float32)
         self.spec.kv_bf16 = int(cache.store.values.dtype == torch.bfloat16)
+        # --activations int8: LLM sets act_int8 on every Linear alike
+        self.spec.act_int8 = int(self.model.lm_head.act_int8)
         self.lib.kvlm_decode_step(
             ctypes.byref(self.spec),
             self.x.data_ptr(),

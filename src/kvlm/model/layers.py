@@ -50,6 +50,7 @@ class Linear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
         self.quant: QuantWeight | None = None  # low-bit weights (kernel "quant")
         self.prefill_bf16 = False  # low-bit weights: many-row products in bf16 (QuantWeight)
+        self.act_int8 = False  # low-bit weights: few-row products on int8 activations
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "cpu-fp32":
@@ -65,7 +66,7 @@ class Linear(nn.Module):
             flat = x.reshape(-1, self.in_features)
             if flat.dtype != torch.float32 or not flat.is_contiguous():
                 flat = flat.float().contiguous()
-            y = self.quant.matmul(flat, self.prefill_bf16)
+            y = self.quant.matmul(flat, self.prefill_bf16, self.act_int8)
             y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         if self.kernel == "bf16":  # bf16 weight, model dtype kept outside the product

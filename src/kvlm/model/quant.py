@@ -7,8 +7,10 @@ A QuantWeight comes either from a float weight (`quantize(w, "q8" | "q4")`: `--w
 int8|int4`) or straight from a GGUF file's Q8_0/Q4_0/Q4_1 blocks (`--weights native`: the
 file's own numbers, nothing re-rounded). Products keep fp32 activations: the C kernel
 widens each weight in registers (decode, up to SMALL_M rows), or the weight is dequantized
-once into a dense fp32 matrix for a BLAS GEMM (prefill). Without the compiled kernels the
-same products run in torch: the same numbers, slower.
+once into a dense fp32 matrix for a BLAS GEMM (prefill). Opt-in `act_int8` (`--activations
+int8`) rounds each row of x to int8 per group of 32 in the small products, as llama.cpp
+does, for integer dot products (AVX512-VNNI). Without the compiled kernels the same
+products run in torch: the same numbers, slower.
 """
 
 from __future__ import annotations
@@ -78,20 +80,34 @@ class QuantWeight:
             fn(k, _ptr(self.codes), _ptr(self.scale), _ptr(self.zero), n, _ptr(out))
         return out
 
-    def matmul(self, x: torch.Tensor, prefill_bf16: bool = False) -> torch.Tensor:
+    def matmul(
+        self, x: torch.Tensor, prefill_bf16: bool = False, act_int8: bool = False
+    ) -> torch.Tensor:
         """x (M, K) fp32, contiguous -> x @ W^T (M, N) fp32. `prefill_bf16`: more than
         SMALL_M rows multiply in bf16 (inputs and weight rounded, fp32 accumulation; oneDNN
-        with AVX512-BF16 runs it ~2x faster than fp32), a trade of exactness for TTFT."""
+        with AVX512-BF16 runs it ~2x faster than fp32), a trade of exactness for TTFT.
+        `act_int8`: up to SMALL_M rows multiply with x rounded to int8 per group of 32
+        (`round_activations`), a trade of exactness for decode speed."""
         m, k = x.shape
         lib = kernels.library()
         numel = self.out_features * self.in_features
         if m > SMALL_M and prefill_bf16:
             w = self.dense(_scratch(numel, torch.bfloat16), torch.bfloat16)
             return torch.matmul(x.to(torch.bfloat16), w.t()).float()
+        if lib is None and m <= SMALL_M and act_int8:
+            x = round_activations(x)
         if lib is None or m > SMALL_M:
             return torch.matmul(x, self.dense(_scratch(numel)).t())
         n = self.out_features
         y = torch.empty(m, n, dtype=torch.float32)
+        if act_int8:
+            if self.kind == "q8":
+                fn, args = lib.kvlm_q8_gemm_i8, (_ptr(self.scale),)
+            else:
+                fn, args = lib.kvlm_q4_gemm_i8, (_ptr(self.scale), _ptr(self.zero))
+            if fn(_ptr(x), m, k, _ptr(self.codes), *args, n, _ptr(y)) != 0:
+                raise MemoryError("no memory for the int8 activation rows")
+            return y
         if self.kind == "q8":
             lib.kvlm_q8_gemm(_ptr(x), m, k, _ptr(self.codes), _ptr(self.scale), n, _ptr(y))
         else:
@@ -126,6 +142,16 @@ def _dense_torch(q: QuantWeight) -> torch.Tensor:
         codes = torch.cat((packed & 0x0F, packed >> 4), dim=-1).float()
         w = codes * q.scale[..., None] + q.zero[..., None]
     return w.view(n, groups * GROUP)
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) as the int8-activation kernels see it: per group of 32, e = max|x| / 127
+    and x -> e * round(x / e) (nearest even), in fp32."""
+    m, k = x.shape
+    g = x.reshape(m, k // GROUP, GROUP)
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(g * inv) * (amax / 127.0)).reshape(m, k)
 
 
 def can_quantize(weight: torch.Tensor) -> bool:
