@@ -35,12 +35,14 @@ def main() -> None:
     long_ids = ref.tokenizer.encode(" ".join(PROMPTS * 40))[:512]
     rows = []
     for fmt in args.formats.split(","):
-        # "native:bf16" = bf16 prefill products; "native:i8" = int8 activations
+        # options after the format: "bf16" = bf16 prefill products, "i8" = int8
+        # activations, "kvbf16" = a bf16 KV cache (e.g. native:bf16:i8:kvbf16)
         weights, *opts = fmt.split(":")
         llm = ref if fmt == "fp32" else LLM(
             progress=False, max_context=1024, weights=weights,
             prefill_dtype="bf16" if "bf16" in opts else "fp32",
             activations="int8" if "i8" in opts else "fp32",
+            kv_dtype="bf16" if "kvbf16" in opts else None,
         )  # fmt: skip
         llm.generate(prompt_token_ids=[long_ids[:32]], sampling_params=params)  # warm up
         ttft = llm.generate(prompt_token_ids=[long_ids], sampling_params=params)[0]

@@ -250,6 +250,17 @@ def weight_bytes_per_token(llm: LLM) -> int:
     return sum(m.nbytes for m in llm.model.modules() if isinstance(m, Linear))
 
 
+def kv_bytes_per_step(llm: LLM, mode: str, prompt: int, new_tokens: int) -> int:
+    """K/V bytes a decode step reads, averaged over the run: every layer's keys and values
+    at the mean context (prompt + new_tokens / 2), in the cache's storage (a window keeps
+    at most its window)."""
+    spec = llm.cache_spec(mode)
+    context = prompt + new_tokens // 2
+    if mode == "window":
+        context = min(context, spec.window + spec.sinks)
+    return spec.bytes_per_token * context
+
+
 def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
     limit = max(config.prompts) + config.new_tokens
     if limit > llm.max_context:
@@ -293,6 +304,12 @@ def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
     bandwidth = memory_bandwidth()
     per_token = weight_bytes_per_token(llm)
     bound = bandwidth * 1e9 / per_token
+    for row in rows:  # the cache is read every token too: a bound that counts it
+        if row["engine"].startswith("kvlm-"):
+            kv = kv_bytes_per_step(llm, row["engine"].removeprefix("kvlm-"), row["prompt_tokens"],
+                                   config.new_tokens)  # fmt: skip
+            row["kv_bytes_per_token"] = kv
+            row["bound_with_kv_tok_s"] = round(bandwidth * 1e9 / (per_token + kv), 1)
     forwards = per_forward_curves(llm, config)
     positions = {mode: position_cost(llm, mode) for mode in config.modes}
     waste = memory_waste(llm, ["contiguous", "paged", "int8", "window"])
@@ -425,24 +442,31 @@ def _ratios(rows: list[dict]) -> list[dict]:
 
 
 def markdown(result: dict[str, Any]) -> str:
+    d = result["describe"]
     lines = [
         f"model {result['model']}, {result['threads']} threads, "
         f"{result['new_tokens']} new tokens; memory bandwidth {result['bandwidth_gb_s']} GB/s, "
         f"weights {result['weight_bytes_per_token'] / 2**20:.0f} MiB per token -> decode bound "
         f"{result['decode_bound_tok_s']} tok/s",
         "",
-        f"kernels: {result['describe'].get('kernels') or 'torch'}",
+        f"weights {d['weights']}, prefill {d.get('prefill_dtype', 'fp32')}, activations "
+        f"{d.get('activations', 'fp32')}, KV {d['kv_dtype']}; "
+        f"kernels: {d.get('kernels') or 'torch'}",
         "",
         "| engine | prompt | TTFT ms | prefill tok/s | decode tok/s | share of bound "
-        "| peak RSS MiB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| share of bound with K/V reads | peak RSS MiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["rows"]:
         share = r["decode_tok_s"] / result["decode_bound_tok_s"]
         share_text = f"{share:.0%}" if r["engine"].startswith("kvlm-") else ""
+        kv_text = ""
+        if r.get("bound_with_kv_tok_s"):
+            kv_text = (f"{r['decode_tok_s'] / r['bound_with_kv_tok_s']:.0%} of "
+                       f"{r['bound_with_kv_tok_s']:.0f}")  # fmt: skip
         lines.append(
             f"| {r['engine']} | {r['prompt_tokens']} | {r['ttft_ms']:.0f} | "
-            f"{r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | {share_text} "
+            f"{r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | {share_text} | {kv_text} "
             f"| {r.get('peak_rss_mib', float('nan')):.0f} |"
         )
     if result.get("loaded_rss_mib"):

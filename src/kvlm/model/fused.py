@@ -7,7 +7,9 @@ same math for one token in one call: every layer's norm, fused q|k|v product, Ro
 written into the contiguous cache's slot (fp32, or bf16 rounded as torch rounds),
 attention over the slots so far (the query heads of a KV head together, positions split
 in chunks across threads and merged by log-sum-exp), o product, residual, norm, gate|up,
-SiLU, down, residual, then the final norm and the vocabulary.
+SiLU, down, residual, then the final norm and the vocabulary. With `--activations int8`
+the products round their input to int8 per group of 32 (kvlm.model.quant), as the torch
+path's products do.
 
 It applies where that is the whole story: CPU, fp32 activations, low-bit weights in every
 projection (`--weights int8|int4|native`), a Llama-shaped block (no biases, no q/k norm,
