@@ -13,6 +13,21 @@ needs_kernels = pytest.mark.skipif(kernels.library() is None, reason=kernels.sta
 REAL_PROMPT = "The three most important inventions of the nineteenth century were"
 
 
+needs_avx512 = pytest.mark.skipif(
+    kernels.library() is None or kernels.library().kvlm_kernel_simd() != 512,
+    reason="checks the portable build against the AVX-512 one",
+)
+
+
+def _portable_kernels(tmp_path, monkeypatch):
+    """qgemm.c built for CPUs without AVX-512 / VNNI (-march=x86-64), into tmp_path."""
+    import ctypes
+
+    monkeypatch.setenv("KVLM_CACHE_DIR", str(tmp_path))
+    flags = tuple("-march=x86-64" if f == "-march=native" else f for f in kernels.FLAGS)
+    return kernels._bind(ctypes.CDLL(str(kernels._build(kernels._compiler(), flags))))
+
+
 @pytest.mark.parametrize("kind", ["q8", "q4"])
 def test_quantize_rounds_each_group_to_its_grid(kind):
     torch.manual_seed(0)
@@ -98,17 +113,10 @@ def test_int8_activations_without_kernels_give_the_same_product(monkeypatch):
     torch.testing.assert_close(q.matmul(x, act_int8=True), expected, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.skipif(
-    kernels.library() is None or kernels.library().kvlm_kernel_simd() != 512,
-    reason="checks the portable build against the AVX-512 one",
-)
+@needs_avx512
 def test_the_portable_build_computes_the_same_products(tmp_path, monkeypatch):
     """The code paths for CPUs without AVX-512 / VNNI, built here with -march=x86-64."""
-    import ctypes
-
-    monkeypatch.setenv("KVLM_CACHE_DIR", str(tmp_path))
-    flags = tuple("-march=x86-64" if f == "-march=native" else f for f in kernels.FLAGS)
-    portable = kernels._bind(ctypes.CDLL(str(kernels._build(kernels._compiler(), flags))))
+    portable = _portable_kernels(tmp_path, monkeypatch)
     assert portable.kvlm_kernel_simd() == 0 and portable.kvlm_kernel_vnni() == 0
     torch.manual_seed(2)
     cases = []
@@ -124,6 +132,36 @@ def test_the_portable_build_computes_the_same_products(tmp_path, monkeypatch):
             )
         assert torch.equal(q.dense(), quant._dense_torch(q))
         assert torch.equal(q.dense(dtype=torch.bfloat16), quant._dense_torch(q).bfloat16())
+
+
+@needs_avx512
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+def test_the_portable_build_runs_the_same_fused_step(
+    tiny_model_dir, tmp_path, monkeypatch, kv_dtype
+):
+    """The scalar attention (dot_kv / axpy_kv) and products of a build without AVX-512."""
+    from kvlm import LLM
+    from kvlm.model.fused import FusedDecoder
+
+    portable = _portable_kernels(tmp_path, monkeypatch)
+    llm = LLM(
+        model=tiny_model_dir("llama"),
+        progress=False,
+        max_context=64,
+        weights="int4",
+        kv_dtype=kv_dtype,
+    )
+    ids = llm.encode("a b c d e")
+    logits = []
+    for lib in (kernels.library(), portable):
+        cache = llm.new_cache("contiguous")
+        llm.runner.forward(ids, cache)
+        monkeypatch.setattr(kernels, "library", lambda lib=lib: lib)
+        decoder = FusedDecoder(llm.model, cache.store.values.shape[-2])
+        monkeypatch.undo()
+        logits.append(torch.cat([decoder.step(t, cache) for t in (3, 7, 11, 5, 2)]))
+    tol = 1e-4 if kv_dtype == "fp32" else 5e-2  # bf16 slots: one rounding step apart
+    torch.testing.assert_close(logits[1], logits[0], atol=tol, rtol=tol)
 
 
 def test_a_failed_build_is_reported_not_raised(tmp_path, monkeypatch):

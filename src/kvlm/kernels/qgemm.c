@@ -506,20 +506,6 @@ static void rope(float *v, const float *cos, const float *sin, int64_t d) {
     }
 }
 
-static inline float dot(const float *a, const float *b, int64_t n) {
-#ifdef __AVX512F__
-    if (n % 16 == 0) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t i = 0; i < n; i += 16)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-        return _mm512_reduce_add_ps(acc);
-    }
-#endif
-    float s = 0.f;
-    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
 /* p[i] = exp(p[i] - mx) for i < n; returns the sum. AVX-512: Cephes' expf polynomial
  * (relative error ~1e-7) scaled by 2^k with scalef; scalar expf otherwise. */
 static float exp_sum(float *p, int64_t n, float mx) {
@@ -562,36 +548,41 @@ static inline __m512 load_bf16(const uint16_t *p) {
 }
 #endif
 
-static inline float dot_bf16(const float *a, const uint16_t *b, int64_t n) {
-#ifdef __AVX512F__
-    if (n % 16 == 0) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t i = 0; i < n; i += 16)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load_bf16(b + i), acc);
-        return _mm512_reduce_add_ps(acc);
-    }
-#endif
-    float s = 0.f;
-    for (int64_t i = 0; i < n; i++) s += a[i] * from_bf16(b[i]);
-    return s;
-}
-
-static inline void axpy_bf16(float a, const uint16_t *x, float *y, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] += a * from_bf16(x[i]);
-}
-
 /* y += a * x */
-static inline void axpy(float a, const float *x, float *y, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+/* element i of a cache row stored as fp32, or (bf) as bf16 */
+static inline float kv_elem(const char *row, int bf, int64_t i) {
+    return bf ? from_bf16(((const uint16_t *)row)[i]) : ((const float *)row)[i];
 }
-
-#define MAX_CHUNKS 8 /* position chunks per KV head: the threads' work items */
 
 #ifdef __AVX512F__
 static inline __m512 kv_load(const char *row, int bf, int64_t i) {
     return bf ? load_bf16((const uint16_t *)row + i) : _mm512_loadu_ps((const float *)row + i);
 }
+#endif
 
+/* a . row[0:n] */
+static inline float dot_kv(const float *a, const char *row, int bf, int64_t n) {
+#ifdef __AVX512F__
+    if (n % 16 == 0) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), kv_load(row, bf, i), acc);
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
+    float s = 0.f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * kv_elem(row, bf, i);
+    return s;
+}
+
+/* y[0:n] += a * row[0:n] */
+static inline void axpy_kv(float a, const char *row, int bf, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += a * kv_elem(row, bf, i);
+}
+
+#define MAX_CHUNKS 8 /* position chunks per KV head: the threads' work items */
+
+#ifdef __AVX512F__
 /* lanes 0..3 = the sums of a, b, c, d */
 static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 #define HALVES(v)                                                                            \
@@ -692,8 +683,7 @@ static void attend_chunk(const float *q, int ng, const char *K, const char *V, i
         float *ph = p + h * S, mx = -INFINITY;
         for (int64_t s = s0; s < s1; s++) {
             const char *row = K + s * D * esz;
-            ph[s] = (bf ? dot_bf16(qh, (const uint16_t *)row, D) : dot(qh, (const float *)row, D)) *
-                    scale;
+            ph[s] = dot_kv(qh, row, bf, D) * scale;
             mx = ph[s] > mx ? ph[s] : mx;
         }
         m[h] = mx;
@@ -701,11 +691,7 @@ static void attend_chunk(const float *q, int ng, const char *K, const char *V, i
         float *oh = o + h * D;
         memset(oh, 0, D * sizeof(float));
         for (int64_t s = s0; s < s1; s++) {
-            const char *row = V + s * D * esz;
-            if (bf)
-                axpy_bf16(ph[s], (const uint16_t *)row, oh, D);
-            else
-                axpy(ph[s], (const float *)row, oh, D);
+            axpy_kv(ph[s], V + s * D * esz, bf, oh, D);
         }
     }
 }
@@ -789,7 +775,7 @@ void kvlm_decode_step(const kvlm_qmodel *m, float *x, int64_t pos, const float *
                 const float *pc = pj + c * (D + 2);
                 float w = pc[D] == -INFINITY ? 0.f : expf(pc[D] - M);
                 Lsum += w * pc[D + 1];
-                axpy(w, pc, out, D);
+                axpy_kv(w, (const char *)pc, 0, out, D);
             }
             for (int64_t i = 0; i < D; i++) out[i] /= Lsum;
         }
