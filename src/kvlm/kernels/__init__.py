@@ -24,7 +24,7 @@ from pathlib import Path
 import torch  # noqa: F401 - loaded first, so the kernels share torch's OpenMP runtime
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-ABI = 2
+ABI = 3
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 120
 
@@ -78,24 +78,11 @@ def _build(cc: str, flags: tuple[str, ...] = FLAGS) -> Path:
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i = ctypes.c_void_p, ctypes.c_int64
-    lib.kvlm_q8_gemm.argtypes = [p, i, i, p, p, i, p]
-    lib.kvlm_q4_gemm.argtypes = [p, i, i, p, p, p, i, p]
-    lib.kvlm_q8_dequant.argtypes = [i, p, p, i, p]
-    lib.kvlm_q4_dequant.argtypes = [i, p, p, p, i, p]
-    lib.kvlm_q8_dequant_bf16.argtypes = [i, p, p, i, p]
-    lib.kvlm_q4_dequant_bf16.argtypes = [i, p, p, p, i, p]
-    lib.kvlm_q8_gemm_i8.argtypes = [p, i, i, p, p, i, p]
-    lib.kvlm_q4_gemm_i8.argtypes = [p, i, i, p, p, p, i, p]
-    lib.kvlm_q8_gemm_i8.restype = lib.kvlm_q4_gemm_i8.restype = ctypes.c_int
-    for fn in (
-        lib.kvlm_q8_gemm,
-        lib.kvlm_q4_gemm,
-        lib.kvlm_q8_dequant,
-        lib.kvlm_q4_dequant,
-        lib.kvlm_q8_dequant_bf16,
-        lib.kvlm_q4_dequant_bf16,
-    ):
-        fn.restype = None
+    for fn in (lib.kvlm_qgemm, lib.kvlm_qgemm_i8):  # kind, x, M, K, w, N, y
+        fn.argtypes = [i, p, i, i, p, i, p]
+        fn.restype = ctypes.c_int
+    lib.kvlm_qdequant.argtypes = [i, i, i, p, i, p]  # kind, bf16, K, w, N, out
+    lib.kvlm_qdequant.restype = None
     return lib
 
 

@@ -1,17 +1,28 @@
-/* Low-bit weight products for kvlm: y[M, N] = x[M, K] . dequant(W)[N, K]^T, all fp32.
+/* Low-bit weight products for kvlm: y[M, N] = x[M, K] . dequant(W)[N, K]^T, x and y fp32.
  *
- * Weights are stored in groups of 32 along K, llama.cpp's block size:
- *   q8: int8 codes [N, K] and one scale per group: w = s * q            (GGUF Q8_0)
- *   q4: 4-bit codes [N, K/2] and (d, m) per group: w = d * q + m        (Q4_1; Q4_0: m = -8d)
- *       byte j of a group holds element j in its low nibble and j + 16 in its high one.
- * Activations stay fp32: each weight is widened to fp32 in registers and multiplied there,
- * so the result is the dequantized weight's product up to summation order. (llama.cpp
- * quantizes the activations to 8 bits as well; kvlm does not, to keep its tokens.)
+ * Weights come in groups of 32 along K, llama.cpp's block size, with fp16 scales:
+ *   q8: int8 codes q, one scale s per group: w = s * q                 (GGUF Q8_0)
+ *   q4: 4-bit codes q, (d, m) per group:     w = d * q + m             (Q4_1; Q4_0: m = -8d)
+ * stored row-interleaved (kvlm.model.quant packs them): blocks of 16 rows, one row per
+ * vector lane, so one 64-byte load holds 4 consecutive bytes of 16 rows and a product
+ * accumulates 16 outputs in one register (no horizontal sums, no per-row overhead; the
+ * layout of llama.cpp's repacked Q4_0x8 / ARM kernels). Block b (rows 16b .. 16b + 15,
+ * zero rows past N) is `groups` = K / 32 records in a row, one stream to read, each:
+ *   codes [CB]    CB = 512 (q8) or 256 (q4) bytes = CB / 64 vectors; lane i of vector v =
+ *                 bytes 4v .. 4v + 3 of row i's group, where a q8 group is its 32 codes and
+ *                 a q4 group its 16 bytes of nibbles (byte j: element j in the low nibble,
+ *                 j + 16 in the high one)
+ *   scale [16]    fp16: s (q8) or d (q4) of each row
+ *   zero  [16]    fp16: m (q4 only)
  *
- * Decode reads every weight once per token, so the loop runs over output rows, split
- * across OpenMP threads (torch's own runtime: torch is loaded first and ships the same
- * libgomp.so.1), and reuses each widened group for up to 4 rows of x. Many rows (prefill)
- * should dequantize once (kvlm_*_dequant) and call a real GEMM.
+ * Decode reads every weight once per token, so the loop runs over blocks, split across
+ * OpenMP threads (torch's own runtime: torch is loaded first and ships the same
+ * libgomp.so.1), each block used for up to 4 rows of x per pass. fp32 activations
+ * (default): codes are widened to fp32 in registers, each group's sum of q * x scaled
+ * once (q4: plus m * sum(x)): the dequantized weight's product up to rounding order.
+ * Opt-in int8 activations (llama.cpp's numerics) take integer dot products (VNNI).
+ * Many rows (prefill) dequantize once (kvlm_qdequant: exactly the loader's numbers) and
+ * call a real GEMM.
  */
 #include <math.h>
 #include <stdint.h>
@@ -21,9 +32,10 @@
 #include <immintrin.h>
 #endif
 
-#define G 32  /* weights per group */
-#define MT 4  /* rows of x per pass over a weight row */
-#define SMALL_ROWS 16 /* the most rows the int8-activation products take (quant.SMALL_M) */
+#define G 32          /* weights per group */
+#define BR 16         /* weight rows per block: one per 32-bit vector lane */
+#define MT 4          /* rows of x per pass over a block */
+#define SMALL_ROWS 16 /* the most rows the small products take (quant.SMALL_M) */
 
 enum { Q8 = 8, Q4 = 4 };
 
@@ -42,7 +54,20 @@ static inline float from_bf16(uint16_t h) {
     return f;
 }
 
-int kvlm_kernel_abi(void) { return 2; }
+/* IEEE half -> float, exact (the scalar path; vectors use vcvtph2ps) */
+static inline float from_f16(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF, u;
+    float f;
+    if (e == 0) { /* zero or subnormal: m * 2^-24 */
+        f = (float)m * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    u = sign | (e == 31 ? 0x7F800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+int kvlm_kernel_abi(void) { return 3; }
 
 int kvlm_kernel_simd(void) {
 #ifdef __AVX512F__
@@ -61,124 +86,201 @@ int kvlm_kernel_vnni(void) {
 #endif
 }
 
-/* Group g of row `qrow` as 32 floats (scalar path and dequant). */
-static inline void group_scalar(int kind, const void *qrow, const float *p0, const float *p1,
-                                int64_t g, float *w) {
+/* ---- the packed layout ---- */
+
+static inline int64_t code_bytes(int kind) { return kind == Q8 ? 16 * G : 8 * G; }
+
+/* bytes of one group's record: codes, then 16 fp16 scales (and 16 zeros for q4) */
+static inline int64_t rec_bytes(int kind) { return code_bytes(kind) + (kind == Q8 ? 2 : 4) * BR; }
+
+typedef struct {
+    const uint8_t *p; /* the block's first record */
+} kvlm_block;
+
+static inline kvlm_block block_at(int kind, const uint8_t *w, int64_t groups, int64_t b) {
+    kvlm_block r = {w + b * groups * rec_bytes(kind)};
+    return r;
+}
+
+static inline const uint8_t *codes_of(int kind, kvlm_block B, int64_t g) {
+    return B.p + g * rec_bytes(kind);
+}
+
+/* the 16 rows' fp16 scales of group g (zeros: the 16 after them) */
+static inline const uint16_t *scales_of(int kind, kvlm_block B, int64_t g) {
+    return (const uint16_t *)(codes_of(kind, B, g) + code_bytes(kind));
+}
+
+/* Row i's group g in its natural byte order (32 codes, or 16 bytes of nibbles) */
+static inline void row_group(int kind, kvlm_block B, int64_t g, int i, uint8_t *out) {
+    const uint8_t *c = codes_of(kind, B, g);
+    for (int v = 0; v < (kind == Q8 ? 8 : 4); v++) memcpy(out + 4 * v, c + v * 64 + i * 4, 4);
+}
+
+/* Row i's group g as 32 floats, exactly as the float loader computes them: s * q, or
+ * d * q + m rounded twice (the build's ISO C mode keeps mul and add unfused). */
+static inline void group_scalar(int kind, kvlm_block B, int64_t g, int i, float *w) {
+    uint8_t q[G];
+    row_group(kind, B, g, i, q);
+    float s = from_f16(scales_of(kind, B, g)[i]);
     if (kind == Q8) {
-        const int8_t *q = (const int8_t *)qrow + g * G;
-        for (int j = 0; j < G; j++) w[j] = p0[g] * (float)q[j];
+        for (int j = 0; j < G; j++) w[j] = s * (float)(int8_t)q[j];
     } else {
-        const uint8_t *q = (const uint8_t *)qrow + g * (G / 2);
+        float m = from_f16(scales_of(kind, B, g)[BR + i]);
         for (int j = 0; j < G / 2; j++) {
-            w[j] = p0[g] * (float)(q[j] & 0x0F) + p1[g];
-            w[j + G / 2] = p0[g] * (float)(q[j] >> 4) + p1[g];
+            w[j] = s * (float)(q[j] & 0x0F) + m;
+            w[j + G / 2] = s * (float)(q[j] >> 4) + m;
         }
     }
 }
+
+/* Scratch per calling thread (it prepares x; the OpenMP team reads it). Grows, never
+ * shrinks: at most SMALL_ROWS rows of the widest K. */
+static __thread char *act_buf;
+static __thread size_t act_cap;
+
+static char *act_scratch(size_t bytes) {
+    if (bytes > act_cap) {
+        free(act_buf);
+        act_buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        act_cap = act_buf ? bytes : 0;
+    }
+    return act_buf;
+}
+
+/* ---- fp32 activations ---- */
 
 #ifdef __AVX512F__
-/* exact: d * q + m rounded twice, as the float loader computes it (dense weights are then
- * bit-identical to the fp32 path's); otherwise one fma (products: order differs anyway). */
-static inline void group_avx512(int kind, const void *qrow, const float *p0, const float *p1,
-                                int64_t g, __m512 *lo, __m512 *hi, int exact) {
-    if (kind == Q8) {
-        const int8_t *q = (const int8_t *)qrow + g * G;
-        __m512 s = _mm512_set1_ps(p0[g]);
-        __m512i a = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q));
-        __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
-        *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(a), s);
-        *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(b), s);
-    } else {
-        const uint8_t *q = (const uint8_t *)qrow + g * (G / 2);
-        __m128i raw = _mm_loadu_si128((const __m128i *)q);
-        __m128i nib = _mm_set1_epi8(0x0F);
-        __m512i a = _mm512_cvtepu8_epi32(_mm_and_si128(raw, nib));
-        __m512i b = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), nib));
-        __m512 d = _mm512_set1_ps(p0[g]), m = _mm512_set1_ps(p1[g]);
-        if (exact) {
-            *lo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), d), m);
-            *hi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(b), d), m);
-        } else {
-            *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), d, m);
-            *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), d, m);
-        }
-    }
+/* vpshufb masks: byte j of each 32-bit lane moved to the lane's top byte, the rest zero,
+ * so the lane reads q * 2^24 (signed for q8 codes; 0..15 * 2^24 for nibbles). */
+static inline __m512i top_byte_mask(int j) {
+    const __m512i base = _mm512_set_epi32(0x0C808080, 0x08808080, 0x04808080, 0x00808080,
+                                          0x0C808080, 0x08808080, 0x04808080, 0x00808080,
+                                          0x0C808080, 0x08808080, 0x04808080, 0x00808080,
+                                          0x0C808080, 0x08808080, 0x04808080, 0x00808080);
+    return _mm512_add_epi32(base, _mm512_set1_epi32(j << 24));
 }
-#endif
 
-/* y[m0 + t, n] for t < mt: one weight row against up to MT rows of x. */
+/* y[m0 + t, 16b ..] for t < R (R a literal): block b against R rows of x (row stride K).
+ * xs: per row and group, the sum of x (q4's m term). */
 static inline __attribute__((always_inline)) void
-row_product(int kind, const float *x, int64_t K, int64_t N, int64_t m0, int mt,
-            const void *qrow, const float *p0, const float *p1, float *y, int64_t n) {
-    int64_t groups = K / G;
-#ifdef __AVX512F__
+block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *x, int64_t K,
+              const float *xs, float *y, int64_t N, int64_t n0, int64_t m0) {
     __m512 acc[MT];
-    for (int t = 0; t < MT; t++) acc[t] = _mm512_setzero_ps();
+    for (int t = 0; t < R; t++) acc[t] = _mm512_setzero_ps();
+    __m512i sel[4];
+    for (int j = 0; j < 4; j++) sel[j] = top_byte_mask(j);
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    const int C = R <= 2 ? 4 : 2; /* independent sums per row of x: fma latency */
     for (int64_t g = 0; g < groups; g++) {
-        __m512 lo, hi;
-        group_avx512(kind, qrow, p0, p1, g, &lo, &hi, 0);
+        const uint8_t *c = codes_of(kind, B, g);
         const float *xg = x + m0 * K + g * G;
-        switch (mt) { /* falls through: rows mt-1 .. 0 */
-        case 4:
-            acc[3] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xg + 3 * K), acc[3]);
-            acc[3] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + 3 * K + 16), acc[3]);
-            /* fall through */
-        case 3:
-            acc[2] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xg + 2 * K), acc[2]);
-            acc[2] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + 2 * K + 16), acc[2]);
-            /* fall through */
-        case 2:
-            acc[1] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xg + K), acc[1]);
-            acc[1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + K + 16), acc[1]);
-            /* fall through */
-        default:
-            acc[0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xg), acc[0]);
-            acc[0] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + 16), acc[0]);
+        __m512 part[MT][4];
+        for (int t = 0; t < R; t++)
+            for (int k = 0; k < C; k++) part[t][k] = _mm512_setzero_ps();
+        if (kind == Q4) {
+            for (int v = 0; v < 4; v++) {
+                __m512i raw = _mm512_loadu_si512(c + 64 * v);
+                __m512i half[2] = {_mm512_and_si512(raw, nib),
+                                   _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib)};
+                for (int h = 0; h < 2; h++)
+                    for (int j = 0; j < 4; j++) {
+                        __m512 w = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(half[h], sel[j]));
+                        int k = (2 * j + h) & (C - 1), e = 16 * h + 4 * v + j;
+                        for (int t = 0; t < R; t++)
+                            part[t][k] = _mm512_fmadd_ps(w, _mm512_set1_ps(xg[t * K + e]),
+                                                         part[t][k]);
+                    }
+            }
+        } else {
+            for (int v = 0; v < 8; v++) {
+                __m512i raw = _mm512_loadu_si512(c + 64 * v);
+                for (int j = 0; j < 4; j++) {
+                    __m512 w = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(raw, sel[j]));
+                    int k = j & (C - 1), e = 4 * v + j;
+                    for (int t = 0; t < R; t++)
+                        part[t][k] = _mm512_fmadd_ps(w, _mm512_set1_ps(xg[t * K + e]),
+                                                     part[t][k]);
+                }
+            }
+        }
+        __m512 s = _mm512_mul_ps(
+            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales_of(kind, B, g))),
+            _mm512_set1_ps(5.9604644775390625e-8f)); /* 2^-24: the codes came in scaled */
+        __m512 zm = kind == Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                     (const __m256i *)(scales_of(kind, B, g) + BR)))
+                               : _mm512_setzero_ps();
+        for (int t = 0; t < R; t++) {
+            __m512 p = part[t][0];
+            for (int k = 1; k < C; k++) p = _mm512_add_ps(p, part[t][k]);
+            acc[t] = _mm512_fmadd_ps(p, s, acc[t]);
+            if (kind == Q4)
+                acc[t] = _mm512_fmadd_ps(zm, _mm512_set1_ps(xs[(m0 + t) * groups + g]), acc[t]);
         }
     }
-    for (int t = 0; t < mt; t++) y[(m0 + t) * N + n] = _mm512_reduce_add_ps(acc[t]);
-#else
-    float acc[MT] = {0};
-    float w[G];
-    for (int64_t g = 0; g < groups; g++) {
-        group_scalar(kind, qrow, p0, p1, g, w);
-        for (int t = 0; t < mt; t++) {
-            const float *xg = x + (m0 + t) * K + g * G;
-            float s = 0.f;
-            for (int j = 0; j < G; j++) s += w[j] * xg[j];
-            acc[t] += s;
-        }
-    }
-    for (int t = 0; t < mt; t++) y[(m0 + t) * N + n] = acc[t];
-#endif
+    __mmask16 keep = N - n0 >= BR ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+    for (int t = 0; t < R; t++) _mm512_mask_storeu_ps(y + (m0 + t) * N + n0, keep, acc[t]);
 }
+#else
+static inline __attribute__((always_inline)) void
+block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *x, int64_t K,
+              const float *xs, float *y, int64_t N, int64_t n0, int64_t m0) {
+    (void)xs;
+    for (int i = 0; i < BR && n0 + i < N; i++) {
+        float acc[MT] = {0}, w[G];
+        for (int64_t g = 0; g < groups; g++) {
+            group_scalar(kind, B, g, i, w);
+            for (int t = 0; t < R; t++) {
+                const float *xg = x + (m0 + t) * K + g * G;
+                float s = 0.f;
+                for (int j = 0; j < G; j++) s += w[j] * xg[j];
+                acc[t] += s;
+            }
+        }
+        for (int t = 0; t < R; t++) y[(m0 + t) * N + n0 + i] = acc[t];
+    }
+}
+#endif
 
-/* The row loop, written out per kind: OpenMP outlines the loop body before constants
- * propagate, so a `kind` argument would become a runtime branch in the innermost loop. */
-#define GEMM_ROWS(KIND, x, M, K, q, row_bytes, p0, p1, N, y)                                 \
-    do {                                                                                     \
-        int64_t groups_ = (K) / G;                                                           \
-        _Pragma("omp parallel for schedule(static)")                                         \
-        for (int64_t n = 0; n < (N); n++) {                                                  \
-            for (int64_t m0 = 0; m0 < (M); m0 += MT) {                                       \
-                int mt = (int)((M) - m0 < MT ? (M) - m0 : MT);                               \
-                row_product(KIND, x, K, N, m0, mt, (q) + n * (row_bytes), (p0) + n * groups_, \
-                            (p1) ? (p1) + n * groups_ : 0, y, n);                            \
+/* The block loop, written out per kind and per count of x rows (literals: OpenMP outlines
+ * the loop body before constants propagate, so arguments would become runtime branches in
+ * the innermost loop). BODY(R, m0) multiplies block b by rows m0 .. m0 + R - 1. */
+#define FOR_BLOCKS(M, N, BODY)                                                               \
+    _Pragma("omp parallel for schedule(static)")                                             \
+    for (int64_t b = 0; b < ((N) + BR - 1) / BR; b++) {                                      \
+        for (int64_t m0 = 0; m0 < (M); m0 += MT) {                                           \
+            switch ((M) - m0 < MT ? (M) - m0 : MT) {                                         \
+            case 1: BODY(1, m0); break;                                                      \
+            case 2: BODY(2, m0); break;                                                      \
+            case 3: BODY(3, m0); break;                                                      \
+            default: BODY(4, m0);                                                            \
             }                                                                                \
         }                                                                                    \
-    } while (0)
+    }
 
-/* x [M, K], q int8 [N, K], s [N, K/32] -> y [M, N] */
-void kvlm_q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *q, const float *s,
-                  int64_t N, float *y) {
-    const float *none = 0;
-    GEMM_ROWS(Q8, x, M, K, (const uint8_t *)q, K, s, none, N, y);
-}
-
-/* x [M, K], q packed nibbles [N, K/2], d and m [N, K/32] -> y [M, N] */
-void kvlm_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q, const float *d,
-                  const float *m, int64_t N, float *y) {
-    GEMM_ROWS(Q4, x, M, K, q, K / 2, d, m, N, y);
+/* x [M, K] (M <= SMALL_ROWS), w packed [N, K] of `kind` -> y [M, N]. Returns 0, or -1
+ * when M is out of range or scratch memory cannot be had (y untouched). */
+int kvlm_qgemm(int64_t kind, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+               float *y) {
+    const int64_t groups = K / G;
+    if (M < 1 || M > SMALL_ROWS) return -1;
+    float *xs = (float *)act_scratch((size_t)M * groups * sizeof(float));
+    if (!xs) return -1;
+    for (int64_t t = 0; t < M * groups; t++) {
+        float s = 0.f;
+        for (int j = 0; j < G; j++) s += x[t * G + j];
+        xs[t] = s;
+    }
+#define QGEMM_BODY(KIND, R, m0) \
+    block_product(KIND, R, block_at(KIND, w, groups, b), groups, x, K, xs, y, N, b * BR, m0)
+#define Q8_BODY(R, m0) QGEMM_BODY(Q8, R, m0)
+#define Q4_BODY(R, m0) QGEMM_BODY(Q4, R, m0)
+    if (kind == Q8) {
+        FOR_BLOCKS(M, N, Q8_BODY)
+    } else {
+        FOR_BLOCKS(M, N, Q4_BODY)
+    }
+    return 0;
 }
 
 /* ------------------------------------------------------------------------------------
@@ -186,224 +288,185 @@ void kvlm_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
  * Each row of x is rounded per group of 32 to int8 codes c with one scale e = max|x| / 127
  * (nearest even), so a group's product is
  *     q8: s e sum(q c)                 q4: d e sum(q c) + m e sum(c)
- * with the integer sums on AVX512-VNNI (vpdpbusd: 64 byte products per instruction) where
- * the CPU has it, else in scalar integer code. Rounding x costs one pass over K per row.
+ * with the integer sums on AVX512-VNNI (vpdpbusd: 16 rows x 4 byte products per
+ * instruction, the 4 codes of x broadcast) where the CPU has it, else in scalar integer
+ * code. vpdpbusd's first operand is unsigned: nibbles are; q8 codes are offset by 128 and
+ * the offset taken back with the same sum(c) term.
  * ------------------------------------------------------------------------------------ */
 
-/* A row of x as int8, in two layouts: `nat` (natural order, for q8 rows of 64 bytes = two
- * groups) and `quad` (for q4: 64 bytes of packed nibbles = four groups; their low nibbles
- * are elements 0..15 of each group, the high ones 16..31, so quad j is stored as
- * [g0 0..15 | g1 0..15 | g2 0..15 | g3 0..15] then the same for 16..31). Groups are padded
- * to a multiple of 16 with zero codes and zero scales. */
+/* A row of x as int8: codes [groups][32], then per group e and e * sum(c). */
 typedef struct {
-    int8_t *nat, *quad;
-    float *e, *es; /* per group: e, and e * sum(c) */
+    const int8_t *c;
+    const float *e, *es;
 } kvlm_actrow;
 
-static inline int64_t groups_padded(int64_t K) { return (K / G + 15) / 16 * 16; }
+static inline int64_t actrow_bytes(int64_t K) { return (K / G) * (G + 8); }
 
-/* bytes per quantized row; a multiple of 64 */
-static inline int64_t actrow_bytes(int64_t K) { return groups_padded(K) * (2 * G + 8); }
-
-static kvlm_actrow actrow_at(char *buf, int64_t K, int64_t t) {
-    int64_t gp = groups_padded(K);
-    char *p = buf + t * actrow_bytes(K);
-    kvlm_actrow r = {(int8_t *)p, (int8_t *)(p + gp * G), (float *)(p + 2 * gp * G),
-                     (float *)(p + 2 * gp * G) + gp};
+static kvlm_actrow actrow_at(const char *buf, int64_t K, int64_t t) {
+    const char *p = buf + t * actrow_bytes(K);
+    kvlm_actrow r = {(const int8_t *)p, (const float *)(p + K), (const float *)(p + K) + K / G};
     return r;
 }
 
-static void quantize_act_row(const float *x, int64_t K, kvlm_actrow r) {
-    int64_t groups = K / G, gp = groups_padded(K);
-    memset(r.nat, 0, 2 * gp * G);
-    memset(r.e, 0, 2 * gp * sizeof(float));
+static void quantize_act_row(const float *x, int64_t K, char *out) {
+    int64_t groups = K / G;
+    int8_t *codes = (int8_t *)out;
+    float *e = (float *)(out + K), *es = e + groups;
     for (int64_t g = 0; g < groups; g++) {
         const float *xg = x + g * G;
-        int8_t c[G];
         float amax = 0.f;
         for (int j = 0; j < G; j++) amax = fmaxf(amax, fabsf(xg[j]));
         float inv = amax > 0.f ? 127.f / amax : 0.f;
         int32_t sum = 0;
         for (int j = 0; j < G; j++) {
-            c[j] = (int8_t)nearbyintf(xg[j] * inv); /* |.| <= 127; nearest even */
-            sum += c[j];
+            codes[g * G + j] = (int8_t)nearbyintf(xg[j] * inv); /* |.| <= 127; nearest even */
+            sum += codes[g * G + j];
         }
-        memcpy(r.nat + g * G, c, G);
-        int8_t *qd = r.quad + (g / 4) * 128 + (g % 4) * 16;
-        memcpy(qd, c, 16);
-        memcpy(qd + 64, c + 16, 16);
-        r.e[g] = amax / 127.f;
-        r.es[g] = r.e[g] * (float)sum;
+        e[g] = amax / 127.f;
+        es[g] = e[g] * (float)sum;
     }
-}
-
-/* Thread-local scratch for the quantized rows (the caller's thread quantizes; the
- * OpenMP team reads it). Grows, never shrinks: at most SMALL_M rows of the widest K. */
-static __thread char *act_buf;
-static __thread size_t act_cap;
-
-static char *act_scratch(size_t bytes) {
-    if (bytes > act_cap) {
-        free(act_buf);
-        act_buf = aligned_alloc(64, bytes);
-        act_cap = act_buf ? bytes : 0;
-    }
-    return act_buf;
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-/* R rows of x (R a literal: loops unroll) against weight row n. */
 static inline __attribute__((always_inline)) void
-row_product_i8(int kind, const int R, const uint8_t *qrow, const float *p0, const float *p1,
-               int64_t groups, const kvlm_actrow *a, float *y, int64_t N, int64_t n,
-               int64_t m0) {
-    __m512 acc[MT];
-    for (int t = 0; t < R; t++) acc[t] = _mm512_setzero_ps();
+block_product_i8(int kind, const int R, kvlm_block B, int64_t groups, const kvlm_actrow *a,
+                 float *y, int64_t N, int64_t n0, int64_t m0) {
+    __m512 acc[MT], off[MT];
+    for (int t = 0; t < R; t++) acc[t] = off[t] = _mm512_setzero_ps();
     const __m512i nib = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
-    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
-        int64_t ng = groups - g0 < 16 ? groups - g0 : 16;
-        __mmask16 km = (__mmask16)((1u << ng) - 1);
-        __m512 dv = _mm512_maskz_loadu_ps(km, p0 + g0), sv[MT];
-        /* q4: + m e sum(c); q8 (codes offset by 128 below): - 128 s e sum(c) */
-        __m512 zv = kind == Q4 ? _mm512_maskz_loadu_ps(km, p1 + g0)
-                               : _mm512_mul_ps(dv, _mm512_set1_ps(-128.f));
-        for (int t = 0; t < R; t++) {
-            sv[t] = _mm512_mul_ps(dv, _mm512_loadu_ps(a[t].e + g0));
-            acc[t] = _mm512_fmadd_ps(zv, _mm512_loadu_ps(a[t].es + g0), acc[t]);
-        }
-        if (kind == Q4) { /* four groups per step; lane i of a product = group i / 4 */
-            __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-            for (int64_t g = g0; g < g0 + ng; g += 4) {
-                const uint8_t *src = qrow + g * (G / 2);
-                __m512i raw = groups - g >= 4
-                                  ? _mm512_loadu_si512(src)
-                                  : _mm512_maskz_loadu_epi8((1ULL << ((groups - g) * 16)) - 1, src);
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *c = codes_of(kind, B, g);
+        __m512i p[MT][4]; /* independent sums (dpbusd latency): q4 lo/hi, q8 4 or 2 */
+        const int C = kind == Q4 ? 2 : (R <= 2 ? 4 : 2);
+        for (int t = 0; t < R; t++)
+            for (int k = 0; k < C; k++) p[t][k] = _mm512_setzero_si512();
+        if (kind == Q4) { /* word v of x's group: elements 4v..; word 4 + v: 16 + 4v.. */
+            for (int v = 0; v < 4; v++) {
+                __m512i raw = _mm512_loadu_si512(c + 64 * v);
                 __m512i lo = _mm512_and_si512(raw, nib);
                 __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
                 for (int t = 0; t < R; t++) {
-                    const int8_t *xq = a[t].quad + g * G;
-                    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
-                                                    _mm512_load_si512(xq));
-                    p = _mm512_dpbusd_epi32(p, hi, _mm512_load_si512(xq + 64));
-                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
-                                             _mm512_permutexvar_ps(idx, sv[t]), acc[t]);
+                    const int32_t *xw = (const int32_t *)(a[t].c + g * G);
+                    p[t][0] = _mm512_dpbusd_epi32(p[t][0], lo, _mm512_set1_epi32(xw[v]));
+                    p[t][1] = _mm512_dpbusd_epi32(p[t][1], hi, _mm512_set1_epi32(xw[4 + v]));
                 }
-                idx = _mm512_add_epi32(idx, _mm512_set1_epi32(4));
             }
-        } else { /* two groups per step; codes + 128 are the unsigned operand */
-            __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-            for (int64_t g = g0; g < g0 + ng; g += 2) {
-                const uint8_t *src = qrow + g * G;
-                __m512i raw = groups - g >= 2 ? _mm512_loadu_si512(src)
-                                              : _mm512_maskz_loadu_epi8(0xFFFFFFFFULL, src);
-                __m512i u = _mm512_xor_si512(raw, flip);
+        } else {
+            for (int v = 0; v < 8; v++) {
+                __m512i u = _mm512_xor_si512(_mm512_loadu_si512(c + 64 * v), flip);
                 for (int t = 0; t < R; t++) {
-                    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u,
-                                                    _mm512_load_si512(a[t].nat + g * G));
-                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
-                                             _mm512_permutexvar_ps(idx, sv[t]), acc[t]);
+                    const int32_t *xw = (const int32_t *)(a[t].c + g * G);
+                    p[t][v % C] = _mm512_dpbusd_epi32(p[t][v % C], u, _mm512_set1_epi32(xw[v]));
                 }
-                idx = _mm512_add_epi32(idx, _mm512_set1_epi32(2));
             }
         }
+        __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales_of(kind, B, g)));
+        __m512 z = kind == Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                    (const __m256i *)(scales_of(kind, B, g) + BR)))
+                              : _mm512_mul_ps(s, _mm512_set1_ps(-128.f));
+        for (int t = 0; t < R; t++) {
+            __m512i q = p[t][0];
+            for (int k = 1; k < C; k++) q = _mm512_add_epi32(q, p[t][k]);
+            __m512 sum = _mm512_cvtepi32_ps(q);
+            acc[t] = _mm512_fmadd_ps(sum, _mm512_mul_ps(s, _mm512_set1_ps(a[t].e[g])), acc[t]);
+            off[t] = _mm512_fmadd_ps(z, _mm512_set1_ps(a[t].es[g]), off[t]);
+        }
     }
-    for (int t = 0; t < R; t++) y[(m0 + t) * N + n] = _mm512_reduce_add_ps(acc[t]);
+    __mmask16 keep = N - n0 >= BR ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+    for (int t = 0; t < R; t++)
+        _mm512_mask_storeu_ps(y + (m0 + t) * N + n0, keep, _mm512_add_ps(acc[t], off[t]));
 }
 #else
 static inline __attribute__((always_inline)) void
-row_product_i8(int kind, const int R, const uint8_t *qrow, const float *p0, const float *p1,
-               int64_t groups, const kvlm_actrow *a, float *y, int64_t N, int64_t n,
-               int64_t m0) {
-    for (int t = 0; t < R; t++) {
-        float acc = 0.f;
-        for (int64_t g = 0; g < groups; g++) {
-            int32_t dot = 0;
-            const int8_t *c = a[t].nat + g * G;
-            if (kind == Q8) {
-                const int8_t *q = (const int8_t *)qrow + g * G;
-                for (int j = 0; j < G; j++) dot += q[j] * c[j];
-                acc += p0[g] * a[t].e[g] * (float)dot;
-            } else {
-                const uint8_t *q = qrow + g * (G / 2);
-                for (int j = 0; j < G / 2; j++)
-                    dot += (q[j] & 0x0F) * c[j] + (q[j] >> 4) * c[j + G / 2];
-                acc += p0[g] * a[t].e[g] * (float)dot + p1[g] * a[t].es[g];
+block_product_i8(int kind, const int R, kvlm_block B, int64_t groups, const kvlm_actrow *a,
+                 float *y, int64_t N, int64_t n0, int64_t m0) {
+    for (int i = 0; i < BR && n0 + i < N; i++) {
+        for (int t = 0; t < R; t++) {
+            float acc = 0.f;
+            for (int64_t g = 0; g < groups; g++) {
+                uint8_t q[G];
+                row_group(kind, B, g, i, q);
+                const int8_t *c = a[t].c + g * G;
+                float s = from_f16(scales_of(kind, B, g)[i]);
+                int32_t dot = 0;
+                if (kind == Q8) {
+                    for (int j = 0; j < G; j++) dot += (int8_t)q[j] * c[j];
+                    acc += s * a[t].e[g] * (float)dot;
+                } else {
+                    for (int j = 0; j < G / 2; j++)
+                        dot += (q[j] & 0x0F) * c[j] + (q[j] >> 4) * c[j + G / 2];
+                    acc += s * a[t].e[g] * (float)dot + from_f16(scales_of(kind, B, g)[BR + i]) * a[t].es[g];
+                }
             }
+            y[(m0 + t) * N + n0 + i] = acc;
         }
-        y[(m0 + t) * N + n] = acc;
     }
 }
 #endif
 
-/* KIND literal, as GEMM_ROWS; rows of x in blocks of MT so each weight row is read once
- * per block. */
-#define GEMM_ROWS_I8(KIND, x, M, K, q, row_bytes, p0, p1, N, y)                              \
-    do {                                                                                     \
-        int64_t groups_ = (K) / G;                                                           \
-        char *buf_ = act_scratch((size_t)(M)*actrow_bytes(K));                               \
-        if (!buf_) return -1;                                                                \
-        kvlm_actrow rows_[SMALL_ROWS];                                                       \
-        for (int64_t t = 0; t < (M); t++) {                                                  \
-            rows_[t] = actrow_at(buf_, K, t);                                                \
-            quantize_act_row((x) + t * (K), K, rows_[t]);                                    \
-        }                                                                                    \
-        _Pragma("omp parallel for schedule(static)")                                         \
-        for (int64_t n = 0; n < (N); n++) {                                                  \
-            const uint8_t *qr_ = (q) + n * (row_bytes);                                      \
-            const float *a_ = (p0) + n * groups_, *b_ = (p1) ? (p1) + n * groups_ : 0;       \
-            for (int64_t m0 = 0; m0 < (M); m0 += MT) {                                       \
-                switch ((M) - m0 < MT ? (M) - m0 : MT) {                                     \
-                case 1: row_product_i8(KIND, 1, qr_, a_, b_, groups_, rows_ + m0, y, N, n, m0); break; \
-                case 2: row_product_i8(KIND, 2, qr_, a_, b_, groups_, rows_ + m0, y, N, n, m0); break; \
-                case 3: row_product_i8(KIND, 3, qr_, a_, b_, groups_, rows_ + m0, y, N, n, m0); break; \
-                default: row_product_i8(KIND, 4, qr_, a_, b_, groups_, rows_ + m0, y, N, n, m0); \
-                }                                                                            \
-            }                                                                                \
-        }                                                                                    \
-        return 0;                                                                            \
-    } while (0)
-
-/* As kvlm_q8_gemm / kvlm_q4_gemm with x rounded to int8 per group; M <= SMALL_ROWS.
- * Returns 0, or -1 when M is too large or scratch memory cannot be had (y untouched). */
-int kvlm_q8_gemm_i8(const float *x, int64_t M, int64_t K, const int8_t *q, const float *s,
-                    int64_t N, float *y) {
-    const float *none = 0;
+/* As kvlm_qgemm with x rounded to int8 per group. */
+int kvlm_qgemm_i8(int64_t kind, const float *x, int64_t M, int64_t K, const uint8_t *w,
+                  int64_t N, float *y) {
+    const int64_t groups = K / G;
     if (M < 1 || M > SMALL_ROWS) return -1;
-    GEMM_ROWS_I8(Q8, x, M, K, (const uint8_t *)q, K, s, none, N, y);
+    char *buf = act_scratch((size_t)M * actrow_bytes(K));
+    if (!buf) return -1;
+    kvlm_actrow rows[SMALL_ROWS];
+    for (int64_t t = 0; t < M; t++) {
+        quantize_act_row(x + t * K, K, buf + t * actrow_bytes(K));
+        rows[t] = actrow_at(buf, K, t);
+    }
+#define QGEMM_I8_BODY(KIND, R, m0) \
+    block_product_i8(KIND, R, block_at(KIND, w, groups, b), groups, rows + (m0), y, N, b * BR, m0)
+#define Q8_I8_BODY(R, m0) QGEMM_I8_BODY(Q8, R, m0)
+#define Q4_I8_BODY(R, m0) QGEMM_I8_BODY(Q4, R, m0)
+    if (kind == Q8) {
+        FOR_BLOCKS(M, N, Q8_I8_BODY)
+    } else {
+        FOR_BLOCKS(M, N, Q4_I8_BODY)
+    }
+    return 0;
 }
 
-int kvlm_q4_gemm_i8(const float *x, int64_t M, int64_t K, const uint8_t *q, const float *d,
-                    const float *m, int64_t N, float *y) {
-    if (M < 1 || M > SMALL_ROWS) return -1;
-    GEMM_ROWS_I8(Q4, x, M, K, q, K / 2, d, m, N, y);
-}
+/* ---- dequantization (prefill) ---- */
 
-/* Row n of the dense weight [N, K], into fp32 or (bf16 != 0) bf16 rounded to nearest even
- * as torch rounds (NaN not special-cased: weights have none). Values: d * q + m rounded
- * twice, exactly as the float loader computes them. */
+/* Row i of block B into fp32 or (bf16 != 0) bf16 rounded to nearest even as torch rounds
+ * (NaN not special-cased: weights have none). Values exactly group_scalar's. */
 static inline __attribute__((always_inline)) void
-dequant_row(int kind, int bf16, int64_t K, const uint8_t *qrow, const float *p0,
-            const float *p1, void *out) {
+dequant_row(int kind, int bf16, int64_t groups, kvlm_block B, int i, void *out) {
     float *wf = (float *)out;
     uint16_t *wh = (uint16_t *)out;
-    for (int64_t g = 0; g < K / G; g++) {
+    for (int64_t g = 0; g < groups; g++) {
 #ifdef __AVX512F__
-        __m512 half[2];
-        group_avx512(kind, qrow, p0, p1, g, &half[0], &half[1], 1);
-        for (int i = 0; i < 2; i++) {
+        uint8_t q[G];
+        row_group(kind, B, g, i, q);
+        __m512 half[2], s = _mm512_set1_ps(from_f16(scales_of(kind, B, g)[i]));
+        if (kind == Q8) {
+            for (int h = 0; h < 2; h++)
+                half[h] = _mm512_mul_ps(
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * h)))), s);
+        } else {
+            __m128i raw = _mm_loadu_si128((const __m128i *)q), nib = _mm_set1_epi8(0x0F);
+            __m128i codes[2] = {_mm_and_si128(raw, nib), _mm_and_si128(_mm_srli_epi16(raw, 4), nib)};
+            __m512 m = _mm512_set1_ps(from_f16(scales_of(kind, B, g)[BR + i]));
+            for (int h = 0; h < 2; h++) /* mul then add: the loader's two roundings */
+                half[h] = _mm512_add_ps(
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes[h])), s), m);
+        }
+        for (int h = 0; h < 2; h++) {
             if (!bf16) {
-                _mm512_storeu_ps(wf + g * G + 16 * i, half[i]);
+                _mm512_storeu_ps(wf + g * G + 16 * h, half[h]);
                 continue;
             }
-            __m512i bits = _mm512_castps_si512(half[i]);
+            __m512i bits = _mm512_castps_si512(half[h]);
             __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
             __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-            _mm256_storeu_si256((__m256i *)(wh + g * G + 16 * i),
+            _mm256_storeu_si256((__m256i *)(wh + g * G + 16 * h),
                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
         }
 #else
         float tmp[G];
-        group_scalar(kind, qrow, p0, p1, g, tmp);
+        group_scalar(kind, B, g, i, tmp);
         for (int j = 0; j < G; j++) {
             if (bf16)
                 wh[g * G + j] = to_bf16(tmp[j]);
@@ -414,37 +477,23 @@ dequant_row(int kind, int bf16, int64_t K, const uint8_t *qrow, const float *p0,
     }
 }
 
-/* KIND and BF16 are literals: the loop body is outlined by OpenMP (see GEMM_ROWS). */
-#define DEQUANT_ROWS(KIND, BF16, K, q, row_bytes, p0, p1, N, w)                              \
+/* KIND and BF16 literals (see FOR_BLOCKS) */
+#define DEQUANT_ROWS(KIND, BF16)                                                             \
     do {                                                                                     \
-        int64_t groups_ = (K) / G;                                                           \
-        size_t esz_ = (BF16) ? sizeof(uint16_t) : sizeof(float);                             \
         _Pragma("omp parallel for schedule(static)")                                         \
-        for (int64_t n = 0; n < (N); n++)                                                    \
-            dequant_row(KIND, BF16, K, (q) + n * (row_bytes), (p0) + n * groups_,            \
-                        (p1) ? (p1) + n * groups_ : 0, (char *)(w) + n * (K) * esz_);        \
+        for (int64_t n = 0; n < N; n++)                                                      \
+            dequant_row(KIND, BF16, groups, block_at(KIND, w, groups, n / BR), (int)(n % BR), \
+                        (char *)out + n * K * ((BF16) ? 2 : 4));                             \
     } while (0)
 
-/* The dense weight [N, K], for products with many rows (prefill): fp32, or bf16 for
- * --prefill-dtype bf16. */
-void kvlm_q8_dequant(int64_t K, const int8_t *q, const float *s, int64_t N, float *w) {
-    const float *none = 0;
-    DEQUANT_ROWS(Q8, 0, K, (const uint8_t *)q, K, s, none, N, w);
-}
-
-void kvlm_q4_dequant(int64_t K, const uint8_t *q, const float *d, const float *m, int64_t N,
-                     float *w) {
-    DEQUANT_ROWS(Q4, 0, K, q, K / 2, d, m, N, w);
-}
-
-void kvlm_q8_dequant_bf16(int64_t K, const int8_t *q, const float *s, int64_t N, uint16_t *w) {
-    const float *none = 0;
-    DEQUANT_ROWS(Q8, 1, K, (const uint8_t *)q, K, s, none, N, w);
-}
-
-void kvlm_q4_dequant_bf16(int64_t K, const uint8_t *q, const float *d, const float *m,
-                          int64_t N, uint16_t *w) {
-    DEQUANT_ROWS(Q4, 1, K, q, K / 2, d, m, N, w);
+/* The dense weight [N, K] of packed w: fp32, or bf16 (--prefill-dtype bf16). */
+void kvlm_qdequant(int64_t kind, int64_t bf16, int64_t K, const uint8_t *w, int64_t N,
+                   void *out) {
+    const int64_t groups = K / G;
+    if (kind == Q8 && !bf16) DEQUANT_ROWS(Q8, 0);
+    else if (kind == Q8) DEQUANT_ROWS(Q8, 1);
+    else if (!bf16) DEQUANT_ROWS(Q4, 0);
+    else DEQUANT_ROWS(Q4, 1);
 }
 
 /* ------------------------------------------------------------------------------------
@@ -455,9 +504,7 @@ void kvlm_q4_dequant_bf16(int64_t K, const uint8_t *q, const float *d, const flo
 
 typedef struct {
     int64_t kind; /* 8 or 4 */
-    const void *codes;
-    const float *scale;
-    const float *zero;
+    const uint8_t *data; /* packed (see the top of this file) */
     int64_t n, k;
 } kvlm_qmat;
 
@@ -477,16 +524,8 @@ typedef struct {
 } kvlm_qmodel;
 
 static void matvec(const kvlm_qmat *w, const float *x, float *y, int act_int8) {
-    if (act_int8 && w->kind == Q8 &&
-        kvlm_q8_gemm_i8(x, 1, w->k, (const int8_t *)w->codes, w->scale, w->n, y) == 0)
-        return;
-    if (act_int8 && w->kind == Q4 &&
-        kvlm_q4_gemm_i8(x, 1, w->k, (const uint8_t *)w->codes, w->scale, w->zero, w->n, y) == 0)
-        return;
-    if (w->kind == Q8)
-        kvlm_q8_gemm(x, 1, w->k, (const int8_t *)w->codes, w->scale, w->n, y);
-    else
-        kvlm_q4_gemm(x, 1, w->k, (const uint8_t *)w->codes, w->scale, w->zero, w->n, y);
+    if (act_int8 && kvlm_qgemm_i8(w->kind, x, 1, w->k, w->data, w->n, y) == 0) return;
+    kvlm_qgemm(w->kind, x, 1, w->k, w->data, w->n, y);
 }
 
 static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *y) {
@@ -506,29 +545,39 @@ static void rope(float *v, const float *cos, const float *sin, int64_t d) {
     }
 }
 
-/* p[i] = exp(p[i] - mx) for i < n; returns the sum. AVX-512: Cephes' expf polynomial
- * (relative error ~1e-7) scaled by 2^k with scalef; scalar expf otherwise. */
+#ifdef __AVX512F__
+/* exp(x) on 16 lanes: Cephes' expf polynomial (relative error ~1e-7) scaled by 2^k with
+ * scalef; x clamped to [-87, 88] (below: ~0; above: overflow to a large finite value). */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 e = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(e, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(e, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, e);
+}
+
+static inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+#endif
+
+/* p[i] = exp(p[i] - mx) for i < n; returns the sum (exp512, scalar expf without AVX-512) */
 static float exp_sum(float *p, int64_t n, float mx) {
     float sum = 0.f;
     int64_t i = 0;
 #ifdef __AVX512F__
     __m512 acc = _mm512_setzero_ps(), vmx = _mm512_set1_ps(mx);
     for (; i < n; i += 16) {
-        __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-        __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, p + i), vmx);
-        x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-        __m512 e = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m512 r = _mm512_fnmadd_ps(e, _mm512_set1_ps(0.693359375f), x);
-        r = _mm512_fnmadd_ps(e, _mm512_set1_ps(-2.12194440e-4f), r);
-        __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-        y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-        y = _mm512_scalef_ps(y, e);
+        __mmask16 k = tail_mask(n - i);
+        __m512 y = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p + i), vmx));
         _mm512_mask_storeu_ps(p + i, k, y);
         acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(k, y));
     }
@@ -660,6 +709,21 @@ static void pv_dispatch(int ng, int nv, const float *p, const char *V, int bf, i
 }
 #endif
 
+/* y = silu(g) * u = g / (1 + exp(-g)) * u */
+static void silu_mul(const float *g, const float *u, float *y, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i < n; i += 16) {
+        __mmask16 k = tail_mask(n - i);
+        __m512 gv = _mm512_maskz_loadu_ps(k, g + i);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        __m512 s = _mm512_div_ps(gv, _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
+        _mm512_mask_storeu_ps(y + i, k, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(k, u + i)));
+    }
+#endif
+    for (; i < n; i++) y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
 /* Attention of the `ng` query heads of one KV head over positions [s0, s1): unnormalised
  * output o (ng x D), running max m and sum l per head (combined across chunks later). */
 static void attend_chunk(const float *q, int ng, const char *K, const char *V, int bf,
@@ -783,10 +847,7 @@ void kvlm_decode_step(const kvlm_qmodel *m, float *x, int64_t pos, const float *
         for (int64_t i = 0; i < H; i++) x[i] += tmp[i];
         rms_norm(x, L->post_norm, H, m->eps, h);
         matvec(&L->gate_up, h, gu, ai8);
-        for (int64_t i = 0; i < m->inter; i++) {
-            float g = gu[i];
-            act[i] = g / (1.0f + expf(-g)) * gu[m->inter + i];
-        }
+        silu_mul(gu, gu + m->inter, act, m->inter);
         matvec(&L->down, act, tmp, ai8);
         for (int64_t i = 0; i < H; i++) x[i] += tmp[i];
     }

@@ -144,12 +144,11 @@ class GGUFWeights:
             return None
         rows = int(t.shape[1])
         try:
-            q = _blocks_to_quant(np.asarray(t.data), t.tensor_type, rows)
+            kind, *arrays = _blocks_to_quant(np.asarray(t.data), t.tensor_type, rows)
         except ValueError as exc:
             raise ModelLoadError(f"{self.path.name}: cannot decode tensor {t.name}: {exc}") from exc
-        codes, scale = self._unpermute(name, q.codes), self._unpermute(name, q.scale)
-        zero = None if q.zero is None else self._unpermute(name, q.zero)
-        return QuantWeight(q.kind, codes, scale, zero)
+        codes, scale, zero = (None if a is None else self._unpermute(name, a) for a in arrays)
+        return QuantWeight(kind, codes, scale, zero)
 
     def _unpermute(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         is_qk = name.endswith(("q_proj.weight", "k_proj.weight"))
@@ -163,23 +162,25 @@ class GGUFWeights:
 NATIVE_BLOCKS = {Q.Q8_0: ("q8", 34), Q.Q4_0: ("q4", 18), Q.Q4_1: ("q4", 20)}
 
 
-def _blocks_to_quant(data: np.ndarray, qtype: Q, rows: int) -> QuantWeight:
-    """Q8_0 = (f16 d, int8 q[32]), Q4_0 = (f16 d, nibbles[16]), Q4_1 = (f16 d, f16 m,
-    nibbles[16]), each over 32 weights; nibble j holds weights j (low) and j + 16 (high),
-    which is the layout QuantWeight uses."""
+def _blocks_to_quant(
+    data: np.ndarray, qtype: Q, rows: int
+) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(kind, codes, scale, zero) of Q8_0 = (f16 d, int8 q[32]), Q4_0 = (f16 d,
+    nibbles[16]), Q4_1 = (f16 d, f16 m, nibbles[16]), each over 32 weights; nibble j holds
+    weights j (low) and j + 16 (high), the order QuantWeight takes."""
     _, size = NATIVE_BLOCKS[qtype]
     blocks = np.ascontiguousarray(data).reshape(rows, -1, size)
     d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0]).float()
     if qtype == Q.Q8_0:
         codes = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(rows, -1)
-        return QuantWeight("q8", codes, d)
+        return "q8", codes, d, None
     if qtype == Q.Q4_1:
         m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0]).float()
         codes = torch.from_numpy(blocks[..., 4:].copy()).reshape(rows, -1)
     else:  # Q4_0: w = d * (q - 8)
         m = -8.0 * d
         codes = torch.from_numpy(blocks[..., 2:].copy()).reshape(rows, -1)
-    return QuantWeight("q4", codes, d, m)
+    return "q4", codes, d, m
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -37,9 +37,7 @@ _KIND = {"q8": 8, "q4": 4}
 class _QMat(ctypes.Structure):
     _fields_ = [
         ("kind", ctypes.c_int64),
-        ("codes", ctypes.c_void_p),
-        ("scale", ctypes.c_void_p),
-        ("zero", ctypes.c_void_p),
+        ("data", ctypes.c_void_p),
         ("n", ctypes.c_int64),
         ("k", ctypes.c_int64),
     ]
@@ -76,10 +74,7 @@ class _QModel(ctypes.Structure):
 
 def _qmat(lin: Linear) -> _QMat:
     q = lin.quant
-    zero = None if q.zero is None else q.zero.data_ptr()
-    return _QMat(
-        _KIND[q.kind], q.codes.data_ptr(), q.scale.data_ptr(), zero, q.out_features, q.in_features
-    )
+    return _QMat(_KIND[q.kind], q.data.data_ptr(), q.out_features, q.in_features)
 
 
 def why_not(model: Transformer) -> str | None:

@@ -99,7 +99,7 @@ class Linear(nn.Module):
     def _set_quant(self, quant: QuantWeight) -> None:
         self.in_features, self.out_features = quant.in_features, quant.out_features
         self.quant = quant
-        self.weight = quant.codes
+        self.weight = quant.data
         self.kernel = "quant"
         self._blas = None
 
