@@ -626,6 +626,14 @@ static inline float dot_kv(const float *a, const char *row, int bf, int64_t n) {
 
 /* y[0:n] += a * row[0:n] */
 static inline void axpy_kv(float a, const char *row, int bf, float *y, int64_t n) {
+#ifdef __AVX512F__
+    if (n % 16 == 0) {
+        __m512 av = _mm512_set1_ps(a);
+        for (int64_t i = 0; i < n; i += 16)
+            _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, kv_load(row, bf, i), _mm512_loadu_ps(y + i)));
+        return;
+    }
+#endif
     for (int64_t i = 0; i < n; i++) y[i] += a * kv_elem(row, bf, i);
 }
 
@@ -643,36 +651,60 @@ static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-/* p[h * S + s] = scale * q_h . K[s] for s in [s0, s1), four positions per reduction */
+/* p[h * S + s] = qs_h . K[s] for s in [s0, s1) (qs: the NG query heads, pre-scaled):
+ * each K row widened once for all NG heads, four positions per reduction. NG and NV
+ * constant where inlined, so the 4 * NG sums stay in registers. */
 static inline __attribute__((always_inline)) void
-scores_avx512(const float *q, int ng, const char *K, int bf, int64_t esz, int64_t D, int64_t S,
-              int64_t s0, int64_t s1, float scale, float *p) {
-    const int nv = (int)(D / 16);
-    const __m512 zero = _mm512_setzero_ps();
-    for (int h = 0; h < ng; h++) {
-        __m512 qv[8];
-        for (int v = 0; v < nv; v++) qv[v] = _mm512_mul_ps(_mm512_loadu_ps(q + h * D + 16 * v),
-                                                          _mm512_set1_ps(scale));
-        float *ph = p + h * S;
-        int64_t s = s0;
-        for (; s + 4 <= s1; s += 4) {
-            const char *r = K + s * D * esz;
-            __m512 a0 = zero, a1 = zero, a2 = zero, a3 = zero;
-            for (int v = 0; v < nv; v++) {
-                a0 = _mm512_fmadd_ps(qv[v], kv_load(r, bf, 16 * v), a0);
-                a1 = _mm512_fmadd_ps(qv[v], kv_load(r + D * esz, bf, 16 * v), a1);
-                a2 = _mm512_fmadd_ps(qv[v], kv_load(r + 2 * D * esz, bf, 16 * v), a2);
-                a3 = _mm512_fmadd_ps(qv[v], kv_load(r + 3 * D * esz, bf, 16 * v), a3);
+scores_avx512(const int NG, const int NV, const float *qs, const char *K, int bf, int64_t esz,
+              int64_t D, int64_t S, int64_t s0, int64_t s1, float *p) {
+    int64_t s = s0;
+    for (; s + 4 <= s1; s += 4) {
+        const char *r = K + s * D * esz;
+        __m512 a[4][4];
+        for (int h = 0; h < NG; h++)
+            for (int j = 0; j < 4; j++) a[h][j] = _mm512_setzero_ps();
+        for (int v = 0; v < NV; v++) {
+            __m512 k[4];
+            for (int j = 0; j < 4; j++) k[j] = kv_load(r + j * D * esz, bf, 16 * v);
+            for (int h = 0; h < NG; h++) {
+                __m512 qv = _mm512_loadu_ps(qs + h * D + 16 * v);
+                for (int j = 0; j < 4; j++) a[h][j] = _mm512_fmadd_ps(qv, k[j], a[h][j]);
             }
-            _mm_storeu_ps(ph + s, reduce4(a0, a1, a2, a3));
         }
-        for (; s < s1; s++) {
-            const char *r = K + s * D * esz;
-            __m512 a = zero;
-            for (int v = 0; v < nv; v++) a = _mm512_fmadd_ps(qv[v], kv_load(r, bf, 16 * v), a);
-            ph[s] = _mm512_reduce_add_ps(a);
+        for (int h = 0; h < NG; h++)
+            _mm_storeu_ps(p + h * S + s, reduce4(a[h][0], a[h][1], a[h][2], a[h][3]));
+    }
+    for (; s < s1; s++) {
+        const char *r = K + s * D * esz;
+        for (int h = 0; h < NG; h++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int v = 0; v < NV; v++)
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qs + h * D + 16 * v), kv_load(r, bf, 16 * v), a);
+            p[h * S + s] = _mm512_reduce_add_ps(a);
         }
     }
+}
+
+static void scores_dispatch(int ng, int nv, const float *qs, const char *K, int bf,
+                            int64_t esz, int64_t D, int64_t S, int64_t s0, int64_t s1,
+                            float *p) {
+#define SC_CASE(G_, V_)                                                                      \
+    if (ng == G_ && nv == V_) {                                                              \
+        scores_avx512(G_, V_, qs, K, bf, esz, D, S, s0, s1, p);                              \
+        return;                                                                              \
+    }
+    SC_CASE(1, 4) SC_CASE(2, 4) SC_CASE(3, 4) SC_CASE(4, 4) SC_CASE(1, 8) SC_CASE(2, 8)
+#undef SC_CASE
+    for (int h = 0; h < ng; h++)
+        scores_avx512(1, nv, qs + h * D, K, bf, esz, D, S, s0, s1, p + h * S);
+}
+
+/* the largest of p[0:n] (n >= 1) */
+static inline float max_of(const float *p, int64_t n) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < n; i += 16)
+        m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, tail_mask(n - i), p + i));
+    return _mm512_reduce_max_ps(m);
 }
 
 /* o[h] = sum_s p[h * S + s] V[s] over [s0, s1), each V row read once for the NG heads;
@@ -731,12 +763,12 @@ static void attend_chunk(const float *q, int ng, const char *K, const char *V, i
                          float *p, float *m, float *l, float *o) {
 #ifdef __AVX512F__
     if (D % 16 == 0 && D <= 128) {
-        scores_avx512(q, ng, K, bf, esz, D, S, s0, s1, scale, p);
+        float qs[8 * 128]; /* the heads' queries times the softmax scale */
+        for (int64_t i = 0; i < ng * D; i++) qs[i] = q[i] * scale;
+        scores_dispatch(ng, (int)(D / 16), qs, K, bf, esz, D, S, s0, s1, p);
         for (int h = 0; h < ng; h++) {
-            float mx = -INFINITY;
-            for (int64_t s = s0; s < s1; s++) mx = p[h * S + s] > mx ? p[h * S + s] : mx;
-            m[h] = mx;
-            l[h] = exp_sum(p + h * S + s0, s1 - s0, mx);
+            m[h] = max_of(p + h * S + s0, s1 - s0);
+            l[h] = exp_sum(p + h * S + s0, s1 - s0, m[h]);
         }
         pv_dispatch(ng, (int)(D / 16), p, V, bf, esz, D, S, s0, s1, o);
         return;
