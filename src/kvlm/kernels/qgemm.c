@@ -28,7 +28,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -54,8 +54,11 @@ static inline float from_bf16(uint16_t h) {
     return f;
 }
 
-/* IEEE half -> float, exact (the scalar path; vectors use vcvtph2ps) */
+/* IEEE half -> float, exact (F16C's instruction where the CPU has it) */
 static inline float from_f16(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#endif
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF, u;
     float f;
     if (e == 0) { /* zero or subnormal: m * 2^-24 */
@@ -109,6 +112,12 @@ static inline const uint8_t *codes_of(int kind, kvlm_block B, int64_t g) {
 /* the 16 rows' fp16 scales of group g (zeros: the 16 after them) */
 static inline const uint16_t *scales_of(int kind, kvlm_block B, int64_t g) {
     return (const uint16_t *)(codes_of(kind, B, g) + code_bytes(kind));
+}
+
+static inline int32_t load32(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
 }
 
 /* Row i's group g in its natural byte order (32 codes, or 16 bytes of nibbles) */
@@ -438,16 +447,21 @@ dequant_row(int kind, int bf16, int64_t groups, kvlm_block B, int i, void *out) 
     uint16_t *wh = (uint16_t *)out;
     for (int64_t g = 0; g < groups; g++) {
 #ifdef __AVX512F__
-        uint8_t q[G];
-        row_group(kind, B, g, i, q);
+        /* lane i of each vector: the row's bytes, 4 at a time (register inserts, not a
+         * byte copy then a reload, which would stall store forwarding) */
+        const uint8_t *c = codes_of(kind, B, g) + 4 * i;
+        __m128i raw[2];
+        for (int h = 0; h < (kind == Q8 ? 2 : 1); h++)
+            raw[h] = _mm_setr_epi32(load32(c + 256 * h), load32(c + 256 * h + 64),
+                                    load32(c + 256 * h + 128), load32(c + 256 * h + 192));
         __m512 half[2], s = _mm512_set1_ps(from_f16(scales_of(kind, B, g)[i]));
         if (kind == Q8) {
             for (int h = 0; h < 2; h++)
-                half[h] = _mm512_mul_ps(
-                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * h)))), s);
+                half[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw[h])), s);
         } else {
-            __m128i raw = _mm_loadu_si128((const __m128i *)q), nib = _mm_set1_epi8(0x0F);
-            __m128i codes[2] = {_mm_and_si128(raw, nib), _mm_and_si128(_mm_srli_epi16(raw, 4), nib)};
+            __m128i nib = _mm_set1_epi8(0x0F);
+            __m128i codes[2] = {_mm_and_si128(raw[0], nib),
+                                _mm_and_si128(_mm_srli_epi16(raw[0], 4), nib)};
             __m512 m = _mm512_set1_ps(from_f16(scales_of(kind, B, g)[BR + i]));
             for (int h = 0; h < 2; h++) /* mul then add: the loader's two roundings */
                 half[h] = _mm512_add_ps(
