@@ -20,7 +20,9 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -145,7 +147,7 @@ def memory_bandwidth(mib: int = 512, reps: int = 7) -> float:
     The best of `reps` runs: the bound is what the memory can deliver, and on a shared
     machine a slow run says more about the neighbours (two runs here read 26 and 57 GB/s
     as medians of 5)."""
-    x = torch.ones(mib * 2**20 // 4)
+    x = _probe_buffer(mib)
     x.sum()
     best = float("inf")
     for _ in range(reps):
@@ -153,6 +155,26 @@ def memory_bandwidth(mib: int = 512, reps: int = 7) -> float:
         x.sum()
         best = min(best, time.perf_counter() - t0)
     return x.numel() * 4 / best / 1e9
+
+
+_PROBE: dict[int, torch.Tensor] = {}
+
+
+def _probe_buffer(mib: int) -> torch.Tensor:
+    if mib not in _PROBE:
+        _PROBE.clear()
+        _PROBE[mib] = torch.ones(mib * 2**20 // 4)
+    return _PROBE[mib]
+
+
+def _with_bandwidth(fn: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """fn's result plus `bandwidth_gb_s`: the mean of a short probe just before and just
+    after it. The bandwidth this shared machine gives swings from ~28 to ~53 GB/s from one
+    minute to the next, so a run's share of the bound is taken against the bandwidth of
+    its own minute (the header's probe is the best moment of the whole run)."""
+    before = memory_bandwidth(256, 3)
+    out = fn()
+    return {**out, "bandwidth_gb_s": (before + memory_bandwidth(256, 3)) / 2}
 
 
 def _proc_status(key: str) -> float | None:
@@ -296,7 +318,8 @@ def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
                 print(f"[{done}/{total}] {engine}, prompt {n} tokens", file=sys.stderr,
                       flush=True)  # fmt: skip
                 _reset_peak_rss()
-                run = _run(engine, llm, peers, ids, warm, config.new_tokens)
+                go = partial(_run, engine, llm, peers, ids, warm, config.new_tokens)
+                run = _with_bandwidth(go) if engine.startswith("kvlm-") else go()
                 peak = _proc_status("VmHWM")
                 runs.append({**run, "peak_rss_mib": peak if peak is not None else float("nan")})
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
@@ -304,12 +327,16 @@ def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
     bandwidth = memory_bandwidth()
     per_token = weight_bytes_per_token(llm)
     bound = bandwidth * 1e9 / per_token
-    for row in rows:  # the cache is read every token too: a bound that counts it
+    # each kvlm row: the bound at the bandwidth of its own minute, without and with the K/V
+    # reads (the cache is read every token too)
+    for row in rows:
         if row["engine"].startswith("kvlm-"):
             kv = kv_bytes_per_step(llm, row["engine"].removeprefix("kvlm-"), row["prompt_tokens"],
                                    config.new_tokens)  # fmt: skip
+            own = row["bandwidth_gb_s"] * 1e9  # probed around this row's own runs
             row["kv_bytes_per_token"] = kv
-            row["bound_with_kv_tok_s"] = round(bandwidth * 1e9 / (per_token + kv), 1)
+            row["bound_tok_s"] = round(own / per_token, 1)
+            row["bound_with_kv_tok_s"] = round(own / (per_token + kv), 1)
     forwards = per_forward_curves(llm, config)
     positions = {mode: position_cost(llm, mode) for mode in config.modes}
     waste = memory_waste(llm, ["contiguous", "paged", "int8", "window"])
@@ -445,7 +472,8 @@ def markdown(result: dict[str, Any]) -> str:
     d = result["describe"]
     lines = [
         f"model {result['model']}, {result['threads']} threads, "
-        f"{result['new_tokens']} new tokens; memory bandwidth {result['bandwidth_gb_s']} GB/s, "
+        f"{result['new_tokens']} new tokens; memory bandwidth at its best moment "
+        f"{result['bandwidth_gb_s']} GB/s, "
         f"weights {result['weight_bytes_per_token'] / 2**20:.0f} MiB per token -> decode bound "
         f"{result['decode_bound_tok_s']} tok/s",
         "",
@@ -453,20 +481,23 @@ def markdown(result: dict[str, Any]) -> str:
         f"{d.get('activations', 'fp32')}, KV {d['kv_dtype']}; "
         f"kernels: {d.get('kernels') or 'torch'}",
         "",
-        "| engine | prompt | TTFT ms | prefill tok/s | decode tok/s | share of bound "
-        "| share of bound with K/V reads | peak RSS MiB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| engine | prompt | TTFT ms | prefill tok/s | decode tok/s | GB/s then | share of bound "
+        "| share of bound with K/V reads | share of best-moment bound | peak RSS MiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["rows"]:
-        share = r["decode_tok_s"] / result["decode_bound_tok_s"]
-        share_text = f"{share:.0%}" if r["engine"].startswith("kvlm-") else ""
-        kv_text = ""
-        if r.get("bound_with_kv_tok_s"):
-            kv_text = (f"{r['decode_tok_s'] / r['bound_with_kv_tok_s']:.0%} of "
-                       f"{r['bound_with_kv_tok_s']:.0f}")  # fmt: skip
+        cells = ["", "", "", ""]
+        if r.get("bound_tok_s"):
+            tok = r["decode_tok_s"]
+            cells = [
+                f"{r['bandwidth_gb_s']:.1f}",
+                f"{tok / r['bound_tok_s']:.0%} of {r['bound_tok_s']:.0f}",
+                f"{tok / r['bound_with_kv_tok_s']:.0%} of {r['bound_with_kv_tok_s']:.0f}",
+                f"{tok / result['decode_bound_tok_s']:.0%}",
+            ]
         lines.append(
             f"| {r['engine']} | {r['prompt_tokens']} | {r['ttft_ms']:.0f} | "
-            f"{r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | {share_text} | {kv_text} "
+            f"{r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | {' | '.join(cells)} "
             f"| {r.get('peak_rss_mib', float('nan')):.0f} |"
         )
     if result.get("loaded_rss_mib"):
