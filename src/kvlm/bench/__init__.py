@@ -20,9 +20,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
@@ -147,7 +145,7 @@ def memory_bandwidth(mib: int = 512, reps: int = 7) -> float:
     The best of `reps` runs: the bound is what the memory can deliver, and on a shared
     machine a slow run says more about the neighbours (two runs here read 26 and 57 GB/s
     as medians of 5)."""
-    x = _probe_buffer(mib)
+    x = torch.ones(mib * 2**20 // 4)
     x.sum()
     best = float("inf")
     for _ in range(reps):
@@ -155,26 +153,6 @@ def memory_bandwidth(mib: int = 512, reps: int = 7) -> float:
         x.sum()
         best = min(best, time.perf_counter() - t0)
     return x.numel() * 4 / best / 1e9
-
-
-_PROBE: dict[int, torch.Tensor] = {}
-
-
-def _probe_buffer(mib: int) -> torch.Tensor:
-    if mib not in _PROBE:
-        _PROBE.clear()
-        _PROBE[mib] = torch.ones(mib * 2**20 // 4)
-    return _PROBE[mib]
-
-
-def _with_bandwidth(fn: Callable[[], dict[str, float]]) -> dict[str, float]:
-    """fn's result plus `bandwidth_gb_s`: the mean of a short probe just before and just
-    after it. The bandwidth this shared machine gives swings from ~28 to ~53 GB/s from one
-    minute to the next, so a run's share of the bound is taken against the bandwidth of
-    its own minute (the header's probe is the best moment of the whole run)."""
-    before = memory_bandwidth(256, 3)
-    out = fn()
-    return {**out, "bandwidth_gb_s": (before + memory_bandwidth(256, 3)) / 2}
 
 
 def _proc_status(key: str) -> float | None:
@@ -317,18 +295,25 @@ def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
                 done += 1
                 print(f"[{done}/{total}] {engine}, prompt {n} tokens", file=sys.stderr,
                       flush=True)  # fmt: skip
+                # kvlm: the bound at the bandwidth of this run's own minute (below)
+                probe = engine.startswith("kvlm-")
+                before = memory_bandwidth(256, 3) if probe else 0.0
                 _reset_peak_rss()
-                go = partial(_run, engine, llm, peers, ids, warm, config.new_tokens)
-                run = _with_bandwidth(go) if engine.startswith("kvlm-") else go()
+                run = _run(engine, llm, peers, ids, warm, config.new_tokens)
                 peak = _proc_status("VmHWM")
-                runs.append({**run, "peak_rss_mib": peak if peak is not None else float("nan")})
+                run["peak_rss_mib"] = peak if peak is not None else float("nan")
+                if probe:
+                    run["bandwidth_gb_s"] = (before + memory_bandwidth(256, 3)) / 2
+                runs.append(run)
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             rows.append({"engine": engine, "prompt_tokens": n, **med})
     bandwidth = memory_bandwidth()
     per_token = weight_bytes_per_token(llm)
     bound = bandwidth * 1e9 / per_token
-    # each kvlm row: the bound at the bandwidth of its own minute, without and with the K/V
-    # reads (the cache is read every token too)
+    # each kvlm row: the bound at the bandwidth probed just before and after its runs (the
+    # bandwidth this shared machine gives swings from ~28 to ~53 GB/s from one minute to the
+    # next; the header's probe is the best moment of the whole run), without and with the
+    # K/V reads (the cache is read every token too)
     for row in rows:
         if row["engine"].startswith("kvlm-"):
             kv = kv_bytes_per_step(llm, row["engine"].removeprefix("kvlm-"), row["prompt_tokens"],
