@@ -385,3 +385,24 @@ def test_fused_step_is_not_used_where_it_does_not_apply(tiny_model_dir):
     if q8.runner.fused_reason is None:
         assert q8.runner.fused_for(q8.new_cache("paged")) is None
         assert q8.runner.fused_for(q8.new_cache("contiguous")) is not None
+
+
+def test_packed_weights_move_to_huge_pages_unchanged():
+    """One 2 MiB-aligned buffer in the order given (Linux: madvise(MADV_HUGEPAGE)); every
+    weight keeps its bytes and its products. Elsewhere nothing moves."""
+    torch.manual_seed(5)
+    ws = [quant.quantize(torch.randn(n, 64), kind) for n, kind in [(40, "q8"), (16, "q4")]]
+    x = torch.randn(2, 64)
+    before = [(w.data.clone(), w.matmul(x)) for w in ws]
+    buf = kernels.huge_page_buffer(3 << 20)
+    if buf is None:
+        assert not quant.move_to_huge_pages(ws)
+        return
+    assert buf.numel() == 3 << 20 and buf.data_ptr() % kernels.HUGE_PAGE == 0
+    assert int(buf.sum()) == 0  # anonymous memory: zero-filled
+    assert quant.move_to_huge_pages(ws)
+    assert ws[0].data.data_ptr() % kernels.HUGE_PAGE == 0
+    assert ws[1].data.data_ptr() == ws[0].data.data_ptr() + -(-ws[0].nbytes // 64) * 64
+    for w, (data, y) in zip(ws, before, strict=True):
+        assert torch.equal(w.data, data)
+        torch.testing.assert_close(w.matmul(x), y, atol=0, rtol=0)

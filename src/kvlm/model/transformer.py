@@ -73,6 +73,12 @@ class Transformer(nn.Module):
                 self._embed_table = embed
             freq_factors = loader.take_raw("rope_freqs.weight")
         self.rope = RotaryEmbedding(config, self.device, freq_factors)
+        # low-bit weights in one huge-page buffer, in the order a decode step reads them
+        packed = [m.quant for m in self.modules() if isinstance(m, Linear) and m.quant is not None]
+        if packed and quant.move_to_huge_pages(packed):
+            for m in self.modules():
+                if isinstance(m, Linear) and m.quant is not None:
+                    m.weight = m.quant.data
 
     def step_context(self, rows: int) -> AbstractContextManager:
         """Thread arrangement for a forward of `rows` token rows (see kvlm.model.blas)."""
