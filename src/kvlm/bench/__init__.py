@@ -142,19 +142,23 @@ def run_llamacpp(model: Any, ids: list[int], new: int) -> dict[str, float]:
 
 def memory_bandwidth(mib: int = 512, reps: int = 7) -> float:
     """Read bandwidth in GB/s: a multi-threaded sum over a buffer far larger than caches,
-    on huge pages where the OS has them.
-    The best of `reps` runs: the bound is what the memory can deliver, and on a shared
-    machine a slow run says more about the neighbours (two runs here read 26 and 57 GB/s
-    as medians of 5)."""
+    on huge pages where the OS has them. The best of `reps` runs: the bound is what the
+    memory can deliver, and on a shared machine a slow run says more about the neighbours
+    (two runs here read 26 and 57 GB/s as medians of 5)."""
+    return max(bandwidth_samples(mib, reps))
+
+
+def bandwidth_samples(mib: int, reps: int) -> list[float]:
+    """GB/s of `reps` sums over one buffer of `mib` MiB (after one warm-up sum)."""
     x = kernels.huge_page_buffer(mib * 2**20)  # as kvlm's weights are (the faster reading)
     x = torch.ones(mib * 2**20 // 4) if x is None else x.view(torch.float32).fill_(1.0)
     x.sum()
-    best = float("inf")
+    out = []
     for _ in range(reps):
         t0 = time.perf_counter()
         x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best / 1e9
+        out.append(x.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+    return out
 
 
 def _proc_status(key: str) -> float | None:
@@ -299,13 +303,16 @@ def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
                       flush=True)  # fmt: skip
                 # kvlm: the bound at the bandwidth of this run's own minute (below)
                 probe = engine.startswith("kvlm-")
-                before = memory_bandwidth(256, 3) if probe else 0.0
+                before = bandwidth_samples(256, 3) if probe else []
                 _reset_peak_rss()
                 run = _run(engine, llm, peers, ids, warm, config.new_tokens)
                 peak = _proc_status("VmHWM")
                 run["peak_rss_mib"] = peak if peak is not None else float("nan")
                 if probe:
-                    run["bandwidth_gb_s"] = (before + memory_bandwidth(256, 3)) / 2
+                    # the median of 6 short reads around the run: this machine's reads
+                    # come in bursts (single sums of 50+ GB/s between runs of 30-35) that
+                    # a run of 128 tokens does not ride
+                    run["bandwidth_gb_s"] = statistics.median(before + bandwidth_samples(256, 3))
                 runs.append(run)
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             rows.append({"engine": engine, "prompt_tokens": n, **med})
