@@ -253,19 +253,28 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
 
 /* The block loop, written out per kind and per count of x rows (literals: OpenMP outlines
  * the loop body before constants propagate, so arguments would become runtime branches in
- * the innermost loop). BODY(R, m0) multiplies block b by rows m0 .. m0 + R - 1. */
-#define FOR_BLOCKS(M, N, BODY)                                                               \
+ * the innermost loop). BODY(KIND, R, m0) multiplies block b by rows m0 .. m0 + R - 1. */
+#define FOR_BLOCKS(M, N, KIND, BODY)                                                         \
     _Pragma("omp parallel for schedule(static)")                                             \
     for (int64_t b = 0; b < ((N) + BR - 1) / BR; b++) {                                      \
         for (int64_t m0 = 0; m0 < (M); m0 += MT) {                                           \
             switch ((M) - m0 < MT ? (M) - m0 : MT) {                                         \
-            case 1: BODY(1, m0); break;                                                      \
-            case 2: BODY(2, m0); break;                                                      \
-            case 3: BODY(3, m0); break;                                                      \
-            default: BODY(4, m0);                                                            \
+            case 1: BODY(KIND, 1, m0); break;                                                \
+            case 2: BODY(KIND, 2, m0); break;                                                \
+            case 3: BODY(KIND, 3, m0); break;                                                \
+            default: BODY(KIND, 4, m0);                                                      \
             }                                                                                \
         }                                                                                    \
     }
+
+#define FOR_KIND_BLOCKS(kind, M, N, BODY)                                                    \
+    do {                                                                                     \
+        if ((kind) == Q8) {                                                                  \
+            FOR_BLOCKS(M, N, Q8, BODY)                                                       \
+        } else {                                                                             \
+            FOR_BLOCKS(M, N, Q4, BODY)                                                       \
+        }                                                                                    \
+    } while (0)
 
 /* x [M, K] (M <= SMALL_ROWS), w packed [N, K] of `kind` -> y [M, N]. Returns 0, or -1
  * when M is out of range or scratch memory cannot be had (y untouched). */
@@ -282,13 +291,7 @@ int kvlm_qgemm(int64_t kind, const float *x, int64_t M, int64_t K, const uint8_t
     }
 #define QGEMM_BODY(KIND, R, m0) \
     block_product(KIND, R, block_at(KIND, w, groups, b), groups, x, K, xs, y, N, b * BR, m0)
-#define Q8_BODY(R, m0) QGEMM_BODY(Q8, R, m0)
-#define Q4_BODY(R, m0) QGEMM_BODY(Q4, R, m0)
-    if (kind == Q8) {
-        FOR_BLOCKS(M, N, Q8_BODY)
-    } else {
-        FOR_BLOCKS(M, N, Q4_BODY)
-    }
+    FOR_KIND_BLOCKS(kind, M, N, QGEMM_BODY);
     return 0;
 }
 
@@ -427,13 +430,7 @@ int kvlm_qgemm_i8(int64_t kind, const float *x, int64_t M, int64_t K, const uint
     }
 #define QGEMM_I8_BODY(KIND, R, m0) \
     block_product_i8(KIND, R, block_at(KIND, w, groups, b), groups, rows + (m0), y, N, b * BR, m0)
-#define Q8_I8_BODY(R, m0) QGEMM_I8_BODY(Q8, R, m0)
-#define Q4_I8_BODY(R, m0) QGEMM_I8_BODY(Q4, R, m0)
-    if (kind == Q8) {
-        FOR_BLOCKS(M, N, Q8_I8_BODY)
-    } else {
-        FOR_BLOCKS(M, N, Q4_I8_BODY)
-    }
+    FOR_KIND_BLOCKS(kind, M, N, QGEMM_I8_BODY);
     return 0;
 }
 
