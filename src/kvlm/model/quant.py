@@ -6,12 +6,13 @@
 A QuantWeight comes either from a float weight (`quantize(w, "q8" | "q4")`: `--weights
 int8|int4`) or straight from a GGUF file's Q8_0/Q4_0/Q4_1 blocks (`--weights native`: the
 file's own numbers, nothing re-rounded), packed row-interleaved for the kernels
-(`QuantWeight`). Products keep fp32 activations: the C kernel widens the codes in registers
-(decode, up to SMALL_M rows), or the weight is dequantized
-once into a dense fp32 matrix for a BLAS GEMM (prefill). Opt-in `act_int8` (`--activations
-int8`) rounds each row of x to int8 per group of 32 in the small products, as llama.cpp
-does, for integer dot products (AVX512-VNNI). Without the compiled kernels the same
-products run in torch: the same numbers, slower.
+(`QuantWeight`) and moved onto huge pages with the rest of the model's weights
+(`move_to_huge_pages`). Products keep fp32 activations: the C kernel widens the codes in
+registers (decode, up to SMALL_M rows), or the weight is dequantized once into a dense fp32
+matrix for a BLAS GEMM (prefill). Opt-in `act_int8` (`--activations int8`) rounds each row
+of x to int8 per group of 32 in the small products, as llama.cpp does, for integer dot
+products (AVX512-VNNI). Without the compiled kernels the same products run in torch (from
+the same packed bytes): the same numbers, slower.
 """
 
 from __future__ import annotations
