@@ -718,6 +718,105 @@ static inline float max_of(const float *p, int64_t n) {
     return _mm512_reduce_max_ps(m);
 }
 
+/* bf16 cache rows, 32 elements (one 64-byte load) at a time: a 32-bit word holds elements
+ * 2i (low half) and 2i + 1 (high half), so the even elements are the words shifted left
+ * by 16 and the odd ones the words with the low half cleared: two fp32 vectors in two
+ * operations instead of six. Dot products take the query split the same way (qs2: per 32
+ * elements, 16 even then 16 odd); p.V accumulates split and is interleaved back once per
+ * chunk. The same products as the fp32 widening, summed in another order. One thread over
+ * 2000 positions of 3 heads (in L2): 20.4-20.8 us before, 17.4-19.0 us with it. */
+static inline void load_bf16_pairs(const char *row, int64_t i, __m512 *even, __m512 *odd) {
+    __m512i w = _mm512_loadu_si512((const uint16_t *)row + i);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+static inline __attribute__((always_inline)) void
+scores_bf16(const int NG, const int NP, const float *qs2, const char *K, int64_t D, int64_t S,
+            int64_t s0, int64_t s1, float *p) {
+    int64_t s = s0;
+    for (; s + 4 <= s1; s += 4) {
+        const char *r = K + s * D * 2;
+        __m512 a[4][4];
+        for (int h = 0; h < NG; h++)
+            for (int j = 0; j < 4; j++) a[h][j] = _mm512_setzero_ps();
+        for (int v = 0; v < NP; v++) {
+            __m512 e[4], o[4];
+            for (int j = 0; j < 4; j++) load_bf16_pairs(r + j * D * 2, 32 * v, &e[j], &o[j]);
+            for (int h = 0; h < NG; h++) {
+                __m512 qe = _mm512_loadu_ps(qs2 + h * D + 32 * v);
+                __m512 qo = _mm512_loadu_ps(qs2 + h * D + 32 * v + 16);
+                for (int j = 0; j < 4; j++)
+                    a[h][j] = _mm512_fmadd_ps(qo, o[j], _mm512_fmadd_ps(qe, e[j], a[h][j]));
+            }
+        }
+        for (int h = 0; h < NG; h++)
+            _mm_storeu_ps(p + h * S + s, reduce4(a[h][0], a[h][1], a[h][2], a[h][3]));
+    }
+    for (; s < s1; s++) {
+        const char *r = K + s * D * 2;
+        for (int h = 0; h < NG; h++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int v = 0; v < NP; v++) {
+                __m512 e, o;
+                load_bf16_pairs(r, 32 * v, &e, &o);
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qs2 + h * D + 32 * v), e, a);
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qs2 + h * D + 32 * v + 16), o, a);
+            }
+            p[h * S + s] = _mm512_reduce_add_ps(a);
+        }
+    }
+}
+static inline __attribute__((always_inline)) void
+pv_bf16(const int NG, const int NP, const float *p, const char *V, int64_t D, int64_t S,
+        int64_t s0, int64_t s1, float *out) {
+    __m512 ae[4][4], ao[4][4];
+    for (int h = 0; h < NG; h++)
+        for (int v = 0; v < NP; v++) ae[h][v] = ao[h][v] = _mm512_setzero_ps();
+    for (int64_t s = s0; s < s1; s++) {
+        const char *r = V + s * D * 2;
+        for (int v = 0; v < NP; v++) {
+            __m512 e, o;
+            load_bf16_pairs(r, 32 * v, &e, &o);
+            for (int h = 0; h < NG; h++) {
+                __m512 w = _mm512_set1_ps(p[h * S + s]);
+                ae[h][v] = _mm512_fmadd_ps(w, e, ae[h][v]);
+                ao[h][v] = _mm512_fmadd_ps(w, o, ao[h][v]);
+            }
+        }
+    }
+    for (int h = 0; h < NG; h++)
+        for (int v = 0; v < NP; v++) {
+            float even[16], odd[16];
+            _mm512_storeu_ps(even, ae[h][v]);
+            _mm512_storeu_ps(odd, ao[h][v]);
+            for (int j = 0; j < 16; j++) {
+                out[h * D + 32 * v + 2 * j] = even[j];
+                out[h * D + 32 * v + 2 * j + 1] = odd[j];
+            }
+        }
+}
+
+/* scores, softmax pieces and p.V over a bf16 cache for NG <= 4 query heads and head_dim
+ * 32 * NP (NP 2 or 4); 0 when this shape has no case here (the caller widens per row) */
+static int attend_bf16(int ng, int64_t D, const float *qs2, const char *K, const char *V,
+                       int64_t S, int64_t s0, int64_t s1, float *p, float *m, float *l,
+                       float *o) {
+#define BF_CASE(G_, P_)                                                                      \
+    if (ng == G_ && D == 32 * P_) {                                                          \
+        scores_bf16(G_, P_, qs2, K, D, S, s0, s1, p);                                        \
+        for (int h = 0; h < G_; h++) {                                                       \
+            m[h] = max_of(p + h * S + s0, s1 - s0);                                          \
+            l[h] = exp_sum(p + h * S + s0, s1 - s0, m[h]);                                   \
+        }                                                                                    \
+        pv_bf16(G_, P_, p, V, D, S, s0, s1, o);                                              \
+        return 1;                                                                            \
+    }
+    BF_CASE(1, 2) BF_CASE(2, 2) BF_CASE(3, 2) BF_CASE(4, 2) BF_CASE(1, 4) BF_CASE(2, 4)
+    BF_CASE(3, 4) BF_CASE(4, 4)
+#undef BF_CASE
+    return 0;
+}
+
 /* o[h] = sum_s p[h * S + s] V[s] over [s0, s1), each V row read once for the NG heads;
  * NG and NV constant where inlined, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void
@@ -776,6 +875,12 @@ static void attend_chunk(const float *q, int ng, const char *K, const char *V, i
     if (D % 16 == 0 && D <= 128) {
         float qs[8 * 128]; /* the heads' queries times the softmax scale */
         for (int64_t i = 0; i < ng * D; i++) qs[i] = q[i] * scale;
+        if (bf && D % 32 == 0) {
+            float qs2[8 * 128]; /* split per 32: 16 even elements, then 16 odd */
+            for (int64_t i = 0; i < ng * D; i++)
+                qs2[i / 32 * 32 + (i % 2) * 16 + (i % 32) / 2] = qs[i];
+            if (attend_bf16(ng, D, qs2, K, V, S, s0, s1, p, m, l, o)) return;
+        }
         scores_dispatch(ng, (int)(D / 16), qs, K, bf, esz, D, S, s0, s1, p);
         for (int h = 0; h < ng; h++) {
             m[h] = max_of(p + h * S + s0, s1 - s0);
