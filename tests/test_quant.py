@@ -406,3 +406,17 @@ def test_packed_weights_move_to_huge_pages_unchanged():
     for w, (data, y) in zip(ws, before, strict=True):
         assert torch.equal(w.data, data)
         torch.testing.assert_close(w.matmul(x), y, atol=0, rtol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+def test_fused_attention_split_into_position_chunks_matches_the_torch_model(kv_dtype):
+    """Past 128 positions the fused attention splits each KV head's history into chunks
+    (the threads' work items, merged by log-sum-exp) and fetches rows ahead: same logits."""
+    from kvlm import LLM
+
+    llm = LLM(progress=False, max_context=512, weights="native", kv_dtype=kv_dtype)
+    ids = llm.encode(" ".join(f"item {i}," for i in range(70)))  # ~280 tokens: 4 chunks
+    assert len(ids) > 256
+    worst = _fused_vs_torch(llm, ids, 6, exact_cache=kv_dtype == "bf16")
+    assert worst < (0.1 if kv_dtype == "bf16" else 1e-3)

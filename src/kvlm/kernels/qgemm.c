@@ -650,7 +650,18 @@ static inline void axpy_kv(float a, const char *row, int bf, float *y, int64_t n
 
 #define MAX_CHUNKS 8 /* position chunks per KV head: the threads' work items */
 
+
 #ifdef __AVX512F__
+/* Cache rows are fetched 8 KiB ahead of the row being read, into L2: without it the
+ * attention reads and computes by turns (a 1024-position step took about the time of a
+ * plain read of its K/V plus its compute in L2); with it the two overlap. The fused step
+ * at 1024 positions, bf16 K/V: attention 1.46-1.55 -> 1.04-1.15 ms per token. (2 KiB
+ * ahead into L1 gave nothing.) */
+#define KV_AHEAD 8192
+static inline __attribute__((always_inline)) void fetch_ahead(const char *row, int64_t bytes) {
+    for (int64_t j = 0; j < bytes; j += 64) _mm_prefetch(row + KV_AHEAD + j, _MM_HINT_T1);
+}
+
 /* lanes 0..3 = the sums of a, b, c, d */
 static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 #define HALVES(v)                                                                            \
@@ -671,6 +682,7 @@ scores_avx512(const int NG, const int NV, const float *qs, const char *K, int bf
     int64_t s = s0;
     for (; s + 4 <= s1; s += 4) {
         const char *r = K + s * D * esz;
+        fetch_ahead(r, 4 * D * esz);
         __m512 a[4][4];
         for (int h = 0; h < NG; h++)
             for (int j = 0; j < 4; j++) a[h][j] = _mm512_setzero_ps();
@@ -736,6 +748,7 @@ scores_bf16(const int NG, const int NP, const float *qs2, const char *K, int64_t
     int64_t s = s0;
     for (; s + 4 <= s1; s += 4) {
         const char *r = K + s * D * 2;
+        fetch_ahead(r, 4 * D * 2);
         __m512 a[4][4];
         for (int h = 0; h < NG; h++)
             for (int j = 0; j < 4; j++) a[h][j] = _mm512_setzero_ps();
@@ -774,6 +787,7 @@ pv_bf16(const int NG, const int NP, const float *p, const char *V, int64_t D, in
         for (int v = 0; v < NP; v++) ae[h][v] = ao[h][v] = _mm512_setzero_ps();
     for (int64_t s = s0; s < s1; s++) {
         const char *r = V + s * D * 2;
+        fetch_ahead(r, D * 2);
         for (int v = 0; v < NP; v++) {
             __m512 e, o;
             load_bf16_pairs(r, 32 * v, &e, &o);
@@ -827,6 +841,7 @@ pv_avx512(const int NG, const int NV, const float *p, const char *V, int bf, int
         for (int v = 0; v < NV; v++) acc[h][v] = _mm512_setzero_ps();
     for (int64_t s = s0; s < s1; s++) {
         const char *r = V + s * D * esz;
+        fetch_ahead(r, D * esz);
         for (int v = 0; v < NV; v++) {
             __m512 vv = kv_load(r, bf, 16 * v);
             for (int h = 0; h < NG; h++)
