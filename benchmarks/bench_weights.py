@@ -36,13 +36,13 @@ def main() -> None:
     rows = []
     for fmt in args.formats.split(","):
         # options after the format: "bf16" = bf16 prefill products, "i8" = int8
-        # activations, "kvbf16" = a bf16 KV cache (e.g. native:bf16:i8:kvbf16)
+        # activations, "kvbf16" / "kvint8" = a bf16 / int8 KV cache (native:bf16:i8:kvbf16)
         weights, *opts = fmt.split(":")
         llm = ref if fmt == "fp32" else LLM(
             progress=False, max_context=1024, weights=weights,
             prefill_dtype="bf16" if "bf16" in opts else "fp32",
             activations="int8" if "i8" in opts else "fp32",
-            kv_dtype="bf16" if "kvbf16" in opts else None,
+            kv_dtype=next((o[2:] for o in opts if o.startswith("kv")), None),
         )  # fmt: skip
         llm.generate(prompt_token_ids=[long_ids[:32]], sampling_params=params)  # warm up
         ttft = llm.generate(prompt_token_ids=[long_ids], sampling_params=params)[0]

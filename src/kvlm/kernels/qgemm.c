@@ -70,7 +70,7 @@ static inline float from_f16(uint16_t h) {
     return f;
 }
 
-int kvlm_kernel_abi(void) { return 3; }
+int kvlm_kernel_abi(void) { return 4; }
 
 int kvlm_kernel_simd(void) {
 #ifdef __AVX512F__
@@ -530,9 +530,13 @@ typedef struct {
     const kvlm_qlayer *layers;
     const float *final_norm;
     kvlm_qmat lm_head;
-    int64_t kv_bf16; /* the cache stores bf16 (else fp32) */
-    int64_t act_int8; /* products round x to int8 per group (--activations int8) */
+    int64_t kv_dtype;        /* the cache stores KV_F32, KV_BF16 or KV_I8 */
+    int64_t act_int8;        /* products round x to int8 per group (--activations int8) */
+    uint16_t *kv_params;     /* KV_I8: (step, zero) per row, (layers, 2, kv_heads, slots, 2) */
+    const float *key_rot;    /* KV_I8: R (head_dim x head_dim); K rows are stored as k R */
 } kvlm_qmodel;
+
+enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
 
 static void matvec(const kvlm_qmat *w, const float *x, float *y, int act_int8) {
     if (act_int8 && kvlm_qgemm_i8(w->kind, x, 1, w->k, w->data, w->n, y) == 0) return;
@@ -923,13 +927,263 @@ static void attend_chunk(const float *q, int ng, const char *K, const char *V, i
     }
 }
 
+/* ---- int8 K/V (kvlm/cache/storage.py): a row is D codes c and fp16 (step, zero),
+ * x ~ (c + 128) step + zero; K rows are stored rotated, k R (R orthonormal), so the
+ * queries are rotated too: (q R).(k R) = q.k. Scores are integer dot products: each
+ * query head (times the softmax scale, rotated) rounds to int8 with one scale sq (as
+ * llama.cpp does for its q8_0 cache), and
+ *   q.k ~ sq (step sum_i q8_i (c_i + 128) + zero sum_i q8_i),
+ * exact integer sums (VNNI: 64 codes x 1 query per instruction, no widening). p.V widens
+ * the codes: o = sum_s (p_s step_s) c_s + sum_s p_s (128 step_s + zero_s). */
+
+/* float -> IEEE half, round to nearest even, as torch's .to(float16) */
+static inline uint16_t to_f16(float f) {
+#ifdef __F16C__
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    /* Maratyszcza's FP16 library (fp16_ieee_from_fp32_value) */
+    uint32_t w, b, bias;
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f, t;
+    memcpy(&w, &f, 4);
+    const uint32_t shl1 = w + w, sign = w & 0x80000000u;
+    bias = shl1 & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    b = (bias >> 1) + 0x07800000u;
+    memcpy(&t, &b, 4);
+    base = t + base;
+    memcpy(&b, &base, 4);
+    const uint32_t nonsign = ((b >> 13) & 0x7C00u) + (b & 0x0FFFu);
+    return (uint16_t)((sign >> 16) | (shl1 > 0xFF000000u ? 0x7E00u : nonsign));
+#endif
+}
+
+/* storage.quantize of one row: codes[D] and params (step, zero), bit for bit */
+static void quantize_kv_row(const float *x, int64_t D, int8_t *codes, uint16_t *params) {
+    float lo = x[0], hi = x[0];
+    for (int64_t i = 1; i < D; i++) {
+        lo = x[i] < lo ? x[i] : lo;
+        hi = x[i] > hi ? x[i] : hi;
+    }
+    params[0] = to_f16((hi - lo) / 255.0f);
+    params[1] = to_f16(lo);
+    float step = from_f16(params[0]), zero = from_f16(params[1]);
+    step = step < 0x1p-14f ? 0x1p-14f : step; /* fp16's smallest normal, as storage clamps */
+    for (int64_t i = 0; i < D; i++) {
+        float c = rintf((x[i] - zero) / step);
+        codes[i] = (int8_t)((c < 0.f ? 0.f : (c > 255.f ? 255.f : c)) - 128.f);
+    }
+}
+
+/* quantize_kv_row over `rows` rows (for tests: the store's quantizer, bit for bit) */
+void kvlm_quantize_kv_rows(const float *x, int8_t *codes, uint16_t *params, int64_t rows,
+                           int64_t D) {
+    for (int64_t r = 0; r < rows; r++) quantize_kv_row(x + r * D, D, codes + r * D, params + 2 * r);
+}
+
+/* y = x R (R: D x D, row-major) */
+static void rotate(const float *x, const float *R, int64_t D, float *y) {
+    for (int64_t j = 0; j < D; j++) y[j] = 0.f;
+    for (int64_t i = 0; i < D; i++)
+        for (int64_t j = 0; j < D; j++) y[j] += x[i] * R[i * D + j];
+}
+
+/* q8 (zero-padded to a multiple of 64) = x / sq rounded, sq = max|x| / 127; returns sq */
+static float quantize_query(const float *x, int64_t D, int8_t *q8, int32_t *sum) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < D; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float sq = amax / 127.f, inv = sq > 0.f ? 1.f / sq : 0.f;
+    int32_t t = 0;
+    for (int64_t i = 0; i < (D + 63) / 64 * 64; i++) {
+        q8[i] = i < D ? (int8_t)rintf(x[i] * inv) : 0;
+        t += q8[i];
+    }
+    *sum = t;
+    return sq;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* integer lanes 0..3 = the sums of a, b, c, d */
+static inline __m128i reduce4i(__m512i a, __m512i b, __m512i c, __m512i d) {
+#define HALVES(v) _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1))
+    __m256i ab = _mm256_hadd_epi32(HALVES(a), HALVES(b)), cd = _mm256_hadd_epi32(HALVES(c), HALVES(d));
+#undef HALVES
+    __m256i abcd = _mm256_hadd_epi32(ab, cd);
+    return _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1));
+}
+
+/* p[h * S + s] for NG heads, head_dim <= 64 NB, four positions per reduction */
+static inline __attribute__((always_inline)) void
+scores_i8(const int NG, const int NB, const int8_t *q8, int64_t QS, const float *sq,
+          const float *sumq, const int8_t *K, const uint16_t *Kp, int64_t D, int64_t S,
+          int64_t s0, int64_t s1, float *p) {
+    const __mmask64 last = D == 64 * NB ? ~0ULL : (1ULL << (D - 64 * (NB - 1))) - 1;
+    const __m512i flip = _mm512_set1_epi8((char)0x80); /* c + 128 as unsigned bytes */
+    const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    __m512i qv[4][2];
+    for (int h = 0; h < NG; h++)
+        for (int b = 0; b < NB; b++) qv[h][b] = _mm512_loadu_si512(q8 + h * QS + 64 * b);
+    int64_t s = s0;
+    for (; s + 4 <= s1; s += 4) {
+        const int8_t *r = K + s * D;
+        fetch_ahead((const char *)r, 4 * D);
+        __m512i a[4][4];
+        for (int h = 0; h < NG; h++)
+            for (int j = 0; j < 4; j++) a[h][j] = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++)
+            for (int b = 0; b < NB; b++) {
+                __m512i k = b == NB - 1 ? _mm512_maskz_loadu_epi8(last, r + j * D + 64 * b)
+                                        : _mm512_loadu_si512(r + j * D + 64 * b);
+                k = _mm512_xor_si512(k, flip); /* masked-off bytes meet q8 = 0 */
+                for (int h = 0; h < NG; h++) a[h][j] = _mm512_dpbusd_epi32(a[h][j], k, qv[h][b]);
+            }
+        /* (step, zero) of the 4 rows -> 4 steps | 4 zeros */
+        __m256 sz = _mm256_permutevar8x32_ps(
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(Kp + 2 * s))), split);
+        const __m128 st = _mm256_castps256_ps128(sz), ze = _mm256_extractf128_ps(sz, 1);
+        for (int h = 0; h < NG; h++) {
+            __m128 dot = _mm_cvtepi32_ps(reduce4i(a[h][0], a[h][1], a[h][2], a[h][3]));
+            __m128 v = _mm_add_ps(_mm_mul_ps(st, dot), _mm_mul_ps(ze, _mm_set1_ps(sumq[h])));
+            _mm_storeu_ps(p + h * S + s, _mm_mul_ps(_mm_set1_ps(sq[h]), v));
+        }
+    }
+    for (; s < s1; s++) {
+        const float st = from_f16(Kp[2 * s]), ze = from_f16(Kp[2 * s + 1]);
+        for (int h = 0; h < NG; h++) {
+            int32_t dot = 0;
+            for (int64_t i = 0; i < D; i++) dot += q8[h * QS + i] * (K[s * D + i] + 128);
+            p[h * S + s] = sq[h] * (st * (float)dot + ze * sumq[h]);
+        }
+    }
+}
+
+static int scores_i8_dispatch(int ng, int64_t D, const int8_t *q8, int64_t QS, const float *sq,
+                              const float *sumq, const int8_t *K, const uint16_t *Kp,
+                              int64_t S, int64_t s0, int64_t s1, float *p) {
+#define I8_CASE(G_, B_)                                                                      \
+    if (ng == G_ && (D + 63) / 64 == B_) {                                                   \
+        scores_i8(G_, B_, q8, QS, sq, sumq, K, Kp, D, S, s0, s1, p);                         \
+        return 1;                                                                            \
+    }
+    I8_CASE(1, 1) I8_CASE(2, 1) I8_CASE(3, 1) I8_CASE(4, 1) I8_CASE(1, 2) I8_CASE(2, 2)
+    I8_CASE(3, 2) I8_CASE(4, 2)
+#undef I8_CASE
+    return 0;
+}
+#endif
+
+#ifdef __AVX512F__
+/* o[h] = sum_s w[h * S + s] c_s + bias[h], each V row widened once for the NG heads */
+static inline __attribute__((always_inline)) void
+pv_i8(const int NG, const int NV, const float *w, const int8_t *V, int64_t S, int64_t s0,
+      int64_t s1, const float *bias, float *o) {
+    __m512 acc[4][8];
+    for (int h = 0; h < NG; h++)
+        for (int v = 0; v < NV; v++) acc[h][v] = _mm512_setzero_ps();
+    for (int64_t s = s0; s < s1; s++) {
+        const int8_t *r = V + s * 16 * NV;
+        fetch_ahead((const char *)r, 16 * NV);
+        for (int v = 0; v < NV; v++) {
+            __m512 c = _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r + 16 * v))));
+            for (int h = 0; h < NG; h++)
+                acc[h][v] = _mm512_fmadd_ps(_mm512_set1_ps(w[h * S + s]), c, acc[h][v]);
+        }
+    }
+    for (int h = 0; h < NG; h++)
+        for (int v = 0; v < NV; v++)
+            _mm512_storeu_ps(o + h * 16 * NV + 16 * v, _mm512_add_ps(acc[h][v], _mm512_set1_ps(bias[h])));
+}
+
+static int pv_i8_dispatch(int ng, int64_t D, const float *w, const int8_t *V, int64_t S,
+                          int64_t s0, int64_t s1, const float *bias, float *o) {
+#define PV8_CASE(G_, V_)                                                                     \
+    if (ng == G_ && D == 16 * V_) {                                                          \
+        pv_i8(G_, V_, w, V, S, s0, s1, bias, o);                                             \
+        return 1;                                                                            \
+    }
+    PV8_CASE(1, 4) PV8_CASE(2, 4) PV8_CASE(3, 4) PV8_CASE(4, 4) PV8_CASE(1, 8) PV8_CASE(2, 8)
+    PV8_CASE(3, 8) PV8_CASE(4, 8)
+#undef PV8_CASE
+    return 0;
+}
+#endif
+
+/* attend_chunk over an int8 cache: q8 (QS bytes per head), sq and sumq from
+ * quantize_query; Kp, Vp the rows' (step, zero) */
+static void attend_chunk_i8(const int8_t *q8, int64_t QS, const float *sq, const float *sumq,
+                            int ng, const int8_t *K, const uint16_t *Kp, const int8_t *V,
+                            const uint16_t *Vp, int64_t D, int64_t S, int64_t s0, int64_t s1,
+                            float *p, float *m, float *l, float *o) {
+    int done = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    done = scores_i8_dispatch(ng, D, q8, QS, sq, sumq, K, Kp, S, s0, s1, p);
+#endif
+    for (int64_t s = s0; s < s1 && !done; s++) {
+        const float st = from_f16(Kp[2 * s]), ze = from_f16(Kp[2 * s + 1]);
+        for (int h = 0; h < ng; h++) {
+            int32_t dot = 0;
+            for (int64_t i = 0; i < D; i++) dot += q8[h * QS + i] * (K[s * D + i] + 128);
+            p[h * S + s] = sq[h] * (st * (float)dot + ze * sumq[h]);
+        }
+    }
+    float bias[8];
+    for (int h = 0; h < ng; h++) {
+#ifdef __AVX512F__
+        m[h] = max_of(p + h * S + s0, s1 - s0);
+#else
+        m[h] = -INFINITY;
+        for (int64_t s = s0; s < s1; s++) m[h] = p[h * S + s] > m[h] ? p[h * S + s] : m[h];
+#endif
+        l[h] = exp_sum(p + h * S + s0, s1 - s0, m[h]);
+        bias[h] = 0.f;
+    }
+    int64_t s = s0;
+#ifdef __AVX512F__
+    const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+    __m512 bacc[8];
+    for (int h = 0; h < ng; h++) bacc[h] = _mm512_setzero_ps();
+    for (; s + 16 <= s1; s += 16) { /* 16 rows' (step, zero): 32 halves */
+        __m512 lo = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(Vp + 2 * s)));
+        __m512 hi = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(Vp + 2 * s + 16)));
+        __m512 st = _mm512_permutex2var_ps(lo, evens, hi), ze = _mm512_permutex2var_ps(lo, odds, hi);
+        __m512 b = _mm512_fmadd_ps(_mm512_set1_ps(128.f), st, ze);
+        for (int h = 0; h < ng; h++) {
+            __m512 pv = _mm512_loadu_ps(p + h * S + s);
+            bacc[h] = _mm512_fmadd_ps(pv, b, bacc[h]);
+            _mm512_storeu_ps(p + h * S + s, _mm512_mul_ps(pv, st));
+        }
+    }
+    for (int h = 0; h < ng; h++) bias[h] = _mm512_reduce_add_ps(bacc[h]);
+#endif
+    for (; s < s1; s++) { /* p_s step_s in place; the zero points' share */
+        const float st = from_f16(Vp[2 * s]), ze = from_f16(Vp[2 * s + 1]);
+        for (int h = 0; h < ng; h++) {
+            bias[h] += p[h * S + s] * (128.f * st + ze);
+            p[h * S + s] *= st;
+        }
+    }
+#ifdef __AVX512F__
+    if (pv_i8_dispatch(ng, D, p, V, S, s0, s1, bias, o)) return;
+#endif
+    for (int h = 0; h < ng; h++) {
+        for (int64_t i = 0; i < D; i++) o[h * D + i] = 0.f;
+        for (int64_t s = s0; s < s1; s++)
+            for (int64_t i = 0; i < D; i++) o[h * D + i] += p[h * S + s] * (float)V[s * D + i];
+        for (int64_t i = 0; i < D; i++) o[h * D + i] += bias[h];
+    }
+}
+
 /* x [hidden]: the token's embedding in, overwritten; cos/sin [head_dim] at `pos`;
- * kv: (layers, 2, kv_heads, slots, head_dim) fp32 or bf16, slot `pos` written here;
+ * kv: (layers, 2, kv_heads, slots, head_dim) fp32, bf16 or int8, slot `pos` written here;
  * scratch: kvlm_decode_scratch() floats; logits [vocab] out. */
+static inline int64_t query_stride(int64_t D) { return (D + 63) / 64 * 64; } /* int8 bytes */
+
 int64_t kvlm_decode_scratch(const kvlm_qmodel *m) {
-    int64_t qkv = (m->n_heads + 2 * m->n_kv_heads) * m->head_dim;
+    const int64_t qkv = (m->n_heads + 2 * m->n_kv_heads) * m->head_dim;
+    const int64_t int8_queries = m->head_dim + m->n_heads * (query_stride(m->head_dim) / 4 + 2);
     return 2 * m->hidden + qkv + m->n_heads * m->head_dim + 3 * m->inter +
-           m->n_heads * m->slots + m->n_heads * MAX_CHUNKS * (m->head_dim + 2);
+           m->n_heads * m->slots + m->n_heads * MAX_CHUNKS * (m->head_dim + 2) + int8_queries;
 }
 
 void kvlm_decode_step(const kvlm_qmodel *m, float *x, int64_t pos, const float *cos,
@@ -946,10 +1200,16 @@ void kvlm_decode_step(const kvlm_qmodel *m, float *x, int64_t pos, const float *
     float *scores = act + m->inter;      /* Hq S */
     float *tmp = scores + Hq * S;        /* H */
     float *part = tmp + H;               /* per (head, chunk): o [D], max, sum */
+    float *rot = part + Hq * MAX_CHUNKS * (D + 2); /* D: a row times R (int8 cache) */
+    float *qsc = rot + D, *qsum = qsc + Hq;        /* Hq each: the int8 queries' sq, sum */
+    int8_t *q8 = (int8_t *)(qsum + Hq);            /* Hq x QS: the int8 queries */
+    const int64_t QS = query_stride(D);
+    const int i8 = m->kv_dtype == KV_I8, bf = m->kv_dtype == KV_BF16;
+    const int64_t esz = i8 ? 1 : (bf ? 2 : 4);
     for (int64_t l = 0; l < m->n_layers; l++) {
         const kvlm_qlayer *L = m->layers + l;
-        const int bf = m->kv_bf16 != 0;
-        const int64_t esz = bf ? 2 : 4;
+        uint16_t *kp = i8 ? m->kv_params + (l * 2) * Hkv * S * 2 : NULL;
+        uint16_t *vp = i8 ? m->kv_params + (l * 2 + 1) * Hkv * S * 2 : NULL;
         char *kc = (char *)kv + (l * 2) * Hkv * S * D * esz;
         char *vc = (char *)kv + (l * 2 + 1) * Hkv * S * D * esz;
         rms_norm(x, L->input_norm, H, m->eps, h);
@@ -958,7 +1218,11 @@ void kvlm_decode_step(const kvlm_qmodel *m, float *x, int64_t pos, const float *
         for (int64_t g = 0; g < Hkv; g++) {
             const float *k = qkv + (Hq + g) * D, *v = qkv + (Hq + Hkv + g) * D;
             char *kd = kc + (g * S + pos) * D * esz, *vd = vc + (g * S + pos) * D * esz;
-            if (bf) {
+            if (i8) {
+                rotate(k, m->key_rot, D, rot);
+                quantize_kv_row(rot, D, (int8_t *)kd, kp + (g * S + pos) * 2);
+                quantize_kv_row(v, D, (int8_t *)vd, vp + (g * S + pos) * 2);
+            } else if (bf) {
                 for (int64_t i = 0; i < D; i++) {
                     ((uint16_t *)kd)[i] = to_bf16(k[i]);
                     ((uint16_t *)vd)[i] = to_bf16(v[i]);
@@ -967,6 +1231,14 @@ void kvlm_decode_step(const kvlm_qmodel *m, float *x, int64_t pos, const float *
                 memcpy(kd, k, D * sizeof(float));
                 memcpy(vd, v, D * sizeof(float));
             }
+        }
+        for (int64_t j = 0; j < Hq && i8; j++) { /* the queries, scaled, rotated, int8 */
+            float qs[128];
+            for (int64_t i = 0; i < D; i++) qs[i] = qkv[j * D + i] * scale;
+            rotate(qs, m->key_rot, D, rot);
+            int32_t sum;
+            qsc[j] = quantize_query(rot, D, q8 + j * QS, &sum);
+            qsum[j] = (float)sum;
         }
         /* work items: (KV head, chunk of positions), so two threads share even 3 heads */
         const int64_t chunks = n < 64 ? 1 : (n / 64 < MAX_CHUNKS ? n / 64 : MAX_CHUNKS);
@@ -978,7 +1250,12 @@ void kvlm_decode_step(const kvlm_qmodel *m, float *x, int64_t pos, const float *
             float *pt = part + (g * group * MAX_CHUNKS + c) * (D + 2);
             /* heads g*group .. : o at pt + h*MAX_CHUNKS*(D+2), max/sum after it */
             float o[8 * 128], mh[8], lh[8];
-            if (s0 < s1 && group <= 8 && D <= 128) {
+            if (s0 < s1 && group <= 8 && D <= 128 && i8) {
+                attend_chunk_i8(q8 + g * group * QS, QS, qsc + g * group, qsum + g * group,
+                                (int)group, (const int8_t *)kc + g * S * D, kp + g * S * 2,
+                                (const int8_t *)vc + g * S * D, vp + g * S * 2, D, S, s0, s1,
+                                scores + g * group * S, mh, lh, o);
+            } else if (s0 < s1 && group <= 8 && D <= 128) {
                 attend_chunk(qkv + g * group * D, (int)group, kc + g * S * D * esz,
                              vc + g * S * D * esz, bf, esz, D, S, s0, s1, scale,
                              scores + g * group * S, mh, lh, o);

@@ -4,23 +4,27 @@ A decode step of the torch model is ~500 small ops (norms, RoPE, cache writes, a
 residuals) around 121 products; at 576 wide each op costs a few microseconds of dispatch,
 together about as much as the low-bit products themselves. `kvlm_decode_step` runs the
 same math for one token in one call: every layer's norm, fused q|k|v product, RoPE, K/V
-written into the contiguous cache's slot (fp32, or bf16 rounded as torch rounds),
+written into the contiguous cache's slot (fp32; bf16 rounded as torch rounds; int8
+quantized as kvlm.cache.storage does, K through its rotation),
 attention over the slots so far (the query heads of a KV head together, positions split
 in chunks across threads and merged by log-sum-exp), o product, residual, norm, gate|up,
 SiLU, down, residual, then the final norm and the vocabulary. With `--activations int8`
 the products round their input to int8 per group of 32 (kvlm.model.quant), as the torch
-path's products do.
+path's products do. Over an int8 cache the scores are integer dot products: each query
+head (rotated like K) rounds to int8 with one scale, as llama.cpp does for its q8_0 cache;
+the torch path dequantizes K instead, so the two agree to that rounding.
 
 It applies where that is the whole story: CPU, fp32 activations, low-bit weights in every
 projection (`--weights int8|int4|native`), a Llama-shaped block (no biases, no q/k norm,
-no sliding window), and a `contiguous` fp32 or bf16 cache holding one sequence. Anything else
-(prefill, batches, other caches and formats) runs the torch model. `KVLM_NO_FUSED=1`
+no sliding window), and a `contiguous` fp32, bf16 or int8 cache holding one sequence.
+Anything else (prefill, batches, other caches and formats) runs the torch model. `KVLM_NO_FUSED=1`
 turns it off. Tests hold its logits to the torch path's.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import torch
@@ -28,6 +32,7 @@ import torch
 from kvlm import kernels
 from kvlm.cache import KVCache
 from kvlm.cache.contiguous import ContiguousCache
+from kvlm.cache.storage import key_rotation
 from kvlm.model.layers import Linear
 from kvlm.model.transformer import Transformer
 
@@ -67,9 +72,15 @@ class _QModel(ctypes.Structure):
         ("layers", ctypes.POINTER(_QLayer)),
         ("final_norm", ctypes.c_void_p),
         ("lm_head", _QMat),
-        ("kv_bf16", ctypes.c_int64),
+        ("kv_dtype", ctypes.c_int64),
         ("act_int8", ctypes.c_int64),
+        ("kv_params", ctypes.c_void_p),
+        ("key_rot", ctypes.c_void_p),
     ]
+
+
+# the cache dtypes the fused step reads and writes (kvlm_qmodel.kv_dtype in qgemm.c)
+_KV_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 
 def _qmat(lin: Linear) -> _QMat:
@@ -149,11 +160,16 @@ class FusedDecoder:
         self.x = torch.empty(c.hidden_size, dtype=torch.float32)
         self.vocab = model.lm_head.out_features
 
+    @staticmethod
+    @functools.cache
+    def _rotation(head_dim: int) -> torch.Tensor:
+        return key_rotation(head_dim).float().contiguous()
+
     def accepts(self, cache: KVCache) -> bool:
         return (
             type(cache) is ContiguousCache
             and cache.batch == 1
-            and cache.store.values.dtype in (torch.float32, torch.bfloat16)
+            and cache.store.values.dtype in _KV_DTYPE
             and cache.store.values.shape[-2] == self.slots
             and cache.store.values.is_contiguous()
         )
@@ -165,7 +181,11 @@ class FusedDecoder:
         pos = step.start
         self.x.copy_(self.model.embed_table[token])
         logits = torch.empty(1, self.vocab, dtype=torch.float32)
-        self.spec.kv_bf16 = int(cache.store.values.dtype == torch.bfloat16)
+        store = cache.store
+        self.spec.kv_dtype = _KV_DTYPE[store.values.dtype]
+        if store.quantized:  # codes + (step, zero) per row; K stored rotated by R
+            self.spec.kv_params = store.scales.data_ptr()
+            self.spec.key_rot = self._rotation(store.values.shape[-1]).data_ptr()
         # --activations int8: LLM sets act_int8 on every Linear alike
         self.spec.act_int8 = int(self.model.lm_head.act_int8)
         self.lib.kvlm_decode_step(
