@@ -1001,6 +1001,10 @@ static float quantize_query(const float *x, int64_t D, int8_t *q8, int32_t *sum)
     return sq;
 }
 
+/* the int8 cache's compiled cases: 1-4 query heads per KV head x two widths */
+#define FOR_I8_SHAPES(CASE, W1, W2)                                                          \
+    CASE(1, W1) CASE(2, W1) CASE(3, W1) CASE(4, W1) CASE(1, W2) CASE(2, W2) CASE(3, W2) CASE(4, W2)
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* integer lanes 0..3 = the sums of a, b, c, d */
 static inline __m128i reduce4i(__m512i a, __m512i b, __m512i c, __m512i d) {
@@ -1060,12 +1064,8 @@ static int scores_i8_dispatch(int ng, int64_t D, const int8_t *q8, int64_t QS, c
                               const float *sumq, const int8_t *K, const uint16_t *Kp,
                               int64_t S, int64_t s0, int64_t s1, float *p) {
 #define I8_CASE(G_, B_)                                                                      \
-    if (ng == G_ && (D + 63) / 64 == B_) {                                                   \
-        scores_i8(G_, B_, q8, QS, sq, sumq, K, Kp, D, S, s0, s1, p);                         \
-        return 1;                                                                            \
-    }
-    I8_CASE(1, 1) I8_CASE(2, 1) I8_CASE(3, 1) I8_CASE(4, 1) I8_CASE(1, 2) I8_CASE(2, 2)
-    I8_CASE(3, 2) I8_CASE(4, 2)
+    if (ng == G_ && (D + 63) / 64 == B_) return scores_i8(G_, B_, q8, QS, sq, sumq, K, Kp, D, S, s0, s1, p), 1;
+    FOR_I8_SHAPES(I8_CASE, 1, 2)
 #undef I8_CASE
     return 0;
 }
@@ -1096,13 +1096,8 @@ pv_i8(const int NG, const int NV, const float *w, const int8_t *V, int64_t S, in
 
 static int pv_i8_dispatch(int ng, int64_t D, const float *w, const int8_t *V, int64_t S,
                           int64_t s0, int64_t s1, const float *bias, float *o) {
-#define PV8_CASE(G_, V_)                                                                     \
-    if (ng == G_ && D == 16 * V_) {                                                          \
-        pv_i8(G_, V_, w, V, S, s0, s1, bias, o);                                             \
-        return 1;                                                                            \
-    }
-    PV8_CASE(1, 4) PV8_CASE(2, 4) PV8_CASE(3, 4) PV8_CASE(4, 4) PV8_CASE(1, 8) PV8_CASE(2, 8)
-    PV8_CASE(3, 8) PV8_CASE(4, 8)
+#define PV8_CASE(G_, V_) if (ng == G_ && D == 16 * V_) return pv_i8(G_, V_, w, V, S, s0, s1, bias, o), 1;
+    FOR_I8_SHAPES(PV8_CASE, 4, 8)
 #undef PV8_CASE
     return 0;
 }
