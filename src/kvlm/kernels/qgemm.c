@@ -968,7 +968,18 @@ static void quantize_kv_row(const float *x, int64_t D, int8_t *codes, uint16_t *
     params[1] = to_f16(lo);
     float step = from_f16(params[0]), zero = from_f16(params[1]);
     step = step < 0x1p-14f ? 0x1p-14f : step; /* fp16's smallest normal, as storage clamps */
-    for (int64_t i = 0; i < D; i++) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const __m512 vz = _mm512_set1_ps(zero), vs = _mm512_set1_ps(step);
+    for (; i + 16 <= D; i += 16) { /* the same IEEE division and half-to-even rounding */
+        __m512 c = _mm512_roundscale_ps(_mm512_div_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), vz), vs),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        c = _mm512_min_ps(_mm512_max_ps(c, _mm512_setzero_ps()), _mm512_set1_ps(255.f));
+        __m512i q = _mm512_cvtps_epi32(_mm512_sub_ps(c, _mm512_set1_ps(128.f)));
+        _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(q));
+    }
+#endif
+    for (; i < D; i++) {
         float c = rintf((x[i] - zero) / step);
         codes[i] = (int8_t)((c < 0.f ? 0.f : (c > 255.f ? 255.f : c)) - 128.f);
     }
@@ -982,6 +993,19 @@ void kvlm_quantize_kv_rows(const float *x, int8_t *codes, uint16_t *params, int6
 
 /* y = x R (R: D x D, row-major) */
 static void rotate(const float *x, const float *R, int64_t D, float *y) {
+#ifdef __AVX512F__
+    if (D % 16 == 0 && D <= 128) { /* y in registers, one broadcast of x[i] per row of R */
+        __m512 acc[8];
+        for (int64_t v = 0; v < D / 16; v++) acc[v] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < D; i++) {
+            const __m512 xi = _mm512_set1_ps(x[i]);
+            for (int64_t v = 0; v < D / 16; v++)
+                acc[v] = _mm512_fmadd_ps(xi, _mm512_loadu_ps(R + i * D + 16 * v), acc[v]);
+        }
+        for (int64_t v = 0; v < D / 16; v++) _mm512_storeu_ps(y + 16 * v, acc[v]);
+        return;
+    }
+#endif
     for (int64_t j = 0; j < D; j++) y[j] = 0.f;
     for (int64_t i = 0; i < D; i++)
         for (int64_t j = 0; j < D; j++) y[j] += x[i] * R[i * D + j];
