@@ -197,6 +197,36 @@ def test_the_portable_build_runs_the_same_fused_step(
     torch.testing.assert_close(logits[1], logits[0], atol=tol, rtol=tol)
 
 
+@needs_avx512
+def test_the_int8_cache_attention_shapes_agree_with_the_portable_build(tmp_path, monkeypatch):
+    """The int8-cache attention's compiled cases (VNNI scores over one or two 64-code
+    pieces, p.V over 4 or 8 vectors) and its fallback (more than 4 query heads per KV head)
+    give the scalar build's logits: integer scores are exact, only p.V's order differs."""
+    from helpers import save_tiny_model
+    from kvlm import LLM
+    from kvlm.model.fused import FusedDecoder
+
+    portable = _portable_kernels(tmp_path, monkeypatch)
+    monkeypatch.undo()
+    native = kernels.library()
+    for heads, kv_heads, hidden in [(4, 2, 512), (6, 1, 384), (8, 1, 256)]:  # D 128, 64, 32
+        folder = save_tiny_model(
+            tmp_path / f"m{heads}", "llama", seed=7, num_attention_heads=heads,
+            num_key_value_heads=kv_heads, hidden_size=hidden,
+        )  # fmt: skip
+        llm = LLM(model=folder, progress=False, max_context=256, weights="int8", kv_dtype="int8")
+        ids = llm.encode(" ".join(["a b c d e f g"] * 20))  # > 128 positions: chunks
+        logits = []
+        for lib in (native, portable):
+            cache = llm.new_cache("contiguous")
+            llm.runner.forward(ids, cache)
+            monkeypatch.setattr(kernels, "library", lambda lib=lib: lib)
+            decoder = FusedDecoder(llm.model, cache.store.values.shape[-2])
+            monkeypatch.undo()
+            logits.append(torch.cat([decoder.step(t, cache) for t in (3, 7, 11, 5, 2)]))
+        torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+
+
 def test_a_failed_build_is_reported_not_raised(tmp_path, monkeypatch):
     monkeypatch.setenv("KVLM_CACHE_DIR", str(tmp_path))
     with pytest.raises(OSError, match="failed"):
