@@ -167,6 +167,21 @@ def test_the_portable_build_computes_the_same_products(tmp_path, monkeypatch):
         assert torch.equal(q.dense(dtype=torch.bfloat16), quant._dense_torch(q).bfloat16())
 
 
+def _fused_steps_per_library(llm, ids, *libs):
+    """Logits of five fused steps after `ids`, once per compiled library."""
+    from kvlm.model.fused import FusedDecoder
+
+    logits = []
+    for lib in libs:
+        cache = llm.new_cache("contiguous")
+        llm.runner.forward(ids, cache)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(kernels, "library", lambda lib=lib: lib)
+            decoder = FusedDecoder(llm.model, cache.store.values.shape[-2])
+        logits.append(torch.cat([decoder.step(t, cache) for t in (3, 7, 11, 5, 2)]))
+    return logits
+
+
 @needs_avx512
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8"])
 def test_the_portable_build_runs_the_same_fused_step(
@@ -174,7 +189,6 @@ def test_the_portable_build_runs_the_same_fused_step(
 ):
     """The scalar attention (dot_kv / axpy_kv) and products of a build without AVX-512."""
     from kvlm import LLM
-    from kvlm.model.fused import FusedDecoder
 
     portable = _portable_kernels(tmp_path, monkeypatch)
     llm = LLM(
@@ -184,15 +198,7 @@ def test_the_portable_build_runs_the_same_fused_step(
         weights="int4",
         kv_dtype=kv_dtype,
     )
-    ids = llm.encode("a b c d e")
-    logits = []
-    for lib in (kernels.library(), portable):
-        cache = llm.new_cache("contiguous")
-        llm.runner.forward(ids, cache)
-        monkeypatch.setattr(kernels, "library", lambda lib=lib: lib)
-        decoder = FusedDecoder(llm.model, cache.store.values.shape[-2])
-        monkeypatch.undo()
-        logits.append(torch.cat([decoder.step(t, cache) for t in (3, 7, 11, 5, 2)]))
+    logits = _fused_steps_per_library(llm, llm.encode("a b c d e"), kernels.library(), portable)
     tol = {"fp32": 1e-4, "bf16": 5e-2, "int8": 1e-3}[kv_dtype]  # bf16: a rounding step
     torch.testing.assert_close(logits[1], logits[0], atol=tol, rtol=tol)
 
@@ -204,7 +210,6 @@ def test_the_int8_cache_attention_shapes_agree_with_the_portable_build(tmp_path,
     give the scalar build's logits: integer scores are exact, only p.V's order differs."""
     from helpers import save_tiny_model
     from kvlm import LLM
-    from kvlm.model.fused import FusedDecoder
 
     portable = _portable_kernels(tmp_path, monkeypatch)
     monkeypatch.undo()
@@ -216,14 +221,7 @@ def test_the_int8_cache_attention_shapes_agree_with_the_portable_build(tmp_path,
         )  # fmt: skip
         llm = LLM(model=folder, progress=False, max_context=256, weights="int8", kv_dtype="int8")
         ids = llm.encode(" ".join(["a b c d e f g"] * 20))  # > 128 positions: chunks
-        logits = []
-        for lib in (native, portable):
-            cache = llm.new_cache("contiguous")
-            llm.runner.forward(ids, cache)
-            monkeypatch.setattr(kernels, "library", lambda lib=lib: lib)
-            decoder = FusedDecoder(llm.model, cache.store.values.shape[-2])
-            monkeypatch.undo()
-            logits.append(torch.cat([decoder.step(t, cache) for t in (3, 7, 11, 5, 2)]))
+        logits = _fused_steps_per_library(llm, ids, native, portable)
         torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
 
 
