@@ -424,3 +424,14 @@ def assert_generation_agrees(ref, llm, prompt: str, n: int) -> None:
     ref_logits = ref.runner.logits(ids, ref.new_cache("off"))[-n:]
     our_top = [list(lp.top) for lp in b.logprobs]
     assert_greedy_agreement(b.token_ids, our_top, a.token_ids, ref_logits)
+
+
+def portable_kernels(tmp_path, monkeypatch):
+    """qgemm.c built for CPUs without AVX-512 / VNNI (-march=x86-64), into tmp_path."""
+    import ctypes
+
+    from kvlm import kernels
+
+    monkeypatch.setenv("KVLM_CACHE_DIR", str(tmp_path))
+    flags = tuple("-march=x86-64" if f == "-march=native" else f for f in kernels.FLAGS)
+    return kernels._bind(ctypes.CDLL(str(kernels._build(kernels._compiler(), flags))))

@@ -66,6 +66,33 @@ def test_batch_invariance_on_the_default_model(real):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+def test_the_fused_batch_answers_as_generate_does(kv_dtype):
+    """Low-bit weights: the decode batch is one fused C step over the paged pool. Each
+    request's greedy tokens are the same alone, batched with 7 others, and through
+    LLM.generate (the single-sequence fused step over a contiguous cache)."""
+    llm = LLM(progress=False, max_context=1024, weights="native", kv_dtype=kv_dtype)
+    if llm.runner.fused_reason is not None:
+        pytest.skip(llm.runner.fused_reason)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine = Engine(llm)
+    decoder, calls = llm.runner._decoder(engine.spec.max_tokens), []
+    step_table = decoder.step_table
+
+    def counted(pool, tokens, *args):
+        calls.append(len(tokens))
+        return step_table(pool, tokens, *args)
+
+    decoder.step_table = counted
+    reqs = {p: (llm.tokenizer.encode(p), params) for p in PROMPTS}
+    together = run(engine, reqs)
+    assert max(calls) == len(PROMPTS)  # the decode rows went through the fused step at once
+    alone = {p: run(engine, {p: reqs[p]})[p][0] for p in PROMPTS}
+    assert {p: together[p][0] for p in PROMPTS} == alone
+    assert alone == {p: llm.generate(p, params)[0].token_ids for p in PROMPTS}
+
+
+@pytest.mark.slow
 def test_a_shared_system_prompt_is_not_recomputed(real):
     system = "You are a helpful assistant who answers briefly. " * 20
     first = real.tokenizer.encode_chat(

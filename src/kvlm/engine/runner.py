@@ -16,19 +16,23 @@ class ModelRunner:
     def __init__(self, model: Transformer) -> None:
         self.model = model
         self.device = model.device
-        # One token of one sequence on a contiguous cache: one C call (kvlm.model.fused).
+        # One token per sequence, of one contiguous cache or of a paged pool's batch: one C
+        # call (kvlm.model.fused).
         self.fused_reason = fused.why_not(model)
         self._fused: dict[int, fused.FusedDecoder] = {}
 
-    def fused_for(self, cache: KVCache) -> fused.FusedDecoder | None:
-        """The fused decode step for this cache, when it applies."""
+    def _decoder(self, slots: int) -> fused.FusedDecoder | None:
         if self.fused_reason is not None:
             return None
-        slots = cache.spec.max_tokens
         decoder = self._fused.get(slots)
         if decoder is None:
             decoder = self._fused[slots] = fused.FusedDecoder(self.model, slots)
-        return decoder if decoder.accepts(cache) else None
+        return decoder
+
+    def fused_for(self, cache: KVCache) -> fused.FusedDecoder | None:
+        """The fused decode step for this cache, when it applies."""
+        decoder = self._decoder(cache.spec.max_tokens)
+        return decoder if decoder is not None and decoder.accepts(cache) else None
 
     @torch.inference_mode()
     def forward_rows(self, rows: Sequence[Sequence[int]], cache: KVCache) -> torch.Tensor:
@@ -59,7 +63,13 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Sequences of different lengths in one pool (the scheduler's batch): row b feeds
         its tokens at positions starts[b].. through block table tables[b]. Every row has the
-        same number of tokens. Returns each row's last logits, (B, V)."""
+        same number of tokens. Returns each row's last logits, (B, V).
+
+        One token per row (the decode batch) is one call of the fused step when it applies."""
+        if len(rows[0]) == 1 and len(rows) <= fused.MAX_ROWS:
+            decoder = self._decoder(spec.max_tokens)
+            if decoder is not None and decoder.reads(pool.store):
+                return decoder.step_table(pool, [r[0] for r in rows], tables, starts)
         step = TableStep(pool, spec, list(tables), list(starts), len(rows[0]))
         ids = torch.tensor(rows, dtype=torch.long, device=self.device)
         with self.model.step_context(ids.numel()):

@@ -70,7 +70,7 @@ static inline float from_f16(uint16_t h) {
     return f;
 }
 
-int kvlm_kernel_abi(void) { return 4; }
+int kvlm_kernel_abi(void) { return 5; }
 
 int kvlm_kernel_simd(void) {
 #ifdef __AVX512F__
@@ -180,7 +180,10 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
     __m512i sel[4];
     for (int j = 0; j < 4; j++) sel[j] = top_byte_mask(j);
     const __m512i nib = _mm512_set1_epi8(0x0F);
-    const int C = R <= 2 ? 4 : 2; /* independent sums per row of x: fma latency */
+    /* Two independent sums per row of x (fma latency), whatever R: a row's sums must not
+     * depend on how many rows share the pass, or a sequence's tokens would change with the
+     * server's batch. (Four for R <= 2 measured no faster: 41.8 vs 42.0 us at M = 1.) */
+    const int C = 2;
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *c = codes_of(kind, B, g);
         const float *xg = x + m0 * K + g * G;
@@ -559,11 +562,6 @@ typedef struct {
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
 
-static void matvec(const kvlm_qmat *w, const float *x, float *y, int act_int8) {
-    if (act_int8 && kvlm_qgemm_i8(w->kind, x, 1, w->k, w->data, w->n, y) == 0) return;
-    kvlm_qgemm(w->kind, x, 1, w->k, w->data, w->n, y);
-}
-
 static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *y) {
     float ss = 0.f;
     for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
@@ -641,6 +639,8 @@ static inline float kv_elem(const char *row, int bf, int64_t i) {
 
 #ifdef __AVX512F__
 static inline __m512 kv_load(const char *row, int bf, int64_t i) {
+    if (bf == KV_I8) /* codes, widened (the caller takes step and zero apart) */
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + i))));
     return bf ? load_bf16((const uint16_t *)row + i) : _mm512_loadu_ps((const float *)row + i);
 }
 #endif
@@ -674,6 +674,38 @@ static inline void axpy_kv(float a, const char *row, int bf, float *y, int64_t n
 }
 
 #define MAX_CHUNKS 8 /* position chunks per KV head: the threads' work items */
+#define MAX_BATCH 256 /* the most rows (sequences) one decode step takes */
+
+/* Where one KV head's cache rows lie, contiguous or paged. Position s of the sequence is
+ *     base + table[s / bs] * bstride + (s % bs) * row_bytes
+ * contiguous cache: table {0}, bs = its slots (one block of everything); paged pool
+ * (kvlm.cache.paged): the sequence's block table, bs = block_size, bstride = the bytes of
+ * one block id (all KV heads). The kernels walk [s0, s1) in runs of one block each. */
+typedef struct {
+    const char *base;     /* this layer's K or V (or their int8 parameters), this KV head, block id 0 */
+    const int32_t *table; /* block ids of the sequence */
+    int64_t bs, bstride;  /* positions per block; bytes from one block id to the next */
+    int64_t n;            /* positions the sequence holds (prefetching stops there) */
+} kv_span;
+
+/* the first row of the run that starts at position a; *end: where it stops (its block's
+ * end or s1); *lim: the end of its block's rows (prefetching within the block stops there:
+ * for a contiguous cache, the end of the head's slots, so a thread that goes on to the
+ * next chunk finds it fetched) */
+static inline const char *run_at(const kv_span *sp, int64_t rowb, int64_t a, int64_t s1,
+                                 int64_t *end, const char **lim) {
+    const int64_t blk = a / sp->bs, e = (blk + 1) * sp->bs;
+    const char *block = sp->base + (int64_t)sp->table[blk] * sp->bstride;
+    *end = e < s1 ? e : s1;
+    if (lim) *lim = block + sp->bs * rowb;
+    return block + (a - blk * sp->bs) * rowb;
+}
+
+/* one row, wherever its block is (the scalar paths) */
+static inline const char *row_at(const kv_span *sp, int64_t rowb, int64_t s) {
+    return sp->base + (int64_t)sp->table[s / sp->bs] * sp->bstride + (s % sp->bs) * rowb;
+}
+
 
 
 #ifdef __AVX512F__
@@ -683,8 +715,23 @@ static inline void axpy_kv(float a, const char *row, int bf, float *y, int64_t n
  * at 1024 positions, bf16 K/V: attention 1.46-1.55 -> 1.04-1.15 ms per token. (2 KiB
  * ahead into L1 gave nothing.) */
 #define KV_AHEAD 8192
-static inline __attribute__((always_inline)) void fetch_ahead(const char *row, int64_t bytes) {
+static inline __attribute__((always_inline)) void fetch_ahead(const char *row, int64_t bytes,
+                                                               const char *lim) {
+    if (lim - row < KV_AHEAD + bytes) return; /* past its block: fetch_run's work */
     for (int64_t j = 0; j < bytes; j += 64) _mm_prefetch(row + KV_AHEAD + j, _MM_HINT_T1);
+}
+
+/* A paged run (a block smaller than 8 KiB, whose rows fetch_ahead leaves alone) fetches
+ * the block about 8 KiB further on in the sequence, whole; the first run of a chunk also
+ * the ones before it. Nothing for a contiguous cache: its one run is all its rows. */
+static inline __attribute__((always_inline)) void fetch_run(const kv_span *sp, int64_t rowb,
+                                                            int64_t a, int64_t s0) {
+    const int64_t bb = sp->bs * rowb, k = bb >= KV_AHEAD ? 1 : KV_AHEAD / bb;
+    const int64_t blk = a / sp->bs, bytes = bb < KV_AHEAD ? bb : KV_AHEAD;
+    for (int64_t j = a == s0 ? 1 : k; j <= k && (blk + j) * sp->bs < sp->n; j++) {
+        const char *r = sp->base + (int64_t)sp->table[blk + j] * sp->bstride;
+        for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(r + i, _MM_HINT_T1);
+    }
 }
 
 /* lanes 0..3 = the sums of a, b, c, d */
@@ -696,63 +743,6 @@ static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 #undef HALVES
     __m256 abcd = _mm256_hadd_ps(ab, cd);
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
-/* p[h * S + s] = qs_h . K[s] for s in [s0, s1) (qs: the NG query heads, pre-scaled):
- * each K row widened once for all NG heads, four positions per reduction. NG and NV
- * constant where inlined, so the 4 * NG sums stay in registers. */
-static inline __attribute__((always_inline)) void
-scores_avx512(const int NG, const int NV, const float *qs, const char *K, int bf, int64_t esz,
-              int64_t D, int64_t S, int64_t s0, int64_t s1, float *p) {
-    int64_t s = s0;
-    for (; s + 4 <= s1; s += 4) {
-        const char *r = K + s * D * esz;
-        fetch_ahead(r, 4 * D * esz);
-        __m512 a[4][4];
-        for (int h = 0; h < NG; h++)
-            for (int j = 0; j < 4; j++) a[h][j] = _mm512_setzero_ps();
-        for (int v = 0; v < NV; v++) {
-            __m512 k[4];
-            for (int j = 0; j < 4; j++) k[j] = kv_load(r + j * D * esz, bf, 16 * v);
-            for (int h = 0; h < NG; h++) {
-                __m512 qv = _mm512_loadu_ps(qs + h * D + 16 * v);
-                for (int j = 0; j < 4; j++) a[h][j] = _mm512_fmadd_ps(qv, k[j], a[h][j]);
-            }
-        }
-        for (int h = 0; h < NG; h++)
-            _mm_storeu_ps(p + h * S + s, reduce4(a[h][0], a[h][1], a[h][2], a[h][3]));
-    }
-    for (; s < s1; s++) {
-        const char *r = K + s * D * esz;
-        for (int h = 0; h < NG; h++) {
-            __m512 a = _mm512_setzero_ps();
-            for (int v = 0; v < NV; v++)
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(qs + h * D + 16 * v), kv_load(r, bf, 16 * v), a);
-            p[h * S + s] = _mm512_reduce_add_ps(a);
-        }
-    }
-}
-
-static void scores_dispatch(int ng, int nv, const float *qs, const char *K, int bf,
-                            int64_t esz, int64_t D, int64_t S, int64_t s0, int64_t s1,
-                            float *p) {
-#define SC_CASE(G_, V_)                                                                      \
-    if (ng == G_ && nv == V_) {                                                              \
-        scores_avx512(G_, V_, qs, K, bf, esz, D, S, s0, s1, p);                              \
-        return;                                                                              \
-    }
-    SC_CASE(1, 4) SC_CASE(2, 4) SC_CASE(3, 4) SC_CASE(4, 4) SC_CASE(1, 8) SC_CASE(2, 8)
-#undef SC_CASE
-    for (int h = 0; h < ng; h++)
-        scores_avx512(1, nv, qs + h * D, K, bf, esz, D, S, s0, s1, p + h * S);
-}
-
-/* the largest of p[0:n] (n >= 1) */
-static inline float max_of(const float *p, int64_t n) {
-    __m512 m = _mm512_set1_ps(-INFINITY);
-    for (int64_t i = 0; i < n; i += 16)
-        m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, tail_mask(n - i), p + i));
-    return _mm512_reduce_max_ps(m);
 }
 
 /* bf16 cache rows, 32 elements (one 64-byte load) at a time: a 32-bit word holds elements
@@ -767,127 +757,169 @@ static inline void load_bf16_pairs(const char *row, int64_t i, __m512 *even, __m
     *even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
     *odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
+
+/* the scores of J (4 or 1) rows from r for NG heads (see scores_rows) */
 static inline __attribute__((always_inline)) void
-scores_bf16(const int NG, const int NP, const float *qs2, const char *K, int64_t D, int64_t S,
-            int64_t s0, int64_t s1, float *p) {
-    int64_t s = s0;
-    for (; s + 4 <= s1; s += 4) {
-        const char *r = K + s * D * 2;
-        fetch_ahead(r, 4 * D * 2);
-        __m512 a[4][4];
-        for (int h = 0; h < NG; h++)
-            for (int j = 0; j < 4; j++) a[h][j] = _mm512_setzero_ps();
-        for (int v = 0; v < NP; v++) {
+scores_of_rows(const int NG, const int NV, const int PAIRS, const int J, const float *qs,
+               const char *r, int64_t rowb, int bf, int64_t D, __m512 acc[4][4]) {
+    for (int h = 0; h < NG; h++)
+        for (int j = 0; j < J; j++) acc[h][j] = _mm512_setzero_ps();
+    if (PAIRS) {
+        for (int v = 0; v < NV / 2; v++) {
             __m512 e[4], o[4];
-            for (int j = 0; j < 4; j++) load_bf16_pairs(r + j * D * 2, 32 * v, &e[j], &o[j]);
+            for (int j = 0; j < J; j++) load_bf16_pairs(r + j * rowb, 32 * v, &e[j], &o[j]);
             for (int h = 0; h < NG; h++) {
-                __m512 qe = _mm512_loadu_ps(qs2 + h * D + 32 * v);
-                __m512 qo = _mm512_loadu_ps(qs2 + h * D + 32 * v + 16);
-                for (int j = 0; j < 4; j++)
-                    a[h][j] = _mm512_fmadd_ps(qo, o[j], _mm512_fmadd_ps(qe, e[j], a[h][j]));
+                __m512 qe = _mm512_loadu_ps(qs + h * D + 32 * v);
+                __m512 qo = _mm512_loadu_ps(qs + h * D + 32 * v + 16);
+                for (int j = 0; j < J; j++)
+                    acc[h][j] = _mm512_fmadd_ps(qo, o[j], _mm512_fmadd_ps(qe, e[j], acc[h][j]));
             }
         }
-        for (int h = 0; h < NG; h++)
-            _mm_storeu_ps(p + h * S + s, reduce4(a[h][0], a[h][1], a[h][2], a[h][3]));
-    }
-    for (; s < s1; s++) {
-        const char *r = K + s * D * 2;
-        for (int h = 0; h < NG; h++) {
-            __m512 a = _mm512_setzero_ps();
-            for (int v = 0; v < NP; v++) {
-                __m512 e, o;
-                load_bf16_pairs(r, 32 * v, &e, &o);
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(qs2 + h * D + 32 * v), e, a);
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(qs2 + h * D + 32 * v + 16), o, a);
+    } else {
+        for (int v = 0; v < NV; v++) {
+            __m512 k[4];
+            for (int j = 0; j < J; j++) k[j] = kv_load(r + j * rowb, bf, 16 * v);
+            for (int h = 0; h < NG; h++) {
+                __m512 qv = _mm512_loadu_ps(qs + h * D + 16 * v);
+                for (int j = 0; j < J; j++) acc[h][j] = _mm512_fmadd_ps(qv, k[j], acc[h][j]);
             }
-            p[h * S + s] = _mm512_reduce_add_ps(a);
         }
     }
 }
+
+/* p[h * S + s] = qs_h . K[s] for s in [s0, s1) (qs: the NG query heads, pre-scaled):
+ * each K row widened once for all NG heads, four positions per reduction. NG, NV (D / 16)
+ * and PAIRS constant where inlined, so the 4 * NG sums stay in registers. PAIRS: bf16 rows
+ * read as even / odd halves (load_bf16_pairs) against queries split the same way. */
 static inline __attribute__((always_inline)) void
-pv_bf16(const int NG, const int NP, const float *p, const char *V, int64_t D, int64_t S,
-        int64_t s0, int64_t s1, float *out) {
-    __m512 ae[4][4], ao[4][4];
+scores_rows(const int NG, const int NV, const int PAIRS, const float *qs, const kv_span *K,
+            int bf, int64_t esz, int64_t D, int64_t S, int64_t s0, int64_t s1, float *p) {
+    const int64_t rowb = D * esz;
+    __m512 acc[4][4];
+    for (int64_t a = s0, end; a < s1; a = end) {
+        const char *lim, *run = run_at(K, rowb, a, s1, &end, &lim);
+        fetch_run(K, rowb, a, s0);
+        int64_t s = a;
+        for (; s + 4 <= end; s += 4) {
+            const char *r = run + (s - a) * rowb;
+            fetch_ahead(r, 4 * rowb, lim);
+            scores_of_rows(NG, NV, PAIRS, 4, qs, r, rowb, bf, D, acc);
+            for (int h = 0; h < NG; h++)
+                _mm_storeu_ps(p + h * S + s, reduce4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]));
+        }
+        for (; s < end; s++) {
+            scores_of_rows(NG, NV, PAIRS, 1, qs, run + (s - a) * rowb, rowb, bf, D, acc);
+            for (int h = 0; h < NG; h++) p[h * S + s] = _mm512_reduce_add_ps(acc[h][0]);
+        }
+    }
+}
+
+static void scores_dispatch(int ng, int nv, const float *qs, const kv_span *K, int bf,
+                            int64_t esz, int64_t D, int64_t S, int64_t s0, int64_t s1,
+                            float *p) {
+#define SC_CASE(G_, V_)                                                                      \
+    if (ng == G_ && nv == V_) {                                                              \
+        scores_rows(G_, V_, 0, qs, K, bf, esz, D, S, s0, s1, p);                             \
+        return;                                                                              \
+    }
+    SC_CASE(1, 4) SC_CASE(2, 4) SC_CASE(3, 4) SC_CASE(4, 4) SC_CASE(1, 8) SC_CASE(2, 8)
+#undef SC_CASE
+    for (int h = 0; h < ng; h++)
+        scores_rows(1, nv, 0, qs + h * D, K, bf, esz, D, S, s0, s1, p + h * S);
+}
+
+/* the largest of p[0:n] (n >= 1) */
+static inline float max_of(const float *p, int64_t n) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < n; i += 16)
+        m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, tail_mask(n - i), p + i));
+    return _mm512_reduce_max_ps(m);
+}
+
+/* o[h] = sum_s p[h * S + s] V[s] over [s0, s1) (+ bias[h] when given), each V row read
+ * once for the NG heads; NG, NV (D / 16) and PAIRS constant where inlined, so the
+ * accumulators stay in registers. PAIRS: bf16 rows taken as even / odd halves
+ * (load_bf16_pairs), accumulated apart and interleaved back at the end. */
+static inline __attribute__((always_inline)) void
+pv_avx512(const int NG, const int NV, const int PAIRS, const float *p, const kv_span *V, int bf,
+          int64_t esz, int64_t D, int64_t S, int64_t s0, int64_t s1, const float *bias,
+          float *o) {
+    const int64_t rowb = D * esz;
+    __m512 acc[8][8];
     for (int h = 0; h < NG; h++)
-        for (int v = 0; v < NP; v++) ae[h][v] = ao[h][v] = _mm512_setzero_ps();
-    for (int64_t s = s0; s < s1; s++) {
-        const char *r = V + s * D * 2;
-        fetch_ahead(r, D * 2);
-        for (int v = 0; v < NP; v++) {
-            __m512 e, o;
-            load_bf16_pairs(r, 32 * v, &e, &o);
-            for (int h = 0; h < NG; h++) {
-                __m512 w = _mm512_set1_ps(p[h * S + s]);
-                ae[h][v] = _mm512_fmadd_ps(w, e, ae[h][v]);
-                ao[h][v] = _mm512_fmadd_ps(w, o, ao[h][v]);
+        for (int v = 0; v < NV; v++) acc[h][v] = _mm512_setzero_ps();
+    for (int64_t a = s0, e; a < s1; a = e) {
+        const char *lim, *run = run_at(V, rowb, a, s1, &e, &lim);
+        fetch_run(V, rowb, a, s0);
+        for (int64_t s = a; s < e; s++) {
+            const char *r = run + (s - a) * rowb;
+            fetch_ahead(r, rowb, lim);
+            for (int v = 0; v < NV; v += 1 + PAIRS) {
+                __m512 x[2];
+                if (PAIRS)
+                    load_bf16_pairs(r, 16 * v, &x[0], &x[1]);
+                else
+                    x[0] = kv_load(r, bf, 16 * v);
+                for (int h = 0; h < NG; h++) {
+                    const __m512 w = _mm512_set1_ps(p[h * S + s]);
+                    for (int k = 0; k <= PAIRS; k++)
+                        acc[h][v + k] = _mm512_fmadd_ps(w, x[k], acc[h][v + k]);
+                }
             }
         }
     }
-    for (int h = 0; h < NG; h++)
-        for (int v = 0; v < NP; v++) {
+    for (int h = 0; h < NG; h++) {
+        float *oh = o + h * D;
+        for (int v = 0; v < NV; v += 1 + PAIRS) {
+            if (!PAIRS) {
+                _mm512_storeu_ps(oh + 16 * v, bias ? _mm512_add_ps(acc[h][v], _mm512_set1_ps(bias[h]))
+                                                   : acc[h][v]);
+                continue;
+            }
             float even[16], odd[16];
-            _mm512_storeu_ps(even, ae[h][v]);
-            _mm512_storeu_ps(odd, ao[h][v]);
+            _mm512_storeu_ps(even, acc[h][v]);
+            _mm512_storeu_ps(odd, acc[h][v + 1]);
             for (int j = 0; j < 16; j++) {
-                out[h * D + 32 * v + 2 * j] = even[j];
-                out[h * D + 32 * v + 2 * j + 1] = odd[j];
+                oh[16 * v + 2 * j] = even[j];
+                oh[16 * v + 2 * j + 1] = odd[j];
             }
         }
+    }
+}
+
+static void pv_dispatch(int ng, int nv, const float *p, const kv_span *V, int bf, int64_t esz,
+                        int64_t D, int64_t S, int64_t s0, int64_t s1, float *o) {
+#define PV_CASE(G_, V_)                                                                      \
+    if (ng == G_ && nv == V_) {                                                              \
+        pv_avx512(G_, V_, 0, p, V, bf, esz, D, S, s0, s1, NULL, o);                          \
+        return;                                                                              \
+    }
+    PV_CASE(1, 4) PV_CASE(2, 4) PV_CASE(3, 4) PV_CASE(4, 4) PV_CASE(1, 8) PV_CASE(2, 8)
+    PV_CASE(4, 8)
+#undef PV_CASE
+    for (int h = 0; h < ng; h++)
+        pv_avx512(1, nv, 0, p + h * S, V, bf, esz, D, S, s0, s1, NULL, o + h * D);
 }
 
 /* scores, softmax pieces and p.V over a bf16 cache for NG <= 4 query heads and head_dim
  * 32 * NP (NP 2 or 4); 0 when this shape has no case here (the caller widens per row) */
-static int attend_bf16(int ng, int64_t D, const float *qs2, const char *K, const char *V,
+static int attend_bf16(int ng, int64_t D, const float *qs2, const kv_span *K, const kv_span *V,
                        int64_t S, int64_t s0, int64_t s1, float *p, float *m, float *l,
                        float *o) {
 #define BF_CASE(G_, P_)                                                                      \
     if (ng == G_ && D == 32 * P_) {                                                          \
-        scores_bf16(G_, P_, qs2, K, D, S, s0, s1, p);                                        \
+        scores_rows(G_, 2 * P_, 1, qs2, K, 1, 2, D, S, s0, s1, p);                           \
         for (int h = 0; h < G_; h++) {                                                       \
             m[h] = max_of(p + h * S + s0, s1 - s0);                                          \
             l[h] = exp_sum(p + h * S + s0, s1 - s0, m[h]);                                   \
         }                                                                                    \
-        pv_bf16(G_, P_, p, V, D, S, s0, s1, o);                                              \
+        pv_avx512(G_, 2 * P_, 1, p, V, 1, 2, D, S, s0, s1, NULL, o);                         \
         return 1;                                                                            \
     }
     BF_CASE(1, 2) BF_CASE(2, 2) BF_CASE(3, 2) BF_CASE(4, 2) BF_CASE(1, 4) BF_CASE(2, 4)
     BF_CASE(3, 4) BF_CASE(4, 4)
 #undef BF_CASE
     return 0;
-}
-
-/* o[h] = sum_s p[h * S + s] V[s] over [s0, s1), each V row read once for the NG heads;
- * NG and NV constant where inlined, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void
-pv_avx512(const int NG, const int NV, const float *p, const char *V, int bf, int64_t esz,
-          int64_t D, int64_t S, int64_t s0, int64_t s1, float *o) {
-    __m512 acc[8][8];
-    for (int h = 0; h < NG; h++)
-        for (int v = 0; v < NV; v++) acc[h][v] = _mm512_setzero_ps();
-    for (int64_t s = s0; s < s1; s++) {
-        const char *r = V + s * D * esz;
-        fetch_ahead(r, D * esz);
-        for (int v = 0; v < NV; v++) {
-            __m512 vv = kv_load(r, bf, 16 * v);
-            for (int h = 0; h < NG; h++)
-                acc[h][v] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * S + s]), vv, acc[h][v]);
-        }
-    }
-    for (int h = 0; h < NG; h++)
-        for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + h * D + 16 * v, acc[h][v]);
-}
-
-static void pv_dispatch(int ng, int nv, const float *p, const char *V, int bf, int64_t esz,
-                        int64_t D, int64_t S, int64_t s0, int64_t s1, float *o) {
-#define PV_CASE(G_, V_)                                                                      \
-    if (ng == G_ && nv == V_) {                                                              \
-        pv_avx512(G_, V_, p, V, bf, esz, D, S, s0, s1, o);                                   \
-        return;                                                                              \
-    }
-    PV_CASE(1, 4) PV_CASE(2, 4) PV_CASE(3, 4) PV_CASE(4, 4) PV_CASE(1, 8) PV_CASE(2, 8)
-    PV_CASE(4, 8)
-#undef PV_CASE
-    for (int h = 0; h < ng; h++) pv_avx512(1, nv, p + h * S, V, bf, esz, D, S, s0, s1, o + h * D);
 }
 #endif
 
@@ -908,7 +940,7 @@ static void silu_mul(const float *g, const float *u, float *y, int64_t n) {
 
 /* Attention of the `ng` query heads of one KV head over positions [s0, s1): unnormalised
  * output o (ng x D), running max m and sum l per head (combined across chunks later). */
-static void attend_chunk(const float *q, int ng, const char *K, const char *V, int bf,
+static void attend_chunk(const float *q, int ng, const kv_span *K, const kv_span *V, int bf,
                          int64_t esz, int64_t D, int64_t S, int64_t s0, int64_t s1, float scale,
                          float *p, float *m, float *l, float *o) {
 #ifdef __AVX512F__
@@ -934,7 +966,7 @@ static void attend_chunk(const float *q, int ng, const char *K, const char *V, i
         const float *qh = q + h * D;
         float *ph = p + h * S, mx = -INFINITY;
         for (int64_t s = s0; s < s1; s++) {
-            const char *row = K + s * D * esz;
+            const char *row = row_at(K, D * esz, s);
             ph[s] = dot_kv(qh, row, bf, D) * scale;
             mx = ph[s] > mx ? ph[s] : mx;
         }
@@ -943,7 +975,7 @@ static void attend_chunk(const float *q, int ng, const char *K, const char *V, i
         float *oh = o + h * D;
         memset(oh, 0, D * sizeof(float));
         for (int64_t s = s0; s < s1; s++) {
-            axpy_kv(ph[s], V + s * D * esz, bf, oh, D);
+            axpy_kv(ph[s], row_at(V, D * esz, s), bf, oh, D);
         }
     }
 }
@@ -1063,7 +1095,7 @@ static inline __m128i reduce4i(__m512i a, __m512i b, __m512i c, __m512i d) {
 /* p[h * S + s] for NG heads, head_dim <= 64 NB, four positions per reduction */
 static inline __attribute__((always_inline)) void
 scores_i8(const int NG, const int NB, const int8_t *q8, int64_t QS, const float *sq,
-          const float *sumq, const int8_t *K, const uint16_t *Kp, int64_t D, int64_t S,
+          const float *sumq, const kv_span *Ks, const kv_span *Kps, int64_t D, int64_t S,
           int64_t s0, int64_t s1, float *p) {
     const __mmask64 last = D == 64 * NB ? ~0ULL : (1ULL << (D - 64 * (NB - 1))) - 1;
     const __m512i flip = _mm512_set1_epi8((char)0x80); /* c + 128 as unsigned bytes */
@@ -1071,10 +1103,16 @@ scores_i8(const int NG, const int NB, const int8_t *q8, int64_t QS, const float 
     __m512i qv[4][2];
     for (int h = 0; h < NG; h++)
         for (int b = 0; b < NB; b++) qv[h][b] = _mm512_loadu_si512(q8 + h * QS + 64 * b);
-    int64_t s = s0;
-    for (; s + 4 <= s1; s += 4) {
-        const int8_t *r = K + s * D;
-        fetch_ahead((const char *)r, 4 * D);
+    for (int64_t a0 = s0, e; a0 < s1; a0 = e) {
+    /* the run's rows and (step, zero) pairs, indexed from its first position a0 */
+    const char *lim;
+    const int8_t *K = (const int8_t *)run_at(Ks, D, a0, s1, &e, &lim);
+    const uint16_t *Kp = (const uint16_t *)run_at(Kps, 4, a0, s1, &e, NULL);
+    fetch_run(Ks, D, a0, s0);
+    int64_t s = a0;
+    for (; s + 4 <= e; s += 4) {
+        const int8_t *r = K + (s - a0) * D;
+        fetch_ahead((const char *)r, 4 * D, lim);
         __m512i a[4][4];
         for (int h = 0; h < NG; h++)
             for (int j = 0; j < 4; j++) a[h][j] = _mm512_setzero_si512();
@@ -1087,7 +1125,7 @@ scores_i8(const int NG, const int NB, const int8_t *q8, int64_t QS, const float 
             }
         /* (step, zero) of the 4 rows -> 4 steps | 4 zeros */
         __m256 sz = _mm256_permutevar8x32_ps(
-            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(Kp + 2 * s))), split);
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(Kp + 2 * (s - a0)))), split);
         const __m128 st = _mm256_castps256_ps128(sz), ze = _mm256_extractf128_ps(sz, 1);
         for (int h = 0; h < NG; h++) {
             __m128 dot = _mm_cvtepi32_ps(reduce4i(a[h][0], a[h][1], a[h][2], a[h][3]));
@@ -1095,18 +1133,19 @@ scores_i8(const int NG, const int NB, const int8_t *q8, int64_t QS, const float 
             _mm_storeu_ps(p + h * S + s, _mm_mul_ps(_mm_set1_ps(sq[h]), v));
         }
     }
-    for (; s < s1; s++) {
-        const float st = from_f16(Kp[2 * s]), ze = from_f16(Kp[2 * s + 1]);
+    for (; s < e; s++) {
+        const float st = from_f16(Kp[2 * (s - a0)]), ze = from_f16(Kp[2 * (s - a0) + 1]);
         for (int h = 0; h < NG; h++) {
             int32_t dot = 0;
-            for (int64_t i = 0; i < D; i++) dot += q8[h * QS + i] * (K[s * D + i] + 128);
+            for (int64_t i = 0; i < D; i++) dot += q8[h * QS + i] * (K[(s - a0) * D + i] + 128);
             p[h * S + s] = sq[h] * (st * (float)dot + ze * sumq[h]);
         }
+    }
     }
 }
 
 static int scores_i8_dispatch(int ng, int64_t D, const int8_t *q8, int64_t QS, const float *sq,
-                              const float *sumq, const int8_t *K, const uint16_t *Kp,
+                              const float *sumq, const kv_span *K, const kv_span *Kp,
                               int64_t S, int64_t s0, int64_t s1, float *p) {
 #define I8_CASE(G_, B_)                                                                      \
     if (ng == G_ && (D + 63) / 64 == B_) return scores_i8(G_, B_, q8, QS, sq, sumq, K, Kp, D, S, s0, s1, p), 1;
@@ -1117,31 +1156,9 @@ static int scores_i8_dispatch(int ng, int64_t D, const int8_t *q8, int64_t QS, c
 #endif
 
 #ifdef __AVX512F__
-/* o[h] = sum_s w[h * S + s] c_s + bias[h], each V row widened once for the NG heads */
-static inline __attribute__((always_inline)) void
-pv_i8(const int NG, const int NV, const float *w, const int8_t *V, int64_t S, int64_t s0,
-      int64_t s1, const float *bias, float *o) {
-    __m512 acc[4][8];
-    for (int h = 0; h < NG; h++)
-        for (int v = 0; v < NV; v++) acc[h][v] = _mm512_setzero_ps();
-    for (int64_t s = s0; s < s1; s++) {
-        const int8_t *r = V + s * 16 * NV;
-        fetch_ahead((const char *)r, 16 * NV);
-        for (int v = 0; v < NV; v++) {
-            __m512 c = _mm512_cvtepi32_ps(
-                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r + 16 * v))));
-            for (int h = 0; h < NG; h++)
-                acc[h][v] = _mm512_fmadd_ps(_mm512_set1_ps(w[h * S + s]), c, acc[h][v]);
-        }
-    }
-    for (int h = 0; h < NG; h++)
-        for (int v = 0; v < NV; v++)
-            _mm512_storeu_ps(o + h * 16 * NV + 16 * v, _mm512_add_ps(acc[h][v], _mm512_set1_ps(bias[h])));
-}
-
-static int pv_i8_dispatch(int ng, int64_t D, const float *w, const int8_t *V, int64_t S,
+static int pv_i8_dispatch(int ng, int64_t D, const float *w, const kv_span *V, int64_t S,
                           int64_t s0, int64_t s1, const float *bias, float *o) {
-#define PV8_CASE(G_, V_) if (ng == G_ && D == 16 * V_) return pv_i8(G_, V_, w, V, S, s0, s1, bias, o), 1;
+#define PV8_CASE(G_, V_) if (ng == G_ && D == 16 * V_) return pv_avx512(G_, V_, 0, w, V, KV_I8, 1, D, S, s0, s1, bias, o), 1;
     FOR_I8_SHAPES(PV8_CASE, 4, 8)
 #undef PV8_CASE
     return 0;
@@ -1151,18 +1168,20 @@ static int pv_i8_dispatch(int ng, int64_t D, const float *w, const int8_t *V, in
 /* attend_chunk over an int8 cache: q8 (QS bytes per head), sq and sumq from
  * quantize_query; Kp, Vp the rows' (step, zero) */
 static void attend_chunk_i8(const int8_t *q8, int64_t QS, const float *sq, const float *sumq,
-                            int ng, const int8_t *K, const uint16_t *Kp, const int8_t *V,
-                            const uint16_t *Vp, int64_t D, int64_t S, int64_t s0, int64_t s1,
+                            int ng, const kv_span *K, const kv_span *Kp, const kv_span *V,
+                            const kv_span *Vp, int64_t D, int64_t S, int64_t s0, int64_t s1,
                             float *p, float *m, float *l, float *o) {
     int done = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     done = scores_i8_dispatch(ng, D, q8, QS, sq, sumq, K, Kp, S, s0, s1, p);
 #endif
     for (int64_t s = s0; s < s1 && !done; s++) {
-        const float st = from_f16(Kp[2 * s]), ze = from_f16(Kp[2 * s + 1]);
+        const uint16_t *kp = (const uint16_t *)row_at(Kp, 4, s);
+        const int8_t *k = (const int8_t *)row_at(K, D, s);
+        const float st = from_f16(kp[0]), ze = from_f16(kp[1]);
         for (int h = 0; h < ng; h++) {
             int32_t dot = 0;
-            for (int64_t i = 0; i < D; i++) dot += q8[h * QS + i] * (K[s * D + i] + 128);
+            for (int64_t i = 0; i < D; i++) dot += q8[h * QS + i] * (k[i] + 128);
             p[h * S + s] = sq[h] * (st * (float)dot + ze * sumq[h]);
         }
     }
@@ -1177,30 +1196,42 @@ static void attend_chunk_i8(const int8_t *q8, int64_t QS, const float *sq, const
         l[h] = exp_sum(p + h * S + s0, s1 - s0, m[h]);
         bias[h] = 0.f;
     }
-    int64_t s = s0;
 #ifdef __AVX512F__
     const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
     __m512 bacc[8];
     for (int h = 0; h < ng; h++) bacc[h] = _mm512_setzero_ps();
-    for (; s + 16 <= s1; s += 16) { /* 16 rows' (step, zero): 32 halves */
-        __m512 lo = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(Vp + 2 * s)));
-        __m512 hi = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(Vp + 2 * s + 16)));
-        __m512 st = _mm512_permutex2var_ps(lo, evens, hi), ze = _mm512_permutex2var_ps(lo, odds, hi);
-        __m512 b = _mm512_fmadd_ps(_mm512_set1_ps(128.f), st, ze);
-        for (int h = 0; h < ng; h++) {
-            __m512 pv = _mm512_loadu_ps(p + h * S + s);
-            bacc[h] = _mm512_fmadd_ps(pv, b, bacc[h]);
-            _mm512_storeu_ps(p + h * S + s, _mm512_mul_ps(pv, st));
+    /* vector parts first, then the rows left over (the sum order of one contiguous run) */
+    for (int64_t a = s0, e; a < s1; a = e) {
+        const uint16_t *vp = (const uint16_t *)run_at(Vp, 4, a, s1, &e, NULL); /* row a's */
+        for (int64_t s = a; s + 16 <= e; s += 16) { /* 16 rows' (step, zero): 32 halves */
+            const uint16_t *r = vp + 2 * (s - a);
+            __m512 lo = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)r));
+            __m512 hi = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + 16)));
+            __m512 st = _mm512_permutex2var_ps(lo, evens, hi);
+            __m512 ze = _mm512_permutex2var_ps(lo, odds, hi);
+            __m512 b = _mm512_fmadd_ps(_mm512_set1_ps(128.f), st, ze);
+            for (int h = 0; h < ng; h++) {
+                __m512 pv = _mm512_loadu_ps(p + h * S + s);
+                bacc[h] = _mm512_fmadd_ps(pv, b, bacc[h]);
+                _mm512_storeu_ps(p + h * S + s, _mm512_mul_ps(pv, st));
+            }
         }
     }
     for (int h = 0; h < ng; h++) bias[h] = _mm512_reduce_add_ps(bacc[h]);
 #endif
-    for (; s < s1; s++) { /* p_s step_s in place; the zero points' share */
-        const float st = from_f16(Vp[2 * s]), ze = from_f16(Vp[2 * s + 1]);
-        for (int h = 0; h < ng; h++) {
-            bias[h] += p[h * S + s] * (128.f * st + ze);
-            p[h * S + s] *= st;
+    for (int64_t a = s0, e; a < s1; a = e) {
+        const uint16_t *vp = (const uint16_t *)run_at(Vp, 4, a, s1, &e, NULL);
+        int64_t s = a;
+#ifdef __AVX512F__
+        s += (e - a) / 16 * 16; /* done above */
+#endif
+        for (; s < e; s++) { /* p_s step_s in place; the zero points' share */
+            const float st = from_f16(vp[2 * (s - a)]), ze = from_f16(vp[2 * (s - a) + 1]);
+            for (int h = 0; h < ng; h++) {
+                bias[h] += p[h * S + s] * (128.f * st + ze);
+                p[h * S + s] *= st;
+            }
         }
     }
 #ifdef __AVX512F__
@@ -1208,129 +1239,195 @@ static void attend_chunk_i8(const int8_t *q8, int64_t QS, const float *sq, const
 #endif
     for (int h = 0; h < ng; h++) {
         for (int64_t i = 0; i < D; i++) o[h * D + i] = 0.f;
-        for (int64_t s = s0; s < s1; s++)
-            for (int64_t i = 0; i < D; i++) o[h * D + i] += p[h * S + s] * (float)V[s * D + i];
+        for (int64_t s = s0; s < s1; s++) {
+            const int8_t *v = (const int8_t *)row_at(V, D, s);
+            for (int64_t i = 0; i < D; i++) o[h * D + i] += p[h * S + s] * (float)v[i];
+        }
         for (int64_t i = 0; i < D; i++) o[h * D + i] += bias[h];
     }
 }
 
-/* x [hidden]: the token's embedding in, overwritten; cos/sin [head_dim] at `pos`;
- * kv: (layers, 2, kv_heads, slots, head_dim) fp32, bf16 or int8, slot `pos` written here;
- * scratch: kvlm_decode_scratch() floats; logits [vocab] out. */
 static inline int64_t query_stride(int64_t D) { return (D + 63) / 64 * 64; } /* int8 bytes */
 
-int64_t kvlm_decode_scratch(const kvlm_qmodel *m) {
-    const int64_t qkv = (m->n_heads + 2 * m->n_kv_heads) * m->head_dim;
-    const int64_t int8_queries = m->head_dim + m->n_heads * (query_stride(m->head_dim) / 4 + 2);
-    return 2 * m->hidden + qkv + m->n_heads * m->head_dim + 3 * m->inter +
-           m->n_heads * m->slots + m->n_heads * MAX_CHUNKS * (m->head_dim + 2) + int8_queries;
+/* floats of scratch a step of B rows needs */
+int64_t kvlm_decode_scratch(const kvlm_qmodel *m, int64_t B) {
+    const int64_t D = m->head_dim, Hq = m->n_heads;
+    const int64_t row = 2 * m->hidden + (Hq + 2 * m->n_kv_heads) * D + Hq * D + 3 * m->inter +
+                        Hq * m->slots + Hq * MAX_CHUNKS * (D + 2) + Hq * (query_stride(D) / 4 + 2);
+    return B * row + D;
 }
 
-void kvlm_decode_step(const kvlm_qmodel *m, float *x, int64_t pos, const float *cos,
-                      const float *sin, void *kv, float *scratch, float *logits) {
+/* y [B, n] = x [B, k] . W^T, 16 rows per call (the small products' most); 0 or -1 */
+static int matmul_rows(const kvlm_qmat *w, const float *x, int64_t B, float *y, int act_int8) {
+    for (int64_t r = 0; r < B; r += SMALL_ROWS) {
+        const int64_t M = B - r < SMALL_ROWS ? B - r : SMALL_ROWS;
+        const float *xr = x + r * w->k;
+        float *yr = y + r * w->n;
+        if (act_int8 && kvlm_qgemm_i8(w->kind, xr, M, w->k, w->data, w->n, yr) == 0) continue;
+        if (kvlm_qgemm(w->kind, xr, M, w->k, w->data, w->n, yr) != 0) return -1;
+    }
+    return 0;
+}
+
+/* The position chunks of a row attending over n positions: the threads' work items per
+ * KV head. A chunk starts at a multiple of 16, so the kernels' runs over a paged table
+ * (16-slot blocks) and over a contiguous cache group the positions alike (same sums). */
+static inline int64_t chunk_len(int64_t n) {
+    const int64_t chunks = n < 64 ? 1 : (n / 64 < MAX_CHUNKS ? n / 64 : MAX_CHUNKS);
+    return ((n + chunks - 1) / chunks + 15) / 16 * 16;
+}
+
+/* One decode step for B sequences, one token each (B = 1 with a contiguous cache is the
+ * single-stream decode; more rows are the server's batch, every product reading its weight
+ * once for up to 16 rows).
+ *   x [B, hidden]: the tokens' embeddings in, overwritten;
+ *   pos [B]: each row's position (its token is written there; it attends over 0 .. pos);
+ *   cos, sin [slots, head_dim]: RoPE at every position (row pos[b] is used);
+ *   kv: (layers, 2, num_blocks, kv_heads, block_size, head_dim) fp32, bf16 or int8, and
+ *       m->kv_params (..., 2) for int8: a paged pool, or a contiguous cache of one sequence
+ *       as num_blocks 1, block_size = slots;
+ *   tables [B, width]: each row's block ids, position s of row b in tables[b][s / block_size];
+ *   scratch: kvlm_decode_scratch(m, B) floats; logits [B, vocab] out.
+ * Returns 0; -2 when an argument is out of range (a position past the slots or the table,
+ * a block id past the pool: nothing is written); -1 when a product found no scratch memory. */
+int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *pos,
+                      const float *cos, const float *sin, void *kv, int64_t num_blocks,
+                      int64_t block_size, const int32_t *tables, int64_t width, float *scratch,
+                      float *logits) {
     const int64_t H = m->hidden, D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
-    const int64_t S = m->slots, group = Hq / Hkv, n = pos + 1;
+    const int64_t S = m->slots, group = Hq / Hkv, I = m->inter, bs = block_size;
+    const int64_t QKV = (Hq + 2 * Hkv) * D, QS = query_stride(D);
     const float scale = 1.0f / sqrtf((float)D);
     const int ai8 = m->act_int8 != 0;
-    float *h = scratch;                  /* H */
-    float *qkv = h + H;                  /* (Hq + 2 Hkv) D */
-    float *att = qkv + (Hq + 2 * Hkv) * D; /* Hq D */
-    float *gu = att + Hq * D;            /* 2 I */
-    float *act = gu + 2 * m->inter;      /* I */
-    float *scores = act + m->inter;      /* Hq S */
-    float *tmp = scores + Hq * S;        /* H */
-    float *part = tmp + H;               /* per (head, chunk): o [D], max, sum */
-    float *rot = part + Hq * MAX_CHUNKS * (D + 2); /* D: a row times R (int8 cache) */
-    float *qsc = rot + D, *qsum = qsc + Hq;        /* Hq each: the int8 queries' sq, sum */
-    int8_t *q8 = (int8_t *)(qsum + Hq);            /* Hq x QS: the int8 queries */
-    const int64_t QS = query_stride(D);
+    if (B < 1 || B > MAX_BATCH || bs < 1 || num_blocks < 1 || width < 1) return -2;
+    if (group > 8 || Hq % Hkv != 0 || D > 128) return -2; /* the attention's fixed buffers */
+    for (int64_t b = 0; b < B; b++) {
+        if (pos[b] < 0 || pos[b] >= S || pos[b] / bs >= width) return -2;
+        for (int64_t j = 0; j <= pos[b] / bs; j++)
+            if (tables[b * width + j] < 0 || tables[b * width + j] >= num_blocks) return -2;
+    }
+    float *h = scratch;                    /* B H */
+    float *qkv = h + B * H;                /* B (Hq + 2 Hkv) D */
+    float *att = qkv + B * QKV;            /* B Hq D */
+    float *gu = att + B * Hq * D;          /* B 2 I */
+    float *act = gu + B * 2 * I;           /* B I */
+    float *tmp = act + B * I;              /* B H */
+    float *scores = tmp + B * H;           /* B Hq S */
+    float *part = scores + B * Hq * S;     /* per (row, head, chunk): o [D], max, sum */
+    float *qsc = part + B * Hq * MAX_CHUNKS * (D + 2); /* B Hq: the int8 queries' sq */
+    float *qsum = qsc + B * Hq;                        /* B Hq: their code sums */
+    float *rot = qsum + B * Hq;                        /* D: a row times R (int8 cache) */
+    int8_t *q8 = (int8_t *)(rot + D);                  /* B Hq QS: the int8 queries */
     const int i8 = m->kv_dtype == KV_I8, bf = m->kv_dtype == KV_BF16;
-    const int64_t esz = i8 ? 1 : (bf ? 2 : 4);
+    const int64_t esz = i8 ? 1 : (bf ? 2 : 4), rowb = D * esz;
+    /* bytes from one block id to the next, and from one KV head to the next in a block */
+    const int64_t bstride = Hkv * bs * rowb, head_bytes = bs * rowb;
+    const int64_t pstride = Hkv * bs * 4, phead = bs * 4; /* the same for (step, zero) */
+    /* work items (row, KV head, chunk): row b's start at first[b] */
+    int64_t first[MAX_BATCH + 1];
+    first[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = pos[b] + 1, per = chunk_len(n);
+        first[b + 1] = first[b] + Hkv * ((n + per - 1) / per);
+    }
     for (int64_t l = 0; l < m->n_layers; l++) {
         const kvlm_qlayer *L = m->layers + l;
-        uint16_t *kp = i8 ? m->kv_params + (l * 2) * Hkv * S * 2 : NULL;
-        uint16_t *vp = i8 ? m->kv_params + (l * 2 + 1) * Hkv * S * 2 : NULL;
-        char *kc = (char *)kv + (l * 2) * Hkv * S * D * esz;
-        char *vc = (char *)kv + (l * 2 + 1) * Hkv * S * D * esz;
-        rms_norm(x, L->input_norm, H, m->eps, h);
-        matvec(&L->qkv, h, qkv, ai8);
-        for (int64_t j = 0; j < Hq + Hkv; j++) rope(qkv + j * D, cos, sin, D);
-        for (int64_t g = 0; g < Hkv; g++) {
-            const float *k = qkv + (Hq + g) * D, *v = qkv + (Hq + Hkv + g) * D;
-            char *kd = kc + (g * S + pos) * D * esz, *vd = vc + (g * S + pos) * D * esz;
-            if (i8) {
-                rotate(k, m->key_rot, D, rot);
-                quantize_kv_row(rot, D, (int8_t *)kd, kp + (g * S + pos) * 2);
-                quantize_kv_row(v, D, (int8_t *)vd, vp + (g * S + pos) * 2);
-            } else if (bf) {
-                for (int64_t i = 0; i < D; i++) {
-                    ((uint16_t *)kd)[i] = to_bf16(k[i]);
-                    ((uint16_t *)vd)[i] = to_bf16(v[i]);
+        char *kc = (char *)kv + (l * 2) * num_blocks * bstride;
+        char *vc = (char *)kv + (l * 2 + 1) * num_blocks * bstride;
+        char *kp = i8 ? (char *)m->kv_params + (l * 2) * num_blocks * pstride : NULL;
+        char *vp = i8 ? (char *)m->kv_params + (l * 2 + 1) * num_blocks * pstride : NULL;
+        for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->input_norm, H, m->eps, h + b * H);
+        if (matmul_rows(&L->qkv, h, B, qkv, ai8)) return -1;
+        for (int64_t b = 0; b < B; b++) {
+            float *q = qkv + b * QKV;
+            const int64_t p = pos[b], blk = tables[b * width + p / bs], slot = p % bs;
+            for (int64_t j = 0; j < Hq + Hkv; j++) rope(q + j * D, cos + p * D, sin + p * D, D);
+            for (int64_t g = 0; g < Hkv; g++) {
+                const float *k = q + (Hq + g) * D, *v = q + (Hq + Hkv + g) * D;
+                const int64_t at = blk * bstride + g * head_bytes + slot * rowb;
+                const int64_t pat = blk * pstride + g * phead + slot * 4;
+                char *kd = kc + at, *vd = vc + at;
+                if (i8) {
+                    rotate(k, m->key_rot, D, rot);
+                    quantize_kv_row(rot, D, (int8_t *)kd, (uint16_t *)(kp + pat));
+                    quantize_kv_row(v, D, (int8_t *)vd, (uint16_t *)(vp + pat));
+                } else if (bf) {
+                    for (int64_t i = 0; i < D; i++) {
+                        ((uint16_t *)kd)[i] = to_bf16(k[i]);
+                        ((uint16_t *)vd)[i] = to_bf16(v[i]);
+                    }
+                } else {
+                    memcpy(kd, k, D * sizeof(float));
+                    memcpy(vd, v, D * sizeof(float));
                 }
-            } else {
-                memcpy(kd, k, D * sizeof(float));
-                memcpy(vd, v, D * sizeof(float));
+            }
+            for (int64_t j = 0; j < Hq && i8; j++) { /* the queries, scaled, rotated, int8 */
+                float qs[128];
+                for (int64_t i = 0; i < D; i++) qs[i] = q[j * D + i] * scale;
+                rotate(qs, m->key_rot, D, rot);
+                int32_t sum;
+                qsc[b * Hq + j] = quantize_query(rot, D, q8 + (b * Hq + j) * QS, &sum);
+                qsum[b * Hq + j] = (float)sum;
             }
         }
-        for (int64_t j = 0; j < Hq && i8; j++) { /* the queries, scaled, rotated, int8 */
-            float qs[128];
-            for (int64_t i = 0; i < D; i++) qs[i] = qkv[j * D + i] * scale;
-            rotate(qs, m->key_rot, D, rot);
-            int32_t sum;
-            qsc[j] = quantize_query(rot, D, q8 + j * QS, &sum);
-            qsum[j] = (float)sum;
-        }
-        /* work items: (KV head, chunk of positions), so two threads share even 3 heads */
-        const int64_t chunks = n < 64 ? 1 : (n / 64 < MAX_CHUNKS ? n / 64 : MAX_CHUNKS);
-        const int64_t per = (n + chunks - 1) / chunks;
-#pragma omp parallel for schedule(static)
-        for (int64_t item = 0; item < Hkv * chunks; item++) {
-            const int64_t g = item / chunks, c = item % chunks;
+#pragma omp parallel for schedule(static) /* a thread takes consecutive chunks of a head */
+        for (int64_t item = 0; item < first[B]; item++) {
+            int64_t b = 0, hi = B; /* the row holding this item: first[b] <= item < first[b+1] */
+            while (hi - b > 1) {
+                const int64_t mid = (b + hi) / 2;
+                if (first[mid] <= item) b = mid; else hi = mid;
+            }
+            const int64_t n = pos[b] + 1, per = chunk_len(n), chunks = (n + per - 1) / per;
+            const int64_t g = (item - first[b]) / chunks, c = (item - first[b]) % chunks;
             const int64_t s0 = c * per, s1 = s0 + per < n ? s0 + per : n;
-            float *pt = part + (g * group * MAX_CHUNKS + c) * (D + 2);
-            /* heads g*group .. : o at pt + h*MAX_CHUNKS*(D+2), max/sum after it */
+            const int64_t hq = b * Hq + g * group; /* the row's first query head of g */
+            const int32_t *table = tables + b * width;
+            float *pt = part + (hq * MAX_CHUNKS + c) * (D + 2);
+            /* heads hq ..: o at pt + h*MAX_CHUNKS*(D+2), max/sum after it */
             float o[8 * 128], mh[8], lh[8];
-            if (s0 < s1 && group <= 8 && D <= 128 && i8) {
-                attend_chunk_i8(q8 + g * group * QS, QS, qsc + g * group, qsum + g * group,
-                                (int)group, (const int8_t *)kc + g * S * D, kp + g * S * 2,
-                                (const int8_t *)vc + g * S * D, vp + g * S * 2, D, S, s0, s1,
-                                scores + g * group * S, mh, lh, o);
-            } else if (s0 < s1 && group <= 8 && D <= 128) {
-                attend_chunk(qkv + g * group * D, (int)group, kc + g * S * D * esz,
-                             vc + g * S * D * esz, bf, esz, D, S, s0, s1, scale,
-                             scores + g * group * S, mh, lh, o);
+            const kv_span K = {kc + g * head_bytes, table, bs, bstride, n};
+            const kv_span V = {vc + g * head_bytes, table, bs, bstride, n};
+            if (i8) {
+                const kv_span Kp = {kp + g * phead, table, bs, pstride, n};
+                const kv_span Vp = {vp + g * phead, table, bs, pstride, n};
+                attend_chunk_i8(q8 + hq * QS, QS, qsc + hq, qsum + hq, (int)group, &K, &Kp, &V,
+                                &Vp, D, S, s0, s1, scores + hq * S, mh, lh, o);
             } else {
-                for (int64_t h = 0; h < group && h < 8; h++) mh[h] = -INFINITY, lh[h] = 0.f;
-                memset(o, 0, sizeof(o));
+                attend_chunk(qkv + b * QKV + g * group * D, (int)group, &K, &V, bf, esz, D, S,
+                             s0, s1, scale, scores + hq * S, mh, lh, o);
             }
-            for (int64_t h = 0; h < group && h < 8; h++) {
-                float *dst = pt + h * MAX_CHUNKS * (D + 2);
-                memcpy(dst, o + h * D, D * sizeof(float));
-                dst[D] = mh[h];
-                dst[D + 1] = lh[h];
+            for (int64_t j = 0; j < group; j++) {
+                float *dst = pt + j * MAX_CHUNKS * (D + 2);
+                memcpy(dst, o + j * D, D * sizeof(float));
+                dst[D] = mh[j];
+                dst[D + 1] = lh[j];
             }
         }
-        for (int64_t j = 0; j < Hq; j++) { /* merge the chunks: log-sum-exp */
-            const float *pj = part + j * MAX_CHUNKS * (D + 2);
-            float M = -INFINITY, Lsum = 0.f, *out = att + j * D;
-            for (int64_t c = 0; c < chunks; c++) M = pj[c * (D + 2) + D] > M ? pj[c * (D + 2) + D] : M;
-            memset(out, 0, D * sizeof(float));
-            for (int64_t c = 0; c < chunks; c++) {
-                const float *pc = pj + c * (D + 2);
-                float w = pc[D] == -INFINITY ? 0.f : expf(pc[D] - M);
-                Lsum += w * pc[D + 1];
-                axpy_kv(w, (const char *)pc, 0, out, D);
+        for (int64_t b = 0; b < B; b++) { /* merge each head's chunks: log-sum-exp */
+            const int64_t n = pos[b] + 1, per = chunk_len(n), chunks = (n + per - 1) / per;
+            for (int64_t j = b * Hq; j < (b + 1) * Hq; j++) {
+                const float *pj = part + j * MAX_CHUNKS * (D + 2);
+                float M = -INFINITY, Lsum = 0.f, *out = att + j * D;
+                for (int64_t c = 0; c < chunks; c++)
+                    M = pj[c * (D + 2) + D] > M ? pj[c * (D + 2) + D] : M;
+                memset(out, 0, D * sizeof(float));
+                for (int64_t c = 0; c < chunks; c++) {
+                    const float *pc = pj + c * (D + 2);
+                    float w = expf(pc[D] - M);
+                    Lsum += w * pc[D + 1];
+                    axpy_kv(w, (const char *)pc, 0, out, D);
+                }
+                for (int64_t i = 0; i < D; i++) out[i] /= Lsum;
             }
-            for (int64_t i = 0; i < D; i++) out[i] /= Lsum;
         }
-        matvec(&L->o, att, tmp, ai8);
-        for (int64_t i = 0; i < H; i++) x[i] += tmp[i];
-        rms_norm(x, L->post_norm, H, m->eps, h);
-        matvec(&L->gate_up, h, gu, ai8);
-        silu_mul(gu, gu + m->inter, act, m->inter);
-        matvec(&L->down, act, tmp, ai8);
-        for (int64_t i = 0; i < H; i++) x[i] += tmp[i];
+        if (matmul_rows(&L->o, att, B, tmp, ai8)) return -1;
+        for (int64_t i = 0; i < B * H; i++) x[i] += tmp[i];
+        for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->post_norm, H, m->eps, h + b * H);
+        if (matmul_rows(&L->gate_up, h, B, gu, ai8)) return -1;
+        for (int64_t b = 0; b < B; b++) silu_mul(gu + b * 2 * I, gu + b * 2 * I + I, act + b * I, I);
+        if (matmul_rows(&L->down, act, B, tmp, ai8)) return -1;
+        for (int64_t i = 0; i < B * H; i++) x[i] += tmp[i];
     }
-    rms_norm(x, m->final_norm, H, m->eps, h);
-    matvec(&m->lm_head, h, logits, ai8);
+    for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, m->final_norm, H, m->eps, h + b * H);
+    return matmul_rows(&m->lm_head, h, B, logits, ai8);
 }

@@ -1,24 +1,31 @@
-"""The fused decode step: one C call per token for one sequence (kernels/qgemm.c).
+"""The fused decode step: one C call per step for one or many sequences (kernels/qgemm.c).
 
 A decode step of the torch model is ~500 small ops (norms, RoPE, cache writes, attention,
 residuals) around 121 products; at 576 wide each op costs a few microseconds of dispatch,
-together about as much as the low-bit products themselves. `kvlm_decode_step` runs the
-same math for one token in one call: every layer's norm, fused q|k|v product, RoPE, K/V
-written into the contiguous cache's slot (fp32; bf16 rounded as torch rounds; int8
-quantized as kvlm.cache.storage does, K through its rotation),
-attention over the slots so far (the query heads of a KV head together, positions split
-in chunks across threads and merged by log-sum-exp), o product, residual, norm, gate|up,
-SiLU, down, residual, then the final norm and the vocabulary. With `--activations int8`
-the products round their input to int8 per group of 32 (kvlm.model.quant), as the torch
-path's products do. Over an int8 cache the scores are integer dot products: each query
-head (rotated like K) rounds to int8 with one scale, as llama.cpp does for its q8_0 cache;
-the torch path dequantizes K instead, so the two agree to that rounding.
+together about as much as the low-bit products themselves. `kvlm_decode_batch` runs the
+same math for one token of each of B sequences in one call: every layer's norm, fused
+q|k|v product, RoPE at each row's own position, K/V written into each row's slot (fp32;
+bf16 rounded as torch rounds; int8 quantized as kvlm.cache.storage does, K through its
+rotation), attention over each row's slots so far (the query heads of a KV head together,
+positions split in chunks across threads and merged by log-sum-exp), o product, residual,
+norm, gate|up, SiLU, down, residual, then the final norm and the vocabulary. The products
+read each weight once for up to 16 rows. With `--activations int8` the products round
+their input to int8 per group of 32 (kvlm.model.quant), as the torch path's products do.
+Over an int8 cache the scores are integer dot products: each query head (rotated like K)
+rounds to int8 with one scale, as llama.cpp does for its q8_0 cache; the torch path
+dequantizes K instead, so the two agree to that rounding.
+
+The cache is addressed through block tables: a paged pool (kvlm.cache.paged: the server's
+batch, `step_table`) or a contiguous cache of one sequence, which is a pool of one block
+holding every slot (`step`: kvlm generate). Chunks start at multiples of 16 and every
+product sums a row alike whatever rows share it, so a sequence gets the same logits, bit
+for bit, alone or in any batch, paged or contiguous (tests/test_fused_batch.py).
 
 It applies where that is the whole story: CPU, fp32 activations, low-bit weights in every
 projection (`--weights int8|int4|native`), a Llama-shaped block (no biases, no q/k norm,
-no sliding window), and a `contiguous` fp32, bf16 or int8 cache holding one sequence.
-Anything else (prefill, batches, other caches and formats) runs the torch model. `KVLM_NO_FUSED=1`
-turns it off. Tests hold its logits to the torch path's.
+no sliding window), and fp32, bf16 or int8 K/V. Anything else (prefill, other caches and
+formats) runs the torch model. `KVLM_NO_FUSED=1` turns it off. Tests hold its logits to
+the torch path's.
 """
 
 from __future__ import annotations
@@ -26,17 +33,20 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Sequence
 
 import torch
 
 from kvlm import kernels
 from kvlm.cache import KVCache
 from kvlm.cache.contiguous import ContiguousCache
-from kvlm.cache.storage import key_rotation
+from kvlm.cache.paged import BlockPool
+from kvlm.cache.storage import Store, key_rotation
 from kvlm.model.layers import Linear
 from kvlm.model.transformer import Transformer
 
 _KIND = {"q8": 8, "q4": 4}
+MAX_ROWS = 256  # the most sequences one step takes (MAX_BATCH in qgemm.c)
 
 
 class _QMat(ctypes.Structure):
@@ -150,15 +160,14 @@ class FusedDecoder:
             model.norm.weight.data_ptr(),
             _qmat(model.lm_head),
         )
-        self.lib.kvlm_decode_scratch.restype = ctypes.c_int64
-        self.lib.kvlm_decode_scratch.argtypes = [ctypes.c_void_p]
         p, i = ctypes.c_void_p, ctypes.c_int64
-        self.lib.kvlm_decode_step.argtypes = [p, p, i, p, p, p, p, p]
-        self.lib.kvlm_decode_step.restype = None
-        n = self.lib.kvlm_decode_scratch(ctypes.byref(self.spec))
-        self.scratch = torch.empty(n, dtype=torch.float32)
-        self.x = torch.empty(c.hidden_size, dtype=torch.float32)
+        self.lib.kvlm_decode_scratch.restype = i
+        self.lib.kvlm_decode_scratch.argtypes = [p, i]
+        self.lib.kvlm_decode_batch.argtypes = [p, i, p, p, p, p, p, i, i, p, i, p, p]
+        self.lib.kvlm_decode_batch.restype = ctypes.c_int
+        self.scratch = torch.empty(0, dtype=torch.float32)
         self.vocab = model.lm_head.out_features
+        self._one = torch.zeros(1, 1, dtype=torch.int32)  # a contiguous cache's block table
 
     @staticmethod
     @functools.cache
@@ -169,34 +178,84 @@ class FusedDecoder:
         return (
             type(cache) is ContiguousCache
             and cache.batch == 1
-            and cache.store.values.dtype in _KV_DTYPE
             and cache.store.values.shape[-2] == self.slots
-            and cache.store.values.is_contiguous()
+            and self.reads(cache.store)
         )
+
+    def reads(self, store: Store) -> bool:
+        """Whether the step reads and writes this storage (dtype, device, layout)."""
+        values = store.values
+        return values.dtype in _KV_DTYPE and values.device.type == "cpu" and values.is_contiguous()
 
     @torch.inference_mode()
     def step(self, token: int, cache: KVCache) -> torch.Tensor:
         """Logits (1, V) of `token` fed after what `cache` holds; the cache commits it."""
         step = cache.begin(1)  # raises on overflow before any write
-        pos = step.start
-        self.x.copy_(self.model.embed_table[token])
-        logits = torch.empty(1, self.vocab, dtype=torch.float32)
-        store = cache.store
+        # one sequence's contiguous slots are a pool of one block of every slot
+        logits = self._run(cache.store, [token], [step.start], self._one, self.slots)
+        cache.commit(step)
+        return logits
+
+    @torch.inference_mode()
+    def step_table(
+        self,
+        pool: BlockPool,
+        tokens: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        starts: Sequence[int],
+    ) -> torch.Tensor:
+        """Logits (B, V) of one token per sequence of a paged pool (the scheduler's batch):
+        row b's token at position starts[b], written into block tables[b][starts[b] //
+        block_size], which the allocator has made the row's own."""
+        bs = pool.block_size
+        width = max(s // bs + 1 for s in starts)
+        table = torch.full((len(tokens), width), -1, dtype=torch.int32)  # -1: no block
+        for b, t in enumerate(tables):
+            row = t[:width]
+            table[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        return self._run(pool.store, tokens, starts, table, bs)
+
+    def _run(
+        self,
+        store: Store,
+        tokens: Sequence[int],
+        starts: Sequence[int],
+        table: torch.Tensor,
+        block_size: int,
+    ) -> torch.Tensor:
+        rows = len(tokens)
+        x = self.model.embed_table[torch.tensor(tokens)].contiguous()
+        pos = torch.tensor(starts, dtype=torch.int64)
+        logits = torch.empty(rows, self.vocab, dtype=torch.float32)
+        need = self.lib.kvlm_decode_scratch(ctypes.byref(self.spec), rows)
+        if self.scratch.numel() < need:  # grows to the largest batch seen, then stays
+            self.scratch = torch.empty(need, dtype=torch.float32)
         self.spec.kv_dtype = _KV_DTYPE[store.values.dtype]
         if store.quantized:  # codes + (step, zero) per row; K stored rotated by R
             self.spec.kv_params = store.scales.data_ptr()
             self.spec.key_rot = self._rotation(store.values.shape[-1]).data_ptr()
         # --activations int8: LLM sets act_int8 on every Linear alike
         self.spec.act_int8 = int(self.model.lm_head.act_int8)
-        self.lib.kvlm_decode_step(
+        rc = self.lib.kvlm_decode_batch(
             ctypes.byref(self.spec),
-            self.x.data_ptr(),
-            pos,
-            self.cos[pos].data_ptr(),
-            self.sin[pos].data_ptr(),
-            cache.store.values.data_ptr(),
+            rows,
+            x.data_ptr(),
+            pos.data_ptr(),
+            self.cos.data_ptr(),
+            self.sin.data_ptr(),
+            store.values.data_ptr(),
+            store.values.shape[2],  # blocks (a contiguous cache: its one row)
+            block_size,
+            table.data_ptr(),
+            table.shape[1],
             self.scratch.data_ptr(),
             logits.data_ptr(),
         )
-        cache.commit(step)
+        if rc == -1:
+            raise MemoryError("no scratch memory for the fused decode step")
+        if rc != 0:
+            raise ValueError(
+                f"the fused decode step refused rows at positions {list(starts)} "
+                f"({self.slots} slots, {store.values.shape[2]} blocks of {block_size})"
+            )
         return logits

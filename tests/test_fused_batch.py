@@ -1,0 +1,152 @@
+"""The fused decode step over a paged pool: the server's batch in one C call.
+
+Every row of a batch must get the logits it gets alone, bit for bit (a request's tokens do
+not depend on who else is being served), and the same as the single-sequence fused step
+over a contiguous cache (kvlm generate and kvlm serve answer alike)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from helpers import portable_kernels
+from kvlm import LLM, kernels
+from kvlm.cache.base import blocks_for
+from kvlm.cache.paged import BlockPool
+
+needs_kernels = pytest.mark.skipif(kernels.library() is None, reason=kernels.status())
+needs_avx512 = pytest.mark.skipif(
+    kernels.library() is None or kernels.library().kvlm_kernel_simd() != 512,
+    reason="checks the portable build against the AVX-512 one",
+)
+
+# rows of different lengths: within one block, across several, one past 64 positions
+# (two attention chunks) and one long enough for more
+LENGTHS = [3, 16, 17, 40, 70, 9, 130, 1, 33, 64, 65, 5, 21, 48, 90, 12, 7, 28, 50, 2]
+
+
+def _llm(tiny_model_dir, weights: str, kv_dtype: str, act: str = "fp32") -> LLM:
+    return LLM(
+        model=tiny_model_dir("llama"),
+        progress=False,
+        max_context=256,
+        weights=weights,
+        kv_dtype=kv_dtype,
+        activations=act,
+    )
+
+
+def _tables(pool: BlockPool, lengths: list[int], seed: int) -> list[list[int]]:
+    """Each row's blocks, drawn from the pool in a scrambled order (ids far from sorted)."""
+    ids = [pool.allocate() for _ in range(sum(blocks_for(n, pool.block_size) for n in lengths))]
+    random.Random(seed).shuffle(ids)
+    tables, at = [], 0
+    for n in lengths:
+        k = blocks_for(n, pool.block_size)
+        tables.append(ids[at : at + k])
+        at += k
+    return tables
+
+
+def _batched(llm: LLM, seqs: list[list[int]], pool: BlockPool, tables) -> list[torch.Tensor]:
+    """Feed every row its tokens one step at a time, all rows that still have one together;
+    each row's logits per step."""
+    spec = llm.cache_spec("paged")
+    out: list[list[torch.Tensor]] = [[] for _ in seqs]
+    for t in range(max(len(s) for s in seqs)):
+        live = [b for b, s in enumerate(seqs) if t < len(s)]
+        logits = llm.runner.forward_table(
+            pool, spec, [[seqs[b][t]] for b in live], [tables[b] for b in live], [t] * len(live)
+        )
+        for i, b in enumerate(live):
+            out[b].append(logits[i])
+    return [torch.stack(o) for o in out]
+
+
+def _contiguous(llm: LLM, tokens: list[int]) -> torch.Tensor:
+    cache = llm.new_cache("contiguous")
+    assert llm.runner.fused_for(cache) is not None
+    return torch.stack([llm.runner.forward([t], cache) for t in tokens])
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "weights, kv_dtype, act",
+    [("int4", "fp32", "fp32"), ("int8", "bf16", "fp32"), ("int4", "int8", "int8")],
+)
+def test_a_batch_over_a_paged_pool_gives_each_row_its_own_logits(
+    tiny_model_dir, weights, kv_dtype, act
+):
+    _rows_alone_and_together(_llm(tiny_model_dir, weights, kv_dtype, act), LENGTHS)
+
+
+@needs_avx512
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+def test_the_portable_build_batches_alike(tiny_model_dir, tmp_path, monkeypatch, kv_dtype):
+    """The scalar attention walks a block table too (row by row)."""
+    portable = portable_kernels(tmp_path, monkeypatch)
+    monkeypatch.setattr(kernels, "library", lambda: portable)
+    _rows_alone_and_together(_llm(tiny_model_dir, "int4", kv_dtype), LENGTHS[:7])
+
+
+def _rows_alone_and_together(llm: LLM, lengths: list[int]) -> None:
+    assert llm.runner.fused_reason is None
+    vocab = llm.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+    spec = llm.cache_spec("paged")
+    pool = BlockPool(spec, 64)
+    tables = _tables(pool, lengths, seed=2)
+    together = _batched(llm, seqs, pool, tables)  # 20 rows: products in two tiles of 16
+    for b, tokens in enumerate(seqs):
+        alone_pool = BlockPool(spec, 64)
+        alone = _batched(llm, [tokens], alone_pool, _tables(alone_pool, [len(tokens)], seed=b))
+        assert torch.equal(together[b], alone[0]), f"row {b}: batched != alone"
+        assert torch.equal(together[b], _contiguous(llm, tokens)), f"row {b}: paged != contiguous"
+
+
+@needs_kernels
+def test_the_batched_step_matches_the_torch_model_over_a_paged_pool(tiny_model_dir):
+    """Against kvlm's own torch forward (TableStep: gathered keys, masked padding)."""
+    llm = _llm(tiny_model_dir, "int4", "fp32")
+    vocab = llm.config.vocab_size
+    lengths = [5, 30, 70, 17]
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+    spec = llm.cache_spec("paged")
+    pools = [BlockPool(spec, 32), BlockPool(spec, 32)]
+    tables = _tables(pools[0], lengths, seed=4)
+    assert _tables(pools[1], lengths, seed=4) == tables
+    fused = _batched(llm, seqs, pools[0], tables)
+    llm.runner.fused_reason = "off for the comparison"
+    reference = _batched(llm, seqs, pools[1], tables)
+    for ours, theirs in zip(fused, reference, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    for table, n in zip(tables, lengths, strict=True):  # the K/V each wrote, via the tables
+        ours, theirs = (
+            p.store.values[:, :, table].transpose(2, 3).flatten(3, 4)[..., :n, :] for p in pools
+        )
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+@needs_kernels
+def test_the_batched_step_refuses_positions_outside_its_tables(tiny_model_dir):
+    """A position past the rows' tables or the context, or a block id past the pool: a
+    clear error, and nothing written."""
+    llm = _llm(tiny_model_dir, "int8", "fp32")
+    spec = llm.cache_spec("paged")
+    pool = BlockPool(spec, 4)
+    pool.store.values.fill_(0.5)
+    before = pool.store.values.clone()
+    decoder = llm.runner._decoder(spec.max_tokens)
+    for tables, starts in (
+        ([[0]], [16]),  # block 1 of a one-block table
+        ([[7]], [0]),  # no block 7 in a pool of 4
+        ([[0, 1]], [-1]),
+        ([[0] * 20], [256]),  # past the context
+    ):
+        with pytest.raises(ValueError, match="refused"):
+            decoder.step_table(pool, [5], tables, starts)
+    assert torch.equal(pool.store.values, before)
