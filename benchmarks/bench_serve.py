@@ -4,6 +4,7 @@ without a prefix hit, and a soak run watching memory and errors.
     python benchmarks/bench_serve.py                       # all three phases
     python benchmarks/bench_serve.py --soak-seconds 600    # the 10-minute soak
     python benchmarks/bench_serve.py --phases streams,prefix --json out.json
+    python benchmarks/bench_serve.py --phases streams --serve-args "--weights native"
 
 It starts the server itself on 127.0.0.1 (a free port), with the default model, and talks
 raw HTTP + SSE (http.client) so the client costs little CPU beside the server. Everything
@@ -57,7 +58,8 @@ class Server:
         cmd = [sys.executable, "-c", "from kvlm.cli import main; raise SystemExit(main())",
                "serve", "--port", str(self.port), "--threads", str(args.threads),
                "--max-context", str(args.max_context), "--max-num-seqs", "16",
-               "--max-waiting", "64", "--log-level", "warning"]  # fmt: skip
+               "--max-waiting", "64", "--log-level", "warning",
+               *args.serve_args.split()]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 300
         while time.time() < deadline:
@@ -260,6 +262,8 @@ def main() -> None:
     p.add_argument("--soak-seconds", type=int, default=600)
     p.add_argument("--soak-clients", type=int, default=8)
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--serve-args", default="", help="more `kvlm serve` flags, e.g. "
+                   "'--weights native --activations int8 --kv-dtype int8'")  # fmt: skip
     args = p.parse_args()
     phases = args.phases.split(",")
     server = Server(args)
