@@ -150,3 +150,27 @@ def test_the_batched_step_refuses_positions_outside_its_tables(tiny_model_dir):
         with pytest.raises(ValueError, match="refused"):
             decoder.step_table(pool, [5], tables, starts)
     assert torch.equal(pool.store.values, before)
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["contiguous", "paged"])
+def test_forked_samples_decode_in_one_step_as_each_would_alone(tiny_model_dir, mode):
+    """n samples of one prompt (cache.fork, as LLM.generate does for n > 1) step together
+    through the fused step, over a contiguous cache of n rows or a paged one (its shared
+    last block copied on write), each row as a cache of its own would."""
+    llm = _llm(tiny_model_dir, "int4", "fp32")
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, llm.config.vocab_size, (21,), generator=g).tolist()
+    rows = torch.randint(3, llm.config.vocab_size, (3, 30), generator=g).tolist()
+    cache = llm.new_cache(mode)
+    llm.runner.forward(prompt, cache)  # the prefill: the torch model
+    cache.fork(3)
+    assert llm.runner.fused_for(cache) is not None
+    together = torch.stack(
+        [llm.runner.forward_rows([r[t : t + 1] for r in rows], cache) for t in range(30)]
+    )
+    for b, row in enumerate(rows):
+        alone = llm.new_cache(mode)
+        llm.runner.forward(prompt, alone)
+        logits = torch.stack([llm.runner.forward([tok], alone) for tok in row])
+        assert torch.equal(together[:, b], logits), f"sample {b}"

@@ -168,7 +168,7 @@ def _fused_steps_per_library(llm, ids, *libs):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(kernels, "library", lambda lib=lib: lib)
             decoder = FusedDecoder(llm.model, cache.store.values.shape[-2])
-        logits.append(torch.cat([decoder.step(t, cache) for t in (3, 7, 11, 5, 2)]))
+        logits.append(torch.cat([decoder.step([t], cache) for t in (3, 7, 11, 5, 2)]))
     return logits
 
 
@@ -413,7 +413,9 @@ def test_fused_step_is_not_used_where_it_does_not_apply(tiny_model_dir):
     assert bias.runner.fused_reason == "projection biases"
     q8 = LLM(model=tiny_model_dir("llama"), progress=False, max_context=64, weights="int8")
     if q8.runner.fused_reason is None:
-        assert q8.runner.fused_for(q8.new_cache("paged")) is None
+        assert q8.runner.fused_for(q8.new_cache("window")) is None
+        assert q8.runner.fused_for(q8.new_cache("basic")) is None
+        assert q8.runner.fused_for(q8.new_cache("paged")) is not None
         assert q8.runner.fused_for(q8.new_cache("contiguous")) is not None
 
 

@@ -16,8 +16,8 @@ class ModelRunner:
     def __init__(self, model: Transformer) -> None:
         self.model = model
         self.device = model.device
-        # One token per sequence, of one contiguous cache or of a paged pool's batch: one C
-        # call (kvlm.model.fused).
+        # One token per row, of a contiguous or paged cache or of the engine's batch over
+        # its pool: one C call (kvlm.model.fused).
         self.fused_reason = fused.why_not(model)
         self._fused: dict[int, fused.FusedDecoder] = {}
 
@@ -43,8 +43,8 @@ class ModelRunner:
         """
         if len(rows) != cache.batch or len({len(r) for r in rows}) != 1:
             raise ValueError(f"need {cache.batch} rows of one length, got {[len(r) for r in rows]}")
-        if len(rows) == 1 and len(rows[0]) == 1 and (decoder := self.fused_for(cache)):
-            return decoder.step(rows[0][0], cache)
+        if len(rows[0]) == 1 and (decoder := self.fused_for(cache)):
+            return decoder.step([r[0] for r in rows], cache)
         step = cache.begin(len(rows[0]))  # raises on overflow before any write
         ids = torch.tensor(rows, dtype=torch.long, device=self.device)
         with self.model.step_context(ids.numel()):

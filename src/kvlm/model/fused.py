@@ -16,16 +16,17 @@ rounds to int8 with one scale, as llama.cpp does for its q8_0 cache; the torch p
 dequantizes K instead, so the two agree to that rounding.
 
 The cache is addressed through block tables: a paged pool (kvlm.cache.paged: the server's
-batch, `step_table`) or a contiguous cache of one sequence, which is a pool of one block
-holding every slot (`step`: kvlm generate). Chunks start at multiples of 16 and every
+batch, `step_table`; a PagedCache's rows, `step`) or a contiguous cache, whose row b is
+block b of a pool of blocks holding every slot (`step`: kvlm generate, and its n samples
+of one prompt after `cache.fork(n)`). Chunks start at multiples of 16 and every
 product sums a row alike whatever rows share it, so a sequence gets the same logits, bit
 for bit, alone or in any batch, paged or contiguous (tests/test_fused_batch.py).
 
 It applies where that is the whole story: CPU, fp32 activations, low-bit weights in every
 projection (`--weights int8|int4|native`), a Llama-shaped block (no biases, no q/k norm,
-no sliding window), and fp32, bf16 or int8 K/V. Anything else (prefill, other caches and
-formats) runs the torch model. `KVLM_NO_FUSED=1` turns it off. Tests hold its logits to
-the torch path's.
+no sliding window), and fp32, bf16 or int8 K/V in a contiguous or paged cache. Anything
+else (prefill, window and basic caches, other formats) runs the torch model.
+`KVLM_NO_FUSED=1` turns it off. Tests hold its logits to the torch path's.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 from kvlm import kernels
 from kvlm.cache import KVCache
 from kvlm.cache.contiguous import ContiguousCache
-from kvlm.cache.paged import BlockPool
+from kvlm.cache.paged import BlockPool, PagedCache
 from kvlm.cache.storage import Store, key_rotation
 from kvlm.model.layers import Linear
 from kvlm.model.transformer import Transformer
@@ -167,7 +168,6 @@ class FusedDecoder:
         self.lib.kvlm_decode_batch.restype = ctypes.c_int
         self.scratch = torch.empty(0, dtype=torch.float32)
         self.vocab = model.lm_head.out_features
-        self._one = torch.zeros(1, 1, dtype=torch.int32)  # a contiguous cache's block table
 
     @staticmethod
     @functools.cache
@@ -175,12 +175,12 @@ class FusedDecoder:
         return key_rotation(head_dim).float().contiguous()
 
     def accepts(self, cache: KVCache) -> bool:
-        return (
-            type(cache) is ContiguousCache
-            and cache.batch == 1
-            and cache.store.values.shape[-2] == self.slots
-            and self.reads(cache.store)
-        )
+        """A contiguous cache of these slots or a paged one, any batch up to MAX_ROWS."""
+        if cache.batch > MAX_ROWS:
+            return False
+        if type(cache) is ContiguousCache:
+            return cache.store.values.shape[-2] == self.slots and self.reads(cache.store)
+        return type(cache) is PagedCache and self.reads(cache.pool.store)
 
     def reads(self, store: Store) -> bool:
         """Whether the step reads and writes this storage (dtype, device, layout)."""
@@ -188,11 +188,17 @@ class FusedDecoder:
         return values.dtype in _KV_DTYPE and values.device.type == "cpu" and values.is_contiguous()
 
     @torch.inference_mode()
-    def step(self, token: int, cache: KVCache) -> torch.Tensor:
-        """Logits (1, V) of `token` fed after what `cache` holds; the cache commits it."""
-        step = cache.begin(1)  # raises on overflow before any write
-        # one sequence's contiguous slots are a pool of one block of every slot
-        logits = self._run(cache.store, [token], [step.start], self._one, self.slots)
+    def step(self, tokens: Sequence[int], cache: KVCache) -> torch.Tensor:
+        """Logits (B, V) of one token per row fed after what `cache` holds (a cache this
+        decoder `accepts`); the cache commits them."""
+        step = cache.begin(1)  # raises on overflow (paged: allocates, copies on write)
+        starts = [step.start] * len(tokens)
+        if isinstance(cache, PagedCache):
+            tables = self._table(cache.tables, starts, cache.pool.block_size)
+            logits = self._run(cache.pool.store, tokens, starts, tables, cache.pool.block_size)
+        else:  # row b's slots are block b of a pool of `batch` blocks of every slot
+            tables = torch.arange(len(tokens), dtype=torch.int32)[:, None]
+            logits = self._run(cache.store, tokens, starts, tables, self.slots)
         cache.commit(step)
         return logits
 
@@ -207,13 +213,18 @@ class FusedDecoder:
         """Logits (B, V) of one token per sequence of a paged pool (the scheduler's batch):
         row b's token at position starts[b], written into block tables[b][starts[b] //
         block_size], which the allocator has made the row's own."""
-        bs = pool.block_size
+        table = self._table(tables, starts, pool.block_size)
+        return self._run(pool.store, tokens, starts, table, pool.block_size)
+
+    @staticmethod
+    def _table(tables: Sequence[Sequence[int]], starts: Sequence[int], bs: int) -> torch.Tensor:
+        """(B, width) int32 block ids, -1 past a row's table (the C step refuses those)."""
         width = max(s // bs + 1 for s in starts)
-        table = torch.full((len(tokens), width), -1, dtype=torch.int32)  # -1: no block
+        table = torch.full((len(tables), width), -1, dtype=torch.int32)
         for b, t in enumerate(tables):
             row = t[:width]
             table[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
-        return self._run(pool.store, tokens, starts, table, bs)
+        return table
 
     def _run(
         self,
