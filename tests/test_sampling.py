@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from kvlm.engine.generate import StopText
-from kvlm.engine.sampling import Sampler, SamplingParams, _top_p_filter, token_logprob
+from kvlm.engine.sampling import (
+    Sampler,
+    SamplingParams,
+    _candidates,
+    _draw,
+    _top_p_filter,
+    token_logprob,
+)
 from kvlm.errors import InvalidRequestError
 
 
@@ -70,6 +77,51 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert kept.tolist() == [True, False, False, False]  # never empty
     sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.7, seed=0))
     assert {sampler(logits) for _ in range(300)} == {0, 1}
+
+
+def _kept_by_masking(x: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    """The reference: mask everything below the k-th logit, then `_top_p_filter`."""
+    if 0 < top_k < x.shape[-1]:
+        x = x.masked_fill(x < torch.topk(x, top_k).values[-1], -math.inf)
+    if top_p < 1.0:
+        x = _top_p_filter(x, top_p)
+    return set(torch.isfinite(x).nonzero().flatten().tolist())
+
+
+@pytest.mark.parametrize("top_k", [0, 1, 7, 300])
+@pytest.mark.parametrize("top_p", [1.0, 0.01, 0.5, 0.9, 0.999])
+@pytest.mark.parametrize("scale", [0.05, 1.0, 4.0])  # near-flat (top-p must widen) to peaked
+def test_candidates_are_the_tokens_top_k_and_top_p_keep(top_k, top_p, scale):
+    g = torch.Generator().manual_seed(top_k + int(100 * top_p))
+    x = torch.randn(5000, generator=g) * scale
+    if top_k == 0 and top_p == 1.0:
+        return  # the sampler does not ask: nothing is filtered
+    vals, ids = _candidates(x, top_k, top_p)
+    assert set(ids.tolist()) == _kept_by_masking(x, top_k, top_p)
+    assert torch.equal(vals, x[ids]) and bool((vals[:-1] >= vals[1:]).all())  # best first
+    if scale == 0.05 and top_p == 0.9 and top_k == 0:
+        assert len(ids) > 64 * 4  # widened more than once
+
+
+def test_the_draw_follows_the_probabilities_and_never_picks_a_zero():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
+    g = torch.Generator().manual_seed(0)
+    n = 20000
+    counts = torch.bincount(torch.tensor([_draw(probs, g) for _ in range(n)]), minlength=6)
+    assert counts[0] == counts[2] == counts[5] == 0
+    for i in (1, 3, 4):
+        sigma = math.sqrt(n * probs[i] * (1 - probs[i]))
+        assert abs(counts[i] - n * probs[i]) < 4 * sigma
+    assert _draw(torch.tensor([0.0, 0.0, 1.0]), g) == 2  # the last index, however u falls
+
+
+def test_sampled_tokens_follow_the_softmax_of_logits_over_temperature():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    sampler = Sampler(SamplingParams(temperature=0.5, seed=0))
+    n = 8000
+    counts = torch.bincount(torch.tensor([sampler(logits) for _ in range(n)]), minlength=4)
+    expected = torch.softmax(logits / 0.5, -1) * n
+    assert bool(((counts - expected).abs() < 4 * expected.sqrt() + 1).all())
 
 
 def test_logprobs_of_the_raw_distribution():
