@@ -65,3 +65,24 @@ def test_onednn_packed_rows_do_not_depend_on_their_batch():
         assert y.shape == (1, rows, 96)
         assert torch.equal(y, alone[:, :rows])
     torch.testing.assert_close(alone, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_attention_with_kv_heads_repeated_equals_grouped_query_sdpa(with_mask):
+    """`attend` repeats K/V heads where SDPA has no grouped-query kernel taking a mask (CUDA);
+    the result is the grouped-query one."""
+    from kvlm.model.attention import attend
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 5, 16, generator=g)
+    k, v = (torch.randn(2, 2, 9, 16, generator=g) for _ in range(2))
+    mask = torch.rand(2, 1, 5, 9, generator=g) > 0.3 if with_mask else None
+    if mask is not None:
+        mask[..., 0] = True  # every query sees something
+    grouped = attend(q, k, v, mask, False, expand=False)
+    repeated = attend(q, k, v, mask, False, expand=True)
+    torch.testing.assert_close(repeated, grouped, atol=1e-6, rtol=1e-6)
+    ref = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask
+    )
+    torch.testing.assert_close(grouped, ref, atol=1e-6, rtol=1e-6)

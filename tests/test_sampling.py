@@ -173,3 +173,15 @@ def test_earliest_of_several_stops_wins():
 def test_no_stops_streams_everything():
     shown, st = stream([], ["a", "b"])
     assert shown == "ab" and not st.stopped
+
+
+def test_prefill_rate_counts_every_chunk_of_the_prompt():
+    from kvlm.engine.metrics import Metrics
+
+    m = Metrics(prompt_tokens=30, prefill_tokens=30)
+    for _ in range(3):  # a prompt in three chunks of 0.1 s
+        m.record_forward(0.1)
+    m.record_token()
+    m.record_forward(0.01)  # a decode step: not prefill
+    m.record_token()
+    assert m.prefill_tokens_per_s == pytest.approx(100.0)

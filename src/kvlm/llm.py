@@ -253,6 +253,11 @@ def _check_device(device: str) -> torch.device:
         raise InvalidRequestError(f"unknown device {device!r}") from exc
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InvalidRequestError("device 'cuda' requested but no CUDA GPU is available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise InvalidRequestError(
+            f"device {device!r} requested but this machine has {torch.cuda.device_count()} "
+            "CUDA GPU(s)"
+        )
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise InvalidRequestError("device 'mps' requested but MPS is not available")
     if dev.type not in ("cpu", "cuda", "mps"):

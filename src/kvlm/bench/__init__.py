@@ -87,7 +87,8 @@ def run_hf(model: Any, ids: list[int], new: int, static: bool) -> dict[str, floa
     clock = _Clock()
     extra = {"cache_implementation": "static"} if static else {}
     start = time.perf_counter()
-    model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+    prompt = torch.tensor([ids], device=model.device)
+    model.generate(prompt, max_new_tokens=new, do_sample=False, eos_token_id=None,
                    pad_token_id=0, streamer=clock, **extra)  # fmt: skip
     t = clock.times
     ttft = t[0] - start
@@ -107,7 +108,8 @@ def load_hf(llm: LLM) -> Any:
     path = llm.loaded.path
     kw = {"gguf_file": path.name} if path.is_file() else {}
     folder = path.parent if path.is_file() else path
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=llm.dtype, **kw).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=llm.dtype, **kw)
+    return model.to(llm.device).eval()  # on kvlm's device: a GPU run compares GPU with GPU
 
 
 def load_llamacpp(llm: LLM, n_ctx: int) -> Any:
@@ -120,8 +122,9 @@ def load_llamacpp(llm: LLM, n_ctx: int) -> Any:
     if not path.is_file():
         return None
     threads = torch.get_num_threads()
-    return Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads,
-                 n_threads_batch=threads, n_batch=512, verbose=False)  # fmt: skip
+    gpu_layers = -1 if llm.device.type == "cuda" else 0  # all of them, where its build can
+    return Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                 n_batch=512, n_gpu_layers=gpu_layers, verbose=False)  # fmt: skip
 
 
 def run_llamacpp(model: Any, ids: list[int], new: int) -> dict[str, float]:
@@ -140,23 +143,34 @@ def run_llamacpp(model: Any, ids: list[int], new: int) -> dict[str, float]:
     }
 
 
-def memory_bandwidth(mib: int = 512, reps: int = 7) -> float:
-    """Read bandwidth in GB/s: a multi-threaded sum over a buffer far larger than caches,
-    on huge pages where the OS has them. The best of `reps` runs: the bound is what the
-    memory can deliver, and on a shared machine a slow run says more about the neighbours
-    (two runs here read 26 and 57 GB/s as medians of 5)."""
-    return max(bandwidth_samples(mib, reps))
+def memory_bandwidth(mib: int = 512, reps: int = 7, device: torch.device | None = None) -> float:
+    """Read bandwidth in GB/s of the memory the weights live in: a multi-threaded sum over a
+    buffer far larger than caches, on huge pages where the OS has them (on a GPU, a sum
+    over its own memory). The best of `reps` runs: the bound is what the memory can
+    deliver, and on a shared machine a slow run says more about the neighbours (two runs
+    here read 26 and 57 GB/s as medians of 5)."""
+    return max(bandwidth_samples(mib, reps, device))
 
 
-def bandwidth_samples(mib: int, reps: int) -> list[float]:
+def bandwidth_samples(mib: int, reps: int, device: torch.device | None = None) -> list[float]:
     """GB/s of `reps` sums over one buffer of `mib` MiB (after one warm-up sum)."""
-    x = kernels.huge_page_buffer(mib * 2**20)  # as kvlm's weights are (the faster reading)
-    x = torch.ones(mib * 2**20 // 4) if x is None else x.view(torch.float32).fill_(1.0)
-    x.sum()
+    gpu = device is not None and device.type == "cuda"
+    x = None if gpu else kernels.huge_page_buffer(mib * 2**20)  # as kvlm's weights are
+    if x is None:
+        x = torch.ones(mib * 2**20 // 4, device=device)
+    else:
+        x = x.view(torch.float32).fill_(1.0)
+
+    def read() -> None:
+        x.sum()
+        if gpu:
+            torch.cuda.synchronize(device)
+
+    read()
     out = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        x.sum()
+        read()
         out.append(x.numel() * 4 / (time.perf_counter() - t0) / 1e9)
     return out
 
@@ -290,6 +304,8 @@ def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
     available = [p for p in config.peers if peers.get(p.removesuffix("-static")) is not None]
     engines = [f"kvlm-{m}" for m in config.modes] + available
     warm = prompt_ids(llm, 16)
+    dev = llm.device
+    gpu = dev.type == "cuda"
     rows = []
     total = len(config.prompts) * len(engines) * config.rounds
     done = 0
@@ -303,20 +319,26 @@ def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
                       flush=True)  # fmt: skip
                 # kvlm: the bound at the bandwidth of this run's own minute (below)
                 probe = engine.startswith("kvlm-")
-                before = bandwidth_samples(256, 3) if probe else []
+                before = bandwidth_samples(256, 3, dev) if probe else []
                 _reset_peak_rss()
+                if gpu:
+                    torch.cuda.reset_peak_memory_stats(dev)
                 run = _run(engine, llm, peers, ids, warm, config.new_tokens)
                 peak = _proc_status("VmHWM")
                 run["peak_rss_mib"] = peak if peak is not None else float("nan")
+                if gpu:  # the GPU's own memory: weights, cache and activations live there
+                    run["peak_gpu_mib"] = round(torch.cuda.max_memory_allocated(dev) / 2**20, 1)
                 if probe:
                     # the median of 6 short reads around the run: this machine's reads
                     # come in bursts (single sums of 50+ GB/s between runs of 30-35) that
                     # a run of 128 tokens does not ride
-                    run["bandwidth_gb_s"] = statistics.median(before + bandwidth_samples(256, 3))
+                    run["bandwidth_gb_s"] = statistics.median(
+                        before + bandwidth_samples(256, 3, dev)
+                    )
                 runs.append(run)
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             rows.append({"engine": engine, "prompt_tokens": n, **med})
-    bandwidth = memory_bandwidth()
+    bandwidth = memory_bandwidth(device=dev)
     per_token = weight_bytes_per_token(llm)
     bound = bandwidth * 1e9 / per_token
     # each kvlm row: the bound at the bandwidth probed just before and after its runs (the
@@ -492,7 +514,9 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {r['engine']} | {r['prompt_tokens']} | {r['ttft_ms']:.0f} | "
             f"{r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | {' | '.join(cells)} "
-            f"| {r.get('peak_rss_mib', float('nan')):.0f} |"
+            f"| {r.get('peak_rss_mib', float('nan')):.0f}"
+            + (f" (GPU {r['peak_gpu_mib']:.0f})" if "peak_gpu_mib" in r else "")
+            + " |"
         )
     if result.get("loaded_rss_mib"):
         loads = ", ".join(f"{k} +{v:.0f} MiB" for k, v in result["loaded_rss_mib"].items())

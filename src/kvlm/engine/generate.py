@@ -280,6 +280,8 @@ class Generation:
     def _forward(self, rows: list[list[int]]) -> torch.Tensor:
         t0 = time.perf_counter()
         logits = self.runner.forward_rows(rows, self.cache)
+        if logits.is_cuda:  # kernels run asynchronously: time their work, not their launch
+            torch.cuda.synchronize(logits.device)
         self.output.metrics.record_forward(time.perf_counter() - t0)
         return logits
 

@@ -18,6 +18,7 @@ class Metrics:
     _last: float | None = field(default=None, repr=False)
     _tokens: int = field(default=0, repr=False)
     _first_count: int = field(default=0, repr=False)
+    _prefill_forwards: int = field(default=0, repr=False)  # forwards before the first token
 
     def record_forward(self, seconds: float) -> None:
         self.per_forward_ms.append(seconds * 1000.0)
@@ -28,6 +29,7 @@ class Metrics:
         if self._first is None:
             self._first = now
             self._first_count = count
+            self._prefill_forwards = len(self.per_forward_ms)
             self.ttft_ms = (now - self._start) * 1000.0
         self._last = now
         self._tokens += count
@@ -46,9 +48,12 @@ class Metrics:
 
     @property
     def prefill_tokens_per_s(self) -> float:
-        if not self.per_forward_ms or not self.prefill_tokens:
+        """Prompt tokens computed over the time of the forwards that computed them (every
+        chunk of a chunked prefill)."""
+        ms = sum(self.per_forward_ms[: max(1, self._prefill_forwards)])
+        if not ms or not self.prefill_tokens:
             return 0.0
-        return self.prefill_tokens / (self.per_forward_ms[0] / 1000.0)
+        return self.prefill_tokens / (ms / 1000.0)
 
     def to_dict(self) -> dict:
         return {

@@ -101,8 +101,9 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     and a binary search. torch.multinomial over a 49k vocabulary takes ~1 ms on CPU (a
     quarter of a decode step); this ~60 us. A zero-probability index is never drawn: its
     cumulative sum equals its predecessor's, so no u falls in its interval."""
-    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
-    u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device)
+    wide = torch.float32 if probs.device.type == "mps" else torch.float64  # MPS has no fp64
+    cdf = torch.cumsum(probs, dim=-1, dtype=wide)
+    u = torch.rand(1, generator=generator, dtype=wide, device=probs.device)
     pick = torch.searchsorted(cdf, u * cdf[-1], right=True)
     return min(int(pick), probs.shape[-1] - 1)
 

@@ -51,7 +51,7 @@ def verify_mode(llm: LLM, prompt_ids: Sequence[int], mode: str, steps: int) -> V
     ours = torch.stack(step_logits)  # (steps, V)
     ref_all = llm.runner.logits(seq[:-1], llm.new_cache("off"))  # (len - 1, V)
     ref = ref_all[len(prompt_ids) - 1 :]
-    chosen = torch.tensor(seq[len(prompt_ids) :])
+    chosen = torch.tensor(seq[len(prompt_ids) :], device=ref.device)
     agree = torch.argmax(ref, dim=-1) == chosen
     drift = (ours - ref).abs().amax(dim=-1)  # per step
     misses = (~agree).nonzero()

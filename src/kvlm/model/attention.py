@@ -62,12 +62,33 @@ class Attention(nn.Module):
         k_all, v_all = kv.update(self.layer_idx, k, v)  # (B, Hkv, S, D)
         if kv.key_rotation is not None:  # keys came back as k @ R: rotate the queries too
             q = q @ kv.key_rotation.to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            q,
-            k_all,
-            v_all,
-            attn_mask=kv.mask,
-            is_causal=kv.is_causal,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # (B, H, T, D)
+        out = attend(q, k_all, v_all, kv.mask, kv.is_causal)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    expand: bool | None = None,
+) -> torch.Tensor:
+    """SDPA of q (B, H, T, D) over k, v (B, Hkv, S, D), H a multiple of Hkv.
+
+    On CUDA a grouped-query call with an explicit mask (a prefill chunk after the first, a
+    batch of rows at different positions, a window step) finds no fused kernel: flash
+    attention takes no mask and the memory-efficient one no GQA, so SDPA would fall back to
+    the math path and its full score matrix. There (`expand` None: decided by device) the
+    K/V heads are repeated to H first, which the memory-efficient kernel takes. On CPU
+    enable_gqa serves every case."""
+    gqa = q.shape[1] != k.shape[1]
+    if expand is None:
+        expand = q.is_cuda and mask is not None
+    if gqa and expand:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        gqa = False
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa
+    )
