@@ -2,24 +2,41 @@
 
 The low-bit weight formats (`--weights int8|int4|native`) multiply through these. The
 library is built once with the system C compiler (`$CC`, else `cc`/`gcc`), `-O3
--march=native -fopenmp`, into `$KVLM_CACHE_DIR` (default `~/.cache/kvlm`) under a name
-that hashes the source, the compiler and the flags, so an upgrade or another CPU rebuilds.
-A build takes about a second. Without a compiler (or with `KVLM_NO_KERNELS=1`) `library()`
-returns None and the formats fall back to a torch path with the same numerics, slower;
-`status()` says why.
+-march=native -fopenmp`, into `$KVLM_CACHE_DIR/kernels` (default `~/.cache/kvlm/kernels`)
+as `qgemm-{key}.so`, the key hashing the source, the compiler, the flags and the CPU (the
+instruction sets the compiler resolves `-march=native` to, and the feature flags the OS
+reports), so an upgrade, or a cache dir shared with another CPU, rebuilds instead of loading
+code that dies of SIGILL. A build takes a few seconds. Without a compiler (or with
+`KVLM_NO_KERNELS=1`) `library()` returns None and the formats fall back to a torch path with
+the same numerics, slower; `status()` says why.
+
+A dlopen runs the library's code, so it is loaded only from a directory the user owns and no
+one else can write (`_check_folder`). A failed build leaves `qgemm-{key}.failed` (the
+compiler's error) and is not retried while that marker exists. A build works in a private
+`.qgemm-*.tmp` directory (the output and the compiler's TMPDIR) renamed into place, removed
+however the build ends; ones left by a killed process are removed by the next build.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
+import itertools
 import mmap
 import os
+import platform
+import shlex
 import shutil
+import signal
+import stat
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -29,8 +46,22 @@ SOURCE = Path(__file__).with_name("qgemm.c")
 ABI = 5
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 120
+WORK_PREFIX, WORK_SUFFIX = ".qgemm-", ".tmp"  # a build's private directory in the cache
 
-_reason = ""
+
+class KernelBuildError(OSError):
+    """Why the kernels were not built or may not be loaded; the text is status()'s reason."""
+
+
+@dataclass(slots=True)
+class _Outcome:
+    """What the last `library()` call found, for `status()`."""
+
+    reason: str = ""  # why library() returned None
+    built_for: str = ""  # the CPU the loaded library was compiled for (its .cpu sidecar)
+
+
+_outcome = _Outcome()
 
 
 def cache_dir() -> Path:
@@ -45,6 +76,7 @@ def _compiler() -> str | None:
     return None
 
 
+@cache
 def _compiler_id(cc: str) -> str:
     try:
         out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
@@ -53,28 +85,235 @@ def _compiler_id(cc: str) -> str:
         return cc
 
 
-def _build(cc: str, flags: tuple[str, ...] = FLAGS) -> Path:
-    """Compile qgemm.c unless a build for this source/compiler/flags exists; return it.
-    (Tests pass other `flags` to check the portable code paths on this CPU.)"""
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + _compiler_id(cc).encode() + " ".join(flags).encode()
-    ).hexdigest()[:16]
-    target = cache_dir() / f"qgemm-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: a concurrent process sees all of it or none.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
+@cache
+def _compiler_target(cc: str, flags: tuple[str, ...]) -> str:
+    """The instruction-set options `cc` turns `flags` into: gcc and clang resolve
+    `-march=native` in the driver, and `-###` prints the compiler proper's command line
+    without running it (~1 ms): gcc `"-march=znver3" -mavx2 -mno-xop ...`, clang
+    `-target-cpu znver3 -target-feature +avx2 ...`. "" where there is no such line."""
+    probe = [cc, *(f for f in flags if f != "-shared"), "-E", "-###", "-x", "c", os.devnull]
     try:
-        cmd = [cc, *flags, "-o", tmp, str(SOURCE), "-lm"]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if out.returncode != 0:
-            raise OSError(f"{' '.join(cmd)} failed: {out.stderr.strip()[-400:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        out = subprocess.run(probe, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    for line in out.stderr.splitlines():
+        try:
+            words = shlex.split(line)
+        except ValueError:
+            continue
+        if not words or not (words[0].endswith("cc1") or "-cc1" in words):
+            continue
+        keep = [w for w in words if w.startswith("-m")]  # gcc: -march=, -mavx512f, -mno-xop
+        for flag in ("-target-cpu", "-target-feature"):  # clang: each followed by its value
+            keep += [f"{flag} {v}" for f, v in itertools.pairwise(words) if f == flag]
+        return " ".join(keep)
+    return ""  # another compiler: the OS's CPU flags still go into the key
+
+
+def _linux_cpuinfo() -> str:
+    """The first processor's feature flags (x86 `flags`, Arm `Features`, RISC-V `isa`) and
+    model from /proc/cpuinfo (~0.05 ms: reading stops at the end of that block)."""
+    wanted = ("flags", "features", "isa", "model name", "cpu implementer", "cpu part")
+    found: dict[str, str] = {}
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if not line.strip() and found:
+                break
+            name, _, value = line.partition(":")
+            name = name.strip().lower()
+            if name in wanted and name not in found:
+                found[name] = " ".join(value.split())
+    return "\n".join(f"{k}: {v}" for k, v in found.items())
+
+
+@cache
+def _cpu_features() -> str:
+    """What the OS says this CPU is and can do, stable across runs on one machine."""
+    if sys.platform.startswith("linux") and (info := _linux_cpuinfo()):
+        return info
+    if sys.platform == "darwin":
+        keys = ("machdep.cpu.brand_string", "machdep.cpu.features", "machdep.cpu.leaf7_features")
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            # an Apple-silicon Mac has no features keys: the brand string still comes
+            out = subprocess.run(["sysctl", "-n", *keys], capture_output=True, text=True)
+            if out.stdout.strip():
+                return " ".join(out.stdout.split())
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def _key(cc: str, flags: tuple[str, ...]) -> str:
+    """The build's name: source, compiler, flags, and the CPU the code is compiled for."""
+    parts = (
+        SOURCE.read_bytes(),
+        _compiler_id(cc).encode(),
+        " ".join(flags).encode(),
+        _compiler_target(cc, flags).encode(),
+        _cpu_features().encode(),
+    )
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _cpu_summary(cc: str, flags: tuple[str, ...]) -> str:
+    """A few words naming the target: `znver3`, else the OS's model name, else the machine."""
+    for word in _compiler_target(cc, flags).split(" "):
+        if word.startswith("-march="):
+            return word.removeprefix("-march=")
+    target = _compiler_target(cc, flags).partition("-target-cpu ")[2].split(" ")[0]
+    if target:
+        return target
+    for line in _cpu_features().splitlines():
+        if line.startswith("model name: "):
+            return line.removeprefix("model name: ")
+    return platform.machine() or "this CPU"
+
+
+def _check_parent(folder: Path) -> None:
+    """Whoever can write the cache's parent can rename `folder` away and put their own in
+    its place, so it must be the user's or root's and, if others can write it, sticky
+    (/tmp: only an entry's owner may rename it). Ancestors above it are not walked: they
+    are the user's environment (home, project, venv) that Python already trusts for the
+    code it imports, and a walk to / would refuse common setups (container bind mounts
+    owned by other uids) without guarding against anyone who could not already replace
+    kvlm's own modules."""
+    parent = folder.parent
+    st = os.stat(parent)  # following links: KVLM_CACHE_DIR may name one
+    if st.st_uid not in (os.getuid(), 0):
+        raise KernelBuildError(
+            f"kernel cache parent {parent} belongs to uid {st.st_uid}, who could swap "
+            f"{folder}; set KVLM_CACHE_DIR to a directory of your own"
+        )
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise KernelBuildError(
+            f"kernel cache parent {parent} is writable by others (no sticky bit), who could "
+            f"swap {folder}; fix with chmod go-w {parent} or set KVLM_CACHE_DIR"
+        )
+
+
+def _check_private(path: Path, what: str, is_kind: Callable[[int], bool], fix: str) -> None:
+    """`path` (not followed if a symlink) is of the kind, the user's, and only the user's
+    to write; else KernelBuildError naming what is wrong and `fix`."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        problem = "is a symlink"
+    elif not is_kind(st.st_mode):
+        problem = "is not a " + ("directory" if is_kind is stat.S_ISDIR else "regular file")
+    elif st.st_uid != os.getuid():
+        problem = f"belongs to uid {st.st_uid}, not you (uid {os.getuid()})"
+    elif st.st_mode & 0o022:
+        problem = "is writable by others"
+    else:
+        return
+    raise KernelBuildError(f"{what} {path} {problem}; {fix}")
+
+
+def _check_folder(folder: Path) -> None:
+    _check_parent(folder)
+    fix = f"fix with chmod 700 {folder} or set KVLM_CACHE_DIR"
+    if os.lstat(folder).st_uid != os.getuid():
+        fix = "set KVLM_CACHE_DIR to a directory of your own"
+    _check_private(folder, "kernel cache", stat.S_ISDIR, fix)
+
+
+def _open_folder() -> Path:
+    """The kernel cache, created private (0o700) if missing, checked safe to load from."""
+    folder = cache_dir()
+    if not os.path.lexists(folder):
+        folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            folder.mkdir(mode=0o700)
+            os.chmod(folder, 0o700)  # ours, just made: exactly 0o700 whatever the umask
+        except FileExistsError:
+            pass  # another process made it first: checked below like any other
+    _check_folder(folder)
+    return folder
+
+
+def _remove_stale(folder: Path) -> None:
+    """Remove what builds killed mid-way left (SIGKILL, power loss): work directories
+    older than the build timeout, so a concurrent build's is left alone. (`tmp*.so`: the
+    partial files of kvlm versions that built beside the target.)"""
+    cutoff = time.time() - BUILD_TIMEOUT_S
+    for entry in [*folder.glob(f"{WORK_PREFIX}*{WORK_SUFFIX}"), *folder.glob("tmp*.so")]:
+        try:
+            st = entry.lstat()
+            if st.st_mtime >= cutoff:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink()
+        except OSError:
+            continue  # gone already (another process cleaning), or not ours to remove
+
+
+def _run_compiler(cmd: list[str], work: Path) -> subprocess.CompletedProcess[str]:
+    """Run `cmd` in `work` with its temporaries there too (TMPDIR), in its own process
+    group: on a timeout or Ctrl-C the driver and what it started (cc1, as, ld) are all
+    killed, so none keeps writing once `work` is removed."""
+    env = {**os.environ, "TMPDIR": str(work), "TMP": str(work), "TEMP": str(work)}
+    proc = subprocess.Popen(
+        cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=BUILD_TIMEOUT_S)
+    except BaseException:  # TimeoutExpired, KeyboardInterrupt, ...
+        with contextlib.suppress(OSError):  # OSError: all gone already
+            os.killpg(proc.pid, signal.SIGKILL)
+        # reap it and close the pipe; a child that left the group may hold the pipe open
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=10)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def _compile(cc: str, flags: tuple[str, ...], target: Path, failed: Path, work: Path) -> None:
+    """Build into `work`, then rename into place: a concurrent process sees a whole
+    library or none. A compiler that fails leaves `failed` with its error instead."""
+    built = work / "qgemm.so"
+    cmd = [cc, *flags, "-o", str(built), str(SOURCE), "-lm"]
+    try:
+        out = _run_compiler(cmd, work)
+        why = "" if out.returncode == 0 else f"exit {out.returncode}"
+        tail = out.stdout.strip()[-4000:]
+    except subprocess.TimeoutExpired:
+        why, tail = f"timed out after {BUILD_TIMEOUT_S} s", ""
+    if why:
+        brief = f"{cc} failed ({why}: {tail[-300:]})" if tail else f"{cc} failed ({why})"
+        try:  # remembered, so later starts do not pay for the same failure again
+            note = work / "failed"
+            note.write_text(f"{shlex.join(cmd)}\n{why}\n{tail}\n", encoding="utf-8")
+            os.replace(note, failed)
+        except OSError as exc:
+            raise KernelBuildError(f"{brief}; could not note it in {failed}: {exc}") from None
+        raise KernelBuildError(f"{brief}; noted in {failed}, delete it to retry")
+    os.chmod(built, 0o700)  # ours, just made: not left group-writable by a lax umask
+    sidecar = work / "cpu"
+    summary = _cpu_summary(cc, flags)
+    sidecar.write_text(
+        f"{summary}\n{_compiler_target(cc, flags)}\n{_cpu_features()}\n", encoding="utf-8"
+    )
+    os.replace(sidecar, target.with_suffix(".cpu"))
+    os.replace(built, target)
+
+
+def _build(cc: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """The library for this source/compiler/flags/CPU, compiled unless there; raises
+    KernelBuildError (an OSError) if the cache is unsafe or the build failed, now or
+    earlier. (Tests pass other `flags` to check the portable code paths on this CPU.)"""
+    folder = _open_folder()
+    target = folder / f"qgemm-{_key(cc, flags)}.so"
+    failed = target.with_suffix(".failed")
+    if os.path.lexists(target):
+        _check_private(target, "kernel library", stat.S_ISREG, "delete it to rebuild")
+        return target
+    if os.path.lexists(failed):
+        raise KernelBuildError(f"build failed earlier (see {failed}); delete it to retry")
+    _remove_stale(folder)
+    with tempfile.TemporaryDirectory(
+        prefix=WORK_PREFIX, suffix=WORK_SUFFIX, dir=folder, ignore_cleanup_errors=True
+    ) as work:
+        _compile(cc, flags, target, failed, Path(work))
     return target
 
 
@@ -88,38 +327,56 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def _built_for(path: Path) -> str:
+    try:
+        with open(path.with_suffix(".cpu"), encoding="utf-8") as f:
+            return f.readline().strip()
+    except OSError:
+        return ""
+
+
 @cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None (see `status()`)."""
-    global _reason
+    _outcome.reason, _outcome.built_for = "", ""
     if os.environ.get("KVLM_NO_KERNELS"):
-        _reason = "disabled by KVLM_NO_KERNELS"
+        _outcome.reason = "disabled by KVLM_NO_KERNELS"
         return None
     if sys.platform == "win32":
-        _reason = "not built on Windows"
+        _outcome.reason = "not built on Windows"
         return None
     cc = _compiler()
     if cc is None:
-        _reason = "no C compiler found (set CC, or install gcc)"
+        _outcome.reason = "no C compiler found (set CC, or install gcc)"
         return None
     try:
-        lib = ctypes.CDLL(str(_build(cc)))
+        path = _build(cc)
+    except KernelBuildError as exc:
+        _outcome.reason = str(exc)
+        return None
+    except (OSError, subprocess.SubprocessError) as exc:
+        _outcome.reason = f"build failed: {exc}"
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
         if lib.kvlm_kernel_abi() != ABI:
             raise OSError("stale kernel library")
-        return _bind(lib)
-    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-        _reason = f"build failed: {exc}"
+    except (OSError, AttributeError) as exc:
+        _outcome.reason = f"could not load {path}: {exc}"
         return None
+    _outcome.built_for = _built_for(path)
+    return _bind(lib)
 
 
 def status() -> str:
     """One line for `kvlm info` / logs: which kernels run and why."""
     lib = library()
     if lib is None:
-        return f"torch fallback ({_reason})"
+        return f"torch fallback ({_outcome.reason})"
     simd = "AVX-512" if lib.kvlm_kernel_simd() == 512 else "scalar, compiler-vectorised"
     vnni = "VNNI" if lib.kvlm_kernel_vnni() else "scalar"
-    return f"compiled C kernels ({simd}; int8 activations: {vnni})"
+    cpu = f"; built for {_outcome.built_for}" if _outcome.built_for else ""
+    return f"compiled C kernels ({simd}; int8 activations: {vnni}{cpu})"
 
 
 HUGE_PAGE = 2 << 20
