@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvlm.engine.generate import StopText
 from kvlm.engine.sampling import (
@@ -185,3 +187,72 @@ def test_prefill_rate_counts_every_chunk_of_the_prompt():
     m.record_forward(0.01)  # a decode step: not prefill
     m.record_token()
     assert m.prefill_tokens_per_s == pytest.approx(100.0)
+
+
+def _reference_stop(pieces: list[str], stops: list[str]) -> tuple[str, bool]:
+    """Generation stops at the first piece after which the text holds a stop string, and
+    the text is cut where the earliest one starts: searched over the whole text each time."""
+    text = ""
+    for piece in pieces:
+        text += piece
+        hits = [i for s in stops if (i := text.find(s)) >= 0]
+        if hits:
+            return text[: min(hits)], True
+    return text, False
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    stops=st.lists(st.text(alphabet="abS", min_size=1, max_size=5), max_size=3),
+    pieces=st.lists(st.text(alphabet="abST", max_size=4), max_size=30),
+)
+def test_stop_text_matches_a_whole_text_search(stops, pieces):
+    """Shown pieces always add up to a prefix of the reference answer and to all of it at
+    the end; the state a push searches stays bounded by the longest stop, whatever the
+    output's length (so token 10,000 costs what token 10 does)."""
+    want, stopped = _reference_stop(pieces, stops)
+    stop_text = StopText(stops)
+    shown = ""
+    bound = max((len(s) for s in stops), default=1) - 1
+    for piece in pieces:
+        shown += stop_text.push(piece)
+        assert want.startswith(shown)
+        assert len(stop_text._tail) <= bound and len(stop_text._pending) <= bound
+    shown += stop_text.flush()
+    assert shown == want == stop_text.text
+    assert stop_text.stopped == stopped
+
+
+def test_a_long_stop_string_is_refused():
+    from kvlm.engine.sampling import MAX_STOP_CHARS
+
+    with pytest.raises(InvalidRequestError, match="at most"):
+        SamplingParams(stop=["x" * (MAX_STOP_CHARS + 1)])
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**63, -(2**63) - 1])
+def test_seeds_torch_cannot_take_are_refused(seed):
+    with pytest.raises(InvalidRequestError, match="seed"):
+        SamplingParams(seed=seed)
+
+
+def test_the_highest_seed_seeds_every_sample():
+    from kvlm.engine.sampling import MAX_SAMPLES, SEED_MAX
+
+    top = SamplingParams(seed=SEED_MAX - MAX_SAMPLES, n=MAX_SAMPLES)
+    torch.Generator().manual_seed(top.seed + MAX_SAMPLES - 1)  # what the engine does
+
+
+def test_a_tiny_top_p_keeps_the_best_token():
+    logits = torch.tensor([1.0, 3.0, 2.0, 0.5])
+    for top_p in (1e-300, 1e-45, 5e-324):
+        sampler = Sampler(SamplingParams(temperature=1.0, top_p=top_p, seed=0))
+        assert {sampler(logits) for _ in range(20)} == {1}
+        assert torch.isfinite(_top_p_filter(logits, top_p)).tolist() == [False, True, False, False]
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-300, 5e-324, 1e-6])
+def test_a_tiny_temperature_is_greedy(temperature):
+    logits = torch.randn(49152, generator=torch.Generator().manual_seed(3)) * 8
+    sampler = Sampler(SamplingParams(temperature=temperature, seed=0))
+    assert {sampler(logits) for _ in range(5)} == {int(logits.argmax())}

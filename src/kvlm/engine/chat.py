@@ -85,6 +85,7 @@ class ChatSession:
         if turn is None:
             return
         self.history = list(turn.tokens)
+        turn.sync()
         if self.use_template:
             self.messages.append({"role": "assistant", "content": turn.output.text})
 

@@ -89,46 +89,68 @@ class RequestOutput:
 
 class StopText:
     """Accumulates generated text, cuts it at the first stop string, and holds back any
-    tail that could still become one, so a stream never shows text it must take back."""
+    tail that could still become one, so a stream never shows text it must take back.
+
+    A push costs the same at token 10 and token 10,000: only the last (longest stop - 1)
+    characters plus the new piece are searched, and the text is kept as emitted pieces
+    plus a short pending tail, joined only when `text` is read.
+
+        emitted pieces ............................ | pending (held back) | delta
+                                      tail: the last L-1 characters --+----+
+    """
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = list(stops)
-        self.text = ""
-        self.emitted = 0
+        self.longest = max((len(s) for s in self.stops), default=0)
+        self._emitted: list[str] = []
+        self._pending = ""  # text not yet shown: a possible start of a stop string
+        self._tail = ""  # the last longest-1 characters of the text
         self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """Everything accepted so far (cut at a stop string once one is found)."""
+        return "".join(self._emitted) + self._pending
 
     def push(self, delta: str) -> str:
         """Add decoded text; return what is now safe to show (nothing once stopped)."""
         if self.stopped:
             return ""
-        self.text += delta
         if not self.stops:
-            return self._emit(len(self.text))
-        longest = max(len(s) for s in self.stops)
-        search_from = max(0, len(self.text) - len(delta) - longest + 1)
-        hits = [i for s in self.stops if (i := self.text.find(s, search_from)) >= 0]
+            return self._emit(self._pending + delta, hold=0)
+        window = self._tail + delta
+        hits = [i for s in self.stops if (i := window.find(s)) >= 0]
+        # The pending text is the tail's last characters: window index i is pending index
+        # i - offset (a stop never starts before the pending text: that part was shown
+        # only because no stop could start there).
+        offset = len(self._tail) - len(self._pending)
         if hits:
             self.stopped = True
-            self.text = self.text[: min(hits)]
-            return self._emit(len(self.text))
-        return self._emit(len(self.text) - self._partial_stop_suffix())
+            return self._emit((self._pending + delta)[: min(hits) - offset], hold=0)
+        self._tail = window[len(window) - (self.longest - 1) :] if self.longest > 1 else ""
+        return self._emit(self._pending + delta, hold=self._partial_stop_suffix(window))
 
     def flush(self) -> str:
-        return self._emit(len(self.text))
+        return self._emit(self._pending, hold=0)
 
-    def _partial_stop_suffix(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+    def _partial_stop_suffix(self, window: str) -> int:
+        """Length of the longest tail of `window` that is a proper prefix of a stop string
+        (at most longest - 1 characters: bounded work whatever the output's length)."""
         best = 0
         for s in self.stops:
-            for n in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:n]):
-                    best = n
+            j = window.find(s[0], max(0, len(window) - len(s) + 1))
+            while j != -1 and len(window) - j > best:
+                if s.startswith(window[j:]):
+                    best = len(window) - j
                     break
+                j = window.find(s[0], j + 1)
         return best
 
-    def _emit(self, end: int) -> str:
-        out = self.text[self.emitted : end]
-        self.emitted = max(self.emitted, end)
+    def _emit(self, pending: str, hold: int) -> str:
+        """Show all of `pending` but its last `hold` characters."""
+        out, self._pending = pending[: len(pending) - hold], pending[len(pending) - hold :]
+        if out:
+            self._emitted.append(out)
         return out
 
 
@@ -164,7 +186,6 @@ class SampleState:
             out.logprobs.append(token_logprob(logits, token, self.params.logprobs or 0))
         piece = self.decoder.step(self.tokenizer.backend, token)
         delta = self.stop.push(piece) if piece else ""
-        out.text = self.stop.text  # kept current, so an interrupted turn still has its text
         if token in self.stop_ids or self.stop.stopped:
             out.finish_reason = "stop"
         elif len(out.token_ids) >= self.params.max_tokens:
@@ -177,8 +198,13 @@ class SampleState:
 
     def finish(self) -> str:
         tail = self.stop.flush()
-        self.out.text = self.stop.text
+        self.sync()
         return tail
+
+    def sync(self) -> None:
+        """Bring out.text up to date (joined here, not at every token: an interrupted turn
+        calls this to keep the text it had)."""
+        self.out.text = self.stop.text
 
 
 class Generation:
@@ -289,6 +315,11 @@ class Generation:
         for _ in self:
             pass
         return self.output
+
+    def sync(self) -> None:
+        """Bring every sample's text up to date (after an interrupted iteration)."""
+        for s in self.samples:
+            s.sync()
 
 
 def check_prompt(prompt_ids: Sequence[int], vocab_size: int | None) -> None:

@@ -11,6 +11,13 @@ from kvlm.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # as OpenAI's API
 MAX_SAMPLES = 64
+# A temperature below this samples as greedy (vLLM's _SAMPLING_EPS). logits / 1e-45 is
+# +-inf in fp32, and softmax of that is NaN: a "near-greedy" request would draw garbage.
+GREEDY_BELOW = 1e-5
+# Seeds torch.Generator takes: manual_seed() refuses anything outside 64 bits, and each of a
+# request's n samples is seeded with seed + index.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+MAX_STOP_CHARS = 1024  # per stop string: the per-token check reads this much of the tail
 
 
 @dataclass(slots=True)
@@ -40,17 +47,25 @@ class SamplingParams:
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be >= 0 (0 = off)")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
         _check(
+            all(len(s) <= MAX_STOP_CHARS for s in self.stop),
+            f"stop strings must be at most {MAX_STOP_CHARS} characters",
+        )
+        _check(
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
             f"logprobs must be between 0 and {MAX_LOGPROBS}",
         )
         _check(self.seed is None or isinstance(self.seed, int), "seed must be an integer")
+        _check(
+            self.seed is None or SEED_MIN <= self.seed <= SEED_MAX - MAX_SAMPLES,
+            f"seed must be between {SEED_MIN} and {SEED_MAX - MAX_SAMPLES}",
+        )
         _check(
             isinstance(self.n, int) and 1 <= self.n <= MAX_SAMPLES, f"n must be 1..{MAX_SAMPLES}"
         )
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def _check(ok: bool, message: str) -> None:
@@ -88,7 +103,7 @@ class Sampler:
         p = self.params
         if p.greedy:
             return greedy(logits)
-        x = logits.float() / p.temperature
+        x = logits.float() / p.temperature  # finite: p.temperature >= GREEDY_BELOW
         ids = None
         if 0 < p.top_k < x.shape[-1] or p.top_p < 1.0:
             x, ids = _candidates(x, p.top_k, p.top_p)
@@ -127,7 +142,9 @@ def _candidates(x: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor
         vals, order = torch.topk(x, k)  # sorted, descending
         probs = torch.exp(vals - total)
         before = torch.cumsum(probs, dim=-1) - probs  # mass strictly ahead of each token
-        keep = int((before < top_p).sum())  # a prefix (`before` only grows), never empty
+        # A prefix (`before` only grows). At least the best token: a top_p that rounds to 0
+        # in fp32 (1e-300) keeps nothing by this rule.
+        keep = max(1, int((before < top_p).sum()))
         if keep < k or k == vocab:
             break
         k = min(vocab, 4 * k)
@@ -147,7 +164,8 @@ def _top_p_filter(x: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_x, order = torch.sort(x, descending=True)
     probs = torch.softmax(sorted_x, dim=-1)
     before = torch.cumsum(probs, dim=-1) - probs  # mass strictly ahead of each token
-    drop = before >= top_p  # never drops the first (its `before` is 0)
+    drop = before >= top_p
+    drop[..., 0] = False  # never the best: a top_p that rounds to 0 in fp32 would drop it
     return x.scatter(-1, order[drop], -math.inf)
 
 
