@@ -33,6 +33,9 @@ from kvlm.cache.storage import Store
 from kvlm.errors import CacheOverflowError
 
 ALL = slice(None)
+# A registered block's link to what precedes it: (its parent's prefix id, or None for the
+# first block of a chain; the chain's cache salt, or None).
+Link = tuple[int | None, str | None]
 # Default pool: room for this many full-length sequences. The pool is reserved, not
 # touched: a block's memory is committed when it is first allocated (and zeroed).
 DEFAULT_POOL_SEQUENCES = 8
@@ -50,11 +53,19 @@ class BlockPool:
         self.store = Store(shape, spec.dtype, spec.device, zero=False)
         self.refs = [0] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        # Prefix cache (kvlm.cache.prefix): a full block's chained hash and its tokens. A
-        # freed block keeps both, and stays findable, until allocate() hands it out again.
-        self.cached: dict[int, int] = {}  # hash -> block
-        self.block_hash: list[int | None] = [None] * num_blocks
+        # Prefix cache (kvlm.cache.prefix): a full block's chained key (a sha256 digest), its
+        # tokens and its link (its parent's prefix id, its salt). A freed block keeps them,
+        # and stays findable, until allocate() hands it out again.
+        self.cached: dict[bytes, int] = {}  # key -> block, the first holder of the key
+        self.block_hash: list[bytes | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.block_parent: list[Link | None] = [None] * num_blocks
+        # The verified prefix a block's K/V was computed after (through its own tokens): 0
+        # for none. A holder of a key gets a fresh id; a block that sealed the same tokens
+        # after the same link as the holder (two requests computed one prefix at once) gets
+        # the holder's, so the blocks sealed after it still link up. Ids are never reused.
+        self.prefix_id: list[int] = [0] * num_blocks
+        self._last_prefix_id = 0
         self.evictions = 0
 
     @property
@@ -85,32 +96,67 @@ class BlockPool:
             del self.free_queue[block]
         self.refs[block] += 1
 
-    def register(self, block: int, block_hash: int, tokens: tuple[int, ...]) -> None:
-        """Make a full block findable by its chained hash (the first holder of a hash wins)."""
-        if block_hash in self.cached or self.block_hash[block] is not None:
+    def register(
+        self,
+        block: int,
+        key: bytes,
+        tokens: tuple[int, ...],
+        parent: int | None,
+        salt: str | None,
+    ) -> None:
+        """Make a full block findable by its chained key. `parent` is the block before it in
+        its sequence (None for the first). The first holder of a key wins; a block after a
+        parent that holds no verified prefix is not registered (no lookup could reach it,
+        and it would keep the key from a block that can be reached)."""
+        link = self._link(parent, salt)
+        if link is None or self.prefix_id[block]:
             return
-        self.cached[block_hash] = block
-        self.block_hash[block] = block_hash
+        holder = self.cached.get(key)
+        if holder is not None:
+            if self.block_tokens[holder] == tokens and self.block_parent[holder] == link:
+                self.prefix_id[block] = self.prefix_id[holder]  # the same prefix, computed twice
+            return
+        self._last_prefix_id += 1
+        self.prefix_id[block] = self._last_prefix_id
+        self.cached[key] = block
+        self.block_hash[block] = key
         self.block_tokens[block] = tokens
+        self.block_parent[block] = link
 
-    def lookup(self, block_hash: int, tokens: tuple[int, ...]) -> int | None:
-        """The cached block holding exactly `tokens` after the same prefix, or None. The
-        token comparison confirms the hash, so a collision can never serve wrong K/V."""
-        block = self.cached.get(block_hash)
+    def lookup(
+        self, key: bytes, tokens: tuple[int, ...], parent: int | None, salt: str | None
+    ) -> int | None:
+        """The cached block holding exactly `tokens` right after block `parent` (the block
+        this lookup's caller matched just before; None for the first), under `salt`, or
+        None. The key only finds a candidate: its tokens and its link are compared, so by
+        induction a hit was computed after exactly the caller's prefix, and a key collision
+        can never serve another prefix's (or another salt's) K/V."""
+        block = self.cached.get(key)
         if block is None or self.block_tokens[block] != tokens:
             return None
-        return block
+        prefix = None if parent is None else self.prefix_id[parent]  # inline _link: hot
+        return block if prefix != 0 and self.block_parent[block] == (prefix, salt) else None
+
+    def _link(self, parent: int | None, salt: str | None) -> Link | None:
+        """What a block after `parent` records: the parent's prefix id (None for the first
+        block of a chain) and the salt; None when the parent holds no verified prefix."""
+        if parent is None:
+            return None, salt
+        prefix = self.prefix_id[parent]
+        return (prefix, salt) if prefix else None
 
     def forget(self, block: int) -> None:
         """Drop a block from the prefix cache (evicted, or about to be overwritten)."""
-        h = self.block_hash[block]
-        if h is None:
+        self.prefix_id[block] = 0
+        key = self.block_hash[block]
+        if key is None:
             return
         if self.refs[block] == 0:
             self.evictions += 1
-        del self.cached[h]
+        del self.cached[key]
         self.block_hash[block] = None
         self.block_tokens[block] = None
+        self.block_parent[block] = None
 
     def share(self, block: int) -> None:
         if self.refs[block] <= 0:

@@ -6,14 +6,30 @@ the same way takes the blocks instead of recomputing them.
 
     tokens:  [ system prompt ............................ | question ... ]
     blocks:  [ b0: t0-15 ][ b1: t16-31 ][ b2: t32-47 ] [ b3: t48-55 . . ]   block_size 16
-    hashes:    h0 = H(None, t0-15)   h1 = H(h0, t16-31)   h2 = H(h1, t32-47)   (b3 partial:
-                                                                              no hash)
+    keys:      k0 = H(r, t0-15)     k1 = H(k0, t16-31)   k2 = H(k1, t32-47)   (b3 partial:
+               r = root(salt)                                                  no key)
 
-A block's hash covers everything before it, so equal hashes mean equal prefixes, and the
-token ids stored beside the hash confirm it (a hash collision can never serve another
-prefix's K/V). Only full blocks whose every token has been computed are registered.
+    H(parent, tokens) = sha256(parent (32 bytes) || tokens as uint32 little-endian)
+    root(salt)        = sha256("kvlm/prefix/v1" || 0x00)                    no salt
+                        sha256("kvlm/prefix/v1" || 0x01 || u32 len || salt as UTF-8)
 
-When a sequence ends its blocks go back to the pool tail first, and keep their hashes: a
+Every field is fixed-width or length-prefixed, so one byte string is one (parent, tokens)
+or one salt. The key is deterministic across processes (Python's hash() is not) and
+collision resistant, but it only finds a candidate. The pool numbers every verified
+prefix it registers (a prefix id, never reused) and keeps each registered block's tokens
+and link: the prefix id of the block before it (none for a first block) and the salt. A
+lookup compares both against the chunk asked for and the block the walk matched just
+before, so by induction a hit was computed after exactly the requested prefix under the
+same salt, whatever the hash does: a collision can never serve another prefix's, or
+another tenant's, K/V (vLLM's CVE-2025-25183 was such a collision). A link to a block,
+not to its key: two prefixes that collide share a key, never an id. Only full blocks
+whose every token has been computed are registered.
+
+A request's `cache_salt` (vLLM's field) enters the root: requests with different salts
+never share a block, requests with the same salt (or both without one) do. A salt is a
+non-empty string of at most MAX_SALT_CHARS characters; check_salt() says so at the door.
+
+When a sequence ends its blocks go back to the pool tail first, and keep their keys: a
 freed block stays findable until the pool hands it out again, which it does least recently
 freed first (the pool's free queue). So a shared system prompt survives as long as memory
 allows, and the tail of a conversation is evicted before its head.
@@ -24,24 +40,66 @@ matching stops at the last full block before it (vLLM does the same).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import hashlib
+import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvlm.cache.base import blocks_for
 from kvlm.cache.paged import BlockPool
 
+MAX_SALT_CHARS = 256  # a salt is client input: bounded
+_DOMAIN = b"kvlm/prefix/v1"
+_NO_SALT_ROOT = hashlib.sha256(_DOMAIN + b"\x00").digest()
 
-def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """The key of a full block: its tokens and (through `parent`) every token before it."""
-    return hash((parent, tokens))
+
+def check_salt(salt: str | None) -> None:
+    """Refuse a cache salt that is not None or a string of 1..MAX_SALT_CHARS characters."""
+    if salt is None:
+        return
+    if not isinstance(salt, str):
+        raise TypeError(f"cache_salt must be a string, not {type(salt).__name__}")
+    if not salt:
+        raise ValueError("cache_salt must not be empty (leave it out for no salt)")
+    if len(salt) > MAX_SALT_CHARS:
+        raise ValueError(f"cache_salt is {len(salt)} characters, at most {MAX_SALT_CHARS}")
+
+
+def root_key(salt: str | None) -> bytes:
+    """The parent key of a chain's first block: the salt, length-prefixed, under a domain
+    tag. surrogatepass: a JSON string may carry a lone surrogate; the encoding stays
+    one-to-one."""
+    if salt is None:
+        return _NO_SALT_ROOT
+    raw = salt.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(_DOMAIN + b"\x01" + len(raw).to_bytes(4, "little") + raw).digest()
+
+
+def block_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    """The key of a full block: sha256 of its parent's key (32 bytes) and its token ids as
+    uint32 little-endian. A token id outside [0, 2**32) raises struct.error."""
+    return hashlib.sha256(parent + _packer(len(tokens))(*tokens)).digest()
+
+
+@functools.cache
+def _packer(n: int) -> Callable[..., bytes]:
+    return struct.Struct(f"<{n}I").pack
+
+
+def chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """The key of a full block after `parent` (None: the first block, without a salt;
+    root_key(salt) for a salted first block)."""
+    return block_key(_NO_SALT_ROOT if parent is None else parent, tuple(tokens))
 
 
 @dataclass(slots=True)
 class BlockTable:
-    """One sequence's blocks, and the hashes of those that are full and registered."""
+    """One sequence's blocks, the keys of those that are full and sealed, and its salt."""
 
     blocks: list[int] = field(default_factory=list)
-    hashes: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
+    salt: str | None = None
 
 
 @dataclass(slots=True)
@@ -65,43 +123,49 @@ class BlockManager:
 
     # ------------------------------------------------------------------ admission
 
-    def match(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
-        """Blocks (and their hashes) of the longest cached prefix of `tokens`, full blocks
-        only, never covering the last token."""
+    def match(
+        self, tokens: Sequence[int], salt: str | None = None
+    ) -> tuple[list[int], list[bytes]]:
+        """Blocks (and their keys) of the longest cached prefix of `tokens` under `salt`,
+        full blocks only, never covering the last token."""
+        check_salt(salt)
         if not self.prefix_caching:
             return [], []
-        bs, parent = self.block_size, None
-        blocks, hashes = [], []
+        bs, key, parent = self.block_size, root_key(salt), None
+        blocks, keys = [], []
         for i in range((len(tokens) - 1) // bs):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            h = chain_hash(parent, chunk)
-            block = self.pool.lookup(h, chunk)
+            key = block_key(key, chunk)
+            block = self.pool.lookup(key, chunk, parent, salt)
             if block is None:
                 break
             blocks.append(block)
-            hashes.append(h)
-            parent = h
-        return blocks, hashes
+            keys.append(key)
+            parent = block
+        return blocks, keys
 
-    def blocks_to_admit(self, tokens: Sequence[int]) -> int:
-        """Free blocks that allocate(tokens) would take: new ones, plus cached ones that sit
-        in the free queue (taking them back also takes them out of the free count)."""
-        hit, _ = self.match(tokens)
+    def blocks_to_admit(self, tokens: Sequence[int], salt: str | None = None) -> int:
+        """Free blocks that allocate(tokens, salt) would take: new ones, plus cached ones
+        that sit in the free queue (taking them back also takes them out of the free
+        count)."""
+        return self._admit_cost(len(tokens), self.match(tokens, salt)[0])
+
+    def _admit_cost(self, num_tokens: int, hit: list[int]) -> int:
         revived = sum(1 for b in hit if self.pool.refs[b] == 0)
-        return blocks_for(len(tokens), self.block_size) - len(hit) + revived
+        return blocks_for(num_tokens, self.block_size) - len(hit) + revived
 
-    def can_admit(self, tokens: Sequence[int], reserve: int = 0) -> bool:
-        return self.blocks_to_admit(tokens) <= self.pool.num_free - reserve
+    def can_admit(self, tokens: Sequence[int], reserve: int = 0, salt: str | None = None) -> bool:
+        return self.blocks_to_admit(tokens, salt) <= self.pool.num_free - reserve
 
-    def allocate(self, tokens: Sequence[int]) -> tuple[BlockTable, int]:
-        """Blocks for all of `tokens`: cached prefix blocks shared, the rest fresh. Returns
-        the table and how many leading tokens are already computed."""
-        if not self.can_admit(tokens):
+    def allocate(self, tokens: Sequence[int], salt: str | None = None) -> tuple[BlockTable, int]:
+        """Blocks for all of `tokens`: cached prefix blocks (of the same salt) shared, the
+        rest fresh. Returns the table and how many leading tokens are already computed."""
+        hit, keys = self.match(tokens, salt)
+        if self._admit_cost(len(tokens), hit) > self.pool.num_free:
             raise RuntimeError("allocate() without room: check can_admit() first")
-        hit, hashes = self.match(tokens)
         for block in hit:
             self.pool.revive(block)
-        table = BlockTable(list(hit), list(hashes))
+        table = BlockTable(list(hit), keys, salt)
         need = blocks_for(len(tokens), self.block_size)
         table.blocks += [self.pool.allocate() for _ in range(need - len(hit))]
         cached = len(hit) * self.block_size
@@ -134,15 +198,17 @@ class BlockManager:
         return 1 if self.pool.refs[table.blocks[-1]] > 1 else 0
 
     def seal(self, table: BlockTable, tokens: Sequence[int], num_computed: int) -> None:
-        """Register every block that is now full of computed tokens."""
+        """Register every block that is now full of computed tokens, under the table's
+        salt."""
         if not self.prefix_caching:
             return
         bs = self.block_size
         for i in range(len(table.hashes), num_computed // bs):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            h = chain_hash(table.hashes[-1] if table.hashes else None, chunk)
-            self.pool.register(table.blocks[i], h, chunk)
-            table.hashes.append(h)
+            key = block_key(table.hashes[-1] if i else root_key(table.salt), chunk)
+            parent = table.blocks[i - 1] if i else None
+            self.pool.register(table.blocks[i], key, chunk, parent, table.salt)
+            table.hashes.append(key)
 
     # ------------------------------------------------------------------ lifetime
 
@@ -150,7 +216,7 @@ class BlockManager:
         """A second table over the same blocks (parallel samples of one prompt)."""
         for block in table.blocks:
             self.pool.share(block)
-        return BlockTable(list(table.blocks), list(table.hashes))
+        return BlockTable(list(table.blocks), list(table.hashes), table.salt)
 
     def free(self, table: BlockTable) -> None:
         """Release a sequence's blocks, tail first: its last blocks are evicted first."""
