@@ -214,6 +214,125 @@ def test_a_failing_step_ends_its_requests_and_the_engine_goes_on(tiny, monkeypat
     assert out["b"][0] == tiny.generate(PROMPTS[0], GREEDY)[0].token_ids
 
 
+def _poison(engine: Engine, monkeypatch, bad_first_token: int) -> None:
+    """Make the forward raise for any batch that holds a row whose prompt starts with
+    `bad_first_token` (a stand-in for a request that breaks a kernel)."""
+    real_forward = engine.runner.forward_table
+    first = {}
+
+    def forward(pool, spec, rows, tables, starts):
+        for seq in engine.scheduler.running:
+            first[tuple(seq.table.blocks)] = seq.token_ids[0]
+        if any(first.get(tuple(t)) == bad_first_token for t in tables):
+            raise RuntimeError("simulated kernel failure")
+        return real_forward(pool, spec, rows, tables, starts)
+
+    monkeypatch.setattr(engine.runner, "forward_table", forward)
+
+
+def test_a_failing_request_ends_alone_and_the_others_keep_their_tokens(tiny, monkeypatch):
+    """The decode batch raises while a bad request is in it: the batch is run again row by
+    row, the bad request ends with 'error', every other request gets its own tokens."""
+    engine = Engine(tiny, EngineConfig(num_blocks=64))
+    reqs = {p: (tiny.tokenizer.encode(p), GREEDY) for p in PROMPTS[:4]}
+    alone = {p: run(engine, {p: reqs[p]})[p][0] for p in reqs}
+    bad_ids = [7, *tiny.tokenizer.encode("poison")]
+    assert bad_ids[0] not in {ids[0] for ids, _ in reqs.values()}
+    _poison(engine, monkeypatch, bad_first_token=bad_ids[0])
+    for rid, (ids, params) in reqs.items():
+        engine.add_request(rid, ids, params)
+    engine.add_request("bad", bad_ids, SamplingParams(max_tokens=24, n=3, seed=1))
+    out, finishes = {rid: [] for rid in reqs}, {}
+    while engine.has_work():
+        for ev in engine.step():
+            if ev.request_id in out:
+                out[ev.request_id] += ev.token_ids
+            if ev.finish_reason is not None:
+                finishes.setdefault(ev.request_id, []).append((ev.index, ev.finish_reason))
+    assert out == alone
+    # n = 3 and the prompt never finished: still three finishes, one per sample
+    assert sorted(finishes["bad"]) == [(0, "error"), (1, "error"), (2, "error")]
+    assert engine.stats.errors == 1 and engine.pool.num_used == 0
+
+
+def test_a_sampler_that_raises_ends_its_request_only(tiny, monkeypatch):
+    from kvlm.engine import engine as engine_module
+
+    engine = Engine(tiny, EngineConfig(num_blocks=64))
+    real_sampler = engine_module.Sampler
+
+    class Broken(real_sampler):
+        def __call__(self, logits):
+            if self.params.top_k == 13:  # the bad request's mark
+                raise IndexError("simulated sampler bug")
+            return super().__call__(logits)
+
+    monkeypatch.setattr(engine_module, "Sampler", Broken)
+    ids = tiny.tokenizer.encode(PROMPTS[0])
+    engine.add_request("good", ids, GREEDY)
+    engine.add_request("bad", ids, SamplingParams(max_tokens=8, top_k=13, n=2))
+    out, finishes = [], {}
+    while engine.has_work():
+        for ev in engine.step():
+            out += ev.token_ids if ev.request_id == "good" else []
+            if ev.finish_reason:
+                finishes.setdefault(ev.request_id, set()).add((ev.index, ev.finish_reason))
+    assert out == tiny.generate(PROMPTS[0], GREEDY)[0].token_ids
+    assert finishes == {"good": {(0, "length")}, "bad": {(0, "error"), (1, "error")}}
+
+
+def test_n_is_counted_at_admission(tiny):
+    engine = Engine(tiny, EngineConfig(num_blocks=64, scheduler=SchedulerConfig(max_num_seqs=4)))
+    ids = tiny.tokenizer.encode(PROMPTS[0])
+    with pytest.raises(InvalidRequestError, match="max-num-seqs") as e:
+        engine.add_request("a", ids, SamplingParams(n=5))
+    assert e.value.param == "n"
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True, n=3)
+    for i in range(3):
+        engine.add_request(f"r{i}", ids, params)
+    widest = 0
+    while engine.has_work():
+        engine.step()
+        widest = max(widest, len(engine.scheduler.running))
+    assert widest == 3  # one request of 3 rows at a time: 9 rows asked for, 4 seats
+
+
+def test_the_engine_loop_survives_any_exception(tiny, monkeypatch):
+    """A scheduler bug (not a request's own failure) ends the requests held; the loop goes
+    on and serves the next request."""
+    import asyncio
+
+    from kvlm.engine.async_engine import AsyncEngine
+
+    engine = Engine(tiny, EngineConfig(num_blocks=64))
+    aeng = AsyncEngine(engine)
+    aeng.start()
+    real_schedule = engine.scheduler.schedule
+    calls = {"n": 0}
+
+    def schedule():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated scheduler bug")
+        return real_schedule()
+
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+    ids = tiny.tokenizer.encode(PROMPTS[0])
+
+    async def one() -> list[tuple[int, str | None]]:
+        events = await aeng.generate(ids, SamplingParams(max_tokens=6, temperature=0, n=2))
+        return [(ev.index, ev.finish_reason) async for ev in events if ev.finish_reason]
+
+    try:
+        first = asyncio.run(asyncio.wait_for(one(), 60))
+        second = asyncio.run(asyncio.wait_for(one(), 60))
+    finally:
+        aeng.stop()
+    assert sorted(first) == [(0, "error"), (1, "error")]
+    assert sorted(second) == [(0, "length"), (1, "length")]
+    assert aeng.alive is False and engine.pool.num_used == 0
+
+
 def test_an_int8_pool_serves_batches_as_it_serves_one(tiny_model_dir):
     llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=256, kv_dtype="int8")
     engine = Engine(llm, EngineConfig(num_blocks=64))

@@ -87,7 +87,8 @@ def post(port: int, path: str, body: bytes, key: str = KEY) -> tuple[int, dict]:
 
 
 def metrics(port: int) -> dict[str, float]:
-    _, text = get(port, "/metrics")
+    status, text = get(port, "/metrics", {"Authorization": f"Bearer {KEY}"})
+    assert status == 200, text
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):

@@ -98,6 +98,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="reuse the KV blocks of prompts seen before (default: on)",
     )  # fmt: skip
+    serve.add_argument(
+        "--max-body", default="4MiB", help="largest request body; a larger one gets 413"
+    )
+    serve.add_argument(
+        "--idle-timeout", type=float, default=30.0,
+        help="seconds a client has to send a request head, or the next piece of a body",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-connections", type=int, default=512, help="open connections; more get 503"
+    )
+    serve.add_argument(
+        "--public-metrics", action="store_true",
+        help="serve /metrics without --api-key (for a Prometheus scraper)",
+    )  # fmt: skip
     serve.add_argument("--log-level", default="info", help="HTTP log: info (requests), warning")
     serve.set_defaults(func=cmd_serve)
 
@@ -406,11 +420,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvlm.errors import InvalidRequestError
     from kvlm.llm import CacheOptions
     from kvlm.server import serve
+    from kvlm.server.limits import ServerLimits
 
     if not 0 < args.port < 65536:
         raise InvalidRequestError(f"--port must be 1..65535, got {args.port}")
     try:
         sched = SchedulerConfig(args.max_num_seqs, args.prefill_chunk, args.max_waiting)
+        limits = ServerLimits(
+            max_body_bytes=parse_size(args.max_body),
+            idle_timeout_s=args.idle_timeout,
+            max_connections=args.max_connections,
+            public_metrics=args.public_metrics,
+        )
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from exc
     config = EngineConfig(args.kv_blocks, parse_size(args.kv_memory), args.prefix_caching, sched)
@@ -421,7 +442,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_context=args.max_context,
         cache_options=CacheOptions(args.block_size, args.kv_blocks),
     )
-    serve(llm, config, args.host, args.port, args.api_key, args.served_model_name, args.log_level)
+    serve(llm, config, args.host, args.port, args.api_key, args.served_model_name, args.log_level,
+          limits)  # fmt: skip
     return 0
 
 

@@ -24,4 +24,9 @@ class CacheOverflowError(KvlmError):
 
 
 class InvalidRequestError(KvlmError, ValueError):
-    """A generation request with out-of-range or inconsistent parameters."""
+    """A generation request with out-of-range or inconsistent parameters. `param` names
+    the request field at fault, where there is one (the server's error body carries it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

@@ -14,6 +14,7 @@ consumer's `finally`, so its blocks are freed by the next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -79,17 +80,21 @@ class AsyncEngine:
     # ------------------------------------------------------------------ the loop's side
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[StepOutput]:
         """Events of one request until all its samples finish. Raises KvlmError subclasses
         before the first event for a request that cannot run (checked at once)."""
         rid = request_id or f"req-{next(self._ids)}"
-        self.engine.check_request(prompt_ids, params)
+        self.engine.check_request(prompt_ids, params, cache_salt)
         if len(self._streams) >= self.max_requests:
             raise QueueFullError(f"the server is busy ({self.max_requests} requests held)")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         self._streams[rid] = stream
-        self._send(("add", rid, prompt_ids, params))
+        self._send(("add", rid, prompt_ids, params, cache_salt))
         return self._events(rid, stream)
 
     async def _events(self, rid: str, stream: _Stream) -> AsyncIterator[StepOutput]:
@@ -113,25 +118,30 @@ class AsyncEngine:
     # ------------------------------------------------------------------ the engine thread
 
     def _run(self) -> None:
+        """The engine loop. It survives any exception: a request's own failure ends that
+        request (Engine.step isolates it); anything else (a scheduler bug) ends the requests
+        held, and the loop goes on serving new ones."""
         while not self._stop:
-            self._drain()
-            if not self.engine.has_work():
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
             try:
+                self._drain()
+                if not self.engine.has_work():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
                 events = self.engine.step()
-            except Exception:  # a scheduler bug: end every request, keep serving
-                log.exception("the engine step failed; ending all requests")
+            except Exception:
+                log.exception("the engine step failed; ending the requests it held")
                 events = self._abort_all()
             self._deliver(events)
 
     def _abort_all(self) -> list[StepOutput]:
         events = []
         for rid in list(self.engine.requests):
-            for event in self.engine.abort(rid):
-                event.finish_reason = "error"
-                events.append(event)
+            try:
+                events += self.engine.abort(rid, reason="error")
+            except Exception:  # the state is broken: at least tell the client
+                log.exception("could not abort request %s", rid)
+                self._fail(rid, KvlmError("the engine failed on this request"))
         return events
 
     def _drain(self) -> None:
@@ -143,19 +153,28 @@ class AsyncEngine:
             if message[0] == "abort":
                 self._deliver(self.engine.abort(message[1]))
                 continue
-            _, rid, prompt_ids, params = message
+            _, rid, prompt_ids, params, cache_salt = message
             try:
-                self.engine.add_request(rid, prompt_ids, params)
+                self.engine.add_request(rid, prompt_ids, params, cache_salt)
             except KvlmError as exc:  # e.g. the queue filled since the check
                 self._fail(rid, exc)
+            except Exception as exc:  # a bug in admission: this request only
+                log.exception("request %s could not be added", rid)
+                self._fail(rid, KvlmError(f"the engine could not take this request ({exc})"))
 
     def _deliver(self, events: list[StepOutput]) -> None:
         for event in events:
             stream = self._streams.get(event.request_id)
             if stream is not None:
-                stream.loop.call_soon_threadsafe(stream.events.put_nowait, event)
+                self._post(stream, event)
 
     def _fail(self, rid: str, exc: BaseException) -> None:
         stream = self._streams.get(rid)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.events.put_nowait, exc)
+            self._post(stream, exc)
+
+    @staticmethod
+    def _post(stream: _Stream, item: StepOutput | BaseException) -> None:
+        # RuntimeError: its event loop has closed (the server is shutting down)
+        with contextlib.suppress(RuntimeError):
+            stream.loop.call_soon_threadsafe(stream.events.put_nowait, item)

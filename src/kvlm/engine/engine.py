@@ -23,12 +23,12 @@ import torch
 
 from kvlm.cache.base import blocks_for
 from kvlm.cache.paged import BlockPool
-from kvlm.cache.prefix import BlockManager
+from kvlm.cache.prefix import BlockManager, check_salt
 from kvlm.engine.generate import SampleState, check_prompt, stop_token_ids
 from kvlm.engine.metrics import EngineStats
 from kvlm.engine.sampling import Sampler, SamplingParams, TokenLogprob
 from kvlm.engine.scheduler import Batch, QueueFullError, Scheduler, SchedulerConfig
-from kvlm.engine.sequence import Sequence
+from kvlm.engine.sequence import Sequence, Status
 from kvlm.errors import InvalidRequestError
 from kvlm.llm import LLM
 
@@ -65,6 +65,7 @@ class _Request:
     prompt_ids: list[int]
     params: SamplingParams
     arrival: float
+    cache_salt: str | None = None
     seqs: list[Sequence] = field(default_factory=list)
     first_token: float | None = None
 
@@ -103,20 +104,50 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError for a request this engine can never run."""
-        check_prompt(prompt_ids, self.llm.config.vocab_size)
-        if len(prompt_ids) >= self.max_model_len:
+    def check_request(
+        self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> None:
+        """Raise InvalidRequestError for a request this engine can never run (one that
+        would otherwise wait for admission forever)."""
+        try:
+            check_salt(cache_salt)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(str(exc), param="cache_salt") from None
+        if len(prompt_ids) >= self.max_model_len:  # before the per-token check: cheap
             raise InvalidRequestError(
                 f"the prompt has {len(prompt_ids)} tokens; this server's context limit is "
-                f"{self.max_model_len} tokens, prompt and completion together"
+                f"{self.max_model_len} tokens, prompt and completion together",
+                param="prompt",
+            )
+        check_prompt(prompt_ids, self.llm.config.vocab_size)
+        sched = self.scheduler.config
+        if params.n > sched.max_num_seqs:
+            raise InvalidRequestError(
+                f"n = {params.n} samples exceed this server's {sched.max_num_seqs} sequences "
+                "decoded together (--max-num-seqs)",
+                param="n",
+            )
+        need = blocks_for(len(prompt_ids), self.pool.block_size) + params.n - 1
+        if need + sched.reserve_blocks > self.pool.num_blocks:
+            raise InvalidRequestError(
+                f"the prompt and n = {params.n} samples need {need} KV blocks; the pool has "
+                f"{self.pool.num_blocks} (raise --kv-memory or lower n)",
+                param="n",
             )
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.check_request(prompt_ids, params)
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request. `cache_salt` (vLLM's field): its prompt shares prefix-cache
+        blocks only with requests of the same salt, so tenants keep their prefixes apart."""
+        self.check_request(prompt_ids, params, cache_salt)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
-        req = _Request(request_id, list(prompt_ids), params, time.perf_counter())
+        req = _Request(request_id, list(prompt_ids), params, time.perf_counter(), cache_salt)
         seq = self._sequence(req, 0)
         seq.fan_out = params.n
         self.scheduler.add(seq)  # may raise QueueFullError: nothing is kept
@@ -129,12 +160,15 @@ class Engine:
         sampler = Sampler(req.params, self.runner.device)
         if sampler.generator is not None:
             sampler.generator.manual_seed(req.params.seed + index)  # each sample its own
-        seq = Sequence(req.request_id, sample, sampler, len(req.prompt_ids), arrival=req.arrival)
+        seq = Sequence(req.request_id, sample, sampler, len(req.prompt_ids), arrival=req.arrival,
+                       cache_salt=req.cache_salt)  # fmt: skip
         req.seqs.append(seq)
         return seq
 
-    def abort(self, request_id: str) -> list[StepOutput]:
-        """Stop a request now and free its blocks."""
+    def abort(self, request_id: str, reason: str = "abort") -> list[StepOutput]:
+        """Stop a request now and free its blocks: one final event per sample, those not
+        split off yet (the prompt was still prefilling) included, so a caller waiting for
+        n finishes gets n."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return []
@@ -143,9 +177,13 @@ class Engine:
             if seq.sample.done:
                 continue
             self.scheduler.finish(seq)
-            seq.sample.out.finish_reason = "abort"
-            events.append(self._event(req, seq, [], [], "abort"))
-        self.stats.aborted += 1
+            seq.sample.out.finish_reason = reason
+            events.append(self._event(req, seq, [], [], reason))
+        for index in range(len(req.seqs), req.params.n):
+            events.append(StepOutput(req.request_id, index, "", [], [], reason,
+                                     prompt_tokens=len(req.prompt_ids)))  # fmt: skip
+        if reason == "abort":
+            self.stats.aborted += 1
         return events
 
     def has_work(self) -> bool:
@@ -159,35 +197,64 @@ class Engine:
             return []
         events: list[StepOutput] = []
         t0 = time.perf_counter()
-        try:
-            self._run(batch, events)
-        except Exception as exc:  # a bug must not take every other request down with it
-            events += self._fail(batch, exc)
+        self._run(batch, events)
         self.stats.record_step(time.perf_counter() - t0, len(batch.decode))
         return events
 
     def _run(self, batch: Batch, events: list[StepOutput]) -> None:
+        """One forward per prefill chunk and one for the decode batch, then sampling. A
+        failure ends only the request it belongs to: a decode batch that raises is run
+        again row by row, so the row that raised is found and fails alone."""
         for seq, n in batch.prefill:
+            if seq.status is Status.FINISHED:  # its request failed earlier in this step
+                continue
             fed = seq.token_ids[seq.num_computed : seq.num_computed + n]
-            logits = self.runner.forward_table(
-                self.pool, self.spec, [fed], [seq.table.blocks], [seq.num_computed]
-            )
-            self._advance(seq, n)
+            try:
+                logits = self._forward([seq], [fed])[0]
+            except Exception as exc:
+                events += self._fail(seq.request_id, exc)
+                continue
             self.stats.prefill_tokens += n
+            self._finish_forward(seq, n, logits, events)
+        seqs = batch.decode
+        if not seqs:
+            return
+        try:
+            rows = self._forward(seqs, [[s.token_ids[-1]] for s in seqs])
+        except Exception:  # which row? Each alone: a bad one fails alone
+            log.warning("a decode batch of %d rows failed; running them one by one",
+                        len(seqs), exc_info=True)  # fmt: skip
+            rows = None
+        for i, seq in enumerate(seqs):
+            if seq.status is Status.FINISHED:  # its request failed earlier in this step
+                continue
+            try:
+                alone = rows is None
+                logits = self._forward([seq], [[seq.token_ids[-1]]])[0] if alone else rows[i]
+            except Exception as exc:
+                events += self._fail(seq.request_id, exc)
+                continue
+            self._finish_forward(seq, 1, logits, events)
+
+    def _forward(self, seqs: list[Sequence], rows: list[list[int]]) -> torch.Tensor:
+        return self.runner.forward_table(
+            self.pool,
+            self.spec,
+            rows,
+            [s.table.blocks for s in seqs],
+            [s.num_computed for s in seqs],
+        )
+
+    def _finish_forward(
+        self, seq: Sequence, n: int, logits: torch.Tensor, events: list[StepOutput]
+    ) -> None:
+        """The forward of n tokens of `seq` succeeded: record them, sample when due."""
+        try:
+            self._advance(seq, n)
             if seq.num_pending == 0:
-                self._sample(seq, logits[0], events)
-        if batch.decode:
-            seqs = batch.decode
-            logits = self.runner.forward_table(
-                self.pool,
-                self.spec,
-                [[s.token_ids[-1]] for s in seqs],
-                [s.table.blocks for s in seqs],
-                [s.num_computed for s in seqs],
-            )
-            for i, seq in enumerate(seqs):
-                self._advance(seq, 1)
-                self._sample(seq, logits[i], events)
+                self._sample(seq, logits, events)
+        except Exception as exc:  # a sampler or stop-check bug: this request only
+            events += self._fail(seq.request_id, exc)
 
     def _advance(self, seq: Sequence, n: int) -> None:
         seq.num_computed += n
@@ -242,18 +309,13 @@ class Engine:
             cached_tokens=req.seqs[0].num_cached,
         )
 
-    def _fail(self, batch: Batch, exc: Exception) -> list[StepOutput]:
-        """End every request of a step whose forward raised; the engine goes on."""
+    def _fail(self, request_id: str, exc: Exception) -> list[StepOutput]:
+        """End one request whose forward or sampling raised; every other goes on."""
         self.stats.errors += 1
-        log.exception("a step failed; its requests end with finish_reason 'error'")
-        ids = {s.request_id for s in batch.decode} | {s.request_id for s, _ in batch.prefill}
-        events = []
-        for rid in ids:
-            for ev in self.abort(rid):
-                ev.finish_reason = "error"
-                events.append(ev)
         self.last_error = exc
-        return events
+        log.error("request %s failed; it ends with finish_reason 'error'", request_id,
+                  exc_info=exc)  # fmt: skip
+        return self.abort(request_id, reason="error")
 
     # ------------------------------------------------------------------ state
 

@@ -13,7 +13,8 @@ Each step has two parts, run as two forwards by the engine:
   several steps, so the decode streams keep moving while it prefills.
 
 Admission takes a request only when the pool can hold its whole prompt (less what the
-prefix cache already holds) and a reserve is left for the running sequences to grow. When a
+prefix cache already holds) and a reserve is left for the running sequences to grow, and
+counts a request of n samples as the n rows (seats, first blocks) it becomes. When a
 decode step still finds no free block, the most recently admitted sequence is preempted:
 its blocks are freed and it goes back to the front of the queue, to be recomputed later
 (the prefix cache usually still holds most of its blocks). Nothing crashes for lack of
@@ -108,15 +109,23 @@ class Scheduler:
                 n = min(seq.num_pending, budget)
                 batch.prefill.append((seq, n))
                 budget -= n
-        while budget and self.waiting and len(self.running) < self.config.max_num_seqs:
+        # A request of n samples becomes n rows once its prompt is in: it takes n seats
+        # from admission on, and each sample will write its first token into a block of its
+        # own (a new one, or a copy of the shared partial one): n - 1 more than the prompt's.
+        seats = sum(s.fan_out for s in self.running)
+        while budget and self.waiting:
             seq = self.waiting[0]
-            if not self.manager.can_admit(seq.token_ids, self.config.reserve_blocks):
+            if seats + seq.fan_out > self.config.max_num_seqs:
+                break
+            reserve = self.config.reserve_blocks + seq.fan_out - 1
+            if not self.manager.can_admit(seq.token_ids, reserve, salt=seq.cache_salt):
                 break  # first come, first served: later requests wait behind it
             self.waiting.popleft()
-            seq.table, seq.num_cached = self.manager.allocate(seq.token_ids)
+            seq.table, seq.num_cached = self.manager.allocate(seq.token_ids, seq.cache_salt)
             seq.num_computed = seq.num_cached
             seq.status = Status.RUNNING
             self.running.append(seq)
+            seats += seq.fan_out
             n = min(seq.num_pending, budget)
             if seq.num_pending == 1:  # a one-token prompt (or all cached): decode next step
                 continue

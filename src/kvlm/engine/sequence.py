@@ -48,6 +48,7 @@ class Sequence:
     table: BlockTable = field(default_factory=BlockTable)
     arrival: float = 0.0
     first_token_time: float | None = None
+    cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
 
     @property
     def token_ids(self) -> list[int]:

@@ -108,7 +108,18 @@ class Tokenizer:
         return self.backend.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"): not Unicode text
+            raise InvalidRequestError(f"the text is not valid Unicode ({exc.reason})") from exc
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token decodes to: the longest vocabulary entry (a byte-
+        level entry of n symbols is n bytes; a SentencePiece one is n characters or one
+        byte). A text of c characters is at least c / max_token_chars tokens, which lets a
+        server refuse an absurdly long prompt without tokenizing it."""
+        return max(len(t) for t in self.backend.get_vocab(with_added_tokens=True))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -131,6 +142,9 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"chat template failed: {exc}") from exc
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+            # the template met messages it cannot render (a field of the wrong type)
+            raise InvalidRequestError(f"chat template failed on these messages: {exc}") from exc
 
     def encode_chat(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True

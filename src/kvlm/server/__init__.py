@@ -12,6 +12,7 @@ from kvlm.engine.async_engine import AsyncEngine
 from kvlm.engine.engine import Engine, EngineConfig
 from kvlm.errors import KvlmError
 from kvlm.llm import LLM
+from kvlm.server.limits import ServerLimits
 
 
 def serve(
@@ -22,20 +23,32 @@ def serve(
     api_key: str | None = None,
     model_name: str | None = None,
     log_level: str = "info",
+    limits: ServerLimits | None = None,
 ) -> None:
     """Serve until interrupted (Ctrl-C or SIGTERM): HTTP on a thread, the engine on this
     one (see AsyncEngine.run_forever)."""
     import uvicorn
 
     from kvlm.server.app import create_app
+    from kvlm.server.limits import HeadTimeoutH11Protocol
 
+    limits = limits or ServerLimits()
     engine = AsyncEngine(Engine(llm, config))
     name = model_name or llm.model_name
-    app = create_app(engine, name, api_key)
+    app = create_app(engine, name, api_key, limits)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    http = uvicorn.Server(
-        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)
+    uv = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=2,
+        http=HeadTimeoutH11Protocol,
+        timeout_keep_alive=int(limits.keep_alive_s),
+        limit_concurrency=limits.max_connections,
     )
+    uv.kvlm_idle_timeout_s = limits.idle_timeout_s  # read by HeadTimeoutH11Protocol
+    http = uvicorn.Server(uv)
     thread = threading.Thread(target=http.run, name="kvlm-http", daemon=True)
     thread.start()
     while not http.started:  # bound and listening, or failed trying

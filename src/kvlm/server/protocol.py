@@ -10,11 +10,32 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from kvlm.engine.sampling import MAX_LOGPROBS, MAX_SAMPLES, SamplingParams
+from kvlm.cache.prefix import MAX_SALT_CHARS
+from kvlm.engine.sampling import (
+    MAX_LOGPROBS,
+    MAX_SAMPLES,
+    MAX_STOP_CHARS,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+)
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+
+
+def _unicode(text: str) -> str:
+    """JSON may carry a lone UTF-16 surrogate ("\\ud800"); Python keeps it in a str, and
+    the tokenizer (and any UTF-8 writer) then fails. Refuse it here, naming the field."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode: a lone surrogate at character {exc.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class _Body(BaseModel):
@@ -25,8 +46,11 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
 class _Sampling(_Body):
-    model: str
+    model: Text
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
@@ -34,10 +58,13 @@ class _Sampling(_Body):
     n: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
-    seed: int | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    # torch's generators take 64 bits, and sample i of n is seeded with seed + i
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX - MAX_SAMPLES)] | None = None
     ignore_eos: bool = False  # not OpenAI's; for benchmarks, as vLLM's
-    user: str | None = None
+    user: Text | None = None
+    # vLLM's: prefix-cache blocks are shared only between requests of the same salt
+    cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_SALT_CHARS)] | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _Sampling:
@@ -72,7 +99,7 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | Annotated[list[int], Field(min_length=1)]
+    prompt: Text | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # the legacy API allows 5
     echo: Literal[False] = False
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the legacy API's default
@@ -80,13 +107,13 @@ class CompletionRequest(_Sampling):
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Text | list[TextPart]
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):

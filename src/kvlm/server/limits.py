@@ -1,0 +1,142 @@
+"""What one connection may cost the server: body size, time to send a request, idleness.
+
+    connection ──▶ request head within `idle_timeout_s` (else closed: HeadTimeoutH11Protocol)
+               ──▶ body at most `max_body_bytes` (else 413) and each piece of it within
+                   `idle_timeout_s` (else 408: RequestLimits, an ASGI middleware)
+               ──▶ the route: JSON parsed, validated, tokenized off the event loop
+               ──▶ kept alive `keep_alive_s` after a response, then closed (uvicorn)
+
+uvicorn times out a keep-alive connection only after a first response: a client that
+connects and sends nothing, or a request head one byte a minute, held its socket forever
+(and enough of them exhaust the file descriptors). `max_connections` bounds how many are
+open at once (uvicorn answers 503 beyond it).
+
+RequestLimits is a plain ASGI middleware, not Starlette's BaseHTTPMiddleware: that one
+wraps `receive` so that a streaming route never sees its client disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+@dataclass(slots=True, frozen=True)
+class ServerLimits:
+    max_body_bytes: int = 4 << 20  # a request body; a 4096-token prompt is ~20 KB of text
+    idle_timeout_s: float = 30.0  # to send a request head, or the next piece of a body
+    keep_alive_s: float = 5.0  # an idle connection after a response (uvicorn's default)
+    max_connections: int = 512  # open at once; more get 503
+    public_metrics: bool = False  # /metrics without the API key (for a scraper)
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError("the body limit must be at least 1 KiB")
+        for name in ("idle_timeout_s", "keep_alive_s"):
+            if not 0 < getattr(self, name) <= 3600:
+                raise ValueError(f"{name} must be in (0, 3600] seconds")
+        if self.max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
+
+
+class RequestLimits:
+    """413 for a body over `max_body_bytes` (by its Content-Length, or as it arrives);
+    408 for a body that stops arriving. The body is read by the route, so the limits are
+    checked in the `receive` the route calls; a response is never started twice."""
+
+    def __init__(self, app: Callable, limits: ServerLimits) -> None:
+        self.app = app
+        self.limits = limits
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.limits.max_body_bytes
+        declared = _content_length(scope)
+        if declared is not None and declared > limit:
+            await _error(send, 413, f"the request body is over the limit of {limit} bytes")
+            return
+        received, done = 0, False
+
+        async def limited() -> Message:
+            nonlocal received, done
+            if done:  # the body is in: from here on only a disconnect can come
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.limits.idle_timeout_s)
+            except TimeoutError:
+                raise HTTPException(408, "the request body stopped arriving") from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                done = not message.get("more_body", False)
+                if received > limit:
+                    raise HTTPException(413, f"the request body is over the limit of {limit} bytes")
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            return int(value) if value.isdigit() else None  # h11 has checked it is one
+    return None
+
+
+async def _error(send: Send, status: int, message: str) -> None:
+    kind = "invalid_request_error"
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}})
+    headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body.encode()})
+
+
+class HeadTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection that has not sent a whole request head
+    within `config.kvlm_idle_timeout_s` of opening (or of its last response)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._arm_head_timer()
+
+    def _arm_head_timer(self) -> None:
+        timeout = getattr(self.config, "kvlm_idle_timeout_s", 30.0)
+        self._head_timer = self.loop.call_later(timeout, self._head_timeout)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timeout(self) -> None:
+        self._head_timer = None
+        if self.cycle is None or self.cycle.response_complete:  # no request under way
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._disarm_head_timer()  # a request head arrived: the route takes it from here
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._disarm_head_timer()
+            self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
