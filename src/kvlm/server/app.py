@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvlm.engine.async_engine import AsyncEngine
 from kvlm.engine.engine import StepOutput
-from kvlm.engine.sampling import SamplingParams
+from kvlm.engine.sampling import MAX_SAMPLES, SamplingParams
 from kvlm.engine.scheduler import QueueFullError
 from kvlm.errors import InvalidRequestError, KvlmError
 from kvlm.server import openapi
@@ -65,10 +65,11 @@ def create_app(
 ) -> FastAPI:
     limits = limits or ServerLimits()
     app = FastAPI(title="kvlm", version="1", docs_url=None, redoc_url=None)
-    openapi.install(app)
-    app.add_middleware(RequestLimits, limits=limits)
     tokenizer = engine.engine.tokenizer
     max_len = engine.engine.max_model_len
+    max_samples = min(MAX_SAMPLES, engine.engine.scheduler.config.max_num_seqs)
+    openapi.install(app, model_name, max_len, max_samples)
+    app.add_middleware(RequestLimits, limits=limits)
     started = int(time.time())
     _install_error_handlers(app)
     expected = f"Bearer {api_key}".encode() if api_key else None
@@ -265,7 +266,8 @@ async def _sse(
             if chunk is not None:
                 yield _data(chunk)
         if include_usage and last is not None:
-            yield _data(head | {"choices": [], "usage": choices.usage(prompt_tokens, last)})
+            usage = choices.usage(prompt_tokens, last)
+            yield _data(head | {"object": choices.chunk_object, "choices": [], "usage": usage})
         yield "data: [DONE]\n\n"
     except KvlmError as exc:
         yield _data(error_body(str(exc), "server_error"))
@@ -294,7 +296,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+        body = error_body(str(exc.detail), kind)
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)  # 405: Allow
 
     @app.exception_handler(Exception)
     async def bug(_: Request, exc: Exception) -> JSONResponse:

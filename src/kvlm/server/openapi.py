@@ -96,6 +96,39 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class CompletionChunk(BaseModel):
+    """One SSE event of a streamed completion; the last (stream_options.include_usage)
+    has no choices and the usage."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"]
@@ -113,7 +146,9 @@ class Health(BaseModel):
     status: str
 
 
-_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+# An SSE event (OpenAPI before 3.2: the media type's schema describes one event): `data`
+# is a chunk or an error body as JSON, or the closing "[DONE]".
+STREAMS = {CompletionResponse: CompletionChunk, ChatCompletionResponse: ChatCompletionChunk}
 _ERRORS = {
     400: "A malformed or out-of-range request; `param` names the field.",
     401: "A missing or wrong API key.",
@@ -131,12 +166,27 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 def generation(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     """A generation route: JSON, or SSE with `stream: true`; and its errors."""
-    ok = {"model": model, "description": "The completion, or its SSE stream.", "content": _SSE}
+    sse = {"text/event-stream": {"schema": _event(STREAMS[model].__name__)}}
+    ok = {"model": model, "description": "The completion, or its SSE stream.", "content": sse}
     return {200: ok, **errors(400, 401, 404, 408, 413, 500, 503)}
 
 
-def install(app: FastAPI) -> None:
-    """Serve the schema without FastAPI's 422 validation responses."""
+def _event(chunk: str) -> dict[str, Any]:
+    ref = "#/components/schemas/"
+    payload = {"anyOf": [{"$ref": ref + chunk}, {"$ref": ref + "ErrorResponse"}]}
+    data = {"anyOf": [
+        {"const": "[DONE]"},
+        {"type": "string", "contentMediaType": "application/json", "contentSchema": payload},
+    ]}  # fmt: skip
+    return {"type": "object", "required": ["data"], "properties": {"data": data}}
+
+
+def install(app: FastAPI, model: str, max_model_len: int, max_samples: int) -> None:
+    """Serve the schema without FastAPI's 422 validation responses, and with this server's
+    own limits where the request models are generic: the one model it serves, the most
+    samples it decodes together, the most tokens one request can ask for. (What depends on
+    the prompt, its length in tokens plus max_tokens within the context, no schema can say:
+    such a request is schema-valid and answered 400 context_length_exceeded.)"""
 
     def schema() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -147,7 +197,23 @@ def install(app: FastAPI) -> None:
             components = doc.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
+            for name in ("CompletionRequest", "ChatCompletionRequest"):
+                _server_limits(components[name]["properties"], model, max_model_len, max_samples)
+            for chunk in STREAMS.values():  # referenced by the SSE events only
+                made = chunk.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(made.pop("$defs", {}))
+                components[chunk.__name__] = made
             app.openapi_schema = doc
         return app.openapi_schema
 
     app.openapi = schema  # type: ignore[method-assign]
+
+
+def _server_limits(fields: dict[str, Any], model: str, max_len: int, max_samples: int) -> None:
+    fields["model"] = {"type": "string", "enum": [model], "title": "Model"}
+    fields["n"] |= {"maximum": max_samples}
+    for name in ("max_tokens", "max_completion_tokens"):
+        if name in fields:
+            for option in fields[name].get("anyOf", [fields[name]]):
+                if option.get("type") == "integer":
+                    option["maximum"] = max_len - 1

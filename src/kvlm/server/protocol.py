@@ -38,8 +38,16 @@ def _unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_unicode)]
 
 
+def _no_echo(echo: bool) -> bool:
+    if echo:
+        raise ValueError("echo is not supported: the prompt's own logprobs are not computed")
+    return echo
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: the types the published schema says (kvlm.server.openapi), no coercion of
+    # "3" to 3, 2.0 to 2 or 0 to false; an int is still a valid float, as in JSON
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Body):
@@ -99,9 +107,12 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Text | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    prompt: (
+        Annotated[Text, Field(min_length=1)]
+        | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    )
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # the legacy API allows 5
-    echo: Literal[False] = False
+    echo: Annotated[bool, AfterValidator(_no_echo)] = False
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the legacy API's default
 
 

@@ -45,6 +45,11 @@ class Choices:
         return {"id": request_id, "object": self._object(False), "created": int(time.time()),
                 "model": model}  # fmt: skip
 
+    @property
+    def chunk_object(self) -> str:
+        """The `object` of a streamed chunk (the usage chunk at the end included)."""
+        return self._object(True)
+
     def _object(self, chunk: bool) -> str:
         if self.chat:
             return "chat.completion.chunk" if chunk else "chat.completion"
