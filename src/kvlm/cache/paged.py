@@ -292,6 +292,12 @@ class PagedCache(KVCache):
 
     def _import(self, tensors: dict[str, torch.Tensor], length: int) -> None:
         bs = self.spec.block_size
+        need = self.batch * blocks_for(length, bs)
+        if need > self.pool.num_free:  # refuse before taking any: a partial take would leak
+            raise CacheOverflowError(
+                f"{self.batch} rows of {length} tokens need {need} blocks, the pool has "
+                f"{self.pool.num_free} free"
+            )
         self.tables = [
             [self.pool.allocate() for _ in range(blocks_for(length, bs))] for _ in range(self.batch)
         ]

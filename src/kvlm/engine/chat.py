@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvlm.cache import CacheFileError, KVCache
+from kvlm.cache.base import brief
 from kvlm.engine.generate import Generation
 from kvlm.engine.runner import ModelRunner
 from kvlm.engine.sampling import SamplingParams
@@ -97,19 +98,71 @@ class ChatSession:
         self.cache.save(path, fingerprint, extra)
 
     def load(self, path: str | Path, fingerprint: str) -> None:
+        """Resume a conversation saved by save(). A file that does not hold one (a token
+        history covering the cache, ids in the vocabulary, one sequence) is refused with a
+        CacheFileError, and the cache is left empty rather than half-loaded."""
         extra = self.cache.load(path, fingerprint)
+        try:
+            history, messages = self._check_saved(path, extra)
+        except CacheFileError:
+            self.cache.free()  # K/V the session holds no tokens for must not stay
+            raise
+        self.history = history
+        self.messages = messages
+        self._turn = None
+
+    def _check_saved(self, path: str | Path, extra: dict) -> tuple[list[int], list[dict]]:
         kind = "chat" if self.use_template else "text"
         if extra.get("kind") != kind:
             raise CacheFileError(
-                f"{path} holds a {extra.get('kind')!r} conversation; this one is {kind!r} "
+                f"{path} holds a {brief(extra.get('kind'))} conversation; this one is {kind!r} "
                 "(use the same --chat/--no-chat)"
             )
+        if self.cache.batch != 1:
+            raise CacheFileError(
+                f"{path} holds {self.cache.batch} sequences; a conversation is one"
+            )
         history = extra.get("history")
-        if not isinstance(history, list) or len(history) < self.cache.num_tokens:
-            raise CacheFileError(f"{path} has no usable token history")
-        self.history = [int(t) for t in history]
-        self.messages = list(extra.get("messages") or [])
-        self._turn = None
+        if not isinstance(history, list):
+            raise CacheFileError(f"{path} has no token history")
+        self._check_history(path, history)
+        messages = extra.get("messages", [] if kind == "text" else None)
+        if not isinstance(messages, list):
+            raise CacheFileError(f"{path} is damaged: its messages are not a list")
+        for i, m in enumerate(messages):
+            if not (
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+            ):
+                raise CacheFileError(
+                    f"{path} is damaged: message {i} is not a role and a content string"
+                )
+        return history, messages
+
+    def _check_history(self, path: str | Path, history: list) -> None:
+        """Token ids, at least the cached ones, at most one past a full cache (the last
+        sampled token is never fed)."""
+        for t in history:
+            if type(t) is not int:  # not a bool, not 3.0, not "3"
+                raise CacheFileError(
+                    f"{path} is damaged: history entry {brief(t)} is not a token id"
+                )
+            if t < 0 or (self.vocab_size is not None and t >= self.vocab_size):
+                size = "" if self.vocab_size is None else f" of {self.vocab_size} tokens"
+                raise CacheFileError(
+                    f"{path} is damaged: token id {brief(t)} is outside the vocabulary{size}"
+                )
+        cached, room = self.cache.num_tokens, self.cache.capacity + 1
+        if len(history) < cached:
+            raise CacheFileError(
+                f"{path} is damaged: {len(history)} tokens of history for {cached} cached"
+            )
+        if len(history) > room:
+            raise CacheFileError(
+                f"{path} holds {len(history)} tokens of history, more than this cache's "
+                f"capacity of {self.cache.capacity} (raise --max-context)"
+            )
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
