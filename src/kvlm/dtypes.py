@@ -14,6 +14,10 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "float16": torch.float16,
     "half": torch.float16,
+    # The reference precision: fp32's rounding shrunk by 2^-29, so two fp32 paths can be
+    # held to "as close to exact as fp32 allows" (tests, `kvlm verify --dtype fp64`). Slow.
+    "fp64": torch.float64,
+    "float64": torch.float64,
 }
 SHORT_NAMES = {
     torch.float32: "fp32",
@@ -21,16 +25,18 @@ SHORT_NAMES = {
     torch.float16: "fp16",
     torch.int8: "int8",
 }
+# Cache files store what kvlm serves with; an fp64 reference cache is never written.
+NAMES = {**SHORT_NAMES, torch.float64: "fp64"}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """A compute dtype: fp32, bf16 or fp16."""
-    return _parse(name, DTYPES, "fp32, bf16 or fp16")
+    """A compute dtype: fp32, bf16, fp16 (or fp64, the reference)."""
+    return _parse(name, DTYPES, "fp32, bf16, fp16 or fp64")
 
 
 def parse_kv_dtype(name: str | torch.dtype) -> torch.dtype:
     """A cache storage dtype: the compute dtypes, or int8 (with per-token scales)."""
-    return _parse(name, {**DTYPES, "int8": torch.int8}, "fp32, bf16, fp16 or int8")
+    return _parse(name, {**DTYPES, "int8": torch.int8}, "fp32, bf16, fp16, fp64 or int8")
 
 
 def _parse(name: str | torch.dtype, table: dict[str, torch.dtype], valid: str) -> torch.dtype:
@@ -45,4 +51,4 @@ def _parse(name: str | torch.dtype, table: dict[str, torch.dtype], valid: str) -
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return SHORT_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    return NAMES.get(dtype, str(dtype).removeprefix("torch."))

@@ -40,10 +40,11 @@ import torch
 
 from kvlm.cache.storage import PARAMS_PER_ROW, Store, itemsize, key_rotation
 from kvlm.config import ModelConfig
-from kvlm.dtypes import SHORT_NAMES, dtype_name
+from kvlm.dtypes import NAMES, dtype_name
 from kvlm.errors import CacheOverflowError, InvalidRequestError, KvlmError
 
 CACHE_FILE_FORMAT = "kvlm-cache/1"
+WINDOW_POSITIONS = ("cache", "absolute")  # kvlm.cache.window
 # The most rows (sequences) a cache file may hold: a fork of one sequence makes at most
 # kvlm.engine.sampling.MAX_SAMPLES (a test pins the two together; the cache layer does not
 # import the engine).
@@ -460,7 +461,7 @@ _META_KEYS = (
     "layout_extra",
     "extra",
 )
-_FILE_DTYPES = {name: dtype for dtype, name in SHORT_NAMES.items()}  # fp32 bf16 fp16 int8
+_FILE_DTYPES = {name: dtype for dtype, name in NAMES.items()}  # fp32 bf16 fp16 int8 fp64
 _GEOMETRY = {"layers": 1, "kv_heads": 1, "head_dim": 1}  # key -> least value
 _LAYOUT_EXTRA = {"dense": {}, "window": {"sinks": 0, "window": 1}}
 # A count as str(int) writes it, under 2**63: int() would also take " 5", "1_0", "٥", "+5".

@@ -64,8 +64,8 @@ class Linear(nn.Module):
             return self._onednn(x)
         if self.kernel == "quant":
             flat = x.reshape(-1, self.in_features)
-            if flat.dtype != torch.float32 or not flat.is_contiguous():
-                flat = flat.float().contiguous()
+            if flat.dtype not in (torch.float32, torch.float64) or not flat.is_contiguous():
+                flat = flat.float().contiguous()  # fp64: QuantWeight's exact reference
             y = self.quant.matmul(flat, self.prefill_bf16, self.act_int8)
             y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
@@ -206,7 +206,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
+        if x.dtype in (torch.float32, torch.float64):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Low precision: normalise in fp32 and scale after casting back, as HF does.
         xf = x.float()

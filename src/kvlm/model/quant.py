@@ -93,8 +93,10 @@ class QuantWeight:
         `act_int8`: up to SMALL_M rows multiply with x rounded to int8 per group of 32
         (`round_activations`), a trade of exactness for decode speed."""
         m, k = x.shape
-        lib = kernels.library()
         numel = self.out_features * self.in_features
+        if x.dtype == torch.float64:  # the reference: the same weights, fp64 sums
+            return torch.matmul(x, self.dense(_scratch(numel)).t().double())
+        lib = kernels.library()
         if m > SMALL_M and prefill_bf16:
             w = self.dense(_scratch(numel, torch.bfloat16), torch.bfloat16)
             return torch.matmul(x.to(torch.bfloat16), w.t()).float()

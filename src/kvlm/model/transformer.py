@@ -109,7 +109,8 @@ class Transformer(nn.Module):
         kv: KVStep,
         last_only: bool = True,
     ) -> torch.Tensor:
-        """input_ids, positions: (B, T) -> fp32 logits (B, 1 or T, V).
+        """input_ids, positions: (B, T) -> fp32 logits (B, 1 or T, V) (fp64 for an fp64
+        model: the reference keeps its precision to the end).
 
         `last_only` skips the vocabulary projection for all but the last position: a
         512-token prefill would otherwise build a 512 x 49152 logits matrix to use one row.
@@ -120,7 +121,8 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, kv)
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(self.norm(x)).float()
+        logits = self.lm_head(self.norm(x))
+        return logits if logits.dtype == torch.float64 else logits.float()
 
 
 class _WeightTaker:
