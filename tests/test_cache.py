@@ -385,21 +385,26 @@ def test_key_rotation_is_orthonormal(head_dim):
     assert torch.equal(r, key_rotation(head_dim))  # deterministic: files stay readable
 
 
-@pytest.mark.parametrize("mode", ["int8", "contiguous", "window"])
-def test_int8_attention_with_rotated_queries_matches_full_precision(mode):
+@pytest.mark.parametrize(
+    ("mode", "positions"),
+    [("int8", None), ("contiguous", None), ("window", "absolute"), ("window", "cache")],
+)
+def test_int8_attention_with_rotated_queries_matches_full_precision(mode, positions):
     """An int8 cache returns K rotated and asks for rotated queries: attention over it is
-    attention over the original keys, up to quantization error."""
+    attention over the original keys, up to quantization error. A window with positions
+    inside the cache returns K before RoPE, so back in the plain basis, and asks nothing."""
     spec = replace(SPEC, dtype=torch.int8, head_dim=64, max_tokens=32, window=32)
-    cache = create_cache(mode, spec)
+    cache = create_cache(mode, replace(spec, window_positions=positions or "cache"))
     g = torch.Generator().manual_seed(0)
     k = torch.randn(1, 2, 20, 64, generator=g) + torch.linspace(-3, 3, 64)  # offsets + outliers
     v = torch.randn(1, 2, 20, 64, generator=g)
     step = cache.begin(20)
     k_all, v_all = step.update(0, k, v)
-    assert step.key_rotation is not None
+    assert (step.key_rotation is None) == (positions == "cache")
     q = torch.randn(1, 2, 20, 64, generator=g)
+    q_in = q if step.key_rotation is None else q @ step.key_rotation
     got = torch.nn.functional.scaled_dot_product_attention(
-        q @ step.key_rotation, k_all, v_all, attn_mask=step.mask, is_causal=step.is_causal
+        q_in, k_all, v_all, attn_mask=step.mask, is_causal=step.is_causal
     )
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert (got - want).abs().max() < 0.05

@@ -5,8 +5,10 @@ every stateful mode, against the `basic` cache as the reference.
   bit for bit;
 - int8 (paged and contiguous layouts): each element within the bound stated in
   kvlm.cache.storage (about half a quantization step of its row);
-- window (float and int8): attention outputs equal the reference's attention with the
-  sinks + window mask, and the cache's bytes never change;
+- window (float and int8, RoPE positions inside the cache or absolute): attention outputs
+  equal the reference's attention with the sinks + window mask, the cache's bytes never
+  change, and in-cache positions keep every distance among ring and new tokens, put the
+  sinks at 0..S-1 and stay below S + W + n_new (kvlm.cache.window);
 - paged: after every step each block's reference count equals the number of table
   entries naming it, the free queue holds exactly the unreferenced blocks (no leak, no
   double free), and free() gives every block back.
@@ -42,8 +44,10 @@ CONFIGS = {
     "paged": ("paged", torch.float32),
     "int8": ("int8", torch.float32),
     "contiguous-int8": ("contiguous", torch.int8),
-    "window": ("window", torch.float32),
+    "window": ("window", torch.float32),  # positions inside the cache (the default)
     "window-int8": ("window", torch.int8),
+    "window-absolute": ("window", torch.float32, "absolute"),
+    "window-int8-absolute": ("window", torch.int8, "absolute"),
 }
 
 
@@ -66,13 +70,27 @@ def int8_bound(x: torch.Tensor) -> torch.Tensor:
     return step / 2 + 2**-10 * (lo.abs() + 255 * step) + 2**-24
 
 
-def make_machine(mode: str, dtype: torch.dtype):
+def int8_bound_unrotated(k: torch.Tensor) -> torch.Tensor:
+    """The bound for one element of K stored as int8 in the rotated basis k R and turned back
+    with R^T (a window with positions inside the cache): the row's error e R^T has the norm
+    of e, so each element is within ||e||_2 <= sqrt(D) bound(k R) (one bound per row), plus
+    the fp32 rounding of the two D-term products (D 2^-24 sum |k R| each, |R_ij| <= 1)."""
+    from kvlm.cache.storage import key_rotation
+
+    d = k.shape[-1]
+    kr = k @ key_rotation(d)
+    b = int8_bound(kr)  # (..., 1)
+    fp32 = 2 * d * 2**-24 * (kr.abs() + b).sum(-1, keepdim=True)
+    return b * d**0.5 + fp32
+
+
+def make_machine(mode: str, dtype: torch.dtype, positions: str = "cache"):
     class CacheMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
             from dataclasses import replace
 
-            self.cache = create_cache(mode, replace(SPEC, dtype=dtype))
+            self.cache = create_cache(mode, replace(SPEC, dtype=dtype, window_positions=positions))
             # the window never fills: give its reference room to run well past the ring
             ref_len = 8 * SPEC.max_tokens if mode == "window" else SPEC.max_tokens
             self.ref = create_cache("basic", replace(SPEC, max_tokens=ref_len))
@@ -124,8 +142,14 @@ def make_machine(mode: str, dtype: torch.dtype):
             makes visible is there."""
             pos = step.key_positions
             held = pos >= 0
-            for g, w in zip(got, self.as_stored(step, want), strict=True):
-                self.assert_rows_equal(g[:, :, held], w[:, :, pos[held]])
+            unrotated = dtype == torch.int8 and step.key_rotation is None  # K before RoPE
+            for i, (g, w) in enumerate(zip(got, self.as_stored(step, want), strict=True)):
+                g, w = g[:, :, held], w[:, :, pos[held]]
+                if i == 0 and unrotated:
+                    assert ((g - w).abs() <= int8_bound_unrotated(w)).all()
+                else:
+                    self.assert_rows_equal(g, w)
+            self.check_positions(step, n)
             expected = window_mask(ref_step.start, n, ref_step.start + n)  # over 0..n_keys-1
             rule = torch.zeros_like(step.mask)
             rule[:, held] = expected[:, pos[held]]
@@ -137,6 +161,28 @@ def make_machine(mode: str, dtype: torch.dtype):
                 out = F.scaled_dot_product_attention(q, *got, attn_mask=step.mask)
                 ref = F.scaled_dot_product_attention(q, *want, attn_mask=expected)
                 torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+        def check_positions(self, step, n: int) -> None:
+            """In-cache RoPE positions: sinks at their own, every distance between a query and
+            a ring or new key it sees is the absolute one, and all below S + W + n_new."""
+            q_abs = torch.arange(step.start, step.start + n)
+            if positions == "absolute":
+                assert step.key_rope_positions is None
+                assert torch.equal(step.positions[0], q_abs)
+                return
+            q_at, k_at, k_abs = step.positions[0], step.key_rope_positions, step.key_positions
+            sees = step.mask
+            assert int(q_at.max()) < SPEC.sinks + SPEC.window + n
+            assert int(k_at[sees.any(0)].max()) < SPEC.sinks + SPEC.window + n
+            sink = (k_abs >= 0) & (k_abs < SPEC.sinks)
+            assert torch.equal(k_at[sink], k_abs[sink])
+            ring = sees & ~sink[None, :]
+            dist_at = q_at[:, None] - k_at[None, :]
+            dist_abs = q_abs[:, None] - k_abs[None, :]
+            assert torch.equal(dist_at[ring], dist_abs[ring])
+            if step.start < SPEC.sinks + SPEC.window:  # the ring has not dropped anything yet
+                assert torch.equal(q_at, q_abs)
+                assert torch.equal(k_at[k_abs >= 0], k_abs[k_abs >= 0])
 
         @rule(n=st.integers(0, 8))
         def rollback(self, n: int) -> None:
@@ -199,7 +245,7 @@ def make_machine(mode: str, dtype: torch.dtype):
             if mode == "window" and self.cache.batch == SPEC.batch:
                 assert self.cache.nbytes == self.initial_bytes
 
-    CacheMachine.__name__ = f"CacheMachine_{mode}_{dtype}"
+    CacheMachine.__name__ = f"CacheMachine_{mode}_{dtype}_{positions}"
     return CacheMachine
 
 

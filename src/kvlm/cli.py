@@ -186,6 +186,13 @@ def _size_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-blocks", type=int, default=None, help="paged/int8: blocks in the pool")
     p.add_argument("--window", type=int, default=256, help="window: recent tokens kept")
     p.add_argument("--sinks", type=int, default=4, help="window: first tokens kept")
+    p.add_argument(
+        "--window-positions",
+        choices=("cache", "absolute"),
+        default="cache",
+        help="window: RoPE positions counted inside the cache (default, StreamingLLM: "
+        "streams run past the trained context) or absolute (the text's own, for comparison)",
+    )
 
 
 def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
@@ -233,7 +240,9 @@ def _load(args: argparse.Namespace):
         kv=args.kv,
         kv_dtype=args.kv_dtype,
         max_context=args.max_context,
-        cache_options=CacheOptions(args.block_size, args.kv_blocks, args.window, args.sinks),
+        cache_options=CacheOptions(
+            args.block_size, args.kv_blocks, args.window, args.sinks, args.window_positions
+        ),
         prefill_chunk=args.prefill_chunk,
     )
 

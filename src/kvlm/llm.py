@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -35,12 +35,17 @@ WEIGHT_FORMATS = (None, "f32", "bf16", "int8", "int4", "native")
 
 @dataclass(slots=True, frozen=True)
 class CacheOptions:
-    """Sizes of the mode-specific caches (see kvlm.cache.base.CacheSpec)."""
+    """Sizes of the mode-specific caches (see kvlm.cache.base.CacheSpec).
+
+    `window_positions`: where the window cache puts RoPE positions, "cache" (counted inside
+    the cache, StreamingLLM: distances stay within sinks + window however long the stream)
+    or "absolute" (each token's position in the text, for comparison; kvlm.cache.window)."""
 
     block_size: int = 16
     num_blocks: int | None = None
     window: int = 256
     sinks: int = 4
+    window_positions: str = "cache"  # checked by CacheSpec
 
 
 class LLM:
@@ -157,6 +162,7 @@ class LLM:
             window=o.window,
             sinks=o.sinks,
         )
+        spec = replace(spec, window_positions=o.window_positions)
         return mode_spec(mode or self.kv_mode, spec)
 
     def new_cache(self, mode: str | None = None) -> KVCache:

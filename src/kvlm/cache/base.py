@@ -73,6 +73,9 @@ class CacheSpec:
     num_blocks: int | None = None  # paged: pool size (None: room for 8 full-length sequences)
     window: int = 256  # window: recent tokens kept
     sinks: int = 4  # window: first tokens kept forever
+    # window: RoPE positions "cache" (counted inside the cache, StreamingLLM; K kept before
+    # RoPE) or "absolute" (each token's position in the text); kvlm.cache.window.
+    window_positions: str = "cache"
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "batch", "block_size", "window"):
@@ -82,6 +85,11 @@ class CacheSpec:
             raise InvalidRequestError(f"sinks must be >= 0, got {self.sinks}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise InvalidRequestError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.window_positions not in WINDOW_POSITIONS:
+            raise InvalidRequestError(
+                f"unknown window positions {self.window_positions!r}; valid: "
+                + ", ".join(WINDOW_POSITIONS)
+            )
 
     @classmethod
     def for_model(
@@ -135,6 +143,9 @@ class CacheStep(ABC):
         # When set, the keys update() returns are k @ R (int8 caches quantize K in a rotated
         # basis, kvlm.cache.storage) and attention must use q @ R: (qR).(kR) = q.k.
         self.key_rotation: torch.Tensor | None = None
+        # When set (S,), update() takes and returns K before RoPE, and the model rotates the
+        # returned keys at these positions (the window cache's positions inside the cache).
+        self.key_rope_positions: torch.Tensor | None = None
 
     @abstractmethod
     def update(

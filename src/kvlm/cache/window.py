@@ -1,21 +1,58 @@
 """`window`: the first S tokens (attention sinks) plus a ring of the last W, in constant memory.
 
-StreamingLLM's observation: a model keeps attending to its first few tokens whatever they
-say, so dropping them breaks it, while keeping them plus a recent window lets generation
-run on indefinitely. mlx-lm's RotatingKVCache does the same with absolute positions, as
-here: keys keep the RoPE rotation of their true position (no re-rotation), and the model's
-attention is restricted to sinks + window.
+StreamingLLM's observation (Xiao et al. 2023): a model keeps attending to its first few
+tokens whatever they say, so dropping them breaks it, while keeping them plus a recent
+window lets generation run on indefinitely, *if* RoPE positions are counted inside the
+cache rather than in the text. With absolute positions (mlx-lm's RotatingKVCache, and this
+cache's `window_positions="absolute"`), the query at position p meets the sinks at distance
+p - i, which grows past the model's trained context (the paper shows perplexity exploding there)
+and fp32 angles p * theta lose their low bits.
 
-    slots: [ s0 s1 s2 s3 | r0 r1 r2 ... rW-1 ]     S = 4 sinks, then a ring of W
+So by default (`window_positions="cache"`) K is stored *before* RoPE, and each step rotates
+every key it returns at its position inside the cache; the queries take the positions that
+follow. The model never sees a distance above S + W + n_new, however long the stream:
+
+    slots:   [ s0 s1 s2 s3 | r0 r1 r2 ... rW-1 ]   S = 4 sinks, then a ring of W
     token at position p >= S lives in ring slot (p - S) % W; slot_pos records who is where.
 
-A step attends over every stored slot plus its own new tokens, masked by position: query
-q sees key p iff p <= q and (p < S or q - p < W). So a long prefill chunk is exact: its
-early queries still see tokens its later tokens will evict. After the step only the sinks
-and the last W tokens are kept. Memory never grows past S + W slots.
+    a decode step at absolute position t >= S + W (the ring has wrapped), keys by position:
+
+    absolute  0  1  2  3   t-W  t-W+1 ... t-1 | t        sinks at distance t - i: unbounded
+    visible   y  y  y  y    n     y   ...  y  | y        (t - (t-W) = W: out of the window)
+    in cache  0  1  2  3    .     4   ... W+2 | W+3      = absolute - shift for the ring
+                                                          shift = start - W + 1 - S
+
+    i.e. the visible keys (sinks, then ring tokens in order, then the new tokens) sit at
+    0, 1, 2, ...: exactly where a from-scratch forward over the kept tokens would put them
+    (StreamingLLM's definition). Distances among ring and new tokens are the absolute ones;
+    only the sinks move, to sit right before the oldest visible ring token.
+
+A step attends over every stored slot plus its own new tokens, masked by absolute position:
+query q sees key p iff p <= q and (p < S or q - p < W). So a long prefill chunk is exact in
+what it sees: its early queries still see tokens its later tokens will evict. One shift
+serves the whole step, computed from the chunk's first query (the keys visible to some
+query of the step are sinks, then positions start-W+1 .. start+n-1, contiguous), so a chunk's
+later queries meet the sinks a little farther away than a one-token step would place them;
+positions stay below S + W + n_new. Before the ring first wraps (start < S + W) the shift is
+0 and both modes use the same positions. The model's own sliding window (Mistral), if any,
+applies to the distances the model sees. After the step only the sinks and the last W
+tokens are kept. Memory never grows past S + W slots.
+
+Storage dtypes: fp32/bf16/fp16 store pre-RoPE K as they store anything. int8 stores K in
+the Hadamard-rotated basis k R (kvlm.cache.storage); RoPE does not commute with R, so in
+cache mode a step turns the dequantized keys back with R^T (R orthonormal) and returns them
+in the plain basis with `key_rotation` None: one (S+W) x D x D product per layer and step.
+The absolute mode keeps the old contract (keys rotated at write, q R at read).
+
+The model-facing contract: `step.positions` are the queries' positions (also the new keys'
+positions); `step.key_rope_positions` (S+W+n_new,) is None in absolute mode, else the
+position of every key update() returns, which update() returns *before* RoPE (the model
+computes cos/sin for them once per step, kvlm.model.transformer).
 
 Rollback is exact only while nothing the next query needs has been evicted (before the ring
-first wraps, or by one token after it); otherwise it is refused.
+first wraps, or by one token after it); otherwise it is refused. Cache files record the
+position mode (layout_extra "cache_positions": 1; absolute files carry no such key, as
+files written before the mode existed), so a file is only restored into its own mode.
 """
 
 from __future__ import annotations
@@ -34,28 +71,38 @@ ALL = slice(None)
 class _WindowStep(CacheStep):
     def __init__(self, cache: WindowCache, n_new: int) -> None:
         spec, start = cache.spec, cache.num_tokens
-        q = torch.arange(start, start + n_new, device=spec.device)
+        q = torch.arange(start, start + n_new, device=spec.device)  # absolute positions
         k = torch.cat([cache.slot_pos, q])  # stored slots, then this step's tokens
         visible = (k[None, :] >= 0) & (k[None, :] <= q[:, None])
         visible &= (k[None, :] < spec.sinks) | (q[:, None] - k[None, :] < spec.window)
-        if spec.sliding_window is not None:
-            visible &= q[:, None] - k[None, :] < spec.sliding_window
+        q_at, k_at = cache.rope_positions(start, q, k)
+        if spec.sliding_window is not None:  # the model's own window, on the distances it sees
+            visible &= q_at[:, None] - k_at[None, :] < spec.sliding_window
         super().__init__(start, n_new, cache.batch, spec.device, visible, False)
-        self.key_positions = k  # the position each returned key holds (-1: empty slot)
+        self.positions = q_at.expand(cache.batch, n_new)  # (B, T) where RoPE puts the queries
+        self.key_positions = k  # the absolute position each returned key holds (-1: empty)
+        # (S + W + n_new,) where RoPE puts each returned key; None: keys come back rotated.
+        self.key_rope_positions = k_at if cache.cache_positions else None
         self.store = cache.store
         self._over(self.store)
+        self._basis = self.key_rotation  # int8: K is stored as k R
+        if cache.cache_positions:
+            self.key_rotation = None  # update() turns keys back to the plain basis for RoPE
         self.staged: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * spec.num_layers
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self._keys_in(k)
+        if self._basis is not None:
+            k = k @ self._basis.to(k.dtype)
         self.staged[layer] = (k, v)  # written by commit, after every layer has read the ring
         # The new tokens are seen as they will be read back later (rounded to the storage
         # dtype), so a result never depends on how a prompt was split into steps.
         k_all = torch.cat([self.store.get((layer, 0), k.dtype), self.store.roundtrip(k)], dim=2)
         v_all = torch.cat([self.store.get((layer, 1), v.dtype), self.store.roundtrip(v)], dim=2)
-        return k_all, v_all
+        if self._basis is not None and self.key_rotation is None:
+            k_all = k_all @ self._basis.T.to(k_all.dtype)  # (k R) R^T = k, ready for RoPE
+        return k_all, v_all  # (B, Hkv, S + W + n_new, D)
 
 
 class WindowCache(RowCache):
@@ -64,11 +111,26 @@ class WindowCache(RowCache):
 
     def __init__(self, spec: CacheSpec) -> None:
         super().__init__(spec, slots=spec.sinks + spec.window)
+        self.cache_positions = spec.window_positions == "cache"
         self.slot_pos = torch.full((self.slots,), -1, dtype=torch.long, device=spec.device)
 
     @property
     def capacity(self) -> int:
         return sys.maxsize  # endless: old tokens leave the ring
+
+    def rope_positions(
+        self, start: int, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where RoPE puts a step's queries and keys, from their absolute positions.
+
+        Cache positions: the ring tokens no query of the step can see (S .. start-W) are
+        skipped, so the sinks keep 0..S-1 and the oldest visible ring token sits at S. Keys
+        no query sees (an empty slot, the stale ring slot) get a harmless position >= 0."""
+        if not self.cache_positions:
+            return q, k
+        s = self.spec
+        shift = max(0, start - s.window + 1 - s.sinks)
+        return q - shift, torch.where(k < s.sinks, k, k - shift).clamp_min(0)
 
     def _slot(self, pos: torch.Tensor) -> torch.Tensor:
         s = self.spec
@@ -110,7 +172,10 @@ class WindowCache(RowCache):
         self.slot_pos.copy_(tensors["slot_pos"])
 
     def _layout_extra(self) -> dict[str, int]:
-        return {"sinks": self.spec.sinks, "window": self.spec.window}
+        extra = {"sinks": self.spec.sinks, "window": self.spec.window}
+        if self.cache_positions:  # K before RoPE: unusable by an absolute-position cache
+            extra["cache_positions"] = 1
+        return extra
 
     @classmethod
     def planned_nbytes(cls, spec: CacheSpec, tokens: int, batch: int) -> int:

@@ -17,6 +17,9 @@ class KVStep(Protocol):
     mask: torch.Tensor | None
     is_causal: bool
     key_rotation: torch.Tensor | None
+    # (S,) int64 when update() takes and returns K *before* RoPE and the keys it returns are
+    # to be rotated at these positions (the window cache's positions inside the cache).
+    key_rope_positions: torch.Tensor | None
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -46,8 +49,16 @@ class Attention(nn.Module):
         self.k_norm = k_norm
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVStep
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: KVStep,
+        key_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """cos, sin (B, T, 1, D): RoPE at the new tokens' positions. `key_rope`: cos, sin
+        (1, 1, S, D) at kv.key_rope_positions when the cache keeps K before RoPE: then only
+        the queries are rotated before update(), and every key it returns after."""
         B, T, _ = x.shape
         H, Hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv(x).view(B, T, H + 2 * Hkv, self.head_dim)
@@ -55,11 +66,16 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
             q, k = qk.split([H, Hkv], dim=2)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
-        qk = apply_rope(qk, cos, sin)  # one rotation for all q and k heads
+        if key_rope is None:
+            qk = apply_rope(qk, cos, sin)  # one rotation for all q and k heads
         q, k = qk.transpose(1, 2).split([H, Hkv], dim=1)  # (B, H, T, D), (B, Hkv, T, D)
+        if key_rope is not None:
+            q = apply_rope(q, cos.transpose(1, 2), sin.transpose(1, 2))
         v = v.transpose(1, 2)  # (B, Hkv, T, D)
         # The cache stores this step's K/V and returns everything the queries may see.
         k_all, v_all = kv.update(self.layer_idx, k, v)  # (B, Hkv, S, D)
+        if key_rope is not None:  # keys came back before RoPE: rotate them where they sit
+            k_all = apply_rope(k_all, *key_rope)
         if kv.key_rotation is not None:  # keys came back as k @ R: rotate the queries too
             q = q @ kv.key_rotation.to(q.dtype)
         out = attend(q, k_all, v_all, kv.mask, kv.is_causal)  # (B, H, T, D)

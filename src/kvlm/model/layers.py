@@ -242,6 +242,14 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]  # (B, T, 1, D)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def for_keys(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (S,) int64 -> cos, sin (1, 1, S, D), broadcasting over keys (B, heads,
+        S, D): for a cache that returns K before RoPE (kvlm.cache.window)."""
+        cos, sin = self(positions[None], dtype)  # (1, S, 1, D)
+        return cos.transpose(1, 2), sin.transpose(1, 2)
+
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     dim = config.head_dim
@@ -270,7 +278,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, T, H, D) rotated by cos/sin (B, T, 1, D): x*cos + rotate_half(x)*sin."""
+    """x (B, T, H, D) rotated by cos/sin (B, T, 1, D): x*cos + rotate_half(x)*sin. Any layout
+    whose cos/sin broadcast works the same, element by element: (B, H, S, D) by (1, 1, S, D)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

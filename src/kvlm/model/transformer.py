@@ -33,9 +33,14 @@ class Block(nn.Module):
         self.post_norm = post_norm
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVStep
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: KVStep,
+        key_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, kv)
+        x = x + self.attn(self.input_norm(x), cos, sin, kv, key_rope)
         return x + self.mlp(self.post_norm(x))
 
 
@@ -117,8 +122,12 @@ class Transformer(nn.Module):
         """
         x = self.embed_table[input_ids]  # (B, T, H)
         cos, sin = self.rope(positions, x.dtype)
+        # A cache that keeps K before RoPE (the window cache, positions inside the cache)
+        # names every key's position; cos/sin for them once per step, for all layers.
+        keys_at = kv.key_rope_positions
+        key_rope = None if keys_at is None else self.rope.for_keys(keys_at, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, kv)
+            x = layer(x, cos, sin, kv, key_rope)
         if last_only:
             x = x[:, -1:]
         logits = self.lm_head(self.norm(x))
