@@ -55,6 +55,13 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def default_model_path():
+    from kvlm.loading.default import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
 def default_llm():
     from kvlm import LLM
 

@@ -278,44 +278,61 @@ def _f16(b: np.ndarray) -> np.ndarray:
     return b.copy().view(np.float16).astype(np.float32)
 
 
-def ref_dequant_rows(raw: np.ndarray, qtype_name: str) -> np.ndarray:
-    """Decode (rows, bytes) blocks written in ggml's layout, independently of gguf-py."""
-    return np.stack([_ref_row(row, qtype_name) for row in raw])
+def ref_dequant_rows(
+    raw: np.ndarray, qtype_name: str, with_size: bool = False
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Decode (rows, bytes) blocks written in ggml's layout, independently of gguf-py, as
+    fp32. `with_size`: in fp64 (exact: products of fp16 parameters and small integers), with
+    each value's size |scaled code| + |offset|, the magnitude its fp32 rounding scales with."""
+    if not with_size:
+        return np.stack([_ref_row(row, qtype_name) for row in raw])
+    rows = [_ref_row(row, qtype_name, exact=True) for row in raw]
+    return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
 
 
-def _ref_row(row: np.ndarray, kind: str) -> np.ndarray:
+def _ref_row(row: np.ndarray, kind: str, exact: bool = False):
+    """One row decoded as scaled codes plus an offset, each term exact in fp64 (fp16
+    parameters times small integers). The fp32 value is that sum rounded once, which is also
+    what the fp32 arithmetic of these formulas gives (every partial product fits 24 bits
+    but Q6_K's, whose one rounding is the same). `exact`: (fp64 values, |term| + |offset|)."""
     size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}[kind]
-    out = []
-    for blk in row.reshape(-1, size):
-        if kind == "Q8_0":  # d, qs[32] int8
-            out.append(_f16(blk[0:2]) * blk[2:].view(np.int8).astype(np.float32))
-        elif kind == "Q4_0":  # d, qs[16]: low nibbles are 0..15, high nibbles 16..31
-            d, qs = _f16(blk[0:2]), blk[2:].astype(np.int32)
-            out.append(d * (np.concatenate([qs & 15, qs >> 4]) - 8))
-        elif kind == "Q4_1":  # d, m, qs[16]
-            d, m, qs = _f16(blk[0:2]), _f16(blk[2:4]), blk[4:].astype(np.int32)
-            out.append(d * np.concatenate([qs & 15, qs >> 4]) + m)
-        elif kind == "Q4_K":  # d, dmin, scales[12], qs[128]
-            d, dmin = _f16(blk[0:2]), _f16(blk[2:4])
-            sc, mn = _unpack_k4_scales(blk[4:16].astype(np.int32))
-            qs = blk[16:].astype(np.int32).reshape(4, 32)
-            codes = np.concatenate([np.concatenate([q & 15, q >> 4]) for q in qs])
-            out.append(d * sc.repeat(32) * codes - dmin * mn.repeat(32))
-        else:  # Q6_K: ql[128], qh[64], scales[16] int8, d
-            ql, qh = blk[:128].astype(np.int32), blk[128:192].astype(np.int32)
-            scales = blk[192:208].view(np.int8).astype(np.float32)
-            d = _f16(blk[208:210])
-            codes = np.empty(256, np.int32)
-            for n in range(2):
-                lo, hi = ql[64 * n : 64 * n + 64], qh[32 * n : 32 * n + 32]
-                for g, (nib, shift) in enumerate(
-                    [(lo[:32] & 15, 0), (lo[32:] & 15, 2), (lo[:32] >> 4, 4), (lo[32:] >> 4, 6)]
-                ):
-                    codes[128 * n + 32 * g : 128 * n + 32 * g + 32] = nib | (
-                        ((hi >> shift) & 3) << 4
-                    )
-            out.append(d * scales.repeat(16) * (codes - 32))
-    return np.concatenate(out).astype(np.float32)
+    terms = [_ref_terms(blk, kind) for blk in row.reshape(-1, size)]
+    a = np.concatenate([t[0] for t in terms])
+    b = np.concatenate([t[1] for t in terms])
+    if exact:
+        return a + b, np.abs(a) + np.abs(b)
+    return (a + b).astype(np.float32)
+
+
+def _ref_terms(blk: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """A block's (scaled codes, offset), fp64."""
+    f16 = lambda b: _f16(b).astype(np.float64)  # noqa: E731
+    if kind == "Q8_0":  # d, qs[32] int8
+        return f16(blk[0:2]) * blk[2:].view(np.int8), np.zeros(32)
+    if kind == "Q4_0":  # d, qs[16]: low nibbles are 0..15, high nibbles 16..31
+        d, qs = f16(blk[0:2]), blk[2:].astype(np.int32)
+        return d * (np.concatenate([qs & 15, qs >> 4]) - 8), np.zeros(32)
+    if kind == "Q4_1":  # d, m, qs[16]
+        d, m, qs = f16(blk[0:2]), f16(blk[2:4]), blk[4:].astype(np.int32)
+        return d * np.concatenate([qs & 15, qs >> 4]), np.repeat(m, 32)
+    if kind == "Q4_K":  # d, dmin, scales[12], qs[128]
+        d, dmin = f16(blk[0:2]), f16(blk[2:4])
+        sc, mn = _unpack_k4_scales(blk[4:16].astype(np.int32))
+        qs = blk[16:].astype(np.int32).reshape(4, 32)
+        codes = np.concatenate([np.concatenate([q & 15, q >> 4]) for q in qs])
+        return d * sc.repeat(32) * codes, -dmin * mn.repeat(32)
+    # Q6_K: ql[128], qh[64], scales[16] int8, d
+    ql, qh = blk[:128].astype(np.int32), blk[128:192].astype(np.int32)
+    scales = blk[192:208].view(np.int8).astype(np.float64)
+    d = f16(blk[208:210])
+    codes = np.empty(256, np.int32)
+    for n in range(2):
+        lo, hi = ql[64 * n : 64 * n + 64], qh[32 * n : 32 * n + 32]
+        for g, (nib, shift) in enumerate(
+            [(lo[:32] & 15, 0), (lo[32:] & 15, 2), (lo[:32] >> 4, 4), (lo[32:] >> 4, 6)]
+        ):
+            codes[128 * n + 32 * g : 128 * n + 32 * g + 32] = nib | (((hi >> shift) & 3) << 4)
+    return d * scales.repeat(16) * (codes - 32), np.zeros(256)
 
 
 def _unpack_k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

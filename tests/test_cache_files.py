@@ -307,7 +307,7 @@ def test_a_good_conversation_loads(tmp_path):
         ("layout_extra", '{"sinks": 2}', "layout_extra has keys"),
         ("extra", "null", "extra is not a JSON object"),
         ("extra", '"note"', "extra is not a JSON object"),
-        ("dtype", "fp64", "dtype 'fp64' is not one kvlm stores"),
+        ("dtype", "fp8", "dtype 'fp8' is not one kvlm stores"),
         ("dtype", "float32", "dtype 'float32' is not one kvlm stores"),
         ("layout", "ring", "layout 'ring' is not one kvlm writes"),
         ("mode", "nope", "mode 'nope' is not one kvlm writes"),

@@ -8,6 +8,7 @@ import torch
 from conftest import TINY_MODELS
 from helpers import assert_greedy_agreement, hf_greedy, load_hf
 from kvlm import LLM, SamplingParams
+from numerics import assert_as_exact_as, max_error
 
 PROMPT = "What is the capital of France? The capital of France is"
 
@@ -16,6 +17,18 @@ PROMPT = "What is the capital of France? The capital of France is"
 def pair(request, tiny_model_dir):
     folder = tiny_model_dir(request.param)
     return request.param, LLM(model=folder, progress=False), load_hf(folder)
+
+
+def hf_logits(folder_or_model, ids: list[int], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """HF's teacher-forced logits (T, V); with `dtype`, the model loaded in it (fp64: the
+    exact result both implementations are held to)."""
+    from transformers import AutoModelForCausalLM
+
+    model = folder_or_model
+    if dtype is not None:
+        model = AutoModelForCausalLM.from_pretrained(folder_or_model, dtype=dtype).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
 
 
 def test_config_read_from_folder(pair):
@@ -30,16 +43,16 @@ def test_config_read_from_folder(pair):
     assert llm.config.tie_word_embeddings == c.tie_word_embeddings
 
 
-def test_teacher_forced_logits_match_hf(pair):
-    """Every position's logits, one forward over 40 tokens: within 1e-4 in fp32."""
-    _, llm, hf = pair
+def test_teacher_forced_logits_match_hf(pair, tiny_model_dir):
+    """Every position's logits, one forward over 40 tokens: as close to the exact result
+    (HF in fp64) as HF's own fp32 logits are."""
+    name, llm, hf = pair
     ids = llm.tokenizer.encode(PROMPT * 4)[:40]
     assert len(ids) == 40
     ours = llm.runner.logits(ids, llm.new_cache("off"))
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].float()
+    ref = hf_logits(hf, ids)
     assert ours.shape == ref.shape
-    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    assert_as_exact_as(ours, ref, hf_logits(tiny_model_dir(name), ids, torch.float64))
 
 
 @pytest.mark.parametrize("kv", ["contiguous", "basic", "off"])
@@ -63,16 +76,16 @@ def test_sliding_window_is_applied(tiny_model_dir):
     ids = llm.tokenizer.encode(PROMPT * 4)[:40]
     assert len(ids) == 40
     ours = llm.runner.logits(ids, llm.new_cache("contiguous"))
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    ref, exact = hf_logits(hf, ids), hf_logits(folder, ids, torch.float64)
+    assert_as_exact_as(ours, ref, exact)
     assert llm.cache.spec.sliding_window == 8  # the spec carries the window into every mask
     from dataclasses import replace
 
     from kvlm.cache import create_cache
 
     unwindowed = create_cache("off", replace(llm.cache.spec, sliding_window=None))
-    assert not torch.allclose(llm.runner.logits(ids, unwindowed), ref, atol=1e-3)
+    far = max_error(llm.runner.logits(ids, unwindowed), exact)
+    assert far > 1000 * max_error(ref, exact)  # not rounding: a different function
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -86,10 +99,10 @@ def test_low_precision_matches_hf_at_the_same_dtype(tiny_model_dir, dtype):
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).eval()
     ids = llm.tokenizer.encode(PROMPT)
     ours = llm.runner.logits(ids, llm.new_cache("off"))
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].float()
-    scale = ref.abs().max()
-    assert (ours - ref).abs().max() < 0.03 * scale
+    ref = hf_logits(hf, ids).float()
+    # both round to the same dtype at the same places (weights, activations): as far from
+    # the exact result as each other
+    assert_as_exact_as(ours, ref, hf_logits(folder, ids, torch.float64))
     ref_ids, ref_logits = hf_greedy(hf, ids, 16)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
     out = llm.generate(prompt_token_ids=[ids], sampling_params=params)[0]

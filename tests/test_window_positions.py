@@ -16,7 +16,6 @@ one CPU's output: the suite runs on CPUs whose kernels round differently.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import pytest
@@ -28,11 +27,11 @@ from kvlm.cache import CacheFileError, CacheSpec, create_cache
 from kvlm.errors import InvalidRequestError
 from kvlm.llm import CacheOptions
 from kvlm.model import attention
+from numerics import U32, attention_bound
 
 S, W = 2, 6  # sinks, ring
 SPEC = CacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, max_tokens=8, window=W, sinks=S)
 MODES = ("cache", "absolute")
-U32 = 2.0**-24  # fp32 unit roundoff
 
 
 def spec(positions: str, **changes) -> CacheSpec:
@@ -160,29 +159,6 @@ def attention_calls(monkeypatch):
 
     monkeypatch.setattr(attention, "attend", record)
     return calls
-
-
-def attention_bound(q, k, v, k_err: float = 0.0, n_keys: int | None = None) -> float:
-    """How far apart two attention outputs may be when their inputs q (B, H, T, D), k, v
-    (B, Hkv, S, D) are the same values up to fp32 rounding, computed in another order (other
-    shapes, a masked extra key), plus keys off by at most k_err in 2-norm on one side.
-    `n_keys`: the longer side's key count (default k's).
-
-    - a score q.k / sqrt(D), on each side against its exact value: the D-term dot product
-      within D u |q| |k|; each RoPE-rotated element within 3 u (|x_i| + |x_pair|) (cos and
-      sin within 1 ulp each, whichever call computed them; two products and a sum rounded),
-      which moves the score by at most 6 u |q| |k| for q's rotation and as much for k's.
-      With a factor 2 of slack on the dot product, for both sides together:
-      d = ((4 D + 24) u |q| |k| + |q| k_err) / sqrt(D).
-    - softmax: scores that move by at most d move each weight by a factor within e^{+-2d},
-      so the output by at most (e^{2d} - 1) max|v|; its sum, division and the weighted sum
-      of n terms, in either order, add 2 (n + 8) u max|v| per side, doubled for CPU SDPA's
-      blockwise rescaling.
-    """
-    d_head, n = q.shape[-1], n_keys or k.shape[-2]
-    qn, kn, vmax = float(q.norm(dim=-1).max()), float(k.norm(dim=-1).max()), float(v.abs().max())
-    d = ((4 * d_head + 24) * U32 * qn * kn + qn * k_err) / d_head**0.5
-    return vmax * (math.expm1(2 * d) + 8 * (n + 8) * U32)
 
 
 def load_llm(folder, positions: str, kv_dtype: str = "fp32", window: int = W) -> LLM:

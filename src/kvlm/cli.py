@@ -142,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="GGUF file, HF folder or Hub id (default: SmolLM2-135M)")
-    p.add_argument("--dtype", default="fp32", help="compute dtype: fp32, bf16, fp16")
+    p.add_argument(
+        "--dtype", default="fp32", help="compute dtype: fp32, bf16, fp16 (fp64: the reference)"
+    )
     p.add_argument(
         "--weights",
         default=None,

@@ -27,6 +27,7 @@ class VerifyResult:
     steps: int
     agreement: float  # fraction of steps where the oracle's argmax is the mode's token
     first_disagreement: int | None
+    worst_rank: int  # the largest rank, in the oracle's order, of a token the mode chose
     max_logit_drift: float
     mean_logit_drift: float  # mean over steps of the per-step max |difference|
     kv_bytes: int
@@ -53,6 +54,7 @@ def verify_mode(llm: LLM, prompt_ids: Sequence[int], mode: str, steps: int) -> V
     ref = ref_all[len(prompt_ids) - 1 :]
     chosen = torch.tensor(seq[len(prompt_ids) :], device=ref.device)
     agree = torch.argmax(ref, dim=-1) == chosen
+    rank = (ref > ref.gather(-1, chosen[:, None])).sum(-1)  # 0: the oracle's own choice
     drift = (ours - ref).abs().amax(dim=-1)  # per step
     misses = (~agree).nonzero()
     return VerifyResult(
@@ -62,6 +64,7 @@ def verify_mode(llm: LLM, prompt_ids: Sequence[int], mode: str, steps: int) -> V
         steps=len(step_logits),
         agreement=float(agree.float().mean()),
         first_disagreement=int(misses[0]) if len(misses) else None,
+        worst_rank=int(rank.max()),
         max_logit_drift=float(drift.max()),
         mean_logit_drift=float(drift.mean()),
         kv_bytes=cache.nbytes,
