@@ -1,0 +1,313 @@
+"""A hostile soak of `kvlm serve`: many clients on loopback for minutes, mixing normal
+requests with malformed, oversized, disconnecting, idle and n > 1 ones.
+
+    python benchmarks/bench_soak.py --minutes 10 --clients 16 --json docs/bench-soak.json
+
+What it reports (and exits 1 if any fails):
+- the server never exits;
+- no valid request gets a 5xx (or a connection error), every invalid one a 4xx;
+- greedy requests for the same prompt always get the same text (no request changes
+  another's tokens under load);
+- at the end, once idle, no KV block is in use and no request is held;
+- RSS after warm-up vs at the end (flat: the server keeps nothing per request).
+
+Loopback only; every client loop is bounded by the deadline and a request count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KEY = "soak-key"
+MODEL = None  # read from /v1/models
+GREEDY_PROMPTS = [f"Write one sentence about the number {i}." for i in range(6)]
+
+
+@dataclass
+class Tally:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    by_kind: Counter = field(default_factory=Counter)
+    statuses: Counter = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)
+    answers: dict[str, str] = field(default_factory=dict)
+    tokens: int = 0
+
+    def record(self, kind: str, status: int | str, ok: bool, note: str = "") -> None:
+        with self.lock:
+            self.by_kind[kind] += 1
+            self.statuses[f"{kind}:{status}"] += 1
+            if not ok and len(self.failures) < 50:
+                self.failures.append(f"{kind}: {status} {note}"[:300])
+
+    def same_answer(self, prompt: str, text: str) -> bool:
+        with self.lock:
+            return self.answers.setdefault(prompt, text) == text
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(port: int, path: str, body: bytes, timeout: float = 300) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    try:
+        conn.request("POST", path, body=body, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("GET", path, headers={"Authorization": f"Bearer {KEY}"})
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode()
+    finally:
+        conn.close()
+
+
+def metrics(port: int) -> dict[str, float]:
+    _, text = get(port, "/metrics")
+    return {
+        k: float(v)
+        for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#")
+    }
+
+
+# ------------------------------------------------------------------------ request kinds
+
+
+def greedy_chat(port: int, rng: random.Random, tally: Tally) -> None:
+    prompt = rng.choice(GREEDY_PROMPTS)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 16, "temperature": 0}  # fmt: skip
+    status, raw = post(port, "/v1/chat/completions", json.dumps(body).encode())
+    ok = status == 200
+    if ok:
+        data = json.loads(raw)
+        tally.tokens += data["usage"]["completion_tokens"]
+        ok = tally.same_answer(prompt, data["choices"][0]["message"]["content"])
+    tally.record("greedy_chat", status, ok, raw[:200].decode(errors="replace"))
+
+
+def sampled_stream(port: int, rng: random.Random, tally: Tally) -> None:
+    body = {"model": MODEL, "prompt": "Tell me about the sea.", "max_tokens": rng.randint(8, 40),
+            "temperature": 0.8, "top_p": 0.9, "stream": True, "seed": rng.randint(0, 1000),
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers=headers)
+        resp = conn.getresponse()
+        lines = [line for line in resp if line.startswith(b"data: ")]
+        ok = resp.status == 200 and lines[-1] == b"data: [DONE]\n"
+        ok = ok and not any(b'"error"' in line for line in lines)
+        tally.record("sampled_stream", resp.status, ok)
+    finally:
+        conn.close()
+
+
+def fan_out(port: int, rng: random.Random, tally: Tally) -> None:
+    n = rng.randint(2, 4)
+    body = {"model": MODEL, "prompt": "A list of fruits:", "max_tokens": 12, "n": n,
+            "temperature": 1.0, "seed": rng.randint(0, 10**6)}  # fmt: skip
+    status, raw = post(port, "/v1/completions", json.dumps(body).encode())
+    ok = status == 200 and len(json.loads(raw)["choices"]) == n
+    tally.record("fan_out", status, ok, raw[:200].decode(errors="replace"))
+
+
+def disconnect(port: int, rng: random.Random, tally: Tally) -> None:
+    """A stream the client hangs up on after a few chunks (or before any)."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers=headers)
+    resp = conn.getresponse()
+    for _ in range(rng.randint(0, 4)):
+        resp.readline()
+    conn.close()
+    tally.record("disconnect", resp.status, resp.status == 200)
+
+
+INVALID = [
+    b"{not json",
+    b'{"model": "m", "prompt": "x", "max_tokens": -1}',
+    b'{"prompt": "x", "seed": 18446744073709551617, "model": "M"}',
+    b'{"model": "M", "prompt": "x", "temperature": 1e-45, "top_p": 1e-300, "n": 99}',
+    b'{"model": "M", "messages": [{"role": "user", "content": "\\ud800"}]}',
+    b'{"model": "M", "messages": []}',
+    b'{"model": "M", "prompt": [99999999]}',
+    b'{"model": "M", "prompt": "x", "stop": ["' + b"y" * 2000 + b'"]}',
+    b'{"model": "M", "prompt": "x", "best_of": 3, "logit_bias": {"1": 5}}',
+    b'{"model": "M", "prompt": "x", "n": "2"}',
+    b"[]",
+    b"",
+]
+
+
+def invalid(port: int, rng: random.Random, tally: Tally) -> None:
+    body = rng.choice(INVALID).replace(b'"M"', json.dumps(MODEL).encode())
+    status, raw = post(port, "/v1/completions" if b"prompt" in body else "/v1/chat/completions",
+                       body)  # fmt: skip
+    ok = 400 <= status < 500 and b'"error"' in raw
+    tally.record("invalid", status, ok, raw[:200].decode(errors="replace"))
+
+
+def oversized(port: int, rng: random.Random, tally: Tally) -> None:
+    """A body over the server's limit, declared by its Content-Length: refused on sight."""
+    size = 8 << 20
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % size
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(head)
+        try:
+            for _ in range(rng.randint(0, 16)):
+                s.sendall(b"x" * 65536)
+        except OSError:
+            pass  # answered and closed before the body was all sent
+        reply = s.recv(4096)
+    ok = reply.startswith(b"HTTP/1.1 413")
+    tally.record("oversized", reply[9:12].decode(errors="replace") or "closed", ok, str(reply[:80]))
+
+
+def idle(port: int, rng: random.Random, tally: Tally) -> None:
+    """A connection that never sends a whole request head: the server must close it."""
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as s:
+        if rng.random() < 0.5:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        ok = s.recv(1024) == b""
+    tally.record("idle", "closed" if ok else "answered", ok)
+
+
+KINDS = [(greedy_chat, 4), (sampled_stream, 3), (fan_out, 2), (disconnect, 2), (invalid, 4),
+         (oversized, 1), (idle, 1)]  # fmt: skip
+
+
+def client(port: int, seed: int, deadline: float, limit: int, tally: Tally) -> None:
+    rng = random.Random(seed)
+    kinds, weights = zip(*KINDS, strict=True)
+    for _ in range(limit):
+        if time.time() > deadline:
+            return
+        kind = rng.choices(kinds, weights)[0]
+        try:
+            kind(port, rng, tally)
+        except (OSError, http.client.HTTPException, ValueError, IndexError) as exc:
+            tally.record(kind.__name__, type(exc).__name__, False, str(exc))
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvlm.cli", "serve", "--port", str(port), "--api-key", KEY,
+           "--log-level", "warning", "--max-body", "1MiB", "--idle-timeout", "5",
+           *args.serve_args.split()]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"the server exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if get(port, "/health")[0] == 200:
+                return proc, port
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    sys.exit("the server did not start")
+
+
+def soak(args: argparse.Namespace) -> dict:
+    global MODEL
+    proc, port = start_server(args)
+    MODEL = json.loads(get(port, "/v1/models")[1])["data"][0]["id"]
+    tally, samples = Tally(), []
+    t0 = time.time()
+    deadline = t0 + 60 * args.minutes
+    threads = [
+        threading.Thread(target=client, args=(port, seed, deadline, args.max_requests, tally))
+        for seed in range(args.clients)
+    ]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        samples.append((round(time.time() - t0, 1), rss_kib(proc.pid), proc.poll() is None))
+        time.sleep(5)
+    for t in threads:
+        t.join()
+    alive = proc.poll() is None
+    idle_at = time.time()
+    while alive and time.time() - idle_at < 120:
+        m = metrics(port)
+        if m["kvlm_kv_blocks_used"] == 0 and m["kvlm_requests_held"] == 0:
+            break
+        time.sleep(0.5)
+    final = metrics(port) if alive else {}
+    rss_end = rss_kib(proc.pid) if alive else 0
+    proc.terminate()
+    proc.wait(timeout=30)
+    warm = [r for t, r, _ in samples if t >= 60 * args.minutes * 0.2] or [samples[-1][1]]
+    return {
+        "minutes": args.minutes, "clients": args.clients, "serve_args": args.serve_args,
+        "requests": sum(tally.by_kind.values()), "by_kind": dict(tally.by_kind),
+        "statuses": dict(sorted(tally.statuses.items())), "failures": tally.failures,
+        "completion_tokens_greedy": tally.tokens, "server_alive": alive,
+        "server_exits": 0 if all(a for _, _, a in samples) and alive else 1,
+        "blocks_used_at_end": final.get("kvlm_kv_blocks_used"),
+        "requests_held_at_end": final.get("kvlm_requests_held"),
+        "engine_errors": final.get("kvlm_engine_errors_total"),
+        "rss_mib_after_warmup": round(warm[0] / 1024, 1), "rss_mib_end": round(rss_end / 1024, 1),
+        "rss_mib_max": round(max(r for _, r, _ in samples) / 1024, 1),
+        "rss_samples": samples,
+    }  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=10)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--max-requests", type=int, default=100_000, help="per client, a bound")
+    ap.add_argument("--serve-args", default="", help='more kvlm serve flags: "--weights native"')
+    ap.add_argument("--json", help="write the result here")
+    args = ap.parse_args()
+    result = soak(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    summary = {k: v for k, v in result.items() if k != "rss_samples"}
+    print(json.dumps(summary, indent=1))
+    idle = result["blocks_used_at_end"] == 0 and result["requests_held_at_end"] == 0
+    ok = result["server_exits"] == 0 and not result["failures"] and idle
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
