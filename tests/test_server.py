@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+
+import serving
+from serving import get, kvlm_serve
 
 pytestmark = pytest.mark.slow
 
@@ -22,39 +21,11 @@ MAX_SEQS, MAX_WAITING = 8, 2
 LONG = {"ignore_eos": True}  # runs to max_tokens
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    cmd = [sys.executable, "-c", "from kvlm.cli import main; raise SystemExit(main())",
-           "serve", "--port", str(port), "--api-key", KEY, "--max-context", "1024",
-           "--max-num-seqs", str(MAX_SEQS), "--max-waiting", str(MAX_WAITING),
-           "--threads", "2"]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited: {proc.stdout.read().decode()}")
-        try:
-            if get(port, "/health")[0] == 200:
-                break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("server did not start")
-    yield port
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with kvlm_serve("--api-key", KEY, "--max-context", "1024", "--max-num-seqs", str(MAX_SEQS),
+                    "--max-waiting", str(MAX_WAITING), "--threads", "2") as (port, _):  # fmt: skip
+        yield port
 
 
 @pytest.fixture(scope="module")
@@ -65,15 +36,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def model(client):
     return client.models.list().data[0].id
-
-
-def get(port: int, path: str, headers: dict | None = None) -> tuple[int, str]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    conn.request("GET", path, headers=headers or {})
-    resp = conn.getresponse()
-    body = resp.read().decode()
-    conn.close()
-    return resp.status, body
 
 
 def post(port: int, path: str, body: bytes, key: str = KEY) -> tuple[int, dict]:
@@ -87,25 +49,11 @@ def post(port: int, path: str, body: bytes, key: str = KEY) -> tuple[int, dict]:
 
 
 def metrics(port: int) -> dict[str, float]:
-    status, text = get(port, "/metrics", {"Authorization": f"Bearer {KEY}"})
-    assert status == 200, text
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return serving.metrics(port, KEY)
 
 
 def wait_idle(port: int, timeout: float = 60) -> dict[str, float]:
-    """Wait until no block is referenced and no request held; return the metrics."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        m = metrics(port)
-        if m["kvlm_kv_blocks_used"] == 0 and m["kvlm_requests_held"] == 0:
-            return m
-        time.sleep(0.2)
-    pytest.fail(f"blocks still held: {metrics(port)}")
+    return serving.wait_idle(port, KEY, timeout)
 
 
 def ask(client, model, content: str, **kw):

@@ -8,14 +8,12 @@ schema says, invalid data refused; afterwards the server is healthy and holds no
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-
 import pytest
 import requests
 from hypothesis import HealthCheck, settings
+
+import serving
+from serving import kvlm_serve
 
 schemathesis = pytest.importorskip("schemathesis")
 from schemathesis.specs.openapi.checks import positive_data_acceptance  # noqa: E402
@@ -25,42 +23,12 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 EXAMPLES = 100  # per route and generation mode
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model_dir):
-    port = free_port()
-    cmd = [sys.executable, "-c", "from kvlm.cli import main; raise SystemExit(main())",
-           "serve", "--model", str(tiny_model_dir("llama")), "--port", str(port),
-           "--api-key", KEY, "--max-context", "64", "--max-num-seqs", "4",
-           "--max-waiting", "8", "--threads", "1", "--log-level", "warning"]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited: {proc.stdout.read().decode()}")
-        try:
-            if requests.get(f"{url}/health", timeout=5).status_code == 200:
-                break
-        except requests.ConnectionError:
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        pytest.fail("server did not start")
-    yield url, proc
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with kvlm_serve("--model", str(tiny_model_dir("llama")), "--api-key", KEY,
+                    "--max-context", "64", "--max-num-seqs", "4", "--max-waiting", "8",
+                    "--threads", "1", "--log-level", "warning") as (port, proc):  # fmt: skip
+        yield f"http://127.0.0.1:{port}", proc
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +55,6 @@ def test_the_server_is_healthy_and_holds_nothing_after_the_fuzzing(fuzz_server):
     url, proc = fuzz_server
     assert proc.poll() is None
     assert requests.get(f"{url}/health", timeout=10).json() == {"status": "ok"}
-    deadline = time.time() + 60
-    while True:
-        text = requests.get(f"{url}/metrics", headers=AUTH, timeout=10).text
-        values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#")
-        if float(values["kvlm_kv_blocks_used"]) == 0 and float(values["kvlm_requests_held"]) == 0:
-            break
-        assert time.time() < deadline, values
-        time.sleep(0.2)
-    assert float(values["kvlm_engine_errors_total"]) == 0
+    port = int(url.rsplit(":", 1)[1])
+    values = serving.wait_idle(port, KEY)
+    assert values["kvlm_engine_errors_total"] == 0

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from test_server import free_port
+import serving
+from serving import kvlm_serve
 
 pytestmark = pytest.mark.slow
 
@@ -35,32 +33,11 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    cmd = [sys.executable, "-c", "from kvlm.cli import main; raise SystemExit(main())",
-           "serve", "--port", str(port), "--api-key", KEY, "--max-context", "512",
-           "--max-num-seqs", str(MAX_SEQS), "--max-waiting", "16", "--threads", "2",
-           "--weights", "native", "--max-body", str(MAX_BODY),
-           "--idle-timeout", str(IDLE_S), "--log-level", "warning"]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited: {proc.stdout.read().decode()}")
-        try:
-            if request(port, "GET", "/health")[0] == 200:
-                break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("server did not start")
-    yield port, proc
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with kvlm_serve("--api-key", KEY, "--max-context", "512", "--max-num-seqs", str(MAX_SEQS),
+                    "--max-waiting", "16", "--threads", "2", "--weights", "native",
+                    "--max-body", str(MAX_BODY), "--idle-timeout", str(IDLE_S),
+                    "--log-level", "warning") as (port, proc):  # fmt: skip
+        yield port, proc
     assert proc.returncode is not None
 
 
@@ -93,24 +70,11 @@ def chat(port: int, content: str, **fields) -> tuple[int, dict]:
 
 
 def metrics(port: int) -> dict[str, float]:
-    status, text = request(port, "GET", "/metrics")
-    assert status == 200
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return serving.metrics(port, KEY)
 
 
 def wait_idle(port: int, timeout: float = 60) -> dict[str, float]:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        m = metrics(port)
-        if m["kvlm_kv_blocks_used"] == 0 and m["kvlm_requests_held"] == 0:
-            return m
-        time.sleep(0.2)
-    pytest.fail(f"blocks still held: {metrics(port)}")
+    return serving.wait_idle(port, KEY, timeout)
 
 
 def rss_kib(pid: int) -> int:

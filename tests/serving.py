@@ -1,0 +1,84 @@
+"""A real `kvlm serve` process on 127.0.0.1 for the server tests, and what they read off it."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def kvlm_serve(*args: str, start_timeout: float = 180) -> Iterator[tuple[int, subprocess.Popen]]:
+    """`kvlm serve ARGS` on a free port; yields (port, process) once /health answers."""
+    port = free_port()
+    cmd = [sys.executable, "-c", "from kvlm.cli import main; raise SystemExit(main())",
+           "serve", "--port", str(port), *args]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.time() + start_timeout
+        while not _healthy(port):
+            if proc.poll() is not None:
+                pytest.fail(f"server exited: {proc.stdout.read().decode()}")
+            if time.time() > deadline:
+                pytest.fail("server did not start")
+            time.sleep(0.3)
+        yield port, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return get(port, "/health")[0] == 200
+    except OSError:
+        return False
+
+
+def get(port: int, path: str, headers: dict | None = None) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", path, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode()
+    finally:
+        conn.close()
+
+
+def metrics(port: int, key: str) -> dict[str, float]:
+    status, text = get(port, "/metrics", {"Authorization": f"Bearer {key}"})
+    assert status == 200, text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def wait_idle(port: int, key: str, timeout: float = 60) -> dict[str, float]:
+    """Wait until no block is referenced and no request held; return the metrics."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        m = metrics(port, key)
+        if m["kvlm_kv_blocks_used"] == 0 and m["kvlm_requests_held"] == 0:
+            return m
+        time.sleep(0.2)
+    pytest.fail(f"blocks still held: {metrics(port, key)}")
