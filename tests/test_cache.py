@@ -249,8 +249,9 @@ def test_window_memory_stays_constant_past_its_size():
     assert sorted(cache.slot_pos.tolist()) == [0, 18, 19, 20, 21]
 
 
-def test_window_rollback_is_refused_once_it_would_need_evicted_tokens():
-    cache = create_cache("window", SPEC)
+@pytest.mark.parametrize("positions", ["cache", "absolute"])
+def test_window_rollback_is_refused_once_it_would_need_evicted_tokens(positions):
+    cache = create_cache("window", replace(SPEC, window_positions=positions))
     feed(cache, 4, seed=1)
     cache.rollback(3)  # nothing evicted yet: exact
     feed(cache, 8, seed=2)  # 9 tokens > 5 slots: the ring has wrapped
