@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvlm.engine.generate import StopText
@@ -202,6 +202,7 @@ def _reference_stop(pieces: list[str], stops: list[str]) -> tuple[str, bool]:
 
 
 @settings(max_examples=500, deadline=None)
+@example(stops=["SbSb"], pieces=["Sb", "Sb"])  # a text shorter than the longest stop - 1
 @given(
     stops=st.lists(st.text(alphabet="abS", min_size=1, max_size=5), max_size=3),
     pieces=st.lists(st.text(alphabet="abST", max_size=4), max_size=30),

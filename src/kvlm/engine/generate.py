@@ -127,7 +127,7 @@ class StopText:
         if hits:
             self.stopped = True
             return self._emit((self._pending + delta)[: min(hits) - offset], hold=0)
-        self._tail = window[len(window) - (self.longest - 1) :] if self.longest > 1 else ""
+        self._tail = window[max(0, len(window) - (self.longest - 1)) :] if self.longest > 1 else ""
         return self._emit(self._pending + delta, hold=self._partial_stop_suffix(window))
 
     def flush(self) -> str:
