@@ -69,7 +69,8 @@ class ModelRunner:
         if len(rows[0]) == 1 and len(rows) <= fused.MAX_ROWS:
             decoder = self._decoder(spec.max_tokens)
             if decoder is not None and decoder.reads(pool.store):
-                return decoder.step_table(pool, [r[0] for r in rows], tables, starts)
+                tokens = [r[0] for r in rows]
+                return decoder.step_table(pool, tokens, tables, starts, spec.sliding_window)
         step = TableStep(pool, spec, list(tables), list(starts), len(rows[0]))
         ids = torch.tensor(rows, dtype=torch.long, device=self.device)
         with self.model.step_context(ids.numel()):

@@ -70,7 +70,7 @@ static inline float from_f16(uint16_t h) {
     return f;
 }
 
-int kvlm_kernel_abi(void) { return 5; }
+int kvlm_kernel_abi(void) { return 6; }
 
 int kvlm_kernel_simd(void) {
 #ifdef __AVX512F__
@@ -546,6 +546,10 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm;
     kvlm_qmat qkv, o, gate_up, down;
+    /* NULL when the model has none: the q|k|v bias (Qwen2; Llama's attention_bias), added
+     * after the product as torch's Linear does; o_proj's bias; the per-head RMSNorm
+     * weights (head_dim each) of the queries and keys before RoPE (Qwen3) */
+    const float *qkv_bias, *o_bias, *q_norm, *k_norm;
 } kvlm_qlayer;
 
 typedef struct {
@@ -558,6 +562,8 @@ typedef struct {
     int64_t act_int8;        /* products round x to int8 per group (--activations int8) */
     uint16_t *kv_params;     /* KV_I8: (step, zero) per row, (layers, 2, kv_heads, slots, 2) */
     const float *key_rot;    /* KV_I8: R (head_dim x head_dim); K rows are stored as k R */
+    int64_t window;          /* the model's attention window (Mistral): the query at p sees
+                                keys p - window < s <= p; 0: all of 0 .. p */
 } kvlm_qmodel;
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
@@ -901,18 +907,39 @@ static void pv_dispatch(int ng, int nv, const float *p, const kv_span *V, int bf
         pv_avx512(1, nv, 0, p + h * S, V, bf, esz, D, S, s0, s1, NULL, o + h * D);
 }
 
+#endif
+
+/* The softmax pieces of a chunk's scores p[h * S + s], s in [s0, s1), of which the query
+ * sees [v0, s1) (v0 > s0 only in a windowed row's first chunk, which starts at the multiple
+ * of 16 below its first visible key, so that its runs group positions as every other
+ * chunk's do): m[h], the most of the visible scores; l[h], the sum of their exp(p - m),
+ * left in place; the hidden ones set to 0, so that p.V over [s0, s1) adds nothing for
+ * them (0 * v, v a written row's finite value). */
+static void softmax_pieces(int ng, float *p, int64_t S, int64_t s0, int64_t v0, int64_t s1,
+                           float *m, float *l) {
+    for (int h = 0; h < ng; h++) {
+        float *ph = p + h * S;
+#ifdef __AVX512F__
+        m[h] = max_of(ph + v0, s1 - v0);
+#else
+        m[h] = -INFINITY;
+        for (int64_t s = v0; s < s1; s++) m[h] = ph[s] > m[h] ? ph[s] : m[h];
+#endif
+        l[h] = exp_sum(ph + v0, s1 - v0, m[h]);
+        for (int64_t s = s0; s < v0; s++) ph[s] = 0.f;
+    }
+}
+
+#ifdef __AVX512F__
 /* scores, softmax pieces and p.V over a bf16 cache for NG <= 4 query heads and head_dim
  * 32 * NP (NP 2 or 4); 0 when this shape has no case here (the caller widens per row) */
 static int attend_bf16(int ng, int64_t D, const float *qs2, const kv_span *K, const kv_span *V,
-                       int64_t S, int64_t s0, int64_t s1, float *p, float *m, float *l,
-                       float *o) {
+                       int64_t S, int64_t s0, int64_t v0, int64_t s1, float *p, float *m,
+                       float *l, float *o) {
 #define BF_CASE(G_, P_)                                                                      \
     if (ng == G_ && D == 32 * P_) {                                                          \
         scores_rows(G_, 2 * P_, 1, qs2, K, 1, 2, D, S, s0, s1, p);                           \
-        for (int h = 0; h < G_; h++) {                                                       \
-            m[h] = max_of(p + h * S + s0, s1 - s0);                                          \
-            l[h] = exp_sum(p + h * S + s0, s1 - s0, m[h]);                                   \
-        }                                                                                    \
+        softmax_pieces(G_, p, S, s0, v0, s1, m, l);                                          \
         pv_avx512(G_, 2 * P_, 1, p, V, 1, 2, D, S, s0, s1, NULL, o);                         \
         return 1;                                                                            \
     }
@@ -938,11 +965,12 @@ static void silu_mul(const float *g, const float *u, float *y, int64_t n) {
     for (; i < n; i++) y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
-/* Attention of the `ng` query heads of one KV head over positions [s0, s1): unnormalised
- * output o (ng x D), running max m and sum l per head (combined across chunks later). */
+/* Attention of the `ng` query heads of one KV head over the chunk [s0, s1), of which the
+ * query sees [v0, s1) (softmax_pieces): unnormalised output o (ng x D), running max m and
+ * sum l per head (combined across chunks later). */
 static void attend_chunk(const float *q, int ng, const kv_span *K, const kv_span *V, int bf,
-                         int64_t esz, int64_t D, int64_t S, int64_t s0, int64_t s1, float scale,
-                         float *p, float *m, float *l, float *o) {
+                         int64_t esz, int64_t D, int64_t S, int64_t s0, int64_t v0, int64_t s1,
+                         float scale, float *p, float *m, float *l, float *o) {
 #ifdef __AVX512F__
     if (D % 16 == 0 && D <= 128) {
         float qs[8 * 128]; /* the heads' queries times the softmax scale */
@@ -951,30 +979,27 @@ static void attend_chunk(const float *q, int ng, const kv_span *K, const kv_span
             float qs2[8 * 128]; /* split per 32: 16 even elements, then 16 odd */
             for (int64_t i = 0; i < ng * D; i++)
                 qs2[i / 32 * 32 + (i % 2) * 16 + (i % 32) / 2] = qs[i];
-            if (attend_bf16(ng, D, qs2, K, V, S, s0, s1, p, m, l, o)) return;
+            if (attend_bf16(ng, D, qs2, K, V, S, s0, v0, s1, p, m, l, o)) return;
         }
         scores_dispatch(ng, (int)(D / 16), qs, K, bf, esz, D, S, s0, s1, p);
-        for (int h = 0; h < ng; h++) {
-            m[h] = max_of(p + h * S + s0, s1 - s0);
-            l[h] = exp_sum(p + h * S + s0, s1 - s0, m[h]);
-        }
+        softmax_pieces(ng, p, S, s0, v0, s1, m, l);
         pv_dispatch(ng, (int)(D / 16), p, V, bf, esz, D, S, s0, s1, o);
         return;
     }
 #endif
-    for (int h = 0; h < ng; h++) {
+    for (int h = 0; h < ng; h++) { /* row by row: the visible rows alone */
         const float *qh = q + h * D;
         float *ph = p + h * S, mx = -INFINITY;
-        for (int64_t s = s0; s < s1; s++) {
+        for (int64_t s = v0; s < s1; s++) {
             const char *row = row_at(K, D * esz, s);
             ph[s] = dot_kv(qh, row, bf, D) * scale;
             mx = ph[s] > mx ? ph[s] : mx;
         }
         m[h] = mx;
-        l[h] = exp_sum(ph + s0, s1 - s0, mx);
+        l[h] = exp_sum(ph + v0, s1 - v0, mx);
         float *oh = o + h * D;
         memset(oh, 0, D * sizeof(float));
-        for (int64_t s = s0; s < s1; s++) {
+        for (int64_t s = v0; s < s1; s++) {
             axpy_kv(ph[s], row_at(V, D * esz, s), bf, oh, D);
         }
     }
@@ -1169,8 +1194,8 @@ static int pv_i8_dispatch(int ng, int64_t D, const float *w, const kv_span *V, i
  * quantize_query; Kp, Vp the rows' (step, zero) */
 static void attend_chunk_i8(const int8_t *q8, int64_t QS, const float *sq, const float *sumq,
                             int ng, const kv_span *K, const kv_span *Kp, const kv_span *V,
-                            const kv_span *Vp, int64_t D, int64_t S, int64_t s0, int64_t s1,
-                            float *p, float *m, float *l, float *o) {
+                            const kv_span *Vp, int64_t D, int64_t S, int64_t s0, int64_t v0,
+                            int64_t s1, float *p, float *m, float *l, float *o) {
     int done = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     done = scores_i8_dispatch(ng, D, q8, QS, sq, sumq, K, Kp, S, s0, s1, p);
@@ -1186,16 +1211,8 @@ static void attend_chunk_i8(const int8_t *q8, int64_t QS, const float *sq, const
         }
     }
     float bias[8];
-    for (int h = 0; h < ng; h++) {
-#ifdef __AVX512F__
-        m[h] = max_of(p + h * S + s0, s1 - s0);
-#else
-        m[h] = -INFINITY;
-        for (int64_t s = s0; s < s1; s++) m[h] = p[h * S + s] > m[h] ? p[h * S + s] : m[h];
-#endif
-        l[h] = exp_sum(p + h * S + s0, s1 - s0, m[h]);
-        bias[h] = 0.f;
-    }
+    softmax_pieces(ng, p, S, s0, v0, s1, m, l); /* p.V below over [s0, s1): runs as stored */
+    for (int h = 0; h < ng; h++) bias[h] = 0.f;
 #ifdef __AVX512F__
     const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
@@ -1277,11 +1294,32 @@ static inline int64_t chunk_len(int64_t n) {
     return ((n + chunks - 1) / chunks + 15) / 16 * 16;
 }
 
+/* The keys the query at position p sees are [lo, p] (lo = p + 1 - window with a window
+ * that excludes some, else 0: causal_mask's `q - k < window`). Its chunks cover [a0, p]
+ * from a0, the multiple of 16 at or below lo, `per` positions each (a multiple of 16),
+ * `chunks` of them: boundaries that depend on p alone (a row's logits do not depend on the
+ * rows beside it) and fall on multiples of 16 (runs group positions alike over a contiguous
+ * cache and a paged one). Positions [a0, lo) are read but weigh nothing (softmax_pieces). */
+typedef struct {
+    int64_t lo, a0, per, chunks;
+} row_chunks;
+
+static inline row_chunks chunks_of(int64_t p, int64_t window) {
+    row_chunks r;
+    const int64_t n = p + 1;
+    r.lo = window > 0 && n > window ? n - window : 0;
+    r.a0 = r.lo / 16 * 16;
+    r.per = chunk_len(n - r.a0);
+    r.chunks = (n - r.a0 + r.per - 1) / r.per;
+    return r;
+}
+
 /* One decode step for B sequences, one token each (B = 1 with a contiguous cache is the
  * single-stream decode; more rows are the server's batch, every product reading its weight
  * once for up to 16 rows).
  *   x [B, hidden]: the tokens' embeddings in, overwritten;
- *   pos [B]: each row's position (its token is written there; it attends over 0 .. pos);
+ *   pos [B]: each row's position (its token is written there; it attends over 0 .. pos,
+ *       or over its last m->window positions);
  *   cos, sin [slots, head_dim]: RoPE at every position (row pos[b] is used);
  *   kv: (layers, 2, num_blocks, kv_heads, block_size, head_dim) fp32, bf16 or int8, and
  *       m->kv_params (..., 2) for int8: a paged pool, or a contiguous cache of one sequence
@@ -1301,6 +1339,7 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *
     const int ai8 = m->act_int8 != 0;
     if (B < 1 || B > MAX_BATCH || bs < 1 || num_blocks < 1 || width < 1) return -2;
     if (group > 8 || Hq % Hkv != 0 || D > 128) return -2; /* the attention's fixed buffers */
+    if (m->window < 0) return -2;
     for (int64_t b = 0; b < B; b++) {
         if (pos[b] < 0 || pos[b] >= S || pos[b] / bs >= width) return -2;
         for (int64_t j = 0; j <= pos[b] / bs; j++)
@@ -1326,10 +1365,8 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *
     /* work items (row, KV head, chunk): row b's start at first[b] */
     int64_t first[MAX_BATCH + 1];
     first[0] = 0;
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t n = pos[b] + 1, per = chunk_len(n);
-        first[b + 1] = first[b] + Hkv * ((n + per - 1) / per);
-    }
+    for (int64_t b = 0; b < B; b++)
+        first[b + 1] = first[b] + Hkv * chunks_of(pos[b], m->window).chunks;
     for (int64_t l = 0; l < m->n_layers; l++) {
         const kvlm_qlayer *L = m->layers + l;
         char *kc = (char *)kv + (l * 2) * num_blocks * bstride;
@@ -1341,6 +1378,11 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *
         for (int64_t b = 0; b < B; b++) {
             float *q = qkv + b * QKV;
             const int64_t p = pos[b], blk = tables[b * width + p / bs], slot = p % bs;
+            if (L->qkv_bias)
+                for (int64_t i = 0; i < QKV; i++) q[i] += L->qkv_bias[i];
+            if (L->q_norm) /* per head, before RoPE (Attention.forward) */
+                for (int64_t j = 0; j < Hq + Hkv; j++)
+                    rms_norm(q + j * D, j < Hq ? L->q_norm : L->k_norm, D, m->eps, q + j * D);
             for (int64_t j = 0; j < Hq + Hkv; j++) rope(q + j * D, cos + p * D, sin + p * D, D);
             for (int64_t g = 0; g < Hkv; g++) {
                 const float *k = q + (Hq + g) * D, *v = q + (Hq + Hkv + g) * D;
@@ -1377,9 +1419,11 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *
                 const int64_t mid = (b + hi) / 2;
                 if (first[mid] <= item) b = mid; else hi = mid;
             }
-            const int64_t n = pos[b] + 1, per = chunk_len(n), chunks = (n + per - 1) / per;
-            const int64_t g = (item - first[b]) / chunks, c = (item - first[b]) % chunks;
-            const int64_t s0 = c * per, s1 = s0 + per < n ? s0 + per : n;
+            const int64_t n = pos[b] + 1;
+            const row_chunks rc = chunks_of(pos[b], m->window);
+            const int64_t g = (item - first[b]) / rc.chunks, c = (item - first[b]) % rc.chunks;
+            const int64_t s0 = rc.a0 + c * rc.per, s1 = s0 + rc.per < n ? s0 + rc.per : n;
+            const int64_t v0 = s0 > rc.lo ? s0 : rc.lo; /* the first key the query sees */
             const int64_t hq = b * Hq + g * group; /* the row's first query head of g */
             const int32_t *table = tables + b * width;
             float *pt = part + (hq * MAX_CHUNKS + c) * (D + 2);
@@ -1391,10 +1435,10 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *
                 const kv_span Kp = {kp + g * phead, table, bs, pstride, n};
                 const kv_span Vp = {vp + g * phead, table, bs, pstride, n};
                 attend_chunk_i8(q8 + hq * QS, QS, qsc + hq, qsum + hq, (int)group, &K, &Kp, &V,
-                                &Vp, D, S, s0, s1, scores + hq * S, mh, lh, o);
+                                &Vp, D, S, s0, v0, s1, scores + hq * S, mh, lh, o);
             } else {
                 attend_chunk(qkv + b * QKV + g * group * D, (int)group, &K, &V, bf, esz, D, S,
-                             s0, s1, scale, scores + hq * S, mh, lh, o);
+                             s0, v0, s1, scale, scores + hq * S, mh, lh, o);
             }
             for (int64_t j = 0; j < group; j++) {
                 float *dst = pt + j * MAX_CHUNKS * (D + 2);
@@ -1404,7 +1448,7 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *
             }
         }
         for (int64_t b = 0; b < B; b++) { /* merge each head's chunks: log-sum-exp */
-            const int64_t n = pos[b] + 1, per = chunk_len(n), chunks = (n + per - 1) / per;
+            const int64_t chunks = chunks_of(pos[b], m->window).chunks;
             for (int64_t j = b * Hq; j < (b + 1) * Hq; j++) {
                 const float *pj = part + j * MAX_CHUNKS * (D + 2);
                 float M = -INFINITY, Lsum = 0.f, *out = att + j * D;
@@ -1421,6 +1465,8 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *
             }
         }
         if (matmul_rows(&L->o, att, B, tmp, ai8)) return -1;
+        if (L->o_bias)
+            for (int64_t i = 0; i < B * H; i++) tmp[i] += L->o_bias[i % H];
         for (int64_t i = 0; i < B * H; i++) x[i] += tmp[i];
         for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->post_norm, H, m->eps, h + b * H);
         if (matmul_rows(&L->gate_up, h, B, gu, ai8)) return -1;

@@ -22,10 +22,17 @@ of one prompt after `cache.fork(n)`). Chunks start at multiples of 16 and every
 product sums a row alike whatever rows share it, so a sequence gets the same logits, bit
 for bit, alone or in any batch, paged or contiguous (tests/test_fused_batch.py).
 
+Every supported family's block: the q|k|v bias (Qwen2) and o_proj's (Llama's
+attention_bias) added after their products, as torch's Linear adds them; the per-head q/k
+RMSNorm before RoPE (Qwen3); the model's sliding window (Mistral), the query at p seeing
+keys p - W < s <= p as kvlm.cache.base.causal_mask does (its chunks then cover the visible
+keys from the multiple of 16 below the first, boundaries still set by p alone); head_dim
+up to 128; a tied or separate lm_head.
+
 It applies where that is the whole story: CPU, fp32 activations, low-bit weights in every
-projection (`--weights int8|int4|native`), a Llama-shaped block (no biases, no q/k norm,
-no sliding window), and fp32, bf16 or int8 K/V in a contiguous or paged cache. Anything
-else (prefill, window and basic caches, other formats) runs the torch model.
+projection (`--weights int8|int4|native`), no MLP biases, and fp32, bf16 or int8 K/V in a
+contiguous or paged cache. Anything else (prefill, window and basic caches, other formats)
+runs the torch model.
 `KVLM_NO_FUSED=1` turns it off. Tests hold its logits to the torch path's.
 """
 
@@ -35,6 +42,7 @@ import ctypes
 import functools
 import os
 from collections.abc import Sequence
+from types import EllipsisType
 
 import torch
 
@@ -67,6 +75,11 @@ class _QLayer(ctypes.Structure):
         ("o", _QMat),
         ("gate_up", _QMat),
         ("down", _QMat),
+        # NULL when absent (kvlm_qlayer in qgemm.c)
+        ("qkv_bias", ctypes.c_void_p),
+        ("o_bias", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
     ]
 
 
@@ -87,6 +100,7 @@ class _QModel(ctypes.Structure):
         ("act_int8", ctypes.c_int64),
         ("kv_params", ctypes.c_void_p),
         ("key_rot", ctypes.c_void_p),
+        ("window", ctypes.c_int64),  # the model's sliding window; 0: none
     ]
 
 
@@ -99,6 +113,15 @@ def _qmat(lin: Linear) -> _QMat:
     return _QMat(_KIND[q.kind], q.data.data_ptr(), q.out_features, q.in_features)
 
 
+def _ptr(t: torch.Tensor | None, n: int) -> int | None:
+    """The address of an fp32 CPU vector of n elements (None: NULL)."""
+    if t is None:
+        return None
+    if t.dtype != torch.float32 or t.numel() != n or not t.is_contiguous():
+        raise ValueError(f"expected {n} contiguous fp32 values, got {tuple(t.shape)} {t.dtype}")
+    return t.data_ptr()
+
+
 def why_not(model: Transformer) -> str | None:
     """None when the fused step can run this model, else the reason it cannot."""
     if os.environ.get("KVLM_NO_FUSED"):
@@ -106,16 +129,21 @@ def why_not(model: Transformer) -> str | None:
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return "needs fp32 activations on the CPU"
     c = model.config
-    if c.qk_norm or c.sliding_window is not None:
-        return "q/k norm or a sliding window"
     if c.num_heads // c.num_kv_heads > 8 or c.head_dim > 128:
         return "more than 8 query heads per KV head, or head_dim > 128"
     for module in model.modules():
-        if isinstance(module, Linear):
-            if module.kernel != "quant":
-                return "needs low-bit weights in every projection (--weights int8|int4|native)"
-            if module.bias is not None:
-                return "projection biases"
+        if isinstance(module, Linear) and module.kernel != "quant":
+            return "needs low-bit weights in every projection (--weights int8|int4|native)"
+    for block in model.layers:
+        if block.mlp.gate_up.bias is not None or block.mlp.down.bias is not None:
+            return "MLP biases (the step adds only the attention projections' biases)"
+        norms = [block.attn.q_norm, block.attn.k_norm]
+        if norms.count(None) == 1:
+            return "a q norm without a k norm, or the reverse"
+        if any(n is not None and n.eps != c.rms_norm_eps for n in norms):
+            return "a q/k norm eps other than the model's rms_norm_eps"
+    if model.lm_head.bias is not None:
+        return "an lm_head bias"
     if kernels.library() is None:
         return "no compiled kernels"
     return None
@@ -138,14 +166,20 @@ class FusedDecoder:
         self.cos = cos.reshape(slots, -1).contiguous()
         self.sin = sin.reshape(slots, -1).contiguous()
         layers = (_QLayer * c.num_layers)()
+        d = c.head_dim
         for i, block in enumerate(model.layers):
+            attn = block.attn
             layers[i] = _QLayer(
                 block.input_norm.weight.data_ptr(),
                 block.post_norm.weight.data_ptr(),
-                _qmat(block.attn.qkv),
-                _qmat(block.attn.o_proj),
+                _qmat(attn.qkv),
+                _qmat(attn.o_proj),
                 _qmat(block.mlp.gate_up),
                 _qmat(block.mlp.down),
+                _ptr(attn.qkv.bias, attn.qkv.out_features),
+                _ptr(attn.o_proj.bias, attn.o_proj.out_features),
+                _ptr(None if attn.q_norm is None else attn.q_norm.weight, d),
+                _ptr(None if attn.k_norm is None else attn.k_norm.weight, d),
             )
         self._layers = layers  # keep alive: the struct points into it
         self.spec = _QModel(
@@ -193,12 +227,14 @@ class FusedDecoder:
         decoder `accepts`); the cache commits them."""
         step = cache.begin(1)  # raises on overflow (paged: allocates, copies on write)
         starts = [step.start] * len(tokens)
+        window = cache.spec.sliding_window  # the mask the torch step would apply
         if isinstance(cache, PagedCache):
             tables = self._table(cache.tables, starts, cache.pool.block_size)
-            logits = self._run(cache.pool.store, tokens, starts, tables, cache.pool.block_size)
+            bs = cache.pool.block_size
+            logits = self._run(cache.pool.store, tokens, starts, tables, bs, window)
         else:  # row b's slots are block b of a pool of `batch` blocks of every slot
             tables = torch.arange(len(tokens), dtype=torch.int32)[:, None]
-            logits = self._run(cache.store, tokens, starts, tables, self.slots)
+            logits = self._run(cache.store, tokens, starts, tables, self.slots, window)
         cache.commit(step)
         return logits
 
@@ -209,12 +245,16 @@ class FusedDecoder:
         tokens: Sequence[int],
         tables: Sequence[Sequence[int]],
         starts: Sequence[int],
+        window: int | EllipsisType | None = ...,
     ) -> torch.Tensor:
         """Logits (B, V) of one token per sequence of a paged pool (the scheduler's batch):
         row b's token at position starts[b], written into block tables[b][starts[b] //
-        block_size], which the allocator has made the row's own."""
+        block_size], which the allocator has made the row's own. `window`: the attention
+        window (the pool's CacheSpec.sliding_window; by default the model's)."""
+        if window is ...:
+            window = self.model.config.sliding_window
         table = self._table(tables, starts, pool.block_size)
-        return self._run(pool.store, tokens, starts, table, pool.block_size)
+        return self._run(pool.store, tokens, starts, table, pool.block_size, window)
 
     @staticmethod
     def _table(tables: Sequence[Sequence[int]], starts: Sequence[int], bs: int) -> torch.Tensor:
@@ -233,6 +273,7 @@ class FusedDecoder:
         starts: Sequence[int],
         table: torch.Tensor,
         block_size: int,
+        window: int | None,
     ) -> torch.Tensor:
         rows = len(tokens)
         x = self.model.embed_table[torch.tensor(tokens)].contiguous()
@@ -247,6 +288,9 @@ class FusedDecoder:
             self.spec.key_rot = self._rotation(store.values.shape[-1]).data_ptr()
         # --activations int8: LLM sets act_int8 on every Linear alike
         self.spec.act_int8 = int(self.model.lm_head.act_int8)
+        if window is not None and window < 1:
+            raise ValueError(f"sliding window {window}: must be at least 1")
+        self.spec.window = window or 0
         rc = self.lib.kvlm_decode_batch(
             ctypes.byref(self.spec),
             rows,
