@@ -35,6 +35,15 @@ TINY_MODELS = {
         },
     ),
     "mistral-window": ("mistral", 6, {"sliding_window": 8}),
+    # head_dim 128 (4 query heads per KV head), its own lm_head
+    "llama-hd128": ("llama", 7, {"head_dim": 128, "num_attention_heads": 8}),
+    # head_dim 64, 4 query heads per KV head, a window of 150: past 150 positions the fused
+    # step's chunks over the visible keys are two, the first starting below the window
+    "mistral-hd64-window": (
+        "mistral",
+        8,
+        {"head_dim": 64, "num_key_value_heads": 1, "sliding_window": 150},
+    ),
 }
 
 

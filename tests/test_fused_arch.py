@@ -1,0 +1,399 @@
+"""The fused decode step (kvlm.model.fused) on every family's block: q|k|v and o_proj
+biases (Qwen2, Llama's attention_bias), per-head q/k RMSNorm (Qwen3), a sliding window
+(Mistral), head_dim 64 and 128, tied and separate lm_heads; over fp32, bf16 and int8 K/V
+in contiguous and paged caches. Each is held to the torch model by the rules of
+tests/numerics.py, and keeps the batch's property: a row's logits are the same bit for bit
+alone, in any batch, paged or contiguous."""
+
+from __future__ import annotations
+
+import functools
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from helpers import assert_greedy_agreement, portable_kernels, save_tiny_model
+from kvlm import LLM, SamplingParams, kernels
+from kvlm.cache.base import blocks_for
+from kvlm.cache.paged import BlockPool
+from kvlm.engine.engine import Engine, EngineConfig
+from kvlm.model.fused import FusedDecoder, why_not
+from numerics import SAME_ROUNDING, assert_as_exact_as
+
+needs_kernels = pytest.mark.skipif(kernels.library() is None, reason=kernels.status())
+needs_avx512 = pytest.mark.skipif(
+    kernels.library() is None or kernels.library().kvlm_kernel_simd() != 512,
+    reason="checks the portable build against the AVX-512 one",
+)
+
+# conftest.TINY_MODELS, and what each brings to the fused step
+ARCH_MODELS = {
+    "qwen2": "q|k|v bias, tied lm_head, head_dim 16",
+    "qwen3": "q/k RMSNorm, head_dim 32",
+    "llama-bias": "q|k|v and o_proj biases",
+    "mistral-window": "sliding window 8",
+    "mistral-hd64-window": "sliding window 150 over two chunks, head_dim 64, 4 heads per KV head",
+    "llama-hd128": "head_dim 128, 4 heads per KV head, separate lm_head",
+    "llama-hd128-g8": "head_dim 128, 8 heads per KV head (the attention's fallbacks)",
+}
+KV_DTYPES = ["fp32", "bf16", "int8"]
+MAX_CONTEXT = 256
+# The fused step over an int8 cache also rounds each query head to int8 (one scale per
+# head): one more int8 rounding of an attention input, of the size the K/V codes' own is,
+# so its error against the exact result is up to twice the torch int8 path's, times the
+# spread SAME_ROUNDING allows (as tests/test_quant.py holds the default model).
+INT8_QUERIES = 2 * SAME_ROUNDING
+
+
+@pytest.fixture(scope="module")
+def arch_dir(tiny_model_dir, tmp_path_factory):
+    """name in ARCH_MODELS -> model folder (conftest's, or one made here)."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name != "llama-hd128-g8":
+            return tiny_model_dir(name)
+        if name not in made:
+            made[name] = save_tiny_model(
+                tmp_path_factory.mktemp(name), "llama", seed=9, head_dim=128,
+                num_attention_heads=8, num_key_value_heads=1,
+            )  # fmt: skip
+        return made[name]
+
+    return get
+
+
+def _weights(name: str) -> str:
+    return "int8" if name.startswith("qwen") else "int4"
+
+
+@functools.cache
+def _llm(folder: Path, weights: str, kv_dtype: str) -> LLM:
+    return LLM(model=folder, progress=False, max_context=MAX_CONTEXT, weights=weights,
+               kv_dtype=kv_dtype)  # fmt: skip
+
+
+@functools.cache
+def _exact(folder: Path, weights: str) -> LLM:
+    """The same weights in fp64 (the torch path): the exact result both are held to."""
+    return LLM(model=folder, progress=False, max_context=MAX_CONTEXT, weights=weights,
+               dtype="fp64")  # fmt: skip
+
+
+def _load(arch_dir, name: str, kv_dtype: str = "fp32") -> tuple[LLM, Path, str]:
+    folder, weights = arch_dir(name), _weights(name)
+    return _llm(folder, weights, kv_dtype), folder, weights
+
+
+def _ids(llm: LLM, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, llm.config.vocab_size, (n,), generator=g).tolist()
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", list(ARCH_MODELS))
+def test_every_family_takes_the_fused_step(arch_dir, name):
+    """why_not says yes, and the model has what the case is named for (so the tests below
+    exercise it)."""
+    llm, _, _ = _load(arch_dir, name)
+    model, c = llm.model, llm.config
+    assert why_not(model) is None
+    assert llm.runner.fused_reason is None
+    attn = model.layers[0].attn
+    if name.startswith("qwen2") or name == "llama-bias":
+        assert attn.qkv.bias is not None and attn.qkv.bias.abs().max() > 0
+    if name == "llama-bias":
+        assert attn.o_proj.bias is not None and attn.o_proj.bias.abs().max() > 0
+    if name == "qwen3":
+        assert attn.q_norm is not None and attn.k_norm is not None
+    if "window" in name:
+        assert c.sliding_window is not None and c.sliding_window < MAX_CONTEXT
+    if "hd128" in name:
+        assert c.head_dim == 128 and not c.tie_word_embeddings
+        with safe_open(arch_dir(name) / "model.safetensors", "pt") as f:
+            assert "lm_head.weight" in f.keys()  # noqa: SIM118 (safe_open has no __contains__)
+    if "hd64" in name:
+        assert c.head_dim == 64 and c.num_heads // c.num_kv_heads == 4
+    if name == "qwen2":
+        assert c.tie_word_embeddings
+
+
+def test_mlp_biases_stay_with_the_torch_step(tmp_path):
+    folder = save_tiny_model(tmp_path / "m", "llama", seed=10, mlp_bias=True)
+    llm = LLM(model=folder, progress=False, max_context=64, weights="int8")
+    assert llm.runner.fused_reason.startswith("MLP biases")
+
+
+def _fused_and_torch(llm: LLM, mode: str, prompt: list[int], steps: int):
+    """The fused step's greedy tokens after `prompt`, fed to the fused step and to the torch
+    model, each over a cache of its own: tokens, both logits (steps, V), both caches."""
+    runner = llm.runner
+    fused_cache, torch_cache = llm.new_cache(mode), llm.new_cache(mode)
+    token = int(runner.forward(prompt, fused_cache).argmax())
+    runner.forward(prompt, torch_cache)
+    assert runner.fused_for(fused_cache) is not None, runner.fused_reason
+    tokens, fused, ref, reason = [], [], [], runner.fused_reason
+    for _ in range(steps):
+        tokens.append(token)
+        fused.append(runner.forward([token], fused_cache))
+        runner.fused_reason = "off for the comparison"
+        try:
+            ref.append(runner.forward([token], torch_cache))
+        finally:
+            runner.fused_reason = reason
+        token = int(fused[-1].argmax())
+    return tokens, torch.stack(fused), torch.stack(ref), fused_cache, torch_cache
+
+
+def _top_k_both_ways(a: torch.Tensor, b: torch.Tensor, k: int = 5) -> None:
+    """At every step each side's greedy token is in the other's top k (the top-k rule)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert int(x.argmax()) in torch.topk(y, k).indices.tolist(), f"step {i}"
+        assert int(y.argmax()) in torch.topk(x, k).indices.tolist(), f"step {i}"
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["contiguous", "paged"])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("name", list(ARCH_MODELS))
+def test_the_fused_step_tracks_the_torch_model(arch_dir, name, kv_dtype, mode):
+    """40 fused steps (past the window where there is one) against the torch model fed the
+    same tokens, both held to the exact (fp64) result: the fused logits as close to it as
+    the torch path's (fp32 K/V: the same arithmetic in another order; bf16: both round K/V
+    alike; int8: INT8_QUERIES). Layer 0's K/V, computed from inputs that differ by fp32
+    rounding, within one storage step (bf16 one ulp, int8 one code) or, fp32, as exact as
+    the torch path's."""
+    llm, folder, weights = _load(arch_dir, name, kv_dtype)
+    window = llm.config.sliding_window
+    prompt = _ids(llm, max(12, (window or 0) - 10), seed=11)
+    tokens, fused, ref, fused_cache, torch_cache = _fused_and_torch(llm, mode, prompt, 40)
+    if window is not None:
+        assert len(prompt) + len(tokens) > window + 16  # first visible keys past a chunk start
+    exact_llm = _exact(folder, weights)
+    exact = exact_llm.runner.logits(prompt + tokens, exact_llm.new_cache("off"))[len(prompt) :]
+    factor = INT8_QUERIES if kv_dtype == "int8" else SAME_ROUNDING
+    assert_as_exact_as(fused, ref, exact, factor)
+    _top_k_both_ways(fused, ref)
+    if mode != "contiguous":
+        return
+    n = fused_cache.num_tokens
+    ours, theirs = (c.store.values[0, ..., :n, :] for c in (fused_cache, torch_cache))
+    if kv_dtype == "int8":  # a code on a rounding boundary may take its neighbour
+        assert (ours.int() - theirs.int()).abs().max() <= 1
+        assert torch.isfinite(fused_cache.store.scales[0, ..., :n, :]).all()
+    elif kv_dtype == "bf16":
+        a, b = ours.float(), theirs.float()
+        ulp = torch.ldexp(torch.ones_like(a), torch.frexp(a.abs().maximum(b.abs()))[1] - 8)
+        assert ((a - b).abs() <= ulp).all()
+    else:
+        exact_cache = exact_llm.new_cache("contiguous")
+        exact_llm.runner.forward(prompt + tokens, exact_cache)
+        assert_as_exact_as(ours, theirs, exact_cache.store.values[0, ..., :n, :])
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("name", list(ARCH_MODELS))
+def test_generate_runs_the_fused_step_and_keeps_the_greedy_tokens(
+    arch_dir, name, kv_dtype, monkeypatch
+):
+    """LLM.generate decodes through the fused step (one call per token), and its greedy
+    tokens, over a generation longer than the model's window, are the torch path's (equal
+    up to a first divergence, where each side's token is in the other's top 5)."""
+    llm, _, _ = _load(arch_dir, name, kv_dtype)
+    window = llm.config.sliding_window
+    n = (window or 16) + 24
+    prompt = _ids(llm, 8, seed=12)
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
+    calls: list[int] = []
+    step = FusedDecoder.step
+
+    def counted(self, tokens, cache):
+        calls.append(len(tokens))
+        return step(self, tokens, cache)
+
+    monkeypatch.setattr(FusedDecoder, "step", counted)
+    fused = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    assert calls == [1] * (n - 1)  # every token after the first (the prefill's)
+    reason, llm.runner.fused_reason = llm.runner.fused_reason, "off for the comparison"
+    try:
+        ref = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    finally:
+        llm.runner.fused_reason = reason
+    assert len(calls) == n - 1  # the torch run did not call it
+    ref_logits = llm.runner.logits(prompt + ref.token_ids[:-1], llm.new_cache("off"))
+    assert_greedy_agreement(
+        fused.token_ids,
+        [list(lp.top) for lp in fused.logprobs],
+        ref.token_ids,
+        ref_logits[len(prompt) - 1 :],
+    )
+
+
+def _tables(pool: BlockPool, lengths: list[int], seed: int) -> list[list[int]]:
+    """Each row's blocks, drawn from the pool in a scrambled order."""
+    ids = [pool.allocate() for _ in range(sum(blocks_for(n, pool.block_size) for n in lengths))]
+    random.Random(seed).shuffle(ids)
+    tables, at = [], 0
+    for n in lengths:
+        k = blocks_for(n, pool.block_size)
+        tables.append(ids[at : at + k])
+        at += k
+    return tables
+
+
+def _batched(llm: LLM, seqs: list[list[int]], seed: int) -> list[torch.Tensor]:
+    """Every row's tokens one step at a time through the runner's batch over a paged pool
+    (the engine's path), all rows that still have one together; each row's logits."""
+    spec = llm.cache_spec("paged")
+    pool = BlockPool(spec, sum(blocks_for(len(s), spec.block_size) for s in seqs))
+    tables = _tables(pool, [len(s) for s in seqs], seed)
+    out: list[list[torch.Tensor]] = [[] for _ in seqs]
+    for t in range(max(len(s) for s in seqs)):
+        live = [b for b, s in enumerate(seqs) if t < len(s)]
+        logits = llm.runner.forward_table(
+            pool, spec, [[seqs[b][t]] for b in live], [tables[b] for b in live], [t] * len(live)
+        )
+        for i, b in enumerate(live):
+            out[b].append(logits[i])
+    return [torch.stack(o) for o in out]
+
+
+def _contiguous(llm: LLM, tokens: list[int]) -> torch.Tensor:
+    cache = llm.new_cache("contiguous")
+    assert llm.runner.fused_for(cache) is not None
+    return torch.stack([llm.runner.forward([t], cache) for t in tokens])
+
+
+def _lengths(llm: LLM) -> list[int]:
+    """Rows of different lengths: within one block, across several, past 64 (two chunks),
+    and for a window, past it with the first visible key at, just after and far from a
+    multiple of 16 (17 rows: products in two tiles of 16)."""
+    w = llm.config.sliding_window
+    if w is None or w < 64:
+        return [3, 16, 17, 40, 70, 9, 130, 1, 33, 64, 65, 5, 21, 48, 90, 12, 7]
+    return [w + 2, w + 17, w + 40, w + 95, MAX_CONTEXT, 3, 70, w, w + 1, 17, 130, 1, 48,
+            w + 16, w + 63, 9, 100]  # fmt: skip
+
+
+def _rows_alone_and_together(llm: LLM) -> None:
+    assert llm.runner.fused_reason is None
+    lengths = _lengths(llm)
+    assert max(lengths) <= MAX_CONTEXT
+    g = torch.Generator().manual_seed(13)
+    seqs = [torch.randint(3, llm.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    together = _batched(llm, seqs, seed=14)
+    for b, tokens in enumerate(seqs):
+        alone = _batched(llm, [tokens], seed=b)[0]
+        assert torch.equal(together[b], alone), f"row {b}: batched != alone"
+        assert torch.equal(together[b], _contiguous(llm, tokens)), f"row {b}: paged != contiguous"
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("name", list(ARCH_MODELS))
+def test_a_row_gets_the_same_logits_alone_and_in_a_batch(arch_dir, name, kv_dtype):
+    _rows_alone_and_together(_load(arch_dir, name, kv_dtype)[0])
+
+
+@needs_kernels
+def test_the_window_is_the_torch_masks_window(arch_dir):
+    """The fused step's window is causal_mask's, not one key more or less: after the same
+    prefill, its logits past the window are as exact as the torch path's, and far from the
+    step's own with a window one longer or one shorter (so an off-by-one could not pass)."""
+    llm, folder, weights = _load(arch_dir, "mistral-window")
+    w, n = llm.config.sliding_window, 30
+    prompt = _ids(llm, n, seed=15)
+    exact_llm = _exact(folder, weights)
+    exact = exact_llm.runner.logits(prompt, exact_llm.new_cache("off"))[-1]
+    ref = llm.runner.forward(prompt, llm.new_cache("contiguous"))  # torch: one prefill
+    spec = llm.cache_spec("paged")
+    pool, table = BlockPool(spec, 4), [2, 0]
+    llm.runner.forward_table(pool, spec, [prompt[:-1]], [table], [0])  # torch: the prefill
+    decoder = llm.runner._decoder(spec.max_tokens)
+    got = {
+        width: decoder.step_table(pool, prompt[-1:], [table], [n - 1], width)[0]
+        for width in (w - 1, w, w + 1)  # each rewrites position n - 1 before reading it
+    }
+    assert_as_exact_as(got[w], ref, exact)
+    runner_step = llm.runner.forward_table(pool, spec, [prompt[-1:]], [table], [n - 1])[0]
+    assert torch.equal(got[w], runner_step)  # the runner passes the spec's window
+    own = float((ref.double() - exact.double()).abs().max())
+    for width in (w - 1, w + 1):  # a different function, not rounding
+        assert float((got[width].double() - exact.double()).abs().max()) > 1000 * own
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["mistral-window", "qwen3", "llama-bias"])
+def test_the_engine_batches_them_through_the_fused_step(arch_dir, name, monkeypatch):
+    """The server's engine runs the decode rows of every request in one fused call, and each
+    request gets the tokens it gets alone (the batch is invariant)."""
+    folder, weights = arch_dir(name), _weights(name)
+    llm = LLM(model=folder, progress=False, max_context=MAX_CONTEXT, weights=weights)
+    engine = Engine(llm, EngineConfig(num_blocks=64))
+    assert llm.runner.fused_reason is None
+    calls: list[int] = []
+    step_table = FusedDecoder.step_table
+
+    def counted(self, pool, tokens, *args):
+        calls.append(len(tokens))
+        return step_table(self, pool, tokens, *args)
+
+    monkeypatch.setattr(FusedDecoder, "step_table", counted)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = {f"r{i}": _ids(llm, n, seed=20 + i) for i, n in enumerate([5, 12, 20, 31])}
+
+    def run(requests):
+        for rid, ids in requests.items():
+            engine.add_request(rid, ids, params)
+        out: dict[str, list[int]] = {rid: [] for rid in requests}
+        while engine.has_work():
+            for ev in engine.step():
+                out[ev.request_id].extend(ev.token_ids)
+        return out
+
+    together = run(prompts)
+    assert max(calls) == len(prompts)  # the decode rows in one fused call
+    assert all(len(t) == 24 for t in together.values())
+    for rid, ids in prompts.items():
+        assert run({rid: ids})[rid] == together[rid], rid
+
+
+@pytest.fixture(scope="module")
+def portable(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        return portable_kernels(tmp_path_factory.mktemp("portable"), mp)
+
+
+@needs_avx512
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("name", ["mistral-window", "mistral-hd64-window", "qwen3", "llama-bias"])
+def test_the_portable_build_runs_them_alike(arch_dir, portable, name, kv_dtype, monkeypatch):
+    """The scalar attention (the visible keys row by row) and products of a build without
+    AVX-512: as close to the exact result as the AVX-512 build, and a batch invariant too."""
+    llm, folder, weights = _load(arch_dir, name, kv_dtype)
+    window = llm.config.sliding_window
+    prompt = _ids(llm, max(12, (window or 0) - 4), seed=16)
+    steps = _ids(llm, 24, seed=17)
+    logits = []
+    for lib in (kernels.library(), portable):
+        cache = llm.new_cache("contiguous")
+        llm.runner.forward(prompt, cache)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(kernels, "library", lambda lib=lib: lib)
+            decoder = FusedDecoder(llm.model, cache.store.values.shape[-2])
+        logits.append(torch.stack([decoder.step([t], cache)[0] for t in steps]))
+    exact_llm = _exact(folder, weights)
+    exact = exact_llm.runner.logits(prompt + steps, exact_llm.new_cache("off"))[len(prompt) :]
+    factor = INT8_QUERIES if kv_dtype == "int8" else SAME_ROUNDING
+    # fp32 K/V: two orders of the same arithmetic; int8: both round queries and K/V alike
+    assert_as_exact_as(logits[1], logits[0], exact, factor)
+    assert_as_exact_as(logits[0], logits[1], exact, factor)
+    if name == "mistral-window":
+        monkeypatch.setattr(kernels, "library", lambda: portable)
+        scalar = LLM(model=folder, progress=False, max_context=MAX_CONTEXT, weights=weights,
+                     kv_dtype=kv_dtype)  # fmt: skip
+        _rows_alone_and_together(scalar)
