@@ -74,7 +74,8 @@ def default_model_path():
 def default_llm():
     from kvlm import LLM
 
-    return LLM(progress=False, max_context=1024)
+    # the fp32 reference path: tests of caches and equivalences compare exact numerics
+    return LLM(progress=False, max_context=1024, exact=True)
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ OPTIONS = CacheOptions(window=256, sinks=4)
 @pytest.fixture(scope="module")
 def llm():
     # window 256 + 4 sinks > prompt + 128 tokens: the window evicts nothing, so it is exact
-    return LLM(progress=False, max_context=512, cache_options=OPTIONS)
+    return LLM(progress=False, max_context=512, cache_options=OPTIONS, exact=True)
 
 
 @pytest.fixture(scope="module")

@@ -147,22 +147,30 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--weights",
-        default=None,
-        help="projection weights: as --dtype (default), bf16, int8 or int4 (groups of 32), "
-        "or native (a GGUF file's Q8_0/Q4_0/Q4_1 blocks as stored)",
+        default="auto",
+        help="projection weights: auto (default: native for a low-bit GGUF, else as --dtype), "
+        "f32 (as --dtype), bf16, int8 or int4 (groups of 32), or native (a GGUF file's own "
+        "low-bit blocks, multiplied as stored)",
     )
     p.add_argument(
         "--prefill-dtype",
-        default="fp32",
-        help="with low-bit --weights: fp32 (default, exact) or bf16 (prompt products in bf16, "
-        "~2x faster prefill; agreement in docs/BENCHMARKS.md)",
+        default="auto",
+        help="with low-bit weights: auto (default: bf16 where the CPU multiplies bf16 in "
+        "hardware), fp32 (exact) or bf16 (prompt products in bf16, ~2x faster prefill; "
+        "agreement in docs/BENCHMARKS.md)",
     )
     p.add_argument(
         "--activations",
-        default="fp32",
-        help="with low-bit --weights: fp32 (default, exact) or int8 (per-token products round "
-        "activations to int8 per group of 32, as llama.cpp does; faster decode, agreement in "
-        "docs/BENCHMARKS.md)",
+        default="auto",
+        help="with low-bit weights: auto (default: int8 where the CPU has VNNI), fp32 (exact) "
+        "or int8 (per-token products round activations to int8 per group of 32, as llama.cpp "
+        "does; faster decode, agreement in docs/BENCHMARKS.md)",
+    )
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="the fp32 reference path: weights dequantized to --dtype, fp32 activations and "
+        "prompt products, the cache in --dtype (the defaults are the fast path: kvlm.defaults)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
@@ -228,6 +236,7 @@ def _model(args: argparse.Namespace, **settings: Any):
         weights=args.weights,
         prefill_dtype=args.prefill_dtype,
         activations=args.activations,
+        exact=args.exact,
         progress=sys.stderr.isatty(),
         **settings,
     )

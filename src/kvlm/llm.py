@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvlm import kernels
+from kvlm import defaults, kernels
 from kvlm.cache import CacheSpec, KVCache, create_cache
 from kvlm.cache.factory import check_mode, mode_spec
 from kvlm.dtypes import dtype_name, parse_dtype, parse_kv_dtype
@@ -29,7 +29,8 @@ from kvlm.model.transformer import Transformer
 DEFAULT_MAX_CONTEXT = 4096
 # How the projection weights are stored (kvlm.model.transformer.Transformer): None / "f32" =
 # in the compute dtype (--dtype); "bf16" = bf16 weights under fp32 activations; "int8",
-# "int4" = groups of 32 (kvlm.model.quant); "native" = the GGUF file's own blocks.
+# "int4" = groups of 32 (kvlm.model.quant); "native" = the GGUF file's own blocks. The
+# default, "auto", picks native for a low-bit GGUF (kvlm.defaults).
 WEIGHT_FORMATS = (None, "f32", "bf16", "int8", "int4", "native")
 
 
@@ -68,10 +69,14 @@ class LLM:
         progress: bool = True,
         cache_options: CacheOptions | None = None,
         prefill_chunk: int | None = None,
-        weights: str | None = None,
-        prefill_dtype: str = "fp32",
-        activations: str = "fp32",
+        weights: str | None = "auto",
+        prefill_dtype: str = "auto",
+        activations: str = "auto",
+        exact: bool = False,
     ) -> None:
+        """`weights`, `activations`, `prefill_dtype` and `kv_dtype` default to "auto" (None
+        for kv_dtype): the fast path, resolved from the file and the CPU (kvlm.defaults);
+        `exact=True` resolves them to the fp32 reference path instead."""
         if threads is not None:
             if threads < 1:
                 raise InvalidRequestError("threads must be >= 1")
@@ -81,13 +86,27 @@ class LLM:
             raise InvalidRequestError("prefill_chunk must be >= 1")
         self.device = _check_device(device)
         self.dtype = parse_dtype(dtype)
-        self.kv_dtype = parse_kv_dtype(kv_dtype) if kv_dtype is not None else self.dtype
         self.cache_options = cache_options or CacheOptions()
         self.prefill_chunk = prefill_chunk
         check_mode(kv)  # before the slow load
-        if weights not in WEIGHT_FORMATS:
-            valid = ", ".join(f for f in WEIGHT_FORMATS if f)
+        if weights not in (*WEIGHT_FORMATS, defaults.AUTO):
+            valid = ", ".join(f for f in (defaults.AUTO, *WEIGHT_FORMATS) if f)
             raise InvalidRequestError(f"unknown weight format {weights!r}; valid: {valid}")
+        if kv_dtype is not None and kv_dtype != defaults.AUTO:
+            parse_kv_dtype(kv_dtype)  # a typo is refused before the slow load
+        self.loaded = load_model(model)
+        self.numerics = defaults.resolve(
+            weights=weights,
+            activations=activations,
+            prefill_dtype=prefill_dtype,
+            kv_dtype=defaults.AUTO if kv_dtype is None else kv_dtype,
+            exact=exact,
+            fp32_cpu=self.device.type == "cpu" and self.dtype == torch.float32,
+            source=self.loaded.weights,
+        )
+        weights, activations = self.numerics.weights, self.numerics.activations
+        prefill_dtype, kv_dtype = self.numerics.prefill_dtype, self.numerics.kv_dtype
+        self.kv_dtype = parse_kv_dtype(kv_dtype) if kv_dtype is not None else self.dtype
         if weights == "f32":
             if self.dtype != torch.float32:
                 raise InvalidRequestError("--weights f32 needs --dtype fp32")
@@ -109,7 +128,6 @@ class LLM:
         self.prefill_dtype = prefill_dtype
         self.activations = activations
         self.kv_mode = kv
-        self.loaded = load_model(model)
         self.config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         limit = self.config.max_position_embeddings
@@ -127,7 +145,10 @@ class LLM:
         for module in self.model.modules():
             if isinstance(module, Linear):
                 module.prefill_bf16 = prefill_dtype == "bf16"
-                module.act_int8 = activations == "int8"
+                # int8 activations in the blocks; the vocabulary projection keeps fp32 ones:
+                # its near-tied logits decide the token (on the default model, rounding its
+                # input too changed 7 of 8 test prompts' answers: docs/BENCHMARKS.md)
+                module.act_int8 = activations == "int8" and module is not self.model.lm_head
         self.runner = ModelRunner(self.model)
 
     @property
@@ -243,9 +264,10 @@ class LLM:
             "kv_mode": self.kv_mode,
             "dtype": dtype_name(self.dtype),
             "weights": self.weights or dtype_name(self.dtype),
-            "kernels": kernels.status() if self.weights in ("int8", "int4", "native") else None,
+            "kernels": kernels.status() if self.weights in defaults.LOW_BIT else None,
             "prefill_dtype": self.prefill_dtype,
             "activations": self.activations,
+            "numerics": list(self.numerics.reasons),
             "kv_dtype": dtype_name(self.cache_spec().dtype),
             "max_context": self.max_context,
             "device": str(self.device),

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch  # loaded first, so the kernels share torch's OpenMP runtime
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-ABI = 6
+ABI = 7
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 120
 WORK_PREFIX, WORK_SUFFIX = ".qgemm-", ".tmp"  # a build's private directory in the cache
@@ -124,6 +124,16 @@ def _linux_cpuinfo() -> str:
             if name in wanted and name not in found:
                 found[name] = " ".join(value.split())
     return "\n".join(f"{k}: {v}" for k, v in found.items())
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's feature flags as the OS names them (x86 `flags`, Arm `Features`), lower
+    case; empty where the OS does not say (not Linux)."""
+    for line in _cpu_features().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("flags", "features"):
+            return value.lower().split()
+    return []
 
 
 @cache

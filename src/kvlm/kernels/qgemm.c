@@ -70,7 +70,7 @@ static inline float from_f16(uint16_t h) {
     return f;
 }
 
-int kvlm_kernel_abi(void) { return 6; }
+int kvlm_kernel_abi(void) { return 7; }
 
 int kvlm_kernel_simd(void) {
 #ifdef __AVX512F__
@@ -564,6 +564,8 @@ typedef struct {
     const float *key_rot;    /* KV_I8: R (head_dim x head_dim); K rows are stored as k R */
     int64_t window;          /* the model's attention window (Mistral): the query at p sees
                                 keys p - window < s <= p; 0: all of 0 .. p */
+    int64_t head_act_int8;   /* the vocabulary projection rounds x to int8 too (off under
+                                --activations int8: near-tied logits decide the token) */
 } kvlm_qmodel;
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
@@ -1475,5 +1477,5 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *
         for (int64_t i = 0; i < B * H; i++) x[i] += tmp[i];
     }
     for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, m->final_norm, H, m->eps, h + b * H);
-    return matmul_rows(&m->lm_head, h, B, logits, ai8);
+    return matmul_rows(&m->lm_head, h, B, logits, m->head_act_int8 != 0);
 }

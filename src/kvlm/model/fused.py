@@ -101,6 +101,7 @@ class _QModel(ctypes.Structure):
         ("kv_params", ctypes.c_void_p),
         ("key_rot", ctypes.c_void_p),
         ("window", ctypes.c_int64),  # the model's sliding window; 0: none
+        ("head_act_int8", ctypes.c_int64),  # the vocabulary projection's own setting
     ]
 
 
@@ -286,8 +287,10 @@ class FusedDecoder:
         if store.quantized:  # codes + (step, zero) per row; K stored rotated by R
             self.spec.kv_params = store.scales.data_ptr()
             self.spec.key_rot = self._rotation(store.values.shape[-1]).data_ptr()
-        # --activations int8: LLM sets act_int8 on every Linear alike
-        self.spec.act_int8 = int(self.model.lm_head.act_int8)
+        # --activations int8: LLM sets act_int8 on every block's Linear alike; the
+        # vocabulary projection has its own (fp32 under the defaults: kvlm.defaults)
+        self.spec.act_int8 = int(self.model.layers[0].attn.qkv.act_int8)
+        self.spec.head_act_int8 = int(self.model.lm_head.act_int8)
         if window is not None and window < 1:
             raise ValueError(f"sliding window {window}: must be at least 1")
         self.spec.window = window or 0

@@ -1,0 +1,233 @@
+"""Random-weight GGUF files of real model shapes, for measuring speed and memory.
+
+Hub downloads are not always possible, and a benchmark of speed needs the shape and the
+storage types of a model, not its knowledge. `write_model` writes a GGUF file with the
+architecture, sizes and vocabulary of a real model (SHAPES) and the tensor types llama.cpp's
+quantizer gives each tensor for a file type (RECIPES: Q4_0, Q8_0, Q4_K_M, ...), each tensor
+random valid blocks (random codes, scales of a realistic size; gguf-py cannot quantize
+K-quants, and random blocks are what a random weight would quantize to anyway). The
+tokenizer is the default model's (SmolLM2's BPE), its token list padded with unused tokens
+to the shape's vocabulary size, so that both kvlm and llama.cpp load the file.
+
+    python benchmarks/make_models.py --out /tmp/models        # every shape x type
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+try:
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+except ImportError as exc:  # pragma: no cover - gguf is a declared dependency
+    raise ImportError("kvlm needs the `gguf` package: pip install gguf") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    arch: str  # GGUF general.architecture: llama, qwen2, qwen3
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    vocab: int
+    tied: bool
+    rope_theta: float
+    context: int
+    eps: float = 1e-6
+    llama3_rope: bool = False  # Llama 3.x's rope_freqs factors
+
+
+# The configurations of the models named (their config.json on the Hub).
+SHAPES = {
+    "qwen2.5-0.5b": Shape("qwen2", 896, 24, 14, 2, 64, 4864, 151936, True, 1e6, 32768),
+    "qwen2.5-1.5b": Shape("qwen2", 1536, 28, 12, 2, 128, 8960, 151936, True, 1e6, 32768),
+    "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 128, 3072, 151936, True, 1e6, 40960),
+    "qwen3-1.7b": Shape("qwen3", 2048, 28, 16, 8, 128, 6144, 151936, True, 1e6, 40960),
+    "llama-3.2-1b": Shape(
+        "llama", 2048, 16, 32, 8, 64, 8192, 128256, True, 5e5, 131072, 1e-5, llama3_rope=True
+    ),
+    "smollm2-360m": Shape("llama", 960, 32, 15, 5, 64, 2560, 49152, True, 1e5, 8192, 1e-5),
+    "smollm2-1.7b": Shape("llama", 2048, 24, 32, 32, 64, 8192, 49152, True, 1.3e5, 8192, 1e-5),
+}
+
+# llama.cpp's file types (llama_model_ftype) kvlm writes
+FILE_TYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+
+# bytes per block and the fp16 fields (offset, what) of each block type; the rest of a
+# block (codes, packed sub-block scales) takes any bit pattern
+_FIELDS: dict[Q, tuple[tuple[int, str], ...]] = {
+    Q.Q4_0: ((0, "d"),),
+    Q.Q4_1: ((0, "d"), (2, "m")),
+    Q.Q5_0: ((0, "d"),),
+    Q.Q5_1: ((0, "d"), (2, "m")),
+    Q.Q8_0: ((0, "d"),),
+    Q.Q4_K: ((0, "d"), (2, "dmin")),
+    Q.Q5_K: ((0, "d"), (2, "dmin")),
+    Q.Q6_K: ((208, "d"),),
+}
+# the weight's spread per unit of d, for random codes: Q4_0 (q - 8) and Q8_0 q uniform;
+# K-quants times a sub-block scale of ~32 (6-bit) or ~64 (Q6_K's int8)
+_SPREAD = {
+    Q.Q4_0: 4.6, Q.Q4_1: 4.6, Q.Q5_0: 9.2, Q.Q5_1: 9.2, Q.Q8_0: 74.0,
+    Q.Q4_K: 4.6 * 32, Q.Q5_K: 9.2 * 32, Q.Q6_K: 18.5 * 64,
+}  # fmt: skip
+# zero offsets so that the mean weight is ~0: m = -d * (mean code), dmin ~ d * mean code
+_MEAN_CODE = {Q.Q4_1: 7.5, Q.Q5_1: 15.5, Q.Q4_K: 7.5, Q.Q5_K: 15.5}
+STD = 0.02  # the spread of a random weight (initializer-sized)
+
+_K_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}  # rows not a multiple of 256
+
+
+def _use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's rule for the attn_v / ffn_down layers Q4_K_M keeps at Q6_K."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def tensor_type(file_type: str, name: str, layer: int | None, layers: int, tied: bool) -> Q:
+    """The type llama.cpp's quantizer (llama_tensor_get_type) gives a 2-D weight."""
+    is_output = name == "output" or (tied and name == "token_embd")
+    if file_type == "Q8_0":
+        return Q.Q8_0
+    if is_output:
+        return Q.Q6_K
+    if file_type == "Q4_0":
+        return Q.Q4_0
+    if file_type == "Q6_K":
+        return Q.Q6_K
+    base = Q.Q4_K if file_type == "Q4_K_M" else Q.Q5_K
+    if name in ("attn_v", "ffn_down") and layer is not None and _use_more_bits(layer, layers):
+        return Q.Q6_K
+    return base
+
+
+def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random valid blocks (rows, bytes per row) of `qtype` for a weight [rows, cols] whose
+    values spread ~STD."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    if cols % block:
+        raise ValueError(f"{qtype.name} needs rows of a multiple of {block}, not {cols}")
+    n = rows * (cols // block)
+    data = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    d = np.float16(STD / _SPREAD[qtype])
+    for offset, what in _FIELDS[qtype]:
+        if what == "d":
+            value = np.full(n, d, np.float16)
+        elif what == "m":  # Q4_1 / Q5_1: w = d q + m
+            value = np.full(n, -float(d) * _MEAN_CODE[qtype], np.float16)
+        else:  # dmin: w = d sc q - dmin m, sc and m alike on average
+            value = np.full(n, float(d) * _MEAN_CODE[qtype], np.float16)
+        data[:, offset : offset + 2] = value.view(np.uint8).reshape(n, 2)
+    return data.reshape(rows, -1)
+
+
+def _llama3_rope_factors(shape: Shape) -> np.ndarray:
+    """Llama 3.1/3.2's rope_freqs (factor 32, low 1, high 4, original context 8192)."""
+    dims = np.arange(0, shape.head_dim, 2, dtype=np.float64) / shape.head_dim
+    wavelen = 2 * np.pi * shape.rope_theta**dims
+    low, high, factor, original = 8192 / 1.0, 8192 / 4.0, 32.0, 8192
+    smooth = (original / wavelen - 1.0) / (4.0 - 1.0)
+    factors = np.where(wavelen > low, factor, 1.0)
+    mid = (wavelen <= low) & (wavelen >= high)
+    factors[mid] = 1.0 / ((1 - smooth[mid]) / factor + smooth[mid])
+    return factors.astype(np.float32)
+
+
+def write_model(
+    shape_name: str, file_type: str, out: Path, tokenizer_from: Path, seed: int = 0
+) -> Path:
+    """Write `out`: the shape `shape_name` in `file_type`, the tokenizer of the GGUF file
+    `tokenizer_from` (padded to the vocabulary)."""
+    shape = SHAPES[shape_name]
+    rng = np.random.default_rng(seed)
+    arch = shape.arch
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(f"random {shape_name} {file_type}")
+    w.add_block_count(shape.layers)
+    w.add_context_length(shape.context)
+    w.add_embedding_length(shape.hidden)
+    w.add_feed_forward_length(shape.inter)
+    w.add_head_count(shape.heads)
+    w.add_head_count_kv(shape.kv_heads)
+    w.add_key_length(shape.head_dim)
+    w.add_value_length(shape.head_dim)
+    w.add_rope_dimension_count(shape.head_dim)
+    w.add_rope_freq_base(shape.rope_theta)
+    w.add_layer_norm_rms_eps(shape.eps)
+    w.add_vocab_size(shape.vocab)
+    w.add_file_type(FILE_TYPES[file_type])
+    _copy_tokenizer(w, tokenizer_from, shape.vocab)
+
+    def weight(name: str, rows: int, cols: int, layer: int | None = None) -> None:
+        base = name.split(".")[-1] if layer is None else name.split(".")[2]
+        qtype = tensor_type(file_type, base, layer, shape.layers, shape.tied)
+        if cols % gguf.GGML_QUANT_SIZES[qtype][0]:
+            qtype = _K_FALLBACK[qtype]
+        data = random_blocks(qtype, rows, cols, rng)
+        w.add_tensor(f"{name}.weight", data, raw_shape=data.shape, raw_dtype=qtype)
+
+    def vector(name: str, n: int, value: float = 1.0) -> None:
+        w.add_tensor(name, np.full(n, value, np.float32))
+
+    h, d, hq, hkv = shape.hidden, shape.head_dim, shape.heads, shape.kv_heads
+    weight("token_embd", shape.vocab, h)
+    for i in range(shape.layers):
+        p = f"blk.{i}"
+        vector(f"{p}.attn_norm.weight", h)
+        weight(f"{p}.attn_q", hq * d, h, i)
+        weight(f"{p}.attn_k", hkv * d, h, i)
+        weight(f"{p}.attn_v", hkv * d, h, i)
+        if arch == "qwen2":  # q/k/v biases
+            for part, n in (("attn_q", hq * d), ("attn_k", hkv * d), ("attn_v", hkv * d)):
+                w.add_tensor(f"{p}.{part}.bias", rng.normal(0, STD, n).astype(np.float32))
+        if arch == "qwen3":  # per-head q/k norms
+            vector(f"{p}.attn_q_norm.weight", d)
+            vector(f"{p}.attn_k_norm.weight", d)
+        weight(f"{p}.attn_output", h, hq * d, i)
+        vector(f"{p}.ffn_norm.weight", h)
+        weight(f"{p}.ffn_gate", shape.inter, h, i)
+        weight(f"{p}.ffn_up", shape.inter, h, i)
+        weight(f"{p}.ffn_down", h, shape.inter, i)
+    vector("output_norm.weight", h)
+    if not shape.tied:
+        weight("output", shape.vocab, h)
+    if shape.llama3_rope:
+        w.add_tensor("rope_freqs.weight", _llama3_rope_factors(shape))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _copy_tokenizer(w: gguf.GGUFWriter, source: Path, vocab: int) -> None:
+    r = gguf.GGUFReader(str(source))
+    meta = {k: f.contents() for k, f in r.fields.items() if k.startswith("tokenizer.")}
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    types = list(meta["tokenizer.ggml.token_type"])
+    if len(tokens) > vocab:
+        raise ValueError(f"{source.name}'s tokenizer has {len(tokens)} tokens > {vocab}")
+    pad = vocab - len(tokens)
+    tokens += [f"<|unused_{i}|>" for i in range(pad)]
+    types += [gguf.TokenType.UNUSED] * pad
+    w.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    if "tokenizer.ggml.pre" in meta:
+        w.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(list(meta["tokenizer.ggml.merges"]))
+    for key, add in (
+        ("tokenizer.ggml.bos_token_id", w.add_bos_token_id),
+        ("tokenizer.ggml.eos_token_id", w.add_eos_token_id),
+        ("tokenizer.ggml.unknown_token_id", w.add_unk_token_id),
+        ("tokenizer.ggml.padding_token_id", w.add_pad_token_id),
+        ("tokenizer.ggml.add_bos_token", w.add_add_bos_token),
+        ("tokenizer.chat_template", w.add_chat_template),
+    ):
+        if key in meta:
+            add(meta[key])

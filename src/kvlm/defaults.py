@@ -1,0 +1,109 @@
+"""The numerics a model runs with when the user names none: the fast path, by default.
+
+Four settings decide a CPU run's speed: the projection weights (`weights`), the products'
+activations (`activations`), the prompt's products (`prefill_dtype`) and the cache's
+storage (`kv_dtype`). Each accepts "auto" (the default), resolved here from the model file
+and the CPU:
+
+    weights        native when the file is a GGUF with low-bit projections (its own blocks,
+                   multiplied as stored), else the compute dtype
+    activations    int8 with low-bit weights where the kernels have integer dot products
+                   (AVX512-VNNI), else fp32
+    prefill_dtype  bf16 with low-bit weights where the CPU multiplies bf16 in hardware
+                   (AVX512-BF16 or AMX), else fp32
+    kv_dtype       the compute dtype
+
+Those are the fastest numerics that keep greedy decoding within the top-5 rule of the fp32
+reference on the tests' prompts (tests/test_defaults.py; figures in docs/BENCHMARKS.md).
+`exact=True` (`--exact`) resolves every "auto" to the fp32 reference instead: the weights
+dequantized to the compute dtype, fp32 activations and prompt products, and the cache in
+the compute dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvlm import kernels
+from kvlm.errors import InvalidRequestError
+
+AUTO = "auto"
+LOW_BIT = ("int8", "int4", "native")
+# names of the projection weights whose storage decides `weights` (not norms, not biases)
+_PROJECTION_SUFFIXES = ("proj.weight", "lm_head.weight")
+
+
+@dataclass(slots=True, frozen=True)
+class Numerics:
+    """The resolved settings, and for each "auto" one, why it became what it is."""
+
+    weights: str | None  # None: the compute dtype
+    activations: str
+    prefill_dtype: str
+    kv_dtype: str | None  # None: the compute dtype
+    reasons: tuple[str, ...] = ()
+
+
+def resolve(
+    *,
+    weights: str | None,
+    activations: str,
+    prefill_dtype: str,
+    kv_dtype: str | None,
+    exact: bool,
+    fp32_cpu: bool,
+    source: object,
+) -> Numerics:
+    """Resolve "auto" settings. `fp32_cpu`: fp32 compute on the CPU (the only place the
+    low-bit kernels run); `source`: the model's WeightSource (a GGUF file answers
+    `is_quantized(name)`)."""
+    requested = {
+        "weights": weights,
+        "activations": activations,
+        "prefill_dtype": prefill_dtype,
+        "kv_dtype": kv_dtype,
+    }
+    if exact:
+        named = [k for k, v in requested.items() if v not in (AUTO, None, "fp32", "f32")]
+        if named:
+            raise InvalidRequestError(
+                f"exact is the fp32 reference path; it cannot be combined with "
+                f"{', '.join(f'{k}={requested[k]!r}' for k in named)}"
+            )
+        return Numerics(None, "fp32", "fp32", None, ("exact: the fp32 reference path",))
+    reasons: list[str] = []
+    if weights == AUTO:
+        weights = None
+        if fp32_cpu and _low_bit_projections(source):
+            weights = "native"
+            reasons.append("weights native: the file's own low-bit blocks")
+    low_bit = weights in LOW_BIT
+    lib = kernels.library() if low_bit else None
+    if activations == AUTO:
+        activations = "fp32"
+        if lib is not None and lib.kvlm_kernel_vnni():
+            activations = "int8"
+            reasons.append("activations int8: the CPU has VNNI integer dot products")
+    if prefill_dtype == AUTO:
+        prefill_dtype = "fp32"
+        if low_bit and _has_bf16_matrix_units():
+            prefill_dtype = "bf16"
+            reasons.append("prefill bf16: the CPU multiplies bf16 in hardware")
+    if kv_dtype == AUTO:
+        kv_dtype = None
+    return Numerics(weights, activations, prefill_dtype, kv_dtype, tuple(reasons))
+
+
+def _low_bit_projections(source: object) -> bool:
+    is_quantized = getattr(source, "is_quantized", None)
+    names = getattr(source, "names", None)
+    if is_quantized is None or names is None:
+        return False
+    return any(n.endswith(_PROJECTION_SUFFIXES) and is_quantized(n) for n in names())
+
+
+def _has_bf16_matrix_units() -> bool:
+    """AVX512-BF16 or AMX-BF16 (oneDNN's bf16 GEMM runs there ~2x faster than fp32;
+    elsewhere it converts and is slower)."""
+    flags = set(kernels.cpu_flags())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})

@@ -1,0 +1,163 @@
+"""The defaults are the fast path (kvlm.defaults): what "auto" resolves to, and that the
+fast path holds greedy decoding to the fp32 reference by the top-5 rule."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import assert_greedy_agreement
+from kvlm import LLM, SamplingParams, defaults, kernels
+from kvlm.errors import InvalidRequestError
+
+# the tests' prompts: questions a new user asks first
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a KV cache is in one sentence.",
+    "Who wrote Hamlet?",
+]
+
+
+def _resolve(source, exact=False, fp32_cpu=True, **settings):
+    named = {"weights": "auto", "activations": "auto", "prefill_dtype": "auto", "kv_dtype": "auto"}
+    named.update(settings)
+    return defaults.resolve(**named, exact=exact, fp32_cpu=fp32_cpu, source=source)
+
+
+class _Source:
+    """A weight source whose named tensors are low-bit or not."""
+
+    def __init__(self, quantized: dict[str, bool]) -> None:
+        self.quantized = quantized
+
+    def names(self):
+        return list(self.quantized)
+
+    def is_quantized(self, name):
+        return self.quantized[name]
+
+
+LOW_BIT_FILE = _Source({"model.layers.0.self_attn.q_proj.weight": True, "model.norm.weight": False})
+FLOAT_FILE = _Source({"model.layers.0.self_attn.q_proj.weight": False})
+
+
+def test_a_low_bit_gguf_runs_on_its_own_blocks():
+    assert _resolve(LOW_BIT_FILE).weights == "native"
+
+
+def test_float_files_and_folders_keep_the_compute_dtype():
+    assert _resolve(FLOAT_FILE).weights is None
+    assert _resolve(object()).weights is None  # an HF folder: no is_quantized
+    assert _resolve(LOW_BIT_FILE, fp32_cpu=False).weights is None  # bf16 / a GPU
+
+
+def test_activations_and_prefill_follow_the_cpu(monkeypatch):
+    flags = set(kernels.cpu_flags())
+    lib = kernels.library()
+    got = _resolve(LOW_BIT_FILE)
+    vnni = lib is not None and bool(lib.kvlm_kernel_vnni())
+    assert got.activations == ("int8" if vnni else "fp32")
+    assert got.prefill_dtype == ("bf16" if flags & {"avx512_bf16", "amx_bf16"} else "fp32")
+    # a CPU without them: fp32 both
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: ["sse2", "avx2"])
+    monkeypatch.setenv("KVLM_NO_KERNELS", "1")
+    plain = _resolve(LOW_BIT_FILE)
+    assert (plain.weights, plain.activations, plain.prefill_dtype) == ("native", "fp32", "fp32")
+    # float weights: nothing to round
+    assert _resolve(FLOAT_FILE).activations == "fp32"
+
+
+def test_named_settings_win_over_auto():
+    got = _resolve(LOW_BIT_FILE, weights="int8", activations="fp32", prefill_dtype="fp32")
+    assert (got.weights, got.activations, got.prefill_dtype) == ("int8", "fp32", "fp32")
+    assert _resolve(LOW_BIT_FILE, kv_dtype="int8").kv_dtype == "int8"
+
+
+def test_exact_is_the_reference_and_refuses_fast_settings():
+    got = _resolve(LOW_BIT_FILE, exact=True)
+    assert (got.weights, got.activations, got.prefill_dtype, got.kv_dtype) == (
+        None,
+        "fp32",
+        "fp32",
+        None,
+    )
+    with pytest.raises(InvalidRequestError, match="weights='native'"):
+        _resolve(LOW_BIT_FILE, exact=True, weights="native")
+    with pytest.raises(InvalidRequestError, match="activations='int8'"):
+        _resolve(LOW_BIT_FILE, exact=True, activations="int8")
+
+
+@pytest.fixture(scope="module")
+def fast():
+    return LLM(progress=False, max_context=512)
+
+
+@pytest.fixture(scope="module")
+def exact():
+    return LLM(progress=False, max_context=512, exact=True)
+
+
+@pytest.mark.slow
+def test_the_default_model_runs_the_fast_path(fast):
+    """No flags: the file's Q4_1 blocks, and what the CPU does fastest."""
+    d = fast.describe()
+    assert d["weights"] == "native"
+    assert d["numerics"] and d["numerics"][0].startswith("weights native")
+    # the vocabulary projection keeps fp32 activations, the blocks round theirs
+    assert fast.model.lm_head.act_int8 is False
+    assert fast.model.layers[0].mlp.down.act_int8 == (fast.activations == "int8")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_the_fast_path_keeps_greedy_decoding_to_the_top5_rule(fast, exact, prompt):
+    """The default numerics against the fp32 reference (weights dequantized, fp32
+    everywhere): every greedy token within the reference's top 5 on the same prefix."""
+    n = 24
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
+    ids = exact.encode(prompt, chat=True)
+    ours = fast.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    ref = exact.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    forced = exact.runner.logits(ids + ours.token_ids[:-1], exact.new_cache("off"))[-n:]
+    our_top = [list(lp.top) for lp in ours.logprobs]
+    assert_greedy_agreement(ours.token_ids, our_top, ref.token_ids, forced)
+
+
+@pytest.mark.slow
+def test_the_first_answer_is_the_reference_answer(fast, exact):
+    """The README's first command: the fast path answers what the reference answers (the
+    vocabulary projection on fp32 activations keeps this near tie: with int8 input it
+    flips to another first token)."""
+    ids = exact.encode("What is the capital of France?", chat=True)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    a = fast.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    b = exact.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    assert a.token_ids == b.token_ids
+    logits = exact.runner.logits(ids, exact.new_cache("off"))[-1]
+    top2 = torch.topk(logits, 2).values
+    assert float(top2[0] - top2[1]) < 0.2  # it is a near tie: the test can fail
+
+
+@pytest.mark.slow
+def test_cli_exact_and_default(default_model_path):
+    def run(*flags):
+        out = subprocess.run(
+            [sys.executable, "-m", "kvlm.cli", "generate", "Hi", "--max-new-tokens", "2", "--json",
+             *flags],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        return json.loads(out.stdout)
+
+    fast, ref = run(), run("--exact")
+    assert fast["weights"] == "native" and ref["weights"] == "fp32"
+    assert ref["activations"] == "fp32" and ref["prefill_dtype"] == "fp32"
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvlm.cli", "generate", "Hi", "--exact", "--weights", "int8"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "exact" in bad.stderr and "Traceback" not in bad.stderr
