@@ -103,12 +103,15 @@ def _magnitudes(q: quant.QuantWeight) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", TYPES)
 @pytest.mark.parametrize("rows", [1, 16, 37])
-@pytest.mark.parametrize("source", ["codes", "random"])
-def test_blocks_round_trip_and_dequantize_as_gguf_py(kind, rows, source):
+@pytest.mark.parametrize("source", ["codes", "random", "pieces"])
+def test_blocks_round_trip_and_dequantize_as_gguf_py(kind, rows, source, monkeypatch):
     """The packed weight gives the file's blocks back byte for byte, its size is the file's
     (per 16 rows), and it dequantizes to gguf-py's numbers bit for bit: the torch fallback,
-    the compiled kernels (fp32, and bf16 rounded as torch rounds)."""
-    raw = _blocks(kind, rows, seed=rows, source=source)
+    the compiled kernels (fp32, and bf16 rounded as torch rounds). "pieces": packed 16 rows
+    at a time (as a large tensor is), the same bytes."""
+    if source == "pieces":
+        monkeypatch.setattr(quant, "PACK_WEIGHTS", 16 * COLS)
+    raw = _blocks(kind, rows, seed=rows, source="codes" if source == "pieces" else source)
     q = quant.QuantWeight.from_blocks(kind, torch.from_numpy(raw))
     assert (q.kind, q.out_features, q.in_features) == (kind, rows, COLS)
     padded = -(-rows // 16) * 16

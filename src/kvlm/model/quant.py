@@ -43,6 +43,7 @@ GGML_KINDS = {
 }
 KINDS = ("q8", "q4", *GGML_KINDS)
 KIND_CODES = {"q8": 8, "q4": 4, "q5_0": 50, "q5_1": 51, "q4_k": 104, "q5_k": 105, "q6_k": 106}
+PACK_WEIGHTS = 1 << 24  # weights per piece that from_blocks packs at a time
 MIXED = "mixed"  # the kind of a weight of row parts of different kinds (`concat`)
 FORMATS = {"int8": "q8", "int4": "q4"}  # --weights name -> kind
 # Up to this many rows the C kernel (reads the low-bit weight once); above, a dense GEMM.
@@ -96,8 +97,14 @@ class QuantWeight:
         if blocks.dim() != 2 or blocks.dtype != torch.uint8 or blocks.shape[1] % size:
             raise ValueError(f"{kind} blocks must be uint8 [rows, a multiple of {size} bytes]")
         n, k = blocks.shape[0], blocks.shape[1] // size * per
-        fields = _ggml_fields(kind, blocks.contiguous())
-        return cls._wrap(kind, n, k, _pack_fields(kind, fields, n, k))
+        # in pieces of whole blocks of 16 rows, each packed alone: the temporaries stay a
+        # few bytes per weight of a piece, not of a vocabulary matrix
+        step = max(BLOCK_ROWS, PACK_WEIGHTS // k // BLOCK_ROWS * BLOCK_ROWS)
+        pieces = []
+        for a in range(0, n, step):
+            rows = blocks[a : a + step].contiguous()
+            pieces.append(_pack_fields(kind, _ggml_fields(kind, rows), rows.shape[0], k))
+        return cls._wrap(kind, n, k, pieces[0] if len(pieces) == 1 else torch.cat(pieces))
 
     @classmethod
     def _wrap(
@@ -275,10 +282,13 @@ def _ggml_fields(kind: str, blocks: torch.Tensor) -> dict[str, torch.Tensor]:
     return f
 
 
-def _bits_to_bytes(bits: torch.Tensor, shifts: list[int], dims: tuple[int, ...]) -> torch.Tensor:
-    """Sum of bits << shifts over `dims` (the shifts broadcast against those dims), uint8."""
-    shift = torch.tensor(shifts, dtype=torch.int32)
-    return (bits.to(torch.int32) << shift).sum(dims).to(torch.uint8)
+def _or_bits(bits: torch.Tensor, dim: int, shifts: list[int]) -> torch.Tensor:
+    """OR of bits.select(dim, i) << shifts[i] over i (small fields packed into bytes),
+    uint8 throughout."""
+    out = torch.zeros_like(bits.select(dim, 0))
+    for i, shift in enumerate(shifts):
+        out |= bits.select(dim, i) << shift
+    return out
 
 
 def _ggml_blocks(kind: str, f: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -289,22 +299,21 @@ def _ggml_blocks(kind: str, f: dict[str, torch.Tensor]) -> torch.Tensor:
     u = c.shape[1]
     if kind in ("q5_0", "q5_1"):
         qs = (c[..., :16] & 15) | ((c[..., 16:] & 15) << 4)
-        qh = _bits_to_bytes((c >> 4).view(n, u, 4, 8), list(range(8)), (-1,))
+        qh = _or_bits((c >> 4).view(n, u, 4, 8), -1, list(range(8)))
         pieces = [f["d"], *([f["m"]] if kind == "q5_1" else []), qh, qs]
     elif kind in ("q4_k", "q5_k"):
         c8 = c.view(n, u, 4, 2, 32)
         qs = ((c8[..., 0, :] & 15) | ((c8[..., 1, :] & 15) << 4)).reshape(n, u, 128)
         pieces = [f["d"], f["dmin"], f["scales"], qs]
         if kind == "q5_k":  # qh[e] bit s = sub-block s's element e
-            bits = (c.view(n, u, 8, 32) >> 4).transpose(-1, -2)
-            pieces.insert(3, _bits_to_bytes(bits, list(range(8)), (-1,)))
+            pieces.insert(3, _or_bits(c.view(n, u, 8, 32) >> 4, 2, list(range(8))))
     else:
         c6 = c.view(n, u, 2, 4, 32)
         lo = c6 & 15
         ql = torch.stack(
             (lo[..., 0, :] | (lo[..., 2, :] << 4), lo[..., 1, :] | (lo[..., 3, :] << 4)), 3
         )
-        qh = _bits_to_bytes((c6 >> 4).transpose(-1, -2), [0, 2, 4, 6], (-1,))
+        qh = _or_bits(c6 >> 4, 3, [0, 2, 4, 6])
         pieces = [ql.reshape(n, u, 128), qh.reshape(n, u, 64), f["scales"], f["d"]]
     return torch.cat([p.reshape(n, u, -1) for p in pieces], -1).reshape(n, -1)
 
@@ -333,10 +342,10 @@ def _code_layout(kind: str, codes: torch.Tensor) -> torch.Tensor:
     pieces = [_lanes((c[..., :16] & 15) | ((c[..., 16:] & 15) << 4), 4)]  # nibbles
     high = (c >> 4).view(n, k // GROUP, 2, 4, 4)  # element 16h + 4v + j: (h, v, j)
     if _HIGH_BITS[kind] == 1:  # byte j, bit 2v + h
-        hb = _bits_to_bytes(high.permute(0, 1, 4, 3, 2), [[0, 1], [2, 3], [4, 5], [6, 7]], (-2, -1))
+        hb = _or_bits(high.reshape(n, k // GROUP, 8, 4), 2, [0, 2, 4, 6, 1, 3, 5, 7])
         pieces.append(_lanes(hb, 4))
     elif _HIGH_BITS[kind] == 2:  # word h, byte j, bits 2v, 2v + 1
-        hb = _bits_to_bytes(high.transpose(-1, -2), [0, 2, 4, 6], (-1,))  # (n, G, h, j)
+        hb = _or_bits(high, 3, [0, 2, 4, 6])  # (n, G, h, j)
         pieces.append(_lanes(hb.reshape(n, k // GROUP, 8), 4))
     return torch.cat(pieces, -1)
 
