@@ -411,3 +411,17 @@ def test_types_without_a_kernel_are_named_once(wide_llama, tmp_path, caplog):
     assert block.mlp.down.quant.kind == "q8"
     out = llm.runner.logits(llm.encode("hello"), llm.new_cache("off"))
     assert torch.isfinite(out).all()
+
+
+@needs_kernels
+def test_a_batch_of_k_quant_rows_gets_each_rows_own_logits(k_files):
+    """The server's batch over a paged pool (20 rows: the products in tiles of 16 and 4, each
+    part of q|k|v writing its columns of the wider output): every row's logits bit for bit
+    those it gets alone, and those of the contiguous single-sequence step."""
+    from kvlm import LLM
+    from test_fused_batch import _rows_alone_and_together
+
+    llm = LLM(model=k_files["Q4_K_M"], progress=False, max_context=256, weights="native")
+    assert [p.kind for p in llm.model.layers[0].attn.qkv.quant.parts()] == ["q4_k", "q6_k"]
+    _rows_alone_and_together(llm, [3, 16, 17, 9, 1, 33, 5, 21, 12, 7, 2, 4, 6, 8, 10, 11, 13, 14,
+                                   19, 20])  # fmt: skip
