@@ -191,12 +191,17 @@ def write_gguf_from_hf(
     quant=None,
     arch: str = "llama",
     extra_tensors: dict[str, tuple[np.ndarray, object]] | None = None,
+    types: dict[str, object] | None = None,
 ) -> Path:
     """Write an HF tiny model as a GGUF the way llama.cpp's converter would.
 
     `quant` (a GGMLQuantizationType) applies to 2-D weights whose rows fit its block size;
-    norms stay F32, as llama.cpp keeps them.
+    norms stay F32, as llama.cpp keeps them. `types`: GGUF name patterns (fnmatch, first
+    match wins) -> the type of those tensors instead (a Q4_K_M-like mix: {"*attn_v*":
+    Q6_K, "*": Q4_K}); the K-quants are written by `quantize_blocks`.
     """
+    from fnmatch import fnmatch
+
     import gguf
     from safetensors.torch import load_file
     from tokenizers import Tokenizer
@@ -229,7 +234,8 @@ def write_gguf_from_hf(
             arr = permute_qk(arr, kv_heads)
         if gguf_name(name) in replace:
             continue
-        _add_tensor(w, gguf_name(name), arr, quant)
+        qtype = next((t for p, t in (types or {}).items() if fnmatch(gguf_name(name), p)), quant)
+        _add_tensor(w, gguf_name(name), arr, qtype)
     for name, (arr, qtype) in replace.items():
         _add_tensor(w, name, arr, qtype)
     w.write_header_to_file()
@@ -250,7 +256,10 @@ def _add_tensor(w, name: str, arr: np.ndarray, quant) -> None:
     if quant is None or quant == Q.F32 or arr.ndim != 2 or arr.shape[1] % block:
         w.add_tensor(name, arr.astype(np.float32))
         return
-    data = gguf.quants.quantize(arr.astype(np.float32), quant)
+    if quant in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        data = quantize_blocks(arr.astype(np.float32), quant.name)
+    else:
+        data = gguf.quants.quantize(arr.astype(np.float32), quant)
     w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=quant)
 
 
@@ -295,7 +304,8 @@ def _ref_row(row: np.ndarray, kind: str, exact: bool = False):
     parameters times small integers). The fp32 value is that sum rounded once, which is also
     what the fp32 arithmetic of these formulas gives (every partial product fits 24 bits
     but Q6_K's, whose one rounding is the same). `exact`: (fp64 values, |term| + |offset|)."""
-    size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}[kind]
+    size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144,
+            "Q5_K": 176, "Q6_K": 210}[kind]  # fmt: skip
     terms = [_ref_terms(blk, kind) for blk in row.reshape(-1, size)]
     a = np.concatenate([t[0] for t in terms])
     b = np.concatenate([t[1] for t in terms])
@@ -315,11 +325,24 @@ def _ref_terms(blk: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
     if kind == "Q4_1":  # d, m, qs[16]
         d, m, qs = f16(blk[0:2]), f16(blk[2:4]), blk[4:].astype(np.int32)
         return d * np.concatenate([qs & 15, qs >> 4]), np.repeat(m, 32)
-    if kind == "Q4_K":  # d, dmin, scales[12], qs[128]
+    if kind in ("Q5_0", "Q5_1"):  # d, (m), qh: bit e of a little-endian uint32, qs[16]
+        at = 2 if kind == "Q5_0" else 4
+        d, qh = f16(blk[0:2]), int.from_bytes(blk[at : at + 4].tobytes(), "little")
+        qs = blk[at + 4 :].astype(np.int32)
+        codes = np.concatenate([qs & 15, qs >> 4]) + 16 * np.array(
+            [(qh >> e) & 1 for e in range(32)]
+        )
+        if kind == "Q5_0":
+            return d * (codes - 16), np.zeros(32)
+        return d * codes, np.repeat(f16(blk[2:4]), 32)
+    if kind in ("Q4_K", "Q5_K"):  # d, dmin, scales[12], (qh[32]: bit s = sub-block s), qs[128]
         d, dmin = f16(blk[0:2]), f16(blk[2:4])
         sc, mn = _unpack_k4_scales(blk[4:16].astype(np.int32))
-        qs = blk[16:].astype(np.int32).reshape(4, 32)
+        qs = blk[-128:].astype(np.int32).reshape(4, 32)
         codes = np.concatenate([np.concatenate([q & 15, q >> 4]) for q in qs])
+        if kind == "Q5_K":
+            qh = blk[16:48].astype(np.int32)
+            codes = codes + 16 * np.concatenate([(qh >> s) & 1 for s in range(8)])
         return d * sc.repeat(32) * codes, -dmin * mn.repeat(32)
     # Q6_K: ql[128], qh[64], scales[16] int8, d
     ql, qh = blk[:128].astype(np.int32), blk[128:192].astype(np.int32)
@@ -345,45 +368,160 @@ def _unpack_k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
+# ggml's block layouts (ggml-common.h) written from codes and parameters, over many blocks
+# at once: d, dmin, m (B,) fp16 values; codes (B, weights) in element order.
+
+
+def _f16_bytes(x) -> np.ndarray:
+    return np.asarray(x, np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def _k4_scale_bytes(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """8 sub-blocks' 6-bit scales and mins (B, 8) -> ggml's 12 packed bytes (B, 12)."""
+    s = np.zeros((sc.shape[0], 12), np.int64)
+    s[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    s[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
+    s[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    return s.astype(np.uint8)
+
+
+def _k_nibbles(codes: np.ndarray) -> np.ndarray:
+    """(B, 256) -> qs (B, 128): bytes 32j .. 32j + 31 hold sub-block 2j (low nibbles) and
+    2j + 1 (high)."""
+    c = codes.reshape(-1, 4, 2, 32)
+    return ((c[:, :, 0] & 15) | ((c[:, :, 1] & 15) << 4)).reshape(-1, 128).astype(np.uint8)
+
+
+def ggml_q4_k(d, dmin, sc, mn, codes) -> np.ndarray:
+    parts = [_f16_bytes(d), _f16_bytes(dmin), _k4_scale_bytes(sc, mn), _k_nibbles(codes)]
+    return np.concatenate(parts, 1)
+
+
+def ggml_q5_k(d, dmin, sc, mn, codes) -> np.ndarray:
+    qh = ((codes.reshape(-1, 8, 32) >> 4) << np.arange(8)[:, None]).sum(1)  # bit s: sub-block s
+    parts = [_f16_bytes(d), _f16_bytes(dmin), _k4_scale_bytes(sc, mn), qh.astype(np.uint8)]
+    return np.concatenate([*parts, _k_nibbles(codes)], 1)
+
+
+def ggml_q6_k(d, sc, codes) -> np.ndarray:
+    """sc (B, 16) int8 per 16 weights; codes (B, 256) 0..63 (the weight is d sc (q - 32))."""
+    c = codes.reshape(-1, 2, 4, 32)  # per half of 128: four rows of 32
+    ql = np.stack(
+        [
+            (c[:, :, 0] & 15) | ((c[:, :, 2] & 15) << 4),
+            (c[:, :, 1] & 15) | ((c[:, :, 3] & 15) << 4),
+        ],
+        2,
+    )
+    qh = ((c >> 4) << (2 * np.arange(4))[:, None]).sum(2)
+    parts = [ql.reshape(-1, 128), qh.reshape(-1, 64), np.asarray(sc, np.int8).view(np.uint8)]
+    return np.concatenate([p.astype(np.uint8) for p in parts] + [_f16_bytes(d)], 1)
+
+
+def _q5_bits(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(B, 32) 5-bit codes -> qh (B, 4: bit e of a little-endian uint32 = weight e's fifth
+    bit), qs (B, 16: weight j low nibble, j + 16 high)."""
+    qs = (codes[:, :16] & 15) | ((codes[:, 16:] & 15) << 4)
+    qh = ((codes >> 4) << np.arange(32)).sum(1).astype("<u4").view(np.uint8).reshape(-1, 4)
+    return qh, qs.astype(np.uint8)
+
+
+def ggml_q5_0(d, codes) -> np.ndarray:
+    return np.concatenate([_f16_bytes(d), *_q5_bits(codes)], 1)
+
+
+def ggml_q5_1(d, m, codes) -> np.ndarray:
+    return np.concatenate([_f16_bytes(d), _f16_bytes(m), *_q5_bits(codes)], 1)
+
+
 def pack_q6_k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random Q6_K blocks (rows, cols/256*210) from random 6-bit codes and scales."""
-    blocks = []
-    for _ in range(rows * cols // 256):
-        c = rng.integers(0, 64, 256)
-        ql, qh = np.zeros(128, np.uint8), np.zeros(64, np.uint8)
-        for n in range(2):
-            for lane in range(32):
-                c1, c2, c3, c4 = (c[128 * n + 32 * g + lane] for g in range(4))
-                ql[64 * n + lane] = (c1 & 15) | ((c3 & 15) << 4)
-                ql[64 * n + lane + 32] = (c2 & 15) | ((c4 & 15) << 4)
-                qh[32 * n + lane] = (
-                    (c1 >> 4) | ((c2 >> 4) << 2) | ((c3 >> 4) << 4) | ((c4 >> 4) << 6)
-                )
-        scales = rng.integers(-60, 60, 16).astype(np.int8).view(np.uint8)
-        d = np.array([rng.uniform(0.001, 0.01)], np.float16).view(np.uint8)
-        blocks.append(np.concatenate([ql, qh, scales, d]))
-    return np.concatenate(blocks).reshape(rows, -1)
+    nb = rows * cols // 256
+    codes, sc = rng.integers(0, 64, (nb, 256)), rng.integers(-60, 60, (nb, 16))
+    return ggml_q6_k(rng.uniform(0.001, 0.01, nb), sc, codes).reshape(rows, -1)
 
 
 def pack_q4_k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random Q4_K blocks (rows, cols/256*144): 4-bit codes, 6-bit scales and mins."""
-    blocks = []
-    for _ in range(rows * cols // 256):
-        c = rng.integers(0, 16, 256)
-        sc, mn = rng.integers(0, 64, 8), rng.integers(0, 64, 8)
-        s = np.zeros(12, np.int64)
-        for j in range(4):
-            s[j] = (sc[j] & 63) | ((sc[j + 4] >> 4) << 6)
-            s[j + 4] = (mn[j] & 63) | ((mn[j + 4] >> 4) << 6)
-            s[j + 8] = (sc[j + 4] & 15) | ((mn[j + 4] & 15) << 4)
-        qs = np.concatenate(
-            [c[64 * j : 64 * j + 32] | (c[64 * j + 32 : 64 * j + 64] << 4) for j in range(4)]
+    nb = rows * cols // 256
+    codes, sc, mn = rng.integers(0, 16, (nb, 256)), *rng.integers(0, 64, (2, nb, 8))
+    d, dmin = rng.uniform(0.001, 0.01, (2, nb))
+    return ggml_q4_k(d, dmin, sc, mn, codes).reshape(rows, -1)
+
+
+def pack_q5_k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q5_K blocks (rows, cols/256*176): 5-bit codes, 6-bit scales and mins."""
+    nb = rows * cols // 256
+    codes, sc, mn = rng.integers(0, 32, (nb, 256)), *rng.integers(0, 64, (2, nb, 8))
+    d, dmin = rng.uniform(0.001, 0.01, (2, nb))
+    return ggml_q5_k(d, dmin, sc, mn, codes).reshape(rows, -1)
+
+
+def pack_q5_0(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q5_0 blocks (rows, cols/32*22): 5-bit codes, one scale of either sign."""
+    nb = rows * cols // 32
+    return ggml_q5_0(rng.uniform(-0.05, 0.05, nb), rng.integers(0, 32, (nb, 32))).reshape(rows, -1)
+
+
+def pack_q5_1(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q5_1 blocks (rows, cols/32*24): 5-bit codes, a scale and a minimum."""
+    nb = rows * cols // 32
+    d, m = rng.uniform(0.001, 0.05, nb), rng.uniform(-0.5, 0.0, nb)
+    return ggml_q5_1(d, m, rng.integers(0, 32, (nb, 32))).reshape(rows, -1)
+
+
+PACKERS = {"Q4_K": pack_q4_k, "Q5_K": pack_q5_k, "Q6_K": pack_q6_k, "Q5_0": pack_q5_0,
+           "Q5_1": pack_q5_1}  # fmt: skip
+# byte offsets of each block's fp16 fields (d, dmin, m)
+_F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2),
+               "Q3_K": (108,), "Q2_K": (80, 82)}  # fmt: skip
+
+
+def random_blocks(qtype_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Blocks of random bytes (every code, scale byte and high bit pattern, int8 scales
+    down to -128), their fp16 fields finite, of either sign, some subnormal or zero."""
+    import gguf
+
+    per, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype_name]]
+    b = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
+    for at in _F16_FIELDS[qtype_name]:
+        d = rng.uniform(-0.02, 0.02, (rows, cols // per)) * (rng.random((rows, cols // per)) < 0.95)
+        d[..., :1] *= 2.0**-12  # fp16 subnormals
+        b[..., at : at + 2] = d.astype(np.float16)[..., None].view(np.uint8)
+    return b.reshape(rows, -1)
+
+
+def quantize_blocks(arr: np.ndarray, qtype_name: str) -> np.ndarray:
+    """A float weight (rows, cols) as valid ggml blocks of a type gguf-py cannot quantize
+    (the K-quants): near min/max rounding, not llama.cpp's search, but the file's layout
+    and numerics exactly."""
+    rows = arr.shape[0]
+    if qtype_name in ("Q4_K", "Q5_K"):
+        top = 15 if qtype_name == "Q4_K" else 31
+        x = arr.reshape(-1, 8, 32).astype(np.float64)
+        lo, hi = np.minimum(x.min(-1), 0.0), np.maximum(x.max(-1), 0.0)
+        d = (((hi - lo) / top).max(-1) / 63).astype(np.float16)
+        dmin = ((-lo).max(-1) / 63).astype(np.float16)
+        dd, dm = d.astype(np.float64)[:, None], dmin.astype(np.float64)[:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            sc = np.nan_to_num(np.rint((hi - lo) / top / dd)).clip(0, 63).astype(np.int64)
+            mn = np.nan_to_num(np.rint(-lo / dm)).clip(0, 63).astype(np.int64)
+            step, low = (dd * sc)[..., None], (dm * mn)[..., None]
+            codes = np.nan_to_num(np.rint((x + low) / step)).clip(0, top).astype(np.int64)
+        write = ggml_q4_k if qtype_name == "Q4_K" else ggml_q5_k
+        return write(d, dmin, sc, mn, codes.reshape(-1, 256)).reshape(rows, -1)
+    if qtype_name == "Q6_K":
+        x = arr.reshape(-1, 16, 16).astype(np.float64)
+        scale = np.abs(x).max(-1) / 31
+        d = (scale.max(-1) / 127).astype(np.float16)
+        dd = d.astype(np.float64)[:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            sc = np.nan_to_num(np.rint(scale / dd)).clip(-128, 127).astype(np.int64)
+            codes = np.nan_to_num(np.rint(x / (dd * sc)[..., None])) + 32
+        return ggml_q6_k(d, sc, codes.clip(0, 63).astype(np.int64).reshape(-1, 256)).reshape(
+            rows, -1
         )
-        d = np.array([rng.uniform(0.001, 0.01), rng.uniform(0.001, 0.01)], np.float16).view(
-            np.uint8
-        )
-        blocks.append(np.concatenate([d, s.astype(np.uint8), qs.astype(np.uint8)]))
-    return np.concatenate(blocks).reshape(rows, -1)
+    raise ValueError(qtype_name)
 
 
 def write_spm_gguf(path: Path) -> Path:

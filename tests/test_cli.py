@@ -95,7 +95,7 @@ def test_generate_streams_text_and_reads_stdin(capsys, monkeypatch, tiny_gguf):
         (["--top-p", "0"], "top_p"),
         (
             ["--weights", "int3"],
-            "unknown weight format 'int3'; valid: f32, bf16, int8, int4, native",
+            "unknown weight format 'int3'; valid: auto, f32, bf16, int8, int4, native",
         ),
     ],
 )

@@ -65,7 +65,7 @@ def test_activations_and_prefill_follow_the_cpu(monkeypatch):
     assert got.prefill_dtype == ("bf16" if flags & {"avx512_bf16", "amx_bf16"} else "fp32")
     # a CPU without them: fp32 both
     monkeypatch.setattr(kernels, "cpu_flags", lambda: ["sse2", "avx2"])
-    monkeypatch.setenv("KVLM_NO_KERNELS", "1")
+    monkeypatch.setattr(kernels, "library", lambda: None)  # no compiled kernels
     plain = _resolve(LOW_BIT_FILE)
     assert (plain.weights, plain.activations, plain.prefill_dtype) == ("native", "fp32", "fp32")
     # float weights: nothing to round
@@ -161,3 +161,32 @@ def test_cli_exact_and_default(default_model_path):
         capture_output=True, text=True,
     )  # fmt: skip
     assert bad.returncode != 0 and "exact" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_rows_take_the_numerics_of_their_role_not_of_their_count(monkeypatch):
+    """A low-bit Linear: prompt rows (T > 1, or as the model says) take --prefill-dtype,
+    decoded rows --activations, whatever the number of rows in the call."""
+    from kvlm.model import quant
+    from kvlm.model.layers import Linear, feeding_prompt
+
+    torch.manual_seed(0)
+    lin = Linear.from_quant(quant.quantize(torch.randn(48, 64), "q8"))
+    lin.prefill_bf16, lin.act_int8 = True, True
+    seen = []
+    real = quant.QuantWeight.matmul
+    monkeypatch.setattr(
+        quant.QuantWeight,
+        "matmul",
+        lambda self, x, prefill_bf16=False, act_int8=False: (
+            seen.append((x.shape[0], prefill_bf16, act_int8))
+            or real(self, x, prefill_bf16, act_int8)
+        ),
+    )
+    lin(torch.randn(1, 5, 64))  # a prompt chunk of 5
+    lin(torch.randn(40, 1, 64))  # 40 decode rows
+    lin(torch.randn(1, 1, 64))  # one row: a decode step by shape ...
+    with feeding_prompt(True):
+        lin(torch.randn(1, 1, 64))  # ... or the last token of a prompt, as the model says
+    # (the 40 rows go to the int8 kernel 16 at a time: the calls after the first)
+    assert seen == [(5, True, False), (40, False, True), (16, False, True), (16, False, True),
+                    (8, False, True), (1, False, True), (1, True, False)]  # fmt: skip

@@ -71,7 +71,14 @@ def test_the_fused_batch_answers_as_generate_does(kv_dtype):
     """Low-bit weights: the decode batch is one fused C step over the paged pool. Each
     request's greedy tokens are the same alone, batched with 7 others, and through
     LLM.generate (the single-sequence fused step over a contiguous cache)."""
-    llm = LLM(progress=False, max_context=1024, weights="native", kv_dtype=kv_dtype)
+    llm = LLM(
+        progress=False,
+        max_context=1024,
+        weights="native",
+        kv_dtype=kv_dtype,
+        activations="fp32",
+        prefill_dtype="fp32",
+    )
     if llm.runner.fused_reason is not None:
         pytest.skip(llm.runner.fused_reason)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

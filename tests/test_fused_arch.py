@@ -73,14 +73,14 @@ def _weights(name: str) -> str:
 @functools.cache
 def _llm(folder: Path, weights: str, kv_dtype: str) -> LLM:
     return LLM(model=folder, progress=False, max_context=MAX_CONTEXT, weights=weights,
-               kv_dtype=kv_dtype)  # fmt: skip
+               kv_dtype=kv_dtype, activations="fp32", prefill_dtype="fp32")  # fmt: skip
 
 
 @functools.cache
 def _exact(folder: Path, weights: str) -> LLM:
     """The same weights in fp64 (the torch path): the exact result both are held to."""
     return LLM(model=folder, progress=False, max_context=MAX_CONTEXT, weights=weights,
-               dtype="fp64")  # fmt: skip
+               dtype="fp64", activations="fp32", prefill_dtype="fp32")  # fmt: skip
 
 
 def _load(arch_dir, name: str, kv_dtype: str = "fp32") -> tuple[LLM, Path, str]:
@@ -123,7 +123,14 @@ def test_every_family_takes_the_fused_step(arch_dir, name):
 
 def test_mlp_biases_stay_with_the_torch_step(tmp_path):
     folder = save_tiny_model(tmp_path / "m", "llama", seed=10, mlp_bias=True)
-    llm = LLM(model=folder, progress=False, max_context=64, weights="int8")
+    llm = LLM(
+        model=folder,
+        progress=False,
+        max_context=64,
+        weights="int8",
+        activations="fp32",
+        prefill_dtype="fp32",
+    )
     assert llm.runner.fused_reason.startswith("MLP biases")
 
 
@@ -332,7 +339,14 @@ def test_the_engine_batches_them_through_the_fused_step(arch_dir, name, monkeypa
     """The server's engine runs the decode rows of every request in one fused call, and each
     request gets the tokens it gets alone (the batch is invariant)."""
     folder, weights = arch_dir(name), _weights(name)
-    llm = LLM(model=folder, progress=False, max_context=MAX_CONTEXT, weights=weights)
+    llm = LLM(
+        model=folder,
+        progress=False,
+        max_context=MAX_CONTEXT,
+        weights=weights,
+        activations="fp32",
+        prefill_dtype="fp32",
+    )
     engine = Engine(llm, EngineConfig(num_blocks=64))
     assert llm.runner.fused_reason is None
     calls: list[int] = []
@@ -395,5 +409,5 @@ def test_the_portable_build_runs_them_alike(arch_dir, portable, name, kv_dtype, 
     if name == "mistral-window":
         monkeypatch.setattr(kernels, "library", lambda: portable)
         scalar = LLM(model=folder, progress=False, max_context=MAX_CONTEXT, weights=weights,
-                     kv_dtype=kv_dtype)  # fmt: skip
+                     kv_dtype=kv_dtype, activations="fp32", prefill_dtype="fp32")  # fmt: skip
         _rows_alone_and_together(scalar)

@@ -36,6 +36,7 @@ def _llm(tiny_model_dir, weights: str, kv_dtype: str, act: str = "fp32") -> LLM:
         weights=weights,
         kv_dtype=kv_dtype,
         activations=act,
+        prefill_dtype="fp32",
     )
 
 

@@ -8,9 +8,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from helpers import (
+    PACKERS,
     load_hf,
-    pack_q4_k,
-    pack_q6_k,
     permute_qk,
     ref_dequant_rows,
     save_tiny_model,
@@ -69,7 +68,7 @@ def test_f32_gguf_logits_match_hf(arch_name, tiny_model_dir, tmp_path):
     assert_as_exact_as(ours, ref, exact)  # as close to exact as HF's own fp32 logits
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1])
 def test_block_quant_types_decode_exactly(qtype, llama_dir, tmp_path):
     path = write_gguf_from_hf(llama_dir, tmp_path / "m.gguf", quant=qtype)
     weights = GGUFWeights(path)
@@ -87,10 +86,10 @@ def test_block_quant_types_decode_exactly(qtype, llama_dir, tmp_path):
     np.testing.assert_array_equal(got.float().numpy(), expected)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quants_decode_exactly(kind, wide_llama_dir, tmp_path):
     rng = np.random.default_rng(0)
-    packed = (pack_q4_k if kind == "Q4_K" else pack_q6_k)(512, 256, rng)
+    packed = PACKERS[kind](512, 256, rng)
     path = write_gguf_from_hf(
         wide_llama_dir,
         tmp_path / "m.gguf",

@@ -139,9 +139,11 @@ def test_int8_activation_products_round_x_per_group(kind, rows, width):
     # integer products (exact) scaled per group: x' @ W^T to fp32 summation order
     w = quant._dense_torch(q)
     assert_product_close(q.matmul(x, act_int8=True), xr @ w.t(), xr, w)
-    # prefill-sized products keep fp32 activations
-    many = torch.randn(20, width)
-    assert_product_close(q.matmul(many, act_int8=True), many @ w.t(), many, w)
+    # any number of rows: the caller decides (Linear: decode rows), 16 rows per call
+    many = torch.randn(40, width)
+    manyr = quant.round_activations(many)
+    assert_product_close(q.matmul(many, act_int8=True), manyr @ w.t(), manyr, w)
+    assert torch.equal(q.matmul(many, act_int8=True)[16:32], q.matmul(many[16:32], act_int8=True))
 
 
 def test_int8_activations_without_kernels_give_the_same_product(monkeypatch):
@@ -200,7 +202,7 @@ def _exact_llm(folder, weights):
 
     tiny = Path(folder).is_dir()
     return LLM(model=folder, progress=False, max_context=256 if tiny else 1024,
-               weights=weights, dtype="fp64")  # fmt: skip
+               weights=weights, dtype="fp64", activations="fp32", prefill_dtype="fp32")  # fmt: skip
 
 
 def _exact_steps(folder, weights, ids, steps) -> torch.Tensor:
@@ -221,7 +223,15 @@ def test_the_portable_build_runs_the_same_fused_step(
 
     portable = portable_kernels(tmp_path, monkeypatch)
     folder = tiny_model_dir("llama")
-    llm = LLM(model=folder, progress=False, max_context=64, weights="int4", kv_dtype=kv_dtype)
+    llm = LLM(
+        model=folder,
+        progress=False,
+        max_context=64,
+        weights="int4",
+        kv_dtype=kv_dtype,
+        activations="fp32",
+        prefill_dtype="fp32",
+    )
     ids = llm.encode("a b c d e")
     native, scalar = _fused_steps_per_library(llm, ids, kernels.library(), portable)
     exact = _exact_steps(folder, "int4", ids, STEP_TOKENS)
@@ -245,7 +255,15 @@ def test_the_int8_cache_attention_shapes_agree_with_the_portable_build(tmp_path,
             tmp_path / f"m{heads}", "llama", seed=7, num_attention_heads=heads,
             num_key_value_heads=kv_heads, hidden_size=hidden,
         )  # fmt: skip
-        llm = LLM(model=folder, progress=False, max_context=256, weights="int8", kv_dtype="int8")
+        llm = LLM(
+            model=folder,
+            progress=False,
+            max_context=256,
+            weights="int8",
+            kv_dtype="int8",
+            activations="fp32",
+            prefill_dtype="fp32",
+        )
         ids = llm.encode(" ".join(["a b c d e f g"] * 20))  # > 128 positions: chunks
         fast, scalar = _fused_steps_per_library(llm, ids, native, portable)
         exact = _exact_steps(folder, "int8", ids, STEP_TOKENS)
@@ -314,7 +332,14 @@ def test_weight_formats_agree_with_fp32_on_a_tiny_model(tiny_model_dir, fmt):
 
     folder = tiny_model_dir("llama")
     ref = LLM(model=folder, progress=False, max_context=128)
-    llm = LLM(model=folder, progress=False, max_context=128, weights=fmt)
+    llm = LLM(
+        model=folder,
+        progress=False,
+        max_context=128,
+        weights=fmt,
+        activations="fp32",
+        prefill_dtype="fp32",
+    )
     assert llm.describe()["weights"] == ("fp32" if fmt == "f32" else fmt)
     assert_generation_agrees(ref, llm, "The quick brown fox", 24)
 
@@ -325,7 +350,9 @@ def test_low_bit_formats_agree_with_fp32_on_the_real_model(default_llm, fmt):
     from helpers import assert_generation_agrees
     from kvlm import LLM
 
-    llm = LLM(progress=False, max_context=256, weights=fmt)
+    llm = LLM(
+        progress=False, max_context=256, weights=fmt, activations="fp32", prefill_dtype="fp32"
+    )
     assert_generation_agrees(default_llm, llm, REAL_PROMPT, 32)
 
 
@@ -333,7 +360,9 @@ def test_int8_activations_keep_greedy_agreement_on_the_real_model(default_llm):
     from helpers import assert_generation_agrees
     from kvlm import LLM
 
-    llm = LLM(progress=False, max_context=256, weights="native", activations="int8")
+    llm = LLM(
+        progress=False, max_context=256, weights="native", activations="int8", prefill_dtype="fp32"
+    )
     assert llm.describe()["activations"] == "int8"
     assert_generation_agrees(default_llm, llm, REAL_PROMPT, 32)
 
@@ -344,22 +373,24 @@ def test_bf16_prefill_rounds_the_dense_weight_as_torch_does():
     torch.testing.assert_close(
         q.dense(dtype=torch.bfloat16), quant._dense_torch(q).to(torch.bfloat16), atol=0, rtol=0
     )
-    x = torch.randn(40, 96)  # more than SMALL_M rows: the dense path
+    x = torch.randn(40, 96)
     xb, wb = x.bfloat16().float(), quant._dense_torch(q).bfloat16().float()
     ref = xb @ wb.t()
-    # bf16 inputs, fp32 accumulation, the result rounded to bf16 (2^-8 relative)
+    # bf16 inputs, fp32 accumulation, the result rounded to bf16 (2^-8 relative); at any
+    # number of rows (the caller, Linear, gives it the prompt's rows however chunked)
     bound = BF16_STEP * ref.abs() + product_bound(xb, wb).float()
-    assert ((q.matmul(x, prefill_bf16=True) - ref).abs() <= bound).all()
-    # decode-sized products are unaffected by the prefill setting
-    x1 = torch.randn(1, 96)
-    assert torch.equal(q.matmul(x1, prefill_bf16=True), q.matmul(x1))
+    for rows in (40, 3, 1):
+        got = q.matmul(x[:rows], prefill_bf16=True)
+        assert ((got - ref[:rows]).abs() <= bound[:rows]).all()
 
 
 def test_bf16_prefill_keeps_greedy_agreement_on_the_real_model(default_llm):
     from helpers import assert_generation_agrees
     from kvlm import LLM
 
-    llm = LLM(progress=False, max_context=256, weights="native", prefill_dtype="bf16")
+    llm = LLM(
+        progress=False, max_context=256, weights="native", prefill_dtype="bf16", activations="fp32"
+    )
     assert llm.describe()["prefill_dtype"] == "bf16"
     assert_generation_agrees(default_llm, llm, REAL_PROMPT, 32)
 
@@ -369,17 +400,17 @@ def test_weight_format_mistakes_are_clear():
     from kvlm.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="unknown weight format 'q3'"):
-        LLM(weights="q3", progress=False)
+        LLM(weights="q3", progress=False, activations="fp32", prefill_dtype="fp32")
     with pytest.raises(InvalidRequestError, match="needs --dtype fp32"):
-        LLM(weights="f32", dtype="bf16", progress=False)
+        LLM(weights="f32", dtype="bf16", progress=False, activations="fp32", prefill_dtype="fp32")
     with pytest.raises(InvalidRequestError, match="applies to --weights int8"):
-        LLM(prefill_dtype="bf16", progress=False)
+        LLM(prefill_dtype="bf16", weights="f32", progress=False)
     with pytest.raises(InvalidRequestError, match="unknown prefill dtype 'fp8'"):
-        LLM(weights="native", prefill_dtype="fp8", progress=False)
+        LLM(weights="native", prefill_dtype="fp8", progress=False, activations="fp32")
     with pytest.raises(InvalidRequestError, match="--activations int8 applies to --weights"):
-        LLM(activations="int8", progress=False)
+        LLM(activations="int8", weights="f32", progress=False)
     with pytest.raises(InvalidRequestError, match="unknown activations 'int4'"):
-        LLM(weights="native", activations="int4", progress=False)
+        LLM(weights="native", activations="int4", progress=False, prefill_dtype="fp32")
 
 
 def _fused_and_torch(llm, prompt_ids, steps):
@@ -453,7 +484,9 @@ def _assert_fused_tracks_torch(llm, folder, weights, prompt_ids, steps, factor=S
 def test_fused_decode_step_matches_the_torch_model_on_the_real_model(default_model_path):
     from kvlm import LLM
 
-    llm = LLM(progress=False, max_context=256, weights="native")
+    llm = LLM(
+        progress=False, max_context=256, weights="native", activations="fp32", prefill_dtype="fp32"
+    )
     ids = llm.encode("The history of the city of Paris begins")
     _assert_fused_tracks_torch(llm, default_model_path, "native", ids, 48)
 
@@ -464,7 +497,14 @@ def test_fused_decode_step_reads_and_writes_a_bf16_cache(default_model_path):
     storage takes them; where a value sits on a rounding boundary they differ by one ulp."""
     from kvlm import LLM
 
-    llm = LLM(progress=False, max_context=256, weights="native", kv_dtype="bf16")
+    llm = LLM(
+        progress=False,
+        max_context=256,
+        weights="native",
+        kv_dtype="bf16",
+        activations="fp32",
+        prefill_dtype="fp32",
+    )
     assert llm.new_cache("contiguous").store.values.dtype == torch.bfloat16
     ids = llm.encode("The history of the city of Paris begins")
     _assert_fused_tracks_torch(llm, default_model_path, "native", ids, 32)
@@ -481,7 +521,7 @@ def test_fused_decode_step_matches_the_torch_model_on_a_tiny_model(tiny_model_di
     weights, _, act = fmt.partition(":")
     folder = tiny_model_dir("llama")
     llm = LLM(model=folder, progress=False, max_context=64, weights=weights,
-              activations="int8" if act else "fp32")  # fmt: skip
+              activations="int8" if act else "fp32", prefill_dtype="fp32")  # fmt: skip
     _assert_fused_tracks_torch(llm, folder, weights, llm.encode("a b c d e"), 40)
 
 
@@ -491,7 +531,14 @@ def test_fused_step_is_not_used_where_it_does_not_apply(tiny_model_dir):
     fp32 = LLM(model=tiny_model_dir("llama"), progress=False, max_context=64)
     assert fp32.runner.fused_reason is not None  # fp32 weights: the torch model
     # biases, q/k norm and windows take the fused step now (tests/test_fused_arch.py)
-    q8 = LLM(model=tiny_model_dir("llama"), progress=False, max_context=64, weights="int8")
+    q8 = LLM(
+        model=tiny_model_dir("llama"),
+        progress=False,
+        max_context=64,
+        weights="int8",
+        activations="fp32",
+        prefill_dtype="fp32",
+    )
     if q8.runner.fused_reason is None:
         assert q8.runner.fused_for(q8.new_cache("window")) is None
         assert q8.runner.fused_for(q8.new_cache("basic")) is None
@@ -531,7 +578,14 @@ INT8_QUERIES = 2 * SAME_ROUNDING
 def test_fused_decode_step_reads_and_writes_an_int8_cache(default_model_path):
     from kvlm import LLM
 
-    llm = LLM(progress=False, max_context=256, weights="native", kv_dtype="int8")
+    llm = LLM(
+        progress=False,
+        max_context=256,
+        weights="native",
+        kv_dtype="int8",
+        activations="fp32",
+        prefill_dtype="fp32",
+    )
     assert llm.new_cache("contiguous").store.values.dtype == torch.int8
     ids = llm.encode("The history of the city of Paris begins")
     _assert_fused_tracks_torch(llm, default_model_path, "native", ids, 32, INT8_QUERIES)
@@ -575,7 +629,14 @@ def test_fused_attention_split_into_position_chunks_matches_the_torch_model(
     (the threads' work items, merged by log-sum-exp) and fetches rows ahead: same logits."""
     from kvlm import LLM
 
-    llm = LLM(progress=False, max_context=512, weights="native", kv_dtype=kv_dtype)
+    llm = LLM(
+        progress=False,
+        max_context=512,
+        weights="native",
+        kv_dtype=kv_dtype,
+        activations="fp32",
+        prefill_dtype="fp32",
+    )
     ids = llm.encode(" ".join(f"item {i}," for i in range(70)))  # ~280 tokens: 4 chunks
     assert len(ids) > 256
     factor = INT8_QUERIES if kv_dtype == "int8" else SAME_ROUNDING

@@ -267,7 +267,14 @@ def test_storage_dtypes_decode_past_the_wrap_in_constant_memory(tiny_model_dir):
 
 def test_the_fused_decode_step_never_takes_a_window_cache(tiny_model_dir):
     """The C decode step reads K rotated at write: window caches stay on the torch path."""
-    llm = LLM(model=tiny_model_dir("llama"), weights="int8", kv="window", progress=False)
+    llm = LLM(
+        model=tiny_model_dir("llama"),
+        weights="int8",
+        kv="window",
+        progress=False,
+        activations="fp32",
+        prefill_dtype="fp32",
+    )
     if llm.runner.fused_reason is not None:
         pytest.skip(f"no fused step here: {llm.runner.fused_reason}")
     assert llm.runner.fused_for(llm.new_cache("contiguous")) is not None

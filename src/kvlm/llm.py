@@ -144,11 +144,13 @@ class LLM:
         )
         for module in self.model.modules():
             if isinstance(module, Linear):
-                module.prefill_bf16 = prefill_dtype == "bf16"
-                # int8 activations in the blocks; the vocabulary projection keeps fp32 ones:
-                # its near-tied logits decide the token (on the default model, rounding its
-                # input too changed 7 of 8 test prompts' answers: docs/BENCHMARKS.md)
-                module.act_int8 = activations == "int8" and module is not self.model.lm_head
+                # bf16 prompt products and int8 activations in the blocks; the vocabulary
+                # projection keeps fp32 ones: its near-tied logits decide the token (on the
+                # default model, rounding its input too changed 7 of 8 test prompts'
+                # answers, and bf16 logits tie at 2^-8: docs/BENCHMARKS.md)
+                block = module is not self.model.lm_head
+                module.prefill_bf16 = prefill_dtype == "bf16" and block
+                module.act_int8 = activations == "int8" and block
         self.runner = ModelRunner(self.model)
 
     @property

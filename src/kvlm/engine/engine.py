@@ -210,7 +210,7 @@ class Engine:
                 continue
             fed = seq.token_ids[seq.num_computed : seq.num_computed + n]
             try:
-                logits = self._forward([seq], [fed])[0]
+                logits = self._forward([seq], [fed], prompt=True)[0]
             except Exception as exc:
                 events += self._fail(seq.request_id, exc)
                 continue
@@ -236,13 +236,16 @@ class Engine:
                 continue
             self._finish_forward(seq, 1, logits, events)
 
-    def _forward(self, seqs: list[Sequence], rows: list[list[int]]) -> torch.Tensor:
+    def _forward(
+        self, seqs: list[Sequence], rows: list[list[int]], prompt: bool = False
+    ) -> torch.Tensor:
         return self.runner.forward_table(
             self.pool,
             self.spec,
             rows,
             [s.table.blocks for s in seqs],
             [s.num_computed for s in seqs],
+            prompt=prompt,
         )
 
     def _finish_forward(

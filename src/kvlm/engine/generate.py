@@ -300,12 +300,12 @@ class Generation:
             chunk = len(pending)  # nothing is kept between forwards: chunks cannot help
         logits = None
         for start in range(0, len(pending), chunk):
-            logits = self._forward([pending[start : start + chunk]])
+            logits = self._forward([pending[start : start + chunk]], prompt=True)
         return logits
 
-    def _forward(self, rows: list[list[int]]) -> torch.Tensor:
+    def _forward(self, rows: list[list[int]], prompt: bool = False) -> torch.Tensor:
         t0 = time.perf_counter()
-        logits = self.runner.forward_rows(rows, self.cache)
+        logits = self.runner.forward_rows(rows, self.cache, prompt=prompt)
         if logits.is_cuda:  # kernels run asynchronously: time their work, not their launch
             torch.cuda.synchronize(logits.device)
         self.output.metrics.record_forward(time.perf_counter() - t0)

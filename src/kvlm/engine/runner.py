@@ -29,26 +29,37 @@ class ModelRunner:
             decoder = self._fused[slots] = fused.FusedDecoder(self.model, slots)
         return decoder
 
+    def _decodes_alike(self, prompt: bool | None) -> bool:
+        """Whether one prompt token may take the fused (decode) step: only when prompt
+        and decode rows have the same numerics (no bf16 prompt products, no int8
+        activations)."""
+        lin = self.model.layers[0].attn.qkv
+        return not prompt or not (lin.prefill_bf16 or lin.act_int8)
+
     def fused_for(self, cache: KVCache) -> fused.FusedDecoder | None:
         """The fused decode step for this cache, when it applies."""
         decoder = self._decoder(cache.spec.max_tokens)
         return decoder if decoder is not None and decoder.accepts(cache) else None
 
     @torch.inference_mode()
-    def forward_rows(self, rows: Sequence[Sequence[int]], cache: KVCache) -> torch.Tensor:
+    def forward_rows(
+        self, rows: Sequence[Sequence[int]], cache: KVCache, prompt: bool | None = None
+    ) -> torch.Tensor:
         """Run each row's tokens after what `cache` holds for that row (one row per cached
-        sequence, all the same length); return each row's last logits, (B, V).
+        sequence, all the same length); return each row's last logits, (B, V). `prompt`:
+        the tokens are a prompt's (a one-token chunk of a prompt too: it takes the prompt's
+        numerics, kvlm.model.layers.feeding_prompt); None: more than one token per row.
 
         The cache commits the tokens only if the whole forward succeeded.
         """
         if len(rows) != cache.batch or len({len(r) for r in rows}) != 1:
             raise ValueError(f"need {cache.batch} rows of one length, got {[len(r) for r in rows]}")
-        if len(rows[0]) == 1 and (decoder := self.fused_for(cache)):
+        if len(rows[0]) == 1 and self._decodes_alike(prompt) and (decoder := self.fused_for(cache)):
             return decoder.step([r[0] for r in rows], cache)
         step = cache.begin(len(rows[0]))  # raises on overflow before any write
         ids = torch.tensor(rows, dtype=torch.long, device=self.device)
         with self.model.step_context(ids.numel()):
-            logits = self.model(ids, step.positions, step)
+            logits = self.model(ids, step.positions, step, prompt=prompt)
         cache.commit(step)
         return logits[:, -1]
 
@@ -60,13 +71,14 @@ class ModelRunner:
         rows: Sequence[Sequence[int]],
         tables: Sequence[list[int]],
         starts: Sequence[int],
+        prompt: bool | None = None,
     ) -> torch.Tensor:
         """Sequences of different lengths in one pool (the scheduler's batch): row b feeds
         its tokens at positions starts[b].. through block table tables[b]. Every row has the
         same number of tokens. Returns each row's last logits, (B, V).
 
         One token per row (the decode batch) is one call of the fused step when it applies."""
-        if len(rows[0]) == 1 and len(rows) <= fused.MAX_ROWS:
+        if len(rows[0]) == 1 and len(rows) <= fused.MAX_ROWS and self._decodes_alike(prompt):
             decoder = self._decoder(spec.max_tokens)
             if decoder is not None and decoder.reads(pool.store):
                 tokens = [r[0] for r in rows]
@@ -74,7 +86,7 @@ class ModelRunner:
         step = TableStep(pool, spec, list(tables), list(starts), len(rows[0]))
         ids = torch.tensor(rows, dtype=torch.long, device=self.device)
         with self.model.step_context(ids.numel()):
-            logits = self.model(ids, step.positions, step)
+            logits = self.model(ids, step.positions, step, prompt=prompt)
         return logits[:, -1]
 
     def forward(self, token_ids: Sequence[int], cache: KVCache) -> torch.Tensor:

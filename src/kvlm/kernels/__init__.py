@@ -43,7 +43,7 @@ from pathlib import Path
 import torch  # loaded first, so the kernels share torch's OpenMP runtime
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-ABI = 7
+ABI = 8
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 120
 WORK_PREFIX, WORK_SUFFIX = ".qgemm-", ".tmp"  # a build's private directory in the cache
@@ -329,11 +329,11 @@ def _build(cc: str, flags: tuple[str, ...] = FLAGS) -> Path:
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i = ctypes.c_void_p, ctypes.c_int64
-    for fn in (lib.kvlm_qgemm, lib.kvlm_qgemm_i8):  # kind, x, M, K, w, N, y
-        fn.argtypes = [i, p, i, i, p, i, p]
+    for fn in (lib.kvlm_qgemm, lib.kvlm_qgemm_i8):  # kind, x, M, K, w, N, y, ldy
+        fn.argtypes = [i, p, i, i, p, i, p, i]
         fn.restype = ctypes.c_int
     lib.kvlm_qdequant.argtypes = [i, i, i, p, i, p]  # kind, bf16, K, w, N, out
-    lib.kvlm_qdequant.restype = None
+    lib.kvlm_qdequant.restype = ctypes.c_int
     return lib
 
 

@@ -1,28 +1,50 @@
 /* Low-bit weight products for kvlm: y[M, N] = x[M, K] . dequant(W)[N, K]^T, x and y fp32.
  *
- * Weights come in groups of 32 along K, llama.cpp's block size, with fp16 scales:
- *   q8: int8 codes q, one scale s per group: w = s * q                 (GGUF Q8_0)
- *   q4: 4-bit codes q, (d, m) per group:     w = d * q + m             (Q4_1; Q4_0: m = -8d)
- * stored row-interleaved (kvlm.model.quant packs them): blocks of 16 rows, one row per
+ * Weights come in groups of 32 along K, llama.cpp's block size, with fp16 parameters:
+ *   q8:   int8 codes q, scale s per group:      w = s * q                 (GGUF Q8_0)
+ *   q4:   4-bit codes, (d, m) per group:        w = d * q + m             (Q4_1; Q4_0: m = -8d)
+ *   q5_0: 5-bit codes, d per group:             w = d * (q - 16)          (Q5_0)
+ *   q5_1: 5-bit codes, (d, m) per group:        w = d * q + m             (Q5_1)
+ * or in llama.cpp's K-quant super-blocks of 256 (8 groups of 32):
+ *   q4_k: 4-bit codes, (d, dmin) per 256, 6-bit (sc, mn) per 32: w = (d sc) q - dmin mn (Q4_K)
+ *   q5_k: the same with 5-bit codes                                                     (Q5_K)
+ *   q6_k: 6-bit codes, d per 256, int8 sc per 16:                w = (d sc) (q - 32)    (Q6_K)
+ * each product of parameters in fp32 as ggml and gguf-py compute it (d sc and dmin mn are
+ * exact), so a dequantized weight is gguf-py's, bit for bit.
+ *
+ * Stored row-interleaved (kvlm.model.quant packs them): blocks of 16 rows, one row per
  * vector lane, so one 64-byte load holds 4 consecutive bytes of 16 rows and a product
  * accumulates 16 outputs in one register (no horizontal sums, no per-row overhead; the
  * layout of llama.cpp's repacked Q4_0x8 / ARM kernels). Block b (rows 16b .. 16b + 15,
- * zero rows past N) is `groups` = K / 32 records in a row, one stream to read, each:
- *   codes [CB]    CB = 512 (q8) or 256 (q4) bytes = CB / 64 vectors; lane i of vector v =
- *                 bytes 4v .. 4v + 3 of row i's group, where a q8 group is its 32 codes and
- *                 a q4 group its 16 bytes of nibbles (byte j: element j in the low nibble,
- *                 j + 16 in the high one)
- *   scale [16]    fp16: s (q8) or d (q4) of each row
- *   zero  [16]    fp16: m (q4 only)
+ * zero rows past N) is a row of records, one stream to read:
+ *   q8, q4, q5_0, q5_1: K / 32 records, one group each:
+ *       codes [CB], scale [16] fp16 (s or d of each row), then q4 and q5_1: zero [16] fp16 (m)
+ *   q4_k, q5_k: K / 256 records, each a header then the 8 groups' codes [CB]:
+ *       header: the rows' 12 bytes of 6-bit scales and mins, ggml's own packing, as three
+ *       vectors (lane i of the first = row i's bytes 0-3, the second's 4-7, the third's
+ *       8-11), then d [16], dmin [16] fp16
+ *   q6_k: K / 256 records: header d [16] fp16, sc [16 sub-blocks of 16][16 rows] int8, then
+ *       the 8 groups' codes [CB]
+ * codes [CB] of one group, 16 rows:
+ *   q8: 512 bytes = 8 vectors, lane i of vector v = codes 4v .. 4v + 3 of row i
+ *   the others: 256 bytes of nibbles = 4 vectors, lane i of vector v = bytes 4v .. 4v + 3 of
+ *       row i's 16, byte j holding element j (low nibble) and j + 16 (high); then
+ *       5-bit kinds: one vector of fifth bits, lane i = row i's 32: byte j, bit 2v + h =
+ *           that of element 16h + 4v + j;
+ *       q6_k: two vectors of bits 4-5: byte j, bits 2v and 2v + 1 = those of element
+ *           4v + j (the first) or 16 + 4v + j (the second),
+ *       so a shift and a mask put vector v's high bits beside its nibbles.
+ * Bytes per weight: q8 1.0625, q4 0.625, q5_0 0.6875, q5_1 0.75, q4_k 0.5625, q5_k 0.6875,
+ * q6_k 0.8203125: the GGUF file's own sizes (Q4_0 is stored as q4: 0.625 for its 0.5625).
  *
  * Decode reads every weight once per token, so the loop runs over blocks, split across
  * OpenMP threads (torch's own runtime: torch is loaded first and ships the same
  * libgomp.so.1), each block used for up to 4 rows of x per pass. fp32 activations
  * (default): codes are widened to fp32 in registers, each group's sum of q * x scaled
- * once (q4: plus m * sum(x)): the dequantized weight's product up to rounding order.
- * Opt-in int8 activations (llama.cpp's numerics) take integer dot products (VNNI).
- * Many rows (prefill) dequantize once (kvlm_qdequant: exactly the loader's numbers) and
- * call a real GEMM.
+ * once (per 16 for q6_k; zero terms: plus m * sum(x)): the dequantized weight's product up
+ * to rounding order. Opt-in int8 activations (llama.cpp's numerics) take integer dot
+ * products (VNNI). Many rows (prefill) dequantize once (kvlm_qdequant: exactly the
+ * loader's numbers) and call a real GEMM.
  */
 #include <math.h>
 #include <stdint.h>
@@ -37,7 +59,12 @@
 #define MT 4          /* rows of x per pass over a block */
 #define SMALL_ROWS 16 /* the most rows the small products take (quant.SMALL_M) */
 
-enum { Q8 = 8, Q4 = 4 };
+enum { Q8 = 8, Q4 = 4, Q50 = 50, Q51 = 51, Q4K = 104, Q5K = 105, Q6K = 106 };
+
+static inline int known_kind(int64_t kind) {
+    return kind == Q8 || kind == Q4 || kind == Q50 || kind == Q51 || kind == Q4K ||
+           kind == Q5K || kind == Q6K;
+}
 
 /* fp32 -> bf16 as torch rounds it (nearest even; NaN stays a quiet NaN) */
 static inline uint16_t to_bf16(float f) {
@@ -70,7 +97,7 @@ static inline float from_f16(uint16_t h) {
     return f;
 }
 
-int kvlm_kernel_abi(void) { return 7; }
+int kvlm_kernel_abi(void) { return 8; }
 
 int kvlm_kernel_simd(void) {
 #ifdef __AVX512F__
@@ -91,25 +118,62 @@ int kvlm_kernel_vnni(void) {
 
 /* ---- the packed layout ---- */
 
-static inline int64_t code_bytes(int kind) { return kind == Q8 ? 16 * G : 8 * G; }
+static inline int is_k(int kind) { return kind == Q4K || kind == Q5K || kind == Q6K; }
 
-/* bytes of one group's record: codes, then 16 fp16 scales (and 16 zeros for q4) */
-static inline int64_t rec_bytes(int kind) { return code_bytes(kind) + (kind == Q8 ? 2 : 4) * BR; }
+/* bits of a code above its nibble: 1 (5-bit kinds), 2 (q6_k), 0 */
+static inline int high_bits(int kind) {
+    return kind == Q6K ? 2 : (kind == Q50 || kind == Q51 || kind == Q5K) ? 1 : 0;
+}
+
+/* w = s (q - code_offset) + z: the kinds with a z term (q4_k, q5_k: z = -dmin mn) */
+static inline int has_zero(int kind) {
+    return kind == Q4 || kind == Q51 || kind == Q4K || kind == Q5K;
+}
+
+static inline int code_offset(int kind) { return kind == Q50 ? 16 : kind == Q6K ? 32 : 0; }
+
+/* groups per record */
+static inline int64_t rec_groups(int kind) { return is_k(kind) ? 8 : 1; }
+
+/* bytes of one group's codes (16 rows): nibbles or int8, then high bits */
+static inline int64_t code_bytes(int kind) {
+    return kind == Q8 ? 16 * G : 8 * G + 64 * high_bits(kind);
+}
+
+/* fp16 parameters after each group's codes (the per-group kinds) */
+static inline int64_t param_bytes(int kind) {
+    return is_k(kind) ? 0 : (has_zero(kind) ? 4 : 2) * BR;
+}
+
+/* a K-quant record's header */
+static inline int64_t head_bytes(int kind) {
+    return kind == Q6K ? 18 * BR : is_k(kind) ? 16 * BR : 0;
+}
+
+static inline int64_t rec_bytes(int kind) {
+    return head_bytes(kind) + rec_groups(kind) * (code_bytes(kind) + param_bytes(kind));
+}
 
 typedef struct {
     const uint8_t *p; /* the block's first record */
 } kvlm_block;
 
 static inline kvlm_block block_at(int kind, const uint8_t *w, int64_t groups, int64_t b) {
-    kvlm_block r = {w + b * groups * rec_bytes(kind)};
+    kvlm_block r = {w + b * (groups / rec_groups(kind)) * rec_bytes(kind)};
     return r;
 }
 
-static inline const uint8_t *codes_of(int kind, kvlm_block B, int64_t g) {
-    return B.p + g * rec_bytes(kind);
+/* the record holding group g (its header, for the K-quants) */
+static inline const uint8_t *head_of(int kind, kvlm_block B, int64_t g) {
+    return B.p + g / rec_groups(kind) * rec_bytes(kind);
 }
 
-/* the 16 rows' fp16 scales of group g (zeros: the 16 after them) */
+static inline const uint8_t *codes_of(int kind, kvlm_block B, int64_t g) {
+    return head_of(kind, B, g) + head_bytes(kind) +
+           g % rec_groups(kind) * (code_bytes(kind) + param_bytes(kind));
+}
+
+/* the 16 rows' fp16 scales of group g (zeros: the 16 after them); per-group kinds */
 static inline const uint16_t *scales_of(int kind, kvlm_block B, int64_t g) {
     return (const uint16_t *)(codes_of(kind, B, g) + code_bytes(kind));
 }
@@ -120,26 +184,84 @@ static inline int32_t load32(const uint8_t *p) {
     return v;
 }
 
-/* Row i's group g in its natural byte order (32 codes, or 16 bytes of nibbles) */
-static inline void row_group(int kind, kvlm_block B, int64_t g, int i, uint8_t *out) {
+/* Row i's group g as its 32 codes in element order: q8's int8 bytes, else 0 .. 2^bits - 1 */
+static inline void row_codes(int kind, kvlm_block B, int64_t g, int i, uint8_t *q) {
     const uint8_t *c = codes_of(kind, B, g);
-    for (int v = 0; v < (kind == Q8 ? 8 : 4); v++) memcpy(out + 4 * v, c + v * 64 + i * 4, 4);
+    if (kind == Q8) {
+        for (int v = 0; v < 8; v++) memcpy(q + 4 * v, c + v * 64 + i * 4, 4);
+        return;
+    }
+    const uint8_t *hb = c + 8 * G + 4 * i; /* lane i of the high-bit vector(s) */
+    for (int v = 0; v < 4; v++)
+        for (int j = 0; j < 4; j++) {
+            const uint8_t byte = c[64 * v + 4 * i + j];
+            uint8_t lo = byte & 0x0F, hi = byte >> 4;
+            if (high_bits(kind) == 1) {
+                lo |= (uint8_t)(((hb[j] >> (2 * v)) & 1) << 4);
+                hi |= (uint8_t)(((hb[j] >> (2 * v + 1)) & 1) << 4);
+            } else if (high_bits(kind) == 2) {
+                lo |= (uint8_t)(((hb[j] >> (2 * v)) & 3) << 4);
+                hi |= (uint8_t)(((hb[64 + j] >> (2 * v)) & 3) << 4);
+            }
+            q[4 * v + j] = lo;
+            q[16 + 4 * v + j] = hi;
+        }
+}
+
+/* the 6-bit scale and min of sub-block s from a row's 12 packed bytes (ggml's
+ * get_scale_min_k4) */
+static inline void scale_min_k4(const uint8_t *q, int s, int *sc, int *mn) {
+    if (s < 4) {
+        *sc = q[s] & 63;
+        *mn = q[s + 4] & 63;
+    } else {
+        *sc = (q[s + 4] & 0x0F) | ((q[s - 4] >> 6) << 4);
+        *mn = (q[s + 4] >> 4) | ((q[s] >> 6) << 4);
+    }
+}
+
+/* Row i's parameters of group g: w_j = s[j / 16] (q_j - code_offset) + z, in fp32 as ggml
+ * computes them (q6_k: d sc per 16; q4_k, q5_k: d sc, and z = -(dmin mn), exact) */
+static inline void row_params(int kind, kvlm_block B, int64_t g, int i, float *s, float *z) {
+    if (!is_k(kind)) {
+        const uint16_t *p = scales_of(kind, B, g);
+        s[0] = s[1] = from_f16(p[i]);
+        *z = has_zero(kind) ? from_f16(p[BR + i]) : 0.f;
+        return;
+    }
+    const uint8_t *h = head_of(kind, B, g);
+    const int sub = (int)(g % 8);
+    if (kind == Q6K) {
+        const float d = from_f16(((const uint16_t *)h)[i]);
+        const int8_t *sc = (const int8_t *)(h + 2 * BR);
+        s[0] = d * (float)sc[2 * sub * BR + i];
+        s[1] = d * (float)sc[(2 * sub + 1) * BR + i];
+        *z = 0.f;
+        return;
+    }
+    uint8_t q12[12];
+    for (int w = 0; w < 3; w++) memcpy(q12 + 4 * w, h + 64 * w + 4 * i, 4);
+    int sc, mn;
+    scale_min_k4(q12, sub, &sc, &mn);
+    const uint16_t *dd = (const uint16_t *)(h + 12 * BR);
+    s[0] = s[1] = from_f16(dd[i]) * (float)sc;
+    *z = -(from_f16(dd[BR + i]) * (float)mn);
 }
 
 /* Row i's group g as 32 floats, exactly as the float loader computes them: s * q, or
- * d * q + m rounded twice (the build's ISO C mode keeps mul and add unfused). */
+ * s * q + z, or s * (q - offset), rounded as written (the build's ISO C mode keeps mul and
+ * add unfused; x + (-y) is x - y). */
 static inline void group_scalar(int kind, kvlm_block B, int64_t g, int i, float *w) {
     uint8_t q[G];
-    row_group(kind, B, g, i, q);
-    float s = from_f16(scales_of(kind, B, g)[i]);
+    float s[2], z;
+    row_codes(kind, B, g, i, q);
+    row_params(kind, B, g, i, s, &z);
     if (kind == Q8) {
-        for (int j = 0; j < G; j++) w[j] = s * (float)(int8_t)q[j];
+        for (int j = 0; j < G; j++) w[j] = s[0] * (float)(int8_t)q[j];
+    } else if (has_zero(kind)) {
+        for (int j = 0; j < G; j++) w[j] = s[j / 16] * (float)q[j] + z;
     } else {
-        float m = from_f16(scales_of(kind, B, g)[BR + i]);
-        for (int j = 0; j < G / 2; j++) {
-            w[j] = s * (float)(q[j] & 0x0F) + m;
-            w[j + G / 2] = s * (float)(q[j] >> 4) + m;
-        }
+        for (int j = 0; j < G; j++) w[j] = s[j / 16] * (float)(q[j] - code_offset(kind));
     }
 }
 
@@ -157,11 +279,105 @@ static char *act_scratch(size_t bytes) {
     return act_buf;
 }
 
+#ifdef __AVX512F__
+/* x shifted left by s bits in each 32-bit lane (right by -s); s a literal once inlined */
+static inline __attribute__((always_inline)) __m512i shift_lanes(__m512i x, int s) {
+    return s > 0 ? _mm512_slli_epi32(x, (unsigned)s) : s < 0 ? _mm512_srli_epi32(x, (unsigned)-s) : x;
+}
+
+/* Vector v of a group's codes (c: its first byte) as bytes: lo = elements 4v .. 4v + 3 of
+ * each row, hi = elements 16 + 4v ..; unsigned (0 .. 2^bits - 1). hb0, hb1: the group's
+ * high-bit vectors (loaded once per group). */
+static inline __attribute__((always_inline)) void
+code_vectors(int kind, const uint8_t *c, int v, __m512i hb0, __m512i hb1, __m512i *lo,
+             __m512i *hi) {
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    const __m512i raw = _mm512_loadu_si512(c + 64 * v);
+    *lo = _mm512_and_si512(raw, nib);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+    if (high_bits(kind) == 1) { /* bit 2v (+1) of each byte to bit 4: a | (b & c) */
+        const __m512i bit = _mm512_set1_epi8(0x10);
+        *lo = _mm512_ternarylogic_epi32(*lo, shift_lanes(hb0, 4 - 2 * v), bit, 0xF8);
+        *hi = _mm512_ternarylogic_epi32(*hi, shift_lanes(hb0, 3 - 2 * v), bit, 0xF8);
+    } else if (high_bits(kind) == 2) { /* bits 2v, 2v + 1 to bits 4, 5 */
+        const __m512i bits = _mm512_set1_epi8(0x30);
+        *lo = _mm512_ternarylogic_epi32(*lo, shift_lanes(hb0, 4 - 2 * v), bits, 0xF8);
+        *hi = _mm512_ternarylogic_epi32(*hi, shift_lanes(hb1, 4 - 2 * v), bits, 0xF8);
+    }
+}
+
+static inline __m512 load_f16x16(const void *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* -x, exactly (the sign flipped) */
+static inline __m512 negate(__m512 x) {
+    return _mm512_castsi512_ps(
+        _mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
+}
+
+/* The 16 rows' parameters of group g (row_params, a row per lane): s0 for elements 0..15,
+ * s1 for 16..31 (different for q6_k only), z (zero where the kind has none) */
+static inline __attribute__((always_inline)) void
+group_params(int kind, kvlm_block B, int64_t g, __m512 *s0, __m512 *s1, __m512 *z) {
+    if (!is_k(kind)) {
+        const uint16_t *p = scales_of(kind, B, g);
+        *s0 = *s1 = load_f16x16(p);
+        *z = has_zero(kind) ? load_f16x16(p + BR) : _mm512_setzero_ps();
+        return;
+    }
+    const uint8_t *h = head_of(kind, B, g);
+    const int sub = (int)(g % 8);
+    if (kind == Q6K) {
+        const __m512 d = load_f16x16(h);
+        const int8_t *sc = (const int8_t *)(h + 2 * BR) + 2 * sub * BR;
+        *s0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                   _mm_loadu_si128((const __m128i *)sc))));
+        *s1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                   _mm_loadu_si128((const __m128i *)(sc + BR)))));
+        *z = _mm512_setzero_ps();
+        return;
+    }
+    const __m512i cnt = _mm512_set1_epi32(8 * (sub & 3)), six = _mm512_set1_epi32(63);
+    const __m512i w0 = _mm512_srlv_epi32(_mm512_loadu_si512(h), cnt);
+    const __m512i w1 = _mm512_srlv_epi32(_mm512_loadu_si512(h + 64), cnt);
+    __m512i sc, mn;
+    if (sub < 4) {
+        sc = _mm512_and_si512(w0, six);
+        mn = _mm512_and_si512(w1, six);
+    } else {
+        const __m512i w2 = _mm512_srlv_epi32(_mm512_loadu_si512(h + 128), cnt);
+        const __m512i low4 = _mm512_set1_epi32(0x0F), top2 = _mm512_set1_epi32(0x30);
+        sc = _mm512_or_si512(_mm512_and_si512(w2, low4),
+                             _mm512_and_si512(_mm512_srli_epi32(w0, 2), top2));
+        mn = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, 4), low4),
+                             _mm512_and_si512(_mm512_srli_epi32(w1, 2), top2));
+    }
+    const uint16_t *dd = (const uint16_t *)(h + 12 * BR);
+    *s0 = *s1 = _mm512_mul_ps(load_f16x16(dd), _mm512_cvtepi32_ps(sc));
+    *z = negate(_mm512_mul_ps(load_f16x16(dd + BR), _mm512_cvtepi32_ps(mn)));
+}
+#endif
+
+/* Each group's bytes PREFETCH_AHEAD further on in the block's stream, fetched into L1 as
+ * the group is read. The hardware prefetcher alone fell behind on records that are read
+ * out of order (a K-quant group's codes, then its super-block's header; a 5-bit group's
+ * high bits before its nibbles): one thread streaming 2048 x 8192 weights from DRAM took
+ * q5_k 1290 -> 380 us (fp32 x), q4_k 440 -> 160 us (int8 x), and q4 / q8 gained too
+ * (400 -> 300, 505 -> 360 us fp32). 8 KiB ahead gave most of it, 16 KiB a little more. */
+#define PREFETCH_AHEAD 16384
+static inline __attribute__((always_inline)) void prefetch_ahead(int kind, kvlm_block B,
+                                                                 int64_t g) {
+    const int64_t step = rec_bytes(kind) / rec_groups(kind); /* bytes per group, on average */
+    const char *p = (const char *)B.p + g * step + PREFETCH_AHEAD;
+    for (int64_t k = 0; k < step; k += 64) __builtin_prefetch(p + k, 0, 3);
+}
+
 /* ---- fp32 activations ---- */
 
 #ifdef __AVX512F__
 /* vpshufb masks: byte j of each 32-bit lane moved to the lane's top byte, the rest zero,
- * so the lane reads q * 2^24 (signed for q8 codes; 0..15 * 2^24 for nibbles). */
+ * so the lane reads q * 2^24 (signed for q8 codes and offset codes; 0..63 * 2^24 else). */
 static inline __m512i top_byte_mask(int j) {
     const __m512i base = _mm512_set_epi32(0x0C808080, 0x08808080, 0x04808080, 0x00808080,
                                           0x0C808080, 0x08808080, 0x04808080, 0x00808080,
@@ -170,41 +386,28 @@ static inline __m512i top_byte_mask(int j) {
     return _mm512_add_epi32(base, _mm512_set1_epi32(j << 24));
 }
 
-/* y[m0 + t, 16b ..] for t < R (R a literal): block b against R rows of x (row stride K).
- * xs: per row and group, the sum of x (q4's m term). */
+/* y[m0 + t, 16b ..] (row stride ldy) for t < R (R a literal): block b against R rows of x
+ * (row stride K). xs: per row and group, the sum of x (the z terms). */
 static inline __attribute__((always_inline)) void
 block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *x, int64_t K,
-              const float *xs, float *y, int64_t N, int64_t n0, int64_t m0) {
+              const float *xs, float *y, int64_t ldy, int64_t N, int64_t n0, int64_t m0) {
     __m512 acc[MT];
     for (int t = 0; t < R; t++) acc[t] = _mm512_setzero_ps();
     __m512i sel[4];
     for (int j = 0; j < 4; j++) sel[j] = top_byte_mask(j);
-    const __m512i nib = _mm512_set1_epi8(0x0F);
     /* Two independent sums per row of x (fma latency), whatever R: a row's sums must not
      * depend on how many rows share the pass, or a sequence's tokens would change with the
-     * server's batch. (Four for R <= 2 measured no faster: 41.8 vs 42.0 us at M = 1.) */
+     * server's batch. (Four for R <= 2 measured no faster: 41.8 vs 42.0 us at M = 1.)
+     * q6_k keeps its halves apart (a scale per 16). */
     const int C = 2;
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *c = codes_of(kind, B, g);
         const float *xg = x + m0 * K + g * G;
+        prefetch_ahead(kind, B, g);
         __m512 part[MT][4];
         for (int t = 0; t < R; t++)
             for (int k = 0; k < C; k++) part[t][k] = _mm512_setzero_ps();
-        if (kind == Q4) {
-            for (int v = 0; v < 4; v++) {
-                __m512i raw = _mm512_loadu_si512(c + 64 * v);
-                __m512i half[2] = {_mm512_and_si512(raw, nib),
-                                   _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib)};
-                for (int h = 0; h < 2; h++)
-                    for (int j = 0; j < 4; j++) {
-                        __m512 w = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(half[h], sel[j]));
-                        int k = (2 * j + h) & (C - 1), e = 16 * h + 4 * v + j;
-                        for (int t = 0; t < R; t++)
-                            part[t][k] = _mm512_fmadd_ps(w, _mm512_set1_ps(xg[t * K + e]),
-                                                         part[t][k]);
-                    }
-            }
-        } else {
+        if (kind == Q8) {
             for (int v = 0; v < 8; v++) {
                 __m512i raw = _mm512_loadu_si512(c + 64 * v);
                 for (int j = 0; j < 4; j++) {
@@ -215,28 +418,49 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
                                                      part[t][k]);
                 }
             }
+        } else {
+            const __m512i hb0 = high_bits(kind) ? _mm512_loadu_si512(c + 8 * G) : _mm512_setzero_si512();
+            const __m512i hb1 = high_bits(kind) == 2 ? _mm512_loadu_si512(c + 8 * G + 64) : hb0;
+            for (int v = 0; v < 4; v++) {
+                __m512i half[2];
+                code_vectors(kind, c, v, hb0, hb1, &half[0], &half[1]);
+                for (int h = 0; h < 2 && code_offset(kind); h++) /* signed: q - offset */
+                    half[h] = _mm512_sub_epi8(half[h], _mm512_set1_epi8((char)code_offset(kind)));
+                for (int h = 0; h < 2; h++)
+                    for (int j = 0; j < 4; j++) {
+                        __m512 w = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(half[h], sel[j]));
+                        int k = kind == Q6K ? h : (2 * j + h) & (C - 1), e = 16 * h + 4 * v + j;
+                        for (int t = 0; t < R; t++)
+                            part[t][k] = _mm512_fmadd_ps(w, _mm512_set1_ps(xg[t * K + e]),
+                                                         part[t][k]);
+                    }
+            }
         }
-        __m512 s = _mm512_mul_ps(
-            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales_of(kind, B, g))),
-            _mm512_set1_ps(5.9604644775390625e-8f)); /* 2^-24: the codes came in scaled */
-        __m512 zm = kind == Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(
-                                     (const __m256i *)(scales_of(kind, B, g) + BR)))
-                               : _mm512_setzero_ps();
+        __m512 s0, s1, z;
+        group_params(kind, B, g, &s0, &s1, &z);
+        const __m512 unit = _mm512_set1_ps(5.9604644775390625e-8f); /* 2^-24: codes came scaled */
+        s0 = _mm512_mul_ps(s0, unit);
+        s1 = _mm512_mul_ps(s1, unit);
         for (int t = 0; t < R; t++) {
-            __m512 p = part[t][0];
-            for (int k = 1; k < C; k++) p = _mm512_add_ps(p, part[t][k]);
-            acc[t] = _mm512_fmadd_ps(p, s, acc[t]);
-            if (kind == Q4)
-                acc[t] = _mm512_fmadd_ps(zm, _mm512_set1_ps(xs[(m0 + t) * groups + g]), acc[t]);
+            if (kind == Q6K) {
+                acc[t] = _mm512_fmadd_ps(part[t][0], s0, acc[t]);
+                acc[t] = _mm512_fmadd_ps(part[t][1], s1, acc[t]);
+            } else {
+                __m512 p = part[t][0];
+                for (int k = 1; k < C; k++) p = _mm512_add_ps(p, part[t][k]);
+                acc[t] = _mm512_fmadd_ps(p, s0, acc[t]);
+            }
+            if (has_zero(kind))
+                acc[t] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[(m0 + t) * groups + g]), acc[t]);
         }
     }
     __mmask16 keep = N - n0 >= BR ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
-    for (int t = 0; t < R; t++) _mm512_mask_storeu_ps(y + (m0 + t) * N + n0, keep, acc[t]);
+    for (int t = 0; t < R; t++) _mm512_mask_storeu_ps(y + (m0 + t) * ldy + n0, keep, acc[t]);
 }
 #else
 static inline __attribute__((always_inline)) void
 block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *x, int64_t K,
-              const float *xs, float *y, int64_t N, int64_t n0, int64_t m0) {
+              const float *xs, float *y, int64_t ldy, int64_t N, int64_t n0, int64_t m0) {
     (void)xs;
     for (int i = 0; i < BR && n0 + i < N; i++) {
         float acc[MT] = {0}, w[G];
@@ -249,7 +473,7 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
                 acc[t] += s;
             }
         }
-        for (int t = 0; t < R; t++) y[(m0 + t) * N + n0 + i] = acc[t];
+        for (int t = 0; t < R; t++) y[(m0 + t) * ldy + n0 + i] = acc[t];
     }
 }
 #endif
@@ -272,22 +496,27 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
 
 #define FOR_KIND_BLOCKS(kind, M, N, BODY)                                                    \
     do {                                                                                     \
-        if ((kind) == Q8) {                                                                  \
-            FOR_BLOCKS(M, N, Q8, BODY)                                                       \
-        } else {                                                                             \
-            FOR_BLOCKS(M, N, Q4, BODY)                                                       \
+        switch (kind) {                                                                      \
+        case Q8: FOR_BLOCKS(M, N, Q8, BODY) break;                                           \
+        case Q4: FOR_BLOCKS(M, N, Q4, BODY) break;                                           \
+        case Q50: FOR_BLOCKS(M, N, Q50, BODY) break;                                         \
+        case Q51: FOR_BLOCKS(M, N, Q51, BODY) break;                                         \
+        case Q4K: FOR_BLOCKS(M, N, Q4K, BODY) break;                                         \
+        case Q5K: FOR_BLOCKS(M, N, Q5K, BODY) break;                                         \
+        default: FOR_BLOCKS(M, N, Q6K, BODY) break;                                          \
         }                                                                                    \
     } while (0)
 
-/* x [M, K] (M <= SMALL_ROWS), w packed [N, K] of `kind` -> y [M, N]. Returns 0, or -1
- * when M is out of range or scratch memory cannot be had (y untouched). */
+/* x [M, K] (M <= SMALL_ROWS), w packed [N, K] of `kind` -> y [M, N], row stride ldy >= N
+ * (a column slice of a wider output). Returns 0; -1 when scratch memory cannot be had, -2
+ * when M or the kind is out of range (y untouched). */
 int kvlm_qgemm(int64_t kind, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-               float *y) {
+               float *y, int64_t ldy) {
     const int64_t groups = K / G;
-    if (M < 1 || M > SMALL_ROWS) return -1;
+    if (M < 1 || M > SMALL_ROWS || !known_kind(kind)) return -2;
     float *xs = (float *)act_scratch((size_t)M * groups * sizeof(float));
     if (!xs) return -1;
-    for (int64_t t = 0; t < M * groups; t++) { /* each group's sum of x (for q4's m) */
+    for (int64_t t = 0; t < M * groups; t++) { /* each group's sum of x (the z terms) */
 #ifdef __AVX512F__
         xs[t] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(x + t * G), _mm512_loadu_ps(x + t * G + 16)));
 #else
@@ -297,7 +526,7 @@ int kvlm_qgemm(int64_t kind, const float *x, int64_t M, int64_t K, const uint8_t
 #endif
     }
 #define QGEMM_BODY(KIND, R, m0) \
-    block_product(KIND, R, block_at(KIND, w, groups, b), groups, x, K, xs, y, N, b * BR, m0)
+    block_product(KIND, R, block_at(KIND, w, groups, b), groups, x, K, xs, y, ldy, N, b * BR, m0)
     FOR_KIND_BLOCKS(kind, M, N, QGEMM_BODY);
     return 0;
 }
@@ -306,24 +535,29 @@ int kvlm_qgemm(int64_t kind, const float *x, int64_t M, int64_t K, const uint8_t
  * int8 activations (--activations int8): llama.cpp's numerics for the per-token products.
  * Each row of x is rounded per group of 32 to int8 codes c with one scale e = max|x| / 127
  * (nearest even), so a group's product is
- *     q8: s e sum(q c)                 q4: d e sum(q c) + m e sum(c)
+ *     q8: s e sum(q c)     q4 (q5_1, q4_k, q5_k): s e sum(q c) + z e sum(c)
+ *     q5_0: s e (sum(q c) - 16 sum(c))     q6_k: per half h, s_h e (sum_h(q c) - 32 sum_h(c))
  * with the integer sums on AVX512-VNNI (vpdpbusd: 16 rows x 4 byte products per
  * instruction, the 4 codes of x broadcast) where the CPU has it, else in scalar integer
- * code. vpdpbusd's first operand is unsigned: nibbles are; q8 codes are offset by 128 and
- * the offset taken back with the same sum(c) term.
+ * code. vpdpbusd's first operand is unsigned: nibbles and the 5/6-bit codes are (their
+ * offsets come off the integer sums, exactly); q8 codes are offset by 128 and the offset
+ * taken back with the same sum(c) term.
  * ------------------------------------------------------------------------------------ */
 
-/* A row of x as int8: codes [groups][32], then per group e and e * sum(c). */
+/* A row of x as int8: codes [groups][32], then per group e, e * sum(c), and the integer
+ * sums of codes 0..15 and 16..31. */
 typedef struct {
     const int8_t *c;
     const float *e, *es;
+    const int32_t *hs;
 } kvlm_actrow;
 
-static inline int64_t actrow_bytes(int64_t K) { return (K / G) * (G + 8); }
+static inline int64_t actrow_bytes(int64_t K) { return (K / G) * (G + 16); }
 
 static kvlm_actrow actrow_at(const char *buf, int64_t K, int64_t t) {
     const char *p = buf + t * actrow_bytes(K);
-    kvlm_actrow r = {(const int8_t *)p, (const float *)(p + K), (const float *)(p + K) + K / G};
+    const float *e = (const float *)(p + K);
+    kvlm_actrow r = {(const int8_t *)p, e, e + K / G, (const int32_t *)(e + 2 * (K / G))};
     return r;
 }
 
@@ -331,6 +565,7 @@ static void quantize_act_row(const float *x, int64_t K, char *out) {
     int64_t groups = K / G;
     int8_t *codes = (int8_t *)out;
     float *e = (float *)(out + K), *es = e + groups;
+    int32_t *hs = (int32_t *)(es + groups);
 #ifdef __AVX512F__
     /* one group = two vectors; the same max, the same product by 127 / amax and the same
      * half-to-even rounding as the loop below (1.6 -> 0.2 us per row at K = 576) */
@@ -343,8 +578,10 @@ static void quantize_act_row(const float *x, int64_t K, char *out) {
         __m512i chi = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(hi, inv), rn));
         _mm_storeu_si128((__m128i *)(codes + g * G), _mm512_cvtepi32_epi8(clo));
         _mm_storeu_si128((__m128i *)(codes + g * G + 16), _mm512_cvtepi32_epi8(chi));
+        hs[2 * g] = _mm512_reduce_add_epi32(clo);
+        hs[2 * g + 1] = _mm512_reduce_add_epi32(chi);
         e[g] = amax / 127.f;
-        es[g] = e[g] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(clo, chi));
+        es[g] = e[g] * (float)(hs[2 * g] + hs[2 * g + 1]);
     }
     return;
 #endif
@@ -353,34 +590,38 @@ static void quantize_act_row(const float *x, int64_t K, char *out) {
         float amax = 0.f;
         for (int j = 0; j < G; j++) amax = fmaxf(amax, fabsf(xg[j]));
         float inv = amax > 0.f ? 127.f / amax : 0.f;
-        int32_t sum = 0;
+        int32_t sum[2] = {0, 0};
         for (int j = 0; j < G; j++) {
             codes[g * G + j] = (int8_t)nearbyintf(xg[j] * inv); /* |.| <= 127; nearest even */
-            sum += codes[g * G + j];
+            sum[j / 16] += codes[g * G + j];
         }
+        hs[2 * g] = sum[0];
+        hs[2 * g + 1] = sum[1];
         e[g] = amax / 127.f;
-        es[g] = e[g] * (float)sum;
+        es[g] = e[g] * (float)(sum[0] + sum[1]);
     }
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 static inline __attribute__((always_inline)) void
 block_product_i8(int kind, const int R, kvlm_block B, int64_t groups, const kvlm_actrow *a,
-                 float *y, int64_t N, int64_t n0, int64_t m0) {
+                 float *y, int64_t ldy, int64_t N, int64_t n0, int64_t m0) {
     __m512 acc[MT], off[MT];
     for (int t = 0; t < R; t++) acc[t] = off[t] = _mm512_setzero_ps();
-    const __m512i nib = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *c = codes_of(kind, B, g);
-        __m512i p[MT][4]; /* independent sums (dpbusd latency): q4 lo/hi, q8 4 or 2 */
-        const int C = kind == Q4 ? 2 : (R <= 2 ? 4 : 2);
+        prefetch_ahead(kind, B, g);
+        __m512i p[MT][4]; /* independent sums (dpbusd latency): nibbles lo/hi, q8 4 or 2 */
+        const int C = kind != Q8 ? 2 : (R <= 2 ? 4 : 2);
         for (int t = 0; t < R; t++)
             for (int k = 0; k < C; k++) p[t][k] = _mm512_setzero_si512();
-        if (kind == Q4) { /* word v of x's group: elements 4v..; word 4 + v: 16 + 4v.. */
+        if (kind != Q8) { /* word v of x's group: elements 4v..; word 4 + v: 16 + 4v.. */
+            const __m512i hb0 = high_bits(kind) ? _mm512_loadu_si512(c + 8 * G) : _mm512_setzero_si512();
+            const __m512i hb1 = high_bits(kind) == 2 ? _mm512_loadu_si512(c + 8 * G + 64) : hb0;
             for (int v = 0; v < 4; v++) {
-                __m512i raw = _mm512_loadu_si512(c + 64 * v);
-                __m512i lo = _mm512_and_si512(raw, nib);
-                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+                __m512i lo, hi;
+                code_vectors(kind, c, v, hb0, hb1, &lo, &hi);
                 for (int t = 0; t < R; t++) {
                     const int32_t *xw = (const int32_t *)(a[t].c + g * G);
                     p[t][0] = _mm512_dpbusd_epi32(p[t][0], lo, _mm512_set1_epi32(xw[v]));
@@ -396,45 +637,61 @@ block_product_i8(int kind, const int R, kvlm_block B, int64_t groups, const kvlm
                 }
             }
         }
-        __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales_of(kind, B, g)));
-        __m512 z = kind == Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(
-                                    (const __m256i *)(scales_of(kind, B, g) + BR)))
-                              : _mm512_mul_ps(s, _mm512_set1_ps(-128.f));
+        __m512 s0, s1, z;
+        group_params(kind, B, g, &s0, &s1, &z);
+        if (kind == Q8) z = _mm512_mul_ps(s0, _mm512_set1_ps(-128.f));
         for (int t = 0; t < R; t++) {
+            const __m512 e = _mm512_set1_ps(a[t].e[g]);
+            if (kind == Q6K) { /* each half less 32 times its codes' sum: exact integers */
+                __m512i q0 = _mm512_sub_epi32(p[t][0], _mm512_set1_epi32(32 * a[t].hs[2 * g]));
+                __m512i q1 = _mm512_sub_epi32(p[t][1], _mm512_set1_epi32(32 * a[t].hs[2 * g + 1]));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), _mm512_mul_ps(s0, e), acc[t]);
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), _mm512_mul_ps(s1, e), acc[t]);
+                continue;
+            }
             __m512i q = p[t][0];
             for (int k = 1; k < C; k++) q = _mm512_add_epi32(q, p[t][k]);
-            __m512 sum = _mm512_cvtepi32_ps(q);
-            acc[t] = _mm512_fmadd_ps(sum, _mm512_mul_ps(s, _mm512_set1_ps(a[t].e[g])), acc[t]);
-            off[t] = _mm512_fmadd_ps(z, _mm512_set1_ps(a[t].es[g]), off[t]);
+            if (kind == Q50)
+                q = _mm512_sub_epi32(
+                    q, _mm512_set1_epi32(16 * (a[t].hs[2 * g] + a[t].hs[2 * g + 1])));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(s0, e), acc[t]);
+            if (kind == Q8 || has_zero(kind))
+                off[t] = _mm512_fmadd_ps(z, _mm512_set1_ps(a[t].es[g]), off[t]);
         }
     }
     __mmask16 keep = N - n0 >= BR ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
     for (int t = 0; t < R; t++)
-        _mm512_mask_storeu_ps(y + (m0 + t) * N + n0, keep, _mm512_add_ps(acc[t], off[t]));
+        _mm512_mask_storeu_ps(y + (m0 + t) * ldy + n0, keep, _mm512_add_ps(acc[t], off[t]));
 }
 #else
 static inline __attribute__((always_inline)) void
 block_product_i8(int kind, const int R, kvlm_block B, int64_t groups, const kvlm_actrow *a,
-                 float *y, int64_t N, int64_t n0, int64_t m0) {
+                 float *y, int64_t ldy, int64_t N, int64_t n0, int64_t m0) {
     for (int i = 0; i < BR && n0 + i < N; i++) {
         for (int t = 0; t < R; t++) {
             float acc = 0.f;
             for (int64_t g = 0; g < groups; g++) {
                 uint8_t q[G];
-                row_group(kind, B, g, i, q);
+                float s[2], z;
+                row_codes(kind, B, g, i, q);
+                row_params(kind, B, g, i, s, &z);
                 const int8_t *c = a[t].c + g * G;
-                float s = from_f16(scales_of(kind, B, g)[i]);
-                int32_t dot = 0;
                 if (kind == Q8) {
+                    int32_t dot = 0;
                     for (int j = 0; j < G; j++) dot += (int8_t)q[j] * c[j];
-                    acc += s * a[t].e[g] * (float)dot;
-                } else {
-                    for (int j = 0; j < G / 2; j++)
-                        dot += (q[j] & 0x0F) * c[j] + (q[j] >> 4) * c[j + G / 2];
-                    acc += s * a[t].e[g] * (float)dot + from_f16(scales_of(kind, B, g)[BR + i]) * a[t].es[g];
+                    acc += s[0] * a[t].e[g] * (float)dot;
+                    continue;
                 }
+                int32_t dot[2] = {0, 0};
+                for (int j = 0; j < G; j++) dot[j / 16] += q[j] * c[j];
+                for (int h = 0; h < 2; h++) dot[h] -= code_offset(kind) * a[t].hs[2 * g + h];
+                if (kind == Q6K)
+                    acc += s[0] * a[t].e[g] * (float)dot[0] + s[1] * a[t].e[g] * (float)dot[1];
+                else
+                    acc += s[0] * a[t].e[g] * (float)(dot[0] + dot[1]) +
+                           (has_zero(kind) ? z * a[t].es[g] : 0.f);
             }
-            y[(m0 + t) * N + n0 + i] = acc;
+            y[(m0 + t) * ldy + n0 + i] = acc;
         }
     }
 }
@@ -442,9 +699,9 @@ block_product_i8(int kind, const int R, kvlm_block B, int64_t groups, const kvlm
 
 /* As kvlm_qgemm with x rounded to int8 per group. */
 int kvlm_qgemm_i8(int64_t kind, const float *x, int64_t M, int64_t K, const uint8_t *w,
-                  int64_t N, float *y) {
+                  int64_t N, float *y, int64_t ldy) {
     const int64_t groups = K / G;
-    if (M < 1 || M > SMALL_ROWS) return -1;
+    if (M < 1 || M > SMALL_ROWS || !known_kind(kind)) return -2;
     char *buf = act_scratch((size_t)M * actrow_bytes(K));
     if (!buf) return -1;
     kvlm_actrow rows[SMALL_ROWS];
@@ -453,7 +710,7 @@ int kvlm_qgemm_i8(int64_t kind, const float *x, int64_t M, int64_t K, const uint
         rows[t] = actrow_at(buf, K, t);
     }
 #define QGEMM_I8_BODY(KIND, R, m0) \
-    block_product_i8(KIND, R, block_at(KIND, w, groups, b), groups, rows + (m0), y, N, b * BR, m0)
+    block_product_i8(KIND, R, block_at(KIND, w, groups, b), groups, rows + (m0), y, ldy, N, b * BR, m0)
     FOR_KIND_BLOCKS(kind, M, N, QGEMM_I8_BODY);
     return 0;
 }
@@ -475,11 +732,13 @@ dequant_row(int kind, int bf16, int64_t groups, kvlm_block B, int i, void *out) 
         for (int h = 0; h < (kind == Q8 ? 2 : 1); h++)
             raw[h] = _mm_setr_epi32(load32(c + 256 * h), load32(c + 256 * h + 64),
                                     load32(c + 256 * h + 128), load32(c + 256 * h + 192));
-        __m512 half[2], s = _mm512_set1_ps(from_f16(scales_of(kind, B, g)[i]));
+        __m512 half[2];
         if (kind == Q8) {
+            __m512 s = _mm512_set1_ps(from_f16(scales_of(kind, B, g)[i]));
             for (int h = 0; h < 2; h++)
                 half[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw[h])), s);
-        } else {
+        } else if (kind == Q4) {
+            __m512 s = _mm512_set1_ps(from_f16(scales_of(kind, B, g)[i]));
             __m128i nib = _mm_set1_epi8(0x0F);
             __m128i codes[2] = {_mm_and_si128(raw[0], nib),
                                 _mm_and_si128(_mm_srli_epi16(raw[0], 4), nib)};
@@ -487,6 +746,31 @@ dequant_row(int kind, int bf16, int64_t groups, kvlm_block B, int i, void *out) 
             for (int h = 0; h < 2; h++) /* mul then add: the loader's two roundings */
                 half[h] = _mm512_add_ps(
                     _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes[h])), s), m);
+        } else { /* byte 4v + j of raw sits in 32-bit lane v: shift it by 2v (+ 1) */
+            const __m128i nib = _mm_set1_epi8(0x0F);
+            __m128i codes[2] = {_mm_and_si128(raw[0], nib),
+                                _mm_and_si128(_mm_srli_epi16(raw[0], 4), nib)};
+            const __m128i even = _mm_setr_epi32(0, 2, 4, 6);
+            if (high_bits(kind) == 1) {
+                const __m128i hb = _mm_set1_epi32(load32(c + 8 * G)), one = _mm_set1_epi8(1);
+                const __m128i odd = _mm_setr_epi32(1, 3, 5, 7);
+                codes[0] = _mm_or_si128(codes[0], _mm_slli_epi32(_mm_and_si128(_mm_srlv_epi32(hb, even), one), 4));
+                codes[1] = _mm_or_si128(codes[1], _mm_slli_epi32(_mm_and_si128(_mm_srlv_epi32(hb, odd), one), 4));
+            } else if (high_bits(kind) == 2) {
+                const __m128i three = _mm_set1_epi8(3);
+                const __m128i ha = _mm_set1_epi32(load32(c + 8 * G));
+                const __m128i hb = _mm_set1_epi32(load32(c + 8 * G + 64));
+                codes[0] = _mm_or_si128(codes[0], _mm_slli_epi32(_mm_and_si128(_mm_srlv_epi32(ha, even), three), 4));
+                codes[1] = _mm_or_si128(codes[1], _mm_slli_epi32(_mm_and_si128(_mm_srlv_epi32(hb, even), three), 4));
+            }
+            float s[2], z;
+            row_params(kind, B, g, i, s, &z);
+            for (int h = 0; h < 2; h++) {
+                __m512i q = _mm512_cvtepu8_epi32(codes[h]);
+                if (code_offset(kind)) q = _mm512_sub_epi32(q, _mm512_set1_epi32(code_offset(kind)));
+                half[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s[h]));
+                if (has_zero(kind)) half[h] = _mm512_add_ps(half[h], _mm512_set1_ps(z));
+            }
         }
         for (int h = 0; h < 2; h++) {
             if (!bf16) {
@@ -521,14 +805,28 @@ dequant_row(int kind, int bf16, int64_t groups, kvlm_block B, int i, void *out) 
                         (char *)out + n * K * ((BF16) ? 2 : 4));                             \
     } while (0)
 
-/* The dense weight [N, K] of packed w: fp32, or bf16 (--prefill-dtype bf16). */
-void kvlm_qdequant(int64_t kind, int64_t bf16, int64_t K, const uint8_t *w, int64_t N,
-                   void *out) {
+#define DEQUANT_KIND(KIND)                                                                   \
+    do {                                                                                     \
+        if (bf16) DEQUANT_ROWS(KIND, 1);                                                     \
+        else DEQUANT_ROWS(KIND, 0);                                                          \
+    } while (0)
+
+/* The dense weight [N, K] of packed w: fp32, or bf16 (--prefill-dtype bf16). Returns 0, or
+ * -2 for an unknown kind (out untouched). */
+int kvlm_qdequant(int64_t kind, int64_t bf16, int64_t K, const uint8_t *w, int64_t N,
+                  void *out) {
     const int64_t groups = K / G;
-    if (kind == Q8 && !bf16) DEQUANT_ROWS(Q8, 0);
-    else if (kind == Q8) DEQUANT_ROWS(Q8, 1);
-    else if (!bf16) DEQUANT_ROWS(Q4, 0);
-    else DEQUANT_ROWS(Q4, 1);
+    switch (kind) {
+    case Q8: DEQUANT_KIND(Q8); break;
+    case Q4: DEQUANT_KIND(Q4); break;
+    case Q50: DEQUANT_KIND(Q50); break;
+    case Q51: DEQUANT_KIND(Q51); break;
+    case Q4K: DEQUANT_KIND(Q4K); break;
+    case Q5K: DEQUANT_KIND(Q5K); break;
+    case Q6K: DEQUANT_KIND(Q6K); break;
+    default: return -2;
+    }
+    return 0;
 }
 
 /* ------------------------------------------------------------------------------------
@@ -537,10 +835,18 @@ void kvlm_qdequant(int64_t kind, int64_t bf16, int64_t K, const uint8_t *w, int6
  * model's (kvlm.model.transformer), in the same order; only summation order differs.
  * ------------------------------------------------------------------------------------ */
 
+#define QMAT_PARTS 3 /* a fused projection's row parts, each of its own kind */
+
 typedef struct {
-    int64_t kind; /* 8 or 4 */
+    int64_t kind;        /* Q8, Q4, Q50, Q51, Q4K, Q5K or Q6K */
     const uint8_t *data; /* packed (see the top of this file) */
-    int64_t n, k;
+    int64_t n;           /* its rows */
+} kvlm_qpart;
+
+/* [n, k]: the rows of parts 0 .. parts - 1 stacked (q|k|v of a Q4_K_M file: Q4_K, Q4_K, Q6_K) */
+typedef struct {
+    int64_t n, k, parts;
+    kvlm_qpart part[QMAT_PARTS];
 } kvlm_qmat;
 
 typedef struct {
@@ -1282,8 +1588,12 @@ static int matmul_rows(const kvlm_qmat *w, const float *x, int64_t B, float *y, 
         const int64_t M = B - r < SMALL_ROWS ? B - r : SMALL_ROWS;
         const float *xr = x + r * w->k;
         float *yr = y + r * w->n;
-        if (act_int8 && kvlm_qgemm_i8(w->kind, xr, M, w->k, w->data, w->n, yr) == 0) continue;
-        if (kvlm_qgemm(w->kind, xr, M, w->k, w->data, w->n, yr) != 0) return -1;
+        for (int64_t p = 0, col = 0; p < w->parts; col += w->part[p].n, p++) {
+            const kvlm_qpart *P = w->part + p; /* its outputs: columns col .. col + n - 1 */
+            if (act_int8 && kvlm_qgemm_i8(P->kind, xr, M, w->k, P->data, P->n, yr + col, w->n) == 0)
+                continue;
+            if (kvlm_qgemm(P->kind, xr, M, w->k, P->data, P->n, yr + col, w->n) != 0) return -1;
+        }
     }
     return 0;
 }

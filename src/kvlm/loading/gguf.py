@@ -1,9 +1,11 @@
 """GGUF files (llama.cpp's format): metadata, tokenizer and dequantized tensors.
 
 Tensors are dequantized with the `gguf` package, one at a time, into Hugging Face names
-and layout. llama.cpp's converter permutes the rows of Llama's q/k projections so that its
-interleaved RoPE sees HF's rotate-half pairs; we undo that permutation so one RoPE serves
-both formats.
+and layout; `--weights native` takes the blocks of the types kvlm has kernels for as they
+are instead (`get_quant`: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K). llama.cpp's
+converter permutes the rows of Llama's q/k projections so that its interleaved RoPE sees
+HF's rotate-half pairs; we undo that permutation (of whole rows: of a row's blocks alike)
+so one RoPE serves both formats.
 """
 
 from __future__ import annotations
@@ -137,13 +139,25 @@ class GGUFWeights:
     def is_quantized(self, name: str) -> bool:
         return self._tensors[name].tensor_type in QUANT_TYPES
 
-    def get_quant(self, name: str) -> QuantWeight | None:
-        """The tensor's own Q8_0/Q4_0/Q4_1 blocks, unrounded (None for other types)."""
+    def stored_as(self, name: str) -> tuple[str, str]:
+        """(the tensor's name in the file, its GGML type's name): `blk.3.ffn_down.weight`,
+        `Q3_K`."""
         t = self._tensors[name]
-        if t.tensor_type not in NATIVE_BLOCKS or len(t.shape) != 2:
+        return t.name, t.tensor_type.name
+
+    def get_quant(self, name: str) -> QuantWeight | None:
+        """The tensor's own blocks, unrounded, for the types kvlm multiplies as stored
+        (NATIVE_BLOCKS, GGML_BLOCKS); None for other types."""
+        t = self._tensors[name]
+        native = t.tensor_type in NATIVE_BLOCKS or t.tensor_type in GGML_BLOCKS
+        if not native or len(t.shape) != 2:
             return None
         rows = int(t.shape[1])
         try:
+            if t.tensor_type in GGML_BLOCKS:  # whole rows of blocks: permuted as rows
+                raw = torch.from_numpy(np.array(t.data).reshape(rows, -1))  # a copy
+                kind = GGML_BLOCKS[t.tensor_type]
+                return QuantWeight.from_blocks(kind, self._unpermute(name, raw))
             kind, *arrays = _blocks_to_quant(np.asarray(t.data), t.tensor_type, rows)
         except ValueError as exc:
             raise ModelLoadError(f"{self.path.name}: cannot decode tensor {t.name}: {exc}") from exc
@@ -158,8 +172,12 @@ class GGUFWeights:
         return rows
 
 
-# GGUF blocks kvlm multiplies as they are (`--weights native`): bytes per block of 32.
+# GGUF blocks kvlm multiplies as they are (`--weights native`): bytes per block of 32
+# (read into q8/q4's natural arrays), and the types packed from their blocks as stored
+# (QuantWeight.from_blocks). Q2_K, Q3_K and the IQ types have no kernel: dequantized, and
+# with --weights native re-quantized to int8 (kvlm.model.transformer names them at load).
 NATIVE_BLOCKS = {Q.Q8_0: ("q8", 34), Q.Q4_0: ("q4", 18), Q.Q4_1: ("q4", 20)}
+GGML_BLOCKS = {Q.Q5_0: "q5_0", Q.Q5_1: "q5_1", Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k"}
 
 
 def _blocks_to_quant(

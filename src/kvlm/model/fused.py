@@ -52,18 +52,27 @@ from kvlm.cache.contiguous import ContiguousCache
 from kvlm.cache.paged import BlockPool, PagedCache
 from kvlm.cache.storage import Store, key_rotation
 from kvlm.model.layers import Linear
+from kvlm.model.quant import KIND_CODES
 from kvlm.model.transformer import Transformer
 
-_KIND = {"q8": 8, "q4": 4}
 MAX_ROWS = 256  # the most sequences one step takes (MAX_BATCH in qgemm.c)
+QMAT_PARTS = 3  # row parts of different kinds one projection may have (qgemm.c)
 
 
-class _QMat(ctypes.Structure):
+class _QPart(ctypes.Structure):
     _fields_ = [
         ("kind", ctypes.c_int64),
         ("data", ctypes.c_void_p),
         ("n", ctypes.c_int64),
+    ]
+
+
+class _QMat(ctypes.Structure):
+    _fields_ = [
+        ("n", ctypes.c_int64),
         ("k", ctypes.c_int64),
+        ("parts", ctypes.c_int64),
+        ("part", _QPart * QMAT_PARTS),
     ]
 
 
@@ -111,7 +120,10 @@ _KV_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 def _qmat(lin: Linear) -> _QMat:
     q = lin.quant
-    return _QMat(_KIND[q.kind], q.data.data_ptr(), q.out_features, q.in_features)
+    parts = [_QPart(KIND_CODES[p.kind], p.data.data_ptr(), p.out_features) for p in q.parts()]
+    if len(parts) > QMAT_PARTS:
+        raise ValueError(f"a projection of {len(parts)} parts of different kinds")
+    return _QMat(q.out_features, q.in_features, len(parts), (_QPart * QMAT_PARTS)(*parts))
 
 
 def _ptr(t: torch.Tensor | None, n: int) -> int | None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 
 import torch
@@ -18,6 +21,29 @@ ONEDNN_BATCH_HINT = 64
 # Row counts oneDNN runs as they are (decode batches); larger ones are padded to buckets.
 ONEDNN_EXACT_ROWS = 16
 ONEDNN_ROW_BUCKET = 32
+
+
+_ROLE = threading.local()
+
+
+@contextmanager
+def feeding_prompt(prompt: bool) -> Iterator[None]:
+    """Within: the projections' rows are prompt tokens (True) or decoded tokens (False),
+    which picks their numerics (`Linear`: --prefill-dtype for prompt rows, --activations
+    for decoded ones), whatever the number of rows."""
+    before = getattr(_ROLE, "prompt", None)
+    _ROLE.prompt = prompt
+    try:
+        yield
+    finally:
+        _ROLE.prompt = before
+
+
+def prompt_rows(x: torch.Tensor) -> bool:
+    """Whether x (..., T, K) holds prompt rows: as the model said (`feeding_prompt`), else
+    T > 1 tokens per sequence."""
+    said = getattr(_ROLE, "prompt", None)
+    return said if said is not None else x.dim() >= 2 and x.shape[-2] > 1
 
 
 class Linear(nn.Module):
@@ -66,7 +92,12 @@ class Linear(nn.Module):
             flat = x.reshape(-1, self.in_features)
             if flat.dtype not in (torch.float32, torch.float64) or not flat.is_contiguous():
                 flat = flat.float().contiguous()  # fp64: QuantWeight's exact reference
-            y = self.quant.matmul(flat, self.prefill_bf16, self.act_int8)
+            # Prompt rows take the prefill numerics, decode rows the decode ones, however
+            # many rows share the call: a prompt's K/V are the same chunked or whole, alone
+            # or beside others (the model says which: `prompt_rows`).
+            prompt = prompt_rows(x)
+            bf16, int8 = self.prefill_bf16 and prompt, self.act_int8 and not prompt
+            y = self.quant.matmul(flat, bf16, int8)
             y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         if self.kernel == "bf16":  # bf16 weight, model dtype kept outside the product

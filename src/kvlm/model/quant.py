@@ -1,13 +1,21 @@
 """Low-bit weights in groups of 32 (llama.cpp's blocks), multiplied by kvlm's C kernels.
 
-    q8: int8 codes, one fp16 scale per group:      w = s * q        (Q8_0's numerics)
-    q4: 4-bit codes, fp16 (d, m) per group:        w = d * q + m    (Q4_1's; Q4_0 is m = -8d)
+    q8:   int8 codes, one fp16 scale per group:      w = s * q          (Q8_0's numerics)
+    q4:   4-bit codes, fp16 (d, m) per group:        w = d * q + m      (Q4_1's; Q4_0 is m = -8d)
+    q5_0: 5-bit codes, fp16 d per group:             w = d * (q - 16)   (Q5_0)
+    q5_1: 5-bit codes, fp16 (d, m) per group:        w = d * q + m      (Q5_1)
+    q4_k, q5_k: 4/5-bit codes, super-blocks of 256: fp16 (d, dmin), 6-bit (sc, mn) per 32:
+                                                     w = (d sc) q - dmin mn   (Q4_K, Q5_K)
+    q6_k: 6-bit codes, fp16 d per 256, int8 sc per 16: w = (d sc) (q - 32)    (Q6_K)
 
 A QuantWeight comes either from a float weight (`quantize(w, "q8" | "q4")`: `--weights
-int8|int4`) or straight from a GGUF file's Q8_0/Q4_0/Q4_1 blocks (`--weights native`: the
-file's own numbers, nothing re-rounded), packed row-interleaved for the kernels
-(`QuantWeight`) and moved onto huge pages with the rest of the model's weights
-(`move_to_huge_pages`). Products keep fp32 activations: the C kernel widens the codes in
+int8|int4`) or straight from a GGUF file's blocks (`--weights native`: the file's own
+numbers, nothing re-rounded; `QuantWeight.from_blocks` for Q5_0, Q5_1 and the K-quants),
+packed row-interleaved for the kernels (`QuantWeight`, kernels/qgemm.c) at about the
+file's own bytes per weight, and moved onto huge pages with the rest of the model's weights
+(`move_to_huge_pages`). Fused projections (q|k|v, gate|up) whose parts come in different
+kinds (a Q4_K_M file's Q4_K q/k and Q6_K v) stay a weight of row parts, each in its own
+kind (`concat`). Products keep fp32 activations: the C kernel widens the codes in
 registers (decode, up to SMALL_M rows), or the weight is dequantized once into a dense fp32
 matrix for a BLAS GEMM (prefill). Opt-in `act_int8` (`--activations int8`) rounds each row
 of x to int8 per group of 32 in the small products, as llama.cpp does, for integer dot
@@ -25,7 +33,18 @@ import torch.nn.functional as F
 from kvlm import kernels
 
 GROUP = 32
-KINDS = ("q8", "q4")
+# Kinds built from ggml's blocks as a GGUF file stores them: (weights, bytes) per block.
+GGML_KINDS = {
+    "q5_0": (32, 22),
+    "q5_1": (32, 24),
+    "q4_k": (256, 144),
+    "q5_k": (256, 176),
+    "q6_k": (256, 210),
+}
+KINDS = ("q8", "q4", *GGML_KINDS)
+KIND_CODES = {"q8": 8, "q4": 4, "q5_0": 50, "q5_1": 51, "q4_k": 104, "q5_k": 105, "q6_k": 106}
+PACK_WEIGHTS = 1 << 24  # weights per piece that from_blocks packs at a time
+MIXED = "mixed"  # the kind of a weight of row parts of different kinds (`concat`)
 FORMATS = {"int8": "q8", "int4": "q4"}  # --weights name -> kind
 # Up to this many rows the C kernel (reads the low-bit weight once); above, a dense GEMM.
 SMALL_M = 16
@@ -33,17 +52,20 @@ SMALL_M = 16
 
 class QuantWeight:
     """A low-bit weight [N, K] in the kernels' packed layout (kernels/qgemm.c): blocks of 16
-    rows, each row's 4 consecutive code bytes in one 32-bit lane, fp16 scales after each
-    block's codes. Built from codes in their natural order:
+    rows, each row's 4 consecutive code bytes in one 32-bit lane, its parameters beside
+    them. q8 and q4 are built from codes in their natural order:
 
         q8: codes int8 [N, K], scale [N, K/32]
         q4: codes uint8 [N, K/2] (byte j of a group: element j low, j + 16 high nibble),
             scale d and zero m [N, K/32]
 
-    Scales are stored in fp16 (a GGUF file's own d and m are fp16: kept exactly).
-    `unpacked()` gives the natural arrays back."""
+    and the GGML_KINDS from a GGUF tensor's blocks (`from_blocks`). Scales are stored in
+    fp16 (a GGUF file's own d and m are fp16: kept exactly). `unpacked()` gives the natural
+    arrays back (the ggml blocks, for those kinds). A weight of row parts of different
+    kinds (`concat`) has kind MIXED: its parts are packed one after another in `data`,
+    each in its own kind (`parts()`)."""
 
-    __slots__ = ("data", "in_features", "kind", "out_features")
+    __slots__ = ("_parts", "data", "in_features", "kind", "out_features")
 
     def __init__(
         self,
@@ -52,6 +74,8 @@ class QuantWeight:
         scale: torch.Tensor,
         zero: torch.Tensor | None = None,
     ) -> None:
+        if kind in GGML_KINDS:
+            raise ValueError(f"{kind} weights are built from ggml blocks (QuantWeight.from_blocks)")
         if kind not in KINDS:
             raise ValueError(f"unknown quantized kind {kind!r}")
         if (kind == "q4") != (zero is not None):
@@ -60,14 +84,68 @@ class QuantWeight:
         self.kind = kind
         self.out_features, self.in_features = n, groups * GROUP
         self.data = _pack(kind, codes, scale, zero)
+        self._parts: tuple[tuple[str, int, int, int], ...] | None = None
+
+    @classmethod
+    def from_blocks(cls, kind: str, blocks: torch.Tensor) -> QuantWeight:
+        """A weight of one of the GGML_KINDS from its blocks as GGUF stores them: uint8
+        [N, K / weights_per_block * bytes_per_block] (ggml's block_q5_0, block_q5_1,
+        block_q4_K, block_q5_K, block_q6_K, row after row)."""
+        if kind not in GGML_KINDS:
+            raise ValueError(f"{kind!r} is not built from ggml blocks")
+        per, size = GGML_KINDS[kind]
+        if blocks.dim() != 2 or blocks.dtype != torch.uint8 or blocks.shape[1] % size:
+            raise ValueError(f"{kind} blocks must be uint8 [rows, a multiple of {size} bytes]")
+        n, k = blocks.shape[0], blocks.shape[1] // size * per
+        # in pieces of whole blocks of 16 rows, each packed alone: the temporaries stay a
+        # few bytes per weight of a piece, not of a vocabulary matrix
+        step = max(BLOCK_ROWS, PACK_WEIGHTS // k // BLOCK_ROWS * BLOCK_ROWS)
+        pieces = []
+        for a in range(0, n, step):
+            rows = blocks[a : a + step].contiguous()
+            pieces.append(_pack_fields(kind, _ggml_fields(kind, rows), rows.shape[0], k))
+        return cls._wrap(kind, n, k, pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+
+    @classmethod
+    def _wrap(
+        cls,
+        kind: str,
+        n: int,
+        k: int,
+        data: torch.Tensor,
+        parts: tuple[tuple[str, int, int, int], ...] | None = None,
+    ) -> QuantWeight:
+        q = cls.__new__(cls)
+        q.kind, q.out_features, q.in_features, q.data, q._parts = kind, n, k, data, parts
+        return q
+
+    def parts(self) -> list[QuantWeight]:
+        """The row parts, each of one kind, top to bottom (views of `data`): [self] for a
+        weight of one kind."""
+        if self._parts is None:
+            return [self]
+        k = self.in_features
+        return [
+            QuantWeight._wrap(kind, n, k, self.data[a:b].view(-(-n // BLOCK_ROWS), -1))
+            for kind, n, a, b in self._parts
+        ]
 
     @property
     def nbytes(self) -> int:
-        """Bytes a product reads: codes and scales (with the rows padding a block)."""
-        return self.data.numel()
+        """Bytes a product reads: codes and parameters (with the rows padding a block)."""
+        if self._parts is None:
+            return self.data.numel()
+        return sum(b - a for _, _, a, b in self._parts)
 
-    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(codes, scale, zero) in the natural order, scales as fp32."""
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(codes, scale, zero) in the natural order, scales as fp32 (q8, q4); (the ggml
+        blocks [N, bytes], None, None) for the GGML_KINDS. A MIXED weight: unpack each of
+        its parts()."""
+        if self._parts is not None:
+            raise ValueError("a weight of parts of different kinds: unpack each of parts()")
+        if self.kind in GGML_KINDS:
+            fields = _unpack_fields(self.kind, self.data, self.out_features, self.in_features)
+            return _ggml_blocks(self.kind, fields), None, None
         return _unpack(self)
 
     def dense(
@@ -80,39 +158,58 @@ class QuantWeight:
         if lib is None:
             return _dense_torch(self).to(dtype)
         out = torch.empty(n, k, dtype=dtype) if out is None else out.view(n, k)
-        lib.kvlm_qdequant(_KIND[self.kind], dtype == torch.bfloat16, k, _ptr(self.data), n,
-                          _ptr(out))  # fmt: skip
+        row = 0
+        for p in self.parts():
+            at = _ptr(out) + row * k * out.element_size()
+            if lib.kvlm_qdequant(KIND_CODES[p.kind], dtype == torch.bfloat16, k, _ptr(p.data),
+                                 p.out_features, at) != 0:  # fmt: skip
+                raise ValueError(f"the kernels do not know the kind {p.kind!r}")
+            row += p.out_features
         return out
 
     def matmul(
         self, x: torch.Tensor, prefill_bf16: bool = False, act_int8: bool = False
     ) -> torch.Tensor:
-        """x (M, K) fp32, contiguous -> x @ W^T (M, N) fp32. `prefill_bf16`: more than
-        SMALL_M rows multiply in bf16 (inputs and weight rounded, fp32 accumulation; oneDNN
-        with AVX512-BF16 runs it ~2x faster than fp32), a trade of exactness for TTFT.
-        `act_int8`: up to SMALL_M rows multiply with x rounded to int8 per group of 32
-        (`round_activations`), a trade of exactness for decode speed."""
+        """x (M, K) fp32, contiguous -> x @ W^T (M, N) fp32.
+
+        The caller says how its rows are multiplied (kvlm.model.layers.Linear decides it by
+        their role, prompt rows or decode rows, never by how many share the call, so that a
+        row's numbers do not depend on its batch or on how a prompt was chunked):
+        `prefill_bf16`: in bf16 (inputs and weight rounded, fp32 accumulation; oneDNN with
+        AVX512-BF16 runs it ~2x faster than fp32, and each row's result is the same at any
+        M), a trade of exactness for TTFT. `act_int8`: x rounded to int8 per group of 32
+        (`round_activations`), SMALL_M rows per kernel call, a trade of exactness for
+        decode speed. Neither: up to SMALL_M rows the C kernel, more a dense fp32 GEMM."""
         m, k = x.shape
         numel = self.out_features * self.in_features
         if x.dtype == torch.float64:  # the reference: the same weights, fp64 sums
             return torch.matmul(x, self.dense(_scratch(numel)).t().double())
         lib = kernels.library()
-        if m > SMALL_M and prefill_bf16:
+        if prefill_bf16:
             w = self.dense(_scratch(numel, torch.bfloat16), torch.bfloat16)
             return torch.matmul(x.to(torch.bfloat16), w.t()).float()
-        if lib is None and m <= SMALL_M and act_int8:
+        if lib is None and act_int8:
             x = round_activations(x)
-        if lib is None or m > SMALL_M:
+        if lib is None or (m > SMALL_M and not act_int8):
             return torch.matmul(x, self.dense(_scratch(numel)).t())
+        if m > SMALL_M:  # int8 activations: the kernel, SMALL_M rows at a time
+            return torch.cat([self.matmul(x[i : i + SMALL_M], act_int8=True)
+                              for i in range(0, m, SMALL_M)])  # fmt: skip
         n = self.out_features
         y = torch.empty(m, n, dtype=torch.float32)
         fn = lib.kvlm_qgemm_i8 if act_int8 else lib.kvlm_qgemm
-        if fn(_KIND[self.kind], _ptr(x), m, k, _ptr(self.data), n, _ptr(y)) != 0:
-            raise MemoryError("no scratch memory for a low-bit product")
+        col = 0
+        for p in self.parts():  # each part's outputs: columns col .. of y (row stride n)
+            rc = fn(KIND_CODES[p.kind], _ptr(x), m, k, _ptr(p.data), p.out_features,
+                    _ptr(y) + 4 * col, n)  # fmt: skip
+            if rc == -1:
+                raise MemoryError("no scratch memory for a low-bit product")
+            if rc != 0:
+                raise ValueError(f"the kernels refused a {p.kind} product of {m} rows")
+            col += p.out_features
         return y
 
 
-_KIND = {"q8": 8, "q4": 4}
 BLOCK_ROWS = 16  # rows per packed block: one per 32-bit lane of a 512-bit vector
 
 
@@ -150,6 +247,209 @@ def _unpack(q: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | 
     return codes, scales[0].contiguous(), scales[1].contiguous() if q.kind == "q4" else None
 
 
+# ---- the GGML_KINDS: ggml blocks <-> fields <-> the packed layout ----
+#
+# Fields: "codes" uint8 [N, K], each weight's code (0 .. 2^bits - 1) in column order, and
+# the parameters as stored, bytes per row and block: "d" [N, U, 2] (fp16), "m" (q5_1) and
+# "dmin" (q4_k, q5_k) [N, U, 2], "scales" [N, U, 12] (q4_k, q5_k: ggml's packed 6-bit
+# scales and mins) or [N, U, 16] (q6_k: int8 per 16), U = blocks per row.
+
+_HIGH_BITS = {"q5_0": 1, "q5_1": 1, "q5_k": 1, "q6_k": 2, "q4_k": 0}
+
+
+def _u8(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.uint8)
+
+
+def _ggml_fields(kind: str, blocks: torch.Tensor) -> dict[str, torch.Tensor]:
+    """ggml's blocks [N, U * size] -> fields (gguf-py's quants.py reads them the same way)."""
+    per, size = GGML_KINDS[kind]
+    n = blocks.shape[0]
+    b = blocks.view(n, -1, size)
+    u = b.shape[1]
+    if kind in ("q5_0", "q5_1"):  # d, (m), qh: bit e = weight e's fifth, qs: e and e + 16
+        at = 2 if kind == "q5_0" else 4
+        f = {"d": b[..., 0:2]} | ({"m": b[..., 2:4]} if kind == "q5_1" else {})
+        high = (b[..., at : at + 4, None] >> _u8(range(8))) & 1  # (n, u, 4 bytes, 8 bits)
+        qs = b[..., at + 4 : at + 20]
+        codes = torch.cat((qs & 15, qs >> 4), -1) | (high.reshape(n, u, 32) << 4)
+    elif kind in ("q4_k", "q5_k"):  # d, dmin, scales[12], (qh[32]), qs[128]
+        f = {"d": b[..., 0:2], "dmin": b[..., 2:4], "scales": b[..., 4:16]}
+        qs = b[..., -128:].reshape(n, u, 4, 1, 32)  # sub-block 2c: low nibbles, 2c + 1: high
+        codes = ((qs >> _u8([0, 4]).view(2, 1)) & 15).reshape(n, u, 8, 32)
+        if kind == "q5_k":  # qh[e] bit s: element e of sub-block s
+            codes = codes | (((b[..., 16:48, None] >> _u8(range(8))) & 1).transpose(-1, -2) << 4)
+    else:  # q6_k: ql[128], qh[64], scales[16], d
+        f = {"scales": b[..., 192:208], "d": b[..., 208:210]}
+        ql = b[..., :128].reshape(n, u, 2, 1, 64) >> _u8([0, 4]).view(2, 1)  # (.., 2, 2, 64)
+        ql = (ql & 15).reshape(n, u, 2, 4, 32)  # per half of 128: groups k = 0..3
+        qh = (b[..., 128:192].reshape(n, u, 2, 1, 32) >> _u8([0, 2, 4, 6]).view(4, 1)) & 3
+        codes = ql | (qh << 4)
+    f = {k: v.contiguous() for k, v in f.items()}
+    f["codes"] = codes.reshape(n, u * per).contiguous()
+    return f
+
+
+def _or_bits(bits: torch.Tensor, dim: int, shifts: list[int]) -> torch.Tensor:
+    """OR of bits.select(dim, i) << shifts[i] over i (small fields packed into bytes),
+    uint8 throughout."""
+    out = torch.zeros_like(bits.select(dim, 0))
+    for i, shift in enumerate(shifts):
+        out |= bits.select(dim, i) << shift
+    return out
+
+
+def _ggml_blocks(kind: str, f: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Fields -> ggml's blocks [N, U * size] (the inverse of _ggml_fields)."""
+    per, _ = GGML_KINDS[kind]
+    n = f["codes"].shape[0]
+    c = f["codes"].view(n, -1, per)
+    u = c.shape[1]
+    if kind in ("q5_0", "q5_1"):
+        qs = (c[..., :16] & 15) | ((c[..., 16:] & 15) << 4)
+        qh = _or_bits((c >> 4).view(n, u, 4, 8), -1, list(range(8)))
+        pieces = [f["d"], *([f["m"]] if kind == "q5_1" else []), qh, qs]
+    elif kind in ("q4_k", "q5_k"):
+        c8 = c.view(n, u, 4, 2, 32)
+        qs = ((c8[..., 0, :] & 15) | ((c8[..., 1, :] & 15) << 4)).reshape(n, u, 128)
+        pieces = [f["d"], f["dmin"], f["scales"], qs]
+        if kind == "q5_k":  # qh[e] bit s = sub-block s's element e
+            pieces.insert(3, _or_bits(c.view(n, u, 8, 32) >> 4, 2, list(range(8))))
+    else:
+        c6 = c.view(n, u, 2, 4, 32)
+        lo = c6 & 15
+        ql = torch.stack(
+            (lo[..., 0, :] | (lo[..., 2, :] << 4), lo[..., 1, :] | (lo[..., 3, :] << 4)), 3
+        )
+        qh = _or_bits(c6 >> 4, 3, [0, 2, 4, 6])
+        pieces = [ql.reshape(n, u, 128), qh.reshape(n, u, 64), f["scales"], f["d"]]
+    return torch.cat([p.reshape(n, u, -1) for p in pieces], -1).reshape(n, -1)
+
+
+def _lanes(t: torch.Tensor, width: int) -> torch.Tensor:
+    """[N, U, W] bytes per row and unit -> [blocks, U, W * 16]: per block of 16 rows and
+    unit, W / width vectors, lane i of each = row i's `width` bytes (rows padded with 0)."""
+    n, u, w = t.shape
+    blocks = -(-n // BLOCK_ROWS)
+    t = F.pad(t, (0, 0, 0, 0, 0, blocks * BLOCK_ROWS - n))
+    t = t.view(blocks, BLOCK_ROWS, u, w // width, width).permute(0, 2, 3, 1, 4)
+    return t.reshape(blocks, u, w * BLOCK_ROWS)
+
+
+def _unlanes(p: torch.Tensor, n: int, w: int, width: int) -> torch.Tensor:
+    """The inverse of _lanes: [blocks, U, W * 16] -> [N, U, W]."""
+    blocks, u, _ = p.shape
+    t = p.reshape(blocks, u, w // width, BLOCK_ROWS, width).permute(0, 3, 1, 2, 4)
+    return t.reshape(blocks * BLOCK_ROWS, u, w)[:n].contiguous()
+
+
+def _code_layout(kind: str, codes: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] -> [blocks, K / 32, code bytes] (kernels/qgemm.c: codes [CB])."""
+    n, k = codes.shape
+    c = codes.view(n, k // GROUP, GROUP)
+    pieces = [_lanes((c[..., :16] & 15) | ((c[..., 16:] & 15) << 4), 4)]  # nibbles
+    high = (c >> 4).view(n, k // GROUP, 2, 4, 4)  # element 16h + 4v + j: (h, v, j)
+    if _HIGH_BITS[kind] == 1:  # byte j, bit 2v + h
+        hb = _or_bits(high.reshape(n, k // GROUP, 8, 4), 2, [0, 2, 4, 6, 1, 3, 5, 7])
+        pieces.append(_lanes(hb, 4))
+    elif _HIGH_BITS[kind] == 2:  # word h, byte j, bits 2v, 2v + 1
+        hb = _or_bits(high, 3, [0, 2, 4, 6])  # (n, G, h, j)
+        pieces.append(_lanes(hb.reshape(n, k // GROUP, 8), 4))
+    return torch.cat(pieces, -1)
+
+
+def _code_fields(kind: str, p: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of _code_layout: [blocks, K / 32, code bytes] -> codes [N, K]."""
+    groups = p.shape[1]
+    nib = _unlanes(p[..., :256], n, 16, 4)
+    codes = torch.cat((nib & 15, nib >> 4), -1)  # (n, G, 32)
+    if _HIGH_BITS[kind] == 1:
+        hb = _unlanes(p[..., 256:320], n, 4, 4)  # (n, G, j)
+        shift = _u8([[0, 1], [2, 3], [4, 5], [6, 7]]).view(4, 2, 1)  # (v, h, 1)
+        bits = (hb[:, :, None, None, :] >> shift) & 1  # (n, G, v, h, j)
+        codes |= bits.permute(0, 1, 3, 2, 4).reshape(n, groups, 32) << 4
+    elif _HIGH_BITS[kind] == 2:
+        hb = _unlanes(p[..., 256:384], n, 8, 4).view(n, groups, 2, 1, 4)  # (n, G, h, 1, j)
+        bits = (hb >> _u8([0, 2, 4, 6]).view(4, 1)) & 3  # (n, G, h, v, j)
+        codes |= bits.reshape(n, groups, 32) << 4
+    return codes.reshape(n, groups * GROUP)
+
+
+def _pack_fields(kind: str, f: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
+    """Fields -> the packed layout [blocks, records * record bytes] (kernels/qgemm.c)."""
+    codes = _code_layout(kind, f["codes"])  # [blocks, G, code bytes]
+    blocks = codes.shape[0]
+    if kind in ("q5_0", "q5_1"):  # a record per group: codes, d [16], (m [16])
+        params = [_lanes(f[p], 2) for p in ("d", "m") if p in f]
+        return torch.cat([codes, *params], -1).reshape(blocks, -1)
+    u = k // 256
+    if kind == "q6_k":  # header: d [16], sc [16 sub-blocks][16 rows]
+        head = [_lanes(f["d"], 2), _lanes(f["scales"], 1)]
+    else:  # header: the packed scales as three vectors, d [16], dmin [16]
+        head = [_lanes(f["scales"], 4), _lanes(f["d"], 2), _lanes(f["dmin"], 2)]
+    return torch.cat([*head, codes.reshape(blocks, u, -1)], -1).reshape(blocks, -1)
+
+
+def _unpack_fields(kind: str, data: torch.Tensor, n: int, k: int) -> dict[str, torch.Tensor]:
+    """The inverse of _pack_fields."""
+    blocks, groups = data.shape[0], k // GROUP
+    code_bytes = 256 + 64 * _HIGH_BITS[kind]
+    if kind in ("q5_0", "q5_1"):
+        rec = data.view(blocks, groups, -1)
+        f = {"codes": _code_fields(kind, rec[..., :code_bytes], n)}
+        for i, p in enumerate(("d", "m") if kind == "q5_1" else ("d",)):
+            at = code_bytes + 32 * i
+            f[p] = _unlanes(rec[..., at : at + 32], n, 2, 2)
+        return f
+    u = k // 256
+    rec = data.view(blocks, u, -1)
+    if kind == "q6_k":
+        f = {"d": _unlanes(rec[..., :32], n, 2, 2), "scales": _unlanes(rec[..., 32:288], n, 16, 1)}
+        head = 288
+    else:
+        f = {
+            "scales": _unlanes(rec[..., :192], n, 12, 4),
+            "d": _unlanes(rec[..., 192:224], n, 2, 2),
+            "dmin": _unlanes(rec[..., 224:256], n, 2, 2),
+        }
+        head = 256
+    f["codes"] = _code_fields(kind, rec[..., head:].reshape(blocks, groups, code_bytes), n)
+    return f
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """fp16 stored as byte pairs [..., 2] -> fp32 [...], exactly."""
+    return b.contiguous().view(torch.float16)[..., 0].float()
+
+
+def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml's 12 packed bytes [..., 12] -> the 8 sub-blocks' 6-bit scales and mins."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat((d & 63, (md & 15) | ((d >> 2) & 0x30)), -1)
+    mn = torch.cat((m & 63, (md >> 4) | ((m >> 2) & 0x30)), -1)
+    return sc, mn
+
+
+def _dense_fields(kind: str, f: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The weight [N, K] in fp32, in gguf-py's order of operations (so, bit for bit)."""
+    per, _ = GGML_KINDS[kind]
+    n, k = f["codes"].shape
+    q = f["codes"].view(n, k // per, -1, 16 if kind == "q6_k" else 32)
+    d = _f16(f["d"])[..., None, None]
+    if kind == "q5_0":
+        w = d * (q.to(torch.int16) - 16).float()
+    elif kind == "q5_1":
+        w = d * q.float() + _f16(f["m"])[..., None, None]
+    elif kind == "q6_k":  # (d sc) per 16, times q - 32
+        sc = f["scales"].view(torch.int8).float()
+        w = (d[..., 0] * sc)[..., None] * (q.to(torch.int16) - 32).float()
+    else:  # (d sc) q - dmin mn per sub-block of 32
+        sc, mn = _scale_min_k4(f["scales"])
+        scale = (d[..., 0] * sc.float())[..., None]
+        w = scale * q.float() - (_f16(f["dmin"])[..., None] * mn.float())[..., None]
+    return w.reshape(n, k)
+
+
 _SCRATCH: dict[torch.dtype, torch.Tensor] = {}
 
 
@@ -167,6 +467,10 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 def _dense_torch(q: QuantWeight) -> torch.Tensor:
+    if q._parts is not None:
+        return torch.cat([_dense_torch(p) for p in q.parts()])
+    if q.kind in GGML_KINDS:
+        return _dense_fields(q.kind, _unpack_fields(q.kind, q.data, q.out_features, q.in_features))
     codes, scale, zero = q.unpacked()
     n, groups = scale.shape
     if q.kind == "q8":
@@ -244,14 +548,43 @@ def move_to_huge_pages(weights: Sequence[QuantWeight]) -> bool:
 
 
 def concat(parts: Sequence[QuantWeight]) -> QuantWeight:
-    """Stack weights of one kind along their outputs (fused q|k|v, gate|up)."""
-    kinds = {p.kind for p in parts}
-    if len(kinds) != 1:
-        raise ValueError(f"cannot fuse weights of kinds {sorted(kinds)}")
-    natural = [p.unpacked() for p in parts]
-    zero = None if parts[0].kind == "q8" else torch.cat([z for _, _, z in natural])
+    """Stack weights along their outputs (fused q|k|v, gate|up). Neighbours of one kind
+    become one packed weight; where kinds differ (a Q4_K_M file's Q4_K q and k, Q6_K v)
+    the result is a MIXED weight of those row parts, each packed in its own kind, so every
+    part keeps the file's numbers."""
+    if len({p.in_features for p in parts}) != 1:
+        raise ValueError("cannot fuse weights of different widths")
+    runs: list[list[QuantWeight]] = []
+    for p in (one for part in parts for one in part.parts()):
+        if runs and runs[-1][0].kind == p.kind:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    merged = [_merge(run) for run in runs]
+    if len(merged) == 1:
+        return merged[0]
+    chunks, spec, at = [], [], 0
+    for p in merged:  # each part's bytes from a 64-byte boundary
+        raw = p.data.reshape(-1)
+        pad = -raw.numel() % 64
+        chunks += [raw, torch.zeros(pad, dtype=torch.uint8)]
+        spec.append((p.kind, p.out_features, at, at + raw.numel()))
+        at += raw.numel() + pad
+    n = sum(p.out_features for p in merged)
+    return QuantWeight._wrap(MIXED, n, parts[0].in_features, torch.cat(chunks), tuple(spec))
+
+
+def _merge(run: list[QuantWeight]) -> QuantWeight:
+    """Weights of one kind stacked into one (repacked from their natural arrays)."""
+    if len(run) == 1:
+        return run[0]
+    kind = run[0].kind
+    natural = [p.unpacked() for p in run]
+    if kind in GGML_KINDS:
+        return QuantWeight.from_blocks(kind, torch.cat([b for b, _, _ in natural]))
+    zero = None if kind == "q8" else torch.cat([z for _, _, z in natural])
     return QuantWeight(
-        parts[0].kind,
+        kind,
         torch.cat([c for c, _, _ in natural]),
         torch.cat([s for _, s, _ in natural]),
         zero,

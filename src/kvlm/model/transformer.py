@@ -6,6 +6,8 @@ tokens are fed, at which positions, and which cache step they attend through.
 
 from __future__ import annotations
 
+import logging
+import re
 import sys
 from contextlib import AbstractContextManager, nullcontext
 
@@ -19,9 +21,10 @@ from kvlm.loading.weights import WeightSource
 from kvlm.model import quant
 from kvlm.model.attention import Attention, KVStep
 from kvlm.model.blas import one_torch_thread
-from kvlm.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding
+from kvlm.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding, feeding_prompt
 
 VOCAB_WEIGHTS = ("lm_head.weight", "model.embed_tokens.weight")
+log = logging.getLogger("kvlm.loading")
 
 
 class Block(nn.Module):
@@ -56,9 +59,11 @@ class Transformer(nn.Module):
     ) -> None:
         """`weight_format` (kvlm.model.layers.Linear.convert): None keeps the projections
         in `dtype`; "bf16", "int8", "int4" convert each as it loads (int4 keeps the vocabulary
-        projection at int8); "native" multiplies a
-        GGUF file's Q8_0/Q4_0/Q4_1 blocks as stored (other quantized types as int8, float
-        tensors as `dtype`). The embedding table stays in `dtype` (one row per token)."""
+        projection at int8); "native" multiplies a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0,
+        Q5_1, Q4_K, Q5_K and Q6_K blocks as stored (q|k|v and gate|up of different types
+        as parts of their own kinds; other quantized types as int8, named in a warning,
+        float tensors as `dtype`). The embedding table stays in `dtype` (one row per
+        token)."""
         super().__init__()
         self.config = config
         self.dtype = dtype
@@ -113,13 +118,24 @@ class Transformer(nn.Module):
         positions: torch.Tensor,
         kv: KVStep,
         last_only: bool = True,
+        prompt: bool | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: (B, T) -> fp32 logits (B, 1 or T, V) (fp64 for an fp64
         model: the reference keeps its precision to the end).
 
         `last_only` skips the vocabulary projection for all but the last position: a
         512-token prefill would otherwise build a 512 x 49152 logits matrix to use one row.
+        `prompt`: the tokens are a prompt's (True) or decoded ones (False), which picks the
+        low-bit products' numerics (kvlm.model.layers.feeding_prompt); None: T > 1.
         """
+        if prompt is None:
+            prompt = input_ids.shape[-1] > 1
+        with feeding_prompt(prompt):
+            return self._forward(input_ids, positions, kv, last_only)
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVStep, last_only: bool
+    ) -> torch.Tensor:
         x = self.embed_table[input_ids]  # (B, T, H)
         cos, sin = self.rope(positions, x.dtype)
         # A cache that keeps K before RoPE (the window cache, positions inside the cache)
@@ -152,6 +168,8 @@ class _WeightTaker:
         self.dtype = dtype
         self.device = device
         self.available = set(weights.names())
+        # --weights native: what had no kernel, (file name pattern, type) -> (outcome, count)
+        self.requantized: dict[tuple[str, str], tuple[str, int]] = {}
         self.bar = tqdm(
             total=len(self.available),
             desc="loading weights",
@@ -166,6 +184,18 @@ class _WeightTaker:
 
     def __exit__(self, *exc: object) -> None:
         self.bar.close()
+        for (pattern, qtype), (outcome, count) in self.requantized.items():
+            many = f" ({count} tensors)" if count > 1 else ""
+            log.warning("%s: %s has no kvlm kernel; %s%s", pattern, qtype, outcome, many)
+
+    def _note(self, names: list[str], outcome: str) -> None:
+        """Remember (for one warning per kind of tensor and type) what `names` became."""
+        stored_as = getattr(self.weights, "stored_as", lambda name: (name, "?"))
+        for name in names:
+            file_name, qtype = stored_as(name)
+            pattern = re.sub(r"^(blk|model\.layers)\.\d+\.", r"\1.*.", file_name)
+            _, count = self.requantized.get((pattern, qtype), (outcome, 0))
+            self.requantized[pattern, qtype] = (outcome, count + 1)
 
     def has(self, name: str) -> bool:
         return name in self.available
@@ -196,10 +226,18 @@ class _WeightTaker:
                 ]
             ).to(device=self.device, dtype=self.dtype)
         native = [self._native(n) for n in names]
-        if all(q is not None for q in native) and len({q.kind for q in native}) == 1:
-            self.bar.update(len(names))
-            return Linear.from_quant(quant.concat(native), bias)
+        if any(q is not None for q in native):  # parts of the kinds stored (quant.concat)
+            self.bar.update(sum(q is not None for q in native))
+            pairs = zip(names, native, strict=True)
+            parts = [self._as_int8(n) if q is None else q for n, q in pairs]
+            return Linear.from_quant(quant.concat(parts), bias)
         return self._make(torch.cat([self.take(n) for n in names], dim=0), bias, names)
+
+    def _as_int8(self, name: str) -> quant.QuantWeight:
+        """A part of a native fused projection that has no kernel of its own: int8, as
+        `_make` would store it (its width, that of the native parts, is in groups of 32)."""
+        self._note([name], "re-quantized to int8")
+        return quant.quantize(self.take(name), "q8")
 
     def linear(
         self, name: str, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None
@@ -227,6 +265,9 @@ class _WeightTaker:
         if fmt == "native":  # no kernel for the stored type: int8 if it was quantized at all
             stored = getattr(self.weights, "is_quantized", lambda name: False)
             fmt = "int8" if any(stored(n) for n in names) else None
+            if fmt == "int8":
+                can = quant.can_quantize(weight)
+                self._note(names, "re-quantized to int8" if can else f"dequantized to {self.dtype}")
         if fmt == "int4" and names[0] in VOCAB_WEIGHTS:
             # the vocabulary projection at 8 bits, as llama.cpp's Q4 files keep it: at 4 bits
             # greedy agreement with fp32 fell from 97% to 91% (benchmarks/bench_weights.py)

@@ -1,0 +1,463 @@
+"""GGUF's Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks multiplied as stored (kvlm.model.quant's
+GGML_KINDS, kernels/qgemm.c), and weights of row parts of different kinds (a Q4_K_M
+file's q|k|v: Q4_K q and k, Q6_K v)."""
+
+from __future__ import annotations
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from helpers import (
+    PACKERS,
+    portable_kernels,
+    random_blocks,
+    ref_dequant_rows,
+    save_tiny_model,
+    write_gguf_from_hf,
+)
+from kvlm import kernels
+from kvlm.model import quant
+from numerics import SAME_ROUNDING, assert_as_exact_as, assert_product_close
+
+needs_kernels = pytest.mark.skipif(kernels.library() is None, reason=kernels.status())
+needs_avx512 = pytest.mark.skipif(
+    kernels.library() is None or kernels.library().kvlm_kernel_simd() != 512,
+    reason="checks the portable build against the AVX-512 one",
+)
+
+TYPES = {"q5_0": "Q5_0", "q5_1": "Q5_1", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
+# The file's own bytes per weight, which the packed layout keeps (kernels/qgemm.c)
+BYTES_PER_WEIGHT = {"q5_0": 22 / 32, "q5_1": 24 / 32, "q4_k": 144 / 256, "q5_k": 176 / 256,
+                    "q6_k": 210 / 256}  # fmt: skip
+COLS = 512  # two super-blocks of 256, sixteen groups of 32
+
+
+def _blocks(kind: str, rows: int, seed: int, source: str = "codes") -> np.ndarray:
+    """Blocks written from random codes and parameters (helpers.PACKERS), or random bytes
+    (every bit pattern of codes and packed scales; fp16 fields of either sign, subnormal)."""
+    rng = np.random.default_rng(seed)
+    if source == "random":
+        return random_blocks(TYPES[kind], rows, COLS, rng)
+    return PACKERS[TYPES[kind]](rows, COLS, rng)
+
+
+def _gguf_dense(kind: str, raw: np.ndarray) -> torch.Tensor:
+    rows = raw.shape[0]
+    return torch.from_numpy(gguf.quants.dequantize(raw, Q[TYPES[kind]])).reshape(rows, -1)
+
+
+def _weight(kind: str, rows: int, seed: int) -> tuple[quant.QuantWeight, torch.Tensor]:
+    raw = _blocks(kind, rows, seed)
+    return quant.QuantWeight.from_blocks(kind, torch.from_numpy(raw)), _gguf_dense(kind, raw)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float16)[..., 0].double()
+
+
+def _magnitudes(q: quant.QuantWeight) -> torch.Tensor:
+    """Per weight, the size of what a product sums for it, fp64: |s (code - offset)| + |z|,
+    the kernels forming sum(s q x) + z sum(x) for the kinds with a z term (q5_1: m, q4_k and
+    q5_k: -dmin mn; q4: m), |w| for the others. Two evaluations of x @ W^T that sum these
+    terms in different orders are within 2 gamma_K |x| @ magnitudes^T (numerics.py), as
+    |w| <= these everywhere."""
+    if q.kind == quant.MIXED:
+        return torch.cat([_magnitudes(p) for p in q.parts()])
+    if q.kind in ("q8", "q4"):
+        codes, scale, zero = q.unpacked()
+        n, groups = scale.shape
+        if q.kind == "q8":
+            return (
+                (codes.double().view(n, groups, 32) * scale.double()[..., None]).abs().view(n, -1)
+            )
+        c = codes.view(n, groups, 16)
+        c = torch.cat((c & 15, c >> 4), -1).double()
+        return ((c * scale.double()[..., None]).abs() + zero.double().abs()[..., None]).view(n, -1)
+    f = quant._unpack_fields(q.kind, q.data, q.out_features, q.in_features)
+    n = f["codes"].shape[0]
+    codes, z, off = f["codes"].double(), 0.0, {"q5_0": 16, "q6_k": 32}.get(q.kind, 0)
+    if q.kind in ("q5_0", "q5_1"):
+        s = _f16(f["d"]).repeat_interleave(32, 1)
+        z = _f16(f["m"]).abs().repeat_interleave(32, 1) if q.kind == "q5_1" else 0.0
+    elif q.kind == "q6_k":
+        s = (_f16(f["d"])[..., None] * f["scales"].view(torch.int8).double()).view(n, -1)
+        s = s.repeat_interleave(16, 1)
+    else:
+        sc, mn = quant._scale_min_k4(f["scales"])
+        s = (_f16(f["d"])[..., None] * sc.double()).view(n, -1).repeat_interleave(32, 1)
+        z = (_f16(f["dmin"])[..., None] * mn.double()).abs().view(n, -1).repeat_interleave(32, 1)
+    return (s * (codes - off)).abs() + z
+
+
+# ---- packing and dequantization -------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("rows", [1, 16, 37])
+@pytest.mark.parametrize("source", ["codes", "random", "pieces"])
+def test_blocks_round_trip_and_dequantize_as_gguf_py(kind, rows, source, monkeypatch):
+    """The packed weight gives the file's blocks back byte for byte, its size is the file's
+    (per 16 rows), and it dequantizes to gguf-py's numbers bit for bit: the torch fallback,
+    the compiled kernels (fp32, and bf16 rounded as torch rounds). "pieces": packed 16 rows
+    at a time (as a large tensor is), the same bytes."""
+    if source == "pieces":
+        monkeypatch.setattr(quant, "PACK_WEIGHTS", 16 * COLS)
+    raw = _blocks(kind, rows, seed=rows, source="codes" if source == "pieces" else source)
+    q = quant.QuantWeight.from_blocks(kind, torch.from_numpy(raw))
+    assert (q.kind, q.out_features, q.in_features) == (kind, rows, COLS)
+    padded = -(-rows // 16) * 16
+    assert q.data.dtype == torch.uint8 and q.data.shape[0] == padded // 16
+    assert q.nbytes == padded * raw.shape[1] == padded * COLS * BYTES_PER_WEIGHT[kind]
+    back, scale, zero = q.unpacked()
+    assert scale is None and zero is None and torch.equal(back, torch.from_numpy(raw))
+    want = _gguf_dense(kind, raw)
+    assert torch.equal(_bits(quant._dense_torch(q)), _bits(want))
+    if kernels.library() is not None:
+        assert torch.equal(_bits(q.dense()), _bits(want))
+        assert torch.equal(_bits(q.dense(dtype=torch.bfloat16)), _bits(want.bfloat16()))
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_the_blocks_mean_what_ggml_says(kind):
+    """gguf-py's dequantization against helpers' own decoder of ggml's layouts (the numbers
+    the bit-for-bit checks above hold kvlm to are ggml's)."""
+    raw = _blocks(kind, 8, seed=3)
+    want, _ = ref_dequant_rows(raw, TYPES[kind], with_size=True)
+    assert np.array_equal(_gguf_dense(kind, raw).double().numpy(), want.astype(np.float32))
+
+
+def test_the_layout_puts_row_i_in_lane_i():
+    """Two documented places of the packed layout (kernels/qgemm.c), by hand: q4_k's header
+    (row i's packed scales in lane i of three vectors, then d and dmin of the 16 rows) and
+    its first codes; q5_0's nibbles and d."""
+    raw = _blocks("q4_k", 2, seed=1)
+    data = quant.QuantWeight.from_blocks("q4_k", torch.from_numpy(raw)).data.numpy()
+    for i in range(2):
+        for w in range(3):  # the 12 scale bytes: bytes 4w .. 4w + 3 in lane i of vector w
+            assert (
+                data[0, 64 * w + 4 * i : 64 * w + 4 * i + 4] == raw[i, 4 + 4 * w : 8 + 4 * w]
+            ).all()
+        assert (data[0, 192 + 2 * i : 194 + 2 * i] == raw[i, 0:2]).all()  # d
+        assert (data[0, 224 + 2 * i : 226 + 2 * i] == raw[i, 2:4]).all()  # dmin
+        # sub-block 0 is the low nibbles of qs[0:32]; kvlm's byte 0 holds weights 0 and 16
+        assert data[0, 256 + 4 * i] == (raw[i, 16] & 15) | ((raw[i, 32] & 15) << 4)
+    raw = _blocks("q5_0", 2, seed=2)
+    data = quant.QuantWeight.from_blocks("q5_0", torch.from_numpy(raw)).data.numpy()
+    for i in range(2):
+        assert (data[0, 4 * i : 4 * i + 4] == raw[i, 6:10]).all()  # qs: ggml's own nibbles
+        assert (data[0, 320 + 2 * i : 322 + 2 * i] == raw[i, 0:2]).all()  # d after the codes
+
+
+def test_blocks_of_the_wrong_shape_are_refused():
+    with pytest.raises(ValueError, match="multiple of 144"):
+        quant.QuantWeight.from_blocks("q4_k", torch.zeros(4, 100, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="from_blocks"):
+        quant.QuantWeight("q6_k", torch.zeros(4, 32), torch.zeros(4, 1))
+
+
+# ---- products -------------------------------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 40])
+def test_kernel_products_equal_the_dequantized_weight(kind, rows):
+    """x @ W^T of gguf-py's dequantized weight: the C kernel (up to 16 rows), the dense GEMM
+    (more), on fp32 activations; and on int8 activations (up to 16 rows: x rounded per
+    group of 32 as round_activations does, q6_k's scales applied per 16), the product of
+    the rounded x. 72 rows: a part-filled block of 16."""
+    torch.manual_seed(rows)
+    q, w = _weight(kind, 72, seed=rows)
+    x = torch.randn(rows, COLS)
+    x[0, :32] = 0.0  # an all-zero group: int8 scale 0
+    size = _magnitudes(q)
+    assert (size >= w.double().abs()).all()
+    assert_product_close(q.matmul(x), x @ w.t(), x, size)
+    if rows <= quant.SMALL_M:
+        xr = quant.round_activations(x)
+        assert_product_close(q.matmul(x, act_int8=True), xr @ w.t(), xr, size)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_without_kernels_the_torch_fallback_gives_the_same_products(kind, monkeypatch):
+    q, w = _weight(kind, 40, seed=9)
+    x = torch.randn(3, COLS)
+    xr = quant.round_activations(x)
+    monkeypatch.setattr(kernels, "library", lambda: None)
+    assert torch.equal(_bits(q.dense()), _bits(w))
+    assert torch.equal(_bits(q.dense(dtype=torch.bfloat16)), _bits(w.bfloat16()))
+    size = _magnitudes(q)
+    assert_product_close(q.matmul(x), x @ w.t(), x, size)
+    assert_product_close(q.matmul(x, act_int8=True), xr @ w.t(), xr, size)
+
+
+@needs_avx512
+def test_the_portable_build_computes_the_same_products(tmp_path, monkeypatch):
+    """The scalar code paths (no AVX-512, no VNNI; built with -march=x86-64): the same
+    dequantized numbers bit for bit, the same products to summation order, every kind."""
+    portable = portable_kernels(tmp_path, monkeypatch)
+    assert portable.kvlm_kernel_simd() == 0 and portable.kvlm_kernel_vnni() == 0
+    torch.manual_seed(4)
+    cases = []
+    for kind in TYPES:
+        q, w = _weight(kind, 40, seed=4)
+        x = torch.randn(5, COLS)
+        cases.append((q, w, x, [q.matmul(x, act_int8=a) for a in (False, True)]))
+    monkeypatch.setattr(kernels, "library", lambda: portable)
+    for q, w, x, fast in cases:
+        assert torch.equal(_bits(q.dense()), _bits(w)), q.kind
+        assert torch.equal(_bits(q.dense(dtype=torch.bfloat16)), _bits(w.bfloat16())), q.kind
+        size = _magnitudes(q)
+        for act_int8, expected in zip((False, True), fast, strict=True):
+            xa = quant.round_activations(x) if act_int8 else x
+            got = q.matmul(x, act_int8=act_int8)
+            assert_product_close(got, expected, xa, size)
+            assert_product_close(got, xa @ w.t(), xa, size)
+
+
+# ---- weights of parts of different kinds ----------------------------------------------
+
+
+def _mixed_parts() -> list[tuple[quant.QuantWeight, torch.Tensor]]:
+    """q (24 rows) and k (40) Q4_K, v (24) Q6_K: row counts off the blocks of 16."""
+    return [_weight("q4_k", 24, 11), _weight("q4_k", 40, 12), _weight("q6_k", 24, 13)]
+
+
+def test_a_weight_of_parts_keeps_each_parts_kind_and_numbers(monkeypatch):
+    parts = _mixed_parts()
+    fused = quant.concat([q for q, _ in parts])
+    w = torch.cat([d for _, d in parts])
+    assert fused.kind == quant.MIXED and (fused.out_features, fused.in_features) == (88, COLS)
+    assert [(p.kind, p.out_features) for p in fused.parts()] == [("q4_k", 64), ("q6_k", 24)]
+    assert fused.nbytes == sum(p.nbytes for p in fused.parts()) == 64 * 144 * 2 + 32 * 210 * 2
+    with pytest.raises(ValueError, match="parts"):
+        fused.unpacked()
+    assert torch.equal(_bits(quant._dense_torch(fused)), _bits(w))
+    x = torch.randn(4, COLS)
+    size = _magnitudes(fused)
+    if kernels.library() is not None:
+        assert torch.equal(_bits(fused.dense()), _bits(w))
+        assert torch.equal(_bits(fused.dense(dtype=torch.bfloat16)), _bits(w.bfloat16()))
+        for act_int8 in (False, True):  # each part's columns are its own product, bit for bit
+            alone = torch.cat([q.matmul(x, act_int8=act_int8) for q, _ in parts], 1)
+            assert torch.equal(fused.matmul(x, act_int8=act_int8), alone)
+    assert_product_close(fused.matmul(x), x @ w.t(), x, size)
+    many = torch.randn(20, COLS)  # the dense path
+    assert_product_close(fused.matmul(many), many @ w.t(), many, size)
+    # a part of another kind after it: three parts; q8 and q4 mix as well
+    q8 = quant.quantize(torch.randn(8, COLS), "q8")
+    three = quant.concat([fused, q8])
+    assert [p.kind for p in three.parts()] == ["q4_k", "q6_k", "q8"]
+    legacy = quant.concat([quant.quantize(torch.randn(16, COLS), "q4"), q8])
+    assert [p.kind for p in legacy.parts()] == ["q4", "q8"]
+    monkeypatch.setattr(kernels, "library", lambda: None)
+    assert_product_close(fused.matmul(x), x @ w.t(), x, size)
+    xr = quant.round_activations(x)
+    assert_product_close(fused.matmul(x, act_int8=True), xr @ w.t(), xr, size)
+
+
+def test_weights_of_parts_move_to_huge_pages_unchanged():
+    fused = quant.concat([q for q, _ in _mixed_parts()])
+    plain, _ = _weight("q5_k", 16, 14)
+    x = torch.randn(2, COLS)
+    before = [(w.data.clone(), w.matmul(x), w.dense()) for w in (fused, plain)]
+    if not quant.move_to_huge_pages([fused, plain]):
+        return  # no huge pages here: nothing moved
+    assert fused.data.data_ptr() % kernels.HUGE_PAGE == 0
+    for w, (data, y, dense) in zip((fused, plain), before, strict=True):
+        assert torch.equal(w.data, data)
+        assert torch.equal(w.matmul(x), y) and torch.equal(w.dense(), dense)
+
+
+# ---- GGUF files -------------------------------------------------------------------------
+
+Q4_K_M = {"*attn_v*": Q.Q6_K, "*ffn_down*": Q.Q6_K, "output.weight": Q.Q6_K, "*": Q.Q4_K}
+MIXES = {
+    "Q4_K_M": Q4_K_M,
+    "Q5_K": {"*": Q.Q5_K},
+    "Q6_K": {"*": Q.Q6_K},
+    "Q5_0+Q5_1": {"*attn*": Q.Q5_0, "*": Q.Q5_1},
+}
+PROJECTIONS = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
+    """hidden 256: rows long enough for 256-element K-quant super-blocks."""
+    return save_tiny_model(tmp_path_factory.mktemp("wide"), "llama", seed=7, hidden_size=256,
+                           intermediate_size=512, head_dim=64)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def k_files(wide_llama, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("kfiles")
+    return {
+        name: write_gguf_from_hf(wide_llama, folder / f"{name}.gguf", types=types)
+        for name, types in MIXES.items()
+    }
+
+
+def _type_of(types: dict, name: str) -> str:
+    from fnmatch import fnmatch
+
+    return next(t for p, t in types.items() if fnmatch(name, p)).name.lower()
+
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_native_weights_keep_each_tensors_kind(k_files, mix, caplog):
+    """--weights native: every projection holds the file's blocks in their own kind (q|k|v
+    and gate|up as parts where they differ), the same numbers as the float loader's (q/k
+    rows un-permuted), nothing re-quantized and so nothing named."""
+    from kvlm import LLM
+
+    with caplog.at_level(logging.WARNING, logger="kvlm.loading"):
+        llm = LLM(
+            model=k_files[mix],
+            progress=False,
+            max_context=64,
+            weights="native",
+            activations="fp32",
+            prefill_dtype="fp32",
+        )
+    assert not caplog.records
+    types, src = MIXES[mix], llm.loaded.weights
+    for i, block in enumerate(llm.model.layers):
+        fused = {"qkv": block.attn.qkv, "o": block.attn.o_proj, "gate_up": block.mlp.gate_up,
+                 "down": block.mlp.down}  # fmt: skip
+        members = {"qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                   "o": ["self_attn.o_proj"], "gate_up": ["mlp.gate_proj", "mlp.up_proj"],
+                   "down": ["mlp.down_proj"]}  # fmt: skip
+        for key, lin in fused.items():
+            kinds = [_type_of(types, f"blk.{i}.{PROJECTIONS[m]}.weight") for m in members[key]]
+            runs = [k for j, k in enumerate(kinds) if j == 0 or kinds[j - 1] != k]
+            assert [p.kind for p in lin.quant.parts()] == runs, (i, key)
+            names = [f"model.layers.{i}.{m}.weight" for m in members[key]]
+            want = torch.cat([src.get(n) for n in names])
+            assert torch.equal(_bits(lin.quant.dense()), _bits(want)), (i, key)
+    assert llm.model.lm_head.quant.kind == _type_of(types, "output.weight")
+
+
+@needs_kernels
+@pytest.mark.parametrize("mix, act", [("Q4_K_M", "fp32"), ("Q4_K_M", "int8"), ("Q5_K", "fp32"),
+                                      ("Q5_0+Q5_1", "fp32")])  # fmt: skip
+def test_the_fused_step_tracks_the_torch_model_on_k_quants(k_files, mix, act):
+    """The fused decode step (kvlm_decode_batch: q|k|v of two kinds in one kvlm_qmat) and the
+    torch model, against the same weights in fp64: the fused logits are as close to the
+    exact result as the torch path's (fp32 activations: the same arithmetic in another
+    order; int8 activations: both round x with the same rule), and at every step each
+    side's best token is in the other's top 5."""
+    from kvlm import LLM
+
+    path = k_files[mix]
+    llm = LLM(
+        model=path,
+        progress=False,
+        max_context=64,
+        weights="native",
+        activations=act,
+        prefill_dtype="fp32",
+    )
+    assert llm.runner.fused_reason is None, llm.runner.fused_reason
+    exact = LLM(
+        model=path,
+        progress=False,
+        max_context=64,
+        weights="native",
+        dtype="fp64",
+        activations="fp32",
+        prefill_dtype="fp32",
+    )
+    ids = llm.encode("a b c d e")
+    runner = llm.runner
+    fused_cache, torch_cache = llm.new_cache("contiguous"), llm.new_cache("contiguous")
+    token = int(runner.forward(ids, fused_cache).argmax())
+    runner.forward(ids, torch_cache)
+    assert runner.fused_for(fused_cache) is not None
+    tokens, fused, ref = [], [], []
+    for _ in range(24):
+        tokens.append(token)
+        fused.append(runner.forward([token], fused_cache))
+        runner.fused_reason = "off for the comparison"
+        try:
+            ref.append(runner.forward([token], torch_cache))
+        finally:
+            runner.fused_reason = None
+        token = int(fused[-1].argmax())
+    fused, ref = torch.stack(fused), torch.stack(ref)
+    want = exact.runner.logits(list(ids) + tokens, exact.new_cache("off"))[len(ids) :]
+    assert_as_exact_as(fused, ref, want, SAME_ROUNDING)
+    for i, (a, b) in enumerate(zip(fused, ref, strict=True)):
+        assert int(a.argmax()) in torch.topk(b, 5).indices.tolist(), i
+        assert int(b.argmax()) in torch.topk(a, 5).indices.tolist(), i
+
+
+def test_types_without_a_kernel_are_named_once(wide_llama, tmp_path, caplog):
+    """Q3_K (every ffn_down) and Q2_K (every attn_v) have no kernel: each is re-quantized to
+    int8, and said once per kind of tensor; the rest of q|k|v keeps its Q4_K parts."""
+    from kvlm import LLM
+
+    rng = np.random.default_rng(0)
+    extra = {}
+    for i in range(2):
+        extra[f"blk.{i}.ffn_down.weight"] = (random_blocks("Q3_K", 256, 512, rng), Q.Q3_K)
+        extra[f"blk.{i}.attn_v.weight"] = (random_blocks("Q2_K", 128, 256, rng), Q.Q2_K)
+    path = write_gguf_from_hf(
+        wide_llama, tmp_path / "m.gguf", types={"*": Q.Q4_K}, extra_tensors=extra
+    )
+    with caplog.at_level(logging.WARNING, logger="kvlm.loading"):
+        llm = LLM(
+            model=path,
+            progress=False,
+            max_context=64,
+            weights="native",
+            activations="fp32",
+            prefill_dtype="fp32",
+        )
+    said = sorted(r.getMessage() for r in caplog.records)
+    assert said == [
+        "blk.*.attn_v.weight: Q2_K has no kvlm kernel; re-quantized to int8 (2 tensors)",
+        "blk.*.ffn_down.weight: Q3_K has no kvlm kernel; re-quantized to int8 (2 tensors)",
+    ]
+    block = llm.model.layers[0]
+    assert [p.kind for p in block.attn.qkv.quant.parts()] == ["q4_k", "q8"]
+    assert block.mlp.down.quant.kind == "q8"
+    out = llm.runner.logits(llm.encode("hello"), llm.new_cache("off"))
+    assert torch.isfinite(out).all()
+
+
+@needs_kernels
+def test_a_batch_of_k_quant_rows_gets_each_rows_own_logits(k_files):
+    """The server's batch over a paged pool (20 rows: the products in tiles of 16 and 4, each
+    part of q|k|v writing its columns of the wider output): every row's logits bit for bit
+    those it gets alone, and those of the contiguous single-sequence step."""
+    from kvlm import LLM
+    from test_fused_batch import _rows_alone_and_together
+
+    llm = LLM(
+        model=k_files["Q4_K_M"],
+        progress=False,
+        max_context=256,
+        weights="native",
+        activations="fp32",
+        prefill_dtype="fp32",
+    )
+    assert [p.kind for p in llm.model.layers[0].attn.qkv.quant.parts()] == ["q4_k", "q6_k"]
+    _rows_alone_and_together(llm, [3, 16, 17, 9, 1, 33, 5, 21, 12, 7, 2, 4, 6, 8, 10, 11, 13, 14,
+                                   19, 20])  # fmt: skip
