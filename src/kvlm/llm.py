@@ -61,7 +61,8 @@ class CacheOptions:
 
 
 class LLM:
-    """A loaded model with one cache, ready to generate.
+    """A loaded model with one cache, ready to generate; several prompts at once go
+    through a batch engine over a paged pool (`generate`, `batch_engine`).
 
     >>> llm = LLM()                                  # the embedded SmolLM2-135M
     >>> out = llm.generate(["The capital of France is"], SamplingParams(temperature=0))

@@ -93,8 +93,10 @@ class Transformer(nn.Module):
 
     def pack_for_batches(self) -> None:
         """Switch fp32 CPU weights to oneDNN's packed layout (kvlm.model.layers.Linear):
-        what a server wants, many rows per step. Single-stream decode is faster on the
-        default OpenBLAS layout."""
+        what a server wants, many rows per step, each row with the same bits alone or
+        batched. LLM.generate uses it for one prompt too (the same bits as in a batch).
+        Single-stream decode on the default OpenBLAS layout is ~3-4% faster; prefill on
+        the packed layout faster (docs/BENCHMARKS.md, LLM.generate). Idempotent."""
         if self._embed_table is None:  # tied: keep the rows before lm_head is repacked
             self._embed_table = self.lm_head.rows().contiguous()
         for module in self.modules():
