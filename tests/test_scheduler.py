@@ -150,10 +150,10 @@ def test_fork_shares_blocks_and_copy_on_write_splits_the_partial_one():
     assert s.manager.pool.refs[:3] == [2, 1, 1]
 
 
-def test_whole_chunks_feed_a_prompt_as_a_single_stream_does():
-    """Chunks of prefill_chunk at multiples of it; one that does not fit the step's budget
+def test_chunk_size_feeds_a_prompt_as_a_single_stream_does():
+    """Chunks of chunk_size at multiples of it; one that does not fit the step's budget
     waits rather than being cut."""
-    s = make(prefill_chunk=6, whole_chunks=True)
+    s = make(prefill_chunk=6, chunk_size=6)
     a, b = seq(list(range(5)), "a"), seq(list(range(100, 110)), "b")
     s.add(a)
     s.add(b)
@@ -166,6 +166,20 @@ def test_whole_chunks_feed_a_prompt_as_a_single_stream_does():
     run(s, batch)
     batch = s.schedule()
     assert [(q.request_id, n) for q, n in batch.prefill] == [("b", 4)]  # positions 6..9
+
+
+def test_a_budget_of_several_chunks_feeds_several_prompts_a_step():
+    s = make(prefill_chunk=12, chunk_size=4)
+    a, b, c = seq(list(range(10)), "a"), seq(list(range(3)), "b"), seq(list(range(9)), "c")
+    for q in (a, b, c):
+        s.add(q)
+    batch = s.schedule()  # one chunk each: 4 + 3 + 4 of 12
+    assert [(q.request_id, n) for q, n in batch.prefill] == [("a", 4), ("b", 3), ("c", 4)]
+    run(s, batch)
+    batch = s.schedule()
+    assert [(q.request_id, n) for q, n in batch.prefill] == [("a", 4), ("c", 4)]
+    with pytest.raises(ValueError, match="chunk_size"):
+        SchedulerConfig(prefill_chunk=4, chunk_size=5)
 
 
 def test_reserve_full_admits_only_what_can_finish_without_preemption():

@@ -302,7 +302,7 @@ class LLM:
 
         It runs each prompt's forwards exactly as a single stream does, so the batch changes
         no bit of any prompt's result: a prompt is prefilled in the LLM's prefill_chunk
-        (whole by default), never cut to share a step's budget (SchedulerConfig.whole_chunks);
+        (whole by default), never cut to share a step's budget (SchedulerConfig.chunk_size);
         no prefix is taken from another prompt's blocks (prefix caching off: those were
         computed in other chunks); no sequence is preempted and recomputed
         (SchedulerConfig.reserve_full admits a request only with room for its max_tokens)."""
@@ -310,10 +310,11 @@ class LLM:
             from kvlm.engine.engine import Engine, EngineConfig
             from kvlm.engine.scheduler import SchedulerConfig
 
+            chunk = self.prefill_chunk or self.max_context  # a prompt's chunks, as alone
             sched = SchedulerConfig(
                 max_num_seqs=BATCH_MAX_SEQS,
-                prefill_chunk=self.prefill_chunk or self.max_context,
-                whole_chunks=True,
+                prefill_chunk=max(chunk, self.max_context),  # a step's prompt tokens
+                chunk_size=chunk,
                 reserve_full=True,
             )
             config = EngineConfig(

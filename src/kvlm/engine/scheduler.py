@@ -23,11 +23,11 @@ memory, and the oldest requests keep their progress.
 Two options make a sequence's forwards exactly those it would run alone on one cache
 (LLM.generate turns them on, so a batch gives every prompt its single-stream bits):
 
-- `whole_chunks`: a prompt is fed in chunks of `prefill_chunk` tokens at positions that
-  are multiples of it (the last one shorter), as a single stream feeds it; a chunk that
-  does not fit what is left of the step's budget waits for the next step. Without it a
-  chunk is cut to the budget, and attention summed over other chunk boundaries rounds
-  differently in the last bits.
+- `chunk_size`: a prompt is fed in chunks of `chunk_size` tokens at positions that are
+  multiples of it (the last one shorter), as a single stream with that prefill chunk feeds
+  it; a chunk that does not fit what is left of the step's budget (`prefill_chunk`) waits
+  for the next step. Without it a chunk is cut to the budget, and attention summed over
+  other chunk boundaries rounds differently in the last bits.
 - `reserve_full`: a request is admitted only when the pool holds, beside what it takes
   now, every block it may still take (each sample's prompt and max_tokens, within the
   context limit) and every block the running sequences may still take: no sequence is
@@ -55,13 +55,15 @@ class SchedulerConfig:
     prefill_chunk: int = 256  # prompt tokens fed per step, over all prefilling sequences
     max_waiting: int = 64  # requests queued beyond max_num_seqs before refusing more
     reserve_blocks: int = 1  # kept free at admission for running sequences to grow into
-    whole_chunks: bool = False  # prompts fed in aligned chunks of prefill_chunk (see above)
+    chunk_size: int | None = None  # prompts fed in aligned whole chunks of it (see above)
     reserve_full: bool = False  # admit only with room for everyone's worst case (see above)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "prefill_chunk", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.chunk_size is not None and not 0 < self.chunk_size <= self.prefill_chunk:
+            raise ValueError("chunk_size must be 1..prefill_chunk (a step's budget)")
 
 
 @dataclass(slots=True)
@@ -144,7 +146,7 @@ class Scheduler:
                 reserve += sum(self._growth(s) for s in self.running)
             if not self.manager.can_admit(seq.token_ids, reserve, salt=seq.cache_salt):
                 break  # first come, first served: later requests wait behind it
-            if self.config.whole_chunks and seq.num_pending > 1 and not self._chunk(seq, budget):
+            if self.config.chunk_size and seq.num_pending > 1 and not self._chunk(seq, budget):
                 break  # its first chunk waits for a step with room for all of it
             self.waiting.popleft()
             seq.table, seq.num_cached = self.manager.allocate(seq.token_ids, seq.cache_salt)
@@ -159,10 +161,10 @@ class Scheduler:
             budget -= n
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens of `seq`'s pending prompt to feed this step; 0: none fit (whole_chunks)."""
-        if not self.config.whole_chunks:
+        """Tokens of `seq`'s pending prompt to feed this step; 0: none fit (chunk_size)."""
+        size = self.config.chunk_size
+        if size is None:
             return min(seq.num_pending, budget)
-        size = self.config.prefill_chunk
         n = min(seq.num_pending, size - seq.num_computed % size)  # up to the next multiple
         return n if n <= budget else 0
 
