@@ -64,15 +64,18 @@ def test_one_row_fp32_takes_the_blas_path_when_available():
 
 
 @pytest.mark.skipif(not _onednn_fp32(), reason="oneDNN cannot run fp32 products here")
-def test_onednn_packed_rows_do_not_depend_on_their_batch():
+@pytest.mark.parametrize("width", [64, 1536])
+def test_onednn_packed_rows_do_not_depend_on_their_batch(width):
     """The serving kernel: a row's result is the same bits alone, in a decode batch, or in
-    a padded prefill chunk (kvlm.model.layers.Linear._onednn)."""
+    a padded prefill chunk (kvlm.model.layers.Linear._onednn). 1536: oneDNN's one-row
+    kernel sums rows this long in another order than its multi-row one (seen on EPYC); one
+    row is run as two."""
     torch.manual_seed(0)
-    w, b = torch.randn(96, 64), torch.randn(96)
+    w, b = torch.randn(96, width), torch.randn(96)
     lin = Linear(w, b)
     lin.pack_onednn()
     assert lin.kernel == "onednn" and not lin.uses_blas
-    x = torch.randn(1, 40, 64)
+    x = torch.randn(1, 40, width)
     alone = torch.cat([lin(x[:, i : i + 1]) for i in range(40)], dim=1)
     for rows in (1, 5, 16, 17, 33, 40):  # exact, exact, exact, padded, padded, padded
         y = lin(x[:, :rows])
@@ -101,3 +104,25 @@ def test_attention_with_kv_heads_repeated_equals_grouped_query_sdpa(with_mask):
         q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask
     )
     assert (grouped - ref).abs().max() <= bound
+
+
+@pytest.mark.parametrize("lengths", [[9, 9, 9], [9, 4, 7]])
+def test_attention_row_by_row_gives_each_row_its_bits_alone(lengths):
+    """On the CPU one SDPA call over B rows is not B calls of one: its kernel divides the
+    work by the batch's size. `attend_rows` runs each row alone, over its own keys."""
+    from types import SimpleNamespace
+
+    from kvlm.cache.base import causal_mask
+    from kvlm.model.attention import attend, attend_rows
+
+    g = torch.Generator().manual_seed(0)
+    B, S = len(lengths), max(lengths)
+    q = torch.randn(B, 9, 1, 64, generator=g)
+    k, v = (torch.randn(B, 3, S, 64, generator=g) for _ in range(2))
+    same = len(set(lengths)) == 1
+    rows = None if same else [(n, *causal_mask(n - 1, 1, n, None, q.device)) for n in lengths]
+    kv = SimpleNamespace(rows=rows, mask=None, is_causal=False)
+    got = attend_rows(q, k, v, kv)
+    for b, n in enumerate(lengths):
+        alone = attend(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], None, False)
+        assert torch.equal(got[b : b + 1], alone)

@@ -148,3 +148,57 @@ def test_fork_shares_blocks_and_copy_on_write_splits_the_partial_one():
     assert batch.decode == [a, b]
     assert a.table.blocks == [0, 2] and b.table.blocks == [0, 1]  # a copied, b in place
     assert s.manager.pool.refs[:3] == [2, 1, 1]
+
+
+def test_chunk_size_feeds_a_prompt_as_a_single_stream_does():
+    """Chunks of chunk_size at multiples of it; one that does not fit the step's budget
+    waits rather than being cut."""
+    s = make(prefill_chunk=6, chunk_size=6)
+    a, b = seq(list(range(5)), "a"), seq(list(range(100, 110)), "b")
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    assert [(q.request_id, n) for q, n in batch.prefill] == [("a", 5)]  # b's 6 would not fit
+    assert [q.request_id for q in s.waiting] == ["b"]
+    run(s, batch)
+    batch = s.schedule()
+    assert batch.decode == [a] and [(q.request_id, n) for q, n in batch.prefill] == [("b", 6)]
+    run(s, batch)
+    batch = s.schedule()
+    assert [(q.request_id, n) for q, n in batch.prefill] == [("b", 4)]  # positions 6..9
+
+
+def test_a_budget_of_several_chunks_feeds_several_prompts_a_step():
+    s = make(prefill_chunk=12, chunk_size=4)
+    a, b, c = seq(list(range(10)), "a"), seq(list(range(3)), "b"), seq(list(range(9)), "c")
+    for q in (a, b, c):
+        s.add(q)
+    batch = s.schedule()  # one chunk each: 4 + 3 + 4 of 12
+    assert [(q.request_id, n) for q, n in batch.prefill] == [("a", 4), ("b", 3), ("c", 4)]
+    run(s, batch)
+    batch = s.schedule()
+    assert [(q.request_id, n) for q, n in batch.prefill] == [("a", 4), ("c", 4)]
+    with pytest.raises(ValueError, match="chunk_size"):
+        SchedulerConfig(prefill_chunk=4, chunk_size=5)
+
+
+def test_reserve_full_admits_only_what_can_finish_without_preemption():
+    def sampled(tokens, rid, max_tokens):
+        q = seq(tokens, rid)
+        q.sample.params = SimpleNamespace(max_tokens=max_tokens)
+        return q
+
+    s = make(num_blocks=6, reserve_full=True)
+    s.max_model_len = 64
+    a, b = sampled(list(range(8)), "a", 8), sampled(list(range(8)), "b", 8)
+    s.add(a)
+    s.add(b)
+    s.schedule()
+    # a: 2 blocks now, up to 16 tokens (4 blocks) + one copy: 3 more. b would take 2 now and
+    # 3 later: 2 + 3 + 3 > 6 - 2, so b waits although its prompt fits.
+    assert [q.request_id for q in s.running] == ["a"] and list(s.waiting) == [b]
+    while a.num_tokens < 16:
+        run(s, s.schedule())
+    s.finish(a)
+    s.schedule()
+    assert [q.request_id for q in s.running] == ["b"] and s.preemptions == 0

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import itertools
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm import tqdm
 
 from kvlm import defaults, kernels
 from kvlm.cache import CacheSpec, KVCache, create_cache
 from kvlm.cache.factory import check_mode, mode_spec
 from kvlm.dtypes import dtype_name, parse_dtype, parse_kv_dtype
 from kvlm.engine.chat import ChatSession
-from kvlm.engine.generate import Generation, RequestOutput
+from kvlm.engine.generate import Generation, RequestOutput, check_fits, check_prompt
 from kvlm.engine.runner import ModelRunner
 from kvlm.engine.sampling import SamplingParams
 from kvlm.errors import InvalidRequestError
@@ -23,6 +26,9 @@ from kvlm.loading import load_model
 from kvlm.model.blas import set_blas_threads
 from kvlm.model.layers import Linear
 from kvlm.model.transformer import Transformer
+
+if TYPE_CHECKING:
+    from kvlm.engine.engine import Engine
 
 # The contiguous cache preallocates this many tokens unless told otherwise (the model's
 # own limit when smaller). 4096 is llama.cpp's default context too.
@@ -32,6 +38,12 @@ DEFAULT_MAX_CONTEXT = 4096
 # "int4" = groups of 32 (kvlm.model.quant); "native" = the GGUF file's own blocks. The
 # default, "auto", picks native for a low-bit GGUF (kvlm.defaults).
 WEIGHT_FORMATS = (None, "f32", "bf16", "int8", "int4", "native")
+# Cache modes whose requests `generate` can batch through the engine's paged pool (the same
+# attention, exactly: contiguous and paged; int8 codes alike). window, basic and off keep
+# state the pool cannot (a ring, a per-step rebuild): their prompts run one after another.
+BATCH_MODES = ("contiguous", "paged", "int8")
+# Sequences the batch engine decodes together (SchedulerConfig.max_num_seqs)
+BATCH_MAX_SEQS = 16
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,7 +62,8 @@ class CacheOptions:
 
 
 class LLM:
-    """A loaded model with one cache, ready to generate.
+    """A loaded model with one cache, ready to generate; several prompts at once go
+    through a batch engine over a paged pool (`generate`, `batch_engine`).
 
     >>> llm = LLM()                                  # the embedded SmolLM2-135M
     >>> out = llm.generate(["The capital of France is"], SamplingParams(temperature=0))
@@ -138,6 +151,9 @@ class LLM:
             )
         self.cache_spec(kv)  # every cache setting checked before the weights load
         self._cache: KVCache | None = None  # allocated on first use
+        self._engine: Engine | None = None  # generate's batch engine, made on first use
+        self._request_ids = itertools.count()
+        self.progress = progress
         weights = self.loaded.weights
         self.model = Transformer(
             self.config, weights, self.dtype, self.device, progress, self.weights
@@ -219,12 +235,24 @@ class LLM:
     def generate(
         self,
         prompts: str | Sequence[str] | None = None,
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt (raw text, no chat template; see `chat`)."""
-        params = sampling_params or SamplingParams()
+        """One RequestOutput per prompt, in prompt order (raw text, no chat template; see
+        `chat`). `sampling_params`: one for every prompt, or a list of one per prompt.
+
+        More than one prompt, in a cache mode of BATCH_MODES: all go through the batch
+        engine (`batch_engine`) together, continuous batching over its paged pool, as the
+        server batches requests. Each gets the tokens it gets alone, bit for bit (greedy and
+        seeded alike): the engine runs a prompt's forwards as a single stream does and its
+        kernels give a row the same bits in any batch. One prompt, and every prompt of the
+        window, basic and off caches, run one after another on the LLM's own cache.
+
+        Every prompt is checked before any is run: an empty one, a token outside the
+        vocabulary or a prompt longer than the context raises as it would alone.
+        `use_tqdm`: a "Processed prompts" bar on stderr (default: the LLM's `progress`)."""
         if (prompts is None) == (prompt_token_ids is None):
             raise InvalidRequestError("pass exactly one of prompts or prompt_token_ids")
         if prompts is not None:
@@ -232,7 +260,91 @@ class LLM:
             requests = [(t, self.tokenizer.encode(t)) for t in texts]
         else:
             requests = [(None, list(ids)) for ids in prompt_token_ids or []]
-        return [self.stream(ids, params, prompt=text).run() for text, ids in requests]
+        params = self._params_for(sampling_params, len(requests))
+        batched = len(requests) > 1 and self.kv_mode in BATCH_MODES
+        for _, ids in requests:  # every prompt before any work
+            check_prompt(ids, self.config.vocab_size)
+            if batched and len(ids) > self.max_context:
+                check_fits(ids, self.cache_spec().max_tokens)
+        if self.kv_mode in BATCH_MODES:
+            # One layout for one prompt and many: fp32 CPU weights packed for oneDNN, whose
+            # rows get the same bits alone or batched (Transformer.pack_for_batches).
+            self.model.pack_for_batches()
+        engine = self.batch_engine() if batched else None
+        alone = []  # what the engine cannot take runs on the LLM's cache, as it would alone
+        for i, ((_, ids), p) in enumerate(zip(requests, params, strict=True)):
+            if engine is not None:
+                try:
+                    engine.check_request(ids, p)
+                    continue
+                except InvalidRequestError:  # a prompt of the whole context; n too large
+                    pass
+            self.cache.free()
+            check_fits(ids, self.cache)
+            alone.append(i)
+        show = self.progress if use_tqdm is None else use_tqdm
+        with tqdm(total=len(requests), desc="Processed prompts", file=sys.stderr,
+                  disable=not show, dynamic_ncols=True) as bar:  # fmt: skip
+            results: list[RequestOutput | None] = [None] * len(requests)
+            if engine is not None and len(alone) < len(requests):
+                from kvlm.engine.batch import run_batch
+
+                todo = sorted(set(range(len(requests))) - set(alone))
+                ids = [f"generate-{next(self._request_ids)}" for _ in todo]
+                outs = run_batch(engine, [requests[i] for i in todo], [params[i] for i in todo],
+                                 bar, ids)  # fmt: skip
+                for i, out in zip(todo, outs, strict=True):
+                    results[i] = out
+            for i in alone:
+                text, ids = requests[i]
+                results[i] = self.stream(ids, params[i], prompt=text).run()
+                bar.update(1)
+        return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _params_for(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            return [sampling_params or SamplingParams()] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise InvalidRequestError(
+                f"{len(params)} sampling params for {count} prompts: pass one, or one per prompt"
+            )
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise InvalidRequestError("sampling_params must be SamplingParams")
+        return params
+
+    def batch_engine(self) -> Engine:
+        """The engine `generate` batches prompts through, made on first use and kept: it
+        shares this LLM's model runner (no second copy of the weights) and holds a paged
+        pool sized from the LLM's settings (max_context, block size, kv_dtype, --kv int8;
+        CacheOptions.num_blocks, else the engine's default of at most 1 GiB, committed when
+        it is made).
+
+        It runs each prompt's forwards exactly as a single stream does, so the batch changes
+        no bit of any prompt's result: a prompt is prefilled in the LLM's prefill_chunk
+        (whole by default), never cut to share a step's budget (SchedulerConfig.chunk_size);
+        no prefix is taken from another prompt's blocks (prefix caching off: those were
+        computed in other chunks); no sequence is preempted and recomputed
+        (SchedulerConfig.reserve_full admits a request only with room for its max_tokens)."""
+        if self._engine is None:
+            from kvlm.engine.engine import Engine, EngineConfig
+            from kvlm.engine.scheduler import SchedulerConfig
+
+            chunk = self.prefill_chunk or self.max_context  # a prompt's chunks, as alone
+            sched = SchedulerConfig(
+                max_num_seqs=BATCH_MAX_SEQS,
+                prefill_chunk=max(chunk, self.max_context),  # a step's prompt tokens
+                chunk_size=chunk,
+                reserve_full=True,
+            )
+            config = EngineConfig(
+                num_blocks=self.cache_options.num_blocks, prefix_caching=False, scheduler=sched
+            )
+            self._engine = Engine(self, config)
+        return self._engine
 
     def chat(
         self,

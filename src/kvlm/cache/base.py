@@ -146,6 +146,10 @@ class CacheStep(ABC):
         # When set (S,), update() takes and returns K before RoPE, and the model rotates the
         # returned keys at these positions (the window cache's positions inside the cache).
         self.key_rope_positions: torch.Tensor | None = None
+        # When set, the rows see different numbers of keys (the engine's batch of sequences
+        # of different lengths, on the CPU): row b's (keys, mask, is_causal), and attention
+        # runs over exactly the row's keys, as it would alone (kvlm.model.attention).
+        self.rows: list[tuple[int, torch.Tensor | None, bool]] | None = None
 
     @abstractmethod
     def update(

@@ -362,7 +362,8 @@ class TableStep(_PagedStep):
 
         row 0 (start 5):  k0 k1 k2 k3 k4 [k5] .  .       keys gathered from its table,
         row 1 (start 2):  k0 k1 [k2] .  .  .  .  .       padded to the longest row;
-                                                         a row's padding is masked
+                                                         a row's padding is masked, or
+                                                         not read (CPU: CacheStep.rows)
     """
 
     def __init__(
@@ -376,11 +377,15 @@ class TableStep(_PagedStep):
         device, bs = spec.device, pool.block_size
         batch = len(tables)
         n_keys = max(starts) + n_new
+        window, mask, causal = spec.sliding_window, None, False
         if len(set(starts)) == 1:  # rows of one length: the cheap exact forms of the mask
-            mask, causal = causal_mask(starts[0], n_new, n_keys, spec.sliding_window, device)
-        else:
-            mask, causal = _row_mask(starts, n_new, n_keys, spec.sliding_window, device), False
+            mask, causal = causal_mask(starts[0], n_new, n_keys, window, device)
+        elif device.type != "cpu":  # one call over keys padded to the longest row, masked
+            mask = _row_mask(starts, n_new, n_keys, window, device)
         CacheStep.__init__(self, 0, n_new, batch, device, mask, causal)
+        if len(set(starts)) > 1 and device.type == "cpu":  # each row over its own keys
+            self.rows = [(s + n_new, *causal_mask(s, n_new, s + n_new, window, device))
+                         for s in starts]  # fmt: skip
         pos = torch.tensor(starts)[:, None] + torch.arange(n_new)  # (B, T)
         self.positions = pos.to(device)
         width = blocks_for(n_keys, bs)
@@ -389,7 +394,7 @@ class TableStep(_PagedStep):
         padded = torch.tensor([t[:width] + t[-1:] * (width - len(t[:width])) for t in tables])
         self.write_blocks = padded.gather(1, pos // bs).to(device)  # (B, T)
         self.write_slots = (pos % bs).to(device)  # (B, T)
-        self.read_tables = padded.to(device)  # (B, width); the padding is masked
+        self.read_tables = padded.to(device)  # (B, width); the padding is masked or not read
         self.n_keys = n_keys
         self.store = pool.store
         self._over(self.store)

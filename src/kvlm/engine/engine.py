@@ -78,7 +78,8 @@ class Engine:
         self.runner = llm.runner
         llm.model.pack_for_batches()  # one weight layout for 1..64 rows, batch-invariant
         self.max_model_len = llm.max_context
-        self.spec = llm.cache_spec("paged")
+        # the LLM's K/V storage: --kv int8 stores int8 whatever --kv-dtype says
+        self.spec = llm.cache_spec("int8" if llm.kv_mode == "int8" else "paged")
         bs, sched = self.spec.block_size, self.config.scheduler
         least = blocks_for(self.max_model_len, bs) + sched.reserve_blocks
         block_bytes = bs * self.spec.bytes_per_token
@@ -97,10 +98,11 @@ class Engine:
         # rather than under load.
         self.pool.store.zero_((slice(None),))
         self.manager = BlockManager(self.pool, self.config.prefix_caching)
-        self.scheduler = Scheduler(self.manager, sched)
+        self.scheduler = Scheduler(self.manager, sched, self.max_model_len)
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
         self.last_error: Exception | None = None
+        self.last_batch: Batch | None = None  # what the latest step ran
 
     # ------------------------------------------------------------------ requests
 
@@ -157,9 +159,7 @@ class Engine:
     def _sequence(self, req: _Request, index: int) -> Sequence:
         stops = stop_token_ids(req.params, self.tokenizer)
         sample = SampleState(index, req.prompt_ids, req.params, self.tokenizer, stops)
-        sampler = Sampler(req.params, self.runner.device)
-        if sampler.generator is not None:
-            sampler.generator.manual_seed(req.params.seed + index)  # each sample its own
+        sampler = Sampler(req.params, self.runner.device, index)  # seeded seed + index
         seq = Sequence(req.request_id, sample, sampler, len(req.prompt_ids), arrival=req.arrival,
                        cache_salt=req.cache_salt)  # fmt: skip
         req.seqs.append(seq)
@@ -192,7 +192,7 @@ class Engine:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[StepOutput]:
-        batch = self.scheduler.schedule()
+        batch = self.last_batch = self.scheduler.schedule()
         if not batch:
             return []
         events: list[StepOutput] = []

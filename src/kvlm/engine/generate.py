@@ -232,11 +232,7 @@ class Generation:
             raise InvalidRequestError("a request starts from a cache holding one sequence")
         if cache.num_tokens >= len(prompt_ids):
             raise InvalidRequestError("the cache already holds the whole prompt; roll it back")
-        if cache.would_overflow(len(prompt_ids) - cache.num_tokens):
-            raise CacheOverflowError(
-                f"the prompt has {len(prompt_ids)} tokens but the cache holds at most "
-                f"{cache.capacity} (raise --max-context, up to the model's limit)"
-            )
+        check_fits(prompt_ids, cache)
         if prefill_chunk is not None and prefill_chunk < 1:
             raise InvalidRequestError("prefill_chunk must be >= 1")
         self.runner = runner
@@ -262,10 +258,10 @@ class Generation:
         return self.samples[0].seq
 
     def __iter__(self) -> Iterator[str]:
-        sampler = Sampler(self.params, self.runner.device)
+        samplers = [Sampler(self.params, self.runner.device, i) for i in range(len(self.samples))]
         logits = self._prefill()
-        for sample in self.samples:  # n first tokens from the one prefill
-            delta = sample.accept(sampler(logits[0]), logits[0])
+        for sample, sampler in zip(self.samples, samplers, strict=True):  # n first tokens
+            delta = sample.accept(sampler(logits[0]), logits[0])  # from the one prefill
             if sample.out.index == 0 and delta:
                 yield delta
         self.output.metrics.record_token(len(self.samples))
@@ -282,7 +278,8 @@ class Generation:
                 if s.done:  # keep the rows in lockstep; nothing is recorded
                     s.seq.append(s.seq[-1])
                     continue
-                delta = s.accept(sampler(logits[s.out.index]), logits[s.out.index])
+                i = s.out.index
+                delta = s.accept(samplers[i](logits[i]), logits[i])
                 if s.out.index == 0 and delta:
                     yield delta
             self.output.metrics.record_token(len(live))
@@ -330,6 +327,19 @@ def check_prompt(prompt_ids: Sequence[int], vocab_size: int | None) -> None:
         bad += [t for t in prompt_ids if isinstance(t, int) and t >= vocab_size]
     if bad:
         raise InvalidRequestError(f"prompt token id {bad[0]!r} is outside the vocabulary")
+
+
+def check_fits(prompt_ids: Sequence[int], cache: KVCache | int) -> None:
+    """The prompt fits what `cache` holds after its current tokens (or in `cache` tokens)."""
+    if isinstance(cache, int):
+        over, capacity = len(prompt_ids) > cache, cache
+    else:
+        over, capacity = cache.would_overflow(len(prompt_ids) - cache.num_tokens), cache.capacity
+    if over:
+        raise CacheOverflowError(
+            f"the prompt has {len(prompt_ids)} tokens but the cache holds at most "
+            f"{capacity} (raise --max-context, up to the model's limit)"
+        )
 
 
 def stop_token_ids(params: SamplingParams, tokenizer: Tokenizer) -> set[int]:

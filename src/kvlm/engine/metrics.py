@@ -82,6 +82,8 @@ class EngineStats:
     prefill_tokens: int = 0
     generated_tokens: int = 0
     steps: int = 0
+    decode_rows: int = 0  # rows of every decode forward together
+    max_decode_rows: int = 0  # the widest decode forward
     ttft_counts: list[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS))
     ttft_sum: float = 0.0
     ttft_count: int = 0
@@ -97,6 +99,8 @@ class EngineStats:
 
     def record_step(self, seconds: float, decode_rows: int) -> None:
         self.steps += 1
+        self.decode_rows += decode_rows
+        self.max_decode_rows = max(self.max_decode_rows, decode_rows)
         now = time.perf_counter()
         self._recent.append((now, self.generated_tokens))
         while self._recent and now - self._recent[0][0] > 10.0:

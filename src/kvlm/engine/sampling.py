@@ -90,13 +90,17 @@ class TokenLogprob:
 
 
 class Sampler:
-    """One request's sampler; owns its random generator so seeds are reproducible."""
+    """One sample's sampler; owns its random generator so seeds are reproducible. Sample
+    `index` of a request (of its n) is seeded with seed + index, whichever path runs it (one
+    cache or the engine's batch), so its tokens depend on neither n nor its neighbours."""
 
-    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, params: SamplingParams, device: torch.device | str = "cpu", index: int = 0
+    ) -> None:
         self.params = params
         self.generator: torch.Generator | None = None
         if params.seed is not None:
-            self.generator = torch.Generator(device=device).manual_seed(params.seed)
+            self.generator = torch.Generator(device=device).manual_seed(params.seed + index)
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits (V,) fp32 -> a token id."""

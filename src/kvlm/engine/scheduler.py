@@ -19,6 +19,20 @@ decode step still finds no free block, the most recently admitted sequence is pr
 its blocks are freed and it goes back to the front of the queue, to be recomputed later
 (the prefix cache usually still holds most of its blocks). Nothing crashes for lack of
 memory, and the oldest requests keep their progress.
+
+Two options make a sequence's forwards exactly those it would run alone on one cache
+(LLM.generate turns them on, so a batch gives every prompt its single-stream bits):
+
+- `chunk_size`: a prompt is fed in chunks of `chunk_size` tokens at positions that are
+  multiples of it (the last one shorter), as a single stream with that prefill chunk feeds
+  it; a chunk that does not fit what is left of the step's budget (`prefill_chunk`) waits
+  for the next step. Without it a chunk is cut to the budget, and attention summed over
+  other chunk boundaries rounds differently in the last bits.
+- `reserve_full`: a request is admitted only when the pool holds, beside what it takes
+  now, every block it may still take (each sample's prompt and max_tokens, within the
+  context limit) and every block the running sequences may still take: no sequence is
+  preempted and recomputed (a recompute feeds generated tokens as a prefill chunk). The
+  first request of an empty batch is admitted regardless, as without the option.
 """
 
 from __future__ import annotations
@@ -41,11 +55,15 @@ class SchedulerConfig:
     prefill_chunk: int = 256  # prompt tokens fed per step, over all prefilling sequences
     max_waiting: int = 64  # requests queued beyond max_num_seqs before refusing more
     reserve_blocks: int = 1  # kept free at admission for running sequences to grow into
+    chunk_size: int | None = None  # prompts fed in aligned whole chunks of it (see above)
+    reserve_full: bool = False  # admit only with room for everyone's worst case (see above)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "prefill_chunk", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.chunk_size is not None and not 0 < self.chunk_size <= self.prefill_chunk:
+            raise ValueError("chunk_size must be 1..prefill_chunk (a step's budget)")
 
 
 @dataclass(slots=True)
@@ -58,9 +76,15 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, manager: BlockManager, config: SchedulerConfig | None = None) -> None:
+    def __init__(
+        self,
+        manager: BlockManager,
+        config: SchedulerConfig | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
         self.manager = manager
         self.config = config or SchedulerConfig()
+        self.max_model_len = max_model_len  # the context limit (reserve_full's worst case)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
@@ -105,8 +129,7 @@ class Scheduler:
     def _schedule_prefill(self, batch: Batch) -> None:
         budget = self.config.prefill_chunk
         for seq in self.running:
-            if budget and seq.prefilling:
-                n = min(seq.num_pending, budget)
+            if budget and seq.prefilling and (n := self._chunk(seq, budget)):
                 batch.prefill.append((seq, n))
                 budget -= n
         # A request of n samples becomes n rows once its prompt is in: it takes n seats
@@ -118,19 +141,43 @@ class Scheduler:
             if seats + seq.fan_out > self.config.max_num_seqs:
                 break
             reserve = self.config.reserve_blocks + seq.fan_out - 1
+            if self.config.reserve_full and self.running:
+                reserve = self.config.reserve_blocks + self._growth(seq)
+                reserve += sum(self._growth(s) for s in self.running)
             if not self.manager.can_admit(seq.token_ids, reserve, salt=seq.cache_salt):
                 break  # first come, first served: later requests wait behind it
+            if self.config.chunk_size and seq.num_pending > 1 and not self._chunk(seq, budget):
+                break  # its first chunk waits for a step with room for all of it
             self.waiting.popleft()
             seq.table, seq.num_cached = self.manager.allocate(seq.token_ids, seq.cache_salt)
             seq.num_computed = seq.num_cached
             seq.status = Status.RUNNING
             self.running.append(seq)
             seats += seq.fan_out
-            n = min(seq.num_pending, budget)
+            n = self._chunk(seq, budget)
             if seq.num_pending == 1:  # a one-token prompt (or all cached): decode next step
                 continue
             batch.prefill.append((seq, n))
             budget -= n
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of `seq`'s pending prompt to feed this step; 0: none fit (chunk_size)."""
+        size = self.config.chunk_size
+        if size is None:
+            return min(seq.num_pending, budget)
+        n = min(seq.num_pending, size - seq.num_computed % size)  # up to the next multiple
+        return n if n <= budget else 0
+
+    def _growth(self, seq: Sequence) -> int:
+        """Blocks `seq` and the samples it will fork into may still take, at most: up to its
+        last token (prompt + max_tokens, within the context limit) each, plus one copy of a
+        shared partial block each."""
+        final = seq.num_prompt + seq.sample.params.max_tokens
+        if self.max_model_len is not None:
+            final = min(final, self.max_model_len)
+        bs = self.manager.block_size
+        held = len(seq.table.blocks) if seq.table.blocks else -(-seq.num_tokens // bs)
+        return seq.fan_out * max(0, -(-final // bs) - held + 1)
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and queue it first, to be recomputed."""

@@ -20,6 +20,8 @@ class KVStep(Protocol):
     # (S,) int64 when update() takes and returns K *before* RoPE and the keys it returns are
     # to be rotated at these positions (the window cache's positions inside the cache).
     key_rope_positions: torch.Tensor | None
+    # (keys, mask, is_causal) of each row when rows see different numbers of keys
+    rows: list[tuple[int, torch.Tensor | None, bool]] | None
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -78,8 +80,26 @@ class Attention(nn.Module):
             k_all = apply_rope(k_all, *key_rope)
         if kv.key_rotation is not None:  # keys came back as k @ R: rotate the queries too
             q = q @ kv.key_rotation.to(q.dtype)
-        out = attend(q, k_all, v_all, kv.mask, kv.is_causal)  # (B, H, T, D)
+        if kv.rows is None and (B == 1 or not q.is_cpu):
+            out = attend(q, k_all, v_all, kv.mask, kv.is_causal)  # (B, H, T, D)
+        else:
+            out = attend_rows(q, k_all, v_all, kv)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVStep) -> torch.Tensor:
+    """`attend` one row at a time, each over its own keys (kv.rows) or all of them: a row
+    gets the bits it gets alone, in any batch. On the CPU one SDPA call over B rows is not
+    that: its kernel splits the work by the batch's size (with 2 threads, 1 to 7 rows of
+    9 heads sum a decode row in another order than 8 do), and over keys padded to the
+    longest row the masked softmax sums in other vector lanes. The cost: B calls a layer."""
+    rows = kv.rows or [(k.shape[2], kv.mask, kv.is_causal)] * q.shape[0]
+    out = []
+    for b, (n, mask, causal) in enumerate(rows):
+        if mask is not None and mask.dim() == 4 and mask.shape[0] > 1:
+            mask = mask[b : b + 1]  # a mask per row
+        out.append(attend(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], mask, causal))
+    return torch.cat(out)
 
 
 def attend(

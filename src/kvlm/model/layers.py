@@ -113,6 +113,9 @@ class Linear(nn.Module):
         result does not depend on the rows beside it, so the padding changes no bit."""
         rows = x.numel() // self.in_features
         pad = -rows % ONEDNN_ROW_BUCKET if rows > ONEDNN_EXACT_ROWS else 0
+        if rows == 1 and x.dtype == torch.float32:
+            pad = 1  # fp32: oneDNN's one-row kernel sums long rows (K > 1024) in another order
+        # than its multi-row one; as two rows, one row gets the bits it gets in any batch
         flat = x.reshape(rows, self.in_features)
         if pad:
             flat = F.pad(flat, (0, 0, 0, pad))

@@ -98,8 +98,10 @@ class Transformer(nn.Module):
 
     def pack_for_batches(self) -> None:
         """Switch fp32 CPU weights to oneDNN's packed layout (kvlm.model.layers.Linear):
-        what a server wants, many rows per step. Single-stream decode is faster on the
-        default OpenBLAS layout."""
+        what a server wants, many rows per step, each row with the same bits alone or
+        batched. LLM.generate uses it for one prompt too (the same bits as in a batch).
+        One-row decode: within -6%..+16% of the default OpenBLAS layout run to run; prefill
+        ~30% faster (docs/BENCHMARKS.md, "LLM.generate with several prompts"). Idempotent."""
         if self._embed_table is None:  # tied: keep the rows before lm_head is repacked
             self._embed_table = self.lm_head.rows().contiguous()
         for module in self.modules():
