@@ -252,8 +252,10 @@ def test_the_default_model_batches_exactly(default_llm):
 
 @pytest.mark.slow
 def test_the_fused_step_batches_exactly_on_the_default_model():
-    """Low-bit weights: decode rows go through the fused C step, alone and batched."""
-    llm = LLM(progress=False, max_context=512, weights="native", kv_dtype="int8")
+    """The default (fast-path) numerics: low-bit weights, bf16 prompt products and int8
+    activations where the CPU has them; decode rows through the fused C step, alone and
+    batched."""
+    llm = LLM(progress=False, max_context=512, kv_dtype="int8")
     if llm.runner.fused_reason is not None:
         pytest.skip(llm.runner.fused_reason)
     params = mixed_params()
