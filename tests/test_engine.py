@@ -227,12 +227,12 @@ def _poison(engine: Engine, monkeypatch, bad_first_token: int) -> None:
     real_forward = engine.runner.forward_table
     first = {}
 
-    def forward(pool, spec, rows, tables, starts):
+    def forward(pool, spec, rows, tables, starts, **kw):
         for seq in engine.scheduler.running:
             first[tuple(seq.table.blocks)] = seq.token_ids[0]
         if any(first.get(tuple(t)) == bad_first_token for t in tables):
             raise RuntimeError("simulated kernel failure")
-        return real_forward(pool, spec, rows, tables, starts)
+        return real_forward(pool, spec, rows, tables, starts, **kw)
 
     monkeypatch.setattr(engine.runner, "forward_table", forward)
 
