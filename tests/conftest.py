@@ -20,6 +20,7 @@ TINY_MODELS = {
     "qwen3": ("qwen3", 3, {}),
     # variants exercising less common code paths
     "llama-bias": ("llama", 4, {"attention_bias": True}),
+    "llama-mlp-bias": ("llama", 8, {"mlp_bias": True}),  # gate/up/down biases
     "llama3-rope": (
         "llama",
         5,

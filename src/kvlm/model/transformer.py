@@ -281,6 +281,10 @@ class _WeightTaker:
             lin.convert(fmt)
         return lin
 
+    def _bias(self, name: str) -> torch.Tensor | None:
+        bias = self.take_raw(name)
+        return None if bias is None else bias.to(self.device, self.dtype)
+
     def block(self, i: int) -> Block:
         c = self.config
         p = f"model.layers.{i}"
@@ -305,7 +309,7 @@ class _WeightTaker:
         )
         mlp = MLP(
             self.fused_linear(f"{p}.mlp", ("gate_proj", "up_proj")),
-            self.linear(f"{p}.mlp.down_proj.weight"),
+            self.linear(f"{p}.mlp.down_proj.weight", bias=self._bias(f"{p}.mlp.down_proj.bias")),
         )
         return Block(
             attn,
