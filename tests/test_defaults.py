@@ -190,3 +190,12 @@ def test_rows_take_the_numerics_of_their_role_not_of_their_count(monkeypatch):
     # (the 40 rows go to the int8 kernel 16 at a time: the calls after the first)
     assert seen == [(5, True, False), (40, False, True), (16, False, True), (16, False, True),
                     (8, False, True), (1, False, True), (1, True, False)]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_embedding_table_stays_in_its_stored_format(fast, exact):
+    """No fp32 copy of the table: the tied head's low-bit weight serves the lookups, and a
+    prompt's logits are what the dequantized table gives."""
+    assert fast.model._embed_table is None and fast.model._embed_quant is fast.model.lm_head.quant
+    ids = torch.tensor([[1, 504, 60, 49151]])
+    assert torch.equal(fast.model.embed(ids), exact.model.embed_table[ids])

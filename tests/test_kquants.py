@@ -461,3 +461,26 @@ def test_a_batch_of_k_quant_rows_gets_each_rows_own_logits(k_files):
     assert [p.kind for p in llm.model.layers[0].attn.qkv.quant.parts()] == ["q4_k", "q6_k"]
     _rows_alone_and_together(llm, [3, 16, 17, 9, 1, 33, 5, 21, 12, 7, 2, 4, 6, 8, 10, 11, 13, 14,
                                    19, 20])  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", [*TYPES, "q8", "q4"])
+def test_rows_are_the_dense_weights_rows(kind, monkeypatch):
+    """An embedding lookup from a table kept in its stored format: the picked rows,
+    bit for bit those of the whole dequantized table (with and without the kernels); an id
+    out of range is refused before any read."""
+    if kind in ("q8", "q4"):
+        q = quant.quantize(torch.randn(40, COLS), kind)
+        dense = q.dense()
+    else:
+        q, dense = _weight(kind, 40, seed=11)
+    ids = torch.tensor([[0, 39, 17], [16, 15, 17]])
+    assert torch.equal(_bits(q.rows(ids)), _bits(dense[ids]))
+    assert q.rows(torch.tensor([], dtype=torch.long)).shape == (0, COLS)
+    with pytest.raises(IndexError):
+        q.rows(torch.tensor([40]))
+    with pytest.raises(IndexError):
+        q.rows(torch.tensor([-1]))
+    monkeypatch.setattr(kernels, "library", lambda: None)  # the torch fallback
+    fresh = quant.QuantWeight.from_blocks(kind, torch.from_numpy(_blocks(kind, 40, 11))) if (
+        kind not in ("q8", "q4")) else q  # fmt: skip
+    assert torch.equal(_bits(fresh.rows(ids)), _bits(dense[ids]))

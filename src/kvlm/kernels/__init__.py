@@ -43,7 +43,7 @@ from pathlib import Path
 import torch  # loaded first, so the kernels share torch's OpenMP runtime
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-ABI = 8
+ABI = 9
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 120
 WORK_PREFIX, WORK_SUFFIX = ".qgemm-", ".tmp"  # a build's private directory in the cache
@@ -334,6 +334,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.restype = ctypes.c_int
     lib.kvlm_qdequant.argtypes = [i, i, i, p, i, p]  # kind, bf16, K, w, N, out
     lib.kvlm_qdequant.restype = ctypes.c_int
+    lib.kvlm_qdequant_rows.argtypes = [i, i, p, p, i, p]  # kind, K, w, rows, n, out
+    lib.kvlm_qdequant_rows.restype = ctypes.c_int
     return lib
 
 

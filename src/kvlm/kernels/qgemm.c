@@ -97,7 +97,7 @@ static inline float from_f16(uint16_t h) {
     return f;
 }
 
-int kvlm_kernel_abi(void) { return 8; }
+int kvlm_kernel_abi(void) { return 9; }
 
 int kvlm_kernel_simd(void) {
 #ifdef __AVX512F__
@@ -826,6 +826,30 @@ int kvlm_qdequant(int64_t kind, int64_t bf16, int64_t K, const uint8_t *w, int64
     case Q6K: DEQUANT_KIND(Q6K); break;
     default: return -2;
     }
+    return 0;
+}
+
+/* Rows rows[0 .. n) of packed w [N, K] into out [n, K] fp32 (the embedding lookup of a
+ * table kept in its stored format). The caller checks 0 <= rows[t] < N. Returns 0, or -2
+ * for an unknown kind. */
+int kvlm_qdequant_rows(int64_t kind, int64_t K, const uint8_t *w, const int64_t *rows,
+                       int64_t n, float *out) {
+    const int64_t groups = K / G;
+#define DEQUANT_PICKED(KIND)                                                                 \
+    for (int64_t t = 0; t < n; t++)                                                          \
+        dequant_row(KIND, 0, groups, block_at(KIND, w, groups, rows[t] / BR),                \
+                    (int)(rows[t] % BR), out + t * K)
+    switch (kind) {
+    case Q8: DEQUANT_PICKED(Q8); break;
+    case Q4: DEQUANT_PICKED(Q4); break;
+    case Q50: DEQUANT_PICKED(Q50); break;
+    case Q51: DEQUANT_PICKED(Q51); break;
+    case Q4K: DEQUANT_PICKED(Q4K); break;
+    case Q5K: DEQUANT_PICKED(Q5K); break;
+    case Q6K: DEQUANT_PICKED(Q6K); break;
+    default: return -2;
+    }
+#undef DEQUANT_PICKED
     return 0;
 }
 

@@ -289,7 +289,7 @@ class FusedDecoder:
         window: int | None,
     ) -> torch.Tensor:
         rows = len(tokens)
-        x = self.model.embed_table[torch.tensor(tokens)].contiguous()
+        x = self.model.embed(torch.tensor(tokens)).contiguous()
         pos = torch.tensor(starts, dtype=torch.int64)
         logits = torch.empty(rows, self.vocab, dtype=torch.float32)
         need = self.lib.kvlm_decode_scratch(ctypes.byref(self.spec), rows)

@@ -65,7 +65,7 @@ class QuantWeight:
     kinds (`concat`) has kind MIXED: its parts are packed one after another in `data`,
     each in its own kind (`parts()`)."""
 
-    __slots__ = ("_parts", "data", "in_features", "kind", "out_features")
+    __slots__ = ("_dense_rows", "_parts", "data", "in_features", "kind", "out_features")
 
     def __init__(
         self,
@@ -166,6 +166,28 @@ class QuantWeight:
                 raise ValueError(f"the kernels do not know the kind {p.kind!r}")
             row += p.out_features
         return out
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows `ids` (any shape, values in [0, N)) dequantized to fp32,
+        (*ids.shape, K): an embedding lookup from a table kept in its stored format. Without
+        the compiled kernels (or for a weight of mixed parts) the whole table is
+        dequantized once and kept."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        lib = kernels.library()
+        if lib is None or self.kind == MIXED:
+            if getattr(self, "_dense_rows", None) is None:
+                self._dense_rows = self.dense()
+            return self._dense_rows[flat].view(*ids.shape, self.in_features)
+        out = torch.empty(flat.numel(), self.in_features, dtype=torch.float32)
+        if flat.numel():
+            if int(flat.min()) < 0 or int(flat.max()) >= self.out_features:
+                raise IndexError(f"row ids must be in [0, {self.out_features})")
+            code, k = KIND_CODES[self.kind], self.in_features
+            rc = lib.kvlm_qdequant_rows(code, k, _ptr(self.data), _ptr(flat), flat.numel(),
+                                        _ptr(out))  # fmt: skip
+            if rc != 0:
+                raise ValueError(f"the kernels refused {self.kind} rows")
+        return out.view(*ids.shape, self.in_features)
 
     def matmul(
         self, x: torch.Tensor, prefill_bf16: bool = False, act_int8: bool = False

@@ -73,8 +73,17 @@ class Transformer(nn.Module):
         with loader:
             self.layers = nn.ModuleList(loader.block(i) for i in range(config.num_layers))
             self.norm = RMSNorm(loader.take("model.norm.weight"), config.rms_norm_eps)
-            embed = loader.take("model.embed_tokens.weight")
-            if config.tie_word_embeddings or not loader.has("lm_head.weight"):
+            tied = config.tie_word_embeddings or not loader.has("lm_head.weight")
+            # --weights native: the table stays in its stored low-bit format, rows
+            # dequantized on lookup (a 151,936 x 896 table is 519 MiB in fp32)
+            self._embed_quant = loader.native_embedding("model.embed_tokens.weight")
+            embed = None
+            if self._embed_quant is None:
+                embed = loader.take("model.embed_tokens.weight")
+            if tied and self._embed_quant is not None:
+                self.lm_head = Linear.from_quant(self._embed_quant)
+                self._embed_table = None
+            elif tied:
                 self.lm_head = loader.linear("model.embed_tokens.weight", embed)
                 # Tied: read embeddings out of lm_head's weight unless it is packed.
                 self._embed_table = None if self.lm_head.rows() is not None else embed
@@ -102,17 +111,27 @@ class Transformer(nn.Module):
         batched. LLM.generate uses it for one prompt too (the same bits as in a batch).
         One-row decode: within -6%..+16% of the default OpenBLAS layout run to run; prefill
         ~30% faster (docs/BENCHMARKS.md, "LLM.generate with several prompts"). Idempotent."""
-        if self._embed_table is None:  # tied: keep the rows before lm_head is repacked
-            self._embed_table = self.lm_head.rows().contiguous()
+        if self._embed_table is None and self._embed_quant is None:
+            self._embed_table = self.lm_head.rows().contiguous()  # tied: before the repack
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_onednn()
 
     @property
     def embed_table(self) -> torch.Tensor:
-        """(V, H); a strided view of lm_head's weight when the embeddings are tied."""
+        """(V, H); a strided view of lm_head's weight when the embeddings are tied; a table
+        kept low-bit is dequantized whole (for tests and tools: the model uses `embed`)."""
+        if self._embed_quant is not None:
+            return self._embed_quant.rows(torch.arange(self._embed_quant.out_features))
         table = self._embed_table
         return self.lm_head.rows() if table is None else table
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of token ids (any shape) -> (*ids.shape, H) in the model dtype."""
+        if self._embed_quant is not None:
+            return self._embed_quant.rows(ids.cpu()).to(self.device, self.dtype)
+        table = self._embed_table
+        return (self.lm_head.rows() if table is None else table)[ids]
 
     def forward(
         self,
@@ -138,7 +157,7 @@ class Transformer(nn.Module):
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVStep, last_only: bool
     ) -> torch.Tensor:
-        x = self.embed_table[input_ids]  # (B, T, H)
+        x = self.embed(input_ids)  # (B, T, H)
         cos, sin = self.rope(positions, x.dtype)
         # A cache that keeps K before RoPE (the window cache, positions inside the cache)
         # names every key's position; cos/sin for them once per step, for all layers.
@@ -254,6 +273,15 @@ class _WeightTaker:
 
     def _rows(self, name: str) -> int:
         return self.weights.get(name).shape[0]
+
+    def native_embedding(self, name: str) -> quant.QuantWeight | None:
+        """The embedding table's own low-bit blocks (--weights native), one kind (not a
+        mixed weight); None otherwise."""
+        q = self._native(name)
+        if q is None or q.kind == quant.MIXED:
+            return None
+        self.bar.update(1)
+        return q
 
     def _native(self, name: str) -> quant.QuantWeight | None:
         """The file's own low-bit blocks for `name`, when --weights native can use them."""
