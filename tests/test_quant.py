@@ -641,3 +641,28 @@ def test_fused_attention_split_into_position_chunks_matches_the_torch_model(
     assert len(ids) > 256
     factor = INT8_QUERIES if kv_dtype == "int8" else SAME_ROUNDING
     _assert_fused_tracks_torch(llm, default_model_path, "native", ids, 6, factor)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_products_dequantize_in_bounded_tiles(monkeypatch, dtype):
+    """The dense (prefill) product dequantizes the weight a tile at a time: its scratch
+    never holds more than TILE_WEIGHTS weights, the tiles cover every output (the last one
+    partial), and the result is the whole weight's product to rounding."""
+    if kernels.library() is None:
+        pytest.skip("the tiles are the compiled path")
+    torch.manual_seed(3)
+    k = 96
+    monkeypatch.setattr(quant, "TILE_WEIGHTS", 3 * quant.BLOCK_ROWS * k)  # 3 blocks a tile
+    monkeypatch.setattr(quant, "_SCRATCH", {})
+    q = quant.concat([quant.quantize(torch.randn(70, k), "q4"),
+                      quant.quantize(torch.randn(37, k), "q8")])  # fmt: skip
+    x = torch.randn(24, k)
+    w = q.dense()
+    if dtype == torch.bfloat16:
+        got = q.matmul(x, prefill_bf16=True)
+        xb, wb = x.bfloat16().float(), w.bfloat16().float()
+        ref = xb @ wb.t()
+        assert ((got - ref).abs() <= BF16_STEP * ref.abs() + product_bound(xb, wb)).all()
+    else:
+        assert_product_close(q.matmul(x), x @ w.t(), x, w)
+    assert all(b.numel() <= quant.TILE_WEIGHTS for b in quant._SCRATCH.values())

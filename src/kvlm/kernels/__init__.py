@@ -373,11 +373,12 @@ def library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(path))
         if lib.kvlm_kernel_abi() != ABI:
             raise OSError("stale kernel library")
+        lib = _bind(lib)  # a missing function: not this source's library
     except (OSError, AttributeError) as exc:
         _outcome.reason = f"could not load {path}: {exc}"
         return None
     _outcome.built_for = _built_for(path)
-    return _bind(lib)
+    return lib
 
 
 def status() -> str:

@@ -48,6 +48,9 @@ MIXED = "mixed"  # the kind of a weight of row parts of different kinds (`concat
 FORMATS = {"int8": "q8", "int4": "q4"}  # --weights name -> kind
 # Up to this many rows the C kernel (reads the low-bit weight once); above, a dense GEMM.
 SMALL_M = 16
+# The dense GEMM's weight is dequantized in tiles of at most this many weights (16 MiB of
+# fp32 scratch), not whole.
+TILE_WEIGHTS = 1 << 22
 
 
 class QuantWeight:
@@ -167,6 +170,30 @@ class QuantWeight:
             row += p.out_features
         return out
 
+    def _tiled(self, lib, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x @ W^T through dense tiles of at most TILE_WEIGHTS weights in `dtype` (fp32
+        accumulation): the prefill's scratch stays bounded whatever the weight (a 128k
+        vocabulary projection would otherwise be dequantized whole: 1 GiB in fp32). The
+        tiles are fixed by the weight's shape, so a row's result does not depend on M."""
+        m, k = x.shape
+        y = torch.empty(m, self.out_features, dtype=torch.float32)
+        xd = x.to(dtype)
+        col = 0
+        for p in self.parts():
+            blocks = p.data.shape[0]
+            per = max(1, TILE_WEIGHTS // (BLOCK_ROWS * k))  # blocks per tile
+            for b0 in range(0, blocks, per):
+                rows = min(p.out_features, (b0 + per) * BLOCK_ROWS) - b0 * BLOCK_ROWS
+                w = _scratch(rows * k, dtype).view(rows, k)
+                rc = lib.kvlm_qdequant(KIND_CODES[p.kind], dtype == torch.bfloat16, k,
+                                       _ptr(p.data[b0]), rows, _ptr(w))  # fmt: skip
+                if rc != 0:
+                    raise ValueError(f"the kernels do not know the kind {p.kind!r}")
+                at = col + b0 * BLOCK_ROWS
+                y[:, at : at + rows] = torch.matmul(xd, w.t())
+            col += p.out_features
+        return y
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows `ids` (any shape, values in [0, N)) dequantized to fp32,
         (*ids.shape, K): an embedding lookup from a table kept in its stored format. Without
@@ -207,13 +234,17 @@ class QuantWeight:
         if x.dtype == torch.float64:  # the reference: the same weights, fp64 sums
             return torch.matmul(x, self.dense(_scratch(numel)).t().double())
         lib = kernels.library()
+        if prefill_bf16 and lib is not None:
+            return self._tiled(lib, x, torch.bfloat16)
         if prefill_bf16:
-            w = self.dense(_scratch(numel, torch.bfloat16), torch.bfloat16)
+            w = self.dense(dtype=torch.bfloat16)
             return torch.matmul(x.to(torch.bfloat16), w.t()).float()
         if lib is None and act_int8:
             x = round_activations(x)
-        if lib is None or (m > SMALL_M and not act_int8):
+        if lib is None:
             return torch.matmul(x, self.dense(_scratch(numel)).t())
+        if m > SMALL_M and not act_int8:
+            return self._tiled(lib, x, torch.float32)
         if m > SMALL_M:  # int8 activations: the kernel, SMALL_M rows at a time
             return torch.cat([self.matmul(x[i : i + SMALL_M], act_int8=True)
                               for i in range(0, m, SMALL_M)])  # fmt: skip
