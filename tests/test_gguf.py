@@ -161,3 +161,16 @@ def test_not_a_model(tmp_path):
         load_model(path)
     with pytest.raises(ModelLoadError, match="model not found"):
         load_model(tmp_path / "missing.gguf")
+
+
+def test_the_mapped_file_is_given_back_after_loading(default_model_path):
+    """LLM releases the GGUF map's pages once the model holds its own copies; the map
+    stays valid (a later read faults the pages in again, the same bytes)."""
+    from kvlm import LLM
+
+    llm = LLM(progress=False, max_context=64)
+    weights = llm.loaded.weights
+    assert weights.release() is True
+    assert weights.fingerprint() == llm.fingerprint  # read again from the file
+    ids = llm.tokenizer.encode("hello")
+    assert torch.isfinite(llm.runner.logits(ids, llm.new_cache("off"))).all()

@@ -167,6 +167,10 @@ class LLM:
                 block = module is not self.model.lm_head
                 module.prefill_bf16 = prefill_dtype == "bf16" and block
                 module.act_int8 = activations == "int8" and block
+        self.fingerprint  # noqa: B018 - read now, while the file's pages are still in
+        release = getattr(weights, "release", None)
+        if release is not None:  # the packed weights are the model's own copies now
+            release()
         self.runner = ModelRunner(self.model)
 
     @property

@@ -10,6 +10,7 @@ so one RoPE serves both formats.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,18 @@ class GGUFWeights:
 
     def names(self) -> list[str]:
         return list(self._tensors)
+
+    def release(self) -> bool:
+        """Give the mapped file's pages back once the model holds its own copies (they
+        were read once while packing). The map stays valid: a later read of a tensor
+        (the fingerprint, a tool) faults its pages in again from the file. False where
+        the OS has no MADV_DONTNEED."""
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        raw = getattr(self.reader.data, "_mmap", None)
+        if advice is None or raw is None:
+            return False
+        raw.madvise(advice)
+        return True
 
     def fingerprint(self) -> str:
         """Config + the raw bytes of the final norm and the first 4 KiB of the embedding."""
