@@ -206,6 +206,8 @@ def write_gguf_from_hf(
     from safetensors.torch import load_file
     from tokenizers import Tokenizer
 
+    from kvlm.bench.models import Shape, add_shape
+
     cfg = json.loads((folder / "config.json").read_text())
     tensors = {}
     for f in sorted(folder.glob("*.safetensors")):
@@ -214,16 +216,12 @@ def write_gguf_from_hf(
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
 
     w = gguf.GGUFWriter(str(out), arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_freq_base(float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    theta = float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    tied = cfg.get("tie_word_embeddings", False)
+    shape = Shape(arch, cfg["hidden_size"], cfg["num_hidden_layers"], heads, kv_heads, head_dim,
+                  cfg["intermediate_size"], cfg["vocab_size"], tied, theta,
+                  cfg["max_position_embeddings"], cfg["rms_norm_eps"])  # fmt: skip
+    add_shape(w, shape)
     _add_tokenizer(w, Tokenizer.from_file(str(folder / "tokenizer.json")))
     replace = dict(extra_tensors or {})  # GGUF name -> (array or packed bytes, type)
     for name, t in tensors.items():
@@ -590,3 +588,131 @@ def portable_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("KVLM_CACHE_DIR", str(tmp_path))
     flags = tuple("-march=x86-64" if f == "-march=native" else f for f in kernels.FLAGS)
     return kernels._bind(ctypes.CDLL(str(kernels._build(kernels._compiler(), flags))))
+
+
+# ------------------------------------------------------------------ kernels and fused step
+
+
+def _kernel_marks():
+    import pytest
+
+    from kvlm import kernels
+
+    lib = kernels.library()
+    kernels_ = pytest.mark.skipif(lib is None, reason=kernels.status())
+    avx512 = pytest.mark.skipif(
+        lib is None or lib.kvlm_kernel_simd() != 512,
+        reason="checks the portable build against the AVX-512 one",
+    )
+    return kernels_, avx512
+
+
+needs_kernels, needs_avx512 = _kernel_marks()
+
+
+def low_bit_llm(**settings):
+    """An LLM with low-bit weights (native unless named) multiplied on fp32 activations
+    and fp32 prompt products: the exact products, whatever the defaults pick."""
+    from kvlm import LLM
+
+    named = {"progress": False, "weights": "native", "activations": "fp32",
+             "prefill_dtype": "fp32"}  # fmt: skip
+    return LLM(**{**named, **settings})
+
+
+def fused_and_torch(llm, prompt: Sequence[int], steps: int, mode: str = "contiguous"):
+    """The fused step's greedy tokens after `prompt`, fed to the fused step and to the torch
+    model, each over a cache of its own: tokens, both logits (steps, V), both caches."""
+    runner = llm.runner
+    fused_cache, torch_cache = llm.new_cache(mode), llm.new_cache(mode)
+    token = int(runner.forward(prompt, fused_cache).argmax())
+    runner.forward(prompt, torch_cache)
+    assert runner.fused_for(fused_cache) is not None, runner.fused_reason
+    tokens, fused, ref, reason = [], [], [], runner.fused_reason
+    for _ in range(steps):
+        tokens.append(token)
+        fused.append(runner.forward([token], fused_cache))
+        runner.fused_reason = "off for the comparison"
+        try:
+            ref.append(runner.forward([token], torch_cache))
+        finally:
+            runner.fused_reason = reason
+        token = int(fused[-1].argmax())
+    assert fused_cache.num_tokens == torch_cache.num_tokens
+    return tokens, torch.stack(fused), torch.stack(ref), fused_cache, torch_cache
+
+
+def assert_top_k_both_ways(a: torch.Tensor, b: torch.Tensor, k: int = 5) -> None:
+    """At every step each side's best token is in the other's top k (the top-k rule, for
+    teacher-forced steps)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert int(x.argmax()) in torch.topk(y, k).indices.tolist(), f"step {i}"
+        assert int(y.argmax()) in torch.topk(x, k).indices.tolist(), f"step {i}"
+
+
+def feed_batched(llm, seqs: list[list[int]], pool, tables) -> list[torch.Tensor]:
+    """Feed every row its tokens one step at a time through the runner's batch over a
+    paged pool (the engine's path), all rows that still have one together; each row's
+    logits per step."""
+    spec = llm.cache_spec("paged")
+    out: list[list[torch.Tensor]] = [[] for _ in seqs]
+    for t in range(max(len(s) for s in seqs)):
+        live = [b for b, s in enumerate(seqs) if t < len(s)]
+        logits = llm.runner.forward_table(
+            pool, spec, [[seqs[b][t]] for b in live], [tables[b] for b in live], [t] * len(live)
+        )
+        for i, b in enumerate(live):
+            out[b].append(logits[i])
+    return [torch.stack(o) for o in out]
+
+
+def feed_contiguous(llm, tokens: list[int]) -> torch.Tensor:
+    """The tokens one at a time through the fused step over a contiguous cache."""
+    cache = llm.new_cache("contiguous")
+    assert llm.runner.fused_for(cache) is not None
+    return torch.stack([llm.runner.forward([t], cache) for t in tokens])
+
+
+def fail_schedule_at(engine, monkeypatch, call: int) -> None:
+    """Make the engine's scheduler raise on its `call`-th schedule (a scheduler bug)."""
+    real = engine.scheduler.schedule
+    calls = {"n": 0}
+
+    def schedule():
+        calls["n"] += 1
+        if calls["n"] == call:
+            raise RuntimeError("simulated scheduler bug")
+        return real()
+
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+
+
+def scrambled_tables(pool, lengths: list[int], seed: int) -> list[list[int]]:
+    """Each row's blocks, drawn from the pool in a scrambled order (ids far from sorted)."""
+    import random
+
+    from kvlm.cache.paged import blocks_for
+
+    ids = [pool.allocate() for _ in range(sum(blocks_for(n, pool.block_size) for n in lengths))]
+    random.Random(seed).shuffle(ids)
+    tables, at = [], 0
+    for n in lengths:
+        k = blocks_for(n, pool.block_size)
+        tables.append(ids[at : at + k])
+        at += k
+    return tables
+
+
+def break_sampler(monkeypatch, top_k: int = 13) -> None:
+    """The engine's sampler raises for requests with this top_k (a bad request's mark)."""
+    from kvlm.engine import engine as engine_module
+
+    real = engine_module.Sampler
+
+    class Broken(real):
+        def __call__(self, logits):
+            if self.params.top_k == top_k:
+                raise IndexError("simulated sampler bug")
+            return super().__call__(logits)
+
+    monkeypatch.setattr(engine_module, "Sampler", Broken)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import break_sampler, fail_schedule_at, low_bit_llm
 from kvlm import LLM, SamplingParams
 from kvlm.engine.engine import Engine, EngineConfig
 from kvlm.engine.scheduler import SchedulerConfig
@@ -71,14 +72,7 @@ def test_the_fused_batch_answers_as_generate_does(kv_dtype):
     """Low-bit weights: the decode batch is one fused C step over the paged pool. Each
     request's greedy tokens are the same alone, batched with 7 others, and through
     LLM.generate (the single-sequence fused step over a contiguous cache)."""
-    llm = LLM(
-        progress=False,
-        max_context=1024,
-        weights="native",
-        kv_dtype=kv_dtype,
-        activations="fp32",
-        prefill_dtype="fp32",
-    )
+    llm = low_bit_llm(max_context=1024, kv_dtype=kv_dtype)
     if llm.runner.fused_reason is not None:
         pytest.skip(llm.runner.fused_reason)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -263,18 +257,9 @@ def test_a_failing_request_ends_alone_and_the_others_keep_their_tokens(tiny, mon
 
 
 def test_a_sampler_that_raises_ends_its_request_only(tiny, monkeypatch):
-    from kvlm.engine import engine as engine_module
-
     engine = Engine(tiny, EngineConfig(num_blocks=64))
-    real_sampler = engine_module.Sampler
 
-    class Broken(real_sampler):
-        def __call__(self, logits):
-            if self.params.top_k == 13:  # the bad request's mark
-                raise IndexError("simulated sampler bug")
-            return super().__call__(logits)
-
-    monkeypatch.setattr(engine_module, "Sampler", Broken)
+    break_sampler(monkeypatch)
     ids = tiny.tokenizer.encode(PROMPTS[0])
     engine.add_request("good", ids, GREEDY)
     engine.add_request("bad", ids, SamplingParams(max_tokens=8, top_k=13, n=2))
@@ -314,16 +299,7 @@ def test_the_engine_loop_survives_any_exception(tiny, monkeypatch):
     engine = Engine(tiny, EngineConfig(num_blocks=64))
     aeng = AsyncEngine(engine)
     aeng.start()
-    real_schedule = engine.scheduler.schedule
-    calls = {"n": 0}
-
-    def schedule():
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("simulated scheduler bug")
-        return real_schedule()
-
-    monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+    fail_schedule_at(engine, monkeypatch, call=2)
     ids = tiny.tokenizer.encode(PROMPTS[0])
 
     async def one() -> list[tuple[int, str | None]]:

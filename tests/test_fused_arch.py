@@ -8,26 +8,31 @@ alone, in any batch, paged or contiguous."""
 from __future__ import annotations
 
 import functools
-import random
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import assert_greedy_agreement, portable_kernels, save_tiny_model
+from helpers import (
+    assert_greedy_agreement,
+    assert_top_k_both_ways,
+    feed_batched,
+    feed_contiguous,
+    fused_and_torch,
+    low_bit_llm,
+    needs_avx512,
+    needs_kernels,
+    portable_kernels,
+    save_tiny_model,
+    scrambled_tables,
+)
 from kvlm import LLM, SamplingParams, kernels
 from kvlm.cache.base import blocks_for
 from kvlm.cache.paged import BlockPool
 from kvlm.engine.engine import Engine, EngineConfig
 from kvlm.model.fused import FusedDecoder, why_not
 from numerics import SAME_ROUNDING, assert_as_exact_as
-
-needs_kernels = pytest.mark.skipif(kernels.library() is None, reason=kernels.status())
-needs_avx512 = pytest.mark.skipif(
-    kernels.library() is None or kernels.library().kvlm_kernel_simd() != 512,
-    reason="checks the portable build against the AVX-512 one",
-)
 
 # conftest.TINY_MODELS, and what each brings to the fused step
 ARCH_MODELS = {
@@ -123,43 +128,8 @@ def test_every_family_takes_the_fused_step(arch_dir, name):
 
 def test_mlp_biases_stay_with_the_torch_step(tmp_path):
     folder = save_tiny_model(tmp_path / "m", "llama", seed=10, mlp_bias=True)
-    llm = LLM(
-        model=folder,
-        progress=False,
-        max_context=64,
-        weights="int8",
-        activations="fp32",
-        prefill_dtype="fp32",
-    )
+    llm = low_bit_llm(model=folder, max_context=64, weights="int8")
     assert llm.runner.fused_reason.startswith("MLP biases")
-
-
-def _fused_and_torch(llm: LLM, mode: str, prompt: list[int], steps: int):
-    """The fused step's greedy tokens after `prompt`, fed to the fused step and to the torch
-    model, each over a cache of its own: tokens, both logits (steps, V), both caches."""
-    runner = llm.runner
-    fused_cache, torch_cache = llm.new_cache(mode), llm.new_cache(mode)
-    token = int(runner.forward(prompt, fused_cache).argmax())
-    runner.forward(prompt, torch_cache)
-    assert runner.fused_for(fused_cache) is not None, runner.fused_reason
-    tokens, fused, ref, reason = [], [], [], runner.fused_reason
-    for _ in range(steps):
-        tokens.append(token)
-        fused.append(runner.forward([token], fused_cache))
-        runner.fused_reason = "off for the comparison"
-        try:
-            ref.append(runner.forward([token], torch_cache))
-        finally:
-            runner.fused_reason = reason
-        token = int(fused[-1].argmax())
-    return tokens, torch.stack(fused), torch.stack(ref), fused_cache, torch_cache
-
-
-def _top_k_both_ways(a: torch.Tensor, b: torch.Tensor, k: int = 5) -> None:
-    """At every step each side's greedy token is in the other's top k (the top-k rule)."""
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        assert int(x.argmax()) in torch.topk(y, k).indices.tolist(), f"step {i}"
-        assert int(y.argmax()) in torch.topk(x, k).indices.tolist(), f"step {i}"
 
 
 @needs_kernels
@@ -176,14 +146,14 @@ def test_the_fused_step_tracks_the_torch_model(arch_dir, name, kv_dtype, mode):
     llm, folder, weights = _load(arch_dir, name, kv_dtype)
     window = llm.config.sliding_window
     prompt = _ids(llm, max(12, (window or 0) - 10), seed=11)
-    tokens, fused, ref, fused_cache, torch_cache = _fused_and_torch(llm, mode, prompt, 40)
+    tokens, fused, ref, fused_cache, torch_cache = fused_and_torch(llm, prompt, 40, mode)
     if window is not None:
         assert len(prompt) + len(tokens) > window + 16  # first visible keys past a chunk start
     exact_llm = _exact(folder, weights)
     exact = exact_llm.runner.logits(prompt + tokens, exact_llm.new_cache("off"))[len(prompt) :]
     factor = INT8_QUERIES if kv_dtype == "int8" else SAME_ROUNDING
     assert_as_exact_as(fused, ref, exact, factor)
-    _top_k_both_ways(fused, ref)
+    assert_top_k_both_ways(fused, ref)
     if mode != "contiguous":
         return
     n = fused_cache.num_tokens
@@ -240,39 +210,13 @@ def test_generate_runs_the_fused_step_and_keeps_the_greedy_tokens(
     )
 
 
-def _tables(pool: BlockPool, lengths: list[int], seed: int) -> list[list[int]]:
-    """Each row's blocks, drawn from the pool in a scrambled order."""
-    ids = [pool.allocate() for _ in range(sum(blocks_for(n, pool.block_size) for n in lengths))]
-    random.Random(seed).shuffle(ids)
-    tables, at = [], 0
-    for n in lengths:
-        k = blocks_for(n, pool.block_size)
-        tables.append(ids[at : at + k])
-        at += k
-    return tables
-
-
 def _batched(llm: LLM, seqs: list[list[int]], seed: int) -> list[torch.Tensor]:
     """Every row's tokens one step at a time through the runner's batch over a paged pool
     (the engine's path), all rows that still have one together; each row's logits."""
     spec = llm.cache_spec("paged")
     pool = BlockPool(spec, sum(blocks_for(len(s), spec.block_size) for s in seqs))
-    tables = _tables(pool, [len(s) for s in seqs], seed)
-    out: list[list[torch.Tensor]] = [[] for _ in seqs]
-    for t in range(max(len(s) for s in seqs)):
-        live = [b for b, s in enumerate(seqs) if t < len(s)]
-        logits = llm.runner.forward_table(
-            pool, spec, [[seqs[b][t]] for b in live], [tables[b] for b in live], [t] * len(live)
-        )
-        for i, b in enumerate(live):
-            out[b].append(logits[i])
-    return [torch.stack(o) for o in out]
-
-
-def _contiguous(llm: LLM, tokens: list[int]) -> torch.Tensor:
-    cache = llm.new_cache("contiguous")
-    assert llm.runner.fused_for(cache) is not None
-    return torch.stack([llm.runner.forward([t], cache) for t in tokens])
+    tables = scrambled_tables(pool, [len(s) for s in seqs], seed)
+    return feed_batched(llm, seqs, pool, tables)
 
 
 def _lengths(llm: LLM) -> list[int]:
@@ -296,7 +240,9 @@ def _rows_alone_and_together(llm: LLM) -> None:
     for b, tokens in enumerate(seqs):
         alone = _batched(llm, [tokens], seed=b)[0]
         assert torch.equal(together[b], alone), f"row {b}: batched != alone"
-        assert torch.equal(together[b], _contiguous(llm, tokens)), f"row {b}: paged != contiguous"
+        assert torch.equal(together[b], feed_contiguous(llm, tokens)), (
+            f"row {b}: paged != contiguous"
+        )
 
 
 @needs_kernels
@@ -339,14 +285,7 @@ def test_the_engine_batches_them_through_the_fused_step(arch_dir, name, monkeypa
     """The server's engine runs the decode rows of every request in one fused call, and each
     request gets the tokens it gets alone (the batch is invariant)."""
     folder, weights = arch_dir(name), _weights(name)
-    llm = LLM(
-        model=folder,
-        progress=False,
-        max_context=MAX_CONTEXT,
-        weights=weights,
-        activations="fp32",
-        prefill_dtype="fp32",
-    )
+    llm = low_bit_llm(model=folder, max_context=MAX_CONTEXT, weights=weights)
     engine = Engine(llm, EngineConfig(num_blocks=64))
     assert llm.runner.fused_reason is None
     calls: list[int] = []

@@ -6,22 +6,20 @@ over a contiguous cache (kvlm generate and kvlm serve answer alike)."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from helpers import portable_kernels
+from helpers import (
+    feed_batched,
+    feed_contiguous,
+    needs_avx512,
+    needs_kernels,
+    portable_kernels,
+    scrambled_tables,
+)
 from kvlm import LLM, kernels
-from kvlm.cache.base import blocks_for
 from kvlm.cache.paged import BlockPool
 from numerics import assert_as_exact_as
-
-needs_kernels = pytest.mark.skipif(kernels.library() is None, reason=kernels.status())
-needs_avx512 = pytest.mark.skipif(
-    kernels.library() is None or kernels.library().kvlm_kernel_simd() != 512,
-    reason="checks the portable build against the AVX-512 one",
-)
 
 # rows of different lengths: within one block, across several, one past 64 positions
 # (two attention chunks) and one long enough for more
@@ -38,39 +36,6 @@ def _llm(tiny_model_dir, weights: str, kv_dtype: str, act: str = "fp32") -> LLM:
         activations=act,
         prefill_dtype="fp32",
     )
-
-
-def _tables(pool: BlockPool, lengths: list[int], seed: int) -> list[list[int]]:
-    """Each row's blocks, drawn from the pool in a scrambled order (ids far from sorted)."""
-    ids = [pool.allocate() for _ in range(sum(blocks_for(n, pool.block_size) for n in lengths))]
-    random.Random(seed).shuffle(ids)
-    tables, at = [], 0
-    for n in lengths:
-        k = blocks_for(n, pool.block_size)
-        tables.append(ids[at : at + k])
-        at += k
-    return tables
-
-
-def _batched(llm: LLM, seqs: list[list[int]], pool: BlockPool, tables) -> list[torch.Tensor]:
-    """Feed every row its tokens one step at a time, all rows that still have one together;
-    each row's logits per step."""
-    spec = llm.cache_spec("paged")
-    out: list[list[torch.Tensor]] = [[] for _ in seqs]
-    for t in range(max(len(s) for s in seqs)):
-        live = [b for b, s in enumerate(seqs) if t < len(s)]
-        logits = llm.runner.forward_table(
-            pool, spec, [[seqs[b][t]] for b in live], [tables[b] for b in live], [t] * len(live)
-        )
-        for i, b in enumerate(live):
-            out[b].append(logits[i])
-    return [torch.stack(o) for o in out]
-
-
-def _contiguous(llm: LLM, tokens: list[int]) -> torch.Tensor:
-    cache = llm.new_cache("contiguous")
-    assert llm.runner.fused_for(cache) is not None
-    return torch.stack([llm.runner.forward([t], cache) for t in tokens])
 
 
 @needs_kernels
@@ -100,13 +65,17 @@ def _rows_alone_and_together(llm: LLM, lengths: list[int]) -> None:
     seqs = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
     spec = llm.cache_spec("paged")
     pool = BlockPool(spec, 64)
-    tables = _tables(pool, lengths, seed=2)
-    together = _batched(llm, seqs, pool, tables)  # 20 rows: products in two tiles of 16
+    tables = scrambled_tables(pool, lengths, seed=2)
+    together = feed_batched(llm, seqs, pool, tables)  # 20 rows: products in two tiles of 16
     for b, tokens in enumerate(seqs):
         alone_pool = BlockPool(spec, 64)
-        alone = _batched(llm, [tokens], alone_pool, _tables(alone_pool, [len(tokens)], seed=b))
+        alone = feed_batched(
+            llm, [tokens], alone_pool, scrambled_tables(alone_pool, [len(tokens)], seed=b)
+        )
         assert torch.equal(together[b], alone[0]), f"row {b}: batched != alone"
-        assert torch.equal(together[b], _contiguous(llm, tokens)), f"row {b}: paged != contiguous"
+        assert torch.equal(together[b], feed_contiguous(llm, tokens)), (
+            f"row {b}: paged != contiguous"
+        )
 
 
 @needs_kernels
@@ -119,11 +88,11 @@ def test_the_batched_step_matches_the_torch_model_over_a_paged_pool(tiny_model_d
     seqs = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
     spec = llm.cache_spec("paged")
     pools = [BlockPool(spec, 32), BlockPool(spec, 32)]
-    tables = _tables(pools[0], lengths, seed=4)
-    assert _tables(pools[1], lengths, seed=4) == tables
-    fused = _batched(llm, seqs, pools[0], tables)
+    tables = scrambled_tables(pools[0], lengths, seed=4)
+    assert scrambled_tables(pools[1], lengths, seed=4) == tables
+    fused = feed_batched(llm, seqs, pools[0], tables)
     llm.runner.fused_reason = "off for the comparison"
-    reference = _batched(llm, seqs, pools[1], tables)
+    reference = feed_batched(llm, seqs, pools[1], tables)
     # both held to the same weights in fp64: as close to it as each other (fp32 in two
     # summation orders), logits and the K/V each wrote via the tables
     exact_llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=256,
@@ -142,7 +111,7 @@ def test_the_batched_step_matches_the_torch_model_over_a_paged_pool(tiny_model_d
 
 
 @needs_kernels
-def test_the_batched_step_refuses_positions_outside_its_tables(tiny_model_dir):
+def test_the_batched_step_refuses_positions_outside_itsscrambled_tables(tiny_model_dir):
     """A position past the rows' tables or the context, or a block id past the pool: a
     clear error, and nothing written."""
     llm = _llm(tiny_model_dir, "int8", "fp32")

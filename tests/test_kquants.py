@@ -14,6 +14,11 @@ from gguf import GGMLQuantizationType as Q
 
 from helpers import (
     PACKERS,
+    assert_top_k_both_ways,
+    fused_and_torch,
+    low_bit_llm,
+    needs_avx512,
+    needs_kernels,
     portable_kernels,
     random_blocks,
     ref_dequant_rows,
@@ -23,12 +28,6 @@ from helpers import (
 from kvlm import kernels
 from kvlm.model import quant
 from numerics import SAME_ROUNDING, assert_as_exact_as, assert_product_close
-
-needs_kernels = pytest.mark.skipif(kernels.library() is None, reason=kernels.status())
-needs_avx512 = pytest.mark.skipif(
-    kernels.library() is None or kernels.library().kvlm_kernel_simd() != 512,
-    reason="checks the portable build against the AVX-512 one",
-)
 
 TYPES = {"q5_0": "Q5_0", "q5_1": "Q5_1", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
 # The file's own bytes per weight, which the packed layout keeps (kernels/qgemm.c)
@@ -325,17 +324,9 @@ def test_native_weights_keep_each_tensors_kind(k_files, mix, caplog):
     """--weights native: every projection holds the file's blocks in their own kind (q|k|v
     and gate|up as parts where they differ), the same numbers as the float loader's (q/k
     rows un-permuted), nothing re-quantized and so nothing named."""
-    from kvlm import LLM
 
     with caplog.at_level(logging.WARNING, logger="kvlm.loading"):
-        llm = LLM(
-            model=k_files[mix],
-            progress=False,
-            max_context=64,
-            weights="native",
-            activations="fp32",
-            prefill_dtype="fp32",
-        )
+        llm = low_bit_llm(model=k_files[mix], max_context=64)
     assert not caplog.records
     types, src = MIXES[mix], llm.loaded.weights
     for i, block in enumerate(llm.model.layers):
@@ -375,43 +366,17 @@ def test_the_fused_step_tracks_the_torch_model_on_k_quants(k_files, mix, act):
         prefill_dtype="fp32",
     )
     assert llm.runner.fused_reason is None, llm.runner.fused_reason
-    exact = LLM(
-        model=path,
-        progress=False,
-        max_context=64,
-        weights="native",
-        dtype="fp64",
-        activations="fp32",
-        prefill_dtype="fp32",
-    )
+    exact = low_bit_llm(model=path, max_context=64, dtype="fp64")
     ids = llm.encode("a b c d e")
-    runner = llm.runner
-    fused_cache, torch_cache = llm.new_cache("contiguous"), llm.new_cache("contiguous")
-    token = int(runner.forward(ids, fused_cache).argmax())
-    runner.forward(ids, torch_cache)
-    assert runner.fused_for(fused_cache) is not None
-    tokens, fused, ref = [], [], []
-    for _ in range(24):
-        tokens.append(token)
-        fused.append(runner.forward([token], fused_cache))
-        runner.fused_reason = "off for the comparison"
-        try:
-            ref.append(runner.forward([token], torch_cache))
-        finally:
-            runner.fused_reason = None
-        token = int(fused[-1].argmax())
-    fused, ref = torch.stack(fused), torch.stack(ref)
+    tokens, fused, ref, _, _ = fused_and_torch(llm, ids, 24)
     want = exact.runner.logits(list(ids) + tokens, exact.new_cache("off"))[len(ids) :]
     assert_as_exact_as(fused, ref, want, SAME_ROUNDING)
-    for i, (a, b) in enumerate(zip(fused, ref, strict=True)):
-        assert int(a.argmax()) in torch.topk(b, 5).indices.tolist(), i
-        assert int(b.argmax()) in torch.topk(a, 5).indices.tolist(), i
+    assert_top_k_both_ways(fused, ref)
 
 
 def test_types_without_a_kernel_are_named_once(wide_llama, tmp_path, caplog):
     """Q3_K (every ffn_down) and Q2_K (every attn_v) have no kernel: each is re-quantized to
     int8, and said once per kind of tensor; the rest of q|k|v keeps its Q4_K parts."""
-    from kvlm import LLM
 
     rng = np.random.default_rng(0)
     extra = {}
@@ -422,14 +387,7 @@ def test_types_without_a_kernel_are_named_once(wide_llama, tmp_path, caplog):
         wide_llama, tmp_path / "m.gguf", types={"*": Q.Q4_K}, extra_tensors=extra
     )
     with caplog.at_level(logging.WARNING, logger="kvlm.loading"):
-        llm = LLM(
-            model=path,
-            progress=False,
-            max_context=64,
-            weights="native",
-            activations="fp32",
-            prefill_dtype="fp32",
-        )
+        llm = low_bit_llm(model=path, max_context=64)
     said = sorted(r.getMessage() for r in caplog.records)
     assert said == [
         "blk.*.attn_v.weight: Q2_K has no kvlm kernel; re-quantized to int8 (2 tensors)",
@@ -447,17 +405,9 @@ def test_a_batch_of_k_quant_rows_gets_each_rows_own_logits(k_files):
     """The server's batch over a paged pool (20 rows: the products in tiles of 16 and 4, each
     part of q|k|v writing its columns of the wider output): every row's logits bit for bit
     those it gets alone, and those of the contiguous single-sequence step."""
-    from kvlm import LLM
     from test_fused_batch import _rows_alone_and_together
 
-    llm = LLM(
-        model=k_files["Q4_K_M"],
-        progress=False,
-        max_context=256,
-        weights="native",
-        activations="fp32",
-        prefill_dtype="fp32",
-    )
+    llm = low_bit_llm(model=k_files["Q4_K_M"], max_context=256)
     assert [p.kind for p in llm.model.layers[0].attn.qkv.quant.parts()] == ["q4_k", "q6_k"]
     _rows_alone_and_together(llm, [3, 16, 17, 9, 1, 33, 5, 21, 12, 7, 2, 4, 6, 8, 10, 11, 13, 14,
                                    19, 20])  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from helpers import break_sampler, fail_schedule_at
 from kvlm import LLM, SamplingParams
 from kvlm.errors import CacheOverflowError, InvalidRequestError
 
@@ -129,19 +130,10 @@ def test_what_the_engine_cannot_take_runs_alone(tiny):
 
 
 def test_a_failing_request_ends_alone_with_error(tiny, monkeypatch, caplog):
-    from kvlm.engine import engine as engine_module
-
-    real_sampler = engine_module.Sampler
-
-    class Broken(real_sampler):
-        def __call__(self, logits):
-            if self.params.top_k == 13:  # the bad request's mark
-                raise IndexError("simulated sampler bug")
-            return super().__call__(logits)
 
     good = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     alone = [tiny.generate(p, good)[0] for p in PROMPTS[:3]]
-    monkeypatch.setattr(engine_module, "Sampler", Broken)
+    break_sampler(monkeypatch)
     bad = SamplingParams(max_tokens=8, top_k=13, n=2)
     out = tiny.generate([*PROMPTS[:3], "poison"], [good, good, good, bad])
     assert [result(o) for o in out[:3]] == [result(o) for o in alone]
@@ -152,15 +144,7 @@ def test_a_failing_request_ends_alone_with_error(tiny, monkeypatch, caplog):
 def test_an_engine_failure_leaves_the_engine_empty(tiny, monkeypatch):
     engine = tiny.batch_engine()
     real = engine.scheduler.schedule
-    calls = {"n": 0}
-
-    def schedule():
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("simulated scheduler bug")
-        return real()
-
-    monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+    fail_schedule_at(engine, monkeypatch, call=3)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with pytest.raises(RuntimeError, match="simulated"):
         tiny.generate(PROMPTS, params)

@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import portable_kernels
+from helpers import (
+    assert_top_k_both_ways,
+    fused_and_torch,
+    low_bit_llm,
+    needs_avx512,
+    needs_kernels,
+    portable_kernels,
+)
 from kvlm import kernels
 from kvlm.model import quant
 from kvlm.model.layers import Linear
@@ -22,11 +29,6 @@ from numerics import (
     product_bound,
 )
 
-needs_kernels = pytest.mark.skipif(kernels.library() is None, reason=kernels.status())
-needs_avx512 = pytest.mark.skipif(
-    kernels.library() is None or kernels.library().kvlm_kernel_simd() != 512,
-    reason="checks the portable build against the AVX-512 one",
-)
 # A group's fp16 scale (and q4 minimum) rounds by 2^-11 relative; times a code of up to 127
 # (q8) or the scale and the minimum together (q4), within 4 x 2^-11 of the group's max |w|.
 FP16_PARAMS = 4 * FP16_STEP
@@ -219,19 +221,10 @@ def test_the_portable_build_runs_the_same_fused_step(
     """The scalar attention (dot_kv / axpy_kv) and products of a build without AVX-512: the
     same numerics in another summation order, so as close to the exact result as the
     AVX-512 build is (each rounds K/V, and for int8 the queries, the same way)."""
-    from kvlm import LLM
 
     portable = portable_kernels(tmp_path, monkeypatch)
     folder = tiny_model_dir("llama")
-    llm = LLM(
-        model=folder,
-        progress=False,
-        max_context=64,
-        weights="int4",
-        kv_dtype=kv_dtype,
-        activations="fp32",
-        prefill_dtype="fp32",
-    )
+    llm = low_bit_llm(model=folder, max_context=64, weights="int4", kv_dtype=kv_dtype)
     ids = llm.encode("a b c d e")
     native, scalar = _fused_steps_per_library(llm, ids, kernels.library(), portable)
     exact = _exact_steps(folder, "int4", ids, STEP_TOKENS)
@@ -245,7 +238,6 @@ def test_the_int8_cache_attention_shapes_agree_with_the_portable_build(tmp_path,
     pieces, p.V over 4 or 8 vectors) and its fallback (more than 4 query heads per KV head)
     give the scalar build's logits: integer scores are exact, only p.V's order differs."""
     from helpers import save_tiny_model
-    from kvlm import LLM
 
     portable = portable_kernels(tmp_path, monkeypatch)
     monkeypatch.undo()
@@ -255,15 +247,7 @@ def test_the_int8_cache_attention_shapes_agree_with_the_portable_build(tmp_path,
             tmp_path / f"m{heads}", "llama", seed=7, num_attention_heads=heads,
             num_key_value_heads=kv_heads, hidden_size=hidden,
         )  # fmt: skip
-        llm = LLM(
-            model=folder,
-            progress=False,
-            max_context=256,
-            weights="int8",
-            kv_dtype="int8",
-            activations="fp32",
-            prefill_dtype="fp32",
-        )
+        llm = low_bit_llm(model=folder, max_context=256, weights="int8", kv_dtype="int8")
         ids = llm.encode(" ".join(["a b c d e f g"] * 20))  # > 128 positions: chunks
         fast, scalar = _fused_steps_per_library(llm, ids, native, portable)
         exact = _exact_steps(folder, "int8", ids, STEP_TOKENS)
@@ -332,14 +316,7 @@ def test_weight_formats_agree_with_fp32_on_a_tiny_model(tiny_model_dir, fmt):
 
     folder = tiny_model_dir("llama")
     ref = LLM(model=folder, progress=False, max_context=128)
-    llm = LLM(
-        model=folder,
-        progress=False,
-        max_context=128,
-        weights=fmt,
-        activations="fp32",
-        prefill_dtype="fp32",
-    )
+    llm = low_bit_llm(model=folder, max_context=128, weights=fmt)
     assert llm.describe()["weights"] == ("fp32" if fmt == "f32" else fmt)
     assert_generation_agrees(ref, llm, "The quick brown fox", 24)
 
@@ -413,38 +390,6 @@ def test_weight_format_mistakes_are_clear():
         LLM(weights="native", activations="int4", progress=False, prefill_dtype="fp32")
 
 
-def _fused_and_torch(llm, prompt_ids, steps):
-    """The same tokens (the fused step's greedy choices) through the fused step and the
-    torch model, each on a contiguous cache of its own: tokens, both logits (steps, V),
-    both caches."""
-    runner = llm.runner
-    fused_cache, torch_cache = llm.new_cache("contiguous"), llm.new_cache("contiguous")
-    a = runner.forward(prompt_ids, fused_cache)
-    runner.forward(prompt_ids, torch_cache)
-    assert runner.fused_for(fused_cache) is not None, runner.fused_reason
-    token, tokens, fused, ref = int(a.argmax()), [], [], []
-    reason = runner.fused_reason
-    for _ in range(steps):
-        tokens.append(token)
-        fused.append(runner.forward([token], fused_cache))
-        runner.fused_reason = "off for the comparison"
-        try:
-            ref.append(runner.forward([token], torch_cache))
-        finally:
-            runner.fused_reason = reason
-        token = int(fused[-1].argmax())
-    assert fused_cache.num_tokens == torch_cache.num_tokens
-    return tokens, torch.stack(fused), torch.stack(ref), fused_cache, torch_cache
-
-
-def _assert_top_k_both_ways(a: torch.Tensor, b: torch.Tensor, k: int = 5) -> None:
-    """At every step each side's best token is in the other's top k (the top-k rule, for
-    teacher-forced steps)."""
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        assert int(x.argmax()) in torch.topk(y, k).indices.tolist(), f"step {i}"
-        assert int(y.argmax()) in torch.topk(x, k).indices.tolist(), f"step {i}"
-
-
 def _held_rows(cache, layer=slice(None)):
     n = cache.num_tokens
     store = cache.store
@@ -458,10 +403,10 @@ def _assert_fused_tracks_torch(llm, folder, weights, prompt_ids, steps, factor=S
     weights: the fused logits are as close to it as the torch path's, within `factor`.
     Layer 0's K/V, whose inputs differ by fp32 rounding only, are within one storage step
     of each other (bf16: one ulp; int8: one code); fp32 K/V as exact as the torch path's."""
-    tokens, fused, ref, fused_cache, torch_cache = _fused_and_torch(llm, prompt_ids, steps)
+    tokens, fused, ref, fused_cache, torch_cache = fused_and_torch(llm, prompt_ids, steps)
     exact = _exact_steps(folder, weights, prompt_ids, tokens)
     assert_as_exact_as(fused, ref, exact, factor)
-    _assert_top_k_both_ways(fused, ref)
+    assert_top_k_both_ways(fused, ref)
     dtype = fused_cache.store.values.dtype
     (ours, our_scales), (theirs, _) = _held_rows(fused_cache, 0), _held_rows(torch_cache, 0)
     if dtype == torch.int8:  # a code on a rounding boundary may take its neighbour
@@ -495,16 +440,8 @@ def test_fused_decode_step_matches_the_torch_model_on_the_real_model(default_mod
 def test_fused_decode_step_reads_and_writes_a_bf16_cache(default_model_path):
     """Both paths round K/V to bf16, so both are as far from the exact result as bf16
     storage takes them; where a value sits on a rounding boundary they differ by one ulp."""
-    from kvlm import LLM
 
-    llm = LLM(
-        progress=False,
-        max_context=256,
-        weights="native",
-        kv_dtype="bf16",
-        activations="fp32",
-        prefill_dtype="fp32",
-    )
+    llm = low_bit_llm(max_context=256, kv_dtype="bf16")
     assert llm.new_cache("contiguous").store.values.dtype == torch.bfloat16
     ids = llm.encode("The history of the city of Paris begins")
     _assert_fused_tracks_torch(llm, default_model_path, "native", ids, 32)
@@ -531,14 +468,7 @@ def test_fused_step_is_not_used_where_it_does_not_apply(tiny_model_dir):
     fp32 = LLM(model=tiny_model_dir("llama"), progress=False, max_context=64)
     assert fp32.runner.fused_reason is not None  # fp32 weights: the torch model
     # biases, q/k norm and windows take the fused step now (tests/test_fused_arch.py)
-    q8 = LLM(
-        model=tiny_model_dir("llama"),
-        progress=False,
-        max_context=64,
-        weights="int8",
-        activations="fp32",
-        prefill_dtype="fp32",
-    )
+    q8 = low_bit_llm(model=tiny_model_dir("llama"), max_context=64, weights="int8")
     if q8.runner.fused_reason is None:
         assert q8.runner.fused_for(q8.new_cache("window")) is None
         assert q8.runner.fused_for(q8.new_cache("basic")) is None
@@ -576,16 +506,8 @@ INT8_QUERIES = 2 * SAME_ROUNDING
 
 @needs_kernels
 def test_fused_decode_step_reads_and_writes_an_int8_cache(default_model_path):
-    from kvlm import LLM
 
-    llm = LLM(
-        progress=False,
-        max_context=256,
-        weights="native",
-        kv_dtype="int8",
-        activations="fp32",
-        prefill_dtype="fp32",
-    )
+    llm = low_bit_llm(max_context=256, kv_dtype="int8")
     assert llm.new_cache("contiguous").store.values.dtype == torch.int8
     ids = llm.encode("The history of the city of Paris begins")
     _assert_fused_tracks_torch(llm, default_model_path, "native", ids, 32, INT8_QUERIES)
@@ -627,16 +549,8 @@ def test_fused_attention_split_into_position_chunks_matches_the_torch_model(
 ):
     """Past 128 positions the fused attention splits each KV head's history into chunks
     (the threads' work items, merged by log-sum-exp) and fetches rows ahead: same logits."""
-    from kvlm import LLM
 
-    llm = LLM(
-        progress=False,
-        max_context=512,
-        weights="native",
-        kv_dtype=kv_dtype,
-        activations="fp32",
-        prefill_dtype="fp32",
-    )
+    llm = low_bit_llm(max_context=512, kv_dtype=kv_dtype)
     ids = llm.encode(" ".join(f"item {i}," for i in range(70)))  # ~280 tokens: 4 chunks
     assert len(ids) > 256
     factor = INT8_QUERIES if kv_dtype == "int8" else SAME_ROUNDING

@@ -21,7 +21,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import save_tiny_model
+from helpers import low_bit_llm, save_tiny_model
 from kvlm import LLM
 from kvlm.cache import CacheFileError, CacheSpec, create_cache
 from kvlm.errors import InvalidRequestError
@@ -267,14 +267,7 @@ def test_storage_dtypes_decode_past_the_wrap_in_constant_memory(tiny_model_dir):
 
 def test_the_fused_decode_step_never_takes_a_window_cache(tiny_model_dir):
     """The C decode step reads K rotated at write: window caches stay on the torch path."""
-    llm = LLM(
-        model=tiny_model_dir("llama"),
-        weights="int8",
-        kv="window",
-        progress=False,
-        activations="fp32",
-        prefill_dtype="fp32",
-    )
+    llm = low_bit_llm(model=tiny_model_dir("llama"), weights="int8", kv="window")
     if llm.runner.fused_reason is not None:
         pytest.skip(f"no fused step here: {llm.runner.fused_reason}")
     assert llm.runner.fused_for(llm.new_cache("contiguous")) is not None

@@ -138,16 +138,8 @@ def _llama3_rope_factors(shape: Shape) -> np.ndarray:
     return factors.astype(np.float32)
 
 
-def write_model(
-    shape_name: str, file_type: str, out: Path, tokenizer_from: Path, seed: int = 0
-) -> Path:
-    """Write `out`: the shape `shape_name` in `file_type`, the tokenizer of the GGUF file
-    `tokenizer_from` (padded to the vocabulary)."""
-    shape = SHAPES[shape_name]
-    rng = np.random.default_rng(seed)
-    arch = shape.arch
-    w = gguf.GGUFWriter(str(out), arch)
-    w.add_name(f"random {shape_name} {file_type}")
+def add_shape(w: gguf.GGUFWriter, shape: Shape) -> None:
+    """The architecture's size keys of a GGUF file, as llama.cpp's converter writes them."""
     w.add_block_count(shape.layers)
     w.add_context_length(shape.context)
     w.add_embedding_length(shape.hidden)
@@ -160,6 +152,19 @@ def write_model(
     w.add_rope_freq_base(shape.rope_theta)
     w.add_layer_norm_rms_eps(shape.eps)
     w.add_vocab_size(shape.vocab)
+
+
+def write_model(
+    shape_name: str, file_type: str, out: Path, tokenizer_from: Path, seed: int = 0
+) -> Path:
+    """Write `out`: the shape `shape_name` in `file_type`, the tokenizer of the GGUF file
+    `tokenizer_from` (padded to the vocabulary)."""
+    shape = SHAPES[shape_name]
+    rng = np.random.default_rng(seed)
+    arch = shape.arch
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(f"random {shape_name} {file_type}")
+    add_shape(w, shape)
     w.add_file_type(FILE_TYPES[file_type])
     _copy_tokenizer(w, tokenizer_from, shape.vocab)
 

@@ -796,6 +796,19 @@ dequant_row(int kind, int bf16, int64_t groups, kvlm_block B, int i, void *out) 
     }
 }
 
+/* DO(KIND) with KIND a literal for each known kind; an unknown kind returns -2 */
+#define EACH_KIND(kind, DO)                                                                  \
+    switch (kind) {                                                                          \
+    case Q8: DO(Q8); break;                                                                  \
+    case Q4: DO(Q4); break;                                                                  \
+    case Q50: DO(Q50); break;                                                                \
+    case Q51: DO(Q51); break;                                                                \
+    case Q4K: DO(Q4K); break;                                                                \
+    case Q5K: DO(Q5K); break;                                                                \
+    case Q6K: DO(Q6K); break;                                                                \
+    default: return -2;                                                                      \
+    }
+
 /* KIND and BF16 literals (see FOR_BLOCKS) */
 #define DEQUANT_ROWS(KIND, BF16)                                                             \
     do {                                                                                     \
@@ -816,16 +829,7 @@ dequant_row(int kind, int bf16, int64_t groups, kvlm_block B, int i, void *out) 
 int kvlm_qdequant(int64_t kind, int64_t bf16, int64_t K, const uint8_t *w, int64_t N,
                   void *out) {
     const int64_t groups = K / G;
-    switch (kind) {
-    case Q8: DEQUANT_KIND(Q8); break;
-    case Q4: DEQUANT_KIND(Q4); break;
-    case Q50: DEQUANT_KIND(Q50); break;
-    case Q51: DEQUANT_KIND(Q51); break;
-    case Q4K: DEQUANT_KIND(Q4K); break;
-    case Q5K: DEQUANT_KIND(Q5K); break;
-    case Q6K: DEQUANT_KIND(Q6K); break;
-    default: return -2;
-    }
+    EACH_KIND(kind, DEQUANT_KIND);
     return 0;
 }
 
@@ -839,16 +843,7 @@ int kvlm_qdequant_rows(int64_t kind, int64_t K, const uint8_t *w, const int64_t 
     for (int64_t t = 0; t < n; t++)                                                          \
         dequant_row(KIND, 0, groups, block_at(KIND, w, groups, rows[t] / BR),                \
                     (int)(rows[t] % BR), out + t * K)
-    switch (kind) {
-    case Q8: DEQUANT_PICKED(Q8); break;
-    case Q4: DEQUANT_PICKED(Q4); break;
-    case Q50: DEQUANT_PICKED(Q50); break;
-    case Q51: DEQUANT_PICKED(Q51); break;
-    case Q4K: DEQUANT_PICKED(Q4K); break;
-    case Q5K: DEQUANT_PICKED(Q5K); break;
-    case Q6K: DEQUANT_PICKED(Q6K); break;
-    default: return -2;
-    }
+    EACH_KIND(kind, DEQUANT_PICKED);
 #undef DEQUANT_PICKED
     return 0;
 }
