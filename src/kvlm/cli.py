@@ -118,19 +118,38 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="kvlm vs transformers on the same model and prompts")
     _model_args(bench)
     bench.add_argument("--kv", default="contiguous", help="cache modes, comma-separated")
-    bench.add_argument("--prompts", default="128,512,2048", help="prompt lengths in tokens")
-    bench.add_argument("--new-tokens", type=int, default=128, help="tokens decoded per run")
+    bench.add_argument(
+        "--prompts",
+        default=None,
+        help="prompt lengths in tokens (default 128,512,2048; --suite: 512)",
+    )
+    bench.add_argument(
+        "--new-tokens",
+        type=int,
+        default=None,
+        help="tokens decoded per run (default 128; --suite: 64)",
+    )
     bench.add_argument(
         "--peers", default="hf,hf-static,llama.cpp", help="hf, hf-static, llama.cpp, or none"
     )
     bench.add_argument("--plots", metavar="DIR", help="write PNG plots here (matplotlib)")
-    bench.add_argument("--rounds", type=int, default=1, help="runs per cell (median)")
+    bench.add_argument(
+        "--rounds", type=int, default=None, help="runs per cell (median; default 1, --suite: 2)"
+    )
     bench.add_argument("--max-context", type=int, default=None, help="cache capacity")
     bench.add_argument("--kv-dtype", default=None, help="cache storage: fp32, bf16, fp16, int8")
     bench.add_argument("--json", metavar="FILE", help="write the results as JSON")
     bench.add_argument(
         "--streams", default="1,2,4,8", help="concurrent streams for the engine run, or none"
     )
+    bench.add_argument(
+        "--suite", metavar="DIR",
+        help="the model set instead of one model: random-weight GGUFs of real shapes (written "
+        "into DIR when absent) and the default model, kvlm with no flags against --peers "
+        "(llama.cpp, hf), each engine alone in a fresh process",
+    )  # fmt: skip
+    bench.add_argument("--shapes", help="--suite: shapes, comma-separated (kvlm.bench.models)")
+    bench.add_argument("--types", help="--suite: file types, comma-separated (Q4_0,Q8_0,Q4_K_M)")
     bench.set_defaults(func=cmd_bench)
 
     inspect = sub.add_parser("inspect", help="show a model's configuration and cache sizes")
@@ -472,6 +491,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kvlm.cache.factory import check_mode
     from kvlm.errors import InvalidRequestError
 
+    if args.suite:
+        return _bench_suite(args)
+    args.prompts = args.prompts or "128,512,2048"
+    args.new_tokens = 128 if args.new_tokens is None else args.new_tokens
+    args.rounds = 1 if args.rounds is None else args.rounds
     try:
         prompts = [int(x) for x in args.prompts.split(",")]
     except ValueError as exc:
@@ -505,6 +529,52 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench(llm, config)
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from exc
+    print(markdown(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def _bench_suite(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvlm.bench.suite import ENGINES, markdown, run_suite, suite_models
+    from kvlm.errors import InvalidRequestError
+
+    try:
+        prompt = int(args.prompts or 512)
+    except ValueError as exc:
+        raise InvalidRequestError("--suite takes one prompt length (--prompts 512)") from exc
+    new = 64 if args.new_tokens is None else args.new_tokens
+    rounds = 2 if args.rounds is None else args.rounds
+    if prompt < 16 or new < 2 or rounds < 1:
+        raise InvalidRequestError("--suite: --prompts >= 16, --new-tokens >= 2, --rounds >= 1")
+    flags = {"--model": args.model, "--exact": args.exact, "--kv-dtype": args.kv_dtype,
+             "--plots": args.plots, "--max-context": args.max_context}  # fmt: skip
+    flags |= {f"--{k.replace('_', '-')}": getattr(args, k) != "auto"
+              for k in ("weights", "prefill_dtype", "activations")}  # fmt: skip
+    given = [name for name, value in flags.items() if value]
+    if given:
+        raise InvalidRequestError(
+            f"--suite runs kvlm with no flags on its own model set; {given[0]} does not apply"
+        )
+    peers = "llama.cpp,hf" if args.peers == "hf,hf-static,llama.cpp" else args.peers
+    peers = [] if peers == "none" else peers.split(",")
+    unknown = set(peers) - set(ENGINES)
+    if unknown:
+        raise InvalidRequestError(f"--suite peers: {sorted(unknown)[0]!r}; valid: llama.cpp, hf")
+
+    def names(value: str | None) -> list[str] | None:
+        return None if value is None else value.split(",")
+
+    shapes, types = names(args.shapes), names(args.types)
+    try:
+        models = suite_models(Path(args.suite), shapes, types, log=sys.stderr)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from exc
+    engines = ["kvlm", *[p for p in ENGINES if p in peers]]
+    result = run_suite(models, engines, prompt, new, rounds, args.threads)
     print(markdown(result))
     if args.json:
         with open(args.json, "w") as f:

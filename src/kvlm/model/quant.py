@@ -25,7 +25,7 @@ the same packed bytes): the same numbers, slower.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -582,11 +582,15 @@ def quantize(weight: torch.Tensor, kind: str) -> QuantWeight:
     raise ValueError(f"unknown quantized kind {kind!r}")
 
 
-def move_to_huge_pages(weights: Sequence[QuantWeight]) -> bool:
+def move_to_huge_pages(
+    weights: Sequence[QuantWeight], moved: Callable[[QuantWeight], None] | None = None
+) -> bool:
     """Move the packed weights, in the order given (a decode step's read order), into one
     buffer on transparent huge pages (kernels.huge_page_buffer): the kernels stream them
     with a page walk per 2 MiB instead of per 4 KiB. False (nothing moved) where the OS
-    offers no huge pages."""
+    offers no huge pages. `moved(w)` runs after each weight's move: the caller drops its
+    other references to the old storage there, so it is freed weight by weight and the
+    peak stays one weight above the model, not two models."""
     sizes = [-(-w.data.numel() // 64) * 64 for w in weights]  # each start 64-byte aligned
     arena = kernels.huge_page_buffer(sum(sizes))
     if arena is None:
@@ -596,6 +600,8 @@ def move_to_huge_pages(weights: Sequence[QuantWeight]) -> bool:
         view = arena[at : at + w.data.numel()].view(w.data.shape)
         view.copy_(w.data)
         w.data = view
+        if moved is not None:
+            moved(w)
         at += size
     return True
 

@@ -6,10 +6,12 @@ tokens are fed, at which positions, and which cache step they attend through.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import re
 import sys
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -70,7 +72,7 @@ class Transformer(nn.Module):
         self.device = torch.device(device)
         self.weight_format = weight_format
         loader = _WeightTaker(weights, config, dtype, self.device, progress, weight_format)
-        with loader:
+        with loader, freed_memory_returned():
             self.layers = nn.ModuleList(loader.block(i) for i in range(config.num_layers))
             self.norm = RMSNorm(loader.take("model.norm.weight"), config.rms_norm_eps)
             tied = config.tie_word_embeddings or not loader.has("lm_head.weight")
@@ -92,12 +94,23 @@ class Transformer(nn.Module):
                 self._embed_table = embed
             freq_factors = loader.take_raw("rope_freqs.weight")
         self.rope = RotaryEmbedding(config, self.device, freq_factors)
-        # low-bit weights in one huge-page buffer, in the order a decode step reads them
-        packed = [m.quant for m in self.modules() if isinstance(m, Linear) and m.quant is not None]
-        if packed and quant.move_to_huge_pages(packed):
-            for m in self.modules():
-                if isinstance(m, Linear) and m.quant is not None:
-                    m.weight = m.quant.data
+        # low-bit weights in one huge-page buffer, in the order a decode step reads them,
+        # each old copy freed as soon as it has moved
+        owners: dict[int, list[Linear]] = {}
+        packed: list[quant.QuantWeight] = []
+        for m in self.modules():
+            if isinstance(m, Linear) and m.quant is not None:
+                if id(m.quant) not in owners:
+                    packed.append(m.quant)
+                owners.setdefault(id(m.quant), []).append(m)
+
+        def moved(w: quant.QuantWeight) -> None:
+            for m in owners[id(w)]:
+                m.weight = w.data
+
+        with freed_memory_returned():
+            if packed:
+                quant.move_to_huge_pages(packed, moved)
 
     def step_context(self, rows: int) -> AbstractContextManager:
         """Thread arrangement for a forward of `rows` token rows (see kvlm.model.blas)."""
@@ -169,6 +182,36 @@ class Transformer(nn.Module):
             x = x[:, -1:]
         logits = self.lm_head(self.norm(x))
         return logits if logits.dtype == torch.float64 else logits.float()
+
+
+@contextmanager
+def freed_memory_returned() -> Iterator[None]:
+    """While loading, glibc hands every block of 1 MiB or more back to the OS when it is
+    freed (mallopt M_MMAP_THRESHOLD), and trims its heap at the end: packing makes many
+    temporaries of a few MiB, which its default (a threshold that rises to 32 MiB after
+    the first big free) kept in the heap, so the process held ~1.1 GiB of freed memory
+    after loading a 1B model. Afterwards the threshold is glibc's dynamic maximum, 32
+    MiB, fixed. A no-op off glibc."""
+    libc = _glibc()
+    if libc is None:
+        yield
+        return
+    m_mmap_threshold = -3
+    libc.mallopt(m_mmap_threshold, 1 << 20)
+    try:
+        yield
+    finally:
+        libc.mallopt(m_mmap_threshold, 32 << 20)
+        libc.malloc_trim(0)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.gnu_get_libc_version  # noqa: B018 - glibc, not musl under that name
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 class _WeightTaker:
@@ -272,7 +315,14 @@ class _WeightTaker:
         return self._make(self.take(name) if weight is None else weight, bias, [name])
 
     def _rows(self, name: str) -> int:
-        return self.weights.get(name).shape[0]
+        """Output rows of a projection, from the config (reading the tensor would decode
+        it whole)."""
+        c = self.config
+        part = name.split(".")[-2]
+        known = {"q_proj": c.num_heads * c.head_dim, "k_proj": c.num_kv_heads * c.head_dim,
+                 "v_proj": c.num_kv_heads * c.head_dim, "gate_proj": c.intermediate_size,
+                 "up_proj": c.intermediate_size}  # fmt: skip
+        return known[part] if part in known else self.weights.get(name).shape[0]
 
     def native_embedding(self, name: str) -> quant.QuantWeight | None:
         """The embedding table's own low-bit blocks (--weights native), one kind (not a
@@ -339,9 +389,15 @@ class _WeightTaker:
             self.fused_linear(f"{p}.mlp", ("gate_proj", "up_proj")),
             self.linear(f"{p}.mlp.down_proj.weight", bias=self._bias(f"{p}.mlp.down_proj.bias")),
         )
-        return Block(
+        block = Block(
             attn,
             mlp,
             RMSNorm(self.take(f"{p}.input_layernorm.weight"), eps),
             RMSNorm(self.take(f"{p}.post_attention_layernorm.weight"), eps),
         )
+        # the file's pages of this layer were read once, into the model's own copies:
+        # given back now, so the file and the packed model are never both resident
+        release = getattr(self.weights, "release", None)
+        if release is not None:
+            release()
+        return block
