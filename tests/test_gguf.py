@@ -72,7 +72,7 @@ def test_f32_gguf_logits_match_hf(arch_name, tiny_model_dir, tmp_path):
 def test_block_quant_types_decode_exactly(qtype, llama_dir, tmp_path):
     path = write_gguf_from_hf(llama_dir, tmp_path / "m.gguf", quant=qtype)
     weights = GGUFWeights(path)
-    tensor = next(t for t in weights.reader.tensors if t.name == "blk.0.ffn_up.weight")
+    tensor = next(t for t in weights.file.tensors if t.name == "blk.0.ffn_up.weight")
     assert tensor.tensor_type == qtype
     got = weights.get(UP)
     assert got.shape == (128, 64)  # HF layout [out, in]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
-import gguf
 import pytest
 
 from helpers import CHATML, train_tiny_tokenizer, write_gguf_from_hf, write_spm_gguf
 from kvlm.errors import InvalidRequestError, UnsupportedModelError
 from kvlm.loading.default import default_model_path
+from kvlm.loading.gguf_file import GGUFFile
 from kvlm.loading.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_folder
 
 TEXTS = [
@@ -33,8 +33,7 @@ CONVERSATIONS = [
 
 
 def gguf_meta(path) -> dict:
-    reader = gguf.GGUFReader(str(path))
-    return {k: f.contents() for k, f in reader.fields.items()}
+    return GGUFFile(path).metadata  # what gguf-py's reader gives (tests/test_gguf_file.py)
 
 
 @pytest.fixture(scope="module")

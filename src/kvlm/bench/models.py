@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvlm.loading.gguf_file import GGUFFile
+
 try:
     import gguf
     from gguf import GGMLQuantizationType as Q
@@ -211,8 +213,7 @@ def write_model(
 
 
 def _copy_tokenizer(w: gguf.GGUFWriter, source: Path, vocab: int) -> None:
-    r = gguf.GGUFReader(str(source))
-    meta = {k: f.contents() for k, f in r.fields.items() if k.startswith("tokenizer.")}
+    meta = GGUFFile(source).metadata
     tokens = list(meta["tokenizer.ggml.tokens"])
     types = list(meta["tokenizer.ggml.token_type"])
     if len(tokens) > vocab:

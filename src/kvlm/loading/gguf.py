@@ -1,5 +1,7 @@
 """GGUF files (llama.cpp's format): metadata, tokenizer and dequantized tensors.
 
+The header is read by kvlm's own reader (kvlm.loading.gguf_file: gguf-py's results, in
+milliseconds rather than seconds for a 128k-token vocabulary, every fault a ModelLoadError).
 Tensors are dequantized with the `gguf` package, one at a time, into Hugging Face names
 and layout; `--weights native` takes the blocks of the types kvlm has kernels for as they
 are instead (`get_quant`: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K). llama.cpp's
@@ -10,7 +12,6 @@ so one RoPE serves both formats.
 
 from __future__ import annotations
 
-import mmap
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 
 from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError, UnsupportedModelError
+from kvlm.loading.gguf_file import GGUFFile, GGUFTensor
 from kvlm.loading.weights import fingerprint_of
 from kvlm.model.quant import QuantWeight
 
@@ -85,16 +87,13 @@ class GGUFWeights:
         self.path = path
         if not is_gguf_file(path):
             raise ModelLoadError(f"{path} is not a GGUF file (bad magic)")
-        try:
-            self.reader = gguf.GGUFReader(str(path))
-            self.metadata: dict[str, Any] = {
-                key: field.contents() for key, field in self.reader.fields.items()
-            }
-        except Exception as exc:  # the reader raises ValueError/IndexError/struct errors
-            raise ModelLoadError(f"cannot read {path}: truncated or corrupt GGUF ({exc})") from exc
+        # kvlm's reader: every fault of the file is a ModelLoadError saying what and where
+        # (UnsupportedModelError for a tensor type, version or byte order it cannot read)
+        self.file = GGUFFile(path)
+        self.metadata: dict[str, Any] = self.file.metadata
         self.config = self._config()
-        self._tensors = {}
-        for t in self.reader.tensors:
+        self._tensors: dict[str, GGUFTensor] = {}
+        for t in self.file.tensors:
             name = hf_name(t.name)
             if name is None:
                 continue
@@ -108,7 +107,7 @@ class GGUFWeights:
 
     def _config(self) -> ModelConfig:
         cfg = ModelConfig.from_gguf(self.metadata, name=self.path.name)
-        names = {t.name for t in self.reader.tensors}
+        names = {t.name for t in self.file.tensors}
         tied = "output.weight" not in names
         return replace(cfg, tie_word_embeddings=tied)
 
@@ -120,12 +119,7 @@ class GGUFWeights:
         were read once while packing). The map stays valid: a later read of a tensor
         (the fingerprint, a tool) faults its pages in again from the file. False where
         the OS has no MADV_DONTNEED."""
-        advice = getattr(mmap, "MADV_DONTNEED", None)
-        raw = getattr(self.reader.data, "_mmap", None)
-        if advice is None or raw is None:
-            return False
-        raw.madvise(advice)
-        return True
+        return self.file.release()
 
     def fingerprint(self) -> str:
         """Config + the raw bytes of the final norm and the first 4 KiB of the embedding."""
