@@ -427,6 +427,7 @@ MIXES = {
     "Q5_K": {"*": Q.Q5_K},
     "Q6_K": {"*": Q.Q6_K},
     "Q5_0+Q5_1": {"*attn*": Q.Q5_0, "*": Q.Q5_1},
+    "Q4_0": {"*": Q.Q4_0},
 }
 PROJECTIONS = {
     "self_attn.q_proj": "attn_q",
@@ -489,7 +490,8 @@ def test_native_weights_keep_each_tensors_kind(k_files, mix, caplog):
 
 @needs_kernels
 @pytest.mark.parametrize("mix, act", [("Q4_K_M", "fp32"), ("Q4_K_M", "int8"), ("Q5_K", "fp32"),
-                                      ("Q5_0+Q5_1", "fp32")])  # fmt: skip
+                                      ("Q5_0+Q5_1", "fp32"), ("Q4_0", "fp32"),
+                                      ("Q4_0", "int8")])  # fmt: skip
 def test_the_fused_step_tracks_the_torch_model_on_k_quants(k_files, mix, act):
     """The fused decode step (kvlm_decode_batch: q|k|v of two kinds in one kvlm_qmat) and the
     torch model, against the same weights in fp64: the fused logits are as close to the
