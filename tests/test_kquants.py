@@ -70,7 +70,8 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
 def _magnitudes(q: quant.QuantWeight) -> torch.Tensor:
     """Per weight, the size of what a product sums for it, fp64: |s (code - offset)| + |z|,
     the kernels forming sum(s q x) + z sum(x) for the kinds with a z term (q5_1: m, q4_k and
-    q5_k: -dmin mn; q4: m), |w| for the others. Two evaluations of x @ W^T that sum these
+    q5_k: -dmin mn; q4: m; q4_0's fp32 products too: -8d, as q4 held Q4_0), |w| for the
+    others. Two evaluations of x @ W^T that sum these
     terms in different orders are within 2 gamma_K |x| @ magnitudes^T (numerics.py), as
     |w| <= these everywhere."""
     if q.kind == quant.MIXED:
@@ -88,10 +89,12 @@ def _magnitudes(q: quant.QuantWeight) -> torch.Tensor:
     f = quant._unpack_fields(q.kind, q.data, q.out_features, q.in_features)
     n = f["codes"].shape[0]
     codes, z = f["codes"].double(), 0.0
-    off = {"q4_0": 8, "q5_0": 16, "q6_k": 32}.get(q.kind, 0)
+    off = {"q5_0": 16, "q6_k": 32}.get(q.kind, 0)
     if q.kind in ("q4_0", "q5_0", "q5_1"):
         s = _f16(f["d"]).repeat_interleave(32, 1)
-        z = _f16(f["m"]).abs().repeat_interleave(32, 1) if q.kind == "q5_1" else 0.0
+        if q.kind != "q5_0":  # q5_1: m; q4_0: -8d
+            z = _f16(f["m" if q.kind == "q5_1" else "d"]).abs().repeat_interleave(32, 1)
+            z = z * (8 if q.kind == "q4_0" else 1)
     elif q.kind == "q6_k":
         s = (_f16(f["d"])[..., None] * f["scales"].view(torch.int8).double()).view(n, -1)
         s = s.repeat_interleave(16, 1)

@@ -44,8 +44,8 @@
  * OpenMP threads (torch's own runtime: torch is loaded first and ships the same
  * libgomp.so.1), each block used for up to 4 rows of x per pass. fp32 activations
  * (default): codes are widened to fp32 in registers, each group's sum of q * x scaled
- * once (per 16 for q6_k; zero terms: plus m * sum(x)): the dequantized weight's product up
- * to rounding order. Opt-in int8 activations (llama.cpp's numerics) take integer dot
+ * once (per 16 for q6_k; zero terms: plus m * sum(x), q4_0's -8d among them, its codes
+ * unsigned as q4's): the dequantized weight's product up to rounding order. Opt-in int8 activations (llama.cpp's numerics) take integer dot
  * products (VNNI). Many rows (prefill) dequantize once (kvlm_qdequant: exactly the
  * loader's numbers) and call a real GEMM.
  */
@@ -429,7 +429,7 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
             for (int v = 0; v < 4; v++) {
                 __m512i half[2];
                 code_vectors(kind, c, v, hb0, hb1, &half[0], &half[1]);
-                for (int h = 0; h < 2 && code_offset(kind); h++) /* signed: q - offset */
+                for (int h = 0; h < 2 && code_offset(kind) && kind != Q40; h++) /* q - offset */
                     half[h] = _mm512_sub_epi8(half[h], _mm512_set1_epi8((char)code_offset(kind)));
                 for (int h = 0; h < 2; h++)
                     for (int j = 0; j < 4; j++) {
@@ -443,6 +443,8 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
         }
         __m512 s0, s1, z;
         group_params(kind, B, g, &s0, &s1, &z);
+        /* q4_0: d q - 8d, as a zero term (-8d exact): the codes stay unsigned, as q4's */
+        if (kind == Q40) z = negate(_mm512_mul_ps(s0, _mm512_set1_ps(8.f)));
         const __m512 unit = _mm512_set1_ps(5.9604644775390625e-8f); /* 2^-24: codes came scaled */
         s0 = _mm512_mul_ps(s0, unit);
         s1 = _mm512_mul_ps(s1, unit);
@@ -455,7 +457,7 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
                 for (int k = 1; k < C; k++) p = _mm512_add_ps(p, part[t][k]);
                 acc[t] = _mm512_fmadd_ps(p, s0, acc[t]);
             }
-            if (has_zero(kind))
+            if (has_zero(kind) || kind == Q40)
                 acc[t] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[(m0 + t) * groups + g]), acc[t]);
         }
     }
