@@ -424,6 +424,12 @@ def _q5_bits(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return qh, qs.astype(np.uint8)
 
 
+def ggml_q4_0(d, codes) -> np.ndarray:
+    """codes (B, 32) 0..15 (the weight is d (q - 8)): qs[j] = weight j low, j + 16 high."""
+    qs = (codes[:, :16] & 15) | ((codes[:, 16:] & 15) << 4)
+    return np.concatenate([_f16_bytes(d), qs.astype(np.uint8)], 1)
+
+
 def ggml_q5_0(d, codes) -> np.ndarray:
     return np.concatenate([_f16_bytes(d), *_q5_bits(codes)], 1)
 
@@ -455,6 +461,12 @@ def pack_q5_k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     return ggml_q5_k(d, dmin, sc, mn, codes).reshape(rows, -1)
 
 
+def pack_q4_0(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q4_0 blocks (rows, cols/32*18): 4-bit codes, one scale of either sign."""
+    nb = rows * cols // 32
+    return ggml_q4_0(rng.uniform(-0.05, 0.05, nb), rng.integers(0, 16, (nb, 32))).reshape(rows, -1)
+
+
 def pack_q5_0(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random Q5_0 blocks (rows, cols/32*22): 5-bit codes, one scale of either sign."""
     nb = rows * cols // 32
@@ -468,11 +480,12 @@ def pack_q5_1(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     return ggml_q5_1(d, m, rng.integers(0, 32, (nb, 32))).reshape(rows, -1)
 
 
-PACKERS = {"Q4_K": pack_q4_k, "Q5_K": pack_q5_k, "Q6_K": pack_q6_k, "Q5_0": pack_q5_0,
-           "Q5_1": pack_q5_1}  # fmt: skip
+PACKERS = {"Q4_K": pack_q4_k, "Q5_K": pack_q5_k, "Q6_K": pack_q6_k, "Q4_0": pack_q4_0,
+           "Q5_0": pack_q5_0, "Q5_1": pack_q5_1}  # fmt: skip
 # byte offsets of each block's fp16 fields (d, dmin, m)
 _F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2),
-               "Q3_K": (108,), "Q2_K": (80, 82)}  # fmt: skip
+               "Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q3_K": (108,),
+               "Q2_K": (80, 82)}  # fmt: skip
 
 
 def random_blocks(qtype_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:

@@ -1,6 +1,7 @@
-"""GGUF's Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks multiplied as stored (kvlm.model.quant's
-GGML_KINDS, kernels/qgemm.c), and weights of row parts of different kinds (a Q4_K_M
-file's q|k|v: Q4_K q and k, Q6_K v)."""
+"""GGUF's Q4_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks multiplied as stored
+(kvlm.model.quant's GGML_KINDS, kernels/qgemm.c), packed by the C packer (kvlm_qpack) as the
+torch packer does, and weights of row parts, stacked without unpacking (a Q4_K_M file's
+q|k|v: Q4_K q and k, Q6_K v)."""
 
 from __future__ import annotations
 
@@ -29,10 +30,13 @@ from kvlm import kernels
 from kvlm.model import quant
 from numerics import SAME_ROUNDING, assert_as_exact_as, assert_product_close
 
-TYPES = {"q5_0": "Q5_0", "q5_1": "Q5_1", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
+TYPES = {"q4_0": "Q4_0", "q5_0": "Q5_0", "q5_1": "Q5_1", "q4_k": "Q4_K", "q5_k": "Q5_K",
+         "q6_k": "Q6_K"}  # fmt: skip
+# the blocks every kind packs from (quant.BLOCK_FORMATS)
+SOURCES = {"q8": "Q8_0", "q4": "Q4_1", **TYPES}
 # The file's own bytes per weight, which the packed layout keeps (kernels/qgemm.c)
-BYTES_PER_WEIGHT = {"q5_0": 22 / 32, "q5_1": 24 / 32, "q4_k": 144 / 256, "q5_k": 176 / 256,
-                    "q6_k": 210 / 256}  # fmt: skip
+BYTES_PER_WEIGHT = {"q4_0": 18 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32, "q4_k": 144 / 256,
+                    "q5_k": 176 / 256, "q6_k": 210 / 256}  # fmt: skip
 COLS = 512  # two super-blocks of 256, sixteen groups of 32
 
 
@@ -66,7 +70,8 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
 def _magnitudes(q: quant.QuantWeight) -> torch.Tensor:
     """Per weight, the size of what a product sums for it, fp64: |s (code - offset)| + |z|,
     the kernels forming sum(s q x) + z sum(x) for the kinds with a z term (q5_1: m, q4_k and
-    q5_k: -dmin mn; q4: m), |w| for the others. Two evaluations of x @ W^T that sum these
+    q5_k: -dmin mn; q4: m; q4_0's fp32 products too: -8d, as q4 held Q4_0), |w| for the
+    others. Two evaluations of x @ W^T that sum these
     terms in different orders are within 2 gamma_K |x| @ magnitudes^T (numerics.py), as
     |w| <= these everywhere."""
     if q.kind == quant.MIXED:
@@ -83,10 +88,13 @@ def _magnitudes(q: quant.QuantWeight) -> torch.Tensor:
         return ((c * scale.double()[..., None]).abs() + zero.double().abs()[..., None]).view(n, -1)
     f = quant._unpack_fields(q.kind, q.data, q.out_features, q.in_features)
     n = f["codes"].shape[0]
-    codes, z, off = f["codes"].double(), 0.0, {"q5_0": 16, "q6_k": 32}.get(q.kind, 0)
-    if q.kind in ("q5_0", "q5_1"):
+    codes, z = f["codes"].double(), 0.0
+    off = {"q5_0": 16, "q6_k": 32}.get(q.kind, 0)
+    if q.kind in ("q4_0", "q5_0", "q5_1"):
         s = _f16(f["d"]).repeat_interleave(32, 1)
-        z = _f16(f["m"]).abs().repeat_interleave(32, 1) if q.kind == "q5_1" else 0.0
+        if q.kind != "q5_0":  # q5_1: m; q4_0: -8d
+            z = _f16(f["m" if q.kind == "q5_1" else "d"]).abs().repeat_interleave(32, 1)
+            z = z * (8 if q.kind == "q4_0" else 1)
     elif q.kind == "q6_k":
         s = (_f16(f["d"])[..., None] * f["scales"].view(torch.int8).double()).view(n, -1)
         s = s.repeat_interleave(16, 1)
@@ -154,6 +162,12 @@ def test_the_layout_puts_row_i_in_lane_i():
     for i in range(2):
         assert (data[0, 4 * i : 4 * i + 4] == raw[i, 6:10]).all()  # qs: ggml's own nibbles
         assert (data[0, 320 + 2 * i : 322 + 2 * i] == raw[i, 0:2]).all()  # d after the codes
+    raw = _blocks("q4_0", 2, seed=2)
+    data = quant.QuantWeight.from_blocks("q4_0", torch.from_numpy(raw)).data.numpy()
+    for i in range(2):
+        assert (data[0, 4 * i : 4 * i + 4] == raw[i, 2:6]).all()  # ggml's own nibbles
+        assert (data[0, 64 + 4 * i : 68 + 4 * i] == raw[i, 6:10]).all()
+        assert (data[0, 256 + 2 * i : 258 + 2 * i] == raw[i, 0:2]).all()  # d after them
 
 
 def test_blocks_of_the_wrong_shape_are_refused():
@@ -161,6 +175,137 @@ def test_blocks_of_the_wrong_shape_are_refused():
         quant.QuantWeight.from_blocks("q4_k", torch.zeros(4, 100, dtype=torch.uint8))
     with pytest.raises(ValueError, match="from_blocks"):
         quant.QuantWeight("q6_k", torch.zeros(4, 32), torch.zeros(4, 1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", SOURCES)
+def test_the_c_packer_writes_the_torch_packers_bytes(kind):
+    """kvlm_qpack against the torch packer (from_blocks(reference=True)), byte for byte:
+    random bytes (every code, high bit and scale pattern), row counts in whole blocks of 16
+    and not, several widths, rows as stored and in a permuted order (llama's q/k rows),
+    from a tensor and from a read-only numpy view (a file's map). q8 and q4 (from Q8_0 and
+    Q4_1 blocks): also the bytes of the weight built from their natural arrays."""
+    rng = np.random.default_rng(5)
+    per = quant.BLOCK_FORMATS[kind][0]
+    for rows in (1, 15, 16, 17, 40):
+        for cols in (256, 512, 1280) if per == 256 else (32, 96, 256, 1280):
+            raw = random_blocks(SOURCES[kind], rows, cols, rng)
+            view = raw.copy()
+            view.flags.writeable = False
+            for order in (None, torch.from_numpy(rng.permutation(rows))):
+                want = quant.QuantWeight.from_blocks(
+                    kind, torch.from_numpy(raw), order, reference=True
+                )
+                got = quant.QuantWeight.from_blocks(kind, view, order)
+                assert got.data.shape == want.data.shape == (-(-rows // 16), 16 * raw.shape[1])
+                assert torch.equal(got.data, want.data), (rows, cols, order is not None)
+                if kind in ("q8", "q4"):
+                    rows_in_order = torch.from_numpy(raw)[order] if order is not None else raw
+                    arrays = quant._block_arrays(kind, torch.as_tensor(rows_in_order))
+                    assert torch.equal(quant.QuantWeight(kind, *arrays).data, want.data)
+
+
+@needs_kernels
+def test_the_c_packer_refuses_a_bad_order_or_buffer():
+    raw = torch.from_numpy(_blocks("q4_k", 20, seed=1))
+    with pytest.raises(ValueError, match="refused"):
+        quant.QuantWeight.from_blocks("q4_k", raw, torch.arange(20) + 1)
+    with pytest.raises(ValueError, match="20 entries"):
+        quant.QuantWeight.from_blocks("q4_k", raw, torch.arange(19))
+    with pytest.raises(ValueError, match="contiguous bytes"):
+        quant._pack_blocks("q4_k", raw, None, torch.empty(10, dtype=torch.uint8))
+
+
+def _allocations(monkeypatch) -> list[int]:
+    """The storages quant._new_data hands out from now on (their data pointers)."""
+    made, new = [], quant._new_data
+
+    def tracked(nbytes: int) -> torch.Tensor:
+        t = new(nbytes)
+        made.append(t.untyped_storage().data_ptr())
+        return t
+
+    monkeypatch.setattr(quant, "_new_data", tracked)
+    return made
+
+
+def _no_repacking(monkeypatch) -> None:
+    def refuse(p):
+        raise AssertionError("a part was unpacked to be packed again")
+
+    monkeypatch.setattr(quant, "_blocks_of", refuse)
+
+
+def test_parts_in_whole_blocks_are_stacked_as_packed(monkeypatch):
+    """concat of parts of one kind whose row counts (all but the last) fill their blocks of
+    16: the parts' packed bytes one after another, the same bytes as packing their stacked
+    blocks at once, whether the parts come packed or as blocks not yet packed (the loader's
+    way: each packed straight into its place, rows in its own order), with nothing
+    unpacked; every buffer from quant._new_data."""
+    rng = np.random.default_rng(8)
+    raws = [torch.from_numpy(_blocks("q4_k", n, seed)) for n, seed in ((32, 1), (16, 2), (21, 3))]
+    orders = [None, torch.from_numpy(rng.permutation(16)), None]
+    stacked = torch.cat([r if o is None else r[o] for r, o in zip(raws, orders, strict=True)])
+    whole = quant.QuantWeight.from_blocks("q4_k", stacked)
+    packed = [
+        quant.QuantWeight.from_blocks("q4_k", r, o) for r, o in zip(raws, orders, strict=True)
+    ]
+    blocks = [quant.Blocks("q4_k", r.numpy(), o) for r, o in zip(raws, orders, strict=True)]
+    made = _allocations(monkeypatch)
+    _no_repacking(monkeypatch)
+    for parts in (packed, blocks, [packed[0], blocks[1], packed[2]]):
+        fused = quant.concat(parts)
+        assert (fused.kind, fused.out_features, fused._parts) == ("q4_k", 69, None)
+        assert torch.equal(fused.data, whole.data)
+        assert torch.equal(fused.data, torch.cat([p.data for p in packed]))
+        assert fused.data.untyped_storage().data_ptr() in made
+    # kinds that differ: a MIXED weight, each run packed in place from a 64-byte boundary
+    v_raw = _blocks("q6_k", 24, seed=4)
+    v = quant.QuantWeight.from_blocks("q6_k", torch.from_numpy(v_raw))
+    from_packed = quant.concat([*packed[:2], v])
+    from_blocks = quant.concat([*blocks[:2], quant.Blocks("q6_k", v_raw)])
+    assert from_packed.kind == from_blocks.kind == quant.MIXED
+    assert torch.equal(from_packed.data, from_blocks.data)
+    assert from_blocks.data.untyped_storage().data_ptr() in made
+    qk, vv = from_blocks.parts()
+    assert (qk.kind, qk.out_features, vv.kind, vv.out_features) == ("q4_k", 48, "q6_k", 24)
+    assert torch.equal(qk.data, whole.data[:3]) and torch.equal(vv.data, v.data)
+    gap = -(-quant.packed_bytes("q4_k", 48, COLS) // 64) * 64  # q|k's bytes, padded
+    assert vv.data.data_ptr() - qk.data.data_ptr() == gap
+
+
+def test_parts_that_end_inside_a_block_are_packed_anew():
+    """A part of 24 rows ends inside its second block: the run's rows are packed again from
+    their blocks, the same bytes as packing the stacked blocks at once."""
+    raws = [_blocks("q5_0", 24, 1), _blocks("q5_0", 40, 2)]
+    want = quant.QuantWeight.from_blocks("q5_0", torch.from_numpy(np.concatenate(raws)))
+    for parts in (
+        [quant.QuantWeight.from_blocks("q5_0", torch.from_numpy(r)) for r in raws],
+        [quant.Blocks("q5_0", r) for r in raws],
+    ):
+        fused = quant.concat(parts)
+        assert (fused.kind, fused.out_features) == ("q5_0", 64)
+        assert torch.equal(fused.data, want.data)
+    q8 = [quant.quantize(torch.randn(n, 64), "q8") for n in (8, 16)]
+    codes, scale, _ = zip(*(q.unpacked() for q in q8), strict=True)
+    want = quant.QuantWeight("q8", torch.cat(codes), torch.cat(scale))
+    assert torch.equal(quant.concat(q8).data, want.data)
+
+
+def test_every_packed_buffer_comes_from_new_data(monkeypatch):
+    """quant._new_data allocates every packed weight's data (the one place a later arena
+    hands buffers out)."""
+    made = _allocations(monkeypatch)
+    raw = torch.from_numpy(_blocks("q6_k", 20, 1))
+    weights = [
+        quant.QuantWeight.from_blocks("q6_k", raw),
+        quant.QuantWeight.from_blocks("q6_k", raw, reference=True),
+        quant.quantize(torch.randn(20, 64), "q8"),
+        quant.quantize(torch.randn(20, 64), "q4"),
+        quant.concat([quant.Blocks("q6_k", raw.numpy()), quant.Blocks("q6_k", raw.numpy())]),
+    ]
+    for w in weights:
+        assert w.data.untyped_storage().data_ptr() in made
 
 
 # ---- products -------------------------------------------------------------------------
@@ -285,6 +430,7 @@ MIXES = {
     "Q5_K": {"*": Q.Q5_K},
     "Q6_K": {"*": Q.Q6_K},
     "Q5_0+Q5_1": {"*attn*": Q.Q5_0, "*": Q.Q5_1},
+    "Q4_0": {"*": Q.Q4_0},
 }
 PROJECTIONS = {
     "self_attn.q_proj": "attn_q",
@@ -347,7 +493,8 @@ def test_native_weights_keep_each_tensors_kind(k_files, mix, caplog):
 
 @needs_kernels
 @pytest.mark.parametrize("mix, act", [("Q4_K_M", "fp32"), ("Q4_K_M", "int8"), ("Q5_K", "fp32"),
-                                      ("Q5_0+Q5_1", "fp32")])  # fmt: skip
+                                      ("Q5_0+Q5_1", "fp32"), ("Q4_0", "fp32"),
+                                      ("Q4_0", "int8")])  # fmt: skip
 def test_the_fused_step_tracks_the_torch_model_on_k_quants(k_files, mix, act):
     """The fused decode step (kvlm_decode_batch: q|k|v of two kinds in one kvlm_qmat) and the
     torch model, against the same weights in fp64: the fused logits are as close to the

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch  # loaded first, so the kernels share torch's OpenMP runtime
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-ABI = 9
+ABI = 10
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 120
 WORK_PREFIX, WORK_SUFFIX = ".qgemm-", ".tmp"  # a build's private directory in the cache
@@ -336,6 +336,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvlm_qdequant.restype = ctypes.c_int
     lib.kvlm_qdequant_rows.argtypes = [i, i, p, p, i, p]  # kind, K, w, rows, n, out
     lib.kvlm_qdequant_rows.restype = ctypes.c_int
+    lib.kvlm_qpack.argtypes = [i, p, i, i, p, p]  # kind, blocks, N, K, order, out
+    lib.kvlm_qpack.restype = ctypes.c_int
     return lib
 
 

@@ -2,7 +2,8 @@
  *
  * Weights come in groups of 32 along K, llama.cpp's block size, with fp16 parameters:
  *   q8:   int8 codes q, scale s per group:      w = s * q                 (GGUF Q8_0)
- *   q4:   4-bit codes, (d, m) per group:        w = d * q + m             (Q4_1; Q4_0: m = -8d)
+ *   q4:   4-bit codes, (d, m) per group:        w = d * q + m             (Q4_1)
+ *   q4_0: 4-bit codes, d per group:             w = d * (q - 8)           (Q4_0)
  *   q5_0: 5-bit codes, d per group:             w = d * (q - 16)          (Q5_0)
  *   q5_1: 5-bit codes, (d, m) per group:        w = d * q + m             (Q5_1)
  * or in llama.cpp's K-quant super-blocks of 256 (8 groups of 32):
@@ -17,7 +18,7 @@
  * accumulates 16 outputs in one register (no horizontal sums, no per-row overhead; the
  * layout of llama.cpp's repacked Q4_0x8 / ARM kernels). Block b (rows 16b .. 16b + 15,
  * zero rows past N) is a row of records, one stream to read:
- *   q8, q4, q5_0, q5_1: K / 32 records, one group each:
+ *   q8, q4, q4_0, q5_0, q5_1: K / 32 records, one group each:
  *       codes [CB], scale [16] fp16 (s or d of each row), then q4 and q5_1: zero [16] fp16 (m)
  *   q4_k, q5_k: K / 256 records, each a header then the 8 groups' codes [CB]:
  *       header: the rows' 12 bytes of 6-bit scales and mins, ggml's own packing, as three
@@ -34,15 +35,17 @@
  *       q6_k: two vectors of bits 4-5: byte j, bits 2v and 2v + 1 = those of element
  *           4v + j (the first) or 16 + 4v + j (the second),
  *       so a shift and a mask put vector v's high bits beside its nibbles.
- * Bytes per weight: q8 1.0625, q4 0.625, q5_0 0.6875, q5_1 0.75, q4_k 0.5625, q5_k 0.6875,
- * q6_k 0.8203125: the GGUF file's own sizes (Q4_0 is stored as q4: 0.625 for its 0.5625).
+ * Bytes per weight: q8 1.0625, q4 0.625, q4_0 0.5625, q5_0 0.6875, q5_1 0.75, q4_k 0.5625,
+ * q5_k 0.6875, q6_k 0.8203125: the GGUF file's own sizes; a block of 16 rows is 16 of the
+ * file's rows long, so blocks of weights stacked along N are their packed bytes one after
+ * another. kvlm_qpack writes this layout straight from a GGUF tensor's blocks.
  *
  * Decode reads every weight once per token, so the loop runs over blocks, split across
  * OpenMP threads (torch's own runtime: torch is loaded first and ships the same
  * libgomp.so.1), each block used for up to 4 rows of x per pass. fp32 activations
  * (default): codes are widened to fp32 in registers, each group's sum of q * x scaled
- * once (per 16 for q6_k; zero terms: plus m * sum(x)): the dequantized weight's product up
- * to rounding order. Opt-in int8 activations (llama.cpp's numerics) take integer dot
+ * once (per 16 for q6_k; zero terms: plus m * sum(x), q4_0's -8d among them, its codes
+ * unsigned as q4's): the dequantized weight's product up to rounding order. Opt-in int8 activations (llama.cpp's numerics) take integer dot
  * products (VNNI). Many rows (prefill) dequantize once (kvlm_qdequant: exactly the
  * loader's numbers) and call a real GEMM.
  */
@@ -59,11 +62,11 @@
 #define MT 4          /* rows of x per pass over a block */
 #define SMALL_ROWS 16 /* the most rows the small products take (quant.SMALL_M) */
 
-enum { Q8 = 8, Q4 = 4, Q50 = 50, Q51 = 51, Q4K = 104, Q5K = 105, Q6K = 106 };
+enum { Q8 = 8, Q4 = 4, Q40 = 40, Q50 = 50, Q51 = 51, Q4K = 104, Q5K = 105, Q6K = 106 };
 
 static inline int known_kind(int64_t kind) {
-    return kind == Q8 || kind == Q4 || kind == Q50 || kind == Q51 || kind == Q4K ||
-           kind == Q5K || kind == Q6K;
+    return kind == Q8 || kind == Q4 || kind == Q40 || kind == Q50 || kind == Q51 ||
+           kind == Q4K || kind == Q5K || kind == Q6K;
 }
 
 /* fp32 -> bf16 as torch rounds it (nearest even; NaN stays a quiet NaN) */
@@ -97,7 +100,7 @@ static inline float from_f16(uint16_t h) {
     return f;
 }
 
-int kvlm_kernel_abi(void) { return 9; }
+int kvlm_kernel_abi(void) { return 10; }
 
 int kvlm_kernel_simd(void) {
 #ifdef __AVX512F__
@@ -130,7 +133,9 @@ static inline int has_zero(int kind) {
     return kind == Q4 || kind == Q51 || kind == Q4K || kind == Q5K;
 }
 
-static inline int code_offset(int kind) { return kind == Q50 ? 16 : kind == Q6K ? 32 : 0; }
+static inline int code_offset(int kind) {
+    return kind == Q40 ? 8 : kind == Q50 ? 16 : kind == Q6K ? 32 : 0;
+}
 
 /* groups per record */
 static inline int64_t rec_groups(int kind) { return is_k(kind) ? 8 : 1; }
@@ -424,7 +429,7 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
             for (int v = 0; v < 4; v++) {
                 __m512i half[2];
                 code_vectors(kind, c, v, hb0, hb1, &half[0], &half[1]);
-                for (int h = 0; h < 2 && code_offset(kind); h++) /* signed: q - offset */
+                for (int h = 0; h < 2 && code_offset(kind) && kind != Q40; h++) /* q - offset */
                     half[h] = _mm512_sub_epi8(half[h], _mm512_set1_epi8((char)code_offset(kind)));
                 for (int h = 0; h < 2; h++)
                     for (int j = 0; j < 4; j++) {
@@ -438,6 +443,8 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
         }
         __m512 s0, s1, z;
         group_params(kind, B, g, &s0, &s1, &z);
+        /* q4_0: d q - 8d, as a zero term (-8d exact): the codes stay unsigned, as q4's */
+        if (kind == Q40) z = negate(_mm512_mul_ps(s0, _mm512_set1_ps(8.f)));
         const __m512 unit = _mm512_set1_ps(5.9604644775390625e-8f); /* 2^-24: codes came scaled */
         s0 = _mm512_mul_ps(s0, unit);
         s1 = _mm512_mul_ps(s1, unit);
@@ -450,7 +457,7 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
                 for (int k = 1; k < C; k++) p = _mm512_add_ps(p, part[t][k]);
                 acc[t] = _mm512_fmadd_ps(p, s0, acc[t]);
             }
-            if (has_zero(kind))
+            if (has_zero(kind) || kind == Q40)
                 acc[t] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[(m0 + t) * groups + g]), acc[t]);
         }
     }
@@ -499,6 +506,7 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
         switch (kind) {                                                                      \
         case Q8: FOR_BLOCKS(M, N, Q8, BODY) break;                                           \
         case Q4: FOR_BLOCKS(M, N, Q4, BODY) break;                                           \
+        case Q40: FOR_BLOCKS(M, N, Q40, BODY) break;                                         \
         case Q50: FOR_BLOCKS(M, N, Q50, BODY) break;                                         \
         case Q51: FOR_BLOCKS(M, N, Q51, BODY) break;                                         \
         case Q4K: FOR_BLOCKS(M, N, Q4K, BODY) break;                                         \
@@ -536,7 +544,8 @@ int kvlm_qgemm(int64_t kind, const float *x, int64_t M, int64_t K, const uint8_t
  * Each row of x is rounded per group of 32 to int8 codes c with one scale e = max|x| / 127
  * (nearest even), so a group's product is
  *     q8: s e sum(q c)     q4 (q5_1, q4_k, q5_k): s e sum(q c) + z e sum(c)
- *     q5_0: s e (sum(q c) - 16 sum(c))     q6_k: per half h, s_h e (sum_h(q c) - 32 sum_h(c))
+ *     q4_0, q5_0: s e (sum(q c) - o sum(c)), o = 8, 16
+ *     q6_k: per half h, s_h e (sum_h(q c) - 32 sum_h(c))
  * with the integer sums on AVX512-VNNI (vpdpbusd: 16 rows x 4 byte products per
  * instruction, the 4 codes of x broadcast) where the CPU has it, else in scalar integer
  * code. vpdpbusd's first operand is unsigned: nibbles and the 5/6-bit codes are (their
@@ -651,9 +660,9 @@ block_product_i8(int kind, const int R, kvlm_block B, int64_t groups, const kvlm
             }
             __m512i q = p[t][0];
             for (int k = 1; k < C; k++) q = _mm512_add_epi32(q, p[t][k]);
-            if (kind == Q50)
-                q = _mm512_sub_epi32(
-                    q, _mm512_set1_epi32(16 * (a[t].hs[2 * g] + a[t].hs[2 * g + 1])));
+            if (code_offset(kind)) /* q4_0, q5_0 */
+                q = _mm512_sub_epi32(q, _mm512_set1_epi32(code_offset(kind) *
+                                                          (a[t].hs[2 * g] + a[t].hs[2 * g + 1])));
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(s0, e), acc[t]);
             if (kind == Q8 || has_zero(kind))
                 off[t] = _mm512_fmadd_ps(z, _mm512_set1_ps(a[t].es[g]), off[t]);
@@ -801,6 +810,7 @@ dequant_row(int kind, int bf16, int64_t groups, kvlm_block B, int i, void *out) 
     switch (kind) {                                                                          \
     case Q8: DO(Q8); break;                                                                  \
     case Q4: DO(Q4); break;                                                                  \
+    case Q40: DO(Q40); break;                                                                \
     case Q50: DO(Q50); break;                                                                \
     case Q51: DO(Q51); break;                                                                \
     case Q4K: DO(Q4K); break;                                                                \
@@ -848,6 +858,162 @@ int kvlm_qdequant_rows(int64_t kind, int64_t K, const uint8_t *w, const int64_t 
     return 0;
 }
 
+/* ---- packing (kvlm.model.quant: QuantWeight.from_blocks) ----
+ * A GGUF tensor's blocks as the file stores them (ggml-common.h), rows of K / per blocks,
+ * into the layout at the top of this file:
+ *   q8 <- block_q8_0 (d, qs[32] int8)         q4 <- block_q4_1 (d, m, qs[16])
+ *   q4_0 <- block_q4_0 (d, qs[16])            q5_0 <- block_q5_0 (d, qh[4], qs[16])
+ *   q5_1 <- block_q5_1 (d, m, qh[4], qs[16])
+ *   q4_k <- block_q4_K (d, dmin, scales[12], qs[128])
+ *   q5_k <- block_q5_K (d, dmin, scales[12], qh[32], qs[128])
+ *   q6_k <- block_q6_K (ql[128], qh[64], scales[16], d)
+ * ggml's qs[j] of the 32-weight blocks holds element j (low nibble) and j + 16 (high):
+ * the layout's own nibble bytes, copied as they are. Parameters are copied as stored
+ * (fp16 and 6-bit scales alike): the packed weight holds the file's numbers. */
+
+/* bytes of a stored block, and the weights it holds */
+static inline int64_t ggml_block_bytes(int kind) {
+    switch (kind) {
+    case Q8: return 34;
+    case Q4: return 20;
+    case Q40: return 18;
+    case Q50: return 22;
+    case Q51: return 24;
+    case Q4K: return 144;
+    case Q5K: return 176;
+    default: return 210;
+    }
+}
+
+static inline int64_t ggml_block_weights(int kind) { return is_k(kind) ? 256 : G; }
+
+/* The row packer works on 32-bit words, 4 bytes of a row at once (a lane's width): byte b
+ * of a word is the byte at address + b (little-endian, as everywhere in this file), and
+ * shifts by less than 8 with a per-byte mask move bits within each byte. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+#error "kvlm's kernels read little-endian words"
+#endif
+#define LOW4 0x0F0F0F0Fu
+
+static inline void store32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+
+static inline uint32_t word32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* bits 0-3 of x to bit 0 of bytes 0-3 (x times 1 + 2^7 + 2^14 + 2^21: bit k lands on 8k,
+ * the other copies on bits the mask clears, no two on one bit) */
+static inline uint32_t spread4(uint32_t x) { return ((x & 15u) * 0x00204081u) & 0x01010101u; }
+
+/* Row i of a block of 16 from its stored row s (K / per blocks) into the block's records
+ * at out (KIND a literal once inlined): word v of a group's nibbles (bytes 4v .. 4v + 3:
+ * elements 4v + j low, 16 + 4v + j high) goes to lane i of vector v; high bits as the
+ * layout says (the top of this file). */
+static inline __attribute__((always_inline)) void pack_row(int kind, const uint8_t *s,
+                                                           int64_t K, int i, uint8_t *out) {
+    const int64_t size = ggml_block_bytes(kind), rec = rec_bytes(kind);
+    if (!is_k(kind)) {
+        const int64_t cb = code_bytes(kind);
+        for (int64_t g = 0; g < K / G; g++) {
+            const uint8_t *blk = s + g * size;
+            uint8_t *r = out + g * rec;
+            memcpy(r + cb + 2 * i, blk, 2); /* d */
+            if (kind == Q8) {
+                for (int v = 0; v < 8; v++) memcpy(r + 64 * v + 4 * i, blk + 2 + 4 * v, 4);
+                continue;
+            }
+            if (has_zero(kind)) memcpy(r + cb + 2 * BR + 2 * i, blk + 2, 2); /* m */
+            const uint8_t *qs = blk + (has_zero(kind) ? 4 : 2) + (high_bits(kind) ? 4 : 0);
+            for (int v = 0; v < 4; v++) memcpy(r + 64 * v + 4 * i, qs + 4 * v, 4);
+            if (high_bits(kind)) { /* qh: bit e of a little-endian uint32 = element e's */
+                const uint32_t qh = word32(qs - 4);
+                uint32_t hb = 0; /* byte j, bit 2v + h = bit 16h + 4v + j of qh */
+                for (int v = 0; v < 4; v++)
+                    hb |= spread4(qh >> (4 * v)) << (2 * v) | spread4(qh >> (16 + 4 * v)) << (2 * v + 1);
+                store32(r + 8 * G + 4 * i, hb);
+            }
+        }
+        return;
+    }
+    const int64_t cb = code_bytes(kind);
+    for (int64_t u = 0; u < K / 256; u++) {
+        const uint8_t *blk = s + u * size;
+        uint8_t *r = out + u * rec, *codes = r + head_bytes(kind);
+        if (kind == Q6K) { /* ql[128], qh[64], scales[16], d */
+            const uint8_t *ql = blk, *qh = blk + 128, *sc = blk + 192;
+            memcpy(r + 2 * i, blk + 208, 2); /* d */
+            for (int t = 0; t < 16; t++) r[2 * BR + BR * t + i] = sc[t];
+            for (int sub = 0; sub < 8; sub++) { /* elements 32 sub ..: half n, quarter q */
+                const int n = sub >> 2, q = sub & 3, sh = 4 * (q >> 1);
+                const uint8_t *l = ql + 64 * n + 32 * (q & 1), *h = qh + 32 * n;
+                uint8_t *c = codes + sub * cb;
+                for (int v = 0; v < 4; v++)
+                    store32(c + 64 * v + 4 * i, ((word32(l + 4 * v) >> sh) & LOW4) |
+                                                    ((word32(l + 16 + 4 * v) >> sh) & LOW4) << 4);
+                for (int hh = 0; hh < 2; hh++) { /* byte j, bits 2v, 2v + 1: element 16hh + 4v + j */
+                    uint32_t hb = 0;
+                    for (int v = 0; v < 4; v++)
+                        hb |= ((word32(h + 16 * hh + 4 * v) >> (2 * q)) & 0x03030303u) << (2 * v);
+                    store32(c + 8 * G + 64 * hh + 4 * i, hb);
+                }
+            }
+            continue;
+        }
+        /* q4_k, q5_k: d, dmin, scales[12], (qh[32]), qs[128] */
+        for (int w = 0; w < 3; w++) memcpy(r + 64 * w + 4 * i, blk + 4 + 4 * w, 4); /* scales */
+        memcpy(r + 12 * BR + 2 * i, blk, 2);     /* d */
+        memcpy(r + 14 * BR + 2 * i, blk + 2, 2); /* dmin */
+        const uint8_t *qs = blk + (kind == Q5K ? 48 : 16), *qh = blk + 16;
+        for (int sub = 0; sub < 8; sub++) { /* qs[32 (sub / 2) + e]: low nibble, or high */
+            const uint8_t *q = qs + 32 * (sub >> 1);
+            const int sh = 4 * (sub & 1);
+            uint8_t *c = codes + sub * cb;
+            for (int v = 0; v < 4; v++)
+                store32(c + 64 * v + 4 * i, ((word32(q + 4 * v) >> sh) & LOW4) |
+                                                ((word32(q + 16 + 4 * v) >> sh) & LOW4) << 4);
+            if (kind == Q5K) { /* qh[e] bit sub -> byte j, bit 2v + h: element 16h + 4v + j */
+                uint32_t hb = 0;
+                for (int v = 0; v < 4; v++)
+                    hb |= ((word32(qh + 4 * v) >> sub) & 0x01010101u) << (2 * v) |
+                          ((word32(qh + 16 + 4 * v) >> sub) & 0x01010101u) << (2 * v + 1);
+                store32(c + 8 * G + 4 * i, hb);
+            }
+        }
+    }
+}
+
+/* The packed weight [N, K] of `kind` from its stored blocks: row n is src row order[n]
+ * (order NULL: row n; a permutation applied as the rows are read, llama's q/k rows), each
+ * K / per * bytes long; dst: ceil(N / 16) blocks of 16 x that many bytes, every byte
+ * written (rows past N zero). Blocks of 16 rows in parallel. Returns 0, or -2 for an
+ * unknown kind, a K that is not whole blocks, or an order entry outside [0, N) (nothing
+ * written). */
+int kvlm_qpack(int64_t kind, const uint8_t *src, int64_t N, int64_t K, const int64_t *order,
+               uint8_t *dst) {
+    if (!known_kind(kind) || N < 0 || K <= 0 || K % ggml_block_weights((int)kind)) return -2;
+    for (int64_t n = 0; order && n < N; n++)
+        if (order[n] < 0 || order[n] >= N) return -2;
+    const int64_t row_bytes = K / ggml_block_weights((int)kind) * ggml_block_bytes((int)kind);
+#define PACK_KIND(KIND)                                                                      \
+    do {                                                                                     \
+        _Pragma("omp parallel for schedule(dynamic)") /* the CPUs may be shared */           \
+        for (int64_t b = 0; b < (N + BR - 1) / BR; b++) {                                    \
+            uint8_t *out = dst + b * BR * row_bytes;                                         \
+            const int rows = N - b * BR < BR ? (int)(N - b * BR) : BR;                       \
+            if (rows < BR) memset(out, 0, (size_t)(BR * row_bytes));                         \
+            for (int i = 0; i < rows; i++) {                                                 \
+                const int64_t n = b * BR + i;                                                \
+                pack_row(KIND, src + (order ? order[n] : n) * row_bytes, K, i, out);         \
+            }                                                                                \
+        }                                                                                    \
+    } while (0)
+    EACH_KIND(kind, PACK_KIND);
+#undef PACK_KIND
+    return 0;
+}
+
 /* ------------------------------------------------------------------------------------
  * One decode step of a Llama-family model, whole, for one sequence on a contiguous fp32
  * KV cache: the per-token path without ~500 small torch ops. The math is the torch
@@ -857,7 +1023,7 @@ int kvlm_qdequant_rows(int64_t kind, int64_t K, const uint8_t *w, const int64_t 
 #define QMAT_PARTS 3 /* a fused projection's row parts, each of its own kind */
 
 typedef struct {
-    int64_t kind;        /* Q8, Q4, Q50, Q51, Q4K, Q5K or Q6K */
+    int64_t kind;        /* Q8, Q4, Q40, Q50, Q51, Q4K, Q5K or Q6K */
     const uint8_t *data; /* packed (see the top of this file) */
     int64_t n;           /* its rows */
 } kvlm_qpart;

@@ -23,7 +23,7 @@ from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 from kvlm.loading.gguf_file import GGUFFile, GGUFTensor
 from kvlm.loading.weights import fingerprint_of
-from kvlm.model.quant import QuantWeight
+from kvlm.model.quant import Blocks, QuantWeight
 
 try:
     import gguf
@@ -152,24 +152,26 @@ class GGUFWeights:
         t = self._tensors[name]
         return t.name, t.tensor_type.name
 
-    def get_quant(self, name: str) -> QuantWeight | None:
+    def get_quant(self, name: str, packed: bool = True) -> QuantWeight | Blocks | None:
         """The tensor's own blocks, unrounded, for the types kvlm multiplies as stored
-        (NATIVE_BLOCKS, GGML_BLOCKS); None for other types."""
+        (NATIVE_BLOCKS, GGML_BLOCKS); None for other types. Packed for the kernels, read
+        where they lie in the file's map; `packed=False`: not yet (quant.Blocks, a view of
+        the map), for the caller to pack with others into one buffer (quant.concat)."""
         t = self._tensors[name]
-        native = t.tensor_type in NATIVE_BLOCKS or t.tensor_type in GGML_BLOCKS
-        if not native or len(t.shape) != 2:
+        if t.tensor_type not in NATIVE_BLOCKS and t.tensor_type not in GGML_BLOCKS:
+            return None
+        if len(t.shape) != 2:
             return None
         rows = int(t.shape[1])
         try:
-            if t.tensor_type in GGML_BLOCKS:  # whole rows of blocks: permuted as rows
-                raw = torch.from_numpy(np.array(t.data).reshape(rows, -1))  # a copy
-                kind = GGML_BLOCKS[t.tensor_type]
-                return QuantWeight.from_blocks(kind, self._unpermute(name, raw))
-            kind, *arrays = _blocks_to_quant(np.asarray(t.data), t.tensor_type, rows)
+            blocks = _blocks_to_quant(np.asarray(t.data), t.tensor_type, rows)
+            # whole rows of blocks: q/k rows un-permuted as they are packed
+            order = self._unpermute(name, torch.arange(rows))
+            if not torch.equal(order, torch.arange(rows)):
+                blocks.order = order
+            return blocks.pack() if packed else blocks
         except ValueError as exc:
             raise ModelLoadError(f"{self.path.name}: cannot decode tensor {t.name}: {exc}") from exc
-        codes, scale, zero = (None if a is None else self._unpermute(name, a) for a in arrays)
-        return QuantWeight(kind, codes, scale, zero)
 
     def _unpermute(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         is_qk = name.endswith(("q_proj.weight", "k_proj.weight"))
@@ -179,33 +181,26 @@ class GGUFWeights:
         return rows
 
 
-# GGUF blocks kvlm multiplies as they are (`--weights native`): bytes per block of 32
-# (read into q8/q4's natural arrays), and the types packed from their blocks as stored
-# (QuantWeight.from_blocks). Q2_K, Q3_K and the IQ types have no kernel: dequantized, and
-# with --weights native re-quantized to int8 (kvlm.model.transformer names them at load).
-NATIVE_BLOCKS = {Q.Q8_0: ("q8", 34), Q.Q4_0: ("q4", 18), Q.Q4_1: ("q4", 20)}
-GGML_BLOCKS = {Q.Q5_0: "q5_0", Q.Q5_1: "q5_1", Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k"}
+# GGUF blocks kvlm multiplies as they are (`--weights native`), each packed from its
+# blocks as stored (QuantWeight.from_blocks): Q8_0 and Q4_1 into q8 and q4 (the kinds that
+# `--weights int8|int4` quantize to), the others into their own kinds. Q2_K, Q3_K and the
+# IQ types have no kernel: dequantized, and with --weights native re-quantized to int8
+# (kvlm.model.transformer names them at load).
+NATIVE_BLOCKS = {Q.Q8_0: "q8", Q.Q4_1: "q4"}
+GGML_BLOCKS = {
+    Q.Q4_0: "q4_0", Q.Q5_0: "q5_0", Q.Q5_1: "q5_1", Q.Q4_K: "q4_k", Q.Q5_K: "q5_k",
+    Q.Q6_K: "q6_k",
+}  # fmt: skip
 
 
-def _blocks_to_quant(
-    data: np.ndarray, qtype: Q, rows: int
-) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(kind, codes, scale, zero) of Q8_0 = (f16 d, int8 q[32]), Q4_0 = (f16 d,
-    nibbles[16]), Q4_1 = (f16 d, f16 m, nibbles[16]), each over 32 weights; nibble j holds
-    weights j (low) and j + 16 (high), the order QuantWeight takes."""
-    _, size = NATIVE_BLOCKS[qtype]
-    blocks = np.ascontiguousarray(data).reshape(rows, -1, size)
-    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0]).float()
-    if qtype == Q.Q8_0:
-        codes = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(rows, -1)
-        return "q8", codes, d, None
-    if qtype == Q.Q4_1:
-        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0]).float()
-        codes = torch.from_numpy(blocks[..., 4:].copy()).reshape(rows, -1)
-    else:  # Q4_0: w = d * (q - 8)
-        m = -8.0 * d
-        codes = torch.from_numpy(blocks[..., 2:].copy()).reshape(rows, -1)
-    return "q4", codes, d, m
+def _blocks_to_quant(data: np.ndarray, qtype: Q, rows: int) -> Blocks:
+    """The tensor's blocks as stored, rows of K / 32 (or / 256) blocks (a view of `data`,
+    not a copy), of the kind QuantWeight packs them into."""
+    kind = NATIVE_BLOCKS.get(qtype) or GGML_BLOCKS[qtype]
+    flat = data.reshape(-1)
+    if flat.dtype != np.uint8 or flat.size % rows:
+        raise ValueError(f"{flat.size} bytes of {flat.dtype} are not {rows} rows of blocks")
+    return Blocks(kind, flat.reshape(rows, -1))
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:

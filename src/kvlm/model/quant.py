@@ -1,7 +1,8 @@
 """Low-bit weights in groups of 32 (llama.cpp's blocks), multiplied by kvlm's C kernels.
 
     q8:   int8 codes, one fp16 scale per group:      w = s * q          (Q8_0's numerics)
-    q4:   4-bit codes, fp16 (d, m) per group:        w = d * q + m      (Q4_1's; Q4_0 is m = -8d)
+    q4:   4-bit codes, fp16 (d, m) per group:        w = d * q + m      (Q4_1)
+    q4_0: 4-bit codes, fp16 d per group:             w = d * (q - 8)    (Q4_0)
     q5_0: 5-bit codes, fp16 d per group:             w = d * (q - 16)   (Q5_0)
     q5_1: 5-bit codes, fp16 (d, m) per group:        w = d * q + m      (Q5_1)
     q4_k, q5_k: 4/5-bit codes, super-blocks of 256: fp16 (d, dmin), 6-bit (sc, mn) per 32:
@@ -10,23 +11,26 @@
 
 A QuantWeight comes either from a float weight (`quantize(w, "q8" | "q4")`: `--weights
 int8|int4`) or straight from a GGUF file's blocks (`--weights native`: the file's own
-numbers, nothing re-rounded; `QuantWeight.from_blocks` for Q5_0, Q5_1 and the K-quants),
-packed row-interleaved for the kernels (`QuantWeight`, kernels/qgemm.c) at about the
-file's own bytes per weight, and moved onto huge pages with the rest of the model's weights
-(`move_to_huge_pages`). Fused projections (q|k|v, gate|up) whose parts come in different
-kinds (a Q4_K_M file's Q4_K q/k and Q6_K v) stay a weight of row parts, each in its own
-kind (`concat`). Products keep fp32 activations: the C kernel widens the codes in
-registers (decode, up to SMALL_M rows), or the weight is dequantized once into a dense fp32
-matrix for a BLAS GEMM (prefill). Opt-in `act_int8` (`--activations int8`) rounds each row
-of x to int8 per group of 32 in the small products, as llama.cpp does, for integer dot
-products (AVX512-VNNI). Without the compiled kernels the same products run in torch (from
-the same packed bytes): the same numbers, slower.
+numbers, nothing re-rounded; `QuantWeight.from_blocks`), packed row-interleaved for the
+kernels (`QuantWeight`, kernels/qgemm.c: kvlm_qpack packs, reading the blocks where they
+lie) at the file's own bytes per weight, and moved onto huge pages with the rest of the
+model's weights (`move_to_huge_pages`). Fused projections (q|k|v, gate|up) are packed into
+one buffer (`concat`); where their parts come in different kinds (a Q4_K_M file's Q4_K q/k
+and Q6_K v) they stay a weight of row parts, each in its own kind. Products keep fp32
+activations: the C kernel widens the codes in registers (decode, up to SMALL_M rows), or
+the weight is dequantized once into a dense fp32 matrix for a BLAS GEMM (prefill). Opt-in
+`act_int8` (`--activations int8`) rounds each row of x to int8 per group of 32 in the
+small products, as llama.cpp does, for integer dot products (AVX512-VNNI). Without the
+compiled kernels the same products run in torch (from the same packed bytes): the same
+numbers, slower.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -35,6 +39,7 @@ from kvlm import kernels
 GROUP = 32
 # Kinds built from ggml's blocks as a GGUF file stores them: (weights, bytes) per block.
 GGML_KINDS = {
+    "q4_0": (32, 18),
     "q5_0": (32, 22),
     "q5_1": (32, 24),
     "q4_k": (256, 144),
@@ -42,8 +47,12 @@ GGML_KINDS = {
     "q6_k": (256, 210),
 }
 KINDS = ("q8", "q4", *GGML_KINDS)
-KIND_CODES = {"q8": 8, "q4": 4, "q5_0": 50, "q5_1": 51, "q4_k": 104, "q5_k": 105, "q6_k": 106}
-PACK_WEIGHTS = 1 << 24  # weights per piece that from_blocks packs at a time
+KIND_CODES = {"q8": 8, "q4": 4, "q4_0": 40, "q5_0": 50, "q5_1": 51, "q4_k": 104, "q5_k": 105,
+              "q6_k": 106}  # fmt: skip
+# The blocks from_blocks reads, per kind: the GGML_KINDS', and q8 from Q8_0 (f16 d, int8
+# q[32]), q4 from Q4_1 (f16 d, f16 m, nibbles[16]).
+BLOCK_FORMATS = {"q8": (32, 34), "q4": (32, 20), **GGML_KINDS}
+PACK_WEIGHTS = 1 << 24  # weights per piece that the torch packer packs at a time
 MIXED = "mixed"  # the kind of a weight of row parts of different kinds (`concat`)
 FORMATS = {"int8": "q8", "int4": "q4"}  # --weights name -> kind
 # Up to this many rows the C kernel (reads the low-bit weight once); above, a dense GEMM.
@@ -62,11 +71,12 @@ class QuantWeight:
         q4: codes uint8 [N, K/2] (byte j of a group: element j low, j + 16 high nibble),
             scale d and zero m [N, K/32]
 
-    and the GGML_KINDS from a GGUF tensor's blocks (`from_blocks`). Scales are stored in
-    fp16 (a GGUF file's own d and m are fp16: kept exactly). `unpacked()` gives the natural
-    arrays back (the ggml blocks, for those kinds). A weight of row parts of different
-    kinds (`concat`) has kind MIXED: its parts are packed one after another in `data`,
-    each in its own kind (`parts()`)."""
+    and every kind from a GGUF tensor's blocks (`from_blocks`: BLOCK_FORMATS; the
+    GGML_KINDS only so). Scales are stored in fp16 (a GGUF file's own d and m are fp16:
+    kept exactly). `unpacked()` gives the natural arrays back (the ggml blocks, for the
+    GGML_KINDS). A weight of row parts of different kinds (`concat`) has kind MIXED: its
+    parts are packed one after another in `data`, each in its own kind (`parts()`). Every
+    packed buffer comes from `_new_data`."""
 
     __slots__ = ("_dense_rows", "_parts", "data", "in_features", "kind", "out_features")
 
@@ -86,28 +96,31 @@ class QuantWeight:
         n, groups = scale.shape
         self.kind = kind
         self.out_features, self.in_features = n, groups * GROUP
-        self.data = _pack(kind, codes, scale, zero)
+        # as the Q8_0 / Q4_1 blocks these arrays are, packed like a file's
+        blocks = _natural_blocks(kind, codes, scale, zero)
+        self.data = _new_data(packed_bytes(kind, n, self.in_features)).view(-(-n // BLOCK_ROWS), -1)
+        _pack_blocks(kind, blocks, None, self.data)
         self._parts: tuple[tuple[str, int, int, int], ...] | None = None
 
     @classmethod
-    def from_blocks(cls, kind: str, blocks: torch.Tensor) -> QuantWeight:
-        """A weight of one of the GGML_KINDS from its blocks as GGUF stores them: uint8
-        [N, K / weights_per_block * bytes_per_block] (ggml's block_q5_0, block_q5_1,
-        block_q4_K, block_q5_K, block_q6_K, row after row)."""
-        if kind not in GGML_KINDS:
-            raise ValueError(f"{kind!r} is not built from ggml blocks")
-        per, size = GGML_KINDS[kind]
-        if blocks.dim() != 2 or blocks.dtype != torch.uint8 or blocks.shape[1] % size:
-            raise ValueError(f"{kind} blocks must be uint8 [rows, a multiple of {size} bytes]")
-        n, k = blocks.shape[0], blocks.shape[1] // size * per
-        # in pieces of whole blocks of 16 rows, each packed alone: the temporaries stay a
-        # few bytes per weight of a piece, not of a vocabulary matrix
-        step = max(BLOCK_ROWS, PACK_WEIGHTS // k // BLOCK_ROWS * BLOCK_ROWS)
-        pieces = []
-        for a in range(0, n, step):
-            rows = blocks[a : a + step].contiguous()
-            pieces.append(_pack_fields(kind, _ggml_fields(kind, rows), rows.shape[0], k))
-        return cls._wrap(kind, n, k, pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+    def from_blocks(
+        cls,
+        kind: str,
+        blocks: torch.Tensor | np.ndarray,
+        order: torch.Tensor | None = None,
+        reference: bool = False,
+    ) -> QuantWeight:
+        """A weight from its blocks as GGUF stores them: uint8 [N, K / weights_per_block *
+        bytes_per_block] (BLOCK_FORMATS: ggml's block_q8_0, block_q4_1, block_q4_0,
+        block_q5_0, block_q5_1, block_q4_K, block_q5_K, block_q6_K, row after row), a tensor
+        or a numpy array (a view of the file's map: read where it lies, not copied).
+        `order`: row i of the weight is row order[i] of the blocks (a permutation, applied
+        as they are packed). `reference`: packed by the torch code (what the C packer is
+        tested against; the path without the compiled kernels)."""
+        n, k = _block_shape(kind, blocks)
+        data = _new_data(packed_bytes(kind, n, k)).view(-(-n // BLOCK_ROWS), -1)
+        _pack_blocks(kind, blocks, order, data, reference)
+        return cls._wrap(kind, n, k, data)
 
     @classmethod
     def _wrap(
@@ -266,6 +279,149 @@ class QuantWeight:
 BLOCK_ROWS = 16  # rows per packed block: one per 32-bit lane of a 512-bit vector
 
 
+def _new_data(nbytes: int) -> torch.Tensor:
+    """A packed weight's buffer: uint8 [nbytes], contents undefined (the packer writes every
+    byte). Every packed weight's data is allocated here."""
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def packed_bytes(kind: str, n: int, k: int) -> int:
+    """Bytes of a packed [n, k] weight of `kind`: per block of 16 rows, 16 of the file's
+    rows (rows past n padded)."""
+    per, size = BLOCK_FORMATS[kind]
+    return -(-n // BLOCK_ROWS) * BLOCK_ROWS * (k // per * size)
+
+
+@dataclass(slots=True)
+class Blocks:
+    """A weight's blocks as a GGUF file stores them, not yet packed (`from_blocks` reads
+    them; `concat` packs several into one buffer): `raw` uint8 [N, bytes] (a numpy view of
+    the file's map, or a tensor), row i of the weight being raw row order[i] (None: row
+    i)."""
+
+    kind: str
+    raw: torch.Tensor | np.ndarray
+    order: torch.Tensor | None = None
+
+    @property
+    def out_features(self) -> int:
+        return _block_shape(self.kind, self.raw)[0]
+
+    @property
+    def in_features(self) -> int:
+        return _block_shape(self.kind, self.raw)[1]
+
+    def pack(self) -> QuantWeight:
+        return QuantWeight.from_blocks(self.kind, self.raw, self.order)
+
+    def rows(self) -> torch.Tensor:
+        """The blocks as a tensor [N, bytes] in the weight's row order (a copy)."""
+        raw = _as_tensor(self.raw)
+        return raw.clone() if self.order is None else raw[self.order]
+
+
+def _block_shape(kind: str, blocks: torch.Tensor | np.ndarray) -> tuple[int, int]:
+    """(N, K) of a weight's blocks; ValueError for blocks of the wrong shape or type."""
+    if kind not in BLOCK_FORMATS:
+        raise ValueError(f"{kind!r} is not built from ggml blocks")
+    per, size = BLOCK_FORMATS[kind]
+    uint8 = blocks.dtype in (torch.uint8, np.uint8)
+    if blocks.ndim != 2 or not uint8 or blocks.shape[1] % size or not blocks.shape[1]:
+        raise ValueError(f"{kind} blocks must be uint8 [rows, a multiple of {size} bytes]")
+    return int(blocks.shape[0]), blocks.shape[1] // size * per
+
+
+def _as_tensor(blocks: torch.Tensor | np.ndarray) -> torch.Tensor:
+    if isinstance(blocks, torch.Tensor):
+        return blocks
+    return torch.from_numpy(np.array(blocks))  # a copy: a map's view is read-only
+
+
+def _pack_blocks(
+    kind: str,
+    blocks: torch.Tensor | np.ndarray,
+    order: torch.Tensor | None,
+    out: torch.Tensor,
+    reference: bool = False,
+) -> None:
+    """Pack `blocks` (rows in `order`) into `out`, a contiguous uint8 buffer of exactly
+    packed_bytes(kind, N, K): the C packer (kvlm_qpack), or the torch code (`reference`,
+    or without the kernels), byte for byte the same."""
+    n, k = _block_shape(kind, blocks)
+    size = packed_bytes(kind, n, k)
+    if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != size:
+        raise ValueError(f"a {kind} [{n}, {k}] weight packs into {size} contiguous bytes")
+    if order is not None:
+        order = order.to(torch.int64).contiguous()
+        if order.shape != (n,):
+            raise ValueError(f"the row order of {n} rows must have {n} entries")
+    lib = None if reference else kernels.library()
+    if lib is not None:
+        if isinstance(blocks, torch.Tensor):
+            blocks = blocks.contiguous()
+            src = blocks.data_ptr()
+        else:
+            blocks = np.ascontiguousarray(blocks)
+            src = blocks.ctypes.data
+        at = None if order is None else order.data_ptr()
+        if lib.kvlm_qpack(KIND_CODES[kind], src, n, k, at, out.data_ptr()) != 0:
+            raise ValueError(f"the kernels refused to pack {kind} blocks (a bad row order?)")
+        return
+    raw = _as_tensor(blocks)
+    if order is not None:
+        if n and (int(order.min()) < 0 or int(order.max()) >= n):
+            raise ValueError("a row order entry is out of range")
+        raw = raw[order]
+    # in pieces of whole blocks of 16 rows, each packed alone: the temporaries stay a few
+    # bytes per weight of a piece, not of a vocabulary matrix
+    step = max(BLOCK_ROWS, PACK_WEIGHTS // k // BLOCK_ROWS * BLOCK_ROWS)
+    dst = out.view(-(-n // BLOCK_ROWS), -1)
+    for a in range(0, n, step):
+        rows = raw[a : a + step].contiguous()
+        dst[a // BLOCK_ROWS : -(-(a + rows.shape[0]) // BLOCK_ROWS)] = _pack_torch(kind, rows)
+
+
+def _pack_torch(kind: str, rows: torch.Tensor) -> torch.Tensor:
+    """Blocks [N, bytes] -> the packed layout [blocks, bytes], in torch (the reference)."""
+    n, k = _block_shape(kind, rows)
+    if kind in GGML_KINDS:
+        return _pack_fields(kind, _ggml_fields(kind, rows), n, k)
+    return _pack(kind, *_block_arrays(kind, rows))
+
+
+def _block_arrays(
+    kind: str, blocks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(codes, scale, zero) in the natural order of Q8_0 (q8) or Q4_1 (q4) blocks: nibble j
+    holds weights j (low) and j + 16 (high), the order QuantWeight takes."""
+    _, size = BLOCK_FORMATS[kind]
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, size)
+    d = _f16(b[..., 0:2])
+    if kind == "q8":
+        return b[..., 2:].contiguous().view(torch.int8).reshape(n, -1), d, None
+    return b[..., 4:].reshape(n, -1), d, _f16(b[..., 2:4])
+
+
+def _natural_blocks(
+    kind: str, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
+) -> torch.Tensor:
+    """The inverse of _block_arrays: natural arrays as Q8_0 (q8) or Q4_1 (q4) blocks, the
+    scales rounded to fp16."""
+    n, groups = scale.shape
+    width = GROUP if kind == "q8" else GROUP // 2
+    c = codes.contiguous().view(torch.uint8).reshape(n, groups, width)
+    params = [_f16_bytes(t) for t in ((scale,) if zero is None else (scale, zero))]
+    return torch.cat([*params, c], -1).reshape(n, -1)
+
+
+def _f16_bytes(t: torch.Tensor) -> torch.Tensor:
+    """fp32 [...] rounded to fp16, as its little-endian bytes [..., 2] (the inverse of
+    _f16)."""
+    h = t.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return torch.stack((h & 255, h >> 8), -1).to(torch.uint8)
+
+
 def _pack(
     kind: str, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
 ) -> torch.Tensor:
@@ -307,7 +463,8 @@ def _unpack(q: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | 
 # "dmin" (q4_k, q5_k) [N, U, 2], "scales" [N, U, 12] (q4_k, q5_k: ggml's packed 6-bit
 # scales and mins) or [N, U, 16] (q6_k: int8 per 16), U = blocks per row.
 
-_HIGH_BITS = {"q5_0": 1, "q5_1": 1, "q5_k": 1, "q6_k": 2, "q4_k": 0}
+_HIGH_BITS = {"q4_0": 0, "q5_0": 1, "q5_1": 1, "q5_k": 1, "q6_k": 2, "q4_k": 0}
+_PER_GROUP = ("q4_0", "q5_0", "q5_1")  # a record per group of 32 (no super-blocks)
 
 
 def _u8(values) -> torch.Tensor:
@@ -320,7 +477,11 @@ def _ggml_fields(kind: str, blocks: torch.Tensor) -> dict[str, torch.Tensor]:
     n = blocks.shape[0]
     b = blocks.view(n, -1, size)
     u = b.shape[1]
-    if kind in ("q5_0", "q5_1"):  # d, (m), qh: bit e = weight e's fifth, qs: e and e + 16
+    if kind == "q4_0":  # d, qs: weights e (low nibble) and e + 16 (high)
+        f = {"d": b[..., 0:2]}
+        qs = b[..., 2:18]
+        codes = torch.cat((qs & 15, qs >> 4), -1)
+    elif kind in ("q5_0", "q5_1"):  # d, (m), qh: bit e = weight e's fifth, qs: e and e + 16
         at = 2 if kind == "q5_0" else 4
         f = {"d": b[..., 0:2]} | ({"m": b[..., 2:4]} if kind == "q5_1" else {})
         high = (b[..., at : at + 4, None] >> _u8(range(8))) & 1  # (n, u, 4 bytes, 8 bits)
@@ -358,7 +519,9 @@ def _ggml_blocks(kind: str, f: dict[str, torch.Tensor]) -> torch.Tensor:
     n = f["codes"].shape[0]
     c = f["codes"].view(n, -1, per)
     u = c.shape[1]
-    if kind in ("q5_0", "q5_1"):
+    if kind == "q4_0":
+        pieces = [f["d"], (c[..., :16] & 15) | ((c[..., 16:] & 15) << 4)]
+    elif kind in ("q5_0", "q5_1"):
         qs = (c[..., :16] & 15) | ((c[..., 16:] & 15) << 4)
         qh = _or_bits((c >> 4).view(n, u, 4, 8), -1, list(range(8)))
         pieces = [f["d"], *([f["m"]] if kind == "q5_1" else []), qh, qs]
@@ -432,7 +595,7 @@ def _pack_fields(kind: str, f: dict[str, torch.Tensor], n: int, k: int) -> torch
     """Fields -> the packed layout [blocks, records * record bytes] (kernels/qgemm.c)."""
     codes = _code_layout(kind, f["codes"])  # [blocks, G, code bytes]
     blocks = codes.shape[0]
-    if kind in ("q5_0", "q5_1"):  # a record per group: codes, d [16], (m [16])
+    if kind in _PER_GROUP:  # a record per group: codes, d [16], (m [16])
         params = [_lanes(f[p], 2) for p in ("d", "m") if p in f]
         return torch.cat([codes, *params], -1).reshape(blocks, -1)
     u = k // 256
@@ -447,7 +610,7 @@ def _unpack_fields(kind: str, data: torch.Tensor, n: int, k: int) -> dict[str, t
     """The inverse of _pack_fields."""
     blocks, groups = data.shape[0], k // GROUP
     code_bytes = 256 + 64 * _HIGH_BITS[kind]
-    if kind in ("q5_0", "q5_1"):
+    if kind in _PER_GROUP:
         rec = data.view(blocks, groups, -1)
         f = {"codes": _code_fields(kind, rec[..., :code_bytes], n)}
         for i, p in enumerate(("d", "m") if kind == "q5_1" else ("d",)):
@@ -489,8 +652,8 @@ def _dense_fields(kind: str, f: dict[str, torch.Tensor]) -> torch.Tensor:
     n, k = f["codes"].shape
     q = f["codes"].view(n, k // per, -1, 16 if kind == "q6_k" else 32)
     d = _f16(f["d"])[..., None, None]
-    if kind == "q5_0":
-        w = d * (q.to(torch.int16) - 16).float()
+    if kind in ("q4_0", "q5_0"):
+        w = d * (q.to(torch.int16) - (8 if kind == "q4_0" else 16)).float()
     elif kind == "q5_1":
         w = d * q.float() + _f16(f["m"])[..., None, None]
     elif kind == "q6_k":  # (d sc) per 16, times q - 32
@@ -606,45 +769,64 @@ def move_to_huge_pages(
     return True
 
 
-def concat(parts: Sequence[QuantWeight]) -> QuantWeight:
-    """Stack weights along their outputs (fused q|k|v, gate|up). Neighbours of one kind
-    become one packed weight; where kinds differ (a Q4_K_M file's Q4_K q and k, Q6_K v)
-    the result is a MIXED weight of those row parts, each packed in its own kind, so every
-    part keeps the file's numbers."""
+def concat(parts: Sequence[QuantWeight | Blocks]) -> QuantWeight:
+    """Stack weights along their outputs (fused q|k|v, gate|up), packed into one buffer:
+    packed weights (QuantWeight) or blocks not yet packed (Blocks, packed straight into
+    their place). Neighbours of one kind become one packed weight: their packed bytes one
+    after another, as a block of 16 rows holds 16 whole rows, wherever every part but the
+    last fills its blocks (out_features a multiple of 16; else their rows are packed
+    anew). Where kinds differ (a Q4_K_M file's Q4_K q and k, Q6_K v) the result is a MIXED
+    weight of those row parts, each packed in its own kind from a 64-byte boundary, so
+    every part keeps the file's numbers."""
     if len({p.in_features for p in parts}) != 1:
         raise ValueError("cannot fuse weights of different widths")
-    runs: list[list[QuantWeight]] = []
-    for p in (one for part in parts for one in part.parts()):
+    k = parts[0].in_features
+    flat = [one for p in parts for one in (p.parts() if isinstance(p, QuantWeight) else [p])]
+    if len(flat) == 1 and isinstance(flat[0], QuantWeight):
+        return flat[0]
+    runs: list[list[QuantWeight | Blocks]] = []
+    for p in flat:
         if runs and runs[-1][0].kind == p.kind:
             runs[-1].append(p)
         else:
             runs.append([p])
-    merged = [_merge(run) for run in runs]
-    if len(merged) == 1:
-        return merged[0]
-    chunks, spec, at = [], [], 0
-    for p in merged:  # each part's bytes from a 64-byte boundary
-        raw = p.data.reshape(-1)
-        pad = -raw.numel() % 64
-        chunks += [raw, torch.zeros(pad, dtype=torch.uint8)]
-        spec.append((p.kind, p.out_features, at, at + raw.numel()))
-        at += raw.numel() + pad
-    n = sum(p.out_features for p in merged)
-    return QuantWeight._wrap(MIXED, n, parts[0].in_features, torch.cat(chunks), tuple(spec))
+    spec, at = [], 0
+    for run in runs:  # each run's bytes from a 64-byte boundary
+        n = sum(p.out_features for p in run)
+        size = packed_bytes(run[0].kind, n, k)
+        spec.append((run[0].kind, n, at, at + size))
+        at += size if len(runs) == 1 else -(-size // 64) * 64
+    data = _new_data(at)
+    for run, (kind, n, a, b) in zip(runs, spec, strict=True):
+        _fill(kind, run, data[a:b].view(-(-n // BLOCK_ROWS), -1))
+        if len(runs) > 1:
+            data[b : -(-b // 64) * 64].zero_()  # the padding to the next part
+    if len(runs) == 1:
+        kind, n, _, _ = spec[0]
+        return QuantWeight._wrap(kind, n, k, data.view(-(-n // BLOCK_ROWS), -1))
+    n = sum(n for _, n, _, _ in spec)
+    return QuantWeight._wrap(MIXED, n, k, data, tuple(spec))
 
 
-def _merge(run: list[QuantWeight]) -> QuantWeight:
-    """Weights of one kind stacked into one (repacked from their natural arrays)."""
-    if len(run) == 1:
-        return run[0]
-    kind = run[0].kind
-    natural = [p.unpacked() for p in run]
-    if kind in GGML_KINDS:
-        return QuantWeight.from_blocks(kind, torch.cat([b for b, _, _ in natural]))
-    zero = None if kind == "q8" else torch.cat([z for _, _, z in natural])
-    return QuantWeight(
-        kind,
-        torch.cat([c for c, _, _ in natural]),
-        torch.cat([s for _, s, _ in natural]),
-        zero,
-    )
+def _fill(kind: str, run: Sequence[QuantWeight | Blocks], out: torch.Tensor) -> None:
+    """Pack parts of one kind, stacked, into `out` [blocks, bytes]."""
+    if all(p.out_features % BLOCK_ROWS == 0 for p in run[:-1]):
+        row = 0  # each part's blocks: its own packed bytes, in place
+        for p in run:
+            b0, b1 = row // BLOCK_ROWS, -(-(row + p.out_features) // BLOCK_ROWS)
+            if isinstance(p, Blocks):
+                _pack_blocks(kind, p.raw, p.order, out[b0:b1])
+            else:
+                out[b0:b1] = p.data.view(b1 - b0, -1)
+            row += p.out_features
+        return
+    # a part ends inside a block of 16: the rows are packed anew from their blocks
+    _pack_blocks(kind, torch.cat([_blocks_of(p) for p in run]), None, out)
+
+
+def _blocks_of(p: QuantWeight | Blocks) -> torch.Tensor:
+    """A weight's blocks as stored ([N, bytes], rows in order): Q8_0 / Q4_1 for q8 / q4."""
+    if isinstance(p, Blocks):
+        return p.rows()
+    blocks, scale, zero = p.unpacked()
+    return blocks if p.kind in GGML_KINDS else _natural_blocks(p.kind, blocks, scale, zero)

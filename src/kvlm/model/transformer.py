@@ -289,8 +289,8 @@ class _WeightTaker:
                     for r, b in zip(rows, biases, strict=True)
                 ]
             ).to(device=self.device, dtype=self.dtype)
-        native = [self._native(n) for n in names]
-        if any(q is not None for q in native):  # parts of the kinds stored (quant.concat)
+        native = [self._native(n, packed=False) for n in names]
+        if any(q is not None for q in native):  # packed into one buffer (quant.concat)
             self.bar.update(sum(q is not None for q in native))
             pairs = zip(names, native, strict=True)
             parts = [self._as_int8(n) if q is None else q for n, q in pairs]
@@ -333,11 +333,14 @@ class _WeightTaker:
         self.bar.update(1)
         return q
 
-    def _native(self, name: str) -> quant.QuantWeight | None:
-        """The file's own low-bit blocks for `name`, when --weights native can use them."""
+    def _native(self, name: str, packed: bool = True) -> quant.QuantWeight | quant.Blocks | None:
+        """The file's own low-bit blocks for `name`, when --weights native can use them:
+        packed, or (`packed=False`) as stored, for quant.concat to pack with others."""
         if self.weight_format != "native" or not hasattr(self.weights, "get_quant"):
             return None
-        return self.weights.get_quant(name)
+        if packed:
+            return self.weights.get_quant(name)
+        return self.weights.get_quant(name, packed=False)
 
     def _make(self, weight: torch.Tensor, bias: torch.Tensor | None, names: list[str]) -> Linear:
         """A Linear in the requested weight format (kvlm.model.layers.Linear.convert)."""
