@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from pathlib import Path
 
 import pytest
@@ -495,6 +496,53 @@ def test_packed_weights_move_to_huge_pages_unchanged():
     for w, (data, y) in zip(ws, before, strict=True):
         assert torch.equal(w.data, data)
         torch.testing.assert_close(w.matmul(x), y, atol=0, rtol=0)
+
+
+def test_weights_pack_straight_into_one_arena_in_creation_order():
+    """Inside packing_on_huge_pages every packed weight is the arena's next slice (64-byte
+    aligned), byte for byte what ordinary memory gets; a weight that does not fit, and one
+    made outside_arena(), get ordinary memory."""
+    torch.manual_seed(6)
+    dense = [torch.randn(n, 64) for n in (40, 16, 32)]
+    plain = [quant.quantize(w, "q8") for w in dense]
+    with quant.packing_on_huge_pages(8192) as arena:
+        if arena is None:  # no huge pages here: ordinary memory, same bytes
+            packed = [quant.quantize(w, "q8") for w in dense]
+            assert all(torch.equal(a.data, b.data) for a, b in zip(packed, plain, strict=True))
+            return
+        first = quant.quantize(dense[0], "q8")
+        with quant.outside_arena():
+            loose = quant.quantize(dense[1], "q8")
+        second = quant.quantize(dense[2], "q8")
+        too_big = quant.quantize(torch.randn(256, 64), "q8")  # 8192 bytes are used up
+    base = arena.buffer.data_ptr()
+    assert first.data.data_ptr() == base and arena.holds(first.data)
+    assert second.data.data_ptr() == base + -(-first.data.numel() // 64) * 64
+    assert not arena.holds(loose.data) and not arena.holds(too_big.data)
+    for w, ref in zip((first, loose, second), plain, strict=True):
+        assert torch.equal(w.data, ref.data)
+
+
+def test_a_native_model_packs_on_one_arena_in_decode_order(tiny_model_dir, tmp_path):
+    """LLM(weights native) packs each layer's weights front to back into one buffer as
+    it loads them (no second copy of the model), in the order a decode step reads them."""
+    from gguf import GGMLQuantizationType as Q
+
+    from helpers import write_gguf_from_hf
+    from kvlm import LLM
+
+    path = write_gguf_from_hf(tiny_model_dir("llama"), tmp_path / "q.gguf", Q.Q8_0)
+    llm = LLM(path, progress=False, max_context=32)
+    weights = [m.quant.data for m in llm.model.modules() if isinstance(m, Linear) and m.quant]
+    assert len(weights) > 3
+    if kernels.huge_page_buffer(1) is None:
+        return  # no huge pages: ordinary memory, nothing to order
+    starts = [w.data_ptr() for w in weights]
+    assert starts == sorted(starts)  # module order: each layer's, then the head
+    table = llm.model._embed_quant  # the embedding rows (packed too) lie between
+    tiles = sorted(weights + ([table.data] if table is not None else []), key=torch.Tensor.data_ptr)
+    for w, nxt in itertools.pairwise(tiles):  # the next 64-aligned slice
+        assert nxt.data_ptr() == -(-(w.data_ptr() + w.numel()) // 64) * 64
 
 
 # The fused step over an int8 cache also rounds each query head to int8 (one scale per

@@ -125,7 +125,9 @@ class GGUFWeights:
         """Config + the raw bytes of the final norm and the first 4 KiB of the embedding."""
         raw = [self._tensors[n] for n in ("model.norm.weight", "model.embed_tokens.weight")]
         config = replace(self.config, name="")  # the file name is not the model
-        return fingerprint_of(config, *(np.asarray(t.data).tobytes()[:4096] for t in raw))
+        # the first 4 KiB of each, not the whole table copied to bytes first
+        heads = (np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)[:4096] for t in raw)
+        return fingerprint_of(config, *(h.tobytes() for h in heads))
 
     def get(self, name: str) -> torch.Tensor:
         t = self._tensors[name]

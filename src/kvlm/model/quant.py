@@ -27,7 +27,8 @@ numbers, slower.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +56,7 @@ BLOCK_FORMATS = {"q8": (32, 34), "q4": (32, 20), **GGML_KINDS}
 PACK_WEIGHTS = 1 << 24  # weights per piece that the torch packer packs at a time
 MIXED = "mixed"  # the kind of a weight of row parts of different kinds (`concat`)
 FORMATS = {"int8": "q8", "int4": "q4"}  # --weights name -> kind
+PACKED_FORMATS = ("native", *FORMATS)  # --weights values that make packed weights
 # Up to this many rows the C kernel (reads the low-bit weight once); above, a dense GEMM.
 SMALL_M = 16
 # The dense GEMM's weight is dequantized in tiles of at most this many weights (16 MiB of
@@ -281,8 +283,64 @@ BLOCK_ROWS = 16  # rows per packed block: one per 32-bit lane of a 512-bit vecto
 
 def _new_data(nbytes: int) -> torch.Tensor:
     """A packed weight's buffer: uint8 [nbytes], contents undefined (the packer writes every
-    byte). Every packed weight's data is allocated here."""
+    byte). Every packed weight's data is allocated here: the next slice of the huge-page
+    arena while one is open (`packing_on_huge_pages`), else ordinary memory."""
+    if _ARENAS and _ARENAS[-1] is not None:
+        got = _ARENAS[-1].take(nbytes)
+        if got is not None:
+            return got
     return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class HugePageArena:
+    """One huge-page buffer (kernels.huge_page_buffer) handed out front to back, each slice
+    from a 64-byte boundary. Reserved whole, resident only as far as it is written: the
+    anonymous map's untouched pages cost address space, not memory."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self.used = 0
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        start = -(-self.used // 64) * 64
+        if start + nbytes > self.buffer.numel():
+            return None  # full: the caller's weight goes to ordinary memory
+        self.used = start + nbytes
+        return self.buffer[start : start + nbytes]
+
+    def holds(self, t: torch.Tensor) -> bool:
+        base = self.buffer.data_ptr()
+        return base <= t.data_ptr() < base + self.buffer.numel()
+
+
+_ARENAS: list[HugePageArena | None] = []
+
+
+@contextmanager
+def packing_on_huge_pages(capacity: int) -> Iterator[HugePageArena | None]:
+    """While open, weights are packed straight into one huge-page buffer of up to
+    `capacity` bytes, in the order they are made (a model's load order is a decode step's
+    read order): no second copy of the model to move them there afterwards, so the load's
+    peak is the model, and no copy time. Yields None (ordinary memory) where the OS offers
+    no huge pages. `outside_arena()` opens a gap for temporaries."""
+    buffer = kernels.huge_page_buffer(capacity)
+    arena = None if buffer is None else HugePageArena(buffer)
+    _ARENAS.append(arena)
+    try:
+        yield arena
+    finally:
+        _ARENAS.pop()
+
+
+@contextmanager
+def outside_arena() -> Iterator[None]:
+    """Weights made in here (a part to be copied into a fused weight) use ordinary memory,
+    so the arena holds no dead copies."""
+    _ARENAS.append(None)
+    try:
+        yield
+    finally:
+        _ARENAS.pop()
 
 
 def packed_bytes(kind: str, n: int, k: int) -> int:

@@ -12,6 +12,7 @@ import re
 import sys
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -72,7 +73,9 @@ class Transformer(nn.Module):
         self.device = torch.device(device)
         self.weight_format = weight_format
         loader = _WeightTaker(weights, config, dtype, self.device, progress, weight_format)
-        with loader, freed_memory_returned():
+        capacity = _arena_capacity(weights) if weight_format in quant.PACKED_FORMATS else 0
+        arena = quant.packing_on_huge_pages(capacity) if capacity else nullcontext()
+        with loader, freed_memory_returned(), arena as packed_in:
             self.layers = nn.ModuleList(loader.block(i) for i in range(config.num_layers))
             self.norm = RMSNorm(loader.take("model.norm.weight"), config.rms_norm_eps)
             tied = config.tie_word_embeddings or not loader.has("lm_head.weight")
@@ -93,14 +96,17 @@ class Transformer(nn.Module):
                 self.lm_head = loader.linear("lm_head.weight")
                 self._embed_table = embed
             freq_factors = loader.take_raw("rope_freqs.weight")
+            loader.release()  # the vocabulary table's pages
         self.rope = RotaryEmbedding(config, self.device, freq_factors)
-        # low-bit weights in one huge-page buffer, in the order a decode step reads them,
-        # each old copy freed as soon as it has moved
+        # low-bit weights on huge pages, in the order a decode step reads them: packed
+        # there as they loaded; any that did not fit moved there now, each old copy freed
+        # as soon as it has moved
         owners: dict[int, list[Linear]] = {}
         packed: list[quant.QuantWeight] = []
         for m in self.modules():
             if isinstance(m, Linear) and m.quant is not None:
-                if id(m.quant) not in owners:
+                inside = packed_in is not None and packed_in.holds(m.quant.data)
+                if id(m.quant) not in owners and not inside:
                     packed.append(m.quant)
                 owners.setdefault(id(m.quant), []).append(m)
 
@@ -182,6 +188,20 @@ class Transformer(nn.Module):
             x = x[:, -1:]
         logits = self.lm_head(self.norm(x))
         return logits if logits.dtype == torch.float64 else logits.float()
+
+
+def _arena_capacity(weights: WeightSource) -> int:
+    """Address space to reserve for the packed weights: twice the model's files (a K-quant
+    packs to its own size; int8 from a 2-3 bit type to up to ~3x, which then overflows to
+    ordinary memory and moves after), untouched pages costing nothing; 0 where the source
+    has no file to size it by."""
+    path = getattr(weights, "path", None) or getattr(weights, "folder", None)
+    if path is None:
+        return 0
+    path = Path(path)
+    files = [path] if path.is_file() else list(path.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    return 2 * size + (64 << 20) if size else 0
 
 
 @contextmanager
@@ -301,7 +321,8 @@ class _WeightTaker:
         """A part of a native fused projection that has no kernel of its own: int8, as
         `_make` would store it (its width, that of the native parts, is in groups of 32)."""
         self._note([name], "re-quantized to int8")
-        return quant.quantize(self.take(name), "q8")
+        with quant.outside_arena():  # a part, copied into the fused weight's own buffer
+            return quant.quantize(self.take(name), "q8")
 
     def linear(
         self, name: str, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None
@@ -398,9 +419,12 @@ class _WeightTaker:
             RMSNorm(self.take(f"{p}.input_layernorm.weight"), eps),
             RMSNorm(self.take(f"{p}.post_attention_layernorm.weight"), eps),
         )
-        # the file's pages of this layer were read once, into the model's own copies:
-        # given back now, so the file and the packed model are never both resident
+        self.release()
+        return block
+
+    def release(self) -> None:
+        """The file's pages read so far are the model's own copies now: given back, so
+        the file and the packed model are never both resident (a layer at a time)."""
         release = getattr(self.weights, "release", None)
         if release is not None:
             release()
-        return block
