@@ -48,6 +48,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--model", default=None)
+    p.add_argument("--runs", default=None, help="names of the runs, separated by ; (default: all)")
     args = p.parse_args()
     ref = LLM(model=args.model, progress=False, max_context=512, exact=True)
     runs = {
@@ -57,8 +58,13 @@ def main() -> None:
         "defaults": {},
         "defaults, head on int8 activations": {"head_int8": True},
         "defaults, head on bf16 prompt products": {"head_bf16": True},
+        "defaults, bf16 KV": {"kv_dtype": "bf16"},
+        "defaults, fp16 KV": {"kv_dtype": "fp16"},
     }
+    chosen = None if args.runs is None else args.runs.split(";")
     for name, kw in runs.items():
+        if chosen is not None and name not in chosen:
+            continue
         head_int8, head_bf16 = kw.pop("head_int8", False), kw.pop("head_bf16", False)
         llm = LLM(model=args.model, progress=False, max_context=512, **kw)
         if head_int8:
@@ -66,7 +72,8 @@ def main() -> None:
         if head_bf16:
             llm.model.lm_head.prefill_bf16 = True
         d = llm.describe()
-        print(f"{name} ({d['weights']}, act {d['activations']}, prefill {d['prefill_dtype']}): "
+        print(f"{name} ({d['weights']}, act {d['activations']}, prefill {d['prefill_dtype']}, "
+              f"KV {d['kv_dtype']}): "
               f"{score(llm, ref, args.tokens)}", flush=True)  # fmt: skip
 
 

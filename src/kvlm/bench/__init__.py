@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from kvlm import LLM, SamplingParams, kernels
+from kvlm.bench.child import run_llamacpp
 from kvlm.model.layers import Linear
 
 FILLER = (
@@ -125,22 +126,6 @@ def load_llamacpp(llm: LLM, n_ctx: int) -> Any:
     gpu_layers = -1 if llm.device.type == "cuda" else 0  # all of them, where its build can
     return Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                  n_batch=512, n_gpu_layers=gpu_layers, verbose=False)  # fmt: skip
-
-
-def run_llamacpp(model: Any, ids: list[int], new: int) -> dict[str, float]:
-    model.reset()  # no reuse of the previous run's tokens
-    times = []
-    start = time.perf_counter()
-    for _ in model.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
-        times.append(time.perf_counter())
-        if len(times) >= new:
-            break
-    ttft = times[0] - start
-    return {
-        "ttft_ms": ttft * 1000,
-        "prefill_tok_s": len(ids) / ttft,
-        "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0,
-    }
 
 
 def memory_bandwidth(mib: int = 512, reps: int = 7, device: torch.device | None = None) -> float:

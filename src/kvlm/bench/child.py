@@ -72,16 +72,22 @@ def _llamacpp(model: str, ids: list[int], new: int, threads: int) -> tuple[float
     load = time.perf_counter() - start
 
     def run(prompt: list[int], n: int) -> dict[str, float]:
-        llm.reset()
-        times = []
-        start = time.perf_counter()
-        for _ in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, reset=True):
-            times.append(time.perf_counter())
-            if len(times) >= n:
-                break
-        return _timed(times, start, len(prompt))
+        return run_llamacpp(llm, prompt, n)
 
     return load, run, {"version": llama_cpp.__version__}
+
+
+def run_llamacpp(model: object, ids: list[int], new: int) -> dict[str, float]:
+    """`new` greedy tokens after `ids` on a llama_cpp.Llama, timed token by token (also
+    kvlm bench's llama.cpp peer)."""
+    model.reset()  # no reuse of the previous run's tokens
+    times = []
+    start = time.perf_counter()
+    for _ in model.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
+        times.append(time.perf_counter())
+        if len(times) >= new:
+            break
+    return _timed(times, start, len(ids))
 
 
 def _hf(model: str, ids: list[int], new: int, threads: int) -> tuple[float, object, dict]:
@@ -93,27 +99,16 @@ def _hf(model: str, ids: list[int], new: int, threads: int) -> tuple[float, obje
     import transformers
     from transformers import AutoModelForCausalLM
 
+    from kvlm.bench import _Clock
+
     path = Path(model)
     start = time.perf_counter()
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                               dtype=torch.float32).eval()  # fmt: skip
     load = time.perf_counter() - start
 
-    class Clock:  # a streamer that timestamps every generated token
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self.prompt_seen = False
-
-        def put(self, value: object) -> None:
-            if self.prompt_seen:
-                self.times.append(time.perf_counter())
-            self.prompt_seen = True
-
-        def end(self) -> None:
-            pass
-
     def run(prompt: list[int], n: int) -> dict[str, float]:
-        clock = Clock()
+        clock = _Clock()  # timestamps every generated token
         start = time.perf_counter()
         with torch.inference_mode():
             hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
