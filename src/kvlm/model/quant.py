@@ -215,6 +215,8 @@ class QuantWeight:
         the compiled kernels (or for a weight of mixed parts) the whole table is
         dequantized once and kept."""
         flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
+            raise IndexError(f"row ids must be in [0, {self.out_features})")  # every path
         lib = kernels.library()
         if lib is None or self.kind == MIXED:
             if getattr(self, "_dense_rows", None) is None:
@@ -222,8 +224,6 @@ class QuantWeight:
             return self._dense_rows[flat].view(*ids.shape, self.in_features)
         out = torch.empty(flat.numel(), self.in_features, dtype=torch.float32)
         if flat.numel():
-            if int(flat.min()) < 0 or int(flat.max()) >= self.out_features:
-                raise IndexError(f"row ids must be in [0, {self.out_features})")
             code, k = KIND_CODES[self.kind], self.in_features
             rc = lib.kvlm_qdequant_rows(code, k, _ptr(self.data), _ptr(flat), flat.numel(),
                                         _ptr(out))  # fmt: skip
