@@ -95,12 +95,36 @@ static inline float from_f16(uint16_t h) {
         f = (float)m * 5.9604644775390625e-8f;
         return sign ? -f : f;
     }
+    if (e == 31 && m) m |= 0x200; /* a NaN comes out quiet, as F16C's does */
     u = sign | (e == 31 ? 0x7F800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
     memcpy(&f, &u, 4);
     return f;
 }
 
-int kvlm_kernel_abi(void) { return 10; }
+/* float -> IEEE half, round to nearest even, as torch's .to(float16): subnormal halves,
+ * overflow past 65520 to inf (65504 is the largest finite half) */
+static inline uint16_t to_f16(float f) {
+#ifdef __F16C__
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    /* Maratyszcza's FP16 library (fp16_ieee_from_fp32_value) */
+    uint32_t w, b, bias;
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f, t;
+    memcpy(&w, &f, 4);
+    const uint32_t shl1 = w + w, sign = w & 0x80000000u;
+    bias = shl1 & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    b = (bias >> 1) + 0x07800000u;
+    memcpy(&t, &b, 4);
+    base = t + base;
+    memcpy(&b, &base, 4);
+    const uint32_t nonsign = ((b >> 13) & 0x7C00u) + (b & 0x0FFFu);
+    /* NaN: quiet, its payload's top bits kept, as F16C (and torch's vector path) */
+    return (uint16_t)((sign >> 16) | (shl1 > 0xFF000000u ? 0x7E00u | ((w >> 13) & 0x3FFu) : nonsign));
+#endif
+}
+
+int kvlm_kernel_abi(void) { return 11; }
 
 int kvlm_kernel_simd(void) {
 #ifdef __AVX512F__
@@ -1049,7 +1073,7 @@ typedef struct {
     const kvlm_qlayer *layers;
     const float *final_norm;
     kvlm_qmat lm_head;
-    int64_t kv_dtype;        /* the cache stores KV_F32, KV_BF16 or KV_I8 */
+    int64_t kv_dtype;        /* the cache stores KV_F32, KV_BF16, KV_I8 or KV_F16 */
     int64_t act_int8;        /* products round x to int8 per group (--activations int8) */
     uint16_t *kv_params;     /* KV_I8: (step, zero) per row, (layers, 2, kv_heads, slots, 2) */
     const float *key_rot;    /* KV_I8: R (head_dim x head_dim); K rows are stored as k R */
@@ -1059,7 +1083,7 @@ typedef struct {
                                 --activations int8: near-tied logits decide the token) */
 } kvlm_qmodel;
 
-enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
+enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_F16 = 3 };
 
 static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *y) {
     float ss = 0.f;
@@ -1131,45 +1155,50 @@ static inline __m512 load_bf16(const uint16_t *p) {
 #endif
 
 /* y += a * x */
-/* element i of a cache row stored as fp32, or (bf) as bf16 */
-static inline float kv_elem(const char *row, int bf, int64_t i) {
-    return bf ? from_bf16(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+/* element i of a cache row stored as dt: KV_F32, KV_BF16 or KV_F16 */
+static inline float kv_elem(const char *row, int dt, int64_t i) {
+    if (dt == KV_BF16) return from_bf16(((const uint16_t *)row)[i]);
+    if (dt == KV_F16) return from_f16(((const uint16_t *)row)[i]);
+    return ((const float *)row)[i];
 }
 
 #ifdef __AVX512F__
-static inline __m512 kv_load(const char *row, int bf, int64_t i) {
-    if (bf == KV_I8) /* codes, widened (the caller takes step and zero apart) */
+static inline __m512 kv_load(const char *row, int dt, int64_t i) {
+    if (dt == KV_I8) /* codes, widened (the caller takes step and zero apart) */
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + i))));
-    return bf ? load_bf16((const uint16_t *)row + i) : _mm512_loadu_ps((const float *)row + i);
+    if (dt == KV_F16) /* exact: every half is a float */
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
+    return dt == KV_BF16 ? load_bf16((const uint16_t *)row + i)
+                         : _mm512_loadu_ps((const float *)row + i);
 }
 #endif
 
 /* a . row[0:n] */
-static inline float dot_kv(const float *a, const char *row, int bf, int64_t n) {
+static inline float dot_kv(const float *a, const char *row, int dt, int64_t n) {
 #ifdef __AVX512F__
     if (n % 16 == 0) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t i = 0; i < n; i += 16)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), kv_load(row, bf, i), acc);
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), kv_load(row, dt, i), acc);
         return _mm512_reduce_add_ps(acc);
     }
 #endif
     float s = 0.f;
-    for (int64_t i = 0; i < n; i++) s += a[i] * kv_elem(row, bf, i);
+    for (int64_t i = 0; i < n; i++) s += a[i] * kv_elem(row, dt, i);
     return s;
 }
 
 /* y[0:n] += a * row[0:n] */
-static inline void axpy_kv(float a, const char *row, int bf, float *y, int64_t n) {
+static inline void axpy_kv(float a, const char *row, int dt, float *y, int64_t n) {
 #ifdef __AVX512F__
     if (n % 16 == 0) {
         __m512 av = _mm512_set1_ps(a);
         for (int64_t i = 0; i < n; i += 16)
-            _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, kv_load(row, bf, i), _mm512_loadu_ps(y + i)));
+            _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, kv_load(row, dt, i), _mm512_loadu_ps(y + i)));
         return;
     }
 #endif
-    for (int64_t i = 0; i < n; i++) y[i] += a * kv_elem(row, bf, i);
+    for (int64_t i = 0; i < n; i++) y[i] += a * kv_elem(row, dt, i);
 }
 
 #define MAX_CHUNKS 8 /* position chunks per KV head: the threads' work items */
@@ -1260,7 +1289,7 @@ static inline void load_bf16_pairs(const char *row, int64_t i, __m512 *even, __m
 /* the scores of J (4 or 1) rows from r for NG heads (see scores_rows) */
 static inline __attribute__((always_inline)) void
 scores_of_rows(const int NG, const int NV, const int PAIRS, const int J, const float *qs,
-               const char *r, int64_t rowb, int bf, int64_t D, __m512 acc[4][4]) {
+               const char *r, int64_t rowb, int dt, int64_t D, __m512 acc[4][4]) {
     for (int h = 0; h < NG; h++)
         for (int j = 0; j < J; j++) acc[h][j] = _mm512_setzero_ps();
     if (PAIRS) {
@@ -1277,7 +1306,7 @@ scores_of_rows(const int NG, const int NV, const int PAIRS, const int J, const f
     } else {
         for (int v = 0; v < NV; v++) {
             __m512 k[4];
-            for (int j = 0; j < J; j++) k[j] = kv_load(r + j * rowb, bf, 16 * v);
+            for (int j = 0; j < J; j++) k[j] = kv_load(r + j * rowb, dt, 16 * v);
             for (int h = 0; h < NG; h++) {
                 __m512 qv = _mm512_loadu_ps(qs + h * D + 16 * v);
                 for (int j = 0; j < J; j++) acc[h][j] = _mm512_fmadd_ps(qv, k[j], acc[h][j]);
@@ -1292,7 +1321,7 @@ scores_of_rows(const int NG, const int NV, const int PAIRS, const int J, const f
  * read as even / odd halves (load_bf16_pairs) against queries split the same way. */
 static inline __attribute__((always_inline)) void
 scores_rows(const int NG, const int NV, const int PAIRS, const float *qs, const kv_span *K,
-            int bf, int64_t esz, int64_t D, int64_t S, int64_t s0, int64_t s1, float *p) {
+            int dt, int64_t esz, int64_t D, int64_t S, int64_t s0, int64_t s1, float *p) {
     const int64_t rowb = D * esz;
     __m512 acc[4][4];
     for (int64_t a = s0, end; a < s1; a = end) {
@@ -1302,29 +1331,29 @@ scores_rows(const int NG, const int NV, const int PAIRS, const float *qs, const 
         for (; s + 4 <= end; s += 4) {
             const char *r = run + (s - a) * rowb;
             fetch_ahead(r, 4 * rowb, lim);
-            scores_of_rows(NG, NV, PAIRS, 4, qs, r, rowb, bf, D, acc);
+            scores_of_rows(NG, NV, PAIRS, 4, qs, r, rowb, dt, D, acc);
             for (int h = 0; h < NG; h++)
                 _mm_storeu_ps(p + h * S + s, reduce4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]));
         }
         for (; s < end; s++) {
-            scores_of_rows(NG, NV, PAIRS, 1, qs, run + (s - a) * rowb, rowb, bf, D, acc);
+            scores_of_rows(NG, NV, PAIRS, 1, qs, run + (s - a) * rowb, rowb, dt, D, acc);
             for (int h = 0; h < NG; h++) p[h * S + s] = _mm512_reduce_add_ps(acc[h][0]);
         }
     }
 }
 
-static void scores_dispatch(int ng, int nv, const float *qs, const kv_span *K, int bf,
+static void scores_dispatch(int ng, int nv, const float *qs, const kv_span *K, int dt,
                             int64_t esz, int64_t D, int64_t S, int64_t s0, int64_t s1,
                             float *p) {
 #define SC_CASE(G_, V_)                                                                      \
     if (ng == G_ && nv == V_) {                                                              \
-        scores_rows(G_, V_, 0, qs, K, bf, esz, D, S, s0, s1, p);                             \
+        scores_rows(G_, V_, 0, qs, K, dt, esz, D, S, s0, s1, p);                             \
         return;                                                                              \
     }
     SC_CASE(1, 4) SC_CASE(2, 4) SC_CASE(3, 4) SC_CASE(4, 4) SC_CASE(1, 8) SC_CASE(2, 8)
 #undef SC_CASE
     for (int h = 0; h < ng; h++)
-        scores_rows(1, nv, 0, qs + h * D, K, bf, esz, D, S, s0, s1, p + h * S);
+        scores_rows(1, nv, 0, qs + h * D, K, dt, esz, D, S, s0, s1, p + h * S);
 }
 
 /* the largest of p[0:n] (n >= 1) */
@@ -1340,7 +1369,7 @@ static inline float max_of(const float *p, int64_t n) {
  * accumulators stay in registers. PAIRS: bf16 rows taken as even / odd halves
  * (load_bf16_pairs), accumulated apart and interleaved back at the end. */
 static inline __attribute__((always_inline)) void
-pv_avx512(const int NG, const int NV, const int PAIRS, const float *p, const kv_span *V, int bf,
+pv_avx512(const int NG, const int NV, const int PAIRS, const float *p, const kv_span *V, int dt,
           int64_t esz, int64_t D, int64_t S, int64_t s0, int64_t s1, const float *bias,
           float *o) {
     const int64_t rowb = D * esz;
@@ -1358,7 +1387,7 @@ pv_avx512(const int NG, const int NV, const int PAIRS, const float *p, const kv_
                 if (PAIRS)
                     load_bf16_pairs(r, 16 * v, &x[0], &x[1]);
                 else
-                    x[0] = kv_load(r, bf, 16 * v);
+                    x[0] = kv_load(r, dt, 16 * v);
                 for (int h = 0; h < NG; h++) {
                     const __m512 w = _mm512_set1_ps(p[h * S + s]);
                     for (int k = 0; k <= PAIRS; k++)
@@ -1386,18 +1415,18 @@ pv_avx512(const int NG, const int NV, const int PAIRS, const float *p, const kv_
     }
 }
 
-static void pv_dispatch(int ng, int nv, const float *p, const kv_span *V, int bf, int64_t esz,
+static void pv_dispatch(int ng, int nv, const float *p, const kv_span *V, int dt, int64_t esz,
                         int64_t D, int64_t S, int64_t s0, int64_t s1, float *o) {
 #define PV_CASE(G_, V_)                                                                      \
     if (ng == G_ && nv == V_) {                                                              \
-        pv_avx512(G_, V_, 0, p, V, bf, esz, D, S, s0, s1, NULL, o);                          \
+        pv_avx512(G_, V_, 0, p, V, dt, esz, D, S, s0, s1, NULL, o);                          \
         return;                                                                              \
     }
     PV_CASE(1, 4) PV_CASE(2, 4) PV_CASE(3, 4) PV_CASE(4, 4) PV_CASE(1, 8) PV_CASE(2, 8)
     PV_CASE(4, 8)
 #undef PV_CASE
     for (int h = 0; h < ng; h++)
-        pv_avx512(1, nv, 0, p + h * S, V, bf, esz, D, S, s0, s1, NULL, o + h * D);
+        pv_avx512(1, nv, 0, p + h * S, V, dt, esz, D, S, s0, s1, NULL, o + h * D);
 }
 
 #endif
@@ -1461,22 +1490,22 @@ static void silu_mul(const float *g, const float *u, float *y, int64_t n) {
 /* Attention of the `ng` query heads of one KV head over the chunk [s0, s1), of which the
  * query sees [v0, s1) (softmax_pieces): unnormalised output o (ng x D), running max m and
  * sum l per head (combined across chunks later). */
-static void attend_chunk(const float *q, int ng, const kv_span *K, const kv_span *V, int bf,
+static void attend_chunk(const float *q, int ng, const kv_span *K, const kv_span *V, int dt,
                          int64_t esz, int64_t D, int64_t S, int64_t s0, int64_t v0, int64_t s1,
                          float scale, float *p, float *m, float *l, float *o) {
 #ifdef __AVX512F__
     if (D % 16 == 0 && D <= 128) {
         float qs[8 * 128]; /* the heads' queries times the softmax scale */
         for (int64_t i = 0; i < ng * D; i++) qs[i] = q[i] * scale;
-        if (bf && D % 32 == 0) {
+        if (dt == KV_BF16 && D % 32 == 0) { /* bf16 alone: words split into halves */
             float qs2[8 * 128]; /* split per 32: 16 even elements, then 16 odd */
             for (int64_t i = 0; i < ng * D; i++)
                 qs2[i / 32 * 32 + (i % 2) * 16 + (i % 32) / 2] = qs[i];
             if (attend_bf16(ng, D, qs2, K, V, S, s0, v0, s1, p, m, l, o)) return;
         }
-        scores_dispatch(ng, (int)(D / 16), qs, K, bf, esz, D, S, s0, s1, p);
+        scores_dispatch(ng, (int)(D / 16), qs, K, dt, esz, D, S, s0, s1, p);
         softmax_pieces(ng, p, S, s0, v0, s1, m, l);
-        pv_dispatch(ng, (int)(D / 16), p, V, bf, esz, D, S, s0, s1, o);
+        pv_dispatch(ng, (int)(D / 16), p, V, dt, esz, D, S, s0, s1, o);
         return;
     }
 #endif
@@ -1485,7 +1514,7 @@ static void attend_chunk(const float *q, int ng, const kv_span *K, const kv_span
         float *ph = p + h * S, mx = -INFINITY;
         for (int64_t s = v0; s < s1; s++) {
             const char *row = row_at(K, D * esz, s);
-            ph[s] = dot_kv(qh, row, bf, D) * scale;
+            ph[s] = dot_kv(qh, row, dt, D) * scale;
             mx = ph[s] > mx ? ph[s] : mx;
         }
         m[h] = mx;
@@ -1493,7 +1522,7 @@ static void attend_chunk(const float *q, int ng, const kv_span *K, const kv_span
         float *oh = o + h * D;
         memset(oh, 0, D * sizeof(float));
         for (int64_t s = v0; s < s1; s++) {
-            axpy_kv(ph[s], row_at(V, D * esz, s), bf, oh, D);
+            axpy_kv(ph[s], row_at(V, D * esz, s), dt, oh, D);
         }
     }
 }
@@ -1506,27 +1535,6 @@ static void attend_chunk(const float *q, int ng, const kv_span *K, const kv_span
  *   q.k ~ sq (step sum_i q8_i (c_i + 128) + zero sum_i q8_i),
  * exact integer sums (VNNI: 64 codes x 1 query per instruction, no widening). p.V widens
  * the codes: o = sum_s (p_s step_s) c_s + sum_s p_s (128 step_s + zero_s). */
-
-/* float -> IEEE half, round to nearest even, as torch's .to(float16) */
-static inline uint16_t to_f16(float f) {
-#ifdef __F16C__
-    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
-#else
-    /* Maratyszcza's FP16 library (fp16_ieee_from_fp32_value) */
-    uint32_t w, b, bias;
-    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f, t;
-    memcpy(&w, &f, 4);
-    const uint32_t shl1 = w + w, sign = w & 0x80000000u;
-    bias = shl1 & 0xFF000000u;
-    if (bias < 0x71000000u) bias = 0x71000000u;
-    b = (bias >> 1) + 0x07800000u;
-    memcpy(&t, &b, 4);
-    base = t + base;
-    memcpy(&b, &base, 4);
-    const uint32_t nonsign = ((b >> 13) & 0x7C00u) + (b & 0x0FFFu);
-    return (uint16_t)((sign >> 16) | (shl1 > 0xFF000000u ? 0x7E00u : nonsign));
-#endif
-}
 
 /* storage.quantize of one row: codes[D] and params (step, zero), bit for bit */
 static void quantize_kv_row(const float *x, int64_t D, int8_t *codes, uint16_t *params) {
@@ -1560,6 +1568,13 @@ static void quantize_kv_row(const float *x, int64_t D, int8_t *codes, uint16_t *
 void kvlm_quantize_kv_rows(const float *x, int8_t *codes, uint16_t *params, int64_t rows,
                            int64_t D) {
     for (int64_t r = 0; r < rows; r++) quantize_kv_row(x + r * D, D, codes + r * D, params + 2 * r);
+}
+
+/* to_f16 of x[0:n] into h, and from_f16 of h back into y (for tests: the fp16 cache's
+ * conversions, against torch's .to(float16) and .float()) */
+void kvlm_f16_round_trip(const float *x, uint16_t *h, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) h[i] = to_f16(x[i]);
+    for (int64_t i = 0; i < n; i++) y[i] = from_f16(h[i]);
 }
 
 /* y = x R (R: D x D, row-major) */
@@ -1818,7 +1833,7 @@ static inline row_chunks chunks_of(int64_t p, int64_t window) {
  *   pos [B]: each row's position (its token is written there; it attends over 0 .. pos,
  *       or over its last m->window positions);
  *   cos, sin [slots, head_dim]: RoPE at every position (row pos[b] is used);
- *   kv: (layers, 2, num_blocks, kv_heads, block_size, head_dim) fp32, bf16 or int8, and
+ *   kv: (layers, 2, num_blocks, kv_heads, block_size, head_dim) fp32, bf16, fp16 or int8, and
  *       m->kv_params (..., 2) for int8: a paged pool, or a contiguous cache of one sequence
  *       as num_blocks 1, block_size = slots;
  *   tables [B, width]: each row's block ids, position s of row b in tables[b][s / block_size];
@@ -1837,6 +1852,9 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *
     if (B < 1 || B > MAX_BATCH || bs < 1 || num_blocks < 1 || width < 1) return -2;
     if (group > 8 || Hq % Hkv != 0 || D > 128) return -2; /* the attention's fixed buffers */
     if (m->window < 0) return -2;
+    if (m->kv_dtype != KV_F32 && m->kv_dtype != KV_BF16 && m->kv_dtype != KV_I8 &&
+        m->kv_dtype != KV_F16)
+        return -2;
     for (int64_t b = 0; b < B; b++) {
         if (pos[b] < 0 || pos[b] >= S || pos[b] / bs >= width) return -2;
         for (int64_t j = 0; j <= pos[b] / bs; j++)
@@ -1854,8 +1872,8 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *
     float *qsum = qsc + B * Hq;                        /* B Hq: their code sums */
     float *rot = qsum + B * Hq;                        /* D: a row times R (int8 cache) */
     int8_t *q8 = (int8_t *)(rot + D);                  /* B Hq QS: the int8 queries */
-    const int i8 = m->kv_dtype == KV_I8, bf = m->kv_dtype == KV_BF16;
-    const int64_t esz = i8 ? 1 : (bf ? 2 : 4), rowb = D * esz;
+    const int dt = (int)m->kv_dtype, i8 = dt == KV_I8;
+    const int64_t esz = i8 ? 1 : (dt == KV_BF16 || dt == KV_F16 ? 2 : 4), rowb = D * esz;
     /* bytes from one block id to the next, and from one KV head to the next in a block */
     const int64_t bstride = Hkv * bs * rowb, head_bytes = bs * rowb;
     const int64_t pstride = Hkv * bs * 4, phead = bs * 4; /* the same for (step, zero) */
@@ -1890,10 +1908,15 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *
                     rotate(k, m->key_rot, D, rot);
                     quantize_kv_row(rot, D, (int8_t *)kd, (uint16_t *)(kp + pat));
                     quantize_kv_row(v, D, (int8_t *)vd, (uint16_t *)(vp + pat));
-                } else if (bf) {
+                } else if (dt == KV_BF16) {
                     for (int64_t i = 0; i < D; i++) {
                         ((uint16_t *)kd)[i] = to_bf16(k[i]);
                         ((uint16_t *)vd)[i] = to_bf16(v[i]);
+                    }
+                } else if (dt == KV_F16) { /* nearest even, as torch's .to(float16) */
+                    for (int64_t i = 0; i < D; i++) {
+                        ((uint16_t *)kd)[i] = to_f16(k[i]);
+                        ((uint16_t *)vd)[i] = to_f16(v[i]);
                     }
                 } else {
                     memcpy(kd, k, D * sizeof(float));
@@ -1934,7 +1957,7 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *
                 attend_chunk_i8(q8 + hq * QS, QS, qsc + hq, qsum + hq, (int)group, &K, &Kp, &V,
                                 &Vp, D, S, s0, v0, s1, scores + hq * S, mh, lh, o);
             } else {
-                attend_chunk(qkv + b * QKV + g * group * D, (int)group, &K, &V, bf, esz, D, S,
+                attend_chunk(qkv + b * QKV + g * group * D, (int)group, &K, &V, dt, esz, D, S,
                              s0, v0, s1, scale, scores + hq * S, mh, lh, o);
             }
             for (int64_t j = 0; j < group; j++) {
@@ -1956,7 +1979,7 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *
                     const float *pc = pj + c * (D + 2);
                     float w = expf(pc[D] - M);
                     Lsum += w * pc[D + 1];
-                    axpy_kv(w, (const char *)pc, 0, out, D);
+                    axpy_kv(w, (const char *)pc, KV_F32, out, D);
                 }
                 for (int64_t i = 0; i < D; i++) out[i] /= Lsum;
             }

@@ -115,7 +115,7 @@ class _QModel(ctypes.Structure):
 
 
 # the cache dtypes the fused step reads and writes (kvlm_qmodel.kv_dtype in qgemm.c)
-_KV_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_KV_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float16: 3}
 
 
 def _qmat(lin: Linear) -> _QMat:
