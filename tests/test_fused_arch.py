@@ -1,6 +1,6 @@
 """The fused decode step (kvlm.model.fused) on every family's block: q|k|v and o_proj
 biases (Qwen2, Llama's attention_bias), per-head q/k RMSNorm (Qwen3), a sliding window
-(Mistral), head_dim 64 and 128, tied and separate lm_heads; over fp32, bf16 and int8 K/V
+(Mistral), head_dim 64 and 128, tied and separate lm_heads; over fp32, bf16, fp16 and int8 K/V
 in contiguous and paged caches. Each is held to the torch model by the rules of
 tests/numerics.py, and keeps the batch's property: a row's logits are the same bit for bit
 alone, in any batch, paged or contiguous."""
@@ -29,7 +29,7 @@ from helpers import (
 )
 from kvlm import LLM, SamplingParams, kernels
 from kvlm.cache.base import blocks_for
-from kvlm.cache.paged import BlockPool
+from kvlm.cache.paged import BlockPool, PagedCache
 from kvlm.engine.engine import Engine, EngineConfig
 from kvlm.model.fused import FusedDecoder, why_not
 from numerics import SAME_ROUNDING, assert_as_exact_as
@@ -44,7 +44,7 @@ ARCH_MODELS = {
     "llama-hd128": "head_dim 128, 4 heads per KV head, separate lm_head",
     "llama-hd128-g8": "head_dim 128, 8 heads per KV head (the attention's fallbacks)",
 }
-KV_DTYPES = ["fp32", "bf16", "int8"]
+KV_DTYPES = ["fp32", "bf16", "fp16", "int8"]
 MAX_CONTEXT = 256
 # The fused step over an int8 cache also rounds each query head to int8 (one scale per
 # head): one more int8 rounding of an attention input, of the size the K/V codes' own is,
@@ -139,10 +139,12 @@ def test_mlp_biases_stay_with_the_torch_step(tmp_path):
 def test_the_fused_step_tracks_the_torch_model(arch_dir, name, kv_dtype, mode):
     """40 fused steps (past the window where there is one) against the torch model fed the
     same tokens, both held to the exact (fp64) result: the fused logits as close to it as
-    the torch path's (fp32 K/V: the same arithmetic in another order; bf16: both round K/V
-    alike; int8: INT8_QUERIES). Layer 0's K/V, computed from inputs that differ by fp32
-    rounding, within one storage step (bf16 one ulp, int8 one code) or, fp32, as exact as
-    the torch path's."""
+    the torch path's (fp32 K/V: the same arithmetic in another order; bf16, fp16: both round
+    K/V alike; int8: INT8_QUERIES). Layer 0's K/V, computed from inputs that differ by fp32
+    rounding, within one storage step (bf16 one ulp, int8 one code) or, fp32 and fp16, as
+    exact as the torch path's (fp16: a value near 0 after cancellation may be a few of its
+    own ulps off, its fp32 inputs' difference; test_fp16_rows_are_torchs_rounding_of_the_fp32_rows
+    holds the rounding itself to torch's bit for bit)."""
     llm, folder, weights = _load(arch_dir, name, kv_dtype)
     window = llm.config.sliding_window
     prompt = _ids(llm, max(12, (window or 0) - 10), seed=11)
@@ -252,6 +254,65 @@ def test_a_row_gets_the_same_logits_alone_and_in_a_batch(arch_dir, name, kv_dtyp
     _rows_alone_and_together(_load(arch_dir, name, kv_dtype)[0])
 
 
+def _layer0_rows(cache) -> torch.Tensor:
+    """Layer 0's K and V of what `cache` holds: (2, kv_heads, n, head_dim)."""
+    if isinstance(cache, PagedCache):
+        ids = cache.tables[0][: blocks_for(cache.num_tokens, cache.pool.block_size)]
+        rows = cache.pool.store.values[0, :, ids]  # (2, blocks, kv_heads, bs, D)
+        return rows.transpose(1, 2).flatten(2, 3)[:, :, : cache.num_tokens]
+    return cache.store.values[0, :, 0, :, : cache.num_tokens]
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["contiguous", "paged"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-bias", "llama-hd128"])
+def test_fp16_rows_are_torchs_rounding_of_the_fp32_rows(arch_dir, name, mode):
+    """The runner takes the fused step over an fp16 cache, contiguous or paged, and the
+    layer-0 K/V rows it writes are torch's .to(float16) of the rows the same step writes
+    into an fp32 cache, bit for bit (layer 0's K/V depend on the token and position alone,
+    not on what the cache held before)."""
+    rows = {}
+    for kv_dtype in ("fp32", "fp16"):
+        llm = _load(arch_dir, name, kv_dtype)[0]
+        cache = llm.new_cache(mode)
+        assert cache.spec.dtype == {"fp32": torch.float32, "fp16": torch.float16}[kv_dtype]
+        assert llm.runner.fused_for(cache) is not None, llm.runner.fused_reason
+        for t in _ids(llm, 70, seed=18):  # past 64: two blocks of a paged pool, two chunks
+            llm.runner.forward([t], cache)
+        rows[kv_dtype] = _layer0_rows(cache)
+    assert rows["fp16"].dtype == torch.float16
+    want = rows["fp32"].to(torch.float16)
+    assert torch.equal(rows["fp16"].view(torch.int16), want.view(torch.int16))
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["contiguous", "paged"])
+def test_fp16_rows_past_65504_are_inf_as_torch_writes_them(arch_dir, mode):
+    """K and V beyond fp16's range (layer 0's input norm scaled by 2^20) are stored as inf
+    by the fused step as by the torch step; finite ones as torch rounds them. The logits
+    are not compared: inf keys make them NaN on both paths."""
+    folder = arch_dir("llama-bias")
+    written = []
+    for fused in (True, False):
+        llm = LLM(model=folder, progress=False, max_context=MAX_CONTEXT, weights="int4",
+                  kv_dtype="fp16", activations="fp32", prefill_dtype="fp32")  # fmt: skip
+        llm.model.layers[0].input_norm.weight.mul_(2.0**20)  # in place: the C step's pointer
+        if not fused:
+            llm.runner.fused_reason = "off for the comparison"
+        cache = llm.new_cache(mode)
+        assert (llm.runner.fused_for(cache) is not None) == fused
+        for t in _ids(llm, 5, seed=19):
+            llm.runner.forward([t], cache)
+        written.append(_layer0_rows(cache))
+    ours, theirs = written
+    assert torch.isinf(ours).any() and torch.isfinite(ours).any()
+    a, b = ours.float(), theirs.float()
+    assert torch.equal(torch.isinf(a), torch.isinf(b)) and torch.equal(a.sign(), b.sign())
+    e = (torch.frexp(a.abs().maximum(b.abs()))[1] - 11).clamp(min=-24)  # finite: one ulp
+    fin = torch.isfinite(a)
+    assert ((a[fin] - b[fin]).abs() <= torch.ldexp(torch.ones_like(a[fin]), e[fin])).all()
+
+
 @needs_kernels
 def test_the_window_is_the_torch_masks_window(arch_dir):
     """The fused step's window is causal_mask's, not one key more or less: after the same
@@ -322,7 +383,7 @@ def portable(tmp_path_factory):
 
 
 @needs_avx512
-@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "int8"])
 @pytest.mark.parametrize("name", ["mistral-window", "mistral-hd64-window", "qwen3", "llama-bias"])
 def test_the_portable_build_runs_them_alike(arch_dir, portable, name, kv_dtype, monkeypatch):
     """The scalar attention (the visible keys row by row) and products of a build without
@@ -342,7 +403,8 @@ def test_the_portable_build_runs_them_alike(arch_dir, portable, name, kv_dtype, 
     exact_llm = _exact(folder, weights)
     exact = exact_llm.runner.logits(prompt + steps, exact_llm.new_cache("off"))[len(prompt) :]
     factor = INT8_QUERIES if kv_dtype == "int8" else SAME_ROUNDING
-    # fp32 K/V: two orders of the same arithmetic; int8: both round queries and K/V alike
+    # fp32 K/V: two orders of the same arithmetic; fp16 (F16C or the portable conversion)
+    # and int8: both round queries and K/V alike
     assert_as_exact_as(logits[1], logits[0], exact, factor)
     assert_as_exact_as(logits[0], logits[1], exact, factor)
     if name == "mistral-window":

@@ -41,7 +41,12 @@ def _llm(tiny_model_dir, weights: str, kv_dtype: str, act: str = "fp32") -> LLM:
 @needs_kernels
 @pytest.mark.parametrize(
     "weights, kv_dtype, act",
-    [("int4", "fp32", "fp32"), ("int8", "bf16", "fp32"), ("int4", "int8", "int8")],
+    [
+        ("int4", "fp32", "fp32"),
+        ("int8", "bf16", "fp32"),
+        ("int4", "fp16", "fp32"),
+        ("int4", "int8", "int8"),
+    ],
 )
 def test_a_batch_over_a_paged_pool_gives_each_row_its_own_logits(
     tiny_model_dir, weights, kv_dtype, act
@@ -50,7 +55,7 @@ def test_a_batch_over_a_paged_pool_gives_each_row_its_own_logits(
 
 
 @needs_avx512
-@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "int8"])
 def test_the_portable_build_batches_alike(tiny_model_dir, tmp_path, monkeypatch, kv_dtype):
     """The scalar attention walks a block table too (row by row)."""
     portable = portable_kernels(tmp_path, monkeypatch)

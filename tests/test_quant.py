@@ -591,7 +591,43 @@ def test_fused_int8_rows_are_quantized_as_the_store_quantizes(build, tmp_path, m
 
 
 @needs_kernels
-@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_fused_fp16_rows_are_rounded_as_torch_rounds(build, tmp_path, monkeypatch):
+    """The fp16 cache's conversions in C (F16C, or the portable code of a build without
+    it) against torch's .to(float16) bit for bit: every half, the midpoints between
+    neighbouring halves and their next floats (ties to even), subnormals, 65504 .. 65520
+    (65520 and past: inf), inf, NaN (quiet, payload kept) and random bit patterns; and
+    back to fp32 exactly."""
+    import ctypes
+
+    lib = kernels.library() if build == "native" else portable_kernels(tmp_path, monkeypatch)
+    halves = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    finite = halves[torch.isfinite(halves)].unique().sort().values.double()
+    mids = ((finite[1:] + finite[:-1]) / 2).float()  # exact in fp32
+    up, down = torch.tensor(float("inf")), torch.tensor(float("-inf"))
+    g = torch.Generator().manual_seed(0)
+    scaled = torch.randn(50000, generator=g) * torch.exp2(
+        torch.randint(-30, 20, (50000,), generator=g).float()
+    )
+    bits = torch.randint(-(2**31), 2**31 - 1, (50000,), generator=g).to(torch.int32)
+    edges = [65504.0, 65519.99, 65520.0, 1e5, -1e5, 3e38, 2.0**-24, 2.0**-25, 2.0**-26, -0.0]
+    x = torch.cat(
+        [halves, mids, mids.nextafter(up), mids.nextafter(down), scaled, bits.view(torch.float32),
+         torch.tensor(edges), torch.tensor([float("inf"), float("-inf"), float("nan")])]
+    ).contiguous()  # fmt: skip
+    h = torch.empty(x.shape, dtype=torch.float16)
+    y = torch.empty_like(x)
+    lib.kvlm_f16_round_trip.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+    lib.kvlm_f16_round_trip(x.data_ptr(), h.data_ptr(), y.data_ptr(), x.numel())
+    want = x.to(torch.float16)
+    assert torch.isinf(want).sum() > 4 and torch.isnan(want).sum() > 4  # the cases are there
+    assert torch.equal(h.view(torch.int16), want.view(torch.int16))
+    nan = torch.isnan(want)
+    assert torch.equal(y[~nan], want[~nan].float()) and torch.isnan(y[nan]).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp16", "int8"])
 def test_fused_attention_split_into_position_chunks_matches_the_torch_model(
     kv_dtype, default_model_path
 ):
