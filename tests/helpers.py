@@ -625,11 +625,12 @@ needs_kernels, needs_avx512 = _kernel_marks()
 
 def low_bit_llm(**settings):
     """An LLM with low-bit weights (native unless named) multiplied on fp32 activations
-    and fp32 prompt products: the exact products, whatever the defaults pick."""
+    and fp32 prompt products over an fp32 cache: the exact products, whatever the defaults
+    pick."""
     from kvlm import LLM
 
     named = {"progress": False, "weights": "native", "activations": "fp32",
-             "prefill_dtype": "fp32"}  # fmt: skip
+             "prefill_dtype": "fp32", "kv_dtype": "fp32"}  # fmt: skip
     return LLM(**{**named, **settings})
 
 

@@ -63,19 +63,25 @@ def test_activations_and_prefill_follow_the_cpu(monkeypatch):
     vnni = lib is not None and bool(lib.kvlm_kernel_vnni())
     assert got.activations == ("int8" if vnni else "fp32")
     assert got.prefill_dtype == ("bf16" if flags & {"avx512_bf16", "amx_bf16"} else "fp32")
-    # a CPU without them: fp32 both
+    # K/V in fp16 where the kernels' fused step reads it (with low-bit weights on the CPU)
+    assert got.kv_dtype == ("fp16" if lib is not None else None)
+    assert _resolve(LOW_BIT_FILE, fp32_cpu=False).kv_dtype is None  # a GPU: compute dtype
+    # a CPU without them: fp32 both, K/V in the compute dtype
     monkeypatch.setattr(kernels, "cpu_flags", lambda: ["sse2", "avx2"])
     monkeypatch.setattr(kernels, "library", lambda: None)  # no compiled kernels
     plain = _resolve(LOW_BIT_FILE)
     assert (plain.weights, plain.activations, plain.prefill_dtype) == ("native", "fp32", "fp32")
+    assert plain.kv_dtype is None
     # float weights: nothing to round
     assert _resolve(FLOAT_FILE).activations == "fp32"
+    assert _resolve(FLOAT_FILE).kv_dtype is None
 
 
 def test_named_settings_win_over_auto():
     got = _resolve(LOW_BIT_FILE, weights="int8", activations="fp32", prefill_dtype="fp32")
     assert (got.weights, got.activations, got.prefill_dtype) == ("int8", "fp32", "fp32")
     assert _resolve(LOW_BIT_FILE, kv_dtype="int8").kv_dtype == "int8"
+    assert _resolve(LOW_BIT_FILE, kv_dtype="fp32").kv_dtype == "fp32"
 
 
 def test_exact_is_the_reference_and_refuses_fast_settings():

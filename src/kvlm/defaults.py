@@ -11,7 +11,9 @@ and the CPU:
                    (AVX512-VNNI), else fp32
     prefill_dtype  bf16 with low-bit weights where the CPU multiplies bf16 in hardware
                    (AVX512-BF16 or AMX), else fp32
-    kv_dtype       the compute dtype
+    kv_dtype       fp16 with low-bit weights where the kernels' fused decode step reads
+                   fp16 K/V (half the bytes a decode step reads from the cache; greedy
+                   agreement as fp32 K/V; llama.cpp's default too), else the compute dtype
 
 Those are the fastest numerics that keep greedy decoding within the top-5 rule of the fp32
 reference on the tests' prompts (tests/test_defaults.py; figures in docs/BENCHMARKS.md).
@@ -91,6 +93,9 @@ def resolve(
             reasons.append("prefill bf16: the CPU multiplies bf16 in hardware")
     if kv_dtype == AUTO:
         kv_dtype = None
+        if lib is not None and fp32_cpu:  # the kernels' fused step reads fp16 K/V
+            kv_dtype = "fp16"
+            reasons.append("kv fp16: half the K/V bytes; the fused step reads fp16")
     return Numerics(weights, activations, prefill_dtype, kv_dtype, tuple(reasons))
 
 
