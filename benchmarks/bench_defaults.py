@@ -60,6 +60,8 @@ def main() -> None:
         "defaults, head on bf16 prompt products": {"head_bf16": True},
         "defaults, bf16 KV": {"kv_dtype": "bf16"},
         "defaults, fp16 KV": {"kv_dtype": "fp16"},
+        "defaults, bf16 prompt products": {"prefill_dtype": "bf16"},
+        "defaults, int8 prompt products": {"prefill_dtype": "int8"},
     }
     chosen = None if args.runs is None else args.runs.split(";")
     for name, kw in runs.items():

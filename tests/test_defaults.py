@@ -62,7 +62,8 @@ def test_activations_and_prefill_follow_the_cpu(monkeypatch):
     got = _resolve(LOW_BIT_FILE)
     vnni = lib is not None and bool(lib.kvlm_kernel_vnni())
     assert got.activations == ("int8" if vnni else "fp32")
-    assert got.prefill_dtype == ("bf16" if flags & {"avx512_bf16", "amx_bf16"} else "fp32")
+    prefill = "bf16" if "amx_bf16" in flags else "int8" if vnni else "bf16"
+    assert got.prefill_dtype == (prefill if flags & {"avx512_bf16", "amx_bf16"} or vnni else "fp32")
     # K/V in fp16 where the kernels' fused step reads it (with low-bit weights on the CPU)
     assert got.kv_dtype == ("fp16" if lib is not None else None)
     assert _resolve(LOW_BIT_FILE, fp32_cpu=False).kv_dtype is None  # a GPU: compute dtype
@@ -75,6 +76,30 @@ def test_activations_and_prefill_follow_the_cpu(monkeypatch):
     # float weights: nothing to round
     assert _resolve(FLOAT_FILE).activations == "fp32"
     assert _resolve(FLOAT_FILE).kv_dtype is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "vnni", "prefill"),
+    [
+        (["avx512_bf16", "amx_bf16", "avx512_vnni"], 1, "bf16"),  # AMX: oneDNN's tiles
+        (["avx512_bf16", "avx512_vnni"], 1, "int8"),  # Zen 4/5: VNNI at the bf16 rate
+        (["avx512_vnni"], 1, "int8"),  # Cascade Lake
+        (["avx512_bf16"], 0, "bf16"),
+        (["avx2"], 0, "fp32"),
+    ],
+)
+def test_the_prompt_products_rule(monkeypatch, flags, vnni, prefill):
+    """Which prompt products each kind of CPU gets (the rule, whatever CPU runs the test)."""
+
+    class Kernels:  # what resolve() asks of the compiled library
+        @staticmethod
+        def kvlm_kernel_vnni():
+            return vnni
+
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(kernels, "library", lambda: Kernels)
+    assert _resolve(LOW_BIT_FILE).prefill_dtype == prefill
+    assert _resolve(FLOAT_FILE).prefill_dtype == "fp32"  # float weights: the dense path
 
 
 def test_named_settings_win_over_auto():
@@ -136,17 +161,29 @@ def test_the_fast_path_keeps_greedy_decoding_to_the_top5_rule(fast, exact, promp
 
 @pytest.mark.slow
 def test_the_first_answer_is_the_reference_answer(fast, exact):
-    """The README's first command: the fast path answers what the reference answers (the
-    vocabulary projection on fp32 activations keeps this near tie: with int8 input it
-    flips to another first token)."""
-    ids = exact.encode("What is the capital of France?", chat=True)
-    params = SamplingParams(temperature=0, max_tokens=8)
+    """The README's first command: the fast path answers what the reference answers."""
+    ids = exact.encode("What is the capital of Japan?", chat=True)
+    params = SamplingParams(temperature=0, max_tokens=16)
     a = fast.generate(prompt_token_ids=[ids], sampling_params=params)[0]
     b = exact.generate(prompt_token_ids=[ids], sampling_params=params)[0]
     assert a.token_ids == b.token_ids
-    logits = exact.runner.logits(ids, exact.new_cache("off"))[-1]
-    top2 = torch.topk(logits, 2).values
-    assert float(top2[0] - top2[1]) < 0.2  # it is a near tie: the test can fail
+    assert a.text == "The capital of Japan is Tokyo."
+
+
+def test_a_near_tie_follows_the_top5_rule(fast, exact):
+    """ "What is the capital of France?" is a near tie for the default model (the
+    reference's top two first tokens 0.08 apart): the reference answers "The capital of
+    France is Paris.", llama.cpp (int8 activations everywhere) "L'Étoile, la Cité, ...",
+    and so does the fast path on a CPU whose prompt products are int8. Whatever it
+    answers, every token it picks is in the reference's top 5 on the same prefix."""
+    ids = exact.encode("What is the capital of France?", chat=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ours = fast.generate(prompt_token_ids=[ids], sampling_params=params)[0].token_ids
+    forced = exact.runner.logits(ids + ours[:-1], exact.new_cache("off"))[len(ids) - 1 :]
+    rank = (forced > forced.gather(-1, torch.tensor(ours)[:, None])).sum(-1)
+    assert int(rank.max()) < 5
+    top2 = torch.topk(forced[0], 2).values
+    assert float(top2[0] - top2[1]) < 0.2  # it is a near tie
 
 
 @pytest.mark.slow
@@ -193,9 +230,13 @@ def test_rows_take_the_numerics_of_their_role_not_of_their_count(monkeypatch):
     lin(torch.randn(1, 1, 64))  # one row: a decode step by shape ...
     with feeding_prompt(True):
         lin(torch.randn(1, 1, 64))  # ... or the last token of a prompt, as the model says
-    # (the 40 rows go to the int8 kernel 16 at a time: the calls after the first)
-    assert seen == [(5, True, False), (40, False, True), (16, False, True), (16, False, True),
-                    (8, False, True), (1, False, True), (1, True, False)]  # fmt: skip
+    assert seen == [(5, True, False), (40, False, True), (1, False, True), (1, True, False)]
+    # int8 prompt products (--prefill-dtype int8): prompt rows on int8 activations too
+    seen.clear()
+    lin.prefill_bf16, lin.prefill_int8 = False, True
+    lin(torch.randn(1, 5, 64))
+    lin(torch.randn(40, 1, 64))
+    assert seen == [(5, False, True), (40, False, True)]
 
 
 @pytest.mark.slow

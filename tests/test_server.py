@@ -70,11 +70,12 @@ def test_models_and_health(server, client, model):
     assert get(server, "/health") == (200, '{"status":"ok"}')
 
 
-def test_chat_matches_the_library(client, model, default_llm):
-    from kvlm import SamplingParams
+def test_chat_matches_the_library(client, model):
+    from kvlm import LLM, SamplingParams
 
+    library = LLM(progress=False, max_context=1024)  # the server's numerics: the defaults
     r = ask(client, model, "What is the capital of France?", max_tokens=24)
-    ref = default_llm.chat(
+    ref = library.chat(
         [{"role": "user", "content": "What is the capital of France?"}],
         SamplingParams(temperature=0, max_tokens=24),
     )

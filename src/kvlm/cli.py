@@ -174,9 +174,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prefill-dtype",
         default="auto",
-        help="with low-bit weights: auto (default: bf16 where the CPU multiplies bf16 in "
-        "hardware), fp32 (exact) or bf16 (prompt products in bf16, ~2x faster prefill; "
-        "agreement in docs/BENCHMARKS.md)",
+        help="with low-bit weights: auto (default: bf16 with AMX, else int8 with VNNI, else "
+        "bf16 with AVX512-BF16), fp32 (exact), bf16 (prompt products in bf16, oneDNN) or "
+        "int8 (prompt rows rounded to int8 per group of 32 as decode rows are, integer "
+        "products from the packed blocks); agreement in docs/BENCHMARKS.md",
     )
     p.add_argument(
         "--activations",

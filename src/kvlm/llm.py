@@ -129,10 +129,14 @@ class LLM:
                 f"--weights {weights} runs on the CPU kernels only; on {self.device.type} use "
                 "--dtype bf16 or fp16"
             )
-        if prefill_dtype not in ("fp32", "bf16"):
-            raise InvalidRequestError(f"unknown prefill dtype {prefill_dtype!r}; valid: fp32, bf16")
-        if prefill_dtype == "bf16" and weights not in ("int8", "int4", "native"):
-            raise InvalidRequestError("--prefill-dtype bf16 applies to --weights int8|int4|native")
+        if prefill_dtype not in ("fp32", "bf16", "int8"):
+            raise InvalidRequestError(
+                f"unknown prefill dtype {prefill_dtype!r}; valid: fp32, bf16, int8"
+            )
+        if prefill_dtype != "fp32" and weights not in ("int8", "int4", "native"):
+            raise InvalidRequestError(
+                f"--prefill-dtype {prefill_dtype} applies to --weights int8|int4|native"
+            )
         if activations not in ("fp32", "int8"):
             raise InvalidRequestError(f"unknown activations {activations!r}; valid: fp32, int8")
         if activations == "int8" and weights not in ("int8", "int4", "native"):
@@ -166,6 +170,7 @@ class LLM:
                 # answers, and bf16 logits tie at 2^-8: docs/BENCHMARKS.md)
                 block = module is not self.model.lm_head
                 module.prefill_bf16 = prefill_dtype == "bf16" and block
+                module.prefill_int8 = prefill_dtype == "int8" and block
                 module.act_int8 = activations == "int8" and block
         self.fingerprint  # noqa: B018 - read now, while the file's pages are still in
         release = getattr(weights, "release", None)

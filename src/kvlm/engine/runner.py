@@ -31,10 +31,10 @@ class ModelRunner:
 
     def _decodes_alike(self, prompt: bool | None) -> bool:
         """Whether one prompt token may take the fused (decode) step: only when prompt
-        and decode rows have the same numerics (no bf16 prompt products, no int8
-        activations)."""
+        and decode rows have the same numerics (no bf16 prompt products; int8 activations
+        for both or for neither)."""
         lin = self.model.layers[0].attn.qkv
-        return not prompt or not (lin.prefill_bf16 or lin.act_int8)
+        return not prompt or (not lin.prefill_bf16 and lin.prefill_int8 == lin.act_int8)
 
     def fused_for(self, cache: KVCache) -> fused.FusedDecoder | None:
         """The fused decode step for this cache, when it applies."""

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch  # loaded first, so the kernels share torch's OpenMP runtime
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-ABI = 11
+ABI = 12
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 120
 WORK_PREFIX, WORK_SUFFIX = ".qgemm-", ".tmp"  # a build's private directory in the cache
@@ -338,6 +338,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvlm_qdequant_rows.restype = ctypes.c_int
     lib.kvlm_qpack.argtypes = [i, p, i, i, p, p]  # kind, blocks, N, K, order, out
     lib.kvlm_qpack.restype = ctypes.c_int
+    lib.kvlm_silu_mul.argtypes = [p, i, i, p]  # gu, M, I, out
+    lib.kvlm_silu_mul.restype = ctypes.c_int
+    # q, H, T, D, qsh, qst, k, v, Hkv, S, ksh, kst, vsh, vst, mask, mst, causal, scale, out
+    lib.kvlm_attend.argtypes = [p, i, i, i, i, i, p, p, i, i, i, i, i, i, p, i, i,
+                                ctypes.c_double, p]  # fmt: skip
+    lib.kvlm_attend.restype = ctypes.c_int
     return lib
 
 

@@ -42,12 +42,14 @@
  *
  * Decode reads every weight once per token, so the loop runs over blocks, split across
  * OpenMP threads (torch's own runtime: torch is loaded first and ships the same
- * libgomp.so.1), each block used for up to 4 rows of x per pass. fp32 activations
- * (default): codes are widened to fp32 in registers, each group's sum of q * x scaled
- * once (per 16 for q6_k; zero terms: plus m * sum(x), q4_0's -8d among them, its codes
- * unsigned as q4's): the dequantized weight's product up to rounding order. Opt-in int8 activations (llama.cpp's numerics) take integer dot
- * products (VNNI). Many rows (prefill) dequantize once (kvlm_qdequant: exactly the
- * loader's numbers) and call a real GEMM.
+ * libgomp.so.1), each block used for up to 4 rows of x per pass. fp32 activations: codes
+ * are widened to fp32 in registers, each group's sum of q * x scaled once (per 16 for
+ * q6_k; zero terms: plus m * sum(x), q4_0's -8d among them, its codes unsigned as q4's):
+ * the dequantized weight's product up to rounding order. int8 activations (llama.cpp's
+ * numerics; the default where the CPU has VNNI) take integer dot products, at any row
+ * count (a prompt's rows too, --prefill-dtype int8: 8 rows per pass over a block, its
+ * codes widened once for all of them). Many rows on fp32 or bf16 activations dequantize
+ * once (kvlm_qdequant: exactly the loader's numbers) and call a real GEMM.
  */
 #include <math.h>
 #include <stdint.h>
@@ -60,6 +62,7 @@
 #define G 32          /* weights per group */
 #define BR 16         /* weight rows per block: one per 32-bit vector lane */
 #define MT 4          /* rows of x per pass over a block */
+#define MT_I8 8       /* with int8 x, many rows (a prompt): rows per pass */
 #define SMALL_ROWS 16 /* the most rows the small products take (quant.SMALL_M) */
 
 enum { Q8 = 8, Q4 = 4, Q40 = 40, Q50 = 50, Q51 = 51, Q4K = 104, Q5K = 105, Q6K = 106 };
@@ -124,7 +127,7 @@ static inline uint16_t to_f16(float f) {
 #endif
 }
 
-int kvlm_kernel_abi(void) { return 11; }
+int kvlm_kernel_abi(void) { return 12; }
 
 int kvlm_kernel_simd(void) {
 #ifdef __AVX512F__
@@ -525,19 +528,36 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
         }                                                                                    \
     }
 
-#define FOR_KIND_BLOCKS(kind, M, N, BODY)                                                    \
+/* As FOR_BLOCKS, MT_I8 rows per pass while that many are left (int8 x: a prompt's rows) */
+#define FOR_BLOCKS_WIDE(M, N, KIND, BODY)                                                    \
+    _Pragma("omp parallel for schedule(static)")                                             \
+    for (int64_t b = 0; b < ((N) + BR - 1) / BR; b++) {                                      \
+        int64_t m0 = 0;                                                                      \
+        for (; (M) - m0 >= MT_I8; m0 += MT_I8) BODY(KIND, MT_I8, m0);                        \
+        for (; m0 < (M); m0 += MT) {                                                         \
+            switch ((M) - m0 < MT ? (M) - m0 : MT) {                                         \
+            case 1: BODY(KIND, 1, m0); break;                                                \
+            case 2: BODY(KIND, 2, m0); break;                                                \
+            case 3: BODY(KIND, 3, m0); break;                                                \
+            default: BODY(KIND, 4, m0);                                                      \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+#define FOR_KIND_LOOP(LOOP, kind, M, N, BODY)                                                \
     do {                                                                                     \
         switch (kind) {                                                                      \
-        case Q8: FOR_BLOCKS(M, N, Q8, BODY) break;                                           \
-        case Q4: FOR_BLOCKS(M, N, Q4, BODY) break;                                           \
-        case Q40: FOR_BLOCKS(M, N, Q40, BODY) break;                                         \
-        case Q50: FOR_BLOCKS(M, N, Q50, BODY) break;                                         \
-        case Q51: FOR_BLOCKS(M, N, Q51, BODY) break;                                         \
-        case Q4K: FOR_BLOCKS(M, N, Q4K, BODY) break;                                         \
-        case Q5K: FOR_BLOCKS(M, N, Q5K, BODY) break;                                         \
-        default: FOR_BLOCKS(M, N, Q6K, BODY) break;                                          \
+        case Q8: LOOP(M, N, Q8, BODY) break;                                                 \
+        case Q4: LOOP(M, N, Q4, BODY) break;                                                 \
+        case Q40: LOOP(M, N, Q40, BODY) break;                                               \
+        case Q50: LOOP(M, N, Q50, BODY) break;                                               \
+        case Q51: LOOP(M, N, Q51, BODY) break;                                               \
+        case Q4K: LOOP(M, N, Q4K, BODY) break;                                               \
+        case Q5K: LOOP(M, N, Q5K, BODY) break;                                               \
+        default: LOOP(M, N, Q6K, BODY) break;                                                \
         }                                                                                    \
     } while (0)
+#define FOR_KIND_BLOCKS(kind, M, N, BODY) FOR_KIND_LOOP(FOR_BLOCKS, kind, M, N, BODY)
 
 /* x [M, K] (M <= SMALL_ROWS), w packed [N, K] of `kind` -> y [M, N], row stride ldy >= N
  * (a column slice of a wider output). Returns 0; -1 when scratch memory cannot be had, -2
@@ -639,14 +659,18 @@ static void quantize_act_row(const float *x, int64_t K, char *out) {
 static inline __attribute__((always_inline)) void
 block_product_i8(int kind, const int R, kvlm_block B, int64_t groups, const kvlm_actrow *a,
                  float *y, int64_t ldy, int64_t N, int64_t n0, int64_t m0) {
-    __m512 acc[MT], off[MT];
+    __m512 acc[MT_I8], off[MT_I8];
     for (int t = 0; t < R; t++) acc[t] = off[t] = _mm512_setzero_ps();
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *c = codes_of(kind, B, g);
         prefetch_ahead(kind, B, g);
-        __m512i p[MT][4]; /* independent sums (dpbusd latency): nibbles lo/hi, q8 4 or 2 */
-        const int C = kind != Q8 ? 2 : (R <= 2 ? 4 : 2);
+        /* independent integer sums per row (dpbusd latency): few rows, nibbles lo / hi
+         * apart (q8: 4 or 2); many rows, one each (their own chains are enough), q6_k's
+         * halves always apart (a scale each). Integer sums: the split changes no bit. */
+        __m512i p[MT_I8][4];
+        const int C = kind == Q6K ? 2 : R > MT ? 1 : kind != Q8 ? 2 : (R <= 2 ? 4 : 2);
+        const int HI = C > 1 ? 1 : 0;
         for (int t = 0; t < R; t++)
             for (int k = 0; k < C; k++) p[t][k] = _mm512_setzero_si512();
         if (kind != Q8) { /* word v of x's group: elements 4v..; word 4 + v: 16 + 4v.. */
@@ -658,7 +682,7 @@ block_product_i8(int kind, const int R, kvlm_block B, int64_t groups, const kvlm
                 for (int t = 0; t < R; t++) {
                     const int32_t *xw = (const int32_t *)(a[t].c + g * G);
                     p[t][0] = _mm512_dpbusd_epi32(p[t][0], lo, _mm512_set1_epi32(xw[v]));
-                    p[t][1] = _mm512_dpbusd_epi32(p[t][1], hi, _mm512_set1_epi32(xw[4 + v]));
+                    p[t][HI] = _mm512_dpbusd_epi32(p[t][HI], hi, _mm512_set1_epi32(xw[4 + v]));
                 }
             }
         } else {
@@ -734,17 +758,22 @@ block_product_i8(int kind, const int R, kvlm_block B, int64_t groups, const kvlm
 int kvlm_qgemm_i8(int64_t kind, const float *x, int64_t M, int64_t K, const uint8_t *w,
                   int64_t N, float *y, int64_t ldy) {
     const int64_t groups = K / G;
-    if (M < 1 || M > SMALL_ROWS || !known_kind(kind)) return -2;
-    char *buf = act_scratch((size_t)M * actrow_bytes(K));
+    if (M < 1 || !known_kind(kind)) return -2;
+    const size_t rows_at = ((size_t)M * actrow_bytes(K) + 63) / 64 * 64;
+    char *buf = act_scratch(rows_at + (size_t)M * sizeof(kvlm_actrow));
     if (!buf) return -1;
-    kvlm_actrow rows[SMALL_ROWS];
+    kvlm_actrow *rows = (kvlm_actrow *)(buf + rows_at);
+#pragma omp parallel for schedule(static) if (M > SMALL_ROWS)
     for (int64_t t = 0; t < M; t++) {
         quantize_act_row(x + t * K, K, buf + t * actrow_bytes(K));
         rows[t] = actrow_at(buf, K, t);
     }
 #define QGEMM_I8_BODY(KIND, R, m0) \
     block_product_i8(KIND, R, block_at(KIND, w, groups, b), groups, rows + (m0), y, ldy, N, b * BR, m0)
-    FOR_KIND_BLOCKS(kind, M, N, QGEMM_I8_BODY);
+    if (M <= SMALL_ROWS)
+        FOR_KIND_BLOCKS(kind, M, N, QGEMM_I8_BODY);
+    else
+        FOR_KIND_LOOP(FOR_BLOCKS_WIDE, kind, M, N, QGEMM_I8_BODY);
     return 0;
 }
 
@@ -1996,4 +2025,179 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *
     }
     for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, m->final_norm, H, m->eps, h + b * H);
     return matmul_rows(&m->lm_head, h, B, logits, m->head_act_int8 != 0);
+}
+
+/* ------------------------------------------------------------------------------------
+ * The prompt's elementwise SwiGLU and attention (torch's CPU ops for them ran at ~1 G
+ * elements/s and ~90 GFLOPS: a third of a 0.5B model's 512-token prefill once its
+ * products were integer ones).
+ * ------------------------------------------------------------------------------------ */
+
+/* out [M, I] = silu(gu[:, :I]) * gu[:, I:], gu [M, 2I] (the fused gate|up product);
+ * silu_mul's numbers, a row at a time. */
+int kvlm_silu_mul(const float *gu, int64_t M, int64_t I, float *out) {
+    if (M < 1 || I < 1) return -2;
+#pragma omp parallel for schedule(static) if (M * I > 65536)
+    for (int64_t m = 0; m < M; m++) silu_mul(gu + m * 2 * I, gu + m * 2 * I + I, out + m * I, I);
+    return 0;
+}
+
+#ifdef __AVX512F__
+#define KEY_BLOCK 32 /* keys per softmax update: two vectors, so a K load feeds 2R products */
+/* Rows t0 .. t0 + R - 1 of query head `q` (row stride qst) over the keys 0 .. S - 1 of
+ * its KV head: K transposed and zero-padded (kt [D][Sp]), V rows (stride vst). Keys in
+ * blocks of KEY_BLOCK from key 0, a row's running max and sum updated per block it sees
+ * any key of (online softmax), its blocks in order: a row's result depends on its own
+ * query, the keys it sees and nothing else (not R, not T, not the keys past those it
+ * sees: a block it sees none of is skipped, a key it does not see weighs exactly 0), so a
+ * prompt gets the same bits chunked or whole. DV = D / 16: a literal where inlined (the
+ * outputs stay in registers). */
+static inline __attribute__((always_inline)) void
+attend_prompt_rows(const int R, const int DV, const float *q, int64_t qst, int64_t t0,
+                   const float *kt, int64_t Sp, const float *v, int64_t vst, int64_t S,
+                   const uint8_t *mask, int64_t mst, int causal, float scale, float *out,
+                   int64_t ost) {
+    __m512 O[4][16];
+    float m[4], l[4];
+    float p[4][KEY_BLOCK] __attribute__((aligned(64)));
+    for (int r = 0; r < R; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+        for (int dv = 0; dv < DV; dv++) O[r][dv] = _mm512_setzero_ps();
+    }
+    const int64_t D = 16 * (int64_t)DV;
+    const int64_t end = causal && t0 + R < S ? t0 + R : S; /* top-left: row t sees 0 .. t */
+    for (int64_t j0 = 0; j0 < end; j0 += KEY_BLOCK) {
+        __mmask16 valid[4][2];
+        int any = 0;
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < 2; h++) {
+                const int64_t at = j0 + 16 * h;
+                __mmask16 ok = at < S ? tail_mask(S - at) : (__mmask16)0;
+                if (causal) {
+                    const int64_t seen = t0 + r + 1 - at;
+                    ok &= seen > 0 ? tail_mask(seen) : (__mmask16)0;
+                }
+                if (mask && ok) {
+                    const __m128i b = _mm_maskz_loadu_epi8(ok, mask + (t0 + r) * mst + at);
+                    ok &= _mm_test_epi8_mask(b, b);
+                }
+                valid[r][h] = ok;
+                any |= ok;
+            }
+        if (!any) continue;
+        __m512 s[4][2];
+        for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
+        const float *kb = kt + j0;
+        for (int64_t d = 0; d < D; d++) {
+            const __m512 k0 = _mm512_load_ps(kb + d * Sp), k1 = _mm512_load_ps(kb + d * Sp + 16);
+            for (int r = 0; r < R; r++) {
+                const __m512 qd = _mm512_set1_ps(q[r * qst + d]);
+                s[r][0] = _mm512_fmadd_ps(qd, k0, s[r][0]);
+                s[r][1] = _mm512_fmadd_ps(qd, k1, s[r][1]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            if (!(valid[r][0] | valid[r][1])) { /* weighs nothing in this block */
+                _mm512_store_ps(p[r], _mm512_setzero_ps());
+                _mm512_store_ps(p[r] + 16, _mm512_setzero_ps());
+                continue;
+            }
+            const __m512 s0 = _mm512_mul_ps(s[r][0], _mm512_set1_ps(scale));
+            const __m512 s1 = _mm512_mul_ps(s[r][1], _mm512_set1_ps(scale));
+            const __m512 lo = _mm512_set1_ps(-INFINITY);
+            const float mb = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(lo, valid[r][0], s0),
+                                                                _mm512_mask_mov_ps(lo, valid[r][1], s1)));
+            const float mn = mb > m[r] ? mb : m[r];
+            const float alpha = expf(m[r] - mn); /* 0 at the first block (m = -inf) */
+            const __m512 mv = _mm512_set1_ps(mn);
+            const __m512 e0 = _mm512_maskz_mov_ps(valid[r][0], exp512(_mm512_sub_ps(s0, mv)));
+            const __m512 e1 = _mm512_maskz_mov_ps(valid[r][1], exp512(_mm512_sub_ps(s1, mv)));
+            l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+            m[r] = mn;
+            const __m512 a = _mm512_set1_ps(alpha);
+            for (int dv = 0; dv < DV; dv++) O[r][dv] = _mm512_mul_ps(O[r][dv], a);
+            _mm512_store_ps(p[r], e0);
+            _mm512_store_ps(p[r] + 16, e1);
+        }
+        const int64_t jn = S - j0 < KEY_BLOCK ? S - j0 : KEY_BLOCK;
+        for (int64_t j = 0; j < jn; j++) {
+            const float *vj = v + (j0 + j) * vst;
+            __m512 pj[4];
+            for (int r = 0; r < R; r++) pj[r] = _mm512_set1_ps(p[r][j]);
+            for (int dv = 0; dv < DV; dv++) {
+                const __m512 vv = _mm512_loadu_ps(vj + 16 * dv);
+                for (int r = 0; r < R; r++) O[r][dv] = _mm512_fmadd_ps(pj[r], vv, O[r][dv]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f); /* no key: 0 */
+        for (int dv = 0; dv < DV; dv++)
+            _mm512_storeu_ps(out + (t0 + r) * ost + 16 * dv, _mm512_mul_ps(O[r][dv], inv));
+    }
+}
+#endif
+
+/* Attention of a prompt's T queries (one sequence): q [H][T][D] (strides qsh, qst; d
+ * contiguous) over k, v [Hkv][S][D] (strides ksh, kst, vsh, vst), query head h reading KV
+ * head h / (H / Hkv); softmax(scale q.k) v. Which keys row t sees: those with
+ * mask[t * mst + s] != 0 (a bool [T, S] tensor) when mask is given, else 0 .. t when
+ * `causal` (the top-left triangle, SDPA's is_causal), else all. out [T][H][D] contiguous.
+ * Returns 0; -1 when scratch memory cannot be had; -2 for a shape it does not take (D not
+ * a multiple of 16 or over 256, no AVX-512: the caller uses torch's SDPA). */
+int kvlm_attend(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh, int64_t qst,
+                const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksh,
+                int64_t kst, int64_t vsh, int64_t vst, const uint8_t *mask, int64_t mst,
+                int64_t causal, double scale, float *out) {
+#ifndef __AVX512F__
+    (void)q, (void)H, (void)T, (void)D, (void)qsh, (void)qst, (void)k, (void)v, (void)Hkv;
+    (void)S, (void)ksh, (void)kst, (void)vsh, (void)vst, (void)mask, (void)mst, (void)causal;
+    (void)scale, (void)out;
+    return -2;
+#else
+    if (D % 16 || D > 256 || T < 1 || S < 1 || Hkv < 1 || H % Hkv) return -2;
+    const int64_t Sp = (S + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK, group = H / Hkv;
+    float *kt = aligned_alloc(64, (size_t)(Hkv * D * Sp) * sizeof(float));
+    if (!kt) return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < Hkv; g++) { /* kt[g][d][s] = k[g][s][d], zero past S */
+        float *kg = kt + g * D * Sp;
+        for (int64_t s0 = 0; s0 < Sp; s0 += KEY_BLOCK)
+            for (int64_t d = 0; d < D; d++)
+                for (int64_t s = s0; s < s0 + KEY_BLOCK; s++)
+                    kg[d * Sp + s] = s < S ? k[g * ksh + s * kst + d] : 0.f;
+    }
+    const int R = D <= 64 ? 4 : D <= 128 ? 2 : 1;
+    const int64_t nqb = (T + R - 1) / R;
+    const float sc = (float)scale;
+#pragma omp parallel for schedule(dynamic, 1) /* the last rows (most keys) first */
+    for (int64_t task = 0; task < H * nqb; task++) {
+        const int64_t h = task % H, t0 = (nqb - 1 - task / H) * R;
+        const int rows = T - t0 < R ? (int)(T - t0) : R;
+        const float *qh = q + h * qsh + t0 * qst, *kg = kt + (h / group) * D * Sp;
+        const float *vg = v + (h / group) * vsh;
+        float *oh = out + h * D;
+#define ATTEND_ROWS(RR, DVV) \
+    attend_prompt_rows(RR, DVV, qh, qst, t0, kg, Sp, vg, vst, S, mask, mst, (int)causal, sc, oh, H * D)
+        if (D == 64) {
+            switch (rows) {
+            case 1: ATTEND_ROWS(1, 4); break;
+            case 2: ATTEND_ROWS(2, 4); break;
+            case 3: ATTEND_ROWS(3, 4); break;
+            default: ATTEND_ROWS(4, 4);
+            }
+        } else if (D == 128) {
+            if (rows == 1) ATTEND_ROWS(1, 8);
+            else ATTEND_ROWS(2, 8);
+        } else {
+            for (int r = 0; r < rows; r++)
+                attend_prompt_rows(1, (int)(D / 16), qh + r * qst, qst, t0 + r, kg, Sp, vg, vst,
+                                   S, mask, mst, (int)causal, sc, oh, H * D);
+        }
+#undef ATTEND_ROWS
+    }
+    free(kt);
+    return 0;
+#endif
 }

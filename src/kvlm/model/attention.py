@@ -118,6 +118,10 @@ def attend(
     the math path and its full score matrix. There (`expand` None: decided by device) the
     K/V heads are repeated to H first, which the memory-efficient kernel takes. On CPU
     enable_gqa serves every case."""
+    if q.is_cpu and q.shape[0] == 1 and q.shape[2] > 1:
+        out = _attend_kernel(q, k, v, mask, is_causal)
+        if out is not None:
+            return out
     gqa = q.shape[1] != k.shape[1]
     if expand is None:
         expand = q.is_cuda and mask is not None
@@ -128,3 +132,47 @@ def attend(
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa
     )
+
+
+def _attend_kernel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor | None:
+    """One sequence's prompt rows (T > 1) through kvlm's C attention (kvlm_attend: ~4x
+    torch's CPU SDPA at a 512-token prompt), or None where it does not apply (not fp32, a
+    float mask, no compiled kernels, a head size it does not take): then SDPA. Each row's
+    result depends only on its query and the keys it sees, so a prompt gets the same bits
+    whole or in chunks. Decode rows (T = 1) keep SDPA, or the fused step's own attention."""
+    from kvlm import kernels
+
+    if not (q.dtype == k.dtype == v.dtype == torch.float32):
+        return None
+    if mask is not None:
+        if mask.dtype != torch.bool or mask.dim() not in (2, 4):
+            return None
+        if mask.dim() == 4 and mask.shape[:2] == (1, 1):
+            mask = mask.reshape(mask.shape[-2:])
+        if mask.dim() != 2:
+            return None
+    lib = kernels.library()
+    if lib is None:
+        return None
+    _, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if mask is not None:
+        mask = mask.expand(T, S)
+        if mask.stride(1) != 1:
+            mask = mask.contiguous()
+    out = torch.empty(1, T, H, D, dtype=torch.float32)
+    rc = lib.kvlm_attend(
+        q.data_ptr(), H, T, D, q.stride(1), q.stride(2),
+        k.data_ptr(), v.data_ptr(), Hkv, S, k.stride(1), k.stride(2), v.stride(1), v.stride(2),
+        None if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0),
+        int(causal and mask is None), D**-0.5, out.data_ptr(),
+    )  # fmt: skip
+    if rc == -2:
+        return None
+    if rc != 0:
+        raise MemoryError("no scratch memory for the prompt's attention")
+    return out.transpose(1, 2)  # (1, H, T, D), a view: the caller's transpose back is free

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvlm import kernels
 from kvlm.config import ModelConfig
 from kvlm.model.blas import openblas_available
 from kvlm.model.quant import FORMATS, QuantWeight, can_quantize, quantize
@@ -75,8 +76,9 @@ class Linear(nn.Module):
         self.register_buffer("weight", w, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self.quant: QuantWeight | None = None  # low-bit weights (kernel "quant")
-        self.prefill_bf16 = False  # low-bit weights: many-row products in bf16 (QuantWeight)
-        self.act_int8 = False  # low-bit weights: few-row products on int8 activations
+        self.prefill_bf16 = False  # low-bit weights: prompt products in bf16 (QuantWeight)
+        self.prefill_int8 = False  # low-bit weights: prompt products on int8 activations
+        self.act_int8 = False  # low-bit weights: decode products on int8 activations
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "cpu-fp32":
@@ -96,7 +98,8 @@ class Linear(nn.Module):
             # many rows share the call: a prompt's K/V are the same chunked or whole, alone
             # or beside others (the model says which: `prompt_rows`).
             prompt = prompt_rows(x)
-            bf16, int8 = self.prefill_bf16 and prompt, self.act_int8 and not prompt
+            bf16 = self.prefill_bf16 and prompt
+            int8 = self.prefill_int8 if prompt else self.act_int8
             y = self.quant.matmul(flat, bf16, int8)
             y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
@@ -328,5 +331,14 @@ class MLP(nn.Module):
         self.down = down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gu = self.gate_up(x)
+        lib = kernels.library() if gu.is_cpu and gu.dtype == torch.float32 else None
+        if lib is not None and gu.is_contiguous() and gu.numel():
+            # one pass in C, the fused decode step's own silu_mul (torch's silu on the
+            # strided half and the product: ~1 G elements/s in a prompt)
+            act = torch.empty(*gu.shape[:-1], gu.shape[-1] // 2)
+            rows = gu.numel() // gu.shape[-1]
+            if lib.kvlm_silu_mul(gu.data_ptr(), rows, act.shape[-1], act.data_ptr()) == 0:
+                return self.down(act)
+        gate, up = gu.chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)

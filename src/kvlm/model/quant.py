@@ -57,8 +57,12 @@ PACK_WEIGHTS = 1 << 24  # weights per piece that the torch packer packs at a tim
 MIXED = "mixed"  # the kind of a weight of row parts of different kinds (`concat`)
 FORMATS = {"int8": "q8", "int4": "q4"}  # --weights name -> kind
 PACKED_FORMATS = ("native", *FORMATS)  # --weights values that make packed weights
-# Up to this many rows the C kernel (reads the low-bit weight once); above, a dense GEMM.
+# Up to this many rows the C kernel (reads the low-bit weight once); above, a dense GEMM
+# (fp32 activations; int8 activations take the kernel at any row count).
 SMALL_M = 16
+# int8 activations: rows per kernel call (the kernel's int8 copy of them, ~1.1 bytes per
+# element, is its scratch, kept per thread: bounded by this, not by the prompt's length).
+PROMPT_ROWS = 512
 # The dense GEMM's weight is dequantized in tiles of at most this many weights (16 MiB of
 # fp32 scratch), not whole.
 TILE_WEIGHTS = 1 << 22
@@ -242,8 +246,11 @@ class QuantWeight:
         `prefill_bf16`: in bf16 (inputs and weight rounded, fp32 accumulation; oneDNN with
         AVX512-BF16 runs it ~2x faster than fp32, and each row's result is the same at any
         M), a trade of exactness for TTFT. `act_int8`: x rounded to int8 per group of 32
-        (`round_activations`), SMALL_M rows per kernel call, a trade of exactness for
-        decode speed. Neither: up to SMALL_M rows the C kernel, more a dense fp32 GEMM."""
+        (`round_activations`), integer products in the kernel at any row count (VNNI: on
+        AVX512-VNNI without AMX, as fast as oneDNN's bf16 GEMM and with no dequantized
+        tiles), a trade of exactness for speed: decode rows, and prompt rows with
+        --prefill-dtype int8. Neither: up to SMALL_M rows the C kernel, more a dense fp32
+        GEMM."""
         m, k = x.shape
         numel = self.out_features * self.in_features
         if x.dtype == torch.float64:  # the reference: the same weights, fp64 sums
@@ -260,11 +267,12 @@ class QuantWeight:
             return torch.matmul(x, self.dense(_scratch(numel)).t())
         if m > SMALL_M and not act_int8:
             return self._tiled(lib, x, torch.float32)
-        if m > SMALL_M:  # int8 activations: the kernel, SMALL_M rows at a time
-            return torch.cat([self.matmul(x[i : i + SMALL_M], act_int8=True)
-                              for i in range(0, m, SMALL_M)])  # fmt: skip
         n = self.out_features
         y = torch.empty(m, n, dtype=torch.float32)
+        if m > PROMPT_ROWS and act_int8:  # bounded scratch; a row's result is the same
+            for i in range(0, m, PROMPT_ROWS):
+                y[i : i + PROMPT_ROWS] = self.matmul(x[i : i + PROMPT_ROWS], act_int8=True)
+            return y
         fn = lib.kvlm_qgemm_i8 if act_int8 else lib.kvlm_qgemm
         col = 0
         for p in self.parts():  # each part's outputs: columns col .. of y (row stride n)

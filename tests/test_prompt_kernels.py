@@ -1,0 +1,156 @@
+"""The prompt's own C kernels: attention (kvlm_attend), SwiGLU (kvlm_silu_mul) and the int8
+products at any row count (kvlm_qgemm_i8), against torch in fp64 with bounds derived from
+the arithmetic (tests/numerics.py), and the property the engine relies on: a row's result
+depends only on its own inputs, not on how many rows share the call or how a prompt was
+chunked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import needs_avx512, needs_kernels
+from kvlm import kernels
+from kvlm.model import quant
+from kvlm.model.attention import _attend_kernel, attend
+from numerics import U32, gamma
+
+pytestmark = needs_kernels
+
+
+def _attention_bound(q, k, v, scale):
+    """|fp32 attention - exact| per output, from the arithmetic: each score q.k over D
+    terms is within gamma_D * scale * sum|q_d k_d| (E); a probability's relative error is
+    then at most 2E plus the exponential's and the normalising sum's (exp512 is within 4
+    units of roundoff; the sum over S keys gamma_S); the output, a convex combination of V
+    rows summed over S terms, inherits that relative error on max|v| plus its own
+    gamma_S."""
+    D, S = q.shape[-1], k.shape[-2]
+    group = q.shape[1] // k.shape[1]
+    kk = k.repeat_interleave(group, dim=1)
+    e = gamma(D) * scale * float((q.abs() @ kk.abs().transpose(-1, -2)).max())
+    return float(v.abs().max()) * (2 * e + 8 * U32 + 3 * gamma(S))
+
+
+def _exact(q, k, v, mask=None, causal=False):
+    return F.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=mask, is_causal=causal, enable_gqa=True
+    )
+
+
+@needs_avx512
+@pytest.mark.parametrize(
+    ("H", "Hkv", "D", "T"),
+    [(9, 3, 64, 37), (14, 2, 64, 100), (16, 8, 128, 70), (12, 2, 128, 33), (4, 4, 96, 19),
+     (2, 1, 256, 9), (4, 2, 32, 2)],
+)  # fmt: skip
+def test_attention_matches_exact_softmax(H, Hkv, D, T):
+    torch.manual_seed(H * D + T)
+    q, k, v = torch.randn(1, H, T, D), torch.randn(1, Hkv, T, D), torch.randn(1, Hkv, T, D)
+    got = _attend_kernel(q, k, v, None, True)
+    assert got is not None and got.shape == (1, H, T, D)
+    bound = _attention_bound(q, k, v, D**-0.5)
+    assert float((got.double() - _exact(q, k, v, causal=True)).abs().max()) <= bound
+    # no mask, not causal: every row sees every key
+    full = _attend_kernel(q, k, v, None, False)
+    assert float((full.double() - _exact(q, k, v)).abs().max()) <= bound
+
+
+@needs_avx512
+@pytest.mark.parametrize("window", [None, 7, 40])
+def test_attention_with_an_explicit_mask(window):
+    """A chunk after a cached prefix (bottom-right triangle), with or without a model
+    window, and a mask given as (1, 1, T, S)."""
+    torch.manual_seed(1)
+    H, Hkv, D, S, T = 8, 2, 64, 90, 25
+    q, k, v = torch.randn(1, H, T, D), torch.randn(1, Hkv, S, D), torch.randn(1, Hkv, S, D)
+    pos = torch.arange(S - T, S)[:, None]
+    keys = torch.arange(S)[None, :]
+    mask = keys <= pos
+    if window is not None:
+        mask &= (pos - keys) < window
+    bound = _attention_bound(q, k, v, D**-0.5)
+    for m in (mask, mask[None, None]):
+        got = _attend_kernel(q, k, v, m, False)
+        assert float((got.double() - _exact(q, k, v, mask)).abs().max()) <= bound
+
+
+@needs_avx512
+def test_a_row_gets_the_same_bits_whole_or_chunked():
+    """Rows a .. b - 1 of a prompt, as a chunk over the keys 0 .. b - 1 (the cache holds
+    the first a), are bit for bit the rows of the whole prompt's causal attention."""
+    torch.manual_seed(2)
+    H, Hkv, D, S = 6, 2, 64, 131
+    q, k, v = torch.randn(1, H, S, D), torch.randn(1, Hkv, S, D), torch.randn(1, Hkv, S, D)
+    whole = _attend_kernel(q, k, v, None, True)
+    for a, b in [(0, 1), (0, 17), (17, 18), (17, 64), (64, 131), (100, 131), (3, 99)]:
+        mask = torch.arange(b)[None, :] <= torch.arange(a, b)[:, None]
+        part = _attend_kernel(q[:, :, a:b], k[:, :, :b], v[:, :, :b], mask, False)
+        assert torch.equal(part, whole[:, :, a:b]), (a, b)
+
+
+@needs_avx512
+def test_a_row_that_sees_no_key_is_zero_and_strided_inputs_are_read_in_place():
+    torch.manual_seed(3)
+    H, D, T = 2, 64, 5
+    qkv = torch.randn(1, T, 3 * H, D)  # q, k, v heads side by side, as attention makes them
+    q, k, v = (t.transpose(1, 2) for t in qkv.split([H, H, H], dim=2))
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    mask[2] = False
+    got = _attend_kernel(q, k, v, mask, False)
+    assert torch.equal(got[:, :, 2], torch.zeros(1, H, D))
+    ref = _attend_kernel(q.contiguous(), k.contiguous(), v.contiguous(), mask, False)
+    assert torch.equal(got, ref)
+
+
+def test_what_the_kernel_does_not_take_goes_to_sdpa():
+    q, k, v = torch.randn(1, 2, 4, 24), torch.randn(1, 2, 4, 24), torch.randn(1, 2, 4, 24)
+    assert _attend_kernel(q, k, v, None, True) is None  # head size 24: not a multiple of 16
+    q64, k64 = torch.randn(1, 2, 4, 64), torch.randn(1, 2, 4, 64)
+    assert _attend_kernel(q64.double(), k64.double(), k64.double(), None, True) is None
+    additive = torch.zeros(4, 4)  # a float mask
+    assert _attend_kernel(q64, k64, k64, additive, False) is None
+    out = attend(q, k, v, None, True)  # and attend() still answers
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_silu_mul_matches_torch():
+    """exp512 is within 4 units of roundoff of exp; 1 + e, the division and the product
+    add three roundings: relative error at most ~8 u of silu(g) * u."""
+    torch.manual_seed(4)
+    lib = kernels.library()
+    gu = torch.randn(37, 2 * 200) * 4
+    out = torch.empty(37, 200)
+    assert lib.kvlm_silu_mul(gu.data_ptr(), 37, 200, out.data_ptr()) == 0
+    g, u = gu.double().chunk(2, dim=-1)
+    ref = F.silu(g) * u
+    assert float(((out.double() - ref).abs() / ref.abs().clamp_min(1e-30)).max()) <= 16 * U32
+
+
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+def test_int8_products_at_any_row_count_are_the_rows_alone(kind):
+    """The prompt's int8 products (--prefill-dtype int8): one kernel call over many rows
+    (8 per pass over a weight block, PROMPT_ROWS per call) gives each row exactly what it
+    gets alone (integer sums are exact; each row's float steps are its own)."""
+    torch.manual_seed(5)
+    w = quant.quantize(torch.randn(40, 96), kind)
+    x = torch.randn(quant.PROMPT_ROWS + 37, 96)
+    many = w.matmul(x, act_int8=True)
+    alone = torch.cat([w.matmul(x[i : i + 1], act_int8=True) for i in range(0, x.shape[0], 41)])
+    assert torch.equal(many[::41], alone)
+    # and the products are those of the rounded activations, within one product's bound
+    xr = quant.round_activations(x).double()
+    ref = xr @ w.dense().double().t()
+    bound = 2 * gamma(96) * (xr.abs() @ w.dense().double().abs().t())
+    assert bool(((many.double() - ref).abs() <= bound + 1e-30).all())
+
+
+def test_prompt_int8_is_a_setting_of_its_own():
+    from kvlm import LLM
+    from kvlm.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="applies to --weights"):
+        LLM(progress=False, weights="f32", prefill_dtype="int8")
+    with pytest.raises(InvalidRequestError, match="valid: fp32, bf16, int8"):
+        LLM(progress=False, prefill_dtype="int4")
