@@ -220,9 +220,9 @@ def test_rows_take_the_numerics_of_their_role_not_of_their_count(monkeypatch):
     monkeypatch.setattr(
         quant.QuantWeight,
         "matmul",
-        lambda self, x, prefill_bf16=False, act_int8=False: (
+        lambda self, x, prefill_bf16=False, act_int8=False, out=None: (
             seen.append((x.shape[0], prefill_bf16, act_int8))
-            or real(self, x, prefill_bf16, act_int8)
+            or real(self, x, prefill_bf16, act_int8, out=out)
         ),
     )
     lin(torch.randn(1, 5, 64))  # a prompt chunk of 5

@@ -2043,35 +2043,41 @@ int kvlm_silu_mul(const float *gu, int64_t M, int64_t I, float *out) {
 }
 
 #ifdef __AVX512F__
-#define KEY_BLOCK 32 /* keys per softmax update: two vectors, so a K load feeds 2R products */
+/* a vector kept in a register: GCC otherwise folds a load shared by R products into each
+ * of them (R loads where one does; the loops were load-bound) */
+#define IN_REG(x) __asm__("" : "+v"(x))
+
 /* Rows t0 .. t0 + R - 1 of query head `q` (row stride qst) over the keys 0 .. S - 1 of
- * its KV head: K transposed and zero-padded (kt [D][Sp]), V rows (stride vst). Keys in
- * blocks of KEY_BLOCK from key 0, a row's running max and sum updated per block it sees
- * any key of (online softmax), its blocks in order: a row's result depends on its own
- * query, the keys it sees and nothing else (not R, not T, not the keys past those it
- * sees: a block it sees none of is skipped, a key it does not see weighs exactly 0), so a
- * prompt gets the same bits chunked or whole. DV = D / 16: a literal where inlined (the
- * outputs stay in registers). */
+ * its KV head, keys in blocks of 16 NK (NK vectors of scores per row: a K vector feeds R
+ * products, a query element NK): K transposed per block and zero-padded (kt [S / 16 NK][D]
+ * [16 NK]: a block's floats in one run, read in order; a transposed [D][S] put each d's
+ * row 2 KiB apart at S = 512, all in two L1 sets), V rows (stride vst). A row's running
+ * max and sum are updated per block it sees any key of (online softmax), its blocks in
+ * order: a row's result depends on its own query, the keys it sees and nothing else (not
+ * R, not T, not the keys past those it sees: a block it sees none of is skipped, a key it
+ * does not see weighs exactly 0), so a prompt gets the same bits chunked or whole.
+ * DV = D / 16; R, NK, DV literals where inlined (scores and outputs stay in registers). */
 static inline __attribute__((always_inline)) void
-attend_prompt_rows(const int R, const int DV, const float *q, int64_t qst, int64_t t0,
-                   const float *kt, int64_t Sp, const float *v, int64_t vst, int64_t S,
+attend_prompt_rows(const int R, const int NK, const int DV, const float *q, int64_t qst,
+                   int64_t t0, const float *kt, const float *v, int64_t vst, int64_t S,
                    const uint8_t *mask, int64_t mst, int causal, float scale, float *out,
                    int64_t ost) {
+    const int KB = 16 * NK;
     __m512 O[4][16];
     float m[4], l[4];
-    float p[4][KEY_BLOCK] __attribute__((aligned(64)));
-    for (int r = 0; r < R; r++) {
+    float p[4][64] __attribute__((aligned(64)));
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
         m[r] = -INFINITY;
         l[r] = 0.f;
-        for (int dv = 0; dv < DV; dv++) O[r][dv] = _mm512_setzero_ps();
+        _Pragma("GCC unroll 16") for (int dv = 0; dv < DV; dv++) O[r][dv] = _mm512_setzero_ps();
     }
     const int64_t D = 16 * (int64_t)DV;
     const int64_t end = causal && t0 + R < S ? t0 + R : S; /* top-left: row t sees 0 .. t */
-    for (int64_t j0 = 0; j0 < end; j0 += KEY_BLOCK) {
-        __mmask16 valid[4][2];
+    for (int64_t j0 = 0; j0 < end; j0 += KB) {
+        __mmask16 valid[4][4];
         int any = 0;
-        for (int r = 0; r < R; r++)
-            for (int h = 0; h < 2; h++) {
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
+            _Pragma("GCC unroll 16") for (int h = 0; h < NK; h++) {
                 const int64_t at = j0 + 16 * h;
                 __mmask16 ok = at < S ? tail_mask(S - at) : (__mmask16)0;
                 if (causal) {
@@ -2085,55 +2091,69 @@ attend_prompt_rows(const int R, const int DV, const float *q, int64_t qst, int64
                 valid[r][h] = ok;
                 any |= ok;
             }
+        }
         if (!any) continue;
-        __m512 s[4][2];
-        for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
-        const float *kb = kt + j0;
+        __m512 s[4][4];
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
+            _Pragma("GCC unroll 16") for (int h = 0; h < NK; h++) s[r][h] = _mm512_setzero_ps();
+        const float *kb = kt + j0 * D; /* block j0 / KB */
         for (int64_t d = 0; d < D; d++) {
-            const __m512 k0 = _mm512_load_ps(kb + d * Sp), k1 = _mm512_load_ps(kb + d * Sp + 16);
-            for (int r = 0; r < R; r++) {
+            __m512 kv[4];
+            _Pragma("GCC unroll 16") for (int h = 0; h < NK; h++) {
+                kv[h] = _mm512_load_ps(kb + d * KB + 16 * h);
+                IN_REG(kv[h]);
+            }
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
                 const __m512 qd = _mm512_set1_ps(q[r * qst + d]);
-                s[r][0] = _mm512_fmadd_ps(qd, k0, s[r][0]);
-                s[r][1] = _mm512_fmadd_ps(qd, k1, s[r][1]);
+                _Pragma("GCC unroll 16") for (int h = 0; h < NK; h++)
+                    s[r][h] = _mm512_fmadd_ps(qd, kv[h], s[r][h]);
             }
         }
-        for (int r = 0; r < R; r++) {
-            if (!(valid[r][0] | valid[r][1])) { /* weighs nothing in this block */
-                _mm512_store_ps(p[r], _mm512_setzero_ps());
-                _mm512_store_ps(p[r] + 16, _mm512_setzero_ps());
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
+            int seen = 0;
+            _Pragma("GCC unroll 16") for (int h = 0; h < NK; h++) seen |= valid[r][h];
+            if (!seen) { /* weighs nothing in this block */
+                _Pragma("GCC unroll 16") for (int h = 0; h < NK; h++)
+                    _mm512_store_ps(p[r] + 16 * h, _mm512_setzero_ps());
                 continue;
             }
-            const __m512 s0 = _mm512_mul_ps(s[r][0], _mm512_set1_ps(scale));
-            const __m512 s1 = _mm512_mul_ps(s[r][1], _mm512_set1_ps(scale));
-            const __m512 lo = _mm512_set1_ps(-INFINITY);
-            const float mb = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(lo, valid[r][0], s0),
-                                                                _mm512_mask_mov_ps(lo, valid[r][1], s1)));
+            const __m512 sc = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-INFINITY);
+            __m512 mx = lo;
+            _Pragma("GCC unroll 16") for (int h = 0; h < NK; h++) {
+                s[r][h] = _mm512_mul_ps(s[r][h], sc);
+                mx = _mm512_max_ps(mx, _mm512_mask_mov_ps(lo, valid[r][h], s[r][h]));
+            }
+            const float mb = _mm512_reduce_max_ps(mx);
             const float mn = mb > m[r] ? mb : m[r];
             const float alpha = expf(m[r] - mn); /* 0 at the first block (m = -inf) */
             const __m512 mv = _mm512_set1_ps(mn);
-            const __m512 e0 = _mm512_maskz_mov_ps(valid[r][0], exp512(_mm512_sub_ps(s0, mv)));
-            const __m512 e1 = _mm512_maskz_mov_ps(valid[r][1], exp512(_mm512_sub_ps(s1, mv)));
-            l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+            __m512 sum = _mm512_setzero_ps();
+            _Pragma("GCC unroll 16") for (int h = 0; h < NK; h++) {
+                const __m512 e = _mm512_maskz_mov_ps(valid[r][h], exp512(_mm512_sub_ps(s[r][h], mv)));
+                sum = _mm512_add_ps(sum, e);
+                _mm512_store_ps(p[r] + 16 * h, e);
+            }
+            l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
             m[r] = mn;
             const __m512 a = _mm512_set1_ps(alpha);
-            for (int dv = 0; dv < DV; dv++) O[r][dv] = _mm512_mul_ps(O[r][dv], a);
-            _mm512_store_ps(p[r], e0);
-            _mm512_store_ps(p[r] + 16, e1);
+            _Pragma("GCC unroll 16") for (int dv = 0; dv < DV; dv++) O[r][dv] = _mm512_mul_ps(O[r][dv], a);
         }
-        const int64_t jn = S - j0 < KEY_BLOCK ? S - j0 : KEY_BLOCK;
+        const int64_t jn = S - j0 < KB ? S - j0 : KB;
         for (int64_t j = 0; j < jn; j++) {
             const float *vj = v + (j0 + j) * vst;
             __m512 pj[4];
-            for (int r = 0; r < R; r++) pj[r] = _mm512_set1_ps(p[r][j]);
-            for (int dv = 0; dv < DV; dv++) {
-                const __m512 vv = _mm512_loadu_ps(vj + 16 * dv);
-                for (int r = 0; r < R; r++) O[r][dv] = _mm512_fmadd_ps(pj[r], vv, O[r][dv]);
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) pj[r] = _mm512_set1_ps(p[r][j]);
+            _Pragma("GCC unroll 16") for (int dv = 0; dv < DV; dv++) {
+                __m512 vv = _mm512_loadu_ps(vj + 16 * dv);
+                IN_REG(vv);
+                _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
+                    O[r][dv] = _mm512_fmadd_ps(pj[r], vv, O[r][dv]);
             }
         }
     }
-    for (int r = 0; r < R; r++) {
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
         const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f); /* no key: 0 */
-        for (int dv = 0; dv < DV; dv++)
+        _Pragma("GCC unroll 16") for (int dv = 0; dv < DV; dv++)
             _mm512_storeu_ps(out + (t0 + r) * ost + 16 * dv, _mm512_mul_ps(O[r][dv], inv));
     }
 }
@@ -2157,42 +2177,46 @@ int kvlm_attend(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh, in
     return -2;
 #else
     if (D % 16 || D > 256 || T < 1 || S < 1 || Hkv < 1 || H % Hkv) return -2;
-    const int64_t Sp = (S + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK, group = H / Hkv;
+    /* rows per pass and key vectors per block: D = 64 4 x 2, D = 128 2 x 4, else 1 x 2 */
+    const int R = D == 64 ? 4 : D == 128 ? 2 : 1, NK = D == 128 ? 4 : 2, KB = 16 * NK;
+    const int64_t Sp = (S + KB - 1) / KB * KB, group = H / Hkv;
     float *kt = aligned_alloc(64, (size_t)(Hkv * D * Sp) * sizeof(float));
     if (!kt) return -1;
 #pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < Hkv; g++) { /* kt[g][d][s] = k[g][s][d], zero past S */
+    for (int64_t g = 0; g < Hkv; g++) { /* kt[g][s / KB][d][s % KB] = k[g][s][d], 0 past S */
         float *kg = kt + g * D * Sp;
-        for (int64_t s0 = 0; s0 < Sp; s0 += KEY_BLOCK)
-            for (int64_t d = 0; d < D; d++)
-                for (int64_t s = s0; s < s0 + KEY_BLOCK; s++)
-                    kg[d * Sp + s] = s < S ? k[g * ksh + s * kst + d] : 0.f;
+        for (int64_t s0 = 0; s0 < Sp; s0 += KB)
+            for (int64_t s = s0; s < s0 + KB; s++)
+                for (int64_t d = 0; d < D; d++)
+                    kg[s0 * D + d * KB + (s - s0)] = s < S ? k[g * ksh + s * kst + d] : 0.f;
     }
-    const int R = D <= 64 ? 4 : D <= 128 ? 2 : 1;
     const int64_t nqb = (T + R - 1) / R;
     const float sc = (float)scale;
-#pragma omp parallel for schedule(dynamic, 1) /* the last rows (most keys) first */
+    /* a head's row groups one after another, the last (most keys) first: the threads
+     * share one head's K and V while they last in cache (8 KV heads of 512 x 128 keys
+     * and values are 4 MiB: taken head after head, each task read its own from L3) */
+#pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < H * nqb; task++) {
-        const int64_t h = task % H, t0 = (nqb - 1 - task / H) * R;
+        const int64_t h = task / nqb, t0 = (nqb - 1 - task % nqb) * R;
         const int rows = T - t0 < R ? (int)(T - t0) : R;
         const float *qh = q + h * qsh + t0 * qst, *kg = kt + (h / group) * D * Sp;
         const float *vg = v + (h / group) * vsh;
         float *oh = out + h * D;
-#define ATTEND_ROWS(RR, DVV) \
-    attend_prompt_rows(RR, DVV, qh, qst, t0, kg, Sp, vg, vst, S, mask, mst, (int)causal, sc, oh, H * D)
+#define ATTEND_ROWS(RR, NKK, DVV) \
+    attend_prompt_rows(RR, NKK, DVV, qh, qst, t0, kg, vg, vst, S, mask, mst, (int)causal, sc, oh, H * D)
         if (D == 64) {
             switch (rows) {
-            case 1: ATTEND_ROWS(1, 4); break;
-            case 2: ATTEND_ROWS(2, 4); break;
-            case 3: ATTEND_ROWS(3, 4); break;
-            default: ATTEND_ROWS(4, 4);
+            case 1: ATTEND_ROWS(1, 2, 4); break;
+            case 2: ATTEND_ROWS(2, 2, 4); break;
+            case 3: ATTEND_ROWS(3, 2, 4); break;
+            default: ATTEND_ROWS(4, 2, 4);
             }
         } else if (D == 128) {
-            if (rows == 1) ATTEND_ROWS(1, 8);
-            else ATTEND_ROWS(2, 8);
+            if (rows == 1) ATTEND_ROWS(1, 4, 8);
+            else ATTEND_ROWS(2, 4, 8);
         } else {
             for (int r = 0; r < rows; r++)
-                attend_prompt_rows(1, (int)(D / 16), qh + r * qst, qst, t0 + r, kg, Sp, vg, vst,
+                attend_prompt_rows(1, 2, (int)(D / 16), qh + r * qst, qst, t0 + r, kg, vg, vst,
                                    S, mask, mst, (int)causal, sc, oh, H * D);
         }
 #undef ATTEND_ROWS

@@ -80,7 +80,9 @@ class Linear(nn.Module):
         self.prefill_int8 = False  # low-bit weights: prompt products on int8 activations
         self.act_int8 = False  # low-bit weights: decode products on int8 activations
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: where low-bit kernels may write the result (x's rows by out_features,
+        fp32, contiguous; the returned tensor is the result either way)."""
         if self.kernel == "cpu-fp32":
             if self._blas is not None and x.numel() == self.in_features:  # one row: OpenBLAS
                 y = torch.from_numpy(x.reshape(1, -1).numpy() @ self._blas)
@@ -100,7 +102,9 @@ class Linear(nn.Module):
             prompt = prompt_rows(x)
             bf16 = self.prefill_bf16 and prompt
             int8 = self.prefill_int8 if prompt else self.act_int8
-            y = self.quant.matmul(flat, bf16, int8)
+            if out is not None and x.dtype != torch.float32:
+                out = None
+            y = self.quant.matmul(flat, bf16, int8, out=out)
             y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         if self.kernel == "bf16":  # bf16 weight, model dtype kept outside the product
@@ -322,6 +326,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+_TRANSIENT = threading.local()
+
+
+def _transient(numel: int) -> torch.Tensor:
+    """A per-thread fp32 buffer of at least `numel`, reused: for a result read once, at
+    once (the prompt's gate|up product). Grows, never shrinks: bounded by the prefill
+    chunk."""
+    buf = getattr(_TRANSIENT, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _TRANSIENT.buf = torch.empty(numel, dtype=torch.float32)
+    return buf[:numel]
+
+
 class MLP(nn.Module):
     """SwiGLU with the gate and up projections fused into one matmul."""
 
@@ -331,7 +348,14 @@ class MLP(nn.Module):
         self.down = down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up(x)
+        rows = x.numel() // x.shape[-1]
+        out = None
+        if self.gate_up.kernel == "quant" and rows > 1 and x.dtype == torch.float32:
+            # a prompt's gate|up product is dead once SwiGLU has read it: one reused buffer
+            # (a fresh one over glibc's 32 MiB mmap limit, 512 rows x 17,920 at 1.5B, was
+            # mapped, faulted in and zeroed by the OS per layer: 30% of the product's time)
+            out = _transient(rows * self.gate_up.out_features).view(rows, -1)
+        gu = self.gate_up(x, out=out)
         lib = kernels.library() if gu.is_cpu and gu.dtype == torch.float32 else None
         if lib is not None and gu.is_contiguous() and gu.numel():
             # one pass in C, the fused decode step's own silu_mul (torch's silu on the

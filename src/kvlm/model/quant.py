@@ -236,9 +236,15 @@ class QuantWeight:
         return out.view(*ids.shape, self.in_features)
 
     def matmul(
-        self, x: torch.Tensor, prefill_bf16: bool = False, act_int8: bool = False
+        self,
+        x: torch.Tensor,
+        prefill_bf16: bool = False,
+        act_int8: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x (M, K) fp32, contiguous -> x @ W^T (M, N) fp32.
+        """x (M, K) fp32, contiguous -> x @ W^T (M, N) fp32: into `out` (M, N) fp32,
+        contiguous, where the kernels write the result themselves (use the returned tensor:
+        the dense paths make their own).
 
         The caller says how its rows are multiplied (kvlm.model.layers.Linear decides it by
         their role, prompt rows or decode rows, never by how many share the call, so that a
@@ -268,10 +274,10 @@ class QuantWeight:
         if m > SMALL_M and not act_int8:
             return self._tiled(lib, x, torch.float32)
         n = self.out_features
-        y = torch.empty(m, n, dtype=torch.float32)
+        y = torch.empty(m, n, dtype=torch.float32) if out is None else out
         if m > PROMPT_ROWS and act_int8:  # bounded scratch; a row's result is the same
             for i in range(0, m, PROMPT_ROWS):
-                y[i : i + PROMPT_ROWS] = self.matmul(x[i : i + PROMPT_ROWS], act_int8=True)
+                self.matmul(x[i : i + PROMPT_ROWS], act_int8=True, out=y[i : i + PROMPT_ROWS])
             return y
         fn = lib.kvlm_qgemm_i8 if act_int8 else lib.kvlm_qgemm
         col = 0
