@@ -174,3 +174,27 @@ def test_the_mapped_file_is_given_back_after_loading(default_model_path):
     assert weights.fingerprint() == llm.fingerprint  # read again from the file
     ids = llm.tokenizer.encode("hello")
     assert torch.isfinite(llm.runner.logits(ids, llm.new_cache("off"))).all()
+
+
+def test_a_big_table_is_packed_in_pieces_each_given_back(default_model_path, monkeypatch):
+    """A table read from the file's map is packed a piece at a time, each piece's file
+    pages dropped once packed (the map and the packed table never both whole in memory):
+    the packed bytes are those of one pass over a copy; a copy in ordinary memory is never
+    madvised (MADV_DONTNEED would zero it)."""
+    from kvlm.model import quant
+
+    weights = load_model(default_model_path).weights
+    name = "model.embed_tokens.weight"
+    view = np.asarray(weights._tensors[name].data)
+    assert quant._file_backed(view) and not quant._file_backed(np.array(view))
+    released = []
+    real = quant._release_pages
+    monkeypatch.setattr(quant, "_release_pages", lambda a, n: released.append(n) or real(a, n))
+    monkeypatch.setattr(quant, "RELEASE_PIECE", 1 << 20)
+    pieces = weights.get_quant(name)
+    copy = np.array(view).reshape(pieces.out_features, -1)
+    expected = -(-pieces.out_features // quant._rows_per_piece(copy.shape[1]))
+    assert len(released) == expected > 10  # a table of 1 MiB pieces, each given back
+    whole = quant.QuantWeight.from_blocks(pieces.kind, copy)
+    assert torch.equal(pieces.data, whole.data)
+    assert len(released) == expected  # the copy was packed in one pass, nothing released

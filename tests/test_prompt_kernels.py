@@ -154,3 +154,22 @@ def test_prompt_int8_is_a_setting_of_its_own():
         LLM(progress=False, weights="f32", prefill_dtype="int8")
     with pytest.raises(InvalidRequestError, match="valid: fp32, bf16, int8"):
         LLM(progress=False, prefill_dtype="int4")
+
+
+def test_a_long_prompt_goes_through_the_mlp_in_pieces_with_the_same_bits():
+    """Over PIECE_ROWS rows a low-bit MLP takes the prompt in pieces (bounded buffers); each
+    row's result is what it is in any piece, with the prompt's numerics throughout."""
+    from kvlm.model.layers import MLP, PIECE_ROWS, Linear, feeding_prompt
+
+    torch.manual_seed(6)
+    gate_up = Linear.from_quant(quant.quantize(torch.randn(2 * 64, 96) * 0.1, "q8"))
+    down = Linear.from_quant(quant.quantize(torch.randn(96, 64) * 0.1, "q8"))
+    for lin in (gate_up, down):
+        lin.prefill_int8 = lin.act_int8 = True
+    mlp = MLP(gate_up, down)
+    x = torch.randn(1, PIECE_ROWS + 77, 96)
+    whole = mlp(x)
+    with feeding_prompt(True):
+        parts = torch.cat([mlp(x[:, :300]), mlp(x[:, 300:301]), mlp(x[:, 301:])], dim=1)
+    assert whole.shape == (1, PIECE_ROWS + 77, 96)
+    assert torch.equal(whole, parts)

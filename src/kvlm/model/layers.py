@@ -327,6 +327,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 _TRANSIENT = threading.local()
+PIECE_ROWS = 512  # a low-bit MLP takes a prompt this many rows at a time
 
 
 def _transient(numel: int) -> torch.Tensor:
@@ -348,6 +349,19 @@ class MLP(nn.Module):
         self.down = down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if self.gate_up.kernel == "quant" and rows > PIECE_ROWS:
+            # a long prompt in pieces of rows (each row's result is its own): the gate|up
+            # buffer and SwiGLU's stay those of PIECE_ROWS rows, whatever the prompt
+            role, flat = prompt_rows(x), x.reshape(1, rows, x.shape[-1])
+            y = torch.empty(rows, self.down.out_features, dtype=x.dtype)
+            with feeding_prompt(role):
+                for i in range(0, rows, PIECE_ROWS):
+                    y[i : i + PIECE_ROWS] = self._swiglu(flat[:, i : i + PIECE_ROWS])[0]
+            return y.view(*x.shape[:-1], -1)
+        return self._swiglu(x)
+
+    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         out = None
         if self.gate_up.kernel == "quant" and rows > 1 and x.dtype == torch.float32:
