@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -26,9 +27,15 @@ def test_suite_writes_its_files_and_measures_each_engine_in_its_own_process(tiny
     assert suite.suite_models(tmp_path, ["tiny-0.1b"], ["Q4_0"], default=False) == files[:1]
     assert files[0].stat().st_mtime_ns == stamp  # present files are not written again
 
-    result = suite.run_suite(files[:1], ["kvlm", "hf"], prompt=16, new=4, rounds=1, threads=1)
+    log = io.StringIO()
+    result = suite.run_suite(
+        files[:1], ["kvlm", "hf"], prompt=16, new=4, rounds=2, threads=1, log=log
+    )
     rows = result["rows"]
     assert [r["engine"] for r in rows] == ["kvlm", "hf"], rows
+    # the rounds take turns; transformers, a reference, runs once
+    assert [ln.split()[1] for ln in log.getvalue().splitlines()] == ["kvlm:", "hf:", "kvlm:"]
+    assert rows[0]["rounds"] == 2 and rows[1]["rounds"] == 1
     for r in rows:
         assert r["model"] == "tiny-0.1b-Q4_0.gguf" and r["file_bytes"] == files[0].stat().st_size
         assert r["load_s"] > 0 and r["ttft_ms"] > 0 and r["decode_tok_s"] > 0
@@ -40,6 +47,19 @@ def test_suite_writes_its_files_and_measures_each_engine_in_its_own_process(tiny
     assert t["share_ok"] is None and "decode_ratio" not in t  # < 1B; no llama.cpp row
     text = suite.markdown(result)
     assert "| tiny-0.1b-Q4_0.gguf | " in text and "| kvlm |" in text and "| hf |" in text
+
+
+def test_rounds_merge_into_medians_and_the_largest_peak():
+    def ran(ttft, decode, load, rss):
+        return {"engine": "kvlm", "ttft_ms": ttft, "decode_tok_s": decode, "load_s": load,
+                "peak_rss_mib": rss}  # fmt: skip
+
+    runs = [ran(300.0, 50.0, 1.0, 900.0), {"engine": "kvlm", "error": "exit 1: killed"},
+            ran(100.0, 70.0, 3.0, 950.0), ran(200.0, 60.0, 2.0, 800.0)]  # fmt: skip
+    row = suite.merge_rounds(runs)
+    assert (row["ttft_ms"], row["decode_tok_s"], row["load_s"]) == (200.0, 60.0, 2.0)
+    assert row["peak_rss_mib"] == 950.0 and row["rounds"] == 3 and row["failed_rounds"] == 1
+    assert suite.merge_rounds(runs[1:2]) == runs[1]  # no round ran: the error is the row
 
 
 def test_a_failing_engine_costs_its_row_only(tmp_path):

@@ -2,11 +2,18 @@
 
     for each model file (random-weight GGUFs of real shapes, written into DIR when absent,
     kvlm.bench.models; and the default model):
-        for each engine (kvlm with no flags, llama.cpp, transformers):
-            a fresh process (bench/child.py): load (timed), warm up, the prompt ROUNDS
-            times -> TTFT, decode tokens/s, peak RSS, load time
+        ROUNDS times, the engines taking turns (kvlm with no flags, llama.cpp; then
+        transformers, once: its load alone takes 11-37 s, and it is a reference, not a
+        target):
+            a fresh process (bench/child.py): load (timed), warm up, the prompt once
+            -> TTFT, decode tokens/s, peak RSS, load time
+        each engine's row: the medians over its rounds (peak RSS: the largest)
     plus the memory bandwidth probed just before and after each kvlm process, and kvlm's
     share of the bound it sets (weight bytes read per token / bandwidth).
+
+The rounds take turns because this machine's memory bandwidth moves by 2x over minutes
+(39-80 GB/s in one run): rounds of one engine run back to back, then the other's, compared
+each engine with a different machine.
 
 A process per engine and model: peak RSS and load time are each engine's own (no other
 engine's weights or libraries in the process), and a crash of one peer costs one row. The
@@ -103,6 +110,30 @@ def run_child(engine: str, model: Path, ids_file: str, new: int, rounds: int, th
     return json.loads(lines[-1])
 
 
+ONCE = ("hf",)  # engines run one round per model (a reference, not a target)
+MEDIANS = ("ttft_ms", "prefill_tok_s", "decode_tok_s", "load_s", "bandwidth_gb_s")
+
+
+def merge_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's row from its rounds on a model: the medians of the timings and the
+    bandwidth, the largest peak RSS, the rest from the first round that ran; an error only
+    when no round ran (else the rounds that did, and how many failed)."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[0]
+    row = dict(ok[0])
+    for key in MEDIANS:
+        values = [r[key] for r in ok if key in r]
+        if values:
+            row[key] = statistics.median(values)
+    if any("peak_rss_mib" in r for r in ok):
+        row["peak_rss_mib"] = max(r.get("peak_rss_mib", 0.0) for r in ok)
+    row["rounds"] = len(ok)
+    if len(ok) < len(runs):
+        row["failed_rounds"] = len(runs) - len(ok)
+    return row
+
+
 def run_suite(
     models: list[Path],
     engines: list[str],
@@ -117,7 +148,8 @@ def run_suite(
     rows: list[dict[str, Any]] = []
     skipped = {e: "not installed" for e in engines if not available(e)}
     todo = [e for e in engines if e not in skipped]
-    total, done = len(models) * len(todo), 0
+    per_model = sum(1 if e in ONCE else rounds for e in todo)
+    total, done = len(models) * per_model, 0
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
             tokenizer = load_model(model).tokenizer
@@ -129,16 +161,23 @@ def run_suite(
                 json.dump(ids[:prompt], f)
             _read_once(model)
             size = model.stat().st_size
+            runs: dict[str, list[dict[str, Any]]] = {e: [] for e in todo}
+            for r in range(rounds):
+                for engine in todo:
+                    if engine in ONCE and r:
+                        continue
+                    done += 1
+                    print(f"[{done}/{total}] {engine}: {model.name}", file=log, flush=True)
+                    probe = engine == "kvlm"
+                    before = bandwidth_samples(256, 3) if probe else []
+                    row = run_child(engine, model, ids_file, new, 1, threads, timeout)
+                    if probe:
+                        row["bandwidth_gb_s"] = statistics.median(
+                            before + bandwidth_samples(256, 3)
+                        )
+                    runs[engine].append(row)
             for engine in todo:
-                done += 1
-                print(f"[{done}/{total}] {engine}: {model.name}", file=log, flush=True)
-                probe = engine == "kvlm"
-                before = bandwidth_samples(256, 3) if probe else []
-                row = run_child(engine, model, ids_file, new, rounds, threads, timeout)
-                if probe:
-                    row["bandwidth_gb_s"] = statistics.median(before + bandwidth_samples(256, 3))
-                row |= {"model": model.name, "file_bytes": size}
-                rows.append(row)
+                rows.append(merge_rounds(runs[engine]) | {"model": model.name, "file_bytes": size})
     return {
         "prompt_tokens": prompt,
         "new_tokens": new,
@@ -189,7 +228,8 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"{result['prompt_tokens']}-token prompt, {result['new_tokens']} new tokens (greedy, "
-        f"EOS off), medians of {result['rounds']}, {result['threads']} threads; each engine "
+        f"EOS off), medians of {result['rounds']} rounds taking turns (transformers: one), "
+        f"{result['threads']} threads; each engine "
         "alone in a fresh process; load time from the page cache",
         "",
         "| model | GB | engine | load s | TTFT ms | decode tok/s | share of bound | peak RSS MiB |",
