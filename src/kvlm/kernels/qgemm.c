@@ -516,17 +516,20 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
 /* The block loop, written out per kind and per count of x rows (literals: OpenMP outlines
  * the loop body before constants propagate, so arguments would become runtime branches in
  * the innermost loop). BODY(KIND, R, m0) multiplies block b by rows m0 .. m0 + R - 1. */
+#define ROWS_BY_MT(M, m0, KIND, BODY)                                                        \
+    for (; m0 < (M); m0 += MT) {                                                             \
+        switch ((M) - m0 < MT ? (M) - m0 : MT) {                                             \
+        case 1: BODY(KIND, 1, m0); break;                                                    \
+        case 2: BODY(KIND, 2, m0); break;                                                    \
+        case 3: BODY(KIND, 3, m0); break;                                                    \
+        default: BODY(KIND, 4, m0);                                                          \
+        }                                                                                    \
+    }
 #define FOR_BLOCKS(M, N, KIND, BODY)                                                         \
     _Pragma("omp parallel for schedule(static)")                                             \
     for (int64_t b = 0; b < ((N) + BR - 1) / BR; b++) {                                      \
-        for (int64_t m0 = 0; m0 < (M); m0 += MT) {                                           \
-            switch ((M) - m0 < MT ? (M) - m0 : MT) {                                         \
-            case 1: BODY(KIND, 1, m0); break;                                                \
-            case 2: BODY(KIND, 2, m0); break;                                                \
-            case 3: BODY(KIND, 3, m0); break;                                                \
-            default: BODY(KIND, 4, m0);                                                      \
-            }                                                                                \
-        }                                                                                    \
+        int64_t m0 = 0;                                                                      \
+        ROWS_BY_MT(M, m0, KIND, BODY)                                                        \
     }
 
 /* As FOR_BLOCKS, MT_I8 rows per pass while that many are left (int8 x: a prompt's rows) */
@@ -535,14 +538,7 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
     for (int64_t b = 0; b < ((N) + BR - 1) / BR; b++) {                                      \
         int64_t m0 = 0;                                                                      \
         for (; (M) - m0 >= MT_I8; m0 += MT_I8) BODY(KIND, MT_I8, m0);                        \
-        for (; m0 < (M); m0 += MT) {                                                         \
-            switch ((M) - m0 < MT ? (M) - m0 : MT) {                                         \
-            case 1: BODY(KIND, 1, m0); break;                                                \
-            case 2: BODY(KIND, 2, m0); break;                                                \
-            case 3: BODY(KIND, 3, m0); break;                                                \
-            default: BODY(KIND, 4, m0);                                                      \
-            }                                                                                \
-        }                                                                                    \
+        ROWS_BY_MT(M, m0, KIND, BODY)                                                        \
     }
 
 #define FOR_KIND_LOOP(LOOP, kind, M, N, BODY)                                                \
