@@ -132,7 +132,8 @@ def test_a_build_for_another_cpu_is_rebuilt_and_loaded(tmp_path, monkeypatch, ca
         "int kvlm_qgemm(void) { return 0; }\nint kvlm_qgemm_i8(void) { return 0; }\n"
         "void kvlm_qdequant(void) {}\nint kvlm_qdequant_rows(void) { return 0; }\n"
         "int kvlm_qpack(void) { return 0; }\nint kvlm_silu_mul(void) { return 0; }\n"
-        "int kvlm_attend(void) { return 0; }\n"
+        "int kvlm_attend(void) { return 0; }\nint kvlm_rms_norm(void) { return 0; }\n"
+        "int kvlm_qk_norm_rope(void) { return 0; }\n"
     )
     monkeypatch.setattr(kernels, "SOURCE", stub)
     monkeypatch.setenv("CC", cc)

@@ -173,3 +173,87 @@ def test_a_long_prompt_goes_through_the_mlp_in_pieces_with_the_same_bits():
         parts = torch.cat([mlp(x[:, :300]), mlp(x[:, 300:301]), mlp(x[:, 301:])], dim=1)
     assert whole.shape == (1, PIECE_ROWS + 77, 96)
     assert torch.equal(whole, parts)
+
+
+def _rms_norm_exact(x, w, eps):
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+@pytest.mark.parametrize("n", [64, 128, 896, 1000, 7])
+def test_rms_norm_matches_the_exact_norm(n):
+    """kvlm_rms_norm, the vector body and the scalar tail: the sum of n squares is within
+    gamma_n of exact, the mean, +eps, sqrt and 1/x add ~4 roundings (r's relative error is
+    half the sum's plus those), the two products two more: |y - exact| <= (gamma_n + 8u)
+    |exact| elementwise. A row's bits do not depend on how many rows share the call."""
+    from kvlm.model.layers import RMSNorm
+
+    torch.manual_seed(n)
+    x, w = torch.randn(33, n) * 3, torch.randn(n)
+    norm = RMSNorm(w, 1e-6)
+    got = norm(x)
+    exact = _rms_norm_exact(x, w, 1e-6)
+    assert bool(((got.double() - exact).abs() <= (gamma(n) + 8 * U32) * exact.abs()).all())
+    assert torch.equal(norm(x[5:6]), got[5:6]) and torch.equal(norm(x[None]), got[None])
+    # a strided input is not the kernel's: torch's rms_norm answers, within the same bound
+    strided = norm(torch.cat([x, x], dim=1)[:, :n])
+    assert bool(((strided.double() - exact).abs() <= (gamma(n) + 8 * U32) * exact.abs()).all())
+
+
+def _attention_inputs(norms: bool):
+    from kvlm.model.attention import Attention
+    from kvlm.model.layers import Linear, RMSNorm
+
+    torch.manual_seed(7)
+    H, Hkv, D, hidden = 4, 2, 64, 96
+    qkv = Linear(torch.randn((H + 2 * Hkv) * D, hidden) * 0.2)
+    o = Linear(torch.randn(hidden, H * D) * 0.1)
+    qn = RMSNorm(torch.rand(D) + 0.5, 1e-6) if norms else None
+    kn = RMSNorm(torch.rand(D) + 0.5, 1e-6) if norms else None
+    return Attention(0, H, Hkv, D, qkv, o, qn, kn)
+
+
+@pytest.mark.parametrize("norms", [False, True])
+def test_qk_norm_rope_is_the_torch_steps(norms):
+    """kvlm_qk_norm_rope on a q|k|v product: RoPE alone has apply_rope's bits exactly (the
+    same two roundings per product and one per sum, no fused multiply-add); with Qwen3's
+    per-head norms first, each head is within the norm's bound of torch's (then rotated
+    alike: RoPE's error is relative to the rotated pair's size)."""
+    from kvlm.model.layers import apply_rope
+
+    attn = _attention_inputs(norms)
+    H, Hkv, D = 4, 2, 64
+    T = 21
+    qkv = torch.randn(1, T, H + 2 * Hkv, D)
+    angles = torch.arange(T)[:, None] * torch.rand(D // 2)[None] * 3
+    emb = torch.cat([angles, angles], dim=-1)[None, :, None]
+    cos, sin = emb.cos(), emb.sin()
+    qk = qkv[:, :, : H + Hkv]
+    if norms:
+        qn, kn = attn.q_norm, attn.k_norm  # torch's own rms_norm, not the kernel's
+        q = F.rms_norm(qk[:, :, :H], (D,), qn.weight, qn.eps)
+        qk = torch.cat([q, F.rms_norm(qk[:, :, H:], (D,), kn.weight, kn.eps)], dim=2)
+    ref = apply_rope(qk, cos, sin)
+    got = qkv.clone()
+    assert attn._norm_rope_in_c(got, cos, sin)
+    assert torch.equal(got[:, :, H + Hkv :], qkv[:, :, H + Hkv :])  # v untouched
+    if norms:
+        # per pair, torch's and the kernel's normalised inputs are each within the norm
+        # bound of exact; rotating adds 3 roundings of the pair's magnitude
+        size = qk.abs().amax(-1, keepdim=True)
+        assert bool(((got[:, :, : H + Hkv] - ref).abs() <= (2 * gamma(D) + 40 * U32) * size).all())
+    else:
+        assert torch.equal(got[:, :, : H + Hkv], ref)
+    # one row alone: its own bits
+    one = qkv[:, 3:4].clone()
+    assert attn._norm_rope_in_c(one, cos[:, 3:4].contiguous(), sin[:, 3:4].contiguous())
+    assert torch.equal(one, got[:, 3:4])
+
+
+def test_qk_norm_rope_declines_what_it_does_not_take():
+    attn = _attention_inputs(True)
+    qkv = torch.randn(1, 5, 8, 64)
+    cos = sin = torch.ones(1, 5, 1, 64)
+    assert not attn._norm_rope_in_c(qkv.double(), cos.double(), sin.double())  # not fp32
+    assert not attn._norm_rope_in_c(qkv, cos[:, :1].expand(1, 5, 1, 64), sin)  # a broadcast
+    assert not attn._norm_rope_in_c(qkv.transpose(1, 2).contiguous().transpose(1, 2), cos, sin)

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch  # loaded first, so the kernels share torch's OpenMP runtime
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-ABI = 12
+ABI = 13
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 120
 WORK_PREFIX, WORK_SUFFIX = ".qgemm-", ".tmp"  # a build's private directory in the cache
@@ -344,6 +344,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvlm_attend.argtypes = [p, i, i, i, i, i, p, p, i, i, i, i, i, i, p, i, i,
                                 ctypes.c_double, p]  # fmt: skip
     lib.kvlm_attend.restype = ctypes.c_int
+    # x, M, N, xs, w, eps, y, ys
+    lib.kvlm_rms_norm.argtypes = [p, i, i, i, p, ctypes.c_double, p, i]
+    lib.kvlm_rms_norm.restype = ctypes.c_int
+    # qkv, M, rs, nq, nk, D, qn, kn, eps, cos, sin, cs
+    lib.kvlm_qk_norm_rope.argtypes = [p, i, i, i, i, i, p, p, ctypes.c_double, p, p, i]
+    lib.kvlm_qk_norm_rope.restype = ctypes.c_int
     return lib
 
 

@@ -128,7 +128,7 @@ static inline uint16_t to_f16(float f) {
 #endif
 }
 
-int kvlm_kernel_abi(void) { return 12; }
+int kvlm_kernel_abi(void) { return 13; }
 
 int kvlm_kernel_simd(void) {
 #ifdef __AVX512F__
@@ -2052,6 +2052,86 @@ int kvlm_silu_mul(const float *gu, int64_t M, int64_t I, float *out) {
     if (M < 1 || I < 1) return -2;
 #pragma omp parallel for schedule(static) if (M * I > 65536)
     for (int64_t m = 0; m < M; m++) silu_mul(gu + m * 2 * I, gu + m * 2 * I + I, out + m * I, I);
+    return 0;
+}
+
+/* RMSNorm of one row in place or not: y = x * r * w, r = 1 / sqrt(mean(x^2) + eps) (the
+ * products in torch's order, (x r) w); the squares summed in 16 lanes, the lanes then
+ * added in a fixed order: a row's bits depend on its n values only. */
+static void rms_norm_row(const float *x, const float *w, int64_t n, float eps, float *y) {
+    float ss = 0.f;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    }
+    ss = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < n; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+    i = 0;
+#ifdef __AVX512F__
+    const __m512 rv = _mm512_set1_ps(r);
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), rv),
+                                              _mm512_loadu_ps(w + i)));
+#endif
+    for (; i < n; i++) y[i] = x[i] * r * w[i];
+}
+
+/* y [M, N] (row stride ys) = RMSNorm of x [M, N] (row stride xs) by w; y may be x. */
+int kvlm_rms_norm(const float *x, int64_t M, int64_t N, int64_t xs, const float *w,
+                  double eps, float *y, int64_t ys) {
+    if (M < 0 || N < 1) return -2;
+#pragma omp parallel for schedule(static) if (M * N > 65536)
+    for (int64_t m = 0; m < M; m++) rms_norm_row(x + m * xs, w, N, (float)eps, y + m * ys);
+    return 0;
+}
+
+/* The rotate-half RoPE of one head in place, as apply_rope computes it: the two products
+ * rounded, then added (x cos + rotate_half(x) sin; no fused multiply-add), so the bits are
+ * torch's. */
+static void rope_row(float *v, const float *cos, const float *sin, int64_t d) {
+    const int64_t h = d / 2;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i < h; i += 16) {
+        const __mmask16 k = tail_mask(h - i);
+        const __m512 a = _mm512_maskz_loadu_ps(k, v + i), b = _mm512_maskz_loadu_ps(k, v + h + i);
+        const __m512 lo = _mm512_add_ps(_mm512_mul_ps(a, _mm512_maskz_loadu_ps(k, cos + i)),
+                                        _mm512_mul_ps(negate(b), _mm512_maskz_loadu_ps(k, sin + i)));
+        const __m512 hi = _mm512_add_ps(_mm512_mul_ps(b, _mm512_maskz_loadu_ps(k, cos + h + i)),
+                                        _mm512_mul_ps(a, _mm512_maskz_loadu_ps(k, sin + h + i)));
+        _mm512_mask_storeu_ps(v + i, k, lo);
+        _mm512_mask_storeu_ps(v + h + i, k, hi);
+    }
+#endif
+    for (; i < h; i++) {
+        const float a = v[i], b = v[i + h];
+        const float lo = a * cos[i], lo2 = -b * sin[i];
+        const float hi = b * cos[i + h], hi2 = a * sin[i + h];
+        v[i] = lo + lo2;
+        v[i + h] = hi + hi2;
+    }
+}
+
+/* The query and key heads of M rows of a q|k|v product (row stride rs: nq query heads,
+ * then nk key heads, of D each), in place: each head's RMSNorm (qn for query heads, kn
+ * for key heads; none when qn is NULL, Qwen3's before RoPE), then RoPE at the row's cos
+ * and sin (row stride cs; none when cos is NULL). A row's result is its own. */
+int kvlm_qk_norm_rope(float *qkv, int64_t M, int64_t rs, int64_t nq, int64_t nk, int64_t D,
+                      const float *qn, const float *kn, double eps, const float *cos,
+                      const float *sin, int64_t cs) {
+    if (M < 0 || nq < 0 || nk < 0 || D < 2 || D % 2 || (qn && !kn) || (cos && !sin)) return -2;
+#pragma omp parallel for schedule(static) if (M * (nq + nk) * D > 65536)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t j = 0; j < nq + nk; j++) {
+            float *head = qkv + m * rs + j * D;
+            if (qn) rms_norm_row(head, j < nq ? qn : kn, D, (float)eps, head);
+            if (cos) rope_row(head, cos + m * cs, sin + m * cs, D);
+        }
     return 0;
 }
 
