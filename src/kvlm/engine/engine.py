@@ -159,7 +159,7 @@ class Engine:
     def _sequence(self, req: _Request, index: int) -> Sequence:
         stops = stop_token_ids(req.params, self.tokenizer)
         sample = SampleState(index, req.prompt_ids, req.params, self.tokenizer, stops)
-        sampler = Sampler(req.params, self.runner.device, index)  # seeded seed + index
+        sampler = Sampler(req.params, self.runner.device, index, req.prompt_ids)  # seed + index
         seq = Sequence(req.request_id, sample, sampler, len(req.prompt_ids), arrival=req.arrival,
                        cache_salt=req.cache_salt)  # fmt: skip
         req.seqs.append(seq)

@@ -258,7 +258,10 @@ class Generation:
         return self.samples[0].seq
 
     def __iter__(self) -> Iterator[str]:
-        samplers = [Sampler(self.params, self.runner.device, i) for i in range(len(self.samples))]
+        prompt = self.output.prompt_token_ids
+        samplers = [
+            Sampler(self.params, self.runner.device, i, prompt) for i in range(len(self.samples))
+        ]
         logits = self._prefill()
         for sample, sampler in zip(self.samples, samplers, strict=True):  # n first tokens
             delta = sample.accept(sampler(logits[0]), logits[0])  # from the one prefill

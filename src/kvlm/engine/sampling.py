@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,15 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # how many top alternatives to report per token
     n: int = 1  # samples of the prompt, decoded together from one prefill
+    # OpenAI's: subtract presence_penalty once from the logit of every token generated so
+    # far, frequency_penalty once per time it was generated (-2 .. 2)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's (CTRL's): a token in the prompt or generated so far has its logit divided by
+    # this where positive, multiplied where negative; 1 = off
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # OpenAI's: id -> -100 .. 100
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one; 0 = off
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -62,15 +72,57 @@ class SamplingParams:
         _check(
             isinstance(self.n, int) and 1 <= self.n <= MAX_SAMPLES, f"n must be 1..{MAX_SAMPLES}"
         )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_real(value) and -2 <= value <= 2, f"{name} must be between -2 and 2", name)
+        _check(
+            _real(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION,
+            f"repetition_penalty must be > 0 and <= {MAX_REPETITION} (1 = off)",
+            "repetition_penalty",
+        )
+        _check(_real(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]", "min_p")
+        _check(isinstance(self.logit_bias, dict), "logit_bias must map token ids to numbers")
+        _check(
+            len(self.logit_bias) <= MAX_LOGIT_BIAS,
+            f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens",
+            "logit_bias",
+        )
+        for token, bias in self.logit_bias.items():
+            _check(
+                type(token) is int and token >= 0, f"logit_bias: {token!r} is not a token id",
+                "logit_bias",
+            )  # fmt: skip
+            _check(
+                _real(bias) and -100 <= bias <= 100,
+                f"logit_bias: the bias of token {token} must be between -100 and 100",
+                "logit_bias",
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits are changed before sampling by what came before (the
+        penalties) or by the request (logit_bias)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+            or self.logit_bias
+        )  # fmt: skip
 
-def _check(ok: bool, message: str) -> None:
+
+MAX_REPETITION = 100.0  # beyond this a repeated token's logit is ~0 or ~-inf anyway
+MAX_LOGIT_BIAS = 1024  # OpenAI's limit is 300; more only costs a longer index
+
+
+def _real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check(ok: bool, message: str, param: str | None = None) -> None:
     if not ok:
-        raise InvalidRequestError(message)
+        raise InvalidRequestError(message, param=param)
 
 
 @dataclass(slots=True)
@@ -95,24 +147,96 @@ class Sampler:
     cache or the engine's batch), so its tokens depend on neither n nor its neighbours."""
 
     def __init__(
-        self, params: SamplingParams, device: torch.device | str = "cpu", index: int = 0
+        self,
+        params: SamplingParams,
+        device: torch.device | str = "cpu",
+        index: int = 0,
+        prompt_ids: Sequence[int] = (),
     ) -> None:
         self.params = params
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(params.seed + index)
+        self.penalties = Penalties(params, prompt_ids) if params.penalized else None
 
     def __call__(self, logits: torch.Tensor) -> int:
-        """logits (V,) fp32 -> a token id."""
+        """logits (V,) fp32 -> a token id. Call once per token the sample takes: the
+        penalties count what it returned."""
         p = self.params
+        if self.penalties is not None:
+            logits = self.penalties.apply(logits)
         if p.greedy:
-            return greedy(logits)
-        x = logits.float() / p.temperature  # finite: p.temperature >= GREEDY_BELOW
-        ids = None
-        if 0 < p.top_k < x.shape[-1] or p.top_p < 1.0:
-            x, ids = _candidates(x, p.top_k, p.top_p)
-        pick = _draw(torch.softmax(x, dim=-1), self.generator)
-        return pick if ids is None else int(ids[pick])
+            token = greedy(logits)
+        else:
+            x = logits.float() / p.temperature  # finite: p.temperature >= GREEDY_BELOW
+            if p.min_p > 0:
+                x = _min_p_filter(x, p.min_p)
+            ids = None
+            if 0 < p.top_k < x.shape[-1] or p.top_p < 1.0:
+                x, ids = _candidates(x, p.top_k, p.top_p)
+            pick = _draw(torch.softmax(x, dim=-1), self.generator)
+            token = pick if ids is None else int(ids[pick])
+        if self.penalties is not None:
+            self.penalties.count(token)
+        return token
+
+
+class Penalties:
+    """One sample's logit adjustments, vLLM's order: logit_bias, then the repetition
+    penalty over the prompt and the output, then frequency and presence over the output.
+    Whole-vocabulary tensor operations on the sample's own counts: no Python loop over
+    the vocabulary, and a row's result is the same in any batch. The tensors are made at
+    the first call, when the vocabulary's size (the logits') is known."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
+        self.params = params
+        self.prompt_ids = list(prompt_ids) if params.repetition_penalty != 1 else []
+        self.counts: torch.Tensor | None = None  # (V,) times each token was generated
+        self.seen: torch.Tensor | None = None  # (V,) in the prompt or generated
+        self.bias: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _start(self, logits: torch.Tensor) -> None:
+        vocab, device = logits.shape[-1], logits.device
+        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        ids = [t for t in self.prompt_ids if 0 <= t < vocab]
+        if ids:
+            self.seen[torch.tensor(ids, device=device)] = True
+        bias = {t: b for t, b in self.params.logit_bias.items() if t < vocab}
+        if bias:
+            ids_t = torch.tensor(list(bias), dtype=torch.int64, device=device)
+            self.bias = ids_t, torch.tensor(list(bias.values()), dtype=torch.float32,
+                                            device=device)  # fmt: skip
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """A new (V,) fp32 tensor; `logits` is left as it is (logprobs report the model's
+        own distribution, as vLLM's do by default)."""
+        if self.counts is None:
+            self._start(logits)
+        p = self.params
+        x = logits.float().clone()
+        if self.bias is not None:
+            x.index_add_(0, *self.bias)
+        if p.repetition_penalty != 1:
+            r = p.repetition_penalty
+            x = torch.where(self.seen, torch.where(x > 0, x / r, x * r), x)
+        if p.frequency_penalty:
+            x -= p.frequency_penalty * self.counts
+        if p.presence_penalty:
+            x -= p.presence_penalty * (self.counts > 0).float()
+        return x
+
+    def count(self, token: int) -> None:
+        if self.counts is not None and 0 <= token < self.counts.shape[0]:
+            self.counts[token] += 1
+            self.seen[token] = True
+
+
+def _min_p_filter(x: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop (-inf) the tokens whose probability is below min_p times the best one's:
+    p_i < min_p p_max  <=>  x_i < x_max + log(min_p), on the temperature-scaled logits."""
+    cut = x.max() + math.log(min_p)
+    return x.masked_fill(x < cut, -math.inf)
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
