@@ -121,7 +121,14 @@ class Engine:
                 f"{self.max_model_len} tokens, prompt and completion together",
                 param="prompt",
             )
-        check_prompt(prompt_ids, self.llm.config.vocab_size)
+        vocab = self.llm.config.vocab_size
+        check_prompt(prompt_ids, vocab)
+        outside = [t for t in params.logit_bias if t >= vocab]
+        if outside:
+            raise InvalidRequestError(
+                f"logit_bias names token {outside[0]}, outside the vocabulary of {vocab} tokens",
+                param="logit_bias",
+            )
         sched = self.scheduler.config
         if params.n > sched.max_num_seqs:
             raise InvalidRequestError(

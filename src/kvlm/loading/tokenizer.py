@@ -129,13 +129,22 @@ class Tokenizer:
         return DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def render_chat(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+        **options: Any,
     ) -> str:
+        """The conversation through the model's template, as transformers'
+        apply_chat_template renders it: `tools` (OpenAI's function specs) for the
+        templates that render them, `options` (reasoning_effort, ...) as extra variables."""
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template; use --no-chat")
         try:
             return self._template.render(
+                **options,
                 messages=list(messages),
+                tools=None if tools is None else list(tools),
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -147,11 +156,15 @@ class Tokenizer:
             raise InvalidRequestError(f"chat template failed on these messages: {exc}") from exc
 
     def encode_chat(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+        **options: Any,
     ) -> list[int]:
         # The template writes the BOS token itself where the model wants one, so the
         # rendered text is encoded without adding special tokens (as transformers does).
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, tools, **options)
         return self.encode(text, add_special_tokens=False)
 
     @cached_property

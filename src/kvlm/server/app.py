@@ -19,6 +19,9 @@ Any failure answers with OpenAI's error body, never a plain-text 500.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
+import hashlib
 import hmac
 import json
 import logging
@@ -34,6 +37,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvlm import __version__
 from kvlm.engine.async_engine import AsyncEngine
 from kvlm.engine.engine import StepOutput
 from kvlm.engine.sampling import MAX_SAMPLES, SamplingParams
@@ -42,7 +46,13 @@ from kvlm.errors import InvalidRequestError, KvlmError
 from kvlm.server import openapi
 from kvlm.server.limits import RequestLimits, ServerLimits
 from kvlm.server.metrics import render_metrics
-from kvlm.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from kvlm.server.protocol import (
+    MAX_PROMPTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Unsupported,
+    error_body,
+)
 from kvlm.server.responses import Choices
 
 log = logging.getLogger("kvlm.server")
@@ -68,9 +78,13 @@ def create_app(
     tokenizer = engine.engine.tokenizer
     max_len = engine.engine.max_model_len
     max_samples = min(MAX_SAMPLES, engine.engine.scheduler.config.max_num_seqs)
-    openapi.install(app, model_name, max_len, max_samples)
+    max_prompts = min(MAX_PROMPTS, engine.max_requests)
+    openapi.install(app, model_name, max_len, max_samples, max_prompts)
     app.add_middleware(RequestLimits, limits=limits)
     started = int(time.time())
+    # what produced the tokens: kvlm's version, the model file and the numerics it runs
+    made_by = f"{__version__} {model_name} {getattr(engine.engine.llm, 'numerics', '')}"
+    print_ = "fp_" + hashlib.sha256(made_by.encode()).hexdigest()[:10]
     _install_error_handlers(app)
     expected = f"Bearer {api_key}".encode() if api_key else None
 
@@ -122,25 +136,43 @@ def create_app(
     @v1.post("/completions", responses=openapi.generation(openapi.CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Any:
         _check_model(body.model, model_name)
-        if isinstance(body.prompt, list):
-            ids = body.prompt
-        else:
-            check_length(len(body.prompt), "prompt")
-            ids = await run_in_threadpool(tokenizer.encode, body.prompt)
-        params = _params(body, ids, max_len, body.logprobs)
-        choices = Choices(tokenizer, params.n, chat=False, logprobs=body.logprobs is not None)
-        return await _respond(engine, request, body, ids, params, choices, model_name)
+        prompts = body.prompts()
+        if len(prompts) > max_prompts:
+            raise ServerError(
+                400, f"{len(prompts)} prompts: this server runs at most {max_prompts} requests "
+                "at once", "invalid_request_error", "prompt",
+            )  # fmt: skip
+        check_length(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
+        ids = [
+            p if isinstance(p, list) else await run_in_threadpool(tokenizer.encode, p)
+            for p in prompts
+        ]
+        params = [_params(body, one, max_len, body.logprobs) for one in ids]
+        n = params[0].n
+        echo = None
+        if body.echo:  # each choice opens with its prompt, as the text it was sent as
+            texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False)
+                     for p in prompts]  # fmt: skip
+            echo = [t for t in texts for _ in range(n)]
+        choices = Choices(tokenizer, n * len(ids), chat=False,
+                          logprobs=body.logprobs is not None, echo=echo)  # fmt: skip
+        return await _respond(engine, request, body, ids, params, choices, model_name, print_)
 
     @v1.post("/chat/completions", responses=openapi.generation(openapi.ChatCompletionResponse))
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         _check_model(body.model, model_name)
         conversation = body.conversation()
-        check_length(sum(len(m["content"]) for m in conversation), "messages")
-        ids = await run_in_threadpool(tokenizer.encode_chat, conversation)
+        tools = body.tool_specs()
+        chars = sum(len(m["content"]) for m in conversation)
+        check_length(chars + len(json.dumps(tools or [])), "messages")
+        render = functools.partial(tokenizer.encode_chat, conversation, tools=tools,
+                                   **body.template_options())  # fmt: skip
+        ids = await run_in_threadpool(render)
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = _params(body, ids, max_len, top)
         choices = Choices(tokenizer, params.n, chat=True, logprobs=body.logprobs)
-        return await _respond(engine, request, body, ids, params, choices, model_name)
+        return await _respond(engine, request, body, [ids], [params], choices, model_name,
+                              print_)  # fmt: skip
 
     app.include_router(v1)
     return app
@@ -169,6 +201,8 @@ def _params(body: Any, ids: list[int], max_len: int, logprobs: int | None) -> Sa
             "context_length_exceeded",
         )
     wanted = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    if wanted == 0:  # echo only (checked at the door): the prompt, scored, nothing made
+        wanted = 1
     if wanted is not None and wanted > room:
         raise ServerError(
             400,
@@ -191,19 +225,23 @@ async def _respond(
     engine: AsyncEngine,
     request: Request,
     body: Any,
-    ids: list[int],
-    params: SamplingParams,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
     choices: Choices,
     model_name: str,
+    fingerprint: str,
 ) -> Any:
-    try:
-        events = await engine.generate(ids, params, cache_salt=body.cache_salt)
-    except QueueFullError as exc:
-        raise ServerError(503, str(exc), "server_busy", code="queue_full") from exc
+    """Run the request's prompts (one; several for a completions list, each n samples:
+    choice i x n + j) and answer with one response or one SSE stream."""
     rid = ("chatcmpl-" if choices.chat else "cmpl-") + uuid.uuid4().hex
-    head = choices.head(rid, model_name)
+    head = choices.head(rid, model_name) | {"system_fingerprint": fingerprint}
+    prompt_tokens = sum(len(p) for p in prompts)
+    if getattr(body, "max_tokens", None) == 0:  # echo, no completion: no engine work
+        events: AsyncIterator[StepOutput] = _nothing(len(prompts), params[0].n)
+    else:
+        events = await _start(engine, body, prompts, params)
     if body.stream:
-        sse = _sse(events, choices, head, body.include_usage, len(ids))
+        sse = _sse(events, choices, head, body.include_usage, prompt_tokens)
         return StreamingResponse(sse, media_type="text/event-stream")
     try:
         result = await _collect(events, choices, request)
@@ -213,7 +251,64 @@ async def _respond(
         return JSONResponse({}, status_code=499)
     if any(c.finish_reason == "error" for c in choices.state):
         raise ServerError(500, ENGINE_FAILED, "server_error")
-    return head | {"choices": choices.final(), "usage": choices.usage(len(ids), result)}
+    return head | {"choices": choices.final(), "usage": choices.usage(prompt_tokens)}
+
+
+async def _start(
+    engine: AsyncEngine, body: Any, prompts: list[list[int]], params: list[SamplingParams]
+) -> AsyncIterator[StepOutput]:
+    """Each prompt's request in the engine, their events as one stream (a prompt's
+    sample indices moved past the earlier prompts'). A prompt refused (the queue full, a
+    bad token) ends those already started."""
+    streams: list[AsyncIterator[StepOutput]] = []
+    try:
+        for ids, p in zip(prompts, params, strict=True):
+            streams.append(await engine.generate(ids, p, cache_salt=body.cache_salt))
+    except BaseException as exc:
+        for stream in streams:
+            await stream.aclose()  # type: ignore[attr-defined]
+        if isinstance(exc, QueueFullError):
+            raise ServerError(503, str(exc), "server_busy", code="queue_full") from exc
+        raise
+    if len(streams) == 1:
+        return streams[0]
+    return _merged(streams, params[0].n)
+
+
+async def _merged(streams: list[AsyncIterator[StepOutput]], n: int) -> AsyncIterator[StepOutput]:
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[StepOutput]) -> None:
+        try:
+            async for event in stream:
+                await queue.put(dataclasses.replace(event, index=i * n + event.index))
+        except Exception as exc:  # handed to the consumer
+            await queue.put(exc)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def _nothing(prompts: int, n: int) -> AsyncIterator[StepOutput]:
+    """A request with max_tokens 0 (echo): every choice ends at once, nothing generated."""
+    for i in range(prompts * n):
+        yield StepOutput("", i, "", [], [], "length")
 
 
 ENGINE_FAILED = "the engine failed on this request (other requests are unaffected)"
@@ -266,7 +361,7 @@ async def _sse(
             if chunk is not None:
                 yield _data(chunk)
         if include_usage and last is not None:
-            usage = choices.usage(prompt_tokens, last)
+            usage = choices.usage(prompt_tokens)
             yield _data(head | {"object": choices.chunk_object, "choices": [], "usage": usage})
         yield "data: [DONE]\n\n"
     except KvlmError as exc:
@@ -324,6 +419,9 @@ def _validation_body(errors: list[dict]) -> dict:
     ]  # fmt: skip
     param = ".".join(where) or None
     kind = first.get("type")
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, Unsupported):  # a field kvlm cannot honour, named by the check
+        return error_body(str(cause), param=".".join([*where, cause.param]))
     if kind == "json_invalid":
         message = "the request body is not valid JSON"
     elif kind == "extra_forbidden":

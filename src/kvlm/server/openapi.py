@@ -29,6 +29,14 @@ class ErrorResponse(BaseModel):
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int
+    audio_tokens: int
+
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+    audio_tokens: int
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
 
 
 class Usage(BaseModel):
@@ -36,6 +44,7 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
 
 
 class CompletionLogprobs(BaseModel):
@@ -57,6 +66,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"]
     created: int
     model: str
+    system_fingerprint: str
     choices: list[CompletionChoice]
     usage: Usage
 
@@ -92,6 +102,7 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"]
     created: int
     model: str
+    system_fingerprint: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -104,6 +115,7 @@ class CompletionChunk(BaseModel):
     object: Literal["text_completion"]
     created: int
     model: str
+    system_fingerprint: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -125,6 +137,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"]
     created: int
     model: str
+    system_fingerprint: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
@@ -181,10 +194,13 @@ def _event(chunk: str) -> dict[str, Any]:
     return {"type": "object", "required": ["data"], "properties": {"data": data}}
 
 
-def install(app: FastAPI, model: str, max_model_len: int, max_samples: int) -> None:
+def install(
+    app: FastAPI, model: str, max_model_len: int, max_samples: int, max_prompts: int
+) -> None:
     """Serve the schema without FastAPI's 422 validation responses, and with this server's
     own limits where the request models are generic: the one model it serves, the most
-    samples it decodes together, the most tokens one request can ask for. (What depends on
+    samples it decodes together, the most prompts one request may list (the requests it
+    holds), the most tokens one request can ask for. (What depends on
     the prompt, its length in tokens plus max_tokens within the context, no schema can say:
     such a request is schema-valid and answered 400 context_length_exceeded.)"""
 
@@ -199,6 +215,10 @@ def install(app: FastAPI, model: str, max_model_len: int, max_samples: int) -> N
                 components.pop(name, None)
             for name in ("CompletionRequest", "ChatCompletionRequest"):
                 _server_limits(components[name]["properties"], model, max_model_len, max_samples)
+            for option in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+                if option.get("type") == "array" and option["items"].get("type") != "integer":
+                    option["maxItems"] = max_prompts  # a list of prompts
+            _nulls_allowed(components)
             for chunk in STREAMS.values():  # referenced by the SSE events only
                 made = chunk.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(made.pop("$defs", {}))
@@ -207,6 +227,29 @@ def install(app: FastAPI, model: str, max_model_len: int, max_samples: int) -> N
         return app.openapi_schema
 
     app.openapi = schema  # type: ignore[method-assign]
+
+
+def _nulls_allowed(components: dict[str, Any]) -> None:
+    """An optional request field may be null (its default: protocol._Body), so the
+    schema says so: each non-required property of a request model also takes null."""
+    from kvlm.server import protocol
+
+    bodies = {name for name, obj in vars(protocol).items()
+              if isinstance(obj, type) and issubclass(obj, protocol._Body)}  # fmt: skip
+    for name in bodies & components.keys():
+        schema = components[name]
+        required = set(schema.get("required", ()))
+        for field, prop in schema.get("properties", {}).items():
+            if field in required:
+                continue
+            options = prop.get("anyOf", [prop])
+            if any(o.get("type") == "null" for o in options) or not options:
+                continue
+            keep = {k: v for k, v in prop.items() if k in ("title", "default", "description")}
+            rest = {k: v for k, v in prop.items() if k not in keep}
+            prop.clear()
+            prop.update(keep, anyOf=[*(options if "anyOf" in rest else [rest]),
+                                     {"type": "null"}])  # fmt: skip
 
 
 def _server_limits(fields: dict[str, Any], model: str, max_len: int, max_samples: int) -> None:

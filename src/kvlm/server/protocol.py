@@ -1,20 +1,33 @@
 """OpenAI request bodies, validated at the door (pydantic), and the error body.
 
-Unknown fields are refused rather than ignored: a client that sends `best_of` or
-`frequency_penalty` expects them to do something, and silently dropping them would give
-answers it did not ask for. Limits are checked here so that an absurd value is a 400 that
-names the field, never a failure deep in the engine.
+Every field of OpenAI's chat and completions requests is accepted (docs/API.md lists what
+kvlm does with each): those kvlm honours change the output; those that are bookkeeping on
+OpenAI's side (metadata, store, service_tier, ...) are accepted and have no effect; those
+asking for what a text model cannot make (audio, image parts, predicted outputs, ...) are
+a 400 that names the field and says why (`Unsupported`). An explicit null is the field's
+default. Fields neither OpenAI's nor vLLM's are refused rather than ignored: a client that
+sends one expects it to do something. Limits are checked here so that an absurd value is a
+400 that names the field, never a failure deep in the engine.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    model_validator,
+)
 
 from kvlm.cache.prefix import MAX_SALT_CHARS
 from kvlm.engine.sampling import (
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_REPETITION,
     MAX_SAMPLES,
     MAX_STOP_CHARS,
     SEED_MAX,
@@ -23,6 +36,8 @@ from kvlm.engine.sampling import (
 )
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_PROMPTS = 64  # prompts in one completions request (each is a request of n samples)
+MAX_TOOLS = 128  # OpenAI's limit on tools
 
 
 def _unicode(text: str) -> str:
@@ -38,23 +53,41 @@ def _unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_unicode)]
 
 
-def _no_echo(echo: bool) -> bool:
-    if echo:
-        raise ValueError("echo is not supported: the prompt's own logprobs are not computed")
-    return echo
-
-
 class _Body(BaseModel):
     # strict: the types the published schema says (kvlm.server.openapi), no coercion of
     # "3" to 3, 2.0 to 2 or 0 to false; an int is still a valid float, as in JSON
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        """An explicit null means the field's default, as OpenAI's API reads it (clients
+        send `"stop": null`, `"logprobs": null`, ...)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    include_obfuscation: bool = False  # OpenAI's padding against side channels: not sent
 
 
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+# OpenAI's: token id (as a JSON object's key, a string) -> bias in [-100, 100]
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]],
+    Field(max_length=MAX_LOGIT_BIAS),
+]
+
+
+class Unsupported(ValueError):
+    """A request field kvlm cannot honour: a 400 that names it and says why."""
+
+    def __init__(self, param: str, why: str) -> None:
+        super().__init__(f"{param}: {why}")
+        self.param = param
 
 
 class _Sampling(_Body):
@@ -62,15 +95,21 @@ class _Sampling(_Body):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, Field(ge=0)] = 0  # not OpenAI's; vLLM and llama.cpp take it too
     n: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     # torch's generators take 64 bits, and sample i of n is seeded with seed + i
     seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX - MAX_SAMPLES)] | None = None
-    ignore_eos: bool = False  # not OpenAI's; for benchmarks, as vLLM's
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    logit_bias: LogitBias | None = None
     user: Text | None = None
+    # vLLM's and llama.cpp's sampling extensions
+    top_k: Annotated[int, Field(ge=-1)] = 0  # 0 or -1 (vLLM's) = off
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=MAX_REPETITION)] = 1.0
+    ignore_eos: bool = False  # for benchmarks, as vLLM's
     # vLLM's: prefix-cache blocks are shared only between requests of the same salt
     cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_SALT_CHARS)] | None = None
 
@@ -90,15 +129,20 @@ class _Sampling(_Body):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
-            max_tokens=self.max_tokens or max_tokens,
+            max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
-            top_k=self.top_k,
+            top_k=max(self.top_k, 0),
             seed=self.seed,
             stop=self.stops(),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             n=self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
         )
 
     @property
@@ -106,14 +150,47 @@ class _Sampling(_Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+PromptText = Annotated[Text, Field(min_length=1)]
+
+
 class CompletionRequest(_Sampling):
+    # one prompt (a text or token ids) or several: one choice per prompt x n
     prompt: (
-        Annotated[Text, Field(min_length=1)]
-        | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+        PromptText
+        | TokenIds
+        | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     )
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # the legacy API allows 5
-    echo: Annotated[bool, AfterValidator(_no_echo)] = False
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the legacy API's default
+    echo: bool = False
+    # 0: no completion (with echo: the prompt scored, lm-eval's loglikelihood requests)
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16  # the legacy API's default
+    best_of: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] | None = None
+    suffix: Text | None = None
+
+    @model_validator(mode="after")
+    def _what_kvlm_does_not_do(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise Unsupported(
+                "best_of", "only best_of = n is served (each sample is returned; vLLM's V1 "
+                "engine takes the same)",
+            )  # fmt: skip
+        if self.suffix:
+            raise Unsupported("suffix", "insertion (fill in the middle) is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise Unsupported("max_tokens", "0 is only allowed with echo (to score a prompt)")
+        if self.echo and self.logprobs is not None:
+            raise Unsupported("echo", "the prompt's own logprobs (echo with logprobs) are "
+                              "not computed yet")  # fmt: skip
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or the list's."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
 
 
 class TextPart(_Body):
@@ -121,15 +198,118 @@ class TextPart(_Body):
     text: Text
 
 
-class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: Text | list[TextPart]
-    name: Text | None = None
+class RefusalPart(_Body):
+    type: Literal["refusal"]
+    refusal: Text
 
-    def text(self) -> str:
-        if isinstance(self.content, str):
+
+class MediaPart(BaseModel):
+    """An image, audio or file part: named in a 400 (kvlm serves text models)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_audio", "file", "video_url", "audio_url"]
+
+
+class FunctionCall(_Body):
+    name: Text
+    arguments: Text  # a JSON object, as text (OpenAI's)
+
+
+class ToolCall(_Body):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "developer", "tool", "function"]
+    # null only for an assistant's tool calls (the history of an agent)
+    content: Text | list[TextPart | RefusalPart | MediaPart] | None = None
+    name: Text | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = None
+    refusal: Text | None = None
+    function_call: FunctionCall | None = None  # the deprecated form of tool_calls
+    audio: dict[str, Any] | None = None  # a previous audio reply's id: refused below
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and
+                                         (self.tool_calls or self.function_call)):  # fmt: skip
+            raise ValueError("content is required (null only for an assistant's tool calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.audio is not None:
+            raise Unsupported("audio", "kvlm serves text models: no audio replies to refer to")
+        for part in self.content if isinstance(self.content, list) else []:
+            if isinstance(part, MediaPart):
+                raise Unsupported(
+                    "content", f"{part.type} parts are not supported: kvlm serves text models"
+                )
+        return self
+
+    def text(self) -> str | None:
+        if self.content is None or isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(p.text if isinstance(p, TextPart) else p.refusal for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' conventions): "developer"
+        is "system" (templates know only the latter), a deprecated "function" reply is a
+        "tool" one, and tool calls' arguments are objects (templates `tojson` them)."""
+        role = {"developer": "system", "function": "tool"}.get(self.role, self.role)
+        # null content (an assistant's tool calls) as "": templates that concatenate
+        # content fail on None, and those that test it read "" alike (vLLM's choice)
+        out: dict[str, Any] = {"role": role, "content": self.text() or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        calls = list(self.tool_calls or [])
+        if self.function_call is not None:
+            calls.append(ToolCall(id="call_0", function=self.function_call))
+        if calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _arguments(c.function)}}
+                for c in calls
+            ]  # fmt: skip
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments(call: FunctionCall) -> Any:
+    try:
+        return json.loads(call.arguments)
+    except ValueError:
+        return call.arguments  # not JSON: the text as it is
+
+
+class FunctionDef(_Body):
+    name: Annotated[Text, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: Text
+
+
+class NamedTool(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
 
 
 class ChatCompletionRequest(_Sampling):
@@ -137,19 +317,84 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool = True
+    functions: Annotated[list[FunctionDef], Field(max_length=MAX_TOOLS)] | None = None
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
+    response_format: ResponseFormat | None = None
+    # passed to the chat template (templates that know them use them; others ignore them)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    # accepted; no effect on the output (bookkeeping on OpenAI's side)
+    metadata: Annotated[dict[str, Text], Field(max_length=16)] | None = None
+    store: bool = False
+    service_tier: Text | None = None
+    safety_identifier: Text | None = None
+    prompt_cache_key: Text | None = None
+    prompt_cache_retention: Text | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    moderation: Any = None
+    # output kvlm cannot make: refused, naming the field
+    audio: Any = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
 
     @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+    def _checks(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.audio is not None or "audio" in (self.modalities or []):
+            raise Unsupported(
+                "audio" if self.audio is not None else "modalities",
+                "audio output is not supported: kvlm serves text models",
+            )
+        if self.prediction is not None:
+            raise Unsupported("prediction", "predicted outputs are not supported")
+        if self.web_search_options is not None:
+            raise Unsupported("web_search_options", "kvlm does not search the web")
+        if self.tools is not None and self.functions is not None:
+            raise ValueError("give tools or the deprecated functions, not both")
+        choice = self.choice
+        if choice == "required" or isinstance(choice, (NamedTool, NamedFunction)):
+            raise Unsupported(
+                "tool_choice", "forcing a tool call needs constrained decoding, not served "
+                "yet; use \"auto\"",
+            )  # fmt: skip
+        if self.response_format is not None and self.response_format.type != "text":
+            raise Unsupported(
+                "response_format", f"{self.response_format.type} needs constrained decoding, "
+                "not served yet",
+            )  # fmt: skip
         return self
 
+    @property
+    def choice(self) -> Any:
+        return self.tool_choice if self.functions is None else self.function_call
+
+    def tool_specs(self) -> list[dict[str, Any]] | None:
+        """The tools as templates take them (OpenAI's shape), or None: none given, or
+        tool_choice "none" (the model is not offered them, as vLLM's default)."""
+        if self.choice == "none":
+            return None
+        if self.functions is not None:
+            return [{"type": "function", "function": f.model_dump(exclude_none=True)}
+                    for f in self.functions]  # fmt: skip
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
     def conversation(self) -> list[dict[str, Any]]:
-        # "developer" is the newer name of "system"; chat templates know only the latter.
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+        return [m.for_template() for m in self.messages]
+
+    def template_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {}
+        if self.reasoning_effort is not None:
+            options["reasoning_effort"] = self.reasoning_effort
+        if self.verbosity is not None:
+            options["verbosity"] = self.verbosity
+        return options
 
 
 def error_body(

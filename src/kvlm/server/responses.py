@@ -35,11 +35,20 @@ class _Choice:
 
 
 class Choices:
-    def __init__(self, tokenizer: Tokenizer, n: int, chat: bool, logprobs: bool) -> None:
+    """The choices of one response: `count` of them (a request's n samples, times its
+    prompts for a completions list). `echo`: each choice's text opens with this (its
+    prompt's text, /v1/completions' echo)."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, count: int, chat: bool, logprobs: bool,
+        echo: list[str] | None = None,
+    ) -> None:  # fmt: skip
         self.tokenizer = tokenizer
         self.chat = chat
         self.want_logprobs = logprobs
-        self.state = [_Choice(i) for i in range(n)]
+        self.echo = echo
+        self.state = [_Choice(i, echo[i] if echo else "") for i in range(count)]
+        self.cached: dict[str, int] = {}  # per engine request: its prompt tokens cached
 
     def head(self, request_id: str, model: str) -> dict[str, Any]:
         return {"id": request_id, "object": self._object(False), "created": int(time.time()),
@@ -58,6 +67,8 @@ class Choices:
     # ------------------------------------------------------------------ accumulate
 
     def add(self, event: StepOutput) -> _Choice:
+        if event.request_id:
+            self.cached[event.request_id] = event.cached_tokens
         choice = self.state[event.index]
         choice.text += event.text
         choice.tokens += len(event.token_ids)
@@ -66,14 +77,18 @@ class Choices:
             choice.finish_reason = event.finish_reason
         return choice
 
-    def usage(self, prompt_tokens: int, last: StepOutput) -> dict[str, Any]:
+    def usage(self, prompt_tokens: int) -> dict[str, Any]:
         completion = sum(c.tokens for c in self.state)
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": last.cached_tokens},
-        }
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached.values()),
+                                      "audio_tokens": 0},
+            "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
+                                          "accepted_prediction_tokens": 0,
+                                          "rejected_prediction_tokens": 0},
+        }  # fmt: skip
 
     # ------------------------------------------------------------------ whole responses
 
@@ -127,9 +142,16 @@ class Choices:
     # ------------------------------------------------------------------ streaming
 
     def opening(self, head: dict[str, Any]) -> list[dict[str, Any]]:
-        """Chat streams open each choice with the assistant role, as OpenAI's do."""
+        """Chat streams open each choice with the assistant role, as OpenAI's do; an echo
+        opens each completion choice with its prompt."""
         if not self.chat:
-            return []
+            if not self.echo:
+                return []
+            return [
+                head | {"choices": [{"index": c.index, "text": c.text, "logprobs": None,
+                                     "finish_reason": None}]}
+                for c in self.state
+            ]  # fmt: skip
         head = head | {"object": self._object(True)}
         return [
             head | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},

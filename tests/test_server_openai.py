@@ -1,0 +1,209 @@
+"""The whole OpenAI request on a real `kvlm serve` (the default model, 127.0.0.1), driven
+by the official `openai` client: every field accepted, the neutral ones change nothing,
+the ones kvlm honours change the output, the ones it cannot honour are a 400 naming the
+field; lists of prompts, echo, and the response's shape."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from serving import kvlm_serve
+
+pytestmark = pytest.mark.slow
+
+KEY = "openai-key"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with kvlm_serve("--api-key", KEY, "--max-context", "512", "--max-num-seqs", "8",
+                    "--threads", "2") as (port, _):  # fmt: skip
+        yield port
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+MESSAGES = [{"role": "user", "content": "Name a fruit."}]
+
+# every chat request field OpenAI defines, at a value that asks for nothing different
+NEUTRAL_CHAT = {
+    "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "logprobs": False,
+    "metadata": {"team": "kvlm"}, "store": False, "service_tier": "auto", "user": "u1",
+    "safety_identifier": "s1", "prompt_cache_key": "k1", "parallel_tool_calls": True,
+    "modalities": ["text"], "response_format": {"type": "text"}, "top_p": 1, "n": 1,
+    "stop": None, "stream_options": None, "tool_choice": "none", "seed": None,
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+}  # fmt: skip
+NEUTRAL_COMPLETION = {
+    "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "best_of": 1, "echo": False,
+    "n": 1, "suffix": None, "user": "u1", "stop": None, "logprobs": None, "top_p": 1,
+}  # fmt: skip
+
+
+def chat(client, model, **kw):
+    kw.setdefault("max_tokens", 12)
+    return client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, **kw)
+
+
+def complete(client, model, prompt="The capital of France is", **kw):
+    kw.setdefault("max_tokens", 10)
+    return client.completions.create(model=model, prompt=prompt, temperature=0, **kw)
+
+
+def test_every_field_at_its_neutral_value_changes_nothing(client, model):
+    plain = chat(client, model)
+    neutral = chat(client, model, extra_body=NEUTRAL_CHAT)
+    assert neutral.choices[0].message.content == plain.choices[0].message.content
+    text = complete(client, model).choices[0].text
+    assert complete(client, model, extra_body=NEUTRAL_COMPLETION).choices[0].text == text
+    # vLLM's extensions at their neutral values too
+    vllm = {"top_k": -1, "min_p": 0, "repetition_penalty": 1, "ignore_eos": False}
+    assert complete(client, model, extra_body=vllm).choices[0].text == text
+
+
+def test_explicit_nulls_are_defaults(server, model):
+    import http.client
+
+    body = {"model": model, "messages": MESSAGES, "temperature": 0, "max_tokens": 8,
+            "top_p": None, "n": None, "stop": None, "logprobs": None, "seed": None,
+            "presence_penalty": None, "frequency_penalty": None, "logit_bias": None,
+            "tools": None, "tool_choice": None, "response_format": None, "user": None}  # fmt: skip
+    conn = http.client.HTTPConnection("127.0.0.1", server, timeout=60)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+
+
+def test_honoured_fields_change_the_output(client, model):
+    base = complete(client, model, max_tokens=24)
+    ids = base.choices[0].text
+    assert complete(client, model, max_tokens=24, frequency_penalty=2.0).choices[0].text != ids
+    assert complete(client, model, max_tokens=24, presence_penalty=2.0).choices[0].text != ids
+    rep = complete(client, model, max_tokens=24, extra_body={"repetition_penalty": 3.0})
+    assert rep.choices[0].text != ids
+    # logit_bias +100 on one token: greedy takes it every time
+    token = 28  # "," in the default model's vocabulary
+    forced = complete(client, model, max_tokens=4, logit_bias={str(token): 100})
+    assert forced.choices[0].text == "," * 4
+    chat_forced = chat(client, model, max_tokens=3, logit_bias={str(token): 100})
+    assert chat_forced.choices[0].message.content == "," * 3
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"]}, "audio"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        ({"web_search_options": {}}, "web_search_options"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tool_choice": "required", "tools": NEUTRAL_CHAT["tools"]}, "tool_choice"),
+        ({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]},
+         "messages.0.content"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+        ({"not_a_field": 1}, "not_a_field"),
+    ],
+)  # fmt: skip
+def test_what_kvlm_cannot_honour_is_a_400_naming_the_field(client, model, body, param):
+    messages = body.pop("messages", MESSAGES)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model, messages=messages, max_tokens=4,
+                                       extra_body=body)  # fmt: skip
+    assert err.value.body["param"] == param, err.value.body
+    assert "Traceback" not in err.value.body["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [({"suffix": "end"}, "suffix"), ({"best_of": 3, "n": 1}, "best_of"),
+     ({"max_tokens": 0}, "max_tokens"), ({"echo": True, "logprobs": 1}, "echo")],
+)  # fmt: skip
+def test_completion_fields_it_cannot_honour(client, model, body, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt="Hi", **body)
+    assert err.value.body["param"] == param, err.value.body
+
+
+def test_an_agents_history_is_replayed(client, model):
+    """An assistant turn that called a tool (content null) and the tool's reply."""
+    history = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": json.dumps({"city": "Paris"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
+    ]  # fmt: skip
+    out = client.chat.completions.create(model=model, messages=history, temperature=0,
+                                         max_tokens=8, tools=NEUTRAL_CHAT["tools"])  # fmt: skip
+    assert out.choices[0].message.role == "assistant"
+
+
+def test_a_list_of_prompts_is_one_choice_per_prompt_and_sample(client, model):
+    prompts = ["The capital of France is", "Water boils at", "One, two,"]
+    alone = [complete(client, model, p).choices[0].text for p in prompts]
+    both = complete(client, model, prompts, n=2)
+    assert [c.index for c in both.choices] == list(range(6))
+    assert [c.text for c in both.choices] == [t for t in alone for _ in range(2)]
+    ids = [[1, 504, 3575], [1, 6689]]
+    by_ids = complete(client, model, ids)
+    assert [c.text for c in by_ids.choices] == [complete(client, model, i).choices[0].text
+                                                for i in ids]  # fmt: skip
+    assert by_ids.usage.prompt_tokens == 5
+    # streamed: every choice's pieces add up to its whole text
+    texts = [""] * 3
+    for chunk in client.completions.create(model=model, prompt=prompts, temperature=0,
+                                           max_tokens=10, stream=True):  # fmt: skip
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == alone
+
+
+def test_echo_opens_each_choice_with_its_prompt(client, model):
+    prompt = "The capital of France is"
+    plain = complete(client, model).choices[0].text
+    echoed = complete(client, model, echo=True)
+    assert echoed.choices[0].text == prompt + plain
+    only = complete(client, model, echo=True, max_tokens=0)
+    assert only.choices[0].text == prompt and only.usage.completion_tokens == 0
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=model, prompt=prompt, temperature=0, max_tokens=10, echo=True, stream=True
+        )
+    )
+    assert streamed == prompt + plain
+
+
+def test_the_response_shape(client, model):
+    out = chat(client, model, max_tokens=4)
+    assert out.object == "chat.completion" and out.system_fingerprint.startswith("fp_")
+    assert out.usage.completion_tokens_details.reasoning_tokens == 0
+    assert out.usage.prompt_tokens_details.cached_tokens >= 0
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=MESSAGES,
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + 4
+    assert all(c.system_fingerprint == out.system_fingerprint for c in chunks)
+    text = complete(client, model, max_tokens=3)
+    assert text.object == "text_completion" and text.system_fingerprint == out.system_fingerprint
