@@ -130,7 +130,7 @@ def test_what_kvlm_cannot_honour_is_a_400_naming_the_field(client, model, body, 
 @pytest.mark.parametrize(
     ("body", "param"),
     [({"suffix": "end"}, "suffix"), ({"best_of": 3, "n": 1}, "best_of"),
-     ({"max_tokens": 0}, "max_tokens"), ({"echo": True, "logprobs": 1}, "echo")],
+     ({"max_tokens": 0}, "max_tokens")],
 )  # fmt: skip
 def test_completion_fields_it_cannot_honour(client, model, body, param):
     with pytest.raises(openai.BadRequestError) as err:
@@ -207,3 +207,30 @@ def test_the_response_shape(client, model):
     assert all(c.system_fingerprint == out.system_fingerprint for c in chunks)
     text = complete(client, model, max_tokens=3)
     assert text.object == "text_completion" and text.system_fingerprint == out.system_fingerprint
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, model):
+    """lm-evaluation-harness's loglikelihood request: the prompt echoed with every token's
+    logprob (the first null), from the prefill; max_tokens 0 generates nothing."""
+    prompt = "The capital of France is Paris"
+    out = complete(client, model, prompt, echo=True, logprobs=1, max_tokens=0)
+    choice = out.choices[0]
+    assert choice.text == prompt and out.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == prompt and lp.text_offset[0] == 0
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert all(len(t) == 1 for t in lp.top_logprobs[1:])
+    # one token generated after it: the prompt's entries, then the token's
+    gen = complete(client, model, prompt, echo=True, logprobs=1, max_tokens=1)
+    assert gen.choices[0].logprobs.token_logprobs[:-1] == lp.token_logprobs
+    assert gen.choices[0].text.startswith(prompt) and gen.usage.completion_tokens == 1
+    # vLLM's own field: per token {id: {logprob, rank, decoded_token}}
+    vllm = complete(client, model, prompt, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    entries = vllm.model_extra.get("prompt_logprobs") or vllm.choices[0].model_extra[
+        "prompt_logprobs"]  # fmt: skip
+    assert entries[0] is None and len(entries) == len(lp.tokens)
+    for entry, token, logprob in zip(entries[1:], lp.tokens[1:], lp.token_logprobs[1:],
+                                     strict=True):  # fmt: skip
+        mine = [v for v in entry.values() if v["decoded_token"] == token]
+        assert mine and mine[0]["logprob"] == logprob and mine[0]["rank"] >= 1

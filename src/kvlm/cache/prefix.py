@@ -124,12 +124,13 @@ class BlockManager:
     # ------------------------------------------------------------------ admission
 
     def match(
-        self, tokens: Sequence[int], salt: str | None = None
+        self, tokens: Sequence[int], salt: str | None = None, reuse: bool = True
     ) -> tuple[list[int], list[bytes]]:
         """Blocks (and their keys) of the longest cached prefix of `tokens` under `salt`,
-        full blocks only, never covering the last token."""
+        full blocks only, never covering the last token. `reuse` False: none (a request
+        that needs every prompt row's logits computes them all)."""
         check_salt(salt)
-        if not self.prefix_caching:
+        if not self.prefix_caching or not reuse:
             return [], []
         bs, key, parent = self.block_size, root_key(salt), None
         blocks, keys = [], []
@@ -144,23 +145,29 @@ class BlockManager:
             parent = block
         return blocks, keys
 
-    def blocks_to_admit(self, tokens: Sequence[int], salt: str | None = None) -> int:
+    def blocks_to_admit(
+        self, tokens: Sequence[int], salt: str | None = None, reuse: bool = True
+    ) -> int:
         """Free blocks that allocate(tokens, salt) would take: new ones, plus cached ones
         that sit in the free queue (taking them back also takes them out of the free
         count)."""
-        return self._admit_cost(len(tokens), self.match(tokens, salt)[0])
+        return self._admit_cost(len(tokens), self.match(tokens, salt, reuse)[0])
 
     def _admit_cost(self, num_tokens: int, hit: list[int]) -> int:
         revived = sum(1 for b in hit if self.pool.refs[b] == 0)
         return blocks_for(num_tokens, self.block_size) - len(hit) + revived
 
-    def can_admit(self, tokens: Sequence[int], reserve: int = 0, salt: str | None = None) -> bool:
-        return self.blocks_to_admit(tokens, salt) <= self.pool.num_free - reserve
+    def can_admit(
+        self, tokens: Sequence[int], reserve: int = 0, salt: str | None = None, reuse: bool = True
+    ) -> bool:
+        return self.blocks_to_admit(tokens, salt, reuse) <= self.pool.num_free - reserve
 
-    def allocate(self, tokens: Sequence[int], salt: str | None = None) -> tuple[BlockTable, int]:
+    def allocate(
+        self, tokens: Sequence[int], salt: str | None = None, reuse: bool = True
+    ) -> tuple[BlockTable, int]:
         """Blocks for all of `tokens`: cached prefix blocks (of the same salt) shared, the
         rest fresh. Returns the table and how many leading tokens are already computed."""
-        hit, keys = self.match(tokens, salt)
+        hit, keys = self.match(tokens, salt, reuse)
         if self._admit_cost(len(tokens), hit) > self.pool.num_free:
             raise RuntimeError("allocate() without room: check can_admit() first")
         for block in hit:

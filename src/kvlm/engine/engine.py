@@ -26,7 +26,7 @@ from kvlm.cache.paged import BlockPool
 from kvlm.cache.prefix import BlockManager, check_salt
 from kvlm.engine.generate import SampleState, check_prompt, stop_token_ids
 from kvlm.engine.metrics import EngineStats
-from kvlm.engine.sampling import Sampler, SamplingParams, TokenLogprob
+from kvlm.engine.sampling import Sampler, SamplingParams, TokenLogprob, prompt_logprobs
 from kvlm.engine.scheduler import Batch, QueueFullError, Scheduler, SchedulerConfig
 from kvlm.engine.sequence import Sequence, Status
 from kvlm.errors import InvalidRequestError
@@ -57,6 +57,9 @@ class StepOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # with params.prompt_logprobs, on a sample's first event: one entry per prompt token,
+    # None for the first (nothing before it to predict it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -68,6 +71,11 @@ class _Request:
     cache_salt: str | None = None
     seqs: list[Sequence] = field(default_factory=list)
     first_token: float | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled by the prefill
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_ids)
 
 
 class Engine:
@@ -215,9 +223,14 @@ class Engine:
         for seq, n in batch.prefill:
             if seq.status is Status.FINISHED:  # its request failed earlier in this step
                 continue
-            fed = seq.token_ids[seq.num_computed : seq.num_computed + n]
+            start = seq.num_computed
+            fed = seq.token_ids[start : start + n]
+            req = self.requests[seq.request_id]
+            scored = req.prompt_logprobs is not None and start + 1 < seq.num_prompt
             try:
-                logits = self._forward([seq], [fed], prompt=True)[0]
+                logits = self._forward([seq], [fed], prompt=True, all_rows=scored)[0]
+                if scored:  # row j predicts prompt token start + j + 1
+                    logits = self._score_prompt(req, start, logits)
             except Exception as exc:
                 events += self._fail(seq.request_id, exc)
                 continue
@@ -244,8 +257,9 @@ class Engine:
             self._finish_forward(seq, 1, logits, events)
 
     def _forward(
-        self, seqs: list[Sequence], rows: list[list[int]], prompt: bool = False
-    ) -> torch.Tensor:
+        self, seqs: list[Sequence], rows: list[list[int]], prompt: bool = False,
+        all_rows: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
         return self.runner.forward_table(
             self.pool,
             self.spec,
@@ -253,7 +267,18 @@ class Engine:
             [s.table.blocks for s in seqs],
             [s.num_computed for s in seqs],
             prompt=prompt,
+            all_rows=all_rows,
         )
+
+    def _score_prompt(self, req: _Request, start: int, rows: torch.Tensor) -> torch.Tensor:
+        """Record the prompt tokens' logprobs a chunk's rows (T, V) predict (fed from
+        position `start`); return the last row, the one sampling reads."""
+        ids = req.prompt_ids
+        m = min(rows.shape[0], len(ids) - 1 - start)
+        top = req.params.prompt_logprobs or 0
+        scored = prompt_logprobs(rows[:m], ids[start + 1 : start + 1 + m], top)
+        req.prompt_logprobs[start + 1 : start + 1 + m] = scored
+        return rows[-1]
 
     def _finish_forward(
         self, seq: Sequence, n: int, logits: torch.Tensor, events: list[StepOutput]
@@ -284,6 +309,7 @@ class Engine:
             req.first_token = now
             self.stats.record_ttft(now - req.arrival)
         for s in family:
+            first = not s.sample.out.token_ids
             token = s.sampler(logits)
             text = s.accept(token, logits)
             out = s.sample.out
@@ -294,6 +320,8 @@ class Engine:
                 text += s.sample.finish()
                 self.scheduler.finish(s)
             events.append(self._event(req, s, [token], lp, out.finish_reason, text))
+            if first and req.prompt_logprobs is not None:
+                events[-1].prompt_logprobs = req.prompt_logprobs
             self.stats.generated_tokens += 1
         if all(s.sample.done for s in req.seqs) and not any(s.fan_out > 1 for s in req.seqs):
             del self.requests[req.request_id]

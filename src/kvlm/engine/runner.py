@@ -72,13 +72,18 @@ class ModelRunner:
         tables: Sequence[list[int]],
         starts: Sequence[int],
         prompt: bool | None = None,
+        all_rows: bool = False,
     ) -> torch.Tensor:
         """Sequences of different lengths in one pool (the scheduler's batch): row b feeds
         its tokens at positions starts[b].. through block table tables[b]. Every row has the
-        same number of tokens. Returns each row's last logits, (B, V).
+        same number of tokens. Returns each row's last logits, (B, V), or with `all_rows`
+        every position's, (B, T, V) (a prompt's own logprobs).
 
         One token per row (the decode batch) is one call of the fused step when it applies."""
-        if len(rows[0]) == 1 and len(rows) <= fused.MAX_ROWS and self._decodes_alike(prompt):
+        if (
+            len(rows[0]) == 1 and len(rows) <= fused.MAX_ROWS and self._decodes_alike(prompt)
+            and not all_rows
+        ):  # fmt: skip
             decoder = self._decoder(spec.max_tokens)
             if decoder is not None and decoder.reads(pool.store):
                 tokens = [r[0] for r in rows]
@@ -86,8 +91,8 @@ class ModelRunner:
         step = TableStep(pool, spec, list(tables), list(starts), len(rows[0]))
         ids = torch.tensor(rows, dtype=torch.long, device=self.device)
         with self.model.step_context(ids.numel()):
-            logits = self.model(ids, step.positions, step, prompt=prompt)
-        return logits[:, -1]
+            logits = self.model(ids, step.positions, step, last_only=not all_rows, prompt=prompt)
+        return logits if all_rows else logits[:, -1]
 
     def forward(self, token_ids: Sequence[int], cache: KVCache) -> torch.Tensor:
         """One sequence: its last logits, (V,)."""

@@ -44,6 +44,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # OpenAI's: id -> -100 .. 100
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one; 0 = off
+    # vLLM's: the log-probability of every prompt token after the first (and this many
+    # alternatives), computed in the prefill (a request asking skips the prefix cache)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,6 +84,11 @@ class SamplingParams:
             "repetition_penalty",
         )
         _check(_real(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]", "min_p")
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}",
+            "prompt_logprobs",
+        )
         _check(isinstance(self.logit_bias, dict), "logit_bias must map token ids to numbers")
         _check(
             len(self.logit_bias) <= MAX_LOGIT_BIAS,
@@ -130,8 +138,9 @@ class TokenLogprob:
     """The log-probability of a generated token and of the `top` most likely ones."""
 
     token_id: int
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (nothing predicts it)
     top: dict[int, float]
+    rank: int | None = None  # 1 + how many tokens are more likely (prompt logprobs)
 
     def to_dict(self) -> dict:
         return {
@@ -305,3 +314,19 @@ def token_logprob(logits: torch.Tensor, token_id: int, top: int) -> TokenLogprob
         {} if best is None else dict(zip(best.indices.tolist(), best.values.tolist(), strict=True))
     )
     return TokenLogprob(token_id, float(logprobs[token_id]), top_map)
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], top: int) -> list[TokenLogprob]:
+    """Row i of `logits` (m, V) scoring targets[i]: its log-probability, rank and the `top`
+    most likely (the model's distribution, as token_logprob)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(list(targets), dtype=torch.long, device=logits.device)
+    chosen = logprobs.gather(-1, ids[:, None])[:, 0]
+    ranks = (logprobs > chosen[:, None]).sum(-1) + 1
+    best = torch.topk(logprobs, top) if top else None
+    out = []
+    for i, t in enumerate(targets):
+        tops = {} if best is None else dict(zip(best.indices[i].tolist(),
+                                                best.values[i].tolist(), strict=True))  # fmt: skip
+        out.append(TokenLogprob(t, float(chosen[i]), tops, int(ranks[i])))
+    return out

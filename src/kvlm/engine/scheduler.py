@@ -144,12 +144,13 @@ class Scheduler:
             if self.config.reserve_full and self.running:
                 reserve = self.config.reserve_blocks + self._growth(seq)
                 reserve += sum(self._growth(s) for s in self.running)
-            if not self.manager.can_admit(seq.token_ids, reserve, salt=seq.cache_salt):
+            reuse = seq.sample.params.prompt_logprobs is None  # else every row's logits
+            if not self.manager.can_admit(seq.token_ids, reserve, seq.cache_salt, reuse):
                 break  # first come, first served: later requests wait behind it
             if self.config.chunk_size and seq.num_pending > 1 and not self._chunk(seq, budget):
                 break  # its first chunk waits for a step with room for all of it
             self.waiting.popleft()
-            seq.table, seq.num_cached = self.manager.allocate(seq.token_ids, seq.cache_salt)
+            seq.table, seq.num_cached = self.manager.allocate(seq.token_ids, seq.cache_salt, reuse)
             seq.num_computed = seq.num_cached
             seq.status = Status.RUNNING
             self.running.append(seq)

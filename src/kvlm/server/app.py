@@ -154,8 +154,11 @@ def create_app(
             texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False)
                      for p in prompts]  # fmt: skip
             echo = [t for t in texts for _ in range(n)]
-        choices = Choices(tokenizer, n * len(ids), chat=False,
-                          logprobs=body.logprobs is not None, echo=echo)  # fmt: skip
+        choices = Choices(
+            tokenizer, n * len(ids), chat=False, logprobs=body.logprobs is not None, echo=echo,
+            prompts=[one for one in ids for _ in range(n)], score_only=body.max_tokens == 0,
+            prompt_logprobs=body.prompt_logprobs is not None,
+        )  # fmt: skip
         return await _respond(engine, request, body, ids, params, choices, model_name, print_)
 
     @v1.post("/chat/completions", responses=openapi.generation(openapi.ChatCompletionResponse))
@@ -170,7 +173,9 @@ def create_app(
         ids = await run_in_threadpool(render)
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = _params(body, ids, max_len, top)
-        choices = Choices(tokenizer, params.n, chat=True, logprobs=body.logprobs)
+        choices = Choices(tokenizer, params.n, chat=True, logprobs=body.logprobs,
+                          prompts=[ids] * params.n,
+                          prompt_logprobs=body.prompt_logprobs is not None)  # fmt: skip
         return await _respond(engine, request, body, [ids], [params], choices, model_name,
                               print_)  # fmt: skip
 
@@ -236,7 +241,8 @@ async def _respond(
     rid = ("chatcmpl-" if choices.chat else "cmpl-") + uuid.uuid4().hex
     head = choices.head(rid, model_name) | {"system_fingerprint": fingerprint}
     prompt_tokens = sum(len(p) for p in prompts)
-    if getattr(body, "max_tokens", None) == 0:  # echo, no completion: no engine work
+    if getattr(body, "max_tokens", None) == 0 and params[0].prompt_logprobs is None:
+        # echo, no completion, nothing to score: no engine work
         events: AsyncIterator[StepOutput] = _nothing(len(prompts), params[0].n)
     else:
         events = await _start(engine, body, prompts, params)

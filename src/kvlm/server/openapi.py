@@ -49,9 +49,16 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    # null at an echoed prompt's first token (nothing predicts it)
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptTokenLogprob(BaseModel):
+    logprob: float
+    rank: int | None
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -59,6 +66,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    # vLLM's, with `prompt_logprobs`: per prompt token (null first) token id -> entry
+    prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -95,6 +104,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -130,6 +140,7 @@ class ChatChunkChoice(BaseModel):
     delta: Delta
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -110,6 +110,8 @@ class _Sampling(_Body):
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0, le=MAX_REPETITION)] = 1.0
     ignore_eos: bool = False  # for benchmarks, as vLLM's
+    # vLLM's: every prompt token's logprob (and this many alternatives), from the prefill
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # vLLM's: prefix-cache blocks are shared only between requests of the same salt
     cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_SALT_CHARS)] | None = None
 
@@ -143,7 +145,12 @@ class _Sampling(_Body):
             repetition_penalty=self.repetition_penalty,
             min_p=self.min_p,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            prompt_logprobs=self.scored_prompt(),
         )
+
+    def scored_prompt(self) -> int | None:
+        """How many alternatives each prompt token's logprob needs, or None: not asked."""
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -180,10 +187,12 @@ class CompletionRequest(_Sampling):
             raise Unsupported("suffix", "insertion (fill in the middle) is not supported")
         if self.max_tokens == 0 and not self.echo:
             raise Unsupported("max_tokens", "0 is only allowed with echo (to score a prompt)")
-        if self.echo and self.logprobs is not None:
-            raise Unsupported("echo", "the prompt's own logprobs (echo with logprobs) are "
-                              "not computed yet")  # fmt: skip
         return self
+
+    def scored_prompt(self) -> int | None:
+        if self.echo and self.logprobs is not None:  # the echoed prompt carries logprobs
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one, or the list's."""

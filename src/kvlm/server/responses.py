@@ -32,22 +32,30 @@ class _Choice:
     tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    started: bool = False  # its first event arrived (an echo opens it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Choices:
     """The choices of one response: `count` of them (a request's n samples, times its
     prompts for a completions list). `echo`: each choice's text opens with this (its
-    prompt's text, /v1/completions' echo)."""
+    prompt's text, /v1/completions' echo), and with logprobs its prompt's logprobs
+    (`prompts`: each choice's prompt ids). `score_only`: max_tokens 0, the one token the
+    engine made is dropped. `prompt_logprobs`: vLLM's field in each choice."""
 
     def __init__(
         self, tokenizer: Tokenizer, count: int, chat: bool, logprobs: bool,
-        echo: list[str] | None = None,
+        echo: list[str] | None = None, prompts: list[list[int]] | None = None,
+        score_only: bool = False, prompt_logprobs: bool = False,
     ) -> None:  # fmt: skip
         self.tokenizer = tokenizer
         self.chat = chat
         self.want_logprobs = logprobs
         self.echo = echo
-        self.state = [_Choice(i, echo[i] if echo else "") for i in range(count)]
+        self.prompts = prompts
+        self.score_only = score_only
+        self.want_prompt_logprobs = prompt_logprobs
+        self.state = [_Choice(i) for i in range(count)]
         self.cached: dict[str, int] = {}  # per engine request: its prompt tokens cached
 
     def head(self, request_id: str, model: str) -> dict[str, Any]:
@@ -66,16 +74,35 @@ class Choices:
 
     # ------------------------------------------------------------------ accumulate
 
-    def add(self, event: StepOutput) -> _Choice:
+    def add(self, event: StepOutput) -> tuple[str, list[TokenLogprob]]:
+        """Take one event into its choice; return the text and logprob entries it adds
+        (a choice's first also carries its echo)."""
         if event.request_id:
             self.cached[event.request_id] = event.cached_tokens
         choice = self.state[event.index]
-        choice.text += event.text
-        choice.tokens += len(event.token_ids)
-        choice.logprobs += event.logprobs
+        text, entries, made = event.text, list(event.logprobs), len(event.token_ids)
+        if self.score_only:
+            text, entries, made = "", [], 0
+        if not choice.started:
+            choice.started = True
+            if event.prompt_logprobs is not None:
+                choice.prompt_logprobs = self._with_first(event)
+            if self.echo:
+                text = self.echo[event.index] + text
+                if self.want_logprobs and choice.prompt_logprobs is not None:
+                    entries = [*choice.prompt_logprobs, *entries]
+        choice.text += text
+        choice.tokens += made
+        choice.logprobs += entries
         if event.finish_reason is not None:
-            choice.finish_reason = event.finish_reason
-        return choice
+            choice.finish_reason = "length" if self.score_only else event.finish_reason
+        return text, entries
+
+    def _with_first(self, event: StepOutput) -> list[TokenLogprob]:
+        """The prompt's entries with the first token's (no logprob: nothing predicts it)."""
+        ids = self.prompts[event.index] if self.prompts else [0]
+        first = TokenLogprob(ids[0], None, {})  # type: ignore[arg-type]
+        return [first, *event.prompt_logprobs[1:]]  # type: ignore[list-item]
 
     def usage(self, prompt_tokens: int) -> dict[str, Any]:
         completion = sum(c.tokens for c in self.state)
@@ -93,7 +120,28 @@ class Choices:
     # ------------------------------------------------------------------ whole responses
 
     def final(self) -> list[dict[str, Any]]:
-        return [self._choice(c.index, c.text, c.logprobs, c.finish_reason) for c in self.state]
+        out = []
+        for c in self.state:
+            body = self._choice(c.index, c.text, c.logprobs, c.finish_reason)
+            if self.want_prompt_logprobs:
+                body["prompt_logprobs"] = self._vllm_prompt_logprobs(c.prompt_logprobs)
+            out.append(body)
+        return out
+
+    def _vllm_prompt_logprobs(self, entries: list[TokenLogprob] | None) -> list | None:
+        """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id:
+        {logprob, rank, decoded_token}} for the token and the top alternatives."""
+        if entries is None:
+            return None
+        out: list[dict[str, Any] | None] = [None]
+        for e in entries[1:]:
+            ranked = sorted(e.top.items(), key=lambda kv: -kv[1])
+            one = {str(t): {"logprob": lp, "rank": r + 1, "decoded_token": self._token(t)}
+                   for r, (t, lp) in enumerate(ranked)}  # fmt: skip
+            one[str(e.token_id)] = {"logprob": e.logprob, "rank": e.rank,
+                                    "decoded_token": self._token(e.token_id)}  # fmt: skip
+            out.append(one)
+        return out
 
     def _choice(
         self, index: int, text: str, logprobs: list[TokenLogprob], finish: str | None, *,
@@ -120,7 +168,10 @@ class Choices:
         return {
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self._token(t): lp for t, lp in e.top.items()} for e in entries],
+            "top_logprobs": [
+                None if e.logprob is None else {self._token(t): lp for t, lp in e.top.items()}
+                for e in entries
+            ],
             "text_offset": offsets,
         }
 
@@ -142,16 +193,9 @@ class Choices:
     # ------------------------------------------------------------------ streaming
 
     def opening(self, head: dict[str, Any]) -> list[dict[str, Any]]:
-        """Chat streams open each choice with the assistant role, as OpenAI's do; an echo
-        opens each completion choice with its prompt."""
+        """Chat streams open each choice with the assistant role, as OpenAI's do."""
         if not self.chat:
-            if not self.echo:
-                return []
-            return [
-                head | {"choices": [{"index": c.index, "text": c.text, "logprobs": None,
-                                     "finish_reason": None}]}
-                for c in self.state
-            ]  # fmt: skip
+            return []
         head = head | {"object": self._object(True)}
         return [
             head | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
@@ -164,14 +208,11 @@ class Choices:
         by a possible stop string, and no logprobs or finish to report)."""
         choice = self.state[event.index]
         offset = len(choice.text)
-        self.add(event)
-        if (
-            not event.text
-            and event.finish_reason is None
-            and not (self.want_logprobs and event.logprobs)
-        ):
+        text, entries = self.add(event)
+        finish = choice.finish_reason if event.finish_reason is not None else None
+        if not text and finish is None and not (self.want_logprobs and entries):
             return None
-        finish = event.finish_reason
-        body = self._choice(event.index, event.text, event.logprobs, finish, delta=True,
-                            offset=offset)  # fmt: skip
+        body = self._choice(event.index, text, entries, finish, delta=True, offset=offset)
+        if self.want_prompt_logprobs and event.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs(choice.prompt_logprobs)
         return head | {"object": self._object(True), "choices": [body]}

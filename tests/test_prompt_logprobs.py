@@ -1,0 +1,89 @@
+"""Prompt logprobs (vLLM's prompt_logprobs; echo with logprobs on /v1/completions): every
+prompt token's log-probability under the model, computed in the prefill itself (chunked
+or not, no second pass), equal to the teacher-forced forward's; a request asking for them
+computes its whole prompt (no prefix-cache hit), and the others keep the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlm import LLM, SamplingParams
+from kvlm.engine.engine import Engine, EngineConfig
+from kvlm.engine.scheduler import SchedulerConfig
+from numerics import assert_as_exact_as
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return LLM(model=tiny_model_dir("llama"), progress=False, max_context=256)
+
+
+@pytest.fixture(scope="module")
+def exact(tiny_model_dir):
+    return LLM(model=tiny_model_dir("llama"), progress=False, max_context=256, dtype="fp64")
+
+
+def run(engine: Engine, prompts: dict[str, list[int]], params: SamplingParams) -> dict:
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params)
+    firsts: dict[str, list] = {}
+    for _ in range(1000):
+        if not engine.has_work():
+            break
+        for event in engine.step():
+            if event.prompt_logprobs is not None and event.index == 0:
+                firsts[event.request_id] = (event.prompt_logprobs, event.cached_tokens)
+    return firsts
+
+
+def _teacher_forced(llm: LLM, ids: list[int]) -> torch.Tensor:
+    logits = llm.runner.logits(ids, llm.new_cache("off"))
+    return torch.log_softmax(logits.double(), -1)[:-1].gather(
+        -1, torch.tensor(ids[1:])[:, None])[:, 0]  # fmt: skip
+
+
+@pytest.mark.parametrize("chunk", [256, 7])
+def test_prompt_logprobs_are_the_teacher_forced_forwards(tiny, exact, chunk):
+    ids = tiny.tokenizer.encode("The quick brown fox jumps over the lazy dog, and then " * 3)
+    engine = Engine(tiny, EngineConfig(num_blocks=64,
+                                       scheduler=SchedulerConfig(prefill_chunk=chunk)))  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    entries, cached = run(engine, {"a": ids}, params)["a"]
+    assert len(entries) == len(ids) and entries[0] is None and cached == 0
+    got = torch.tensor([e.logprob for e in entries[1:]], dtype=torch.float32)
+    assert [e.token_id for e in entries[1:]] == ids[1:]
+    ref = _teacher_forced(tiny, ids).float()
+    assert_as_exact_as(got, ref, _teacher_forced(exact, ids))
+    for e in entries[1:]:  # rank 1 + how many are likelier; the top 3 include it when rank <= 3
+        assert len(e.top) == 3 and e.rank >= 1
+        assert (e.rank <= 3) == (e.token_id in e.top)
+        assert max(e.top.values()) >= e.logprob
+
+
+def test_a_scored_prompt_skips_the_prefix_cache_and_others_keep_it(tiny):
+    ids = tiny.tokenizer.encode("Once upon a time there was a cache. " * 6)
+    engine = Engine(tiny, EngineConfig(num_blocks=64))
+    plain = SamplingParams(temperature=0, max_tokens=1)
+    run(engine, {"warm": ids}, plain)  # fills the prefix cache
+    scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    first = run(engine, {"s1": ids}, scored)["s1"]
+    second = run(engine, {"s2": ids}, scored)["s2"]
+    assert first[1] == second[1] == 0  # nothing reused: every row's logits computed
+    assert [e and e.logprob for e in first[0]] == [e and e.logprob for e in second[0]]
+    engine.add_request("p", ids, plain)
+    cached = [e.cached_tokens for _ in range(50) if engine.has_work() for e in engine.step()]
+    assert max(cached) > 0  # a plain request still hits
+
+
+def test_n_samples_each_carry_the_prompts_logprobs(tiny):
+    ids = tiny.tokenizer.encode("Water boils at")
+    engine = Engine(tiny, EngineConfig(num_blocks=64))
+    engine.add_request("r", ids, SamplingParams(temperature=0.8, seed=1, max_tokens=2, n=3,
+                                                prompt_logprobs=1))  # fmt: skip
+    seen = {}
+    while engine.has_work():
+        for event in engine.step():
+            if event.prompt_logprobs is not None:
+                seen[event.index] = [e and e.logprob for e in event.prompt_logprobs]
+    assert sorted(seen) == [0, 1, 2] and seen[0] == seen[1] == seen[2]
