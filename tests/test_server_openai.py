@@ -6,6 +6,7 @@ field; lists of prompts, echo, and the response's shape."""
 from __future__ import annotations
 
 import json
+import re
 
 import openai
 import pytest
@@ -108,7 +109,10 @@ def test_honoured_fields_change_the_output(client, model):
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ({"web_search_options": {}}, "web_search_options"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+          "schema": {"type": "no-such-type"}}}}, "response_format.json_schema"),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
         ({"tool_choice": "required", "tools": NEUTRAL_CHAT["tools"]}, "tool_choice"),
         ({"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]},
@@ -234,3 +238,61 @@ def test_echo_with_logprobs_scores_the_prompt(client, model):
                                      strict=True):  # fmt: skip
         mine = [v for v in entry.values() if v["decoded_token"] == token]
         assert mine and mine[0]["logprob"] == logprob and mine[0]["rank"] >= 1
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+def test_structured_output(client, model):
+    """response_format json_schema (strict) and json_object, vLLM's guided_* fields: the
+    output parses and validates, streamed or not."""
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                  "strict": True}}  # fmt: skip
+    for temperature in (0, 1.0):
+        out = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "A person as JSON."}],
+            temperature=temperature,
+            seed=1,
+            max_tokens=60,
+            response_format=fmt,
+        )
+        jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "A person as JSON."}],
+            temperature=0,
+            max_tokens=60,
+            response_format=fmt,
+            stream=True,
+        )
+        if c.choices
+    )
+    jsonschema.validate(json.loads(streamed), PERSON)
+    obj = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Reply in JSON."}],
+        temperature=0,
+        max_tokens=60,
+        response_format={"type": "json_object"},
+    )
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    choice = complete(client, model, "The sky is", max_tokens=5,
+                      extra_body={"guided_choice": ["blue", "green"]})  # fmt: skip
+    assert choice.choices[0].text in ("blue", "green")
+    regex = complete(client, model, "Code:", max_tokens=12,
+                     extra_body={"guided_regex": "[A-Z]{3}-[0-9]{2}"})  # fmt: skip
+    assert re.fullmatch("[A-Z]{3}-[0-9]{2}", regex.choices[0].text)
+    schema = complete(client, model, "Person:", max_tokens=60, extra_body={"guided_json": PERSON})
+    jsonschema.validate(json.loads(schema.choices[0].text), PERSON)

@@ -25,6 +25,7 @@ from kvlm.cache.base import blocks_for
 from kvlm.cache.paged import BlockPool
 from kvlm.cache.prefix import BlockManager, check_salt
 from kvlm.engine.generate import SampleState, check_prompt, stop_token_ids
+from kvlm.engine.guided import check_guide
 from kvlm.engine.metrics import EngineStats
 from kvlm.engine.sampling import Sampler, SamplingParams, TokenLogprob, prompt_logprobs
 from kvlm.engine.scheduler import Batch, QueueFullError, Scheduler, SchedulerConfig
@@ -131,6 +132,8 @@ class Engine:
             )
         vocab = self.llm.config.vocab_size
         check_prompt(prompt_ids, vocab)
+        if params.guide is not None:  # compiled now: a bad schema is this request's 400
+            check_guide(params.guide, self.tokenizer, vocab)
         outside = [t for t in params.logit_bias if t >= vocab]
         if outside:
             raise InvalidRequestError(
@@ -174,7 +177,8 @@ class Engine:
     def _sequence(self, req: _Request, index: int) -> Sequence:
         stops = stop_token_ids(req.params, self.tokenizer)
         sample = SampleState(index, req.prompt_ids, req.params, self.tokenizer, stops)
-        sampler = Sampler(req.params, self.runner.device, index, req.prompt_ids)  # seed + index
+        sampler = Sampler(req.params, self.runner.device, index, req.prompt_ids,
+                          self.tokenizer)  # seeded seed + index  # fmt: skip
         seq = Sequence(req.request_id, sample, sampler, len(req.prompt_ids), arrival=req.arrival,
                        cache_salt=req.cache_salt)  # fmt: skip
         req.seqs.append(seq)

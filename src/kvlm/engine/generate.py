@@ -260,7 +260,8 @@ class Generation:
     def __iter__(self) -> Iterator[str]:
         prompt = self.output.prompt_token_ids
         samplers = [
-            Sampler(self.params, self.runner.device, i, prompt) for i in range(len(self.samples))
+            Sampler(self.params, self.runner.device, i, prompt, self.tokenizer)
+            for i in range(len(self.samples))
         ]
         logits = self._prefill()
         for sample, sampler in zip(self.samples, samplers, strict=True):  # n first tokens

@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from kvlm.engine.guided import Guide, GuideState
 from kvlm.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # as OpenAI's API
@@ -47,6 +49,8 @@ class SamplingParams:
     # vLLM's: the log-probability of every prompt token after the first (and this many
     # alternatives), computed in the prefill (a request asking skips the prefix cache)
     prompt_logprobs: int | None = None
+    # the output must match this (kvlm.engine.guided: JSON schema, regex, choice, grammar)
+    guide: Guide | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -161,17 +165,24 @@ class Sampler:
         device: torch.device | str = "cpu",
         index: int = 0,
         prompt_ids: Sequence[int] = (),
+        tokenizer: Any = None,
     ) -> None:
         self.params = params
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(params.seed + index)
         self.penalties = Penalties(params, prompt_ids) if params.penalized else None
+        self.tokenizer = tokenizer  # for a guide's matcher, made at the first call
+        self.guide: GuideState | None = None
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits (V,) fp32 -> a token id. Call once per token the sample takes: the
-        penalties count what it returned."""
+        penalties count what it returned, a guide consumes it."""
         p = self.params
+        if p.guide is not None:
+            if self.guide is None:
+                self.guide = GuideState(p.guide, self.tokenizer, logits.shape[-1])
+            logits = self.guide.mask(logits)
         if self.penalties is not None:
             logits = self.penalties.apply(logits)
         if p.greedy:
@@ -187,6 +198,8 @@ class Sampler:
             token = pick if ids is None else int(ids[pick])
         if self.penalties is not None:
             self.penalties.count(token)
+        if self.guide is not None:
+            self.guide.accept(token)
         return token
 
 

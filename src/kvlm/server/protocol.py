@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from kvlm.cache.prefix import MAX_SALT_CHARS
+from kvlm.engine.guided import MAX_GUIDE_CHARS, Guide
 from kvlm.engine.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -34,6 +35,7 @@ from kvlm.engine.sampling import (
     SEED_MIN,
     SamplingParams,
 )
+from kvlm.errors import InvalidRequestError
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_PROMPTS = 64  # prompts in one completions request (each is a request of n samples)
@@ -112,6 +114,13 @@ class _Sampling(_Body):
     ignore_eos: bool = False  # for benchmarks, as vLLM's
     # vLLM's: every prompt token's logprob (and this many alternatives), from the prefill
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # vLLM's guided decoding: the output matches a JSON schema, a regex, one of the
+    # choices, a Lark grammar (at most one of them, or response_format's)
+    guided_json: dict[str, Any] | Annotated[Text, Field(max_length=MAX_GUIDE_CHARS)] | None = None
+    guided_regex: Annotated[Text, Field(min_length=1, max_length=MAX_GUIDE_CHARS)] | None = None
+    guided_choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1,
+                             max_length=1024)] | None = None  # fmt: skip
+    guided_grammar: Annotated[Text, Field(min_length=1, max_length=MAX_GUIDE_CHARS)] | None = None
     # vLLM's: prefix-cache blocks are shared only between requests of the same salt
     cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_SALT_CHARS)] | None = None
 
@@ -146,7 +155,32 @@ class _Sampling(_Body):
             min_p=self.min_p,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             prompt_logprobs=self.scored_prompt(),
+            guide=self.guide(),
         )
+
+    def guide(self) -> Guide | None:
+        """What the output must match: vLLM's guided_* fields (response_format's on chat)."""
+        given = [(k, v) for k, v in (("guided_json", self.guided_json),
+                 ("guided_regex", self.guided_regex), ("guided_choice", self.guided_choice),
+                 ("guided_grammar", self.guided_grammar)) if v is not None]  # fmt: skip
+        if len(given) > 1:
+            raise InvalidRequestError(
+                f"give one of {', '.join(k for k, _ in given)}, not several", param=given[1][0]
+            )
+        if not given:
+            return None
+        name, value = given[0]
+        if name == "guided_json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    raise InvalidRequestError(
+                        "guided_json: not a JSON schema (not JSON)", param=name
+                    ) from None
+            return Guide("json_schema", value, name)
+        kind = {"guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+        return Guide(kind[name], value, name)
 
     def scored_prompt(self) -> int | None:
         """How many alternatives each prompt token's logprob needs, or None: not asked."""
@@ -371,12 +405,25 @@ class ChatCompletionRequest(_Sampling):
                 "tool_choice", "forcing a tool call needs constrained decoding, not served "
                 "yet; use \"auto\"",
             )  # fmt: skip
-        if self.response_format is not None and self.response_format.type != "text":
-            raise Unsupported(
-                "response_format", f"{self.response_format.type} needs constrained decoding, "
-                "not served yet",
-            )  # fmt: skip
         return self
+
+    def guide(self) -> Guide | None:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return super().guide()
+        if super().guide() is not None:
+            raise InvalidRequestError(
+                "give response_format or a guided_* field, not both", param="response_format"
+            )
+        if fmt.type == "json_object":
+            return Guide("json_object")
+        spec = (fmt.model_extra or {}).get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise InvalidRequestError(
+                'response_format: json_schema needs {"name", "schema": {...}}',
+                param="response_format.json_schema",
+            )
+        return Guide("json_schema", spec.get("schema", {}), "response_format.json_schema")
 
     @property
     def choice(self) -> Any:
