@@ -14,6 +14,47 @@ CHATML = (
     "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# ChatML with tools in the Hermes format Qwen2.5/Qwen3 use: the tools listed as JSON in the
+# system turn, calls as <tool_call>{"name", "arguments"}</tool_call>, tool replies in
+# <tool_response> (written for the tests after that format; kvlm.server.tools parses it)
+CHATML_TOOLS = """{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}<|im_start|>assistant
+{% if message.content %}{{ message.content }}{% endif %}
+{%- for call in message.tool_calls or [] %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.role != 'system' %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
 SPECIAL_TOKENS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -76,7 +117,9 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
     return cfg
 
 
-def save_tiny_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:
+def save_tiny_model(
+    folder: Path, arch: str, seed: int = 0, chat_template: str = CHATML, **overrides
+) -> Path:
     """Random-weight HF model + tokenizer files in `folder`; returns the folder."""
     from transformers import AutoModelForCausalLM
 
@@ -84,7 +127,7 @@ def save_tiny_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path
     tok = train_tiny_tokenizer()
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHATML})
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": chat_template})
     )
     torch.manual_seed(seed)
     cfg = tiny_config(arch, tok.get_vocab_size(), **overrides)

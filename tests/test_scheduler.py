@@ -23,7 +23,8 @@ def make(num_blocks: int = 16, **config) -> Scheduler:
 
 
 def seq(tokens: list[int], rid: str = "r") -> Sequence:
-    sample = SimpleNamespace(seq=list(tokens), out=SimpleNamespace(index=0, token_ids=[]))
+    sample = SimpleNamespace(seq=list(tokens), out=SimpleNamespace(index=0, token_ids=[]),
+                             params=SimpleNamespace(prompt_logprobs=None))  # fmt: skip
     return Sequence(rid, sample, sampler=None, num_prompt=len(tokens))
 
 
@@ -185,7 +186,7 @@ def test_a_budget_of_several_chunks_feeds_several_prompts_a_step():
 def test_reserve_full_admits_only_what_can_finish_without_preemption():
     def sampled(tokens, rid, max_tokens):
         q = seq(tokens, rid)
-        q.sample.params = SimpleNamespace(max_tokens=max_tokens)
+        q.sample.params = SimpleNamespace(max_tokens=max_tokens, prompt_logprobs=None)
         return q
 
     s = make(num_blocks=6, reserve_full=True)

@@ -113,7 +113,8 @@ def test_honoured_fields_change_the_output(client, model):
           "schema": {"type": "no-such-type"}}}}, "response_format.json_schema"),
         ({"guided_regex": "(unclosed"}, "guided_regex"),
         ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
-        ({"tool_choice": "required", "tools": NEUTRAL_CHAT["tools"]}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}},
+          "tools": NEUTRAL_CHAT["tools"]}, "tool_choice"),
         ({"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]},
          "messages.0.content"),

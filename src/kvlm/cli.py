@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key", default=os.environ.get("KVLM_API_KEY"), help="require this bearer key"
     )
     serve.add_argument("--served-model-name", default=None, help="the model id clients use")
+    serve.add_argument(
+        "--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+        help="the model's tool-call format (default: read off its chat template)",
+    )  # fmt: skip
     serve.add_argument("--kv-dtype", default=None, help="cache storage: fp32, bf16, fp16, int8")
     serve.add_argument("--max-context", type=int, default=None, help="tokens per sequence")
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -486,7 +490,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cache_options=CacheOptions(args.block_size, args.kv_blocks),
     )
     serve(llm, config, args.host, args.port, args.api_key, args.served_model_name, args.log_level,
-          limits)  # fmt: skip
+          limits, args.tool_call_parser)  # fmt: skip
     return 0
 
 

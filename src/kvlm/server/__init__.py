@@ -24,6 +24,7 @@ def serve(
     model_name: str | None = None,
     log_level: str = "info",
     limits: ServerLimits | None = None,
+    tool_parser: str | None = None,
 ) -> None:
     """Serve until interrupted (Ctrl-C or SIGTERM): HTTP on a thread, the engine on this
     one (see AsyncEngine.run_forever)."""
@@ -35,7 +36,7 @@ def serve(
     limits = limits or ServerLimits()
     engine = AsyncEngine(Engine(llm, config))
     name = model_name or llm.model_name
-    app = create_app(engine, name, api_key, limits)
+    app = create_app(engine, name, api_key, limits, tool_parser)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     uv = uvicorn.Config(
         app,

@@ -40,10 +40,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvlm import __version__
 from kvlm.engine.async_engine import AsyncEngine
 from kvlm.engine.engine import StepOutput
+from kvlm.engine.guided import check_guide
 from kvlm.engine.sampling import MAX_SAMPLES, SamplingParams
 from kvlm.engine.scheduler import QueueFullError
 from kvlm.errors import InvalidRequestError, KvlmError
 from kvlm.server import openapi
+from kvlm.server import tools as tools_mod
 from kvlm.server.limits import RequestLimits, ServerLimits
 from kvlm.server.metrics import render_metrics
 from kvlm.server.protocol import (
@@ -72,10 +74,12 @@ def create_app(
     model_name: str,
     api_key: str | None = None,
     limits: ServerLimits | None = None,
+    tool_parser: str | None = None,
 ) -> FastAPI:
     limits = limits or ServerLimits()
     app = FastAPI(title="kvlm", version="1", docs_url=None, redoc_url=None)
     tokenizer = engine.engine.tokenizer
+    tool_parser = tool_parser or tools_mod.parser_for(tokenizer.chat_template)
     max_len = engine.engine.max_model_len
     max_samples = min(MAX_SAMPLES, engine.engine.scheduler.config.max_num_seqs)
     max_prompts = min(MAX_PROMPTS, engine.max_requests)
@@ -173,9 +177,19 @@ def create_app(
         ids = await run_in_threadpool(render)
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = _params(body, ids, max_len, top)
+        forced = body.forced_tool()
+        if forced is not None:  # tool_choice "required" or named: the output is the calls
+            if params.guide is not None:
+                raise ServerError(400, "a forced tool_choice decides the output's format; "
+                                  "drop response_format / guided_*", "invalid_request_error",
+                                  "tool_choice")  # fmt: skip
+            name = None if forced == "required" else forced
+            params.guide = tools_mod.forced_guide(tools or [], name, body.parallel_tool_calls)
         choices = Choices(tokenizer, params.n, chat=True, logprobs=body.logprobs,
                           prompts=[ids] * params.n,
-                          prompt_logprobs=body.prompt_logprobs is not None)  # fmt: skip
+                          prompt_logprobs=body.prompt_logprobs is not None,
+                          tools=tools is not None,
+                          tool_parser=None if forced is not None else tool_parser)  # fmt: skip
         return await _respond(engine, request, body, [ids], [params], choices, model_name,
                               print_)  # fmt: skip
 
@@ -267,6 +281,11 @@ async def _start(
     sample indices moved past the earlier prompts'). A prompt refused (the queue full, a
     bad token) ends those already started."""
     streams: list[AsyncIterator[StepOutput]] = []
+    guide = params[0].guide
+    if guide is not None:  # compiled on a worker thread: the event loop serves the others
+        core = engine.engine  # (a model's first guided request also builds llguidance's
+        await run_in_threadpool(check_guide, guide, core.tokenizer,  # tokenizer, ~0.3 s)
+                                core.llm.config.vocab_size)  # fmt: skip
     try:
         for ids, p in zip(prompts, params, strict=True):
             streams.append(await engine.generate(ids, p, cache_salt=body.cache_salt))

@@ -401,10 +401,12 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("give tools or the deprecated functions, not both")
         choice = self.choice
         if choice == "required" or isinstance(choice, (NamedTool, NamedFunction)):
-            raise Unsupported(
-                "tool_choice", "forcing a tool call needs constrained decoding, not served "
-                "yet; use \"auto\"",
-            )  # fmt: skip
+            names = {t["function"]["name"] for t in self.tool_specs() or []}
+            if not names:
+                raise ValueError("tool_choice names a tool call, but no tools are given")
+            wanted = self.forced_tool()
+            if wanted != "required" and wanted not in names:
+                raise Unsupported("tool_choice", f"no tool named {wanted!r} is given")
         return self
 
     def guide(self) -> Guide | None:
@@ -424,6 +426,17 @@ class ChatCompletionRequest(_Sampling):
                 param="response_format.json_schema",
             )
         return Guide("json_schema", spec.get("schema", {}), "response_format.json_schema")
+
+    def forced_tool(self) -> str | None:
+        """ "required", a named function's name, or None (tool_choice auto / none)."""
+        choice = self.choice
+        if choice == "required":
+            return "required"
+        if isinstance(choice, NamedTool):
+            return choice.function.name
+        if isinstance(choice, NamedFunction):
+            return choice.name
+        return None
 
     @property
     def choice(self) -> Any:

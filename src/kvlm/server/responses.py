@@ -23,6 +23,7 @@ from typing import Any
 from kvlm.engine.engine import StepOutput
 from kvlm.engine.sampling import TokenLogprob
 from kvlm.loading.tokenizer import Tokenizer
+from kvlm.server.tools import ToolStream, parse, parse_forced
 
 
 @dataclass(slots=True)
@@ -34,6 +35,7 @@ class _Choice:
     finish_reason: str | None = None
     started: bool = False  # its first event arrived (an echo opens it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    tools: ToolStream | None = None  # a chat choice that may answer with tool calls
 
 
 class Choices:
@@ -47,6 +49,7 @@ class Choices:
         self, tokenizer: Tokenizer, count: int, chat: bool, logprobs: bool,
         echo: list[str] | None = None, prompts: list[list[int]] | None = None,
         score_only: bool = False, prompt_logprobs: bool = False,
+        tools: bool = False, tool_parser: str | None = None,
     ) -> None:  # fmt: skip
         self.tokenizer = tokenizer
         self.chat = chat
@@ -56,6 +59,11 @@ class Choices:
         self.score_only = score_only
         self.want_prompt_logprobs = prompt_logprobs
         self.state = [_Choice(i) for i in range(count)]
+        # tools offered: each choice's text is read for calls (kvlm.server.tools), in the
+        # model's format (tool_parser) or, tool_choice forced, as a JSON array of calls
+        self.tools, self.tool_parser = tools, tool_parser
+        for c in self.state if tools else ():
+            c.tools = ToolStream(tool_parser)
         self.cached: dict[str, int] = {}  # per engine request: its prompt tokens cached
 
     def head(self, request_id: str, model: str) -> dict[str, Any]:
@@ -123,10 +131,26 @@ class Choices:
         out = []
         for c in self.state:
             body = self._choice(c.index, c.text, c.logprobs, c.finish_reason)
+            if self.tools:
+                self._with_calls(body, c)
             if self.want_prompt_logprobs:
                 body["prompt_logprobs"] = self._vllm_prompt_logprobs(c.prompt_logprobs)
             out.append(body)
         return out
+
+    def _with_calls(self, body: dict[str, Any], choice: _Choice) -> None:
+        """A whole chat reply's tool calls into its message (finish_reason "tool_calls")."""
+        if self.tool_parser is None:
+            content, calls = None, parse_forced(choice.text)
+            if not calls:
+                content = choice.text
+        else:
+            content, calls = parse(choice.text, self.tool_parser)
+        if calls:
+            body["message"] = {"role": "assistant", "content": content,
+                               "tool_calls": [c.to_dict() for c in calls]}  # fmt: skip
+            if choice.finish_reason == "stop":
+                body["finish_reason"] = "tool_calls"
 
     def _vllm_prompt_logprobs(self, entries: list[TokenLogprob] | None) -> list | None:
         """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id:
@@ -210,9 +234,20 @@ class Choices:
         offset = len(choice.text)
         text, entries = self.add(event)
         finish = choice.finish_reason if event.finish_reason is not None else None
+        calls = []
+        if choice.tools is not None:  # content as it comes; what may be a call held
+            text = choice.tools.push(text)
+            if finish is not None:
+                rest, calls = choice.tools.finish()
+                text += rest
+                if calls and finish == "stop":
+                    finish = "tool_calls"
         if not text and finish is None and not (self.want_logprobs and entries):
             return None
         body = self._choice(event.index, text, entries, finish, delta=True, offset=offset)
+        if calls:
+            body["delta"]["tool_calls"] = [{"index": i, **c.to_dict()}
+                                           for i, c in enumerate(calls)]  # fmt: skip
         if self.want_prompt_logprobs and event.prompt_logprobs is not None:
             body["prompt_logprobs"] = self._vllm_prompt_logprobs(choice.prompt_logprobs)
         return head | {"object": self._object(True), "choices": [body]}

@@ -1,0 +1,193 @@
+"""Tool calls: read out of the model's text, or forced by tool_choice.
+
+A model trained for tools writes its calls in its own format, which its chat template
+teaches it (the template renders the `tools` it is given):
+
+    hermes       (Qwen2.5, Qwen3, Hermes, most ChatML models)
+                 text <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call> ...
+    llama3_json  (Llama 3.1-3.3)  <|python_tag|>? {"name": "f", "parameters": {...}}; ...
+
+`parser_for(template)` picks the format from the template's own text (vLLM makes the user
+name it; kvlm reads it off the template and `--tool-call-parser` overrides it). With
+tool_choice "auto" the reply is parsed after the fact: calls found become `tool_calls`
+(finish_reason "tool_calls"), the text before them the content; text that does not parse
+as a call stays text. With tool_choice "required" or a named function the output is
+constrained (kvlm.engine.guided) to a JSON array of calls, [{"name", "arguments"}], as vLLM
+constrains it, whatever the model's own format.
+
+Streaming: content streams as it comes, except from the first character that may open a
+call (the hermes tag, or a reply that opens with "{" / "<|python_tag|>" for llama3_json):
+from there the text is held, and parsed at the end into one delta per call (id, name and
+the whole arguments), which OpenAI's clients accumulate like any split.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvlm.engine.guided import Guide
+
+PARSERS = ("hermes", "llama3_json")
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+
+
+def parser_for(template: str | None) -> str:
+    """The tool-call format a chat template teaches: llama3_json where it is Llama 3's
+    (the python tag, or its JSON-call instructions), else hermes."""
+    t = template or ""
+    if PYTHON_TAG in t or ('"parameters"' in t and "ipython" in t):
+        return "llama3_json"
+    return "hermes"
+
+
+@dataclass(slots=True)
+class Call:
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's)
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
+
+
+def _call(obj: Any, args_key: str = "arguments") -> Call | None:
+    """{"name": str, "arguments"|"parameters": object or JSON text} -> Call, else None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(args_key, obj.get("parameters", obj.get("arguments", {})))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return Call(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def parse(text: str, parser: str) -> tuple[str | None, list[Call]]:
+    """(content, calls) of a whole reply; no calls: (text, [])."""
+    if parser == "hermes":
+        start = text.find(HERMES_OPEN)
+        if start < 0:
+            return text, []
+        calls = []
+        for body in _HERMES.findall(text[start:]):
+            try:
+                call = _call(json.loads(body))
+            except ValueError:
+                call = None
+            if call is None:
+                return text, []  # not a well-formed call: the reply stays text
+            calls.append(call)
+        content = text[:start].strip()
+        return (content or None), calls
+    if parser == "llama3_json":
+        body = text.strip().removeprefix(PYTHON_TAG).strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        for part in _json_objects(body):
+            call = _call(part, "parameters")
+            if call is None:
+                return text, []
+            calls.append(call)
+        return (None, calls) if calls else (text, [])
+    raise ValueError(f"unknown tool-call parser {parser!r}")
+
+
+def _json_objects(text: str) -> list[Any]:
+    """The JSON values of `text`, separated by ";" or whitespace; [] if any is not."""
+    decoder, out, i = json.JSONDecoder(), [], 0
+    while i < len(text):
+        while i < len(text) and text[i] in " \t\r\n;":
+            i += 1
+        if i == len(text):
+            break
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return []
+        out.append(obj)
+    return out
+
+
+def forced_guide(tools: list[dict[str, Any]], name: str | None, parallel: bool) -> Guide:
+    """tool_choice "required" (name None) or a named function: the output is a JSON array
+    of calls [{"name", "arguments"}] of the offered tools (of that one)."""
+    items = [
+        {"type": "object",
+         "properties": {"name": {"const": t["function"]["name"]},
+                        "arguments": t["function"].get("parameters") or {"type": "object"}},
+         "required": ["name", "arguments"], "additionalProperties": False}
+        for t in tools if name is None or t["function"]["name"] == name
+    ]  # fmt: skip
+    one = items[0] if len(items) == 1 else {"anyOf": items}
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": one}
+    if not parallel or name is not None:
+        schema["maxItems"] = 1
+    return Guide("json_schema", schema, "tool_choice")
+
+
+def parse_forced(text: str) -> list[Call]:
+    try:
+        calls = [_call(obj) for obj in json.loads(text)]
+    except (ValueError, TypeError):
+        return []
+    return [c for c in calls if c is not None]
+
+
+class ToolStream:
+    """One streamed choice's text: passes content through, holds what may be a call."""
+
+    def __init__(self, parser: str | None) -> None:
+        self.parser = parser  # None: forced (the whole output is the calls' JSON)
+        self.text = ""  # everything so far
+        self.shown = 0  # characters of it sent as content
+        self.holding = parser is None
+
+    def push(self, delta: str) -> str:
+        """The content to send now for this new text."""
+        self.text += delta
+        if self.holding:
+            return ""
+        if self.parser == "llama3_json":
+            head = self.text.lstrip()
+            if not head:
+                return ""
+            opens_call = head.startswith("{") or PYTHON_TAG.startswith(head[: len(PYTHON_TAG)])
+            if opens_call and self.shown == 0:  # a reply that opens like a call: hold it all
+                self.holding = True
+                return ""
+            return self._release(len(self.text))
+        at = self.text.find(HERMES_OPEN, self.shown)
+        if at >= 0:
+            self.holding = True
+            return self._release(at)
+        # keep back a tail that could be the start of the tag
+        keep = next((k for k in range(min(len(HERMES_OPEN) - 1, len(self.text)), 0, -1)
+                     if HERMES_OPEN.startswith(self.text[-k:])), 0)  # fmt: skip
+        return self._release(len(self.text) - keep)
+
+    def _release(self, upto: int) -> str:
+        out = self.text[self.shown : upto]
+        self.shown = max(self.shown, upto)
+        return out
+
+    def finish(self) -> tuple[str, list[Call]]:
+        """At the end: (content still to send, the calls)."""
+        if self.parser is None:
+            return "", parse_forced(self.text)
+        _, calls = parse(self.text, self.parser)
+        if not calls:  # held text that is no call after all: it is content
+            return self._release(len(self.text)), []
+        return "", calls  # what came before the calls was sent as it came

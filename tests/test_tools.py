@@ -1,0 +1,191 @@
+"""Tool calls (kvlm.server.tools): the parsers on their formats, streaming that splits a
+reply anywhere and still gives the same content and calls, and `kvlm serve` with a
+random-weight Qwen3-shaped model whose chat template renders tools (Hermes format, as
+Qwen2.5/Qwen3's): tools in the prompt, forced calls (tool_choice required / named) that
+validate against the tool's schema, the auto path parsing a call out of the text, streamed
+as OpenAI streams them, and an agent's history replayed."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import CHATML_TOOLS, save_tiny_model
+from kvlm.server.tools import ToolStream, parse, parse_forced, parser_for
+from serving import kvlm_serve
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "The weather now in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 16},
+                           "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}  # fmt: skip
+HERMES_REPLY = (
+    'Let me check.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris", '
+    '"unit": "C"}}\n</tool_call>\n<tool_call>\n{"name": "time", "arguments": {"zone": "CET"}}'
+    "\n</tool_call>"
+)
+
+
+def test_hermes_replies_parse_into_calls():
+    content, calls = parse(HERMES_REPLY, "hermes")
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("weather", {"city": "Paris", "unit": "C"}), ("time", {"zone": "CET"})]  # fmt: skip
+    assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
+    assert parse("no calls here", "hermes") == ("no calls here", [])
+    broken = "<tool_call>\n{not json}\n</tool_call>"
+    assert parse(broken, "hermes") == (broken, [])  # not a call: it stays text
+
+
+def test_llama3_json_replies_parse_into_calls():
+    text = '<|python_tag|>{"name": "weather", "parameters": {"city": "Oslo", "unit": "C"}}; ' \
+           '{"name": "time", "parameters": {"zone": "UTC"}}'  # fmt: skip
+    content, calls = parse(text, "llama3_json")
+    assert content is None and [c.name for c in calls] == ["weather", "time"]
+    assert parse("It is sunny.", "llama3_json") == ("It is sunny.", [])
+    assert parser_for("... <|python_tag|> ...") == "llama3_json"
+    assert parser_for(CHATML_TOOLS) == "hermes"
+
+
+def test_forced_output_is_a_json_array_of_calls():
+    calls = parse_forced('[{"name": "time", "arguments": {"zone": "UTC"}}]')
+    assert [(c.name, c.arguments) for c in calls] == [("time", '{"zone": "UTC"}')]
+    assert parse_forced('[{"name": "time", "argu') == []  # cut by max_tokens
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(0, len(HERMES_REPLY)), max_size=12))
+def test_a_stream_split_anywhere_gives_the_whole_replys_content_and_calls(cuts):
+    bounds = sorted({0, len(HERMES_REPLY), *cuts})
+    stream, shown = ToolStream("hermes"), ""
+    for a, b in itertools.pairwise(bounds):
+        shown += stream.push(HERMES_REPLY[a:b])
+        assert "<tool_call>"[: len(HERMES_REPLY)] not in shown
+    rest, calls = stream.finish()
+    shown += rest
+    content, whole = parse(HERMES_REPLY, "hermes")
+    assert shown.strip() == content
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole]
+    plain = ToolStream("hermes")
+    text = "a < b <tool but no call"
+    out = "".join(plain.push(ch) for ch in text) + plain.finish()[0]
+    assert out == text
+
+
+# ---------------------------------------------------------------------------- served
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    # the tiny tokenizer spends ~800 tokens on the tools' system turn: a longer context
+    folder = save_tiny_model(tmp_path_factory.mktemp("qwen3-tools"), "qwen3", seed=3,
+                             chat_template=CHATML_TOOLS, max_position_embeddings=2048)  # fmt: skip
+    with kvlm_serve("--model", str(folder), "--max-context", "2048", "--threads", "2") as (p, _):
+        yield p
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key="x", max_retries=0)
+
+
+def ask(client, **kw):
+    model = client.models.list().data[0].id
+    messages = kw.pop("messages", [{"role": "user", "content": "Weather in Paris?"}])
+    kw.setdefault("max_tokens", 80)
+    return client.chat.completions.create(model=model, messages=messages, **kw)
+
+
+def _valid(call, tool):
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == tool["function"]["name"]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+@pytest.mark.slow
+def test_a_required_tool_call_is_made_and_validates(client):
+    for temperature, seed in ((0, None), (1.0, 4)):
+        out = ask(client, tools=[WEATHER, TIME], tool_choice="required",
+                  temperature=temperature, seed=seed, parallel_tool_calls=False)  # fmt: skip
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        call = choice.message.tool_calls[0]
+        _valid(call, WEATHER if call.function.name == "weather" else TIME)
+    named = ask(client, tools=[WEATHER, TIME], temperature=0,
+                tool_choice={"type": "function", "function": {"name": "time"}})  # fmt: skip
+    _valid(named.choices[0].message.tool_calls[0], TIME)
+
+
+@pytest.mark.slow
+def test_a_required_call_streams_as_openai_streams_it(client):
+    chunks = list(ask(client, tools=[WEATHER], tool_choice="required", temperature=0,
+                      stream=True))  # fmt: skip
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas and deltas[0].index == 0 and deltas[0].function.name == "weather"
+    args = "".join(d.function.arguments or "" for d in deltas)
+    jsonschema.validate(json.loads(args), WEATHER["function"]["parameters"])
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    whole = ask(client, tools=[WEATHER], tool_choice="required", temperature=0)
+    assert whole.choices[0].message.tool_calls[0].function.arguments == args
+
+
+@pytest.mark.slow
+def test_auto_parses_a_call_out_of_the_text(client):
+    """tool_choice auto: the model's own format is read out of its reply. A random model
+    writes no call by itself, so a regex makes it write one (and text before it)."""
+    reply = (
+        'Checking.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Rome", '
+        '"unit": "C"}}\n</tool_call>'
+    )
+    regex = re.escape(reply)
+    out = ask(client, tools=[WEATHER], tool_choice="auto", temperature=0, max_tokens=400,
+              extra_body={"guided_regex": regex})  # fmt: skip
+    choice = out.choices[0]
+    assert choice.message.content == "Checking."
+    assert choice.finish_reason == "tool_calls"
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {
+        "city": "Rome",
+        "unit": "C",
+    }
+    streamed = list(ask(client, tools=[WEATHER], temperature=0, stream=True, max_tokens=400,
+                        extra_body={"guided_regex": regex}))  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text.strip() == "Checking." and "<tool_call>" not in text
+    plain = ask(client, tools=[WEATHER], temperature=0, max_tokens=10)  # no call: plain text
+    assert plain.choices[0].message.tool_calls is None
+
+
+@pytest.mark.slow
+def test_an_agent_turn_is_continued(client):
+    first = ask(client, tools=[WEATHER], tool_choice="required", temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"},
+    ]
+    out = ask(client, messages=history, tools=[WEATHER], temperature=0, max_tokens=8)
+    assert out.choices[0].message.role == "assistant"
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(client, tools=[WEATHER], tool_choice={"type": "function",
+                                                  "function": {"name": "nope"}})  # fmt: skip
+    assert err.value.body["param"] == "tool_choice"
