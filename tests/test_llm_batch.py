@@ -3,6 +3,8 @@ same bits as when it is generated alone, in prompt order."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from helpers import break_sampler, fail_schedule_at
@@ -222,6 +224,18 @@ def test_a_model_window_and_chunked_prefill_batch_exactly(tiny_model_dir):
     together = llm.generate(PROMPTS, params)
     alone = [llm.generate(p, q)[0] for p, q in zip(PROMPTS, params, strict=True)]
     assert [result(o) for o in together] == [result(o) for o in alone]
+    # penalties, logit_bias, min_p and a JSON guide on the fused step's logits, per row
+    from kvlm.engine.guided import Guide
+
+    extra = [{"frequency_penalty": 1.0}, {"presence_penalty": 1.5, "min_p": 0.05},
+             {"repetition_penalty": 1.3}, {"logit_bias": {28: 4.0}},
+             {"guide": Guide("json_schema", {"type": "object", "properties": {
+                 "a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False})},
+             {"min_p": 0.2}]  # fmt: skip
+    params = [replace(p, **e) for p, e in zip(mixed_params(), extra, strict=True)]
+    together = llm.generate(PROMPTS, params)
+    alone = [llm.generate(p, q)[0] for p, q in zip(PROMPTS, params, strict=True)]
+    assert [result(o) for o in together] == [result(o) for o in alone]
 
 
 @pytest.mark.slow
@@ -243,6 +257,18 @@ def test_the_fused_step_batches_exactly_on_the_default_model():
     if llm.runner.fused_reason is not None:
         pytest.skip(llm.runner.fused_reason)
     params = mixed_params()
+    together = llm.generate(PROMPTS, params)
+    alone = [llm.generate(p, q)[0] for p, q in zip(PROMPTS, params, strict=True)]
+    assert [result(o) for o in together] == [result(o) for o in alone]
+    # penalties, logit_bias, min_p and a JSON guide on the fused step's logits, per row
+    from kvlm.engine.guided import Guide
+
+    extra = [{"frequency_penalty": 1.0}, {"presence_penalty": 1.5, "min_p": 0.05},
+             {"repetition_penalty": 1.3}, {"logit_bias": {28: 4.0}},
+             {"guide": Guide("json_schema", {"type": "object", "properties": {
+                 "a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False})},
+             {"min_p": 0.2}]  # fmt: skip
+    params = [replace(p, **e) for p, e in zip(mixed_params(), extra, strict=True)]
     together = llm.generate(PROMPTS, params)
     alone = [llm.generate(p, q)[0] for p, q in zip(PROMPTS, params, strict=True)]
     assert [result(o) for o in together] == [result(o) for o in alone]
