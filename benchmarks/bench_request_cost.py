@@ -4,39 +4,41 @@ stream, greedy, 64 tokens, the three requests taking turns for 5 rounds, medians
     python benchmarks/bench_request_cost.py
 """
 
-import time, torch, statistics
+from __future__ import annotations
 
-torch.set_num_threads(2)
+import statistics
+
+import torch
+
 from kvlm import LLM, SamplingParams
 from kvlm.engine.guided import Guide
 
-llm = LLM(progress=False, max_context=512)
-schema = {
+SCHEMA = {
     "type": "object",
     "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 30}}},
     "required": ["items"],
 }
-cases = {
-    "plain": SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
-    "penalties+bias": SamplingParams(
-        temperature=0,
-        max_tokens=64,
-        ignore_eos=True,
-        frequency_penalty=0.5,
-        presence_penalty=0.5,
-        repetition_penalty=1.1,
-        logit_bias={28: 1.0},
-    ),
-    "json_schema": SamplingParams(
-        temperature=0, max_tokens=64, ignore_eos=True, guide=Guide("json_schema", schema)
-    ),
-}
-prompt = "List some fruits as JSON."
-res = {k: [] for k in cases}
-for _ in range(5):
-    for k, p in cases.items():  # take turns
-        out = llm.generate(prompt, p)[0]
-        m = out.metrics
-        res[k].append((m.decode_tokens_per_s, len(out.outputs[0].token_ids)))
-for k, v in res.items():
-    print(k, "decode tok/s median", round(statistics.median(x for x, _ in v), 1), "tokens", v[0][1])
+
+
+def main() -> None:
+    torch.set_num_threads(2)
+    llm = LLM(progress=False, max_context=512)
+    base = {"temperature": 0, "max_tokens": 64, "ignore_eos": True}
+    cases = {
+        "plain": SamplingParams(**base),
+        "penalties+bias": SamplingParams(**base, frequency_penalty=0.5, presence_penalty=0.5,
+                                         repetition_penalty=1.1, logit_bias={28: 1.0}),
+        "json_schema": SamplingParams(**base, guide=Guide("json_schema", SCHEMA)),
+    }  # fmt: skip
+    prompt = "List some fruits as JSON."
+    rates: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(5):
+        for name, params in cases.items():  # the requests take turns
+            rates[name].append(llm.generate(prompt, params)[0].metrics.decode_tokens_per_s)
+    for name, values in rates.items():
+        tok_s = statistics.median(values)
+        print(f"{name:16} decode {tok_s:6.1f} tok/s  {1e3 / tok_s:5.2f} ms per token")
+
+
+if __name__ == "__main__":
+    main()
