@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--served-model-name", default=None, help="the model id clients use")
     serve.add_argument(
+        "--speculative", choices=("ngram",), default=None,
+        help="speculative decoding: each sequence proposes tokens by prompt lookup, "
+        "the model checks them in the step's forward (greedy output unchanged)",
+    )  # fmt: skip
+    serve.add_argument("--num-draft", type=int, default=5,
+                       help="the most tokens proposed per step (--speculative)")  # fmt: skip
+    serve.add_argument(
         "--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
         help="the model's tool-call format (default: read off its chat template)",
     )  # fmt: skip
@@ -464,6 +471,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvlm.cache.memory import parse_size
     from kvlm.engine.engine import EngineConfig
     from kvlm.engine.scheduler import SchedulerConfig
+    from kvlm.engine.speculative import SpeculativeConfig
     from kvlm.errors import InvalidRequestError
     from kvlm.llm import CacheOptions
     from kvlm.server import serve
@@ -479,9 +487,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_connections=args.max_connections,
             public_metrics=args.public_metrics,
         )
+        spec = None
+        if args.speculative:
+            spec = SpeculativeConfig(args.speculative, num_draft=args.num_draft)
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from exc
-    config = EngineConfig(args.kv_blocks, parse_size(args.kv_memory), args.prefix_caching, sched)
+    config = EngineConfig(args.kv_blocks, parse_size(args.kv_memory), args.prefix_caching, sched,
+                          speculative=spec)  # fmt: skip
     llm = _model(
         args,
         kv="paged",

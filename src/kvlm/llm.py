@@ -21,6 +21,7 @@ from kvlm.engine.chat import ChatSession
 from kvlm.engine.generate import Generation, RequestOutput, check_fits, check_prompt
 from kvlm.engine.runner import ModelRunner
 from kvlm.engine.sampling import SamplingParams
+from kvlm.engine.speculative import SpeculativeConfig
 from kvlm.errors import InvalidRequestError
 from kvlm.loading import load_model
 from kvlm.model.blas import set_blas_threads
@@ -86,10 +87,16 @@ class LLM:
         prefill_dtype: str = "auto",
         activations: str = "auto",
         exact: bool = False,
+        speculative: SpeculativeConfig | str | None = None,
     ) -> None:
         """`weights`, `activations`, `prefill_dtype` and `kv_dtype` default to "auto" (None
         for kv_dtype): the fast path, resolved from the file and the CPU (kvlm.defaults);
-        `exact=True` resolves them to the fp32 reference path instead."""
+        `exact=True` resolves them to the fp32 reference path instead. `speculative`
+        ("ngram" or a SpeculativeConfig): `generate` decodes speculatively, every prompt
+        through the batch engine (kvlm.engine.speculative; greedy output unchanged)."""
+        if isinstance(speculative, str):
+            speculative = SpeculativeConfig(method=speculative)
+        self.speculative = speculative
         if threads is not None:
             if threads < 1:
                 raise InvalidRequestError("threads must be >= 1")
@@ -270,7 +277,8 @@ class LLM:
         else:
             requests = [(None, list(ids)) for ids in prompt_token_ids or []]
         params = self._params_for(sampling_params, len(requests))
-        batched = len(requests) > 1 and self.kv_mode in BATCH_MODES
+        many = len(requests) > 1 or self.speculative is not None  # drafts live in the engine
+        batched = many and self.kv_mode in BATCH_MODES
         for _, ids in requests:  # every prompt before any work
             check_prompt(ids, self.config.vocab_size)
             if batched and len(ids) > self.max_context:
@@ -350,7 +358,10 @@ class LLM:
                 reserve_full=True,
             )
             config = EngineConfig(
-                num_blocks=self.cache_options.num_blocks, prefix_caching=False, scheduler=sched
+                num_blocks=self.cache_options.num_blocks,
+                prefix_caching=False,
+                scheduler=sched,
+                speculative=self.speculative,
             )
             self._engine = Engine(self, config)
         return self._engine

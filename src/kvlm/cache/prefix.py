@@ -225,6 +225,14 @@ class BlockManager:
             self.pool.share(block)
         return BlockTable(list(table.blocks), list(table.hashes), table.salt)
 
+    def trim(self, table: BlockTable, num_tokens: int) -> None:
+        """Drop the blocks past the first `num_tokens` positions (rejected draft tokens):
+        released tail first, never sealed (only computed tokens' blocks are)."""
+        keep = blocks_for(num_tokens, self.block_size)
+        while len(table.blocks) > keep:
+            self.pool.release(table.blocks.pop())
+        del table.hashes[keep:]
+
     def free(self, table: BlockTable) -> None:
         """Release a sequence's blocks, tail first: its last blocks are evicted first."""
         for block in reversed(table.blocks):

@@ -30,6 +30,7 @@ from kvlm.engine.metrics import EngineStats
 from kvlm.engine.sampling import Sampler, SamplingParams, TokenLogprob, prompt_logprobs
 from kvlm.engine.scheduler import Batch, QueueFullError, Scheduler, SchedulerConfig
 from kvlm.engine.sequence import Sequence, Status
+from kvlm.engine.speculative import SpeculativeConfig, propose_ngram
 from kvlm.errors import InvalidRequestError
 from kvlm.llm import LLM
 
@@ -44,6 +45,7 @@ class EngineConfig:
     kv_memory: int = 1 << 30
     prefix_caching: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None  # kvlm.engine.speculative
 
 
 @dataclass(slots=True)
@@ -108,6 +110,8 @@ class Engine:
         self.pool.store.zero_((slice(None),))
         self.manager = BlockManager(self.pool, self.config.prefix_caching)
         self.scheduler = Scheduler(self.manager, sched, self.max_model_len)
+        if self.config.speculative is not None:
+            self.scheduler.propose = self._propose
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
         self.last_error: Exception | None = None
@@ -243,22 +247,87 @@ class Engine:
         seqs = batch.decode
         if not seqs:
             return
+        # one row per sequence (its last token), and one per draft token after it, at the
+        # next positions on the same block table (speculative decoding)
+        rows: list[list[int]] = []
+        tables: list[list[int]] = []
+        starts: list[int] = []
+        spans = []
+        for s in seqs:
+            first = len(rows)
+            for i, token in enumerate([s.token_ids[-1], *s.draft]):
+                rows.append([token])
+                tables.append(s.table.blocks)
+                starts.append(s.num_computed + i)
+            spans.append((first, len(rows)))
         try:
-            rows = self._forward(seqs, [[s.token_ids[-1]] for s in seqs])
+            out = self.runner.forward_table(self.pool, self.spec, rows, tables, starts)
         except Exception:  # which row? Each alone: a bad one fails alone
             log.warning("a decode batch of %d rows failed; running them one by one",
-                        len(seqs), exc_info=True)  # fmt: skip
-            rows = None
-        for i, seq in enumerate(seqs):
+                        len(rows), exc_info=True)  # fmt: skip
+            out = None
+        for seq, (a, b) in zip(seqs, spans, strict=True):
             if seq.status is Status.FINISHED:  # its request failed earlier in this step
                 continue
             try:
-                alone = rows is None
-                logits = self._forward([seq], [[seq.token_ids[-1]]])[0] if alone else rows[i]
+                logits = out[a:b] if out is not None else self.runner.forward_table(
+                    self.pool, self.spec, rows[a:b], tables[a:b], starts[a:b])  # fmt: skip
             except Exception as exc:
                 events += self._fail(seq.request_id, exc)
                 continue
-            self._finish_forward(seq, 1, logits, events)
+            if seq.draft:
+                self._finish_draft(seq, logits, events)
+            else:
+                self._finish_forward(seq, 1, logits[0], events)
+
+    def _finish_draft(self, seq: Sequence, logits: torch.Tensor, events: list[StepOutput]) -> None:
+        """A sequence's verified draft (speculative decoding): its tokens while the model
+        agrees, then the model's own; the cache kept up to the last agreed one."""
+        req = self.requests[seq.request_id]
+        draft, seq.draft = seq.draft, []
+        start, tokens, text, agreed = seq.num_computed, [], "", 0
+        try:
+            for i in range(len(draft) + 1):
+                row = logits[i]
+                token, ok = seq.sampler.verify(row, draft[i] if i < len(draft) else None)
+                text += seq.accept(token, row)
+                tokens.append(token)
+                out = seq.sample.out
+                if out.finish_reason is None and seq.num_tokens >= self.max_model_len:
+                    out.finish_reason = "length"  # the context is full
+                if out.finish_reason is not None or not ok:
+                    break
+                agreed += 1
+        except Exception as exc:  # a sampler or stop-check bug: this request only
+            events += self._fail(seq.request_id, exc)
+            return
+        # K/V kept: the last token's and the agreed drafts'; the rest rolled back
+        seq.num_computed = start + 1 + agreed
+        self.manager.trim(seq.table, seq.num_computed)
+        self.manager.seal(seq.table, seq.token_ids, seq.num_computed)
+        cfg = self.config.speculative
+        seq.draft_len = min(cfg.num_draft, agreed + 1) if agreed == len(draft) else max(1, agreed)
+        st = self.stats.spec
+        st.steps += 1
+        st.drafted += len(draft)
+        st.accepted += agreed
+        st.emitted += len(tokens)
+        self.stats.generated_tokens += len(tokens)
+        out = seq.sample.out
+        lp = out.logprobs[-len(tokens) :] if out.logprobs is not None else []
+        if out.finish_reason is not None:
+            text += seq.sample.finish()
+            self.scheduler.finish(seq)
+        events.append(self._event(req, seq, tokens, lp, out.finish_reason, text))
+        if all(s.sample.done for s in req.seqs) and not any(s.fan_out > 1 for s in req.seqs):
+            del self.requests[req.request_id]
+            self.stats.requests_finished += 1
+
+    def _propose(self, seq: Sequence, room: int) -> list[int]:
+        """The draft for one sequence this step (the scheduler asks)."""
+        cfg = self.config.speculative
+        k = min(room, seq.draft_len or cfg.num_draft)
+        return propose_ngram(seq.token_ids, k, cfg.ngram_max, cfg.ngram_min)
 
     def _forward(
         self, seqs: list[Sequence], rows: list[list[int]], prompt: bool = False,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from kvlm.engine.speculative import SpecStats
+
 
 @dataclass(slots=True)
 class Metrics:
@@ -87,6 +89,7 @@ class EngineStats:
     ttft_counts: list[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS))
     ttft_sum: float = 0.0
     ttft_count: int = 0
+    spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding
     # (time, generated_tokens) at recent steps, for a tokens/s over the last few seconds
     _recent: list[tuple[float, int]] = field(default_factory=list, repr=False)
 

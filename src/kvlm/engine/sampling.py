@@ -178,6 +178,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         """logits (V,) fp32 -> a token id. Call once per token the sample takes: the
         penalties count what it returned, a guide consumes it."""
+        return self.verify(logits, None)[0]
+
+    def verify(self, logits: torch.Tensor, draft: int | None) -> tuple[int, bool]:
+        """The sample's next token from `logits`, given a proposed `draft` token (or none):
+        (token, whether it is the draft, accepted). Greedy: the argmax, accepted when it
+        is the draft. Sampled: the draft is accepted with its probability under the
+        sample's distribution (after penalties, temperature, min_p, top-k/top-p), else the
+        token is drawn from that distribution without the draft; either way the token is
+        distributed as a plain draw (speculative sampling with a one-hot proposal)."""
         p = self.params
         if p.guide is not None:
             if self.guide is None:
@@ -194,13 +203,33 @@ class Sampler:
             ids = None
             if 0 < p.top_k < x.shape[-1] or p.top_p < 1.0:
                 x, ids = _candidates(x, p.top_k, p.top_p)
-            pick = _draw(torch.softmax(x, dim=-1), self.generator)
-            token = pick if ids is None else int(ids[pick])
+            probs = torch.softmax(x, dim=-1)
+            token = -1
+            if draft is not None:
+                at = _position(ids, draft, probs.shape[-1])
+                q = float(probs[at]) if at is not None else 0.0
+                u = float(torch.rand(1, generator=self.generator, dtype=torch.float64))
+                if u < q:
+                    token = draft
+                elif at is not None:
+                    probs = probs.clone()
+                    probs[at] = 0.0  # the residual: p without the draft
+            if token < 0:
+                pick = _draw(probs, self.generator)
+                token = pick if ids is None else int(ids[pick])
         if self.penalties is not None:
             self.penalties.count(token)
         if self.guide is not None:
             self.guide.accept(token)
-        return token
+        return token, draft is not None and token == draft
+
+
+def _position(ids: torch.Tensor | None, token: int, size: int) -> int | None:
+    """Where `token` sits in a candidate list (ids; None: the whole vocabulary)."""
+    if ids is None:
+        return token if 0 <= token < size else None
+    where = (ids == token).nonzero()
+    return int(where[0, 0]) if len(where) else None
 
 
 class Penalties:

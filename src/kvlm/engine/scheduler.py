@@ -38,6 +38,7 @@ Two options make a sequence's forwards exactly those it would run alone on one c
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvlm.cache.prefix import BlockManager
@@ -88,6 +89,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        # speculative decoding: (sequence, most tokens) -> its draft; set by the engine
+        self.propose: Callable[[Sequence, int], list[int]] | None = None
 
     @property
     def capacity(self) -> int:
@@ -123,8 +126,26 @@ class Scheduler:
                     break
             else:
                 self.manager.append_slot(seq.table, seq.num_computed)
+                if self.propose is not None:
+                    self._draft(seq)
                 batch.decode.append(seq)
                 i += 1
+
+    def _draft(self, seq: Sequence) -> None:
+        """Propose the sequence's draft (speculative decoding) and make its positions
+        writable; a position that would need a block the pool lacks ends the draft there
+        (speculation never preempts anyone)."""
+        p = seq.sample.params
+        room = p.max_tokens - len(seq.sample.out.token_ids) - 1  # the model adds one
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - seq.num_tokens - 1)
+        draft = self.propose(seq, room) if room > 0 else []
+        for i in range(1, len(draft) + 1):
+            if not self.manager.can_append(seq.table, seq.num_computed + i):
+                draft = draft[: i - 1]
+                break
+            self.manager.append_slot(seq.table, seq.num_computed + i)
+        seq.draft = draft
 
     def _schedule_prefill(self, batch: Batch) -> None:
         budget = self.config.prefill_chunk
@@ -185,6 +206,7 @@ class Scheduler:
         self.running.remove(seq)
         self.manager.free(seq.table)
         seq.num_computed = 0
+        seq.draft = []
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.preemptions += 1

@@ -49,6 +49,10 @@ class Sequence:
     arrival: float = 0.0
     first_token_time: float | None = None
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
+    # speculative decoding (kvlm.engine.speculative): this step's proposed tokens, fed
+    # after the last one at the next positions, and how many to propose next time
+    draft: list[int] = field(default_factory=list)
+    draft_len: int = 0
 
     @property
     def token_ids(self) -> list[int]:

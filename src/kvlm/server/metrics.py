@@ -30,15 +30,25 @@ _SERIES = [
 def render_metrics(engine: AsyncEngine) -> str:
     eng = engine.engine
     snap, stats = eng.snapshot(), eng.stats
+    spec = stats.spec
     values = snap | {
         "requests_held": engine.num_requests,
         "tokens_per_s": stats.tokens_per_s(),
+        "spec_drafted": spec.drafted,
+        "spec_accepted": spec.accepted,
+        "spec_acceptance": spec.acceptance,
+        "spec_tokens_per_forward": spec.tokens_per_forward,
     }
     series = [
         *_SERIES,
         ("requests_held", "gauge", "Requests accepted and not finished.", "requests_held"),
         ("generation_tokens_per_second", "gauge", "Tokens per second, last 10 s.", "tokens_per_s"),
-    ]
+        ("spec_draft_tokens_total", "counter", "Tokens proposed (speculative).", "spec_drafted"),
+        ("spec_accepted_tokens_total", "counter", "Proposed tokens accepted.", "spec_accepted"),
+        ("spec_acceptance_rate", "gauge", "Accepted over proposed tokens.", "spec_acceptance"),
+        ("spec_tokens_per_forward", "gauge",
+         "Tokens a sequence gained per verifying forward.", "spec_tokens_per_forward"),
+    ]  # fmt: skip
     lines: list[str] = []
     for name, kind, help_, key in series:
         value = values[key] if key in values else getattr(stats, key)

@@ -1,0 +1,157 @@
+"""Speculative decoding in the engine (kvlm.engine.speculative): prompt-lookup drafts
+checked in the step's decode forward. Greedy output is token for token the plain
+decode's (the default model through the fused step, random-weight models through the torch
+step, every K/V storage dtype), a batch gives each request its tokens alone, the pool
+gets every block back, and speculative sampling draws from the model's own distribution."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvlm import LLM, SamplingParams
+from kvlm.engine.engine import Engine, EngineConfig
+from kvlm.engine.sampling import Sampler
+from kvlm.engine.speculative import SpeculativeConfig, propose_ngram
+
+TEXT = (
+    "The KV cache stores the keys and values of every token already processed, which turns "
+    "generation from reprocessing the whole sequence into processing one token and attending "
+    "over the cache. Paged caches split it into blocks so that many requests share one pool."
+)
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 2, 3, 4]
+    assert propose_ngram(tokens, 3, 4, 2) == [7, 8, 2]  # "2 3 4" last seen before 7 8
+    assert propose_ngram(tokens, 1, 4, 2) == [7]
+    assert propose_ngram([1, 2, 3], 4, 4, 2) == []  # no earlier occurrence
+    assert propose_ngram([5, 5, 5, 5], 2, 3, 2) == [5]  # what follows runs to the end
+    with pytest.raises(ValueError):
+        SpeculativeConfig(num_draft=0)
+
+
+def run(llm: LLM, prompts: dict[str, list[int]], params: SamplingParams, spec) -> tuple:
+    engine = Engine(llm, EngineConfig(num_blocks=192, speculative=spec))
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params)
+    out: dict[str, list[int]] = {rid: [] for rid in prompts}
+    for _ in range(2000):
+        if not engine.has_work():
+            break
+        for event in engine.step():
+            out[event.request_id] += event.token_ids
+    pool = engine.pool
+    assert pool.num_free == pool.num_blocks and not any(pool.refs)  # every block back
+    return out, engine.stats
+
+
+def grounded(llm: LLM, text: str = TEXT) -> list[int]:
+    messages = [{"role": "user", "content": "Repeat this text word for word:\n\n" + text}]
+    return llm.tokenizer.encode_chat(messages)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_dtype", [None, "bf16", "int8"])
+def test_greedy_speculation_is_plain_decoding_on_the_default_model(kv_dtype):
+    llm = LLM(progress=False, max_context=1024, kv_dtype=kv_dtype)
+    prompts = {"copy": grounded(llm), "open": llm.tokenizer.encode_chat(
+        [{"role": "user", "content": "Write a short story about a lighthouse."}])}  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
+    plain, _ = run(llm, prompts, params, None)
+    spec, stats = run(llm, prompts, params, SpeculativeConfig(num_draft=6))
+    assert spec == plain and len(plain["copy"]) == 160
+    assert stats.spec.accepted > 40 and stats.spec.tokens_per_forward > 1.5
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral"])
+def test_greedy_speculation_is_plain_decoding_on_the_torch_step(tiny_model_dir, name):
+    """fp32 weights: the torch step, rows of one sequence on one block table; random
+    models repeat themselves, so prompt lookup proposes."""
+    llm = LLM(model=tiny_model_dir(name), progress=False, max_context=256)
+    ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
+    params = SamplingParams(temperature=0, max_tokens=140, ignore_eos=True)
+    plain, _ = run(llm, {"a": ids}, params, None)
+    spec, stats = run(llm, {"a": ids}, params, SpeculativeConfig(num_draft=4, ngram_min=1))
+    assert spec == plain and stats.spec.drafted > 0
+
+
+def test_a_batch_with_speculation_gives_each_request_its_tokens_alone(tiny_model_dir):
+    llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=256,
+              speculative=SpeculativeConfig(num_draft=4, ngram_min=1))  # fmt: skip
+    plain = LLM(model=tiny_model_dir("llama"), progress=False, max_context=256)
+    prompts = ["The quick brown fox", "def add(a, b):", "Water boils at", "One two three"]
+    params = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=45, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=50, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, stop=["e"])]  # fmt: skip
+    together = llm.generate(prompts, params)
+    alone = [llm.generate(p, q)[0] for p, q in zip(prompts, params, strict=True)]
+
+    def result(o):
+        return [(x.token_ids, x.text, x.finish_reason,
+                 None if x.logprobs is None else [lp.to_dict() for lp in x.logprobs])
+                for x in o.outputs]  # fmt: skip
+
+    assert [result(o) for o in together] == [result(o) for o in alone]
+    reference = [plain.generate(p, q)[0] for p, q in zip(prompts, params, strict=True)]
+    for i in (0, 1, 3):  # greedy: the plain decode's tokens, logprobs and stops alike
+        assert result(together[i]) == result(reference[i])
+    assert llm.batch_engine().stats.spec.drafted > 0
+
+
+def test_speculative_sampling_draws_from_the_models_distribution():
+    """A one-hot draft accepted with probability p(d), else a draw from p without d: the
+    token is distributed as p. 20,000 seeded draws on a 6-token vocabulary, with the
+    draft the likeliest, a middling and an unlikely token; a chi-square test at 1e-4 (its
+    critical value for 5 degrees of freedom is 25.7)."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    p = torch.softmax(logits.double(), -1)
+    params = SamplingParams(temperature=1.0, seed=7)
+    for draft in (0, 2, 5):
+        sampler = Sampler(params)
+        counts = torch.zeros(6, dtype=torch.float64)
+        accepted = 0
+        n = 20_000
+        for _ in range(n):
+            token, ok = sampler.verify(logits, draft)
+            counts[token] += 1
+            accepted += ok
+        chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
+        assert chi2 < 25.7, (draft, counts.tolist())
+        assert math.isclose(accepted / n, float(p[draft]), abs_tol=5 * math.sqrt(0.25 / n))
+
+
+@pytest.mark.slow
+def test_the_server_speculates_and_answers_what_it_answers_without(tiny_model_dir):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from serving import kvlm_serve, metrics
+
+    folder = str(tiny_model_dir("llama"))
+    # repeated text: prompt lookup finds something to propose (a random model rarely agrees)
+    prompts = ["The quick brown fox jumps over the lazy dog. " * 3,
+               "def add(a, b):\n    return a + b\n" * 3, "One two three four. " * 4]  # fmt: skip
+    answers = {}
+    for flags in ((), ("--speculative", "ngram", "--num-draft", "4")):
+        with kvlm_serve("--model", folder, "--max-context", "256", *flags) as (port, _):
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                                   max_retries=0)  # fmt: skip
+
+            def ask(prompt, client=client):
+                out = client.completions.create(model=client.models.list().data[0].id,
+                                                prompt=prompt, temperature=0, max_tokens=80,
+                                                extra_body={"ignore_eos": True})  # fmt: skip
+                return out.choices[0].text
+
+            with ThreadPoolExecutor(3) as pool:  # concurrent: one batch
+                answers[flags] = list(pool.map(ask, prompts))
+            seen = metrics(port, "")
+    assert answers[()] == answers[("--speculative", "ngram", "--num-draft", "4")]
+    assert seen["kvlm_spec_draft_tokens_total"] > 0
+    assert 0 <= seen["kvlm_spec_acceptance_rate"] <= 1
+    assert seen["kvlm_spec_tokens_per_forward"] >= 1
