@@ -155,3 +155,68 @@ def test_the_server_speculates_and_answers_what_it_answers_without(tiny_model_di
     assert seen["kvlm_spec_draft_tokens_total"] > 0
     assert 0 <= seen["kvlm_spec_acceptance_rate"] <= 1
     assert seen["kvlm_spec_tokens_per_forward"] >= 1
+
+
+@pytest.fixture(scope="module")
+def tiny_fp32(tiny_model_dir):
+    # a short context: a pool of a few blocks still holds one sequence (and preempts)
+    return LLM(model=tiny_model_dir("llama"), progress=False, max_context=96)
+
+
+def _mix(llm, requests, spec, num_blocks, prefix):
+    engine = Engine(llm, EngineConfig(num_blocks=num_blocks, prefix_caching=prefix,
+                                      speculative=spec))  # fmt: skip
+    out: dict[tuple[str, int], list[int]] = {}
+    for rid, (ids, n, max_tokens) in requests.items():
+        engine.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=max_tokens, n=n,
+                                                    ignore_eos=True))  # fmt: skip
+    for _ in range(3000):
+        if not engine.has_work():
+            break
+        for event in engine.step():
+            out.setdefault((event.request_id, event.index), []).extend(event.token_ids)
+    assert not engine.has_work()
+    pool = engine.pool
+    assert pool.num_free == pool.num_blocks and not any(pool.refs)  # conserved, refs exact
+    return out, engine
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    data=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 3), st.integers(5, 40)),
+                  min_size=1, max_size=5),
+    blocks=st.integers(8, 20), prefix=st.booleans(), k=st.integers(1, 6),
+)  # fmt: skip
+def test_rollback_interleaved_with_fork_prefix_reuse_and_preemption(tiny_fp32, data, blocks,
+                                                                     prefix, k):  # fmt: skip
+    """Requests sharing prefixes (reused blocks), n > 1 (forked tables, copy on write), a
+    small pool (preemption and recompute), drafts accepted and rejected: every sample's
+    greedy tokens are the plain engine's, and the pool gets every block back."""
+    base = [tiny_fp32.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 2),
+            tiny_fp32.tokenizer.encode("One two three four five six seven. " * 2)]  # fmt: skip
+    requests = {f"r{i}": (base[v % 2] + [5 + v] * (v // 2), n, m)
+                for i, (v, n, m) in enumerate(data)}  # fmt: skip
+    plain, _ = _mix(tiny_fp32, requests, None, blocks, prefix)
+    spec, engine = _mix(tiny_fp32, requests, SpeculativeConfig(num_draft=k, ngram_min=1),
+                        blocks, prefix)  # fmt: skip
+    assert spec == plain
+    SEEN["drafted"] += engine.stats.spec.drafted
+    SEEN["accepted"] += engine.stats.spec.accepted
+    SEEN["preempted"] += engine.scheduler.preemptions
+
+
+SEEN = {"drafted": 0, "accepted": 0, "preempted": 0}
+
+
+def test_the_property_test_met_drafts_rejections_and_preemption():
+    """The interleaving above did propose, accept, reject and preempt (it runs first:
+    pytest keeps the file's order)."""
+    if SEEN["drafted"] == 0:
+        pytest.skip("run with the test above")
+    assert 0 < SEEN["accepted"] < SEEN["drafted"] and SEEN["preempted"] > 0
