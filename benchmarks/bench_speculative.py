@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--num-draft", type=int, default=5)
+    ap.add_argument("--num-draft", type=int, default=8)
     ap.add_argument("--no-llama", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(2)

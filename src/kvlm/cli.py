@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="speculative decoding: each sequence proposes tokens by prompt lookup, "
         "the model checks them in the step's forward (greedy output unchanged)",
     )  # fmt: skip
-    serve.add_argument("--num-draft", type=int, default=5,
+    serve.add_argument("--num-draft", type=int, default=8,
                        help="the most tokens proposed per step (--speculative)")  # fmt: skip
     serve.add_argument(
         "--tool-call-parser", choices=("hermes", "llama3_json"), default=None,

@@ -39,7 +39,7 @@ METHODS = ("ngram",)
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     method: str = "ngram"
-    num_draft: int = 5  # the most tokens a sequence proposes in one step
+    num_draft: int = 8  # the most tokens a sequence proposes in one step
     ngram_max: int = 4
     ngram_min: int = 2
 
