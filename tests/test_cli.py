@@ -310,3 +310,21 @@ def test_bench_refuses_bad_arguments_in_one_line(capsys, tiny_gguf):
     ]:
         code, _, err = run_cli(capsys, "bench", "--model", str(tiny_gguf), *args)
         assert code == 2 and err.startswith("kvlm: error: ") and message in err, err
+
+
+def test_generate_speculative_gives_the_plain_text(capsys, tiny_gguf):
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3
+    common = ("generate", prompt, "--model", str(tiny_gguf), "--json", "--max-new-tokens",
+              "60", "--ignore-eos", "--no-chat")  # fmt: skip
+    code, out, _ = run_cli(capsys, *common)
+    assert code == 0
+    plain = json.loads(out)["text"]
+    code, out, _ = run_cli(capsys, *common, "--speculative", "ngram", "--num-draft", "4")
+    assert code == 0
+    record = json.loads(out)
+    assert record["texts"] == [plain] and record["tokens"] == 60
+    assert record["drafted"] > 0 and 0 <= record["acceptance"] <= 1
+    code, _, err = run_cli(capsys, *common, "--speculative", "ngram", "--num-draft", "0")
+    assert code != 0 and "num_draft" in err and "Traceback" not in err
+    code, _, err = run_cli(capsys, *common, "--speculative", "ngram", "--kv", "window")
+    assert code != 0 and "--speculative needs" in err

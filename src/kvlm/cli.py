@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     _cache_args(gen)
     _sampling_args(gen, temperature=0.0)
     gen.add_argument("-n", "--n", type=int, default=1, help="samples from one prefill")
+    _speculative_args(gen)
     _session_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
     gen.set_defaults(func=cmd_generate)
@@ -86,13 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key", default=os.environ.get("KVLM_API_KEY"), help="require this bearer key"
     )
     serve.add_argument("--served-model-name", default=None, help="the model id clients use")
-    serve.add_argument(
-        "--speculative", choices=("ngram",), default=None,
-        help="speculative decoding: each sequence proposes tokens by prompt lookup, "
-        "the model checks them in the step's forward (greedy output unchanged)",
-    )  # fmt: skip
-    serve.add_argument("--num-draft", type=int, default=8,
-                       help="the most tokens proposed per step (--speculative)")  # fmt: skip
+    _speculative_args(serve)
     serve.add_argument(
         "--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
         help="the model's tool-call format (default: read off its chat template)",
@@ -276,6 +271,27 @@ def _model(args: argparse.Namespace, **settings: Any):
     )
 
 
+def _speculative_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative", choices=("ngram",), default=None,
+        help="speculative decoding: each sequence proposes tokens by prompt lookup, "
+        "the model checks them in one forward (greedy output unchanged)",
+    )  # fmt: skip
+    p.add_argument("--num-draft", type=int, default=8,
+                   help="the most tokens proposed per step (--speculative)")  # fmt: skip
+
+
+def _speculative(args: argparse.Namespace):
+    from kvlm.engine.speculative import SpeculativeConfig
+
+    if not args.speculative:
+        return None
+    try:
+        return SpeculativeConfig(args.speculative, num_draft=args.num_draft)
+    except ValueError as exc:
+        raise KvlmError(str(exc)) from None
+
+
 def _load(args: argparse.Namespace):
     """generate, chat, verify: every cache flag (_cache_args) applies."""
     from kvlm.llm import CacheOptions
@@ -313,6 +329,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _params(args, n=args.n)  # validate before the slow load
     if params.n > 1 and (args.save_cache or args.load_cache):
         raise KvlmError("--save-cache/--load-cache continue one conversation: use -n 1")
+    spec = _speculative(args)
+    if spec is not None:
+        return _generate_speculative(args, prompt, params, spec)
     llm = _load(args)
     use_chat = args.chat and llm.tokenizer.chat_template is not None
     if args.save_cache or args.load_cache:
@@ -344,6 +363,63 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for sample in out.outputs[1:]:
         print(f"--- sample {sample.index} ---\n{sample.text}")
     print(_summary(out, llm.kv_mode, cache), file=sys.stderr)
+    return 0
+
+
+def _generate_speculative(args: argparse.Namespace, prompt: str, params: Any, spec: Any) -> int:
+    """generate --speculative: the engine's decode (drafts live in its paged pool), the
+    first sample's text streamed as it is accepted."""
+    import time
+
+    from kvlm.llm import BATCH_MODES
+
+    if args.save_cache or args.load_cache:
+        raise KvlmError("--speculative runs in the engine's pool: no --save-cache/--load-cache")
+    if args.kv not in BATCH_MODES:
+        raise KvlmError(f"--speculative needs a --kv of {', '.join(BATCH_MODES)}")
+    llm = _load(args)
+    llm.speculative = spec
+    use_chat = args.chat and llm.tokenizer.chat_template is not None
+    ids = llm.encode(prompt, chat=use_chat, system=args.system)
+    engine = llm.batch_engine()
+    engine.check_request(ids, params)
+    start = time.perf_counter()
+    engine.add_request("cli", ids, params)
+    texts = [""] * params.n
+    counts = [0] * params.n
+    reasons: list[str | None] = [None] * params.n
+    first = last = None
+    while engine.has_work():
+        for event in engine.step():
+            now = time.perf_counter()
+            if event.token_ids and first is None:
+                first = now
+            last = now
+            texts[event.index] += event.text
+            counts[event.index] += len(event.token_ids)
+            reasons[event.index] = event.finish_reason or reasons[event.index]
+            if event.index == 0 and not args.json:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+    st = engine.stats.spec
+    tokens = sum(counts)
+    decode = (tokens - params.n) / (last - first) if first and last and last > first else 0.0
+    summary = {
+        "tokens": tokens, "finish_reason": reasons[0], "ttft_ms": ((first or start) - start) * 1e3,
+        "decode_tokens_per_s": decode, "speculative": spec.method, "num_draft": spec.num_draft,
+        "acceptance": st.acceptance, "drafted": st.drafted, "accepted": st.accepted,
+        "tokens_per_forward": st.tokens_per_forward,
+    }  # fmt: skip
+    if args.json:
+        print(json.dumps({**llm.describe(), "texts": texts, **summary}))
+        return 0
+    print()
+    for i, text in enumerate(texts[1:], start=1):
+        print(f"--- sample {i} ---\n{text}")
+    print(f"[{tokens} tokens, {reasons[0]}; TTFT {summary['ttft_ms']:.0f} ms; decode "
+          f"{decode:.1f} tok/s; speculative {spec.method}: {st.accepted} of {st.drafted} drafted "
+          f"accepted ({st.acceptance:.0%}), {st.tokens_per_forward:.2f} tokens per forward]",
+          file=sys.stderr)  # fmt: skip
     return 0
 
 
