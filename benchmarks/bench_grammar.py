@@ -112,10 +112,12 @@ def main() -> None:
                 comp.append(c)
                 setups.append(setup)
             per.sort()
-            print(f"{label:12} {name:10} tokenizer setup {statistics.median(setups) * 1e3:7.1f} ms"
-                  f"  compile {statistics.median(comp) * 1e3:7.1f} ms"
-                  f"  mask median {statistics.median(per) * 1e6:6.1f} us"
-                  f"  p90 {per[int(0.9 * len(per))] * 1e6:6.1f} us  ({len(ids)} tokens)")
+            print(
+                f"{label:12} {name:10} tokenizer setup {statistics.median(setups) * 1e3:7.1f} ms"
+                f"  compile {statistics.median(comp) * 1e3:7.1f} ms"
+                f"  mask median {statistics.median(per) * 1e6:6.1f} us"
+                f"  p90 {per[int(0.9 * len(per))] * 1e6:6.1f} us  ({len(ids)} tokens)"
+            )
 
 
 if __name__ == "__main__":

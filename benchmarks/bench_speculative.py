@@ -86,38 +86,53 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-draft", type=int, default=8)
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--exact", action="store_true",
+                    help="the fp32 reference path, with self-speculation (the same file's "
+                    "native low-bit weights drafting) beside prompt lookup")  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(2)
-    llm = LLM(args.model, progress=False, max_context=2048)
+    llm = LLM(args.model, progress=False, max_context=2048, exact=args.exact)
     path = args.model or str(default_model_path())
-    spec = SpeculativeConfig(num_draft=args.num_draft)
+    specs = {"ngram": SpeculativeConfig(num_draft=args.num_draft)}
+    if args.exact:
+        specs["self (native draft)"] = SpeculativeConfig("draft", num_draft=4,
+                                                         draft_weights="native")  # fmt: skip
     try:
         import llama_cpp  # noqa: F401
 
         peer = not args.no_llama
     except ImportError:
         peer = False
-    print(f"model {path}, {args.tokens} tokens, greedy, medians of {args.rounds}")
-    print(
-        "| prompt | kvlm plain tok/s | kvlm ngram tok/s | x | acceptance |"
-        + (" llama.cpp tok/s | llama.cpp lookup tok/s | x |" if peer else "")
-    )
-    print("| --- | ---: | ---: | ---: | ---: |" + (" ---: | ---: | ---: |" if peer else ""))
+    print(f"model {path}, {args.tokens} tokens, greedy, medians of {args.rounds}"
+          + (", --exact" if args.exact else ""))  # fmt: skip
+    head = "".join(f" kvlm {k} tok/s | x | acceptance |" for k in specs)
+    print("| prompt | kvlm plain tok/s |" + head
+          + (" llama.cpp tok/s | llama.cpp lookup tok/s | x |" if peer else ""))  # fmt: skip
+    print("| --- | ---: |" + " ---: | ---: | ---: |" * len(specs)
+          + (" ---: | ---: | ---: |" if peer else ""))  # fmt: skip
     for name, text in PROMPTS.items():
         ids = llm.tokenizer.encode_chat([{"role": "user", "content": text}])
-        plain, fast, acc, lp, ll = [], [], [], [], []
+        plain: list[float] = []
+        lp: list[float] = []
+        ll: list[float] = []
+        fast: dict[str, list[float]] = {k: [] for k in specs}
+        acc: dict[str, list[float]] = {k: [] for k in specs}
         for _ in range(args.rounds):
             r0, t0, _ = kvlm_rate(llm, ids, args.tokens, None)
-            r1, t1, a1 = kvlm_rate(llm, ids, args.tokens, spec)
-            assert t0 == t1, f"{name}: speculative output differs from plain"
             plain.append(r0)
-            fast.append(r1)
-            acc.append(a1)
+            for key, spec in specs.items():
+                r1, t1, a1 = kvlm_rate(llm, ids, args.tokens, spec)
+                assert t0 == t1, f"{name}: {key} output differs from plain"
+                fast[key].append(r1)
+                acc[key].append(a1)
             if peer:
                 lp.append(llama_rate(path, text, args.tokens, False))
                 ll.append(llama_rate(path, text, args.tokens, True))
-        p, f = statistics.median(plain), statistics.median(fast)
-        row = f"| {name} | {p:.1f} | {f:.1f} | {f / p:.2f} | {statistics.median(acc):.2f} |"
+        p = statistics.median(plain)
+        row = f"| {name} | {p:.1f} |"
+        for key in specs:
+            f = statistics.median(fast[key])
+            row += f" {f:.1f} | {f / p:.2f} | {statistics.median(acc[key]):.2f} |"
         if peer:
             a, b = statistics.median(lp), statistics.median(ll)
             row += f" {a:.1f} | {b:.1f} | {b / a:.2f} |"

@@ -220,3 +220,43 @@ def test_the_property_test_met_drafts_rejections_and_preemption():
     if SEEN["drafted"] == 0:
         pytest.skip("run with the test above")
     assert 0 < SEEN["accepted"] < SEEN["drafted"] and SEEN["preempted"] > 0
+
+
+@pytest.mark.parametrize(("draft", "weights"), [(None, "int8"), ("mistral", None)])
+def test_a_draft_model_proposes_and_greedy_output_is_plain(tiny_model_dir, draft, weights):
+    """Self-speculation (the same file, int8 weights, drafting for fp32) and another
+    model with the same tokenizer: greedy output is the plain decode's; the draft's
+    caches are rolled back to what each sequence kept and freed when it ends."""
+    path = tiny_model_dir("llama")
+    other = None if draft is None else str(tiny_model_dir(draft))
+    spec = SpeculativeConfig("draft", num_draft=4, draft_weights=weights or "auto",
+                             draft_model=other)  # fmt: skip
+    llm = LLM(model=path, progress=False, max_context=256)
+    ids = {"a": llm.tokenizer.encode("The quick brown fox"), "b": llm.tokenizer.encode("Once")}
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    plain, _ = run(llm, ids, params, None)
+    engine_spec, stats = run(llm, ids, params, spec)
+    assert engine_spec == plain and stats.spec.drafted > 0
+    if draft is None:  # the same weights, a little rounded: it mostly agrees
+        assert stats.spec.acceptance > 0.5
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(tiny_model_dir, tmp_path):
+    import json
+
+    from helpers import save_tiny_model
+    from kvlm.errors import InvalidRequestError
+
+    other = save_tiny_model(tmp_path / "other", "llama", seed=1)
+    # the same trained tokenizer: make it differ by one token's text
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    first = next(iter(vocab))
+    vocab["zz" + first] = vocab.pop(first)
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=128)
+    with pytest.raises(InvalidRequestError, match="another tokenizer"):
+        Engine(llm, EngineConfig(num_blocks=32, speculative=SpeculativeConfig(
+            "draft", draft_model=str(other))))  # fmt: skip
+    with pytest.raises(ValueError, match="draft method"):
+        SpeculativeConfig("ngram", draft_model=str(other))

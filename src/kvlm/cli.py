@@ -273,12 +273,19 @@ def _model(args: argparse.Namespace, **settings: Any):
 
 def _speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--speculative", choices=("ngram",), default=None,
-        help="speculative decoding: each sequence proposes tokens by prompt lookup, "
-        "the model checks them in one forward (greedy output unchanged)",
+        "--speculative", choices=("ngram", "draft"), default=None,
+        help="speculative decoding: each sequence proposes tokens (ngram: by prompt lookup; "
+        "draft: a draft model), the model checks them in one forward (greedy output "
+        "unchanged)",
     )  # fmt: skip
     p.add_argument("--num-draft", type=int, default=8,
                    help="the most tokens proposed per step (--speculative)")  # fmt: skip
+    p.add_argument("--draft-model", default=None,
+                   help="--speculative draft: a model file with the same tokenizer (default: "
+                   "this model's own file, at --draft-weights)")  # fmt: skip
+    p.add_argument("--draft-weights", default="auto",
+                   help="the draft's weight format (auto, native, int8, int4, ...): a cheaper "
+                   "format of the same file is self-speculation")  # fmt: skip
 
 
 def _speculative(args: argparse.Namespace):
@@ -287,7 +294,12 @@ def _speculative(args: argparse.Namespace):
     if not args.speculative:
         return None
     try:
-        return SpeculativeConfig(args.speculative, num_draft=args.num_draft)
+        return SpeculativeConfig(
+            args.speculative,
+            num_draft=args.num_draft,
+            draft_model=args.draft_model,
+            draft_weights=args.draft_weights,
+        )
     except ValueError as exc:
         raise KvlmError(str(exc)) from None
 
@@ -547,7 +559,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvlm.cache.memory import parse_size
     from kvlm.engine.engine import EngineConfig
     from kvlm.engine.scheduler import SchedulerConfig
-    from kvlm.engine.speculative import SpeculativeConfig
     from kvlm.errors import InvalidRequestError
     from kvlm.llm import CacheOptions
     from kvlm.server import serve
@@ -563,9 +574,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_connections=args.max_connections,
             public_metrics=args.public_metrics,
         )
-        spec = None
-        if args.speculative:
-            spec = SpeculativeConfig(args.speculative, num_draft=args.num_draft)
+        spec = _speculative(args)
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from exc
     config = EngineConfig(args.kv_blocks, parse_size(args.kv_memory), args.prefix_caching, sched,

@@ -30,7 +30,7 @@ from kvlm.engine.metrics import EngineStats
 from kvlm.engine.sampling import Sampler, SamplingParams, TokenLogprob, prompt_logprobs
 from kvlm.engine.scheduler import Batch, QueueFullError, Scheduler, SchedulerConfig
 from kvlm.engine.sequence import Sequence, Status
-from kvlm.engine.speculative import SpeculativeConfig, propose_ngram
+from kvlm.engine.speculative import DraftModel, SpeculativeConfig, propose_ngram
 from kvlm.errors import InvalidRequestError
 from kvlm.llm import LLM
 
@@ -110,8 +110,12 @@ class Engine:
         self.pool.store.zero_((slice(None),))
         self.manager = BlockManager(self.pool, self.config.prefix_caching)
         self.scheduler = Scheduler(self.manager, sched, self.max_model_len)
-        if self.config.speculative is not None:
+        self.drafter: DraftModel | None = None
+        spec = self.config.speculative
+        if spec is not None:
             self.scheduler.propose = self._propose
+            if spec.method == "draft":
+                self.drafter = _draft_model(llm, spec)
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
         self.last_error: Exception | None = None
@@ -327,6 +331,8 @@ class Engine:
         """The draft for one sequence this step (the scheduler asks)."""
         cfg = self.config.speculative
         k = min(room, seq.draft_len or cfg.num_draft)
+        if self.drafter is not None:
+            return self.drafter.propose(seq, k)
         return propose_ngram(seq.token_ids, k, cfg.ngram_max, cfg.ngram_min)
 
     def _forward(
@@ -448,3 +454,20 @@ class Engine:
 
 
 __all__ = ["Engine", "EngineConfig", "QueueFullError", "StepOutput"]
+
+
+def _draft_model(llm: LLM, spec: SpeculativeConfig) -> DraftModel:
+    """The draft model of `spec` (another file with the same tokenizer, or this model's
+    own file at a cheaper weight format), its token ids checked to mean what the served
+    model's mean."""
+    path = spec.draft_model or str(llm.loaded.path)
+    draft = LLM(model=path, weights=spec.draft_weights, max_context=llm.max_context,
+                progress=False)  # fmt: skip
+    ours, theirs = llm.tokenizer.backend.get_vocab(), draft.tokenizer.backend.get_vocab()
+    if ours != theirs:
+        raise InvalidRequestError(
+            f"the draft model {path} has another tokenizer ({len(theirs)} tokens against "
+            f"{len(ours)}): its token ids would not mean the served model's",
+            param="draft_model",
+        )
+    return DraftModel(draft, min(llm.config.vocab_size, draft.config.vocab_size))

@@ -33,19 +33,27 @@ from dataclasses import dataclass
 
 import numpy as np
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
+    """`ngram`: prompt lookup. `draft`: a draft model proposes greedily, `draft_model` (a
+    file with the same tokenizer; None: the served model's own file) at `draft_weights`
+    (a cheaper format of the same file is self-speculation)."""
+
     method: str = "ngram"
     num_draft: int = 8  # the most tokens a sequence proposes in one step
     ngram_max: int = 4
     ngram_min: int = 2
+    draft_model: str | None = None
+    draft_weights: str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(METHODS)}")
+        if self.method != "draft" and self.draft_model is not None:
+            raise ValueError("a draft model needs the draft method (--speculative draft)")
         if not 1 <= self.num_draft <= 16:
             raise ValueError("num_draft must be 1..16")
         if not 1 <= self.ngram_min <= self.ngram_max <= 16:
@@ -85,3 +93,58 @@ class SpecStats:
     @property
     def tokens_per_forward(self) -> float:
         return self.emitted / self.steps if self.steps else 0.0
+
+
+class DraftModel:
+    """A draft model proposing for the engine's sequences: one contiguous cache per
+    sequence, fed the sequence's tokens as they are accepted (its prompt the first time),
+    then k greedy steps; after verification the cache is rolled back to what the
+    sequence kept. A greedy draft is a deterministic proposal (a one-hot q), so the
+    engine's acceptance rule stays exact for sampled requests too."""
+
+    def __init__(self, draft, vocab_size: int) -> None:
+        self.llm = draft
+        self.vocab_size = vocab_size
+        self.states: dict[int, tuple] = {}  # seq_id -> (cache, fed ids, sequence)
+
+    def propose(self, seq, k: int) -> list[int]:
+        self._prune()
+        tokens = seq.token_ids
+        if seq.seq_id not in self.states:
+            self.states[seq.seq_id] = (self.llm.new_cache("contiguous"), [], seq)
+        cache, fed, _ = self.states[seq.seq_id]
+        keep = _common(fed, tokens[:-1])  # the cache's tokens the sequence still has
+        cache.rollback(cache.num_tokens - keep)
+        del fed[keep:]
+        pending = tokens[keep:]
+        k = min(k, cache.capacity - cache.num_tokens - len(pending))
+        if k < 1:
+            return []
+        runner = self.llm.runner
+        logits = runner.forward(pending, cache)
+        fed += pending
+        draft = []
+        for i in range(k):
+            token = int(logits.argmax())
+            if token >= self.vocab_size:
+                break
+            draft.append(token)
+            if i + 1 < k:
+                logits = runner.forward([token], cache)
+                fed.append(token)
+        return draft
+
+    def _prune(self) -> None:
+        from kvlm.engine.sequence import Status
+
+        for sid in [s for s, (_, _, q) in self.states.items() if q.status is Status.FINISHED]:
+            cache = self.states.pop(sid)[0]
+            cache.free()
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
