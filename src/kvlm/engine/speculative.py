@@ -108,12 +108,14 @@ class DraftModel:
         self.states: dict[int, tuple] = {}  # seq_id -> (cache, fed ids, sequence)
 
     def propose(self, seq, k: int) -> list[int]:
+        from kvlm.engine.chat import common_prefix  # (chat imports the engine's modules)
+
         self._prune()
         tokens = seq.token_ids
         if seq.seq_id not in self.states:
             self.states[seq.seq_id] = (self.llm.new_cache("contiguous"), [], seq)
         cache, fed, _ = self.states[seq.seq_id]
-        keep = _common(fed, tokens[:-1])  # the cache's tokens the sequence still has
+        keep = common_prefix(fed, tokens[:-1])  # the cache's tokens the sequence still has
         cache.rollback(cache.num_tokens - keep)
         del fed[keep:]
         pending = tokens[keep:]
@@ -140,11 +142,3 @@ class DraftModel:
         for sid in [s for s, (_, _, q) in self.states.items() if q.status is Status.FINISHED]:
             cache = self.states.pop(sid)[0]
             cache.free()
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
