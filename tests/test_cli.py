@@ -328,3 +328,19 @@ def test_generate_speculative_gives_the_plain_text(capsys, tiny_gguf):
     assert code != 0 and "num_draft" in err and "Traceback" not in err
     code, _, err = run_cli(capsys, *common, "--speculative", "ngram", "--kv", "window")
     assert code != 0 and "--speculative needs" in err
+
+
+def test_bench_reports_speculative_rows(capsys, tiny_gguf, tmp_path):
+    out_file = tmp_path / "bench.json"
+    code, out, err = run_cli(
+        capsys, "bench", "--model", str(tiny_gguf), "--prompts", "24", "--new-tokens", "24",
+        "--peers", "none", "--streams", "none", "--json", str(out_file),
+        "--speculative", "ngram", "--num-draft", "4",
+    )  # fmt: skip
+    assert code == 0, err
+    rows = {r["engine"]: r for r in json.loads(out_file.read_text())["rows"]}
+    assert set(rows) == {"kvlm-contiguous", "kvlm+ngram"}
+    spec = rows["kvlm+ngram"]
+    assert spec["decode_tok_s"] > 0 and 0 <= spec["acceptance"] <= 1
+    assert spec["tokens_per_forward"] >= 1 or spec["acceptance"] == 0
+    assert "| kvlm+ngram | 24 |" in out and "tokens per forward" in out

@@ -124,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="kvlm vs transformers on the same model and prompts")
     _model_args(bench)
     bench.add_argument("--kv", default="contiguous", help="cache modes, comma-separated")
+    _speculative_args(bench)
     bench.add_argument(
         "--prompts",
         default=None,
@@ -629,7 +630,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"--streams takes comma-separated counts: {exc}") from exc
     if streams and min(streams) < 1:
         raise InvalidRequestError("--streams counts must be >= 1")
-    config = BenchConfig(prompts, args.new_tokens, modes, peers, args.rounds, args.plots, streams)
+    config = BenchConfig(prompts, args.new_tokens, modes, peers, args.rounds, args.plots, streams,
+                         _speculative(args))  # fmt: skip
     try:
         result = bench(llm, config)
     except ValueError as exc:

@@ -44,6 +44,7 @@ class BenchConfig:
     rounds: int = 1
     plots: str | None = None  # folder for PNGs
     streams: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # [] skips
+    speculative: Any = None  # a SpeculativeConfig: rows "kvlm+<method>" beside the plain ones
 
 
 PEERS = ("hf", "hf-static", "llama.cpp")
@@ -65,6 +66,35 @@ def run_kvlm(llm: LLM, mode: str, ids: list[int], new: int) -> dict[str, float]:
         "ttft_ms": m.ttft_ms,
         "prefill_tok_s": m.prefill_tokens_per_s,
         "decode_tok_s": m.decode_tokens_per_s,
+    }
+
+
+def run_kvlm_speculative(llm: LLM, ids: list[int], new: int, spec: Any) -> dict[str, float]:
+    """The same request through the engine with speculative decoding: TTFT, decode rate
+    from the first token to the last, and the drafts' acceptance."""
+    from kvlm.engine.engine import Engine, EngineConfig
+
+    engine = Engine(llm, EngineConfig(num_blocks=None, kv_memory=256 << 20,
+                                      prefix_caching=False, speculative=spec))  # fmt: skip
+    start = time.perf_counter()
+    engine.add_request("bench", ids, SamplingParams(temperature=0, max_tokens=new,
+                                                    ignore_eos=True))  # fmt: skip
+    count, first, last = 0, None, None
+    while engine.has_work():
+        for event in engine.step():
+            now = time.perf_counter()
+            if event.token_ids and first is None:
+                first = now
+            count += len(event.token_ids)
+            last = now
+    st = engine.stats.spec
+    return {
+        "ttft_ms": ((first or start) - start) * 1e3,
+        "prefill_tok_s": len(ids) / max((first or start) - start, 1e-9),
+        "decode_tok_s": (count - 1) / (last - first) if count > 1 and last > first else 0.0,
+        "acceptance": st.acceptance,
+        "tokens_per_forward": st.tokens_per_forward,
+        "mean_accepted": st.accepted / st.steps if st.steps else 0.0,
     }
 
 
@@ -288,6 +318,8 @@ def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
                 skipped[name] = "not installed"
     available = [p for p in config.peers if peers.get(p.removesuffix("-static")) is not None]
     engines = [f"kvlm-{m}" for m in config.modes] + available
+    if config.speculative is not None:
+        engines.insert(len(config.modes), f"kvlm+{config.speculative.method}")
     warm = prompt_ids(llm, 16)
     dev = llm.device
     gpu = dev.type == "cuda"
@@ -308,7 +340,11 @@ def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
                 _reset_peak_rss()
                 if gpu:
                     torch.cuda.reset_peak_memory_stats(dev)
-                run = _run(engine, llm, peers, ids, warm, config.new_tokens)
+                if engine.startswith("kvlm+"):
+                    run_kvlm_speculative(llm, warm, 4, config.speculative)
+                    run = run_kvlm_speculative(llm, ids, config.new_tokens, config.speculative)
+                else:
+                    run = _run(engine, llm, peers, ids, warm, config.new_tokens)
                 peak = _proc_status("VmHWM")
                 run["peak_rss_mib"] = peak if peak is not None else float("nan")
                 if gpu:  # the GPU's own memory: weights, cache and activations live there
@@ -458,7 +494,7 @@ def _ratios(rows: list[dict]) -> list[dict]:
             continue
         for peer in rows:
             if peer["prompt_tokens"] == r["prompt_tokens"] and not peer["engine"].startswith(
-                "kvlm-"
+                "kvlm"
             ):
                 out.append({
                     "kvlm": r["engine"], "peer": peer["engine"],
@@ -520,6 +556,18 @@ def markdown(result: dict[str, Any]) -> str:
     if result.get("streams"):
         lines += ["", "| streams | aggregate tok/s |", "| ---: | ---: |"]
         lines += [f"| {r['streams']} | {r['tok_s']} |" for r in result["streams"]]
+    spec_rows = [r for r in result["rows"] if r["engine"].startswith("kvlm+")]
+    if spec_rows:
+        lines += ["", "| speculative | prompt | decode tok/s | x plain | acceptance "
+                  "| mean accepted per draft | tokens per forward |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        for r in spec_rows:
+            plain = next((p for p in result["rows"] if p["engine"].startswith("kvlm-")
+                          and p["prompt_tokens"] == r["prompt_tokens"]), None)  # fmt: skip
+            x = r["decode_tok_s"] / plain["decode_tok_s"] if plain else float("nan")
+            lines.append(f"| {r['engine']} | {r['prompt_tokens']} | {r['decode_tok_s']:.1f} | "
+                         f"{x:.2f}x | {r['acceptance']:.0%} | {r['mean_accepted']:.2f} | "
+                         f"{r['tokens_per_forward']:.2f} |")  # fmt: skip
     if result["ratios"]:
         lines += ["", "| kvlm | peer | prompt | decode ratio | TTFT ratio |",
                   "| --- | --- | ---: | ---: | ---: |"]  # fmt: skip
