@@ -260,3 +260,13 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny_model_dir, tmp_pat
             "draft", draft_model=str(other))))  # fmt: skip
     with pytest.raises(ValueError, match="draft method"):
         SpeculativeConfig("ngram", draft_model=str(other))
+
+
+def test_speculation_where_the_engine_cannot_run_it_is_refused(tiny_model_dir):
+    from kvlm.errors import InvalidRequestError
+
+    for kv in ("window", "basic", "off"):
+        with pytest.raises(InvalidRequestError, match="batch engine's pool"):
+            LLM(model=tiny_model_dir("llama"), progress=False, kv=kv, speculative="ngram")
+    with pytest.raises(InvalidRequestError, match="method"):
+        LLM(model=tiny_model_dir("llama"), progress=False, speculative="medusa")

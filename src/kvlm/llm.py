@@ -95,7 +95,16 @@ class LLM:
         ("ngram" or a SpeculativeConfig): `generate` decodes speculatively, every prompt
         through the batch engine (kvlm.engine.speculative; greedy output unchanged)."""
         if isinstance(speculative, str):
-            speculative = SpeculativeConfig(method=speculative)
+            try:
+                speculative = SpeculativeConfig(method=speculative)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), param="speculative") from None
+        if speculative is not None and kv not in BATCH_MODES:
+            raise InvalidRequestError(
+                f"speculative decoding runs in the batch engine's pool: kv {kv!r} is not one "
+                f"of {', '.join(BATCH_MODES)}",
+                param="speculative",
+            )
         self.speculative = speculative
         if threads is not None:
             if threads < 1:
