@@ -182,7 +182,12 @@ def test_context_limit_ends_a_sequence_with_length(tiny):
     while engine.has_work():
         events += engine.step()
     assert events[-1].finish_reason == "length"
-    assert len(ids) + sum(len(e.token_ids) for e in events) == 256
+    # every one of the 256 slots holds a computed token; the last sampled one is never fed:
+    # 257 in all, as a single stream on the LLM's own cache of 256 ends
+    assert len(ids) + sum(len(e.token_ids) for e in events) == 257
+    alone = tiny.generate(prompt_token_ids=[ids], sampling_params=params)[0].outputs[0]
+    assert [t for e in events for t in e.token_ids] == alone.token_ids
+    assert alone.finish_reason == "length"
 
 
 def test_bad_requests_are_refused_before_anything_is_held(tiny):

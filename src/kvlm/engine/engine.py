@@ -297,8 +297,8 @@ class Engine:
                 text += seq.accept(token, row)
                 tokens.append(token)
                 out = seq.sample.out
-                if out.finish_reason is None and seq.num_tokens >= self.max_model_len:
-                    out.finish_reason = "length"  # the context is full
+                if out.finish_reason is None and seq.num_tokens > self.max_model_len:
+                    out.finish_reason = "length"  # the context is full (_sample says why >)
                 if out.finish_reason is not None or not ok:
                     break
                 agreed += 1
@@ -392,7 +392,9 @@ class Engine:
             token = s.sampler(logits)
             text = s.accept(token, logits)
             out = s.sample.out
-            if out.finish_reason is None and s.num_tokens >= self.max_model_len:
+            # the context is full: every slot holds a computed token, and this one, the
+            # last sampled, is never fed (a single stream on the LLM's cache ends alike)
+            if out.finish_reason is None and s.num_tokens > self.max_model_len:
                 out.finish_reason = "length"  # the context is full
             lp = out.logprobs[-1:] if out.logprobs is not None else []
             if out.finish_reason is not None:
