@@ -1,0 +1,64 @@
+"""What composes with what: every cache variant (each cache mode, and the storage modes at
+each --kv-dtype) against every feature, and why a pair is refused.
+
+The lists come from the code (kvlm.cache.factory.CACHE_MODES, the K/V dtypes, the batch
+engine's modes), so a new mode joins the grid by itself. tests/test_composition.py runs
+every cell: a composing cell gives the tokens of the same variant without the feature; a
+refused one raises an error whose message says why. `python -m kvlm.compose` prints the
+grid as the table in docs/COMPOSITION.md.
+"""
+
+from __future__ import annotations
+
+from kvlm.cache.factory import CACHE_MODES
+from kvlm.llm import BATCH_MODES
+
+STORAGE_MODES = ("contiguous", "paged")  # modes whose K/V dtype is --kv-dtype's
+KV_DTYPES = ("bf16", "int8")
+
+FEATURES = {
+    "batching": "LLM.generate of several prompts (the batch engine, or one after another)",
+    "chunked prefill": "the prompt fed in chunks (prefill_chunk)",
+    "n>1 fan-out": "n samples from one prefill (sample i seeded seed + i)",
+    "prefix reuse": "a conversation's next turn keeps its cached prefix (ChatSession)",
+    "save/load": "a conversation's cache written to a file and read back",
+    "rollback": "cached tokens rolled back and others fed in their place",
+    "speculative decoding": "prompt-lookup drafts checked and rolled back (LLM(speculative=))",
+}
+
+
+def variants() -> list[tuple[str, str | None]]:
+    """(cache mode, --kv-dtype or None: the compute dtype)."""
+    return [(m, None) for m in CACHE_MODES] + [(m, d) for m in STORAGE_MODES for d in KV_DTYPES]
+
+
+def refusal(mode: str, kv_dtype: str | None, feature: str) -> str | None:
+    """Why `feature` is refused on this variant (a part of the error's message), or None:
+    it composes."""
+    if feature not in FEATURES:
+        raise ValueError(f"unknown feature {feature!r}")
+    if mode == "off" and feature in ("save/load", "rollback"):
+        return "keeps no cache" if feature == "save/load" else "cannot roll back"
+    if feature == "speculative decoding" and mode not in BATCH_MODES:
+        return "speculative decoding runs in the batch engine's pool"
+    return None
+
+
+def label(mode: str, kv_dtype: str | None) -> str:
+    return mode if kv_dtype is None else f"{mode}, --kv-dtype {kv_dtype}"
+
+
+def markdown() -> str:
+    names = list(FEATURES)
+    lines = ["| cache | " + " | ".join(names) + " |", "| --- |" + " :---: |" * len(names)]
+    for mode, dtype in variants():
+        cells = []
+        for f in names:
+            why = refusal(mode, dtype, f)
+            cells.append("yes" if why is None else f"refused: {why}")
+        lines.append(f"| {label(mode, dtype)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

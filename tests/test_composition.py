@@ -1,0 +1,131 @@
+"""The composition grid (kvlm.compose): every cache variant x every feature, generated
+from the code's own lists. A cell that composes gives the tokens (or logits) of the same
+variant without the feature, bit for bit; a refused cell raises an error that says why;
+docs/COMPOSITION.md is the grid's own table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvlm import LLM, SamplingParams, compose
+from kvlm.engine.speculative import SpeculativeConfig
+from kvlm.errors import KvlmError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+PROMPT = "The quick brown fox jumps over the lazy dog and"
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+def make(folder, mode, dtype, **kw) -> LLM:
+    return LLM(model=folder, progress=False, max_context=160, kv=mode, kv_dtype=dtype, **kw)
+
+
+def tokens(llm, prompt=PROMPT, params=GREEDY):
+    return [o.token_ids for o in llm.generate(prompt, params)[0].outputs]
+
+
+def batching(folder, mode, dtype, tmp_path):
+    llm = make(folder, mode, dtype)
+    prompts = [PROMPT, "Once upon a time", "def add(a, b):"]
+    together = [[o.token_ids for o in r.outputs] for r in llm.generate(prompts, GREEDY)]
+    assert together == [tokens(llm, p) for p in prompts]
+
+
+def chunked_prefill(folder, mode, dtype, tmp_path):
+    assert tokens(make(folder, mode, dtype, prefill_chunk=5)) == tokens(make(folder, mode, dtype))
+
+
+def fan_out(folder, mode, dtype, tmp_path):
+    llm = make(folder, mode, dtype)
+    many = tokens(llm, params=SamplingParams(temperature=0.9, seed=4, max_tokens=16, n=3,
+                                             ignore_eos=True))  # fmt: skip
+    one = [tokens(llm, params=SamplingParams(temperature=0.9, seed=4 + i, max_tokens=16,
+                                             ignore_eos=True))[0] for i in range(3)]  # fmt: skip
+    assert many == one
+
+
+def _two_turns(llm):
+    session = llm.chat_session(GREEDY, use_template=True)
+    list(session.send("Hello there"))
+    turn = session.send("And then?")
+    list(turn)
+    return session, turn
+
+
+def prefix_reuse(folder, mode, dtype, tmp_path):
+    session, turn = _two_turns(make(folder, mode, dtype))
+    fresh = make(folder, mode, dtype)
+    ids = fresh.tokenizer.encode_chat(session.messages)
+    whole = fresh.generate(prompt_token_ids=[ids], sampling_params=GREEDY)[0].outputs[0]
+    assert turn.output.outputs[0].token_ids == whole.token_ids
+
+
+def save_load(folder, mode, dtype, tmp_path):
+    llm = make(folder, mode, dtype)
+    session = llm.chat_session(GREEDY, use_template=True)
+    list(session.send("Hello there"))
+    path = tmp_path / "conversation.kv"
+    session.save(path, llm.fingerprint)
+    straight = session.send("And then?")
+    list(straight)
+    other = make(folder, mode, dtype)
+    resumed = other.chat_session(GREEDY, use_template=True)
+    resumed.load(path, other.fingerprint)
+    again = resumed.send("And then?")
+    list(again)
+    assert again.output.outputs[0].token_ids == straight.output.outputs[0].token_ids
+
+
+def rollback(folder, mode, dtype, tmp_path):
+    llm = make(folder, mode, dtype)
+    ids = llm.tokenizer.encode(PROMPT)
+    a, b, c = ids[:-5], ids[-5:], [7, 8, 9]
+    rolled = llm.new_cache(mode)
+    llm.runner.forward(a, rolled)
+    llm.runner.forward(b, rolled)
+    rolled.rollback(len(b))
+    fresh = llm.new_cache(mode)
+    llm.runner.forward(a, fresh)
+    assert torch.equal(llm.runner.forward(c, rolled), llm.runner.forward(c, fresh))
+
+
+def speculative(folder, mode, dtype, tmp_path):
+    prompt = "The quick brown fox jumps over the lazy dog. " * 2
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    spec = make(folder, mode, dtype, speculative=SpeculativeConfig(num_draft=4, ngram_min=1))
+    assert tokens(spec, prompt, params) == tokens(make(folder, mode, dtype), prompt, params)
+
+
+RUNNERS = {
+    "batching": batching, "chunked prefill": chunked_prefill, "n>1 fan-out": fan_out,
+    "prefix reuse": prefix_reuse, "save/load": save_load, "rollback": rollback,
+    "speculative decoding": speculative,
+}  # fmt: skip
+
+
+def test_every_feature_has_a_runner():
+    assert set(RUNNERS) == set(compose.FEATURES)
+
+
+@pytest.mark.parametrize("feature", list(compose.FEATURES))
+@pytest.mark.parametrize(("mode", "dtype"), compose.variants(),
+                         ids=[compose.label(*v) for v in compose.variants()])  # fmt: skip
+def test_cell(folder, mode, dtype, feature, tmp_path):
+    why = compose.refusal(mode, dtype, feature)
+    if why is None:
+        RUNNERS[feature](folder, mode, dtype, tmp_path)
+    else:
+        with pytest.raises(KvlmError, match=why):
+            RUNNERS[feature](folder, mode, dtype, tmp_path)
+
+
+def test_the_docs_table_is_the_grid():
+    doc = (Path(__file__).parent.parent / "docs" / "COMPOSITION.md").read_text()
+    assert compose.markdown() in doc
