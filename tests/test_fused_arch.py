@@ -435,3 +435,16 @@ def test_the_portable_build_runs_them_alike(arch_dir, portable, name, kv_dtype, 
         scalar = LLM(model=folder, progress=False, max_context=MAX_CONTEXT, weights=weights,
                      kv_dtype=kv_dtype, activations="fp32", prefill_dtype="fp32")  # fmt: skip
         _rows_alone_and_together(scalar)
+
+
+@needs_kernels
+def test_kv_int8_mode_takes_the_fused_step_like_paged_int8():
+    """`--kv int8` is `--kv paged --kv-dtype int8` (the same cache class but for its
+    name): the single stream decodes through the fused step in both, to the same tokens."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = []
+    for kv, kv_dtype in (("int8", None), ("paged", "int8")):
+        llm = low_bit_llm(kv=kv, kv_dtype=kv_dtype, max_context=256)
+        assert llm.runner.fused_for(llm.new_cache()) is not None, kv
+        outs.append(llm.generate("The capital of France is", params)[0].outputs[0].token_ids)
+    assert outs[0] == outs[1]

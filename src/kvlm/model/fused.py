@@ -49,7 +49,7 @@ import torch
 from kvlm import kernels
 from kvlm.cache import KVCache
 from kvlm.cache.contiguous import ContiguousCache
-from kvlm.cache.paged import BlockPool, PagedCache
+from kvlm.cache.paged import BlockPool, Int8PagedCache, PagedCache
 from kvlm.cache.storage import Store, key_rotation
 from kvlm.model.layers import Linear
 from kvlm.model.quant import KIND_CODES
@@ -227,7 +227,8 @@ class FusedDecoder:
             return False
         if type(cache) is ContiguousCache:
             return cache.store.values.shape[-2] == self.slots and self.reads(cache.store)
-        return type(cache) is PagedCache and self.reads(cache.pool.store)
+        # --kv int8 is a paged cache storing int8 (Int8PagedCache): the same layout
+        return type(cache) in (PagedCache, Int8PagedCache) and self.reads(cache.pool.store)
 
     def reads(self, store: Store) -> bool:
         """Whether the step reads and writes this storage (dtype, device, layout)."""
