@@ -90,3 +90,18 @@ def hf_default():
     return AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     ).eval()
+
+
+@pytest.fixture(scope="module")
+def client(server, request):
+    """The openai client on the module's `kvlm serve` (its `server` fixture: the port),
+    with the module's KEY where it has one."""
+    from serving import openai_client
+
+    return openai_client(server, getattr(request.module, "KEY", "unused"))
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    """The id the module's server serves."""
+    return client.models.list().data[0].id

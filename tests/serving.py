@@ -45,6 +45,14 @@ def kvlm_serve(*args: str, start_timeout: float = 180) -> Iterator[tuple[int, su
             proc.kill()
 
 
+def openai_client(port: int, key: str = "unused"):
+    """The official openai client on a `kvlm serve` at this port (no retries: a test sees
+    every answer)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+
+
 def _healthy(port: int) -> bool:
     try:
         return get(port, "/health")[0] == 200

@@ -33,6 +33,27 @@ def mixed_params() -> list[SamplingParams]:
     ]
 
 
+def penalized_params() -> list[SamplingParams]:
+    """mixed_params() with a penalty, logit_bias, min_p or a JSON guide on each."""
+    from kvlm.engine.guided import Guide
+
+    extra = [{"frequency_penalty": 1.0}, {"presence_penalty": 1.5, "min_p": 0.05},
+             {"repetition_penalty": 1.3}, {"logit_bias": {28: 4.0}},
+             {"guide": Guide("json_schema", {"type": "object", "properties": {
+                 "a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False})},
+             {"min_p": 0.2}]  # fmt: skip
+    return [replace(p, **e) for p, e in zip(mixed_params(), extra, strict=True)]
+
+
+def assert_batched_as_alone(llm: LLM, params: list[SamplingParams], prompts=PROMPTS) -> list:
+    """The prompts generated together give each its tokens (and all it reports) alone;
+    returns the outputs generated together."""
+    together = llm.generate(prompts, params)
+    alone = [llm.generate(p, q)[0] for p, q in zip(prompts, params, strict=True)]
+    assert [result(o) for o in together] == [result(o) for o in alone]
+    return together
+
+
 def result(out) -> list:
     """Everything a RequestOutput reports but timings: ids, text, reasons, logprobs."""
     return [
@@ -195,24 +216,18 @@ def test_window_basic_and_off_caches_run_prompts_one_after_another(tiny_model_di
 
     llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=256, kv=kv,
               cache_options=CacheOptions(**options))  # fmt: skip
-    params = mixed_params()[:4]
-    together = llm.generate(PROMPTS[:4], params)
+    assert_batched_as_alone(llm, mixed_params()[:4], PROMPTS[:4])
     assert llm._engine is None  # no pool: these caches keep state the engine cannot
-    alone = [llm.generate(p, q)[0] for p, q in zip(PROMPTS[:4], params, strict=True)]
-    assert [result(o) for o in together] == [result(o) for o in alone]
 
 
 @pytest.mark.parametrize("kv, kv_dtype", [("paged", None), ("int8", None), ("contiguous", "bf16")])
 def test_other_batchable_caches_batch_exactly(tiny_model_dir, kv, kv_dtype):
     llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=256, kv=kv,
               kv_dtype=kv_dtype)  # fmt: skip
-    params = mixed_params()
-    together = llm.generate(PROMPTS, params)
+    assert_batched_as_alone(llm, mixed_params())
     engine = llm.batch_engine()
     assert engine.pool.store.values.dtype == llm.cache_spec().dtype  # int8 for --kv int8
     assert engine.stats.max_decode_rows > 1
-    alone = [llm.generate(p, q)[0] for p, q in zip(PROMPTS, params, strict=True)]
-    assert [result(o) for o in together] == [result(o) for o in alone]
 
 
 def test_a_model_window_and_chunked_prefill_batch_exactly(tiny_model_dir):
@@ -220,31 +235,15 @@ def test_a_model_window_and_chunked_prefill_batch_exactly(tiny_model_dir):
     in the chunks a single stream uses."""
     llm = LLM(model=tiny_model_dir("mistral-window"), progress=False, max_context=256,
               prefill_chunk=5)  # fmt: skip
-    params = mixed_params()
-    together = llm.generate(PROMPTS, params)
-    alone = [llm.generate(p, q)[0] for p, q in zip(PROMPTS, params, strict=True)]
-    assert [result(o) for o in together] == [result(o) for o in alone]
+    assert_batched_as_alone(llm, mixed_params())
     # penalties, logit_bias, min_p and a JSON guide on the fused step's logits, per row
-    from kvlm.engine.guided import Guide
-
-    extra = [{"frequency_penalty": 1.0}, {"presence_penalty": 1.5, "min_p": 0.05},
-             {"repetition_penalty": 1.3}, {"logit_bias": {28: 4.0}},
-             {"guide": Guide("json_schema", {"type": "object", "properties": {
-                 "a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False})},
-             {"min_p": 0.2}]  # fmt: skip
-    params = [replace(p, **e) for p, e in zip(mixed_params(), extra, strict=True)]
-    together = llm.generate(PROMPTS, params)
-    alone = [llm.generate(p, q)[0] for p, q in zip(PROMPTS, params, strict=True)]
-    assert [result(o) for o in together] == [result(o) for o in alone]
+    assert_batched_as_alone(llm, penalized_params())
 
 
 @pytest.mark.slow
 def test_the_default_model_batches_exactly(default_llm):
     """fp32 weights (oneDNN packed, padded one-row products, attention row by row)."""
-    params = mixed_params()
-    together = default_llm.generate(PROMPTS, params)
-    alone = [default_llm.generate(p, q)[0] for p, q in zip(PROMPTS, params, strict=True)]
-    assert [result(o) for o in together] == [result(o) for o in alone]
+    assert_batched_as_alone(default_llm, mixed_params())
     assert default_llm.batch_engine().stats.max_decode_rows >= 6
 
 
@@ -256,19 +255,6 @@ def test_the_fused_step_batches_exactly_on_the_default_model():
     llm = LLM(progress=False, max_context=512, kv_dtype="int8")
     if llm.runner.fused_reason is not None:
         pytest.skip(llm.runner.fused_reason)
-    params = mixed_params()
-    together = llm.generate(PROMPTS, params)
-    alone = [llm.generate(p, q)[0] for p, q in zip(PROMPTS, params, strict=True)]
-    assert [result(o) for o in together] == [result(o) for o in alone]
+    assert_batched_as_alone(llm, mixed_params())
     # penalties, logit_bias, min_p and a JSON guide on the fused step's logits, per row
-    from kvlm.engine.guided import Guide
-
-    extra = [{"frequency_penalty": 1.0}, {"presence_penalty": 1.5, "min_p": 0.05},
-             {"repetition_penalty": 1.3}, {"logit_bias": {28: 4.0}},
-             {"guide": Guide("json_schema", {"type": "object", "properties": {
-                 "a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False})},
-             {"min_p": 0.2}]  # fmt: skip
-    params = [replace(p, **e) for p, e in zip(mixed_params(), extra, strict=True)]
-    together = llm.generate(PROMPTS, params)
-    alone = [llm.generate(p, q)[0] for p, q in zip(PROMPTS, params, strict=True)]
-    assert [result(o) for o in together] == [result(o) for o in alone]
+    assert_batched_as_alone(llm, penalized_params())

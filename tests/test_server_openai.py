@@ -25,16 +25,6 @@ def server():
         yield port
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key=KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 MESSAGES = [{"role": "user", "content": "Name a fruit."}]
 
 # every chat request field OpenAI defines, at a value that asks for nothing different

@@ -128,9 +128,7 @@ def test_speculative_sampling_draws_from_the_models_distribution():
 def test_the_server_speculates_and_answers_what_it_answers_without(tiny_model_dir):
     from concurrent.futures import ThreadPoolExecutor
 
-    import openai
-
-    from serving import kvlm_serve, metrics
+    from serving import kvlm_serve, metrics, openai_client
 
     folder = str(tiny_model_dir("llama"))
     # repeated text: prompt lookup finds something to propose (a random model rarely agrees)
@@ -139,8 +137,7 @@ def test_the_server_speculates_and_answers_what_it_answers_without(tiny_model_di
     answers = {}
     for flags in ((), ("--speculative", "ngram", "--num-draft", "4")):
         with kvlm_serve("--model", folder, "--max-context", "256", *flags) as (port, _):
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
-                                   max_retries=0)  # fmt: skip
+            client = openai_client(port)
 
             def ask(prompt, client=client):
                 out = client.completions.create(model=client.models.list().data[0].id,

@@ -103,11 +103,6 @@ def server(tmp_path_factory):
         yield p
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key="x", max_retries=0)
-
-
 def ask(client, **kw):
     model = client.models.list().data[0].id
     messages = kw.pop("messages", [{"role": "user", "content": "Weather in Paris?"}])
