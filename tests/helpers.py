@@ -767,7 +767,7 @@ def break_sampler(monkeypatch, top_k: int = 13) -> None:
     real = engine_module.Sampler
 
     class Broken(real):
-        def __call__(self, logits):
+        def __call__(self, logits, argmax=None):
             if self.params.top_k == top_k:
                 raise IndexError("simulated sampler bug")
             return super().__call__(logits)

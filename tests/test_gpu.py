@@ -12,6 +12,7 @@ trivially), not of the CUDA path.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -82,24 +83,71 @@ def test_chunked_prefill_and_forked_samples(cpu, tiny_model_dir):
     assert first == again and len({tuple(t) for t in first}) > 1  # seeded, and distinct
 
 
-def test_the_engine_batch_follows_the_cpu(cpu, tiny_model_dir):
+@pytest.mark.parametrize("captured", [True, False])
+def test_the_engine_batch_follows_the_cpu(cpu, tiny_model_dir, captured):
+    """The server's batch, its decode steps replayed from CUDA graphs (rows at different
+    lengths, 3 padded to 4, finishing at different times: 4, 2 and 1 row graphs) or run
+    eagerly."""
     gpu = on_device(tiny_model_dir("llama"))
-    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=5)
+    if not captured:
+        gpu.runner.graphs = None
+    prompts = PROMPTS[:3]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
+              for n in (N, N // 2, N // 3)]  # fmt: skip
     engine = Engine(gpu, EngineConfig(num_blocks=64))
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), cpu.tokenizer.encode(prompt), params)
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
-    tops: dict[str, list[list[int]]] = {str(i): [] for i in range(len(PROMPTS))}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), cpu.tokenizer.encode(prompt), params[i])
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    tops: dict[str, list[list[int]]] = {str(i): [] for i in range(len(prompts))}
     while engine.has_work():
         for ev in engine.step():
             tokens[ev.request_id] += ev.token_ids
             tops[ev.request_id] += [list(lp.top) for lp in ev.logprobs]
     assert engine.pool.num_used == 0
-    for i, prompt in enumerate(PROMPTS):
-        ref = cpu.generate(prompt, params)[0].token_ids
+    if captured and DEVICE != "cpu":
+        assert gpu.runner.graphs.captured == 3 and gpu.runner.graphs.replays > 0
+    for i, prompt in enumerate(prompts):
+        n = params[i].max_tokens
+        ref = cpu.generate(prompt, params[i])[0].token_ids
         ids = cpu.tokenizer.encode(prompt) + ref[:-1]
-        ref_logits = cpu.runner.logits(ids, cpu.new_cache("off"))[-N:]
+        ref_logits = cpu.runner.logits(ids, cpu.new_cache("off"))[-n:]
         assert_greedy_agreement(tokens[str(i)], tops[str(i)], ref, ref_logits)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_single_stream_decode_replays_graphs(cpu, tiny_model_dir, dtype):
+    """LLM.generate's decode steps from CUDA graphs, across the first key bucket (128) and
+    after a fork (n = 3 rows): the CPU's tokens by the top-5 rule, the eager GPU path's
+    logits as close to the exact result as the CPU's, seeded samples reproducible."""
+    from kvlm.model.graphs import MIN_KEYS
+
+    gpu = on_device(tiny_model_dir("llama"), dtype=dtype)
+    assert_generation_agrees(cpu, gpu, PROMPTS[1], MIN_KEYS + 8)
+    if DEVICE != "cpu":
+        assert gpu.runner.graphs.replays >= MIN_KEYS + 7 and gpu.runner.graphs.captured >= 2
+    sampled = SamplingParams(temperature=1.0, max_tokens=N, ignore_eos=True, seed=3, n=3)
+    first = [s.token_ids for s in gpu.generate(PROMPTS[0], sampled)[0].outputs]
+    again = [s.token_ids for s in gpu.generate(PROMPTS[0], sampled)[0].outputs]
+    assert first == again and len({tuple(t) for t in first}) > 1
+    gpu.cache = gpu.new_cache("contiguous")  # a new store: its own graphs, the old ones freed
+    gc.collect()
+    greedy = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    assert gpu.generate(PROMPTS[0], greedy)[0].token_ids == (
+        gpu.generate(PROMPTS[0], greedy)[0].token_ids
+    )
+    if dtype == "fp32":  # one decode step's logits, captured vs eager, against fp64
+        ids = cpu.tokenizer.encode(PROMPTS[2])
+        eager = on_device(tiny_model_dir("llama"))
+        eager.runner.graphs = None
+        out = []
+        for llm in (gpu, eager):
+            cache = llm.new_cache("contiguous")
+            llm.runner.forward_rows([ids[:-1]], cache)
+            out.append(llm.runner.forward_rows([ids[-1:]], cache)[0].float().cpu())
+        exact_llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=256,
+                        dtype="fp64")  # fmt: skip
+        exact = exact_llm.runner.logits(ids, exact_llm.new_cache("off"))[-1]
+        assert_as_exact_as(out[0], out[1], exact)
 
 
 def test_verify_runs_on_the_device(tiny_model_dir):

@@ -44,13 +44,22 @@ DEFAULT_POOL_SEQUENCES = 8
 class BlockPool:
     """Fixed-size K/V blocks with reference counts and a FIFO free queue."""
 
-    def __init__(self, spec: CacheSpec, num_blocks: int) -> None:
+    def __init__(self, spec: CacheSpec, num_blocks: int, scratch: bool | None = None) -> None:
+        """`scratch` (default: on a GPU): one more block, never handed out: where the
+        padding rows of a captured decode batch write (kvlm.model.graphs), so they never
+        touch a sequence's blocks."""
         self.block_size = spec.block_size
         self.num_blocks = num_blocks
-        shape = (spec.num_layers, 2, num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
+        if scratch is None:
+            scratch = spec.device.type == "cuda"
+        self.scratch = num_blocks if scratch else None
+        stored = num_blocks + (self.scratch is not None)
+        shape = (spec.num_layers, 2, stored, spec.num_kv_heads, spec.block_size, spec.head_dim)
         # Uninitialised: allocate() zeroes a block before handing it out, so gathered slots
         # past a sequence's end hold zeros, never NaN garbage that 0 * NaN would spread.
         self.store = Store(shape, spec.dtype, spec.device, zero=False)
+        if self.scratch is not None:
+            self.store.zero_((ALL, ALL, self.scratch))
         self.refs = [0] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         # Prefix cache (kvlm.cache.prefix): a full block's chained key (a sha256 digest), its
@@ -78,7 +87,7 @@ class BlockPool:
 
     @property
     def block_nbytes(self) -> int:
-        return self.store.nbytes // self.num_blocks
+        return self.store.nbytes // self.store.values.shape[2]
 
     def allocate(self) -> int:
         if not self.free_queue:

@@ -270,6 +270,8 @@ class Engine:
             log.warning("a decode batch of %d rows failed; running them one by one",
                         len(rows), exc_info=True)  # fmt: skip
             out = None
+        # on a GPU every row's argmax in one transfer, not one wait per row (greedy rows)
+        argmax = out.argmax(-1).tolist() if out is not None and out.is_cuda else None
         for seq, (a, b) in zip(seqs, spans, strict=True):
             if seq.status is Status.FINISHED:  # its request failed earlier in this step
                 continue
@@ -282,7 +284,8 @@ class Engine:
             if seq.draft:
                 self._finish_draft(seq, logits, events)
             else:
-                self._finish_forward(seq, 1, logits[0], events)
+                hint = None if argmax is None else argmax[a]
+                self._finish_forward(seq, 1, logits[0], events, hint)
 
     def _finish_draft(self, seq: Sequence, logits: torch.Tensor, events: list[StepOutput]) -> None:
         """A sequence's verified draft (speculative decoding): its tokens while the model
@@ -360,13 +363,19 @@ class Engine:
         return rows[-1]
 
     def _finish_forward(
-        self, seq: Sequence, n: int, logits: torch.Tensor, events: list[StepOutput]
+        self,
+        seq: Sequence,
+        n: int,
+        logits: torch.Tensor,
+        events: list[StepOutput],
+        argmax: int | None = None,
     ) -> None:
-        """The forward of n tokens of `seq` succeeded: record them, sample when due."""
+        """The forward of n tokens of `seq` succeeded: record them, sample when due
+        (`argmax`: the logits' argmax, when already known)."""
         try:
             self._advance(seq, n)
             if seq.num_pending == 0:
-                self._sample(seq, logits, events)
+                self._sample(seq, logits, events, argmax)
         except Exception as exc:  # a sampler or stop-check bug: this request only
             events += self._fail(seq.request_id, exc)
 
@@ -374,7 +383,13 @@ class Engine:
         seq.num_computed += n
         self.manager.seal(seq.table, seq.token_ids, seq.num_computed)
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor, events: list[StepOutput]) -> None:
+    def _sample(
+        self,
+        seq: Sequence,
+        logits: torch.Tensor,
+        events: list[StepOutput],
+        argmax: int | None = None,
+    ) -> None:
         req = self.requests[seq.request_id]
         family = [seq]
         if seq.fan_out > 1:  # the prompt is in: split off the other samples
@@ -389,7 +404,7 @@ class Engine:
             self.stats.record_ttft(now - req.arrival)
         for s in family:
             first = not s.sample.out.token_ids
-            token = s.sampler(logits)
+            token = s.sampler(logits, argmax if s is seq else None)
             text = s.accept(token, logits)
             out = s.sample.out
             # the context is full: every slot holds a computed token, and this one, the

@@ -8,7 +8,7 @@ import torch
 
 from kvlm.cache import CacheSpec, KVCache
 from kvlm.cache.paged import BlockPool, TableStep
-from kvlm.model import fused
+from kvlm.model import fused, graphs
 from kvlm.model.transformer import Transformer
 
 
@@ -20,6 +20,8 @@ class ModelRunner:
         # its pool: one C call (kvlm.model.fused).
         self.fused_reason = fused.why_not(model)
         self._fused: dict[int, fused.FusedDecoder] = {}
+        # On a GPU, decode steps replay CUDA graphs (kvlm.model.graphs)
+        self.graphs = graphs.GraphDecoder(model) if graphs.enabled(model.device) else None
 
     def _decoder(self, slots: int) -> fused.FusedDecoder | None:
         if self.fused_reason is not None:
@@ -54,6 +56,8 @@ class ModelRunner:
         """
         if len(rows) != cache.batch or len({len(r) for r in rows}) != 1:
             raise ValueError(f"need {cache.batch} rows of one length, got {[len(r) for r in rows]}")
+        if len(rows[0]) == 1 and not prompt and self.graphs and self.graphs.accepts(cache):
+            return self.graphs.step([r[0] for r in rows], cache)
         if len(rows[0]) == 1 and self._decodes_alike(prompt) and (decoder := self.fused_for(cache)):
             return decoder.step([r[0] for r in rows], cache)
         step = cache.begin(len(rows[0]))  # raises on overflow before any write
@@ -79,7 +83,16 @@ class ModelRunner:
         same number of tokens. Returns each row's last logits, (B, V), or with `all_rows`
         every position's, (B, T, V) (a prompt's own logprobs).
 
-        One token per row (the decode batch) is one call of the fused step when it applies."""
+        One token per row (the decode batch) is one call of the fused step when it applies,
+        or on a GPU one replay of a captured step."""
+        one = len(rows[0]) == 1 and not prompt and not all_rows
+        if one and self.graphs and pool.scratch is not None and self.graphs.reads(pool.store):
+            tokens = [r[0] for r in rows]
+            out = self.graphs.step_table(
+                pool.store, pool.scratch, tokens, tables, starts, spec.sliding_window
+            )
+            if out is not None:
+                return out
         if (
             len(rows[0]) == 1 and len(rows) <= fused.MAX_ROWS and self._decodes_alike(prompt)
             and not all_rows

@@ -175,9 +175,14 @@ class Sampler:
         self.tokenizer = tokenizer  # for a guide's matcher, made at the first call
         self.guide: GuideState | None = None
 
-    def __call__(self, logits: torch.Tensor) -> int:
+    def __call__(self, logits: torch.Tensor, argmax: int | None = None) -> int:
         """logits (V,) fp32 -> a token id. Call once per token the sample takes: the
-        penalties count what it returned, a guide consumes it."""
+        penalties count what it returned, a guide consumes it. `argmax`: the logits'
+        argmax when the caller has it (a GPU batch's, fetched at once): a plain greedy
+        sample takes it instead of waiting on the device again."""
+        p = self.params
+        if argmax is not None and p.greedy and p.guide is None and self.penalties is None:
+            return argmax
         return self.verify(logits, None)[0]
 
     def verify(self, logits: torch.Tensor, draft: int | None) -> tuple[int, bool]:
