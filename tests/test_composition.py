@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import assert_generation_agrees
 from kvlm import LLM, SamplingParams, compose
 from kvlm.engine.speculative import SpeculativeConfig
 from kvlm.errors import KvlmError
@@ -103,10 +104,24 @@ def speculative(folder, mode, dtype, tmp_path):
     assert tokens(spec, prompt, params) == tokens(make(folder, mode, dtype), prompt, params)
 
 
+def fused_step(folder, mode, dtype, tmp_path):
+    """Low-bit weights on the CPU: the variant's decode steps in the fused C step (what
+    the runtime reports), its tokens held to the torch step's by the top-5 rule (the two
+    sum in other orders); where the step does not run, the runtime's reason is the error."""
+    llm = make(folder, mode, dtype, weights="int8")
+    step = llm.describe()["decode_step"]
+    if step != "fused":
+        raise KvlmError(step)
+    torch_step = make(folder, mode, dtype, weights="int8")
+    torch_step.runner.fused_reason = "off: the comparison"
+    assert torch_step.describe()["decode_step"] == "torch step: off: the comparison"
+    assert_generation_agrees(torch_step, llm, PROMPT, 20)
+
+
 RUNNERS = {
     "batching": batching, "chunked prefill": chunked_prefill, "n>1 fan-out": fan_out,
     "prefix reuse": prefix_reuse, "save/load": save_load, "rollback": rollback,
-    "speculative decoding": speculative,
+    "speculative decoding": speculative, "fused low-bit step": fused_step,
 }  # fmt: skip
 
 

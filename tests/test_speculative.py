@@ -267,3 +267,98 @@ def test_speculation_where_the_engine_cannot_run_it_is_refused(tiny_model_dir):
             LLM(model=tiny_model_dir("llama"), progress=False, kv=kv, speculative="ngram")
     with pytest.raises(InvalidRequestError, match="method"):
         LLM(model=tiny_model_dir("llama"), progress=False, speculative="medusa")
+
+
+# ---------------------------------------------------------------- a single stream (chat)
+
+
+def chat_turns(llm: LLM, params: SamplingParams, turns: list[str]) -> list[list[int]]:
+    session = llm.chat_session(params, use_template=False)
+    out = []
+    for text in turns:
+        turn = session.send(text)
+        list(turn)
+        out.append(turn.output.outputs[0].token_ids)
+    return out, session
+
+
+def _chat_pair(folder, spec, turns, max_tokens=100, **kw):
+    """A conversation's greedy turns with `spec` and without, on LLMs in the batch layout."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    plain = LLM(model=folder, progress=False, max_context=kw.pop("max_context", 256), **kw)
+    plain.model.pack_for_batches()  # the layout a speculating session decodes in
+    ref, _ = chat_turns(plain, params, turns)
+    llm = LLM(model=folder, progress=False, max_context=plain.max_context, speculative=spec,
+              **kw)  # fmt: skip
+    got, session = chat_turns(llm, params, turns)
+    return got, ref, session, llm
+
+
+CHAT = ["The quick brown fox jumps over the lazy dog.", "and again the fox"]
+
+
+@pytest.mark.parametrize(("kv", "kv_dtype", "weights"), [
+    ("contiguous", None, None), ("paged", None, None), ("int8", None, None),
+    ("contiguous", "int8", None), ("contiguous", None, "int8"), ("paged", "bf16", "int8"),
+])  # fmt: skip
+def test_chat_speculation_is_plain_decoding(tiny_model_dir, kv, kv_dtype, weights):
+    """A conversation on its own cache (kvlm chat), each turn speculating: drafts checked
+    as rows of one step (the torch step's rows over their own keys, or the fused step's
+    with low-bit weights), rejected ones rolled back in the cache's own way (a counter,
+    blocks freed, int8 rows): two turns of greedy tokens equal the plain session's."""
+    spec = SpeculativeConfig(num_draft=4, ngram_min=1)
+    got, ref, session, llm = _chat_pair(tiny_model_dir("llama"), spec, CHAT, kv=kv,
+                                        kv_dtype=kv_dtype, weights=weights)  # fmt: skip
+    assert got == ref and [len(t) for t in got] == [100, 100]  # 200 tokens, 2 turns
+    st = session.speculator.stats
+    assert st.drafted > 0 and st.accepted < st.drafted  # drafts checked, some rolled back
+    assert session.cache.num_tokens == len(session._turn.tokens) - 1  # all but the last
+    fused = llm.describe()["decode_step"] == "fused"
+    assert fused == (weights is not None)  # which step checked them
+    if kv != "contiguous":
+        pool = session.cache.pool
+        assert pool.num_used == len({b for t in session.cache.tables for b in t})
+
+
+def test_chat_speculation_with_a_draft_model_and_at_the_context_limit(tiny_model_dir):
+    """Self-speculation (the same file at int8 drafting for fp32) in a conversation; and a
+    turn that runs into the context limit ends where the plain one does."""
+    spec = SpeculativeConfig("draft", num_draft=4, draft_weights="int8")
+    got, ref, session, _ = _chat_pair(tiny_model_dir("llama"), spec, CHAT, max_tokens=60)
+    assert got == ref and session.speculator.stats.acceptance > 0.5
+    spec = SpeculativeConfig(num_draft=8, ngram_min=1)
+    got, ref, *_ = _chat_pair(tiny_model_dir("llama"), spec, CHAT[:1], max_tokens=500,
+                              max_context=96)  # fmt: skip
+    assert got == ref and len(got[0]) < 500  # "length" at the context's end, alike
+
+
+def test_chat_speculation_refuses_n_and_other_caches(tiny_model_dir):
+    from kvlm.engine.generate import Generation
+    from kvlm.engine.speculative import Speculator
+    from kvlm.errors import InvalidRequestError
+
+    llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=128)
+    with pytest.raises(InvalidRequestError, match="one sample"):
+        Generation(llm.runner, llm.tokenizer, llm.new_cache(), [1, 2, 3],
+                   SamplingParams(n=2), speculator=Speculator(SpeculativeConfig()))  # fmt: skip
+    with pytest.raises(InvalidRequestError, match="contiguous or paged"):
+        llm.runner.forward_draft([1, 2], llm.new_cache("window"))
+
+
+@pytest.mark.slow
+def test_kvlm_chat_speculates(tmp_path):
+    """`kvlm chat --speculative ngram` on the default model: the turn's line says what was
+    accepted; a cache mode without drafts is one line of error."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "kvlm.cli", "chat", "--speculative", "ngram",
+           "--temperature", "0", "--max-new-tokens", "48"]  # fmt: skip
+    text = "Repeat exactly: one two three four five six seven eight nine ten.\n"
+    done = subprocess.run(cmd, input=text, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "[speculative ngram:" in done.stderr and "accepted" in done.stderr
+    bad = subprocess.run([*cmd, "--kv", "window"], input=text, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "--speculative checks drafts" in bad.stderr

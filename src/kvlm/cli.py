@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     _cache_args(chat)
     _sampling_args(chat, temperature=0.7)
     _session_args(chat)
+    _speculative_args(chat)
     chat.set_defaults(func=cmd_chat)
 
     verify = sub.add_parser(
@@ -448,8 +449,14 @@ def _summary(out: Any, mode: str, cache: Any) -> str:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from kvlm.llm import BATCH_MODES
+
     params = _params(args)
+    spec = _speculative(args)
+    if spec is not None and args.kv not in BATCH_MODES:
+        raise KvlmError(f"--speculative checks drafts on a --kv of {', '.join(BATCH_MODES)}")
     llm = _load(args)
+    llm.speculative = spec  # each session's turns decode speculatively on its cache
     use_chat = args.chat and llm.tokenizer.chat_template is not None
     if args.chat and not use_chat:
         raise KvlmError("this model has no chat template; use `kvlm chat --no-chat`")
@@ -477,6 +484,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
             pass  # stop this reply, keep the conversation
         print()
         print(_summary(turn.output, llm.kv_mode, session.cache), file=sys.stderr)
+        if session.speculator is not None:
+            st = session.speculator.stats
+            print(f"[speculative {spec.method}: {st.accepted}/{st.drafted} drafted tokens "
+                  f"accepted ({st.acceptance:.0%}), {st.tokens_per_forward:.2f} tokens per "
+                  f"checked forward, this conversation]", file=sys.stderr)  # fmt: skip
         if args.save_cache:
             session.save(args.save_cache, llm.fingerprint)
 

@@ -4,14 +4,16 @@ each --kv-dtype) against every feature, and why a pair is refused.
 The lists come from the code (kvlm.cache.factory.CACHE_MODES, the K/V dtypes, the batch
 engine's modes), so a new mode joins the grid by itself. tests/test_composition.py runs
 every cell: a composing cell gives the tokens of the same variant without the feature; a
-refused one raises an error whose message says why. `python -m kvlm.compose` prints the
-grid as the table in docs/COMPOSITION.md.
+refused one raises an error whose message says why. (Nobody asks for the fused step: where
+it does not run, `LLM.describe()["decode_step"]` and `kvlm generate --json` say why.)
+`python -m kvlm.compose` prints the grid as the table in docs/COMPOSITION.md.
 """
 
 from __future__ import annotations
 
 from kvlm.cache.factory import CACHE_MODES
 from kvlm.llm import BATCH_MODES
+from kvlm.model import fused
 
 STORAGE_MODES = ("contiguous", "paged")  # modes whose K/V dtype is --kv-dtype's
 KV_DTYPES = ("bf16", "int8")
@@ -24,6 +26,7 @@ FEATURES = {
     "save/load": "a conversation's cache written to a file and read back",
     "rollback": "cached tokens rolled back and others fed in their place",
     "speculative decoding": "prompt-lookup drafts checked and rolled back (LLM(speculative=))",
+    "fused low-bit step": "decode steps in kvlm's fused C step (low-bit weights on the CPU)",
 }
 
 
@@ -41,6 +44,8 @@ def refusal(mode: str, kv_dtype: str | None, feature: str) -> str | None:
         return "keeps no cache" if feature == "save/load" else "cannot roll back"
     if feature == "speculative decoding" and mode not in BATCH_MODES:
         return "speculative decoding runs in the batch engine's pool"
+    if feature == "fused low-bit step" and mode not in fused.CACHE_MODES:
+        return f"torch step: {fused.NOT_THIS_CACHE}"
     return None
 
 
@@ -55,7 +60,10 @@ def markdown() -> str:
         cells = []
         for f in names:
             why = refusal(mode, dtype, f)
-            cells.append("yes" if why is None else f"refused: {why}")
+            if why is None:
+                cells.append("yes")
+            else:  # the fused step is not asked for: where it does not run, nothing refuses
+                cells.append(why if why.startswith("torch step") else f"refused: {why}")
         lines.append(f"| {label(mode, dtype)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

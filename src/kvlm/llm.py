@@ -171,6 +171,7 @@ class LLM:
             )
         self.cache_spec(kv)  # every cache setting checked before the weights load
         self._cache: KVCache | None = None  # allocated on first use
+        self._drafter = None  # the draft model of chat sessions (speculative="draft")
         self._engine: Engine | None = None  # generate's batch engine, made on first use
         self._request_ids = itertools.count()
         self.progress = progress
@@ -389,7 +390,20 @@ class LLM:
         """A multi-turn conversation that prefills only each turn's new tokens.
 
         It owns its cache: requests on this LLM in between cannot touch the conversation.
+        With `speculative` set, every turn decodes speculatively on that cache (its drafts
+        checked as rows of one step, in the weights' batch layout, so greedy turns are the
+        plain turns' tokens).
         """
+        speculator = None
+        if self.speculative is not None:
+            from kvlm.engine.engine import _draft_model
+            from kvlm.engine.speculative import Speculator
+
+            self.model.pack_for_batches()  # a row's bits the same alone or beside a draft's
+            if self.speculative.method == "draft" and self._drafter is None:
+                self._drafter = _draft_model(self, self.speculative)
+            drafter = self._drafter if self.speculative.method == "draft" else None
+            speculator = Speculator(self.speculative, drafter)
         return ChatSession(
             self.runner,
             self.tokenizer,
@@ -399,6 +413,7 @@ class LLM:
             vocab_size=self.config.vocab_size,
             use_template=use_template,
             prefill_chunk=self.prefill_chunk,
+            speculator=speculator,
         )
 
     def describe(self) -> dict[str, Any]:
@@ -414,6 +429,7 @@ class LLM:
             "kv_dtype": dtype_name(self.cache_spec().dtype),
             "max_context": self.max_context,
             "device": str(self.device),
+            "decode_step": self.runner.decode_step(self.cache),
         }
 
 

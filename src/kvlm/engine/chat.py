@@ -22,6 +22,7 @@ from kvlm.cache.base import brief
 from kvlm.engine.generate import Generation
 from kvlm.engine.runner import ModelRunner
 from kvlm.engine.sampling import SamplingParams
+from kvlm.engine.speculative import Speculator
 from kvlm.errors import InvalidRequestError
 from kvlm.loading.tokenizer import Tokenizer
 
@@ -37,7 +38,9 @@ class ChatSession:
         vocab_size: int | None = None,
         use_template: bool = True,
         prefill_chunk: int | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
+        """`speculator`: every turn decodes speculatively (kvlm.engine.speculative)."""
         if params.n != 1:
             raise InvalidRequestError("a conversation continues one sample: use n=1")
         self.runner = runner
@@ -47,6 +50,7 @@ class ChatSession:
         self.vocab_size = vocab_size
         self.use_template = use_template
         self.prefill_chunk = prefill_chunk
+        self.speculator = speculator
         self.messages: list[dict[str, str]] = []
         if system and use_template:
             self.messages.append({"role": "system", "content": system})
@@ -77,6 +81,7 @@ class ChatSession:
             self.params,
             vocab_size=self.vocab_size,
             prefill_chunk=self.prefill_chunk,
+            speculator=self.speculator,
         )
         return self._turn
 

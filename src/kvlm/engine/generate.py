@@ -24,6 +24,7 @@ from kvlm.cache import KVCache
 from kvlm.engine.metrics import Metrics
 from kvlm.engine.runner import ModelRunner
 from kvlm.engine.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
+from kvlm.engine.speculative import Speculator
 from kvlm.errors import CacheOverflowError, InvalidRequestError
 from kvlm.loading.tokenizer import Tokenizer
 
@@ -226,8 +227,14 @@ class Generation:
         prompt: str | None = None,
         vocab_size: int | None = None,
         prefill_chunk: int | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
+        """`speculator`: speculative decoding (kvlm.engine.speculative.Speculator; one
+        sample, a contiguous or paged cache): each decode step checks a draft."""
         check_prompt(prompt_ids, vocab_size)
+        if speculator is not None and params.n != 1:
+            raise InvalidRequestError("speculative decoding on one cache continues one sample")
+        self.speculator = speculator
         if cache.batch != 1:
             raise InvalidRequestError("a request starts from a cache holding one sequence")
         if cache.num_tokens >= len(prompt_ids):
@@ -271,6 +278,10 @@ class Generation:
         self.output.metrics.record_token(len(self.samples))
         self.cache.fork(len(self.samples))
         while not all(s.done for s in self.samples):
+            if self.speculator is not None:
+                drafted = yield from self._speculate(samplers[0])
+                if drafted:
+                    continue
             rows = [s.seq[self.cache.num_tokens :] for s in self.samples]
             if self.cache.would_overflow(len(rows[0])):
                 for s in self.samples:  # context full: end, as max_tokens would
@@ -292,6 +303,40 @@ class Generation:
             if s.out.index == 0 and tail:
                 yield tail
         self.output.metrics.finish()
+
+    def _speculate(self, sampler: Sampler) -> Iterator[str]:
+        """One step of speculative decoding: propose a draft after the sample's tokens,
+        check it with its last token in one forward (each row as decoding it alone), take
+        the draft while the model agrees and then the model's own token, and roll the cache
+        back past what was not taken. Returns False (having done nothing) when there is no
+        draft: the caller runs a plain step."""
+        s, cache = self.samples[0], self.cache
+        room = min(
+            s.params.max_tokens - len(s.out.token_ids) - 1,  # the model adds one
+            cache.capacity - cache.num_tokens - 1,  # the last token and the draft fit
+        )
+        draft = self.speculator.propose(s.seq, room) if room > 0 else []
+        if not draft:
+            return False
+        t0 = time.perf_counter()
+        logits = self.runner.forward_draft([s.seq[-1], *draft], cache)
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        self.output.metrics.record_forward(time.perf_counter() - t0)
+        agreed = emitted = 0
+        for i in range(len(draft) + 1):
+            token, ok = sampler.verify(logits[i], draft[i] if i < len(draft) else None)
+            delta = s.accept(token, logits[i])
+            emitted += 1
+            if delta:
+                yield delta
+            if s.done or not ok:
+                break
+            agreed += 1
+        cache.rollback(cache.num_tokens - (len(s.seq) - 1))  # it holds all but the last
+        self.speculator.record(len(draft), min(agreed, len(draft)), emitted)
+        self.output.metrics.record_token(emitted)
+        return True
 
     def _prefill(self) -> torch.Tensor:
         """Feed the prompt (in chunks of prefill_chunk) and return the last logits (1, V)."""

@@ -7,7 +7,9 @@ from collections.abc import Sequence
 import torch
 
 from kvlm.cache import CacheSpec, KVCache
-from kvlm.cache.paged import BlockPool, TableStep
+from kvlm.cache.contiguous import ContiguousCache, DraftRowsStep
+from kvlm.cache.paged import BlockPool, PagedCache, TableStep
+from kvlm.errors import InvalidRequestError
 from kvlm.model import fused, graphs
 from kvlm.model.transformer import Transformer
 
@@ -43,6 +45,17 @@ class ModelRunner:
         decoder = self._decoder(cache.spec.max_tokens)
         return decoder if decoder is not None and decoder.accepts(cache) else None
 
+    def decode_step(self, cache: KVCache) -> str:
+        """Which step decodes `cache`: "fused" (kvlm's C step), "cuda graphs", or "torch
+        step: <why the fused one does not>"."""
+        if self.graphs and self.graphs.accepts(cache):
+            return "cuda graphs"
+        if self.fused_reason is not None:
+            return f"torch step: {self.fused_reason}"
+        if self.fused_for(cache) is None:
+            return f"torch step: {fused.NOT_THIS_CACHE}, not {cache.mode} ({cache.batch} rows)"
+        return "fused"
+
     @torch.inference_mode()
     def forward_rows(
         self, rows: Sequence[Sequence[int]], cache: KVCache, prompt: bool | None = None
@@ -66,6 +79,35 @@ class ModelRunner:
             logits = self.model(ids, step.positions, step, prompt=prompt)
         cache.commit(step)
         return logits[:, -1]
+
+    @torch.inference_mode()
+    def forward_draft(self, tokens: Sequence[int], cache: KVCache) -> torch.Tensor:
+        """One sequence's last token and its draft (speculative decoding on a single
+        stream) as len(tokens) decode rows at consecutive positions, each computing what
+        decoding its token alone would (the fused step's rows, or the torch step's rows
+        over their own keys): logits (n, V). The cache commits all n; the caller rolls back
+        what it rejects. A contiguous or paged cache of one sequence."""
+        if cache.batch != 1 or not isinstance(cache, (ContiguousCache, PagedCache)):
+            raise InvalidRequestError(
+                f"a draft is checked on a contiguous or paged cache of one sequence, not "
+                f"{cache.mode} ({cache.batch} rows)"
+            )
+        step = cache.begin(len(tokens))  # raises on overflow (paged: allocates)
+        starts = [step.start + i for i in range(len(tokens))]
+        decoder = self.fused_for(cache)
+        if decoder is not None:
+            logits = decoder.step_rows(tokens, cache, starts)
+        else:
+            if isinstance(cache, PagedCache):
+                n = len(tokens)
+                rows = TableStep(cache.pool, cache.spec, [cache.tables[0]] * n, starts, 1)
+            else:
+                rows = DraftRowsStep(cache, len(tokens))
+            ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
+            with self.model.step_context(len(tokens)):
+                logits = self.model(ids, rows.positions, rows, prompt=False)[:, -1]
+        cache.commit(step)
+        return logits
 
     @torch.inference_mode()
     def forward_table(

@@ -56,6 +56,8 @@ from kvlm.model.quant import KIND_CODES
 from kvlm.model.transformer import Transformer
 
 MAX_ROWS = 256  # the most sequences one step takes (MAX_BATCH in qgemm.c)
+CACHE_MODES = ("contiguous", "paged", "int8")  # the caches whose layout the step reads
+NOT_THIS_CACHE = "the fused step reads contiguous and paged caches"  # why the others do not
 QMAT_PARTS = 3  # row parts of different kinds one projection may have (qgemm.c)
 
 
@@ -251,6 +253,23 @@ class FusedDecoder:
             logits = self._run(cache.store, tokens, starts, tables, self.slots, window)
         cache.commit(step)
         return logits
+
+    @torch.inference_mode()
+    def step_rows(
+        self, tokens: Sequence[int], cache: KVCache, starts: Sequence[int]
+    ) -> torch.Tensor:
+        """Logits (n, V) of n tokens of a one-sequence cache (this decoder `accepts` it) at
+        positions `starts` (consecutive, after what it holds), as n rows of one step: each
+        row's K/V written before any row attends, each row seeing the keys up to its own
+        position, so row i computes what decoding its token alone would (a speculative
+        draft's check). The caller has planned the step (cache.begin) and commits it."""
+        window = cache.spec.sliding_window
+        if isinstance(cache, PagedCache):
+            bs = cache.pool.block_size
+            tables = self._table([cache.tables[0]] * len(tokens), starts, bs)
+            return self._run(cache.pool.store, tokens, starts, tables, bs, window)
+        tables = torch.zeros(len(tokens), 1, dtype=torch.int32)  # every row: the one row
+        return self._run(cache.store, tokens, starts, tables, self.slots, window)
 
     @torch.inference_mode()
     def step_table(
