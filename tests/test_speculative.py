@@ -262,8 +262,8 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny_model_dir, tmp_pat
 def test_speculation_where_the_engine_cannot_run_it_is_refused(tiny_model_dir):
     from kvlm.errors import InvalidRequestError
 
-    for kv in ("window", "basic", "off"):
-        with pytest.raises(InvalidRequestError, match="batch engine's pool"):
+    for kv, why in (("window", "positions inside the cache"), ("off", "keeps no cache")):
+        with pytest.raises(InvalidRequestError, match=why):
             LLM(model=tiny_model_dir("llama"), progress=False, kv=kv, speculative="ngram")
     with pytest.raises(InvalidRequestError, match="method"):
         LLM(model=tiny_model_dir("llama"), progress=False, speculative="medusa")
@@ -300,6 +300,7 @@ CHAT = ["The quick brown fox jumps over the lazy dog.", "and again the fox"]
 @pytest.mark.parametrize(("kv", "kv_dtype", "weights"), [
     ("contiguous", None, None), ("paged", None, None), ("int8", None, None),
     ("contiguous", "int8", None), ("contiguous", None, "int8"), ("paged", "bf16", "int8"),
+    ("basic", None, None),
 ])  # fmt: skip
 def test_chat_speculation_is_plain_decoding(tiny_model_dir, kv, kv_dtype, weights):
     """A conversation on its own cache (kvlm chat), each turn speculating: drafts checked
@@ -315,7 +316,7 @@ def test_chat_speculation_is_plain_decoding(tiny_model_dir, kv, kv_dtype, weight
     assert session.cache.num_tokens == len(session._turn.tokens) - 1  # all but the last
     fused = llm.describe()["decode_step"] == "fused"
     assert fused == (weights is not None)  # which step checked them
-    if kv != "contiguous":
+    if kv in ("paged", "int8"):
         pool = session.cache.pool
         assert pool.num_used == len({b for t in session.cache.tables for b in t})
 
@@ -341,7 +342,7 @@ def test_chat_speculation_refuses_n_and_other_caches(tiny_model_dir):
     with pytest.raises(InvalidRequestError, match="one sample"):
         Generation(llm.runner, llm.tokenizer, llm.new_cache(), [1, 2, 3],
                    SamplingParams(n=2), speculator=Speculator(SpeculativeConfig()))  # fmt: skip
-    with pytest.raises(InvalidRequestError, match="contiguous or paged"):
+    with pytest.raises(InvalidRequestError, match="contiguous, paged or basic"):
         llm.runner.forward_draft([1, 2], llm.new_cache("window"))
 
 
@@ -361,4 +362,4 @@ def test_kvlm_chat_speculates(tmp_path):
     bad = subprocess.run([*cmd, "--kv", "window"], input=text, capture_output=True, text=True,
                          timeout=300)  # fmt: skip
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
-    assert "--speculative checks drafts" in bad.stderr
+    assert "no --speculative with --kv window" in bad.stderr

@@ -449,12 +449,12 @@ def _summary(out: Any, mode: str, cache: Any) -> str:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from kvlm.llm import BATCH_MODES
+    from kvlm.llm import NO_SPECULATION
 
     params = _params(args)
     spec = _speculative(args)
-    if spec is not None and args.kv not in BATCH_MODES:
-        raise KvlmError(f"--speculative checks drafts on a --kv of {', '.join(BATCH_MODES)}")
+    if spec is not None and args.kv in NO_SPECULATION:
+        raise KvlmError(f"no --speculative with --kv {args.kv}: {NO_SPECULATION[args.kv]}")
     llm = _load(args)
     llm.speculative = spec  # each session's turns decode speculatively on its cache
     use_chat = args.chat and llm.tokenizer.chat_template is not None

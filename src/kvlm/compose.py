@@ -1,10 +1,11 @@
 """What composes with what: every cache variant (each cache mode, and the storage modes at
 each --kv-dtype) against every feature, and why a pair is refused.
 
-The lists come from the code (kvlm.cache.factory.CACHE_MODES, the K/V dtypes, the batch
-engine's modes), so a new mode joins the grid by itself. tests/test_composition.py runs
-every cell: a composing cell gives the tokens of the same variant without the feature; a
-refused one raises an error whose message says why. (Nobody asks for the fused step: where
+The lists come from the code (kvlm.cache.factory.CACHE_MODES, the K/V dtypes, the modes
+speculation cannot run on, the fused step's caches), so a new mode joins the grid by
+itself. tests/test_composition.py runs every cell: a composing cell gives the tokens of
+the same variant without the feature; a refused one raises an error whose message says
+why. (Nobody asks for the fused step: where
 it does not run, `LLM.describe()["decode_step"]` and `kvlm generate --json` say why.)
 `python -m kvlm.compose` prints the grid as the table in docs/COMPOSITION.md.
 """
@@ -12,7 +13,7 @@ it does not run, `LLM.describe()["decode_step"]` and `kvlm generate --json` say 
 from __future__ import annotations
 
 from kvlm.cache.factory import CACHE_MODES
-from kvlm.llm import BATCH_MODES
+from kvlm.llm import NO_SPECULATION
 from kvlm.model import fused
 
 STORAGE_MODES = ("contiguous", "paged")  # modes whose K/V dtype is --kv-dtype's
@@ -42,8 +43,8 @@ def refusal(mode: str, kv_dtype: str | None, feature: str) -> str | None:
         raise ValueError(f"unknown feature {feature!r}")
     if mode == "off" and feature in ("save/load", "rollback"):
         return "keeps no cache" if feature == "save/load" else "cannot roll back"
-    if feature == "speculative decoding" and mode not in BATCH_MODES:
-        return "speculative decoding runs in the batch engine's pool"
+    if feature == "speculative decoding" and mode in NO_SPECULATION:
+        return NO_SPECULATION[mode]
     if feature == "fused low-bit step" and mode not in fused.CACHE_MODES:
         return f"torch step: {fused.NOT_THIS_CACHE}"
     return None

@@ -43,6 +43,14 @@ WEIGHT_FORMATS = (None, "f32", "bf16", "int8", "int4", "native")
 # attention, exactly: contiguous and paged; int8 codes alike). window, basic and off keep
 # state the pool cannot (a ring, a per-step rebuild): their prompts run one after another.
 BATCH_MODES = ("contiguous", "paged", "int8")
+# The cache modes speculative decoding cannot run on, and why (the others: in the batch
+# engine's pool, and a conversation's or a basic cache's own rows, ModelRunner.forward_draft)
+NO_SPECULATION = {
+    "off": "it keeps no cache to check a draft against",
+    "window": "its keys sit at positions inside the cache, set per step, so a draft's rows "
+    "would meet the sinks elsewhere than one-token steps do; and once the ring wraps, "
+    "rolling a draft back would need keys it has evicted",
+}
 # Sequences the batch engine decodes together (SchedulerConfig.max_num_seqs)
 BATCH_MAX_SEQS = 16
 
@@ -99,10 +107,9 @@ class LLM:
                 speculative = SpeculativeConfig(method=speculative)
             except ValueError as exc:
                 raise InvalidRequestError(str(exc), param="speculative") from None
-        if speculative is not None and kv not in BATCH_MODES:
+        if speculative is not None and kv in NO_SPECULATION:
             raise InvalidRequestError(
-                f"speculative decoding runs in the batch engine's pool: kv {kv!r} is not one "
-                f"of {', '.join(BATCH_MODES)}",
+                f"no speculative decoding with kv {kv!r}: {NO_SPECULATION[kv]}",
                 param="speculative",
             )
         self.speculative = speculative
@@ -256,6 +263,7 @@ class LLM:
             prompt=prompt,
             vocab_size=self.config.vocab_size,
             prefill_chunk=self.prefill_chunk,
+            speculator=self._speculator() if params.n == 1 else None,
         )
 
     def generate(
@@ -394,16 +402,6 @@ class LLM:
         checked as rows of one step, in the weights' batch layout, so greedy turns are the
         plain turns' tokens).
         """
-        speculator = None
-        if self.speculative is not None:
-            from kvlm.engine.engine import _draft_model
-            from kvlm.engine.speculative import Speculator
-
-            self.model.pack_for_batches()  # a row's bits the same alone or beside a draft's
-            if self.speculative.method == "draft" and self._drafter is None:
-                self._drafter = _draft_model(self, self.speculative)
-            drafter = self._drafter if self.speculative.method == "draft" else None
-            speculator = Speculator(self.speculative, drafter)
         return ChatSession(
             self.runner,
             self.tokenizer,
@@ -413,8 +411,21 @@ class LLM:
             vocab_size=self.config.vocab_size,
             use_template=use_template,
             prefill_chunk=self.prefill_chunk,
-            speculator=speculator,
+            speculator=self._speculator(),
         )
+
+    def _speculator(self):
+        """A Speculator for a stream on one cache when `speculative` is set, else None."""
+        if self.speculative is None:
+            return None
+        from kvlm.engine.engine import _draft_model
+        from kvlm.engine.speculative import Speculator
+
+        self.model.pack_for_batches()  # a row's bits the same alone or beside a draft's
+        if self.speculative.method == "draft" and self._drafter is None:
+            self._drafter = _draft_model(self, self.speculative)
+        drafter = self._drafter if self.speculative.method == "draft" else None
+        return Speculator(self.speculative, drafter)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from kvlm.cache import CacheSpec, KVCache
+from kvlm.cache.basic import BasicCache, BasicDraftRowsStep
 from kvlm.cache.contiguous import ContiguousCache, DraftRowsStep
 from kvlm.cache.paged import BlockPool, PagedCache, TableStep
 from kvlm.errors import InvalidRequestError
@@ -87,12 +88,17 @@ class ModelRunner:
         decoding its token alone would (the fused step's rows, or the torch step's rows
         over their own keys): logits (n, V). The cache commits all n; the caller rolls back
         what it rejects. A contiguous or paged cache of one sequence."""
-        if cache.batch != 1 or not isinstance(cache, (ContiguousCache, PagedCache)):
+        if cache.batch != 1 or not isinstance(cache, (ContiguousCache, PagedCache, BasicCache)):
             raise InvalidRequestError(
-                f"a draft is checked on a contiguous or paged cache of one sequence, not "
-                f"{cache.mode} ({cache.batch} rows)"
+                f"a draft is checked on a contiguous, paged or basic cache of one sequence, "
+                f"not {cache.mode} ({cache.batch} rows)"
             )
-        step = cache.begin(len(tokens))  # raises on overflow (paged: allocates)
+        if isinstance(cache, BasicCache):  # its step stages the rows' K/V: the step itself
+            if cache.would_overflow(len(tokens)):
+                cache.begin(len(tokens))  # raises, with the cache's own message
+            step = BasicDraftRowsStep(cache, len(tokens))
+        else:
+            step = cache.begin(len(tokens))  # raises on overflow (paged: allocates)
         starts = [step.start + i for i in range(len(tokens))]
         decoder = self.fused_for(cache)
         if decoder is not None:
@@ -101,6 +107,8 @@ class ModelRunner:
             if isinstance(cache, PagedCache):
                 n = len(tokens)
                 rows = TableStep(cache.pool, cache.spec, [cache.tables[0]] * n, starts, 1)
+            elif isinstance(cache, BasicCache):
+                rows = step
             else:
                 rows = DraftRowsStep(cache, len(tokens))
             ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
