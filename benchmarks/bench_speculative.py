@@ -8,6 +8,7 @@ first token to the last (prefill excluded); kvlm's speculative output is checked
 its plain output. Engines take turns per prompt; medians of --rounds.
 
     python benchmarks/bench_speculative.py [--model FILE] [--tokens 128] [--rounds 3]
+    python benchmarks/bench_speculative.py --chat --no-llama   # kvlm chat's path
 """
 
 from __future__ import annotations
@@ -60,6 +61,18 @@ def kvlm_rate(llm: LLM, ids: list[int], n: int, spec) -> tuple[float, list[int],
     return rate, tokens, engine.stats.spec.acceptance
 
 
+def chat_rate(llm: LLM, text: str, n: int, spec) -> tuple[float, list[int], float]:
+    """One turn of a conversation on its own cache (kvlm chat's path), speculating with
+    `spec` or not: decode rate from the first token to the last, tokens, acceptance."""
+    llm.speculative = spec
+    session = llm.chat_session(SamplingParams(temperature=0, max_tokens=n))
+    turn = session.send(text)
+    list(turn)
+    acceptance = session.speculator.stats.acceptance if session.speculator else 0.0
+    out = turn.output
+    return out.metrics.decode_tokens_per_s, out.outputs[0].token_ids, acceptance
+
+
 def llama_rate(model: str, prompt_text: str, n: int, lookup: bool) -> float:
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -86,6 +99,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-draft", type=int, default=8)
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--chat", action="store_true",
+                    help="kvlm's rows: one turn of a conversation on its own cache (kvlm chat "
+                    "--speculative), not a request in the engine")  # fmt: skip
     ap.add_argument("--exact", action="store_true",
                     help="the fp32 reference path, with self-speculation (the same file's "
                     "native low-bit weights drafting) beside prompt lookup")  # fmt: skip
@@ -104,7 +120,7 @@ def main() -> None:
     except ImportError:
         peer = False
     print(f"model {path}, {args.tokens} tokens, greedy, medians of {args.rounds}"
-          + (", --exact" if args.exact else ""))  # fmt: skip
+          + (", --exact" if args.exact else "") + (", --chat" if args.chat else ""))  # fmt: skip
     head = "".join(f" kvlm {k} tok/s | x | acceptance |" for k in specs)
     print("| prompt | kvlm plain tok/s |" + head
           + (" llama.cpp tok/s | llama.cpp lookup tok/s | x |" if peer else ""))  # fmt: skip
@@ -118,10 +134,19 @@ def main() -> None:
         fast: dict[str, list[float]] = {k: [] for k in specs}
         acc: dict[str, list[float]] = {k: [] for k in specs}
         for _ in range(args.rounds):
-            r0, t0, _ = kvlm_rate(llm, ids, args.tokens, None)
+            if args.chat:
+
+                def rate(spec, text=text):
+                    return chat_rate(llm, text, args.tokens, spec)
+            else:
+
+                def rate(spec, ids=ids):
+                    return kvlm_rate(llm, ids, args.tokens, spec)
+
+            r0, t0, _ = rate(None)
             plain.append(r0)
             for key, spec in specs.items():
-                r1, t1, a1 = kvlm_rate(llm, ids, args.tokens, spec)
+                r1, t1, a1 = rate(spec)
                 assert t0 == t1, f"{name}: {key} output differs from plain"
                 fast[key].append(r1)
                 acc[key].append(a1)
