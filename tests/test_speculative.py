@@ -262,7 +262,7 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tiny_model_dir, tmp_pat
 def test_speculation_where_the_engine_cannot_run_it_is_refused(tiny_model_dir):
     from kvlm.errors import InvalidRequestError
 
-    for kv, why in (("window", "positions inside the cache"), ("off", "keeps no cache")):
+    for kv, why in (("off", "keeps no cache"),):
         with pytest.raises(InvalidRequestError, match=why):
             LLM(model=tiny_model_dir("llama"), progress=False, kv=kv, speculative="ngram")
     with pytest.raises(InvalidRequestError, match="method"):
@@ -321,6 +321,29 @@ def test_chat_speculation_is_plain_decoding(tiny_model_dir, kv, kv_dtype, weight
         assert pool.num_used == len({b for t in session.cache.tables for b in t})
 
 
+@pytest.mark.parametrize("positions", ["cache", "absolute"])
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_window_speculation_is_plain_decoding_past_the_ring(tiny_model_dir, positions,
+                                                            kv_dtype, method):  # fmt: skip
+    """The window cache (4 sinks + a ring of 24, wrapped many times over 200 tokens): each
+    draft row reads the ring as its one-token step would (earlier rows written in, its own
+    RoPE positions inside the cache), and rolling rejected rows back restores the slots
+    they overwrote: greedy turns equal the plain session's."""
+    from kvlm.llm import CacheOptions
+
+    spec = (SpeculativeConfig(num_draft=4, ngram_min=1) if method == "ngram" else
+            SpeculativeConfig("draft", num_draft=4, draft_weights="int8"))  # fmt: skip
+    options = CacheOptions(window=24, sinks=4, window_positions=positions)
+    got, ref, session, _ = _chat_pair(tiny_model_dir("llama"), spec, CHAT, kv="window",
+                                      kv_dtype=kv_dtype, cache_options=options)  # fmt: skip
+    assert got == ref and [len(t) for t in got] == [100, 100]
+    st = session.speculator.stats
+    assert st.drafted > 0 and st.accepted < st.drafted
+    if method == "draft":
+        assert st.accepted > 0  # some drafts taken whole or in part, past the ring's wrap
+
+
 def test_chat_speculation_with_a_draft_model_and_at_the_context_limit(tiny_model_dir):
     """Self-speculation (the same file at int8 drafting for fp32) in a conversation; and a
     turn that runs into the context limit ends where the plain one does."""
@@ -342,8 +365,8 @@ def test_chat_speculation_refuses_n_and_other_caches(tiny_model_dir):
     with pytest.raises(InvalidRequestError, match="one sample"):
         Generation(llm.runner, llm.tokenizer, llm.new_cache(), [1, 2, 3],
                    SamplingParams(n=2), speculator=Speculator(SpeculativeConfig()))  # fmt: skip
-    with pytest.raises(InvalidRequestError, match="contiguous, paged or basic"):
-        llm.runner.forward_draft([1, 2], llm.new_cache("window"))
+    with pytest.raises(InvalidRequestError, match="contiguous, paged, basic or window"):
+        llm.runner.forward_draft([1, 2], llm.new_cache("off"))
 
 
 @pytest.mark.slow
@@ -359,7 +382,36 @@ def test_kvlm_chat_speculates(tmp_path):
     done = subprocess.run(cmd, input=text, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "[speculative ngram:" in done.stderr and "accepted" in done.stderr
-    bad = subprocess.run([*cmd, "--kv", "window"], input=text, capture_output=True, text=True,
+    bad = subprocess.run([*cmd, "--kv", "off"], input=text, capture_output=True, text=True,
                          timeout=300)  # fmt: skip
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
-    assert "no --speculative with --kv window" in bad.stderr
+    assert "no --speculative with --kv off" in bad.stderr
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+@pytest.mark.parametrize("reject", [0, 1, 3, 5])
+def test_a_window_draft_rolled_back_leaves_the_kept_tokens_ring(tiny_model_dir, kv_dtype,
+                                                                reject):  # fmt: skip
+    """A draft of 5 rows checked on a wrapped ring, `reject` of them rolled back: the
+    ring (codes, scales, positions) is bit for bit that of a cache fed the kept tokens one
+    at a time."""
+    from kvlm.llm import CacheOptions
+
+    options = CacheOptions(window=12, sinks=2)
+    llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=256, kv="window",
+              kv_dtype=kv_dtype, cache_options=options)  # fmt: skip
+    llm.model.pack_for_batches()
+    ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog, twice over.")
+    ids = (ids * 3)[:30]  # longer than sinks + ring: wrapped
+    draft = [5, 9, 13, 17, 21]
+    a, b = llm.new_cache("window"), llm.new_cache("window")
+    for cache in (a, b):
+        llm.runner.forward(ids[:-1], cache)
+    llm.runner.forward_draft([ids[-1], *draft], a)
+    a.rollback(reject)
+    for token in [ids[-1], *draft][: 6 - reject]:
+        llm.runner.forward([token], b)
+    assert a.num_tokens == b.num_tokens
+    assert torch.equal(a.slot_pos, b.slot_pos)
+    for key, t in a.store.raw(()).items():
+        assert torch.equal(t, b.store.raw(())[key]), key

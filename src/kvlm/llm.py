@@ -44,12 +44,9 @@ WEIGHT_FORMATS = (None, "f32", "bf16", "int8", "int4", "native")
 # state the pool cannot (a ring, a per-step rebuild): their prompts run one after another.
 BATCH_MODES = ("contiguous", "paged", "int8")
 # The cache modes speculative decoding cannot run on, and why (the others: in the batch
-# engine's pool, and a conversation's or a basic cache's own rows, ModelRunner.forward_draft)
+# engine's pool, or on one cache's own rows, ModelRunner.forward_draft)
 NO_SPECULATION = {
     "off": "it keeps no cache to check a draft against",
-    "window": "its keys sit at positions inside the cache, set per step, so a draft's rows "
-    "would meet the sinks elsewhere than one-token steps do; and once the ring wraps, "
-    "rolling a draft back would need keys it has evicted",
 }
 # Sequences the batch engine decodes together (SchedulerConfig.max_num_seqs)
 BATCH_MAX_SEQS = 16

@@ -105,6 +105,77 @@ class _WindowStep(CacheStep):
         return k_all, v_all  # (B, Hkv, S + W + n_new, D)
 
 
+class WindowDraftRowsStep(CacheStep):
+    """One sequence fed n tokens as n rows of one token (a speculative draft's check): row
+    i computes exactly what a one-token step at position start + i computes after rows
+    0..i-1 were fed one at a time. Each row gets its own copy of the cache's slots with
+    rows 0..i-1 written in (rounded as the store would keep them), then its own token,
+    its own visibility mask and, with positions inside the cache, its own RoPE positions
+    (the per-step shift of a one-token step at its position). The commit keeps an undo
+    record of the slots it overwrites, so rolling the rejected rows back restores the
+    ring exactly (WindowCache._truncate)."""
+
+    def __init__(self, cache: WindowCache, n_new: int) -> None:
+        if cache.batch != 1:
+            raise ValueError("a draft check feeds one sequence")
+        spec, start = cache.spec, cache.num_tokens
+        if n_new > spec.window:
+            raise ValueError("a draft longer than the window")
+        dev = spec.device
+        super().__init__(start, n_new, 1, dev, None, False)
+        self.cache, self.store = cache, cache.store
+        self._over(self.store)
+        self._basis = self.key_rotation
+        if cache.cache_positions:
+            self.key_rotation = None
+        pos = torch.arange(start, start + n_new, device=dev)
+        self.new_slots = cache._slot(pos)  # where row i's token goes
+        masks, q_ats, k_ats = [], [], []
+        slot_pos = cache.slot_pos.clone()
+        for i in range(n_new):  # as the one-token step at start + i builds its own
+            q = pos[i : i + 1]
+            k = torch.cat([slot_pos, q])
+            visible = (k[None, :] >= 0) & (k[None, :] <= q[:, None])
+            visible &= (k[None, :] < spec.sinks) | (q[:, None] - k[None, :] < spec.window)
+            q_at, k_at = cache.rope_positions(start + i, q, k)
+            if spec.sliding_window is not None:
+                visible &= q_at[:, None] - k_at[None, :] < spec.sliding_window
+            masks.append(visible)  # (1, S + W + 1)
+            q_ats.append(q_at)
+            k_ats.append(k_at)
+            slot_pos[self.new_slots[i]] = start + i  # row i's token, in the ring for row i+1
+        self.positions = torch.stack(q_ats)  # (rows, 1)
+        self.key_rope_positions = torch.stack(k_ats) if cache.cache_positions else None
+        keys = masks[0].shape[-1]
+        self.rows = [(keys, m, False) for m in masks]
+        self.staged: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * spec.num_layers
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (rows, Hkv, 1, D) -> per row (rows, Hkv, S + W + 1, D): the slots as row i's
+        one-token step would read them, then its own token."""
+        if self._basis is not None:
+            k = k @ self._basis.to(k.dtype)
+        n = k.shape[0]
+        self.staged[layer] = (k[:, :, 0].transpose(0, 1)[None], v[:, :, 0].transpose(0, 1)[None])
+        out = []
+        for kv, x in ((0, k), (1, v)):
+            stored = self.store.get((layer, kv), x.dtype)  # (1, Hkv, slots, D)
+            kept = self.store.roundtrip(x)  # (rows, Hkv, 1, D), as the store reads them back
+            rows = []
+            for i in range(n):
+                mine = stored.clone()
+                for m in range(i):  # rows before i: in the ring, as one-token steps left them
+                    mine[0, :, self.new_slots[m]] = kept[m, :, 0]
+                rows.append(torch.cat([mine, kept[i : i + 1]], dim=2))
+            out.append(torch.cat(rows))
+        k_all, v_all = out
+        if self._basis is not None and self.key_rotation is None:
+            k_all = k_all @ self._basis.T.to(k_all.dtype)
+        return k_all, v_all
+
+
 class WindowCache(RowCache):
     mode = "window"
     layout = "window"
@@ -113,6 +184,8 @@ class WindowCache(RowCache):
         super().__init__(spec, slots=spec.sinks + spec.window)
         self.cache_positions = spec.window_positions == "cache"
         self.slot_pos = torch.full((self.slots,), -1, dtype=torch.long, device=spec.device)
+        # (start, n, slots, raw values, slot_pos) a draft check's commit overwrote
+        self._undo: tuple | None = None
 
     @property
     def capacity(self) -> int:
@@ -140,18 +213,32 @@ class WindowCache(RowCache):
         return _WindowStep(self, n_new)
 
     def _commit(self, step: CacheStep) -> None:
-        assert isinstance(step, _WindowStep)
+        assert isinstance(step, (_WindowStep, WindowDraftRowsStep))
         s = self.spec
         pos = torch.arange(step.start, step.start + step.n_new, device=s.device)
         keep = (pos < s.sinks) | (pos >= step.start + step.n_new - s.window)
         slots = self._slot(pos[keep])  # distinct: at most W ring tokens kept
+        self._undo = None
+        if isinstance(step, WindowDraftRowsStep):  # what it overwrites, for a rollback
+            index = (ALL, ALL, ALL, ALL, slots)
+            raw = {key: t.clone() for key, t in self.store.raw(index).items()}
+            self._undo = (step.start, step.n_new, slots, raw, self.slot_pos[slots].clone())
         for layer, (k, v) in enumerate(step.staged):
             self.store.put((layer, 0, ALL, ALL, slots), k[:, :, keep])
             self.store.put((layer, 1, ALL, ALL, slots), v[:, :, keep])
         self.slot_pos[slots] = pos[keep]
 
+    def _undoes(self, n: int) -> bool:
+        """Whether rolling back n tokens stays within the last draft check's own tokens,
+        whose overwritten slots it recorded."""
+        undo = getattr(self, "_undo", None)
+        return undo is not None and undo[0] + undo[1] == self.num_tokens and n <= undo[1]
+
     def _check_rollback(self, n: int) -> None:
-        """Allowed iff every position the next query will attend to is still held."""
+        """Allowed iff every position the next query will attend to is still held (or is
+        restored: a draft check's rejected rows)."""
+        if self._undoes(n):
+            return
         s, new_len = self.spec, self.num_tokens - n
         needed = set(range(max(s.sinks, new_len - s.window + 1), new_len))
         missing = needed - set(self.slot_pos.tolist())
@@ -162,6 +249,15 @@ class WindowCache(RowCache):
             )
 
     def _truncate(self, length: int) -> None:
+        undo, self._undo = getattr(self, "_undo", None), None
+        if undo is not None and undo[0] <= length <= undo[0] + undo[1]:
+            _, _, slots, raw, old_pos = undo
+            gone = self.slot_pos[slots] >= length  # slots the rolled-back rows wrote
+            index = (ALL, ALL, ALL, ALL, slots[gone])
+            self.store.put_raw(index, {key: t[..., gone, :] if t.dim() == 6 else t[..., gone]
+                                       for key, t in raw.items()})  # fmt: skip
+            self.slot_pos[slots[gone]] = old_pos[gone]
+            return
         self.slot_pos[self.slot_pos >= length] = -1
 
     def _export(self) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ from kvlm.cache import CacheSpec, KVCache
 from kvlm.cache.basic import BasicCache, BasicDraftRowsStep
 from kvlm.cache.contiguous import ContiguousCache, DraftRowsStep
 from kvlm.cache.paged import BlockPool, PagedCache, TableStep
+from kvlm.cache.window import WindowCache, WindowDraftRowsStep
 from kvlm.errors import InvalidRequestError
 from kvlm.model import fused, graphs
 from kvlm.model.transformer import Transformer
@@ -88,15 +89,17 @@ class ModelRunner:
         decoding its token alone would (the fused step's rows, or the torch step's rows
         over their own keys): logits (n, V). The cache commits all n; the caller rolls back
         what it rejects. A contiguous or paged cache of one sequence."""
-        if cache.batch != 1 or not isinstance(cache, (ContiguousCache, PagedCache, BasicCache)):
+        kinds = (ContiguousCache, PagedCache, BasicCache, WindowCache)
+        if cache.batch != 1 or not isinstance(cache, kinds):
             raise InvalidRequestError(
-                f"a draft is checked on a contiguous, paged or basic cache of one sequence, "
-                f"not {cache.mode} ({cache.batch} rows)"
+                f"a draft is checked on a contiguous, paged, basic or window cache of one "
+                f"sequence, not {cache.mode} ({cache.batch} rows)"
             )
-        if isinstance(cache, BasicCache):  # its step stages the rows' K/V: the step itself
+        if isinstance(cache, (BasicCache, WindowCache)):  # steps that stage: the step itself
             if cache.would_overflow(len(tokens)):
                 cache.begin(len(tokens))  # raises, with the cache's own message
-            step = BasicDraftRowsStep(cache, len(tokens))
+            kind = BasicDraftRowsStep if isinstance(cache, BasicCache) else WindowDraftRowsStep
+            step = kind(cache, len(tokens))
         else:
             step = cache.begin(len(tokens))  # raises on overflow (paged: allocates)
         starts = [step.start + i for i in range(len(tokens))]
@@ -107,7 +110,7 @@ class ModelRunner:
             if isinstance(cache, PagedCache):
                 n = len(tokens)
                 rows = TableStep(cache.pool, cache.spec, [cache.tables[0]] * n, starts, 1)
-            elif isinstance(cache, BasicCache):
+            elif isinstance(cache, (BasicCache, WindowCache)):
                 rows = step
             else:
                 rows = DraftRowsStep(cache, len(tokens))

@@ -307,8 +307,9 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (S,) int64 -> cos, sin (1, 1, S, D), broadcasting over keys (B, heads,
-        S, D): for a cache that returns K before RoPE (kvlm.cache.window)."""
-        cos, sin = self(positions[None], dtype)  # (1, S, 1, D)
+        S, D): for a cache that returns K before RoPE (kvlm.cache.window). (B, S): each
+        row's own positions -> (B, 1, S, D) (a window cache's draft rows)."""
+        cos, sin = self(positions if positions.dim() == 2 else positions[None], dtype)
         return cos.transpose(1, 2), sin.transpose(1, 2)
 
 
