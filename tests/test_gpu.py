@@ -191,3 +191,24 @@ def test_bench_measures_the_device(tiny_model_dir):
 def test_cpu_only_weight_formats_are_refused_on_the_device(tiny_model_dir):
     with pytest.raises(InvalidRequestError, match="CPU kernels only"):
         on_device(tiny_model_dir("llama"), weights="int8")
+
+
+def test_the_pool_and_kvlm_memory_read_the_gpus_free_memory(tiny_model_dir, capsys):
+    """With no --kv-memory the engine's pool is at most GPU_MEMORY_SHARE of what the GPU
+    had free (and at most max_num_seqs full contexts); `kvlm memory --device cuda` budgets
+    the GPU's free memory less the weights."""
+    if DEVICE == "cpu":
+        pytest.skip("the GPU's memory")
+    import json
+
+    from kvlm.cli import main
+    from kvlm.engine.engine import GPU_MEMORY_SHARE
+
+    gpu = on_device(tiny_model_dir("llama"))
+    free = torch.cuda.mem_get_info()[0]
+    engine = Engine(gpu, EngineConfig())
+    assert engine.pool.store.nbytes <= GPU_MEMORY_SHARE * free + engine.pool.block_nbytes
+    assert main(["memory", "--device", "cuda", "--model", str(tiny_model_dir("llama")),
+                 "--json"]) == 0  # fmt: skip
+    plan = json.loads(capsys.readouterr().out)
+    assert 0 < plan["budget_bytes"] <= torch.cuda.mem_get_info()[0]

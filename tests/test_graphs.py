@@ -106,3 +106,21 @@ def test_static_pool_step_pads_into_the_scratch_block(folder, monkeypatch):
     assert static.runner.graphs.replays > 0
     assert static.runner.graphs.captured == 3  # 3 rows (padded to 4), then 2, then 1
     assert engine.pool.store.values[:, :, 40].abs().sum() > 0  # the padding wrote there
+
+
+def test_the_pool_defaults_to_a_share_of_the_gpus_free_memory():
+    from kvlm.engine.engine import GPU_MEMORY_SHARE, default_kv_memory
+
+    assert default_kv_memory(torch.device("cpu")) == 1 << 30
+    free = 10 << 30
+    assert default_kv_memory(torch.device("cuda"), free) == int(free * GPU_MEMORY_SHARE)
+
+
+def test_kvlm_memory_on_a_gpu_this_machine_lacks_is_one_line(capsys):
+    from kvlm.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["memory", "--device", "cuda"]) != 0
+    err = capsys.readouterr().err
+    assert "no CUDA GPU" in err and "Traceback" not in err

@@ -75,7 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--kv", default="contiguous", help=KV_HELP)
     memory.add_argument("--kv-dtype", default="fp32", help="fp32, bf16, fp16 or int8")
     memory.add_argument("--dtype", default="fp32", help="weights dtype, for the budget")
-    memory.add_argument("--budget", default=None, help="memory for the cache (default: free RAM)")
+    memory.add_argument(
+        "--budget", default=None,
+        help="memory for the cache (default: free RAM, or the GPU's free memory with --device)",
+    )  # fmt: skip
+    memory.add_argument("--device", default="cpu", help="cpu or cuda: whose free memory")
     _size_args(memory)
     memory.add_argument("--json", action="store_true")
     memory.set_defaults(func=cmd_memory)
@@ -97,7 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-context", type=int, default=None, help="tokens per sequence")
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     serve.add_argument("--kv-blocks", type=int, default=None, help="blocks in the KV pool")
-    serve.add_argument("--kv-memory", default="1GiB", help="KV pool size when --kv-blocks unset")
+    serve.add_argument(
+        "--kv-memory", default=None,
+        help="KV pool size when --kv-blocks is unset (default: 1GiB; on a GPU, 90%% of its "
+        "free memory once the model is loaded)",
+    )  # fmt: skip
     serve.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
     serve.add_argument("--max-waiting", type=int, default=64, help="queued requests before 503")
     serve.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per step")
@@ -522,9 +530,11 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from kvlm.cache.factory import check_mode
     from kvlm.cache.memory import parse_size, plan, table
     from kvlm.dtypes import parse_dtype, parse_kv_dtype
+    from kvlm.llm import _check_device
     from kvlm.loading import load_model
 
     check_mode(args.kv)
+    device = _check_device(args.device)  # no GPU: one line, before the model loads
     budget = parse_size(args.budget) if args.budget else None
     config = load_model(args.model).config
     context = args.context or config.max_position_embeddings
@@ -533,7 +543,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     sizes = {"block_size": args.block_size, "window": args.window, "sinks": args.sinks}
     p = plan(
         config, args.kv, context, args.batch, parse_kv_dtype(args.kv_dtype),
-        parse_dtype(args.dtype), budget, **sizes,
+        parse_dtype(args.dtype), budget, device, **sizes,
     )  # fmt: skip
     rows = table(config, context, args.batch, **sizes)
     if args.json:
@@ -590,7 +600,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         spec = _speculative(args)
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from exc
-    config = EngineConfig(args.kv_blocks, parse_size(args.kv_memory), args.prefix_caching, sched,
+    kv_memory = parse_size(args.kv_memory) if args.kv_memory else None
+    config = EngineConfig(args.kv_blocks, kv_memory, args.prefix_caching, sched,
                           speculative=spec)  # fmt: skip
     llm = _model(
         args,

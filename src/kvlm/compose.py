@@ -5,8 +5,8 @@ The lists come from the code (kvlm.cache.factory.CACHE_MODES, the K/V dtypes, th
 speculation cannot run on, the fused step's caches), so a new mode joins the grid by
 itself. tests/test_composition.py runs every cell: a composing cell gives the tokens of
 the same variant without the feature; a refused one raises an error whose message says
-why. (Nobody asks for the fused step: where
-it does not run, `LLM.describe()["decode_step"]` and `kvlm generate --json` say why.)
+why. (Nobody asks for the fused step: where it does not run, `LLM.describe()
+["decode_step"]` and `kvlm generate --json` say why.)
 `python -m kvlm.compose` prints the grid as the table in docs/COMPOSITION.md.
 """
 

@@ -65,8 +65,12 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     return params * torch.empty((), dtype=dtype).element_size()
 
 
-def available_memory() -> int | None:
-    """Bytes the OS could give this process now (Linux: MemAvailable), or None."""
+def available_memory(device: torch.device | str = "cpu") -> int | None:
+    """Bytes the OS could give this process now (Linux: MemAvailable), or None; on a GPU
+    (`device` cuda) the device's free memory (cudaMemGetInfo)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
@@ -88,16 +92,18 @@ def plan(
     kv_dtype: torch.dtype,
     compute_dtype: torch.dtype = torch.float32,
     budget: int | None = None,
+    device: torch.device | str = "cpu",
     **sizes: int | None,
 ) -> MemoryPlan:
-    """`sizes`: block_size, num_blocks, window, sinks (as CacheSpec)."""
+    """`sizes`: block_size, num_blocks, window, sinks (as CacheSpec). `budget` None: what
+    `device` has free (RAM, or the GPU's memory) less the weights."""
     if batch < 1:
         raise InvalidRequestError("batch must be >= 1")
     spec = mode_spec(mode, CacheSpec.for_model(config, context, kv_dtype, **sizes))
     per_seq = planned_nbytes(mode, spec, context, 1)
     weights = weight_bytes(config, compute_dtype)
     if budget is None:
-        free = available_memory()
+        free = available_memory(device)
         budget = None if free is None else max(0, free - weights)
     fits = None if budget is None or per_seq == 0 else budget // per_seq
     return MemoryPlan(

@@ -37,12 +37,25 @@ from kvlm.llm import LLM
 log = logging.getLogger("kvlm.engine")
 
 
+GPU_MEMORY_SHARE = 0.9  # of a GPU's free memory, for the pool by default (vLLM's default)
+
+
+def default_kv_memory(device: torch.device, free: int | None = None) -> int:
+    """The pool's default size: 1 GiB on the CPU; on a GPU, GPU_MEMORY_SHARE of its free
+    memory (`free`: cudaMemGetInfo's, read now when None), the model already loaded."""
+    if device.type != "cuda":
+        return 1 << 30
+    if free is None:
+        free = int(torch.cuda.mem_get_info(device)[0])
+    return int(free * GPU_MEMORY_SHARE)
+
+
 @dataclass(slots=True, frozen=True)
 class EngineConfig:
     num_blocks: int | None = None  # pool size; None: as many as kv_memory holds, at most
     # max_num_seqs full contexts. Blocks are committed when first used, so the resident
     # memory grows to this as the prefix cache fills and then stays.
-    kv_memory: int = 1 << 30
+    kv_memory: int | None = None  # None: default_kv_memory(device)
     prefix_caching: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # kvlm.engine.speculative
@@ -94,9 +107,10 @@ class Engine:
         bs, sched = self.spec.block_size, self.config.scheduler
         least = blocks_for(self.max_model_len, bs) + sched.reserve_blocks
         block_bytes = bs * self.spec.bytes_per_token
+        kv_memory = self.config.kv_memory or default_kv_memory(self.spec.device)
         num_blocks = self.config.num_blocks or min(
             blocks_for(self.max_model_len, bs) * sched.max_num_seqs,
-            max(least, self.config.kv_memory // block_bytes),
+            max(least, kv_memory // block_bytes),
         )
         if num_blocks < least:
             raise InvalidRequestError(
