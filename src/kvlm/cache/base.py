@@ -157,6 +157,16 @@ class CacheStep(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v (B, Hkv, T, D) for `layer`; return all visible (B, Hkv, S, D)."""
 
+    def _draft_rows(self, batch: int) -> None:
+        """Make this step of n_new tokens of one sequence n_new rows of one token (a
+        speculative draft's check): row i at position start + i, attending over the keys up
+        to its own position (`rows`), with no mask, as decoding its token alone would."""
+        if batch != 1:
+            raise ValueError("a draft check feeds one sequence")
+        self.positions = self.positions.reshape(self.n_new, 1)  # (rows, 1)
+        self.mask, self.is_causal = None, False
+        self.rows = [(self.start + i + 1, None, False) for i in range(self.n_new)]
+
     def _over(self, store: Store) -> None:
         """This step reads and writes `store`; an int8 store keeps K rotated."""
         if store.quantized:
@@ -165,6 +175,26 @@ class CacheStep(ABC):
     def _keys_in(self, k: torch.Tensor) -> torch.Tensor:
         """K as the store keeps it (rotated for int8)."""
         return k if self.key_rotation is None else k @ self.key_rotation.to(k.dtype)
+
+
+class DraftRows:
+    """Mixin over a cache step of one sequence: its n_new tokens fed as n_new rows of one
+    token (a speculative draft's check), every row's K/V stored by the step's own update
+    before any row attends, row i attending over the keys up to its own position
+    (CacheStep.rows), as decoding its token alone would."""
+
+    def __init__(self, cache: KVCache, n_new: int) -> None:
+        super().__init__(cache, n_new)  # type: ignore[call-arg]
+        self._draft_rows(cache.batch)  # type: ignore[attr-defined]
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (rows, Hkv, 1, D) -> the sequence's keys (rows, Hkv, S, D)."""
+        n = k.shape[0]
+        as_seq = [x[:, :, 0].transpose(0, 1)[None] for x in (k, v)]  # (1, Hkv, n, D)
+        keys, values = super().update(layer, *as_seq)  # type: ignore[misc]
+        return keys.expand(n, -1, -1, -1), values.expand(n, -1, -1, -1)
 
 
 class DenseStep(CacheStep):

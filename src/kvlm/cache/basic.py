@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep, DenseStep, KVCache
+from kvlm.cache.base import CacheSpec, CacheStep, DenseStep, DraftRows, KVCache
 from kvlm.errors import InvalidRequestError
 
 
@@ -32,27 +32,9 @@ class _BasicStep(DenseStep):
         return k_all.to(k.dtype), v_all.to(v.dtype)
 
 
-class BasicDraftRowsStep(_BasicStep):
-    """One sequence fed n tokens as n rows of one token (a speculative draft's check):
-    every row's K/V appended before any row attends, row i attending over the keys up to
-    its own position (CacheStep.rows), as decoding its token alone would."""
-
-    def __init__(self, cache: BasicCache, n_new: int) -> None:
-        if cache.batch != 1:
-            raise ValueError("a draft check feeds one sequence")
-        super().__init__(cache, n_new)
-        self.positions = self.positions.reshape(n_new, 1)  # (rows, 1)
-        self.mask, self.is_causal = None, False
-        self.rows = [(self.start + i + 1, None, False) for i in range(n_new)]
-
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v (rows, Hkv, 1, D) -> the sequence's keys (rows, Hkv, S, D), one tensor."""
-        n = k.shape[0]
-        as_seq = [x[:, :, 0].transpose(0, 1)[None] for x in (k, v)]  # (1, Hkv, n, D)
-        k_all, v_all = super().update(layer, *as_seq)
-        return k_all.expand(n, -1, -1, -1), v_all.expand(n, -1, -1, -1)
+class BasicDraftRowsStep(DraftRows, _BasicStep):
+    """A draft's check on a basic cache (kvlm.cache.base.DraftRows): the rows' K/V
+    appended, staged for the commit as a one-sequence step's are."""
 
 
 class BasicCache(KVCache):

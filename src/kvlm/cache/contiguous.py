@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep, DenseStep
+from kvlm.cache.base import CacheSpec, CacheStep, DenseStep, DraftRows
 from kvlm.cache.rows import RowCache
 
 ALL = slice(None)
@@ -68,32 +68,5 @@ class ContiguousCache(RowCache):
         self._import_rows(tensors, (ALL, ALL, ALL, ALL, slice(0, length)))
 
 
-class DraftRowsStep(DenseStep):
-    """One sequence of a contiguous cache fed n tokens as n rows of one token each, at
-    positions start .. start+n-1 (a speculative draft's check on the torch step): every
-    row's K/V written into the sequence's row before any row attends, row i attending over
-    the keys up to its own position (CacheStep.rows), as decoding its token alone would."""
-
-    def __init__(self, cache: ContiguousCache, n_new: int) -> None:
-        super().__init__(cache, n_new)
-        if cache.batch != 1:
-            raise ValueError("a draft check feeds one sequence")
-        self.store = cache.store
-        self._over(self.store)
-        self.positions = self.positions.reshape(n_new, 1)  # (rows, 1)
-        self.mask, self.is_causal = None, False
-        self.rows = [(self.start + i + 1, None, False) for i in range(n_new)]
-
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v (rows, Hkv, 1, D) -> the sequence's keys (rows, Hkv, S, D), one view."""
-        k = self._keys_in(k)
-        n = k.shape[0]
-        new = slice(self.start, self.start + n)
-        seen = slice(0, self.start + n)
-        self.store.put((layer, 0, 0, ALL, new), k[:, :, 0].transpose(0, 1))
-        self.store.put((layer, 1, 0, ALL, new), v[:, :, 0].transpose(0, 1))
-        keys = self.store.get((layer, 0, slice(0, 1), ALL, seen), k.dtype)
-        values = self.store.get((layer, 1, slice(0, 1), ALL, seen), v.dtype)
-        return keys.expand(n, -1, -1, -1), values.expand(n, -1, -1, -1)
+class DraftRowsStep(DraftRows, _ContiguousStep):
+    """A draft's check on a contiguous cache (kvlm.cache.base.DraftRows)."""
