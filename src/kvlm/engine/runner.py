@@ -55,7 +55,8 @@ class ModelRunner:
         if self.fused_reason is not None:
             return f"torch step: {self.fused_reason}"
         if self.fused_for(cache) is None:
-            return f"torch step: {fused.NOT_THIS_CACHE}, not {cache.mode} ({cache.batch} rows)"
+            rows = f"{cache.batch} row" + ("s" if cache.batch != 1 else "")
+            return f"torch step: {fused.NOT_THIS_CACHE}, not {cache.mode} ({rows})"
         return "fused"
 
     @torch.inference_mode()
