@@ -114,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="reuse the KV blocks of prompts seen before (default: on)",
     )  # fmt: skip
     serve.add_argument(
+        "--kv-tier", action="append", default=[], metavar="SPEC",
+        help="a KV tier below the pool, asked in order (repeatable): disk:PATH[:SIZE] "
+        "(default size 10GiB) or redis://HOST:PORT[?ttl=SECONDS]",
+    )  # fmt: skip
+    serve.add_argument(
         "--max-body", default="4MiB", help="largest request body; a larger one gets 413"
     )
     serve.add_argument(
@@ -579,16 +584,27 @@ def _mib(n: int) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from kvlm.errors import InvalidRequestError
+    from kvlm.server import serve
+
+    if not 0 < args.port < 65536:
+        raise InvalidRequestError(f"--port must be 1..65535, got {args.port}")
+    config, limits = serve_config(args)
+    llm = serve_model(args)
+    serve(llm, config, args.host, args.port, args.api_key, args.served_model_name, args.log_level,
+          limits, args.tool_call_parser)  # fmt: skip
+    return 0
+
+
+def serve_config(args: argparse.Namespace):
+    """`kvlm serve`'s engine configuration and server limits from its arguments (also built
+    inside each replica of `kvlm serve --replicas`)."""
     from kvlm.cache.memory import parse_size
     from kvlm.engine.engine import EngineConfig
     from kvlm.engine.scheduler import SchedulerConfig
     from kvlm.errors import InvalidRequestError
-    from kvlm.llm import CacheOptions
-    from kvlm.server import serve
     from kvlm.server.limits import ServerLimits
 
-    if not 0 < args.port < 65536:
-        raise InvalidRequestError(f"--port must be 1..65535, got {args.port}")
     try:
         sched = SchedulerConfig(args.max_num_seqs, args.prefill_chunk, args.max_waiting)
         limits = ServerLimits(
@@ -602,17 +618,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InvalidRequestError(str(exc)) from exc
     kv_memory = parse_size(args.kv_memory) if args.kv_memory else None
     config = EngineConfig(args.kv_blocks, kv_memory, args.prefix_caching, sched,
-                          speculative=spec)  # fmt: skip
-    llm = _model(
+                          speculative=spec, kv_tiers=tuple(args.kv_tier))  # fmt: skip
+    return config, limits
+
+
+def serve_model(args: argparse.Namespace):
+    """The LLM `kvlm serve` runs, from its arguments."""
+    from kvlm.llm import CacheOptions
+
+    return _model(
         args,
         kv="paged",
         kv_dtype=args.kv_dtype,
         max_context=args.max_context,
         cache_options=CacheOptions(args.block_size, args.kv_blocks),
     )
-    serve(llm, config, args.host, args.port, args.api_key, args.served_model_name, args.log_level,
-          limits, args.tool_call_parser)  # fmt: skip
-    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -59,6 +59,8 @@ class EngineConfig:
     prefix_caching: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # kvlm.engine.speculative
+    # KV tiers below the pool (kvlm.cache.tiers): "disk:PATH[:SIZE]", "redis://HOST:PORT"
+    kv_tiers: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
