@@ -600,6 +600,7 @@ def serve_config(args: argparse.Namespace):
     """`kvlm serve`'s engine configuration and server limits from its arguments (also built
     inside each replica of `kvlm serve --replicas`)."""
     from kvlm.cache.memory import parse_size
+    from kvlm.cache.tiers import check_tier
     from kvlm.engine.engine import EngineConfig
     from kvlm.engine.scheduler import SchedulerConfig
     from kvlm.errors import InvalidRequestError
@@ -617,6 +618,8 @@ def serve_config(args: argparse.Namespace):
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from exc
     kv_memory = parse_size(args.kv_memory) if args.kv_memory else None
+    for tier in args.kv_tier:
+        check_tier(tier)  # a typo is refused before the slow load
     config = EngineConfig(args.kv_blocks, kv_memory, args.prefix_caching, sched,
                           speculative=spec, kv_tiers=tuple(args.kv_tier))  # fmt: skip
     return config, limits

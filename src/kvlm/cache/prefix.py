@@ -47,7 +47,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvlm.cache.base import blocks_for
-from kvlm.cache.paged import BlockPool
+from kvlm.cache.paged import ALL, BlockPool
+from kvlm.cache.tiers import KVTiers, check_digests
 
 MAX_SALT_CHARS = 256  # a salt is client input: bounded
 _DOMAIN = b"kvlm/prefix/v1"
@@ -115,10 +116,13 @@ class PrefixStats:
 class BlockManager:
     """Allocates, shares, copies-on-write and frees blocks of many sequences on one pool."""
 
-    def __init__(self, pool: BlockPool, prefix_caching: bool = True) -> None:
+    def __init__(
+        self, pool: BlockPool, prefix_caching: bool = True, tiers: KVTiers | None = None
+    ) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.prefix_caching = prefix_caching
+        self.tiers = tiers if prefix_caching else None  # kvlm.cache.tiers
         self.stats = PrefixStats()
 
     # ------------------------------------------------------------------ admission
@@ -144,6 +148,42 @@ class BlockManager:
             keys.append(key)
             parent = block
         return blocks, keys
+
+    def fetch(self, tokens: Sequence[int], salt: str | None = None) -> int:
+        """Ask the tiers for the blocks of `tokens` past the pool's hit, and load the
+        longest verified run of them into free blocks, registered as if computed here: the
+        next match() finds them. They wait in the free queue (the last to be evicted)
+        until allocate() takes them. Returns the blocks loaded."""
+        if self.tiers is None:
+            return 0
+        bs = self.block_size
+        hit, keys = self.match(tokens, salt)
+        full = (len(tokens) - 1) // bs
+        for block in hit:  # held while loading, so allocate() cannot evict them
+            self.pool.revive(block)
+        # every block loaded takes a free one; the request needs them all anyway
+        room = min(full, len(hit) + self.pool.num_free)
+        if room <= len(hit):
+            for block in reversed(hit):
+                self.pool.release(block)
+            return 0
+        chunks = [tuple(tokens[i * bs : (i + 1) * bs]) for i in range(len(hit), room)]
+        new_keys, key = [], keys[-1] if keys else root_key(salt)
+        for chunk in chunks:
+            key = block_key(key, chunk)
+            new_keys.append(key)
+        checks = check_digests(tokens, salt, bs, room)[len(hit) :]
+        loaded = self.tiers.fetch(new_keys, chunks, salt, checks)
+        held, parent = list(hit), hit[-1] if hit else None
+        for key, chunk, parts in zip(new_keys, chunks, loaded, strict=False):
+            block = self.pool.allocate()
+            self.pool.store.put_raw((ALL, ALL, block), parts)
+            self.pool.register(block, key, chunk, parent, salt)
+            held.append(block)
+            parent = block
+        for block in reversed(held):  # tail first, as free() does
+            self.pool.release(block)
+        return len(loaded)
 
     def blocks_to_admit(
         self, tokens: Sequence[int], salt: str | None = None, reuse: bool = True
@@ -210,12 +250,19 @@ class BlockManager:
         if not self.prefix_caching:
             return
         bs = self.block_size
-        for i in range(len(table.hashes), num_computed // bs):
+        first, stop, checks = len(table.hashes), num_computed // bs, None
+        for i in range(first, stop):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             key = block_key(table.hashes[-1] if i else root_key(table.salt), chunk)
             parent = table.blocks[i - 1] if i else None
-            self.pool.register(table.blocks[i], key, chunk, parent, table.salt)
+            block = table.blocks[i]
+            self.pool.register(block, key, chunk, parent, table.salt)
             table.hashes.append(key)
+            if self.tiers is not None and self.pool.cached.get(key) == block:
+                if checks is None:
+                    checks = check_digests(tokens, table.salt, bs, stop)
+                parts = self.pool.store.raw((ALL, ALL, block))
+                self.tiers.offer(key, chunk, table.salt, checks[i], parts)
 
     # ------------------------------------------------------------------ lifetime
 

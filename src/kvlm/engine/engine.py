@@ -24,6 +24,7 @@ import torch
 from kvlm.cache.base import blocks_for
 from kvlm.cache.paged import BlockPool
 from kvlm.cache.prefix import BlockManager, check_salt
+from kvlm.cache.tiers import KVTiers, namespace, parse_tier
 from kvlm.engine.generate import SampleState, check_prompt, stop_token_ids
 from kvlm.engine.guided import check_guide
 from kvlm.engine.metrics import EngineStats
@@ -124,7 +125,8 @@ class Engine:
         # process's memory is what it will stay at, and a pool that does not fit fails here
         # rather than under load.
         self.pool.store.zero_((slice(None),))
-        self.manager = BlockManager(self.pool, self.config.prefix_caching)
+        self.tiers = self._tiers() if self.config.kv_tiers else None
+        self.manager = BlockManager(self.pool, self.config.prefix_caching, self.tiers)
         self.scheduler = Scheduler(self.manager, sched, self.max_model_len)
         self.drafter: DraftModel | None = None
         spec = self.config.speculative
@@ -136,6 +138,26 @@ class Engine:
         self.stats = EngineStats()
         self.last_error: Exception | None = None
         self.last_batch: Batch | None = None  # what the latest step ran
+
+    def _tiers(self) -> KVTiers:
+        """The KV tiers of config.kv_tiers, keyed to this model, its numerics and the
+        pool's geometry (kvlm.cache.tiers)."""
+        llm, spec, store = self.llm, self.spec, self.pool.store
+        block = (spec.num_layers, 2, spec.num_kv_heads, spec.block_size, spec.head_dim)
+        parts = {"values": (block, store.dtype)}
+        if store.scales is not None:
+            parts["scales"] = ((*block[:-1], store.scales.shape[-1]), store.scales.dtype)
+        numerics = llm.numerics
+        ns = namespace(
+            "kvlm/tiers/v1", llm.fingerprint, numerics.weights, numerics.activations,
+            numerics.prefill_dtype, llm.dtype, spec.device.type, store.dtype, block,
+        )  # fmt: skip
+        return KVTiers([parse_tier(t) for t in self.config.kv_tiers], ns, parts)
+
+    def close(self) -> None:
+        """Finish the tiers' queued writes (a server stopping)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     # ------------------------------------------------------------------ requests
 

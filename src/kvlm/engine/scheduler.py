@@ -166,6 +166,9 @@ class Scheduler:
                 reserve = self.config.reserve_blocks + self._growth(seq)
                 reserve += sum(self._growth(s) for s in self.running)
             reuse = seq.sample.params.prompt_logprobs is None  # else every row's logits
+            if reuse and not seq.tiers_asked:  # once per admission: blocks below the pool
+                self.manager.fetch(seq.token_ids, seq.cache_salt)
+                seq.tiers_asked = True
             if not self.manager.can_admit(seq.token_ids, reserve, seq.cache_salt, reuse):
                 break  # first come, first served: later requests wait behind it
             if self.config.chunk_size and seq.num_pending > 1 and not self._chunk(seq, budget):
@@ -207,6 +210,7 @@ class Scheduler:
         self.manager.free(seq.table)
         seq.num_computed = 0
         seq.draft = []
+        seq.tiers_asked = False
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.preemptions += 1

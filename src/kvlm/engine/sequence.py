@@ -45,6 +45,7 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed: int = 0
     num_cached: int = 0  # prompt tokens served by the prefix cache at the last admission
+    tiers_asked: bool = False  # the KV tiers were asked for its prompt (kvlm.cache.tiers)
     table: BlockTable = field(default_factory=BlockTable)
     arrival: float = 0.0
     first_token_time: float | None = None

@@ -74,3 +74,4 @@ def serve(
         engine.stop()
         http.should_exit = True
         thread.join(timeout=5)
+        engine.engine.close()  # the KV tiers' queued writes land before the process ends

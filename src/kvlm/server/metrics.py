@@ -55,6 +55,8 @@ def render_metrics(engine: AsyncEngine) -> str:
         lines += [f"# HELP kvlm_{name} {help_}", f"# TYPE kvlm_{name} {kind}"]
         lines.append(f"kvlm_{name} {value:g}")
 
+    lines += _tier_lines(eng)
+
     name = "kvlm_time_to_first_token_seconds"
     lines += [f"# HELP {name} Time from arrival to first token.", f"# TYPE {name} histogram"]
     for bound, count in zip(TTFT_BUCKETS, stats.ttft_counts, strict=True):
@@ -63,3 +65,42 @@ def render_metrics(engine: AsyncEngine) -> str:
     lines.append(f"{name}_sum {stats.ttft_sum:g}")
     lines.append(f"{name}_count {stats.ttft_count}")
     return "\n".join(lines) + "\n"
+
+
+# (name, type, help, TierStats attribute): one series per tier, labelled tier="disk" etc.
+_TIER_SERIES = [
+    ("kv_tier_hits_total", "counter", "Blocks loaded from the tier.", "hits"),
+    ("kv_tier_misses_total", "counter", "Blocks asked of the tier and not there.", "misses"),
+    ("kv_tier_refused_total", "counter", "Records that did not verify.", "refused"),
+    ("kv_tier_read_bytes_total", "counter", "Bytes read from the tier.", "bytes_read"),
+    ("kv_tier_written_bytes_total", "counter", "Bytes written to the tier.", "bytes_written"),
+    ("kv_tier_writes_total", "counter", "Blocks written to the tier.", "writes"),
+    ("kv_tier_errors_total", "counter", "Tier calls that failed (down, full, slow).", "errors"),
+    ("kv_tier_up", "gauge", "1 while the tier answers, 0 while it is skipped.", "up"),
+]
+
+_TIER_LATENCY = [
+    ("kv_tier_read_seconds", "Time per lookup of the tier (a request's blocks).",
+     "read_seconds", "reads"),
+    ("kv_tier_write_seconds", "Time per block written to the tier.", "write_seconds", "writes"),
+]  # fmt: skip
+
+
+def _tier_lines(eng) -> list[str]:
+    tiers = eng.tiers
+    if tiers is None:
+        return []
+    lines: list[str] = []
+    for name, kind, help_, key in _TIER_SERIES:
+        lines += [f"# HELP kvlm_{name} {help_}", f"# TYPE kvlm_{name} {kind}"]
+        for tier, stats in tiers.stats.items():
+            lines.append(f'kvlm_{name}{{tier="{tier}"}} {float(getattr(stats, key)):g}')
+    for name, help_, total, count in _TIER_LATENCY:
+        lines += [f"# HELP kvlm_{name} {help_}", f"# TYPE kvlm_{name} summary"]
+        for tier, stats in tiers.stats.items():
+            lines.append(f'kvlm_{name}_sum{{tier="{tier}"}} {getattr(stats, total):g}')
+            lines.append(f'kvlm_{name}_count{{tier="{tier}"}} {getattr(stats, count)}')
+    name = "kv_tier_dropped_writes_total"
+    lines += [f"# HELP kvlm_{name} Block writes dropped: the writer's queue was full.",
+              f"# TYPE kvlm_{name} counter", f"kvlm_{name} {tiers.dropped}"]  # fmt: skip
+    return lines
