@@ -75,6 +75,10 @@ class BlockPool:
         # the holder's, so the blocks sealed after it still link up. Ids are never reused.
         self.prefix_id: list[int] = [0] * num_blocks
         self._last_prefix_id = 0
+        # For the pictures (kvlm.cache.view): admissions that took a registered block from
+        # the cache, and the tier a block was loaded from (kvlm.cache.tiers), until forgotten.
+        self.block_hits: list[int] = [0] * num_blocks
+        self.block_tier: list[str | None] = [None] * num_blocks
         self.evictions = 0
 
     @property
@@ -157,6 +161,8 @@ class BlockPool:
     def forget(self, block: int) -> None:
         """Drop a block from the prefix cache (evicted, or about to be overwritten)."""
         self.prefix_id[block] = 0
+        self.block_hits[block] = 0
+        self.block_tier[block] = None
         key = self.block_hash[block]
         if key is None:
             return

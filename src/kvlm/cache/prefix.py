@@ -175,10 +175,11 @@ class BlockManager:
         checks = check_digests(tokens, salt, bs, room)[len(hit) :]
         loaded = self.tiers.fetch(new_keys, chunks, salt, checks)
         held, parent = list(hit), hit[-1] if hit else None
-        for key, chunk, parts in zip(new_keys, chunks, loaded, strict=False):
+        for key, chunk, (tier, parts) in zip(new_keys, chunks, loaded, strict=False):
             block = self.pool.allocate()
             self.pool.store.put_raw((ALL, ALL, block), parts)
             self.pool.register(block, key, chunk, parent, salt)
+            self.pool.block_tier[block] = tier
             held.append(block)
             parent = block
         for block in reversed(held):  # tail first, as free() does
@@ -212,6 +213,7 @@ class BlockManager:
             raise RuntimeError("allocate() without room: check can_admit() first")
         for block in hit:
             self.pool.revive(block)
+            self.pool.block_hits[block] += 1
         table = BlockTable(list(hit), keys, salt)
         need = blocks_for(len(tokens), self.block_size)
         table.blocks += [self.pool.allocate() for _ in range(need - len(hit))]

@@ -280,10 +280,11 @@ class KVTiers:
 
     def fetch(
         self, keys: list[bytes], chunks: list[tuple[int, ...]], salt: str | None, checks: list
-    ) -> list[dict[str, torch.Tensor]]:
+    ) -> list[tuple[str, dict[str, torch.Tensor]]]:
         """The K/V of the longest run of blocks `keys` (in chain order) found in some tier
-        and verified; each tier is asked for the blocks the tiers before it lacked. A tier's
-        hits are the blocks of the run it served, its misses the blocks it lacked."""
+        and verified, with the name of the tier each came from; each tier is asked for the
+        blocks the tiers before it lacked. A tier's hits are the blocks of the run it
+        served, its misses the blocks it lacked."""
         found: list[tuple[str, dict[str, torch.Tensor]] | None] = [None] * len(keys)
         for tier in self.tiers:
             want = [i for i, f in enumerate(found) if f is None]
@@ -308,13 +309,13 @@ class KVTiers:
                     stats.misses += 1
                 else:
                     found[i] = (tier.name, parts)
-        run: list[dict[str, torch.Tensor]] = []
+        run: list[tuple[str, dict[str, torch.Tensor]]] = []
         names = [t.name for t in self.tiers]
         for i, entry in enumerate(found):
             if entry is None:
                 break
             self.stats[entry[0]].hits += 1
-            run.append(entry[1])
+            run.append(entry)
             lacked = tuple(names[: names.index(entry[0])])
             if lacked:  # promoted: the tiers asked first hold it next time (Redis -> disk)
                 self._queue_write(_Write(keys[i], chunks[i], salt, checks[i], entry[1], lacked))

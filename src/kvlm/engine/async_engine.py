@@ -19,8 +19,9 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvlm.engine.engine import Engine, StepOutput
 from kvlm.engine.sampling import SamplingParams
@@ -28,6 +29,7 @@ from kvlm.engine.scheduler import QueueFullError
 from kvlm.errors import KvlmError
 
 log = logging.getLogger("kvlm.engine")
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -111,6 +113,14 @@ class AsyncEngine:
             if stream.remaining:  # the consumer left early: free the request's blocks
                 self._send(("abort", rid))
 
+    async def call(self, fn: Callable[[Engine], T], timeout: float = 10.0) -> T:
+        """fn(engine) run on the engine thread between two steps (what reads the pool's
+        state whole, as /v1/kv does: the engine thread mutates it during a step)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._send(("call", fn, loop, future))
+        return await asyncio.wait_for(future, timeout)
+
     def _send(self, message: tuple) -> None:
         self._inbox.put(message)
         self._wake.set()
@@ -153,6 +163,9 @@ class AsyncEngine:
             if message[0] == "abort":
                 self._deliver(self.engine.abort(message[1]))
                 continue
+            if message[0] == "call":
+                self._call(*message[1:])
+                continue
             _, rid, prompt_ids, params, cache_salt = message
             try:
                 self.engine.add_request(rid, prompt_ids, params, cache_salt)
@@ -161,6 +174,23 @@ class AsyncEngine:
             except Exception as exc:  # a bug in admission: this request only
                 log.exception("request %s could not be added", rid)
                 self._fail(rid, KvlmError(f"the engine could not take this request ({exc})"))
+
+    def _call(self, fn, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
+        try:
+            result, error = fn(self.engine), None
+        except Exception as exc:
+            result, error = None, exc
+
+        def settle() -> None:
+            if future.done():  # the caller timed out
+                return
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+
+        with contextlib.suppress(RuntimeError):  # the loop has closed
+            loop.call_soon_threadsafe(settle)
 
     def _deliver(self, events: list[StepOutput]) -> None:
         for event in events:

@@ -15,6 +15,7 @@ and carries requests in and events out.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from kvlm.cache.base import blocks_for
 from kvlm.cache.paged import BlockPool
 from kvlm.cache.prefix import BlockManager, check_salt
 from kvlm.cache.tiers import KVTiers, namespace, parse_tier
+from kvlm.cache.view import block_map
+from kvlm.dtypes import dtype_name
 from kvlm.engine.generate import SampleState, check_prompt, stop_token_ids
 from kvlm.engine.guided import check_guide
 from kvlm.engine.metrics import EngineStats
@@ -490,6 +493,38 @@ class Engine:
         return self.abort(request_id, reason="error")
 
     # ------------------------------------------------------------------ state
+
+    def kv_view(self) -> dict:
+        """The pool's blocks, owners, prefix tree and waste (kvlm.cache.view), the prefix
+        cache's counters and the tiers': what GET /v1/kv returns. Call it between steps
+        (AsyncEngine.call), not while a step runs."""
+        seqs = [s for s in self.scheduler.running if s.table.blocks]
+        names = {s.seq_id: f"{s.request_id}/{s.index}" for s in seqs}
+        view = block_map(
+            self.pool,
+            {names[s.seq_id]: s.table.blocks for s in seqs},
+            {names[s.seq_id]: s.num_computed for s in seqs},
+        )
+        stats = self.manager.stats
+        view["sequences"] = [
+            {"id": names[s.seq_id], "request_id": s.request_id, "index": s.index,
+             "tokens": s.num_computed, "cached_tokens": s.num_cached, "blocks": s.table.blocks}
+            for s in seqs
+        ]  # fmt: skip
+        view["prefix_cache"] = {
+            "queries": stats.queries,
+            "hits": stats.hits,
+            "hit_rate": stats.hit_rate,
+            "evictions": self.pool.evictions,
+        }
+        tiers = self.tiers
+        view["tiers"] = {} if tiers is None else {
+            name: dataclasses.asdict(st) | {"dropped_writes": tiers.dropped}
+            for name, st in tiers.stats.items()
+        }  # fmt: skip
+        view["dtype"] = dtype_name(self.pool.store.dtype)
+        view["waiting"] = len(self.scheduler.waiting)
+        return view
 
     def snapshot(self) -> dict[str, float]:
         """Gauges and counters for /metrics."""

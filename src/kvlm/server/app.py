@@ -19,10 +19,12 @@ Any failure answers with OpenAI's error body, never a plain-text 500.
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import functools
 import hashlib
 import hmac
+import importlib.resources
 import json
 import logging
 import re
@@ -33,7 +35,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -95,11 +97,24 @@ def create_app(
     # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps `receive`,
     # and a request behind it never saw its client disconnect (tests/test_server.py).
     async def check_api_key(request: Request) -> None:
-        if expected is None:
-            return
-        given = request.headers.get("authorization", "").encode("latin-1", "replace")
-        if not hmac.compare_digest(given, expected):  # constant time: no timing oracle
+        if not authorized(request):
             raise ServerError(401, "invalid or missing API key", "authentication_error")
+
+    def authorized(request: Request) -> bool:
+        """`Authorization: Bearer KEY` (OpenAI's clients), or HTTP Basic auth with KEY as
+        the password (a browser on /dashboard: it asks once, then sends it with the page's
+        own requests to /v1/kv and /metrics)."""
+        if expected is None:
+            return True
+        given = request.headers.get("authorization", "")
+        if given[:6].lower() == "basic ":
+            try:
+                _, _, password = base64.b64decode(given[6:], validate=True).partition(b":")
+            except ValueError:
+                return False
+            given = "Bearer " + password.decode("latin-1")
+        # constant time: no timing oracle
+        return hmac.compare_digest(given.encode("latin-1", "replace"), expected)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
     guarded = [] if limits.public_metrics else [Depends(check_api_key)]
@@ -193,8 +208,36 @@ def create_app(
         return await _respond(engine, request, body, [ids], [params], choices, model_name,
                               print_)  # fmt: skip
 
+    @v1.get("/kv", responses={200: {"content": {"application/json": {"schema": {
+        "type": "object", "description": "The KV pool: kvlm.cache.view"}}}},
+        **openapi.errors(401, 503)})  # fmt: skip
+    async def kv() -> JSONResponse:
+        """The pool's blocks (owner, refcount, chain parent, fill, tier), the prefix tree
+        with hit counts, waste and the tiers' counters, read whole between two steps."""
+        if not engine.alive:
+            raise ServerError(503, "the engine has stopped", "server_error")
+        view = await engine.call(lambda e: e.kv_view())
+        return JSONResponse({"object": "kv_cache", "model": model_name} | view)
+
+    @app.get("/dashboard", response_class=HTMLResponse,
+             responses={200: {"content": {"text/html": {"schema": {"type": "string"}}}},
+                        **openapi.errors(401)})  # fmt: skip
+    async def dashboard(request: Request) -> HTMLResponse:
+        """The live page (kvlm/server/dashboard.html): plain HTML and one script, no assets
+        from anywhere; it polls /v1/kv and /metrics."""
+        if not authorized(request):
+            body = error_body("invalid or missing API key", "authentication_error")
+            return JSONResponse(body, status_code=401,
+                                headers={"WWW-Authenticate": 'Basic realm="kvlm"'})  # fmt: skip
+        return HTMLResponse(_dashboard_html(), headers={"Cache-Control": "no-store"})
+
     app.include_router(v1)
     return app
+
+
+@functools.cache
+def _dashboard_html() -> str:
+    return (importlib.resources.files("kvlm.server") / "dashboard.html").read_text("utf-8")
 
 
 def _check_model(requested: str, served: str) -> None:
