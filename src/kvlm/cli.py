@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--device", default="cpu", help="cpu or cuda: whose free memory")
     _size_args(memory)
     memory.add_argument("--json", action="store_true")
+    memory.add_argument(
+        "--plot", metavar="OUT.png", help="draw the bytes by mode and dtype (matplotlib)"
+    )
     memory.set_defaults(func=cmd_memory)
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for many clients")
@@ -133,6 +136,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve /metrics without --api-key (for a Prometheus scraper)",
     )  # fmt: skip
     serve.add_argument("--log-level", default="info", help="HTTP log: info (requests), warning")
+    serve.add_argument(
+        "--replicas", type=int, default=1,
+        help="engines behind the one endpoint, on Ray Serve (kvlm.cluster; default 1: this "
+        "process alone); --threads is per replica (default: the cores over the replicas)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--routing", choices=("prefix", "round-robin"), default="prefix",
+        help="--replicas: which replica takes a request (prefix: where its leading blocks "
+        "are likely cached, within a bound on load)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--route-blocks", type=int, default=4,
+        help="--routing prefix: the leading KV blocks that key a request",
+    )  # fmt: skip
+    serve.add_argument(
+        "--ray-address", default=None,
+        help="--replicas: join this Ray cluster (auto, or HOST:PORT of `ray start --head`) "
+        "instead of starting Ray here",
+    )  # fmt: skip
     serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="kvlm vs transformers on the same model and prompts")
@@ -153,7 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--peers", default="hf,hf-static,llama.cpp", help="hf, hf-static, llama.cpp, or none"
     )
-    bench.add_argument("--plots", metavar="DIR", help="write PNG plots here (matplotlib)")
+    bench.add_argument(
+        "--plots", metavar="DIR",
+        help="write PNG plots here (matplotlib); with --streams, block_map.png: the engine's "
+        "KV pool at the busiest step of the most streams",
+    )  # fmt: skip
     bench.add_argument(
         "--rounds",
         type=int,
@@ -176,8 +202,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--types", help="--suite: file types, comma-separated (Q4_0,Q8_0,Q4_K_M)")
     bench.set_defaults(func=cmd_bench)
 
-    inspect = sub.add_parser("inspect", help="show a model's configuration and cache sizes")
-    inspect.add_argument("--model", help="GGUF file, HF folder or Hub id (default: SmolLM2-135M)")
+    inspect = sub.add_parser(
+        "inspect", help="show a model's configuration and cache sizes, or a saved cache file"
+    )
+    what = inspect.add_mutually_exclusive_group()
+    what.add_argument("--model", help="GGUF file, HF folder or Hub id (default: SmolLM2-135M)")
+    what.add_argument("--cache", metavar="FILE", help="a cache file (--save-cache) instead")
+    inspect.add_argument(
+        "--plot", metavar="OUT.png",
+        help="--cache: draw it (matplotlib): K/V norms per layer and head, bytes by mode and "
+        "dtype, and its mode's own panel (window ring, int8 scales, paged block map)",
+    )  # fmt: skip
+    inspect.add_argument(
+        "--block-size", type=int, default=16,
+        help="--cache, paged/int8: tokens per block of the pool it restores into (16)",
+    )  # fmt: skip
     inspect.add_argument("--json", action="store_true")
     inspect.set_defaults(func=cmd_inspect)
     return parser
@@ -539,6 +578,10 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from kvlm.loading import load_model
 
     check_mode(args.kv)
+    if args.plot:
+        from kvlm.cache.plots import check_output
+
+        check_output(args.plot)
     device = _check_device(args.device)  # no GPU: one line, before the model loads
     budget = parse_size(args.budget) if args.budget else None
     config = load_model(args.model).config
@@ -551,11 +594,23 @@ def cmd_memory(args: argparse.Namespace) -> int:
         parse_dtype(args.dtype), budget, device, **sizes,
     )  # fmt: skip
     rows = table(config, context, args.batch, **sizes)
+    if args.plot:
+        _memory_plot(args.plot, config.name, p, rows)
     if args.json:
         print(json.dumps({"model": config.name, **p.to_dict(), "table": rows}))
         return 0
     print(_memory_report(config.name, p, rows))
     return 0
+
+
+def _memory_plot(path: str, name: str, p: Any, rows: list[dict]) -> None:
+    """The table's bars, the plan's own mode and dtype outlined, its budget as a line."""
+    from kvlm.cache.plots import memory_png, with_row
+
+    rows = with_row(rows, p.mode, p.kv_dtype, p.total_bytes)
+    title = f"{name}: KV cache for {p.batch} x {p.context:,} tokens, by mode and storage dtype"
+    memory_png(rows, path, title, (p.mode, p.kv_dtype), p.budget_bytes)
+    print(f"kvlm: wrote {path}", file=sys.stderr)
 
 
 def _memory_report(name: str, p: Any, rows: list[dict]) -> str:
@@ -589,6 +644,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise InvalidRequestError(f"--port must be 1..65535, got {args.port}")
+    if args.replicas < 1:
+        raise InvalidRequestError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.replicas > 1 or args.ray_address:
+        from kvlm.cluster import serve_replicas  # imports Ray: only here
+
+        return serve_replicas(args)
     config, limits = serve_config(args)
     llm = serve_model(args)
     serve(llm, config, args.host, args.port, args.api_key, args.served_model_name, args.log_level,
@@ -738,6 +799,11 @@ def _bench_suite(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
+    if args.cache:
+        return _inspect_cache(args)
+    if args.plot:
+        raise KvlmError("--plot draws a saved cache: kvlm inspect --cache FILE --plot OUT.png")
+
     from kvlm.loading import load_model
 
     loaded = load_model(args.model)
@@ -757,6 +823,31 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     for key, value in info.items():
         print(f"{key:>24}: {value}")
+    return 0
+
+
+def _inspect_cache(args: argparse.Namespace) -> int:
+    """A saved cache file, read without its model (kvlm.cache.saved)."""
+    from kvlm.cache.base import CacheSpec
+    from kvlm.cache.saved import SavedCache
+
+    CacheSpec(1, 1, 1, 1, block_size=args.block_size)  # a bad --block-size: one line, first
+    if args.plot:
+        from kvlm.cache.plots import cache_png, check_output
+
+        check_output(args.plot)
+    saved = SavedCache.read(args.cache)
+    info = saved.summary(args.block_size)
+    if args.plot:
+        info["plot"] = str(cache_png(saved, args.plot, args.block_size))
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    from kvlm.cache.plots import human
+
+    for key, value in info.items():
+        shown = f"{value:,} ({human(value)})" if key.endswith("_bytes") else value
+        print(f"{key:>16}: {shown}")
     return 0
 
 

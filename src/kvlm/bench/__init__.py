@@ -12,7 +12,8 @@ is an optional extra). A peer that is not installed is listed under "skipped". R
 sequential and alone: two CPU-heavy engines at once distort each other.
 
 Plots (`plots=DIR`, matplotlib): per-forward latency vs position with and without the cache
-(the seeds' headline: flat vs growing), and decode tokens/s vs prompt length per engine.
+(the seeds' headline: flat vs growing), decode tokens/s vs prompt length per engine, and
+the engine's block map at the busiest step of the streams run (kvlm.cache.plots).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -255,10 +257,17 @@ def memory_waste(llm: LLM, modes: list[str], requests: int = 64) -> list[dict]:
     return rows
 
 
-def stream_throughput(llm: LLM, streams: list[int], prompt: int = 64, new: int = 64) -> list[dict]:
+def stream_throughput(
+    llm: LLM, streams: list[int], prompt: int = 64, new: int = 64, capture: bool = False
+) -> tuple[list[dict], dict | None]:
     """Aggregate tokens/s of the serving engine (continuous batching over the paged pool)
     with n requests at once, from admission to the last token (the 64-token prefills
-    included). Runs last: the engine repacks fp32 weights for batches."""
+    included). Runs last: the engine repacks fp32 weights for batches.
+
+    With `capture`, also the pool's block map (Engine.kv_view, what the server's /v1/kv
+    returns) at the step of the most blocks in use during the run of the most streams,
+    when every stream holds its blocks; the time taken to capture it is left out of the
+    rate."""
     from kvlm.engine.engine import Engine, EngineConfig
     from kvlm.engine.scheduler import SchedulerConfig
 
@@ -266,17 +275,23 @@ def stream_throughput(llm: LLM, streams: list[int], prompt: int = 64, new: int =
     prompt, new = min(prompt, max(1, room // 2)), min(new, max(2, room // 2))
     engine = Engine(llm, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max(streams))))
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    rows = []
+    rows, view, most = [], None, 0
     for n in streams:
         for i in range(n):
-            ids = prompt_ids(llm, prompt + i)  # distinct prompts: no prefix hits
+            # one filler text cut at different lengths: the streams share its leading
+            # blocks through the prefix cache (the shared cells of block_map.png)
+            ids = prompt_ids(llm, prompt + i)
             engine.add_request(f"s{n}-{i}", ids, params)
-        start, tokens = time.perf_counter(), 0
+        start, tokens, aside = time.perf_counter(), 0, 0.0
         while engine.has_work():
             tokens += sum(len(o.token_ids) for o in engine.step())
-        elapsed = time.perf_counter() - start
+            if capture and n == max(streams) and engine.pool.num_used > most:
+                t0 = time.perf_counter()
+                view, most = engine.kv_view(), engine.pool.num_used
+                aside += time.perf_counter() - t0
+        elapsed = time.perf_counter() - start - aside
         rows.append({"streams": n, "tokens": tokens, "tok_s": round(tokens / elapsed, 1)})
-    return rows
+    return rows, view
 
 
 def weight_bytes_per_token(llm: LLM) -> int:
@@ -377,7 +392,9 @@ def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
     forwards = per_forward_curves(llm, config)
     positions = {mode: position_cost(llm, mode) for mode in config.modes}
     waste = memory_waste(llm, ["contiguous", "paged", "int8", "window"])
-    streams = stream_throughput(llm, config.streams) if config.streams else []
+    streams, kv_view = [], None
+    if config.streams:
+        streams, kv_view = stream_throughput(llm, config.streams, capture=bool(config.plots))
     result = {
         "model": llm.model_name,
         "describe": llm.describe(),
@@ -397,6 +414,13 @@ def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
     }
     if config.plots:
         result["plots"] = plot(result, config.plots)
+        if kv_view is not None:
+            from kvlm.cache.plots import block_map_png
+
+            title = (f"{result['model']}: the engine's KV pool at the busiest step of "
+                     f"{max(config.streams)} streams")  # fmt: skip
+            path = Path(config.plots) / "block_map.png"
+            result["plots"].append(str(block_map_png(kv_view, path, title)))
     return result
 
 
@@ -417,8 +441,6 @@ def plot(result: dict[str, Any], folder: str) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
-    from pathlib import Path
-
     import matplotlib.pyplot as plt
 
     out = Path(folder)

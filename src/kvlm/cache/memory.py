@@ -8,7 +8,7 @@ generalising Akunu's table: any model config, any mode, any storage dtype.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -122,9 +122,15 @@ def plan(
 
 def table(config: ModelConfig, context: int, batch: int, **sizes: int | None) -> list[dict]:
     """Every mode x storage dtype for one workload: the generalised Akunu table."""
+    return spec_table(CacheSpec.for_model(config, context, **sizes), context, batch)
+
+
+def spec_table(base: CacheSpec, context: int, batch: int) -> list[dict]:
+    """table() for a K/V geometry and mode sizes without a model config (a saved cache
+    file carries only those); `base.dtype` is replaced by each row's."""
     rows = []
     for mode, dtype in TABLE_ROWS:
-        spec = mode_spec(mode, CacheSpec.for_model(config, context, dtype, **sizes))
+        spec = mode_spec(mode, replace(base, dtype=dtype))
         rows.append(
             {
                 "mode": mode,

@@ -1,0 +1,155 @@
+"""A saved cache file read without its model: what `kvlm inspect --cache` prints and draws.
+
+A file (KVCache.save) holds the K/V as its layout stores them plus the metadata that checks
+them, and nothing of the model: no config, no tokenizer. So everything here comes from the
+file alone, through read_cache_file's checks (a damaged file is a CacheFileError before
+anything is drawn):
+
+    dense file   values [layers, 2, batch, kv_heads, length, head_dim]   position = column
+    window file  values [..., sinks + window, head_dim] + slot_pos       position = slot_pos
+                 (ring order; read back here in position order, empty slots dropped)
+
+A paged or int8 file is dense on disk: a cache re-pages it when it loads, and the file does
+not record the block size it was written with. Its block map is the pool it restores into
+at the block size the caller names (`--block-size`, 16 by default, as `kvlm generate`),
+each row in blocks of its own, exactly as KVCache.load lays it out (a forked file's rows
+come back unshared: the file holds no references).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvlm.cache.base import CacheSnapshot, CacheSpec, blocks_for, read_cache_file
+from kvlm.cache.factory import create_cache, planned_nbytes
+from kvlm.cache.paged import PagedCache
+from kvlm.cache.storage import dequantize
+from kvlm.dtypes import NAMES
+
+_DTYPES = {name: dtype for dtype, name in NAMES.items()}
+PAGED_MODES = ("paged", "int8")
+
+
+@dataclass(slots=True)
+class SavedCache:
+    path: Path
+    mode: str
+    snap: CacheSnapshot
+    fingerprint: str
+    extra: dict  # the saver's own: a chat session's token history and messages
+
+    @classmethod
+    def read(cls, path: str | Path) -> SavedCache:
+        """Every problem with the file is a CacheFileError naming it."""
+        snap, meta = read_cache_file(path)
+        return cls(Path(path), meta["mode"], snap, meta["fingerprint"], meta["extra"])
+
+    @property
+    def quantized(self) -> bool:
+        return self.snap.dtype == "int8"
+
+    def spec(self, block_size: int = 16) -> CacheSpec:
+        """The spec of a cache that holds exactly this file (the pool: its rows' blocks)."""
+        s, g, extra = self.snap, self.snap.geometry, self.snap.extra
+        sizes = {}
+        if s.layout == "window":
+            positions = "cache" if extra.get("cache_positions") else "absolute"
+            sizes = {
+                "window": extra["window"],
+                "sinks": extra["sinks"],
+                "window_positions": positions,
+            }
+        return CacheSpec(
+            num_layers=g["layers"],
+            num_kv_heads=g["kv_heads"],
+            head_dim=g["head_dim"],
+            max_tokens=max(1, s.length),
+            batch=s.batch,
+            dtype=_DTYPES[s.dtype],
+            block_size=block_size,
+            num_blocks=max(1, s.batch * blocks_for(s.length, block_size)),
+            **sizes,
+        )
+
+    def restore(self, block_size: int = 16) -> PagedCache:
+        """A paged/int8 file in a cache of its mode, over a pool just large enough."""
+        if self.mode not in PAGED_MODES:
+            raise ValueError(f"a {self.mode} file has no block pool")
+        cache = create_cache(self.mode, self.spec(block_size))
+        assert isinstance(cache, PagedCache)
+        cache.restore(self.snap)
+        return cache
+
+    def block_map(self, block_size: int = 16) -> dict:
+        """kvlm.cache.view.block_map of the pool restore() fills, owners "row 0", ..."""
+        from kvlm.cache.view import block_map
+
+        cache = self.restore(block_size)
+        tables = {f"row {i}": table for i, table in enumerate(cache.tables)}
+        return block_map(cache.pool, tables, dict.fromkeys(tables, cache.num_tokens))
+
+    # ------------------------------------------------------------------ contents
+
+    def positions(self) -> torch.Tensor:
+        """(T,) the absolute position of each column contents() returns, ascending."""
+        if self.snap.layout == "window":
+            pos = self.snap.tensors["slot_pos"]
+            return pos[pos >= 0].sort().values
+        return torch.arange(self.snap.length)
+
+    def _columns(self, t: torch.Tensor) -> torch.Tensor:
+        """A stored tensor [..., rows, last] with its rows in position order."""
+        if self.snap.layout != "window":
+            return t
+        pos = self.snap.tensors["slot_pos"]
+        held = torch.nonzero(pos >= 0).flatten()
+        return t[..., held[pos[held].argsort()], :]
+
+    def contents(self, row: int = 0) -> torch.Tensor:
+        """(layers, 2, kv_heads, T, head_dim) fp32: sequence `row`'s K and V as stored
+        (int8 dequantized; int8 K in its rotated basis, which keeps norms; window K before
+        RoPE in its default positions, which keeps norms too)."""
+        values = self.snap.tensors["values"][:, :, row]
+        if self.quantized:
+            values = dequantize(values, self.snap.tensors["scales"][:, :, row], torch.float32)
+        return self._columns(values.float())
+
+    def scales(self, row: int = 0) -> torch.Tensor:
+        """int8: (layers, 2, kv_heads, T, 2) fp32 step and zero point of each token row."""
+        if not self.quantized:
+            raise ValueError(f"a {self.snap.dtype} file has no int8 scales")
+        return self._columns(self.snap.tensors["scales"][:, :, row].float())
+
+    # ------------------------------------------------------------------ summary
+
+    def summary(self, block_size: int = 16) -> dict:
+        """What `kvlm inspect --cache` prints (and --json gives)."""
+        s = self.snap
+        spec = self.spec(block_size)
+        stored = sum(t.numel() * t.element_size() for t in s.tensors.values())
+        info = {
+            "path": str(self.path),
+            "mode": self.mode,
+            "layout": s.layout,
+            "dtype": s.dtype,
+            "tokens": s.length,
+            "held_tokens": len(self.positions()),
+            "batch": s.batch,
+            "geometry": s.geometry,
+            "bytes_per_token": spec.bytes_per_token,
+            "stored_bytes": stored,
+            "file_bytes": self.path.stat().st_size,
+            "restored_bytes": planned_nbytes(self.mode, spec, s.length, s.batch),
+            "fingerprint": self.fingerprint,
+        }
+        if s.extra:
+            info["layout_extra"] = s.extra
+        if self.mode in PAGED_MODES:
+            info["block_size"] = block_size
+            info["blocks"] = s.batch * blocks_for(s.length, block_size)
+        if isinstance(self.extra.get("kind"), str):
+            info["saved_by"] = f"{self.extra['kind']} session"
+        return info
