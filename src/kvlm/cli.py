@@ -151,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="--routing prefix: the leading KV blocks that key a request",
     )  # fmt: skip
     serve.add_argument(
+        "--route-balance", type=float, default=1.25,
+        help="--routing prefix: a replica takes at most this times its fair share of the "
+        "requests in flight before its prefixes spill to the next (>= 1; with 2 replicas, "
+        "2 lifts the bound)",
+    )  # fmt: skip
+    serve.add_argument(
         "--ray-address", default=None,
         help="--replicas: join this Ray cluster (auto, or HOST:PORT of `ray start --head`) "
         "instead of starting Ray here",

@@ -1,0 +1,304 @@
+"""The two Ray Serve deployments of `kvlm serve --replicas N`: one ingress, N replicas.
+
+    client ──HTTP──▶ Serve proxy ──▶ Ingress (FastAPI)            KvlmReplica  x N
+                                     body ≤ --max-body             AsyncEngine (its thread)
+                                     route key (kvlm.cluster.keys) kvlm's own FastAPI app
+                                     KvlmRouter picks a replica ─▶ http(): the request
+                                     ◀── {status, headers}, chunk, chunk, ... ───┘ through
+                                         relayed as they come (SSE streams)         the app
+
+A replica runs each request through kvlm.server.app's app in process (call_asgi), so every
+route, field check and error body is exactly `kvlm serve`'s. The ingress only adds the
+cluster's view: /metrics summed over the replicas (kvlm.cluster.metrics), /health that
+answers while one replica does, and clean endings when a replica dies:
+
+- nothing sent yet: 503 with OpenAI's error body (code "replica_failed");
+- mid-SSE: a last `data: {"error": ...}` event, then the end of the stream;
+- a client that hangs up: the ingress cancels its call, Ray Serve cancels the replica's
+  generator, and the replica's app then reads `http.disconnect`, as uvicorn would report
+  it, so kvlm aborts the request and frees its blocks on that replica.
+
+Ray Serve restarts a dead replica (its health check is the engine thread's).
+"""
+
+# No `from __future__ import annotations`: Ray Serve pickles the deployment classes by
+# value, keeping only the globals their code names, so FastAPI could not resolve a string
+# annotation (`request: Request`) in the ingress; evaluated ones travel with the class.
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from kvlm.cluster import metrics as cluster_metrics  # a module: this class is pickled by value
+from kvlm.cluster.keys import route_key
+from kvlm.server.limits import RequestLimits
+from kvlm.server.protocol import error_body
+
+log = logging.getLogger("kvlm.cluster")
+
+REPLICA_FAILED = "the replica serving this request failed; retry (the others are unaffected)"
+SCRAPE_TIMEOUT_S = 10.0  # /metrics and /health: a replica slower than this is not counted
+FINISH_TIMEOUT_S = 5.0  # a request's app, told its client left, to abort and return
+# hop-by-hop, or no longer true once relayed in chunks
+_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]  # the replica says 405
+_DROPPED_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length"}
+
+
+@dataclass(slots=True, frozen=True)
+class RawRequest:
+    """An HTTP request as the ingress received it, body read (and bounded) in full."""
+
+    method: str
+    path: str
+    query: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes = b""
+
+
+@serve.deployment
+class KvlmReplica:
+    """One kvlm engine and kvlm's own app, built from `kvlm serve`'s arguments."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from kvlm.cli import serve_config, serve_model
+        from kvlm.engine.async_engine import AsyncEngine
+        from kvlm.engine.engine import Engine
+        from kvlm.server.app import create_app
+
+        self.engine: AsyncEngine | None = None  # until the model has loaded
+        config, limits = serve_config(args)
+        llm = serve_model(args)
+        self.engine = AsyncEngine(Engine(llm, config))
+        self.engine.start()
+        name = args.served_model_name or llm.model_name
+        self.app = create_app(self.engine, name, args.api_key, limits, args.tool_call_parser)
+
+    async def http(self, raw: RawRequest, route_key: bytes | None = None) -> AsyncIterator[Any]:
+        """The response to `raw`: {"status", "headers"}, then its body chunks. `route_key`
+        was the router's."""
+        async for item in call_asgi(self.app, raw):
+            yield item
+
+    async def call(self, raw: RawRequest) -> tuple[int, bytes]:
+        """The whole response to `raw` (status, body): the ingress's scrapes."""
+        status, body = 500, b""
+        async for item in call_asgi(self.app, raw):
+            if isinstance(item, dict):
+                status = item["status"]
+            else:
+                body += item
+        return status, body
+
+    def check_health(self) -> None:
+        if self.engine is None or not self.engine.alive:
+            raise RuntimeError("the engine thread has stopped")
+
+    def __del__(self) -> None:
+        if self.engine is not None:  # None: the constructor failed before it started
+            self.engine.stop()
+            self.engine.engine.close()  # the KV tiers' queued writes land
+
+
+async def call_asgi(app: Callable, raw: RawRequest) -> AsyncIterator[Any]:
+    """Run one request through an in-process ASGI app: yield its head, then its body
+    chunks as the app sends them. Leaving early (the caller was cancelled) is the client
+    disconnecting: the app's `receive` returns http.disconnect from then on."""
+    replies: asyncio.Queue[dict | None] = asyncio.Queue()
+    gone = asyncio.Event()
+    request = [{"type": "http.request", "body": raw.body, "more_body": False}]
+
+    async def receive() -> dict:
+        if request:
+            return request.pop()
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        replies.put_nowait(message)
+
+    task = asyncio.ensure_future(app(_scope(raw), receive, send))
+    task.add_done_callback(lambda _: replies.put_nowait(None))
+    answered = False
+    try:
+        while (message := await replies.get()) is not None:
+            if message["type"] == "http.response.start":
+                answered = True
+                headers = [
+                    (k.decode("latin-1"), v.decode("latin-1")) for k, v in message["headers"]
+                ]
+                yield {"status": message["status"], "headers": headers}
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    yield bytes(message["body"])
+                if not message.get("more_body", False):
+                    return
+        if not answered:  # the app raised before answering (it logged why)
+            yield {"status": 500, "headers": [("content-type", "application/json")]}
+            yield json.dumps(error_body(REPLICA_FAILED, "server_error")).encode()
+    finally:
+        gone.set()
+        await _finish(task)
+
+
+def _scope(raw: RawRequest) -> dict:
+    return {
+        "type": "http",
+        # 2.3: Starlette's StreamingResponse then listens for http.disconnect (2.4 would
+        # have it wait for a failed write, which never comes in process)
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": raw.method,
+        "scheme": "http",
+        "path": raw.path,
+        "raw_path": raw.path.encode(),
+        "query_string": raw.query,
+        "root_path": "",
+        "headers": raw.headers,
+        "client": None,
+        "server": None,
+    }
+
+
+async def _finish(task: asyncio.Future) -> None:
+    """Let the app end (a disconnected request aborts in its own `finally`), then make
+    sure it has: cancel what is left after FINISH_TIMEOUT_S."""
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.wait({task}, timeout=FINISH_TIMEOUT_S)
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled() and task.exception() is not None:
+        log.warning("a request's app raised", exc_info=task.exception())
+
+
+@serve.deployment
+@serve.ingress()
+class Ingress:
+    """Every HTTP request of the cluster: forwarded to a replica the router picks, but
+    /metrics and /health, which ask every replica."""
+
+    def __init__(self, args: argparse.Namespace, replicas: DeploymentHandle) -> None:
+        from kvlm.cli import serve_config
+        from kvlm.loading import load_model
+
+        self.limits = serve_config(args)[1]
+        self.tokenizer = load_model(args.model).tokenizer  # its metadata: no weights
+        self.block_size = args.block_size
+        self.route_blocks = args.route_blocks
+        self.expected = f"Bearer {args.api_key}".encode() if args.api_key else None
+        self.replicas = replicas
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)  # the replicas' is served
+        app.add_middleware(RequestLimits, limits=self.limits)
+        app.add_exception_handler(HTTPException, _http_error)
+        app.add_exception_handler(Exception, _bug)
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/{path:path}", self.forward, methods=_METHODS)
+        return app
+
+    async def forward(self, request: Request) -> Response:
+        raw = await _raw(request)
+        key = None
+        if self._authorized(request):  # a stranger's body is not worth tokenizing
+            key = await run_in_threadpool(route_key, raw.path, raw.body, self.tokenizer,
+                                          self.block_size, self.route_blocks)  # fmt: skip
+        stream = self.replicas.options(method_name="http", stream=True).remote(raw, route_key=key)
+        try:
+            head = await stream.__anext__()
+        except asyncio.CancelledError:  # the client hung up first: the replica aborts
+            stream.cancel()
+            raise
+        except Exception as exc:  # the replica died, or was gone before it could answer
+            log.warning("a replica failed before answering: %r", exc)
+            return JSONResponse(_failed(), status_code=503)
+        headers = {k: v for k, v in head["headers"] if k.lower() not in _DROPPED_HEADERS}
+        sse = headers.get("content-type", "").startswith("text/event-stream")
+        return StreamingResponse(_relay(stream, sse), head["status"], headers)
+
+    def _authorized(self, request: Request) -> bool:
+        """The key check the replica will make (it answers the 401), constant time."""
+        given = request.headers.get("authorization", "").encode("latin-1", "replace")
+        return self.expected is None or hmac.compare_digest(given, self.expected)
+
+    async def metrics(self, request: Request) -> Response:
+        answers = await self._ask_all(request)
+        if not answers:
+            return JSONResponse(_failed("no replica answered"), status_code=503)
+        refused = next(((s, b) for s, b in answers if s != 200), None)
+        if refused is not None:  # 401: the replicas' own check of the API key
+            return Response(refused[1], refused[0], media_type="application/json")
+        text = cluster_metrics.aggregate(
+            [b.decode() for _, b in answers], cluster_metrics.ROUTED.snapshot()
+        )
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def health(self, request: Request) -> Response:
+        answers = await self._ask_all(request)
+        up = sum(status == 200 for status, _ in answers)
+        if not up:
+            return JSONResponse({"status": "no replica answers"}, status_code=503)
+        return JSONResponse({"status": "ok", "replicas": up})
+
+    async def _ask_all(self, request: Request) -> list[tuple[int, bytes]]:
+        """Each live replica's answer to this request (those that fail are left out)."""
+        raw = await _raw(request)
+        try:
+            results = await self.replicas.broadcast("call", raw).results_async(
+                timeout_s=SCRAPE_TIMEOUT_S, return_exceptions=True
+            )
+        except Exception as exc:  # no replica running, or none answered in time
+            log.warning("no replica answered %s: %r", raw.path, exc)
+            return []
+        return [r for r in results if not isinstance(r, BaseException)]
+
+
+async def _raw(request: Request) -> RawRequest:
+    body = await request.body()  # read through RequestLimits: at most --max-body
+    return RawRequest(request.method, request.url.path, request.scope.get("query_string", b""),
+                      list(request.scope["headers"]), body)  # fmt: skip
+
+
+async def _relay(stream: Any, sse: bool) -> AsyncIterator[bytes]:
+    """The replica's body chunks; a replica that dies mid-way ends an SSE stream with an
+    error event. Leaving early (the client hung up) cancels the replica's request."""
+    done = False
+    try:
+        async for chunk in stream:
+            yield chunk
+        done = True
+    except Exception as exc:
+        done = True
+        log.warning("a replica failed mid-response: %r", exc)
+        if sse:
+            yield f"data: {json.dumps(_failed())}\n\n".encode()
+    finally:
+        if not done:
+            stream.cancel()
+
+
+def _failed(message: str = REPLICA_FAILED) -> dict:
+    return error_body(message, "server_error", code="replica_failed")
+
+
+async def _bug(_: Request, exc: Exception) -> JSONResponse:
+    """OpenAI's error body, never a plain-text 500 (Starlette logs the traceback)."""
+    return JSONResponse(error_body("the ingress failed on this request", "server_error"), 500)
+
+
+async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    """408 and 413 from RequestLimits: OpenAI's error body, as `kvlm serve` sends them."""
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(error_body(str(exc.detail), kind), exc.status_code, exc.headers)

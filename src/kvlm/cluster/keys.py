@@ -1,0 +1,67 @@
+"""The route key of a generation request: the prefix-cache key of its first few blocks.
+
+A replica serves a prompt's leading blocks from its cache only if it computed them before,
+so requests that start alike should meet on one replica. The ingress reads the body as the
+replica will (the same pydantic request, the same chat template through the same
+Tokenizer.encode_chat), and keys the first `route_blocks` full blocks exactly as
+kvlm.cache.prefix keys them:
+
+    ids:   [ block 0 ][ block 1 ][ block 2 ][ block 3 ][ block 4 ] ... [ tail ]
+    key:   k3 = H(H(H(H(root(salt), b0), b1), b2), b3)             route_blocks = 4
+
+Four blocks (64 tokens) cover a chat template's head and the start of a system prompt:
+enough to tell tenants apart, few enough that two questions under one system prompt share
+the key. A prompt of fewer full blocks is keyed by those it has; one with none has no key
+(it shares nothing worth routing for). A body the ingress cannot read has no key either:
+the replica it lands on answers its 400.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from kvlm.cache.prefix import block_key, root_key
+from kvlm.errors import KvlmError
+from kvlm.loading.tokenizer import Tokenizer
+from kvlm.server.protocol import ChatCompletionRequest, CompletionRequest
+
+ROUTE_BLOCKS = 4
+_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+
+
+def route_key(
+    path: str, body: bytes, tokenizer: Tokenizer, block_size: int, blocks: int = ROUTE_BLOCKS
+) -> bytes | None:
+    """The key of a request to `path` with this JSON body, or None (nothing to route by)."""
+    model = _BODIES.get(path)
+    if model is None:
+        return None
+    try:
+        request = model.model_validate_json(body)
+        return chain_key(prompt_ids(request, tokenizer), request.cache_salt, block_size, blocks)
+    except (ValueError, KvlmError, struct.error):  # pydantic's ValidationError is a ValueError;
+        return None  # struct.error: a token id past 2**32 (the replica says which)
+
+
+def prompt_ids(
+    request: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer
+) -> list[int]:
+    """The token ids the replica will run: the chat rendered as kvlm.server.app renders it,
+    or a completion's (first) prompt."""
+    if isinstance(request, ChatCompletionRequest):
+        return tokenizer.encode_chat(
+            request.conversation(), tools=request.tool_specs(), **request.template_options()
+        )
+    first = request.prompts()[0]
+    return first if isinstance(first, list) else tokenizer.encode(first)
+
+
+def chain_key(ids: list[int], salt: str | None, block_size: int, blocks: int) -> bytes | None:
+    """The chained key of the first min(blocks, full blocks) blocks; None if none is full."""
+    full = min(len(ids) // block_size, blocks)
+    if full == 0:
+        return None
+    key = root_key(salt)
+    for i in range(full):
+        key = block_key(key, tuple(ids[i * block_size : (i + 1) * block_size]))
+    return key

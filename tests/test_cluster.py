@@ -1,0 +1,378 @@
+"""`kvlm serve --replicas 2` on Ray Serve: a real cluster process on 127.0.0.1 (a local Ray,
+two replicas of one thread each), driven by the official openai client; and the pure parts
+of its routing (the ring, the route key, the /metrics sum) on their own."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import psutil
+import pytest
+
+import serving
+from serving import get, kvlm_serve, openai_client
+
+KEY = "cluster-key"
+COMMON = ("--api-key", KEY, "--threads", "1", "--max-context", "1024", "--log-level", "warning")
+CLUSTER = ("--replicas", "2", "--max-body", "16KiB", *COMMON)
+REPLICA_PROCESS = "ray::ServeReplica:kvlm:KvlmReplica"  # Ray's title for a replica's worker
+
+
+# ------------------------------------------------------------------- routing, on its own
+
+
+def test_the_ring_keeps_keys_in_place_and_moves_only_a_leaving_replicas():
+    from kvlm.cluster.ring import HashRing
+
+    keys = [f"prefix-{i}".encode() for i in range(300)]
+    ring = HashRing(["a", "b", "c"])
+    owners = {k: ring.pick(k, {}) for k in keys}
+    assert {k: ring.pick(k, {}) for k in keys} == owners  # the same key, the same replica
+    assert all(sum(o == m for o in owners.values()) > 50 for m in "abc")  # spread over all
+    smaller = HashRing(["a", "b"])
+    for k, owner in owners.items():
+        if owner != "c":
+            assert smaller.pick(k, {}) == owner  # only c's keys move
+
+
+def test_the_ring_bounds_a_replicas_load():
+    from kvlm.cluster.ring import HashRing, least_loaded
+
+    ring = HashRing(["a", "b"])
+    key = b"hot prefix"
+    home, other = list(ring.walk(key))
+    # 2 in flight: cap = ceil(1.25 * 3 / 2) = 2, so home takes a second one, not a third
+    assert ring.pick(key, {home: 1, other: 1}, floor=0) == home
+    assert ring.pick(key, {home: 2, other: 0}, floor=0) == other
+    assert ring.pick(key, {home: 3, other: 3}, floor=0) == home  # cap 5: room again
+    # the floor: below 4 requests home is never passed over; past it, the relative cap
+    assert ring.pick(key, {home: 3, other: 0}) == home
+    assert ring.pick(key, {home: 4, other: 0}) == other
+    assert ring.pick(key, {home: 20, other: 12}) == home  # cap ceil(1.25 * 33 / 2) = 21
+    assert ring.pick(key, {home: 21, other: 11}) == other
+    assert least_loaded(["a", "b"], {"a": 2, "b": 1}) == "b"
+    assert {least_loaded(["a", "b"], {}, turn) for turn in range(2)} == {"a", "b"}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path):
+    from kvlm.loading import load_model
+
+    return load_model(default_model_path).tokenizer
+
+
+def _chat(system: str, question: str, **extra) -> bytes:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    return json.dumps({"model": "m", "messages": messages, **extra}).encode()
+
+
+def test_the_route_key_is_the_prefix_cache_key_of_the_first_blocks(tokenizer):
+    from kvlm.cache.prefix import block_key, root_key
+    from kvlm.cluster.keys import route_key
+
+    system = "You answer questions about the history of the Roman empire. " * 8
+    body = _chat(system, "Who was Augustus?")
+    ids = tokenizer.encode_chat([{"role": "system", "content": system},
+                                 {"role": "user", "content": "Who was Augustus?"}])  # fmt: skip
+    expected = root_key(None)
+    for i in range(4):
+        expected = block_key(expected, tuple(ids[16 * i : 16 * (i + 1)]))
+    assert route_key("/v1/chat/completions", body, tokenizer, 16) == expected
+    # the same system prompt, another question: the same key; another tenant's: another
+    same = route_key("/v1/chat/completions", _chat(system, "And Nero?"), tokenizer, 16)
+    assert same == expected
+    other = route_key("/v1/chat/completions", _chat("You sell shoes. " * 10, "Hi"), tokenizer, 16)
+    assert other not in (None, expected)
+    salted = _chat(system, "Who was Augustus?", cache_salt="tenant-1")
+    assert route_key("/v1/chat/completions", salted, tokenizer, 16) not in (None, expected)
+    prompt = json.dumps({"model": "m", "prompt": ids[:40]}).encode()  # 2 full blocks
+    assert route_key("/v1/completions", prompt, tokenizer, 16) == block_key(
+        block_key(root_key(None), tuple(ids[:16])), tuple(ids[16:32])
+    )
+    # nothing to route by: no full block, an unreadable body, another route
+    short = json.dumps({"model": "m", "prompt": "Hi"}).encode()
+    assert route_key("/v1/completions", short, tokenizer, 16) is None
+    assert route_key("/v1/completions", b"{not json", tokenizer, 16) is None
+    assert route_key("/v1/models", b"", tokenizer, 16) is None
+
+
+def test_metrics_are_summed_series_by_series():
+    from kvlm.cluster.metrics import aggregate
+
+    def replica(hits: int, queries: int, disk: int) -> str:
+        return "\n".join([
+            "# HELP kvlm_prefix_cache_queries_total Prompt tokens looked up.",
+            "# TYPE kvlm_prefix_cache_queries_total counter",
+            f"kvlm_prefix_cache_queries_total {queries}",
+            "# HELP kvlm_prefix_cache_hits_total Prompt tokens served from cache.",
+            "# TYPE kvlm_prefix_cache_hits_total counter",
+            f"kvlm_prefix_cache_hits_total {hits}",
+            "# HELP kvlm_prefix_cache_hit_rate Prefix cache hits over queries.",
+            "# TYPE kvlm_prefix_cache_hit_rate gauge",
+            f"kvlm_prefix_cache_hit_rate {hits / queries:g}",
+            "# HELP kvlm_kv_tier_hits_total Blocks found in a tier.",
+            "# TYPE kvlm_kv_tier_hits_total counter",
+            f'kvlm_kv_tier_hits_total{{tier="disk"}} {disk}',
+            'kvlm_kv_tier_hits_total{tier="redis"} 1',
+            "# HELP kvlm_ttft_seconds Time to first token.",
+            "# TYPE kvlm_ttft_seconds histogram",
+            'kvlm_ttft_seconds_bucket{le="0.1"} 1',
+            'kvlm_ttft_seconds_bucket{le="+Inf"} 2',
+            "kvlm_ttft_seconds_sum 0.5",
+            "kvlm_ttft_seconds_count 2",
+        ])  # fmt: skip
+
+    text = aggregate([replica(10, 100, 3), replica(30, 100, 4)], {"r1": 5, "r2": 2})
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line[0] != "#")
+    assert samples["kvlm_prefix_cache_hits_total"] == "40"
+    assert samples["kvlm_prefix_cache_hit_rate"] == "0.2"  # 40 / 200, not 0.1 + 0.3
+    assert samples['kvlm_kv_tier_hits_total{tier="disk"}'] == "7"
+    assert samples['kvlm_kv_tier_hits_total{tier="redis"}'] == "2"
+    assert samples['kvlm_ttft_seconds_bucket{le="+Inf"}'] == "4"
+    assert samples["kvlm_ttft_seconds_sum"] == "1"
+    assert samples["kvlm_replicas"] == "2"
+    assert samples['kvlm_cluster_requests_routed_total{replica="r1"}'] == "5"
+    assert text.count("# TYPE kvlm_kv_tier_hits_total counter") == 1
+
+
+def test_a_single_kvlm_serve_never_imports_ray():
+    code = "import sys, kvlm.cli, kvlm.server.app; print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_bad_cluster_flags_are_one_line_before_anything_starts(capsys):
+    from kvlm.cli import main
+
+    assert main(["serve", "--replicas", "0"]) == 2
+    assert main(["serve", "--replicas", "2", "--route-balance", "0.5"]) == 2
+    assert capsys.readouterr().err.count("kvlm: error:") == 2
+
+
+# --------------------------------------------------------------------- a real cluster
+
+
+@pytest.fixture(scope="module")
+def server():
+    with kvlm_serve(*CLUSTER) as (port, proc):
+        yield port, proc
+
+
+@pytest.fixture(scope="module")
+def port(server):
+    return server[0]
+
+
+@pytest.fixture(scope="module")
+def client(port):
+    return openai_client(port, KEY)
+
+
+def metrics(port: int) -> dict[str, float]:
+    return serving.metrics(port, KEY)
+
+
+def wait_for(what, timeout: float = 60, step: float = 0.25):
+    """Poll `what()` until it is truthy (bounded); return its last value."""
+    deadline = time.time() + timeout
+    while not (value := what()) and time.time() < deadline:
+        time.sleep(step)
+    return value
+
+
+def all_up(port: int) -> bool:
+    """Both replicas known to the ingress's router (/health asks those it knows)."""
+    return json.loads(get(port, "/health")[1]).get("replicas") == 2
+
+
+def ask(client, model, **kw):
+    kw.setdefault("max_tokens", 24)
+    kw.setdefault("temperature", 0)
+    messages = [{"role": "user", "content": "Name three fruits."}]
+    return client.chat.completions.create(model=model, messages=messages, **kw)
+
+
+def complete(client, model, **kw):
+    kw.setdefault("max_tokens", 24)
+    prompt = kw.pop("prompt", "The capital of France is")
+    return client.completions.create(model=model, prompt=prompt, temperature=0, **kw)
+
+
+def _answers(client, model) -> list:
+    chat = ask(client, model).choices[0].message.content
+    chat_stream = "".join(c.choices[0].delta.content or "" for c in ask(client, model, stream=True))
+    text = complete(client, model).choices[0].text
+    text_stream = "".join(c.choices[0].text for c in complete(client, model, stream=True))
+    return [chat, chat_stream, text, text_stream]
+
+
+@pytest.mark.slow
+def test_answers_equal_a_single_kvlm_serve(port, client, model):
+    ours = _answers(client, model)
+    assert ours[0] and ours[0] == ours[1] and ours[2] == ours[3]
+    with kvlm_serve(*COMMON) as (single, _):
+        alone = openai_client(single, KEY)
+        assert alone.models.list().data[0].id == model
+        assert _answers(alone, model) == ours
+        blocks = serving.metrics(single, KEY)["kvlm_kv_blocks_total"]
+    m = metrics(port)
+    assert m["kvlm_replicas"] == 2 and m["kvlm_kv_blocks_total"] == 2 * blocks
+    assert json.loads(get(port, "/health")[1]) == {"status": "ok", "replicas": 2}
+
+
+@pytest.mark.slow
+def test_errors_pass_through(port, client, model):
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, model, temperature=5)
+    assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError) as e:
+        ask(client, "no-such-model")
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.AuthenticationError):
+        ask(openai_client(port, "wrong-key"), model)
+    assert get(port, "/metrics")[0] == 401  # the replicas' own key check
+    big = json.dumps({"model": model, "prompt": "x" * 20_000}).encode()  # over --max-body
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", "/v1/completions", big, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 413
+    assert json.loads(resp.read())["error"]["type"] == "invalid_request_error"
+    assert complete(client, model, max_tokens=4).choices[0].text  # and it goes on
+
+
+TENANTS = ["a bakery", "a law firm", "a bicycle shop", "an observatory"]
+QUESTIONS = ["When do you open?", "Where are you?", "What do you sell?", "Who works there?"]
+
+
+def _tenant_workload(port: int, model: str, nonce: str) -> float:
+    """Each tenant's questions in turn under its own ~200-token system prompt, one request
+    at a time; returns the prompt tokens the replicas served from their prefix caches."""
+    client = openai_client(port, KEY)
+    assert wait_for(lambda: all_up(port))  # else the first requests all go to one replica
+    before = metrics(port)["kvlm_prefix_cache_hits_total"]
+    for tenant in TENANTS:
+        rule = f"Answer politely and briefly, as the staff of {tenant} would. "
+        system = f"[{nonce}] You are the assistant of {tenant}. " + rule * 14
+        for question in QUESTIONS:
+            messages = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ]
+            client.chat.completions.create(model=model, messages=messages, max_tokens=2)
+    return metrics(port)["kvlm_prefix_cache_hits_total"] - before
+
+
+@pytest.mark.slow
+def test_prefix_routing_hits_more_than_round_robin(port, model):
+    prefix = _tenant_workload(port, model, "prefix")
+    with kvlm_serve("--routing", "round-robin", *CLUSTER) as (rr_port, _):
+        round_robin = _tenant_workload(rr_port, model, "round-robin")
+    # prefix: one miss per tenant; round-robin: one per tenant and replica (tenant-major
+    # order alternates each tenant's questions over both replicas)
+    assert prefix >= 1.4 * round_robin > 0, (prefix, round_robin)
+
+
+def _stream(client, model, prompt: str):
+    """A long streamed completion, its first chunk read (its replica is decoding)."""
+    stream = complete(client, model, prompt=prompt, max_tokens=900, stream=True,
+                      extra_body={"ignore_eos": True})  # fmt: skip
+    next(iter(stream))
+    return stream
+
+
+@pytest.mark.slow
+def test_a_client_that_hangs_up_has_its_request_aborted_on_its_replica(port, client, model):
+    before = metrics(port)["kvlm_requests_aborted_total"]
+    _stream(client, model, "Tell me a story.").close()  # mid-stream
+    with pytest.raises(openai.APITimeoutError):  # gone before a whole answer
+        client.with_options(timeout=1.0).completions.create(
+            model=model, prompt="Tell me another story.", max_tokens=900,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+
+    def settled():
+        m = metrics(port)
+        return m["kvlm_requests_aborted_total"] == before + 2 and m["kvlm_kv_blocks_used"] == 0
+
+    assert wait_for(settled, timeout=30), metrics(port)
+
+
+def _replica_pids(proc: subprocess.Popen) -> list[int]:
+    """The replicas' worker processes: descendants of this cluster's `kvlm serve` (its
+    local Ray), whatever else runs on the machine."""
+    pids = []
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if child.name().startswith(REPLICA_PROCESS) and child.status() != "zombie":
+                pids.append(child.pid)
+        except psutil.Error:  # gone meanwhile
+            pass
+    return pids
+
+
+@pytest.mark.slow
+def test_a_killed_replica_ends_its_streams_cleanly_and_comes_back(server, client, model):
+    port, proc = server  # last in the module: the cluster comes back, but with new ids
+    assert wait_for(lambda: all_up(port))
+    # no full block: the router sends each to the least loaded replica, one each
+    streams = [_stream(client, model, "Tell me about cats."),
+               _stream(client, model, "Tell me about dogs.")]  # fmt: skip
+    pids = _replica_pids(proc)
+    assert len(pids) == 2
+    os.kill(pids[0], signal.SIGKILL)
+    endings = []
+    for stream in streams:
+        try:
+            for _ in stream:
+                pass
+            endings.append("done")
+        except openai.APIError as exc:  # the error event, not a hang or a broken stream
+            assert exc.body["code"] == "replica_failed"
+            endings.append("failed")
+    assert sorted(endings) == ["done", "failed"]
+    for i in range(3):  # the survivor answers; the router has dropped the dead one
+        assert complete(client, model, prompt=f"Hello number {i}", max_tokens=4).choices[0].text
+
+    def back():
+        return metrics(port)["kvlm_replicas"] == 2 and len(_replica_pids(proc)) == 2
+
+    assert wait_for(back, timeout=120, step=1)
+
+
+def test_the_redis_tier_is_shared_by_two_replicas(model):
+    """Round-robin puts the second request on the other replica: the long prompt its twin
+    computed comes from Redis, the same tokens, and the cluster's /metrics counts it."""
+    from redis_server import redis_server
+
+    system = " ".join(f"Shared rule {i}: be brief and exact." for i in range(30))
+    with (
+        redis_server() as redis,
+        kvlm_serve("--routing", "round-robin", "--kv-tier", redis.url, *CLUSTER) as (rr, _),
+    ):
+        wait_for(lambda: all_up(rr))
+        client = openai_client(rr, KEY)
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi."}]
+
+        def chat():
+            return client.chat.completions.create(
+                model=model, messages=messages, max_tokens=16, temperature=0
+            )
+
+        first = chat()
+        wait_for(lambda: metrics(rr)['kvlm_kv_tier_writes_total{tier="redis"}'] > 0)
+        time.sleep(1)  # the writer thread finishes the prompt's blocks
+        second = chat()
+        assert second.choices[0].message.content == first.choices[0].message.content
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert second.usage.prompt_tokens_details.cached_tokens >= 16 * 8
+        m = metrics(rr)
+        assert m['kvlm_kv_tier_hits_total{tier="redis"}'] >= 8
+        routed = [v for k, v in m.items() if k.startswith("kvlm_cluster_requests_routed")]
+        assert sorted(routed) == [1, 1]  # one request on each replica
