@@ -376,3 +376,22 @@ def test_the_redis_tier_is_shared_by_two_replicas(model):
         assert m['kvlm_kv_tier_hits_total{tier="redis"}'] >= 8
         routed = [v for k, v in m.items() if k.startswith("kvlm_cluster_requests_routed")]
         assert sorted(routed) == [1, 1]  # one request on each replica
+
+
+def test_kv_and_the_dashboard_show_every_replica(port, client, model):
+    """/v1/kv asks every replica (a routed GET would land on another one at each poll):
+    the first replica's pool at the top level, for /dashboard, and all of them under
+    "replicas", in a stable order; both behind the key."""
+    wait_for(lambda: all_up(port))
+    assert get(port, "/v1/kv")[0] == 401
+    complete(client, model, max_tokens=2, prompt="Blocks and more blocks. " * 8)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    views = [json.loads(get(port, "/v1/kv", auth)[1]) for _ in range(3)]
+    ids = [[r["replica"] for r in v["replicas"]] for v in views]
+    assert len(ids[0]) == 2 and ids[0] == sorted(ids[0]) and ids.count(ids[0]) == 3
+    first = views[0]
+    assert first["replica"] == ids[0][0] and first["object"] == "kv_cache"
+    assert len(first["blocks"]) == first["num_blocks"]
+    assert sum(r["prefix_cache"]["queries"] for r in first["replicas"]) > 0
+    status, page = get(port, "/dashboard", auth)
+    assert status == 200 and "/v1/kv" in page

@@ -101,6 +101,11 @@ class KvlmReplica:
                 body += item
         return status, body
 
+    async def named_call(self, raw: RawRequest) -> tuple[int, bytes, str]:
+        """call(raw) with this replica's id (a stable name for the ingress's /v1/kv)."""
+        status, body = await self.call(raw)
+        return status, body, serve.get_replica_context().replica_id.unique_id
+
     def check_health(self) -> None:
         if self.engine is None or not self.engine.alive:
             raise RuntimeError("the engine thread has stopped")
@@ -206,6 +211,7 @@ class Ingress:
         app.add_exception_handler(Exception, _bug)
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/v1/kv", self.kv, methods=["GET"])
         app.add_api_route("/{path:path}", self.forward, methods=_METHODS)
         return app
 
@@ -251,6 +257,28 @@ class Ingress:
         if not up:
             return JSONResponse({"status": "no replica answers"}, status_code=503)
         return JSONResponse({"status": "ok", "replicas": up})
+
+    async def kv(self, request: Request) -> Response:
+        """Every replica's pool (kvlm.cache.view), ordered by replica id, each with its
+        "replica": the first one's fields at the top level (what /dashboard draws), all of
+        them under "replicas". A routed GET would land on another replica at each poll."""
+        raw = await _raw(request)
+        try:
+            results = await self.replicas.broadcast("named_call", raw).results_async(
+                timeout_s=SCRAPE_TIMEOUT_S, return_exceptions=True
+            )
+        except Exception as exc:
+            log.warning("no replica answered /v1/kv: %r", exc)
+            results = []
+        answers = [r for r in results if not isinstance(r, BaseException)]
+        answers.sort(key=lambda r: r[2])  # by replica id
+        if not answers:
+            return JSONResponse(_failed("no replica answered"), status_code=503)
+        refused = next(((s, b) for s, b, _ in answers if s != 200), None)
+        if refused is not None:  # 401: the replicas' own check of the API key
+            return Response(refused[1], refused[0], media_type="application/json")
+        views = [json.loads(body) | {"replica": rid} for _, body, rid in answers]
+        return JSONResponse(views[0] | {"replicas": views})
 
     async def _ask_all(self, request: Request) -> list[tuple[int, bytes]]:
         """Each live replica's answer to this request (those that fail are left out)."""
