@@ -29,17 +29,16 @@ and (Q-2)/Q, a ratio that grows as Q shrinks or replicas are added.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+from served import ServeProcess
 
 CONFIGS = {  # name: (what the table calls it, `kvlm serve` flags)
     "single": ("1 replica", ["--threads", "2"]),
@@ -64,49 +63,13 @@ class Result:
     ttft: float
 
 
-class Server:
-    """`kvlm serve ARGS` on a free port, until stop()."""
+class Server(ServeProcess):
+    """`kvlm serve ARGS` on a free port, until stop(), ready once every replica is up."""
 
     def __init__(self, serve_args: list[str], max_context: int) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        cmd = [sys.executable, "-c", "from kvlm.cli import main; raise SystemExit(main())",
-               "serve", "--port", str(self.port), "--max-context", str(max_context),
-               "--log-level", "warning", *serve_args]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         flags = dict(zip(serve_args[::2], serve_args[1::2], strict=False))
-        self.replicas = int(flags.get("--replicas", 1))
-        deadline = time.time() + 300
-        while not self._ready():
-            if self.proc.poll() is not None or time.time() > deadline:
-                self.stop()
-                raise SystemExit(f"kvlm serve {' '.join(serve_args)} did not start")
-            time.sleep(0.5)
-        self.model = json.loads(self.get("/v1/models"))["data"][0]["id"]
-
-    def _ready(self) -> bool:
-        """Up, and every replica known to the router (else the first requests go to one)."""
-        try:
-            return json.loads(self.get("/health")).get("replicas", 1) >= self.replicas
-        except OSError:
-            return False
-
-    def get(self, path: str) -> str:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        try:
-            conn.request("GET", path)
-            resp = conn.getresponse()
-            body = resp.read().decode()
-            if resp.status != 200:
-                raise OSError(f"{path}: {resp.status}")
-            return body
-        finally:
-            conn.close()
-
-    def metrics(self) -> dict[str, float]:
-        lines = self.get("/metrics").splitlines()
-        return {k: float(v) for k, v in (x.rsplit(" ", 1) for x in lines if x and x[0] != "#")}
+        super().__init__(["--max-context", str(max_context), "--log-level", "warning",
+                          *serve_args], replicas=int(flags.get("--replicas", 1)))  # fmt: skip
 
     def chat(self, system: str, question: str, max_tokens: int) -> Result:
         """One streamed chat completion: its completion tokens and TTFT."""
@@ -115,11 +78,9 @@ class Server:
                 "messages": [{"role": "system", "content": system},
                              {"role": "user", "content": question}]}  # fmt: skip
         t0 = time.perf_counter()
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        conn = None
         try:
-            conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                         {"Content-Type": "application/json"})  # fmt: skip
-            resp = conn.getresponse()
+            conn, resp = self.post_stream("/v1/chat/completions", body)
             ttft, tokens, done = 0.0, 0, False
             for line in resp if resp.status == 200 else ():
                 if line.startswith(b"data: [DONE]"):
@@ -138,14 +99,8 @@ class Server:
         except OSError:
             return Result(False, 0, 0.0)
         finally:
-            conn.close()
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+            if conn is not None:
+                conn.close()
 
 
 def system_prompts(tenants: int, tokens: int) -> list[str]:

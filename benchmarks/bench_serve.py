@@ -24,17 +24,16 @@ is bounded: a fixed number of requests per phase and a time limit for the soak.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+from served import ServeProcess
 
 WORDS = ["river", "stone", "cloud", "garden", "lantern", "harbor", "meadow", "copper",
          "violin", "orchard", "falcon", "winter", "signal", "canyon", "thread", "marble",
@@ -50,43 +49,11 @@ class Result:
     hung_up: bool = False
 
 
-class Server:
+class Server(ServeProcess):
     def __init__(self, args: argparse.Namespace) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        cmd = [sys.executable, "-c", "from kvlm.cli import main; raise SystemExit(main())",
-               "serve", "--port", str(self.port), "--threads", str(args.threads),
-               "--max-context", str(args.max_context), "--max-num-seqs", "16",
-               "--max-waiting", "64", "--log-level", "warning",
-               *args.serve_args.split()]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"server exited: {self.proc.stderr.read()}")
-            try:
-                if self.get("/health")[0] == 200:
-                    break
-            except OSError:
-                time.sleep(0.5)
-        self.model = json.loads(self.get("/v1/models")[1])["data"][0]["id"]
-
-    def get(self, path: str) -> tuple[int, str]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        body = resp.read().decode()
-        conn.close()
-        return resp.status, body
-
-    def metrics(self) -> dict[str, float]:
-        out = {}
-        for line in self.get("/metrics")[1].splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
+        super().__init__(["--threads", str(args.threads), "--max-context", str(args.max_context),
+                          "--max-num-seqs", "16", "--max-waiting", "64", "--log-level",
+                          "warning", *args.serve_args.split()])  # fmt: skip
 
     def rss_mib(self) -> float:
         with open(f"/proc/{self.proc.pid}/status") as f:
@@ -101,11 +68,9 @@ class Server:
                 "temperature": 0, "stream": True, "ignore_eos": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
         t0 = time.perf_counter()
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        conn = None
         try:
-            conn.request("POST", "/v1/completions", json.dumps(body),
-                         {"Content-Type": "application/json"})  # fmt: skip
-            resp = conn.getresponse()
+            conn, resp = self.post_stream("/v1/completions", body)
             if resp.status != 200:
                 return Result(False, 0, 0.0, time.perf_counter() - t0)
             ttft, tokens, done = 0.0, 0, False
@@ -127,14 +92,8 @@ class Server:
         except OSError:
             return Result(False, 0, 0.0, time.perf_counter() - t0)
         finally:
-            conn.close()
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+            if conn is not None:
+                conn.close()
 
 
 def phrase(rng: random.Random, n: int) -> str:

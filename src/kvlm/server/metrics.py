@@ -52,13 +52,12 @@ def render_metrics(engine: AsyncEngine) -> str:
     lines: list[str] = []
     for name, kind, help_, key in series:
         value = values[key] if key in values else getattr(stats, key)
-        lines += [f"# HELP kvlm_{name} {help_}", f"# TYPE kvlm_{name} {kind}"]
-        lines.append(f"kvlm_{name} {value:g}")
+        lines += [*_head(f"kvlm_{name}", kind, help_), f"kvlm_{name} {value:g}"]
 
     lines += _tier_lines(eng)
 
     name = "kvlm_time_to_first_token_seconds"
-    lines += [f"# HELP {name} Time from arrival to first token.", f"# TYPE {name} histogram"]
+    lines += _head(name, "histogram", "Time from arrival to first token.")
     for bound, count in zip(TTFT_BUCKETS, stats.ttft_counts, strict=True):
         lines.append(f'{name}_bucket{{le="{bound:g}"}} {count}')
     lines.append(f'{name}_bucket{{le="+Inf"}} {stats.ttft_count}')
@@ -92,15 +91,19 @@ def _tier_lines(eng) -> list[str]:
         return []
     lines: list[str] = []
     for name, kind, help_, key in _TIER_SERIES:
-        lines += [f"# HELP kvlm_{name} {help_}", f"# TYPE kvlm_{name} {kind}"]
+        lines += _head(f"kvlm_{name}", kind, help_)
         for tier, stats in tiers.stats.items():
             lines.append(f'kvlm_{name}{{tier="{tier}"}} {float(getattr(stats, key)):g}')
     for name, help_, total, count in _TIER_LATENCY:
-        lines += [f"# HELP kvlm_{name} {help_}", f"# TYPE kvlm_{name} summary"]
+        lines += _head(f"kvlm_{name}", "summary", help_)
         for tier, stats in tiers.stats.items():
             lines.append(f'kvlm_{name}_sum{{tier="{tier}"}} {getattr(stats, total):g}')
             lines.append(f'kvlm_{name}_count{{tier="{tier}"}} {getattr(stats, count)}')
-    name = "kv_tier_dropped_writes_total"
-    lines += [f"# HELP kvlm_{name} Block writes dropped: the writer's queue was full.",
-              f"# TYPE kvlm_{name} counter", f"kvlm_{name} {tiers.dropped}"]  # fmt: skip
-    return lines
+    name = "kvlm_kv_tier_dropped_writes_total"
+    lines += _head(name, "counter", "Block writes dropped: the writer's queue was full.")
+    return [*lines, f"{name} {tiers.dropped}"]
+
+
+def _head(name: str, kind: str, help_: str) -> list[str]:
+    """A series' HELP and TYPE lines."""
+    return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
