@@ -9,7 +9,15 @@ What it reports (and exits 1 if any fails):
 - greedy requests for the same prompt always get the same text (no request changes
   another's tokens under load);
 - at the end, once idle, no KV block is in use and no request is held;
-- RSS after warm-up vs at the end (flat: the server keeps nothing per request).
+- RSS after warm-up vs at the end (flat: the server keeps nothing per request);
+- the worst stall of a normal greedy stream (the longest gap between two of its chunks),
+  while hostile grammars, schemas and prompt-scoring requests run beside it.
+
+The hostile kinds (issue [12]): Lark rule chains, `$ref` chains, wide `anyOf` fan-outs and
+deep nesting, near and past kvlm's bounds (each a 400 or an answer, never a crash or a
+freeze); `echo` + `logprobs` + `prompt_logprobs: 20` over a ~3,500-token prompt; bodies
+over the limit. `--tier trickle` puts a Redis KV tier behind a loopback proxy that hands
+its replies back a few bytes at a time (each read inside the client's socket timeout).
 
 Loopback only; every client loop is bounded by the deadline and a request count.
 """
@@ -17,6 +25,7 @@ Loopback only; every client loop is bounded by the deadline and a request count.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -30,6 +39,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from redis_server import redis_server, trickle_proxy
+
 KEY = "soak-key"
 MODEL = None  # read from /v1/models
 GREEDY_PROMPTS = [f"Write one sentence about the number {i}." for i in range(6)]
@@ -42,6 +55,7 @@ class Tally:
     statuses: Counter = field(default_factory=Counter)
     failures: list[str] = field(default_factory=list)
     answers: dict[str, str] = field(default_factory=dict)
+    stalls: list[float] = field(default_factory=list)  # watched streams' worst gaps (s)
     tokens: int = 0
 
     def record(self, kind: str, status: int | str, ok: bool, note: str = "") -> None:
@@ -199,8 +213,95 @@ def idle(port: int, rng: random.Random, tally: Tally) -> None:
     tally.record("idle", "closed" if ok else "answered", ok)
 
 
+def lark_chain(n: int) -> str:
+    """`r0: "a" r1`, ..., a chain of n rules (llguidance's recursion once overflowed here)."""
+    return "start: r0\n" + "".join(f'r{i}: "a" r{i + 1}\n' for i in range(n)) + f'r{n}: "a"\n'
+
+
+def ref_chain(n: int) -> dict:
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = {"type": "string", "maxLength": 4}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def fan(n: int) -> dict:
+    """A wide anyOf of small objects (n=2000 is ~320 KiB of JSON)."""
+    return {"anyOf": [{"type": "object", "properties": {f"key_{i}": {"const": f"value_{i}_x"}},
+                       "required": [f"key_{i}"], "additionalProperties": False}
+                      for i in range(n)]}  # fmt: skip
+
+
+def nested(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+# (field, value): each answered 200 (it fits the bounds and compiled) or 400 (refused,
+# naming the field), never 5xx, a reset or a dead server
+GUIDES = [
+    ("guided_grammar", lambda: lark_chain(5000)),
+    ("guided_grammar", lambda: lark_chain(50)),
+    ("guided_json", lambda: ref_chain(5000)),
+    ("guided_json", lambda: ref_chain(20)),
+    ("guided_json", lambda: fan(2000)),
+    ("guided_json", lambda: nested(300)),
+    ("guided_json", lambda: nested(8)),
+    ("guided_grammar", lambda: "start: " + "(" * 50_000 + '"a"' + ")" * 50_000),
+]
+
+
+def hostile_guided(port: int, rng: random.Random, tally: Tally) -> None:
+    name, make = rng.choice(GUIDES)
+    body = {"model": MODEL, "prompt": "Answer:", "max_tokens": 8, "temperature": 0,
+            name: make()}  # fmt: skip
+    status, raw = post(port, "/v1/completions", json.dumps(body).encode())
+    ok = status == 200 or (status == 400 and b'"error"' in raw)
+    tally.record("hostile_guided", status, ok, raw[:200].decode(errors="replace"))
+
+
+SCORED = " ".join(f"word{i % 97}" for i in range(1200))  # ~3,500 tokens of the default model
+
+
+def scoring(port: int, rng: random.Random, tally: Tally) -> None:
+    """lm-eval's loglikelihood request, at its most expensive: the whole prompt scored."""
+    body = {"model": MODEL, "prompt": SCORED, "max_tokens": 1, "echo": True, "logprobs": 5,
+            "prompt_logprobs": 20, "temperature": 0}  # fmt: skip
+    status, raw = post(port, "/v1/completions", json.dumps(body).encode())
+    ok = status == 200 and len(json.loads(raw)["choices"][0]["prompt_logprobs"]) > 1000
+    tally.record("scoring", status, ok, raw[:200].decode(errors="replace"))
+
+
+def watched_stream(port: int, rng: random.Random, tally: Tally) -> None:
+    """A normal greedy stream: the same text every time, and its longest gap between two
+    chunks recorded (the stall a neighbour caused)."""
+    prompt = rng.choice(GREEDY_PROMPTS)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 24, "temperature": 0, "stream": True}  # fmt: skip
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    try:
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=headers)
+        resp = conn.getresponse()
+        text, last, worst = "", time.perf_counter(), 0.0
+        for line in resp:
+            now = time.perf_counter()
+            worst, last = max(worst, now - last), now
+            choices = json.loads(line[6:])["choices"] if line.startswith(b"data: {") else []
+            if choices:
+                text += choices[0]["delta"].get("content") or ""
+        ok = resp.status == 200 and tally.same_answer("stream:" + prompt, text)
+        with tally.lock:
+            tally.stalls.append(round(worst, 3))
+        tally.record("watched_stream", resp.status, ok, text[:100])
+    finally:
+        conn.close()
+
+
 KINDS = [(greedy_chat, 4), (sampled_stream, 3), (fan_out, 2), (disconnect, 2), (invalid, 4),
-         (oversized, 1), (idle, 1)]  # fmt: skip
+         (oversized, 1), (idle, 1), (hostile_guided, 2), (scoring, 1),
+         (watched_stream, 3)]  # fmt: skip
 
 
 def client(port: int, seed: int, deadline: float, limit: int, tally: Tally) -> None:
@@ -226,11 +327,11 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
+def start_server(args: argparse.Namespace, extra: list[str]) -> tuple[subprocess.Popen, int]:
     port = free_port()
     cmd = [sys.executable, "-m", "kvlm.cli", "serve", "--port", str(port), "--api-key", KEY,
            "--log-level", "warning", "--max-body", "1MiB", "--idle-timeout", "5",
-           *args.serve_args.split()]  # fmt: skip
+           *extra, *args.serve_args.split()]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
     deadline = time.time() + 300
@@ -247,8 +348,20 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
 
 
 def soak(args: argparse.Namespace) -> dict:
+    with contextlib.ExitStack() as stack:
+        extra = []
+        if args.tier in ("redis", "trickle"):
+            redis = stack.enter_context(redis_server())
+            target = redis.port
+            if args.tier == "trickle":  # every reply a few bytes at a time
+                target = stack.enter_context(trickle_proxy(redis.port)).port
+            extra = ["--kv-tier", f"redis://127.0.0.1:{target}"]
+        return _soak(args, extra)
+
+
+def _soak(args: argparse.Namespace, extra: list[str]) -> dict:
     global MODEL
-    proc, port = start_server(args)
+    proc, port = start_server(args, extra)
     MODEL = json.loads(get(port, "/v1/models")[1])["data"][0]["id"]
     tally, samples = Tally(), []
     t0 = time.time()
@@ -287,6 +400,11 @@ def soak(args: argparse.Namespace) -> dict:
         "engine_errors": final.get("kvlm_engine_errors_total"),
         "rss_mib_after_warmup": round(warm[0] / 1024, 1), "rss_mib_end": round(rss_end / 1024, 1),
         "rss_mib_max": round(max(r for _, r, _ in samples) / 1024, 1),
+        "stall_s_worst": max(tally.stalls, default=None),
+        "stall_s_p99": sorted(tally.stalls)[int(0.99 * (len(tally.stalls) - 1))]
+        if tally.stalls else None,
+        "stall_s_median": sorted(tally.stalls)[len(tally.stalls) // 2] if tally.stalls else None,
+        "tier": args.tier, "tier_metrics": {k: v for k, v in final.items() if "kv_tier" in k},
         "rss_samples": samples,
     }  # fmt: skip
 
@@ -296,6 +414,12 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=10)
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--max-requests", type=int, default=100_000, help="per client, a bound")
+    ap.add_argument(
+        "--tier",
+        choices=("none", "redis", "trickle"),
+        default="trickle",
+        help="a Redis KV tier under the server, straight or behind a trickling proxy",
+    )
     ap.add_argument("--serve-args", default="", help='more kvlm serve flags: "--weights native"')
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args()
