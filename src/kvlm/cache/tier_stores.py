@@ -141,7 +141,8 @@ class DiskTier(Tier):
             while left > 0 and (chunk := os.read(fd, left)):
                 chunks.append(chunk)
                 left -= len(chunk)
-            os.utime(fd)  # the LRU order, kept across restarts
+            with contextlib.suppress(OSError):  # a read-only folder still serves reads
+                os.utime(fd)  # the LRU order, kept across restarts
         finally:
             os.close(fd)
         with self._lock:
