@@ -4,8 +4,14 @@ used; a tier that is down, slow or full costs recomputation, never a request."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import stat
+import struct
+import threading
+import time
+from contextlib import ExitStack
 
 import pytest
 import torch
@@ -13,21 +19,33 @@ import torch
 from kvlm import LLM, SamplingParams
 from kvlm.cache import tiers as tiers_mod
 from kvlm.cache.base import CacheSpec
-from kvlm.cache.paged import BlockPool
-from kvlm.cache.prefix import BlockManager
-from kvlm.cache.tiers import DiskTier, KVTiers, parse_tier
+from kvlm.cache.paged import ALL, BlockPool
+from kvlm.cache.prefix import BlockManager, block_key, root_key
+from kvlm.cache.tier_key import load_tier_key
+from kvlm.cache.tiers import DiskTier, KVTiers, check_digests, parse_tier
 from kvlm.engine.engine import Engine, EngineConfig
 from kvlm.errors import InvalidRequestError
 from kvlm.server.metrics import render_metrics
-from redis_server import redis_server
+from redis_server import JunkRedis, TrickleProxy, redis_server
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 BS = 4
 
 
+KEY = b"k" * 32  # the small tiers' key
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
     return LLM(model=tiny_model_dir("llama"), progress=False, max_context=256)
+
+
+@pytest.fixture(autouse=True)
+def state_home(tmp_path_factory, monkeypatch):
+    """Each test's default tier key in a state folder of its own, never the user's."""
+    home = tmp_path_factory.mktemp("state")
+    monkeypatch.setenv("XDG_STATE_HOME", str(home))
+    return home
 
 
 def run(engine: Engine, prompts: dict[str, list[int]], salt: str | None = None) -> tuple:
@@ -122,11 +140,14 @@ def test_a_tier_only_serves_whole_verified_runs(tiny, tmp_path):
 # ---------------------------------------------------------------- records that lie
 
 
-def small_tiers(path, max_bytes: int = 1 << 20) -> tuple[BlockManager, KVTiers]:
+def small_tiers(
+    path, max_bytes: int = 1 << 20, key: bytes = KEY, tier=None
+) -> tuple[BlockManager, KVTiers]:
     spec = CacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, max_tokens=64, block_size=BS)
     pool = BlockPool(spec, 16)
     block = (1, 2, 1, BS, 2)
-    tiers = KVTiers([DiskTier(path, max_bytes)], "ns-test", {"values": (block, torch.float32)})
+    tier = tier or DiskTier(path, max_bytes)
+    tiers = KVTiers([tier], "ns-test", {"values": (block, torch.float32)}, key)
     return BlockManager(pool, True, tiers), tiers
 
 
@@ -163,9 +184,9 @@ def test_records_that_do_not_verify_are_refused(tmp_path):
     path(key_a1).write_bytes(path(key_b1).read_bytes())
     f = fresh()
     assert f.fetch(a) == 1 and f.tiers.stats["disk"].refused == 1
-    # truncated, padded, a flipped header byte, a huge header length: refused, never raised
-    bad = [saved[:-1], saved + b"\0" * 64, saved[:20] + b"X" + saved[21:],
-           saved[:8] + (1 << 30).to_bytes(4, "little") + saved[12:]]  # fmt: skip
+    # truncated, padded, a flipped byte of the magic, the tag or the values: refused
+    bad = [saved[:-1], saved + b"\0" * 64, b"X" + saved[1:], saved[:20] + b"X" + saved[21:],
+           saved[:-1] + bytes([saved[-1] ^ 1])]  # fmt: skip
     for data in bad:
         path(key_a1).write_bytes(data)
         f = fresh()
@@ -281,6 +302,9 @@ def test_disk_then_redis_each_asked_for_what_the_one_before_lacked(tiny, tmp_pat
         ("disk:", "needs a path"),
         ("disk:/tmp/x:lots", "size"),
         ("redis://127.0.0.1:1?ttl=soon", "whole seconds"),
+        ("redis://127.0.0.1:1?deadline=0", "deadline must be > 0"),
+        ("disk:/tmp/x?deadline=never", "deadline must be seconds"),
+        ("disk:/tmp/x?ttl=1", "unknown option 'ttl'"),
         ("s3://bucket", "unknown KV tier"),
     ],
 )
@@ -340,14 +364,411 @@ def test_kvlm_serve_restarted_on_a_disk_tier_answers_from_it(tmp_path):
         assert m['kvlm_kv_tier_up{tier="redis"}'] == 0
 
 
-def test_kvlm_serve_refuses_a_bad_tier_before_loading():
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("s3", "unknown KV tier 's3://bucket'"),
+        ("open-dir", "is writable by others, who could plant records; fix with chmod go-w"),
+        ("loose-key", "can be read or written by others (mode 0644)"),
+        ("missing-key", "does not exist; make one with: head -c 32 /dev/urandom"),
+        ("key-alone", "--kv-tier-key signs KV tier records: it needs --kv-tier"),
+    ],
+)
+def test_kvlm_serve_refuses_a_bad_tier_before_loading(tmp_path, case, message):
+    """One line on stderr, no traceback, before the model loads (the model named does not
+    even exist)."""
     import subprocess
     import sys
 
+    tier, key = tmp_path / "tier", tmp_path / "tier.key"
+    tier.mkdir(mode=0o700)
+    key.write_bytes(b"k" * 32)
+    key.chmod(0o600)
+    args = {
+        "s3": ["--kv-tier", "s3://bucket"],
+        "open-dir": ["--kv-tier", f"disk:{tier}"],
+        "loose-key": ["--kv-tier", f"disk:{tier}", "--kv-tier-key", str(key)],
+        "missing-key": ["--kv-tier", f"disk:{tier}", "--kv-tier-key", str(tmp_path / "no")],
+        "key-alone": ["--kv-tier-key", str(key)],
+    }[case]
+    if case == "open-dir":
+        tier.chmod(0o757)
+    if case == "loose-key":
+        key.chmod(0o644)
     proc = subprocess.run(
-        [sys.executable, "-m", "kvlm.cli", "serve", "--kv-tier", "s3://bucket"],
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "kvlm.cli", "serve", "--model", str(tmp_path / "none.gguf"),
+         *args], capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode != 0
-    assert "unknown KV tier 's3://bucket'" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert message in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------- hostile tiers
+#
+# An attacker who can write to a tier (a local user for a directory, any client of a shared
+# Redis) knows the victim's prompt and salt and has K/V of their own. Nothing they put
+# there may change the victim's tokens: every record below is refused and counted.
+
+SALT = "tenant-victim"
+ATTACK = [(11 * i + 5) % 200 + 10 for i in range(101)]  # the attacker's own prompt
+
+
+def block_names(engine: Engine, tokens: list[int], salt: str | None) -> list[tuple]:
+    """(record name, chain key, tokens, check) of each full block of `tokens` that a
+    request looks up (all but the last token's)."""
+    bs = engine.spec.block_size
+    count = (len(tokens) - 1) // bs
+    checks = check_digests(tokens, salt, bs, count)
+    key, out = root_key(salt), []
+    for i in range(count):
+        chunk = tuple(tokens[i * bs : (i + 1) * bs])
+        key = block_key(key, chunk)
+        out.append((engine.tiers._name(key), key, chunk, checks[i]))
+    return out
+
+
+def own_kv(llm: LLM, tokens: list[int]) -> list[dict[str, torch.Tensor]]:
+    """The K/V an engine without tiers computes for the full blocks of `tokens`."""
+    engine = engine_with(llm)
+    run(engine, {"x": tokens})
+    blocks, _ = engine.manager.match(tokens)
+    return [{k: v.clone() for k, v in engine.pool.store.raw((ALL, ALL, b)).items()} for b in blocks]
+
+
+def unkeyed_record(ns: str, key: bytes, chunk, salt, check: bytes, parts) -> bytes:
+    """A record in the format before records were keyed (KVLMBLK1): a JSON header of the
+    namespace, chain key, salt, tokens and an unkeyed check anyone can compute."""
+    meta = {"ns": ns, "key": key.hex(), "salt": salt, "tokens": list(chunk), "check": check.hex()}
+    header = json.dumps(meta, separators=(",", ":")).encode()
+    body = b"".join(p.view(torch.uint8).numpy().tobytes() for p in parts.values())
+    return b"KVLMBLK1" + struct.pack("<I", len(header)) + header + body
+
+
+def keyed_record(victim: Engine, key: bytes, chunk, check: bytes, parts, mac_key: bytes) -> bytes:
+    """A record in today's format, signed with `mac_key` (not the victim's)."""
+    forger = KVTiers([], victim.tiers.ns, victim.tiers.parts, mac_key)
+    data = forger._encode(tiers_mod._Write(key, chunk, check, parts))
+    forger.close()
+    return data
+
+
+class Store:
+    """Writes raw records into a disk tier's folder or a Redis, as an attacker would."""
+
+    def __init__(self, kind: str, tmp_path, stack) -> None:
+        self.kind = kind
+        if kind == "disk":
+            self.spec, self.path = f"disk:{tmp_path / 'tier'}", tmp_path / "tier"
+        else:
+            self.redis = stack.enter_context(redis_server())
+            self.spec = self.redis.url
+
+    def put(self, name: str, data: bytes) -> None:
+        if self.kind == "disk":
+            (self.path / f"{name}.kvb").write_bytes(data)
+        else:
+            self.redis.client().set(name, data)
+
+    def get(self, name: str) -> bytes:
+        if self.kind == "disk":
+            return (self.path / f"{name}.kvb").read_bytes()
+        return self.redis.client().get(name)
+
+
+@pytest.mark.parametrize("kind", ["disk", "redis"])
+@pytest.mark.parametrize("scheme", ["unkeyed", "wrong-key"])
+def test_records_forged_for_the_victims_prompt_are_refused(tiny, tmp_path, kind, scheme):
+    cold, _ = run(engine_with(tiny), {"v": PROMPT}, salt=SALT)
+    theirs = own_kv(tiny, ATTACK)
+    with ExitStack() as stack:
+        store = Store(kind, tmp_path, stack)
+        victim = engine_with(tiny, store.spec)
+        for (name, key, chunk, check), parts in zip(
+            block_names(victim, PROMPT, SALT), theirs, strict=True
+        ):
+            if scheme == "unkeyed":
+                data = unkeyed_record(victim.tiers.ns, key, chunk, SALT, check, parts)
+            else:
+                data = keyed_record(victim, key, chunk, check, parts, b"w" * 32)
+            store.put(name, data)
+        got, cached = run(victim, {"v": PROMPT}, salt=SALT)
+        assert got == cold and cached == {"v": 0}
+        stats = victim.tiers.stats[kind]
+        assert (stats.refused, stats.hits, stats.up) == (6, 0, True)
+        assert f'kvlm_kv_tier_refused_total{{tier="{kind}"}} 6' in render_metrics(_Async(victim))
+        victim.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_int8(tiny):
+    return LLM(model=tiny.loaded.path, progress=False, max_context=256, kv_dtype="int8")
+
+
+@pytest.mark.parametrize(
+    "kind, where",
+    [("disk", "magic"), ("disk", "tag"), ("disk", "values"), ("disk", "scales"),
+     ("disk", "tokens"), ("redis", "values"), ("redis", "scales")],
+)  # fmt: skip
+def test_a_tampered_record_is_refused(tiny_int8, tmp_path, kind, where):
+    """One byte flipped in a genuine record (int8 K/V: values and scales), or a genuine
+    record of other tokens under the name: the block and the ones after it recomputed."""
+    with ExitStack() as stack:
+        store = Store(kind, tmp_path, stack)
+        first = engine_with(tiny_int8, store.spec)
+        want, _ = run(first, {"v": PROMPT}, salt=SALT)
+        first.tiers.flush()
+        names = [b[0] for b in block_names(first, PROMPT, SALT)]
+        data = bytearray(store.get(names[0]))
+        sizes = first.tiers._sizes
+        at = {"magic": 3, "tag": 8 + 5, "values": 40 + sizes["values"] // 2,
+              "scales": 40 + sizes["values"] + sizes["scales"] // 2}  # fmt: skip
+        if where == "tokens":
+            data = bytearray(store.get(names[1]))  # block 1's record as block 0's
+        else:
+            data[at[where]] ^= 0x10
+        store.put(names[0], bytes(data))
+        first.close()
+        second = engine_with(tiny_int8, store.spec)
+        got, cached = run(second, {"v": PROMPT}, salt=SALT)
+        assert got == want and cached == {"v": 0}
+        assert second.tiers.stats[kind].refused == 1
+        second.close()
+
+
+def test_links_planted_in_the_tier_are_never_followed(tiny, tmp_path):
+    """Links at the temporary names the old writer used and at record names: the file
+    they point to is never written, a genuine record behind a link is never read."""
+    tier, precious = tmp_path / "tier", tmp_path / "precious.txt"
+    tier.mkdir(mode=0o700)
+    precious.write_text("keep me")
+    engine = engine_with(tiny, f"disk:{tier}")
+    names = [b[0] for b in block_names(engine, PROMPT, None)]
+    for name in names:
+        os.symlink(precious, tier / f"{name}.tmp")
+    for name in names[:3]:
+        os.symlink(precious, tier / f"{name}.kvb")
+    want, cached = run(engine, {"a": PROMPT})
+    engine.close()
+    assert precious.read_text() == "keep me" and cached == {"a": 0}
+    assert engine.tiers.stats["disk"].refused == 3  # the links at record names
+    for name in names:  # each link at a record name replaced by the record itself
+        st = os.lstat(tier / f"{name}.kvb")
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+    # a genuine record moved out of the folder and linked back: not followed
+    os.replace(tier / f"{names[0]}.kvb", tmp_path / "moved.kvb")
+    os.symlink(tmp_path / "moved.kvb", tier / f"{names[0]}.kvb")
+    again = engine_with(tiny, f"disk:{tier}")
+    got, cached = run(again, {"a": PROMPT})
+    assert got == want and cached == {"a": 0} and again.tiers.stats["disk"].refused == 1
+    again.close()
+
+
+def test_a_fifo_under_a_record_name_is_refused_without_blocking(tiny, tmp_path):
+    tier = tmp_path / "tier"
+    want, _ = run(engine_with(tiny), {"a": PROMPT})
+    engine = engine_with(tiny, f"disk:{tier}")
+    fifo = tier / f"{block_names(engine, PROMPT, None)[0][0]}.kvb"
+    os.mkfifo(fifo)
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(out=run(engine, {"a": PROMPT})))
+    worker.start()
+    try:
+        worker.join(timeout=60)  # the engine thread, which must not wait on the FIFO
+        assert not worker.is_alive(), "the engine is blocked on a FIFO"
+    finally:
+        if worker.is_alive():  # a writer end lets the blocked open() return
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            worker.join(timeout=10)
+    got, cached = result["out"]
+    assert got == want and cached == {"a": 0}
+    assert engine.tiers.stats["disk"].refused == 1
+    engine.close()
+
+
+@pytest.mark.parametrize(
+    "problem, message",
+    [(0o757, "is writable by others,"), (0o770, "is writable by group,"),
+     (0o777, "is writable by group and others,"), ("owner", "belongs to uid 4242, not you")],
+)  # fmt: skip
+def test_a_tier_directory_others_can_write_is_refused(tmp_path, problem, message):
+    tier = tmp_path / "tier"
+    tier.mkdir(mode=0o700)
+    if problem == "owner":
+        try:
+            os.chown(tier, 4242, 4242)
+        except PermissionError:
+            pytest.skip("giving a folder to another user takes root")
+    else:
+        tier.chmod(problem)
+    for make in (parse_tier, lambda spec: DiskTier(spec[5:])):
+        with pytest.raises(InvalidRequestError, match=message) as err:
+            make(f"disk:{tier}")
+        assert "\n" not in str(err.value)
+
+
+def test_records_and_key_are_private(tiny, tmp_path, state_home):
+    """A new tier folder is 0700, records 0600 and hold neither the salt nor the token ids;
+    the key is made once, 0600, and a restarted engine reads its records with it."""
+    tier = tmp_path / "new" / "tier"
+    salt = "s3cret-tenant-salt"
+    first = engine_with(tiny, f"disk:{tier}")
+    want, _ = run(first, {"a": PROMPT}, salt=salt)
+    first.close()
+    assert stat.S_IMODE(tier.stat().st_mode) == 0o700
+    key = state_home / "kvlm" / "tier.key"
+    st = key.stat()
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_size == 32
+    records = sorted(tier.glob("*.kvb"))
+    assert len(records) == 6
+    tokens = struct.pack("<16I", *PROMPT[:16])
+    for record in records:
+        assert stat.S_IMODE(record.stat().st_mode) == 0o600
+        data = record.read_bytes()
+        assert salt.encode() not in data and tokens not in data and b"tokens" not in data
+    second = engine_with(tiny, f"disk:{tier}")
+    got, cached = run(second, {"a": PROMPT}, salt=salt)
+    assert got == want and cached == {"a": 96}
+    assert key.stat().st_ino == st.st_ino and key.stat().st_mtime_ns == st.st_mtime_ns
+    second.close()
+
+
+def test_a_key_file_others_can_read_is_refused(tmp_path):
+    key = tmp_path / "tier.key"
+    with pytest.raises(InvalidRequestError, match="does not exist"):
+        load_tier_key(key)
+    key.write_bytes(b"short")
+    key.chmod(0o600)
+    with pytest.raises(InvalidRequestError, match="holds 5 bytes"):
+        load_tier_key(key)
+    key.write_bytes(b"k" * 32)
+    assert load_tier_key(key) == b"k" * 32
+    for mode in (0o640, 0o604, 0o620):
+        key.chmod(mode)
+        with pytest.raises(InvalidRequestError, match=f"mode {mode:04o}.*chmod 600"):
+            load_tier_key(key)
+    with pytest.raises(InvalidRequestError, match="not a regular file"):
+        load_tier_key(tmp_path)
+
+
+def test_engines_share_records_under_one_key_and_refuse_another(tiny, tmp_path):
+    keys = {}
+    for name in ("a", "b"):
+        keys[name] = tmp_path / f"{name}.key"
+        keys[name].write_bytes(os.urandom(32))
+        keys[name].chmod(0o600)
+    with redis_server() as redis:
+        one = engine_with(tiny, redis.url, kv_tier_key=str(keys["a"]))
+        want, _ = run(one, {"a": PROMPT})
+        one.close()
+        two = engine_with(tiny, redis.url, kv_tier_key=str(keys["a"]))  # a replica
+        got, cached = run(two, {"a": PROMPT})
+        assert got == want and cached == {"a": 96}
+        two.close()
+        other = engine_with(tiny, redis.url, kv_tier_key=str(keys["b"]))  # not one
+        got, cached = run(other, {"a": PROMPT})
+        assert got == want and cached == {"a": 0}
+        assert other.tiers.stats["redis"].refused == 6
+        other.close()
+
+
+# ---------------------------------------------------------------- full, slow, garbage
+
+
+def warnings_of(caplog, tier: str) -> int:
+    return caplog.text.count(f"KV tier {tier} failed")
+
+
+def test_a_full_tier_costs_recomputation(tiny, tmp_path, caplog):
+    """A disk tier smaller than one record keeps none (and stays within its size); a Redis
+    out of memory (noeviction) refuses the writes: marked down once, answers unchanged."""
+    want, _ = run(engine_with(tiny), {"a": PROMPT})
+    small = engine_with(tiny, f"disk:{tmp_path / 'tier'}:1KiB")
+    got, _ = run(small, {"a": PROMPT})
+    small.close()
+    assert got == want and small.tiers.stats["disk"].writes == 6
+    assert sum(p.stat().st_size for p in (tmp_path / "tier").iterdir()) <= 1024
+    with redis_server() as redis:
+        redis.client().config_set("maxmemory-policy", "noeviction")
+        redis.client().config_set("maxmemory", 1)
+        full = engine_with(tiny, redis.url)
+        with caplog.at_level(logging.WARNING, logger="kvlm.tiers"):
+            got, _ = run(full, {"a": PROMPT})
+            full.tiers.flush()
+            again, _ = run(full, {"b": PROMPT[:60]})
+        assert got["a"] == want["a"] and again["b"]
+        stats = full.tiers.stats["redis"]
+        assert stats.errors >= 1 and not stats.up and warnings_of(caplog, "redis") == 1
+        assert "OutOfMemoryError" in caplog.text
+        full.close()
+
+
+def test_a_trickling_redis_costs_its_deadline_not_a_frozen_engine(tiny, caplog):
+    """Redis' reply forwarded 64 bytes every 50 ms: each read returns within the client's
+    0.25 s socket timeout, the whole reply would take many seconds. The request waits the
+    tier's deadline (0.5 s), then computes its prefix; the tier is marked down, warned
+    about once, counted, and the next request does not wait on it."""
+    with redis_server() as redis:
+        one = engine_with(tiny, redis.url)
+        want, _ = run(one, {"a": PROMPT})
+        one.close()
+        with TrickleProxy(redis.port, chunk=64, delay=0.05) as proxy:
+            slow = engine_with(tiny, proxy.url)
+            assert 6 * slow.tiers.record_limit / 64 * 0.05 > 10  # what waiting would cost
+            with caplog.at_level(logging.WARNING, logger="kvlm.tiers"):
+                start = time.monotonic()
+                got, cached = run(slow, {"a": PROMPT})
+                took = time.monotonic() - start
+                start = time.monotonic()
+                again, _ = run(slow, {"b": PROMPT})
+                took_again = time.monotonic() - start
+            assert got == want and again["b"] == want["a"] and cached == {"a": 0}
+            assert took < 5 and took_again < 5  # measured: 1.5-1.8 s and 0.3-1.8 s
+            stats = slow.tiers.stats["redis"]
+            assert (stats.timeouts, stats.up) == (1, False)
+            assert warnings_of(caplog, "redis") == 1 and "0.5 s deadline" in caplog.text
+            text = render_metrics(_Async(slow))
+            assert 'kvlm_kv_tier_up{tier="redis"} 0' in text
+            assert 'kvlm_kv_tier_timeouts_total{tier="redis"} 1' in text
+            slow.close()
+
+
+def test_closing_waits_for_a_slow_tier_a_bounded_time(tmp_path):
+    """Writes queued behind a Redis that answers one byte every 0.2 s (each SET would take
+    about a second): close() gives them CLOSE_FLUSH_S, drops the rest (counted) and cuts
+    the connection."""
+    with redis_server() as redis, TrickleProxy(redis.port, chunk=1, delay=0.2) as proxy:
+        m, tiers = small_tiers(tmp_path, tier=tiers_mod.RedisTier(proxy.url))
+        for i in range(8):
+            table, _ = m.allocate([i + 1] * BS + [0])
+            m.seal(table, [i + 1] * BS + [0], BS)
+            m.free(table)
+        start = time.monotonic()
+        tiers.close()
+        took = time.monotonic() - start
+        assert took < tiers_mod.CLOSE_FLUSH_S + 2  # measured: ~2.0 s
+        assert tiers.dropped >= 5
+
+
+@pytest.mark.parametrize(
+    "reply, down",
+    [
+        (b"\x00\xffjunk\r\n", True),  # not RESP: the client cannot parse it
+        (b":42\r\n", False),  # a number
+        (b"*2\r\n:1\r\n:2\r\n", False),  # a list
+        (b"$3\r\nabc\r\n", False),  # a string of the wrong length
+        (b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n", False),
+    ],
+)
+def test_a_redis_answering_garbage_costs_recomputation(tiny, reply, down):
+    want, _ = run(engine_with(tiny), {"a": PROMPT})
+    with JunkRedis(reply) as junk:
+        engine = engine_with(tiny, junk.url)
+        got, cached = run(engine, {"a": PROMPT})
+        assert got == want and cached == {"a": 0}
+        stats = engine.tiers.stats["redis"]
+        if down:
+            assert not stats.up and stats.errors >= 1 and stats.refused == 0
+        else:  # every record refused, the tier still asked
+            assert stats.refused == 6 and stats.hits == 0
+        engine.close()

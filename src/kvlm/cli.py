@@ -119,7 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--kv-tier", action="append", default=[], metavar="SPEC",
         help="a KV tier below the pool, asked in order (repeatable): disk:PATH[:SIZE] "
-        "(default size 10GiB) or redis://HOST:PORT[?ttl=SECONDS]",
+        "(default size 10GiB) or redis://HOST:PORT[?ttl=SECONDS]; either with "
+        "?deadline=SECONDS for a whole lookup (default 1 disk, 0.5 Redis)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--kv-tier-key", metavar="FILE",
+        help="the key (a 0600 file of 16+ random bytes) that signs KV tier records: give "
+        "every server that shares a tier the same one (default: a key made on first use "
+        "in $XDG_STATE_HOME/kvlm/tier.key)",
     )  # fmt: skip
     serve.add_argument(
         "--max-body", default="4MiB", help="largest request body; a larger one gets 413"
@@ -667,6 +674,7 @@ def serve_config(args: argparse.Namespace):
     """`kvlm serve`'s engine configuration and server limits from its arguments (also built
     inside each replica of `kvlm serve --replicas`)."""
     from kvlm.cache.memory import parse_size
+    from kvlm.cache.tier_key import load_tier_key
     from kvlm.cache.tiers import check_tier
     from kvlm.engine.engine import EngineConfig
     from kvlm.engine.scheduler import SchedulerConfig
@@ -687,8 +695,14 @@ def serve_config(args: argparse.Namespace):
     kv_memory = parse_size(args.kv_memory) if args.kv_memory else None
     for tier in args.kv_tier:
         check_tier(tier)  # a typo is refused before the slow load
+    key = args.kv_tier_key
+    if key is not None and not args.kv_tier:
+        raise InvalidRequestError("--kv-tier-key signs KV tier records: it needs --kv-tier")
+    if args.kv_tier:
+        load_tier_key(key)  # a missing or loose key too
     config = EngineConfig(args.kv_blocks, kv_memory, args.prefix_caching, sched,
-                          speculative=spec, kv_tiers=tuple(args.kv_tier))  # fmt: skip
+                          speculative=spec, kv_tiers=tuple(args.kv_tier),
+                          kv_tier_key=key)  # fmt: skip
     return config, limits
 
 

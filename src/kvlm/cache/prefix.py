@@ -173,7 +173,7 @@ class BlockManager:
             key = block_key(key, chunk)
             new_keys.append(key)
         checks = check_digests(tokens, salt, bs, room)[len(hit) :]
-        loaded = self.tiers.fetch(new_keys, chunks, salt, checks)
+        loaded = self.tiers.fetch(new_keys, chunks, checks)
         held, parent = list(hit), hit[-1] if hit else None
         for key, chunk, (tier, parts) in zip(new_keys, chunks, loaded, strict=False):
             block = self.pool.allocate()
@@ -264,7 +264,7 @@ class BlockManager:
                 if checks is None:
                     checks = check_digests(tokens, table.salt, bs, stop)
                 parts = self.pool.store.raw((ALL, ALL, block))
-                self.tiers.offer(key, chunk, table.salt, checks[i], parts)
+                self.tiers.offer(key, chunk, checks[i], parts)
 
     # ------------------------------------------------------------------ lifetime
 

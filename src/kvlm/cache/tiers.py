@@ -1,7 +1,7 @@
 """KV tiers below the block pool: a local directory and Redis, asked before recomputing.
 
-    admission:  pool hit  b0 b1 | miss b2 ... -> tiers.fetch(b2..): disk, then Redis
-                                                -> verified blocks loaded into the pool
+    admission:  pool hit  b0 b1 | miss b2 ... -> tiers.fetch(b2..): disk, then Redis, each
+                on its reader thread within its deadline -> verified blocks into the pool
     seal:       a block newly full of computed tokens -> copy -> writer thread -> every tier
 
 Write-through, not write-on-evict: a block goes to the tiers when it is sealed (registered
@@ -10,60 +10,85 @@ is already on disk when the server restarts, and already in Redis when another r
 for it; a block the pool evicts is there too. The engine thread only copies the block's
 bytes (a memcpy of one block, ~0.4 MiB on the default model) into a bounded queue; the
 writer thread encodes and writes them. A full queue drops the write (counted), so a slow
-tier never stalls a step.
+tier never stalls a step; closing waits for the queue at most CLOSE_FLUSH_S.
 
-Reads are synchronous at admission, once per request: the keys of a prompt's blocks
-follow from its tokens alone (kvlm.cache.prefix), so each tier is asked for all the blocks
-past the pool's hit at once (Redis: one pipeline), and the longest run of verified blocks
-is loaded. A tier that raises (down, full, timed out: Redis is asked with a 0.25 s socket
-timeout) is skipped for RETRY_S seconds with one warning, and counted: the request
-recomputes, the client never sees an error.
+Reads happen at admission, once per request: the keys of a prompt's blocks follow from its
+tokens alone (kvlm.cache.prefix), so each tier is asked for all the blocks past the pool's
+hit at once (Redis: one pipeline), and the longest run of verified blocks is loaded. The
+lookup runs on the tier's own reader thread and the engine waits for it at most the tier's
+deadline (kvlm.cache.tier_stores: 1 s disk, 0.5 s Redis, `?deadline=S`): a socket timeout
+bounds one read, not a reply trickled a few bytes per read. A tier that raises or misses
+its deadline is skipped for RETRY_S seconds with one warning, counted (errors, timeouts)
+and shown down in /metrics: the request recomputes, the client never sees an error.
 
-Keys and what a record must match before its K/V is used:
+Trust nothing read: anyone who can write to a tier (a local user for a directory, any
+client of a Redis) can put any bytes under any name. So every record carries a MAC under
+the server's key (kvlm.cache.tier_key), which never goes into a tier:
 
-    namespace = sha256(model fingerprint, numerics, device, storage dtype, block geometry)
-    record    = MAGIC | u32 header length | header JSON | K/V bytes as the pool stores them
-    header    = {ns, key (the chain key), salt, tokens (the block's ids), check}
-    check     = BLAKE2b over the salt and every token id from the first to this block's last
+    name    = kvlm:<namespace[:32]>:<chain key hex>
+    record  = MAGIC | tag (32 bytes) | K/V bytes as the pool stores them (values, scales)
+    tag     = HMAC-SHA256(key, DOMAIN | namespace | chain key | check | block's tokens
+                                | K/V bytes)
+    check   = BLAKE2b over the salt (length-prefixed) and every token id from the first to
+              this block's last
 
 The namespace keeps two models, two numerics or two geometries apart (their K/V differ);
 the chain key (sha256, with the salt in its root) finds a record; the check, a second hash
-family over the whole prefix, verifies it was computed after exactly this prefix under this
-salt: a block is only used when its tokens, salt and check all match, so serving another
-prefix's or another tenant's K/V takes colliding sha256 and BLAKE2b at once. The byte
-sizes are known from the geometry: a record of any other size is refused before its K/V is
-read (a file or a Redis value cannot make kvlm allocate more than one block).
+family over the whole prefix and the salt, ties the tag to exactly this prefix under this
+salt. Nothing but the K/V bytes is stored: the tag is recomputed from what the request
+itself holds (its tokens, its salt) and compared in constant time, so the record carries
+neither token ids nor the salt, and a record made without the key (an old unkeyed one, one
+built from another tenant's K/V, one under another server's key) or changed in any byte is
+refused and counted, never used. The byte size is known from the geometry: a record of any
+other size is refused before its tag is computed (a file or a Redis value cannot make kvlm
+allocate more than one block).
+
+What the key does not do: it does not hide K/V contents (or, from the names, which chain
+keys are stored) from whoever can read the tier. docs/API.md "KV tiers: trust" says who may
+write to each tier.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import hmac
 import json
 import logging
-import os
 import queue
 import struct
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
 
 import torch
 
-from kvlm.errors import InvalidRequestError
+from kvlm.cache.tier_stores import (
+    DEFAULT_DISK_SIZE,
+    DEFAULT_REDIS_TTL,
+    DiskTier,
+    RedisTier,
+    Tier,
+    check_tier,
+    parse_tier,
+)
+
+__all__ = [
+    "DEFAULT_DISK_SIZE", "DEFAULT_REDIS_TTL", "DiskTier", "KVTiers", "RedisTier", "Tier",
+    "TierStats", "check_digests", "check_tier", "namespace", "parse_tier",
+]  # fmt: skip
 
 log = logging.getLogger("kvlm.tiers")
 
-MAGIC = b"KVLMBLK1"
-MAX_HEADER = 1 << 16  # bytes of header JSON a record may carry
+MAGIC = b"KVLMBLK2"
+TAG_BYTES = 32  # HMAC-SHA256
 RETRY_S = 10.0  # a tier that failed is skipped this long
 WRITE_QUEUE_BLOCKS = 512  # blocks waiting for the writer; more are dropped
-DEFAULT_DISK_SIZE = 10 << 30
-DEFAULT_REDIS_TTL = 24 * 3600
+CLOSE_FLUSH_S = 2.0  # how long closing waits for queued writes before dropping them
 _CHECK_DOMAIN = b"kvlm/tier-check/v1"
+_TAG_DOMAIN = b"kvlm/tier-record/v2"
 
 
 def namespace(*parts: object) -> str:
@@ -88,161 +113,53 @@ def check_digests(tokens: Sequence[int], salt: str | None, block_size: int, stop
 class TierStats:
     hits: int = 0  # blocks found, verified and loaded
     misses: int = 0  # blocks asked for and not there (or refused)
-    refused: int = 0  # records found that did not verify
+    refused: int = 0  # records found that did not verify (or were not regular files)
     bytes_read: int = 0
     bytes_written: int = 0
     writes: int = 0
-    errors: int = 0  # calls that raised (tier down, full, timed out)
+    errors: int = 0  # calls that raised or missed their deadline (tier down, full, slow)
+    timeouts: int = 0  # lookups past the tier's deadline (counted in errors too)
     read_seconds: float = 0.0
     reads: int = 0  # lookups (one per request that reached this tier)
     write_seconds: float = 0.0
     up: bool = True
 
 
-class Tier:
-    """One store of encoded blocks by name. get_many and put may raise: KVTiers counts it
-    and skips the tier for a while."""
+class _Reader:
+    """A tier's reader thread: one lookup at a time, waited for with a deadline. Daemon: a
+    read stuck in the kernel (a hung network filesystem) cannot hold up the process's
+    exit."""
 
-    name = "tier"
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.last: Future | None = None
+        threading.Thread(target=self._loop, name=f"kvlm-tier-{name}", daemon=True).start()
 
-    def get_many(self, names: list[str], limit: int) -> list[bytes | None]:
-        """The records stored under `names`, None where absent; at most `limit` bytes of
-        each (a longer record reads as `limit + 1` bytes or more and is refused)."""
-        raise NotImplementedError
+    def submit(self, fn: Callable, *args) -> Future:
+        self.last = Future()
+        self._jobs.put((self.last, fn, args))
+        return self.last
 
-    def put(self, name: str, data: bytes) -> None:
-        raise NotImplementedError
+    @property
+    def busy(self) -> bool:
+        return self.last is not None and not self.last.done()
 
-    def close(self) -> None:
-        pass
+    def stop(self) -> None:
+        self._jobs.put(None)
 
-
-class DiskTier(Tier):
-    """A directory of one file per block, least recently used first out past `max_bytes`.
-    Files are written to a temporary name and renamed, so a reader (or a restart after a
-    crash) sees a whole record or none. A hit touches the file's mtime, and the start-up
-    scan orders files by it: the LRU order survives a restart. One server per directory:
-    two would each keep their own (approximate) account of its size."""
-
-    name = "disk"
-
-    def __init__(self, path: str | Path, max_bytes: int = DEFAULT_DISK_SIZE) -> None:
-        self.root = Path(path)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.max_bytes = max_bytes
-        self._lock = threading.Lock()  # the writer thread and admission both touch _files
-        self._files: OrderedDict[str, int] = OrderedDict()
-        for tmp in self.root.glob("*.tmp"):
-            tmp.unlink(missing_ok=True)  # a write cut off by a crash
-        found = [(p.stat().st_mtime, p.name, p.stat().st_size) for p in self.root.glob("*.kvb")]
-        for _, name, size in sorted(found):
-            self._files[name] = size
-        self.nbytes = sum(self._files.values())
-
-    def get_many(self, names: list[str], limit: int) -> list[bytes | None]:
-        out: list[bytes | None] = []
-        for name in names:
-            path = self.root / f"{name}.kvb"
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
             try:
-                with open(path, "rb") as f:
-                    data = f.read(limit + 1)
-            except FileNotFoundError:
-                out.append(None)
-                continue
-            os.utime(path)
-            with self._lock:
-                if name + ".kvb" in self._files:
-                    self._files.move_to_end(name + ".kvb")
-            out.append(data)
-        return out
-
-    def put(self, name: str, data: bytes) -> None:
-        path = self.root / f"{name}.kvb"
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-        with self._lock:
-            self.nbytes += len(data) - self._files.pop(path.name, 0)
-            self._files[path.name] = len(data)
-            while self.nbytes > self.max_bytes and len(self._files) > 1:
-                old, size = self._files.popitem(last=False)
-                (self.root / old).unlink(missing_ok=True)
-                self.nbytes -= size
-
-
-class RedisTier(Tier):
-    """Blocks in a Redis server, shared by every replica that names it, each key expiring
-    after `ttl` seconds (0: never; then the server's maxmemory policy bounds it)."""
-
-    name = "redis"
-
-    def __init__(self, url: str, ttl: int = DEFAULT_REDIS_TTL, timeout: float = 0.25) -> None:
-        try:
-            import redis
-        except ImportError as exc:
-            raise InvalidRequestError(
-                '--kv-tier redis:// needs the Redis client: pip install -e ".[cluster]"'
-            ) from exc
-        self.url, self.ttl = url, ttl
-        self.client = redis.Redis.from_url(
-            url, socket_timeout=timeout, socket_connect_timeout=timeout
-        )
-
-    def get_many(self, names: list[str], limit: int) -> list[bytes | None]:
-        pipe = self.client.pipeline(transaction=False)
-        for name in names:
-            pipe.getrange(name, 0, limit)  # inclusive: limit + 1 bytes at most
-        return [v or None for v in pipe.execute()]
-
-    def put(self, name: str, data: bytes) -> None:
-        self.client.set(name, data, ex=self.ttl or None)
-
-    def close(self) -> None:
-        self.client.close()
-
-
-def parse_tier(spec: str) -> Tier:
-    """The tier `spec` names: `disk:PATH[:SIZE]` or `redis://HOST:PORT[/DB][?ttl=SECONDS]`."""
-    kind, args = check_tier(spec)
-    return kind(*args)
-
-
-def check_tier(spec: str) -> tuple[type[Tier], tuple]:
-    """The tier class and arguments `spec` names, refused with a clear message when it is
-    not one (before a server loads its model)."""
-    from kvlm.cache.memory import parse_size
-
-    if spec.startswith(("redis://", "rediss://", "unix://")):
-        url = urlsplit(spec)
-        query = parse_qs(url.query)
-        try:
-            ttl = int(query.pop("ttl", [DEFAULT_REDIS_TTL])[0])
-        except ValueError as exc:
-            raise InvalidRequestError(f"--kv-tier {spec}: ttl must be whole seconds") from exc
-        if ttl < 0:
-            raise InvalidRequestError(f"--kv-tier {spec}: ttl must be >= 0")
-        rest = "&".join(f"{k}={v}" for k, vs in query.items() for v in vs)
-        return RedisTier, (url._replace(query=rest).geturl(), ttl)
-    if spec.startswith("disk:"):
-        path, _, size = spec[5:].partition(":")
-        if not path:
-            raise InvalidRequestError("--kv-tier disk:PATH[:SIZE] needs a path")
-        try:
-            max_bytes = parse_size(size) if size else DEFAULT_DISK_SIZE
-        except ValueError as exc:
-            raise InvalidRequestError(f"--kv-tier {spec}: {exc}") from exc
-        return DiskTier, (Path(path).expanduser(), max_bytes)
-    raise InvalidRequestError(
-        f"unknown KV tier {spec!r}: use disk:PATH[:SIZE] or redis://HOST:PORT"
-    )
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to the waiter, whatever it is
+                future.set_exception(exc)
 
 
 @dataclass(slots=True)
 class _Write:
     key: bytes
     tokens: tuple[int, ...]
-    salt: str | None
     check: bytes
     parts: dict[str, torch.Tensor]
     to: tuple[str, ...] | None = None  # the tiers to write (None: every one)
@@ -250,17 +167,22 @@ class _Write:
 
 @dataclass
 class KVTiers:
-    """The tiers of one pool, in the order they are asked, with their writer thread."""
+    """The tiers of one pool, in the order they are asked, with their reader threads and
+    writer thread. `key` signs every record (kvlm.cache.tier_key.load_tier_key)."""
 
     tiers: list[Tier]
     ns: str
     parts: dict[str, tuple[tuple[int, ...], torch.dtype]]  # a block's shape and dtype per part
+    key: bytes = field(repr=False, default=b"")
     stats: dict[str, TierStats] = field(init=False)
-    dropped: int = 0  # writes refused by a full queue
+    dropped: int = 0  # writes refused by a full queue, or left when closing
 
     def __post_init__(self) -> None:
+        if len(self.key) < 16:
+            raise ValueError("KVTiers needs a key of at least 16 bytes (kvlm.cache.tier_key)")
         self.stats = {t.name: TierStats() for t in self.tiers}
         self._down_until = dict.fromkeys(self.stats, 0.0)
+        self._readers = {t.name: _Reader(t.name) for t in self.tiers}
         self._sizes = {
             k: int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
             for k, (shape, dt) in self.parts.items()
@@ -273,13 +195,27 @@ class KVTiers:
     def payload_bytes(self) -> int:
         return sum(self._sizes.values())
 
+    @property
+    def record_limit(self) -> int:
+        """The size of every record of this geometry."""
+        return len(MAGIC) + TAG_BYTES + self.payload_bytes
+
     def _name(self, key: bytes) -> str:
         return f"kvlm:{self.ns[:32]}:{key.hex()}"
+
+    def _tag(self, key: bytes, tokens: tuple[int, ...], check: bytes, payload) -> bytes:
+        mac = hmac.new(self.key, _TAG_DOMAIN, hashlib.sha256)
+        mac.update(self.ns.encode())  # 64 hex digits; every field is of fixed length
+        mac.update(key)
+        mac.update(check)
+        mac.update(struct.pack(f"<I{len(tokens)}I", len(tokens), *tokens))
+        mac.update(payload)
+        return mac.digest()
 
     # ------------------------------------------------------------------ reads
 
     def fetch(
-        self, keys: list[bytes], chunks: list[tuple[int, ...]], salt: str | None, checks: list
+        self, keys: list[bytes], chunks: list[tuple[int, ...]], checks: list[bytes]
     ) -> list[tuple[str, dict[str, torch.Tensor]]]:
         """The K/V of the longest run of blocks `keys` (in chain order) found in some tier
         and verified, with the name of the tier each came from; each tier is asked for the
@@ -290,20 +226,16 @@ class KVTiers:
             want = [i for i, f in enumerate(found) if f is None]
             if not want or not self._usable(tier):
                 continue
-            stats, start = self.stats[tier.name], time.perf_counter()
-            try:
-                records = tier.get_many([self._name(keys[i]) for i in want], self.record_limit)
-            except Exception as exc:
-                self._failed(tier, exc)
+            records = self._lookup(tier, [self._name(keys[i]) for i in want])
+            if records is None:
                 continue
-            stats.read_seconds += time.perf_counter() - start
-            stats.reads += 1
+            stats = self.stats[tier.name]
             for i, data in zip(want, records, strict=True):
                 if data is None:
                     stats.misses += 1
                     continue
-                stats.bytes_read += len(data)
-                parts = self._decode(data, keys[i], chunks[i], salt, checks[i])
+                stats.bytes_read += len(data) if isinstance(data, bytes) else 0
+                parts = self._decode(data, keys[i], chunks[i], checks[i])
                 if parts is None:
                     stats.refused += 1
                     stats.misses += 1
@@ -318,35 +250,56 @@ class KVTiers:
             run.append(entry)
             lacked = tuple(names[: names.index(entry[0])])
             if lacked:  # promoted: the tiers asked first hold it next time (Redis -> disk)
-                self._queue_write(_Write(keys[i], chunks[i], salt, checks[i], entry[1], lacked))
+                self._queue_write(_Write(keys[i], chunks[i], checks[i], entry[1], lacked))
         return run
 
-    @property
-    def record_limit(self) -> int:
-        """The largest record a block of this geometry can be."""
-        return len(MAGIC) + 4 + MAX_HEADER + self.payload_bytes
+    def _lookup(self, tier: Tier, names: list[str]) -> list | None:
+        """`tier.get_many(names)` run on the tier's reader thread, waited for at most the
+        tier's deadline; None (the tier marked down) when it raised, answered out of
+        shape or ran past the deadline (then it is cut short where the tier can be)."""
+        stats, reader = self.stats[tier.name], self._readers[tier.name]
+        if reader.busy:  # the lookup that missed its deadline last time is still stuck
+            stats.timeouts += 1
+            self._failed(tier, TimeoutError("its previous lookup has not returned"))
+            return None
+        start = time.perf_counter()
+        future = reader.submit(tier.get_many, names, self.record_limit)
+        try:
+            records = future.result(timeout=tier.deadline)
+        except Exception as exc:
+            err = exc
+            if not future.done():
+                tier.abort()
+                stats.timeouts += 1
+                err = TimeoutError(f"no answer within its {tier.deadline:g} s deadline")
+            self._failed(tier, err)
+            return None
+        finally:
+            stats.read_seconds += time.perf_counter() - start
+            stats.reads += 1
+        if not isinstance(records, list) or len(records) != len(names):
+            self._failed(tier, ValueError(f"{len(names)} records asked, {records!r:.60} answered"))
+            return None
+        return records
 
     def _decode(
-        self, data: bytes, key: bytes, tokens: tuple[int, ...], salt: str | None, check: bytes
+        self, data: object, key: bytes, tokens: tuple[int, ...], check: bytes
     ) -> dict[str, torch.Tensor] | None:
-        head = len(MAGIC) + 4
-        if len(data) < head or data[: len(MAGIC)] != MAGIC:
+        """The parts of record `data` if its tag is the one this server makes for this
+        block (namespace, chain key, prefix check, tokens, bytes); else None."""
+        if not isinstance(data, bytes) or len(data) != self.record_limit:
             return None
-        (n,) = struct.unpack_from("<I", data, len(MAGIC))
-        if n > MAX_HEADER or len(data) != head + n + self.payload_bytes:
+        view = memoryview(data)
+        head = len(MAGIC) + TAG_BYTES
+        tag = self._tag(key, tokens, check, view[head:])
+        if not hmac.compare_digest(view[: len(MAGIC)], MAGIC) or not hmac.compare_digest(
+            view[len(MAGIC) : head], tag
+        ):
             return None
-        try:
-            meta = json.loads(data[head : head + n])
-        except ValueError:
-            return None
-        want = {"ns": self.ns, "key": key.hex(), "salt": salt, "tokens": list(tokens),
-                "check": check.hex()}  # fmt: skip
-        if not isinstance(meta, dict) or meta != want:
-            return None
-        out, offset = {}, head + n
+        out, offset = {}, head
         for part, (shape, dtype) in self.parts.items():
             size = self._sizes[part]
-            buf = bytearray(data[offset : offset + size])
+            buf = bytearray(view[offset : offset + size])
             out[part] = torch.frombuffer(buf, dtype=dtype).view(shape)
             offset += size
         return out
@@ -354,17 +307,12 @@ class KVTiers:
     # ------------------------------------------------------------------ writes
 
     def offer(
-        self,
-        key: bytes,
-        tokens: tuple[int, ...],
-        salt: str | None,
-        check: bytes,
-        parts: dict[str, torch.Tensor],
+        self, key: bytes, tokens: tuple[int, ...], check: bytes, parts: dict[str, torch.Tensor]
     ) -> None:
         """Queue a sealed block for every tier (its parts copied now: the pool may hand the
         block out again before the writer reaches it); a full queue drops it."""
         copy = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in parts.items()}
-        self._queue_write(_Write(key, tokens, salt, check, copy))
+        self._queue_write(_Write(key, tokens, check, copy))
 
     def _queue_write(self, write: _Write) -> None:
         try:
@@ -378,19 +326,33 @@ class KVTiers:
         with done:
             return done.wait_for(lambda: not self._queue.unfinished_tasks, timeout)
 
-    def close(self, timeout: float = 10.0) -> None:
-        self.flush(timeout)
-        self._queue.put(None)
-        self._writer.join(timeout=2)
+    def close(self, timeout: float = CLOSE_FLUSH_S) -> None:
+        """Write what is queued for at most `timeout` s, drop the rest (counted), and close
+        the tiers (a Redis connection stuck mid-write is cut)."""
+        if not self.flush(timeout):
+            left = 0
+            while True:
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                self._queue.task_done()
+                left += 1
+            self.dropped += left
+            log.warning("KV tiers: %d queued block writes dropped at close", left)
+        with contextlib.suppress(queue.Full):  # the writer is stuck in a put: abort ends it
+            self._queue.put_nowait(None)
+        for tier in self.tiers:
+            tier.abort()
+        self._writer.join(timeout=1)
+        for reader in self._readers.values():
+            reader.stop()
         for tier in self.tiers:
             tier.close()
 
     def _encode(self, w: _Write) -> bytes:
-        meta = {"ns": self.ns, "key": w.key.hex(), "salt": w.salt, "tokens": list(w.tokens),
-                "check": w.check.hex()}  # fmt: skip
-        header = json.dumps(meta, separators=(",", ":")).encode()
         body = b"".join(w.parts[k].view(torch.uint8).numpy().tobytes() for k in self.parts)
-        return MAGIC + struct.pack("<I", len(header)) + header + body
+        return MAGIC + self._tag(w.key, w.tokens, w.check, body) + body
 
     def _write_loop(self) -> None:
         while True:
@@ -425,7 +387,7 @@ class KVTiers:
             stats.up = True  # try again
         return stats.up
 
-    def _failed(self, tier: Tier, exc: Exception) -> None:
+    def _failed(self, tier: Tier, exc: BaseException) -> None:
         stats = self.stats[tier.name]
         stats.errors += 1
         if stats.up:

@@ -25,6 +25,7 @@ import torch
 from kvlm.cache.base import blocks_for
 from kvlm.cache.paged import BlockPool
 from kvlm.cache.prefix import BlockManager, check_salt
+from kvlm.cache.tier_key import load_tier_key
 from kvlm.cache.tiers import KVTiers, namespace, parse_tier
 from kvlm.cache.view import block_map
 from kvlm.dtypes import dtype_name
@@ -65,6 +66,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # kvlm.engine.speculative
     # KV tiers below the pool (kvlm.cache.tiers): "disk:PATH[:SIZE]", "redis://HOST:PORT"
     kv_tiers: tuple[str, ...] = ()
+    # the file of the key that signs tier records (kvlm.cache.tier_key); None: the default
+    kv_tier_key: str | None = None
 
 
 @dataclass(slots=True)
@@ -152,10 +155,11 @@ class Engine:
             parts["scales"] = ((*block[:-1], store.scales.shape[-1]), store.scales.dtype)
         numerics = llm.numerics
         ns = namespace(
-            "kvlm/tiers/v1", llm.fingerprint, numerics.weights, numerics.activations,
+            "kvlm/tiers/v2", llm.fingerprint, numerics.weights, numerics.activations,
             numerics.prefill_dtype, llm.dtype, spec.device.type, store.dtype, block,
         )  # fmt: skip
-        return KVTiers([parse_tier(t) for t in self.config.kv_tiers], ns, parts)
+        key = load_tier_key(self.config.kv_tier_key)
+        return KVTiers([parse_tier(t) for t in self.config.kv_tiers], ns, parts, key)
 
     def close(self) -> None:
         """Finish the tiers' queued writes (a server stopping)."""

@@ -75,6 +75,7 @@ _TIER_SERIES = [
     ("kv_tier_written_bytes_total", "counter", "Bytes written to the tier.", "bytes_written"),
     ("kv_tier_writes_total", "counter", "Blocks written to the tier.", "writes"),
     ("kv_tier_errors_total", "counter", "Tier calls that failed (down, full, slow).", "errors"),
+    ("kv_tier_timeouts_total", "counter", "Lookups past the tier's deadline.", "timeouts"),
     ("kv_tier_up", "gauge", "1 while the tier answers, 0 while it is skipped.", "up"),
 ]
 
