@@ -5,6 +5,13 @@ real `kvlm serve` a neighbour stream keeps its tokens and its pace while /health
 
 from __future__ import annotations
 
+import http.client
+import itertools
+import json
+import random
+import threading
+import time
+
 import pytest
 import torch
 
@@ -12,6 +19,7 @@ from kvlm import LLM, SamplingParams
 from kvlm.engine.engine import Engine, EngineConfig
 from kvlm.engine.scheduler import SchedulerConfig
 from numerics import assert_as_exact_as
+from serving import kvlm_serve
 from test_prompt_logprobs import _teacher_forced
 
 CHUNK = 16
@@ -74,3 +82,87 @@ def test_a_request_arriving_while_a_prompt_is_scored_decodes_beside_it(tiny, exa
     got = torch.tensor([e.logprob for e in entries[1:]], dtype=torch.float32)
     ref = _teacher_forced(tiny, scored_ids).float()
     assert_as_exact_as(got, ref, _teacher_forced(exact, scored_ids))
+
+
+# ------------------------------------------------------------------ a real server
+
+PROMPT_TOKENS = 2000
+
+
+def _post(port: int, body: dict, stream: bool = False) -> http.client.HTTPResponse:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": stream}),
+                 {"Content-Type": "application/json"})  # fmt: skip
+    return conn.getresponse()
+
+
+def _stream(port: int, body: dict) -> tuple[str, list[float]]:
+    """A streamed completion's text and its chunks' times, the request's send first."""
+    times = [time.perf_counter()]
+    resp, text = _post(port, body, stream=True), []
+    assert resp.status == 200
+    for line in resp:
+        if line.startswith(b"data: {"):
+            times.append(time.perf_counter())
+            text.append(json.loads(line[6:])["choices"][0]["text"])
+    return "".join(text), times
+
+
+@pytest.mark.slow
+def test_a_scored_prompt_does_not_freeze_a_neighbour_stream():
+    """A 2,000-token prompt scored (echo, logprobs 5, prompt_logprobs 20: ~4 MB of answer)
+    and a greedy stream sent a second later: the stream gets its tokens alone, its worst
+    wait between chunks (its first included) is a small part of the scoring request's time
+    (before: the whole prefill, it waited for admission behind it), it ends first, and
+    /health answers quickly throughout (before: the answer's encoding held the event loop
+    for seconds)."""
+    model = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with kvlm_serve("--max-num-seqs", "4", "--threads", "2", "--prefill-chunk", "64",
+                    "--log-level", "warning") as (port, _):  # fmt: skip
+        near = {"model": model, "prompt": "Once upon a time", "max_tokens": 16,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        alone, _ = _stream(port, near)
+        rng = random.Random(0)
+        ids = [rng.randrange(200, 40000) for _ in range(PROMPT_TOKENS)]
+        scored: dict = {}
+
+        def score() -> None:
+            t0 = time.perf_counter()
+            body = {"model": model, "prompt": ids, "max_tokens": 1, "echo": True,
+                    "logprobs": 5, "prompt_logprobs": 20, "temperature": 0}  # fmt: skip
+            resp = _post(port, body)
+            scored["status"], raw = resp.status, resp.read()
+            scored["seconds"], scored["end"] = time.perf_counter() - t0, time.perf_counter()
+            scored["body"] = json.loads(raw)
+
+        scoring = threading.Thread(target=score)
+        scoring.start()
+        health: list[float] = []
+
+        def poll() -> None:
+            while scoring.is_alive() and len(health) < 10_000:
+                t0 = time.perf_counter()
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+                conn.request("GET", "/health")
+                assert conn.getresponse().status == 200
+                conn.close()
+                health.append(time.perf_counter() - t0)
+                time.sleep(0.05)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        time.sleep(1.0)
+        text, times = _stream(port, near)
+        scoring.join(timeout=600)
+        poller.join(timeout=60)
+    assert scored["status"] == 200
+    choice = scored["body"]["choices"][0]
+    assert len(choice["prompt_logprobs"]) == PROMPT_TOKENS
+    assert len(choice["logprobs"]["tokens"]) == PROMPT_TOKENS + 1
+    worst = max(b - a for a, b in itertools.pairwise(times))
+    print(f"scoring {scored['seconds']:.1f} s; neighbour worst gap {worst:.2f} s; "
+          f"/health worst {max(health):.2f} s over {len(health)}")  # fmt: skip
+    assert text == alone
+    assert times[-1] < scored["end"], "the neighbour waited for the scored prompt"
+    assert worst < 0.25 * scored["seconds"], (worst, scored["seconds"])
+    assert health and max(health) < 1.0, max(health)
