@@ -11,7 +11,7 @@ import torch
 from kvlm import LLM, SamplingParams
 from kvlm.engine.engine import Engine, EngineConfig
 from kvlm.engine.scheduler import SchedulerConfig
-from numerics import assert_as_exact_as
+from numerics import SAME_ROUNDING, assert_as_exact_as
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +87,32 @@ def test_n_samples_each_carry_the_prompts_logprobs(tiny):
             if event.prompt_logprobs is not None:
                 seen[event.index] = [e and e.logprob for e in event.prompt_logprobs]
     assert sorted(seen) == [0, 1, 2] and seen[0] == seen[1] == seen[2]
+
+
+def test_ranks_and_alternatives_are_the_reference_forwards(tiny, exact):
+    """Each scored position's rank and top 5 (token ids and log-probabilities) against the
+    no-cache forward's whole distribution in fp64, to within fp32's own rounding on this
+    CPU (SAME_ROUNDING times the fp32 reference's largest error): a token clearly ahead of
+    the target counts in its rank, one clearly behind does not; the top 5 hold every token
+    clearly in the top 5 and none clearly out, most likely first."""
+    ids = tiny.tokenizer.encode("The quick brown fox jumps over the lazy dog, and then " * 3)
+    engine = Engine(tiny, EngineConfig(num_blocks=64,
+                                       scheduler=SchedulerConfig(prefill_chunk=7)))  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
+    entries = run(engine, {"a": ids}, params)["a"][0]
+
+    def logprobs(llm: LLM) -> torch.Tensor:
+        return torch.log_softmax(llm.runner.logits(ids, llm.new_cache("off")).double(), -1)
+
+    ex = logprobs(exact)[:-1]  # (T - 1, V): row i predicts ids[i + 1]
+    tol = SAME_ROUNDING * float((logprobs(tiny)[:-1] - ex).abs().max())
+    for i, e in enumerate(entries[1:]):
+        row, target = ex[i], ids[i + 1]
+        chosen = float(row[target])
+        assert abs(e.logprob - chosen) <= tol
+        assert 1 + int((row > chosen + tol).sum()) <= e.rank <= 1 + int((row > chosen - tol).sum())
+        kth = float(row.topk(5).values[-1])
+        assert set((row > kth + tol).nonzero()[:, 0].tolist()) <= set(e.top)
+        assert all(float(row[t]) >= kth - tol and abs(v - float(row[t])) <= tol
+                   for t, v in e.top.items())  # fmt: skip
+        assert list(e.top.values()) == sorted(e.top.values(), reverse=True)

@@ -363,17 +363,33 @@ def token_logprob(logits: torch.Tensor, token_id: int, top: int) -> TokenLogprob
     return TokenLogprob(token_id, float(logprobs[token_id]), top_map)
 
 
+SCORE_ROWS = 64  # prompt rows scored together: a few (rows, V) temporaries of ~12 MiB
+
+
 def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], top: int) -> list[TokenLogprob]:
     """Row i of `logits` (m, V) scoring targets[i]: its log-probability, rank and the `top`
-    most likely (the model's distribution, as token_logprob)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    most likely (the model's distribution, as token_logprob).
+
+    About a prefill's cost, not a sort's: log p = x - logsumexp(x), so neither log_softmax
+    nor a sort of the vocabulary is made; the rank is a count of the logits above the
+    target's (a comparison, on the logits: the same order as the log-probabilities'), the
+    alternatives one torch.topk. SCORE_ROWS rows at a time bound the temporaries, and each
+    block's numbers come to Python in one .tolist() each (not one call per row)."""
+    out: list[TokenLogprob] = []
     ids = torch.tensor(list(targets), dtype=torch.long, device=logits.device)
-    chosen = logprobs.gather(-1, ids[:, None])[:, 0]
-    ranks = (logprobs > chosen[:, None]).sum(-1) + 1
-    best = torch.topk(logprobs, top) if top else None
-    out = []
-    for i, t in enumerate(targets):
-        tops = {} if best is None else dict(zip(best.indices[i].tolist(),
-                                                best.values[i].tolist(), strict=True))  # fmt: skip
-        out.append(TokenLogprob(t, float(chosen[i]), tops, int(ranks[i])))
+    for a in range(0, len(ids), SCORE_ROWS):
+        x = logits[a : a + SCORE_ROWS].float()  # (r, V)
+        t = ids[a : a + SCORE_ROWS]
+        lse = torch.logsumexp(x, dim=-1)  # (r,)
+        picked = x.gather(-1, t[:, None])  # (r, 1)
+        ranks = ((x > picked).sum(-1) + 1).tolist()
+        chosen = (picked[:, 0] - lse).tolist()
+        tops: list[dict[int, float]] = [{} for _ in chosen]
+        if top:
+            best = torch.topk(x, top)  # (r, top), most likely first
+            values = (best.values - lse[:, None]).tolist()
+            tops = [dict(zip(i, v, strict=True))
+                    for i, v in zip(best.indices.tolist(), values, strict=True)]  # fmt: skip
+        for token, lp, rank, alt in zip(t.tolist(), chosen, ranks, tops, strict=True):
+            out.append(TokenLogprob(token, lp, alt, rank))
     return out

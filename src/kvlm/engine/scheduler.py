@@ -148,11 +148,40 @@ class Scheduler:
         seq.draft = draft
 
     def _schedule_prefill(self, batch: Batch) -> None:
+        """The step's prompt tokens, at most `prefill_chunk` in all. Alone, a prefilling
+        sequence takes the whole budget. Beside others (prompts part way through, requests
+        waiting to be admitted) each first takes an equal share, and what is left goes in
+        order: a long prompt (a 4,000-token prompt being scored) would otherwise hold every
+        newcomer in the queue until its last chunk, so a neighbour's first token waited
+        for the whole prompt. vLLM caps one prompt's chunk for the same reason
+        (long_prefill_token_threshold). With `chunk_size` a chunk is whole or waits, so
+        there the budget goes in order as before."""
         budget = self.config.prefill_chunk
-        for seq in self.running:
-            if budget and seq.prefilling and (n := self._chunk(seq, budget)):
-                batch.prefill.append((seq, n))
+        going = [s for s in self.running if s.prefilling]
+        share = budget
+        if self.config.chunk_size is None and going and (len(going) > 1 or self.waiting):
+            share = max(1, budget // (len(going) + bool(self.waiting)))
+        fed: dict[Sequence, int] = {}
+        for seq in going:
+            if budget and (n := self._chunk(seq, min(budget, share))):
+                fed[seq] = n
                 budget -= n
+        admitted = self._admit(min(budget, share))
+        budget -= sum(admitted.values())
+        if self.config.chunk_size is None:  # what the shares left, in order
+            for part in (fed, admitted):
+                for seq in part:
+                    more = min(budget, seq.num_pending - part[seq])
+                    part[seq] += more
+                    budget -= more
+            if budget and share < self.config.prefill_chunk:
+                admitted.update(self._admit(budget))
+        batch.prefill += [*fed.items(), *admitted.items()]
+
+    def _admit(self, budget: int) -> dict[Sequence, int]:
+        """Admit waiting requests, first come first served, while `budget` prompt tokens
+        last and they fit (seats, blocks); each admitted one's first chunk."""
+        fed: dict[Sequence, int] = {}
         # A request of n samples becomes n rows once its prompt is in: it takes n seats
         # from admission on, and each sample will write its first token into a block of its
         # own (a new one, or a copy of the shared partial one): n - 1 more than the prompt's.
@@ -182,8 +211,9 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if seq.num_pending == 1:  # a one-token prompt (or all cached): decode next step
                 continue
-            batch.prefill.append((seq, n))
+            fed[seq] = n
             budget -= n
+        return fed
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of `seq`'s pending prompt to feed this step; 0: none fit (chunk_size)."""

@@ -30,12 +30,18 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import (
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -57,7 +63,7 @@ from kvlm.server.protocol import (
     Unsupported,
     error_body,
 )
-from kvlm.server.responses import Choices
+from kvlm.server.responses import Choices, encode_json
 
 log = logging.getLogger("kvlm.server")
 # Normalisation can shrink a text (NFKC composes sequences), so the character bound that
@@ -314,7 +320,16 @@ async def _respond(
         return JSONResponse({}, status_code=499)
     if any(c.finish_reason == "error" for c in choices.state):
         raise ServerError(500, ENGINE_FAILED, "server_error")
-    return head | {"choices": choices.final(), "usage": choices.usage(prompt_tokens)}
+    return await run_in_threadpool(_whole, head, choices, prompt_tokens)
+
+
+def _whole(head: dict, choices: Choices, prompt_tokens: int) -> Response:
+    """A whole response, built and encoded on a worker thread (where _respond calls it): a
+    scored 4,000-token prompt answers ~8 MB, seconds of Python that on the event loop
+    would stall every other stream and /health. The body is plain JSON types already, so
+    FastAPI's jsonable_encoder walk (4 s of that) is skipped; encode_json works in slices."""
+    body = head | {"choices": choices.final(), "usage": choices.usage(prompt_tokens)}
+    return Response(encode_json(body).encode(), media_type="application/json")
 
 
 async def _start(
@@ -425,9 +440,12 @@ async def _sse(
                 yield "data: [DONE]\n\n"
                 return
             last = event
-            chunk = choices.chunk(head, event)
-            if chunk is not None:
-                yield _data(chunk)
+            if event.prompt_logprobs is not None:  # a scored prompt's: off the event loop
+                line = await run_in_threadpool(_chunk_line, choices, head, event, encode_json)
+            else:
+                line = _chunk_line(choices, head, event)
+            if line is not None:
+                yield line
         if include_usage and last is not None:
             usage = choices.usage(prompt_tokens)
             yield _data(head | {"object": choices.chunk_object, "choices": [], "usage": usage})
@@ -436,6 +454,16 @@ async def _sse(
         yield _data(error_body(str(exc), "server_error"))
     finally:
         await events.aclose()  # a disconnect lands here: the request is aborted
+
+
+def _chunk_line(
+    choices: Choices, head: dict, event: StepOutput, encode: Callable[[Any], str] | None = None
+) -> str | None:
+    """An event's SSE line (`encode`: its JSON encoder, json.dumps by default)."""
+    chunk = choices.chunk(head, event)
+    if chunk is None:
+        return None
+    return _data(chunk) if encode is None else f"data: {encode(chunk)}\n\n"
 
 
 def _data(obj: dict) -> str:

@@ -1,0 +1,168 @@
+"""Prompt scoring beside other requests: a scored prompt (prompt_logprobs, echo with
+logprobs) prefills in chunks no bigger than any prompt's, a request that arrives meanwhile
+is admitted and decodes at once (not after the scored prompt's last chunk), and through a
+real `kvlm serve` a neighbour stream keeps its tokens and its pace while /health answers."""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from kvlm import LLM, SamplingParams
+from kvlm.engine.engine import Engine, EngineConfig
+from kvlm.engine.scheduler import SchedulerConfig
+from numerics import assert_as_exact_as
+from serving import kvlm_serve
+from test_prompt_logprobs import _teacher_forced
+
+CHUNK = 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return LLM(model=tiny_model_dir("llama"), progress=False, max_context=256)
+
+
+@pytest.fixture(scope="module")
+def exact(tiny_model_dir):
+    return LLM(model=tiny_model_dir("llama"), progress=False, max_context=256, dtype="fp64")
+
+
+def _engine(llm: LLM) -> Engine:
+    return Engine(llm, EngineConfig(num_blocks=64,
+                                    scheduler=SchedulerConfig(prefill_chunk=CHUNK)))  # fmt: skip
+
+
+def _alone(llm: LLM, ids: list[int], params: SamplingParams) -> list[int]:
+    engine = _engine(llm)
+    engine.add_request("alone", ids, params)
+    tokens = []
+    while engine.has_work():
+        tokens += [t for e in engine.step() for t in e.token_ids]
+    return tokens
+
+
+def test_a_request_arriving_while_a_prompt_is_scored_decodes_beside_it(tiny, exact):
+    """Every step feeds at most one chunk of prompt tokens; the neighbour, added after the
+    scored prompt's first chunk, has its first token within two steps and one more at
+    every step after while the scored prompt still prefills; both get their own results."""
+    scored_ids = tiny.tokenizer.encode("Once upon a time there was a long prompt. " * 16)[:200]
+    near_ids = tiny.tokenizer.encode("Water boils at")
+    near = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine = _engine(tiny)
+    engine.add_request("scored", scored_ids, SamplingParams(temperature=0, max_tokens=1,
+                                                            prompt_logprobs=5))  # fmt: skip
+    engine.step()
+    engine.add_request("near", near_ids, near)
+    near_steps, tokens, entries, scored_done = [], [], None, None
+    for step in range(1, 100):
+        if not engine.has_work():
+            break
+        events = engine.step()
+        fed = sum(n for _, n in engine.last_batch.prefill)
+        assert fed <= CHUNK, f"step {step} fed {fed} prompt tokens, more than one chunk"
+        for e in events:
+            if e.request_id == "near" and e.token_ids:
+                near_steps.append(step)
+                tokens += e.token_ids
+            if e.request_id == "scored" and e.prompt_logprobs is not None:
+                entries, scored_done = e.prompt_logprobs, step
+    assert scored_done is not None and near_steps, (scored_done, near_steps)
+    assert near_steps[0] <= 2, f"the neighbour's first token came at step {near_steps[0]}"
+    assert near_steps == list(range(near_steps[0], near_steps[0] + 6))  # a token every step
+    assert near_steps[-1] < scored_done  # all while the scored prompt prefilled
+    assert tokens == _alone(tiny, near_ids, near)
+    got = torch.tensor([e.logprob for e in entries[1:]], dtype=torch.float32)
+    ref = _teacher_forced(tiny, scored_ids).float()
+    assert_as_exact_as(got, ref, _teacher_forced(exact, scored_ids))
+
+
+# ------------------------------------------------------------------ a real server
+
+PROMPT_TOKENS = 2000
+
+
+def _post(port: int, body: dict, stream: bool = False) -> http.client.HTTPResponse:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": stream}),
+                 {"Content-Type": "application/json"})  # fmt: skip
+    return conn.getresponse()
+
+
+def _stream(port: int, body: dict) -> tuple[str, list[float]]:
+    """A streamed completion's text and its chunks' times, the request's send first."""
+    times = [time.perf_counter()]
+    resp, text = _post(port, body, stream=True), []
+    assert resp.status == 200
+    for line in resp:
+        if line.startswith(b"data: {"):
+            times.append(time.perf_counter())
+            text.append(json.loads(line[6:])["choices"][0]["text"])
+    return "".join(text), times
+
+
+@pytest.mark.slow
+def test_a_scored_prompt_does_not_freeze_a_neighbour_stream():
+    """A 2,000-token prompt scored (echo, logprobs 5, prompt_logprobs 20: ~4 MB of answer)
+    and a greedy stream sent a second later: the stream gets its tokens alone, its worst
+    wait between chunks (its first included) is a small part of the scoring request's time
+    (before: the whole prefill, it waited for admission behind it), it ends first, and
+    /health answers quickly throughout (before: the answer's encoding held the event loop
+    for seconds)."""
+    model = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with kvlm_serve("--max-num-seqs", "4", "--threads", "2", "--prefill-chunk", "64",
+                    "--log-level", "warning") as (port, _):  # fmt: skip
+        near = {"model": model, "prompt": "Once upon a time", "max_tokens": 16,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        alone, _ = _stream(port, near)
+        rng = random.Random(0)
+        ids = [rng.randrange(200, 40000) for _ in range(PROMPT_TOKENS)]
+        scored: dict = {}
+
+        def score() -> None:
+            t0 = time.perf_counter()
+            body = {"model": model, "prompt": ids, "max_tokens": 1, "echo": True,
+                    "logprobs": 5, "prompt_logprobs": 20, "temperature": 0}  # fmt: skip
+            resp = _post(port, body)
+            scored["status"], raw = resp.status, resp.read()
+            scored["seconds"], scored["end"] = time.perf_counter() - t0, time.perf_counter()
+            scored["body"] = json.loads(raw)
+
+        scoring = threading.Thread(target=score)
+        scoring.start()
+        health: list[float] = []
+
+        def poll() -> None:
+            while scoring.is_alive() and len(health) < 10_000:
+                t0 = time.perf_counter()
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+                conn.request("GET", "/health")
+                assert conn.getresponse().status == 200
+                conn.close()
+                health.append(time.perf_counter() - t0)
+                time.sleep(0.05)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        time.sleep(1.0)
+        text, times = _stream(port, near)
+        scoring.join(timeout=600)
+        poller.join(timeout=60)
+    assert scored["status"] == 200
+    choice = scored["body"]["choices"][0]
+    assert len(choice["prompt_logprobs"]) == PROMPT_TOKENS
+    assert len(choice["logprobs"]["tokens"]) == PROMPT_TOKENS + 1
+    worst = max(b - a for a, b in itertools.pairwise(times))
+    print(f"scoring {scored['seconds']:.1f} s; neighbour worst gap {worst:.2f} s; "
+          f"/health worst {max(health):.2f} s over {len(health)}")  # fmt: skip
+    assert text == alone
+    assert times[-1] < scored["end"], "the neighbour waited for the scored prompt"
+    assert worst < 0.25 * scored["seconds"], (worst, scored["seconds"])
+    assert health and max(health) < 1.0, max(health)
