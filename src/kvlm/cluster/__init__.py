@@ -26,6 +26,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 from kvlm.errors import InvalidRequestError, KvlmError
 
@@ -55,17 +56,54 @@ def serve_replicas(args: argparse.Namespace) -> int:
     args = argparse.Namespace(**{**vars(args), "threads": threads})
     _init_ray(ray, args.ray_address, args.replicas * threads)
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # this line says it is up
+    each = f"{threads} thread{'s' if threads > 1 else ''} each"
+    ready = (f"kvlm: serving {name} on http://{args.host}:{args.port}/v1 ({args.replicas} "
+             f"replicas, {each}, routing {args.routing}; Ray at "
+             f"{ray.get_runtime_context().gcs_address})")  # fmt: skip
     try:
-        _deploy(serve, args)
-        each = f"{threads} thread{'s' if threads > 1 else ''} each"
-        print(f"kvlm: serving {name} on http://{args.host}:{args.port}/v1 ({args.replicas} "
-              f"replicas, {each}, routing {args.routing}; Ray at "
-              f"{ray.get_runtime_context().gcs_address})", file=sys.stderr, flush=True)  # fmt: skip
-        _wait_for_signal()
+        _serve_until_signal(serve, args, ready)
     finally:
+        # Serve's controller is a detached actor: on a cluster of `ray start`, it and the
+        # replicas outlive this process unless shut down here, also when the signal came
+        # while they were starting. Bounded (Serve waits 30 s for its controller); a
+        # second signal meanwhile is ignored rather than leaving them half stopped.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def _serve_until_signal(serve, args: argparse.Namespace, ready: str) -> None:
+    """Deploy (on a thread: serve.run blocks until every replica has loaded its model),
+    print `ready`, and return at SIGINT or SIGTERM, whether or not the deployment has
+    finished. The handlers replace ray.init's (Python's for SIGTERM, then the core
+    worker's, which aborts the process before Serve is shut down) and only note the
+    signal: an exception raised from a handler inside Ray's code comes out as another."""
+    signals: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: signals.append(signum))
+    deployed = threading.Event()
+    failure: list[BaseException] = []
+
+    def deploy() -> None:
+        try:
+            _deploy(serve, args)
+        except BaseException as exc:  # handed to the main thread
+            failure.append(exc)
+        finally:
+            deployed.set()
+
+    threading.Thread(target=deploy, name="kvlm-deploy", daemon=True).start()
+    while not signals and not deployed.is_set():
+        time.sleep(0.25)
+    if signals:
+        return
+    if failure:
+        raise failure[0]
+    print(ready, file=sys.stderr, flush=True)
+    while not signals:
+        time.sleep(0.25)
 
 
 def application(args: argparse.Namespace):
@@ -149,12 +187,3 @@ def _init_ray(ray, address: str | None, cpus_wanted: int) -> None:
             ray.init(address="local", num_cpus=cpus, object_store_memory=256 << 20, **quiet)
     except (ConnectionError, RuntimeError) as exc:
         raise KvlmError(f"could not start or join Ray ({address or 'local'}): {exc}") from exc
-
-
-def _wait_for_signal() -> None:
-    """Block until SIGINT or SIGTERM (ray.init installed its own SIGTERM handler: replaced)."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        pass
