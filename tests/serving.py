@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,22 +28,27 @@ def kvlm_serve(*args: str, start_timeout: float = 180) -> Iterator[tuple[int, su
     cmd = [sys.executable, "-c", "from kvlm.cli import main; raise SystemExit(main())",
            "serve", "--port", str(port), *args]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.time() + start_timeout
-        while not _healthy(port):
-            if proc.poll() is not None:
-                pytest.fail(f"server exited: {proc.stdout.read().decode()}")
-            if time.time() > deadline:
-                pytest.fail("server did not start")
-            time.sleep(0.3)
-        yield port, proc
-    finally:
-        proc.terminate()
+    # The output goes to a file, not a pipe nobody reads while the test runs: a chatty server
+    # (a cluster relays every Ray worker's log) would fill a pipe and stall on its writes.
+    # proc.stdout reads that file from its start.
+    with tempfile.TemporaryFile() as log, open(f"/proc/self/fd/{log.fileno()}", "rb") as out:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc.stdout = out
         try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            deadline = time.time() + start_timeout
+            while not _healthy(port):
+                if proc.poll() is not None:
+                    pytest.fail(f"server exited: {proc.stdout.read().decode()}")
+                if time.time() > deadline:
+                    pytest.fail("server did not start")
+                time.sleep(0.3)
+            yield port, proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def openai_client(port: int, key: str = "unused"):
