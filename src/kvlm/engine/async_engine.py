@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kvlm.engine.engine import Engine, StepOutput
+from kvlm.engine.guided import compile_guide
 from kvlm.engine.sampling import SamplingParams
 from kvlm.engine.scheduler import QueueFullError
 from kvlm.errors import KvlmError
@@ -91,6 +92,11 @@ class AsyncEngine:
         """Events of one request until all its samples finish. Raises KvlmError subclasses
         before the first event for a request that cannot run (checked at once)."""
         rid = request_id or f"req-{next(self._ids)}"
+        if params.guide is not None and params.guide.compiled is None:  # off the loop
+            core = self.engine  # and off the engine thread: check_request finds it done
+            params.guide = await asyncio.to_thread(
+                compile_guide, params.guide, core.tokenizer, core.llm.config.vocab_size
+            )
         self.engine.check_request(prompt_ids, params, cache_salt)
         if len(self._streams) >= self.max_requests:
             raise QueueFullError(f"the server is busy ({self.max_requests} requests held)")

@@ -30,7 +30,7 @@ from kvlm.cache.tiers import KVTiers, namespace, parse_tier
 from kvlm.cache.view import block_map
 from kvlm.dtypes import dtype_name
 from kvlm.engine.generate import SampleState, check_prompt, stop_token_ids
-from kvlm.engine.guided import check_guide
+from kvlm.engine.guided import compile_guide
 from kvlm.engine.metrics import EngineStats
 from kvlm.engine.sampling import Sampler, SamplingParams, TokenLogprob, prompt_logprobs
 from kvlm.engine.scheduler import Batch, QueueFullError, Scheduler, SchedulerConfig
@@ -185,8 +185,10 @@ class Engine:
             )
         vocab = self.llm.config.vocab_size
         check_prompt(prompt_ids, vocab)
-        if params.guide is not None:  # compiled now: a bad schema is this request's 400
-            check_guide(params.guide, self.tokenizer, vocab)
+        if params.guide is not None:  # a bad schema is this request's 400; compiled once,
+            # by the caller off the engine thread (AsyncEngine.generate, LLM.generate):
+            # here only where a library caller did not (then a no-op when done)
+            params.guide = compile_guide(params.guide, self.tokenizer, vocab)
         outside = [t for t in params.logit_bias if t >= vocab]
         if outside:
             raise InvalidRequestError(

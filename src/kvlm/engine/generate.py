@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kvlm.cache import KVCache
+from kvlm.engine.guided import compile_guide
 from kvlm.engine.metrics import Metrics
 from kvlm.engine.runner import ModelRunner
 from kvlm.engine.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
@@ -232,6 +233,8 @@ class Generation:
         """`speculator`: speculative decoding (kvlm.engine.speculative.Speculator; one
         sample, a contiguous or paged cache): each decode step checks a draft."""
         check_prompt(prompt_ids, vocab_size)
+        if params.guide is not None and vocab_size is not None:  # once, not per sample
+            params.guide = compile_guide(params.guide, tokenizer, vocab_size)
         if speculator is not None and params.n != 1:
             raise InvalidRequestError("speculative decoding on one cache continues one sample")
         self.speculator = speculator

@@ -17,52 +17,99 @@ allowed, so the sample stops there.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
+from queue import SimpleQueue
 from typing import Any
 
-import torch
-
+from kvlm.engine.guide_limits import MAX_GUIDE_CHARS, check_bounds
+from kvlm.engine.guide_worker import WORKER_STACK, GuideWorker
 from kvlm.errors import InvalidRequestError
 
+__all__ = ["MAX_GUIDE_CHARS", "Guide", "GuideState", "compile_guide"]
+
 GUIDE_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-MAX_GUIDE_CHARS = 1 << 20  # a grammar or schema of more text than this is refused
 # JSON as json.dumps writes it: ", " and ": ", no other whitespace. Free whitespace lets a
 # small model spend its tokens on newlines and indents (a random-weight one never closes
 # the object); a schema's own "x-guidance" options still override this.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+COMPILE_STACK = 8 * WORKER_STACK  # the server's compile thread: 8x what the worker survived
+# llguidance's own resource limits, per matcher (LLParserLimits; defaults in brackets):
+# the lexer's fuel to build its first regexes [1,000,000, ~20 ms] and per mask step
+# [200,000, ~14 ms], Earley items per step [50,000], lexer states [250,000, 1-2 kB each].
+# Lower here: one mask stays a few ms on the engine thread, a lexer a few tens of MB; a
+# grammar past them is an error at compile (a 400) or ends its sample (GuideState.mask).
+PARSER_LIMITS = {
+    "initial_lexer_fuel": 200_000,
+    "step_lexer_fuel": 100_000,
+    "step_max_items": 20_000,
+    "max_lexer_states": 20_000,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    """A guide's matcher, compiled and never fed: each sample takes a deep copy of it."""
+
+    matcher: Any  # llguidance.LLMatcher
+    vocab_size: int
 
 
 @dataclass(frozen=True, slots=True)
 class Guide:
     """What the output must match. `spec`: a JSON schema (dict) for json_schema, nothing
-    for json_object, a regular expression, a list of strings (choice), a Lark grammar."""
+    for json_object, a regular expression, a list of strings (choice), a Lark grammar.
+    `compiled`: set by compile_guide (a copy of the guide), what the engine's samples use."""
 
     kind: str
     spec: Any = None
     param: str = "response_format"  # the request field it came from (errors name it)
+    compiled: Compiled | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def grammar(self) -> str:
         """llguidance's grammar for it; InvalidRequestError naming `param` if it is not
         one."""
-        import llguidance
+        return grammar_of(self.kind, self.spec, self.param)
 
-        m = llguidance.LLMatcher
-        try:
-            if self.kind == "json_schema":
-                return m.grammar_from_json_schema(json.dumps(self.spec), defaults=JSON_STYLE)
-            if self.kind == "json_object":
-                return m.grammar_from_json_schema('{"type": "object"}', defaults=JSON_STYLE)
-            if self.kind == "regex":
-                return m.grammar_from_regex(self.spec)
-            if self.kind == "choice":
-                return m.grammar_from_regex("|".join(re.escape(c) for c in self.spec))
-            if self.kind == "grammar":
-                return m.grammar_from_lark(self.spec)
-        except (ValueError, TypeError) as exc:
-            raise InvalidRequestError(f"{self.param}: {exc}", param=self.param) from None
-        raise InvalidRequestError(f"unknown guide {self.kind!r}", param=self.param)
+
+def grammar_of(kind: str, spec: Any, param: str) -> str:
+    import llguidance
+
+    m = llguidance.LLMatcher
+    try:
+        if kind == "json_schema":
+            return m.grammar_from_json_schema(json.dumps(spec), defaults=JSON_STYLE)
+        if kind == "json_object":
+            return m.grammar_from_json_schema('{"type": "object"}', defaults=JSON_STYLE)
+        if kind == "regex":
+            return m.grammar_from_regex(spec)
+        if kind == "choice":
+            return m.grammar_from_regex("|".join(re.escape(c) for c in spec))
+        if kind == "grammar":
+            return m.grammar_from_lark(spec)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequestError(f"{param}: {exc}", param=param) from None
+    raise InvalidRequestError(f"unknown guide {kind!r}", param=param)
+
+
+def build_matcher(kind: str, spec: Any, param: str, tok: Any) -> Any:
+    """The matcher for a guide, its first mask computed (where llguidance's lazy compile
+    runs); InvalidRequestError naming `param` for a guide it refuses. Run by the worker
+    first, then by the server (the same function: the same outcome)."""
+    import llguidance
+
+    limits = llguidance.LLParserLimits(**PARSER_LIMITS)
+    matcher = llguidance.LLMatcher(tok, grammar_of(kind, spec, param), log_level=0,
+                                   limits=limits)  # fmt: skip
+    if not matcher.is_error():
+        matcher.compute_bitmask()
+    if matcher.is_error():
+        raise InvalidRequestError(f"{param}: {matcher.get_error()}", param=param)
+    return matcher
 
 
 def ll_tokenizer(tokenizer, vocab_size: int):
@@ -75,42 +122,94 @@ def ll_tokenizer(tokenizer, vocab_size: int):
     if made is None:
         made = tokenizer._ll_tokenizers = {}
     if vocab_size not in made:
-        eos = sorted(tokenizer.eos_token_ids) or None
         made[vocab_size] = llguidance.LLTokenizer(
-            tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos
+            tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=_eos(tokenizer)
         )
     return made[vocab_size]
 
 
-def check_guide(guide: Guide, tokenizer, vocab_size: int) -> None:
-    """Compile the guide for this model now: a bad schema, regex or grammar is the
-    request's 400, never a failure mid-generation."""
-    GuideState(guide, tokenizer, vocab_size)
+def _eos(tokenizer) -> list[int] | None:
+    return sorted(tokenizer.eos_token_ids) or None
+
+
+def guide_worker(tokenizer, vocab_size: int) -> GuideWorker:
+    """The compile worker for this tokenizer and vocabulary (kept on the tokenizer)."""
+    made = getattr(tokenizer, "_guide_workers", None)
+    if made is None:
+        made = tokenizer._guide_workers = {}
+    if vocab_size not in made:
+        made[vocab_size] = GuideWorker(tokenizer.backend.to_str(), vocab_size, _eos(tokenizer))
+    return made[vocab_size]
+
+
+_compile_lock = threading.Lock()
+_compile_jobs: SimpleQueue | None = None
+
+
+def _on_compile_thread(fn, *args) -> Any:
+    """fn(*args) on the one compile thread, made with a COMPILE_STACK stack (llguidance
+    recurses; a thread's stack size is fixed when it is made)."""
+    global _compile_jobs
+    with _compile_lock:
+        if _compile_jobs is None:
+            _compile_jobs = SimpleQueue()
+            old = threading.stack_size(COMPILE_STACK)
+            try:
+                threading.Thread(target=_compile_loop, args=(_compile_jobs,), daemon=True,
+                                 name="kvlm-guide-compile").start()  # fmt: skip
+            finally:
+                threading.stack_size(old)
+    done: Future = Future()
+    _compile_jobs.put((fn, args, done))
+    return done.result()
+
+
+def _compile_loop(jobs: SimpleQueue) -> None:
+    while True:
+        fn, args, done = jobs.get()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:  # handed to the caller as is
+            done.set_exception(exc)
+
+
+def compile_guide(guide: Guide, tokenizer, vocab_size: int) -> Guide:
+    """The guide with its matcher compiled for this model: bounds first (pure Python), then
+    the worker process (a crash or a runaway is this request's 400, the server lives on),
+    then the server's own matcher on the big-stack compile thread. Blocks: call it off the
+    event loop and off the engine thread. The one road for the server and the library."""
+    done = guide.compiled
+    if done is not None and done.vocab_size == vocab_size:
+        return guide
+    check_bounds(guide.kind, guide.spec, guide.param)
+    guide_worker(tokenizer, vocab_size).check(guide.kind, guide.spec, guide.param)
+    tok = ll_tokenizer(tokenizer, vocab_size)
+    matcher = _on_compile_thread(build_matcher, guide.kind, guide.spec, guide.param, tok)
+    return dataclasses.replace(guide, compiled=Compiled(matcher, vocab_size))
 
 
 class GuideState:
-    """One sample's matcher."""
+    """One sample's matcher: a copy of the compiled one (never a compile here)."""
 
     def __init__(self, guide: Guide, tokenizer, vocab_size: int) -> None:
-        import llguidance
         import llguidance.torch as lt
+        import torch
 
+        if guide.compiled is None or guide.compiled.vocab_size != vocab_size:
+            guide = compile_guide(guide, tokenizer, vocab_size)  # a caller that did not
         self.guide = guide
         self.vocab_size = vocab_size
-        tok = ll_tokenizer(tokenizer, vocab_size)
-        self.matcher = llguidance.LLMatcher(tok, guide.grammar(), log_level=0)
-        if self.matcher.is_error():
-            raise InvalidRequestError(
-                f"{guide.param}: {self.matcher.get_error()}", param=guide.param
-            )
+        self.matcher = guide.compiled.matcher.deep_copy()
         self._fill = lt.fill_next_token_bitmask
         self.bitmask = lt.allocate_token_bitmask(1, vocab_size)
         self._bits = torch.arange(32, dtype=torch.int32)
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """A copy of `logits` (V,) with every token the grammar does not allow at -inf."""
+    def mask(self, logits):
+        """A copy of `logits` (V,) with every token the grammar does not allow at -inf. A
+        matcher past PARSER_LIMITS mid-way is in llguidance's error state, whose mask
+        allows only the end-of-sequence tokens: the sample ends there."""
         self._fill(self.matcher, self.bitmask, 0)
-        words = self.bitmask[0].to(torch.int32)
+        words = self.bitmask[0].to(self._bits.dtype)
         allowed = ((words[:, None] >> self._bits) & 1).bool().flatten()[: logits.shape[-1]]
         if not bool(allowed.any()):  # the grammar is over and its end was ignored (ignore_eos)
             return logits

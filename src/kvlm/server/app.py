@@ -48,7 +48,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvlm import __version__
 from kvlm.engine.async_engine import AsyncEngine
 from kvlm.engine.engine import StepOutput
-from kvlm.engine.guided import check_guide
+from kvlm.engine.guided import compile_guide
 from kvlm.engine.sampling import MAX_SAMPLES, SamplingParams
 from kvlm.engine.scheduler import QueueFullError
 from kvlm.errors import InvalidRequestError, KvlmError
@@ -340,10 +340,12 @@ async def _start(
     bad token) ends those already started."""
     streams: list[AsyncIterator[StepOutput]] = []
     guide = params[0].guide
-    if guide is not None:  # compiled on a worker thread: the event loop serves the others
-        core = engine.engine  # (a model's first guided request also builds llguidance's
-        await run_in_threadpool(check_guide, guide, core.tokenizer,  # tokenizer, ~0.3 s)
-                                core.llm.config.vocab_size)  # fmt: skip
+    if guide is not None:  # compiled once for all prompts, off the loop and the engine
+        core = engine.engine  # thread (kvlm.engine.guided.compile_guide)
+        guide = await run_in_threadpool(compile_guide, guide, core.tokenizer,
+                                        core.llm.config.vocab_size)  # fmt: skip
+        for p in params:
+            p.guide = guide
     try:
         for ids, p in zip(prompts, params, strict=True):
             streams.append(await engine.generate(ids, p, cache_salt=body.cache_salt))

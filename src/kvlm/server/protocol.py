@@ -174,7 +174,7 @@ class _Sampling(_Body):
             if isinstance(value, str):
                 try:
                     value = json.loads(value)
-                except ValueError:
+                except (ValueError, RecursionError):  # RecursionError: '[' * 100_000
                     raise InvalidRequestError(
                         "guided_json: not a JSON schema (not JSON)", param=name
                     ) from None

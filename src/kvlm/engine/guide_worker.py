@@ -1,0 +1,164 @@
+"""The compile worker: a long-lived child process that compiles each guide first, so a
+grammar that crashes llguidance's native code (a stack overflow is SIGSEGV, no exception)
+or runs away ends the child, not the server.
+
+    server                                  worker (python -m kvlm.engine.guide_worker)
+    check_bounds (pure Python)
+    GuideWorker.check(guide)  --frame-->    build_matcher on an 8 MiB-stack thread:
+                              <--frame--    grammar, LLMatcher, first mask (the lazy compile)
+    build_matcher on a 64 MiB-stack thread  (killed past COMPILE_TIMEOUT, restarted at once)
+
+A frame is a 4-byte big-endian length and UTF-8 JSON. The first one carries the tokenizer
+(llguidance's LLTokenizer takes ~0.3 s to build: once per worker). The worker's stack is
+the engine thread's (8 MiB) and the server's compile thread has 8 times more, so what the
+worker survives the server does with room to spare. This module imports no torch: the
+worker starts in well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from kvlm.errors import InvalidRequestError, KvlmError
+
+COMPILE_TIMEOUT = 3.0  # seconds for the worker's compile and first mask
+START_TIMEOUT = 60.0  # a worker's start and tokenizer (a loaded 2-core machine: seconds)
+WORKER_STACK = 8 << 20  # the engine thread's stack (Linux's default)
+log = logging.getLogger("kvlm.guided")
+
+
+def _write(stream, obj: Any) -> None:
+    data = json.dumps(obj).encode()
+    stream.write(len(data).to_bytes(4, "big") + data)
+    stream.flush()
+
+
+def _read_exact(fd: int, size: int, deadline: float | None) -> bytes:
+    out = b""
+    while len(out) < size:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+        chunk = os.read(fd, size - len(out))
+        if not chunk:
+            raise EOFError
+        out += chunk
+    return out
+
+
+def _read(fd: int, deadline: float | None = None) -> Any:
+    size = int.from_bytes(_read_exact(fd, 4, deadline), "big")
+    return json.loads(_read_exact(fd, size, deadline))
+
+
+class GuideWorker:
+    """One worker process for one tokenizer; `check` is serialised (one compile at a time)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos: list[int] | None) -> None:
+        self._init = {"tokenizer": tokenizer_json, "vocab_size": vocab_size, "eos": eos}
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._ready = False
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def check(self, kind: str, spec: Any, param: str) -> None:
+        """Compile the guide in the worker: InvalidRequestError naming `param` for a bad
+        guide, one that crashes the worker, or one past COMPILE_TIMEOUT."""
+        with self._lock:
+            proc = self._started()
+            try:
+                _write(proc.stdin, {"kind": kind, "spec": spec, "param": param})
+                reply = _read(proc.stdout.fileno(), time.monotonic() + COMPILE_TIMEOUT)
+            except TimeoutError:
+                self._restart()
+                raise InvalidRequestError(
+                    f"{param}: compiling it took longer than {COMPILE_TIMEOUT:g} s; "
+                    "simplify it", param=param) from None  # fmt: skip
+            except (EOFError, OSError):
+                code = proc.wait()
+                self._restart()
+                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+                log.warning("the guide compiler crashed (%s) on a %s; restarted", how, param)
+                raise InvalidRequestError(
+                    f"{param}: the grammar compiler crashed on it ({how}); simplify it",
+                    param=param,
+                ) from None
+        if reply.get("error"):
+            raise InvalidRequestError(reply["error"], param=param)
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+    def _started(self) -> subprocess.Popen:
+        if self._proc is None:
+            self._spawn()
+        if not self._ready:
+            try:
+                _read(self._proc.stdout.fileno(), time.monotonic() + START_TIMEOUT)
+            except (TimeoutError, EOFError, OSError):
+                self._stop()
+                raise KvlmError("the guide compile worker did not start") from None
+            self._ready = True
+        return self._proc
+
+    def _spawn(self) -> None:
+        # -m: the package's __init__ is lazy, so the child imports llguidance and no torch
+        cmd = [sys.executable, "-m", "kvlm.engine.guide_worker"]
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL)  # fmt: skip
+        self._ready = False
+        _write(self._proc.stdin, self._init)  # it builds its tokenizer while we go on
+
+    def _restart(self) -> None:
+        self._stop()
+        self._spawn()  # at once: the next request finds it (nearly) ready
+
+    def _stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _serve() -> None:
+    """The child: the tokenizer once, then one compile per frame until stdin closes."""
+    import llguidance
+
+    from kvlm.engine.guided import build_matcher
+
+    fd, out = sys.stdin.fileno(), sys.stdout.buffer
+    init = _read(fd)
+    tok = llguidance.LLTokenizer(init["tokenizer"], n_vocab=init["vocab_size"],
+                                 eos_token=init["eos"])  # fmt: skip
+    _write(out, {"ready": True})
+    while True:
+        try:
+            req = _read(fd)
+        except EOFError:  # the server went away
+            return
+        try:
+            build_matcher(req["kind"], req["spec"], req["param"], tok)
+            _write(out, {"error": None})
+        except InvalidRequestError as exc:
+            _write(out, {"error": str(exc)})
+
+
+if __name__ == "__main__":
+    threading.stack_size(WORKER_STACK)  # the compile's stack: the engine thread's
+    worker = threading.Thread(target=_serve)
+    worker.start()
+    worker.join()
