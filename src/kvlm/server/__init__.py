@@ -48,7 +48,7 @@ def serve(
         timeout_keep_alive=int(limits.keep_alive_s),
         limit_concurrency=limits.max_connections,
     )
-    uv.kvlm_idle_timeout_s = limits.idle_timeout_s  # read by HeadTimeoutH11Protocol
+    uv.kvlm_limits = limits  # read by HeadTimeoutH11Protocol
     http = uvicorn.Server(uv)
     thread = threading.Thread(target=http.run, name="kvlm-http", daemon=True)
     thread.start()
