@@ -1,14 +1,18 @@
 """The edges of `kvlm serve`. A real server process on 127.0.0.1 (the default model),
 clients from the standard library.
 
+- /v1/kv waits for the engine thread between two steps; past its deadline (here 0.05 s,
+  against a prefill step of a ~1,000-token prompt) it is a 503 with a Retry-After;
 - a body over --max-body is a 413 the client can read: urllib sends the whole body before
   it reads, so the server reads and discards the rest (bounded) before closing;
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -22,14 +26,75 @@ pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MAX_BODY = 4 << 20  # the default
+ENGINE_WAIT_S = 0.05
 
 
 @pytest.fixture(scope="module")
 def server():
-    with kvlm_serve("--max-context", "512", "--threads", "2",
+    with kvlm_serve("--max-context", "2048", "--prefill-chunk", "2048", "--threads", "2",
                     "--weights", "native", "--max-body", str(MAX_BODY),
+                    "--engine-wait", str(ENGINE_WAIT_S),
                     "--log-level", "warning") as (port, proc):  # fmt: skip
         yield port, proc
+
+
+def post(port: int, path: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def get_kv(port: int) -> tuple[int, dict, str | None]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", "/v1/kv")
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read()), resp.getheader("Retry-After")
+    finally:
+        conn.close()
+
+
+# ----------------------------------------------------------------- a busy engine: 503
+
+
+def test_kv_answers_503_while_the_engine_is_busy(server):
+    port, proc = server
+    # one ~1,000-token prompt prefilled in one step (--prefill-chunk 2048): seconds of
+    # engine time here, far past the 0.05 s /v1/kv waits for
+    prompt = "The quick brown fox jumps over the lazy dog. " * 100
+    done = threading.Event()
+    answer: list = []
+
+    def long_request() -> None:
+        answer.append(post(port, "/v1/completions", {"model": MODEL, "prompt": prompt,
+                                                     "max_tokens": 1}))  # fmt: skip
+        done.set()
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    seen = []
+    deadline = time.time() + 120
+    while not done.is_set() and time.time() < deadline:
+        status, body, retry = get_kv(port)
+        seen.append(status)
+        assert status in (200, 503), (status, body)  # never a 500
+        if status == 503:
+            assert body["error"]["type"] == "server_busy", body
+            assert body["error"]["code"] == "engine_busy", body
+            assert retry is not None and int(retry) >= 1
+            break
+        time.sleep(0.02)
+    worker.join(timeout=120)
+    assert 503 in seen, seen
+    assert answer and answer[0][0] == 200, answer
+    status, body, _ = get_kv(port)  # the engine is free again: the view is whole
+    assert status == 200 and body["object"] == "kv_cache"
+    assert serving.get(port, "/health")[0] == 200
+    assert proc.poll() is None
 
 
 # ------------------------------------------------------------------ an oversized body

@@ -132,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-connections", type=int, default=512, help="open connections; more get 503"
     )
     serve.add_argument(
+        "--engine-wait", type=float, default=10.0,
+        help="seconds /v1/kv waits for the engine between two steps; longer gets 503",
+    )  # fmt: skip
+    serve.add_argument(
         "--public-metrics", action="store_true",
         help="serve /metrics without --api-key (for a Prometheus scraper)",
     )  # fmt: skip
@@ -680,6 +684,7 @@ def serve_config(args: argparse.Namespace):
             idle_timeout_s=args.idle_timeout,
             max_connections=args.max_connections,
             public_metrics=args.public_metrics,
+            engine_wait_s=args.engine_wait,
         )
         spec = _speculative(args)
     except ValueError as exc:

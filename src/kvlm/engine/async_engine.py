@@ -32,6 +32,15 @@ log = logging.getLogger("kvlm.engine")
 T = TypeVar("T")
 
 
+class EngineBusyError(KvlmError):
+    """The engine thread did not come between two steps within the caller's deadline (a
+    long step under way): try again (the server answers 503 with a Retry-After)."""
+
+
+class EngineStoppedError(KvlmError):
+    """The engine has stopped (the server is shutting down): nothing more runs on it."""
+
+
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -119,7 +128,12 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         self._send(("call", fn, loop, future))
-        return await asyncio.wait_for(future, timeout)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except TimeoutError:  # a step longer than the deadline is under way
+            raise EngineBusyError(
+                f"the engine is busy: it did not come between two steps within {timeout:g} s"
+            ) from None
 
     def _send(self, message: tuple) -> None:
         self._inbox.put(message)
@@ -176,6 +190,8 @@ class AsyncEngine:
                 self._fail(rid, KvlmError(f"the engine could not take this request ({exc})"))
 
     def _call(self, fn, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
+        if future.done():  # its caller gave up waiting: a stale call costs a step nothing
+            return
         try:
             result, error = fn(self.engine), None
         except Exception as exc:

@@ -50,11 +50,12 @@ class ServerLimits:
     drain_bytes: int = 64 << 20  # of a refused body, read and discarded before closing
     drain_s: float = 5.0  # the longest a refused body is drained
     public_metrics: bool = False  # /metrics without the API key (for a scraper)
+    engine_wait_s: float = 10.0  # a route waiting for the engine between steps (/v1/kv); then 503
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
             raise ValueError("the body limit must be at least 1 KiB")
-        for name in ("idle_timeout_s", "keep_alive_s", "drain_s"):
+        for name in ("idle_timeout_s", "keep_alive_s", "drain_s", "engine_wait_s"):
             if not 0 < getattr(self, name) <= 3600:
                 raise ValueError(f"{name} must be in (0, 3600] seconds")
         if self.max_connections < 1:
