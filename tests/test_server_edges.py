@@ -5,12 +5,15 @@ clients from the standard library.
   against a prefill step of a ~1,000-token prompt) it is a 503 with a Retry-After;
 - a body over --max-body is a 413 the client can read: urllib sends the whole body before
   it reads, so the server reads and discards the rest (bounded) before closing;
+- SIGINT and SIGTERM end open streams with a last event, answer a request in flight with
+  a 503, and the process exits promptly.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import signal
 import socket
 import threading
 import time
@@ -27,6 +30,8 @@ pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MAX_BODY = 4 << 20  # the default
 ENGINE_WAIT_S = 0.05
+STOP_BOUND_S = 5.0  # signal to exit: generous for a loaded 2-vCPU machine (required: 2 s)
+AFTER_STEP_BOUND_S = 2.0  # from the streams' end to the exit
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +141,73 @@ def test_a_client_that_stalls_mid_body_is_drained_for_a_bounded_time(server):
     print(f"a stalled body drained for {drained:.2f} s")
     assert 1.0 < drained < 20, drained  # not closed at once (a reset), not held forever
     assert serving.get(port, "/health")[0] == 200
+
+
+# -------------------------------------------------------------------------- stopping
+
+
+def open_stream(port: int, ends: dict, i: int, started: threading.Event) -> None:
+    """A long SSE completion; records how it ended: its last data line, or the error."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1500, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    last, tokens = "", 0
+    try:
+        for raw in resp:
+            line = raw.decode().strip()
+            tokens += line.startswith("data: {") and '"text"' in line
+            if tokens >= 8:  # decoding, past the first (cold, slower) steps
+                started.set()
+            if line:
+                last = line
+        ends[i] = ("closed", last, time.time())
+    except (http.client.IncompleteRead, OSError) as exc:
+        ends[i] = ("cut", repr(exc), time.time())
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize(("sig", "streams"), [(signal.SIGINT, 2), (signal.SIGTERM, 2),
+                                              (signal.SIGINT, 0)])  # fmt: skip
+def test_a_signal_stops_the_server_promptly_and_ends_its_streams(sig, streams):
+    with kvlm_serve("--max-context", "2048", "--threads", "2", "--weights", "native",
+                    "--log-level", "warning") as (port, proc):  # fmt: skip
+        ends: dict = {}
+        started = [threading.Event() for _ in range(streams)]
+        workers = [threading.Thread(target=open_stream, args=(port, ends, i, started[i]))
+                   for i in range(streams)]  # fmt: skip
+        whole: list = []  # a request answered in one piece, under way at the signal
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1500, "ignore_eos": True}
+        waiter = threading.Thread(target=lambda: whole.append(post(port, "/v1/completions",
+                                                                   body)))  # fmt: skip
+        if streams:  # (none: an idle server)
+            workers.append(waiter)
+        for w in workers:
+            w.start()
+        for event in started:
+            assert event.wait(120), "a stream did not start"
+        sent = time.time()
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=30)
+        took = time.time() - sent
+        for w in workers:
+            w.join(timeout=30)
+        out = proc.stdout.read().decode(errors="replace")
+        # the streams end at once, not after the step under way (one call into the C
+        # kernel: 1-5 s on a loaded 2-vCPU machine); then the HTTP server and the exit
+        ended = max((end for _, _, end in ends.values()), default=sent) - sent
+        print(f"{signal.Signals(sig).name} with {streams} streams: exit {rc} in {took:.2f} s "
+              f"(streams ended after {ended:.2f} s)")  # fmt: skip
+        assert rc == 0, out
+        assert took < STOP_BOUND_S, (took, out)
+        assert took - ended < AFTER_STEP_BOUND_S, (took, ended, out)
+        assert "Traceback" not in out, out
+        if streams:
+            status, answer = whole[0]
+            assert status == 503 and answer["error"]["code"] == "shutting_down", whole
+        for i in range(streams):
+            how, last, _ = ends[i]
+            assert how == "closed", ends[i]  # the response ended, not cut mid-chunk
+            assert "shutting down" in last, ends[i]  # its last event says why

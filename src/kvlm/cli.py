@@ -650,7 +650,7 @@ def _mib(n: int) -> str:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvlm.errors import InvalidRequestError
-    from kvlm.server import serve
+    from kvlm.server import exit_now, serve
 
     if not 0 < args.port < 65536:
         raise InvalidRequestError(f"--port must be 1..65535, got {args.port}")
@@ -664,7 +664,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     llm = serve_model(args)
     serve(llm, config, args.host, args.port, args.api_key, args.served_model_name, args.log_level,
           limits, args.tool_call_parser)  # fmt: skip
-    return 0
+    exit_now(0)  # (kvlm.server.exit_now says why)
 
 
 def serve_config(args: argparse.Namespace):

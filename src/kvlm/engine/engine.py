@@ -157,10 +157,11 @@ class Engine:
         )  # fmt: skip
         return KVTiers([parse_tier(t) for t in self.config.kv_tiers], ns, parts)
 
-    def close(self) -> None:
-        """Finish the tiers' queued writes (a server stopping)."""
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish the tiers' queued writes (a server stopping), waiting at most `timeout`
+        seconds for them to land."""
         if self.tiers is not None:
-            self.tiers.close()
+            self.tiers.close(timeout)
 
     # ------------------------------------------------------------------ requests
 
