@@ -139,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-connections", type=int, default=512, help="open connections; more get 503"
     )
     serve.add_argument(
+        "--engine-wait", type=float, default=10.0,
+        help="seconds /v1/kv waits for the engine between two steps; longer gets 503",
+    )  # fmt: skip
+    serve.add_argument(
         "--public-metrics", action="store_true",
         help="serve /metrics without --api-key (for a Prometheus scraper)",
     )  # fmt: skip
@@ -653,7 +657,7 @@ def _mib(n: int) -> str:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvlm.errors import InvalidRequestError
-    from kvlm.server import serve
+    from kvlm.server import exit_now, serve
 
     if not 0 < args.port < 65536:
         raise InvalidRequestError(f"--port must be 1..65535, got {args.port}")
@@ -667,7 +671,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     llm = serve_model(args)
     serve(llm, config, args.host, args.port, args.api_key, args.served_model_name, args.log_level,
           limits, args.tool_call_parser)  # fmt: skip
-    return 0
+    exit_now(0)  # (kvlm.server.exit_now says why)
 
 
 def serve_config(args: argparse.Namespace):
@@ -688,6 +692,7 @@ def serve_config(args: argparse.Namespace):
             idle_timeout_s=args.idle_timeout,
             max_connections=args.max_connections,
             public_metrics=args.public_metrics,
+            engine_wait_s=args.engine_wait,
         )
         spec = _speculative(args)
     except ValueError as exc:

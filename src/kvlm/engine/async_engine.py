@@ -33,6 +33,15 @@ log = logging.getLogger("kvlm.engine")
 T = TypeVar("T")
 
 
+class EngineBusyError(KvlmError):
+    """The engine thread did not come between two steps within the caller's deadline (a
+    long step under way): try again (the server answers 503 with a Retry-After)."""
+
+
+class EngineStoppedError(KvlmError):
+    """The engine has stopped (the server is shutting down): nothing more runs on it."""
+
+
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -65,11 +74,33 @@ class AsyncEngine:
         self._running_on = threading.current_thread()
         self._run()
 
-    def stop(self) -> None:
+    def request_stop(self) -> None:
+        """Ask the loop to stop after the step under way (safe from a signal handler)."""
         self._stop = True
         self._wake.set()
+
+    def stop(self) -> None:
+        """Stop the loop (waiting for the step under way), then end every open stream and
+        pending call with EngineStoppedError: a client gets a last event or a 503 at once,
+        not a connection cut when the HTTP server stops waiting for it."""
+        self.request_stop()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+        self._end_all(EngineStoppedError("the server is shutting down"))
+
+    def _end_all(self, exc: EngineStoppedError) -> None:
+        """Fail what waits on the stopped loop: queued calls and every open stream."""
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if message[0] == "call":
+                _, _, loop, future = message
+                with contextlib.suppress(RuntimeError):  # the loop has closed
+                    loop.call_soon_threadsafe(_settle, future, None, exc)
+        for stream in list(self._streams.values()):
+            self._post(stream, exc)
 
     @property
     def alive(self) -> bool:
@@ -92,6 +123,8 @@ class AsyncEngine:
         """Events of one request until all its samples finish. Raises KvlmError subclasses
         before the first event for a request that cannot run (checked at once)."""
         rid = request_id or f"req-{next(self._ids)}"
+        if self._stop:
+            raise EngineStoppedError("the server is shutting down")
         if params.guide is not None and params.guide.compiled is None:  # off the loop
             core = self.engine  # and off the engine thread: check_request finds it done
             params.guide = await asyncio.to_thread(
@@ -122,10 +155,17 @@ class AsyncEngine:
     async def call(self, fn: Callable[[Engine], T], timeout: float = 10.0) -> T:
         """fn(engine) run on the engine thread between two steps (what reads the pool's
         state whole, as /v1/kv does: the engine thread mutates it during a step)."""
+        if self._stop:
+            raise EngineStoppedError("the server is shutting down")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         self._send(("call", fn, loop, future))
-        return await asyncio.wait_for(future, timeout)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except TimeoutError:  # a step longer than the deadline is under way
+            raise EngineBusyError(
+                f"the engine is busy: it did not come between two steps within {timeout:g} s"
+            ) from None
 
     def _send(self, message: tuple) -> None:
         self._inbox.put(message)
@@ -182,21 +222,14 @@ class AsyncEngine:
                 self._fail(rid, KvlmError(f"the engine could not take this request ({exc})"))
 
     def _call(self, fn, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
+        if future.done():  # its caller gave up waiting: a stale call costs a step nothing
+            return
         try:
             result, error = fn(self.engine), None
         except Exception as exc:
             result, error = None, exc
-
-        def settle() -> None:
-            if future.done():  # the caller timed out
-                return
-            if error is None:
-                future.set_result(result)
-            else:
-                future.set_exception(error)
-
         with contextlib.suppress(RuntimeError):  # the loop has closed
-            loop.call_soon_threadsafe(settle)
+            loop.call_soon_threadsafe(_settle, future, result, error)
 
     def _deliver(self, events: list[StepOutput]) -> None:
         for event in events:
@@ -214,3 +247,13 @@ class AsyncEngine:
         # RuntimeError: its event loop has closed (the server is shutting down)
         with contextlib.suppress(RuntimeError):
             stream.loop.call_soon_threadsafe(stream.events.put_nowait, item)
+
+
+def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    """A call's answer, on its event loop (skipped if the caller has timed out)."""
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)

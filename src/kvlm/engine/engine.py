@@ -162,7 +162,8 @@ class Engine:
         return KVTiers([parse_tier(t) for t in self.config.kv_tiers], ns, parts, key)
 
     def close(self) -> None:
-        """Finish the tiers' queued writes (a server stopping)."""
+        """Finish the tiers' queued writes (a server stopping): at most CLOSE_FLUSH_S
+        seconds (kvlm.cache.tiers), then the rest are dropped and counted."""
         if self.tiers is not None:
             self.tiers.close()
 

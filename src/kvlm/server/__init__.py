@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 import sys
 import threading
 import time
+from types import FrameType
+from typing import Any, NoReturn
 
 from kvlm.engine.async_engine import AsyncEngine
 from kvlm.engine.engine import Engine, EngineConfig
 from kvlm.errors import KvlmError
 from kvlm.llm import LLM
 from kvlm.server.limits import ServerLimits
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Shutting down within 2 s: the engine ends every open stream (a last event) before the
+# HTTP server stops, so it seldom waits; a handler still busy after this is cancelled.
+HTTP_STOP_S = 1
 
 
 def serve(
@@ -27,7 +36,9 @@ def serve(
     tool_parser: str | None = None,
 ) -> None:
     """Serve until interrupted (Ctrl-C or SIGTERM): HTTP on a thread, the engine on this
-    one (see AsyncEngine.run_forever)."""
+    one (see AsyncEngine.run_forever). Returns once shut down; or ends the process itself
+    (exit 0) where the engine thread is still inside a step then, and at a second signal
+    (exit 1): see _Stopper."""
     import uvicorn
 
     from kvlm.server.app import create_app
@@ -43,12 +54,12 @@ def serve(
         host=host,
         port=port,
         log_level=log_level,
-        timeout_graceful_shutdown=2,
+        timeout_graceful_shutdown=HTTP_STOP_S,
         http=HeadTimeoutH11Protocol,
         timeout_keep_alive=int(limits.keep_alive_s),
         limit_concurrency=limits.max_connections,
     )
-    uv.kvlm_idle_timeout_s = limits.idle_timeout_s  # read by HeadTimeoutH11Protocol
+    uv.kvlm_limits = limits  # read by HeadTimeoutH11Protocol
     http = uvicorn.Server(uv)
     thread = threading.Thread(target=http.run, name="kvlm-http", daemon=True)
     thread.start()
@@ -64,14 +75,88 @@ def serve(
         file=sys.stderr,
         flush=True,
     )
-    previous = signal.signal(signal.SIGTERM, lambda *_: engine.stop())
+    _run_until_stopped(engine, http, thread)
+
+
+def _run_until_stopped(engine: AsyncEngine, http: Any, thread: threading.Thread) -> None:
+    """The engine loop on this thread until SIGINT/SIGTERM, then the shutdown (_Stopper)."""
+    stopper = _Stopper(engine, http, thread)
+    previous = stopper.install()
     try:
         engine.run_forever()
-    except KeyboardInterrupt:
-        pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        engine.stop()
-        http.should_exit = True
-        thread.join(timeout=5)
-        engine.engine.close()  # the KV tiers' queued writes land before the process ends
+        stopper.returned.set()
+        stopper.stop_all()  # done already by the stopper's thread, or done here
+        stopper.uninstall(previous)
+
+
+class _Stopper:
+    """SIGINT/SIGTERM, handled off the engine thread. A decode step is one call into the
+    fused C kernel (kvlm.model.fused) and Python runs a signal handler only between two
+    bytecodes, so a handler on the engine thread waited for the step under way: 1-5 s per
+    step on a loaded 2-vCPU machine. Python's own C-level handler also writes the signal's
+    number to the wakeup fd at once, so a thread reading it starts the shutdown while the
+    step runs: stop the loop after this step, end every open stream with a last event and
+    every queued call with a 503 (engine.stop), stop the HTTP server, let the KV tiers'
+    queued writes land (bounded). If the engine thread is still inside its step then, the
+    process leaves without it (its results have no reader). A second signal: leave at once.
+    """
+
+    def __init__(self, engine: AsyncEngine, http: Any, thread: threading.Thread) -> None:
+        self.engine, self.http, self.thread = engine, http, thread
+        self.returned = threading.Event()  # run_forever has returned
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._read, self._write = socket.socketpair()
+        self._write.setblocking(False)  # set_wakeup_fd requires it
+
+    def install(self) -> dict:
+        self._wakeup = signal.set_wakeup_fd(self._write.fileno())
+        previous = {sig: signal.signal(sig, self._on_main) for sig in STOP_SIGNALS}
+        threading.Thread(target=self._watch, name="kvlm-signals", daemon=True).start()
+        return previous
+
+    def uninstall(self, previous: dict) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        signal.set_wakeup_fd(self._wakeup)
+
+    def _on_main(self, signum: int, frame: FrameType | None) -> None:
+        self.engine.request_stop()  # (the watcher has seen it already)
+
+    def _watch(self) -> None:
+        seen = 0
+        while data := self._read.recv(64):
+            seen += sum(byte in STOP_SIGNALS for byte in data)
+            if seen == 1:
+                threading.Thread(target=self._shutdown, name="kvlm-stop", daemon=True).start()
+            elif seen > 1:
+                exit_now(1)  # asked twice: leave without waiting for anything
+
+    def _shutdown(self) -> None:
+        self.stop_all()
+        if not self.returned.wait(0.2):  # the engine thread is inside a step
+            exit_now(0)
+
+    def stop_all(self) -> None:
+        """The shutdown, once, whichever thread comes first (each part bounded)."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            self.engine.request_stop()
+            self.engine.stop()  # open streams get their last event, queued calls a 503
+            self.http.should_exit = True  # uvicorn checks it every 0.1 s
+            self.thread.join(timeout=HTTP_STOP_S + 1)
+            self.engine.engine.close()  # tiers: at most CLOSE_FLUSH_S
+
+
+def exit_now(code: int) -> NoReturn:
+    """Leave without the interpreter's teardown, once what must land has (streams ended,
+    the HTTP thread stopped, the tiers flushed): the teardown after torch (its op
+    registry's finalizers, then every module) took 1.2-2.2 s here, more than all the rest
+    of a shutdown."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

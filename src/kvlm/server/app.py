@@ -46,7 +46,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvlm import __version__
-from kvlm.engine.async_engine import AsyncEngine
+from kvlm.engine.async_engine import AsyncEngine, EngineBusyError, EngineStoppedError
 from kvlm.engine.engine import StepOutput
 from kvlm.engine.guided import compile_guide
 from kvlm.engine.sampling import MAX_SAMPLES, SamplingParams
@@ -222,7 +222,7 @@ def create_app(
         with hit counts, waste and the tiers' counters, read whole between two steps."""
         if not engine.alive:
             raise ServerError(503, "the engine has stopped", "server_error")
-        view = await engine.call(lambda e: e.kv_view())
+        view = await engine.call(lambda e: e.kv_view(), limits.engine_wait_s)  # or 503
         return JSONResponse({"object": "kv_cache", "model": model_name} | view)
 
     @app.get("/dashboard", response_class=HTMLResponse,
@@ -491,6 +491,15 @@ def _install_error_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         body = error_body(str(exc.detail), kind)
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)  # 405: Allow
+
+    @app.exception_handler(EngineBusyError)
+    @app.exception_handler(EngineStoppedError)
+    async def unavailable(_: Request, exc: KvlmError) -> JSONResponse:
+        # a condition of the moment, not a bug: a 503 to retry, never a 500 and a traceback
+        busy = isinstance(exc, EngineBusyError)
+        body = error_body(str(exc), "server_busy" if busy else "server_error",
+                          code="engine_busy" if busy else "shutting_down")  # fmt: skip
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "1" if busy else "5"})
 
     @app.exception_handler(Exception)
     async def bug(_: Request, exc: Exception) -> JSONResponse:

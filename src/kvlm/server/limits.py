@@ -5,6 +5,13 @@
                    `idle_timeout_s` (else 408: RequestLimits, an ASGI middleware)
                ──▶ the route: JSON parsed, validated, tokenized off the event loop
                ──▶ kept alive `keep_alive_s` after a response, then closed (uvicorn)
+    a response that ends the connection before the body is in (413, 408): the rest of the
+    body is read and discarded, at most `drain_bytes` within `drain_s`, then closed
+
+A lingering close, as nginx's: closing a socket with unread data makes the kernel send a
+reset, and a client that sends its whole body before reading (urllib, requests) then
+fails on its send with "broken pipe" and never sees the 413. Half-closing (FIN after the
+response) and reading on lets it finish sending and read the answer.
 
 uvicorn times out a keep-alive connection only after a first response: a client that
 connects and sends nothing, or a request head one byte a minute, held its socket forever
@@ -30,6 +37,8 @@ Scope = dict[str, Any]
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+# a refused body's connection is not kept alive: the rest of the body is drained, then closed
+CLOSE = {"Connection": "close"}
 
 
 @dataclass(slots=True, frozen=True)
@@ -38,16 +47,21 @@ class ServerLimits:
     idle_timeout_s: float = 30.0  # to send a request head, or the next piece of a body
     keep_alive_s: float = 5.0  # an idle connection after a response (uvicorn's default)
     max_connections: int = 512  # open at once; more get 503
+    drain_bytes: int = 64 << 20  # of a refused body, read and discarded before closing
+    drain_s: float = 5.0  # the longest a refused body is drained
     public_metrics: bool = False  # /metrics without the API key (for a scraper)
+    engine_wait_s: float = 10.0  # a route waiting for the engine between steps (/v1/kv); then 503
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
             raise ValueError("the body limit must be at least 1 KiB")
-        for name in ("idle_timeout_s", "keep_alive_s"):
+        for name in ("idle_timeout_s", "keep_alive_s", "drain_s", "engine_wait_s"):
             if not 0 < getattr(self, name) <= 3600:
                 raise ValueError(f"{name} must be in (0, 3600] seconds")
         if self.max_connections < 1:
             raise ValueError("max_connections must be >= 1")
+        if self.drain_bytes < 0:
+            raise ValueError("drain_bytes must be >= 0")
 
 
 class RequestLimits:
@@ -77,12 +91,13 @@ class RequestLimits:
             try:
                 message = await asyncio.wait_for(receive(), self.limits.idle_timeout_s)
             except TimeoutError:
-                raise HTTPException(408, "the request body stopped arriving") from None
+                raise HTTPException(408, "the request body stopped arriving", CLOSE) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 done = not message.get("more_body", False)
                 if received > limit:
-                    raise HTTPException(413, f"the request body is over the limit of {limit} bytes")
+                    why = f"the request body is over the limit of {limit} bytes"
+                    raise HTTPException(413, why, CLOSE)
             return message
 
         await self.app(scope, limited, send)
@@ -105,16 +120,19 @@ async def _error(send: Send, status: int, message: str) -> None:
 
 class HeadTimeoutH11Protocol(H11Protocol):
     """uvicorn's h11 protocol, closing a connection that has not sent a whole request head
-    within `config.kvlm_idle_timeout_s` of opening (or of its last response)."""
+    within `idle_timeout_s` of opening (or of its last response), and closing one whose
+    response came before its whole body with a lingering close (the module's docstring).
+    Its limits are `config.kvlm_limits` (a ServerLimits)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._limits: ServerLimits = getattr(self.config, "kvlm_limits", ServerLimits())
         self._head_timer: asyncio.TimerHandle | None = None
+        self._drain_left: int | None = None  # bytes still to discard; None: not draining
         self._arm_head_timer()
 
     def _arm_head_timer(self) -> None:
-        timeout = getattr(self.config, "kvlm_idle_timeout_s", 30.0)
-        self._head_timer = self.loop.call_later(timeout, self._head_timeout)
+        self._head_timer = self.loop.call_later(self._limits.idle_timeout_s, self._head_timeout)
 
     def _disarm_head_timer(self) -> None:
         if self._head_timer is not None:
@@ -130,13 +148,56 @@ class HeadTimeoutH11Protocol(H11Protocol):
         super().handle_events()
         if self.cycle is not None and not self.cycle.response_complete:
             self._disarm_head_timer()  # a request head arrived: the route takes it from here
+            if not isinstance(self.cycle.transport, _LingeringClose):
+                # the cycle closes the connection after a `Connection: close` response
+                self.cycle.transport = _LingeringClose(self.transport, self)
+
+    def close_after_body(self) -> None:
+        """Close now if the request was read whole, else half-close and drain its body."""
+        if self.transport.is_closing():
+            return
+        body_in = self.cycle is None or not self.cycle.more_body  # its end was read
+        if body_in or self._limits.drain_bytes == 0:
+            self.transport.close()
+            return
+        self._drain_left = self._limits.drain_bytes
+        self.flow.resume_reading()  # uvicorn pauses reading past 64 KiB of unread body
+        if self.transport.can_write_eof():  # type: ignore[attr-defined]
+            self.transport.write_eof()  # type: ignore[attr-defined]  # FIN after the answer
+        self.loop.call_later(self._limits.drain_s, self.transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if self._drain_left is None:
+            super().data_received(data)
+            return
+        self._drain_left -= len(data)  # discarded unparsed: the answer has been sent
+        if self._drain_left < 0:
+            self.transport.close()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing():
+        if self._drain_left is not None:  # only the drain's own bounds apply now
+            self._unset_keepalive_if_required()
+            self._disarm_head_timer()
+        elif not self.transport.is_closing():
             self._disarm_head_timer()
             self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
         super().connection_lost(exc)
+
+
+class _LingeringClose:
+    """The transport as a request's cycle sees it: its close() is the protocol's
+    close_after_body(); everything else is the transport's."""
+
+    def __init__(self, transport: asyncio.BaseTransport, protocol: HeadTimeoutH11Protocol):
+        self._transport = transport
+        self._protocol = protocol
+
+    def close(self) -> None:
+        self._protocol.close_after_body()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
