@@ -171,13 +171,15 @@ def ray_cluster(cpus: int = 1, start_timeout: float = 120) -> Iterator[RayCluste
         head_role = ["--head", "--port", str(port), "--include-dashboard", "false",
                      "--dashboard-port", str(free_port()),
                      "--ray-client-server-port", str(free_port())]  # fmt: skip
+        deadline = time.time() + start_timeout
         nodes.append(_start_node(temp_root / "head", head_role, cpus))
-        # the second node retries the GCS until the head is up: both start at once
+        # The second node only once the head is up: its ports are picked free now, and a
+        # port picked while the head had not bound its own yet could be the GCS port (seen
+        # in a full run: the second node met another service there, "InvalidAuthToken").
+        nodes[0].wait_started(deadline)
         second_role = ["--address", f"127.0.0.1:{port}"]
         nodes.append(_start_node(temp_root / "second", second_role, cpus))
-        deadline = time.time() + start_timeout
-        for node in nodes:
-            node.wait_started(deadline)
+        nodes[1].wait_started(deadline)
         yield RayCluster(nodes[0], nodes[1], f"127.0.0.1:{port}")
     finally:
         try:
