@@ -165,6 +165,12 @@ def ray_cluster(cpus: int = 1, start_timeout: float = 120) -> Iterator[RayCluste
     Both stopped on leaving."""
     port = free_port()
     nodes: list[RayNode] = []
+    # Ray turns token authentication on when ~/.ray/auth_token exists (an in-process
+    # ray.init, as tests/test_cluster.py's replicas run, writes one), and a node or a
+    # driver that reads the mode otherwise is refused ("InvalidAuthToken"): every process
+    # of this cluster, the nodes and the `kvlm serve` that joins them, says the same.
+    saved = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     # short: Unix socket paths under the session directory must stay within ~107 bytes
     temp_root = Path(tempfile.mkdtemp(prefix="kvlm-ray-", dir="/tmp"))
     try:
@@ -182,6 +188,10 @@ def ray_cluster(cpus: int = 1, start_timeout: float = 120) -> Iterator[RayCluste
         nodes[1].wait_started(deadline)
         yield RayCluster(nodes[0], nodes[1], f"127.0.0.1:{port}")
     finally:
+        if saved is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved
         try:
             _stop(nodes)
         finally:
