@@ -279,12 +279,27 @@ def test_prefix_routing_hits_more_than_round_robin(port, model):
     assert prefix >= 1.4 * round_robin > 0, (prefix, round_robin)
 
 
-def _stream(client, model, prompt: str):
+def _stream(client, model, prompt: str, max_tokens: int = 900):
     """A long streamed completion, its first chunk read (its replica is decoding)."""
-    stream = complete(client, model, prompt=prompt, max_tokens=900, stream=True,
+    stream = complete(client, model, prompt=prompt, max_tokens=max_tokens, stream=True,
                       extra_body={"ignore_eos": True})  # fmt: skip
     next(iter(stream))
     return stream
+
+
+def _endings(streams) -> list[str]:
+    """Each stream read to its end: "done", or "failed" on the replica_failed error event
+    (not a hang or a broken stream), sorted."""
+    endings = []
+    for stream in streams:
+        try:
+            for _ in stream:
+                pass
+            endings.append("done")
+        except openai.APIError as exc:
+            assert exc.body["code"] == "replica_failed"
+            endings.append("failed")
+    return sorted(endings)
 
 
 @pytest.mark.slow
@@ -327,16 +342,7 @@ def test_a_killed_replica_ends_its_streams_cleanly_and_comes_back(server, client
     pids = _replica_pids(proc)
     assert len(pids) == 2
     os.kill(pids[0], signal.SIGKILL)
-    endings = []
-    for stream in streams:
-        try:
-            for _ in stream:
-                pass
-            endings.append("done")
-        except openai.APIError as exc:  # the error event, not a hang or a broken stream
-            assert exc.body["code"] == "replica_failed"
-            endings.append("failed")
-    assert sorted(endings) == ["done", "failed"]
+    assert _endings(streams) == ["done", "failed"]
     for i in range(3):  # the survivor answers; the router has dropped the dead one
         assert complete(client, model, prompt=f"Hello number {i}", max_tokens=4).choices[0].text
 
