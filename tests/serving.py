@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -14,11 +15,22 @@ from contextlib import contextmanager
 
 import pytest
 
+# Ports for the servers the tests start, taken below the kernel's ephemeral range
+# (32768-60999) and above Ray's worker ports (10002-19999): what the kernel hands out for
+# a bind to port 0 (Ray's own servers, starting while a kvlm serve loads) cannot be one.
+TEST_PORTS = range(20000, 32768)
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, from TEST_PORTS, at a random place (other test runs pick too)."""
+    for port in random.sample(TEST_PORTS, 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # taken
+                continue
+            return port
+    raise RuntimeError("no free port in TEST_PORTS")
 
 
 @contextmanager

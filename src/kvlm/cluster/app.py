@@ -56,6 +56,15 @@ _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]  # the r
 _DROPPED_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length"}
 
 
+Reply = tuple[int, bytes, dict[str, str]]  # a whole response: status, body, its headers
+
+
+def _relayed(headers: list[tuple[str, str]]) -> dict[str, str]:
+    """A replica's response headers as the ingress passes them on (Retry-After, the
+    content type, WWW-Authenticate), less those no longer true once relayed."""
+    return {k: v for k, v in headers if k.lower() not in _DROPPED_HEADERS}
+
+
 @dataclass(slots=True, frozen=True)
 class RawRequest:
     """An HTTP request as the ingress received it, body read (and bounded) in full."""
@@ -91,20 +100,20 @@ class KvlmReplica:
         async for item in call_asgi(self.app, raw):
             yield item
 
-    async def call(self, raw: RawRequest) -> tuple[int, bytes]:
-        """The whole response to `raw` (status, body): the ingress's scrapes."""
-        status, body = 500, b""
+    async def call(self, raw: RawRequest) -> Reply:
+        """The whole response to `raw` (status, body, headers): the ingress's scrapes."""
+        status, body, headers = 500, b"", {}
         async for item in call_asgi(self.app, raw):
             if isinstance(item, dict):
-                status = item["status"]
+                status, headers = item["status"], _relayed(item["headers"])
             else:
                 body += item
-        return status, body
+        return status, body, headers
 
-    async def named_call(self, raw: RawRequest) -> tuple[int, bytes, str]:
+    async def named_call(self, raw: RawRequest) -> tuple[int, bytes, dict[str, str], str]:
         """call(raw) with this replica's id (a stable name for the ingress's /v1/kv)."""
-        status, body = await self.call(raw)
-        return status, body, serve.get_replica_context().replica_id.unique_id
+        status, body, headers = await self.call(raw)
+        return status, body, headers, serve.get_replica_context().replica_id.unique_id
 
     def check_health(self) -> None:
         if self.engine is None or not self.engine.alive:
@@ -230,7 +239,7 @@ class Ingress:
         except Exception as exc:  # the replica died, or was gone before it could answer
             log.warning("a replica failed before answering: %r", exc)
             return JSONResponse(_failed(), status_code=503)
-        headers = {k: v for k, v in head["headers"] if k.lower() not in _DROPPED_HEADERS}
+        headers = _relayed(head["headers"])
         sse = headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(_relay(stream, sse), head["status"], headers)
 
@@ -243,17 +252,17 @@ class Ingress:
         answers = await self._ask_all(request)
         if not answers:
             return JSONResponse(_failed("no replica answered"), status_code=503)
-        refused = next(((s, b) for s, b in answers if s != 200), None)
+        refused = next((a for a in answers if a[0] != 200), None)
         if refused is not None:  # 401: the replicas' own check of the API key
-            return Response(refused[1], refused[0], media_type="application/json")
+            return _refusal(*refused)
         text = cluster_metrics.aggregate(
-            [b.decode() for _, b in answers], cluster_metrics.ROUTED.snapshot()
+            [b.decode() for _, b, _ in answers], cluster_metrics.ROUTED.snapshot()
         )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def health(self, request: Request) -> Response:
         answers = await self._ask_all(request)
-        up = sum(status == 200 for status, _ in answers)
+        up = sum(status == 200 for status, _, _ in answers)
         if not up:
             return JSONResponse({"status": "no replica answers"}, status_code=503)
         return JSONResponse({"status": "ok", "replicas": up})
@@ -271,16 +280,16 @@ class Ingress:
             log.warning("no replica answered /v1/kv: %r", exc)
             results = []
         answers = [r for r in results if not isinstance(r, BaseException)]
-        answers.sort(key=lambda r: r[2])  # by replica id
+        answers.sort(key=lambda r: r[3])  # by replica id
         if not answers:
             return JSONResponse(_failed("no replica answered"), status_code=503)
-        refused = next(((s, b) for s, b, _ in answers if s != 200), None)
-        if refused is not None:  # 401: the replicas' own check of the API key
-            return Response(refused[1], refused[0], media_type="application/json")
-        views = [json.loads(body) | {"replica": rid} for _, body, rid in answers]
+        refused = next((a for a in answers if a[0] != 200), None)
+        if refused is not None:  # 401 (the replicas' own key check), 503 engine_busy
+            return _refusal(*refused[:3])
+        views = [json.loads(body) | {"replica": rid} for _, body, _, rid in answers]
         return JSONResponse(views[0] | {"replicas": views})
 
-    async def _ask_all(self, request: Request) -> list[tuple[int, bytes]]:
+    async def _ask_all(self, request: Request) -> list[Reply]:
         """Each live replica's answer to this request (those that fail are left out)."""
         raw = await _raw(request)
         try:
@@ -291,6 +300,12 @@ class Ingress:
             log.warning("no replica answered %s: %r", raw.path, exc)
             return []
         return [r for r in results if not isinstance(r, BaseException)]
+
+
+def _refusal(status: int, body: bytes, headers: dict[str, str]) -> Response:
+    """A replica's refusal of a scrape, passed on whole: its status, body and headers
+    (a 503's Retry-After, a 401's WWW-Authenticate)."""
+    return Response(body, status, headers, media_type="application/json")
 
 
 async def _raw(request: Request) -> RawRequest:
