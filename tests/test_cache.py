@@ -12,7 +12,9 @@ from kvlm.cache import (
     CacheFileError,
     CacheSpec,
     create_cache,
+    load_cache,
     planned_nbytes,
+    save_cache,
 )
 from kvlm.cache.base import causal_mask
 from kvlm.cache.storage import key_rotation
@@ -282,9 +284,9 @@ def test_files_round_trip_across_dense_modes(tmp_path, src, dst):
     feed(a, 5, seed=1)
     a.fork(2)
     path = tmp_path / "c.kv"
-    a.save(path, "fp-1", extra={"note": "hi"})
+    save_cache(a, path, "fp-1", extra={"note": "hi"})
     b = create_cache(dst, SPEC)
-    assert b.load(path, "fp-1") == {"note": "hi"}
+    assert load_cache(b, path, "fp-1") == {"note": "hi"}
     assert (b.num_tokens, b.batch) == (5, 2)
     _, got = feed(b, 1, seed=2)
     _, want = feed(a, 1, seed=2)
@@ -295,23 +297,23 @@ def test_cache_files_refuse_what_does_not_fit(tmp_path):
     a = create_cache("contiguous", SPEC)
     feed(a, 5, seed=1)
     path = tmp_path / "c.kv"
-    a.save(path, "model-A")
+    save_cache(a, path, "model-A")
     with pytest.raises(CacheFileError, match="another model"):
-        create_cache("contiguous", SPEC).load(path, "model-B")
+        load_cache(create_cache("contiguous", SPEC), path, "model-B")
     with pytest.raises(CacheFileError, match="does not match this model"):
-        create_cache("contiguous", replace(SPEC, num_kv_heads=4)).load(path, "model-A")
+        load_cache(create_cache("contiguous", replace(SPEC, num_kv_heads=4)), path, "model-A")
     with pytest.raises(CacheFileError, match="same --kv-dtype"):
-        create_cache("contiguous", replace(SPEC, dtype=torch.bfloat16)).load(path, "model-A")
+        load_cache(create_cache("contiguous", replace(SPEC, dtype=torch.bfloat16)), path, "model-A")
     with pytest.raises(CacheFileError, match="cannot be restored into --kv window"):
-        create_cache("window", SPEC).load(path, "model-A")
+        load_cache(create_cache("window", SPEC), path, "model-A")
     with pytest.raises(CacheFileError, match="more than this cache's capacity"):
-        create_cache("contiguous", replace(SPEC, max_tokens=4)).load(path, "model-A")
+        load_cache(create_cache("contiguous", replace(SPEC, max_tokens=4)), path, "model-A")
     broken = tmp_path / "broken.kv"
     broken.write_bytes(path.read_bytes()[:200])
     with pytest.raises(CacheFileError, match="not a readable cache file"):
-        create_cache("contiguous", SPEC).load(broken, "model-A")
+        load_cache(create_cache("contiguous", SPEC), broken, "model-A")
     with pytest.raises(CacheFileError, match="not found"):
-        create_cache("contiguous", SPEC).load(tmp_path / "nope.kv", "model-A")
+        load_cache(create_cache("contiguous", SPEC), tmp_path / "nope.kv", "model-A")
 
 
 def test_tampered_cache_file_is_refused(tmp_path):
@@ -320,7 +322,7 @@ def test_tampered_cache_file_is_refused(tmp_path):
     a = create_cache("contiguous", SPEC)
     feed(a, 5, seed=1)
     path = tmp_path / "c.kv"
-    a.save(path, "m")
+    save_cache(a, path, "m")
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
@@ -329,7 +331,7 @@ def test_tampered_cache_file_is_refused(tmp_path):
     tensors["values"] = tensors["values"][:, :, :, :, :3].contiguous()  # length mismatch
     save_file(tensors, str(path), metadata=meta)
     with pytest.raises(CacheFileError, match="damaged"):
-        create_cache("contiguous", SPEC).load(path, "m")
+        load_cache(create_cache("contiguous", SPEC), path, "m")
 
 
 def test_causal_mask_forms():

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kvlm.cache import CacheFileError, CacheSpec, create_cache, planned_nbytes
-from kvlm.cache.base import MAX_FILE_ROWS, read_cache_file
+from kvlm.cache.files import MAX_FILE_ROWS, load_cache, read_cache_file, save_cache
 from kvlm.engine.chat import ChatSession
 from kvlm.engine.sampling import MAX_SAMPLES, SamplingParams
 from kvlm.errors import CacheOverflowError
@@ -73,7 +73,7 @@ def valid_file(mode: str, variant: str) -> tuple[dict[str, str], dict[str, torch
     """The metadata and tensors of a file a real cache wrote (copy before changing)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "c.kv"
-        filled(mode, variant).save(path, FP, extra={"note": "hi"})
+        save_cache(filled(mode, variant), path, FP, extra={"note": "hi"})
         with safe_open(str(path), framework="pt") as f:
             return dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
 
@@ -100,7 +100,7 @@ def with_tensors(tmp_path: Path, mode: str, variant: str = "short", /, **tensors
 
 def refused(path: Path, match: str, mode: str = "contiguous", spec: CacheSpec = SPEC) -> None:
     with pytest.raises(CacheFileError, match=match) as info:
-        create_cache(mode, spec).load(path, FP)
+        load_cache(create_cache(mode, spec), path, FP)
     assert str(path) in str(info.value) and "\n" not in str(info.value)
 
 
@@ -112,9 +112,9 @@ def refused(path: Path, match: str, mode: str = "contiguous", spec: CacheSpec = 
 def test_valid_files_load_as_before(tmp_path, mode, variant):
     src = filled(mode, variant)
     path = tmp_path / "c.kv"
-    src.save(path, FP, extra={"note": "hi"})
+    save_cache(src, path, FP, extra={"note": "hi"})
     dst = create_cache(mode, SPEC)
-    assert dst.load(path, FP) == {"note": "hi"}
+    assert load_cache(dst, path, FP) == {"note": "hi"}
     assert (dst.num_tokens, dst.batch, dst.nbytes) == (src.num_tokens, src.batch, src.nbytes)
     for name, t in src.snapshot().tensors.items():
         assert torch.equal(dst.snapshot().tensors[name], t), name
@@ -159,14 +159,14 @@ def test_rows_with_data_are_bounded_too(tmp_path):
 
 def test_a_paged_pool_without_room_for_the_file_is_refused_and_keeps_its_blocks(tmp_path):
     path = tmp_path / "c.kv"
-    filled("paged", "forked").save(path, FP)  # 3 rows of 6 tokens: 3 blocks
+    save_cache(filled("paged", "forked"), path, FP)  # 3 rows of 6 tokens: 3 blocks
     small = replace(SPEC, num_blocks=2)
     cache = create_cache("paged", small)
     refused(
         path, "does not fit: 3 rows of 6 tokens need 3 blocks, the pool has 2 free", "paged", small
     )
     with pytest.raises(CacheFileError):
-        cache.load(path, FP)
+        load_cache(cache, path, FP)
     assert cache.pool.num_free == 2 and (cache.num_tokens, cache.batch) == (0, 1)
 
 
@@ -194,7 +194,7 @@ def test_window_file_without_slot_pos_is_refused(tmp_path):
 def test_bad_slot_pos_is_refused(tmp_path, variant, slot_pos, match):
     path = with_tensors(tmp_path, "window", variant, slot_pos=slot_pos)
     if match is None:
-        create_cache("window", SPEC).load(path, FP)
+        load_cache(create_cache("window", SPEC), path, FP)
     else:
         refused(path, match, "window")
 
@@ -209,7 +209,7 @@ def test_window_length_must_agree_with_the_ring(tmp_path):
 
 def chat_file(tmp_path: Path, extra: dict, variant: str = "short") -> Path:
     path = tmp_path / "chat.kv"
-    filled("contiguous", variant).save(path, FP, extra=extra)
+    save_cache(filled("contiguous", variant), path, FP, extra=extra)
     return path
 
 
@@ -379,7 +379,7 @@ def test_values_are_data_even_when_not_finite(tmp_path):
     v[0, 0, 0, 0, 0, 0] = float("nan")
     v[0, 0, 0, 0, 1, 0] = float("inf")
     cache = create_cache("contiguous", SPEC)
-    cache.load(with_tensors(tmp_path, "contiguous", values=v), FP)
+    load_cache(cache, with_tensors(tmp_path, "contiguous", values=v), FP)
     assert cache.num_tokens == 5
 
 
@@ -388,7 +388,7 @@ def test_values_are_data_even_when_not_finite(tmp_path):
 
 def test_files_that_are_not_cache_files(tmp_path):
     good = tmp_path / "good.kv"
-    filled("contiguous", "short").save(good, FP)
+    save_cache(filled("contiguous", "short"), good, FP)
     data = good.read_bytes()
     (tmp_path / "head.kv").write_bytes(data[:200])
     refused(tmp_path / "head.kv", "not a readable cache file")
@@ -424,13 +424,13 @@ def test_nothing_is_read_into_memory_before_the_headers_check_out(tmp_path, monk
     refused(write(tmp_path / "model.safetensors", {"format": "pt"}, weights), "format 'pt'")
     refused(edited(tmp_path, "contiguous", batch="2"), "the metadata says")
     assert loaded == []
-    create_cache("contiguous", SPEC).load(edited(tmp_path, "contiguous"), FP)
+    load_cache(create_cache("contiguous", SPEC), edited(tmp_path, "contiguous"), FP)
     assert loaded == ["values"]
 
 
 def test_an_unreadable_file_is_refused(tmp_path, monkeypatch):
     path = tmp_path / "c.kv"
-    filled("contiguous", "short").save(path, FP)
+    save_cache(filled("contiguous", "short"), path, FP)
     if os.geteuid() != 0:  # root reads whatever the mode bits say
         path.chmod(0)
         refused(path, "not a readable cache file")
@@ -612,7 +612,7 @@ def test_damaged_files_load_exactly_or_are_refused(tmp_path, source, variant, ed
     mode = target or source
     cache = create_cache(mode, SPEC)
     try:
-        cache.load(path, FP)
+        load_cache(cache, path, FP)
     except CacheFileError as exc:
         assert str(path) in str(exc) and "\n" not in str(exc)
         assert (cache.num_tokens, cache.batch) == (0, SPEC.batch)

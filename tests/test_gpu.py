@@ -20,6 +20,7 @@ import torch
 
 from helpers import assert_generation_agrees, assert_greedy_agreement
 from kvlm import LLM, SamplingParams
+from kvlm.cache import load_cache, save_cache
 from kvlm.engine.engine import Engine, EngineConfig
 from kvlm.errors import InvalidRequestError
 from numerics import assert_as_exact_as
@@ -162,16 +163,16 @@ def test_a_saved_device_cache_loads_on_the_cpu(cpu, tiny_model_dir, tmp_path):
     gpu = on_device(tiny_model_dir("llama"), kv="paged")
     cache = gpu.new_cache()
     gpu.runner.forward(cpu.tokenizer.encode(PROMPTS[1]), cache)
-    cache.save(tmp_path / "c.kv", gpu.fingerprint)
+    save_cache(cache, tmp_path / "c.kv", gpu.fingerprint)
     here = cpu.new_cache("paged")
-    here.load(tmp_path / "c.kv", cpu.fingerprint)
+    load_cache(here, tmp_path / "c.kv", cpu.fingerprint)
     assert here.num_tokens == cache.num_tokens
     ours, theirs = cache.snapshot().tensors, here.snapshot().tensors
     assert ours.keys() == theirs.keys()
     for key in ours:
         torch.testing.assert_close(ours[key].cpu(), theirs[key])
     back = gpu.new_cache("paged")  # and onto the device again
-    back.load(tmp_path / "c.kv", gpu.fingerprint)
+    load_cache(back, tmp_path / "c.kv", gpu.fingerprint)
     assert back.snapshot().tensors[key].device.type == torch.device(DEVICE).type
 
 

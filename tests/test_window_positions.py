@@ -23,7 +23,7 @@ import torch
 
 from helpers import low_bit_llm, save_tiny_model
 from kvlm import LLM
-from kvlm.cache import CacheFileError, CacheSpec, create_cache
+from kvlm.cache import CacheFileError, CacheSpec, create_cache, load_cache, save_cache
 from kvlm.errors import InvalidRequestError
 from kvlm.llm import CacheOptions
 from kvlm.model import attention
@@ -116,11 +116,11 @@ def test_cache_files_remember_the_position_mode(tmp_path):
         a = create_cache("window", spec(saved))
         feed(a, 9, seed=1)
         path = tmp_path / f"{saved}.kv"
-        a.save(path, "m")
+        save_cache(a, path, "m")
         with pytest.raises(CacheFileError):  # the layout_extra check (kvlm.cache.base)
-            create_cache("window", spec(other)).load(path, "m")
+            load_cache(create_cache("window", spec(other)), path, "m")
         b = create_cache("window", spec(saved))  # while its own mode takes it
-        b.load(path, "m")
+        load_cache(b, path, "m")
         assert b.num_tokens == 9 and torch.equal(b.slot_pos, a.slot_pos)
     # absolute files keep the layout of files written before the option existed
     assert create_cache("window", spec("absolute"))._layout_extra() == {"sinks": S, "window": W}

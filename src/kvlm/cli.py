@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvlm.errors import KvlmError
+from kvlm.settings import model_from_args, speculative_from_args
 
 EXIT_USER_ERROR = 2
 # Spelled out rather than imported from kvlm.cache, which pulls in torch: `kvlm --help`
@@ -323,25 +324,6 @@ def _session_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-cache", metavar="FILE", help="resume a conversation saved before")
 
 
-def _model(args: argparse.Namespace, **settings: Any):
-    """An LLM from the flags every model command has (_model_args), plus the command's own
-    cache settings."""
-    from kvlm.llm import LLM  # imports torch: only once a command runs
-
-    return LLM(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        threads=args.threads,
-        weights=args.weights,
-        prefill_dtype=args.prefill_dtype,
-        activations=args.activations,
-        exact=args.exact,
-        progress=sys.stderr.isatty(),
-        **settings,
-    )
-
-
 def _speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative", choices=("ngram", "draft"), default=None,
@@ -359,27 +341,11 @@ def _speculative_args(p: argparse.ArgumentParser) -> None:
                    "format of the same file is self-speculation")  # fmt: skip
 
 
-def _speculative(args: argparse.Namespace):
-    from kvlm.engine.speculative import SpeculativeConfig
-
-    if not args.speculative:
-        return None
-    try:
-        return SpeculativeConfig(
-            args.speculative,
-            num_draft=args.num_draft,
-            draft_model=args.draft_model,
-            draft_weights=args.draft_weights,
-        )
-    except ValueError as exc:
-        raise KvlmError(str(exc)) from None
-
-
 def _load(args: argparse.Namespace):
     """generate, chat, verify: every cache flag (_cache_args) applies."""
     from kvlm.llm import CacheOptions
 
-    return _model(
+    return model_from_args(
         args,
         kv=args.kv,
         kv_dtype=args.kv_dtype,
@@ -412,7 +378,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _params(args, n=args.n)  # validate before the slow load
     if params.n > 1 and (args.save_cache or args.load_cache):
         raise KvlmError("--save-cache/--load-cache continue one conversation: use -n 1")
-    spec = _speculative(args)
+    spec = speculative_from_args(args)
     if spec is not None:
         return _generate_speculative(args, prompt, params, spec)
     llm = _load(args)
@@ -521,7 +487,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from kvlm.llm import NO_SPECULATION
 
     params = _params(args)
-    spec = _speculative(args)
+    spec = speculative_from_args(args)
     if spec is not None and args.kv in NO_SPECULATION:
         raise KvlmError(f"no --speculative with --kv {args.kv}: {NO_SPECULATION[args.kv]}")
     llm = _load(args)
@@ -667,61 +633,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from kvlm.cluster import serve_replicas  # imports Ray: only here
 
         return serve_replicas(args)
+    from kvlm.server.config import serve_config, serve_model
+
     config, limits = serve_config(args)
     llm = serve_model(args)
     serve(llm, config, args.host, args.port, args.api_key, args.served_model_name, args.log_level,
           limits, args.tool_call_parser)  # fmt: skip
     exit_now(0)  # (kvlm.server.exit_now says why)
-
-
-def serve_config(args: argparse.Namespace):
-    """`kvlm serve`'s engine configuration and server limits from its arguments (also built
-    inside each replica of `kvlm serve --replicas`)."""
-    from kvlm.cache.memory import parse_size
-    from kvlm.cache.tier_key import load_tier_key
-    from kvlm.cache.tiers import check_tier
-    from kvlm.engine.engine import EngineConfig
-    from kvlm.engine.scheduler import SchedulerConfig
-    from kvlm.errors import InvalidRequestError
-    from kvlm.server.limits import ServerLimits
-
-    try:
-        sched = SchedulerConfig(args.max_num_seqs, args.prefill_chunk, args.max_waiting)
-        limits = ServerLimits(
-            max_body_bytes=parse_size(args.max_body),
-            idle_timeout_s=args.idle_timeout,
-            max_connections=args.max_connections,
-            public_metrics=args.public_metrics,
-            engine_wait_s=args.engine_wait,
-        )
-        spec = _speculative(args)
-    except ValueError as exc:
-        raise InvalidRequestError(str(exc)) from exc
-    kv_memory = parse_size(args.kv_memory) if args.kv_memory else None
-    for tier in args.kv_tier:
-        check_tier(tier)  # a typo is refused before the slow load
-    key = args.kv_tier_key
-    if key is not None and not args.kv_tier:
-        raise InvalidRequestError("--kv-tier-key signs KV tier records: it needs --kv-tier")
-    if args.kv_tier:
-        load_tier_key(key)  # a missing or loose key too
-    config = EngineConfig(args.kv_blocks, kv_memory, args.prefix_caching, sched,
-                          speculative=spec, kv_tiers=tuple(args.kv_tier),
-                          kv_tier_key=key)  # fmt: skip
-    return config, limits
-
-
-def serve_model(args: argparse.Namespace):
-    """The LLM `kvlm serve` runs, from its arguments."""
-    from kvlm.llm import CacheOptions
-
-    return _model(
-        args,
-        kv="paged",
-        kv_dtype=args.kv_dtype,
-        max_context=args.max_context,
-        cache_options=CacheOptions(args.block_size, args.kv_blocks),
-    )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -753,7 +671,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for mode in modes:
         check_mode(mode)  # before the slow load
     need = max(*prompts, 16) + args.new_tokens  # 16: the warm-up and per-forward prompt
-    llm = _model(args, kv=modes[0], max_context=args.max_context or need, kv_dtype=args.kv_dtype)
+    llm = model_from_args(
+        args, kv=modes[0], max_context=args.max_context or need, kv_dtype=args.kv_dtype
+    )
     for mode in modes[1:]:
         llm.cache_spec(mode)  # every mode's settings checked before the long run
     try:
@@ -763,7 +683,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if streams and min(streams) < 1:
         raise InvalidRequestError("--streams counts must be >= 1")
     config = BenchConfig(prompts, args.new_tokens, modes, peers, args.rounds, args.plots, streams,
-                         _speculative(args))  # fmt: skip
+                         speculative_from_args(args))  # fmt: skip
     try:
         result = bench(llm, config)
     except ValueError as exc:

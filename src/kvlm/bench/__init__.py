@@ -28,8 +28,7 @@ from typing import Any
 import torch
 
 from kvlm import LLM, SamplingParams, kernels
-from kvlm.bench.child import run_llamacpp
-from kvlm.model.layers import Linear
+from kvlm.bench.child import _Clock, run_llamacpp, weight_bytes_per_token
 
 FILLER = (
     "The KV cache stores the keys and values of every token already processed, so decoding "
@@ -98,22 +97,6 @@ def run_kvlm_speculative(llm: LLM, ids: list[int], new: int, spec: Any) -> dict[
         "tokens_per_forward": st.tokens_per_forward,
         "mean_accepted": st.accepted / st.steps if st.steps else 0.0,
     }
-
-
-class _Clock:
-    """A transformers streamer that timestamps every generated token."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.seen_prompt = False
-
-    def put(self, value: Any) -> None:
-        if self.seen_prompt:
-            self.times.append(time.perf_counter())
-        self.seen_prompt = True  # the first put is the prompt
-
-    def end(self) -> None:
-        pass
 
 
 def run_hf(model: Any, ids: list[int], new: int, static: bool) -> dict[str, float]:
@@ -292,12 +275,6 @@ def stream_throughput(
         elapsed = time.perf_counter() - start - aside
         rows.append({"streams": n, "tokens": tokens, "tok_s": round(tokens / elapsed, 1)})
     return rows, view
-
-
-def weight_bytes_per_token(llm: LLM) -> int:
-    """Bytes of projection weights a decode step reads (every Linear once; one embedding
-    row is negligible)."""
-    return sum(m.nbytes for m in llm.model.modules() if isinstance(m, Linear))
 
 
 def kv_bytes_per_step(llm: LLM, mode: str, prompt: int, new_tokens: int) -> int:

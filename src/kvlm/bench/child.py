@@ -17,6 +17,31 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
+
+
+class _Clock:
+    """A transformers streamer that timestamps every generated token."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.seen_prompt = False
+
+    def put(self, value: Any) -> None:
+        if self.seen_prompt:
+            self.times.append(time.perf_counter())
+        self.seen_prompt = True  # the first put is the prompt
+
+    def end(self) -> None:
+        pass
+
+
+def weight_bytes_per_token(llm: Any) -> int:
+    """Bytes of projection weights a decode step reads (every Linear once; one embedding
+    row is negligible)."""
+    from kvlm.model.layers import Linear
+
+    return sum(m.nbytes for m in llm.model.modules() if isinstance(m, Linear))
 
 
 def _peak_rss_mib() -> float:
@@ -38,7 +63,6 @@ def _kvlm(model: str, ids: list[int], new: int, threads: int) -> tuple[float, ob
 
     torch.set_num_threads(threads)
     from kvlm import LLM, SamplingParams
-    from kvlm.bench import weight_bytes_per_token
 
     start = time.perf_counter()
     llm = LLM(model, progress=False, max_context=len(ids) + new + 16)
@@ -98,8 +122,6 @@ def _hf(model: str, ids: list[int], new: int, threads: int) -> tuple[float, obje
     torch.set_num_threads(threads)
     import transformers
     from transformers import AutoModelForCausalLM
-
-    from kvlm.bench import _Clock
 
     path = Path(model)
     start = time.perf_counter()

@@ -1,5 +1,6 @@
 from kvlm.cache.base import CacheFileError, CacheSnapshot, CacheSpec, CacheStep, KVCache
 from kvlm.cache.factory import CACHE_MODES, EXACT_MODES, create_cache, planned_nbytes
+from kvlm.cache.files import load_cache, save_cache
 
 __all__ = [
     "CACHE_MODES",
@@ -10,5 +11,7 @@ __all__ = [
     "CacheStep",
     "KVCache",
     "create_cache",
+    "load_cache",
     "planned_nbytes",
+    "save_cache",
 ]

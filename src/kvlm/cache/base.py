@@ -18,41 +18,31 @@ That one rule makes prefill, decode, chunked prefill and a resumed conversation 
 code path. A cache that stores nothing (`off`) always reports 0 tokens, so its caller
 re-feeds the whole sequence.
 
-Beyond the forward: rollback(n), reset(), free(), fork(n), snapshot()/restore(),
-save()/load() to a safetensors file, nbytes (exact), and planned_nbytes() (what a cache of
-this mode allocates for a workload, the figure `kvlm memory` prints).
+Beyond the forward: rollback(n), reset(), free(), fork(n), snapshot()/restore() (which
+kvlm.cache.files writes to and reads from a file), nbytes (exact), and planned_nbytes()
+(what a cache of this mode allocates for a workload, the figure `kvlm memory` prints).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import re
-import stat
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar
 
 import torch
 
-from kvlm.cache.storage import PARAMS_PER_ROW, Store, itemsize, key_rotation
+from kvlm.cache.storage import Store, itemsize, key_rotation
 from kvlm.config import ModelConfig
-from kvlm.dtypes import NAMES, dtype_name
+from kvlm.dtypes import dtype_name
 from kvlm.errors import CacheOverflowError, InvalidRequestError, KvlmError
 
-CACHE_FILE_FORMAT = "kvlm-cache/1"
 WINDOW_POSITIONS = ("cache", "absolute")  # kvlm.cache.window
-# The most rows (sequences) a cache file may hold: a fork of one sequence makes at most
-# kvlm.engine.sampling.MAX_SAMPLES (a test pins the two together; the cache layer does not
-# import the engine).
-MAX_FILE_ROWS = 64
 
 
 class CacheFileError(KvlmError):
-    """A cache file that cannot be used here: unreadable, corrupt, or from another model."""
+    """A cache file (kvlm.cache.files) or snapshot that cannot be used here: unreadable,
+    corrupt, or from another model."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -362,55 +352,6 @@ class KVCache(ABC):
             raise
         self._length = snap.length
 
-    def save(self, path: str | Path, fingerprint: str, extra: dict | None = None) -> None:
-        """Write the contents to a safetensors file with what load() needs to check it."""
-        from safetensors.torch import save_file
-
-        snap = self.snapshot()
-        meta = {
-            "format": CACHE_FILE_FORMAT,
-            "fingerprint": fingerprint,
-            "mode": self.mode,
-            "layout": snap.layout,
-            "dtype": snap.dtype,
-            "length": str(snap.length),
-            "batch": str(snap.batch),
-            "geometry": json.dumps(snap.geometry),
-            "layout_extra": json.dumps(snap.extra),
-            "extra": json.dumps(extra or {}),
-        }
-        tensors = {k: t.contiguous().cpu() for k, t in snap.tensors.items()}
-        try:
-            save_file(tensors, str(path), metadata=meta)
-        except OSError as exc:
-            raise CacheFileError(f"cannot write cache file {path}: {exc}") from exc
-
-    def load(self, path: str | Path, fingerprint: str) -> dict:
-        """Restore from a file written by save(); returns the caller's `extra` dict.
-
-        Every problem with the file is a CacheFileError naming it, raised before the cache
-        changes. Rows cost memory only for the data they hold: an empty file (length 0)
-        may not claim more rows than this cache's own batch (read_cache_file caps the rest).
-        """
-        snap, meta = read_cache_file(path)
-        if meta["fingerprint"] != fingerprint:
-            raise CacheFileError(
-                f"{path} was saved from another model (fingerprint "
-                f"{brief(meta['fingerprint'])}, this model {fingerprint})"
-            )
-        self._check_compatible(snap, str(path))
-        if snap.length == 0 and snap.batch > self.spec.batch:
-            raise CacheFileError(
-                f"{path} holds {snap.batch} empty rows: an empty cache justifies at most "
-                f"{self.spec.batch}"
-            )
-        snap.tensors = {k: t.to(self.spec.device) for k, t in snap.tensors.items()}
-        try:
-            self._replace(snap)
-        except CacheOverflowError as exc:
-            raise CacheFileError(f"{path} does not fit: {exc}") from exc
-        return meta["extra"]
-
     def _check_compatible(self, snap: CacheSnapshot, source: str) -> None:
         if snap.layout != self.layout:
             raise CacheFileError(
@@ -487,241 +428,10 @@ class KVCache(ABC):
         )
 
 
-# ---------------------------------------------------------------------- cache files
-#
-# A file is checked whole before anything is restored from it: its metadata parsed strictly
-# (counts as str(int) writes them, JSON objects of the expected keys and int types), its
-# tensors exactly those of its layout, in its dtype and of the shape the metadata implies.
-# A shape is only trusted once the tensor holding it is on disk, so a claim of rows costs
-# nothing until the file really carries them (see KVCache.load for empty files).
-
-_META_KEYS = (
-    "fingerprint",
-    "mode",
-    "layout",
-    "dtype",
-    "length",
-    "batch",
-    "geometry",
-    "layout_extra",
-    "extra",
-)
-_FILE_DTYPES = {name: dtype for dtype, name in NAMES.items()}  # fp32 bf16 fp16 int8 fp64
-_GEOMETRY = {"layers": 1, "kv_heads": 1, "head_dim": 1}  # key -> least value
-_LAYOUT_EXTRA = {"dense": {}, "window": {"sinks": 0, "window": 1}}
-# A count as str(int) writes it, under 2**63: int() would also take " 5", "1_0", "٥", "+5".
-_DECIMAL = re.compile(r"0|[1-9][0-9]{0,17}")
-
-
-def read_cache_file(path: str | Path) -> tuple[CacheSnapshot, dict]:
-    """Parse and check a cache file; every problem is a CacheFileError with the reason.
-
-    Returns the snapshot and {"fingerprint", "mode", "extra"}; the snapshot's tensors are
-    what the file holds, on the CPU. Nothing is read into memory before the metadata and
-    the tensor headers check out (a model's weights passed by mistake are not loaded).
-    """
-    from safetensors import safe_open
-
-    path = Path(path)
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        raise CacheFileError(f"cache file not found: {path}") from None
-    except OSError as exc:
-        raise CacheFileError(f"{path} is not a readable cache file ({_line(exc)})") from exc
-    if not stat.S_ISREG(mode):
-        raise CacheFileError(f"{path} is not a file")
-    with _readable(path):
-        f = safe_open(str(path), framework="pt")
-        meta = f.metadata()
-    snap, parsed = _parse_metadata(path, meta)
-    with _readable(path):
-        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
-    _check_shapes(path, snap, shapes)
-    with _readable(path):
-        snap.tensors = {name: f.get_tensor(name) for name in shapes}
-    _check_contents(path, snap)
-    return snap, parsed
-
-
-@contextmanager
-def _readable(path: Path) -> Iterator[None]:
-    """safetensors calls: whatever they raise on a corrupt file becomes a CacheFileError."""
-    try:
-        yield
-    except Exception as exc:  # safetensors raises its own error types, OSError, ...
-        raise CacheFileError(f"{path} is not a readable cache file ({_line(exc)})") from exc
-
-
-def _parse_metadata(path: Path, meta: dict[str, str] | None) -> tuple[CacheSnapshot, dict]:
-    """The snapshot the metadata describes (its tensors not read yet), and the rest."""
-    from kvlm.cache.factory import CACHE_MODES  # the factory imports this module
-
-    if not meta:
-        raise CacheFileError(f"{path} has no metadata: not a kvlm cache file")
-    if meta.get("format") != CACHE_FILE_FORMAT:
-        raise CacheFileError(
-            f"{path} is not a kvlm cache file (format {brief(meta.get('format'))})"
-        )
-    for key in _META_KEYS:
-        if key not in meta:
-            raise _bad_meta(path, f"no {key!r}")
-    layout, mode, dtype = meta["layout"], meta["mode"], meta["dtype"]
-    if layout not in _LAYOUT_EXTRA:
-        raise _bad_meta(path, f"layout {brief(layout)} is not one kvlm writes")
-    if mode not in CACHE_MODES or mode == "off":
-        raise _bad_meta(path, f"mode {brief(mode)} is not one kvlm writes")
-    if CACHE_MODES[mode].layout != layout:
-        raise _bad_meta(path, f"mode {mode!r} does not write the {layout} layout")
-    if dtype not in _FILE_DTYPES:
-        raise _bad_meta(path, f"dtype {brief(dtype)} is not one kvlm stores")
-    batch = _count(path, meta, "batch")
-    if batch > MAX_FILE_ROWS:
-        raise _bad_meta(path, f"batch {batch} is more than {MAX_FILE_ROWS} rows")
-    snap = CacheSnapshot(
-        layout=layout,
-        dtype=dtype,
-        length=_count(path, meta, "length"),
-        batch=batch,
-        geometry=_ints(path, "geometry", _json_object(path, meta, "geometry"), _GEOMETRY),
-        tensors={},
-        extra=_ints(
-            path,
-            "layout_extra",
-            _json_object(path, meta, "layout_extra"),
-            _LAYOUT_EXTRA[layout],
-            more=layout == "window",  # e.g. "cache_positions": 1, kvlm.cache.window
-        ),
-    )
-    parsed = {"fingerprint": meta["fingerprint"], "mode": mode}
-    parsed["extra"] = _json_object(path, meta, "extra")
-    return snap, parsed
-
-
-def _count(path: Path, meta: dict[str, str], key: str) -> int:
-    text = meta[key]
-    if not _DECIMAL.fullmatch(text):
-        raise _bad_meta(path, f"{key} {brief(text)} is not a decimal count")
-    n = int(text)
-    least = 1 if key == "batch" else 0
-    if n < least:
-        raise _bad_meta(path, f"{key} {text!r} is less than {least}")
-    return n
-
-
-def _json_object(path: Path, meta: dict[str, str], key: str) -> dict:
-    try:
-        value = json.loads(meta[key])
-    except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." thousands deep
-        raise _bad_meta(path, f"{key} is not JSON ({_line(exc)})") from exc
-    if not isinstance(value, dict):
-        raise _bad_meta(path, f"{key} is not a JSON object")
-    return value
-
-
-def _ints(
-    path: Path, key: str, obj: dict, least: dict[str, int], more: bool = False
-) -> dict[str, int]:
-    """`obj` holds the keys of `least`, each an int (not a bool, not 2.0) >= its least;
-    with `more`, other keys too, each an int >= 0 (a layout's flags, which restore compares
-    with the cache's own)."""
-    if not set(least) <= set(obj) or (not more and set(obj) != set(least)):
-        raise _bad_meta(path, f"{key} has keys {brief(sorted(obj))}, not {sorted(least)}")
-    for name, value in obj.items():
-        low = least.get(name, 0)
-        if type(value) is not int or value < low:
-            raise _bad_meta(path, f"{key}.{name} is {brief(value)}, not an integer >= {low}")
-    return obj
-
-
-def _check_shapes(path: Path, snap: CacheSnapshot, shapes: dict[str, tuple[int, ...]]) -> None:
-    """Exactly the layout's tensors, of the shape the metadata says:
-
-    values    [layers, 2, batch, kv_heads, rows, head_dim]   rows: length, or S + W
-    scales    [layers, 2, batch, kv_heads, rows, 2]          int8 only
-    slot_pos  [S + W]                                        window only
-    """
-    g, extra = snap.geometry, snap.extra
-    rows = snap.length if snap.layout == "dense" else extra["sinks"] + extra["window"]
-    values = (g["layers"], 2, snap.batch, g["kv_heads"], rows, g["head_dim"])
-    want = {"values": values}
-    if snap.dtype == "int8":
-        want["scales"] = (*values[:-1], PARAMS_PER_ROW)
-    if snap.layout == "window":
-        want["slot_pos"] = (rows,)
-    missing, unexpected = set(want) - set(shapes), set(shapes) - set(want)
-    if missing:
-        raise _damaged(path, f"missing tensor {min(missing)}")
-    if unexpected:
-        raise _damaged(path, f"unexpected tensor {brief(min(unexpected))}")
-    for name, shape in shapes.items():
-        if shape != want[name]:
-            raise _damaged(path, f"{name} have shape {shape}, the metadata says {want[name]}")
-
-
-def _check_contents(path: Path, snap: CacheSnapshot) -> None:
-    """Dtypes (values in the file's dtype, fp16 int8 parameters, int64 slot positions),
-    finite int8 parameters (one inf step turns a row into NaN; values themselves are data,
-    NaN included), and a window's ring."""
-    want = {"values": _FILE_DTYPES[snap.dtype], "scales": torch.float16, "slot_pos": torch.int64}
-    for name, t in snap.tensors.items():
-        if t.dtype != want[name]:
-            raise _damaged(path, f"{name} are {dtype_name(t.dtype)}, not {dtype_name(want[name])}")
-    if "scales" in snap.tensors and not torch.isfinite(snap.tensors["scales"]).all():
-        raise _damaged(path, "int8 scales are not all finite")
-    if snap.layout == "window":
-        _check_ring(path, snap)
-
-
-def _check_ring(path: Path, snap: CacheSnapshot) -> None:
-    """slot_pos must be a ring kvlm.cache.window could hold at `length` tokens:
-
-    slots [ s0 .. sS-1 | r0 .. rW-1 ]   position p < S in slot p, p >= S in S + (p-S) % W
-    held: each sink below length; of the rest at most the last W positions and at
-          least the last W - 1 (what a rollback keeps); -1 marks an empty slot.
-    """
-    sinks, window, n = snap.extra["sinks"], snap.extra["window"], snap.length
-    pos = snap.tensors["slot_pos"]
-    if ((pos < -1) | (pos >= n)).any():
-        raise _damaged(path, f"slot_pos holds positions outside -1 .. {n - 1}")
-    slot = torch.nonzero(pos >= 0).flatten()
-    p = pos[slot]
-    home = torch.where(p < sinks, p, sinks + (p - sinks) % window)
-    wrong = torch.nonzero(home != slot).flatten()
-    if len(wrong):
-        i = int(wrong[0])
-        raise _damaged(path, f"slot_pos puts position {int(p[i])} in slot {int(slot[i])}")
-    ring = p[p >= sinks]
-    evicted = ring[ring < n - window]
-    if len(evicted):
-        raise _damaged(
-            path,
-            f"slot_pos holds position {int(evicted.min())}, which the window "
-            f"had evicted by position {n}",
-        )
-    # held positions are distinct (one home slot each), so counting finds a gap
-    needed = min(sinks, n) + max(0, n - max(sinks, n - window + 1))
-    if int((p < sinks).sum() + (ring >= n - window + 1).sum()) != needed:
-        raise _damaged(path, f"slot_pos misses positions the token after {n - 1} attends to")
-
-
-def _bad_meta(path: Path, what: str) -> CacheFileError:
-    return CacheFileError(f"{path} has damaged metadata: {what}")
-
-
-def _damaged(path: Path, what: str) -> CacheFileError:
-    return CacheFileError(f"{path} is damaged: {what}")
-
-
 def brief(value: object, limit: int = 40) -> str:
     """A value from a file as one short line (repr escapes newlines)."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _line(exc: BaseException) -> str:
-    """An exception's message on one line."""
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

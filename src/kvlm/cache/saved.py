@@ -1,7 +1,7 @@
 """A saved cache file read without its model: what `kvlm inspect --cache` prints and draws.
 
-A file (KVCache.save) holds the K/V as its layout stores them plus the metadata that checks
-them, and nothing of the model: no config, no tokenizer. So everything here comes from the
+A file (kvlm.cache.files.save_cache) holds the K/V as its layout stores them plus the
+metadata that checks them, and nothing of the model: no config, no tokenizer. So everything here comes from the
 file alone, through read_cache_file's checks (a damaged file is a CacheFileError before
 anything is drawn):
 
@@ -12,7 +12,7 @@ anything is drawn):
 A paged or int8 file is dense on disk: a cache re-pages it when it loads, and the file does
 not record the block size it was written with. Its block map is the pool it restores into
 at the block size the caller names (`--block-size`, 16 by default, as `kvlm generate`),
-each row in blocks of its own, exactly as KVCache.load lays it out (a forked file's rows
+each row in blocks of its own, exactly as load_cache lays it out (a forked file's rows
 come back unshared: the file holds no references).
 """
 
@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from kvlm.cache.base import CacheSnapshot, CacheSpec, blocks_for, read_cache_file
+from kvlm.cache.base import CacheSnapshot, CacheSpec, blocks_for
 from kvlm.cache.factory import create_cache, planned_nbytes
+from kvlm.cache.files import read_cache_file
 from kvlm.cache.paged import PagedCache
 from kvlm.cache.storage import dequantize
 from kvlm.dtypes import NAMES

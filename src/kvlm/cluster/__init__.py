@@ -39,11 +39,11 @@ _EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception): ")  # a traceback's las
 
 def serve_replicas(args: argparse.Namespace) -> int:
     """Run the cluster until SIGINT or SIGTERM; the replicas build their engines from
-    `args` (kvlm.cli.serve_model / serve_config), --threads each."""
+    `args` (kvlm.server.config), --threads each."""
     ray, serve = _import_ray()
-    from kvlm.cli import serve_config
     from kvlm.cluster.router import POLICIES
     from kvlm.loading import load_model
+    from kvlm.server.config import serve_config
 
     if args.replicas < 1 or args.route_blocks < 1 or not args.route_balance >= 1:
         raise InvalidRequestError("--replicas, --route-blocks and --route-balance must be >= 1")

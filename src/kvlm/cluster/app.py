@@ -81,10 +81,10 @@ class KvlmReplica:
     """One kvlm engine and kvlm's own app, built from `kvlm serve`'s arguments."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from kvlm.cli import serve_config, serve_model
         from kvlm.engine.async_engine import AsyncEngine
         from kvlm.engine.engine import Engine
         from kvlm.server.app import create_app
+        from kvlm.server.config import serve_config, serve_model
 
         self.engine: AsyncEngine | None = None  # until the model has loaded
         config, limits = serve_config(args)
@@ -203,8 +203,8 @@ class Ingress:
     /metrics and /health, which ask every replica."""
 
     def __init__(self, args: argparse.Namespace, replicas: DeploymentHandle) -> None:
-        from kvlm.cli import serve_config
         from kvlm.loading import load_model
+        from kvlm.server.config import serve_config
 
         self.limits = serve_config(args)[1]
         self.tokenizer = load_model(args.model).tokenizer  # its metadata: no weights

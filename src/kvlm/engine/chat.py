@@ -19,6 +19,7 @@ from pathlib import Path
 
 from kvlm.cache import CacheFileError, KVCache
 from kvlm.cache.base import brief
+from kvlm.cache.files import load_cache, save_cache
 from kvlm.engine.generate import Generation
 from kvlm.engine.runner import ModelRunner
 from kvlm.engine.sampling import SamplingParams
@@ -100,13 +101,13 @@ class ChatSession:
         extra = {"kind": "chat" if self.use_template else "text", "history": self.history}
         if self.use_template:
             extra["messages"] = self.messages
-        self.cache.save(path, fingerprint, extra)
+        save_cache(self.cache, path, fingerprint, extra)
 
     def load(self, path: str | Path, fingerprint: str) -> None:
         """Resume a conversation saved by save(). A file that does not hold one (a token
         history covering the cache, ids in the vocabulary, one sequence) is refused with a
         CacheFileError, and the cache is left empty rather than half-loaded."""
-        extra = self.cache.load(path, fingerprint)
+        extra = load_cache(self.cache, path, fingerprint)
         try:
             history, messages = self._check_saved(path, extra)
         except CacheFileError:

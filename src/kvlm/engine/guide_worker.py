@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import select
 import signal
 import subprocess
@@ -33,6 +34,23 @@ from kvlm.errors import InvalidRequestError, KvlmError
 COMPILE_TIMEOUT = 3.0  # seconds for the worker's compile and first mask
 START_TIMEOUT = 60.0  # a worker's start and tokenizer (a loaded 2-core machine: seconds)
 WORKER_STACK = 8 << 20  # the engine thread's stack (Linux's default)
+
+# JSON as json.dumps writes it: ", " and ": ", no other whitespace. Free whitespace lets a
+# small model spend its tokens on newlines and indents (a random-weight one never closes
+# the object); a schema's own "x-guidance" options still override this.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# llguidance's own resource limits, per matcher (LLParserLimits; defaults in brackets):
+# the lexer's fuel to build its first regexes [1,000,000, ~20 ms] and per mask step
+# [200,000, ~14 ms], Earley items per step [50,000], lexer states [250,000, 1-2 kB each].
+# Lower here: one mask stays a few ms on the engine thread, a lexer a few tens of MB; a
+# grammar past them is an error at compile (a 400) or ends its sample (GuideState.mask).
+PARSER_LIMITS = {
+    "initial_lexer_fuel": 200_000,
+    "step_lexer_fuel": 100_000,
+    "step_max_items": 20_000,
+    "max_lexer_states": 20_000,
+}
+
 log = logging.getLogger("kvlm.guided")
 
 
@@ -134,11 +152,45 @@ class GuideWorker:
             proc.wait()
 
 
+def grammar_of(kind: str, spec: Any, param: str) -> str:
+    import llguidance
+
+    m = llguidance.LLMatcher
+    try:
+        if kind == "json_schema":
+            return m.grammar_from_json_schema(json.dumps(spec), defaults=JSON_STYLE)
+        if kind == "json_object":
+            return m.grammar_from_json_schema('{"type": "object"}', defaults=JSON_STYLE)
+        if kind == "regex":
+            return m.grammar_from_regex(spec)
+        if kind == "choice":
+            return m.grammar_from_regex("|".join(re.escape(c) for c in spec))
+        if kind == "grammar":
+            return m.grammar_from_lark(spec)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequestError(f"{param}: {exc}", param=param) from None
+    raise InvalidRequestError(f"unknown guide {kind!r}", param=param)
+
+
+def build_matcher(kind: str, spec: Any, param: str, tok: Any) -> Any:
+    """The matcher for a guide, its first mask computed (where llguidance's lazy compile
+    runs); InvalidRequestError naming `param` for a guide it refuses. Run by the worker
+    first, then by the server (the same function: the same outcome)."""
+    import llguidance
+
+    limits = llguidance.LLParserLimits(**PARSER_LIMITS)
+    matcher = llguidance.LLMatcher(tok, grammar_of(kind, spec, param), log_level=0,
+                                   limits=limits)  # fmt: skip
+    if not matcher.is_error():
+        matcher.compute_bitmask()
+    if matcher.is_error():
+        raise InvalidRequestError(f"{param}: {matcher.get_error()}", param=param)
+    return matcher
+
+
 def _serve() -> None:
     """The child: the tokenizer once, then one compile per frame until stdin closes."""
     import llguidance
-
-    from kvlm.engine.guided import build_matcher
 
     fd, out = sys.stdin.fileno(), sys.stdout.buffer
     init = _read(fd)

@@ -18,8 +18,6 @@ allowed, so the sample stops there.
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -27,28 +25,12 @@ from queue import SimpleQueue
 from typing import Any
 
 from kvlm.engine.guide_limits import MAX_GUIDE_CHARS, check_bounds
-from kvlm.engine.guide_worker import WORKER_STACK, GuideWorker
-from kvlm.errors import InvalidRequestError
+from kvlm.engine.guide_worker import WORKER_STACK, GuideWorker, build_matcher, grammar_of
 
 __all__ = ["MAX_GUIDE_CHARS", "Guide", "GuideState", "compile_guide"]
 
 GUIDE_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-# JSON as json.dumps writes it: ", " and ": ", no other whitespace. Free whitespace lets a
-# small model spend its tokens on newlines and indents (a random-weight one never closes
-# the object); a schema's own "x-guidance" options still override this.
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 COMPILE_STACK = 8 * WORKER_STACK  # the server's compile thread: 8x what the worker survived
-# llguidance's own resource limits, per matcher (LLParserLimits; defaults in brackets):
-# the lexer's fuel to build its first regexes [1,000,000, ~20 ms] and per mask step
-# [200,000, ~14 ms], Earley items per step [50,000], lexer states [250,000, 1-2 kB each].
-# Lower here: one mask stays a few ms on the engine thread, a lexer a few tens of MB; a
-# grammar past them is an error at compile (a 400) or ends its sample (GuideState.mask).
-PARSER_LIMITS = {
-    "initial_lexer_fuel": 200_000,
-    "step_lexer_fuel": 100_000,
-    "step_max_items": 20_000,
-    "max_lexer_states": 20_000,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,42 +56,6 @@ class Guide:
         """llguidance's grammar for it; InvalidRequestError naming `param` if it is not
         one."""
         return grammar_of(self.kind, self.spec, self.param)
-
-
-def grammar_of(kind: str, spec: Any, param: str) -> str:
-    import llguidance
-
-    m = llguidance.LLMatcher
-    try:
-        if kind == "json_schema":
-            return m.grammar_from_json_schema(json.dumps(spec), defaults=JSON_STYLE)
-        if kind == "json_object":
-            return m.grammar_from_json_schema('{"type": "object"}', defaults=JSON_STYLE)
-        if kind == "regex":
-            return m.grammar_from_regex(spec)
-        if kind == "choice":
-            return m.grammar_from_regex("|".join(re.escape(c) for c in spec))
-        if kind == "grammar":
-            return m.grammar_from_lark(spec)
-    except (ValueError, TypeError) as exc:
-        raise InvalidRequestError(f"{param}: {exc}", param=param) from None
-    raise InvalidRequestError(f"unknown guide {kind!r}", param=param)
-
-
-def build_matcher(kind: str, spec: Any, param: str, tok: Any) -> Any:
-    """The matcher for a guide, its first mask computed (where llguidance's lazy compile
-    runs); InvalidRequestError naming `param` for a guide it refuses. Run by the worker
-    first, then by the server (the same function: the same outcome)."""
-    import llguidance
-
-    limits = llguidance.LLParserLimits(**PARSER_LIMITS)
-    matcher = llguidance.LLMatcher(tok, grammar_of(kind, spec, param), log_level=0,
-                                   limits=limits)  # fmt: skip
-    if not matcher.is_error():
-        matcher.compute_bitmask()
-    if matcher.is_error():
-        raise InvalidRequestError(f"{param}: {matcher.get_error()}", param=param)
-    return matcher
 
 
 def ll_tokenizer(tokenizer, vocab_size: int):
@@ -206,7 +152,7 @@ class GuideState:
 
     def mask(self, logits):
         """A copy of `logits` (V,) with every token the grammar does not allow at -inf. A
-        matcher past PARSER_LIMITS mid-way is in llguidance's error state, whose mask
+        matcher past guide_worker.PARSER_LIMITS mid-way is in llguidance's error state, whose mask
         allows only the end-of-sequence tokens: the sample ends there."""
         self._fill(self.matcher, self.bitmask, 0)
         words = self.bitmask[0].to(self._bits.dtype)

@@ -1,0 +1,312 @@
+"""Cache files: a cache's snapshot (KVCache.snapshot) written to a safetensors file with
+what is needed to check it, and read back, checked whole, into a cache of the same mode
+and shape (KVCache.restore's checks). kvlm.cache.saved reads one alone, for `kvlm inspect`.
+
+Beside the protocol, not inside it: a cache knows nothing of files.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from kvlm.cache.base import CacheFileError, CacheSnapshot, KVCache, brief
+from kvlm.cache.factory import CACHE_MODES
+from kvlm.cache.storage import PARAMS_PER_ROW
+from kvlm.dtypes import NAMES, dtype_name
+from kvlm.errors import CacheOverflowError
+
+CACHE_FILE_FORMAT = "kvlm-cache/1"
+# The most rows (sequences) a cache file may hold: a fork of one sequence makes at most
+# kvlm.engine.sampling.MAX_SAMPLES (a test pins the two together; the cache layer does not
+# import the engine).
+MAX_FILE_ROWS = 64
+
+
+def save_cache(
+    cache: KVCache, path: str | Path, fingerprint: str, extra: dict | None = None
+) -> None:
+    """Write the cache's contents to a safetensors file with what load_cache() needs to
+    check it."""
+    from safetensors.torch import save_file
+
+    snap = cache.snapshot()
+    meta = {
+        "format": CACHE_FILE_FORMAT,
+        "fingerprint": fingerprint,
+        "mode": cache.mode,
+        "layout": snap.layout,
+        "dtype": snap.dtype,
+        "length": str(snap.length),
+        "batch": str(snap.batch),
+        "geometry": json.dumps(snap.geometry),
+        "layout_extra": json.dumps(snap.extra),
+        "extra": json.dumps(extra or {}),
+    }
+    tensors = {k: t.contiguous().cpu() for k, t in snap.tensors.items()}
+    try:
+        save_file(tensors, str(path), metadata=meta)
+    except OSError as exc:
+        raise CacheFileError(f"cannot write cache file {path}: {exc}") from exc
+
+
+def load_cache(cache: KVCache, path: str | Path, fingerprint: str) -> dict:
+    """Restore `cache` from a file written by save_cache(); returns the caller's `extra` dict.
+
+    Every problem with the file is a CacheFileError naming it, raised before the cache
+    changes. Rows cost memory only for the data they hold: an empty file (length 0)
+    may not claim more rows than this cache's own batch (read_cache_file caps the rest).
+    """
+    snap, meta = read_cache_file(path)
+    if meta["fingerprint"] != fingerprint:
+        raise CacheFileError(
+            f"{path} was saved from another model (fingerprint "
+            f"{brief(meta['fingerprint'])}, this model {fingerprint})"
+        )
+    cache._check_compatible(snap, str(path))
+    if snap.length == 0 and snap.batch > cache.spec.batch:
+        raise CacheFileError(
+            f"{path} holds {snap.batch} empty rows: an empty cache justifies at most "
+            f"{cache.spec.batch}"
+        )
+    snap.tensors = {k: t.to(cache.spec.device) for k, t in snap.tensors.items()}
+    try:
+        cache._replace(snap)
+    except CacheOverflowError as exc:
+        raise CacheFileError(f"{path} does not fit: {exc}") from exc
+    return meta["extra"]
+
+
+# ---------------------------------------------------------------------- cache files
+#
+# A file is checked whole before anything is restored from it: its metadata parsed strictly
+# (counts as str(int) writes them, JSON objects of the expected keys and int types), its
+# tensors exactly those of its layout, in its dtype and of the shape the metadata implies.
+# A shape is only trusted once the tensor holding it is on disk, so a claim of rows costs
+# nothing until the file really carries them (see load_cache for empty files).
+
+_META_KEYS = (
+    "fingerprint",
+    "mode",
+    "layout",
+    "dtype",
+    "length",
+    "batch",
+    "geometry",
+    "layout_extra",
+    "extra",
+)
+_FILE_DTYPES = {name: dtype for dtype, name in NAMES.items()}  # fp32 bf16 fp16 int8 fp64
+_GEOMETRY = {"layers": 1, "kv_heads": 1, "head_dim": 1}  # key -> least value
+_LAYOUT_EXTRA = {"dense": {}, "window": {"sinks": 0, "window": 1}}
+# A count as str(int) writes it, under 2**63: int() would also take " 5", "1_0", "٥", "+5".
+_DECIMAL = re.compile(r"0|[1-9][0-9]{0,17}")
+
+
+def read_cache_file(path: str | Path) -> tuple[CacheSnapshot, dict]:
+    """Parse and check a cache file; every problem is a CacheFileError with the reason.
+
+    Returns the snapshot and {"fingerprint", "mode", "extra"}; the snapshot's tensors are
+    what the file holds, on the CPU. Nothing is read into memory before the metadata and
+    the tensor headers check out (a model's weights passed by mistake are not loaded).
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise CacheFileError(f"cache file not found: {path}") from None
+    except OSError as exc:
+        raise CacheFileError(f"{path} is not a readable cache file ({_line(exc)})") from exc
+    if not stat.S_ISREG(mode):
+        raise CacheFileError(f"{path} is not a file")
+    with _readable(path):
+        f = safe_open(str(path), framework="pt")
+        meta = f.metadata()
+    snap, parsed = _parse_metadata(path, meta)
+    with _readable(path):
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    _check_shapes(path, snap, shapes)
+    with _readable(path):
+        snap.tensors = {name: f.get_tensor(name) for name in shapes}
+    _check_contents(path, snap)
+    return snap, parsed
+
+
+@contextmanager
+def _readable(path: Path) -> Iterator[None]:
+    """safetensors calls: whatever they raise on a corrupt file becomes a CacheFileError."""
+    try:
+        yield
+    except Exception as exc:  # safetensors raises its own error types, OSError, ...
+        raise CacheFileError(f"{path} is not a readable cache file ({_line(exc)})") from exc
+
+
+def _parse_metadata(path: Path, meta: dict[str, str] | None) -> tuple[CacheSnapshot, dict]:
+    """The snapshot the metadata describes (its tensors not read yet), and the rest."""
+    if not meta:
+        raise CacheFileError(f"{path} has no metadata: not a kvlm cache file")
+    if meta.get("format") != CACHE_FILE_FORMAT:
+        raise CacheFileError(
+            f"{path} is not a kvlm cache file (format {brief(meta.get('format'))})"
+        )
+    for key in _META_KEYS:
+        if key not in meta:
+            raise _bad_meta(path, f"no {key!r}")
+    layout, mode, dtype = meta["layout"], meta["mode"], meta["dtype"]
+    if layout not in _LAYOUT_EXTRA:
+        raise _bad_meta(path, f"layout {brief(layout)} is not one kvlm writes")
+    if mode not in CACHE_MODES or mode == "off":
+        raise _bad_meta(path, f"mode {brief(mode)} is not one kvlm writes")
+    if CACHE_MODES[mode].layout != layout:
+        raise _bad_meta(path, f"mode {mode!r} does not write the {layout} layout")
+    if dtype not in _FILE_DTYPES:
+        raise _bad_meta(path, f"dtype {brief(dtype)} is not one kvlm stores")
+    batch = _count(path, meta, "batch")
+    if batch > MAX_FILE_ROWS:
+        raise _bad_meta(path, f"batch {batch} is more than {MAX_FILE_ROWS} rows")
+    snap = CacheSnapshot(
+        layout=layout,
+        dtype=dtype,
+        length=_count(path, meta, "length"),
+        batch=batch,
+        geometry=_ints(path, "geometry", _json_object(path, meta, "geometry"), _GEOMETRY),
+        tensors={},
+        extra=_ints(
+            path,
+            "layout_extra",
+            _json_object(path, meta, "layout_extra"),
+            _LAYOUT_EXTRA[layout],
+            more=layout == "window",  # e.g. "cache_positions": 1, kvlm.cache.window
+        ),
+    )
+    parsed = {"fingerprint": meta["fingerprint"], "mode": mode}
+    parsed["extra"] = _json_object(path, meta, "extra")
+    return snap, parsed
+
+
+def _count(path: Path, meta: dict[str, str], key: str) -> int:
+    text = meta[key]
+    if not _DECIMAL.fullmatch(text):
+        raise _bad_meta(path, f"{key} {brief(text)} is not a decimal count")
+    n = int(text)
+    least = 1 if key == "batch" else 0
+    if n < least:
+        raise _bad_meta(path, f"{key} {text!r} is less than {least}")
+    return n
+
+
+def _json_object(path: Path, meta: dict[str, str], key: str) -> dict:
+    try:
+        value = json.loads(meta[key])
+    except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." thousands deep
+        raise _bad_meta(path, f"{key} is not JSON ({_line(exc)})") from exc
+    if not isinstance(value, dict):
+        raise _bad_meta(path, f"{key} is not a JSON object")
+    return value
+
+
+def _ints(
+    path: Path, key: str, obj: dict, least: dict[str, int], more: bool = False
+) -> dict[str, int]:
+    """`obj` holds the keys of `least`, each an int (not a bool, not 2.0) >= its least;
+    with `more`, other keys too, each an int >= 0 (a layout's flags, which restore compares
+    with the cache's own)."""
+    if not set(least) <= set(obj) or (not more and set(obj) != set(least)):
+        raise _bad_meta(path, f"{key} has keys {brief(sorted(obj))}, not {sorted(least)}")
+    for name, value in obj.items():
+        low = least.get(name, 0)
+        if type(value) is not int or value < low:
+            raise _bad_meta(path, f"{key}.{name} is {brief(value)}, not an integer >= {low}")
+    return obj
+
+
+def _check_shapes(path: Path, snap: CacheSnapshot, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Exactly the layout's tensors, of the shape the metadata says:
+
+    values    [layers, 2, batch, kv_heads, rows, head_dim]   rows: length, or S + W
+    scales    [layers, 2, batch, kv_heads, rows, 2]          int8 only
+    slot_pos  [S + W]                                        window only
+    """
+    g, extra = snap.geometry, snap.extra
+    rows = snap.length if snap.layout == "dense" else extra["sinks"] + extra["window"]
+    values = (g["layers"], 2, snap.batch, g["kv_heads"], rows, g["head_dim"])
+    want = {"values": values}
+    if snap.dtype == "int8":
+        want["scales"] = (*values[:-1], PARAMS_PER_ROW)
+    if snap.layout == "window":
+        want["slot_pos"] = (rows,)
+    missing, unexpected = set(want) - set(shapes), set(shapes) - set(want)
+    if missing:
+        raise _damaged(path, f"missing tensor {min(missing)}")
+    if unexpected:
+        raise _damaged(path, f"unexpected tensor {brief(min(unexpected))}")
+    for name, shape in shapes.items():
+        if shape != want[name]:
+            raise _damaged(path, f"{name} have shape {shape}, the metadata says {want[name]}")
+
+
+def _check_contents(path: Path, snap: CacheSnapshot) -> None:
+    """Dtypes (values in the file's dtype, fp16 int8 parameters, int64 slot positions),
+    finite int8 parameters (one inf step turns a row into NaN; values themselves are data,
+    NaN included), and a window's ring."""
+    want = {"values": _FILE_DTYPES[snap.dtype], "scales": torch.float16, "slot_pos": torch.int64}
+    for name, t in snap.tensors.items():
+        if t.dtype != want[name]:
+            raise _damaged(path, f"{name} are {dtype_name(t.dtype)}, not {dtype_name(want[name])}")
+    if "scales" in snap.tensors and not torch.isfinite(snap.tensors["scales"]).all():
+        raise _damaged(path, "int8 scales are not all finite")
+    if snap.layout == "window":
+        _check_ring(path, snap)
+
+
+def _check_ring(path: Path, snap: CacheSnapshot) -> None:
+    """slot_pos must be a ring kvlm.cache.window could hold at `length` tokens:
+
+    slots [ s0 .. sS-1 | r0 .. rW-1 ]   position p < S in slot p, p >= S in S + (p-S) % W
+    held: each sink below length; of the rest at most the last W positions and at
+          least the last W - 1 (what a rollback keeps); -1 marks an empty slot.
+    """
+    sinks, window, n = snap.extra["sinks"], snap.extra["window"], snap.length
+    pos = snap.tensors["slot_pos"]
+    if ((pos < -1) | (pos >= n)).any():
+        raise _damaged(path, f"slot_pos holds positions outside -1 .. {n - 1}")
+    slot = torch.nonzero(pos >= 0).flatten()
+    p = pos[slot]
+    home = torch.where(p < sinks, p, sinks + (p - sinks) % window)
+    wrong = torch.nonzero(home != slot).flatten()
+    if len(wrong):
+        i = int(wrong[0])
+        raise _damaged(path, f"slot_pos puts position {int(p[i])} in slot {int(slot[i])}")
+    ring = p[p >= sinks]
+    evicted = ring[ring < n - window]
+    if len(evicted):
+        raise _damaged(
+            path,
+            f"slot_pos holds position {int(evicted.min())}, which the window "
+            f"had evicted by position {n}",
+        )
+    # held positions are distinct (one home slot each), so counting finds a gap
+    needed = min(sinks, n) + max(0, n - max(sinks, n - window + 1))
+    if int((p < sinks).sum() + (ring >= n - window + 1).sum()) != needed:
+        raise _damaged(path, f"slot_pos misses positions the token after {n - 1} attends to")
+
+
+def _bad_meta(path: Path, what: str) -> CacheFileError:
+    return CacheFileError(f"{path} has damaged metadata: {what}")
+
+
+def _damaged(path: Path, what: str) -> CacheFileError:
+    return CacheFileError(f"{path} is damaged: {what}")
+
+
+def _line(exc: BaseException) -> str:
+    """An exception's message on one line."""
+    return " ".join(str(exc).split()) or type(exc).__name__

@@ -1,0 +1,59 @@
+"""`kvlm serve`'s configuration from its parsed arguments: the engine's configuration, the
+server's limits and the model. `kvlm serve` builds them once; each replica of `kvlm serve
+--replicas` builds them from the same arguments (and the cluster checks them first, so a
+bad flag is one line before anything starts)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvlm.settings import model_from_args, speculative_from_args
+
+
+def serve_config(args: argparse.Namespace):
+    """`kvlm serve`'s engine configuration and server limits from its arguments."""
+    from kvlm.cache.memory import parse_size
+    from kvlm.cache.tier_key import load_tier_key
+    from kvlm.cache.tiers import check_tier
+    from kvlm.engine.engine import EngineConfig
+    from kvlm.engine.scheduler import SchedulerConfig
+    from kvlm.errors import InvalidRequestError
+    from kvlm.server.limits import ServerLimits
+
+    try:
+        sched = SchedulerConfig(args.max_num_seqs, args.prefill_chunk, args.max_waiting)
+        limits = ServerLimits(
+            max_body_bytes=parse_size(args.max_body),
+            idle_timeout_s=args.idle_timeout,
+            max_connections=args.max_connections,
+            public_metrics=args.public_metrics,
+            engine_wait_s=args.engine_wait,
+        )
+        spec = speculative_from_args(args)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from exc
+    kv_memory = parse_size(args.kv_memory) if args.kv_memory else None
+    for tier in args.kv_tier:
+        check_tier(tier)  # a typo is refused before the slow load
+    key = args.kv_tier_key
+    if key is not None and not args.kv_tier:
+        raise InvalidRequestError("--kv-tier-key signs KV tier records: it needs --kv-tier")
+    if args.kv_tier:
+        load_tier_key(key)  # a missing or loose key too
+    config = EngineConfig(args.kv_blocks, kv_memory, args.prefix_caching, sched,
+                          speculative=spec, kv_tiers=tuple(args.kv_tier),
+                          kv_tier_key=key)  # fmt: skip
+    return config, limits
+
+
+def serve_model(args: argparse.Namespace):
+    """The LLM `kvlm serve` runs, from its arguments."""
+    from kvlm.llm import CacheOptions
+
+    return model_from_args(
+        args,
+        kv="paged",
+        kv_dtype=args.kv_dtype,
+        max_context=args.max_context,
+        cache_options=CacheOptions(args.block_size, args.kv_blocks),
+    )
