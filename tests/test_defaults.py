@@ -52,7 +52,7 @@ def test_a_low_bit_gguf_runs_on_its_own_blocks():
 
 def test_float_files_and_folders_keep_the_compute_dtype():
     assert _resolve(FLOAT_FILE).weights is None
-    assert _resolve(object()).weights is None  # an HF folder: no is_quantized
+    assert _resolve(_Source({})).weights is None  # nothing low-bit (an HF folder)
     assert _resolve(LOW_BIT_FILE, fp32_cpu=False).weights is None  # bf16 / a GPU
 
 

@@ -29,9 +29,13 @@ the compute dtype.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvlm import kernels
 from kvlm.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from kvlm.model.weights import WeightSource
 
 AUTO = "auto"
 LOW_BIT = ("int8", "int4", "native")
@@ -58,7 +62,7 @@ def resolve(
     kv_dtype: str | None,
     exact: bool,
     fp32_cpu: bool,
-    source: object,
+    source: WeightSource,
 ) -> Numerics:
     """Resolve "auto" settings. `fp32_cpu`: fp32 compute on the CPU (the only place the
     low-bit kernels run); `source`: the model's WeightSource (a GGUF file answers
@@ -110,9 +114,5 @@ def resolve(
     return Numerics(weights, activations, prefill_dtype, kv_dtype, tuple(reasons))
 
 
-def _low_bit_projections(source: object) -> bool:
-    is_quantized = getattr(source, "is_quantized", None)
-    names = getattr(source, "names", None)
-    if is_quantized is None or names is None:
-        return False
-    return any(n.endswith(_PROJECTION_SUFFIXES) and is_quantized(n) for n in names())
+def _low_bit_projections(source: WeightSource) -> bool:
+    return any(n.endswith(_PROJECTION_SUFFIXES) and source.is_quantized(n) for n in source.names())

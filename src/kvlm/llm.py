@@ -194,9 +194,7 @@ class LLM:
                 module.prefill_int8 = prefill_dtype == "int8" and block
                 module.act_int8 = activations == "int8" and block
         self.fingerprint  # noqa: B018 - read now, while the file's pages are still in
-        release = getattr(weights, "release", None)
-        if release is not None:  # the packed weights are the model's own copies now
-            release()
+        weights.release()  # the packed weights are the model's own copies now
         self.runner = ModelRunner(self.model)
 
     @property

@@ -1,9 +1,9 @@
 """A saved cache file read without its model: what `kvlm inspect --cache` prints and draws.
 
 A file (kvlm.cache.files.save_cache) holds the K/V as its layout stores them plus the
-metadata that checks them, and nothing of the model: no config, no tokenizer. So everything here comes from the
-file alone, through read_cache_file's checks (a damaged file is a CacheFileError before
-anything is drawn):
+metadata that checks them, and nothing of the model: no config, no tokenizer. So
+everything here comes from the file alone, through read_cache_file's checks (a damaged
+file is a CacheFileError before anything is drawn):
 
     dense file   values [layers, 2, batch, kv_heads, length, head_dim]   position = column
     window file  values [..., sinks + window, head_dim] + slot_pos       position = slot_pos

@@ -12,7 +12,7 @@ from kvlm.loading.default import default_model_path
 from kvlm.loading.gguf import GGUFWeights, is_gguf_file
 from kvlm.loading.hf import SafetensorsWeights
 from kvlm.loading.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_folder
-from kvlm.loading.weights import WeightSource
+from kvlm.model.weights import WeightSource
 
 __all__ = ["LoadedModel", "load_model", "resolve_model_path"]
 

@@ -22,8 +22,8 @@ import torch
 from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 from kvlm.loading.gguf_file import GGUFFile, GGUFTensor
-from kvlm.loading.weights import fingerprint_of
 from kvlm.model.quant import Blocks, QuantWeight
+from kvlm.model.weights import fingerprint_of
 
 try:
     import gguf
@@ -113,6 +113,9 @@ class GGUFWeights:
 
     def names(self) -> list[str]:
         return list(self._tensors)
+
+    def files(self) -> list[Path]:
+        return [self.path]
 
     def release(self) -> bool:
         """Give the mapped file's pages back once the model holds its own copies (they

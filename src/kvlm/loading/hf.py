@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError
-from kvlm.loading.weights import fingerprint_of
+from kvlm.model.weights import fingerprint_of
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -48,6 +48,21 @@ class SafetensorsWeights:
 
     def names(self) -> list[str]:
         return list(self._where)
+
+    def files(self) -> list[Path]:
+        return sorted(self.folder.glob("*.safetensors"))
+
+    def is_quantized(self, name: str) -> bool:
+        return False  # safetensors holds float tensors
+
+    def stored_as(self, name: str) -> tuple[str, str]:
+        return name, str(self._where[name].get_slice(name).get_dtype())
+
+    def get_quant(self, name: str, packed: bool = True) -> None:
+        return None
+
+    def release(self) -> None:
+        pass
 
     def fingerprint(self) -> str:
         """Config + the final norm and the first rows of the embedding, as stored."""

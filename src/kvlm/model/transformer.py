@@ -12,7 +12,6 @@ import re
 import sys
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -20,11 +19,11 @@ from tqdm import tqdm
 
 from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError
-from kvlm.loading.weights import WeightSource
 from kvlm.model import quant
 from kvlm.model.attention import Attention, KVStep
 from kvlm.model.blas import one_torch_thread
 from kvlm.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding, feeding_prompt
+from kvlm.model.weights import WeightSource
 
 VOCAB_WEIGHTS = ("lm_head.weight", "model.embed_tokens.weight")
 log = logging.getLogger("kvlm.loading")
@@ -195,12 +194,7 @@ def _arena_capacity(weights: WeightSource) -> int:
     packs to its own size; int8 from a 2-3 bit type to up to ~3x, which then overflows to
     ordinary memory and moves after), untouched pages costing nothing; 0 where the source
     has no file to size it by."""
-    path = getattr(weights, "path", None) or getattr(weights, "folder", None)
-    if path is None:
-        return 0
-    path = Path(path)
-    files = [path] if path.is_file() else list(path.glob("*.safetensors"))
-    size = sum(f.stat().st_size for f in files)
+    size = sum(f.stat().st_size for f in weights.files())
     return 2 * size + (64 << 20) if size else 0
 
 
@@ -278,9 +272,8 @@ class _WeightTaker:
 
     def _note(self, names: list[str], outcome: str) -> None:
         """Remember (for one warning per kind of tensor and type) what `names` became."""
-        stored_as = getattr(self.weights, "stored_as", lambda name: (name, "?"))
         for name in names:
-            file_name, qtype = stored_as(name)
+            file_name, qtype = self.weights.stored_as(name)
             pattern = re.sub(r"^(blk|model\.layers)\.\d+\.", r"\1.*.", file_name)
             _, count = self.requantized.get((pattern, qtype), (outcome, 0))
             self.requantized[pattern, qtype] = (outcome, count + 1)
@@ -361,7 +354,7 @@ class _WeightTaker:
     def _native(self, name: str, packed: bool = True) -> quant.QuantWeight | quant.Blocks | None:
         """The file's own low-bit blocks for `name`, when --weights native can use them:
         packed, or (`packed=False`) as stored, for quant.concat to pack with others."""
-        if self.weight_format != "native" or not hasattr(self.weights, "get_quant"):
+        if self.weight_format != "native":
             return None
         if packed:
             return self.weights.get_quant(name)
@@ -371,8 +364,7 @@ class _WeightTaker:
         """A Linear in the requested weight format (kvlm.model.layers.Linear.convert)."""
         fmt = self.weight_format
         if fmt == "native":  # no kernel for the stored type: int8 if it was quantized at all
-            stored = getattr(self.weights, "is_quantized", lambda name: False)
-            fmt = "int8" if any(stored(n) for n in names) else None
+            fmt = "int8" if any(self.weights.is_quantized(n) for n in names) else None
             if fmt == "int8":
                 can = quant.can_quantize(weight)
                 self._note(names, "re-quantized to int8" if can else f"dequantized to {self.dtype}")
@@ -429,6 +421,4 @@ class _WeightTaker:
     def release(self) -> None:
         """The file's pages read so far are the model's own copies now: given back, so
         the file and the packed model are never both resident (a layer at a time)."""
-        release = getattr(self.weights, "release", None)
-        if release is not None:
-            release()
+        self.weights.release()

@@ -1,0 +1,66 @@
+"""What the model asks of the weights a loader hands it (kvlm.loading: a GGUF file, a
+folder of safetensors): named tensors in Hugging Face layout, and, for a file of low-bit
+blocks, those blocks as stored. Declared here, below the loaders, and asked of every
+source alike (no probing for methods).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from kvlm.model.quant import Blocks, QuantWeight
+
+
+class WeightSource(Protocol):
+    """Tensors by Hugging Face name (`model.layers.0.self_attn.q_proj.weight`), [out, in].
+
+    `get` may dequantize or read from disk on each call; the model builder calls it once
+    per tensor and converts to its own dtype straight away, so the peak memory is the
+    built model plus one tensor in flight.
+    """
+
+    def names(self) -> list[str]: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+    def fingerprint(self) -> str:
+        """A short hash that tells this model's weights from another's (cache files)."""
+        ...
+
+    def files(self) -> list[Path]:
+        """The files the tensors are read from (the packed weights' arena is sized by them)."""
+        ...
+
+    def is_quantized(self, name: str) -> bool:
+        """Whether the file stores `name` in low-bit blocks."""
+        ...
+
+    def stored_as(self, name: str) -> tuple[str, str]:
+        """(the tensor's name in the file, its stored type's name), for warnings."""
+        ...
+
+    def get_quant(self, name: str, packed: bool = True) -> QuantWeight | Blocks | None:
+        """The file's own low-bit blocks for `name` (kvlm.model.quant), None where kvlm
+        has no kernel for its type or it is not low-bit."""
+        ...
+
+    def release(self) -> object:
+        """The model holds its own copies now: the source may give its pages back."""
+        ...
+
+
+def fingerprint_of(config: object, *chunks: bytes) -> str:
+    """sha256 of the config and a few raw weight bytes: cheap, and independent of the dtype
+    the model is later run in."""
+    import hashlib
+    import json
+    from dataclasses import asdict
+
+    h = hashlib.sha256(json.dumps(asdict(config), sort_keys=True, default=str).encode())
+    for chunk in chunks:
+        h.update(chunk)
+    return h.hexdigest()[:16]
