@@ -9,7 +9,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvlm.engine.generate import StopText
+from kvlm.engine.request import StopText
 from kvlm.engine.sampling import (
     Sampler,
     SamplingParams,

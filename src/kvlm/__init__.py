@@ -9,7 +9,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvlm.engine.generate import RequestOutput
+    from kvlm.engine.request import RequestOutput
     from kvlm.engine.sampling import SamplingParams
     from kvlm.llm import LLM
 

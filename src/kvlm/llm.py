@@ -18,7 +18,8 @@ from kvlm.cache import CacheSpec, KVCache, create_cache
 from kvlm.cache.factory import check_mode, mode_spec
 from kvlm.dtypes import dtype_name, parse_dtype, parse_kv_dtype
 from kvlm.engine.chat import ChatSession
-from kvlm.engine.generate import Generation, RequestOutput, check_fits, check_prompt
+from kvlm.engine.generate import Generation
+from kvlm.engine.request import RequestOutput, check_fits, check_prompt
 from kvlm.engine.runner import ModelRunner
 from kvlm.engine.sampling import SamplingParams
 from kvlm.engine.speculative import SpeculativeConfig

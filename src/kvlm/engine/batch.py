@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from kvlm.engine.engine import Engine, _Request
-from kvlm.engine.generate import CompletionOutput, RequestOutput
 from kvlm.engine.metrics import Metrics
+from kvlm.engine.request import CompletionOutput, RequestOutput
 from kvlm.engine.sampling import SamplingParams
 
 

@@ -14,7 +14,6 @@ the conversation without recomputing its prefix.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 from kvlm.cache import CacheFileError, KVCache
@@ -23,6 +22,7 @@ from kvlm.cache.files import load_cache, save_cache
 from kvlm.engine.generate import Generation
 from kvlm.engine.runner import ModelRunner
 from kvlm.engine.sampling import SamplingParams
+from kvlm.engine.sequence import common_prefix
 from kvlm.engine.speculative import Speculator
 from kvlm.errors import InvalidRequestError
 from kvlm.loading.tokenizer import Tokenizer
@@ -169,11 +169,3 @@ class ChatSession:
                 f"{path} holds {len(history)} tokens of history, more than this cache's "
                 f"capacity of {self.cache.capacity} (raise --max-context)"
             )
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

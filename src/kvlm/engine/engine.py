@@ -29,9 +29,9 @@ from kvlm.cache.tier_key import load_tier_key
 from kvlm.cache.tiers import KVTiers, namespace, parse_tier
 from kvlm.cache.view import block_map
 from kvlm.dtypes import dtype_name
-from kvlm.engine.generate import SampleState, check_prompt, stop_token_ids
 from kvlm.engine.guided import compile_guide
 from kvlm.engine.metrics import EngineStats
+from kvlm.engine.request import SampleState, check_prompt, stop_token_ids
 from kvlm.engine.sampling import Sampler, SamplingParams, TokenLogprob, prompt_logprobs
 from kvlm.engine.scheduler import Batch, QueueFullError, Scheduler, SchedulerConfig
 from kvlm.engine.sequence import Sequence, Status

@@ -15,198 +15,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from kvlm.cache import KVCache
 from kvlm.engine.guided import compile_guide
-from kvlm.engine.metrics import Metrics
+from kvlm.engine.request import (
+    RequestOutput,
+    SampleState,
+    check_fits,
+    check_prompt,
+    stop_token_ids,
+)
 from kvlm.engine.runner import ModelRunner
-from kvlm.engine.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
+from kvlm.engine.sampling import Sampler, SamplingParams
 from kvlm.engine.speculative import Speculator
-from kvlm.errors import CacheOverflowError, InvalidRequestError
+from kvlm.errors import InvalidRequestError
 from kvlm.loading.tokenizer import Tokenizer
-
-
-@dataclass(slots=True)
-class CompletionOutput:
-    """One sample of a request."""
-
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
-    logprobs: list[TokenLogprob] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "token_ids": self.token_ids,
-            "text": self.text,
-            "finish_reason": self.finish_reason,
-            "logprobs": None if self.logprobs is None else [lp.to_dict() for lp in self.logprobs],
-        }
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """The result of one request. `token_ids`, `text`, `finish_reason` and `logprobs` are
-    the first sample's; `outputs` holds all n."""
-
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    metrics: Metrics = field(default_factory=Metrics)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
-
-    @property
-    def logprobs(self) -> list[TokenLogprob] | None:
-        return self.outputs[0].logprobs
-
-    def to_dict(self) -> dict[str, Any]:
-        first = self.outputs[0].to_dict()
-        record = {
-            "prompt_tokens": len(self.prompt_token_ids),
-            "completion_tokens": len(self.token_ids),
-            **{k: first[k] for k in ("token_ids", "text", "finish_reason", "logprobs")},
-            "metrics": self.metrics.to_dict(),
-        }
-        if len(self.outputs) > 1:
-            record["samples"] = [o.to_dict() for o in self.outputs]
-        return record
-
-
-class StopText:
-    """Accumulates generated text, cuts it at the first stop string, and holds back any
-    tail that could still become one, so a stream never shows text it must take back.
-
-    A push costs the same at token 10 and token 10,000: only the last (longest stop - 1)
-    characters plus the new piece are searched, and the text is kept as emitted pieces
-    plus a short pending tail, joined only when `text` is read.
-
-        emitted pieces ............................ | pending (held back) | delta
-                                      tail: the last L-1 characters --+----+
-    """
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = list(stops)
-        self.longest = max((len(s) for s in self.stops), default=0)
-        self._emitted: list[str] = []
-        self._pending = ""  # text not yet shown: a possible start of a stop string
-        self._tail = ""  # the last longest-1 characters of the text
-        self.stopped = False
-
-    @property
-    def text(self) -> str:
-        """Everything accepted so far (cut at a stop string once one is found)."""
-        return "".join(self._emitted) + self._pending
-
-    def push(self, delta: str) -> str:
-        """Add decoded text; return what is now safe to show (nothing once stopped)."""
-        if self.stopped:
-            return ""
-        if not self.stops:
-            return self._emit(self._pending + delta, hold=0)
-        window = self._tail + delta
-        hits = [i for s in self.stops if (i := window.find(s)) >= 0]
-        # The pending text is the tail's last characters: window index i is pending index
-        # i - offset (a stop never starts before the pending text: that part was shown
-        # only because no stop could start there).
-        offset = len(self._tail) - len(self._pending)
-        if hits:
-            self.stopped = True
-            return self._emit((self._pending + delta)[: min(hits) - offset], hold=0)
-        self._tail = window[max(0, len(window) - (self.longest - 1)) :] if self.longest > 1 else ""
-        return self._emit(self._pending + delta, hold=self._partial_stop_suffix(window))
-
-    def flush(self) -> str:
-        return self._emit(self._pending, hold=0)
-
-    def _partial_stop_suffix(self, window: str) -> int:
-        """Length of the longest tail of `window` that is a proper prefix of a stop string
-        (at most longest - 1 characters: bounded work whatever the output's length)."""
-        best = 0
-        for s in self.stops:
-            j = window.find(s[0], max(0, len(window) - len(s) + 1))
-            while j != -1 and len(window) - j > best:
-                if s.startswith(window[j:]):
-                    best = len(window) - j
-                    break
-                j = window.find(s[0], j + 1)
-        return best
-
-    def _emit(self, pending: str, hold: int) -> str:
-        """Show all of `pending` but its last `hold` characters."""
-        out, self._pending = pending[: len(pending) - hold], pending[len(pending) - hold :]
-        if out:
-            self._emitted.append(out)
-        return out
-
-
-class SampleState:
-    """One sample's decoding state: its tokens, streamed text, stop checks, logprobs."""
-
-    def __init__(
-        self,
-        index: int,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        tokenizer: Tokenizer,
-        stop_ids: set[int],
-    ) -> None:
-        self.seq = list(prompt_ids)  # what this sample has fed and will feed
-        self.out = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
-        self.decoder = tokenizer.decode_stream(skip_special_tokens=True)
-        self.stop = StopText(params.stop)
-        self.params = params
-        self.tokenizer = tokenizer
-        self.stop_ids = stop_ids
-
-    @property
-    def done(self) -> bool:
-        return self.out.finish_reason is not None
-
-    def accept(self, token: int, logits: torch.Tensor) -> str:
-        """Record a sampled token; return the text now safe to show."""
-        out = self.out
-        self.seq.append(token)
-        out.token_ids.append(token)
-        if out.logprobs is not None:
-            out.logprobs.append(token_logprob(logits, token, self.params.logprobs or 0))
-        piece = self.decoder.step(self.tokenizer.backend, token)
-        delta = self.stop.push(piece) if piece else ""
-        if token in self.stop_ids or self.stop.stopped:
-            out.finish_reason = "stop"
-        elif len(out.token_ids) >= self.params.max_tokens:
-            out.finish_reason = "length"
-        return delta
-
-    def clone(self, index: int) -> SampleState:
-        """A fresh sample of the same prompt (parallel sampling)."""
-        return SampleState(index, self.seq, self.params, self.tokenizer, self.stop_ids)
-
-    def finish(self) -> str:
-        tail = self.stop.flush()
-        self.sync()
-        return tail
-
-    def sync(self) -> None:
-        """Bring out.text up to date (joined here, not at every token: an interrupted turn
-        calls this to keep the text it had)."""
-        self.out.text = self.stop.text
 
 
 class Generation:
@@ -369,34 +194,3 @@ class Generation:
         """Bring every sample's text up to date (after an interrupted iteration)."""
         for s in self.samples:
             s.sync()
-
-
-def check_prompt(prompt_ids: Sequence[int], vocab_size: int | None) -> None:
-    if len(prompt_ids) == 0:
-        raise InvalidRequestError("the prompt is empty")
-    bad = [t for t in prompt_ids if not isinstance(t, int) or t < 0]
-    if vocab_size is not None:
-        bad += [t for t in prompt_ids if isinstance(t, int) and t >= vocab_size]
-    if bad:
-        raise InvalidRequestError(f"prompt token id {bad[0]!r} is outside the vocabulary")
-
-
-def check_fits(prompt_ids: Sequence[int], cache: KVCache | int) -> None:
-    """The prompt fits what `cache` holds after its current tokens (or in `cache` tokens)."""
-    if isinstance(cache, int):
-        over, capacity = len(prompt_ids) > cache, cache
-    else:
-        over, capacity = cache.would_overflow(len(prompt_ids) - cache.num_tokens), cache.capacity
-    if over:
-        raise CacheOverflowError(
-            f"the prompt has {len(prompt_ids)} tokens but the cache holds at most "
-            f"{capacity} (raise --max-context, up to the model's limit)"
-        )
-
-
-def stop_token_ids(params: SamplingParams, tokenizer: Tokenizer) -> set[int]:
-    """The ids that end a sample: the request's own, and EOS unless it is ignored."""
-    ids = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        ids.update(tokenizer.eos_token_ids)
-    return ids

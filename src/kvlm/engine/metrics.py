@@ -5,7 +5,21 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvlm.engine.speculative import SpecStats
+
+@dataclass(slots=True)
+class SpecStats:
+    steps: int = 0  # decode rows that carried a draft
+    drafted: int = 0  # tokens proposed
+    accepted: int = 0  # of those, accepted
+    emitted: int = 0  # tokens those rows produced (accepted + the model's own)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
 
 
 @dataclass(slots=True)

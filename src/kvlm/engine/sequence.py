@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlm.cache.prefix import BlockTable
-from kvlm.engine.generate import SampleState
+from kvlm.engine.request import SampleState
 from kvlm.engine.sampling import Sampler
 
 _ids = itertools.count()
@@ -78,3 +78,11 @@ class Sequence:
 
     def accept(self, token: int, logits: torch.Tensor) -> str:
         return self.sample.accept(token, logits)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -33,6 +33,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvlm.engine.metrics import SpecStats
+from kvlm.engine.sequence import Status, common_prefix
+
 METHODS = ("ngram", "draft")
 
 
@@ -79,22 +82,6 @@ def propose_ngram(tokens: Sequence[int], k: int, nmax: int, nmin: int) -> list[i
     return []
 
 
-@dataclass(slots=True)
-class SpecStats:
-    steps: int = 0  # decode rows that carried a draft
-    drafted: int = 0  # tokens proposed
-    accepted: int = 0  # of those, accepted
-    emitted: int = 0  # tokens those rows produced (accepted + the model's own)
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_forward(self) -> float:
-        return self.emitted / self.steps if self.steps else 0.0
-
-
 class DraftModel:
     """A draft model proposing for the engine's sequences: one contiguous cache per
     sequence, fed the sequence's tokens as they are accepted (its prompt the first time),
@@ -108,7 +95,6 @@ class DraftModel:
         self.states: dict[int, tuple] = {}  # seq_id -> (cache, fed ids, sequence)
 
     def propose(self, seq, k: int) -> list[int]:
-        from kvlm.engine.chat import common_prefix  # (chat imports the engine's modules)
 
         self._prune()
         tokens = seq.token_ids
@@ -137,8 +123,6 @@ class DraftModel:
         return draft
 
     def _prune(self) -> None:
-        from kvlm.engine.sequence import Status
-
         for sid in [s for s, (_, _, q) in self.states.items() if q.status is Status.FINISHED]:
             cache = self.states.pop(sid)[0]
             cache.free()
@@ -150,8 +134,6 @@ class _Stream:
     seq_id = 0
 
     def __init__(self, tokens: list[int]) -> None:
-        from kvlm.engine.sequence import Status
-
         self.token_ids = tokens
         self.status = Status.RUNNING
 
