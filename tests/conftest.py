@@ -64,6 +64,23 @@ def tiny_model_dir(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    """The tiny llama, fp32, 256 positions: an LLM of each module's own (a test may change
+    it: the engine repacks its weights, a module sets speculation)."""
+    from kvlm import LLM
+
+    return LLM(model=tiny_model_dir("llama"), progress=False, max_context=256)
+
+
+@pytest.fixture(scope="module")
+def exact(tiny_model_dir):
+    """The same tiny llama in fp64: the exact reference of its fp32 results."""
+    from kvlm import LLM
+
+    return LLM(model=tiny_model_dir("llama"), progress=False, max_context=256, dtype="fp64")
+
+
 @pytest.fixture(scope="session")
 def default_model_path():
     from kvlm.loading.default import default_model_path

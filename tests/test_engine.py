@@ -37,11 +37,6 @@ def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return LLM(model=tiny_model_dir("llama"), progress=False, max_context=256)
-
-
-@pytest.fixture(scope="module")
 def real():
     # Its own LLM: the engine repacks the weights (oneDNN), which other tests should not see.
     return LLM(progress=False, max_context=1024)

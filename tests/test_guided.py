@@ -12,7 +12,7 @@ import re
 import jsonschema
 import pytest
 
-from kvlm import LLM, SamplingParams
+from kvlm import SamplingParams
 from kvlm.engine.engine import Engine, EngineConfig
 from kvlm.engine.guided import Guide
 from kvlm.errors import InvalidRequestError
@@ -28,11 +28,6 @@ SCHEMA = {
     "required": ["name", "age", "tags", "ok"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return LLM(model=tiny_model_dir("llama"), progress=False, max_context=256)
 
 
 def text(llm, params, prompt="Give me a person as JSON:"):

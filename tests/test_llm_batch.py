@@ -63,11 +63,6 @@ def result(out) -> list:
     ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return LLM(model=tiny_model_dir("llama"), progress=False, max_context=256)
-
-
 def test_a_batch_gives_every_prompt_its_tokens_alone(tiny):
     params = mixed_params()
     alone = [tiny.generate(p, q)[0] for p, q in zip(PROMPTS, params, strict=True)]

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kvlm import LLM, SamplingParams
+from kvlm import SamplingParams
 from kvlm.engine.sampling import Penalties, Sampler, _min_p_filter
 from kvlm.errors import InvalidRequestError
 
@@ -74,11 +74,6 @@ def test_out_of_range_values_are_refused_naming_the_field(field, value, match):
     with pytest.raises(InvalidRequestError, match=match) as err:
         SamplingParams(**{field: value})
     assert err.value.param in (field, None)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return LLM(model=tiny_model_dir("llama"), progress=False, max_context=256)
 
 
 def test_logit_bias_bans_and_forces_tokens(tiny):

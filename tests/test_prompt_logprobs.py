@@ -14,16 +14,6 @@ from kvlm.engine.scheduler import SchedulerConfig
 from numerics import SAME_ROUNDING, assert_as_exact_as
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return LLM(model=tiny_model_dir("llama"), progress=False, max_context=256)
-
-
-@pytest.fixture(scope="module")
-def exact(tiny_model_dir):
-    return LLM(model=tiny_model_dir("llama"), progress=False, max_context=256, dtype="fp64")
-
-
 def run(engine: Engine, prompts: dict[str, list[int]], params: SamplingParams) -> dict:
     for rid, ids in prompts.items():
         engine.add_request(rid, ids, params)

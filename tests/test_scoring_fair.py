@@ -25,16 +25,6 @@ from test_prompt_logprobs import _teacher_forced
 CHUNK = 16
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return LLM(model=tiny_model_dir("llama"), progress=False, max_context=256)
-
-
-@pytest.fixture(scope="module")
-def exact(tiny_model_dir):
-    return LLM(model=tiny_model_dir("llama"), progress=False, max_context=256, dtype="fp64")
-
-
 def _engine(llm: LLM) -> Engine:
     return Engine(llm, EngineConfig(num_blocks=64,
                                     scheduler=SchedulerConfig(prefill_chunk=CHUNK)))  # fmt: skip

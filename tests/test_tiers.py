@@ -35,11 +35,6 @@ BS = 4
 KEY = b"k" * 32  # the small tiers' key
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return LLM(model=tiny_model_dir("llama"), progress=False, max_context=256)
-
-
 @pytest.fixture(autouse=True)
 def state_home(tmp_path_factory, monkeypatch):
     """Each test's default tier key in a state folder of its own, never the user's."""
