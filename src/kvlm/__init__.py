@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 _WHERE = {
     "LLM": "kvlm.llm",
-    "RequestOutput": "kvlm.engine.generate",
+    "RequestOutput": "kvlm.engine.request",
     "SamplingParams": "kvlm.engine.sampling",
 }
 
