@@ -16,7 +16,7 @@ import torch
 from matplotlib import colors as mcolors
 from matplotlib import image as mimage
 
-from kvlm.cache import CacheSpec, create_cache, plots
+from kvlm.cache import CacheSpec, create_cache, plots, save_cache
 from kvlm.cache.paged import BlockPool, PagedCache
 from kvlm.cache.saved import SavedCache
 from kvlm.cache.view import block_map
@@ -62,7 +62,7 @@ def saved(tmp_path, mode: str, tokens: int, seed: int = 0, fork: int = 1) -> Sav
     cache.fork(fork)
     feed(cache, 1, seed + 1)
     path = tmp_path / f"{mode}-{tokens}-{seed}-{fork}.kv"
-    cache.save(path, "fp-test")
+    save_cache(cache, path, "fp-test")
     return SavedCache.read(path)
 
 
@@ -172,7 +172,7 @@ def test_window_file_reads_back_in_position_order(tmp_path):
     cache = create_cache("window", SPEC)
     feed(cache, 7, 0, like_position=True)
     feed(cache, 6, 1, like_position=True)  # 13 tokens: sinks 0, 1 + ring of 8 (5..12)
-    cache.save(tmp_path / "w.kv", "fp")
+    save_cache(cache, tmp_path / "w.kv", "fp")
     file = SavedCache.read(tmp_path / "w.kv")
     assert file.positions().tolist() == [0, 1, *range(5, 13)]
     k = file.contents()[:, 0]  # (L, H, T, D): each element of position p is p + 1
@@ -182,7 +182,7 @@ def test_window_file_reads_back_in_position_order(tmp_path):
     assert summary["layout_extra"] == {"sinks": 2, "window": 8, "cache_positions": 1}
     ring = drawn(tmp_path, file, "ring")
     feed(cache, 1, 2, like_position=True)  # the ring turns one slot
-    cache.save(tmp_path / "w2.kv", "fp")
+    save_cache(cache, tmp_path / "w2.kv", "fp")
     assert differ(ring, drawn(tmp_path, SavedCache.read(tmp_path / "w2.kv"), "turned"))
 
 
@@ -291,7 +291,7 @@ def test_stream_throughput_captures_the_busiest_step(tiny):
 def test_inspect_mistakes_end_in_one_line(capsys, tmp_path, args, message):
     cache = create_cache("paged", SPEC)
     feed(cache, 9, 0)
-    cache.save(tmp_path / "good.kv", "fp")
+    save_cache(cache, tmp_path / "good.kv", "fp")
     data = (tmp_path / "good.kv").read_bytes()
     (tmp_path / "truncated.kv").write_bytes(data[:-64])
     (tmp_path / "notes.txt").write_text("not a cache\n" * 40)
