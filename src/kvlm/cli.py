@@ -270,6 +270,7 @@ def reference() -> str:
             "",
         ]
         out += ["| argument | default | what it does |", "| --- | --- | --- |"]
+        formatter = command._get_formatter()
         for action in command._actions:
             if isinstance(action, argparse._HelpAction):
                 continue
@@ -284,7 +285,8 @@ def reference() -> str:
                 if default in (None, False, argparse.SUPPRESS) or action.nargs == 0
                 else f"`{default}`"
             )
-            text = (action.help or "").replace("|", "\\|").replace("\n", " ")
+            text = formatter._expand_help(action) if action.help else ""  # %(default)s, %%
+            text = text.replace("|", "\\|").replace("\n", " ")
             out.append(f"| {names} | {shown} | {text} |")
         out.append("")
     return "\n".join(out)
