@@ -344,3 +344,14 @@ def test_bench_reports_speculative_rows(capsys, tiny_gguf, tmp_path):
     assert spec["decode_tok_s"] > 0 and 0 <= spec["acceptance"] <= 1
     assert spec["tokens_per_forward"] >= 1 or spec["acceptance"] == 0
     assert "| kvlm+ngram | 24 |" in out and "tokens per forward" in out
+
+
+def test_the_command_reference_is_the_parsers():
+    """docs/CLI.md is generated from build_parser() (kvlm.cli.reference): a flag added,
+    renamed or re-described without regenerating it fails here."""
+    from pathlib import Path
+
+    from kvlm.cli import reference
+
+    written = (Path(__file__).resolve().parent.parent / "docs" / "CLI.md").read_text()
+    assert written == reference(), "docs/CLI.md is stale: regenerate it (its header says how)"

@@ -62,11 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     verify = sub.add_parser(
         "verify", help="greedy agreement and logit drift of a cache mode against --kv off"
     )
-    verify.add_argument("prompt", nargs="?", default=VERIFY_PROMPT)
+    verify.add_argument("prompt", nargs="?", default=VERIFY_PROMPT,
+                        help="the prompt (default: a question about KV caches)")  # fmt: skip
     _model_args(verify)
     _cache_args(verify)
-    verify.add_argument("--max-new-tokens", type=int, default=64)
-    verify.add_argument("--json", action="store_true")
+    verify.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens to compare")
+    verify.add_argument("--json", action="store_true", help="print the result as JSON")
     verify.set_defaults(func=cmd_verify)
 
     memory = sub.add_parser("memory", help="KV cache bytes for a model, context and batch")
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     memory.add_argument("--device", default="cpu", help="cpu or cuda: whose free memory")
     _size_args(memory)
-    memory.add_argument("--json", action="store_true")
+    memory.add_argument("--json", action="store_true", help="print the table as JSON")
     memory.add_argument(
         "--plot", metavar="OUT.png", help="draw the bytes by mode and dtype (matplotlib)"
     )
@@ -91,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for many clients")
     _model_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="TCP port")
     serve.add_argument(
         "--api-key", default=os.environ.get("KVLM_API_KEY"), help="require this bearer key"
     )
@@ -238,6 +239,57 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true")
     inspect.set_defaults(func=cmd_inspect)
     return parser
+
+
+REFERENCE_HEADER = """# kvlm command reference
+
+Every command and flag, as `kvlm COMMAND --help` prints them. Generated from the argument
+parser; tests/test_cli.py fails when this file and the parser disagree. To regenerate:
+
+    python -c "from kvlm.cli import reference; print(reference(), end='')" > docs/CLI.md
+"""
+
+
+def reference() -> str:
+    """docs/CLI.md: each command's usage, description and flags (default, help) in
+    Markdown, read off build_parser()."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    out = [REFERENCE_HEADER]
+    for name, command in sub.choices.items():
+        command.formatter_class = lambda prog: argparse.HelpFormatter(prog, width=88)
+        out += [
+            f"## kvlm {name}",
+            "",
+            helps.get(name) or "",
+            "",
+            "```",
+            command.format_usage().strip(),
+            "```",
+            "",
+        ]
+        out += ["| argument | default | what it does |", "| --- | --- | --- |"]
+        formatter = command._get_formatter()
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            names = ", ".join(f"`{o}`" for o in action.option_strings) or f"`{action.dest}`"
+            if action.metavar and action.option_strings:
+                names += f" {action.metavar}"
+            elif action.choices and action.option_strings:
+                names += " {" + ",".join(str(c) for c in action.choices) + "}"
+            default = action.default
+            shown = (
+                ""
+                if default in (None, False, argparse.SUPPRESS) or action.nargs == 0
+                else f"`{default}`"
+            )
+            text = formatter._expand_help(action) if action.help else ""  # %(default)s, %%
+            text = text.replace("|", "\\|").replace("\n", " ")
+            out.append(f"| {names} | {shown} | {text} |")
+        out.append("")
+    return "\n".join(out)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:

@@ -4,7 +4,7 @@ through llguidance.
 Why llguidance: on this project's CPUs both maintained libraries made for this (xgrammar,
 what vLLM and SGLang default to, and llguidance) cost far less than a decode step per
 token (benchmarks/bench_grammar.py, docs/BENCHMARKS.md: a 49k vocabulary, a nested JSON
-schema: llguidance 11 us median / 82 us p90 per mask, xgrammar 1.4 / 7 us, against a
+schema: llguidance 9.8 us median / 76 us p90 per mask, xgrammar 1.3 / 7.8 us, against a
 ~3 ms step), and llguidance is one 3 MB wheel with no dependencies where xgrammar
 requires torch's triton and a TVM runtime. It also compiles a schema in ~1 ms (lazily),
 which a server meeting a new schema per request wants.
