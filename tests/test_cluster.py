@@ -167,14 +167,16 @@ def reference():
     """One plain `kvlm serve`'s four greedy answers and its pool size: a future, computed
     while the cluster starts (its start is mostly waiting on Ray)."""
     with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(_single_answers)
+        yield pool.submit(single_kvlm_serve, COMMON, KEY)
 
 
-def _single_answers() -> tuple[list, float]:
-    with kvlm_serve(*COMMON) as (single, _):
-        alone = openai_client(single, KEY)
+def single_kvlm_serve(common: tuple[str, ...], key: str) -> tuple[list, float]:
+    """A plain `kvlm serve COMMON`: its four greedy answers (_answers) and its pool's
+    blocks; every call bounded, so a hung one fails instead of stalling the suite."""
+    with kvlm_serve(*common) as (port, _):
+        alone = openai_client(port, key).with_options(timeout=60)
         model = alone.models.list().data[0].id
-        return _answers(alone, model), serving.metrics(single, KEY)["kvlm_kv_blocks_total"]
+        return _answers(alone, model), serving.metrics(port, key)["kvlm_kv_blocks_total"]
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from test_cluster import (
     all_up,
     ask,
     complete,
+    single_kvlm_serve,
     wait_for,
 )
 
@@ -40,16 +41,11 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def reference(model_name):
+def reference():
     """The four greedy answers (chat and completions, streamed and not) of one plain
     `kvlm serve`: a future, computed while the cluster starts."""
     with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(_single_answers, model_name)
-
-
-def _single_answers(model_name: str) -> list:
-    with kvlm_serve(*COMMON) as (port, _):
-        return _answers(_client(port), model_name)
+        yield pool.submit(lambda: single_kvlm_serve(COMMON, KEY)[0])
 
 
 @pytest.fixture(scope="module")

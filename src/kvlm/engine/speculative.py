@@ -95,7 +95,6 @@ class DraftModel:
         self.states: dict[int, tuple] = {}  # seq_id -> (cache, fed ids, sequence)
 
     def propose(self, seq, k: int) -> list[int]:
-
         self._prune()
         tokens = seq.token_ids
         if seq.seq_id not in self.states:

@@ -31,7 +31,7 @@ class SafetensorsWeights:
         self.folder = folder
         raw = read_json(folder / "config.json")
         self.config = ModelConfig.from_hf(_with_generation_eos(folder, raw), name=folder.name)
-        files = sorted(folder.glob("*.safetensors"))
+        files = self._files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(
                 f"{folder} has no *.safetensors files (pytorch_model.bin is not supported)"
@@ -50,7 +50,7 @@ class SafetensorsWeights:
         return list(self._where)
 
     def files(self) -> list[Path]:
-        return sorted(self.folder.glob("*.safetensors"))
+        return self._files
 
     def is_quantized(self, name: str) -> bool:
         return False  # safetensors holds float tensors
