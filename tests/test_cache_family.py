@@ -9,7 +9,7 @@ from helpers import assert_greedy_agreement
 from kvlm import LLM, SamplingParams
 from kvlm.cache import CacheFileError
 from kvlm.cache.base import blocks_for
-from kvlm.engine.generate import Generation
+from kvlm.engine.batch import Stream
 from kvlm.engine.verify import verify_mode
 from kvlm.llm import CacheOptions
 from numerics import assert_as_exact_as, fp64_reorder_bound, max_error
@@ -36,9 +36,12 @@ def llm64():
 
 
 def greedy(llm: LLM, ids: list[int], mode: str, params=GREEDY_128, chunk=None) -> list[int]:
-    cache = llm.new_cache(mode)
-    gen = Generation(llm.runner, llm.tokenizer, cache, ids, params, prefill_chunk=chunk)
-    return gen.run().token_ids
+    return run(llm, llm.new_cache(mode), ids, params, chunk).token_ids
+
+
+def run(llm: LLM, cache, ids, params, chunk=None):
+    """One request on `cache`, through the engine's one loop (the cache as its backend)."""
+    return Stream(llm.cache_engine(cache, prefill_chunk=chunk), ids, params).run()
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +93,8 @@ def test_chunked_prefill_equals_one_shot(llm, llm64, mode, chunk):
 def assert_same_greedy(llm: LLM, ids: list[int], mode: str, params: SamplingParams, chunk: int):
     """Greedy tokens of a chunked prefill held to the one-shot run by the top-5 rule."""
     cache = llm.new_cache(mode)
-    whole = Generation(llm.runner, llm.tokenizer, cache, ids, params).run()
-    chunked = Generation(llm.runner, llm.tokenizer, llm.new_cache(mode), ids, params,
-                         prefill_chunk=chunk).run()  # fmt: skip
+    whole = run(llm, cache, ids, params)
+    chunked = run(llm, llm.new_cache(mode), ids, params, chunk)
     ref_logits = llm.runner.logits(ids + whole.token_ids[:-1], llm.new_cache("off"))
     ref_logits = ref_logits[len(ids) - 1 :]
     our_top = [list(lp.top) for lp in chunked.logprobs]
@@ -103,7 +105,7 @@ def test_fan_out_shares_the_prompt_blocks(llm):
     ids = llm.encode(PROMPT, chat=True)
     cache = llm.new_cache("paged")
     params = SamplingParams(temperature=0.9, seed=7, max_tokens=20, ignore_eos=True, n=4)
-    out = Generation(llm.runner, llm.tokenizer, cache, ids, params).run()
+    out = run(llm, cache, ids, params)
     assert len(out.outputs) == 4 and all(len(o.token_ids) == 20 for o in out.outputs)
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1  # they sampled differently
     bs = cache.spec.block_size
@@ -112,7 +114,7 @@ def test_fan_out_shares_the_prompt_blocks(llm):
     assert all(cache.pool.refs[b] == 4 for b in cache.tables[0][:full_prompt_blocks])
     per_row = blocks_for(len(ids) + 19, bs) - full_prompt_blocks
     assert cache.blocks_used == full_prompt_blocks + 4 * per_row  # vs 4x everything
-    again = Generation(llm.runner, llm.tokenizer, llm.new_cache("paged"), ids, params).run()
+    again = run(llm, llm.new_cache("paged"), ids, params)
     assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]  # seed
 
 
@@ -121,7 +123,7 @@ def test_greedy_fan_out_repeats_the_single_answer(llm, mode):
     ids = llm.encode("What is the capital of France?", chat=True)
     one = greedy(llm, ids, mode, SamplingParams(temperature=0, max_tokens=12))
     params = SamplingParams(temperature=0, max_tokens=12, n=3)
-    out = Generation(llm.runner, llm.tokenizer, llm.new_cache(mode), ids, params).run()
+    out = run(llm, llm.new_cache(mode), ids, params)
     assert [o.token_ids for o in out.outputs] == [one] * 3
 
 

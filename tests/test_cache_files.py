@@ -16,6 +16,7 @@ import os
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -214,12 +215,11 @@ def chat_file(tmp_path: Path, extra: dict, variant: str = "short") -> Path:
 
 
 def session(vocab_size: int | None = 100, use_template: bool = True) -> ChatSession:
-    # load() needs neither a model nor a tokenizer
+    # load() needs neither a model nor a tokenizer: only the engine's cache
     cache = create_cache("contiguous", SPEC)
+    engine = SimpleNamespace(tokenizer=None, backend=SimpleNamespace(cache=cache))
     return ChatSession(
-        None,  # type: ignore[arg-type]
-        None,  # type: ignore[arg-type]
-        cache,
+        engine,  # type: ignore[arg-type]
         SamplingParams(),
         vocab_size=vocab_size,
         use_template=use_template,

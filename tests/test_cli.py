@@ -321,13 +321,18 @@ def test_generate_speculative_gives_the_plain_text(capsys, tiny_gguf):
     plain = json.loads(out)["text"]
     code, out, _ = run_cli(capsys, *common, "--speculative", "ngram", "--num-draft", "4")
     assert code == 0
-    record = json.loads(out)
-    assert record["texts"] == [plain] and record["tokens"] == 60
-    assert record["drafted"] > 0 and 0 <= record["acceptance"] <= 1
+    record = json.loads(out)  # the documented --json, and what the drafts did
+    assert record["text"] == plain and record["completion_tokens"] == 60
+    assert len(record["token_ids"]) == 60 and record["metrics"]["ttft_ms"] > 0
+    spec = record["speculative"]
+    assert spec["drafted"] > 0 and 0 <= spec["acceptance"] <= 1 and spec["method"] == "ngram"
     code, _, err = run_cli(capsys, *common, "--speculative", "ngram", "--num-draft", "0")
     assert code != 0 and "num_draft" in err and "Traceback" not in err
-    code, _, err = run_cli(capsys, *common, "--speculative", "ngram", "--kv", "window")
-    assert code != 0 and "--speculative needs" in err
+    code, out, _ = run_cli(capsys, *common, "--kv", "window")  # every cache speculates alike
+    code2, out2, _ = run_cli(capsys, *common, "--speculative", "ngram", "--kv", "window")
+    assert code == code2 == 0 and json.loads(out2)["text"] == json.loads(out)["text"]
+    code, _, err = run_cli(capsys, *common, "--speculative", "ngram", "--kv", "off")
+    assert code != 0 and "no speculative decoding with kv 'off'" in err
 
 
 def test_bench_reports_speculative_rows(capsys, tiny_gguf, tmp_path):

@@ -8,7 +8,7 @@ import torch
 
 from helpers import assert_greedy_agreement, hf_greedy
 from kvlm import SamplingParams
-from kvlm.engine.generate import Generation
+from kvlm.engine.batch import Stream
 from kvlm.errors import CacheOverflowError
 
 pytestmark = pytest.mark.slow
@@ -64,12 +64,9 @@ def test_rollback_then_regenerate_is_identical(default_llm, kv, back):
     assert cache.num_tokens == len(ids) + 31
     cache.rollback(back)
     resume = ids + first[: 32 - back]  # the cache holds all but the last of these
-    again = Generation(
-        default_llm.runner,
-        default_llm.tokenizer,
-        cache,
-        resume,
-        SamplingParams(temperature=0, max_tokens=back, ignore_eos=True),
+    engine = default_llm.cache_engine(cache, reuse=True)  # starts from what the cache holds
+    again = Stream(
+        engine, resume, SamplingParams(temperature=0, max_tokens=back, ignore_eos=True)
     ).run()
     assert again.token_ids == first[32 - back :]
     assert again.metrics.prefill_tokens == 1  # only the one token past the kept prefix

@@ -106,3 +106,22 @@ def test_ranks_and_alternatives_are_the_reference_forwards(tiny, exact):
         assert all(float(row[t]) >= kth - tol and abs(v - float(row[t])) <= tol
                    for t, v in e.top.items())  # fmt: skip
         assert list(e.top.values()) == sorted(e.top.values(), reverse=True)
+
+
+def test_llm_generate_hands_out_the_prompts_logprobs(tiny):
+    """LLM.generate carries prompt_logprobs in its RequestOutput: one prompt (the LLM's own
+    cache) and the same prompt batched beside another (the pool) score it alike, bit for
+    bit, and as a bare engine's step events do."""
+    ids = tiny.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    ref = run(Engine(tiny, EngineConfig(num_blocks=64)), {"a": ids}, params)["a"][0]
+    alone = tiny.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    both = tiny.generate(prompt_token_ids=[ids, ids[:5]], sampling_params=params)
+
+    def seen(entries):
+        return [e and (e.token_id, e.logprob, e.rank, e.top) for e in entries]
+
+    assert len(ref) == len(ids) and ref[0] is None
+    assert seen(alone.prompt_logprobs) == seen(both[0].prompt_logprobs) == seen(ref)
+    assert len(both[1].prompt_logprobs) == 5
+    assert alone.to_dict()["prompt_logprobs"][1]["token_id"] == ids[1]

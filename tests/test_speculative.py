@@ -311,7 +311,7 @@ def test_chat_speculation_is_plain_decoding(tiny_model_dir, kv, kv_dtype, weight
     got, ref, session, llm = _chat_pair(tiny_model_dir("llama"), spec, CHAT, kv=kv,
                                         kv_dtype=kv_dtype, weights=weights)  # fmt: skip
     assert got == ref and [len(t) for t in got] == [100, 100]  # 200 tokens, 2 turns
-    st = session.speculator.stats
+    st = session.engine.stats.spec
     assert st.drafted > 0 and st.accepted < st.drafted  # drafts checked, some rolled back
     assert session.cache.num_tokens == len(session._turn.tokens) - 1  # all but the last
     fused = llm.describe()["decode_step"] == "fused"
@@ -338,7 +338,7 @@ def test_window_speculation_is_plain_decoding_past_the_ring(tiny_model_dir, posi
     got, ref, session, _ = _chat_pair(tiny_model_dir("llama"), spec, CHAT, kv="window",
                                       kv_dtype=kv_dtype, cache_options=options)  # fmt: skip
     assert got == ref and [len(t) for t in got] == [100, 100]
-    st = session.speculator.stats
+    st = session.engine.stats.spec
     assert st.drafted > 0 and st.accepted < st.drafted
     if method == "draft":
         assert st.accepted > 0  # some drafts taken whole or in part, past the ring's wrap
@@ -349,7 +349,7 @@ def test_chat_speculation_with_a_draft_model_and_at_the_context_limit(tiny_model
     turn that runs into the context limit ends where the plain one does."""
     spec = SpeculativeConfig("draft", num_draft=4, draft_weights="int8")
     got, ref, session, _ = _chat_pair(tiny_model_dir("llama"), spec, CHAT, max_tokens=60)
-    assert got == ref and session.speculator.stats.acceptance > 0.5
+    assert got == ref and session.engine.stats.spec.acceptance > 0.5
     spec = SpeculativeConfig(num_draft=8, ngram_min=1)
     got, ref, *_ = _chat_pair(tiny_model_dir("llama"), spec, CHAT[:1], max_tokens=500,
                               max_context=96)  # fmt: skip
@@ -357,14 +357,21 @@ def test_chat_speculation_with_a_draft_model_and_at_the_context_limit(tiny_model
 
 
 def test_chat_speculation_refuses_n_and_other_caches(tiny_model_dir):
-    from kvlm.engine.generate import Generation
-    from kvlm.engine.speculative import Speculator
+    """n samples on one cache decode in lockstep: no drafts, the plain tokens; a cache
+    that keeps nothing checks no draft."""
     from kvlm.errors import InvalidRequestError
 
-    llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=128)
-    with pytest.raises(InvalidRequestError, match="one sample"):
-        Generation(llm.runner, llm.tokenizer, llm.new_cache(), [1, 2, 3],
-                   SamplingParams(n=2), speculator=Speculator(SpeculativeConfig()))  # fmt: skip
+    spec = SpeculativeConfig(num_draft=4, ngram_min=1)
+    llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=128, speculative=spec)
+    plain = LLM(model=tiny_model_dir("llama"), progress=False, max_context=128)
+    ids = plain.encode(CHAT[0], chat=True)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=2)
+    stream = llm.stream(ids, params)
+    out = stream.run()
+    assert [o.token_ids for o in out.outputs] == [plain.stream(ids, params).run().token_ids] * 2
+    assert stream.engine.stats.spec.drafted == 0
+    with pytest.raises(InvalidRequestError, match="no speculative decoding with kv 'off'"):
+        LLM(model=tiny_model_dir("llama"), progress=False, kv="off", speculative=spec)
     with pytest.raises(InvalidRequestError, match="contiguous, paged, basic or window"):
         llm.runner.forward_draft([1, 2], llm.new_cache("off"))
 
@@ -385,7 +392,7 @@ def test_kvlm_chat_speculates(tmp_path):
     bad = subprocess.run([*cmd, "--kv", "off"], input=text, capture_output=True, text=True,
                          timeout=300)  # fmt: skip
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
-    assert "no --speculative with --kv off" in bad.stderr
+    assert "no speculative decoding with kv 'off'" in bad.stderr
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])

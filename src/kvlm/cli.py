@@ -393,7 +393,7 @@ def _speculative_args(p: argparse.ArgumentParser) -> None:
                    "format of the same file is self-speculation")  # fmt: skip
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace, **settings: Any):
     """generate, chat, verify: every cache flag (_cache_args) applies."""
     from kvlm.llm import CacheOptions
 
@@ -406,6 +406,7 @@ def _load(args: argparse.Namespace):
             args.block_size, args.kv_blocks, args.window, args.sinks, args.window_positions
         ),
         prefill_chunk=args.prefill_chunk,
+        **settings,
     )
 
 
@@ -430,10 +431,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _params(args, n=args.n)  # validate before the slow load
     if params.n > 1 and (args.save_cache or args.load_cache):
         raise KvlmError("--save-cache/--load-cache continue one conversation: use -n 1")
-    spec = speculative_from_args(args)
-    if spec is not None:
-        return _generate_speculative(args, prompt, params, spec)
-    llm = _load(args)
+    llm = _load(args, speculative=speculative_from_args(args))
     use_chat = args.chat and llm.tokenizer.chat_template is not None
     if args.save_cache or args.load_cache:
         session = llm.chat_session(params, system=args.system, use_template=use_chat)
@@ -458,70 +456,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "kv_bytes": cache.nbytes,
             "kv_bytes_used": cache.num_tokens * cache.batch * cache.spec.bytes_per_token,
         }
+        if llm.speculative is not None:
+            record["speculative"] = _speculative(llm, turn.engine)
         print(json.dumps(record))
         return 0
     print()
     for sample in out.outputs[1:]:
         print(f"--- sample {sample.index} ---\n{sample.text}")
     print(_summary(out, llm.kv_mode, cache), file=sys.stderr)
+    if llm.speculative is not None:
+        print(_speculative_line(llm, turn.engine, "this request"), file=sys.stderr)
     return 0
 
 
-def _generate_speculative(args: argparse.Namespace, prompt: str, params: Any, spec: Any) -> int:
-    """generate --speculative: the engine's decode (drafts live in its paged pool), the
-    first sample's text streamed as it is accepted."""
-    import time
+def _speculative(llm: Any, engine: Any) -> dict[str, Any]:
+    st, spec = engine.stats.spec, llm.speculative
+    return {"method": spec.method, "num_draft": spec.num_draft, "drafted": st.drafted,
+            "accepted": st.accepted, "acceptance": st.acceptance,
+            "tokens_per_forward": st.tokens_per_forward}  # fmt: skip
 
-    from kvlm.llm import BATCH_MODES
 
-    if args.save_cache or args.load_cache:
-        raise KvlmError("--speculative runs in the engine's pool: no --save-cache/--load-cache")
-    if args.kv not in BATCH_MODES:
-        raise KvlmError(f"--speculative needs a --kv of {', '.join(BATCH_MODES)}")
-    llm = _load(args)
-    llm.speculative = spec
-    use_chat = args.chat and llm.tokenizer.chat_template is not None
-    ids = llm.encode(prompt, chat=use_chat, system=args.system)
-    engine = llm.batch_engine()
-    engine.check_request(ids, params)
-    start = time.perf_counter()
-    engine.add_request("cli", ids, params)
-    texts = [""] * params.n
-    counts = [0] * params.n
-    reasons: list[str | None] = [None] * params.n
-    first = last = None
-    while engine.has_work():
-        for event in engine.step():
-            now = time.perf_counter()
-            if event.token_ids and first is None:
-                first = now
-            last = now
-            texts[event.index] += event.text
-            counts[event.index] += len(event.token_ids)
-            reasons[event.index] = event.finish_reason or reasons[event.index]
-            if event.index == 0 and not args.json:
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
+def _speculative_line(llm: Any, engine: Any, scope: str) -> str:
     st = engine.stats.spec
-    tokens = sum(counts)
-    decode = (tokens - params.n) / (last - first) if first and last and last > first else 0.0
-    summary = {
-        "tokens": tokens, "finish_reason": reasons[0], "ttft_ms": ((first or start) - start) * 1e3,
-        "decode_tokens_per_s": decode, "speculative": spec.method, "num_draft": spec.num_draft,
-        "acceptance": st.acceptance, "drafted": st.drafted, "accepted": st.accepted,
-        "tokens_per_forward": st.tokens_per_forward,
-    }  # fmt: skip
-    if args.json:
-        print(json.dumps({**llm.describe(), "texts": texts, **summary}))
-        return 0
-    print()
-    for i, text in enumerate(texts[1:], start=1):
-        print(f"--- sample {i} ---\n{text}")
-    print(f"[{tokens} tokens, {reasons[0]}; TTFT {summary['ttft_ms']:.0f} ms; decode "
-          f"{decode:.1f} tok/s; speculative {spec.method}: {st.accepted} of {st.drafted} drafted "
-          f"accepted ({st.acceptance:.0%}), {st.tokens_per_forward:.2f} tokens per forward]",
-          file=sys.stderr)  # fmt: skip
-    return 0
+    return (f"[speculative {llm.speculative.method}: {st.accepted}/{st.drafted} drafted tokens "
+            f"accepted ({st.acceptance:.0%}), {st.tokens_per_forward:.2f} tokens per checked "
+            f"forward, {scope}]")  # fmt: skip
 
 
 def _summary(out: Any, mode: str, cache: Any) -> str:
@@ -536,14 +495,9 @@ def _summary(out: Any, mode: str, cache: Any) -> str:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from kvlm.llm import NO_SPECULATION
-
     params = _params(args)
     spec = speculative_from_args(args)
-    if spec is not None and args.kv in NO_SPECULATION:
-        raise KvlmError(f"no --speculative with --kv {args.kv}: {NO_SPECULATION[args.kv]}")
-    llm = _load(args)
-    llm.speculative = spec  # each session's turns decode speculatively on its cache
+    llm = _load(args, speculative=spec)  # each session's turns decode speculatively
     use_chat = args.chat and llm.tokenizer.chat_template is not None
     if args.chat and not use_chat:
         raise KvlmError("this model has no chat template; use `kvlm chat --no-chat`")
@@ -571,11 +525,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             pass  # stop this reply, keep the conversation
         print()
         print(_summary(turn.output, llm.kv_mode, session.cache), file=sys.stderr)
-        if session.speculator is not None:
-            st = session.speculator.stats
-            print(f"[speculative {spec.method}: {st.accepted}/{st.drafted} drafted tokens "
-                  f"accepted ({st.acceptance:.0%}), {st.tokens_per_forward:.2f} tokens per "
-                  f"checked forward, this conversation]", file=sys.stderr)  # fmt: skip
+        if spec is not None:
+            print(_speculative_line(llm, session.engine, "this conversation"), file=sys.stderr)
         if args.save_cache:
             session.save(args.save_cache, llm.fingerprint)
 

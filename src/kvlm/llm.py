@@ -17,12 +17,12 @@ from kvlm import defaults, kernels
 from kvlm.cache import CacheSpec, KVCache, create_cache
 from kvlm.cache.factory import check_mode, mode_spec
 from kvlm.dtypes import dtype_name, parse_dtype, parse_kv_dtype
+from kvlm.engine.batch import Stream, run_batch
 from kvlm.engine.chat import ChatSession
-from kvlm.engine.generate import Generation
 from kvlm.engine.request import RequestOutput, check_fits, check_prompt
 from kvlm.engine.runner import ModelRunner
 from kvlm.engine.sampling import SamplingParams
-from kvlm.engine.speculative import SpeculativeConfig
+from kvlm.engine.speculative import DraftModel, SpeculativeConfig
 from kvlm.errors import InvalidRequestError
 from kvlm.loading import load_model
 from kvlm.model.blas import set_blas_threads
@@ -98,8 +98,9 @@ class LLM:
         """`weights`, `activations`, `prefill_dtype` and `kv_dtype` default to "auto" (None
         for kv_dtype): the fast path, resolved from the file and the CPU (kvlm.defaults);
         `exact=True` resolves them to the fp32 reference path instead. `speculative`
-        ("ngram" or a SpeculativeConfig): `generate` decodes speculatively, every prompt
-        through the batch engine (kvlm.engine.speculative; greedy output unchanged)."""
+        ("ngram" or a SpeculativeConfig): every request decodes speculatively, on the batch
+        engine's pool or on one cache alike (kvlm.engine.speculative; greedy output
+        unchanged; not with kv="off", which keeps nothing to verify against)."""
         if isinstance(speculative, str):
             try:
                 speculative = SpeculativeConfig(method=speculative)
@@ -176,7 +177,7 @@ class LLM:
             )
         self.cache_spec(kv)  # every cache setting checked before the weights load
         self._cache: KVCache | None = None  # allocated on first use
-        self._drafter = None  # the draft model of chat sessions (speculative="draft")
+        self._drafters: dict[tuple[str, str | None], DraftModel] = {}  # see draft_model
         self._engine: Engine | None = None  # generate's batch engine, made on first use
         self._request_ids = itertools.count()
         self.progress = progress
@@ -247,20 +248,51 @@ class LLM:
 
     def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, prompt: str | None = None
-    ) -> Generation:
-        """A fresh request on the shared cache; iterate it for text as it is generated."""
-        self.cache.free()  # back to one empty sequence (a fork may have left n)
-        return Generation(
-            self.runner,
-            self.tokenizer,
-            self.cache,
-            prompt_ids,
-            params,
-            prompt=prompt,
-            vocab_size=self.config.vocab_size,
-            prefill_chunk=self.prefill_chunk,
-            speculator=self._speculator() if params.n == 1 else None,
-        )
+    ) -> Stream:
+        """A fresh request on the LLM's cache; iterate it for text as it is generated."""
+        return Stream(self.cache_engine(), prompt_ids, params, prompt)
+
+    def cache_engine(
+        self, cache: KVCache | None = None, reuse: bool = False, prefill_chunk: int | None = None
+    ) -> Engine:
+        """An engine over one cache (the LLM's own by default) that runs one request at a
+        time: the single stream's engine (kvlm.engine.backends.CacheBackend). `reuse`: a
+        request starts from the prefix the cache holds (a conversation's turns; the caller
+        rolls the cache back to what the prompt shares). `prefill_chunk`: the LLM's when
+        None."""
+        from kvlm.engine.backends import cache_engine_limits
+        from kvlm.engine.engine import Engine, EngineConfig
+        from kvlm.engine.scheduler import SchedulerConfig
+
+        cache = self.cache if cache is None else cache
+        if self.speculative is not None:
+            self.model.pack_for_batches()  # a row's bits the same alone or beside a draft's
+        chunk = prefill_chunk or self.prefill_chunk
+        sched = SchedulerConfig(**cache_engine_limits(cache, chunk))
+        config = EngineConfig(scheduler=sched, speculative=self.speculative)
+        return Engine(self, config, cache=cache, reuse=reuse)
+
+    def draft_model(self, spec: SpeculativeConfig) -> DraftModel:
+        """The draft model of `spec` (method "draft": another file with the same tokenizer,
+        or this model's own file at a cheaper weight format), its token ids checked to mean
+        what this model's mean; loaded once per (file, weights) and shared by every engine
+        of this LLM."""
+        path = spec.draft_model or str(self.loaded.path)
+        key = (path, spec.draft_weights)
+        if key not in self._drafters:
+            draft = LLM(model=path, weights=spec.draft_weights, max_context=self.max_context,
+                        progress=False)  # fmt: skip
+            ours = self.tokenizer.backend.get_vocab()
+            theirs = draft.tokenizer.backend.get_vocab()
+            if ours != theirs:
+                raise InvalidRequestError(
+                    f"the draft model {path} has another tokenizer ({len(theirs)} tokens "
+                    f"against {len(ours)}): its token ids would not mean the served model's",
+                    param="draft_model",
+                )
+            vocab = min(self.config.vocab_size, draft.config.vocab_size)
+            self._drafters[key] = DraftModel(draft, vocab)
+        return self._drafters[key]
 
     def generate(
         self,
@@ -277,8 +309,10 @@ class LLM:
         engine (`batch_engine`) together, continuous batching over its paged pool, as the
         server batches requests. Each gets the tokens it gets alone, bit for bit (greedy and
         seeded alike): the engine runs a prompt's forwards as a single stream does and its
-        kernels give a row the same bits in any batch. One prompt, and every prompt of the
-        window, basic and off caches, run one after another on the LLM's own cache.
+        kernels give a row the same bits in any batch. With `speculative` set, one prompt
+        goes to the pool too. Otherwise one prompt, every prompt of the window, basic and
+        off caches, and a prompt the pool refuses (the whole context; n beyond its rows)
+        run one after another on the LLM's own cache (`cache_engine`).
 
         Every prompt is checked before any is run: an empty one, a token outside the
         vocabulary or a prompt longer than the context raises as it would alone.
@@ -301,35 +335,30 @@ class LLM:
             # One layout for one prompt and many: fp32 CPU weights packed for oneDNN, whose
             # rows get the same bits alone or batched (Transformer.pack_for_batches).
             self.model.pack_for_batches()
-        engine = self.batch_engine() if batched else None
-        alone = []  # what the engine cannot take runs on the LLM's cache, as it would alone
-        for i, ((_, ids), p) in enumerate(zip(requests, params, strict=True)):
-            if engine is not None:
-                try:
-                    engine.check_request(ids, p)
-                    continue
-                except InvalidRequestError:  # a prompt of the whole context; n too large
-                    pass
-            self.cache.free()
-            check_fits(ids, self.cache)
-            alone.append(i)
+        pool = self.batch_engine() if batched else None
+        one: Engine | None = None  # what the pool cannot take runs alone, as it would
+        engines: list[Engine] = []
+        for ids, p in zip((ids for _, ids in requests), params, strict=True):
+            try:
+                if pool is None:
+                    raise InvalidRequestError("no pool")
+                pool.check_request(ids, p)
+                engines.append(pool)
+            except InvalidRequestError:  # a prompt of the whole context; n too large
+                one = one or self.cache_engine()
+                one.check_request(ids, p)
+                engines.append(one)
         show = self.progress if use_tqdm is None else use_tqdm
         with tqdm(total=len(requests), desc="Processed prompts", file=sys.stderr,
                   disable=not show, dynamic_ncols=True) as bar:  # fmt: skip
             results: list[RequestOutput | None] = [None] * len(requests)
-            if engine is not None and len(alone) < len(requests):
-                from kvlm.engine.batch import run_batch
-
-                todo = sorted(set(range(len(requests))) - set(alone))
+            for engine in dict.fromkeys(engines):  # the pool first, then the one cache
+                todo = [i for i, e in enumerate(engines) if e is engine]
                 ids = [f"generate-{next(self._request_ids)}" for _ in todo]
                 outs = run_batch(engine, [requests[i] for i in todo], [params[i] for i in todo],
                                  bar, ids)  # fmt: skip
                 for i, out in zip(todo, outs, strict=True):
                     results[i] = out
-            for i in alone:
-                text, ids = requests[i]
-                results[i] = self.stream(ids, params[i], prompt=text).run()
-                bar.update(1)
         return results  # type: ignore[return-value]
 
     @staticmethod
@@ -398,30 +427,8 @@ class LLM:
         checked as rows of one step, in the weights' batch layout, so greedy turns are the
         plain turns' tokens).
         """
-        return ChatSession(
-            self.runner,
-            self.tokenizer,
-            self.new_cache(),
-            params,
-            system=system,
-            vocab_size=self.config.vocab_size,
-            use_template=use_template,
-            prefill_chunk=self.prefill_chunk,
-            speculator=self._speculator(),
-        )
-
-    def _speculator(self):
-        """A Speculator for a stream on one cache when `speculative` is set, else None."""
-        if self.speculative is None:
-            return None
-        from kvlm.engine.engine import _draft_model
-        from kvlm.engine.speculative import Speculator
-
-        self.model.pack_for_batches()  # a row's bits the same alone or beside a draft's
-        if self.speculative.method == "draft" and self._drafter is None:
-            self._drafter = _draft_model(self, self.speculative)
-        drafter = self._drafter if self.speculative.method == "draft" else None
-        return Speculator(self.speculative, drafter)
+        engine = self.cache_engine(self.new_cache(), reuse=True)
+        return ChatSession(engine, params, system, self.config.vocab_size, use_template)
 
     def describe(self) -> dict[str, Any]:
         return {

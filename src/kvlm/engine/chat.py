@@ -19,53 +19,47 @@ from pathlib import Path
 from kvlm.cache import CacheFileError, KVCache
 from kvlm.cache.base import brief
 from kvlm.cache.files import load_cache, save_cache
-from kvlm.engine.generate import Generation
-from kvlm.engine.runner import ModelRunner
+from kvlm.engine.batch import Stream
+from kvlm.engine.engine import Engine
 from kvlm.engine.sampling import SamplingParams
 from kvlm.engine.sequence import common_prefix
-from kvlm.engine.speculative import Speculator
 from kvlm.errors import InvalidRequestError
-from kvlm.loading.tokenizer import Tokenizer
 
 
 class ChatSession:
     def __init__(
         self,
-        runner: ModelRunner,
-        tokenizer: Tokenizer,
-        cache: KVCache,
+        engine: Engine,
         params: SamplingParams,
         system: str | None = None,
         vocab_size: int | None = None,
         use_template: bool = True,
-        prefill_chunk: int | None = None,
-        speculator: Speculator | None = None,
     ) -> None:
-        """`speculator`: every turn decodes speculatively (kvlm.engine.speculative)."""
+        """`engine`: an engine over the conversation's own cache that starts each request
+        from what the cache holds (LLM.cache_engine(cache, reuse=True)); with speculative
+        decoding configured, every turn decodes speculatively."""
         if params.n != 1:
             raise InvalidRequestError("a conversation continues one sample: use n=1")
-        self.runner = runner
-        self.tokenizer = tokenizer
-        self.cache = cache
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.cache: KVCache = engine.backend.cache
         self.params = params
         self.vocab_size = vocab_size
         self.use_template = use_template
-        self.prefill_chunk = prefill_chunk
-        self.speculator = speculator
         self.messages: list[dict[str, str]] = []
         if system and use_template:
             self.messages.append({"role": "system", "content": system})
         self.history: list[int] = []  # every token so far, the last sampled one included
-        cache.reset()
-        self._turn: Generation | None = None
+        self.cache.reset()
+        self._turn: Stream | None = None
 
     @property
     def cached_ids(self) -> list[int]:
         """Exactly the tokens whose K/V the cache holds."""
         return self.history[: self.cache.num_tokens]
 
-    def send(self, text: str) -> Generation:
-        """Start a turn; iterate the returned Generation for the reply's text."""
+    def send(self, text: str) -> Stream:
+        """Start a turn; iterate the returned Stream for the reply's text."""
         self._settle()
         if self.use_template:
             self.messages.append({"role": "user", "content": text})
@@ -74,16 +68,7 @@ class ChatSession:
             ids = self.history + self.tokenizer.encode(text, add_special_tokens=not self.history)
         keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)
         self.cache.rollback(self.cache.num_tokens - keep)
-        self._turn = Generation(
-            self.runner,
-            self.tokenizer,
-            self.cache,
-            ids,
-            self.params,
-            vocab_size=self.vocab_size,
-            prefill_chunk=self.prefill_chunk,
-            speculator=self.speculator,
-        )
+        self._turn = Stream(self.engine, ids, self.params)
         return self._turn
 
     def _settle(self) -> None:

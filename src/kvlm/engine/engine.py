@@ -19,9 +19,11 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from kvlm.cache import KVCache
 from kvlm.cache.base import blocks_for
 from kvlm.cache.paged import BlockPool
 from kvlm.cache.prefix import BlockManager, check_salt
@@ -29,6 +31,7 @@ from kvlm.cache.tier_key import load_tier_key
 from kvlm.cache.tiers import KVTiers, namespace, parse_tier
 from kvlm.cache.view import block_map
 from kvlm.dtypes import dtype_name
+from kvlm.engine.backends import CacheBackend, PoolBackend
 from kvlm.engine.guided import compile_guide
 from kvlm.engine.metrics import EngineStats
 from kvlm.engine.request import SampleState, check_prompt, stop_token_ids
@@ -37,7 +40,9 @@ from kvlm.engine.scheduler import Batch, QueueFullError, Scheduler, SchedulerCon
 from kvlm.engine.sequence import Sequence, Status
 from kvlm.engine.speculative import DraftModel, SpeculativeConfig, propose_ngram
 from kvlm.errors import InvalidRequestError
-from kvlm.llm import LLM
+
+if TYPE_CHECKING:
+    from kvlm.engine.served import ServedModel
 
 log = logging.getLogger("kvlm.engine")
 
@@ -104,46 +109,69 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, llm: LLM, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        llm: ServedModel,
+        config: EngineConfig | None = None,
+        cache: KVCache | None = None,
+        reuse: bool = False,
+    ) -> None:
+        """The paged pool of `config`, or with `cache` one cache of any mode that holds one
+        request at a time (kvlm.engine.backends; `reuse`: a request starts from the prefix
+        the cache holds, a conversation's). `llm`: the model served (an LLM)."""
         self.llm = llm
         self.config = config or EngineConfig()
         self.tokenizer = llm.tokenizer
         self.runner = llm.runner
-        llm.model.pack_for_batches()  # one weight layout for 1..64 rows, batch-invariant
-        self.max_model_len = llm.max_context
-        # the LLM's K/V storage: --kv int8 stores int8 whatever --kv-dtype says
-        self.spec = llm.cache_spec("int8" if llm.kv_mode == "int8" else "paged")
-        bs, sched = self.spec.block_size, self.config.scheduler
-        least = blocks_for(self.max_model_len, bs) + sched.reserve_blocks
-        block_bytes = bs * self.spec.bytes_per_token
-        kv_memory = self.config.kv_memory or default_kv_memory(self.spec.device)
-        num_blocks = self.config.num_blocks or min(
-            blocks_for(self.max_model_len, bs) * sched.max_num_seqs,
-            max(least, kv_memory // block_bytes),
-        )
-        if num_blocks < least:
-            raise InvalidRequestError(
-                f"{num_blocks} KV blocks cannot hold one sequence of the context limit "
-                f"({self.max_model_len} tokens needs {least} blocks of {bs})"
-            )
-        self.pool = BlockPool(self.spec, num_blocks)
-        # Commit the whole pool now, as a GPU server reserves its memory at start: the
-        # process's memory is what it will stay at, and a pool that does not fit fails here
-        # rather than under load.
-        self.pool.store.zero_((slice(None),))
-        self.tiers = self._tiers() if self.config.kv_tiers else None
-        self.manager = BlockManager(self.pool, self.config.prefix_caching, self.tiers)
+        self.tiers = None
+        sched = self.config.scheduler
+        if cache is None:
+            llm.model.pack_for_batches()  # one weight layout for 1..64 rows, batch-invariant
+            self.backend = self._pool_backend(llm)
+            self.max_model_len = llm.max_context
+        else:
+            self.backend = CacheBackend(self.runner, cache, reuse)
+            self.max_model_len = cache.capacity
+        self.pool = self.backend.pool
+        self.spec = self.backend.spec if cache is None else cache.spec
+        self.manager = self.backend.manager
         self.scheduler = Scheduler(self.manager, sched, self.max_model_len)
         self.drafter: DraftModel | None = None
         spec = self.config.speculative
         if spec is not None:
             self.scheduler.propose = self._propose
             if spec.method == "draft":
-                self.drafter = _draft_model(llm, spec)
+                self.drafter = llm.draft_model(spec)
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
         self.last_error: Exception | None = None
         self.last_batch: Batch | None = None  # what the latest step ran
+
+    def _pool_backend(self, llm: ServedModel) -> PoolBackend:
+        # the LLM's K/V storage: --kv int8 stores int8 whatever --kv-dtype says
+        spec = llm.cache_spec("int8" if llm.kv_mode == "int8" else "paged")
+        bs, sched = spec.block_size, self.config.scheduler
+        least = blocks_for(llm.max_context, bs) + sched.reserve_blocks
+        block_bytes = bs * spec.bytes_per_token
+        kv_memory = self.config.kv_memory or default_kv_memory(spec.device)
+        num_blocks = self.config.num_blocks or min(
+            blocks_for(llm.max_context, bs) * sched.max_num_seqs,
+            max(least, kv_memory // block_bytes),
+        )
+        if num_blocks < least:
+            raise InvalidRequestError(
+                f"{num_blocks} KV blocks cannot hold one sequence of the context limit "
+                f"({llm.max_context} tokens needs {least} blocks of {bs})"
+            )
+        pool = BlockPool(spec, num_blocks)
+        # Commit the whole pool now, as a GPU server reserves its memory at start: the
+        # process's memory is what it will stay at, and a pool that does not fit fails here
+        # rather than under load.
+        pool.store.zero_((slice(None),))
+        self.pool, self.spec = pool, spec
+        self.tiers = self._tiers() if self.config.kv_tiers else None
+        manager = BlockManager(pool, self.config.prefix_caching, self.tiers)
+        return PoolBackend(self.runner, manager, spec)
 
     def _tiers(self) -> KVTiers:
         """The KV tiers of config.kv_tiers, keyed to this model, its numerics and the
@@ -178,7 +206,7 @@ class Engine:
             check_salt(cache_salt)
         except (TypeError, ValueError) as exc:
             raise InvalidRequestError(str(exc), param="cache_salt") from None
-        if len(prompt_ids) >= self.max_model_len:  # before the per-token check: cheap
+        if self.pool is not None and len(prompt_ids) >= self.max_model_len:  # cheap first
             raise InvalidRequestError(
                 f"the prompt has {len(prompt_ids)} tokens; this server's context limit is "
                 f"{self.max_model_len} tokens, prompt and completion together",
@@ -203,13 +231,7 @@ class Engine:
                 "decoded together (--max-num-seqs)",
                 param="n",
             )
-        need = blocks_for(len(prompt_ids), self.pool.block_size) + params.n - 1
-        if need + sched.reserve_blocks > self.pool.num_blocks:
-            raise InvalidRequestError(
-                f"the prompt and n = {params.n} samples need {need} KV blocks; the pool has "
-                f"{self.pool.num_blocks} (raise --kv-memory or lower n)",
-                param="n",
-            )
+        self.backend.check(prompt_ids, params.n, sched.reserve_blocks)
 
     def add_request(
         self,
@@ -278,8 +300,7 @@ class Engine:
 
     def _run(self, batch: Batch, events: list[StepOutput]) -> None:
         """One forward per prefill chunk and one for the decode batch, then sampling. A
-        failure ends only the request it belongs to: a decode batch that raises is run
-        again row by row, so the row that raised is found and fails alone."""
+        failure ends only the request it belongs to (the backend's decode finds which)."""
         for seq, n in batch.prefill:
             if seq.status is Status.FINISHED:  # its request failed earlier in this step
                 continue
@@ -288,7 +309,7 @@ class Engine:
             req = self.requests[seq.request_id]
             scored = req.prompt_logprobs is not None and start + 1 < seq.num_prompt
             try:
-                logits = self._forward([seq], [fed], prompt=True, all_rows=scored)[0]
+                logits = self.backend.prefill(seq, fed, all_rows=scored)
                 if scored:  # row j predicts prompt token start + j + 1
                     logits = self._score_prompt(req, start, logits)
             except Exception as exc:
@@ -299,40 +320,15 @@ class Engine:
         seqs = batch.decode
         if not seqs:
             return
-        # one row per sequence (its last token), and one per draft token after it, at the
-        # next positions on the same block table (speculative decoding)
-        rows: list[list[int]] = []
-        tables: list[list[int]] = []
-        starts: list[int] = []
-        spans = []
-        for s in seqs:
-            first = len(rows)
-            for i, token in enumerate([s.token_ids[-1], *s.draft]):
-                rows.append([token])
-                tables.append(s.table.blocks)
-                starts.append(s.num_computed + i)
-            spans.append((first, len(rows)))
-        try:
-            out = self.runner.forward_table(self.pool, self.spec, rows, tables, starts)
-        except Exception:  # which row? Each alone: a bad one fails alone
-            log.warning("a decode batch of %d rows failed; running them one by one",
-                        len(rows), exc_info=True)  # fmt: skip
-            out = None
-        # on a GPU every row's argmax in one transfer, not one wait per row (greedy rows)
-        argmax = out.argmax(-1).tolist() if out is not None and out.is_cuda else None
-        for seq, (a, b) in zip(seqs, spans, strict=True):
+        results, hints = self.backend.decode(seqs)
+        for seq, logits, hint in zip(seqs, results, hints, strict=True):
             if seq.status is Status.FINISHED:  # its request failed earlier in this step
                 continue
-            try:
-                logits = out[a:b] if out is not None else self.runner.forward_table(
-                    self.pool, self.spec, rows[a:b], tables[a:b], starts[a:b])  # fmt: skip
-            except Exception as exc:
-                events += self._fail(seq.request_id, exc)
-                continue
-            if seq.draft:
+            if isinstance(logits, Exception):
+                events += self._fail(seq.request_id, logits)
+            elif seq.draft:
                 self._finish_draft(seq, logits, events)
             else:
-                hint = None if argmax is None else argmax[a]
                 self._finish_forward(seq, 1, logits[0], events, hint)
 
     def _finish_draft(self, seq: Sequence, logits: torch.Tensor, events: list[StepOutput]) -> None:
@@ -382,23 +378,11 @@ class Engine:
         """The draft for one sequence this step (the scheduler asks)."""
         cfg = self.config.speculative
         k = min(room, seq.draft_len or cfg.num_draft)
+        if not self.backend.drafts:  # one cache's rows decode in lockstep: n > 1 cannot
+            return []
         if self.drafter is not None:
             return self.drafter.propose(seq, k)
         return propose_ngram(seq.token_ids, k, cfg.ngram_max, cfg.ngram_min)
-
-    def _forward(
-        self, seqs: list[Sequence], rows: list[list[int]], prompt: bool = False,
-        all_rows: bool = False,
-    ) -> torch.Tensor:  # fmt: skip
-        return self.runner.forward_table(
-            self.pool,
-            self.spec,
-            rows,
-            [s.table.blocks for s in seqs],
-            [s.num_computed for s in seqs],
-            prompt=prompt,
-            all_rows=all_rows,
-        )
 
     def _score_prompt(self, req: _Request, start: int, rows: torch.Tensor) -> torch.Tensor:
         """Record the prompt tokens' logprobs a chunk's rows (T, V) predict (fed from
@@ -551,20 +535,3 @@ class Engine:
 
 
 __all__ = ["Engine", "EngineConfig", "QueueFullError", "StepOutput"]
-
-
-def _draft_model(llm: LLM, spec: SpeculativeConfig) -> DraftModel:
-    """The draft model of `spec` (another file with the same tokenizer, or this model's
-    own file at a cheaper weight format), its token ids checked to mean what the served
-    model's mean."""
-    path = spec.draft_model or str(llm.loaded.path)
-    draft = LLM(model=path, weights=spec.draft_weights, max_context=llm.max_context,
-                progress=False)  # fmt: skip
-    ours, theirs = llm.tokenizer.backend.get_vocab(), draft.tokenizer.backend.get_vocab()
-    if ours != theirs:
-        raise InvalidRequestError(
-            f"the draft model {path} has another tokenizer ({len(theirs)} tokens against "
-            f"{len(ours)}): its token ids would not mean the served model's",
-            param="draft_model",
-        )
-    return DraftModel(draft, min(llm.config.vocab_size, draft.config.vocab_size))

@@ -46,6 +46,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     metrics: Metrics = field(default_factory=Metrics)
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
+    # (nothing before it predicts it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -73,6 +76,10 @@ class RequestOutput:
         }
         if len(self.outputs) > 1:
             record["samples"] = [o.to_dict() for o in self.outputs]
+        if self.prompt_logprobs is not None:
+            record["prompt_logprobs"] = [
+                None if lp is None else lp.to_dict() for lp in self.prompt_logprobs
+            ]
         return record
 
 

@@ -61,10 +61,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_rows(
-        self, rows: Sequence[Sequence[int]], cache: KVCache, prompt: bool | None = None
+        self,
+        rows: Sequence[Sequence[int]],
+        cache: KVCache,
+        prompt: bool | None = None,
+        all_rows: bool = False,
     ) -> torch.Tensor:
         """Run each row's tokens after what `cache` holds for that row (one row per cached
-        sequence, all the same length); return each row's last logits, (B, V). `prompt`:
+        sequence, all the same length); return each row's last logits, (B, V), or with
+        `all_rows` every position's, (B, T, V) (a prompt's own logprobs). `prompt`:
         the tokens are a prompt's (a one-token chunk of a prompt too: it takes the prompt's
         numerics, kvlm.model.layers.feeding_prompt); None: more than one token per row.
 
@@ -72,16 +77,17 @@ class ModelRunner:
         """
         if len(rows) != cache.batch or len({len(r) for r in rows}) != 1:
             raise ValueError(f"need {cache.batch} rows of one length, got {[len(r) for r in rows]}")
-        if len(rows[0]) == 1 and not prompt and self.graphs and self.graphs.accepts(cache):
+        one = len(rows[0]) == 1 and not all_rows
+        if one and not prompt and self.graphs and self.graphs.accepts(cache):
             return self.graphs.step([r[0] for r in rows], cache)
-        if len(rows[0]) == 1 and self._decodes_alike(prompt) and (decoder := self.fused_for(cache)):
+        if one and self._decodes_alike(prompt) and (decoder := self.fused_for(cache)):
             return decoder.step([r[0] for r in rows], cache)
         step = cache.begin(len(rows[0]))  # raises on overflow before any write
         ids = torch.tensor(rows, dtype=torch.long, device=self.device)
         with self.model.step_context(ids.numel()):
-            logits = self.model(ids, step.positions, step, prompt=prompt)
+            logits = self.model(ids, step.positions, step, last_only=not all_rows, prompt=prompt)
         cache.commit(step)
-        return logits[:, -1]
+        return logits if all_rows else logits[:, -1]
 
     @torch.inference_mode()
     def forward_draft(self, tokens: Sequence[int], cache: KVCache) -> torch.Tensor:

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlm.engine.metrics import SpecStats
 from kvlm.engine.sequence import Status, common_prefix
 
 METHODS = ("ngram", "draft")
@@ -90,6 +89,7 @@ class DraftModel:
     engine's acceptance rule stays exact for sampled requests too."""
 
     def __init__(self, draft, vocab_size: int) -> None:
+        # draft: a kvlm.engine.served.ServedModel (not imported: that module names this one)
         self.llm = draft
         self.vocab_size = vocab_size
         self.states: dict[int, tuple] = {}  # seq_id -> (cache, fed ids, sequence)
@@ -125,46 +125,3 @@ class DraftModel:
         for sid in [s for s, (_, _, q) in self.states.items() if q.status is Status.FINISHED]:
             cache = self.states.pop(sid)[0]
             cache.free()
-
-
-class _Stream:
-    """What DraftModel reads of a sequence, for a single stream (one conversation)."""
-
-    seq_id = 0
-
-    def __init__(self, tokens: list[int]) -> None:
-        self.token_ids = tokens
-        self.status = Status.RUNNING
-
-
-class Speculator:
-    """Speculative decoding on a single stream (a conversation's own cache, kvlm chat):
-    the engine's proposers and adaptive draft length for one sequence, its drafts checked
-    by ModelRunner.forward_draft and rolled back by the cache."""
-
-    def __init__(self, config: SpeculativeConfig, drafter: DraftModel | None = None) -> None:
-        self.config = config
-        self.drafter = drafter
-        self.draft_len = config.num_draft
-        self.stats = SpecStats()
-
-    def propose(self, tokens: list[int], room: int) -> list[int]:
-        """Up to `room` tokens to check after `tokens` (the sequence, its last sampled
-        token included)."""
-        cfg = self.config
-        k = min(room, self.draft_len)
-        if k < 1:
-            return []
-        if self.drafter is not None:
-            return self.drafter.propose(_Stream(tokens), k)
-        return propose_ngram(tokens, k, cfg.ngram_max, cfg.ngram_min)
-
-    def record(self, drafted: int, agreed: int, emitted: int) -> None:
-        """A checked draft: the draft length adapts as the engine's does."""
-        full = agreed == drafted
-        self.draft_len = min(self.config.num_draft, agreed + 1) if full else max(1, agreed)
-        st = self.stats
-        st.steps += 1
-        st.drafted += drafted
-        st.accepted += agreed
-        st.emitted += emitted

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kvlm.llm import LLM
+    from kvlm.engine.served import ServedModel
 
 
 @dataclass(slots=True)
@@ -37,7 +37,7 @@ class VerifyResult:
 
 
 @torch.inference_mode()
-def verify_mode(llm: LLM, prompt_ids: Sequence[int], mode: str, steps: int) -> VerifyResult:
+def verify_mode(llm: ServedModel, prompt_ids: Sequence[int], mode: str, steps: int) -> VerifyResult:
     from kvlm.dtypes import dtype_name
 
     cache = llm.new_cache(mode)

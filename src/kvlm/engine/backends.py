@@ -1,0 +1,239 @@
+"""Where an engine keeps K/V: the paged pool (many sequences, block tables, the prefix
+cache, the tiers) or one cache of any mode (off, basic, contiguous, paged, int8, window)
+holding one request's sequence, n of them after a fan-out.
+
+The engine's step is the same over both: the scheduler admits through the backend's
+`manager` (allocate, append_slot, seal, trim, fork, free; kvlm.cache.prefix.BlockManager's
+interface) and the engine runs its forwards through `prefill` and `decode`.
+
+    PoolBackend:  BlockManager over a BlockPool; ModelRunner.forward_table
+    CacheBackend: one KVCache; ModelRunner.forward_rows (a draft: forward_draft)
+
+One cache admits one request at a time. Its rows decode in lockstep (the cache's rows all
+grow together): a sample that finished keeps feeding its last token, and its row's output
+is never read. A cache that keeps nothing (`off`) is fed every row's whole sequence at
+each forward: the backend feeds what the cache does not hold, whatever the mode.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence as Seq
+
+import torch
+
+from kvlm.cache import KVCache
+from kvlm.cache.base import blocks_for
+from kvlm.cache.paged import BlockPool
+from kvlm.cache.prefix import BlockManager, BlockTable, PrefixStats
+from kvlm.engine.request import check_fits
+from kvlm.engine.runner import ModelRunner
+from kvlm.engine.sequence import Sequence
+from kvlm.errors import InvalidRequestError
+
+# What decode() gives per sequence: its logits (rows, V) or the exception its forward raised
+Result = torch.Tensor | Exception
+
+
+class PoolBackend:
+    """Many sequences on one paged pool, each through its own block table."""
+
+    def __init__(self, runner: ModelRunner, manager: BlockManager, spec) -> None:
+        self.runner = runner
+        self.manager = manager
+        self.pool: BlockPool = manager.pool
+        self.spec = spec
+        self.max_tokens = spec.max_tokens
+        self.drafts = True  # speculative rows on each sequence's own table
+
+    def check(self, prompt_ids: list[int], n: int, reserve: int) -> None:
+        need = blocks_for(len(prompt_ids), self.pool.block_size) + n - 1
+        if need + reserve > self.pool.num_blocks:
+            raise InvalidRequestError(
+                f"the prompt and n = {n} samples need {need} KV blocks; the pool has "
+                f"{self.pool.num_blocks} (raise --kv-memory or lower n)",
+                param="n",
+            )
+
+    def prefill(self, seq: Sequence, tokens: list[int], all_rows: bool) -> torch.Tensor:
+        """A chunk of a sequence's prompt: its last logits (V,), or every row's (T, V)."""
+        return self.runner.forward_table(
+            self.pool, self.spec, [tokens], [seq.table.blocks], [seq.num_computed],
+            prompt=True, all_rows=all_rows,
+        )[0]  # fmt: skip
+
+    def decode(self, seqs: list[Sequence]) -> tuple[list[Result], list[int | None]]:
+        """One row per sequence (its last token) and one per draft token after it, at the
+        next positions on the same block table, in one forward. A batch that raises is run
+        again sequence by sequence, so the one that raised fails alone. Returns each
+        sequence's logits and, on a GPU, its first row's argmax (one transfer for all)."""
+        rows: list[list[int]] = []
+        tables: list[list[int]] = []
+        starts: list[int] = []
+        spans = []
+        for s in seqs:
+            first = len(rows)
+            for i, token in enumerate([s.token_ids[-1], *s.draft]):
+                rows.append([token])
+                tables.append(s.table.blocks)
+                starts.append(s.num_computed + i)
+            spans.append((first, len(rows)))
+        forward = self.runner.forward_table
+        try:
+            out = forward(self.pool, self.spec, rows, tables, starts)
+        except Exception:
+            import logging
+
+            logging.getLogger("kvlm.engine").warning(
+                "a decode batch of %d rows failed; running them one by one", len(rows),
+                exc_info=True,
+            )  # fmt: skip
+            out = None
+        results: list[Result] = []
+        for a, b in spans:
+            if out is not None:
+                results.append(out[a:b])
+                continue
+            try:
+                results.append(forward(self.pool, self.spec, rows[a:b], tables[a:b], starts[a:b]))
+            except Exception as exc:
+                results.append(exc)
+        if out is not None and out.is_cuda:  # greedy rows: every argmax in one transfer
+            argmax = out.argmax(-1).tolist()
+            return results, [argmax[a] for a, _ in spans]
+        return results, [None] * len(seqs)
+
+
+class CacheManager:
+    """The scheduler's view of one cache: one request at a time, its sequence in row 0,
+    the samples it forks into in rows 1.. (the cache forks when they first decode).
+
+    `reuse`: a request starts from what the cache holds (a conversation's earlier turns;
+    the caller rolls the cache back to the prefix its prompt shares). Else the cache is
+    emptied for every request."""
+
+    block_size = 1  # the scheduler's unit of growth: a token
+
+    def __init__(self, cache: KVCache, reuse: bool) -> None:
+        self.cache = cache
+        self.reuse = reuse
+        self.rows = 0  # rows handed out to the running request (0: the cache is free)
+        self.live = 0  # of those, not freed yet
+        self.stats = PrefixStats()
+
+    def fetch(self, tokens: Seq[int], salt: str | None = None) -> int:
+        return 0
+
+    def can_admit(self, tokens: Seq[int], reserve: int = 0, salt=None, reuse=True) -> bool:
+        return self.live == 0
+
+    def allocate(self, tokens: Seq[int], salt=None, reuse: bool = True) -> tuple[BlockTable, int]:
+        cache = self.cache
+        if not (self.reuse and reuse) or cache.batch != 1:
+            cache.free()  # one empty sequence (a fork may have left n)
+        elif cache.num_tokens >= len(tokens):
+            cache.rollback(cache.num_tokens - len(tokens) + 1)  # the last token is fed
+        self.rows = self.live = 1
+        cached = cache.num_tokens if cache.mode != "off" else 0
+        self.stats.queries += len(tokens)
+        self.stats.hits += cached
+        return BlockTable([0]), cached
+
+    def can_append(self, table: BlockTable, num_tokens: int) -> bool:
+        return True  # the engine ends a sequence at the cache's capacity ("length")
+
+    def append_slot(self, table: BlockTable, num_tokens: int) -> None:
+        pass
+
+    def seal(self, table: BlockTable, tokens: Seq[int], num_computed: int) -> None:
+        pass
+
+    def trim(self, table: BlockTable, num_tokens: int) -> None:
+        """Roll back a rejected draft (one sequence: the cache's one row)."""
+        self.cache.rollback(self.cache.num_tokens - num_tokens)
+
+    def fork(self, table: BlockTable) -> BlockTable:
+        self.rows += 1
+        self.live += 1
+        return BlockTable([self.rows - 1])
+
+    def free(self, table: BlockTable) -> None:
+        if table.blocks:
+            table.blocks.clear()
+            self.live -= 1
+
+
+class CacheBackend:
+    """One request at a time on one cache (LLM.stream's single stream, and a conversation's
+    turns), through the same engine step as the pool's."""
+
+    def __init__(self, runner: ModelRunner, cache: KVCache, reuse: bool = False) -> None:
+        self.runner = runner
+        self.cache = cache
+        self.manager = CacheManager(cache, reuse)
+        self.max_tokens = cache.capacity  # the window ring: endless
+        self.pool = None
+        self._rows: dict[int, Sequence] = {}  # row -> the sequence decoding in it
+        self._done: dict[int, list[int]] = {}  # row -> a finished sample's fed tokens
+
+    @property
+    def drafts(self) -> bool:
+        """Speculative rows only for one sequence (its draft rolls back through the
+        cache); n samples decode in lockstep."""
+        return self.manager.rows == 1
+
+    def check(self, prompt_ids: list[int], n: int, reserve: int) -> None:
+        check_fits(prompt_ids, self.cache.capacity)
+
+    def prefill(self, seq: Sequence, tokens: list[int], all_rows: bool) -> torch.Tensor:
+        if self.manager.rows == 1:
+            self._rows = {0: seq}
+            self._done = {}
+        held = self.cache.num_tokens
+        fed = seq.token_ids[held : seq.num_computed + len(tokens)]  # off: from the start
+        logits = self.runner.forward_rows([fed], self.cache, prompt=True, all_rows=all_rows)
+        return logits[0, -len(tokens) :] if all_rows else logits[0]
+
+    def decode(self, seqs: list[Sequence]) -> tuple[list[Result], list[int | None]]:
+        cache, hints = self.cache, [None] * len(seqs)
+        try:
+            if len(seqs) == 1 and seqs[0].draft:  # one sequence, its last token and draft
+                s = seqs[0]
+                return [self.runner.forward_draft([s.token_ids[-1], *s.draft], cache)], hints
+            rows = self._lockstep(seqs)
+            out = self.runner.forward_rows(rows, cache, prompt=False)
+            return [out[s.table.blocks[0]][None] for s in seqs], hints
+        except Exception as exc:  # one request holds the cache: it fails whole
+            return [exc] * len(seqs), hints
+
+    def _lockstep(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Every row of the cache, one more token each: a live sample's, or a finished
+        sample's last one again (its output is never read)."""
+        live = {s.table.blocks[0]: s for s in seqs}
+        end = seqs[0].num_computed + 1
+        for row, s in self._rows.items():
+            if row not in live and row not in self._done:
+                self._done[row] = list(s.token_ids)  # its last token, never fed
+        self._rows.update(live)
+        if self.cache.batch < self.manager.rows:
+            self.cache.fork(self.manager.rows)
+        held, rows = self.cache.num_tokens, []
+        for row in range(self.cache.batch):
+            if row in live:
+                rows.append(live[row].token_ids[held:end])
+                continue
+            done = self._done[row]
+            done += [done[-1]] * (end - len(done))
+            rows.append(done[held:end])
+        return rows
+
+
+def cache_engine_limits(cache: KVCache, prefill_chunk: int | None) -> dict[str, int]:
+    """SchedulerConfig for an engine on one cache: a prompt in `prefill_chunk` pieces from
+    where the cache stands (whole when None; always whole for `off`, which keeps nothing
+    between forwards), samples as many as a request asks (up to MAX_SAMPLES)."""
+    chunk = prefill_chunk if prefill_chunk and cache.mode != "off" else sys.maxsize
+    return {"max_num_seqs": MAX_SAMPLES, "prefill_chunk": chunk, "max_waiting": MAX_SAMPLES}
+
+
+MAX_SAMPLES = 256  # n of one request on one cache (its rows decode in lockstep)
