@@ -40,6 +40,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _generate_parser(sub)
+    _chat_parser(sub)
+    _verify_parser(sub)
+    _memory_parser(sub)
+    _serve_parser(sub)
+    _bench_parser(sub)
+    _inspect_parser(sub)
+    return parser
+
+
+def _generate_parser(sub: Any) -> None:
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("prompt", nargs="?", default="-", help="the prompt ('-' or none: stdin)")
     _model_args(gen)
@@ -51,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
     gen.set_defaults(func=cmd_generate)
 
+
+def _chat_parser(sub: Any) -> None:
     chat = sub.add_parser("chat", help="an interactive conversation that keeps its KV cache")
     _model_args(chat)
     _cache_args(chat)
@@ -59,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     _speculative_args(chat)
     chat.set_defaults(func=cmd_chat)
 
+
+def _verify_parser(sub: Any) -> None:
     verify = sub.add_parser(
         "verify", help="greedy agreement and logit drift of a cache mode against --kv off"
     )
@@ -70,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--json", action="store_true", help="print the result as JSON")
     verify.set_defaults(func=cmd_verify)
 
+
+def _memory_parser(sub: Any) -> None:
     memory = sub.add_parser("memory", help="KV cache bytes for a model, context and batch")
     memory.add_argument("--model", help="GGUF file, HF folder or Hub id (default: SmolLM2-135M)")
     memory.add_argument("--context", type=int, default=None, help="tokens per sequence")
@@ -89,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     memory.set_defaults(func=cmd_memory)
 
+
+def _serve_parser(sub: Any) -> None:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for many clients")
     _model_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
@@ -102,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
         help="the model's tool-call format (default: read off its chat template)",
     )  # fmt: skip
+    _pool_args(serve)
+    _limit_args(serve)
+    _replica_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+
+def _pool_args(serve: argparse.ArgumentParser) -> None:
+    """The engine's KV pool, its scheduler and the tiers below it."""
     serve.add_argument("--kv-dtype", default=None, help="cache storage: fp32, bf16, fp16, int8")
     serve.add_argument("--max-context", type=int, default=None, help="tokens per sequence")
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -130,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
         "every server that shares a tier the same one (default: a key made on first use "
         "in $XDG_STATE_HOME/kvlm/tier.key)",
     )  # fmt: skip
+
+
+def _limit_args(serve: argparse.ArgumentParser) -> None:
+    """What one client may take of the server."""
     serve.add_argument(
         "--max-body", default="4MiB", help="largest request body; a larger one gets 413"
     )
@@ -149,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve /metrics without --api-key (for a Prometheus scraper)",
     )  # fmt: skip
     serve.add_argument("--log-level", default="info", help="HTTP log: info (requests), warning")
+
+
+def _replica_args(serve: argparse.ArgumentParser) -> None:
+    """--replicas: engines behind one endpoint on Ray Serve."""
     serve.add_argument(
         "--replicas", type=int, default=1,
         help="engines behind the one endpoint, on Ray Serve (kvlm.cluster; default 1: this "
@@ -174,8 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="--replicas: join this Ray cluster (auto, or HOST:PORT of `ray start --head`) "
         "instead of starting Ray here",
     )  # fmt: skip
-    serve.set_defaults(func=cmd_serve)
 
+
+def _bench_parser(sub: Any) -> None:
     bench = sub.add_parser("bench", help="kvlm vs transformers on the same model and prompts")
     _model_args(bench)
     bench.add_argument("--kv", default="contiguous", help="cache modes, comma-separated")
@@ -221,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--types", help="--suite: file types, comma-separated (Q4_0,Q8_0,Q4_K_M)")
     bench.set_defaults(func=cmd_bench)
 
+
+def _inspect_parser(sub: Any) -> None:
     inspect = sub.add_parser(
         "inspect", help="show a model's configuration and cache sizes, or a saved cache file"
     )
@@ -238,7 +276,6 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     inspect.add_argument("--json", action="store_true")
     inspect.set_defaults(func=cmd_inspect)
-    return parser
 
 
 REFERENCE_HEADER = """# kvlm command reference

@@ -19,7 +19,7 @@ from kvlm.cache.factory import check_mode, mode_spec
 from kvlm.dtypes import dtype_name, parse_dtype, parse_kv_dtype
 from kvlm.engine.batch import Stream, run_batch
 from kvlm.engine.chat import ChatSession
-from kvlm.engine.request import RequestOutput, check_fits, check_prompt
+from kvlm.engine.request import RequestOutput
 from kvlm.engine.runner import ModelRunner
 from kvlm.engine.sampling import SamplingParams
 from kvlm.engine.speculative import DraftModel, SpeculativeConfig
@@ -101,34 +101,15 @@ class LLM:
         ("ngram" or a SpeculativeConfig): every request decodes speculatively, on the batch
         engine's pool or on one cache alike (kvlm.engine.speculative; greedy output
         unchanged; not with kv="off", which keeps nothing to verify against)."""
-        if isinstance(speculative, str):
-            try:
-                speculative = SpeculativeConfig(method=speculative)
-            except ValueError as exc:
-                raise InvalidRequestError(str(exc), param="speculative") from None
-        if speculative is not None and kv in NO_SPECULATION:
-            raise InvalidRequestError(
-                f"no speculative decoding with kv {kv!r}: {NO_SPECULATION[kv]}",
-                param="speculative",
-            )
-        self.speculative = speculative
+        self.speculative = _speculative_config(speculative, kv)
+        _check_settings(kv, threads, prefill_chunk, weights, kv_dtype)  # before the slow load
         if threads is not None:
-            if threads < 1:
-                raise InvalidRequestError("threads must be >= 1")
             torch.set_num_threads(threads)
             set_blas_threads(threads)
-        if prefill_chunk is not None and prefill_chunk < 1:
-            raise InvalidRequestError("prefill_chunk must be >= 1")
         self.device = _check_device(device)
         self.dtype = parse_dtype(dtype)
         self.cache_options = cache_options or CacheOptions()
         self.prefill_chunk = prefill_chunk
-        check_mode(kv)  # before the slow load
-        if weights not in (*WEIGHT_FORMATS, defaults.AUTO):
-            valid = ", ".join(f for f in (defaults.AUTO, *WEIGHT_FORMATS) if f)
-            raise InvalidRequestError(f"unknown weight format {weights!r}; valid: {valid}")
-        if kv_dtype is not None and kv_dtype != defaults.AUTO:
-            parse_kv_dtype(kv_dtype)  # a typo is refused before the slow load
         self.loaded = load_model(model)
         self.numerics = defaults.resolve(
             weights=weights,
@@ -139,33 +120,11 @@ class LLM:
             fp32_cpu=self.device.type == "cpu" and self.dtype == torch.float32,
             source=self.loaded.weights,
         )
-        weights, activations = self.numerics.weights, self.numerics.activations
-        prefill_dtype, kv_dtype = self.numerics.prefill_dtype, self.numerics.kv_dtype
+        self.weights = _weight_format(self.numerics, self.dtype, self.device)
+        self.prefill_dtype = self.numerics.prefill_dtype
+        self.activations = self.numerics.activations
+        kv_dtype = self.numerics.kv_dtype
         self.kv_dtype = parse_kv_dtype(kv_dtype) if kv_dtype is not None else self.dtype
-        if weights == "f32":
-            if self.dtype != torch.float32:
-                raise InvalidRequestError("--weights f32 needs --dtype fp32")
-            weights = None
-        if weights is not None and self.device.type != "cpu":
-            raise InvalidRequestError(
-                f"--weights {weights} runs on the CPU kernels only; on {self.device.type} use "
-                "--dtype bf16 or fp16"
-            )
-        if prefill_dtype not in ("fp32", "bf16", "int8"):
-            raise InvalidRequestError(
-                f"unknown prefill dtype {prefill_dtype!r}; valid: fp32, bf16, int8"
-            )
-        if prefill_dtype != "fp32" and weights not in ("int8", "int4", "native"):
-            raise InvalidRequestError(
-                f"--prefill-dtype {prefill_dtype} applies to --weights int8|int4|native"
-            )
-        if activations not in ("fp32", "int8"):
-            raise InvalidRequestError(f"unknown activations {activations!r}; valid: fp32, int8")
-        if activations == "int8" and weights not in ("int8", "int4", "native"):
-            raise InvalidRequestError("--activations int8 applies to --weights int8|int4|native")
-        self.weights = weights
-        self.prefill_dtype = prefill_dtype
-        self.activations = activations
         self.kv_mode = kv
         self.config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
@@ -181,23 +140,25 @@ class LLM:
         self._engine: Engine | None = None  # generate's batch engine, made on first use
         self._request_ids = itertools.count()
         self.progress = progress
-        weights = self.loaded.weights
-        self.model = Transformer(
-            self.config, weights, self.dtype, self.device, progress, self.weights
-        )
-        for module in self.model.modules():
+        self.model = self._build_model()
+        self.fingerprint  # noqa: B018 - read now, while the file's pages are still in
+        self.loaded.weights.release()  # the packed weights are the model's own copies now
+        self.runner = ModelRunner(self.model)
+
+    def _build_model(self) -> Transformer:
+        model = Transformer(self.config, self.loaded.weights, self.dtype, self.device,
+                            self.progress, self.weights)  # fmt: skip
+        for module in model.modules():
             if isinstance(module, Linear):
                 # bf16 prompt products and int8 activations in the blocks; the vocabulary
                 # projection keeps fp32 ones: its near-tied logits decide the token (on the
                 # default model, rounding its input too changed 7 of 8 test prompts'
                 # answers, and bf16 logits tie at 2^-8: docs/BENCHMARKS.md)
-                block = module is not self.model.lm_head
-                module.prefill_bf16 = prefill_dtype == "bf16" and block
-                module.prefill_int8 = prefill_dtype == "int8" and block
-                module.act_int8 = activations == "int8" and block
-        self.fingerprint  # noqa: B018 - read now, while the file's pages are still in
-        weights.release()  # the packed weights are the model's own copies now
-        self.runner = ModelRunner(self.model)
+                block = module is not model.lm_head
+                module.prefill_bf16 = self.prefill_dtype == "bf16" and block
+                module.prefill_int8 = self.prefill_dtype == "int8" and block
+                module.act_int8 = self.activations == "int8" and block
+        return model
 
     @property
     def model_name(self) -> str:
@@ -327,17 +288,13 @@ class LLM:
         params = self._params_for(sampling_params, len(requests))
         many = len(requests) > 1 or self.speculative is not None  # drafts live in the engine
         batched = many and self.kv_mode in BATCH_MODES
-        for _, ids in requests:  # every prompt before any work
-            check_prompt(ids, self.config.vocab_size)
-            if batched and len(ids) > self.max_context:
-                check_fits(ids, self.cache_spec().max_tokens)
         if self.kv_mode in BATCH_MODES:
             # One layout for one prompt and many: fp32 CPU weights packed for oneDNN, whose
             # rows get the same bits alone or batched (Transformer.pack_for_batches).
             self.model.pack_for_batches()
         pool = self.batch_engine() if batched else None
         one: Engine | None = None  # what the pool cannot take runs alone, as it would
-        engines: list[Engine] = []
+        engines: list[Engine] = []  # each prompt checked, once, before any work
         for ids, p in zip((ids for _, ids in requests), params, strict=True):
             try:
                 if pool is None:
@@ -464,3 +421,65 @@ def _check_device(device: str) -> torch.device:
     if dev.type not in ("cpu", "cuda", "mps"):
         raise InvalidRequestError(f"unsupported device {device!r} (cpu, cuda, mps)")
     return dev
+
+
+def _speculative_config(
+    speculative: SpeculativeConfig | str | None, kv: str
+) -> SpeculativeConfig | None:
+    if isinstance(speculative, str):
+        try:
+            speculative = SpeculativeConfig(method=speculative)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="speculative") from None
+    if speculative is not None and kv in NO_SPECULATION:
+        raise InvalidRequestError(
+            f"no speculative decoding with kv {kv!r}: {NO_SPECULATION[kv]}",
+            param="speculative",
+        )
+    return speculative
+
+
+def _check_settings(
+    kv: str, threads: int | None, prefill_chunk: int | None, weights: str | None,
+    kv_dtype: str | torch.dtype | None,
+) -> None:  # fmt: skip
+    """The LLM's settings a typo can spoil, refused before the slow load."""
+    if threads is not None and threads < 1:
+        raise InvalidRequestError("threads must be >= 1")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise InvalidRequestError("prefill_chunk must be >= 1")
+    check_mode(kv)
+    if weights not in (*WEIGHT_FORMATS, defaults.AUTO):
+        valid = ", ".join(f for f in (defaults.AUTO, *WEIGHT_FORMATS) if f)
+        raise InvalidRequestError(f"unknown weight format {weights!r}; valid: {valid}")
+    if kv_dtype is not None and kv_dtype != defaults.AUTO:
+        parse_kv_dtype(kv_dtype)
+
+
+def _weight_format(numerics: defaults.Numerics, dtype: torch.dtype, device: torch.device):
+    """The packed weight format the model is built with (None: the file's floats at
+    `dtype`), the resolved numerics checked against each other and the device."""
+    weights, activations = numerics.weights, numerics.activations
+    prefill_dtype = numerics.prefill_dtype
+    if weights == "f32":
+        if dtype != torch.float32:
+            raise InvalidRequestError("--weights f32 needs --dtype fp32")
+        weights = None
+    if weights is not None and device.type != "cpu":
+        raise InvalidRequestError(
+            f"--weights {weights} runs on the CPU kernels only; on {device.type} use "
+            "--dtype bf16 or fp16"
+        )
+    if prefill_dtype not in ("fp32", "bf16", "int8"):
+        raise InvalidRequestError(
+            f"unknown prefill dtype {prefill_dtype!r}; valid: fp32, bf16, int8"
+        )
+    if prefill_dtype != "fp32" and weights not in ("int8", "int4", "native"):
+        raise InvalidRequestError(
+            f"--prefill-dtype {prefill_dtype} applies to --weights int8|int4|native"
+        )
+    if activations not in ("fp32", "int8"):
+        raise InvalidRequestError(f"unknown activations {activations!r}; valid: fp32, int8")
+    if activations == "int8" and weights not in ("int8", "int4", "native"):
+        raise InvalidRequestError("--activations int8 applies to --weights int8|int4|native")
+    return weights

@@ -71,28 +71,19 @@ def run_kvlm(llm: LLM, mode: str, ids: list[int], new: int) -> dict[str, float]:
 
 
 def run_kvlm_speculative(llm: LLM, ids: list[int], new: int, spec: Any) -> dict[str, float]:
-    """The same request through the engine with speculative decoding: TTFT, decode rate
-    from the first token to the last, and the drafts' acceptance."""
+    """The same request on the engine's pool with speculative decoding: run_kvlm's
+    figures, and the drafts' acceptance."""
+    from kvlm.engine.batch import Stream
     from kvlm.engine.engine import Engine, EngineConfig
 
     engine = Engine(llm, EngineConfig(num_blocks=None, kv_memory=256 << 20,
                                       prefix_caching=False, speculative=spec))  # fmt: skip
-    start = time.perf_counter()
-    engine.add_request("bench", ids, SamplingParams(temperature=0, max_tokens=new,
-                                                    ignore_eos=True))  # fmt: skip
-    count, first, last = 0, None, None
-    while engine.has_work():
-        for event in engine.step():
-            now = time.perf_counter()
-            if event.token_ids and first is None:
-                first = now
-            count += len(event.token_ids)
-            last = now
-    st = engine.stats.spec
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    m, st = Stream(engine, ids, params).run().metrics, engine.stats.spec
     return {
-        "ttft_ms": ((first or start) - start) * 1e3,
-        "prefill_tok_s": len(ids) / max((first or start) - start, 1e-9),
-        "decode_tok_s": (count - 1) / (last - first) if count > 1 and last > first else 0.0,
+        "ttft_ms": m.ttft_ms,
+        "prefill_tok_s": m.prefill_tokens_per_s,
+        "decode_tok_s": m.decode_tokens_per_s,
         "acceptance": st.acceptance,
         "tokens_per_forward": st.tokens_per_forward,
         "mean_accepted": st.accepted / st.steps if st.steps else 0.0,

@@ -122,7 +122,7 @@ class KvlmReplica:
     def __del__(self) -> None:
         if self.engine is not None:  # None: the constructor failed before it started
             self.engine.stop()
-            self.engine.engine.close()  # the KV tiers' queued writes land
+            self.engine.close()  # the KV tiers' queued writes land
 
 
 async def call_asgi(app: Callable, raw: RawRequest) -> AsyncIterator[Any]:

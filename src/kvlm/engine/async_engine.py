@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kvlm.engine.engine import Engine, StepOutput
-from kvlm.engine.guided import compile_guide
+from kvlm.engine.guided import Guide, compile_guide
 from kvlm.engine.sampling import SamplingParams
 from kvlm.engine.scheduler import QueueFullError
 from kvlm.errors import KvlmError
@@ -52,6 +52,7 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, engine: Engine, max_requests: int | None = None) -> None:
         self.engine = engine
+        self.info = engine.info  # what the routes may know of the engine
         # Requests held at once (running + queued); one more is refused with QueueFullError.
         self.max_requests = max_requests or engine.scheduler.capacity
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
@@ -125,11 +126,8 @@ class AsyncEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if self._stop:
             raise EngineStoppedError("the server is shutting down")
-        if params.guide is not None and params.guide.compiled is None:  # off the loop
-            core = self.engine  # and off the engine thread: check_request finds it done
-            params.guide = await asyncio.to_thread(
-                compile_guide, params.guide, core.tokenizer, core.llm.config.vocab_size
-            )
+        if params.guide is not None:  # check_request finds it compiled
+            params.guide = await self.compile_guide(params.guide)
         self.engine.check_request(prompt_ids, params, cache_salt)
         if len(self._streams) >= self.max_requests:
             raise QueueFullError(f"the server is busy ({self.max_requests} requests held)")
@@ -137,6 +135,18 @@ class AsyncEngine:
         self._streams[rid] = stream
         self._send(("add", rid, prompt_ids, params, cache_salt))
         return self._events(rid, stream)
+
+    async def compile_guide(self, guide: Guide) -> Guide:
+        """`guide` compiled (kvlm.engine.guided.compile_guide: a no-op once it is), on a
+        worker thread: off the event loop and off the engine thread."""
+        if guide.compiled is not None:
+            return guide
+        info = self.info
+        return await asyncio.to_thread(compile_guide, guide, info.tokenizer, info.vocab_size)
+
+    def close(self) -> None:
+        """After stop(): finish the engine's tier writes (Engine.close)."""
+        self.engine.close()
 
     async def _events(self, rid: str, stream: _Stream) -> AsyncIterator[StepOutput]:
         try:
@@ -214,7 +224,7 @@ class AsyncEngine:
                 continue
             _, rid, prompt_ids, params, cache_salt = message
             try:
-                self.engine.add_request(rid, prompt_ids, params, cache_salt)
+                self.engine.add_request(rid, prompt_ids, params, cache_salt, checked=True)
             except KvlmError as exc:  # e.g. the queue filled since the check
                 self._fail(rid, exc)
             except Exception as exc:  # a bug in admission: this request only

@@ -41,8 +41,8 @@ class _Live:
 
 
 def _add(engine: Engine, index: int, prompt: str | None, ids: list[int],
-         params: SamplingParams, request_id: str) -> _Live:  # fmt: skip
-    engine.add_request(request_id, ids, params)
+         params: SamplingParams, request_id: str, checked: bool = False) -> _Live:  # fmt: skip
+    engine.add_request(request_id, ids, params, checked=checked)
     return _Live(index, prompt, engine.requests[request_id], Metrics(prompt_tokens=len(ids)))
 
 
@@ -86,7 +86,8 @@ def run_batch(
             # Feed the queue as it drains: the scheduler holds a bounded number of requests.
             while pending and len(sched.waiting) < sched.config.max_num_seqs:
                 i = pending.popleft()
-                live[request_ids[i]] = _add(engine, i, *prompts[i], params[i], request_ids[i])
+                rid = request_ids[i]
+                live[rid] = _add(engine, i, *prompts[i], params[i], rid, checked=True)
             events = _step(engine, live)
             generated += sum(len(ev.token_ids) for ev in events)
             for ev in events:

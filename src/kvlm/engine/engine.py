@@ -43,6 +43,7 @@ from kvlm.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from kvlm.engine.served import ServedModel
+    from kvlm.loading.tokenizer import Tokenizer
 
 log = logging.getLogger("kvlm.engine")
 
@@ -73,6 +74,19 @@ class EngineConfig:
     kv_tiers: tuple[str, ...] = ()
     # the file of the key that signs tier records (kvlm.cache.tier_key); None: the default
     kv_tier_key: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class ModelInfo:
+    """What an engine's callers may know of it (the server's routes, its start line): they
+    read this record, not the engine's attributes."""
+
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_model_len: int  # prompt and completion together
+    max_num_seqs: int  # sequences decoded together
+    numerics: str  # the weight and activation formats, as the server's fingerprint names them
+    kv: str  # the K/V storage: the pool's blocks and bytes, or the one cache's mode
 
 
 @dataclass(slots=True)
@@ -142,6 +156,14 @@ class Engine:
             self.scheduler.propose = self._propose
             if spec.method == "draft":
                 self.drafter = llm.draft_model(spec)
+        if self.pool is not None:
+            p = self.pool
+            kv = f"KV pool {p.num_blocks} blocks of {p.block_size} tokens, "
+            kv += f"{p.store.nbytes / 2**20:,.0f} MiB"
+        else:
+            kv = f"one {cache.mode} cache"
+        self.info = ModelInfo(self.tokenizer, llm.config.vocab_size, self.max_model_len,
+                              sched.max_num_seqs, str(llm.numerics), kv)  # fmt: skip
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
         self.last_error: Exception | None = None
@@ -212,7 +234,7 @@ class Engine:
                 f"{self.max_model_len} tokens, prompt and completion together",
                 param="prompt",
             )
-        vocab = self.llm.config.vocab_size
+        vocab = self.info.vocab_size
         check_prompt(prompt_ids, vocab)
         if params.guide is not None:  # a bad schema is this request's 400; compiled once,
             # by the caller off the engine thread (AsyncEngine.generate, LLM.generate):
@@ -239,10 +261,14 @@ class Engine:
         prompt_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        checked: bool = False,
     ) -> None:
         """Queue a request. `cache_salt` (vLLM's field): its prompt shares prefix-cache
-        blocks only with requests of the same salt, so tenants keep their prefixes apart."""
-        self.check_request(prompt_ids, params, cache_salt)
+        blocks only with requests of the same salt, so tenants keep their prefixes apart.
+        `checked`: the caller ran check_request on these very arguments already, at its
+        door (AsyncEngine.generate, LLM.generate): a request is checked once."""
+        if not checked:
+            self.check_request(prompt_ids, params, cache_salt)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         req = _Request(request_id, list(prompt_ids), params, time.perf_counter(), cache_salt)
@@ -331,6 +357,16 @@ class Engine:
             else:
                 self._finish_forward(seq, 1, logits[0], events, hint)
 
+    def _accept(self, seq: Sequence, token: int, logits: torch.Tensor) -> str:
+        """Record a sampled token (its text, stop and max_tokens checks); "length" once the
+        context is full: every slot holds a computed token, and this one, the last sampled,
+        is never fed."""
+        text = seq.accept(token, logits)
+        out = seq.sample.out
+        if out.finish_reason is None and seq.num_tokens > self.max_model_len:
+            out.finish_reason = "length"
+        return text
+
     def _finish_draft(self, seq: Sequence, logits: torch.Tensor, events: list[StepOutput]) -> None:
         """A sequence's verified draft (speculative decoding): its tokens while the model
         agrees, then the model's own; the cache kept up to the last agreed one."""
@@ -341,12 +377,9 @@ class Engine:
             for i in range(len(draft) + 1):
                 row = logits[i]
                 token, ok = seq.sampler.verify(row, draft[i] if i < len(draft) else None)
-                text += seq.accept(token, row)
+                text += self._accept(seq, token, row)
                 tokens.append(token)
-                out = seq.sample.out
-                if out.finish_reason is None and seq.num_tokens > self.max_model_len:
-                    out.finish_reason = "length"  # the context is full (_sample says why >)
-                if out.finish_reason is not None or not ok:
+                if seq.sample.out.finish_reason is not None or not ok:
                     break
                 agreed += 1
         except Exception as exc:  # a sampler or stop-check bug: this request only
@@ -437,12 +470,8 @@ class Engine:
         for s in family:
             first = not s.sample.out.token_ids
             token = s.sampler(logits, argmax if s is seq else None)
-            text = s.accept(token, logits)
+            text = self._accept(s, token, logits)
             out = s.sample.out
-            # the context is full: every slot holds a computed token, and this one, the
-            # last sampled, is never fed (a single stream on the LLM's cache ends alike)
-            if out.finish_reason is None and s.num_tokens > self.max_model_len:
-                out.finish_reason = "length"  # the context is full
             lp = out.logprobs[-1:] if out.logprobs is not None else []
             if out.finish_reason is not None:
                 text += s.sample.finish()
@@ -534,4 +563,4 @@ class Engine:
         }
 
 
-__all__ = ["Engine", "EngineConfig", "QueueFullError", "StepOutput"]
+__all__ = ["Engine", "EngineConfig", "ModelInfo", "QueueFullError", "StepOutput"]

@@ -67,11 +67,10 @@ def serve(
         if not thread.is_alive():
             raise KvlmError(f"could not serve on {host}:{port} (is the port in use?)")
         time.sleep(0.05)
-    pool = engine.engine.pool
+    info = engine.info
     print(
         f"kvlm: serving {name} on http://{host}:{port}/v1 "
-        f"(KV pool {pool.num_blocks} blocks of {pool.block_size} tokens, "
-        f"{pool.store.nbytes / 2**20:,.0f} MiB; context {engine.engine.max_model_len})",
+        f"({info.kv}; context {info.max_model_len})",
         file=sys.stderr,
         flush=True,
     )
@@ -148,7 +147,7 @@ class _Stopper:
             self.engine.stop()  # open streams get their last event, queued calls a 503
             self.http.should_exit = True  # uvicorn checks it every 0.1 s
             self.thread.join(timeout=HTTP_STOP_S + 1)
-            self.engine.engine.close()  # tiers: at most CLOSE_FLUSH_S
+            self.engine.close()  # tiers: at most CLOSE_FLUSH_S
 
 
 def exit_now(code: int) -> NoReturn:

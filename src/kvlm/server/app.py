@@ -48,7 +48,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvlm import __version__
 from kvlm.engine.async_engine import AsyncEngine, EngineBusyError, EngineStoppedError
 from kvlm.engine.engine import StepOutput
-from kvlm.engine.guided import compile_guide
 from kvlm.engine.sampling import MAX_SAMPLES, SamplingParams
 from kvlm.engine.scheduler import QueueFullError
 from kvlm.errors import InvalidRequestError, KvlmError
@@ -77,6 +76,21 @@ class ServerError(Exception):
         self.status, self.type, self.param, self.code = status, type_, param, code
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Served:
+    """What the routes share: the engine, and what the server says of its model."""
+
+    engine: AsyncEngine
+    model_name: str
+    tokenizer: Any
+    max_len: int  # prompt and completion together
+    max_prompts: int  # a completions request's prompts
+    fingerprint: str  # system_fingerprint: kvlm's version, the model file, its numerics
+    tool_parser: str | None
+    limits: ServerLimits
+    started: int  # the models list's "created"
+
+
 def create_app(
     engine: AsyncEngine,
     model_name: str,
@@ -86,25 +100,38 @@ def create_app(
 ) -> FastAPI:
     limits = limits or ServerLimits()
     app = FastAPI(title="kvlm", version="1", docs_url=None, redoc_url=None)
-    tokenizer = engine.engine.tokenizer
-    tool_parser = tool_parser or tools_mod.parser_for(tokenizer.chat_template)
-    max_len = engine.engine.max_model_len
-    max_samples = min(MAX_SAMPLES, engine.engine.scheduler.config.max_num_seqs)
-    max_prompts = min(MAX_PROMPTS, engine.max_requests)
-    openapi.install(app, model_name, max_len, max_samples, max_prompts)
-    app.add_middleware(RequestLimits, limits=limits)
-    started = int(time.time())
+    info = engine.info
     # what produced the tokens: kvlm's version, the model file and the numerics it runs
-    made_by = f"{__version__} {model_name} {getattr(engine.engine.llm, 'numerics', '')}"
-    print_ = "fp_" + hashlib.sha256(made_by.encode()).hexdigest()[:10]
+    made_by = f"{__version__} {model_name} {info.numerics}"
+    s = _Served(
+        engine, model_name, info.tokenizer, info.max_model_len,
+        min(MAX_PROMPTS, engine.max_requests),
+        "fp_" + hashlib.sha256(made_by.encode()).hexdigest()[:10],
+        tool_parser or tools_mod.parser_for(info.tokenizer.chat_template), limits,
+        int(time.time()),
+    )  # fmt: skip
+    max_samples = min(MAX_SAMPLES, info.max_num_seqs)
+    openapi.install(app, model_name, s.max_len, max_samples, s.max_prompts)
+    app.add_middleware(RequestLimits, limits=limits)
     _install_error_handlers(app)
-    expected = f"Bearer {api_key}".encode() if api_key else None
+    authorized = _authorizer(api_key)
 
     # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps `receive`,
     # and a request behind it never saw its client disconnect (tests/test_server.py).
     async def check_api_key(request: Request) -> None:
         if not authorized(request):
             raise ServerError(401, "invalid or missing API key", "authentication_error")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    guarded = [] if limits.public_metrics else [Depends(check_api_key)]
+    _status_routes(app, v1, s, authorized, guarded)
+    _generation_routes(v1, s)
+    app.include_router(v1)
+    return app
+
+
+def _authorizer(api_key: str | None) -> Callable[[Request], bool]:
+    expected = f"Bearer {api_key}".encode() if api_key else None
 
     def authorized(request: Request) -> bool:
         """`Authorization: Bearer KEY` (OpenAI's clients), or HTTP Basic auth with KEY as
@@ -122,12 +149,19 @@ def create_app(
         # constant time: no timing oracle
         return hmac.compare_digest(given.encode("latin-1", "replace"), expected)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
-    guarded = [] if limits.public_metrics else [Depends(check_api_key)]
+    return authorized
+
+
+def _status_routes(
+    app: FastAPI, v1: APIRouter, s: _Served, authorized: Callable[[Request], bool],
+    guarded: list,
+) -> None:  # fmt: skip
+    """/health, /metrics, /v1/models, /v1/kv and /dashboard: what the server says of
+    itself."""
 
     @app.get("/health", responses={200: {"model": openapi.Health}, 503: {"model": openapi.Health}})
     async def health() -> JSONResponse:
-        if not engine.alive:
+        if not s.engine.alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
@@ -139,80 +173,12 @@ def create_app(
                    **openapi.errors(401)},
     )  # fmt: skip
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(render_metrics(engine), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(render_metrics(s.engine), media_type="text/plain; version=0.0.4")
 
     @v1.get("/models", responses={200: {"model": openapi.ModelList}, **openapi.errors(401)})
     async def models() -> dict:
-        card = {"id": model_name, "object": "model", "created": started, "owned_by": "kvlm"}
-        return {"object": "list", "data": [card | {"max_model_len": max_len}]}
-
-    def check_length(chars: int, param: str) -> None:
-        """Refuse a text too long to fit without tokenizing it: each token decodes to at
-        most max_token_chars characters, so c characters are at least c / that tokens."""
-        bound = max_len * tokenizer.max_token_chars * _CHARS_MARGIN
-        if chars > bound:
-            raise ServerError(
-                400,
-                f"this model's maximum context length is {max_len} tokens; the prompt has "
-                f"{chars} characters, more than {max_len} tokens can hold",
-                "invalid_request_error", param, "context_length_exceeded",
-            )  # fmt: skip
-
-    @v1.post("/completions", responses=openapi.generation(openapi.CompletionResponse))
-    async def completions(body: CompletionRequest, request: Request) -> Any:
-        _check_model(body.model, model_name)
-        prompts = body.prompts()
-        if len(prompts) > max_prompts:
-            raise ServerError(
-                400, f"{len(prompts)} prompts: this server runs at most {max_prompts} requests "
-                "at once", "invalid_request_error", "prompt",
-            )  # fmt: skip
-        check_length(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
-        ids = [
-            p if isinstance(p, list) else await run_in_threadpool(tokenizer.encode, p)
-            for p in prompts
-        ]
-        params = [_params(body, one, max_len, body.logprobs) for one in ids]
-        n = params[0].n
-        echo = None
-        if body.echo:  # each choice opens with its prompt, as the text it was sent as
-            texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False)
-                     for p in prompts]  # fmt: skip
-            echo = [t for t in texts for _ in range(n)]
-        choices = Choices(
-            tokenizer, n * len(ids), chat=False, logprobs=body.logprobs is not None, echo=echo,
-            prompts=[one for one in ids for _ in range(n)], score_only=body.max_tokens == 0,
-            prompt_logprobs=body.prompt_logprobs is not None,
-        )  # fmt: skip
-        return await _respond(engine, request, body, ids, params, choices, model_name, print_)
-
-    @v1.post("/chat/completions", responses=openapi.generation(openapi.ChatCompletionResponse))
-    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
-        _check_model(body.model, model_name)
-        conversation = body.conversation()
-        tools = body.tool_specs()
-        chars = sum(len(m["content"]) for m in conversation)
-        check_length(chars + len(json.dumps(tools or [])), "messages")
-        render = functools.partial(tokenizer.encode_chat, conversation, tools=tools,
-                                   **body.template_options())  # fmt: skip
-        ids = await run_in_threadpool(render)
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        params = _params(body, ids, max_len, top)
-        forced = body.forced_tool()
-        if forced is not None:  # tool_choice "required" or named: the output is the calls
-            if params.guide is not None:
-                raise ServerError(400, "a forced tool_choice decides the output's format; "
-                                  "drop response_format / guided_*", "invalid_request_error",
-                                  "tool_choice")  # fmt: skip
-            name = None if forced == "required" else forced
-            params.guide = tools_mod.forced_guide(tools or [], name, body.parallel_tool_calls)
-        choices = Choices(tokenizer, params.n, chat=True, logprobs=body.logprobs,
-                          prompts=[ids] * params.n,
-                          prompt_logprobs=body.prompt_logprobs is not None,
-                          tools=tools is not None,
-                          tool_parser=None if forced is not None else tool_parser)  # fmt: skip
-        return await _respond(engine, request, body, [ids], [params], choices, model_name,
-                              print_)  # fmt: skip
+        card = {"id": s.model_name, "object": "model", "created": s.started, "owned_by": "kvlm"}
+        return {"object": "list", "data": [card | {"max_model_len": s.max_len}]}
 
     @v1.get("/kv", responses={200: {"content": {"application/json": {"schema": {
         "type": "object", "description": "The KV pool: kvlm.cache.view"}}}},
@@ -220,10 +186,10 @@ def create_app(
     async def kv() -> JSONResponse:
         """The pool's blocks (owner, refcount, chain parent, fill, tier), the prefix tree
         with hit counts, waste and the tiers' counters, read whole between two steps."""
-        if not engine.alive:
+        if not s.engine.alive:
             raise ServerError(503, "the engine has stopped", "server_error")
-        view = await engine.call(lambda e: e.kv_view(), limits.engine_wait_s)  # or 503
-        return JSONResponse({"object": "kv_cache", "model": model_name} | view)
+        view = await s.engine.call(lambda e: e.kv_view(), s.limits.engine_wait_s)  # or 503
+        return JSONResponse({"object": "kv_cache", "model": s.model_name} | view)
 
     @app.get("/dashboard", response_class=HTMLResponse,
              responses={200: {"content": {"text/html": {"schema": {"type": "string"}}}},
@@ -237,8 +203,80 @@ def create_app(
                                 headers={"WWW-Authenticate": 'Basic realm="kvlm"'})  # fmt: skip
         return HTMLResponse(_dashboard_html(), headers={"Cache-Control": "no-store"})
 
-    app.include_router(v1)
-    return app
+
+def _check_length(s: _Served, chars: int, param: str) -> None:
+    """Refuse a text too long to fit without tokenizing it: each token decodes to at most
+    max_token_chars characters, so c characters are at least c / that tokens."""
+    bound = s.max_len * s.tokenizer.max_token_chars * _CHARS_MARGIN
+    if chars > bound:
+        raise ServerError(
+            400,
+            f"this model's maximum context length is {s.max_len} tokens; the prompt has "
+            f"{chars} characters, more than {s.max_len} tokens can hold",
+            "invalid_request_error", param, "context_length_exceeded",
+        )  # fmt: skip
+
+
+def _generation_routes(v1: APIRouter, s: _Served) -> None:
+    """POST /v1/completions and /v1/chat/completions."""
+
+    @v1.post("/completions", responses=openapi.generation(openapi.CompletionResponse))
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        _check_model(body.model, s.model_name)
+        prompts = body.prompts()
+        if len(prompts) > s.max_prompts:
+            raise ServerError(
+                400, f"{len(prompts)} prompts: this server runs at most {s.max_prompts} requests "
+                "at once", "invalid_request_error", "prompt",
+            )  # fmt: skip
+        _check_length(s, sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
+        ids = [
+            p if isinstance(p, list) else await run_in_threadpool(s.tokenizer.encode, p)
+            for p in prompts
+        ]
+        params = [_params(body, one, s.max_len, body.logprobs) for one in ids]
+        n = params[0].n
+        echo = None
+        if body.echo:  # each choice opens with its prompt, as the text it was sent as
+            texts = [p if isinstance(p, str) else s.tokenizer.decode(p, skip_special_tokens=False)
+                     for p in prompts]  # fmt: skip
+            echo = [t for t in texts for _ in range(n)]
+        choices = Choices(
+            s.tokenizer, n * len(ids), chat=False, logprobs=body.logprobs is not None, echo=echo,
+            prompts=[one for one in ids for _ in range(n)], score_only=body.max_tokens == 0,
+            prompt_logprobs=body.prompt_logprobs is not None,
+        )  # fmt: skip
+        return await _respond(
+            s.engine, request, body, ids, params, choices, s.model_name, s.fingerprint
+        )
+
+    @v1.post("/chat/completions", responses=openapi.generation(openapi.ChatCompletionResponse))
+    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        _check_model(body.model, s.model_name)
+        conversation = body.conversation()
+        tools = body.tool_specs()
+        chars = sum(len(m["content"]) for m in conversation)
+        _check_length(s, chars + len(json.dumps(tools or [])), "messages")
+        render = functools.partial(s.tokenizer.encode_chat, conversation, tools=tools,
+                                   **body.template_options())  # fmt: skip
+        ids = await run_in_threadpool(render)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        params = _params(body, ids, s.max_len, top)
+        forced = body.forced_tool()
+        if forced is not None:  # tool_choice "required" or named: the output is the calls
+            if params.guide is not None:
+                raise ServerError(400, "a forced tool_choice decides the output's format; "
+                                  "drop response_format / guided_*", "invalid_request_error",
+                                  "tool_choice")  # fmt: skip
+            name = None if forced == "required" else forced
+            params.guide = tools_mod.forced_guide(tools or [], name, body.parallel_tool_calls)
+        choices = Choices(s.tokenizer, params.n, chat=True, logprobs=body.logprobs,
+                          prompts=[ids] * params.n,
+                          prompt_logprobs=body.prompt_logprobs is not None,
+                          tools=tools is not None,
+                          tool_parser=None if forced is not None else s.tool_parser)  # fmt: skip
+        return await _respond(s.engine, request, body, [ids], [params], choices, s.model_name,
+                              s.fingerprint)  # fmt: skip
 
 
 @functools.cache
@@ -341,9 +379,7 @@ async def _start(
     streams: list[AsyncIterator[StepOutput]] = []
     guide = params[0].guide
     if guide is not None:  # compiled once for all prompts, off the loop and the engine
-        core = engine.engine  # thread (kvlm.engine.guided.compile_guide)
-        guide = await run_in_threadpool(compile_guide, guide, core.tokenizer,
-                                        core.llm.config.vocab_size)  # fmt: skip
+        guide = await engine.compile_guide(guide)  # thread
         for p in params:
             p.guide = guide
     try:
