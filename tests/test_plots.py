@@ -107,8 +107,8 @@ def test_block_map_of_a_known_pool(tmp_path):
     # the free grey covers the area of 27 cells; once two blocks are cached instead, of 25,
     # and the cached grey of 2 (legend swatches are a few pixels against a cell's ~3,000)
     free = colour_pixels(img, plots.FREE)
-    pool.register(5, b"k", (1, 2, 3, 4), None, None)  # two free blocks made findable
-    pool.register(6, b"k2", (5, 6, 7, 8), None, None)
+    pool.prefix.register(5, b"k", (1, 2, 3, 4), None, None)  # two free blocks made findable
+    pool.prefix.register(6, b"k2", (5, 6, 7, 8), None, None)
     cached_view = block_map(pool, tables, lengths)
     assert (cached_view["free"], cached_view["cached"]) == (25, 2)
     img2 = pixels(plots.block_map_png(cached_view, tmp_path / "cached.png", "three samples"))
@@ -138,8 +138,8 @@ def test_block_map_draws_partial_blocks_and_tiers(tmp_path):
     pool, tables, lengths = pool_of(1, shared=False, tokens=5)  # 6 tokens: 2 of 4 in block 1
     plain = pixels(plots.block_map_png(block_map(pool, tables, lengths), tmp_path / "a.png"))
     assert colour_pixels(plain, plots.UNUSED) > 0  # the unused half of block 1
-    pool.register(0, b"k", (1, 2, 3, 4), None, None)
-    pool.block_tier[0] = "disk"
+    pool.prefix.register(0, b"k", (1, 2, 3, 4), None, None)
+    pool.prefix.block_tier[0] = "disk"
     view = block_map(pool, tables, lengths)
     assert view["blocks"][0]["tier"] == "disk"
     tiered = pixels(plots.block_map_png(view, tmp_path / "b.png"))

@@ -47,7 +47,7 @@ def test_full_blocks_are_registered_with_chained_hashes():
     h0 = chain_hash(None, (0, 1, 2, 3))
     h1 = chain_hash(h0, (4, 5, 6, 7))
     assert table.hashes == [h0, h1]  # the partial third block has no hash
-    assert m.pool.cached == {h0: 0, h1: 1}
+    assert m.pool.prefix.cached == {h0: 0, h1: 1}
 
 
 def test_a_shared_prefix_is_taken_not_recomputed():
@@ -78,7 +78,7 @@ def test_a_hash_hit_with_other_tokens_is_refused():
     tokens = list(range(8))
     t, _ = m.allocate(tokens)
     fill(m, t, tokens)
-    m.pool.block_tokens[0] = (9, 9, 9, 9)  # as if another prefix had collided on h0
+    m.pool.prefix.block_tokens[0] = (9, 9, 9, 9)  # as if another prefix had collided on h0
     _, cached = m.allocate([*tokens, 8])
     assert cached == 0
 
@@ -101,10 +101,10 @@ def test_freed_blocks_stay_findable_until_evicted_tail_first():
     # the partial block), then 2 (the third full block), then the prefix.
     tc, _ = m.allocate([500 + i for i in range(12)])
     assert tc.blocks == [5, 3, 2]
-    assert m.pool.evictions == 1  # block 2 held a hash; 5 and 3 did not
+    assert m.pool.prefix.evictions == 1  # block 2 held a hash; 5 and 3 did not
     h0 = chain_hash(None, (0, 1, 2, 3))
     h1 = chain_hash(h0, (4, 5, 6, 7))
-    assert chain_hash(h1, (8, 9, 10, 11)) not in m.pool.cached  # block 2's is gone
+    assert chain_hash(h1, (8, 9, 10, 11)) not in m.pool.prefix.cached  # block 2's is gone
     td, cached = m.allocate([*a[:8], 99])
     assert cached == 8 and td.blocks == [0, 1, 4]  # blocks 0 and 1 survived
 
@@ -126,7 +126,7 @@ def test_prefix_caching_off_never_matches():
     t, _ = m.allocate(tokens)
     fill(m, t, tokens)
     _, cached = m.allocate(tokens)
-    assert cached == 0 and not m.pool.cached
+    assert cached == 0 and not m.pool.prefix.cached
 
 
 def test_append_slot_adds_a_block_at_a_boundary_and_copies_a_shared_one():
@@ -195,7 +195,7 @@ def test_a_colliding_key_after_another_parent_is_a_miss():
     tb, _ = m.allocate(b)
     fill(m, tb, b)
     b0 = chain_hash(None, (9, 9, 9, 9))
-    m.pool.cached[chain_hash(b0, (4, 5, 6, 7))] = 1  # b0 then (4..7) "collides" with a's
+    m.pool.prefix.cached[chain_hash(b0, (4, 5, 6, 7))] = 1  # b0 then (4..7) "collides" with a's
     tc, cached = m.allocate([9, 9, 9, 9, 4, 5, 6, 7, 8])
     assert cached == 4 and tc.blocks == [3, 6, 7]  # b0 shared; block 1 (after a0) refused
 
@@ -224,7 +224,7 @@ def test_with_every_key_colliding_only_the_true_prefix_is_served(monkeypatch):
     a = list(range(9))
     ta, _ = m.allocate(a)
     fill(m, ta, a)
-    assert m.pool.cached == {b"\x00" * 32: 0}  # block 1's key was taken by block 0
+    assert m.pool.prefix.cached == {b"\x00" * 32: 0}  # block 1's key was taken by block 0
     assert m.match(a)[0] == [0]  # block 0 again; block 1 is not (4..7)
     assert m.match([*a[4:8], *a[:4], 9])[0] == []  # (0..3) as a second block: no
     assert m.match(a, salt="t")[0] == []  # (0..3) first, but under another salt: no
@@ -246,7 +246,7 @@ def test_a_block_after_a_parent_that_lost_a_collision_is_never_registered(monkey
     y = [*y0, 20, 21, 22, 23, 9]
     ty, _ = m.allocate(y)  # blocks 2 3 4
     fill(m, ty, y)
-    assert m.pool.cached == {chain_hash(None, x0): 0}  # neither 2 nor 3 registered
+    assert m.pool.prefix.cached == {chain_hash(None, x0): 0}  # neither 2 nor 3 registered
     tz, cached = m.allocate([*x0, 20, 21, 22, 23, 9])
     assert cached == 4 and tz.blocks == [0, 5, 6]
 
@@ -260,7 +260,7 @@ def test_a_prefix_computed_twice_at_once_still_links_the_blocks_after_it():
     tb, _ = m.allocate([*p, 200, 201, 202, 203, 2])  # blocks 4 5 6 7
     fill(m, ta, [*p, 100, 101, 102, 103, 1])
     fill(m, tb, [*p, 200, 201, 202, 203, 2])
-    assert sorted(m.pool.cached.values()) == [0, 1, 2, 6]
+    assert sorted(m.pool.prefix.cached.values()) == [0, 1, 2, 6]
     tc, cached = m.allocate([*p, 200, 201, 202, 203, 3])
     assert cached == 12 and tc.blocks == [0, 1, 6, 8]
 
@@ -275,7 +275,7 @@ def test_salts_share_blocks_only_with_the_same_salt():
         assert cached == 0 and table.salt == salt
         tables[salt] = table.blocks
     assert tables == {None: [0, 1, 2], "a": [3, 4, 5], "b": [6, 7, 8]}
-    assert len(m.pool.cached) == 6
+    assert len(m.pool.prefix.cached) == 6
     for salt in (None, "a", "b"):
         table, cached = m.allocate(tokens, salt=salt)
         assert cached == 8 and table.blocks[:2] == tables[salt][:2]

@@ -92,11 +92,11 @@ def test_tier_blocks_equal_recomputed_ones_bit_for_bit(tiny, tmp_path):
     first.close()
     second = engine_with(tiny, f"disk:{tmp_path}")
     second.manager.fetch(PROMPT)
-    for key, block in first.pool.cached.items():
-        if key in second.pool.cached:
-            theirs = second.pool.store.values[:, :, second.pool.cached[key]]
+    for key, block in first.pool.prefix.cached.items():
+        if key in second.pool.prefix.cached:
+            theirs = second.pool.store.values[:, :, second.pool.prefix.cached[key]]
             assert torch.equal(first.pool.store.values[:, :, block], theirs)
-    assert len(second.pool.cached) == 6
+    assert len(second.pool.prefix.cached) == 6
     second.close()
 
 

@@ -29,13 +29,11 @@ from collections import Counter, OrderedDict
 import torch
 
 from kvlm.cache.base import CacheSpec, CacheStep, DenseStep, KVCache, blocks_for, causal_mask
+from kvlm.cache.registry import PrefixRegistry
 from kvlm.cache.storage import Store
 from kvlm.errors import CacheOverflowError
 
 ALL = slice(None)
-# A registered block's link to what precedes it: (its parent's prefix id, or None for the
-# first block of a chain; the chain's cache salt, or None).
-Link = tuple[int | None, str | None]
 # Default pool: room for this many full-length sequences. The pool is reserved, not
 # touched: a block's memory is committed when it is first allocated (and zeroed).
 DEFAULT_POOL_SEQUENCES = 8
@@ -62,24 +60,9 @@ class BlockPool:
             self.store.zero_((ALL, ALL, self.scratch))
         self.refs = [0] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        # Prefix cache (kvlm.cache.prefix): a full block's chained key (a sha256 digest), its
-        # tokens and its link (its parent's prefix id, its salt). A freed block keeps them,
-        # and stays findable, until allocate() hands it out again.
-        self.cached: dict[bytes, int] = {}  # key -> block, the first holder of the key
-        self.block_hash: list[bytes | None] = [None] * num_blocks
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self.block_parent: list[Link | None] = [None] * num_blocks
-        # The verified prefix a block's K/V was computed after (through its own tokens): 0
-        # for none. A holder of a key gets a fresh id; a block that sealed the same tokens
-        # after the same link as the holder (two requests computed one prefix at once) gets
-        # the holder's, so the blocks sealed after it still link up. Ids are never reused.
-        self.prefix_id: list[int] = [0] * num_blocks
-        self._last_prefix_id = 0
-        # For the pictures (kvlm.cache.view): admissions that took a registered block from
-        # the cache, and the tier a block was loaded from (kvlm.cache.tiers), until forgotten.
-        self.block_hits: list[int] = [0] * num_blocks
-        self.block_tier: list[str | None] = [None] * num_blocks
-        self.evictions = 0
+        # The prefix cache's index of full blocks (kvlm.cache.registry): a freed block stays
+        # findable until allocate() hands it out again.
+        self.prefix = PrefixRegistry(num_blocks)
 
     @property
     def num_free(self) -> int:
@@ -97,7 +80,7 @@ class BlockPool:
         if not self.free_queue:
             raise CacheOverflowError(f"the KV block pool is full ({self.num_blocks} blocks)")
         block, _ = self.free_queue.popitem(last=False)  # the least recently freed
-        self.forget(block)
+        self.prefix.forget(block)  # evicted from the prefix cache, if it was there
         self.refs[block] = 1
         self.store.zero_((ALL, ALL, block))
         return block
@@ -108,70 +91,6 @@ class BlockPool:
         if self.refs[block] == 0:
             del self.free_queue[block]
         self.refs[block] += 1
-
-    def register(
-        self,
-        block: int,
-        key: bytes,
-        tokens: tuple[int, ...],
-        parent: int | None,
-        salt: str | None,
-    ) -> None:
-        """Make a full block findable by its chained key. `parent` is the block before it in
-        its sequence (None for the first). The first holder of a key wins; a block after a
-        parent that holds no verified prefix is not registered (no lookup could reach it,
-        and it would keep the key from a block that can be reached)."""
-        link = self._link(parent, salt)
-        if link is None or self.prefix_id[block]:
-            return
-        holder = self.cached.get(key)
-        if holder is not None:
-            if self.block_tokens[holder] == tokens and self.block_parent[holder] == link:
-                self.prefix_id[block] = self.prefix_id[holder]  # the same prefix, computed twice
-            return
-        self._last_prefix_id += 1
-        self.prefix_id[block] = self._last_prefix_id
-        self.cached[key] = block
-        self.block_hash[block] = key
-        self.block_tokens[block] = tokens
-        self.block_parent[block] = link
-
-    def lookup(
-        self, key: bytes, tokens: tuple[int, ...], parent: int | None, salt: str | None
-    ) -> int | None:
-        """The cached block holding exactly `tokens` right after block `parent` (the block
-        this lookup's caller matched just before; None for the first), under `salt`, or
-        None. The key only finds a candidate: its tokens and its link are compared, so by
-        induction a hit was computed after exactly the caller's prefix, and a key collision
-        can never serve another prefix's (or another salt's) K/V."""
-        block = self.cached.get(key)
-        if block is None or self.block_tokens[block] != tokens:
-            return None
-        prefix = None if parent is None else self.prefix_id[parent]  # inline _link: hot
-        return block if prefix != 0 and self.block_parent[block] == (prefix, salt) else None
-
-    def _link(self, parent: int | None, salt: str | None) -> Link | None:
-        """What a block after `parent` records: the parent's prefix id (None for the first
-        block of a chain) and the salt; None when the parent holds no verified prefix."""
-        if parent is None:
-            return None, salt
-        prefix = self.prefix_id[parent]
-        return (prefix, salt) if prefix else None
-
-    def forget(self, block: int) -> None:
-        """Drop a block from the prefix cache (evicted, or about to be overwritten)."""
-        self.prefix_id[block] = 0
-        self.block_hits[block] = 0
-        self.block_tier[block] = None
-        key = self.block_hash[block]
-        if key is None:
-            return
-        if self.refs[block] == 0:
-            self.evictions += 1
-        del self.cached[key]
-        self.block_hash[block] = None
-        self.block_tokens[block] = None
-        self.block_parent[block] = None
 
     def share(self, block: int) -> None:
         if self.refs[block] <= 0:

@@ -141,7 +141,7 @@ class BlockManager:
         for i in range((len(tokens) - 1) // bs):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             key = block_key(key, chunk)
-            block = self.pool.lookup(key, chunk, parent, salt)
+            block = self.pool.prefix.lookup(key, chunk, parent, salt)
             if block is None:
                 break
             blocks.append(block)
@@ -178,8 +178,8 @@ class BlockManager:
         for key, chunk, (tier, parts) in zip(new_keys, chunks, loaded, strict=False):
             block = self.pool.allocate()
             self.pool.store.put_raw((ALL, ALL, block), parts)
-            self.pool.register(block, key, chunk, parent, salt)
-            self.pool.block_tier[block] = tier
+            self.pool.prefix.register(block, key, chunk, parent, salt)
+            self.pool.prefix.block_tier[block] = tier
             held.append(block)
             parent = block
         for block in reversed(held):  # tail first, as free() does
@@ -213,7 +213,7 @@ class BlockManager:
             raise RuntimeError("allocate() without room: check can_admit() first")
         for block in hit:
             self.pool.revive(block)
-            self.pool.block_hits[block] += 1
+            self.pool.prefix.block_hits[block] += 1
         table = BlockTable(list(hit), keys, salt)
         need = blocks_for(len(tokens), self.block_size)
         table.blocks += [self.pool.allocate() for _ in range(need - len(hit))]
@@ -258,9 +258,9 @@ class BlockManager:
             key = block_key(table.hashes[-1] if i else root_key(table.salt), chunk)
             parent = table.blocks[i - 1] if i else None
             block = table.blocks[i]
-            self.pool.register(block, key, chunk, parent, table.salt)
+            self.pool.prefix.register(block, key, chunk, parent, table.salt)
             table.hashes.append(key)
-            if self.tiers is not None and self.pool.cached.get(key) == block:
+            if self.tiers is not None and self.pool.prefix.cached.get(key) == block:
                 if checks is None:
                     checks = check_digests(tokens, table.salt, bs, stop)
                 parts = self.pool.store.raw((ALL, ALL, block))

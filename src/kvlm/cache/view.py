@@ -36,17 +36,17 @@ def block_map(
             owners.setdefault(block, []).append(owner)
             used = max(0, min(bs, lengths[owner] - i * bs))
             fill[block] = max(fill.get(block, 0), used)
-    by_prefix = {pool.prefix_id[b]: b for b in pool.cached.values()}
+    by_prefix = {pool.prefix.prefix_id[b]: b for b in pool.prefix.cached.values()}
     blocks = []
     for b in range(pool.num_blocks):
-        link = pool.block_parent[b]
-        registered = pool.block_hash[b] is not None
+        link = pool.prefix.block_parent[b]
+        registered = pool.prefix.block_hash[b] is not None
         state = "used" if pool.refs[b] else "cached" if registered else "free"
         parent = None if link is None or link[0] is None else by_prefix.get(link[0])
         blocks.append({
             "id": b, "state": state, "refs": pool.refs[b], "owners": owners.get(b, []),
             "fill": fill.get(b, bs if registered else 0), "parent": parent,
-            "hits": pool.block_hits[b], "tier": pool.block_tier[b],
+            "hits": pool.prefix.block_hits[b], "tier": pool.prefix.block_tier[b],
         })  # fmt: skip
     slots = sum(bs - blocks[b]["fill"] for b in owners)
     return {
@@ -71,7 +71,7 @@ def prefix_tree(pool: BlockPool, blocks: list[dict]) -> list[dict]:
     roots in block order; `tokens` is the length of the prefix through the node."""
     bs = pool.block_size
     children: dict[int | None, list[int]] = {}
-    for b in sorted(pool.cached.values()):
+    for b in sorted(pool.prefix.cached.values()):
         children.setdefault(blocks[b]["parent"], []).append(b)
 
     roots: list[dict] = []

@@ -535,7 +535,7 @@ class Engine:
             "queries": stats.queries,
             "hits": stats.hits,
             "hit_rate": stats.hit_rate,
-            "evictions": self.pool.evictions,
+            "evictions": self.pool.prefix.evictions,
         }
         tiers = self.tiers
         view["tiers"] = {} if tiers is None else {
@@ -558,7 +558,7 @@ class Engine:
             "prefix_queries": self.manager.stats.queries,
             "prefix_hits": self.manager.stats.hits,
             "prefix_hit_rate": self.manager.stats.hit_rate,
-            "prefix_evictions": pool.evictions,
+            "prefix_evictions": pool.prefix.evictions,
             "preemptions": s.preemptions,
         }
 
