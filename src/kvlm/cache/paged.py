@@ -107,6 +107,43 @@ class BlockPool:
     def copy(self, src: int, dst: int) -> None:
         self.store.put_raw((ALL, ALL, dst), self.store.raw((ALL, ALL, src)))
 
+    # ------------------------------------------------------------------ block tables
+    # Every block table grows, shrinks and forks here: a PagedCache's rows and the
+    # engine's sequences (kvlm.cache.prefix.BlockManager, which adds the prefix cache).
+
+    def grow_cost(self, table: list[int], start: int, n_new: int) -> int:
+        """Free blocks grow(table, start, n_new) takes."""
+        bs = self.block_size
+        new = max(0, blocks_for(start + n_new, bs) - len(table))
+        shared = start // bs < len(table) and self.refs[table[start // bs]] > 1
+        return new + shared
+
+    def grow(self, table: list[int], start: int, n_new: int) -> None:
+        """Make positions start..start + n_new - 1 this table's alone: the shared block
+        that `start` falls in is copied (copy on write), fresh blocks are appended."""
+        bs = self.block_size
+        i = start // bs
+        if i < len(table) and self.refs[table[i]] > 1:
+            shared = table[i]
+            table[i] = self.allocate()
+            self.copy(shared, table[i])
+            self.release(shared)
+        while len(table) < blocks_for(start + n_new, bs):
+            table.append(self.allocate())
+
+    def trim(self, table: list[int], num_tokens: int) -> None:
+        """Release the blocks past the first `num_tokens` positions, tail first: a
+        sequence's last (least shareable) blocks are the first evicted."""
+        keep = blocks_for(num_tokens, self.block_size)
+        while len(table) > keep:
+            self.release(table.pop())
+
+    def fork(self, table: list[int]) -> list[int]:
+        """A second table over the same blocks."""
+        for block in table:
+            self.share(block)
+        return list(table)
+
 
 class _PagedStep(DenseStep):
     def __init__(self, cache: PagedCache, n_new: int) -> None:
@@ -181,38 +218,24 @@ class PagedCache(KVCache):
     # ------------------------------------------------------------------ the forward
 
     def _begin(self, n_new: int) -> CacheStep:
-        bs = self.spec.block_size
-        need = blocks_for(self.num_tokens + n_new, bs)
         for table in self.tables:
-            if self.num_tokens % bs and self.pool.refs[table[-1]] > 1:
-                shared = table[-1]  # copy on write: this step writes into it
-                table[-1] = self.pool.allocate()
-                self.pool.copy(shared, table[-1])
-                self.pool.release(shared)
-            while len(table) < need:
-                table.append(self.pool.allocate())
+            self.pool.grow(table, self.num_tokens, n_new)
         return _PagedStep(self, n_new)
 
     # ------------------------------------------------------------------ lifetime
 
     def _truncate(self, length: int) -> None:
-        keep = blocks_for(length, self.spec.block_size)
         for table in self.tables:
-            while len(table) > keep:  # tail first: the last blocks are evicted first
-                self.pool.release(table.pop())
+            self.pool.trim(table, length)
 
     def _release(self) -> None:
         self._truncate(0)
         self.tables = [[] for _ in range(self.spec.batch)]
 
     def _fork(self, n: int) -> None:
-        forked = []
-        for table in self.tables:
-            for _ in range(n - 1):
-                for block in table:
-                    self.pool.share(block)
-            forked += [list(table) for _ in range(n)]
-        self.tables = forked
+        self.tables = [
+            table if i == 0 else self.pool.fork(table) for table in self.tables for i in range(n)
+        ]
 
     def _export(self) -> dict[str, torch.Tensor]:
         tables = torch.tensor(self.tables, dtype=torch.long)  # (B, blocks), blocks may be 0

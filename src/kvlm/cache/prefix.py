@@ -227,24 +227,11 @@ class BlockManager:
     def can_append(self, table: BlockTable, num_tokens: int) -> bool:
         """Whether the token at position `num_tokens` can be written: it needs a new block
         when it starts one, or a copy when its block is shared."""
-        return self._append_cost(table, num_tokens) <= self.pool.num_free
+        return self.pool.grow_cost(table.blocks, num_tokens, 1) <= self.pool.num_free
 
     def append_slot(self, table: BlockTable, num_tokens: int) -> None:
         """Make position `num_tokens` writable by this sequence alone."""
-        bs = self.block_size
-        if num_tokens // bs >= len(table.blocks):
-            table.blocks.append(self.pool.allocate())
-        else:
-            last = table.blocks[-1]
-            if self.pool.refs[last] > 1:  # copy on write
-                table.blocks[-1] = self.pool.allocate()
-                self.pool.copy(last, table.blocks[-1])
-                self.pool.release(last)
-
-    def _append_cost(self, table: BlockTable, num_tokens: int) -> int:
-        if num_tokens // self.block_size >= len(table.blocks):
-            return 1
-        return 1 if self.pool.refs[table.blocks[-1]] > 1 else 0
+        self.pool.grow(table.blocks, num_tokens, 1)
 
     def seal(self, table: BlockTable, tokens: Sequence[int], num_computed: int) -> None:
         """Register every block that is now full of computed tokens, under the table's
@@ -270,21 +257,14 @@ class BlockManager:
 
     def fork(self, table: BlockTable) -> BlockTable:
         """A second table over the same blocks (parallel samples of one prompt)."""
-        for block in table.blocks:
-            self.pool.share(block)
-        return BlockTable(list(table.blocks), list(table.hashes), table.salt)
+        return BlockTable(self.pool.fork(table.blocks), list(table.hashes), table.salt)
 
     def trim(self, table: BlockTable, num_tokens: int) -> None:
         """Drop the blocks past the first `num_tokens` positions (rejected draft tokens):
         released tail first, never sealed (only computed tokens' blocks are)."""
-        keep = blocks_for(num_tokens, self.block_size)
-        while len(table.blocks) > keep:
-            self.pool.release(table.blocks.pop())
-        del table.hashes[keep:]
+        self.pool.trim(table.blocks, num_tokens)
+        del table.hashes[len(table.blocks) :]
 
     def free(self, table: BlockTable) -> None:
         """Release a sequence's blocks, tail first: its last blocks are evicted first."""
-        for block in reversed(table.blocks):
-            self.pool.release(block)
-        table.blocks.clear()
-        table.hashes.clear()
+        self.trim(table, 0)
