@@ -711,13 +711,15 @@ def feed_batched(llm, seqs: list[list[int]], pool, tables) -> list[torch.Tensor]
     """Feed every row its tokens one step at a time through the runner's batch over a
     paged pool (the engine's path), all rows that still have one together; each row's
     logits per step."""
+    from kvlm.engine.runner import Batch
+
     spec = llm.cache_spec("paged")
     out: list[list[torch.Tensor]] = [[] for _ in seqs]
     for t in range(max(len(s) for s in seqs)):
         live = [b for b, s in enumerate(seqs) if t < len(s)]
-        logits = llm.runner.forward_table(
-            pool, spec, [[seqs[b][t]] for b in live], [tables[b] for b in live], [t] * len(live)
-        )
+        rows, starts = [[seqs[b][t]] for b in live], [t] * len(live)
+        batch = Batch(rows, pool=pool, spec=spec, tables=[tables[b] for b in live], starts=starts)
+        logits = llm.runner.run(batch)
         for i, b in enumerate(live):
             out[b].append(logits[i])
     return [torch.stack(o) for o in out]

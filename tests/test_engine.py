@@ -73,13 +73,13 @@ def test_the_fused_batch_answers_as_generate_does(kv_dtype):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     engine = Engine(llm)
     decoder, calls = llm.runner._decoder(engine.spec.max_tokens), []
-    step_table = decoder.step_table
+    fused_run = decoder.run
 
-    def counted(pool, tokens, *args):
+    def counted(store, tokens, *args):
         calls.append(len(tokens))
-        return step_table(pool, tokens, *args)
+        return fused_run(store, tokens, *args)
 
-    decoder.step_table = counted
+    decoder.run = counted
     reqs = {p: (llm.tokenizer.encode(p), params) for p in PROMPTS}
     together = run(engine, reqs)
     assert max(calls) == len(PROMPTS)  # the decode rows went through the fused step at once
@@ -201,16 +201,16 @@ def test_bad_requests_are_refused_before_anything_is_held(tiny):
 def test_a_failing_step_ends_its_requests_and_the_engine_goes_on(tiny, monkeypatch):
     engine = Engine(tiny, EngineConfig(num_blocks=64))
     engine.add_request("a", tiny.tokenizer.encode(PROMPTS[0]), GREEDY)
-    real_forward = engine.runner.forward_table
+    real_forward = engine.runner.run
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated kernel failure")
 
-    monkeypatch.setattr(engine.runner, "forward_table", broken)
+    monkeypatch.setattr(engine.runner, "run", broken)
     events = engine.step()
     assert [e.finish_reason for e in events] == ["error"]
     assert engine.pool.num_used == 0 and engine.stats.errors == 1
-    monkeypatch.setattr(engine.runner, "forward_table", real_forward)
+    monkeypatch.setattr(engine.runner, "run", real_forward)
     out = run(engine, {"b": (tiny.tokenizer.encode(PROMPTS[0]), GREEDY)})
     assert out["b"][0] == tiny.generate(PROMPTS[0], GREEDY)[0].token_ids
 
@@ -218,17 +218,17 @@ def test_a_failing_step_ends_its_requests_and_the_engine_goes_on(tiny, monkeypat
 def _poison(engine: Engine, monkeypatch, bad_first_token: int) -> None:
     """Make the forward raise for any batch that holds a row whose prompt starts with
     `bad_first_token` (a stand-in for a request that breaks a kernel)."""
-    real_forward = engine.runner.forward_table
+    real_forward = engine.runner.run
     first = {}
 
-    def forward(pool, spec, rows, tables, starts, **kw):
+    def forward(batch):
         for seq in engine.scheduler.running:
             first[tuple(seq.table.blocks)] = seq.token_ids[0]
-        if any(first.get(tuple(t)) == bad_first_token for t in tables):
+        if any(first.get(tuple(t)) == bad_first_token for t in batch.tables):
             raise RuntimeError("simulated kernel failure")
-        return real_forward(pool, spec, rows, tables, starts, **kw)
+        return real_forward(batch)
 
-    monkeypatch.setattr(engine.runner, "forward_table", forward)
+    monkeypatch.setattr(engine.runner, "run", forward)
 
 
 def test_a_failing_request_ends_alone_and_the_others_keep_their_tokens(tiny, monkeypatch):

@@ -31,6 +31,7 @@ from kvlm import LLM, SamplingParams, kernels
 from kvlm.cache.base import blocks_for
 from kvlm.cache.paged import BlockPool, PagedCache
 from kvlm.engine.engine import Engine, EngineConfig
+from kvlm.engine.runner import Batch
 from kvlm.model.fused import FusedDecoder, why_not
 from numerics import SAME_ROUNDING, U32, assert_as_exact_as, gamma
 
@@ -211,13 +212,13 @@ def test_generate_runs_the_fused_step_and_keeps_the_greedy_tokens(
     prompt = _ids(llm, 8, seed=12)
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
     calls: list[int] = []
-    step = FusedDecoder.step
+    fused_run = FusedDecoder.run
 
-    def counted(self, tokens, cache):
+    def counted(self, store, tokens, *args):
         calls.append(len(tokens))
-        return step(self, tokens, cache)
+        return fused_run(self, store, tokens, *args)
 
-    monkeypatch.setattr(FusedDecoder, "step", counted)
+    monkeypatch.setattr(FusedDecoder, "run", counted)
     fused = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
     assert calls == [1] * (n - 1)  # every token after the first (the prefill's)
     reason, llm.runner.fused_reason = llm.runner.fused_reason, "off for the comparison"
@@ -349,14 +350,15 @@ def test_the_window_is_the_torch_masks_window(arch_dir):
     ref = llm.runner.forward(prompt, llm.new_cache("contiguous"))  # torch: one prefill
     spec = llm.cache_spec("paged")
     pool, table = BlockPool(spec, 4), [2, 0]
-    llm.runner.forward_table(pool, spec, [prompt[:-1]], [table], [0])  # torch: the prefill
+    llm.runner.run(Batch([prompt[:-1]], pool=pool, spec=spec, tables=[table], starts=[0]))
     decoder = llm.runner._decoder(spec.max_tokens)
     got = {
-        width: decoder.step_table(pool, prompt[-1:], [table], [n - 1], width)[0]
+        width: decoder.run(pool.store, prompt[-1:], [n - 1], [table], pool.block_size, width)[0]
         for width in (w - 1, w, w + 1)  # each rewrites position n - 1 before reading it
     }
     assert_as_exact_as(got[w], ref, exact)
-    runner_step = llm.runner.forward_table(pool, spec, [prompt[-1:]], [table], [n - 1])[0]
+    last = Batch([prompt[-1:]], pool=pool, spec=spec, tables=[table], starts=[n - 1])
+    runner_step = llm.runner.run(last)[0]
     assert torch.equal(got[w], runner_step)  # the runner passes the spec's window
     own = float((ref.double() - exact.double()).abs().max())
     for width in (w - 1, w + 1):  # a different function, not rounding
@@ -373,13 +375,13 @@ def test_the_engine_batches_them_through_the_fused_step(arch_dir, name, monkeypa
     engine = Engine(llm, EngineConfig(num_blocks=64))
     assert llm.runner.fused_reason is None
     calls: list[int] = []
-    step_table = FusedDecoder.step_table
+    fused_run = FusedDecoder.run
 
-    def counted(self, pool, tokens, *args):
+    def counted(self, store, tokens, *args):
         calls.append(len(tokens))
-        return step_table(self, pool, tokens, *args)
+        return fused_run(self, store, tokens, *args)
 
-    monkeypatch.setattr(FusedDecoder, "step_table", counted)
+    monkeypatch.setattr(FusedDecoder, "run", counted)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = {f"r{i}": _ids(llm, n, seed=20 + i) for i, n in enumerate([5, 12, 20, 31])}
 
@@ -421,8 +423,9 @@ def test_the_portable_build_runs_them_alike(arch_dir, portable, name, kv_dtype, 
         llm.runner.forward(prompt, cache)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(kernels, "library", lambda lib=lib: lib)
-            decoder = FusedDecoder(llm.model, cache.store.values.shape[-2])
-        logits.append(torch.stack([decoder.step([t], cache)[0] for t in steps]))
+            slots = cache.store.values.shape[-2]
+            mp.setitem(llm.runner._fused, slots, FusedDecoder(llm.model, slots))
+            logits.append(torch.stack([llm.runner.forward([t], cache) for t in steps]))
     exact_llm = _exact(folder, weights)
     exact = exact_llm.runner.logits(prompt + steps, exact_llm.new_cache("off"))[len(prompt) :]
     factor = INT8_QUERIES if kv_dtype == "int8" else SAME_ROUNDING

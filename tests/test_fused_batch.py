@@ -19,6 +19,7 @@ from helpers import (
 )
 from kvlm import LLM, kernels
 from kvlm.cache.paged import BlockPool
+from kvlm.engine.runner import Batch
 from numerics import assert_as_exact_as
 
 # rows of different lengths: within one block, across several, one past 64 positions
@@ -132,7 +133,7 @@ def test_the_batched_step_refuses_positions_outside_itsscrambled_tables(tiny_mod
         ([[0] * 20], [256]),  # past the context
     ):
         with pytest.raises(ValueError, match="refused"):
-            decoder.step_table(pool, [5], tables, starts)
+            decoder.run(pool.store, [5], starts, tables, pool.block_size, None)
     assert torch.equal(pool.store.values, before)
 
 
@@ -151,7 +152,7 @@ def test_forked_samples_decode_in_one_step_as_each_would_alone(tiny_model_dir, m
     cache.fork(3)
     assert llm.runner.fused_for(cache) is not None
     together = torch.stack(
-        [llm.runner.forward_rows([r[t : t + 1] for r in rows], cache) for t in range(30)]
+        [llm.runner.run(Batch([r[t : t + 1] for r in rows], cache)) for t in range(30)]
     )
     for b, row in enumerate(rows):
         alone = llm.new_cache(mode)

@@ -143,8 +143,8 @@ def test_single_stream_decode_replays_graphs(cpu, tiny_model_dir, dtype):
         out = []
         for llm in (gpu, eager):
             cache = llm.new_cache("contiguous")
-            llm.runner.forward_rows([ids[:-1]], cache)
-            out.append(llm.runner.forward_rows([ids[-1:]], cache)[0].float().cpu())
+            llm.runner.forward(ids[:-1], cache)
+            out.append(llm.runner.forward(ids[-1:], cache).float().cpu())
         exact_llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=256,
                         dtype="fp64")  # fmt: skip
         exact = exact_llm.runner.logits(ids, exact_llm.new_cache("off"))[-1]

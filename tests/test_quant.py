@@ -192,8 +192,9 @@ def _fused_steps_per_library(llm, ids, *libs):
         llm.runner.forward(ids, cache)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(kernels, "library", lambda lib=lib: lib)
-            decoder = FusedDecoder(llm.model, cache.store.values.shape[-2])
-        logits.append(torch.cat([decoder.step([t], cache) for t in STEP_TOKENS]))
+            slots = cache.store.values.shape[-2]
+            mp.setitem(llm.runner._fused, slots, FusedDecoder(llm.model, slots))
+            logits.append(torch.stack([llm.runner.forward([t], cache) for t in STEP_TOKENS]))
     return logits
 
 

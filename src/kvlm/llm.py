@@ -45,7 +45,7 @@ WEIGHT_FORMATS = (None, "f32", "bf16", "int8", "int4", "native")
 # state the pool cannot (a ring, a per-step rebuild): their prompts run one after another.
 BATCH_MODES = ("contiguous", "paged", "int8")
 # The cache modes speculative decoding cannot run on, and why (the others: in the batch
-# engine's pool, or on one cache's own rows, ModelRunner.forward_draft)
+# engine's pool, or on one cache's own rows, ModelRunner.run with a draft Batch)
 NO_SPECULATION = {
     "off": "it keeps no cache to check a draft against",
 }

@@ -6,8 +6,8 @@ The engine's step is the same over both: the scheduler admits through the backen
 `manager` (allocate, append_slot, seal, trim, fork, free; kvlm.cache.prefix.BlockManager's
 interface) and the engine runs its forwards through `prefill` and `decode`.
 
-    PoolBackend:  BlockManager over a BlockPool; ModelRunner.forward_table
-    CacheBackend: one KVCache; ModelRunner.forward_rows (a draft: forward_draft)
+    PoolBackend:  BlockManager over a BlockPool; ModelRunner.run(Batch(pool=...))
+    CacheBackend: one KVCache; ModelRunner.run(Batch(rows, cache[, draft=True]))
 
 One cache admits one request at a time. Its rows decode in lockstep (the cache's rows all
 grow together): a sample that finished keeps feeding its last token, and its row's output
@@ -27,7 +27,7 @@ from kvlm.cache.base import blocks_for
 from kvlm.cache.paged import BlockPool
 from kvlm.cache.prefix import BlockManager, BlockTable, PrefixStats
 from kvlm.engine.request import check_fits
-from kvlm.engine.runner import ModelRunner
+from kvlm.engine.runner import Batch, ModelRunner
 from kvlm.engine.sequence import Sequence
 from kvlm.errors import InvalidRequestError
 
@@ -57,10 +57,15 @@ class PoolBackend:
 
     def prefill(self, seq: Sequence, tokens: list[int], all_rows: bool) -> torch.Tensor:
         """A chunk of a sequence's prompt: its last logits (V,), or every row's (T, V)."""
-        return self.runner.forward_table(
-            self.pool, self.spec, [tokens], [seq.table.blocks], [seq.num_computed],
-            prompt=True, all_rows=all_rows,
-        )[0]  # fmt: skip
+        return self._run([tokens], [seq.table.blocks], [seq.num_computed], True, all_rows)[0]
+
+    def _run(
+        self, rows: list, tables: list, starts: list, prompt: bool | None = None,
+        all_rows: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        batch = Batch(rows, pool=self.pool, spec=self.spec, tables=tables, starts=starts)
+        batch.prompt, batch.all_rows = prompt, all_rows
+        return self.runner.run(batch)
 
     def decode(self, seqs: list[Sequence]) -> tuple[list[Result], list[int | None]]:
         """One row per sequence (its last token) and one per draft token after it, at the
@@ -78,9 +83,8 @@ class PoolBackend:
                 tables.append(s.table.blocks)
                 starts.append(s.num_computed + i)
             spans.append((first, len(rows)))
-        forward = self.runner.forward_table
         try:
-            out = forward(self.pool, self.spec, rows, tables, starts)
+            out = self._run(rows, tables, starts)
         except Exception:
             import logging
 
@@ -95,7 +99,7 @@ class PoolBackend:
                 results.append(out[a:b])
                 continue
             try:
-                results.append(forward(self.pool, self.spec, rows[a:b], tables[a:b], starts[a:b]))
+                results.append(self._run(rows[a:b], tables[a:b], starts[a:b]))
             except Exception as exc:
                 results.append(exc)
         if out is not None and out.is_cuda:  # greedy rows: every argmax in one transfer
@@ -191,7 +195,8 @@ class CacheBackend:
             self._done = {}
         held = self.cache.num_tokens
         fed = seq.token_ids[held : seq.num_computed + len(tokens)]  # off: from the start
-        logits = self.runner.forward_rows([fed], self.cache, prompt=True, all_rows=all_rows)
+        batch = Batch([fed], self.cache, prompt=True, all_rows=all_rows)
+        logits = self.runner.run(batch)
         return logits[0, -len(tokens) :] if all_rows else logits[0]
 
     def decode(self, seqs: list[Sequence]) -> tuple[list[Result], list[int | None]]:
@@ -199,9 +204,10 @@ class CacheBackend:
         try:
             if len(seqs) == 1 and seqs[0].draft:  # one sequence, its last token and draft
                 s = seqs[0]
-                return [self.runner.forward_draft([s.token_ids[-1], *s.draft], cache)], hints
+                rows = [[t] for t in [s.token_ids[-1], *s.draft]]
+                return [self.runner.run(Batch(rows, cache, draft=True))], hints
             rows = self._lockstep(seqs)
-            out = self.runner.forward_rows(rows, cache, prompt=False)
+            out = self.runner.run(Batch(rows, cache, prompt=False))
             return [out[s.table.blocks[0]][None] for s in seqs], hints
         except Exception as exc:  # one request holds the cache: it fails whole
             return [exc] * len(seqs), hints

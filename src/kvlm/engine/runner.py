@@ -1,8 +1,20 @@
-"""ModelRunner: feeds token rows through the model and one cache step."""
+"""ModelRunner: feeds a batch of token rows through the model and one cache step.
+
+`ModelRunner.run(Batch)` is the one forward. Where the rows' K/V lives picks the road:
+
+    Batch(rows, cache)                  rows of one cache, after what it holds
+    Batch(rows, cache, draft=True)      one sequence's draft: a token per row, consecutive
+    Batch(rows, pool=, spec=, tables=, starts=)   the engine's pool, a table per row
+
+and inside, one token per row replays a CUDA graph or takes the fused C step where they
+apply; anything else is the torch model over a cache step. `forward` and `logits` are one
+sequence's shorthands for it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -14,6 +26,24 @@ from kvlm.cache.window import WindowCache, WindowDraftRowsStep
 from kvlm.errors import InvalidRequestError
 from kvlm.model import fused, graphs
 from kvlm.model.transformer import Transformer
+
+
+@dataclass(slots=True)
+class Batch:
+    """One forward's rows (every row the same number of tokens), where their K/V lives
+    (`cache`, or `pool` with a block table and start per row), and what comes back:
+    `prompt` says the tokens are a prompt's (its numerics, kvlm.model.layers.feeding_prompt;
+    None: more than one token per row), `all_rows` every position's logits."""
+
+    rows: Sequence[Sequence[int]]
+    cache: KVCache | None = None
+    draft: bool = False
+    pool: BlockPool | None = None
+    spec: CacheSpec | None = None
+    tables: Sequence[list[int]] = ()
+    starts: Sequence[int] = ()
+    prompt: bool | None = None
+    all_rows: bool = False
 
 
 class ModelRunner:
@@ -60,122 +90,123 @@ class ModelRunner:
         return "fused"
 
     @torch.inference_mode()
-    def forward_rows(
-        self,
-        rows: Sequence[Sequence[int]],
-        cache: KVCache,
-        prompt: bool | None = None,
-        all_rows: bool = False,
-    ) -> torch.Tensor:
-        """Run each row's tokens after what `cache` holds for that row (one row per cached
-        sequence, all the same length); return each row's last logits, (B, V), or with
-        `all_rows` every position's, (B, T, V) (a prompt's own logprobs). `prompt`:
-        the tokens are a prompt's (a one-token chunk of a prompt too: it takes the prompt's
-        numerics, kvlm.model.layers.feeding_prompt); None: more than one token per row.
+    def run(self, batch: Batch) -> torch.Tensor:
+        """The one forward: each row's last logits, (B, V), or with `all_rows` every
+        position's, (B, T, V). One token per row (a decode batch, a draft's rows) replays a
+        captured CUDA graph or takes the fused C step where they apply (kvlm.model.graphs,
+        kvlm.model.fused); everything else runs the torch model through a cache step. A
+        cache commits the tokens only if the whole forward succeeded."""
+        if batch.pool is not None:
+            return self._on_pool(batch)
+        if batch.draft:
+            return self._draft(batch)
+        return self._on_cache(batch)
 
-        The cache commits the tokens only if the whole forward succeeded.
-        """
-        if len(rows) != cache.batch or len({len(r) for r in rows}) != 1:
-            raise ValueError(f"need {cache.batch} rows of one length, got {[len(r) for r in rows]}")
-        one = len(rows[0]) == 1 and not all_rows
-        if one and not prompt and self.graphs and self.graphs.accepts(cache):
-            return self.graphs.step([r[0] for r in rows], cache)
-        if one and self._decodes_alike(prompt) and (decoder := self.fused_for(cache)):
-            return decoder.step([r[0] for r in rows], cache)
-        step = cache.begin(len(rows[0]))  # raises on overflow before any write
+    def forward(self, token_ids: Sequence[int], cache: KVCache) -> torch.Tensor:
+        """One sequence's tokens after what `cache` holds: its last logits, (V,)."""
+        return self.run(Batch([token_ids], cache))[0]
+
+    def logits(self, token_ids: Sequence[int], cache: KVCache) -> torch.Tensor:
+        """Teacher-forced logits for every position, (T, V): the reference tests' view."""
+        return self.run(Batch([token_ids], cache, all_rows=True))[0]
+
+    def _torch(self, rows, step, prompt: bool | None, all_rows: bool) -> torch.Tensor:
         ids = torch.tensor(rows, dtype=torch.long, device=self.device)
         with self.model.step_context(ids.numel()):
             logits = self.model(ids, step.positions, step, last_only=not all_rows, prompt=prompt)
-        cache.commit(step)
         return logits if all_rows else logits[:, -1]
 
-    @torch.inference_mode()
-    def forward_draft(self, tokens: Sequence[int], cache: KVCache) -> torch.Tensor:
-        """One sequence's last token and its draft (speculative decoding on a single
-        stream) as len(tokens) decode rows at consecutive positions, each computing what
-        decoding its token alone would (the fused step's rows, or the torch step's rows
-        over their own keys): logits (n, V). The cache commits all n; the caller rolls back
-        what it rejects. A contiguous or paged cache of one sequence."""
+    @staticmethod
+    def _layout(cache: KVCache, tables: list[list[int]]) -> tuple:
+        """(store, block tables, block size) of a cache as the fused step reads it: a
+        contiguous cache's row b is block b holding every slot."""
+        if isinstance(cache, PagedCache):
+            return cache.pool.store, tables, cache.pool.block_size
+        return cache.store, tables, cache.store.values.shape[-2]
+
+    def _on_cache(self, b: Batch) -> torch.Tensor:
+        """Rows of one cache: row b's tokens after what it holds for row b (all rows one
+        length, one row per cached sequence)."""
+        rows, cache = b.rows, b.cache
+        if len(rows) != cache.batch or len({len(r) for r in rows}) != 1:
+            raise ValueError(f"need {cache.batch} rows of one length, got {[len(r) for r in rows]}")
+        one = len(rows[0]) == 1 and not b.all_rows
+        tokens = [r[0] for r in rows]
+        if one and not b.prompt and self.graphs and self.graphs.accepts(cache):
+            return self.graphs.step(tokens, cache)
+        if one and self._decodes_alike(b.prompt) and (decoder := self.fused_for(cache)):
+            step = cache.begin(1)  # raises on overflow (paged: allocates, copies on write)
+            tables = (
+                cache.tables if isinstance(cache, PagedCache) else [[i] for i in range(len(rows))]
+            )
+            store, tables, bs = self._layout(cache, tables)
+            starts = [step.start] * len(rows)
+            logits = decoder.run(store, tokens, starts, tables, bs, cache.spec.sliding_window)
+        else:
+            step = cache.begin(len(rows[0]))  # raises on overflow before any write
+            logits = self._torch(rows, step, b.prompt, b.all_rows)
+        cache.commit(step)
+        return logits
+
+    def _draft(self, b: Batch) -> torch.Tensor:
+        """One sequence's last token and its draft (speculative decoding on one cache), one
+        token per row at consecutive positions, each computing what decoding its token
+        alone would (the fused step's rows, or the torch step's rows over their own keys):
+        logits (n, V). The cache commits all n; the caller rolls back what it rejects."""
+        cache, tokens = b.cache, [r[0] for r in b.rows]
         kinds = (ContiguousCache, PagedCache, BasicCache, WindowCache)
         if cache.batch != 1 or not isinstance(cache, kinds):
             raise InvalidRequestError(
                 f"a draft is checked on a contiguous, paged, basic or window cache of one "
                 f"sequence, not {cache.mode} ({cache.batch} rows)"
             )
+        n = len(tokens)
         if isinstance(cache, (BasicCache, WindowCache)):  # steps that stage: the step itself
-            if cache.would_overflow(len(tokens)):
-                cache.begin(len(tokens))  # raises, with the cache's own message
+            if cache.would_overflow(n):
+                cache.begin(n)  # raises, with the cache's own message
             kind = BasicDraftRowsStep if isinstance(cache, BasicCache) else WindowDraftRowsStep
-            step = kind(cache, len(tokens))
+            step = kind(cache, n)
         else:
-            step = cache.begin(len(tokens))  # raises on overflow (paged: allocates)
-        starts = [step.start + i for i in range(len(tokens))]
+            step = cache.begin(n)  # raises on overflow (paged: allocates)
+        starts = [step.start + i for i in range(n)]
         decoder = self.fused_for(cache)
         if decoder is not None:
-            logits = decoder.step_rows(tokens, cache, starts)
+            table = cache.tables[0] if isinstance(cache, PagedCache) else [0]
+            store, tables, bs = self._layout(cache, [table] * n)
+            logits = decoder.run(store, tokens, starts, tables, bs, cache.spec.sliding_window)
         else:
             if isinstance(cache, PagedCache):
-                n = len(tokens)
                 rows = TableStep(cache.pool, cache.spec, [cache.tables[0]] * n, starts, 1)
             elif isinstance(cache, (BasicCache, WindowCache)):
                 rows = step
             else:
-                rows = DraftRowsStep(cache, len(tokens))
-            ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
-            with self.model.step_context(len(tokens)):
-                logits = self.model(ids, rows.positions, rows, prompt=False)[:, -1]
+                rows = DraftRowsStep(cache, n)
+            logits = self._torch([[t] for t in tokens], rows, False, False)
         cache.commit(step)
         return logits
 
-    @torch.inference_mode()
-    def forward_table(
-        self,
-        pool: BlockPool,
-        spec: CacheSpec,
-        rows: Sequence[Sequence[int]],
-        tables: Sequence[list[int]],
-        starts: Sequence[int],
-        prompt: bool | None = None,
-        all_rows: bool = False,
-    ) -> torch.Tensor:
-        """Sequences of different lengths in one pool (the scheduler's batch): row b feeds
-        its tokens at positions starts[b].. through block table tables[b]. Every row has the
-        same number of tokens. Returns each row's last logits, (B, V), or with `all_rows`
-        every position's, (B, T, V) (a prompt's own logprobs).
-
-        One token per row (the decode batch) is one call of the fused step when it applies,
-        or on a GPU one replay of a captured step."""
-        one = len(rows[0]) == 1 and not prompt and not all_rows
-        if one and self.graphs and pool.scratch is not None and self.graphs.reads(pool.store):
-            tokens = [r[0] for r in rows]
+    def _on_pool(self, b: Batch) -> torch.Tensor:
+        """Sequences of different lengths in one pool (the engine's batch): row b feeds its
+        tokens at positions starts[b].. through block table tables[b]."""
+        pool, spec, rows = b.pool, b.spec, b.rows
+        tokens = [r[0] for r in rows]
+        one = len(rows[0]) == 1 and not b.all_rows
+        if (
+            one
+            and not b.prompt
+            and self.graphs
+            and pool.scratch is not None
+            and self.graphs.reads(pool.store)
+        ):
             out = self.graphs.step_table(
-                pool.store, pool.scratch, tokens, tables, starts, spec.sliding_window
+                pool.store, pool.scratch, tokens, b.tables, b.starts, spec.sliding_window
             )
             if out is not None:
                 return out
-        if (
-            len(rows[0]) == 1 and len(rows) <= fused.MAX_ROWS and self._decodes_alike(prompt)
-            and not all_rows
-        ):  # fmt: skip
+        if one and len(rows) <= fused.MAX_ROWS and self._decodes_alike(b.prompt):
             decoder = self._decoder(spec.max_tokens)
             if decoder is not None and decoder.reads(pool.store):
-                tokens = [r[0] for r in rows]
-                return decoder.step_table(pool, tokens, tables, starts, spec.sliding_window)
-        step = TableStep(pool, spec, list(tables), list(starts), len(rows[0]))
-        ids = torch.tensor(rows, dtype=torch.long, device=self.device)
-        with self.model.step_context(ids.numel()):
-            logits = self.model(ids, step.positions, step, last_only=not all_rows, prompt=prompt)
-        return logits if all_rows else logits[:, -1]
-
-    def forward(self, token_ids: Sequence[int], cache: KVCache) -> torch.Tensor:
-        """One sequence: its last logits, (V,)."""
-        return self.forward_rows([token_ids], cache)[0]
-
-    @torch.inference_mode()
-    def logits(self, token_ids: Sequence[int], cache: KVCache) -> torch.Tensor:
-        """Teacher-forced logits for every position, (T, V): the reference tests' view."""
-        step = cache.begin(len(token_ids))
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        out = self.model(ids, step.positions, step, last_only=False)
-        cache.commit(step)
-        return out[0]
+                window = spec.sliding_window
+                return decoder.run(pool.store, tokens, b.starts, b.tables, pool.block_size, window)
+        step = TableStep(pool, spec, list(b.tables), list(b.starts), len(rows[0]))
+        return self._torch(rows, step, b.prompt, b.all_rows)

@@ -15,12 +15,13 @@ Over an int8 cache the scores are integer dot products: each query head (rotated
 rounds to int8 with one scale, as llama.cpp does for its q8_0 cache; the torch path
 dequantizes K instead, so the two agree to that rounding.
 
-The cache is addressed through block tables: a paged pool (kvlm.cache.paged: the server's
-batch, `step_table`; a PagedCache's rows, `step`) or a contiguous cache, whose row b is
-block b of a pool of blocks holding every slot (`step`: kvlm generate, and its n samples
-of one prompt after `cache.fork(n)`). Chunks start at multiples of 16 and every
-product sums a row alike whatever rows share it, so a sequence gets the same logits, bit
-for bit, alone or in any batch, paged or contiguous (tests/test_fused_batch.py).
+The cache is addressed through block tables (`FusedDecoder.run`, called by
+kvlm.engine.runner.ModelRunner.run): a paged pool (kvlm.cache.paged: the engine's batch,
+a PagedCache's rows) or a contiguous cache, whose row b is block b of a pool of blocks
+holding every slot (one request's cache, and its n samples after `cache.fork(n)`).
+Chunks start at multiples of 16 and every product sums a row alike whatever rows share
+it, so a sequence gets the same logits, bit for bit, alone or in any batch, paged or
+contiguous (tests/test_fused_batch.py).
 
 Every supported family's block: the q|k|v bias (Qwen2) and o_proj's (Llama's
 attention_bias) added after their products, as torch's Linear adds them; the per-head q/k
@@ -42,14 +43,13 @@ import ctypes
 import functools
 import os
 from collections.abc import Sequence
-from types import EllipsisType
 
 import torch
 
 from kvlm import kernels
 from kvlm.cache import KVCache
 from kvlm.cache.contiguous import ContiguousCache
-from kvlm.cache.paged import BlockPool, Int8PagedCache, PagedCache
+from kvlm.cache.paged import Int8PagedCache, PagedCache
 from kvlm.cache.storage import Store, key_rotation
 from kvlm.model.layers import Linear
 from kvlm.model.quant import KIND_CODES
@@ -165,7 +165,7 @@ def why_not(model: Transformer) -> str | None:
 
 
 class FusedDecoder:
-    """Binds a model's weights once; `step` runs one token of one sequence."""
+    """Binds a model's weights once; `run` runs one token of each of up to MAX_ROWS rows."""
 
     def __init__(self, model: Transformer, slots: int) -> None:
         reason = why_not(model)
@@ -237,58 +237,6 @@ class FusedDecoder:
         values = store.values
         return values.dtype in _KV_DTYPE and values.device.type == "cpu" and values.is_contiguous()
 
-    @torch.inference_mode()
-    def step(self, tokens: Sequence[int], cache: KVCache) -> torch.Tensor:
-        """Logits (B, V) of one token per row fed after what `cache` holds (a cache this
-        decoder `accepts`); the cache commits them."""
-        step = cache.begin(1)  # raises on overflow (paged: allocates, copies on write)
-        starts = [step.start] * len(tokens)
-        window = cache.spec.sliding_window  # the mask the torch step would apply
-        if isinstance(cache, PagedCache):
-            tables = self._table(cache.tables, starts, cache.pool.block_size)
-            bs = cache.pool.block_size
-            logits = self._run(cache.pool.store, tokens, starts, tables, bs, window)
-        else:  # row b's slots are block b of a pool of `batch` blocks of every slot
-            tables = torch.arange(len(tokens), dtype=torch.int32)[:, None]
-            logits = self._run(cache.store, tokens, starts, tables, self.slots, window)
-        cache.commit(step)
-        return logits
-
-    @torch.inference_mode()
-    def step_rows(
-        self, tokens: Sequence[int], cache: KVCache, starts: Sequence[int]
-    ) -> torch.Tensor:
-        """Logits (n, V) of n tokens of a one-sequence cache (this decoder `accepts` it) at
-        positions `starts` (consecutive, after what it holds), as n rows of one step: each
-        row's K/V written before any row attends, each row seeing the keys up to its own
-        position, so row i computes what decoding its token alone would (a speculative
-        draft's check). The caller has planned the step (cache.begin) and commits it."""
-        window = cache.spec.sliding_window
-        if isinstance(cache, PagedCache):
-            bs = cache.pool.block_size
-            tables = self._table([cache.tables[0]] * len(tokens), starts, bs)
-            return self._run(cache.pool.store, tokens, starts, tables, bs, window)
-        tables = torch.zeros(len(tokens), 1, dtype=torch.int32)  # every row: the one row
-        return self._run(cache.store, tokens, starts, tables, self.slots, window)
-
-    @torch.inference_mode()
-    def step_table(
-        self,
-        pool: BlockPool,
-        tokens: Sequence[int],
-        tables: Sequence[Sequence[int]],
-        starts: Sequence[int],
-        window: int | EllipsisType | None = ...,
-    ) -> torch.Tensor:
-        """Logits (B, V) of one token per sequence of a paged pool (the scheduler's batch):
-        row b's token at position starts[b], written into block tables[b][starts[b] //
-        block_size], which the allocator has made the row's own. `window`: the attention
-        window (the pool's CacheSpec.sliding_window; by default the model's)."""
-        if window is ...:
-            window = self.model.config.sliding_window
-        table = self._table(tables, starts, pool.block_size)
-        return self._run(pool.store, tokens, starts, table, pool.block_size, window)
-
     @staticmethod
     def _table(tables: Sequence[Sequence[int]], starts: Sequence[int], bs: int) -> torch.Tensor:
         """(B, width) int32 block ids, -1 past a row's table (the C step refuses those)."""
@@ -299,15 +247,24 @@ class FusedDecoder:
             table[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
         return table
 
-    def _run(
+    @torch.inference_mode()
+    def run(
         self,
         store: Store,
         tokens: Sequence[int],
         starts: Sequence[int],
-        table: torch.Tensor,
+        tables: Sequence[Sequence[int]],
         block_size: int,
         window: int | None,
     ) -> torch.Tensor:
+        """Logits (B, V) of one token per row: row b's token at position starts[b], its
+        K/V written into block tables[b][starts[b] // block_size] of `store` (which the
+        caller has made the row's own), attending over its blocks up to its position
+        (within `window`). A contiguous cache is a pool of one block per row holding
+        every slot (tables [[0], [1], ...], block_size its slots); a draft's rows share one
+        table at consecutive positions, each row computing what decoding its token alone
+        would. The caller plans and commits the cache step (kvlm.engine.runner)."""
+        table = self._table(tables, starts, block_size)
         rows = len(tokens)
         x = self.model.embed(torch.tensor(tokens)).contiguous()
         pos = torch.tensor(starts, dtype=torch.int64)
