@@ -227,11 +227,16 @@ class LLM:
 
         cache = self.cache if cache is None else cache
         if self.speculative is not None:
-            self.model.pack_for_batches()  # a row's bits the same alone or beside a draft's
+            self.for_batches()  # a row's bits the same alone or beside a draft's
         chunk = prefill_chunk or self.prefill_chunk
         sched = SchedulerConfig(**cache_engine_limits(cache, chunk))
         config = EngineConfig(scheduler=sched, speculative=self.speculative)
         return Engine(self, config, cache=cache, reuse=reuse)
+
+    def for_batches(self) -> None:
+        """The weights' batch layout (Transformer.pack_for_batches: fp32 CPU weights packed
+        for oneDNN, whose rows get the same bits alone or batched)."""
+        self.model.pack_for_batches()
 
     def draft_model(self, spec: SpeculativeConfig) -> DraftModel:
         """The draft model of `spec` (method "draft": another file with the same tokenizer,
@@ -289,9 +294,7 @@ class LLM:
         many = len(requests) > 1 or self.speculative is not None  # drafts live in the engine
         batched = many and self.kv_mode in BATCH_MODES
         if self.kv_mode in BATCH_MODES:
-            # One layout for one prompt and many: fp32 CPU weights packed for oneDNN, whose
-            # rows get the same bits alone or batched (Transformer.pack_for_batches).
-            self.model.pack_for_batches()
+            self.for_batches()  # one layout for one prompt and many
         pool = self.batch_engine() if batched else None
         one: Engine | None = None  # what the pool cannot take runs alone, as it would
         engines: list[Engine] = []  # each prompt checked, once, before any work

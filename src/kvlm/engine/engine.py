@@ -140,7 +140,7 @@ class Engine:
         self.tiers = None
         sched = self.config.scheduler
         if cache is None:
-            llm.model.pack_for_batches()  # one weight layout for 1..64 rows, batch-invariant
+            llm.for_batches()  # one weight layout for 1..64 rows, batch-invariant
             self.backend = self._pool_backend(llm)
             self.max_model_len = llm.max_context
         else:
