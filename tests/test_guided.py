@@ -7,13 +7,17 @@ any work."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import threading
 
 import jsonschema
 import pytest
 
 from kvlm import SamplingParams
 from kvlm.engine.engine import Engine, EngineConfig
+from kvlm.engine.guide_worker import WORKERS, GuideWorkers
 from kvlm.engine.guided import Guide
 from kvlm.errors import InvalidRequestError
 
@@ -95,3 +99,40 @@ def test_a_bad_guide_is_refused_before_any_work(tiny):
     with pytest.raises(InvalidRequestError):
         engine.check_request([1, 2, 3], SamplingParams(
             guide=Guide("json_schema", {"type": "no-such-type"})))  # fmt: skip
+
+
+def test_a_guide_that_holds_its_worker_does_not_hold_up_the_others(tiny):
+    """Two compile workers: while one is stuck on a guide (here: its process stopped, as a
+    compile that runs to its timeout would hold it), another guide compiles in the other
+    and returns first; the stuck one ends in its own 400 and its worker is replaced."""
+    eos = sorted(tiny.tokenizer.eos_token_ids) or None
+    workers = GuideWorkers(tiny.tokenizer.backend.to_str(), tiny.config.vocab_size, eos)
+    try:
+        for worker in workers.workers:  # both started
+            worker.check("regex", "[0-9]+", "guided_regex")
+        stuck = workers.workers[0]  # the first taken (the most recently used on top)
+        stopped = stuck.pid
+        os.kill(stopped, signal.SIGSTOP)
+        outcome: list[BaseException | None] = []
+
+        def held() -> None:
+            try:
+                workers.check("regex", "[a-f]+", "guided_regex")
+                outcome.append(None)
+            except BaseException as exc:  # handed to the test
+                outcome.append(exc)
+
+        first = threading.Thread(target=held)
+        first.start()
+        for _ in range(1000):  # until the thread holds the stuck worker (10 s at most)
+            if workers._idle.qsize() == WORKERS - 1:
+                break
+            first.join(0.01)
+        workers.check("json_schema", {"type": "integer"}, "guided_json")  # the other worker
+        assert first.is_alive() and not outcome  # answered while the first still waits
+        first.join(30)
+        assert isinstance(outcome[0], InvalidRequestError)
+        assert "longer than" in str(outcome[0])
+        assert stuck.pid not in (None, stopped)  # killed and started again
+    finally:
+        workers.close()

@@ -205,8 +205,10 @@ def worker_pids(server_pid: int) -> list[int]:
 def test_a_dead_worker_is_one_400_and_the_next_request_works(server):
     port, proc = server
     assert guided(port, "guided_regex", "[0-9]+")[0] == 200
-    (pid,) = worker_pids(proc.pid)
-    os.kill(pid, signal.SIGSEGV)  # as llguidance's stack overflow ends it
+    pids = worker_pids(proc.pid)  # one, or two if earlier guides compiled at once
+    assert pids
+    for pid in pids:
+        os.kill(pid, signal.SIGSEGV)  # as llguidance's stack overflow ends it
     time.sleep(0.2)
     status, body, _ = guided(port, "guided_regex", "[a-f]+")
     assert status == 400, body
@@ -216,7 +218,7 @@ def test_a_dead_worker_is_one_400_and_the_next_request_works(server):
     assert status == 200, body
     assert body["choices"][0]["text"].isdigit()
     assert proc.poll() is None
-    assert worker_pids(proc.pid) != [pid]
+    assert worker_pids(proc.pid) and not set(worker_pids(proc.pid)) & set(pids)
 
 
 # ------------------------------------------------------------------ the fuzzer

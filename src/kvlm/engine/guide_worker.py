@@ -1,6 +1,8 @@
-"""The compile worker: a long-lived child process that compiles each guide first, so a
+"""The compile workers: long-lived child processes that compile each guide first, so a
 grammar that crashes llguidance's native code (a stack overflow is SIGSEGV, no exception)
-or runs away ends the child, not the server.
+or runs away ends a child, not the server. There are WORKERS of them per tokenizer
+(`GuideWorkers`), so a guide that holds its worker for the whole COMPILE_TIMEOUT does not
+hold up everyone else's guides.
 
     server                                  worker (python -m kvlm.engine.guide_worker)
     check_bounds (pure Python)
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import re
 import select
 import signal
@@ -34,6 +37,10 @@ from kvlm.errors import InvalidRequestError, KvlmError
 COMPILE_TIMEOUT = 3.0  # seconds for the worker's compile and first mask
 START_TIMEOUT = 60.0  # a worker's start and tokenizer (a loaded 2-core machine: seconds)
 WORKER_STACK = 8 << 20  # the engine thread's stack (Linux's default)
+# Compile workers per tokenizer, and compile threads in the server: a hostile guide holds
+# one of each for up to COMPILE_TIMEOUT; the second goes on serving the others. Each worker
+# is a Python process with its own LLTokenizer (~40 MB), started when first needed.
+WORKERS = 2
 
 # JSON as json.dumps writes it: ", " and ": ", no other whitespace. Free whitespace lets a
 # small model spend its tokens on newlines and indents (a random-weight one never closes
@@ -150,6 +157,29 @@ class GuideWorker:
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+class GuideWorkers:
+    """WORKERS compile workers for one tokenizer: `check` takes an idle one (the most
+    recently used first, so a second process starts only when two guides compile at
+    once) and waits while all are busy."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos: list[int] | None) -> None:
+        self.workers = [GuideWorker(tokenizer_json, vocab_size, eos) for _ in range(WORKERS)]
+        self._idle: queue.LifoQueue[GuideWorker] = queue.LifoQueue()
+        for worker in reversed(self.workers):  # workers[0] on top: the first one used
+            self._idle.put(worker)
+
+    def check(self, kind: str, spec: Any, param: str) -> None:
+        worker = self._idle.get()
+        try:
+            worker.check(kind, spec, param)
+        finally:
+            self._idle.put(worker)
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
 
 
 def grammar_of(kind: str, spec: Any, param: str) -> str:

@@ -25,7 +25,13 @@ from queue import SimpleQueue
 from typing import Any
 
 from kvlm.engine.guide_limits import MAX_GUIDE_CHARS, check_bounds
-from kvlm.engine.guide_worker import WORKER_STACK, GuideWorker, build_matcher, grammar_of
+from kvlm.engine.guide_worker import (
+    WORKER_STACK,
+    WORKERS,
+    GuideWorkers,
+    build_matcher,
+    grammar_of,
+)
 
 __all__ = ["MAX_GUIDE_CHARS", "Guide", "GuideState", "compile_guide"]
 
@@ -78,13 +84,13 @@ def _eos(tokenizer) -> list[int] | None:
     return sorted(tokenizer.eos_token_ids) or None
 
 
-def guide_worker(tokenizer, vocab_size: int) -> GuideWorker:
-    """The compile worker for this tokenizer and vocabulary (kept on the tokenizer)."""
+def guide_workers(tokenizer, vocab_size: int) -> GuideWorkers:
+    """The compile workers for this tokenizer and vocabulary (kept on the tokenizer)."""
     made = getattr(tokenizer, "_guide_workers", None)
     if made is None:
         made = tokenizer._guide_workers = {}
     if vocab_size not in made:
-        made[vocab_size] = GuideWorker(tokenizer.backend.to_str(), vocab_size, _eos(tokenizer))
+        made[vocab_size] = GuideWorkers(tokenizer.backend.to_str(), vocab_size, _eos(tokenizer))
     return made[vocab_size]
 
 
@@ -93,16 +99,17 @@ _compile_jobs: SimpleQueue | None = None
 
 
 def _on_compile_thread(fn, *args) -> Any:
-    """fn(*args) on the one compile thread, made with a COMPILE_STACK stack (llguidance
-    recurses; a thread's stack size is fixed when it is made)."""
+    """fn(*args) on one of WORKERS compile threads, made with a COMPILE_STACK stack
+    (llguidance recurses; a thread's stack size is fixed when it is made)."""
     global _compile_jobs
     with _compile_lock:
         if _compile_jobs is None:
             _compile_jobs = SimpleQueue()
             old = threading.stack_size(COMPILE_STACK)
             try:
-                threading.Thread(target=_compile_loop, args=(_compile_jobs,), daemon=True,
-                                 name="kvlm-guide-compile").start()  # fmt: skip
+                for i in range(WORKERS):
+                    threading.Thread(target=_compile_loop, args=(_compile_jobs,), daemon=True,
+                                     name=f"kvlm-guide-compile-{i}").start()  # fmt: skip
             finally:
                 threading.stack_size(old)
     done: Future = Future()
@@ -128,7 +135,7 @@ def compile_guide(guide: Guide, tokenizer, vocab_size: int) -> Guide:
     if done is not None and done.vocab_size == vocab_size:
         return guide
     check_bounds(guide.kind, guide.spec, guide.param)
-    guide_worker(tokenizer, vocab_size).check(guide.kind, guide.spec, guide.param)
+    guide_workers(tokenizer, vocab_size).check(guide.kind, guide.spec, guide.param)
     tok = ll_tokenizer(tokenizer, vocab_size)
     matcher = _on_compile_thread(build_matcher, guide.kind, guide.spec, guide.param, tok)
     return dataclasses.replace(guide, compiled=Compiled(matcher, vocab_size))
