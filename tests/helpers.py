@@ -775,3 +775,54 @@ def break_sampler(monkeypatch, top_k: int = 13) -> None:
             return super().__call__(logits)
 
     monkeypatch.setattr(engine_module, "Sampler", Broken)
+
+
+# (sequence, position of its first token fed, tokens fed, a chunk, every row's logits):
+# a chunk after a prefix, a fresh prompt scored whole, a decode row, a draft's three rows
+# of one sequence (consecutive positions, one table), a one-token chunk
+MIXED_ROWS = [
+    (0, 5, 6, True, False),
+    (1, 0, 9, True, True),
+    (2, 11, 1, False, False),
+    (3, 7, 1, False, False),
+    (3, 8, 1, False, False),
+    (3, 9, 1, False, False),
+    (4, 3, 1, True, False),
+]
+
+
+def mixed_step(llm, one_forward: bool, seed: int = 0) -> list[torch.Tensor]:
+    """Prefill what each sequence holds before MIXED_ROWS (a forward each), then run them as
+    one mixed step (tests/test_one_forward.py); each row's logits."""
+    from kvlm.cache.paged import BlockPool
+    from kvlm.engine.runner import Batch
+
+    spec = llm.cache_spec("paged")
+    pool = BlockPool(spec, 64)
+    gen = torch.Generator().manual_seed(seed)
+    n_seqs = 1 + max(r[0] for r in MIXED_ROWS)
+    length = [max(p + n for s, p, n, *_ in MIXED_ROWS if s == i) for i in range(n_seqs)]
+    held = [min(p for s, p, *_ in MIXED_ROWS if s == i) for i in range(n_seqs)]
+    tokens = [torch.randint(3, llm.config.vocab_size, (n,), generator=gen).tolist() for n in length]
+    tables = scrambled_tables(pool, length, seed)
+    for i in range(n_seqs):
+        if held[i]:
+            prefix = Batch(
+                [tokens[i][: held[i]]], pool=pool, spec=spec, tables=[tables[i]], starts=[0]
+            )
+            llm.runner.run(prefix)
+    batch = Batch(
+        [tokens[s][p : p + n] for s, p, n, *_ in MIXED_ROWS],
+        pool=pool,
+        spec=spec,
+        tables=[tables[s] for s, *_ in MIXED_ROWS],
+        starts=[p for _, p, *_ in MIXED_ROWS],
+        chunks=[r[3] for r in MIXED_ROWS],
+        every_row=[r[4] for r in MIXED_ROWS],
+    )
+    runner = llm.runner
+    saved, runner.one_forward = runner.one_forward, one_forward
+    try:
+        return runner.run(batch)
+    finally:
+        runner.one_forward = saved

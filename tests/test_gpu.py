@@ -18,10 +18,17 @@ import os
 import pytest
 import torch
 
-from helpers import assert_generation_agrees, assert_greedy_agreement
+from helpers import (
+    assert_generation_agrees,
+    assert_greedy_agreement,
+    assert_top_k_both_ways,
+    mixed_step,
+)
 from kvlm import LLM, SamplingParams
 from kvlm.cache import load_cache, save_cache
 from kvlm.engine.engine import Engine, EngineConfig
+from kvlm.engine.scheduler import SchedulerConfig
+from kvlm.engine.speculative import SpeculativeConfig
 from kvlm.errors import InvalidRequestError
 from numerics import assert_as_exact_as
 
@@ -113,6 +120,74 @@ def test_the_engine_batch_follows_the_cpu(cpu, tiny_model_dir, captured):
         ids = cpu.tokenizer.encode(prompt) + ref[:-1]
         ref_logits = cpu.runner.logits(ids, cpu.new_cache("off"))[-n:]
         assert_greedy_agreement(tokens[str(i)], tops[str(i)], ref, ref_logits)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_one_forward_per_step_follows_the_cpu(cpu, tiny_model_dir, dtype, monkeypatch):
+    """A step's prompt chunks and decode rows as one ragged forward (ModelRunner.one_forward,
+    the GPU's default; in bf16 FlashAttention's variable-length kernel, torch's varlen_attn;
+    in fp32 SDPA per sequence): each row's logits by the top-5 rule against the CPU's
+    forward per chunk; then the engine, requests arriving while others decode, prompts in
+    chunks of 4, greedy tokens by the top-5 rule against the CPU."""
+    from kvlm.model import attention
+
+    gpu = on_device(tiny_model_dir("llama"), dtype=dtype)
+    assert gpu.runner.one_forward == (DEVICE != "cpu")
+    gpu.runner.one_forward = True
+    used = []
+    real = attention._varlen
+    monkeypatch.setattr(attention, "_varlen", lambda *a: used.append(real(*a)) or used[-1])
+    ours, ref = mixed_step(gpu, True), mixed_step(cpu, False)
+    for a, b in zip(ours, ref, strict=True):
+        v = b.shape[-1]
+        assert_top_k_both_ways(a.float().cpu().reshape(-1, v), b.reshape(-1, v))
+    kernel = [u is not None for u in used]
+    assert any(kernel) == (dtype == "bf16" and DEVICE != "cpu"), kernel
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=5)
+    engine = Engine(gpu, EngineConfig(num_blocks=64, scheduler=SchedulerConfig(prefill_chunk=4)))
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+    tops: dict[str, list[list[int]]] = {str(i): [] for i in range(len(PROMPTS))}
+    mixed = 0
+    for step in range(400):
+        if step < len(PROMPTS):
+            engine.add_request(str(step), cpu.tokenizer.encode(PROMPTS[step]), params)
+        if not engine.has_work():
+            break
+        for ev in engine.step():
+            tokens[ev.request_id] += ev.token_ids
+            tops[ev.request_id] += [list(lp.top) for lp in ev.logprobs]
+        mixed += bool(engine.last_batch.prefill and engine.last_batch.decode)
+    assert mixed >= 2 and engine.pool.num_used == 0
+    for i, prompt in enumerate(PROMPTS):
+        ref_tokens = cpu.generate(prompt, params)[0].token_ids
+        ids = cpu.tokenizer.encode(prompt) + ref_tokens[:-1]
+        ref_logits = cpu.runner.logits(ids, cpu.new_cache("off"))[-N:]
+        assert_greedy_agreement(tokens[str(i)], tops[str(i)], ref_tokens, ref_logits)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_speculative_decoding_on_the_device(cpu, tiny_model_dir, dtype):
+    """Prompt-lookup drafts verified in the engine's step on the GPU (draft rows in the
+    decode batch's CUDA graph, the rejected tail rolled back): greedy tokens by the top-5
+    rule against the CPU's plain decoding (GPU kernels are not batch-invariant, so not
+    token for token), drafts made and accepted, every block back."""
+    gpu = on_device(tiny_model_dir("llama"), dtype=dtype)
+    prompt = " ".join(["red green blue yellow"] * 8)
+    ids = cpu.tokenizer.encode(prompt)
+    n = 24
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
+    spec = SpeculativeConfig(num_draft=4, ngram_min=1)
+    engine = Engine(gpu, EngineConfig(num_blocks=64, speculative=spec))
+    engine.add_request("s", ids, params)
+    tokens, tops = [], []
+    while engine.has_work():
+        for ev in engine.step():
+            tokens += ev.token_ids
+            tops += [list(lp.top) for lp in ev.logprobs]
+    assert engine.stats.spec.drafted > 0 and engine.pool.num_used == 0
+    ref = cpu.generate(prompt, params)[0].token_ids
+    ref_logits = cpu.runner.logits(ids + ref[:-1], cpu.new_cache("off"))[-n:]
+    assert_greedy_agreement(tokens, tops, ref, ref_logits)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

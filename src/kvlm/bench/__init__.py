@@ -256,15 +256,22 @@ def stream_throughput(
             # blocks through the prefix cache (the shared cells of block_map.png)
             ids = prompt_ids(llm, prompt + i)
             engine.add_request(f"s{n}-{i}", ids, params)
-        start, tokens, aside = time.perf_counter(), 0, 0.0
+        start, tokens, aside, decode_steps = time.perf_counter(), 0, 0.0, []
         while engine.has_work():
+            t0 = time.perf_counter()
             tokens += sum(len(o.token_ids) for o in engine.step())
+            batch = engine.last_batch
+            if batch and not batch.prefill and len(batch.decode) == n:  # every stream decoding
+                decode_steps.append(time.perf_counter() - t0)
             if capture and n == max(streams) and engine.pool.num_used > most:
                 t0 = time.perf_counter()
                 view, most = engine.kv_view(), engine.pool.num_used
                 aside += time.perf_counter() - t0
         elapsed = time.perf_counter() - start - aside
-        rows.append({"streams": n, "tokens": tokens, "tok_s": round(tokens / elapsed, 1)})
+        row = {"streams": n, "tokens": tokens, "tok_s": round(tokens / elapsed, 1)}
+        if decode_steps:  # a step of all n rows decoding, nothing prefilling
+            row["decode_step_ms"] = round(1e3 * statistics.median(decode_steps), 3)
+        rows.append(row)
     return rows, view
 
 

@@ -54,6 +54,7 @@ SHAPES = {
     "llama-3.2-1b": Shape(
         "llama", 2048, 16, 32, 8, 64, 8192, 128256, True, 5e5, 131072, 1e-5, llama3_rope=True
     ),
+    "smollm2-135m": Shape("llama", 576, 30, 9, 3, 64, 1536, 49152, True, 1e5, 8192, 1e-5),
     "smollm2-360m": Shape("llama", 960, 32, 15, 5, 64, 2560, 49152, True, 1e5, 8192, 1e-5),
     "smollm2-1.7b": Shape("llama", 2048, 24, 32, 32, 64, 8192, 49152, True, 1.3e5, 8192, 1e-5),
 }

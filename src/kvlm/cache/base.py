@@ -140,6 +140,11 @@ class CacheStep(ABC):
         # of different lengths, on the CPU): row b's (keys, mask, is_causal), and attention
         # runs over exactly the row's keys, as it would alone (kvlm.model.attention).
         self.rows: list[tuple[int, torch.Tensor | None, bool]] | None = None
+        # When set, the step is ragged (kvlm.cache.paged.RaggedStep): one row of every
+        # sequence's tokens, update() returns their keys packed, and attention runs per
+        # sequence over them; logit_rows: the rows whose logits the forward computes.
+        self.segments = None
+        self.logit_rows: torch.Tensor | None = None
 
     @abstractmethod
     def update(

@@ -25,6 +25,7 @@ is a copy per layer per step, the price of not being contiguous.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 
@@ -163,11 +164,15 @@ class _PagedStep(DenseStep):
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._write(layer, k, v)
+        return self._gather(layer, 0, k.dtype), self._gather(layer, 1, v.dtype)
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v (B, Hkv, T, D) at each token's block and slot."""
         k = self._keys_in(k)
         # (layer, K/V, block[B,T], :, slot[B,T]) addresses (B, T, heads, D)
         self.store.put((layer, 0, self.write_blocks, ALL, self.write_slots), k.transpose(1, 2))
         self.store.put((layer, 1, self.write_blocks, ALL, self.write_slots), v.transpose(1, 2))
-        return self._gather(layer, 0, k.dtype), self._gather(layer, 1, v.dtype)
 
     def _gather(self, layer: int, kv: int, dtype: torch.dtype) -> torch.Tensor:
         blocks = self.store.get((layer, kv, self.read_tables), dtype)  # (B, nb, H, bs, D)
@@ -355,6 +360,92 @@ class TableStep(_PagedStep):
         self.n_keys = n_keys
         self.store = pool.store
         self._over(self.store)
+
+
+@dataclass(slots=True)
+class Segments:
+    """Where each sequence of a ragged forward sits: its queries are rows cu_q[i]..cu_q[i+1]
+    of the flattened tokens, its keys rows cu_k[i]..cu_k[i+1] of the packed keys (its
+    tokens 0..start+n-1, in order), with the causal (and window) mask of `masks[i]`."""
+
+    starts: list[int]
+    lengths: list[int]
+    cu_q: list[int]
+    cu_k: list[int]
+    masks: list[tuple[torch.Tensor | None, bool]]  # (mask, is_causal) as causal_mask gives
+    window: int | None
+    device: torch.device
+    _tensors: dict = field(default_factory=dict)
+
+    def cu(self, which: str) -> torch.Tensor:
+        """cu_q or cu_k as an int32 device tensor (made once per step)."""
+        t = self._tensors.get(which)
+        if t is None:
+            values = self.cu_q if which == "q" else self.cu_k
+            t = self._tensors[which] = torch.tensor(values, dtype=torch.int32, device=self.device)
+        return t
+
+
+class RaggedStep(_PagedStep):
+    """One forward over sequences that each feed their own number of tokens, in one pool:
+    a step's prompt chunks and its decode rows together (vLLM's and SGLang's mixed batch).
+    The tokens are flattened into one row of N, so every projection reads the weights once
+    for the whole step; attention runs per sequence over its own keys (`segments`):
+
+        tokens:  [ p0 p1 p2 p3 | d0 | d1 | q0 q1 ]   a 4-token chunk, two decode rows, a
+        keys:    [ .. seq A .. | .. B .. | .. C .. | .. D .. ]   2-token chunk; each
+                                                     sequence's keys gathered in order
+
+    update() stores the step's K/V through each token's table, then returns the packed
+    keys (Tk, Hkv, D) of every sequence (kvlm.model.attention.attend_ragged reads them
+    with `segments`). `logit_rows`: the rows whose logits the caller wants (each
+    sequence's last, or all of a scored chunk's)."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        spec: CacheSpec,
+        tables: list[list[int]],
+        starts: list[int],
+        lengths: list[int],
+        logit_rows: list[int],
+    ) -> None:
+        device, bs = spec.device, pool.block_size
+        n = sum(lengths)
+        CacheStep.__init__(self, 0, n, 1, device, None, False)
+        pos, write_b, read_b, read_s, cu_q, cu_k, masks = [], [], [], [], [0], [0], []
+        for table, start, length in zip(tables, starts, lengths, strict=True):
+            end = start + length
+            if blocks_for(end, bs) > len(table):
+                raise ValueError(f"a table of {len(table)} blocks cannot hold {end} tokens")
+            span = range(start, end)
+            pos.extend(span)
+            write_b.extend(table[p // bs] for p in span)
+            read_b.extend(table[p // bs] for p in range(end))
+            read_s.extend(p % bs for p in range(end))
+            cu_q.append(cu_q[-1] + length)
+            cu_k.append(cu_k[-1] + end)
+            masks.append(causal_mask(start, length, end, spec.sliding_window, device))
+        positions = torch.tensor(pos, dtype=torch.long)
+        self.positions = positions[None].to(device)  # (1, N)
+        self.write_blocks = torch.tensor(write_b, dtype=torch.long)[None].to(device)
+        self.write_slots = (positions % bs)[None].to(device)
+        self.read_blocks = torch.tensor(read_b, dtype=torch.long, device=device)
+        self.read_slots = torch.tensor(read_s, dtype=torch.long, device=device)
+        self.segments = Segments(list(starts), list(lengths), cu_q, cu_k, masks,
+                                 spec.sliding_window, device)  # fmt: skip
+        self.logit_rows = torch.tensor(logit_rows, dtype=torch.long, device=device)
+        self.store = pool.store
+        self._over(self.store)
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (1, Hkv, N, D): stored; returns every sequence's keys packed, (Tk, Hkv, D)."""
+        self._write(layer, k, v)
+        read = (self.read_blocks, ALL, self.read_slots)
+        keys = self.store.get((layer, 0, *read), k.dtype)
+        return keys, self.store.get((layer, 1, *read), v.dtype)
 
 
 def _row_mask(

@@ -4,9 +4,11 @@ holding one request's sequence, n of them after a fan-out.
 
 The engine's step is the same over both: the scheduler admits through the backend's
 `manager` (allocate, append_slot, seal, trim, fork, free; kvlm.cache.prefix.BlockManager's
-interface) and the engine runs its forwards through `prefill` and `decode`.
+interface) and the engine runs a step's forwards through `forward` (its prompt chunks
+and its decode rows; what comes back: StepLogits).
 
-    PoolBackend:  BlockManager over a BlockPool; ModelRunner.run(Batch(pool=...))
+    PoolBackend:  BlockManager over a BlockPool; ModelRunner.run(Batch(pool=...)), a
+                  step's chunks and decode rows in one mixed batch
     CacheBackend: one KVCache; ModelRunner.run(Batch(rows, cache[, draft=True]))
 
 One cache admits one request at a time. Its rows decode in lockstep (the cache's rows all
@@ -17,8 +19,10 @@ each forward: the backend feeds what the cache does not hold, whatever the mode.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +34,8 @@ from kvlm.engine.request import check_fits
 from kvlm.engine.runner import Batch, ModelRunner
 from kvlm.engine.sequence import Sequence
 from kvlm.errors import InvalidRequestError
+
+log = logging.getLogger("kvlm.engine")
 
 # What decode() gives per sequence: its logits (rows, V) or the exception its forward raised
 Result = torch.Tensor | Exception
@@ -55,6 +61,35 @@ class PoolBackend:
                 param="n",
             )
 
+    def forward(self, chunks: list[Chunk], seqs: list[Sequence]) -> StepLogits:
+        """A step: its prompt chunks and its decode rows. With no chunk, the decode batch
+        (CUDA graphs, the fused step); else one mixed batch (ModelRunner.run picks one
+        ragged forward or a forward per chunk). A mixed batch that raises is run again
+        piece by piece, so the request that raised fails alone."""
+        if not chunks:
+            return StepLogits([], [], *self.decode(seqs))
+        rows, tables, starts, spans = self._rows(seqs)
+        k, d = len(chunks), len(rows)
+        batch = Batch(
+            [c.tokens for c in chunks] + rows,
+            pool=self.pool,
+            spec=self.spec,
+            tables=[c.seq.table.blocks for c in chunks] + tables,
+            starts=[c.seq.num_computed for c in chunks] + starts,
+            chunks=[True] * k + [False] * d,
+            every_row=[c.all_rows for c in chunks] + [False] * d,
+        )
+        try:
+            out = self.runner.run(batch)
+        except Exception:
+            log.warning("a step of %d rows failed; running it piece by piece", k + d,
+                        exc_info=True)  # fmt: skip
+            return each_piece(self, chunks, seqs)
+        decoded = [torch.stack(out[k + a : k + b]) for a, b in spans]
+        lasts = [o[-1] if c.all_rows else o for o, c in zip(out, chunks, strict=False)]
+        argmax = _argmax(lasts + [x[0] for x in decoded])
+        return StepLogits(out[:k], argmax[:k], decoded, argmax[k:])
+
     def prefill(self, seq: Sequence, tokens: list[int], all_rows: bool) -> torch.Tensor:
         """A chunk of a sequence's prompt: its last logits (V,), or every row's (T, V)."""
         return self._run([tokens], [seq.table.blocks], [seq.num_computed], True, all_rows)[0]
@@ -67,11 +102,11 @@ class PoolBackend:
         batch.prompt, batch.all_rows = prompt, all_rows
         return self.runner.run(batch)
 
-    def decode(self, seqs: list[Sequence]) -> tuple[list[Result], list[int | None]]:
+    @staticmethod
+    def _rows(seqs: list[Sequence]) -> tuple[list, list, list, list[tuple[int, int]]]:
         """One row per sequence (its last token) and one per draft token after it, at the
-        next positions on the same block table, in one forward. A batch that raises is run
-        again sequence by sequence, so the one that raised fails alone. Returns each
-        sequence's logits and, on a GPU, its first row's argmax (one transfer for all)."""
+        next positions on the same block table: (rows, tables, starts, each sequence's
+        span of rows)."""
         rows: list[list[int]] = []
         tables: list[list[int]] = []
         starts: list[int] = []
@@ -83,15 +118,18 @@ class PoolBackend:
                 tables.append(s.table.blocks)
                 starts.append(s.num_computed + i)
             spans.append((first, len(rows)))
+        return rows, tables, starts, spans
+
+    def decode(self, seqs: list[Sequence]) -> tuple[list[Result], list[int | None]]:
+        """The decode rows (`_rows`) in one forward. A batch that raises is run again
+        sequence by sequence, so the one that raised fails alone. Returns each sequence's
+        logits and, on a GPU, its first row's argmax (one transfer for all)."""
+        rows, tables, starts, spans = self._rows(seqs)
         try:
             out = self._run(rows, tables, starts)
         except Exception:
-            import logging
-
-            logging.getLogger("kvlm.engine").warning(
-                "a decode batch of %d rows failed; running them one by one", len(rows),
-                exc_info=True,
-            )  # fmt: skip
+            log.warning("a decode batch of %d rows failed; running them one by one", len(rows),
+                        exc_info=True)  # fmt: skip
             out = None
         results: list[Result] = []
         for a, b in spans:
@@ -102,10 +140,51 @@ class PoolBackend:
                 results.append(self._run(rows[a:b], tables[a:b], starts[a:b]))
             except Exception as exc:
                 results.append(exc)
-        if out is not None and out.is_cuda:  # greedy rows: every argmax in one transfer
-            argmax = out.argmax(-1).tolist()
-            return results, [argmax[a] for a, _ in spans]
+        if out is not None:
+            return results, _argmax([out[a] for a, _ in spans])
         return results, [None] * len(seqs)
+
+
+def each_piece(backend: PoolBackend | CacheBackend, chunks: list[Chunk], seqs: list) -> StepLogits:
+    """A step as a forward per chunk and one for the decode rows, each chunk's failure
+    its own."""
+    prefilled: list[Result] = []
+    for c in chunks:
+        try:
+            prefilled.append(backend.prefill(c.seq, c.tokens, c.all_rows))
+        except Exception as exc:
+            prefilled.append(exc)
+    decoded, hints = backend.decode(seqs) if seqs else ([], [])
+    return StepLogits(prefilled, [None] * len(chunks), decoded, hints)
+
+
+def _argmax(rows: list[torch.Tensor]) -> list[int | None]:
+    """Each row's argmax on a GPU, in one transfer for all (a greedy sample takes it
+    instead of waiting on the device again); None on the CPU, where it costs nothing."""
+    if not rows or not rows[0].is_cuda:
+        return [None] * len(rows)
+    return torch.stack(rows).argmax(-1).tolist()
+
+
+@dataclass(slots=True)
+class Chunk:
+    """A prompt chunk of a step: the sequence, the tokens it feeds from num_computed, and
+    whether every position's logits come back (prompt_logprobs)."""
+
+    seq: Sequence
+    tokens: list[int]
+    all_rows: bool = False
+
+
+@dataclass(slots=True)
+class StepLogits:
+    """What a step's forward gave: each chunk's logits (or the exception it raised) and
+    its last row's argmax where known, and the same for each decoding sequence."""
+
+    prefilled: list[Result]
+    prefill_argmax: list[int | None]
+    decoded: list[Result]
+    decode_argmax: list[int | None]
 
 
 class CacheManager:
@@ -188,6 +267,10 @@ class CacheBackend:
 
     def check(self, prompt_ids: list[int], n: int, reserve: int) -> None:
         check_fits(prompt_ids, self.cache.capacity)
+
+    def forward(self, chunks: list[Chunk], seqs: list[Sequence]) -> StepLogits:
+        """A step: its prompt's chunk or its samples' decode rows (one request at a time)."""
+        return each_piece(self, chunks, seqs)
 
     def prefill(self, seq: Sequence, tokens: list[int], all_rows: bool) -> torch.Tensor:
         if self.manager.rows == 1:

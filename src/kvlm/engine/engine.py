@@ -2,8 +2,8 @@
 
     add_request() -> scheduler.waiting
     step():  batch = scheduler.schedule()
-             prefill forwards (one per sequence chunk) -+
-             one decode forward for all decoding rows  -+-> sample -> StepOutput events
+             the prompt chunks and the decode rows: one ragged forward on a GPU; on the
+             CPU one per chunk and one for the decode rows -> sample -> StepOutput events
              finished sequences free their blocks (full ones stay in the prefix cache)
 
 A request with n > 1 samples prefills once; when its prompt is done the sequence is forked
@@ -31,7 +31,7 @@ from kvlm.cache.tier_key import load_tier_key
 from kvlm.cache.tiers import KVTiers, namespace, parse_tier
 from kvlm.cache.view import block_map
 from kvlm.dtypes import dtype_name
-from kvlm.engine.backends import CacheBackend, PoolBackend
+from kvlm.engine.backends import CacheBackend, Chunk, PoolBackend
 from kvlm.engine.guided import compile_guide
 from kvlm.engine.metrics import EngineStats
 from kvlm.engine.request import SampleState, check_prompt, stop_token_ids
@@ -325,29 +325,33 @@ class Engine:
         return events
 
     def _run(self, batch: Batch, events: list[StepOutput]) -> None:
-        """One forward per prefill chunk and one for the decode batch, then sampling. A
-        failure ends only the request it belongs to (the backend's decode finds which)."""
+        """The step's forward (its prompt chunks and its decode rows: one ragged forward
+        on a GPU, kvlm.engine.backends), then sampling. A failure ends only the request it
+        belongs to (the backend finds which)."""
+        chunks = []
         for seq, n in batch.prefill:
+            start = seq.num_computed
+            scored = self.requests[seq.request_id].prompt_logprobs is not None
+            chunks.append(Chunk(seq, seq.token_ids[start : start + n],
+                                scored and start + 1 < seq.num_prompt))  # fmt: skip
+        out = self.backend.forward(chunks, batch.decode)
+        for chunk, logits, hint in zip(chunks, out.prefilled, out.prefill_argmax, strict=True):
+            seq, n = chunk.seq, len(chunk.tokens)
             if seq.status is Status.FINISHED:  # its request failed earlier in this step
                 continue
-            start = seq.num_computed
-            fed = seq.token_ids[start : start + n]
-            req = self.requests[seq.request_id]
-            scored = req.prompt_logprobs is not None and start + 1 < seq.num_prompt
-            try:
-                logits = self.backend.prefill(seq, fed, all_rows=scored)
-                if scored:  # row j predicts prompt token start + j + 1
-                    logits = self._score_prompt(req, start, logits)
-            except Exception as exc:
-                events += self._fail(seq.request_id, exc)
+            if isinstance(logits, Exception):
+                events += self._fail(seq.request_id, logits)
                 continue
+            if chunk.all_rows:  # row j predicts prompt token start + j + 1
+                try:
+                    logits = self._score_prompt(self.requests[seq.request_id], seq.num_computed,
+                                                logits)  # fmt: skip
+                except Exception as exc:
+                    events += self._fail(seq.request_id, exc)
+                    continue
             self.stats.prefill_tokens += n
-            self._finish_forward(seq, n, logits, events)
-        seqs = batch.decode
-        if not seqs:
-            return
-        results, hints = self.backend.decode(seqs)
-        for seq, logits, hint in zip(seqs, results, hints, strict=True):
+            self._finish_forward(seq, n, logits, events, hint)
+        for seq, logits, hint in zip(batch.decode, out.decoded, out.decode_argmax, strict=True):
             if seq.status is Status.FINISHED:  # its request failed earlier in this step
                 continue
             if isinstance(logits, Exception):

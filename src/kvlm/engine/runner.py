@@ -5,14 +5,19 @@
     Batch(rows, cache)                  rows of one cache, after what it holds
     Batch(rows, cache, draft=True)      one sequence's draft: a token per row, consecutive
     Batch(rows, pool=, spec=, tables=, starts=)   the engine's pool, a table per row
+    Batch(..., chunks=[...])            a step's prompt chunks and decode rows together
 
 and inside, one token per row replays a CUDA graph or takes the fused C step where they
-apply; anything else is the torch model over a cache step. `forward` and `logits` are one
+apply; anything else is the torch model over a cache step. A mixed step is one ragged
+forward where `one_forward` holds (a GPU: every projection reads the weights once for
+all the step's tokens), else each chunk alone and the decode rows together (the CPU: a
+row's bits as it gets them alone). `forward` and `logits` are one
 sequence's shorthands for it.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,7 +26,7 @@ import torch
 from kvlm.cache import CacheSpec, KVCache
 from kvlm.cache.basic import BasicCache, BasicDraftRowsStep
 from kvlm.cache.contiguous import ContiguousCache, DraftRowsStep
-from kvlm.cache.paged import BlockPool, PagedCache, TableStep
+from kvlm.cache.paged import BlockPool, PagedCache, RaggedStep, TableStep
 from kvlm.cache.window import WindowCache, WindowDraftRowsStep
 from kvlm.errors import InvalidRequestError
 from kvlm.model import fused, graphs
@@ -44,6 +49,10 @@ class Batch:
     starts: Sequence[int] = ()
     prompt: bool | None = None
     all_rows: bool = False
+    # a mixed step on the pool (rows of any lengths): which rows are a prompt's chunks, and
+    # which want every position's logits; run() then returns a list, a tensor per row
+    chunks: Sequence[bool] = ()
+    every_row: Sequence[bool] = ()
 
 
 class ModelRunner:
@@ -56,6 +65,12 @@ class ModelRunner:
         self._fused: dict[int, fused.FusedDecoder] = {}
         # On a GPU, decode steps replay CUDA graphs (kvlm.model.graphs)
         self.graphs = graphs.GraphDecoder(model) if graphs.enabled(model.device) else None
+        # A step's prompt chunks and decode rows in one ragged forward: on a GPU (one
+        # launch per op for the whole step), unless KVLM_ONE_FORWARD=0; the CPU keeps a
+        # forward per chunk (a prompt's bits do not depend on its neighbours)
+        self.one_forward = (
+            model.device.type == "cuda" and os.environ.get("KVLM_ONE_FORWARD", "1") != "0"
+        )
 
     def _decoder(self, slots: int) -> fused.FusedDecoder | None:
         if self.fused_reason is not None:
@@ -90,12 +105,15 @@ class ModelRunner:
         return "fused"
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> torch.Tensor:
+    def run(self, batch: Batch) -> torch.Tensor | list[torch.Tensor]:
         """The one forward: each row's last logits, (B, V), or with `all_rows` every
         position's, (B, T, V). One token per row (a decode batch, a draft's rows) replays a
         captured CUDA graph or takes the fused C step where they apply (kvlm.model.graphs,
         kvlm.model.fused); everything else runs the torch model through a cache step. A
-        cache commits the tokens only if the whole forward succeeded."""
+        cache commits the tokens only if the whole forward succeeded. A mixed step
+        (`chunks`) gives a list: row i's last logits (V,), or (T, V) with every_row[i]."""
+        if batch.chunks:
+            return self._mixed(batch)
         if batch.pool is not None:
             return self._on_pool(batch)
         if batch.draft:
@@ -210,3 +228,42 @@ class ModelRunner:
                 return decoder.run(pool.store, tokens, b.starts, b.tables, pool.block_size, window)
         step = TableStep(pool, spec, list(b.tables), list(b.starts), len(rows[0]))
         return self._torch(rows, step, b.prompt, b.all_rows)
+
+    def _mixed(self, b: Batch) -> list[torch.Tensor]:
+        """A step's prompt chunks and decode rows on the pool: one ragged forward (kvlm.
+        cache.paged.RaggedStep) where `one_forward` holds and prompt and decode rows share
+        their numerics; else each chunk alone and the decode rows as one batch."""
+        every = list(b.every_row) or [False] * len(b.rows)
+        if self.one_forward and self._decodes_alike(True):
+            return self._ragged(b, every)
+        out: list[torch.Tensor | None] = [None] * len(b.rows)
+        decode = [i for i, chunk in enumerate(b.chunks) if not chunk]
+        for i, chunk in enumerate(b.chunks):
+            if chunk:
+                one = Batch([b.rows[i]], pool=b.pool, spec=b.spec, tables=[b.tables[i]],
+                            starts=[b.starts[i]], prompt=True, all_rows=every[i])  # fmt: skip
+                out[i] = self._on_pool(one)[0]
+        if decode:
+            pick = [b.rows[i] for i in decode], [b.tables[i] for i in decode]
+            rows = Batch(pick[0], pool=b.pool, spec=b.spec, tables=pick[1],
+                         starts=[b.starts[i] for i in decode], prompt=False)  # fmt: skip
+            for i, logits in zip(decode, self._on_pool(rows), strict=True):
+                out[i] = logits
+        return out
+
+    def _ragged(self, b: Batch, every: list[bool]) -> list[torch.Tensor]:
+        lengths = [len(r) for r in b.rows]
+        picks, end = [], 0
+        for n, all_rows in zip(lengths, every, strict=True):
+            end += n
+            picks.append(list(range(end - n, end)) if all_rows else [end - 1])
+        flat = [i for p in picks for i in p]
+        step = RaggedStep(b.pool, b.spec, list(b.tables), list(b.starts), lengths, flat)
+        ids = torch.tensor([[t for r in b.rows for t in r]], dtype=torch.long, device=self.device)
+        with self.model.step_context(ids.numel()):
+            logits = self.model(ids, step.positions, step, prompt=True)[0]  # (R, V)
+        out, at = [], 0
+        for p, all_rows in zip(picks, every, strict=True):
+            out.append(logits[at : at + len(p)] if all_rows else logits[at])
+            at += len(p)
+        return out

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+import inspect
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +12,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvlm import kernels
 from kvlm.model.layers import Linear, RMSNorm, apply_rope
+
+if TYPE_CHECKING:
+    from kvlm.cache.paged import Segments
 
 GPU_PROMPT_BACKENDS = [
     SDPBackend.FLASH_ATTENTION,
@@ -30,6 +34,11 @@ class KVStep(Protocol):
     key_rope_positions: torch.Tensor | None
     # (keys, mask, is_causal) of each row when rows see different numbers of keys
     rows: list[tuple[int, torch.Tensor | None, bool]] | None
+    # a ragged step's sequences (kvlm.cache.paged.Segments): update() returns the keys of
+    # every sequence packed, (Tk, Hkv, D), and attend_ragged reads them; else None
+    segments: Segments | None
+    # the rows whose logits the forward computes (a ragged step's), or None
+    logit_rows: torch.Tensor | None
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -89,7 +98,9 @@ class Attention(nn.Module):
             k_all = apply_rope(k_all, *key_rope)
         if kv.key_rotation is not None:  # keys came back as k @ R: rotate the queries too
             q = q @ kv.key_rotation.to(q.dtype)
-        if kv.rows is None and (B == 1 or not q.is_cpu):
+        if kv.segments is not None:
+            out = attend_ragged(q, k_all, v_all, kv.segments)
+        elif kv.rows is None and (B == 1 or not q.is_cpu):
             out = attend(q, k_all, v_all, kv.mask, kv.is_causal)  # (B, H, T, D)
         else:
             out = attend_rows(q, k_all, v_all, kv)
@@ -121,6 +132,67 @@ class Attention(nn.Module):
             0.0 if qn is None else self.q_norm.eps, cos.data_ptr(), sin.data_ptr(), D,
         )  # fmt: skip
         return rc == 0
+
+
+def attend_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
+    """A ragged step's attention: q (1, H, N, D), every sequence's queries one after the
+    other; k, v (Tk, Hkv, D), every sequence's keys packed; -> (1, H, N, D). On a GPU in
+    bf16/fp16, one call of FlashAttention's variable-length kernel (torch's varlen_attn)
+    for all sequences, causal from the bottom right (a chunk after a prefix, a decode row
+    over all its keys); elsewhere, SDPA per sequence over its own keys (`attend`)."""
+    out = _varlen(q, k, v, seg)
+    if out is not None:
+        return out
+    parts = []
+    for i, (mask, causal) in enumerate(seg.masks):
+        qa, qb, ka, kb = seg.cu_q[i], seg.cu_q[i + 1], seg.cu_k[i], seg.cu_k[i + 1]
+        ks, vs = (x[ka:kb].transpose(0, 1)[None] for x in (k, v))  # (1, Hkv, S, D)
+        parts.append(attend(q[:, :, qa:qb], ks, vs, mask, causal))
+    return torch.cat(parts, dim=2)
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments):
+    """torch.nn.attention.varlen.varlen_attn over the packed sequences, or None where it
+    does not apply (not CUDA, not bf16/fp16, a torch without it, a window it cannot
+    express)."""
+    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype:
+        return None
+    fn, params = _varlen_fn()
+    if fn is None:
+        return None
+    kwargs: dict = {}
+    if "window_size" in params:  # (left, right): keys q - left .. q; causal is (-1, 0)
+        kwargs["window_size"] = (-1 if seg.window is None else seg.window - 1, 0)
+    elif seg.window is None and "is_causal" in params:
+        kwargs["is_causal"] = True
+    else:
+        return None
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    qs = q[0].transpose(0, 1)  # (N, H, D)
+    max_q = max(seg.lengths)
+    max_k = max(b - a for a, b in zip(seg.cu_k, seg.cu_k[1:], strict=False))
+    out = fn(qs, k, v, seg.cu("q"), seg.cu("k"), max_q, max_k, **kwargs)  # (N, H, D)
+    return out.transpose(0, 1)[None]
+
+
+_VARLEN: list = []
+
+
+def _varlen_fn():
+    """(varlen_attn, its parameter names), or (None, ()) in a torch without it."""
+    if not _VARLEN:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            _VARLEN.append((None, ()))
+        else:
+            _VARLEN.append((varlen_attn, tuple(inspect.signature(varlen_attn).parameters)))
+    return _VARLEN[0]
 
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVStep) -> torch.Tensor:

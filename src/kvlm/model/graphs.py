@@ -69,6 +69,8 @@ class StaticStep:
     key_rotation = None
     key_rope_positions = None
     rows = None
+    segments = None
+    logit_rows = None
 
     def __init__(
         self,

@@ -183,7 +183,9 @@ class Transformer(nn.Module):
         key_rope = None if keys_at is None else self.rope.for_keys(keys_at, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, kv, key_rope)
-        if last_only:
+        if kv.logit_rows is not None:  # a ragged step: each sequence's rows it asks for
+            x = x[:, kv.logit_rows]
+        elif last_only:
             x = x[:, -1:]
         logits = self.lm_head(self.norm(x))
         return logits if logits.dtype == torch.float64 else logits.float()
