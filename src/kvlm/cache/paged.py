@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 
@@ -366,16 +367,31 @@ class TableStep(_PagedStep):
 class Segments:
     """Where each sequence of a ragged forward sits: its queries are rows cu_q[i]..cu_q[i+1]
     of the flattened tokens, its keys rows cu_k[i]..cu_k[i+1] of the packed keys (its
-    tokens 0..start+n-1, in order), with the causal (and window) mask of `masks[i]`."""
+    tokens 0..start+n-1, in order: the last n are the ones it feeds)."""
 
-    starts: list[int]
-    lengths: list[int]
     cu_q: list[int]
     cu_k: list[int]
-    masks: list[tuple[torch.Tensor | None, bool]]  # (mask, is_causal) as causal_mask gives
     window: int | None
     device: torch.device
     _tensors: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.cu_q) - 1
+
+    def span(self, i: int) -> tuple[int, int]:
+        """Sequence i's (start, n): the position of its first query and how many."""
+        n = self.cu_q[i + 1] - self.cu_q[i]
+        return self.cu_k[i + 1] - self.cu_k[i] - n, n
+
+    def mask(self, i: int) -> tuple[torch.Tensor | None, bool]:
+        """Sequence i's causal (and window) mask over its keys, as causal_mask gives it."""
+        start, n = self.span(i)
+        return causal_mask(start, n, start + n, self.window, self.device)
+
+    @staticmethod
+    def longest(cu: list[int]) -> int:
+        """The most queries (cu_q) or keys (cu_k) of one sequence."""
+        return max(b - a for a, b in pairwise(cu))
 
     def cu(self, which: str) -> torch.Tensor:
         """cu_q or cu_k as an int32 device tensor (made once per step)."""
@@ -413,7 +429,7 @@ class RaggedStep(_PagedStep):
         device, bs = spec.device, pool.block_size
         n = sum(lengths)
         CacheStep.__init__(self, 0, n, 1, device, None, False)
-        pos, write_b, read_b, read_s, cu_q, cu_k, masks = [], [], [], [], [0], [0], []
+        pos, write_b, read_b, read_s, cu_q, cu_k = [], [], [], [], [0], [0]
         for table, start, length in zip(tables, starts, lengths, strict=True):
             end = start + length
             if blocks_for(end, bs) > len(table):
@@ -425,15 +441,13 @@ class RaggedStep(_PagedStep):
             read_s.extend(p % bs for p in range(end))
             cu_q.append(cu_q[-1] + length)
             cu_k.append(cu_k[-1] + end)
-            masks.append(causal_mask(start, length, end, spec.sliding_window, device))
         positions = torch.tensor(pos, dtype=torch.long)
         self.positions = positions[None].to(device)  # (1, N)
         self.write_blocks = torch.tensor(write_b, dtype=torch.long)[None].to(device)
         self.write_slots = (positions % bs)[None].to(device)
         self.read_blocks = torch.tensor(read_b, dtype=torch.long, device=device)
         self.read_slots = torch.tensor(read_s, dtype=torch.long, device=device)
-        self.segments = Segments(list(starts), list(lengths), cu_q, cu_k, masks,
-                                 spec.sliding_window, device)  # fmt: skip
+        self.segments = Segments(cu_q, cu_k, spec.sliding_window, device)
         self.logit_rows = torch.tensor(logit_rows, dtype=torch.long, device=device)
         self.store = pool.store
         self._over(self.store)

@@ -86,8 +86,9 @@ class PoolBackend:
                         exc_info=True)  # fmt: skip
             return each_piece(self, chunks, seqs)
         decoded = [torch.stack(out[k + a : k + b]) for a, b in spans]
-        lasts = [o[-1] if c.all_rows else o for o, c in zip(out, chunks, strict=False)]
-        argmax = _argmax(lasts + [x[0] for x in decoded])
+        firsts = [o[-1] if c.all_rows else o for o, c in zip(out, chunks, strict=False)]
+        firsts += [x[0] for x in decoded]
+        argmax = _argmax(firsts, range(len(firsts)))
         return StepLogits(out[:k], argmax[:k], decoded, argmax[k:])
 
     def prefill(self, seq: Sequence, tokens: list[int], all_rows: bool) -> torch.Tensor:
@@ -141,7 +142,7 @@ class PoolBackend:
             except Exception as exc:
                 results.append(exc)
         if out is not None:
-            return results, _argmax([out[a] for a, _ in spans])
+            return results, _argmax(out, [a for a, _ in spans])
         return results, [None] * len(seqs)
 
 
@@ -158,12 +159,14 @@ def each_piece(backend: PoolBackend | CacheBackend, chunks: list[Chunk], seqs: l
     return StepLogits(prefilled, [None] * len(chunks), decoded, hints)
 
 
-def _argmax(rows: list[torch.Tensor]) -> list[int | None]:
-    """Each row's argmax on a GPU, in one transfer for all (a greedy sample takes it
-    instead of waiting on the device again); None on the CPU, where it costs nothing."""
-    if not rows or not rows[0].is_cuda:
+def _argmax(logits: torch.Tensor | list[torch.Tensor], rows: Seq[int]) -> list[int | None]:
+    """The argmax of logits[r] for each r in `rows` on a GPU, in one transfer for all (a
+    greedy sample takes it instead of waiting on the device again); None on the CPU, where
+    it costs nothing. `logits`: a (B, V) tensor, or a list of (V,) rows."""
+    if not len(logits) or not logits[0].is_cuda:
         return [None] * len(rows)
-    return torch.stack(rows).argmax(-1).tolist()
+    best = (torch.stack(logits) if isinstance(logits, list) else logits).argmax(-1).tolist()
+    return [best[r] for r in rows]
 
 
 @dataclass(slots=True)

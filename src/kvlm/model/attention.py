@@ -144,10 +144,10 @@ def attend_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segmen
     if out is not None:
         return out
     parts = []
-    for i, (mask, causal) in enumerate(seg.masks):
+    for i in range(len(seg)):
         qa, qb, ka, kb = seg.cu_q[i], seg.cu_q[i + 1], seg.cu_k[i], seg.cu_k[i + 1]
         ks, vs = (x[ka:kb].transpose(0, 1)[None] for x in (k, v))  # (1, Hkv, S, D)
-        parts.append(attend(q[:, :, qa:qb], ks, vs, mask, causal))
+        parts.append(attend(q[:, :, qa:qb], ks, vs, *seg.mask(i)))
     return torch.cat(parts, dim=2)
 
 
@@ -174,8 +174,7 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments):
         else:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     qs = q[0].transpose(0, 1)  # (N, H, D)
-    max_q = max(seg.lengths)
-    max_k = max(b - a for a, b in zip(seg.cu_k, seg.cu_k[1:], strict=False))
+    max_q, max_k = seg.longest(seg.cu_q), seg.longest(seg.cu_k)
     out = fn(qs, k, v, seg.cu("q"), seg.cu("k"), max_q, max_k, **kwargs)  # (N, H, D)
     return out.transpose(0, 1)[None]
 
