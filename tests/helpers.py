@@ -635,15 +635,76 @@ def assert_generation_agrees(ref, llm, prompt: str, n: int) -> None:
     assert_greedy_agreement(b.token_ids, our_top, a.token_ids, ref_logits)
 
 
-def portable_kernels(tmp_path, monkeypatch):
-    """qgemm.c built for CPUs without AVX-512 / VNNI (-march=x86-64), into tmp_path."""
+# The builds a CPU without AVX-512 runs: "x86-64", the scalar loops (no AVX2 either); and
+# "haswell", AVX2 + FMA + F16C, where qgemm.c's vector code runs as two halves (v512.h).
+PORTABLE_BUILDS = ("x86-64", "haswell")
+
+
+def _portable_library(march: str) -> str:
+    """qgemm.c built for `march`, once per test session (a build takes 10-35 s)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    import pytest
+
+    from kvlm import kernels
+
+    if march not in _BUILT:
+        folder = tempfile.mkdtemp(prefix=f"kvlm-kernels-{march}-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        flags = tuple(f"-march={march}" if f == "-march=native" else f for f in kernels.FLAGS)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("KVLM_CACHE_DIR", folder)
+            _BUILT[march] = str(kernels._build(kernels._compiler(), flags))
+    return _BUILT[march]
+
+
+_BUILT: dict[str, str] = {}
+
+
+def portable_kernels(march: str = "x86-64"):
+    """qgemm.c built for another CPU than this one: "x86-64" (no AVX-512, no AVX2: the
+    scalar loops) or "haswell" (AVX2: the vector code in halves). On a CPU whose own build
+    is already the AVX2 one, "haswell" is that build."""
     import ctypes
 
     from kvlm import kernels
 
-    monkeypatch.setenv("KVLM_CACHE_DIR", str(tmp_path))
-    flags = tuple("-march=x86-64" if f == "-march=native" else f for f in kernels.FLAGS)
-    return kernels._bind(ctypes.CDLL(str(kernels._build(kernels._compiler(), flags))))
+    native = kernels.library()
+    if march == "haswell" and native is not None and native.kvlm_kernel_simd() == 256:
+        return native
+    return kernels._bind(ctypes.CDLL(_portable_library(march)))
+
+
+def portable_build_params():
+    """pytest params over PORTABLE_BUILDS, each skipped where it is this CPU's own build or
+    cannot run here (the AVX2 build on a CPU without AVX2, FMA and F16C)."""
+    import pytest
+
+    from kvlm import kernels
+
+    lib = kernels.library()
+    simd = lib.kvlm_kernel_simd() if lib is not None else None
+    flags = set(kernels.cpu_flags())
+    out = []
+    for march in PORTABLE_BUILDS:
+        why = ""
+        if simd is None:
+            why = kernels.status()
+        elif march == "x86-64" and simd == 0:
+            why = "this CPU's own build is the scalar one"
+        elif march == "haswell" and simd == 256:
+            why = "this CPU's own build is the AVX2 one"
+        elif march == "haswell" and not {"avx2", "fma", "f16c"} <= flags:
+            why = "no AVX2 + FMA + F16C on this CPU"
+        out.append(pytest.param(march, id=march, marks=pytest.mark.skipif(bool(why), reason=why)))
+    return out
+
+
+def portable_simd(march: str) -> int:
+    """What kvlm_kernel_simd() answers for a portable build"""
+    return {"x86-64": 0, "haswell": 256}[march]
 
 
 # ------------------------------------------------------------------ kernels and fused step
@@ -656,14 +717,14 @@ def _kernel_marks():
 
     lib = kernels.library()
     kernels_ = pytest.mark.skipif(lib is None, reason=kernels.status())
-    avx512 = pytest.mark.skipif(
-        lib is None or lib.kvlm_kernel_simd() != 512,
-        reason="checks the portable build against the AVX-512 one",
+    vector = pytest.mark.skipif(
+        lib is None or lib.kvlm_kernel_simd() == 0,
+        reason="the kernels' vector code (AVX-512, or AVX2 in halves) is not built here",
     )
-    return kernels_, avx512
+    return kernels_, vector
 
 
-needs_kernels, needs_avx512 = _kernel_marks()
+needs_kernels, needs_vector_kernels = _kernel_marks()
 
 
 def low_bit_llm(**settings):

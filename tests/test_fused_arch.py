@@ -21,8 +21,9 @@ from helpers import (
     feed_contiguous,
     fused_and_torch,
     low_bit_llm,
-    needs_avx512,
     needs_kernels,
+    needs_vector_kernels,
+    portable_build_params,
     portable_kernels,
     save_tiny_model,
     scrambled_tables,
@@ -401,18 +402,15 @@ def test_the_engine_batches_them_through_the_fused_step(arch_dir, name, monkeypa
         assert run({rid: ids})[rid] == together[rid], rid
 
 
-@pytest.fixture(scope="module")
-def portable(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        return portable_kernels(tmp_path_factory.mktemp("portable"), mp)
-
-
-@needs_avx512
+@needs_vector_kernels
+@pytest.mark.parametrize("march", portable_build_params())
 @pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "int8"])
 @pytest.mark.parametrize("name", ["mistral-window", "mistral-hd64-window", "qwen3", "llama-bias"])
-def test_the_portable_build_runs_them_alike(arch_dir, portable, name, kv_dtype, monkeypatch):
+def test_the_portable_build_runs_them_alike(arch_dir, march, name, kv_dtype, monkeypatch):
     """The scalar attention (the visible keys row by row) and products of a build without
-    AVX-512: as close to the exact result as the AVX-512 build, and a batch invariant too."""
+    AVX-512: as close to the exact result as the AVX-512 build, and a batch invariant too;
+    the AVX2 halves likewise."""
+    portable = portable_kernels(march)
     llm, folder, weights = _load(arch_dir, name, kv_dtype)
     window = llm.config.sliding_window
     prompt = _ids(llm, max(12, (window or 0) - 4), seed=16)

@@ -12,8 +12,9 @@ import torch
 from helpers import (
     feed_batched,
     feed_contiguous,
-    needs_avx512,
     needs_kernels,
+    needs_vector_kernels,
+    portable_build_params,
     portable_kernels,
     scrambled_tables,
 )
@@ -55,11 +56,12 @@ def test_a_batch_over_a_paged_pool_gives_each_row_its_own_logits(
     _rows_alone_and_together(_llm(tiny_model_dir, weights, kv_dtype, act), LENGTHS)
 
 
-@needs_avx512
+@needs_vector_kernels
+@pytest.mark.parametrize("march", portable_build_params())
 @pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "int8"])
-def test_the_portable_build_batches_alike(tiny_model_dir, tmp_path, monkeypatch, kv_dtype):
-    """The scalar attention walks a block table too (row by row)."""
-    portable = portable_kernels(tmp_path, monkeypatch)
+def test_the_portable_build_batches_alike(tiny_model_dir, monkeypatch, march, kv_dtype):
+    """The scalar attention walks a block table too (row by row), and the AVX2 halves."""
+    portable = portable_kernels(march)
     monkeypatch.setattr(kernels, "library", lambda: portable)
     _rows_alone_and_together(_llm(tiny_model_dir, "int4", kv_dtype), LENGTHS[:7])
 

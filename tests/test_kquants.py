@@ -18,9 +18,11 @@ from helpers import (
     assert_top_k_both_ways,
     fused_and_torch,
     low_bit_llm,
-    needs_avx512,
     needs_kernels,
+    needs_vector_kernels,
+    portable_build_params,
     portable_kernels,
+    portable_simd,
     random_blocks,
     ref_dequant_rows,
     save_tiny_model,
@@ -344,12 +346,14 @@ def test_without_kernels_the_torch_fallback_gives_the_same_products(kind, monkey
     assert_product_close(q.matmul(x, act_int8=True), xr @ w.t(), xr, size)
 
 
-@needs_avx512
-def test_the_portable_build_computes_the_same_products(tmp_path, monkeypatch):
-    """The scalar code paths (no AVX-512, no VNNI; built with -march=x86-64): the same
-    dequantized numbers bit for bit, the same products to summation order, every kind."""
-    portable = portable_kernels(tmp_path, monkeypatch)
-    assert portable.kvlm_kernel_simd() == 0 and portable.kvlm_kernel_vnni() == 0
+@needs_vector_kernels
+@pytest.mark.parametrize("march", portable_build_params())
+def test_the_portable_build_computes_the_same_products(march, monkeypatch):
+    """The code paths of CPUs without AVX-512 / VNNI (the scalar loops, -march=x86-64; the
+    vector code in AVX2 halves, -march=haswell): the same dequantized numbers bit for bit,
+    the same products to summation order, every kind."""
+    portable = portable_kernels(march)
+    assert portable.kvlm_kernel_simd() == portable_simd(march) and not portable.kvlm_kernel_vnni()
     torch.manual_seed(4)
     cases = []
     for kind in TYPES:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import needs_avx512, needs_kernels
+from helpers import needs_kernels, needs_vector_kernels
 from kvlm import kernels
 from kvlm.model import quant
 from kvlm.model.attention import _attend_kernel, attend
@@ -39,7 +39,7 @@ def _exact(q, k, v, mask=None, causal=False):
     )
 
 
-@needs_avx512
+@needs_vector_kernels
 @pytest.mark.parametrize(
     ("H", "Hkv", "D", "T"),
     [(9, 3, 64, 37), (14, 2, 64, 100), (16, 8, 128, 70), (12, 2, 128, 33), (4, 4, 96, 19),
@@ -57,7 +57,7 @@ def test_attention_matches_exact_softmax(H, Hkv, D, T):
     assert float((full.double() - _exact(q, k, v)).abs().max()) <= bound
 
 
-@needs_avx512
+@needs_vector_kernels
 @pytest.mark.parametrize("window", [None, 7, 40])
 def test_attention_with_an_explicit_mask(window):
     """A chunk after a cached prefix (bottom-right triangle), with or without a model
@@ -76,7 +76,7 @@ def test_attention_with_an_explicit_mask(window):
         assert float((got.double() - _exact(q, k, v, mask)).abs().max()) <= bound
 
 
-@needs_avx512
+@needs_vector_kernels
 def test_a_row_gets_the_same_bits_whole_or_chunked():
     """Rows a .. b - 1 of a prompt, as a chunk over the keys 0 .. b - 1 (the cache holds
     the first a), are bit for bit the rows of the whole prompt's causal attention."""
@@ -90,7 +90,7 @@ def test_a_row_gets_the_same_bits_whole_or_chunked():
         assert torch.equal(part, whole[:, :, a:b]), (a, b)
 
 
-@needs_avx512
+@needs_vector_kernels
 def test_a_row_that_sees_no_key_is_zero_and_strided_inputs_are_read_in_place():
     torch.manual_seed(3)
     H, D, T = 2, 64, 5

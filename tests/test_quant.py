@@ -13,9 +13,11 @@ from helpers import (
     assert_top_k_both_ways,
     fused_and_torch,
     low_bit_llm,
-    needs_avx512,
     needs_kernels,
+    needs_vector_kernels,
+    portable_build_params,
     portable_kernels,
+    portable_simd,
 )
 from kvlm import kernels
 from kvlm.model import quant
@@ -158,11 +160,13 @@ def test_int8_activations_without_kernels_give_the_same_product(monkeypatch):
     assert_product_close(q.matmul(x, act_int8=True), xr @ w.t(), xr, w)
 
 
-@needs_avx512
-def test_the_portable_build_computes_the_same_products(tmp_path, monkeypatch):
-    """The code paths for CPUs without AVX-512 / VNNI, built here with -march=x86-64."""
-    portable = portable_kernels(tmp_path, monkeypatch)
-    assert portable.kvlm_kernel_simd() == 0 and portable.kvlm_kernel_vnni() == 0
+@needs_vector_kernels
+@pytest.mark.parametrize("march", portable_build_params())
+def test_the_portable_build_computes_the_same_products(march, monkeypatch):
+    """The code paths for CPUs without AVX-512 / VNNI: the scalar loops (-march=x86-64) and
+    the vector code in AVX2 halves (-march=haswell)."""
+    portable = portable_kernels(march)
+    assert portable.kvlm_kernel_simd() == portable_simd(march) and not portable.kvlm_kernel_vnni()
     torch.manual_seed(2)
     cases = []
     for kind in ("q8", "q4"):
@@ -215,16 +219,16 @@ def _exact_steps(folder, weights, ids, steps) -> torch.Tensor:
     return exact.runner.logits(list(ids) + list(steps), exact.new_cache("off"))[len(ids) :]
 
 
-@needs_avx512
+@needs_vector_kernels
+@pytest.mark.parametrize("march", portable_build_params())
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8"])
-def test_the_portable_build_runs_the_same_fused_step(
-    tiny_model_dir, tmp_path, monkeypatch, kv_dtype
-):
+def test_the_portable_build_runs_the_same_fused_step(tiny_model_dir, march, kv_dtype):
     """The scalar attention (dot_kv / axpy_kv) and products of a build without AVX-512: the
     same numerics in another summation order, so as close to the exact result as the
-    AVX-512 build is (each rounds K/V, and for int8 the queries, the same way)."""
+    AVX-512 build is (each rounds K/V, and for int8 the queries, the same way); the AVX2
+    build's halves likewise."""
 
-    portable = portable_kernels(tmp_path, monkeypatch)
+    portable = portable_kernels(march)
     folder = tiny_model_dir("llama")
     llm = low_bit_llm(model=folder, max_context=64, weights="int4", kv_dtype=kv_dtype)
     ids = llm.encode("a b c d e")
@@ -234,15 +238,15 @@ def test_the_portable_build_runs_the_same_fused_step(
     assert_as_exact_as(native, scalar, exact)
 
 
-@needs_avx512
-def test_the_int8_cache_attention_shapes_agree_with_the_portable_build(tmp_path, monkeypatch):
+@needs_vector_kernels
+@pytest.mark.parametrize("march", portable_build_params())
+def test_the_int8_cache_attention_shapes_agree_with_the_portable_build(tmp_path, march):
     """The int8-cache attention's compiled cases (VNNI scores over one or two 64-code
     pieces, p.V over 4 or 8 vectors) and its fallback (more than 4 query heads per KV head)
     give the scalar build's logits: integer scores are exact, only p.V's order differs."""
     from helpers import save_tiny_model
 
-    portable = portable_kernels(tmp_path, monkeypatch)
-    monkeypatch.undo()
+    portable = portable_kernels(march)
     native = kernels.library()
     for heads, kv_heads, hidden in [(4, 2, 512), (6, 1, 384), (8, 1, 256)]:  # D 128, 64, 32
         folder = save_tiny_model(
@@ -568,8 +572,8 @@ def test_fused_decode_step_reads_and_writes_an_int8_cache(default_model_path):
 
 
 @needs_kernels
-@pytest.mark.parametrize("build", ["native", "portable"])
-def test_fused_int8_rows_are_quantized_as_the_store_quantizes(build, tmp_path, monkeypatch):
+@pytest.mark.parametrize("build", ["native", *portable_build_params()])
+def test_fused_int8_rows_are_quantized_as_the_store_quantizes(build):
     """The C row quantizer (fp16 step and zero, round half to even, clamp; F16C or the
     portable conversion) against storage.quantize on rows with ties, constant rows and
     ranges from 1e-6 to 1e3."""
@@ -577,7 +581,7 @@ def test_fused_int8_rows_are_quantized_as_the_store_quantizes(build, tmp_path, m
 
     from kvlm.cache.storage import quantize
 
-    lib = kernels.library() if build == "native" else portable_kernels(tmp_path, monkeypatch)
+    lib = kernels.library() if build == "native" else portable_kernels(build)
     g = torch.Generator().manual_seed(0)
     rows = torch.cat(
         [
@@ -597,8 +601,8 @@ def test_fused_int8_rows_are_quantized_as_the_store_quantizes(build, tmp_path, m
 
 
 @needs_kernels
-@pytest.mark.parametrize("build", ["native", "portable"])
-def test_fused_fp16_rows_are_rounded_as_torch_rounds(build, tmp_path, monkeypatch):
+@pytest.mark.parametrize("build", ["native", *portable_build_params()])
+def test_fused_fp16_rows_are_rounded_as_torch_rounds(build):
     """The fp16 cache's conversions in C (F16C, or the portable code of a build without
     it) against torch's .to(float16) bit for bit: every half, the midpoints between
     neighbouring halves and their next floats (ties to even), subnormals, 65504 .. 65520
@@ -606,7 +610,7 @@ def test_fused_fp16_rows_are_rounded_as_torch_rounds(build, tmp_path, monkeypatc
     back to fp32 exactly."""
     import ctypes
 
-    lib = kernels.library() if build == "native" else portable_kernels(tmp_path, monkeypatch)
+    lib = kernels.library() if build == "native" else portable_kernels(build)
     halves = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
     finite = halves[torch.isfinite(halves)].unique().sort().values.double()
     mids = ((finite[1:] + finite[:-1]) / 2).float()  # exact in fp32

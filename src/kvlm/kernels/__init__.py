@@ -43,6 +43,7 @@ from pathlib import Path
 import torch  # loaded first, so the kernels share torch's OpenMP runtime
 
 SOURCE = Path(__file__).with_name("qgemm.c")
+HEADERS = (Path(__file__).with_name("v512.h"),)  # qgemm.c includes them (quoted: beside it)
 ABI = 13
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 120
@@ -155,6 +156,7 @@ def _key(cc: str, flags: tuple[str, ...]) -> str:
     """The build's name: source, compiler, flags, and the CPU the code is compiled for."""
     parts = (
         SOURCE.read_bytes(),
+        *(h.read_bytes() for h in HEADERS),
         _compiler_id(cc).encode(),
         " ".join(flags).encode(),
         _compiler_target(cc, flags).encode(),
@@ -400,7 +402,9 @@ def status() -> str:
     lib = library()
     if lib is None:
         return f"torch fallback ({_outcome.reason})"
-    simd = "AVX-512" if lib.kvlm_kernel_simd() == 512 else "scalar, compiler-vectorised"
+    simd = {512: "AVX-512", 256: "AVX2 (AVX-512 code in two halves)"}.get(
+        lib.kvlm_kernel_simd(), "scalar, compiler-vectorised"
+    )
     vnni = "VNNI" if lib.kvlm_kernel_vnni() else "scalar"
     cpu = f"; built for {_outcome.built_for}" if _outcome.built_for else ""
     return f"compiled C kernels ({simd}; int8 activations: {vnni}{cpu})"
