@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -61,6 +62,12 @@ def kvlm_serve(*args: str, start_timeout: float = 180) -> Iterator[tuple[int, su
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
+                tail = out.read().decode(errors="replace")[-2000:]
+                # not a failure of the test that ran on it, but a shutdown past its bound:
+                # in pytest's warnings summary, with what the server last said
+                warnings.warn(f"kvlm serve {args} outlived SIGTERM by 20 s; killed. Its "
+                              f"log ends:\n{tail}", stacklevel=1)  # fmt: skip
 
 
 def openai_client(port: int, key: str = "unused"):
