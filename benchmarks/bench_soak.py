@@ -55,7 +55,11 @@ class Tally:
     statuses: Counter = field(default_factory=Counter)
     failures: list[str] = field(default_factory=list)
     answers: dict[str, str] = field(default_factory=dict)
-    stalls: list[float] = field(default_factory=list)  # watched streams' worst gaps (s)
+    # watched streams: the worst gap between two content chunks once the first has come
+    # (a neighbour freezing the engine), and the wait for that first one (queueing and the
+    # prompt: how loaded the server is), each in s
+    stalls: list[float] = field(default_factory=list)
+    firsts: list[float] = field(default_factory=list)
     tokens: int = 0
 
     def record(self, kind: str, status: int | str, ok: bool, note: str = "") -> None:
@@ -274,26 +278,34 @@ def scoring(port: int, rng: random.Random, tally: Tally) -> None:
 
 
 def watched_stream(port: int, rng: random.Random, tally: Tally) -> None:
-    """A normal greedy stream: the same text every time, and its longest gap between two
-    chunks recorded (the stall a neighbour caused)."""
+    """A normal greedy stream: the same text every time; its longest gap between two content
+    chunks after the first (the stall a neighbour caused) and its wait for the first one
+    (admission, queueing and prefill under load) recorded apart."""
     prompt = rng.choice(GREEDY_PROMPTS)
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": 24, "temperature": 0, "stream": True}  # fmt: skip
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
     try:
+        sent = time.perf_counter()
         conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers=headers)
         resp = conn.getresponse()
-        text, last, worst = "", time.perf_counter(), 0.0
+        text, first, last, worst = "", None, 0.0, 0.0
         for line in resp:
             now = time.perf_counter()
-            worst, last = max(worst, now - last), now
             choices = json.loads(line[6:])["choices"] if line.startswith(b"data: {") else []
-            if choices:
-                text += choices[0]["delta"].get("content") or ""
+            if choices and choices[0]["delta"].get("content"):
+                text += choices[0]["delta"]["content"]
+                if first is None:
+                    first = now - sent
+                else:
+                    worst = max(worst, now - last)
+                last = now
         ok = resp.status == 200 and tally.same_answer("stream:" + prompt, text)
         with tally.lock:
             tally.stalls.append(round(worst, 3))
+            if first is not None:
+                tally.firsts.append(round(first, 3))
         tally.record("watched_stream", resp.status, ok, text[:100])
     finally:
         conn.close()
@@ -404,6 +416,9 @@ def _soak(args: argparse.Namespace, extra: list[str]) -> dict:
         "stall_s_p99": sorted(tally.stalls)[int(0.99 * (len(tally.stalls) - 1))]
         if tally.stalls else None,
         "stall_s_median": sorted(tally.stalls)[len(tally.stalls) // 2] if tally.stalls else None,
+        "first_content_s_worst": max(tally.firsts, default=None),
+        "first_content_s_median": sorted(tally.firsts)[len(tally.firsts) // 2]
+        if tally.firsts else None,
         "tier": args.tier, "tier_metrics": {k: v for k, v in final.items() if "kv_tier" in k},
         "rss_samples": samples,
     }  # fmt: skip
