@@ -634,9 +634,10 @@ static void quantize_act_row(const float *x, int64_t K, char *out) {
         const __m512 lo = _mm512_loadu_ps(x + g * G), hi = _mm512_loadu_ps(x + g * G + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
         const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-        const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-        __m512i clo = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(lo, inv), rn));
-        __m512i chi = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(hi, inv), rn));
+#define RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) /* a literal: clang wants one */
+        __m512i clo = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(lo, inv), RN));
+        __m512i chi = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(hi, inv), RN));
+#undef RN
         _mm_storeu_si128((__m128i *)(codes + g * G), _mm512_cvtepi32_epi8(clo));
         _mm_storeu_si128((__m128i *)(codes + g * G + 16), _mm512_cvtepi32_epi8(chi));
         hs[2 * g] = _mm512_reduce_add_epi32(clo);

@@ -97,9 +97,9 @@ KV_INL kv_v16f kv_abs_ps(kv_v16f a) {
     return kv_f(_mm256_and_ps(a.lo, m), _mm256_and_ps(a.hi, m));
 }
 /* roundscale to an integer, nearest even (the one rounding qgemm.c asks of it) */
-KV_INL kv_v16f kv_round_nearest_ps(kv_v16f a) {
-    const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    return kv_f(_mm256_round_ps(a.lo, rn), _mm256_round_ps(a.hi, rn));
+KV_INL kv_v16f kv_round_nearest_ps(kv_v16f a) { /* the rounding a literal (clang wants one) */
+    return kv_f(_mm256_round_ps(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 #define kv_roundscale_ps(a, imm)                                                             \
     (__extension__({                                                                         \
@@ -254,69 +254,130 @@ KV_INL unsigned kv_mm_test_epi8_mask(__m128i a, __m128i b) {
     return ~(unsigned)_mm_movemask_epi8(z) & 0xFFFF;
 }
 
-/* ---- the names qgemm.c writes ---- */
+/* ---- the names qgemm.c writes (clang defines some of them as macros: undefined first) ---- */
 #define __m512 kv_v16f
 #define __m512i kv_v16i
+#undef _mm512_setzero_ps
 #define _mm512_setzero_ps kv_setzero_ps
+#undef _mm512_set1_ps
 #define _mm512_set1_ps kv_set1_ps
+#undef _mm512_loadu_ps
 #define _mm512_loadu_ps kv_loadu_ps
+#undef _mm512_load_ps
 #define _mm512_load_ps kv_loadu_ps
+#undef _mm512_storeu_ps
 #define _mm512_storeu_ps kv_storeu_ps
+#undef _mm512_store_ps
 #define _mm512_store_ps kv_storeu_ps
+#undef _mm512_maskz_loadu_ps
 #define _mm512_maskz_loadu_ps kv_maskz_loadu_ps
+#undef _mm512_mask_storeu_ps
 #define _mm512_mask_storeu_ps kv_mask_storeu_ps
+#undef _mm512_mask_loadu_ps
 #define _mm512_mask_loadu_ps kv_mask_loadu_ps
+#undef _mm512_mask_mov_ps
 #define _mm512_mask_mov_ps kv_mask_mov_ps
+#undef _mm512_maskz_mov_ps
 #define _mm512_maskz_mov_ps kv_maskz_mov_ps
+#undef _mm512_add_ps
 #define _mm512_add_ps kv_add_ps
+#undef _mm512_sub_ps
 #define _mm512_sub_ps kv_sub_ps
+#undef _mm512_mul_ps
 #define _mm512_mul_ps kv_mul_ps
+#undef _mm512_div_ps
 #define _mm512_div_ps kv_div_ps
+#undef _mm512_min_ps
 #define _mm512_min_ps kv_min_ps
+#undef _mm512_max_ps
 #define _mm512_max_ps kv_max_ps
+#undef _mm512_fmadd_ps
 #define _mm512_fmadd_ps kv_fmadd_ps
+#undef _mm512_fnmadd_ps
 #define _mm512_fnmadd_ps kv_fnmadd_ps
+#undef _mm512_abs_ps
 #define _mm512_abs_ps kv_abs_ps
+#undef _mm512_roundscale_ps
 #define _mm512_roundscale_ps kv_roundscale_ps
+#undef _mm512_scalef_ps
 #define _mm512_scalef_ps kv_scalef_ps
+#undef _mm512_reduce_add_ps
 #define _mm512_reduce_add_ps kv_reduce_add_ps
+#undef _mm512_reduce_max_ps
 #define _mm512_reduce_max_ps kv_reduce_max_ps
+#undef _mm512_setzero_si512
 #define _mm512_setzero_si512 kv_setzero_si512
+#undef _mm512_set1_epi32
 #define _mm512_set1_epi32 kv_set1_epi32
+#undef _mm512_set1_epi8
 #define _mm512_set1_epi8 kv_set1_epi8
+#undef _mm512_set_epi32
 #define _mm512_set_epi32 kv_set_epi32
+#undef _mm512_setr_epi32
 #define _mm512_setr_epi32 kv_setr_epi32
+#undef _mm512_loadu_si512
 #define _mm512_loadu_si512 kv_loadu_si512
+#undef _mm512_and_si512
 #define _mm512_and_si512 kv_and_si512
+#undef _mm512_or_si512
 #define _mm512_or_si512 kv_or_si512
+#undef _mm512_xor_si512
 #define _mm512_xor_si512 kv_xor_si512
+#undef _mm512_add_epi32
 #define _mm512_add_epi32 kv_add_epi32
+#undef _mm512_sub_epi32
 #define _mm512_sub_epi32 kv_sub_epi32
+#undef _mm512_sub_epi8
 #define _mm512_sub_epi8 kv_sub_epi8
+#undef _mm512_srlv_epi32
 #define _mm512_srlv_epi32 kv_srlv_epi32
+#undef _mm512_shuffle_epi8
 #define _mm512_shuffle_epi8 kv_shuffle_epi8
+#undef _mm512_srli_epi32
 #define _mm512_srli_epi32 kv_srli_epi32
+#undef _mm512_slli_epi32
 #define _mm512_slli_epi32 kv_slli_epi32
+#undef _mm512_srli_epi16
 #define _mm512_srli_epi16 kv_srli_epi16
+#undef _mm512_ternarylogic_epi32
 #define _mm512_ternarylogic_epi32 kv_ternarylogic_epi32
+#undef _mm512_reduce_add_epi32
 #define _mm512_reduce_add_epi32 kv_reduce_add_epi32
+#undef _mm512_cvtepi32_ps
 #define _mm512_cvtepi32_ps kv_cvtepi32_ps
+#undef _mm512_cvtps_epi32
 #define _mm512_cvtps_epi32 kv_cvtps_epi32
+#undef _mm512_cvtph_ps
 #define _mm512_cvtph_ps kv_cvtph_ps
+#undef _mm512_cvtepi8_epi32
 #define _mm512_cvtepi8_epi32 kv_cvtepi8_epi32
+#undef _mm512_cvtepu8_epi32
 #define _mm512_cvtepu8_epi32 kv_cvtepu8_epi32
+#undef _mm512_cvtepu16_epi32
 #define _mm512_cvtepu16_epi32 kv_cvtepu16_epi32
+#undef _mm512_cvtepi32_epi16
 #define _mm512_cvtepi32_epi16 kv_cvtepi32_epi16
+#undef _mm512_cvtepi32_epi8
 #define _mm512_cvtepi32_epi8 kv_cvtepi32_epi8
+#undef _mm512_castsi512_ps
 #define _mm512_castsi512_ps kv_castsi512_ps
+#undef _mm512_castps_si512
 #define _mm512_castps_si512 kv_castps_si512
+#undef _mm512_castps_pd
 #define _mm512_castps_pd kv_castps_pd
+#undef _mm512_extractf64x4_pd
 #define _mm512_extractf64x4_pd kv_extractf64x4_pd
+#undef _mm512_castps512_ps256
 #define _mm512_castps512_ps256 kv_castps512_ps256
+#undef _mm512_castsi512_si256
 #define _mm512_castsi512_si256 kv_castsi512_si256
+#undef _mm512_extracti64x4_epi64
 #define _mm512_extracti64x4_epi64 kv_extracti64x4_epi64
+#undef _mm512_permutex2var_ps
 #define _mm512_permutex2var_ps kv_permutex2var_ps
+#undef _mm_maskz_loadu_epi8
 #define _mm_maskz_loadu_epi8 kv_mm_maskz_loadu_epi8
+#undef _mm_test_epi8_mask
 #define _mm_test_epi8_mask kv_mm_test_epi8_mask
 
 #endif
