@@ -410,6 +410,10 @@ def _soak(args: argparse.Namespace, extra: list[str]) -> dict:
         "blocks_used_at_end": final.get("kvlm_kv_blocks_used"),
         "requests_held_at_end": final.get("kvlm_requests_held"),
         "engine_errors": final.get("kvlm_engine_errors_total"),
+        # the longest engine step: a stream's gap past it was not the engine's doing
+        "engine_step_s_max": final.get("kvlm_engine_step_seconds_max"),
+        "engine_steps": final.get("kvlm_engine_steps_total"),
+        "engine_step_s_total": final.get("kvlm_engine_step_seconds_total"),
         "rss_mib_after_warmup": round(warm[0] / 1024, 1), "rss_mib_end": round(rss_end / 1024, 1),
         "rss_mib_max": round(max(r for _, r, _ in samples) / 1024, 1),
         "stall_s_worst": max(tally.stalls, default=None),

@@ -257,3 +257,7 @@ def test_metrics_are_prometheus_text(server):
     assert m["kvlm_kv_blocks_used"] + m["kvlm_kv_blocks_free"] == m["kvlm_kv_blocks_total"]
     assert m["kvlm_time_to_first_token_seconds_count"] >= 10
     assert 0 < m["kvlm_prefix_cache_hit_rate"] < 1
+    # every step timed: the longest one is part of their sum, and no step took no time
+    steps, total, worst = (m[f"kvlm_engine_{k}"] for k in ("steps_total", "step_seconds_total",
+                                                          "step_seconds_max"))  # fmt: skip
+    assert steps >= 10 and 0 < worst <= total

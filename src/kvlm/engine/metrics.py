@@ -98,6 +98,8 @@ class EngineStats:
     prefill_tokens: int = 0
     generated_tokens: int = 0
     steps: int = 0
+    step_seconds: float = 0.0  # time in steps, all together
+    step_seconds_max: float = 0.0  # the longest step: what one step froze every stream for
     decode_rows: int = 0  # rows of every decode forward together
     max_decode_rows: int = 0  # the widest decode forward
     ttft_counts: list[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS))
@@ -116,6 +118,8 @@ class EngineStats:
 
     def record_step(self, seconds: float, decode_rows: int) -> None:
         self.steps += 1
+        self.step_seconds += seconds
+        self.step_seconds_max = max(self.step_seconds_max, seconds)
         self.decode_rows += decode_rows
         self.max_decode_rows = max(self.max_decode_rows, decode_rows)
         now = time.perf_counter()

@@ -22,6 +22,9 @@ _SERIES = [
     ("requests_finished_total", "counter", "Requests finished.", "requests_finished"),
     ("requests_aborted_total", "counter", "Requests aborted.", "aborted"),
     ("engine_errors_total", "counter", "Engine steps that raised.", "errors"),
+    ("engine_steps_total", "counter", "Engine steps run.", "steps"),
+    ("engine_step_seconds_total", "counter", "Time in engine steps.", "step_seconds"),
+    ("engine_step_seconds_max", "gauge", "The longest engine step.", "step_seconds_max"),
     ("prompt_tokens_computed_total", "counter", "Prompt tokens computed.", "prefill_tokens"),
     ("generation_tokens_total", "counter", "Tokens generated.", "generated_tokens"),
 ]
