@@ -130,6 +130,9 @@ def test_metrics_are_summed_series_by_series():
             'kvlm_ttft_seconds_bucket{le="+Inf"} 2',
             "kvlm_ttft_seconds_sum 0.5",
             "kvlm_ttft_seconds_count 2",
+            "# HELP kvlm_engine_step_seconds_max The longest engine step.",
+            "# TYPE kvlm_engine_step_seconds_max gauge",
+            f"kvlm_engine_step_seconds_max {hits / 10:g}",
         ])  # fmt: skip
 
     text = aggregate([replica(10, 100, 3), replica(30, 100, 4)], {"r1": 5, "r2": 2})
@@ -140,6 +143,7 @@ def test_metrics_are_summed_series_by_series():
     assert samples['kvlm_kv_tier_hits_total{tier="redis"}'] == "2"
     assert samples['kvlm_ttft_seconds_bucket{le="+Inf"}'] == "4"
     assert samples["kvlm_ttft_seconds_sum"] == "1"
+    assert samples["kvlm_engine_step_seconds_max"] == "3"  # the longest, not 1 + 3
     assert samples["kvlm_replicas"] == "2"
     assert samples['kvlm_cluster_requests_routed_total{replica="r1"}'] == "5"
     assert text.count("# TYPE kvlm_kv_tier_hits_total counter") == 1

@@ -6,8 +6,9 @@ aggregate with no change here. A series is its full name with its labels; the su
 right for counters, for a histogram's buckets, sum and count, and for gauges that count
 things (blocks, requests, tokens per second). It is wrong for a ratio: those are computed
 again from their summed parts (RATIOS), or averaged where the parts are not exported
-(MEANS). Then the cluster's own series: the replicas that answered, and the requests the
-router sent to each replica (by its Ray Serve replica id).
+(MEANS), and for a maximum: the largest is taken (MAXES). Then the cluster's own series:
+the replicas that answered, and the requests the router sent to each replica (by its Ray
+Serve replica id).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ RATIOS = {
                                   "kvlm_spec_draft_tokens_total"),
 }  # fmt: skip
 MEANS = {"kvlm_spec_tokens_per_forward"}  # per verifying forward: the parts are not exported
+MAXES = {"kvlm_engine_step_seconds_max"}  # the longest step of any replica
 
 
 class RoutedCounts:
@@ -89,7 +91,10 @@ def _add(families: dict[str, _Family], text: str) -> None:
             series, value = line.rsplit(" ", 1)
             if current is None:  # a sample with no HELP/TYPE: its own family
                 current = families.setdefault(series.split("{", 1)[0], _Family())
-            current.samples[series] = current.samples.get(series, 0.0) + float(value)
+            was, v = current.samples.get(series), float(value)
+            if was is not None:
+                v = max(was, v) if series in MAXES else was + v
+            current.samples[series] = v
 
 
 def _render(families: dict[str, _Family]) -> str:
