@@ -854,7 +854,9 @@ MIXED_ROWS = [
 
 def mixed_step(llm, one_forward: bool, seed: int = 0) -> list[torch.Tensor]:
     """Prefill what each sequence holds before MIXED_ROWS (a forward each), then run them as
-    one mixed step (tests/test_one_forward.py); each row's logits."""
+    one step (tests/test_one_forward.py): one ragged forward (`one_forward`), or the road
+    the engine's pool backend takes without it, a forward per chunk and one for the decode
+    rows; each row's logits."""
     from kvlm.cache.paged import BlockPool
     from kvlm.engine.runner import Batch
 
@@ -872,18 +874,24 @@ def mixed_step(llm, one_forward: bool, seed: int = 0) -> list[torch.Tensor]:
                 [tokens[i][: held[i]]], pool=pool, spec=spec, tables=[tables[i]], starts=[0]
             )
             llm.runner.run(prefix)
-    batch = Batch(
-        [tokens[s][p : p + n] for s, p, n, *_ in MIXED_ROWS],
-        pool=pool,
-        spec=spec,
-        tables=[tables[s] for s, *_ in MIXED_ROWS],
-        starts=[p for _, p, *_ in MIXED_ROWS],
-        chunks=[r[3] for r in MIXED_ROWS],
-        every_row=[r[4] for r in MIXED_ROWS],
-    )
-    runner = llm.runner
-    saved, runner.one_forward = runner.one_forward, one_forward
-    try:
-        return runner.run(batch)
-    finally:
-        runner.one_forward = saved
+    rows = [tokens[s][p : p + n] for s, p, n, *_ in MIXED_ROWS]
+    row_tables = [tables[s] for s, *_ in MIXED_ROWS]
+    starts = [p for _, p, *_ in MIXED_ROWS]
+    if one_forward:
+        chunks, every = [r[3] for r in MIXED_ROWS], [r[4] for r in MIXED_ROWS]
+        batch = Batch(rows, pool=pool, spec=spec, tables=row_tables, starts=starts,
+                      chunks=chunks, every_row=every)  # fmt: skip
+        return llm.runner.run(batch)
+    out: list[torch.Tensor | None] = [None] * len(rows)
+    decode = [i for i, r in enumerate(MIXED_ROWS) if not r[3]]
+    for i, (*_, chunk, every) in enumerate(MIXED_ROWS):
+        if chunk:
+            one = Batch([rows[i]], pool=pool, spec=spec, tables=[row_tables[i]],
+                        starts=[starts[i]], prompt=True, all_rows=every)  # fmt: skip
+            out[i] = llm.runner.run(one)[0]
+    together = Batch([rows[i] for i in decode], pool=pool, spec=spec,
+                     tables=[row_tables[i] for i in decode],
+                     starts=[starts[i] for i in decode])  # fmt: skip
+    for i, logits in zip(decode, llm.runner.run(together), strict=True):
+        out[i] = logits
+    return out

@@ -63,11 +63,13 @@ class PoolBackend:
 
     def forward(self, chunks: list[Chunk], seqs: list[Sequence]) -> StepLogits:
         """A step: its prompt chunks and its decode rows. With no chunk, the decode batch
-        (CUDA graphs, the fused step); else one mixed batch (ModelRunner.run picks one
-        ragged forward or a forward per chunk). A mixed batch that raises is run again
-        piece by piece, so the request that raised fails alone."""
+        (CUDA graphs, the fused step); where the runner takes ragged steps (a GPU), one
+        mixed batch; else a forward per chunk and one for the decode rows. A mixed batch
+        that raises is run again piece by piece, so the request that raised fails alone."""
         if not chunks:
             return StepLogits([], [], *self.decode(seqs))
+        if not self.runner.ragged_steps():
+            return each_piece(self, chunks, seqs)
         rows, tables, starts, spans = self._rows(seqs)
         k, d = len(chunks), len(rows)
         batch = Batch(

@@ -9,10 +9,10 @@
 
 and inside, one token per row replays a CUDA graph or takes the fused C step where they
 apply; anything else is the torch model over a cache step. A mixed step is one ragged
-forward where `one_forward` holds (a GPU: every projection reads the weights once for
-all the step's tokens), else each chunk alone and the decode rows together (the CPU: a
-row's bits as it gets them alone). `forward` and `logits` are one
-sequence's shorthands for it.
+forward (every projection reads the weights once for all the step's tokens); the engine's
+pool backend makes one where `ragged_steps()` holds (a GPU), else it runs each chunk alone
+and the decode rows together (the CPU: a row's bits as it gets them alone). `forward` and
+`logits` are one sequence's shorthands for run.
 """
 
 from __future__ import annotations
@@ -87,6 +87,11 @@ class ModelRunner:
         lin = self.model.layers[0].attn.qkv
         return not prompt or (not lin.prefill_bf16 and lin.prefill_int8 == lin.act_int8)
 
+    def ragged_steps(self) -> bool:
+        """Whether a step's prompt chunks and decode rows go as one mixed batch (one ragged
+        forward): `one_forward`, and prompt and decode rows sharing their numerics."""
+        return self.one_forward and self._decodes_alike(True)
+
     def fused_for(self, cache: KVCache) -> fused.FusedDecoder | None:
         """The fused decode step for this cache, when it applies."""
         decoder = self._decoder(cache.spec.max_tokens)
@@ -111,9 +116,10 @@ class ModelRunner:
         captured CUDA graph or takes the fused C step where they apply (kvlm.model.graphs,
         kvlm.model.fused); everything else runs the torch model through a cache step. A
         cache commits the tokens only if the whole forward succeeded. A mixed step
-        (`chunks`) gives a list: row i's last logits (V,), or (T, V) with every_row[i]."""
+        (`chunks`), one ragged forward, gives a list: row i's last logits (V,), or (T, V)
+        with every_row[i]."""
         if batch.chunks:
-            return self._mixed(batch)
+            return self._ragged(batch)
         if batch.pool is not None:
             return self._on_pool(batch)
         if batch.draft:
@@ -229,29 +235,10 @@ class ModelRunner:
         step = TableStep(pool, spec, list(b.tables), list(b.starts), len(rows[0]))
         return self._torch(rows, step, b.prompt, b.all_rows)
 
-    def _mixed(self, b: Batch) -> list[torch.Tensor]:
-        """A step's prompt chunks and decode rows on the pool: one ragged forward (kvlm.
-        cache.paged.RaggedStep) where `one_forward` holds and prompt and decode rows share
-        their numerics; else each chunk alone and the decode rows as one batch."""
+    def _ragged(self, b: Batch) -> list[torch.Tensor]:
+        """A step's prompt chunks and decode rows on the pool as one forward (kvlm.cache.
+        paged.RaggedStep), each row's logits."""
         every = list(b.every_row) or [False] * len(b.rows)
-        if self.one_forward and self._decodes_alike(True):
-            return self._ragged(b, every)
-        out: list[torch.Tensor | None] = [None] * len(b.rows)
-        decode = [i for i, chunk in enumerate(b.chunks) if not chunk]
-        for i, chunk in enumerate(b.chunks):
-            if chunk:
-                one = Batch([b.rows[i]], pool=b.pool, spec=b.spec, tables=[b.tables[i]],
-                            starts=[b.starts[i]], prompt=True, all_rows=every[i])  # fmt: skip
-                out[i] = self._on_pool(one)[0]
-        if decode:
-            pick = [b.rows[i] for i in decode], [b.tables[i] for i in decode]
-            rows = Batch(pick[0], pool=b.pool, spec=b.spec, tables=pick[1],
-                         starts=[b.starts[i] for i in decode], prompt=False)  # fmt: skip
-            for i, logits in zip(decode, self._on_pool(rows), strict=True):
-                out[i] = logits
-        return out
-
-    def _ragged(self, b: Batch, every: list[bool]) -> list[torch.Tensor]:
         lengths = [len(r) for r in b.rows]
         picks, end = [], 0
         for n, all_rows in zip(lengths, every, strict=True):
