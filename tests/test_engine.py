@@ -327,3 +327,20 @@ def test_an_int8_pool_serves_batches_as_it_serves_one(tiny_model_dir):
                       EngineConfig(num_blocks=64)), reqs)  # fmt: skip
     agree = [a[0][:8] == fp32[p][0][:8] for p, a in alone.items()]
     assert sum(agree) >= 3  # int8 K/V: the first tokens agree with fp32 on this model
+
+
+def test_a_step_longer_than_any_before_says_what_it_held(tiny, monkeypatch, caplog):
+    """A step that froze every stream longer than any before it is logged with its
+    contents (prompt chunks, scored tokens, decode rows), once per new longest step."""
+    import kvlm.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "SLOW_STEP_S", 0.0)
+    engine = Engine(tiny, EngineConfig(num_blocks=64))
+    scored = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    ids = tiny.tokenizer.encode("The quick brown fox")
+    with caplog.at_level("INFO", logger="kvlm.engine"):
+        run(engine, {"a": (ids, scored), "b": (ids, GREEDY)})
+    lines = [r.getMessage() for r in caplog.records if "longest engine step" in r.getMessage()]
+    assert lines, "the first step is the longest so far"
+    assert f"2 prompt chunks of {2 * len(ids)} tokens ({len(ids)} scored)" in lines[0]
+    assert len(lines) < engine.stats.steps  # only new longest steps

@@ -179,7 +179,11 @@ def _limit_args(serve: argparse.ArgumentParser) -> None:
         "--public-metrics", action="store_true",
         help="serve /metrics without --api-key (for a Prometheus scraper)",
     )  # fmt: skip
-    serve.add_argument("--log-level", default="info", help="HTTP log: info (requests), warning")
+    serve.add_argument(
+        "--log-level", default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="info: each request, and each engine step longer than any before it (past 1 s)",
+    )  # fmt: skip
 
 
 def _replica_args(serve: argparse.ArgumentParser) -> None:

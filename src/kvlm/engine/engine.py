@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvlm.engine")
 
 
+SLOW_STEP_S = 1.0  # a longer step than any before it is logged (with what it held)
 GPU_MEMORY_SHARE = 0.9  # of a GPU's free memory, for the pool by default (vLLM's default)
 
 
@@ -168,6 +169,7 @@ class Engine:
         self.stats = EngineStats()
         self.last_error: Exception | None = None
         self.last_batch: Batch | None = None  # what the latest step ran
+        self._forward_seconds = 0.0  # the latest step's forward (a slow step's log line)
 
     def _pool_backend(self, llm: ServedModel) -> PoolBackend:
         # the LLM's K/V storage: --kv int8 stores int8 whatever --kv-dtype says
@@ -319,10 +321,30 @@ class Engine:
         if not batch:
             return []
         events: list[StepOutput] = []
+        drafted = sum(len(seq.draft) for seq in batch.decode)  # _run clears the drafts
         t0 = time.perf_counter()
         self._run(batch, events)
-        self.stats.record_step(time.perf_counter() - t0, len(batch.decode))
+        seconds = time.perf_counter() - t0
+        if seconds > max(SLOW_STEP_S, self.stats.step_seconds_max):
+            self._log_slow_step(batch, seconds, drafted)
+        self.stats.record_step(seconds, len(batch.decode))
         return events
+
+    def _log_slow_step(self, batch: Batch, seconds: float, drafted: int) -> None:
+        """Say what the longest step so far held: every stream waited for it. Logged on
+        a new longest step only, so a busy server logs a handful of lines, not one a step."""
+        scored = sum(
+            n for seq, n in batch.prefill
+            if (req := self.requests.get(seq.request_id)) and req.prompt_logprobs is not None
+        )  # fmt: skip
+        guided = sum(1 for seq in batch.decode if seq.sampler.params.guide is not None)
+        log.info(
+            "longest engine step so far: %.2f s (forward %.2f s): %d prompt chunks of %d "
+            "tokens (%d scored), %d decode rows (%d guided, %d drafted tokens)",
+            seconds, self._forward_seconds, len(batch.prefill),
+            sum(n for _, n in batch.prefill), scored, len(batch.decode), guided,
+            drafted,
+        )  # fmt: skip
 
     def _run(self, batch: Batch, events: list[StepOutput]) -> None:
         """The step's forward (its prompt chunks and its decode rows: one ragged forward
@@ -334,7 +356,9 @@ class Engine:
             scored = self.requests[seq.request_id].prompt_logprobs is not None
             chunks.append(Chunk(seq, seq.token_ids[start : start + n],
                                 scored and start + 1 < seq.num_prompt))  # fmt: skip
+        t0 = time.perf_counter()
         out = self.backend.forward(chunks, batch.decode)
+        self._forward_seconds = time.perf_counter() - t0
         for chunk, logits, hint in zip(chunks, out.prefilled, out.prefill_argmax, strict=True):
             seq, n = chunk.seq, len(chunk.tokens)
             if seq.status is Status.FINISHED:  # its request failed earlier in this step

@@ -49,6 +49,9 @@ def serve(
     name = model_name or llm.model_name
     app = create_app(engine, name, api_key, limits, tool_parser)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    # kvlm's own lines at the same level (info: the engine's longest steps, what they held)
+    logging.getLogger("kvlm").setLevel(logging.getLevelName(log_level.upper()) if
+                                       log_level.lower() != "trace" else logging.DEBUG)  # fmt: skip
     uv = uvicorn.Config(
         app,
         host=host,
