@@ -74,21 +74,38 @@ def forward_in_chunks(llm: LLM, ids: list[int], mode: str, chunk: int) -> torch.
     return logits
 
 
+@pytest.fixture(scope="module")
+def one_shot(llm, llm64):
+    """ids -> the last logits of one paged forward over them, (fp64, fp32); each once."""
+    made: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        if tuple(ids) not in made:
+            made[tuple(ids)] = tuple(
+                forward_in_chunks(m, ids, "paged", len(ids)) for m in (llm64, llm)
+            )
+        return made[tuple(ids)]
+
+    return get
+
+
 @pytest.mark.parametrize(
     ("mode", "chunk"),
     [("contiguous", 1), ("contiguous", 16), ("paged", 7), ("basic", 16), ("window", 7),
      ("int8", 16), ("int8", 7), ("int8", 1)],
 )  # fmt: skip
-def test_chunked_prefill_equals_one_shot(llm, llm64, mode, chunk):
+def test_chunked_prefill_equals_one_shot(llm, llm64, one_shot, mode, chunk):
     """The same positions, masks and slots whatever the chunking. In fp64 a chunked prefill
     is one-shot's result up to fp64 rounding (an int8 cache included: its codes come from
     values equal to ~1e-16, so they round alike). In fp32 the summation order differs
     between a 16-row and a 200-row product, and an int8 code whose value sits on a rounding
     boundary may take the other side: that is why int8 is held to exactness in fp64 and to
-    the greedy top-k rule in fp32, and fp32 caches to their own rounding error."""
-    ids = llm.encode(PROMPT * 3, chat=True)
-    exact = forward_in_chunks(llm64, ids, "paged", len(ids))  # fp64 one-shot
-    one_shot_32 = forward_in_chunks(llm, ids, "paged", len(ids))
+    the greedy top-k rule in fp32, and fp32 caches to their own rounding error. Chunks of 7
+    and 16 cross several blocks and int8 groups of the 3x prompt; one-token chunks feed the
+    1x prompt (~50 positions, 4 blocks: each position is a forward of its own, ~40 ms in
+    fp64)."""
+    ids = llm.encode(PROMPT * (1 if chunk == 1 else 3), chat=True)
+    exact, one_shot_32 = one_shot(ids)  # fp64 and fp32 one-shot, paged
     err32 = max_error(one_shot_32, exact)
     a64 = forward_in_chunks(llm64, ids, mode, len(ids))
     b64 = forward_in_chunks(llm64, ids, mode, chunk)
@@ -172,17 +189,15 @@ def test_cache_file_from_another_model_is_refused(llm, tmp_path, tiny_model_dir)
     assert other.fingerprint != llm.fingerprint
 
 
-def test_int8_agrees_with_fp32(llm, llm64):
+def test_int8_agrees_with_fp32(llm, llm64, one_shot):
     """int8 K/V hold greedy decoding to the top-5 rule against the oracle at every step;
     the same blocks with fp32 values are the oracle up to rounding: in fp64, to fp64's."""
     ids = llm.encode(PROMPT, chat=True)
     result = verify_mode(llm, ids, "int8", 64)
     assert result.steps == 64
     assert result.worst_rank < 5
-    err32 = max_error(
-        forward_in_chunks(llm, ids, "paged", len(ids)),
-        forward_in_chunks(llm64, ids, "paged", len(ids)),
-    )
+    exact_one_shot, one_shot_32 = one_shot(ids)
+    err32 = max_error(one_shot_32, exact_one_shot)
     exact = verify_mode(llm64, ids, "paged", 64)  # same blocks, fp64 values
     assert exact.agreement == 1.0 and exact.max_logit_drift <= fp64_reorder_bound(err32)
     fp32 = verify_mode(llm, ids, "paged", 64)

@@ -45,13 +45,18 @@ def test_first_answer_is_right(default_llm):
 
 
 def test_cache_modes_give_identical_tokens(default_llm):
+    """basic and contiguous decode the no-cache path's 48 greedy tokens: the first 12 as it
+    decodes them (each of its steps recomputes the whole sequence), and every one of the 48
+    its argmax over the same prefix, from one no-cache forward of the whole sequence."""
     ids = default_llm.encode(CHAT_PROMPTS[1], chat=True)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    outs = {
-        kv: run(default_llm, ids, params, kv).token_ids for kv in ("off", "basic", "contiguous")
-    }
-    assert outs["off"] == outs["basic"] == outs["contiguous"]
-    assert len(outs["off"]) == 48
+    outs = {kv: run(default_llm, ids, params, kv).token_ids for kv in ("basic", "contiguous")}
+    assert outs["basic"] == outs["contiguous"] and len(outs["basic"]) == 48
+    first = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert run(default_llm, ids, first, "off").token_ids == outs["basic"][:12]
+    seq = ids + outs["basic"][:-1]
+    logits = default_llm.runner.logits(seq, default_llm.new_cache("off"))[len(ids) - 1 :]
+    assert logits.argmax(-1).tolist() == outs["basic"]
 
 
 @pytest.mark.parametrize("kv", ["contiguous", "basic"])

@@ -34,6 +34,9 @@ APP_NAME = "kvlm"
 # room on a replica beside a full queue (kvlm answers 503 past --max-waiting itself):
 # /health and /v1/models still get in
 _SPARE_REQUESTS = 8
+# how often a stopping replica looks whether its requests have ended (Serve's default, 2 s,
+# is the least a shutdown took, also with nothing in flight)
+_DRAIN_POLL_S = 0.1
 _EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception): ")  # a traceback's last line
 
 
@@ -120,9 +123,11 @@ def application(args: argparse.Namespace):
         ray_actor_options={"num_cpus": args.threads},
         max_ongoing_requests=args.max_num_seqs + args.max_waiting + _SPARE_REQUESTS,
         request_router_config=router,
+        graceful_shutdown_wait_loop_s=_DRAIN_POLL_S,
     )
     ingress = Ingress.options(
-        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=args.max_connections
+        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=args.max_connections,
+        graceful_shutdown_wait_loop_s=_DRAIN_POLL_S,
     )
     return ingress.bind(args, replicas.bind(args))
 
