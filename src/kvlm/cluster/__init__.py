@@ -126,7 +126,8 @@ def application(args: argparse.Namespace):
         graceful_shutdown_wait_loop_s=_DRAIN_POLL_S,
     )
     ingress = Ingress.options(
-        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=args.max_connections,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=args.max_connections,
         graceful_shutdown_wait_loop_s=_DRAIN_POLL_S,
     )
     return ingress.bind(args, replicas.bind(args))
