@@ -33,6 +33,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -341,15 +342,19 @@ def rss_kib(pid: int) -> int:
 
 def start_server(args: argparse.Namespace, extra: list[str]) -> tuple[subprocess.Popen, int]:
     port = free_port()
+    # --log-level info: the engine says what each new longest step held. The log goes to a
+    # file (a pipe nobody reads while the clients run would fill and stall the server).
     cmd = [sys.executable, "-m", "kvlm.cli", "serve", "--port", str(port), "--api-key", KEY,
-           "--log-level", "warning", "--max-body", "1MiB", "--idle-timeout", "5",
+           "--log-level", "info", "--max-body", "1MiB", "--idle-timeout", "5",
            *extra, *args.serve_args.split()]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed with the process, at exit)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    proc.log = log
     deadline = time.time() + 300
     while time.time() < deadline:
         if proc.poll() is not None:
-            sys.exit(f"the server exited: {proc.stderr.read().decode()[-2000:]}")
+            sys.exit(f"the server exited: {server_log(proc)[-2000:]}")
         try:
             if get(port, "/health")[0] == 200:
                 return proc, port
@@ -357,6 +362,11 @@ def start_server(args: argparse.Namespace, extra: list[str]) -> tuple[subprocess
             time.sleep(0.5)
     proc.kill()
     sys.exit("the server did not start")
+
+
+def server_log(proc: subprocess.Popen) -> str:
+    proc.log.seek(0)
+    return proc.log.read().decode(errors="replace")
 
 
 def soak(args: argparse.Namespace) -> dict:
@@ -400,6 +410,9 @@ def _soak(args: argparse.Namespace, extra: list[str]) -> dict:
     rss_end = rss_kib(proc.pid) if alive else 0
     proc.terminate()
     proc.wait(timeout=30)
+    # the engine's longest steps, each logged with what it held (kvlm.engine.engine)
+    longest = [line.split("kvlm.engine: ", 1)[-1] for line in server_log(proc).splitlines()
+               if "longest engine step" in line]  # fmt: skip
     warm = [r for t, r, _ in samples if t >= 60 * args.minutes * 0.2] or [samples[-1][1]]
     return {
         "minutes": args.minutes, "clients": args.clients, "serve_args": args.serve_args,
@@ -414,6 +427,7 @@ def _soak(args: argparse.Namespace, extra: list[str]) -> dict:
         "engine_step_s_max": final.get("kvlm_engine_step_seconds_max"),
         "engine_steps": final.get("kvlm_engine_steps_total"),
         "engine_step_s_total": final.get("kvlm_engine_step_seconds_total"),
+        "longest_steps": longest[-5:],
         "rss_mib_after_warmup": round(warm[0] / 1024, 1), "rss_mib_end": round(rss_end / 1024, 1),
         "rss_mib_max": round(max(r for _, r, _ in samples) / 1024, 1),
         "stall_s_worst": max(tally.stalls, default=None),
