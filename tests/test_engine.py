@@ -344,3 +344,25 @@ def test_a_step_longer_than_any_before_says_what_it_held(tiny, monkeypatch, capl
     assert lines, "the first step is the longest so far"
     assert f"2 prompt chunks of {2 * len(ids)} tokens ({len(ids)} scored)" in lines[0]
     assert len(lines) < engine.stats.steps  # only new longest steps
+
+
+def test_a_running_engine_loop_takes_the_gil_back_within_half_a_millisecond(tiny):
+    """Beside an HTTP thread running Python, each torch op of a step waited for the GIL up
+    to Python's switch interval (5 ms): the loop lowers it for its process."""
+    import sys
+    import time
+
+    from kvlm.engine.async_engine import SWITCH_INTERVAL_S, AsyncEngine
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    aeng = AsyncEngine(Engine(tiny, EngineConfig(num_blocks=64)))
+    try:
+        aeng.start()
+        deadline = time.time() + 30
+        while sys.getswitchinterval() > SWITCH_INTERVAL_S and time.time() < deadline:
+            time.sleep(0.01)
+        assert sys.getswitchinterval() <= SWITCH_INTERVAL_S <= 0.001
+    finally:
+        aeng.stop()
+        sys.setswitchinterval(before)

@@ -33,7 +33,7 @@ from kvlm.cache.view import block_map
 from kvlm.dtypes import dtype_name
 from kvlm.engine.backends import CacheBackend, Chunk, PoolBackend
 from kvlm.engine.guided import compile_guide
-from kvlm.engine.metrics import EngineStats
+from kvlm.engine.metrics import GC_TIME, EngineStats
 from kvlm.engine.request import SampleState, check_prompt, stop_token_ids
 from kvlm.engine.sampling import Sampler, SamplingParams, TokenLogprob, prompt_logprobs
 from kvlm.engine.scheduler import Batch, QueueFullError, Scheduler, SchedulerConfig
@@ -169,7 +169,9 @@ class Engine:
         self.stats = EngineStats()
         self.last_error: Exception | None = None
         self.last_batch: Batch | None = None  # what the latest step ran
-        self._forward_seconds = 0.0  # the latest step's forward (a slow step's log line)
+        # the latest step's time in its forward, in scoring prompts, and in Python's garbage
+        # collector (a slow step's log line)
+        self._forward_seconds = self._score_seconds = self._gc_seconds = 0.0
 
     def _pool_backend(self, llm: ServedModel) -> PoolBackend:
         # the LLM's K/V storage: --kv int8 stores int8 whatever --kv-dtype says
@@ -322,9 +324,11 @@ class Engine:
             return []
         events: list[StepOutput] = []
         drafted = sum(len(seq.draft) for seq in batch.decode)  # _run clears the drafts
-        t0 = time.perf_counter()
+        gc0, t0 = GC_TIME.seconds, time.perf_counter()
+        self._score_seconds = 0.0
         self._run(batch, events)
         seconds = time.perf_counter() - t0
+        self._gc_seconds = GC_TIME.seconds - gc0
         if seconds > max(SLOW_STEP_S, self.stats.step_seconds_max):
             self._log_slow_step(batch, seconds, drafted)
         self.stats.record_step(seconds, len(batch.decode))
@@ -339,9 +343,11 @@ class Engine:
         )  # fmt: skip
         guided = sum(1 for seq in batch.decode if seq.sampler.params.guide is not None)
         log.info(
-            "longest engine step so far: %.2f s (forward %.2f s): %d prompt chunks of %d "
-            "tokens (%d scored), %d decode rows (%d guided, %d drafted tokens)",
-            seconds, self._forward_seconds, len(batch.prefill),
+            "longest engine step so far: %.2f s (forward %.2f s, scoring %.2f s, garbage "
+            "collection %.2f s): %d prompt chunks of %d tokens (%d scored), %d decode rows "
+            "(%d guided, %d drafted tokens)",
+            seconds, self._forward_seconds, self._score_seconds, self._gc_seconds,
+            len(batch.prefill),
             sum(n for _, n in batch.prefill), scored, len(batch.decode), guided,
             drafted,
         )  # fmt: skip
@@ -368,8 +374,10 @@ class Engine:
                 continue
             if chunk.all_rows:  # row j predicts prompt token start + j + 1
                 try:
+                    t0 = time.perf_counter()
                     logits = self._score_prompt(self.requests[seq.request_id], seq.num_computed,
                                                 logits)  # fmt: skip
+                    self._score_seconds += time.perf_counter() - t0
                 except Exception as exc:
                     events += self._fail(seq.request_id, exc)
                     continue

@@ -2,8 +2,31 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
+
+
+class _GCTime:
+    """Seconds Python's garbage collector has run in this process, all threads together
+    (a collection holds the GIL: every Python thread, the engine's too, waits for it).
+    One collection runs at a time (CPython's `collecting` flag), so start and stop pair
+    up without a lock."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start: float | None = None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, _info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self._start = None
+
+
+GC_TIME = _GCTime()
 
 
 @dataclass(slots=True)
