@@ -172,6 +172,7 @@ class Engine:
         # the latest step's time in its forward, in scoring prompts, and in Python's garbage
         # collector (a slow step's log line)
         self._forward_seconds = self._score_seconds = self._gc_seconds = 0.0
+        self._cpu_seconds = 0.0  # the engine thread's own CPU time (time.thread_time)
 
     def _pool_backend(self, llm: ServedModel) -> PoolBackend:
         # the LLM's K/V storage: --kv int8 stores int8 whatever --kv-dtype says
@@ -324,11 +325,12 @@ class Engine:
             return []
         events: list[StepOutput] = []
         drafted = sum(len(seq.draft) for seq in batch.decode)  # _run clears the drafts
-        gc0, t0 = GC_TIME.seconds, time.perf_counter()
+        gc0, cpu0, t0 = GC_TIME.seconds, time.thread_time(), time.perf_counter()
         self._score_seconds = 0.0
         self._run(batch, events)
         seconds = time.perf_counter() - t0
         self._gc_seconds = GC_TIME.seconds - gc0
+        self._cpu_seconds = time.thread_time() - cpu0
         if seconds > max(SLOW_STEP_S, self.stats.step_seconds_max):
             self._log_slow_step(batch, seconds, drafted)
         self.stats.record_step(seconds, len(batch.decode))
@@ -344,9 +346,10 @@ class Engine:
         guided = sum(1 for seq in batch.decode if seq.sampler.params.guide is not None)
         log.info(
             "longest engine step so far: %.2f s (forward %.2f s, scoring %.2f s, garbage "
-            "collection %.2f s): %d prompt chunks of %d tokens (%d scored), %d decode rows "
-            "(%d guided, %d drafted tokens)",
+            "collection %.2f s; the engine thread on a CPU %.2f s of it): %d prompt chunks of "
+            "%d tokens (%d scored), %d decode rows (%d guided, %d drafted tokens)",
             seconds, self._forward_seconds, self._score_seconds, self._gc_seconds,
+            self._cpu_seconds,
             len(batch.prefill),
             sum(n for _, n in batch.prefill), scored, len(batch.decode), guided,
             drafted,
