@@ -136,3 +136,26 @@ def test_a_guide_that_holds_its_worker_does_not_hold_up_the_others(tiny):
         assert stuck.pid not in (None, stopped)  # killed and started again
     finally:
         workers.close()
+
+
+def test_compiling_a_guide_leaves_the_engine_thread_no_import(tiny_model_dir):
+    """A guided request's first sampled token imported llguidance.torch on the engine
+    thread (3.5 s on a Zen 3: every stream froze). compile_guide, off the engine thread,
+    imports it; in a fresh process, so that no other test has imported it first."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from kvlm import LLM\n"
+        "from kvlm.engine.guided import Guide, compile_guide\n"
+        f"llm = LLM(model={str(tiny_model_dir('llama'))!r}, progress=False, max_context=64)\n"
+        "assert 'llguidance.torch' not in sys.modules\n"
+        "compile_guide(Guide('regex', '[a-z]+', 'guided_regex'), llm.tokenizer,"
+        " llm.config.vocab_size)\n"
+        "print('llguidance.torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "True"

@@ -138,6 +138,11 @@ def compile_guide(guide: Guide, tokenizer, vocab_size: int) -> Guide:
     guide_workers(tokenizer, vocab_size).check(guide.kind, guide.spec, guide.param)
     tok = ll_tokenizer(tokenizer, vocab_size)
     matcher = _on_compile_thread(build_matcher, guide.kind, guide.spec, guide.param, tok)
+    # What GuideState imports, imported here, off the engine thread: its first import took
+    # 3.5 s on a Zen 3, and at a guided request's first sampled token that froze the
+    # engine's step (the soak's longest step, 5.4 s)
+    import llguidance.torch  # noqa: F401
+
     return dataclasses.replace(guide, compiled=Compiled(matcher, vocab_size))
 
 
