@@ -336,13 +336,18 @@ def test_a_step_longer_than_any_before_says_what_it_held(tiny, monkeypatch, capl
 
     monkeypatch.setattr(engine_module, "SLOW_STEP_S", 0.0)
     engine = Engine(tiny, EngineConfig(num_blocks=64))
+    from kvlm.engine.guided import Guide
+
     scored = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    guided = SamplingParams(temperature=0, max_tokens=2, guide=Guide("regex", "[a-z]+"))
     ids = tiny.tokenizer.encode("The quick brown fox")
     with caplog.at_level("INFO", logger="kvlm.engine"):
-        run(engine, {"a": (ids, scored), "b": (ids, GREEDY)})
+        run(engine, {"a": (ids, scored), "b": (ids, GREEDY), "c": (ids, guided)})
     lines = [r.getMessage() for r in caplog.records if "longest engine step" in r.getMessage()]
     assert lines, "the first step is the longest so far"
-    assert f"2 prompt chunks of {2 * len(ids)} tokens ({len(ids)} scored)" in lines[0]
+    # the guided request counts while its prompt is fed, not only once it decodes
+    assert f"3 prompt chunks of {3 * len(ids)} tokens ({len(ids)} scored)" in lines[0]
+    assert lines[0].endswith("; 1 guided sequences")
     assert len(lines) < engine.stats.steps  # only new longest steps
 
 

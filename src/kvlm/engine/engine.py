@@ -169,10 +169,6 @@ class Engine:
         self.stats = EngineStats()
         self.last_error: Exception | None = None
         self.last_batch: Batch | None = None  # what the latest step ran
-        # the latest step's time in its forward, in scoring prompts, and in Python's garbage
-        # collector (a slow step's log line)
-        self._forward_seconds = self._score_seconds = self._gc_seconds = 0.0
-        self._cpu_seconds = 0.0  # the engine thread's own CPU time (time.thread_time)
 
     def _pool_backend(self, llm: ServedModel) -> PoolBackend:
         # the LLM's K/V storage: --kv int8 stores int8 whatever --kv-dtype says
@@ -326,39 +322,41 @@ class Engine:
         events: list[StepOutput] = []
         drafted = sum(len(seq.draft) for seq in batch.decode)  # _run clears the drafts
         gc0, cpu0, t0 = GC_TIME.seconds, time.thread_time(), time.perf_counter()
-        self._score_seconds = 0.0
-        self._run(batch, events)
+        forward_s, score_s = self._run(batch, events)
         seconds = time.perf_counter() - t0
-        self._gc_seconds = GC_TIME.seconds - gc0
-        self._cpu_seconds = time.thread_time() - cpu0
         if seconds > max(SLOW_STEP_S, self.stats.step_seconds_max):
-            self._log_slow_step(batch, seconds, drafted)
+            parts = (forward_s, score_s, GC_TIME.seconds - gc0, time.thread_time() - cpu0)
+            self._log_slow_step(batch, drafted, seconds, *parts)
         self.stats.record_step(seconds, len(batch.decode))
         return events
 
-    def _log_slow_step(self, batch: Batch, seconds: float, drafted: int) -> None:
-        """Say what the longest step so far held: every stream waited for it. Logged on
-        a new longest step only, so a busy server logs a handful of lines, not one a step."""
-        scored = sum(
-            n for seq, n in batch.prefill
-            if (req := self.requests.get(seq.request_id)) and req.prompt_logprobs is not None
-        )  # fmt: skip
-        guided = sum(1 for seq in batch.decode if seq.sampler.params.guide is not None)
+    @staticmethod
+    def _log_slow_step(
+        batch: Batch, drafted: int, seconds: float, forward_s: float, score_s: float,
+        gc_s: float, cpu_s: float,
+    ) -> None:  # fmt: skip
+        """Say what the longest step so far held (every stream waited for it) and where
+        its time went: the forward, scoring prompts, Python's garbage collector, and how
+        much of it the engine thread was on a CPU (time.thread_time: working, not waiting).
+        Logged on a new longest step only: a busy server logs a handful of lines."""
+        params = [seq.sampler.params for seq, _ in batch.prefill]
+        scored = sum(n for p, (_, n) in zip(params, batch.prefill, strict=True)
+                     if p.prompt_logprobs is not None)  # fmt: skip
+        params += [seq.sampler.params for seq in batch.decode]
         log.info(
             "longest engine step so far: %.2f s (forward %.2f s, scoring %.2f s, garbage "
             "collection %.2f s; the engine thread on a CPU %.2f s of it): %d prompt chunks of "
-            "%d tokens (%d scored), %d decode rows (%d guided, %d drafted tokens)",
-            seconds, self._forward_seconds, self._score_seconds, self._gc_seconds,
-            self._cpu_seconds,
-            len(batch.prefill),
-            sum(n for _, n in batch.prefill), scored, len(batch.decode), guided,
-            drafted,
+            "%d tokens (%d scored), %d decode rows (%d drafted tokens); %d guided sequences",
+            seconds, forward_s, score_s, gc_s, cpu_s, len(batch.prefill),
+            sum(n for _, n in batch.prefill), scored, len(batch.decode), drafted,
+            sum(p.guide is not None for p in params),
         )  # fmt: skip
 
-    def _run(self, batch: Batch, events: list[StepOutput]) -> None:
+    def _run(self, batch: Batch, events: list[StepOutput]) -> tuple[float, float]:
         """The step's forward (its prompt chunks and its decode rows: one ragged forward
         on a GPU, kvlm.engine.backends), then sampling. A failure ends only the request it
-        belongs to (the backend finds which)."""
+        belongs to (the backend finds which). Returns its seconds in the forward and in
+        scoring prompts (a slow step's log line)."""
         chunks = []
         for seq, n in batch.prefill:
             start = seq.num_computed
@@ -367,7 +365,7 @@ class Engine:
                                 scored and start + 1 < seq.num_prompt))  # fmt: skip
         t0 = time.perf_counter()
         out = self.backend.forward(chunks, batch.decode)
-        self._forward_seconds = time.perf_counter() - t0
+        forward_s, score_s = time.perf_counter() - t0, 0.0
         for chunk, logits, hint in zip(chunks, out.prefilled, out.prefill_argmax, strict=True):
             seq, n = chunk.seq, len(chunk.tokens)
             if seq.status is Status.FINISHED:  # its request failed earlier in this step
@@ -380,7 +378,7 @@ class Engine:
                     t0 = time.perf_counter()
                     logits = self._score_prompt(self.requests[seq.request_id], seq.num_computed,
                                                 logits)  # fmt: skip
-                    self._score_seconds += time.perf_counter() - t0
+                    score_s += time.perf_counter() - t0
                 except Exception as exc:
                     events += self._fail(seq.request_id, exc)
                     continue
@@ -395,6 +393,7 @@ class Engine:
                 self._finish_draft(seq, logits, events)
             else:
                 self._finish_forward(seq, 1, logits[0], events, hint)
+        return forward_s, score_s
 
     def _accept(self, seq: Sequence, token: int, logits: torch.Tensor) -> str:
         """Record a sampled token (its text, stop and max_tokens checks); "length" once the

@@ -50,8 +50,7 @@ def serve(
     app = create_app(engine, name, api_key, limits, tool_parser)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     # kvlm's own lines at the same level (info: the engine's longest steps, what they held)
-    logging.getLogger("kvlm").setLevel(logging.getLevelName(log_level.upper()) if
-                                       log_level.lower() != "trace" else logging.DEBUG)  # fmt: skip
+    logging.getLogger("kvlm").setLevel("DEBUG" if log_level == "trace" else log_level.upper())
     uv = uvicorn.Config(
         app,
         host=host,
