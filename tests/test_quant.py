@@ -651,6 +651,28 @@ def test_fused_attention_split_into_position_chunks_matches_the_torch_model(
     _assert_fused_tracks_torch(llm, default_model_path, "native", ids, 6, factor)
 
 
+def test_bf16_prefill_meets_a_bounded_set_of_gemm_shapes(monkeypatch):
+    """oneDNN keeps a JIT-compiled primitive for every GEMM shape it meets: prompt chunks of
+    every row count from 1 to 300 reach it padded to a multiple of 16 rows (a server under
+    varied load grew ~50 MiB a minute before), past 512 of a 16th of the power of two
+    below, with the rows' results held to bf16's bound as at any count."""
+    if kernels.library() is None:
+        pytest.skip("the tiles are the compiled path")
+    torch.manual_seed(5)
+    q = quant.quantize(torch.randn(48, 64), "q4")
+    x = torch.randn(300, 64)
+    xb, wb = x.bfloat16().float(), quant._dense_torch(q).bfloat16().float()
+    ref = xb @ wb.t()
+    bound = BF16_STEP * ref.abs() + product_bound(xb, wb).float()
+    rows, real = set(), torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda a, b: rows.add(a.shape[0]) or real(a, b))
+    for m in range(1, 301):
+        got = q.matmul(x[:m], prefill_bf16=True)
+        assert got.shape == (m, 48) and ((got - ref[:m]).abs() <= bound[:m]).all()
+    assert rows == set(range(16, 305, 16))
+    assert [quant.bf16_rows(m) for m in (511, 513, 1025, 2000)] == [512, 544, 1088, 2048]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_products_dequantize_in_bounded_tiles(monkeypatch, dtype):
     """The dense (prefill) product dequantizes the weight a tile at a time: its scratch

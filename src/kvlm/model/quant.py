@@ -69,6 +69,19 @@ PROMPT_ROWS = 512
 # The dense GEMM's weight is dequantized in tiles of at most this many weights (16 MiB of
 # fp32 scratch), not whole.
 TILE_WEIGHTS = 1 << 22
+# The bf16 GEMM (oneDNN) takes its rows padded with zero rows (`bf16_rows`): oneDNN builds
+# a primitive (JIT code, ~1 ms) for each shape it meets and keeps it, and a server whose
+# prompt chunks had any row count from 1 to 256 grew ~50 MiB a minute under load
+# (docs/BENCHMARKS.md 12.1). A multiple of BF16_ROWS (an AMX tile's rows: no extra tile
+# work) up to 16 * BF16_ROWS, then of a 16th of the power of two below: 16 shapes per
+# octave, at most 1/16 of the rows padding.
+BF16_ROWS = 16
+
+
+def bf16_rows(m: int) -> int:
+    """`m` rows padded for the bf16 GEMM (BF16_ROWS)."""
+    step = max(BF16_ROWS, 1 << max(0, m.bit_length() - 5))
+    return -(-m // step) * step
 
 
 class QuantWeight:
@@ -196,10 +209,15 @@ class QuantWeight:
         """x @ W^T through dense tiles of at most TILE_WEIGHTS weights in `dtype` (fp32
         accumulation): the prefill's scratch stays bounded whatever the weight (a 128k
         vocabulary projection would otherwise be dequantized whole: 1 GiB in fp32). The
-        tiles are fixed by the weight's shape, so a row's result does not depend on M."""
+        tiles are fixed by the weight's shape; bf16 rows are padded (`bf16_rows`)."""
         m, k = x.shape
-        y = torch.empty(m, self.out_features, dtype=torch.float32)
-        xd = x.to(dtype)
+        if dtype == torch.bfloat16 and bf16_rows(m) != m:  # 16 row counts an octave
+            xd = x.new_zeros(bf16_rows(m), k, dtype=dtype)
+            xd[:m] = x
+        else:
+            xd = x.to(dtype)
+        padded = xd.shape[0]
+        y = torch.empty(padded, self.out_features, dtype=torch.float32)
         col = 0
         for p in self.parts():
             blocks = p.data.shape[0]
@@ -214,7 +232,7 @@ class QuantWeight:
                 at = col + b0 * BLOCK_ROWS
                 y[:, at : at + rows] = torch.matmul(xd, w.t())
             col += p.out_features
-        return y
+        return y[:m]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows `ids` (any shape, values in [0, N)) dequantized to fp32,
@@ -252,14 +270,14 @@ class QuantWeight:
         The caller says how its rows are multiplied (kvlm.model.layers.Linear decides it by
         their role, prompt rows or decode rows, never by how many share the call, so that a
         row's numbers do not depend on its batch or on how a prompt was chunked):
-        `prefill_bf16`: in bf16 (inputs and weight rounded, fp32 accumulation; oneDNN with
-        AVX512-BF16 runs it ~2x faster than fp32, and each row's result is the same at any
-        M), a trade of exactness for TTFT. `act_int8`: x rounded to int8 per group of 32
-        (`round_activations`), integer products in the kernel at any row count (VNNI: on
-        AVX512-VNNI without AMX, as fast as oneDNN's bf16 GEMM and with no dequantized
-        tiles), a trade of exactness for speed: decode rows, and prompt rows with
-        --prefill-dtype int8. Neither: up to SMALL_M rows the C kernel, more a dense fp32
-        GEMM."""
+        `prefill_bf16`: in bf16 (inputs and weight rounded, fp32 accumulation, the result
+        rounded to bf16; oneDNN with AVX512-BF16 runs it ~2x faster than fp32; its kernels
+        differ by row count in the result's last bf16 bit), a trade of exactness for TTFT.
+        `act_int8`: x rounded to int8 per group of 32 (`round_activations`), integer
+        products in the kernel at any row count (VNNI: on AVX512-VNNI without AMX, as fast
+        as oneDNN's bf16 GEMM and with no dequantized tiles), a trade of exactness for
+        speed: decode rows, and prompt rows with --prefill-dtype int8. Neither: up to
+        SMALL_M rows the C kernel, more a dense fp32 GEMM."""
         m, k = x.shape
         numel = self.out_features * self.in_features
         if x.dtype == torch.float64:  # the reference: the same weights, fp64 sums
