@@ -670,7 +670,7 @@ def test_bf16_prefill_meets_a_bounded_set_of_gemm_shapes(monkeypatch):
         got = q.matmul(x[:m], prefill_bf16=True)
         assert got.shape == (m, 48) and ((got - ref[:m]).abs() <= bound[:m]).all()
     assert rows == set(range(16, 305, 16))
-    assert [quant.bf16_rows(m) for m in (511, 513, 1025, 2000)] == [512, 544, 1088, 2048]
+    assert [quant.onednn_rows(m) for m in (511, 513, 1025, 2000)] == [512, 544, 1088, 2048]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -15,13 +15,12 @@ from torch import nn
 from kvlm import kernels
 from kvlm.config import ModelConfig
 from kvlm.model.blas import openblas_available
-from kvlm.model.quant import FORMATS, QuantWeight, can_quantize, quantize
+from kvlm.model.quant import FORMATS, QuantWeight, can_quantize, onednn_rows, quantize
 
 # oneDNN picks its packed layout for this many rows; one packing serves any count.
 ONEDNN_BATCH_HINT = 64
-# Row counts oneDNN runs as they are (decode batches); larger ones are padded to buckets.
+# Row counts oneDNN runs as they are (decode batches); larger ones are padded (onednn_rows).
 ONEDNN_EXACT_ROWS = 16
-ONEDNN_ROW_BUCKET = 32
 
 
 _ROLE = threading.local()
@@ -115,11 +114,11 @@ class Linear(nn.Module):
     def _onednn(self, x: torch.Tensor, bias: torch.Tensor | str | None = "own") -> torch.Tensor:
         """oneDNN keeps a primitive (with its buffers) per row count it has seen, up to
         1,024 of them: a server feeding prompts of every length grew by ~0.8 MiB/s (RSS,
-        benchmarks/bench_serve.py soak). Row counts above ONEDNN_EXACT_ROWS are padded to
-        a multiple of ONEDNN_ROW_BUCKET, so the shapes, and that memory, stay few. A row's
+        benchmarks/bench_serve.py soak). Row counts above ONEDNN_EXACT_ROWS are padded
+        (kvlm.model.quant.onednn_rows), so the shapes, and that memory, stay few. A row's
         result does not depend on the rows beside it, so the padding changes no bit."""
         rows = x.numel() // self.in_features
-        pad = -rows % ONEDNN_ROW_BUCKET if rows > ONEDNN_EXACT_ROWS else 0
+        pad = onednn_rows(rows) - rows if rows > ONEDNN_EXACT_ROWS else 0
         if rows == 1 and x.dtype == torch.float32:
             pad = 1  # fp32: oneDNN's one-row kernel sums long rows (K > 1024) in another order
         # than its multi-row one; as two rows, one row gets the bits it gets in any batch

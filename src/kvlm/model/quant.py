@@ -69,18 +69,19 @@ PROMPT_ROWS = 512
 # The dense GEMM's weight is dequantized in tiles of at most this many weights (16 MiB of
 # fp32 scratch), not whole.
 TILE_WEIGHTS = 1 << 22
-# The bf16 GEMM (oneDNN) takes its rows padded with zero rows (`bf16_rows`): oneDNN builds
-# a primitive (JIT code, ~1 ms) for each shape it meets and keeps it, and a server whose
-# prompt chunks had any row count from 1 to 256 grew ~50 MiB a minute under load
-# (docs/BENCHMARKS.md 12.1). A multiple of BF16_ROWS (an AMX tile's rows: no extra tile
-# work) up to 16 * BF16_ROWS, then of a 16th of the power of two below: 16 shapes per
-# octave, at most 1/16 of the rows padding.
-BF16_ROWS = 16
+# oneDNN's products (the bf16 prompt GEMM here, kvlm.model.layers.Linear's packed fp32 and
+# bf16 weights) take their rows padded with zero rows (`onednn_rows`): oneDNN builds a
+# primitive (JIT code, ~1 ms) for each shape it meets and keeps up to 1,024 of them, and a
+# server whose prompt chunks had any row count from 1 to 256 grew ~50 MiB a minute under
+# load (docs/BENCHMARKS.md 12.1). A multiple of ONEDNN_ROWS (an AMX tile's rows: no extra
+# tile work) up to 16 * ONEDNN_ROWS, then of a 16th of the power of two below: 16 shapes
+# an octave, at most 1/16 of the rows padding.
+ONEDNN_ROWS = 16
 
 
-def bf16_rows(m: int) -> int:
-    """`m` rows padded for the bf16 GEMM (BF16_ROWS)."""
-    step = max(BF16_ROWS, 1 << max(0, m.bit_length() - 5))
+def onednn_rows(m: int) -> int:
+    """`m` rows padded for a oneDNN product (ONEDNN_ROWS)."""
+    step = max(ONEDNN_ROWS, 1 << max(0, m.bit_length() - 5))
     return -(-m // step) * step
 
 
@@ -209,10 +210,10 @@ class QuantWeight:
         """x @ W^T through dense tiles of at most TILE_WEIGHTS weights in `dtype` (fp32
         accumulation): the prefill's scratch stays bounded whatever the weight (a 128k
         vocabulary projection would otherwise be dequantized whole: 1 GiB in fp32). The
-        tiles are fixed by the weight's shape; bf16 rows are padded (`bf16_rows`)."""
+        tiles are fixed by the weight's shape; bf16 rows are padded (`onednn_rows`)."""
         m, k = x.shape
-        if dtype == torch.bfloat16 and bf16_rows(m) != m:  # 16 row counts an octave
-            xd = x.new_zeros(bf16_rows(m), k, dtype=dtype)
+        if dtype == torch.bfloat16 and onednn_rows(m) != m:  # 16 row counts an octave
+            xd = x.new_zeros(onednn_rows(m), k, dtype=dtype)
             xd[:m] = x
         else:
             xd = x.to(dtype)
