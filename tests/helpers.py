@@ -858,10 +858,14 @@ MIXED_ROWS = [
 
 def mixed_step(llm, one_forward: bool, seed: int = 0) -> list[torch.Tensor]:
     """Prefill what each sequence holds before MIXED_ROWS (a forward each), then run them as
-    one step (tests/test_one_forward.py): one ragged forward (`one_forward`), or the road
-    the engine's pool backend takes without it, a forward per chunk and one for the decode
-    rows; each row's logits."""
+    one engine step through the pool backend (kvlm.engine.backends.PoolBackend.forward,
+    tests/test_one_forward.py): one ragged forward (`one_forward`), or the road it takes
+    without one, a forward per chunk and one for the decode rows; each row's logits."""
+    from types import SimpleNamespace
+
     from kvlm.cache.paged import BlockPool
+    from kvlm.cache.prefix import BlockManager, BlockTable
+    from kvlm.engine.backends import Chunk, PoolBackend
     from kvlm.engine.runner import Batch
 
     spec = llm.cache_spec("paged")
@@ -878,24 +882,30 @@ def mixed_step(llm, one_forward: bool, seed: int = 0) -> list[torch.Tensor]:
                 [tokens[i][: held[i]]], pool=pool, spec=spec, tables=[tables[i]], starts=[0]
             )
             llm.runner.run(prefix)
-    rows = [tokens[s][p : p + n] for s, p, n, *_ in MIXED_ROWS]
-    row_tables = [tables[s] for s, *_ in MIXED_ROWS]
-    starts = [p for _, p, *_ in MIXED_ROWS]
-    if one_forward:
-        chunks, every = [r[3] for r in MIXED_ROWS], [r[4] for r in MIXED_ROWS]
-        batch = Batch(rows, pool=pool, spec=spec, tables=row_tables, starts=starts,
-                      chunks=chunks, every_row=every)  # fmt: skip
-        return llm.runner.run(batch)
-    out: list[torch.Tensor | None] = [None] * len(rows)
-    decode = [i for i, r in enumerate(MIXED_ROWS) if not r[3]]
-    for i, (*_, chunk, every) in enumerate(MIXED_ROWS):
+    # the step's sequences as the backend reads them: a chunk's start and table; a decode
+    # row's last token at num_computed, a sequence's further rows its draft
+    chunks, decoding = [], {}
+    for s, p, n, chunk, every in MIXED_ROWS:
         if chunk:
-            one = Batch([rows[i]], pool=pool, spec=spec, tables=[row_tables[i]],
-                        starts=[starts[i]], prompt=True, all_rows=every)  # fmt: skip
-            out[i] = llm.runner.run(one)[0]
-    together = Batch([rows[i] for i in decode], pool=pool, spec=spec,
-                     tables=[row_tables[i] for i in decode],
-                     starts=[starts[i] for i in decode])  # fmt: skip
-    for i, logits in zip(decode, llm.runner.run(together), strict=True):
-        out[i] = logits
-    return out
+            seq = SimpleNamespace(table=BlockTable(tables[s]), num_computed=p)
+            chunks.append(Chunk(seq, tokens[s][p : p + n], every))
+            continue
+        seq = decoding.setdefault(s, SimpleNamespace(
+            table=BlockTable(tables[s]), num_computed=p, token_ids=tokens[s][: p + 1], draft=[]
+        ))  # fmt: skip
+        if p > seq.num_computed:
+            seq.draft.append(tokens[s][p])
+    backend = PoolBackend(llm.runner, BlockManager(pool, prefix_caching=False), spec)
+    saved, llm.runner.one_forward = llm.runner.one_forward, one_forward
+    try:
+        assert llm.runner.ragged_steps() == one_forward, "its rows cannot share one forward"
+        out = backend.forward(chunks, list(decoding.values()))
+    finally:
+        llm.runner.one_forward = saved
+    results = [*out.prefilled, *out.decoded]
+    bad = [r for r in results if isinstance(r, Exception)]
+    if bad:
+        raise bad[0]
+    prefilled, decoded = iter(out.prefilled), dict(zip(decoding, out.decoded, strict=True))
+    return [next(prefilled) if chunk else decoded[s][p - decoding[s].num_computed]
+            for s, p, _, chunk, _ in MIXED_ROWS]  # fmt: skip
