@@ -4,8 +4,6 @@ fast path holds greedy decoding to the fp32 reference by the top-5 rule."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -187,23 +185,20 @@ def test_a_near_tie_follows_the_top5_rule(fast, exact):
 
 
 @pytest.mark.slow
-def test_cli_exact_and_default(default_model_path):
+def test_cli_exact_and_default(default_model_path, capsys):
+    """`kvlm generate`'s own main, as a shell runs it, in process."""
+    from kvlm.cli import main
+
     def run(*flags):
-        out = subprocess.run(
-            [sys.executable, "-m", "kvlm.cli", "generate", "Hi", "--max-new-tokens", "2", "--json",
-             *flags],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
-        return json.loads(out.stdout)
+        assert main(["generate", "Hi", "--max-new-tokens", "2", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
 
     fast, ref = run(), run("--exact")
     assert fast["weights"] == "native" and ref["weights"] == "fp32"
     assert ref["activations"] == "fp32" and ref["prefill_dtype"] == "fp32"
-    bad = subprocess.run(
-        [sys.executable, "-m", "kvlm.cli", "generate", "Hi", "--exact", "--weights", "int8"],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert bad.returncode != 0 and "exact" in bad.stderr and "Traceback" not in bad.stderr
+    assert main(["generate", "Hi", "--exact", "--weights", "int8"]) != 0
+    err = capsys.readouterr().err
+    assert "exact" in err and "Traceback" not in err
 
 
 def test_rows_take_the_numerics_of_their_role_not_of_their_count(monkeypatch):

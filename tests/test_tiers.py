@@ -369,11 +369,10 @@ def test_kvlm_serve_restarted_on_a_disk_tier_answers_from_it(tmp_path):
         ("key-alone", "--kv-tier-key signs KV tier records: it needs --kv-tier"),
     ],
 )
-def test_kvlm_serve_refuses_a_bad_tier_before_loading(tmp_path, case, message):
+def test_kvlm_serve_refuses_a_bad_tier_before_loading(tmp_path, capsys, case, message):
     """One line on stderr, no traceback, before the model loads (the model named does not
-    even exist)."""
-    import subprocess
-    import sys
+    even exist). In process: `kvlm serve`'s own main, as a shell runs it."""
+    from kvlm.cli import main
 
     tier, key = tmp_path / "tier", tmp_path / "tier.key"
     tier.mkdir(mode=0o700)
@@ -390,13 +389,10 @@ def test_kvlm_serve_refuses_a_bad_tier_before_loading(tmp_path, case, message):
         tier.chmod(0o757)
     if case == "loose-key":
         key.chmod(0o644)
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvlm.cli", "serve", "--model", str(tmp_path / "none.gguf"),
-         *args], capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode != 0
-    assert message in proc.stderr
-    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert main(["serve", "--model", str(tmp_path / "none.gguf"), *args]) != 0
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
 
 
 # ---------------------------------------------------------------- hostile tiers
