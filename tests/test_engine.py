@@ -3,6 +3,8 @@ alone; prefix reuse, preemption, chunked prefill, fan-out and abort keep that tr
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from helpers import break_sampler, fail_schedule_at, low_bit_llm
@@ -336,6 +338,7 @@ def test_a_step_longer_than_any_before_says_what_it_held(tiny, monkeypatch, capl
 
     monkeypatch.setattr(engine_module, "SLOW_STEP_S", 0.0)
     engine = Engine(tiny, EngineConfig(num_blocks=64))
+    assert engine_module.GC_TIME._callback in gc.callbacks  # watched from an engine's start
     from kvlm.engine.guided import Guide
 
     scored = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)

@@ -83,9 +83,11 @@ class KvlmReplica:
     def __init__(self, args: argparse.Namespace) -> None:
         from kvlm.engine.async_engine import AsyncEngine
         from kvlm.engine.engine import Engine
+        from kvlm.server import log_to_stderr
         from kvlm.server.app import create_app
         from kvlm.server.config import serve_config, serve_model
 
+        log_to_stderr(args.log_level)
         self.engine: AsyncEngine | None = None  # until the model has loaded
         config, limits = serve_config(args)
         llm = serve_model(args)

@@ -169,6 +169,7 @@ class Engine:
         self.stats = EngineStats()
         self.last_error: Exception | None = None
         self.last_batch: Batch | None = None  # what the latest step ran
+        GC_TIME.watch()  # a slow step's log line says how much of it was collection
 
     def _pool_backend(self, llm: ServedModel) -> PoolBackend:
         # the LLM's K/V storage: --kv int8 stores int8 whatever --kv-dtype says

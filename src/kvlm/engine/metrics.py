@@ -11,12 +11,16 @@ class _GCTime:
     """Seconds Python's garbage collector has run in this process, all threads together
     (a collection holds the GIL: every Python thread, the engine's too, waits for it).
     One collection runs at a time (CPython's `collecting` flag), so start and stop pair
-    up without a lock."""
+    up without a lock. Counted from the first engine's start (`watch`): importing kvlm
+    adds nothing to a library user's collections."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self._start: float | None = None
-        gc.callbacks.append(self._callback)
+
+    def watch(self) -> None:
+        if self._callback not in gc.callbacks:
+            gc.callbacks.append(self._callback)
 
     def _callback(self, phase: str, _info: dict) -> None:
         if phase == "start":

@@ -24,6 +24,14 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 HTTP_STOP_S = 1
 
 
+def log_to_stderr(log_level: str) -> None:
+    """kvlm's own lines at `log_level` (info: the engine's longest steps and what they
+    held), other libraries' at warning, on stderr: `kvlm serve`, and each replica of
+    `kvlm serve --replicas` (Ray hands a replica's stderr on to the driver's output)."""
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("kvlm").setLevel("DEBUG" if log_level == "trace" else log_level.upper())
+
+
 def serve(
     llm: LLM,
     config: EngineConfig,
@@ -48,9 +56,7 @@ def serve(
     engine = AsyncEngine(Engine(llm, config))
     name = model_name or llm.model_name
     app = create_app(engine, name, api_key, limits, tool_parser)
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    # kvlm's own lines at the same level (info: the engine's longest steps, what they held)
-    logging.getLogger("kvlm").setLevel("DEBUG" if log_level == "trace" else log_level.upper())
+    log_to_stderr(log_level)
     uv = uvicorn.Config(
         app,
         host=host,
