@@ -449,7 +449,9 @@ def test_kv_passes_on_a_busy_replicas_503_and_its_retry_after(port, client, mode
     """A replica whose engine stays busy past --engine-wait answers /v1/kv 503 with
     Retry-After; the ingress passes both on (it used to drop the header)."""
     auth = {"Authorization": f"Bearer {KEY}"}
-    long = "Blocks and more blocks, one after another. " * 40  # ~400 tokens of prefill
+    # ~900 tokens of prefill: four chunks, each step past --engine-wait (a 400-token prompt
+    # was done after two polls on a fast CPU)
+    long = "Blocks and more blocks, one after another. " * 90
     with ThreadPoolExecutor(1) as pool:
         busy = pool.submit(complete, client, model, prompt=long, max_tokens=1)
         seen = []
