@@ -79,7 +79,7 @@ def test_a_restarted_engine_loads_the_prompt_from_disk(tiny, tmp_path):
     assert second.stats.prefill_tokens == len(PROMPT) - 96
     disk = second.tiers.stats["disk"]
     assert (disk.hits, disk.misses, disk.refused) == (6, 0, 0)
-    text = render_metrics(_Async(second))
+    text = _metrics(second)
     assert 'kvlm_kv_tier_hits_total{tier="disk"} 6' in text
     assert 'kvlm_kv_tier_up{tier="disk"} 1' in text
     second.close()
@@ -265,7 +265,7 @@ def test_redis_is_shared_by_two_engines_and_survives_going_down(tiny, monkeypatc
         stats = three.tiers.stats["redis"]
         assert stats.errors >= 1 and stats.hits == 0
         assert "KV tier redis failed" in caplog.text
-        assert 'kvlm_kv_tier_errors_total{tier="redis"}' in render_metrics(_Async(three))
+        assert 'kvlm_kv_tier_errors_total{tier="redis"}' in _metrics(three)
         redis.start()  # back: the next request asks it again (RETRY_S is 0 here)
         got, cached = run(three, {"c": PROMPT})
         assert got["c"] == want["a"]
@@ -308,12 +308,9 @@ def test_bad_tier_specs_are_refused_clearly(spec, message):
         parse_tier(spec)
 
 
-class _Async:
-    """What render_metrics reads off an AsyncEngine, for an engine stepped here."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.num_requests = 0
+def _metrics(engine: Engine) -> str:
+    """/metrics of an engine stepped here (AsyncEngine.metrics() adds what its loop holds)."""
+    return render_metrics(engine.snapshot() | {"requests_held": 0})
 
 
 # ---------------------------------------------------------------- kvlm serve
@@ -487,7 +484,7 @@ def test_records_forged_for_the_victims_prompt_are_refused(tiny, tmp_path, kind,
         assert got == cold and cached == {"v": 0}
         stats = victim.tiers.stats[kind]
         assert (stats.refused, stats.hits, stats.up) == (6, 0, True)
-        assert f'kvlm_kv_tier_refused_total{{tier="{kind}"}} 6' in render_metrics(_Async(victim))
+        assert f'kvlm_kv_tier_refused_total{{tier="{kind}"}} 6' in _metrics(victim)
         victim.close()
 
 
@@ -720,7 +717,7 @@ def test_a_trickling_redis_costs_its_deadline_not_a_frozen_engine(tiny, caplog):
             assert (stats.timeouts, stats.up) == (1, False)
             assert warnings_of(caplog, "redis") == 1
             assert "6 lookups within its deadline (0.50 s)" in caplog.text
-            text = render_metrics(_Async(slow))
+            text = _metrics(slow)
             assert 'kvlm_kv_tier_up{tier="redis"} 0' in text
             assert 'kvlm_kv_tier_timeouts_total{tier="redis"} 1' in text
             slow.close()

@@ -121,6 +121,11 @@ class AsyncEngine:
     def num_requests(self) -> int:
         return len(self._streams)
 
+    def metrics(self) -> dict:
+        """The engine's snapshot (Engine.snapshot: plain values, read while it may be
+        stepping, each a number it wrote whole) and the requests this loop holds."""
+        return self.engine.snapshot() | {"requests_held": self.num_requests}
+
     # ------------------------------------------------------------------ the loop's side
 
     async def generate(

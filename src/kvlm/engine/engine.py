@@ -585,9 +585,13 @@ class Engine:
         view["waiting"] = len(self.scheduler.waiting)
         return view
 
-    def snapshot(self) -> dict[str, float]:
-        """Gauges and counters for /metrics."""
-        s, pool = self.scheduler, self.pool
+    def snapshot(self) -> dict:
+        """What /metrics reports, as plain values (kvlm.server.metrics renders them): the
+        scheduler's and the pool's gauges, the engine's counters (EngineStats) and
+        speculative decoding's, the time-to-first-token histogram, and each KV tier's
+        counters (`tiers`: None without tiers)."""
+        s, pool, stats, tiers = self.scheduler, self.pool, self.stats, self.tiers
+        spec = stats.spec
         return {
             "running": len(s.running),
             "waiting": len(s.waiting),
@@ -599,7 +603,26 @@ class Engine:
             "prefix_hit_rate": self.manager.stats.hit_rate,
             "prefix_evictions": pool.prefix.evictions,
             "preemptions": s.preemptions,
-        }
+            **{key: getattr(stats, key) for key in _STATS_SERIES},
+            "tokens_per_s": stats.tokens_per_s(),
+            "spec_drafted": spec.drafted,
+            "spec_accepted": spec.accepted,
+            "spec_acceptance": spec.acceptance,
+            "spec_tokens_per_forward": spec.tokens_per_forward,
+            "ttft_counts": list(stats.ttft_counts),
+            "ttft_sum": stats.ttft_sum,
+            "ttft_count": stats.ttft_count,
+            "tiers": None if tiers is None else {
+                name: dataclasses.asdict(st) for name, st in tiers.stats.items()
+            },
+            "tier_dropped_writes": 0 if tiers is None else tiers.dropped,
+        }  # fmt: skip
+
+
+# EngineStats' counters that /metrics reports as they are (Engine.snapshot)
+_STATS_SERIES = ("requests_added", "requests_finished", "aborted", "errors", "steps",
+                 "step_seconds", "step_seconds_max", "prefill_tokens",
+                 "generated_tokens")  # fmt: skip
 
 
 __all__ = ["Engine", "EngineConfig", "ModelInfo", "QueueFullError", "StepOutput"]

@@ -173,7 +173,8 @@ def _status_routes(
                    **openapi.errors(401)},
     )  # fmt: skip
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(render_metrics(s.engine), media_type="text/plain; version=0.0.4")
+        text = render_metrics(s.engine.metrics())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @v1.get("/models", responses={200: {"model": openapi.ModelList}, **openapi.errors(401)})
     async def models() -> dict:

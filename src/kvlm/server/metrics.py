@@ -3,10 +3,9 @@ counters and one histogram do not need a client library."""
 
 from __future__ import annotations
 
-from kvlm.engine.async_engine import AsyncEngine
 from kvlm.engine.metrics import TTFT_BUCKETS
 
-# (name, type, help, key): key in Engine.snapshot(), or an EngineStats attribute.
+# (name, type, help, key): key in Engine.snapshot() (AsyncEngine.metrics()).
 _SERIES = [
     ("requests_running", "gauge", "Sequences holding cache blocks.", "running"),
     ("requests_waiting", "gauge", "Sequences queued for admission.", "waiting"),
@@ -30,18 +29,8 @@ _SERIES = [
 ]
 
 
-def render_metrics(engine: AsyncEngine) -> str:
-    eng = engine.engine
-    snap, stats = eng.snapshot(), eng.stats
-    spec = stats.spec
-    values = snap | {
-        "requests_held": engine.num_requests,
-        "tokens_per_s": stats.tokens_per_s(),
-        "spec_drafted": spec.drafted,
-        "spec_accepted": spec.accepted,
-        "spec_acceptance": spec.acceptance,
-        "spec_tokens_per_forward": spec.tokens_per_forward,
-    }
+def render_metrics(values: dict) -> str:
+    """/metrics from AsyncEngine.metrics(): the engine's snapshot and the requests held."""
     series = [
         *_SERIES,
         ("requests_held", "gauge", "Requests accepted and not finished.", "requests_held"),
@@ -54,22 +43,21 @@ def render_metrics(engine: AsyncEngine) -> str:
     ]  # fmt: skip
     lines: list[str] = []
     for name, kind, help_, key in series:
-        value = values[key] if key in values else getattr(stats, key)
-        lines += [*_head(f"kvlm_{name}", kind, help_), f"kvlm_{name} {value:g}"]
+        lines += [*_head(f"kvlm_{name}", kind, help_), f"kvlm_{name} {values[key]:g}"]
 
-    lines += _tier_lines(eng)
+    lines += _tier_lines(values["tiers"], values["tier_dropped_writes"])
 
     name = "kvlm_time_to_first_token_seconds"
     lines += _head(name, "histogram", "Time from arrival to first token.")
-    for bound, count in zip(TTFT_BUCKETS, stats.ttft_counts, strict=True):
+    for bound, count in zip(TTFT_BUCKETS, values["ttft_counts"], strict=True):
         lines.append(f'{name}_bucket{{le="{bound:g}"}} {count}')
-    lines.append(f'{name}_bucket{{le="+Inf"}} {stats.ttft_count}')
-    lines.append(f"{name}_sum {stats.ttft_sum:g}")
-    lines.append(f"{name}_count {stats.ttft_count}")
+    lines.append(f'{name}_bucket{{le="+Inf"}} {values["ttft_count"]}')
+    lines.append(f"{name}_sum {values['ttft_sum']:g}")
+    lines.append(f"{name}_count {values['ttft_count']}")
     return "\n".join(lines) + "\n"
 
 
-# (name, type, help, TierStats attribute): one series per tier, labelled tier="disk" etc.
+# (name, type, help, TierStats field): one series per tier, labelled tier="disk" etc.
 _TIER_SERIES = [
     ("kv_tier_hits_total", "counter", "Blocks loaded from the tier.", "hits"),
     ("kv_tier_misses_total", "counter", "Blocks asked of the tier and not there.", "misses"),
@@ -89,23 +77,23 @@ _TIER_LATENCY = [
 ]  # fmt: skip
 
 
-def _tier_lines(eng) -> list[str]:
-    tiers = eng.tiers
+def _tier_lines(tiers: dict[str, dict] | None, dropped: int) -> list[str]:
+    """Each tier's series, labelled by name: `tiers` maps a tier to its TierStats' fields."""
     if tiers is None:
         return []
     lines: list[str] = []
     for name, kind, help_, key in _TIER_SERIES:
         lines += _head(f"kvlm_{name}", kind, help_)
-        for tier, stats in tiers.stats.items():
-            lines.append(f'kvlm_{name}{{tier="{tier}"}} {float(getattr(stats, key)):g}')
+        for tier, stats in tiers.items():
+            lines.append(f'kvlm_{name}{{tier="{tier}"}} {float(stats[key]):g}')
     for name, help_, total, count in _TIER_LATENCY:
         lines += _head(f"kvlm_{name}", "summary", help_)
-        for tier, stats in tiers.stats.items():
-            lines.append(f'kvlm_{name}_sum{{tier="{tier}"}} {getattr(stats, total):g}')
-            lines.append(f'kvlm_{name}_count{{tier="{tier}"}} {getattr(stats, count)}')
+        for tier, stats in tiers.items():
+            lines.append(f'kvlm_{name}_sum{{tier="{tier}"}} {stats[total]:g}')
+            lines.append(f'kvlm_{name}_count{{tier="{tier}"}} {stats[count]}')
     name = "kvlm_kv_tier_dropped_writes_total"
     lines += _head(name, "counter", "Block writes dropped: the writer's queue was full.")
-    return [*lines, f"{name} {tiers.dropped}"]
+    return [*lines, f"{name} {dropped}"]
 
 
 def _head(name: str, kind: str, help_: str) -> list[str]:
