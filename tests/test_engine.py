@@ -374,3 +374,24 @@ def test_a_running_engine_loop_takes_the_gil_back_within_half_a_millisecond(tiny
     finally:
         aeng.stop()
         sys.setswitchinterval(before)
+
+
+def test_a_conversation_cache_is_reused_only_under_its_salt(tiny):
+    """An engine over one cache with `reuse` (a conversation's) starts a request from the
+    K/V the cache holds only if it carries the cache_salt they were computed under."""
+    engine = tiny.cache_engine(tiny.new_cache("contiguous"), reuse=True)
+    ids = tiny.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    def cached(rid: str, salt: str | None) -> int:
+        engine.add_request(rid, ids, params, cache_salt=salt)
+        seen = 0
+        while engine.has_work():
+            seen = max([seen, *(ev.cached_tokens for ev in engine.step())])
+        return seen
+
+    assert cached("a", "tenant-a") == 0
+    assert cached("b", "tenant-a") == len(ids) - 1  # all but the fed last token
+    assert cached("c", "tenant-b") == 0  # another tenant's K/V are not served
+    assert cached("d", None) == 0
+    assert cached("e", None) == len(ids) - 1

@@ -197,8 +197,9 @@ class CacheManager:
     the samples it forks into in rows 1.. (the cache forks when they first decode).
 
     `reuse`: a request starts from what the cache holds (a conversation's earlier turns;
-    the caller rolls the cache back to the prefix its prompt shares). Else the cache is
-    emptied for every request."""
+    the caller rolls the cache back to the prefix its prompt shares), if it carries the
+    `cache_salt` the held prefix was computed under. Else the cache is emptied for every
+    request."""
 
     block_size = 1  # the scheduler's unit of growth: a token
 
@@ -207,6 +208,7 @@ class CacheManager:
         self.reuse = reuse
         self.rows = 0  # rows handed out to the running request (0: the cache is free)
         self.live = 0  # of those, not freed yet
+        self.salt: str | None = None  # the cache_salt of the request whose K/V it holds
         self.stats = PrefixStats()
 
     def fetch(self, tokens: Seq[int], salt: str | None = None) -> int:
@@ -217,10 +219,11 @@ class CacheManager:
 
     def allocate(self, tokens: Seq[int], salt=None, reuse: bool = True) -> tuple[BlockTable, int]:
         cache = self.cache
-        if not (self.reuse and reuse) or cache.batch != 1:
+        if not (self.reuse and reuse) or cache.batch != 1 or salt != self.salt:
             cache.free()  # one empty sequence (a fork may have left n)
         elif cache.num_tokens >= len(tokens):
             cache.rollback(cache.num_tokens - len(tokens) + 1)  # the last token is fed
+        self.salt = salt
         self.rows = self.live = 1
         cached = cache.num_tokens if cache.mode != "off" else 0
         self.stats.queries += len(tokens)
