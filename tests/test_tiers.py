@@ -23,6 +23,7 @@ from kvlm.cache.paged import ALL, BlockPool
 from kvlm.cache.prefix import BlockManager, block_key, root_key
 from kvlm.cache.tier_key import load_tier_key
 from kvlm.cache.tiers import DiskTier, KVTiers, check_digests, parse_tier
+from kvlm.engine.async_engine import AsyncEngine
 from kvlm.engine.engine import Engine, EngineConfig
 from kvlm.errors import InvalidRequestError
 from kvlm.server.metrics import render_metrics
@@ -309,8 +310,8 @@ def test_bad_tier_specs_are_refused_clearly(spec, message):
 
 
 def _metrics(engine: Engine) -> str:
-    """/metrics of an engine stepped here (AsyncEngine.metrics() adds what its loop holds)."""
-    return render_metrics(engine.snapshot() | {"requests_held": 0})
+    """/metrics of an engine stepped here, read as the server reads it (a loop not started)."""
+    return render_metrics(AsyncEngine(engine).metrics())
 
 
 # ---------------------------------------------------------------- kvlm serve

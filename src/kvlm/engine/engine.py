@@ -564,25 +564,18 @@ class Engine:
             {names[s.seq_id]: s.table.blocks for s in seqs},
             {names[s.seq_id]: s.num_computed for s in seqs},
         )
-        stats = self.manager.stats
         view["sequences"] = [
             {"id": names[s.seq_id], "request_id": s.request_id, "index": s.index,
              "tokens": s.num_computed, "cached_tokens": s.num_cached, "blocks": s.table.blocks}
             for s in seqs
         ]  # fmt: skip
-        view["prefix_cache"] = {
-            "queries": stats.queries,
-            "hits": stats.hits,
-            "hit_rate": stats.hit_rate,
-            "evictions": self.pool.prefix.evictions,
-        }
-        tiers = self.tiers
-        view["tiers"] = {} if tiers is None else {
-            name: dataclasses.asdict(st) | {"dropped_writes": tiers.dropped}
-            for name, st in tiers.stats.items()
-        }  # fmt: skip
+        snap = self.snapshot()
+        view["prefix_cache"] = {k: snap[f"prefix_{k}"]
+                                for k in ("queries", "hits", "hit_rate", "evictions")}  # fmt: skip
+        view["tiers"] = {name: st | {"dropped_writes": snap["tier_dropped_writes"]}
+                         for name, st in (snap["tiers"] or {}).items()}  # fmt: skip
         view["dtype"] = dtype_name(self.pool.store.dtype)
-        view["waiting"] = len(self.scheduler.waiting)
+        view["waiting"] = snap["waiting"]
         return view
 
     def snapshot(self) -> dict:
@@ -603,26 +596,19 @@ class Engine:
             "prefix_hit_rate": self.manager.stats.hit_rate,
             "prefix_evictions": pool.prefix.evictions,
             "preemptions": s.preemptions,
-            **{key: getattr(stats, key) for key in _STATS_SERIES},
+            **{f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)
+               if type(getattr(stats, f.name)) in (int, float)},  # the counters
             "tokens_per_s": stats.tokens_per_s(),
             "spec_drafted": spec.drafted,
             "spec_accepted": spec.accepted,
             "spec_acceptance": spec.acceptance,
             "spec_tokens_per_forward": spec.tokens_per_forward,
             "ttft_counts": list(stats.ttft_counts),
-            "ttft_sum": stats.ttft_sum,
-            "ttft_count": stats.ttft_count,
             "tiers": None if tiers is None else {
                 name: dataclasses.asdict(st) for name, st in tiers.stats.items()
             },
             "tier_dropped_writes": 0 if tiers is None else tiers.dropped,
         }  # fmt: skip
-
-
-# EngineStats' counters that /metrics reports as they are (Engine.snapshot)
-_STATS_SERIES = ("requests_added", "requests_finished", "aborted", "errors", "steps",
-                 "step_seconds", "step_seconds_max", "prefill_tokens",
-                 "generated_tokens")  # fmt: skip
 
 
 __all__ = ["Engine", "EngineConfig", "ModelInfo", "QueueFullError", "StepOutput"]

@@ -212,12 +212,12 @@ class QuantWeight:
         vocabulary projection would otherwise be dequantized whole: 1 GiB in fp32). The
         tiles are fixed by the weight's shape; bf16 rows are padded (`onednn_rows`)."""
         m, k = x.shape
-        if dtype == torch.bfloat16 and onednn_rows(m) != m:  # 16 row counts an octave
-            xd = x.new_zeros(onednn_rows(m), k, dtype=dtype)
-            xd[:m] = x
-        else:
+        padded = onednn_rows(m) if dtype == torch.bfloat16 else m  # 16 row counts an octave
+        if padded == m:
             xd = x.to(dtype)
-        padded = xd.shape[0]
+        else:
+            xd = x.new_zeros(padded, k, dtype=dtype)
+            xd[:m] = x
         y = torch.empty(padded, self.out_features, dtype=torch.float32)
         col = 0
         for p in self.parts():
