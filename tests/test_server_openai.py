@@ -195,6 +195,10 @@ def test_the_response_shape(client, model):
             max_tokens=4,
             stream=True,
             stream_options={"include_usage": True},
+            # exactly 4 tokens: this request is a prefix-cache hit of the one above, and on
+            # a CPU whose prompt products are oneDNN's bf16 (AMX) a hit can change a later
+            # greedy token (DESIGN.md, model/quant.py), so EOS may come at another step
+            extra_body={"ignore_eos": True},
         )
     )
     assert {c.object for c in chunks} == {"chat.completion.chunk"}
