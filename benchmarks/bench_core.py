@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from kvlm import LLM, SamplingParams
+from kvlm.bench.child import _Clock
 from kvlm.loading.default import default_model_path
 
 TEXT = (
@@ -56,23 +57,6 @@ def kvlm_run(llm: LLM, ids: list[int], new: int) -> dict:
         "decode_tok_s": out.metrics.decode_tokens_per_s,
         "token_ids": out.token_ids,
     }
-
-
-class _Clock:
-    """A transformers streamer that timestamps every generated token."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.seen_prompt = False
-
-    def put(self, value) -> None:
-        if not self.seen_prompt:  # the first put is the prompt
-            self.seen_prompt = True
-            return
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
 
 
 def hf_run(model, ids: list[int], new: int) -> dict:

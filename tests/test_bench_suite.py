@@ -65,7 +65,7 @@ def test_rounds_merge_into_medians_and_the_largest_peak():
 def test_a_failing_engine_costs_its_row_only(tmp_path):
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps([1, 2, 3]))
-    row = suite.run_child("kvlm", tmp_path / "missing.gguf", str(ids), 4, 1, 1, timeout=120)
+    row = suite.run_child("kvlm", tmp_path / "missing.gguf", str(ids), 4, 1, timeout=120)
     assert row["engine"] == "kvlm" and "model not found" in row["error"]
 
 

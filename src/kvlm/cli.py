@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvlm.errors import KvlmError
-from kvlm.settings import model_from_args, speculative_from_args
+from kvlm.errors import InvalidRequestError, KvlmError
+from kvlm.settings import model_from_args, speculative_from_args, table
 
 EXIT_USER_ERROR = 2
 # Spelled out rather than imported from kvlm.cache, which pulls in torch: `kvlm --help`
@@ -309,8 +310,8 @@ def reference() -> str:
             command.format_usage().strip(),
             "```",
             "",
+            *table("argument | default | what it does", "lll"),
         ]
-        out += ["| argument | default | what it does |", "| --- | --- | --- |"]
         formatter = command._get_formatter()
         for action in command._actions:
             if isinstance(action, argparse._HelpAction):
@@ -454,17 +455,9 @@ def _load(args: argparse.Namespace, **settings: Any):
 def _params(args: argparse.Namespace, n: int = 1):
     from kvlm.engine.sampling import SamplingParams
 
-    return SamplingParams(
-        max_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-        logprobs=args.logprobs,
-        n=n,
-    )
+    names = ("temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "logprobs")
+    flags = {k: getattr(args, k) for k in names}
+    return SamplingParams(max_tokens=args.max_new_tokens, n=n, **flags)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -473,19 +466,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if params.n > 1 and (args.save_cache or args.load_cache):
         raise KvlmError("--save-cache/--load-cache continue one conversation: use -n 1")
     llm = _load(args, speculative=speculative_from_args(args))
-    use_chat = args.chat and llm.tokenizer.chat_template is not None
+    use_chat = _use_chat(args, llm)
     if args.save_cache or args.load_cache:
-        session = llm.chat_session(params, system=args.system, use_template=use_chat)
-        if args.load_cache:
-            session.load(args.load_cache, llm.fingerprint)
+        session = _session(args, llm, params)
         turn, cache = session.send(prompt), session.cache
     else:
         ids = llm.encode(prompt, chat=use_chat, system=args.system)
         turn, cache = llm.stream(ids, params, prompt=prompt), llm.cache
-    for delta in turn:
-        if not args.json:
-            sys.stdout.write(delta)
-            sys.stdout.flush()
+    _show(turn, not args.json)
     if args.save_cache:
         session.save(args.save_cache, llm.fingerprint)
     out = turn.output
@@ -539,12 +527,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     params = _params(args)
     spec = speculative_from_args(args)
     llm = _load(args, speculative=spec)  # each session's turns decode speculatively
-    use_chat = args.chat and llm.tokenizer.chat_template is not None
-    if args.chat and not use_chat:
+    if args.chat and not _use_chat(args, llm):
         raise KvlmError("this model has no chat template; use `kvlm chat --no-chat`")
-    session = llm.chat_session(params, system=args.system, use_template=use_chat)
-    if args.load_cache:
-        session.load(args.load_cache, llm.fingerprint)
+    session = _session(args, llm, params)
     print(f"kvlm chat: {llm.model_name} (kv {llm.kv_mode}). /reset clears, Ctrl-D quits.")
     while True:
         try:
@@ -553,17 +538,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print()
             return 0
         if line.strip() == "/reset":
-            session = llm.chat_session(params, system=args.system, use_template=use_chat)
+            session = _session(args, llm, params, load=False)
             continue
         if not line.strip():
             continue
         turn = session.send(line)
-        try:
-            for delta in turn:
-                sys.stdout.write(delta)
-                sys.stdout.flush()
-        except KeyboardInterrupt:
-            pass  # stop this reply, keep the conversation
+        with contextlib.suppress(KeyboardInterrupt):  # stop this reply, keep the conversation
+            _show(turn)
         print()
         print(_summary(turn.output, llm.kv_mode, session.cache), file=sys.stderr)
         if spec is not None:
@@ -572,14 +553,34 @@ def cmd_chat(args: argparse.Namespace) -> int:
             session.save(args.save_cache, llm.fingerprint)
 
 
+def _use_chat(args: argparse.Namespace, llm: Any) -> bool:
+    """--chat, where the model has a chat template."""
+    return args.chat and llm.tokenizer.chat_template is not None
+
+
+def _session(args: argparse.Namespace, llm: Any, params: Any, load: bool = True) -> Any:
+    """A conversation in the chat template where _use_chat, resumed from --load-cache
+    (unless not `load`: /reset starts an empty one)."""
+    session = llm.chat_session(params, system=args.system, use_template=_use_chat(args, llm))
+    if load and args.load_cache:
+        session.load(args.load_cache, llm.fingerprint)
+    return session
+
+
+def _show(turn: Any, show: bool = True) -> None:
+    """Run the turn, printing its text as it comes (unless not `show`)."""
+    for delta in turn:
+        if show:
+            print(delta, end="", flush=True)
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from kvlm.engine.verify import verify_mode
 
     if args.max_new_tokens < 1:
         raise KvlmError("--max-new-tokens must be >= 1")
     llm = _load(args)
-    use_chat = args.chat and llm.tokenizer.chat_template is not None
-    ids = llm.encode(args.prompt, chat=use_chat, system=args.system)
+    ids = llm.encode(args.prompt, chat=_use_chat(args, llm), system=args.system)
     result = verify_mode(llm, ids, args.kv, args.max_new_tokens)
     if args.json:
         print(json.dumps({"model": llm.model_name, **result.to_dict()}))
@@ -643,6 +644,7 @@ def _memory_plot(path: str, name: str, p: Any, rows: list[dict]) -> None:
 def _memory_report(name: str, p: Any, rows: list[dict]) -> str:
     fits = "?" if p.sequences_in_budget is None else f"{p.sequences_in_budget:,}"
     budget = "unknown (pass --budget)" if p.budget_bytes is None else _mib(p.budget_bytes)
+    head = f"mode | kv dtype | bytes/token | total for {p.batch} x {p.context:,} tokens"
     lines = [
         f"{name}: --kv {p.mode} ({p.kv_dtype}), context {p.context:,} tokens, batch {p.batch}",
         f"  bytes per token     {p.bytes_per_token:,}",
@@ -651,8 +653,7 @@ def _memory_report(name: str, p: Any, rows: list[dict]) -> str:
         f"  weights             {_mib(p.weight_bytes)}",
         f"  budget              {budget}: {fits} sequences of {p.context:,} tokens",
         "",
-        f"| mode | kv dtype | bytes/token | total for {p.batch} x {p.context:,} tokens |",
-        "| --- | --- | ---: | ---: |",
+        *table(head, "llrr"),
     ]
     lines += [
         f"| {r['mode']} | {r['kv_dtype']} | {r['bytes_per_token']:,} | {_mib(r['total_bytes'])} |"
@@ -666,7 +667,6 @@ def _mib(n: int) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvlm.errors import InvalidRequestError
     from kvlm.server import exit_now, serve
 
     if not 0 < args.port < 65536:
@@ -689,24 +689,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvlm.bench import PEERS, BenchConfig, bench, markdown
     from kvlm.cache.factory import check_mode
-    from kvlm.errors import InvalidRequestError
 
     if args.suite:
         return _bench_suite(args)
     args.prompts = args.prompts or "128,512,2048"
     args.new_tokens = 128 if args.new_tokens is None else args.new_tokens
     args.rounds = 1 if args.rounds is None else args.rounds
-    try:
-        prompts = [int(x) for x in args.prompts.split(",")]
-    except ValueError as exc:
-        raise InvalidRequestError(f"--prompts takes comma-separated token counts: {exc}") from exc
+    prompts = _counts(args.prompts, "--prompts takes comma-separated token counts")
     if min(prompts) < 1 or args.new_tokens < 2 or args.rounds < 1:
         raise InvalidRequestError("prompts must be >= 1 token, --new-tokens >= 2, --rounds >= 1")
     modes = args.kv.split(",")
-    peers = [] if args.peers == "none" else args.peers.split(",")
-    unknown = set(peers) - set(PEERS)
-    if unknown:
-        raise InvalidRequestError(f"unknown peer {sorted(unknown)[0]!r}; valid: {', '.join(PEERS)}")
+    peers = _names(args.peers, PEERS, "unknown peer {!r}; valid: " + ", ".join(PEERS))
     if args.plots:
         try:
             import matplotlib  # noqa: F401
@@ -720,10 +713,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     for mode in modes[1:]:
         llm.cache_spec(mode)  # every mode's settings checked before the long run
-    try:
-        streams = [] if args.streams == "none" else [int(x) for x in args.streams.split(",")]
-    except ValueError as exc:
-        raise InvalidRequestError(f"--streams takes comma-separated counts: {exc}") from exc
+    streams = []
+    if args.streams != "none":
+        streams = _counts(args.streams, "--streams takes comma-separated counts")
     if streams and min(streams) < 1:
         raise InvalidRequestError("--streams counts must be >= 1")
     config = BenchConfig(prompts, args.new_tokens, modes, peers, args.rounds, args.plots, streams,
@@ -732,9 +724,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result = bench(llm, config)
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from exc
-    print(markdown(result))
-    if args.json:
-        with open(args.json, "w") as f:
+    return _report(markdown(result), result, args.json)
+
+
+def _counts(value: str, message: str) -> list[int]:
+    """Comma-separated counts; a word that is not one ends in `message`."""
+    try:
+        return [int(x) for x in value.split(",")]
+    except ValueError as exc:
+        raise InvalidRequestError(f"{message}: {exc}") from exc
+
+
+def _names(value: str, valid: Sequence[str], message: str) -> list[str]:
+    """Comma-separated names of `valid` ("none": no name); an unknown one ends in
+    `message`, formatted with it."""
+    names = [] if value == "none" else value.split(",")
+    unknown = sorted(set(names) - set(valid))
+    if unknown:
+        raise InvalidRequestError(message.format(unknown[0]))
+    return names
+
+
+def _report(text: str, result: dict, json_path: str | None) -> int:
+    """Print a bench's markdown, and write its result to --json's file."""
+    print(text)
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(result, f, indent=2)
     return 0
 
@@ -743,7 +758,6 @@ def _bench_suite(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvlm.bench.suite import ENGINES, markdown, run_suite, suite_models
-    from kvlm.errors import InvalidRequestError
 
     try:
         prompt = int(args.prompts or 512)
@@ -763,10 +777,7 @@ def _bench_suite(args: argparse.Namespace) -> int:
             f"--suite runs kvlm with no flags on its own model set; {given[0]} does not apply"
         )
     peers = "llama.cpp,hf" if args.peers == "hf,hf-static,llama.cpp" else args.peers
-    peers = [] if peers == "none" else peers.split(",")
-    unknown = set(peers) - set(ENGINES)
-    if unknown:
-        raise InvalidRequestError(f"--suite peers: {sorted(unknown)[0]!r}; valid: llama.cpp, hf")
+    peers = _names(peers, ENGINES, "--suite peers: {!r}; valid: llama.cpp, hf")
 
     def names(value: str | None) -> list[str] | None:
         return None if value is None else value.split(",")
@@ -778,11 +789,7 @@ def _bench_suite(args: argparse.Namespace) -> int:
         raise InvalidRequestError(str(exc)) from exc
     engines = ["kvlm", *[p for p in ENGINES if p in peers]]
     result = run_suite(models, engines, prompt, new, rounds, args.threads)
-    print(markdown(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+    return _report(markdown(result), result, args.json)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -807,12 +814,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "tokenizer_vocab": loaded.tokenizer.vocab_size,
         "kv_bytes_per_token": {"fp32": per_token * 4, "bf16": per_token * 2, "fp16": per_token * 2},
     }
-    if args.json:
-        print(json.dumps(info, default=str))
-        return 0
-    for key, value in info.items():
-        print(f"{key:>24}: {value}")
-    return 0
+    return _print_info(info, args.json, 24)
 
 
 def _inspect_cache(args: argparse.Namespace) -> int:
@@ -829,14 +831,20 @@ def _inspect_cache(args: argparse.Namespace) -> int:
     info = saved.summary(args.block_size)
     if args.plot:
         info["plot"] = str(cache_png(saved, args.plot, args.block_size))
-    if args.json:
-        print(json.dumps(info))
-        return 0
     from kvlm.cache.plots import human
 
+    return _print_info(
+        info, args.json, 16, lambda k, v: f"{v:,} ({human(v)})" if k.endswith("_bytes") else v
+    )
+
+
+def _print_info(info: dict, as_json: bool, width: int, shown: Any = lambda k, v: v) -> int:
+    """`info` as one JSON object, or a line per key (right-aligned in `width`)."""
+    if as_json:
+        print(json.dumps(info, default=str))
+        return 0
     for key, value in info.items():
-        shown = f"{value:,} ({human(value)})" if key.endswith("_bytes") else value
-        print(f"{key:>16}: {shown}")
+        print(f"{key:>{width}}: {shown(key, value)}")
     return 0
 
 

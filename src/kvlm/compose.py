@@ -15,6 +15,7 @@ from __future__ import annotations
 from kvlm.cache.factory import CACHE_MODES
 from kvlm.llm import NO_SPECULATION
 from kvlm.model import fused
+from kvlm.settings import table
 
 STORAGE_MODES = ("contiguous", "paged")  # modes whose K/V dtype is --kv-dtype's
 KV_DTYPES = ("bf16", "int8")
@@ -56,17 +57,17 @@ def label(mode: str, kv_dtype: str | None) -> str:
 
 def markdown() -> str:
     names = list(FEATURES)
-    lines = ["| cache | " + " | ".join(names) + " |", "| --- |" + " :---: |" * len(names)]
-    for mode, dtype in variants():
-        cells = []
-        for f in names:
-            why = refusal(mode, dtype, f)
-            if why is None:
-                cells.append("yes")
-            else:  # the fused step is not asked for: where it does not run, nothing refuses
-                cells.append(why if why.startswith("torch step") else f"refused: {why}")
-        lines.append(f"| {label(mode, dtype)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    rows = (
+        " | ".join([label(m, d), *(_cell(refusal(m, d, f)) for f in names)]) for m, d in variants()
+    )
+    return "\n".join(table(" | ".join(["cache", *names]), "l" + "c" * len(names), rows)) + "\n"
+
+
+def _cell(why: str | None) -> str:
+    if why is None:
+        return "yes"
+    # the fused step is not asked for: where it does not run, nothing refuses
+    return why if why.startswith("torch step") else f"refused: {why}"
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """What the command line's flags build, for every command and for each replica of `kvlm
 serve --replicas` (which gets the parsed arguments): the LLM (the flags of
 kvlm.cli._model_args plus the command's own cache settings) and the speculative decoding
-configuration. Nothing here imports torch until it is called: `kvlm --help` stays instant.
+configuration; and the Markdown tables the commands print. Nothing here imports torch until
+it is called: `kvlm --help` stays instant.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 from kvlm.errors import KvlmError
@@ -18,18 +20,9 @@ def model_from_args(args: argparse.Namespace, **settings: Any):
     cache settings."""
     from kvlm.llm import LLM  # imports torch: only once a command runs
 
-    return LLM(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        threads=args.threads,
-        weights=args.weights,
-        prefill_dtype=args.prefill_dtype,
-        activations=args.activations,
-        exact=args.exact,
-        progress=sys.stderr.isatty(),
-        **settings,
-    )
+    numerics = ("weights", "prefill_dtype", "activations", "exact")
+    flags = {k: getattr(args, k) for k in ("model", "dtype", "device", "threads", *numerics)}
+    return LLM(**flags, progress=sys.stderr.isatty(), **settings)
 
 
 def speculative_from_args(args: argparse.Namespace):
@@ -38,11 +31,15 @@ def speculative_from_args(args: argparse.Namespace):
     if not args.speculative:
         return None
     try:
-        return SpeculativeConfig(
-            args.speculative,
-            num_draft=args.num_draft,
-            draft_model=args.draft_model,
-            draft_weights=args.draft_weights,
-        )
+        flags = {k: getattr(args, k) for k in ("num_draft", "draft_model", "draft_weights")}
+        return SpeculativeConfig(args.speculative, **flags)
     except ValueError as exc:
         raise KvlmError(str(exc)) from None
+
+
+def table(head: str, align: str, rows: Iterable[str] = ()) -> list[str]:
+    """A Markdown table's lines: `head` and each of `rows` (cells joined by " | ") between
+    pipes, and below `head` the rule, a letter of `align` per column (l `---`, r `---:`,
+    c `:---:`)."""
+    rule = " | ".join({"l": "---", "r": "---:", "c": ":---:"}[a] for a in align)
+    return [f"| {line} |" for line in (head, rule, *rows)]

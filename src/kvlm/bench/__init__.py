@@ -18,17 +18,30 @@ the engine's block map at the busiest step of the streams run (kvlm.cache.plots)
 
 from __future__ import annotations
 
+import contextlib
+import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvlm import LLM, SamplingParams, kernels
-from kvlm.bench.child import _Clock, run_llamacpp, weight_bytes_per_token
+from kvlm.bench.child import (
+    metrics_row,
+    new_llamacpp,
+    proc_mib,
+    run_hf,
+    run_kvlm,
+    run_llamacpp,
+    weight_bytes_per_token,
+)
+from kvlm.settings import table
 
 FILLER = (
     "The KV cache stores the keys and values of every token already processed, so decoding "
@@ -51,23 +64,11 @@ class BenchConfig:
 PEERS = ("hf", "hf-static", "llama.cpp")
 
 
-def prompt_ids(llm: LLM, n: int) -> list[int]:
-    ids: list[int] = []
-    while len(ids) < n:
-        ids += llm.tokenizer.encode(FILLER, add_special_tokens=False)
-    return ids[:n]
-
-
-def run_kvlm(llm: LLM, mode: str, ids: list[int], new: int) -> dict[str, float]:
-    llm.cache = llm.new_cache(mode)
-    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    out = llm.stream(ids, params).run()
-    m = out.metrics
-    return {
-        "ttft_ms": m.ttft_ms,
-        "prefill_tok_s": m.prefill_tokens_per_s,
-        "decode_tok_s": m.decode_tokens_per_s,
-    }
+def prompt_ids(llm: Any, n: int) -> list[int]:
+    """The first `n` tokens of FILLER repeated, in the tokenizer of `llm` (an LLM or a
+    loaded model file)."""
+    ids = llm.tokenizer.encode(FILLER, add_special_tokens=False)
+    return (ids * (n // len(ids) + 1))[:n]
 
 
 def run_kvlm_speculative(llm: LLM, ids: list[int], new: int, spec: Any) -> dict[str, float]:
@@ -80,29 +81,10 @@ def run_kvlm_speculative(llm: LLM, ids: list[int], new: int, spec: Any) -> dict[
                                       prefix_caching=False, speculative=spec))  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     m, st = Stream(engine, ids, params).run().metrics, engine.stats.spec
-    return {
-        "ttft_ms": m.ttft_ms,
-        "prefill_tok_s": m.prefill_tokens_per_s,
-        "decode_tok_s": m.decode_tokens_per_s,
+    return metrics_row(m) | {
         "acceptance": st.acceptance,
         "tokens_per_forward": st.tokens_per_forward,
         "mean_accepted": st.accepted / st.steps if st.steps else 0.0,
-    }
-
-
-def run_hf(model: Any, ids: list[int], new: int, static: bool) -> dict[str, float]:
-    clock = _Clock()
-    extra = {"cache_implementation": "static"} if static else {}
-    start = time.perf_counter()
-    prompt = torch.tensor([ids], device=model.device)
-    model.generate(prompt, max_new_tokens=new, do_sample=False, eos_token_id=None,
-                   pad_token_id=0, streamer=clock, **extra)  # fmt: skip
-    t = clock.times
-    ttft = t[0] - start
-    return {
-        "ttft_ms": ttft * 1000,
-        "prefill_tok_s": len(ids) / ttft,
-        "decode_tok_s": (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 else 0.0,
     }
 
 
@@ -121,17 +103,14 @@ def load_hf(llm: LLM) -> Any:
 
 def load_llamacpp(llm: LLM, n_ctx: int) -> Any:
     """llama.cpp on the same GGUF, or None when llama-cpp-python is not installed."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
     path = llm.loaded.path
     if not path.is_file():
         return None
-    threads = torch.get_num_threads()
     gpu_layers = -1 if llm.device.type == "cuda" else 0  # all of them, where its build can
-    return Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                 n_batch=512, n_gpu_layers=gpu_layers, verbose=False)  # fmt: skip
+    try:
+        return new_llamacpp(str(path), n_ctx, torch.get_num_threads(), gpu_layers)
+    except ImportError:
+        return None
 
 
 def memory_bandwidth(mib: int = 512, reps: int = 7, device: torch.device | None = None) -> float:
@@ -166,25 +145,20 @@ def bandwidth_samples(mib: int, reps: int, device: torch.device | None = None) -
     return out
 
 
-def _proc_status(key: str) -> float | None:
-    """A /proc/self/status field in MiB (Linux), else None."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+def probed(run: Callable[[], dict], device: torch.device | None = None) -> dict:
+    """`run()`'s row with `bandwidth_gb_s`, the median of 6 short reads around it: this
+    machine's reads come in bursts (single sums of 50+ GB/s between runs of 30-35) that a
+    run of 128 tokens does not ride."""
+    before = bandwidth_samples(256, 3, device)
+    row = run()
+    row["bandwidth_gb_s"] = statistics.median(before + bandwidth_samples(256, 3, device))
+    return row
 
 
 def _reset_peak_rss() -> None:
     """Start VmHWM over from the current RSS (Linux: `5` to clear_refs)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def position_cost(
@@ -275,95 +249,14 @@ def stream_throughput(
     return rows, view
 
 
-def kv_bytes_per_step(llm: LLM, mode: str, prompt: int, new_tokens: int) -> int:
-    """K/V bytes a decode step reads, averaged over the run: every layer's keys and values
-    at the mean context (prompt + new_tokens / 2), in the cache's storage (a window keeps
-    at most its window)."""
-    spec = llm.cache_spec(mode)
-    context = prompt + new_tokens // 2
-    if mode == "window":
-        context = min(context, spec.window + spec.sinks)
-    return spec.bytes_per_token * context
-
-
 def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
     limit = max(config.prompts) + config.new_tokens
     if limit > llm.max_context:
         raise ValueError(f"the longest prompt + new tokens ({limit}) exceed --max-context")
-    peers: dict[str, Any] = {}
-    skipped: dict[str, str] = {}
-    loaders = {"hf": lambda: load_hf(llm), "llama.cpp": lambda: load_llamacpp(llm, limit + 8)}
-    loaded_mib: dict[str, float] = {}
-    for name in dict.fromkeys(p.removesuffix("-static") for p in config.peers):
-        before = _proc_status("VmRSS")
-        try:
-            peers[name] = loaders[name]()
-            after = _proc_status("VmRSS")
-            if before is not None and after is not None:
-                loaded_mib[name] = round(after - before, 1)
-        except Exception as exc:  # a peer that cannot read this file is reported, not fatal
-            skipped[name] = f"failed to load: {exc}"
-        else:
-            if peers[name] is None:
-                skipped[name] = "not installed"
-    available = [p for p in config.peers if peers.get(p.removesuffix("-static")) is not None]
-    engines = [f"kvlm-{m}" for m in config.modes] + available
-    if config.speculative is not None:
-        engines.insert(len(config.modes), f"kvlm+{config.speculative.method}")
-    warm = prompt_ids(llm, 16)
-    dev = llm.device
-    gpu = dev.type == "cuda"
-    rows = []
-    total = len(config.prompts) * len(engines) * config.rounds
-    done = 0
-    for n in config.prompts:
-        ids = prompt_ids(llm, n)
-        for engine in engines:
-            runs = []
-            for _ in range(config.rounds):
-                done += 1
-                print(f"[{done}/{total}] {engine}, prompt {n} tokens", file=sys.stderr,
-                      flush=True)  # fmt: skip
-                # kvlm: the bound at the bandwidth of this run's own minute (below)
-                probe = engine.startswith("kvlm-")
-                before = bandwidth_samples(256, 3, dev) if probe else []
-                _reset_peak_rss()
-                if gpu:
-                    torch.cuda.reset_peak_memory_stats(dev)
-                if engine.startswith("kvlm+"):
-                    run_kvlm_speculative(llm, warm, 4, config.speculative)
-                    run = run_kvlm_speculative(llm, ids, config.new_tokens, config.speculative)
-                else:
-                    run = _run(engine, llm, peers, ids, warm, config.new_tokens)
-                peak = _proc_status("VmHWM")
-                run["peak_rss_mib"] = peak if peak is not None else float("nan")
-                if gpu:  # the GPU's own memory: weights, cache and activations live there
-                    run["peak_gpu_mib"] = round(torch.cuda.max_memory_allocated(dev) / 2**20, 1)
-                if probe:
-                    # the median of 6 short reads around the run: this machine's reads
-                    # come in bursts (single sums of 50+ GB/s between runs of 30-35) that
-                    # a run of 128 tokens does not ride
-                    run["bandwidth_gb_s"] = statistics.median(
-                        before + bandwidth_samples(256, 3, dev)
-                    )
-                runs.append(run)
-            med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            rows.append({"engine": engine, "prompt_tokens": n, **med})
-    bandwidth = memory_bandwidth(device=dev)
+    peers, skipped, loaded_mib = _load_peers(llm, config.peers, limit + 8)
+    rows = _measure(llm, config, _runners(llm, config, peers))
+    bandwidth = memory_bandwidth(device=llm.device)
     per_token = weight_bytes_per_token(llm)
-    bound = bandwidth * 1e9 / per_token
-    # each kvlm row: the bound at the bandwidth probed just before and after its runs (the
-    # bandwidth this shared machine gives swings from ~28 to ~53 GB/s from one minute to the
-    # next; the header's probe is the best moment of the whole run), without and with the
-    # K/V reads (the cache is read every token too)
-    for row in rows:
-        if row["engine"].startswith("kvlm-"):
-            kv = kv_bytes_per_step(llm, row["engine"].removeprefix("kvlm-"), row["prompt_tokens"],
-                                   config.new_tokens)  # fmt: skip
-            own = row["bandwidth_gb_s"] * 1e9  # probed around this row's own runs
-            row["kv_bytes_per_token"] = kv
-            row["bound_tok_s"] = round(own / per_token, 1)
-            row["bound_with_kv_tok_s"] = round(own / (per_token + kv), 1)
     forwards = per_forward_curves(llm, config)
     positions = {mode: position_cost(llm, mode) for mode in config.modes}
     waste = memory_waste(llm, ["contiguous", "paged", "int8", "window"])
@@ -377,7 +270,7 @@ def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
         "new_tokens": config.new_tokens,
         "bandwidth_gb_s": round(bandwidth, 2),
         "weight_bytes_per_token": per_token,
-        "decode_bound_tok_s": round(bound, 1),
+        "decode_bound_tok_s": round(bandwidth * 1e9 / per_token, 1),
         "rows": rows,
         "ratios": _ratios(rows),
         "per_forward_ms": forwards,
@@ -388,15 +281,92 @@ def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
         "skipped": skipped,
     }
     if config.plots:
-        result["plots"] = plot(result, config.plots)
-        if kv_view is not None:
-            from kvlm.cache.plots import block_map_png
-
-            title = (f"{result['model']}: the engine's KV pool at the busiest step of "
-                     f"{max(config.streams)} streams")  # fmt: skip
-            path = Path(config.plots) / "block_map.png"
-            result["plots"].append(str(block_map_png(kv_view, path, title)))
+        result["plots"] = plot(result, config.plots, kv_view)
     return result
+
+
+def _load_peers(llm: LLM, names: list[str], n_ctx: int) -> tuple[dict, dict, dict]:
+    """Each peer's model (None: not installed), why a peer is skipped, and the RSS each
+    load added."""
+    loaders = {"hf": lambda: load_hf(llm), "llama.cpp": lambda: load_llamacpp(llm, n_ctx)}
+    peers: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    loaded_mib: dict[str, float] = {}
+    for name in dict.fromkeys(p.removesuffix("-static") for p in names):
+        before = proc_mib("VmRSS")
+        try:
+            peers[name] = loaders[name]()
+            grew = proc_mib("VmRSS") - before
+            if not math.isnan(grew):
+                loaded_mib[name] = round(grew, 1)
+        except Exception as exc:  # a peer that cannot read this file is reported, not fatal
+            skipped[name] = f"failed to load: {exc}"
+        else:
+            if peers[name] is None:
+                skipped[name] = "not installed"
+    return peers, skipped, loaded_mib
+
+
+def _runners(llm: LLM, config: BenchConfig, peers: dict) -> list[tuple[str, Callable]]:
+    """(engine, run(ids, new_tokens) -> its row) of each engine, in the rows' order."""
+    runners = [(f"kvlm-{m}", partial(run_kvlm, llm, m)) for m in config.modes]
+    if config.speculative is not None:
+        run = partial(run_kvlm_speculative, llm, spec=config.speculative)
+        runners.append((f"kvlm+{config.speculative.method}", run))
+    for p in config.peers:
+        model = peers.get(p.removesuffix("-static"))
+        if model is not None and p == "llama.cpp":
+            runners.append((p, partial(run_llamacpp, model)))
+        elif model is not None:
+            runners.append((p, partial(run_hf, model, static=p == "hf-static")))
+    return runners
+
+
+def _measure(llm: LLM, config: BenchConfig, runners: list[tuple[str, Callable]]) -> list[dict]:
+    """A row per prompt length and engine: the medians of its `rounds` runs; a kvlm row
+    also the bound at the bandwidth of its runs' own minute (it swings from ~28 to ~53
+    GB/s on this shared machine; the header's probe is the best moment of the whole run),
+    without and with the K/V reads (the cache is read every token too)."""
+    warm = prompt_ids(llm, 16)
+    rows, total, done = [], len(config.prompts) * len(runners) * config.rounds, 0
+    for n in config.prompts:
+        ids = prompt_ids(llm, n)
+        for engine, runner in runners:
+            once = partial(_run_once, runner, warm, ids, config.new_tokens, llm.device)
+            runs = []
+            for _ in range(config.rounds):
+                done += 1
+                print(f"[{done}/{total}] {engine}, prompt {n} tokens", file=sys.stderr,
+                      flush=True)  # fmt: skip
+                runs.append(probed(once, llm.device) if engine.startswith("kvlm-") else once())
+            med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            rows.append({"engine": engine, "prompt_tokens": n, **med})
+    per_token = weight_bytes_per_token(llm)
+    for row in rows:
+        if row["engine"].startswith("kvlm-"):
+            spec = llm.cache_spec(row["engine"].removeprefix("kvlm-"))
+            context = row["prompt_tokens"] + config.new_tokens // 2  # the run's mean context
+            if row["engine"] == "kvlm-window":  # a window keeps at most its window
+                context = min(context, spec.window + spec.sinks)
+            kv, own = spec.bytes_per_token * context, row["bandwidth_gb_s"] * 1e9
+            row["kv_bytes_per_token"] = kv
+            row["bound_tok_s"] = round(own / per_token, 1)
+            row["bound_with_kv_tok_s"] = round(own / (per_token + kv), 1)
+    return rows
+
+
+def _run_once(runner: Callable, warm: list[int], ids: list[int], new: int, dev: Any) -> dict:
+    """A warm-up run of 4 tokens, then the run, with the peak memory they reached."""
+    gpu = dev.type == "cuda"
+    _reset_peak_rss()
+    if gpu:
+        torch.cuda.reset_peak_memory_stats(dev)
+    runner(warm, 4)
+    run = runner(ids, new)
+    run["peak_rss_mib"] = proc_mib()
+    if gpu:  # the GPU's own memory: weights, cache and activations live there
+        run["peak_gpu_mib"] = round(torch.cuda.max_memory_allocated(dev) / 2**20, 1)
+    return run
 
 
 def per_forward_curves(llm: LLM, config: BenchConfig) -> dict[str, list[float]]:
@@ -412,7 +382,7 @@ def per_forward_curves(llm: LLM, config: BenchConfig) -> dict[str, list[float]]:
     return curves
 
 
-def plot(result: dict[str, Any], folder: str) -> list[str]:
+def plot(result: dict[str, Any], folder: str, kv_view: dict | None = None) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -458,6 +428,12 @@ def plot(result: dict[str, Any], folder: str) -> list[str]:
                title=f"{result['model']}: throughput vs streams")  # fmt: skip
         ax.legend()
         paths.append(_save(fig, out / "throughput_vs_streams.png"))
+    if kv_view is not None:
+        from kvlm.cache.plots import block_map_png
+
+        title = (f"{result['model']}: the engine's KV pool at the busiest step of "
+                 f"{max(r['streams'] for r in result['streams'])} streams")  # fmt: skip
+        paths.append(str(block_map_png(kv_view, out / "block_map.png", title)))
     return paths
 
 
@@ -470,36 +446,21 @@ def _save(fig: Any, path: Any) -> str:
     return str(path)
 
 
-def _run(engine: str, llm: LLM, peers: dict, ids: list[int], warm: list[int], new: int) -> dict:
-    if engine.startswith("kvlm-"):
-        mode = engine.removeprefix("kvlm-")
-        run_kvlm(llm, mode, warm, 4)
-        return run_kvlm(llm, mode, ids, new)
-    if engine == "llama.cpp":
-        run_llamacpp(peers["llama.cpp"], warm, 4)
-        return run_llamacpp(peers["llama.cpp"], ids, new)
-    static = engine == "hf-static"
-    run_hf(peers["hf"], warm, 4, static)
-    return run_hf(peers["hf"], ids, new, static)
-
-
 def _ratios(rows: list[dict]) -> list[dict]:
     """kvlm over each peer, per prompt length: decode speed up, TTFT down is better."""
-    out = []
-    for r in rows:
-        if not r["engine"].startswith("kvlm-"):
-            continue
-        for peer in rows:
-            if peer["prompt_tokens"] == r["prompt_tokens"] and not peer["engine"].startswith(
-                "kvlm"
-            ):
-                out.append({
-                    "kvlm": r["engine"], "peer": peer["engine"],
-                    "prompt_tokens": r["prompt_tokens"],
-                    "decode_ratio": round(r["decode_tok_s"] / peer["decode_tok_s"], 3),
-                    "ttft_ratio": round(r["ttft_ms"] / peer["ttft_ms"], 3),
-                })  # fmt: skip
-    return out
+    return [
+        {
+            "kvlm": r["engine"],
+            "peer": peer["engine"],
+            "prompt_tokens": r["prompt_tokens"],
+            "decode_ratio": round(r["decode_tok_s"] / peer["decode_tok_s"], 3),
+            "ttft_ratio": round(r["ttft_ms"] / peer["ttft_ms"], 3),
+        }
+        for r in rows
+        if r["engine"].startswith("kvlm-")
+        for peer in rows
+        if peer["prompt_tokens"] == r["prompt_tokens"] and not peer["engine"].startswith("kvlm")
+    ]
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -515,10 +476,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"{d.get('activations', 'fp32')}, KV {d['kv_dtype']}; "
         f"kernels: {d.get('kernels') or 'torch'}",
         "",
-        "| engine | prompt | TTFT ms | prefill tok/s | decode tok/s | GB/s then | share of bound "
-        "| share of bound with K/V reads | share of best-moment bound | peak RSS MiB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    rows = []
     for r in result["rows"]:
         cells = ["", "", "", ""]
         if r.get("bound_tok_s"):
@@ -529,13 +488,15 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{tok / r['bound_with_kv_tok_s']:.0%} of {r['bound_with_kv_tok_s']:.0f}",
                 f"{tok / result['decode_bound_tok_s']:.0%}",
             ]
-        lines.append(
-            f"| {r['engine']} | {r['prompt_tokens']} | {r['ttft_ms']:.0f} | "
+        rows.append(
+            f"{r['engine']} | {r['prompt_tokens']} | {r['ttft_ms']:.0f} | "
             f"{r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | {' | '.join(cells)} "
             f"| {r.get('peak_rss_mib', float('nan')):.0f}"
             + (f" (GPU {r['peak_gpu_mib']:.0f})" if "peak_gpu_mib" in r else "")
-            + " |"
         )
+    head = "engine | prompt | TTFT ms | prefill tok/s | decode tok/s | GB/s then | share of bound"
+    head += " | share of bound with K/V reads | share of best-moment bound | peak RSS MiB"
+    lines += table(head, "l" + "r" * 9, rows)
     if result.get("loaded_rss_mib"):
         loads = ", ".join(f"{k} +{v:.0f} MiB" for k, v in result["loaded_rss_mib"].items())
         lines += ["", f"RSS added by loading each peer: {loads} (peak RSS is the process's, "
@@ -545,32 +506,30 @@ def markdown(result: dict[str, Any]) -> str:
             lines += ["", f"kvlm-{mode}: forward at position 1024 {cost['1024']:.2f} ms vs "
                       f"position 16 {cost['16']:.2f} ms = {cost['ratio']:.2f}x"]  # fmt: skip
     if result.get("memory_waste"):
-        lines += ["", "| cache mode | KV allocated MiB | held by tokens MiB | waste |",
-                  "| --- | ---: | ---: | ---: |"]  # fmt: skip
-        for r in result["memory_waste"]:
-            lines.append(f"| {r['mode']} | {r['allocated_mib']} | {r['needed_mib']} | "
-                         f"{r['waste']:.1%} |")  # fmt: skip
+        head = "cache mode | KV allocated MiB | held by tokens MiB | waste"
+        row = "{mode} | {allocated_mib} | {needed_mib} | {waste:.1%}"
+        lines += ["", *table(head, "lrrr", [row.format_map(r) for r in result["memory_waste"]])]
     if result.get("streams"):
-        lines += ["", "| streams | aggregate tok/s |", "| ---: | ---: |"]
-        lines += [f"| {r['streams']} | {r['tok_s']} |" for r in result["streams"]]
-    spec_rows = [r for r in result["rows"] if r["engine"].startswith("kvlm+")]
-    if spec_rows:
-        lines += ["", "| speculative | prompt | decode tok/s | x plain | acceptance "
-                  "| mean accepted per draft | tokens per forward |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
-        for r in spec_rows:
+        rows = ["{streams} | {tok_s}".format_map(r) for r in result["streams"]]
+        lines += ["", *table("streams | aggregate tok/s", "rr", rows)]
+    rows = []
+    for r in result["rows"]:
+        if r["engine"].startswith("kvlm+"):
             plain = next((p for p in result["rows"] if p["engine"].startswith("kvlm-")
                           and p["prompt_tokens"] == r["prompt_tokens"]), None)  # fmt: skip
             x = r["decode_tok_s"] / plain["decode_tok_s"] if plain else float("nan")
-            lines.append(f"| {r['engine']} | {r['prompt_tokens']} | {r['decode_tok_s']:.1f} | "
-                         f"{x:.2f}x | {r['acceptance']:.0%} | {r['mean_accepted']:.2f} | "
-                         f"{r['tokens_per_forward']:.2f} |")  # fmt: skip
+            rows.append(f"{r['engine']} | {r['prompt_tokens']} | {r['decode_tok_s']:.1f} | "
+                        f"{x:.2f}x | {r['acceptance']:.0%} | {r['mean_accepted']:.2f} | "
+                        f"{r['tokens_per_forward']:.2f}")  # fmt: skip
+    if rows:  # speculative rows
+        head = (
+            "speculative | prompt | decode tok/s | x plain | acceptance | mean accepted per draft"
+        )
+        lines += ["", *table(head + " | tokens per forward", "l" + "r" * 6, rows)]
     if result["ratios"]:
-        lines += ["", "| kvlm | peer | prompt | decode ratio | TTFT ratio |",
-                  "| --- | --- | ---: | ---: | ---: |"]  # fmt: skip
-        for q in result["ratios"]:
-            lines.append(f"| {q['kvlm']} | {q['peer']} | {q['prompt_tokens']} | "
-                         f"{q['decode_ratio']:.2f}x | {q['ttft_ratio']:.2f}x |")  # fmt: skip
+        head = "kvlm | peer | prompt | decode ratio | TTFT ratio"
+        row = "{kvlm} | {peer} | {prompt_tokens} | {decode_ratio:.2f}x | {ttft_ratio:.2f}x"
+        lines += ["", *table(head, "llrrr", [row.format_map(q) for q in result["ratios"]])]
     for peer, why in result["skipped"].items():
         lines += ["", f"skipped {peer}: {why}"]
     return "\n".join(lines) + "\n"

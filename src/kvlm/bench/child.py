@@ -2,19 +2,21 @@
 file (by path, so a llama.cpp or transformers run does not import kvlm or torch unless it
 needs them) once per engine and model, and reads one JSON line from its stdout.
 
-    python child.py ENGINE MODEL IDS_JSON NEW_TOKENS ROUNDS THREADS
+    python child.py ENGINE MODEL IDS_JSON NEW_TOKENS THREADS
 
 ENGINE: kvlm (its defaults: no flags), llama.cpp (llama-cpp-python) or hf (transformers
 loading the GGUF). It loads the model (timed), warms up on 16 tokens, then runs the
-prompt `ROUNDS` times (greedy, EOS off) and prints the medians of TTFT and decode
-tokens/s, the load time and the process's peak RSS (VmHWM: everything the engine holds,
-its libraries included).
+prompt once (greedy, EOS off) and prints TTFT and decode tokens/s, the load time and the
+process's peak RSS (VmHWM: everything the engine holds, its libraries included).
+
+The measurements here are also `kvlm bench`'s (kvlm.bench), one engine among others in
+its own process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import statistics
 import sys
 import time
 from typing import Any
@@ -44,10 +46,11 @@ def weight_bytes_per_token(llm: Any) -> int:
     return sum(m.nbytes for m in llm.model.modules() if isinstance(m, Linear))
 
 
-def _peak_rss_mib() -> float:
-    with open("/proc/self/status") as f:
+def proc_mib(key: str = "VmHWM") -> float:
+    """A /proc/self/status field in MiB (Linux; the peak RSS by default), else nan."""
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -58,52 +61,62 @@ def _timed(times: list[float], start: float, prompt: int) -> dict[str, float]:
     return {"ttft_ms": ttft * 1000, "prefill_tok_s": prompt / ttft, "decode_tok_s": decode}
 
 
-def _kvlm(model: str, ids: list[int], new: int, threads: int) -> tuple[float, object, dict]:
+def metrics_row(m: Any) -> dict[str, float]:
+    """TTFT, prefill and decode speed of kvlm's RequestMetrics, as the other engines' runs
+    give them."""
+    return {
+        "ttft_ms": m.ttft_ms,
+        "prefill_tok_s": m.prefill_tokens_per_s,
+        "decode_tok_s": m.decode_tokens_per_s,
+    }
+
+
+def run_kvlm(llm: Any, mode: str, ids: list[int], new: int) -> dict[str, float]:
+    """`new` greedy tokens after `ids` on a fresh cache of `mode`."""
+    from kvlm import SamplingParams
+
+    llm.cache = llm.new_cache(mode)
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    return metrics_row(llm.stream(ids, params).run().metrics)
+
+
+def _kvlm(model: str, ids: list[int], new: int, threads: int) -> tuple[float, Any, dict]:
     import torch
 
     torch.set_num_threads(threads)
-    from kvlm import LLM, SamplingParams
+    from kvlm import LLM
 
     start = time.perf_counter()
     llm = LLM(model, progress=False, max_context=len(ids) + new + 16)
     load = time.perf_counter() - start
-
-    def run(prompt: list[int], n: int) -> dict[str, float]:
-        llm.cache = llm.new_cache("contiguous")
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        m = llm.stream(prompt, params).run().metrics
-        return {
-            "ttft_ms": m.ttft_ms,
-            "prefill_tok_s": m.prefill_tokens_per_s,
-            "decode_tok_s": m.decode_tokens_per_s,
-        }
-
     d = llm.describe()
     extra = {
         "weight_bytes_per_token": weight_bytes_per_token(llm),
         "numerics": {k: d.get(k) for k in ("weights", "activations", "prefill_dtype", "kv_dtype")},
     }
-    return load, run, extra
+    return load, lambda prompt, n: run_kvlm(llm, "contiguous", prompt, n), extra
 
 
-def _llamacpp(model: str, ids: list[int], new: int, threads: int) -> tuple[float, object, dict]:
+def new_llamacpp(path: str, n_ctx: int, threads: int, gpu_layers: int = 0) -> Any:
+    """A llama_cpp.Llama on the GGUF file `path`, its threads kvlm's."""
+    from llama_cpp import Llama
+
+    return Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                 n_batch=512, n_gpu_layers=gpu_layers, verbose=False)  # fmt: skip
+
+
+def _llamacpp(model: str, ids: list[int], new: int, threads: int) -> tuple[float, Any, dict]:
     import llama_cpp
 
     start = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=model, n_ctx=len(ids) + new + 16, n_threads=threads,
-                          n_threads_batch=threads, n_batch=512, n_gpu_layers=0,
-                          verbose=False)  # fmt: skip
+    llm = new_llamacpp(model, len(ids) + new + 16, threads)
     load = time.perf_counter() - start
-
-    def run(prompt: list[int], n: int) -> dict[str, float]:
-        return run_llamacpp(llm, prompt, n)
-
-    return load, run, {"version": llama_cpp.__version__}
+    extra = {"version": llama_cpp.__version__}
+    return load, lambda prompt, n: run_llamacpp(llm, prompt, n), extra
 
 
-def run_llamacpp(model: object, ids: list[int], new: int) -> dict[str, float]:
-    """`new` greedy tokens after `ids` on a llama_cpp.Llama, timed token by token (also
-    kvlm bench's llama.cpp peer)."""
+def run_llamacpp(model: Any, ids: list[int], new: int) -> dict[str, float]:
+    """`new` greedy tokens after `ids` on a llama_cpp.Llama, timed token by token."""
     model.reset()  # no reuse of the previous run's tokens
     times = []
     start = time.perf_counter()
@@ -114,7 +127,22 @@ def run_llamacpp(model: object, ids: list[int], new: int) -> dict[str, float]:
     return _timed(times, start, len(ids))
 
 
-def _hf(model: str, ids: list[int], new: int, threads: int) -> tuple[float, object, dict]:
+def run_hf(model: Any, ids: list[int], new: int, static: bool = False) -> dict[str, float]:
+    """`new` greedy tokens after `ids` on a transformers model (its DynamicCache, or its
+    static cache), timed token by token."""
+    import torch
+
+    clock = _Clock()
+    extra = {"cache_implementation": "static"} if static else {}
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(torch.tensor([ids], device=model.device), max_new_tokens=new,
+                       min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0,
+                       streamer=clock, **extra)  # fmt: skip
+    return _timed(clock.times, start, len(ids))
+
+
+def _hf(model: str, ids: list[int], new: int, threads: int) -> tuple[float, Any, dict]:
     from pathlib import Path
 
     import torch
@@ -128,33 +156,21 @@ def _hf(model: str, ids: list[int], new: int, threads: int) -> tuple[float, obje
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                               dtype=torch.float32).eval()  # fmt: skip
     load = time.perf_counter() - start
-
-    def run(prompt: list[int], n: int) -> dict[str, float]:
-        clock = _Clock()  # timestamps every generated token
-        start = time.perf_counter()
-        with torch.inference_mode():
-            hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                        do_sample=False, eos_token_id=None, pad_token_id=0,
-                        streamer=clock)  # fmt: skip
-        return _timed(clock.times, start, len(prompt))
-
-    return load, run, {"version": transformers.__version__, "dtype": "fp32"}
+    extra = {"version": transformers.__version__, "dtype": "fp32"}
+    return load, lambda prompt, n: run_hf(hf, prompt, n), extra
 
 
 ENGINES = {"kvlm": _kvlm, "llama.cpp": _llamacpp, "hf": _hf}
 
 
 def main(argv: list[str]) -> int:
-    engine, model, ids_file, new, rounds, threads = argv
+    engine, model, ids_file, new, threads = argv
     with open(ids_file) as f:
         ids = json.load(f)
-    new, rounds, threads = int(new), int(rounds), int(threads)
-    load, run, extra = ENGINES[engine](model, ids, new, threads)
+    load, run, extra = ENGINES[engine](model, ids, int(new), int(threads))
     run(ids[:16], 4)  # warm-up: first-call allocations, kernel choice
-    runs = [run(ids, new) for _ in range(rounds)]
-    result = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    result |= {"engine": engine, "load_s": load, "peak_rss_mib": _peak_rss_mib(), **extra}
-    print(json.dumps(result), flush=True)
+    result = run(ids, int(new)) | {"engine": engine, "load_s": load, "peak_rss_mib": proc_mib()}
+    print(json.dumps(result | extra), flush=True)
     return 0
 
 

@@ -30,14 +30,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvlm.bench import FILLER, bandwidth_samples
+from kvlm.bench import probed, prompt_ids
 from kvlm.bench.models import FILE_TYPES, SHAPES, write_model
 from kvlm.loading import default_model_path, load_model
+from kvlm.settings import table
 
 ENGINES = ("kvlm", "llama.cpp", "hf")
 MODULES = {"kvlm": "kvlm", "llama.cpp": "llama_cpp", "hf": "transformers"}
@@ -94,10 +96,10 @@ def _read_once(path: Path) -> None:
             pass
 
 
-def run_child(engine: str, model: Path, ids_file: str, new: int, rounds: int, threads: int,
-              timeout: float) -> dict[str, Any]:  # fmt: skip
-    cmd = [sys.executable, str(CHILD), engine, str(model), ids_file, str(new), str(rounds),
-           str(threads)]  # fmt: skip
+def run_child(
+    engine: str, model: Path, ids_file: str, new: int, threads: int, timeout: float
+) -> dict[str, Any]:
+    cmd = [sys.executable, str(CHILD), engine, str(model), ids_file, str(new), str(threads)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -152,13 +154,9 @@ def run_suite(
     total, done = len(models) * per_model, 0
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
-            tokenizer = load_model(model).tokenizer
-            ids: list[int] = []
-            while len(ids) < prompt:
-                ids += tokenizer.encode(FILLER, add_special_tokens=False)
             ids_file = os.path.join(tmp, "ids.json")
             with open(ids_file, "w") as f:
-                json.dump(ids[:prompt], f)
+                json.dump(prompt_ids(load_model(model), prompt), f)
             _read_once(model)
             size = model.stat().st_size
             runs: dict[str, list[dict[str, Any]]] = {e: [] for e in todo}
@@ -168,14 +166,8 @@ def run_suite(
                         continue
                     done += 1
                     print(f"[{done}/{total}] {engine}: {model.name}", file=log, flush=True)
-                    probe = engine == "kvlm"
-                    before = bandwidth_samples(256, 3) if probe else []
-                    row = run_child(engine, model, ids_file, new, 1, threads, timeout)
-                    if probe:
-                        row["bandwidth_gb_s"] = statistics.median(
-                            before + bandwidth_samples(256, 3)
-                        )
-                    runs[engine].append(row)
+                    run = partial(run_child, engine, model, ids_file, new, threads, timeout)
+                    runs[engine].append(probed(run) if engine == "kvlm" else run())
             for engine in todo:
                 rows.append(merge_rounds(runs[engine]) | {"model": model.name, "file_bytes": size})
     return {
@@ -226,14 +218,14 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def markdown(result: dict[str, Any]) -> str:
+    head = "model | GB | engine | load s | TTFT ms | decode tok/s | share of bound | peak RSS MiB"
     lines = [
         f"{result['prompt_tokens']}-token prompt, {result['new_tokens']} new tokens (greedy, "
         f"EOS off), medians of {result['rounds']} rounds taking turns (transformers: one), "
         f"{result['threads']} threads; each engine "
         "alone in a fresh process; load time from the page cache",
         "",
-        "| model | GB | engine | load s | TTFT ms | decode tok/s | share of bound | peak RSS MiB |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        *table(head, "lrlrrrrr"),
     ]
     for r in result["rows"]:
         gb = f"{r['file_bytes'] / 1e9:.2f}"
@@ -254,15 +246,16 @@ def markdown(result: dict[str, Any]) -> str:
         def mark(ok: bool | None) -> str:
             return "" if ok is None else (" ✓" if ok else " ✗")
 
+        head = (
+            "model | decode x llama.cpp | TTFT x llama.cpp | peak RSS x llama.cpp | share of bound"
+        )
         lines += [
             "",
             f"Targets: decode >= {TARGET_DECODE}x llama.cpp, TTFT <= {TARGET_TTFT}x, peak RSS "
             f"<= llama.cpp's, >= {TARGET_SHARE:.0%} of the bound on >= 1B shapes, load <= "
             f"{TARGET_LOAD_S_PER_GB} s/GB",
             "",
-            "| model | decode x llama.cpp | TTFT x llama.cpp | peak RSS x llama.cpp | "
-            "share of bound | load s/GB |",
-            "| --- | ---: | ---: | ---: | ---: | ---: |",
+            *table(head + " | load s/GB", "lrrrrr"),
         ]
         for t in result["targets"]:
             cells = [
