@@ -46,7 +46,7 @@ def feed(cache, n: int, seed: int):
 def storage(cache) -> list[torch.Tensor]:
     """Every tensor a cache keeps, for before/after comparisons."""
     if cache.mode == "basic":
-        return [t for t in (*cache.k, *cache.v) if t is not None]
+        return [t for t in cache.kv if t is not None]
     store = cache.pool.store if hasattr(cache, "pool") else getattr(cache, "store", None)
     if store is None:
         return []

@@ -240,4 +240,4 @@ def test_the_embedding_table_stays_in_its_stored_format(fast, exact):
     prompt's logits are what the dequantized table gives."""
     assert fast.model._embed_table is None and fast.model._embed_quant is fast.model.lm_head.quant
     ids = torch.tensor([[1, 504, 60, 49151]])
-    assert torch.equal(fast.model.embed(ids), exact.model.embed_table[ids])
+    assert torch.equal(fast.model.embed(ids), exact.model.embed(ids))

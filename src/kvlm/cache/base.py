@@ -152,18 +152,9 @@ class CacheStep(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v (B, Hkv, T, D) for `layer`; return all visible (B, Hkv, S, D)."""
 
-    def _draft_rows(self, batch: int) -> None:
-        """Make this step of n_new tokens of one sequence n_new rows of one token (a
-        speculative draft's check): row i at position start + i, attending over the keys up
-        to its own position (`rows`), with no mask, as decoding its token alone would."""
-        if batch != 1:
-            raise ValueError("a draft check feeds one sequence")
-        self.positions = self.positions.reshape(self.n_new, 1)  # (rows, 1)
-        self.mask, self.is_causal = None, False
-        self.rows = [(self.start + i + 1, None, False) for i in range(self.n_new)]
-
     def _over(self, store: Store) -> None:
         """This step reads and writes `store`; an int8 store keeps K rotated."""
+        self.store = store
         if store.quantized:
             self.key_rotation = key_rotation(store.values.shape[-1]).to(store.values.device)
 
@@ -175,12 +166,14 @@ class CacheStep(ABC):
 class DraftRows:
     """Mixin over a cache step of one sequence: its n_new tokens fed as n_new rows of one
     token (a speculative draft's check), every row's K/V stored by the step's own update
-    before any row attends, row i attending over the keys up to its own position
-    (CacheStep.rows), as decoding its token alone would."""
+    before any row attends, row i at position start + i attending over the keys up to its
+    own position (CacheStep.rows), with no mask, as decoding its token alone would."""
 
     def __init__(self, cache: KVCache, n_new: int) -> None:
         super().__init__(cache, n_new)  # type: ignore[call-arg]
-        self._draft_rows(cache.batch)  # type: ignore[attr-defined]
+        self.positions = self.positions.reshape(n_new, 1)  # (rows, 1)
+        self.mask, self.is_causal = None, False
+        self.rows = [(self.start + i + 1, None, False) for i in range(n_new)]
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -225,10 +218,16 @@ def causal_mask(
             return None, True  # a fresh prefill: the plain triangle
     q = torch.arange(q_start, q_start + n_new, device=device)[:, None]
     k = torch.arange(n_keys, device=device)[None, :]
+    return visible(q, k, window), False  # (T, S) broadcasts over batch and heads
+
+
+def visible(q: torch.Tensor, k: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Whether queries at positions q see keys at positions k (broadcast against each
+    other): k <= q, and within the model's attention window W, q - k < W."""
     allowed = k <= q
     if window is not None:
         allowed &= (q - k) < window
-    return allowed, False  # (T, S) broadcasts over batch and heads
+    return allowed
 
 
 @dataclass(slots=True)
@@ -255,6 +254,7 @@ class KVCache(ABC):
 
     mode: ClassVar[str]
     layout: ClassVar[str] = "dense"
+    drafts: ClassVar[bool] = True  # begin(n, draft=True) applies (all modes but off)
 
     def __init__(self, spec: CacheSpec) -> None:
         self.spec = spec
@@ -276,13 +276,21 @@ class KVCache(ABC):
     def would_overflow(self, n_new: int) -> bool:
         return self.num_tokens + n_new > self.capacity
 
-    def begin(self, n_new: int) -> CacheStep:
-        """Plan a forward of `n_new` tokens per sequence. Raises before anything is written."""
+    def begin(self, n_new: int, draft: bool = False) -> CacheStep:
+        """Plan a forward of `n_new` tokens per sequence. Raises before anything is written.
+        `draft`: one sequence's n_new tokens as n_new rows of one token at consecutive
+        positions (a speculative draft's check, kvlm.engine.runner), each row computing
+        what decoding its token alone would; refused by the modes that have no such step."""
+        if draft and (self.batch != 1 or not self.drafts):
+            raise InvalidRequestError(
+                f"a draft is checked on a contiguous, paged, basic or window cache of one "
+                f"sequence, not {self.mode} ({self.batch} rows)"
+            )
         if n_new <= 0:
             raise InvalidRequestError(f"a forward needs at least one token, got {n_new}")
         if self.would_overflow(n_new):
             raise CacheOverflowError(self._overflow_message(n_new))
-        return self._begin(n_new)
+        return self._begin(n_new, draft)
 
     def _overflow_message(self, n_new: int) -> str:
         return (
@@ -398,7 +406,8 @@ class KVCache(ABC):
     # ------------------------------------------------------------------ per-mode hooks
 
     @abstractmethod
-    def _begin(self, n_new: int) -> CacheStep: ...
+    def _begin(self, n_new: int, draft: bool) -> CacheStep:
+        """The step of begin(n_new, draft), its checks passed."""
 
     @abstractmethod
     def _export(self) -> dict[str, torch.Tensor]:

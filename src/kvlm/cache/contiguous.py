@@ -27,8 +27,7 @@ ALL = slice(None)
 class _ContiguousStep(DenseStep):
     def __init__(self, cache: ContiguousCache, n_new: int) -> None:
         super().__init__(cache, n_new)
-        self.store = cache.store
-        self._over(self.store)
+        self._over(cache.store)
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -58,8 +57,8 @@ class ContiguousCache(RowCache):
     def planned_nbytes(cls, spec: CacheSpec, tokens: int, batch: int) -> int:
         return batch * spec.max_tokens * spec.bytes_per_token  # preallocated, whatever is used
 
-    def _begin(self, n_new: int) -> CacheStep:
-        return _ContiguousStep(self, n_new)
+    def _begin(self, n_new: int, draft: bool) -> CacheStep:
+        return (DraftRowsStep if draft else _ContiguousStep)(self, n_new)
 
     def _export(self) -> dict[str, torch.Tensor]:
         return self.store.raw(self._held())

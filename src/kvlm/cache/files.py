@@ -102,7 +102,7 @@ _META_KEYS = (
     "layout_extra",
     "extra",
 )
-_FILE_DTYPES = {name: dtype for dtype, name in NAMES.items()}  # fp32 bf16 fp16 int8 fp64
+FILE_DTYPES = {name: dtype for dtype, name in NAMES.items()}  # fp32 bf16 fp16 int8 fp64
 _GEOMETRY = {"layers": 1, "kv_heads": 1, "head_dim": 1}  # key -> least value
 _LAYOUT_EXTRA = {"dense": {}, "window": {"sinks": 0, "window": 1}}
 # A count as str(int) writes it, under 2**63: int() would also take " 5", "1_0", "٥", "+5".
@@ -167,7 +167,7 @@ def _parse_metadata(path: Path, meta: dict[str, str] | None) -> tuple[CacheSnaps
         raise _bad_meta(path, f"mode {brief(mode)} is not one kvlm writes")
     if CACHE_MODES[mode].layout != layout:
         raise _bad_meta(path, f"mode {mode!r} does not write the {layout} layout")
-    if dtype not in _FILE_DTYPES:
+    if dtype not in FILE_DTYPES:
         raise _bad_meta(path, f"dtype {brief(dtype)} is not one kvlm stores")
     batch = _count(path, meta, "batch")
     if batch > MAX_FILE_ROWS:
@@ -257,7 +257,7 @@ def _check_contents(path: Path, snap: CacheSnapshot) -> None:
     """Dtypes (values in the file's dtype, fp16 int8 parameters, int64 slot positions),
     finite int8 parameters (one inf step turns a row into NaN; values themselves are data,
     NaN included), and a window's ring."""
-    want = {"values": _FILE_DTYPES[snap.dtype], "scales": torch.float16, "slot_pos": torch.int64}
+    want = {"values": FILE_DTYPES[snap.dtype], "scales": torch.float16, "slot_pos": torch.int64}
     for name, t in snap.tensors.items():
         if t.dtype != want[name]:
             raise _damaged(path, f"{name} are {dtype_name(t.dtype)}, not {dtype_name(want[name])}")

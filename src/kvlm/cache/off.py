@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from kvlm.cache.base import CacheFileError, CacheSpec, CacheStep, KVCache, causal_mask
+from kvlm.cache.base import CacheFileError, CacheSpec, CacheStep, DenseStep, KVCache
 
 
-class _OffStep(CacheStep):
+class _OffStep(DenseStep):
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -20,6 +20,7 @@ class _OffStep(CacheStep):
 
 class OffCache(KVCache):
     mode = "off"
+    drafts = False
 
     @property
     def nbytes(self) -> int:
@@ -29,9 +30,8 @@ class OffCache(KVCache):
     def planned_nbytes(cls, spec: CacheSpec, tokens: int, batch: int) -> int:
         return 0
 
-    def _begin(self, n_new: int) -> CacheStep:
-        mask, causal = causal_mask(0, n_new, n_new, self.spec.sliding_window, self.spec.device)
-        return _OffStep(0, n_new, self.batch, self.spec.device, mask, causal)
+    def _begin(self, n_new: int, draft: bool) -> CacheStep:
+        return _OffStep(self, n_new)  # from position 0: the off cache holds no token
 
     def commit(self, step: CacheStep) -> None:
         """Nothing is kept, so the caller feeds the full sequence again next time."""

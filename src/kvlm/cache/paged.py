@@ -30,7 +30,7 @@ from itertools import pairwise
 
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep, DenseStep, KVCache, blocks_for, causal_mask
+from kvlm.cache.base import CacheSpec, CacheStep, KVCache, blocks_for, causal_mask, visible
 from kvlm.cache.registry import PrefixRegistry
 from kvlm.cache.storage import Store
 from kvlm.errors import CacheOverflowError
@@ -147,20 +147,8 @@ class BlockPool:
         return list(table)
 
 
-class _PagedStep(DenseStep):
-    def __init__(self, cache: PagedCache, n_new: int) -> None:
-        super().__init__(cache, n_new)
-        start, spec = cache.num_tokens, cache.spec
-        self.store = cache.pool.store
-        self._over(self.store)
-        bs = spec.block_size
-        pos = torch.arange(start, start + n_new)
-        tables = torch.tensor(cache.tables, dtype=torch.long)  # (B, blocks)
-        # where each new token goes: its row's block for pos // bs, slot pos % bs
-        self.write_blocks = tables[:, pos // bs].to(spec.device)  # (B, T)
-        self.write_slots = (pos % bs).expand(cache.batch, n_new).to(spec.device)  # (B, T)
-        self.read_tables = tables.to(spec.device)
-        self.n_keys = start + n_new
+class _PagedStep(CacheStep):
+    """A step that writes each token at its block and slot of a pool's store."""
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -223,10 +211,17 @@ class PagedCache(KVCache):
 
     # ------------------------------------------------------------------ the forward
 
-    def _begin(self, n_new: int) -> CacheStep:
+    def _begin(self, n_new: int, draft: bool) -> CacheStep:
+        start = self.num_tokens
         for table in self.tables:
-            self.pool.grow(table, self.num_tokens, n_new)
-        return _PagedStep(self, n_new)
+            self.pool.grow(table, start, n_new)
+        if draft:  # the sequence's tokens as rows of one token, at consecutive positions
+            tables, starts, n = self.tables * n_new, list(range(start, start + n_new)), 1
+        else:  # every row's n_new tokens from start
+            tables, starts, n = self.tables, [start] * self.batch, n_new
+        step = TableStep(self.pool, self.spec, tables, starts, n)
+        step.start, step.n_new = start, n_new  # what commit reads
+        return step
 
     # ------------------------------------------------------------------ lifetime
 
@@ -341,15 +336,17 @@ class TableStep(_PagedStep):
         batch = len(tables)
         n_keys = max(starts) + n_new
         window, mask, causal = spec.sliding_window, None, False
+        pos = torch.tensor(starts)[:, None] + torch.arange(n_new)  # (B, T)
         if len(set(starts)) == 1:  # rows of one length: the cheap exact forms of the mask
             mask, causal = causal_mask(starts[0], n_new, n_keys, window, device)
         elif device.type != "cpu":  # one call over keys padded to the longest row, masked
-            mask = _row_mask(starts, n_new, n_keys, window, device)
+            # (B, 1, T, S): row b's query at position p sees its keys 0..p (within window)
+            q = pos.to(device)[:, :, None]
+            mask = visible(q, torch.arange(n_keys, device=device)[None, None, :], window)[:, None]
         CacheStep.__init__(self, 0, n_new, batch, device, mask, causal)
         if len(set(starts)) > 1 and device.type == "cpu":  # each row over its own keys
             self.rows = [(s + n_new, *causal_mask(s, n_new, s + n_new, window, device))
                          for s in starts]  # fmt: skip
-        pos = torch.tensor(starts)[:, None] + torch.arange(n_new)  # (B, T)
         self.positions = pos.to(device)
         width = blocks_for(n_keys, bs)
         # Pad short tables with their own last block: its slots hold finite values (never
@@ -359,8 +356,7 @@ class TableStep(_PagedStep):
         self.write_slots = (pos % bs).to(device)  # (B, T)
         self.read_tables = padded.to(device)  # (B, width); the padding is masked or not read
         self.n_keys = n_keys
-        self.store = pool.store
-        self._over(self.store)
+        self._over(pool.store)
 
 
 @dataclass(slots=True)
@@ -449,8 +445,7 @@ class RaggedStep(_PagedStep):
         self.read_slots = torch.tensor(read_s, dtype=torch.long, device=device)
         self.segments = Segments(cu_q, cu_k, spec.sliding_window, device)
         self.logit_rows = torch.tensor(logit_rows, dtype=torch.long, device=device)
-        self.store = pool.store
-        self._over(self.store)
+        self._over(pool.store)
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -460,15 +455,3 @@ class RaggedStep(_PagedStep):
         read = (self.read_blocks, ALL, self.read_slots)
         keys = self.store.get((layer, 0, *read), k.dtype)
         return keys, self.store.get((layer, 1, *read), v.dtype)
-
-
-def _row_mask(
-    starts: list[int], n_new: int, n_keys: int, window: int | None, device: torch.device
-) -> torch.Tensor:
-    """(B, 1, T, S) bool: row b's query at position p sees its keys 0..p (within window)."""
-    q = torch.tensor(starts, device=device)[:, None] + torch.arange(n_new, device=device)
-    k = torch.arange(n_keys, device=device)
-    allowed = k[None, None, :] <= q[:, :, None]  # (B, T, S)
-    if window is not None:
-        allowed &= (q[:, :, None] - k[None, None, :]) < window
-    return allowed[:, None]

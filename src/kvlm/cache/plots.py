@@ -22,6 +22,7 @@ caller that has its own, and nothing is left open between pictures.
 from __future__ import annotations
 
 import colorsys
+import importlib
 import io
 import math
 from collections.abc import Callable
@@ -54,19 +55,21 @@ def check_output(path: str | Path) -> Path:
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise InvalidRequestError(f"pictures are PNG files: name it .png, not {path.name!r}")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as exc:
-        raise InvalidRequestError("pictures need matplotlib: pip install matplotlib") from exc
+    _matplotlib()
     return path
 
 
-def _figure(height: float) -> Any:
+def _matplotlib(module: str = "matplotlib") -> Any:
+    """A matplotlib module; without matplotlib, the error that says how to install it."""
     try:
-        from matplotlib.figure import Figure
+        return importlib.import_module(module)
     except ImportError as exc:
         raise InvalidRequestError("pictures need matplotlib: pip install matplotlib") from exc
-    return Figure(figsize=(WIDTH, height), dpi=DPI, layout="constrained")
+
+
+def _figure(height: float) -> Any:
+    figure = _matplotlib("matplotlib.figure").Figure
+    return figure(figsize=(WIDTH, height), dpi=DPI, layout="constrained")
 
 
 def _save(fig: Any, path: str | Path, palette: bool = False) -> Path:
@@ -292,16 +295,18 @@ def cache_png(saved: SavedCache, path: str | Path, block_size: int = 16) -> Path
     rows = with_row(spec_table(spec, tokens, s.batch), saved.mode, s.dtype,
                     planned_nbytes(saved.mode, spec, tokens, s.batch))  # fmt: skip
     title = f"bytes for {s.batch} x {tokens:,} tokens of this geometry, by mode and dtype"
-    mark = (saved.mode, s.dtype)
+    ring = s.layout == "window"
 
-    def bytes_panel(f: Any) -> None:
-        draw_bytes(f.subplots(), rows, title, mark, None, "this file")
+    def bytes_panel(f: Any) -> None:  # a window's ring beside the bytes
+        left, *right = f.subplots(1, 2, width_ratios=[3, 2]) if ring else [f.subplots()]
+        draw_bytes(left, rows, title, (saved.mode, s.dtype), None, "this file")
+        if ring:
+            draw_ring(right[0], saved)
 
-    panels: list[tuple[float, Callable[[Any], None]]] = [(3.6, lambda f: _norms(f, saved))]
-    if s.layout == "window":
-        panels.append((4.6, lambda f: _bytes_and_ring(f, saved, rows, title)))
-    else:
-        panels.append((3.6, bytes_panel))
+    panels: list[tuple[float, Callable[[Any], None]]] = [
+        (3.6, lambda f: _norms(f, saved)),
+        (4.6 if ring else 3.6, bytes_panel),
+    ]
     if saved.quantized:
         panels.append((3.2, lambda f: _scales(f, saved)))
     if saved.mode in PAGED_MODES:
@@ -344,10 +349,7 @@ def _norms(fig: Any, saved: SavedCache) -> None:
     layers, heads = g["layers"], g["kv_heads"]
     axes = fig.subplots(1, 2)
     if saved.snap.length == 0 or len(saved.positions()) == 0:
-        for ax in axes:
-            ax.text(0.5, 0.5, "no tokens", ha="center", va="center", transform=ax.transAxes)
-            ax.set(xticks=[], yticks=[])
-        return
+        return _no_tokens(axes, xticks=[], yticks=[])
     values = saved.contents()  # (L, 2, H, T, D)
     positions = saved.positions()
     for kv, ax in enumerate(axes):
@@ -368,12 +370,6 @@ def _norms(fig: Any, saved: SavedCache) -> None:
         ax.set_ylabel(f"layer ({heads} KV head{'s' if heads > 1 else ''} each)")
         ax.set_title(f"|{'KV'[kv]}| per token, layer and head", fontsize=10)
         fig.colorbar(image, ax=ax, fraction=0.04)
-
-
-def _bytes_and_ring(fig: Any, saved: SavedCache, rows: list[dict], title: str) -> None:
-    left, right = fig.subplots(1, 2, width_ratios=[3, 2])
-    draw_bytes(left, rows, title, (saved.mode, saved.snap.dtype), None, "this file")
-    draw_ring(right, saved)
 
 
 def draw_ring(ax: Any, saved: SavedCache) -> None:
@@ -421,14 +417,19 @@ def draw_ring(ax: Any, saved: SavedCache) -> None:
                  f"{n:,} tokens seen, {n - len(held):,} evicted", fontsize=9)  # fmt: skip
 
 
+def _no_tokens(axes: Any, **settings: Any) -> None:
+    """Panels of a file that holds no token: a line saying so."""
+    for ax in axes:
+        ax.text(0.5, 0.5, "no tokens", ha="center", va="center", transform=ax.transAxes)
+        ax.set(**settings)
+
+
 def _scales(fig: Any, saved: SavedCache) -> None:
     """int8: per position, the spread over layers and heads of each row's step (left) and
     of the interval its 256 codes cover, [zero, zero + 255 step] (right)."""
     left, right = fig.subplots(1, 2)
     if len(saved.positions()) == 0:
-        for ax in (left, right):
-            ax.text(0.5, 0.5, "no tokens", ha="center", va="center", transform=ax.transAxes)
-        return
+        return _no_tokens((left, right))
     s = saved.scales()  # (L, 2, H, T, 2)
     x = torch.arange(s.shape[3]).numpy()
     for kv, colour in ((0, "#1565c0"), (1, "#e65100")):

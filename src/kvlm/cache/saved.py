@@ -25,12 +25,10 @@ import torch
 
 from kvlm.cache.base import CacheSnapshot, CacheSpec, blocks_for
 from kvlm.cache.factory import create_cache, planned_nbytes
-from kvlm.cache.files import read_cache_file
+from kvlm.cache.files import FILE_DTYPES, read_cache_file
 from kvlm.cache.paged import PagedCache
 from kvlm.cache.storage import dequantize
-from kvlm.dtypes import NAMES
 
-_DTYPES = {name: dtype for dtype, name in NAMES.items()}
 PAGED_MODES = ("paged", "int8")
 
 
@@ -69,7 +67,7 @@ class SavedCache:
             head_dim=g["head_dim"],
             max_tokens=max(1, s.length),
             batch=s.batch,
-            dtype=_DTYPES[s.dtype],
+            dtype=FILE_DTYPES[s.dtype],
             block_size=block_size,
             num_blocks=max(1, s.batch * blocks_for(s.length, block_size)),
             **sizes,

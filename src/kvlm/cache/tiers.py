@@ -198,13 +198,9 @@ class KVTiers:
         self._writer.start()
 
     @property
-    def payload_bytes(self) -> int:
-        return sum(self._sizes.values())
-
-    @property
     def record_limit(self) -> int:
         """The size of every record of this geometry."""
-        return len(MAGIC) + TAG_BYTES + self.payload_bytes
+        return len(MAGIC) + TAG_BYTES + sum(self._sizes.values())
 
     def _name(self, key: bytes) -> str:
         return f"kvlm:{self.ns[:32]}:{key.hex()}"

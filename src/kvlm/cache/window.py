@@ -72,40 +72,44 @@ class _WindowStep(CacheStep):
     def __init__(self, cache: WindowCache, n_new: int) -> None:
         spec, start = cache.spec, cache.num_tokens
         q = torch.arange(start, start + n_new, device=spec.device)  # absolute positions
-        k = torch.cat([cache.slot_pos, q])  # stored slots, then this step's tokens
-        visible = (k[None, :] >= 0) & (k[None, :] <= q[:, None])
-        visible &= (k[None, :] < spec.sinks) | (q[:, None] - k[None, :] < spec.window)
-        q_at, k_at = cache.rope_positions(start, q, k)
-        if spec.sliding_window is not None:  # the model's own window, on the distances it sees
-            visible &= q_at[:, None] - k_at[None, :] < spec.sliding_window
+        k, visible, q_at, k_at = cache.sees(start, q, cache.slot_pos)
         super().__init__(start, n_new, cache.batch, spec.device, visible, False)
         self.positions = q_at.expand(cache.batch, n_new)  # (B, T) where RoPE puts the queries
         self.key_positions = k  # the absolute position each returned key holds (-1: empty)
         # (S + W + n_new,) where RoPE puts each returned key; None: keys come back rotated.
         self.key_rope_positions = k_at if cache.cache_positions else None
-        self.store = cache.store
-        self._over(self.store)
-        self._basis = self.key_rotation  # int8: K is stored as k R
+        self._keys_over(cache)
+
+    def _keys_over(self, cache: WindowCache) -> None:
+        """The step reads and writes the cache's ring; int8 K is stored as k R, which in
+        cache mode update() turns back to the plain basis for RoPE."""
+        self._over(cache.store)
+        self._basis = self.key_rotation
         if cache.cache_positions:
-            self.key_rotation = None  # update() turns keys back to the plain basis for RoPE
-        self.staged: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * spec.num_layers
+            self.key_rotation = None
+        self.staged: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * cache.spec.num_layers
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._basis is not None:
             k = k @ self._basis.to(k.dtype)
-        self.staged[layer] = (k, v)  # written by commit, after every layer has read the ring
-        # The new tokens are seen as they will be read back later (rounded to the storage
-        # dtype), so a result never depends on how a prompt was split into steps.
-        k_all = torch.cat([self.store.get((layer, 0), k.dtype), self.store.roundtrip(k)], dim=2)
-        v_all = torch.cat([self.store.get((layer, 1), v.dtype), self.store.roundtrip(v)], dim=2)
+        self.staged[layer] = self._stage(k, v)  # written by commit, after every layer has read
+        k_all, v_all = self._read(layer, 0, k), self._read(layer, 1, v)
         if self._basis is not None and self.key_rotation is None:
             k_all = k_all @ self._basis.T.to(k_all.dtype)  # (k R) R^T = k, ready for RoPE
         return k_all, v_all  # (B, Hkv, S + W + n_new, D)
 
+    def _stage(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return k, v
 
-class WindowDraftRowsStep(CacheStep):
+    def _read(self, layer: int, kv: int, x: torch.Tensor) -> torch.Tensor:
+        """The ring's K or V, then the new tokens' as they will be read back later (rounded
+        to the storage dtype), so a result never depends on how a prompt was split."""
+        return torch.cat([self.store.get((layer, kv), x.dtype), self.store.roundtrip(x)], dim=2)
+
+
+class WindowDraftRowsStep(_WindowStep):
     """One sequence fed n tokens as n rows of one token (a speculative draft's check): row
     i computes exactly what a one-token step at position start + i computes after rows
     0..i-1 were fed one at a time. Each row gets its own copy of the cache's slots with
@@ -116,30 +120,18 @@ class WindowDraftRowsStep(CacheStep):
     ring exactly (WindowCache._truncate)."""
 
     def __init__(self, cache: WindowCache, n_new: int) -> None:
-        if cache.batch != 1:
-            raise ValueError("a draft check feeds one sequence")
         spec, start = cache.spec, cache.num_tokens
         if n_new > spec.window:
             raise ValueError("a draft longer than the window")
         dev = spec.device
-        super().__init__(start, n_new, 1, dev, None, False)
-        self.cache, self.store = cache, cache.store
-        self._over(self.store)
-        self._basis = self.key_rotation
-        if cache.cache_positions:
-            self.key_rotation = None
+        CacheStep.__init__(self, start, n_new, 1, dev, None, False)
+        self._keys_over(cache)
         pos = torch.arange(start, start + n_new, device=dev)
         self.new_slots = cache._slot(pos)  # where row i's token goes
         masks, q_ats, k_ats = [], [], []
         slot_pos = cache.slot_pos.clone()
         for i in range(n_new):  # as the one-token step at start + i builds its own
-            q = pos[i : i + 1]
-            k = torch.cat([slot_pos, q])
-            visible = (k[None, :] >= 0) & (k[None, :] <= q[:, None])
-            visible &= (k[None, :] < spec.sinks) | (q[:, None] - k[None, :] < spec.window)
-            q_at, k_at = cache.rope_positions(start + i, q, k)
-            if spec.sliding_window is not None:
-                visible &= q_at[:, None] - k_at[None, :] < spec.sliding_window
+            _, visible, q_at, k_at = cache.sees(start + i, pos[i : i + 1], slot_pos)
             masks.append(visible)  # (1, S + W + 1)
             q_ats.append(q_at)
             k_ats.append(k_at)
@@ -148,32 +140,23 @@ class WindowDraftRowsStep(CacheStep):
         self.key_rope_positions = torch.stack(k_ats) if cache.cache_positions else None
         keys = masks[0].shape[-1]
         self.rows = [(keys, m, False) for m in masks]
-        self.staged: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * spec.num_layers
 
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v (rows, Hkv, 1, D) -> per row (rows, Hkv, S + W + 1, D): the slots as row i's
-        one-token step would read them, then its own token."""
-        if self._basis is not None:
-            k = k @ self._basis.to(k.dtype)
-        n = k.shape[0]
-        self.staged[layer] = (k[:, :, 0].transpose(0, 1)[None], v[:, :, 0].transpose(0, 1)[None])
-        out = []
-        for kv, x in ((0, k), (1, v)):
-            stored = self.store.get((layer, kv), x.dtype)  # (1, Hkv, slots, D)
-            kept = self.store.roundtrip(x)  # (rows, Hkv, 1, D), as the store reads them back
-            rows = []
-            for i in range(n):
-                mine = stored.clone()
-                for m in range(i):  # rows before i: in the ring, as one-token steps left them
-                    mine[0, :, self.new_slots[m]] = kept[m, :, 0]
-                rows.append(torch.cat([mine, kept[i : i + 1]], dim=2))
-            out.append(torch.cat(rows))
-        k_all, v_all = out
-        if self._basis is not None and self.key_rotation is None:
-            k_all = k_all @ self._basis.T.to(k_all.dtype)
-        return k_all, v_all
+    def _stage(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (rows, Hkv, 1, D) -> the one sequence's (1, Hkv, rows, D)."""
+        return k[:, :, 0].transpose(0, 1)[None], v[:, :, 0].transpose(0, 1)[None]
+
+    def _read(self, layer: int, kv: int, x: torch.Tensor) -> torch.Tensor:
+        """Per row (rows, Hkv, S + W + 1, D): the slots as row i's one-token step would
+        read them, then its own token."""
+        stored = self.store.get((layer, kv), x.dtype)  # (1, Hkv, slots, D)
+        kept = self.store.roundtrip(x)  # (rows, Hkv, 1, D), as the store reads them back
+        rows = []
+        for i in range(x.shape[0]):
+            mine = stored.clone()
+            for m in range(i):  # rows before i: in the ring, as one-token steps left them
+                mine[0, :, self.new_slots[m]] = kept[m, :, 0]
+            rows.append(torch.cat([mine, kept[i : i + 1]], dim=2))
+        return torch.cat(rows)
 
 
 class WindowCache(RowCache):
@@ -205,15 +188,30 @@ class WindowCache(RowCache):
         shift = max(0, start - s.window + 1 - s.sinks)
         return q - shift, torch.where(k < s.sinks, k, k - shift).clamp_min(0)
 
+    def sees(self, start: int, q: torch.Tensor, slot_pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A step from `start` of queries at absolute positions q over slots holding
+        slot_pos, then its own tokens: (each key's absolute position k, the (T, S) mask of
+        what each query sees, where RoPE puts the queries, and the keys). Query q sees key
+        p iff p <= q and (p < S or q - p < W), and within the model's own window, on the
+        distances it sees."""
+        s = self.spec
+        k = torch.cat([slot_pos, q])  # stored slots, then this step's tokens
+        visible = (k[None, :] >= 0) & (k[None, :] <= q[:, None])
+        visible &= (k[None, :] < s.sinks) | (q[:, None] - k[None, :] < s.window)
+        q_at, k_at = self.rope_positions(start, q, k)
+        if s.sliding_window is not None:
+            visible &= q_at[:, None] - k_at[None, :] < s.sliding_window
+        return k, visible, q_at, k_at
+
     def _slot(self, pos: torch.Tensor) -> torch.Tensor:
         s = self.spec
         return torch.where(pos < s.sinks, pos, s.sinks + (pos - s.sinks) % s.window)
 
-    def _begin(self, n_new: int) -> CacheStep:
-        return _WindowStep(self, n_new)
+    def _begin(self, n_new: int, draft: bool) -> CacheStep:
+        return (WindowDraftRowsStep if draft else _WindowStep)(self, n_new)
 
     def _commit(self, step: CacheStep) -> None:
-        assert isinstance(step, (_WindowStep, WindowDraftRowsStep))
+        assert isinstance(step, _WindowStep)
         s = self.spec
         pos = torch.arange(step.start, step.start + step.n_new, device=s.device)
         keep = (pos < s.sinks) | (pos >= step.start + step.n_new - s.window)

@@ -24,11 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlm.cache import CacheSpec, KVCache
-from kvlm.cache.basic import BasicCache, BasicDraftRowsStep
-from kvlm.cache.contiguous import ContiguousCache, DraftRowsStep
 from kvlm.cache.paged import BlockPool, PagedCache, RaggedStep, TableStep
-from kvlm.cache.window import WindowCache, WindowDraftRowsStep
-from kvlm.errors import InvalidRequestError
 from kvlm.model import fused, graphs
 from kvlm.model.transformer import Transformer
 
@@ -141,12 +137,14 @@ class ModelRunner:
         return logits if all_rows else logits[:, -1]
 
     @staticmethod
-    def _layout(cache: KVCache, tables: list[list[int]]) -> tuple:
-        """(store, block tables, block size) of a cache as the fused step reads it: a
-        contiguous cache's row b is block b holding every slot."""
-        if isinstance(cache, PagedCache):
-            return cache.pool.store, tables, cache.pool.block_size
-        return cache.store, tables, cache.store.values.shape[-2]
+    def _run_fused(decoder, cache: KVCache, tokens: list[int], starts: list[int], rows: list[int]):
+        """The fused step over `cache`: token i at starts[i], through the block table of
+        the cache's row rows[i] (a contiguous cache's row b is block b holding every slot)."""
+        paged = isinstance(cache, PagedCache)
+        store = cache.pool.store if paged else cache.store
+        bs = cache.pool.block_size if paged else store.values.shape[-2]
+        tables = [cache.tables[r] if paged else [r] for r in rows]
+        return decoder.run(store, tokens, starts, tables, bs, cache.spec.sliding_window)
 
     def _on_cache(self, b: Batch) -> torch.Tensor:
         """Rows of one cache: row b's tokens after what it holds for row b (all rows one
@@ -160,12 +158,8 @@ class ModelRunner:
             return self.graphs.step(tokens, cache)
         if one and self._decodes_alike(b.prompt) and (decoder := self.fused_for(cache)):
             step = cache.begin(1)  # raises on overflow (paged: allocates, copies on write)
-            tables = (
-                cache.tables if isinstance(cache, PagedCache) else [[i] for i in range(len(rows))]
-            )
-            store, tables, bs = self._layout(cache, tables)
-            starts = [step.start] * len(rows)
-            logits = decoder.run(store, tokens, starts, tables, bs, cache.spec.sliding_window)
+            n = len(rows)
+            logits = self._run_fused(decoder, cache, tokens, [step.start] * n, list(range(n)))
         else:
             step = cache.begin(len(rows[0]))  # raises on overflow before any write
             logits = self._torch(rows, step, b.prompt, b.all_rows)
@@ -175,37 +169,18 @@ class ModelRunner:
     def _draft(self, b: Batch) -> torch.Tensor:
         """One sequence's last token and its draft (speculative decoding on one cache), one
         token per row at consecutive positions, each computing what decoding its token
-        alone would (the fused step's rows, or the torch step's rows over their own keys):
-        logits (n, V). The cache commits all n; the caller rolls back what it rejects."""
+        alone would (the fused step's rows, or the torch step's draft rows over their own
+        keys): logits (n, V). The cache commits all n; the caller rolls back what it
+        rejects."""
         cache, tokens = b.cache, [r[0] for r in b.rows]
-        kinds = (ContiguousCache, PagedCache, BasicCache, WindowCache)
-        if cache.batch != 1 or not isinstance(cache, kinds):
-            raise InvalidRequestError(
-                f"a draft is checked on a contiguous, paged, basic or window cache of one "
-                f"sequence, not {cache.mode} ({cache.batch} rows)"
-            )
         n = len(tokens)
-        if isinstance(cache, (BasicCache, WindowCache)):  # steps that stage: the step itself
-            if cache.would_overflow(n):
-                cache.begin(n)  # raises, with the cache's own message
-            kind = BasicDraftRowsStep if isinstance(cache, BasicCache) else WindowDraftRowsStep
-            step = kind(cache, n)
-        else:
-            step = cache.begin(n)  # raises on overflow (paged: allocates)
-        starts = [step.start + i for i in range(n)]
+        step = cache.begin(n, draft=True)  # refuses other caches, raises on overflow
         decoder = self.fused_for(cache)
         if decoder is not None:
-            table = cache.tables[0] if isinstance(cache, PagedCache) else [0]
-            store, tables, bs = self._layout(cache, [table] * n)
-            logits = decoder.run(store, tokens, starts, tables, bs, cache.spec.sliding_window)
+            starts = [step.start + i for i in range(n)]
+            logits = self._run_fused(decoder, cache, tokens, starts, [0] * n)
         else:
-            if isinstance(cache, PagedCache):
-                rows = TableStep(cache.pool, cache.spec, [cache.tables[0]] * n, starts, 1)
-            elif isinstance(cache, (BasicCache, WindowCache)):
-                rows = step
-            else:
-                rows = DraftRowsStep(cache, n)
-            logits = self._torch([[t] for t in tokens], rows, False, False)
+            logits = self._torch([[t] for t in tokens], step, False, False)
         cache.commit(step)
         return logits
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -179,19 +181,14 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments):
     return out.transpose(0, 1)[None]
 
 
-_VARLEN: list = []
-
-
+@functools.cache
 def _varlen_fn():
     """(varlen_attn, its parameter names), or (None, ()) in a torch without it."""
-    if not _VARLEN:
-        try:
-            from torch.nn.attention.varlen import varlen_attn
-        except ImportError:
-            _VARLEN.append((None, ()))
-        else:
-            _VARLEN.append((varlen_attn, tuple(inspect.signature(varlen_attn).parameters)))
-    return _VARLEN[0]
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, ()
+    return varlen_attn, tuple(inspect.signature(varlen_attn).parameters)
 
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVStep) -> torch.Tensor:
@@ -238,17 +235,14 @@ def attend(
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         gqa = False
-    if not q.is_cpu and q.shape[2] > 1:
-        # prompt rows on a GPU: not cuDNN's kernel, which builds a plan for every new
-        # prompt length (~0.65 ms of CPU a call, measured on an H100: more than the
-        # attention itself for prompts of a few hundred tokens)
-        with sdpa_kernel(GPU_PROMPT_BACKENDS):
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa
-            )
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa
-    )
+    # prompt rows on a GPU: not cuDNN's kernel, which builds a plan for every new prompt
+    # length (~0.65 ms of CPU a call, measured on an H100: more than the attention itself
+    # for prompts of a few hundred tokens)
+    gpu_prompt = not q.is_cpu and q.shape[2] > 1
+    with sdpa_kernel(GPU_PROMPT_BACKENDS) if gpu_prompt else nullcontext():
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa
+        )
 
 
 def attend_decode(

@@ -62,9 +62,6 @@ def set_blas_threads(n: int) -> None:
 def one_torch_thread() -> Iterator[None]:
     """Run a one-row step with torch on one thread, leaving the cores to OpenBLAS."""
     n = torch.get_num_threads()
-    if n == 1:
-        yield
-        return
     torch.set_num_threads(1)
     try:
         yield

@@ -40,7 +40,6 @@ runs the torch model.
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 from collections.abc import Sequence
 
@@ -175,7 +174,6 @@ class FusedDecoder:
         c = model.config
         self.model = model
         self.slots = slots
-        self.hidden = c.hidden_size
         positions = torch.arange(slots, dtype=torch.long)[None]
         cos, sin = model.rope(positions, torch.float32)  # the torch path's own values
         self.cos = cos.reshape(slots, -1).contiguous()
@@ -217,11 +215,6 @@ class FusedDecoder:
         self.lib.kvlm_decode_batch.restype = ctypes.c_int
         self.scratch = torch.empty(0, dtype=torch.float32)
         self.vocab = model.lm_head.out_features
-
-    @staticmethod
-    @functools.cache
-    def _rotation(head_dim: int) -> torch.Tensor:
-        return key_rotation(head_dim).float().contiguous()
 
     def accepts(self, cache: KVCache) -> bool:
         """A contiguous cache of these slots or a paged one, any batch up to MAX_ROWS."""
@@ -275,7 +268,7 @@ class FusedDecoder:
         self.spec.kv_dtype = _KV_DTYPE[store.values.dtype]
         if store.quantized:  # codes + (step, zero) per row; K stored rotated by R
             self.spec.kv_params = store.scales.data_ptr()
-            self.spec.key_rot = self._rotation(store.values.shape[-1]).data_ptr()
+            self.spec.key_rot = key_rotation(store.values.shape[-1]).data_ptr()  # cached, fp32
         # --activations int8: LLM sets act_int8 on every block's Linear alike; the
         # vocabulary projection has its own (fp32 under the defaults: kvlm.defaults)
         self.spec.act_int8 = int(self.model.layers[0].attn.qkv.act_int8)

@@ -33,10 +33,11 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import torch
 
-from kvlm.cache.base import KVCache
+from kvlm.cache.base import KVCache, visible
 from kvlm.cache.storage import Store
 
 log = logging.getLogger("kvlm.graphs")
@@ -84,17 +85,13 @@ class StaticStep:
         self.pos = positions  # (B,) int64, static
         self.tables = tables  # (B, W) int64, static, or None
         self.n_keys = n_keys
-        keys = torch.arange(n_keys, device=positions.device)
-        self.keys = keys
+        self.keys = torch.arange(n_keys, device=positions.device)
         self.window = window
         self.mask: torch.Tensor | None = None
 
     def prepare(self) -> None:
         """Build the mask from the static positions (inside the captured forward)."""
-        pos = self.pos[:, None]
-        allowed = self.keys[None, :] <= pos  # (B, S)
-        if self.window is not None:
-            allowed &= (pos - self.keys[None, :]) < self.window
+        allowed = visible(self.pos[:, None], self.keys[None, :], self.window)  # (B, S)
         self.mask = allowed[:, None, None, :]  # (B, 1, 1, S): over heads and the one query
         if self.tables is not None:
             bs = self.values.shape[4]
@@ -121,16 +118,6 @@ class StaticStep:
                 B, W, H, bs, D = blocks.shape
                 out.append(blocks.transpose(1, 2).reshape(B, H, W * bs, D))
         return out[0].to(k.dtype), out[1].to(v.dtype)
-
-
-class _Advance:
-    """What KVCache.commit reads of a step (one token from `start`): a contiguous cache's
-    own step would also build positions and a mask on the device, which the graph has."""
-
-    n_new = 1
-
-    def __init__(self, start: int) -> None:
-        self.start = start
 
 
 class _Graph:
@@ -209,38 +196,43 @@ class GraphDecoder:
     def reads(store: Store) -> bool:
         return not store.quantized
 
-    def _inputs(self, rows: int, width: int | None) -> tuple[torch.Tensor, ...]:
-        dev = self.device
-        ids = torch.zeros(rows, 1, dtype=torch.long, device=dev)
-        pos = torch.zeros(rows, dtype=torch.long, device=dev)
-        tables = None if width is None else torch.zeros(rows, width, dtype=torch.long, device=dev)
-        return ids, pos, tables
+    def _replay(
+        self,
+        key: tuple,
+        store: Store,
+        host: tuple[torch.Tensor, ...],
+        n_keys: int,
+        window: int | None,
+    ) -> torch.Tensor:
+        """Replay the graph of `key` (captured over `store` on first use) on the inputs
+        `host`: token ids (B, 1), positions (B,) and, for the pool, block tables (B, W)."""
+        mempool = self._over(key[0], store)
+        graph = self._graphs.get(key)
+        if graph is None:
+            ids, pos, *tables = (h.to(self.device) for h in host)  # static copies
+            static = StaticStep(store, pos, n_keys, tables[0] if tables else None, window)
+            graph = self._graphs[key] = _Graph(self.model, static, ids, mempool)
+            self.captured += 1
+        else:
+            statics = (graph.ids, graph.step.pos, graph.step.tables)
+            for static, h in zip(statics, host, strict=False):
+                static.copy_(h)
+        self.replays += 1
+        return graph.replay()
 
     def step(self, tokens: Sequence[int], cache: KVCache) -> torch.Tensor:
         """One token per row of a contiguous cache -> logits (B, V); commits the token."""
         store = cache.store
-        mempool = self._over("rows", store)
         if cache.would_overflow(1):
             cache.begin(1)  # raises, with the cache's own message
         start, rows = cache.num_tokens, len(tokens)
-        slots = store.values.shape[4]
-        n_keys = bucket(start + 1, MIN_KEYS, slots)
-        key = ("rows", rows, n_keys)
-        graph = self._graphs.get(key)
-        host = torch.tensor(tokens, dtype=torch.long)[:, None]
-        if graph is None:
-            ids, pos, _ = self._inputs(rows, None)
-            ids.copy_(host)
-            pos.fill_(start)
-            static = StaticStep(store, pos, n_keys, window=cache.spec.sliding_window)
-            graph = self._graphs[key] = _Graph(self.model, static, ids, mempool)
-            self.captured += 1
-        else:
-            graph.ids.copy_(host)
-            graph.step.pos.fill_(start)
-        logits = graph.replay()
-        self.replays += 1
-        cache.commit(_Advance(start))  # a contiguous cache wrote the slots in place
+        n_keys = bucket(start + 1, MIN_KEYS, store.values.shape[4])
+        host = (torch.tensor(tokens, dtype=torch.long)[:, None], torch.full((rows,), start))
+        logits = self._replay(
+            ("rows", rows, n_keys), store, host, n_keys, cache.spec.sliding_window
+        )
+        # a contiguous cache wrote the slots in place; commit reads a one-token step's start
+        cache.commit(SimpleNamespace(start=start, n_new=1))
         return logits.clone()
 
     def step_table(
@@ -261,25 +253,11 @@ class GraphDecoder:
         need = (max(starts) + 1 + bs - 1) // bs
         width = bucket(need, 1, max(need, 1 << 30))
         rows = bucket(n, 1, MAX_ROWS)
-        mempool = self._over("pool", store)
-        key = ("pool", rows, width)
         padded = [list(t[:width]) + [t[-1]] * (width - len(t[:width])) for t in tables]
         padded += [[scratch] * width] * (rows - n)
-        host_tables = torch.tensor(padded, dtype=torch.long)
-        host_ids = torch.tensor(list(tokens) + [0] * (rows - n), dtype=torch.long)[:, None]
-        host_pos = torch.tensor(list(starts) + [0] * (rows - n), dtype=torch.long)
-        graph = self._graphs.get(key)
-        if graph is None:
-            ids, pos, tab = self._inputs(rows, width)
-            ids.copy_(host_ids)
-            pos.copy_(host_pos)
-            tab.copy_(host_tables)
-            static = StaticStep(store, pos, width * bs, tab, window)
-            graph = self._graphs[key] = _Graph(self.model, static, ids, mempool)
-            self.captured += 1
-        else:
-            graph.ids.copy_(host_ids)
-            graph.step.pos.copy_(host_pos)
-            graph.step.tables.copy_(host_tables)
-        self.replays += 1
-        return graph.replay()[:n].clone()
+        host = (
+            torch.tensor(list(tokens) + [0] * (rows - n), dtype=torch.long)[:, None],
+            torch.tensor(list(starts) + [0] * (rows - n), dtype=torch.long),
+            torch.tensor(padded, dtype=torch.long),
+        )
+        return self._replay(("pool", rows, width), store, host, width * bs, window)[:n].clone()

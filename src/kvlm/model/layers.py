@@ -254,11 +254,11 @@ class RMSNorm(nn.Module):
             args = (x.numel() // n, n, n, self.weight.data_ptr(), self.eps, y.data_ptr(), n)
             if x.numel() and lib.kvlm_rms_norm(x.data_ptr(), *args) == 0:
                 return y
-        if x.dtype in (torch.float32, torch.float64):
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        if not x.is_cpu and x.dtype == self.weight.dtype:
-            # one fused kernel on a GPU (fp32 inside, one rounding at the end), where the
-            # steps below are eight: a decode step is launch-bound there
+        # fp32/fp64; or one fused kernel on a GPU (fp32 inside, one rounding at the end),
+        # where the steps below are eight: a decode step is launch-bound there
+        if x.dtype in (torch.float32, torch.float64) or (
+            not x.is_cpu and x.dtype == self.weight.dtype
+        ):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Low precision: normalise in fp32 and scale after casting back, as HF does.
         xf = x.float()

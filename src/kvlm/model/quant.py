@@ -180,12 +180,8 @@ class QuantWeight:
         """(codes, scale, zero) in the natural order, scales as fp32 (q8, q4); (the ggml
         blocks [N, bytes], None, None) for the GGML_KINDS. A MIXED weight: unpack each of
         its parts()."""
-        if self._parts is not None:
-            raise ValueError("a weight of parts of different kinds: unpack each of parts()")
-        if self.kind in GGML_KINDS:
-            fields = _unpack_fields(self.kind, self.data, self.out_features, self.in_features)
-            return _ggml_blocks(self.kind, fields), None, None
-        return _unpack(self)
+        blocks = _stored_blocks(self)
+        return (blocks, None, None) if self.kind in GGML_KINDS else _block_arrays(self.kind, blocks)
 
     def dense(
         self, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
@@ -199,10 +195,9 @@ class QuantWeight:
         out = torch.empty(n, k, dtype=dtype) if out is None else out.view(n, k)
         row = 0
         for p in self.parts():
-            at = _ptr(out) + row * k * out.element_size()
-            if lib.kvlm_qdequant(KIND_CODES[p.kind], dtype == torch.bfloat16, k, _ptr(p.data),
-                                 p.out_features, at) != 0:  # fmt: skip
-                raise ValueError(f"the kernels do not know the kind {p.kind!r}")
+            _dequant(
+                lib, p, dtype, p.data, p.out_features, _ptr(out) + row * k * out.element_size()
+            )
             row += p.out_features
         return out
 
@@ -226,10 +221,7 @@ class QuantWeight:
             for b0 in range(0, blocks, per):
                 rows = min(p.out_features, (b0 + per) * BLOCK_ROWS) - b0 * BLOCK_ROWS
                 w = _scratch(rows * k, dtype).view(rows, k)
-                rc = lib.kvlm_qdequant(KIND_CODES[p.kind], dtype == torch.bfloat16, k,
-                                       _ptr(p.data[b0]), rows, _ptr(w))  # fmt: skip
-                if rc != 0:
-                    raise ValueError(f"the kernels do not know the kind {p.kind!r}")
+                _dequant(lib, p, dtype, p.data[b0], rows, _ptr(w))
                 at = col + b0 * BLOCK_ROWS
                 y[:, at : at + rows] = torch.matmul(xd, w.t())
             col += p.out_features
@@ -315,6 +307,13 @@ class QuantWeight:
 
 
 BLOCK_ROWS = 16  # rows per packed block: one per 32-bit lane of a 512-bit vector
+
+
+def _dequant(lib, q: QuantWeight, dtype: torch.dtype, data: torch.Tensor, rows: int, at: int):
+    """`rows` rows of q's kind from its packed `data` into `dtype` (fp32 or bf16) at `at`."""
+    bf16 = dtype == torch.bfloat16
+    if lib.kvlm_qdequant(KIND_CODES[q.kind], bf16, q.in_features, _ptr(data), rows, at) != 0:
+        raise ValueError(f"the kernels do not know the kind {q.kind!r}")
 
 
 def _new_data(nbytes: int) -> torch.Tensor:
@@ -536,9 +535,7 @@ def _libc() -> ctypes.CDLL | None:
 def _pack_torch(kind: str, rows: torch.Tensor) -> torch.Tensor:
     """Blocks [N, bytes] -> the packed layout [blocks, bytes], in torch (the reference)."""
     n, k = _block_shape(kind, rows)
-    if kind in GGML_KINDS:
-        return _pack_fields(kind, _ggml_fields(kind, rows), n, k)
-    return _pack(kind, *_block_arrays(kind, rows))
+    return _pack_fields(kind, _ggml_fields(kind, rows), n, k)
 
 
 def _block_arrays(
@@ -574,49 +571,18 @@ def _f16_bytes(t: torch.Tensor) -> torch.Tensor:
     return torch.stack((h & 255, h >> 8), -1).to(torch.uint8)
 
 
-def _pack(
-    kind: str, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
-) -> torch.Tensor:
-    """Natural codes and scales -> the packed layout: uint8 [blocks, groups * record], a
-    record being one group of 16 rows: codes (4 bytes of each row per 32-bit lane), then
-    the 16 fp16 scales (q4: then the 16 zeros)."""
-    n, groups = scale.shape
-    blocks = -(-n // BLOCK_ROWS)
-    pad = blocks * BLOCK_ROWS - n
-    width = GROUP if kind == "q8" else GROUP // 2  # code bytes per row and group
-    c = F.pad(codes.contiguous().view(torch.uint8).reshape(n, groups, width), (0, 0, 0, 0, 0, pad))
-    parts = [c.view(blocks, BLOCK_ROWS, groups, width // 4, 4).permute(0, 2, 3, 1, 4)]
-    for t in (scale,) if zero is None else (scale, zero):
-        t = F.pad(t.to(torch.float16), (0, 0, 0, pad)).view(blocks, BLOCK_ROWS, groups)
-        parts.append(t.transpose(1, 2).contiguous().view(torch.uint8))
-    parts = [p.reshape(blocks, groups, -1) for p in parts]
-    return torch.cat(parts, dim=2).reshape(blocks, -1)
-
-
-def _unpack(q: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    n, groups, blocks = q.out_features, q.in_features // GROUP, q.data.shape[0]
-    width = GROUP if q.kind == "q8" else GROUP // 2
-    rec = q.data.view(blocks, groups, -1)
-    c = rec[..., : width * BLOCK_ROWS].reshape(blocks, groups, width // 4, BLOCK_ROWS, 4)
-    c = c.permute(0, 3, 1, 2, 4).reshape(blocks * BLOCK_ROWS, groups * width)[:n].contiguous()
-    codes = c.view(torch.int8) if q.kind == "q8" else c
-    scales = []
-    for i in range(1 if q.kind == "q8" else 2):
-        at = width * BLOCK_ROWS + 2 * BLOCK_ROWS * i
-        t = rec[..., at : at + 2 * BLOCK_ROWS].contiguous().view(torch.float16)
-        scales.append(t.transpose(1, 2).reshape(blocks * BLOCK_ROWS, groups)[:n].float())
-    return codes, scales[0].contiguous(), scales[1].contiguous() if q.kind == "q4" else None
-
-
-# ---- the GGML_KINDS: ggml blocks <-> fields <-> the packed layout ----
+# ---- every kind's blocks (BLOCK_FORMATS) <-> fields <-> the packed layout ----
 #
-# Fields: "codes" uint8 [N, K], each weight's code (0 .. 2^bits - 1) in column order, and
-# the parameters as stored, bytes per row and block: "d" [N, U, 2] (fp16), "m" (q5_1) and
-# "dmin" (q4_k, q5_k) [N, U, 2], "scales" [N, U, 12] (q4_k, q5_k: ggml's packed 6-bit
-# scales and mins) or [N, U, 16] (q6_k: int8 per 16), U = blocks per row.
+# Fields: "codes" uint8 [N, K], each weight's code (0 .. 2^bits - 1; q8: the int8 code's
+# byte) in column order, and the parameters as stored, bytes per row and block: "d"
+# [N, U, 2] (fp16), "m" (q4, q5_1) and "dmin" (q4_k, q5_k) [N, U, 2], "scales" [N, U, 12]
+# (q4_k, q5_k: ggml's packed 6-bit scales and mins) or [N, U, 16] (q6_k: int8 per 16),
+# U = blocks per row.
 
-_HIGH_BITS = {"q4_0": 0, "q5_0": 1, "q5_1": 1, "q5_k": 1, "q6_k": 2, "q4_k": 0}
-_PER_GROUP = ("q4_0", "q5_0", "q5_1")  # a record per group of 32 (no super-blocks)
+# code bits above the low nibble (q8: a whole byte per code, 512 code bytes a record)
+_HIGH_BITS = {"q8": 4, "q4": 0, "q4_0": 0, "q5_0": 1, "q5_1": 1, "q5_k": 1, "q6_k": 2, "q4_k": 0}
+# a record per group of 32 (no super-blocks): its parameters, in order
+_PER_GROUP = {"q8": ("d",), "q4": ("d", "m"), "q4_0": ("d",), "q5_0": ("d",), "q5_1": ("d", "m")}
 
 
 def _u8(values) -> torch.Tensor:
@@ -625,20 +591,19 @@ def _u8(values) -> torch.Tensor:
 
 def _ggml_fields(kind: str, blocks: torch.Tensor) -> dict[str, torch.Tensor]:
     """ggml's blocks [N, U * size] -> fields (gguf-py's quants.py reads them the same way)."""
-    per, size = GGML_KINDS[kind]
+    per, size = BLOCK_FORMATS[kind]
     n = blocks.shape[0]
     b = blocks.view(n, -1, size)
     u = b.shape[1]
-    if kind == "q4_0":  # d, qs: weights e (low nibble) and e + 16 (high)
-        f = {"d": b[..., 0:2]}
-        qs = b[..., 2:18]
-        codes = torch.cat((qs & 15, qs >> 4), -1)
-    elif kind in ("q5_0", "q5_1"):  # d, (m), qh: bit e = weight e's fifth, qs: e and e + 16
-        at = 2 if kind == "q5_0" else 4
-        f = {"d": b[..., 0:2]} | ({"m": b[..., 2:4]} if kind == "q5_1" else {})
-        high = (b[..., at : at + 4, None] >> _u8(range(8))) & 1  # (n, u, 4 bytes, 8 bits)
-        qs = b[..., at + 4 : at + 20]
-        codes = torch.cat((qs & 15, qs >> 4), -1) | (high.reshape(n, u, 32) << 4)
+    if kind in _PER_GROUP:  # d, (m), (qh: bit e = weight e's fifth), qs: e and e + 16
+        f = {p: b[..., 2 * i : 2 * i + 2] for i, p in enumerate(_PER_GROUP[kind])}
+        qh = 4 if _HIGH_BITS[kind] == 1 else 0  # bytes of fifth bits
+        at = 2 * len(f) + qh
+        qs = b[..., at:]
+        codes = qs if kind == "q8" else torch.cat((qs & 15, qs >> 4), -1)  # q8: bytes
+        if qh:
+            high = (b[..., at - 4 : at, None] >> _u8(range(8))) & 1  # (n, u, 4 bytes, 8 bits)
+            codes = codes | (high.reshape(n, u, 32) << 4)
     elif kind in ("q4_k", "q5_k"):  # d, dmin, scales[12], (qh[32]), qs[128]
         f = {"d": b[..., 0:2], "dmin": b[..., 2:4], "scales": b[..., 4:16]}
         qs = b[..., -128:].reshape(n, u, 4, 1, 32)  # sub-block 2c: low nibbles, 2c + 1: high
@@ -667,16 +632,15 @@ def _or_bits(bits: torch.Tensor, dim: int, shifts: list[int]) -> torch.Tensor:
 
 def _ggml_blocks(kind: str, f: dict[str, torch.Tensor]) -> torch.Tensor:
     """Fields -> ggml's blocks [N, U * size] (the inverse of _ggml_fields)."""
-    per, _ = GGML_KINDS[kind]
+    per, _ = BLOCK_FORMATS[kind]
     n = f["codes"].shape[0]
     c = f["codes"].view(n, -1, per)
     u = c.shape[1]
-    if kind == "q4_0":
-        pieces = [f["d"], (c[..., :16] & 15) | ((c[..., 16:] & 15) << 4)]
-    elif kind in ("q5_0", "q5_1"):
-        qs = (c[..., :16] & 15) | ((c[..., 16:] & 15) << 4)
-        qh = _or_bits((c >> 4).view(n, u, 4, 8), -1, list(range(8)))
-        pieces = [f["d"], *([f["m"]] if kind == "q5_1" else []), qh, qs]
+    if kind in _PER_GROUP:
+        pieces = [f[p] for p in _PER_GROUP[kind]]
+        if _HIGH_BITS[kind] == 1:
+            pieces.append(_or_bits((c >> 4).view(n, u, 4, 8), -1, list(range(8))))
+        pieces.append(c if kind == "q8" else (c[..., :16] & 15) | ((c[..., 16:] & 15) << 4))
     elif kind in ("q4_k", "q5_k"):
         c8 = c.view(n, u, 4, 2, 32)
         qs = ((c8[..., 0, :] & 15) | ((c8[..., 1, :] & 15) << 4)).reshape(n, u, 128)
@@ -715,6 +679,8 @@ def _code_layout(kind: str, codes: torch.Tensor) -> torch.Tensor:
     """Codes [N, K] -> [blocks, K / 32, code bytes] (kernels/qgemm.c: codes [CB])."""
     n, k = codes.shape
     c = codes.view(n, k // GROUP, GROUP)
+    if kind == "q8":  # the code bytes themselves
+        return _lanes(c, 4)
     pieces = [_lanes((c[..., :16] & 15) | ((c[..., 16:] & 15) << 4), 4)]  # nibbles
     high = (c >> 4).view(n, k // GROUP, 2, 4, 4)  # element 16h + 4v + j: (h, v, j)
     if _HIGH_BITS[kind] == 1:  # byte j, bit 2v + h
@@ -729,6 +695,8 @@ def _code_layout(kind: str, codes: torch.Tensor) -> torch.Tensor:
 def _code_fields(kind: str, p: torch.Tensor, n: int) -> torch.Tensor:
     """The inverse of _code_layout: [blocks, K / 32, code bytes] -> codes [N, K]."""
     groups = p.shape[1]
+    if kind == "q8":
+        return _unlanes(p, n, GROUP, 4).reshape(n, groups * GROUP)
     nib = _unlanes(p[..., :256], n, 16, 4)
     codes = torch.cat((nib & 15, nib >> 4), -1)  # (n, G, 32)
     if _HIGH_BITS[kind] == 1:
@@ -748,7 +716,7 @@ def _pack_fields(kind: str, f: dict[str, torch.Tensor], n: int, k: int) -> torch
     codes = _code_layout(kind, f["codes"])  # [blocks, G, code bytes]
     blocks = codes.shape[0]
     if kind in _PER_GROUP:  # a record per group: codes, d [16], (m [16])
-        params = [_lanes(f[p], 2) for p in ("d", "m") if p in f]
+        params = [_lanes(f[p], 2) for p in _PER_GROUP[kind]]
         return torch.cat([codes, *params], -1).reshape(blocks, -1)
     u = k // 256
     if kind == "q6_k":  # header: d [16], sc [16 sub-blocks][16 rows]
@@ -765,7 +733,7 @@ def _unpack_fields(kind: str, data: torch.Tensor, n: int, k: int) -> dict[str, t
     if kind in _PER_GROUP:
         rec = data.view(blocks, groups, -1)
         f = {"codes": _code_fields(kind, rec[..., :code_bytes], n)}
-        for i, p in enumerate(("d", "m") if kind == "q5_1" else ("d",)):
+        for i, p in enumerate(_PER_GROUP[kind]):
             at = code_bytes + 32 * i
             f[p] = _unlanes(rec[..., at : at + 32], n, 2, 2)
         return f
@@ -800,13 +768,15 @@ def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _dense_fields(kind: str, f: dict[str, torch.Tensor]) -> torch.Tensor:
     """The weight [N, K] in fp32, in gguf-py's order of operations (so, bit for bit)."""
-    per, _ = GGML_KINDS[kind]
+    per, _ = BLOCK_FORMATS[kind]
     n, k = f["codes"].shape
     q = f["codes"].view(n, k // per, -1, 16 if kind == "q6_k" else 32)
     d = _f16(f["d"])[..., None, None]
-    if kind in ("q4_0", "q5_0"):
+    if kind == "q8":
+        w = d * q.view(torch.int8).float()
+    elif kind in ("q4_0", "q5_0"):
         w = d * (q.to(torch.int16) - (8 if kind == "q4_0" else 16)).float()
-    elif kind == "q5_1":
+    elif kind in ("q4", "q5_1"):
         w = d * q.float() + _f16(f["m"])[..., None, None]
     elif kind == "q6_k":  # (d sc) per 16, times q - 32
         sc = f["scales"].view(torch.int8).float()
@@ -837,17 +807,7 @@ def _ptr(t: torch.Tensor) -> int:
 def _dense_torch(q: QuantWeight) -> torch.Tensor:
     if q._parts is not None:
         return torch.cat([_dense_torch(p) for p in q.parts()])
-    if q.kind in GGML_KINDS:
-        return _dense_fields(q.kind, _unpack_fields(q.kind, q.data, q.out_features, q.in_features))
-    codes, scale, zero = q.unpacked()
-    n, groups = scale.shape
-    if q.kind == "q8":
-        w = codes.view(n, groups, GROUP).float() * scale[..., None]
-    else:
-        packed = codes.view(n, groups, GROUP // 2)
-        codes = torch.cat((packed & 0x0F, packed >> 4), dim=-1).float()
-        w = codes * scale[..., None] + zero[..., None]
-    return w.view(n, groups * GROUP)
+    return _dense_fields(q.kind, _unpack_fields(q.kind, q.data, q.out_features, q.in_features))
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
@@ -980,5 +940,11 @@ def _blocks_of(p: QuantWeight | Blocks) -> torch.Tensor:
     """A weight's blocks as stored ([N, bytes], rows in order): Q8_0 / Q4_1 for q8 / q4."""
     if isinstance(p, Blocks):
         return p.rows()
-    blocks, scale, zero = p.unpacked()
-    return blocks if p.kind in GGML_KINDS else _natural_blocks(p.kind, blocks, scale, zero)
+    return _stored_blocks(p)
+
+
+def _stored_blocks(q: QuantWeight) -> torch.Tensor:
+    """A weight of one kind as its blocks ([N, bytes]: Q8_0 / Q4_1 for q8 / q4)."""
+    if q._parts is not None:
+        raise ValueError("a weight of parts of different kinds: unpack each of parts()")
+    return _ggml_blocks(q.kind, _unpack_fields(q.kind, q.data, q.out_features, q.in_features))

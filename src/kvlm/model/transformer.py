@@ -70,7 +70,6 @@ class Transformer(nn.Module):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        self.weight_format = weight_format
         loader = _WeightTaker(weights, config, dtype, self.device, progress, weight_format)
         capacity = _arena_capacity(weights) if weight_format in quant.PACKED_FORMATS else 0
         arena = quant.packing_on_huge_pages(capacity) if capacity else nullcontext()
@@ -80,20 +79,16 @@ class Transformer(nn.Module):
             tied = config.tie_word_embeddings or not loader.has("lm_head.weight")
             # --weights native: the table stays in its stored low-bit format, rows
             # dequantized on lookup (a 151,936 x 896 table is 519 MiB in fp32)
-            self._embed_quant = loader.native_embedding("model.embed_tokens.weight")
-            embed = None
-            if self._embed_quant is None:
-                embed = loader.take("model.embed_tokens.weight")
-            if tied and self._embed_quant is not None:
-                self.lm_head = Linear.from_quant(self._embed_quant)
-                self._embed_table = None
-            elif tied:
-                self.lm_head = loader.linear("model.embed_tokens.weight", embed)
-                # Tied: read embeddings out of lm_head's weight unless it is packed.
-                self._embed_table = None if self.lm_head.rows() is not None else embed
-            else:
+            q = self._embed_quant = loader.native_embedding("model.embed_tokens.weight")
+            embed = None if q is not None else loader.take("model.embed_tokens.weight")
+            if not tied:
                 self.lm_head = loader.linear("lm_head.weight")
-                self._embed_table = embed
+            elif q is not None:
+                self.lm_head = Linear.from_quant(q)
+            else:
+                self.lm_head = loader.linear("model.embed_tokens.weight", embed)
+            # Tied: read embeddings out of lm_head's weight unless it is packed.
+            self._embed_table = embed if not tied or self.lm_head.rows() is None else None
             freq_factors = loader.take_raw("rope_freqs.weight")
             loader.release()  # the vocabulary table's pages
         self.rope = RotaryEmbedding(config, self.device, freq_factors)
@@ -134,15 +129,6 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_onednn()
-
-    @property
-    def embed_table(self) -> torch.Tensor:
-        """(V, H); a strided view of lm_head's weight when the embeddings are tied; a table
-        kept low-bit is dequantized whole (for tests and tools: the model uses `embed`)."""
-        if self._embed_quant is not None:
-            return self._embed_quant.rows(torch.arange(self._embed_quant.out_features))
-        table = self._embed_table
-        return self.lm_head.rows() if table is None else table
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The embeddings of token ids (any shape) -> (*ids.shape, H) in the model dtype."""
@@ -358,9 +344,7 @@ class _WeightTaker:
         packed, or (`packed=False`) as stored, for quant.concat to pack with others."""
         if self.weight_format != "native":
             return None
-        if packed:
-            return self.weights.get_quant(name)
-        return self.weights.get_quant(name, packed=False)
+        return self.weights.get_quant(name, packed=packed)
 
     def _make(self, weight: torch.Tensor, bias: torch.Tensor | None, names: list[str]) -> Linear:
         """A Linear in the requested weight format (kvlm.model.layers.Linear.convert)."""
@@ -393,7 +377,6 @@ class _WeightTaker:
         if c.qk_norm:
             q_norm = RMSNorm(self.take(f"{p}.self_attn.q_norm.weight"), eps)
             k_norm = RMSNorm(self.take(f"{p}.self_attn.k_norm.weight"), eps)
-        o_bias = self.take_raw(f"{p}.self_attn.o_proj.bias")
         attn = Attention(
             i,
             c.num_heads,
@@ -401,8 +384,7 @@ class _WeightTaker:
             c.head_dim,
             qkv=self.fused_linear(f"{p}.self_attn", ("q_proj", "k_proj", "v_proj")),
             o_proj=self.linear(
-                f"{p}.self_attn.o_proj.weight",
-                bias=None if o_bias is None else o_bias.to(self.device, self.dtype),
+                f"{p}.self_attn.o_proj.weight", bias=self._bias(f"{p}.self_attn.o_proj.bias")
             ),
             q_norm=q_norm,
             k_norm=k_norm,
