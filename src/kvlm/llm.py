@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -181,18 +181,8 @@ class LLM:
         self._cache = cache
 
     def cache_spec(self, mode: str | None = None) -> CacheSpec:
-        o = self.cache_options
-        spec = CacheSpec.for_model(
-            self.config,
-            self.max_context,
-            self.kv_dtype,
-            self.device,
-            block_size=o.block_size,
-            num_blocks=o.num_blocks,
-            window=o.window,
-            sinks=o.sinks,
-        )
-        spec = replace(spec, window_positions=o.window_positions)
+        o = asdict(self.cache_options)  # CacheSpec's fields of the same names
+        spec = CacheSpec.for_model(self.config, self.max_context, self.kv_dtype, self.device, **o)
         return mode_spec(mode or self.kv_mode, spec)
 
     def new_cache(self, mode: str | None = None) -> KVCache:

@@ -27,7 +27,6 @@ Ray Serve restarts a dead replica (its health check is the engine thread's).
 import argparse
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -56,7 +55,8 @@ _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]  # the r
 _DROPPED_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length"}
 
 
-Reply = tuple[int, bytes, dict[str, str]]  # a whole response: status, body, its headers
+# a whole response (status, body, its headers) and the replica's id
+Reply = tuple[int, bytes, dict[str, str], str]
 
 
 def _relayed(headers: list[tuple[str, str]]) -> dict[str, str]:
@@ -81,20 +81,16 @@ class KvlmReplica:
     """One kvlm engine and kvlm's own app, built from `kvlm serve`'s arguments."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from kvlm.engine.async_engine import AsyncEngine
-        from kvlm.engine.engine import Engine
         from kvlm.server import log_to_stderr
-        from kvlm.server.app import create_app
+        from kvlm.server.app import engine_app
         from kvlm.server.config import serve_config, serve_model
 
         log_to_stderr(args.log_level)
-        self.engine: AsyncEngine | None = None  # until the model has loaded
+        self.engine = None  # an AsyncEngine once the model has loaded
         config, limits = serve_config(args)
-        llm = serve_model(args)
-        self.engine = AsyncEngine(Engine(llm, config))
+        options = (args.served_model_name, args.api_key, limits, args.tool_call_parser)
+        self.engine, self.app = engine_app(serve_model(args), config, *options)
         self.engine.start()
-        name = args.served_model_name or llm.model_name
-        self.app = create_app(self.engine, name, args.api_key, limits, args.tool_call_parser)
 
     async def http(self, raw: RawRequest, route_key: bytes | None = None) -> AsyncIterator[Any]:
         """The response to `raw`: {"status", "headers"}, then its body chunks. `route_key`
@@ -103,18 +99,14 @@ class KvlmReplica:
             yield item
 
     async def call(self, raw: RawRequest) -> Reply:
-        """The whole response to `raw` (status, body, headers): the ingress's scrapes."""
+        """The whole response to `raw` (status, body, headers) and this replica's id (a
+        stable name for the ingress's /v1/kv): the ingress's scrapes."""
         status, body, headers = 500, b"", {}
         async for item in call_asgi(self.app, raw):
             if isinstance(item, dict):
                 status, headers = item["status"], _relayed(item["headers"])
             else:
                 body += item
-        return status, body, headers
-
-    async def named_call(self, raw: RawRequest) -> tuple[int, bytes, dict[str, str], str]:
-        """call(raw) with this replica's id (a stable name for the ingress's /v1/kv)."""
-        status, body, headers = await self.call(raw)
         return status, body, headers, serve.get_replica_context().replica_id.unique_id
 
     def check_health(self) -> None:
@@ -206,19 +198,22 @@ class Ingress:
 
     def __init__(self, args: argparse.Namespace, replicas: DeploymentHandle) -> None:
         from kvlm.loading import load_model
+        from kvlm.server.app import authorizer
         from kvlm.server.config import serve_config
 
         self.limits = serve_config(args)[1]
         self.tokenizer = load_model(args.model).tokenizer  # its metadata: no weights
         self.block_size = args.block_size
         self.route_blocks = args.route_blocks
-        self.expected = f"Bearer {args.api_key}".encode() if args.api_key else None
+        self.authorized = authorizer(args.api_key)  # the key check the replica will make
         self.replicas = replicas
 
     def __serve_build_asgi_app__(self) -> FastAPI:
+        from kvlm.server.app import http_error  # OpenAI's body for 408 and 413 (RequestLimits)
+
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)  # the replicas' is served
         app.add_middleware(RequestLimits, limits=self.limits)
-        app.add_exception_handler(HTTPException, _http_error)
+        app.add_exception_handler(HTTPException, http_error)
         app.add_exception_handler(Exception, _bug)
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_api_route("/health", self.health, methods=["GET"])
@@ -229,7 +224,7 @@ class Ingress:
     async def forward(self, request: Request) -> Response:
         raw = await _raw(request)
         key = None
-        if self._authorized(request):  # a stranger's body is not worth tokenizing
+        if self.authorized(request):  # a stranger's body is not worth tokenizing
             key = await run_in_threadpool(route_key, raw.path, raw.body, self.tokenizer,
                                           self.block_size, self.route_blocks)  # fmt: skip
         stream = self.replicas.options(method_name="http", stream=True).remote(raw, route_key=key)
@@ -245,26 +240,18 @@ class Ingress:
         sse = headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(_relay(stream, sse), head["status"], headers)
 
-    def _authorized(self, request: Request) -> bool:
-        """The key check the replica will make (it answers the 401), constant time."""
-        given = request.headers.get("authorization", "").encode("latin-1", "replace")
-        return self.expected is None or hmac.compare_digest(given, self.expected)
-
     async def metrics(self, request: Request) -> Response:
-        answers = await self._ask_all(request)
-        if not answers:
-            return JSONResponse(_failed("no replica answered"), status_code=503)
-        refused = next((a for a in answers if a[0] != 200), None)
-        if refused is not None:  # 401: the replicas' own check of the API key
-            return _refusal(*refused)
+        answers = await self._answers(request)
+        if isinstance(answers, Response):
+            return answers
         text = cluster_metrics.aggregate(
-            [b.decode() for _, b, _ in answers], cluster_metrics.ROUTED.snapshot()
+            [a[1].decode() for a in answers], cluster_metrics.ROUTED.snapshot()
         )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def health(self, request: Request) -> Response:
         answers = await self._ask_all(request)
-        up = sum(status == 200 for status, _, _ in answers)
+        up = sum(a[0] == 200 for a in answers)
         if not up:
             return JSONResponse({"status": "no replica answers"}, status_code=503)
         return JSONResponse({"status": "ok", "replicas": up})
@@ -273,26 +260,25 @@ class Ingress:
         """Every replica's pool (kvlm.cache.view), ordered by replica id, each with its
         "replica": the first one's fields at the top level (what /dashboard draws), all of
         them under "replicas". A routed GET would land on another replica at each poll."""
-        raw = await _raw(request)
-        try:
-            results = await self.replicas.broadcast("named_call", raw).results_async(
-                timeout_s=SCRAPE_TIMEOUT_S, return_exceptions=True
-            )
-        except Exception as exc:
-            log.warning("no replica answered /v1/kv: %r", exc)
-            results = []
-        answers = [r for r in results if not isinstance(r, BaseException)]
-        answers.sort(key=lambda r: r[3])  # by replica id
-        if not answers:
-            return JSONResponse(_failed("no replica answered"), status_code=503)
-        refused = next((a for a in answers if a[0] != 200), None)
-        if refused is not None:  # 401 (the replicas' own key check), 503 engine_busy
-            return _refusal(*refused[:3])
+        answers = await self._answers(request)
+        if isinstance(answers, Response):
+            return answers
         views = [json.loads(body) | {"replica": rid} for _, body, _, rid in answers]
         return JSONResponse(views[0] | {"replicas": views})
 
+    async def _answers(self, request: Request) -> list[Reply] | Response:
+        """Each live replica's 200 answer, or what to answer instead: 503 when none
+        answered, else the first refusal (401: the replicas' own key check; 503
+        engine_busy)."""
+        answers = await self._ask_all(request)
+        if not answers:
+            return JSONResponse(_failed("no replica answered"), status_code=503)
+        refused = next((a for a in answers if a[0] != 200), None)
+        return answers if refused is None else _refusal(*refused[:3])
+
     async def _ask_all(self, request: Request) -> list[Reply]:
-        """Each live replica's answer to this request (those that fail are left out)."""
+        """Each live replica's answer to this request, ordered by replica id (those that
+        fail are left out)."""
         raw = await _raw(request)
         try:
             results = await self.replicas.broadcast("call", raw).results_async(
@@ -301,7 +287,7 @@ class Ingress:
         except Exception as exc:  # no replica running, or none answered in time
             log.warning("no replica answered %s: %r", raw.path, exc)
             return []
-        return [r for r in results if not isinstance(r, BaseException)]
+        return sorted((r for r in results if not isinstance(r, BaseException)), key=lambda r: r[3])
 
 
 def _refusal(status: int, body: bytes, headers: dict[str, str]) -> Response:
@@ -341,9 +327,3 @@ def _failed(message: str = REPLICA_FAILED) -> dict:
 async def _bug(_: Request, exc: Exception) -> JSONResponse:
     """OpenAI's error body, never a plain-text 500 (Starlette logs the traceback)."""
     return JSONResponse(error_body("the ingress failed on this request", "server_error"), 500)
-
-
-async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
-    """408 and 413 from RequestLimits: OpenAI's error body, as `kvlm serve` sends them."""
-    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return JSONResponse(error_body(str(exc.detail), kind), exc.status_code, exc.headers)

@@ -20,7 +20,7 @@ import logging
 import queue
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -100,11 +100,7 @@ class AsyncEngine:
 
     def _end_all(self, exc: EngineStoppedError) -> None:
         """Fail what waits on the stopped loop: queued calls and every open stream."""
-        while True:
-            try:
-                message = self._inbox.get_nowait()
-            except queue.Empty:
-                break
+        for message in self._pending():
             if message[0] == "call":
                 _, _, loop, future = message
                 with contextlib.suppress(RuntimeError):  # the loop has closed
@@ -117,14 +113,10 @@ class AsyncEngine:
         on = self._running_on
         return not self._stop and (self._thread.is_alive() or (on is not None and on.is_alive()))
 
-    @property
-    def num_requests(self) -> int:
-        return len(self._streams)
-
     def metrics(self) -> dict:
         """The engine's snapshot (Engine.snapshot: plain values, read while it may be
         stepping, each a number it wrote whole) and the requests this loop holds."""
-        return self.engine.snapshot() | {"requests_held": self.num_requests}
+        return self.engine.snapshot() | {"requests_held": len(self._streams)}
 
     # ------------------------------------------------------------------ the loop's side
 
@@ -225,12 +217,16 @@ class AsyncEngine:
                 self._fail(rid, KvlmError("the engine failed on this request"))
         return events
 
-    def _drain(self) -> None:
+    def _pending(self) -> Iterator[tuple]:
+        """The inbox's messages, taken until it is empty."""
         while True:
             try:
-                message = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain(self) -> None:
+        for message in self._pending():
             if message[0] == "abort":
                 self._deliver(self.engine.abort(message[1]))
                 continue

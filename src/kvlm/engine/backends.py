@@ -30,10 +30,9 @@ from kvlm.cache import KVCache
 from kvlm.cache.base import blocks_for
 from kvlm.cache.paged import BlockPool
 from kvlm.cache.prefix import BlockManager, BlockTable, PrefixStats
-from kvlm.engine.request import check_fits
 from kvlm.engine.runner import Batch, ModelRunner
 from kvlm.engine.sequence import Sequence
-from kvlm.errors import InvalidRequestError
+from kvlm.errors import CacheOverflowError, InvalidRequestError
 
 log = logging.getLogger("kvlm.engine")
 
@@ -49,7 +48,6 @@ class PoolBackend:
         self.manager = manager
         self.pool: BlockPool = manager.pool
         self.spec = spec
-        self.max_tokens = spec.max_tokens
         self.drafts = True  # speculative rows on each sequence's own table
 
     def check(self, prompt_ids: list[int], n: int, reserve: int) -> None:
@@ -262,7 +260,6 @@ class CacheBackend:
         self.runner = runner
         self.cache = cache
         self.manager = CacheManager(cache, reuse)
-        self.max_tokens = cache.capacity  # the window ring: endless
         self.pool = None
         self._rows: dict[int, Sequence] = {}  # row -> the sequence decoding in it
         self._done: dict[int, list[int]] = {}  # row -> a finished sample's fed tokens
@@ -274,7 +271,11 @@ class CacheBackend:
         return self.manager.rows == 1
 
     def check(self, prompt_ids: list[int], n: int, reserve: int) -> None:
-        check_fits(prompt_ids, self.cache.capacity)
+        if len(prompt_ids) > self.cache.capacity:
+            raise CacheOverflowError(
+                f"the prompt has {len(prompt_ids)} tokens but the cache holds at most "
+                f"{self.cache.capacity} (raise --max-context, up to the model's limit)"
+            )
 
     def forward(self, chunks: list[Chunk], seqs: list[Sequence]) -> StepLogits:
         """A step: its prompt's chunk or its samples' decode rows (one request at a time)."""

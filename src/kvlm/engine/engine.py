@@ -138,7 +138,6 @@ class Engine:
         self.config = config or EngineConfig()
         self.tokenizer = llm.tokenizer
         self.runner = llm.runner
-        self.tiers = None
         sched = self.config.scheduler
         if cache is None:
             llm.for_batches()  # one weight layout for 1..64 rows, batch-invariant
@@ -147,8 +146,7 @@ class Engine:
         else:
             self.backend = CacheBackend(self.runner, cache, reuse)
             self.max_model_len = cache.capacity
-        self.pool = self.backend.pool
-        self.spec = self.backend.spec if cache is None else cache.spec
+            self.pool, self.spec, self.tiers = None, cache.spec, None
         self.manager = self.backend.manager
         self.scheduler = Scheduler(self.manager, sched, self.max_model_len)
         self.drafter: DraftModel | None = None
@@ -167,7 +165,6 @@ class Engine:
                               sched.max_num_seqs, str(llm.numerics), kv)  # fmt: skip
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
-        self.last_error: Exception | None = None
         self.last_batch: Batch | None = None  # what the latest step ran
         GC_TIME.watch()  # a slow step's log line says how much of it was collection
 
@@ -285,8 +282,9 @@ class Engine:
         sample = SampleState(index, req.prompt_ids, req.params, self.tokenizer, stops)
         sampler = Sampler(req.params, self.runner.device, index, req.prompt_ids,
                           self.tokenizer)  # seeded seed + index  # fmt: skip
-        seq = Sequence(req.request_id, sample, sampler, len(req.prompt_ids), arrival=req.arrival,
-                       cache_salt=req.cache_salt)  # fmt: skip
+        seq = Sequence(
+            req.request_id, sample, sampler, len(req.prompt_ids), cache_salt=req.cache_salt
+        )
         req.seqs.append(seq)
         return seq
 
@@ -435,16 +433,7 @@ class Engine:
         st.drafted += len(draft)
         st.accepted += agreed
         st.emitted += len(tokens)
-        self.stats.generated_tokens += len(tokens)
-        out = seq.sample.out
-        lp = out.logprobs[-len(tokens) :] if out.logprobs is not None else []
-        if out.finish_reason is not None:
-            text += seq.sample.finish()
-            self.scheduler.finish(seq)
-        events.append(self._event(req, seq, tokens, lp, out.finish_reason, text))
-        if all(s.sample.done for s in req.seqs) and not any(s.fan_out > 1 for s in req.seqs):
-            del self.requests[req.request_id]
-            self.stats.requests_finished += 1
+        self._emit(req, seq, tokens, text, events)
 
     def _propose(self, seq: Sequence, room: int) -> list[int]:
         """The draft for one sequence this step (the scheduler asks)."""
@@ -477,15 +466,12 @@ class Engine:
         """The forward of n tokens of `seq` succeeded: record them, sample when due
         (`argmax`: the logits' argmax, when already known)."""
         try:
-            self._advance(seq, n)
+            seq.num_computed += n
+            self.manager.seal(seq.table, seq.token_ids, seq.num_computed)
             if seq.num_pending == 0:
                 self._sample(seq, logits, events, argmax)
         except Exception as exc:  # a sampler or stop-check bug: this request only
             events += self._fail(seq.request_id, exc)
-
-    def _advance(self, seq: Sequence, n: int) -> None:
-        seq.num_computed += n
-        self.manager.seal(seq.table, seq.token_ids, seq.num_computed)
 
     def _sample(
         self,
@@ -510,15 +496,22 @@ class Engine:
             first = not s.sample.out.token_ids
             token = s.sampler(logits, argmax if s is seq else None)
             text = self._accept(s, token, logits)
-            out = s.sample.out
-            lp = out.logprobs[-1:] if out.logprobs is not None else []
-            if out.finish_reason is not None:
-                text += s.sample.finish()
-                self.scheduler.finish(s)
-            events.append(self._event(req, s, [token], lp, out.finish_reason, text))
-            if first and req.prompt_logprobs is not None:
+            self._emit(req, s, [token], text, events)
+            if first:  # the prompt's logprobs ride on each sample's first event
                 events[-1].prompt_logprobs = req.prompt_logprobs
-            self.stats.generated_tokens += 1
+
+    def _emit(
+        self, req: _Request, seq: Sequence, tokens: list[int], text: str, events: list[StepOutput]
+    ) -> None:
+        """The event of `seq`'s new tokens (a sample that ended: its held-back text, its
+        blocks freed); the request leaves once every sample has ended."""
+        out = seq.sample.out
+        lp = out.logprobs[-len(tokens) :] if out.logprobs is not None else []
+        if out.finish_reason is not None:
+            text += seq.sample.finish()
+            self.scheduler.finish(seq)
+        events.append(self._event(req, seq, tokens, lp, out.finish_reason, text))
+        self.stats.generated_tokens += len(tokens)
         if all(s.sample.done for s in req.seqs) and not any(s.fan_out > 1 for s in req.seqs):
             del self.requests[req.request_id]
             self.stats.requests_finished += 1
@@ -546,7 +539,6 @@ class Engine:
     def _fail(self, request_id: str, exc: Exception) -> list[StepOutput]:
         """End one request whose forward or sampling raised; every other goes on."""
         self.stats.errors += 1
-        self.last_error = exc
         log.error("request %s failed; it ends with finish_reason 'error'", request_id,
                   exc_info=exc)  # fmt: skip
         return self.abort(request_id, reason="error")

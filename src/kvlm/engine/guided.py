@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from queue import SimpleQueue
@@ -35,7 +36,6 @@ from kvlm.engine.guide_worker import (
 
 __all__ = ["MAX_GUIDE_CHARS", "Guide", "GuideState", "compile_guide"]
 
-GUIDE_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 COMPILE_STACK = 8 * WORKER_STACK  # the server's compile thread: 8x what the worker survived
 
 
@@ -70,27 +70,24 @@ def ll_tokenizer(tokenizer, vocab_size: int):
     ending at the tokenizer's end-of-sequence tokens."""
     import llguidance
 
-    made = getattr(tokenizer, "_ll_tokenizers", None)
-    if made is None:
-        made = tokenizer._ll_tokenizers = {}
-    if vocab_size not in made:
-        made[vocab_size] = llguidance.LLTokenizer(
-            tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=_eos(tokenizer)
-        )
-    return made[vocab_size]
+    def make(text: str, n_vocab: int, eos: list[int] | None) -> Any:
+        return llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos)
 
-
-def _eos(tokenizer) -> list[int] | None:
-    return sorted(tokenizer.eos_token_ids) or None
+    return _kept(tokenizer, "_ll_tokenizers", vocab_size, make)
 
 
 def guide_workers(tokenizer, vocab_size: int) -> GuideWorkers:
     """The compile workers for this tokenizer and vocabulary (kept on the tokenizer)."""
-    made = getattr(tokenizer, "_guide_workers", None)
-    if made is None:
-        made = tokenizer._guide_workers = {}
+    return _kept(tokenizer, "_guide_workers", vocab_size, GuideWorkers)
+
+
+def _kept(tokenizer, name: str, vocab_size: int, make: Callable[..., Any]) -> Any:
+    """make(the tokenizer as JSON, vocab_size, its end-of-sequence ids or None), made once
+    per vocabulary size and kept on the tokenizer (in its dict `name`)."""
+    made = vars(tokenizer).setdefault(name, {})
     if vocab_size not in made:
-        made[vocab_size] = GuideWorkers(tokenizer.backend.to_str(), vocab_size, _eos(tokenizer))
+        eos = sorted(tokenizer.eos_token_ids) or None
+        made[vocab_size] = make(tokenizer.backend.to_str(), vocab_size, eos)
     return made[vocab_size]
 
 

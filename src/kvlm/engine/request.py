@@ -10,10 +10,9 @@ from typing import Any
 
 import torch
 
-from kvlm.cache import KVCache
 from kvlm.engine.metrics import Metrics
 from kvlm.engine.sampling import SamplingParams, TokenLogprob, token_logprob
-from kvlm.errors import CacheOverflowError, InvalidRequestError
+from kvlm.errors import InvalidRequestError
 from kvlm.loading.tokenizer import Tokenizer
 
 
@@ -188,10 +187,6 @@ class SampleState:
             out.finish_reason = "length"
         return delta
 
-    def clone(self, index: int) -> SampleState:
-        """A fresh sample of the same prompt (parallel sampling)."""
-        return SampleState(index, self.seq, self.params, self.tokenizer, self.stop_ids)
-
     def finish(self) -> str:
         tail = self.stop.flush()
         self.sync()
@@ -203,27 +198,13 @@ class SampleState:
         self.out.text = self.stop.text
 
 
-def check_prompt(prompt_ids: Sequence[int], vocab_size: int | None) -> None:
+def check_prompt(prompt_ids: Sequence[int], vocab_size: int) -> None:
     if len(prompt_ids) == 0:
         raise InvalidRequestError("the prompt is empty")
     bad = [t for t in prompt_ids if not isinstance(t, int) or t < 0]
-    if vocab_size is not None:
-        bad += [t for t in prompt_ids if isinstance(t, int) and t >= vocab_size]
+    bad += [t for t in prompt_ids if isinstance(t, int) and t >= vocab_size]
     if bad:
         raise InvalidRequestError(f"prompt token id {bad[0]!r} is outside the vocabulary")
-
-
-def check_fits(prompt_ids: Sequence[int], cache: KVCache | int) -> None:
-    """The prompt fits what `cache` holds after its current tokens (or in `cache` tokens)."""
-    if isinstance(cache, int):
-        over, capacity = len(prompt_ids) > cache, cache
-    else:
-        over, capacity = cache.would_overflow(len(prompt_ids) - cache.num_tokens), cache.capacity
-    if over:
-        raise CacheOverflowError(
-            f"the prompt has {len(prompt_ids)} tokens but the cache holds at most "
-            f"{capacity} (raise --max-context, up to the model's limit)"
-        )
 
 
 def stop_token_ids(params: SamplingParams, tokenizer: Tokenizer) -> set[int]:

@@ -47,8 +47,6 @@ class Sequence:
     num_cached: int = 0  # prompt tokens served by the prefix cache at the last admission
     tiers_asked: bool = False  # the KV tiers were asked for its prompt (kvlm.cache.tiers)
     table: BlockTable = field(default_factory=BlockTable)
-    arrival: float = 0.0
-    first_token_time: float | None = None
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
     # speculative decoding (kvlm.engine.speculative): this step's proposed tokens, fed
     # after the last one at the next positions, and how many to propose next time

@@ -47,40 +47,19 @@ def load_model(model: str | Path | None = None) -> LoadedModel:
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if (path / "config.json").is_file():
-            return _load_hf(path)
-        if len(ggufs) == 1:
-            path = ggufs[0]
-        else:
+            hf = SafetensorsWeights(path)
+            tokenizer = tokenizer_from_hf_folder(path, hf.config.eos_token_ids)
+            return LoadedModel(path, "hf", hf.config, hf, tokenizer, hf.dtypes)
+        if len(ggufs) != 1:
             raise ModelLoadError(
                 f"{path} has no config.json and {len(ggufs)} .gguf files; pass one file"
             )
-    if is_gguf_file(path):
-        return _load_gguf(path)
-    raise ModelLoadError(f"{path} is neither a GGUF file nor a Hugging Face model folder")
-
-
-def _load_gguf(path: Path) -> LoadedModel:
-    weights = GGUFWeights(path)
-    return LoadedModel(
-        path=path,
-        format="gguf",
-        config=weights.config,
-        weights=weights,
-        tokenizer=tokenizer_from_gguf(weights.metadata),
-        weight_types=weights.quant_types,
-    )
-
-
-def _load_hf(folder: Path) -> LoadedModel:
-    weights = SafetensorsWeights(folder)
-    return LoadedModel(
-        path=folder,
-        format="hf",
-        config=weights.config,
-        weights=weights,
-        tokenizer=tokenizer_from_hf_folder(folder, weights.config.eos_token_ids),
-        weight_types=weights.dtypes,
-    )
+        path = ggufs[0]
+    if not is_gguf_file(path):
+        raise ModelLoadError(f"{path} is neither a GGUF file nor a Hugging Face model folder")
+    gguf = GGUFWeights(path)
+    tokenizer = tokenizer_from_gguf(gguf.metadata)
+    return LoadedModel(path, "gguf", gguf.config, gguf, tokenizer, gguf.quant_types)
 
 
 def _download(repo_id: str) -> Path:

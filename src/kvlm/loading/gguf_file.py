@@ -46,19 +46,11 @@ INT64_MAX = 2**63 - 1
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
-# value type -> (struct format, numpy dtype) of the fixed-size types
+# value type -> (struct format, numpy dtype) of the fixed-size types, little-endian: their
+# codes in GGUFValueType's order, STRING and ARRAY left out
 _SCALARS: dict[V, tuple[struct.Struct, np.dtype]] = {
-    V.UINT8: (struct.Struct("<B"), np.dtype("<u1")),
-    V.INT8: (struct.Struct("<b"), np.dtype("<i1")),
-    V.UINT16: (struct.Struct("<H"), np.dtype("<u2")),
-    V.INT16: (struct.Struct("<h"), np.dtype("<i2")),
-    V.UINT32: (struct.Struct("<I"), np.dtype("<u4")),
-    V.INT32: (struct.Struct("<i"), np.dtype("<i4")),
-    V.FLOAT32: (struct.Struct("<f"), np.dtype("<f4")),
-    V.BOOL: (struct.Struct("<?"), np.dtype("?")),
-    V.UINT64: (struct.Struct("<Q"), np.dtype("<u8")),
-    V.INT64: (struct.Struct("<q"), np.dtype("<i8")),
-    V.FLOAT64: (struct.Struct("<d"), np.dtype("<f8")),
+    t: (struct.Struct("<" + code), np.dtype("<" + code))
+    for t, code in zip([t for t in V if t not in (V.STRING, V.ARRAY)], "BbHhIif?Qqd", strict=True)
 }
 _MIN_SIZE = {**{t: s.size for t, (s, _) in _SCALARS.items()}, V.STRING: 8, V.ARRAY: 12}
 _VALUE_TYPES = {int(t): t for t in V}
@@ -69,13 +61,8 @@ _MIN_TENSOR_INFO = 8 + 4 + 8 + 4 + 8
 
 # tensor types gguf-py gives typed views of; the others are uint8 rows of blocks
 _TYPED_DATA = {
-    Q.F16: np.dtype(np.float16),
-    Q.F32: np.dtype(np.float32),
-    Q.F64: np.dtype(np.float64),
-    Q.I8: np.dtype(np.int8),
-    Q.I16: np.dtype(np.int16),
-    Q.I32: np.dtype(np.int32),
-    Q.I64: np.dtype(np.int64),
+    q: np.dtype(q.name.replace("F", "float").replace("I", "int"))
+    for q in (Q.F16, Q.F32, Q.F64, Q.I8, Q.I16, Q.I32, Q.I64)
 }
 
 
@@ -250,8 +237,6 @@ class _Parser:
         self.tensors = self._tensors(infos)
 
     def add(self, key: str, vtype: V, value: Any, off: int) -> None:
-        if key in self.metadata:
-            self.fail(f"key {key!r} appears twice", off)
         self.metadata[key] = value
         self.value_types[key] = vtype
         self.key_offsets[key] = off

@@ -28,7 +28,6 @@ class SafetensorsWeights:
     """A `WeightSource` over the safetensors shards of one folder."""
 
     def __init__(self, folder: Path) -> None:
-        self.folder = folder
         raw = read_json(folder / "config.json")
         self.config = ModelConfig.from_hf(_with_generation_eos(folder, raw), name=folder.name)
         files = self._files = sorted(folder.glob("*.safetensors"))

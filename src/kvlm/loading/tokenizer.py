@@ -40,35 +40,18 @@ _QWEN2 = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_DIGIT_THEN_GPT2 = (r"\p{N}", _GPT2)
+# Llama 3's pre-tokenizers: their reference tokenizer.json sets BPE `ignore_merges`
+# (whole-word hits in the vocabulary win over merging).
+_IGNORE_MERGES = ("llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe")
 PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
-    "gpt2": (_GPT2,),
-    "gpt-2": (_GPT2,),
-    "mpt": (_GPT2,),
-    "olmo": (_GPT2,),
-    "llama3": (_LLAMA3,),
-    "llama-bpe": (_LLAMA3,),
-    "llama-v3": (_LLAMA3,),
-    "dbrx": (_LLAMA3,),
-    "smaug-bpe": (_LLAMA3,),
-    "qwen2": (_QWEN2,),
-    "stablelm2": (_QWEN2,),
-    "smollm": _DIGIT_THEN_GPT2,
-    "starcoder": _DIGIT_THEN_GPT2,
-    "refact": _DIGIT_THEN_GPT2,
-    "command-r": _DIGIT_THEN_GPT2,
-    "codeshell": _DIGIT_THEN_GPT2,
-    "exaone": _DIGIT_THEN_GPT2,
-    "default": (
-        r"[\p{P}\$\+<=>\^~\|]+",
-        _GPT2,
-        r"\p{N}+",
-        r"[0-9][0-9][0-9]",
+    **dict.fromkeys(("gpt2", "gpt-2", "mpt", "olmo"), (_GPT2,)),
+    **dict.fromkeys(_IGNORE_MERGES, (_LLAMA3,)),
+    **dict.fromkeys(("qwen2", "stablelm2"), (_QWEN2,)),
+    **dict.fromkeys(
+        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"), (r"\p{N}", _GPT2)
     ),
+    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
 }
-# Pre-tokenizers whose reference tokenizer.json sets BPE `ignore_merges` (whole-word hits
-# in the vocabulary win over merging).
-_IGNORE_MERGES = {"llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe"}
 
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_CONTROL = 3

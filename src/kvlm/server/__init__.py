@@ -13,7 +13,7 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from kvlm.engine.async_engine import AsyncEngine
-from kvlm.engine.engine import Engine, EngineConfig
+from kvlm.engine.engine import EngineConfig
 from kvlm.errors import KvlmError
 from kvlm.llm import LLM
 from kvlm.server.limits import ServerLimits
@@ -49,13 +49,12 @@ def serve(
     (exit 1): see _Stopper."""
     import uvicorn
 
-    from kvlm.server.app import create_app
+    from kvlm.server.app import engine_app
     from kvlm.server.limits import HeadTimeoutH11Protocol
 
     limits = limits or ServerLimits()
-    engine = AsyncEngine(Engine(llm, config))
     name = model_name or llm.model_name
-    app = create_app(engine, name, api_key, limits, tool_parser)
+    engine, app = engine_app(llm, config, name, api_key, limits, tool_parser)
     log_to_stderr(log_level)
     uv = uvicorn.Config(
         app,

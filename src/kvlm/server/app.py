@@ -47,9 +47,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvlm import __version__
 from kvlm.engine.async_engine import AsyncEngine, EngineBusyError, EngineStoppedError
-from kvlm.engine.engine import StepOutput
+from kvlm.engine.engine import Engine, EngineConfig, StepOutput
 from kvlm.engine.sampling import MAX_SAMPLES, SamplingParams
 from kvlm.engine.scheduler import QueueFullError
+from kvlm.engine.served import ServedModel
 from kvlm.errors import InvalidRequestError, KvlmError
 from kvlm.server import openapi
 from kvlm.server import tools as tools_mod
@@ -114,7 +115,7 @@ def create_app(
     openapi.install(app, model_name, s.max_len, max_samples, s.max_prompts)
     app.add_middleware(RequestLimits, limits=limits)
     _install_error_handlers(app)
-    authorized = _authorizer(api_key)
+    authorized = authorizer(api_key)
 
     # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps `receive`,
     # and a request behind it never saw its client disconnect (tests/test_server.py).
@@ -130,7 +131,17 @@ def create_app(
     return app
 
 
-def _authorizer(api_key: str | None) -> Callable[[Request], bool]:
+def engine_app(
+    llm: ServedModel, config: EngineConfig, model_name: str | None, *options: Any
+) -> tuple[AsyncEngine, FastAPI]:
+    """An engine for `llm` (not started yet) and the app over it, serving it as
+    `model_name` (None: the model file's name; `options`: create_app's api_key, limits
+    and tool_parser): `kvlm serve`'s, and each replica's of `kvlm serve --replicas`."""
+    engine = AsyncEngine(Engine(llm, config))
+    return engine, create_app(engine, model_name or llm.model_name, *options)
+
+
+def authorizer(api_key: str | None) -> Callable[[Request], bool]:
     expected = f"Bearer {api_key}".encode() if api_key else None
 
     def authorized(request: Request) -> bool:
@@ -210,12 +221,14 @@ def _check_length(s: _Served, chars: int, param: str) -> None:
     max_token_chars characters, so c characters are at least c / that tokens."""
     bound = s.max_len * s.tokenizer.max_token_chars * _CHARS_MARGIN
     if chars > bound:
-        raise ServerError(
-            400,
-            f"this model's maximum context length is {s.max_len} tokens; the prompt has "
-            f"{chars} characters, more than {s.max_len} tokens can hold",
-            "invalid_request_error", param, "context_length_exceeded",
-        )  # fmt: skip
+        why = f"the prompt has {chars} characters, more than {s.max_len} tokens can hold"
+        raise _too_long(s.max_len, why, param)
+
+
+def _too_long(max_len: int, why: str, param: str) -> ServerError:
+    """400 context_length_exceeded: the prompt, or it and the completion asked for."""
+    message = f"this model's maximum context length is {max_len} tokens; {why}"
+    return ServerError(400, message, "invalid_request_error", param, "context_length_exceeded")
 
 
 def _generation_routes(v1: APIRouter, s: _Served) -> None:
@@ -247,9 +260,7 @@ def _generation_routes(v1: APIRouter, s: _Served) -> None:
             prompts=[one for one in ids for _ in range(n)], score_only=body.max_tokens == 0,
             prompt_logprobs=body.prompt_logprobs is not None,
         )  # fmt: skip
-        return await _respond(
-            s.engine, request, body, ids, params, choices, s.model_name, s.fingerprint
-        )
+        return await _respond(s, request, body, ids, params, choices)
 
     @v1.post("/chat/completions", responses=openapi.generation(openapi.ChatCompletionResponse))
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
@@ -276,8 +287,7 @@ def _generation_routes(v1: APIRouter, s: _Served) -> None:
                           prompt_logprobs=body.prompt_logprobs is not None,
                           tools=tools is not None,
                           tool_parser=None if forced is not None else s.tool_parser)  # fmt: skip
-        return await _respond(s.engine, request, body, [ids], [params], choices, s.model_name,
-                              s.fingerprint)  # fmt: skip
+        return await _respond(s, request, body, [ids], [params], choices)
 
 
 @functools.cache
@@ -299,26 +309,14 @@ def _check_model(requested: str, served: str) -> None:
 def _params(body: Any, ids: list[int], max_len: int, logprobs: int | None) -> SamplingParams:
     room = max_len - len(ids)
     if room < 1:
-        raise ServerError(
-            400,
-            f"this model's maximum context length is {max_len} tokens; the prompt has "
-            f"{len(ids)} tokens",
-            "invalid_request_error",
-            "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-            "context_length_exceeded",
-        )
+        param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        raise _too_long(max_len, f"the prompt has {len(ids)} tokens", param)
     wanted = getattr(body, "max_completion_tokens", None) or body.max_tokens
     if wanted == 0:  # echo only (checked at the door): the prompt, scored, nothing made
         wanted = 1
     if wanted is not None and wanted > room:
-        raise ServerError(
-            400,
-            f"this model's maximum context length is {max_len} tokens; you requested "
-            f"{len(ids) + wanted} ({len(ids)} in the prompt, {wanted} for the completion)",
-            "invalid_request_error",
-            "max_tokens",
-            "context_length_exceeded",
-        )
+        asked = f"{len(ids)} in the prompt, {wanted} for the completion"
+        raise _too_long(max_len, f"you requested {len(ids) + wanted} ({asked})", "max_tokens")
     try:
         params = body.sampling_params(wanted or room, logprobs)
     except InvalidRequestError as exc:
@@ -329,25 +327,23 @@ def _params(body: Any, ids: list[int], max_len: int, logprobs: int | None) -> Sa
 
 
 async def _respond(
-    engine: AsyncEngine,
+    s: _Served,
     request: Request,
     body: Any,
     prompts: list[list[int]],
     params: list[SamplingParams],
     choices: Choices,
-    model_name: str,
-    fingerprint: str,
 ) -> Any:
     """Run the request's prompts (one; several for a completions list, each n samples:
     choice i x n + j) and answer with one response or one SSE stream."""
     rid = ("chatcmpl-" if choices.chat else "cmpl-") + uuid.uuid4().hex
-    head = choices.head(rid, model_name) | {"system_fingerprint": fingerprint}
+    head = choices.head(rid, s.model_name) | {"system_fingerprint": s.fingerprint}
     prompt_tokens = sum(len(p) for p in prompts)
     if getattr(body, "max_tokens", None) == 0 and params[0].prompt_logprobs is None:
         # echo, no completion, nothing to score: no engine work
         events: AsyncIterator[StepOutput] = _nothing(len(prompts), params[0].n)
     else:
-        events = await _start(engine, body, prompts, params)
+        events = await _start(s.engine, body, prompts, params)
     if body.stream:
         sse = _sse(events, choices, head, body.include_usage, prompt_tokens)
         return StreamingResponse(sse, media_type="text/event-stream")
@@ -523,11 +519,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def bad_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
         return JSONResponse(error_body(str(exc), param=exc.param), status_code=400)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        body = error_body(str(exc.detail), kind)
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)  # 405: Allow
+    app.add_exception_handler(StarletteHTTPException, http_error)
 
     @app.exception_handler(EngineBusyError)
     @app.exception_handler(EngineStoppedError)
@@ -543,6 +535,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         # Starlette still logs the traceback; the client gets OpenAI's shape, not plain text
         log.error("unhandled error in a request", exc_info=exc)
         return JSONResponse(error_body(ENGINE_FAILED, "server_error"), status_code=500)
+
+
+async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """404, 405 (its Allow header kept), and 408 and 413 from RequestLimits: OpenAI's error
+    body (the cluster's ingress answers its own the same way)."""
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    body = error_body(str(exc.detail), kind)
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
 # pydantic names a union member in an error's location ("function-after[...]", "str",

@@ -33,6 +33,8 @@ from typing import Any
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from kvlm.server.protocol import error_body
+
 Scope = dict[str, Any]
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -111,8 +113,7 @@ def _content_length(scope: Scope) -> int | None:
 
 
 async def _error(send: Send, status: int, message: str) -> None:
-    kind = "invalid_request_error"
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}})
+    body = json.dumps(error_body(message))
     headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body.encode()})

@@ -70,12 +70,18 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = None
 
 
-class CompletionResponse(BaseModel):
+class _Head(BaseModel):
+    """What every response and chunk opens with (`object`: each narrows it)."""
+
     id: str
-    object: Literal["text_completion"]
+    object: str
     created: int
     model: str
     system_fingerprint: str
+
+
+class CompletionResponse(_Head):
+    object: Literal["text_completion"]
     choices: list[CompletionChoice]
     usage: Usage
 
@@ -107,26 +113,16 @@ class ChatChoice(BaseModel):
     prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Head):
     object: Literal["chat.completion"]
-    created: int
-    model: str
-    system_fingerprint: str
     choices: list[ChatChoice]
     usage: Usage
 
 
-class CompletionChunk(BaseModel):
+class CompletionChunk(CompletionResponse):
     """One SSE event of a streamed completion; the last (stream_options.include_usage)
     has no choices and the usage."""
 
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[CompletionChoice]
     usage: Usage | None = None
 
 
@@ -143,12 +139,8 @@ class ChatChunkChoice(BaseModel):
     prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Head):
     object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
-    system_fingerprint: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 

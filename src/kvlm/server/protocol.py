@@ -133,10 +133,7 @@ class _Sampling(_Body):
     def stops(self) -> list[str]:
         if self.stop is None:
             return []
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        return stops
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -458,12 +455,8 @@ class ChatCompletionRequest(_Sampling):
         return [m.for_template() for m in self.messages]
 
     def template_options(self) -> dict[str, Any]:
-        options: dict[str, Any] = {}
-        if self.reasoning_effort is not None:
-            options["reasoning_effort"] = self.reasoning_effort
-        if self.verbosity is not None:
-            options["verbosity"] = self.verbosity
-        return options
+        options = {"reasoning_effort": self.reasoning_effort, "verbosity": self.verbosity}
+        return {k: v for k, v in options.items() if v is not None}
 
 
 def error_body(

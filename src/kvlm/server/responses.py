@@ -71,18 +71,13 @@ class Choices:
         self._texts: dict[int, str] = {}
 
     def head(self, request_id: str, model: str) -> dict[str, Any]:
-        return {"id": request_id, "object": self._object(False), "created": int(time.time()),
-                "model": model}  # fmt: skip
+        return {"id": request_id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": int(time.time()), "model": model}  # fmt: skip
 
     @property
     def chunk_object(self) -> str:
         """The `object` of a streamed chunk (the usage chunk at the end included)."""
-        return self._object(True)
-
-    def _object(self, chunk: bool) -> str:
-        if self.chat:
-            return "chat.completion.chunk" if chunk else "chat.completion"
-        return "text_completion"
+        return "chat.completion.chunk" if self.chat else "text_completion"
 
     # ------------------------------------------------------------------ accumulate
 
@@ -228,7 +223,7 @@ class Choices:
         """Chat streams open each choice with the assistant role, as OpenAI's do."""
         if not self.chat:
             return []
-        head = head | {"object": self._object(True)}
+        head = head | {"object": self.chunk_object}
         return [
             head | {"choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                  "logprobs": None, "finish_reason": None}]}
@@ -258,7 +253,7 @@ class Choices:
                                            for i, c in enumerate(calls)]  # fmt: skip
         if self.want_prompt_logprobs and event.prompt_logprobs is not None:
             body["prompt_logprobs"] = self._vllm_prompt_logprobs(choice.prompt_logprobs)
-        return head | {"object": self._object(True), "choices": [body]}
+        return head | {"object": self.chunk_object, "choices": [body]}
 
 
 JSON_SLICE = 256  # list items per json.dumps call in encode_json (~10-50 ms of a scored prompt)

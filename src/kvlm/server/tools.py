@@ -31,7 +31,6 @@ from typing import Any
 
 from kvlm.engine.guided import Guide
 
-PARSERS = ("hermes", "llama3_json")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 
@@ -80,29 +79,24 @@ def parse(text: str, parser: str) -> tuple[str | None, list[Call]]:
         start = text.find(HERMES_OPEN)
         if start < 0:
             return text, []
-        calls = []
+        content, objects = text[:start].strip() or None, []
         for body in _HERMES.findall(text[start:]):
             try:
-                call = _call(json.loads(body))
+                objects.append(json.loads(body))
             except ValueError:
-                call = None
-            if call is None:
-                return text, []  # not a well-formed call: the reply stays text
-            calls.append(call)
-        content = text[:start].strip()
-        return (content or None), calls
-    if parser == "llama3_json":
+                objects.append(None)  # not JSON: no call
+        args_key = "arguments"
+    elif parser == "llama3_json":
         body = text.strip().removeprefix(PYTHON_TAG).strip()
         if not body.startswith("{"):
             return text, []
-        calls = []
-        for part in _json_objects(body):
-            call = _call(part, "parameters")
-            if call is None:
-                return text, []
-            calls.append(call)
-        return (None, calls) if calls else (text, [])
-    raise ValueError(f"unknown tool-call parser {parser!r}")
+        content, objects, args_key = None, _json_objects(body), "parameters"
+    else:
+        raise ValueError(f"unknown tool-call parser {parser!r}")
+    calls = [_call(obj, args_key) for obj in objects]
+    if not calls or any(c is None for c in calls):
+        return text, []  # not well-formed calls: the reply stays text
+    return content, calls  # type: ignore[return-value]
 
 
 def _json_objects(text: str) -> list[Any]:
