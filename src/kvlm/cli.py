@@ -24,7 +24,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        return COMMANDS[args.command](args)
     except KvlmError as exc:
         print(f"kvlm: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -61,7 +61,6 @@ def _generate_parser(sub: Any) -> None:
     _speculative_args(gen)
     _session_args(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    gen.set_defaults(func=cmd_generate)
 
 
 def _chat_parser(sub: Any) -> None:
@@ -71,7 +70,6 @@ def _chat_parser(sub: Any) -> None:
     _sampling_args(chat, temperature=0.7)
     _session_args(chat)
     _speculative_args(chat)
-    chat.set_defaults(func=cmd_chat)
 
 
 def _verify_parser(sub: Any) -> None:
@@ -84,7 +82,6 @@ def _verify_parser(sub: Any) -> None:
     _cache_args(verify)
     verify.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens to compare")
     verify.add_argument("--json", action="store_true", help="print the result as JSON")
-    verify.set_defaults(func=cmd_verify)
 
 
 def _memory_parser(sub: Any) -> None:
@@ -105,7 +102,6 @@ def _memory_parser(sub: Any) -> None:
     memory.add_argument(
         "--plot", metavar="OUT.png", help="draw the bytes by mode and dtype (matplotlib)"
     )
-    memory.set_defaults(func=cmd_memory)
 
 
 def _serve_parser(sub: Any) -> None:
@@ -125,7 +121,6 @@ def _serve_parser(sub: Any) -> None:
     _pool_args(serve)
     _limit_args(serve)
     _replica_args(serve)
-    serve.set_defaults(func=cmd_serve)
 
 
 def _pool_args(serve: argparse.ArgumentParser) -> None:
@@ -222,15 +217,10 @@ def _bench_parser(sub: Any) -> None:
     bench.add_argument("--kv", default="contiguous", help="cache modes, comma-separated")
     _speculative_args(bench)
     bench.add_argument(
-        "--prompts",
-        default=None,
-        help="prompt lengths in tokens (default 128,512,2048; --suite: 512)",
+        "--prompts", help="prompt lengths in tokens (default 128,512,2048; --suite: 512)"
     )
     bench.add_argument(
-        "--new-tokens",
-        type=int,
-        default=None,
-        help="tokens decoded per run (default 128; --suite: 64)",
+        "--new-tokens", type=int, help="tokens decoded per run (default 128; --suite: 64)"
     )
     bench.add_argument(
         "--peers", default="hf,hf-static,llama.cpp", help="hf, hf-static, llama.cpp, or none"
@@ -243,7 +233,6 @@ def _bench_parser(sub: Any) -> None:
     bench.add_argument(
         "--rounds",
         type=int,
-        default=None,
         help="runs per cell (median; default 1; --suite: 3, the engines taking turns)",
     )
     bench.add_argument("--max-context", type=int, default=None, help="cache capacity")
@@ -260,7 +249,6 @@ def _bench_parser(sub: Any) -> None:
     )  # fmt: skip
     bench.add_argument("--shapes", help="--suite: shapes, comma-separated (kvlm.bench.models)")
     bench.add_argument("--types", help="--suite: file types, comma-separated (Q4_0,Q8_0,Q4_K_M)")
-    bench.set_defaults(func=cmd_bench)
 
 
 def _inspect_parser(sub: Any) -> None:
@@ -280,7 +268,6 @@ def _inspect_parser(sub: Any) -> None:
         help="--cache, paged/int8: tokens per block of the pool it restores into (16)",
     )  # fmt: skip
     inspect.add_argument("--json", action="store_true")
-    inspect.set_defaults(func=cmd_inspect)
 
 
 REFERENCE_HEADER = """# kvlm command reference
@@ -321,12 +308,9 @@ def reference() -> str:
                 names += f" {action.metavar}"
             elif action.choices and action.option_strings:
                 names += " {" + ",".join(str(c) for c in action.choices) + "}"
-            default = action.default
-            shown = (
-                ""
-                if default in (None, False, argparse.SUPPRESS) or action.nargs == 0
-                else f"`{default}`"
-            )
+            shown = f"`{action.default}`"
+            if action.default in (None, False, argparse.SUPPRESS) or action.nargs == 0:
+                shown = ""
             text = formatter._expand_help(action) if action.help else ""  # %(default)s, %%
             text = text.replace("|", "\\|").replace("\n", " ")
             out.append(f"| {names} | {shown} | {text} |")
@@ -439,16 +423,10 @@ def _load(args: argparse.Namespace, **settings: Any):
     """generate, chat, verify: every cache flag (_cache_args) applies."""
     from kvlm.llm import CacheOptions
 
+    sizes = (args.block_size, args.kv_blocks, args.window, args.sinks, args.window_positions)
+    options = CacheOptions(*sizes)
     return model_from_args(
-        args,
-        kv=args.kv,
-        kv_dtype=args.kv_dtype,
-        max_context=args.max_context,
-        cache_options=CacheOptions(
-            args.block_size, args.kv_blocks, args.window, args.sinks, args.window_positions
-        ),
-        prefill_chunk=args.prefill_chunk,
-        **settings,
+        args, kv=args.kv, cache_options=options, prefill_chunk=args.prefill_chunk, **settings
     )
 
 
@@ -469,14 +447,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     use_chat = _use_chat(args, llm)
     if args.save_cache or args.load_cache:
         session = _session(args, llm, params)
-        turn, cache = session.send(prompt), session.cache
+        turn = session.send(prompt)
     else:
         ids = llm.encode(prompt, chat=use_chat, system=args.system)
-        turn, cache = llm.stream(ids, params, prompt=prompt), llm.cache
+        turn = llm.stream(ids, params, prompt=prompt)
     _show(turn, not args.json)
     if args.save_cache:
         session.save(args.save_cache, llm.fingerprint)
-    out = turn.output
+    out, cache = turn.output, turn.engine.backend.cache
     if args.json:
         record = {
             **llm.describe(),
@@ -492,9 +470,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print()
     for sample in out.outputs[1:]:
         print(f"--- sample {sample.index} ---\n{sample.text}")
-    print(_summary(out, llm.kv_mode, cache), file=sys.stderr)
-    if llm.speculative is not None:
-        print(_speculative_line(llm, turn.engine, "this request"), file=sys.stderr)
+    _summary(turn, llm, "this request")
     return 0
 
 
@@ -505,28 +481,30 @@ def _speculative(llm: Any, engine: Any) -> dict[str, Any]:
             "tokens_per_forward": st.tokens_per_forward}  # fmt: skip
 
 
-def _speculative_line(llm: Any, engine: Any, scope: str) -> str:
-    st = engine.stats.spec
-    return (f"[speculative {llm.speculative.method}: {st.accepted}/{st.drafted} drafted tokens "
-            f"accepted ({st.acceptance:.0%}), {st.tokens_per_forward:.2f} tokens per checked "
-            f"forward, {scope}]")  # fmt: skip
-
-
-def _summary(out: Any, mode: str, cache: Any) -> str:
+def _summary(turn: Any, llm: Any, scope: str) -> None:
+    """The turn's line on stderr, and what the drafts did over `scope` where speculative."""
+    out, cache, st = turn.output, turn.engine.backend.cache, turn.engine.stats.spec
     m = out.metrics
     reused = m.prompt_tokens - m.prefill_tokens
-    return (
+    print(
         f"[{sum(len(o.token_ids) for o in out.outputs)} tokens, {out.finish_reason}; "
         f"prefill {m.prefill_tokens} tokens (reused {reused}), TTFT {m.ttft_ms:.0f} ms; "
-        f"decode {m.decode_tokens_per_s:.1f} tok/s; kv {mode} {cache.nbytes / 2**20:.1f} MiB, "
-        f"{cache.num_tokens} tokens]"
+        f"decode {m.decode_tokens_per_s:.1f} tok/s; kv {llm.kv_mode} "
+        f"{cache.nbytes / 2**20:.1f} MiB, {cache.num_tokens} tokens]",
+        file=sys.stderr,
     )
+    if llm.speculative is not None:
+        print(
+            f"[speculative {llm.speculative.method}: {st.accepted}/{st.drafted} drafted tokens "
+            f"accepted ({st.acceptance:.0%}), {st.tokens_per_forward:.2f} tokens per checked "
+            f"forward, {scope}]",
+            file=sys.stderr,
+        )
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     params = _params(args)
-    spec = speculative_from_args(args)
-    llm = _load(args, speculative=spec)  # each session's turns decode speculatively
+    llm = _load(args, speculative=speculative_from_args(args))  # turns decode speculatively
     if args.chat and not _use_chat(args, llm):
         raise KvlmError("this model has no chat template; use `kvlm chat --no-chat`")
     session = _session(args, llm, params)
@@ -546,9 +524,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         with contextlib.suppress(KeyboardInterrupt):  # stop this reply, keep the conversation
             _show(turn)
         print()
-        print(_summary(turn.output, llm.kv_mode, session.cache), file=sys.stderr)
-        if spec is not None:
-            print(_speculative_line(llm, session.engine, "this conversation"), file=sys.stderr)
+        _summary(turn, llm, "this conversation")
         if args.save_cache:
             session.save(args.save_cache, llm.fingerprint)
 
@@ -582,20 +558,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
     llm = _load(args)
     ids = llm.encode(args.prompt, chat=_use_chat(args, llm), system=args.system)
     result = verify_mode(llm, ids, args.kv, args.max_new_tokens)
-    if args.json:
-        print(json.dumps({"model": llm.model_name, **result.to_dict()}))
-        return 0
     first = result.first_disagreement
-    print(
+    return _print(
+        args.json,
+        {"model": llm.model_name, **result.to_dict()},
         f"--kv {result.mode} ({result.kv_dtype}) vs --kv off on {llm.model_name}, "
         f"{result.prompt_tokens}-token prompt, {result.steps} greedy steps:\n"
         f"  greedy agreement  {result.agreement:.2%}"
         f"{'' if first is None else f' (first disagreement at step {first})'}\n"
         f"  max logit drift   {result.max_logit_drift:.3g}\n"
         f"  mean logit drift  {result.mean_logit_drift:.3g}  (per step, largest |difference|)\n"
-        f"  cache bytes       {result.kv_bytes}"
+        f"  cache bytes       {result.kv_bytes}",
     )
-    return 0
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
@@ -624,11 +598,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
     rows = table(config, context, args.batch, **sizes)
     if args.plot:
         _memory_plot(args.plot, config.name, p, rows)
-    if args.json:
-        print(json.dumps({"model": config.name, **p.to_dict(), "table": rows}))
-        return 0
-    print(_memory_report(config.name, p, rows))
-    return 0
+    record = {"model": config.name, **p.to_dict(), "table": rows}
+    return _print(args.json, record, _memory_report(config.name, p, rows))
 
 
 def _memory_plot(path: str, name: str, p: Any, rows: list[dict]) -> None:
@@ -708,9 +679,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for mode in modes:
         check_mode(mode)  # before the slow load
     need = max(*prompts, 16) + args.new_tokens  # 16: the warm-up and per-forward prompt
-    llm = model_from_args(
-        args, kv=modes[0], max_context=args.max_context or need, kv_dtype=args.kv_dtype
-    )
+    llm = model_from_args(args, kv=modes[0], max_context=args.max_context or need)
     for mode in modes[1:]:
         llm.cache_spec(mode)  # every mode's settings checked before the long run
     streams = []
@@ -779,10 +748,7 @@ def _bench_suite(args: argparse.Namespace) -> int:
     peers = "llama.cpp,hf" if args.peers == "hf,hf-static,llama.cpp" else args.peers
     peers = _names(peers, ENGINES, "--suite peers: {!r}; valid: llama.cpp, hf")
 
-    def names(value: str | None) -> list[str] | None:
-        return None if value is None else value.split(",")
-
-    shapes, types = names(args.shapes), names(args.types)
+    shapes, types = (None if v is None else v.split(",") for v in (args.shapes, args.types))
     try:
         models = suite_models(Path(args.suite), shapes, types, log=sys.stderr)
     except ValueError as exc:
@@ -820,19 +786,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def _inspect_cache(args: argparse.Namespace) -> int:
     """A saved cache file, read without its model (kvlm.cache.saved)."""
     from kvlm.cache.base import CacheSpec
+    from kvlm.cache.plots import cache_png, check_output, human
     from kvlm.cache.saved import SavedCache
 
     CacheSpec(1, 1, 1, 1, block_size=args.block_size)  # a bad --block-size: one line, first
     if args.plot:
-        from kvlm.cache.plots import cache_png, check_output
-
         check_output(args.plot)
     saved = SavedCache.read(args.cache)
     info = saved.summary(args.block_size)
     if args.plot:
         info["plot"] = str(cache_png(saved, args.plot, args.block_size))
-    from kvlm.cache.plots import human
-
     return _print_info(
         info, args.json, 16, lambda k, v: f"{v:,} ({human(v)})" if k.endswith("_bytes") else v
     )
@@ -840,12 +803,24 @@ def _inspect_cache(args: argparse.Namespace) -> int:
 
 def _print_info(info: dict, as_json: bool, width: int, shown: Any = lambda k, v: v) -> int:
     """`info` as one JSON object, or a line per key (right-aligned in `width`)."""
-    if as_json:
-        print(json.dumps(info, default=str))
-        return 0
-    for key, value in info.items():
-        print(f"{key:>{width}}: {shown(key, value)}")
+    return _print(as_json, info, "\n".join(f"{k:>{width}}: {shown(k, v)}" for k, v in info.items()))
+
+
+def _print(as_json: bool, record: dict, text: str) -> int:
+    """A command's result: `record` as one JSON object, or `text`."""
+    print(json.dumps(record, default=str) if as_json else text)
     return 0
+
+
+COMMANDS = {
+    "generate": cmd_generate,
+    "chat": cmd_chat,
+    "verify": cmd_verify,
+    "memory": cmd_memory,
+    "serve": cmd_serve,
+    "bench": cmd_bench,
+    "inspect": cmd_inspect,
+}
 
 
 if __name__ == "__main__":

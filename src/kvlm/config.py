@@ -49,22 +49,14 @@ class ModelConfig:
     name: str = ""
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"unsupported architecture {self.architecture!r} "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+        _check_supported("architecture", self.architecture, SUPPORTED_ARCHITECTURES)
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim={self.head_dim} must be even for RoPE")
-        if self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise UnsupportedModelError(
-                f"unsupported RoPE scaling {self.rope_scaling.rope_type!r} "
-                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-            )
+        _check_supported("RoPE scaling", self.rope_scaling.rope_type, SUPPORTED_ROPE_TYPES)
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -75,19 +67,15 @@ class ModelConfig:
     def from_hf(cls, cfg: dict[str, Any], name: str = "") -> ModelConfig:
         """Build from a Hugging Face `config.json` dict (Llama, Mistral, Qwen2, Qwen3)."""
         arch = str(cfg.get("model_type", "")).lower()
-        if arch not in SUPPORTED_ARCHITECTURES:
-            archs = cfg.get("architectures") or [arch or "?"]
-            raise UnsupportedModelError(
-                f"unsupported architecture {archs[0]!r} "
-                f"(supported model_type: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+        if arch not in SUPPORTED_ARCHITECTURES:  # named as the config names its class
+            shown = (cfg.get("architectures") or [arch or "?"])[0]
+            _check_supported("architecture", arch, SUPPORTED_ARCHITECTURES, shown, "model_type")
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
             window = cfg.get("sliding_window")
             if arch == "qwen2" and not cfg.get("use_sliding_window", False):
                 window = None
-            eos = cfg.get("eos_token_id")
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -105,7 +93,7 @@ class ModelConfig:
                 sliding_window=int(window) if window else None,
                 rope_scaling=_hf_rope_scaling(cfg),
                 bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=_as_ids(eos),
+                eos_token_ids=_as_ids(cfg.get("eos_token_id")),
                 name=name,
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -117,11 +105,7 @@ class ModelConfig:
     def from_gguf(cls, meta: dict[str, Any], name: str = "") -> ModelConfig:
         """Build from GGUF key/value metadata (`general.architecture` = llama/qwen2/qwen3)."""
         arch = str(meta.get("general.architecture", ""))
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"unsupported GGUF architecture {arch!r} "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+        _check_supported("GGUF architecture", arch, SUPPORTED_ARCHITECTURES)
 
         def key(k: str, default: Any = None) -> Any:
             v = meta.get(f"{arch}.{k}", default)
@@ -138,7 +122,6 @@ class ModelConfig:
             scaling = RopeScaling("linear", float(key("rope.scaling.factor")))
         elif scaling_type not in (None, "none"):
             raise UnsupportedModelError(f"unsupported GGUF RoPE scaling {scaling_type!r}")
-        eos = meta.get("tokenizer.ggml.eos_token_id")
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
@@ -153,11 +136,22 @@ class ModelConfig:
             max_position_embeddings=int(key("context_length", 4096)),
             tie_word_embeddings=False,  # decided by the loader from the tensor list
             qk_norm=arch == "qwen3",
-            sliding_window=None,
             rope_scaling=scaling,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=_as_ids(eos),
+            eos_token_ids=_as_ids(meta.get("tokenizer.ggml.eos_token_id")),
             name=name,
+        )
+
+
+def _check_supported(
+    what: str, value: str, supported: tuple[str, ...], shown: Any = None, among: str = ""
+) -> None:
+    """UnsupportedModelError naming `shown` (else `value`) unless `value` is `supported`."""
+    if value not in supported:
+        shown = value if shown is None else shown
+        raise UnsupportedModelError(
+            f"unsupported {what} {shown!r} (supported{among and ' ' + among}: "
+            f"{', '.join(supported)})"
         )
 
 

@@ -67,12 +67,9 @@ def resolve(
     """Resolve "auto" settings. `fp32_cpu`: fp32 compute on the CPU (the only place the
     low-bit kernels run); `source`: the model's WeightSource (a GGUF file answers
     `is_quantized(name)`)."""
-    requested = {
-        "weights": weights,
-        "activations": activations,
-        "prefill_dtype": prefill_dtype,
-        "kv_dtype": kv_dtype,
-    }
+    requested = dict(
+        weights=weights, activations=activations, prefill_dtype=prefill_dtype, kv_dtype=kv_dtype
+    )
     if exact:
         named = [k for k, v in requested.items() if v not in (AUTO, None, "fp32", "f32")]
         if named:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -17,20 +16,20 @@ from kvlm import defaults, kernels
 from kvlm.cache import CacheSpec, KVCache, create_cache
 from kvlm.cache.factory import check_mode, mode_spec
 from kvlm.dtypes import dtype_name, parse_dtype, parse_kv_dtype
+from kvlm.engine.backends import cache_engine_limits
 from kvlm.engine.batch import Stream, run_batch
 from kvlm.engine.chat import ChatSession
+from kvlm.engine.engine import Engine, EngineConfig
 from kvlm.engine.request import RequestOutput
 from kvlm.engine.runner import ModelRunner
 from kvlm.engine.sampling import SamplingParams
+from kvlm.engine.scheduler import SchedulerConfig
 from kvlm.engine.speculative import DraftModel, SpeculativeConfig
 from kvlm.errors import InvalidRequestError
 from kvlm.loading import load_model
 from kvlm.model.blas import set_blas_threads
 from kvlm.model.layers import Linear
 from kvlm.model.transformer import Transformer
-
-if TYPE_CHECKING:
-    from kvlm.engine.engine import Engine
 
 # The contiguous cache preallocates this many tokens unless told otherwise (the model's
 # own limit when smaller). 4096 is llama.cpp's default context too.
@@ -51,6 +50,8 @@ NO_SPECULATION = {
 }
 # Sequences the batch engine decodes together (SchedulerConfig.max_num_seqs)
 BATCH_MAX_SEQS = 16
+# What the numerics' prefill_dtype and activations may be once resolved (kvlm.defaults)
+RESOLVED = {"prefill_dtype": ("fp32", "bf16", "int8"), "activations": ("fp32", "int8")}
 
 
 @dataclass(slots=True, frozen=True)
@@ -135,10 +136,8 @@ class LLM:
                 f"max_context must be between 1 and the model's limit of {limit} tokens"
             )
         self.cache_spec(kv)  # every cache setting checked before the weights load
-        self._cache: KVCache | None = None  # allocated on first use
         self._drafters: dict[tuple[str, str | None], DraftModel] = {}  # see draft_model
         self._engine: Engine | None = None  # generate's batch engine, made on first use
-        self._request_ids = itertools.count()
         self.progress = progress
         self.model = self._build_model()
         self.fingerprint  # noqa: B018 - read now, while the file's pages are still in
@@ -169,16 +168,11 @@ class LLM:
         """Identifies the weights; cache files carry it so another model's are refused."""
         return self.loaded.weights.fingerprint()
 
-    @property
+    @cached_property
     def cache(self) -> KVCache:
-        """The cache `generate`, `chat` and `stream` run on (each request resets it)."""
-        if self._cache is None:
-            self._cache = self.new_cache()
-        return self._cache
-
-    @cache.setter
-    def cache(self, cache: KVCache) -> None:
-        self._cache = cache
+        """The cache `generate`, `chat` and `stream` run on (each request resets it),
+        allocated on first use; assign another to replace it."""
+        return self.new_cache()
 
     def cache_spec(self, mode: str | None = None) -> CacheSpec:
         o = asdict(self.cache_options)  # CacheSpec's fields of the same names
@@ -211,10 +205,6 @@ class LLM:
         request starts from the prefix the cache holds (a conversation's turns; the caller
         rolls the cache back to what the prompt shares). `prefill_chunk`: the LLM's when
         None."""
-        from kvlm.engine.backends import cache_engine_limits
-        from kvlm.engine.engine import Engine, EngineConfig
-        from kvlm.engine.scheduler import SchedulerConfig
-
         cache = self.cache if cache is None else cache
         if self.speculative is not None:
             self.for_batches()  # a row's bits the same alone or beside a draft's
@@ -301,15 +291,14 @@ class LLM:
         show = self.progress if use_tqdm is None else use_tqdm
         with tqdm(total=len(requests), desc="Processed prompts", file=sys.stderr,
                   disable=not show, dynamic_ncols=True) as bar:  # fmt: skip
-            results: list[RequestOutput | None] = [None] * len(requests)
+            results: dict[int, RequestOutput] = {}
             for engine in dict.fromkeys(engines):  # the pool first, then the one cache
                 todo = [i for i, e in enumerate(engines) if e is engine]
-                ids = [f"generate-{next(self._request_ids)}" for _ in todo]
-                outs = run_batch(engine, [requests[i] for i in todo], [params[i] for i in todo],
-                                 bar, ids)  # fmt: skip
-                for i, out in zip(todo, outs, strict=True):
-                    results[i] = out
-        return results  # type: ignore[return-value]
+                outs = run_batch(
+                    engine, [requests[i] for i in todo], [params[i] for i in todo], bar
+                )
+                results.update(zip(todo, outs, strict=True))
+        return [results[i] for i in range(len(requests))]
 
     @staticmethod
     def _params_for(
@@ -340,9 +329,6 @@ class LLM:
         computed in other chunks); no sequence is preempted and recomputed
         (SchedulerConfig.reserve_full admits a request only with room for its max_tokens)."""
         if self._engine is None:
-            from kvlm.engine.engine import Engine, EngineConfig
-            from kvlm.engine.scheduler import SchedulerConfig
-
             chunk = self.prefill_chunk or self.max_context  # a prompt's chunks, as alone
             sched = SchedulerConfig(
                 max_num_seqs=BATCH_MAX_SEQS,
@@ -452,8 +438,7 @@ def _check_settings(
 def _weight_format(numerics: defaults.Numerics, dtype: torch.dtype, device: torch.device):
     """The packed weight format the model is built with (None: the file's floats at
     `dtype`), the resolved numerics checked against each other and the device."""
-    weights, activations = numerics.weights, numerics.activations
-    prefill_dtype = numerics.prefill_dtype
+    weights = numerics.weights
     if weights == "f32":
         if dtype != torch.float32:
             raise InvalidRequestError("--weights f32 needs --dtype fp32")
@@ -463,16 +448,11 @@ def _weight_format(numerics: defaults.Numerics, dtype: torch.dtype, device: torc
             f"--weights {weights} runs on the CPU kernels only; on {device.type} use "
             "--dtype bf16 or fp16"
         )
-    if prefill_dtype not in ("fp32", "bf16", "int8"):
-        raise InvalidRequestError(
-            f"unknown prefill dtype {prefill_dtype!r}; valid: fp32, bf16, int8"
-        )
-    if prefill_dtype != "fp32" and weights not in ("int8", "int4", "native"):
-        raise InvalidRequestError(
-            f"--prefill-dtype {prefill_dtype} applies to --weights int8|int4|native"
-        )
-    if activations not in ("fp32", "int8"):
-        raise InvalidRequestError(f"unknown activations {activations!r}; valid: fp32, int8")
-    if activations == "int8" and weights not in ("int8", "int4", "native"):
-        raise InvalidRequestError("--activations int8 applies to --weights int8|int4|native")
+    for name, valid in RESOLVED.items():
+        value, flag = getattr(numerics, name), name.replace("_", "-")
+        if value not in valid:
+            what = name.replace("_", " ")
+            raise InvalidRequestError(f"unknown {what} {value!r}; valid: {', '.join(valid)}")
+        if value != "fp32" and weights not in defaults.LOW_BIT:
+            raise InvalidRequestError(f"--{flag} {value} applies to --weights int8|int4|native")
     return weights

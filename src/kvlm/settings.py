@@ -16,13 +16,13 @@ from kvlm.errors import KvlmError
 
 
 def model_from_args(args: argparse.Namespace, **settings: Any):
-    """An LLM from the flags every model command has (_model_args), plus the command's own
-    cache settings."""
+    """An LLM from the flags every model command has (_model_args, --kv-dtype and
+    --max-context), plus the command's own cache settings (which win over those flags)."""
     from kvlm.llm import LLM  # imports torch: only once a command runs
 
-    numerics = ("weights", "prefill_dtype", "activations", "exact")
+    numerics = ("weights", "prefill_dtype", "activations", "exact", "kv_dtype", "max_context")
     flags = {k: getattr(args, k) for k in ("model", "dtype", "device", "threads", *numerics)}
-    return LLM(**flags, progress=sys.stderr.isatty(), **settings)
+    return LLM(**(flags | settings), progress=sys.stderr.isatty())
 
 
 def speculative_from_args(args: argparse.Namespace):

@@ -119,32 +119,29 @@ def read_cache_file(path: str | Path) -> tuple[CacheSnapshot, dict]:
     from safetensors import safe_open
 
     path = Path(path)
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        raise CacheFileError(f"cache file not found: {path}") from None
-    except OSError as exc:
-        raise CacheFileError(f"{path} is not a readable cache file ({_line(exc)})") from exc
-    if not stat.S_ISREG(mode):
-        raise CacheFileError(f"{path} is not a file")
     with _readable(path):
+        try:
+            if not stat.S_ISREG(path.stat().st_mode):
+                raise CacheFileError(f"{path} is not a file")
+        except FileNotFoundError:
+            raise CacheFileError(f"cache file not found: {path}") from None
         f = safe_open(str(path), framework="pt")
-        meta = f.metadata()
-    snap, parsed = _parse_metadata(path, meta)
-    with _readable(path):
+        snap, parsed = _parse_metadata(path, f.metadata())
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
-    _check_shapes(path, snap, shapes)
-    with _readable(path):
+        _check_shapes(path, snap, shapes)
         snap.tensors = {name: f.get_tensor(name) for name in shapes}
-    _check_contents(path, snap)
+        _check_contents(path, snap)
     return snap, parsed
 
 
 @contextmanager
 def _readable(path: Path) -> Iterator[None]:
-    """safetensors calls: whatever they raise on a corrupt file becomes a CacheFileError."""
+    """Whatever the OS or safetensors raise on an unreadable or corrupt file becomes a
+    CacheFileError; the checks' own CacheFileErrors pass through."""
     try:
         yield
+    except CacheFileError:
+        raise
     except Exception as exc:  # safetensors raises its own error types, OSError, ...
         raise CacheFileError(f"{path} is not a readable cache file ({_line(exc)})") from exc
 
@@ -187,9 +184,8 @@ def _parse_metadata(path: Path, meta: dict[str, str] | None) -> tuple[CacheSnaps
             more=layout == "window",  # e.g. "cache_positions": 1, kvlm.cache.window
         ),
     )
-    parsed = {"fingerprint": meta["fingerprint"], "mode": mode}
-    parsed["extra"] = _json_object(path, meta, "extra")
-    return snap, parsed
+    extra = _json_object(path, meta, "extra")
+    return snap, {"fingerprint": meta["fingerprint"], "mode": mode, "extra": extra}
 
 
 def _count(path: Path, meta: dict[str, str], key: str) -> int:

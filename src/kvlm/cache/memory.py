@@ -128,18 +128,16 @@ def table(config: ModelConfig, context: int, batch: int, **sizes: int | None) ->
 def spec_table(base: CacheSpec, context: int, batch: int) -> list[dict]:
     """table() for a K/V geometry and mode sizes without a model config (a saved cache
     file carries only those); `base.dtype` is replaced by each row's."""
-    rows = []
-    for mode, dtype in TABLE_ROWS:
-        spec = mode_spec(mode, replace(base, dtype=dtype))
-        rows.append(
-            {
-                "mode": mode,
-                "kv_dtype": dtype_name(spec.dtype),
-                "bytes_per_token": spec.bytes_per_token if mode != "off" else 0,
-                "total_bytes": planned_nbytes(mode, spec, context, batch),
-            }
-        )
-    return rows
+    specs = [(mode, mode_spec(mode, replace(base, dtype=dtype))) for mode, dtype in TABLE_ROWS]
+    return [
+        {
+            "mode": mode,
+            "kv_dtype": dtype_name(spec.dtype),
+            "bytes_per_token": spec.bytes_per_token if mode != "off" else 0,
+            "total_bytes": planned_nbytes(mode, spec, context, batch),
+        }
+        for mode, spec in specs
+    ]
 
 
 F32, BF16, I8 = torch.float32, torch.bfloat16, torch.int8

@@ -78,16 +78,14 @@ def _save(fig: Any, path: str | Path, palette: bool = False) -> Path:
     with no visible change (SmolLM2's 93-token int8 file: 324 KB -> 87 KB)."""
     path = check_output(path)
     try:
-        if not palette:
-            fig.savefig(path, format="png", dpi=DPI)
-            return path
-        from PIL import Image
-
-        buffer = io.BytesIO()
+        buffer = io.BytesIO() if palette else path
         fig.savefig(buffer, format="png", dpi=DPI)
-        image = Image.open(buffer).convert("RGB")
-        image = image.quantize(256, method=Image.Quantize.FASTOCTREE, dither=Image.Dither.NONE)
-        image.save(path, format="PNG", optimize=True)
+        if palette:
+            from PIL import Image
+
+            image = Image.open(buffer).convert("RGB")
+            image = image.quantize(256, method=Image.Quantize.FASTOCTREE, dither=Image.Dither.NONE)
+            image.save(path, format="PNG", optimize=True)
     except OSError as exc:
         raise KvlmError(f"cannot write {path}: {exc.strerror or exc}") from exc
     return path
@@ -98,10 +96,13 @@ UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
 def human(n: float) -> str:
     """Bytes as a short label: 512 B, 3.5 KiB, 12 MiB, 1.25 GiB."""
-    for unit, scale in UNITS:
-        if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
+    unit, scale = _unit(n)
+    return f"{n / scale:.3g} {unit}" if scale > 1 else f"{n:.0f} B"
+
+
+def _unit(n: float) -> tuple[str, int]:
+    """The largest of GiB, MiB, KiB, B that `n` bytes reach, and its size."""
+    return next(((u, k) for u, k in UNITS if abs(n) >= k), ("B", 1))
 
 
 # ---------------------------------------------------------------------- block map
@@ -249,7 +250,7 @@ def draw_bytes(
     from matplotlib.patches import Patch
 
     top = max([r["total_bytes"] for r in rows] + [1])
-    unit, scale = next(((u, k) for u, k in UNITS if top >= k), ("B", 1))
+    unit, scale = _unit(top)
     modes: dict[str, list[dict]] = {}
     for r in rows:
         modes.setdefault(r["mode"], []).append(r)
@@ -348,10 +349,10 @@ def _norms(fig: Any, saved: SavedCache) -> None:
     g = saved.snap.geometry
     layers, heads = g["layers"], g["kv_heads"]
     axes = fig.subplots(1, 2)
-    if saved.snap.length == 0 or len(saved.positions()) == 0:
+    positions = saved.positions()
+    if len(positions) == 0:
         return _no_tokens(axes, xticks=[], yticks=[])
     values = saved.contents()  # (L, 2, H, T, D)
-    positions = saved.positions()
     for kv, ax in enumerate(axes):
         norms = values[:, kv].norm(dim=-1).reshape(layers * heads, -1)  # (L*H, T)
         low = norms[norms > 0].min().item() if (norms > 0).any() else 1e-6

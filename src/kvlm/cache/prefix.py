@@ -48,11 +48,10 @@ from dataclasses import dataclass, field
 
 from kvlm.cache.base import blocks_for
 from kvlm.cache.paged import ALL, BlockPool
-from kvlm.cache.tiers import KVTiers, check_digests
+from kvlm.cache.tiers import KVTiers, check_digests, salt_field
 
 MAX_SALT_CHARS = 256  # a salt is client input: bounded
 _DOMAIN = b"kvlm/prefix/v1"
-_NO_SALT_ROOT = hashlib.sha256(_DOMAIN + b"\x00").digest()
 
 
 def check_salt(salt: str | None) -> None:
@@ -68,13 +67,9 @@ def check_salt(salt: str | None) -> None:
 
 
 def root_key(salt: str | None) -> bytes:
-    """The parent key of a chain's first block: the salt, length-prefixed, under a domain
-    tag. surrogatepass: a JSON string may carry a lone surrogate; the encoding stays
-    one-to-one."""
-    if salt is None:
-        return _NO_SALT_ROOT
-    raw = salt.encode("utf-8", "surrogatepass")
-    return hashlib.sha256(_DOMAIN + b"\x01" + len(raw).to_bytes(4, "little") + raw).digest()
+    """The parent key of a chain's first block: the salt, length-prefixed
+    (kvlm.cache.tiers.salt_field), under a domain tag."""
+    return hashlib.sha256(_DOMAIN + salt_field(salt)).digest()
 
 
 def block_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
@@ -91,7 +86,7 @@ def _packer(n: int) -> Callable[..., bytes]:
 def chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     """The key of a full block after `parent` (None: the first block, without a salt;
     root_key(salt) for a salted first block)."""
-    return block_key(_NO_SALT_ROOT if parent is None else parent, tuple(tokens))
+    return block_key(root_key(None) if parent is None else parent, tuple(tokens))
 
 
 @dataclass(slots=True)

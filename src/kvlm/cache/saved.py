@@ -55,12 +55,8 @@ class SavedCache:
         s, g, extra = self.snap, self.snap.geometry, self.snap.extra
         sizes = {}
         if s.layout == "window":
-            positions = "cache" if extra.get("cache_positions") else "absolute"
-            sizes = {
-                "window": extra["window"],
-                "sinks": extra["sinks"],
-                "window_positions": positions,
-            }
+            sizes = {"window": extra["window"], "sinks": extra["sinks"]}
+            sizes["window_positions"] = "cache" if extra.get("cache_positions") else "absolute"
         return CacheSpec(
             num_layers=g["layers"],
             num_kv_heads=g["kv_heads"],

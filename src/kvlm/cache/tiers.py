@@ -102,12 +102,20 @@ def namespace(*parts: object) -> str:
     return hashlib.sha256(json.dumps([str(p) for p in parts]).encode()).hexdigest()
 
 
+def salt_field(salt: str | None) -> bytes:
+    """A cache salt as the hashes take it: 0x00 for none, else 0x01, its UTF-8 length
+    (uint32 little-endian) and its UTF-8. surrogatepass: a JSON string may carry a lone
+    surrogate; the encoding stays one-to-one."""
+    if salt is None:
+        return b"\x00"
+    raw = salt.encode("utf-8", "surrogatepass")
+    return b"\x01" + len(raw).to_bytes(4, "little") + raw
+
+
 def check_digests(tokens: Sequence[int], salt: str | None, block_size: int, stop: int) -> list:
     """The check of blocks 0..stop-1: BLAKE2b-256 over the salt (length-prefixed) and
     the tokens up to each block's end, as uint32 little-endian."""
-    h = hashlib.blake2b(_CHECK_DOMAIN, digest_size=32)
-    raw = b"" if salt is None else salt.encode("utf-8", "surrogatepass")
-    h.update(b"\x00" if salt is None else b"\x01" + len(raw).to_bytes(4, "little") + raw)
+    h = hashlib.blake2b(_CHECK_DOMAIN + salt_field(salt), digest_size=32)
     out = []
     for i in range(stop):
         h.update(struct.pack(f"<{block_size}I", *tokens[i * block_size : (i + 1) * block_size]))
@@ -296,10 +304,7 @@ class KVTiers:
             return None
         view = memoryview(data)
         head = len(MAGIC) + TAG_BYTES
-        tag = self._tag(key, tokens, check, view[head:])
-        if not hmac.compare_digest(view[: len(MAGIC)], MAGIC) or not hmac.compare_digest(
-            view[len(MAGIC) : head], tag
-        ):
+        if not hmac.compare_digest(view[:head], MAGIC + self._tag(key, tokens, check, view[head:])):
             return None
         out, offset = {}, head
         for part, (shape, dtype) in self.parts.items():

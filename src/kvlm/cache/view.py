@@ -53,9 +53,7 @@ def block_map(
         "block_size": bs,
         "num_blocks": pool.num_blocks,
         "block_bytes": pool.block_nbytes,
-        "used": sum(1 for b in blocks if b["state"] == "used"),
-        "cached": sum(1 for b in blocks if b["state"] == "cached"),
-        "free": sum(1 for b in blocks if b["state"] == "free"),
+        **{state: sum(b["state"] == state for b in blocks) for state in ("used", "cached", "free")},
         "blocks": blocks,
         "prefix_tree": prefix_tree(pool, blocks),
         "waste": {

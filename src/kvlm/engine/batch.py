@@ -72,7 +72,6 @@ def run_batch(
     prompts: Sequence[tuple[str | None, list[int]]],
     params: Sequence[SamplingParams],
     bar: tqdm,
-    request_ids: Sequence[str],
 ) -> list[RequestOutput]:
     """Run every prompt (already checked: Engine.check_request passes) to its end; one
     RequestOutput each, in the order given."""
@@ -86,7 +85,7 @@ def run_batch(
             # Feed the queue as it drains: the scheduler holds a bounded number of requests.
             while pending and len(sched.waiting) < sched.config.max_num_seqs:
                 i = pending.popleft()
-                rid = request_ids[i]
+                rid = f"generate-{next(_ids)}"
                 live[rid] = _add(engine, i, *prompts[i], params[i], rid, checked=True)
             events = _step(engine, live)
             generated += sum(len(ev.token_ids) for ev in events)

@@ -25,6 +25,8 @@ from kvlm.engine.sampling import SamplingParams
 from kvlm.engine.sequence import common_prefix
 from kvlm.errors import InvalidRequestError
 
+FIELDS = ("role", "content")  # a saved message's, each a string
+
 
 class ChatSession:
     def __init__(
@@ -53,11 +55,6 @@ class ChatSession:
         self.cache.reset()
         self._turn: Stream | None = None
 
-    @property
-    def cached_ids(self) -> list[int]:
-        """Exactly the tokens whose K/V the cache holds."""
-        return self.history[: self.cache.num_tokens]
-
     def send(self, text: str) -> Stream:
         """Start a turn; iterate the returned Stream for the reply's text."""
         self._settle()
@@ -66,7 +63,8 @@ class ChatSession:
             ids = self.tokenizer.encode_chat(self.messages)
         else:
             ids = self.history + self.tokenizer.encode(text, add_special_tokens=not self.history)
-        keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)
+        cached = self.history[: self.cache.num_tokens]  # exactly the tokens the cache holds
+        keep = min(common_prefix(cached, ids), len(ids) - 1)
         self.cache.rollback(self.cache.num_tokens - keep)
         self._turn = Stream(self.engine, ids, self.params)
         return self._turn
@@ -121,11 +119,7 @@ class ChatSession:
         if not isinstance(messages, list):
             raise CacheFileError(f"{path} is damaged: its messages are not a list")
         for i, m in enumerate(messages):
-            if not (
-                isinstance(m, dict)
-                and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)
-            ):
+            if not (isinstance(m, dict) and all(isinstance(m.get(k), str) for k in FIELDS)):
                 raise CacheFileError(
                     f"{path} is damaged: message {i} is not a role and a content string"
                 )

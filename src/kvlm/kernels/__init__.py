@@ -329,29 +329,31 @@ def _build(cc: str, flags: tuple[str, ...] = FLAGS) -> Path:
     return target
 
 
-def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    p, i = ctypes.c_void_p, ctypes.c_int64
-    for fn in (lib.kvlm_qgemm, lib.kvlm_qgemm_i8):  # kind, x, M, K, w, N, y, ldy
-        fn.argtypes = [i, p, i, i, p, i, p, i]
-        fn.restype = ctypes.c_int
-    lib.kvlm_qdequant.argtypes = [i, i, i, p, i, p]  # kind, bf16, K, w, N, out
-    lib.kvlm_qdequant.restype = ctypes.c_int
-    lib.kvlm_qdequant_rows.argtypes = [i, i, p, p, i, p]  # kind, K, w, rows, n, out
-    lib.kvlm_qdequant_rows.restype = ctypes.c_int
-    lib.kvlm_qpack.argtypes = [i, p, i, i, p, p]  # kind, blocks, N, K, order, out
-    lib.kvlm_qpack.restype = ctypes.c_int
-    lib.kvlm_silu_mul.argtypes = [p, i, i, p]  # gu, M, I, out
-    lib.kvlm_silu_mul.restype = ctypes.c_int
+# each function's arguments (p a pointer, i an int64, d a double), named as in qgemm.c;
+# each returns an int, kvlm_decode_scratch an int64
+_SIGNATURES = {
+    "kvlm_qgemm": "ipiipipi",  # kind, x, M, K, w, N, y, ldy
+    "kvlm_qgemm_i8": "ipiipipi",
+    "kvlm_qdequant": "iiipip",  # kind, bf16, K, w, N, out
+    "kvlm_qdequant_rows": "iippip",  # kind, K, w, rows, n, out
+    "kvlm_qpack": "ipiipp",  # kind, blocks, N, K, order, out
+    "kvlm_silu_mul": "piip",  # gu, M, I, out
     # q, H, T, D, qsh, qst, k, v, Hkv, S, ksh, kst, vsh, vst, mask, mst, causal, scale, out
-    lib.kvlm_attend.argtypes = [p, i, i, i, i, i, p, p, i, i, i, i, i, i, p, i, i,
-                                ctypes.c_double, p]  # fmt: skip
-    lib.kvlm_attend.restype = ctypes.c_int
-    # x, M, N, xs, w, eps, y, ys
-    lib.kvlm_rms_norm.argtypes = [p, i, i, i, p, ctypes.c_double, p, i]
-    lib.kvlm_rms_norm.restype = ctypes.c_int
-    # qkv, M, rs, nq, nk, D, qn, kn, eps, cos, sin, cs
-    lib.kvlm_qk_norm_rope.argtypes = [p, i, i, i, i, i, p, p, ctypes.c_double, p, p, i]
-    lib.kvlm_qk_norm_rope.restype = ctypes.c_int
+    "kvlm_attend": "piiiiippiiiiiipiidp",
+    "kvlm_rms_norm": "piiipdpi",  # x, M, N, xs, w, eps, y, ys
+    "kvlm_qk_norm_rope": "piiiiippdppi",  # qkv, M, rs, nq, nk, D, qn, kn, eps, cos, sin, cs
+    "kvlm_decode_scratch": "pi",  # m, B
+    # m, B, x, pos, cos, sin, kv, num_blocks, block_size, tables, width, scratch, logits
+    "kvlm_decode_batch": "pipppppiipipp",
+}
+_CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "d": ctypes.c_double}
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = [_CTYPES[a] for a in args]
+        fn.restype = ctypes.c_int64 if name == "kvlm_decode_scratch" else ctypes.c_int
     return lib
 
 

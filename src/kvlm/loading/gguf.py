@@ -22,7 +22,7 @@ import torch
 from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 from kvlm.loading.gguf_file import GGUFFile, GGUFTensor
-from kvlm.model.quant import Blocks, QuantWeight
+from kvlm.model.quant import GGML_KINDS, Blocks, QuantWeight
 from kvlm.model.weights import fingerprint_of
 
 try:
@@ -91,7 +91,9 @@ class GGUFWeights:
         # (UnsupportedModelError for a tensor type, version or byte order it cannot read)
         self.file = GGUFFile(path)
         self.metadata: dict[str, Any] = self.file.metadata
-        self.config = self._config()
+        tied = "output.weight" not in {t.name for t in self.file.tensors}
+        cfg = ModelConfig.from_gguf(self.metadata, name=path.name)
+        self.config = replace(cfg, tie_word_embeddings=tied)
         self._tensors: dict[str, GGUFTensor] = {}
         for t in self.file.tensors:
             name = hf_name(t.name)
@@ -104,12 +106,6 @@ class GGUFWeights:
                 )
             self._tensors[name] = t
         self.quant_types = sorted({t.tensor_type.name for t in self._tensors.values()})
-
-    def _config(self) -> ModelConfig:
-        cfg = ModelConfig.from_gguf(self.metadata, name=self.path.name)
-        names = {t.name for t in self.file.tensors}
-        tied = "output.weight" not in names
-        return replace(cfg, tie_word_embeddings=tied)
 
     def names(self) -> list[str]:
         return list(self._tensors)
@@ -159,17 +155,20 @@ class GGUFWeights:
 
     def get_quant(self, name: str, packed: bool = True) -> QuantWeight | Blocks | None:
         """The tensor's own blocks, unrounded, for the types kvlm multiplies as stored
-        (NATIVE_BLOCKS, GGML_BLOCKS); None for other types. Packed for the kernels, read
-        where they lie in the file's map; `packed=False`: not yet (quant.Blocks, a view of
-        the map), for the caller to pack with others into one buffer (quant.concat)."""
+        (NATIVE_BLOCKS); None for other types. Packed for the kernels, read where they lie
+        in the file's map; `packed=False`: not yet (quant.Blocks, a view of the map), for
+        the caller to pack with others into one buffer (quant.concat)."""
         t = self._tensors[name]
-        if t.tensor_type not in NATIVE_BLOCKS and t.tensor_type not in GGML_BLOCKS:
-            return None
-        if len(t.shape) != 2:
+        kind = NATIVE_BLOCKS.get(t.tensor_type)
+        if kind is None or len(t.shape) != 2:
             return None
         rows = int(t.shape[1])
         try:
-            blocks = _blocks_to_quant(np.asarray(t.data), t.tensor_type, rows)
+            # the blocks as stored, rows of K / 32 (or / 256) blocks: a view, not a copy
+            flat = np.asarray(t.data).reshape(-1)
+            if flat.dtype != np.uint8 or flat.size % rows:
+                raise ValueError(f"{flat.size} bytes of {flat.dtype} are not {rows} rows of blocks")
+            blocks = Blocks(kind, flat.reshape(rows, -1))
             # whole rows of blocks: q/k rows un-permuted as they are packed
             order = self._unpermute(name, torch.arange(rows))
             if not torch.equal(order, torch.arange(rows)):
@@ -187,25 +186,11 @@ class GGUFWeights:
 
 
 # GGUF blocks kvlm multiplies as they are (`--weights native`), each packed from its
-# blocks as stored (QuantWeight.from_blocks): Q8_0 and Q4_1 into q8 and q4 (the kinds that
-# `--weights int8|int4` quantize to), the others into their own kinds. Q2_K, Q3_K and the
-# IQ types have no kernel: dequantized, and with --weights native re-quantized to int8
-# (kvlm.model.transformer names them at load).
-NATIVE_BLOCKS = {Q.Q8_0: "q8", Q.Q4_1: "q4"}
-GGML_BLOCKS = {
-    Q.Q4_0: "q4_0", Q.Q5_0: "q5_0", Q.Q5_1: "q5_1", Q.Q4_K: "q4_k", Q.Q5_K: "q5_k",
-    Q.Q6_K: "q6_k",
-}  # fmt: skip
-
-
-def _blocks_to_quant(data: np.ndarray, qtype: Q, rows: int) -> Blocks:
-    """The tensor's blocks as stored, rows of K / 32 (or / 256) blocks (a view of `data`,
-    not a copy), of the kind QuantWeight packs them into."""
-    kind = NATIVE_BLOCKS.get(qtype) or GGML_BLOCKS[qtype]
-    flat = data.reshape(-1)
-    if flat.dtype != np.uint8 or flat.size % rows:
-        raise ValueError(f"{flat.size} bytes of {flat.dtype} are not {rows} rows of blocks")
-    return Blocks(kind, flat.reshape(rows, -1))
+# blocks as stored (QuantWeight.from_blocks) into a kind: Q8_0 and Q4_1 into q8 and q4 (the
+# kinds that `--weights int8|int4` quantize to), the others (quant.GGML_KINDS) into their
+# own. Q2_K, Q3_K and the IQ types have no kernel: dequantized, and with --weights native
+# re-quantized to int8 (kvlm.model.transformer names them at load).
+NATIVE_BLOCKS = {Q.Q8_0: "q8", Q.Q4_1: "q4", **{Q[kind.upper()]: kind for kind in GGML_KINDS}}
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:

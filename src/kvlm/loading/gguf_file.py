@@ -151,16 +151,13 @@ class _Parser:
         if n > self.size - off:
             self.fail(f"{what} needs {n} bytes but the file ({self.size} bytes) ends first", off)
 
-    def u32(self, off: int, what: str) -> int:
-        self.need(off, 4, what)
-        return _U32.unpack_from(self.buf, off)[0]
-
-    def u64(self, off: int, what: str) -> int:
-        self.need(off, 8, what)
-        return _U64.unpack_from(self.buf, off)[0]
+    def read(self, fmt: struct.Struct, off: int, what: str) -> Any:
+        """The one value of `fmt` at `off` (checked there first)."""
+        self.need(off, fmt.size, what)
+        return fmt.unpack_from(self.buf, off)[0]
 
     def string(self, off: int, what: str) -> tuple[str, int]:
-        n = self.u64(off, f"the length of {what}")
+        n = self.read(_U64, off, f"the length of {what}")
         if n > self.size - off - 8:
             self.fail(f"{what} has length {n}, past the end of the file ({self.size} bytes)", off)
         return self.decode(off + 8, n, what), off + 8 + n
@@ -172,7 +169,7 @@ class _Parser:
             self.fail(f"{what} is not UTF-8 ({exc.reason})", off + exc.start)
 
     def value_type(self, off: int, what: str) -> V:
-        raw = self.u32(off, what)
+        raw = self.read(_U32, off, what)
         vtype = _VALUE_TYPES.get(raw)
         if vtype is None:
             self.fail(f"{what} is {raw}, not a GGUF value type (0..12)", off)
@@ -180,7 +177,7 @@ class _Parser:
 
     def count(self, off: int, item: V, what: str) -> int:
         """An array's element count at `off`, bounded by the bytes after it."""
-        n = self.u64(off, f"the length of {what}")
+        n = self.read(_U64, off, f"the length of {what}")
         least = n * _MIN_SIZE[item]
         if least > self.size - off - 8:
             self.fail(
@@ -196,7 +193,7 @@ class _Parser:
         buf = self.buf
         if buf[:4] != MAGIC:
             self.fail(f"the magic is {bytes(buf[:4])!r}, not {MAGIC!r}", 0)
-        version = self.u32(4, "the version")
+        version = self.read(_U32, 4, "the version")
         if version == 1:
             self.fail("GGUF version 1 (32-bit lengths) is not supported; convert the model "
                       "again with a current llama.cpp", 4, unsupported=True)  # fmt: skip
@@ -206,8 +203,8 @@ class _Parser:
                 self.fail("a big-endian GGUF file is not supported", 4, unsupported=True)
             self.fail(f"the version is {version}, not one of {VERSIONS}", 4)
         self.version = version
-        n_tensors = self.u64(8, "the tensor count")
-        n_kv = self.u64(16, "the key/value count")
+        n_tensors = self.read(_U64, 8, "the tensor count")
+        n_kv = self.read(_U64, 16, "the key/value count")
         off = 24
         least = n_kv * _MIN_KV + n_tensors * _MIN_TENSOR_INFO
         if least > self.size - off:
@@ -246,11 +243,9 @@ class _Parser:
     def value(self, vtype: V, off: int, what: str) -> tuple[Any, int]:
         """(the value of type `vtype` at `off`, as gguf-py's `contents()` gives it, the
         offset after it)."""
-        scalar = _SCALARS.get(vtype)
-        if scalar is not None:
-            fmt = scalar[0]
-            self.need(off, fmt.size, what)
-            return fmt.unpack_from(self.buf, off)[0], off + fmt.size
+        if vtype in _SCALARS:
+            fmt = _SCALARS[vtype][0]
+            return self.read(fmt, off, what), off + fmt.size
         if vtype == V.STRING:
             return self.string(off, what)
         # an array: item type, count, items
@@ -328,7 +323,7 @@ class _Parser:
             return leaves, [*types, item], off + n * size
         for i in range(n):
             if item == V.STRING:
-                length = self.u64(off, f"the length of string {i} in {what}")
+                length = self.read(_U64, off, f"the length of string {i} in {what}")
                 if length > self.size - off - 8:
                     self.fail(f"string {i} in {what} has length {length}, past the end", off)
                 leaves.append((V.STRING, off + 8, length))
@@ -353,7 +348,7 @@ class _Parser:
         if name in names:
             self.fail(f"tensor name {name!r} appears twice", start)
         names.add(name)
-        n_dims = self.u32(off, f"the dimension count of tensor {name!r}")
+        n_dims = self.read(_U32, off, f"the dimension count of tensor {name!r}")
         if not 1 <= n_dims <= MAX_DIMS:
             self.fail(f"tensor {name!r} has {n_dims} dimensions, not 1..{MAX_DIMS}", off)
         off += 4
@@ -367,7 +362,7 @@ class _Parser:
         if n_elements > INT64_MAX:
             self.fail(f"tensor {name!r}'s dimensions {list(dims)} overflow int64", off)
         off += 8 * n_dims
-        raw_type = self.u32(off, f"the type of tensor {name!r}")
+        raw_type = self.read(_U32, off, f"the type of tensor {name!r}")
         try:
             qtype = Q(raw_type)
             block, _ = GGML_QUANT_SIZES[qtype]
@@ -384,7 +379,7 @@ class _Parser:
                 f"({block} weights)",
                 off,
             )
-        rel = self.u64(off + 4, f"the data offset of tensor {name!r}")
+        rel = self.read(_U64, off + 4, f"the data offset of tensor {name!r}")
         return (name, tuple(dims), qtype, rel, n_elements), off + 12
 
     def _alignment(self) -> int:

@@ -60,58 +60,40 @@ NOT_THIS_CACHE = "the fused step reads contiguous and paged caches"  # why the o
 QMAT_PARTS = 3  # row parts of different kinds one projection may have (qgemm.c)
 
 
+def _fields(ctype, names: str) -> list[tuple[str, type]]:
+    """A ctypes Structure's fields of one type, named in order."""
+    return [(name, ctype) for name in names.split()]
+
+
+# kvlm_qpart, kvlm_qmat, kvlm_qlayer and kvlm_qmodel in qgemm.c
 class _QPart(ctypes.Structure):
-    _fields_ = [
-        ("kind", ctypes.c_int64),
-        ("data", ctypes.c_void_p),
-        ("n", ctypes.c_int64),
-    ]
+    _fields_ = [("kind", ctypes.c_int64), ("data", ctypes.c_void_p), ("n", ctypes.c_int64)]
 
 
 class _QMat(ctypes.Structure):
-    _fields_ = [
-        ("n", ctypes.c_int64),
-        ("k", ctypes.c_int64),
-        ("parts", ctypes.c_int64),
-        ("part", _QPart * QMAT_PARTS),
-    ]
+    _fields_ = [*_fields(ctypes.c_int64, "n k parts"), ("part", _QPart * QMAT_PARTS)]
 
 
 class _QLayer(ctypes.Structure):
     _fields_ = [
-        ("input_norm", ctypes.c_void_p),
-        ("post_norm", ctypes.c_void_p),
-        ("qkv", _QMat),
-        ("o", _QMat),
-        ("gate_up", _QMat),
-        ("down", _QMat),
-        # NULL when absent (kvlm_qlayer in qgemm.c)
-        ("qkv_bias", ctypes.c_void_p),
-        ("o_bias", ctypes.c_void_p),
-        ("q_norm", ctypes.c_void_p),
-        ("k_norm", ctypes.c_void_p),
+        *_fields(ctypes.c_void_p, "input_norm post_norm"),
+        *_fields(_QMat, "qkv o gate_up down"),
+        *_fields(ctypes.c_void_p, "qkv_bias o_bias q_norm k_norm"),  # NULL when absent
     ]
 
 
 class _QModel(ctypes.Structure):
     _fields_ = [
-        ("n_layers", ctypes.c_int64),
-        ("hidden", ctypes.c_int64),
-        ("n_heads", ctypes.c_int64),
-        ("n_kv_heads", ctypes.c_int64),
-        ("head_dim", ctypes.c_int64),
-        ("inter", ctypes.c_int64),
-        ("slots", ctypes.c_int64),
+        *_fields(ctypes.c_int64, "n_layers hidden n_heads n_kv_heads head_dim inter slots"),
         ("eps", ctypes.c_float),
         ("layers", ctypes.POINTER(_QLayer)),
         ("final_norm", ctypes.c_void_p),
         ("lm_head", _QMat),
-        ("kv_dtype", ctypes.c_int64),
-        ("act_int8", ctypes.c_int64),
-        ("kv_params", ctypes.c_void_p),
-        ("key_rot", ctypes.c_void_p),
-        ("window", ctypes.c_int64),  # the model's sliding window; 0: none
-        ("head_act_int8", ctypes.c_int64),  # the vocabulary projection's own setting
+        *_fields(ctypes.c_int64, "kv_dtype act_int8"),
+        *_fields(ctypes.c_void_p, "kv_params key_rot"),
+        # window: the model's sliding window (0: none); head_act_int8: the vocabulary
+        # projection's own setting
+        *_fields(ctypes.c_int64, "window head_act_int8"),
     ]
 
 
@@ -208,11 +190,6 @@ class FusedDecoder:
             model.norm.weight.data_ptr(),
             _qmat(model.lm_head),
         )
-        p, i = ctypes.c_void_p, ctypes.c_int64
-        self.lib.kvlm_decode_scratch.restype = i
-        self.lib.kvlm_decode_scratch.argtypes = [p, i]
-        self.lib.kvlm_decode_batch.argtypes = [p, i, p, p, p, p, p, i, i, p, i, p, p]
-        self.lib.kvlm_decode_batch.restype = ctypes.c_int
         self.scratch = torch.empty(0, dtype=torch.float32)
         self.vocab = model.lm_head.out_features
 

@@ -82,16 +82,18 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`out`: where low-bit kernels may write the result (x's rows by out_features,
         fp32, contiguous; the returned tensor is the result either way)."""
+        if self.kernel == "onednn":
+            return self._onednn(x, self.bias)
+        if self.kernel == "bf16":  # bf16 weight, model dtype kept outside the product
+            y = self._onednn(x.to(torch.bfloat16), None).to(x.dtype)
+            return y if self.bias is None else y + self.bias.to(x.dtype)
         if self.kernel == "cpu-fp32":
             if self._blas is not None and x.numel() == self.in_features:  # one row: OpenBLAS
                 y = torch.from_numpy(x.reshape(1, -1).numpy() @ self._blas)
                 y = y.view(*x.shape[:-1], self.out_features)
             else:
                 y = torch.matmul(x, self.weight)
-            return y if self.bias is None else y + self.bias
-        if self.kernel == "onednn":
-            return self._onednn(x)
-        if self.kernel == "quant":
+        elif self.kernel == "quant":
             flat = x.reshape(-1, self.in_features)
             if flat.dtype not in (torch.float32, torch.float64) or not flat.is_contiguous():
                 flat = flat.float().contiguous()  # fp64: QuantWeight's exact reference
@@ -105,13 +107,11 @@ class Linear(nn.Module):
                 out = None
             y = self.quant.matmul(flat, bf16, int8, out=out)
             y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-            return y if self.bias is None else y + self.bias
-        if self.kernel == "bf16":  # bf16 weight, model dtype kept outside the product
-            y = self._onednn(x.to(torch.bfloat16), bias=None).to(x.dtype)
-            return y if self.bias is None else y + self.bias.to(x.dtype)
-        return F.linear(x, self.weight, self.bias)
+        else:
+            return F.linear(x, self.weight, self.bias)
+        return y if self.bias is None else y + self.bias
 
-    def _onednn(self, x: torch.Tensor, bias: torch.Tensor | str | None = "own") -> torch.Tensor:
+    def _onednn(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """oneDNN keeps a primitive (with its buffers) per row count it has seen, up to
         1,024 of them: a server feeding prompts of every length grew by ~0.8 MiB/s (RSS,
         benchmarks/bench_serve.py soak). Row counts above ONEDNN_EXACT_ROWS are padded
@@ -125,7 +125,6 @@ class Linear(nn.Module):
         flat = x.reshape(rows, self.in_features)
         if pad:
             flat = F.pad(flat, (0, 0, 0, pad))
-        bias = self.bias if isinstance(bias, str) else bias
         y = torch.ops.mkldnn._linear_pointwise(flat, self.weight, bias, "none", [], "")
         return y[:rows].view(*x.shape[:-1], self.out_features)
 
@@ -139,9 +138,11 @@ class Linear(nn.Module):
     def _set_quant(self, quant: QuantWeight) -> None:
         self.in_features, self.out_features = quant.in_features, quant.out_features
         self.quant = quant
-        self.weight = quant.data
-        self.kernel = "quant"
-        self._blas = None
+        self._store("quant", quant.data)
+
+    def _store(self, kernel: str, weight: torch.Tensor) -> None:
+        """Keep the weight as `weight` (its new layout), multiplied by `kernel`."""
+        self.weight, self.kernel, self._blas = weight, kernel, None
 
     def convert(self, fmt: str) -> None:
         """Re-store the weight as `fmt`: "int8" / "int4" (groups of 32, kvlm.model.quant;
@@ -155,9 +156,7 @@ class Linear(nn.Module):
         elif fmt == "bf16":
             if self.kernel == "cpu-fp32" and _onednn_bf16():
                 w = self.dense_weight().to(torch.bfloat16).contiguous()
-                self.weight = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-                self.kernel = "bf16"
-                self._blas = None
+                self._store("bf16", torch.ops.mkldnn._reorder_linear_weight(w, 1))
         else:
             raise ValueError(f"unknown weight format {fmt!r}")
 
@@ -190,9 +189,7 @@ class Linear(nn.Module):
         if self.kernel != "cpu-fp32" or not _onednn_fp32():
             return
         w = self.weight.t().contiguous()  # [out, in]
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
-        self.kernel = "onednn"
-        self._blas = None
+        self._store("onednn", torch.ops.mkldnn._reorder_linear_weight(w, batch_hint))
 
     @property
     def uses_blas(self) -> bool:
@@ -201,9 +198,7 @@ class Linear(nn.Module):
     def rows(self) -> torch.Tensor | None:
         """The weight as [out, in] (a view when stored transposed), usable as an embedding
         table; None when it is packed in a kernel-specific layout."""
-        if self.kernel == "cpu-fp32":
-            return self.weight.t()
-        return None if self.kernel in ("onednn", "bf16", "quant") else self.weight
+        return None if self.kernel in ("onednn", "bf16", "quant") else self.dense_weight()
 
 
 def _pick_kernel(weight: torch.Tensor) -> str:

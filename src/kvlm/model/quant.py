@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import mmap
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -180,7 +181,7 @@ class QuantWeight:
         """(codes, scale, zero) in the natural order, scales as fp32 (q8, q4); (the ggml
         blocks [N, bytes], None, None) for the GGML_KINDS. A MIXED weight: unpack each of
         its parts()."""
-        blocks = _stored_blocks(self)
+        blocks = _blocks_of(self)
         return (blocks, None, None) if self.kind in GGML_KINDS else _block_arrays(self.kind, blocks)
 
     def dense(
@@ -195,9 +196,7 @@ class QuantWeight:
         out = torch.empty(n, k, dtype=dtype) if out is None else out.view(n, k)
         row = 0
         for p in self.parts():
-            _dequant(
-                lib, p, dtype, p.data, p.out_features, _ptr(out) + row * k * out.element_size()
-            )
+            _dequant(lib, p, p.data, out[row : row + p.out_features])
             row += p.out_features
         return out
 
@@ -208,20 +207,15 @@ class QuantWeight:
         tiles are fixed by the weight's shape; bf16 rows are padded (`onednn_rows`)."""
         m, k = x.shape
         padded = onednn_rows(m) if dtype == torch.bfloat16 else m  # 16 row counts an octave
-        if padded == m:
-            xd = x.to(dtype)
-        else:
-            xd = x.new_zeros(padded, k, dtype=dtype)
-            xd[:m] = x
+        xd = x.to(dtype) if padded == m else F.pad(x.to(dtype), (0, 0, 0, padded - m))
         y = torch.empty(padded, self.out_features, dtype=torch.float32)
+        per = max(1, TILE_WEIGHTS // (BLOCK_ROWS * k))  # blocks per tile
         col = 0
         for p in self.parts():
-            blocks = p.data.shape[0]
-            per = max(1, TILE_WEIGHTS // (BLOCK_ROWS * k))  # blocks per tile
-            for b0 in range(0, blocks, per):
+            for b0 in range(0, p.data.shape[0], per):
                 rows = min(p.out_features, (b0 + per) * BLOCK_ROWS) - b0 * BLOCK_ROWS
                 w = _scratch(rows * k, dtype).view(rows, k)
-                _dequant(lib, p, dtype, p.data[b0], rows, _ptr(w))
+                _dequant(lib, p, p.data[b0], w)
                 at = col + b0 * BLOCK_ROWS
                 y[:, at : at + rows] = torch.matmul(xd, w.t())
             col += p.out_features
@@ -309,10 +303,11 @@ class QuantWeight:
 BLOCK_ROWS = 16  # rows per packed block: one per 32-bit lane of a 512-bit vector
 
 
-def _dequant(lib, q: QuantWeight, dtype: torch.dtype, data: torch.Tensor, rows: int, at: int):
-    """`rows` rows of q's kind from its packed `data` into `dtype` (fp32 or bf16) at `at`."""
-    bf16 = dtype == torch.bfloat16
-    if lib.kvlm_qdequant(KIND_CODES[q.kind], bf16, q.in_features, _ptr(data), rows, at) != 0:
+def _dequant(lib, q: QuantWeight, data: torch.Tensor, out: torch.Tensor) -> None:
+    """The rows of `out` (fp32 or bf16 [rows, K], contiguous) of q's kind from its packed
+    `data`."""
+    code, bf16, rows = KIND_CODES[q.kind], out.dtype == torch.bfloat16, out.shape[0]
+    if lib.kvlm_qdequant(code, bf16, q.in_features, _ptr(data), rows, _ptr(out)) != 0:
         raise ValueError(f"the kernels do not know the kind {q.kind!r}")
 
 
@@ -351,29 +346,28 @@ class HugePageArena:
 _ARENAS: list[HugePageArena | None] = []
 
 
-@contextmanager
-def packing_on_huge_pages(capacity: int) -> Iterator[HugePageArena | None]:
+def packing_on_huge_pages(capacity: int) -> AbstractContextManager[HugePageArena | None]:
     """While open, weights are packed straight into one huge-page buffer of up to
     `capacity` bytes, in the order they are made (a model's load order is a decode step's
     read order): no second copy of the model to move them there afterwards, so the load's
     peak is the model, and no copy time. Yields None (ordinary memory) where the OS offers
     no huge pages. `outside_arena()` opens a gap for temporaries."""
     buffer = kernels.huge_page_buffer(capacity)
-    arena = None if buffer is None else HugePageArena(buffer)
-    _ARENAS.append(arena)
-    try:
-        yield arena
-    finally:
-        _ARENAS.pop()
+    return _packing_into(None if buffer is None else HugePageArena(buffer))
+
+
+def outside_arena() -> AbstractContextManager[None]:
+    """Weights made in here (a part to be copied into a fused weight) use ordinary memory,
+    so the arena holds no dead copies."""
+    return _packing_into(None)
 
 
 @contextmanager
-def outside_arena() -> Iterator[None]:
-    """Weights made in here (a part to be copied into a fused weight) use ordinary memory,
-    so the arena holds no dead copies."""
-    _ARENAS.append(None)
+def _packing_into(arena: HugePageArena | None) -> Iterator[HugePageArena | None]:
+    """Weights made within are packed into `arena` (None: ordinary memory)."""
+    _ARENAS.append(arena)
     try:
-        yield
+        yield arena
     finally:
         _ARENAS.pop()
 
@@ -451,12 +445,9 @@ def _pack_blocks(
     lib = None if reference else kernels.library()
     if lib is not None:
         mapped = isinstance(blocks, np.ndarray) and _file_backed(blocks)
-        if isinstance(blocks, torch.Tensor):
-            blocks = blocks.contiguous()
-            src = blocks.data_ptr()
-        else:
-            blocks = np.ascontiguousarray(blocks)
-            src = blocks.ctypes.data
+        tensor = isinstance(blocks, torch.Tensor)
+        blocks = blocks.contiguous() if tensor else np.ascontiguousarray(blocks)
+        src = blocks.data_ptr() if tensor else blocks.ctypes.data
         at = None if order is None else order.data_ptr()
         # A big table read from the file's map (the vocabulary: 248 MiB at Q8_0 x 151,936
         # x 1,536) is packed in pieces, each piece's file pages given back once packed:
@@ -583,6 +574,14 @@ def _f16_bytes(t: torch.Tensor) -> torch.Tensor:
 _HIGH_BITS = {"q8": 4, "q4": 0, "q4_0": 0, "q5_0": 1, "q5_1": 1, "q5_k": 1, "q6_k": 2, "q4_k": 0}
 # a record per group of 32 (no super-blocks): its parameters, in order
 _PER_GROUP = {"q8": ("d",), "q4": ("d", "m"), "q4_0": ("d",), "q5_0": ("d",), "q5_1": ("d", "m")}
+_K4_HEAD = (("scales", 12, 4), ("d", 2, 2), ("dmin", 2, 2))  # the packed scales: 3 vectors
+# the parameters of a packed record, in order: (field, bytes per row, lane width)
+_PACKED_PARAMS = {
+    **{kind: tuple((p, 2, 2) for p in params) for kind, params in _PER_GROUP.items()},
+    "q4_k": _K4_HEAD,
+    "q5_k": _K4_HEAD,
+    "q6_k": (("d", 2, 2), ("scales", 16, 1)),  # d [16], sc [16 sub-blocks][16 rows]
+}
 
 
 def _u8(values) -> torch.Tensor:
@@ -715,41 +714,25 @@ def _pack_fields(kind: str, f: dict[str, torch.Tensor], n: int, k: int) -> torch
     """Fields -> the packed layout [blocks, records * record bytes] (kernels/qgemm.c)."""
     codes = _code_layout(kind, f["codes"])  # [blocks, G, code bytes]
     blocks = codes.shape[0]
+    params = [_lanes(f[p], width) for p, _, width in _PACKED_PARAMS[kind]]
     if kind in _PER_GROUP:  # a record per group: codes, d [16], (m [16])
-        params = [_lanes(f[p], 2) for p in _PER_GROUP[kind]]
         return torch.cat([codes, *params], -1).reshape(blocks, -1)
-    u = k // 256
-    if kind == "q6_k":  # header: d [16], sc [16 sub-blocks][16 rows]
-        head = [_lanes(f["d"], 2), _lanes(f["scales"], 1)]
-    else:  # header: the packed scales as three vectors, d [16], dmin [16]
-        head = [_lanes(f["scales"], 4), _lanes(f["d"], 2), _lanes(f["dmin"], 2)]
-    return torch.cat([*head, codes.reshape(blocks, u, -1)], -1).reshape(blocks, -1)
+    # a record per super-block: its parameters (the header), then its codes
+    return torch.cat([*params, codes.reshape(blocks, k // 256, -1)], -1).reshape(blocks, -1)
 
 
 def _unpack_fields(kind: str, data: torch.Tensor, n: int, k: int) -> dict[str, torch.Tensor]:
     """The inverse of _pack_fields."""
     blocks, groups = data.shape[0], k // GROUP
     code_bytes = 256 + 64 * _HIGH_BITS[kind]
-    if kind in _PER_GROUP:
-        rec = data.view(blocks, groups, -1)
-        f = {"codes": _code_fields(kind, rec[..., :code_bytes], n)}
-        for i, p in enumerate(_PER_GROUP[kind]):
-            at = code_bytes + 32 * i
-            f[p] = _unlanes(rec[..., at : at + 32], n, 2, 2)
-        return f
-    u = k // 256
-    rec = data.view(blocks, u, -1)
-    if kind == "q6_k":
-        f = {"d": _unlanes(rec[..., :32], n, 2, 2), "scales": _unlanes(rec[..., 32:288], n, 16, 1)}
-        head = 288
-    else:
-        f = {
-            "scales": _unlanes(rec[..., :192], n, 12, 4),
-            "d": _unlanes(rec[..., 192:224], n, 2, 2),
-            "dmin": _unlanes(rec[..., 224:256], n, 2, 2),
-        }
-        head = 256
-    f["codes"] = _code_fields(kind, rec[..., head:].reshape(blocks, groups, code_bytes), n)
+    per_group = kind in _PER_GROUP
+    rec = data.view(blocks, groups if per_group else k // 256, -1)
+    at, f = code_bytes if per_group else 0, {}
+    for p, w, width in _PACKED_PARAMS[kind]:
+        f[p] = _unlanes(rec[..., at : at + BLOCK_ROWS * w], n, w, width)
+        at += BLOCK_ROWS * w
+    codes = rec[..., :code_bytes] if per_group else rec[..., at:].reshape(blocks, groups, -1)
+    f["codes"] = _code_fields(kind, codes, n)
     return f
 
 
@@ -820,11 +803,6 @@ def round_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(g * inv) * (amax / 127.0)).reshape(m, k)
 
 
-def _fp16(t: torch.Tensor) -> torch.Tensor:
-    """fp32 values rounded to fp16's grid (the stored scales), kept as fp32."""
-    return t.to(torch.float16).float()
-
-
 def can_quantize(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and weight.shape[1] % GROUP == 0
 
@@ -843,13 +821,13 @@ def quantize(weight: torch.Tensor, kind: str) -> QuantWeight:
     n, k = weight.shape
     g = weight.detach().float().reshape(n, k // GROUP, GROUP)
     if kind == "q8":
-        scale = _fp16(g.abs().amax(dim=-1) / 127.0)
+        scale = (g.abs().amax(dim=-1) / 127.0).half().float()  # on fp16's grid, as stored
         inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
         codes = torch.round(g * inv[..., None]).clamp(-127, 127).to(torch.int8)
         return QuantWeight("q8", codes.reshape(n, k), scale)
     if kind == "q4":
-        lo = _fp16(g.amin(dim=-1))
-        d = _fp16((g.amax(dim=-1) - lo) / 15.0)
+        lo = g.amin(dim=-1).half().float()
+        d = ((g.amax(dim=-1) - lo) / 15.0).half().float()
         inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
         codes = torch.round((g - lo[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
         packed = codes[..., : GROUP // 2] | (codes[..., GROUP // 2 :] << 4)
@@ -896,12 +874,7 @@ def concat(parts: Sequence[QuantWeight | Blocks]) -> QuantWeight:
     flat = [one for p in parts for one in (p.parts() if isinstance(p, QuantWeight) else [p])]
     if len(flat) == 1 and isinstance(flat[0], QuantWeight):
         return flat[0]
-    runs: list[list[QuantWeight | Blocks]] = []
-    for p in flat:
-        if runs and runs[-1][0].kind == p.kind:
-            runs[-1].append(p)
-        else:
-            runs.append([p])
+    runs = [list(run) for _, run in itertools.groupby(flat, key=lambda p: p.kind)]
     spec, at = [], 0
     for run in runs:  # each run's bytes from a 64-byte boundary
         n = sum(p.out_features for p in run)
@@ -940,11 +913,6 @@ def _blocks_of(p: QuantWeight | Blocks) -> torch.Tensor:
     """A weight's blocks as stored ([N, bytes], rows in order): Q8_0 / Q4_1 for q8 / q4."""
     if isinstance(p, Blocks):
         return p.rows()
-    return _stored_blocks(p)
-
-
-def _stored_blocks(q: QuantWeight) -> torch.Tensor:
-    """A weight of one kind as its blocks ([N, bytes]: Q8_0 / Q4_1 for q8 / q4)."""
-    if q._parts is not None:
+    if p._parts is not None:
         raise ValueError("a weight of parts of different kinds: unpack each of parts()")
-    return _ggml_blocks(q.kind, _unpack_fields(q.kind, q.data, q.out_features, q.in_features))
+    return _ggml_blocks(p.kind, _unpack_fields(p.kind, p.data, p.out_features, p.in_features))

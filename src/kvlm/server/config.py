@@ -50,10 +50,5 @@ def serve_model(args: argparse.Namespace):
     """The LLM `kvlm serve` runs, from its arguments."""
     from kvlm.llm import CacheOptions
 
-    return model_from_args(
-        args,
-        kv="paged",
-        kv_dtype=args.kv_dtype,
-        max_context=args.max_context,
-        cache_options=CacheOptions(args.block_size, args.kv_blocks),
-    )
+    options = CacheOptions(args.block_size, args.kv_blocks)
+    return model_from_args(args, kv="paged", cache_options=options)

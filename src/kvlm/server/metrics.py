@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvlm.engine.metrics import TTFT_BUCKETS
 
-# (name, type, help, key): key in Engine.snapshot() (AsyncEngine.metrics()).
+# (name, type, help, key): key in AsyncEngine.metrics() (Engine.snapshot() and more).
 _SERIES = [
     ("requests_running", "gauge", "Sequences holding cache blocks.", "running"),
     ("requests_waiting", "gauge", "Sequences queued for admission.", "waiting"),
@@ -26,23 +26,20 @@ _SERIES = [
     ("engine_step_seconds_max", "gauge", "The longest engine step.", "step_seconds_max"),
     ("prompt_tokens_computed_total", "counter", "Prompt tokens computed.", "prefill_tokens"),
     ("generation_tokens_total", "counter", "Tokens generated.", "generated_tokens"),
-]
+    ("requests_held", "gauge", "Requests accepted and not finished.", "requests_held"),
+    ("generation_tokens_per_second", "gauge", "Tokens per second, last 10 s.", "tokens_per_s"),
+    ("spec_draft_tokens_total", "counter", "Tokens proposed (speculative).", "spec_drafted"),
+    ("spec_accepted_tokens_total", "counter", "Proposed tokens accepted.", "spec_accepted"),
+    ("spec_acceptance_rate", "gauge", "Accepted over proposed tokens.", "spec_acceptance"),
+    ("spec_tokens_per_forward", "gauge",
+     "Tokens a sequence gained per verifying forward.", "spec_tokens_per_forward"),
+]  # fmt: skip
 
 
 def render_metrics(values: dict) -> str:
     """/metrics from AsyncEngine.metrics(): the engine's snapshot and the requests held."""
-    series = [
-        *_SERIES,
-        ("requests_held", "gauge", "Requests accepted and not finished.", "requests_held"),
-        ("generation_tokens_per_second", "gauge", "Tokens per second, last 10 s.", "tokens_per_s"),
-        ("spec_draft_tokens_total", "counter", "Tokens proposed (speculative).", "spec_drafted"),
-        ("spec_accepted_tokens_total", "counter", "Proposed tokens accepted.", "spec_accepted"),
-        ("spec_acceptance_rate", "gauge", "Accepted over proposed tokens.", "spec_acceptance"),
-        ("spec_tokens_per_forward", "gauge",
-         "Tokens a sequence gained per verifying forward.", "spec_tokens_per_forward"),
-    ]  # fmt: skip
     lines: list[str] = []
-    for name, kind, help_, key in series:
+    for name, kind, help_, key in _SERIES:
         lines += [*_head(f"kvlm_{name}", kind, help_), f"kvlm_{name} {values[key]:g}"]
 
     lines += _tier_lines(values["tiers"], values["tier_dropped_writes"])

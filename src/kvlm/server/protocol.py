@@ -92,6 +92,10 @@ class Unsupported(ValueError):
         self.param = param
 
 
+# vLLM's guided decoding fields, in the order a request giving several is told of them
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 class _Sampling(_Body):
     model: Text
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -157,27 +161,24 @@ class _Sampling(_Body):
 
     def guide(self) -> Guide | None:
         """What the output must match: vLLM's guided_* fields (response_format's on chat)."""
-        given = [(k, v) for k, v in (("guided_json", self.guided_json),
-                 ("guided_regex", self.guided_regex), ("guided_choice", self.guided_choice),
-                 ("guided_grammar", self.guided_grammar)) if v is not None]  # fmt: skip
+        given = [name for name in GUIDED if getattr(self, name) is not None]
         if len(given) > 1:
             raise InvalidRequestError(
-                f"give one of {', '.join(k for k, _ in given)}, not several", param=given[1][0]
+                f"give one of {', '.join(given)}, not several", param=given[1]
             )
         if not given:
             return None
-        name, value = given[0]
-        if name == "guided_json":
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except (ValueError, RecursionError):  # RecursionError: '[' * 100_000
-                    raise InvalidRequestError(
-                        "guided_json: not a JSON schema (not JSON)", param=name
-                    ) from None
-            return Guide("json_schema", value, name)
-        kind = {"guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-        return Guide(kind[name], value, name)
+        name = given[0]
+        value = getattr(self, name)
+        if name == "guided_json" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except (ValueError, RecursionError):  # RecursionError: '[' * 100_000
+                raise InvalidRequestError(
+                    "guided_json: not a JSON schema (not JSON)", param=name
+                ) from None
+        kind = "json_schema" if name == "guided_json" else name.removeprefix("guided_")
+        return Guide(kind, value, name)
 
     def scored_prompt(self) -> int | None:
         """How many alternatives each prompt token's logprob needs, or None: not asked."""
@@ -396,12 +397,11 @@ class ChatCompletionRequest(_Sampling):
             raise Unsupported("web_search_options", "kvlm does not search the web")
         if self.tools is not None and self.functions is not None:
             raise ValueError("give tools or the deprecated functions, not both")
-        choice = self.choice
-        if choice == "required" or isinstance(choice, (NamedTool, NamedFunction)):
+        wanted = self.forced_tool()
+        if wanted is not None:
             names = {t["function"]["name"] for t in self.tool_specs() or []}
             if not names:
                 raise ValueError("tool_choice names a tool call, but no tools are given")
-            wanted = self.forced_tool()
             if wanted != "required" and wanted not in names:
                 raise Unsupported("tool_choice", f"no tool named {wanted!r} is given")
         return self
@@ -427,13 +427,11 @@ class ChatCompletionRequest(_Sampling):
     def forced_tool(self) -> str | None:
         """ "required", a named function's name, or None (tool_choice auto / none)."""
         choice = self.choice
-        if choice == "required":
-            return "required"
         if isinstance(choice, NamedTool):
             return choice.function.name
         if isinstance(choice, NamedFunction):
             return choice.name
-        return None
+        return "required" if choice == "required" else None
 
     @property
     def choice(self) -> Any:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 from kvlm.engine.engine import StepOutput
@@ -92,8 +93,9 @@ class Choices:
             text, entries, made = "", [], 0
         if not choice.started:
             choice.started = True
-            if event.prompt_logprobs is not None:
-                choice.prompt_logprobs = self._with_first(event)
+            if event.prompt_logprobs is not None:  # the first token's: nothing predicts it
+                first = (self.prompts[event.index] if self.prompts else [0])[0]
+                choice.prompt_logprobs = [TokenLogprob(first, None, {}), *event.prompt_logprobs[1:]]
             if self.echo:
                 text = self.echo[event.index] + text
                 if self.want_logprobs and choice.prompt_logprobs is not None:
@@ -104,12 +106,6 @@ class Choices:
         if event.finish_reason is not None:
             choice.finish_reason = "length" if self.score_only else event.finish_reason
         return text, entries
-
-    def _with_first(self, event: StepOutput) -> list[TokenLogprob]:
-        """The prompt's entries with the first token's (no logprob: nothing predicts it)."""
-        ids = self.prompts[event.index] if self.prompts else [0]
-        first = TokenLogprob(ids[0], None, {})  # type: ignore[arg-type]
-        return [first, *event.prompt_logprobs[1:]]  # type: ignore[list-item]
 
     def usage(self, prompt_tokens: int) -> dict[str, Any]:
         completion = sum(c.tokens for c in self.state)
@@ -158,11 +154,11 @@ class Choices:
             return None
         out: list[dict[str, Any] | None] = [None]
         for e in entries[1:]:
-            ranked = sorted(e.top.items(), key=lambda kv: -kv[1])
-            one = {str(t): {"logprob": lp, "rank": r + 1, "decoded_token": self._token(t)}
-                   for r, (t, lp) in enumerate(ranked)}  # fmt: skip
-            one[str(e.token_id)] = {"logprob": e.logprob, "rank": e.rank,
-                                    "decoded_token": self._token(e.token_id)}  # fmt: skip
+            ranked = enumerate(sorted(e.top.items(), key=lambda kv: -kv[1]), 1)
+            picks = [*((t, lp, r) for r, (t, lp) in ranked), (e.token_id, e.logprob, e.rank)]
+            one = {}
+            for t, lp, r in picks:  # the token last: its rank where it is an alternative too
+                one[str(t)] = {"logprob": lp, "rank": r, "decoded_token": self._token(t)}
             out.append(one)
         return out
 
@@ -184,10 +180,6 @@ class Choices:
         if self.chat:
             return {"content": [self._chat_entry(e) for e in entries]}
         tokens = [self._token(e.token_id) for e in entries]
-        offsets = []
-        for token in tokens:
-            offsets.append(offset)
-            offset += len(token)
         return {
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
@@ -195,20 +187,16 @@ class Choices:
                 None if e.logprob is None else {self._token(t): lp for t, lp in e.top.items()}
                 for e in entries
             ],
-            "text_offset": offsets,
+            "text_offset": list(accumulate(map(len, tokens[:-1]), initial=offset))[: len(tokens)],
         }
 
     def _chat_entry(self, e: TokenLogprob) -> dict[str, Any]:
-        token = self._token(e.token_id)
-        return {
-            "token": token,
-            "logprob": e.logprob,
-            "bytes": list(token.encode("utf-8")),
-            "top_logprobs": [
-                {"token": (s := self._token(t)), "logprob": lp, "bytes": list(s.encode("utf-8"))}
-                for t, lp in e.top.items()
-            ],
-        }
+        top = [self._entry(t, lp) for t, lp in e.top.items()]
+        return self._entry(e.token_id, e.logprob) | {"top_logprobs": top}
+
+    def _entry(self, token_id: int, logprob: float | None) -> dict[str, Any]:
+        token = self._token(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
     def _token(self, token_id: int) -> str:
         text = self._texts.get(token_id)
