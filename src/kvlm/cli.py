@@ -17,6 +17,8 @@ EXIT_USER_ERROR = 2
 # Spelled out rather than imported from kvlm.cache, which pulls in torch: `kvlm --help`
 # stays instant. tests/test_cli.py checks it names every mode the factory knows.
 KV_HELP = "cache mode: off, basic, contiguous (default), paged, int8, window"
+KV_DTYPE_HELP = "cache storage: fp32, bf16, fp16, int8"
+MODEL_HELP = "GGUF file, HF folder or Hub id (default: SmolLM2-135M)"
 VERIFY_PROMPT = "Explain what a KV cache is and why it makes text generation faster."
 
 
@@ -40,14 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvlm", description="A Python LLM inference engine built around the KV cache."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    _generate_parser(sub)
-    _chat_parser(sub)
-    _verify_parser(sub)
-    _memory_parser(sub)
-    _serve_parser(sub)
-    _bench_parser(sub)
-    _inspect_parser(sub)
+    for command in (_generate_parser, _chat_parser, _verify_parser, _memory_parser,
+                    _serve_parser, _bench_parser, _inspect_parser):  # fmt: skip
+        command(sub)
     return parser
 
 
@@ -86,7 +83,7 @@ def _verify_parser(sub: Any) -> None:
 
 def _memory_parser(sub: Any) -> None:
     memory = sub.add_parser("memory", help="KV cache bytes for a model, context and batch")
-    memory.add_argument("--model", help="GGUF file, HF folder or Hub id (default: SmolLM2-135M)")
+    memory.add_argument("--model", help=MODEL_HELP)
     memory.add_argument("--context", type=int, default=None, help="tokens per sequence")
     memory.add_argument("--batch", type=int, default=1, help="sequences")
     memory.add_argument("--kv", default="contiguous", help=KV_HELP)
@@ -99,9 +96,8 @@ def _memory_parser(sub: Any) -> None:
     memory.add_argument("--device", default="cpu", help="cpu or cuda: whose free memory")
     _size_args(memory)
     memory.add_argument("--json", action="store_true", help="print the table as JSON")
-    memory.add_argument(
-        "--plot", metavar="OUT.png", help="draw the bytes by mode and dtype (matplotlib)"
-    )
+    memory.add_argument("--plot", metavar="OUT.png",
+                        help="draw the bytes by mode and dtype (matplotlib)")  # fmt: skip
 
 
 def _serve_parser(sub: Any) -> None:
@@ -125,51 +121,41 @@ def _serve_parser(sub: Any) -> None:
 
 def _pool_args(serve: argparse.ArgumentParser) -> None:
     """The engine's KV pool, its scheduler and the tiers below it."""
-    serve.add_argument("--kv-dtype", default=None, help="cache storage: fp32, bf16, fp16, int8")
-    serve.add_argument("--max-context", type=int, default=None, help="tokens per sequence")
-    serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    serve.add_argument("--kv-blocks", type=int, default=None, help="blocks in the KV pool")
-    serve.add_argument(
-        "--kv-memory", default=None,
-        help="KV pool size when --kv-blocks is unset (default: 1GiB; on a GPU, 90%% of its "
-        "free memory once the model is loaded)",
+    _flags(serve,
+        ("--kv-dtype", None, None, KV_DTYPE_HELP),
+        ("--max-context", int, None, "tokens per sequence"),
+        ("--block-size", int, 16, "tokens per KV block"),
+        ("--kv-blocks", int, None, "blocks in the KV pool"),
+        ("--kv-memory", None, None, "KV pool size when --kv-blocks is unset (default: 1GiB; on "
+         "a GPU, 90%% of its free memory once the model is loaded)"),
+        ("--max-num-seqs", int, 16, "sequences decoded together"),
+        ("--max-waiting", int, 64, "queued requests before 503"),
+        ("--prefill-chunk", int, 256, "prompt tokens per step"),
     )  # fmt: skip
-    serve.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
-    serve.add_argument("--max-waiting", type=int, default=64, help="queued requests before 503")
-    serve.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per step")
     serve.add_argument(
         "--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="reuse the KV blocks of prompts seen before (default: on)",
     )  # fmt: skip
-    serve.add_argument(
-        "--kv-tier", action="append", default=[], metavar="SPEC",
-        help="a KV tier below the pool, asked in order (repeatable): disk:PATH[:SIZE] "
-        "(default size 10GiB) or redis://HOST:PORT[?ttl=SECONDS]; either with "
-        "?deadline=SECONDS for a whole lookup (default 1 disk, 0.5 Redis)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--kv-tier-key", metavar="FILE",
-        help="the key (a 0600 file of 16+ random bytes) that signs KV tier records: give "
-        "every server that shares a tier the same one (default: a key made on first use "
-        "in $XDG_STATE_HOME/kvlm/tier.key)",
+    _flags(serve,
+        ("--kv-tier", None, [], "a KV tier below the pool, asked in order (repeatable): "
+         "disk:PATH[:SIZE] (default size 10GiB) or redis://HOST:PORT[?ttl=SECONDS]; either "
+         "with ?deadline=SECONDS for a whole lookup (default 1 disk, 0.5 Redis)",
+         {"action": "append", "metavar": "SPEC"}),
+        ("--kv-tier-key", None, None, "the key (a 0600 file of 16+ random bytes) that signs KV "
+         "tier records: give every server that shares a tier the same one (default: a key "
+         "made on first use in $XDG_STATE_HOME/kvlm/tier.key)", {"metavar": "FILE"}),
     )  # fmt: skip
 
 
 def _limit_args(serve: argparse.ArgumentParser) -> None:
     """What one client may take of the server."""
-    serve.add_argument(
-        "--max-body", default="4MiB", help="largest request body; a larger one gets 413"
-    )
-    serve.add_argument(
-        "--idle-timeout", type=float, default=30.0,
-        help="seconds a client has to send a request head, or the next piece of a body",
-    )  # fmt: skip
-    serve.add_argument(
-        "--max-connections", type=int, default=512, help="open connections; more get 503"
-    )
-    serve.add_argument(
-        "--engine-wait", type=float, default=10.0,
-        help="seconds /v1/kv waits for the engine between two steps; longer gets 503",
+    _flags(serve,
+        ("--max-body", None, "4MiB", "largest request body; a larger one gets 413"),
+        ("--idle-timeout", float, 30.0,
+         "seconds a client has to send a request head, or the next piece of a body"),
+        ("--max-connections", int, 512, "open connections; more get 503"),
+        ("--engine-wait", float, 10.0,
+         "seconds /v1/kv waits for the engine between two steps; longer gets 503"),
     )  # fmt: skip
     serve.add_argument(
         "--public-metrics", action="store_true",
@@ -184,30 +170,19 @@ def _limit_args(serve: argparse.ArgumentParser) -> None:
 
 def _replica_args(serve: argparse.ArgumentParser) -> None:
     """--replicas: engines behind one endpoint on Ray Serve."""
-    serve.add_argument(
-        "--replicas", type=int, default=1,
-        help="engines behind the one endpoint, on Ray Serve (kvlm.cluster; default 1: this "
-        "process alone); --threads is per replica (default: the cores over the replicas)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--routing", choices=("prefix", "round-robin"), default="prefix",
-        help="--replicas: which replica takes a request (prefix: where its leading blocks "
-        "are likely cached, within a bound on load)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--route-blocks", type=int, default=4,
-        help="--routing prefix: the leading KV blocks that key a request",
-    )  # fmt: skip
-    serve.add_argument(
-        "--route-balance", type=float, default=1.25,
-        help="--routing prefix: a replica takes at most this times its fair share of the "
-        "requests in flight before its prefixes spill to the next (>= 1; with 2 replicas, "
-        "2 lifts the bound)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--ray-address", default=None,
-        help="--replicas: join this Ray cluster (auto, or HOST:PORT of `ray start --head`) "
-        "instead of starting Ray here",
+    _flags(serve,
+        ("--replicas", int, 1, "engines behind the one endpoint, on Ray Serve (kvlm.cluster; "
+         "default 1: this process alone); --threads is per replica (default: the cores over "
+         "the replicas)"),
+        ("--routing", None, "prefix", "--replicas: which replica takes a request (prefix: "
+         "where its leading blocks are likely cached, within a bound on load)",
+         {"choices": ("prefix", "round-robin")}),
+        ("--route-blocks", int, 4, "--routing prefix: the leading KV blocks that key a request"),
+        ("--route-balance", float, 1.25, "--routing prefix: a replica takes at most this times "
+         "its fair share of the requests in flight before its prefixes spill to the next "
+         "(>= 1; with 2 replicas, 2 lifts the bound)"),
+        ("--ray-address", None, None, "--replicas: join this Ray cluster (auto, or HOST:PORT "
+         "of `ray start --head`) instead of starting Ray here"),
     )  # fmt: skip
 
 
@@ -216,39 +191,26 @@ def _bench_parser(sub: Any) -> None:
     _model_args(bench)
     bench.add_argument("--kv", default="contiguous", help="cache modes, comma-separated")
     _speculative_args(bench)
-    bench.add_argument(
-        "--prompts", help="prompt lengths in tokens (default 128,512,2048; --suite: 512)"
-    )
-    bench.add_argument(
-        "--new-tokens", type=int, help="tokens decoded per run (default 128; --suite: 64)"
-    )
-    bench.add_argument(
-        "--peers", default="hf,hf-static,llama.cpp", help="hf, hf-static, llama.cpp, or none"
-    )
-    bench.add_argument(
-        "--plots", metavar="DIR",
-        help="write PNG plots here (matplotlib); with --streams, block_map.png: the engine's "
-        "KV pool at the busiest step of the most streams",
+    _flags(bench,
+        ("--prompts", None, None, "prompt lengths in tokens (default 128,512,2048; --suite: 512)"),
+        ("--new-tokens", int, None, "tokens decoded per run (default 128; --suite: 64)"),
+        ("--peers", None, "hf,hf-static,llama.cpp", "hf, hf-static, llama.cpp, or none"),
+        ("--plots", None, None, "write PNG plots here (matplotlib); with --streams, "
+         "block_map.png: the engine's KV pool at the busiest step of the most streams",
+         {"metavar": "DIR"}),
+        ("--rounds", int, None,
+         "runs per cell (median; default 1; --suite: 3, the engines taking turns)"),
+        ("--max-context", int, None, "cache capacity"),
+        ("--kv-dtype", None, None, KV_DTYPE_HELP),
+        ("--json", None, None, "write the results as JSON", {"metavar": "FILE"}),
+        ("--streams", None, "1,2,4,8", "concurrent streams for the engine run, or none"),
+        ("--suite", None, None, "the model set instead of one model: random-weight GGUFs of "
+         "real shapes (written into DIR when absent) and the default model, kvlm with no "
+         "flags against --peers (llama.cpp, hf), each engine alone in a fresh process",
+         {"metavar": "DIR"}),
+        ("--shapes", None, None, "--suite: shapes, comma-separated (kvlm.bench.models)"),
+        ("--types", None, None, "--suite: file types, comma-separated (Q4_0,Q8_0,Q4_K_M)"),
     )  # fmt: skip
-    bench.add_argument(
-        "--rounds",
-        type=int,
-        help="runs per cell (median; default 1; --suite: 3, the engines taking turns)",
-    )
-    bench.add_argument("--max-context", type=int, default=None, help="cache capacity")
-    bench.add_argument("--kv-dtype", default=None, help="cache storage: fp32, bf16, fp16, int8")
-    bench.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    bench.add_argument(
-        "--streams", default="1,2,4,8", help="concurrent streams for the engine run, or none"
-    )
-    bench.add_argument(
-        "--suite", metavar="DIR",
-        help="the model set instead of one model: random-weight GGUFs of real shapes (written "
-        "into DIR when absent) and the default model, kvlm with no flags against --peers "
-        "(llama.cpp, hf), each engine alone in a fresh process",
-    )  # fmt: skip
-    bench.add_argument("--shapes", help="--suite: shapes, comma-separated (kvlm.bench.models)")
-    bench.add_argument("--types", help="--suite: file types, comma-separated (Q4_0,Q8_0,Q4_K_M)")
 
 
 def _inspect_parser(sub: Any) -> None:
@@ -256,16 +218,14 @@ def _inspect_parser(sub: Any) -> None:
         "inspect", help="show a model's configuration and cache sizes, or a saved cache file"
     )
     what = inspect.add_mutually_exclusive_group()
-    what.add_argument("--model", help="GGUF file, HF folder or Hub id (default: SmolLM2-135M)")
+    what.add_argument("--model", help=MODEL_HELP)
     what.add_argument("--cache", metavar="FILE", help="a cache file (--save-cache) instead")
-    inspect.add_argument(
-        "--plot", metavar="OUT.png",
-        help="--cache: draw it (matplotlib): K/V norms per layer and head, bytes by mode and "
-        "dtype, and its mode's own panel (window ring, int8 scales, paged block map)",
-    )  # fmt: skip
-    inspect.add_argument(
-        "--block-size", type=int, default=16,
-        help="--cache, paged/int8: tokens per block of the pool it restores into (16)",
+    _flags(inspect,
+        ("--plot", None, None, "--cache: draw it (matplotlib): K/V norms per layer and head, "
+         "bytes by mode and dtype, and its mode's own panel (window ring, int8 scales, paged "
+         "block map)", {"metavar": "OUT.png"}),
+        ("--block-size", int, 16,
+         "--cache, paged/int8: tokens per block of the pool it restores into (16)"),
     )  # fmt: skip
     inspect.add_argument("--json", action="store_true")
 
@@ -308,9 +268,8 @@ def reference() -> str:
                 names += f" {action.metavar}"
             elif action.choices and action.option_strings:
                 names += " {" + ",".join(str(c) for c in action.choices) + "}"
-            shown = f"`{action.default}`"
-            if action.default in (None, False, argparse.SUPPRESS) or action.nargs == 0:
-                shown = ""
+            hidden = action.default in (None, False, argparse.SUPPRESS) or action.nargs == 0
+            shown = "" if hidden else f"`{action.default}`"
             text = formatter._expand_help(action) if action.help else ""  # %(default)s, %%
             text = text.replace("|", "\\|").replace("\n", " ")
             out.append(f"| {names} | {shown} | {text} |")
@@ -318,70 +277,61 @@ def reference() -> str:
     return "\n".join(out)
 
 
+def _flags(p: argparse.ArgumentParser, *rows: tuple) -> None:
+    """add_argument for each row: (flag, type, default, help), then a dict of any other
+    keywords (choices, metavar, action); a type of None keeps the value a string."""
+    for flag, kind, default, text, *other in rows:
+        p.add_argument(flag, type=kind, default=default, help=text, **dict(*other))
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="GGUF file, HF folder or Hub id (default: SmolLM2-135M)")
+    _flags(p,
+        ("--model", None, None, MODEL_HELP),
+        ("--dtype", None, "fp32", "compute dtype: fp32, bf16, fp16 (fp64: the reference)"),
+        ("--weights", None, "auto", "projection weights: auto (default: native for a low-bit "
+         "GGUF, else as --dtype), f32 (as --dtype), bf16, int8 or int4 (groups of 32), or "
+         "native (a GGUF file's own low-bit blocks, multiplied as stored)"),
+        ("--prefill-dtype", None, "auto", "with low-bit weights: auto (default: bf16 with AMX, "
+         "else int8 with VNNI, else bf16 with AVX512-BF16), fp32 (exact), bf16 (prompt "
+         "products in bf16, oneDNN) or int8 (prompt rows rounded to int8 per group of 32 as "
+         "decode rows are, integer products from the packed blocks); agreement in "
+         "docs/BENCHMARKS.md"),
+        ("--activations", None, "auto", "with low-bit weights: auto (default: int8 where the "
+         "CPU has VNNI), fp32 (exact) or int8 (per-token products round activations to int8 "
+         "per group of 32, as llama.cpp does; faster decode, agreement in docs/BENCHMARKS.md)"),
+    )  # fmt: skip
     p.add_argument(
-        "--dtype", default="fp32", help="compute dtype: fp32, bf16, fp16 (fp64: the reference)"
-    )
-    p.add_argument(
-        "--weights",
-        default="auto",
-        help="projection weights: auto (default: native for a low-bit GGUF, else as --dtype), "
-        "f32 (as --dtype), bf16, int8 or int4 (groups of 32), or native (a GGUF file's own "
-        "low-bit blocks, multiplied as stored)",
-    )
-    p.add_argument(
-        "--prefill-dtype",
-        default="auto",
-        help="with low-bit weights: auto (default: bf16 with AMX, else int8 with VNNI, else "
-        "bf16 with AVX512-BF16), fp32 (exact), bf16 (prompt products in bf16, oneDNN) or "
-        "int8 (prompt rows rounded to int8 per group of 32 as decode rows are, integer "
-        "products from the packed blocks); agreement in docs/BENCHMARKS.md",
-    )
-    p.add_argument(
-        "--activations",
-        default="auto",
-        help="with low-bit weights: auto (default: int8 where the CPU has VNNI), fp32 (exact) "
-        "or int8 (per-token products round activations to int8 per group of 32, as llama.cpp "
-        "does; faster decode, agreement in docs/BENCHMARKS.md)",
-    )
-    p.add_argument(
-        "--exact",
-        action="store_true",
+        "--exact", action="store_true",
         help="the fp32 reference path: weights dequantized to --dtype, fp32 activations and "
         "prompt products, the cache in --dtype (the defaults are the fast path: kvlm.defaults)",
-    )
+    )  # fmt: skip
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--system", default=None, help="system prompt for the chat template")
     p.add_argument(
-        "--chat",
-        action=argparse.BooleanOptionalAction,
-        default=True,
+        "--chat", action=argparse.BooleanOptionalAction, default=True,
         help="apply the model's chat template (default: on when the model has one)",
-    )
+    )  # fmt: skip
 
 
 def _cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv", default="contiguous", help=KV_HELP)
-    p.add_argument("--kv-dtype", default=None, help="cache storage: fp32, bf16, fp16, int8")
+    p.add_argument("--kv-dtype", default=None, help=KV_DTYPE_HELP)
     p.add_argument("--max-context", type=int, default=None, help="cache capacity in tokens")
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill N tokens at a time")
     _size_args(p)
 
 
 def _size_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--block-size", type=int, default=16, help="paged/int8: tokens per block")
-    p.add_argument("--kv-blocks", type=int, default=None, help="paged/int8: blocks in the pool")
-    p.add_argument("--window", type=int, default=256, help="window: recent tokens kept")
-    p.add_argument("--sinks", type=int, default=4, help="window: first tokens kept")
-    p.add_argument(
-        "--window-positions",
-        choices=("cache", "absolute"),
-        default="cache",
-        help="window: RoPE positions counted inside the cache (default, StreamingLLM: "
-        "streams run past the trained context) or absolute (the text's own, for comparison)",
-    )
+    _flags(p,
+        ("--block-size", int, 16, "paged/int8: tokens per block"),
+        ("--kv-blocks", int, None, "paged/int8: blocks in the pool"),
+        ("--window", int, 256, "window: recent tokens kept"),
+        ("--sinks", int, 4, "window: first tokens kept"),
+        ("--window-positions", None, "cache", "window: RoPE positions counted inside the cache "
+         "(default, StreamingLLM: streams run past the trained context) or absolute (the "
+         "text's own, for comparison)", {"choices": ("cache", "absolute")}),
+    )  # fmt: skip
 
 
 def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
@@ -403,20 +353,16 @@ def _session_args(p: argparse.ArgumentParser) -> None:
 
 
 def _speculative_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--speculative", choices=("ngram", "draft"), default=None,
-        help="speculative decoding: each sequence proposes tokens (ngram: by prompt lookup; "
-        "draft: a draft model), the model checks them in one forward (greedy output "
-        "unchanged)",
+    _flags(p,
+        ("--speculative", None, None, "speculative decoding: each sequence proposes tokens "
+         "(ngram: by prompt lookup; draft: a draft model), the model checks them in one "
+         "forward (greedy output unchanged)", {"choices": ("ngram", "draft")}),
+        ("--num-draft", int, 8, "the most tokens proposed per step (--speculative)"),
+        ("--draft-model", None, None, "--speculative draft: a model file with the same "
+         "tokenizer (default: this model's own file, at --draft-weights)"),
+        ("--draft-weights", None, "auto", "the draft's weight format (auto, native, int8, "
+         "int4, ...): a cheaper format of the same file is self-speculation"),
     )  # fmt: skip
-    p.add_argument("--num-draft", type=int, default=8,
-                   help="the most tokens proposed per step (--speculative)")  # fmt: skip
-    p.add_argument("--draft-model", default=None,
-                   help="--speculative draft: a model file with the same tokenizer (default: "
-                   "this model's own file, at --draft-weights)")  # fmt: skip
-    p.add_argument("--draft-weights", default="auto",
-                   help="the draft's weight format (auto, native, int8, int4, ...): a cheaper "
-                   "format of the same file is self-speculation")  # fmt: skip
 
 
 def _load(args: argparse.Namespace, **settings: Any):
@@ -624,12 +570,9 @@ def _memory_report(name: str, p: Any, rows: list[dict]) -> str:
         f"  weights             {_mib(p.weight_bytes)}",
         f"  budget              {budget}: {fits} sequences of {p.context:,} tokens",
         "",
-        *table(head, "llrr"),
-    ]
-    lines += [
-        f"| {r['mode']} | {r['kv_dtype']} | {r['bytes_per_token']:,} | {_mib(r['total_bytes'])} |"
-        for r in rows
-    ]
+        *table(head, "llrr", (f"{r['mode']} | {r['kv_dtype']} | {r['bytes_per_token']:,} | "
+                              f"{_mib(r['total_bytes'])}" for r in rows)),
+    ]  # fmt: skip
     return "\n".join(lines)
 
 

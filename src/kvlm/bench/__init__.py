@@ -95,8 +95,7 @@ def load_hf(llm: LLM) -> Any:
     except ImportError:
         return None
     path = llm.loaded.path
-    kw = {"gguf_file": path.name} if path.is_file() else {}
-    folder = path.parent if path.is_file() else path
+    folder, kw = (path.parent, {"gguf_file": path.name}) if path.is_file() else (path, {})
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=llm.dtype, **kw)
     return model.to(llm.device).eval()  # on kvlm's device: a GPU run compares GPU with GPU
 
@@ -113,17 +112,10 @@ def load_llamacpp(llm: LLM, n_ctx: int) -> Any:
         return None
 
 
-def memory_bandwidth(mib: int = 512, reps: int = 7, device: torch.device | None = None) -> float:
-    """Read bandwidth in GB/s of the memory the weights live in: a multi-threaded sum over a
-    buffer far larger than caches, on huge pages where the OS has them (on a GPU, a sum
-    over its own memory). The best of `reps` runs: the bound is what the memory can
-    deliver, and on a shared machine a slow run says more about the neighbours (two runs
-    here read 26 and 57 GB/s as medians of 5)."""
-    return max(bandwidth_samples(mib, reps, device))
-
-
 def bandwidth_samples(mib: int, reps: int, device: torch.device | None = None) -> list[float]:
-    """GB/s of `reps` sums over one buffer of `mib` MiB (after one warm-up sum)."""
+    """Read bandwidth in GB/s of the memory the weights live in, `reps` times (after one
+    warm-up): a multi-threaded sum over a buffer of `mib` MiB, far larger than caches, on
+    huge pages where the OS has them (on a GPU, a sum over its own memory)."""
     gpu = device is not None and device.type == "cuda"
     x = None if gpu else kernels.huge_page_buffer(mib * 2**20)  # as kvlm's weights are
     if x is None:
@@ -172,10 +164,7 @@ def position_cost(
         for pos in positions:
             if pos + 17 > llm.max_context:
                 continue
-            llm.cache = llm.new_cache(mode)
-            params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)
-            m = llm.stream(prompt_ids(llm, pos), params).run().metrics
-            samples.setdefault(str(pos), []).extend(m.per_forward_ms[1:])
+            samples.setdefault(str(pos), []).extend(_decode_ms(llm, mode, prompt_ids(llm, pos), 17))
     out = {pos: round(statistics.median(ms), 3) for pos, ms in samples.items()}
     if len(out) == len(positions):
         out["ratio"] = round(out[str(positions[-1])] / out[str(positions[0])], 3)
@@ -255,7 +244,10 @@ def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
         raise ValueError(f"the longest prompt + new tokens ({limit}) exceed --max-context")
     peers, skipped, loaded_mib = _load_peers(llm, config.peers, limit + 8)
     rows = _measure(llm, config, _runners(llm, config, peers))
-    bandwidth = memory_bandwidth(device=llm.device)
+    # the best of 7 reads: the bound is what the memory can deliver, and on a shared machine
+    # a slow run says more about the neighbours (two runs here read 26 and 57 GB/s as
+    # medians of 5)
+    bandwidth = max(bandwidth_samples(512, 7, llm.device))
     per_token = weight_bytes_per_token(llm)
     forwards = per_forward_curves(llm, config)
     positions = {mode: position_cost(llm, mode) for mode in config.modes}
@@ -289,9 +281,7 @@ def _load_peers(llm: LLM, names: list[str], n_ctx: int) -> tuple[dict, dict, dic
     """Each peer's model (None: not installed), why a peer is skipped, and the RSS each
     load added."""
     loaders = {"hf": lambda: load_hf(llm), "llama.cpp": lambda: load_llamacpp(llm, n_ctx)}
-    peers: dict[str, Any] = {}
-    skipped: dict[str, str] = {}
-    loaded_mib: dict[str, float] = {}
+    peers, skipped, loaded_mib = {}, {}, {}
     for name in dict.fromkeys(p.removesuffix("-static") for p in names):
         before = proc_mib("VmRSS")
         try:
@@ -373,13 +363,16 @@ def per_forward_curves(llm: LLM, config: BenchConfig) -> dict[str, list[float]]:
     """Milliseconds of every forward while generating `new_tokens` from a 16-token prompt,
     without a cache (`off`: each step recomputes the sequence) and with each chosen mode."""
     ids = prompt_ids(llm, 16)
-    curves = {}
-    for mode in ["off", *config.modes]:
-        llm.cache = llm.new_cache(mode)
-        params = SamplingParams(temperature=0, max_tokens=config.new_tokens, ignore_eos=True)
-        out = llm.stream(ids, params).run()
-        curves[mode] = [round(ms, 3) for ms in out.metrics.per_forward_ms[1:]]  # decode steps
-    return curves
+    return {mode: [round(ms, 3) for ms in _decode_ms(llm, mode, ids, config.new_tokens)]
+            for mode in ["off", *config.modes]}  # fmt: skip
+
+
+def _decode_ms(llm: LLM, mode: str, ids: list[int], new: int) -> list[float]:
+    """Milliseconds of each decode forward of `new` greedy tokens (EOS off) after `ids`, on
+    a fresh cache of `mode`."""
+    llm.cache = llm.new_cache(mode)
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    return llm.stream(ids, params).run().metrics.per_forward_ms[1:]
 
 
 def plot(result: dict[str, Any], folder: str, kv_view: dict | None = None) -> list[str]:
@@ -396,7 +389,6 @@ def plot(result: dict[str, Any], folder: str, kv_view: dict | None = None) -> li
         ax.plot(range(17, 17 + len(ms)), ms, label="no cache (off)" if mode == "off" else mode)
     ax.set(xlabel="position of the token being decoded", ylabel="ms per forward",
            title=f"{result['model']}: per-forward latency")  # fmt: skip
-    ax.legend()
     paths.append(_save(fig, out / "per_forward.png"))
     fig, ax = plt.subplots(figsize=(7, 4))
     for engine in dict.fromkeys(r["engine"] for r in result["rows"]):
@@ -407,7 +399,6 @@ def plot(result: dict[str, Any], folder: str, kv_view: dict | None = None) -> li
                label="bandwidth bound (kvlm weights)")  # fmt: skip
     ax.set(xscale="log", xlabel="prompt tokens (context)", ylabel="decode tokens/s",
            title=f"{result['model']}: decode speed vs context")  # fmt: skip
-    ax.legend()
     paths.append(_save(fig, out / "decode_vs_context.png"))
     if result.get("memory_waste"):
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -417,7 +408,6 @@ def plot(result: dict[str, Any], folder: str, kv_view: dict | None = None) -> li
         for i, r in enumerate(w):
             ax.text(i, r["allocated_mib"], f"{r['waste']:.0%} waste", ha="center", va="bottom")
         ax.set(ylabel="KV MiB", title="KV memory for 64 mixed requests, by cache mode")
-        ax.legend()
         paths.append(_save(fig, out / "memory_waste.png"))
     if result.get("streams"):
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -426,7 +416,6 @@ def plot(result: dict[str, Any], folder: str, kv_view: dict | None = None) -> li
                 label="kvlm engine")  # fmt: skip
         ax.set(xlabel="concurrent streams", ylabel="aggregate tokens/s",
                title=f"{result['model']}: throughput vs streams")  # fmt: skip
-        ax.legend()
         paths.append(_save(fig, out / "throughput_vs_streams.png"))
     if kv_view is not None:
         from kvlm.cache.plots import block_map_png
@@ -438,6 +427,8 @@ def plot(result: dict[str, Any], folder: str, kv_view: dict | None = None) -> li
 
 
 def _save(fig: Any, path: Any) -> str:
+    """Write `fig` (its one plot with a legend) as `path`, and close it."""
+    fig.axes[0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     import matplotlib.pyplot as plt
@@ -522,10 +513,8 @@ def markdown(result: dict[str, Any]) -> str:
                         f"{x:.2f}x | {r['acceptance']:.0%} | {r['mean_accepted']:.2f} | "
                         f"{r['tokens_per_forward']:.2f}")  # fmt: skip
     if rows:  # speculative rows
-        head = (
-            "speculative | prompt | decode tok/s | x plain | acceptance | mean accepted per draft"
-        )
-        lines += ["", *table(head + " | tokens per forward", "l" + "r" * 6, rows)]
+        head = "speculative | prompt | decode tok/s | x plain | acceptance | mean accepted"
+        lines += ["", *table(head + " per draft | tokens per forward", "l" + "r" * 6, rows)]
     if result["ratios"]:
         head = "kvlm | peer | prompt | decode ratio | TTFT ratio"
         row = "{kvlm} | {peer} | {prompt_tokens} | {decode_ratio:.2f}x | {ttft_ratio:.2f}x"

@@ -94,19 +94,15 @@ def _use_more_bits(i: int, n: int) -> bool:
 
 def tensor_type(file_type: str, name: str, layer: int | None, layers: int, tied: bool) -> Q:
     """The type llama.cpp's quantizer (llama_tensor_get_type) gives a 2-D weight."""
-    is_output = name == "output" or (tied and name == "token_embd")
     if file_type == "Q8_0":
         return Q.Q8_0
-    if is_output:
+    if name == "output" or (tied and name == "token_embd") or file_type == "Q6_K":
         return Q.Q6_K
     if file_type == "Q4_0":
         return Q.Q4_0
-    if file_type == "Q6_K":
-        return Q.Q6_K
-    base = Q.Q4_K if file_type == "Q4_K_M" else Q.Q5_K
     if name in ("attn_v", "ffn_down") and layer is not None and _use_more_bits(layer, layers):
         return Q.Q6_K
-    return base
+    return Q.Q4_K if file_type == "Q4_K_M" else Q.Q5_K
 
 
 def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -117,14 +113,11 @@ def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> n
         raise ValueError(f"{qtype.name} needs rows of a multiple of {block}, not {cols}")
     n = rows * (cols // block)
     data = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
-    d = np.float16(STD / _SPREAD[qtype])
+    d = float(np.float16(STD / _SPREAD[qtype]))
+    # m (Q4_1 / Q5_1: w = d q + m) and dmin (w = d sc q - dmin m, sc and m alike on average)
+    mean = _MEAN_CODE.get(qtype, 0.0)
     for offset, what in _FIELDS[qtype]:
-        if what == "d":
-            value = np.full(n, d, np.float16)
-        elif what == "m":  # Q4_1 / Q5_1: w = d q + m
-            value = np.full(n, -float(d) * _MEAN_CODE[qtype], np.float16)
-        else:  # dmin: w = d sc q - dmin m, sc and m alike on average
-            value = np.full(n, float(d) * _MEAN_CODE[qtype], np.float16)
+        value = np.full(n, d * {"d": 1.0, "m": -mean, "dmin": mean}[what], np.float16)
         data[:, offset : offset + 2] = value.view(np.uint8).reshape(n, 2)
     return data.reshape(rows, -1)
 

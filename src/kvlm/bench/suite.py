@@ -64,12 +64,10 @@ def suite_models(
     default model's tokenizer), and the default model."""
     shapes = list(SUITE_SHAPES if shapes is None else shapes)
     types = list(SUITE_TYPES if types is None else types)
-    for name in shapes:
-        if name not in SHAPES:
-            raise ValueError(f"unknown shape {name!r}; valid: {', '.join(SHAPES)}")
-    for t in types:
-        if t not in FILE_TYPES:
-            raise ValueError(f"unknown file type {t!r}; valid: {', '.join(FILE_TYPES)}")
+    for kind, names, valid in (("shape", shapes, SHAPES), ("file type", types, FILE_TYPES)):
+        for name in names:
+            if name not in valid:
+                raise ValueError(f"unknown {kind} {name!r}; valid: {', '.join(valid)}")
     folder.mkdir(parents=True, exist_ok=True)
     out = [default_model_path()] if default else []
     for name in shapes:
@@ -83,10 +81,6 @@ def suite_models(
                 tmp.rename(path)
             out.append(path)
     return out
-
-
-def available(engine: str) -> bool:
-    return importlib.util.find_spec(MODULES[engine]) is not None
 
 
 def _read_once(path: Path) -> None:
@@ -148,7 +142,7 @@ def run_suite(
 ) -> dict[str, Any]:
     threads = threads or torch.get_num_threads()
     rows: list[dict[str, Any]] = []
-    skipped = {e: "not installed" for e in engines if not available(e)}
+    skipped = {e: "not installed" for e in engines if importlib.util.find_spec(MODULES[e]) is None}
     todo = [e for e in engines if e not in skipped]
     per_model = sum(1 if e in ONCE else rounds for e in todo)
     total, done = len(models) * per_model, 0
@@ -246,16 +240,14 @@ def markdown(result: dict[str, Any]) -> str:
         def mark(ok: bool | None) -> str:
             return "" if ok is None else (" ✓" if ok else " ✗")
 
-        head = (
-            "model | decode x llama.cpp | TTFT x llama.cpp | peak RSS x llama.cpp | share of bound"
-        )
+        head = "model | decode x llama.cpp | TTFT x llama.cpp | peak RSS x llama.cpp"
         lines += [
             "",
             f"Targets: decode >= {TARGET_DECODE}x llama.cpp, TTFT <= {TARGET_TTFT}x, peak RSS "
             f"<= llama.cpp's, >= {TARGET_SHARE:.0%} of the bound on >= 1B shapes, load <= "
             f"{TARGET_LOAD_S_PER_GB} s/GB",
             "",
-            *table(head + " | load s/GB", "lrrrrr"),
+            *table(head + " | share of bound | load s/GB", "lrrrrr"),
         ]
         for t in result["targets"]:
             cells = [
