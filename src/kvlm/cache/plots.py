@@ -36,13 +36,8 @@ from kvlm.errors import InvalidRequestError, KvlmError
 
 # The dashboard's greys (kvlm/server/dashboard.html; its owner hues: owner_colours).
 FREE, CACHED, UNUSED, TIER_EDGE, NO_OWNER = "#e4e4e4", "#b9b9b9", "#cfd8dc", "#1565c0", "#616161"
-DTYPE_COLOURS = {
-    "fp32": "#1f77b4",
-    "bf16": "#ff7f0e",
-    "fp16": "#2ca02c",
-    "int8": "#9467bd",
-    "fp64": "#8c564b",
-}
+DTYPE_COLOURS = {"fp32": "#1f77b4", "bf16": "#ff7f0e", "fp16": "#2ca02c", "int8": "#9467bd",
+                 "fp64": "#8c564b"}  # fmt: skip
 RED = "#b00020"
 SMALL = {"ha": "center", "va": "center", "fontsize": 6}
 WIDTH = 11.0  # inches: every picture is 1100 pixels wide at DPI
@@ -177,9 +172,8 @@ def _draw_block(
     hatched), or the grey of its state; a black edge when shared, blue when from a tier."""
     from matplotlib.patches import Rectangle
 
-    owners = b["owners"] if b["state"] == "used" else []
-    if b["state"] == "used" and not owners:
-        owners = [None]  # referenced by no table given: drawn, not hidden
+    # a used block referenced by no table given: drawn (as owner None), not hidden
+    owners = (b["owners"] or [None]) if b["state"] == "used" else []
     fill = 0.9 * b["fill"] / block_size
     band = 0.9 / max(1, len(owners))
     split = {"edgecolor": "white", "linewidth": 0.5} if len(owners) > 1 else {"linewidth": 0}
