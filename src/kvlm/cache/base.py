@@ -336,14 +336,13 @@ class KVCache(ABC):
 
     def snapshot(self) -> CacheSnapshot:
         """A copy of the contents that outlives later writes (restore() brings it back)."""
-        tensors = {k: t.clone() for k, t in self._export().items()}
         return CacheSnapshot(
             layout=self.layout,
             dtype=dtype_name(self.spec.dtype),
             length=self._length,
             batch=self.batch,
             geometry=self.spec.geometry(),
-            tensors=tensors,
+            tensors={k: t.clone() for k, t in self._export().items()},
             extra=self._layout_extra(),
         )
 

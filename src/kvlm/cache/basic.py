@@ -78,5 +78,4 @@ class BasicCache(KVCache):
     def _import(self, tensors: dict[str, torch.Tensor], length: int) -> None:
         if length == 0:
             return
-        values = tensors["values"].to(self.spec.dtype)
-        self.kv = [values[layer].clone() for layer in range(self.spec.num_layers)]
+        self.kv = [layer.clone() for layer in tensors["values"].to(self.spec.dtype)]

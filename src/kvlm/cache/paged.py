@@ -163,8 +163,7 @@ class _PagedStep(CacheStep):
 
     def _gather(self, layer: int, kv: int, dtype: torch.dtype) -> torch.Tensor:
         blocks = self.store.get((layer, kv, self.read_tables), dtype)  # (B, nb, H, bs, D)
-        B, nb, H, bs, D = blocks.shape
-        rows = blocks.transpose(1, 2).reshape(B, H, nb * bs, D)
+        rows = blocks.transpose(1, 2).flatten(2, 3)  # (B, H, nb * bs, D)
         return rows[:, :, : self.n_keys]  # the partial last block's tail is cut, not masked
 
 
@@ -328,7 +327,6 @@ class TableStep(_PagedStep):
         n_new: int,
     ) -> None:
         device, bs = spec.device, pool.block_size
-        batch = len(tables)
         n_keys = max(starts) + n_new
         window, mask, causal = spec.sliding_window, None, False
         pos = torch.tensor(starts)[:, None] + torch.arange(n_new)  # (B, T)
@@ -338,7 +336,7 @@ class TableStep(_PagedStep):
             # (B, 1, T, S): row b's query at position p sees its keys 0..p (within window)
             q = pos.to(device)[:, :, None]
             mask = visible(q, torch.arange(n_keys, device=device)[None, None, :], window)[:, None]
-        CacheStep.__init__(self, 0, n_new, batch, device, mask, causal)
+        CacheStep.__init__(self, 0, n_new, len(tables), device, mask, causal)
         if len(set(starts)) > 1 and device.type == "cpu":  # each row over its own keys
             self.rows = [(s + n_new, *causal_mask(s, n_new, s + n_new, window, device))
                          for s in starts]  # fmt: skip

@@ -267,8 +267,7 @@ def draw_bytes(
                 ha="right", va="bottom", fontsize=8)  # fmt: skip
         ceiling = max(ceiling, budget * 1.1)
     ax.set_xticks(range(len(modes)), list(modes))
-    ax.set_ylim(0, ceiling / scale)
-    ax.set(ylabel=f"KV cache ({unit})", title=title)
+    ax.set(ylim=(0, ceiling / scale), ylabel=f"KV cache ({unit})", title=title)
     ax.title.set_fontsize(10)
     dtypes = dict.fromkeys(r["kv_dtype"] for r in rows)
     handles = [Patch(color=DTYPE_COLOURS.get(d, "grey"), label=d) for d in dtypes]
@@ -353,11 +352,8 @@ def _norms(fig: Any, saved: SavedCache) -> None:
         scale = LogNorm(vmin=low, vmax=max(low * 1.01, norms.max().item()))
         image = ax.imshow(norms.numpy(), aspect="auto", interpolation="nearest", cmap="magma",
                           norm=scale)  # fmt: skip
-        step = max(1, layers // 8)
-        ax.set_yticks(
-            [i * heads + (heads - 1) / 2 for i in range(0, layers, step)],
-            [str(i) for i in range(0, layers, step)],
-        )
+        shown = range(0, layers, max(1, layers // 8))  # at most ~8 layer labels
+        ax.set_yticks([i * heads + (heads - 1) / 2 for i in shown], [str(i) for i in shown])
         if heads > 1 and layers <= 48:
             for i in range(1, layers):
                 ax.axhline(i * heads - 0.5, color="black", linewidth=0.3)

@@ -116,8 +116,7 @@ class Store:
         """The rows at `index` in `dtype` (a view when no conversion is needed)."""
         if self.quantized:
             return dequantize(self.values[index], self.scales[index], dtype)
-        rows = self.values[index]
-        return rows if rows.dtype == dtype else rows.to(dtype)
+        return self.values[index].to(dtype)  # the view itself when it is already `dtype`
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """x as it would read back after being stored (rounded or quantized), in x's dtype."""

@@ -187,9 +187,8 @@ class _Parser:
     # ------------------------------------------------------------------------ header
 
     def parse(self) -> None:
-        buf = self.buf
-        if buf[:4] != MAGIC:
-            self.fail(f"the magic is {bytes(buf[:4])!r}, not {MAGIC!r}", 0)
+        if self.buf[:4] != MAGIC:
+            self.fail(f"the magic is {bytes(self.buf[:4])!r}, not {MAGIC!r}", 0)
         version = self.read(_U32, 4, "the version")
         if version == 1:
             self.fail("GGUF version 1 (32-bit lengths) is not supported; convert the model "
