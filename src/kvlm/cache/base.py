@@ -38,6 +38,7 @@ from kvlm.dtypes import dtype_name
 from kvlm.errors import CacheOverflowError, InvalidRequestError, KvlmError
 
 WINDOW_POSITIONS = ("cache", "absolute")  # kvlm.cache.window
+KVPair = tuple[torch.Tensor, torch.Tensor]  # a layer's keys and values
 
 
 class CacheFileError(KvlmError):
@@ -147,9 +148,7 @@ class CacheStep(ABC):
         self.logit_rows: torch.Tensor | None = None
 
     @abstractmethod
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVPair:
         """Store this step's k, v (B, Hkv, T, D) for `layer`; return all visible (B, Hkv, S, D)."""
 
     def _over(self, store: Store) -> None:
@@ -175,9 +174,7 @@ class DraftRows:
         self.mask, self.is_causal = None, False
         self.rows = [(self.start + i + 1, None, False) for i in range(n_new)]
 
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVPair:
         """k, v (rows, Hkv, 1, D) -> the sequence's keys (rows, Hkv, S, D)."""
         n = k.shape[0]
         as_seq = [x[:, :, 0].transpose(0, 1)[None] for x in (k, v)]  # (1, Hkv, n, D)
@@ -339,14 +336,13 @@ class KVCache(ABC):
 
     def snapshot(self) -> CacheSnapshot:
         """A copy of the contents that outlives later writes (restore() brings it back)."""
-        tensors = {k: t.clone() for k, t in self._export().items()}
         return CacheSnapshot(
             layout=self.layout,
             dtype=dtype_name(self.spec.dtype),
             length=self._length,
             batch=self.batch,
             geometry=self.spec.geometry(),
-            tensors=tensors,
+            tensors={k: t.clone() for k, t in self._export().items()},
             extra=self._layout_extra(),
         )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep, DenseStep, DraftRows, KVCache
+from kvlm.cache.base import CacheSpec, CacheStep, DenseStep, DraftRows, KVCache, KVPair
 from kvlm.errors import InvalidRequestError
 
 
@@ -21,9 +21,7 @@ class _BasicStep(DenseStep):
         # Staged per layer; swapped in by commit, so a forward that raises changes nothing.
         self.staged: list[torch.Tensor | None] = [None] * len(cache.kv)
 
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVPair:
         new = torch.stack([k, v]).to(self.cache.spec.dtype)  # (2, B, Hkv, T, D)
         old = self.cache.kv[layer]
         kv = self.staged[layer] = new if old is None else torch.cat([old, new], dim=3)
@@ -59,16 +57,13 @@ class BasicCache(KVCache):
 
     def _commit(self, step: CacheStep) -> None:
         assert isinstance(step, _BasicStep)
-        for layer, kv in enumerate(step.staged):
-            if kv is not None:
-                self.kv[layer] = kv
+        self.kv = [old if kv is None else kv for old, kv in zip(self.kv, step.staged, strict=True)]
 
     def _truncate(self, length: int) -> None:
-        for layer, kv in enumerate(self.kv):
-            if length == 0 or kv is None:
-                self.kv[layer] = None
-            else:  # clone: a slice would pin the old, longer storage
-                self.kv[layer] = kv[:, :, :, :length].clone()
+        # clone: a slice would pin the old, longer storage
+        self.kv = [
+            None if length == 0 or kv is None else kv[:, :, :, :length].clone() for kv in self.kv
+        ]
 
     def _fork(self, n: int) -> None:
         self.kv = [None if kv is None else kv.repeat_interleave(n, dim=1) for kv in self.kv]
@@ -83,5 +78,4 @@ class BasicCache(KVCache):
     def _import(self, tensors: dict[str, torch.Tensor], length: int) -> None:
         if length == 0:
             return
-        values = tensors["values"].to(self.spec.dtype)
-        self.kv = [values[layer].clone() for layer in range(self.spec.num_layers)]
+        self.kv = [layer.clone() for layer in tensors["values"].to(self.spec.dtype)]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep, DenseStep, DraftRows
+from kvlm.cache.base import CacheSpec, CacheStep, DenseStep, DraftRows, KVPair
 from kvlm.cache.rows import RowCache
 
 ALL = slice(None)
@@ -29,9 +29,7 @@ class _ContiguousStep(DenseStep):
         super().__init__(cache, n_new)
         self._over(cache.store)
 
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVPair:
         k = self._keys_in(k)
         new = slice(self.start, self.start + self.n_new)
         seen = slice(0, self.start + self.n_new)

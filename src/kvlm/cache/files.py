@@ -91,17 +91,8 @@ def load_cache(cache: KVCache, path: str | Path, fingerprint: str) -> dict:
 # A shape is only trusted once the tensor holding it is on disk, so a claim of rows costs
 # nothing until the file really carries them (see load_cache for empty files).
 
-_META_KEYS = (
-    "fingerprint",
-    "mode",
-    "layout",
-    "dtype",
-    "length",
-    "batch",
-    "geometry",
-    "layout_extra",
-    "extra",
-)
+_META_KEYS = ("fingerprint", "mode", "layout", "dtype", "length", "batch", "geometry",
+              "layout_extra", "extra")  # fmt: skip
 FILE_DTYPES = {name: dtype for dtype, name in NAMES.items()}  # fp32 bf16 fp16 int8 fp64
 _GEOMETRY = {"layers": 1, "kv_heads": 1, "head_dim": 1}  # key -> least value
 _LAYOUT_EXTRA = {"dense": {}, "window": {"sinks": 0, "window": 1}}
@@ -174,15 +165,10 @@ def _parse_metadata(path: Path, meta: dict[str, str] | None) -> tuple[CacheSnaps
         dtype=dtype,
         length=_count(path, meta, "length"),
         batch=batch,
-        geometry=_ints(path, "geometry", _json_object(path, meta, "geometry"), _GEOMETRY),
+        geometry=_ints(path, meta, "geometry", _GEOMETRY),
         tensors={},
-        extra=_ints(
-            path,
-            "layout_extra",
-            _json_object(path, meta, "layout_extra"),
-            _LAYOUT_EXTRA[layout],
-            more=layout == "window",  # e.g. "cache_positions": 1, kvlm.cache.window
-        ),
+        # a window's flags, e.g. "cache_positions": 1 (kvlm.cache.window)
+        extra=_ints(path, meta, "layout_extra", _LAYOUT_EXTRA[layout], more=layout == "window"),
     )
     extra = _json_object(path, meta, "extra")
     return snap, {"fingerprint": meta["fingerprint"], "mode": mode, "extra": extra}
@@ -210,11 +196,12 @@ def _json_object(path: Path, meta: dict[str, str], key: str) -> dict:
 
 
 def _ints(
-    path: Path, key: str, obj: dict, least: dict[str, int], more: bool = False
+    path: Path, meta: dict[str, str], key: str, least: dict[str, int], more: bool = False
 ) -> dict[str, int]:
-    """`obj` holds the keys of `least`, each an int (not a bool, not 2.0) >= its least;
-    with `more`, other keys too, each an int >= 0 (a layout's flags, which restore compares
-    with the cache's own)."""
+    """The JSON object `meta[key]`: the keys of `least`, each an int (not a bool, not 2.0)
+    >= its least; with `more`, other keys too, each an int >= 0 (a layout's flags, which
+    restore compares with the cache's own)."""
+    obj = _json_object(path, meta, key)
     if not set(least) <= set(obj) or (not more and set(obj) != set(least)):
         raise _bad_meta(path, f"{key} has keys {brief(sorted(obj))}, not {sorted(least)}")
     for name, value in obj.items():

@@ -62,7 +62,7 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     per_layer += 2 * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)
     embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
     params = c.num_layers * per_layer + embeddings + c.hidden_size
-    return params * torch.empty((), dtype=dtype).element_size()
+    return params * dtype.itemsize
 
 
 def available_memory(device: torch.device | str = "cpu") -> int | None:

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from kvlm.cache.base import CacheFileError, CacheSpec, CacheStep, DenseStep, KVCache
+from kvlm.cache.base import CacheFileError, CacheSpec, CacheStep, DenseStep, KVCache, KVPair
 
 
 class _OffStep(DenseStep):
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVPair:
         return k, v  # the queries attend to exactly the keys computed in this forward
 
 

@@ -30,7 +30,7 @@ from itertools import pairwise
 
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep, KVCache, blocks_for, causal_mask, visible
+from kvlm.cache.base import CacheSpec, CacheStep, KVCache, KVPair, blocks_for, causal_mask, visible
 from kvlm.cache.registry import PrefixRegistry
 from kvlm.cache.storage import Store
 from kvlm.errors import CacheOverflowError
@@ -150,9 +150,7 @@ class BlockPool:
 class _PagedStep(CacheStep):
     """A step that writes each token at its block and slot of a pool's store."""
 
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVPair:
         self._write(layer, k, v)
         return self._gather(layer, 0, k.dtype), self._gather(layer, 1, v.dtype)
 
@@ -165,8 +163,7 @@ class _PagedStep(CacheStep):
 
     def _gather(self, layer: int, kv: int, dtype: torch.dtype) -> torch.Tensor:
         blocks = self.store.get((layer, kv, self.read_tables), dtype)  # (B, nb, H, bs, D)
-        B, nb, H, bs, D = blocks.shape
-        rows = blocks.transpose(1, 2).reshape(B, H, nb * bs, D)
+        rows = blocks.transpose(1, 2).flatten(2, 3)  # (B, H, nb * bs, D)
         return rows[:, :, : self.n_keys]  # the partial last block's tail is cut, not masked
 
 
@@ -241,12 +238,9 @@ class PagedCache(KVCache):
     def _export(self) -> dict[str, torch.Tensor]:
         tables = torch.tensor(self.tables, dtype=torch.long)  # (B, blocks), blocks may be 0
         raw = self.pool.store.raw((ALL, ALL, tables.to(self.spec.device)))
-        out = {}
-        for name, t in raw.items():  # (L, 2, B, nb, H, bs[, D]) -> (L, 2, B, H, n[, D])
-            t = t.transpose(3, 4)
-            t = t.reshape(*t.shape[:4], -1, *t.shape[6:])
-            out[name] = t[:, :, :, :, : self.num_tokens]
-        return out
+        # (L, 2, B, nb, H, bs[, D]) -> (L, 2, B, H, nb * bs[, D]), cut to the tokens held
+        n = self.num_tokens
+        return {name: t.transpose(3, 4).flatten(4, 5)[:, :, :, :, :n] for name, t in raw.items()}
 
     def _import(self, tensors: dict[str, torch.Tensor], length: int) -> None:
         bs = self.spec.block_size
@@ -333,7 +327,6 @@ class TableStep(_PagedStep):
         n_new: int,
     ) -> None:
         device, bs = spec.device, pool.block_size
-        batch = len(tables)
         n_keys = max(starts) + n_new
         window, mask, causal = spec.sliding_window, None, False
         pos = torch.tensor(starts)[:, None] + torch.arange(n_new)  # (B, T)
@@ -343,7 +336,7 @@ class TableStep(_PagedStep):
             # (B, 1, T, S): row b's query at position p sees its keys 0..p (within window)
             q = pos.to(device)[:, :, None]
             mask = visible(q, torch.arange(n_keys, device=device)[None, None, :], window)[:, None]
-        CacheStep.__init__(self, 0, n_new, batch, device, mask, causal)
+        CacheStep.__init__(self, 0, n_new, len(tables), device, mask, causal)
         if len(set(starts)) > 1 and device.type == "cpu":  # each row over its own keys
             self.rows = [(s + n_new, *causal_mask(s, n_new, s + n_new, window, device))
                          for s in starts]  # fmt: skip
@@ -447,9 +440,7 @@ class RaggedStep(_PagedStep):
         self.logit_rows = torch.tensor(logit_rows, dtype=torch.long, device=device)
         self._over(pool.store)
 
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVPair:
         """k, v (1, Hkv, N, D): stored; returns every sequence's keys packed, (Tk, Hkv, D)."""
         self._write(layer, k, v)
         read = (self.read_blocks, ALL, self.read_slots)

@@ -36,13 +36,8 @@ from kvlm.errors import InvalidRequestError, KvlmError
 
 # The dashboard's greys (kvlm/server/dashboard.html; its owner hues: owner_colours).
 FREE, CACHED, UNUSED, TIER_EDGE, NO_OWNER = "#e4e4e4", "#b9b9b9", "#cfd8dc", "#1565c0", "#616161"
-DTYPE_COLOURS = {
-    "fp32": "#1f77b4",
-    "bf16": "#ff7f0e",
-    "fp16": "#2ca02c",
-    "int8": "#9467bd",
-    "fp64": "#8c564b",
-}
+DTYPE_COLOURS = {"fp32": "#1f77b4", "bf16": "#ff7f0e", "fp16": "#2ca02c", "int8": "#9467bd",
+                 "fp64": "#8c564b"}  # fmt: skip
 RED = "#b00020"
 SMALL = {"ha": "center", "va": "center", "fontsize": 6}
 WIDTH = 11.0  # inches: every picture is 1100 pixels wide at DPI
@@ -177,9 +172,8 @@ def _draw_block(
     hatched), or the grey of its state; a black edge when shared, blue when from a tier."""
     from matplotlib.patches import Rectangle
 
-    owners = b["owners"] if b["state"] == "used" else []
-    if b["state"] == "used" and not owners:
-        owners = [None]  # referenced by no table given: drawn, not hidden
+    # a used block referenced by no table given: drawn (as owner None), not hidden
+    owners = (b["owners"] or [None]) if b["state"] == "used" else []
     fill = 0.9 * b["fill"] / block_size
     band = 0.9 / max(1, len(owners))
     split = {"edgecolor": "white", "linewidth": 0.5} if len(owners) > 1 else {"linewidth": 0}
@@ -273,8 +267,7 @@ def draw_bytes(
                 ha="right", va="bottom", fontsize=8)  # fmt: skip
         ceiling = max(ceiling, budget * 1.1)
     ax.set_xticks(range(len(modes)), list(modes))
-    ax.set_ylim(0, ceiling / scale)
-    ax.set(ylabel=f"KV cache ({unit})", title=title)
+    ax.set(ylim=(0, ceiling / scale), ylabel=f"KV cache ({unit})", title=title)
     ax.title.set_fontsize(10)
     dtypes = dict.fromkeys(r["kv_dtype"] for r in rows)
     handles = [Patch(color=DTYPE_COLOURS.get(d, "grey"), label=d) for d in dtypes]
@@ -359,11 +352,8 @@ def _norms(fig: Any, saved: SavedCache) -> None:
         scale = LogNorm(vmin=low, vmax=max(low * 1.01, norms.max().item()))
         image = ax.imshow(norms.numpy(), aspect="auto", interpolation="nearest", cmap="magma",
                           norm=scale)  # fmt: skip
-        step = max(1, layers // 8)
-        ax.set_yticks(
-            [i * heads + (heads - 1) / 2 for i in range(0, layers, step)],
-            [str(i) for i in range(0, layers, step)],
-        )
+        shown = range(0, layers, max(1, layers // 8))  # at most ~8 layer labels
+        ax.set_yticks([i * heads + (heads - 1) / 2 for i in shown], [str(i) for i in shown])
         if heads > 1 and layers <= 48:
             for i in range(1, layers):
                 ax.axhline(i * heads - 0.5, color="black", linewidth=0.3)

@@ -37,12 +37,7 @@ class PrefixRegistry:
         self.evictions = 0  # registered blocks handed out again
 
     def register(
-        self,
-        block: int,
-        key: bytes,
-        tokens: tuple[int, ...],
-        parent: int | None,
-        salt: str | None,
+        self, block: int, key: bytes, tokens: tuple[int, ...], parent: int | None, salt: str | None
     ) -> None:
         """Make a full block findable by its chained key. `parent` is the block before it in
         its sequence (None for the first). The first holder of a key wins; a block after a

@@ -57,9 +57,8 @@ def key_rotation(head_dim: int) -> torch.Tensor:
 def itemsize(dtype: torch.dtype, head_dim: int) -> float:
     """Bytes one stored element costs, quantization parameters included."""
     if dtype == torch.int8:
-        param_bytes = PARAMS_PER_ROW * torch.empty((), dtype=PARAM_DTYPE).element_size()
-        return 1 + param_bytes / head_dim
-    return torch.empty((), dtype=dtype).element_size()
+        return 1 + PARAMS_PER_ROW * PARAM_DTYPE.itemsize / head_dim
+    return dtype.itemsize
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,13 +95,13 @@ class Store:
         self.values = make(shape, dtype=dtype, device=device)
         params = (*shape[:-1], PARAMS_PER_ROW)
         self.scales = make(params, dtype=PARAM_DTYPE, device=device) if self.quantized else None
+        self.parts = {"values": self.values}  # by name, as snapshots and cache files hold them
+        if self.scales is not None:
+            self.parts["scales"] = self.scales
 
     @property
     def nbytes(self) -> int:
-        n = self.values.numel() * self.values.element_size()
-        if self.scales is not None:
-            n += self.scales.numel() * self.scales.element_size()
-        return n
+        return sum(t.numel() * t.element_size() for t in self.parts.values())
 
     def put(self, index: tuple, x: torch.Tensor) -> None:
         """Store float rows x at `index` (quantizing for int8)."""
@@ -117,8 +116,7 @@ class Store:
         """The rows at `index` in `dtype` (a view when no conversion is needed)."""
         if self.quantized:
             return dequantize(self.values[index], self.scales[index], dtype)
-        rows = self.values[index]
-        return rows if rows.dtype == dtype else rows.to(dtype)
+        return self.values[index].to(dtype)  # the view itself when it is already `dtype`
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """x as it would read back after being stored (rounded or quantized), in x's dtype."""
@@ -128,17 +126,12 @@ class Store:
 
     def raw(self, index: tuple) -> dict[str, torch.Tensor]:
         """Stored rows as they are (int8 values and scales, or floats): for snapshots."""
-        out = {"values": self.values[index]}
-        if self.scales is not None:
-            out["scales"] = self.scales[index]
-        return out
+        return {name: t[index] for name, t in self.parts.items()}
 
     def put_raw(self, index: tuple, raw: dict[str, torch.Tensor]) -> None:
-        self.values[index] = raw["values"]
-        if self.scales is not None:
-            self.scales[index] = raw["scales"]
+        for name, t in self.parts.items():
+            t[index] = raw[name]
 
     def zero_(self, index: tuple) -> None:
-        self.values[index] = 0
-        if self.scales is not None:
-            self.scales[index] = 0
+        for t in self.parts.values():
+            t[index] = 0

@@ -110,7 +110,6 @@ class DiskTier(Tier):
         self.max_bytes, self.deadline = max_bytes, deadline
         self._dir = open_private_dir(self.root)
         self._lock = threading.Lock()  # the writer thread and the reader both touch _files
-        self._files: OrderedDict[str, int] = OrderedDict()
         found = []
         with os.scandir(self._dir) as entries:
             for entry in entries:
@@ -119,8 +118,7 @@ class DiskTier(Tier):
                     os.unlink(entry.name, dir_fd=self._dir)  # a write cut off by a crash
                 elif entry.name.endswith(".kvb") and stat.S_ISREG(st.st_mode):
                     found.append((st.st_mtime, entry.name, st.st_size))
-        for _, name, size in sorted(found):
-            self._files[name] = size
+        self._files = OrderedDict((name, size) for _, name, size in sorted(found))
         self.nbytes = sum(self._files.values())
 
     def get_many(self, names: list[str], limit: int) -> list[bytes | None]:

@@ -56,6 +56,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import queue
 import struct
 import threading
@@ -197,10 +198,7 @@ class KVTiers:
         self.stats = {t.name: TierStats() for t in self.tiers}
         self._down_until = dict.fromkeys(self.stats, 0.0)
         self._readers = {t.name: _Reader(t.name) for t in self.tiers}
-        self._sizes = {
-            k: int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
-            for k, (shape, dt) in self.parts.items()
-        }
+        self._sizes = {k: math.prod(shape) * dt.itemsize for k, (shape, dt) in self.parts.items()}
         self._queue: queue.Queue[_Write | None] = queue.Queue(WRITE_QUEUE_BLOCKS)
         self._writer = threading.Thread(target=self._write_loop, name="kvlm-tiers", daemon=True)
         self._writer.start()
@@ -341,13 +339,11 @@ class KVTiers:
         the tiers (a Redis connection stuck mid-write is cut)."""
         if not self.flush(timeout):
             left = 0
-            while True:
-                try:
+            with contextlib.suppress(queue.Empty):
+                while True:
                     self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                self._queue.task_done()
-                left += 1
+                    self._queue.task_done()
+                    left += 1
             self.dropped += left
             log.warning("KV tiers: %d queued block writes dropped at close", left)
         with contextlib.suppress(queue.Full):  # the writer is stuck in a put: abort ends it

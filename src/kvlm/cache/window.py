@@ -61,7 +61,7 @@ import sys
 
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep
+from kvlm.cache.base import CacheSpec, CacheStep, KVPair
 from kvlm.cache.rows import RowCache
 from kvlm.errors import InvalidRequestError
 
@@ -89,9 +89,7 @@ class _WindowStep(CacheStep):
             self.key_rotation = None
         self.staged: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * cache.spec.num_layers
 
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVPair:
         if self._basis is not None:
             k = k @ self._basis.to(k.dtype)
         self.staged[layer] = self._stage(k, v)  # written by commit, after every layer has read
@@ -100,7 +98,7 @@ class _WindowStep(CacheStep):
             k_all = k_all @ self._basis.T.to(k_all.dtype)  # (k R) R^T = k, ready for RoPE
         return k_all, v_all  # (B, Hkv, S + W + n_new, D)
 
-    def _stage(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stage(self, k: torch.Tensor, v: torch.Tensor) -> KVPair:
         return k, v
 
     def _read(self, layer: int, kv: int, x: torch.Tensor) -> torch.Tensor:
@@ -128,20 +126,18 @@ class WindowDraftRowsStep(_WindowStep):
         self._keys_over(cache)
         pos = torch.arange(start, start + n_new, device=dev)
         self.new_slots = cache._slot(pos)  # where row i's token goes
-        masks, q_ats, k_ats = [], [], []
+        seen = []  # (mask (1, S + W + 1), query position, key positions) per row
         slot_pos = cache.slot_pos.clone()
         for i in range(n_new):  # as the one-token step at start + i builds its own
-            _, visible, q_at, k_at = cache.sees(start + i, pos[i : i + 1], slot_pos)
-            masks.append(visible)  # (1, S + W + 1)
-            q_ats.append(q_at)
-            k_ats.append(k_at)
+            seen.append(cache.sees(start + i, pos[i : i + 1], slot_pos)[1:])
             slot_pos[self.new_slots[i]] = start + i  # row i's token, in the ring for row i+1
+        masks, q_ats, k_ats = zip(*seen, strict=True)
         self.positions = torch.stack(q_ats)  # (rows, 1)
         self.key_rope_positions = torch.stack(k_ats) if cache.cache_positions else None
         keys = masks[0].shape[-1]
         self.rows = [(keys, m, False) for m in masks]
 
-    def _stage(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stage(self, k: torch.Tensor, v: torch.Tensor) -> KVPair:
         """k, v (rows, Hkv, 1, D) -> the one sequence's (1, Hkv, rows, D)."""
         return k[:, :, 0].transpose(0, 1)[None], v[:, :, 0].transpose(0, 1)[None]
 
@@ -174,9 +170,7 @@ class WindowCache(RowCache):
     def capacity(self) -> int:
         return sys.maxsize  # endless: old tokens leave the ring
 
-    def rope_positions(
-        self, start: int, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_positions(self, start: int, q: torch.Tensor, k: torch.Tensor) -> KVPair:
         """Where RoPE puts a step's queries and keys, from their absolute positions.
 
         Cache positions: the ring tokens no query of the step can see (S .. start-W) are

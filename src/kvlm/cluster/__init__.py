@@ -86,7 +86,6 @@ def _serve_until_signal(serve, args: argparse.Namespace, ready: str) -> None:
     signals: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: signals.append(signum))
-    deployed = threading.Event()
     failure: list[BaseException] = []
 
     def deploy() -> None:
@@ -94,11 +93,10 @@ def _serve_until_signal(serve, args: argparse.Namespace, ready: str) -> None:
             _deploy(serve, args)
         except BaseException as exc:  # handed to the main thread
             failure.append(exc)
-        finally:
-            deployed.set()
 
-    threading.Thread(target=deploy, name="kvlm-deploy", daemon=True).start()
-    while not signals and not deployed.is_set():
+    thread = threading.Thread(target=deploy, name="kvlm-deploy", daemon=True)
+    thread.start()
+    while not signals and thread.is_alive():
         time.sleep(0.25)
     if signals:
         return

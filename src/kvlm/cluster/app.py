@@ -305,19 +305,16 @@ async def _raw(request: Request) -> RawRequest:
 async def _relay(stream: Any, sse: bool) -> AsyncIterator[bytes]:
     """The replica's body chunks; a replica that dies mid-way ends an SSE stream with an
     error event. Leaving early (the client hung up) cancels the replica's request."""
-    done = False
     try:
         async for chunk in stream:
             yield chunk
-        done = True
     except Exception as exc:
-        done = True
         log.warning("a replica failed mid-response: %r", exc)
         if sse:
             yield f"data: {json.dumps(_failed())}\n\n".encode()
-    finally:
-        if not done:
-            stream.cancel()
+    except BaseException:  # GeneratorExit, CancelledError: the client hung up
+        stream.cancel()
+        raise
 
 
 def _failed(message: str = REPLICA_FAILED) -> dict:

@@ -49,9 +49,7 @@ def prompt_ids(
     """The token ids the replica will run: the chat rendered as kvlm.server.app renders it,
     or a completion's (first) prompt."""
     if isinstance(request, ChatCompletionRequest):
-        return tokenizer.encode_chat(
-            request.conversation(), tools=request.tool_specs(), **request.template_options()
-        )
+        return request.prompt_ids(tokenizer)
     first = request.prompts()[0]
     return first if isinstance(first, list) else tokenizer.encode(first)
 

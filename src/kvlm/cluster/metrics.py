@@ -30,12 +30,12 @@ MEANS = {"kvlm_spec_tokens_per_forward"}  # per verifying forward: the parts are
 MAXES = {"kvlm_engine_step_seconds_max"}  # the longest step of any replica
 
 
+@dataclass(slots=True)
 class RoutedCounts:
     """Requests routed per replica id, written on the router's loop, read by the ingress."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter()
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _counts: Counter[str] = field(default_factory=Counter)
 
     def add(self, replica: str) -> None:
         with self._lock:

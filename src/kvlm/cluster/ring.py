@@ -47,12 +47,7 @@ class HashRing:
     def walk(self, key: bytes) -> Iterator[str]:
         """Every member once, clockwise from the key's point."""
         start = bisect.bisect(self._points, _point(key))
-        seen: set[str] = set()
-        for i in range(len(self._points)):
-            owner = self._owners[(start + i) % len(self._points)]
-            if owner not in seen:
-                seen.add(owner)
-                yield owner
+        yield from dict.fromkeys(self._owners[start:] + self._owners[:start])
 
     def pick(
         self, key: bytes, loads: Mapping[str, int], balance: float = BALANCE, floor: int = FLOOR

@@ -63,14 +63,9 @@ class KvlmRouter(RequestRouter):
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
         """Requests in flight per replica id; one that cannot say counts as full."""
-        loads: dict[str, int] = {}
-        stale = []
-        for r in replicas:
-            queued = self.replica_queue_len_cache.get(r.replica_id)
-            if queued is None:
-                stale.append(r)
-            else:
-                loads[r.replica_id.unique_id] = queued
+        cached = [(r, self.replica_queue_len_cache.get(r.replica_id)) for r in replicas]
+        loads = {r.replica_id.unique_id: queued for r, queued in cached if queued is not None}
+        stale = [r for r, queued in cached if queued is None]
         for r, queued in await self._probe_queue_lens(stale, 0):
             loads[r.replica_id.unique_id] = r.max_ongoing_requests if queued is None else queued
         return loads

@@ -100,7 +100,8 @@ class GGUFFile:
         try:
             parser.parse()
         except BaseException:
-            self._close_quietly()
+            with contextlib.suppress(BufferError):  # a view is alive: the map goes with it
+                self._map.close()
             raise
         self.version: int = parser.version
         self.alignment: int = parser.alignment
@@ -118,10 +119,6 @@ class GGUFFile:
             return False
         self._map.madvise(advice)
         return True
-
-    def _close_quietly(self) -> None:
-        with contextlib.suppress(BufferError):  # a view is alive: the map goes with it
-            self._map.close()
 
 
 class _Parser:
@@ -190,9 +187,8 @@ class _Parser:
     # ------------------------------------------------------------------------ header
 
     def parse(self) -> None:
-        buf = self.buf
-        if buf[:4] != MAGIC:
-            self.fail(f"the magic is {bytes(buf[:4])!r}, not {MAGIC!r}", 0)
+        if self.buf[:4] != MAGIC:
+            self.fail(f"the magic is {bytes(self.buf[:4])!r}, not {MAGIC!r}", 0)
         version = self.read(_U32, 4, "the version")
         if version == 1:
             self.fail("GGUF version 1 (32-bit lengths) is not supported; convert the model "
@@ -396,8 +392,7 @@ class _Parser:
     def _tensors(self, infos: list[tuple[str, tuple[int, ...], Q, int, int]]) -> list[GGUFTensor]:
         base = np.frombuffer(self.buf, np.uint8)  # read-only: the map is ACCESS_READ
         start, align = self.data_offset, self.alignment
-        spans = []
-        tensors = []
+        spans, tensors = [], []
         for name, dims, qtype, rel, n_elements in infos:
             block, type_size = GGML_QUANT_SIZES[qtype]
             n_bytes = n_elements // block * type_size

@@ -41,8 +41,7 @@ class SafetensorsWeights:
                 handle = safe_open(str(file), framework="pt")
             except Exception as exc:  # safetensors raises its own SafetensorError
                 raise ModelLoadError(f"cannot read {file}: {exc}") from exc
-            for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-                self._where[name] = handle
+            self._where.update(dict.fromkeys(handle.keys(), handle))  # safe_open: no __iter__
         self.dtypes = sorted({str(self._where[n].get_slice(n).get_dtype()) for n in self._where})
 
     def names(self) -> list[str]:

@@ -229,9 +229,7 @@ def _gguf_bpe(meta: dict[str, Any], tokens: list[str]) -> _HFTokenizer:
         )
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    backend = _HFTokenizer(
-        models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _IGNORE_MERGES)
-    )
+    backend = _HFTokenizer(models.BPE(vocab, merges, ignore_merges=pre in _IGNORE_MERGES))
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
@@ -249,21 +247,14 @@ def _gguf_sentencepiece(meta: dict[str, Any], tokens: list[str], types: list[int
         for tok, score, t in zip(tokens, scores, types, strict=False)
         if t not in (_TOKEN_CONTROL, _TOKEN_BYTE)
     }
-    backend = _HFTokenizer(
-        models.BPE(
-            vocab=vocab,
-            merges=_merges_from_scores(vocab, mergeable),
-            unk_token=tokens[unk_id],
-            fuse_unk=True,
-            byte_fallback=True,
-        )
-    )
-    steps: list[normalizers.Normalizer] = []
-    if meta.get("tokenizer.ggml.add_space_prefix", True):
-        steps.append(normalizers.Prepend("▁"))
-    steps.append(normalizers.Replace(" ", "▁"))
-    backend.normalizer = normalizers.Sequence(steps)
-    strip = [decoders.Strip(" ", 1, 0)] if meta.get("tokenizer.ggml.add_space_prefix", True) else []
+    merges = _merges_from_scores(vocab, mergeable)
+    bpe = models.BPE(vocab, merges, unk_token=tokens[unk_id], fuse_unk=True, byte_fallback=True)
+    backend = _HFTokenizer(bpe)
+    # the space SentencePiece puts before the text, and takes off again when decoding
+    prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+    prepend = [normalizers.Prepend("▁")] if prefix else []
+    backend.normalizer = normalizers.Sequence([*prepend, normalizers.Replace(" ", "▁")])
+    strip = [decoders.Strip(" ", 1, 0)] if prefix else []
     backend.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
     )
@@ -273,15 +264,12 @@ def _gguf_sentencepiece(meta: dict[str, Any], tokens: list[str], types: list[int
 def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
     """SentencePiece BPE stores no merges: a piece is formed by merging any split of it into
     two known pieces, and a higher piece score means an earlier merge."""
-    ranked: list[tuple[float, int, int, int, int, str, str]] = []
-    for piece, score in scores.items():
-        for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            if left in vocab and right in vocab:
-                ranked.append(
-                    (-score, len(left), len(right), vocab[left], vocab[right], left, right)
-                )
-    ranked.sort()
+    ranked = sorted(
+        (-score, len(left), len(right), vocab[left], vocab[right], left, right)
+        for piece, score in scores.items()
+        for left, right in ((piece[:cut], piece[cut:]) for cut in range(1, len(piece)))
+        if left in vocab and right in vocab
+    )
     return [(left, right) for *_, left, right in ranked]
 
 

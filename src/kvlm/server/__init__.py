@@ -75,17 +75,9 @@ def serve(
             raise KvlmError(f"could not serve on {host}:{port} (is the port in use?)")
         time.sleep(0.05)
     info = engine.info
-    print(
-        f"kvlm: serving {name} on http://{host}:{port}/v1 "
-        f"({info.kv}; context {info.max_model_len})",
-        file=sys.stderr,
-        flush=True,
-    )
-    _run_until_stopped(engine, http, thread)
-
-
-def _run_until_stopped(engine: AsyncEngine, http: Any, thread: threading.Thread) -> None:
-    """The engine loop on this thread until SIGINT/SIGTERM, then the shutdown (_Stopper)."""
+    where = f"http://{host}:{port}/v1 ({info.kv}; context {info.max_model_len})"
+    print(f"kvlm: serving {name} on {where}", file=sys.stderr, flush=True)
+    # the engine loop on this thread until SIGINT/SIGTERM, then the shutdown (_Stopper)
     stopper = _Stopper(engine, http, thread)
     previous = stopper.install()
     try:

@@ -72,9 +72,11 @@ _CHARS_MARGIN = 4
 
 
 class ServerError(Exception):
-    def __init__(self, status: int, message: str, type_: str, param=None, code=None) -> None:
+    def __init__(
+        self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None
+    ) -> None:
         super().__init__(message)
-        self.status, self.type, self.param, self.code = status, type_, param, code
+        self.status, self.body = status, error_body(message, type_, param, code)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -111,8 +113,7 @@ def create_app(
         tool_parser or tools_mod.parser_for(info.tokenizer.chat_template), limits,
         int(time.time()),
     )  # fmt: skip
-    max_samples = min(MAX_SAMPLES, info.max_num_seqs)
-    openapi.install(app, model_name, s.max_len, max_samples, s.max_prompts)
+    openapi.install(app, model_name, s.max_len, min(MAX_SAMPLES, info.max_num_seqs), s.max_prompts)
     app.add_middleware(RequestLimits, limits=limits)
     _install_error_handlers(app)
     authorized = authorizer(api_key)
@@ -228,7 +229,7 @@ def _check_length(s: _Served, chars: int, param: str) -> None:
 def _too_long(max_len: int, why: str, param: str) -> ServerError:
     """400 context_length_exceeded: the prompt, or it and the completion asked for."""
     message = f"this model's maximum context length is {max_len} tokens; {why}"
-    return ServerError(400, message, "invalid_request_error", param, "context_length_exceeded")
+    return ServerError(400, message, param=param, code="context_length_exceeded")
 
 
 def _generation_routes(v1: APIRouter, s: _Served) -> None:
@@ -239,10 +240,8 @@ def _generation_routes(v1: APIRouter, s: _Served) -> None:
         _check_model(body.model, s.model_name)
         prompts = body.prompts()
         if len(prompts) > s.max_prompts:
-            raise ServerError(
-                400, f"{len(prompts)} prompts: this server runs at most {s.max_prompts} requests "
-                "at once", "invalid_request_error", "prompt",
-            )  # fmt: skip
+            raise ServerError(400, f"{len(prompts)} prompts: this server runs at most "
+                              f"{s.max_prompts} requests at once", param="prompt")  # fmt: skip
         _check_length(s, sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
         ids = [
             p if isinstance(p, list) else await run_in_threadpool(s.tokenizer.encode, p)
@@ -256,35 +255,31 @@ def _generation_routes(v1: APIRouter, s: _Served) -> None:
                      for p in prompts]  # fmt: skip
             echo = [t for t in texts for _ in range(n)]
         choices = Choices(
-            s.tokenizer, n * len(ids), chat=False, logprobs=body.logprobs is not None, echo=echo,
-            prompts=[one for one in ids for _ in range(n)], score_only=body.max_tokens == 0,
-            prompt_logprobs=body.prompt_logprobs is not None,
+            s.tokenizer, n * len(ids), chat=False, want_logprobs=body.logprobs is not None,
+            echo=echo, prompts=[one for one in ids for _ in range(n)],
+            score_only=body.max_tokens == 0, want_prompt_logprobs=body.prompt_logprobs is not None,
         )  # fmt: skip
         return await _respond(s, request, body, ids, params, choices)
 
     @v1.post("/chat/completions", responses=openapi.generation(openapi.ChatCompletionResponse))
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         _check_model(body.model, s.model_name)
-        conversation = body.conversation()
         tools = body.tool_specs()
-        chars = sum(len(m["content"]) for m in conversation)
+        chars = sum(len(m["content"]) for m in body.conversation())
         _check_length(s, chars + len(json.dumps(tools or [])), "messages")
-        render = functools.partial(s.tokenizer.encode_chat, conversation, tools=tools,
-                                   **body.template_options())  # fmt: skip
-        ids = await run_in_threadpool(render)
+        ids = await run_in_threadpool(body.prompt_ids, s.tokenizer)
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = _params(body, ids, s.max_len, top)
         forced = body.forced_tool()
         if forced is not None:  # tool_choice "required" or named: the output is the calls
             if params.guide is not None:
-                raise ServerError(400, "a forced tool_choice decides the output's format; "
-                                  "drop response_format / guided_*", "invalid_request_error",
-                                  "tool_choice")  # fmt: skip
+                raise ServerError(400, "a forced tool_choice decides the output's format; drop "
+                                  "response_format / guided_*", param="tool_choice")  # fmt: skip
             name = None if forced == "required" else forced
             params.guide = tools_mod.forced_guide(tools or [], name, body.parallel_tool_calls)
-        choices = Choices(s.tokenizer, params.n, chat=True, logprobs=body.logprobs,
+        choices = Choices(s.tokenizer, params.n, chat=True, want_logprobs=body.logprobs,
                           prompts=[ids] * params.n,
-                          prompt_logprobs=body.prompt_logprobs is not None,
+                          want_prompt_logprobs=body.prompt_logprobs is not None,
                           tools=tools is not None,
                           tool_parser=None if forced is not None else s.tool_parser)  # fmt: skip
         return await _respond(s, request, body, [ids], [params], choices)
@@ -297,13 +292,8 @@ def _dashboard_html() -> str:
 
 def _check_model(requested: str, served: str) -> None:
     if requested != served:
-        raise ServerError(
-            404,
-            f"the model {requested!r} does not exist; this server serves {served!r}",
-            "invalid_request_error",
-            "model",
-            "model_not_found",
-        )
+        why = f"the model {requested!r} does not exist; this server serves {served!r}"
+        raise ServerError(404, why, param="model", code="model_not_found")
 
 
 def _params(body: Any, ids: list[int], max_len: int, logprobs: int | None) -> SamplingParams:
@@ -318,22 +308,15 @@ def _params(body: Any, ids: list[int], max_len: int, logprobs: int | None) -> Sa
         asked = f"{len(ids)} in the prompt, {wanted} for the completion"
         raise _too_long(max_len, f"you requested {len(ids) + wanted} ({asked})", "max_tokens")
     try:
-        params = body.sampling_params(wanted or room, logprobs)
-    except InvalidRequestError as exc:
-        raise ServerError(400, str(exc), "invalid_request_error", exc.param) from exc
-    except ValueError as exc:
-        raise ServerError(400, str(exc), "invalid_request_error") from exc
-    return params
+        return body.sampling_params(wanted or room, logprobs)
+    except ValueError as exc:  # InvalidRequestError names the field at fault
+        raise ServerError(400, str(exc), param=getattr(exc, "param", None)) from exc
 
 
 async def _respond(
-    s: _Served,
-    request: Request,
-    body: Any,
-    prompts: list[list[int]],
-    params: list[SamplingParams],
-    choices: Choices,
-) -> Any:
+    s: _Served, request: Request, body: Any, prompts: list[list[int]],
+    params: list[SamplingParams], choices: Choices,
+) -> Any:  # fmt: skip
     """Run the request's prompts (one; several for a completions list, each n samples:
     choice i x n + j) and answer with one response or one SSE stream."""
     rid = ("chatcmpl-" if choices.chat else "cmpl-") + uuid.uuid4().hex
@@ -347,10 +330,7 @@ async def _respond(
     if body.stream:
         sse = _sse(events, choices, head, body.include_usage, prompt_tokens)
         return StreamingResponse(sse, media_type="text/event-stream")
-    try:
-        result = await _collect(events, choices, request)
-    except QueueFullError as exc:  # filled between the check and the engine's intake
-        raise ServerError(503, str(exc), "server_busy", code="queue_full") from exc
+    result = await _collect(events, choices, request)
     if result is None:  # the client went away: its request was aborted
         return JSONResponse({}, status_code=499)
     if any(c.finish_reason == "error" for c in choices.state):
@@ -382,15 +362,11 @@ async def _start(
     try:
         for ids, p in zip(prompts, params, strict=True):
             streams.append(await engine.generate(ids, p, cache_salt=body.cache_salt))
-    except BaseException as exc:
+    except BaseException:
         for stream in streams:
             await stream.aclose()  # type: ignore[attr-defined]
-        if isinstance(exc, QueueFullError):
-            raise ServerError(503, str(exc), "server_busy", code="queue_full") from exc
         raise
-    if len(streams) == 1:
-        return streams[0]
-    return _merged(streams, params[0].n)
+    return streams[0] if len(streams) == 1 else _merged(streams, params[0].n)
 
 
 async def _merged(streams: list[AsyncIterator[StepOutput]], n: int) -> AsyncIterator[StepOutput]:
@@ -459,12 +435,9 @@ async def _collect(
 
 
 async def _sse(
-    events: AsyncIterator[StepOutput],
-    choices: Choices,
-    head: dict,
-    include_usage: bool,
+    events: AsyncIterator[StepOutput], choices: Choices, head: dict, include_usage: bool,
     prompt_tokens: int,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[str]:  # fmt: skip
     try:
         for chunk in choices.opening(head):
             yield _data(chunk)
@@ -491,25 +464,25 @@ async def _sse(
         await events.aclose()  # a disconnect lands here: the request is aborted
 
 
+_JSON = functools.partial(json.dumps, ensure_ascii=False)  # an SSE event's data
+
+
 def _chunk_line(
-    choices: Choices, head: dict, event: StepOutput, encode: Callable[[Any], str] | None = None
+    choices: Choices, head: dict, event: StepOutput, encode: Callable[[Any], str] = _JSON
 ) -> str | None:
-    """An event's SSE line (`encode`: its JSON encoder, json.dumps by default)."""
+    """An event's SSE line (`encode`: its JSON encoder)."""
     chunk = choices.chunk(head, event)
-    if chunk is None:
-        return None
-    return _data(chunk) if encode is None else f"data: {encode(chunk)}\n\n"
+    return None if chunk is None else _data(chunk, encode)
 
 
-def _data(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+def _data(obj: dict, encode: Callable[[Any], str] = _JSON) -> str:
+    return f"data: {encode(obj)}\n\n"
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServerError)
     async def server_error(_: Request, exc: ServerError) -> JSONResponse:
-        body = error_body(str(exc), exc.type, exc.param, exc.code)
-        return JSONResponse(body, status_code=exc.status)
+        return JSONResponse(exc.body, status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -520,6 +493,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(str(exc), param=exc.param), status_code=400)
 
     app.add_exception_handler(StarletteHTTPException, http_error)
+
+    @app.exception_handler(QueueFullError)  # full, as _start or _collect hands a request on
+    async def queue_full(_: Request, exc: QueueFullError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), "server_busy", code="queue_full"), status_code=503)
 
     @app.exception_handler(EngineBusyError)
     @app.exception_handler(EngineStoppedError)

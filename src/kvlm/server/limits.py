@@ -66,23 +66,25 @@ class ServerLimits:
             raise ValueError("drain_bytes must be >= 0")
 
 
+@dataclass(slots=True, frozen=True)
 class RequestLimits:
     """413 for a body over `max_body_bytes` (by its Content-Length, or as it arrives);
     408 for a body that stops arriving. The body is read by the route, so the limits are
     checked in the `receive` the route calls; a response is never started twice."""
 
-    def __init__(self, app: Callable, limits: ServerLimits) -> None:
-        self.app = app
-        self.limits = limits
+    app: Callable
+    limits: ServerLimits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         limit = self.limits.max_body_bytes
-        declared = _content_length(scope)
-        if declared is not None and declared > limit:
-            await _error(send, 413, f"the request body is over the limit of {limit} bytes")
+        too_big = f"the request body is over the limit of {limit} bytes"
+        # the first Content-Length (h11 has checked it is a number)
+        declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), b"")
+        if declared.isdigit() and int(declared) > limit:
+            await _error(send, 413, too_big)
             return
         received, done = 0, False
 
@@ -98,18 +100,10 @@ class RequestLimits:
                 received += len(message.get("body", b""))
                 done = not message.get("more_body", False)
                 if received > limit:
-                    why = f"the request body is over the limit of {limit} bytes"
-                    raise HTTPException(413, why, CLOSE)
+                    raise HTTPException(413, too_big, CLOSE)
             return message
 
         await self.app(scope, limited, send)
-
-
-def _content_length(scope: Scope) -> int | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"content-length":
-            return int(value) if value.isdigit() else None  # h11 has checked it is one
-    return None
 
 
 async def _error(send: Send, status: int, message: str) -> None:
@@ -177,11 +171,10 @@ class HeadTimeoutH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._disarm_head_timer()
         if self._drain_left is not None:  # only the drain's own bounds apply now
             self._unset_keepalive_if_required()
-            self._disarm_head_timer()
         elif not self.transport.is_closing():
-            self._disarm_head_timer()
             self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:

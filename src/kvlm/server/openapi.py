@@ -243,10 +243,8 @@ def _nulls_allowed(components: dict[str, Any]) -> None:
         schema = components[name]
         required = set(schema.get("required", ()))
         for field, prop in schema.get("properties", {}).items():
-            if field in required:
-                continue
             options = prop.get("anyOf", [prop])
-            if any(o.get("type") == "null" for o in options) or not options:
+            if field in required or not options or any(o.get("type") == "null" for o in options):
                 continue
             keep = {k: v for k, v in prop.items() if k in ("title", "default", "description")}
             rest = {k: v for k, v in prop.items() if k not in keep}

@@ -36,6 +36,7 @@ from kvlm.engine.sampling import (
     SamplingParams,
 )
 from kvlm.errors import InvalidRequestError
+from kvlm.loading.tokenizer import Tokenizer
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_PROMPTS = 64  # prompts in one completions request (each is a request of n samples)
@@ -92,6 +93,9 @@ class Unsupported(ValueError):
         self.param = param
 
 
+# the request fields SamplingParams takes as they are
+_AS_GIVEN = ("temperature", "top_p", "seed", "ignore_eos", "n", "presence_penalty",
+             "frequency_penalty", "repetition_penalty", "min_p")  # fmt: skip
 # vLLM's guided decoding fields, in the order a request giving several is told of them
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -134,38 +138,23 @@ class _Sampling(_Body):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
-    def stops(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
             top_k=max(self.top_k, 0),
-            seed=self.seed,
-            stop=self.stops(),
-            ignore_eos=self.ignore_eos,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             logprobs=logprobs,
-            n=self.n,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            min_p=self.min_p,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             prompt_logprobs=self.scored_prompt(),
             guide=self.guide(),
+            **{name: getattr(self, name) for name in _AS_GIVEN},
         )
 
     def guide(self) -> Guide | None:
         """What the output must match: vLLM's guided_* fields (response_format's on chat)."""
         given = [name for name in GUIDED if getattr(self, name) is not None]
         if len(given) > 1:
-            raise InvalidRequestError(
-                f"give one of {', '.join(given)}, not several", param=given[1]
-            )
+            raise InvalidRequestError(f"give one of {', '.join(given)}, not several", given[1])
         if not given:
             return None
         name = given[0]
@@ -303,21 +292,17 @@ class ChatMessage(_Body):
         role = {"developer": "system", "function": "tool"}.get(self.role, self.role)
         # null content (an assistant's tool calls) as "": templates that concatenate
         # content fail on None, and those that test it read "" alike (vLLM's choice)
-        out: dict[str, Any] = {"role": role, "content": self.text() or ""}
-        if self.name is not None:
-            out["name"] = self.name
         calls = list(self.tool_calls or [])
         if self.function_call is not None:
             calls.append(ToolCall(id="call_0", function=self.function_call))
-        if calls:
-            out["tool_calls"] = [
-                {"id": c.id, "type": "function",
-                 "function": {"name": c.function.name, "arguments": _arguments(c.function)}}
-                for c in calls
-            ]  # fmt: skip
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        return out
+        tool_calls = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.function.name, "arguments": _arguments(c.function)}}
+            for c in calls
+        ]  # fmt: skip
+        out = {"role": role, "content": self.text() or "", "name": self.name,
+               "tool_calls": tool_calls or None, "tool_call_id": self.tool_call_id}  # fmt: skip
+        return {k: v for k, v in out.items() if v is not None}  # a field not given: absent
 
 
 def _arguments(call: FunctionCall) -> Any:
@@ -452,9 +437,12 @@ class ChatCompletionRequest(_Sampling):
     def conversation(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
 
-    def template_options(self) -> dict[str, Any]:
+    def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
+        """The chat template over the conversation and the tools (the options given of
+        reasoning_effort and verbosity passed on): the ids the engine runs."""
         options = {"reasoning_effort": self.reasoning_effort, "verbosity": self.verbosity}
-        return {k: v for k, v in options.items() if v is not None}
+        given = {k: v for k, v in options.items() if v is not None}
+        return tokenizer.encode_chat(self.conversation(), tools=self.tool_specs(), **given)
 
 
 def error_body(

@@ -40,36 +40,36 @@ class _Choice:
     tools: ToolStream | None = None  # a chat choice that may answer with tool calls
 
 
+@dataclass
 class Choices:
     """The choices of one response: `count` of them (a request's n samples, times its
-    prompts for a completions list). `echo`: each choice's text opens with this (its
-    prompt's text, /v1/completions' echo), and with logprobs its prompt's logprobs
-    (`prompts`: each choice's prompt ids). `score_only`: max_tokens 0, the one token the
-    engine made is dropped. `prompt_logprobs`: vLLM's field in each choice."""
+    prompts for a completions list). `want_logprobs`: each choice's. `echo`: each
+    choice's text opens with this (its prompt's text, /v1/completions' echo), and with
+    logprobs its prompt's logprobs (`prompts`: each choice's prompt ids). `score_only`:
+    max_tokens 0, the one token the engine made is dropped. `want_prompt_logprobs`:
+    vLLM's field in each choice. `tools` offered: each choice's text is read for calls
+    (kvlm.server.tools), in the model's format (`tool_parser`) or, tool_choice forced
+    (None), as a JSON array of calls."""
 
-    def __init__(
-        self, tokenizer: Tokenizer, count: int, chat: bool, logprobs: bool,
-        echo: list[str] | None = None, prompts: list[list[int]] | None = None,
-        score_only: bool = False, prompt_logprobs: bool = False,
-        tools: bool = False, tool_parser: str | None = None,
-    ) -> None:  # fmt: skip
-        self.tokenizer = tokenizer
-        self.chat = chat
-        self.want_logprobs = logprobs
-        self.echo = echo
-        self.prompts = prompts
-        self.score_only = score_only
-        self.want_prompt_logprobs = prompt_logprobs
-        self.state = [_Choice(i) for i in range(count)]
-        # tools offered: each choice's text is read for calls (kvlm.server.tools), in the
-        # model's format (tool_parser) or, tool_choice forced, as a JSON array of calls
-        self.tools, self.tool_parser = tools, tool_parser
-        for c in self.state if tools else ():
-            c.tools = ToolStream(tool_parser)
-        self.cached: dict[str, int] = {}  # per engine request: its prompt tokens cached
-        # token id -> its text: a scored prompt names ~21 ids per position (4,000 positions:
-        # 84,000 decodes, most of them the same few thousand ids)
-        self._texts: dict[int, str] = {}
+    tokenizer: Tokenizer
+    count: int
+    chat: bool
+    want_logprobs: bool
+    echo: list[str] | None = None
+    prompts: list[list[int]] | None = None
+    score_only: bool = False
+    want_prompt_logprobs: bool = False
+    tools: bool = False
+    tool_parser: str | None = None
+    # per engine request: its prompt tokens cached
+    cached: dict[str, int] = field(default_factory=dict, init=False)
+    # token id -> its text: a scored prompt names ~21 ids per position (4,000 positions:
+    # 84,000 decodes, most of them the same few thousand ids)
+    _texts: dict[int, str] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        self.state = [_Choice(i, tools=ToolStream(self.tool_parser) if self.tools else None)
+                      for i in range(self.count)]  # fmt: skip
 
     def head(self, request_id: str, model: str) -> dict[str, Any]:
         return {"id": request_id, "object": "chat.completion" if self.chat else "text_completion",
@@ -135,10 +135,8 @@ class Choices:
 
     def _with_calls(self, body: dict[str, Any], choice: _Choice) -> None:
         """A whole chat reply's tool calls into its message (finish_reason "tool_calls")."""
-        if self.tool_parser is None:
+        if self.tool_parser is None:  # forced: the whole text is the calls
             content, calls = None, parse_forced(choice.text)
-            if not calls:
-                content = choice.text
         else:
             content, calls = parse(choice.text, self.tool_parser)
         if calls:
@@ -156,10 +154,9 @@ class Choices:
         for e in entries[1:]:
             ranked = enumerate(sorted(e.top.items(), key=lambda kv: -kv[1]), 1)
             picks = [*((t, lp, r) for r, (t, lp) in ranked), (e.token_id, e.logprob, e.rank)]
-            one = {}
-            for t, lp, r in picks:  # the token last: its rank where it is an alternative too
-                one[str(t)] = {"logprob": lp, "rank": r, "decoded_token": self._token(t)}
-            out.append(one)
+            # the token last: its rank where it is an alternative too
+            out.append({str(t): {"logprob": lp, "rank": r, "decoded_token": self._token(t)}
+                        for t, lp, r in picks})  # fmt: skip
         return out
 
     def _choice(
@@ -199,11 +196,9 @@ class Choices:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
     def _token(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            self._texts[token_id] = text
-        return text
+        if token_id not in self._texts:
+            self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self._texts[token_id]
 
     # ------------------------------------------------------------------ streaming
 
