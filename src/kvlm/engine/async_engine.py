@@ -1,8 +1,8 @@
 """AsyncEngine: the Engine on a thread of its own, fed and read from an asyncio loop.
 
     event loop (HTTP)                       engine thread
-    submit() --("add", ...)---> inbox ---> drain inbox, engine.step(), ...
-    abort()  --("abort", id)--> inbox       |
+    submit() --(_add, ...)----> inbox ---> drain inbox, engine.step(), ...
+    abort()  --(_abort, id)---> inbox       |
     stream queue <--- call_soon_threadsafe -+ StepOutput events
 
 The loop never waits for a step: requests and aborts go through a queue the engine thread
@@ -100,13 +100,12 @@ class AsyncEngine:
 
     def _end_all(self, exc: EngineStoppedError) -> None:
         """Fail what waits on the stopped loop: queued calls and every open stream."""
-        for message in self._pending():
-            if message[0] == "call":
-                _, _, loop, future = message
-                with contextlib.suppress(RuntimeError):  # the loop has closed
-                    loop.call_soon_threadsafe(_settle, future, None, exc)
+        for handler, *args in self._pending():
+            if handler == self._call:
+                _, loop, future = args
+                _soon(loop, _settle, future, None, exc)
         for stream in list(self._streams.values()):
-            self._post(stream, exc)
+            _soon(stream.loop, stream.events.put_nowait, exc)
 
     @property
     def alive(self) -> bool:
@@ -139,7 +138,7 @@ class AsyncEngine:
             raise QueueFullError(f"the server is busy ({self.max_requests} requests held)")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         self._streams[rid] = stream
-        self._send(("add", rid, prompt_ids, params, cache_salt))
+        self._send((self._add, rid, prompt_ids, params, cache_salt))
         return self._events(rid, stream)
 
     async def compile_guide(self, guide: Guide) -> Guide:
@@ -166,7 +165,7 @@ class AsyncEngine:
         finally:
             self._streams.pop(rid, None)
             if stream.remaining:  # the consumer left early: free the request's blocks
-                self._send(("abort", rid))
+                self._send((self._abort, rid))
 
     async def call(self, fn: Callable[[Engine], T], timeout: float = 10.0) -> T:
         """fn(engine) run on the engine thread between two steps (what reads the pool's
@@ -175,7 +174,7 @@ class AsyncEngine:
             raise EngineStoppedError("the server is shutting down")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        self._send(("call", fn, loop, future))
+        self._send((self._call, fn, loop, future))
         try:
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:  # a step longer than the deadline is under way
@@ -184,6 +183,7 @@ class AsyncEngine:
             ) from None
 
     def _send(self, message: tuple) -> None:
+        """(handler, *args): handler(*args) runs on the engine thread before its next step."""
         self._inbox.put(message)
         self._wake.set()
 
@@ -214,7 +214,7 @@ class AsyncEngine:
                 events += self.engine.abort(rid, reason="error")
             except Exception:  # the state is broken: at least tell the client
                 log.exception("could not abort request %s", rid)
-                self._fail(rid, KvlmError("the engine failed on this request"))
+                self._tell(rid, KvlmError("the engine failed on this request"))
         return events
 
     def _pending(self) -> Iterator[tuple]:
@@ -226,21 +226,20 @@ class AsyncEngine:
                 return
 
     def _drain(self) -> None:
-        for message in self._pending():
-            if message[0] == "abort":
-                self._deliver(self.engine.abort(message[1]))
-                continue
-            if message[0] == "call":
-                self._call(*message[1:])
-                continue
-            _, rid, prompt_ids, params, cache_salt = message
-            try:
-                self.engine.add_request(rid, prompt_ids, params, cache_salt, checked=True)
-            except KvlmError as exc:  # e.g. the queue filled since the check
-                self._fail(rid, exc)
-            except Exception as exc:  # a bug in admission: this request only
-                log.exception("request %s could not be added", rid)
-                self._fail(rid, KvlmError(f"the engine could not take this request ({exc})"))
+        for handler, *args in self._pending():
+            handler(*args)
+
+    def _add(self, rid: str, prompt_ids: list[int], params: SamplingParams, cache_salt) -> None:
+        try:
+            self.engine.add_request(rid, prompt_ids, params, cache_salt, checked=True)
+        except KvlmError as exc:  # e.g. the queue filled since the check
+            self._tell(rid, exc)
+        except Exception as exc:  # a bug in admission: this request only
+            log.exception("request %s could not be added", rid)
+            self._tell(rid, KvlmError(f"the engine could not take this request ({exc})"))
+
+    def _abort(self, rid: str) -> None:
+        self._deliver(self.engine.abort(rid))
 
     def _call(self, fn, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
         if future.done():  # its caller gave up waiting: a stale call costs a step nothing
@@ -249,25 +248,24 @@ class AsyncEngine:
             result, error = fn(self.engine), None
         except Exception as exc:
             result, error = None, exc
-        with contextlib.suppress(RuntimeError):  # the loop has closed
-            loop.call_soon_threadsafe(_settle, future, result, error)
+        _soon(loop, _settle, future, result, error)
 
     def _deliver(self, events: list[StepOutput]) -> None:
         for event in events:
-            stream = self._streams.get(event.request_id)
-            if stream is not None:
-                self._post(stream, event)
+            self._tell(event.request_id, event)
 
-    def _fail(self, rid: str, exc: BaseException) -> None:
+    def _tell(self, rid: str, item: StepOutput | BaseException) -> None:
+        """An event or an error for request `rid`'s stream, if it is still open."""
         stream = self._streams.get(rid)
         if stream is not None:
-            self._post(stream, exc)
+            _soon(stream.loop, stream.events.put_nowait, item)
 
-    @staticmethod
-    def _post(stream: _Stream, item: StepOutput | BaseException) -> None:
-        # RuntimeError: its event loop has closed (the server is shutting down)
-        with contextlib.suppress(RuntimeError):
-            stream.loop.call_soon_threadsafe(stream.events.put_nowait, item)
+
+def _soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
+    """fn(*args) on `loop`'s thread; nothing once the loop has closed (the server is
+    shutting down)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
 
 
 def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:

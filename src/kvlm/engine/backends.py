@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -70,17 +71,14 @@ class PoolBackend:
             return each_piece(self, chunks, seqs)
         rows, tables, starts, spans = self._rows(seqs)
         k, d = len(chunks), len(rows)
-        batch = Batch(
-            [c.tokens for c in chunks] + rows,
-            pool=self.pool,
-            spec=self.spec,
-            tables=[c.seq.table.blocks for c in chunks] + tables,
-            starts=[c.seq.num_computed for c in chunks] + starts,
-            chunks=[True] * k + [False] * d,
-            every_row=[c.all_rows for c in chunks] + [False] * d,
-        )
         try:
-            out = self.runner.run(batch)
+            out = self._run(
+                [c.tokens for c in chunks] + rows,
+                [c.seq.table.blocks for c in chunks] + tables,
+                [c.seq.num_computed for c in chunks] + starts,
+                chunks=[True] * k + [False] * d,
+                every_row=[c.all_rows for c in chunks] + [False] * d,
+            )
         except Exception:
             log.warning("a step of %d rows failed; running it piece by piece", k + d,
                         exc_info=True)  # fmt: skip
@@ -93,14 +91,12 @@ class PoolBackend:
 
     def prefill(self, seq: Sequence, tokens: list[int], all_rows: bool) -> torch.Tensor:
         """A chunk of a sequence's prompt: its last logits (V,), or every row's (T, V)."""
-        return self._run([tokens], [seq.table.blocks], [seq.num_computed], True, all_rows)[0]
+        return self._run([tokens], [seq.table.blocks], [seq.num_computed], prompt=True,
+                         all_rows=all_rows)[0]  # fmt: skip
 
-    def _run(
-        self, rows: list, tables: list, starts: list, prompt: bool | None = None,
-        all_rows: bool = False,
-    ) -> torch.Tensor:  # fmt: skip
-        batch = Batch(rows, pool=self.pool, spec=self.spec, tables=tables, starts=starts)
-        batch.prompt, batch.all_rows = prompt, all_rows
+    def _run(self, rows: list, tables: list, starts: list, **options) -> torch.Tensor | list:
+        """Rows on the pool, row b at starts[b] through tables[b]; `options`: Batch's."""
+        batch = Batch(rows, pool=self.pool, spec=self.spec, tables=tables, starts=starts, **options)
         return self.runner.run(batch)
 
     @staticmethod
@@ -131,32 +127,26 @@ class PoolBackend:
         except Exception:
             log.warning("a decode batch of %d rows failed; running them one by one", len(rows),
                         exc_info=True)  # fmt: skip
-            out = None
-        results: list[Result] = []
-        for a, b in spans:
-            if out is not None:
-                results.append(out[a:b])
-                continue
-            try:
-                results.append(self._run(rows[a:b], tables[a:b], starts[a:b]))
-            except Exception as exc:
-                results.append(exc)
-        if out is not None:
-            return results, _argmax(out, [a for a, _ in spans])
+        else:
+            return [out[a:b] for a, b in spans], _argmax(out, [a for a, _ in spans])
+        results = [_tried(self._run, rows[a:b], tables[a:b], starts[a:b]) for a, b in spans]
         return results, [None] * len(seqs)
 
 
 def each_piece(backend: PoolBackend | CacheBackend, chunks: list[Chunk], seqs: list) -> StepLogits:
     """A step as a forward per chunk and one for the decode rows, each chunk's failure
     its own."""
-    prefilled: list[Result] = []
-    for c in chunks:
-        try:
-            prefilled.append(backend.prefill(c.seq, c.tokens, c.all_rows))
-        except Exception as exc:
-            prefilled.append(exc)
+    prefilled = [_tried(backend.prefill, c.seq, c.tokens, c.all_rows) for c in chunks]
     decoded, hints = backend.decode(seqs) if seqs else ([], [])
     return StepLogits(prefilled, [None] * len(chunks), decoded, hints)
+
+
+def _tried(fn: Callable[..., torch.Tensor], *args) -> Result:
+    """fn(*args), or the exception it raised (a piece's failure is its own)."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        return exc
 
 
 def _argmax(logits: torch.Tensor | list[torch.Tensor], rows: Seq[int]) -> list[int | None]:

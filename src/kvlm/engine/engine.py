@@ -143,10 +143,14 @@ class Engine:
             llm.for_batches()  # one weight layout for 1..64 rows, batch-invariant
             self.backend = self._pool_backend(llm)
             self.max_model_len = llm.max_context
+            p = self.pool
+            kv = f"KV pool {p.num_blocks} blocks of {p.block_size} tokens, "
+            kv += f"{p.store.nbytes / 2**20:,.0f} MiB"
         else:
             self.backend = CacheBackend(self.runner, cache, reuse)
             self.max_model_len = cache.capacity
             self.pool, self.spec, self.tiers = None, cache.spec, None
+            kv = f"one {cache.mode} cache"
         self.manager = self.backend.manager
         self.scheduler = Scheduler(self.manager, sched, self.max_model_len)
         self.drafter: DraftModel | None = None
@@ -155,12 +159,6 @@ class Engine:
             self.scheduler.propose = self._propose
             if spec.method == "draft":
                 self.drafter = llm.draft_model(spec)
-        if self.pool is not None:
-            p = self.pool
-            kv = f"KV pool {p.num_blocks} blocks of {p.block_size} tokens, "
-            kv += f"{p.store.nbytes / 2**20:,.0f} MiB"
-        else:
-            kv = f"one {cache.mode} cache"
         self.info = ModelInfo(self.tokenizer, llm.config.vocab_size, self.max_model_len,
                               sched.max_num_seqs, str(llm.numerics), kv)  # fmt: skip
         self.requests: dict[str, _Request] = {}
@@ -173,11 +171,10 @@ class Engine:
         spec = llm.cache_spec("int8" if llm.kv_mode == "int8" else "paged")
         bs, sched = spec.block_size, self.config.scheduler
         least = blocks_for(llm.max_context, bs) + sched.reserve_blocks
-        block_bytes = bs * spec.bytes_per_token
         kv_memory = self.config.kv_memory or default_kv_memory(spec.device)
         num_blocks = self.config.num_blocks or min(
             blocks_for(llm.max_context, bs) * sched.max_num_seqs,
-            max(least, kv_memory // block_bytes),
+            max(least, kv_memory // (bs * spec.bytes_per_token)),
         )
         if num_blocks < least:
             raise InvalidRequestError(
@@ -398,7 +395,7 @@ class Engine:
         """Record a sampled token (its text, stop and max_tokens checks); "length" once the
         context is full: every slot holds a computed token, and this one, the last sampled,
         is never fed."""
-        text = seq.accept(token, logits)
+        text = seq.sample.accept(token, logits)
         out = seq.sample.out
         if out.finish_reason is None and seq.num_tokens > self.max_model_len:
             out.finish_reason = "length"
@@ -463,42 +460,31 @@ class Engine:
         events: list[StepOutput],
         argmax: int | None = None,
     ) -> None:
-        """The forward of n tokens of `seq` succeeded: record them, sample when due
+        """The forward of n tokens of `seq` succeeded: record them; once none is pending,
+        split off the request's other samples (its prompt is in) and sample each
         (`argmax`: the logits' argmax, when already known)."""
         try:
             seq.num_computed += n
             self.manager.seal(seq.table, seq.token_ids, seq.num_computed)
-            if seq.num_pending == 0:
-                self._sample(seq, logits, events, argmax)
+            if seq.num_pending:
+                return
+            req = self.requests[seq.request_id]
+            family = [seq] + [self._sequence(req, index) for index in range(1, seq.fan_out)]
+            for child in family[1:]:  # n > 1: the other samples share the prompt's blocks
+                self.scheduler.fork(seq, child)
+            seq.fan_out = 1
+            if req.first_token is None:
+                req.first_token = time.perf_counter()
+                self.stats.record_ttft(req.first_token - req.arrival)
+            for s in family:
+                first = not s.sample.out.token_ids
+                token = s.sampler(logits, argmax if s is seq else None)
+                text = self._accept(s, token, logits)
+                self._emit(req, s, [token], text, events)
+                if first:  # the prompt's logprobs ride on each sample's first event
+                    events[-1].prompt_logprobs = req.prompt_logprobs
         except Exception as exc:  # a sampler or stop-check bug: this request only
             events += self._fail(seq.request_id, exc)
-
-    def _sample(
-        self,
-        seq: Sequence,
-        logits: torch.Tensor,
-        events: list[StepOutput],
-        argmax: int | None = None,
-    ) -> None:
-        req = self.requests[seq.request_id]
-        family = [seq]
-        if seq.fan_out > 1:  # the prompt is in: split off the other samples
-            for index in range(1, seq.fan_out):
-                child = self._sequence(req, index)
-                self.scheduler.fork(seq, child)
-                family.append(child)
-            seq.fan_out = 1
-        now = time.perf_counter()
-        if req.first_token is None:
-            req.first_token = now
-            self.stats.record_ttft(now - req.arrival)
-        for s in family:
-            first = not s.sample.out.token_ids
-            token = s.sampler(logits, argmax if s is seq else None)
-            text = self._accept(s, token, logits)
-            self._emit(req, s, [token], text, events)
-            if first:  # the prompt's logprobs ride on each sample's first event
-                events[-1].prompt_logprobs = req.prompt_logprobs
 
     def _emit(
         self, req: _Request, seq: Sequence, tokens: list[int], text: str, events: list[StepOutput]
@@ -516,25 +502,11 @@ class Engine:
             del self.requests[req.request_id]
             self.stats.requests_finished += 1
 
-    def _event(
-        self,
-        req: _Request,
-        seq: Sequence,
-        tokens: list[int],
-        logprobs: list[TokenLogprob],
-        finish: str | None,
-        text: str = "",
-    ) -> StepOutput:
-        return StepOutput(
-            req.request_id,
-            seq.index,
-            text,
-            tokens,
-            logprobs,
-            finish,
-            prompt_tokens=len(req.prompt_ids),
-            cached_tokens=req.seqs[0].num_cached,
-        )
+    @staticmethod
+    def _event(req: _Request, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob],
+               finish: str | None, text: str = "") -> StepOutput:  # fmt: skip
+        return StepOutput(req.request_id, seq.index, text, tokens, logprobs, finish,
+                          len(req.prompt_ids), req.seqs[0].num_cached)  # fmt: skip
 
     def _fail(self, request_id: str, exc: Exception) -> list[StepOutput]:
         """End one request whose forward or sampling raised; every other goes on."""
@@ -576,25 +548,21 @@ class Engine:
         speculative decoding's, the time-to-first-token histogram, and each KV tier's
         counters (`tiers`: None without tiers)."""
         s, pool, stats, tiers = self.scheduler, self.pool, self.stats, self.tiers
-        spec = stats.spec
         return {
             "running": len(s.running),
             "waiting": len(s.waiting),
             "blocks_used": pool.num_used,
             "blocks_free": pool.num_free,
             "blocks_total": pool.num_blocks,
-            "prefix_queries": self.manager.stats.queries,
-            "prefix_hits": self.manager.stats.hits,
-            "prefix_hit_rate": self.manager.stats.hit_rate,
+            **{f"prefix_{k}": getattr(self.manager.stats, k)
+               for k in ("queries", "hits", "hit_rate")},
             "prefix_evictions": pool.prefix.evictions,
             "preemptions": s.preemptions,
             **{f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)
                if type(getattr(stats, f.name)) in (int, float)},  # the counters
             "tokens_per_s": stats.tokens_per_s(),
-            "spec_drafted": spec.drafted,
-            "spec_accepted": spec.accepted,
-            "spec_acceptance": spec.acceptance,
-            "spec_tokens_per_forward": spec.tokens_per_forward,
+            **{f"spec_{k}": getattr(stats.spec, k)
+               for k in ("drafted", "accepted", "acceptance", "tokens_per_forward")},
             "ttft_counts": list(stats.ttft_counts),
             "tiers": None if tiers is None else {
                 name: dataclasses.asdict(st) for name, st in tiers.stats.items()

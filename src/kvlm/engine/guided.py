@@ -26,13 +26,7 @@ from queue import SimpleQueue
 from typing import Any
 
 from kvlm.engine.guide_limits import MAX_GUIDE_CHARS, check_bounds
-from kvlm.engine.guide_worker import (
-    WORKER_STACK,
-    WORKERS,
-    GuideWorkers,
-    build_matcher,
-    grammar_of,
-)
+from kvlm.engine.guide_worker import WORKER_STACK, WORKERS, GuideWorkers, build_matcher
 
 __all__ = ["MAX_GUIDE_CHARS", "Guide", "GuideState", "compile_guide"]
 
@@ -58,11 +52,6 @@ class Guide:
     param: str = "response_format"  # the request field it came from (errors name it)
     compiled: Compiled | None = dataclasses.field(default=None, compare=False, repr=False)
 
-    def grammar(self) -> str:
-        """llguidance's grammar for it; InvalidRequestError naming `param` if it is not
-        one."""
-        return grammar_of(self.kind, self.spec, self.param)
-
 
 def ll_tokenizer(tokenizer, vocab_size: int):
     """llguidance's view of the model's tokenizer (~0.3 s to build: kept on the tokenizer),
@@ -70,10 +59,7 @@ def ll_tokenizer(tokenizer, vocab_size: int):
     ending at the tokenizer's end-of-sequence tokens."""
     import llguidance
 
-    def make(text: str, n_vocab: int, eos: list[int] | None) -> Any:
-        return llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos)
-
-    return _kept(tokenizer, "_ll_tokenizers", vocab_size, make)
+    return _kept(tokenizer, "_ll_tokenizers", vocab_size, llguidance.LLTokenizer)
 
 
 def guide_workers(tokenizer, vocab_size: int) -> GuideWorkers:

@@ -69,12 +69,9 @@ class ModelRunner:
         )
 
     def _decoder(self, slots: int) -> fused.FusedDecoder | None:
-        if self.fused_reason is not None:
-            return None
-        decoder = self._fused.get(slots)
-        if decoder is None:
-            decoder = self._fused[slots] = fused.FusedDecoder(self.model, slots)
-        return decoder
+        if self.fused_reason is None and slots not in self._fused:
+            self._fused[slots] = fused.FusedDecoder(self.model, slots)
+        return self._fused.get(slots)  # None where the fused step cannot run
 
     def _decodes_alike(self, prompt: bool | None) -> bool:
         """Whether one prompt token may take the fused (decode) step: only when prompt
@@ -187,25 +184,17 @@ class ModelRunner:
     def _on_pool(self, b: Batch) -> torch.Tensor:
         """Sequences of different lengths in one pool (the engine's batch): row b feeds its
         tokens at positions starts[b].. through block table tables[b]."""
-        pool, spec, rows = b.pool, b.spec, b.rows
+        pool, spec, rows, window = b.pool, b.spec, b.rows, b.spec.sliding_window
         tokens = [r[0] for r in rows]
         one = len(rows[0]) == 1 and not b.all_rows
-        if (
-            one
-            and not b.prompt
-            and self.graphs
-            and pool.scratch is not None
-            and self.graphs.reads(pool.store)
-        ):
-            out = self.graphs.step_table(
-                pool.store, pool.scratch, tokens, b.tables, b.starts, spec.sliding_window
-            )
+        graphs = self.graphs if one and not b.prompt and pool.scratch is not None else None
+        if graphs and graphs.reads(pool.store):
+            out = graphs.step_table(pool.store, pool.scratch, tokens, b.tables, b.starts, window)
             if out is not None:
                 return out
         if one and len(rows) <= fused.MAX_ROWS and self._decodes_alike(b.prompt):
             decoder = self._decoder(spec.max_tokens)
             if decoder is not None and decoder.reads(pool.store):
-                window = spec.sliding_window
                 return decoder.run(pool.store, tokens, b.starts, b.tables, pool.block_size, window)
         step = TableStep(pool, spec, list(b.tables), list(b.starts), len(rows[0]))
         return self._torch(rows, step, b.prompt, b.all_rows)

@@ -19,8 +19,6 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-import torch
-
 from kvlm.cache.prefix import BlockTable
 from kvlm.engine.request import SampleState
 from kvlm.engine.sampling import Sampler
@@ -74,13 +72,8 @@ class Sequence:
         """Tokens to feed before the next token can be sampled."""
         return self.num_tokens - self.num_computed
 
-    def accept(self, token: int, logits: torch.Tensor) -> str:
-        return self.sample.accept(token, logits)
-
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    return next((i for i in range(n) if a[i] != b[i]), n)

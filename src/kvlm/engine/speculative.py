@@ -123,5 +123,4 @@ class DraftModel:
 
     def _prune(self) -> None:
         for sid in [s for s, (_, _, q) in self.states.items() if q.status is Status.FINISHED]:
-            cache = self.states.pop(sid)[0]
-            cache.free()
+            self.states.pop(sid)[0].free()

@@ -50,8 +50,8 @@ def verify_mode(llm: ServedModel, prompt_ids: Sequence[int], mode: str, steps: i
         step_logits.append(logits)
         seq.append(int(torch.argmax(logits)))
     ours = torch.stack(step_logits)  # (steps, V)
-    ref_all = llm.runner.logits(seq[:-1], llm.new_cache("off"))  # (len - 1, V)
-    ref = ref_all[len(prompt_ids) - 1 :]
+    # the oracle's logits at every step, from one teacher-forced forward: (steps, V)
+    ref = llm.runner.logits(seq[:-1], llm.new_cache("off"))[len(prompt_ids) - 1 :]
     chosen = torch.tensor(seq[len(prompt_ids) :], device=ref.device)
     agree = torch.argmax(ref, dim=-1) == chosen
     rank = (ref > ref.gather(-1, chosen[:, None])).sum(-1)  # 0: the oracle's own choice
