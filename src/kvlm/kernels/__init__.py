@@ -26,6 +26,7 @@ import itertools
 import mmap
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
@@ -71,10 +72,8 @@ def cache_dir() -> Path:
 
 
 def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
+    names = (os.environ.get("CC"), "cc", "gcc", "clang")
+    return next((name for name in names if name and shutil.which(name)), None)
 
 
 @cache
@@ -167,16 +166,11 @@ def _key(cc: str, flags: tuple[str, ...]) -> str:
 
 def _cpu_summary(cc: str, flags: tuple[str, ...]) -> str:
     """A few words naming the target: `znver3`, else the OS's model name, else the machine."""
-    for word in _compiler_target(cc, flags).split(" "):
-        if word.startswith("-march="):
-            return word.removeprefix("-march=")
-    target = _compiler_target(cc, flags).partition("-target-cpu ")[2].split(" ")[0]
+    target = re.search(r"(?:^| )(?:-march=|-target-cpu )(\S+)", _compiler_target(cc, flags))
     if target:
-        return target
-    for line in _cpu_features().splitlines():
-        if line.startswith("model name: "):
-            return line.removeprefix("model name: ")
-    return platform.machine() or "this CPU"
+        return target[1]
+    model = re.search(r"^model name: (.*)$", _cpu_features(), re.MULTILINE)
+    return model[1] if model else platform.machine() or "this CPU"
 
 
 def _check_parent(folder: Path) -> None:
@@ -301,10 +295,8 @@ def _compile(cc: str, flags: tuple[str, ...], target: Path, failed: Path, work: 
         raise KernelBuildError(f"{brief}; noted in {failed}, delete it to retry")
     os.chmod(built, 0o700)  # ours, just made: not left group-writable by a lax umask
     sidecar = work / "cpu"
-    summary = _cpu_summary(cc, flags)
-    sidecar.write_text(
-        f"{summary}\n{_compiler_target(cc, flags)}\n{_cpu_features()}\n", encoding="utf-8"
-    )
+    lines = (_cpu_summary(cc, flags), _compiler_target(cc, flags), _cpu_features())
+    sidecar.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
     os.replace(sidecar, target.with_suffix(".cpu"))
     os.replace(built, target)
 

@@ -277,11 +277,9 @@ def _attend_kernel(
     if not (q.dtype == k.dtype == v.dtype == torch.float32):
         return None
     if mask is not None:
-        if mask.dtype != torch.bool or mask.dim() not in (2, 4):
-            return None
         if mask.dim() == 4 and mask.shape[:2] == (1, 1):
             mask = mask.reshape(mask.shape[-2:])
-        if mask.dim() != 2:
+        if mask.dtype != torch.bool or mask.dim() != 2:
             return None
     lib = kernels.library()
     if lib is None:

@@ -127,9 +127,8 @@ def why_not(model: Transformer) -> str | None:
     c = model.config
     if c.num_heads // c.num_kv_heads > 8 or c.head_dim > 128:
         return "more than 8 query heads per KV head, or head_dim > 128"
-    for module in model.modules():
-        if isinstance(module, Linear) and module.kernel != "quant":
-            return "needs low-bit weights in every projection (--weights int8|int4|native)"
+    if any(isinstance(m, Linear) and m.kernel != "quant" for m in model.modules()):
+        return "needs low-bit weights in every projection (--weights int8|int4|native)"
     for block in model.layers:
         if block.mlp.gate_up.bias is not None or block.mlp.down.bias is not None:
             return "MLP biases (the step adds only the attention projections' biases)"
@@ -157,39 +156,21 @@ class FusedDecoder:
         self.model = model
         self.slots = slots
         positions = torch.arange(slots, dtype=torch.long)[None]
-        cos, sin = model.rope(positions, torch.float32)  # the torch path's own values
-        self.cos = cos.reshape(slots, -1).contiguous()
-        self.sin = sin.reshape(slots, -1).contiguous()
+        rope = model.rope(positions, torch.float32)  # the torch path's own values
+        self.cos, self.sin = (t.reshape(slots, -1).contiguous() for t in rope)
         layers = (_QLayer * c.num_layers)()
         d = c.head_dim
         for i, block in enumerate(model.layers):
-            attn = block.attn
-            layers[i] = _QLayer(
-                block.input_norm.weight.data_ptr(),
-                block.post_norm.weight.data_ptr(),
-                _qmat(attn.qkv),
-                _qmat(attn.o_proj),
-                _qmat(block.mlp.gate_up),
-                _qmat(block.mlp.down),
-                _ptr(attn.qkv.bias, attn.qkv.out_features),
-                _ptr(attn.o_proj.bias, attn.o_proj.out_features),
-                _ptr(None if attn.q_norm is None else attn.q_norm.weight, d),
-                _ptr(None if attn.k_norm is None else attn.k_norm.weight, d),
-            )
+            attn, mlp = block.attn, block.mlp
+            norms = (block.input_norm.weight.data_ptr(), block.post_norm.weight.data_ptr())
+            mats = [_qmat(lin) for lin in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)]
+            biases = [_ptr(lin.bias, lin.out_features) for lin in (attn.qkv, attn.o_proj)]
+            qk = [_ptr(None if n is None else n.weight, d) for n in (attn.q_norm, attn.k_norm)]
+            layers[i] = _QLayer(*norms, *mats, *biases, *qk)
         self._layers = layers  # keep alive: the struct points into it
-        self.spec = _QModel(
-            c.num_layers,
-            c.hidden_size,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            c.intermediate_size,
-            slots,
-            c.rms_norm_eps,
-            layers,
-            model.norm.weight.data_ptr(),
-            _qmat(model.lm_head),
-        )
+        shape = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, d, c.intermediate_size)
+        head = (model.norm.weight.data_ptr(), _qmat(model.lm_head))  # final_norm, lm_head
+        self.spec = _QModel(*shape, slots, c.rms_norm_eps, layers, *head)
         self.scratch = torch.empty(0, dtype=torch.float32)
         self.vocab = model.lm_head.out_features
 
@@ -254,20 +235,11 @@ class FusedDecoder:
             raise ValueError(f"sliding window {window}: must be at least 1")
         self.spec.window = window or 0
         rc = self.lib.kvlm_decode_batch(
-            ctypes.byref(self.spec),
-            rows,
-            x.data_ptr(),
-            pos.data_ptr(),
-            self.cos.data_ptr(),
-            self.sin.data_ptr(),
-            store.values.data_ptr(),
-            store.values.shape[2],  # blocks (a contiguous cache: its one row)
-            block_size,
-            table.data_ptr(),
-            table.shape[1],
-            self.scratch.data_ptr(),
-            logits.data_ptr(),
-        )
+            ctypes.byref(self.spec), rows, x.data_ptr(), pos.data_ptr(), self.cos.data_ptr(),
+            self.sin.data_ptr(), store.values.data_ptr(),
+            store.values.shape[2], block_size,  # blocks (a contiguous cache: its one row)
+            table.data_ptr(), table.shape[1], self.scratch.data_ptr(), logits.data_ptr(),
+        )  # fmt: skip
         if rc == -1:
             raise MemoryError("no scratch memory for the fused decode step")
         if rc != 0:

@@ -61,8 +61,7 @@ class Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.in_features = weight.shape[1]
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self.kernel = _pick_kernel(weight)
         self._blas = None
         if self.kernel == "cpu-fp32":
@@ -101,11 +100,9 @@ class Linear(nn.Module):
             # many rows share the call: a prompt's K/V are the same chunked or whole, alone
             # or beside others (the model says which: `prompt_rows`).
             prompt = prompt_rows(x)
-            bf16 = self.prefill_bf16 and prompt
             int8 = self.prefill_int8 if prompt else self.act_int8
-            if out is not None and x.dtype != torch.float32:
-                out = None
-            y = self.quant.matmul(flat, bf16, int8, out=out)
+            out = out if x.dtype == torch.float32 else None
+            y = self.quant.matmul(flat, self.prefill_bf16 and prompt, int8, out=out)
             y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         else:
             return F.linear(x, self.weight, self.bias)
@@ -179,7 +176,7 @@ class Linear(nn.Module):
             raise ValueError("a oneDNN-packed weight cannot be read back")
         return self.weight
 
-    def pack_onednn(self, batch_hint: int = ONEDNN_BATCH_HINT) -> None:
+    def pack_onednn(self) -> None:
         """Re-store an fp32 CPU weight packed for oneDNN: the kernel for batched decode.
 
         oneDNN's packed fp32 product costs nearly the same for 1 row as for 16 and gives a
@@ -189,7 +186,7 @@ class Linear(nn.Module):
         if self.kernel != "cpu-fp32" or not _onednn_fp32():
             return
         w = self.weight.t().contiguous()  # [out, in]
-        self._store("onednn", torch.ops.mkldnn._reorder_linear_weight(w, batch_hint))
+        self._store("onednn", torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_BATCH_HINT))
 
     @property
     def uses_blas(self) -> bool:
@@ -390,7 +387,6 @@ class MLP(nn.Module):
             # one pass in C, the fused decode step's own silu_mul (torch's silu on the
             # strided half and the product: ~1 G elements/s in a prompt)
             act = torch.empty(*gu.shape[:-1], gu.shape[-1] // 2)
-            rows = gu.numel() // gu.shape[-1]
             if lib.kvlm_silu_mul(gu.data_ptr(), rows, act.shape[-1], act.data_ptr()) == 0:
                 return self.down(act)
         gate, up = gu.chunk(2, dim=-1)

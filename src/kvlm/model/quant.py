@@ -173,9 +173,7 @@ class QuantWeight:
     @property
     def nbytes(self) -> int:
         """Bytes a product reads: codes and parameters (with the rows padding a block)."""
-        if self._parts is None:
-            return self.data.numel()
-        return sum(b - a for _, _, a, b in self._parts)
+        return sum(p.data.numel() for p in self.parts())
 
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(codes, scale, zero) in the natural order, scales as fp32 (q8, q4); (the ggml
@@ -237,8 +235,8 @@ class QuantWeight:
         out = torch.empty(flat.numel(), self.in_features, dtype=torch.float32)
         if flat.numel():
             code, k = KIND_CODES[self.kind], self.in_features
-            rc = lib.kvlm_qdequant_rows(code, k, _ptr(self.data), _ptr(flat), flat.numel(),
-                                        _ptr(out))  # fmt: skip
+            rc = lib.kvlm_qdequant_rows(code, k, self.data.data_ptr(), flat.data_ptr(),
+                                        flat.numel(), out.data_ptr())  # fmt: skip
             if rc != 0:
                 raise ValueError(f"the kernels refused {self.kind} rows")
         return out.view(*ids.shape, self.in_features)
@@ -270,17 +268,14 @@ class QuantWeight:
         if x.dtype == torch.float64:  # the reference: the same weights, fp64 sums
             return torch.matmul(x, self.dense(_scratch(numel)).t().double())
         lib = kernels.library()
-        if prefill_bf16 and lib is not None:
-            return self._tiled(lib, x, torch.bfloat16)
-        if prefill_bf16:
+        if lib is None and prefill_bf16:
             w = self.dense(dtype=torch.bfloat16)
             return torch.matmul(x.to(torch.bfloat16), w.t()).float()
-        if lib is None and act_int8:
-            x = round_activations(x)
         if lib is None:
+            x = round_activations(x) if act_int8 else x
             return torch.matmul(x, self.dense(_scratch(numel)).t())
-        if m > SMALL_M and not act_int8:
-            return self._tiled(lib, x, torch.float32)
+        if prefill_bf16 or (m > SMALL_M and not act_int8):
+            return self._tiled(lib, x, torch.bfloat16 if prefill_bf16 else torch.float32)
         n = self.out_features
         y = torch.empty(m, n, dtype=torch.float32) if out is None else out
         if m > PROMPT_ROWS and act_int8:  # bounded scratch; a row's result is the same
@@ -290,8 +285,8 @@ class QuantWeight:
         fn = lib.kvlm_qgemm_i8 if act_int8 else lib.kvlm_qgemm
         col = 0
         for p in self.parts():  # each part's outputs: columns col .. of y (row stride n)
-            rc = fn(KIND_CODES[p.kind], _ptr(x), m, k, _ptr(p.data), p.out_features,
-                    _ptr(y) + 4 * col, n)  # fmt: skip
+            rc = fn(KIND_CODES[p.kind], x.data_ptr(), m, k, p.data.data_ptr(), p.out_features,
+                    y.data_ptr() + 4 * col, n)  # fmt: skip
             if rc == -1:
                 raise MemoryError("no scratch memory for a low-bit product")
             if rc != 0:
@@ -307,7 +302,7 @@ def _dequant(lib, q: QuantWeight, data: torch.Tensor, out: torch.Tensor) -> None
     """The rows of `out` (fp32 or bf16 [rows, K], contiguous) of q's kind from its packed
     `data`."""
     code, bf16, rows = KIND_CODES[q.kind], out.dtype == torch.bfloat16, out.shape[0]
-    if lib.kvlm_qdequant(code, bf16, q.in_features, _ptr(data), rows, _ptr(out)) != 0:
+    if lib.kvlm_qdequant(code, bf16, q.in_features, data.data_ptr(), rows, out.data_ptr()) != 0:
         raise ValueError(f"the kernels do not know the kind {q.kind!r}")
 
 
@@ -315,11 +310,8 @@ def _new_data(nbytes: int) -> torch.Tensor:
     """A packed weight's buffer: uint8 [nbytes], contents undefined (the packer writes every
     byte). Every packed weight's data is allocated here: the next slice of the huge-page
     arena while one is open (`packing_on_huge_pages`), else ordinary memory."""
-    if _ARENAS and _ARENAS[-1] is not None:
-        got = _ARENAS[-1].take(nbytes)
-        if got is not None:
-            return got
-    return torch.empty(nbytes, dtype=torch.uint8)
+    got = _ARENAS[-1].take(nbytes) if _ARENAS and _ARENAS[-1] is not None else None
+    return torch.empty(nbytes, dtype=torch.uint8) if got is None else got
 
 
 class HugePageArena:
@@ -419,9 +411,8 @@ def _block_shape(kind: str, blocks: torch.Tensor | np.ndarray) -> tuple[int, int
 
 
 def _as_tensor(blocks: torch.Tensor | np.ndarray) -> torch.Tensor:
-    if isinstance(blocks, torch.Tensor):
-        return blocks
-    return torch.from_numpy(np.array(blocks))  # a copy: a map's view is read-only
+    # a numpy array copied: a map's view is read-only
+    return blocks if isinstance(blocks, torch.Tensor) else torch.from_numpy(np.array(blocks))
 
 
 def _pack_blocks(
@@ -783,10 +774,6 @@ def _scratch(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return buf[:numel]
 
 
-def _ptr(t: torch.Tensor) -> int:
-    return t.data_ptr()
-
-
 def _dense_torch(q: QuantWeight) -> torch.Tensor:
     if q._parts is not None:
         return torch.cat([_dense_torch(p) for p in q.parts()])
@@ -844,18 +831,17 @@ def move_to_huge_pages(
     offers no huge pages. `moved(w)` runs after each weight's move: the caller drops its
     other references to the old storage there, so it is freed weight by weight and the
     peak stays one weight above the model, not two models."""
-    sizes = [-(-w.data.numel() // 64) * 64 for w in weights]  # each start 64-byte aligned
-    arena = kernels.huge_page_buffer(sum(sizes))
-    if arena is None:
+    # each weight from a 64-byte boundary, as HugePageArena hands them out
+    buffer = kernels.huge_page_buffer(sum(-(-w.data.numel() // 64) * 64 for w in weights))
+    if buffer is None:
         return False
-    at = 0
-    for w, size in zip(weights, sizes, strict=True):
-        view = arena[at : at + w.data.numel()].view(w.data.shape)
+    arena = HugePageArena(buffer)
+    for w in weights:
+        view = arena.take(w.data.numel()).view(w.data.shape)
         view.copy_(w.data)
         w.data = view
         if moved is not None:
             moved(w)
-        at += size
     return True
 
 
@@ -884,8 +870,7 @@ def concat(parts: Sequence[QuantWeight | Blocks]) -> QuantWeight:
     data = _new_data(at)
     for run, (kind, n, a, b) in zip(runs, spec, strict=True):
         _fill(kind, run, data[a:b].view(-(-n // BLOCK_ROWS), -1))
-        if len(runs) > 1:
-            data[b : -(-b // 64) * 64].zero_()  # the padding to the next part
+        data[b : -(-b // 64) * 64].zero_()  # the padding to the next part (none after one run)
     if len(runs) == 1:
         kind, n, _, _ = spec[0]
         return QuantWeight._wrap(kind, n, k, data.view(-(-n // BLOCK_ROWS), -1))

@@ -12,6 +12,7 @@ import re
 import sys
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -75,8 +76,8 @@ class Transformer(nn.Module):
         arena = quant.packing_on_huge_pages(capacity) if capacity else nullcontext()
         with loader, freed_memory_returned(), arena as packed_in:
             self.layers = nn.ModuleList(loader.block(i) for i in range(config.num_layers))
-            self.norm = RMSNorm(loader.take("model.norm.weight"), config.rms_norm_eps)
-            tied = config.tie_word_embeddings or not loader.has("lm_head.weight")
+            self.norm = loader.norm("model.norm")
+            tied = config.tie_word_embeddings or "lm_head.weight" not in loader.available
             # --weights native: the table stays in its stored low-bit format, rows
             # dequantized on lookup (a 151,936 x 896 table is 519 MiB in fp32)
             q = self._embed_quant = loader.native_embedding("model.embed_tokens.weight")
@@ -90,7 +91,7 @@ class Transformer(nn.Module):
             # Tied: read embeddings out of lm_head's weight unless it is packed.
             self._embed_table = embed if not tied or self.lm_head.rows() is None else None
             freq_factors = loader.take_raw("rope_freqs.weight")
-            loader.release()  # the vocabulary table's pages
+            weights.release()  # the vocabulary table's pages
         self.rope = RotaryEmbedding(config, self.device, freq_factors)
         # low-bit weights on huge pages, in the order a decode step reads them: packed
         # there as they loaded; any that did not fit moved there now, each old copy freed
@@ -114,9 +115,7 @@ class Transformer(nn.Module):
 
     def step_context(self, rows: int) -> AbstractContextManager:
         """Thread arrangement for a forward of `rows` token rows (see kvlm.model.blas)."""
-        if rows == 1 and self.lm_head.uses_blas:
-            return one_torch_thread()
-        return nullcontext()
+        return one_torch_thread() if rows == 1 and self.lm_head.uses_blas else nullcontext()
 
     def pack_for_batches(self) -> None:
         """Switch fp32 CPU weights to oneDNN's packed layout (kvlm.model.layers.Linear):
@@ -156,24 +155,20 @@ class Transformer(nn.Module):
         if prompt is None:
             prompt = input_ids.shape[-1] > 1
         with feeding_prompt(prompt):
-            return self._forward(input_ids, positions, kv, last_only)
-
-    def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVStep, last_only: bool
-    ) -> torch.Tensor:
-        x = self.embed(input_ids)  # (B, T, H)
-        cos, sin = self.rope(positions, x.dtype)
-        # A cache that keeps K before RoPE (the window cache, positions inside the cache)
-        # names every key's position; cos/sin for them once per step, for all layers.
-        keys_at = kv.key_rope_positions
-        key_rope = None if keys_at is None else self.rope.for_keys(keys_at, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, kv, key_rope)
-        if kv.logit_rows is not None:  # a ragged step: each sequence's rows it asks for
-            x = x[:, kv.logit_rows]
-        elif last_only:
-            x = x[:, -1:]
-        logits = self.lm_head(self.norm(x))
+            x = self.embed(input_ids)  # (B, T, H)
+            cos, sin = self.rope(positions, x.dtype)
+            # A cache that keeps K before RoPE (the window cache, positions inside the
+            # cache) names every key's position; cos/sin for them once per step, for all
+            # layers.
+            keys_at = kv.key_rope_positions
+            key_rope = None if keys_at is None else self.rope.for_keys(keys_at, x.dtype)
+            for layer in self.layers:
+                x = layer(x, cos, sin, kv, key_rope)
+            if kv.logit_rows is not None:  # a ragged step: each sequence's rows it asks for
+                x = x[:, kv.logit_rows]
+            elif last_only:
+                x = x[:, -1:]
+            logits = self.lm_head(self.norm(x))
         return logits if logits.dtype == torch.float64 else logits.float()
 
 
@@ -220,31 +215,26 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
+@dataclass
 class _WeightTaker:
     """Pulls named tensors from a WeightSource, converting each at once (one in flight)."""
 
-    def __init__(
-        self,
-        weights: WeightSource,
-        config: ModelConfig,
-        dtype: torch.dtype,
-        device: torch.device,
-        progress: bool,
-        weight_format: str | None = None,
-    ) -> None:
-        self.weights = weights
-        self.weight_format = weight_format
-        self.config = config
-        self.dtype = dtype
-        self.device = device
-        self.available = set(weights.names())
+    weights: WeightSource
+    config: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    progress: bool
+    weight_format: str | None = None
+
+    def __post_init__(self) -> None:
+        self.available = set(self.weights.names())
         # --weights native: what had no kernel, (file name pattern, type) -> (outcome, count)
         self.requantized: dict[tuple[str, str], tuple[str, int]] = {}
         self.bar = tqdm(
             total=len(self.available),
             desc="loading weights",
             unit="tensor",
-            disable=not progress,
+            disable=not self.progress,
             file=sys.stderr,
             leave=False,
         )
@@ -266,9 +256,6 @@ class _WeightTaker:
             _, count = self.requantized.get((pattern, qtype), (outcome, 0))
             self.requantized[pattern, qtype] = (outcome, count + 1)
 
-    def has(self, name: str) -> bool:
-        return name in self.available
-
     def take_raw(self, name: str) -> torch.Tensor | None:
         if name not in self.available:
             return None
@@ -286,14 +273,12 @@ class _WeightTaker:
         names = [f"{prefix}.{p}.weight" for p in parts]
         biases = [self.take_raw(f"{prefix}.{p}.bias") for p in parts]
         bias = None
-        if any(b is not None for b in biases):
-            rows = [self._rows(n) for n in names]
-            bias = torch.cat(
-                [
-                    torch.zeros(r) if b is None else b.float()
-                    for r, b in zip(rows, biases, strict=True)
-                ]
-            ).to(device=self.device, dtype=self.dtype)
+        if any(b is not None for b in biases):  # zeros for the parts that have none
+            filled = [
+                torch.zeros(self._rows(n)) if b is None else b.float()
+                for n, b in zip(names, biases, strict=True)
+            ]
+            bias = torch.cat(filled).to(device=self.device, dtype=self.dtype)
         native = [self._native(n, packed=False) for n in names]
         if any(q is not None for q in native):  # packed into one buffer (quant.concat)
             self.bar.update(sum(q is not None for q in native))
@@ -365,44 +350,30 @@ class _WeightTaker:
             lin.convert(fmt)
         return lin
 
-    def _bias(self, name: str) -> torch.Tensor | None:
-        bias = self.take_raw(name)
-        return None if bias is None else bias.to(self.device, self.dtype)
-
     def block(self, i: int) -> Block:
         c = self.config
         p = f"model.layers.{i}"
-        eps = c.rms_norm_eps
         q_norm = k_norm = None
-        if c.qk_norm:
-            q_norm = RMSNorm(self.take(f"{p}.self_attn.q_norm.weight"), eps)
-            k_norm = RMSNorm(self.take(f"{p}.self_attn.k_norm.weight"), eps)
-        attn = Attention(
-            i,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            qkv=self.fused_linear(f"{p}.self_attn", ("q_proj", "k_proj", "v_proj")),
-            o_proj=self.linear(
-                f"{p}.self_attn.o_proj.weight", bias=self._bias(f"{p}.self_attn.o_proj.bias")
-            ),
-            q_norm=q_norm,
-            k_norm=k_norm,
-        )
-        mlp = MLP(
-            self.fused_linear(f"{p}.mlp", ("gate_proj", "up_proj")),
-            self.linear(f"{p}.mlp.down_proj.weight", bias=self._bias(f"{p}.mlp.down_proj.bias")),
-        )
-        block = Block(
-            attn,
-            mlp,
-            RMSNorm(self.take(f"{p}.input_layernorm.weight"), eps),
-            RMSNorm(self.take(f"{p}.post_attention_layernorm.weight"), eps),
-        )
-        self.release()
+        if c.qk_norm:  # Qwen3
+            q_norm, k_norm = (self.norm(f"{p}.self_attn.{q}_norm") for q in ("q", "k"))
+        qkv = self.fused_linear(f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"))
+        o_proj = self._with_bias(f"{p}.self_attn.o_proj")
+        attn = Attention(i, c.num_heads, c.num_kv_heads, c.head_dim, qkv, o_proj, q_norm, k_norm)
+        gate_up = self.fused_linear(f"{p}.mlp", ("gate_proj", "up_proj"))
+        mlp = MLP(gate_up, self._with_bias(f"{p}.mlp.down_proj"))
+        norms = (self.norm(f"{p}.{n}_layernorm") for n in ("input", "post_attention"))
+        block = Block(attn, mlp, *norms)
+        # the file's pages read so far are the model's own copies now: given back, so the
+        # file and the packed model are never both resident (a layer at a time)
+        self.weights.release()
         return block
 
-    def release(self) -> None:
-        """The file's pages read so far are the model's own copies now: given back, so
-        the file and the packed model are never both resident (a layer at a time)."""
-        self.weights.release()
+    def norm(self, prefix: str) -> RMSNorm:
+        """The RMSNorm of `prefix`.weight."""
+        return RMSNorm(self.take(f"{prefix}.weight"), self.config.rms_norm_eps)
+
+    def _with_bias(self, prefix: str) -> Linear:
+        """The projection `prefix`.weight, with `prefix`.bias where the file has one."""
+        bias = self.take_raw(f"{prefix}.bias")
+        bias = None if bias is None else bias.to(self.device, self.dtype)
+        return self.linear(f"{prefix}.weight", bias=bias)
