@@ -69,9 +69,11 @@ class ModelRunner:
         )
 
     def _decoder(self, slots: int) -> fused.FusedDecoder | None:
-        if self.fused_reason is None and slots not in self._fused:
+        if self.fused_reason is not None:  # set after a decoder was made: it is not used
+            return None
+        if slots not in self._fused:
             self._fused[slots] = fused.FusedDecoder(self.model, slots)
-        return self._fused.get(slots)  # None where the fused step cannot run
+        return self._fused[slots]
 
     def _decodes_alike(self, prompt: bool | None) -> bool:
         """Whether one prompt token may take the fused (decode) step: only when prompt
