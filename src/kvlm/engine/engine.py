@@ -506,7 +506,8 @@ class Engine:
     def _event(req: _Request, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob],
                finish: str | None, text: str = "") -> StepOutput:  # fmt: skip
         return StepOutput(req.request_id, seq.index, text, tokens, logprobs, finish,
-                          len(req.prompt_ids), req.seqs[0].num_cached)  # fmt: skip
+                          prompt_tokens=len(req.prompt_ids),
+                          cached_tokens=req.seqs[0].num_cached)  # fmt: skip
 
     def _fail(self, request_id: str, exc: Exception) -> list[StepOutput]:
         """End one request whose forward or sampling raised; every other goes on."""
@@ -554,15 +555,18 @@ class Engine:
             "blocks_used": pool.num_used,
             "blocks_free": pool.num_free,
             "blocks_total": pool.num_blocks,
-            **{f"prefix_{k}": getattr(self.manager.stats, k)
-               for k in ("queries", "hits", "hit_rate")},
+            "prefix_queries": self.manager.stats.queries,
+            "prefix_hits": self.manager.stats.hits,
+            "prefix_hit_rate": self.manager.stats.hit_rate,
             "prefix_evictions": pool.prefix.evictions,
             "preemptions": s.preemptions,
             **{f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)
                if type(getattr(stats, f.name)) in (int, float)},  # the counters
             "tokens_per_s": stats.tokens_per_s(),
-            **{f"spec_{k}": getattr(stats.spec, k)
-               for k in ("drafted", "accepted", "acceptance", "tokens_per_forward")},
+            "spec_drafted": stats.spec.drafted,
+            "spec_accepted": stats.spec.accepted,
+            "spec_acceptance": stats.spec.acceptance,
+            "spec_tokens_per_forward": stats.spec.tokens_per_forward,
             "ttft_counts": list(stats.ttft_counts),
             "tiers": None if tiers is None else {
                 name: dataclasses.asdict(st) for name, st in tiers.stats.items()
