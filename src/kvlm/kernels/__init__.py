@@ -373,11 +373,8 @@ def library() -> ctypes.CDLL | None:
         return None
     try:
         path = _build(cc)
-    except KernelBuildError as exc:
-        _outcome.reason = str(exc)
-        return None
-    except (OSError, subprocess.SubprocessError) as exc:
-        _outcome.reason = f"build failed: {exc}"
+    except (OSError, subprocess.SubprocessError) as exc:  # a KernelBuildError in its own words
+        _outcome.reason = str(exc) if isinstance(exc, KernelBuildError) else f"build failed: {exc}"
         return None
     try:
         lib = ctypes.CDLL(str(path))
