@@ -100,10 +100,9 @@ class AsyncEngine:
 
     def _end_all(self, exc: EngineStoppedError) -> None:
         """Fail what waits on the stopped loop: queued calls and every open stream."""
-        for handler, *args in self._pending():
-            if handler == self._call:
-                _, loop, future = args
-                _soon(loop, _settle, future, None, exc)
+        calls = [args for handler, *args in self._pending() if handler == self._call]
+        for _, loop, future in calls:  # (fn, loop, future): fn never runs
+            _soon(loop, _settle, future, None, exc)
         for stream in list(self._streams.values()):
             _soon(stream.loop, stream.events.put_nowait, exc)
 
