@@ -195,7 +195,8 @@ class AsyncEngine:
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         while not self._stop:
             try:
-                self._drain()
+                for handler, *args in self._pending():  # (handler, *args) messages
+                    handler(*args)
                 if not self.engine.has_work():
                     self._wake.wait(0.5)
                     self._wake.clear()
@@ -223,10 +224,6 @@ class AsyncEngine:
                 yield self._inbox.get_nowait()
             except queue.Empty:
                 return
-
-    def _drain(self) -> None:
-        for handler, *args in self._pending():
-            handler(*args)
 
     def _add(self, rid: str, prompt_ids: list[int], params: SamplingParams, cache_salt) -> None:
         try:
