@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvlm.model.layers import Linear, _onednn_bf16, _onednn_fp32
+from kvlm.model.layers import Linear, _onednn_works
 from numerics import (
     BF16_STEP,
     FP16_STEP,
@@ -48,7 +48,7 @@ def test_kernel_choice_and_rows_view():
     fp16 = Linear(w.half())
     assert fp16.kernel == "torch" and torch.equal(fp16.rows(), w.half())
     bf16 = Linear(w.bfloat16())
-    if _onednn_bf16():
+    if _onednn_works(torch.bfloat16):
         assert bf16.kernel == "onednn" and bf16.rows() is None
         x = torch.randn(1, 8).bfloat16()
         assert torch.equal(bf16(x), F.linear(x, w.bfloat16()))  # packed, bitwise the same
@@ -63,7 +63,7 @@ def test_one_row_fp32_takes_the_blas_path_when_available():
     assert lin.uses_blas == openblas_available()
 
 
-@pytest.mark.skipif(not _onednn_fp32(), reason="oneDNN cannot run fp32 products here")
+@pytest.mark.skipif(not _onednn_works(torch.float32), reason="oneDNN cannot run fp32 products here")
 @pytest.mark.parametrize("width", [64, 1536])
 def test_onednn_packed_rows_do_not_depend_on_their_batch(width):
     """The serving kernel: a row's result is the same bits alone, in a decode batch, or in

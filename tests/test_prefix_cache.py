@@ -16,9 +16,15 @@ import torch
 from kvlm.cache import prefix
 from kvlm.cache.base import CacheSpec
 from kvlm.cache.paged import BlockPool
-from kvlm.cache.prefix import MAX_SALT_CHARS, BlockManager, chain_hash, check_salt, root_key
+from kvlm.cache.prefix import MAX_SALT_CHARS, BlockManager, block_key, check_salt, root_key
 
 BS = 4
+
+
+def chain_hash(parent: bytes | None, tokens: list[int] | tuple[int, ...]) -> bytes:
+    """The key of a full block after `parent` (None: the first block, without a salt;
+    root_key(salt) for a salted first block)."""
+    return block_key(root_key(None) if parent is None else parent, tuple(tokens))
 
 
 def manager(num_blocks: int = 10, prefix_caching: bool = True) -> BlockManager:
@@ -174,13 +180,13 @@ def test_keys_are_sha256_over_fixed_width_fields():
 def test_keys_are_the_same_in_another_process():
     """Not Python's hash(): seeded per process for str (a salt), and predictable for ints."""
     code = (
-        "from kvlm.cache.prefix import chain_hash, root_key;"
-        "print(chain_hash(chain_hash(root_key('tenant'), (0, 1, 2, 3)), (4, 5, 6, 7)).hex())"
+        "from kvlm.cache.prefix import block_key, root_key;"
+        "print(block_key(block_key(root_key('tenant'), (0, 1, 2, 3)), (4, 5, 6, 7)).hex())"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    here = chain_hash(chain_hash(root_key("tenant"), (0, 1, 2, 3)), (4, 5, 6, 7))
+    here = block_key(block_key(root_key("tenant"), (0, 1, 2, 3)), (4, 5, 6, 7))
     assert out.stdout.strip() == here.hex()
 
 

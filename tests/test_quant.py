@@ -21,7 +21,7 @@ from helpers import (
 )
 from kvlm import kernels
 from kvlm.model import quant
-from kvlm.model.layers import Linear, _onednn_bf16
+from kvlm.model.layers import Linear, _onednn_works
 from numerics import (
     BF16_STEP,
     FP16_STEP,
@@ -287,7 +287,7 @@ def test_linear_formats_keep_the_product(tiny_model_dir):
         lin.convert(fmt)
         # bf16 needs oneDNN's bf16 kernels (AVX512-BF16 or AMX): without, the weight stays
         # fp32 (an AVX2 CPU such as Zen 3), and so does its product
-        bf16 = fmt == "bf16" and _onednn_bf16()
+        bf16 = fmt == "bf16" and _onednn_works(torch.bfloat16)
         want = "quant" if fmt != "bf16" else ("bf16" if bf16 else "cpu-fp32")
         assert lin.kernel == want
         assert (lin.rows() is None) == (want != "cpu-fp32")

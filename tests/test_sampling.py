@@ -15,11 +15,21 @@ from kvlm.engine.sampling import (
     SamplingParams,
     _candidates,
     _draw,
-    _top_p_filter,
     token_logprob,
 )
 from kvlm.errors import InvalidRequestError
 from numerics import gamma
+
+
+def _top_p_filter(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches top_p: the
+    reference `_candidates` is checked against (it never sorts the whole vocabulary)."""
+    sorted_x, order = torch.sort(x, descending=True)
+    probs = torch.softmax(sorted_x, dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs  # mass strictly ahead of each token
+    drop = before >= top_p
+    drop[..., 0] = False  # never the best: a top_p that rounds to 0 in fp32 would drop it
+    return x.scatter(-1, order[drop], -math.inf)
 
 
 @pytest.mark.parametrize(

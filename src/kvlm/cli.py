@@ -410,7 +410,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "kv_bytes_used": cache.num_tokens * cache.batch * cache.spec.bytes_per_token,
         }
         if llm.speculative is not None:
-            record["speculative"] = _speculative(llm, turn.engine)
+            st, spec = turn.engine.stats.spec, llm.speculative
+            record["speculative"] = {
+                "method": spec.method, "num_draft": spec.num_draft, "drafted": st.drafted,
+                "accepted": st.accepted, "acceptance": st.acceptance,
+                "tokens_per_forward": st.tokens_per_forward}  # fmt: skip
         print(json.dumps(record))
         return 0
     print()
@@ -418,13 +422,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"--- sample {sample.index} ---\n{sample.text}")
     _summary(turn, llm, "this request")
     return 0
-
-
-def _speculative(llm: Any, engine: Any) -> dict[str, Any]:
-    st, spec = engine.stats.spec, llm.speculative
-    return {"method": spec.method, "num_draft": spec.num_draft, "drafted": st.drafted,
-            "accepted": st.accepted, "acceptance": st.acceptance,
-            "tokens_per_forward": st.tokens_per_forward}  # fmt: skip
 
 
 def _summary(turn: Any, llm: Any, scope: str) -> None:

@@ -147,12 +147,6 @@ def probed(run: Callable[[], dict], device: torch.device | None = None) -> dict:
     return row
 
 
-def _reset_peak_rss() -> None:
-    """Start VmHWM over from the current RSS (Linux: `5` to clear_refs)."""
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def position_cost(
     llm: LLM, mode: str, positions: tuple[int, ...] = (16, 1024), repeats: int = 3
 ) -> dict:
@@ -348,7 +342,9 @@ def _measure(llm: LLM, config: BenchConfig, runners: list[tuple[str, Callable]])
 def _run_once(runner: Callable, warm: list[int], ids: list[int], new: int, dev: Any) -> dict:
     """A warm-up run of 4 tokens, then the run, with the peak memory they reached."""
     gpu = dev.type == "cuda"
-    _reset_peak_rss()
+    # the peak RSS (VmHWM) starts over from the current RSS (Linux: `5` to clear_refs)
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
     if gpu:
         torch.cuda.reset_peak_memory_stats(dev)
     runner(warm, 4)

@@ -194,9 +194,7 @@ class PagedCache(KVCache):
         return total
 
     def would_overflow(self, n_new: int) -> bool:
-        if self.num_tokens + n_new > self.capacity:
-            return True
-        return self._blocks_to_add(n_new) > self.pool.num_free
+        return super().would_overflow(n_new) or self._blocks_to_add(n_new) > self.pool.num_free
 
     def _overflow_message(self, n_new: int) -> str:
         if self.num_tokens + n_new > self.capacity:

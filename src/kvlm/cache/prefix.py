@@ -83,12 +83,6 @@ def _packer(n: int) -> Callable[..., bytes]:
     return struct.Struct(f"<{n}I").pack
 
 
-def chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
-    """The key of a full block after `parent` (None: the first block, without a salt;
-    root_key(salt) for a salted first block)."""
-    return block_key(root_key(None) if parent is None else parent, tuple(tokens))
-
-
 @dataclass(slots=True)
 class BlockTable:
     """One sequence's blocks, the keys of those that are full and sealed, and its salt."""

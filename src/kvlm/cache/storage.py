@@ -106,9 +106,7 @@ class Store:
     def put(self, index: tuple, x: torch.Tensor) -> None:
         """Store float rows x at `index` (quantizing for int8)."""
         if self.quantized:
-            q, s = quantize(x)
-            self.values[index] = q
-            self.scales[index] = s
+            self.values[index], self.scales[index] = quantize(x)
         else:
             self.values[index] = x.to(self.dtype)
 

@@ -25,15 +25,11 @@ MIN_KEY_BYTES = 16
 MAX_KEY_BYTES = 4096  # a key file larger than this is not a key
 
 
-def default_key_path() -> Path:
-    state = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
-    return Path(state) / "kvlm" / "tier.key"
-
-
 def load_tier_key(path: str | Path | None = None) -> bytes:
     """The key in `path`, or in the default file (made on first use) when None."""
     if path is None:
-        path = default_key_path()
+        state = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+        path = Path(state) / "kvlm" / "tier.key"
         _create(path)
         return _read(path, follow=False)
     return _read(Path(path).expanduser(), follow=True)

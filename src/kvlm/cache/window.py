@@ -146,12 +146,11 @@ class WindowDraftRowsStep(_WindowStep):
         read them, then its own token."""
         stored = self.store.get((layer, kv), x.dtype)  # (1, Hkv, slots, D)
         kept = self.store.roundtrip(x)  # (rows, Hkv, 1, D), as the store reads them back
+        ring = stored.clone()  # rows before i: in the ring, as one-token steps left them
         rows = []
         for i in range(x.shape[0]):
-            mine = stored.clone()
-            for m in range(i):  # rows before i: in the ring, as one-token steps left them
-                mine[0, :, self.new_slots[m]] = kept[m, :, 0]
-            rows.append(torch.cat([mine, kept[i : i + 1]], dim=2))
+            rows.append(torch.cat([ring, kept[i : i + 1]], dim=2))
+            ring[0, :, self.new_slots[i]] = kept[i, :, 0]  # row i's token, for rows after i
         return torch.cat(rows)
 
 

@@ -100,10 +100,9 @@ class AsyncEngine:
 
     def _end_all(self, exc: EngineStoppedError) -> None:
         """Fail what waits on the stopped loop: queued calls and every open stream."""
-        for handler, *args in self._pending():
-            if handler == self._call:
-                _, loop, future = args
-                _soon(loop, _settle, future, None, exc)
+        calls = [args for handler, *args in self._pending() if handler == self._call]
+        for _, loop, future in calls:  # (fn, loop, future): fn never runs
+            _soon(loop, _settle, future, None, exc)
         for stream in list(self._streams.values()):
             _soon(stream.loop, stream.events.put_nowait, exc)
 
@@ -196,7 +195,8 @@ class AsyncEngine:
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         while not self._stop:
             try:
-                self._drain()
+                for handler, *args in self._pending():  # (handler, *args) messages
+                    handler(*args)
                 if not self.engine.has_work():
                     self._wake.wait(0.5)
                     self._wake.clear()
@@ -224,10 +224,6 @@ class AsyncEngine:
                 yield self._inbox.get_nowait()
             except queue.Empty:
                 return
-
-    def _drain(self) -> None:
-        for handler, *args in self._pending():
-            handler(*args)
 
     def _add(self, rid: str, prompt_ids: list[int], params: SamplingParams, cache_salt) -> None:
         try:

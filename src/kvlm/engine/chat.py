@@ -92,12 +92,10 @@ class ChatSession:
         CacheFileError, and the cache is left empty rather than half-loaded."""
         extra = load_cache(self.cache, path, fingerprint)
         try:
-            history, messages = self._check_saved(path, extra)
+            self.history, self.messages = self._check_saved(path, extra)
         except CacheFileError:
             self.cache.free()  # K/V the session holds no tokens for must not stay
             raise
-        self.history = history
-        self.messages = messages
         self._turn = None
 
     def _check_saved(self, path: str | Path, extra: dict) -> tuple[list[int], list[dict]]:

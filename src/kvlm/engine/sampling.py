@@ -310,9 +310,10 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 def _candidates(x: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens top-k then top-p keep, most likely first: (their logits, their ids).
 
-    The same set as masking with top-k and then `_top_p_filter`, without sorting the whole
-    vocabulary (torch.sort of 49k logits is ~5 ms on CPU): top-p usually keeps a few dozen
-    tokens, so take the best 64 and widen 4x until the kept mass is reached."""
+    The same set as masking with top-k and then top-p over the sorted vocabulary (the
+    reference in tests/test_sampling.py), without sorting the whole vocabulary (torch.sort
+    of 49k logits is ~5 ms on CPU): top-p usually keeps a few dozen tokens, so take the
+    best 64 and widen 4x until the kept mass is reached."""
     vocab = x.shape[-1]
     ids = None
     if 0 < top_k < vocab:  # top-k first: top-p then works on its k tokens
@@ -341,16 +342,6 @@ def greedy(logits: torch.Tensor) -> int:
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return int(logits.detach().numpy().argmax())
     return int(torch.argmax(logits))
-
-
-def _top_p_filter(x: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches top_p."""
-    sorted_x, order = torch.sort(x, descending=True)
-    probs = torch.softmax(sorted_x, dim=-1)
-    before = torch.cumsum(probs, dim=-1) - probs  # mass strictly ahead of each token
-    drop = before >= top_p
-    drop[..., 0] = False  # never the best: a top_p that rounds to 0 in fp32 would drop it
-    return x.scatter(-1, order[drop], -math.inf)
 
 
 def token_logprob(logits: torch.Tensor, token_id: int, top: int) -> TokenLogprob:

@@ -95,7 +95,8 @@ class DraftModel:
         self.states: dict[int, tuple] = {}  # seq_id -> (cache, fed ids, sequence)
 
     def propose(self, seq, k: int) -> list[int]:
-        self._prune()
+        for sid in [s for s, (_, _, q) in self.states.items() if q.status is Status.FINISHED]:
+            self.states.pop(sid)[0].free()  # the finished sequences' caches
         tokens = seq.token_ids
         if seq.seq_id not in self.states:
             self.states[seq.seq_id] = (self.llm.new_cache("contiguous"), [], seq)
@@ -120,7 +121,3 @@ class DraftModel:
                 logits = runner.forward([token], cache)
                 fed.append(token)
         return draft
-
-    def _prune(self) -> None:
-        for sid in [s for s, (_, _, q) in self.states.items() if q.status is Status.FINISHED]:
-            self.states.pop(sid)[0].free()

@@ -11,7 +11,7 @@ code that dies of SIGILL. A build takes a few seconds. Without a compiler (or wi
 the same numerics, slower; `status()` says why.
 
 A dlopen runs the library's code, so it is loaded only from a directory the user owns and no
-one else can write (`_check_folder`). A failed build leaves `qgemm-{key}.failed` (the
+one else can write (`_open_folder`). A failed build leaves `qgemm-{key}.failed` (the
 compiler's error) and is not retried while that marker exists. A build works in a private
 `.qgemm-*.tmp` directory (the output and the compiler's TMPDIR) renamed into place, removed
 however the build ends; ones left by a killed process are removed by the next build.
@@ -64,11 +64,6 @@ class _Outcome:
 
 
 _outcome = _Outcome()
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("KVLM_CACHE_DIR") or Path.home() / ".cache" / "kvlm"
-    return Path(root) / "kernels"
 
 
 def _compiler() -> str | None:
@@ -212,17 +207,10 @@ def _check_private(path: Path, what: str, is_kind: Callable[[int], bool], fix: s
     raise KernelBuildError(f"{what} {path} {problem}; {fix}")
 
 
-def _check_folder(folder: Path) -> None:
-    _check_parent(folder)
-    fix = f"fix with chmod 700 {folder} or set KVLM_CACHE_DIR"
-    if os.lstat(folder).st_uid != os.getuid():
-        fix = "set KVLM_CACHE_DIR to a directory of your own"
-    _check_private(folder, "kernel cache", stat.S_ISDIR, fix)
-
-
 def _open_folder() -> Path:
     """The kernel cache, created private (0o700) if missing, checked safe to load from."""
-    folder = cache_dir()
+    root = os.environ.get("KVLM_CACHE_DIR") or Path.home() / ".cache" / "kvlm"
+    folder = Path(root) / "kernels"
     if not os.path.lexists(folder):
         folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         try:
@@ -230,7 +218,11 @@ def _open_folder() -> Path:
             os.chmod(folder, 0o700)  # ours, just made: exactly 0o700 whatever the umask
         except FileExistsError:
             pass  # another process made it first: checked below like any other
-    _check_folder(folder)
+    _check_parent(folder)
+    fix = f"fix with chmod 700 {folder} or set KVLM_CACHE_DIR"
+    if os.lstat(folder).st_uid != os.getuid():
+        fix = "set KVLM_CACHE_DIR to a directory of your own"
+    _check_private(folder, "kernel cache", stat.S_ISDIR, fix)
     return folder
 
 
@@ -373,11 +365,8 @@ def library() -> ctypes.CDLL | None:
         return None
     try:
         path = _build(cc)
-    except KernelBuildError as exc:
-        _outcome.reason = str(exc)
-        return None
-    except (OSError, subprocess.SubprocessError) as exc:
-        _outcome.reason = f"build failed: {exc}"
+    except (OSError, subprocess.SubprocessError) as exc:  # a KernelBuildError in its own words
+        _outcome.reason = str(exc) if isinstance(exc, KernelBuildError) else f"build failed: {exc}"
         return None
     try:
         lib = ctypes.CDLL(str(path))

@@ -151,7 +151,7 @@ class Linear(nn.Module):
             if self.kernel != "quant" and can_quantize(self.dense_weight()):
                 self._set_quant(quantize(self.dense_weight(), FORMATS[fmt]))
         elif fmt == "bf16":
-            if self.kernel == "cpu-fp32" and _onednn_bf16():
+            if self.kernel == "cpu-fp32" and _onednn_works(torch.bfloat16):
                 w = self.dense_weight().to(torch.bfloat16).contiguous()
                 self._store("bf16", torch.ops.mkldnn._reorder_linear_weight(w, 1))
         else:
@@ -183,7 +183,7 @@ class Linear(nn.Module):
         row the same bits alone or in a batch, where OpenBLAS and MKL repack the weight
         at every call of more than one row (benchmarks/bench_kernels.py).
         """
-        if self.kernel != "cpu-fp32" or not _onednn_fp32():
+        if self.kernel != "cpu-fp32" or not _onednn_works(torch.float32):
             return
         w = self.weight.t().contiguous()  # [out, in]
         self._store("onednn", torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_BATCH_HINT))
@@ -203,14 +203,15 @@ def _pick_kernel(weight: torch.Tensor) -> str:
         return "torch"
     if weight.dtype == torch.float32:
         return "cpu-fp32"
-    if weight.dtype == torch.bfloat16 and _onednn_bf16():
+    if weight.dtype == torch.bfloat16 and _onednn_works(torch.bfloat16):
         return "onednn"
     return "torch"
 
 
 @cache
 def _onednn_works(dtype: torch.dtype) -> bool:
-    """oneDNN can run packed products of this dtype here: ask it once."""
+    """oneDNN can run packed products of this dtype here: ask it once (bf16 needs
+    AVX512-BF16/AMX, or oneDNN's emulation on AVX512)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
@@ -220,15 +221,6 @@ def _onednn_works(dtype: torch.dtype) -> bool:
     except (RuntimeError, AttributeError):
         return False
     return True
-
-
-def _onednn_bf16() -> bool:
-    """bf16 needs AVX512-BF16/AMX, or oneDNN's emulation on AVX512."""
-    return _onednn_works(torch.bfloat16)
-
-
-def _onednn_fp32() -> bool:
-    return _onednn_works(torch.float32)
 
 
 class RMSNorm(nn.Module):

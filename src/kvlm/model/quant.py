@@ -117,13 +117,10 @@ class QuantWeight:
             raise ValueError(f"unknown quantized kind {kind!r}")
         if (kind == "q4") != (zero is not None):
             raise ValueError("q4 weights need a zero per group; q8 weights have none")
-        n, groups = scale.shape
-        self.kind = kind
-        self.out_features, self.in_features = n, groups * GROUP
         # as the Q8_0 / Q4_1 blocks these arrays are, packed like a file's
-        blocks = _natural_blocks(kind, codes, scale, zero)
-        self.data = _new_data(packed_bytes(kind, n, self.in_features)).view(-(-n // BLOCK_ROWS), -1)
-        _pack_blocks(kind, blocks, None, self.data)
+        q = QuantWeight.from_blocks(kind, _natural_blocks(kind, codes, scale, zero))
+        self.kind, self.out_features, self.in_features = kind, q.out_features, q.in_features
+        self.data = q.data
         self._parts: tuple[tuple[str, int, int, int], ...] | None = None
 
     @classmethod

@@ -142,7 +142,6 @@ class _Stopper:
             if self._stopped:
                 return
             self._stopped = True
-            self.engine.request_stop()
             self.engine.stop()  # open streams get their last event, queued calls a 503
             self.http.should_exit = True  # uvicorn checks it every 0.1 s
             self.thread.join(timeout=HTTP_STOP_S + 1)

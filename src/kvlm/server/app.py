@@ -264,8 +264,8 @@ def _generation_routes(v1: APIRouter, s: _Served) -> None:
     @v1.post("/chat/completions", responses=openapi.generation(openapi.ChatCompletionResponse))
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         _check_model(body.model, s.model_name)
-        tools = body.tool_specs()
-        chars = sum(len(m["content"]) for m in body.conversation())
+        tools = body.tool_specs
+        chars = sum(len(m["content"]) for m in body.conversation)
         _check_length(s, chars + len(json.dumps(tools or [])), "messages")
         ids = await run_in_threadpool(body.prompt_ids, s.tokenizer)
         top = (body.top_logprobs or 0) if body.logprobs else None

@@ -12,6 +12,7 @@ sends one expects it to do something. Limits are checked here so that an absurd 
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Annotated, Any, Literal
 
@@ -384,7 +385,7 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("give tools or the deprecated functions, not both")
         wanted = self.forced_tool()
         if wanted is not None:
-            names = {t["function"]["name"] for t in self.tool_specs() or []}
+            names = {t["function"]["name"] for t in self.tool_specs or []}
             if not names:
                 raise ValueError("tool_choice names a tool call, but no tools are given")
             if wanted != "required" and wanted not in names:
@@ -422,6 +423,7 @@ class ChatCompletionRequest(_Sampling):
     def choice(self) -> Any:
         return self.tool_choice if self.functions is None else self.function_call
 
+    @functools.cached_property
     def tool_specs(self) -> list[dict[str, Any]] | None:
         """The tools as templates take them (OpenAI's shape), or None: none given, or
         tool_choice "none" (the model is not offered them, as vLLM's default)."""
@@ -434,6 +436,7 @@ class ChatCompletionRequest(_Sampling):
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
+    @functools.cached_property
     def conversation(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
 
@@ -442,7 +445,7 @@ class ChatCompletionRequest(_Sampling):
         reasoning_effort and verbosity passed on): the ids the engine runs."""
         options = {"reasoning_effort": self.reasoning_effort, "verbosity": self.verbosity}
         given = {k: v for k, v in options.items() if v is not None}
-        return tokenizer.encode_chat(self.conversation(), tools=self.tool_specs(), **given)
+        return tokenizer.encode_chat(self.conversation, tools=self.tool_specs, **given)
 
 
 def error_body(

@@ -25,7 +25,7 @@ from typing import Any
 from kvlm.engine.engine import StepOutput
 from kvlm.engine.sampling import TokenLogprob
 from kvlm.loading.tokenizer import Tokenizer
-from kvlm.server.tools import ToolStream, parse, parse_forced
+from kvlm.server.tools import ToolStream, parse
 
 
 @dataclass(slots=True)
@@ -135,10 +135,7 @@ class Choices:
 
     def _with_calls(self, body: dict[str, Any], choice: _Choice) -> None:
         """A whole chat reply's tool calls into its message (finish_reason "tool_calls")."""
-        if self.tool_parser is None:  # forced: the whole text is the calls
-            content, calls = None, parse_forced(choice.text)
-        else:
-            content, calls = parse(choice.text, self.tool_parser)
+        content, calls = parse(choice.text, self.tool_parser)  # None: forced, all calls
         if calls:
             body["message"] = {"role": "assistant", "content": content,
                                "tool_calls": [c.to_dict() for c in calls]}  # fmt: skip

@@ -73,8 +73,11 @@ def _call(obj: Any, args_key: str = "arguments") -> Call | None:
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
-def parse(text: str, parser: str) -> tuple[str | None, list[Call]]:
-    """(content, calls) of a whole reply; no calls: (text, [])."""
+def parse(text: str, parser: str | None) -> tuple[str | None, list[Call]]:
+    """(content, calls) of a whole reply; no calls: (text, []). `parser` None: tool_choice
+    forced, the whole text is the calls (parse_forced)."""
+    if parser is None:
+        return None, parse_forced(text)
     if parser == "hermes":
         start = text.find(HERMES_OPEN)
         if start < 0:
@@ -179,9 +182,7 @@ class ToolStream:
 
     def finish(self) -> tuple[str, list[Call]]:
         """At the end: (content still to send, the calls)."""
-        if self.parser is None:
-            return "", parse_forced(self.text)
         _, calls = parse(self.text, self.parser)
-        if not calls:  # held text that is no call after all: it is content
+        if not calls and self.parser is not None:  # held text that is no call: content
             return self._release(len(self.text)), []
         return "", calls  # what came before the calls was sent as it came
