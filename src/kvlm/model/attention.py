@@ -46,6 +46,10 @@ class KVStep(Protocol):
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def for_layer(self, layer: int) -> KVStep:
+        """The step with `layer`'s attention window in its masks (kvlm.cache.base)."""
+        ...
+
 
 class Attention(nn.Module):
     def __init__(
