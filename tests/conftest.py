@@ -42,6 +42,8 @@ TINY_MODELS = {
     # step's chunks over the visible keys are two, the first starting below the window
     # Gemma 3: local (window 8) and global layers, sandwich norms, GeGLU, two RoPE bases
     "gemma3": ("gemma3", 9, {}),
+    # Gemma 2: every second layer windowed, attention scores and logits soft-capped
+    "gemma2": ("gemma2", 10, {}),
     "mistral-hd64-window": (
         "mistral",
         8,

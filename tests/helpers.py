@@ -110,6 +110,15 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
     elif arch == "qwen3":
         # head_dim 32 != hidden/heads: Qwen3 sets head_dim explicitly.
         cfg = Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    elif arch == "gemma2":
+        from transformers import Gemma2Config
+
+        # two layers: a window of 8, then the whole context; both soft-caps; the score
+        # scale (query_pre_attn_scalar 24) not head_dim's
+        cfg = Gemma2Config(
+            **common, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+            final_logit_softcapping=30.0, attn_logit_softcapping=5.0,
+        )  # fmt: skip
     elif arch == "gemma3":
         from transformers import Gemma3TextConfig
 
@@ -343,9 +352,13 @@ def write_gguf_from_hf(
                   cfg["intermediate_size"], cfg["vocab_size"], tied, theta,
                   cfg["max_position_embeddings"], cfg["rms_norm_eps"])  # fmt: skip
     add_shape(w, shape)
-    if arch == "gemma3":  # the window, and a SentencePiece vocabulary of Gemma's kind
+    if arch in ("gemma2", "gemma3"):  # the window, a SentencePiece vocabulary of Gemma's
         w.add_sliding_window(cfg["sliding_window"])
         _add_sentencepiece(w)
+        for cap, add in (("attn", w.add_attn_logit_softcapping),
+                         ("final", w.add_final_logit_softcapping)):  # fmt: skip
+            if cfg.get(f"{cap}_logit_softcapping") is not None:
+                add(cfg[f"{cap}_logit_softcapping"])
     else:
         _add_tokenizer(w, Tokenizer.from_file(str(folder / "tokenizer.json")))
     replace = dict(extra_tensors or {})  # GGUF name -> (array or packed bytes, type)
@@ -355,9 +368,10 @@ def write_gguf_from_hf(
             arr = permute_qk(arr, heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             arr = permute_qk(arr, kv_heads)
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        gemma = arch in ("gemma2", "gemma3")
+        if gemma and name.endswith("norm.weight"):
             arr = arr + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
-        gname = gguf_name(name, _GEMMA_GGUF_NAMES if arch == "gemma3" else _GGUF_NAMES)
+        gname = gguf_name(name, _GEMMA_GGUF_NAMES if gemma else _GGUF_NAMES)
         if gname in replace:
             continue
         qtype = next((t for p, t in (types or {}).items() if fnmatch(gname, p)), quant)

@@ -12,14 +12,19 @@ from typing import Any
 from kvlm.errors import UnsupportedModelError
 
 # model_type (HF) / general.architecture (GGUF) -> what the model code switches on.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # HF model_type values read as one of the above (Gemma3ForCausalLM's text config)
 HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
-# Gemma 3 (as llama.cpp reads its GGUF files, which do not store these): every sixth layer
-# attends to the whole context, the others to a window; local layers' RoPE base.
-GEMMA3_PATTERN = 6
+# Gemma (as llama.cpp reads its GGUF files, which do not store these): every second (Gemma
+# 2) or sixth (Gemma 3) layer attends to the whole context, the others to a window; Gemma
+# 3's local layers' RoPE base.
+GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
 GEMMA3_LOCAL_THETA = 10000.0
+# Gemma 2 27B and Gemma 3 27B (by layer count): scores scaled by (hidden / heads) ** -0.5,
+# not head_dim ** -0.5 (llama.cpp's rule for GGUF files)
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+GEMMA2_SOFTCAPS = {"final": 30.0, "attn": 50.0}
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,8 +64,10 @@ class ModelConfig:
     rope_local_theta: float | None = None
     # attention's score scale, where it is not head_dim ** -0.5 (query_pre_attn_scalar)
     query_scale: float | None = None
-    # tanh soft-capping of the final logits: cap * tanh(logits / cap)
+    # tanh soft-capping of the final logits (cap * tanh(logits / cap)) and of the attention
+    # scores (Gemma 2)
     final_softcap: float | None = None
+    attn_softcap: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
@@ -82,8 +89,8 @@ class ModelConfig:
     @property
     def gemma(self) -> bool:
         """Gemma's block: embeddings scaled by sqrt(hidden), norms around attention and
-        the MLP (before and after each), q/k norms, GeGLU, norm weights 1 + w."""
-        return self.architecture == "gemma3"
+        the MLP (before and after each), GeGLU, norm weights 1 + w (Gemma 3: q/k norms)."""
+        return self.architecture in GEMMA_PATTERN
 
     def window_of(self, layer: int) -> int | None:
         """The attention window of `layer` (None: the whole context)."""
@@ -113,8 +120,8 @@ class ModelConfig:
             window = cfg.get("sliding_window")
             if arch == "qwen2" and not cfg.get("use_sliding_window", False):
                 window = None
-            extra = _hf_gemma3(cfg, window) if arch == "gemma3" else {}
-            window = None if extra else window  # Gemma 3: the window is its local layers'
+            extra = _hf_gemma(cfg, window, arch) if arch in GEMMA_PATTERN else {}
+            window = None if extra else window  # Gemma: the window is its local layers'
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -127,7 +134,7 @@ class ModelConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(_hf_rope(cfg).get("rope_theta", 1e6 if arch == "gemma3" else 1e4)),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA_PATTERN)),
                 qk_norm=arch in ("qwen3", "gemma3"),
                 sliding_window=int(window) if window else None,
                 rope_scaling=_hf_rope_scaling(cfg),
@@ -167,13 +174,23 @@ class ModelConfig:
             int(meta.get(f"{arch}.attention.key_length") or hidden // heads),
         )
         extra: dict[str, Any] = {}
-        if arch == "gemma3":
+        if arch in GEMMA_PATTERN:
             window = int(key("attention.sliding_window"))
-            extra = _gemma3_layers(layers, window, GEMMA3_PATTERN, None)
-            # llama.cpp: 27B (62 layers) scales scores by (hidden / heads) ** -0.5
-            scalar = hidden // heads if layers == 62 else head_dim
-            extra.update(rope_local_theta=GEMMA3_LOCAL_THETA, query_scale=scalar**-0.5)
-            extra["final_softcap"] = meta.get(f"{arch}.final_logit_softcapping")
+            # the file's own pattern where it has one: every n-th layer global, or a flag
+            # per layer (True: windowed); else llama.cpp's fixed one
+            pattern = meta.get(f"{arch}.attention.sliding_window_pattern", GEMMA_PATTERN[arch])
+            types = None
+            if isinstance(pattern, list):
+                types = ["sliding_attention" if f else "full_attention" for f in pattern]
+                pattern = GEMMA_PATTERN[arch]
+            extra = _gemma_layers(layers, window, int(pattern), types)
+            scalar = hidden // heads if layers == GEMMA_27B_LAYERS[arch] else head_dim
+            extra["query_scale"] = scalar**-0.5
+            if arch == "gemma3":
+                extra["rope_local_theta"] = GEMMA3_LOCAL_THETA
+            for field_name, k in (("final_softcap", "final"), ("attn_softcap", "attn")):
+                cap = meta.get(f"{arch}.{k}_logit_softcapping")
+                extra[field_name] = None if cap is None else float(cap)
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
@@ -242,10 +259,12 @@ def _hf_rope_scaling(cfg: dict[str, Any]) -> RopeScaling:
     )
 
 
-def _gemma3_layers(
+def _gemma_layers(
     layers: int, window: int, pattern: int, types: list[str] | None
 ) -> dict[str, Any]:
     """`layer_windows` from HF's `layer_types` (else every `pattern`-th layer global)."""
+    if window < 1 or pattern < 1:
+        raise UnsupportedModelError(f"a sliding window of {window} every {pattern} layers")
     if types is None:
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                  for i in range(layers)]  # fmt: skip
@@ -256,26 +275,23 @@ def _gemma3_layers(
     return {"layer_windows": windows}
 
 
-def _hf_gemma3(cfg: dict[str, Any], window: Any) -> dict[str, Any]:
-    """Gemma 3's fields from its HF text config: the layer pattern, the two RoPE bases
+def _hf_gemma(cfg: dict[str, Any], window: Any, arch: str) -> dict[str, Any]:
+    """Gemma's fields from its HF text config: the layer pattern, Gemma 3's two RoPE bases
     (transformers 5's `rope_parameters` per layer type, or the Hub's `rope_theta`,
-    `rope_local_base_freq` and `rope_scaling`), the score scale and the logit cap."""
-    if cfg.get("attn_logit_softcapping") is not None:
-        raise UnsupportedModelError("attention logit soft-capping (Gemma 2) is not supported")
+    `rope_local_base_freq` and `rope_scaling`), the score scale and the soft-caps."""
     if cfg.get("use_bidirectional_attention"):
         raise UnsupportedModelError("bidirectional attention (an embedding model) is not supported")
+    pattern = int(cfg.get("sliding_window_pattern", GEMMA_PATTERN[arch]))
     layers = int(cfg["num_hidden_layers"])
-    extra = _gemma3_layers(
-        layers, int(window or 4096), int(cfg.get("sliding_window_pattern", GEMMA3_PATTERN)),
-        cfg.get("layer_types"),
-    )  # fmt: skip
-    params = cfg.get("rope_parameters") or {}
-    local = params.get("sliding_attention") or {}
-    extra["rope_local_theta"] = float(
-        local.get("rope_theta", cfg.get("rope_local_base_freq", GEMMA3_LOCAL_THETA))
-    )
-    scalar = cfg.get("query_pre_attn_scalar")
-    extra["query_scale"] = None if scalar is None else float(scalar) ** -0.5
-    cap = cfg.get("final_logit_softcapping")
-    extra["final_softcap"] = None if cap is None else float(cap)
+    extra = _gemma_layers(layers, int(window or 4096), pattern, cfg.get("layer_types"))
+    if arch == "gemma3":
+        local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
+        extra["rope_local_theta"] = float(
+            local.get("rope_theta", cfg.get("rope_local_base_freq", GEMMA3_LOCAL_THETA))
+        )
+    extra["query_scale"] = float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5
+    for field_name, k in (("final_softcap", "final"), ("attn_softcap", "attn")):
+        # absent: transformers' defaults (Gemma 2: 30 and 50; Gemma 3: none)
+        cap = cfg.get(f"{k}_logit_softcapping", GEMMA2_SOFTCAPS[k] if arch == "gemma2" else None)
+        extra[field_name] = None if cap is None else float(cap)
     return extra

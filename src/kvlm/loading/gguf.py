@@ -81,7 +81,7 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (None if unknown)."""
     stem, _, suffix = gguf_name.rpartition(".")
     parts = stem.split(".")
-    names = _GEMMA_NAMES if arch == "gemma3" else _LAYER_NAMES
+    names = _GEMMA_NAMES if arch in ("gemma2", "gemma3") else _LAYER_NAMES
     if parts[0] == "blk" and len(parts) == 3 and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
     if stem in _GLOBAL_NAMES:

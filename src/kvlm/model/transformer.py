@@ -1,4 +1,5 @@
-"""One Llama-family transformer (Llama, Mistral, Qwen2, Qwen3, SmolLM2).
+"""One transformer for the Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM2) and Gemma 2
+and 3 (kvlm.config.ModelConfig.gemma: their block's extra norms, GeGLU, soft-caps).
 
 The same `forward` serves prefill, decode and chunked prefill: what differs is how many
 tokens are fed, at which positions, and which cache step they attend through.
@@ -392,13 +393,16 @@ class _WeightTaker:
         q_norm = k_norm = None
         if c.qk_norm:  # Qwen3, Gemma 3
             q_norm, k_norm = (self.norm(f"{p}.self_attn.{q}_norm") for q in ("q", "k"))
-        if c.query_scale is not None and q_norm is not None:
-            # another score scale than head_dim ** -0.5: the queries scaled by the ratio
-            # in their norm (RoPE is linear); exactly 1 where the two agree
-            q_norm.weight *= c.query_scale / c.head_dim**-0.5
+        # another score scale than head_dim ** -0.5: the queries scaled by the ratio, in
+        # their norm where they have one (RoPE is linear); exactly 1 where the two agree
+        ratio = 1.0 if c.query_scale is None else c.query_scale / c.head_dim**-0.5
+        if q_norm is not None:
+            q_norm.weight *= ratio
         qkv = self.fused_linear(f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"))
         o_proj = self._with_bias(f"{p}.self_attn.o_proj")
         attn = Attention(i, c.num_heads, c.num_kv_heads, c.head_dim, qkv, o_proj, q_norm, k_norm)
+        attn.q_scale = None if q_norm is not None or ratio == 1.0 else ratio
+        attn.softcap = c.attn_softcap
         gate_up = self.fused_linear(f"{p}.mlp", ("gate_proj", "up_proj"))
         act = "gelu_tanh" if c.gemma else "silu"
         mlp = MLP(gate_up, self._with_bias(f"{p}.mlp.down_proj"), act)

@@ -1,6 +1,8 @@
-"""Gemma 3 (text): a GGUF file written as llama.cpp's converter writes one, against HF
-transformers on the same weights; its SentencePiece vocabulary against transformers'
-tokenizer for the same file; and the local layers' window really applied."""
+"""Gemma 3 (text) and Gemma 2: a GGUF file written as llama.cpp's converter writes one,
+against HF transformers on the same weights; its SentencePiece vocabulary against
+transformers' tokenizer for the same file; the local layers' window really applied; the
+hybrid cache's ring. (The tiny models of conftest.TINY_MODELS meet transformers in
+tests/test_hf_reference.py, and every cache mode and feature in tests/test_composition.py.)"""
 
 from __future__ import annotations
 
@@ -162,3 +164,51 @@ def test_a_gemma3_1b_shape_plans_a_fifth_of_the_bytes_at_32k():
     whole = planned_nbytes("contiguous", replace(spec, layer_windows=()), 32768, 1)
     assert whole == 32768 * 26 * 2 * 256 * 2
     assert hybrid <= 0.25 * whole
+
+
+def test_gguf_reads_gemma2_as_hf_does(tiny_model_dir, tmp_path):
+    """Gemma 2 from GGUF: every second layer windowed, the scores and the logits
+    soft-capped (the keys llama.cpp's converter writes), the score scale as llama.cpp
+    reads it (head_dim's, below 27B)."""
+    vocab = len(sentencepiece_vocab()[0])
+    folder = save_tiny_model(tmp_path / "g2", "gemma2", seed=12, vocab_size=vocab,
+                             query_pre_attn_scalar=32)  # fmt: skip
+    path = write_gguf_from_hf(folder, tmp_path / "g2.gguf", arch="gemma2")
+    llm = LLM(model=path, progress=False)
+    c = llm.config
+    assert (c.layer_windows, c.attn_softcap, c.final_softcap) == ((8, None), 5.0, 30.0)
+    ids = [2, *range(300, 340)]
+    ours = llm.runner.logits(ids, llm.new_cache("off"))
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        ref = load_hf(folder)(torch.tensor([ids])).logits[0]
+        exact = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+        exact = exact(torch.tensor([ids])).logits[0]
+    assert_as_exact_as(ours, ref, exact)
+
+
+def test_a_hostile_window_pattern_is_refused(tmp_path):
+    from kvlm.config import ModelConfig
+    from kvlm.errors import UnsupportedModelError
+
+    meta = {"general.architecture": "gemma3", "gemma3.embedding_length": 64,
+            "gemma3.attention.head_count": 4, "gemma3.feed_forward_length": 128,
+            "gemma3.block_count": 4, "gemma3.attention.sliding_window": 8,
+            "gemma3.attention.sliding_window_pattern": 0, "gemma3.vocab_size": 10}  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match="sliding window"):
+        ModelConfig.from_gguf(meta)
+    meta["gemma3.attention.sliding_window_pattern"] = [True, False]  # 2 flags, 4 layers
+    with pytest.raises(UnsupportedModelError, match="layer types for 4 layers"):
+        ModelConfig.from_gguf(meta)
+
+
+@pytest.mark.parametrize("mode", ["paged", "contiguous"])
+def test_gemma2_composes(tiny_model_dir, mode, tmp_path):
+    """Gemma 2's soft-capped attention (scores made whole, not SDPA's) through the grid's
+    own checks (tests/test_composition.py): batched = alone, chunked = one shot,
+    speculative = plain, rollback."""
+    from test_composition import batching, chunked_prefill, rollback, speculative
+
+    for check in (batching, chunked_prefill, speculative, rollback):
+        check(tiny_model_dir("gemma2"), mode, None, tmp_path)
