@@ -164,6 +164,12 @@ def test_a_gemma3_1b_shape_plans_a_fifth_of_the_bytes_at_32k():
     whole = planned_nbytes("contiguous", replace(spec, layer_windows=()), 32768, 1)
     assert whole == 32768 * 26 * 2 * 256 * 2
     assert hybrid <= 0.25 * whole
+    from kvlm.cache.memory import plan
+
+    groups = plan(config, "contiguous", 32768, 1, torch.float16, budget=0).layer_groups
+    assert [(g["layers"], g["window"], g["tokens"]) for g in groups] == [
+        (4, None, 32768), (22, 512, 512 + 32)]  # fmt: skip
+    assert sum(g["bytes"] for g in groups) == hybrid
 
 
 def test_gguf_reads_gemma2_as_hf_does(tiny_model_dir, tmp_path):
