@@ -40,6 +40,10 @@ TINY_MODELS = {
     "llama-hd128": ("llama", 7, {"head_dim": 128, "num_attention_heads": 8}),
     # head_dim 64, 4 query heads per KV head, a window of 150: past 150 positions the fused
     # step's chunks over the visible keys are two, the first starting below the window
+    # Gemma 3: local (window 8) and global layers, sandwich norms, GeGLU, two RoPE bases
+    "gemma3": ("gemma3", 9, {}),
+    # Gemma 2: every second layer windowed, attention scores and logits soft-capped
+    "gemma2": ("gemma2", 10, {}),
     "mistral-hd64-window": (
         "mistral",
         8,

@@ -110,6 +110,30 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
     elif arch == "qwen3":
         # head_dim 32 != hidden/heads: Qwen3 sets head_dim explicitly.
         cfg = Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    elif arch == "gemma2":
+        from transformers import Gemma2Config
+
+        # two layers: a window of 8, then the whole context; both soft-caps; the score
+        # scale (query_pre_attn_scalar 24) not head_dim's
+        cfg = Gemma2Config(
+            **common, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+            final_logit_softcapping=30.0, attn_logit_softcapping=5.0,
+        )  # fmt: skip
+    elif arch == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        # four layers, the third global; a window of 8 so prompts run past it; the score
+        # scale (query_pre_attn_scalar 24) not head_dim's; the global layers' RoPE scaled
+        common["num_hidden_layers"] = 4
+        cfg = Gemma3TextConfig(
+            **common, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                         "sliding_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
+        )  # fmt: skip
     else:
         raise ValueError(arch)
     for key, value in overrides.items():
@@ -130,7 +154,7 @@ def save_tiny_model(
         json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": chat_template})
     )
     torch.manual_seed(seed)
-    cfg = tiny_config(arch, tok.get_vocab_size(), **overrides)
+    cfg = tiny_config(arch, overrides.pop("vocab_size", tok.get_vocab_size()), **overrides)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _bump_norm_and_biases(model, seed)
     model.save_pretrained(folder)
@@ -216,7 +240,7 @@ _GGUF_NAMES = {
 }
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, names: dict[str, str] = _GGUF_NAMES) -> str:
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf == "model.norm.weight":
@@ -225,7 +249,69 @@ def gguf_name(hf: str) -> str:
         return "output.weight"
     parts = hf.split(".")  # model.layers.N.<module...>.weight
     module = ".".join(parts[3:-1])
-    return f"blk.{parts[2]}.{_GGUF_NAMES[module]}.{parts[-1]}"
+    return f"blk.{parts[2]}.{names[module]}.{parts[-1]}"
+
+
+# Gemma's names where they differ from Llama's (llama.cpp's tensor mapping)
+_GEMMA_GGUF_NAMES = {
+    **_GGUF_NAMES,
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+SP_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun.",
+    "def add(a, b):\n    return a + b\n\n\nprint(add(1, 2))",
+    "東京は日本の首都です。京都は古い都です。",
+    "Привет, мир! Как дела? Мир большой.",
+    "    indented    text\twith\ttabs   and   runs of  spaces",
+] * 4
+
+
+def sentencepiece_vocab() -> tuple[list[str], list[int], list[float]]:
+    """A Gemma-like SentencePiece vocabulary as a GGUF stores it: (tokens, types, scores).
+    Control tokens first, 256 byte tokens, user-defined chat markers, runs of spaces spelled
+    in spaces, then BPE pieces (spaces as "▁") learned on SP_CORPUS in merge order. The
+    stored scores do not follow that order (they are shuffled), as in Gemma's files."""
+    from tokenizers import Tokenizer, models, normalizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    trainer = trainers.BpeTrainer(vocab_size=400, show_progress=False)
+    tok.train_from_iterator(SP_CORPUS, trainer)
+    learned = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
+    control = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    spaces = [" " * n for n in range(2, 6)]
+    user = ["<start_of_turn>", "<end_of_turn>"]
+    tokens = [*control, *(f"<0x{b:02X}>" for b in range(256)), *user, *spaces]
+    tokens += [t for t in learned if t not in tokens and "▁▁" not in t]
+    types = [3] * 4 + [6] * 256 + [4] * 2 + [1] * (len(tokens) - 262)
+    scores = np.random.default_rng(0).permutation(len(tokens)).astype(float).tolist()
+    return tokens, types, scores
+
+
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>"
+    "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def _add_sentencepiece(w) -> None:
+    tokens, types, scores = sentencepiece_vocab()
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores(scores)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(False)
+    w.add_chat_template(GEMMA_TEMPLATE)
 
 
 def write_gguf_from_hf(
@@ -259,13 +345,22 @@ def write_gguf_from_hf(
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
 
     w = gguf.GGUFWriter(str(out), arch)
-    theta = float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    rope = cfg.get("rope_parameters") or {}
+    theta = float(cfg.get("rope_theta") or rope.get("full_attention", rope)["rope_theta"])
     tied = cfg.get("tie_word_embeddings", False)
     shape = Shape(arch, cfg["hidden_size"], cfg["num_hidden_layers"], heads, kv_heads, head_dim,
                   cfg["intermediate_size"], cfg["vocab_size"], tied, theta,
                   cfg["max_position_embeddings"], cfg["rms_norm_eps"])  # fmt: skip
     add_shape(w, shape)
-    _add_tokenizer(w, Tokenizer.from_file(str(folder / "tokenizer.json")))
+    if arch in ("gemma2", "gemma3"):  # the window, a SentencePiece vocabulary of Gemma's
+        w.add_sliding_window(cfg["sliding_window"])
+        _add_sentencepiece(w)
+        for cap, add in (("attn", w.add_attn_logit_softcapping),
+                         ("final", w.add_final_logit_softcapping)):  # fmt: skip
+            if cfg.get(f"{cap}_logit_softcapping") is not None:
+                add(cfg[f"{cap}_logit_softcapping"])
+    else:
+        _add_tokenizer(w, Tokenizer.from_file(str(folder / "tokenizer.json")))
     replace = dict(extra_tensors or {})  # GGUF name -> (array or packed bytes, type)
     for name, t in tensors.items():
         arr = t.float().numpy()
@@ -273,10 +368,14 @@ def write_gguf_from_hf(
             arr = permute_qk(arr, heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             arr = permute_qk(arr, kv_heads)
-        if gguf_name(name) in replace:
+        gemma = arch in ("gemma2", "gemma3")
+        if gemma and name.endswith("norm.weight"):
+            arr = arr + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
+        gname = gguf_name(name, _GEMMA_GGUF_NAMES if gemma else _GGUF_NAMES)
+        if gname in replace:
             continue
-        qtype = next((t for p, t in (types or {}).items() if fnmatch(gguf_name(name), p)), quant)
-        _add_tensor(w, gguf_name(name), arr, qtype)
+        qtype = next((t for p, t in (types or {}).items() if fnmatch(gname, p)), quant)
+        _add_tensor(w, gname, arr, qtype)
     for name, (arr, qtype) in replace.items():
         _add_tensor(w, name, arr, qtype)
     w.write_header_to_file()

@@ -566,11 +566,23 @@ def _memory_report(name: str, p: Any, rows: list[dict]) -> str:
         f"  total (batch {p.batch:<3})   {_mib(p.total_bytes)}",
         f"  weights             {_mib(p.weight_bytes)}",
         f"  budget              {budget}: {fits} sequences of {p.context:,} tokens",
+        *_groups_report(p.layer_groups),
         "",
         *table(head, "llrr", (f"{r['mode']} | {r['kv_dtype']} | {r['bytes_per_token']:,} | "
                               f"{_mib(r['total_bytes'])}" for r in rows)),
     ]  # fmt: skip
     return "\n".join(lines)
+
+
+def _groups_report(groups: list[dict]) -> list[str]:
+    """A hybrid model's layer groups (kvlm.cache.memory.layer_groups), a line each."""
+    if len(groups) < 2:
+        return []
+    lines = []
+    for g in groups:
+        kept = "the whole context" if g["window"] is None else f"a window of {g['window']:,}"
+        lines.append(f"  {g['layers']} layers, {kept}: {g['tokens']:,} tokens, {_mib(g['bytes'])}")
+    return lines
 
 
 def _mib(n: int) -> str:

@@ -32,12 +32,18 @@ FEATURES = {
 }
 
 
-def variants() -> list[tuple[str, str | None]]:
-    """(cache mode, --kv-dtype or None: the compute dtype)."""
-    return [(m, None) for m in CACHE_MODES] + [(m, d) for m in STORAGE_MODES for d in KV_DTYPES]
+# The models of the grid: the Llama family (every layer one attention), and a hybrid one
+# (Gemma 3: layers with a window of 8 and layers that see the whole context)
+MODELS = ("llama", "hybrid")
 
 
-def refusal(mode: str, kv_dtype: str | None, feature: str) -> str | None:
+def variants() -> list[tuple[str, str, str | None]]:
+    """(model, cache mode, --kv-dtype or None: the compute dtype)."""
+    caches = [(m, None) for m in CACHE_MODES] + [(m, d) for m in STORAGE_MODES for d in KV_DTYPES]
+    return [(model, *cache) for model in MODELS for cache in caches]
+
+
+def refusal(model: str, mode: str, kv_dtype: str | None, feature: str) -> str | None:
     """Why `feature` is refused on this variant (a part of the error's message), or None:
     it composes."""
     if feature not in FEATURES:
@@ -46,20 +52,21 @@ def refusal(mode: str, kv_dtype: str | None, feature: str) -> str | None:
         return "keeps no cache" if feature == "save/load" else "cannot roll back"
     if feature == "speculative decoding" and mode in NO_SPECULATION:
         return NO_SPECULATION[mode]
+    if feature == "fused low-bit step" and model == "hybrid":
+        return f"torch step: {fused.GEMMA_BLOCK}"
     if feature == "fused low-bit step" and mode not in fused.CACHE_MODES:
         return f"torch step: {fused.NOT_THIS_CACHE}"
     return None
 
 
-def label(mode: str, kv_dtype: str | None) -> str:
-    return mode if kv_dtype is None else f"{mode}, --kv-dtype {kv_dtype}"
+def label(model: str, mode: str, kv_dtype: str | None) -> str:
+    cache = mode if kv_dtype is None else f"{mode}, --kv-dtype {kv_dtype}"
+    return cache if model == "llama" else f"{model}: {cache}"
 
 
 def markdown() -> str:
     names = list(FEATURES)
-    rows = (
-        " | ".join([label(m, d), *(_cell(refusal(m, d, f)) for f in names)]) for m, d in variants()
-    )
+    rows = (" | ".join([label(*v), *(_cell(refusal(*v, f)) for f in names)]) for v in variants())
     return "\n".join(table(" | ".join(["cache", *names]), "l" + "c" * len(names), rows)) + "\n"
 
 

@@ -30,7 +30,7 @@ except ImportError as exc:  # pragma: no cover - gguf is a declared dependency
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    arch: str  # GGUF general.architecture: llama, qwen2, qwen3
+    arch: str  # GGUF general.architecture: llama, qwen2, qwen3, gemma3
     hidden: int
     layers: int
     heads: int
@@ -43,6 +43,7 @@ class Shape:
     context: int
     eps: float = 1e-6
     llama3_rope: bool = False  # Llama 3.x's rope_freqs factors
+    window: int | None = None  # Gemma 3: its local layers' window (every sixth is global)
 
 
 # The configurations of the models named (their config.json on the Hub).
@@ -57,6 +58,8 @@ SHAPES = {
     "smollm2-135m": Shape("llama", 576, 30, 9, 3, 64, 1536, 49152, True, 1e5, 8192, 1e-5),
     "smollm2-360m": Shape("llama", 960, 32, 15, 5, 64, 2560, 49152, True, 1e5, 8192, 1e-5),
     "smollm2-1.7b": Shape("llama", 2048, 24, 32, 32, 64, 8192, 49152, True, 1.3e5, 8192, 1e-5),
+    "gemma-3-270m": Shape("gemma3", 640, 18, 4, 1, 256, 2048, 262144, True, 1e6, 32768, window=512),
+    "gemma-3-1b": Shape("gemma3", 1152, 26, 4, 1, 256, 6912, 262144, True, 1e6, 32768, window=512),
 }
 
 # llama.cpp's file types (llama_model_ftype) kvlm writes
@@ -148,6 +151,8 @@ def add_shape(w: gguf.GGUFWriter, shape: Shape) -> None:
     w.add_rope_freq_base(shape.rope_theta)
     w.add_layer_norm_rms_eps(shape.eps)
     w.add_vocab_size(shape.vocab)
+    if shape.window is not None:
+        w.add_sliding_window(shape.window)
 
 
 def write_model(shape_name: str, file_type: str, out: Path, tokenizer_from: Path) -> Path:
@@ -184,11 +189,14 @@ def write_model(shape_name: str, file_type: str, out: Path, tokenizer_from: Path
         if arch == "qwen2":  # q/k/v biases
             for part, n in (("attn_q", hq * d), ("attn_k", hkv * d), ("attn_v", hkv * d)):
                 w.add_tensor(f"{p}.{part}.bias", rng.normal(0, STD, n).astype(np.float32))
-        if arch == "qwen3":  # per-head q/k norms
+        if arch in ("qwen3", "gemma3"):  # per-head q/k norms
             vector(f"{p}.attn_q_norm.weight", d)
             vector(f"{p}.attn_k_norm.weight", d)
         weight(f"{p}.attn_output", h, hq * d, i)
         vector(f"{p}.ffn_norm.weight", h)
+        if arch == "gemma3":  # the attention's and the MLP's outputs normed too
+            vector(f"{p}.post_attention_norm.weight", h)
+            vector(f"{p}.post_ffw_norm.weight", h)
         weight(f"{p}.ffn_gate", shape.inter, h, i)
         weight(f"{p}.ffn_up", shape.inter, h, i)
         weight(f"{p}.ffn_down", h, shape.inter, i)

@@ -25,6 +25,7 @@ kvlm.cache.files writes to and reads from a file), nbytes (exact), and planned_n
 
 from __future__ import annotations
 
+import copy
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -60,6 +61,9 @@ class CacheSpec:
     device: torch.device = torch.device("cpu")  # noqa: RUF009 - immutable
     # The model's own attention window (Mistral), applied in the mask; not the window cache.
     sliding_window: int | None = None
+    # Per layer: its attention window where the layers' differ (Gemma 3's local and global
+    # layers, kvlm.config.ModelConfig.layer_windows); empty: every layer's is sliding_window
+    layer_windows: tuple[int | None, ...] = ()
     block_size: int = 16  # paged: tokens per block
     num_blocks: int | None = None  # paged: pool size (None: room for 8 full-length sequences)
     window: int = 256  # window: recent tokens kept
@@ -100,6 +104,7 @@ class CacheSpec:
             dtype=dtype,
             device=torch.device(device),
             sliding_window=config.sliding_window,
+            layer_windows=config.layer_windows,
             **{k: v for k, v in sizes.items() if v is not None},
         )
 
@@ -146,6 +151,28 @@ class CacheStep(ABC):
         # sequence over them; logit_rows: the rows whose logits the forward computes.
         self.segments = None
         self.logit_rows: torch.Tensor | None = None
+        # Per layer: its attention window, where the layers' differ (CacheSpec.layer_windows);
+        # the step's own masks are those of `sliding_window`, a layer's come from for_layer
+        self.windows: tuple[int | None, ...] = ()
+        self._views: dict[int | None, CacheStep] = {}
+
+    def for_layer(self, layer: int) -> CacheStep:
+        """The step as `layer` sees it: itself, or where the layers' windows differ, a view
+        of it (the same store and positions) with that layer's window in its masks, made
+        once a step per window."""
+        if not self.windows:
+            return self
+        window = self.windows[layer]
+        view = self._views.get(window)
+        if view is None:
+            view = self._views[window] = copy.copy(self)
+            view.windows = ()
+            view.use_window(window)
+        return view
+
+    def use_window(self, window: int | None) -> None:
+        """Make the masks those of a model attention window `window` (None: none)."""
+        raise NotImplementedError(f"{type(self).__name__} has no per-layer windows")
 
     @abstractmethod
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVPair:
@@ -171,8 +198,13 @@ class DraftRows:
     def __init__(self, cache: KVCache, n_new: int) -> None:
         super().__init__(cache, n_new)  # type: ignore[call-arg]
         self.positions = self.positions.reshape(n_new, 1)  # (rows, 1)
+        self.use_window(cache.spec.sliding_window)
+
+    def use_window(self, window: int | None) -> None:
         self.mask, self.is_causal = None, False
-        self.rows = [(self.start + i + 1, None, False) for i in range(n_new)]
+        dev = self.positions.device
+        self.rows = [(p + 1, *causal_mask(p, 1, p + 1, window, dev))
+                     for p in range(self.start, self.start + self.n_new)]  # fmt: skip
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVPair:
         """k, v (rows, Hkv, 1, D) -> the sequence's keys (rows, Hkv, S, D)."""
@@ -190,6 +222,12 @@ class DenseStep(CacheStep):
         start, spec = cache.num_tokens, cache.spec
         mask, causal = causal_mask(start, n_new, start + n_new, spec.sliding_window, spec.device)
         super().__init__(start, n_new, cache.batch, spec.device, mask, causal)
+
+    def use_window(self, window: int | None) -> None:
+        end = self.start + self.n_new
+        self.mask, self.is_causal = causal_mask(
+            self.start, self.n_new, end, window, self.positions.device
+        )
 
 
 def causal_mask(
@@ -287,7 +325,9 @@ class KVCache(ABC):
             raise InvalidRequestError(f"a forward needs at least one token, got {n_new}")
         if self.would_overflow(n_new):
             raise CacheOverflowError(self._overflow_message(n_new))
-        return self._begin(n_new, draft)
+        step = self._begin(n_new, draft)
+        step.windows = self.spec.layer_windows
+        return step
 
     def _overflow_message(self, n_new: int) -> str:
         return (
@@ -311,6 +351,14 @@ class KVCache(ABC):
         self._check_rollback(n)
         self._length -= n
         self._truncate(self._length)
+
+    def can_roll_back(self, n: int) -> bool:
+        """Whether rollback(n) keeps what the next query reads (a ring may have let it go)."""
+        try:
+            self._check_rollback(n)
+        except InvalidRequestError:
+            return False
+        return 0 <= n <= self._length
 
     def reset(self) -> None:
         """Empty, keeping the batch and whatever storage the cache owns."""

@@ -9,6 +9,7 @@ import torch
 from kvlm.cache.base import CacheSpec, KVCache
 from kvlm.cache.basic import BasicCache
 from kvlm.cache.contiguous import ContiguousCache
+from kvlm.cache.hybrid import HybridCache, local_window
 from kvlm.cache.off import OffCache
 from kvlm.cache.paged import Int8PagedCache, PagedCache
 from kvlm.cache.window import WindowCache
@@ -22,6 +23,9 @@ CACHE_MODES: dict[str, type[KVCache]] = {
     "int8": Int8PagedCache,
     "window": WindowCache,
 }
+# Modes whose caches a hybrid model (layers with a window and layers without) splits into
+# a cache of the mode for its whole layers and a ring for the others (kvlm.cache.hybrid)
+HYBRID_MODES = ("basic", "contiguous")
 # Modes whose attention equals full attention over the whole sequence, bit for bit in the
 # stored dtype (int8 quantizes; window drops what falls out of it).
 EXACT_MODES = ("off", "basic", "contiguous", "paged")
@@ -42,9 +46,21 @@ def mode_spec(mode: str, spec: CacheSpec) -> CacheSpec:
 
 
 def create_cache(mode: str, spec: CacheSpec) -> KVCache:
-    return check_mode(mode)(mode_spec(mode, spec))
+    """A cache of `mode`; for a model whose layers have different windows, in a mode that
+    keeps a sequence's rows (HYBRID_MODES), a HybridCache of that mode (kvlm.cache.hybrid)."""
+    cls, spec = check_mode(mode), mode_spec(mode, spec)
+    if mode in HYBRID_MODES and local_window(spec) is not None:
+        return HybridCache(cls, spec)
+    return cls(spec)
 
 
 def planned_nbytes(mode: str, spec: CacheSpec, tokens: int, batch: int) -> int:
     """What a cache of this mode allocates for `batch` sequences of `tokens` tokens."""
-    return check_mode(mode).planned_nbytes(mode_spec(mode, spec), tokens, batch)
+    cls, spec = check_mode(mode), mode_spec(mode, spec)
+    if mode in HYBRID_MODES and local_window(spec) is not None:
+        probe = HybridCache(cls, replace(spec, max_tokens=1))  # the parts' specs, 1 token
+        whole, ring = (replace(p.spec, max_tokens=spec.max_tokens) for p in probe.parts)
+        return cls.planned_nbytes(whole, tokens, batch) + WindowCache.planned_nbytes(
+            ring, tokens, batch
+        )
+    return cls.planned_nbytes(spec, tokens, batch)

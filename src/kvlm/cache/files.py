@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from kvlm.cache.base import CacheFileError, CacheSnapshot, KVCache, brief
-from kvlm.cache.factory import CACHE_MODES
+from kvlm.cache.factory import CACHE_MODES, HYBRID_MODES
+from kvlm.cache.hybrid import RING, RING_SLACK
 from kvlm.cache.storage import PARAMS_PER_ROW
 from kvlm.dtypes import NAMES, dtype_name
 from kvlm.errors import CacheOverflowError
@@ -95,7 +96,11 @@ _META_KEYS = ("fingerprint", "mode", "layout", "dtype", "length", "batch", "geom
               "layout_extra", "extra")  # fmt: skip
 FILE_DTYPES = {name: dtype for dtype, name in NAMES.items()}  # fp32 bf16 fp16 int8 fp64
 _GEOMETRY = {"layers": 1, "kv_heads": 1, "head_dim": 1}  # key -> least value
-_LAYOUT_EXTRA = {"dense": {}, "window": {"sinks": 0, "window": 1}}
+_LAYOUT_EXTRA = {
+    "dense": {},
+    "window": {"sinks": 0, "window": 1},
+    "hybrid": {"window": 1, "local_layers": 1},  # kvlm.cache.hybrid: a bit per ring layer
+}
 # A count as str(int) writes it, under 2**63: int() would also take " 5", "1_0", "٥", "+5".
 _DECIMAL = re.compile(r"0|[1-9][0-9]{0,17}")
 
@@ -153,7 +158,7 @@ def _parse_metadata(path: Path, meta: dict[str, str] | None) -> tuple[CacheSnaps
         raise _bad_meta(path, f"layout {brief(layout)} is not one kvlm writes")
     if mode not in CACHE_MODES or mode == "off":
         raise _bad_meta(path, f"mode {brief(mode)} is not one kvlm writes")
-    if CACHE_MODES[mode].layout != layout:
+    if CACHE_MODES[mode].layout != layout and not (layout == "hybrid" and mode in HYBRID_MODES):
         raise _bad_meta(path, f"mode {mode!r} does not write the {layout} layout")
     if dtype not in FILE_DTYPES:
         raise _bad_meta(path, f"dtype {brief(dtype)} is not one kvlm stores")
@@ -219,13 +224,23 @@ def _check_shapes(path: Path, snap: CacheSnapshot, shapes: dict[str, tuple[int, 
     slot_pos  [S + W]                                        window only
     """
     g, extra = snap.geometry, snap.extra
-    rows = snap.length if snap.layout == "dense" else extra["sinks"] + extra["window"]
-    values = (g["layers"], 2, snap.batch, g["kv_heads"], rows, g["head_dim"])
-    want = {"values": values}
-    if snap.dtype == "int8":
-        want["scales"] = (*values[:-1], PARAMS_PER_ROW)
-    if snap.layout == "window":
-        want["slot_pos"] = (rows,)
+    rows = snap.length if snap.layout != "window" else extra["sinks"] + extra["window"]
+    layers = g["layers"]
+    parts = [("", layers, rows)]
+    if snap.layout == "hybrid":  # the whole layers' rows, then the ring layers' ring
+        local = extra["local_layers"]
+        ring = bin(local).count("1")
+        if local >= 1 << layers or ring == layers:
+            raise _bad_meta(path, f"local_layers {local} is not a set of some of {layers} layers")
+        parts = [("", layers - ring, rows), (RING, ring, extra["window"] + RING_SLACK)]
+    want = {}
+    for prefix, n, held in parts:
+        values = (n, 2, snap.batch, g["kv_heads"], held, g["head_dim"])
+        want[prefix + "values"] = values
+        if snap.dtype == "int8":
+            want[prefix + "scales"] = (*values[:-1], PARAMS_PER_ROW)
+        if snap.layout == "window" or prefix:
+            want[prefix + "slot_pos"] = (held,)
     missing, unexpected = set(want) - set(shapes), set(shapes) - set(want)
     if missing:
         raise _damaged(path, f"missing tensor {min(missing)}")
@@ -242,44 +257,51 @@ def _check_contents(path: Path, snap: CacheSnapshot) -> None:
     NaN included), and a window's ring."""
     want = {"values": FILE_DTYPES[snap.dtype], "scales": torch.float16, "slot_pos": torch.int64}
     for name, t in snap.tensors.items():
-        if t.dtype != want[name]:
-            raise _damaged(path, f"{name} are {dtype_name(t.dtype)}, not {dtype_name(want[name])}")
-    if "scales" in snap.tensors and not torch.isfinite(snap.tensors["scales"]).all():
-        raise _damaged(path, "int8 scales are not all finite")
+        kind = name.removeprefix(RING)
+        if t.dtype != want[kind]:
+            raise _damaged(path, f"{name} are {dtype_name(t.dtype)}, not {dtype_name(want[kind])}")
+        if kind == "scales" and not torch.isfinite(t).all():
+            raise _damaged(path, "int8 scales are not all finite")
     if snap.layout == "window":
-        _check_ring(path, snap)
+        _check_ring(path, snap, snap.extra["sinks"], snap.extra["window"], "slot_pos")
+    if snap.layout == "hybrid":  # a ring of W + RING_SLACK; the next query reads W - 1
+        window = snap.extra["window"]
+        _check_ring(path, snap, 0, window + RING_SLACK, RING + "slot_pos", window)
 
 
-def _check_ring(path: Path, snap: CacheSnapshot) -> None:
-    """slot_pos must be a ring kvlm.cache.window could hold at `length` tokens:
+def _check_ring(
+    path: Path, snap: CacheSnapshot, sinks: int, window: int, name: str, reads: int = 0
+) -> None:
+    """slot_pos (`name`) must be a ring kvlm.cache.window could hold at `length` tokens:
 
     slots [ s0 .. sS-1 | r0 .. rW-1 ]   position p < S in slot p, p >= S in S + (p-S) % W
     held: each sink below length; of the rest at most the last W positions and at
-          least the last W - 1 (what a rollback keeps); -1 marks an empty slot.
+          least the last `reads` - 1 (what the next query reads; `reads` 0: W, what a
+          window cache keeps through a rollback); -1 marks an empty slot.
     """
-    sinks, window, n = snap.extra["sinks"], snap.extra["window"], snap.length
-    pos = snap.tensors["slot_pos"]
+    n, pos = snap.length, snap.tensors[name]
     if ((pos < -1) | (pos >= n)).any():
-        raise _damaged(path, f"slot_pos holds positions outside -1 .. {n - 1}")
+        raise _damaged(path, f"{name} holds positions outside -1 .. {n - 1}")
     slot = torch.nonzero(pos >= 0).flatten()
     p = pos[slot]
     home = torch.where(p < sinks, p, sinks + (p - sinks) % window)
     wrong = torch.nonzero(home != slot).flatten()
     if len(wrong):
         i = int(wrong[0])
-        raise _damaged(path, f"slot_pos puts position {int(p[i])} in slot {int(slot[i])}")
+        raise _damaged(path, f"{name} puts position {int(p[i])} in slot {int(slot[i])}")
     ring = p[p >= sinks]
     evicted = ring[ring < n - window]
     if len(evicted):
         raise _damaged(
             path,
-            f"slot_pos holds position {int(evicted.min())}, which the window "
+            f"{name} holds position {int(evicted.min())}, which the window "
             f"had evicted by position {n}",
         )
     # held positions are distinct (one home slot each), so counting finds a gap
-    needed = min(sinks, n) + max(0, n - max(sinks, n - window + 1))
-    if int((p < sinks).sum() + (ring >= n - window + 1).sum()) != needed:
-        raise _damaged(path, f"slot_pos misses positions the token after {n - 1} attends to")
+    reads = reads or window
+    needed = min(sinks, n) + max(0, n - max(sinks, n - reads + 1))
+    if int((p < sinks).sum() + (ring >= n - reads + 1).sum()) != needed:
+        raise _damaged(path, f"{name} misses positions the token after {n - 1} attends to")
 
 
 def _bad_meta(path: Path, what: str) -> CacheFileError:

@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from kvlm.cache.base import CacheSpec
-from kvlm.cache.factory import mode_spec, planned_nbytes
+from kvlm.cache.factory import HYBRID_MODES, mode_spec, planned_nbytes
+from kvlm.cache.hybrid import RING_SLACK, local_window
 from kvlm.config import ModelConfig
 from kvlm.dtypes import dtype_name
 from kvlm.errors import InvalidRequestError
@@ -35,6 +36,8 @@ class MemoryPlan:
     weight_bytes: int  # the model's weights at the compute dtype
     budget_bytes: int | None
     sequences_in_budget: int | None  # how many sequences of `context` tokens fit the budget
+    # the layers by what they keep (layer_groups): one group unless a hybrid model's cache
+    layer_groups: list[dict]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,7 +120,29 @@ def plan(
         weight_bytes=weights,
         budget_bytes=budget,
         sequences_in_budget=fits,
+        layer_groups=layer_groups(mode, spec, context, batch),
     )
+
+
+def layer_groups(mode: str, spec: CacheSpec, context: int, batch: int) -> list[dict]:
+    """The layers by what a `mode` cache keeps of `batch` sequences of `context` tokens:
+    {"layers", "window" (None: the whole context), "tokens" each keeps, "bytes"}. One group,
+    but for a hybrid model's cache of a HYBRID_MODES mode (kvlm.cache.hybrid): its whole
+    layers, and its windowed ones in a ring of W + RING_SLACK tokens."""
+    window = local_window(spec) if mode in HYBRID_MODES else None
+    if window is None:
+        total = planned_nbytes(mode, spec, context, batch)
+        return [{"layers": spec.num_layers, "window": None, "tokens": context, "bytes": total}]
+    per_layer = spec.bytes_per_token // spec.num_layers  # one layer's K and V of a token
+    ring = sum(w is not None for w in spec.layer_windows)
+    whole = spec.num_layers - ring
+    slots = window + RING_SLACK
+    ring_bytes = batch * ring * slots * per_layer
+    return [
+        {"layers": whole, "window": None, "tokens": context,
+         "bytes": planned_nbytes(mode, spec, context, batch) - ring_bytes},
+        {"layers": ring, "window": window, "tokens": slots, "bytes": ring_bytes},
+    ]  # fmt: skip
 
 
 def table(config: ModelConfig, context: int, batch: int, **sizes: int | None) -> list[dict]:

@@ -25,7 +25,7 @@ is a copy per layer per step, the price of not being contiguous.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 
 import torch
@@ -326,19 +326,11 @@ class TableStep(_PagedStep):
     ) -> None:
         device, bs = spec.device, pool.block_size
         n_keys = max(starts) + n_new
-        window, mask, causal = spec.sliding_window, None, False
         pos = torch.tensor(starts)[:, None] + torch.arange(n_new)  # (B, T)
-        if len(set(starts)) == 1:  # rows of one length: the cheap exact forms of the mask
-            mask, causal = causal_mask(starts[0], n_new, n_keys, window, device)
-        elif device.type != "cpu":  # one call over keys padded to the longest row, masked
-            # (B, 1, T, S): row b's query at position p sees its keys 0..p (within window)
-            q = pos.to(device)[:, :, None]
-            mask = visible(q, torch.arange(n_keys, device=device)[None, None, :], window)[:, None]
-        CacheStep.__init__(self, 0, n_new, len(tables), device, mask, causal)
-        if len(set(starts)) > 1 and device.type == "cpu":  # each row over its own keys
-            self.rows = [(s + n_new, *causal_mask(s, n_new, s + n_new, window, device))
-                         for s in starts]  # fmt: skip
+        CacheStep.__init__(self, 0, n_new, len(tables), device, None, False)
         self.positions = pos.to(device)
+        self.starts, self.n_keys, self.windows = starts, n_keys, spec.layer_windows
+        self.use_window(spec.sliding_window)
         width = blocks_for(n_keys, bs)
         # Pad short tables with their own last block: its slots hold finite values (never
         # an unallocated block's garbage, which 0 * NaN would carry through the mask).
@@ -346,8 +338,21 @@ class TableStep(_PagedStep):
         self.write_blocks = padded.gather(1, pos // bs).to(device)  # (B, T)
         self.write_slots = (pos % bs).to(device)  # (B, T)
         self.read_tables = padded.to(device)  # (B, width); the padding is masked or not read
-        self.n_keys = n_keys
         self._over(pool.store)
+
+    def use_window(self, window: int | None) -> None:
+        starts, n_new, n_keys, device = self.starts, self.n_new, self.n_keys, self.positions.device
+        self.mask, self.is_causal, self.rows = None, False, None
+        if len(set(starts)) == 1:  # rows of one length: the cheap exact forms of the mask
+            self.mask, self.is_causal = causal_mask(starts[0], n_new, n_keys, window, device)
+        elif device.type != "cpu":  # one call over keys padded to the longest row, masked
+            # (B, 1, T, S): row b's query at position p sees its keys 0..p (within window)
+            q = self.positions[:, :, None]
+            keys = torch.arange(n_keys, device=device)[None, None, :]
+            self.mask = visible(q, keys, window)[:, None]
+        else:  # each row over its own keys
+            self.rows = [(s + n_new, *causal_mask(s, n_new, s + n_new, window, device))
+                         for s in starts]  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -436,7 +441,11 @@ class RaggedStep(_PagedStep):
         self.read_slots = torch.tensor(read_s, dtype=torch.long, device=device)
         self.segments = Segments(cu_q, cu_k, spec.sliding_window, device)
         self.logit_rows = torch.tensor(logit_rows, dtype=torch.long, device=device)
+        self.windows = spec.layer_windows
         self._over(pool.store)
+
+    def use_window(self, window: int | None) -> None:
+        self.segments = replace(self.segments, window=window)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVPair:
         """k, v (1, Hkv, N, D): stored; returns every sequence's keys packed, (Tk, Hkv, D)."""

@@ -8,6 +8,9 @@ file is a CacheFileError before anything is drawn):
     dense file   values [layers, 2, batch, kv_heads, length, head_dim]   position = column
     window file  values [..., sinks + window, head_dim] + slot_pos       position = slot_pos
                  (ring order; read back here in position order, empty slots dropped)
+    hybrid file  values of the layers that see everything, as a dense file's, and the
+                 windowed layers' ring (ring_values, ring_slot_pos): contents() and the
+                 pictures are of the first part; the summary names both
 
 A paged or int8 file is dense on disk: a cache re-pages it when it loads, and the file does
 not record the block size it was written with. Its block map is the pool it restores into
@@ -57,6 +60,9 @@ class SavedCache:
         if s.layout == "window":
             sizes = {"window": extra["window"], "sinks": extra["sinks"]}
             sizes["window_positions"] = "cache" if extra.get("cache_positions") else "absolute"
+        if s.layout == "hybrid":  # kvlm.cache.hybrid: a bit per layer of the ring
+            ring = [extra["local_layers"] >> i & 1 for i in range(g["layers"])]
+            sizes = {"layer_windows": tuple(extra["window"] if r else None for r in ring)}
         return CacheSpec(
             num_layers=g["layers"],
             num_kv_heads=g["kv_heads"],
@@ -142,6 +148,9 @@ class SavedCache:
         }
         if s.extra:
             info["layout_extra"] = s.extra
+        if s.layout == "hybrid":
+            ring = bin(s.extra["local_layers"]).count("1")
+            info["layer_groups"] = {"whole": s.geometry["layers"] - ring, "window": ring}
         if self.mode in PAGED_MODES:
             info["block_size"] = block_size
             info["blocks"] = s.batch * blocks_for(s.length, block_size)

@@ -68,17 +68,32 @@ from kvlm.errors import InvalidRequestError
 ALL = slice(None)
 
 
+def within(
+    visible: torch.Tensor, q_at: torch.Tensor, k_at: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """`visible` (WindowCache.sees) within a model attention window, on the distances RoPE
+    sees (q_at - k_at < window)."""
+    if window is None:
+        return visible
+    return visible & (q_at[:, None] - k_at[None, :] < window)
+
+
 class _WindowStep(CacheStep):
     def __init__(self, cache: WindowCache, n_new: int) -> None:
         spec, start = cache.spec, cache.num_tokens
         q = torch.arange(start, start + n_new, device=spec.device)  # absolute positions
-        k, visible, q_at, k_at = cache.sees(start, q, cache.slot_pos)
-        super().__init__(start, n_new, cache.batch, spec.device, visible, False)
+        k, *self._seen = cache.sees(start, q, cache.slot_pos)
+        q_at, k_at = self._seen[1:]
+        super().__init__(start, n_new, cache.batch, spec.device, None, False)
+        self.use_window(spec.sliding_window)
         self.positions = q_at.expand(cache.batch, n_new)  # (B, T) where RoPE puts the queries
         self.key_positions = k  # the absolute position each returned key holds (-1: empty)
         # (S + W + n_new,) where RoPE puts each returned key; None: keys come back rotated.
         self.key_rope_positions = k_at if cache.cache_positions else None
         self._keys_over(cache)
+
+    def use_window(self, window: int | None) -> None:
+        self.mask = within(*self._seen, window)
 
     def _keys_over(self, cache: WindowCache) -> None:
         """The step reads and writes the cache's ring; int8 K is stored as k R, which in
@@ -131,11 +146,15 @@ class WindowDraftRowsStep(_WindowStep):
         for i in range(n_new):  # as the one-token step at start + i builds its own
             seen.append(cache.sees(start + i, pos[i : i + 1], slot_pos)[1:])
             slot_pos[self.new_slots[i]] = start + i  # row i's token, in the ring for row i+1
-        masks, q_ats, k_ats = zip(*seen, strict=True)
+        self._seen_rows = seen
+        _, q_ats, k_ats = zip(*seen, strict=True)
         self.positions = torch.stack(q_ats)  # (rows, 1)
         self.key_rope_positions = torch.stack(k_ats) if cache.cache_positions else None
-        keys = masks[0].shape[-1]
-        self.rows = [(keys, m, False) for m in masks]
+        self.use_window(spec.sliding_window)
+
+    def use_window(self, window: int | None) -> None:
+        masks = [within(*seen, window) for seen in self._seen_rows]
+        self.rows = [(m.shape[-1], m, False) for m in masks]
 
     def _stage(self, k: torch.Tensor, v: torch.Tensor) -> KVPair:
         """k, v (rows, Hkv, 1, D) -> the one sequence's (1, Hkv, rows, D)."""
@@ -185,15 +204,12 @@ class WindowCache(RowCache):
         """A step from `start` of queries at absolute positions q over slots holding
         slot_pos, then its own tokens: (each key's absolute position k, the (T, S) mask of
         what each query sees, where RoPE puts the queries, and the keys). Query q sees key
-        p iff p <= q and (p < S or q - p < W), and within the model's own window, on the
-        distances it sees."""
+        p iff p <= q and (p < S or q - p < W); `within` adds the model's own window."""
         s = self.spec
         k = torch.cat([slot_pos, q])  # stored slots, then this step's tokens
         visible = (k[None, :] >= 0) & (k[None, :] <= q[:, None])
         visible &= (k[None, :] < s.sinks) | (q[:, None] - k[None, :] < s.window)
         q_at, k_at = self.rope_positions(start, q, k)
-        if s.sliding_window is not None:
-            visible &= q_at[:, None] - k_at[None, :] < s.sliding_window
         return k, visible, q_at, k_at
 
     def _slot(self, pos: torch.Tensor) -> torch.Tensor:

@@ -207,10 +207,13 @@ class CacheManager:
 
     def allocate(self, tokens: Seq[int], salt=None, reuse: bool = True) -> tuple[BlockTable, int]:
         cache = self.cache
+        back = cache.num_tokens - len(tokens) + 1  # the last token is fed
         if not (self.reuse and reuse) or cache.batch != 1 or salt != self.salt:
             cache.free()  # one empty sequence (a fork may have left n)
-        elif cache.num_tokens >= len(tokens):
-            cache.rollback(cache.num_tokens - len(tokens) + 1)  # the last token is fed
+        elif back > 0 and not cache.can_roll_back(back):
+            cache.free()  # a ring has let go of what the prompt's end reads: start over
+        elif back > 0:
+            cache.rollback(back)
         self.salt = salt
         self.rows = self.live = 1
         cached = cache.num_tokens if cache.mode != "off" else 0

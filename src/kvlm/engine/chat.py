@@ -65,7 +65,10 @@ class ChatSession:
             ids = self.history + self.tokenizer.encode(text, add_special_tokens=not self.history)
         cached = self.history[: self.cache.num_tokens]  # exactly the tokens the cache holds
         keep = min(common_prefix(cached, ids), len(ids) - 1)
-        self.cache.rollback(self.cache.num_tokens - keep)
+        if self.cache.can_roll_back(self.cache.num_tokens - keep):
+            self.cache.rollback(self.cache.num_tokens - keep)
+        else:  # a ring has let go of what the kept prefix's end reads: the turn starts over
+            self.cache.reset()
         self._turn = Stream(self.engine, ids, self.params)
         return self._turn
 

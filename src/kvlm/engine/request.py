@@ -179,7 +179,14 @@ class SampleState:
         out.token_ids.append(token)
         if out.logprobs is not None:
             out.logprobs.append(token_logprob(logits, token, self.params.logprobs or 0))
-        piece = self.decoder.step(self.tokenizer.backend, token)
+        try:
+            piece = self.decoder.step(self.tokenizer.backend, token)
+        except Exception:
+            # a byte-fallback vocabulary: a run of byte tokens that began as valid text
+            # (one byte) decodes as U+FFFD once a later byte makes the run invalid, which
+            # the stream refuses; the text goes on from this token in a new stream
+            self.decoder = self.tokenizer.decode_stream(skip_special_tokens=True)
+            piece = self.decoder.step(self.tokenizer.backend, token)
         delta = self.stop.push(piece) if piece else ""
         if token in self.stop_ids or self.stop.stopped:
             out.finish_reason = "stop"

@@ -60,7 +60,8 @@ class ModelRunner:
         self.fused_reason = fused.why_not(model)
         self._fused: dict[int, fused.FusedDecoder] = {}
         # On a GPU, decode steps replay CUDA graphs (kvlm.model.graphs)
-        self.graphs = graphs.GraphDecoder(model) if graphs.enabled(model.device) else None
+        on = graphs.enabled(model.device) and not model.config.layer_windows
+        self.graphs = graphs.GraphDecoder(model) if on else None
         # A step's prompt chunks and decode rows in one ragged forward: on a GPU (one
         # launch per op for the whole step), unless KVLM_ONE_FORWARD=0; the CPU keeps a
         # forward per chunk (a prompt's bits do not depend on its neighbours)

@@ -53,6 +53,14 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's block norms its attention's and its MLP's outputs too; its `ffn_norm` is the
+# MLP's input norm, as Llama's is, but HF names that one `pre_feedforward_layernorm`.
+_GEMMA_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -69,12 +77,13 @@ def is_gguf_file(path: Path) -> bool:
         return False
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (None if unknown)."""
     stem, _, suffix = gguf_name.rpartition(".")
     parts = stem.split(".")
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    names = _GEMMA_NAMES if arch in ("gemma2", "gemma3") else _LAYER_NAMES
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
     return None
@@ -96,7 +105,7 @@ class GGUFWeights:
         self.config = replace(cfg, tie_word_embeddings=tied)
         self._tensors: dict[str, GGUFTensor] = {}
         for t in self.file.tensors:
-            name = hf_name(t.name)
+            name = hf_name(t.name, cfg.architecture)
             if name is None:
                 continue
             if t.tensor_type not in SUPPORTED_TYPES:
@@ -142,6 +151,8 @@ class GGUFWeights:
             out = out.reshape(shape)
         except (ValueError, RuntimeError) as exc:
             raise ModelLoadError(f"{self.path.name}: cannot decode tensor {t.name}: {exc}") from exc
+        if self.config.gemma and name.endswith("norm.weight"):
+            out = out.float() - 1.0  # llama.cpp stores Gemma's norms as 1 + w; HF as w
         return self._unpermute(name, out)
 
     def is_quantized(self, name: str) -> bool:

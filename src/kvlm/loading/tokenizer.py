@@ -53,6 +53,9 @@ PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
     "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
 }
 
+# GGUF architectures whose SentencePiece vocabulary is Gemma's (_gguf_sentencepiece)
+GEMMA_VOCABULARIES = ("gemma", "gemma2", "gemma3")
+
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
@@ -240,6 +243,12 @@ def _gguf_bpe(meta: dict[str, Any], tokens: list[str]) -> _HFTokenizer:
 
 def _gguf_sentencepiece(meta: dict[str, Any], tokens: list[str], types: list[int]) -> _HFTokenizer:
     scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+    if meta.get("general.architecture") in GEMMA_VOCABULARIES:
+        # Gemma's files (as transformers reads them): a run of spaces is a token spelled in
+        # spaces, looked up as "▁"s; and the merge order is the vocabulary's order, not the
+        # stored scores
+        tokens = ["▁" * len(t) if t and not t.strip(" ") else t for t in tokens]
+        scores = [-float(i) for i in range(len(tokens))]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     unk_id = int(meta.get("tokenizer.ggml.unknown_token_id", 0))
     mergeable = {

@@ -46,6 +46,10 @@ class KVStep(Protocol):
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def for_layer(self, layer: int) -> KVStep:
+        """The step with `layer`'s attention window in its masks (kvlm.cache.base)."""
+        ...
+
 
 class Attention(nn.Module):
     def __init__(
@@ -68,6 +72,8 @@ class Attention(nn.Module):
         self.o_proj = o_proj
         self.q_norm = q_norm
         self.k_norm = k_norm
+        self.q_scale: float | None = None  # queries times this (a score scale, no q norm)
+        self.softcap: float | None = None  # scores soft-capped: cap * tanh(s / cap) (Gemma 2)
 
     def forward(
         self,
@@ -100,12 +106,15 @@ class Attention(nn.Module):
             k_all = apply_rope(k_all, *key_rope)
         if kv.key_rotation is not None:  # keys came back as k @ R: rotate the queries too
             q = q @ kv.key_rotation.to(q.dtype)
+        if self.q_scale is not None:
+            q = q * self.q_scale
+        cap = self.softcap
         if kv.segments is not None:
-            out = attend_ragged(q, k_all, v_all, kv.segments)
+            out = attend_ragged(q, k_all, v_all, kv.segments, cap)
         elif kv.rows is None and (B == 1 or not q.is_cpu):
-            out = attend(q, k_all, v_all, kv.mask, kv.is_causal)  # (B, H, T, D)
+            out = attend(q, k_all, v_all, kv.mask, kv.is_causal, softcap=cap)  # (B, H, T, D)
         else:
-            out = attend_rows(q, k_all, v_all, kv)
+            out = attend_rows(q, k_all, v_all, kv, cap)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
     def _norm_rope_in_c(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -136,20 +145,22 @@ class Attention(nn.Module):
         return rc == 0
 
 
-def attend_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
+def attend_ragged(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments, softcap: float | None = None
+) -> torch.Tensor:
     """A ragged step's attention: q (1, H, N, D), every sequence's queries one after the
     other; k, v (Tk, Hkv, D), every sequence's keys packed; -> (1, H, N, D). On a GPU in
     bf16/fp16, one call of FlashAttention's variable-length kernel (torch's varlen_attn)
     for all sequences, causal from the bottom right (a chunk after a prefix, a decode row
     over all its keys); elsewhere, SDPA per sequence over its own keys (`attend`)."""
-    out = _varlen(q, k, v, seg)
+    out = None if softcap is not None else _varlen(q, k, v, seg)
     if out is not None:
         return out
     parts = []
     for i in range(len(seg)):
         qa, qb, ka, kb = seg.cu_q[i], seg.cu_q[i + 1], seg.cu_k[i], seg.cu_k[i + 1]
         ks, vs = (x[ka:kb].transpose(0, 1)[None] for x in (k, v))  # (1, Hkv, S, D)
-        parts.append(attend(q[:, :, qa:qb], ks, vs, *seg.mask(i)))
+        parts.append(attend(q[:, :, qa:qb], ks, vs, *seg.mask(i), softcap=softcap))
     return torch.cat(parts, dim=2)
 
 
@@ -191,7 +202,9 @@ def _varlen_fn():
     return varlen_attn, tuple(inspect.signature(varlen_attn).parameters)
 
 
-def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVStep) -> torch.Tensor:
+def attend_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVStep, softcap: float | None = None
+) -> torch.Tensor:
     """`attend` one row at a time, each over its own keys (kv.rows) or all of them: a row
     gets the bits it gets alone, in any batch. On the CPU one SDPA call over B rows is not
     that: its kernel splits the work by the batch's size (with 2 threads, 1 to 7 rows of
@@ -202,7 +215,8 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVStep) -
     for b, (n, mask, causal) in enumerate(rows):
         if mask is not None and mask.dim() == 4 and mask.shape[0] > 1:
             mask = mask[b : b + 1]  # a mask per row
-        out.append(attend(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], mask, causal))
+        kb, vb = k[b : b + 1, :, :n], v[b : b + 1, :, :n]
+        out.append(attend(q[b : b + 1], kb, vb, mask, causal, softcap=softcap))
     return torch.cat(out)
 
 
@@ -213,8 +227,10 @@ def attend(
     mask: torch.Tensor | None,
     is_causal: bool,
     expand: bool | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """SDPA of q (B, H, T, D) over k, v (B, Hkv, S, D), H a multiple of Hkv.
+    """SDPA of q (B, H, T, D) over k, v (B, Hkv, S, D), H a multiple of Hkv; with
+    `softcap`, the scores capped first (`attend_capped`).
 
     On CUDA a grouped-query call with an explicit mask (a prefill chunk after the first, a
     batch of rows at different positions, a window step) finds no fused kernel: flash
@@ -222,6 +238,8 @@ def attend(
     the math path and its full score matrix. There (`expand` None: decided by device) the
     K/V heads are repeated to H first, which the memory-efficient kernel takes. On CPU
     enable_gqa serves every case."""
+    if softcap is not None:
+        return attend_capped(q, k, v, mask, is_causal, softcap)
     if q.is_cpu and q.shape[0] == 1 and q.shape[2] > 1:
         out = _attend_kernel(q, k, v, mask, is_causal)
         if out is not None:
@@ -243,6 +261,30 @@ def attend(
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa
         )
+
+
+def attend_capped(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    cap: float,
+) -> torch.Tensor:
+    """Attention whose scores are soft-capped before the softmax, cap * tanh(s / cap)
+    (Gemma 2), which no fused kernel takes: the scores are made whole, as transformers'
+    eager attention makes them (the softmax in fp32). q (B, H, T, D), k, v (B, Hkv, S, D)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = torch.tanh(scores / cap) * cap
+    if is_causal:
+        T, S = q.shape[2], k.shape[2]
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
 
 
 def attend_decode(

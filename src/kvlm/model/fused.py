@@ -118,6 +118,9 @@ def _ptr(t: torch.Tensor | None, n: int) -> int | None:
     return t.data_ptr()
 
 
+GEMMA_BLOCK = "not yet Gemma's block (norms after attention and the MLP, GeGLU, per-layer windows)"
+
+
 def why_not(model: Transformer) -> str | None:
     """None when the fused step can run this model, else the reason it cannot."""
     if os.environ.get("KVLM_NO_FUSED"):
@@ -125,6 +128,8 @@ def why_not(model: Transformer) -> str | None:
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return "needs fp32 activations on the CPU"
     c = model.config
+    if c.gemma:
+        return GEMMA_BLOCK
     if c.num_heads // c.num_kv_heads > 8 or c.head_dim > 128:
         return "more than 8 query heads per KV head, or head_dim > 128"
     if any(isinstance(m, Linear) and m.kernel != "quant" for m in model.modules()):

@@ -89,6 +89,9 @@ class StaticStep:
         self.window = window
         self.mask: torch.Tensor | None = None
 
+    def for_layer(self, layer: int) -> StaticStep:
+        return self  # one window for every layer (GraphDecoder takes no hybrid model)
+
     def prepare(self) -> None:
         """Build the mask from the static positions (inside the captured forward)."""
         allowed = visible(self.pos[:, None], self.keys[None, :], self.window)  # (B, S)

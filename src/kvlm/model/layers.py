@@ -345,12 +345,14 @@ def _transient(numel: int) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    """SwiGLU with the gate and up projections fused into one matmul."""
+    """SwiGLU (`act` "silu"), or GeGLU with tanh's GELU (`act` "gelu_tanh": Gemma), with
+    the gate and up projections fused into one matmul."""
 
-    def __init__(self, gate_up: Linear, down: Linear) -> None:
+    def __init__(self, gate_up: Linear, down: Linear, act: str = "silu") -> None:
         super().__init__()
         self.gate_up = gate_up
         self.down = down
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -374,6 +376,9 @@ class MLP(nn.Module):
             # mapped, faulted in and zeroed by the OS per layer: 30% of the product's time)
             out = _transient(rows * self.gate_up.out_features).view(rows, -1)
         gu = self.gate_up(x, out=out)
+        if self.act == "gelu_tanh":
+            gate, up = gu.chunk(2, dim=-1)
+            return self.down(F.gelu(gate, approximate="tanh") * up)
         lib = kernels.library() if gu.is_cpu and gu.dtype == torch.float32 else None
         if lib is not None and gu.is_contiguous() and gu.numel():
             # one pass in C, the fused decode step's own silu_mul (torch's silu on the

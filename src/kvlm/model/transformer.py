@@ -1,4 +1,5 @@
-"""One Llama-family transformer (Llama, Mistral, Qwen2, Qwen3, SmolLM2).
+"""One transformer for the Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM2) and Gemma 2
+and 3 (kvlm.config.ModelConfig.gemma: their block's extra norms, GeGLU, soft-caps).
 
 The same `forward` serves prefill, decode and chunked prefill: what differs is how many
 tokens are fed, at which positions, and which cache step they attend through.
@@ -12,13 +13,13 @@ import re
 import sys
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from kvlm.config import ModelConfig
+from kvlm.config import ModelConfig, RopeScaling
 from kvlm.errors import ModelLoadError
 from kvlm.model import quant
 from kvlm.model.attention import Attention, KVStep
@@ -31,12 +32,25 @@ log = logging.getLogger("kvlm.loading")
 
 
 class Block(nn.Module):
-    def __init__(self, attn: Attention, mlp: MLP, input_norm: RMSNorm, post_norm: RMSNorm):
+    """Pre-norm attention and MLP, each added to the residual stream. Gemma's block also
+    norms each one's output before adding it (`attn_out_norm`, `mlp_out_norm`)."""
+
+    def __init__(
+        self,
+        attn: Attention,
+        mlp: MLP,
+        input_norm: RMSNorm,
+        post_norm: RMSNorm,
+        attn_out_norm: RMSNorm | None = None,
+        mlp_out_norm: RMSNorm | None = None,
+    ):
         super().__init__()
         self.attn = attn
         self.mlp = mlp
         self.input_norm = input_norm
         self.post_norm = post_norm
+        self.attn_out_norm = attn_out_norm
+        self.mlp_out_norm = mlp_out_norm
 
     def forward(
         self,
@@ -46,8 +60,10 @@ class Block(nn.Module):
         kv: KVStep,
         key_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, kv, key_rope)
-        return x + self.mlp(self.post_norm(x))
+        a = self.attn(self.input_norm(x), cos, sin, kv, key_rope)
+        x = x + (a if self.attn_out_norm is None else self.attn_out_norm(a))
+        m = self.mlp(self.post_norm(x))
+        return x + (m if self.mlp_out_norm is None else self.mlp_out_norm(m))
 
 
 class Transformer(nn.Module):
@@ -93,6 +109,13 @@ class Transformer(nn.Module):
             freq_factors = loader.take_raw("rope_freqs.weight")
             weights.release()  # the vocabulary table's pages
         self.rope = RotaryEmbedding(config, self.device, freq_factors)
+        # Gemma 3: the layers with a window turn at their own base, unscaled
+        self.local_rope = None
+        if config.rope_local_theta is not None:
+            local = replace(config, rope_theta=config.rope_local_theta, rope_scaling=RopeScaling())
+            self.local_rope = RotaryEmbedding(local, self.device)
+        # Gemma: embeddings times sqrt(hidden), rounded to fp32 first as transformers does
+        self.embed_scale = torch.tensor(config.hidden_size**0.5) if config.gemma else None
         # low-bit weights on huge pages, in the order a decode step reads them: packed
         # there as they loaded; any that did not fit moved there now, each old copy freed
         # as soon as it has moved
@@ -132,9 +155,11 @@ class Transformer(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The embeddings of token ids (any shape) -> (*ids.shape, H) in the model dtype."""
         if self._embed_quant is not None:
-            return self._embed_quant.rows(ids.cpu()).to(self.device, self.dtype)
-        table = self._embed_table
-        return (self.lm_head.rows() if table is None else table)[ids]
+            x = self._embed_quant.rows(ids.cpu()).to(self.device, self.dtype)
+        else:
+            table = self._embed_table
+            x = (self.lm_head.rows() if table is None else table)[ids]
+        return x if self.embed_scale is None else x * self.embed_scale.to(x.dtype)
 
     def forward(
         self,
@@ -156,20 +181,32 @@ class Transformer(nn.Module):
             prompt = input_ids.shape[-1] > 1
         with feeding_prompt(prompt):
             x = self.embed(input_ids)  # (B, T, H)
-            cos, sin = self.rope(positions, x.dtype)
             # A cache that keeps K before RoPE (the window cache, positions inside the
             # cache) names every key's position; cos/sin for them once per step, for all
-            # layers.
-            keys_at = kv.key_rope_positions
-            key_rope = None if keys_at is None else self.rope.for_keys(keys_at, x.dtype)
-            for layer in self.layers:
-                x = layer(x, cos, sin, kv, key_rope)
+            # layers (of each RoPE base).
+            ropes = [self._ropes(r, positions, kv.key_rope_positions, x.dtype)
+                     for r in (self.rope, self.local_rope) if r is not None]  # fmt: skip
+            for i, layer in enumerate(self.layers):
+                local = self.local_rope is not None and self.config.window_of(i) is not None
+                cos, sin, key_rope = ropes[local]
+                x = layer(x, cos, sin, kv.for_layer(i), key_rope)
             if kv.logit_rows is not None:  # a ragged step: each sequence's rows it asks for
                 x = x[:, kv.logit_rows]
             elif last_only:
                 x = x[:, -1:]
             logits = self.lm_head(self.norm(x))
+            if self.config.final_softcap is not None:
+                cap = self.config.final_softcap
+                logits = torch.tanh(logits / cap) * cap
         return logits if logits.dtype == torch.float64 else logits.float()
+
+    @staticmethod
+    def _ropes(
+        rope: RotaryEmbedding, positions: torch.Tensor, keys_at: torch.Tensor | None, dtype
+    ) -> tuple:
+        """(cos, sin, the keys' cos/sin or None) of one RoPE base for a step."""
+        cos, sin = rope(positions, dtype)
+        return cos, sin, None if keys_at is None else rope.for_keys(keys_at, dtype)
 
 
 def _arena_capacity(weights: WeightSource) -> int:
@@ -354,22 +391,35 @@ class _WeightTaker:
         c = self.config
         p = f"model.layers.{i}"
         q_norm = k_norm = None
-        if c.qk_norm:  # Qwen3
+        if c.qk_norm:  # Qwen3, Gemma 3
             q_norm, k_norm = (self.norm(f"{p}.self_attn.{q}_norm") for q in ("q", "k"))
+        # another score scale than head_dim ** -0.5: the queries scaled by the ratio, in
+        # their norm where they have one (RoPE is linear); exactly 1 where the two agree
+        ratio = 1.0 if c.query_scale is None else c.query_scale / c.head_dim**-0.5
+        if q_norm is not None:
+            q_norm.weight *= ratio
         qkv = self.fused_linear(f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"))
         o_proj = self._with_bias(f"{p}.self_attn.o_proj")
         attn = Attention(i, c.num_heads, c.num_kv_heads, c.head_dim, qkv, o_proj, q_norm, k_norm)
+        attn.q_scale = None if q_norm is not None or ratio == 1.0 else ratio
+        attn.softcap = c.attn_softcap
         gate_up = self.fused_linear(f"{p}.mlp", ("gate_proj", "up_proj"))
-        mlp = MLP(gate_up, self._with_bias(f"{p}.mlp.down_proj"))
-        norms = (self.norm(f"{p}.{n}_layernorm") for n in ("input", "post_attention"))
-        block = Block(attn, mlp, *norms)
+        act = "gelu_tanh" if c.gemma else "silu"
+        mlp = MLP(gate_up, self._with_bias(f"{p}.mlp.down_proj"), act)
+        names = ("input", "pre_feedforward", "post_attention", "post_feedforward")
+        if not c.gemma:  # Llama's second norm is the MLP's input norm, and no others
+            names = ("input", "post_attention")
+        block = Block(attn, mlp, *(self.norm(f"{p}.{n}_layernorm") for n in names))
         # the file's pages read so far are the model's own copies now: given back, so the
         # file and the packed model are never both resident (a layer at a time)
         self.weights.release()
         return block
 
     def norm(self, prefix: str) -> RMSNorm:
-        """The RMSNorm of `prefix`.weight."""
+        """The RMSNorm of `prefix`.weight (Gemma's: of 1 + weight, added in fp32)."""
+        if self.config.gemma:
+            weight = 1.0 + self.take(f"{prefix}.weight").float()
+            return RMSNorm(weight.to(self.device, self.dtype), self.config.rms_norm_eps)
         return RMSNorm(self.take(f"{prefix}.weight"), self.config.rms_norm_eps)
 
     def _with_bias(self, prefix: str) -> Linear:

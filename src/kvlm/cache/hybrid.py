@@ -1,0 +1,179 @@
+"""Hybrid caches: each kind of layer keeps what it attends to, and no more.
+
+Gemma 3's layers come in two kinds: five of every six see only the last W tokens (a
+sliding window, W = 512 or 1,024), one sees the whole context. A cache that keeps every
+layer's K/V for the whole context holds ~5x what the model reads at 32k tokens. So a
+hybrid model's cache is two caches in lockstep (`HybridCache`):
+
+    layers   0  1  2  3  4  5 | 6  7  8  9 10 11 | ...
+    window   W  W  W  W  W  - | W  W  W  W  W  - |
+    part     ring ........... whole .............
+
+- the layers that see everything in a cache of the mode asked for (contiguous, basic),
+  over those layers only;
+- the layers with a window in a ring of their last W + RING_SLACK tokens: the window
+  cache's ring (kvlm.cache.window) with no sinks and positions as in the text, the model's
+  window W in its masks, so a chunk longer than the window still sees what its early
+  queries need, a rollback of up to RING_SLACK tokens (or a draft's rejected rows) finds
+  what the next query reads, and its memory is W + RING_SLACK tokens however long the
+  context.
+
+A step is a step of each part (`HybridStep`); `for_layer(i)` hands layer i its part's
+step, with the layer's index inside that part. The model never knows. A longer rollback
+is refused, as the window cache refuses it (`can_roll_back`: the caller starts over).
+Cache files hold both parts (`layout` "hybrid"): the whole part's values, then the ring's
+as `ring_values` and `ring_slot_pos` (kvlm.cache.files checks them as it checks a ring).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import ClassVar
+
+import torch
+
+from kvlm.cache.base import CacheSpec, CacheStep, KVCache, KVPair
+from kvlm.cache.window import WindowCache
+
+RING = "ring_"  # the prefix of the ring part's tensors in a snapshot
+# Tokens the ring keeps past the window: what a rollback may take back (a chat's last
+# token, a draft's rows beyond its own undo); a longer one is refused (the caller
+# recomputes the prefix)
+RING_SLACK = 32
+
+
+def local_window(spec: CacheSpec) -> int | None:
+    """The one window of a hybrid spec's local layers, or None when the spec is not hybrid
+    (every layer alike). Several different windows are refused."""
+    windows = set(spec.layer_windows)
+    if len(windows) < 2:
+        return None
+    local = windows - {None}
+    if len(local) != 1 or None not in windows:
+        raise ValueError(f"layers with windows {sorted(local)}: one window and whole layers only")
+    return local.pop()
+
+
+class _PartStep:
+    """A part's step as one layer sees it: update() takes the model's layer index."""
+
+    def __init__(self, step: CacheStep, index: dict[int, int]) -> None:
+        self._step, self._index = step, index
+
+    def __getattr__(self, name: str):
+        return getattr(self._step, name)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVPair:
+        return self._step.update(self._index[layer], k, v)
+
+
+class HybridStep(CacheStep):
+    """One forward through both parts: the whole part's step is the step's face (positions,
+    masks), each layer gets its part's (`for_layer`)."""
+
+    def __init__(self, whole: CacheStep, ring: CacheStep, cache: HybridCache) -> None:
+        self.__dict__.update(whole.__dict__)  # positions, masks, rows: the whole part's
+        self.parts = (whole, ring)
+        self._views = {}
+        self._layers = cache.layers
+
+    def for_layer(self, layer: int) -> _PartStep:
+        view = self._views.get(layer)
+        if view is None:
+            part, index = self._layers[layer]
+            view = self._views[layer] = _PartStep(self.parts[part], index)
+        return view
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVPair:
+        return self.for_layer(layer).update(layer, k, v)
+
+
+class HybridCache(KVCache):
+    """The layers that see everything in a cache of `mode`, those with a window in a ring."""
+
+    layout: ClassVar[str] = "hybrid"
+
+    def __init__(self, mode_cls: type[KVCache], spec: CacheSpec) -> None:
+        super().__init__(spec)
+        window = local_window(spec)
+        whole = [i for i, w in enumerate(spec.layer_windows) if w is None]
+        local = [i for i, w in enumerate(spec.layer_windows) if w is not None]
+        self.whole = mode_cls(replace(spec, num_layers=len(whole), layer_windows=()))
+        ring_spec = replace(spec, num_layers=len(local), layer_windows=(), sinks=0,
+                            window=window + RING_SLACK, window_positions="absolute",
+                            sliding_window=window)  # fmt: skip
+        self.ring = WindowCache(ring_spec)
+        self.mode = self.whole.mode
+        self.window = window
+        # layer -> (part: 0 whole, 1 ring; {layer: index inside the part} of that part)
+        indexes = ({i: n for n, i in enumerate(whole)}, {i: n for n, i in enumerate(local)})
+        self.layers = [(int(w is not None), indexes[w is not None]) for w in spec.layer_windows]
+
+    @property
+    def parts(self) -> tuple[KVCache, KVCache]:
+        return (self.whole, self.ring)
+
+    @property
+    def capacity(self) -> int:
+        return self.whole.capacity
+
+    def would_overflow(self, n_new: int) -> bool:
+        return self.whole.would_overflow(n_new)
+
+    def _overflow_message(self, n_new: int) -> str:
+        return self.whole._overflow_message(n_new)
+
+    def _begin(self, n_new: int, draft: bool) -> CacheStep:
+        return HybridStep(self.whole.begin(n_new, draft), self.ring.begin(n_new, draft), self)
+
+    def _commit(self, step: CacheStep) -> None:
+        assert isinstance(step, HybridStep)
+        for part, sub in zip(self.parts, step.parts, strict=True):
+            part.commit(sub)
+
+    def _check_rollback(self, n: int) -> None:
+        for part in self.parts:
+            part._check_rollback(n)
+
+    def _truncate(self, length: int) -> None:
+        for part in self.parts:
+            if length == 0:
+                part.reset()
+            else:
+                part.rollback(part.num_tokens - length)
+
+    def _release(self) -> None:
+        for part in self.parts:
+            part.free()
+
+    def _fork(self, n: int) -> None:
+        for part in self.parts:
+            part.fork(n)
+
+    def _export(self) -> dict[str, torch.Tensor]:
+        ring = {RING + k: t for k, t in self.ring._export().items()}
+        return {**self.whole._export(), **ring}
+
+    def _import(self, tensors: dict[str, torch.Tensor], length: int) -> None:
+        ring = {k[len(RING) :]: t for k, t in tensors.items() if k.startswith(RING)}
+        whole = {k: t for k, t in tensors.items() if not k.startswith(RING)}
+        for part, held in ((self.whole, whole), (self.ring, ring)):
+            part.free()
+            part.batch = self.batch
+            part._import(held, length)
+            part._length = length
+
+    def _layout_extra(self) -> dict[str, int]:
+        local = sum(1 << i for i, (part, _) in enumerate(self.layers) if part)
+        return {"window": self.window, "local_layers": local}
+
+    @property
+    def nbytes(self) -> int:
+        return self.whole.nbytes + self.ring.nbytes
+
+    @classmethod
+    def planned_nbytes(cls, spec: CacheSpec, tokens: int, batch: int) -> int:
+        raise TypeError("a hybrid cache's plan depends on its mode: kvlm.cache.factory")
+
+    def __repr__(self) -> str:
+        return f"<HybridCache {self.whole!r} + {self.ring!r}>"

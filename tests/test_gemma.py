@@ -1,0 +1,220 @@
+"""Gemma 3 (text) and Gemma 2: a GGUF file written as llama.cpp's converter writes one,
+against HF transformers on the same weights; its SentencePiece vocabulary against
+transformers' tokenizer for the same file; the local layers' window really applied; the
+hybrid cache's ring. (The tiny models of conftest.TINY_MODELS meet transformers in
+tests/test_hf_reference.py, and every cache mode and feature in tests/test_composition.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import (
+    GEMMA_TEMPLATE,
+    hf_greedy,
+    load_hf,
+    save_tiny_model,
+    sentencepiece_vocab,
+    write_gguf_from_hf,
+)
+from kvlm import LLM
+from numerics import assert_as_exact_as, max_error
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "  leading spaces,   runs of   spaces\n\n\tand\ttabs  ",
+    "東京は日本の首都です。",
+    "Привет, мир!",
+    "emoji 🙂 and ünïcödé outside the vocabulary: ß∂ƒ",
+    "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n",
+    "def add(a, b):\n    return a + b\n",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_pair(tmp_path_factory):
+    """A tiny Gemma 3 as HF writes it (six layers: the sixth global, as llama.cpp reads
+    every Gemma 3 file; a window of 8) and the same as a GGUF file."""
+    vocab = len(sentencepiece_vocab()[0])
+    folder = save_tiny_model(
+        tmp_path_factory.mktemp("gemma3"), "gemma3", seed=11, vocab_size=vocab,
+        num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        query_pre_attn_scalar=32,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
+    )  # fmt: skip
+    path = write_gguf_from_hf(folder, folder / "gemma3.gguf", arch="gemma3")
+    return folder, path
+
+
+def test_gguf_reads_gemma3_as_hf_does(gguf_pair):
+    folder, path = gguf_pair
+    llm = LLM(model=path, progress=False)
+    c = llm.config
+    assert c.architecture == "gemma3" and c.hybrid
+    assert c.layer_windows == (8, 8, 8, 8, 8, None)
+    assert (c.rope_theta, c.rope_local_theta, c.tie_word_embeddings) == (1e6, 1e4, True)
+    ids = [2, *range(300, 340)]  # past the window
+    ours = llm.runner.logits(ids, llm.new_cache("off"))
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        ref = load_hf(folder)(torch.tensor([ids])).logits[0]
+        exact = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+        exact = exact(torch.tensor([ids])).logits[0]
+    assert_as_exact_as(ours, ref, exact)
+
+
+def test_the_local_window_is_applied(gguf_pair):
+    """Five layers of six see 8 tokens back: without that the logits are another
+    function's (so the comparisons above can fail)."""
+    folder, _ = gguf_pair
+    llm = LLM(model=folder, progress=False)
+    ids = [2, *range(300, 340)]
+    exact = LLM(model=folder, progress=False, dtype="fp64").runner.logits(ids, llm.new_cache("off"))
+    ours = llm.runner.logits(ids, llm.new_cache("contiguous"))
+    from dataclasses import replace
+
+    from kvlm.cache import create_cache
+
+    spec = replace(llm.new_cache("off").spec, layer_windows=())
+    far = max_error(llm.runner.logits(ids, create_cache("off", spec)), exact)
+    assert far > 1000 * max(max_error(ours, exact), 1e-30)
+
+
+def test_sentencepiece_ids_equal_transformers(gguf_pair):
+    from transformers import AutoTokenizer
+
+    folder, path = gguf_pair
+    ours = LLM(model=path, progress=False).tokenizer
+    ref = AutoTokenizer.from_pretrained(folder, gguf_file=path.name)
+    for text in TEXTS:
+        assert ours.encode(text) == ref.encode(text), text
+        assert ours.decode(ours.encode(text)) == ref.decode(
+            ref.encode(text), skip_special_tokens=True
+        )
+    byte = sentencepiece_vocab()[0].index("<0xF0>")
+    assert byte in ours.encode("🙂")  # byte fallback
+
+
+def test_chat_template_from_the_file(gguf_pair):
+    _, path = gguf_pair
+    tok = LLM(model=path, progress=False).tokenizer
+    assert tok.chat_template == GEMMA_TEMPLATE
+    text = tok.render_chat([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    assert text == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    ids = tok.encode_chat([{"role": "user", "content": "Hi"}])
+    assert ids[:2] == [2, tok.token_to_id("<start_of_turn>")]
+
+
+def test_greedy_from_gguf_follows_hf(gguf_pair):
+    folder, path = gguf_pair
+    llm = LLM(model=path, progress=False)
+    ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    ref_ids, _ = hf_greedy(load_hf(folder), ids, 24)
+    from kvlm import SamplingParams
+
+    out = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True))[0]  # fmt: skip
+    assert out.outputs[0].token_ids == ref_ids
+
+
+def test_windowed_layers_keep_only_their_window(tiny_model_dir, tmp_path):
+    """The contiguous cache of a hybrid model holds its windowed layers in a ring of W +
+    RING_SLACK slots, however long the context: 190 tokens in, the same bytes as at 1; and
+    a file of it reads back (kvlm inspect --cache) naming both groups."""
+    from kvlm.cache.files import save_cache
+    from kvlm.cache.hybrid import RING_SLACK, HybridCache
+    from kvlm.cache.saved import SavedCache
+
+    llm = LLM(model=tiny_model_dir("gemma3"), progress=False, max_context=256)
+    cache = llm.new_cache("contiguous")
+    assert isinstance(cache, HybridCache) and cache.mode == "contiguous"
+    assert cache.ring.store.values.shape[4] == 8 + RING_SLACK  # 3 layers: a ring each
+    assert cache.whole.store.values.shape[:1] == (1,)  # 1 layer sees everything
+    before = cache.nbytes
+    llm.runner.forward(list(range(10, 200)), cache)
+    assert cache.nbytes == before and cache.num_tokens == 190
+    save_cache(cache, tmp_path / "c.kv", llm.fingerprint)
+    info = SavedCache.read(tmp_path / "c.kv").summary()
+    assert info["layer_groups"] == {"whole": 1, "window": 3}
+    per_layer = cache.spec.bytes_per_token // 4  # one layer's K and V of one token
+    assert info["restored_bytes"] == (190 + 3 * (8 + RING_SLACK)) * per_layer
+
+
+def test_a_gemma3_1b_shape_plans_a_fifth_of_the_bytes_at_32k():
+    """Gemma 3 1B (26 layers, every sixth global, a window of 512; fp16 K/V): the K/V a
+    contiguous cache plans for 32k tokens is at most 0.25x of every layer kept whole."""
+    from dataclasses import replace
+
+    from kvlm.cache import CacheSpec
+    from kvlm.cache.factory import planned_nbytes
+    from kvlm.config import ModelConfig
+
+    config = ModelConfig.from_hf({
+        "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152,
+        "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 256, "sliding_window": 512,
+        "rope_theta": 1e6, "rope_local_base_freq": 1e4, "query_pre_attn_scalar": 256,
+    })  # fmt: skip
+    assert config.layer_windows.count(None) == 4
+    spec = CacheSpec.for_model(config, 32768, torch.float16)
+    hybrid = planned_nbytes("contiguous", spec, 32768, 1)
+    whole = planned_nbytes("contiguous", replace(spec, layer_windows=()), 32768, 1)
+    assert whole == 32768 * 26 * 2 * 256 * 2
+    assert hybrid <= 0.25 * whole
+    from kvlm.cache.memory import plan
+
+    groups = plan(config, "contiguous", 32768, 1, torch.float16, budget=0).layer_groups
+    assert [(g["layers"], g["window"], g["tokens"]) for g in groups] == [
+        (4, None, 32768), (22, 512, 512 + 32)]  # fmt: skip
+    assert sum(g["bytes"] for g in groups) == hybrid
+
+
+def test_gguf_reads_gemma2_as_hf_does(tiny_model_dir, tmp_path):
+    """Gemma 2 from GGUF: every second layer windowed, the scores and the logits
+    soft-capped (the keys llama.cpp's converter writes), the score scale as llama.cpp
+    reads it (head_dim's, below 27B)."""
+    vocab = len(sentencepiece_vocab()[0])
+    folder = save_tiny_model(tmp_path / "g2", "gemma2", seed=12, vocab_size=vocab,
+                             query_pre_attn_scalar=32)  # fmt: skip
+    path = write_gguf_from_hf(folder, tmp_path / "g2.gguf", arch="gemma2")
+    llm = LLM(model=path, progress=False)
+    c = llm.config
+    assert (c.layer_windows, c.attn_softcap, c.final_softcap) == ((8, None), 5.0, 30.0)
+    ids = [2, *range(300, 340)]
+    ours = llm.runner.logits(ids, llm.new_cache("off"))
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        ref = load_hf(folder)(torch.tensor([ids])).logits[0]
+        exact = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+        exact = exact(torch.tensor([ids])).logits[0]
+    assert_as_exact_as(ours, ref, exact)
+
+
+def test_a_hostile_window_pattern_is_refused(tmp_path):
+    from kvlm.config import ModelConfig
+    from kvlm.errors import UnsupportedModelError
+
+    meta = {"general.architecture": "gemma3", "gemma3.embedding_length": 64,
+            "gemma3.attention.head_count": 4, "gemma3.feed_forward_length": 128,
+            "gemma3.block_count": 4, "gemma3.attention.sliding_window": 8,
+            "gemma3.attention.sliding_window_pattern": 0, "gemma3.vocab_size": 10}  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match="sliding window"):
+        ModelConfig.from_gguf(meta)
+    meta["gemma3.attention.sliding_window_pattern"] = [True, False]  # 2 flags, 4 layers
+    with pytest.raises(UnsupportedModelError, match="layer types for 4 layers"):
+        ModelConfig.from_gguf(meta)
+
+
+@pytest.mark.parametrize("mode", ["paged", "contiguous"])
+def test_gemma2_composes(tiny_model_dir, mode, tmp_path):
+    """Gemma 2's soft-capped attention (scores made whole, not SDPA's) through the grid's
+    own checks (tests/test_composition.py): batched = alone, chunked = one shot,
+    speculative = plain, rollback."""
+    from test_composition import batching, chunked_prefill, rollback, speculative
+
+    for check in (batching, chunked_prefill, speculative, rollback):
+        check(tiny_model_dir("gemma2"), mode, None, tmp_path)
