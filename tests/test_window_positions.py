@@ -151,8 +151,8 @@ def attention_calls(monkeypatch):
     calls: list[tuple[torch.Tensor, ...]] = []
     real = attention.attend
 
-    def record(q, k, v, mask, is_causal, expand=None):
-        out = real(q, k, v, mask, is_causal, expand)
+    def record(q, k, v, mask, is_causal, expand=None, softcap=None):
+        out = real(q, k, v, mask, is_causal, expand, softcap)
         calls.append((q, k, v, mask, out))
         return out
 
