@@ -218,3 +218,36 @@ def test_gemma2_composes(tiny_model_dir, mode, tmp_path):
 
     for check in (batching, chunked_prefill, speculative, rollback):
         check(tiny_model_dir("gemma2"), mode, None, tmp_path)
+
+
+def test_a_multimodal_gemma3_folder_runs_its_text_model(tmp_path):
+    """Gemma 3 4B and up come as Gemma3ForConditionalGeneration (a vision tower beside the
+    language model, `text_config`, weights under `language_model.`): kvlm runs the language
+    model, as transformers' forward over text alone does."""
+    import shutil
+
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    from helpers import tiny_config
+
+    text = tiny_config("gemma3", 320)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                       image_token_index=300, boi_token_index=301, eoi_token_index=302)  # fmt: skip
+    torch.manual_seed(13)
+    hf = Gemma3ForConditionalGeneration(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    donor = save_tiny_model(tmp_path / "donor", "llama")  # tokenizer files
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(donor / f, tmp_path / f)
+    llm = LLM(model=tmp_path, progress=False)
+    assert llm.config.architecture == "gemma3" and llm.config.layer_windows == (8, 8, None, 8)
+    ids = [0, *range(10, 50)]
+    ours = llm.runner.logits(ids, llm.new_cache("off"))
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0]
+    exact = LLM(model=tmp_path, progress=False, dtype="fp64").runner.logits(
+        ids, llm.new_cache("off")
+    )
+    assert_as_exact_as(ours, ref, exact)

@@ -109,6 +109,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], name: str = "") -> ModelConfig:
         """Build from a Hugging Face `config.json` dict (Llama, Mistral, Qwen2, Qwen3)."""
+        if isinstance(cfg.get("text_config"), dict):  # a multimodal checkpoint: its text model
+            cfg = _text_part(cfg)
         arch = str(cfg.get("model_type", "")).lower()
         arch = HF_MODEL_TYPES.get(arch, arch)
         if arch not in SUPPORTED_ARCHITECTURES:  # named as the config names its class
@@ -211,6 +213,17 @@ class ModelConfig:
             name=name,
             **extra,
         )
+
+
+def _text_part(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config's language model (Gemma3ForConditionalGeneration: Gemma 3 4B
+    and up on the Hub), with the top level's special tokens where the text part has none;
+    kvlm runs text only (loading.hf reads the language model's weights)."""
+    text = dict(cfg["text_config"])
+    for key in ("bos_token_id", "eos_token_id", "tie_word_embeddings"):
+        if key in cfg and key not in text:
+            text[key] = cfg[key]
+    return text
 
 
 def _check_supported(

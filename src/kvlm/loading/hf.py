@@ -36,13 +36,16 @@ class SafetensorsWeights:
                 f"{folder} has no *.safetensors files (pytorch_model.bin is not supported)"
             )
         self._where: dict[str, Any] = {}
+        self._stored: dict[str, str] = {}  # kvlm's name -> the file's
         for file in files:
             try:
                 handle = safe_open(str(file), framework="pt")
             except Exception as exc:  # safetensors raises its own SafetensorError
                 raise ModelLoadError(f"cannot read {file}: {exc}") from exc
-            self._where.update(dict.fromkeys(handle.keys(), handle))  # safe_open: no __iter__
-        self.dtypes = sorted({str(self._where[n].get_slice(n).get_dtype()) for n in self._where})
+            for stored in handle.keys():  # noqa: SIM118 - safe_open: no __iter__
+                name = text_model_name(stored)
+                self._where[name], self._stored[name] = handle, stored
+        self.dtypes = sorted({str(self.stored_as(n)[1]) for n in self._where})
 
     def names(self) -> list[str]:
         return list(self._where)
@@ -54,7 +57,8 @@ class SafetensorsWeights:
         return False  # safetensors holds float tensors
 
     def stored_as(self, name: str) -> tuple[str, str]:
-        return name, str(self._where[name].get_slice(name).get_dtype())
+        stored = self._stored[name]
+        return stored, str(self._where[name].get_slice(stored).get_dtype())
 
     def get_quant(self, name: str, packed: bool = True) -> None:
         return None
@@ -66,14 +70,34 @@ class SafetensorsWeights:
         """Config + the final norm and the first rows of the embedding, as stored."""
         config = replace(self.config, name="")
         norm = self.get("model.norm.weight")
-        embed = self._where["model.embed_tokens.weight"].get_slice("model.embed_tokens.weight")
+        embed = self._where["model.embed_tokens.weight"].get_slice(
+            self._stored["model.embed_tokens.weight"]
+        )
         return fingerprint_of(config, _bytes(norm), _bytes(embed[:8]))
 
     def get(self, name: str) -> torch.Tensor:
         try:
-            return self._where[name].get_tensor(name)
+            return self._where[name].get_tensor(self._stored[name])
         except Exception as exc:
             raise ModelLoadError(f"cannot read tensor {name}: {exc}") from exc
+
+
+# A multimodal checkpoint's language model, as its files name it -> as a text model's
+# (Gemma3ForConditionalGeneration: `language_model.model.*` on the Hub, and
+# `model.language_model.*` as newer transformers lay it out)
+_TEXT_PREFIXES = {
+    "language_model.model.": "model.",
+    "model.language_model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+
+
+def text_model_name(stored: str) -> str:
+    """The name a text model gives the tensor the file calls `stored`."""
+    for prefix, plain in _TEXT_PREFIXES.items():
+        if stored.startswith(prefix):
+            return plain + stored[len(prefix) :]
+    return stored
 
 
 def _bytes(t: torch.Tensor) -> bytes:
