@@ -251,3 +251,35 @@ def test_a_multimodal_gemma3_folder_runs_its_text_model(tmp_path):
         ids, llm.new_cache("off")
     )
     assert_as_exact_as(ours, ref, exact)
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "paged"])
+def test_chunks_longer_than_the_window_equal_one_shot(tiny_model_dir, mode):
+    """Prefill chunks of 12 and 20 past a window of 8 (the ring stages a chunk's own K/V,
+    so its early queries see what its later tokens evict) give the one-shot tokens."""
+    from test_composition import make, tokens
+
+    folder = tiny_model_dir("gemma3")
+    prompt = "The quick brown fox jumps over the lazy dog and runs far away" * 2
+    want = tokens(make(folder, mode, None), prompt)
+    for chunk in (12, 20):
+        assert tokens(make(folder, mode, None, prefill_chunk=chunk), prompt) == want
+
+
+def test_a_restarted_engine_loads_a_hybrid_models_prompt_from_disk(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """The pool (every layer whole for a hybrid model, so far) through a disk tier: the
+    second engine gets its prefix from disk and answers with the same tokens."""
+    from test_tiers import PROMPT, engine_with, run
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))  # the tier key's home
+
+    llm = LLM(model=tiny_model_dir("gemma3"), progress=False, max_context=256)
+    first = engine_with(llm, f"disk:{tmp_path / 'tier'}")
+    want, _ = run(first, {"a": PROMPT})
+    first.close()
+    second = engine_with(llm, f"disk:{tmp_path / 'tier'}")
+    got, cached = run(second, {"a": PROMPT})
+    second.close()
+    assert got == want and cached == {"a": 96}
