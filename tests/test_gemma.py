@@ -32,6 +32,16 @@ TEXTS = [
 ]
 
 
+def assert_logits_as_hf(llm: LLM, folder) -> None:
+    """Teacher-forced logits over 41 tokens (past the window) as close to the exact ones
+    (transformers in fp64 on the HF folder) as transformers' own fp32 logits are."""
+    from test_hf_reference import hf_logits
+
+    ids = [2, *range(300, 340)]
+    ours = llm.runner.logits(ids, llm.new_cache("off"))
+    assert_as_exact_as(ours, hf_logits(load_hf(folder), ids), hf_logits(folder, ids, torch.float64))
+
+
 @pytest.fixture(scope="module")
 def gguf_pair(tmp_path_factory):
     """A tiny Gemma 3 as HF writes it (six layers: the sixth global, as llama.cpp reads
@@ -55,15 +65,7 @@ def test_gguf_reads_gemma3_as_hf_does(gguf_pair):
     assert c.architecture == "gemma3" and c.hybrid
     assert c.layer_windows == (8, 8, 8, 8, 8, None)
     assert (c.rope_theta, c.rope_local_theta, c.tie_word_embeddings) == (1e6, 1e4, True)
-    ids = [2, *range(300, 340)]  # past the window
-    ours = llm.runner.logits(ids, llm.new_cache("off"))
-    from transformers import AutoModelForCausalLM
-
-    with torch.no_grad():
-        ref = load_hf(folder)(torch.tensor([ids])).logits[0]
-        exact = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
-        exact = exact(torch.tensor([ids])).logits[0]
-    assert_as_exact_as(ours, ref, exact)
+    assert_logits_as_hf(llm, folder)
 
 
 def test_the_local_window_is_applied(gguf_pair):
@@ -183,15 +185,7 @@ def test_gguf_reads_gemma2_as_hf_does(tiny_model_dir, tmp_path):
     llm = LLM(model=path, progress=False)
     c = llm.config
     assert (c.layer_windows, c.attn_softcap, c.final_softcap) == ((8, None), 5.0, 30.0)
-    ids = [2, *range(300, 340)]
-    ours = llm.runner.logits(ids, llm.new_cache("off"))
-    from transformers import AutoModelForCausalLM
-
-    with torch.no_grad():
-        ref = load_hf(folder)(torch.tensor([ids])).logits[0]
-        exact = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
-        exact = exact(torch.tensor([ids])).logits[0]
-    assert_as_exact_as(ours, ref, exact)
+    assert_logits_as_hf(llm, folder)
 
 
 def test_a_hostile_window_pattern_is_refused(tmp_path):

@@ -92,10 +92,6 @@ class ModelConfig:
         the MLP (before and after each), GeGLU, norm weights 1 + w (Gemma 3: q/k norms)."""
         return self.architecture in GEMMA_PATTERN
 
-    def window_of(self, layer: int) -> int | None:
-        """The attention window of `layer` (None: the whole context)."""
-        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
-
     @property
     def hybrid(self) -> bool:
         """Layers with a window and layers without (Gemma 3)."""

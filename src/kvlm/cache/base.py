@@ -196,9 +196,8 @@ class DraftRows:
     own position (CacheStep.rows), with no mask, as decoding its token alone would."""
 
     def __init__(self, cache: KVCache, n_new: int) -> None:
-        super().__init__(cache, n_new)  # type: ignore[call-arg]
+        super().__init__(cache, n_new)  # type: ignore[call-arg] # use_window: this class's
         self.positions = self.positions.reshape(n_new, 1)  # (rows, 1)
-        self.use_window(cache.spec.sliding_window)
 
     def use_window(self, window: int | None) -> None:
         self.mask, self.is_causal = None, False
@@ -219,9 +218,8 @@ class DenseStep(CacheStep):
     contiguous, paged): the causal mask over positions, in its cheapest exact form."""
 
     def __init__(self, cache: KVCache, n_new: int) -> None:
-        start, spec = cache.num_tokens, cache.spec
-        mask, causal = causal_mask(start, n_new, start + n_new, spec.sliding_window, spec.device)
-        super().__init__(start, n_new, cache.batch, spec.device, mask, causal)
+        super().__init__(cache.num_tokens, n_new, cache.batch, cache.spec.device, None, False)
+        self.use_window(cache.spec.sliding_window)
 
     def use_window(self, window: int | None) -> None:
         end = self.start + self.n_new
@@ -354,11 +352,13 @@ class KVCache(ABC):
 
     def can_roll_back(self, n: int) -> bool:
         """Whether rollback(n) keeps what the next query reads (a ring may have let it go)."""
+        if not 0 <= n <= self._length:
+            return False
         try:
             self._check_rollback(n)
         except InvalidRequestError:
             return False
-        return 0 <= n <= self._length
+        return True
 
     def reset(self) -> None:
         """Empty, keeping the batch and whatever storage the cache owns."""

@@ -9,7 +9,7 @@ import torch
 from kvlm.cache.base import CacheSpec, KVCache
 from kvlm.cache.basic import BasicCache
 from kvlm.cache.contiguous import ContiguousCache
-from kvlm.cache.hybrid import HybridCache, local_window
+from kvlm.cache.hybrid import HybridCache, local_window, part_specs
 from kvlm.cache.off import OffCache
 from kvlm.cache.paged import Int8PagedCache, PagedCache
 from kvlm.cache.window import WindowCache
@@ -56,11 +56,17 @@ def create_cache(mode: str, spec: CacheSpec) -> KVCache:
 
 def planned_nbytes(mode: str, spec: CacheSpec, tokens: int, batch: int) -> int:
     """What a cache of this mode allocates for `batch` sequences of `tokens` tokens."""
+    return sum(n for _, n in planned_parts(mode, spec, tokens, batch))
+
+
+def planned_parts(
+    mode: str, spec: CacheSpec, tokens: int, batch: int
+) -> list[tuple[CacheSpec, int]]:
+    """(spec, bytes it allocates) of each part of a `mode` cache for `batch` sequences of
+    `tokens` tokens: the cache itself, or a HybridCache's whole part and ring."""
     cls, spec = check_mode(mode), mode_spec(mode, spec)
     if mode in HYBRID_MODES and local_window(spec) is not None:
-        probe = HybridCache(cls, replace(spec, max_tokens=1))  # the parts' specs, 1 token
-        whole, ring = (replace(p.spec, max_tokens=spec.max_tokens) for p in probe.parts)
-        return cls.planned_nbytes(whole, tokens, batch) + WindowCache.planned_nbytes(
-            ring, tokens, batch
-        )
-    return cls.planned_nbytes(spec, tokens, batch)
+        whole, ring = part_specs(spec)
+        return [(whole, cls.planned_nbytes(whole, tokens, batch)),
+                (ring, WindowCache.planned_nbytes(ring, tokens, batch))]  # fmt: skip
+    return [(spec, cls.planned_nbytes(spec, tokens, batch))]

@@ -54,6 +54,21 @@ def local_window(spec: CacheSpec) -> int | None:
     return local.pop()
 
 
+def part_specs(spec: CacheSpec) -> tuple[CacheSpec, CacheSpec]:
+    """A hybrid spec's two parts: its whole layers (the mode's cache over them), and its
+    windowed ones (a ring of W + RING_SLACK, no sinks, positions as in the text, the
+    model's window W in the masks)."""
+    window = local_window(spec)
+    if window is None:
+        raise ValueError("not a hybrid spec: every layer has the same window")
+    ring = sum(w is not None for w in spec.layer_windows)
+    whole = replace(spec, num_layers=spec.num_layers - ring, layer_windows=())
+    ring_spec = replace(spec, num_layers=ring, layer_windows=(), sinks=0,
+                        window=window + RING_SLACK, window_positions="absolute",
+                        sliding_window=window)  # fmt: skip
+    return whole, ring_spec
+
+
 class _PartStep:
     """A part's step as one layer sees it: update() takes the model's layer index."""
 
@@ -95,16 +110,12 @@ class HybridCache(KVCache):
 
     def __init__(self, mode_cls: type[KVCache], spec: CacheSpec) -> None:
         super().__init__(spec)
-        window = local_window(spec)
+        whole_spec, ring_spec = part_specs(spec)
+        self.whole, self.ring = mode_cls(whole_spec), WindowCache(ring_spec)
+        self.mode = self.whole.mode
+        self.window = ring_spec.sliding_window
         whole = [i for i, w in enumerate(spec.layer_windows) if w is None]
         local = [i for i, w in enumerate(spec.layer_windows) if w is not None]
-        self.whole = mode_cls(replace(spec, num_layers=len(whole), layer_windows=()))
-        ring_spec = replace(spec, num_layers=len(local), layer_windows=(), sinks=0,
-                            window=window + RING_SLACK, window_positions="absolute",
-                            sliding_window=window)  # fmt: skip
-        self.ring = WindowCache(ring_spec)
-        self.mode = self.whole.mode
-        self.window = window
         # layer -> (part: 0 whole, 1 ring; {layer: index inside the part} of that part)
         indexes = ({i: n for n, i in enumerate(whole)}, {i: n for n, i in enumerate(local)})
         self.layers = [(int(w is not None), indexes[w is not None]) for w in spec.layer_windows]

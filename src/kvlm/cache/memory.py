@@ -13,8 +13,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from kvlm.cache.base import CacheSpec
-from kvlm.cache.factory import HYBRID_MODES, mode_spec, planned_nbytes
-from kvlm.cache.hybrid import RING_SLACK, local_window
+from kvlm.cache.factory import mode_spec, planned_nbytes, planned_parts
 from kvlm.config import ModelConfig
 from kvlm.dtypes import dtype_name
 from kvlm.errors import InvalidRequestError
@@ -128,21 +127,13 @@ def layer_groups(mode: str, spec: CacheSpec, context: int, batch: int) -> list[d
     """The layers by what a `mode` cache keeps of `batch` sequences of `context` tokens:
     {"layers", "window" (None: the whole context), "tokens" each keeps, "bytes"}. One group,
     but for a hybrid model's cache of a HYBRID_MODES mode (kvlm.cache.hybrid): its whole
-    layers, and its windowed ones in a ring of W + RING_SLACK tokens."""
-    window = local_window(spec) if mode in HYBRID_MODES else None
-    if window is None:
-        total = planned_nbytes(mode, spec, context, batch)
-        return [{"layers": spec.num_layers, "window": None, "tokens": context, "bytes": total}]
-    per_layer = spec.bytes_per_token // spec.num_layers  # one layer's K and V of a token
-    ring = sum(w is not None for w in spec.layer_windows)
-    whole = spec.num_layers - ring
-    slots = window + RING_SLACK
-    ring_bytes = batch * ring * slots * per_layer
-    return [
-        {"layers": whole, "window": None, "tokens": context,
-         "bytes": planned_nbytes(mode, spec, context, batch) - ring_bytes},
-        {"layers": ring, "window": window, "tokens": slots, "bytes": ring_bytes},
-    ]  # fmt: skip
+    layers, and its windowed ones in a ring (factory.planned_parts)."""
+    (whole, whole_bytes), *rings = planned_parts(mode, spec, context, batch)
+    groups = [{"layers": whole.num_layers, "window": None, "tokens": context, "bytes": whole_bytes}]
+    for ring, ring_bytes in rings:
+        groups.append({"layers": ring.num_layers, "window": ring.sliding_window,
+                       "tokens": ring.window, "bytes": ring_bytes})  # fmt: skip
+    return groups
 
 
 def table(config: ModelConfig, context: int, batch: int, **sizes: int | None) -> list[dict]:

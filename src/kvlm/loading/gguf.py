@@ -77,11 +77,12 @@ def is_gguf_file(path: Path) -> bool:
         return False
 
 
-def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (None if unknown)."""
+def hf_name(gguf_name: str, gemma: bool = False) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (None if unknown;
+    `gemma`: a Gemma file's names, ModelConfig.gemma)."""
     stem, _, suffix = gguf_name.rpartition(".")
     parts = stem.split(".")
-    names = _GEMMA_NAMES if arch in ("gemma2", "gemma3") else _LAYER_NAMES
+    names = _GEMMA_NAMES if gemma else _LAYER_NAMES
     if parts[0] == "blk" and len(parts) == 3 and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
     if stem in _GLOBAL_NAMES:
@@ -105,7 +106,7 @@ class GGUFWeights:
         self.config = replace(cfg, tie_word_embeddings=tied)
         self._tensors: dict[str, GGUFTensor] = {}
         for t in self.file.tensors:
-            name = hf_name(t.name, cfg.architecture)
+            name = hf_name(t.name, cfg.gemma)
             if name is None:
                 continue
             if t.tensor_type not in SUPPORTED_TYPES:

@@ -363,11 +363,11 @@ class MLP(nn.Module):
             y = torch.empty(rows, self.down.out_features, dtype=x.dtype)
             with feeding_prompt(role):
                 for i in range(0, rows, PIECE_ROWS):
-                    y[i : i + PIECE_ROWS] = self._swiglu(flat[:, i : i + PIECE_ROWS])[0]
+                    y[i : i + PIECE_ROWS] = self._glu(flat[:, i : i + PIECE_ROWS])[0]
             return y.view(*x.shape[:-1], -1)
-        return self._swiglu(x)
+        return self._glu(x)
 
-    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
+    def _glu(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         out = None
         if self.gate_up.kernel == "quant" and rows > 1 and x.dtype == torch.float32:
@@ -376,10 +376,8 @@ class MLP(nn.Module):
             # mapped, faulted in and zeroed by the OS per layer: 30% of the product's time)
             out = _transient(rows * self.gate_up.out_features).view(rows, -1)
         gu = self.gate_up(x, out=out)
-        if self.act == "gelu_tanh":
-            gate, up = gu.chunk(2, dim=-1)
-            return self.down(F.gelu(gate, approximate="tanh") * up)
-        lib = kernels.library() if gu.is_cpu and gu.dtype == torch.float32 else None
+        silu = self.act == "silu"
+        lib = kernels.library() if silu and gu.is_cpu and gu.dtype == torch.float32 else None
         if lib is not None and gu.is_contiguous() and gu.numel():
             # one pass in C, the fused decode step's own silu_mul (torch's silu on the
             # strided half and the product: ~1 G elements/s in a prompt)
@@ -387,4 +385,5 @@ class MLP(nn.Module):
             if lib.kvlm_silu_mul(gu.data_ptr(), rows, act.shape[-1], act.data_ptr()) == 0:
                 return self.down(act)
         gate, up = gu.chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        gate = F.silu(gate) if silu else F.gelu(gate, approximate="tanh")
+        return self.down(gate * up)

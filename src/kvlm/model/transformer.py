@@ -114,6 +114,10 @@ class Transformer(nn.Module):
         if config.rope_local_theta is not None:
             local = replace(config, rope_theta=config.rope_local_theta, rope_scaling=RopeScaling())
             self.local_rope = RotaryEmbedding(local, self.device)
+        # each layer's RoPE: 0 self.rope, 1 self.local_rope (a layer with a window)
+        two = self.local_rope is not None
+        self._rope_of = [int(two and w is not None) for w in config.layer_windows]
+        self._rope_of = self._rope_of or [0] * config.num_layers
         # Gemma: embeddings times sqrt(hidden), rounded to fp32 first as transformers does
         self.embed_scale = torch.tensor(config.hidden_size**0.5) if config.gemma else None
         # low-bit weights on huge pages, in the order a decode step reads them: packed
@@ -187,8 +191,7 @@ class Transformer(nn.Module):
             ropes = [self._ropes(r, positions, kv.key_rope_positions, x.dtype)
                      for r in (self.rope, self.local_rope) if r is not None]  # fmt: skip
             for i, layer in enumerate(self.layers):
-                local = self.local_rope is not None and self.config.window_of(i) is not None
-                cos, sin, key_rope = ropes[local]
+                cos, sin, key_rope = ropes[self._rope_of[i]]
                 x = layer(x, cos, sin, kv.for_layer(i), key_rope)
             if kv.logit_rows is not None:  # a ragged step: each sequence's rows it asks for
                 x = x[:, kv.logit_rows]
