@@ -201,6 +201,15 @@ def test_a_hostile_window_pattern_is_refused(tmp_path):
     meta["gemma3.attention.sliding_window_pattern"] = [True, False]  # 2 flags, 4 layers
     with pytest.raises(UnsupportedModelError, match="layer types for 4 layers"):
         ModelConfig.from_gguf(meta)
+    meta["gemma3.attention.sliding_window_pattern"] = 2
+    for cap in (0.0, -30.0, float("inf"), float("nan")):  # cap * tanh(x / cap)
+        meta["gemma3.final_logit_softcapping"] = cap
+        with pytest.raises(UnsupportedModelError, match="must be positive"):
+            ModelConfig.from_gguf(meta)
+    del meta["gemma3.final_logit_softcapping"]
+    meta["gemma3.attention.key_length"] = -32  # the score scale head_dim ** -0.5
+    with pytest.raises(UnsupportedModelError, match="must be positive"):
+        ModelConfig.from_gguf(meta)
 
 
 @pytest.mark.parametrize("mode", ["paged", "contiguous"])

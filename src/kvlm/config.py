@@ -6,6 +6,7 @@ model came from a Hugging Face `config.json` or from GGUF metadata.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +86,10 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"{len(self.layer_windows)} layer types for {self.num_layers} layers"
             )
+        for name in ("final_softcap", "attn_softcap"):
+            cap = getattr(self, name)
+            if cap is not None and not 0 < cap < math.inf:  # cap * tanh(x / cap)
+                raise UnsupportedModelError(f"{name} {cap!r}: a soft-cap must be positive")
 
     @property
     def gemma(self) -> bool:
@@ -183,7 +188,7 @@ class ModelConfig:
                 pattern = GEMMA_PATTERN[arch]
             extra = _gemma_layers(layers, window, int(pattern), types)
             scalar = hidden // heads if layers == GEMMA_27B_LAYERS[arch] else head_dim
-            extra["query_scale"] = scalar**-0.5
+            extra["query_scale"] = _query_scale(scalar)
             if arch == "gemma3":
                 extra["rope_local_theta"] = GEMMA3_LOCAL_THETA
             for field_name, k in (("final_softcap", "final"), ("attn_softcap", "attn")):
@@ -220,6 +225,13 @@ def _text_part(cfg: dict[str, Any]) -> dict[str, Any]:
         if key in cfg and key not in text:
             text[key] = cfg[key]
     return text
+
+
+def _query_scale(scalar: float) -> float:
+    """Attention's score scale from Gemma's query_pre_attn_scalar: scalar ** -0.5."""
+    if not 0 < scalar < math.inf:
+        raise UnsupportedModelError(f"query_pre_attn_scalar {scalar!r} must be positive")
+    return scalar**-0.5
 
 
 def _check_supported(
@@ -298,7 +310,7 @@ def _hf_gemma(cfg: dict[str, Any], window: Any, arch: str) -> dict[str, Any]:
         extra["rope_local_theta"] = float(
             local.get("rope_theta", cfg.get("rope_local_base_freq", GEMMA3_LOCAL_THETA))
         )
-    extra["query_scale"] = float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5
+    extra["query_scale"] = _query_scale(float(cfg.get("query_pre_attn_scalar", 256)))
     for field_name, k in (("final_softcap", "final"), ("attn_softcap", "attn")):
         # absent: transformers' defaults (Gemma 2: 30 and 50; Gemma 3: none)
         cap = cfg.get(f"{k}_logit_softcapping", GEMMA2_SOFTCAPS[k] if arch == "gemma2" else None)
