@@ -51,7 +51,9 @@ def on_device(folder, **kw) -> LLM:
     return LLM(model=folder, progress=False, max_context=256, device=DEVICE, **kw)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral-window", "llama-bias"])
+@pytest.mark.parametrize(
+    "name", ["llama", "qwen3", "mistral-window", "llama-bias", "gemma2", "gemma3"]
+)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_greedy_tokens_follow_the_cpu(tiny_model_dir, name, dtype):
     folder = tiny_model_dir(name)
@@ -122,16 +124,19 @@ def test_the_engine_batch_follows_the_cpu(cpu, tiny_model_dir, captured):
         assert_greedy_agreement(tokens[str(i)], tops[str(i)], ref, ref_logits)
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_one_forward_per_step_follows_the_cpu(cpu, tiny_model_dir, dtype, monkeypatch):
+def test_one_forward_per_step_follows_the_cpu(tiny_model_dir, name, dtype, monkeypatch):
     """A step's prompt chunks and decode rows as one ragged forward (ModelRunner.one_forward,
     the GPU's default; in bf16 FlashAttention's variable-length kernel, torch's varlen_attn;
     in fp32 SDPA per sequence): each row's logits by the top-5 rule against the CPU's
     forward per chunk; then the engine, requests arriving while others decode, prompts in
-    chunks of 4, greedy tokens by the top-5 rule against the CPU."""
+    chunks of 4, greedy tokens by the top-5 rule against the CPU. Gemma 3's local layers
+    (window 8 in the tiny model) attend through the same ragged forward."""
     from kvlm.model import attention
 
-    gpu = on_device(tiny_model_dir("llama"), dtype=dtype)
+    cpu = LLM(model=tiny_model_dir(name), progress=False, max_context=256)
+    gpu = on_device(tiny_model_dir(name), dtype=dtype)
     assert gpu.runner.one_forward == (DEVICE != "cpu")
     gpu.runner.one_forward = True
     used = []
@@ -188,6 +193,30 @@ def test_speculative_decoding_on_the_device(cpu, tiny_model_dir, dtype):
     ref = cpu.generate(prompt, params)[0].token_ids
     ref_logits = cpu.runner.logits(ids + ref[:-1], cpu.new_cache("off"))[-n:]
     assert_greedy_agreement(tokens, tops, ref, ref_logits)
+
+
+def test_sampled_speculative_decoding_on_the_device(tiny_model_dir):
+    """Drafts verified by sampling (temperature 1, seeded) on the GPU: the acceptance draw
+    uses the sample's own device generator; every sample ends by length, the same seed
+    gives the same tokens, every block back."""
+    gpu = on_device(tiny_model_dir("llama"), dtype="bf16")
+    ids = gpu.tokenizer.encode(" ".join(["red green blue yellow"] * 8))
+    params = SamplingParams(temperature=1.0, max_tokens=16, n=2, seed=3, ignore_eos=True)
+    spec = SpeculativeConfig(num_draft=4, ngram_min=1)
+    runs = []
+    for _ in range(2):
+        engine = Engine(gpu, EngineConfig(num_blocks=64, speculative=spec))
+        engine.add_request("s", ids, params)
+        tokens: dict[int, list[int]] = {0: [], 1: []}
+        ends = {}
+        while engine.has_work():
+            for ev in engine.step():
+                tokens[ev.index] += ev.token_ids
+                ends[ev.index] = ev.finish_reason
+        assert ends == {0: "length", 1: "length"} and engine.stats.spec.drafted > 0
+        assert engine.pool.num_used == 0
+        runs.append(tokens)
+    assert runs[0] == runs[1] and all(len(t) == 16 for t in runs[0].values())
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -288,3 +317,32 @@ def test_the_pool_and_kvlm_memory_read_the_gpus_free_memory(tiny_model_dir, caps
                  "--json"]) == 0  # fmt: skip
     plan = json.loads(capsys.readouterr().out)
     assert 0 < plan["budget_bytes"] <= torch.cuda.mem_get_info()[0]
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_kvlm_serve_on_the_device_answers_the_openai_client(tiny_model_dir, name):
+    """A real `kvlm serve --device cuda` subprocess (bf16, speculative n-gram drafts, the
+    pool at its GPU default size) answers the official openai client: a completion of
+    exactly max_tokens tokens, a streamed chat completion with usage on its last chunk,
+    n = 2 samples; every block back after."""
+    from serving import kvlm_serve, openai_client, wait_idle
+
+    folder = str(tiny_model_dir(name))
+    args = ["--model", folder, "--device", DEVICE, "--dtype", "bf16", "--max-context", "256",
+            "--speculative", "ngram", "--api-key", "k"]  # fmt: skip
+    with kvlm_serve(*args) as (port, _):
+        client = openai_client(port, "k")
+        model = client.models.list().data[0].id
+        done = client.completions.create(
+            model=model, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+            extra_body={"ignore_eos": True})  # fmt: skip
+        assert done.usage.completion_tokens == 12 and done.choices[0].text
+        chunks = list(client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Red, green and"}],
+            max_tokens=8, stream=True, stream_options={"include_usage": True}))  # fmt: skip
+        assert chunks[-1].usage.completion_tokens > 0
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        two = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=6, n=2,
+                                        temperature=1.0, seed=3)  # fmt: skip
+        assert len(two.choices) == 2
+        wait_idle(port, "k")

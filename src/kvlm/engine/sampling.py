@@ -213,7 +213,8 @@ class Sampler:
             if draft is not None:
                 at = _position(ids, draft, probs.shape[-1])
                 q = float(probs[at]) if at is not None else 0.0
-                u = float(torch.rand(1, generator=self.generator, dtype=torch.float64))
+                wide = torch.float64
+                u = float(torch.rand(1, generator=self.generator, dtype=wide, device=probs.device))
                 if u < q:
                     token = draft
                 elif at is not None:
