@@ -107,11 +107,13 @@ def metrics(port: int, key: str) -> dict[str, float]:
 
 
 def wait_idle(port: int, key: str, timeout: float = 60) -> dict[str, float]:
-    """Wait until no block is referenced and no request held; return the metrics."""
+    """Wait until no block is referenced (but those pinned for stored responses) and no
+    request held; return the metrics."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         m = metrics(port, key)
-        if m["kvlm_kv_blocks_used"] == 0 and m["kvlm_requests_held"] == 0:
+        pinned = m.get("kvlm_kv_blocks_pinned", 0)
+        if m["kvlm_kv_blocks_used"] == pinned and m["kvlm_requests_held"] == 0:
             return m
         time.sleep(0.2)
     pytest.fail(f"blocks still held: {metrics(port, key)}")

@@ -254,6 +254,18 @@ class BlockManager:
         self.pool.trim(table.blocks, num_tokens)
         del table.hashes[len(table.blocks) :]
 
+    def pin(self, tokens: Sequence[int], salt: str | None = None) -> list[int]:
+        """Hold the blocks of the longest cached prefix of `tokens` (a stored conversation:
+        its last token not computed) so that eviction passes them by; unpin() lets go."""
+        blocks, _ = self.match(tokens, salt)
+        for block in blocks:
+            self.pool.revive(block)
+        return blocks
+
+    def unpin(self, blocks: Sequence[int]) -> None:
+        for block in reversed(blocks):  # tail first, as free() does
+            self.pool.release(block)
+
     def free(self, table: BlockTable) -> None:
         """Release a sequence's blocks, tail first: its last blocks are evicted first."""
         self.trim(table, 0)

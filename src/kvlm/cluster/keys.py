@@ -23,10 +23,12 @@ import struct
 from kvlm.cache.prefix import block_key, root_key
 from kvlm.errors import KvlmError
 from kvlm.loading.tokenizer import Tokenizer
+from kvlm.server.anthropic import MessagesRequest, to_chat
 from kvlm.server.protocol import ChatCompletionRequest, CompletionRequest
 
 ROUTE_BLOCKS = 4
-_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+           "/v1/messages": MessagesRequest}  # fmt: skip
 
 
 def route_key(
@@ -38,6 +40,8 @@ def route_key(
         return None
     try:
         request = model.model_validate_json(body)
+        if isinstance(request, MessagesRequest):  # the chat it means (as the replica runs it)
+            request = to_chat(request)
         return chain_key(prompt_ids(request, tokenizer), request.cache_salt, block_size, blocks)
     except (ValueError, KvlmError, struct.error):  # pydantic's ValidationError is a ValueError;
         return None  # struct.error: a token id past 2**32 (the replica says which)

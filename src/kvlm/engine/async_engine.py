@@ -181,6 +181,12 @@ class AsyncEngine:
                 f"the engine is busy: it did not come between two steps within {timeout:g} s"
             ) from None
 
+    def tell(self, fn: Callable[[Engine], None]) -> None:
+        """fn(engine) run on the engine thread before its next step, nobody waiting: what
+        must happen even when the engine is busy (a pin let go)."""
+        if not self._stop:
+            self._send((fn, self.engine))
+
     def _send(self, message: tuple) -> None:
         """(handler, *args): handler(*args) runs on the engine thread before its next step."""
         self._inbox.put(message)

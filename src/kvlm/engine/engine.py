@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -105,6 +106,7 @@ class StepOutput:
     # with params.prompt_logprobs, on a sample's first event: one entry per prompt token,
     # None for the first (nothing before it to predict it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    stop_reason: str | None = None  # the stop string that ended the sample (vLLM's)
 
 
 @dataclass(slots=True)
@@ -162,6 +164,8 @@ class Engine:
         self.info = ModelInfo(self.tokenizer, llm.config.vocab_size, self.max_model_len,
                               sched.max_num_seqs, str(llm.numerics), kv)  # fmt: skip
         self.requests: dict[str, _Request] = {}
+        # blocks held for stored conversations (the Responses API), oldest first
+        self.pins: OrderedDict[str, list[int]] = OrderedDict()
         self.stats = EngineStats()
         self.last_batch: Batch | None = None  # what the latest step ran
         GC_TIME.watch()  # a slow step's log line says how much of it was collection
@@ -507,7 +511,8 @@ class Engine:
                finish: str | None, text: str = "") -> StepOutput:  # fmt: skip
         return StepOutput(req.request_id, seq.index, text, tokens, logprobs, finish,
                           prompt_tokens=len(req.prompt_ids),
-                          cached_tokens=req.seqs[0].num_cached)  # fmt: skip
+                          cached_tokens=req.seqs[0].num_cached,
+                          stop_reason=seq.sample.out.stop_reason if finish else None)  # fmt: skip
 
     def _fail(self, request_id: str, exc: Exception) -> list[StepOutput]:
         """End one request whose forward or sampling raised; every other goes on."""
@@ -543,6 +548,23 @@ class Engine:
         view["waiting"] = snap["waiting"]
         return view
 
+    def pin(self, key: str, tokens: list[int], salt: str | None, share: float) -> None:
+        """Hold the pool's cached blocks of `tokens` under `key` (a stored response's
+        conversation), so that the prefix cache keeps them for its follow-up; the oldest
+        pins are let go while more than `share` of the pool's blocks are held."""
+        if self.pool is None:
+            return
+        self.unpin(key)
+        self.pins[key] = self.manager.pin(tokens, salt)
+        while sum(len(b) for b in self.pins.values()) > share * self.pool.num_blocks:
+            self.unpin(next(iter(self.pins)))
+
+    def unpin(self, key: str) -> None:
+        """Let go of `key`'s blocks: they stay cached until evicted (or in the tiers)."""
+        blocks = self.pins.pop(key, None)
+        if blocks:
+            self.manager.unpin(blocks)
+
     def snapshot(self) -> dict:
         """What /metrics reports, as plain values (kvlm.server.metrics renders them): the
         scheduler's and the pool's gauges, the engine's counters (EngineStats) and
@@ -555,6 +577,7 @@ class Engine:
             "blocks_used": pool.num_used,
             "blocks_free": pool.num_free,
             "blocks_total": pool.num_blocks,
+            "blocks_pinned": sum(len(b) for b in self.pins.values()),
             "prefix_queries": self.manager.stats.queries,
             "prefix_hits": self.manager.stats.hits,
             "prefix_hit_rate": self.manager.stats.hit_rate,

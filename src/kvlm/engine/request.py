@@ -25,6 +25,8 @@ class CompletionOutput:
     text: str = ""
     finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
     logprobs: list[TokenLogprob] | None = None
+    # vLLM's: the stop string that ended it (finish_reason "stop"), None for EOS
+    stop_reason: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -32,6 +34,7 @@ class CompletionOutput:
             "token_ids": self.token_ids,
             "text": self.text,
             "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
             "logprobs": None if self.logprobs is None else [lp.to_dict() for lp in self.logprobs],
         }
 
@@ -101,6 +104,7 @@ class StopText:
         self._pending = ""  # text not yet shown: a possible start of a stop string
         self._tail = ""  # the last longest-1 characters of the text
         self.stopped = False
+        self.matched: str | None = None  # the stop string found
 
     @property
     def text(self) -> str:
@@ -114,14 +118,15 @@ class StopText:
         if not self.stops:
             return self._emit(self._pending + delta, hold=0)
         window = self._tail + delta
-        hits = [i for s in self.stops if (i := window.find(s)) >= 0]
+        hits = [(i, s) for s in self.stops if (i := window.find(s)) >= 0]
         # The pending text is the tail's last characters: window index i is pending index
         # i - offset (a stop never starts before the pending text: that part was shown
         # only because no stop could start there).
         offset = len(self._tail) - len(self._pending)
         if hits:
             self.stopped = True
-            return self._emit((self._pending + delta)[: min(hits) - offset], hold=0)
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            return self._emit((self._pending + delta)[: at - offset], hold=0)
         self._tail = window[max(0, len(window) - (self.longest - 1)) :] if self.longest > 1 else ""
         return self._emit(self._pending + delta, hold=self._partial_stop_suffix(window))
 
@@ -190,6 +195,7 @@ class SampleState:
         delta = self.stop.push(piece) if piece else ""
         if token in self.stop_ids or self.stop.stopped:
             out.finish_reason = "stop"
+            out.stop_reason = self.stop.matched
         elif len(out.token_ids) >= self.params.max_tokens:
             out.finish_reason = "length"
         return delta

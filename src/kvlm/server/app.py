@@ -42,6 +42,7 @@ from fastapi.responses import (
     Response,
     StreamingResponse,
 )
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -52,7 +53,7 @@ from kvlm.engine.sampling import MAX_SAMPLES, SamplingParams
 from kvlm.engine.scheduler import QueueFullError
 from kvlm.engine.served import ServedModel
 from kvlm.errors import InvalidRequestError, KvlmError
-from kvlm.server import openapi
+from kvlm.server import anthropic, openapi, responses_api
 from kvlm.server import tools as tools_mod
 from kvlm.server.limits import RequestLimits, ServerLimits
 from kvlm.server.metrics import render_metrics
@@ -92,6 +93,7 @@ class _Served:
     tool_parser: str | None
     limits: ServerLimits
     started: int  # the models list's "created"
+    responses: responses_api.ResponseStore  # stored responses (/v1/responses)
 
 
 def create_app(
@@ -111,7 +113,7 @@ def create_app(
         min(MAX_PROMPTS, engine.max_requests),
         "fp_" + hashlib.sha256(made_by.encode()).hexdigest()[:10],
         tool_parser or tools_mod.parser_for(info.tokenizer.chat_template), limits,
-        int(time.time()),
+        int(time.time()), _response_store(engine),
     )  # fmt: skip
     openapi.install(app, model_name, s.max_len, min(MAX_SAMPLES, info.max_num_seqs), s.max_prompts)
     app.add_middleware(RequestLimits, limits=limits)
@@ -132,6 +134,20 @@ def create_app(
     return app
 
 
+def _response_store(engine: AsyncEngine) -> responses_api.ResponseStore:
+    """Stored responses, their conversations' blocks pinned in the engine's pool (at most
+    PIN_SHARE of it; the engine lets the oldest go)."""
+    share = responses_api.PIN_SHARE
+
+    def pin(key: str, ids: list[int], salt: str | None) -> None:
+        engine.tell(lambda e: e.pin(key, ids, salt, share))
+
+    def unpin(key: str) -> None:
+        engine.tell(lambda e: e.unpin(key))
+
+    return responses_api.ResponseStore(responses_api.KEEP, responses_api.TTL_S, pin, unpin)
+
+
 def engine_app(
     llm: ServedModel, config: EngineConfig, model_name: str | None, *options: Any
 ) -> tuple[AsyncEngine, FastAPI]:
@@ -146,12 +162,14 @@ def authorizer(api_key: str | None) -> Callable[[Request], bool]:
     expected = f"Bearer {api_key}".encode() if api_key else None
 
     def authorized(request: Request) -> bool:
-        """`Authorization: Bearer KEY` (OpenAI's clients), or HTTP Basic auth with KEY as
-        the password (a browser on /dashboard: it asks once, then sends it with the page's
-        own requests to /v1/kv and /metrics)."""
+        """`Authorization: Bearer KEY` (OpenAI's clients), `x-api-key: KEY` (Anthropic's),
+        or HTTP Basic auth with KEY as the password (a browser on /dashboard: it asks once,
+        then sends it with the page's own requests to /v1/kv and /metrics)."""
         if expected is None:
             return True
         given = request.headers.get("authorization", "")
+        if not given and "x-api-key" in request.headers:
+            given = "Bearer " + request.headers["x-api-key"]
         if given[:6].lower() == "basic ":
             try:
                 _, _, password = base64.b64decode(given[6:], validate=True).partition(b":")
@@ -263,26 +281,192 @@ def _generation_routes(v1: APIRouter, s: _Served) -> None:
 
     @v1.post("/chat/completions", responses=openapi.generation(openapi.ChatCompletionResponse))
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
-        _check_model(body.model, s.model_name)
-        tools = body.tool_specs
-        chars = sum(len(m["content"]) for m in body.conversation)
-        _check_length(s, chars + len(json.dumps(tools or [])), "messages")
-        ids = await run_in_threadpool(body.prompt_ids, s.tokenizer)
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        params = _params(body, ids, s.max_len, top)
-        forced = body.forced_tool()
-        if forced is not None:  # tool_choice "required" or named: the output is the calls
-            if params.guide is not None:
-                raise ServerError(400, "a forced tool_choice decides the output's format; drop "
-                                  "response_format / guided_*", param="tool_choice")  # fmt: skip
-            name = None if forced == "required" else forced
-            params.guide = tools_mod.forced_guide(tools or [], name, body.parallel_tool_calls)
-        choices = Choices(s.tokenizer, params.n, chat=True, want_logprobs=body.logprobs,
-                          prompts=[ids] * params.n,
-                          want_prompt_logprobs=body.prompt_logprobs is not None,
-                          tools=tools is not None,
-                          tool_parser=None if forced is not None else s.tool_parser)  # fmt: skip
+        ids, params, choices = await _chat_parts(s, body)
         return await _respond(s, request, body, [ids], [params], choices)
+
+    anthropic_routes(v1, s)
+    responses_routes(v1, s)
+
+
+async def _chat_parts(
+    s: _Served, body: ChatCompletionRequest
+) -> tuple[list[int], SamplingParams, Choices]:
+    """A chat request's prompt ids (the template, off the loop), sampling parameters (a
+    forced tool call's grammar among them) and the Choices its answer is built in: the
+    chat road, which the Messages API takes too (kvlm.server.anthropic.to_chat)."""
+    _check_model(body.model, s.model_name)
+    tools = body.tool_specs
+    chars = sum(len(m["content"]) for m in body.conversation)
+    _check_length(s, chars + len(json.dumps(tools or [])), "messages")
+    ids = await run_in_threadpool(body.prompt_ids, s.tokenizer)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    params = _params(body, ids, s.max_len, top)
+    forced = body.forced_tool()
+    if forced is not None:  # tool_choice "required" or named: the output is the calls
+        # (a response_format given too is for text replies, which a forced call has none
+        # of: OpenAI answers such a request with the call, as agent SDKs send it)
+        name = None if forced == "required" else forced
+        params.guide = tools_mod.forced_guide(tools or [], name, body.parallel_tool_calls)
+    choices = Choices(s.tokenizer, params.n, chat=True, want_logprobs=body.logprobs,
+                      prompts=[ids] * params.n,
+                      want_prompt_logprobs=body.prompt_logprobs is not None,
+                      tools=tools is not None,
+                      tool_parser=None if forced is not None else s.tool_parser)  # fmt: skip
+    return ids, params, choices
+
+
+def anthropic_routes(v1: APIRouter, s: _Served) -> None:
+    """POST /v1/messages and /v1/messages/count_tokens (kvlm.server.anthropic)."""
+
+    @v1.post("/messages", responses=openapi.generation(openapi.AnthropicMessage))
+    async def messages(body: anthropic.MessagesRequest, request: Request) -> Any:
+        chat = _as_chat(body)
+        ids, params, choices = await _chat_parts(s, chat)
+        params.stop = list(body.stop_sequences or [])  # Anthropic allows more than OpenAI's 4
+        head = anthropic.new_head(s.model_name)
+        events = await _start(s.engine, chat, [ids], [params])
+        if body.stream:
+            sse = anthropic.stream(events, choices, head, len(ids), ENGINE_FAILED)
+            return StreamingResponse(sse, media_type="text/event-stream")
+        last = await _collect(events, choices, request)
+        if last is None:  # the client went away: its request was aborted
+            return JSONResponse({}, status_code=499)
+        if choices.state[0].finish_reason == "error":
+            raise ServerError(500, ENGINE_FAILED, "server_error")
+        return anthropic.message(head, choices, last, len(ids))
+
+    @v1.post("/messages/count_tokens", responses={200: {"model": openapi.TokenCount},
+             **openapi.errors(400, 401, 404, 408, 413, body=openapi.AnthropicError)})  # fmt: skip
+    async def count_tokens(body: anthropic.CountTokensRequest) -> dict:
+        chat = _as_chat(body)
+        _check_model(chat.model, s.model_name)
+        return {"input_tokens": len(await run_in_threadpool(chat.prompt_ids, s.tokenizer))}
+
+
+def responses_routes(v1: APIRouter, s: _Served) -> None:
+    """POST /v1/responses; GET, DELETE /v1/responses/{id}; GET .../input_items; POST
+    .../cancel (kvlm.server.responses_api)."""
+    api = responses_api
+    store = s.responses
+
+    @v1.post("/responses", responses=openapi.generation(openapi.ResponseObject))
+    async def create(body: responses_api.ResponsesRequest, request: Request) -> Any:
+        history: list[dict] = []
+        if body.previous_response_id is not None:
+            prev = _stored(store, body.previous_response_id, "previous_response_id")
+            if prev.reply.status in ("queued", "in_progress"):
+                raise ServerError(400, f"response {prev.reply.id!r} is still in progress",
+                                  param="previous_response_id")  # fmt: skip
+            history = prev.history
+        turn = _chat_of(lambda: api.conversation(api.input_items(body), store.item))
+        chat = _chat_of(lambda: api.to_chat(body, history, store.item))
+        ids, params, choices = await _chat_parts(s, chat)
+        reply = api.Reply(body, s.model_name, choices, len(ids))
+        events = api.record(await _start(s.engine, chat, [ids], [params]), reply)
+        entry = api.Stored(reply, [*history, *turn], api.stored_items(body))
+
+        def done(r: api.Reply) -> None:  # kept: the conversation, and its K/V pinned
+            if body.store and r.status in ("completed", "incomplete"):
+                entry.history.append(api.assistant_turn(r))
+                store.put(entry)
+                store.pin(r.id, ids + r.token_ids, chat.cache_salt)
+
+        if body.background:  # answered now; GET polls it, cancel stops it
+            reply.status = "queued"
+            entry.task = asyncio.ensure_future(_background(events, reply, done))
+            store.put(entry)
+            return reply.response()
+        if body.stream:
+            return StreamingResponse(api.stream(events, reply, done),
+                                     media_type="text/event-stream")  # fmt: skip
+        if await _collect(events, choices, request) is None:  # the client went away
+            return JSONResponse({}, status_code=499)
+        reply.finish()
+        if reply.status == "failed":
+            raise ServerError(500, ENGINE_FAILED, "server_error")
+        done(reply)
+        return reply.response()
+
+    @v1.get("/responses/{response_id}", responses={200: {"model": openapi.ResponseObject},
+                                                   **openapi.errors(401, 404)})  # fmt: skip
+    async def get(response_id: str) -> dict:
+        return _stored(store, response_id).reply.response()
+
+    @v1.get("/responses/{response_id}/input_items", responses={
+        200: {"model": openapi.ItemList}, **openapi.errors(401, 404)})  # fmt: skip
+    async def input_items(response_id: str) -> dict:
+        items = _stored(store, response_id).items
+        return {"object": "list", "data": items, "has_more": False,
+                "first_id": items[0]["id"] if items else None,
+                "last_id": items[-1]["id"] if items else None}  # fmt: skip
+
+    @v1.delete("/responses/{response_id}", responses={200: {"model": openapi.Deleted},
+                                                      **openapi.errors(401, 404)})  # fmt: skip
+    async def delete(response_id: str) -> dict:
+        if not store.delete(response_id):
+            raise _not_found(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    @v1.post("/responses/{response_id}/cancel", responses={
+        200: {"model": openapi.ResponseObject}, **openapi.errors(400, 401, 404)})  # fmt: skip
+    async def cancel(response_id: str) -> dict:
+        entry = _stored(store, response_id)
+        if not entry.reply.body.background:
+            raise ServerError(400, "only background responses can be cancelled")
+        if entry.task is not None and not entry.task.done():
+            entry.task.cancel()
+            await asyncio.wait({entry.task})
+        return entry.reply.response()
+
+
+async def _background(
+    events: AsyncIterator[StepOutput], reply: responses_api.Reply,
+    done: Callable[[responses_api.Reply], None],
+) -> None:  # fmt: skip
+    """A background response run to its end (or cancelled: the request aborted)."""
+    reply.status = "in_progress"
+    try:
+        async for event in events:
+            reply.choices.add(event)
+        reply.finish()
+        done(reply)
+    except asyncio.CancelledError:
+        reply.status = "cancelled"
+    except Exception as exc:  # the engine refused it (stopping): the response says so
+        reply.status, reply.error = "failed", {"code": "server_error", "message": str(exc)}
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+def _stored(
+    store: responses_api.ResponseStore, response_id: str, param: str | None = None
+) -> responses_api.Stored:
+    entry = store.get(response_id)
+    if entry is None:
+        if param is not None:  # a request naming it: OpenAI's 400
+            raise ServerError(400, f"previous response with id {response_id!r} not found",
+                              param=param, code="previous_response_not_found")  # fmt: skip
+        raise _not_found(response_id)
+    return entry
+
+
+def _not_found(response_id: str) -> ServerError:
+    return ServerError(404, f"response with id {response_id!r} not found", "not_found_error")
+
+
+def _chat_of(make: Callable[[], Any]) -> Any:
+    """make() of a dialect's body: its checks' failures a 400 naming the field."""
+    try:
+        return make()
+    except ValidationError as exc:
+        raise ServerError(400, _validation_body(exc.errors())["error"]["message"]) from None
+    except Unsupported as exc:
+        raise ServerError(400, str(exc), param=exc.param) from None
+
+
+def _as_chat(body: anthropic.MessagesRequest) -> ChatCompletionRequest:
+    """The chat request a Messages body means (its checks' failures a 400)."""
+    return _chat_of(lambda: anthropic.to_chat(body))
 
 
 @functools.cache
@@ -481,45 +665,68 @@ def _data(obj: dict, encode: Callable[[Any], str] = _JSON) -> str:
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServerError)
-    async def server_error(_: Request, exc: ServerError) -> JSONResponse:
-        return JSONResponse(exc.body, status_code=exc.status)
+    async def server_error(request: Request, exc: ServerError) -> JSONResponse:
+        return _error(request, exc.body, exc.status)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(_validation_body(exc.errors()), status_code=400)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(request, _validation_body(exc.errors()), 400)
 
     @app.exception_handler(InvalidRequestError)
-    async def bad_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), param=exc.param), status_code=400)
+    async def bad_request(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return _error(request, error_body(str(exc), param=exc.param), 400)
 
     app.add_exception_handler(StarletteHTTPException, http_error)
 
     @app.exception_handler(QueueFullError)  # full, as _start or _collect hands a request on
-    async def queue_full(_: Request, exc: QueueFullError) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), "server_busy", code="queue_full"), status_code=503)
+    async def queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
+        body = error_body(str(exc), "server_busy", code="queue_full")
+        return _error(request, body, 503)
 
     @app.exception_handler(EngineBusyError)
     @app.exception_handler(EngineStoppedError)
-    async def unavailable(_: Request, exc: KvlmError) -> JSONResponse:
+    async def unavailable(request: Request, exc: KvlmError) -> JSONResponse:
         # a condition of the moment, not a bug: a 503 to retry, never a 500 and a traceback
         busy = isinstance(exc, EngineBusyError)
         body = error_body(str(exc), "server_busy" if busy else "server_error",
                           code="engine_busy" if busy else "shutting_down")  # fmt: skip
-        return JSONResponse(body, status_code=503, headers={"Retry-After": "1" if busy else "5"})
+        return _error(request, body, 503, {"Retry-After": "1" if busy else "5"})
 
     @app.exception_handler(Exception)
-    async def bug(_: Request, exc: Exception) -> JSONResponse:
+    async def bug(request: Request, exc: Exception) -> JSONResponse:
         # Starlette still logs the traceback; the client gets OpenAI's shape, not plain text
         log.error("unhandled error in a request", exc_info=exc)
-        return JSONResponse(error_body(ENGINE_FAILED, "server_error"), status_code=500)
+        return _error(request, error_body(ENGINE_FAILED, "server_error"), 500)
 
 
-async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """404, 405 (its Allow header kept), and 408 and 413 from RequestLimits: OpenAI's error
     body (the cluster's ingress answers its own the same way)."""
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     body = error_body(str(exc.detail), kind)
-    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+    headers = exc.headers
+    if exc.status_code == 405:  # every method the path takes (Starlette names one route's)
+        headers = {**(headers or {}), "Allow": _allowed(request.app, request.url.path)}
+    return _error(request, body, exc.status_code, headers)
+
+
+def _allowed(app: FastAPI, path: str) -> str:
+    """The methods the published schema gives `path` (GET /v1/responses/{id} and DELETE
+    are two routes of one path)."""
+    methods = set()
+    for template, operations in app.openapi().get("paths", {}).items():
+        pattern = re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(template))
+        if re.fullmatch(pattern, path):
+            methods |= {m.upper() for m in operations}
+    return ", ".join(sorted(methods))
+
+
+def _error(request: Request, body: dict, status: int, headers: dict | None = None) -> JSONResponse:
+    """An error answer: OpenAI's body, or Anthropic's under /v1/messages (its clients
+    read that shape)."""
+    if request.url.path.startswith(anthropic.ANTHROPIC_PATHS):
+        body = anthropic.error_body(status, body["error"]["message"])
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 # pydantic names a union member in an error's location ("function-after[...]", "str",

@@ -12,6 +12,8 @@ _SERIES = [
     ("kv_blocks_used", "gauge", "KV cache blocks referenced by sequences.", "blocks_used"),
     ("kv_blocks_free", "gauge", "KV cache blocks free, cached ones included.", "blocks_free"),
     ("kv_blocks_total", "gauge", "KV cache blocks in the pool.", "blocks_total"),
+    ("kv_blocks_pinned", "gauge", "KV cache blocks held for stored responses (in used).",
+     "blocks_pinned"),
     ("prefix_cache_queries_total", "counter", "Prompt tokens looked up.", "prefix_queries"),
     ("prefix_cache_hits_total", "counter", "Prompt tokens served from cache.", "prefix_hits"),
     ("prefix_cache_hit_rate", "gauge", "Prefix cache hits over queries.", "prefix_hit_rate"),

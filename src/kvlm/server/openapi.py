@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 
 class ErrorDetail(BaseModel):
@@ -162,9 +162,108 @@ class Health(BaseModel):
     status: str
 
 
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """Anthropic's error body: the /v1/messages routes' errors."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class AnthropicUsage(BaseModel):
+    input_tokens: int  # not read from the prefix cache
+    output_tokens: int
+    cache_read_input_tokens: int  # served by the prefix cache
+    cache_creation_input_tokens: int
+
+
+class AnthropicBlock(BaseModel):
+    """A reply's content block: text, or a tool_use (id, name, input)."""
+
+    type: Literal["text", "tool_use"]
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+
+
+class AnthropicMessage(BaseModel):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[AnthropicBlock]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class AnthropicEvent(BaseModel):
+    """One event of a streamed message: message_start, content_block_start,
+    content_block_delta, content_block_stop, message_delta, message_stop, or error."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class TokenCount(BaseModel):
+    input_tokens: int
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]  # cached_tokens: served by the prefix cache
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    """A Response (/v1/responses): its output items (a message with output_text parts,
+    function calls), status, usage; the request's own fields echoed."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "queued", "failed", "cancelled"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: ResponseUsage | None
+
+
+class ResponseEvent(BaseModel):
+    """One event of a streamed Response: response.created, .in_progress,
+    .output_item.added/.done, .content_part.added/.done, .output_text.delta/.done,
+    .function_call_arguments.delta/.done, .completed (or .incomplete, .failed)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    sequence_number: int
+
+
+class ItemList(BaseModel):
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
+
+
+class Deleted(BaseModel):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: bool
+
+
 # An SSE event (OpenAPI before 3.2: the media type's schema describes one event): `data`
 # is a chunk or an error body as JSON, or the closing "[DONE]".
-STREAMS = {CompletionResponse: CompletionChunk, ChatCompletionResponse: ChatCompletionChunk}
+STREAMS = {CompletionResponse: CompletionChunk, ChatCompletionResponse: ChatCompletionChunk,
+           AnthropicMessage: AnthropicEvent, ResponseObject: ResponseEvent}  # fmt: skip
 _ERRORS = {
     400: "A malformed or out-of-range request; `param` names the field.",
     401: "A missing or wrong API key.",
@@ -176,20 +275,23 @@ _ERRORS = {
 }
 
 
-def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    return {s: {"model": ErrorResponse, "description": _ERRORS[s]} for s in statuses}
+def errors(
+    *statuses: int, body: type[BaseModel] = ErrorResponse
+) -> dict[int | str, dict[str, Any]]:
+    return {s: {"model": body, "description": _ERRORS[s]} for s in statuses}
 
 
 def generation(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     """A generation route: JSON, or SSE with `stream: true`; and its errors."""
-    sse = {"text/event-stream": {"schema": _event(STREAMS[model].__name__)}}
+    error = AnthropicError if model is AnthropicMessage else ErrorResponse
+    sse = {"text/event-stream": {"schema": _event(STREAMS[model].__name__, error.__name__)}}
     ok = {"model": model, "description": "The completion, or its SSE stream.", "content": sse}
-    return {200: ok, **errors(400, 401, 404, 408, 413, 500, 503)}
+    return {200: ok, **errors(400, 401, 404, 408, 413, 500, 503, body=error)}
 
 
-def _event(chunk: str) -> dict[str, Any]:
+def _event(chunk: str, error: str) -> dict[str, Any]:
     ref = "#/components/schemas/"
-    payload = {"anyOf": [{"$ref": ref + chunk}, {"$ref": ref + "ErrorResponse"}]}
+    payload = {"anyOf": [{"$ref": ref + chunk}, {"$ref": ref + error}]}
     data = {"anyOf": [
         {"const": "[DONE]"},
         {"type": "string", "contentMediaType": "application/json", "contentSchema": payload},
@@ -216,8 +318,10 @@ def install(
             components = doc.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
-            for name in ("CompletionRequest", "ChatCompletionRequest"):
-                _server_limits(components[name]["properties"], model, max_model_len, max_samples)
+            for name in ("CompletionRequest", "ChatCompletionRequest", "MessagesRequest",
+                         "CountTokensRequest", "ResponsesRequest"):  # fmt: skip
+                limit = None if name == "CountTokensRequest" else max_model_len  # no output
+                _server_limits(components[name]["properties"], model, limit, max_samples)
             for option in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
                 if option.get("type") == "array" and option["items"].get("type") != "integer":
                     option["maxItems"] = max_prompts  # a list of prompts
@@ -235,9 +339,10 @@ def install(
 def _nulls_allowed(components: dict[str, Any]) -> None:
     """An optional request field may be null (its default: protocol._Body), so the
     schema says so: each non-required property of a request model also takes null."""
-    from kvlm.server import protocol
+    from kvlm.server import anthropic, protocol, responses_api
 
-    bodies = {name for name, obj in vars(protocol).items()
+    bodies = {name for module in (protocol, anthropic, responses_api)
+              for name, obj in vars(module).items()
               if isinstance(obj, type) and issubclass(obj, protocol._Body)}  # fmt: skip
     for name in bodies & components.keys():
         schema = components[name]
@@ -253,11 +358,16 @@ def _nulls_allowed(components: dict[str, Any]) -> None:
                                      {"type": "null"}])  # fmt: skip
 
 
-def _server_limits(fields: dict[str, Any], model: str, max_len: int, max_samples: int) -> None:
+def _server_limits(
+    fields: dict[str, Any], model: str, max_len: int | None, max_samples: int
+) -> None:
+    """The served model; the most samples; the most output tokens (`max_len` None: the
+    request makes none)."""
     fields["model"] = {"type": "string", "enum": [model], "title": "Model"}
-    fields["n"] |= {"maximum": max_samples}
-    for name in ("max_tokens", "max_completion_tokens"):
-        if name in fields:
+    if "n" in fields:
+        fields["n"] |= {"maximum": max_samples}
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+        if name in fields and max_len is not None:
             for option in fields[name].get("anyOf", [fields[name]]):
                 if option.get("type") == "integer":
                     option["maximum"] = max_len - 1

@@ -339,6 +339,19 @@ class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
 
 
+def _template_name(name: str) -> str:
+    if name in _TEMPLATE_OWN:
+        raise ValueError(f"{name!r} is set by the server, not by chat_template_kwargs")
+    return name
+
+
+# the template variables the server sets itself (the conversation, the tools, the prompt)
+_TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                 "raise_exception", "strftime_now")  # fmt: skip
+TemplateName = Annotated[Text, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"),
+                         AfterValidator(_template_name)]  # fmt: skip
+
+
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool = False
@@ -353,6 +366,8 @@ class ChatCompletionRequest(_Sampling):
     # passed to the chat template (templates that know them use them; others ignore them)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
+    # vLLM's: more variables for the chat template (e.g. Qwen3's enable_thinking)
+    chat_template_kwargs: Annotated[dict[TemplateName, Any], Field(max_length=32)] | None = None
     # accepted; no effect on the output (bookkeeping on OpenAI's side)
     metadata: Annotated[dict[str, Text], Field(max_length=16)] | None = None
     store: bool = False
@@ -444,7 +459,8 @@ class ChatCompletionRequest(_Sampling):
         """The chat template over the conversation and the tools (the options given of
         reasoning_effort and verbosity passed on): the ids the engine runs."""
         options = {"reasoning_effort": self.reasoning_effort, "verbosity": self.verbosity}
-        given = {k: v for k, v in options.items() if v is not None}
+        given = (self.chat_template_kwargs or {}) | {
+            k: v for k, v in options.items() if v is not None}  # fmt: skip
         return tokenizer.encode_chat(self.conversation, tools=self.tool_specs, **given)
 
 

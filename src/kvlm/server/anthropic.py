@@ -1,0 +1,370 @@
+"""Anthropic's Messages API over the chat road: `POST /v1/messages` and
+`/v1/messages/count_tokens`.
+
+A Messages request is translated into the ChatCompletionRequest it means (`to_chat`): the
+system prompt, the turns with their text, tool_use and tool_result blocks, the tools, and
+tool_choice, validated by the chat request's own checks. From there it runs exactly the
+chat route's road (template, grammar for a forced tool, engine, the reply's tool-call
+parser, kvlm.server.responses.Choices); only the answer is written in Anthropic's shape:
+a message with content blocks, stop_reason, and usage that says how many input tokens the
+prefix cache served (`cache_read_input_tokens`), whole or as Anthropic's event stream
+(message_start, content_block_start/delta/stop, message_delta, message_stop).
+
+What a text model cannot take is a 400 naming the field: image, document and search
+result blocks, server tools (web search, code execution, ...), MCP servers, containers.
+`cache_control` marks are accepted and have no effect: every prompt's blocks are reused
+by the prefix cache without being asked. Thinking blocks in the history are dropped (as
+Anthropic's own API drops earlier turns' thinking); `thinking` reaches the chat template as
+`enable_thinking`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvlm.engine.engine import StepOutput
+from kvlm.server.protocol import (
+    MAX_TOOLS,
+    ChatCompletionRequest,
+    StopString,
+    Text,
+    Unsupported,
+    _Body,
+)
+from kvlm.server.responses import Choices
+
+MAX_STOP_SEQUENCES = 16  # stop strings one request may give (each at most MAX_STOP_CHARS)
+ANTHROPIC_PATHS = "/v1/messages"  # errors under this path are written in Anthropic's shape
+# Anthropic's error types by HTTP status (anything else: api_error)
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 404: "not_found_error", 408: "timeout_error",
+               413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+               529: "overloaded_error"}  # fmt: skip
+_STOPS = {"length": "max_tokens", "abort": "end_turn"}
+
+
+class _Marked(_Body):
+    cache_control: dict[str, Any] | None = None  # accepted: the prefix cache needs no mark
+
+
+class TextBlock(_Marked):
+    type: Literal["text"]
+    text: Text
+    citations: list[dict[str, Any]] | None = None
+
+
+class ToolUseBlock(_Marked):
+    type: Literal["tool_use"]
+    id: Text
+    name: Text
+    input: dict[str, Any]
+    caller: dict[str, Any] | None = None  # programmatic tool calling: no effect here
+    toolset_name: Text | None = None
+
+
+class ToolResultBlock(_Marked):
+    type: Literal["tool_result"]
+    tool_use_id: Text
+    content: Text | list[TextBlock] = ""
+    is_error: bool = False
+    toolset_name: Text | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(block.text for block in self.content)
+
+
+class ThinkingBlock(_Body):
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: Text | None = None
+    signature: Text | None = None
+    data: Text | None = None
+
+
+class OtherBlock(BaseModel):
+    """An image, document, search result or server tool block: named in a 400."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Text
+
+
+Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | OtherBlock
+
+
+class Message(_Body):
+    role: Literal["user", "assistant"]
+    content: Text | Annotated[list[Block], Field(min_length=1)]
+
+    def blocks(self) -> list[Block]:
+        if isinstance(self.content, str):
+            return [TextBlock(type="text", text=self.content)]
+        return list(self.content)
+
+
+class ToolDef(_Marked):
+    name: Annotated[Text, Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")]
+    description: Text | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    strict: bool | None = None  # the call's input always matches when forced (the grammar)
+    # accepted; no effect (Anthropic's tool search and programmatic calling)
+    allowed_callers: list[Any] | None = None
+    defer_loading: bool | None = None
+    eager_input_streaming: bool | None = None
+    input_examples: list[dict[str, Any]] | None = None
+
+
+class ToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Text | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class Thinking(_Body):
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+    budget_tokens: Annotated[int, Field(ge=0)] | None = None
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class JsonFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: Annotated[dict[str, Any], Field(alias="schema")]
+
+
+class OutputConfig(_Body):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: JsonFormat | None = None  # structured output: through the grammar
+
+
+class MessagesRequest(_Body):
+    model: Text
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)]
+    system: Text | list[TextBlock] | None = None
+    stop_sequences: Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stream: bool = False
+    tools: Annotated[list[ToolDef | OtherBlock], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    # sampling: gone from Anthropic's newest API, still sent by older clients
+    temperature: Annotated[float, Field(ge=0, le=1)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 0
+    # accepted; no effect (bookkeeping on Anthropic's side; the prefix cache needs no mark)
+    cache_control: dict[str, Any] | None = None
+    diagnostics: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: Text | None = None
+    speed: Literal["standard", "fast"] | None = None
+    inference_geo: Text | None = None
+    user_profile_id: Text | None = None
+    workspace_id: Text | None = None
+    # what kvlm does not run: refused, naming the field
+    mcp_servers: Any = None
+    container: Any = None
+
+    @model_validator(mode="after")
+    def _what_kvlm_does_not_do(self) -> MessagesRequest:
+        for field in ("mcp_servers", "container"):
+            if getattr(self, field) is not None:
+                raise Unsupported(field, "kvlm runs no server-side tools or containers")
+        for tool in self.tools or []:
+            if isinstance(tool, OtherBlock):
+                raise Unsupported("tools", f"server tool {tool.type!r} is not supported: "
+                                  "kvlm serves client tools (name, input_schema)")  # fmt: skip
+        for turn in self.messages:
+            for block in turn.blocks():
+                if isinstance(block, OtherBlock):
+                    raise Unsupported("messages.content", f"{block.type} blocks are not "
+                                      "supported: kvlm serves text models")  # fmt: skip
+        return self
+
+
+class CountTokensRequest(MessagesRequest):
+    """count_tokens: a Messages body without max_tokens (given, it has no effect)."""
+
+    max_tokens: int | None = None  # type: ignore[assignment]
+
+
+def to_chat(body: MessagesRequest) -> ChatCompletionRequest:
+    """The chat completion request `body` means (its checks run on it)."""
+    messages: list[dict[str, Any]] = []
+    if body.system:
+        system = body.system if isinstance(body.system, str) else "".join(
+            b.text for b in body.system)  # fmt: skip
+        messages.append({"role": "system", "content": system})
+    for turn in body.messages:
+        messages += _turn(turn)
+    chat: dict[str, Any] = {
+        "model": body.model, "messages": messages, "temperature": body.temperature,
+        "top_p": body.top_p, "top_k": body.top_k,
+    }  # fmt: skip
+    if body.max_tokens is not None:
+        chat["max_tokens"] = body.max_tokens
+    if body.tools:
+        chat["tools"] = [{"type": "function", "function": {
+            "name": t.name, "description": t.description, "parameters": t.input_schema}}
+            for t in body.tools]  # fmt: skip
+    choice = body.tool_choice
+    if choice is not None:
+        if choice.type == "tool":
+            if not choice.name:
+                raise Unsupported("tool_choice.name", "tool_choice type 'tool' needs a name")
+            chat["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        else:
+            chat["tool_choice"] = {"any": "required"}.get(choice.type, choice.type)
+        chat["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+    if body.thinking is not None:
+        chat["chat_template_kwargs"] = {"enable_thinking": body.thinking.type != "disabled"}
+    config = body.output_config
+    if config is not None and config.effort is not None:
+        chat["reasoning_effort"] = {"max": "xhigh"}.get(config.effort, config.effort)
+    if config is not None and config.format is not None:
+        chat["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": config.format.schema_}}  # fmt: skip
+    return ChatCompletionRequest.model_validate(chat)
+
+
+def _turn(turn: Message) -> list[dict[str, Any]]:
+    """One Anthropic turn as chat messages: a user turn's tool results become tool
+    messages (before its text), an assistant's tool_use blocks its tool calls."""
+    out: list[dict[str, Any]] = []
+    text, calls = [], []
+    for block in turn.blocks():
+        if isinstance(block, TextBlock):
+            text.append(block.text)
+        elif isinstance(block, ToolResultBlock):
+            result = block.text()
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                        "content": f"Error: {result}" if block.is_error else result})  # fmt: skip
+        elif isinstance(block, ToolUseBlock):
+            calls.append({"id": block.id, "type": "function", "function": {
+                "name": block.name, "arguments": json.dumps(block.input)}})  # fmt: skip
+    if turn.role == "assistant":
+        if text or calls:
+            out.append({"role": "assistant", "content": "".join(text) or None,
+                        "tool_calls": calls or None})  # fmt: skip
+    elif text:
+        out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error shape."""
+    kind = ERROR_TYPES.get(status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _stop(choice: dict[str, Any], event: StepOutput | None) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finished choice."""
+    finish = choice["finish_reason"]
+    if finish == "tool_calls":
+        return "tool_use", None
+    if finish == "stop" and event is not None and event.stop_reason is not None:
+        return "stop_sequence", event.stop_reason
+    return _STOPS.get(finish, "end_turn"), None
+
+
+def usage(prompt_tokens: int, cached: int, output: int) -> dict[str, Any]:
+    return {"input_tokens": prompt_tokens - cached, "output_tokens": output,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}  # fmt: skip
+
+
+def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if message.get("content"):
+        out.append({"type": "text", "text": message["content"]})
+    for call in message.get("tool_calls") or []:
+        out.append(_tool_use(call, whole=True))
+    return out
+
+
+def _tool_use(call: dict[str, Any], whole: bool) -> dict[str, Any]:
+    fn = call["function"]
+    try:
+        args = json.loads(fn["arguments"]) if whole else {}
+    except ValueError:
+        args = {}
+    return {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": args}
+
+
+def message(
+    head: dict[str, Any], choices: Choices, last: StepOutput | None, prompt_tokens: int
+) -> dict[str, Any]:
+    """The whole reply."""
+    choice = choices.final()[0]
+    reason, sequence = _stop(choice, last)
+    cached = sum(choices.cached.values())
+    return head | {"content": _blocks(choice["message"]), "stop_reason": reason,
+                   "stop_sequence": sequence,
+                   "usage": usage(prompt_tokens, cached, choices.state[0].tokens)}  # fmt: skip
+
+
+def new_head(model: str) -> dict[str, Any]:
+    return {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant",
+            "model": model}  # fmt: skip
+
+
+def _event(kind: str, data: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind} | data, ensure_ascii=False)}\n\n"
+
+
+async def stream(
+    events: AsyncIterator[StepOutput], choices: Choices, head: dict[str, Any],
+    prompt_tokens: int, failed: str,
+) -> AsyncIterator[str]:  # fmt: skip
+    """Anthropic's event stream of one reply: text as it comes in a text block, then each
+    tool call as a tool_use block (its input as one input_json_delta, once parsed)."""
+    start = head | {"content": [], "stop_reason": None, "stop_sequence": None,
+                    "usage": usage(prompt_tokens, 0, 0)}  # fmt: skip
+    yield _event("message_start", {"message": start})
+    index, text_open, last, finish = 0, False, None, None
+    try:
+        async for event in events:
+            if event.finish_reason == "error":
+                yield _event("error", {"error": error_body(500, failed)["error"]})
+                return
+            last = event
+            chunk = choices.chunk({}, event)
+            choice = chunk["choices"][0] if chunk else {"delta": {}, "finish_reason": None}
+            finish = choice["finish_reason"] or finish
+            text = choice["delta"].get("content")
+            if text:
+                if not text_open:
+                    yield _start(index, {"type": "text", "text": ""})
+                    text_open = True
+                yield _delta(index, {"type": "text_delta", "text": text})
+            for call in choice["delta"].get("tool_calls") or []:
+                if text_open:
+                    yield _event("content_block_stop", {"index": index})
+                    index, text_open = index + 1, False
+                yield _start(index, _tool_use(call, whole=False))
+                yield _delta(index, {"type": "input_json_delta",
+                                     "partial_json": call["function"]["arguments"]})  # fmt: skip
+                yield _event("content_block_stop", {"index": index})
+                index += 1
+        if text_open:
+            yield _event("content_block_stop", {"index": index})
+        state = choices.state[0]
+        reason, sequence = _stop({"finish_reason": finish or state.finish_reason}, last)
+        yield _event("message_delta", {
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": usage(prompt_tokens, sum(choices.cached.values()), state.tokens)})  # fmt: skip
+        yield _event("message_stop", {})
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]  # a disconnect: aborted
+
+
+def _start(index: int, block: dict[str, Any]) -> str:
+    return _event("content_block_start", {"index": index, "content_block": block})
+
+
+def _delta(index: int, delta: dict[str, Any]) -> str:
+    return _event("content_block_delta", {"index": index, "delta": delta})

@@ -1,0 +1,568 @@
+"""OpenAI's Responses API over the chat road: `POST /v1/responses`, `GET` and `DELETE
+/v1/responses/{id}`, `GET /v1/responses/{id}/input_items`, `POST /v1/responses/{id}/cancel`.
+
+A request is turned into the ChatCompletionRequest it means (`to_chat`): `instructions` as
+the system turn, the stored conversation of `previous_response_id`, then `input` (a text,
+or items: messages, function calls and their outputs, references to stored items), the
+function tools, `tool_choice`, `text.format` (json_schema through the grammar), sampling.
+It then takes the chat road (kvlm.server.app `_chat_parts`: template, grammar, engine, the
+reply's tool-call parser); only the answer is written as a Response: output items (a
+message with output_text, function calls), `status`, `usage` with the input tokens the
+prefix cache served, whole or as OpenAI's event stream.
+
+The KV cache is the point: a stored response (`store`, the default) keeps its
+conversation, and its conversation's K/V blocks are pinned in the pool
+(BlockManager.pin), so a follow-up naming it as `previous_response_id` re-renders the
+conversation and finds every block of it in the prefix cache: it prefills only its new
+input, and `usage.input_tokens_details.cached_tokens` says how much it did not. What is
+kept is bounded (`ResponseStore`: a count, a share of the pool's blocks pinned, a TTL);
+the oldest pins go first (their blocks stay in the prefix cache, and in the KV tiers where
+configured, until evicted), then the oldest responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvlm.engine.engine import StepOutput
+from kvlm.server.protocol import (
+    MAX_TOOLS,
+    ChatCompletionRequest,
+    StreamOptions,
+    Text,
+    Unsupported,
+    _Body,
+)
+from kvlm.server.responses import Choices
+
+MAX_ITEMS = 4096  # input items in one request
+PIN_SHARE = 0.25  # of the pool's blocks, at most this many pinned by stored responses
+KEEP = 1024  # stored responses
+TTL_S = 3600.0  # a stored response's life
+# the item types kvlm reads; any other (web_search_call, computer_call, ...) is refused
+_ITEMS = ("message", "function_call", "function_call_output", "reasoning", "item_reference")
+
+
+class _Part(_Body):
+    type: Literal["input_text", "output_text", "text"]
+    text: Text
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class _Refusal(_Body):
+    type: Literal["refusal"]
+    refusal: Text
+
+
+class _Media(BaseModel):
+    """An image, file or audio part: named in a 400 (kvlm serves text models)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["input_image", "input_file", "input_audio"]
+
+
+class MessageItem(_Body):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Text | list[_Part | _Refusal | _Media]
+    id: Text | None = None
+    status: Text | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> MessageItem:
+        for part in self.content if isinstance(self.content, list) else []:
+            if isinstance(part, _Media):
+                raise Unsupported("input", f"{part.type} parts are not supported: kvlm "
+                                  "serves text models")  # fmt: skip
+        return self
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text if isinstance(p, _Part) else p.refusal for p in self.content)
+
+
+class FunctionCallItem(_Body):
+    type: Literal["function_call"]
+    call_id: Text
+    name: Text
+    arguments: Text
+    id: Text | None = None
+    status: Text | None = None
+
+
+class FunctionOutputItem(_Body):
+    type: Literal["function_call_output"]
+    call_id: Text
+    output: Text | list[_Part]
+    id: Text | None = None
+    status: Text | None = None
+
+
+class ReasoningItem(BaseModel):
+    """A reasoning item of an earlier turn: dropped (as templates drop earlier thinking)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["reasoning"]
+
+
+class ItemReference(_Body):
+    type: Literal["item_reference"]
+    id: Text
+
+
+Item = MessageItem | FunctionCallItem | FunctionOutputItem | ReasoningItem | ItemReference
+
+
+class FunctionTool(_Body):
+    type: Literal["function"]
+    name: Annotated[Text, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(_Body):
+    type: Literal["function"]
+    name: Text
+
+
+class TextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: Text | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Body):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class Reasoning(_Body):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesRequest(_Body):
+    model: Text
+    input: Text | Annotated[list[Item], Field(min_length=1, max_length=MAX_ITEMS)]
+    instructions: Text | None = None
+    previous_response_id: Text | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool = True
+    max_tool_calls: Annotated[int, Field(ge=1)] | None = None
+    text: TextConfig | None = None
+    reasoning: Reasoning | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    store: bool = True
+    background: bool = False
+    # vLLM's extensions, as on the chat route
+    seed: int | None = None
+    top_k: Annotated[int, Field(ge=-1)] = 0
+    cache_salt: Text | None = None
+    # accepted; no effect (bookkeeping on OpenAI's side)
+    metadata: Annotated[dict[str, Text], Field(max_length=16)] | None = None
+    user: Text | None = None
+    safety_identifier: Text | None = None
+    prompt_cache_key: Text | None = None
+    prompt_cache_retention: Text | None = None
+    service_tier: Text | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[Text] | None = None
+    # what kvlm does not serve: refused, naming the field
+    conversation: Any = None
+    prompt: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_kinds(cls, data: Any) -> Any:
+        """Items and tools of kinds kvlm does not run are refused by name (before the
+        union's field errors, which would not say why)."""
+        if not isinstance(data, dict):
+            return data
+        for item in data.get("input") if isinstance(data.get("input"), list) else []:
+            kind = item.get("type", "message") if isinstance(item, dict) else None
+            if isinstance(kind, str) and kind not in _ITEMS:
+                raise Unsupported("input", f"{kind} items are not supported")
+        for tool in data.get("tools") if isinstance(data.get("tools"), list) else []:
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if isinstance(kind, str) and kind != "function":
+                raise Unsupported("tools", f"{kind} tools are not supported: kvlm serves "
+                                  "function tools")  # fmt: skip
+        return data
+
+    @model_validator(mode="after")
+    def _checks(self) -> ResponsesRequest:
+        if self.conversation is not None:
+            raise Unsupported("conversation", "the Conversations API is not served; use "
+                              "previous_response_id")  # fmt: skip
+        if self.prompt is not None:
+            raise Unsupported("prompt", "stored prompt templates are not served")
+        if self.background and (self.stream or not self.store):
+            raise Unsupported("background", "a background response needs store true and "
+                              "stream false")  # fmt: skip
+        return self
+
+
+def to_chat(body: ResponsesRequest, history: list[dict[str, Any]],
+            items: Callable[[str], dict[str, Any] | None]) -> ChatCompletionRequest:  # fmt: skip
+    """The chat request `body` means after `history` (the chat messages of its previous
+    response's conversation); `items(id)`: a stored item, for item_reference."""
+    chat: dict[str, Any] = {
+        "model": body.model, "messages": _messages(body, history, items),
+        "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
+        "parallel_tool_calls": body.parallel_tool_calls,
+    }  # fmt: skip
+    optional = {"max_tokens": body.max_output_tokens, "seed": body.seed,
+                "cache_salt": body.cache_salt}  # fmt: skip
+    chat |= {k: v for k, v in optional.items() if v is not None}
+    if body.top_logprobs is not None:
+        chat |= {"logprobs": True, "top_logprobs": body.top_logprobs}
+    if body.tools:
+        chat["tools"] = [{"type": "function", "function": t.model_dump(
+            exclude_none=True, exclude={"type"})} for t in body.tools]  # fmt: skip
+    choice = body.tool_choice
+    if isinstance(choice, NamedFunction):
+        chat["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    elif choice is not None:
+        chat["tool_choice"] = choice
+    fmt = body.text.format if body.text is not None else None
+    if fmt is not None and fmt.type == "json_schema":
+        schema = {"name": fmt.name or "output", "schema": fmt.schema_ or {}}
+        chat["response_format"] = {"type": "json_schema", "json_schema": schema}
+    elif fmt is not None:
+        chat["response_format"] = {"type": fmt.type}
+    if body.text is not None and body.text.verbosity is not None:
+        chat["verbosity"] = body.text.verbosity
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        chat["reasoning_effort"] = body.reasoning.effort
+    return ChatCompletionRequest.model_validate(chat)
+
+
+def _messages(body: ResponsesRequest, history: list[dict[str, Any]],
+              items: Callable[[str], dict[str, Any] | None]) -> list[dict[str, Any]]:  # fmt: skip
+    out = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    out += history
+    return out + conversation(input_items(body), items)
+
+
+def input_items(body: ResponsesRequest) -> list[Item]:
+    if isinstance(body.input, str):
+        return [MessageItem(role="user", content=body.input)]
+    return list(body.input)
+
+
+def conversation(
+    given: list[Item], items: Callable[[str], dict[str, Any] | None]
+) -> list[dict[str, Any]]:
+    """Items as chat messages: an assistant's function calls join its turn's tool_calls,
+    a call's output is a tool message; reasoning is dropped."""
+    out: list[dict[str, Any]] = []
+    for item in given:
+        if isinstance(item, ItemReference):
+            found = items(item.id)
+            kind = _ITEM_TYPES.get(found.get("type", "")) if found is not None else None
+            if kind is None:  # unknown, or a kind that says nothing (a reference, reasoning)
+                raise Unsupported("input", f"no stored item {item.id!r} (item_reference)")
+            item = kind.model_validate(found)
+        if isinstance(item, MessageItem):
+            out.append({"role": item.role, "content": item.text()})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif isinstance(item, FunctionOutputItem):
+            text = item.output if isinstance(item.output, str) else "".join(
+                p.text for p in item.output)  # fmt: skip
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": text})
+    return out
+
+
+_ITEM_TYPES = {"message": MessageItem, "function_call": FunctionCallItem,
+               "function_call_output": FunctionOutputItem}  # fmt: skip
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# ---------------------------------------------------------------------------- the reply
+
+
+@dataclass
+class Reply:
+    """One response being made: its ids, the request's echo fields, and the Choices its
+    output accumulates in (kvlm.server.responses)."""
+
+    body: ResponsesRequest
+    model: str
+    choices: Choices
+    prompt_tokens: int
+    id: str = field(default_factory=lambda: _new_id("resp"))
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    message_id: str = field(default_factory=lambda: _new_id("msg"))
+    call_ids: list[str] = field(default_factory=list)  # the output's function_call items'
+    token_ids: list[int] = field(default_factory=list)  # what the model made
+    status: str = "in_progress"
+    error: dict[str, Any] | None = None
+
+    def call_id(self, index: int) -> str:
+        while len(self.call_ids) <= index:
+            self.call_ids.append(_new_id("fc"))
+        return self.call_ids[index]
+
+    def output(self) -> list[dict[str, Any]]:
+        """The output items so far (whole: the reply's text parsed for calls)."""
+        if not self.choices.state[0].started:
+            return []
+        message = self.choices.final()[0]["message"]
+        done = "completed" if self.status != "in_progress" else "in_progress"
+        out = []
+        if message.get("content"):
+            out.append(self.message_item(message["content"], done))
+        for i, call in enumerate(message.get("tool_calls") or []):
+            out.append(self.call_item(i, call, done))
+        return out
+
+    def message_item(self, text: str | None, status: str) -> dict[str, Any]:
+        content = [] if text is None else [{"type": "output_text", "text": text,
+                                            "annotations": [], "logprobs": []}]  # fmt: skip
+        return {"id": self.message_id, "type": "message", "role": "assistant",
+                "status": status, "content": content}  # fmt: skip
+
+    def call_item(self, index: int, call: dict[str, Any], status: str) -> dict[str, Any]:
+        fn = call["function"]
+        return {"id": self.call_id(index), "type": "function_call", "call_id": call["id"],
+                "name": fn["name"], "arguments": fn["arguments"], "status": status}  # fmt: skip
+
+    def finish(self) -> None:
+        """Set the status from how the sample ended."""
+        reason = self.choices.state[0].finish_reason
+        if reason == "error":
+            self.status = "failed"
+            self.error = {"code": "server_error", "message": "the engine failed on this request"}
+        elif reason == "abort":
+            self.status = "cancelled"
+        else:
+            self.status = "incomplete" if reason == "length" else "completed"
+
+    def response(self) -> dict[str, Any]:
+        b, state = self.body, self.choices.state[0]
+        cached = sum(self.choices.cached.values())
+        usage = None
+        if self.status not in ("in_progress", "queued"):
+            usage = {"input_tokens": self.prompt_tokens,
+                     "input_tokens_details": {"cached_tokens": cached},
+                     "output_tokens": state.tokens,
+                     "output_tokens_details": {"reasoning_tokens": 0},
+                     "total_tokens": self.prompt_tokens + state.tokens}  # fmt: skip
+        incomplete = {"reason": "max_output_tokens"} if self.status == "incomplete" else None
+        fmt = b.text.format.model_dump(by_alias=True, exclude_none=True) if (
+            b.text and b.text.format) else {"type": "text"}  # fmt: skip
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at,
+            "status": self.status, "background": b.background, "error": self.error,
+            "incomplete_details": incomplete, "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens, "max_tool_calls": b.max_tool_calls,
+            "model": self.model, "output": self.output(),
+            "parallel_tool_calls": b.parallel_tool_calls,
+            "previous_response_id": b.previous_response_id,
+            "reasoning": {"effort": b.reasoning.effort if b.reasoning else None, "summary": None},
+            "store": b.store, "temperature": b.temperature, "text": {"format": fmt},
+            "tool_choice": _echo_choice(b.tool_choice),
+            "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
+            "top_logprobs": b.top_logprobs or 0, "top_p": b.top_p,
+            "truncation": b.truncation or "disabled", "usage": usage, "user": b.user,
+            "metadata": b.metadata or {},
+        }  # fmt: skip
+
+
+def _echo_choice(choice: Any) -> Any:
+    if isinstance(choice, NamedFunction):
+        return choice.model_dump()
+    return choice or "auto"
+
+
+async def record(events: AsyncIterator[StepOutput], reply: Reply) -> AsyncIterator[StepOutput]:
+    """The events, their token ids kept in the reply (the conversation's, to pin)."""
+    async for event in events:
+        reply.token_ids += event.token_ids
+        yield event
+
+
+async def stream(events: AsyncIterator[StepOutput], reply: Reply,
+                 done: Callable[[Reply], None]) -> AsyncIterator[str]:  # fmt: skip
+    """OpenAI's Responses event stream: response.created and .in_progress; the message
+    item, its output_text part and its deltas as they come; each function call as an item
+    with its arguments (one delta, once the call is parsed); then response.completed (or
+    .incomplete, .failed). `done(reply)` runs at the end (the store)."""
+    seq = iter(range(1 << 62))
+
+    def event(kind: str, **data: Any) -> str:
+        body = {"type": kind, "sequence_number": next(seq)} | data
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    yield event("response.created", response=reply.response())
+    yield event("response.in_progress", response=reply.response())
+    text, open_, calls, finish = "", False, 0, None
+    where = {"item_id": reply.message_id, "output_index": 0, "content_index": 0}
+    try:
+        async for step in events:
+            chunk = reply.choices.chunk({}, step)
+            choice = chunk["choices"][0] if chunk else {"delta": {}, "finish_reason": None}
+            finish = choice["finish_reason"] or finish
+            delta = choice["delta"].get("content")
+            if delta:
+                if not open_:
+                    yield event("response.output_item.added", output_index=0,
+                                item=reply.message_item(None, "in_progress"))  # fmt: skip
+                    yield event("response.content_part.added", **where, part=_part(""))
+                    open_ = True
+                text += delta
+                yield event("response.output_text.delta", **where, delta=delta, logprobs=[])
+            for call in choice["delta"].get("tool_calls") or []:
+                if open_:
+                    for line in _close_text(event, reply, where, text):
+                        yield line
+                    open_ = False
+                index = int(bool(text)) + calls
+                item = reply.call_item(calls, call, "in_progress")
+                yield event("response.output_item.added", output_index=index,
+                            item=item | {"arguments": ""})  # fmt: skip
+                at = {"item_id": item["id"], "output_index": index}
+                yield event("response.function_call_arguments.delta", **at,
+                            delta=item["arguments"])  # fmt: skip
+                yield event("response.function_call_arguments.done", **at,
+                            name=item["name"], arguments=item["arguments"])  # fmt: skip
+                yield event("response.output_item.done", output_index=index,
+                            item=item | {"status": "completed"})  # fmt: skip
+                calls += 1
+        if open_:
+            for line in _close_text(event, reply, where, text):
+                yield line
+        reply.finish()
+        done(reply)
+        kind = {"incomplete": "response.incomplete", "failed": "response.failed"}.get(
+            reply.status, "response.completed")  # fmt: skip
+        yield event(kind, response=reply.response())
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]  # a disconnect: aborted
+
+
+def _close_text(event: Callable[..., str], reply: Reply, where: dict, text: str) -> list[str]:
+    return [
+        event("response.output_text.done", **where, text=text, logprobs=[]),
+        event("response.content_part.done", **where, part=_part(text)),
+        event("response.output_item.done", output_index=0,
+              item=reply.message_item(text, "completed")),
+    ]  # fmt: skip
+
+
+def _part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+# ---------------------------------------------------------------------------- the store
+
+
+@dataclass
+class Stored:
+    reply: Reply
+    history: list[dict[str, Any]]  # the conversation as chat messages, this reply's turn in
+    items: list[dict[str, Any]]  # its input items, for input_items
+    expires: float = 0.0
+    task: asyncio.Task | None = None  # a background response's
+
+
+class ResponseStore:
+    """Stored responses, oldest first, bounded by count and age; their K/V pinned in the
+    pool through `pin(response id, token ids, salt)` and let go through `unpin(response
+    id)` (the engine's Engine.pin / unpin, which also bound the pinned blocks: the oldest
+    pins go first)."""
+
+    def __init__(
+        self, keep: int, ttl_s: float, pin: Callable[[str, list[int], str | None], None],
+        unpin: Callable[[str], None],
+    ) -> None:  # fmt: skip
+        self.keep, self.ttl_s = keep, ttl_s
+        self.pin, self._unpin = pin, unpin
+        self.entries: OrderedDict[str, Stored] = OrderedDict()
+        self._items: dict[str, dict[str, Any]] = {}
+
+    def get(self, response_id: str) -> Stored | None:
+        entry = self.entries.get(response_id)
+        if entry is not None and entry.expires < time.monotonic():
+            self.delete(response_id)
+            return None
+        return entry
+
+    def item(self, item_id: str) -> dict[str, Any] | None:
+        return self._items.get(item_id)
+
+    def put(self, entry: Stored) -> None:
+        """Keep `entry` (the oldest go while more than `keep` are kept, or once expired)."""
+        entry.expires = time.monotonic() + self.ttl_s
+        self.entries[entry.reply.id] = entry
+        self.index(entry)
+        now = time.monotonic()
+        for response_id, old in list(self.entries.items()):
+            if len(self.entries) > self.keep or old.expires < now:
+                self.delete(response_id)
+
+    def index(self, entry: Stored) -> None:
+        """Make its items (input and output) reachable by id (item_reference)."""
+        for item in [*entry.items, *entry.reply.output()]:
+            self._items[item["id"]] = item
+
+    def delete(self, response_id: str) -> bool:
+        entry = self.entries.pop(response_id, None)
+        if entry is None:
+            return False
+        if entry.task is not None:
+            entry.task.cancel()
+        for item in [*entry.items, *entry.reply.output()]:
+            self._items.pop(item["id"], None)
+        self._unpin(response_id)
+        return True
+
+
+def stored_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input items as the API lists them (each with an id)."""
+    out = []
+    for item in input_items(body):
+        data = item.model_dump(by_alias=True, exclude_none=True)
+        data.setdefault("id", _new_id("msg" if data.get("type", "message") == "message" else "fc"))
+        data.setdefault("type", "message")
+        out.append(data)
+    return out
+
+
+def assistant_turn(reply: Reply) -> dict[str, Any]:
+    """The reply as the chat message that continues its conversation."""
+    message = reply.choices.final()[0]["message"]
+    turn = {"role": "assistant", "content": message.get("content")}
+    if message.get("tool_calls"):
+        turn["tool_calls"] = message["tool_calls"]
+    return turn

@@ -1,0 +1,249 @@
+"""OpenAI's Responses API: the real `openai` SDK (`client.responses`) against a real `kvlm
+serve` (a tiny random Qwen3-shaped model with a tools template) on 127.0.0.1, and the
+engine's pins that keep a stored conversation's blocks.
+
+A random model's words mean nothing, so each check is of the protocol and the cache:
+output items and status, the stream equal to the whole reply, a follow-up through
+previous_response_id served from the prefix cache (usage says how much), a function tool
+round trip, json_schema output, retrieve/delete/input_items, background and cancel."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated
+
+import jsonschema
+import pytest
+from pydantic import BaseModel, Field
+
+from helpers import save_tiny_model
+from serving import kvlm_serve, metrics, openai_client
+from test_tools import CHATML_TOOLS
+
+openai = pytest.importorskip("openai")
+
+KEY = "responses-key"
+WEATHER = {"type": "function", "name": "weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {
+               "city": {"type": "string", "maxLength": 16}}, "required": ["city"],
+               "additionalProperties": False}}  # fmt: skip
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = save_tiny_model(tmp_path_factory.mktemp("qwen3-responses"), "qwen3", seed=3,
+                             chat_template=CHATML_TOOLS, max_position_embeddings=2048)  # fmt: skip
+    with kvlm_serve("--model", str(folder), "--max-context", "2048", "--threads", "2",
+                    "--api-key", KEY) as (port, _):  # fmt: skip
+        yield port
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai_client(server, KEY)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def create(client, model, **kw):
+    kw.setdefault("input", "Weather in Paris?")
+    kw.setdefault("max_output_tokens", 24)
+    kw.setdefault("temperature", 0)
+    return client.responses.create(model=model, **kw)
+
+
+def test_a_response_streamed_and_not(client, model):
+    whole = create(client, model, instructions="Be brief.")
+    assert whole.object == "response" and whole.id.startswith("resp_")
+    assert whole.status in ("completed", "incomplete") and whole.model == model
+    assert whole.output[0].type == "message" and whole.output[0].role == "assistant"
+    assert 0 < whole.usage.output_tokens <= 24 and whole.usage.input_tokens > 0
+    if whole.status == "incomplete":
+        assert whole.incomplete_details.reason == "max_output_tokens"
+    events = list(create(client, model, instructions="Be brief.", stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text == events[-1].response.output_text
+    # the SDK's stream helper reads response.completed only (an incomplete one is
+    # response.incomplete, as OpenAI sends it): a reply that ends, JSON by the grammar
+    fmt = {"format": {"type": "json_schema", "name": "ok", "schema": SCHEMA}}
+    ended = create(client, model, text=fmt, max_output_tokens=40)
+    assert ended.status == "completed"
+    with client.responses.stream(model=model, input="Weather in Paris?", max_output_tokens=40,
+                                 temperature=0, text=fmt) as stream:  # fmt: skip
+        final = stream.get_final_response()
+    assert final.output_text == ended.output_text and json.loads(final.output_text)
+
+
+def test_a_follow_up_is_served_from_the_kv_cache(client, model, server):
+    first = create(client, model, instructions="Be brief.", max_output_tokens=32)
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    assert metrics(server, KEY)["kvlm_kv_blocks_pinned"] > 0  # its conversation held
+    second = create(client, model, instructions="Be brief.", input="And in Rome?",
+                    previous_response_id=first.id)  # fmt: skip
+    cached = second.usage.input_tokens_details.cached_tokens
+    # the whole first turn (prompt and reply, as the template renders them again) is
+    # found in the pool, up to the block the reply's re-rendering first differs in
+    assert cached >= first.usage.input_tokens - 16, (cached, first.usage)
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    items = client.responses.input_items.list(second.id)
+    assert [i.type for i in items.data] == ["message"]
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError, match="not found"):
+        create(client, model, previous_response_id=first.id)
+    unstored = create(client, model, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_a_function_tool_round_trip(client, model):
+    call = create(client, model, tools=[WEATHER], tool_choice="required", max_output_tokens=80)
+    calls = [item for item in call.output if item.type == "function_call"]
+    assert call.status == "completed" and len(calls) >= 1 and calls[0].name == "weather"
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER["parameters"])
+    events = list(create(client, model, tools=[WEATHER], max_output_tokens=80, stream=True,
+                         tool_choice={"type": "function", "name": "weather"}))  # fmt: skip
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done and json.loads(done[0].arguments)["city"] is not None
+    output = {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny"}
+    answer = create(client, model, tools=[WEATHER], previous_response_id=call.id, input=[output])
+    assert answer.status in ("completed", "incomplete")
+    assert answer.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_structured_output_and_refusals(client, model):
+    out = create(client, model, max_output_tokens=40, text={"format": {
+        "type": "json_schema", "name": "answer", "schema": SCHEMA, "strict": True}})  # fmt: skip
+    jsonschema.validate(json.loads(out.output_text), SCHEMA)
+    with pytest.raises(openai.BadRequestError, match="web_search tools are not supported"):
+        create(client, model, tools=[{"type": "web_search"}])
+    with pytest.raises(openai.BadRequestError, match="input_image parts are not supported"):
+        create(client, model, input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": "https://example.com/x.png"}]}])  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="no stored item"):
+        create(client, model, input=[{"type": "item_reference", "id": "msg_nothing"}])
+
+
+def test_background_responses_are_polled_and_cancelled(client, model):
+    started = create(client, model, background=True)
+    assert started.status in ("queued", "in_progress")
+    deadline = time.time() + 60
+    while client.responses.retrieve(started.id).status in ("queued", "in_progress"):
+        assert time.time() < deadline
+        time.sleep(0.1)
+    assert client.responses.retrieve(started.id).status in ("completed", "incomplete")
+    long = create(client, model, background=True, max_output_tokens=1500)
+    stopped = client.responses.cancel(long.id)
+    assert stopped.status in ("cancelled", "completed", "incomplete")
+    with pytest.raises(openai.BadRequestError, match="only background"):
+        client.responses.cancel(create(client, model).id)
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_a_pinned_conversation_outlives_the_pools_pressure(tiny, pinned):
+    """Engine.pin holds a stored conversation's cached blocks: later requests that need
+    more blocks than the pool has evict the others, not those (the control, unpinned,
+    loses them)."""
+    from kvlm import SamplingParams
+    from kvlm.engine.engine import Engine, EngineConfig
+
+    engine = Engine(tiny, EngineConfig(num_blocks=20))
+    bs = engine.pool.block_size
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def run(rid: str, ids: list[int]) -> list[int]:
+        engine.add_request(rid, ids, params)
+        out = []
+        while engine.has_work():
+            out += [t for ev in engine.step() for t in ev.token_ids]
+        return out
+
+    first = [(7 * i) % 200 + 3 for i in range(4 * bs)]
+    conversation = first + run("a", first)
+    held = len(engine.manager.match(conversation)[0])
+    assert held == 4
+    if pinned:
+        engine.pin("resp_a", conversation, None, 0.5)
+        assert engine.snapshot()["blocks_pinned"] == held
+    for k in range(4):  # prompts of 12 blocks each, 48 in all: more than the pool's 20
+        run(f"b{k}", [(11 * i + k) % 200 + 5 for i in range(12 * bs)])
+    assert len(engine.manager.match(conversation)[0]) == (held if pinned else 0)
+    engine.unpin("resp_a")
+    assert engine.pool.num_used == 0 and engine.snapshot()["blocks_pinned"] == 0
+
+
+# ---------------------------------------------------------------------------- agent clients
+
+
+class Verdict(BaseModel):
+    ok: bool
+
+
+def weather_now(city: Annotated[str, Field(max_length=16)]) -> str:
+    """The weather in a city."""
+    return f"Sunny in {city}"
+
+
+@pytest.mark.parametrize("road", ["responses", "chat"])
+def test_the_openai_agents_sdk_runs_a_tool(server, model, road):
+    """openai-agents on its default model (Responses) and on its Chat Completions model:
+    a first turn that must call the tool (the SDK then resets tool_choice to auto), the
+    tool's output sent back, a final answer in the agent's output type (JSON by the
+    grammar: a random model's free text would only end at max_tokens, which the SDK
+    takes as a failure, as it does with OpenAI's)."""
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    agents.set_tracing_disabled(True)
+    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key=KEY, max_retries=0)
+    kind = agents.OpenAIResponsesModel if road == "responses" else agents.OpenAIChatCompletionsModel
+    agent = agents.Agent(
+        name="weather", instructions="Answer with the tool.", tools=[
+            agents.function_tool(weather_now)],
+        model=kind(model=model, openai_client=client), output_type=Verdict,
+        model_settings=agents.ModelSettings(tool_choice="required", max_tokens=60,
+                                            temperature=0),
+    )  # fmt: skip
+    result = agents.Runner.run_sync(agent, "Weather in Paris?", max_turns=4)
+    outputs = [i for i in result.new_items if i.type == "tool_call_output_item"]
+    assert outputs and outputs[0].output.startswith("Sunny in")
+    assert isinstance(result.final_output, Verdict)
+
+
+def test_langchain_on_the_responses_api(server, model):
+    from langchain_openai import ChatOpenAI
+
+    url = f"http://127.0.0.1:{server}/v1"
+    chat = ChatOpenAI(model=model, base_url=url, api_key=KEY, use_responses_api=True,
+                      temperature=0, max_tokens=16, max_retries=0)  # fmt: skip
+    reply = chat.invoke("Weather in Paris?")
+    assert reply.response_metadata.get("id", "").startswith("resp_")
+    assert "".join(chunk.text for chunk in chat.stream("Weather in Paris?")) == reply.text
+    tools = chat.model_copy(update={"max_tokens": 80}).bind_tools([WEATHER], tool_choice="weather")
+    called = tools.invoke("Weather in Paris?")
+    assert called.tool_calls and called.tool_calls[0]["name"] == "weather"
+
+
+def test_pydantic_ais_responses_model(server, model):
+    pydantic_ai = pytest.importorskip("pydantic_ai")
+    from pydantic_ai.models.openai import OpenAIResponsesModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    provider = OpenAIProvider(base_url=f"http://127.0.0.1:{server}/v1", api_key=KEY)
+    agent = pydantic_ai.Agent(OpenAIResponsesModel(model, provider=provider))
+    result = agent.run_sync("Weather in Paris?", model_settings={"max_tokens": 16,
+                                                                  "temperature": 0})  # fmt: skip
+    assert isinstance(result.output, str)
