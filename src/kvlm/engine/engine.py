@@ -240,12 +240,13 @@ class Engine:
             # by the caller off the engine thread (AsyncEngine.generate, LLM.generate):
             # here only where a library caller did not (then a no-op when done)
             params.guide = compile_guide(params.guide, self.tokenizer, vocab)
-        outside = [t for t in params.logit_bias if t >= vocab]
-        if outside:
-            raise InvalidRequestError(
-                f"logit_bias names token {outside[0]}, outside the vocabulary of {vocab} tokens",
-                param="logit_bias",
-            )
+        for name in ("logit_bias", "stop_token_ids"):
+            outside = [t for t in getattr(params, name) if not 0 <= t < vocab]
+            if outside:
+                raise InvalidRequestError(
+                    f"{name} names token {outside[0]}, outside the vocabulary of {vocab} "
+                    "tokens", param=name,
+                )  # fmt: skip
         sched = self.scheduler.config
         if params.n > sched.max_num_seqs:
             raise InvalidRequestError(
@@ -282,7 +283,7 @@ class Engine:
         stops = stop_token_ids(req.params, self.tokenizer)
         sample = SampleState(index, req.prompt_ids, req.params, self.tokenizer, stops)
         sampler = Sampler(req.params, self.runner.device, index, req.prompt_ids,
-                          self.tokenizer)  # seeded seed + index  # fmt: skip
+                          self.tokenizer, stops)  # seeded seed + index  # fmt: skip
         seq = Sequence(
             req.request_id, sample, sampler, len(req.prompt_ids), cache_salt=req.cache_salt
         )

@@ -97,8 +97,9 @@ class StopText:
                                       tail: the last L-1 characters --+----+
     """
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include: bool = False) -> None:
         self.stops = list(stops)
+        self.include = include  # the stop string stays in the text (vLLM's option)
         self.longest = max((len(s) for s in self.stops), default=0)
         self._emitted: list[str] = []
         self._pending = ""  # text not yet shown: a possible start of a stop string
@@ -111,13 +112,17 @@ class StopText:
         """Everything accepted so far (cut at a stop string once one is found)."""
         return "".join(self._emitted) + self._pending
 
-    def push(self, delta: str) -> str:
-        """Add decoded text; return what is now safe to show (nothing once stopped)."""
+    def push(self, delta: str, check: bool = True) -> str:
+        """Add decoded text; return what is now safe to show (nothing once stopped).
+        `check` False: the text cannot end the sample yet (min_tokens), shown as it is."""
         if self.stopped:
             return ""
         if not self.stops:
             return self._emit(self._pending + delta, hold=0)
         window = self._tail + delta
+        if not check:  # shown; no stop string may start in it
+            self._tail = ""
+            return self._emit(self._pending + delta, hold=0)
         hits = [(i, s) for s in self.stops if (i := window.find(s)) >= 0]
         # The pending text is the tail's last characters: window index i is pending index
         # i - offset (a stop never starts before the pending text: that part was shown
@@ -126,7 +131,8 @@ class StopText:
         if hits:
             self.stopped = True
             at, self.matched = min(hits, key=lambda hit: hit[0])
-            return self._emit((self._pending + delta)[: at - offset], hold=0)
+            end = at + len(self.matched) if self.include else at
+            return self._emit((self._pending + delta)[: end - offset], hold=0)
         self._tail = window[max(0, len(window) - (self.longest - 1)) :] if self.longest > 1 else ""
         return self._emit(self._pending + delta, hold=self._partial_stop_suffix(window))
 
@@ -167,8 +173,8 @@ class SampleState:
     ) -> None:
         self.seq = list(prompt_ids)  # what this sample has fed and will feed
         self.out = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
-        self.decoder = tokenizer.decode_stream(skip_special_tokens=True)
-        self.stop = StopText(params.stop)
+        self.decoder = tokenizer.decode_stream(params.skip_special_tokens)
+        self.stop = StopText(params.stop, params.include_stop_str_in_output)
         self.params = params
         self.tokenizer = tokenizer
         self.stop_ids = stop_ids
@@ -190,10 +196,14 @@ class SampleState:
             # a byte-fallback vocabulary: a run of byte tokens that began as valid text
             # (one byte) decodes as U+FFFD once a later byte makes the run invalid, which
             # the stream refuses; the text goes on from this token in a new stream
-            self.decoder = self.tokenizer.decode_stream(skip_special_tokens=True)
+            self.decoder = self.tokenizer.decode_stream(self.params.skip_special_tokens)
             piece = self.decoder.step(self.tokenizer.backend, token)
-        delta = self.stop.push(piece) if piece else ""
-        if token in self.stop_ids or self.stop.stopped:
+        early = len(out.token_ids) < self.params.min_tokens  # no stop yet (min_tokens)
+        ends = token in self.stop_ids and not early
+        if ends and not self.params.include_stop_str_in_output:
+            piece = ""  # a stop token's own text is not the output's (vLLM's rule)
+        delta = self.stop.push(piece, check=not early) if piece else ""
+        if ends or self.stop.stopped:
             out.finish_reason = "stop"
             out.stop_reason = self.stop.matched
         elif len(out.token_ids) >= self.params.max_tokens:

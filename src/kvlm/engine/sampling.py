@@ -51,6 +51,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # the output must match this (kvlm.engine.guided: JSON schema, regex, choice, grammar)
     guide: Guide | None = None
+    # vLLM's: no EOS, stop token or stop string before this many tokens (their logits masked)
+    min_tokens: int = 0
+    skip_special_tokens: bool = True  # vLLM's: special tokens left out of the text
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string kept in the text
+    # llama.cpp's locally typical sampling: the tokens whose surprise is nearest the
+    # distribution's entropy, up to this much probability; 1 = off
+    typical_p: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -88,6 +95,10 @@ class SamplingParams:
             "repetition_penalty",
         )
         _check(_real(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]", "min_p")
+        _check(_real(self.typical_p) and 0 < self.typical_p <= 1, "typical_p must be in (0, 1]",
+               "typical_p")  # fmt: skip
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+               "min_tokens must be between 0 and max_tokens", "min_tokens")  # fmt: skip
         _check(
             self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
             f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}",
@@ -166,7 +177,9 @@ class Sampler:
         index: int = 0,
         prompt_ids: Sequence[int] = (),
         tokenizer: Any = None,
+        stops: Sequence[int] = (),
     ) -> None:
+        """`stops`: the ids that end the sample, masked while min_tokens are not made."""
         self.params = params
         self.generator: torch.Generator | None = None
         if params.seed is not None:
@@ -174,6 +187,8 @@ class Sampler:
         self.penalties = Penalties(params, prompt_ids) if params.penalized else None
         self.tokenizer = tokenizer  # for a guide's matcher, made at the first call
         self.guide: GuideState | None = None
+        self.held = sorted(stops) if params.min_tokens else []
+        self.made = 0  # tokens returned
 
     def __call__(self, logits: torch.Tensor, argmax: int | None = None) -> int:
         """logits (V,) fp32 -> a token id. Call once per token the sample takes: the
@@ -181,7 +196,9 @@ class Sampler:
         argmax when the caller has it (a GPU batch's, fetched at once): a plain greedy
         sample takes it instead of waiting on the device again."""
         p = self.params
-        if argmax is not None and p.greedy and p.guide is None and self.penalties is None:
+        plain = p.guide is None and self.penalties is None and self.made >= p.min_tokens
+        if argmax is not None and p.greedy and plain:
+            self.made += 1
             return argmax
         return self.verify(logits, None)[0]
 
@@ -199,12 +216,19 @@ class Sampler:
             logits = self.guide.mask(logits)
         if self.penalties is not None:
             logits = self.penalties.apply(logits)
+        if self.made < p.min_tokens and self.held:  # no end yet, unless a guide must end
+            held = logits.clone()
+            held[self.held] = float("-inf")
+            logits = held if bool(torch.isfinite(held).any()) else logits
+        self.made += 1
         if p.greedy:
             token = greedy(logits)
         else:
             x = logits.float() / p.temperature  # finite: p.temperature >= GREEDY_BELOW
             if p.min_p > 0:
                 x = _min_p_filter(x, p.min_p)
+            if p.typical_p < 1:
+                x = _typical_filter(x, p.typical_p)
             ids = None
             if 0 < p.top_k < x.shape[-1] or p.top_p < 1.0:
                 x, ids = _candidates(x, p.top_k, p.top_p)
@@ -287,6 +311,20 @@ class Penalties:
         if self.counts is not None and 0 <= token < self.counts.shape[0]:
             self.counts[token] += 1
             self.seen[token] = True
+
+
+def _typical_filter(x: torch.Tensor, mass: float) -> torch.Tensor:
+    """Locally typical sampling (Meister et al.; llama.cpp's typical_p, transformers'
+    TypicalLogitsWarper): keep the tokens whose surprise -log p is nearest the entropy,
+    in that order, until their probability reaches `mass` (at least one)."""
+    logp = torch.log_softmax(x, dim=-1)
+    p = logp.exp()
+    entropy = -torch.nansum(p * logp)
+    order = torch.argsort((-logp - entropy).abs())
+    keep = int((p[order].cumsum(0) < mass).sum()) + 1
+    out = torch.full_like(x, float("-inf"))
+    out[order[:keep]] = x[order[:keep]]
+    return out
 
 
 def _min_p_filter(x: torch.Tensor, min_p: float) -> torch.Tensor:

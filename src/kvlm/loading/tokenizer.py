@@ -119,13 +119,30 @@ class Tokenizer:
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[dict[str, Any]] | None = None,
+        continue_final: bool = False,
         **options: Any,
     ) -> str:
         """The conversation through the model's template, as transformers'
         apply_chat_template renders it: `tools` (OpenAI's function specs) for the
-        templates that render them, `options` (reasoning_effort, ...) as extra variables."""
+        templates that render them, `options` (reasoning_effort, ...) as extra variables;
+        `continue_final`: the text ends where the last message's content ends (what the
+        template closes it with cut off), so the model goes on writing it."""
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template; use --no-chat")
+        text = self._render(messages, add_generation_prompt, tools, **options)
+        if not continue_final:
+            return text
+        last = str(messages[-1].get("content") or "").rstrip() if messages else ""
+        at = text.rfind(last) if last else -1
+        if at < 0:
+            raise InvalidRequestError("continue_final_message: the last message's content is "
+                                      "not in the rendered conversation")  # fmt: skip
+        return text[: at + len(last)]
+
+    def _render(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool,
+        tools: Sequence[dict[str, Any]] | None, **options: Any,
+    ) -> str:  # fmt: skip
         try:
             return self._template.render(
                 **options,
@@ -146,11 +163,12 @@ class Tokenizer:
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[dict[str, Any]] | None = None,
+        continue_final: bool = False,
         **options: Any,
     ) -> list[int]:
         # The template writes the BOS token itself where the model wants one, so the
         # rendered text is encoded without adding special tokens (as transformers does).
-        text = self.render_chat(messages, add_generation_prompt, tools, **options)
+        text = self.render_chat(messages, add_generation_prompt, tools, continue_final, **options)
         return self.encode(text, add_special_tokens=False)
 
     @cached_property

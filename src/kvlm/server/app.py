@@ -61,6 +61,8 @@ from kvlm.server.protocol import (
     MAX_PROMPTS,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     Unsupported,
     error_body,
 )
@@ -131,6 +133,7 @@ def create_app(
     _status_routes(app, v1, s, authorized, guarded)
     _generation_routes(v1, s)
     app.include_router(v1)
+    app.include_router(_token_routes(s, Depends(check_api_key)))
     return app
 
 
@@ -206,10 +209,23 @@ def _status_routes(
         text = render_metrics(s.engine.metrics())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
+    card = {"id": s.model_name, "object": "model", "created": s.started, "owned_by": "kvlm",
+            "max_model_len": s.max_len}  # fmt: skip
+
     @v1.get("/models", responses={200: {"model": openapi.ModelList}, **openapi.errors(401)})
     async def models() -> dict:
-        card = {"id": s.model_name, "object": "model", "created": s.started, "owned_by": "kvlm"}
-        return {"object": "list", "data": [card | {"max_model_len": s.max_len}]}
+        return {"object": "list", "data": [card]}
+
+    @v1.get("/models/{model_id:path}", responses={200: {"model": openapi.ModelCard},
+                                                  **openapi.errors(401, 404)})  # fmt: skip
+    async def model(model_id: str) -> dict:
+        _check_model(model_id, s.model_name)
+        return card
+
+    @v1.post("/embeddings", responses=openapi.errors(400, 401))
+    async def embeddings() -> None:
+        raise ServerError(400, "kvlm serves text generation; it does not serve embeddings",
+                          code="embeddings_not_supported")  # fmt: skip
 
     @v1.get("/kv", responses={200: {"content": {"application/json": {"schema": {
         "type": "object", "description": "The KV pool: kvlm.cache.view"}}}},
@@ -233,6 +249,35 @@ def _status_routes(
             return JSONResponse(body, status_code=401,
                                 headers={"WWW-Authenticate": 'Basic realm="kvlm"'})  # fmt: skip
         return HTMLResponse(_dashboard_html(), headers={"Cache-Control": "no-store"})
+
+
+def _token_routes(s: _Served, auth: Any) -> APIRouter:
+    """vLLM's POST /tokenize and /detokenize (no /v1 prefix, as vLLM serves them)."""
+    router = APIRouter(dependencies=[auth])
+
+    @router.post("/tokenize", responses={200: {"model": openapi.Tokens},
+                                         **openapi.errors(400, 401, 404, 408, 413)})  # fmt: skip
+    async def tokenize(body: TokenizeRequest) -> dict:
+        if body.model is not None:
+            _check_model(body.model, s.model_name)
+        ids = await run_in_threadpool(_chat_of, lambda: body.ids(s.tokenizer, s.model_name))
+        strs = [s.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+        return {"count": len(ids), "max_model_len": s.max_len, "tokens": ids,
+                "token_strs": strs if body.return_token_strs else None}  # fmt: skip
+
+    @router.post("/detokenize", responses={200: {"model": openapi.Text},
+                                           **openapi.errors(400, 401, 404, 408, 413)})  # fmt: skip
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        if body.model is not None:
+            _check_model(body.model, s.model_name)
+        vocab = s.engine.info.vocab_size
+        outside = [t for t in body.tokens if t >= vocab]
+        if outside:
+            raise ServerError(400, f"token {outside[0]} is outside the vocabulary of {vocab}",
+                              param="tokens")  # fmt: skip
+        return {"prompt": await run_in_threadpool(s.tokenizer.decode, body.tokens)}
+
+    return router
 
 
 def _check_length(s: _Served, chars: int, param: str) -> None:
@@ -486,6 +531,10 @@ def _params(body: Any, ids: list[int], max_len: int, logprobs: int | None) -> Sa
         param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
         raise _too_long(max_len, f"the prompt has {len(ids)} tokens", param)
     wanted = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    if body.n_predict is not None and not {"max_tokens", "max_completion_tokens"} & set(
+        body.model_fields_set
+    ):  # llama.cpp's max_tokens; -1: up to the context
+        wanted = None if body.n_predict < 0 else max(body.n_predict, 1)
     if wanted == 0:  # echo only (checked at the door): the prompt, scored, nothing made
         wanted = 1
     if wanted is not None and wanted > room:
@@ -503,7 +552,7 @@ async def _respond(
 ) -> Any:  # fmt: skip
     """Run the request's prompts (one; several for a completions list, each n samples:
     choice i x n + j) and answer with one response or one SSE stream."""
-    rid = ("chatcmpl-" if choices.chat else "cmpl-") + uuid.uuid4().hex
+    rid = ("chatcmpl-" if choices.chat else "cmpl-") + (body.request_id or uuid.uuid4().hex)
     head = choices.head(rid, s.model_name) | {"system_fingerprint": s.fingerprint}
     prompt_tokens = sum(len(p) for p in prompts)
     if getattr(body, "max_tokens", None) == 0 and params[0].prompt_logprobs is None:

@@ -214,6 +214,21 @@ class TokenCount(BaseModel):
     input_tokens: int
 
 
+class Tokens(BaseModel):
+    """vLLM's /tokenize answer."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class Text(BaseModel):
+    """vLLM's /detokenize answer."""
+
+    prompt: str
+
+
 class ResponseUsage(BaseModel):
     input_tokens: int
     input_tokens_details: dict[str, int]  # cached_tokens: served by the prefix cache

@@ -42,6 +42,7 @@ from kvlm.loading.tokenizer import Tokenizer
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_PROMPTS = 64  # prompts in one completions request (each is a request of n samples)
 MAX_TOOLS = 128  # OpenAI's limit on tools
+MAX_STOP_IDS = 64  # stop_token_ids
 
 
 def _unicode(text: str) -> str:
@@ -78,6 +79,7 @@ class StreamOptions(_Body):
 
 
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[int, Field(ge=0)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 # OpenAI's: token id (as a JSON object's key, a string) -> bias in [-100, 100]
 LogitBias = Annotated[
@@ -96,7 +98,8 @@ class Unsupported(ValueError):
 
 # the request fields SamplingParams takes as they are
 _AS_GIVEN = ("temperature", "top_p", "seed", "ignore_eos", "n", "presence_penalty",
-             "frequency_penalty", "repetition_penalty", "min_p")  # fmt: skip
+             "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+             "skip_special_tokens", "include_stop_str_in_output", "typical_p")  # fmt: skip
 # vLLM's guided decoding fields, in the order a request giving several is told of them
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -132,6 +135,16 @@ class _Sampling(_Body):
     guided_grammar: Annotated[Text, Field(min_length=1, max_length=MAX_GUIDE_CHARS)] | None = None
     # vLLM's: prefix-cache blocks are shared only between requests of the same salt
     cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_SALT_CHARS)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_IDS)] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    request_id: Annotated[Text, Field(pattern=r"^[A-Za-z0-9_.:\-]{1,128}$")] | None = None
+    priority: int = 0  # accepted; no effect (kvlm schedules first come, first served)
+    # llama.cpp's
+    typical_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    n_predict: Annotated[int, Field(ge=-1)] | None = None  # max_tokens; -1: up to the context
+    cache_prompt: bool = True  # accepted; no effect (cached prefixes give the same tokens)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _Sampling:
@@ -146,6 +159,7 @@ class _Sampling(_Body):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             logprobs=logprobs,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            stop_token_ids=list(self.stop_token_ids or []),
             prompt_logprobs=self.scored_prompt(),
             guide=self.guide(),
             **{name: getattr(self, name) for name in _AS_GIVEN},
@@ -366,8 +380,11 @@ class ChatCompletionRequest(_Sampling):
     # passed to the chat template (templates that know them use them; others ignore them)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
-    # vLLM's: more variables for the chat template (e.g. Qwen3's enable_thinking)
+    # vLLM's: more variables for the chat template (e.g. Qwen3's enable_thinking), the
+    # generation prompt, or the last (assistant) message continued
     chat_template_kwargs: Annotated[dict[TemplateName, Any], Field(max_length=32)] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # accepted; no effect on the output (bookkeeping on OpenAI's side)
     metadata: Annotated[dict[str, Text], Field(max_length=16)] | None = None
     store: bool = False
@@ -387,6 +404,9 @@ class ChatCompletionRequest(_Sampling):
     def _checks(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt false (the "
+                             "last message is continued, not answered)")  # fmt: skip
         if self.audio is not None or "audio" in (self.modalities or []):
             raise Unsupported(
                 "audio" if self.audio is not None else "modalities",
@@ -461,7 +481,46 @@ class ChatCompletionRequest(_Sampling):
         options = {"reasoning_effort": self.reasoning_effort, "verbosity": self.verbosity}
         given = (self.chat_template_kwargs or {}) | {
             k: v for k, v in options.items() if v is not None}  # fmt: skip
-        return tokenizer.encode_chat(self.conversation, tools=self.tool_specs, **given)
+        return tokenizer.encode_chat(
+            self.conversation, self.add_generation_prompt, self.tool_specs,
+            self.continue_final_message, **given,
+        )  # fmt: skip
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a text (`prompt`) or a conversation (`messages`, rendered by the
+    chat template as /v1/chat/completions renders it)."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    chat_template_kwargs: Annotated[dict[TemplateName, Any], Field(max_length=32)] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give prompt or messages (one of them)")
+        return self
+
+    def ids(self, tokenizer: Tokenizer, model: str) -> list[int]:
+        if self.prompt is not None:
+            return tokenizer.encode(self.prompt, add_special_tokens=self.add_special_tokens)
+        fields = ("messages", "tools", "add_generation_prompt", "continue_final_message",
+                  "chat_template_kwargs")  # fmt: skip
+        chat = ChatCompletionRequest.model_validate(
+            {"model": model} | self.model_dump(include=set(fields), exclude_none=True)
+        )
+        return chat.prompt_ids(tokenizer)
+
+
+class DetokenizeRequest(_Body):
+    model: Text | None = None
+    tokens: list[TokenId]
 
 
 def error_body(
