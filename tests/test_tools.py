@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from helpers import CHATML_TOOLS, save_tiny_model
 from kvlm.server.tools import ToolStream, parse, parse_forced, parser_for
-from serving import kvlm_serve
+from serving import kvlm_serve, openai_client
 
 WEATHER = {
     "type": "function",
@@ -184,3 +184,75 @@ def test_an_agent_turn_is_continued(client):
         ask(client, tools=[WEATHER], tool_choice={"type": "function",
                                                   "function": {"name": "nope"}})  # fmt: skip
     assert err.value.body["param"] == "tool_choice"
+
+
+# ---------------------------------------------------------------------------- any model
+
+
+def test_the_lazy_grammar_waits_for_a_call_then_holds_it_to_the_schema(tiny):
+    """tool_choice auto's guide (llguidance's lazy lexeme): any text, and once the model
+    writes <tool_call>, only a well-formed call of an offered tool."""
+    from kvlm.engine.guided import compile_guide
+    from kvlm.server.tools import auto_guide
+
+    guide = compile_guide(auto_guide([WEATHER, TIME]), tiny.tokenizer, tiny.config.vocab_size)
+
+    def accepted(text: str) -> bool:
+        ids = tiny.tokenizer.encode(text, add_special_tokens=False)
+        matcher = guide.compiled.matcher.deep_copy()
+        return matcher.validate_tokens(ids) == len(ids)
+
+    call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris", "unit": "C"}}'
+    assert accepted("Any text at all, even { and [ and tool_call")
+    assert accepted("Let me check. " + call + "\n</tool_call> Done.")
+    assert not accepted("Let me check. <tool_call>\nnot a call")
+    assert not accepted('<tool_call>\n{"name": "nope", "arguments": {}}')
+    assert not accepted('<tool_call>\n{"name": "weather", "arguments": {"city": 3}}')
+
+
+@pytest.fixture(scope="module")
+def plain_server(tmp_path_factory):
+    """A tiny llama whose ChatML template knows nothing of tools."""
+    folder = save_tiny_model(tmp_path_factory.mktemp("llama-plain"), "llama",
+                             max_position_embeddings=2048)  # fmt: skip
+    with kvlm_serve("--model", str(folder), "--max-context", "2048") as (p, _):
+        yield p
+
+
+def test_tools_reach_a_model_whose_template_does_not_render_them(plain_server):
+    client = openai_client(plain_server)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    body = {"messages": messages, "tools": [WEATHER]}
+    with_tools = _post(plain_server, "/tokenize", body)
+    without = _post(plain_server, "/tokenize", {"messages": messages})
+    assert with_tools["count"] > without["count"]
+    prompt = _post(plain_server, "/detokenize", {"tokens": with_tools["tokens"]})["prompt"]
+    assert "<tools>" in prompt and '"name": "weather"' in prompt and "<tool_call>" in prompt
+    whole = ask(client, messages=messages, tools=[WEATHER], temperature=0, max_tokens=24)
+    streamed = list(ask(client, messages=messages, tools=[WEATHER], temperature=0,
+                        max_tokens=24, stream=True))  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == (whole.choices[0].message.content or "")
+
+
+def test_a_forced_call_cut_by_max_tokens_is_the_same_streamed_and_not(client):
+    kw = dict(tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=50)
+    whole = ask(client, **kw).choices[0]
+    assert whole.finish_reason == "length" and whole.message.content is None
+    call = whole.message.tool_calls[0]
+    assert call.function.name == "weather" and call.function.arguments
+    chunks = list(ask(client, stream=True, **kw))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    assert deltas[0].function.name == "weather"
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+
+
+def _post(port: int, path: str, body: dict) -> dict:
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        return json.loads(answer.read())

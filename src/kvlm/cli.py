@@ -114,6 +114,11 @@ def _serve_parser(sub: Any) -> None:
         "--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
         help="the model's tool-call format (default: read off its chat template)",
     )  # fmt: skip
+    serve.add_argument(
+        "--reasoning-parser", choices=("auto", "none", "qwen3", "deepseek_r1"), default="auto",
+        help="split <think> text out of replies into reasoning_content (auto: when the chat "
+        "template writes </think>)",
+    )  # fmt: skip
     _pool_args(serve)
     _limit_args(serve)
     _replica_args(serve)
@@ -605,7 +610,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config, limits = serve_config(args)
     llm = serve_model(args)
     serve(llm, config, args.host, args.port, args.api_key, args.served_model_name, args.log_level,
-          limits, args.tool_call_parser)  # fmt: skip
+          limits, args.tool_call_parser, args.reasoning_parser)  # fmt: skip
     exit_now(0)  # (kvlm.server.exit_now says why)
 
 

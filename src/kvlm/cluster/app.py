@@ -88,7 +88,8 @@ class KvlmReplica:
         log_to_stderr(args.log_level)
         self.engine = None  # an AsyncEngine once the model has loaded
         config, limits = serve_config(args)
-        options = (args.served_model_name, args.api_key, limits, args.tool_call_parser)
+        options = (args.served_model_name, args.api_key, limits, args.tool_call_parser,
+                   args.reasoning_parser)  # fmt: skip
         self.engine, self.app = engine_app(serve_model(args), config, *options)
         self.engine.start()
 

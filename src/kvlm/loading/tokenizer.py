@@ -14,6 +14,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property
@@ -42,6 +44,25 @@ _QWEN2 = (
 )
 # Llama 3's pre-tokenizers: their reference tokenizer.json sets BPE `ignore_merges`
 # (whole-word hits in the vocabulary win over merging).
+log = logging.getLogger("kvlm")
+# The tools, as kvlm writes them into the system turn of a template that does not render
+# them (llama.cpp's generic handler does the same): the hermes format, which the reply
+# parser (kvlm.server.tools) reads and the lazy grammar of tool_choice auto enforces.
+TOOLS_SYSTEM = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+_TOOLS_VARIABLE = re.compile(r"\btools\b")
 _IGNORE_MERGES = ("llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe")
 PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("gpt2", "gpt-2", "mpt", "olmo"), (_GPT2,)),
@@ -129,6 +150,12 @@ class Tokenizer:
         template closes it with cut off), so the model goes on writing it."""
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template; use --no-chat")
+        if tools and not _TOOLS_VARIABLE.search(self.chat_template):
+            if not vars(self).get("_told_tools"):
+                self._told_tools = True
+                log.info("this model's chat template does not render tools: kvlm writes them "
+                         "into the system turn, calls in the hermes format")  # fmt: skip
+            messages, tools = _tools_written_in(messages, tools), None
         text = self._render(messages, add_generation_prompt, tools, **options)
         if not continue_final:
             return text
@@ -183,6 +210,30 @@ class Tokenizer:
             return env.from_string(self.chat_template or "")
         except jinja2.TemplateError as exc:
             raise ModelLoadError(f"the model's chat template does not parse: {exc}") from exc
+
+
+def _tools_written_in(
+    messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The conversation with the tools in its system turn (TOOLS_SYSTEM), an assistant's
+    calls written in its text as hermes calls, and a tool's reply as a user turn in
+    <tool_response>: what a template that knows nothing of tools renders."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        for call in m.pop("tool_calls", None) or []:
+            fn = call["function"]
+            body = json.dumps({"name": fn["name"], "arguments": fn["arguments"]})
+            m["content"] = (m.get("content") or "") + f"\n<tool_call>\n{body}\n</tool_call>"
+        if m["role"] == "tool":
+            m = {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+        out.append(m)
+    listed = TOOLS_SYSTEM.format(tools="\n".join(json.dumps(t) for t in tools))
+    if out and out[0]["role"] == "system":
+        out[0]["content"] = out[0]["content"] + "\n\n" + listed
+    else:
+        out.insert(0, {"role": "system", "content": listed})
+    return out
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **kw: Any) -> str:

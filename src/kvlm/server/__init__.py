@@ -42,6 +42,7 @@ def serve(
     log_level: str = "info",
     limits: ServerLimits | None = None,
     tool_parser: str | None = None,
+    reasoning_parser: str = "auto",
 ) -> None:
     """Serve until interrupted (Ctrl-C or SIGTERM): HTTP on a thread, the engine on this
     one (see AsyncEngine.run_forever). Returns once shut down; or ends the process itself
@@ -54,7 +55,7 @@ def serve(
 
     limits = limits or ServerLimits()
     name = model_name or llm.model_name
-    engine, app = engine_app(llm, config, name, api_key, limits, tool_parser)
+    engine, app = engine_app(llm, config, name, api_key, limits, tool_parser, reasoning_parser)
     log_to_stderr(log_level)
     uv = uvicorn.Config(
         app,

@@ -279,6 +279,9 @@ def usage(prompt_tokens: int, cached: int, output: int) -> dict[str, Any]:
 
 def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):  # kvlm.server.reasoning: a thinking block
+        out.append({"type": "thinking", "thinking": message["reasoning_content"],
+                    "signature": ""})  # fmt: skip
     if message.get("content"):
         out.append({"type": "text", "text": message["content"]})
     for call in message.get("tool_calls") or []:
@@ -320,12 +323,14 @@ async def stream(
     events: AsyncIterator[StepOutput], choices: Choices, head: dict[str, Any],
     prompt_tokens: int, failed: str,
 ) -> AsyncIterator[str]:  # fmt: skip
-    """Anthropic's event stream of one reply: text as it comes in a text block, then each
-    tool call as a tool_use block (its input as one input_json_delta, once parsed)."""
+    """Anthropic's event stream of one reply: its reasoning as it comes in a thinking
+    block, its text in a text block, then each tool call as a tool_use block (its input as
+    one input_json_delta, once parsed)."""
     start = head | {"content": [], "stop_reason": None, "stop_sequence": None,
                     "usage": usage(prompt_tokens, 0, 0)}  # fmt: skip
     yield _event("message_start", {"message": start})
-    index, text_open, last, finish = 0, False, None, None
+    blocks = _Blocks()
+    last, finish = None, None
     try:
         async for event in events:
             if event.finish_reason == "error":
@@ -335,23 +340,23 @@ async def stream(
             chunk = choices.chunk({}, event)
             choice = chunk["choices"][0] if chunk else {"delta": {}, "finish_reason": None}
             finish = choice["finish_reason"] or finish
-            text = choice["delta"].get("content")
-            if text:
-                if not text_open:
-                    yield _start(index, {"type": "text", "text": ""})
-                    text_open = True
-                yield _delta(index, {"type": "text_delta", "text": text})
-            for call in choice["delta"].get("tool_calls") or []:
-                if text_open:
-                    yield _event("content_block_stop", {"index": index})
-                    index, text_open = index + 1, False
-                yield _start(index, _tool_use(call, whole=False))
-                yield _delta(index, {"type": "input_json_delta",
-                                     "partial_json": call["function"]["arguments"]})  # fmt: skip
-                yield _event("content_block_stop", {"index": index})
-                index += 1
-        if text_open:
-            yield _event("content_block_stop", {"index": index})
+            delta = choice["delta"]
+            if delta.get("reasoning_content"):
+                for line in blocks.to({"type": "thinking", "thinking": "", "signature": ""}):
+                    yield line
+                yield _delta(blocks.index, {"type": "thinking_delta",
+                                            "thinking": delta["reasoning_content"]})  # fmt: skip
+            if delta.get("content"):
+                for line in blocks.to({"type": "text", "text": ""}):
+                    yield line
+                yield _delta(blocks.index, {"type": "text_delta", "text": delta["content"]})
+            for call in delta.get("tool_calls") or []:
+                for line in blocks.to(_tool_use(call, whole=False), again=True):
+                    yield line
+                args = call["function"]["arguments"]
+                yield _delta(blocks.index, {"type": "input_json_delta", "partial_json": args})
+        for line in blocks.close():
+            yield line
         state = choices.state[0]
         reason, sequence = _stop({"finish_reason": finish or state.finish_reason}, last)
         yield _event("message_delta", {
@@ -360,6 +365,30 @@ async def stream(
         yield _event("message_stop", {})
     finally:
         await events.aclose()  # type: ignore[attr-defined]  # a disconnect: aborted
+
+
+class _Blocks:
+    """The streamed message's content blocks: the one open, its index."""
+
+    def __init__(self) -> None:
+        self.index, self.open = -1, None
+
+    def to(self, block: dict[str, Any], again: bool = False) -> list[str]:
+        """Events that make `block`'s kind the open block (a new one each time: `again`)."""
+        if self.open == block["type"] and not again:
+            return []
+        lines = self.close()
+        self.index, self.open = self.index + 1, block["type"]
+        return [*lines, _start(self.index, block)]
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        lines = []
+        if self.open == "thinking":  # Anthropic's clients expect its signature
+            lines.append(_delta(self.index, {"type": "signature_delta", "signature": ""}))
+        self.open = None
+        return [*lines, _event("content_block_stop", {"index": self.index})]
 
 
 def _start(index: int, block: dict[str, Any]) -> str:

@@ -53,7 +53,7 @@ from kvlm.engine.sampling import MAX_SAMPLES, SamplingParams
 from kvlm.engine.scheduler import QueueFullError
 from kvlm.engine.served import ServedModel
 from kvlm.errors import InvalidRequestError, KvlmError
-from kvlm.server import anthropic, openapi, responses_api
+from kvlm.server import anthropic, openapi, reasoning, responses_api
 from kvlm.server import tools as tools_mod
 from kvlm.server.limits import RequestLimits, ServerLimits
 from kvlm.server.metrics import render_metrics
@@ -69,6 +69,7 @@ from kvlm.server.protocol import (
 from kvlm.server.responses import Choices, encode_json
 
 log = logging.getLogger("kvlm.server")
+_PROMPT_TAIL = 32  # the prompt's last tokens read for an open <think>
 # Normalisation can shrink a text (NFKC composes sequences), so the character bound that
 # proves a prompt too long without tokenizing it keeps this much margin.
 _CHARS_MARGIN = 4
@@ -93,6 +94,7 @@ class _Served:
     max_prompts: int  # a completions request's prompts
     fingerprint: str  # system_fingerprint: kvlm's version, the model file, its numerics
     tool_parser: str | None
+    reasoning_parser: str | None  # kvlm.server.reasoning: <think> text split out
     limits: ServerLimits
     started: int  # the models list's "created"
     responses: responses_api.ResponseStore  # stored responses (/v1/responses)
@@ -104,6 +106,7 @@ def create_app(
     api_key: str | None = None,
     limits: ServerLimits | None = None,
     tool_parser: str | None = None,
+    reasoning_parser: str = "auto",
 ) -> FastAPI:
     limits = limits or ServerLimits()
     app = FastAPI(title="kvlm", version="1", docs_url=None, redoc_url=None)
@@ -114,7 +117,8 @@ def create_app(
         engine, model_name, info.tokenizer, info.max_model_len,
         min(MAX_PROMPTS, engine.max_requests),
         "fp_" + hashlib.sha256(made_by.encode()).hexdigest()[:10],
-        tool_parser or tools_mod.parser_for(info.tokenizer.chat_template), limits,
+        tool_parser or tools_mod.parser_for(info.tokenizer.chat_template),
+        _reasoning(reasoning_parser, info.tokenizer.chat_template), limits,
         int(time.time()), _response_store(engine),
     )  # fmt: skip
     openapi.install(app, model_name, s.max_len, min(MAX_SAMPLES, info.max_num_seqs), s.max_prompts)
@@ -137,6 +141,16 @@ def create_app(
     return app
 
 
+def _reasoning(parser: str, template: str | None) -> str | None:
+    """--reasoning-parser: auto (read off the template), none, or a parser's name."""
+    if parser == "auto":
+        parser = reasoning.parser_for(template) or "none"
+        if parser != "none":
+            log.info("replies' <think> text goes to reasoning_content (--reasoning-parser "
+                     "none keeps it in the content)")  # fmt: skip
+    return None if parser == "none" else parser
+
+
 def _response_store(engine: AsyncEngine) -> responses_api.ResponseStore:
     """Stored responses, their conversations' blocks pinned in the engine's pool (at most
     PIN_SHARE of it; the engine lets the oldest go)."""
@@ -156,7 +170,8 @@ def engine_app(
 ) -> tuple[AsyncEngine, FastAPI]:
     """An engine for `llm` (not started yet) and the app over it, serving it as
     `model_name` (None: the model file's name; `options`: create_app's api_key, limits
-    and tool_parser): `kvlm serve`'s, and each replica's of `kvlm serve --replicas`."""
+    tool_parser, reasoning_parser): `kvlm serve`'s, and each replica's of `kvlm serve
+    --replicas`."""
     engine = AsyncEngine(Engine(llm, config))
     return engine, create_app(engine, model_name or llm.model_name, *options)
 
@@ -337,8 +352,9 @@ async def _chat_parts(
     s: _Served, body: ChatCompletionRequest
 ) -> tuple[list[int], SamplingParams, Choices]:
     """A chat request's prompt ids (the template, off the loop), sampling parameters (a
-    forced tool call's grammar among them) and the Choices its answer is built in: the
-    chat road, which the Messages API takes too (kvlm.server.anthropic.to_chat)."""
+    tool call's grammar among them: forced, or lazy under tool_choice auto) and the
+    Choices its answer is built in: the chat road, which the Messages and Responses APIs
+    take too (kvlm.server.anthropic.to_chat, kvlm.server.responses_api.to_chat)."""
     _check_model(body.model, s.model_name)
     tools = body.tool_specs
     chars = sum(len(m["content"]) for m in body.conversation)
@@ -352,11 +368,19 @@ async def _chat_parts(
         # of: OpenAI answers such a request with the call, as agent SDKs send it)
         name = None if forced == "required" else forced
         params.guide = tools_mod.forced_guide(tools or [], name, body.parallel_tool_calls)
+    # a guided reply (a forced call, a format) takes its guide's shape from its first
+    # token: a <think> the prompt opened does not hold for it
+    think = s.reasoning_parser is not None
+    tail = s.tokenizer.decode(ids[-_PROMPT_TAIL:], skip_special_tokens=False)
+    opened = think and params.guide is None and reasoning.starts_thinking(tail)
+    if tools and forced is None and params.guide is None and s.tool_parser == "hermes":
+        params.guide = tools_mod.auto_guide(tools)  # a call, once begun, is well formed
     choices = Choices(s.tokenizer, params.n, chat=True, want_logprobs=body.logprobs,
                       prompts=[ids] * params.n,
                       want_prompt_logprobs=body.prompt_logprobs is not None,
                       tools=tools is not None,
-                      tool_parser=None if forced is not None else s.tool_parser)  # fmt: skip
+                      tool_parser=None if forced is not None else s.tool_parser,
+                      reasoning=think, thinking=opened)  # fmt: skip
     return ids, params, choices
 
 

@@ -25,6 +25,7 @@ from typing import Any
 from kvlm.engine.engine import StepOutput
 from kvlm.engine.sampling import TokenLogprob
 from kvlm.loading.tokenizer import Tokenizer
+from kvlm.server.reasoning import ReasoningStream, split
 from kvlm.server.tools import ToolStream, parse
 
 
@@ -38,6 +39,7 @@ class _Choice:
     started: bool = False  # its first event arrived (an echo opens it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     tools: ToolStream | None = None  # a chat choice that may answer with tool calls
+    think: ReasoningStream | None = None  # a chat choice whose reasoning is split out
 
 
 @dataclass
@@ -49,7 +51,8 @@ class Choices:
     max_tokens 0, the one token the engine made is dropped. `want_prompt_logprobs`:
     vLLM's field in each choice. `tools` offered: each choice's text is read for calls
     (kvlm.server.tools), in the model's format (`tool_parser`) or, tool_choice forced
-    (None), as a JSON array of calls."""
+    (None), as a JSON array of calls. `reasoning`: a chat choice's `<think>` text goes to
+    `reasoning_content` (kvlm.server.reasoning; `thinking`: the prompt left it open)."""
 
     tokenizer: Tokenizer
     count: int
@@ -61,6 +64,8 @@ class Choices:
     want_prompt_logprobs: bool = False
     tools: bool = False
     tool_parser: str | None = None
+    reasoning: bool = False
+    thinking: bool = False
     # per engine request: its prompt tokens cached
     cached: dict[str, int] = field(default_factory=dict, init=False)
     # token id -> its text: a scored prompt names ~21 ids per position (4,000 positions:
@@ -68,7 +73,8 @@ class Choices:
     _texts: dict[int, str] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
-        self.state = [_Choice(i, tools=ToolStream(self.tool_parser) if self.tools else None)
+        self.state = [_Choice(i, tools=ToolStream(self.tool_parser) if self.tools else None,
+                              think=ReasoningStream(self.thinking) if self.reasoning else None)
                       for i in range(self.count)]  # fmt: skip
 
     def head(self, request_id: str, model: str) -> dict[str, Any]:
@@ -109,13 +115,19 @@ class Choices:
 
     def usage(self, prompt_tokens: int) -> dict[str, Any]:
         completion = sum(c.tokens for c in self.state)
+        thought = 0
+        if self.reasoning:  # their reasoning's tokens, as the tokenizer writes it again
+            parts = (split(c.text, self.thinking)[0] for c in self.state)
+            thought = sum(
+                len(self.tokenizer.encode(p, add_special_tokens=False)) for p in parts if p
+            )
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": sum(self.cached.values()),
                                       "audio_tokens": 0},
-            "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
+            "completion_tokens_details": {"reasoning_tokens": thought, "audio_tokens": 0,
                                           "accepted_prediction_tokens": 0,
                                           "rejected_prediction_tokens": 0},
         }  # fmt: skip
@@ -125,21 +137,26 @@ class Choices:
     def final(self) -> list[dict[str, Any]]:
         out = []
         for c in self.state:
-            body = self._choice(c.index, c.text, c.logprobs, c.finish_reason)
+            reasoning, text = split(c.text, self.thinking) if self.reasoning else (None, c.text)
+            body = self._choice(c.index, text, c.logprobs, c.finish_reason)
             if self.tools:
-                self._with_calls(body, c)
+                self._with_calls(body, text, c.finish_reason)
+            if reasoning is not None:
+                body["message"]["reasoning_content"] = reasoning
             if self.want_prompt_logprobs:
                 body["prompt_logprobs"] = self._vllm_prompt_logprobs(c.prompt_logprobs)
             out.append(body)
         return out
 
-    def _with_calls(self, body: dict[str, Any], choice: _Choice) -> None:
+    def _with_calls(self, body: dict[str, Any], text: str, finish: str | None) -> None:
         """A whole chat reply's tool calls into its message (finish_reason "tool_calls")."""
-        content, calls = parse(choice.text, self.tool_parser)  # None: forced, all calls
+        content, calls = parse(text, self.tool_parser)  # None: forced, all calls
+        if self.tool_parser is None and not calls:  # a forced call cut before its name
+            body["message"]["content"] = None  # ends: no text, as its stream sends none
         if calls:
             body["message"] = {"role": "assistant", "content": content,
                                "tool_calls": [c.to_dict() for c in calls]}  # fmt: skip
-            if choice.finish_reason == "stop":
+            if finish == "stop":
                 body["finish_reason"] = "tool_calls"
 
     def _vllm_prompt_logprobs(self, entries: list[TokenLogprob] | None) -> list | None:
@@ -217,7 +234,12 @@ class Choices:
         offset = len(choice.text)
         text, entries = self.add(event)
         finish = choice.finish_reason if event.finish_reason is not None else None
-        calls = []
+        calls, thought = [], ""
+        if choice.think is not None:  # <think> text apart; the rest goes on as content
+            thought, text = choice.think.push(text)
+            if finish is not None:
+                more, rest = choice.think.finish()
+                thought, text = thought + more, text + rest
         if choice.tools is not None:  # content as it comes; what may be a call held
             text = choice.tools.push(text)
             if finish is not None:
@@ -225,9 +247,11 @@ class Choices:
                 text += rest
                 if calls and finish == "stop":
                     finish = "tool_calls"
-        if not text and finish is None and not (self.want_logprobs and entries):
+        if not (text or thought) and finish is None and not (self.want_logprobs and entries):
             return None
         body = self._choice(event.index, text, entries, finish, delta=True, offset=offset)
+        if thought:
+            body["delta"]["reasoning_content"] = thought
         if calls:
             body["delta"]["tool_calls"] = [{"index": i, **c.to_dict()}
                                            for i, c in enumerate(calls)]  # fmt: skip

@@ -323,6 +323,7 @@ class Reply:
     id: str = field(default_factory=lambda: _new_id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
     message_id: str = field(default_factory=lambda: _new_id("msg"))
+    reasoning_id: str = field(default_factory=lambda: _new_id("rs"))
     call_ids: list[str] = field(default_factory=list)  # the output's function_call items'
     token_ids: list[int] = field(default_factory=list)  # what the model made
     status: str = "in_progress"
@@ -340,11 +341,18 @@ class Reply:
         message = self.choices.final()[0]["message"]
         done = "completed" if self.status != "in_progress" else "in_progress"
         out = []
+        if message.get("reasoning_content"):  # kvlm.server.reasoning: what it thought
+            out.append(self.reasoning_item(message["reasoning_content"], done))
         if message.get("content"):
             out.append(self.message_item(message["content"], done))
         for i, call in enumerate(message.get("tool_calls") or []):
             out.append(self.call_item(i, call, done))
         return out
+
+    def reasoning_item(self, text: str | None, status: str) -> dict[str, Any]:
+        content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+        return {"id": self.reasoning_id, "type": "reasoning", "summary": [],
+                "content": content, "status": status}  # fmt: skip
 
     def message_item(self, text: str | None, status: str) -> dict[str, Any]:
         content = [] if text is None else [{"type": "output_text", "text": text,
@@ -414,70 +422,108 @@ async def record(events: AsyncIterator[StepOutput], reply: Reply) -> AsyncIterat
 
 async def stream(events: AsyncIterator[StepOutput], reply: Reply,
                  done: Callable[[Reply], None]) -> AsyncIterator[str]:  # fmt: skip
-    """OpenAI's Responses event stream: response.created and .in_progress; the message
-    item, its output_text part and its deltas as they come; each function call as an item
-    with its arguments (one delta, once the call is parsed); then response.completed (or
+    """OpenAI's Responses event stream: response.created and .in_progress; a reasoning
+    item (its reasoning_text deltas) where the reply thinks, the message item, its
+    output_text part and its deltas as they come; each function call as an item with its
+    arguments (one delta, once the call is parsed); then response.completed (or
     .incomplete, .failed). `done(reply)` runs at the end (the store)."""
-    seq = iter(range(1 << 62))
-
-    def event(kind: str, **data: Any) -> str:
-        body = {"type": kind, "sequence_number": next(seq)} | data
-        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-    yield event("response.created", response=reply.response())
-    yield event("response.in_progress", response=reply.response())
-    text, open_, calls, finish = "", False, 0, None
-    where = {"item_id": reply.message_id, "output_index": 0, "content_index": 0}
+    items = _Items(reply)
+    yield items.event("response.created", response=reply.response())
+    yield items.event("response.in_progress", response=reply.response())
     try:
         async for step in events:
             chunk = reply.choices.chunk({}, step)
-            choice = chunk["choices"][0] if chunk else {"delta": {}, "finish_reason": None}
-            finish = choice["finish_reason"] or finish
-            delta = choice["delta"].get("content")
-            if delta:
-                if not open_:
-                    yield event("response.output_item.added", output_index=0,
-                                item=reply.message_item(None, "in_progress"))  # fmt: skip
-                    yield event("response.content_part.added", **where, part=_part(""))
-                    open_ = True
-                text += delta
-                yield event("response.output_text.delta", **where, delta=delta, logprobs=[])
-            for call in choice["delta"].get("tool_calls") or []:
-                if open_:
-                    for line in _close_text(event, reply, where, text):
+            delta = chunk["choices"][0]["delta"] if chunk else {}
+            for kind, key in (("reasoning", "reasoning_content"), ("message", "content")):
+                if delta.get(key):
+                    for line in [*items.to(kind), items.text(delta[key])]:
                         yield line
-                    open_ = False
-                index = int(bool(text)) + calls
-                item = reply.call_item(calls, call, "in_progress")
-                yield event("response.output_item.added", output_index=index,
-                            item=item | {"arguments": ""})  # fmt: skip
-                at = {"item_id": item["id"], "output_index": index}
-                yield event("response.function_call_arguments.delta", **at,
-                            delta=item["arguments"])  # fmt: skip
-                yield event("response.function_call_arguments.done", **at,
-                            name=item["name"], arguments=item["arguments"])  # fmt: skip
-                yield event("response.output_item.done", output_index=index,
-                            item=item | {"status": "completed"})  # fmt: skip
-                calls += 1
-        if open_:
-            for line in _close_text(event, reply, where, text):
-                yield line
+            for call in delta.get("tool_calls") or []:
+                for line in items.call(call):
+                    yield line
+        for line in items.close():
+            yield line
         reply.finish()
         done(reply)
         kind = {"incomplete": "response.incomplete", "failed": "response.failed"}.get(
             reply.status, "response.completed")  # fmt: skip
-        yield event(kind, response=reply.response())
+        yield items.event(kind, response=reply.response())
     finally:
         await events.aclose()  # type: ignore[attr-defined]  # a disconnect: aborted
 
 
-def _close_text(event: Callable[..., str], reply: Reply, where: dict, text: str) -> list[str]:
-    return [
-        event("response.output_text.done", **where, text=text, logprobs=[]),
-        event("response.content_part.done", **where, part=_part(text)),
-        event("response.output_item.done", output_index=0,
-              item=reply.message_item(text, "completed")),
-    ]  # fmt: skip
+class _Items:
+    """A streamed response's output items: the one open (reasoning or message) and its
+    text so far, the numbering of items and of events."""
+
+    def __init__(self, reply: Reply) -> None:
+        self.reply, self.seq, self.index, self.calls = reply, 0, -1, 0
+        self.open: str | None = None
+        self.written = ""
+
+    def event(self, kind: str, **data: Any) -> str:
+        body = {"type": kind, "sequence_number": self.seq} | data
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def _item(self, status: str) -> dict[str, Any]:
+        make = self.reply.reasoning_item if self.open == "reasoning" else self.reply.message_item
+        return make(self.written or None, status)
+
+    def _where(self) -> dict[str, Any]:
+        item_id = self.reply.reasoning_id if self.open == "reasoning" else self.reply.message_id
+        return {"item_id": item_id, "output_index": self.index, "content_index": 0}
+
+    def _part(self, text: str) -> dict[str, Any]:
+        return {"type": "reasoning_text", "text": text} if self.open == "reasoning" else _part(text)
+
+    def to(self, kind: str) -> list[str]:
+        """Events that make `kind` the open item."""
+        if self.open == kind:
+            return []
+        lines = self.close()
+        self.index, self.open, self.written = self.index + 1, kind, ""
+        return [*lines, self.event("response.output_item.added", output_index=self.index,
+                                   item=self._item("in_progress")),
+                self.event("response.content_part.added", **self._where(),
+                           part=self._part(""))]  # fmt: skip
+
+    def text(self, delta: str) -> str:
+        self.written += delta
+        if self.open == "reasoning":
+            return self.event("response.reasoning_text.delta", **self._where(), delta=delta)
+        return self.event("response.output_text.delta", **self._where(), delta=delta,
+                          logprobs=[])  # fmt: skip
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        where, text = self._where(), self.written
+        extra = {} if self.open == "reasoning" else {"logprobs": []}
+        kind = "reasoning_text" if self.open == "reasoning" else "output_text"
+        lines = [self.event(f"response.{kind}.done", **where, text=text, **extra),
+                 self.event("response.content_part.done", **where, part=self._part(text)),
+                 self.event("response.output_item.done", output_index=self.index,
+                            item=self._item("completed"))]  # fmt: skip
+        self.open = None
+        return lines
+
+    def call(self, call: dict[str, Any]) -> list[str]:
+        """A function call's item, whole."""
+        lines = self.close()
+        self.index += 1
+        item = self.reply.call_item(self.calls, call, "in_progress")
+        self.calls += 1
+        at = {"item_id": item["id"], "output_index": self.index}
+        return [*lines,
+                self.event("response.output_item.added", output_index=self.index,
+                           item=item | {"arguments": ""}),
+                self.event("response.function_call_arguments.delta", **at,
+                           delta=item["arguments"]),
+                self.event("response.function_call_arguments.done", **at, name=item["name"],
+                           arguments=item["arguments"]),
+                self.event("response.output_item.done", output_index=self.index,
+                           item=item | {"status": "completed"})]  # fmt: skip
 
 
 def _part(text: str) -> dict[str, Any]:

@@ -11,9 +11,13 @@ teaches it (the template renders the `tools` it is given):
 name it; kvlm reads it off the template and `--tool-call-parser` overrides it). With
 tool_choice "auto" the reply is parsed after the fact: calls found become `tool_calls`
 (finish_reason "tool_calls"), the text before them the content; text that does not parse
-as a call stays text. With tool_choice "required" or a named function the output is
-constrained (kvlm.engine.guided) to a JSON array of calls, [{"name", "arguments"}], as vLLM
-constrains it, whatever the model's own format.
+as a call stays text; in the hermes format `auto_guide` makes the calls well formed (a
+lazy grammar: any text until `<tool_call>`, then only a call of an offered tool). With
+tool_choice "required" or a named function the output is constrained (kvlm.engine.guided)
+to a JSON array of calls, [{"name", "arguments"}], as vLLM constrains it, whatever the
+model's own format; cut off by max_tokens, the calls begun are returned (`parse_forced`).
+A template that does not render tools gets them written into its system turn
+(kvlm.loading.tokenizer TOOLS_SYSTEM, the hermes format).
 
 Streaming: content streams as it comes, except from the first character that may open a
 call (the hermes tag, or a reply that opens with "{" / "<|python_tag|>" for llama3_json):
@@ -29,6 +33,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvlm.engine.guide_limits import check_bounds
+from kvlm.engine.guide_worker import JSON_STYLE
 from kvlm.engine.guided import Guide
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -121,6 +127,14 @@ def _json_objects(text: str) -> list[Any]:
 def forced_guide(tools: list[dict[str, Any]], name: str | None, parallel: bool) -> Guide:
     """tool_choice "required" (name None) or a named function: the output is a JSON array
     of calls [{"name", "arguments"}] of the offered tools (of that one)."""
+    schema = _calls_schema(tools, name)
+    if not parallel or name is not None:
+        schema["maxItems"] = 1
+    return Guide("json_schema", schema, "tool_choice")
+
+
+def _calls_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]:
+    """A JSON array of calls of the offered tools (of the one named)."""
     items = [
         {"type": "object",
          "properties": {"name": {"const": t["function"]["name"]},
@@ -129,18 +143,51 @@ def forced_guide(tools: list[dict[str, Any]], name: str | None, parallel: bool) 
         for t in tools if name is None or t["function"]["name"] == name
     ]  # fmt: skip
     one = items[0] if len(items) == 1 else {"anyOf": items}
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": one}
-    if not parallel or name is not None:
-        schema["maxItems"] = 1
-    return Guide("json_schema", schema, "tool_choice")
+    return {"type": "array", "minItems": 1, "items": one}
+
+
+def auto_guide(tools: list[dict[str, Any]]) -> Guide:
+    """tool_choice "auto" in the hermes format: free text, and from the moment the model
+    writes `<tool_call>` (llguidance's lazy lexeme: the grammar waits for its trigger) a
+    call of an offered tool whose arguments follow its schema, then `</tool_call>`: calls
+    are well formed without forcing one."""
+    from llguidance._struct_tag import StructTag  # llguidance's own helper for this
+
+    schema = _calls_schema(tools, None)["items"] | {"x-guidance": JSON_STYLE}
+    check_bounds("json_schema", schema, "tools")
+    tag = StructTag(trigger=HERMES_OPEN, begin=HERMES_OPEN + "\n", grammar=schema,
+                    end="\n" + HERMES_CLOSE)  # fmt: skip
+    return Guide("grammar", StructTag.to_grammar([tag], assume_special=False), "tools")
 
 
 def parse_forced(text: str) -> list[Call]:
+    """A forced reply's calls: the JSON array; cut off (max_tokens), the calls begun, the
+    last with its arguments as far as they came (OpenAI's answer when a call is cut)."""
     try:
         calls = [_call(obj) for obj in json.loads(text)]
     except (ValueError, TypeError):
-        return []
+        return [Call(name, json.dumps(args) if isinstance(args, dict) else args)
+                for name, args in _begun(text)]  # fmt: skip
     return [c for c in calls if c is not None]
+
+
+_BEGUN = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
+
+
+def _begun(text: str) -> list[tuple[str, Any]]:
+    """(name, arguments: an object, or the text of a cut one) of each call a cut-off
+    forced reply began (it is written as JSON_STYLE writes JSON)."""
+    starts = list(_BEGUN.finditer(text))
+    out = []
+    for i, match in enumerate(starts):
+        end = starts[i + 1].start() if i + 1 < len(starts) else len(text)
+        body = text[match.end() : end].rstrip(", ")
+        try:
+            args, _ = json.JSONDecoder().raw_decode(body)
+        except ValueError:
+            args = body
+        out.append((json.loads(match.group(1)), args))
+    return out
 
 
 class ToolStream:
