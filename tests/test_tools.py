@@ -72,19 +72,37 @@ def test_forced_output_is_a_json_array_of_calls():
     assert parse_forced('[{"name": "time", "argu') == []  # cut by max_tokens
 
 
+FORCED_REPLY = ('[{"name": "weather", "arguments": {"city": "P\\"a{r}is", "unit": "C"}}, '
+                '{"name": "time", "arguments": {"zone": "CET"}}]')  # fmt: skip
+
+
 @settings(max_examples=60, deadline=None)
-@given(cuts=st.lists(st.integers(0, len(HERMES_REPLY)), max_size=12))
-def test_a_stream_split_anywhere_gives_the_whole_replys_content_and_calls(cuts):
-    bounds = sorted({0, len(HERMES_REPLY), *cuts})
-    stream, shown = ToolStream("hermes"), ""
-    for a, b in itertools.pairwise(bounds):
-        shown += stream.push(HERMES_REPLY[a:b])
-        assert "<tool_call>"[: len(HERMES_REPLY)] not in shown
-    rest, calls = stream.finish()
-    shown += rest
-    content, whole = parse(HERMES_REPLY, "hermes")
-    assert shown.strip() == content
-    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole]
+@given(cuts=st.lists(st.integers(0, len(HERMES_REPLY)), max_size=12),
+       end=st.integers(1, len(HERMES_REPLY)))  # fmt: skip
+def test_a_stream_split_anywhere_gives_the_whole_replys_content_and_calls(cuts, end):
+    """Cut anywhere, and cut off anywhere (max_tokens): the content streamed and the
+    calls rebuilt from their deltas (a first with id and name, then the arguments as they
+    come, as OpenAI streams them) are the whole reply's parse, in both formats."""
+    for parser, whole_reply in (("hermes", HERMES_REPLY), (None, FORCED_REPLY)):
+        for reply in (whole_reply, whole_reply[:end]):
+            bounds = sorted({0, len(reply), *(c for c in cuts if c < len(reply))})
+            stream, shown, deltas = ToolStream(parser), "", []
+            for a, b in itertools.pairwise(bounds):
+                shown += stream.push(reply[a:b])
+                deltas += stream.deltas()
+                assert "<tool_call>" not in shown
+            rest, calls = stream.finish()
+            shown += rest
+            built: dict[int, list[str]] = {}
+            for d in deltas:
+                entry = built.setdefault(d["index"], ["", ""])
+                entry[0] = d["function"].get("name", entry[0])
+                entry[1] += d["function"].get("arguments", "")
+            built_calls = [tuple(v) for _, v in sorted(built.items())]
+            built_calls += [(c.name, c.arguments) for c in calls]
+            content, whole = parse(reply, parser)
+            assert shown.strip() == (content or "") or not whole
+            assert built_calls == [(c.name, c.arguments) for c in whole]
     plain = ToolStream("hermes")
     text = "a < b <tool but no call"
     out = "".join(plain.push(ch) for ch in text) + plain.finish()[0]

@@ -324,8 +324,8 @@ async def stream(
     prompt_tokens: int, failed: str,
 ) -> AsyncIterator[str]:  # fmt: skip
     """Anthropic's event stream of one reply: its reasoning as it comes in a thinking
-    block, its text in a text block, then each tool call as a tool_use block (its input as
-    one input_json_delta, once parsed)."""
+    block, its text in a text block, then each tool call as a tool_use block, its input
+    as input_json_delta events as it comes."""
     start = head | {"content": [], "stop_reason": None, "stop_sequence": None,
                     "usage": usage(prompt_tokens, 0, 0)}  # fmt: skip
     yield _event("message_start", {"message": start})
@@ -350,11 +350,13 @@ async def stream(
                 for line in blocks.to({"type": "text", "text": ""}):
                     yield line
                 yield _delta(blocks.index, {"type": "text_delta", "text": delta["content"]})
-            for call in delta.get("tool_calls") or []:
-                for line in blocks.to(_tool_use(call, whole=False), again=True):
-                    yield line
-                args = call["function"]["arguments"]
-                yield _delta(blocks.index, {"type": "input_json_delta", "partial_json": args})
+            for call in delta.get("tool_calls") or []:  # a call begun, then its arguments
+                if "id" in call:
+                    for line in blocks.to(_tool_use(call, whole=False), again=True):
+                        yield line
+                args = call["function"].get("arguments")
+                if args:
+                    yield _delta(blocks.index, {"type": "input_json_delta", "partial_json": args})
         for line in blocks.close():
             yield line
         state = choices.state[0]

@@ -234,27 +234,34 @@ class Choices:
         offset = len(choice.text)
         text, entries = self.add(event)
         finish = choice.finish_reason if event.finish_reason is not None else None
-        calls, thought = [], ""
+        calls: list[dict[str, Any]] = []
+        thought = ""
         if choice.think is not None:  # <think> text apart; the rest goes on as content
             thought, text = choice.think.push(text)
             if finish is not None:
                 more, rest = choice.think.finish()
                 thought, text = thought + more, text + rest
-        if choice.tools is not None:  # content as it comes; what may be a call held
-            text = choice.tools.push(text)
+        if choice.tools is not None:  # content as it comes; calls as OpenAI streams them
+            tools = choice.tools
+            text = tools.push(text)
+            calls = tools.deltas()
             if finish is not None:
-                rest, calls = choice.tools.finish()
+                rest, whole = tools.finish()
                 text += rest
-                if calls and finish == "stop":
+                calls += [{"index": tools.began + i, **c.to_dict()} for i, c in enumerate(whole)]
+                if (whole or tools.began) and finish == "stop":
                     finish = "tool_calls"
-        if not (text or thought) and finish is None and not (self.want_logprobs and entries):
+        if (
+            not (text or thought or calls)
+            and finish is None
+            and not (self.want_logprobs and entries)
+        ):
             return None
         body = self._choice(event.index, text, entries, finish, delta=True, offset=offset)
         if thought:
             body["delta"]["reasoning_content"] = thought
         if calls:
-            body["delta"]["tool_calls"] = [{"index": i, **c.to_dict()}
-                                           for i, c in enumerate(calls)]  # fmt: skip
+            body["delta"]["tool_calls"] = calls
         if self.want_prompt_logprobs and event.prompt_logprobs is not None:
             body["prompt_logprobs"] = self._vllm_prompt_logprobs(choice.prompt_logprobs)
         return head | {"object": self.chunk_object, "choices": [body]}

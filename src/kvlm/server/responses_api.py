@@ -325,6 +325,7 @@ class Reply:
     message_id: str = field(default_factory=lambda: _new_id("msg"))
     reasoning_id: str = field(default_factory=lambda: _new_id("rs"))
     call_ids: list[str] = field(default_factory=list)  # the output's function_call items'
+    call_refs: dict[int, str] = field(default_factory=dict)  # their call_id, by index
     token_ids: list[int] = field(default_factory=list)  # what the model made
     status: str = "in_progress"
     error: dict[str, Any] | None = None
@@ -362,7 +363,8 @@ class Reply:
 
     def call_item(self, index: int, call: dict[str, Any], status: str) -> dict[str, Any]:
         fn = call["function"]
-        return {"id": self.call_id(index), "type": "function_call", "call_id": call["id"],
+        call_id = self.call_refs.setdefault(index, call["id"])  # as first streamed
+        return {"id": self.call_id(index), "type": "function_call", "call_id": call_id,
                 "name": fn["name"], "arguments": fn["arguments"], "status": status}  # fmt: skip
 
     def finish(self) -> None:
@@ -424,8 +426,8 @@ async def stream(events: AsyncIterator[StepOutput], reply: Reply,
                  done: Callable[[Reply], None]) -> AsyncIterator[str]:  # fmt: skip
     """OpenAI's Responses event stream: response.created and .in_progress; a reasoning
     item (its reasoning_text deltas) where the reply thinks, the message item, its
-    output_text part and its deltas as they come; each function call as an item with its
-    arguments (one delta, once the call is parsed); then response.completed (or
+    output_text part and its deltas as they come; each function call as an item, its
+    arguments' deltas as they come; then response.completed (or
     .incomplete, .failed). `done(reply)` runs at the end (the store)."""
     items = _Items(reply)
     yield items.event("response.created", response=reply.response())
@@ -458,8 +460,9 @@ class _Items:
 
     def __init__(self, reply: Reply) -> None:
         self.reply, self.seq, self.index, self.calls = reply, 0, -1, 0
-        self.open: str | None = None
+        self.open: str | None = None  # "reasoning", "message" or "call"
         self.written = ""
+        self.begun: dict[str, Any] = {}  # the open call's item
 
     def event(self, kind: str, **data: Any) -> str:
         body = {"type": kind, "sequence_number": self.seq} | data
@@ -498,32 +501,44 @@ class _Items:
     def close(self) -> list[str]:
         if self.open is None:
             return []
-        where, text = self._where(), self.written
-        extra = {} if self.open == "reasoning" else {"logprobs": []}
-        kind = "reasoning_text" if self.open == "reasoning" else "output_text"
-        lines = [self.event(f"response.{kind}.done", **where, text=text, **extra),
-                 self.event("response.content_part.done", **where, part=self._part(text)),
-                 self.event("response.output_item.done", output_index=self.index,
-                            item=self._item("completed"))]  # fmt: skip
+        text = self.written
+        if self.open == "call":
+            item = self.begun | {"arguments": text, "status": "completed"}
+            at = {"item_id": item["id"], "output_index": self.index}
+            lines = [self.event("response.function_call_arguments.done", **at,
+                                name=item["name"], arguments=text),
+                     self.event("response.output_item.done", output_index=self.index,
+                                item=item)]  # fmt: skip
+        else:
+            where = self._where()
+            extra = {} if self.open == "reasoning" else {"logprobs": []}
+            kind = "reasoning_text" if self.open == "reasoning" else "output_text"
+            lines = [self.event(f"response.{kind}.done", **where, text=text, **extra),
+                     self.event("response.content_part.done", **where, part=self._part(text)),
+                     self.event("response.output_item.done", output_index=self.index,
+                                item=self._item("completed"))]  # fmt: skip
         self.open = None
         return lines
 
-    def call(self, call: dict[str, Any]) -> list[str]:
-        """A function call's item, whole."""
-        lines = self.close()
-        self.index += 1
-        item = self.reply.call_item(self.calls, call, "in_progress")
-        self.calls += 1
-        at = {"item_id": item["id"], "output_index": self.index}
-        return [*lines,
-                self.event("response.output_item.added", output_index=self.index,
-                           item=item | {"arguments": ""}),
-                self.event("response.function_call_arguments.delta", **at,
-                           delta=item["arguments"]),
-                self.event("response.function_call_arguments.done", **at, name=item["name"],
-                           arguments=item["arguments"]),
-                self.event("response.output_item.done", output_index=self.index,
-                           item=item | {"status": "completed"})]  # fmt: skip
+    def call(self, delta: dict[str, Any]) -> list[str]:
+        """A call's delta (kvlm.server.tools.ToolStream): its item opened when it begins,
+        then its arguments as they come."""
+        lines = []
+        if "id" in delta:
+            lines = self.close()
+            self.index, self.open, self.written = self.index + 1, "call", ""
+            begun = {"id": delta["id"], "function": delta["function"] | {"arguments": ""}}
+            self.begun = self.reply.call_item(self.calls, begun, "in_progress")
+            self.calls += 1
+            lines.append(self.event("response.output_item.added", output_index=self.index,
+                                    item=self.begun))  # fmt: skip
+        piece = delta["function"].get("arguments")
+        if piece and self.open == "call":
+            self.written += piece
+            lines.append(self.event("response.function_call_arguments.delta",
+                                    item_id=self.begun["id"], output_index=self.index,
+                                    delta=piece))  # fmt: skip
+        return lines
 
 
 def _part(text: str) -> dict[str, Any]:

@@ -76,7 +76,8 @@ def _call(obj: Any, args_key: str = "arguments") -> Call | None:
     return Call(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+# a call's body; one cut off (no closing tag) keeps its trailing whitespace, as streamed
+_HERMES = re.compile(r"<tool_call>\s*(.*?)(\s*</tool_call>|$)", re.DOTALL)
 
 
 def parse(text: str, parser: str | None) -> tuple[str | None, list[Call]]:
@@ -89,11 +90,17 @@ def parse(text: str, parser: str | None) -> tuple[str | None, list[Call]]:
         if start < 0:
             return text, []
         content, objects = text[:start].strip() or None, []
-        for body in _HERMES.findall(text[start:]):
+        for body, closed in _HERMES.findall(text[start:]):
             try:
                 objects.append(json.loads(body))
-            except ValueError:
-                objects.append(None)  # not JSON: no call
+            except ValueError:  # cut off (max_tokens): the call as far as it came, or none
+                begun = _begun(body)
+                if len(begun) == 1:
+                    objects.append(Call(*begun[0]))
+                elif closed:
+                    objects.append(None)  # a closed call that is not one: no calls
+        if not objects:
+            return text, []
         args_key = "arguments"
     elif parser == "llama3_json":
         body = text.strip().removeprefix(PYTHON_TAG).strip()
@@ -102,7 +109,7 @@ def parse(text: str, parser: str | None) -> tuple[str | None, list[Call]]:
         content, objects, args_key = None, _json_objects(body), "parameters"
     else:
         raise ValueError(f"unknown tool-call parser {parser!r}")
-    calls = [_call(obj, args_key) for obj in objects]
+    calls = [obj if isinstance(obj, Call) else _call(obj, args_key) for obj in objects]
     if not calls or any(c is None for c in calls):
         return text, []  # not well-formed calls: the reply stays text
     return content, calls  # type: ignore[return-value]
@@ -166,44 +173,48 @@ def parse_forced(text: str) -> list[Call]:
     try:
         calls = [_call(obj) for obj in json.loads(text)]
     except (ValueError, TypeError):
-        return [Call(name, json.dumps(args) if isinstance(args, dict) else args)
-                for name, args in _begun(text)]  # fmt: skip
+        return [Call(name, args) for name, args in _begun(text)]
     return [c for c in calls if c is not None]
 
 
-_BEGUN = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
+_BEGUN = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments":\s*')
 
 
-def _begun(text: str) -> list[tuple[str, Any]]:
-    """(name, arguments: an object, or the text of a cut one) of each call a cut-off
-    forced reply began (it is written as JSON_STYLE writes JSON)."""
+def _begun(text: str) -> list[tuple[str, str]]:
+    """(name, arguments as text: whole, or as far as a cut one came) of each call a
+    reply began (written as JSON_STYLE writes JSON, as the grammars make it)."""
     starts = list(_BEGUN.finditer(text))
     out = []
     for i, match in enumerate(starts):
         end = starts[i + 1].start() if i + 1 < len(starts) else len(text)
-        body = text[match.end() : end].rstrip(", ")
+        body = text[match.end() : end]
         try:
             args, _ = json.JSONDecoder().raw_decode(body)
+            body = json.dumps(args, ensure_ascii=False)
         except ValueError:
-            args = body
-        out.append((json.loads(match.group(1)), args))
+            pass  # cut off: its text as far as it came
+        out.append((json.loads(match.group(1)), body))
     return out
 
 
 class ToolStream:
-    """One streamed choice's text: passes content through, holds what may be a call."""
+    """One streamed choice's text: passes content through, holds what may be a call. In
+    the hermes format and forced, a call streams as OpenAI streams it: a first delta with
+    its id and name once the name is written, then its arguments' text as it comes
+    (`deltas()`); in llama3_json each call comes whole at the end."""
 
     def __init__(self, parser: str | None) -> None:
         self.parser = parser  # None: forced (the whole output is the calls' JSON)
         self.text = ""  # everything so far
         self.shown = 0  # characters of it sent as content
         self.holding = parser is None
+        self.calls = _CallScanner() if parser in (None, "hermes") else None
 
     def push(self, delta: str) -> str:
         """The content to send now for this new text."""
         self.text += delta
         if self.holding:
-            return ""
+            return self._scan()
         if self.parser == "llama3_json":
             head = self.text.lstrip()
             if not head:
@@ -216,11 +227,25 @@ class ToolStream:
         at = self.text.find(HERMES_OPEN, self.shown)
         if at >= 0:
             self.holding = True
-            return self._release(at)
+            return self._release(at) + self._scan()
         # keep back a tail that could be the start of the tag
         keep = next((k for k in range(min(len(HERMES_OPEN) - 1, len(self.text)), 0, -1)
                      if HERMES_OPEN.startswith(self.text[-k:])), 0)  # fmt: skip
         return self._release(len(self.text) - keep)
+
+    def _scan(self) -> str:
+        if self.calls is not None:
+            self.calls.feed(self.text, self.shown)
+        return ""
+
+    def deltas(self) -> list[dict[str, Any]]:
+        """The calls' deltas since the last call (OpenAI's `delta.tool_calls` items)."""
+        return self.calls.take() if self.calls is not None else []
+
+    @property
+    def began(self) -> int:
+        """Calls begun in the stream so far."""
+        return self.calls.count if self.calls is not None else 0
 
     def _release(self, upto: int) -> str:
         out = self.text[self.shown : upto]
@@ -228,8 +253,66 @@ class ToolStream:
         return out
 
     def finish(self) -> tuple[str, list[Call]]:
-        """At the end: (content still to send, the calls)."""
+        """At the end: (content still to send, the calls not streamed as they came)."""
+        if self.began:
+            return "", []
         _, calls = parse(self.text, self.parser)
         if not calls and self.parser is not None:  # held text that is no call: content
             return self._release(len(self.text)), []
         return "", calls  # what came before the calls was sent as it came
+
+
+class _CallScanner:
+    """Calls read out of text as it grows: each `{"name": N, "arguments": ` begins one
+    (a delta with its id and name), then the arguments' JSON as it comes (deltas of its
+    text) until the object closes."""
+
+    def __init__(self) -> None:
+        self.at = 0  # characters of the text read
+        self.count = 0  # calls begun
+        self.depth = -1  # inside arguments: the nesting depth; -1: between calls
+        self.quoted = self.escaped = False
+        self.pending: list[dict[str, Any]] = []
+
+    def feed(self, text: str, start: int) -> None:
+        self.at = max(self.at, start)
+        while self.at < len(text):
+            if self.depth < 0:
+                head = _BEGUN.search(text, self.at)
+                if head is None:
+                    return  # no call begun (yet): read again when more comes
+                call = Call(json.loads(head.group(1)), "")
+                self.pending.append({"index": self.count, "id": call.id, "type": "function",
+                                     "function": {"name": call.name, "arguments": ""}})  # fmt: skip
+                self.count, self.depth, self.at = self.count + 1, 0, head.end()
+                continue
+            while self.depth == 0 and self.at < len(text) and text[self.at].isspace():
+                self.at += 1  # before the arguments' first character
+            begin = self.at
+            while self.at < len(text) and self.depth >= 0:
+                self._step(text[self.at])
+                self.at += 1
+            if self.at > begin:
+                self.pending.append({"index": self.count - 1,
+                                     "function": {"arguments": text[begin : self.at]}})  # fmt: skip
+
+    def _step(self, ch: str) -> None:
+        if self.quoted:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.quoted = False
+        elif ch == '"':
+            self.quoted = True
+        elif ch in "{[":
+            self.depth += 1
+        elif ch in "}]":
+            self.depth -= 1
+            if self.depth == 0:
+                self.depth = -1  # the arguments' object closed: this call's end
+
+    def take(self) -> list[dict[str, Any]]:
+        out, self.pending = self.pending, []
+        return out
