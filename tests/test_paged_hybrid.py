@@ -19,7 +19,7 @@ from kvlm.cache import create_cache
 from kvlm.cache.base import CacheFileError, blocks_for
 from kvlm.cache.files import load_cache, save_cache
 from kvlm.cache.hybrid import RING_SLACK
-from kvlm.cache.paged import FREED, PagedCache, window_blocks
+from kvlm.cache.paged import FREED, PagedCache, RaggedStep, window_blocks
 from kvlm.cache.saved import SavedCache
 from kvlm.engine.engine import Engine, EngineConfig
 from kvlm.engine.scheduler import SchedulerConfig
@@ -272,3 +272,51 @@ def test_kvlm_inspect_names_the_layer_groups(folder, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["kv_layer_groups"] == [{"window": None, "layers": [2]},
                                        {"window": 8, "layers": [0, 1, 3]}]  # fmt: skip
+
+
+def test_one_ragged_forward_per_step_on_the_hybrid_pool(folder, monkeypatch):
+    """The GPU's road (one ragged forward per step, kvlm.cache.paged.RaggedStep: each
+    layer group's blocks through its own tables) switched on here: requests arriving
+    while others decode, prompts in chunks of 16 past the window, greedy tokens held to the
+    top-5 rule against a forward per chunk; every block of every group back at the end."""
+    llm = make(folder)
+    prompts = [llm.tokenizer.encode(p) for p in (LONG, OTHER, LONG[:80])]
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=5)
+
+    def run(one_forward: bool) -> dict[str, list]:
+        engine = Engine(llm, EngineConfig(scheduler=SchedulerConfig(prefill_chunk=16)))
+        engine.runner.one_forward = one_forward
+        out: dict[str, list] = {}
+        try:
+            for step in range(400):
+                if step < len(prompts):  # one more request per step: chunks meet decodes
+                    engine.add_request(str(step), prompts[step], params)
+                if not engine.has_work():
+                    break
+                for ev in engine.step():
+                    out.setdefault(ev.request_id, []).extend(
+                        (t, list(lp.top)) for t, lp in zip(ev.token_ids, ev.logprobs, strict=True)
+                    )
+        finally:
+            engine.runner.one_forward = False
+        assert [g.num_used for g in engine.pool.groups] == [0, 0]
+        return out
+
+    made = []
+    real = RaggedStep.__init__
+
+    def spy(self, *args, **kwargs):
+        made.append(len(args[-1]) if len(args) > 6 else 0)  # the windowed groups' tables
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(RaggedStep, "__init__", spy)
+    ragged = run(True)
+    assert made and set(made) == {1}  # mixed steps, each through the windowed group's tables
+    split = run(False)
+    for rid, got in split.items():
+        want = ragged[rid]
+        assert len(got) == len(want) == 12
+        for i, ((a, a_top), (b, b_top)) in enumerate(zip(got, want, strict=True)):
+            if a != b:  # the first divergence: each in the other's top 5, then stop
+                assert a in b_top and b in a_top, (rid, i)
+                break
