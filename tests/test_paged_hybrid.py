@@ -69,7 +69,7 @@ def test_the_pool_gives_the_reference_tokens(folder, alone, mode):
         assert_generation_agrees(make(folder, "off"), llm, LONG, 30)
 
 
-@pytest.mark.parametrize("mode", ["paged", "int8", ("paged", "bf16")])
+@pytest.mark.parametrize("mode", ["paged", "int8", ("paged", "bf16"), ("paged", "fp16")])
 def test_chunks_drafts_and_samples_on_the_pool(folder, mode):
     """Chunked prefill (chunks shorter and longer than the window and its slack),
     speculative decoding (drafts rolled back: never into a freed block) and n = 2 samples
