@@ -147,7 +147,8 @@ def test_windowed_layers_keep_only_their_window(tiny_model_dir, tmp_path):
 
 def test_a_gemma3_1b_shape_plans_a_fifth_of_the_bytes_at_32k():
     """Gemma 3 1B (26 layers, every sixth global, a window of 512; fp16 K/V): the K/V a
-    contiguous cache plans for 32k tokens is at most 0.25x of every layer kept whole."""
+    contiguous cache, or a paged one, plans for 32k tokens is at most 0.25x of every layer
+    kept whole."""
     from dataclasses import replace
 
     from kvlm.cache import CacheSpec
@@ -172,6 +173,12 @@ def test_a_gemma3_1b_shape_plans_a_fifth_of_the_bytes_at_32k():
     assert [(g["layers"], g["window"], g["tokens"]) for g in groups] == [
         (4, None, 32768), (22, 512, 512 + 32)]  # fmt: skip
     assert sum(g["bytes"] for g in groups) == hybrid
+    # the paged pool's windowed group: at most ceil((W + RING_SLACK) / 16) + 1 blocks
+    paged = plan(config, "paged", 32768, 1, torch.float16, budget=0)
+    assert [(g["layers"], g["window"], g["tokens"]) for g in paged.layer_groups] == [
+        (4, None, 32768), (22, 512, (34 + 1) * 16)]  # fmt: skip
+    whole = planned_nbytes("paged", replace(spec, layer_windows=()), 32768, 1)
+    assert paged.total_bytes <= 0.25 * whole
 
 
 def test_gguf_reads_gemma2_as_hf_does(tiny_model_dir, tmp_path):
@@ -272,8 +279,9 @@ def test_chunks_longer_than_the_window_equal_one_shot(tiny_model_dir, mode):
 def test_a_restarted_engine_loads_a_hybrid_models_prompt_from_disk(
     tiny_model_dir, tmp_path, monkeypatch
 ):
-    """The pool (every layer whole for a hybrid model, so far) through a disk tier: the
-    second engine gets its prefix from disk and answers with the same tokens."""
+    """The pool (a block table per layer group, kvlm.cache.paged) through a disk tier:
+    the second engine gets its prefix from disk, each group's blocks from their own
+    records, and answers with the same tokens."""
     from test_tiers import PROMPT, engine_with, run
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))  # the tier key's home

@@ -509,7 +509,7 @@ def test_a_tampered_record_is_refused(tiny_int8, tmp_path, kind, where):
         first.tiers.flush()
         names = [b[0] for b in block_names(first, PROMPT, SALT)]
         data = bytearray(store.get(names[0]))
-        sizes = first.tiers._sizes
+        sizes = first.tiers._sizes[0]
         at = {"magic": 3, "tag": 8 + 5, "values": 40 + sizes["values"] // 2,
               "scales": 40 + sizes["values"] + sizes["scales"] // 2}  # fmt: skip
         if where == "tokens":

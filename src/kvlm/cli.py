@@ -737,6 +737,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "tokenizer_vocab": loaded.tokenizer.vocab_size,
         "kv_bytes_per_token": {"fp32": per_token * 4, "bf16": per_token * 2, "fp16": per_token * 2},
     }
+    if cfg.hybrid:  # what each layer group keeps (kvlm memory: its bytes at a context)
+        windows = sorted(set(cfg.layer_windows), key=lambda w: (w is not None, w or 0))
+        info["kv_layer_groups"] = [
+            {"window": w, "layers": [i for i, v in enumerate(cfg.layer_windows) if v == w]}
+            for w in windows
+        ]
     return _print_info(info, args.json, 24)
 
 

@@ -23,9 +23,12 @@ CACHE_MODES: dict[str, type[KVCache]] = {
     "int8": Int8PagedCache,
     "window": WindowCache,
 }
-# Modes whose caches a hybrid model (layers with a window and layers without) splits into
-# a cache of the mode for its whole layers and a ring for the others (kvlm.cache.hybrid)
-HYBRID_MODES = ("basic", "contiguous")
+# Modes whose caches keep a hybrid model's layers (layers with a window and layers without)
+# apart, in the `hybrid` layout: basic and contiguous as a HybridCache, a cache of the mode
+# for the whole layers and a ring for the others (RING_MODES, kvlm.cache.hybrid); paged and
+# int8 on a pool with a block table per layer group (kvlm.cache.paged)
+HYBRID_MODES = ("basic", "contiguous", "paged", "int8")
+RING_MODES = ("basic", "contiguous")
 # Modes whose attention equals full attention over the whole sequence, bit for bit in the
 # stored dtype (int8 quantizes; window drops what falls out of it).
 EXACT_MODES = ("off", "basic", "contiguous", "paged")
@@ -47,26 +50,32 @@ def mode_spec(mode: str, spec: CacheSpec) -> CacheSpec:
 
 def create_cache(mode: str, spec: CacheSpec) -> KVCache:
     """A cache of `mode`; for a model whose layers have different windows, in a mode that
-    keeps a sequence's rows (HYBRID_MODES), a HybridCache of that mode (kvlm.cache.hybrid)."""
+    keeps a sequence's rows (RING_MODES), a HybridCache of that mode (kvlm.cache.hybrid);
+    paged and int8 keep them apart on their own (a block table per layer group)."""
     cls, spec = check_mode(mode), mode_spec(mode, spec)
-    if mode in HYBRID_MODES and local_window(spec) is not None:
+    if mode in RING_MODES and local_window(spec) is not None:
         return HybridCache(cls, spec)
     return cls(spec)
 
 
 def planned_nbytes(mode: str, spec: CacheSpec, tokens: int, batch: int) -> int:
     """What a cache of this mode allocates for `batch` sequences of `tokens` tokens."""
-    return sum(n for _, n in planned_parts(mode, spec, tokens, batch))
+    return sum(n for _, n, _ in planned_parts(mode, spec, tokens, batch))
 
 
 def planned_parts(
     mode: str, spec: CacheSpec, tokens: int, batch: int
-) -> list[tuple[CacheSpec, int]]:
-    """(spec, bytes it allocates) of each part of a `mode` cache for `batch` sequences of
-    `tokens` tokens: the cache itself, or a HybridCache's whole part and ring."""
+) -> list[tuple[CacheSpec, int, int]]:
+    """(spec, bytes it allocates, tokens each sequence keeps) of each part of a `mode`
+    cache for `batch` sequences of `tokens` tokens: the cache itself; a HybridCache's
+    whole part and ring; a paged or int8 cache's layer groups (PagedCache.planned_groups:
+    a windowed group holds at most kvlm.cache.paged.window_blocks(W + RING_SLACK, ...)
+    blocks between steps)."""
     cls, spec = check_mode(mode), mode_spec(mode, spec)
-    if mode in HYBRID_MODES and local_window(spec) is not None:
+    if issubclass(cls, PagedCache):
+        return cls.planned_groups(spec, tokens, batch)
+    if mode in RING_MODES and local_window(spec) is not None:
         whole, ring = part_specs(spec)
-        return [(whole, cls.planned_nbytes(whole, tokens, batch)),
-                (ring, WindowCache.planned_nbytes(ring, tokens, batch))]  # fmt: skip
-    return [(spec, cls.planned_nbytes(spec, tokens, batch))]
+        return [(whole, cls.planned_nbytes(whole, tokens, batch), tokens),
+                (ring, WindowCache.planned_nbytes(ring, tokens, batch), ring.window)]  # fmt: skip
+    return [(spec, cls.planned_nbytes(spec, tokens, batch), tokens)]

@@ -23,6 +23,11 @@ step, with the layer's index inside that part. The model never knows. A longer r
 is refused, as the window cache refuses it (`can_roll_back`: the caller starts over).
 Cache files hold both parts (`layout` "hybrid"): the whole part's values, then the ring's
 as `ring_values` and `ring_slot_pos` (kvlm.cache.files checks them as it checks a ring).
+
+This is the basic and contiguous modes' way (factory.RING_MODES). The paged and int8
+modes keep the two kinds apart on their pool instead, a block table per layer group, the
+windowed layers' blocks freed as they leave W + RING_SLACK (kvlm.cache.paged); their files
+hold the same layout, so either reads the other's.
 """
 
 from __future__ import annotations

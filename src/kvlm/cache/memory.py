@@ -126,13 +126,14 @@ def plan(
 def layer_groups(mode: str, spec: CacheSpec, context: int, batch: int) -> list[dict]:
     """The layers by what a `mode` cache keeps of `batch` sequences of `context` tokens:
     {"layers", "window" (None: the whole context), "tokens" each keeps, "bytes"}. One group,
-    but for a hybrid model's cache of a HYBRID_MODES mode (kvlm.cache.hybrid): its whole
-    layers, and its windowed ones in a ring (factory.planned_parts)."""
-    (whole, whole_bytes), *rings = planned_parts(mode, spec, context, batch)
+    but for a hybrid model's cache of a HYBRID_MODES mode: its whole layers, and its
+    windowed ones (a ring, or a paged pool's windowed block-table group), as
+    factory.planned_parts plans them."""
+    (whole, whole_bytes, _), *rest = planned_parts(mode, spec, context, batch)
     groups = [{"layers": whole.num_layers, "window": None, "tokens": context, "bytes": whole_bytes}]
-    for ring, ring_bytes in rings:
-        groups.append({"layers": ring.num_layers, "window": ring.sliding_window,
-                       "tokens": ring.window, "bytes": ring_bytes})  # fmt: skip
+    for part, part_bytes, kept in rest:
+        groups.append({"layers": part.num_layers, "window": part.sliding_window,
+                       "tokens": kept, "bytes": part_bytes})  # fmt: skip
     return groups
 
 

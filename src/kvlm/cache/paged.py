@@ -20,34 +20,88 @@ reused before its first ones: the order prefix reuse will want.
 
 Attention reads a sequence by gathering its blocks into (B, kv_heads, S, head_dim); that
 is a copy per layer per step, the price of not being contiguous.
+
+A hybrid model (Gemma 2/3: layers with a window W and layers that see everything,
+kvlm.cache.hybrid.local_window) gets one block table per layer group, as vLLM's hybrid
+KV cache manager does:
+
+    group 0  the layers that see everything   BlockPool (the pool's face: store, refs)
+    group 1  the layers with a window W       pool.groups[1], a BlockPool of its own
+    layer i  -> pool.layer_at[i] = (group, index of the layer inside its group's store)
+
+    sequence, group 0:  [ 7 | 2 | 9 | 4 | 11 ]       every block kept
+    sequence, group 1:  [ - | - | - | 5 | 3  ]       FREED (-1): left the window, released
+
+A sequence's table of a windowed group has one entry per block of the sequence, like the
+global group's, and the entries whose every position is older than `keep` (W +
+RING_SLACK, the ring's slack: a rollback never needs a freed block) behind the sequence's
+end are released to that group's free queue (`slide`), where they stay findable by the
+prefix cache until handed out again. Each group's store is [its layers, 2, its blocks,
+kv_heads, block_size, head_dim]: layer i's K/V is reached through its group's block table,
+the block size and its group's store (a freed entry is read as the row's first live
+block: the window masks it).
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
 
 import torch
 
 from kvlm.cache.base import CacheSpec, CacheStep, KVCache, KVPair, blocks_for, causal_mask, visible
+from kvlm.cache.hybrid import RING, RING_SLACK, local_window, part_specs
 from kvlm.cache.registry import PrefixRegistry
 from kvlm.cache.storage import Store
-from kvlm.errors import CacheOverflowError
+from kvlm.errors import CacheOverflowError, InvalidRequestError
 
 ALL = slice(None)
 # Default pool: room for this many full-length sequences. The pool is reserved, not
 # touched: a block's memory is committed when it is first allocated (and zeroed).
 DEFAULT_POOL_SEQUENCES = 8
+# A windowed group's table entry whose block has left the window and gone back to the pool
+FREED = -1
+
+
+def window_blocks(keep: int, block_size: int, step_tokens: int) -> int:
+    """The most blocks one sequence holds in a windowed group that keeps `keep` positions
+    behind its end (W + RING_SLACK) while a step of `step_tokens` tokens runs: those
+    positions, the step's own, and one block more where they straddle a block boundary."""
+    return blocks_for(keep + step_tokens, block_size) + 1
 
 
 class BlockPool:
     """Fixed-size K/V blocks with reference counts and a FIFO free queue."""
 
-    def __init__(self, spec: CacheSpec, num_blocks: int, scratch: bool | None = None) -> None:
+    def __init__(
+        self,
+        spec: CacheSpec,
+        num_blocks: int,
+        scratch: bool | None = None,
+        windowed_blocks: int | None = None,
+    ) -> None:
         """`scratch` (default: on a GPU): one more block, never handed out: where the
         padding rows of a captured decode batch write (kvlm.model.graphs), so they never
-        touch a sequence's blocks."""
+        touch a sequence's blocks. A hybrid `spec`: this pool holds the layers that see
+        everything (num_blocks), `groups[1]` the windowed ones (windowed_blocks, default
+        num_blocks)."""
+        self.groups: list[BlockPool] = [self]
+        self.window: int | None = None  # this group's attention window (None: everything)
+        self.keep: int | None = None  # positions a windowed group keeps behind the end
+        windows = spec.layer_windows or (None,) * spec.num_layers
+        local = local_window(spec)
+        # layer -> (its group, its index in the group's store)
+        self.layer_at = [(int(w is not None and local is not None),
+                          sum((v is None) == (w is None) for v in windows[:i]) if local else i)
+                         for i, w in enumerate(windows)]  # fmt: skip
+        if local is not None:
+            spec, ring = part_specs(spec)
+            group = BlockPool(replace(ring, sliding_window=None), windowed_blocks or num_blocks,
+                              scratch)  # fmt: skip
+            group.window, group.keep = local, local + RING_SLACK
+            self.groups.append(group)
         self.block_size = spec.block_size
         self.num_blocks = num_blocks
         if scratch is None:
@@ -65,6 +119,21 @@ class BlockPool:
         # The prefix cache's index of full blocks (kvlm.cache.registry): a freed block stays
         # findable until allocate() hands it out again.
         self.prefix = PrefixRegistry(num_blocks)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether this pool keeps a table per layer group (a hybrid model's)."""
+        return len(self.groups) > 1
+
+    @property
+    def used_nbytes(self) -> int:
+        """Bytes of the blocks in use, every group's."""
+        return sum(g.num_used * g.block_nbytes for g in self.groups)
+
+    @property
+    def total_nbytes(self) -> int:
+        """Bytes of every group's store."""
+        return sum(g.store.nbytes for g in self.groups)
 
     @property
     def num_free(self) -> int:
@@ -117,7 +186,8 @@ class BlockPool:
         """Free blocks grow(table, start, n_new) takes."""
         bs = self.block_size
         new = max(0, blocks_for(start + n_new, bs) - len(table))
-        shared = start // bs < len(table) and self.refs[table[start // bs]] > 1
+        i = start // bs
+        shared = i < len(table) and table[i] != FREED and self.refs[table[i]] > 1
         return new + shared
 
     def grow(self, table: list[int], start: int, n_new: int) -> None:
@@ -125,7 +195,7 @@ class BlockPool:
         that `start` falls in is copied (copy on write), fresh blocks are appended."""
         bs = self.block_size
         i = start // bs
-        if i < len(table) and self.refs[table[i]] > 1:
+        if i < len(table) and table[i] != FREED and self.refs[table[i]] > 1:
             shared = table[i]
             table[i] = self.allocate()
             self.copy(shared, table[i])
@@ -138,143 +208,329 @@ class BlockPool:
         sequence's last (least shareable) blocks are the first evicted."""
         keep = blocks_for(num_tokens, self.block_size)
         while len(table) > keep:
-            self.release(table.pop())
+            block = table.pop()
+            if block != FREED:
+                self.release(block)
 
     def fork(self, table: list[int]) -> list[int]:
         """A second table over the same blocks."""
         for block in table:
-            self.share(block)
+            if block != FREED:
+                self.share(block)
         return list(table)
+
+    def slide(self, table: list[int], end: int) -> int:
+        """A windowed group's table of a sequence `end` tokens long: release the blocks
+        whose every position is more than `keep` behind the end (FREED in the table; they
+        stay findable in the prefix cache until handed out again). The FREED entries are
+        always a prefix of the table. Returns the blocks released."""
+        if self.keep is None:
+            return 0
+        i = min(len(table), max(0, end - self.keep) // self.block_size)
+        released = 0
+        while i > 0 and table[i - 1] != FREED:
+            i -= 1
+            self.release(table[i])
+            table[i] = FREED
+            released += 1
+        return released
+
+    def first_live(self, table: list[int]) -> int:
+        """The index of a table's first block not FREED (len(table) when none is)."""
+        i = 0
+        while i < len(table) and table[i] == FREED:
+            i += 1
+        return i
+
+
+@dataclass(slots=True)
+class _Part:
+    """One layer group's face in a pool step: its store, where the step's tokens go in it,
+    and what each row reads (a TableStep's (B, width) tables; a RaggedStep's blocks)."""
+
+    store: Store
+    write_blocks: torch.Tensor
+    read: torch.Tensor
+
+
+def readable(table: list[int], width: int) -> list[int]:
+    """A row's table as a step reads it, `width` blocks: a FREED entry (a windowed group's
+    block that left the window) read as the row's first live block, a short table padded
+    with its own last block. Either way slots of finite values (never an unallocated
+    block's garbage, which 0 * NaN would carry through the mask), masked or not read."""
+    row = table[:width]
+    if row and row[0] == FREED:
+        live = next(b for b in row if b != FREED)
+        row = [live if b == FREED else b for b in row]
+    return row + row[-1:] * (width - len(row))
 
 
 class _PagedStep(CacheStep):
-    """A step that writes each token at its block and slot of a pool's store."""
+    """A step that writes each token at its block and slot of a pool's stores: one `_Part`
+    per layer group, layer i in part layer_at[i][0] at index layer_at[i][1]."""
+
+    parts: list[_Part]
+    layer_at: list[tuple[int, int]]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVPair:
-        self._write(layer, k, v)
-        return self._gather(layer, 0, k.dtype), self._gather(layer, 1, v.dtype)
+        group, index = self.layer_at[layer]
+        part = self.parts[group]
+        self._write(part, index, k, v)
+        return self._gather(part, index, 0, k.dtype), self._gather(part, index, 1, v.dtype)
 
-    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _write(self, part: _Part, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v (B, Hkv, T, D) at each token's block and slot."""
         k = self._keys_in(k)
         # (layer, K/V, block[B,T], :, slot[B,T]) addresses (B, T, heads, D)
-        self.store.put((layer, 0, self.write_blocks, ALL, self.write_slots), k.transpose(1, 2))
-        self.store.put((layer, 1, self.write_blocks, ALL, self.write_slots), v.transpose(1, 2))
+        where = (part.write_blocks, ALL, self.write_slots)
+        part.store.put((index, 0, *where), k.transpose(1, 2))
+        part.store.put((index, 1, *where), v.transpose(1, 2))
 
-    def _gather(self, layer: int, kv: int, dtype: torch.dtype) -> torch.Tensor:
-        blocks = self.store.get((layer, kv, self.read_tables), dtype)  # (B, nb, H, bs, D)
+    def _gather(self, part: _Part, index: int, kv: int, dtype: torch.dtype) -> torch.Tensor:
+        blocks = part.store.get((index, kv, part.read), dtype)  # (B, nb, H, bs, D)
         rows = blocks.transpose(1, 2).flatten(2, 3)  # (B, H, nb * bs, D)
         return rows[:, :, : self.n_keys]  # the partial last block's tail is cut, not masked
 
 
 class PagedCache(KVCache):
+    """Rows on a BlockPool, a block table per row and per layer group (one group, or a
+    hybrid model's two: its windowed group's blocks slide out after each commit, and a
+    rollback may go back RING_SLACK tokens, as the hybrid ring's does). Files of a hybrid
+    model's paged cache hold the `hybrid` layout (kvlm.cache.hybrid): the whole layers'
+    rows, then the windowed layers' last W + RING_SLACK positions as a ring."""
+
     mode = "paged"
 
     def __init__(self, spec: CacheSpec, pool: BlockPool | None = None) -> None:
         super().__init__(spec)
         default = blocks_for(spec.max_tokens, spec.block_size) * DEFAULT_POOL_SEQUENCES
         self.pool = pool or BlockPool(spec, spec.num_blocks or default)
-        self.tables: list[list[int]] = [[] for _ in range(spec.batch)]
+        # [group][row]: each row's block table in each layer group; group 0 is `tables`
+        self.group_tables: list[list[list[int]]] = [[] for _ in self.pool.groups]
+        self._new_tables(spec.batch)
+        self._held_from = 0  # the first position a windowed group was given (a file's ring)
+        if self.pool.hybrid:
+            self.layout = "hybrid"  # type: ignore[misc] - an instance's layout, not its class's
+
+    @property
+    def tables(self) -> list[list[int]]:
+        """Each row's block table of group 0 (every layer, or the ones that see everything)."""
+        return self.group_tables[0]
+
+    def _new_tables(self, rows: int) -> None:
+        self.group_tables = [[[] for _ in range(rows)] for _ in self.pool.groups]
+
+    def _groups(self):
+        """(group's pool, its rows' tables) of each layer group."""
+        return zip(self.pool.groups, self.group_tables, strict=True)
 
     # ------------------------------------------------------------------ capacity
 
-    def _blocks_to_add(self, n_new: int) -> int:
-        """Blocks the next step of n_new tokens takes from the pool: new blocks, plus the
-        copies of shared partial blocks it writes into. Of r rows sharing a partial block,
-        r - 1 copy it and the last writes in place, unless someone outside this cache also
-        holds it, in which case all r copy."""
+    def _blocks_to_add(self, n_new: int) -> list[int]:
+        """Blocks the next step of n_new tokens takes from each group's pool: new blocks,
+        plus the copies of shared partial blocks it writes into. Of r rows sharing a
+        partial block, r - 1 copy it and the last writes in place, unless someone outside
+        this cache also holds it, in which case all r copy."""
         bs = self.spec.block_size
         need = blocks_for(self.num_tokens + n_new, bs)
-        total = sum(need - len(table) for table in self.tables)
-        if self.num_tokens % bs:
-            sharers = Counter(table[-1] for table in self.tables)
-            for block, rows in sharers.items():
-                if self.pool.refs[block] > 1:
-                    total += rows if self.pool.refs[block] > rows else rows - 1
-        return total
+        totals = []
+        for pool, tables in self._groups():
+            total = sum(need - len(table) for table in tables)
+            if self.num_tokens % bs:
+                sharers = Counter(table[-1] for table in tables)
+                for block, rows in sharers.items():
+                    if pool.refs[block] > 1:
+                        total += rows if pool.refs[block] > rows else rows - 1
+            totals.append(total)
+        return totals
 
     def would_overflow(self, n_new: int) -> bool:
-        return super().would_overflow(n_new) or self._blocks_to_add(n_new) > self.pool.num_free
+        return super().would_overflow(n_new) or any(
+            n > g.num_free
+            for n, g in zip(self._blocks_to_add(n_new), self.pool.groups, strict=True)
+        )
 
     def _overflow_message(self, n_new: int) -> str:
         if self.num_tokens + n_new > self.capacity:
             return super()._overflow_message(n_new)
+        need = self._blocks_to_add(n_new)
+        g = next(i for i, g in enumerate(self.pool.groups) if need[i] > g.num_free)
+        group = self.pool.groups[g]
+        which = f" (layer group {g}, window {group.window})" if self.pool.hybrid else ""
         return (
-            f"the KV block pool is out of blocks: this step needs {self._blocks_to_add(n_new)}, "
-            f"{self.pool.num_free} of {self.pool.num_blocks} are free"
+            f"the KV block pool is out of blocks{which}: this step needs {need[g]}, "
+            f"{group.num_free} of {group.num_blocks} are free"
         )
 
     # ------------------------------------------------------------------ the forward
 
     def _begin(self, n_new: int, draft: bool) -> CacheStep:
         start = self.num_tokens
-        for table in self.tables:
-            self.pool.grow(table, start, n_new)
+        for pool, tables in self._groups():
+            for table in tables:
+                pool.grow(table, start, n_new)
+        rows = self.group_tables
         if draft:  # the sequence's tokens as rows of one token, at consecutive positions
-            tables, starts, n = self.tables * n_new, list(range(start, start + n_new)), 1
+            rows, starts, n = [t * n_new for t in rows], list(range(start, start + n_new)), 1
         else:  # every row's n_new tokens from start
-            tables, starts, n = self.tables, [start] * self.batch, n_new
-        step = TableStep(self.pool, self.spec, tables, starts, n)
+            starts, n = [start] * self.batch, n_new
+        step = TableStep(self.pool, self.spec, rows[0], starts, n, rows[1:])
         step.start, step.n_new = start, n_new  # what commit reads
+        step.draft = draft
         return step
+
+    def _commit(self, step: CacheStep) -> None:
+        """A windowed group lets go of the blocks that left its window (a draft check's
+        from its start: the rows it rejects are rolled back next)."""
+        end = step.start if getattr(step, "draft", False) else step.start + step.n_new
+        for pool, tables in list(self._groups())[1:]:
+            for table in tables:
+                pool.slide(table, end)
+
+    def _check_rollback(self, n: int) -> None:
+        """A windowed group must still hold what the next query reads (W - 1 positions)."""
+        if not self.pool.hybrid or not self.tables:
+            return
+        group, length = self.pool.groups[1], self.num_tokens - n
+        needed = max(0, length - group.window + 1)
+        held = max(self._held_from, group.first_live(self.group_tables[1][0]) * group.block_size)
+        if needed < held and length > 0:
+            raise InvalidRequestError(
+                f"cannot roll back {n} tokens: the windowed layers have let go of position "
+                f"{needed}, which the next query would need"
+            )
 
     # ------------------------------------------------------------------ lifetime
 
     def _truncate(self, length: int) -> None:
-        for table in self.tables:
-            self.pool.trim(table, length)
+        for pool, tables in self._groups():
+            for table in tables:
+                pool.trim(table, length)
+        if length == 0:
+            self._held_from = 0
 
     def _release(self) -> None:
         self._truncate(0)
-        self.tables = [[] for _ in range(self.spec.batch)]
+        self._new_tables(self.spec.batch)
 
     def _fork(self, n: int) -> None:
-        self.tables = [
-            table if i == 0 else self.pool.fork(table) for table in self.tables for i in range(n)
+        self.group_tables = [
+            [table if i == 0 else pool.fork(table) for table in tables for i in range(n)]
+            for pool, tables in self._groups()
         ]
 
     def _export(self) -> dict[str, torch.Tensor]:
-        tables = torch.tensor(self.tables, dtype=torch.long)  # (B, blocks), blocks may be 0
-        raw = self.pool.store.raw((ALL, ALL, tables.to(self.spec.device)))
+        out = self._export_dense(self.pool, self.tables, self.num_tokens)
+        if self.pool.hybrid:
+            out.update(self._export_ring())
+        return out
+
+    def _export_dense(self, pool: BlockPool, rows: list[list[int]], n: int) -> dict:
+        tables = torch.tensor(rows, dtype=torch.long)  # (B, blocks), blocks may be 0
+        raw = pool.store.raw((ALL, ALL, tables.to(self.spec.device)))
         # (L, 2, B, nb, H, bs[, D]) -> (L, 2, B, H, nb * bs[, D]), cut to the tokens held
-        n = self.num_tokens
         return {name: t.transpose(3, 4).flatten(4, 5)[:, :, :, :, :n] for name, t in raw.items()}
+
+    def _export_ring(self) -> dict[str, torch.Tensor]:
+        """The windowed group as kvlm.cache.hybrid's ring: W + RING_SLACK slots, position
+        p in slot p % (W + RING_SLACK), each slot's position (-1: empty)."""
+        group, rows, n, bs = (
+            self.pool.groups[1],
+            self.group_tables[1],
+            self.num_tokens,
+            self.spec.block_size,
+        )
+        first = max(
+            n - group.keep, self._held_from, group.first_live(rows[0]) * bs if rows[0] else 0
+        )
+        pos = torch.arange(max(0, first), n)
+        tables = torch.tensor([[max(b, 0) for b in t] for t in rows], dtype=torch.long)
+        index = (
+            ALL,
+            ALL,
+            tables[:, pos // bs].to(self.spec.device),
+            ALL,
+            (pos % bs).to(self.spec.device),
+        )
+        slots, dev = pos % group.keep, self.spec.device
+        ring = {}
+        for name, t in group.store.raw(index).items():  # (B, m, L, 2, H[, D])
+            shape = (t.shape[2], 2, self.batch, t.shape[4], group.keep, *t.shape[5:])
+            ring[RING + name] = torch.zeros(shape, dtype=t.dtype, device=dev)
+            ring[RING + name][:, :, :, :, slots.to(dev)] = t.permute(
+                2, 3, 0, 4, 1, *range(5, t.dim())
+            )
+        slot_pos = torch.full((group.keep,), -1, dtype=torch.long, device=dev)
+        slot_pos[slots.to(dev)] = pos.to(dev)
+        return {**ring, RING + "slot_pos": slot_pos}
 
     def _import(self, tensors: dict[str, torch.Tensor], length: int) -> None:
         bs = self.spec.block_size
-        need = self.batch * blocks_for(length, bs)
-        if need > self.pool.num_free:  # refuse before taking any: a partial take would leak
-            raise CacheOverflowError(
-                f"{self.batch} rows of {length} tokens need {need} blocks, the pool has "
-                f"{self.pool.num_free} free"
-            )
-        self.tables = [
-            [self.pool.allocate() for _ in range(blocks_for(length, bs))] for _ in range(self.batch)
-        ]
-        if length == 0:
+        ring = {k[len(RING) :]: t for k, t in tensors.items() if k.startswith(RING)}
+        slot_pos = ring.pop("slot_pos", None)
+        held = slot_pos[slot_pos >= 0].cpu() if slot_pos is not None else torch.arange(length)
+        first = int(held.min()) // bs if len(held) else blocks_for(length, bs)
+        counts = [blocks_for(length, bs)] + [blocks_for(length, bs) - first] * (
+            len(self.pool.groups) - 1
+        )
+        for pool, count in zip(self.pool.groups, counts, strict=True):
+            if (
+                self.batch * count > pool.num_free
+            ):  # refuse before taking any: a partial take would leak
+                raise CacheOverflowError(
+                    f"{self.batch} rows of {length} tokens need {self.batch * count} blocks, "
+                    f"the pool has {pool.num_free} free"
+                )
+        self.group_tables = [
+            [[FREED] * (blocks_for(length, bs) - count) + [pool.allocate() for _ in range(count)]
+             for _ in range(self.batch)]
+            for pool, count in zip(self.pool.groups, counts, strict=True)
+        ]  # fmt: skip
+        whole = {k: t for k, t in tensors.items() if not k.startswith(RING)}
+        self._put(self.pool, self.tables, torch.arange(length), whole)
+        if slot_pos is not None:
+            self._held_from = int(held.min()) if len(held) else length
+            slots = (held % slot_pos.numel()).to(slot_pos.device)
+            ring = {k: t[:, :, :, :, slots] for k, t in ring.items()}  # (L, 2, B, H, m[, D])
+            self._put(self.pool.groups[1], self.group_tables[1], held, ring)
+
+    def _put(
+        self, pool: BlockPool, rows: list[list[int]], pos: torch.Tensor, tensors: dict
+    ) -> None:
+        """Write dense rows (L, 2, B, H, len(pos)[, D]) at positions `pos` through `rows`."""
+        if len(pos) == 0:
             return
-        pos = torch.arange(length)
-        tables = torch.tensor(self.tables, dtype=torch.long)
+        bs = self.spec.block_size
+        tables = torch.tensor(rows, dtype=torch.long)
         blocks = tables[:, pos // bs].to(self.spec.device)  # (B, n)
-        slots = (pos % bs).expand(self.batch, length).to(self.spec.device)
+        slots = (pos % bs).expand(self.batch, len(pos)).to(self.spec.device)
         # (L, 2, block[B,n], H, slot[B,n]) addresses (B, n, L, 2, H[, D])
         raw = {k: t.permute(2, 4, 0, 1, 3, *range(5, t.dim())) for k, t in tensors.items()}
-        self.pool.store.put_raw((ALL, ALL, blocks, ALL, slots), raw)
+        pool.store.put_raw((ALL, ALL, blocks, ALL, slots), raw)
+
+    def _layout_extra(self) -> dict[str, int]:
+        if not self.pool.hybrid:
+            return {}
+        local = sum(1 << i for i, (group, _) in enumerate(self.pool.layer_at) if group)
+        return {"window": self.pool.groups[1].window, "local_layers": local}
 
     # ------------------------------------------------------------------ accounting
 
     @property
     def blocks_used(self) -> int:
-        """Distinct blocks this cache references (shared ones once)."""
-        return len({b for table in self.tables for b in table})
+        """Distinct blocks this cache references (shared ones once), every group's."""
+        return sum(
+            len({b for t in tables for b in t if b != FREED}) for _, tables in self._groups()
+        )
 
     @property
     def nbytes(self) -> int:
-        return self.blocks_used * self.pool.block_nbytes
+        return sum(len({b for t in tables for b in t if b != FREED}) * pool.block_nbytes
+                   for pool, tables in self._groups())  # fmt: skip
 
     @property
     def tokens_stored(self) -> int:
-        """Distinct token slots holding data: a shared prefix counts once."""
+        """Distinct token slots of group 0 holding data: a shared prefix counts once."""
         bs, filled = self.spec.block_size, {}
         for table in self.tables:
             for j, block in enumerate(table):
@@ -283,14 +539,27 @@ class PagedCache(KVCache):
 
     @property
     def waste(self) -> float:
-        """Fraction of the allocated slots that hold no token (partial last blocks)."""
-        slots = self.blocks_used * self.spec.block_size
+        """Fraction of group 0's allocated slots that hold no token (partial last blocks)."""
+        slots = len({b for t in self.tables for b in t}) * self.spec.block_size
         return 0.0 if slots == 0 else 1 - self.tokens_stored / slots
 
     @classmethod
     def planned_nbytes(cls, spec: CacheSpec, tokens: int, batch: int) -> int:
-        blocks = batch * blocks_for(tokens, spec.block_size)
-        return blocks * spec.block_size * spec.bytes_per_token
+        return sum(n for _, n, _ in cls.planned_groups(spec, tokens, batch))
+
+    @classmethod
+    def planned_groups(cls, spec: CacheSpec, tokens: int, batch: int) -> list[tuple]:
+        """(the group's spec, bytes, tokens each sequence keeps) of each layer group of
+        `batch` sequences of `tokens` tokens: a windowed group keeps at most
+        window_blocks(W + RING_SLACK, block_size, 0) blocks between steps."""
+        whole = blocks_for(tokens, spec.block_size)
+        if local_window(spec) is None:
+            return [(spec, batch * whole * spec.block_size * spec.bytes_per_token, tokens)]
+        window = local_window(spec) + RING_SLACK
+        keep = min(whole, window_blocks(window, spec.block_size, 0)) * spec.block_size
+        (g0, ring) = part_specs(spec)
+        return [(g0, batch * whole * spec.block_size * g0.bytes_per_token, tokens),
+                (ring, batch * keep * ring.bytes_per_token, keep)]  # fmt: skip
 
 
 class Int8PagedCache(PagedCache):
@@ -323,7 +592,10 @@ class TableStep(_PagedStep):
         tables: list[list[int]],
         starts: list[int],
         n_new: int,
+        windowed: Sequence[Sequence[list[int]]] = (),
     ) -> None:
+        """`tables`: each row's table of the pool's group 0; `windowed`: a hybrid pool's
+        other groups', group by group (windowed[g - 1][b]: row b's table of group g)."""
         device, bs = spec.device, pool.block_size
         n_keys = max(starts) + n_new
         pos = torch.tensor(starts)[:, None] + torch.arange(n_new)  # (B, T)
@@ -332,12 +604,14 @@ class TableStep(_PagedStep):
         self.starts, self.n_keys, self.windows = starts, n_keys, spec.layer_windows
         self.use_window(spec.sliding_window)
         width = blocks_for(n_keys, bs)
-        # Pad short tables with their own last block: its slots hold finite values (never
-        # an unallocated block's garbage, which 0 * NaN would carry through the mask).
-        padded = torch.tensor([t[:width] + t[-1:] * (width - len(t[:width])) for t in tables])
-        self.write_blocks = padded.gather(1, pos // bs).to(device)  # (B, T)
+        self.parts, self.layer_at = [], pool.layer_at
+        for group, rows in zip(pool.groups, [tables, *windowed], strict=True):
+            padded = torch.tensor([readable(t, width) for t in rows])  # (B, width)
+            write = padded.gather(1, pos // bs).to(device)  # (B, T)
+            self.parts.append(_Part(group.store, write, padded.to(device)))
+        self.write_blocks = self.parts[0].write_blocks  # group 0's (B, T)
         self.write_slots = (pos % bs).to(device)  # (B, T)
-        self.read_tables = padded.to(device)  # (B, width); the padding is masked or not read
+        self.read_tables = self.parts[0].read  # (B, width); the padding is masked or not read
         self._over(pool.store)
 
     def use_window(self, window: int | None) -> None:
@@ -417,27 +691,35 @@ class RaggedStep(_PagedStep):
         starts: list[int],
         lengths: list[int],
         logit_rows: list[int],
+        windowed: Sequence[Sequence[list[int]]] = (),
     ) -> None:
         device, bs = spec.device, pool.block_size
         n = sum(lengths)
         CacheStep.__init__(self, 0, n, 1, device, None, False)
-        pos, write_b, read_b, read_s, cu_q, cu_k = [], [], [], [], [0], [0]
+        pos, read_s, cu_q, cu_k = [], [], [0], [0]
         for table, start, length in zip(tables, starts, lengths, strict=True):
             end = start + length
             if blocks_for(end, bs) > len(table):
                 raise ValueError(f"a table of {len(table)} blocks cannot hold {end} tokens")
-            span = range(start, end)
-            pos.extend(span)
-            write_b.extend(table[p // bs] for p in span)
-            read_b.extend(table[p // bs] for p in range(end))
+            pos.extend(range(start, end))
             read_s.extend(p % bs for p in range(end))
             cu_q.append(cu_q[-1] + length)
             cu_k.append(cu_k[-1] + end)
+        self.parts, self.layer_at = [], pool.layer_at
+        for group, rows in zip(pool.groups, [tables, *windowed], strict=True):
+            write_b, read_b = [], []
+            for table, start, length in zip(rows, starts, lengths, strict=True):
+                table = readable(table, blocks_for(start + length, bs))
+                write_b.extend(table[p // bs] for p in range(start, start + length))
+                read_b.extend(table[p // bs] for p in range(start + length))
+            self.parts.append(_Part(
+                group.store, torch.tensor(write_b, dtype=torch.long)[None].to(device),
+                torch.tensor(read_b, dtype=torch.long, device=device)))  # fmt: skip
         positions = torch.tensor(pos, dtype=torch.long)
         self.positions = positions[None].to(device)  # (1, N)
-        self.write_blocks = torch.tensor(write_b, dtype=torch.long)[None].to(device)
+        self.write_blocks = self.parts[0].write_blocks
         self.write_slots = (positions % bs)[None].to(device)
-        self.read_blocks = torch.tensor(read_b, dtype=torch.long, device=device)
+        self.read_blocks = self.parts[0].read
         self.read_slots = torch.tensor(read_s, dtype=torch.long, device=device)
         self.segments = Segments(cu_q, cu_k, spec.sliding_window, device)
         self.logit_rows = torch.tensor(logit_rows, dtype=torch.long, device=device)
@@ -449,7 +731,9 @@ class RaggedStep(_PagedStep):
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVPair:
         """k, v (1, Hkv, N, D): stored; returns every sequence's keys packed, (Tk, Hkv, D)."""
-        self._write(layer, k, v)
-        read = (self.read_blocks, ALL, self.read_slots)
-        keys = self.store.get((layer, 0, *read), k.dtype)
-        return keys, self.store.get((layer, 1, *read), v.dtype)
+        group, index = self.layer_at[layer]
+        part = self.parts[group]
+        self._write(part, index, k, v)
+        read = (part.read, ALL, self.read_slots)
+        keys = part.store.get((index, 0, *read), k.dtype)
+        return keys, part.store.get((index, 1, *read), v.dtype)

@@ -47,8 +47,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvlm.cache.base import blocks_for
-from kvlm.cache.paged import ALL, BlockPool
+from kvlm.cache.paged import ALL, FREED, BlockPool, window_blocks
 from kvlm.cache.tiers import KVTiers, check_digests, salt_field
+from kvlm.errors import CacheOverflowError
 
 MAX_SALT_CHARS = 256  # a salt is client input: bounded
 _DOMAIN = b"kvlm/prefix/v1"
@@ -85,34 +86,76 @@ def _packer(n: int) -> Callable[..., bytes]:
 
 @dataclass(slots=True)
 class BlockTable:
-    """One sequence's blocks, the keys of those that are full and sealed, and its salt."""
+    """One sequence's blocks, the keys of those that are full and sealed, and its salt; on
+    a hybrid pool also its table of each windowed layer group (`windowed[g - 1]`, group g
+    of kvlm.cache.paged.BlockPool.groups: FREED where a block has left the window)."""
 
     blocks: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
     salt: str | None = None
+    windowed: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class PrefixStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of those, tokens served from cached blocks
+    # a hybrid pool's admissions whose global layers' blocks matched (window_lookups), and
+    # of those, the ones whose hit was cut short because the windowed layers' blocks before
+    # the hit had been handed out again (window_cut; the tokens lost: window_cut_tokens)
+    window_lookups: int = 0
+    window_cut: int = 0
+    window_cut_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
 
 
+@dataclass(slots=True)
+class Hit:
+    """A prefix-cache match: group 0's blocks and keys, each windowed group's table at the
+    hit (FREED, then the blocks of the window before it), and how many of the blocks
+    group 0 matched were given up because a windowed group lacked their window (`cut`)."""
+
+    blocks: list[int]
+    keys: list[bytes]
+    windowed: list[list[int]]
+    cut: int = 0
+
+
 class BlockManager:
-    """Allocates, shares, copies-on-write and frees blocks of many sequences on one pool."""
+    """Allocates, shares, copies-on-write and frees blocks of many sequences on one pool.
+
+    On a hybrid pool (a table per layer group, kvlm.cache.paged) a prefix hit at position p
+    needs group 0's blocks up to p and each windowed group's blocks of [p - W, p): the
+    window the next query reads. A windowed group's blocks are allocated a step at a time
+    (`prepare`, `append_slot`) and let go of once they leave the window (`seal`), so one
+    sequence holds at most window_blocks(W + RING_SLACK, block_size, step_tokens) of them;
+    `step_tokens` is the most tokens one step feeds a sequence (a prefill chunk, a draft)."""
 
     def __init__(
-        self, pool: BlockPool, prefix_caching: bool = True, tiers: KVTiers | None = None
+        self,
+        pool: BlockPool,
+        prefix_caching: bool = True,
+        tiers: KVTiers | None = None,
+        step_tokens: int = 1,
     ) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.prefix_caching = prefix_caching
         self.tiers = tiers if prefix_caching else None  # kvlm.cache.tiers
         self.stats = PrefixStats()
+        self.step_tokens = step_tokens
+
+    @property
+    def windowed(self) -> list[BlockPool]:
+        """A hybrid pool's windowed layer groups (none for one group)."""
+        return self.pool.groups[1:]
+
+    def sequence_blocks(self, group: BlockPool) -> int:
+        """The most blocks of windowed `group` one sequence holds during a step."""
+        return window_blocks(group.keep, group.block_size, self.step_tokens)
 
     # ------------------------------------------------------------------ admission
 
@@ -120,8 +163,16 @@ class BlockManager:
         self, tokens: Sequence[int], salt: str | None = None, reuse: bool = True
     ) -> tuple[list[int], list[bytes]]:
         """Blocks (and their keys) of the longest cached prefix of `tokens` under `salt`,
-        full blocks only, never covering the last token. `reuse` False: none (a request
-        that needs every prompt row's logits computes them all)."""
+        full blocks only, never covering the last token, whose every windowed group holds
+        the window before it. `reuse` False: none (a request that needs every prompt row's
+        logits computes them all)."""
+        hit = self._match(tokens, salt, reuse)
+        return hit.blocks, hit.keys
+
+    def _walk(
+        self, tokens: Sequence[int], salt: str | None, reuse: bool = True
+    ) -> tuple[list[int], list[bytes]]:
+        """Group 0's blocks and keys of the longest cached prefix of `tokens`."""
         check_salt(salt)
         if not self.prefix_caching or not reuse:
             return [], []
@@ -138,15 +189,58 @@ class BlockManager:
             parent = block
         return blocks, keys
 
+    def _match(self, tokens: Sequence[int], salt: str | None, reuse: bool = True) -> Hit:
+        """The longest hit: group 0's walk, cut back to the longest prefix whose window
+        every windowed group still holds."""
+        blocks, keys = self._walk(tokens, salt, reuse)
+        if not self.windowed or not blocks:
+            return Hit(blocks, keys, [[] for _ in self.windowed])
+        found = [self._window_blocks(g, tokens, salt, blocks, keys) for g in self.windowed]
+        bs, h = self.block_size, len(blocks)
+        while h > 0:
+            tables = []
+            for group, have in zip(self.windowed, found, strict=True):
+                lo = max(0, h * bs - group.window) // bs
+                if any(b is None for b in have[lo:h]):
+                    break
+                tables.append([FREED] * lo + have[lo:h])
+            else:
+                return Hit(blocks[:h], keys[:h], tables, len(blocks) - h)
+            h -= 1
+        return Hit([], [], [[] for _ in self.windowed], len(blocks))
+
+    def _window_blocks(
+        self, group: BlockPool, tokens: Sequence[int], salt: str | None, blocks: list[int],
+        keys: list[bytes],
+    ) -> list[int | None]:  # fmt: skip
+        """For each block of group 0's hit, the windowed group's block computed after the
+        same prefix (linked to group 0's block there), or None."""
+        bs, out = self.block_size, [None] * len(blocks)
+        for i in range(len(blocks) - 1, -1, -1):
+            link = (self.pool.prefix.prefix_id[blocks[i]], salt)
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            out[i] = group.prefix.lookup_linked(keys[i], chunk, link)
+        return out
+
     def fetch(self, tokens: Sequence[int], salt: str | None = None) -> int:
         """Ask the tiers for the blocks of `tokens` past the pool's hit, and load the
         longest verified run of them into free blocks, registered as if computed here: the
         next match() finds them. They wait in the free queue (the last to be evicted)
-        until allocate() takes them. Returns the blocks loaded."""
+        until allocate() takes them. On a hybrid pool, then each windowed group's blocks
+        of the window before the hit the tiers can serve, so a tier hit obeys the rule a
+        pool hit does. Returns the blocks loaded."""
         if self.tiers is None:
             return 0
+        loaded = self._fetch_group0(tokens, salt)
+        if self.windowed:
+            blocks, keys = self._walk(tokens, salt)
+            for g, group in enumerate(self.windowed, start=1):
+                loaded += self._fetch_window(g, group, tokens, salt, blocks, keys)
+        return loaded
+
+    def _fetch_group0(self, tokens: Sequence[int], salt: str | None) -> int:
         bs = self.block_size
-        hit, keys = self.match(tokens, salt)
+        hit, keys = self._walk(tokens, salt)
         full = (len(tokens) - 1) // bs
         for block in hit:  # held while loading, so allocate() cannot evict them
             self.pool.revive(block)
@@ -175,12 +269,42 @@ class BlockManager:
             self.pool.release(block)
         return len(loaded)
 
+    def _fetch_window(
+        self, g: int, group: BlockPool, tokens: Sequence[int], salt: str | None,
+        blocks: list[int], keys: list[bytes],
+    ) -> int:  # fmt: skip
+        """Load windowed group g's blocks of the window before group 0's hit (`blocks`)
+        that the pool lacks, from the tiers (the group's own records), linked as seal()
+        links them. The ones it has are held while loading."""
+        bs = self.block_size
+        lo = max(0, len(blocks) * bs - group.window) // bs
+        have = self._window_blocks(group, tokens, salt, blocks, keys)
+        held = [b for b in have[lo:] if b is not None]
+        for block in held:
+            group.revive(block)
+        want = [i for i in range(lo, len(blocks)) if have[i] is None][: group.num_free]
+        if want:
+            checks = check_digests(tokens, salt, bs, want[-1] + 1)
+            chunks = {i: tuple(tokens[i * bs : (i + 1) * bs]) for i in want}
+            loaded = self.tiers.fetch([keys[i] for i in want], [chunks[i] for i in want],
+                                      [checks[i] for i in want], group=g)  # fmt: skip
+            for i, (tier, parts) in zip(want, loaded, strict=False):
+                block = group.allocate()
+                group.store.put_raw((ALL, ALL, block), parts)
+                link = (self.pool.prefix.prefix_id[blocks[i]], salt)
+                group.prefix.register_linked(block, keys[i], chunks[i], link)
+                group.prefix.block_tier[block] = tier
+                held.append(block)
+        for block in held:
+            group.release(block)
+        return len(loaded) if want else 0
+
     def blocks_to_admit(
         self, tokens: Sequence[int], salt: str | None = None, reuse: bool = True
     ) -> int:
-        """Free blocks that allocate(tokens, salt) would take: new ones, plus cached ones
-        that sit in the free queue (taking them back also takes them out of the free
-        count)."""
+        """Free blocks of group 0 that allocate(tokens, salt) would take: new ones, plus
+        cached ones that sit in the free queue (taking them back also takes them out of
+        the free count)."""
         return self._admit_cost(len(tokens), self.match(tokens, salt, reuse)[0])
 
     def _admit_cost(self, num_tokens: int, hit: list[int]) -> int:
@@ -190,68 +314,114 @@ class BlockManager:
     def can_admit(
         self, tokens: Sequence[int], reserve: int = 0, salt: str | None = None, reuse: bool = True
     ) -> bool:
-        return self.blocks_to_admit(tokens, salt, reuse) <= self.pool.num_free - reserve
+        """Whether group 0 has the request's blocks and `reserve` more free, and each
+        windowed group the cached blocks it takes back and a sequence's most
+        (sequence_blocks)."""
+        hit = self._match(tokens, salt, reuse)
+        if self._admit_cost(len(tokens), hit.blocks) > self.pool.num_free - reserve:
+            return False
+        for group, table in zip(self.windowed, hit.windowed, strict=True):
+            revived = sum(1 for b in table if b != FREED and group.refs[b] == 0)
+            if revived + self.sequence_blocks(group) > group.num_free:
+                return False
+        return True
 
     def allocate(
         self, tokens: Sequence[int], salt: str | None = None, reuse: bool = True
     ) -> tuple[BlockTable, int]:
         """Blocks for all of `tokens`: cached prefix blocks (of the same salt) shared, the
-        rest fresh. Returns the table and how many leading tokens are already computed."""
-        hit, keys = self.match(tokens, salt, reuse)
-        if self._admit_cost(len(tokens), hit) > self.pool.num_free:
+        rest fresh (a windowed group's: as each step needs them, `prepare`). Returns the
+        table and how many leading tokens are already computed."""
+        hit = self._match(tokens, salt, reuse)
+        if self._admit_cost(len(tokens), hit.blocks) > self.pool.num_free:
             raise RuntimeError("allocate() without room: check can_admit() first")
-        for block in hit:
-            self.pool.revive(block)
-            self.pool.prefix.block_hits[block] += 1
-        table = BlockTable(list(hit), keys, salt)
+        for group, blocks in zip(self.pool.groups, [hit.blocks, *hit.windowed], strict=True):
+            for block in blocks:
+                if block != FREED:
+                    group.revive(block)
+                    group.prefix.block_hits[block] += 1
+        table = BlockTable(list(hit.blocks), hit.keys, salt, [list(t) for t in hit.windowed])
         need = blocks_for(len(tokens), self.block_size)
-        table.blocks += [self.pool.allocate() for _ in range(need - len(hit))]
-        cached = len(hit) * self.block_size
+        table.blocks += [self.pool.allocate() for _ in range(need - len(hit.blocks))]
+        cached = len(hit.blocks) * self.block_size
         self.stats.queries += len(tokens)
         self.stats.hits += cached
+        if self.windowed and (hit.blocks or hit.cut):
+            self.stats.window_lookups += 1
+            self.stats.window_cut += hit.cut > 0
+            self.stats.window_cut_tokens += hit.cut * self.block_size
         return table, cached
 
     # ------------------------------------------------------------------ decode
 
+    def _tables(self, table: BlockTable) -> list[tuple[BlockPool, list[int]]]:
+        """(group's pool, the sequence's table in it) of each layer group."""
+        return list(zip(self.pool.groups, [table.blocks, *table.windowed], strict=True))
+
     def can_append(self, table: BlockTable, num_tokens: int) -> bool:
         """Whether the token at position `num_tokens` can be written: it needs a new block
-        when it starts one, or a copy when its block is shared."""
-        return self.pool.grow_cost(table.blocks, num_tokens, 1) <= self.pool.num_free
+        when it starts one, or a copy when its block is shared, in every layer group."""
+        return all(group.grow_cost(blocks, num_tokens, 1) <= group.num_free
+                   for group, blocks in self._tables(table))  # fmt: skip
 
     def append_slot(self, table: BlockTable, num_tokens: int) -> None:
         """Make position `num_tokens` writable by this sequence alone."""
-        self.pool.grow(table.blocks, num_tokens, 1)
+        self.prepare(table, num_tokens, 1)
+
+    def prepare(self, table: BlockTable, start: int, n: int) -> None:
+        """Make positions start..start + n - 1 writable by this sequence alone, in every
+        layer group (a prompt chunk's: group 0 holds the whole prompt's blocks from
+        admission, a windowed group takes them here)."""
+        for group, blocks in self._tables(table):
+            if group.grow_cost(blocks, start, n) > group.num_free:
+                raise CacheOverflowError(
+                    f"a KV layer group (window {group.window}) is out of blocks: "
+                    f"{group.num_free} of {group.num_blocks} free"
+                )
+            group.grow(blocks, start, n)
 
     def seal(self, table: BlockTable, tokens: Sequence[int], num_computed: int) -> None:
         """Register every block that is now full of computed tokens, under the table's
-        salt."""
-        if not self.prefix_caching:
-            return
+        salt, in every layer group (a windowed group's linked to group 0's block at the
+        same place); then a windowed group lets go of the blocks that left its window."""
+        if self.prefix_caching:
+            self._register(table, tokens, num_computed)
+        for group, blocks in self._tables(table)[1:]:
+            group.slide(blocks, num_computed)
+
+    def _register(self, table: BlockTable, tokens: Sequence[int], num_computed: int) -> None:
         bs = self.block_size
         first, stop, checks = len(table.hashes), num_computed // bs, None
         for i in range(first, stop):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             key = block_key(table.hashes[-1] if i else root_key(table.salt), chunk)
             parent = table.blocks[i - 1] if i else None
-            block = table.blocks[i]
-            self.pool.prefix.register(block, key, chunk, parent, table.salt)
             table.hashes.append(key)
-            if self.tiers is not None and self.pool.prefix.cached.get(key) == block:
-                if checks is None:
-                    checks = check_digests(tokens, table.salt, bs, stop)
-                parts = self.pool.store.raw((ALL, ALL, block))
-                self.tiers.offer(key, chunk, checks[i], parts)
+            for g, (group, blocks) in enumerate(self._tables(table)):
+                block = blocks[i]
+                if g == 0:
+                    group.prefix.register(block, key, chunk, parent, table.salt)
+                    link = (group.prefix.prefix_id[block], table.salt)
+                elif link[0] and block != FREED:
+                    group.prefix.register_linked(block, key, chunk, link)
+                if self.tiers is not None and group.prefix.cached.get(key) == block:
+                    if checks is None:
+                        checks = check_digests(tokens, table.salt, bs, stop)
+                    parts = group.store.raw((ALL, ALL, block))
+                    self.tiers.offer(key, chunk, checks[i], parts, group=g)
 
     # ------------------------------------------------------------------ lifetime
 
     def fork(self, table: BlockTable) -> BlockTable:
         """A second table over the same blocks (parallel samples of one prompt)."""
-        return BlockTable(self.pool.fork(table.blocks), list(table.hashes), table.salt)
+        windowed = [g.fork(t) for g, t in zip(self.windowed, table.windowed, strict=True)]
+        return BlockTable(self.pool.fork(table.blocks), list(table.hashes), table.salt, windowed)
 
     def trim(self, table: BlockTable, num_tokens: int) -> None:
         """Drop the blocks past the first `num_tokens` positions (rejected draft tokens):
         released tail first, never sealed (only computed tokens' blocks are)."""
-        self.pool.trim(table.blocks, num_tokens)
+        for group, blocks in self._tables(table):
+            group.trim(blocks, num_tokens)
         del table.hashes[len(table.blocks) :]
 
     def pin(self, tokens: Sequence[int], salt: str | None = None) -> list[int]:

@@ -44,7 +44,14 @@ class PrefixRegistry:
         parent that holds no verified prefix is not registered (no lookup could reach it,
         and it would keep the key from a block that can be reached)."""
         link = self._link(parent, salt)
-        if link is None or self.prefix_id[block]:
+        if link is not None:
+            self.register_linked(block, key, tokens, link)
+
+    def register_linked(self, block: int, key: bytes, tokens: tuple[int, ...], link: Link) -> None:
+        """register() with its link given: a hybrid pool's windowed group links a block to
+        the prefix id of the global group's block at the same place (and the salt), since
+        the block before it in its own group may have left the window."""
+        if self.prefix_id[block]:
             return
         holder = self.cached.get(key)
         if holder is not None:
@@ -71,6 +78,13 @@ class PrefixRegistry:
             return None
         prefix = None if parent is None else self.prefix_id[parent]  # inline _link: hot
         return block if prefix != 0 and self.block_parent[block] == (prefix, salt) else None
+
+    def lookup_linked(self, key: bytes, tokens: tuple[int, ...], link: Link) -> int | None:
+        """lookup() with the link given (a windowed group's, register_linked)."""
+        block = self.cached.get(key)
+        if block is None or self.block_tokens[block] != tokens:
+            return None
+        return block if self.block_parent[block] == link else None
 
     def _link(self, parent: int | None, salt: str | None) -> Link | None:
         """What a block after `parent` records: the parent's prefix id (None for the first

@@ -178,6 +178,7 @@ class _Write:
     check: bytes
     parts: dict[str, torch.Tensor]
     to: tuple[str, ...] | None = None  # the tiers to write (None: every one)
+    group: int = 0  # the pool's layer group (kvlm.cache.paged.BlockPool.groups)
 
 
 @dataclass
@@ -189,6 +190,10 @@ class KVTiers:
     ns: str
     parts: dict[str, tuple[tuple[int, ...], torch.dtype]]  # a block's shape and dtype per part
     key: bytes = field(repr=False, default=b"")
+    # a hybrid pool's other layer groups (kvlm.cache.paged): each group's (namespace, parts),
+    # group g >= 1 at groups[g - 1]. A group's records are named and tagged under its own
+    # namespace, so one group's record can never be read as another's.
+    groups: list[tuple[str, dict]] = field(default_factory=list)
     stats: dict[str, TierStats] = field(init=False)
     dropped: int = 0  # writes refused by a full queue, or left when closing
 
@@ -198,22 +203,30 @@ class KVTiers:
         self.stats = {t.name: TierStats() for t in self.tiers}
         self._down_until = dict.fromkeys(self.stats, 0.0)
         self._readers = {t.name: _Reader(t.name) for t in self.tiers}
-        self._sizes = {k: math.prod(shape) * dt.itemsize for k, (shape, dt) in self.parts.items()}
+        self._layouts = [(self.ns, self.parts), *self.groups]
+        self._sizes = [{k: math.prod(shape) * dt.itemsize for k, (shape, dt) in parts.items()}
+                       for _, parts in self._layouts]  # fmt: skip
         self._queue: queue.Queue[_Write | None] = queue.Queue(WRITE_QUEUE_BLOCKS)
         self._writer = threading.Thread(target=self._write_loop, name="kvlm-tiers", daemon=True)
         self._writer.start()
 
     @property
     def record_limit(self) -> int:
-        """The size of every record of this geometry."""
-        return len(MAGIC) + TAG_BYTES + sum(self._sizes.values())
+        """The size of every record of this geometry (group 0's)."""
+        return self.record_size(0)
 
-    def _name(self, key: bytes) -> str:
-        return f"kvlm:{self.ns[:32]}:{key.hex()}"
+    def record_size(self, group: int) -> int:
+        """The size of every record of layer group `group`."""
+        return len(MAGIC) + TAG_BYTES + sum(self._sizes[group].values())
 
-    def _tag(self, key: bytes, tokens: tuple[int, ...], check: bytes, payload) -> bytes:
+    def _name(self, key: bytes, group: int = 0) -> str:
+        return f"kvlm:{self._layouts[group][0][:32]}:{key.hex()}"
+
+    def _tag(
+        self, key: bytes, tokens: tuple[int, ...], check: bytes, payload, group: int = 0
+    ) -> bytes:
         mac = hmac.new(self.key, _TAG_DOMAIN, hashlib.sha256)
-        mac.update(self.ns.encode())  # 64 hex digits; every field is of fixed length
+        mac.update(self._layouts[group][0].encode())  # 64 hex digits; fields of fixed length
         mac.update(key)
         mac.update(check)
         mac.update(struct.pack(f"<I{len(tokens)}I", len(tokens), *tokens))
@@ -223,18 +236,19 @@ class KVTiers:
     # ------------------------------------------------------------------ reads
 
     def fetch(
-        self, keys: list[bytes], chunks: list[tuple[int, ...]], checks: list[bytes]
-    ) -> list[tuple[str, dict[str, torch.Tensor]]]:
-        """The K/V of the longest run of blocks `keys` (in chain order) found in some tier
-        and verified, with the name of the tier each came from; each tier is asked for the
-        blocks the tiers before it lacked. A tier's hits are the blocks of the run it
-        served, its misses the blocks it lacked."""
+        self, keys: list[bytes], chunks: list[tuple[int, ...]], checks: list[bytes],
+        group: int = 0,
+    ) -> list[tuple[str, dict[str, torch.Tensor]]]:  # fmt: skip
+        """The K/V of the longest run of blocks `keys` (in chain order) of layer group
+        `group` found in some tier and verified, with the name of the tier each came from;
+        each tier is asked for the blocks the tiers before it lacked. A tier's hits are
+        the blocks of the run it served, its misses the blocks it lacked."""
         found: list[tuple[str, dict[str, torch.Tensor]] | None] = [None] * len(keys)
         for tier in self.tiers:
             want = [i for i, f in enumerate(found) if f is None]
             if not want or not self._usable(tier):
                 continue
-            records = self._lookup(tier, [self._name(keys[i]) for i in want])
+            records = self._lookup(tier, [self._name(keys[i], group) for i in want], group)
             if records is None:
                 continue
             stats = self.stats[tier.name]
@@ -243,7 +257,7 @@ class KVTiers:
                     stats.misses += 1
                     continue
                 stats.bytes_read += len(data) if isinstance(data, bytes) else 0
-                parts = self._decode(data, keys[i], chunks[i], checks[i])
+                parts = self._decode(data, keys[i], chunks[i], checks[i], group)
                 if parts is None:
                     stats.refused += 1
                     stats.misses += 1
@@ -258,10 +272,10 @@ class KVTiers:
             run.append(entry)
             lacked = tuple(names[: names.index(entry[0])])
             if lacked:  # promoted: the tiers asked first hold it next time (Redis -> disk)
-                self._queue_write(_Write(keys[i], chunks[i], checks[i], entry[1], lacked))
+                self._queue_write(_Write(keys[i], chunks[i], checks[i], entry[1], lacked, group))
         return run
 
-    def _lookup(self, tier: Tier, names: list[str]) -> list | None:
+    def _lookup(self, tier: Tier, names: list[str], group: int = 0) -> list | None:
         """`tier.get_many(names)` run on the tier's reader thread, waited for at most the
         tier's deadline; None (the tier marked down) when it raised, answered out of
         shape or ran past the deadline (then it is cut short where the tier can be)."""
@@ -271,8 +285,9 @@ class KVTiers:
             self._failed(tier, TimeoutError("its previous lookup has not returned"))
             return None
         start = time.perf_counter()
-        deadline = tier.deadline + len(names) * self.record_limit / DEADLINE_BYTES_PER_S
-        future = reader.submit(tier.get_many, names, self.record_limit)
+        limit = self.record_size(group)
+        deadline = tier.deadline + len(names) * limit / DEADLINE_BYTES_PER_S
+        future = reader.submit(tier.get_many, names, limit)
         try:
             records = future.result(timeout=deadline)
         except Exception as exc:
@@ -294,19 +309,20 @@ class KVTiers:
         return records
 
     def _decode(
-        self, data: object, key: bytes, tokens: tuple[int, ...], check: bytes
+        self, data: object, key: bytes, tokens: tuple[int, ...], check: bytes, group: int = 0
     ) -> dict[str, torch.Tensor] | None:
         """The parts of record `data` if its tag is the one this server makes for this
-        block (namespace, chain key, prefix check, tokens, bytes); else None."""
-        if not isinstance(data, bytes) or len(data) != self.record_limit:
+        block (the group's namespace, chain key, prefix check, tokens, bytes); else None."""
+        if not isinstance(data, bytes) or len(data) != self.record_size(group):
             return None
         view = memoryview(data)
         head = len(MAGIC) + TAG_BYTES
-        if not hmac.compare_digest(view[:head], MAGIC + self._tag(key, tokens, check, view[head:])):
+        tag = self._tag(key, tokens, check, view[head:], group)
+        if not hmac.compare_digest(view[:head], MAGIC + tag):
             return None
         out, offset = {}, head
-        for part, (shape, dtype) in self.parts.items():
-            size = self._sizes[part]
+        for part, (shape, dtype) in self._layouts[group][1].items():
+            size = self._sizes[group][part]
             buf = bytearray(view[offset : offset + size])
             out[part] = torch.frombuffer(buf, dtype=dtype).view(shape)
             offset += size
@@ -315,12 +331,14 @@ class KVTiers:
     # ------------------------------------------------------------------ writes
 
     def offer(
-        self, key: bytes, tokens: tuple[int, ...], check: bytes, parts: dict[str, torch.Tensor]
-    ) -> None:
-        """Queue a sealed block for every tier (its parts copied now: the pool may hand the
-        block out again before the writer reaches it); a full queue drops it."""
+        self, key: bytes, tokens: tuple[int, ...], check: bytes, parts: dict[str, torch.Tensor],
+        group: int = 0,
+    ) -> None:  # fmt: skip
+        """Queue a sealed block of layer group `group` for every tier (its parts copied
+        now: the pool may hand the block out again before the writer reaches it); a full
+        queue drops it."""
         copy = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in parts.items()}
-        self._queue_write(_Write(key, tokens, check, copy))
+        self._queue_write(_Write(key, tokens, check, copy, group=group))
 
     def _queue_write(self, write: _Write) -> None:
         try:
@@ -357,8 +375,9 @@ class KVTiers:
             tier.close()
 
     def _encode(self, w: _Write) -> bytes:
-        body = b"".join(w.parts[k].view(torch.uint8).numpy().tobytes() for k in self.parts)
-        return MAGIC + self._tag(w.key, w.tokens, w.check, body) + body
+        names = self._layouts[w.group][1]
+        body = b"".join(w.parts[k].view(torch.uint8).numpy().tobytes() for k in names)
+        return MAGIC + self._tag(w.key, w.tokens, w.check, body, w.group) + body
 
     def _write_loop(self) -> None:
         while True:
@@ -373,7 +392,7 @@ class KVTiers:
                         continue
                     stats, start = self.stats[tier.name], time.perf_counter()
                     try:
-                        tier.put(self._name(w.key), data)
+                        tier.put(self._name(w.key, w.group), data)
                     except Exception as exc:
                         self._failed(tier, exc)
                         continue

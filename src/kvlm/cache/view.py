@@ -14,6 +14,10 @@ One description feeds every picture of a pool: `GET /v1/kv` returns it as JSON, 
     prefix_tree = the registered blocks as nodes under their parents, with the tokens and
                   hits of the path; roots are first blocks of a chain
     waste       slots allocated and not written (partial blocks), in slots and bytes
+
+The block map is group 0's: every layer, or a hybrid model's layers that see everything.
+`layer_groups` sums up every layer group of the pool (kvlm.cache.paged: a hybrid model's
+windowed layers have a block table and blocks of their own) with its blocks and bytes.
 """
 
 from __future__ import annotations
@@ -81,3 +85,20 @@ def prefix_tree(pool: BlockPool, blocks: list[dict]) -> list[dict]:
         siblings.append(node)
         stack += [(c, depth + 1, node["children"]) for c in reversed(children.get(b, []))]
     return roots
+
+
+def layer_groups(pool: BlockPool) -> list[dict]:
+    """Each layer group of the pool: {group, layers (model layer indices), window (None:
+    the whole context), keep (positions a sequence keeps behind its end, None: all),
+    num_blocks, used, cached, free, block_bytes, used_bytes, total_bytes}."""
+    out = []
+    for g, group in enumerate(pool.groups):
+        cached = sum(1 for b in group.prefix.cached.values() if group.refs[b] == 0)
+        out.append({
+            "group": g, "layers": [i for i, (at, _) in enumerate(pool.layer_at) if at == g],
+            "window": group.window, "keep": group.keep, "num_blocks": group.num_blocks,
+            "used": group.num_used, "cached": cached, "free": group.num_free - cached,
+            "block_bytes": group.block_nbytes, "used_bytes": group.num_used * group.block_nbytes,
+            "total_bytes": group.num_blocks * group.block_nbytes,
+        })  # fmt: skip
+    return out

@@ -247,7 +247,10 @@ class WindowCache(RowCache):
         if self._undoes(n):
             return
         s, new_len = self.spec, self.num_tokens - n
-        needed = set(range(max(s.sinks, new_len - s.window + 1), new_len))
+        reads = min(
+            s.window, s.sliding_window or s.window
+        )  # the model's window too (a hybrid ring's)
+        needed = set(range(max(s.sinks, new_len - reads + 1), new_len))
         missing = needed - set(self.slot_pos.tolist())
         if missing:
             raise InvalidRequestError(

@@ -74,7 +74,7 @@ class PoolBackend:
         try:
             out = self._run(
                 [c.tokens for c in chunks] + rows,
-                [c.seq.table.blocks for c in chunks] + tables,
+                [c.seq.table for c in chunks] + tables,
                 [c.seq.num_computed for c in chunks] + starts,
                 chunks=[True] * k + [False] * d,
                 every_row=[c.all_rows for c in chunks] + [False] * d,
@@ -91,12 +91,17 @@ class PoolBackend:
 
     def prefill(self, seq: Sequence, tokens: list[int], all_rows: bool) -> torch.Tensor:
         """A chunk of a sequence's prompt: its last logits (V,), or every row's (T, V)."""
-        return self._run([tokens], [seq.table.blocks], [seq.num_computed], prompt=True,
+        return self._run([tokens], [seq.table], [seq.num_computed], prompt=True,
                          all_rows=all_rows)[0]  # fmt: skip
 
-    def _run(self, rows: list, tables: list, starts: list, **options) -> torch.Tensor | list:
-        """Rows on the pool, row b at starts[b] through tables[b]; `options`: Batch's."""
-        batch = Batch(rows, pool=self.pool, spec=self.spec, tables=tables, starts=starts, **options)
+    def _run(
+        self, rows: list, tables: list[BlockTable], starts: list, **options
+    ) -> torch.Tensor | list:
+        """Rows on the pool, row b at starts[b] through tables[b] (a sequence's BlockTable:
+        its table of each layer group); `options`: Batch's."""
+        windowed = [[t.windowed[g] for t in tables] for g in range(len(self.pool.groups) - 1)]
+        batch = Batch(rows, pool=self.pool, spec=self.spec, tables=[t.blocks for t in tables],
+                      starts=starts, windowed=windowed, **options)  # fmt: skip
         return self.runner.run(batch)
 
     @staticmethod
@@ -105,14 +110,14 @@ class PoolBackend:
         next positions on the same block table: (rows, tables, starts, each sequence's
         span of rows)."""
         rows: list[list[int]] = []
-        tables: list[list[int]] = []
+        tables: list[BlockTable] = []
         starts: list[int] = []
         spans = []
         for s in seqs:
             first = len(rows)
             for i, token in enumerate([s.token_ids[-1], *s.draft]):
                 rows.append([token])
-                tables.append(s.table.blocks)
+                tables.append(s.table)
                 starts.append(s.num_computed + i)
             spans.append((first, len(rows)))
         return rows, tables, starts, spans
@@ -226,6 +231,9 @@ class CacheManager:
 
     def append_slot(self, table: BlockTable, num_tokens: int) -> None:
         pass
+
+    def prepare(self, table: BlockTable, start: int, n: int) -> None:
+        pass  # the cache makes room in begin()
 
     def seal(self, table: BlockTable, tokens: Seq[int], num_computed: int) -> None:
         pass

@@ -25,12 +25,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvlm.cache import KVCache
-from kvlm.cache.base import blocks_for
-from kvlm.cache.paged import BlockPool
+from kvlm.cache.base import CacheSpec, blocks_for
+from kvlm.cache.hybrid import RING_SLACK, local_window, part_specs
+from kvlm.cache.paged import BlockPool, window_blocks
 from kvlm.cache.prefix import BlockManager, check_salt
 from kvlm.cache.tier_key import load_tier_key
 from kvlm.cache.tiers import KVTiers, namespace, parse_tier
-from kvlm.cache.view import block_map
+from kvlm.cache.view import block_map, layer_groups
 from kvlm.dtypes import dtype_name
 from kvlm.engine.backends import CacheBackend, Chunk, PoolBackend
 from kvlm.engine.guided import compile_guide
@@ -147,7 +148,10 @@ class Engine:
             self.max_model_len = llm.max_context
             p = self.pool
             kv = f"KV pool {p.num_blocks} blocks of {p.block_size} tokens, "
-            kv += f"{p.store.nbytes / 2**20:,.0f} MiB"
+            if p.hybrid:  # a block table per layer group (kvlm.cache.paged)
+                w = p.groups[1]
+                kv += f"{w.num_blocks} for the layers with a window of {w.window}, "
+            kv += f"{p.total_nbytes / 2**20:,.0f} MiB"
         else:
             self.backend = CacheBackend(self.runner, cache, reuse)
             self.max_model_len = cache.capacity
@@ -176,40 +180,68 @@ class Engine:
         bs, sched = spec.block_size, self.config.scheduler
         least = blocks_for(llm.max_context, bs) + sched.reserve_blocks
         kv_memory = self.config.kv_memory or default_kv_memory(spec.device)
+        step_tokens, windowed, windowed_bytes = self._windowed_plan(spec, llm.max_context)
+        whole = part_specs(spec)[0] if windowed else spec
         num_blocks = self.config.num_blocks or min(
             blocks_for(llm.max_context, bs) * sched.max_num_seqs,
-            max(least, kv_memory // (bs * spec.bytes_per_token)),
+            max(least, (kv_memory - windowed_bytes) // (bs * whole.bytes_per_token)),
         )
         if num_blocks < least:
             raise InvalidRequestError(
                 f"{num_blocks} KV blocks cannot hold one sequence of the context limit "
                 f"({llm.max_context} tokens needs {least} blocks of {bs})"
             )
-        pool = BlockPool(spec, num_blocks)
+        pool = BlockPool(spec, num_blocks, windowed_blocks=windowed or None)
         # Commit the whole pool now, as a GPU server reserves its memory at start: the
         # process's memory is what it will stay at, and a pool that does not fit fails here
         # rather than under load.
-        pool.store.zero_((slice(None),))
+        for group in pool.groups:
+            group.store.zero_((slice(None),))
         self.pool, self.spec = pool, spec
         self.tiers = self._tiers() if self.config.kv_tiers else None
-        manager = BlockManager(pool, self.config.prefix_caching, self.tiers)
+        manager = BlockManager(pool, self.config.prefix_caching, self.tiers, step_tokens)
         return PoolBackend(self.runner, manager, spec)
+
+    def _windowed_plan(self, spec: CacheSpec, context: int) -> tuple[int, int, int]:
+        """A hybrid model's pool (kvlm.cache.paged): the most tokens one step feeds a
+        sequence (a prefill chunk, a draft and its token), the blocks of the windowed layer
+        group (each of max_num_seqs sequences at its most, window_blocks: never short of
+        them) and their bytes; (step tokens, 0, 0) for a model without windowed layers."""
+        sched, spec_cfg = self.config.scheduler, self.config.speculative
+        chunk = min(sched.prefill_chunk, sched.chunk_size or sched.prefill_chunk)
+        step = min(context, max(chunk, 1 + (spec_cfg.num_draft if spec_cfg else 0)))
+        window = local_window(spec)
+        if window is None:
+            return step, 0, 0
+        bs, ring = spec.block_size, part_specs(spec)[1]
+        per_seq = min(blocks_for(context, bs), window_blocks(window + RING_SLACK, bs, step))
+        blocks = per_seq * sched.max_num_seqs + sched.reserve_blocks
+        return step, blocks, blocks * bs * ring.bytes_per_token
 
     def _tiers(self) -> KVTiers:
         """The KV tiers of config.kv_tiers, keyed to this model, its numerics and the
-        pool's geometry (kvlm.cache.tiers)."""
-        llm, spec, store = self.llm, self.spec, self.pool.store
-        block = (spec.num_layers, 2, spec.num_kv_heads, spec.block_size, spec.head_dim)
-        parts = {"values": (block, store.dtype)}
-        if store.scales is not None:
-            parts["scales"] = ((*block[:-1], store.scales.shape[-1]), store.scales.dtype)
+        pool's geometry (kvlm.cache.tiers); a hybrid pool's windowed layer groups each
+        under a namespace of their own."""
+        llm, spec = self.llm, self.spec
         numerics = llm.numerics
-        ns = namespace(
-            "kvlm/tiers/v2", llm.fingerprint, numerics.weights, numerics.activations,
-            numerics.prefill_dtype, llm.dtype, spec.device.type, store.dtype, block,
-        )  # fmt: skip
+        layouts = []
+        for g, group in enumerate(self.pool.groups):
+            store = group.store
+            block = (store.values.shape[0], 2, spec.num_kv_heads, spec.block_size, spec.head_dim)
+            parts = {"values": (block, store.dtype)}
+            if store.scales is not None:
+                parts["scales"] = ((*block[:-1], store.scales.shape[-1]), store.scales.dtype)
+            ns = namespace(
+                "kvlm/tiers/v2", llm.fingerprint, numerics.weights, numerics.activations,
+                numerics.prefill_dtype, llm.dtype, spec.device.type, store.dtype, block,
+            )  # fmt: skip
+            if g:  # a windowed group: which layers, which window
+                layers = [i for i, (at, _) in enumerate(self.pool.layer_at) if at == g]
+                ns = namespace(ns, "layer group", g, group.window, layers)
+            layouts.append((ns, parts))
         key = load_tier_key(self.config.kv_tier_key)
-        return KVTiers([parse_tier(t) for t in self.config.kv_tiers], ns, parts, key)
+        (ns, parts), *groups = layouts
+        return KVTiers([parse_tier(t) for t in self.config.kv_tiers], ns, parts, key, groups)
 
     def close(self) -> None:
         """Finish the tiers' queued writes (a server stopping): at most CLOSE_FLUSH_S
@@ -538,11 +570,15 @@ class Engine:
         view["sequences"] = [
             {"id": names[s.seq_id], "request_id": s.request_id, "index": s.index,
              "tokens": s.num_computed, "cached_tokens": s.num_cached, "blocks": s.table.blocks}
+            | ({"windowed_blocks": s.table.windowed} if self.pool.hybrid else {})
             for s in seqs
         ]  # fmt: skip
+        view["groups"] = layer_groups(self.pool)
         snap = self.snapshot()
-        view["prefix_cache"] = {k: snap[f"prefix_{k}"]
-                                for k in ("queries", "hits", "hit_rate", "evictions")}  # fmt: skip
+        counters = ["queries", "hits", "hit_rate", "evictions"]
+        if self.pool.hybrid:  # lookups whose windowed layers' blocks were there, or not
+            counters += ["window_lookups", "window_cut", "window_cut_tokens"]
+        view["prefix_cache"] = {k: snap[f"prefix_{k}"] for k in counters}
         view["tiers"] = {name: st | {"dropped_writes": snap["tier_dropped_writes"]}
                          for name, st in (snap["tiers"] or {}).items()}  # fmt: skip
         view["dtype"] = dtype_name(self.pool.store.dtype)
@@ -583,6 +619,11 @@ class Engine:
             "prefix_hits": self.manager.stats.hits,
             "prefix_hit_rate": self.manager.stats.hit_rate,
             "prefix_evictions": pool.prefix.evictions,
+            # a hybrid pool's prefix lookups (kvlm.cache.prefix.PrefixStats)
+            "prefix_window_lookups": self.manager.stats.window_lookups,
+            "prefix_window_cut": self.manager.stats.window_cut,
+            "prefix_window_cut_tokens": self.manager.stats.window_cut_tokens,
+            "kv_groups": layer_groups(pool),
             "preemptions": s.preemptions,
             **{f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)
                if type(getattr(stats, f.name)) in (int, float)},  # the counters

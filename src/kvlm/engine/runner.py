@@ -28,6 +28,10 @@ from kvlm.cache.paged import BlockPool, PagedCache, RaggedStep, TableStep
 from kvlm.model import fused, graphs
 from kvlm.model.transformer import Transformer
 
+# Why a pool with a block table per layer group (a hybrid model's, kvlm.cache.paged) runs
+# the torch step: the fused C step and the CUDA graphs read one store through one table
+HYBRID_POOL = "the fused step and CUDA graphs read one block table per row, not one per layer group"
+
 
 @dataclass(slots=True)
 class Batch:
@@ -43,6 +47,9 @@ class Batch:
     spec: CacheSpec | None = None
     tables: Sequence[list[int]] = ()
     starts: Sequence[int] = ()
+    # a hybrid pool's other layer groups' tables, group by group: windowed[g - 1][b] is
+    # row b's table of group g (kvlm.cache.paged.BlockPool.groups)
+    windowed: Sequence[Sequence[list[int]]] = ()
     prompt: bool | None = None
     all_rows: bool = False
     # a mixed step on the pool (rows of any lengths): which rows are a prompt's chunks, and
@@ -89,7 +96,10 @@ class ModelRunner:
         return self.one_forward and self._decodes_alike(True)
 
     def fused_for(self, cache: KVCache) -> fused.FusedDecoder | None:
-        """The fused decode step for this cache, when it applies."""
+        """The fused decode step for this cache, when it applies (not yet a pool with a
+        block table per layer group: HYBRID_POOL)."""
+        if isinstance(cache, PagedCache) and cache.pool.hybrid:
+            return None
         decoder = self._decoder(cache.spec.max_tokens)
         return decoder if decoder is not None and decoder.accepts(cache) else None
 
@@ -100,6 +110,8 @@ class ModelRunner:
             return "cuda graphs"
         if self.fused_reason is not None:
             return f"torch step: {self.fused_reason}"
+        if isinstance(cache, PagedCache) and cache.pool.hybrid:
+            return f"torch step: {HYBRID_POOL}"
         if self.fused_for(cache) is None:
             rows = f"{cache.batch} row" + ("s" if cache.batch != 1 else "")
             return f"torch step: {fused.NOT_THIS_CACHE}, not {cache.mode} ({rows})"
@@ -189,7 +201,7 @@ class ModelRunner:
         tokens at positions starts[b].. through block table tables[b]."""
         pool, spec, rows, window = b.pool, b.spec, b.rows, b.spec.sliding_window
         tokens = [r[0] for r in rows]
-        one = len(rows[0]) == 1 and not b.all_rows
+        one = len(rows[0]) == 1 and not b.all_rows and not pool.hybrid  # HYBRID_POOL
         graphs = self.graphs if one and not b.prompt and pool.scratch is not None else None
         if graphs and graphs.reads(pool.store):
             out = graphs.step_table(pool.store, pool.scratch, tokens, b.tables, b.starts, window)
@@ -199,7 +211,7 @@ class ModelRunner:
             decoder = self._decoder(spec.max_tokens)
             if decoder is not None and decoder.reads(pool.store):
                 return decoder.run(pool.store, tokens, b.starts, b.tables, pool.block_size, window)
-        step = TableStep(pool, spec, list(b.tables), list(b.starts), len(rows[0]))
+        step = TableStep(pool, spec, list(b.tables), list(b.starts), len(rows[0]), b.windowed)
         return self._torch(rows, step, b.prompt, b.all_rows)
 
     def _ragged(self, b: Batch) -> list[torch.Tensor]:
@@ -212,7 +224,7 @@ class ModelRunner:
             end += n
             picks.append(list(range(end - n, end)) if all_rows else [end - 1])
         flat = [i for p in picks for i in p]
-        step = RaggedStep(b.pool, b.spec, list(b.tables), list(b.starts), lengths, flat)
+        step = RaggedStep(b.pool, b.spec, list(b.tables), list(b.starts), lengths, flat, b.windowed)
         ids = torch.tensor([[t for r in b.rows for t in r]], dtype=torch.long, device=self.device)
         with self.model.step_context(ids.numel()):
             logits = self.model(ids, step.positions, step, prompt=True)[0]  # (R, V)

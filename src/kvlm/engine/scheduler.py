@@ -177,6 +177,8 @@ class Scheduler:
             if budget and share < self.config.prefill_chunk:
                 admitted.update(self._admit(budget))
         batch.prefill += [*fed.items(), *admitted.items()]
+        for seq, n in batch.prefill:  # a hybrid pool's windowed layers take their blocks now
+            self.manager.prepare(seq.table, seq.num_computed, n)
 
     def _admit(self, budget: int) -> dict[Sequence, int]:
         """Admit waiting requests, first come first served, while `budget` prompt tokens

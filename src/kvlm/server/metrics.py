@@ -18,6 +18,12 @@ _SERIES = [
     ("prefix_cache_hits_total", "counter", "Prompt tokens served from cache.", "prefix_hits"),
     ("prefix_cache_hit_rate", "gauge", "Prefix cache hits over queries.", "prefix_hit_rate"),
     ("prefix_cache_evictions_total", "counter", "Cached blocks reused.", "prefix_evictions"),
+    ("prefix_cache_window_lookups_total", "counter",
+     "Hybrid-model admissions whose global layers' blocks matched.", "prefix_window_lookups"),
+    ("prefix_cache_window_cut_total", "counter", "Of those, hits cut short: the windowed "
+     "layers' blocks before the hit had been reused.", "prefix_window_cut"),
+    ("prefix_cache_window_cut_tokens_total", "counter",
+     "Prompt tokens recomputed by hits cut short.", "prefix_window_cut_tokens"),
     ("preemptions_total", "counter", "Sequences preempted (recomputed).", "preemptions"),
     ("requests_total", "counter", "Requests accepted.", "requests_added"),
     ("requests_finished_total", "counter", "Requests finished.", "requests_finished"),
@@ -44,6 +50,7 @@ def render_metrics(values: dict) -> str:
     for name, kind, help_, key in _SERIES:
         lines += [*_head(f"kvlm_{name}", kind, help_), f"kvlm_{name} {values[key]:g}"]
 
+    lines += _group_lines(values["kv_groups"])
     lines += _tier_lines(values["tiers"], values["tier_dropped_writes"])
 
     name = "kvlm_time_to_first_token_seconds"
@@ -74,6 +81,27 @@ _TIER_LATENCY = [
      "read_seconds", "reads"),
     ("kv_tier_write_seconds", "Time per block written to the tier.", "write_seconds", "writes"),
 ]  # fmt: skip
+
+
+# (name, help, key of kvlm.cache.view.layer_groups): one series per layer group, labelled
+# group="0" and window="none" (every layer, or the ones that see everything) or the window
+_GROUP_SERIES = [
+    ("kv_group_blocks_used", "KV blocks of the layer group referenced by sequences.", "used"),
+    ("kv_group_blocks_total", "KV blocks of the layer group's pool.", "num_blocks"),
+    ("kv_group_bytes_used", "Bytes of the layer group's blocks in use.", "used_bytes"),
+    ("kv_group_bytes_total", "Bytes of the layer group's pool.", "total_bytes"),
+]
+
+
+def _group_lines(groups: list[dict]) -> list[str]:
+    lines: list[str] = []
+    for name, help_, key in _GROUP_SERIES:
+        lines += _head(f"kvlm_{name}", "gauge", help_)
+        for g in groups:
+            window = "none" if g["window"] is None else g["window"]
+            labels = f'group="{g["group"]}",window="{window}",layers="{len(g["layers"])}"'
+            lines.append(f"kvlm_{name}{{{labels}}} {g[key]:g}")
+    return lines
 
 
 def _tier_lines(tiers: dict[str, dict] | None, dropped: int) -> list[str]:
