@@ -21,6 +21,7 @@ from helpers import (
 from kvlm import LLM, kernels
 from kvlm.cache.paged import BlockPool
 from kvlm.engine.runner import Batch
+from kvlm.model.fused import KVView
 from numerics import assert_as_exact_as
 
 # rows of different lengths: within one block, across several, one past 64 positions
@@ -28,9 +29,9 @@ from numerics import assert_as_exact_as
 LENGTHS = [3, 16, 17, 40, 70, 9, 130, 1, 33, 64, 65, 5, 21, 48, 90, 12, 7, 28, 50, 2]
 
 
-def _llm(tiny_model_dir, weights: str, kv_dtype: str, act: str = "fp32") -> LLM:
+def _llm(tiny_model_dir, weights: str, kv_dtype: str, act: str = "fp32", name="llama") -> LLM:
     return LLM(
-        model=tiny_model_dir("llama"),
+        model=tiny_model_dir(name),
         progress=False,
         max_context=256,
         weights=weights,
@@ -135,17 +136,19 @@ def test_the_batched_step_refuses_positions_outside_itsscrambled_tables(tiny_mod
         ([[0] * 20], [256]),  # past the context
     ):
         with pytest.raises(ValueError, match="refused"):
-            decoder.run(pool.store, [5], starts, tables, pool.block_size, None)
+            decoder.run([KVView(pool.store, tables, pool.block_size)], [5], starts, None)
     assert torch.equal(pool.store.values, before)
 
 
 @needs_kernels
 @pytest.mark.parametrize("mode", ["contiguous", "paged"])
-def test_forked_samples_decode_in_one_step_as_each_would_alone(tiny_model_dir, mode):
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_forked_samples_decode_in_one_step_as_each_would_alone(tiny_model_dir, mode, name):
     """n samples of one prompt (cache.fork, as LLM.generate does for n > 1) step together
     through the fused step, over a contiguous cache of n rows or a paged one (its shared
-    last block copied on write), each row as a cache of its own would."""
-    llm = _llm(tiny_model_dir, "int4", "fp32")
+    last block copied on write), each row as a cache of its own would; Gemma 3's
+    contiguous cache is a hybrid one, its ring forked too and wrapped by the 51 tokens."""
+    llm = _llm(tiny_model_dir, "int4", "fp32", name=name)
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(3, llm.config.vocab_size, (21,), generator=g).tolist()
     rows = torch.randint(3, llm.config.vocab_size, (3, 30), generator=g).tolist()
