@@ -20,6 +20,7 @@ from helpers import (
 )
 from kvlm import LLM, kernels
 from kvlm.cache.paged import BlockPool
+from kvlm.cache.storage import Store
 from kvlm.engine.runner import Batch
 from kvlm.model.fused import KVView
 from numerics import assert_as_exact_as
@@ -137,6 +138,18 @@ def test_the_batched_step_refuses_positions_outside_itsscrambled_tables(tiny_mod
     ):
         with pytest.raises(ValueError, match="refused"):
             decoder.run([KVView(pool.store, tables, pool.block_size)], [5], starts, None)
+    # views that do not hold every layer once, in a store that has it: refused before or
+    # by the C step (a layer's index past its view's store, a ring shorter than a window)
+    one = Store((1, *pool.store.values.shape[1:]), torch.float32, torch.device("cpu"))
+    bs = pool.block_size
+    for views, match in (
+        ([KVView(pool.store, [[0]], bs, 0, (0,))], "layer 1 in no view"),
+        ([KVView(pool.store, [[0]], bs), KVView(one, [[1]], bs, 0, (1,))], "in two views"),
+        ([KVView(one, [[0]], bs, 0, (0, 1))], "refused"),  # index 1 of a 1-layer store
+        ([KVView(pool.store, [[0, 1]], bs, 2 * bs)], "refused"),  # a ring of no window
+    ):
+        with pytest.raises(ValueError, match=match):
+            decoder.run(views, [5], [3], None)
     assert torch.equal(pool.store.values, before)
 
 

@@ -1148,6 +1148,7 @@ typedef struct {
     float score_scale;       /* the scores' scale (head_dim^-0.5, or Gemma's own) */
     float attn_softcap;      /* scores soft-capped, cap tanh(s / cap), before the softmax
                                 (Gemma 2); 0: none */
+    int64_t rope_tables;     /* the cos/sin tables given (1, or 2: a local layers' base) */
 } kvlm_qmodel;
 
 /* Where a group of layers keeps its K/V: a store (layers, 2, num_blocks, kv_heads,
@@ -1161,6 +1162,7 @@ typedef struct {
     uint16_t *params;        /* KV_I8: (layers, 2, num_blocks, kv_heads, block_size, 2) */
     const int32_t *tables;
     int64_t width, num_blocks, block_size, ring;
+    int64_t layers;          /* the store's layers (a layer's index is checked against it) */
 } kvlm_kv_view;
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_F16 = 3 };
@@ -2003,8 +2005,10 @@ static int check_views(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
     for (int64_t l = 0; l < m->n_layers; l++) {
         const kvlm_qlayer *L = m->layers + l;
         const int64_t w = L->window < 0 ? m->window : L->window;
-        if (L->view < 0 || L->view >= n_views || L->index < 0 || L->rope < 0 || L->rope > 1)
+        if (L->view < 0 || L->view >= n_views || L->index < 0 || L->rope < 0 ||
+            L->rope >= m->rope_tables)
             return -2;
+        if (L->index >= views[L->view].layers) return -2;
         if (w < 0 || (views[L->view].ring && (w == 0 || w > views[L->view].ring))) return -2;
     }
     return 0;
@@ -2180,8 +2184,8 @@ static void add_residual(float *x, float *y, const float *w, int64_t B, int64_t 
  *   x [B, hidden]: the tokens' embeddings in (Gemma's scaled), overwritten;
  *   pos [B]: each row's position (its token is written there; it attends over 0 .. pos,
  *       or over its last `window` positions: the layer's, or m->window);
- *   cos, sin [2, slots, head_dim]: RoPE at every position, the model's base then the
- *       local layers' (kvlm_qlayer.rope picks; the second unread where no layer uses it);
+ *   cos, sin [m->rope_tables, slots, head_dim]: RoPE at every position, the model's base
+ *       then (Gemma 3) the local layers' (kvlm_qlayer.rope picks);
  *   views [n_views]: where the layers' K/V are (kvlm_kv_view; kvlm_qlayer.view, index);
  *   scratch: kvlm_decode_scratch(m, B) floats; logits [B, vocab] out.
  * Returns 0; -2 when an argument is out of range (a position past the slots or a table, a

@@ -114,13 +114,14 @@ class _QModel(ctypes.Structure):
         # head_act_int8: the vocabulary projection's own setting; gelu: GeGLU, not SwiGLU
         *_fields(ctypes.c_int64, "window head_act_int8 gelu"),
         *_fields(ctypes.c_float, "score_scale attn_softcap"),  # softcap 0: none
+        ("rope_tables", ctypes.c_int64),  # cos/sin tables: 1, or 2 (Gemma 3's local base)
     ]
 
 
 class _KVView(ctypes.Structure):  # kvlm_kv_view
     _fields_ = [
         *_fields(ctypes.c_void_p, "kv params tables"),
-        *_fields(ctypes.c_int64, "width num_blocks block_size ring"),
+        *_fields(ctypes.c_int64, "width num_blocks block_size ring layers"),
     ]
 
 
@@ -228,6 +229,7 @@ class FusedDecoder:
         q_scale = model.layers[0].attn.q_scale  # Gemma 2 (no q norm to fold it into)
         self.spec.score_scale = (q_scale or 1.0) * c.head_dim**-0.5
         self.spec.attn_softcap = c.attn_softcap or 0.0
+        self.spec.rope_tables = self.cos.shape[0]
         self.final_softcap = c.final_softcap
         self.scratch = torch.empty(0, dtype=torch.float32)
         self.vocab = model.lm_head.out_features
@@ -309,11 +311,16 @@ class FusedDecoder:
         ]
 
     def _place(self, views: Sequence[KVView]) -> None:
-        """Each layer's (view, index) from the views' layers, set where they changed."""
-        placed = [(0, i) for i in range(len(self._layers))]
+        """Each layer's (view, index) from the views' layers, set where they changed; every
+        layer in one view exactly (the C step checks each index against its store)."""
+        placed: list[tuple[int, int] | None] = [None] * len(self._layers)
         for v, view in enumerate(views):
             for n, layer in enumerate(range(len(placed)) if view.layers is None else view.layers):
+                if placed[layer] is not None:
+                    raise ValueError(f"layer {layer} in two views")
                 placed[layer] = (v, n)
+        if None in placed:
+            raise ValueError(f"layer {placed.index(None)} in no view")
         key = tuple(placed)
         if key != self._placed:
             for layer, (v, n) in zip(self._layers, key, strict=True):
@@ -333,13 +340,18 @@ class FusedDecoder:
     def _c_views(self, views: Sequence[KVView], starts: Sequence[int]) -> tuple:
         """The views as kvlm_kv_view structs, and the tensors they point into."""
         out, keep = (_KVView * len(views))(), []
+        c = self.model.config
         for i, v in enumerate(views):
+            values = v.store.values  # (layers, 2, blocks, kv_heads, block_size, head_dim)
+            layers, _, blocks, heads, bs, d = values.shape
+            if (heads, bs, d) != (c.num_kv_heads, v.block_size, c.head_dim):
+                raise ValueError(f"a store of shape {tuple(values.shape)} for blocks of "
+                                 f"{v.block_size}: not this model's K/V")  # fmt: skip
             table = self._table(v.tables, starts, v.block_size, v.ring)
             keep.append(table)
-            values = v.store.values
             params = v.store.scales.data_ptr() if v.store.quantized else None
             out[i] = _KVView(values.data_ptr(), params, table.data_ptr(), table.shape[1],
-                             values.shape[2], v.block_size, v.ring)  # fmt: skip
+                             blocks, bs, v.ring, layers)  # fmt: skip
         return out, keep
 
     @torch.inference_mode()
