@@ -1,7 +1,9 @@
 """The fused decode step (kvlm.model.fused) on every family's block: q|k|v and o_proj
 biases (Qwen2, Llama's attention_bias), per-head q/k RMSNorm (Qwen3), a sliding window
-(Mistral), head_dim 64 and 128, tied and separate lm_heads; over fp32, bf16, fp16 and int8 K/V
-in contiguous and paged caches. Each is held to the torch model by the rules of
+(Mistral), Gemma 2 and 3 (local and global layers, sandwich norms, GeGLU, soft-caps, two
+RoPE bases), head_dim 64, 128 and 256, tied and separate lm_heads; over fp32, bf16, fp16
+and int8 K/V in contiguous (for Gemma: hybrid, the local layers in a ring) and paged
+caches. Each is held to the torch model by the rules of
 tests/numerics.py, and keeps the batch's property: a row's logits are the same bit for bit
 alone, in any batch, paged or contiguous."""
 
@@ -30,10 +32,11 @@ from helpers import (
 )
 from kvlm import LLM, SamplingParams, kernels
 from kvlm.cache.base import blocks_for
+from kvlm.cache.hybrid import RING_SLACK, HybridCache
 from kvlm.cache.paged import BlockPool, PagedCache
 from kvlm.engine.engine import Engine, EngineConfig
 from kvlm.engine.runner import Batch
-from kvlm.model.fused import FusedDecoder, why_not
+from kvlm.model.fused import FusedDecoder, KVView, why_not
 from numerics import SAME_ROUNDING, U32, assert_as_exact_as, gamma
 
 # conftest.TINY_MODELS, and what each brings to the fused step
@@ -45,7 +48,16 @@ ARCH_MODELS = {
     "mistral-hd64-window": "sliding window 150 over two chunks, head_dim 64, 4 heads per KV head",
     "llama-hd128": "head_dim 128, 4 heads per KV head, separate lm_head",
     "llama-hd128-g8": "head_dim 128, 8 heads per KV head (the attention's fallbacks)",
+    "gemma3": "local (window 8: a ring of 40 slots) and global layers, two RoPE bases, "
+    "sandwich norms, GeGLU, q/k norms holding the score scale",
+    "gemma2": "every second layer local, attention and final soft-caps, a score scale",
+    "gemma3-hd256": "Gemma 3's head_dim 256, 4 query heads per KV head",
 }
+MADE = {  # ARCH_MODELS not in conftest.TINY_MODELS: (architecture, seed, overrides)
+    "llama-hd128-g8": ("llama", 9, {"head_dim": 128, "num_attention_heads": 8,
+                                    "num_key_value_heads": 1}),
+    "gemma3-hd256": ("gemma3", 14, {"head_dim": 256, "num_key_value_heads": 1}),
+}  # fmt: skip
 KV_DTYPES = ["fp32", "bf16", "fp16", "int8"]
 MAX_CONTEXT = 256
 # The fused step over an int8 cache also rounds each query head to int8 (one scale per
@@ -61,20 +73,24 @@ def arch_dir(tiny_model_dir, tmp_path_factory):
     made: dict[str, Path] = {}
 
     def get(name: str) -> Path:
-        if name != "llama-hd128-g8":
+        if name not in MADE:
             return tiny_model_dir(name)
         if name not in made:
-            made[name] = save_tiny_model(
-                tmp_path_factory.mktemp(name), "llama", seed=9, head_dim=128,
-                num_attention_heads=8, num_key_value_heads=1,
-            )  # fmt: skip
+            arch, seed, overrides = MADE[name]
+            made[name] = save_tiny_model(tmp_path_factory.mktemp(name), arch, seed, **overrides)
         return made[name]
 
     return get
 
 
 def _weights(name: str) -> str:
-    return "int8" if name.startswith("qwen") else "int4"
+    return "int8" if name.startswith(("qwen", "gemma2")) else "int4"
+
+
+def _window(llm: LLM) -> int | None:
+    """The model's window, or its local layers' (Gemma)."""
+    local = [w for w in llm.config.layer_windows if w is not None]
+    return min(local) if local else llm.config.sliding_window
 
 
 @functools.cache
@@ -126,6 +142,19 @@ def test_every_family_takes_the_fused_step(arch_dir, name):
         assert c.head_dim == 64 and c.num_heads // c.num_kv_heads == 4
     if name == "qwen2":
         assert c.tie_word_embeddings
+    if name.startswith("gemma"):  # local and global layers, Gemma's norms and GeGLU
+        assert None in c.layer_windows and 8 in c.layer_windows
+        block = model.layers[0]
+        assert block.attn_out_norm is not None and block.mlp_out_norm is not None
+        assert block.mlp.act == "gelu_tanh"
+        assert isinstance(llm.new_cache("contiguous"), HybridCache)
+    if name.startswith("gemma3"):
+        assert attn.q_norm is not None and model.local_rope is not None
+    if name == "gemma2":  # the score scale on the queries (no q norm to hold it)
+        assert c.attn_softcap is not None and c.final_softcap is not None
+        assert attn.q_scale not in (None, 1.0)
+    if "hd256" in name:
+        assert c.head_dim == 256 and c.num_heads // c.num_kv_heads == 4
 
 
 def test_mlp_biases_stay_with_the_torch_step(tmp_path):
@@ -162,11 +191,13 @@ def test_the_fused_step_tracks_the_torch_model(arch_dir, name, kv_dtype, mode):
     own ulps off, its fp32 inputs' difference; test_fp16_rows_are_torchs_rounding_of_the_fp32_rows
     holds the rounding itself to torch's bit for bit)."""
     llm, folder, weights = _load(arch_dir, name, kv_dtype)
-    window = llm.config.sliding_window
+    window = _window(llm)
     prompt = _ids(llm, max(12, (window or 0) - 10), seed=11)
     tokens, fused, ref, fused_cache, torch_cache = fused_and_torch(llm, prompt, 40, mode)
     if window is not None:
         assert len(prompt) + len(tokens) > window + 16  # first visible keys past a chunk start
+    if isinstance(fused_cache, HybridCache):  # past the ring: its slots reused
+        assert len(prompt) + len(tokens) > fused_cache.ring.slots
     exact_llm = _exact(folder, weights)
     exact = exact_llm.runner.logits(prompt + tokens, exact_llm.new_cache("off"))[len(prompt) :]
     factor = INT8_QUERIES if kv_dtype == "int8" else SAME_ROUNDING
@@ -174,11 +205,10 @@ def test_the_fused_step_tracks_the_torch_model(arch_dir, name, kv_dtype, mode):
     assert_top_k_both_ways(fused, ref)
     if mode != "contiguous":
         return
-    n = fused_cache.num_tokens
-    ours, theirs = (c.store.values[0, ..., :n, :] for c in (fused_cache, torch_cache))
+    (ours, scales, at), (theirs, _, _) = (_layer0_held(c) for c in (fused_cache, torch_cache))
     if kv_dtype == "int8":  # a code on a rounding boundary may take its neighbour
         assert (ours.int() - theirs.int()).abs().max() <= 1
-        assert torch.isfinite(fused_cache.store.scales[0, ..., :n, :]).all()
+        assert torch.isfinite(scales).all()
     elif kv_dtype == "bf16":
         # each rounds its fp32 V to bf16: one ulp apart, plus how far apart the two fp32
         # values may be (a value near 0 after cancellation has a tiny ulp): each is within
@@ -189,13 +219,27 @@ def test_the_fused_step_tracks_the_torch_model(arch_dir, name, kv_dtype, mode):
         slack = (
             2
             * (2 * gamma(llm.config.hidden_size) + 9 * U32)
-            * _v_magnitude(exact_llm, prompt + tokens)
+            * _v_magnitude(exact_llm, prompt + tokens)[..., at, :]
         )
         assert ((a - b).abs() <= ulp + slack.float()).all()
     else:
         exact_cache = exact_llm.new_cache("contiguous")
         exact_llm.runner.forward(prompt + tokens, exact_cache)
-        assert_as_exact_as(ours, theirs, exact_cache.store.values[0, ..., :n, :])
+        assert_as_exact_as(ours, theirs, _layer0_held(exact_cache)[0])
+
+
+def _layer0_held(cache) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Layer 0's stored K/V rows of a contiguous cache, (2, batch, kv_heads, n, head_dim),
+    their int8 (step, zero) or None, and the positions they hold: 0 .. n-1, or (a hybrid
+    cache, whose layer 0 is local) every ring slot, holding the positions slot_pos says."""
+    if isinstance(cache, HybridCache):
+        store, held, at = cache.ring.store, slice(None), cache.ring.slot_pos
+        assert (at >= 0).all()
+    else:
+        n = cache.num_tokens
+        store, held, at = cache.store, slice(0, n), torch.arange(n)
+    scales = store.scales[0, ..., held, :] if store.quantized else None
+    return store.values[0, ..., held, :], scales, at
 
 
 @needs_kernels
@@ -208,8 +252,8 @@ def test_generate_runs_the_fused_step_and_keeps_the_greedy_tokens(
     tokens, over a generation longer than the model's window, are the torch path's (equal
     up to a first divergence, where each side's token is in the other's top 5)."""
     llm, _, _ = _load(arch_dir, name, kv_dtype)
-    window = llm.config.sliding_window
-    n = (window or 16) + 24
+    window = _window(llm)
+    n = (window or 16) + 24 + (RING_SLACK if llm.config.layer_windows else 0)  # past a ring
     prompt = _ids(llm, 8, seed=12)
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
     calls: list[int] = []
@@ -250,7 +294,7 @@ def _lengths(llm: LLM) -> list[int]:
     """Rows of different lengths: within one block, across several, past 64 (two chunks),
     and for a window, past it with the first visible key at, just after and far from a
     multiple of 16 (17 rows: products in two tiles of 16)."""
-    w = llm.config.sliding_window
+    w = _window(llm)
     if w is None or w < 64:
         return [3, 16, 17, 40, 70, 9, 130, 1, 33, 64, 65, 5, 21, 48, 90, 12, 7]
     return [w + 2, w + 17, w + 40, w + 95, MAX_CONTEXT, 3, 70, w, w + 1, 17, 130, 1, 48,
@@ -353,8 +397,9 @@ def test_the_window_is_the_torch_masks_window(arch_dir):
     pool, table = BlockPool(spec, 4), [2, 0]
     llm.runner.run(Batch([prompt[:-1]], pool=pool, spec=spec, tables=[table], starts=[0]))
     decoder = llm.runner._decoder(spec.max_tokens)
+    views = [KVView(pool.store, [table], pool.block_size)]
     got = {
-        width: decoder.run(pool.store, prompt[-1:], [n - 1], [table], pool.block_size, width)[0]
+        width: decoder.run(views, prompt[-1:], [n - 1], width)[0]
         for width in (w - 1, w, w + 1)  # each rewrites position n - 1 before reading it
     }
     assert_as_exact_as(got[w], ref, exact)
@@ -367,7 +412,7 @@ def test_the_window_is_the_torch_masks_window(arch_dir):
 
 
 @needs_kernels
-@pytest.mark.parametrize("name", ["mistral-window", "qwen3", "llama-bias"])
+@pytest.mark.parametrize("name", ["mistral-window", "qwen3", "llama-bias", "gemma3"])
 def test_the_engine_batches_them_through_the_fused_step(arch_dir, name, monkeypatch):
     """The server's engine runs the decode rows of every request in one fused call, and each
     request gets the tokens it gets alone (the batch is invariant)."""
@@ -405,14 +450,16 @@ def test_the_engine_batches_them_through_the_fused_step(arch_dir, name, monkeypa
 @needs_vector_kernels
 @pytest.mark.parametrize("march", portable_build_params())
 @pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "int8"])
-@pytest.mark.parametrize("name", ["mistral-window", "mistral-hd64-window", "qwen3", "llama-bias"])
+@pytest.mark.parametrize(
+    "name", ["mistral-window", "mistral-hd64-window", "qwen3", "llama-bias", "gemma3-hd256"]
+)
 def test_the_portable_build_runs_them_alike(arch_dir, march, name, kv_dtype, monkeypatch):
     """The scalar attention (the visible keys row by row) and products of a build without
     AVX-512: as close to the exact result as the AVX-512 build, and a batch invariant too;
     the AVX2 halves likewise."""
     portable = portable_kernels(march)
     llm, folder, weights = _load(arch_dir, name, kv_dtype)
-    window = llm.config.sliding_window
+    window = _window(llm)
     prompt = _ids(llm, max(12, (window or 0) - 4), seed=16)
     steps = _ids(llm, 24, seed=17)
     logits = []
@@ -421,7 +468,7 @@ def test_the_portable_build_runs_them_alike(arch_dir, march, name, kv_dtype, mon
         llm.runner.forward(prompt, cache)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(kernels, "library", lambda lib=lib: lib)
-            slots = cache.store.values.shape[-2]
+            slots = cache.spec.max_tokens
             mp.setitem(llm.runner._fused, slots, FusedDecoder(llm.model, slots))
             logits.append(torch.stack([llm.runner.forward([t], cache) for t in steps]))
     exact_llm = _exact(folder, weights)
@@ -449,3 +496,105 @@ def test_kv_int8_mode_takes_the_fused_step_like_paged_int8():
         assert llm.runner.fused_for(llm.new_cache()) is not None, kv
         outs.append(llm.generate("The capital of France is", params)[0].outputs[0].token_ids)
     assert outs[0] == outs[1]
+
+
+def _counted_runs(monkeypatch) -> list[int]:
+    """The rows of every FusedDecoder.run call from now on."""
+    calls: list[int] = []
+    fused_run = FusedDecoder.run
+
+    def counted(self, views, tokens, *args):
+        calls.append(len(tokens))
+        return fused_run(self, views, tokens, *args)
+
+    monkeypatch.setattr(FusedDecoder, "run", counted)
+    return calls
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("reject", [0, 1, 3, 5])
+def test_a_gemma_draft_in_the_fused_step_rolls_its_ring_back(arch_dir, kv_dtype, reject,
+                                                            monkeypatch):  # fmt: skip
+    """The last token and a draft of 5, checked as 6 rows of one fused step on a hybrid
+    cache whose ring has wrapped, `reject` of them rolled back: each kept row's logits are
+    those of the fused step fed its token alone, and the cache (the whole part's rows, the
+    ring's values, scales and positions) bit for bit that of a cache fed the kept tokens
+    one at a time, so the next token's logits are too."""
+    llm = _load(arch_dir, "gemma3", kv_dtype)[0]
+    ids, draft = _ids(llm, 50, seed=21), _ids(llm, 5, seed=22)
+    a, b = llm.new_cache("contiguous"), llm.new_cache("contiguous")
+    for cache in (a, b):
+        llm.runner.forward(ids[:-1], cache)  # the prefill (torch), past the ring
+    assert a.num_tokens > a.ring.slots
+    calls = _counted_runs(monkeypatch)
+    rows = llm.runner.run(Batch([[t] for t in [ids[-1], *draft]], a, draft=True))
+    assert calls == [6]
+    a.rollback(reject)
+    kept = [ids[-1], *draft][: 6 - reject]
+    alone = torch.stack([llm.runner.forward([t], b) for t in kept])
+    assert calls == [6] + [1] * len(kept)
+    assert torch.equal(rows[: len(kept)], alone)
+    n = a.num_tokens
+    assert n == b.num_tokens and torch.equal(a.ring.slot_pos, b.ring.slot_pos)
+    for key, t in a.ring.store.raw(()).items():
+        assert torch.equal(t, b.ring.store.raw(())[key]), key
+    held = (slice(None),) * 4 + (slice(0, n),)
+    for key, t in a.whole.store.raw(held).items():
+        assert torch.equal(t, b.whole.store.raw(held)[key]), key
+    assert torch.equal(llm.runner.forward([7], a), llm.runner.forward([7], b))
+
+
+def test_a_draft_longer_than_the_rings_slack_stays_with_the_torch_step(arch_dir):
+    """The fused step writes every row's K/V before any row attends: on a ring of W + 32
+    slots, row 33 of a draft would overwrite a key row 0 reads, so such a draft is the
+    torch step's (which reads each row's ring as it was)."""
+    llm = _load(arch_dir, "gemma3")[0]
+    cache = llm.new_cache("contiguous")
+    decoder = llm.runner.fused_for(cache)
+    slack = cache.ring.slots - cache.window
+    assert decoder.drafts(cache, slack + 1) and not decoder.drafts(cache, slack + 2)
+
+
+@pytest.fixture(scope="module")
+def gemma_q4_k_m(tmp_path_factory):
+    """A Gemma 3 of head_dim 256 (4 query heads per KV head) as a Q4_K_M file of Gemma's
+    kinds: q Q5_0 and k Q8_0 (what llama.cpp falls back to for rows that are not a
+    multiple of 256, as Gemma 3 270M's 640 and 1B's 1152 are), v, down and the tied
+    vocabulary Q6_K, the rest Q4_K."""
+    from gguf import GGMLQuantizationType as Q
+
+    from helpers import sentencepiece_vocab, write_gguf_from_hf
+
+    folder = save_tiny_model(
+        tmp_path_factory.mktemp("gemma-q4km"), "gemma3", seed=15,
+        vocab_size=len(sentencepiece_vocab()[0]), hidden_size=256, intermediate_size=512,
+        head_dim=256, num_key_value_heads=1,
+    )  # fmt: skip
+    types = {"*attn_q.*": Q.Q5_0, "*attn_k.*": Q.Q8_0, "*attn_v*": Q.Q6_K,
+             "*ffn_down*": Q.Q6_K, "token_embd*": Q.Q6_K, "*": Q.Q4_K}  # fmt: skip
+    return write_gguf_from_hf(folder, folder / "m.gguf", arch="gemma3", types=types)
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["contiguous", "paged"])
+def test_a_gemma3_q4_k_m_file_takes_the_fused_step(gemma_q4_k_m, mode):
+    """--weights native on Gemma's Q4_K_M kinds: every projection, the vocabulary's
+    included, goes to the fused step in its stored kinds (q|k|v as parts Q5_0, Q8_0,
+    Q6_K; no dequantized copy), and its logits over 40 steps (past the window and the
+    ring) are as close to the exact ones as the torch path's."""
+    llm = low_bit_llm(model=gemma_q4_k_m, max_context=MAX_CONTEXT)
+    assert llm.runner.fused_reason is None, llm.runner.fused_reason
+    model = llm.model
+    for block in model.layers:
+        assert [p.kind for p in block.attn.qkv.quant.parts()] == ["q5_0", "q8", "q6_k"]
+        assert block.mlp.gate_up.quant.kind == "q4_k" and block.mlp.down.quant.kind == "q6_k"
+    head = model.lm_head
+    assert head.kernel == "quant" and head.quant.kind == "q6_k"
+    assert head.quant.data.dtype == torch.uint8  # the file's blocks, not fp32 weights
+    prompt = _ids(llm, 12, seed=23)
+    tokens, fused, ref, _, _ = fused_and_torch(llm, prompt, 40, mode)
+    exact = low_bit_llm(model=gemma_q4_k_m, max_context=MAX_CONTEXT, dtype="fp64")
+    want = exact.runner.logits(prompt + tokens, exact.new_cache("off"))[len(prompt) :]
+    assert_as_exact_as(fused, ref, want, SAME_ROUNDING)
+    assert_top_k_both_ways(fused, ref)

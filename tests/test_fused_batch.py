@@ -20,7 +20,9 @@ from helpers import (
 )
 from kvlm import LLM, kernels
 from kvlm.cache.paged import BlockPool
+from kvlm.cache.storage import Store
 from kvlm.engine.runner import Batch
+from kvlm.model.fused import KVView
 from numerics import assert_as_exact_as
 
 # rows of different lengths: within one block, across several, one past 64 positions
@@ -28,9 +30,9 @@ from numerics import assert_as_exact_as
 LENGTHS = [3, 16, 17, 40, 70, 9, 130, 1, 33, 64, 65, 5, 21, 48, 90, 12, 7, 28, 50, 2]
 
 
-def _llm(tiny_model_dir, weights: str, kv_dtype: str, act: str = "fp32") -> LLM:
+def _llm(tiny_model_dir, weights: str, kv_dtype: str, act: str = "fp32", name="llama") -> LLM:
     return LLM(
-        model=tiny_model_dir("llama"),
+        model=tiny_model_dir(name),
         progress=False,
         max_context=256,
         weights=weights,
@@ -135,17 +137,31 @@ def test_the_batched_step_refuses_positions_outside_itsscrambled_tables(tiny_mod
         ([[0] * 20], [256]),  # past the context
     ):
         with pytest.raises(ValueError, match="refused"):
-            decoder.run(pool.store, [5], starts, tables, pool.block_size, None)
+            decoder.run([KVView(pool.store, tables, pool.block_size)], [5], starts, None)
+    # views that do not hold every layer once, in a store that has it: refused before or
+    # by the C step (a layer's index past its view's store, a ring shorter than a window)
+    one = Store((1, *pool.store.values.shape[1:]), torch.float32, torch.device("cpu"))
+    bs = pool.block_size
+    for views, match in (
+        ([KVView(pool.store, [[0]], bs, 0, (0,))], "layer 1 in no view"),
+        ([KVView(pool.store, [[0]], bs), KVView(one, [[1]], bs, 0, (1,))], "in two views"),
+        ([KVView(one, [[0]], bs, 0, (0, 1))], "refused"),  # index 1 of a 1-layer store
+        ([KVView(pool.store, [[0, 1]], bs, 2 * bs)], "refused"),  # a ring of no window
+    ):
+        with pytest.raises(ValueError, match=match):
+            decoder.run(views, [5], [3], None)
     assert torch.equal(pool.store.values, before)
 
 
 @needs_kernels
 @pytest.mark.parametrize("mode", ["contiguous", "paged"])
-def test_forked_samples_decode_in_one_step_as_each_would_alone(tiny_model_dir, mode):
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_forked_samples_decode_in_one_step_as_each_would_alone(tiny_model_dir, mode, name):
     """n samples of one prompt (cache.fork, as LLM.generate does for n > 1) step together
     through the fused step, over a contiguous cache of n rows or a paged one (its shared
-    last block copied on write), each row as a cache of its own would."""
-    llm = _llm(tiny_model_dir, "int4", "fp32")
+    last block copied on write), each row as a cache of its own would; Gemma 3's
+    contiguous cache is a hybrid one, its ring forked too and wrapped by the 51 tokens."""
+    llm = _llm(tiny_model_dir, "int4", "fp32", name=name)
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(3, llm.config.vocab_size, (21,), generator=g).tolist()
     rows = torch.randint(3, llm.config.vocab_size, (3, 30), generator=g).tolist()

@@ -52,10 +52,10 @@ def refusal(model: str, mode: str, kv_dtype: str | None, feature: str) -> str | 
         return "keeps no cache" if feature == "save/load" else "cannot roll back"
     if feature == "speculative decoding" and mode in NO_SPECULATION:
         return NO_SPECULATION[mode]
-    if feature == "fused low-bit step" and model == "hybrid":
-        return f"torch step: {fused.GEMMA_BLOCK}"
     if feature == "fused low-bit step" and mode not in fused.CACHE_MODES:
         return f"torch step: {fused.NOT_THIS_CACHE}"
+    if feature == "fused low-bit step" and model == "hybrid" and mode in ("paged", "int8"):
+        return f"torch step: {fused.HYBRID_POOL}"
     return None
 
 

@@ -424,17 +424,21 @@ class BlockManager:
             group.trim(blocks, num_tokens)
         del table.hashes[len(table.blocks) :]
 
-    def pin(self, tokens: Sequence[int], salt: str | None = None) -> list[int]:
+    def pin(self, tokens: Sequence[int], salt: str | None = None) -> list[list[int]]:
         """Hold the blocks of the longest cached prefix of `tokens` (a stored conversation:
-        its last token not computed) so that eviction passes them by; unpin() lets go."""
-        blocks, _ = self.match(tokens, salt)
-        for block in blocks:
-            self.pool.revive(block)
-        return blocks
+        its last token not computed) so that eviction passes them by, each layer group's
+        (a hybrid pool's windowed groups: the window before the hit); unpin() lets go."""
+        hit = self._match(tokens, salt)
+        held = [[b for b in blocks if b != FREED] for blocks in [hit.blocks, *hit.windowed]]
+        for group, blocks in zip(self.pool.groups, held, strict=True):
+            for block in blocks:
+                group.revive(block)
+        return held
 
-    def unpin(self, blocks: Sequence[int]) -> None:
-        for block in reversed(blocks):  # tail first, as free() does
-            self.pool.release(block)
+    def unpin(self, held: Sequence[Sequence[int]]) -> None:
+        for group, blocks in zip(self.pool.groups, held, strict=True):
+            for block in reversed(blocks):  # tail first, as free() does
+                group.release(block)
 
     def free(self, table: BlockTable) -> None:
         """Release a sequence's blocks, tail first: its last blocks are evicted first."""

@@ -103,6 +103,8 @@ class _WindowStep(CacheStep):
         if cache.cache_positions:
             self.key_rotation = None
         self.staged: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * cache.spec.num_layers
+        self.in_place = False  # the K/V written into the ring by the caller (written_in_place)
+        self.undo: tuple | None = None  # a draft's undo record, taken before those writes
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVPair:
         if self._basis is not None:
@@ -219,18 +221,34 @@ class WindowCache(RowCache):
     def _begin(self, n_new: int, draft: bool) -> CacheStep:
         return (WindowDraftRowsStep if draft else _WindowStep)(self, n_new)
 
-    def _commit(self, step: CacheStep) -> None:
-        assert isinstance(step, _WindowStep)
+    def _kept(self, step: _WindowStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's positions, which of them the ring keeps, and their slots."""
         s = self.spec
         pos = torch.arange(step.start, step.start + step.n_new, device=s.device)
         keep = (pos < s.sinks) | (pos >= step.start + step.n_new - s.window)
-        slots = self._slot(pos[keep])  # distinct: at most W ring tokens kept
-        self._undo = None
-        if isinstance(step, WindowDraftRowsStep):  # what it overwrites, for a rollback
-            index = (ALL, ALL, ALL, ALL, slots)
-            raw = {key: t.clone() for key, t in self.store.raw(index).items()}
-            self._undo = (step.start, step.n_new, slots, raw, self.slot_pos[slots].clone())
-        for layer, (k, v) in enumerate(step.staged):
+        return pos, keep, self._slot(pos[keep])  # distinct slots: at most W ring tokens kept
+
+    def _undo_of(self, step: _WindowStep, slots: torch.Tensor) -> tuple | None:
+        """A draft check's record of what its commit overwrites, for a rollback."""
+        if not isinstance(step, WindowDraftRowsStep):
+            return None
+        raw = {key: t.clone() for key, t in self.store.raw((ALL, ALL, ALL, ALL, slots)).items()}
+        return (step.start, step.n_new, slots, raw, self.slot_pos[slots].clone())
+
+    def written_in_place(self, step: CacheStep) -> None:
+        """The caller writes the step's K/V into the ring itself, every token at its slot
+        (the fused decode step, kvlm.model.fused, over a ring with positions as in the
+        text): a draft's undo record is taken now, before anything is overwritten, and
+        commit() then only records the positions."""
+        assert isinstance(step, _WindowStep) and not self.cache_positions
+        step.undo = self._undo_of(step, self._kept(step)[2])
+        step.in_place = True
+
+    def _commit(self, step: CacheStep) -> None:
+        assert isinstance(step, _WindowStep)
+        pos, keep, slots = self._kept(step)
+        self._undo = step.undo if step.in_place else self._undo_of(step, slots)
+        for layer, (k, v) in enumerate([] if step.in_place else step.staged):
             self.store.put((layer, 0, ALL, ALL, slots), k[:, :, keep])
             self.store.put((layer, 1, ALL, ALL, slots), v[:, :, keep])
         self.slot_pos[slots] = pos[keep]

@@ -169,7 +169,7 @@ class Engine:
                               sched.max_num_seqs, str(llm.numerics), kv)  # fmt: skip
         self.requests: dict[str, _Request] = {}
         # blocks held for stored conversations (the Responses API), oldest first
-        self.pins: OrderedDict[str, list[int]] = OrderedDict()
+        self.pins: OrderedDict[str, list[list[int]]] = OrderedDict()
         self.stats = EngineStats()
         self.last_batch: Batch | None = None  # what the latest step ran
         GC_TIME.watch()  # a slow step's log line says how much of it was collection
@@ -593,8 +593,12 @@ class Engine:
             return
         self.unpin(key)
         self.pins[key] = self.manager.pin(tokens, salt)
-        while sum(len(b) for b in self.pins.values()) > share * self.pool.num_blocks:
+        while self._pinned() > share * self.pool.num_blocks:
             self.unpin(next(iter(self.pins)))
+
+    def _pinned(self) -> int:
+        """Group 0's blocks held by pins (the share is of group 0's blocks)."""
+        return sum(len(held[0]) for held in self.pins.values())
 
     def unpin(self, key: str) -> None:
         """Let go of `key`'s blocks: they stay cached until evicted (or in the tiers)."""
@@ -614,7 +618,7 @@ class Engine:
             "blocks_used": pool.num_used,
             "blocks_free": pool.num_free,
             "blocks_total": pool.num_blocks,
-            "blocks_pinned": sum(len(b) for b in self.pins.values()),
+            "blocks_pinned": self._pinned(),
             "prefix_queries": self.manager.stats.queries,
             "prefix_hits": self.manager.stats.hits,
             "prefix_hit_rate": self.manager.stats.hit_rate,

@@ -28,10 +28,6 @@ from kvlm.cache.paged import BlockPool, PagedCache, RaggedStep, TableStep
 from kvlm.model import fused, graphs
 from kvlm.model.transformer import Transformer
 
-# Why a pool with a block table per layer group (a hybrid model's, kvlm.cache.paged) runs
-# the torch step: the fused C step and the CUDA graphs read one store through one table
-HYBRID_POOL = "the fused step and CUDA graphs read one block table per row, not one per layer group"
-
 
 @dataclass(slots=True)
 class Batch:
@@ -97,7 +93,7 @@ class ModelRunner:
 
     def fused_for(self, cache: KVCache) -> fused.FusedDecoder | None:
         """The fused decode step for this cache, when it applies (not yet a pool with a
-        block table per layer group: HYBRID_POOL)."""
+        block table per layer group: fused.HYBRID_POOL)."""
         if isinstance(cache, PagedCache) and cache.pool.hybrid:
             return None
         decoder = self._decoder(cache.spec.max_tokens)
@@ -111,7 +107,7 @@ class ModelRunner:
         if self.fused_reason is not None:
             return f"torch step: {self.fused_reason}"
         if isinstance(cache, PagedCache) and cache.pool.hybrid:
-            return f"torch step: {HYBRID_POOL}"
+            return f"torch step: {fused.HYBRID_POOL}"
         if self.fused_for(cache) is None:
             rows = f"{cache.batch} row" + ("s" if cache.batch != 1 else "")
             return f"torch step: {fused.NOT_THIS_CACHE}, not {cache.mode} ({rows})"
@@ -149,14 +145,11 @@ class ModelRunner:
         return logits if all_rows else logits[:, -1]
 
     @staticmethod
-    def _run_fused(decoder, cache: KVCache, tokens: list[int], starts: list[int], rows: list[int]):
-        """The fused step over `cache`: token i at starts[i], through the block table of
-        the cache's row rows[i] (a contiguous cache's row b is block b holding every slot)."""
-        paged = isinstance(cache, PagedCache)
-        store = cache.pool.store if paged else cache.store
-        bs = cache.pool.block_size if paged else store.values.shape[-2]
-        tables = [cache.tables[r] if paged else [r] for r in rows]
-        return decoder.run(store, tokens, starts, tables, bs, cache.spec.sliding_window)
+    def _run_fused(decoder, cache: KVCache, step, tokens: list[int], starts: list[int], rows):
+        """The fused step over `cache`: token i at starts[i], through the cache's row
+        rows[i] (fused.FusedDecoder.views_of: its block table, or its slots)."""
+        views = decoder.views_of(cache, step, rows)
+        return decoder.run(views, tokens, starts, cache.spec.sliding_window)
 
     def _on_cache(self, b: Batch) -> torch.Tensor:
         """Rows of one cache: row b's tokens after what it holds for row b (all rows one
@@ -171,7 +164,7 @@ class ModelRunner:
         if one and self._decodes_alike(b.prompt) and (decoder := self.fused_for(cache)):
             step = cache.begin(1)  # raises on overflow (paged: allocates, copies on write)
             n = len(rows)
-            logits = self._run_fused(decoder, cache, tokens, [step.start] * n, list(range(n)))
+            logits = self._run_fused(decoder, cache, step, tokens, [step.start] * n, range(n))
         else:
             step = cache.begin(len(rows[0]))  # raises on overflow before any write
             logits = self._torch(rows, step, b.prompt, b.all_rows)
@@ -188,9 +181,9 @@ class ModelRunner:
         n = len(tokens)
         step = cache.begin(n, draft=True)  # refuses other caches, raises on overflow
         decoder = self.fused_for(cache)
-        if decoder is not None:
+        if decoder is not None and decoder.drafts(cache, n):
             starts = [step.start + i for i in range(n)]
-            logits = self._run_fused(decoder, cache, tokens, starts, [0] * n)
+            logits = self._run_fused(decoder, cache, step, tokens, starts, [0] * n)
         else:
             logits = self._torch([[t] for t in tokens], step, False, False)
         cache.commit(step)
@@ -210,7 +203,8 @@ class ModelRunner:
         if one and len(rows) <= fused.MAX_ROWS and self._decodes_alike(b.prompt):
             decoder = self._decoder(spec.max_tokens)
             if decoder is not None and decoder.reads(pool.store):
-                return decoder.run(pool.store, tokens, b.starts, b.tables, pool.block_size, window)
+                views = [fused.KVView(pool.store, b.tables, pool.block_size)]
+                return decoder.run(views, tokens, b.starts, window)
         step = TableStep(pool, spec, list(b.tables), list(b.starts), len(rows[0]), b.windowed)
         return self._torch(rows, step, b.prompt, b.all_rows)
 

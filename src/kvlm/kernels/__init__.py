@@ -45,7 +45,7 @@ import torch  # loaded first, so the kernels share torch's OpenMP runtime
 
 SOURCE = Path(__file__).with_name("qgemm.c")
 HEADERS = (Path(__file__).with_name("v512.h"),)  # qgemm.c includes them (quoted: beside it)
-ABI = 13
+ABI = 14
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 120
 WORK_PREFIX, WORK_SUFFIX = ".qgemm-", ".tmp"  # a build's private directory in the cache
@@ -327,8 +327,8 @@ _SIGNATURES = {
     "kvlm_rms_norm": "piiipdpi",  # x, M, N, xs, w, eps, y, ys
     "kvlm_qk_norm_rope": "piiiiippdppi",  # qkv, M, rs, nq, nk, D, qn, kn, eps, cos, sin, cs
     "kvlm_decode_scratch": "pi",  # m, B
-    # m, B, x, pos, cos, sin, kv, num_blocks, block_size, tables, width, scratch, logits
-    "kvlm_decode_batch": "pipppppiipipp",
+    # m, B, x, pos, cos, sin, views, n_views, scratch, logits
+    "kvlm_decode_batch": "pipppppipp",
 }
 _CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "d": ctypes.c_double}
 

@@ -144,7 +144,7 @@ static inline uint16_t to_f16(float f) {
 #endif
 }
 
-int kvlm_kernel_abi(void) { return 13; }
+int kvlm_kernel_abi(void) { return 14; }
 
 /* 512: AVX-512; 256: the same code on AVX2 (two halves per vector); 0: scalar loops */
 int kvlm_kernel_simd(void) { return KVLM_V512; }
@@ -1093,9 +1093,10 @@ int kvlm_qpack(int64_t kind, const uint8_t *src, int64_t N, int64_t K, const int
 }
 
 /* ------------------------------------------------------------------------------------
- * One decode step of a Llama-family model, whole, for one sequence on a contiguous fp32
- * KV cache: the per-token path without ~500 small torch ops. The math is the torch
- * model's (kvlm.model.transformer), in the same order; only summation order differs.
+ * One decode step of a Llama-family or Gemma 2/3 model, whole, for B sequences over their
+ * K/V caches (contiguous, paged, a hybrid cache's ring: kvlm_kv_view): the per-token path
+ * without ~500 small torch ops. The math is the torch model's (kvlm.model.transformer), in
+ * the same order; only summation order differs.
  * ------------------------------------------------------------------------------------ */
 
 #define QMAT_PARTS 3 /* a fused projection's row parts, each of its own kind */
@@ -1117,8 +1118,16 @@ typedef struct {
     kvlm_qmat qkv, o, gate_up, down;
     /* NULL when the model has none: the q|k|v bias (Qwen2; Llama's attention_bias), added
      * after the product as torch's Linear does; o_proj's bias; the per-head RMSNorm
-     * weights (head_dim each) of the queries and keys before RoPE (Qwen3) */
+     * weights (head_dim each) of the queries and keys before RoPE (Qwen3, Gemma 3) */
     const float *qkv_bias, *o_bias, *q_norm, *k_norm;
+    /* Gemma's sandwich norms (NULL: none): the attention's output after o_proj and the
+     * MLP's after down, each normed before it is added to the residual */
+    const float *attn_out_norm, *mlp_out_norm;
+    int64_t window; /* keys the query at p sees: p - window < s <= p; 0: all of 0 .. p;
+                       -1: the step's window (kvlm_qmodel.window) */
+    int64_t rope;   /* which cos/sin table (0: the model's base; 1: the local layers') */
+    int64_t view;   /* which cache view holds this layer's K/V (kvlm_kv_view) */
+    int64_t index;  /* the layer's index inside that view's store */
 } kvlm_qlayer;
 
 typedef struct {
@@ -1129,13 +1138,32 @@ typedef struct {
     kvlm_qmat lm_head;
     int64_t kv_dtype;        /* the cache stores KV_F32, KV_BF16, KV_I8 or KV_F16 */
     int64_t act_int8;        /* products round x to int8 per group (--activations int8) */
-    uint16_t *kv_params;     /* KV_I8: (step, zero) per row, (layers, 2, kv_heads, slots, 2) */
     const float *key_rot;    /* KV_I8: R (head_dim x head_dim); K rows are stored as k R */
-    int64_t window;          /* the model's attention window (Mistral): the query at p sees
-                                keys p - window < s <= p; 0: all of 0 .. p */
+    int64_t window;          /* the step's attention window (Mistral) for the layers whose
+                                own is -1: the query at p sees keys p - window < s <= p; 0:
+                                all of 0 .. p */
     int64_t head_act_int8;   /* the vocabulary projection rounds x to int8 too (off under
                                 --activations int8: near-tied logits decide the token) */
+    int64_t gelu;            /* the MLP's gate: 0 SiLU (SwiGLU), 1 tanh's GELU (GeGLU) */
+    float score_scale;       /* the scores' scale (head_dim^-0.5, or Gemma's own) */
+    float attn_softcap;      /* scores soft-capped, cap tanh(s / cap), before the softmax
+                                (Gemma 2); 0: none */
+    int64_t rope_tables;     /* the cos/sin tables given (1, or 2: a local layers' base) */
 } kvlm_qmodel;
+
+/* Where a group of layers keeps its K/V: a store (layers, 2, num_blocks, kv_heads,
+ * block_size, head_dim) (+ int8 (step, zero) per row in params), addressed per row of the
+ * step through tables [B, width] of block ids. Position s of row b is slot s (ring 0) or
+ * s % ring (a ring of `ring` slots, a multiple of block_size: the local layers' window
+ * cache), in block tables[b][slot / block_size]. A contiguous cache is one block per row
+ * holding every slot (tables {b}, block_size its slots). */
+typedef struct {
+    void *kv;
+    uint16_t *params;        /* KV_I8: (layers, 2, num_blocks, kv_heads, block_size, 2) */
+    const int32_t *tables;
+    int64_t width, num_blocks, block_size, ring;
+    int64_t layers;          /* the store's layers (a layer's index is checked against it) */
+} kvlm_kv_view;
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_F16 = 3 };
 
@@ -1256,19 +1284,25 @@ static inline void axpy_kv(float a, const char *row, int dt, float *y, int64_t n
 }
 
 #define MAX_CHUNKS 8 /* position chunks per KV head: the threads' work items */
+#define MAX_HEAD_DIM 256 /* the attention's buffers (Gemma 3's head_dim) */
 #define MAX_BATCH 256 /* the most rows (sequences) one decode step takes */
 
-/* Where one KV head's cache rows lie, contiguous or paged. Position s of the sequence is
- *     base + table[s / bs] * bstride + (s % bs) * row_bytes
+/* Where one KV head's cache rows lie, contiguous, paged or in a ring. Position s of the
+ * sequence is slot t = s (or s % ring), at
+ *     base + table[t / bs] * bstride + (t % bs) * row_bytes
  * contiguous cache: table {0}, bs = its slots (one block of everything); paged pool
  * (kvlm.cache.paged): the sequence's block table, bs = block_size, bstride = the bytes of
- * one block id (all KV heads). The kernels walk [s0, s1) in runs of one block each. */
+ * one block id (all KV heads); a ring (kvlm.cache.window, a multiple of bs slots): its
+ * wrap falls on a block's end. The kernels walk [s0, s1) in runs of one block each. */
 typedef struct {
     const char *base;     /* this layer's K or V (or their int8 parameters), this KV head, block id 0 */
     const int32_t *table; /* block ids of the sequence */
     int64_t bs, bstride;  /* positions per block; bytes from one block id to the next */
     int64_t n;            /* positions the sequence holds (prefetching stops there) */
+    int64_t ring;         /* 0, or the ring's slots: position s in slot s % ring */
 } kv_span;
+
+static inline int64_t slot_of(int64_t ring, int64_t s) { return ring ? s % ring : s; }
 
 /* the first row of the run that starts at position a; *end: where it stops (its block's
  * end or s1); *lim: the end of its block's rows (prefetching within the block stops there:
@@ -1276,19 +1310,18 @@ typedef struct {
  * next chunk finds it fetched) */
 static inline const char *run_at(const kv_span *sp, int64_t rowb, int64_t a, int64_t s1,
                                  int64_t *end, const char **lim) {
-    const int64_t blk = a / sp->bs, e = (blk + 1) * sp->bs;
+    const int64_t t = slot_of(sp->ring, a), blk = t / sp->bs, e = a + (blk + 1) * sp->bs - t;
     const char *block = sp->base + (int64_t)sp->table[blk] * sp->bstride;
     *end = e < s1 ? e : s1;
     if (lim) *lim = block + sp->bs * rowb;
-    return block + (a - blk * sp->bs) * rowb;
+    return block + (t - blk * sp->bs) * rowb;
 }
 
 /* one row, wherever its block is (the scalar paths) */
 static inline const char *row_at(const kv_span *sp, int64_t rowb, int64_t s) {
-    return sp->base + (int64_t)sp->table[s / sp->bs] * sp->bstride + (s % sp->bs) * rowb;
+    const int64_t t = slot_of(sp->ring, s);
+    return sp->base + (int64_t)sp->table[t / sp->bs] * sp->bstride + (t % sp->bs) * rowb;
 }
-
-
 
 #if KVLM_V512
 /* Cache rows are fetched 8 KiB ahead of the row being read, into L2: without it the
@@ -1309,9 +1342,11 @@ static inline __attribute__((always_inline)) void fetch_ahead(const char *row, i
 static inline __attribute__((always_inline)) void fetch_run(const kv_span *sp, int64_t rowb,
                                                             int64_t a, int64_t s0) {
     const int64_t bb = sp->bs * rowb, k = bb >= KV_AHEAD ? 1 : KV_AHEAD / bb;
-    const int64_t blk = a / sp->bs, bytes = bb < KV_AHEAD ? bb : KV_AHEAD;
-    for (int64_t j = a == s0 ? 1 : k; j <= k && (blk + j) * sp->bs < sp->n; j++) {
-        const char *r = sp->base + (int64_t)sp->table[blk + j] * sp->bstride;
+    const int64_t t = slot_of(sp->ring, a), blk = t / sp->bs, bytes = bb < KV_AHEAD ? bb : KV_AHEAD;
+    const int64_t blocks = sp->ring / sp->bs; /* a ring's wrap (0: none) */
+    for (int64_t j = a == s0 ? 1 : k; j <= k && a - t % sp->bs + j * sp->bs < sp->n; j++) {
+        const int64_t at = blocks && blk + j >= blocks ? (blk + j) % blocks : blk + j;
+        const char *r = sp->base + (int64_t)sp->table[at] * sp->bstride;
         for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(r + i, _MM_HINT_T1);
     }
 }
@@ -1405,6 +1440,7 @@ static void scores_dispatch(int ng, int nv, const float *qs, const kv_span *K, i
         return;                                                                              \
     }
     SC_CASE(1, 4) SC_CASE(2, 4) SC_CASE(3, 4) SC_CASE(4, 4) SC_CASE(1, 8) SC_CASE(2, 8)
+    SC_CASE(1, 16) SC_CASE(2, 16) SC_CASE(4, 16)
 #undef SC_CASE
     for (int h = 0; h < ng; h++)
         scores_rows(1, nv, 0, qs + h * D, K, dt, esz, D, S, s0, s1, p + h * S);
@@ -1425,7 +1461,7 @@ static inline float max_of(const float *p, int64_t n) {
 static inline __attribute__((always_inline)) void
 pv_avx512(const int NG, const int NV, const int PAIRS, const float *p, const kv_span *V, int dt,
           int64_t esz, int64_t D, int64_t S, int64_t s0, int64_t s1, const float *bias,
-          float *o) {
+          float *o, int64_t col) {
     const int64_t rowb = D * esz;
     __m512 acc[8][8];
     for (int h = 0; h < NG; h++)
@@ -1434,7 +1470,7 @@ pv_avx512(const int NG, const int NV, const int PAIRS, const float *p, const kv_
         const char *lim, *run = run_at(V, rowb, a, s1, &e, &lim);
         fetch_run(V, rowb, a, s0);
         for (int64_t s = a; s < e; s++) {
-            const char *r = run + (s - a) * rowb;
+            const char *r = run + (s - a) * rowb + col * esz;
             fetch_ahead(r, rowb, lim);
             for (int v = 0; v < NV; v += 1 + PAIRS) {
                 __m512 x[2];
@@ -1451,7 +1487,7 @@ pv_avx512(const int NG, const int NV, const int PAIRS, const float *p, const kv_
         }
     }
     for (int h = 0; h < NG; h++) {
-        float *oh = o + h * D;
+        float *oh = o + h * D + col;
         for (int v = 0; v < NV; v += 1 + PAIRS) {
             if (!PAIRS) {
                 _mm512_storeu_ps(oh + 16 * v, bias ? _mm512_add_ps(acc[h][v], _mm512_set1_ps(bias[h]))
@@ -1469,32 +1505,39 @@ pv_avx512(const int NG, const int NV, const int PAIRS, const float *p, const kv_
     }
 }
 
-static void pv_dispatch(int ng, int nv, const float *p, const kv_span *V, int dt, int64_t esz,
+/* head_dim 256 (Gemma 3) in two passes of 128 columns over the chunk's rows (just read: in
+ * L1/L2), so the accumulators of up to 4 heads x 8 vectors stay in registers */
+static void pv_dispatch(int ng, const float *p, const kv_span *V, int dt, int64_t esz,
                         int64_t D, int64_t S, int64_t s0, int64_t s1, float *o) {
+    for (int64_t col = 0; col < D; col += 128) {
+        const int nv = (int)((D - col < 128 ? D - col : 128) / 16);
 #define PV_CASE(G_, V_)                                                                      \
-    if (ng == G_ && nv == V_) {                                                              \
-        pv_avx512(G_, V_, 0, p, V, dt, esz, D, S, s0, s1, NULL, o);                          \
-        return;                                                                              \
-    }
-    PV_CASE(1, 4) PV_CASE(2, 4) PV_CASE(3, 4) PV_CASE(4, 4) PV_CASE(1, 8) PV_CASE(2, 8)
-    PV_CASE(4, 8)
+        if (ng == G_ && nv == V_) {                                                          \
+            pv_avx512(G_, V_, 0, p, V, dt, esz, D, S, s0, s1, NULL, o, col);                 \
+            continue;                                                                        \
+        }
+        PV_CASE(1, 4) PV_CASE(2, 4) PV_CASE(3, 4) PV_CASE(4, 4) PV_CASE(1, 8) PV_CASE(2, 8)
+        PV_CASE(4, 8)
 #undef PV_CASE
-    for (int h = 0; h < ng; h++)
-        pv_avx512(1, nv, 0, p + h * S, V, dt, esz, D, S, s0, s1, NULL, o + h * D);
+        for (int h = 0; h < ng; h++)
+            pv_avx512(1, nv, 0, p + h * S, V, dt, esz, D, S, s0, s1, NULL, o + h * D, col);
+    }
 }
 
 #endif
 
 /* The softmax pieces of a chunk's scores p[h * S + s], s in [s0, s1), of which the query
- * sees [v0, s1) (v0 > s0 only in a windowed row's first chunk, which starts at the multiple
+ * sees [v0, s1) (soft-capped first when cap > 0) (v0 > s0 only in a windowed row's first chunk, which starts at the multiple
  * of 16 below its first visible key, so that its runs group positions as every other
  * chunk's do): m[h], the most of the visible scores; l[h], the sum of their exp(p - m),
  * left in place; the hidden ones set to 0, so that p.V over [s0, s1) adds nothing for
  * them (0 * v, v a written row's finite value). */
 static void softmax_pieces(int ng, float *p, int64_t S, int64_t s0, int64_t v0, int64_t s1,
-                           float *m, float *l) {
+                           float cap, float *m, float *l) {
     for (int h = 0; h < ng; h++) {
         float *ph = p + h * S;
+        if (cap > 0.f) /* Gemma 2: cap tanh(s / cap), as attend_capped caps them */
+            for (int64_t s = v0; s < s1; s++) ph[s] = tanhf(ph[s] / cap) * cap;
 #if KVLM_V512
         m[h] = max_of(ph + v0, s1 - v0);
 #else
@@ -1508,19 +1551,21 @@ static void softmax_pieces(int ng, float *p, int64_t S, int64_t s0, int64_t v0, 
 
 #if KVLM_V512
 /* scores, softmax pieces and p.V over a bf16 cache for NG <= 4 query heads and head_dim
- * 32 * NP (NP 2 or 4); 0 when this shape has no case here (the caller widens per row) */
+ * 32 * NP (NP 2, 4 or 8: p.V of 256 in two passes of 128 columns, pv_dispatch's); 0 when
+ * this shape has no case here (the caller widens per row) */
 static int attend_bf16(int ng, int64_t D, const float *qs2, const kv_span *K, const kv_span *V,
-                       int64_t S, int64_t s0, int64_t v0, int64_t s1, float *p, float *m,
-                       float *l, float *o) {
+                       int64_t S, int64_t s0, int64_t v0, int64_t s1, float cap, float *p,
+                       float *m, float *l, float *o) {
 #define BF_CASE(G_, P_)                                                                      \
     if (ng == G_ && D == 32 * P_) {                                                          \
         scores_rows(G_, 2 * P_, 1, qs2, K, 1, 2, D, S, s0, s1, p);                           \
-        softmax_pieces(G_, p, S, s0, v0, s1, m, l);                                          \
-        pv_avx512(G_, 2 * P_, 1, p, V, 1, 2, D, S, s0, s1, NULL, o);                         \
+        softmax_pieces(G_, p, S, s0, v0, s1, cap, m, l);                                     \
+        for (int64_t col = 0; col < D; col += 128)                                           \
+            pv_avx512(G_, 2 * (P_ < 4 ? P_ : 4), 1, p, V, 1, 2, D, S, s0, s1, NULL, o, col); \
         return 1;                                                                            \
     }
     BF_CASE(1, 2) BF_CASE(2, 2) BF_CASE(3, 2) BF_CASE(4, 2) BF_CASE(1, 4) BF_CASE(2, 4)
-    BF_CASE(3, 4) BF_CASE(4, 4)
+    BF_CASE(3, 4) BF_CASE(4, 4) BF_CASE(1, 8) BF_CASE(2, 8) BF_CASE(4, 8)
 #undef BF_CASE
     return 0;
 }
@@ -1541,25 +1586,44 @@ static void silu_mul(const float *g, const float *u, float *y, int64_t n) {
     for (; i < n; i++) y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
+/* y = gelu_tanh(g) * u, GELU's tanh form 0.5 g (1 + tanh(c (g + 0.044715 g^3))), c =
+ * sqrt(2 / pi), written as g / (1 + exp(-2 c (g + 0.044715 g^3))) (the same function:
+ * 1 + tanh(t) = 2 / (1 + exp(-2t))), silu_mul's shape */
+static void gelu_mul(const float *g, const float *u, float *y, int64_t n) {
+    const float c2 = -2.0f * 0.7978845608028654f, k = 0.044715f;
+    int64_t i = 0;
+#if KVLM_V512
+    for (; i < n; i += 16) {
+        __mmask16 m = tail_mask(n - i);
+        __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
+        __m512 t = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(k), gv), _mm512_mul_ps(gv, gv), gv);
+        __m512 e = exp512(_mm512_mul_ps(_mm512_set1_ps(c2), t));
+        __m512 s = _mm512_div_ps(gv, _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
+        _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + i)));
+    }
+#endif
+    for (; i < n; i++) y[i] = g[i] / (1.0f + expf(c2 * (g[i] + k * g[i] * g[i] * g[i]))) * u[i];
+}
+
 /* Attention of the `ng` query heads of one KV head over the chunk [s0, s1), of which the
- * query sees [v0, s1) (softmax_pieces): unnormalised output o (ng x D), running max m and
- * sum l per head (combined across chunks later). */
+ * query sees [v0, s1) (softmax_pieces, scores soft-capped when cap > 0): unnormalised
+ * output o (ng x D), running max m and sum l per head (combined across chunks later). */
 static void attend_chunk(const float *q, int ng, const kv_span *K, const kv_span *V, int dt,
                          int64_t esz, int64_t D, int64_t S, int64_t s0, int64_t v0, int64_t s1,
-                         float scale, float *p, float *m, float *l, float *o) {
+                         float scale, float cap, float *p, float *m, float *l, float *o) {
 #if KVLM_V512
-    if (D % 16 == 0 && D <= 128) {
-        float qs[8 * 128]; /* the heads' queries times the softmax scale */
+    if (D % 16 == 0 && D <= MAX_HEAD_DIM) {
+        float qs[8 * MAX_HEAD_DIM]; /* the heads' queries times the softmax scale */
         for (int64_t i = 0; i < ng * D; i++) qs[i] = q[i] * scale;
         if (dt == KV_BF16 && D % 32 == 0) { /* bf16 alone: words split into halves */
-            float qs2[8 * 128]; /* split per 32: 16 even elements, then 16 odd */
+            float qs2[8 * MAX_HEAD_DIM]; /* split per 32: 16 even elements, then 16 odd */
             for (int64_t i = 0; i < ng * D; i++)
                 qs2[i / 32 * 32 + (i % 2) * 16 + (i % 32) / 2] = qs[i];
-            if (attend_bf16(ng, D, qs2, K, V, S, s0, v0, s1, p, m, l, o)) return;
+            if (attend_bf16(ng, D, qs2, K, V, S, s0, v0, s1, cap, p, m, l, o)) return;
         }
         scores_dispatch(ng, (int)(D / 16), qs, K, dt, esz, D, S, s0, s1, p);
-        softmax_pieces(ng, p, S, s0, v0, s1, m, l);
-        pv_dispatch(ng, (int)(D / 16), p, V, dt, esz, D, S, s0, s1, o);
+        softmax_pieces(ng, p, S, s0, v0, s1, cap, m, l);
+        pv_dispatch(ng, p, V, dt, esz, D, S, s0, s1, o);
         return;
     }
 #endif
@@ -1569,6 +1633,7 @@ static void attend_chunk(const float *q, int ng, const kv_span *K, const kv_span
         for (int64_t s = v0; s < s1; s++) {
             const char *row = row_at(K, D * esz, s);
             ph[s] = dot_kv(qh, row, dt, D) * scale;
+            if (cap > 0.f) ph[s] = tanhf(ph[s] / cap) * cap;
             mx = ph[s] > mx ? ph[s] : mx;
         }
         m[h] = mx;
@@ -1634,8 +1699,8 @@ void kvlm_f16_round_trip(const float *x, uint16_t *h, float *y, int64_t n) {
 /* y = x R (R: D x D, row-major) */
 static void rotate(const float *x, const float *R, int64_t D, float *y) {
 #if KVLM_V512
-    if (D % 16 == 0 && D <= 128) { /* y in registers, one broadcast of x[i] per row of R */
-        __m512 acc[8];
+    if (D % 16 == 0 && D <= MAX_HEAD_DIM) { /* y in registers, one x[i] per row of R */
+        __m512 acc[MAX_HEAD_DIM / 16];
         for (int64_t v = 0; v < D / 16; v++) acc[v] = _mm512_setzero_ps();
         for (int64_t i = 0; i < D; i++) {
             const __m512 xi = _mm512_set1_ps(x[i]);
@@ -1679,7 +1744,7 @@ static inline __m128i reduce4i(__m512i a, __m512i b, __m512i c, __m512i d) {
     return _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1));
 }
 
-/* p[h * S + s] for NG heads, head_dim <= 64 NB, four positions per reduction */
+/* p[h * S + s] for NG heads, head_dim <= 64 NB (NB <= 4), four positions per reduction */
 static inline __attribute__((always_inline)) void
 scores_i8(const int NG, const int NB, const int8_t *q8, int64_t QS, const float *sq,
           const float *sumq, const kv_span *Ks, const kv_span *Kps, int64_t D, int64_t S,
@@ -1687,7 +1752,7 @@ scores_i8(const int NG, const int NB, const int8_t *q8, int64_t QS, const float 
     const __mmask64 last = D == 64 * NB ? ~0ULL : (1ULL << (D - 64 * (NB - 1))) - 1;
     const __m512i flip = _mm512_set1_epi8((char)0x80); /* c + 128 as unsigned bytes */
     const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-    __m512i qv[4][2];
+    __m512i qv[4][4];
     for (int h = 0; h < NG; h++)
         for (int b = 0; b < NB; b++) qv[h][b] = _mm512_loadu_si512(q8 + h * QS + 64 * b);
     for (int64_t a0 = s0, e; a0 < s1; a0 = e) {
@@ -1737,18 +1802,25 @@ static int scores_i8_dispatch(int ng, int64_t D, const int8_t *q8, int64_t QS, c
 #define I8_CASE(G_, B_)                                                                      \
     if (ng == G_ && (D + 63) / 64 == B_) return scores_i8(G_, B_, q8, QS, sq, sumq, K, Kp, D, S, s0, s1, p), 1;
     FOR_I8_SHAPES(I8_CASE, 1, 2)
+    I8_CASE(1, 4) I8_CASE(2, 4) I8_CASE(4, 4) /* head_dim 256 */
 #undef I8_CASE
     return 0;
 }
 #endif
 
 #if KVLM_V512
+/* head_dim 256 in two passes of 128 columns, as pv_dispatch */
 static int pv_i8_dispatch(int ng, int64_t D, const float *w, const kv_span *V, int64_t S,
                           int64_t s0, int64_t s1, const float *bias, float *o) {
-#define PV8_CASE(G_, V_) if (ng == G_ && D == 16 * V_) return pv_avx512(G_, V_, 0, w, V, KV_I8, 1, D, S, s0, s1, bias, o), 1;
-    FOR_I8_SHAPES(PV8_CASE, 4, 8)
+    const int64_t cols = D == 256 ? 128 : D;
+    int done = 1;
+    for (int64_t col = 0; col < D && done; col += cols) {
+        done = 0;
+#define PV8_CASE(G_, V_) if (!done && ng == G_ && cols == 16 * V_) pv_avx512(G_, V_, 0, w, V, KV_I8, 1, D, S, s0, s1, bias, o, col), done = 1;
+        FOR_I8_SHAPES(PV8_CASE, 4, 8)
 #undef PV8_CASE
-    return 0;
+    }
+    return done;
 }
 #endif
 
@@ -1757,7 +1829,7 @@ static int pv_i8_dispatch(int ng, int64_t D, const float *w, const kv_span *V, i
 static void attend_chunk_i8(const int8_t *q8, int64_t QS, const float *sq, const float *sumq,
                             int ng, const kv_span *K, const kv_span *Kp, const kv_span *V,
                             const kv_span *Vp, int64_t D, int64_t S, int64_t s0, int64_t v0,
-                            int64_t s1, float *p, float *m, float *l, float *o) {
+                            int64_t s1, float cap, float *p, float *m, float *l, float *o) {
     int done = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     done = scores_i8_dispatch(ng, D, q8, QS, sq, sumq, K, Kp, S, s0, s1, p);
@@ -1773,44 +1845,47 @@ static void attend_chunk_i8(const int8_t *q8, int64_t QS, const float *sq, const
         }
     }
     float bias[8];
-    softmax_pieces(ng, p, S, s0, v0, s1, m, l); /* p.V below over [s0, s1): runs as stored */
+    softmax_pieces(ng, p, S, s0, v0, s1, cap, m, l); /* p.V below over [s0, s1): as stored */
     for (int h = 0; h < ng; h++) bias[h] = 0.f;
 #if KVLM_V512
     const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
     __m512 bacc[8];
     for (int h = 0; h < ng; h++) bacc[h] = _mm512_setzero_ps();
-    /* vector parts first, then the rows left over (the sum order of one contiguous run) */
-    for (int64_t a = s0, e; a < s1; a = e) {
-        const uint16_t *vp = (const uint16_t *)run_at(Vp, 4, a, s1, &e, NULL); /* row a's */
-        for (int64_t s = a; s + 16 <= e; s += 16) { /* 16 rows' (step, zero): 32 halves */
-            const uint16_t *r = vp + 2 * (s - a);
-            __m512 lo = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)r));
-            __m512 hi = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + 16)));
-            __m512 st = _mm512_permutex2var_ps(lo, evens, hi);
-            __m512 ze = _mm512_permutex2var_ps(lo, odds, hi);
-            __m512 b = _mm512_fmadd_ps(_mm512_set1_ps(128.f), st, ze);
-            for (int h = 0; h < ng; h++) {
-                __m512 pv = _mm512_loadu_ps(p + h * S + s);
-                bacc[h] = _mm512_fmadd_ps(pv, b, bacc[h]);
-                _mm512_storeu_ps(p + h * S + s, _mm512_mul_ps(pv, st));
-            }
+    /* vector parts first, 16 positions at a time from s0 (a multiple of 16), then the rows
+     * left over: the same groups whatever the layout (a group across a block's end, or a
+     * ring's wrap, gathered first), so a row's sums are alike paged and contiguous */
+    for (int64_t s = s0; s + 16 <= s1; s += 16) { /* 16 rows' (step, zero): 32 halves */
+        uint16_t gathered[32];
+        int64_t e;
+        const uint16_t *r = (const uint16_t *)run_at(Vp, 4, s, s1, &e, NULL);
+        if (e < s + 16) {
+            for (int64_t t = 0; t < 16; t++)
+                memcpy(gathered + 2 * t, row_at(Vp, 4, s + t), 4);
+            r = gathered;
+        }
+        __m512 lo = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)r));
+        __m512 hi = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + 16)));
+        __m512 st = _mm512_permutex2var_ps(lo, evens, hi);
+        __m512 ze = _mm512_permutex2var_ps(lo, odds, hi);
+        __m512 b = _mm512_fmadd_ps(_mm512_set1_ps(128.f), st, ze);
+        for (int h = 0; h < ng; h++) {
+            __m512 pv = _mm512_loadu_ps(p + h * S + s);
+            bacc[h] = _mm512_fmadd_ps(pv, b, bacc[h]);
+            _mm512_storeu_ps(p + h * S + s, _mm512_mul_ps(pv, st));
         }
     }
     for (int h = 0; h < ng; h++) bias[h] = _mm512_reduce_add_ps(bacc[h]);
+    const int64_t rest = s0 + (s1 - s0) / 16 * 16; /* done above */
+#else
+    const int64_t rest = s0;
 #endif
-    for (int64_t a = s0, e; a < s1; a = e) {
-        const uint16_t *vp = (const uint16_t *)run_at(Vp, 4, a, s1, &e, NULL);
-        int64_t s = a;
-#if KVLM_V512
-        s += (e - a) / 16 * 16; /* done above */
-#endif
-        for (; s < e; s++) { /* p_s step_s in place; the zero points' share */
-            const float st = from_f16(vp[2 * (s - a)]), ze = from_f16(vp[2 * (s - a) + 1]);
-            for (int h = 0; h < ng; h++) {
-                bias[h] += p[h * S + s] * (128.f * st + ze);
-                p[h * S + s] *= st;
-            }
+    for (int64_t s = rest; s < s1; s++) { /* p_s step_s in place; the zero points' share */
+        const uint16_t *vp = (const uint16_t *)row_at(Vp, 4, s);
+        const float st = from_f16(vp[0]), ze = from_f16(vp[1]);
+        for (int h = 0; h < ng; h++) {
+            bias[h] += p[h * S + s] * (128.f * st + ze);
+            p[h * S + s] *= st;
         }
     }
 #if KVLM_V512
@@ -1880,176 +1955,276 @@ static inline row_chunks chunks_of(int64_t p, int64_t window) {
     return r;
 }
 
+/* One layer's K/V as the step reads and writes them (its view's store at the layer's
+ * index): bases at block id 0, strides, the rows' tables, its window. */
+typedef struct {
+    char *kc, *vc, *kp, *vp;   /* K, V (and int8 (step, zero)) of the layer, block id 0 */
+    const int32_t *tables;     /* [B, width] */
+    int64_t width, bs, ring;   /* a view's geometry (kvlm_kv_view) */
+    int64_t bstride, head_bytes, pstride, phead; /* block id / KV head strides: rows, params */
+    int64_t window;            /* 0: whole context */
+} layer_kv;
+
+static layer_kv layer_kv_of(const kvlm_qmodel *m, const kvlm_qlayer *L, const kvlm_kv_view *views,
+                            int64_t rowb) {
+    const kvlm_kv_view *V = views + L->view;
+    const int64_t Hkv = m->n_kv_heads, bs = V->block_size, n = V->num_blocks, l = L->index;
+    layer_kv r = {0};
+    r.tables = V->tables, r.width = V->width, r.bs = bs, r.ring = V->ring;
+    r.bstride = Hkv * bs * rowb, r.head_bytes = bs * rowb;
+    r.pstride = Hkv * bs * 4, r.phead = bs * 4;
+    r.kc = (char *)V->kv + (l * 2) * n * r.bstride;
+    r.vc = (char *)V->kv + (l * 2 + 1) * n * r.bstride;
+    if (m->kv_dtype == KV_I8) {
+        r.kp = (char *)V->params + (l * 2) * n * r.pstride;
+        r.vp = (char *)V->params + (l * 2 + 1) * n * r.pstride;
+    }
+    r.window = L->window < 0 ? m->window : L->window;
+    return r;
+}
+
+/* -2 unless every layer's view holds every row's slots up to its position: each table
+ * entry the step reads within the view's table width and pool, a ring a whole number of
+ * blocks and at least the layer's window (the keys a query sees are all still there) */
+static int check_views(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
+                       const kvlm_kv_view *views, int64_t n_views) {
+    for (int64_t v = 0; v < n_views; v++) {
+        const kvlm_kv_view *V = views + v;
+        const int64_t bs = V->block_size;
+        if (bs < 1 || V->num_blocks < 1 || V->width < 1 || V->ring < 0 || V->ring % bs) return -2;
+        if (m->kv_dtype == KV_I8 && !V->params) return -2;
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t last = V->ring && pos[b] >= V->ring ? V->ring - 1 : pos[b];
+            if (last / bs >= V->width) return -2;
+            for (int64_t j = 0; j <= last / bs; j++) {
+                const int32_t id = V->tables[b * V->width + j];
+                if (id < 0 || id >= V->num_blocks) return -2;
+            }
+        }
+    }
+    for (int64_t l = 0; l < m->n_layers; l++) {
+        const kvlm_qlayer *L = m->layers + l;
+        const int64_t w = L->window < 0 ? m->window : L->window;
+        if (L->view < 0 || L->view >= n_views || L->index < 0 || L->rope < 0 ||
+            L->rope >= m->rope_tables)
+            return -2;
+        if (L->index >= views[L->view].layers) return -2;
+        if (w < 0 || (views[L->view].ring && (w == 0 || w > views[L->view].ring))) return -2;
+    }
+    return 0;
+}
+
+/* Row b's new K/V (k, v: head_dim each, KV head g) into its slot of the layer's store,
+ * rounded to the storage dtype as the torch path rounds it */
+static void write_kv(const kvlm_qmodel *m, const layer_kv *lk, int64_t b, int64_t p,
+                     int64_t g, const float *k, const float *v, float *rot) {
+    const int64_t D = m->head_dim, t = slot_of(lk->ring, p), slot = t % lk->bs;
+    const int64_t blk = lk->tables[b * lk->width + t / lk->bs];
+    const int64_t esz = m->kv_dtype == KV_I8 ? 1 : (m->kv_dtype == KV_F32 ? 4 : 2);
+    char *kd = lk->kc + blk * lk->bstride + g * lk->head_bytes + slot * D * esz;
+    char *vd = lk->vc + blk * lk->bstride + g * lk->head_bytes + slot * D * esz;
+    if (m->kv_dtype == KV_I8) {
+        const int64_t pat = blk * lk->pstride + g * lk->phead + slot * 4;
+        rotate(k, m->key_rot, D, rot);
+        quantize_kv_row(rot, D, (int8_t *)kd, (uint16_t *)(lk->kp + pat));
+        quantize_kv_row(v, D, (int8_t *)vd, (uint16_t *)(lk->vp + pat));
+    } else if (m->kv_dtype == KV_BF16) {
+        for (int64_t i = 0; i < D; i++) {
+            ((uint16_t *)kd)[i] = to_bf16(k[i]);
+            ((uint16_t *)vd)[i] = to_bf16(v[i]);
+        }
+    } else if (m->kv_dtype == KV_F16) { /* nearest even, as torch's .to(float16) */
+        for (int64_t i = 0; i < D; i++) {
+            ((uint16_t *)kd)[i] = to_f16(k[i]);
+            ((uint16_t *)vd)[i] = to_f16(v[i]);
+        }
+    } else {
+        memcpy(kd, k, D * sizeof(float));
+        memcpy(vd, v, D * sizeof(float));
+    }
+}
+
+/* The step's buffers in its scratch (kvlm_decode_scratch) */
+typedef struct {
+    float *h, *qkv, *att, *gu, *act, *tmp, *scores, *part, *qsc, *qsum, *rot;
+    int8_t *q8;
+} step_bufs;
+
+static step_bufs bufs_of(const kvlm_qmodel *m, int64_t B, float *scratch) {
+    const int64_t H = m->hidden, D = m->head_dim, Hq = m->n_heads, I = m->inter;
+    step_bufs s;
+    s.h = scratch;                                      /* B H */
+    s.qkv = s.h + B * H;                                /* B (Hq + 2 Hkv) D */
+    s.att = s.qkv + B * (Hq + 2 * m->n_kv_heads) * D;   /* B Hq D */
+    s.gu = s.att + B * Hq * D;                          /* B 2 I */
+    s.act = s.gu + B * 2 * I;                           /* B I */
+    s.tmp = s.act + B * I;                              /* B H */
+    s.scores = s.tmp + B * H;                           /* B Hq S */
+    s.part = s.scores + B * Hq * m->slots;  /* per (row, head, chunk): o [D], max, sum */
+    s.qsc = s.part + B * Hq * MAX_CHUNKS * (D + 2);     /* B Hq: the int8 queries' sq */
+    s.qsum = s.qsc + B * Hq;                            /* B Hq: their code sums */
+    s.rot = s.qsum + B * Hq;                            /* D: a row times R (int8 cache) */
+    s.q8 = (int8_t *)(s.rot + D);                       /* B Hq QS: the int8 queries */
+    return s;
+}
+
+/* Each row's q|k|v after the product: the bias, the q/k norms, RoPE at the row's position
+ * (the layer's table), K/V written into the row's slot, the queries rounded to int8 for an
+ * int8 cache (scaled, rotated) */
+static void prepare_rows(const kvlm_qmodel *m, const kvlm_qlayer *L, const layer_kv *lk,
+                         int64_t B, const int64_t *pos, const float *cos, const float *sin,
+                         const step_bufs *s) {
+    const int64_t D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
+    const int64_t QKV = (Hq + 2 * Hkv) * D, QS = query_stride(D);
+    const float *c = cos + L->rope * m->slots * D, *sn = sin + L->rope * m->slots * D;
+    for (int64_t b = 0; b < B; b++) {
+        float *q = s->qkv + b * QKV;
+        const int64_t p = pos[b];
+        if (L->qkv_bias)
+            for (int64_t i = 0; i < QKV; i++) q[i] += L->qkv_bias[i];
+        if (L->q_norm) /* per head, before RoPE (Attention.forward) */
+            for (int64_t j = 0; j < Hq + Hkv; j++)
+                rms_norm(q + j * D, j < Hq ? L->q_norm : L->k_norm, D, m->eps, q + j * D);
+        for (int64_t j = 0; j < Hq + Hkv; j++) rope(q + j * D, c + p * D, sn + p * D, D);
+        for (int64_t g = 0; g < Hkv; g++)
+            write_kv(m, lk, b, p, g, q + (Hq + g) * D, q + (Hq + Hkv + g) * D, s->rot);
+        for (int64_t j = 0; j < Hq && m->kv_dtype == KV_I8; j++) {
+            float qs[MAX_HEAD_DIM];
+            for (int64_t i = 0; i < D; i++) qs[i] = q[j * D + i] * m->score_scale;
+            rotate(qs, m->key_rot, D, s->rot);
+            int32_t sum;
+            s->qsc[b * Hq + j] = quantize_query(s->rot, D, s->q8 + (b * Hq + j) * QS, &sum);
+            s->qsum[b * Hq + j] = (float)sum;
+        }
+    }
+}
+
+/* One work item of the attention: row b, KV head g, chunk c of the positions it sees */
+static void attend_item(const kvlm_qmodel *m, const layer_kv *lk, const step_bufs *s,
+                        const int64_t *pos, int64_t b, int64_t g, int64_t c) {
+    const int64_t D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads, S = m->slots;
+    const int64_t group = Hq / Hkv, QS = query_stride(D), n = pos[b] + 1;
+    const int dt = (int)m->kv_dtype;
+    const int64_t esz = dt == KV_I8 ? 1 : (dt == KV_F32 ? 4 : 2);
+    const row_chunks rc = chunks_of(pos[b], lk->window);
+    const int64_t s0 = rc.a0 + c * rc.per, s1 = s0 + rc.per < n ? s0 + rc.per : n;
+    const int64_t v0 = s0 > rc.lo ? s0 : rc.lo; /* the first key the query sees */
+    const int64_t hq = b * Hq + g * group;     /* the row's first query head of g */
+    const int32_t *table = lk->tables + b * lk->width;
+    float *pt = s->part + (hq * MAX_CHUNKS + c) * (D + 2);
+    /* heads hq ..: o at pt + h*MAX_CHUNKS*(D+2), max/sum after it */
+    float o[8 * MAX_HEAD_DIM], mh[8], lh[8];
+    const kv_span K = {lk->kc + g * lk->head_bytes, table, lk->bs, lk->bstride, n, lk->ring};
+    const kv_span V = {lk->vc + g * lk->head_bytes, table, lk->bs, lk->bstride, n, lk->ring};
+    if (dt == KV_I8) {
+        const kv_span Kp = {lk->kp + g * lk->phead, table, lk->bs, lk->pstride, n, lk->ring};
+        const kv_span Vp = {lk->vp + g * lk->phead, table, lk->bs, lk->pstride, n, lk->ring};
+        attend_chunk_i8(s->q8 + hq * QS, QS, s->qsc + hq, s->qsum + hq, (int)group, &K, &Kp,
+                        &V, &Vp, D, S, s0, v0, s1, m->attn_softcap, s->scores + hq * S, mh, lh, o);
+    } else {
+        const float *q = s->qkv + b * (Hq + 2 * Hkv) * D + g * group * D;
+        attend_chunk(q, (int)group, &K, &V, dt, esz, D, S, s0, v0, s1, m->score_scale,
+                     m->attn_softcap, s->scores + hq * S, mh, lh, o);
+    }
+    for (int64_t j = 0; j < group; j++) {
+        float *dst = pt + j * MAX_CHUNKS * (D + 2);
+        memcpy(dst, o + j * D, D * sizeof(float));
+        dst[D] = mh[j];
+        dst[D + 1] = lh[j];
+    }
+}
+
+/* The layer's attention for every row into s->att: work items (row, KV head, chunk) across
+ * the threads, then each head's chunks merged by log-sum-exp */
+static void attend_layer(const kvlm_qmodel *m, const layer_kv *lk, const step_bufs *s,
+                         int64_t B, const int64_t *pos) {
+    const int64_t D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
+    int64_t first[MAX_BATCH + 1]; /* row b's work items start at first[b] */
+    first[0] = 0;
+    for (int64_t b = 0; b < B; b++)
+        first[b + 1] = first[b] + Hkv * chunks_of(pos[b], lk->window).chunks;
+#pragma omp parallel for schedule(static) /* a thread takes consecutive chunks of a head */
+    for (int64_t item = 0; item < first[B]; item++) {
+        int64_t b = 0, hi = B; /* the row holding this item: first[b] <= item < first[b+1] */
+        while (hi - b > 1) {
+            const int64_t mid = (b + hi) / 2;
+            if (first[mid] <= item) b = mid; else hi = mid;
+        }
+        const int64_t chunks = chunks_of(pos[b], lk->window).chunks;
+        attend_item(m, lk, s, pos, b, (item - first[b]) / chunks, (item - first[b]) % chunks);
+    }
+    for (int64_t b = 0; b < B; b++) { /* merge each head's chunks: log-sum-exp */
+        const int64_t chunks = chunks_of(pos[b], lk->window).chunks;
+        for (int64_t j = b * Hq; j < (b + 1) * Hq; j++) {
+            const float *pj = s->part + j * MAX_CHUNKS * (D + 2);
+            float M = -INFINITY, Lsum = 0.f, *out = s->att + j * D;
+            for (int64_t c = 0; c < chunks; c++)
+                M = pj[c * (D + 2) + D] > M ? pj[c * (D + 2) + D] : M;
+            memset(out, 0, D * sizeof(float));
+            for (int64_t c = 0; c < chunks; c++) {
+                const float *pc = pj + c * (D + 2);
+                float w = expf(pc[D] - M);
+                Lsum += w * pc[D + 1];
+                axpy_kv(w, (const char *)pc, KV_F32, out, D);
+            }
+            for (int64_t i = 0; i < D; i++) out[i] /= Lsum;
+        }
+    }
+}
+
+/* x += y (B rows of n), y first normed by w where there is one (Gemma's sandwich norms) */
+static void add_residual(float *x, float *y, const float *w, int64_t B, int64_t n, float eps) {
+    for (int64_t b = 0; b < B && w; b++) rms_norm(y + b * n, w, n, eps, y + b * n);
+    for (int64_t i = 0; i < B * n; i++) x[i] += y[i];
+}
+
 /* One decode step for B sequences, one token each (B = 1 with a contiguous cache is the
  * single-stream decode; more rows are the server's batch, every product reading its weight
  * once for up to 16 rows).
- *   x [B, hidden]: the tokens' embeddings in, overwritten;
+ *   x [B, hidden]: the tokens' embeddings in (Gemma's scaled), overwritten;
  *   pos [B]: each row's position (its token is written there; it attends over 0 .. pos,
- *       or over its last m->window positions);
- *   cos, sin [slots, head_dim]: RoPE at every position (row pos[b] is used);
- *   kv: (layers, 2, num_blocks, kv_heads, block_size, head_dim) fp32, bf16, fp16 or int8, and
- *       m->kv_params (..., 2) for int8: a paged pool, or a contiguous cache of one sequence
- *       as num_blocks 1, block_size = slots;
- *   tables [B, width]: each row's block ids, position s of row b in tables[b][s / block_size];
+ *       or over its last `window` positions: the layer's, or m->window);
+ *   cos, sin [m->rope_tables, slots, head_dim]: RoPE at every position, the model's base
+ *       then (Gemma 3) the local layers' (kvlm_qlayer.rope picks);
+ *   views [n_views]: where the layers' K/V are (kvlm_kv_view; kvlm_qlayer.view, index);
  *   scratch: kvlm_decode_scratch(m, B) floats; logits [B, vocab] out.
- * Returns 0; -2 when an argument is out of range (a position past the slots or the table,
- * a block id past the pool: nothing is written); -1 when a product found no scratch memory. */
+ * Returns 0; -2 when an argument is out of range (a position past the slots or a table, a
+ * block id past its pool, a ring shorter than a layer's window: nothing is written); -1
+ * when a product found no scratch memory. */
 int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *pos,
-                      const float *cos, const float *sin, void *kv, int64_t num_blocks,
-                      int64_t block_size, const int32_t *tables, int64_t width, float *scratch,
-                      float *logits) {
+                      const float *cos, const float *sin, const kvlm_kv_view *views,
+                      int64_t n_views, float *scratch, float *logits) {
     const int64_t H = m->hidden, D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
-    const int64_t S = m->slots, group = Hq / Hkv, I = m->inter, bs = block_size;
-    const int64_t QKV = (Hq + 2 * Hkv) * D, QS = query_stride(D);
-    const float scale = 1.0f / sqrtf((float)D);
+    const int64_t I = m->inter;
     const int ai8 = m->act_int8 != 0;
-    if (B < 1 || B > MAX_BATCH || bs < 1 || num_blocks < 1 || width < 1) return -2;
-    if (group > 8 || Hq % Hkv != 0 || D > 128) return -2; /* the attention's fixed buffers */
-    if (m->window < 0) return -2;
-    if (m->kv_dtype != KV_F32 && m->kv_dtype != KV_BF16 && m->kv_dtype != KV_I8 &&
-        m->kv_dtype != KV_F16)
-        return -2;
-    for (int64_t b = 0; b < B; b++) {
-        if (pos[b] < 0 || pos[b] >= S || pos[b] / bs >= width) return -2;
-        for (int64_t j = 0; j <= pos[b] / bs; j++)
-            if (tables[b * width + j] < 0 || tables[b * width + j] >= num_blocks) return -2;
-    }
-    float *h = scratch;                    /* B H */
-    float *qkv = h + B * H;                /* B (Hq + 2 Hkv) D */
-    float *att = qkv + B * QKV;            /* B Hq D */
-    float *gu = att + B * Hq * D;          /* B 2 I */
-    float *act = gu + B * 2 * I;           /* B I */
-    float *tmp = act + B * I;              /* B H */
-    float *scores = tmp + B * H;           /* B Hq S */
-    float *part = scores + B * Hq * S;     /* per (row, head, chunk): o [D], max, sum */
-    float *qsc = part + B * Hq * MAX_CHUNKS * (D + 2); /* B Hq: the int8 queries' sq */
-    float *qsum = qsc + B * Hq;                        /* B Hq: their code sums */
-    float *rot = qsum + B * Hq;                        /* D: a row times R (int8 cache) */
-    int8_t *q8 = (int8_t *)(rot + D);                  /* B Hq QS: the int8 queries */
-    const int dt = (int)m->kv_dtype, i8 = dt == KV_I8;
-    const int64_t esz = i8 ? 1 : (dt == KV_BF16 || dt == KV_F16 ? 2 : 4), rowb = D * esz;
-    /* bytes from one block id to the next, and from one KV head to the next in a block */
-    const int64_t bstride = Hkv * bs * rowb, head_bytes = bs * rowb;
-    const int64_t pstride = Hkv * bs * 4, phead = bs * 4; /* the same for (step, zero) */
-    /* work items (row, KV head, chunk): row b's start at first[b] */
-    int64_t first[MAX_BATCH + 1];
-    first[0] = 0;
+    if (B < 1 || B > MAX_BATCH || n_views < 1 || Hkv < 1 || Hq % Hkv != 0) return -2;
+    if (Hq / Hkv > 8 || D > MAX_HEAD_DIM || D % 2) return -2; /* the attention's buffers */
+    if (m->window < 0 || m->kv_dtype < KV_F32 || m->kv_dtype > KV_F16) return -2;
     for (int64_t b = 0; b < B; b++)
-        first[b + 1] = first[b] + Hkv * chunks_of(pos[b], m->window).chunks;
+        if (pos[b] < 0 || pos[b] >= m->slots) return -2;
+    if (check_views(m, B, pos, views, n_views)) return -2;
+    const step_bufs s = bufs_of(m, B, scratch);
+    const int64_t rowb = D * (m->kv_dtype == KV_I8 ? 1 : (m->kv_dtype == KV_F32 ? 4 : 2));
     for (int64_t l = 0; l < m->n_layers; l++) {
         const kvlm_qlayer *L = m->layers + l;
-        char *kc = (char *)kv + (l * 2) * num_blocks * bstride;
-        char *vc = (char *)kv + (l * 2 + 1) * num_blocks * bstride;
-        char *kp = i8 ? (char *)m->kv_params + (l * 2) * num_blocks * pstride : NULL;
-        char *vp = i8 ? (char *)m->kv_params + (l * 2 + 1) * num_blocks * pstride : NULL;
-        for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->input_norm, H, m->eps, h + b * H);
-        if (matmul_rows(&L->qkv, h, B, qkv, ai8)) return -1;
-        for (int64_t b = 0; b < B; b++) {
-            float *q = qkv + b * QKV;
-            const int64_t p = pos[b], blk = tables[b * width + p / bs], slot = p % bs;
-            if (L->qkv_bias)
-                for (int64_t i = 0; i < QKV; i++) q[i] += L->qkv_bias[i];
-            if (L->q_norm) /* per head, before RoPE (Attention.forward) */
-                for (int64_t j = 0; j < Hq + Hkv; j++)
-                    rms_norm(q + j * D, j < Hq ? L->q_norm : L->k_norm, D, m->eps, q + j * D);
-            for (int64_t j = 0; j < Hq + Hkv; j++) rope(q + j * D, cos + p * D, sin + p * D, D);
-            for (int64_t g = 0; g < Hkv; g++) {
-                const float *k = q + (Hq + g) * D, *v = q + (Hq + Hkv + g) * D;
-                const int64_t at = blk * bstride + g * head_bytes + slot * rowb;
-                const int64_t pat = blk * pstride + g * phead + slot * 4;
-                char *kd = kc + at, *vd = vc + at;
-                if (i8) {
-                    rotate(k, m->key_rot, D, rot);
-                    quantize_kv_row(rot, D, (int8_t *)kd, (uint16_t *)(kp + pat));
-                    quantize_kv_row(v, D, (int8_t *)vd, (uint16_t *)(vp + pat));
-                } else if (dt == KV_BF16) {
-                    for (int64_t i = 0; i < D; i++) {
-                        ((uint16_t *)kd)[i] = to_bf16(k[i]);
-                        ((uint16_t *)vd)[i] = to_bf16(v[i]);
-                    }
-                } else if (dt == KV_F16) { /* nearest even, as torch's .to(float16) */
-                    for (int64_t i = 0; i < D; i++) {
-                        ((uint16_t *)kd)[i] = to_f16(k[i]);
-                        ((uint16_t *)vd)[i] = to_f16(v[i]);
-                    }
-                } else {
-                    memcpy(kd, k, D * sizeof(float));
-                    memcpy(vd, v, D * sizeof(float));
-                }
-            }
-            for (int64_t j = 0; j < Hq && i8; j++) { /* the queries, scaled, rotated, int8 */
-                float qs[128];
-                for (int64_t i = 0; i < D; i++) qs[i] = q[j * D + i] * scale;
-                rotate(qs, m->key_rot, D, rot);
-                int32_t sum;
-                qsc[b * Hq + j] = quantize_query(rot, D, q8 + (b * Hq + j) * QS, &sum);
-                qsum[b * Hq + j] = (float)sum;
-            }
-        }
-#pragma omp parallel for schedule(static) /* a thread takes consecutive chunks of a head */
-        for (int64_t item = 0; item < first[B]; item++) {
-            int64_t b = 0, hi = B; /* the row holding this item: first[b] <= item < first[b+1] */
-            while (hi - b > 1) {
-                const int64_t mid = (b + hi) / 2;
-                if (first[mid] <= item) b = mid; else hi = mid;
-            }
-            const int64_t n = pos[b] + 1;
-            const row_chunks rc = chunks_of(pos[b], m->window);
-            const int64_t g = (item - first[b]) / rc.chunks, c = (item - first[b]) % rc.chunks;
-            const int64_t s0 = rc.a0 + c * rc.per, s1 = s0 + rc.per < n ? s0 + rc.per : n;
-            const int64_t v0 = s0 > rc.lo ? s0 : rc.lo; /* the first key the query sees */
-            const int64_t hq = b * Hq + g * group; /* the row's first query head of g */
-            const int32_t *table = tables + b * width;
-            float *pt = part + (hq * MAX_CHUNKS + c) * (D + 2);
-            /* heads hq ..: o at pt + h*MAX_CHUNKS*(D+2), max/sum after it */
-            float o[8 * 128], mh[8], lh[8];
-            const kv_span K = {kc + g * head_bytes, table, bs, bstride, n};
-            const kv_span V = {vc + g * head_bytes, table, bs, bstride, n};
-            if (i8) {
-                const kv_span Kp = {kp + g * phead, table, bs, pstride, n};
-                const kv_span Vp = {vp + g * phead, table, bs, pstride, n};
-                attend_chunk_i8(q8 + hq * QS, QS, qsc + hq, qsum + hq, (int)group, &K, &Kp, &V,
-                                &Vp, D, S, s0, v0, s1, scores + hq * S, mh, lh, o);
-            } else {
-                attend_chunk(qkv + b * QKV + g * group * D, (int)group, &K, &V, dt, esz, D, S,
-                             s0, v0, s1, scale, scores + hq * S, mh, lh, o);
-            }
-            for (int64_t j = 0; j < group; j++) {
-                float *dst = pt + j * MAX_CHUNKS * (D + 2);
-                memcpy(dst, o + j * D, D * sizeof(float));
-                dst[D] = mh[j];
-                dst[D + 1] = lh[j];
-            }
-        }
-        for (int64_t b = 0; b < B; b++) { /* merge each head's chunks: log-sum-exp */
-            const int64_t chunks = chunks_of(pos[b], m->window).chunks;
-            for (int64_t j = b * Hq; j < (b + 1) * Hq; j++) {
-                const float *pj = part + j * MAX_CHUNKS * (D + 2);
-                float M = -INFINITY, Lsum = 0.f, *out = att + j * D;
-                for (int64_t c = 0; c < chunks; c++)
-                    M = pj[c * (D + 2) + D] > M ? pj[c * (D + 2) + D] : M;
-                memset(out, 0, D * sizeof(float));
-                for (int64_t c = 0; c < chunks; c++) {
-                    const float *pc = pj + c * (D + 2);
-                    float w = expf(pc[D] - M);
-                    Lsum += w * pc[D + 1];
-                    axpy_kv(w, (const char *)pc, KV_F32, out, D);
-                }
-                for (int64_t i = 0; i < D; i++) out[i] /= Lsum;
-            }
-        }
-        if (matmul_rows(&L->o, att, B, tmp, ai8)) return -1;
+        const layer_kv lk = layer_kv_of(m, L, views, rowb);
+        for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->input_norm, H, m->eps, s.h + b * H);
+        if (matmul_rows(&L->qkv, s.h, B, s.qkv, ai8)) return -1;
+        prepare_rows(m, L, &lk, B, pos, cos, sin, &s);
+        attend_layer(m, &lk, &s, B, pos);
+        if (matmul_rows(&L->o, s.att, B, s.tmp, ai8)) return -1;
         if (L->o_bias)
-            for (int64_t i = 0; i < B * H; i++) tmp[i] += L->o_bias[i % H];
-        for (int64_t i = 0; i < B * H; i++) x[i] += tmp[i];
-        for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->post_norm, H, m->eps, h + b * H);
-        if (matmul_rows(&L->gate_up, h, B, gu, ai8)) return -1;
-        for (int64_t b = 0; b < B; b++) silu_mul(gu + b * 2 * I, gu + b * 2 * I + I, act + b * I, I);
-        if (matmul_rows(&L->down, act, B, tmp, ai8)) return -1;
-        for (int64_t i = 0; i < B * H; i++) x[i] += tmp[i];
+            for (int64_t i = 0; i < B * H; i++) s.tmp[i] += L->o_bias[i % H];
+        add_residual(x, s.tmp, L->attn_out_norm, B, H, m->eps);
+        for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->post_norm, H, m->eps, s.h + b * H);
+        if (matmul_rows(&L->gate_up, s.h, B, s.gu, ai8)) return -1;
+        for (int64_t b = 0; b < B; b++)
+            (m->gelu ? gelu_mul : silu_mul)(s.gu + b * 2 * I, s.gu + b * 2 * I + I, s.act + b * I, I);
+        if (matmul_rows(&L->down, s.act, B, s.tmp, ai8)) return -1;
+        add_residual(x, s.tmp, L->mlp_out_norm, B, H, m->eps);
     }
-    for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, m->final_norm, H, m->eps, h + b * H);
-    return matmul_rows(&m->lm_head, h, B, logits, m->head_act_int8 != 0);
+    for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, m->final_norm, H, m->eps, s.h + b * H);
+    return matmul_rows(&m->lm_head, s.h, B, logits, m->head_act_int8 != 0);
 }
 
 /* ------------------------------------------------------------------------------------

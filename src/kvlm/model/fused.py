@@ -8,33 +8,45 @@ q|k|v product, RoPE at each row's own position, K/V written into each row's slot
 bf16 rounded as torch rounds; int8 quantized as kvlm.cache.storage does, K through its
 rotation), attention over each row's slots so far (the query heads of a KV head together,
 positions split in chunks across threads and merged by log-sum-exp), o product, residual,
-norm, gate|up, SiLU, down, residual, then the final norm and the vocabulary. The products
-read each weight once for up to 16 rows. With `--activations int8` the products round
-their input to int8 per group of 32 (kvlm.model.quant), as the torch path's products do.
-Over an int8 cache the scores are integer dot products: each query head (rotated like K)
-rounds to int8 with one scale, as llama.cpp does for its q8_0 cache; the torch path
+norm, gate|up, SiLU (or GELU), down, residual, then the final norm and the vocabulary. The
+products read each weight once for up to 16 rows. With `--activations int8` the products
+round their input to int8 per group of 32 (kvlm.model.quant), as the torch path's products
+do. Over an int8 cache the scores are integer dot products: each query head (rotated like
+K) rounds to int8 with one scale, as llama.cpp does for its q8_0 cache; the torch path
 dequantizes K instead, so the two agree to that rounding.
 
-The cache is addressed through block tables (`FusedDecoder.run`, called by
-kvlm.engine.runner.ModelRunner.run): a paged pool (kvlm.cache.paged: the engine's batch,
-a PagedCache's rows) or a contiguous cache, whose row b is block b of a pool of blocks
-holding every slot (one request's cache, and its n samples after `cache.fork(n)`).
-Chunks start at multiples of 16 and every product sums a row alike whatever rows share
-it, so a sequence gets the same logits, bit for bit, alone or in any batch, paged or
-contiguous (tests/test_fused_batch.py).
+The cache is addressed through views (`KVView`, built by `FusedDecoder.views_of` for
+kvlm.engine.runner.ModelRunner): each a store, the rows' block tables, a block size, a ring
+size and the model layers it holds; every layer reads and writes its own view. A paged pool
+(kvlm.cache.paged: the engine's batch, a PagedCache's rows) is one view; a contiguous cache
+one too, its row b being block b of a pool of blocks holding every slot (one request's
+cache, and its n samples after `cache.fork(n)`); a hybrid contiguous cache (Gemma 2/3:
+kvlm.cache.hybrid) two, its whole part so and its ring, where position s is slot s % (W +
+RING_SLACK): the local layers' cost stays that of their window however long the context.
+The ring's step is written in place (`WindowCache.written_in_place`: a draft's undo record
+taken first). Chunks start at multiples of 16 and every product sums a row alike whatever
+rows share it, so a sequence gets the same logits, bit for bit, alone or in any batch,
+paged or contiguous (tests/test_fused_batch.py; a ring whose size is a multiple of 4
+groups its rows as a pool does).
 
 Every supported family's block: the q|k|v bias (Qwen2) and o_proj's (Llama's
 attention_bias) added after their products, as torch's Linear adds them; the per-head q/k
-RMSNorm before RoPE (Qwen3); the model's sliding window (Mistral), the query at p seeing
-keys p - W < s <= p as kvlm.cache.base.causal_mask does (its chunks then cover the visible
-keys from the multiple of 16 below the first, boundaries still set by p alone); head_dim
-up to 128; a tied or separate lm_head.
+RMSNorm before RoPE (Qwen3, Gemma 3); the model's sliding window (Mistral), the query at p
+seeing keys p - W < s <= p as kvlm.cache.base.causal_mask does (its chunks then cover the
+visible keys from the multiple of 16 below the first, boundaries still set by p alone);
+Gemma 2 and 3: a window per layer (0 on the global ones) and a RoPE table per layer (Gemma
+3's local base), the attention's and the MLP's outputs normed before the residual (the
+loader stores Gemma's norms as 1 + w), GeGLU with tanh's GELU, the score scale
+(query_pre_attn_scalar: in Gemma 3's q norm, Gemma 2's on the scores), Gemma 2's attention
+soft-cap on the scores in C and the final logit soft-cap on the logits after the call (the
+embeddings come scaled by `Transformer.embed`); head_dim up to 256 (MAX_HEAD_DIM); a tied
+or separate lm_head, read in its stored format (a 262k-entry vocabulary's Q6_K blocks).
 
 It applies where that is the whole story: CPU, fp32 activations, low-bit weights in every
-projection (`--weights int8|int4|native`), no MLP biases, and fp32, bf16 or int8 K/V in a
-contiguous or paged cache. Anything else (prefill, window and basic caches, other formats)
-runs the torch model.
-`KVLM_NO_FUSED=1` turns it off. Tests hold its logits to the torch path's.
+projection (`--weights int8|int4|native`), no MLP biases, and fp32, bf16, fp16 or int8 K/V
+in a contiguous, paged or hybrid contiguous cache. Anything else (prefill, the window,
+basic and off caches, a draft longer than a ring's slack: `drafts`, other formats) runs
+the torch model. `KVLM_NO_FUSED=1` turns it off. Tests hold its logits to the torch path's.
 """
 
 from __future__ import annotations
@@ -42,21 +54,27 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from kvlm import kernels
 from kvlm.cache import KVCache
+from kvlm.cache.base import CacheStep
 from kvlm.cache.contiguous import ContiguousCache
+from kvlm.cache.hybrid import HybridCache
 from kvlm.cache.paged import Int8PagedCache, PagedCache
 from kvlm.cache.storage import Store, key_rotation
 from kvlm.model.layers import Linear
 from kvlm.model.quant import KIND_CODES
-from kvlm.model.transformer import Transformer
+from kvlm.model.transformer import Block, Transformer
 
 MAX_ROWS = 256  # the most sequences one step takes (MAX_BATCH in qgemm.c)
 CACHE_MODES = ("contiguous", "paged", "int8")  # the caches whose layout the step reads
 NOT_THIS_CACHE = "the fused step reads contiguous and paged caches"  # why the others do not
+# why a hybrid model's pool (a block table per layer group, kvlm.cache.paged) decodes
+# through the torch step: the step's cache views are not wired to the groups' tables yet
+HYBRID_POOL = "the fused step and CUDA graphs read one block table per row, not one per layer group"
 QMAT_PARTS = 3  # row parts of different kinds one projection may have (qgemm.c)
 
 
@@ -78,7 +96,11 @@ class _QLayer(ctypes.Structure):
     _fields_ = [
         *_fields(ctypes.c_void_p, "input_norm post_norm"),
         *_fields(_QMat, "qkv o gate_up down"),
-        *_fields(ctypes.c_void_p, "qkv_bias o_bias q_norm k_norm"),  # NULL when absent
+        # NULL when absent: biases, q/k norms (Qwen3, Gemma 3), Gemma's sandwich norms
+        *_fields(ctypes.c_void_p, "qkv_bias o_bias q_norm k_norm attn_out_norm mlp_out_norm"),
+        # window: the layer's own (0: whole context; -1: the step's); rope: its cos/sin
+        # table; view, index: where its K/V are (a _KVView, its layer inside that store)
+        *_fields(ctypes.c_int64, "window rope view index"),
     ]
 
 
@@ -90,11 +112,35 @@ class _QModel(ctypes.Structure):
         ("final_norm", ctypes.c_void_p),
         ("lm_head", _QMat),
         *_fields(ctypes.c_int64, "kv_dtype act_int8"),
-        *_fields(ctypes.c_void_p, "kv_params key_rot"),
-        # window: the model's sliding window (0: none); head_act_int8: the vocabulary
-        # projection's own setting
-        *_fields(ctypes.c_int64, "window head_act_int8"),
+        ("key_rot", ctypes.c_void_p),
+        # window: the step's sliding window for the layers without their own (0: none);
+        # head_act_int8: the vocabulary projection's own setting; gelu: GeGLU, not SwiGLU
+        *_fields(ctypes.c_int64, "window head_act_int8 gelu"),
+        *_fields(ctypes.c_float, "score_scale attn_softcap"),  # softcap 0: none
+        ("rope_tables", ctypes.c_int64),  # cos/sin tables: 1, or 2 (Gemma 3's local base)
     ]
+
+
+class _KVView(ctypes.Structure):  # kvlm_kv_view
+    _fields_ = [
+        *_fields(ctypes.c_void_p, "kv params tables"),
+        *_fields(ctypes.c_int64, "width num_blocks block_size ring layers"),
+    ]
+
+
+@dataclass(frozen=True)
+class KVView:
+    """Where some of the model's layers keep their K/V for one step: `store` (layers, 2,
+    blocks, kv_heads, block_size, head_dim), row b's position s in block
+    tables[b][slot // block_size], slot = s, or s % ring in a ring of `ring` slots (the
+    hybrid cache's local layers: kvlm.cache.hybrid); `layers`: the model's layers the store
+    holds, in its order (None: all of them)."""
+
+    store: Store
+    tables: Sequence[Sequence[int]]
+    block_size: int
+    ring: int = 0
+    layers: tuple[int, ...] | None = None
 
 
 # the cache dtypes the fused step reads and writes (kvlm_qmodel.kv_dtype in qgemm.c)
@@ -118,7 +164,7 @@ def _ptr(t: torch.Tensor | None, n: int) -> int | None:
     return t.data_ptr()
 
 
-GEMMA_BLOCK = "not yet Gemma's block (norms after attention and the MLP, GeGLU, per-layer windows)"
+MAX_HEAD_DIM = 256  # the attention's buffers in qgemm.c (Gemma 3's head_dim)
 
 
 def why_not(model: Transformer) -> str | None:
@@ -128,25 +174,37 @@ def why_not(model: Transformer) -> str | None:
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return "needs fp32 activations on the CPU"
     c = model.config
-    if c.gemma:
-        return GEMMA_BLOCK
-    if c.num_heads // c.num_kv_heads > 8 or c.head_dim > 128:
-        return "more than 8 query heads per KV head, or head_dim > 128"
+    if c.num_heads // c.num_kv_heads > 8 or c.head_dim > MAX_HEAD_DIM or c.head_dim % 2:
+        return f"more than 8 query heads per KV head, or head_dim > {MAX_HEAD_DIM} or odd"
     if any(isinstance(m, Linear) and m.kernel != "quant" for m in model.modules()):
         return "needs low-bit weights in every projection (--weights int8|int4|native)"
     for block in model.layers:
-        if block.mlp.gate_up.bias is not None or block.mlp.down.bias is not None:
-            return "MLP biases (the step adds only the attention projections' biases)"
-        norms = [block.attn.q_norm, block.attn.k_norm]
-        if norms.count(None) == 1:
-            return "a q norm without a k norm, or the reverse"
-        if any(n is not None and n.eps != c.rms_norm_eps for n in norms):
-            return "a q/k norm eps other than the model's rms_norm_eps"
+        reason = _block_why_not(block, c.rms_norm_eps)
+        if reason is not None:
+            return reason
     if model.lm_head.bias is not None:
         return "an lm_head bias"
     if kernels.library() is None:
         return "no compiled kernels"
     return None
+
+
+def _block_why_not(block: Block, eps: float) -> str | None:
+    """Why the step cannot run this block (None: it can)."""
+    if block.mlp.gate_up.bias is not None or block.mlp.down.bias is not None:
+        return "MLP biases (the step adds only the attention projections' biases)"
+    if block.mlp.act not in _ACTS:
+        return f"the MLP's activation {block.mlp.act!r}"
+    norms = [block.attn.q_norm, block.attn.k_norm]
+    if norms.count(None) == 1:
+        return "a q norm without a k norm, or the reverse"
+    norms += [block.attn_out_norm, block.mlp_out_norm]
+    if any(n is not None and n.eps != eps for n in norms):
+        return "a q/k or output norm eps other than the model's rms_norm_eps"
+    return None
+
+
+_ACTS = {"silu": 0, "gelu_tanh": 1}  # kvlm_qmodel.gelu
 
 
 class FusedDecoder:
@@ -160,29 +218,63 @@ class FusedDecoder:
         c = model.config
         self.model = model
         self.slots = slots
-        positions = torch.arange(slots, dtype=torch.long)[None]
-        rope = model.rope(positions, torch.float32)  # the torch path's own values
-        self.cos, self.sin = (t.reshape(slots, -1).contiguous() for t in rope)
+        self.cos, self.sin = self._rope_tables(model, slots)
         layers = (_QLayer * c.num_layers)()
-        d = c.head_dim
         for i, block in enumerate(model.layers):
-            attn, mlp = block.attn, block.mlp
-            norms = (block.input_norm.weight.data_ptr(), block.post_norm.weight.data_ptr())
-            mats = [_qmat(lin) for lin in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)]
-            biases = [_ptr(lin.bias, lin.out_features) for lin in (attn.qkv, attn.o_proj)]
-            qk = [_ptr(None if n is None else n.weight, d) for n in (attn.q_norm, attn.k_norm)]
-            layers[i] = _QLayer(*norms, *mats, *biases, *qk)
+            layers[i] = self._layer(block, i)
         self._layers = layers  # keep alive: the struct points into it
-        shape = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, d, c.intermediate_size)
+        self._placed: tuple | None = None  # the layers' (view, index) last set
+        shape = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                 c.intermediate_size)  # fmt: skip
         head = (model.norm.weight.data_ptr(), _qmat(model.lm_head))  # final_norm, lm_head
         self.spec = _QModel(*shape, slots, c.rms_norm_eps, layers, *head)
+        self.spec.gelu = _ACTS[model.layers[0].mlp.act]
+        q_scale = model.layers[0].attn.q_scale  # Gemma 2 (no q norm to fold it into)
+        self.spec.score_scale = (q_scale or 1.0) * c.head_dim**-0.5
+        self.spec.attn_softcap = c.attn_softcap or 0.0
+        self.spec.rope_tables = self.cos.shape[0]
+        self.final_softcap = c.final_softcap
         self.scratch = torch.empty(0, dtype=torch.float32)
         self.vocab = model.lm_head.out_features
 
+    @staticmethod
+    def _rope_tables(model: Transformer, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (tables, slots, head_dim): the torch path's own values at every position,
+        of the model's base, then (Gemma 3) of its local layers' base."""
+        positions = torch.arange(slots, dtype=torch.long)[None]
+        ropes = [r for r in (model.rope, model.local_rope) if r is not None]
+        cos, sin = zip(*(r(positions, torch.float32) for r in ropes), strict=True)
+        return (torch.stack([t.reshape(slots, -1) for t in ts]).contiguous() for ts in (cos, sin))
+
+    def _layer(self, block: Block, i: int) -> _QLayer:
+        attn, mlp, d = block.attn, block.mlp, self.model.config.head_dim
+        norms = (block.input_norm.weight.data_ptr(), block.post_norm.weight.data_ptr())
+        mats = [_qmat(lin) for lin in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)]
+        biases = [_ptr(lin.bias, lin.out_features) for lin in (attn.qkv, attn.o_proj)]
+        qk = [_ptr(None if n is None else n.weight, d) for n in (attn.q_norm, attn.k_norm)]
+        hidden = self.model.config.hidden_size
+        outs = [_ptr(None if n is None else n.weight, hidden)
+                for n in (block.attn_out_norm, block.mlp_out_norm)]  # fmt: skip
+        windows = self.model.config.layer_windows
+        window = (windows[i] or 0) if windows else -1  # -1: the step's (Mistral's)
+        return _QLayer(*norms, *mats, *biases, *qk, *outs, window, self.model._rope_of[i], 0, i)
+
     def accepts(self, cache: KVCache) -> bool:
-        """A contiguous cache of these slots or a paged one, any batch up to MAX_ROWS."""
+        """A contiguous cache of these slots, a paged one, or a hybrid cache of a
+        contiguous part and a ring with positions as in the text, any batch up to
+        MAX_ROWS."""
         if cache.batch > MAX_ROWS:
             return False
+        if type(cache) is HybridCache:
+            ring = cache.ring
+            return (
+                self.accepts(cache.whole)
+                and self.reads(ring.store)
+                and ring.store.values.dtype == cache.whole.store.values.dtype
+                and not ring.cache_positions
+                and ring.spec.sinks == 0
+                and cache.window <= ring.slots
+            )
         if type(cache) is ContiguousCache:
             return cache.store.values.shape[-2] == self.slots and self.reads(cache.store)
         # --kv int8 is a paged cache storing int8 (Int8PagedCache): the same layout
@@ -193,63 +285,131 @@ class FusedDecoder:
         values = store.values
         return values.dtype in _KV_DTYPE and values.device.type == "cpu" and values.is_contiguous()
 
+    def drafts(self, cache: KVCache, n: int) -> bool:
+        """Whether n draft rows of one sequence go through the step: all rows' K/V are
+        written before any attends, so a ring must keep what row 0 reads when row n - 1
+        has written (n <= ring - window + 1)."""
+        if type(cache) is not HybridCache:
+            return True
+        return n <= cache.ring.slots - cache.window + 1
+
     @staticmethod
-    def _table(tables: Sequence[Sequence[int]], starts: Sequence[int], bs: int) -> torch.Tensor:
+    def views_of(cache: KVCache, step: CacheStep, rows: Sequence[int]) -> list[KVView]:
+        """The step's K/V of `cache` for the fused step's rows (token i through the cache's
+        row rows[i]): a paged cache's block tables; a contiguous cache's row b as block b
+        holding every slot; a hybrid cache's whole part so, and its ring (whose commit then
+        only records the positions the step wrote: WindowCache.written_in_place)."""
+        if isinstance(cache, PagedCache):
+            pool = cache.pool
+            return [KVView(pool.store, [cache.tables[r] for r in rows], pool.block_size)]
+        tables = [[r] for r in rows]
+        if not isinstance(cache, HybridCache):
+            return [KVView(cache.store, tables, cache.store.values.shape[-2])]
+        whole, ring = cache.whole, cache.ring
+        cache.ring.written_in_place(step.parts[1])
+        parts = [[i for i, (part, _) in enumerate(cache.layers) if part == k] for k in (0, 1)]
+        return [
+            KVView(whole.store, tables, whole.store.values.shape[-2], 0, tuple(parts[0])),
+            KVView(ring.store, tables, ring.slots, ring.slots, tuple(parts[1])),
+        ]
+
+    def _place(self, views: Sequence[KVView]) -> None:
+        """Each layer's (view, index) from the views' layers, set where they changed; every
+        layer in one view exactly (the C step checks each index against its store)."""
+        placed: list[tuple[int, int] | None] = [None] * len(self._layers)
+        for v, view in enumerate(views):
+            for n, layer in enumerate(range(len(placed)) if view.layers is None else view.layers):
+                if placed[layer] is not None:
+                    raise ValueError(f"layer {layer} in two views")
+                placed[layer] = (v, n)
+        if None in placed:
+            raise ValueError(f"layer {placed.index(None)} in no view")
+        key = tuple(placed)
+        if key != self._placed:
+            for layer, (v, n) in zip(self._layers, key, strict=True):
+                layer.view, layer.index = v, n
+            self._placed = key
+
+    @staticmethod
+    def _table(tables: Sequence[Sequence[int]], starts: Sequence[int], bs: int, ring: int):
         """(B, width) int32 block ids, -1 past a row's table (the C step refuses those)."""
-        width = max(s // bs + 1 for s in starts)
+        width = max(min(s, ring - 1 if ring else s) // bs + 1 for s in starts)
         table = torch.full((len(tables), width), -1, dtype=torch.int32)
         for b, t in enumerate(tables):
             row = t[:width]
             table[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
         return table
 
+    def _c_views(self, views: Sequence[KVView], starts: Sequence[int]) -> tuple:
+        """The views as kvlm_kv_view structs, and the tensors they point into."""
+        out, keep = (_KVView * len(views))(), []
+        c = self.model.config
+        for i, v in enumerate(views):
+            values = v.store.values  # (layers, 2, blocks, kv_heads, block_size, head_dim)
+            layers, _, blocks, heads, bs, d = values.shape
+            if (heads, bs, d) != (c.num_kv_heads, v.block_size, c.head_dim):
+                raise ValueError(f"a store of shape {tuple(values.shape)} for blocks of "
+                                 f"{v.block_size}: not this model's K/V")  # fmt: skip
+            table = self._table(v.tables, starts, v.block_size, v.ring)
+            keep.append(table)
+            params = v.store.scales.data_ptr() if v.store.quantized else None
+            out[i] = _KVView(values.data_ptr(), params, table.data_ptr(), table.shape[1],
+                             blocks, bs, v.ring, layers)  # fmt: skip
+        return out, keep
+
     @torch.inference_mode()
     def run(
         self,
-        store: Store,
+        views: Sequence[KVView],
         tokens: Sequence[int],
         starts: Sequence[int],
-        tables: Sequence[Sequence[int]],
-        block_size: int,
-        window: int | None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Logits (B, V) of one token per row: row b's token at position starts[b], its
-        K/V written into block tables[b][starts[b] // block_size] of `store` (which the
-        caller has made the row's own), attending over its blocks up to its position
-        (within `window`). A contiguous cache is a pool of one block per row holding
-        every slot (tables [[0], [1], ...], block_size its slots); a draft's rows share one
-        table at consecutive positions, each row computing what decoding its token alone
-        would. The caller plans and commits the cache step (kvlm.engine.runner)."""
-        table = self._table(tables, starts, block_size)
+        K/V written into each view's slot for that position (which the caller has made the
+        row's own), attending over its positions up to it (within the layer's window, or
+        `window` for a model without per-layer ones). `views`: a KVView per group of
+        layers (`views_of`; the engine's pool: one, its block tables). A contiguous cache
+        is a pool of one block per row holding every slot (tables [[0], [1], ...],
+        block_size its slots); a draft's rows share one table at consecutive positions,
+        each row computing what decoding its token alone would. The caller plans and
+        commits the cache step (kvlm.engine.runner)."""
+        if window is not None and window < 1:
+            raise ValueError(f"sliding window {window}: must be at least 1")
         rows = len(tokens)
-        x = self.model.embed(torch.tensor(tokens)).contiguous()
+        x = self.model.embed(torch.tensor(tokens)).contiguous()  # Gemma's: scaled
         pos = torch.tensor(starts, dtype=torch.int64)
         logits = torch.empty(rows, self.vocab, dtype=torch.float32)
         need = self.lib.kvlm_decode_scratch(ctypes.byref(self.spec), rows)
         if self.scratch.numel() < need:  # grows to the largest batch seen, then stays
             self.scratch = torch.empty(need, dtype=torch.float32)
+        self._set_storage(views[0].store, window)
+        self._place(views)
+        c_views, _keep = self._c_views(views, starts)
+        rc = self.lib.kvlm_decode_batch(
+            ctypes.byref(self.spec), rows, x.data_ptr(), pos.data_ptr(), self.cos.data_ptr(),
+            self.sin.data_ptr(), c_views, len(views), self.scratch.data_ptr(), logits.data_ptr(),
+        )  # fmt: skip
+        if rc == -1:
+            raise MemoryError("no scratch memory for the fused decode step")
+        if rc != 0:
+            shapes = [(tuple(v.store.values.shape[2:5:2]), v.ring) for v in views]
+            raise ValueError(
+                f"the fused decode step refused rows at positions {list(starts)} "
+                f"({self.slots} slots; (blocks, block size), ring of each view: {shapes})"
+            )
+        if self.final_softcap is not None:  # as the torch model caps its logits
+            cap = self.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _set_storage(self, store: Store, window: int | None) -> None:
+        """The step's cache dtype, int8 rotation, products' settings and window."""
         self.spec.kv_dtype = _KV_DTYPE[store.values.dtype]
         if store.quantized:  # codes + (step, zero) per row; K stored rotated by R
-            self.spec.kv_params = store.scales.data_ptr()
             self.spec.key_rot = key_rotation(store.values.shape[-1]).data_ptr()  # cached, fp32
         # --activations int8: LLM sets act_int8 on every block's Linear alike; the
         # vocabulary projection has its own (fp32 under the defaults: kvlm.defaults)
         self.spec.act_int8 = int(self.model.layers[0].attn.qkv.act_int8)
         self.spec.head_act_int8 = int(self.model.lm_head.act_int8)
-        if window is not None and window < 1:
-            raise ValueError(f"sliding window {window}: must be at least 1")
         self.spec.window = window or 0
-        rc = self.lib.kvlm_decode_batch(
-            ctypes.byref(self.spec), rows, x.data_ptr(), pos.data_ptr(), self.cos.data_ptr(),
-            self.sin.data_ptr(), store.values.data_ptr(),
-            store.values.shape[2], block_size,  # blocks (a contiguous cache: its one row)
-            table.data_ptr(), table.shape[1], self.scratch.data_ptr(), logits.data_ptr(),
-        )  # fmt: skip
-        if rc == -1:
-            raise MemoryError("no scratch memory for the fused decode step")
-        if rc != 0:
-            raise ValueError(
-                f"the fused decode step refused rows at positions {list(starts)} "
-                f"({self.slots} slots, {store.values.shape[2]} blocks of {block_size})"
-            )
-        return logits
