@@ -871,10 +871,11 @@ def assert_top_k_both_ways(a: torch.Tensor, b: torch.Tensor, k: int = 5) -> None
         assert int(y.argmax()) in torch.topk(x, k).indices.tolist(), f"step {i}"
 
 
-def feed_batched(llm, seqs: list[list[int]], pool, tables) -> list[torch.Tensor]:
+def feed_batched(llm, seqs: list[list[int]], pool, tables, windowed=()) -> list[torch.Tensor]:
     """Feed every row its tokens one step at a time through the runner's batch over a
     paged pool (the engine's path), all rows that still have one together; each row's
-    logits per step."""
+    logits per step. `windowed`: a hybrid pool's other groups' tables (kvlm.cache.paged),
+    windowed[g - 1][b]."""
     from kvlm.engine.runner import Batch
 
     spec = llm.cache_spec("paged")
@@ -882,7 +883,8 @@ def feed_batched(llm, seqs: list[list[int]], pool, tables) -> list[torch.Tensor]
     for t in range(max(len(s) for s in seqs)):
         live = [b for b, s in enumerate(seqs) if t < len(s)]
         rows, starts = [[seqs[b][t]] for b in live], [t] * len(live)
-        batch = Batch(rows, pool=pool, spec=spec, tables=[tables[b] for b in live], starts=starts)
+        batch = Batch(rows, pool=pool, spec=spec, tables=[tables[b] for b in live], starts=starts,
+                      windowed=[[w[b] for b in live] for w in windowed])  # fmt: skip
         logits = llm.runner.run(batch)
         for i, b in enumerate(live):
             out[b].append(logits[i])
@@ -975,22 +977,24 @@ def mixed_step(llm, one_forward: bool, seed: int = 0) -> list[torch.Tensor]:
     held = [min(p for s, p, *_ in MIXED_ROWS if s == i) for i in range(n_seqs)]
     tokens = [torch.randint(3, llm.config.vocab_size, (n,), generator=gen).tolist() for n in length]
     tables = scrambled_tables(pool, length, seed)
+    # a hybrid pool's windowed groups: a whole table each too (nothing left the window)
+    windowed = [scrambled_tables(group, length, seed) for group in pool.groups[1:]]
     for i in range(n_seqs):
         if held[i]:
-            prefix = Batch(
-                [tokens[i][: held[i]]], pool=pool, spec=spec, tables=[tables[i]], starts=[0]
-            )
+            prefix = Batch([tokens[i][: held[i]]], pool=pool, spec=spec, tables=[tables[i]],
+                           starts=[0], windowed=[[w[i]] for w in windowed])  # fmt: skip
             llm.runner.run(prefix)
     # the step's sequences as the backend reads them: a chunk's start and table; a decode
     # row's last token at num_computed, a sequence's further rows its draft
     chunks, decoding = [], {}
     for s, p, n, chunk, every in MIXED_ROWS:
+        table = BlockTable(tables[s], windowed=[w[s] for w in windowed])
         if chunk:
-            seq = SimpleNamespace(table=BlockTable(tables[s]), num_computed=p)
+            seq = SimpleNamespace(table=table, num_computed=p)
             chunks.append(Chunk(seq, tokens[s][p : p + n], every))
             continue
         seq = decoding.setdefault(s, SimpleNamespace(
-            table=BlockTable(tables[s]), num_computed=p, token_ids=tokens[s][: p + 1], draft=[]
+            table=table, num_computed=p, token_ids=tokens[s][: p + 1], draft=[]
         ))  # fmt: skip
         if p > seq.num_computed:
             seq.draft.append(tokens[s][p])

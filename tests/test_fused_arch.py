@@ -286,8 +286,10 @@ def _batched(llm: LLM, seqs: list[list[int]], seed: int) -> list[torch.Tensor]:
     (the engine's path), all rows that still have one together; each row's logits."""
     spec = llm.cache_spec("paged")
     pool = BlockPool(spec, sum(blocks_for(len(s), spec.block_size) for s in seqs))
-    tables = scrambled_tables(pool, [len(s) for s in seqs], seed)
-    return feed_batched(llm, seqs, pool, tables)
+    lengths = [len(s) for s in seqs]
+    tables = scrambled_tables(pool, lengths, seed)
+    windowed = [scrambled_tables(group, lengths, seed) for group in pool.groups[1:]]
+    return feed_batched(llm, seqs, pool, tables, windowed)
 
 
 def _lengths(llm: LLM) -> list[int]:

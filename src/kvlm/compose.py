@@ -54,8 +54,6 @@ def refusal(model: str, mode: str, kv_dtype: str | None, feature: str) -> str | 
         return NO_SPECULATION[mode]
     if feature == "fused low-bit step" and mode not in fused.CACHE_MODES:
         return f"torch step: {fused.NOT_THIS_CACHE}"
-    if feature == "fused low-bit step" and model == "hybrid" and mode in ("paged", "int8"):
-        return f"torch step: {fused.HYBRID_POOL}"
     return None
 
 

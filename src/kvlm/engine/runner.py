@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlm.cache import CacheSpec, KVCache
-from kvlm.cache.paged import BlockPool, PagedCache, RaggedStep, TableStep
+from kvlm.cache.paged import BlockPool, RaggedStep, TableStep
 from kvlm.model import fused, graphs
 from kvlm.model.transformer import Transformer
 
@@ -92,10 +92,7 @@ class ModelRunner:
         return self.one_forward and self._decodes_alike(True)
 
     def fused_for(self, cache: KVCache) -> fused.FusedDecoder | None:
-        """The fused decode step for this cache, when it applies (not yet a pool with a
-        block table per layer group: fused.HYBRID_POOL)."""
-        if isinstance(cache, PagedCache) and cache.pool.hybrid:
-            return None
+        """The fused decode step for this cache, when it applies."""
         decoder = self._decoder(cache.spec.max_tokens)
         return decoder if decoder is not None and decoder.accepts(cache) else None
 
@@ -106,8 +103,6 @@ class ModelRunner:
             return "cuda graphs"
         if self.fused_reason is not None:
             return f"torch step: {self.fused_reason}"
-        if isinstance(cache, PagedCache) and cache.pool.hybrid:
-            return f"torch step: {fused.HYBRID_POOL}"
         if self.fused_for(cache) is None:
             rows = f"{cache.batch} row" + ("s" if cache.batch != 1 else "")
             return f"torch step: {fused.NOT_THIS_CACHE}, not {cache.mode} ({rows})"
@@ -194,16 +189,17 @@ class ModelRunner:
         tokens at positions starts[b].. through block table tables[b]."""
         pool, spec, rows, window = b.pool, b.spec, b.rows, b.spec.sliding_window
         tokens = [r[0] for r in rows]
-        one = len(rows[0]) == 1 and not b.all_rows and not pool.hybrid  # HYBRID_POOL
-        graphs = self.graphs if one and not b.prompt and pool.scratch is not None else None
+        one = len(rows[0]) == 1 and not b.all_rows
+        replay = one and not b.prompt and pool.scratch is not None and not pool.hybrid
+        graphs = self.graphs if replay else None  # (fused.HYBRID_POOL)
         if graphs and graphs.reads(pool.store):
             out = graphs.step_table(pool.store, pool.scratch, tokens, b.tables, b.starts, window)
             if out is not None:
                 return out
         if one and len(rows) <= fused.MAX_ROWS and self._decodes_alike(b.prompt):
             decoder = self._decoder(spec.max_tokens)
-            if decoder is not None and decoder.reads(pool.store):
-                views = [fused.KVView(pool.store, b.tables, pool.block_size)]
+            if decoder is not None and all(decoder.reads(g.store) for g in pool.groups):
+                views = fused.pool_views(pool, [b.tables, *b.windowed])
                 return decoder.run(views, tokens, b.starts, window)
         step = TableStep(pool, spec, list(b.tables), list(b.starts), len(rows[0]), b.windowed)
         return self._torch(rows, step, b.prompt, b.all_rows)

@@ -63,7 +63,7 @@ from kvlm.cache import KVCache
 from kvlm.cache.base import CacheStep
 from kvlm.cache.contiguous import ContiguousCache
 from kvlm.cache.hybrid import HybridCache
-from kvlm.cache.paged import Int8PagedCache, PagedCache
+from kvlm.cache.paged import BlockPool, Int8PagedCache, PagedCache, readable
 from kvlm.cache.storage import Store, key_rotation
 from kvlm.model.layers import Linear
 from kvlm.model.quant import KIND_CODES
@@ -73,8 +73,8 @@ MAX_ROWS = 256  # the most sequences one step takes (MAX_BATCH in qgemm.c)
 CACHE_MODES = ("contiguous", "paged", "int8")  # the caches whose layout the step reads
 NOT_THIS_CACHE = "the fused step reads contiguous and paged caches"  # why the others do not
 # why a hybrid model's pool (a block table per layer group, kvlm.cache.paged) decodes
-# through the torch step: the step's cache views are not wired to the groups' tables yet
-HYBRID_POOL = "the fused step and CUDA graphs read one block table per row, not one per layer group"
+# without CUDA graphs (the fused step reads each group through a view of its own)
+HYBRID_POOL = "the CUDA graphs read one block table per row, not one per layer group"
 QMAT_PARTS = 3  # row parts of different kinds one projection may have (qgemm.c)
 
 
@@ -141,6 +141,22 @@ class KVView:
     block_size: int
     ring: int = 0
     layers: tuple[int, ...] | None = None
+
+
+def pool_views(pool: BlockPool, tables: Sequence[Sequence[Sequence[int]]]) -> list[KVView]:
+    """A pool's views for a step: `tables[g][b]`, row b's table of layer group g (one
+    group; a hybrid pool's windowed group too, its layers in their store's order, a
+    block that left the window read as the row's first live one: kvlm.cache.paged.readable,
+    never within the window the step reads)."""
+    if not pool.hybrid:
+        return [KVView(pool.store, tables[0], pool.block_size)]
+    views = []
+    for g, (group, rows) in enumerate(zip(pool.groups, tables, strict=True)):
+        where = sorted((index, layer) for layer, (grp, index) in enumerate(pool.layer_at)
+                       if grp == g)  # fmt: skip
+        rows = [readable(list(t), len(t)) for t in rows] if g else rows
+        views.append(KVView(group.store, rows, pool.block_size, 0, tuple(n for _, n in where)))
+    return views
 
 
 # the cache dtypes the fused step reads and writes (kvlm_qmodel.kv_dtype in qgemm.c)
@@ -278,7 +294,8 @@ class FusedDecoder:
         if type(cache) is ContiguousCache:
             return cache.store.values.shape[-2] == self.slots and self.reads(cache.store)
         # --kv int8 is a paged cache storing int8 (Int8PagedCache): the same layout
-        return type(cache) in (PagedCache, Int8PagedCache) and self.reads(cache.pool.store)
+        return type(cache) in (PagedCache, Int8PagedCache) and all(
+            self.reads(group.store) for group in cache.pool.groups)  # fmt: skip
 
     def reads(self, store: Store) -> bool:
         """Whether the step reads and writes this storage (dtype, device, layout)."""
@@ -300,8 +317,7 @@ class FusedDecoder:
         holding every slot; a hybrid cache's whole part so, and its ring (whose commit then
         only records the positions the step wrote: WindowCache.written_in_place)."""
         if isinstance(cache, PagedCache):
-            pool = cache.pool
-            return [KVView(pool.store, [cache.tables[r] for r in rows], pool.block_size)]
+            return pool_views(cache.pool, [[t[r] for r in rows] for t in cache.group_tables])
         tables = [[r] for r in rows]
         if not isinstance(cache, HybridCache):
             return [KVView(cache.store, tables, cache.store.values.shape[-2])]
