@@ -247,3 +247,33 @@ def test_pydantic_ais_responses_model(server, model):
     result = agent.run_sync("Weather in Paris?", model_settings={"max_tokens": 16,
                                                                   "temperature": 0})  # fmt: skip
     assert isinstance(result.output, str)
+
+
+def test_the_store_is_bounded_by_count_bytes_and_age(monkeypatch):
+    """The oldest stored responses go (their pins let go) past the count, past the bytes of
+    their own text, and once expired; the one just stored stays."""
+    from types import SimpleNamespace
+
+    from kvlm.server import responses_api as api
+
+    let_go = []
+
+    class Reply(SimpleNamespace):
+        def output(self):
+            return []
+
+    def stored(rid: str, text: str = "x") -> api.Stored:
+        return api.Stored(Reply(id=rid), [{"role": "user", "content": text}],
+                          [{"id": f"item-{rid}", "type": "message"}])  # fmt: skip
+
+    store = api.ResponseStore(3, 60.0, lambda *a: None, let_go.append)
+    for i in range(5):
+        store.put(stored(f"r{i}"))
+    assert list(store.entries) == ["r2", "r3", "r4"] and let_go == ["r0", "r1"]
+    assert store.item("item-r4") is not None and store.item("item-r0") is None
+    monkeypatch.setattr(api, "KEEP_BYTES", 1000)
+    store.put(stored("big", "y" * 2000))
+    assert list(store.entries) == ["big"] and store.nbytes == store.entries["big"].nbytes
+    store.entries["big"].expires = 0.0  # its hour is up
+    store.put(stored("late"))
+    assert store.get("big") is None and "late" in store.entries

@@ -47,6 +47,7 @@ from kvlm.server.responses import Choices
 MAX_ITEMS = 4096  # input items in one request
 PIN_SHARE = 0.25  # of the pool's blocks, at most this many pinned by stored responses
 KEEP = 1024  # stored responses
+KEEP_BYTES = 256 << 20  # their own text (inputs and outputs), the oldest go past it
 TTL_S = 3600.0  # a stored response's life
 # the item types kvlm reads; any other (web_search_call, computer_call, ...) is refused
 _ITEMS = ("message", "function_call", "function_call_output", "reasoning", "item_reference")
@@ -555,10 +556,11 @@ class Stored:
     items: list[dict[str, Any]]  # its input items, for input_items
     expires: float = 0.0
     task: asyncio.Task | None = None  # a background response's
+    nbytes: int = 0  # its own text (its input items, its reply), as JSON
 
 
 class ResponseStore:
-    """Stored responses, oldest first, bounded by count and age; their K/V pinned in the
+    """Stored responses, oldest first, bounded by count, bytes and age; their K/V pinned in the
     pool through `pin(response id, token ids, salt)` and let go through `unpin(response
     id)` (the engine's Engine.pin / unpin, which also bound the pinned blocks: the oldest
     pins go first)."""
@@ -571,6 +573,7 @@ class ResponseStore:
         self.pin, self._unpin = pin, unpin
         self.entries: OrderedDict[str, Stored] = OrderedDict()
         self._items: dict[str, dict[str, Any]] = {}
+        self.nbytes = 0  # the entries' own text
 
     def get(self, response_id: str) -> Stored | None:
         entry = self.entries.get(response_id)
@@ -583,13 +586,17 @@ class ResponseStore:
         return self._items.get(item_id)
 
     def put(self, entry: Stored) -> None:
-        """Keep `entry` (the oldest go while more than `keep` are kept, or once expired)."""
+        """Keep `entry` (the oldest go while more than `keep` are kept or they hold more
+        than KEEP_BYTES of their own text, and once expired)."""
         entry.expires = time.monotonic() + self.ttl_s
+        entry.nbytes = len(json.dumps([entry.items, entry.history[-1:]]))  # its own turn
         self.entries[entry.reply.id] = entry
+        self.nbytes += entry.nbytes
         self.index(entry)
         now = time.monotonic()
         for response_id, old in list(self.entries.items()):
-            if len(self.entries) > self.keep or old.expires < now:
+            full = len(self.entries) > self.keep or self.nbytes > KEEP_BYTES
+            if (full and old is not entry) or old.expires < now:
                 self.delete(response_id)
 
     def index(self, entry: Stored) -> None:
@@ -601,6 +608,7 @@ class ResponseStore:
         entry = self.entries.pop(response_id, None)
         if entry is None:
             return False
+        self.nbytes -= entry.nbytes
         if entry.task is not None:
             entry.task.cancel()
         for item in [*entry.items, *entry.reply.output()]:
