@@ -113,6 +113,17 @@ def hf_default():
     ).eval()
 
 
+@pytest.fixture(scope="session")
+def tools_model_dir(tmp_path_factory):
+    """A tiny random Qwen3-shaped model whose ChatML template renders tools in the hermes
+    format (helpers.CHATML_TOOLS), 2,048 positions (the tools' system turn spends ~800 of
+    the tiny tokenizer's tokens): the tool, Responses and Messages tests' model."""
+    from helpers import CHATML_TOOLS
+
+    return save_tiny_model(tmp_path_factory.mktemp("qwen3-tools"), "qwen3", seed=3,
+                           chat_template=CHATML_TOOLS, max_position_embeddings=2048)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def client(server, request):
     """The openai client on the module's `kvlm serve` (its `server` fixture: the port),

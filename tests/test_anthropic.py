@@ -13,9 +13,7 @@ import json
 import jsonschema
 import pytest
 
-from helpers import save_tiny_model
 from serving import kvlm_serve, wait_idle
-from test_tools import CHATML_TOOLS
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -30,10 +28,8 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    folder = save_tiny_model(tmp_path_factory.mktemp("qwen3-messages"), "qwen3", seed=3,
-                             chat_template=CHATML_TOOLS, max_position_embeddings=2048)  # fmt: skip
-    with kvlm_serve("--model", str(folder), "--max-context", "2048", "--threads", "2",
+def server(tools_model_dir):
+    with kvlm_serve("--model", str(tools_model_dir), "--max-context", "2048", "--threads", "2",
                     "--api-key", KEY) as (port, _):  # fmt: skip
         yield port
 

@@ -17,9 +17,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from helpers import save_tiny_model
-from serving import kvlm_serve, metrics, openai_client
-from test_tools import CHATML_TOOLS
+from serving import kvlm_serve, metrics
 
 openai = pytest.importorskip("openai")
 
@@ -35,22 +33,10 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    folder = save_tiny_model(tmp_path_factory.mktemp("qwen3-responses"), "qwen3", seed=3,
-                             chat_template=CHATML_TOOLS, max_position_embeddings=2048)  # fmt: skip
-    with kvlm_serve("--model", str(folder), "--max-context", "2048", "--threads", "2",
+def server(tools_model_dir):
+    with kvlm_serve("--model", str(tools_model_dir), "--max-context", "2048", "--threads", "2",
                     "--api-key", KEY) as (port, _):  # fmt: skip
         yield port
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server, KEY)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def create(client, model, **kw):
@@ -269,6 +255,8 @@ def test_the_store_is_bounded_by_count_bytes_and_age(monkeypatch):
     store = api.ResponseStore(3, 60.0, lambda *a: None, let_go.append)
     for i in range(5):
         store.put(stored(f"r{i}"))
+    store.put(store.entries["r4"])  # stored again (a background response, done): counted once
+    assert store.nbytes == sum(e.nbytes for e in store.entries.values())
     assert list(store.entries) == ["r2", "r3", "r4"] and let_go == ["r0", "r1"]
     assert store.item("item-r4") is not None and store.item("item-r0") is None
     monkeypatch.setattr(api, "KEEP_BYTES", 1000)

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from serving import kvlm_serve, openai_client
+from serving import kvlm_serve
 
 KEY = "ext-key"
 BOS, EOS = 0, 1
@@ -21,16 +21,6 @@ def server(tiny_model_dir):
     with kvlm_serve("--model", str(tiny_model_dir("llama")), "--max-context", "128",
                     "--api-key", KEY) as (port, _):  # fmt: skip
         yield port
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server, KEY)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def complete(client, model, **extra):

@@ -113,11 +113,9 @@ def test_a_stream_split_anywhere_gives_the_whole_replys_content_and_calls(cuts, 
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    # the tiny tokenizer spends ~800 tokens on the tools' system turn: a longer context
-    folder = save_tiny_model(tmp_path_factory.mktemp("qwen3-tools"), "qwen3", seed=3,
-                             chat_template=CHATML_TOOLS, max_position_embeddings=2048)  # fmt: skip
-    with kvlm_serve("--model", str(folder), "--max-context", "2048", "--threads", "2") as (p, _):
+def server(tools_model_dir):
+    with kvlm_serve("--model", str(tools_model_dir), "--max-context", "2048",
+                    "--threads", "2") as (p, _):  # fmt: skip
         yield p
 
 

@@ -276,9 +276,13 @@ def _token_routes(s: _Served, auth: Any) -> APIRouter:
         if body.model is not None:
             _check_model(body.model, s.model_name)
         ids = await run_in_threadpool(_chat_of, lambda: body.ids(s.tokenizer, s.model_name))
-        strs = [s.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+        strs = None
+        if body.return_token_strs:  # a token each: off the loop
+            strs = await run_in_threadpool(
+                lambda: [s.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+            )
         return {"count": len(ids), "max_model_len": s.max_len, "tokens": ids,
-                "token_strs": strs if body.return_token_strs else None}  # fmt: skip
+                "token_strs": strs}  # fmt: skip
 
     @router.post("/detokenize", responses={200: {"model": openapi.Text},
                                            **openapi.errors(400, 401, 404, 408, 413)})  # fmt: skip
@@ -371,8 +375,8 @@ async def _chat_parts(
     # a guided reply (a forced call, a format) takes its guide's shape from its first
     # token: a <think> the prompt opened does not hold for it
     think = s.reasoning_parser is not None
-    tail = s.tokenizer.decode(ids[-_PROMPT_TAIL:], skip_special_tokens=False)
-    opened = think and params.guide is None and reasoning.starts_thinking(tail)
+    opened = think and params.guide is None and reasoning.starts_thinking(
+        s.tokenizer.decode(ids[-_PROMPT_TAIL:], skip_special_tokens=False))  # fmt: skip
     if tools and forced is None and params.guide is None and s.tool_parser == "hermes":
         params.guide = tools_mod.auto_guide(tools)  # a call, once begun, is well formed
     choices = Choices(s.tokenizer, params.n, chat=True, want_logprobs=body.logprobs,
@@ -397,11 +401,9 @@ def anthropic_routes(v1: APIRouter, s: _Served) -> None:
         if body.stream:
             sse = anthropic.stream(events, choices, head, len(ids), ENGINE_FAILED)
             return StreamingResponse(sse, media_type="text/event-stream")
-        last = await _collect(events, choices, request)
-        if last is None:  # the client went away: its request was aborted
+        last = await _finished(events, choices, request)
+        if last is None:
             return JSONResponse({}, status_code=499)
-        if choices.state[0].finish_reason == "error":
-            raise ServerError(500, ENGINE_FAILED, "server_error")
         return anthropic.message(head, choices, last, len(ids))
 
     @v1.post("/messages/count_tokens", responses={200: {"model": openapi.TokenCount},
@@ -428,7 +430,7 @@ def responses_routes(v1: APIRouter, s: _Served) -> None:
                                   param="previous_response_id")  # fmt: skip
             history = prev.history
         turn = _chat_of(lambda: api.conversation(api.input_items(body), store.item))
-        chat = _chat_of(lambda: api.to_chat(body, history, store.item))
+        chat = _chat_of(lambda: api.to_chat(body, [*history, *turn]))
         ids, params, choices = await _chat_parts(s, chat)
         reply = api.Reply(body, s.model_name, choices, len(ids))
         events = api.record(await _start(s.engine, chat, [ids], [params]), reply)
@@ -448,11 +450,9 @@ def responses_routes(v1: APIRouter, s: _Served) -> None:
         if body.stream:
             return StreamingResponse(api.stream(events, reply, done),
                                      media_type="text/event-stream")  # fmt: skip
-        if await _collect(events, choices, request) is None:  # the client went away
+        if await _finished(events, choices, request) is None:
             return JSONResponse({}, status_code=499)
         reply.finish()
-        if reply.status == "failed":
-            raise ServerError(500, ENGINE_FAILED, "server_error")
         done(reply)
         return reply.response()
 
@@ -587,11 +587,8 @@ async def _respond(
     if body.stream:
         sse = _sse(events, choices, head, body.include_usage, prompt_tokens)
         return StreamingResponse(sse, media_type="text/event-stream")
-    result = await _collect(events, choices, request)
-    if result is None:  # the client went away: its request was aborted
+    if await _finished(events, choices, request) is None:
         return JSONResponse({}, status_code=499)
-    if any(c.finish_reason == "error" for c in choices.state):
-        raise ServerError(500, ENGINE_FAILED, "server_error")
     return await run_in_threadpool(_whole, head, choices, prompt_tokens)
 
 
@@ -663,6 +660,17 @@ async def _nothing(prompts: int, n: int) -> AsyncIterator[StepOutput]:
 
 
 ENGINE_FAILED = "the engine failed on this request (other requests are unaffected)"
+
+
+async def _finished(
+    events: AsyncIterator[StepOutput], choices: Choices, request: Request
+) -> StepOutput | None:
+    """A non-streamed request run to its end (_collect): its last event, None where the
+    client went away (aborted: answer 499); a failed sample is the request's 500."""
+    last = await _collect(events, choices, request)
+    if last is not None and any(c.finish_reason == "error" for c in choices.state):
+        raise ServerError(500, ENGINE_FAILED, "server_error")
+    return last
 
 
 async def _collect(

@@ -34,9 +34,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvlm.engine.engine import StepOutput
+from kvlm.server import protocol
 from kvlm.server.protocol import (
     MAX_TOOLS,
     ChatCompletionRequest,
+    FunctionDef,
     StreamOptions,
     Text,
     Unsupported,
@@ -125,17 +127,14 @@ class ItemReference(_Body):
 Item = MessageItem | FunctionCallItem | FunctionOutputItem | ReasoningItem | ItemReference
 
 
-class FunctionTool(_Body):
+class FunctionTool(FunctionDef):
+    """A function tool, the Responses way: the chat's function with its type beside."""
+
     type: Literal["function"]
-    name: Annotated[Text, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
-    description: Text | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
-class NamedFunction(_Body):
+class NamedFunction(protocol.NamedFunction):
     type: Literal["function"]
-    name: Text
 
 
 class TextFormat(_Body):
@@ -224,12 +223,13 @@ class ResponsesRequest(_Body):
         return self
 
 
-def to_chat(body: ResponsesRequest, history: list[dict[str, Any]],
-            items: Callable[[str], dict[str, Any] | None]) -> ChatCompletionRequest:  # fmt: skip
-    """The chat request `body` means after `history` (the chat messages of its previous
-    response's conversation); `items(id)`: a stored item, for item_reference."""
+def to_chat(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request `body` means over `messages` (the chat messages of its previous
+    response's conversation, then its own input's: `conversation`), its instructions
+    the system turn."""
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     chat: dict[str, Any] = {
-        "model": body.model, "messages": _messages(body, history, items),
+        "model": body.model, "messages": system + messages,
         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
         "parallel_tool_calls": body.parallel_tool_calls,
     }  # fmt: skip
@@ -257,13 +257,6 @@ def to_chat(body: ResponsesRequest, history: list[dict[str, Any]],
     if body.reasoning is not None and body.reasoning.effort is not None:
         chat["reasoning_effort"] = body.reasoning.effort
     return ChatCompletionRequest.model_validate(chat)
-
-
-def _messages(body: ResponsesRequest, history: list[dict[str, Any]],
-              items: Callable[[str], dict[str, Any] | None]) -> list[dict[str, Any]]:  # fmt: skip
-    out = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    out += history
-    return out + conversation(input_items(body), items)
 
 
 def input_items(body: ResponsesRequest) -> list[Item]:
@@ -557,6 +550,7 @@ class Stored:
     expires: float = 0.0
     task: asyncio.Task | None = None  # a background response's
     nbytes: int = 0  # its own text (its input items, its reply), as JSON
+    item_ids: list[str] = field(default_factory=list)  # what index() made reachable
 
 
 class ResponseStore:
@@ -589,6 +583,8 @@ class ResponseStore:
         """Keep `entry` (the oldest go while more than `keep` are kept or they hold more
         than KEEP_BYTES of their own text, and once expired)."""
         entry.expires = time.monotonic() + self.ttl_s
+        again = self.entries.pop(entry.reply.id, None)  # a background response, now done
+        self.nbytes -= again.nbytes if again is not None else 0
         entry.nbytes = len(json.dumps([entry.items, entry.history[-1:]]))  # its own turn
         self.entries[entry.reply.id] = entry
         self.nbytes += entry.nbytes
@@ -601,8 +597,9 @@ class ResponseStore:
 
     def index(self, entry: Stored) -> None:
         """Make its items (input and output) reachable by id (item_reference)."""
-        for item in [*entry.items, *entry.reply.output()]:
-            self._items[item["id"]] = item
+        items = [*entry.items, *entry.reply.output()]
+        self._items.update((item["id"], item) for item in items)
+        entry.item_ids = [item["id"] for item in items]
 
     def delete(self, response_id: str) -> bool:
         entry = self.entries.pop(response_id, None)
@@ -611,8 +608,8 @@ class ResponseStore:
         self.nbytes -= entry.nbytes
         if entry.task is not None:
             entry.task.cancel()
-        for item in [*entry.items, *entry.reply.output()]:
-            self._items.pop(item["id"], None)
+        for item_id in entry.item_ids:
+            self._items.pop(item_id, None)
         self._unpin(response_id)
         return True
 
