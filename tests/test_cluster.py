@@ -106,6 +106,41 @@ def test_the_route_key_is_the_prefix_cache_key_of_the_first_blocks(tokenizer):
     assert route_key("/v1/models", b"", tokenizer, 16) is None
 
 
+def test_a_responses_request_routes_by_its_prompt_or_to_the_replica_that_stored_it(tokenizer):
+    from kvlm.cluster.keys import affinity, replica_tag, route_key
+    from kvlm.server import responses_api
+
+    system = "You answer questions about the history of the Roman empire. " * 8
+    chat = _chat(system, "Who was Augustus?")
+    responses = json.dumps({"model": "m", "instructions": system,
+                            "input": "Who was Augustus?"}).encode()  # fmt: skip
+    key = route_key("/v1/chat/completions", chat, tokenizer, 16)
+    assert key is not None and route_key("/v1/responses", responses, tokenizer, 16) == key
+    # a stored response's id names the replica that made it; the ingress reads it back
+    tag = replica_tag("replica-abc")
+    assert len(tag) == 8 and tag != replica_tag("replica-abd")
+    old, responses_api.REPLICA_TAG = responses_api.REPLICA_TAG, tag
+    try:
+        made = responses_api._new_id("resp")
+    finally:
+        responses_api.REPLICA_TAG = old
+    assert responses_api.tag_of(made) == tag and responses_api.tag_of("resp_abcdef") is None
+    follow = json.dumps({"model": "m", "input": "And Nero?", "previous_response_id": made})
+    assert affinity("POST", "/v1/responses", follow.encode()) == tag
+    assert route_key("/v1/responses", follow.encode(), tokenizer, 16) is None
+    ref = {"model": "m", "input": [{"type": "item_reference", "id": f"msg_{tag}_00"}]}
+    assert affinity("POST", "/v1/responses", json.dumps(ref).encode()) == tag
+    for method, path in (("GET", f"/v1/responses/{made}"), ("DELETE", f"/v1/responses/{made}"),
+                         ("GET", f"/v1/responses/{made}/input_items"),
+                         ("POST", f"/v1/responses/{made}/cancel")):  # fmt: skip
+        assert affinity(method, path, b"") == tag
+    # nothing stored named: no affinity (the prefix key, or the least loaded replica)
+    for body in (responses, b"{not json", b"[1]", b'{"previous_response_id": 7}'):
+        assert affinity("POST", "/v1/responses", body) is None
+    assert affinity("POST", "/v1/chat/completions", follow.encode()) is None
+    assert affinity("GET", "/v1/responses/resp_plain", b"") is None
+
+
 def test_metrics_are_summed_series_by_series():
     from kvlm.cluster.metrics import aggregate
 
@@ -246,6 +281,29 @@ def test_answers_equal_a_single_kvlm_serve(port, client, model, reference):
     m = metrics(port)
     assert m["kvlm_replicas"] == 2 and m["kvlm_kv_blocks_total"] == 2 * blocks
     assert json.loads(get(port, "/health")[1]) == {"status": "ok", "replicas": 2}
+
+
+@pytest.mark.slow
+def test_a_conversation_of_stored_responses_follows_its_replica(port, client, model):
+    """Each stored response lives on the replica that made it: follow-ups (previous_response_id),
+    GET, input_items and DELETE reach it there, whichever replica the first turn took."""
+    assert wait_for(lambda: all_up(port))
+    first = client.responses.create(model=model, input="Name a colour.", max_output_tokens=4,
+                                     temperature=0)  # fmt: skip
+    chain = [first]
+    for turn in range(5):  # without affinity, each lands on the other replica half the time
+        chain.append(client.responses.create(
+            model=model, input=f"And another, number {turn}?", max_output_tokens=4,
+            temperature=0, previous_response_id=chain[-1].id))  # fmt: skip
+    assert len({r.id.split("_")[1] for r in chain}) == 1  # one replica's tag
+    for r in chain:
+        assert client.responses.retrieve(r.id).id == r.id
+        assert client.responses.input_items.list(r.id).data
+    assert chain[-1].usage.input_tokens_details.cached_tokens > 0  # its replica's prefix cache
+    for r in chain:
+        client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
 
 
 @pytest.mark.slow

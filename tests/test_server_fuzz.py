@@ -8,6 +8,8 @@ schema says, invalid data refused; afterwards the server is healthy and holds no
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import requests
 from hypothesis import HealthCheck, settings
@@ -20,7 +22,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance  # noqa: 
 
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-EXAMPLES = 100  # per route and generation mode
+EXAMPLES = int(os.environ.get("KVLM_FUZZ_EXAMPLES", "100"))  # per route and generation mode
 
 
 @pytest.fixture(scope="module")

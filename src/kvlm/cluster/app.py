@@ -2,7 +2,7 @@
 
     client ──HTTP──▶ Serve proxy ──▶ Ingress (FastAPI)            KvlmReplica  x N
                                      body ≤ --max-body             AsyncEngine (its thread)
-                                     route key (kvlm.cluster.keys) kvlm's own FastAPI app
+                                     route key, replica tag       kvlm's own FastAPI app
                                      KvlmRouter picks a replica ─▶ http(): the request
                                      ◀── {status, headers}, chunk, chunk, ... ───┘ through
                                          relayed as they come (SSE streams)         the app
@@ -41,7 +41,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from kvlm.cluster import metrics as cluster_metrics  # a module: this class is pickled by value
-from kvlm.cluster.keys import route_key
+from kvlm.cluster.keys import affinity, route_key
 from kvlm.server.limits import RequestLimits
 from kvlm.server.protocol import error_body
 
@@ -81,11 +81,14 @@ class KvlmReplica:
     """One kvlm engine and kvlm's own app, built from `kvlm serve`'s arguments."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from kvlm.server import log_to_stderr
+        from kvlm.cluster.keys import replica_tag
+        from kvlm.server import log_to_stderr, responses_api
         from kvlm.server.app import engine_app
         from kvlm.server.config import serve_config, serve_model
 
         log_to_stderr(args.log_level)
+        # the ids of what this replica stores name it (the ingress routes by them)
+        responses_api.REPLICA_TAG = replica_tag(serve.get_replica_context().replica_id.unique_id)
         self.engine = None  # an AsyncEngine once the model has loaded
         config, limits = serve_config(args)
         options = (args.served_model_name, args.api_key, limits, args.tool_call_parser,
@@ -93,9 +96,11 @@ class KvlmReplica:
         self.engine, self.app = engine_app(serve_model(args), config, *options)
         self.engine.start()
 
-    async def http(self, raw: RawRequest, route_key: bytes | None = None) -> AsyncIterator[Any]:
+    async def http(
+        self, raw: RawRequest, route_key: bytes | None = None, replica: str | None = None
+    ) -> AsyncIterator[Any]:
         """The response to `raw`: {"status", "headers"}, then its body chunks. `route_key`
-        was the router's."""
+        and `replica` were the router's."""
         async for item in call_asgi(self.app, raw):
             yield item
 
@@ -224,11 +229,14 @@ class Ingress:
 
     async def forward(self, request: Request) -> Response:
         raw = await _raw(request)
-        key = None
-        if self.authorized(request):  # a stranger's body is not worth tokenizing
-            key = await run_in_threadpool(route_key, raw.path, raw.body, self.tokenizer,
-                                          self.block_size, self.route_blocks)  # fmt: skip
-        stream = self.replicas.options(method_name="http", stream=True).remote(raw, route_key=key)
+        key = tag = None
+        if self.authorized(request):  # a stranger's body is not worth reading
+            tag = await run_in_threadpool(affinity, raw.method, raw.path, raw.body)
+            if tag is None:
+                key = await run_in_threadpool(route_key, raw.path, raw.body, self.tokenizer,
+                                              self.block_size, self.route_blocks)  # fmt: skip
+        call = self.replicas.options(method_name="http", stream=True)
+        stream = call.remote(raw, route_key=key, replica=tag)
         try:
             head = await stream.__anext__()
         except asyncio.CancelledError:  # the client hung up first: the replica aborts

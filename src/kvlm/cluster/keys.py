@@ -14,21 +14,60 @@ enough to tell tenants apart, few enough that two questions under one system pro
 the key. A prompt of fewer full blocks is keyed by those it has; one with none has no key
 (it shares nothing worth routing for). A body the ingress cannot read has no key either:
 the replica it lands on answers its 400.
+
+A Responses request that names a stored response (`previous_response_id`, an
+`item_reference`, or GET/DELETE/cancel of /v1/responses/{id}) must reach the replica that
+stored it: each replica writes its tag (`replica_tag`, 8 hex digits of its Ray Serve
+replica id) into the ids it makes, `resp_<tag>_<hex>` (kvlm.server.responses_api), and
+`affinity` reads the tag back for the router, which then sends the request there (that
+replica's prefix cache holds the conversation too). A tag no live replica has (it died
+and came back under a new id) routes as usual, and the replica answers "not found".
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import struct
 
 from kvlm.cache.prefix import block_key, root_key
 from kvlm.errors import KvlmError
 from kvlm.loading.tokenizer import Tokenizer
-from kvlm.server.anthropic import MessagesRequest, to_chat
+from kvlm.server import anthropic, responses_api
+from kvlm.server.anthropic import MessagesRequest
 from kvlm.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvlm.server.responses_api import ResponsesRequest
 
 ROUTE_BLOCKS = 4
 _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-           "/v1/messages": MessagesRequest}  # fmt: skip
+           "/v1/messages": MessagesRequest, "/v1/responses": ResponsesRequest}  # fmt: skip
+_RESPONSES = "/v1/responses"
+
+
+def replica_tag(replica_id: str) -> str:
+    """The tag a replica writes into its stored responses' ids: 8 hex digits of its id."""
+    return hashlib.blake2b(replica_id.encode(), digest_size=4).hexdigest()
+
+
+def affinity(method: str, path: str, body: bytes) -> str | None:
+    """The replica tag a request must go to (it names something a replica stored), or
+    None. Only /v1/responses reads its body (bounded by --max-body), as JSON, no more."""
+    if path.startswith(_RESPONSES + "/"):  # GET, DELETE, .../input_items, .../cancel
+        return responses_api.tag_of(path[len(_RESPONSES) + 1 :].split("/", 1)[0])
+    if method != "POST" or path != _RESPONSES:
+        return None
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    named = [data.get("previous_response_id")]
+    if isinstance(data.get("input"), list):
+        named += [i.get("id") for i in data["input"]
+                  if isinstance(i, dict) and i.get("type") == "item_reference"]  # fmt: skip
+    return next((tag for n in named if isinstance(n, str) and (tag := responses_api.tag_of(n))),
+                None)  # fmt: skip
 
 
 def route_key(
@@ -41,10 +80,19 @@ def route_key(
     try:
         request = model.model_validate_json(body)
         if isinstance(request, MessagesRequest):  # the chat it means (as the replica runs it)
-            request = to_chat(request)
+            request = anthropic.to_chat(request)
+        elif isinstance(request, ResponsesRequest):  # one naming nothing stored (else affinity)
+            if request.previous_response_id is not None:
+                return None
+            given = responses_api.input_items(request)
+            request = responses_api.to_chat(request, responses_api.conversation(given, _none))
         return chain_key(prompt_ids(request, tokenizer), request.cache_salt, block_size, blocks)
     except (ValueError, KvlmError, struct.error):  # pydantic's ValidationError is a ValueError;
         return None  # struct.error: a token id past 2**32 (the replica says which)
+
+
+def _none(_: str) -> None:  # no stored item is known here (a reference: affinity routes)
+    return None
 
 
 def prompt_ids(

@@ -10,6 +10,9 @@ candidate:
                  replica with the fewest requests in flight
     round-robin  the next replica in turn (the benchmark's baseline)
 
+Under either policy, a request with a `replica` kwarg (the tag of the replica that stored
+the response it names, kvlm.cluster.keys.affinity) goes to that replica while it lives.
+
 Loads are the in-flight counts of Ray Serve's queue-length cache (bumped when a request is
 sent, dropped when it ends, refreshed by the replicas' answers), probing the replicas
 whose entry has gone stale, as Ray's own PrefixCacheAffinityRouter does.
@@ -28,6 +31,7 @@ import itertools
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvlm.cluster import metrics
+from kvlm.cluster.keys import replica_tag
 from kvlm.cluster.ring import BALANCE, HashRing, least_loaded
 
 POLICIES = ("prefix", "round-robin")
@@ -50,6 +54,11 @@ class KvlmRouter(RequestRouter):
         if not candidate_replicas:
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        tag = pending_request.kwargs.get("replica") if pending_request else None
+        if tag is not None:
+            held = [r for rid, r in by_id.items() if replica_tag(rid) == tag]
+            if held:
+                return [held]
         if self.policy == "round-robin":
             ids = sorted(by_id)
             return [[by_id[ids[next(self._turn) % len(ids)]]]]

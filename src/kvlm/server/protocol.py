@@ -67,10 +67,22 @@ class _Body(BaseModel):
     @classmethod
     def _null_is_absent(cls, data: Any) -> Any:
         """An explicit null means the field's default, as OpenAI's API reads it (clients
-        send `"stop": null`, `"logprobs": null`, ...)."""
+        send `"stop": null`, `"logprobs": null`, ...). Only for fields the model has: an
+        unknown name stays, null or not, and is refused (extra="forbid")."""
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
+            known = cls._known_names()
+            return {k: v for k, v in data.items() if v is not None or k not in known}
         return data
+
+    @classmethod
+    def _known_names(cls) -> frozenset[str]:
+        names = cls.__dict__.get("_names")
+        if names is None:
+            names = frozenset(
+                n for name, f in cls.model_fields.items() for n in (name, f.alias) if n
+            )
+            cls._names = names
+        return names
 
 
 class StreamOptions(_Body):

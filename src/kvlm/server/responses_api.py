@@ -298,8 +298,22 @@ _ITEM_TYPES = {"message": MessageItem, "function_call": FunctionCallItem,
                "function_call_output": FunctionOutputItem}  # fmt: skip
 
 
+# The replica of `kvlm serve --replicas` this process is (kvlm.cluster.keys.replica_tag;
+# "" for a single server): written into every id the store makes, `resp_<tag>_<hex>`, so
+# the cluster's ingress sends a request naming a stored response or item to the replica
+# that holds it (kvlm.cluster.keys.affinity). One app per replica process.
+REPLICA_TAG = ""
+
+
 def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
+    tag = f"{REPLICA_TAG}_" if REPLICA_TAG else ""
+    return f"{prefix}_{tag}{uuid.uuid4().hex}"
+
+
+def tag_of(some_id: str) -> str | None:
+    """The replica tag in an id this module made (`resp_<tag>_<hex>`), or None."""
+    parts = some_id.split("_")
+    return parts[1] if len(parts) == 3 and parts[1] else None
 
 
 # ---------------------------------------------------------------------------- the reply
