@@ -101,6 +101,32 @@ def test_a_bad_guide_is_refused_before_any_work(tiny):
             guide=Guide("json_schema", {"type": "no-such-type"})))  # fmt: skip
 
 
+def test_a_guide_is_compiled_once_and_shared_by_its_samples(tiny, monkeypatch):
+    """The same kind and spec (an agent's tools, every turn) reuse one compiled matcher,
+    least recently used let go past KEEP_COMPILED; each sample still feeds its own copy,
+    and a bad spec is refused every time (a refusal is never kept)."""
+    from kvlm.engine import guided
+
+    monkeypatch.setattr(guided, "KEEP_COMPILED", 2)
+    vars(tiny.tokenizer).pop("_compiled_guides", None)
+    vocab = tiny.config.vocab_size
+    one = guided.compile_guide(Guide("regex", "(yes|no)"), tiny.tokenizer, vocab)
+    again = guided.compile_guide(Guide("regex", "(yes|no)", "guided_regex"), tiny.tokenizer, vocab)
+    assert again.compiled is one.compiled and again.param == "guided_regex"
+    other = guided.compile_guide(Guide("choice", ["yes", "no"]), tiny.tokenizer, vocab)
+    assert other.compiled is not one.compiled
+    guided.compile_guide(Guide("regex", "[0-9]+"), tiny.tokenizer, vocab)  # one.compiled goes
+    assert guided.compile_guide(Guide("regex", "(yes|no)"), tiny.tokenizer, vocab).compiled \
+        is not one.compiled  # fmt: skip
+    a, b = guided.GuideState(one, tiny.tokenizer, vocab), guided.GuideState(one, tiny.tokenizer,
+                                                                          vocab)  # fmt: skip
+    a.accept(tiny.tokenizer.encode("yes", add_special_tokens=False)[0])
+    assert a.matcher is not b.matcher and not b.matcher.is_stopped()
+    for _ in range(2):
+        with pytest.raises(InvalidRequestError):
+            guided.compile_guide(Guide("regex", "(unclosed"), tiny.tokenizer, vocab)
+
+
 def test_a_guide_that_holds_its_worker_does_not_hold_up_the_others(tiny):
     """Two compile workers: while one is stuck on a guide (here: its process stopped, as a
     compile that runs to its timeout would hold it), another guide compiles in the other

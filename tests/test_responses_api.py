@@ -10,6 +10,7 @@ round trip, json_schema output, retrieve/delete/input_items, background and canc
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Annotated
 
@@ -207,6 +208,33 @@ def test_the_openai_agents_sdk_runs_a_tool(server, model, road):
     outputs = [i for i in result.new_items if i.type == "tool_call_output_item"]
     assert outputs and outputs[0].output.startswith("Sunny in")
     assert isinstance(result.final_output, Verdict)
+
+
+def test_the_openai_agents_sdk_gets_a_call_under_tool_choice_auto(server, model):
+    """openai-agents' Chat Completions model with tool_choice auto: the reply's call (text
+    then a hermes <tool_call>, which a random model writes only when a regex makes it) is
+    parsed into tool_calls, the SDK runs the tool and, told to stop at the first tool,
+    answers its output."""
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    agents.set_tracing_disabled(True)
+    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key=KEY, max_retries=0)
+    reply = ('Let me look.\n<tool_call>\n{"name": "weather_now", "arguments": '
+             '{"city": "Paris"}}\n</tool_call>')  # fmt: skip
+    agent = agents.Agent(
+        name="weather", instructions="Answer with the tool.", tools=[
+            agents.function_tool(weather_now)],
+        model=agents.OpenAIChatCompletionsModel(model=model, openai_client=client),
+        model_settings=agents.ModelSettings(
+            tool_choice="auto", max_tokens=400, temperature=0,
+            extra_body={"guided_regex": re.escape(reply)}),
+        tool_use_behavior="stop_on_first_tool",
+    )  # fmt: skip
+    result = agents.Runner.run_sync(agent, "Weather in Paris?", max_turns=2)
+    calls = [i for i in result.new_items if i.type == "tool_call_item"]
+    assert calls and json.loads(calls[0].raw_item.arguments) == {"city": "Paris"}
+    assert result.final_output == "Sunny in Paris"
 
 
 def test_langchain_on_the_responses_api(server, model):

@@ -18,7 +18,9 @@ allowed, so the sample stops there.
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -31,6 +33,12 @@ from kvlm.engine.guide_worker import WORKER_STACK, WORKERS, GuideWorkers, build_
 __all__ = ["MAX_GUIDE_CHARS", "Guide", "GuideState", "compile_guide"]
 
 COMPILE_STACK = 8 * WORKER_STACK  # the server's compile thread: 8x what the worker survived
+# Compiled guides kept per tokenizer, by kind and spec, least recently used let go: an
+# agent sends the same tools (tool_choice auto's lazy grammar) and output schema every
+# turn, and a hit skips the worker's check and the compile (10-19 ms for one tool's auto
+# grammar on the default model's 49k vocabulary, model-207 Xeon). A compiled matcher is
+# never fed (each sample deep-copies it), so requests share it safely.
+KEEP_COMPILED = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,15 +126,35 @@ def compile_guide(guide: Guide, tokenizer, vocab_size: int) -> Guide:
     if done is not None and done.vocab_size == vocab_size:
         return guide
     check_bounds(guide.kind, guide.spec, guide.param)
-    guide_workers(tokenizer, vocab_size).check(guide.kind, guide.spec, guide.param)
-    tok = ll_tokenizer(tokenizer, vocab_size)
-    matcher = _on_compile_thread(build_matcher, guide.kind, guide.spec, guide.param, tok)
-    # What GuideState imports, imported here, off the engine thread: its first import took
-    # 3.5 s on a Zen 3, and at a guided request's first sampled token that froze the
-    # engine's step (the soak's longest step, 5.4 s)
-    import llguidance.torch  # noqa: F401
+    key = (guide.kind, json.dumps(guide.spec, sort_keys=True))
+    kept = _compiled_kept(tokenizer, vocab_size)
+    with _compile_lock:
+        compiled = kept.get(key)
+        if compiled is not None:
+            kept.move_to_end(key)
+    if compiled is None:
+        guide_workers(tokenizer, vocab_size).check(guide.kind, guide.spec, guide.param)
+        tok = ll_tokenizer(tokenizer, vocab_size)
+        matcher = _on_compile_thread(build_matcher, guide.kind, guide.spec, guide.param, tok)
+        # What GuideState imports, imported here, off the engine thread: its first import
+        # took 3.5 s on a Zen 3, and at a guided request's first sampled token that froze
+        # the engine's step (the soak's longest step, 5.4 s)
+        import llguidance.torch  # noqa: F401
 
-    return dataclasses.replace(guide, compiled=Compiled(matcher, vocab_size))
+        compiled = Compiled(matcher, vocab_size)
+        with _compile_lock:
+            kept[key] = compiled
+            while len(kept) > KEEP_COMPILED:
+                kept.popitem(last=False)
+    return dataclasses.replace(guide, compiled=compiled)
+
+
+def _compiled_kept(tokenizer, vocab_size: int) -> OrderedDict:
+    """The guides compiled for this tokenizer and vocabulary, least recently used first."""
+    with _compile_lock:
+        return (
+            vars(tokenizer).setdefault("_compiled_guides", {}).setdefault(vocab_size, OrderedDict())
+        )
 
 
 class GuideState:
