@@ -244,6 +244,53 @@ def test_verify_command(capsys, tiny_gguf, kv):
     assert code == 0 and "greedy agreement" in out
 
 
+def test_verify_against_the_reference_counts_first_tokens_answers_and_ranks(tiny_gguf):
+    """compare() on the reference's own answers: all agree; then one answer's last token
+    swapped for the reference's second choice there: that answer differs, its first token
+    does not, one token of all is off the argmax, at rank 1."""
+    from kvlm import LLM
+    from kvlm.bench.prompts import KINDS, fidelity_prompts
+    from kvlm.engine.verify import compare, greedy_answers
+
+    texts = fidelity_prompts()
+    assert len(texts) == 216 == 24 * len(KINDS) and len(set(texts)) == 216
+    ref = LLM(str(tiny_gguf), exact=True, progress=False)
+    prompts = [ref.encode(t) for t in texts[::54]]  # one of four kinds
+    expected = greedy_answers(ref, prompts, 6)
+    same = compare(ref, prompts, expected, expected, 6)
+    assert (same.first_token, same.whole_answer, same.forced_agreement) == (1.0, 1.0, 1.0)
+    assert same.worst_rank == 0 and same.differing == []
+    changed = [list(a) for a in expected]
+    ids, answer = prompts[1], changed[1]
+    assert len(answer) == 6  # a random model writes no end-of-sequence this soon
+    step = ref.runner.logits(ids + answer[:5], ref.new_cache("off"))[-1]
+    answer[5] = int(step.topk(2).indices[1])  # the last: no later step sees another prefix
+    other = compare(ref, prompts, expected, changed, 6)
+    assert other.first_token == 1.0 and other.whole_answer == 3 / 4 and other.differing == [1]
+    assert other.forced_agreement == 1 - 1 / sum(map(len, changed)) and other.worst_rank == 1
+
+
+def test_verify_against_exact_from_the_command_line(capsys, tiny_gguf, tmp_path):
+    flags = ("--exact", "--prompts", "4", "--max-new-tokens", "4", "--json")
+    code, out, _ = run_cli(capsys, "verify", "--against", "exact", "--model", str(tiny_gguf),
+                           *flags)  # fmt: skip
+    record = json.loads(out)
+    assert code == 0 and record["prompts"] == 4 and record["max_tokens"] == 4
+    assert record["whole_answer"] == 1.0 and record["worst_rank"] == 0  # the same numerics
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is 2 plus 2?\n\nName a colour.\n")
+    code, out, _ = run_cli(capsys, "verify", "--against", "exact", "--model", str(tiny_gguf),
+                           "--prompts-file", str(prompts), "--max-new-tokens", "3")  # fmt: skip
+    assert code == 0 and "2 prompts" in out and "whole answer" in out
+    for bad, says in (
+        (["--prompts", "0"], "--prompts must be between 1 and 216"),
+        (["--prompts-file", str(tmp_path / "none.txt")], "--prompts-file:"),
+    ):
+        code, _, err = run_cli(capsys, "verify", "--against", "exact", "--model",
+                               str(tiny_gguf), *bad)  # fmt: skip
+        assert code == 2 and says in err
+
+
 def test_bench_compares_modes_and_peers_in_one_run(capsys, tiny_gguf, tmp_path):
     out_file = tmp_path / "bench.json"
     code, out, err = run_cli(

@@ -71,13 +71,33 @@ def _chat_parser(sub: Any) -> None:
 
 def _verify_parser(sub: Any) -> None:
     verify = sub.add_parser(
-        "verify", help="greedy agreement and logit drift of a cache mode against --kv off"
+        "verify",
+        help="greedy agreement and logit drift of a cache mode against --kv off, or "
+        "of the numerics against the fp32 reference over a prompt set (--against exact)",
     )
     verify.add_argument("prompt", nargs="?", default=VERIFY_PROMPT,
                         help="the prompt (default: a question about KV caches)")  # fmt: skip
     _model_args(verify)
     _cache_args(verify)
-    verify.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens to compare")
+    verify.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="greedy tokens to compare (default: 64; 24 with --against exact)",
+    )
+    verify.add_argument("--against", choices=("off", "exact"), default="off",
+                        help="off (default): the cache mode against --kv off, same numerics; "
+                        "exact: this model's numerics (the flags, or the defaults) against the "
+                        "fp32 reference (--exact) over a prompt set: how often the first "
+                        "token and the whole greedy answer are the reference's")  # fmt: skip
+    verify.add_argument("--prompts", type=int, default=48,
+                        help="with --against exact: how many of kvlm's 216 fidelity prompts "
+                        "(nine kinds, taken evenly; default 48)")  # fmt: skip
+    verify.add_argument(
+        "--prompts-file",
+        default=None,
+        help="with --against exact: the prompts instead, one per line",
+    )
     verify.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -501,8 +521,12 @@ def _show(turn: Any, show: bool = True) -> None:
 def cmd_verify(args: argparse.Namespace) -> int:
     from kvlm.engine.verify import verify_mode
 
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 24 if args.against == "exact" else 64
     if args.max_new_tokens < 1:
         raise KvlmError("--max-new-tokens must be >= 1")
+    if args.against == "exact":
+        return _verify_numerics(args)
     llm = _load(args)
     ids = llm.encode(args.prompt, chat=_use_chat(args, llm), system=args.system)
     result = verify_mode(llm, ids, args.kv, args.max_new_tokens)
@@ -517,6 +541,50 @@ def cmd_verify(args: argparse.Namespace) -> int:
         f"  max logit drift   {result.max_logit_drift:.3g}\n"
         f"  mean logit drift  {result.mean_logit_drift:.3g}  (per step, largest |difference|)\n"
         f"  cache bytes       {result.kv_bytes}",
+    )
+
+
+def _verify_numerics(args: argparse.Namespace) -> int:
+    """kvlm verify --against exact: the numerics' greedy answers against the reference's."""
+    from kvlm.bench.prompts import fidelity_prompts
+    from kvlm.engine.verify import compare, greedy_answers
+    from kvlm.llm import LLM
+
+    if args.prompts_file is not None:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                texts = [line.strip() for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as exc:
+            raise KvlmError(f"--prompts-file: {exc}") from None
+        if not texts:
+            raise KvlmError("--prompts-file: no prompt in it (one per line)")
+    else:
+        every = fidelity_prompts()
+        if not 0 < args.prompts <= len(every):
+            raise KvlmError(f"--prompts must be between 1 and {len(every)}")
+        texts = [every[i * len(every) // args.prompts] for i in range(args.prompts)]
+    llm = _load(args)
+    reference = LLM(model=args.model, device=args.device, threads=args.threads,
+                    max_context=args.max_context, exact=True, progress=False)  # fmt: skip
+    chat = _use_chat(args, llm)
+    prompts = [llm.encode(t, chat=chat, system=args.system) for t in texts]
+    n = args.max_new_tokens
+    result = compare(reference, prompts, greedy_answers(reference, prompts, n),
+                     greedy_answers(llm, prompts, n), n)  # fmt: skip
+    num = llm.numerics
+    described = (
+        f"weights {num.weights or 'as the dtype'}, activations {num.activations}, "
+        f"prompt products {num.prefill_dtype}, K/V {num.kv_dtype or 'as the dtype'}"
+    )
+    return _print(
+        args.json,
+        {"model": llm.model_name, "numerics": described, **result.to_dict()},
+        f"{llm.model_name} ({described}) against the fp32 reference (--exact), "
+        f"{result.prompts} prompts, greedy answers of up to {n} tokens:\n"
+        f"  first token        {result.first_token:.1%}\n"
+        f"  whole answer       {result.whole_answer:.1%}\n"
+        f"  teacher-forced     {result.forced_agreement:.2%} of the answers' tokens are the "
+        f"reference's argmax (worst rank {result.worst_rank})",
     )
 
 

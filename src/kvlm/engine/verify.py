@@ -17,6 +17,7 @@ import torch
 
 if TYPE_CHECKING:
     from kvlm.engine.served import ServedModel
+    from kvlm.llm import LLM
 
 
 @dataclass(slots=True)
@@ -69,3 +70,64 @@ def verify_mode(llm: ServedModel, prompt_ids: Sequence[int], mode: str, steps: i
         mean_logit_drift=float(drift.mean()),
         kv_bytes=cache.nbytes,
     )
+
+
+# ------------------------------------------------- numerics against the fp32 reference
+
+
+@dataclass(slots=True)
+class Agreement:
+    """How often greedy answers equal the reference's over a prompt set (`compare`)."""
+
+    prompts: int
+    max_tokens: int  # each answer: up to this many tokens, or to the end-of-sequence token
+    first_token: float  # share of prompts whose first answer token is the reference's
+    whole_answer: float  # share of prompts answered token for token as the reference does
+    forced_agreement: float  # share of answer tokens that are the reference's argmax on the
+    #                          same prefix (teacher-forced: a divergence does not cascade)
+    worst_rank: int  # the largest rank, in the reference's order, of a token chosen
+    differing: list[int]  # the prompts (indices) whose answer differs
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.inference_mode()
+def greedy_answers(llm: LLM, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy answer, alone (no batch: each row's numerics as one stream's),
+    up to `max_tokens` or the end-of-sequence token."""
+    from kvlm.engine.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return [llm.generate(prompt_token_ids=[list(ids)], sampling_params=params,
+                         use_tqdm=False)[0].token_ids for ids in prompts]  # fmt: skip
+
+
+@torch.inference_mode()
+def compare(
+    reference: ServedModel, prompts: Sequence[Sequence[int]], expected: Sequence[Sequence[int]],
+    answers: Sequence[Sequence[int]], max_tokens: int,
+) -> Agreement:  # fmt: skip
+    """`answers` (any engine's, on the same prompt ids) against `expected` (the reference's
+    greedy answers), and each answer teacher-forced through the reference: one no-cache
+    forward over prompt + answer gives the reference's argmax at every step of it."""
+    first = whole = forced = steps = worst = 0
+    differing = []
+    for i, (ids, ref, ours) in enumerate(zip(prompts, expected, answers, strict=True)):
+        first += bool(ref) and bool(ours) and ref[0] == ours[0]
+        same = list(ref) == list(ours)
+        whole += same
+        if not same:
+            differing.append(i)
+        if not ours:
+            continue
+        seq = list(ids) + list(ours)
+        logits = reference.runner.logits(seq[:-1], reference.new_cache("off"))[len(ids) - 1 :]
+        chosen = torch.tensor(list(ours), device=logits.device)
+        rank = (logits > logits.gather(-1, chosen[:, None])).sum(-1)
+        forced += int((rank == 0).sum())
+        steps += len(ours)
+        worst = max(worst, int(rank.max()))
+    n = len(prompts)
+    return Agreement(n, max_tokens, first / n, whole / n, forced / max(steps, 1), worst,
+                     differing)  # fmt: skip

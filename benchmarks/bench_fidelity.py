@@ -1,0 +1,110 @@
+"""How faithful kvlm's fast path is to the fp32 reference, against llama.cpp on the same file,
+over kvlm's 216 fidelity prompts (kvlm.bench.prompts: nine kinds, 24 each), in one run.
+
+    python benchmarks/bench_fidelity.py [--model FILE] [--tokens 24] [--threads 2]
+        [--runs "defaults;activations fp32;..."] [--no-llamacpp]
+
+Every engine answers each prompt (the chat template's token ids, the same ids for all)
+greedily, alone, up to --tokens tokens or the end-of-sequence token. Each answer is held
+to the reference's (kvlm --exact: weights dequantized to fp32, fp32 activations and prompt
+products, fp32 K/V): the first token, the whole answer, and teacher-forced agreement (the
+reference's argmax on the answer's own prefix, one no-cache forward per answer: a
+divergence does not cascade). kvlm's runs pull its numerics apart one at a time, to find
+which rounding loses agreement: decode activations (int8 per group of 32 with VNNI), the
+prompt's products (bf16 with AMX, int8 with VNNI), the K/V dtype (fp16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from kvlm import LLM
+from kvlm.bench.prompts import KINDS, fidelity_prompts
+from kvlm.engine.verify import compare, greedy_answers
+
+RUNS = {
+    "defaults": {},
+    "activations fp32": {"activations": "fp32"},
+    "prompt products fp32": {"prefill_dtype": "fp32"},
+    "prompt products int8": {"prefill_dtype": "int8"},
+    "prompt products bf16": {"prefill_dtype": "bf16"},
+    "K/V fp32": {"kv_dtype": "fp32"},
+    "native weights, the rest fp32": dict(
+        activations="fp32", prefill_dtype="fp32", kv_dtype="fp32"
+    ),
+}
+
+
+def llamacpp_answers(path: str, prompts: list[list[int]], n: int, threads: int,
+                     eos: set[int]) -> list[list[int]]:  # fmt: skip
+    from llama_cpp import Llama
+
+    model = Llama(model_path=path, n_ctx=1024, n_threads=threads, n_threads_batch=threads,
+                  verbose=False)  # fmt: skip
+    out = []
+    for ids in prompts:
+        answer: list[int] = []
+        for token in model.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
+            answer.append(int(token))
+            if token in eos or len(answer) >= n:
+                break
+        out.append(answer)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
+    p.add_argument("--tokens", type=int, default=24)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--runs", default=None, help=f"names separated by ; (of: {'; '.join(RUNS)})")
+    p.add_argument("--no-llamacpp", action="store_true")
+    p.add_argument("--json", default=None, help="write the results here too")
+    args = p.parse_args()
+    runs = list(RUNS) if args.runs is None else [r.strip() for r in args.runs.split(";")]
+    common = {"model": args.model, "threads": args.threads, "max_context": 1024,
+              "progress": False}  # fmt: skip
+    reference = LLM(**common, exact=True)
+    path = str(reference.loaded.path)
+    texts = fidelity_prompts()
+    prompts = [reference.encode(t, chat=True) for t in texts]
+    n = args.tokens
+    start = time.perf_counter()
+    expected = greedy_answers(reference, prompts, n)
+    took = time.perf_counter() - start
+    print(f"{reference.model_name}: {len(prompts)} prompts, answers of up to {n} tokens; "
+          f"the reference's answers in {took:.0f} s", flush=True)  # fmt: skip
+    results = {}
+    for name in runs:
+        llm = LLM(**common, **RUNS[name])
+        num = llm.numerics
+        answers = greedy_answers(llm, prompts, n)
+        results[name] = (compare(reference, prompts, expected, answers, n),
+                         f"{num.activations} / {num.prefill_dtype} / {num.kv_dtype}")  # fmt: skip
+        print(name, results[name][0].to_dict() | {"differing": None}, flush=True)
+        del llm
+    if not args.no_llamacpp:
+        eos = set(reference.tokenizer.eos_token_ids)
+        answers = llamacpp_answers(path, prompts, n, args.threads, eos)
+        results["llama.cpp"] = (compare(reference, prompts, expected, answers, n), "its own")
+        print("llama.cpp", results["llama.cpp"][0].to_dict() | {"differing": None}, flush=True)
+    per = len(prompts) // len(KINDS)
+    head = ("| run | activations / prompt products / K/V | first token | whole answer | "
+            "teacher-forced | worst rank | " + " | ".join(KINDS) + " |")  # fmt: skip
+    print("\n" + head)
+    print("| --- | --- | ---: | ---: | ---: | ---: |" + " ---: |" * len(KINDS))
+    for name, (r, numerics) in results.items():
+        kinds = [per - sum(k * per <= i < (k + 1) * per for i in r.differing)
+                 for k in range(len(KINDS))]  # fmt: skip
+        print(f"| {name} | {numerics} | {r.first_token:.1%} | {r.whole_answer:.1%} | "
+              f"{r.forced_agreement:.2%} | {r.worst_rank} | "
+              + " | ".join(f"{k}/{per}" for k in kinds) + " |")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({k: r.to_dict() | {"numerics": num} for k, (r, num) in results.items()}, f)
+
+
+if __name__ == "__main__":
+    main()
