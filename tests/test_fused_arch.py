@@ -228,6 +228,27 @@ def test_the_fused_step_tracks_the_torch_model(arch_dir, name, kv_dtype, mode):
         assert_as_exact_as(ours, theirs, _layer0_held(exact_cache)[0])
 
 
+@needs_kernels
+def test_each_product_takes_its_own_activation_setting(arch_dir):
+    """The fused step reads each product's act_int8 (a mask in its spec), as the torch step
+    does: with the MLP's gate|up on fp32 activations and the other products on int8, the
+    two steps still differ by summation order only (the same int8 codes), as they do with
+    every product on int8; and the change moves the logits by the int8 rounding of that
+    product's input, which is far larger."""
+    folder = arch_dir("llama")
+    llm = LLM(model=folder, progress=False, max_context=MAX_CONTEXT, weights="int4",
+              activations="int8", prefill_dtype="fp32")  # fmt: skip
+    prompt = _ids(llm, 12, seed=5)
+    _, every, every_ref, *_ = fused_and_torch(llm, prompt, 6)
+    for block in llm.model.layers:
+        block.mlp.gate_up.act_int8 = False
+    _, mixed, mixed_ref, *_ = fused_and_torch(llm, prompt, 6)
+    order = max(float((every - every_ref).abs().max()), float((mixed - mixed_ref).abs().max()))
+    assert float((mixed - mixed_ref).abs().max()) <= 4 * float((every - every_ref).abs().max())
+    assert float((mixed[0] - every[0]).abs().max()) > 4 * order  # step 0: the same prefix
+    assert_top_k_both_ways(mixed, mixed_ref)
+
+
 def _layer0_held(cache) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Layer 0's stored K/V rows of a contiguous cache, (2, batch, kv_heads, n, head_dim),
     their int8 (step, zero) or None, and the positions they hold: 0 .. n-1, or (a hybrid

@@ -144,7 +144,7 @@ static inline uint16_t to_f16(float f) {
 #endif
 }
 
-int kvlm_kernel_abi(void) { return 14; }
+int kvlm_kernel_abi(void) { return 15; }
 
 /* 512: AVX-512; 256: the same code on AVX2 (two halves per vector); 0: scalar loops */
 int kvlm_kernel_simd(void) { return KVLM_V512; }
@@ -1137,7 +1137,8 @@ typedef struct {
     const float *final_norm;
     kvlm_qmat lm_head;
     int64_t kv_dtype;        /* the cache stores KV_F32, KV_BF16, KV_I8 or KV_F16 */
-    int64_t act_int8;        /* products round x to int8 per group (--activations int8) */
+    int64_t act_int8;        /* which products round x to int8 per group (--activations
+                                int8): a mask of ACT_QKV, ACT_O, ACT_GATE_UP, ACT_DOWN */
     const float *key_rot;    /* KV_I8: R (head_dim x head_dim); K rows are stored as k R */
     int64_t window;          /* the step's attention window (Mistral) for the layers whose
                                 own is -1: the query at p sees keys p - window < s <= p; 0:
@@ -2191,12 +2192,14 @@ static void add_residual(float *x, float *y, const float *w, int64_t B, int64_t 
  * Returns 0; -2 when an argument is out of range (a position past the slots or a table, a
  * block id past its pool, a ring shorter than a layer's window: nothing is written); -1
  * when a product found no scratch memory. */
+enum { ACT_QKV = 1, ACT_O = 2, ACT_GATE_UP = 4, ACT_DOWN = 8 }; /* kvlm_qmodel.act_int8 */
+
 int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *pos,
                       const float *cos, const float *sin, const kvlm_kv_view *views,
                       int64_t n_views, float *scratch, float *logits) {
     const int64_t H = m->hidden, D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
     const int64_t I = m->inter;
-    const int ai8 = m->act_int8 != 0;
+    const int64_t ai8 = m->act_int8;
     if (B < 1 || B > MAX_BATCH || n_views < 1 || Hkv < 1 || Hq % Hkv != 0) return -2;
     if (Hq / Hkv > 8 || D > MAX_HEAD_DIM || D % 2) return -2; /* the attention's buffers */
     if (m->window < 0 || m->kv_dtype < KV_F32 || m->kv_dtype > KV_F16) return -2;
@@ -2209,18 +2212,18 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *
         const kvlm_qlayer *L = m->layers + l;
         const layer_kv lk = layer_kv_of(m, L, views, rowb);
         for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->input_norm, H, m->eps, s.h + b * H);
-        if (matmul_rows(&L->qkv, s.h, B, s.qkv, ai8)) return -1;
+        if (matmul_rows(&L->qkv, s.h, B, s.qkv, (ai8 & ACT_QKV) != 0)) return -1;
         prepare_rows(m, L, &lk, B, pos, cos, sin, &s);
         attend_layer(m, &lk, &s, B, pos);
-        if (matmul_rows(&L->o, s.att, B, s.tmp, ai8)) return -1;
+        if (matmul_rows(&L->o, s.att, B, s.tmp, (ai8 & ACT_O) != 0)) return -1;
         if (L->o_bias)
             for (int64_t i = 0; i < B * H; i++) s.tmp[i] += L->o_bias[i % H];
         add_residual(x, s.tmp, L->attn_out_norm, B, H, m->eps);
         for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->post_norm, H, m->eps, s.h + b * H);
-        if (matmul_rows(&L->gate_up, s.h, B, s.gu, ai8)) return -1;
+        if (matmul_rows(&L->gate_up, s.h, B, s.gu, (ai8 & ACT_GATE_UP) != 0)) return -1;
         for (int64_t b = 0; b < B; b++)
             (m->gelu ? gelu_mul : silu_mul)(s.gu + b * 2 * I, s.gu + b * 2 * I + I, s.act + b * I, I);
-        if (matmul_rows(&L->down, s.act, B, s.tmp, ai8)) return -1;
+        if (matmul_rows(&L->down, s.act, B, s.tmp, (ai8 & ACT_DOWN) != 0)) return -1;
         add_residual(x, s.tmp, L->mlp_out_norm, B, H, m->eps);
     }
     for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, m->final_norm, H, m->eps, s.h + b * H);

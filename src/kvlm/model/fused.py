@@ -424,8 +424,10 @@ class FusedDecoder:
         self.spec.kv_dtype = _KV_DTYPE[store.values.dtype]
         if store.quantized:  # codes + (step, zero) per row; K stored rotated by R
             self.spec.key_rot = key_rotation(store.values.shape[-1]).data_ptr()  # cached, fp32
-        # --activations int8: LLM sets act_int8 on every block's Linear alike; the
-        # vocabulary projection has its own (fp32 under the defaults: kvlm.defaults)
-        self.spec.act_int8 = int(self.model.layers[0].attn.qkv.act_int8)
+        # --activations int8: each product's act_int8, the same in every block (LLM sets
+        # them); the vocabulary projection has its own (fp32 under the defaults)
+        block = self.model.layers[0]
+        products = (block.attn.qkv, block.attn.o_proj, block.mlp.gate_up, block.mlp.down)
+        self.spec.act_int8 = sum(1 << i for i, p in enumerate(products) if p.act_int8)
         self.spec.head_act_int8 = int(self.model.lm_head.act_int8)
         self.spec.window = window or 0
