@@ -17,7 +17,7 @@ EXIT_USER_ERROR = 2
 # Spelled out rather than imported from kvlm.cache, which pulls in torch: `kvlm --help`
 # stays instant. tests/test_cli.py checks it names every mode the factory knows.
 KV_HELP = "cache mode: off, basic, contiguous (default), paged, int8, window"
-KV_DTYPE_HELP = "cache storage: fp32, bf16, fp16, int8"
+KV_DTYPE_HELP = "cache storage: fp32, bf16, fp16, int8, q4 (4-bit codes, a scale per 32)"
 MODEL_HELP = "GGUF file, HF folder or Hub id (default: SmolLM2-135M)"
 VERIFY_PROMPT = "Explain what a KV cache is and why it makes text generation faster."
 
@@ -107,7 +107,7 @@ def _memory_parser(sub: Any) -> None:
     memory.add_argument("--context", type=int, default=None, help="tokens per sequence")
     memory.add_argument("--batch", type=int, default=1, help="sequences")
     memory.add_argument("--kv", default="contiguous", help=KV_HELP)
-    memory.add_argument("--kv-dtype", default="fp32", help="fp32, bf16, fp16 or int8")
+    memory.add_argument("--kv-dtype", default="fp32", help="fp32, bf16, fp16, int8 or q4")
     memory.add_argument("--dtype", default="fp32", help="weights dtype, for the budget")
     memory.add_argument(
         "--budget", default=None,

@@ -19,11 +19,15 @@ DTYPES: dict[str, torch.dtype] = {
     "fp64": torch.float64,
     "float64": torch.float64,
 }
+# The 4-bit K/V type (kvlm.cache.storage: q4_0-like, per group of 32): torch has no 4-bit
+# dtype, so its codes' storage dtype, two codes a byte, names it.
+Q4 = torch.uint8
 SHORT_NAMES = {
     torch.float32: "fp32",
     torch.bfloat16: "bf16",
     torch.float16: "fp16",
     torch.int8: "int8",
+    Q4: "q4",
 }
 # Cache files store what kvlm serves with; an fp64 reference cache is never written.
 NAMES = {**SHORT_NAMES, torch.float64: "fp64"}
@@ -35,8 +39,10 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def parse_kv_dtype(name: str | torch.dtype) -> torch.dtype:
-    """A cache storage dtype: the compute dtypes, or int8 (with per-token scales)."""
-    return _parse(name, {**DTYPES, "int8": torch.int8}, "fp32, bf16, fp16, fp64 or int8")
+    """A cache storage dtype: the compute dtypes, int8 (with per-token scales) or q4 (4-bit
+    codes, a scale per group of 32)."""
+    table = {**DTYPES, "int8": torch.int8, "q4": Q4}
+    return _parse(name, table, "fp32, bf16, fp16, fp64, int8 or q4")
 
 
 def _parse(name: str | torch.dtype, table: dict[str, torch.dtype], valid: str) -> torch.dtype:

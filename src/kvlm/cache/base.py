@@ -179,10 +179,10 @@ class CacheStep(ABC):
         """Store this step's k, v (B, Hkv, T, D) for `layer`; return all visible (B, Hkv, S, D)."""
 
     def _over(self, store: Store) -> None:
-        """This step reads and writes `store`; an int8 store keeps K rotated."""
+        """This step reads and writes `store`; an int8 or q4 store keeps K rotated."""
         self.store = store
         if store.quantized:
-            self.key_rotation = key_rotation(store.values.shape[-1]).to(store.values.device)
+            self.key_rotation = key_rotation(store.head_dim).to(store.values.device)
 
     def _keys_in(self, k: torch.Tensor) -> torch.Tensor:
         """K as the store keeps it (rotated for int8)."""

@@ -19,7 +19,7 @@ import torch
 from kvlm.cache.base import CacheFileError, CacheSnapshot, KVCache, brief
 from kvlm.cache.factory import CACHE_MODES, HYBRID_MODES
 from kvlm.cache.hybrid import RING, RING_SLACK
-from kvlm.cache.storage import PARAMS_PER_ROW
+from kvlm.cache.storage import PARAMS_PER_ROW, q4_group
 from kvlm.dtypes import NAMES, dtype_name
 from kvlm.errors import CacheOverflowError
 
@@ -220,7 +220,9 @@ def _check_shapes(path: Path, snap: CacheSnapshot, shapes: dict[str, tuple[int, 
     """Exactly the layout's tensors, of the shape the metadata says:
 
     values    [layers, 2, batch, kv_heads, rows, head_dim]   rows: length, or S + W
+                                                             (q4: head_dim / 2 bytes)
     scales    [layers, 2, batch, kv_heads, rows, 2]          int8 only
+              [layers, 2, batch, kv_heads, rows, head_dim / G]  q4 only (q4_group)
     slot_pos  [S + W]                                        window only
     """
     g, extra = snap.geometry, snap.extra
@@ -235,10 +237,15 @@ def _check_shapes(path: Path, snap: CacheSnapshot, shapes: dict[str, tuple[int, 
         parts = [("", layers - ring, rows), (RING, ring, extra["window"] + RING_SLACK)]
     want = {}
     for prefix, n, held in parts:
-        values = (n, 2, snap.batch, g["kv_heads"], held, g["head_dim"])
+        d = g["head_dim"]
+        if snap.dtype == "q4" and d % 2:
+            raise _bad_meta(path, f"geometry.head_dim {d} is odd: q4 packs two values a byte")
+        values = (n, 2, snap.batch, g["kv_heads"], held, d // 2 if snap.dtype == "q4" else d)
         want[prefix + "values"] = values
         if snap.dtype == "int8":
             want[prefix + "scales"] = (*values[:-1], PARAMS_PER_ROW)
+        if snap.dtype == "q4":
+            want[prefix + "scales"] = (*values[:-1], d // q4_group(d))
         if snap.layout == "window" or prefix:
             want[prefix + "slot_pos"] = (held,)
     missing, unexpected = set(want) - set(shapes), set(shapes) - set(want)
@@ -261,7 +268,7 @@ def _check_contents(path: Path, snap: CacheSnapshot) -> None:
         if t.dtype != want[kind]:
             raise _damaged(path, f"{name} are {dtype_name(t.dtype)}, not {dtype_name(want[kind])}")
         if kind == "scales" and not torch.isfinite(t).all():
-            raise _damaged(path, "int8 scales are not all finite")
+            raise _damaged(path, f"{snap.dtype} scales are not all finite")
     if snap.layout == "window":
         _check_ring(path, snap, snap.extra["sinks"], snap.extra["window"], "slot_pos")
     if snap.layout == "hybrid":  # a ring of W + RING_SLACK; the next query reads W - 1

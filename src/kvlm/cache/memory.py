@@ -15,7 +15,7 @@ import torch
 from kvlm.cache.base import CacheSpec
 from kvlm.cache.factory import mode_spec, planned_nbytes, planned_parts
 from kvlm.config import ModelConfig
-from kvlm.dtypes import dtype_name
+from kvlm.dtypes import Q4, dtype_name
 from kvlm.errors import InvalidRequestError
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 1000, "m": 2**20, "mib": 2**20,
@@ -159,5 +159,6 @@ def spec_table(base: CacheSpec, context: int, batch: int) -> list[dict]:
 
 F32, BF16, I8 = torch.float32, torch.bfloat16, torch.int8
 TABLE_ROWS = [("off", F32), ("basic", F32), ("basic", BF16), ("contiguous", F32),
-              ("contiguous", BF16), ("contiguous", I8), ("paged", F32), ("paged", BF16),
-              ("int8", I8), ("window", F32), ("window", BF16), ("window", I8)]  # fmt: skip
+              ("contiguous", BF16), ("contiguous", I8), ("contiguous", Q4), ("paged", F32),
+              ("paged", BF16), ("paged", Q4), ("int8", I8), ("window", F32), ("window", BF16),
+              ("window", I8), ("window", Q4)]  # fmt: skip

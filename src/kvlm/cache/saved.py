@@ -30,7 +30,8 @@ from kvlm.cache.base import CacheSnapshot, CacheSpec, blocks_for
 from kvlm.cache.factory import create_cache, planned_nbytes
 from kvlm.cache.files import FILE_DTYPES, read_cache_file
 from kvlm.cache.paged import PagedCache
-from kvlm.cache.storage import dequantize
+from kvlm.cache.storage import dequantize_stored
+from kvlm.dtypes import parse_kv_dtype
 
 PAGED_MODES = ("paged", "int8")
 
@@ -51,7 +52,7 @@ class SavedCache:
 
     @property
     def quantized(self) -> bool:
-        return self.snap.dtype == "int8"
+        return self.snap.dtype in ("int8", "q4")
 
     def spec(self, block_size: int = 16) -> CacheSpec:
         """The spec of a cache that holds exactly this file (the pool: its rows' blocks)."""
@@ -111,16 +112,18 @@ class SavedCache:
 
     def contents(self, row: int = 0) -> torch.Tensor:
         """(layers, 2, kv_heads, T, head_dim) fp32: sequence `row`'s K and V as stored
-        (int8 dequantized; int8 K in its rotated basis, which keeps norms; window K before
-        RoPE in its default positions, which keeps norms too)."""
+        (int8 and q4 dequantized; their K in its rotated basis, which keeps norms; window K
+        before RoPE in its default positions, which keeps norms too)."""
         values = self.snap.tensors["values"][:, :, row]
         if self.quantized:
-            values = dequantize(values, self.snap.tensors["scales"][:, :, row], torch.float32)
+            scales = self.snap.tensors["scales"][:, :, row]
+            values = dequantize_stored(values, scales, parse_kv_dtype(self.snap.dtype),
+                                       torch.float32)  # fmt: skip
         return self._columns(values.float())
 
     def scales(self, row: int = 0) -> torch.Tensor:
         """int8: (layers, 2, kv_heads, T, 2) fp32 step and zero point of each token row."""
-        if not self.quantized:
+        if self.snap.dtype != "int8":
             raise ValueError(f"a {self.snap.dtype} file has no int8 scales")
         return self._columns(self.snap.tensors["scales"][:, :, row].float())
 

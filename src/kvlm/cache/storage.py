@@ -23,6 +23,12 @@ still (same benchmark), but shares parameters across a group: the partial group 
 full-precision residual, and a rollback into a group or a ring evicting part of one must
 requantize it. Here every slot stays self-contained: one token, one row, its parameters.
 
+q4 (llama.cpp's q4_0 rule) is symmetric per group of 32 values of a row (of the whole row
+when head_dim is not a multiple of 32): d = m / -8 with m the group's value of largest
+magnitude, codes c = round(x / d) + 8 in 0..15 (m itself is code 0), x ~ (c - 8) d; two
+codes a byte (even index in the low nibble), d as fp16. K goes through R as for int8.
+0.5 + 2/32 = 0.5625 bytes per element (0.14x of fp32, 0.28x of fp16).
+
 Bytes per element: 1 + 4/head_dim (0.266x of fp32 at head_dim 64).
 Error bound of one element: |x - dequant(x)| <= s/2 + 2^-10 (|min| + 255 s) + 2^-24 with
 s = max(step, 2^-14): half a step, plus the fp16 rounding of the step and the zero point
@@ -36,8 +42,11 @@ from functools import cache
 
 import torch
 
+from kvlm.dtypes import Q4
+
 PARAM_DTYPE = torch.float16
 PARAMS_PER_ROW = 2  # step, zero point (the row's minimum)
+Q4_GROUP = 32  # values per q4 scale (the whole row when head_dim is not a multiple)
 
 
 @cache
@@ -58,7 +67,45 @@ def itemsize(dtype: torch.dtype, head_dim: int) -> float:
     """Bytes one stored element costs, quantization parameters included."""
     if dtype == torch.int8:
         return 1 + PARAMS_PER_ROW * PARAM_DTYPE.itemsize / head_dim
+    if dtype == Q4:
+        return 0.5 + PARAM_DTYPE.itemsize / q4_group(head_dim)
     return dtype.itemsize
+
+
+def q4_group(head_dim: int) -> int:
+    return Q4_GROUP if head_dim % Q4_GROUP == 0 else head_dim
+
+
+def quantize_q4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) float, D even -> packed codes (..., D/2) uint8 and scales (..., D/G) fp16."""
+    xf = x.detach().float()
+    d_ = xf.shape[-1]
+    g = xf.reshape(*xf.shape[:-1], d_ // q4_group(d_), q4_group(d_))
+    at = g.abs().argmax(dim=-1, keepdim=True)
+    scales = (g.gather(-1, at) / -8.0).squeeze(-1).to(PARAM_DTYPE)
+    d = scales.float()[..., None]  # the stored scale: dequantize inverts it
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    codes = (torch.round(g * inv) + 8).clamp_(0, 15).to(torch.uint8).reshape(xf.shape)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, scales
+
+
+def dequantize_q4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2).float() - 8
+    d_ = codes.shape[-1]
+    g = codes.reshape(*codes.shape[:-1], d_ // q4_group(d_), q4_group(d_))
+    return (g * scales.float()[..., None]).reshape(codes.shape).to(dtype)
+
+
+def dequantize_stored(
+    values: torch.Tensor, scales: torch.Tensor | None, kv_dtype: torch.dtype, dtype: torch.dtype
+) -> torch.Tensor:
+    """Stored rows of `kv_dtype` (codes and scales, or floats) as `dtype`."""
+    if kv_dtype == torch.int8:
+        return dequantize(values, scales, dtype)
+    if kv_dtype == Q4:
+        return dequantize_q4(values, scales, dtype)
+    return values.to(dtype)
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,10 +137,16 @@ class Store:
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, zero: bool = True
     ) -> None:
         self.dtype = dtype
-        self.quantized = dtype == torch.int8
+        self.head_dim = shape[-1]
+        self.q4 = dtype == Q4
+        self.quantized = dtype == torch.int8 or self.q4  # codes and scales; K through R
+        if self.q4 and shape[-1] % 2:
+            raise ValueError(f"q4 K/V needs an even head_dim, not {shape[-1]}")
         make = torch.zeros if zero else torch.empty
-        self.values = make(shape, dtype=dtype, device=device)
-        params = (*shape[:-1], PARAMS_PER_ROW)
+        rows = (*shape[:-1], shape[-1] // 2) if self.q4 else shape
+        self.values = make(rows, dtype=dtype, device=device)
+        per = shape[-1] // q4_group(shape[-1]) if self.q4 else PARAMS_PER_ROW
+        params = (*shape[:-1], per)
         self.scales = make(params, dtype=PARAM_DTYPE, device=device) if self.quantized else None
         self.parts = {"values": self.values}  # by name, as snapshots and cache files hold them
         if self.scales is not None:
@@ -106,18 +159,20 @@ class Store:
     def put(self, index: tuple, x: torch.Tensor) -> None:
         """Store float rows x at `index` (quantizing for int8)."""
         if self.quantized:
-            self.values[index], self.scales[index] = quantize(x)
+            self.values[index], self.scales[index] = (quantize_q4 if self.q4 else quantize)(x)
         else:
             self.values[index] = x.to(self.dtype)
 
     def get(self, index: tuple, dtype: torch.dtype) -> torch.Tensor:
         """The rows at `index` in `dtype` (a view when no conversion is needed)."""
         if self.quantized:
-            return dequantize(self.values[index], self.scales[index], dtype)
+            return dequantize_stored(self.values[index], self.scales[index], self.dtype, dtype)
         return self.values[index].to(dtype)  # the view itself when it is already `dtype`
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """x as it would read back after being stored (rounded or quantized), in x's dtype."""
+        if self.q4:
+            return dequantize_q4(*quantize_q4(x), x.dtype)
         if self.quantized:
             return dequantize(*quantize(x), x.dtype)
         return x if x.dtype == self.dtype else x.to(self.dtype).to(x.dtype)

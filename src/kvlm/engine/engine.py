@@ -227,7 +227,9 @@ class Engine:
         layouts = []
         for g, group in enumerate(self.pool.groups):
             store = group.store
-            block = (store.values.shape[0], 2, spec.num_kv_heads, spec.block_size, spec.head_dim)
+            # a row's stored width: head_dim, or head_dim / 2 bytes of q4 codes
+            block = (store.values.shape[0], 2, spec.num_kv_heads, spec.block_size,
+                     store.values.shape[-1])  # fmt: skip
             parts = {"values": (block, store.dtype)}
             if store.scales is not None:
                 parts["scales"] = ((*block[:-1], store.scales.shape[-1]), store.scales.dtype)

@@ -423,7 +423,7 @@ class FusedDecoder:
         """The step's cache dtype, int8 rotation, products' settings and window."""
         self.spec.kv_dtype = _KV_DTYPE[store.values.dtype]
         if store.quantized:  # codes + (step, zero) per row; K stored rotated by R
-            self.spec.key_rot = key_rotation(store.values.shape[-1]).data_ptr()  # cached, fp32
+            self.spec.key_rot = key_rotation(store.head_dim).data_ptr()  # cached, fp32
         # --activations int8: each product's act_int8, the same in every block (LLM sets
         # them); the vocabulary projection has its own (fp32 under the defaults)
         block = self.model.layers[0]

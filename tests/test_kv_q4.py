@@ -1,0 +1,199 @@
+"""4-bit K/V (`--kv-dtype q4`, kvlm.cache.storage: q4_0's rule per group of 32, two codes a
+byte, an fp16 scale per group, K through the int8 caches' rotation R): the rounding itself,
+every mode that stores K/V against fp16 K/V by the top-5 rule and against its own
+dequantized values exactly, cache files and the disk tier round-tripping the codes, and
+speculative rollback. The fused C step does not read q4 rows: q4 caches take the torch
+step."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from helpers import assert_top_k_both_ways
+from kvlm import LLM, SamplingParams
+from kvlm.cache import CacheFileError
+from kvlm.cache.base import CacheSpec
+from kvlm.cache.factory import create_cache
+from kvlm.cache.files import load_cache, save_cache
+from kvlm.cache.storage import (
+    PARAM_DTYPE,
+    Store,
+    dequantize_q4,
+    itemsize,
+    key_rotation,
+    quantize_q4,
+)
+from kvlm.dtypes import Q4, dtype_name, parse_kv_dtype
+from kvlm.engine.engine import Engine, EngineConfig
+from kvlm.engine.speculative import SpeculativeConfig
+from kvlm.errors import InvalidRequestError
+
+
+def test_the_rounding_is_q4_0s_and_reads_back_exactly():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, 64, generator=g) * torch.tensor([0.01, 1.0, 300.0])[:, None]
+    packed, scales = quantize_q4(x)
+    assert packed.dtype == torch.uint8 and packed.shape == (4, 3, 32)
+    assert scales.dtype == PARAM_DTYPE and scales.shape == (4, 3, 2)  # a scale per 32
+    y = dequantize_q4(packed, scales, torch.float32)
+    groups, back = x.view(4, 3, 2, 32), y.view(4, 3, 2, 32)
+    d = scales.float()[..., None]
+    # the group's value of largest magnitude is code 0: -8 d, up to the fp16 rounding of d
+    peak = groups.gather(-1, groups.abs().argmax(-1, keepdim=True))
+    assert torch.allclose(-8 * d, peak, rtol=2**-10, atol=0)
+    # each value within one step (half a step, a whole one at the clamped +8 end) plus the
+    # fp16 rounding of the step times the code's distance from 0 (at most 8)
+    assert ((groups - back).abs() <= d.abs() * (1 + 8 * 2**-11)).all()
+    # stored values are a fixed point: quantizing them again gives the same bytes
+    again = quantize_q4(y)
+    assert torch.equal(again[0], packed) and torch.equal(again[1], scales)
+    # a row whose head_dim is not a multiple of 32 is one group; zeros stay zeros
+    p16, s16 = quantize_q4(torch.zeros(2, 16))
+    assert s16.shape == (2, 1)
+    assert torch.equal(dequantize_q4(p16, s16, torch.float32), torch.zeros(2, 16))
+    assert itemsize(Q4, 64) == 0.5625 and itemsize(Q4, 16) == 0.625
+    assert parse_kv_dtype("q4") is Q4 and dtype_name(Q4) == "q4"
+    with pytest.raises(ValueError, match="even head_dim"):
+        Store((1, 2, 1, 1, 4, 15), Q4, torch.device("cpu"))
+
+
+SPEC = CacheSpec(num_layers=2, num_kv_heads=2, head_dim=32, max_tokens=48, block_size=8,
+                 window=12, sinks=2, dtype=Q4)  # fmt: skip
+
+
+def kv(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (1, SPEC.num_kv_heads, n, SPEC.head_dim)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "paged", "window"])
+def test_a_cache_returns_its_own_dequantized_rows_exactly(mode):
+    """What a step's update returns is what was stored, read back: K rotated by R, V as
+    given, each the store's round trip of the fp32 rows, bit for bit; the bytes are q4's."""
+    cache = create_cache(mode, SPEC)
+    r = key_rotation(SPEC.head_dim)
+    for step_no, n in enumerate((5, 1, 3)):
+        step = cache.begin(n)
+        for layer in range(SPEC.num_layers):
+            k, v = kv(n, 10 * step_no + layer)
+            keys, values = step.update(layer, k, v)
+            stored = dequantize_q4(*quantize_q4(k @ r), k.dtype)
+            if step.key_rotation is None:  # a window hands K back in the plain basis: R^T
+                back = stored @ r.t()  # one D-term product's rounding away
+                tol = SPEC.head_dim * 2**-24 * float(stored.abs().max()) * 4
+                assert torch.allclose(keys[..., -n:, :], back, rtol=0, atol=tol)
+            else:
+                assert torch.equal(keys[..., -n:, :], stored)
+            assert torch.equal(values[..., -n:, :], dequantize_q4(*quantize_q4(v), v.dtype))
+        cache.commit(step)
+    fp16 = create_cache(mode, replace(SPEC, dtype=torch.float16))
+    d = SPEC.head_dim  # a row: d / 2 bytes of codes and one fp16 scale per 32 values
+    assert cache.spec.bytes_per_token * 2 * d == fp16.spec.bytes_per_token * (d // 2 + 2)
+
+
+def test_a_cache_file_keeps_the_codes_and_a_damaged_one_is_refused(tmp_path):
+    cache = create_cache("contiguous", SPEC)
+    for i, n in enumerate((6, 1)):
+        step = cache.begin(n)
+        for layer in range(SPEC.num_layers):
+            step.update(layer, *kv(n, 100 + 10 * i + layer))
+        cache.commit(step)
+    path = tmp_path / "c.kv"
+    save_cache(cache, path, "fp")
+    back = create_cache("contiguous", SPEC)
+    load_cache(back, path, "fp")
+    assert back.num_tokens == 7
+    for name, t in cache.store.parts.items():
+        assert torch.equal(t[..., :7, :], back.store.parts[name][..., :7, :]), name
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    inf = tensors["scales"].clone().fill_(float("inf"))
+    short = tensors["values"][..., :8].contiguous()
+    for bad, says in (({"scales": inf}, "not all finite"), ({"values": short}, "have shape")):
+        save_file({**tensors, **bad}, str(tmp_path / "bad.kv"), metadata=meta)
+        with pytest.raises(CacheFileError, match=says):
+            load_cache(create_cache("contiguous", SPEC), tmp_path / "bad.kv", "fp")
+
+
+@pytest.fixture(scope="module")
+def q4_default():
+    return LLM(progress=False, max_context=512, kv_dtype="q4")
+
+
+@pytest.fixture(scope="module")
+def fp16_default():
+    return LLM(progress=False, max_context=512, kv_dtype="fp16")
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "paged", "window"])
+def test_the_default_model_on_q4_follows_fp16_by_the_top_5_rule(q4_default, fp16_default, mode):
+    """24 greedy steps on q4 K/V, each step's logits against fp16 K/V's on the same prefix
+    (teacher-forced through a cache of the mode): the top-5 rule both ways."""
+    ids = q4_default.encode("Explain what a KV cache is in two sentences.", chat=True)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens = q4_default.generate(prompt_token_ids=[ids], sampling_params=params,
+                                 use_tqdm=False)[0].token_ids  # fmt: skip
+    seq = ids + tokens[:-1]
+    ours = torch.stack(_stepped(q4_default, mode, seq, len(ids)))
+    theirs = torch.stack(_stepped(fp16_default, mode, seq, len(ids)))
+    assert_top_k_both_ways(ours, theirs)
+
+
+def _stepped(llm: LLM, mode: str, seq: list[int], prompt: int) -> list[torch.Tensor]:
+    cache = llm.new_cache(mode)
+    out = [llm.runner.forward(seq[:prompt], cache)]
+    out += [llm.runner.forward([t], cache) for t in seq[prompt:]]
+    return out
+
+
+def test_basic_refuses_q4():
+    with pytest.raises(InvalidRequestError, match="q4 needs --kv contiguous"):
+        create_cache("basic", SPEC)
+
+
+def test_speculative_rollback_on_q4_is_plain_decoding(tiny_model_dir):
+    """Drafts written to a q4 cache and rejected leave it as plain decoding would."""
+    llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=256, kv_dtype="q4")
+    ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    outs = {}
+    for name, spec in (("plain", None), ("spec", SpeculativeConfig(num_draft=4, ngram_min=1))):
+        engine = Engine(llm, EngineConfig(num_blocks=64, speculative=spec))
+        engine.add_request("a", ids, params)
+        outs[name] = [t for _ in iter(engine.has_work, False) for ev in engine.step()
+                      for t in ev.token_ids]  # fmt: skip
+        if spec is not None:
+            assert engine.stats.spec.drafted > engine.stats.spec.accepted  # some rolled back
+        engine.close()
+    assert outs["spec"] == outs["plain"] and len(outs["plain"]) == 100
+
+
+def test_the_disk_tier_round_trips_q4_blocks(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=256, kv_dtype="q4")
+    prompt = [(7 * i + 3) % 200 + 10 for i in range(101)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def run() -> tuple[list[int], int, Engine]:
+        engine = Engine(llm, EngineConfig(num_blocks=64, kv_tiers=(f"disk:{tmp_path / 't'}",)))
+        engine.add_request("a", prompt, params)
+        out, cached = [], None
+        while engine.has_work():
+            for ev in engine.step():
+                out += ev.token_ids
+                cached = ev.cached_tokens if cached is None else cached
+        return out, cached, engine
+
+    want, cached, first = run()
+    first.close()
+    got, cached_again, second = run()
+    assert cached == 0 and cached_again == 96 and got == want
+    assert second.pool.store.dtype == Q4 and second.tiers.stats["disk"].hits == 6
+    second.close()
