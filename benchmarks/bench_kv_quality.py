@@ -1,0 +1,83 @@
+"""What each K/V dtype costs in quality, measured as llama.cpp measures its cache types
+(`llama-perplexity --kl-divergence`): over a long real text, the KL divergence of each
+position's next-token distribution from the one with fp16 K/V, the share of positions
+whose top token is fp16's, and the text's perplexity.
+
+    python benchmarks/bench_kv_quality.py [--model FILE] [--text FILE] [--tokens 4096]
+        [--chunk 512] [--dtypes fp16,fp32,bf16,int8,q4] [--threads 2]
+
+The text (default: the GPL-3 text Debian ships, /usr/share/common-licenses/GPL-3, ~8k
+tokens of real English prose) is fed in chunks of --chunk tokens through one contiguous
+cache per dtype, the model's defaults otherwise: each chunk's positions attend over every
+earlier chunk's K/V as that dtype stores them, and over their own chunk's as stored too
+(the cache hands back what it stored). Every dtype sees the same chunks in lockstep, so
+only a chunk's logits are held at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+
+from kvlm import LLM
+
+DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None)
+    p.add_argument("--text", default=str(DEFAULT_TEXT))
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--dtypes", default="fp16,fp32,bf16,int8,q4")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    dtypes = args.dtypes.split(",")
+    assert dtypes[0] == "fp16", "the first dtype is the baseline: fp16"
+    text = Path(args.text).read_text(encoding="utf-8")
+    llms = {d: LLM(args.model, kv_dtype=d, max_context=args.tokens + 1, threads=args.threads,
+                   progress=False) for d in dtypes}  # fmt: skip
+    base = llms["fp16"]
+    ids = base.tokenizer.encode(text)[: args.tokens]
+    caches = {d: llm.new_cache("contiguous") for d, llm in llms.items()}
+    kl: dict[str, list[torch.Tensor]] = {d: [] for d in dtypes[1:]}
+    same = dict.fromkeys(dtypes[1:], 0)
+    nll = dict.fromkeys(dtypes, 0.0)
+    for start in range(0, len(ids) - 1, args.chunk):
+        chunk = ids[start : start + args.chunk]
+        nxt = torch.tensor(ids[start + 1 : start + args.chunk + 1])
+        logp = {}
+        for d, llm in llms.items():
+            lp = torch.log_softmax(llm.runner.logits(chunk, caches[d]).double(), dim=-1)
+            logp[d] = lp[: len(nxt)]
+            nll[d] -= float(logp[d].gather(-1, nxt[:, None]).sum())
+        p_base = logp["fp16"].exp()
+        for d in dtypes[1:]:
+            kl[d].append((p_base * (logp["fp16"] - logp[d])).sum(-1))
+            same[d] += int((logp[d].argmax(-1) == logp["fp16"].argmax(-1)).sum())
+        print(f"{start + len(chunk)} tokens", flush=True)
+    n = len(ids) - 1
+    spec = {d: llm.new_cache("contiguous").spec.bytes_per_token for d, llm in llms.items()}
+    print(f"\n{base.model_name}, {n} positions of {Path(args.text).name}, chunks of "
+          f"{args.chunk}, the defaults' numerics otherwise\n")  # fmt: skip
+    print("| K/V | bytes/token | perplexity | mean KL vs fp16 | 99th pct KL | max KL | "
+          "same top token as fp16 |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for d in dtypes:
+        ppl = math.exp(nll[d] / n)
+        if d == "fp16":
+            print(f"| fp16 | {spec[d]:,} | {ppl:.4f} | - | - | - | - |")
+            continue
+        k = torch.cat(kl[d])
+        print(
+            f"| {d} | {spec[d]:,} | {ppl:.4f} | {float(k.mean()):.3g} | "
+            f"{float(k.quantile(0.99)):.3g} | {float(k.max()):.3g} | {same[d] / n:.2%} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
