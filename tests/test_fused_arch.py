@@ -58,7 +58,7 @@ MADE = {  # ARCH_MODELS not in conftest.TINY_MODELS: (architecture, seed, overri
                                     "num_key_value_heads": 1}),
     "gemma3-hd256": ("gemma3", 14, {"head_dim": 256, "num_key_value_heads": 1}),
 }  # fmt: skip
-KV_DTYPES = ["fp32", "bf16", "fp16", "int8"]
+KV_DTYPES = ["fp32", "bf16", "fp16", "int8", "q4"]
 MAX_CONTEXT = 256
 # The fused step over an int8 cache also rounds each query head to int8 (one scale per
 # head): one more int8 rounding of an attention input, of the size the K/V codes' own is,
@@ -200,7 +200,9 @@ def test_the_fused_step_tracks_the_torch_model(arch_dir, name, kv_dtype, mode):
         assert len(prompt) + len(tokens) > fused_cache.ring.slots
     exact_llm = _exact(folder, weights)
     exact = exact_llm.runner.logits(prompt + tokens, exact_llm.new_cache("off"))[len(prompt) :]
-    factor = INT8_QUERIES if kv_dtype == "int8" else SAME_ROUNDING
+    # q4: the queries stay fp32 (rotated), but the codes are 16x coarser than int8's, so a
+    # code on a rounding boundary weighs as int8's query rounding does
+    factor = INT8_QUERIES if kv_dtype in ("int8", "q4") else SAME_ROUNDING
     assert_as_exact_as(fused, ref, exact, factor)
     assert_top_k_both_ways(fused, ref)
     if mode != "contiguous":
@@ -208,6 +210,11 @@ def test_the_fused_step_tracks_the_torch_model(arch_dir, name, kv_dtype, mode):
     (ours, scales, at), (theirs, _, _) = (_layer0_held(c) for c in (fused_cache, torch_cache))
     if kv_dtype == "int8":  # a code on a rounding boundary may take its neighbour
         assert (ours.int() - theirs.int()).abs().max() <= 1
+        assert torch.isfinite(scales).all()
+    elif kv_dtype == "q4":  # two codes a byte, each may take its neighbour
+        for shift in (0, 4):
+            a, b = (ours.int() >> shift) & 15, (theirs.int() >> shift) & 15
+            assert (a - b).abs().max() <= 1
         assert torch.isfinite(scales).all()
     elif kv_dtype == "bf16":
         # each rounds its fp32 V to bf16: one ulp apart, plus how far apart the two fp32

@@ -602,6 +602,37 @@ def test_fused_int8_rows_are_quantized_as_the_store_quantizes(build):
 
 @needs_kernels
 @pytest.mark.parametrize("build", ["native", *portable_build_params()])
+@pytest.mark.parametrize("head_dim", [64, 16])
+def test_fused_q4_rows_are_quantized_as_the_store_quantizes(build, head_dim):
+    """The C q4 quantizer (the first value of largest magnitude, its fp16 scale, round half
+    to even, clamp) against storage.quantize_q4 bit for bit: ranges from 1e-6 to 1e3, equal
+    magnitudes of both signs, constant and zero rows, codes on .5 ties."""
+    import ctypes
+
+    from kvlm.cache.storage import quantize_q4
+
+    lib = kernels.library() if build == "native" else portable_kernels(build)
+    g = torch.Generator().manual_seed(1)
+    d = head_dim
+    ties = (torch.arange(d, dtype=torch.float32) % 16 - 7.5) / 4  # d = -0.25: x / d on .5
+    rows = torch.cat(
+        [
+            torch.randn(64, d, generator=g) * torch.logspace(-6, 3, 64)[:, None],
+            torch.full((2, d), 0.37), torch.zeros(1, d), ties[None], -ties[None],
+            torch.tensor([1.0, -1.0] * (d // 2))[None],
+        ]
+    )  # fmt: skip
+    codes = torch.empty(rows.shape[0], d // 2, dtype=torch.uint8)
+    scales = torch.empty(rows.shape[0], d // min(32, d), dtype=torch.float16)
+    lib.kvlm_quantize_q4_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+    lib.kvlm_quantize_q4_rows(rows.data_ptr(), codes.data_ptr(), scales.data_ptr(), *rows.shape)
+    want_codes, want_scales = quantize_q4(rows)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(codes, want_codes)
+
+
+@needs_kernels
+@pytest.mark.parametrize("build", ["native", *portable_build_params()])
 def test_fused_fp16_rows_are_rounded_as_torch_rounds(build):
     """The fp16 cache's conversions in C (F16C, or the portable code of a build without
     it) against torch's .to(float16) bit for bit: every half, the midpoints between

@@ -144,7 +144,7 @@ static inline uint16_t to_f16(float f) {
 #endif
 }
 
-int kvlm_kernel_abi(void) { return 15; }
+int kvlm_kernel_abi(void) { return 16; }
 
 /* 512: AVX-512; 256: the same code on AVX2 (two halves per vector); 0: scalar loops */
 int kvlm_kernel_simd(void) { return KVLM_V512; }
@@ -1136,7 +1136,7 @@ typedef struct {
     const kvlm_qlayer *layers;
     const float *final_norm;
     kvlm_qmat lm_head;
-    int64_t kv_dtype;        /* the cache stores KV_F32, KV_BF16, KV_I8 or KV_F16 */
+    int64_t kv_dtype;        /* the cache stores KV_F32, KV_BF16, KV_I8, KV_F16 or KV_Q4 */
     int64_t act_int8;        /* which products round x to int8 per group (--activations
                                 int8): a mask of ACT_QKV, ACT_O, ACT_GATE_UP, ACT_DOWN */
     const float *key_rot;    /* KV_I8: R (head_dim x head_dim); K rows are stored as k R */
@@ -1160,13 +1160,27 @@ typedef struct {
  * holding every slot (tables {b}, block_size its slots). */
 typedef struct {
     void *kv;
-    uint16_t *params;        /* KV_I8: (layers, 2, num_blocks, kv_heads, block_size, 2) */
+    uint16_t *params;        /* KV_I8: (layers, 2, num_blocks, kv_heads, block_size, 2);
+                                KV_Q4: (..., block_size, head_dim / q4_group) scales */
     const int32_t *tables;
     int64_t width, num_blocks, block_size, ring;
     int64_t layers;          /* the store's layers (a layer's index is checked against it) */
 } kvlm_kv_view;
 
-enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_F16 = 3 };
+enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_F16 = 3, KV_Q4 = 4 };
+
+/* q4 K/V (kvlm/cache/storage.py quantize_q4): a row of D values is D / 2 bytes of 4-bit
+ * codes (value 2i in the low nibble of byte i, 2i + 1 in the high one) and one fp16 scale
+ * d per group of G = 32 values (G = D when D is not a multiple of 32): x ~ (c - 8) d. */
+static inline int64_t q4_group(int64_t D) { return D % 32 == 0 ? 32 : D; }
+
+/* bytes of one stored row, and of its parameters (int8's (step, zero), q4's scales) */
+static inline int64_t kv_row_bytes(int dt, int64_t D) {
+    return dt == KV_Q4 ? D / 2 : D * (dt == KV_I8 ? 1 : (dt == KV_F32 ? 4 : 2));
+}
+static inline int64_t kv_param_bytes(int dt, int64_t D) {
+    return dt == KV_I8 ? 4 : (dt == KV_Q4 ? 2 * (D / q4_group(D)) : 0);
+}
 
 static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *y) {
     float ss = 0.f;
@@ -1684,6 +1698,179 @@ static void quantize_kv_row(const float *x, int64_t D, int8_t *codes, uint16_t *
     }
 }
 
+static void rotate(const float *x, const float *R, int64_t D, float *y);
+
+/* storage.quantize_q4 of one row: packed codes [D / 2] and scales [D / gs], bit for bit:
+ * per group the value of largest magnitude m (the first of equal ones), d = fp16(m / -8),
+ * codes round(x * (1 / d)) + 8 (nearest even) clamped to 0..15 (0 for every x when d = 0) */
+static void quantize_q4_row(const float *x, int64_t D, uint8_t *codes, uint16_t *scales) {
+    const int64_t gs = q4_group(D);
+    for (int64_t g0 = 0; g0 < D; g0 += gs) {
+        float m = x[g0], am = fabsf(x[g0]);
+        for (int64_t i = g0 + 1; i < g0 + gs; i++)
+            if (fabsf(x[i]) > am) am = fabsf(x[i]), m = x[i];
+        const uint16_t h = to_f16(m / -8.0f);
+        scales[g0 / gs] = h;
+        const float d = from_f16(h), inv = d != 0.f ? 1.0f / d : 0.f;
+        for (int64_t i = g0; i < g0 + gs; i += 2) {
+            float c0 = rintf(x[i] * inv) + 8.f, c1 = rintf(x[i + 1] * inv) + 8.f;
+            c0 = c0 < 0.f ? 0.f : (c0 > 15.f ? 15.f : c0);
+            c1 = c1 < 0.f ? 0.f : (c1 > 15.f ? 15.f : c1);
+            codes[i / 2] = (uint8_t)((int)c0 | ((int)c1 << 4));
+        }
+    }
+}
+
+/* one q4 row as floats: (c - 8) d */
+static inline void dequant_q4_row(const uint8_t *codes, const uint16_t *scales, int64_t D,
+                                  float *y) {
+    const int64_t gs = q4_group(D);
+    for (int64_t g0 = 0; g0 < D; g0 += gs) {
+        const float d = from_f16(scales[g0 / gs]);
+        for (int64_t i = g0; i < g0 + gs; i += 2) {
+            const uint8_t c = codes[i / 2];
+            y[i] = (float)((int)(c & 15) - 8) * d;
+            y[i + 1] = (float)((int)(c >> 4) - 8) * d;
+        }
+    }
+}
+
+#if KVLM_V512
+/* group g of a q4 row: its even values (low nibbles) and odd ones (high), as floats c */
+static inline void q4_group_codes(const uint8_t *row, int64_t g, __m512 *lo, __m512 *hi) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)(row + 16 * g)), f = _mm_set1_epi8(15);
+    *lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, f)));
+    *hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), f)));
+}
+
+/* attend_chunk_q4 for D a multiple of 32: the rotated queries split into even and odd
+ * values per group, so a row's nibbles multiply them as they lie; q.(c - 8) d is
+ * d (q.c - 8 sum(q)) per group; o gathers even and odd values apart, interleaved at the end */
+static void attend_q4_groups(int ng, const float *qr, const kv_span *K, const kv_span *Kp,
+                             const kv_span *V, const kv_span *Vp, int64_t D, int64_t S,
+                             int64_t v0, int64_t s1, float cap, float *p, float *m, float *l,
+                             float *o) {
+    const int64_t NG = D / 32, rowb = D / 2, pb = kv_param_bytes(KV_Q4, D);
+    float qe[8 * MAX_HEAD_DIM / 2], qo[8 * MAX_HEAD_DIM / 2], qsum[8 * MAX_HEAD_DIM / 32];
+    float oe[8 * MAX_HEAD_DIM / 2], oo[8 * MAX_HEAD_DIM / 2];
+    for (int h = 0; h < ng; h++)
+        for (int64_t g = 0; g < NG; g++) {
+            float sum = 0.f;
+            for (int j = 0; j < 16; j++) {
+                const int64_t at = h * D / 2 + g * 16 + j;
+                qe[at] = qr[h * D + g * 32 + 2 * j];
+                qo[at] = qr[h * D + g * 32 + 2 * j + 1];
+                sum += qe[at] + qo[at];
+            }
+            qsum[h * NG + g] = sum;
+        }
+    __m512 lo[MAX_HEAD_DIM / 32], hi[MAX_HEAD_DIM / 32];
+    float d[MAX_HEAD_DIM / 32];
+    for (int64_t s = v0; s < s1; s++) {
+        const uint8_t *row = (const uint8_t *)row_at(K, rowb, s);
+        const uint16_t *sc = (const uint16_t *)row_at(Kp, pb, s);
+        for (int64_t g = 0; g < NG; g++) q4_group_codes(row, g, lo + g, hi + g), d[g] = from_f16(sc[g]);
+        for (int h = 0; h < ng; h++) {
+            __m512 acc = _mm512_setzero_ps();
+            float off = 0.f;
+            for (int64_t g = 0; g < NG; g++) {
+                const float *e = qe + h * D / 2 + g * 16, *od = qo + h * D / 2 + g * 16;
+                const __m512 t = _mm512_fmadd_ps(lo[g], _mm512_loadu_ps(e),
+                                                 _mm512_mul_ps(hi[g], _mm512_loadu_ps(od)));
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(d[g]), t, acc);
+                off += d[g] * qsum[h * NG + g];
+            }
+            float x = _mm512_reduce_add_ps(acc) - 8.f * off;
+            if (cap > 0.f) x = tanhf(x / cap) * cap;
+            p[h * S + s] = x;
+            m[h] = x > m[h] ? x : m[h];
+        }
+    }
+    for (int h = 0; h < ng; h++) l[h] = exp_sum(p + h * S + v0, s1 - v0, m[h]);
+    memset(oe, 0, sizeof(float) * ng * D / 2);
+    memset(oo, 0, sizeof(float) * ng * D / 2);
+    const __m512 eight = _mm512_set1_ps(8.f);
+    for (int64_t s = v0; s < s1; s++) {
+        const uint8_t *row = (const uint8_t *)row_at(V, rowb, s);
+        const uint16_t *sc = (const uint16_t *)row_at(Vp, pb, s);
+        for (int64_t g = 0; g < NG; g++) {
+            q4_group_codes(row, g, lo + g, hi + g);
+            lo[g] = _mm512_sub_ps(lo[g], eight), hi[g] = _mm512_sub_ps(hi[g], eight);
+            d[g] = from_f16(sc[g]);
+        }
+        for (int h = 0; h < ng; h++) {
+            const float w = p[h * S + s];
+            for (int64_t g = 0; g < NG; g++) {
+                const __m512 wd = _mm512_set1_ps(w * d[g]);
+                float *e = oe + h * D / 2 + g * 16, *od = oo + h * D / 2 + g * 16;
+                _mm512_storeu_ps(e, _mm512_fmadd_ps(wd, lo[g], _mm512_loadu_ps(e)));
+                _mm512_storeu_ps(od, _mm512_fmadd_ps(wd, hi[g], _mm512_loadu_ps(od)));
+            }
+        }
+    }
+    for (int h = 0; h < ng; h++)
+        for (int64_t i = 0; i < D / 2; i++) {
+            o[h * D + i / 16 * 32 + 2 * (i % 16)] = oe[h * D / 2 + i];
+            o[h * D + i / 16 * 32 + 2 * (i % 16) + 1] = oo[h * D / 2 + i];
+        }
+}
+#endif
+
+/* The attention of ng query heads over the q4 rows [v0, s1) of one KV head: K rows are
+ * stored rotated (k R), so each query (times the scale) is rotated once, q R; each row is
+ * widened once for all heads. p: scores (S per head, exp'd in place), m, l, o as
+ * attend_chunk's. */
+static void attend_chunk_q4(const float *q, int ng, const float *R, const kv_span *K,
+                            const kv_span *Kp, const kv_span *V, const kv_span *Vp, int64_t D,
+                            int64_t S, int64_t s0, int64_t v0, int64_t s1, float scale, float cap,
+                            float *p, float *m, float *l, float *o) {
+    (void)s0;
+    float qr[8 * MAX_HEAD_DIM], qs[MAX_HEAD_DIM], row[MAX_HEAD_DIM];
+    const int64_t rowb = D / 2, pb = kv_param_bytes(KV_Q4, D);
+    for (int h = 0; h < ng; h++) {
+        for (int64_t i = 0; i < D; i++) qs[i] = q[h * D + i] * scale;
+        rotate(qs, R, D, qr + h * D);
+        m[h] = -INFINITY;
+    }
+#if KVLM_V512
+    if (D % 32 == 0 && D <= MAX_HEAD_DIM) { /* 16 bytes a group: its 16 low nibbles are the
+                                               even values, the 16 high ones the odd */
+        attend_q4_groups(ng, qr, K, Kp, V, Vp, D, S, v0, s1, cap, p, m, l, o);
+        return;
+    }
+#endif
+    for (int64_t s = v0; s < s1; s++) {
+        dequant_q4_row((const uint8_t *)row_at(K, rowb, s), (const uint16_t *)row_at(Kp, pb, s),
+                       D, row);
+        for (int h = 0; h < ng; h++) {
+            float acc = 0.f;
+            for (int64_t i = 0; i < D; i++) acc += qr[h * D + i] * row[i];
+            if (cap > 0.f) acc = tanhf(acc / cap) * cap;
+            p[h * S + s] = acc;
+            m[h] = acc > m[h] ? acc : m[h];
+        }
+    }
+    for (int h = 0; h < ng; h++) {
+        l[h] = exp_sum(p + h * S + v0, s1 - v0, m[h]);
+        memset(o + h * D, 0, D * sizeof(float));
+    }
+    for (int64_t s = v0; s < s1; s++) {
+        dequant_q4_row((const uint8_t *)row_at(V, rowb, s), (const uint16_t *)row_at(Vp, pb, s),
+                       D, row);
+        for (int h = 0; h < ng; h++) {
+            const float w = p[h * S + s];
+            for (int64_t i = 0; i < D; i++) o[h * D + i] += w * row[i];
+        }
+    }
+}
+
+/* quantize_q4_row over `rows` rows (for tests: the store's quantizer, bit for bit) */
+void kvlm_quantize_q4_rows(const float *x, uint8_t *codes, uint16_t *scales, int64_t rows,
+                           int64_t D) {
+    for (int64_t r = 0; r < rows; r++)
+        quantize_q4_row(x + r * D, D, codes + r * D / 2, scales + r * (D / q4_group(D)));
+}
+
 /* quantize_kv_row over `rows` rows (for tests: the store's quantizer, bit for bit) */
 void kvlm_quantize_kv_rows(const float *x, int8_t *codes, uint16_t *params, int64_t rows,
                            int64_t D) {
@@ -1973,10 +2160,11 @@ static layer_kv layer_kv_of(const kvlm_qmodel *m, const kvlm_qlayer *L, const kv
     layer_kv r = {0};
     r.tables = V->tables, r.width = V->width, r.bs = bs, r.ring = V->ring;
     r.bstride = Hkv * bs * rowb, r.head_bytes = bs * rowb;
-    r.pstride = Hkv * bs * 4, r.phead = bs * 4;
+    const int64_t pb = kv_param_bytes((int)m->kv_dtype, m->head_dim);
+    r.pstride = Hkv * bs * pb, r.phead = bs * pb;
     r.kc = (char *)V->kv + (l * 2) * n * r.bstride;
     r.vc = (char *)V->kv + (l * 2 + 1) * n * r.bstride;
-    if (m->kv_dtype == KV_I8) {
+    if (m->kv_dtype == KV_I8 || m->kv_dtype == KV_Q4) {
         r.kp = (char *)V->params + (l * 2) * n * r.pstride;
         r.vp = (char *)V->params + (l * 2 + 1) * n * r.pstride;
     }
@@ -1993,7 +2181,7 @@ static int check_views(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
         const kvlm_kv_view *V = views + v;
         const int64_t bs = V->block_size;
         if (bs < 1 || V->num_blocks < 1 || V->width < 1 || V->ring < 0 || V->ring % bs) return -2;
-        if (m->kv_dtype == KV_I8 && !V->params) return -2;
+        if ((m->kv_dtype == KV_I8 || m->kv_dtype == KV_Q4) && !V->params) return -2;
         for (int64_t b = 0; b < B; b++) {
             const int64_t last = V->ring && pos[b] >= V->ring ? V->ring - 1 : pos[b];
             if (last / bs >= V->width) return -2;
@@ -2021,10 +2209,15 @@ static void write_kv(const kvlm_qmodel *m, const layer_kv *lk, int64_t b, int64_
                      int64_t g, const float *k, const float *v, float *rot) {
     const int64_t D = m->head_dim, t = slot_of(lk->ring, p), slot = t % lk->bs;
     const int64_t blk = lk->tables[b * lk->width + t / lk->bs];
-    const int64_t esz = m->kv_dtype == KV_I8 ? 1 : (m->kv_dtype == KV_F32 ? 4 : 2);
-    char *kd = lk->kc + blk * lk->bstride + g * lk->head_bytes + slot * D * esz;
-    char *vd = lk->vc + blk * lk->bstride + g * lk->head_bytes + slot * D * esz;
-    if (m->kv_dtype == KV_I8) {
+    const int64_t rowb = kv_row_bytes((int)m->kv_dtype, D);
+    char *kd = lk->kc + blk * lk->bstride + g * lk->head_bytes + slot * rowb;
+    char *vd = lk->vc + blk * lk->bstride + g * lk->head_bytes + slot * rowb;
+    if (m->kv_dtype == KV_Q4) {
+        const int64_t pat = blk * lk->pstride + g * lk->phead + slot * kv_param_bytes(KV_Q4, D);
+        rotate(k, m->key_rot, D, rot);
+        quantize_q4_row(rot, D, (uint8_t *)kd, (uint16_t *)(lk->kp + pat));
+        quantize_q4_row(v, D, (uint8_t *)vd, (uint16_t *)(lk->vp + pat));
+    } else if (m->kv_dtype == KV_I8) {
         const int64_t pat = blk * lk->pstride + g * lk->phead + slot * 4;
         rotate(k, m->key_rot, D, rot);
         quantize_kv_row(rot, D, (int8_t *)kd, (uint16_t *)(lk->kp + pat));
@@ -2106,7 +2299,7 @@ static void attend_item(const kvlm_qmodel *m, const layer_kv *lk, const step_buf
     const int64_t D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads, S = m->slots;
     const int64_t group = Hq / Hkv, QS = query_stride(D), n = pos[b] + 1;
     const int dt = (int)m->kv_dtype;
-    const int64_t esz = dt == KV_I8 ? 1 : (dt == KV_F32 ? 4 : 2);
+    const int64_t esz = dt == KV_I8 || dt == KV_Q4 ? 1 : (dt == KV_F32 ? 4 : 2);
     const row_chunks rc = chunks_of(pos[b], lk->window);
     const int64_t s0 = rc.a0 + c * rc.per, s1 = s0 + rc.per < n ? s0 + rc.per : n;
     const int64_t v0 = s0 > rc.lo ? s0 : rc.lo; /* the first key the query sees */
@@ -2117,7 +2310,13 @@ static void attend_item(const kvlm_qmodel *m, const layer_kv *lk, const step_buf
     float o[8 * MAX_HEAD_DIM], mh[8], lh[8];
     const kv_span K = {lk->kc + g * lk->head_bytes, table, lk->bs, lk->bstride, n, lk->ring};
     const kv_span V = {lk->vc + g * lk->head_bytes, table, lk->bs, lk->bstride, n, lk->ring};
-    if (dt == KV_I8) {
+    if (dt == KV_Q4) {
+        const kv_span Kp = {lk->kp + g * lk->phead, table, lk->bs, lk->pstride, n, lk->ring};
+        const kv_span Vp = {lk->vp + g * lk->phead, table, lk->bs, lk->pstride, n, lk->ring};
+        const float *q = s->qkv + b * (Hq + 2 * Hkv) * D + g * group * D;
+        attend_chunk_q4(q, (int)group, m->key_rot, &K, &Kp, &V, &Vp, D, S, s0, v0, s1,
+                        m->score_scale, m->attn_softcap, s->scores + hq * S, mh, lh, o);
+    } else if (dt == KV_I8) {
         const kv_span Kp = {lk->kp + g * lk->phead, table, lk->bs, lk->pstride, n, lk->ring};
         const kv_span Vp = {lk->vp + g * lk->phead, table, lk->bs, lk->pstride, n, lk->ring};
         attend_chunk_i8(s->q8 + hq * QS, QS, s->qsc + hq, s->qsum + hq, (int)group, &K, &Kp,
@@ -2202,12 +2401,13 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *
     const int64_t ai8 = m->act_int8;
     if (B < 1 || B > MAX_BATCH || n_views < 1 || Hkv < 1 || Hq % Hkv != 0) return -2;
     if (Hq / Hkv > 8 || D > MAX_HEAD_DIM || D % 2) return -2; /* the attention's buffers */
-    if (m->window < 0 || m->kv_dtype < KV_F32 || m->kv_dtype > KV_F16) return -2;
+    if (m->window < 0 || m->kv_dtype < KV_F32 || m->kv_dtype > KV_Q4) return -2;
+    if (m->kv_dtype == KV_Q4 && (D % 2 || !m->key_rot)) return -2;
     for (int64_t b = 0; b < B; b++)
         if (pos[b] < 0 || pos[b] >= m->slots) return -2;
     if (check_views(m, B, pos, views, n_views)) return -2;
     const step_bufs s = bufs_of(m, B, scratch);
-    const int64_t rowb = D * (m->kv_dtype == KV_I8 ? 1 : (m->kv_dtype == KV_F32 ? 4 : 2));
+    const int64_t rowb = kv_row_bytes((int)m->kv_dtype, D);
     for (int64_t l = 0; l < m->n_layers; l++) {
         const kvlm_qlayer *L = m->layers + l;
         const layer_kv lk = layer_kv_of(m, L, views, rowb);

@@ -43,7 +43,7 @@ embeddings come scaled by `Transformer.embed`); head_dim up to 256 (MAX_HEAD_DIM
 or separate lm_head, read in its stored format (a 262k-entry vocabulary's Q6_K blocks).
 
 It applies where that is the whole story: CPU, fp32 activations, low-bit weights in every
-projection (`--weights int8|int4|native`), no MLP biases, and fp32, bf16, fp16 or int8 K/V
+projection (`--weights int8|int4|native`), no MLP biases, and fp32, bf16, fp16, int8 or q4 K/V
 in a contiguous, paged or hybrid contiguous cache. Anything else (prefill, the window,
 basic and off caches, a draft longer than a ring's slack: `drafts`, other formats) runs
 the torch model. `KVLM_NO_FUSED=1` turns it off. Tests hold its logits to the torch path's.
@@ -65,6 +65,7 @@ from kvlm.cache.contiguous import ContiguousCache
 from kvlm.cache.hybrid import HybridCache
 from kvlm.cache.paged import BlockPool, Int8PagedCache, PagedCache, readable
 from kvlm.cache.storage import Store, key_rotation
+from kvlm.dtypes import Q4
 from kvlm.model.layers import Linear
 from kvlm.model.quant import KIND_CODES
 from kvlm.model.transformer import Block, Transformer
@@ -160,7 +161,7 @@ def pool_views(pool: BlockPool, tables: Sequence[Sequence[Sequence[int]]]) -> li
 
 
 # the cache dtypes the fused step reads and writes (kvlm_qmodel.kv_dtype in qgemm.c)
-_KV_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float16: 3}
+_KV_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float16: 3, Q4: 4}
 
 
 def _qmat(lin: Linear) -> _QMat:
@@ -362,8 +363,8 @@ class FusedDecoder:
         c = self.model.config
         for i, v in enumerate(views):
             values = v.store.values  # (layers, 2, blocks, kv_heads, block_size, head_dim)
-            layers, _, blocks, heads, bs, d = values.shape
-            if (heads, bs, d) != (c.num_kv_heads, v.block_size, c.head_dim):
+            layers, _, blocks, heads, bs, _ = values.shape
+            if (heads, bs, v.store.head_dim) != (c.num_kv_heads, v.block_size, c.head_dim):
                 raise ValueError(f"a store of shape {tuple(values.shape)} for blocks of "
                                  f"{v.block_size}: not this model's K/V")  # fmt: skip
             table = self._table(v.tables, starts, v.block_size, v.ring)
