@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from kvlm.engine.served import ServedModel
-    from kvlm.llm import LLM
 
 
 @dataclass(slots=True)
@@ -93,9 +92,10 @@ class Agreement:
 
 
 @torch.inference_mode()
-def greedy_answers(llm: LLM, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
-    """Each prompt's greedy answer, alone (no batch: each row's numerics as one stream's),
-    up to `max_tokens` or the end-of-sequence token."""
+def greedy_answers(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+    """An LLM's (kvlm.llm, a layer above: its `generate`) greedy answer to each prompt,
+    alone (no batch: each row's numerics as one stream's), up to `max_tokens` or the
+    end-of-sequence token."""
     from kvlm.engine.sampling import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
