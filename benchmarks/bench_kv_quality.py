@@ -24,6 +24,35 @@ import torch
 
 from kvlm import LLM
 
+LLAMACPP_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml's type ids (llama_cpp.GGML_TYPE_*)
+
+
+def llamacpp_rows(path: str, ids: list[int], chunk: int, threads: int) -> dict[str, tuple]:
+    """llama.cpp's own table on the same tokens: its K/V types (K and V alike; flash
+    attention, which its quantized V needs), each position's log-probabilities against its
+    f16 cache's: (perplexity, KL per position, same-top count)."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    logp = {}
+    for name, t in LLAMACPP_TYPES.items():
+        model = Llama(model_path=path, n_ctx=len(ids) + 8, n_batch=chunk, n_ubatch=chunk,
+                      n_threads=threads, n_threads_batch=threads, logits_all=True,
+                      flash_attn=True, type_k=t, type_v=t, verbose=False)  # fmt: skip
+        model.eval(ids)
+        scores = torch.from_numpy(np.array(model.scores[: len(ids) - 1], dtype=np.float64))
+        logp[name] = torch.log_softmax(scores, dim=-1)
+        del model
+    nxt = torch.tensor(ids[1:])
+    out = {}
+    for name, lp in logp.items():
+        ppl = math.exp(-float(lp.gather(-1, nxt[:, None]).sum()) / len(nxt))
+        kl = (logp["f16"].exp() * (logp["f16"] - lp)).sum(-1)
+        same = int((lp.argmax(-1) == logp["f16"].argmax(-1)).sum())
+        out[name] = (ppl, kl, same)
+    return out
+
+
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 
 
@@ -35,6 +64,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--dtypes", default="fp16,fp32,bf16,int8,q4")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--llamacpp", action="store_true", help="llama.cpp's K/V types beside")
     args = p.parse_args()
     dtypes = args.dtypes.split(",")
     assert dtypes[0] == "fp16", "the first dtype is the baseline: fp16"
@@ -77,6 +107,13 @@ def main() -> None:
             f"| {d} | {spec[d]:,} | {ppl:.4f} | {float(k.mean()):.3g} | "
             f"{float(k.quantile(0.99)):.3g} | {float(k.max()):.3g} | {same[d] / n:.2%} |"
         )
+    if args.llamacpp:
+        rows = llamacpp_rows(str(base.loaded.path), ids, args.chunk, args.threads)
+        for name, (ppl, k, same_top) in rows.items():
+            cells = ("- | - | - | -" if name == "f16" else
+                     f"{float(k.mean()):.3g} | {float(k.quantile(0.99)):.3g} | "
+                     f"{float(k.max()):.3g} | {same_top / n:.2%}")  # fmt: skip
+            print(f"| llama.cpp {name} (vs its f16) | | {ppl:.4f} | {cells} |")
 
 
 if __name__ == "__main__":
