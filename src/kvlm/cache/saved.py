@@ -31,7 +31,6 @@ from kvlm.cache.factory import create_cache, planned_nbytes
 from kvlm.cache.files import FILE_DTYPES, read_cache_file
 from kvlm.cache.paged import PagedCache
 from kvlm.cache.storage import dequantize_stored
-from kvlm.dtypes import parse_kv_dtype
 
 PAGED_MODES = ("paged", "int8")
 
@@ -117,7 +116,7 @@ class SavedCache:
         values = self.snap.tensors["values"][:, :, row]
         if self.quantized:
             scales = self.snap.tensors["scales"][:, :, row]
-            values = dequantize_stored(values, scales, parse_kv_dtype(self.snap.dtype),
+            values = dequantize_stored(values, scales, FILE_DTYPES[self.snap.dtype],
                                        torch.float32)  # fmt: skip
         return self._columns(values.float())
 

@@ -101,10 +101,8 @@ def dequantize_stored(
     values: torch.Tensor, scales: torch.Tensor | None, kv_dtype: torch.dtype, dtype: torch.dtype
 ) -> torch.Tensor:
     """Stored rows of `kv_dtype` (codes and scales, or floats) as `dtype`."""
-    if kv_dtype == torch.int8:
-        return dequantize(values, scales, dtype)
-    if kv_dtype == Q4:
-        return dequantize_q4(values, scales, dtype)
+    if kv_dtype in CODECS:
+        return CODECS[kv_dtype][1](values, scales, dtype)
     return values.to(dtype)
 
 
@@ -125,6 +123,10 @@ def dequantize(q: torch.Tensor, params: torch.Tensor, dtype: torch.dtype) -> tor
     return ((q.float() + 128) * p[..., 0:1] + p[..., 1:2]).to(dtype)
 
 
+# the quantized K/V dtypes: (quantize: x -> codes, scales; dequantize: codes, scales, dtype)
+CODECS = {torch.int8: (quantize, dequantize), Q4: (quantize_q4, dequantize_q4)}
+
+
 class Store:
     """A [layers, 2, X, heads, Y, head_dim] tensor of K/V slots (plus int8 parameters:
     `scales`, [layers, 2, X, heads, Y, 2]).
@@ -138,14 +140,14 @@ class Store:
     ) -> None:
         self.dtype = dtype
         self.head_dim = shape[-1]
-        self.q4 = dtype == Q4
-        self.quantized = dtype == torch.int8 or self.q4  # codes and scales; K through R
-        if self.q4 and shape[-1] % 2:
+        self.quantized = dtype in CODECS  # codes and scales; K through R
+        q4 = dtype == Q4
+        if q4 and shape[-1] % 2:
             raise ValueError(f"q4 K/V needs an even head_dim, not {shape[-1]}")
         make = torch.zeros if zero else torch.empty
-        rows = (*shape[:-1], shape[-1] // 2) if self.q4 else shape
+        rows = (*shape[:-1], shape[-1] // 2) if q4 else shape
         self.values = make(rows, dtype=dtype, device=device)
-        per = shape[-1] // q4_group(shape[-1]) if self.q4 else PARAMS_PER_ROW
+        per = shape[-1] // q4_group(shape[-1]) if q4 else PARAMS_PER_ROW
         params = (*shape[:-1], per)
         self.scales = make(params, dtype=PARAM_DTYPE, device=device) if self.quantized else None
         self.parts = {"values": self.values}  # by name, as snapshots and cache files hold them
@@ -157,9 +159,9 @@ class Store:
         return sum(t.numel() * t.element_size() for t in self.parts.values())
 
     def put(self, index: tuple, x: torch.Tensor) -> None:
-        """Store float rows x at `index` (quantizing for int8)."""
+        """Store float rows x at `index` (quantizing for int8 and q4)."""
         if self.quantized:
-            self.values[index], self.scales[index] = (quantize_q4 if self.q4 else quantize)(x)
+            self.values[index], self.scales[index] = CODECS[self.dtype][0](x)
         else:
             self.values[index] = x.to(self.dtype)
 
@@ -171,10 +173,9 @@ class Store:
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """x as it would read back after being stored (rounded or quantized), in x's dtype."""
-        if self.q4:
-            return dequantize_q4(*quantize_q4(x), x.dtype)
         if self.quantized:
-            return dequantize(*quantize(x), x.dtype)
+            quantize_as, dequantize_as = CODECS[self.dtype]
+            return dequantize_as(*quantize_as(x), x.dtype)
         return x if x.dtype == self.dtype else x.to(self.dtype).to(x.dtype)
 
     def raw(self, index: tuple) -> dict[str, torch.Tensor]:

@@ -1822,9 +1822,8 @@ static void attend_q4_groups(int ng, const float *qr, const kv_span *K, const kv
  * attend_chunk's. */
 static void attend_chunk_q4(const float *q, int ng, const float *R, const kv_span *K,
                             const kv_span *Kp, const kv_span *V, const kv_span *Vp, int64_t D,
-                            int64_t S, int64_t s0, int64_t v0, int64_t s1, float scale, float cap,
-                            float *p, float *m, float *l, float *o) {
-    (void)s0;
+                            int64_t S, int64_t v0, int64_t s1, float scale, float cap, float *p,
+                            float *m, float *l, float *o) {
     float qr[8 * MAX_HEAD_DIM], qs[MAX_HEAD_DIM], row[MAX_HEAD_DIM];
     const int64_t rowb = D / 2, pb = kv_param_bytes(KV_Q4, D);
     for (int h = 0; h < ng; h++) {
@@ -2314,7 +2313,7 @@ static void attend_item(const kvlm_qmodel *m, const layer_kv *lk, const step_buf
         const kv_span Kp = {lk->kp + g * lk->phead, table, lk->bs, lk->pstride, n, lk->ring};
         const kv_span Vp = {lk->vp + g * lk->phead, table, lk->bs, lk->pstride, n, lk->ring};
         const float *q = s->qkv + b * (Hq + 2 * Hkv) * D + g * group * D;
-        attend_chunk_q4(q, (int)group, m->key_rot, &K, &Kp, &V, &Vp, D, S, s0, v0, s1,
+        attend_chunk_q4(q, (int)group, m->key_rot, &K, &Kp, &V, &Vp, D, S, v0, s1,
                         m->score_scale, m->attn_softcap, s->scores + hq * S, mh, lh, o);
     } else if (dt == KV_I8) {
         const kv_span Kp = {lk->kp + g * lk->phead, table, lk->bs, lk->pstride, n, lk->ring};

@@ -70,19 +70,15 @@ class _Body(BaseModel):
         send `"stop": null`, `"logprobs": null`, ...). Only for fields the model has: an
         unknown name stays, null or not, and is refused (extra="forbid")."""
         if isinstance(data, dict):
-            known = cls._known_names()
+            known = _field_names(cls)
             return {k: v for k, v in data.items() if v is not None or k not in known}
         return data
 
-    @classmethod
-    def _known_names(cls) -> frozenset[str]:
-        names = cls.__dict__.get("_names")
-        if names is None:
-            names = frozenset(
-                n for name, f in cls.model_fields.items() for n in (name, f.alias) if n
-            )
-            cls._names = names
-        return names
+
+@functools.cache
+def _field_names(model: type[BaseModel]) -> frozenset[str]:
+    """A request model's field names and aliases (what an explicit null may stand for)."""
+    return frozenset(n for name, f in model.model_fields.items() for n in (name, f.alias) if n)
 
 
 class StreamOptions(_Body):
