@@ -135,7 +135,8 @@ def test_a_responses_request_routes_by_its_prompt_or_to_the_replica_that_stored_
                          ("POST", f"/v1/responses/{made}/cancel")):  # fmt: skip
         assert affinity(method, path, b"") == tag
     # nothing stored named: no affinity (the prefix key, or the least loaded replica)
-    for body in (responses, b"{not json", b"[1]", b'{"previous_response_id": 7}'):
+    deep = b"[" * 200_000 + b"]" * 200_000  # past json's recursion depth: no error either
+    for body in (responses, b"{not json", b"[1]", b'{"previous_response_id": 7}', deep):
         assert affinity("POST", "/v1/responses", body) is None
     assert affinity("POST", "/v1/chat/completions", follow.encode()) is None
     assert affinity("GET", "/v1/responses/resp_plain", b"") is None

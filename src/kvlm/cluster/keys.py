@@ -58,7 +58,7 @@ def affinity(method: str, path: str, body: bytes) -> str | None:
         return None
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         return None
     if not isinstance(data, dict):
         return None
