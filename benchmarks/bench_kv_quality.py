@@ -5,6 +5,10 @@ whose top token is fp16's, and the text's perplexity.
 
     python benchmarks/bench_kv_quality.py [--model FILE] [--text FILE] [--tokens 4096]
         [--chunk 512] [--dtypes fp16,fp32,bf16,int8,q4] [--threads 2]
+        [--llamacpp [--llamacpp-types f16,q8_0,q4_0]]
+
+A dtype "K/V" stores K and V apart (int8/q4: --k-dtype int8 --v-dtype q4); llama.cpp's
+types likewise (q8_0/q4_0: type_k q8_0, type_v q4_0).
 
 The text (default: the GPL-3 text Debian ships, /usr/share/common-licenses/GPL-3, ~8k
 tokens of real English prose) is fed in chunks of --chunk tokens through one contiguous
@@ -27,18 +31,23 @@ from kvlm import LLM
 LLAMACPP_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml's type ids (llama_cpp.GGML_TYPE_*)
 
 
-def llamacpp_rows(path: str, ids: list[int], chunk: int, threads: int) -> dict[str, tuple]:
-    """llama.cpp's own table on the same tokens: its K/V types (K and V alike; flash
-    attention, which its quantized V needs), each position's log-probabilities against its
-    f16 cache's: (perplexity, KL per position, same-top count)."""
+def llamacpp_rows(
+    path: str, ids: list[int], chunk: int, threads: int, names: list[str]
+) -> dict[str, tuple]:
+    """llama.cpp's own table on the same tokens: its K/V types ("q8_0", or K's and V's
+    apart, "q8_0/q4_0"; flash attention, which its quantized V needs), each position's
+    log-probabilities against its f16 cache's: (perplexity, KL per position, same-top
+    count)."""
     import numpy as np
     from llama_cpp import Llama
 
     logp = {}
-    for name, t in LLAMACPP_TYPES.items():
+    for name in ["f16", *(n for n in names if n != "f16")]:
+        k, _, v = name.partition("/")
+        t_k, t_v = LLAMACPP_TYPES[k], LLAMACPP_TYPES[v or k]
         model = Llama(model_path=path, n_ctx=len(ids) + 8, n_batch=chunk, n_ubatch=chunk,
                       n_threads=threads, n_threads_batch=threads, logits_all=True,
-                      flash_attn=True, type_k=t, type_v=t, verbose=False)  # fmt: skip
+                      flash_attn=True, type_k=t_k, type_v=t_v, verbose=False)  # fmt: skip
         model.eval(ids)
         scores = torch.from_numpy(np.array(model.scores[: len(ids) - 1], dtype=np.float64))
         logp[name] = torch.log_softmax(scores, dim=-1)
@@ -65,6 +74,7 @@ def main() -> None:
     p.add_argument("--dtypes", default="fp16,fp32,bf16,int8,q4")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llamacpp", action="store_true", help="llama.cpp's K/V types beside")
+    p.add_argument("--llamacpp-types", default="f16,q8_0,q4_0")
     args = p.parse_args()
     dtypes = args.dtypes.split(",")
     assert dtypes[0] == "fp16", "the first dtype is the baseline: fp16"
@@ -108,7 +118,8 @@ def main() -> None:
             f"{float(k.quantile(0.99)):.3g} | {float(k.max()):.3g} | {same[d] / n:.2%} |"
         )
     if args.llamacpp:
-        rows = llamacpp_rows(str(base.loaded.path), ids, args.chunk, args.threads)
+        rows = llamacpp_rows(str(base.loaded.path), ids, args.chunk, args.threads,
+                             args.llamacpp_types.split(","))  # fmt: skip
         for name, (ppl, k, same_top) in rows.items():
             cells = ("- | - | - | -" if name == "f16" else
                      f"{float(k.mean()):.3g} | {float(k.quantile(0.99)):.3g} | "

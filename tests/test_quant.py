@@ -196,7 +196,7 @@ def _fused_steps_per_library(llm, ids, *libs):
         llm.runner.forward(ids, cache)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(kernels, "library", lambda lib=lib: lib)
-            slots = cache.store.values.shape[-2]
+            slots = cache.store.shape[-2]
             mp.setitem(llm.runner._fused, slots, FusedDecoder(llm.model, slots))
             logits.append(torch.stack([llm.runner.forward([t], cache) for t in STEP_TOKENS]))
     return logits
@@ -221,12 +221,12 @@ def _exact_steps(folder, weights, ids, steps) -> torch.Tensor:
 
 @needs_vector_kernels
 @pytest.mark.parametrize("march", portable_build_params())
-@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8", "q4", "int8/q4", "q4/fp16"])
 def test_the_portable_build_runs_the_same_fused_step(tiny_model_dir, march, kv_dtype):
-    """The scalar attention (dot_kv / axpy_kv) and products of a build without AVX-512: the
-    same numerics in another summation order, so as close to the exact result as the
-    AVX-512 build is (each rounds K/V, and for int8 the queries, the same way); the AVX2
-    build's halves likewise."""
+    """The scalar attention (dot_kv / axpy_kv, the int8 and q4 rows one by one, K's and V's
+    dtypes apart too) and products of a build without AVX-512: the same numerics in another
+    summation order, so as close to the exact result as the AVX-512 build is (each rounds
+    K/V, and for int8 the queries, the same way); the AVX2 build's halves likewise."""
 
     portable = portable_kernels(march)
     folder = tiny_model_dir("llama")

@@ -11,13 +11,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvlm.errors import InvalidRequestError, KvlmError
-from kvlm.settings import model_from_args, speculative_from_args, table
+from kvlm.settings import kv_dtype_of, model_from_args, speculative_from_args, table
 
 EXIT_USER_ERROR = 2
 # Spelled out rather than imported from kvlm.cache, which pulls in torch: `kvlm --help`
 # stays instant. tests/test_cli.py checks it names every mode the factory knows.
 KV_HELP = "cache mode: off, basic, contiguous (default), paged, int8, window"
 KV_DTYPE_HELP = "cache storage: fp32, bf16, fp16, int8, q4 (4-bit codes, a scale per 32)"
+K_DTYPE_HELP = "K's storage alone (over --kv-dtype; as llama.cpp's -ctk)"
+V_DTYPE_HELP = "V's storage alone (over --kv-dtype; as llama.cpp's -ctv)"
 MODEL_HELP = "GGUF file, HF folder or Hub id (default: SmolLM2-135M)"
 VERIFY_PROMPT = "Explain what a KV cache is and why it makes text generation faster."
 
@@ -108,6 +110,8 @@ def _memory_parser(sub: Any) -> None:
     memory.add_argument("--batch", type=int, default=1, help="sequences")
     memory.add_argument("--kv", default="contiguous", help=KV_HELP)
     memory.add_argument("--kv-dtype", default="fp32", help="fp32, bf16, fp16, int8 or q4")
+    memory.add_argument("--k-dtype", default=None, help=K_DTYPE_HELP)
+    memory.add_argument("--v-dtype", default=None, help=V_DTYPE_HELP)
     memory.add_argument("--dtype", default="fp32", help="weights dtype, for the budget")
     memory.add_argument(
         "--budget", default=None,
@@ -148,6 +152,8 @@ def _pool_args(serve: argparse.ArgumentParser) -> None:
     """The engine's KV pool, its scheduler and the tiers below it."""
     _flags(serve,
         ("--kv-dtype", None, None, KV_DTYPE_HELP),
+        ("--k-dtype", None, None, K_DTYPE_HELP),
+        ("--v-dtype", None, None, V_DTYPE_HELP),
         ("--max-context", int, None, "tokens per sequence"),
         ("--block-size", int, 16, "tokens per KV block"),
         ("--kv-blocks", int, None, "blocks in the KV pool"),
@@ -227,6 +233,8 @@ def _bench_parser(sub: Any) -> None:
          "runs per cell (median; default 1; --suite: 3, the engines taking turns)"),
         ("--max-context", int, None, "cache capacity"),
         ("--kv-dtype", None, None, KV_DTYPE_HELP),
+        ("--k-dtype", None, None, K_DTYPE_HELP),
+        ("--v-dtype", None, None, V_DTYPE_HELP),
         ("--json", None, None, "write the results as JSON", {"metavar": "FILE"}),
         ("--streams", None, "1,2,4,8", "concurrent streams for the engine run, or none"),
         ("--suite", None, None, "the model set instead of one model: random-weight GGUFs of "
@@ -342,6 +350,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv", default="contiguous", help=KV_HELP)
     p.add_argument("--kv-dtype", default=None, help=KV_DTYPE_HELP)
+    p.add_argument("--k-dtype", default=None, help=K_DTYPE_HELP)
+    p.add_argument("--v-dtype", default=None, help=V_DTYPE_HELP)
     p.add_argument("--max-context", type=int, default=None, help="cache capacity in tokens")
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill N tokens at a time")
     _size_args(p)
@@ -591,7 +601,7 @@ def _verify_numerics(args: argparse.Namespace) -> int:
 def cmd_memory(args: argparse.Namespace) -> int:
     from kvlm.cache.factory import check_mode
     from kvlm.cache.memory import parse_size, plan, table
-    from kvlm.dtypes import parse_dtype, parse_kv_dtype
+    from kvlm.dtypes import parse_dtype, parse_kv_dtypes
     from kvlm.llm import _check_device
     from kvlm.loading import load_model
 
@@ -608,7 +618,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
         raise KvlmError(f"--context must be between 1 and {config.max_position_embeddings}")
     sizes = {"block_size": args.block_size, "window": args.window, "sinks": args.sinks}
     p = plan(
-        config, args.kv, context, args.batch, parse_kv_dtype(args.kv_dtype),
+        config, args.kv, context, args.batch, parse_kv_dtypes(kv_dtype_of(args)),
         parse_dtype(args.dtype), budget, device, **sizes,
     )  # fmt: skip
     rows = table(config, context, args.batch, **sizes)
@@ -761,7 +771,7 @@ def _bench_suite(args: argparse.Namespace) -> int:
     rounds = 3 if args.rounds is None else args.rounds
     if prompt < 16 or new < 2 or rounds < 1:
         raise InvalidRequestError("--suite: --prompts >= 16, --new-tokens >= 2, --rounds >= 1")
-    flags = {"--model": args.model, "--exact": args.exact, "--kv-dtype": args.kv_dtype,
+    flags = {"--model": args.model, "--exact": args.exact, "--kv-dtype": kv_dtype_of(args),
              "--plots": args.plots, "--max-context": args.max_context}  # fmt: skip
     flags |= {f"--{k.replace('_', '-')}": getattr(args, k) != "auto"
               for k in ("weights", "prefill_dtype", "activations")}  # fmt: skip

@@ -63,10 +63,12 @@ def resolve(
     exact: bool,
     fp32_cpu: bool,
     source: WeightSource,
+    compute: str = "fp32",
 ) -> Numerics:
     """Resolve "auto" settings. `fp32_cpu`: fp32 compute on the CPU (the only place the
     low-bit kernels run); `source`: the model's WeightSource (a GGUF file answers
-    `is_quantized(name)`)."""
+    `is_quantized(name)`); `compute`: the compute dtype's name, which a K or V side left
+    to "auto" ("int8/auto") stores in where the fused step does not run."""
     requested = dict(
         weights=weights, activations=activations, prefill_dtype=prefill_dtype, kv_dtype=kv_dtype
     )
@@ -103,11 +105,17 @@ def resolve(
         elif "avx512_bf16" in flags:
             prefill_dtype = "bf16"
             reasons.append("prefill bf16: the CPU multiplies bf16 in hardware")
-    if kv_dtype == AUTO:
-        kv_dtype = None
+    k, _, v = kv_dtype.partition("/") if isinstance(kv_dtype, str) else ("", "", "")
+    if AUTO in (k, v or k):
+        auto = None
         if lib is not None and fp32_cpu:  # the kernels' fused step reads fp16 K/V
-            kv_dtype = "fp16"
+            auto = "fp16"
             reasons.append("kv fp16: half the K/V bytes; the fused step reads fp16")
+        if not v:
+            kv_dtype = auto
+        else:  # a side left to auto: fp16, or the compute dtype
+            k, v = ((auto or compute) if s == AUTO else s for s in (k, v))
+            kv_dtype = k if k == v else f"{k}/{v}"
     return Numerics(weights, activations, prefill_dtype, kv_dtype, tuple(reasons))
 
 

@@ -45,6 +45,27 @@ def parse_kv_dtype(name: str | torch.dtype) -> torch.dtype:
     return _parse(name, table, "fp32, bf16, fp16, fp64, int8 or q4")
 
 
+def parse_kv_dtypes(name: str | torch.dtype | tuple) -> tuple[torch.dtype, torch.dtype]:
+    """K's and V's storage dtypes: one name for both ("int8"), or K's and V's apart, "K/V"
+    ("int8/q4": --k-dtype int8 --v-dtype q4), or a (K, V) pair."""
+    if isinstance(name, tuple):
+        if len(name) != 2:
+            raise InvalidRequestError(f"K/V dtypes are a pair (K, V), not {name!r}")
+        k, v = name
+    elif isinstance(name, str) and "/" in name:
+        k, _, v = name.partition("/")
+    else:
+        k = v = name
+    return parse_kv_dtype(k), parse_kv_dtype(v)
+
+
+def kv_dtype_name(k: torch.dtype, v: torch.dtype | None = None) -> str:
+    """K's and V's storage as one name: "int8" for both, "int8/q4" for K int8, V q4."""
+    if v is None or v == k:
+        return dtype_name(k)
+    return f"{dtype_name(k)}/{dtype_name(v)}"
+
+
 def _parse(name: str | torch.dtype, table: dict[str, torch.dtype], valid: str) -> torch.dtype:
     if isinstance(name, torch.dtype):
         if name not in table.values():

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from kvlm import defaults, kernels
 from kvlm.cache import CacheSpec, KVCache, create_cache
 from kvlm.cache.factory import check_mode, mode_spec
-from kvlm.dtypes import dtype_name, parse_dtype, parse_kv_dtype
+from kvlm.dtypes import dtype_name, parse_dtype, parse_kv_dtype, parse_kv_dtypes
 from kvlm.engine.backends import cache_engine_limits
 from kvlm.engine.batch import Stream, run_batch
 from kvlm.engine.chat import ChatSession
@@ -98,6 +98,8 @@ class LLM:
     ) -> None:
         """`weights`, `activations`, `prefill_dtype` and `kv_dtype` default to "auto" (None
         for kv_dtype): the fast path, resolved from the file and the CPU (kvlm.defaults);
+        `kv_dtype` names K's and V's storage, or each apart as "K/V" ("int8/q4", either
+        side "auto");
         `exact=True` resolves them to the fp32 reference path instead. `speculative`
         ("ngram" or a SpeculativeConfig): every request decodes speculatively, on the batch
         engine's pool or on one cache alike (kvlm.engine.speculative; greedy output
@@ -120,12 +122,15 @@ class LLM:
             exact=exact,
             fp32_cpu=self.device.type == "cpu" and self.dtype == torch.float32,
             source=self.loaded.weights,
+            compute=dtype_name(self.dtype),
         )
         self.weights = _weight_format(self.numerics, self.dtype, self.device)
         self.prefill_dtype = self.numerics.prefill_dtype
         self.activations = self.numerics.activations
         kv_dtype = self.numerics.kv_dtype
-        self.kv_dtype = parse_kv_dtype(kv_dtype) if kv_dtype is not None else self.dtype
+        # K's and V's storage: a dtype for both, or a (K, V) pair (--k-dtype, --v-dtype)
+        k, v = parse_kv_dtypes(kv_dtype) if kv_dtype is not None else (self.dtype, self.dtype)
+        self.kv_dtype = k if k == v else (k, v)
         self.kv_mode = kv
         self.config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
@@ -376,7 +381,7 @@ class LLM:
             "prefill_dtype": self.prefill_dtype,
             "activations": self.activations,
             "numerics": list(self.numerics.reasons),
-            "kv_dtype": dtype_name(self.cache_spec().dtype),
+            "kv_dtype": self.cache_spec().kv_name,
             "max_context": self.max_context,
             "device": str(self.device),
             "decode_step": self.runner.decode_step(self.cache),
@@ -432,7 +437,10 @@ def _check_settings(
         valid = ", ".join(f for f in (defaults.AUTO, *WEIGHT_FORMATS) if f)
         raise InvalidRequestError(f"unknown weight format {weights!r}; valid: {valid}")
     if kv_dtype is not None and kv_dtype != defaults.AUTO:
-        parse_kv_dtype(kv_dtype)
+        k, _, v = kv_dtype.partition("/") if isinstance(kv_dtype, str) else (kv_dtype, "", "")
+        for side in (k, v) if v else (k,):
+            if side != defaults.AUTO:
+                parse_kv_dtype(side)
 
 
 def _weight_format(numerics: defaults.Numerics, dtype: torch.dtype, device: torch.device):

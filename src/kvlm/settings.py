@@ -20,9 +20,21 @@ def model_from_args(args: argparse.Namespace, **settings: Any):
     --max-context), plus the command's own cache settings (which win over those flags)."""
     from kvlm.llm import LLM  # imports torch: only once a command runs
 
-    numerics = ("weights", "prefill_dtype", "activations", "exact", "kv_dtype", "max_context")
+    numerics = ("weights", "prefill_dtype", "activations", "exact", "max_context")
     flags = {k: getattr(args, k) for k in ("model", "dtype", "device", "threads", *numerics)}
+    flags["kv_dtype"] = kv_dtype_of(args)
     return LLM(**(flags | settings), progress=sys.stderr.isatty())
+
+
+def kv_dtype_of(args: argparse.Namespace) -> str | None:
+    """K's and V's storage from --kv-dtype (both) and --k-dtype / --v-dtype (each, over
+    --kv-dtype): one name, "K/V" when they differ (a side unnamed: auto), or None."""
+    both = getattr(args, "kv_dtype", None)
+    k, v = getattr(args, "k_dtype", None), getattr(args, "v_dtype", None)
+    if k is None and v is None:
+        return both
+    k, v = k or both or "auto", v or both or "auto"
+    return k if k == v else f"{k}/{v}"
 
 
 def speculative_from_args(args: argparse.Namespace):

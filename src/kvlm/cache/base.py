@@ -35,7 +35,7 @@ import torch
 
 from kvlm.cache.storage import Store, itemsize, key_rotation
 from kvlm.config import ModelConfig
-from kvlm.dtypes import dtype_name
+from kvlm.dtypes import kv_dtype_name
 from kvlm.errors import CacheOverflowError, InvalidRequestError, KvlmError
 
 WINDOW_POSITIONS = ("cache", "absolute")  # kvlm.cache.window
@@ -57,7 +57,8 @@ class CacheSpec:
     head_dim: int
     max_tokens: int
     batch: int = 1
-    dtype: torch.dtype = torch.float32  # storage: fp32, bf16, fp16, or int8 (+ fp16 params)
+    # storage: fp32, bf16, fp16, int8 or q4 (+ fp16 params): K's, and V's unless v_dtype
+    dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")  # noqa: RUF009 - immutable
     # The model's own attention window (Mistral), applied in the mask; not the window cache.
     sliding_window: int | None = None
@@ -71,6 +72,22 @@ class CacheSpec:
     # window: RoPE positions "cache" (counted inside the cache, StreamingLLM; K kept before
     # RoPE) or "absolute" (each token's position in the text); kvlm.cache.window.
     window_positions: str = "cache"
+    v_dtype: torch.dtype | None = None  # V's own storage (--v-dtype); None: dtype's
+
+    @property
+    def kv_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """K's and V's storage dtypes."""
+        return self.dtype, self.dtype if self.v_dtype is None else self.v_dtype
+
+    @property
+    def kv_name(self) -> str:
+        """The storage as one name: "fp16", or K's and V's, "int8/q4"."""
+        return kv_dtype_name(*self.kv_dtypes)
+
+    def store(self, shape: tuple[int, ...], zero: bool = True) -> Store:
+        """A Store of this spec's K/V dtypes on its device."""
+        k, v = self.kv_dtypes
+        return Store(shape, k, self.device, zero=zero, v_dtype=v)
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "batch", "block_size", "window"):
@@ -91,17 +108,20 @@ class CacheSpec:
         cls,
         config: ModelConfig,
         max_tokens: int,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | tuple[torch.dtype, torch.dtype] = torch.float32,
         device: torch.device | str = "cpu",
         **sizes: int | None,
     ) -> CacheSpec:
-        """`sizes`: batch, block_size, num_blocks, window, sinks."""
+        """`dtype`: K's and V's storage, or a (K, V) pair; `sizes`: batch, block_size,
+        num_blocks, window, sinks."""
+        k, v = dtype if isinstance(dtype, tuple) else (dtype, dtype)
         return cls(
             num_layers=config.num_layers,
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
             max_tokens=max_tokens,
-            dtype=dtype,
+            dtype=k,
+            v_dtype=None if v == k else v,
             device=torch.device(device),
             sliding_window=config.sliding_window,
             layer_windows=config.layer_windows,
@@ -111,8 +131,8 @@ class CacheSpec:
     @property
     def bytes_per_token(self) -> int:
         """K and V of one token in every layer, for one sequence, int8 parameters included."""
-        per_head = round(self.head_dim * itemsize(self.dtype, self.head_dim))
-        return 2 * self.num_layers * self.num_kv_heads * per_head
+        per_head = sum(round(self.head_dim * itemsize(t, self.head_dim)) for t in self.kv_dtypes)
+        return self.num_layers * self.num_kv_heads * per_head
 
     def geometry(self) -> dict[str, int]:
         return {"layers": self.num_layers, "kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
@@ -181,8 +201,9 @@ class CacheStep(ABC):
     def _over(self, store: Store) -> None:
         """This step reads and writes `store`; an int8 or q4 store keeps K rotated."""
         self.store = store
-        if store.quantized:
-            self.key_rotation = key_rotation(store.head_dim).to(store.values.device)
+        if store.k_quantized:
+            device = next(iter(store.parts.values())).device
+            self.key_rotation = key_rotation(store.head_dim).to(device)
 
     def _keys_in(self, k: torch.Tensor) -> torch.Tensor:
         """K as the store keeps it (rotated for int8)."""
@@ -386,7 +407,7 @@ class KVCache(ABC):
         """A copy of the contents that outlives later writes (restore() brings it back)."""
         return CacheSnapshot(
             layout=self.layout,
-            dtype=dtype_name(self.spec.dtype),
+            dtype=self.spec.kv_name,
             length=self._length,
             batch=self.batch,
             geometry=self.spec.geometry(),
@@ -414,10 +435,10 @@ class KVCache(ABC):
             raise CacheFileError(
                 f"{source}: a {snap.layout} cache cannot be restored into --kv {self.mode}"
             )
-        if snap.dtype != dtype_name(self.spec.dtype):
+        if snap.dtype != self.spec.kv_name:
             raise CacheFileError(
                 f"{source} holds {snap.dtype} values but this cache stores "
-                f"{dtype_name(self.spec.dtype)} (use the same --kv-dtype)"
+                f"{self.spec.kv_name} (use the same --kv-dtype, or --k-dtype/--v-dtype)"
             )
         if snap.geometry != self.spec.geometry():
             raise CacheFileError(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvlm.cache.base import CacheSpec, CacheStep, DenseStep, DraftRows, KVCache, KVPair
-from kvlm.dtypes import Q4, dtype_name
+from kvlm.dtypes import Q4
 from kvlm.errors import InvalidRequestError
 
 
@@ -38,10 +38,10 @@ class BasicCache(KVCache):
     mode = "basic"
 
     def __init__(self, spec: CacheSpec) -> None:
-        if spec.dtype in (torch.int8, Q4):
+        if spec.dtype in (torch.int8, Q4) or spec.v_dtype not in (None, spec.dtype):
             raise InvalidRequestError(
-                f"--kv basic stores floats; {dtype_name(spec.dtype)} needs --kv contiguous, "
-                "paged or window"
+                f"--kv basic stores K and V as floats of one dtype; {spec.kv_name} needs "
+                "--kv contiguous, paged or window"
             )
         super().__init__(spec)
         self.kv: list[torch.Tensor | None] = [None] * spec.num_layers  # (2, B, Hkv, S, D) each

@@ -45,7 +45,7 @@ def check_mode(mode: str) -> type[KVCache]:
 
 def mode_spec(mode: str, spec: CacheSpec) -> CacheSpec:
     """The spec a mode really runs with (`int8` always stores int8)."""
-    return replace(spec, dtype=torch.int8) if mode == "int8" else spec
+    return replace(spec, dtype=torch.int8, v_dtype=None) if mode == "int8" else spec
 
 
 def create_cache(mode: str, spec: CacheSpec) -> KVCache:

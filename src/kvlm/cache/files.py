@@ -19,8 +19,8 @@ import torch
 from kvlm.cache.base import CacheFileError, CacheSnapshot, KVCache, brief
 from kvlm.cache.factory import CACHE_MODES, HYBRID_MODES
 from kvlm.cache.hybrid import RING, RING_SLACK
-from kvlm.cache.storage import PARAMS_PER_ROW, q4_group
-from kvlm.dtypes import NAMES, dtype_name
+from kvlm.cache.storage import part_layout
+from kvlm.dtypes import NAMES, Q4, dtype_name
 from kvlm.errors import CacheOverflowError
 
 CACHE_FILE_FORMAT = "kvlm-cache/1"
@@ -160,7 +160,7 @@ def _parse_metadata(path: Path, meta: dict[str, str] | None) -> tuple[CacheSnaps
         raise _bad_meta(path, f"mode {brief(mode)} is not one kvlm writes")
     if CACHE_MODES[mode].layout != layout and not (layout == "hybrid" and mode in HYBRID_MODES):
         raise _bad_meta(path, f"mode {mode!r} does not write the {layout} layout")
-    if dtype not in FILE_DTYPES:
+    if file_kv_dtypes(dtype) is None:
         raise _bad_meta(path, f"dtype {brief(dtype)} is not one kvlm stores")
     batch = _count(path, meta, "batch")
     if batch > MAX_FILE_ROWS:
@@ -216,13 +216,27 @@ def _ints(
     return obj
 
 
-def _check_shapes(path: Path, snap: CacheSnapshot, shapes: dict[str, tuple[int, ...]]) -> None:
-    """Exactly the layout's tensors, of the shape the metadata says:
+def file_kv_dtypes(name: object) -> tuple[torch.dtype, torch.dtype] | None:
+    """K's and V's dtypes from a file's dtype: "fp16", or "int8/q4" (K/V); None if it
+    names no dtype kvlm stores, in the one spelling kvlm writes (kv_dtype_name)."""
+    if not isinstance(name, str):
+        return None
+    k, _, v = name.partition("/")
+    if k not in FILE_DTYPES or (v and (v not in FILE_DTYPES or v == k)):
+        return None
+    return FILE_DTYPES[k], FILE_DTYPES[v or k]
+
+
+def _layout(path: Path, snap: CacheSnapshot) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The tensors (shape, dtype) the metadata says the file holds: the stores' parts
+    (kvlm.cache.storage.part_layout) of each group of layers, and a ring's slot positions:
 
     values    [layers, 2, batch, kv_heads, rows, head_dim]   rows: length, or S + W
                                                              (q4: head_dim / 2 bytes)
     scales    [layers, 2, batch, kv_heads, rows, 2]          int8 only
               [layers, 2, batch, kv_heads, rows, head_dim / G]  q4 only (q4_group)
+              K and V in two dtypes: k.values, k.scales, v.values, v.scales, each [layers,
+              1, ...] in its own
     slot_pos  [S + W]                                        window only
     """
     g, extra = snap.geometry, snap.extra
@@ -235,39 +249,42 @@ def _check_shapes(path: Path, snap: CacheSnapshot, shapes: dict[str, tuple[int, 
         if local >= 1 << layers or ring == layers:
             raise _bad_meta(path, f"local_layers {local} is not a set of some of {layers} layers")
         parts = [("", layers - ring, rows), (RING, ring, extra["window"] + RING_SLACK)]
+    k, v = file_kv_dtypes(snap.dtype)
     want = {}
     for prefix, n, held in parts:
         d = g["head_dim"]
-        if snap.dtype == "q4" and d % 2:
+        if Q4 in (k, v) and d % 2:
             raise _bad_meta(path, f"geometry.head_dim {d} is odd: q4 packs two values a byte")
-        values = (n, 2, snap.batch, g["kv_heads"], held, d // 2 if snap.dtype == "q4" else d)
-        want[prefix + "values"] = values
-        if snap.dtype == "int8":
-            want[prefix + "scales"] = (*values[:-1], PARAMS_PER_ROW)
-        if snap.dtype == "q4":
-            want[prefix + "scales"] = (*values[:-1], d // q4_group(d))
+        shape = (n, 2, snap.batch, g["kv_heads"], held, d)
+        want.update({prefix + name: sd for name, sd in part_layout(shape, k, v).items()})
         if snap.layout == "window" or prefix:
-            want[prefix + "slot_pos"] = (held,)
+            want[prefix + "slot_pos"] = ((held,), torch.int64)
+    return want
+
+
+def _check_shapes(path: Path, snap: CacheSnapshot, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Exactly the layout's tensors (_layout), of the shape the metadata says."""
+    want = _layout(path, snap)
     missing, unexpected = set(want) - set(shapes), set(shapes) - set(want)
     if missing:
         raise _damaged(path, f"missing tensor {min(missing)}")
     if unexpected:
         raise _damaged(path, f"unexpected tensor {brief(min(unexpected))}")
     for name, shape in shapes.items():
-        if shape != want[name]:
-            raise _damaged(path, f"{name} have shape {shape}, the metadata says {want[name]}")
+        if shape != want[name][0]:
+            raise _damaged(path, f"{name} have shape {shape}, the metadata says {want[name][0]}")
 
 
 def _check_contents(path: Path, snap: CacheSnapshot) -> None:
-    """Dtypes (values in the file's dtype, fp16 int8 parameters, int64 slot positions),
-    finite int8 parameters (one inf step turns a row into NaN; values themselves are data,
-    NaN included), and a window's ring."""
-    want = {"values": FILE_DTYPES[snap.dtype], "scales": torch.float16, "slot_pos": torch.int64}
+    """Dtypes (values in the file's dtypes, fp16 int8/q4 parameters, int64 slot
+    positions), finite parameters (one inf step turns a row into NaN; values themselves
+    are data, NaN included), and a window's ring."""
+    want = _layout(path, snap)
     for name, t in snap.tensors.items():
-        kind = name.removeprefix(RING)
-        if t.dtype != want[kind]:
-            raise _damaged(path, f"{name} are {dtype_name(t.dtype)}, not {dtype_name(want[kind])}")
-        if kind == "scales" and not torch.isfinite(t).all():
+        dtype = want[name][1]
+        if t.dtype != dtype:
+            raise _damaged(path, f"{name} are {dtype_name(t.dtype)}, not {dtype_name(dtype)}")
+        if name.endswith("scales") and not torch.isfinite(t).all():
             raise _damaged(path, f"{snap.dtype} scales are not all finite")
     if snap.layout == "window":
         _check_ring(path, snap, snap.extra["sinks"], snap.extra["window"], "slot_pos")

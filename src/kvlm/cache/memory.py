@@ -15,7 +15,7 @@ import torch
 from kvlm.cache.base import CacheSpec
 from kvlm.cache.factory import mode_spec, planned_nbytes, planned_parts
 from kvlm.config import ModelConfig
-from kvlm.dtypes import Q4, dtype_name
+from kvlm.dtypes import Q4
 from kvlm.errors import InvalidRequestError
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 1000, "m": 2**20, "mib": 2**20,
@@ -91,7 +91,7 @@ def plan(
     mode: str,
     context: int,
     batch: int,
-    kv_dtype: torch.dtype,
+    kv_dtype: torch.dtype | tuple[torch.dtype, torch.dtype],
     compute_dtype: torch.dtype = torch.float32,
     budget: int | None = None,
     device: torch.device | str = "cpu",
@@ -110,7 +110,7 @@ def plan(
     fits = None if budget is None or per_seq == 0 else budget // per_seq
     return MemoryPlan(
         mode=mode,
-        kv_dtype=dtype_name(spec.dtype),
+        kv_dtype=spec.kv_name,
         context=context,
         batch=batch,
         bytes_per_token=spec.bytes_per_token,
@@ -144,12 +144,13 @@ def table(config: ModelConfig, context: int, batch: int, **sizes: int | None) ->
 
 def spec_table(base: CacheSpec, context: int, batch: int) -> list[dict]:
     """table() for a K/V geometry and mode sizes without a model config (a saved cache
-    file carries only those); `base.dtype` is replaced by each row's."""
-    specs = [(mode, mode_spec(mode, replace(base, dtype=dtype))) for mode, dtype in TABLE_ROWS]
+    file carries only those); `base`'s K/V dtypes are replaced by each row's."""
+    specs = [(mode, mode_spec(mode, replace(base, dtype=k, v_dtype=None if v == k else v)))
+             for mode, k, v in TABLE_ROWS]  # fmt: skip
     return [
         {
             "mode": mode,
-            "kv_dtype": dtype_name(spec.dtype),
+            "kv_dtype": spec.kv_name,
             "bytes_per_token": spec.bytes_per_token if mode != "off" else 0,
             "total_bytes": planned_nbytes(mode, spec, context, batch),
         }
@@ -158,7 +159,10 @@ def spec_table(base: CacheSpec, context: int, batch: int) -> list[dict]:
 
 
 F32, BF16, I8 = torch.float32, torch.bfloat16, torch.int8
-TABLE_ROWS = [("off", F32), ("basic", F32), ("basic", BF16), ("contiguous", F32),
-              ("contiguous", BF16), ("contiguous", I8), ("contiguous", Q4), ("paged", F32),
-              ("paged", BF16), ("paged", Q4), ("int8", I8), ("window", F32), ("window", BF16),
-              ("window", I8), ("window", Q4)]  # fmt: skip
+# (mode, K's dtype, V's)
+TABLE_ROWS = [("off", F32, F32), ("basic", F32, F32), ("basic", BF16, BF16),
+              ("contiguous", F32, F32), ("contiguous", BF16, BF16), ("contiguous", I8, I8),
+              ("contiguous", Q4, Q4), ("paged", F32, F32), ("paged", BF16, BF16),
+              ("paged", I8, Q4), ("paged", Q4, Q4), ("int8", I8, I8),
+              ("window", F32, F32), ("window", BF16, BF16), ("window", I8, I8),
+              ("window", Q4, Q4)]  # fmt: skip

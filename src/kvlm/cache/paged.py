@@ -111,7 +111,7 @@ class BlockPool:
         shape = (spec.num_layers, 2, stored, spec.num_kv_heads, spec.block_size, spec.head_dim)
         # Uninitialised: allocate() zeroes a block before handing it out, so gathered slots
         # past a sequence's end hold zeros, never NaN garbage that 0 * NaN would spread.
-        self.store = Store(shape, spec.dtype, spec.device, zero=False)
+        self.store = spec.store(shape, zero=False)
         if self.scratch is not None:
             self.store.zero_((ALL, ALL, self.scratch))
         self.refs = [0] * num_blocks
@@ -145,7 +145,7 @@ class BlockPool:
 
     @property
     def block_nbytes(self) -> int:
-        return self.store.nbytes // self.store.values.shape[2]
+        return self.store.nbytes // self.store.shape[2]
 
     def allocate(self) -> int:
         if not self.free_queue:
@@ -455,7 +455,7 @@ class PagedCache(KVCache):
         slots, dev = pos % group.keep, self.spec.device
         ring = {}
         for name, t in group.store.raw(index).items():  # (B, m, L, 2, H[, D])
-            shape = (t.shape[2], 2, self.batch, t.shape[4], group.keep, *t.shape[5:])
+            shape = (t.shape[2], t.shape[3], self.batch, t.shape[4], group.keep, *t.shape[5:])
             ring[RING + name] = torch.zeros(shape, dtype=t.dtype, device=dev)
             ring[RING + name][:, :, :, :, slots.to(dev)] = t.permute(
                 2, 3, 0, 4, 1, *range(5, t.dim())

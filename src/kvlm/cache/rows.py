@@ -23,7 +23,7 @@ class RowCache(KVCache):
     def _allocate(self, batch: int) -> Store:
         s = self.spec
         shape = (s.num_layers, 2, batch, s.num_kv_heads, self.slots, s.head_dim)
-        return Store(shape, s.dtype, s.device)
+        return s.store(shape)
 
     def _held(self) -> tuple:
         """A store index (on the layers, K/V, row, head dims) of the slots holding tokens."""
@@ -42,10 +42,10 @@ class RowCache(KVCache):
         )
 
     def _release(self) -> None:
-        if self.store.values.shape[2] != self.spec.batch:  # shrink back after a fork
+        if self.store.shape[2] != self.spec.batch:  # shrink back after a fork
             self.store = self._allocate(self.spec.batch)
 
     def _import_rows(self, tensors: dict[str, torch.Tensor], index: tuple) -> None:
-        if self.store.values.shape[2] != self.batch:
+        if self.store.shape[2] != self.batch:
             self.store = self._allocate(self.batch)
         self.store.put_raw(index, tensors)

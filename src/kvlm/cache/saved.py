@@ -28,9 +28,10 @@ import torch
 
 from kvlm.cache.base import CacheSnapshot, CacheSpec, blocks_for
 from kvlm.cache.factory import create_cache, planned_nbytes
-from kvlm.cache.files import FILE_DTYPES, read_cache_file
+from kvlm.cache.files import file_kv_dtypes, read_cache_file
+from kvlm.cache.hybrid import RING
 from kvlm.cache.paged import PagedCache
-from kvlm.cache.storage import dequantize_stored
+from kvlm.cache.storage import CODECS, parts_as
 
 PAGED_MODES = ("paged", "int8")
 
@@ -51,7 +52,7 @@ class SavedCache:
 
     @property
     def quantized(self) -> bool:
-        return self.snap.dtype in ("int8", "q4")
+        return any(t in CODECS for t in file_kv_dtypes(self.snap.dtype))
 
     def spec(self, block_size: int = 16) -> CacheSpec:
         """The spec of a cache that holds exactly this file (the pool: its rows' blocks)."""
@@ -69,7 +70,8 @@ class SavedCache:
             head_dim=g["head_dim"],
             max_tokens=max(1, s.length),
             batch=s.batch,
-            dtype=FILE_DTYPES[s.dtype],
+            dtype=file_kv_dtypes(s.dtype)[0],
+            v_dtype=file_kv_dtypes(s.dtype)[1],
             block_size=block_size,
             num_blocks=max(1, s.batch * blocks_for(s.length, block_size)),
             **sizes,
@@ -113,11 +115,9 @@ class SavedCache:
         """(layers, 2, kv_heads, T, head_dim) fp32: sequence `row`'s K and V as stored
         (int8 and q4 dequantized; their K in its rotated basis, which keeps norms; window K
         before RoPE in its default positions, which keeps norms too)."""
-        values = self.snap.tensors["values"][:, :, row]
-        if self.quantized:
-            scales = self.snap.tensors["scales"][:, :, row]
-            values = dequantize_stored(values, scales, FILE_DTYPES[self.snap.dtype],
-                                       torch.float32)  # fmt: skip
+        parts = {name: t[:, :, row] for name, t in self.snap.tensors.items()
+                 if t.dim() == 6 and not name.startswith(RING)}  # fmt: skip
+        values = parts_as(parts, *file_kv_dtypes(self.snap.dtype), torch.float32)
         return self._columns(values.float())
 
     def scales(self, row: int = 0) -> torch.Tensor:

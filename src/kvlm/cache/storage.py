@@ -29,6 +29,11 @@ magnitude, codes c = round(x / d) + 8 in 0..15 (m itself is code 0), x ~ (c - 8)
 codes a byte (even index in the low nibble), d as fp16. K goes through R as for int8.
 0.5 + 2/32 = 0.5625 bytes per element (0.14x of fp32, 0.28x of fp16).
 
+K and V may each keep a dtype of their own (`--k-dtype`, `--v-dtype`; llama.cpp's -ctk,
+-ctv): part_layout gives such a store K's tensors and V's apart, each [layers, 1, ...];
+a store in one dtype keeps the one [layers, 2, ...] tensor (and its scales) it always had,
+so cache files and tier records of one dtype are unchanged.
+
 Bytes per element: 1 + 4/head_dim (0.266x of fp32 at head_dim 64).
 Error bound of one element: |x - dequant(x)| <= s/2 + 2^-10 (|min| + 255 s) + 2^-24 with
 s = max(step, 2^-14): half a step, plus the fp16 rounding of the step and the zero point
@@ -47,6 +52,7 @@ from kvlm.dtypes import Q4
 PARAM_DTYPE = torch.float16
 PARAMS_PER_ROW = 2  # step, zero point (the row's minimum)
 Q4_GROUP = 32  # values per q4 scale (the whole row when head_dim is not a multiple)
+ALL = slice(None)
 
 
 @cache
@@ -126,66 +132,185 @@ def dequantize(q: torch.Tensor, params: torch.Tensor, dtype: torch.dtype) -> tor
 # the quantized K/V dtypes: (quantize: x -> codes, scales; dequantize: codes, scales, dtype)
 CODECS = {torch.int8: (quantize, dequantize), Q4: (quantize_q4, dequantize_q4)}
 
+KV = ("k.", "v.")  # a split store's part names: K's, then V's
 
-class Store:
-    """A [layers, 2, X, heads, Y, head_dim] tensor of K/V slots (plus int8 parameters:
-    `scales`, [layers, 2, X, heads, Y, 2]).
 
-    Indexing is on the leading dimensions only, so the same index addresses a value row
-    and its parameters.
-    """
+def part_layout(
+    shape: tuple[int, ...], k_dtype: torch.dtype, v_dtype: torch.dtype | None = None
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The tensors (name -> shape, dtype) a store of K/V rows of logical shape [layers, 2
+    (K, V), ..., head_dim] keeps: K and V in one dtype, "values" [layers, 2, ...] (q4:
+    head_dim / 2 bytes a row) and for int8 and q4 "scales" (int8: (step, zero) a row; q4:
+    a scale per group); K and V in two (--k-dtype, --v-dtype): each its own "k.values",
+    "k.scales", "v.values", "v.scales", of [layers, 1, ...]. The one table the stores,
+    cache files and tier records are shaped and checked by."""
+    v_dtype = k_dtype if v_dtype is None else v_dtype
+    if k_dtype == v_dtype:
+        return _half_layout(shape, k_dtype, "")
+    one = (shape[0], 1, *shape[2:])
+    return {**_half_layout(one, k_dtype, KV[0]), **_half_layout(one, v_dtype, KV[1])}
 
-    def __init__(
-        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, zero: bool = True
-    ) -> None:
-        self.dtype = dtype
-        self.head_dim = shape[-1]
-        self.quantized = dtype in CODECS  # codes and scales; K through R
-        q4 = dtype == Q4
-        if q4 and shape[-1] % 2:
-            raise ValueError(f"q4 K/V needs an even head_dim, not {shape[-1]}")
-        make = torch.zeros if zero else torch.empty
-        rows = (*shape[:-1], shape[-1] // 2) if q4 else shape
-        self.values = make(rows, dtype=dtype, device=device)
-        per = shape[-1] // q4_group(shape[-1]) if q4 else PARAMS_PER_ROW
-        params = (*shape[:-1], per)
-        self.scales = make(params, dtype=PARAM_DTYPE, device=device) if self.quantized else None
-        self.parts = {"values": self.values}  # by name, as snapshots and cache files hold them
-        if self.scales is not None:
-            self.parts["scales"] = self.scales
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.parts.values())
+def _half_layout(shape: tuple[int, ...], dtype: torch.dtype, prefix: str) -> dict:
+    d = shape[-1]
+    if dtype == Q4 and d % 2:
+        raise ValueError(f"q4 K/V needs an even head_dim, not {d}")
+    out = {prefix + "values": ((*shape[:-1], d // 2) if dtype == Q4 else tuple(shape), dtype)}
+    if dtype in CODECS:
+        per = d // q4_group(d) if dtype == Q4 else PARAMS_PER_ROW
+        out[prefix + "scales"] = ((*shape[:-1], per), PARAM_DTYPE)
+    return out
+
+
+def parts_as(
+    parts: dict[str, torch.Tensor], k_dtype: torch.dtype, v_dtype: torch.dtype, dtype: torch.dtype
+) -> torch.Tensor:
+    """Stored parts (as part_layout names them, indexed alike) as one `dtype` tensor of K
+    and V along dim 1: [layers, 2, ...]."""
+    if k_dtype == v_dtype:
+        return dequantize_stored(parts["values"], parts.get("scales"), k_dtype, dtype)
+    halves = [
+        dequantize_stored(parts[p + "values"], parts.get(p + "scales"), dt, dtype)
+        for p, dt in zip(KV, (k_dtype, v_dtype), strict=True)
+    ]
+    return torch.cat(halves, dim=1)
+
+
+class _Rows:
+    """Rows in one dtype: codes and scales, or floats (K and V, or one of them)."""
+
+    def __init__(self, dtype: torch.dtype, values: torch.Tensor, scales: torch.Tensor | None):
+        self.dtype, self.values, self.scales = dtype, values, scales
 
     def put(self, index: tuple, x: torch.Tensor) -> None:
-        """Store float rows x at `index` (quantizing for int8 and q4)."""
-        if self.quantized:
+        if self.scales is not None:
             self.values[index], self.scales[index] = CODECS[self.dtype][0](x)
         else:
             self.values[index] = x.to(self.dtype)
 
     def get(self, index: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """The rows at `index` in `dtype` (a view when no conversion is needed)."""
-        if self.quantized:
+        if self.scales is not None:
             return dequantize_stored(self.values[index], self.scales[index], self.dtype, dtype)
         return self.values[index].to(dtype)  # the view itself when it is already `dtype`
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
-        """x as it would read back after being stored (rounded or quantized), in x's dtype."""
-        if self.quantized:
+        if self.scales is not None:
             quantize_as, dequantize_as = CODECS[self.dtype]
             return dequantize_as(*quantize_as(x), x.dtype)
         return x if x.dtype == self.dtype else x.to(self.dtype).to(x.dtype)
 
+
+class Store:
+    """K/V slots of logical shape [layers, 2 (K, V), X, heads, Y, head_dim], as part_layout
+    keeps them: one tensor `values` (plus int8/q4 `scales`) when K and V share a dtype, or
+    K's and V's own (`split`). Indexing is on the leading dimensions only, (layer, kv, X,
+    ...), so the same index addresses a value row and its parameters, K and V alike."""
+
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        zero: bool = True,
+        v_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.shape = tuple(shape)
+        self.head_dim = shape[-1]
+        self.k_dtype, self.v_dtype = dtype, dtype if v_dtype is None else v_dtype
+        self.dtype = dtype  # K's (and V's, unless split)
+        self.split = self.k_dtype != self.v_dtype
+        self.k_quantized = self.k_dtype in CODECS  # codes and scales; K through R
+        self.quantized = self.k_quantized or self.v_dtype in CODECS
+        make = torch.zeros if zero else torch.empty
+        layout = part_layout(self.shape, self.k_dtype, self.v_dtype)
+        # by name, as snapshots, cache files and tier records hold them
+        self.parts = {n: make(s, dtype=dt, device=device) for n, (s, dt) in layout.items()}
+        prefixes = KV if self.split else ("",)
+        self._rows = [
+            _Rows(dt, self.parts[p + "values"], self.parts.get(p + "scales"))
+            for p, dt in zip(prefixes, (self.k_dtype, self.v_dtype), strict=False)
+        ]
+
+    @property
+    def values(self) -> torch.Tensor:
+        """The one tensor of K and V rows (a store in one dtype)."""
+        if self.split:
+            raise AttributeError("K and V are stored apart: use rows(kv)")
+        return self.parts["values"]
+
+    @property
+    def scales(self) -> torch.Tensor | None:
+        """The int8/q4 parameters of a store in one dtype (None for floats)."""
+        if self.split:
+            raise AttributeError("K and V are stored apart: use rows(kv)")
+        return self.parts.get("scales")
+
+    def rows(self, kv: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """K's (kv 0) or V's (1) values and scales, [layers, X, heads, Y, row] views."""
+        r = self._rows[kv] if self.split else self._rows[0]
+        at = 0 if self.split else kv
+        return r.values[:, at], None if r.scales is None else r.scales[:, at]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts.values())
+
+    def _pick(self, index: tuple) -> list[tuple[_Rows, tuple]]:
+        """(rows, index into them) for a store index: K's, V's or both when split."""
+        if not self.split:
+            return [(self._rows[0], index)]
+        index = tuple(index)
+        layer, kv = (*index, ALL, ALL)[:2]
+        rest = index[2:]
+        if isinstance(kv, int):
+            return [(self._rows[kv], (layer, 0, *rest))]
+        if kv != ALL:
+            raise IndexError(f"a split store's K/V index must be 0, 1 or all, not {kv!r}")
+        return [(r, (layer, ALL, *rest)) for r in self._rows]
+
+    def put(self, index: tuple, x: torch.Tensor) -> None:
+        """Store float rows x at `index` (quantizing for int8 and q4): K's or V's rows."""
+        picked = self._pick(index)
+        if len(picked) != 1 and self.split:
+            raise IndexError("put() stores K or V: index one of them")
+        picked[0][0].put(picked[0][1], x)
+
+    def get(self, index: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """The rows at `index` in `dtype` (a view when no conversion is needed)."""
+        picked = self._pick(index)
+        if len(picked) != 1:
+            raise IndexError("get() of a split store reads K or V: index one of them")
+        return picked[0][0].get(picked[0][1], dtype)
+
+    def roundtrip(self, x: torch.Tensor, kv: int) -> torch.Tensor:
+        """x (K's rows for kv 0, V's for 1) as it would read back after being stored
+        (rounded or quantized), in x's dtype."""
+        return self._rows[kv if self.split else 0].roundtrip(x)
+
     def raw(self, index: tuple) -> dict[str, torch.Tensor]:
-        """Stored rows as they are (int8 values and scales, or floats): for snapshots."""
-        return {name: t[index] for name, t in self.parts.items()}
+        """Stored rows as they are (codes and scales, or floats), by part name: for
+        snapshots (a split store's with a K/V axis of 1)."""
+        if not self.split:
+            return {name: t[index] for name, t in self.parts.items()}
+        out = {}
+        for (rows, at), prefix in zip(self._pick(index), KV, strict=True):
+            out[prefix + "values"] = rows.values[at]
+            if rows.scales is not None:
+                out[prefix + "scales"] = rows.scales[at]
+        return out
 
     def put_raw(self, index: tuple, raw: dict[str, torch.Tensor]) -> None:
-        for name, t in self.parts.items():
-            t[index] = raw[name]
+        if not self.split:
+            for name, t in self.parts.items():
+                t[index] = raw[name]
+            return
+        for (rows, at), prefix in zip(self._pick(index), KV, strict=True):
+            rows.values[at] = raw[prefix + "values"]
+            if rows.scales is not None:
+                rows.scales[at] = raw[prefix + "scales"]
 
     def zero_(self, index: tuple) -> None:
-        for t in self.parts.values():
-            t[index] = 0
+        for rows, at in self._pick(index):
+            rows.values[at] = 0
+            if rows.scales is not None:
+                rows.scales[at] = 0

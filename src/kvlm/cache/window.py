@@ -121,7 +121,7 @@ class _WindowStep(CacheStep):
     def _read(self, layer: int, kv: int, x: torch.Tensor) -> torch.Tensor:
         """The ring's K or V, then the new tokens' as they will be read back later (rounded
         to the storage dtype), so a result never depends on how a prompt was split."""
-        return torch.cat([self.store.get((layer, kv), x.dtype), self.store.roundtrip(x)], dim=2)
+        return torch.cat([self.store.get((layer, kv), x.dtype), self.store.roundtrip(x, kv)], dim=2)
 
 
 class WindowDraftRowsStep(_WindowStep):
@@ -166,7 +166,7 @@ class WindowDraftRowsStep(_WindowStep):
         """Per row (rows, Hkv, S + W + 1, D): the slots as row i's one-token step would
         read them, then its own token."""
         stored = self.store.get((layer, kv), x.dtype)  # (1, Hkv, slots, D)
-        kept = self.store.roundtrip(x)  # (rows, Hkv, 1, D), as the store reads them back
+        kept = self.store.roundtrip(x, kv)  # (rows, Hkv, 1, D), as the store reads them back
         ring = stored.clone()  # rows before i: in the ring, as one-token steps left them
         rows = []
         for i in range(x.shape[0]):

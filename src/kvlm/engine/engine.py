@@ -29,10 +29,10 @@ from kvlm.cache.base import CacheSpec, blocks_for
 from kvlm.cache.hybrid import RING_SLACK, local_window, part_specs
 from kvlm.cache.paged import BlockPool, window_blocks
 from kvlm.cache.prefix import BlockManager, check_salt
+from kvlm.cache.storage import part_layout
 from kvlm.cache.tier_key import load_tier_key
 from kvlm.cache.tiers import KVTiers, namespace, parse_tier
 from kvlm.cache.view import block_map, layer_groups
-from kvlm.dtypes import dtype_name
 from kvlm.engine.backends import CacheBackend, Chunk, PoolBackend
 from kvlm.engine.guided import compile_guide
 from kvlm.engine.metrics import GC_TIME, EngineStats
@@ -227,15 +227,12 @@ class Engine:
         layouts = []
         for g, group in enumerate(self.pool.groups):
             store = group.store
-            # a row's stored width: head_dim, or head_dim / 2 bytes of q4 codes
-            block = (store.values.shape[0], 2, spec.num_kv_heads, spec.block_size,
-                     store.values.shape[-1])  # fmt: skip
-            parts = {"values": (block, store.dtype)}
-            if store.scales is not None:
-                parts["scales"] = ((*block[:-1], store.scales.shape[-1]), store.scales.dtype)
+            # a block of the store's rows: its parts as the store keeps them (storage)
+            block = (store.shape[0], 2, spec.num_kv_heads, spec.block_size, store.head_dim)
+            parts = part_layout(block, store.k_dtype, store.v_dtype)
             ns = namespace(
                 "kvlm/tiers/v2", llm.fingerprint, numerics.weights, numerics.activations,
-                numerics.prefill_dtype, llm.dtype, spec.device.type, store.dtype, block,
+                numerics.prefill_dtype, llm.dtype, spec.device.type, spec.kv_name, block,
             )  # fmt: skip
             if g:  # a windowed group: which layers, which window
                 layers = [i for i, (at, _) in enumerate(self.pool.layer_at) if at == g]
@@ -583,7 +580,7 @@ class Engine:
         view["prefix_cache"] = {k: snap[f"prefix_{k}"] for k in counters}
         view["tiers"] = {name: st | {"dropped_writes": snap["tier_dropped_writes"]}
                          for name, st in (snap["tiers"] or {}).items()}  # fmt: skip
-        view["dtype"] = dtype_name(self.pool.store.dtype)
+        view["dtype"] = self.spec.kv_name
         view["waiting"] = snap["waiting"]
         return view
 

@@ -144,7 +144,7 @@ static inline uint16_t to_f16(float f) {
 #endif
 }
 
-int kvlm_kernel_abi(void) { return 16; }
+int kvlm_kernel_abi(void) { return 17; }
 
 /* 512: AVX-512; 256: the same code on AVX2 (two halves per vector); 0: scalar loops */
 int kvlm_kernel_simd(void) { return KVLM_V512; }
@@ -1136,10 +1136,12 @@ typedef struct {
     const kvlm_qlayer *layers;
     const float *final_norm;
     kvlm_qmat lm_head;
-    int64_t kv_dtype;        /* the cache stores KV_F32, KV_BF16, KV_I8, KV_F16 or KV_Q4 */
+    int64_t k_dtype, v_dtype; /* K's and V's storage: KV_F32, KV_BF16, KV_I8, KV_F16 or
+                                 KV_Q4 (each its own: --k-dtype, --v-dtype) */
     int64_t act_int8;        /* which products round x to int8 per group (--activations
                                 int8): a mask of ACT_QKV, ACT_O, ACT_GATE_UP, ACT_DOWN */
-    const float *key_rot;    /* KV_I8: R (head_dim x head_dim); K rows are stored as k R */
+    const float *key_rot;    /* K in KV_I8 or KV_Q4: R (head_dim x head_dim); K rows are
+                                stored as k R */
     int64_t window;          /* the step's attention window (Mistral) for the layers whose
                                 own is -1: the query at p sees keys p - window < s <= p; 0:
                                 all of 0 .. p */
@@ -1152,19 +1154,21 @@ typedef struct {
     int64_t rope_tables;     /* the cos/sin tables given (1, or 2: a local layers' base) */
 } kvlm_qmodel;
 
-/* Where a group of layers keeps its K/V: a store (layers, 2, num_blocks, kv_heads,
- * block_size, head_dim) (+ int8 (step, zero) per row in params), addressed per row of the
- * step through tables [B, width] of block ids. Position s of row b is slot s (ring 0) or
- * s % ring (a ring of `ring` slots, a multiple of block_size: the local layers' window
- * cache), in block tables[b][slot / block_size]. A contiguous cache is one block per row
- * holding every slot (tables {b}, block_size its slots). */
+/* Where a group of layers keeps its K/V: K of layer l at k + l * k_layer bytes, a
+ * (num_blocks, kv_heads, block_size, row) array of rows in k_dtype (+ their parameters at
+ * kp + l * kp_layer: KV_I8's (step, zero) per row, KV_Q4's head_dim / q4_group scales),
+ * V alike in v_dtype; addressed per row of the step through tables [B, width] of block
+ * ids. Position s of row b is slot s (ring 0) or s % ring (a ring of `ring` slots, a
+ * multiple of block_size: the local layers' window cache), in block
+ * tables[b][slot / block_size]. A contiguous cache is one block per row holding every slot
+ * (tables {b}, block_size its slots). */
 typedef struct {
-    void *kv;
-    uint16_t *params;        /* KV_I8: (layers, 2, num_blocks, kv_heads, block_size, 2);
-                                KV_Q4: (..., block_size, head_dim / q4_group) scales */
+    void *k, *v;
+    uint16_t *kp, *vp;       /* NULL for a float dtype */
     const int32_t *tables;
     int64_t width, num_blocks, block_size, ring;
     int64_t layers;          /* the store's layers (a layer's index is checked against it) */
+    int64_t k_layer, v_layer, kp_layer, vp_layer; /* bytes from one layer to the next */
 } kvlm_kv_view;
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_F16 = 3, KV_Q4 = 4 };
@@ -1173,6 +1177,7 @@ enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_F16 = 3, KV_Q4 = 4 };
  * codes (value 2i in the low nibble of byte i, 2i + 1 in the high one) and one fp16 scale
  * d per group of G = 32 values (G = D when D is not a multiple of 32): x ~ (c - 8) d. */
 static inline int64_t q4_group(int64_t D) { return D % 32 == 0 ? 32 : D; }
+#define Q4_QG (MAX_HEAD_DIM / 32) /* the most q4 groups a row has */
 
 /* bytes of one stored row, and of its parameters (int8's (step, zero), q4's scales) */
 static inline int64_t kv_row_bytes(int dt, int64_t D) {
@@ -1623,41 +1628,44 @@ static void gelu_mul(const float *g, const float *u, float *y, int64_t n) {
 /* Attention of the `ng` query heads of one KV head over the chunk [s0, s1), of which the
  * query sees [v0, s1) (softmax_pieces, scores soft-capped when cap > 0): unnormalised
  * output o (ng x D), running max m and sum l per head (combined across chunks later). */
-static void attend_chunk(const float *q, int ng, const kv_span *K, const kv_span *V, int dt,
-                         int64_t esz, int64_t D, int64_t S, int64_t s0, int64_t v0, int64_t s1,
-                         float scale, float cap, float *p, float *m, float *l, float *o) {
+/* The attention of ng query heads over rows [s0, s1) of one KV head, in three parts that
+ * each K and V dtype supplies apart (--k-dtype, --v-dtype): K's scores into p (h * S + s,
+ * the softmax scale in, before any cap; a part may leave [s0, v0) unwritten), their
+ * softmax pieces (softmax_pieces: capped, max m, exps, their sum l; [s0, v0) zeroed), and
+ * V's o = sum_s p_s V_s. A float K: scores over [s0, s1) as stored (rows in the vector
+ * kernels), or per visible row. */
+static void scores_float(const float *q, int ng, const kv_span *K, int dt, int64_t D,
+                         int64_t S, int64_t s0, int64_t v0, int64_t s1, float scale, float *p) {
+    const int64_t esz = dt == KV_F32 ? 4 : 2;
 #if KVLM_V512
     if (D % 16 == 0 && D <= MAX_HEAD_DIM) {
         float qs[8 * MAX_HEAD_DIM]; /* the heads' queries times the softmax scale */
         for (int64_t i = 0; i < ng * D; i++) qs[i] = q[i] * scale;
-        if (dt == KV_BF16 && D % 32 == 0) { /* bf16 alone: words split into halves */
-            float qs2[8 * MAX_HEAD_DIM]; /* split per 32: 16 even elements, then 16 odd */
-            for (int64_t i = 0; i < ng * D; i++)
-                qs2[i / 32 * 32 + (i % 2) * 16 + (i % 32) / 2] = qs[i];
-            if (attend_bf16(ng, D, qs2, K, V, S, s0, v0, s1, cap, p, m, l, o)) return;
-        }
         scores_dispatch(ng, (int)(D / 16), qs, K, dt, esz, D, S, s0, s1, p);
-        softmax_pieces(ng, p, S, s0, v0, s1, cap, m, l);
+        return;
+    }
+#endif
+    (void)s0;
+    for (int h = 0; h < ng; h++)
+        for (int64_t s = v0; s < s1; s++)
+            p[h * S + s] = dot_kv(q + h * D, row_at(K, D * esz, s), dt, D) * scale;
+}
+
+/* o = sum_s p_s V_s for a float V */
+static void pv_float(int ng, const float *p, const kv_span *V, int dt, int64_t D, int64_t S,
+                     int64_t s0, int64_t v0, int64_t s1, float *o) {
+    const int64_t esz = dt == KV_F32 ? 4 : 2;
+#if KVLM_V512
+    if (D % 16 == 0 && D <= MAX_HEAD_DIM) {
         pv_dispatch(ng, p, V, dt, esz, D, S, s0, s1, o);
         return;
     }
 #endif
-    for (int h = 0; h < ng; h++) { /* row by row: the visible rows alone */
-        const float *qh = q + h * D;
-        float *ph = p + h * S, mx = -INFINITY;
-        for (int64_t s = v0; s < s1; s++) {
-            const char *row = row_at(K, D * esz, s);
-            ph[s] = dot_kv(qh, row, dt, D) * scale;
-            if (cap > 0.f) ph[s] = tanhf(ph[s] / cap) * cap;
-            mx = ph[s] > mx ? ph[s] : mx;
-        }
-        m[h] = mx;
-        l[h] = exp_sum(ph + v0, s1 - v0, mx);
+    (void)s0;
+    for (int h = 0; h < ng; h++) {
         float *oh = o + h * D;
         memset(oh, 0, D * sizeof(float));
-        for (int64_t s = v0; s < s1; s++) {
-            axpy_kv(ph[s], row_at(V, D * esz, s), dt, oh, D);
-        }
+        for (int64_t s = v0; s < s1; s++) axpy_kv(p[h * S + s], row_at(V, D * esz, s), dt, oh, D);
     }
 }
 
@@ -1743,50 +1751,14 @@ static inline void q4_group_codes(const uint8_t *row, int64_t g, __m512 *lo, __m
     *hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), f)));
 }
 
-/* attend_chunk_q4 for D a multiple of 32: the rotated queries split into even and odd
- * values per group, so a row's nibbles multiply them as they lie; q.(c - 8) d is
- * d (q.c - 8 sum(q)) per group; o gathers even and odd values apart, interleaved at the end */
-static void attend_q4_groups(int ng, const float *qr, const kv_span *K, const kv_span *Kp,
-                             const kv_span *V, const kv_span *Vp, int64_t D, int64_t S,
-                             int64_t v0, int64_t s1, float cap, float *p, float *m, float *l,
-                             float *o) {
+/* q4 V's o = sum_s p_s V_s for D a multiple of 32: even and odd values summed apart,
+ * interleaved at the end */
+static void q4_pv_groups(int ng, const float *p, const kv_span *V, const kv_span *Vp, int64_t D,
+                         int64_t S, int64_t v0, int64_t s1, float *o) {
     const int64_t NG = D / 32, rowb = D / 2, pb = kv_param_bytes(KV_Q4, D);
-    float qe[8 * MAX_HEAD_DIM / 2], qo[8 * MAX_HEAD_DIM / 2], qsum[8 * MAX_HEAD_DIM / 32];
     float oe[8 * MAX_HEAD_DIM / 2], oo[8 * MAX_HEAD_DIM / 2];
-    for (int h = 0; h < ng; h++)
-        for (int64_t g = 0; g < NG; g++) {
-            float sum = 0.f;
-            for (int j = 0; j < 16; j++) {
-                const int64_t at = h * D / 2 + g * 16 + j;
-                qe[at] = qr[h * D + g * 32 + 2 * j];
-                qo[at] = qr[h * D + g * 32 + 2 * j + 1];
-                sum += qe[at] + qo[at];
-            }
-            qsum[h * NG + g] = sum;
-        }
     __m512 lo[MAX_HEAD_DIM / 32], hi[MAX_HEAD_DIM / 32];
     float d[MAX_HEAD_DIM / 32];
-    for (int64_t s = v0; s < s1; s++) {
-        const uint8_t *row = (const uint8_t *)row_at(K, rowb, s);
-        const uint16_t *sc = (const uint16_t *)row_at(Kp, pb, s);
-        for (int64_t g = 0; g < NG; g++) q4_group_codes(row, g, lo + g, hi + g), d[g] = from_f16(sc[g]);
-        for (int h = 0; h < ng; h++) {
-            __m512 acc = _mm512_setzero_ps();
-            float off = 0.f;
-            for (int64_t g = 0; g < NG; g++) {
-                const float *e = qe + h * D / 2 + g * 16, *od = qo + h * D / 2 + g * 16;
-                const __m512 t = _mm512_fmadd_ps(lo[g], _mm512_loadu_ps(e),
-                                                 _mm512_mul_ps(hi[g], _mm512_loadu_ps(od)));
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(d[g]), t, acc);
-                off += d[g] * qsum[h * NG + g];
-            }
-            float x = _mm512_reduce_add_ps(acc) - 8.f * off;
-            if (cap > 0.f) x = tanhf(x / cap) * cap;
-            p[h * S + s] = x;
-            m[h] = x > m[h] ? x : m[h];
-        }
-    }
-    for (int h = 0; h < ng; h++) l[h] = exp_sum(p + h * S + v0, s1 - v0, m[h]);
     memset(oe, 0, sizeof(float) * ng * D / 2);
     memset(oo, 0, sizeof(float) * ng * D / 2);
     const __m512 eight = _mm512_set1_ps(8.f);
@@ -1816,43 +1788,81 @@ static void attend_q4_groups(int ng, const float *qr, const kv_span *K, const kv
 }
 #endif
 
-/* The attention of ng query heads over the q4 rows [v0, s1) of one KV head: K rows are
- * stored rotated (k R), so each query (times the scale) is rotated once, q R; each row is
- * widened once for all heads. p: scores (S per head, exp'd in place), m, l, o as
- * attend_chunk's. */
-static void attend_chunk_q4(const float *q, int ng, const float *R, const kv_span *K,
-                            const kv_span *Kp, const kv_span *V, const kv_span *Vp, int64_t D,
-                            int64_t S, int64_t v0, int64_t s1, float scale, float cap, float *p,
-                            float *m, float *l, float *o) {
-    float qr[8 * MAX_HEAD_DIM], qs[MAX_HEAD_DIM], row[MAX_HEAD_DIM];
-    const int64_t rowb = D / 2, pb = kv_param_bytes(KV_Q4, D);
-    for (int h = 0; h < ng; h++) {
-        for (int64_t i = 0; i < D; i++) qs[i] = q[h * D + i] * scale;
-        rotate(qs, R, D, qr + h * D);
-        m[h] = -INFINITY;
-    }
 #if KVLM_V512
-    if (D % 32 == 0 && D <= MAX_HEAD_DIM) { /* 16 bytes a group: its 16 low nibbles are the
-                                               even values, the 16 high ones the odd */
-        attend_q4_groups(ng, qr, K, Kp, V, Vp, D, S, v0, s1, cap, p, m, l, o);
+/* q4 V's o for NG <= 4 heads and D a multiple of 64, 64 values (two groups) a pass over
+ * the chunk's rows (after the first, in L1/L2), the heads' accumulators in registers: a
+ * row's codes widened straight from its bytes (low nibbles the even values, high the odd),
+ * each group's values looked up in its 16 (c - 8) d (exact in fp32), then p_h times them */
+static inline __attribute__((always_inline)) void
+pv_q4_v(const int NG, const float *p, const kv_span *Vs, const kv_span *Vps, int64_t D,
+        int64_t S, int64_t v0, int64_t s1, float *o) {
+    const int64_t rowb = D / 2, ns = D / 32, pb = 2 * ns;
+    const __m512 k8 = _mm512_cvtepi32_ps(  /* c - 8 for c = 0 .. 15 */
+        _mm512_setr_epi32(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7));
+    const __m512i f = _mm512_set1_epi32(15);
+    for (int64_t b = 0; b < D / 64; b++) {
+        __m512 acc[4][4];
+        for (int h = 0; h < NG; h++)
+            for (int k = 0; k < 4; k++) acc[h][k] = _mm512_setzero_ps();
+        for (int64_t a0 = v0, e; a0 < s1; a0 = e) {
+            const char *lim;
+            const uint8_t *V = (const uint8_t *)run_at(Vs, rowb, a0, s1, &e, &lim);
+            const uint16_t *Vp = (const uint16_t *)run_at(Vps, pb, a0, s1, &e, NULL);
+            if (b == 0) fetch_run(Vs, rowb, a0, v0);
+            for (int64_t s = a0; s < e; s++) {
+                const uint8_t *r = V + (s - a0) * rowb + 32 * b;
+                if (b == 0) fetch_ahead((const char *)r, rowb, lim);
+                const uint16_t *sc = Vp + (s - a0) * ns + 2 * b;
+                const __m512 t0 = _mm512_mul_ps(k8, _mm512_set1_ps(from_f16(sc[0])));
+                const __m512 t1 = _mm512_mul_ps(k8, _mm512_set1_ps(from_f16(sc[1])));
+                const __m512i x0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)r));
+                const __m512i x1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r + 16)));
+                const __m512 c[4] = { /* group 2b even, odd; group 2b + 1 even, odd */
+                    _mm512_permutexvar_ps(_mm512_and_si512(x0, f), t0),
+                    _mm512_permutexvar_ps(_mm512_srli_epi32(x0, 4), t0),
+                    _mm512_permutexvar_ps(_mm512_and_si512(x1, f), t1),
+                    _mm512_permutexvar_ps(_mm512_srli_epi32(x1, 4), t1)};
+                for (int h = 0; h < NG; h++) {
+                    const __m512 w = _mm512_set1_ps(p[h * S + s]);
+                    for (int k = 0; k < 4; k++) acc[h][k] = _mm512_fmadd_ps(w, c[k], acc[h][k]);
+                }
+            }
+        }
+        const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+        const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+        for (int h = 0; h < NG; h++)
+            for (int g = 0; g < 2; g++) { /* even and odd values interleaved back */
+                const __m512 ev = acc[h][2 * g], od = acc[h][2 * g + 1];
+                float *dst = o + h * D + 64 * b + 32 * g;
+                _mm512_storeu_ps(dst, _mm512_permutex2var_ps(ev, lo, od));
+                _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(ev, hi, od));
+            }
+    }
+}
+#endif
+
+/* q4 V's o = sum_s p_s V_s over the visible rows [v0, s1) */
+static void pv_q4(int ng, const float *p, const kv_span *V, const kv_span *Vp, int64_t D,
+                  int64_t S, int64_t v0, int64_t s1, float *o) {
+#if KVLM_V512
+    if (D % 64 == 0 && D <= MAX_HEAD_DIM) { /* 4 heads at a time */
+        for (int h = 0; h < ng; h += 4) {
+            const int n = ng - h < 4 ? ng - h : 4;
+            if (n == 1) pv_q4_v(1, p + h * S, V, Vp, D, S, v0, s1, o + h * D);
+            else if (n == 2) pv_q4_v(2, p + h * S, V, Vp, D, S, v0, s1, o + h * D);
+            else if (n == 3) pv_q4_v(3, p + h * S, V, Vp, D, S, v0, s1, o + h * D);
+            else pv_q4_v(4, p + h * S, V, Vp, D, S, v0, s1, o + h * D);
+        }
+        return;
+    }
+    if (D % 32 == 0 && D <= MAX_HEAD_DIM) {
+        q4_pv_groups(ng, p, V, Vp, D, S, v0, s1, o);
         return;
     }
 #endif
-    for (int64_t s = v0; s < s1; s++) {
-        dequant_q4_row((const uint8_t *)row_at(K, rowb, s), (const uint16_t *)row_at(Kp, pb, s),
-                       D, row);
-        for (int h = 0; h < ng; h++) {
-            float acc = 0.f;
-            for (int64_t i = 0; i < D; i++) acc += qr[h * D + i] * row[i];
-            if (cap > 0.f) acc = tanhf(acc / cap) * cap;
-            p[h * S + s] = acc;
-            m[h] = acc > m[h] ? acc : m[h];
-        }
-    }
-    for (int h = 0; h < ng; h++) {
-        l[h] = exp_sum(p + h * S + v0, s1 - v0, m[h]);
-        memset(o + h * D, 0, D * sizeof(float));
-    }
+    float row[MAX_HEAD_DIM];
+    const int64_t rowb = D / 2, pb = kv_param_bytes(KV_Q4, D);
+    for (int h = 0; h < ng; h++) memset(o + h * D, 0, D * sizeof(float));
     for (int64_t s = v0; s < s1; s++) {
         dequant_q4_row((const uint8_t *)row_at(V, rowb, s), (const uint16_t *)row_at(Vp, pb, s),
                        D, row);
@@ -1915,6 +1925,20 @@ static float quantize_query(const float *x, int64_t D, int8_t *q8, int32_t *sum)
     }
     *sum = t;
     return sq;
+}
+
+/* quantize_query per group of q4_group(D) values (a scale each, into sg[D / group]): the
+ * queries a q4 K's scores take; codes past D zero up to the stride */
+static void quantize_query_groups(const float *x, int64_t D, int8_t *q8, float *sg) {
+    const int64_t gs = q4_group(D);
+    for (int64_t g = 0; g < D / gs; g++) {
+        float amax = 0.f;
+        for (int64_t i = g * gs; i < (g + 1) * gs; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        const float sq = amax / 127.f, inv = sq > 0.f ? 1.f / sq : 0.f;
+        for (int64_t i = g * gs; i < (g + 1) * gs; i++) q8[i] = (int8_t)rintf(x[i] * inv);
+        sg[g] = sq;
+    }
+    for (int64_t i = D; i < (D + 63) / 64 * 64; i++) q8[i] = 0;
 }
 
 /* the int8 cache's compiled cases: 1-4 query heads per KV head x two widths */
@@ -1986,6 +2010,13 @@ scores_i8(const int NG, const int NB, const int8_t *q8, int64_t QS, const float 
 static int scores_i8_dispatch(int ng, int64_t D, const int8_t *q8, int64_t QS, const float *sq,
                               const float *sumq, const kv_span *K, const kv_span *Kp,
                               int64_t S, int64_t s0, int64_t s1, float *p) {
+    if (ng > 4) { /* Qwen2.5's 6 or 7 heads a KV head: 4 at a time (rows read again, in L1) */
+        for (int h = 0; h < ng; h += 4)
+            if (!scores_i8_dispatch(ng - h < 4 ? ng - h : 4, D, q8 + h * QS, QS, sq + h, sumq + h,
+                                    K, Kp, S, s0, s1, p + h * S))
+                return 0;
+        return 1;
+    }
 #define I8_CASE(G_, B_)                                                                      \
     if (ng == G_ && (D + 63) / 64 == B_) return scores_i8(G_, B_, q8, QS, sq, sumq, K, Kp, D, S, s0, s1, p), 1;
     FOR_I8_SHAPES(I8_CASE, 1, 2)
@@ -1995,10 +2026,156 @@ static int scores_i8_dispatch(int ng, int64_t D, const int8_t *q8, int64_t QS, c
 }
 #endif
 
+/* ---- q4 K's scores on int8 queries: the queries (times the scale, rotated by R as K is)
+ * rounded to int8 with a scale sq_g per group of K's (quantize_query_groups; llama.cpp
+ * rounds its queries to q8_0 for a q4_0 K alike), so each group's dot product is an
+ * integer one of the codes c in 0..15:
+ *   q.k ~ sum_g sq_g d_g (sum_{i in g} q8_i c_i - 8 sum_{i in g} q8_i) */
+
+#if KVLM_V512 && defined(__AVX512BW__)
+/* a += the 4-byte lanes' sums of u8 x s8 products (VNNI's vpdpbusd, else its two-step
+ * form: u8 <= 15 times s8 pairs stay far inside int16) */
+static inline __m512i dot_u8s8(__m512i a, __m512i u, __m512i s8) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(a, u, s8);
+#else
+    return _mm512_add_epi32(a, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s8), _mm512_set1_epi16(1)));
+#endif
+}
+
+/* bytes [32 b, 32 b + 32) of a q4 row (masked to the row) as 64 codes: the 32 low nibbles
+ * (the even values 64 b + 2j) then the 32 high ones (the odd, 64 b + 2j + 1) */
+static inline __m512i q4_codes(const uint8_t *row, int64_t b, __mmask32 m) {
+    const __m256i x = _mm256_maskz_loadu_epi8(m, row + 32 * b), f = _mm256_set1_epi8(15);
+    const __m256i lo = _mm256_and_si256(x, f), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), f);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+/* p[h * S + s] for NG heads over q4 rows of head_dim <= 64 NB (NB <= 4), four rows per
+ * reduction: per 64 values one integer product per head (q4_codes' order, the queries
+ * permuted to it once), less 8 times the lane's query sum, times each lane's group scale */
+static inline __attribute__((always_inline)) void
+scores_q4_v(const int NG, const int NB, const int8_t *q8, int64_t QS, const float *sg,
+            const kv_span *Ks, const kv_span *Kps, int64_t D, int64_t S, int64_t s0, int64_t s1,
+            float *p) {
+    const int64_t rowb = D / 2, gs = q4_group(D), ns = D / gs, pb = 2 * ns;
+    __m512i qv[4][4], off[4][4], lane_g[4];
+    __m512 qs[4][4]; /* each lane's query scale */
+    __mmask32 bytes[4];
+    __mmask16 valid[4];
+    for (int b = 0; b < NB; b++) {
+        const int64_t left = rowb - 32 * b; /* the row's bytes in this piece */
+        bytes[b] = left >= 32 ? ~0u : (1u << left) - 1;
+        int32_t grp[16];
+        valid[b] = 0;
+        for (int L = 0; L < 16; L++) {
+            const int64_t v = 64 * b + 8 * (L % 8); /* the lane's first value */
+            grp[L] = v < D ? (int32_t)(v / gs) : 0;
+            if (4 * (L % 8) < left) valid[b] |= (__mmask16)(1u << L);
+        }
+        lane_g[b] = _mm512_loadu_si512(grp);
+        for (int h = 0; h < NG; h++) {
+            int8_t t[64];
+            for (int k = 0; k < 64; k++) {
+                const int64_t v = 64 * b + 2 * (k % 32) + k / 32;
+                t[k] = v < D ? q8[h * QS + v] : 0;
+            }
+            qv[h][b] = _mm512_loadu_si512(t);
+            off[h][b] = dot_u8s8(_mm512_setzero_si512(), _mm512_set1_epi8(8), qv[h][b]);
+            qs[h][b] = _mm512_permutexvar_ps(lane_g[b], _mm512_maskz_loadu_ps((__mmask16)((1u << ns) - 1), sg + h * Q4_QG));
+        }
+    }
+    const __mmask8 sm = (__mmask8)((1u << ns) - 1);
+    for (int64_t a0 = s0, e; a0 < s1; a0 = e) {
+    const char *lim;
+    const uint8_t *K = (const uint8_t *)run_at(Ks, rowb, a0, s1, &e, &lim);
+    const uint16_t *Kp = (const uint16_t *)run_at(Kps, pb, a0, s1, &e, NULL);
+    fetch_run(Ks, rowb, a0, s0);
+    for (int64_t s = a0; s < e;) {
+        const int R = e - s >= 4 ? 4 : 1;
+        fetch_ahead((const char *)(K + (s - a0) * rowb), R * rowb, lim);
+        __m512 acc[4][4];
+        for (int j = 0; j < R; j++) {
+            const uint8_t *r = K + (s - a0 + j) * rowb;
+            const __m512 d = _mm512_cvtph_ps(_mm256_castsi128_si256(
+                _mm_maskz_loadu_epi16(sm, Kp + (s - a0 + j) * ns)));
+            for (int h = 0; h < NG; h++) acc[h][j] = _mm512_setzero_ps();
+            for (int b = 0; b < NB; b++) {
+                const __m512i c = q4_codes(r, b, bytes[b]);
+                const __m512 db = _mm512_permutexvar_ps(lane_g[b], d);
+                for (int h = 0; h < NG; h++) {
+                    const __m512i x = _mm512_sub_epi32(dot_u8s8(_mm512_setzero_si512(), c, qv[h][b]), off[h][b]);
+                    acc[h][j] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(x), _mm512_mul_ps(db, qs[h][b]),
+                                                      acc[h][j], valid[b]);
+                }
+            }
+        }
+        for (int h = 0; h < NG; h++) {
+            if (R == 4)
+                _mm_storeu_ps(p + h * S + s, reduce4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]));
+            else /* a row alone summed as in a four (lane 0's tree): its bits whatever the
+                    layout's runs (paged blocks, a ring's wrap) */
+                p[h * S + s] = _mm_cvtss_f32(reduce4(acc[h][0], _mm512_setzero_ps(),
+                                                     _mm512_setzero_ps(), _mm512_setzero_ps()));
+        }
+        s += R;
+    }
+    }
+}
+#endif
+
+/* q4 K's scores over the visible rows [v0, s1): q8 (QS bytes per head) and sg (Q4_QG
+ * per head) from quantize_query_groups */
+static void scores_q4(const int8_t *q8, int64_t QS, const float *sg, int ng, const kv_span *K,
+                      const kv_span *Kp, int64_t D, int64_t S, int64_t v0, int64_t s1,
+                      float *p) {
+#if KVLM_V512 && defined(__AVX512BW__)
+    const int nb = (int)((D + 63) / 64);
+    if (D <= MAX_HEAD_DIM && nb != 3 && nb <= 4) { /* the compiled widths: 64, 128, 256 */
+        for (int h = 0; h < ng; h += 4) { /* 4 heads at a time (Qwen2.5's 6 or 7: twice) */
+            const int n = ng - h < 4 ? ng - h : 4;
+            const int8_t *qh = q8 + h * QS;
+            float *ph = p + h * S;
+#define Q4_CASE(G_, B_)                                                                      \
+            if (n == G_ && nb == B_) { scores_q4_v(G_, B_, qh, QS, sg + h * Q4_QG, K, Kp, D, S, v0, s1, ph); continue; }
+            FOR_I8_SHAPES(Q4_CASE, 1, 2)
+            Q4_CASE(1, 4) Q4_CASE(2, 4) Q4_CASE(3, 4) Q4_CASE(4, 4)
+#undef Q4_CASE
+        }
+        return;
+    }
+#endif
+    const int64_t rowb = D / 2, gs = q4_group(D), ns = D / gs;
+    for (int64_t s = v0; s < s1; s++) {
+        const uint8_t *row = (const uint8_t *)row_at(K, rowb, s);
+        const uint16_t *sc = (const uint16_t *)row_at(Kp, 2 * ns, s);
+        for (int h = 0; h < ng; h++) {
+            float acc = 0.f;
+            for (int64_t g = 0; g < ns; g++) {
+                int32_t dot = 0, sum = 0;
+                for (int64_t i = g * gs; i < (g + 1) * gs; i += 2) {
+                    const uint8_t c = row[i / 2];
+                    const int32_t a = q8[h * QS + i], b = q8[h * QS + i + 1];
+                    dot += a * (c & 15) + b * (c >> 4), sum += a + b;
+                }
+                acc += sg[h * Q4_QG + g] * from_f16(sc[g]) * (float)(dot - 8 * sum);
+            }
+            p[h * S + s] = acc;
+        }
+    }
+}
+
 #if KVLM_V512
 /* head_dim 256 in two passes of 128 columns, as pv_dispatch */
 static int pv_i8_dispatch(int ng, int64_t D, const float *w, const kv_span *V, int64_t S,
                           int64_t s0, int64_t s1, const float *bias, float *o) {
+    if (ng > 4) { /* 4 heads at a time, as scores_i8_dispatch */
+        for (int h = 0; h < ng; h += 4)
+            if (!pv_i8_dispatch(ng - h < 4 ? ng - h : 4, D, w + h * S, V, S, s0, s1, bias + h,
+                                o + h * D))
+                return 0;
+        return 1;
+    }
     const int64_t cols = D == 256 ? 128 : D;
     int done = 1;
     for (int64_t col = 0; col < D && done; col += cols) {
@@ -2011,12 +2188,11 @@ static int pv_i8_dispatch(int ng, int64_t D, const float *w, const kv_span *V, i
 }
 #endif
 
-/* attend_chunk over an int8 cache: q8 (QS bytes per head), sq and sumq from
- * quantize_query; Kp, Vp the rows' (step, zero) */
-static void attend_chunk_i8(const int8_t *q8, int64_t QS, const float *sq, const float *sumq,
-                            int ng, const kv_span *K, const kv_span *Kp, const kv_span *V,
-                            const kv_span *Vp, int64_t D, int64_t S, int64_t s0, int64_t v0,
-                            int64_t s1, float cap, float *p, float *m, float *l, float *o) {
+/* int8 K's scores over [s0, s1): q8 (QS bytes per head), sq and sumq from
+ * quantize_query; Kp the rows' (step, zero) */
+static void scores_i8_rows(const int8_t *q8, int64_t QS, const float *sq, const float *sumq,
+                           int ng, const kv_span *K, const kv_span *Kp, int64_t D, int64_t S,
+                           int64_t s0, int64_t s1, float *p) {
     int done = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     done = scores_i8_dispatch(ng, D, q8, QS, sq, sumq, K, Kp, S, s0, s1, p);
@@ -2031,8 +2207,13 @@ static void attend_chunk_i8(const int8_t *q8, int64_t QS, const float *sq, const
             p[h * S + s] = sq[h] * (st * (float)dot + ze * sumq[h]);
         }
     }
+}
+
+/* int8 V's o = sum_s p_s V_s over [s0, s1) (p zero before v0; as stored): p_s step_s in
+ * place, the zero points' share a bias per head; Vp the rows' (step, zero) */
+static void pv_i8_rows(int ng, float *p, const kv_span *V, const kv_span *Vp, int64_t D,
+                       int64_t S, int64_t s0, int64_t s1, float *o) {
     float bias[8];
-    softmax_pieces(ng, p, S, s0, v0, s1, cap, m, l); /* p.V below over [s0, s1): as stored */
     for (int h = 0; h < ng; h++) bias[h] = 0.f;
 #if KVLM_V512
     const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -2094,7 +2275,8 @@ static inline int64_t query_stride(int64_t D) { return (D + 63) / 64 * 64; } /* 
 int64_t kvlm_decode_scratch(const kvlm_qmodel *m, int64_t B) {
     const int64_t D = m->head_dim, Hq = m->n_heads;
     const int64_t row = 2 * m->hidden + (Hq + 2 * m->n_kv_heads) * D + Hq * D + 3 * m->inter +
-                        Hq * m->slots + Hq * MAX_CHUNKS * (D + 2) + Hq * (query_stride(D) / 4 + 2);
+                        Hq * m->slots + Hq * MAX_CHUNKS * (D + 2) + Hq * (query_stride(D) / 4 + 2) +
+                        Hq * Q4_QG;
     return B * row + D;
 }
 
@@ -2142,31 +2324,43 @@ static inline row_chunks chunks_of(int64_t p, int64_t window) {
     return r;
 }
 
-/* One layer's K/V as the step reads and writes them (its view's store at the layer's
- * index): bases at block id 0, strides, the rows' tables, its window. */
+/* K or V of one layer as the step reads and writes them: rows (and their parameters) at
+ * block id 0, the dtype, a row's and its parameters' bytes, block id / KV head strides */
 typedef struct {
-    char *kc, *vc, *kp, *vp;   /* K, V (and int8 (step, zero)) of the layer, block id 0 */
+    char *c, *p;
+    int dt;
+    int64_t rowb, pb, bstride, head_bytes, pstride, phead;
+} kv_half;
+
+/* One layer's K/V as the step reads and writes them (its view's store at the layer's
+ * index): K and V, the rows' tables, its window. */
+typedef struct {
+    kv_half k, v;
     const int32_t *tables;     /* [B, width] */
     int64_t width, bs, ring;   /* a view's geometry (kvlm_kv_view) */
-    int64_t bstride, head_bytes, pstride, phead; /* block id / KV head strides: rows, params */
     int64_t window;            /* 0: whole context */
 } layer_kv;
 
-static layer_kv layer_kv_of(const kvlm_qmodel *m, const kvlm_qlayer *L, const kvlm_kv_view *views,
-                            int64_t rowb) {
+static inline int kv_quantized(int64_t dt) { return dt == KV_I8 || dt == KV_Q4; }
+
+static kv_half kv_half_of(int dt, int64_t D, int64_t Hkv, int64_t bs, char *c, char *p) {
+    kv_half h;
+    h.dt = dt, h.rowb = kv_row_bytes(dt, D), h.pb = kv_param_bytes(dt, D);
+    h.bstride = Hkv * bs * h.rowb, h.head_bytes = bs * h.rowb;
+    h.pstride = Hkv * bs * h.pb, h.phead = bs * h.pb;
+    h.c = c, h.p = kv_quantized(dt) ? p : NULL;
+    return h;
+}
+
+static layer_kv layer_kv_of(const kvlm_qmodel *m, const kvlm_qlayer *L, const kvlm_kv_view *views) {
     const kvlm_kv_view *V = views + L->view;
-    const int64_t Hkv = m->n_kv_heads, bs = V->block_size, n = V->num_blocks, l = L->index;
-    layer_kv r = {0};
+    const int64_t Hkv = m->n_kv_heads, bs = V->block_size, l = L->index, D = m->head_dim;
+    layer_kv r;
     r.tables = V->tables, r.width = V->width, r.bs = bs, r.ring = V->ring;
-    r.bstride = Hkv * bs * rowb, r.head_bytes = bs * rowb;
-    const int64_t pb = kv_param_bytes((int)m->kv_dtype, m->head_dim);
-    r.pstride = Hkv * bs * pb, r.phead = bs * pb;
-    r.kc = (char *)V->kv + (l * 2) * n * r.bstride;
-    r.vc = (char *)V->kv + (l * 2 + 1) * n * r.bstride;
-    if (m->kv_dtype == KV_I8 || m->kv_dtype == KV_Q4) {
-        r.kp = (char *)V->params + (l * 2) * n * r.pstride;
-        r.vp = (char *)V->params + (l * 2 + 1) * n * r.pstride;
-    }
+    r.k = kv_half_of((int)m->k_dtype, D, Hkv, bs, (char *)V->k + l * V->k_layer,
+                     (char *)V->kp + l * V->kp_layer);
+    r.v = kv_half_of((int)m->v_dtype, D, Hkv, bs, (char *)V->v + l * V->v_layer,
+                     (char *)V->vp + l * V->vp_layer);
     r.window = L->window < 0 ? m->window : L->window;
     return r;
 }
@@ -2180,7 +2374,8 @@ static int check_views(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
         const kvlm_kv_view *V = views + v;
         const int64_t bs = V->block_size;
         if (bs < 1 || V->num_blocks < 1 || V->width < 1 || V->ring < 0 || V->ring % bs) return -2;
-        if ((m->kv_dtype == KV_I8 || m->kv_dtype == KV_Q4) && !V->params) return -2;
+        if ((kv_quantized(m->k_dtype) && !V->kp) || (kv_quantized(m->v_dtype) && !V->vp)) return -2;
+        if (V->k_layer < 0 || V->v_layer < 0 || V->kp_layer < 0 || V->vp_layer < 0) return -2;
         for (int64_t b = 0; b < B; b++) {
             const int64_t last = V->ring && pos[b] >= V->ring ? V->ring - 1 : pos[b];
             if (last / bs >= V->width) return -2;
@@ -2202,44 +2397,42 @@ static int check_views(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
     return 0;
 }
 
-/* Row b's new K/V (k, v: head_dim each, KV head g) into its slot of the layer's store,
- * rounded to the storage dtype as the torch path rounds it */
+/* One row x (head_dim values) into K or V's slot of block blk, KV head g, rounded to the
+ * storage dtype as the torch path rounds it */
+static void write_row(const kv_half *h, int64_t blk, int64_t g, int64_t slot, const float *x,
+                      int64_t D) {
+    char *d = h->c + blk * h->bstride + g * h->head_bytes + slot * h->rowb;
+    uint16_t *pp = h->p ? (uint16_t *)(h->p + blk * h->pstride + g * h->phead + slot * h->pb) : NULL;
+    if (h->dt == KV_Q4) {
+        quantize_q4_row(x, D, (uint8_t *)d, pp);
+    } else if (h->dt == KV_I8) {
+        quantize_kv_row(x, D, (int8_t *)d, pp);
+    } else if (h->dt == KV_BF16) {
+        for (int64_t i = 0; i < D; i++) ((uint16_t *)d)[i] = to_bf16(x[i]);
+    } else if (h->dt == KV_F16) { /* nearest even, as torch's .to(float16) */
+        for (int64_t i = 0; i < D; i++) ((uint16_t *)d)[i] = to_f16(x[i]);
+    } else {
+        memcpy(d, x, D * sizeof(float));
+    }
+}
+
+/* Row b's new K/V (k, v: head_dim each, KV head g) into its slot of the layer's store; a
+ * quantized K through R first (stored as k R) */
 static void write_kv(const kvlm_qmodel *m, const layer_kv *lk, int64_t b, int64_t p,
                      int64_t g, const float *k, const float *v, float *rot) {
     const int64_t D = m->head_dim, t = slot_of(lk->ring, p), slot = t % lk->bs;
     const int64_t blk = lk->tables[b * lk->width + t / lk->bs];
-    const int64_t rowb = kv_row_bytes((int)m->kv_dtype, D);
-    char *kd = lk->kc + blk * lk->bstride + g * lk->head_bytes + slot * rowb;
-    char *vd = lk->vc + blk * lk->bstride + g * lk->head_bytes + slot * rowb;
-    if (m->kv_dtype == KV_Q4) {
-        const int64_t pat = blk * lk->pstride + g * lk->phead + slot * kv_param_bytes(KV_Q4, D);
+    if (kv_quantized(lk->k.dt)) {
         rotate(k, m->key_rot, D, rot);
-        quantize_q4_row(rot, D, (uint8_t *)kd, (uint16_t *)(lk->kp + pat));
-        quantize_q4_row(v, D, (uint8_t *)vd, (uint16_t *)(lk->vp + pat));
-    } else if (m->kv_dtype == KV_I8) {
-        const int64_t pat = blk * lk->pstride + g * lk->phead + slot * 4;
-        rotate(k, m->key_rot, D, rot);
-        quantize_kv_row(rot, D, (int8_t *)kd, (uint16_t *)(lk->kp + pat));
-        quantize_kv_row(v, D, (int8_t *)vd, (uint16_t *)(lk->vp + pat));
-    } else if (m->kv_dtype == KV_BF16) {
-        for (int64_t i = 0; i < D; i++) {
-            ((uint16_t *)kd)[i] = to_bf16(k[i]);
-            ((uint16_t *)vd)[i] = to_bf16(v[i]);
-        }
-    } else if (m->kv_dtype == KV_F16) { /* nearest even, as torch's .to(float16) */
-        for (int64_t i = 0; i < D; i++) {
-            ((uint16_t *)kd)[i] = to_f16(k[i]);
-            ((uint16_t *)vd)[i] = to_f16(v[i]);
-        }
-    } else {
-        memcpy(kd, k, D * sizeof(float));
-        memcpy(vd, v, D * sizeof(float));
+        k = rot;
     }
+    write_row(&lk->k, blk, g, slot, k, D);
+    write_row(&lk->v, blk, g, slot, v, D);
 }
 
 /* The step's buffers in its scratch (kvlm_decode_scratch) */
 typedef struct {
-    float *h, *qkv, *att, *gu, *act, *tmp, *scores, *part, *qsc, *qsum, *rot;
+    float *h, *qkv, *att, *gu, *act, *tmp, *scores, *part, *qsc, *qsum, *qgs, *rot;
     int8_t *q8;
 } step_bufs;
 
@@ -2256,7 +2449,8 @@ static step_bufs bufs_of(const kvlm_qmodel *m, int64_t B, float *scratch) {
     s.part = s.scores + B * Hq * m->slots;  /* per (row, head, chunk): o [D], max, sum */
     s.qsc = s.part + B * Hq * MAX_CHUNKS * (D + 2);     /* B Hq: the int8 queries' sq */
     s.qsum = s.qsc + B * Hq;                            /* B Hq: their code sums */
-    s.rot = s.qsum + B * Hq;                            /* D: a row times R (int8 cache) */
+    s.qgs = s.qsum + B * Hq;   /* B Hq Q4_QG: a q4 K's queries' scale per group (q4_group) */
+    s.rot = s.qgs + B * Hq * Q4_QG;                     /* D: a row times R (int8 cache) */
     s.q8 = (int8_t *)(s.rot + D);                       /* B Hq QS: the int8 queries */
     return s;
 }
@@ -2281,24 +2475,29 @@ static void prepare_rows(const kvlm_qmodel *m, const kvlm_qlayer *L, const layer
         for (int64_t j = 0; j < Hq + Hkv; j++) rope(q + j * D, c + p * D, sn + p * D, D);
         for (int64_t g = 0; g < Hkv; g++)
             write_kv(m, lk, b, p, g, q + (Hq + g) * D, q + (Hq + Hkv + g) * D, s->rot);
-        for (int64_t j = 0; j < Hq && m->kv_dtype == KV_I8; j++) {
+        for (int64_t j = 0; j < Hq && kv_quantized(m->k_dtype); j++) {
             float qs[MAX_HEAD_DIM];
             for (int64_t i = 0; i < D; i++) qs[i] = q[j * D + i] * m->score_scale;
             rotate(qs, m->key_rot, D, s->rot);
             int32_t sum;
-            s->qsc[b * Hq + j] = quantize_query(s->rot, D, s->q8 + (b * Hq + j) * QS, &sum);
+            int8_t *q8 = s->q8 + (b * Hq + j) * QS;
+            if (m->k_dtype == KV_Q4) { /* a scale per group of K's, as llama.cpp's q8_0 query */
+                quantize_query_groups(s->rot, D, q8, s->qgs + (b * Hq + j) * Q4_QG);
+                continue;
+            }
+            s->qsc[b * Hq + j] = quantize_query(s->rot, D, q8, &sum);
             s->qsum[b * Hq + j] = (float)sum;
         }
     }
 }
 
-/* One work item of the attention: row b, KV head g, chunk c of the positions it sees */
+/* One work item of the attention: row b, KV head g, chunk c of the positions it sees: K's
+ * scores in K's dtype, their softmax pieces, p.V in V's dtype (each its own) */
 static void attend_item(const kvlm_qmodel *m, const layer_kv *lk, const step_bufs *s,
                         const int64_t *pos, int64_t b, int64_t g, int64_t c) {
     const int64_t D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads, S = m->slots;
     const int64_t group = Hq / Hkv, QS = query_stride(D), n = pos[b] + 1;
-    const int dt = (int)m->kv_dtype;
-    const int64_t esz = dt == KV_I8 || dt == KV_Q4 ? 1 : (dt == KV_F32 ? 4 : 2);
+    const int kdt = lk->k.dt, vdt = lk->v.dt;
     const row_chunks rc = chunks_of(pos[b], lk->window);
     const int64_t s0 = rc.a0 + c * rc.per, s1 = s0 + rc.per < n ? s0 + rc.per : n;
     const int64_t v0 = s0 > rc.lo ? s0 : rc.lo; /* the first key the query sees */
@@ -2306,24 +2505,38 @@ static void attend_item(const kvlm_qmodel *m, const layer_kv *lk, const step_buf
     const int32_t *table = lk->tables + b * lk->width;
     float *pt = s->part + (hq * MAX_CHUNKS + c) * (D + 2);
     /* heads hq ..: o at pt + h*MAX_CHUNKS*(D+2), max/sum after it */
-    float o[8 * MAX_HEAD_DIM], mh[8], lh[8];
-    const kv_span K = {lk->kc + g * lk->head_bytes, table, lk->bs, lk->bstride, n, lk->ring};
-    const kv_span V = {lk->vc + g * lk->head_bytes, table, lk->bs, lk->bstride, n, lk->ring};
-    if (dt == KV_Q4) {
-        const kv_span Kp = {lk->kp + g * lk->phead, table, lk->bs, lk->pstride, n, lk->ring};
-        const kv_span Vp = {lk->vp + g * lk->phead, table, lk->bs, lk->pstride, n, lk->ring};
-        const float *q = s->qkv + b * (Hq + 2 * Hkv) * D + g * group * D;
-        attend_chunk_q4(q, (int)group, m->key_rot, &K, &Kp, &V, &Vp, D, S, v0, s1,
-                        m->score_scale, m->attn_softcap, s->scores + hq * S, mh, lh, o);
-    } else if (dt == KV_I8) {
-        const kv_span Kp = {lk->kp + g * lk->phead, table, lk->bs, lk->pstride, n, lk->ring};
-        const kv_span Vp = {lk->vp + g * lk->phead, table, lk->bs, lk->pstride, n, lk->ring};
-        attend_chunk_i8(s->q8 + hq * QS, QS, s->qsc + hq, s->qsum + hq, (int)group, &K, &Kp,
-                        &V, &Vp, D, S, s0, v0, s1, m->attn_softcap, s->scores + hq * S, mh, lh, o);
-    } else {
-        const float *q = s->qkv + b * (Hq + 2 * Hkv) * D + g * group * D;
-        attend_chunk(q, (int)group, &K, &V, dt, esz, D, S, s0, v0, s1, m->score_scale,
-                     m->attn_softcap, s->scores + hq * S, mh, lh, o);
+    float o[8 * MAX_HEAD_DIM], mh[8], lh[8], *p = s->scores + hq * S;
+    const float *q = s->qkv + b * (Hq + 2 * Hkv) * D + g * group * D;
+    const kv_span K = {lk->k.c + g * lk->k.head_bytes, table, lk->bs, lk->k.bstride, n, lk->ring};
+    const kv_span V = {lk->v.c + g * lk->v.head_bytes, table, lk->bs, lk->v.bstride, n, lk->ring};
+    const kv_span Kp = {lk->k.p + g * lk->k.phead, table, lk->bs, lk->k.pstride, n, lk->ring};
+    const kv_span Vp = {lk->v.p + g * lk->v.phead, table, lk->bs, lk->v.pstride, n, lk->ring};
+    int done = 0;
+#if KVLM_V512
+    if (kdt == KV_BF16 && vdt == KV_BF16 && D % 32 == 0 && D <= MAX_HEAD_DIM) {
+        float qs2[8 * MAX_HEAD_DIM]; /* bf16 K and V: words split into halves, per 32: 16
+                                        even elements, then 16 odd */
+        for (int64_t i = 0; i < group * D; i++)
+            qs2[i / 32 * 32 + (i % 2) * 16 + (i % 32) / 2] = q[i] * m->score_scale;
+        done = attend_bf16((int)group, D, qs2, &K, &V, S, s0, v0, s1, m->attn_softcap, p, mh,
+                           lh, o);
+    }
+#endif
+    if (!done) {
+        if (kdt == KV_Q4)
+            scores_q4(s->q8 + hq * QS, QS, s->qgs + hq * Q4_QG, (int)group, &K, &Kp, D, S, v0, s1, p);
+        else if (kdt == KV_I8)
+            scores_i8_rows(s->q8 + hq * QS, QS, s->qsc + hq, s->qsum + hq, (int)group, &K, &Kp,
+                           D, S, s0, s1, p);
+        else
+            scores_float(q, (int)group, &K, kdt, D, S, s0, v0, s1, m->score_scale, p);
+        softmax_pieces((int)group, p, S, s0, v0, s1, m->attn_softcap, mh, lh);
+        if (vdt == KV_Q4)
+            pv_q4((int)group, p, &V, &Vp, D, S, v0, s1, o);
+        else if (vdt == KV_I8)
+            pv_i8_rows((int)group, p, &V, &Vp, D, S, s0, s1, o);
+        else
+            pv_float((int)group, p, &V, vdt, D, S, s0, v0, s1, o);
     }
     for (int64_t j = 0; j < group; j++) {
         float *dst = pt + j * MAX_CHUNKS * (D + 2);
@@ -2400,16 +2613,16 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *
     const int64_t ai8 = m->act_int8;
     if (B < 1 || B > MAX_BATCH || n_views < 1 || Hkv < 1 || Hq % Hkv != 0) return -2;
     if (Hq / Hkv > 8 || D > MAX_HEAD_DIM || D % 2) return -2; /* the attention's buffers */
-    if (m->window < 0 || m->kv_dtype < KV_F32 || m->kv_dtype > KV_Q4) return -2;
-    if (m->kv_dtype == KV_Q4 && (D % 2 || !m->key_rot)) return -2;
+    if (m->window < 0 || m->k_dtype < KV_F32 || m->k_dtype > KV_Q4) return -2;
+    if (m->v_dtype < KV_F32 || m->v_dtype > KV_Q4) return -2;
+    if (kv_quantized(m->k_dtype) && !m->key_rot) return -2;
     for (int64_t b = 0; b < B; b++)
         if (pos[b] < 0 || pos[b] >= m->slots) return -2;
     if (check_views(m, B, pos, views, n_views)) return -2;
     const step_bufs s = bufs_of(m, B, scratch);
-    const int64_t rowb = kv_row_bytes((int)m->kv_dtype, D);
     for (int64_t l = 0; l < m->n_layers; l++) {
         const kvlm_qlayer *L = m->layers + l;
-        const layer_kv lk = layer_kv_of(m, L, views, rowb);
+        const layer_kv lk = layer_kv_of(m, L, views);
         for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->input_norm, H, m->eps, s.h + b * H);
         if (matmul_rows(&L->qkv, s.h, B, s.qkv, (ai8 & ACT_QKV) != 0)) return -1;
         prepare_rows(m, L, &lk, B, pos, cos, sin, &s);

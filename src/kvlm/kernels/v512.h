@@ -242,6 +242,18 @@ KV_INL kv_v16f kv_permutex2var_ps(kv_v16f a, kv_v16i idx, kv_v16f b) {
     for (int i = 0; i < 16; i++) r[i] = t[ix[i] & 31];
     return kv_loadu_ps(r);
 }
+/* a 16-float table looked up by 16 indices (the low 4 bits): each half's lanes from the
+ * table's two halves (vpermps), the one picked by bit 3 */
+KV_INL kv_v16f kv_permutexvar_ps(kv_v16i idx, kv_v16f t) {
+    kv_v16f r;
+    const __m256i seven = _mm256_set1_epi32(7), fifteen = _mm256_set1_epi32(15);
+    const __m256i i0 = _mm256_and_si256(idx.lo, fifteen), i1 = _mm256_and_si256(idx.hi, fifteen);
+    r.lo = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.lo, i0), _mm256_permutevar8x32_ps(t.hi, i0),
+                            _mm256_castsi256_ps(_mm256_cmpgt_epi32(i0, seven)));
+    r.hi = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.lo, i1), _mm256_permutevar8x32_ps(t.hi, i1),
+                            _mm256_castsi256_ps(_mm256_cmpgt_epi32(i1, seven)));
+    return r;
+}
 /* 128-bit byte masks (AVX512BW + VL): a masked load, and which bytes are nonzero */
 KV_INL __m128i kv_mm_maskz_loadu_epi8(unsigned k, const void *p) {
     uint8_t b[16] = {0};
@@ -375,6 +387,8 @@ KV_INL unsigned kv_mm_test_epi8_mask(__m128i a, __m128i b) {
 #define _mm512_extracti64x4_epi64 kv_extracti64x4_epi64
 #undef _mm512_permutex2var_ps
 #define _mm512_permutex2var_ps kv_permutex2var_ps
+#undef _mm512_permutexvar_ps
+#define _mm512_permutexvar_ps kv_permutexvar_ps
 #undef _mm_maskz_loadu_epi8
 #define _mm_maskz_loadu_epi8 kv_mm_maskz_loadu_epi8
 #undef _mm_test_epi8_mask

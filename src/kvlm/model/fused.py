@@ -112,7 +112,7 @@ class _QModel(ctypes.Structure):
         ("layers", ctypes.POINTER(_QLayer)),
         ("final_norm", ctypes.c_void_p),
         ("lm_head", _QMat),
-        *_fields(ctypes.c_int64, "kv_dtype act_int8"),
+        *_fields(ctypes.c_int64, "k_dtype v_dtype act_int8"),
         ("key_rot", ctypes.c_void_p),
         # window: the step's sliding window for the layers without their own (0: none);
         # head_act_int8: the vocabulary projection's own setting; gelu: GeGLU, not SwiGLU
@@ -124,8 +124,9 @@ class _QModel(ctypes.Structure):
 
 class _KVView(ctypes.Structure):  # kvlm_kv_view
     _fields_ = [
-        *_fields(ctypes.c_void_p, "kv params tables"),
+        *_fields(ctypes.c_void_p, "k v kp vp tables"),
         *_fields(ctypes.c_int64, "width num_blocks block_size ring layers"),
+        *_fields(ctypes.c_int64, "k_layer v_layer kp_layer vp_layer"),
     ]
 
 
@@ -160,7 +161,7 @@ def pool_views(pool: BlockPool, tables: Sequence[Sequence[Sequence[int]]]) -> li
     return views
 
 
-# the cache dtypes the fused step reads and writes (kvlm_qmodel.kv_dtype in qgemm.c)
+# the cache dtypes the fused step reads and writes (kvlm_qmodel.k_dtype, v_dtype in qgemm.c)
 _KV_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float16: 3, Q4: 4}
 
 
@@ -170,6 +171,15 @@ def _qmat(lin: Linear) -> _QMat:
     if len(parts) > QMAT_PARTS:
         raise ValueError(f"a projection of {len(parts)} parts of different kinds")
     return _QMat(q.out_features, q.in_features, len(parts), (_QPart * QMAT_PARTS)(*parts))
+
+
+def _base(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _layer_bytes(t: torch.Tensor | None) -> int:
+    """Bytes from one layer's rows (or parameters) to the next in a store's K or V."""
+    return 0 if t is None else t.stride(0) * t.element_size()
 
 
 def _ptr(t: torch.Tensor | None, n: int) -> int | None:
@@ -287,21 +297,21 @@ class FusedDecoder:
             return (
                 self.accepts(cache.whole)
                 and self.reads(ring.store)
-                and ring.store.values.dtype == cache.whole.store.values.dtype
+                and ring.spec.kv_dtypes == cache.whole.spec.kv_dtypes
                 and not ring.cache_positions
                 and ring.spec.sinks == 0
                 and cache.window <= ring.slots
             )
         if type(cache) is ContiguousCache:
-            return cache.store.values.shape[-2] == self.slots and self.reads(cache.store)
+            return cache.store.shape[-2] == self.slots and self.reads(cache.store)
         # --kv int8 is a paged cache storing int8 (Int8PagedCache): the same layout
         return type(cache) in (PagedCache, Int8PagedCache) and all(
             self.reads(group.store) for group in cache.pool.groups)  # fmt: skip
 
     def reads(self, store: Store) -> bool:
-        """Whether the step reads and writes this storage (dtype, device, layout)."""
-        values = store.values
-        return values.dtype in _KV_DTYPE and values.device.type == "cpu" and values.is_contiguous()
+        """Whether the step reads and writes this storage (dtypes, device, layout)."""
+        return store.k_dtype in _KV_DTYPE and store.v_dtype in _KV_DTYPE and all(
+            t.device.type == "cpu" and t.is_contiguous() for t in store.parts.values())  # fmt: skip
 
     def drafts(self, cache: KVCache, n: int) -> bool:
         """Whether n draft rows of one sequence go through the step: all rows' K/V are
@@ -321,12 +331,12 @@ class FusedDecoder:
             return pool_views(cache.pool, [[t[r] for r in rows] for t in cache.group_tables])
         tables = [[r] for r in rows]
         if not isinstance(cache, HybridCache):
-            return [KVView(cache.store, tables, cache.store.values.shape[-2])]
+            return [KVView(cache.store, tables, cache.store.shape[-2])]
         whole, ring = cache.whole, cache.ring
         cache.ring.written_in_place(step.parts[1])
         parts = [[i for i, (part, _) in enumerate(cache.layers) if part == k] for k in (0, 1)]
         return [
-            KVView(whole.store, tables, whole.store.values.shape[-2], 0, tuple(parts[0])),
+            KVView(whole.store, tables, whole.store.shape[-2], 0, tuple(parts[0])),
             KVView(ring.store, tables, ring.slots, ring.slots, tuple(parts[1])),
         ]
 
@@ -362,16 +372,18 @@ class FusedDecoder:
         out, keep = (_KVView * len(views))(), []
         c = self.model.config
         for i, v in enumerate(views):
-            values = v.store.values  # (layers, 2, blocks, kv_heads, block_size, head_dim)
-            layers, _, blocks, heads, bs, _ = values.shape
+            # (layers, 2, blocks, kv_heads, block_size, head_dim): K's and V's rows apart
+            layers, _, blocks, heads, bs, _ = v.store.shape
             if (heads, bs, v.store.head_dim) != (c.num_kv_heads, v.block_size, c.head_dim):
-                raise ValueError(f"a store of shape {tuple(values.shape)} for blocks of "
+                raise ValueError(f"a store of shape {v.store.shape} for blocks of "
                                  f"{v.block_size}: not this model's K/V")  # fmt: skip
             table = self._table(v.tables, starts, v.block_size, v.ring)
             keep.append(table)
-            params = v.store.scales.data_ptr() if v.store.quantized else None
-            out[i] = _KVView(values.data_ptr(), params, table.data_ptr(), table.shape[1],
-                             blocks, bs, v.ring, layers)  # fmt: skip
+            (k, kp), (val, vp) = v.store.rows(0), v.store.rows(1)
+            out[i] = _KVView(k.data_ptr(), val.data_ptr(), _base(kp), _base(vp),
+                             table.data_ptr(), table.shape[1], blocks, bs, v.ring, layers,
+                             _layer_bytes(k), _layer_bytes(val), _layer_bytes(kp),
+                             _layer_bytes(vp))  # fmt: skip
         return out, keep
 
     @torch.inference_mode()
@@ -410,7 +422,7 @@ class FusedDecoder:
         if rc == -1:
             raise MemoryError("no scratch memory for the fused decode step")
         if rc != 0:
-            shapes = [(tuple(v.store.values.shape[2:5:2]), v.ring) for v in views]
+            shapes = [(v.store.shape[2:5:2], v.ring) for v in views]
             raise ValueError(
                 f"the fused decode step refused rows at positions {list(starts)} "
                 f"({self.slots} slots; (blocks, block size), ring of each view: {shapes})"
@@ -422,8 +434,8 @@ class FusedDecoder:
 
     def _set_storage(self, store: Store, window: int | None) -> None:
         """The step's cache dtype, int8 rotation, products' settings and window."""
-        self.spec.kv_dtype = _KV_DTYPE[store.values.dtype]
-        if store.quantized:  # codes + (step, zero) per row; K stored rotated by R
+        self.spec.k_dtype, self.spec.v_dtype = _KV_DTYPE[store.k_dtype], _KV_DTYPE[store.v_dtype]
+        if store.k_quantized:  # codes + (step, zero) or scales per row; K stored rotated by R
             self.spec.key_rot = key_rotation(store.head_dim).data_ptr()  # cached, fp32
         # --activations int8: each product's act_int8, the same in every block (LLM sets
         # them); the vocabulary projection has its own (fp32 under the defaults)

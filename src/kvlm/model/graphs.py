@@ -191,13 +191,14 @@ class GraphDecoder:
 
     @staticmethod
     def accepts(cache: KVCache) -> bool:
-        """A contiguous cache of float K/V (int8 stores and the other modes: eager)."""
+        """A contiguous cache of float K/V in one dtype (quantized or split stores and the
+        other modes: eager)."""
         store = getattr(cache, "store", None)
-        return cache.mode == "contiguous" and store is not None and not store.quantized
+        return cache.mode == "contiguous" and store is not None and GraphDecoder.reads(store)
 
     @staticmethod
     def reads(store: Store) -> bool:
-        return not store.quantized
+        return not store.quantized and not store.split
 
     def _replay(
         self,
@@ -229,7 +230,7 @@ class GraphDecoder:
         if cache.would_overflow(1):
             cache.begin(1)  # raises, with the cache's own message
         start, rows = cache.num_tokens, len(tokens)
-        n_keys = bucket(start + 1, MIN_KEYS, store.values.shape[4])
+        n_keys = bucket(start + 1, MIN_KEYS, store.shape[4])
         host = (torch.tensor(tokens, dtype=torch.long)[:, None], torch.full((rows,), start))
         logits = self._replay(
             ("rows", rows, n_keys), store, host, n_keys, cache.spec.sliding_window
@@ -252,7 +253,7 @@ class GraphDecoder:
         n = len(tokens)
         if n > MAX_ROWS:
             return None
-        bs = store.values.shape[4]
+        bs = store.shape[4]
         need = (max(starts) + 1 + bs - 1) // bs
         width = bucket(need, 1, max(need, 1 << 30))
         rows = bucket(n, 1, MAX_ROWS)
