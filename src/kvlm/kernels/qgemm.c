@@ -1462,6 +1462,13 @@ static void scores_dispatch(int ng, int nv, const float *qs, const kv_span *K, i
     SC_CASE(1, 4) SC_CASE(2, 4) SC_CASE(3, 4) SC_CASE(4, 4) SC_CASE(1, 8) SC_CASE(2, 8)
     SC_CASE(1, 16) SC_CASE(2, 16) SC_CASE(4, 16)
 #undef SC_CASE
+    const int step = nv == 8 ? 2 : 4; /* more heads a KV head (Qwen2.5's 6, 7): in groups */
+    if (ng > step) {
+        for (int h = 0; h < ng; h += step)
+            scores_dispatch(ng - h < step ? ng - h : step, nv, qs + h * D, K, dt, esz, D, S, s0,
+                            s1, p + h * S);
+        return;
+    }
     for (int h = 0; h < ng; h++)
         scores_rows(1, nv, 0, qs + h * D, K, dt, esz, D, S, s0, s1, p + h * S);
 }
@@ -1529,6 +1536,11 @@ pv_avx512(const int NG, const int NV, const int PAIRS, const float *p, const kv_
  * L1/L2), so the accumulators of up to 4 heads x 8 vectors stay in registers */
 static void pv_dispatch(int ng, const float *p, const kv_span *V, int dt, int64_t esz,
                         int64_t D, int64_t S, int64_t s0, int64_t s1, float *o) {
+    if (ng > 4) { /* more heads a KV head (Qwen2.5's 6, 7): 4 at a time */
+        for (int h = 0; h < ng; h += 4)
+            pv_dispatch(ng - h < 4 ? ng - h : 4, p + h * S, V, dt, esz, D, S, s0, s1, o + h * D);
+        return;
+    }
     for (int64_t col = 0; col < D; col += 128) {
         const int nv = (int)((D - col < 128 ? D - col : 128) / 16);
 #define PV_CASE(G_, V_)                                                                      \
