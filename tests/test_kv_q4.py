@@ -2,8 +2,8 @@
 byte, an fp16 scale per group, K through the int8 caches' rotation R): the rounding itself,
 every mode that stores K/V against fp16 K/V by the top-5 rule and against its own
 dequantized values exactly, cache files and the disk tier round-tripping the codes, and
-speculative rollback. The fused C step does not read q4 rows: q4 caches take the torch
-step."""
+speculative rollback (q4 for K and V, and for one of them: tests/test_kv_split.py). The
+fused C step's q4 scores and p.V: tests/test_fused_arch.py and tests/test_quant.py."""
 
 from __future__ import annotations
 
@@ -158,9 +158,10 @@ def test_basic_refuses_q4():
         create_cache("basic", SPEC)
 
 
-def test_speculative_rollback_on_q4_is_plain_decoding(tiny_model_dir):
+@pytest.mark.parametrize("kv_dtype", ["q4", "q4/int8"])  # K/V alike, and apart
+def test_speculative_rollback_on_q4_is_plain_decoding(tiny_model_dir, kv_dtype):
     """Drafts written to a q4 cache and rejected leave it as plain decoding would."""
-    llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=256, kv_dtype="q4")
+    llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=256, kv_dtype=kv_dtype)
     ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     outs = {}
@@ -175,9 +176,10 @@ def test_speculative_rollback_on_q4_is_plain_decoding(tiny_model_dir):
     assert outs["spec"] == outs["plain"] and len(outs["plain"]) == 100
 
 
-def test_the_disk_tier_round_trips_q4_blocks(tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kv_dtype", ["q4", "fp16/q4"])  # K/V alike, and apart
+def test_the_disk_tier_round_trips_q4_blocks(tiny_model_dir, tmp_path, monkeypatch, kv_dtype):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-    llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=256, kv_dtype="q4")
+    llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=256, kv_dtype=kv_dtype)
     prompt = [(7 * i + 3) % 200 + 10 for i in range(101)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -195,5 +197,5 @@ def test_the_disk_tier_round_trips_q4_blocks(tiny_model_dir, tmp_path, monkeypat
     first.close()
     got, cached_again, second = run()
     assert cached == 0 and cached_again == 96 and got == want
-    assert second.pool.store.dtype == Q4 and second.tiers.stats["disk"].hits == 6
+    assert second.pool.store.v_dtype == Q4 and second.tiers.stats["disk"].hits == 6
     second.close()

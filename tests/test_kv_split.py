@@ -1,9 +1,10 @@
 """K and V stored in dtypes of their own (`--k-dtype`, `--v-dtype`, or `kv_dtype="K/V"`, as
 llama.cpp's -ctk/-ctv): the store keeps each in its own tensors (storage.part_layout), every
 mode that stores K/V returns each one's own dequantized rows exactly, bytes per token add
-up, cache files and the disk tier round-trip both, a file of another pair is refused, and
-speculative rollback is plain decoding. The fused C step's scores and p.V per dtype:
-tests/test_fused_arch.py (SPLIT_KV) and tests/test_quant.py (the portable build)."""
+up, cache files round-trip both and a file of another pair is refused. Speculative
+rollback and the disk tier with a pair: tests/test_kv_q4.py; the fused C step's scores and
+p.V per dtype: tests/test_fused_arch.py (SPLIT_KV) and tests/test_quant.py (the portable
+build)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,6 @@ from kvlm.cache.files import load_cache, save_cache
 from kvlm.cache.storage import CODECS, Store, key_rotation, part_layout
 from kvlm.cli import main
 from kvlm.dtypes import Q4, kv_dtype_name, parse_kv_dtypes
-from kvlm.engine.engine import Engine, EngineConfig
-from kvlm.engine.speculative import SpeculativeConfig
 from kvlm.errors import InvalidRequestError
 from kvlm.loading import load_model
 
@@ -180,48 +179,6 @@ def test_the_default_model_on_int8_k_and_q4_v_follows_fp16(tmp_path):
         out += [llm.runner.forward([t], cache) for t in seq[len(ids) :]]
         logits.append(torch.stack(out))
     assert_top_k_both_ways(*logits)
-
-
-def test_speculative_rollback_on_a_pair_is_plain_decoding(tiny_model_dir):
-    llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=256,
-              kv_dtype="q4/int8")  # fmt: skip
-    ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
-    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-    outs = {}
-    for name, spec in (("plain", None), ("spec", SpeculativeConfig(num_draft=4, ngram_min=1))):
-        engine = Engine(llm, EngineConfig(num_blocks=64, speculative=spec))
-        engine.add_request("a", ids, params)
-        outs[name] = [t for _ in iter(engine.has_work, False) for ev in engine.step()
-                      for t in ev.token_ids]  # fmt: skip
-        if spec is not None:
-            assert engine.stats.spec.drafted > engine.stats.spec.accepted  # some rolled back
-        engine.close()
-    assert outs["spec"] == outs["plain"] and len(outs["plain"]) == 100
-
-
-def test_the_disk_tier_round_trips_a_pair(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-    llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=256,
-              kv_dtype="fp16/q4")  # fmt: skip
-    prompt = [(7 * i + 3) % 200 + 10 for i in range(101)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-    def run() -> tuple[list[int], int, Engine]:
-        engine = Engine(llm, EngineConfig(num_blocks=64, kv_tiers=(f"disk:{tmp_path / 't'}",)))
-        engine.add_request("a", prompt, params)
-        out, cached = [], None
-        while engine.has_work():
-            for ev in engine.step():
-                out += ev.token_ids
-                cached = ev.cached_tokens if cached is None else cached
-        return out, cached, engine
-
-    want, cached, first = run()
-    first.close()
-    got, cached_again, second = run()
-    assert cached == 0 and cached_again == 96 and got == want
-    assert second.pool.store.split and second.tiers.stats["disk"].hits == 6
-    second.close()
 
 
 def test_the_flags_reach_the_cache(tiny_model_dir, capsys):
