@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvlm import kernels
+from kvlm.dtypes import kv_sides
 from kvlm.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -105,13 +106,13 @@ def resolve(
         elif "avx512_bf16" in flags:
             prefill_dtype = "bf16"
             reasons.append("prefill bf16: the CPU multiplies bf16 in hardware")
-    k, _, v = kv_dtype.partition("/") if isinstance(kv_dtype, str) else ("", "", "")
-    if AUTO in (k, v or k):
+    k, v = kv_sides(kv_dtype) if isinstance(kv_dtype, str) else ("", "")
+    if AUTO in (k, v):
         auto = None
         if lib is not None and fp32_cpu:  # the kernels' fused step reads fp16 K/V
             auto = "fp16"
             reasons.append("kv fp16: half the K/V bytes; the fused step reads fp16")
-        if not v:
+        if "/" not in kv_dtype:
             kv_dtype = auto
         else:  # a side left to auto: fp16, or the compute dtype
             k, v = ((auto or compute) if s == AUTO else s for s in (k, v))

@@ -52,11 +52,17 @@ def parse_kv_dtypes(name: str | torch.dtype | tuple) -> tuple[torch.dtype, torch
         if len(name) != 2:
             raise InvalidRequestError(f"K/V dtypes are a pair (K, V), not {name!r}")
         k, v = name
-    elif isinstance(name, str) and "/" in name:
-        k, _, v = name.partition("/")
+    elif isinstance(name, str):
+        k, v = kv_sides(name)
     else:
         k = v = name
     return parse_kv_dtype(k), parse_kv_dtype(v)
+
+
+def kv_sides(name: str) -> tuple[str, str]:
+    """A K/V storage name's K and V sides: "int8/q4" -> ("int8", "q4"), "fp16" -> both."""
+    k, _, v = name.partition("/")
+    return k, v or k
 
 
 def kv_dtype_name(k: torch.dtype, v: torch.dtype | None = None) -> str:

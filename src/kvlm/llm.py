@@ -15,7 +15,7 @@ from tqdm import tqdm
 from kvlm import defaults, kernels
 from kvlm.cache import CacheSpec, KVCache, create_cache
 from kvlm.cache.factory import check_mode, mode_spec
-from kvlm.dtypes import dtype_name, parse_dtype, parse_kv_dtype, parse_kv_dtypes
+from kvlm.dtypes import dtype_name, kv_sides, parse_dtype, parse_kv_dtype, parse_kv_dtypes
 from kvlm.engine.backends import cache_engine_limits
 from kvlm.engine.batch import Stream, run_batch
 from kvlm.engine.chat import ChatSession
@@ -437,8 +437,8 @@ def _check_settings(
         valid = ", ".join(f for f in (defaults.AUTO, *WEIGHT_FORMATS) if f)
         raise InvalidRequestError(f"unknown weight format {weights!r}; valid: {valid}")
     if kv_dtype is not None and kv_dtype != defaults.AUTO:
-        k, _, v = kv_dtype.partition("/") if isinstance(kv_dtype, str) else (kv_dtype, "", "")
-        for side in (k, v) if v else (k,):
+        sides = kv_sides(kv_dtype) if isinstance(kv_dtype, str) else (kv_dtype,)
+        for side in sides:
             if side != defaults.AUTO:
                 parse_kv_dtype(side)
 

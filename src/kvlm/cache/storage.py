@@ -271,8 +271,8 @@ class Store:
     def put(self, index: tuple, x: torch.Tensor) -> None:
         """Store float rows x at `index` (quantizing for int8 and q4): K's or V's rows."""
         picked = self._pick(index)
-        if len(picked) != 1 and self.split:
-            raise IndexError("put() stores K or V: index one of them")
+        if len(picked) != 1:
+            raise IndexError("put() of a split store writes K or V: index one of them")
         picked[0][0].put(picked[0][1], x)
 
     def get(self, index: tuple, dtype: torch.dtype) -> torch.Tensor:
