@@ -1,10 +1,18 @@
 """Decode speed per K/V dtype at long contexts: one contiguous cache per dtype, filled with
 CONTEXT tokens (in chunks of 1,024), then 16 one-token steps on the decode path (the fused
 C step where it applies) and a rollback of them, the dtypes taking turns for --rounds
-rounds; medians in tokens/s.
+rounds; medians in tokens/s, and the bytes a step reads (the projections' weights and
+the context's K/V) per second beside a plain read of memory (a sum over 256 MiB, medians
+of 6 taken before and after) in the same run, and each dtype's median over the rounds of
+its rate over the first dtype's in the same round.
 
     python benchmarks/bench_kv_decode.py [--model FILE] --contexts 512,4096,8000
-        [--dtypes fp16,int8,q4] [--rounds 3] [--threads 2]
+        [--dtypes fp16,int8,q4] [--rounds 3] [--threads 2] [--fill prompt|random]
+
+--fill random writes random K/V rows (normal, through the store's own rounding) straight
+into the cache instead of running the prompt: seconds instead of minutes at 32k on two
+cores, and the same decode work (the step reads every row whatever its values); the
+tokens/s are the decode step's, not a model's answers.
 """
 
 from __future__ import annotations
@@ -13,7 +21,12 @@ import argparse
 import statistics
 import time
 
+import torch
+
 from kvlm import LLM
+from kvlm.bench import bandwidth_samples
+from kvlm.bench.child import weight_bytes_per_token
+from kvlm.cache.storage import ALL
 
 STEPS = 16
 
@@ -25,9 +38,11 @@ def main() -> None:
     p.add_argument("--dtypes", default="fp16,int8,q4")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--fill", choices=("prompt", "random"), default="prompt")
     args = p.parse_args()
     dtypes = args.dtypes.split(",")
-    print("| context | " + " | ".join(f"{d} tok/s" for d in dtypes) + " | decode step |")
+    plain = bandwidth_samples(256, 3)
+    print("| context | " + " | ".join(f"{d} tok/s (GB/s)" for d in dtypes) + " | decode step |")
     print("| ---: |" + " ---: |" * len(dtypes) + " --- |")
     for ctx in (int(c) for c in args.contexts.split(",")):
         llms = {d: LLM(args.model, progress=False, kv_dtype=d, max_context=ctx + STEPS + 8,
@@ -36,6 +51,9 @@ def main() -> None:
         caches = {}
         for d, llm in llms.items():
             caches[d] = llm.new_cache("contiguous")
+            if args.fill == "random":
+                fill_random(caches[d], ctx)
+                continue
             for s in range(0, ctx, 1024):
                 llm.runner.forward(ids[s : s + 1024], caches[d])
         rates: dict[str, list[float]] = {d: [] for d in dtypes}
@@ -47,8 +65,34 @@ def main() -> None:
                 rates[d].append(STEPS / (time.perf_counter() - start))
                 caches[d].rollback(STEPS)
         step = llms[dtypes[0]].runner.fused_reason or "fused C step"
-        print(f"| {ctx:,} | " + " | ".join(f"{statistics.median(rates[d]):.1f}" for d in dtypes)
-              + f" | {step} |", flush=True)  # fmt: skip
+        cells = []
+        for d, llm in llms.items():
+            rate = statistics.median(rates[d])
+            read = weight_bytes_per_token(llm) + ctx * llm.cache_spec("contiguous").bytes_per_token
+            cells.append(f"{rate:.1f} ({read * rate / 1e9:.1f})")
+        print(f"| {ctx:,} | " + " | ".join(cells) + f" | {step} |", flush=True)
+        first = dtypes[0]
+        ratios = []  # each round's rates side by side: the ratio a noisy box keeps best
+        for d in dtypes[1:]:
+            pairs = zip(rates[d], rates[first], strict=True)
+            ratios.append(f"{d} {statistics.median(r / f for r, f in pairs):.2f}x")
+        if ratios:
+            print(f"  {ctx:,}: median of the rounds' ratios to {first}: " + ", ".join(ratios))
+    plain += bandwidth_samples(256, 3)
+    print(f"plain read: {statistics.median(plain):.1f} GB/s (median of {len(plain)})")
+
+
+def fill_random(cache, n: int) -> None:
+    """Rows 0 .. n-1 of every layer's K and V: normal values, stored as the store stores
+    them (rounded, or quantized per row/group)."""
+    g = torch.Generator().manual_seed(0)
+    store = cache.store
+    layers, _, batch, heads, _, dim = store.shape
+    for layer in range(layers):
+        for kv in (0, 1):
+            x = torch.randn(batch, heads, n, dim, generator=g)
+            store.put((layer, kv, ALL, ALL, slice(0, n)), x)
+    cache._length = n  # the rows are there: what a prompt of n tokens would have left
 
 
 if __name__ == "__main__":

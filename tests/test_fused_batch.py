@@ -58,6 +58,24 @@ def test_a_batch_over_a_paged_pool_gives_each_row_its_own_logits(
     _rows_alone_and_together(_llm(tiny_model_dir, weights, kv_dtype, act), LENGTHS)
 
 
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype", ["q4", "int8/q4", "q4/fp16"])
+@pytest.mark.parametrize(
+    "name, lengths",
+    [
+        ("llama-hd128", LENGTHS[:10]),  # head_dim 128, 4 query heads a KV head
+        # head_dim 64, a window of 150: the visible rows start past a chunk's first
+        ("mistral-hd64-window", [3, 16, 17, 65, 151, 170, 201, 1, 33]),
+    ],
+)
+def test_a_batch_over_a_paged_q4_pool_gives_each_row_its_own_logits(
+    tiny_model_dir, kv_dtype, name, lengths
+):
+    """q4 K's scores (group sums of 4 rows) and q4 V's p.V (rows in pairs on the CPUs
+    with AVX512-BF16): a row's logits are its own, alone or batched, paged or contiguous."""
+    _rows_alone_and_together(_llm(tiny_model_dir, "int4", kv_dtype, name=name), lengths)
+
+
 @needs_vector_kernels
 @pytest.mark.parametrize("march", portable_build_params())
 @pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "int8"])

@@ -1755,101 +1755,150 @@ static inline void dequant_q4_row(const uint8_t *codes, const uint16_t *scales, 
     }
 }
 
-#if KVLM_V512
-/* group g of a q4 row: its even values (low nibbles) and odd ones (high), as floats c */
-static inline void q4_group_codes(const uint8_t *row, int64_t g, __m512 *lo, __m512 *hi) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)(row + 16 * g)), f = _mm_set1_epi8(15);
-    *lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, f)));
-    *hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), f)));
-}
-
-/* q4 V's o = sum_s p_s V_s for D a multiple of 32: even and odd values summed apart,
- * interleaved at the end */
-static void q4_pv_groups(int ng, const float *p, const kv_span *V, const kv_span *Vp, int64_t D,
-                         int64_t S, int64_t v0, int64_t s1, float *o) {
-    const int64_t NG = D / 32, rowb = D / 2, pb = kv_param_bytes(KV_Q4, D);
-    float oe[8 * MAX_HEAD_DIM / 2], oo[8 * MAX_HEAD_DIM / 2];
-    __m512 lo[MAX_HEAD_DIM / 32], hi[MAX_HEAD_DIM / 32];
-    float d[MAX_HEAD_DIM / 32];
-    memset(oe, 0, sizeof(float) * ng * D / 2);
-    memset(oo, 0, sizeof(float) * ng * D / 2);
-    const __m512 eight = _mm512_set1_ps(8.f);
-    for (int64_t s = v0; s < s1; s++) {
-        const uint8_t *row = (const uint8_t *)row_at(V, rowb, s);
-        const uint16_t *sc = (const uint16_t *)row_at(Vp, pb, s);
-        for (int64_t g = 0; g < NG; g++) {
-            q4_group_codes(row, g, lo + g, hi + g);
-            lo[g] = _mm512_sub_ps(lo[g], eight), hi[g] = _mm512_sub_ps(hi[g], eight);
-            d[g] = from_f16(sc[g]);
-        }
-        for (int h = 0; h < ng; h++) {
-            const float w = p[h * S + s];
-            for (int64_t g = 0; g < NG; g++) {
-                const __m512 wd = _mm512_set1_ps(w * d[g]);
-                float *e = oe + h * D / 2 + g * 16, *od = oo + h * D / 2 + g * 16;
-                _mm512_storeu_ps(e, _mm512_fmadd_ps(wd, lo[g], _mm512_loadu_ps(e)));
-                _mm512_storeu_ps(od, _mm512_fmadd_ps(wd, hi[g], _mm512_loadu_ps(od)));
-            }
-        }
-    }
-    for (int h = 0; h < ng; h++)
-        for (int64_t i = 0; i < D / 2; i++) {
-            o[h * D + i / 16 * 32 + 2 * (i % 16)] = oe[h * D / 2 + i];
-            o[h * D + i / 16 * 32 + 2 * (i % 16) + 1] = oo[h * D / 2 + i];
-        }
-}
-#endif
 
 #if KVLM_V512
-/* q4 V's o for NG <= 4 heads and D a multiple of 64, 64 values (two groups) a pass over
- * the chunk's rows (after the first, in L1/L2), the heads' accumulators in registers: a
- * row's codes widened straight from its bytes (low nibbles the even values, high the odd),
- * each group's values looked up in its 16 (c - 8) d (exact in fp32), then p_h times them */
+/* q4 V's o for NG <= 8 heads and D a multiple of 32: o = sum_s (p_s d_s) (c_s - 8), a
+ * group (32 values) at a time over PV_ROWS rows (then the next rows), the heads' sums in
+ * registers. The rows' weights w_s = p_s d_s of the group first (16 rows an operation);
+ * with VNNI they are rounded to int16 on one scale (p <= 1, so the rows' largest |d| maps
+ * to 32767: each weight within 2^-16 of that d, ~4,000 times finer than the 4-bit step of
+ * the values it weighs) and two rows go into one vpdpwssd a head and 16 values, their
+ * codes c - 8 as int16 (exact), the sums exact in int32 (256 rows of at most 8 x 32767
+ * each); without VNNI a row at a time in fp32 FMAs, the codes looked up as c - 8.
+ * Rows pair from v0 and PV_ROWS count from v0 whatever the layout's runs (a pair across two
+ * runs finds its second row by row_at; an odd count's last row pairs with itself at weight
+ * zero), so paged and contiguous pools give the same bits. */
+#define PV_ROWS 256
 static inline __attribute__((always_inline)) void
 pv_q4_v(const int NG, const float *p, const kv_span *Vs, const kv_span *Vps, int64_t D,
         int64_t S, int64_t v0, int64_t s1, float *o) {
     const int64_t rowb = D / 2, ns = D / 32, pb = 2 * ns;
+    float d[PV_ROWS], dall[PV_ROWS * MAX_HEAD_DIM / 32];
+    float acc[8 * MAX_HEAD_DIM]; /* head h, group g: its even values then its odd */
+    memset(acc, 0, sizeof(float) * NG * D);
+#if defined(__AVX512VNNI__)
+    int16_t wq[8][PV_ROWS + 2]; /* a head's weights as int16, pairs (s, s + 1) from c0 */
+    float wsc = 0.f;            /* and their scale (the group's, every head's) */
+    const __m512i nib = _mm512_set1_epi32(0x000F000F), eight = _mm512_set1_epi16(8);
+#else
+    float w[8 * PV_ROWS];
     const __m512 k8 = _mm512_cvtepi32_ps(  /* c - 8 for c = 0 .. 15 */
         _mm512_setr_epi32(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7));
     const __m512i f = _mm512_set1_epi32(15);
-    for (int64_t b = 0; b < D / 64; b++) {
-        __m512 acc[4][4];
-        for (int h = 0; h < NG; h++)
-            for (int k = 0; k < 4; k++) acc[h][k] = _mm512_setzero_ps();
-        for (int64_t a0 = v0, e; a0 < s1; a0 = e) {
-            const char *lim;
-            const uint8_t *V = (const uint8_t *)run_at(Vs, rowb, a0, s1, &e, &lim);
-            const uint16_t *Vp = (const uint16_t *)run_at(Vps, pb, a0, s1, &e, NULL);
-            if (b == 0) fetch_run(Vs, rowb, a0, v0);
-            for (int64_t s = a0; s < e; s++) {
-                const uint8_t *r = V + (s - a0) * rowb + 32 * b;
-                if (b == 0) fetch_ahead((const char *)r, rowb, lim);
-                const uint16_t *sc = Vp + (s - a0) * ns + 2 * b;
-                const __m512 t0 = _mm512_mul_ps(k8, _mm512_set1_ps(from_f16(sc[0])));
-                const __m512 t1 = _mm512_mul_ps(k8, _mm512_set1_ps(from_f16(sc[1])));
-                const __m512i x0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)r));
-                const __m512i x1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r + 16)));
-                const __m512 c[4] = { /* group 2b even, odd; group 2b + 1 even, odd */
-                    _mm512_permutexvar_ps(_mm512_and_si512(x0, f), t0),
-                    _mm512_permutexvar_ps(_mm512_srli_epi32(x0, 4), t0),
-                    _mm512_permutexvar_ps(_mm512_and_si512(x1, f), t1),
-                    _mm512_permutexvar_ps(_mm512_srli_epi32(x1, 4), t1)};
-                for (int h = 0; h < NG; h++) {
-                    const __m512 w = _mm512_set1_ps(p[h * S + s]);
-                    for (int k = 0; k < 4; k++) acc[h][k] = _mm512_fmadd_ps(w, c[k], acc[h][k]);
+#endif
+    for (int64_t c0 = v0; c0 < s1; c0 += PV_ROWS) {
+        const int64_t c1 = s1 - c0 < PV_ROWS ? s1 : c0 + PV_ROWS, n = c1 - c0;
+        for (int64_t a0 = c0, e; a0 < c1; a0 = e) { /* the rows' scales, every group */
+            const uint16_t *Vp = (const uint16_t *)run_at(Vps, pb, a0, c1, &e, NULL);
+            const int64_t k = (e - a0) * ns;
+            float *da = dall + (a0 - c0) * ns;
+            int64_t i = 0;
+            for (; i + 16 <= k; i += 16)
+                _mm512_storeu_ps(da + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(Vp + i))));
+            for (; i < k; i++) da[i] = from_f16(Vp[i]);
+        }
+        for (int64_t g = 0; g < ns; g++) {
+            for (int64_t i = 0; i < n; i++) d[i] = dall[i * ns + g]; /* group g's */
+#if defined(__AVX512VNNI__)
+            { /* w = p d on the scale 32767 / max |d| (p <= 1: the softmax pieces' exps) */
+                __m512 most = _mm512_setzero_ps();
+                for (int64_t i = 0; i < n; i += 16) {
+                    const __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+                    most = _mm512_max_ps(most, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, d + i)));
+                }
+                const float big = _mm512_reduce_max_ps(most);
+                const __m512 k = _mm512_set1_ps(big > 0.f ? 32767.f / big : 0.f);
+                wsc = big / 32767.f;
+                for (int64_t i = 0; i < n; i += 16)
+                    _mm512_storeu_ps(d + i, _mm512_mul_ps(_mm512_loadu_ps(d + i), k));
+            }
+            for (int h = 0; h < NG; h++) { /* saturating: nothing wraps */
+                for (int64_t i = 0; i < n; i += 16) {
+                    const __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+                    const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + h * S + c0 + i),
+                                                   _mm512_maskz_loadu_ps(m, d + i));
+                    _mm256_mask_storeu_epi16(wq[h] + i, m, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(x)));
+                }
+                wq[h][n] = 0;
+            }
+            __m512i xe[8], xo[8];
+            for (int h = 0; h < NG; h++) xe[h] = _mm512_setzero_si512(), xo[h] = _mm512_setzero_si512();
+            for (int64_t a0 = c0, e; a0 < c1; a0 = e) {
+                const char *lim;
+                const uint8_t *V = (const uint8_t *)run_at(Vs, rowb, a0, c1, &e, &lim);
+                if (g == 0) fetch_run(Vs, rowb, a0, c0);
+                /* a run that starts inside a pair (an odd block size) already had its row */
+                for (int64_t s = a0 + (a0 - c0) % 2; s < e; s += 2) {
+                    const uint8_t *r0 = V + (s - a0) * rowb, *r1 = r0;
+                    if (s + 1 < e) r1 = r0 + rowb;
+                    else if (s + 1 < c1) r1 = (const uint8_t *)row_at(Vs, rowb, s + 1);
+                    if (g == 0) fetch_ahead((const char *)r0, 2 * rowb, lim);
+                    /* 32-bit lane j: byte j of the group in row s (low half), row s + 1 (high) */
+                    const __m512i x = _mm512_or_si512(
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r0 + 16 * g))),
+                        _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r1 + 16 * g))), 16));
+                    const __m512i ce = _mm512_sub_epi16(_mm512_and_si512(x, nib), eight);
+                    const __m512i co = _mm512_sub_epi16(_mm512_and_si512(_mm512_srli_epi32(x, 4), nib), eight);
+                    for (int h = 0; h < NG; h++) {
+                        int32_t pair;
+                        memcpy(&pair, wq[h] + (s - c0), 4);
+                        const __m512i wp = _mm512_set1_epi32(pair);
+                        xe[h] = _mm512_dpwssd_epi32(xe[h], ce, wp);
+                        xo[h] = _mm512_dpwssd_epi32(xo[h], co, wp);
+                    }
                 }
             }
-        }
-        const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-        const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
-        for (int h = 0; h < NG; h++)
-            for (int g = 0; g < 2; g++) { /* even and odd values interleaved back */
-                const __m512 ev = acc[h][2 * g], od = acc[h][2 * g + 1];
-                float *dst = o + h * D + 64 * b + 32 * g;
-                _mm512_storeu_ps(dst, _mm512_permutex2var_ps(ev, lo, od));
-                _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(ev, hi, od));
+            for (int h = 0; h < NG; h++) { /* the int32 sums times their scale, into acc */
+                const __m512 sc = _mm512_set1_ps(wsc);
+                float *ah = acc + h * D + 32 * g;
+                _mm512_storeu_ps(ah, _mm512_fmadd_ps(_mm512_cvtepi32_ps(xe[h]), sc, _mm512_loadu_ps(ah)));
+                _mm512_storeu_ps(ah + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(xo[h]), sc, _mm512_loadu_ps(ah + 16)));
             }
+#else
+            __m512 ae[8], ao[8];
+            for (int h = 0; h < NG; h++) {
+                ae[h] = _mm512_loadu_ps(acc + h * D + 32 * g);
+                ao[h] = _mm512_loadu_ps(acc + h * D + 32 * g + 16);
+            }
+            for (int h = 0; h < NG; h++)
+                for (int64_t i = 0; i < n; i += 16) {
+                    const __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+                    _mm512_mask_storeu_ps(w + h * PV_ROWS + i, m,
+                                          _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + h * S + c0 + i),
+                                                        _mm512_maskz_loadu_ps(m, d + i)));
+                }
+            for (int64_t a0 = c0, e; a0 < c1; a0 = e) {
+                const char *lim;
+                const uint8_t *V = (const uint8_t *)run_at(Vs, rowb, a0, c1, &e, &lim);
+                if (g == 0) fetch_run(Vs, rowb, a0, c0);
+                for (int64_t s = a0; s < e; s++) {
+                    const uint8_t *r = V + (s - a0) * rowb;
+                    if (g == 0) fetch_ahead((const char *)r, rowb, lim);
+                    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r + 16 * g)));
+                    const __m512 ce = _mm512_permutexvar_ps(_mm512_and_si512(x, f), k8);
+                    const __m512 co = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), k8);
+                    for (int h = 0; h < NG; h++) {
+                        const __m512 wv = _mm512_set1_ps(w[h * PV_ROWS + (s - c0)]);
+                        ae[h] = _mm512_fmadd_ps(wv, ce, ae[h]);
+                        ao[h] = _mm512_fmadd_ps(wv, co, ao[h]);
+                    }
+                }
+            }
+            for (int h = 0; h < NG; h++) {
+                _mm512_storeu_ps(acc + h * D + 32 * g, ae[h]);
+                _mm512_storeu_ps(acc + h * D + 32 * g + 16, ao[h]);
+            }
+#endif
+        }
     }
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    for (int h = 0; h < NG; h++) /* even and odd values interleaved back */
+        for (int64_t g = 0; g < ns; g++) {
+            const __m512 ev = _mm512_loadu_ps(acc + h * D + 32 * g), od = _mm512_loadu_ps(acc + h * D + 32 * g + 16);
+            _mm512_storeu_ps(o + h * D + 32 * g, _mm512_permutex2var_ps(ev, lo, od));
+            _mm512_storeu_ps(o + h * D + 32 * g + 16, _mm512_permutex2var_ps(ev, hi, od));
+        }
 }
 #endif
 
@@ -1857,18 +1906,21 @@ pv_q4_v(const int NG, const float *p, const kv_span *Vs, const kv_span *Vps, int
 static void pv_q4(int ng, const float *p, const kv_span *V, const kv_span *Vp, int64_t D,
                   int64_t S, int64_t v0, int64_t s1, float *o) {
 #if KVLM_V512
-    if (D % 64 == 0 && D <= MAX_HEAD_DIM) { /* 4 heads at a time */
-        for (int h = 0; h < ng; h += 4) {
-            const int n = ng - h < 4 ? ng - h : 4;
-            if (n == 1) pv_q4_v(1, p + h * S, V, Vp, D, S, v0, s1, o + h * D);
-            else if (n == 2) pv_q4_v(2, p + h * S, V, Vp, D, S, v0, s1, o + h * D);
-            else if (n == 3) pv_q4_v(3, p + h * S, V, Vp, D, S, v0, s1, o + h * D);
-            else pv_q4_v(4, p + h * S, V, Vp, D, S, v0, s1, o + h * D);
+    if (D % 32 == 0 && D <= MAX_HEAD_DIM) { /* up to 8 heads a pass */
+        for (int h = 0; h < ng; h += 8) {
+            const float *ph = p + h * S;
+            float *oh = o + h * D;
+            switch (ng - h < 8 ? ng - h : 8) {
+            case 1: pv_q4_v(1, ph, V, Vp, D, S, v0, s1, oh); break;
+            case 2: pv_q4_v(2, ph, V, Vp, D, S, v0, s1, oh); break;
+            case 3: pv_q4_v(3, ph, V, Vp, D, S, v0, s1, oh); break;
+            case 4: pv_q4_v(4, ph, V, Vp, D, S, v0, s1, oh); break;
+            case 5: pv_q4_v(5, ph, V, Vp, D, S, v0, s1, oh); break;
+            case 6: pv_q4_v(6, ph, V, Vp, D, S, v0, s1, oh); break;
+            case 7: pv_q4_v(7, ph, V, Vp, D, S, v0, s1, oh); break;
+            default: pv_q4_v(8, ph, V, Vp, D, S, v0, s1, oh); break;
+            }
         }
-        return;
-    }
-    if (D % 32 == 0 && D <= MAX_HEAD_DIM) {
-        q4_pv_groups(ng, p, V, Vp, D, S, v0, s1, o);
         return;
     }
 #endif
@@ -2134,6 +2186,81 @@ scores_q4_v(const int NG, const int NB, const int8_t *q8, int64_t QS, const floa
     }
     }
 }
+/* p[h * S + s] for NG heads over q4 rows of D = 8 NW values (groups of 32: NW a multiple of
+ * 8), the rows in lanes: 16 rows at a time, word k of each row (its values 8k .. 8k + 7,
+ * the even ones in the low nibbles) gathered into one vector, its low and its high nibbles
+ * one vpdpbusd each against the head's 4 query bytes of those values, broadcast; a group's
+ * 4 words summed so in integers per row, less 8 times the group's query sum, times the rows'
+ * group scales and the head's query scale. No horizontal sums: the 16 rows' scores come
+ * out as one vector, each lane its own row's (a run's last rows are masked lanes), so
+ * paged and contiguous pools agree. */
+static inline __attribute__((always_inline)) void
+scores_q4_t(const int NG, const int NW, const int8_t *q8, int64_t QS, const float *sg,
+            const kv_span *Ks, const kv_span *Kps, int64_t D, int64_t S, int64_t s0, int64_t s1,
+            float *p) {
+    const int64_t rowb = D / 2, ns = D / 32, pb = 2 * ns;
+    int32_t qe[8][MAX_HEAD_DIM / 8], qo[8][MAX_HEAD_DIM / 8], off[8][MAX_HEAD_DIM / 32];
+    for (int h = 0; h < NG; h++) {
+        const int8_t *q = q8 + h * QS;
+        for (int k = 0; k < NW; k++) {
+            uint8_t e[4], o[4];
+            for (int j = 0; j < 4; j++) e[j] = (uint8_t)q[8 * k + 2 * j], o[j] = (uint8_t)q[8 * k + 2 * j + 1];
+            memcpy(&qe[h][k], e, 4), memcpy(&qo[h][k], o, 4);
+        }
+        for (int g = 0; g < NW / 4; g++) {
+            int32_t t = 0;
+            for (int i = 32 * g; i < 32 * g + 32; i++) t += q[i];
+            off[h][g] = 8 * t;
+        }
+    }
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i words = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(rowb / 4)));
+    const __m512i pwords = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(ns / 2)));
+    const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F), half = _mm512_set1_epi32(0xFFFF);
+    for (int64_t a0 = s0, e; a0 < s1; a0 = e) {
+    const char *lim;
+    const uint8_t *K = (const uint8_t *)run_at(Ks, rowb, a0, s1, &e, &lim);
+    const uint16_t *Kp = (const uint16_t *)run_at(Kps, pb, a0, s1, &e, NULL);
+    fetch_run(Ks, rowb, a0, s0);
+    for (int64_t s = a0; s < e; s += 16) {
+        const int R = e - s >= 16 ? 16 : (int)(e - s);
+        const __mmask16 m = (__mmask16)((1u << R) - 1);
+        const uint8_t *r = K + (s - a0) * rowb;
+        const uint16_t *pr = Kp + (s - a0) * ns;
+        fetch_ahead((const char *)r, R * rowb, lim);
+        __m512 acc[8];
+        for (int h = 0; h < NG; h++) acc[h] = _mm512_setzero_ps();
+        __m512 d = _mm512_setzero_ps(), dn = _mm512_setzero_ps();
+        for (int g = 0; g < NW / 4; g++) {
+            if (g % 2 == 0) { /* groups g and g + 1: one 32-bit word of each row's scales */
+                const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m,
+                                                              _mm512_add_epi32(pwords, _mm512_set1_epi32(g / 2)), pr, 4);
+                d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(w, half)));
+                dn = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
+            } else {
+                d = dn;
+            }
+            __m512i x[8];
+            for (int h = 0; h < NG; h++) x[h] = _mm512_setzero_si512();
+            for (int k = 4 * g; k < 4 * g + 4; k++) {
+                const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m,
+                                                              _mm512_add_epi32(words, _mm512_set1_epi32(k)), r, 4);
+                const __m512i lo = _mm512_and_si512(w, nib), hi = _mm512_and_si512(_mm512_srli_epi32(w, 4), nib);
+                for (int h = 0; h < NG; h++) {
+                    x[h] = dot_u8s8(x[h], lo, _mm512_set1_epi32(qe[h][k]));
+                    x[h] = dot_u8s8(x[h], hi, _mm512_set1_epi32(qo[h][k]));
+                }
+            }
+            for (int h = 0; h < NG; h++) {
+                const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(x[h], _mm512_set1_epi32(off[h][g])));
+                acc[h] = _mm512_fmadd_ps(v, _mm512_mul_ps(d, _mm512_set1_ps(sg[h * Q4_QG + g])), acc[h]);
+            }
+        }
+        for (int h = 0; h < NG; h++) _mm512_mask_storeu_ps(p + h * S + s, m, acc[h]);
+    }
+    }
+}
+
 #endif
 
 /* q4 K's scores over the visible rows [v0, s1): q8 (QS bytes per head) and sg (Q4_QG
@@ -2143,6 +2270,21 @@ static void scores_q4(const int8_t *q8, int64_t QS, const float *sg, int ng, con
                       float *p) {
 #if KVLM_V512 && defined(__AVX512BW__)
     const int nb = (int)((D + 63) / 64);
+    if (D % 64 == 0 && D <= MAX_HEAD_DIM && nb != 3) { /* 64, 128, 256: up to 8 heads a pass */
+        for (int h = 0; h < ng; h += 8) {
+            const int n = ng - h < 8 ? ng - h : 8;
+            const int8_t *qh = q8 + h * QS;
+            float *ph = p + h * S;
+#define Q4G_CASE(G_, B_)                                                                     \
+            if (n == G_ && nb == B_) { scores_q4_t(G_, 8 * B_, qh, QS, sg + h * Q4_QG, K, Kp, D, S, v0, s1, ph); continue; }
+#define Q4G_HEADS(B_) Q4G_CASE(1, B_) Q4G_CASE(2, B_) Q4G_CASE(3, B_) Q4G_CASE(4, B_) \
+            Q4G_CASE(5, B_) Q4G_CASE(6, B_) Q4G_CASE(7, B_) Q4G_CASE(8, B_)
+            Q4G_HEADS(1) Q4G_HEADS(2) Q4G_HEADS(4)
+#undef Q4G_HEADS
+#undef Q4G_CASE
+        }
+        return;
+    }
     if (D <= MAX_HEAD_DIM && nb != 3 && nb <= 4) { /* the compiled widths: 64, 128, 256 */
         for (int h = 0; h < ng; h += 4) { /* 4 heads at a time (Qwen2.5's 6 or 7: twice) */
             const int n = ng - h < 4 ? ng - h : 4;
