@@ -172,6 +172,41 @@ def test_a_pinned_conversation_outlives_the_pools_pressure(tiny, pinned):
     assert engine.pool.num_used == 0 and engine.snapshot()["blocks_pinned"] == 0
 
 
+def test_pins_that_share_blocks_count_each_block_once(tiny):
+    """Two stored responses of one conversation (a response and its follow-up) hold the
+    same leading blocks: blocks_pinned counts the pool's blocks, so it stays within
+    blocks_used (the server fuzzing met 4 pinned against 3 used), and the share that lets
+    old pins go is of distinct blocks."""
+    from kvlm import SamplingParams
+    from kvlm.engine.engine import Engine, EngineConfig
+
+    engine = Engine(tiny, EngineConfig(num_blocks=20))
+    bs = engine.pool.block_size
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def run(rid: str, ids: list[int]) -> list[int]:
+        engine.add_request(rid, ids, params)
+        out = []
+        while engine.has_work():
+            out += [t for ev in engine.step() for t in ev.token_ids]
+        return out
+
+    first = [(7 * i) % 200 + 3 for i in range(3 * bs)]
+    one = first + run("a", first)
+    two = one + [(5 * i) % 200 + 4 for i in range(bs)]
+    two = two + run("b", two)
+    engine.pin("resp_a", one, None, 0.5)
+    engine.pin("resp_b", two, None, 0.5)
+    held = set(engine.manager.match(two)[0])
+    assert set(engine.manager.match(one)[0]) < held  # the first's blocks are the second's
+    snap = engine.snapshot()
+    assert snap["blocks_pinned"] == len(held) == snap["blocks_used"]
+    engine.unpin("resp_a")
+    assert engine.snapshot()["blocks_pinned"] == len(held)  # still the second's
+    engine.unpin("resp_b")
+    assert engine.pool.num_used == 0 and engine.snapshot()["blocks_pinned"] == 0
+
+
 # ---------------------------------------------------------------------------- agent clients
 
 

@@ -596,8 +596,10 @@ class Engine:
             self.unpin(next(iter(self.pins)))
 
     def _pinned(self) -> int:
-        """Group 0's blocks held by pins (the share is of group 0's blocks)."""
-        return sum(len(held[0]) for held in self.pins.values())
+        """Group 0's blocks held by pins, each once (the share is of group 0's blocks): two
+        stored responses of one conversation, or with one system prompt, hold the same
+        leading blocks."""
+        return len({b for held in self.pins.values() for b in held[0]})
 
     def unpin(self, key: str) -> None:
         """Let go of `key`'s blocks: they stay cached until evicted (or in the tiers)."""
