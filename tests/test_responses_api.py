@@ -144,19 +144,8 @@ def test_a_pinned_conversation_outlives_the_pools_pressure(tiny, pinned):
     """Engine.pin holds a stored conversation's cached blocks: later requests that need
     more blocks than the pool has evict the others, not those (the control, unpinned,
     loses them)."""
-    from kvlm import SamplingParams
-    from kvlm.engine.engine import Engine, EngineConfig
-
-    engine = Engine(tiny, EngineConfig(num_blocks=20))
+    engine, run = _engine_of(tiny)
     bs = engine.pool.block_size
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-
-    def run(rid: str, ids: list[int]) -> list[int]:
-        engine.add_request(rid, ids, params)
-        out = []
-        while engine.has_work():
-            out += [t for ev in engine.step() for t in ev.token_ids]
-        return out
 
     first = [(7 * i) % 200 + 3 for i in range(4 * bs)]
     conversation = first + run("a", first)
@@ -177,19 +166,8 @@ def test_pins_that_share_blocks_count_each_block_once(tiny):
     same leading blocks: blocks_pinned counts the pool's blocks, so it stays within
     blocks_used (the server fuzzing met 4 pinned against 3 used), and the share that lets
     old pins go is of distinct blocks."""
-    from kvlm import SamplingParams
-    from kvlm.engine.engine import Engine, EngineConfig
-
-    engine = Engine(tiny, EngineConfig(num_blocks=20))
+    engine, run = _engine_of(tiny)
     bs = engine.pool.block_size
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-
-    def run(rid: str, ids: list[int]) -> list[int]:
-        engine.add_request(rid, ids, params)
-        out = []
-        while engine.has_work():
-            out += [t for ev in engine.step() for t in ev.token_ids]
-        return out
 
     first = [(7 * i) % 200 + 3 for i in range(3 * bs)]
     one = first + run("a", first)
@@ -205,6 +183,25 @@ def test_pins_that_share_blocks_count_each_block_once(tiny):
     assert engine.snapshot()["blocks_pinned"] == len(held)  # still the second's
     engine.unpin("resp_b")
     assert engine.pool.num_used == 0 and engine.snapshot()["blocks_pinned"] == 0
+
+
+def _engine_of(tiny):
+    """An Engine over a 20-block pool, and run(rid, ids): one greedy request of 4 tokens to
+    its end, its tokens."""
+    from kvlm import SamplingParams
+    from kvlm.engine.engine import Engine, EngineConfig
+
+    engine = Engine(tiny, EngineConfig(num_blocks=20))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def run(rid: str, ids: list[int]) -> list[int]:
+        engine.add_request(rid, ids, params)
+        out = []
+        while engine.has_work():
+            out += [t for ev in engine.step() for t in ev.token_ids]
+        return out
+
+    return engine, run
 
 
 # ---------------------------------------------------------------------------- agent clients

@@ -1803,18 +1803,19 @@ pv_q4_v(const int NG, const float *p, const kv_span *Vs, const kv_span *Vps, int
             { /* w = p d on the scale 32767 / max |d| (p <= 1: the softmax pieces' exps) */
                 __m512 most = _mm512_setzero_ps();
                 for (int64_t i = 0; i < n; i += 16) {
-                    const __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+                    const __mmask16 m = tail_mask(n - i);
                     most = _mm512_max_ps(most, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, d + i)));
                 }
                 const float big = _mm512_reduce_max_ps(most);
                 const __m512 k = _mm512_set1_ps(big > 0.f ? 32767.f / big : 0.f);
                 wsc = big / 32767.f;
-                for (int64_t i = 0; i < n; i += 16)
-                    _mm512_storeu_ps(d + i, _mm512_mul_ps(_mm512_loadu_ps(d + i), k));
+                for (int64_t i = 0; i < n; i += 16) /* d's first n only */
+                    _mm512_mask_storeu_ps(d + i, tail_mask(n - i),
+                                          _mm512_mul_ps(_mm512_maskz_loadu_ps(tail_mask(n - i), d + i), k));
             }
             for (int h = 0; h < NG; h++) { /* saturating: nothing wraps */
                 for (int64_t i = 0; i < n; i += 16) {
-                    const __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+                    const __mmask16 m = tail_mask(n - i);
                     const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + h * S + c0 + i),
                                                    _mm512_maskz_loadu_ps(m, d + i));
                     _mm256_mask_storeu_epi16(wq[h] + i, m, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(x)));
@@ -1862,7 +1863,7 @@ pv_q4_v(const int NG, const float *p, const kv_span *Vs, const kv_span *Vps, int
             }
             for (int h = 0; h < NG; h++)
                 for (int64_t i = 0; i < n; i += 16) {
-                    const __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+                    const __mmask16 m = tail_mask(n - i);
                     _mm512_mask_storeu_ps(w + h * PV_ROWS + i, m,
                                           _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + h * S + c0 + i),
                                                         _mm512_maskz_loadu_ps(m, d + i)));
@@ -2224,7 +2225,7 @@ scores_q4_t(const int NG, const int NW, const int8_t *q8, int64_t QS, const floa
     fetch_run(Ks, rowb, a0, s0);
     for (int64_t s = a0; s < e; s += 16) {
         const int R = e - s >= 16 ? 16 : (int)(e - s);
-        const __mmask16 m = (__mmask16)((1u << R) - 1);
+        const __mmask16 m = tail_mask(R);
         const uint8_t *r = K + (s - a0) * rowb;
         const uint16_t *pr = Kp + (s - a0) * ns;
         fetch_ahead((const char *)r, R * rowb, lim);
@@ -2285,8 +2286,8 @@ static void scores_q4(const int8_t *q8, int64_t QS, const float *sg, int ng, con
         }
         return;
     }
-    if (D <= MAX_HEAD_DIM && nb != 3 && nb <= 4) { /* the compiled widths: 64, 128, 256 */
-        for (int h = 0; h < ng; h += 4) { /* 4 heads at a time (Qwen2.5's 6 or 7: twice) */
+    if (D <= MAX_HEAD_DIM && nb != 3 && nb <= 4) { /* the other widths up to 64, 128, 256 */
+        for (int h = 0; h < ng; h += 4) { /* 4 heads at a time */
             const int n = ng - h < 4 ? ng - h : 4;
             const int8_t *qh = q8 + h * QS;
             float *ph = p + h * S;
