@@ -4,6 +4,7 @@
     python benchmarks/bench_gpu.py default /tmp/q05.gguf    # several models, one run
     python benchmarks/bench_gpu.py --no-hf /tmp/q05.gguf    # kvlm only
     KVLM_CUDA_GRAPHS=0 python benchmarks/bench_gpu.py       # kvlm's eager decode steps
+    python benchmarks/bench_gpu.py --no-hf --streams 1,64,128 --roads one --profile 64 q05.gguf
 
 For each model, in one process: kvlm's single-stream decode (a 128-token prompt, 128 new
 tokens, the LLM's contiguous cache: CUDA-graph decode steps; median of 3 after a warm-up);
@@ -17,10 +18,14 @@ HBM_BYTES_S; and transformers with its static cache, whose decode step `generate
 with torch.compile on CUDA (mode "reduce-overhead": CUDA graphs; a warm-up run of the
 same shapes compiles it first; median of 3). bf16 weights and K/V on both. Random-weight
 files of real shapes: kvlm.bench.models.write_model.
+
+`--profile N`: torch's profiler over 10 engine steps of N streams all decoding (one
+forward per step): the GPU kernels a step and their time, the ten costliest by name.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 
@@ -47,24 +52,69 @@ def hbm_share(llm: LLM, row: dict) -> float | None:
     return round(bound_ms / row["decode_step_ms"], 3)
 
 
-def main(args: list[str]) -> None:
-    hf_too = "--no-hf" not in args
-    for model in [a for a in args if a != "--no-hf"] or ["default"]:
+def profile_step(llm: LLM, n: int, steps: int = 10) -> dict:
+    """GPU kernels and their time in a step of n streams all decoding (torch.profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvlm import SamplingParams
+    from kvlm.engine.engine import Engine, EngineConfig
+    from kvlm.engine.scheduler import SchedulerConfig
+
+    engine = Engine(llm, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=n)))
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    for i in range(n):
+        engine.add_request(f"p{i}", prompt_ids(llm, PROMPT + i), params)
+    while not (engine.last_batch and not engine.last_batch.prefill):
+        engine.step()  # until every stream decodes
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:60], []).append(e.device_time)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]
+    while engine.has_work():
+        engine.step()
+    return {
+        "kernels_per_step": round(len(kernels) / steps, 1),
+        "gpu_ms_per_step": round(sum(e.device_time for e in kernels) / steps / 1e3, 3),
+        "top": [(name, len(t) // steps, round(sum(t) / steps / 1e3, 3)) for name, t in top],
+    }
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("models", nargs="*", default=["default"])
+    ap.add_argument("--no-hf", action="store_true", help="kvlm only")
+    ap.add_argument("--streams", default=",".join(map(str, STREAMS)))
+    ap.add_argument("--roads", choices=["both", "one"], default="both")
+    ap.add_argument("--profile", type=int, default=0, metavar="N")
+    args = ap.parse_args(argv)
+    streams = [int(x) for x in args.streams.split(",")]
+    for model in args.models:
         path = None if model == "default" else model
         llm = LLM(model=path, device="cuda", dtype="bf16", progress=False, max_context=2048)
         ids = prompt_ids(llm, 128)
         run_kvlm(llm, "contiguous", ids, 16)
         runs = [run_kvlm(llm, "contiguous", ids, 128) for _ in range(3)]
         print(model, "kvlm", median(runs), flush=True)
-        for one in (False, True):
+        for one in (False, True) if args.roads == "both" else (True,):
             llm.runner.one_forward = one
             stream_throughput(llm, [8], prompt=PROMPT, new=16)  # warm-up: first kernel loads
-            rows, _ = stream_throughput(llm, STREAMS, prompt=PROMPT, new=NEW)
+            rows, _ = stream_throughput(llm, streams, prompt=PROMPT, new=NEW)
             for row in rows:
                 row["hbm_share"] = hbm_share(llm, row)
             road = "one forward per step" if one else "a forward per chunk"
             print(model, "streams,", road, rows, flush=True)
-        if hf_too:
+        if args.profile:
+            print(model, "profile", profile_step(llm, args.profile), flush=True)
+        if not args.no_hf:
             hf = load_hf(llm)
             run_hf(hf, ids, 128, True)  # compiles the decode step for these shapes
             runs = [run_hf(hf, ids, 128, True) for _ in range(3)]
