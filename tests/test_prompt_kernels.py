@@ -257,3 +257,51 @@ def test_qk_norm_rope_declines_what_it_does_not_take():
     assert not attn._norm_rope_in_c(qkv.double(), cos.double(), sin.double())  # not fp32
     assert not attn._norm_rope_in_c(qkv, cos[:, :1].expand(1, 5, 1, 64), sin)  # a broadcast
     assert not attn._norm_rope_in_c(qkv.transpose(1, 2).contiguous().transpose(1, 2), cos, sin)
+
+
+@pytest.mark.parametrize(("H", "Hkv", "D", "T", "S"), [(14, 2, 64, 100, 100), (8, 8, 128, 33, 90)])
+def test_prompt_attention_in_bf16_is_within_its_rounding(H, Hkv, D, T, S):
+    """`attend(bf16=True)` (--prefill-dtype bf16): q, k, v rounded to bf16 (relative
+    2^-9 each), fp32 scores and softmax, the weights rounded to bf16 for p.V. A score is
+    then within 2 * 2^-9 * scale * sum|q_d k_d| (E, plus the fp32 terms); a probability
+    within 2E relative; the output within (2E + 2 * 2^-9) max|v| (v's and p's rounding)
+    plus the fp32 bound. A chunk after a prefix (an explicit mask) too."""
+    from kvlm.cache.base import causal_mask
+
+    torch.manual_seed(T + S)
+    q, k, v = torch.randn(1, H, T, D), torch.randn(1, Hkv, S, D), torch.randn(1, Hkv, S, D)
+    mask, causal = causal_mask(S - T, T, S, None, q.device)
+    got = attend(q, k, v, mask, causal, bf16=True)
+    assert got.dtype == torch.float32 and got.shape == (1, H, T, D)
+    want = _exact(q, k, v, mask, causal)
+    group = H // Hkv
+    kk = k.repeat_interleave(group, dim=1)
+    e = 2 * 2**-9 * D**-0.5 * float((q.abs() @ kk.abs().transpose(-1, -2)).max())
+    bound = float(v.abs().max()) * (2 * e + 2 * 2**-9) + _attention_bound(q, k, v, D**-0.5)
+    err = float((got.double() - want).abs().max())
+    assert err <= bound
+    fp32 = attend(q, k, v, mask, causal)
+    assert not torch.equal(got, fp32)  # it did round: not the fp32 road's bits
+
+
+def test_prefill_bf16_takes_the_prompts_attention_and_nothing_else(monkeypatch):
+    """With --prefill-dtype bf16 the prompt's forward attends in bf16 (one call a layer);
+    decoded rows (and fp32 prompt products) keep their own attention."""
+    from kvlm import LLM, SamplingParams
+    from kvlm.model import attention
+
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, *a, **kw):
+        calls.append(q.dtype)
+        return sdpa(q, *a, **kw)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for prefill in ("bf16", "fp32"):
+        llm = LLM(progress=False, max_context=256, prefill_dtype=prefill)
+        layers = llm.config.num_layers
+        calls.clear()
+        llm.generate("The capital of France is", params)
+        assert calls.count(torch.bfloat16) == (layers if prefill == "bf16" else 0)

@@ -27,6 +27,7 @@ from kvlm.engine.scheduler import SchedulerConfig
 from kvlm.engine.speculative import DraftModel, SpeculativeConfig
 from kvlm.errors import InvalidRequestError
 from kvlm.loading import load_model
+from kvlm.model.attention import Attention
 from kvlm.model.blas import set_blas_threads
 from kvlm.model.layers import Linear
 from kvlm.model.transformer import Transformer
@@ -162,6 +163,8 @@ class LLM:
                 module.prefill_bf16 = self.prefill_dtype == "bf16" and block
                 module.prefill_int8 = self.prefill_dtype == "int8" and block
                 module.act_int8 = self.activations == "int8" and block
+            elif isinstance(module, Attention):  # the prompt's attention with its products
+                module.prompt_bf16 = self.prefill_dtype == "bf16"
         return model
 
     @property

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvlm import kernels
-from kvlm.model.layers import Linear, RMSNorm, apply_rope
+from kvlm.model.layers import Linear, RMSNorm, apply_rope, prompt_rows
 
 if TYPE_CHECKING:
     from kvlm.cache.paged import Segments
@@ -74,6 +74,8 @@ class Attention(nn.Module):
         self.k_norm = k_norm
         self.q_scale: float | None = None  # queries times this (a score scale, no q norm)
         self.softcap: float | None = None  # scores soft-capped: cap * tanh(s / cap) (Gemma 2)
+        # prompt rows' attention in bf16 on the CPU (set with --prefill-dtype bf16: `attend`)
+        self.prompt_bf16 = False
 
     def forward(
         self,
@@ -112,7 +114,8 @@ class Attention(nn.Module):
         if kv.segments is not None:
             out = attend_ragged(q, k_all, v_all, kv.segments, cap)
         elif kv.rows is None and (B == 1 or not q.is_cpu):
-            out = attend(q, k_all, v_all, kv.mask, kv.is_causal, softcap=cap)  # (B, H, T, D)
+            bf16 = self.prompt_bf16 and T > 1 and prompt_rows(x)
+            out = attend(q, k_all, v_all, kv.mask, kv.is_causal, softcap=cap, bf16=bf16)
         else:
             out = attend_rows(q, k_all, v_all, kv, cap)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
@@ -228,9 +231,16 @@ def attend(
     is_causal: bool,
     expand: bool | None = None,
     softcap: float | None = None,
+    bf16: bool = False,
 ) -> torch.Tensor:
     """SDPA of q (B, H, T, D) over k, v (B, Hkv, S, D), H a multiple of Hkv; with
     `softcap`, the scores capped first (`attend_capped`).
+
+    `bf16` (prompt rows with --prefill-dtype bf16, on the CPU): q, k and v rounded to bf16
+    and torch's flash attention over them (oneDNN's bf16 brgemm: AMX tiles, or AVX512-BF16),
+    fp32 scores and softmax, the weights rounded to bf16 for p.V; on the AMX Xeon 2.5-4x
+    kvlm_attend's fp32 from 1,024 keys (docs/BENCHMARKS.md 19.8), the prompt's largest cost
+    at long contexts. The same trade as the prompt's bf16 products.
 
     On CUDA a grouped-query call with an explicit mask (a prefill chunk after the first, a
     batch of rows at different positions, a window step) finds no fused kernel: flash
@@ -240,6 +250,12 @@ def attend(
     enable_gqa serves every case."""
     if softcap is not None:
         return attend_capped(q, k, v, mask, is_causal, softcap)
+    if bf16 and q.is_cpu and q.dtype == torch.float32 and q.shape[2] > 1:
+        out = F.scaled_dot_product_attention(
+            q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=mask, is_causal=is_causal,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )  # fmt: skip
+        return out.float()
     if q.is_cpu and q.shape[0] == 1 and q.shape[2] > 1:
         out = _attend_kernel(q, k, v, mask, is_causal)
         if out is not None:
