@@ -1533,12 +1533,20 @@ pv_avx512(const int NG, const int NV, const int PAIRS, const float *p, const kv_
 }
 
 /* head_dim 256 (Gemma 3) in two passes of 128 columns over the chunk's rows (just read: in
- * L1/L2), so the accumulators of up to 4 heads x 8 vectors stay in registers */
+ * L1/L2). The heads of a KV head in passes whose accumulators stay in registers: up to 4
+ * heads x 4 vectors (head_dim 64), 3 x 8 from 128 columns (4 x 8 is all 32 zmm registers,
+ * and GCC spilled them: p.V of Qwen2.5-1.5B's 6 heads of 128 took 3x its scores' time),
+ * the passes balanced (6 = 3 + 3, 4 = 2 + 2) */
 static void pv_dispatch(int ng, const float *p, const kv_span *V, int dt, int64_t esz,
                         int64_t D, int64_t S, int64_t s0, int64_t s1, float *o) {
-    if (ng > 4) { /* more heads a KV head (Qwen2.5's 6, 7): 4 at a time */
-        for (int h = 0; h < ng; h += 4)
-            pv_dispatch(ng - h < 4 ? ng - h : 4, p + h * S, V, dt, esz, D, S, s0, s1, o + h * D);
+    const int most = D >= 128 ? 3 : 4;
+    if (ng > most) {
+        const int passes = (ng + most - 1) / most;
+        for (int h = 0, left = passes; h < ng; left--) {
+            const int n = (ng - h + left - 1) / left;
+            pv_dispatch(n, p + h * S, V, dt, esz, D, S, s0, s1, o + h * D);
+            h += n;
+        }
         return;
     }
     for (int64_t col = 0; col < D; col += 128) {
@@ -1549,7 +1557,7 @@ static void pv_dispatch(int ng, const float *p, const kv_span *V, int dt, int64_
             continue;                                                                        \
         }
         PV_CASE(1, 4) PV_CASE(2, 4) PV_CASE(3, 4) PV_CASE(4, 4) PV_CASE(1, 8) PV_CASE(2, 8)
-        PV_CASE(4, 8)
+        PV_CASE(3, 8)
 #undef PV_CASE
         for (int h = 0; h < ng; h++)
             pv_avx512(1, nv, 0, p + h * S, V, dt, esz, D, S, s0, s1, NULL, o + h * D, col);
