@@ -76,6 +76,16 @@ def test_a_batch_over_a_paged_q4_pool_gives_each_row_its_own_logits(
     _rows_alone_and_together(_llm(tiny_model_dir, "int4", kv_dtype, name=name), lengths)
 
 
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype", ["fp16", "fp32"])
+def test_several_passes_over_a_kv_heads_heads_batch_alike(tiny_model_dir, kv_dtype):
+    """head_dim 128 with 4 query heads a KV head: the scores and p.V take the heads in
+    passes of 2 (p.V's 4 x 8 accumulators would be every zmm register): a row's logits
+    are its own, alone or batched, paged or contiguous."""
+    _rows_alone_and_together(_llm(tiny_model_dir, "int4", kv_dtype, name="llama-hd128"),
+                             LENGTHS[:10])  # fmt: skip
+
+
 @needs_vector_kernels
 @pytest.mark.parametrize("march", portable_build_params())
 @pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "int8"])
