@@ -1535,8 +1535,8 @@ pv_avx512(const int NG, const int NV, const int PAIRS, const float *p, const kv_
 /* head_dim 256 (Gemma 3) in two passes of 128 columns over the chunk's rows (just read: in
  * L1/L2). The heads of a KV head in passes whose accumulators stay in registers: up to 4
  * heads x 4 vectors (head_dim 64), 3 x 8 from 128 columns (4 x 8 is all 32 zmm registers,
- * and GCC spilled them: p.V of Qwen2.5-1.5B's 6 heads of 128 took 3x its scores' time),
- * the passes balanced (6 = 3 + 3, 4 = 2 + 2) */
+ * and GCC spilled them; without the spills the speed did not move: docs/BENCHMARKS.md
+ * 19.9), the passes balanced (6 = 3 + 3, 4 = 2 + 2) */
 static void pv_dispatch(int ng, const float *p, const kv_span *V, int dt, int64_t esz,
                         int64_t D, int64_t S, int64_t s0, int64_t s1, float *o) {
     const int most = D >= 128 ? 3 : 4;

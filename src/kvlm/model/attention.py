@@ -114,7 +114,7 @@ class Attention(nn.Module):
         if kv.segments is not None:
             out = attend_ragged(q, k_all, v_all, kv.segments, cap)
         elif kv.rows is None and (B == 1 or not q.is_cpu):
-            bf16 = self.prompt_bf16 and T > 1 and prompt_rows(x)
+            bf16 = self.prompt_bf16 and prompt_rows(x)  # attend: prompt rows, T > 1
             out = attend(q, k_all, v_all, kv.mask, kv.is_causal, softcap=cap, bf16=bf16)
         else:
             out = attend_rows(q, k_all, v_all, kv, cap)
