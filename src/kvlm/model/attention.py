@@ -238,7 +238,7 @@ def attend(
 
     `bf16` (prompt rows with --prefill-dtype bf16, on the CPU): q, k and v rounded to bf16
     and torch's flash attention over them (oneDNN's bf16 brgemm: AMX tiles, or AVX512-BF16),
-    fp32 scores and softmax, the weights rounded to bf16 for p.V; on the AMX Xeon 2.5-4x
+    fp32 scores and softmax, the weights rounded to bf16 for p.V; on the AMX Xeon 2-4x
     kvlm_attend's fp32 from 1,024 keys (docs/BENCHMARKS.md 19.8), the prompt's largest cost
     at long contexts. The same trade as the prompt's bf16 products.
 
