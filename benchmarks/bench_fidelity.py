@@ -23,6 +23,7 @@ import time
 from kvlm import LLM
 from kvlm.bench.prompts import KINDS, fidelity_prompts
 from kvlm.engine.verify import compare, greedy_answers
+from kvlm.model.attention import Attention
 
 RUNS = {
     "defaults": {},
@@ -31,6 +32,9 @@ RUNS = {
     "prompt products int8": {"prefill_dtype": "int8"},
     "prompt products bf16": {"prefill_dtype": "bf16"},
     "K/V fp32": {"kv_dtype": "fp32"},
+    # the prompt's attention in fp32 whatever its products (kvlm.defaults.
+    # prompt_attention_bf16 rounds it with rounded products where the CPU has bf16)
+    "prompt attention fp32": {"prompt_attention": "fp32"},
     "native weights, the rest fp32": dict(
         activations="fp32", prefill_dtype="fp32", kv_dtype="fp32"
     ),
@@ -78,11 +82,19 @@ def main() -> None:
           f"the reference's answers in {took:.0f} s", flush=True)  # fmt: skip
     results = {}
     for name in runs:
-        llm = LLM(**common, **RUNS[name])
+        settings = dict(RUNS[name])
+        attention = settings.pop("prompt_attention", None)
+        llm = LLM(**common, **settings)
+        layers = [m for m in llm.model.modules() if isinstance(m, Attention)]
+        if attention == "fp32":
+            for m in layers:
+                m.prompt_bf16 = False
         num = llm.numerics
         answers = greedy_answers(llm, prompts, n)
+        rounded = "bf16" if layers[0].prompt_bf16 else "fp32"
         results[name] = (compare(reference, prompts, expected, answers, n),
-                         f"{num.activations} / {num.prefill_dtype} / {num.kv_dtype}")  # fmt: skip
+                         f"{num.activations} / {num.prefill_dtype} (attention {rounded}) / "
+                         f"{num.kv_dtype}")  # fmt: skip
         print(name, results[name][0].to_dict() | {"differing": None}, flush=True)
         del llm
     if not args.no_llamacpp:

@@ -259,15 +259,22 @@ def test_qk_norm_rope_declines_what_it_does_not_take():
     assert not attn._norm_rope_in_c(qkv.transpose(1, 2).contiguous().transpose(1, 2), cos, sin)
 
 
-@pytest.mark.parametrize(("H", "Hkv", "D", "T", "S"), [(14, 2, 64, 100, 100), (8, 8, 128, 33, 90)])
-def test_prompt_attention_in_bf16_is_within_its_rounding(H, Hkv, D, T, S):
-    """`attend(bf16=True)` (--prefill-dtype bf16): q, k, v rounded to bf16 (relative
+@pytest.mark.parametrize("amx", [True, False], ids=["torch-flash", "kvlm-pairs"])
+@pytest.mark.parametrize(
+    ("H", "Hkv", "D", "T", "S"),
+    [(14, 2, 64, 100, 100), (8, 8, 128, 33, 90), (12, 2, 128, 37, 37), (4, 2, 64, 5, 71)],
+)
+def test_prompt_attention_in_bf16_is_within_its_rounding(H, Hkv, D, T, S, amx, monkeypatch):
+    """`attend(bf16=True)` (rounded prompt products): q, k, v rounded to bf16 (relative
     2^-9 each), fp32 scores and softmax, the weights rounded to bf16 for p.V. A score is
     then within 2 * 2^-9 * scale * sum|q_d k_d| (E, plus the fp32 terms); a probability
     within 2E relative; the output within (2E + 2 * 2^-9) max|v| (v's and p's rounding)
-    plus the fp32 bound. A chunk after a prefix (an explicit mask) too."""
+    plus the fp32 bound. A chunk after a prefix (an explicit mask) too. Both roads: torch's
+    flash attention (taken with AMX) and kvlm_attend's bf16 pairs (AVX512-BF16 without AMX;
+    on a CPU without AVX512-BF16 it declines and torch's road runs here too)."""
     from kvlm.cache.base import causal_mask
 
+    monkeypatch.setattr(kernels, "has_amx", lambda: amx)
     torch.manual_seed(T + S)
     q, k, v = torch.randn(1, H, T, D), torch.randn(1, Hkv, S, D), torch.randn(1, Hkv, S, D)
     mask, causal = causal_mask(S - T, T, S, None, q.device)
@@ -284,6 +291,40 @@ def test_prompt_attention_in_bf16_is_within_its_rounding(H, Hkv, D, T, S):
     assert not torch.equal(got, fp32)  # it did round: not the fp32 road's bits
 
 
+@needs_vector_kernels
+def test_prompt_attention_bf16_pairs_give_a_row_its_own_bits():
+    """kvlm_attend's bf16 pairs: a row's result depends on its query and the keys it sees
+    alone, as the fp32 kernel's: a prompt's rows attended whole or as a chunk after its
+    prefix (an explicit mask over all keys) are the same bits; and it is not the fp32
+    road's (it rounded)."""
+    from kvlm.cache.base import causal_mask
+
+    torch.manual_seed(5)
+    H, Hkv, D, T = 12, 2, 64, 45
+    q, k, v = torch.randn(1, H, T, D), torch.randn(1, Hkv, T, D), torch.randn(1, Hkv, T, D)
+    whole = _attend_kernel(q, k, v, None, True, bf16=True)
+    if whole is None:
+        pytest.skip("no AVX512-BF16: kvlm_attend's bf16 pairs decline (torch's road)")
+    mask, causal = causal_mask(30, T - 30, T, None, q.device)
+    tail = _attend_kernel(q[:, :, 30:], k, v, mask, causal, bf16=True)
+    head = _attend_kernel(q[:, :, :30], k[:, :, :30], v[:, :, :30], None, True, bf16=True)
+    assert torch.equal(tail, whole[:, :, 30:]) and torch.equal(head, whole[:, :, :30])
+    assert not torch.equal(whole, _attend_kernel(q, k, v, None, True))
+
+
+def test_prompt_attention_rounds_with_rounded_products(monkeypatch):
+    """kvlm.defaults.prompt_attention_bf16: bf16 prompt products always; int8 ones where
+    the CPU multiplies bf16 in hardware; fp32 ones never."""
+    from kvlm import defaults
+
+    for flags, int8 in (([], False), (["avx512_vnni"], False), (["avx512_bf16"], True),
+                        (["amx_bf16", "avx512_bf16"], True)):  # fmt: skip
+        monkeypatch.setattr(kernels, "cpu_flags", lambda f=flags: f)
+        assert defaults.prompt_attention_bf16("bf16")
+        assert defaults.prompt_attention_bf16("int8") == int8
+        assert not defaults.prompt_attention_bf16("fp32")
+
+
 def test_prefill_bf16_takes_the_prompts_attention_and_nothing_else(monkeypatch):
     """With --prefill-dtype bf16 the prompt's forward attends in bf16 (one call a layer);
     decoded rows (and fp32 prompt products) keep their own attention."""
@@ -291,13 +332,13 @@ def test_prefill_bf16_takes_the_prompts_attention_and_nothing_else(monkeypatch):
     from kvlm.model import attention
 
     calls = []
-    sdpa = F.scaled_dot_product_attention
+    attend = attention.attend
 
-    def spy(q, *a, **kw):
-        calls.append(q.dtype)
-        return sdpa(q, *a, **kw)
+    def spy(q, *a, bf16=False, **kw):
+        calls.append(torch.bfloat16 if bf16 else q.dtype)
+        return attend(q, *a, bf16=bf16, **kw)
 
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(attention, "attend", spy)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     for prefill in ("bf16", "fp32"):
         llm = LLM(progress=False, max_context=256, prefill_dtype=prefill)

@@ -132,6 +132,12 @@ def cpu_flags() -> list[str]:
 
 
 @cache
+def has_amx() -> bool:
+    """The CPU has AMX's bf16 tiles (oneDNN's bf16 GEMM and attention run on them)."""
+    return "amx_bf16" in cpu_flags()
+
+
+@cache
 def _cpu_features() -> str:
     """What the OS says this CPU is and can do, stable across runs on one machine."""
     if sys.platform.startswith("linux") and (info := _linux_cpuinfo()):
@@ -322,8 +328,9 @@ _SIGNATURES = {
     "kvlm_qdequant_rows": "iippip",  # kind, K, w, rows, n, out
     "kvlm_qpack": "ipiipp",  # kind, blocks, N, K, order, out
     "kvlm_silu_mul": "piip",  # gu, M, I, out
-    # q, H, T, D, qsh, qst, k, v, Hkv, S, ksh, kst, vsh, vst, mask, mst, causal, scale, out
-    "kvlm_attend": "piiiiippiiiiiipiidp",
+    # q, H, T, D, qsh, qst, k, v, Hkv, S, ksh, kst, vsh, vst, mask, mst, causal, scale, out,
+    # bf16
+    "kvlm_attend": "piiiiippiiiiiipiidpi",
     "kvlm_rms_norm": "piiipdpi",  # x, M, N, xs, w, eps, y, ys
     "kvlm_qk_norm_rope": "piiiiippdppi",  # qkv, M, rs, nq, nk, D, qn, kn, eps, cos, sin, cs
     "kvlm_decode_scratch": "pi",  # m, B

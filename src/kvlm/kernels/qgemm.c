@@ -665,6 +665,15 @@ static void quantize_act_row(const float *x, int64_t K, char *out) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* acc + u . x's word broadcast (vpdpbusd with the word as an embedded broadcast operand:
+ * GCC 12 loads a _mm512_set1_epi32 of it into a register first, one more vector
+ * instruction a product) */
+static inline __attribute__((always_inline)) __m512i dpbusd_word(__m512i acc, __m512i u,
+                                                                 const int32_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*x));
+    return acc;
+}
+
 static inline __attribute__((always_inline)) void
 block_product_i8(int kind, const int R, kvlm_block B, int64_t groups, const kvlm_actrow *a,
                  float *y, int64_t ldy, int64_t N, int64_t n0, int64_t m0) {
@@ -690,8 +699,8 @@ block_product_i8(int kind, const int R, kvlm_block B, int64_t groups, const kvlm
                 code_vectors(kind, c, v, hb0, hb1, &lo, &hi);
                 for (int t = 0; t < R; t++) {
                     const int32_t *xw = (const int32_t *)(a[t].c + g * G);
-                    p[t][0] = _mm512_dpbusd_epi32(p[t][0], lo, _mm512_set1_epi32(xw[v]));
-                    p[t][HI] = _mm512_dpbusd_epi32(p[t][HI], hi, _mm512_set1_epi32(xw[4 + v]));
+                    p[t][0] = dpbusd_word(p[t][0], lo, xw + v);
+                    p[t][HI] = dpbusd_word(p[t][HI], hi, xw + 4 + v);
                 }
             }
         } else {
@@ -699,7 +708,7 @@ block_product_i8(int kind, const int R, kvlm_block B, int64_t groups, const kvlm
                 __m512i u = _mm512_xor_si512(_mm512_loadu_si512(c + 64 * v), flip);
                 for (int t = 0; t < R; t++) {
                     const int32_t *xw = (const int32_t *)(a[t].c + g * G);
-                    p[t][v % C] = _mm512_dpbusd_epi32(p[t][v % C], u, _mm512_set1_epi32(xw[v]));
+                    p[t][v % C] = dpbusd_word(p[t][v % C], u, xw + v);
                 }
             }
         }
@@ -3021,17 +3030,155 @@ attend_prompt_rows(const int R, const int NK, const int DV, const float *q, int6
 }
 #endif
 
+#if defined(__AVX512BF16__) && KVLM_V512 == 512
+#define KVLM_ATTEND_BF16 1
+/* attend_prompt_rows with q, K, V and the weights p rounded to bf16 and multiplied in
+ * pairs (vdpbf16ps: two products a lane, summed in fp32; half the instructions of the fp32
+ * FMAs), the scores, the softmax and the sums in fp32 as before. K is transposed in pairs
+ * (kt [S / 16 NK][D / 2][16 NK][2]: a vector is 16 keys' values at d and d + 1), V in
+ * pairs of keys (vp [S / 2][D][2]: a vector is 16 d's of keys j and j + 1, zero past S),
+ * each row's query rounded to bf16 pairs here. A row's result depends on its own query and
+ * the keys it sees alone, as in the fp32 kernel (an unseen key weighs exactly 0). */
+static inline __attribute__((always_inline)) void
+attend_prompt_rows_bf16(const int R, const int NK, const int DV, const float *q, int64_t qst,
+                        int64_t t0, const uint16_t *kt, const uint16_t *vp, int64_t S,
+                        const uint8_t *mask, int64_t mst, int causal, float scale, float *out,
+                        int64_t ost) {
+    const int KB = 16 * NK;
+    __m512 O[4][16];
+    float m[4], l[4];
+    uint32_t qp[4][128] __attribute__((aligned(64))); /* the query's bf16 pairs */
+    uint32_t pp[4][32] __attribute__((aligned(64)));  /* a block's weights, bf16 pairs */
+    const int64_t D = 16 * (int64_t)DV;
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+        _Pragma("GCC unroll 16") for (int dv = 0; dv < DV; dv++) O[r][dv] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 32) {
+            const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + r * qst + d + 16),
+                                                   _mm512_loadu_ps(q + r * qst + d));
+            _mm512_store_si512((void *)(qp[r] + d / 2), (__m512i)b);
+        }
+    }
+    const int64_t end = causal && t0 + R < S ? t0 + R : S; /* top-left: row t sees 0 .. t */
+    for (int64_t j0 = 0; j0 < end; j0 += KB) {
+        __mmask16 valid[4][4];
+        int any = 0;
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
+            _Pragma("GCC unroll 16") for (int h = 0; h < NK; h++) {
+                const int64_t at = j0 + 16 * h;
+                __mmask16 ok = at < S ? tail_mask(S - at) : (__mmask16)0;
+                if (causal) {
+                    const int64_t seen = t0 + r + 1 - at;
+                    ok &= seen > 0 ? tail_mask(seen) : (__mmask16)0;
+                }
+                if (mask && ok) {
+                    const __m128i b = _mm_maskz_loadu_epi8(ok, mask + (t0 + r) * mst + at);
+                    ok &= _mm_test_epi8_mask(b, b);
+                }
+                valid[r][h] = ok;
+                any |= ok;
+            }
+        }
+        if (!any) continue;
+        __m512 s[4][4];
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
+            _Pragma("GCC unroll 16") for (int h = 0; h < NK; h++) s[r][h] = _mm512_setzero_ps();
+        const uint16_t *kb = kt + j0 * D; /* block j0 / KB */
+        for (int64_t dp = 0; dp < D / 2; dp++) {
+            __m512i kv[4];
+            _Pragma("GCC unroll 16") for (int h = 0; h < NK; h++) {
+                kv[h] = _mm512_load_si512((const void *)(kb + (dp * KB + 16 * h) * 2));
+                __asm__("" : "+v"(kv[h]));
+            }
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
+                const __m512bh qd = (__m512bh)_mm512_set1_epi32((int)qp[r][dp]);
+                _Pragma("GCC unroll 16") for (int h = 0; h < NK; h++)
+                    s[r][h] = _mm512_dpbf16_ps(s[r][h], (__m512bh)kv[h], qd);
+            }
+        }
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
+            int seen = 0;
+            _Pragma("GCC unroll 16") for (int h = 0; h < NK; h++) seen |= valid[r][h];
+            if (!seen) { /* weighs nothing in this block */
+                _Pragma("GCC unroll 16") for (int h = 0; h < NK; h += 2)
+                    _mm512_store_si512((void *)(pp[r] + 8 * h), _mm512_setzero_si512());
+                continue;
+            }
+            const __m512 sc = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-INFINITY);
+            __m512 mx = lo;
+            _Pragma("GCC unroll 16") for (int h = 0; h < NK; h++) {
+                s[r][h] = _mm512_mul_ps(s[r][h], sc);
+                mx = _mm512_max_ps(mx, _mm512_mask_mov_ps(lo, valid[r][h], s[r][h]));
+            }
+            const float mb = _mm512_reduce_max_ps(mx);
+            const float mn = mb > m[r] ? mb : m[r];
+            const float alpha = expf(m[r] - mn); /* 0 at the first block (m = -inf) */
+            const __m512 mv = _mm512_set1_ps(mn);
+            __m512 sum = _mm512_setzero_ps(), e[4];
+            _Pragma("GCC unroll 16") for (int h = 0; h < NK; h++) {
+                e[h] = _mm512_maskz_mov_ps(valid[r][h], exp512(_mm512_sub_ps(s[r][h], mv)));
+                sum = _mm512_add_ps(sum, e[h]);
+            }
+            _Pragma("GCC unroll 16") for (int h = 0; h < NK; h += 2)
+                _mm512_store_si512((void *)(pp[r] + 8 * h), (__m512i)_mm512_cvtne2ps_pbh(e[h + 1], e[h]));
+            l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
+            m[r] = mn;
+            const __m512 a = _mm512_set1_ps(alpha);
+            _Pragma("GCC unroll 16") for (int dv = 0; dv < DV; dv++) O[r][dv] = _mm512_mul_ps(O[r][dv], a);
+        }
+        const int64_t jn = S - j0 < KB ? S - j0 : KB;
+        const uint16_t *vb = vp + j0 * D; /* key pair j0 / 2 */
+        for (int64_t jp = 0; jp < (jn + 1) / 2; jp++) {
+            __m512bh pj[4];
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
+                pj[r] = (__m512bh)_mm512_set1_epi32((int)pp[r][jp]);
+            _Pragma("GCC unroll 16") for (int dv = 0; dv < DV; dv++) {
+                __m512i vv = _mm512_load_si512((const void *)(vb + (jp * D + 16 * dv) * 2));
+                __asm__("" : "+v"(vv));
+                _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)
+                    O[r][dv] = _mm512_dpbf16_ps(O[r][dv], (__m512bh)vv, pj[r]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
+        const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f); /* no key: 0 */
+        _Pragma("GCC unroll 16") for (int dv = 0; dv < DV; dv++)
+            _mm512_storeu_ps(out + (t0 + r) * ost + 16 * dv, _mm512_mul_ps(O[r][dv], inv));
+    }
+}
+
+/* a float rounded to bf16, to nearest even (a NaN stays a NaN) */
+static inline uint16_t bf16_round(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+#endif
+
 /* Attention of a prompt's T queries (one sequence): q [H][T][D] (strides qsh, qst; d
  * contiguous) over k, v [Hkv][S][D] (strides ksh, kst, vsh, vst), query head h reading KV
  * head h / (H / Hkv); softmax(scale q.k) v. Which keys row t sees: those with
  * mask[t * mst + s] != 0 (a bool [T, S] tensor) when mask is given, else 0 .. t when
  * `causal` (the top-left triangle, SDPA's is_causal), else all. out [T][H][D] contiguous.
- * Returns 0; -1 when scratch memory cannot be had; -2 for a shape it does not take (D not
- * a multiple of 16 or over 256, no AVX-512: the caller uses torch's SDPA). */
+ * `bf16`: q, k, v and the softmax's weights rounded to bf16, multiplied in pairs
+ * (vdpbf16ps), scores, softmax and sums in fp32 (attend_prompt_rows_bf16; AVX512-BF16
+ * only). Returns 0; -1 when scratch memory cannot be had; -2 for a shape it does not take
+ * (D not a multiple of 16 or over 256 (bf16: of 32, 128 at most), no AVX-512 (bf16: no
+ * AVX512-BF16): the caller uses torch's SDPA). */
+static int attend_prompt_bf16(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh,
+                       int64_t qst, const float *k, const float *v, int64_t Hkv, int64_t S,
+                       int64_t ksh, int64_t kst, int64_t vsh, int64_t vst, const uint8_t *mask,
+                       int64_t mst, int64_t causal, double scale, float *out);
+
 int kvlm_attend(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh, int64_t qst,
                 const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksh,
                 int64_t kst, int64_t vsh, int64_t vst, const uint8_t *mask, int64_t mst,
-                int64_t causal, double scale, float *out) {
+                int64_t causal, double scale, float *out, int64_t bf16) {
+    if (bf16)
+        return attend_prompt_bf16(q, H, T, D, qsh, qst, k, v, Hkv, S, ksh, kst, vsh, vst, mask, mst,
+                           causal, scale, out);
 #if !KVLM_V512
     (void)q, (void)H, (void)T, (void)D, (void)qsh, (void)qst, (void)k, (void)v, (void)Hkv;
     (void)S, (void)ksh, (void)kst, (void)vsh, (void)vst, (void)mask, (void)mst, (void)causal;
@@ -3081,6 +3228,64 @@ int kvlm_attend(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh, in
                 attend_prompt_rows(1, 2, (int)(D / 16), qh + r * qst, qst, t0 + r, kg, vg, vst,
                                    S, mask, mst, (int)causal, sc, oh, H * D);
         }
+#undef ATTEND_ROWS
+    }
+    free(kt);
+    return 0;
+#endif
+}
+
+static int attend_prompt_bf16(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh,
+                       int64_t qst, const float *k, const float *v, int64_t Hkv, int64_t S,
+                       int64_t ksh, int64_t kst, int64_t vsh, int64_t vst, const uint8_t *mask,
+                       int64_t mst, int64_t causal, double scale, float *out) {
+#if !defined(KVLM_ATTEND_BF16)
+    (void)q, (void)H, (void)T, (void)D, (void)qsh, (void)qst, (void)k, (void)v, (void)Hkv;
+    (void)S, (void)ksh, (void)kst, (void)vsh, (void)vst, (void)mask, (void)mst, (void)causal;
+    (void)scale, (void)out;
+    return -2;
+#else
+    if ((D != 64 && D != 128) || T < 1 || S < 1 || Hkv < 1 || H % Hkv) return -2;
+    /* rows per pass and key vectors per block as the fp32 kernel's */
+    const int R = D == 64 ? 4 : 2, NK = D == 64 ? 2 : 4, KB = 16 * NK;
+    const int64_t Sp = (S + KB - 1) / KB * KB, group = H / Hkv;
+    uint16_t *kt = aligned_alloc(64, (size_t)(2 * Hkv * D * Sp) * sizeof(uint16_t));
+    if (!kt) return -1;
+    uint16_t *vp = kt + Hkv * D * Sp;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < Hkv; g++) {
+        /* kt[g][s / KB][d / 2][s % KB][d % 2] = k[g][s][d]; vp[g][s / 2][d][s % 2] = v[g][s][d];
+         * 0 past S */
+        uint16_t *kg = kt + g * D * Sp, *vg = vp + g * D * Sp;
+        for (int64_t s = 0; s < Sp; s++) {
+            const int64_t s0 = s / KB * KB;
+            for (int64_t d = 0; d < D; d++) {
+                kg[s0 * D + ((d / 2) * KB + (s - s0)) * 2 + d % 2] =
+                    s < S ? bf16_round(k[g * ksh + s * kst + d]) : 0;
+                vg[((s / 2) * D + d) * 2 + s % 2] = s < S ? bf16_round(v[g * vsh + s * vst + d]) : 0;
+            }
+        }
+    }
+    const int64_t nqb = (T + R - 1) / R;
+    const float sc = (float)scale;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < H * nqb; task++) {
+        const int64_t h = task / nqb, t0 = (nqb - 1 - task % nqb) * R;
+        const int rows = T - t0 < R ? (int)(T - t0) : R;
+        const float *qh = q + h * qsh + t0 * qst;
+        const uint16_t *kg = kt + (h / group) * D * Sp, *vg = vp + (h / group) * D * Sp;
+        float *oh = out + h * D;
+#define ATTEND_ROWS(RR, NKK, DVV) \
+    attend_prompt_rows_bf16(RR, NKK, DVV, qh, qst, t0, kg, vg, S, mask, mst, (int)causal, sc, oh, H * D)
+        if (D == 64) {
+            switch (rows) {
+            case 1: ATTEND_ROWS(1, 2, 4); break;
+            case 2: ATTEND_ROWS(2, 2, 4); break;
+            case 3: ATTEND_ROWS(3, 2, 4); break;
+            default: ATTEND_ROWS(4, 2, 4);
+            }
+        } else if (rows == 1) ATTEND_ROWS(1, 4, 8);
+        else ATTEND_ROWS(2, 4, 8);
 #undef ATTEND_ROWS
     }
     free(kt);

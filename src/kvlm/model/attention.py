@@ -236,11 +236,14 @@ def attend(
     """SDPA of q (B, H, T, D) over k, v (B, Hkv, S, D), H a multiple of Hkv; with
     `softcap`, the scores capped first (`attend_capped`).
 
-    `bf16` (prompt rows with --prefill-dtype bf16, on the CPU): q, k and v rounded to bf16
-    and torch's flash attention over them (oneDNN's bf16 brgemm: AMX tiles, or AVX512-BF16),
-    fp32 scores and softmax, the weights rounded to bf16 for p.V; on the AMX Xeon 2-4x
-    kvlm_attend's fp32 from 1,024 keys (docs/BENCHMARKS.md 19.8), the prompt's largest cost
-    at long contexts. The same trade as the prompt's bf16 products.
+    `bf16` (prompt rows of rounded prompt products, on the CPU:
+    kvlm.defaults.prompt_attention_bf16): q, k and v rounded to bf16, fp32 scores and
+    softmax, the weights rounded to bf16 for p.V. With AMX, torch's flash attention over
+    them (oneDNN's bf16 brgemm on the tiles: on the AMX Xeon 2-4x kvlm_attend's fp32 from
+    1,024 keys); else kvlm_attend's bf16 pairs (vdpbf16ps; on a Zen 4 ~1.55x its fp32 from
+    512 keys, where torch's bf16 flash attention is 0.45-0.85x of it: docs/BENCHMARKS.md
+    19.8, 19.10), torch's where that does not apply. The prompt's largest cost at long
+    contexts. The same trade as the prompt's rounded products.
 
     On CUDA a grouped-query call with an explicit mask (a prefill chunk after the first, a
     batch of rows at different positions, a window step) finds no fused kernel: flash
@@ -251,6 +254,10 @@ def attend(
     if softcap is not None:
         return attend_capped(q, k, v, mask, is_causal, softcap)
     if bf16 and q.is_cpu and q.dtype == torch.float32 and q.shape[2] > 1:
+        if q.shape[0] == 1 and not kernels.has_amx():
+            out = _attend_kernel(q, k, v, mask, is_causal, bf16=True)
+            if out is not None:
+                return out
         out = F.scaled_dot_product_attention(
             q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=mask, is_causal=is_causal,
             enable_gqa=q.shape[1] != k.shape[1],
@@ -325,11 +332,17 @@ def attend_decode(
 
 
 def _attend_kernel(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    bf16: bool = False,
 ) -> torch.Tensor | None:
     """One sequence's prompt rows (T > 1) through kvlm's C attention (kvlm_attend: ~4x
-    torch's CPU SDPA at a 512-token prompt), or None where it does not apply (not fp32, a
-    float mask, no compiled kernels, a head size it does not take): then SDPA. Each row's
+    torch's CPU SDPA at a 512-token prompt; `bf16`: its bf16 pairs, head sizes 64 and 128
+    on AVX512-BF16), or None where it does not apply (not fp32, a float mask, no compiled
+    kernels, a head size or CPU it does not take): then SDPA. Each row's
     result depends only on its query and the keys it sees, so a prompt gets the same bits
     whole or in chunks. Decode rows (T = 1) keep SDPA, or the fused step's own attention."""
     if not (q.dtype == k.dtype == v.dtype == torch.float32):
@@ -355,7 +368,7 @@ def _attend_kernel(
         q.data_ptr(), H, T, D, q.stride(1), q.stride(2),
         k.data_ptr(), v.data_ptr(), Hkv, S, k.stride(1), k.stride(2), v.stride(1), v.stride(2),
         None if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0),
-        int(causal and mask is None), D**-0.5, out.data_ptr(),
+        int(causal and mask is None), D**-0.5, out.data_ptr(), int(bf16),
     )  # fmt: skip
     if rc == -2:
         return None
