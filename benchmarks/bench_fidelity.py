@@ -32,9 +32,8 @@ RUNS = {
     "prompt products int8": {"prefill_dtype": "int8"},
     "prompt products bf16": {"prefill_dtype": "bf16"},
     "K/V fp32": {"kv_dtype": "fp32"},
-    # the prompt's attention in fp32 whatever its products (kvlm.defaults.
-    # prompt_attention_bf16 rounds it with rounded products where the CPU has bf16)
-    "prompt attention fp32": {"prompt_attention": "fp32"},
+    # the prompt's attention in bf16 whatever its products (it follows bf16 products)
+    "prompt attention bf16": {"prompt_attention": "bf16"},
     "native weights, the rest fp32": dict(
         activations="fp32", prefill_dtype="fp32", kv_dtype="fp32"
     ),
@@ -86,9 +85,9 @@ def main() -> None:
         attention = settings.pop("prompt_attention", None)
         llm = LLM(**common, **settings)
         layers = [m for m in llm.model.modules() if isinstance(m, Attention)]
-        if attention == "fp32":
+        if attention == "bf16":
             for m in layers:
-                m.prompt_bf16 = False
+                m.prompt_bf16 = True
         num = llm.numerics
         answers = greedy_answers(llm, prompts, n)
         rounded = "bf16" if layers[0].prompt_bf16 else "fp32"

@@ -265,7 +265,7 @@ def test_qk_norm_rope_declines_what_it_does_not_take():
     [(14, 2, 64, 100, 100), (8, 8, 128, 33, 90), (12, 2, 128, 37, 37), (4, 2, 64, 5, 71)],
 )
 def test_prompt_attention_in_bf16_is_within_its_rounding(H, Hkv, D, T, S, amx, monkeypatch):
-    """`attend(bf16=True)` (rounded prompt products): q, k, v rounded to bf16 (relative
+    """`attend(bf16=True)` (--prefill-dtype bf16): q, k, v rounded to bf16 (relative
     2^-9 each), fp32 scores and softmax, the weights rounded to bf16 for p.V. A score is
     then within 2 * 2^-9 * scale * sum|q_d k_d| (E, plus the fp32 terms); a probability
     within 2E relative; the output within (2E + 2 * 2^-9) max|v| (v's and p's rounding)
@@ -310,19 +310,6 @@ def test_prompt_attention_bf16_pairs_give_a_row_its_own_bits():
     head = _attend_kernel(q[:, :, :30], k[:, :, :30], v[:, :, :30], None, True, bf16=True)
     assert torch.equal(tail, whole[:, :, 30:]) and torch.equal(head, whole[:, :, :30])
     assert not torch.equal(whole, _attend_kernel(q, k, v, None, True))
-
-
-def test_prompt_attention_rounds_with_rounded_products(monkeypatch):
-    """kvlm.defaults.prompt_attention_bf16: bf16 prompt products always; int8 ones where
-    the CPU multiplies bf16 in hardware; fp32 ones never."""
-    from kvlm import defaults
-
-    for flags, int8 in (([], False), (["avx512_vnni"], False), (["avx512_bf16"], True),
-                        (["amx_bf16", "avx512_bf16"], True)):  # fmt: skip
-        monkeypatch.setattr(kernels, "cpu_flags", lambda f=flags: f)
-        assert defaults.prompt_attention_bf16("bf16")
-        assert defaults.prompt_attention_bf16("int8") == int8
-        assert not defaults.prompt_attention_bf16("fp32")
 
 
 def test_prefill_bf16_takes_the_prompts_attention_and_nothing_else(monkeypatch):

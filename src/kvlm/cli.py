@@ -326,10 +326,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
          "native (a GGUF file's own low-bit blocks, multiplied as stored)"),
         ("--prefill-dtype", None, "auto", "with low-bit weights: auto (default: bf16 with AMX, "
          "else int8 with VNNI, else bf16 with AVX512-BF16), fp32 (exact), bf16 (prompt "
-         "products and the prompt's attention in bf16, oneDNN) or int8 (prompt rows "
-         "rounded to int8 per group of 32 as decode rows are, integer products from the "
-         "packed blocks; the attention in bf16 where the CPU has AVX512-BF16); agreement "
-         "in docs/BENCHMARKS.md"),
+         "products in bf16 through oneDNN, and the prompt's attention in bf16) or int8 "
+         "(prompt rows rounded to int8 per group of 32 as decode rows are, integer products "
+         "from the packed blocks); agreement in docs/BENCHMARKS.md"),
         ("--activations", None, "auto", "with low-bit weights: auto (default: int8 where the "
          "CPU has VNNI), fp32 (exact) or int8 (per-token products round activations to int8 "
          "per group of 32, as llama.cpp does; faster decode, agreement in docs/BENCHMARKS.md)"),

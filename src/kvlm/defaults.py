@@ -15,8 +15,7 @@ and the CPU:
                    blocks: on Zen 5 at the VNNI peak, ~1.1 TOPS on 2 cores, over oneDNN's
                    bf16 ~0.9 TFLOPS plus the dequantized tiles and their copies), else bf16
                    where the CPU has AVX512-BF16, else fp32
-    (the prompt's attention: in bf16 where its products are bf16, or int8 on a CPU with
-    AVX512-BF16: `prompt_attention_bf16`)
+    (the prompt's attention follows: in bf16 with bf16 products, kvlm.model.attention.attend)
     kv_dtype       fp16 with low-bit weights where the kernels' fused decode step reads
                    fp16 K/V (half the bytes a decode step reads from the cache; greedy
                    agreement as fp32 K/V; llama.cpp's default too), else the compute dtype
@@ -124,16 +123,3 @@ def resolve(
 
 def _low_bit_projections(source: WeightSource) -> bool:
     return any(n.endswith(_PROJECTION_SUFFIXES) and source.is_quantized(n) for n in source.names())
-
-
-def prompt_attention_bf16(prefill_dtype: str) -> bool:
-    """Whether the prompt's attention rounds q, k, v and its weights to bf16 (fp32 scores,
-    softmax and sums; kvlm.model.attention.attend): with bf16 prompt products, and with int8
-    ones where the CPU multiplies bf16 in hardware (AVX512-BF16, or AMX). Rows already
-    rounded to int8 for their products lose nothing more there that `kvlm verify` sees, and
-    at long prompts the attention is most of the prompt's time (docs/BENCHMARKS.md 19.8,
-    19.10: 1.55x on a Zen 4, 2-4x with AMX)."""
-    if prefill_dtype == "bf16":
-        return True
-    flags = set(kernels.cpu_flags())
-    return prefill_dtype == "int8" and bool({"avx512_bf16", "amx_bf16"} & flags)

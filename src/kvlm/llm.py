@@ -164,7 +164,7 @@ class LLM:
                 module.prefill_int8 = self.prefill_dtype == "int8" and block
                 module.act_int8 = self.activations == "int8" and block
             elif isinstance(module, Attention):  # the prompt's attention with its products
-                module.prompt_bf16 = defaults.prompt_attention_bf16(self.prefill_dtype)
+                module.prompt_bf16 = self.prefill_dtype == "bf16"
         return model
 
     @property
