@@ -237,13 +237,13 @@ def attend(
     `softcap`, the scores capped first (`attend_capped`).
 
     `bf16` (prompt rows with --prefill-dtype bf16, on the CPU; Attention.prompt_bf16, set
-    by LLM): q, k and v rounded to bf16, fp32 scores and
-    softmax, the weights rounded to bf16 for p.V. With AMX, torch's flash attention over
-    them (oneDNN's bf16 brgemm on the tiles: on the AMX Xeon 2-4x kvlm_attend's fp32 from
-    1,024 keys); else kvlm_attend's bf16 pairs (vdpbf16ps; on a Zen 4 ~1.55x its fp32 from
-    512 keys, where torch's bf16 flash attention is 0.45-0.85x of it: docs/BENCHMARKS.md
-    19.8, 19.10), torch's where that does not apply. The prompt's largest cost at long
-    contexts. The same trade as the prompt's bf16 products.
+    by LLM): q, k and v rounded to bf16, fp32 scores and softmax, the weights rounded to
+    bf16 for p.V. With AMX, torch's flash attention over them (oneDNN's bf16 brgemm on the
+    tiles: on the AMX Xeon 2-4x kvlm_attend's fp32 from 1,024 keys); else kvlm_attend's
+    bf16 pairs (vdpbf16ps; on a Zen 4 1.4-1.55x its fp32 from 512 keys, where torch's bf16
+    flash attention is 0.4-0.85x of it: docs/BENCHMARKS.md 19.8, 19.10), torch's where that
+    does not apply. The prompt's largest cost at long contexts. The same trade as the
+    prompt's bf16 products.
 
     On CUDA a grouped-query call with an explicit mask (a prefill chunk after the first, a
     batch of rows at different positions, a window step) finds no fused kernel: flash
