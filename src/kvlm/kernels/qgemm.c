@@ -1786,6 +1786,16 @@ static inline void dequant_q4_row(const uint8_t *codes, const uint16_t *scales, 
  * runs finds its second row by row_at; an odd count's last row pairs with itself at weight
  * zero), so paged and contiguous pools give the same bits. */
 #define PV_ROWS 256
+#if defined(__AVX512VNNI__)
+/* acc + x . the int16 pair at w, broadcast (vpdpwssd's embedded broadcast: as dpbusd_word,
+ * one vector instruction fewer a product than GCC's set1 into a register) */
+typedef int32_t __attribute__((may_alias)) pair_i16; /* two int16 read as one word */
+static inline __attribute__((always_inline)) __m512i dpwssd_word(__m512i acc, __m512i x,
+                                                                 const pair_i16 *w) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(x), "m"(*w));
+    return acc;
+}
+#endif
 static inline __attribute__((always_inline)) void
 pv_q4_v(const int NG, const float *p, const kv_span *Vs, const kv_span *Vps, int64_t D,
         int64_t S, int64_t v0, int64_t s1, float *o) {
@@ -1857,12 +1867,10 @@ pv_q4_v(const int NG, const float *p, const kv_span *Vs, const kv_span *Vps, int
                         _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r1 + 16 * g))), 16));
                     const __m512i ce = _mm512_sub_epi16(_mm512_and_si512(x, nib), eight);
                     const __m512i co = _mm512_sub_epi16(_mm512_and_si512(_mm512_srli_epi32(x, 4), nib), eight);
-                    for (int h = 0; h < NG; h++) {
-                        int32_t pair;
-                        memcpy(&pair, wq[h] + (s - c0), 4);
-                        const __m512i wp = _mm512_set1_epi32(pair);
-                        xe[h] = _mm512_dpwssd_epi32(xe[h], ce, wp);
-                        xo[h] = _mm512_dpwssd_epi32(xo[h], co, wp);
+                    for (int h = 0; h < NG; h++) { /* the pair's weights broadcast */
+                        const pair_i16 *wp = (const pair_i16 *)(wq[h] + (s - c0));
+                        xe[h] = dpwssd_word(xe[h], ce, wp);
+                        xo[h] = dpwssd_word(xo[h], co, wp);
                     }
                 }
             }
@@ -2212,6 +2220,41 @@ scores_q4_v(const int NG, const int NB, const int8_t *q8, int64_t QS, const floa
  * group scales and the head's query scale. No horizontal sums: the 16 rows' scores come
  * out as one vector, each lane its own row's (a run's last rows are masked lanes), so
  * paged and contiguous pools agree. */
+/* X[k] lane j = the 32-bit word k of row j, for 16 rows of `rowb` bytes from r (8 words
+ * each from r: a 16 x 8 transpose of words in three rounds of two-source permutes, the
+ * rows loaded whole instead of 8 gathers) */
+static inline __attribute__((always_inline)) void words_t(const uint8_t *r, int64_t rowb,
+                                                          __m512i *X) {
+    static const int32_t i1[2][16] = { /* lane 4a + b: row a (of 4), word 4h + b */
+        {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+        {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31}};
+    static const int32_t i2[2][16] = { /* lane 2a + b: row a (of 8), word 2t + b (of 4) */
+        {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+        {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31}};
+    static const int32_t i3[2][16] = { /* lane a: row a (of 16), word u (of 2) */
+        {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
+        {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
+    __m512i Z[8], A[4][2], B[2][2][2];
+    for (int i = 0; i < 8; i++) /* rows 2i, 2i + 1: 8 words each */
+        Z[i] = rowb == 32 ? _mm512_loadu_si512(r + 64 * i)
+                          : _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(r + 2 * i * rowb))),
+                                               _mm256_loadu_si256((const __m256i *)(r + (2 * i + 1) * rowb)), 1);
+    for (int h = 0; h < 2; h++) {
+        const __m512i ix = _mm512_loadu_si512(i1[h]);
+        for (int i = 0; i < 4; i++) A[i][h] = _mm512_permutex2var_epi32(Z[2 * i], ix, Z[2 * i + 1]);
+    }
+    for (int t = 0; t < 2; t++) {
+        const __m512i ix = _mm512_loadu_si512(i2[t]);
+        for (int j = 0; j < 2; j++)
+            for (int h = 0; h < 2; h++) B[j][h][t] = _mm512_permutex2var_epi32(A[2 * j][h], ix, A[2 * j + 1][h]);
+    }
+    for (int u = 0; u < 2; u++) {
+        const __m512i ix = _mm512_loadu_si512(i3[u]);
+        for (int h = 0; h < 2; h++)
+            for (int t = 0; t < 2; t++) X[4 * h + 2 * t + u] = _mm512_permutex2var_epi32(B[0][h][t], ix, B[1][h][t]);
+    }
+}
+
 static inline __attribute__((always_inline)) void
 scores_q4_t(const int NG, const int NW, const int8_t *q8, int64_t QS, const float *sg,
             const kv_span *Ks, const kv_span *Kps, int64_t D, int64_t S, int64_t s0, int64_t s1,
@@ -2235,6 +2278,12 @@ scores_q4_t(const int NG, const int NW, const int8_t *q8, int64_t QS, const floa
     const __m512i words = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(rowb / 4)));
     const __m512i pwords = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(ns / 2)));
     const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F), half = _mm512_set1_epi32(0xFFFF);
+    __m512i pick[2]; /* lane j: word w of row j from 16 rows of 2 words (two vectors) */
+    for (int w = 0; w < 2; w++) {
+        int32_t t[16];
+        for (int j = 0; j < 16; j++) t[j] = (j / 8) * 16 + 2 * (j % 8) + w;
+        pick[w] = _mm512_loadu_si512(t);
+    }
     for (int64_t a0 = s0, e; a0 < s1; a0 = e) {
     const char *lim;
     const uint8_t *K = (const uint8_t *)run_at(Ks, rowb, a0, s1, &e, &lim);
@@ -2249,20 +2298,33 @@ scores_q4_t(const int NG, const int NW, const int8_t *q8, int64_t QS, const floa
         __m512 acc[8];
         for (int h = 0; h < NG; h++) acc[h] = _mm512_setzero_ps();
         __m512 d = _mm512_setzero_ps(), dn = _mm512_setzero_ps();
+        __m512i X[8]; /* words 8 (g / 2) .. + 7 of the 16 rows: lane j row j's */
         for (int g = 0; g < NW / 4; g++) {
             if (g % 2 == 0) { /* groups g and g + 1: one 32-bit word of each row's scales */
-                const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m,
-                                                              _mm512_add_epi32(pwords, _mm512_set1_epi32(g / 2)), pr, 4);
+                __m512i w;
+                if (R == 16 && ns == 2) /* the rows' scales are 16 words in a row */
+                    w = _mm512_loadu_si512(pr);
+                else if (R == 16 && ns == 4) /* 2 words a row: word g / 2 of each */
+                    w = _mm512_permutex2var_epi32(_mm512_loadu_si512(pr), pick[g / 2],
+                                                  _mm512_loadu_si512(pr + 32));
+                else
+                    w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m,
+                                                    _mm512_add_epi32(pwords, _mm512_set1_epi32(g / 2)), pr, 4);
                 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(w, half)));
                 dn = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
+                if (R == 16)
+                    words_t(r + 32 * (g / 2), rowb, X);
+                else
+                    for (int k = 0; k < 8; k++)
+                        X[k] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m,
+                                                           _mm512_add_epi32(words, _mm512_set1_epi32(4 * g + k)), r, 4);
             } else {
                 d = dn;
             }
             __m512i x[8];
             for (int h = 0; h < NG; h++) x[h] = _mm512_setzero_si512();
             for (int k = 4 * g; k < 4 * g + 4; k++) {
-                const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m,
-                                                              _mm512_add_epi32(words, _mm512_set1_epi32(k)), r, 4);
+                const __m512i w = X[k % 8];
                 const __m512i lo = _mm512_and_si512(w, nib), hi = _mm512_and_si512(_mm512_srli_epi32(w, 4), nib);
                 for (int h = 0; h < NG; h++) {
                     x[h] = dot_u8s8(x[h], lo, _mm512_set1_epi32(qe[h][k]));
