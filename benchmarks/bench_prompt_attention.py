@@ -1,5 +1,5 @@
 """One layer's prompt attention on the CPU: kvlm's C kernel in fp32 (kvlm_attend) against
-the two bf16 roads of rounded prompt products (kvlm.model.attention.attend(bf16=True)):
+the two bf16 roads of rounded prompt products (kvlm.model.attention.attend(bf16_from=0)):
 torch's flash attention over q, k, v rounded to bf16 (casts included; taken with AMX) and
 kvlm_attend's bf16 pairs (vdpbf16ps; taken on AVX512-BF16 without AMX, "-" where the CPU
 has none); 14 query heads over 2 K/V heads of 64 (the Qwen2.5-0.5B shape), min of 5 after
@@ -47,11 +47,11 @@ def main() -> None:
         mask, causal = causal_mask(S - T, T, S, None, q.device)  # a chunk after a prefix
         fp32 = best_ms(_attend_kernel, (q, k, v, mask, causal))
         with patch.object(kernels, "has_amx", lambda: True):  # torch's road
-            bf16 = best_ms(attend, (q, k, v, mask, causal), bf16=True)
-        if _attend_kernel(q, k, v, mask, causal, bf16=True) is None:
+            bf16 = best_ms(attend, (q, k, v, mask, causal), bf16_from=0)
+        if _attend_kernel(q, k, v, mask, causal, bf16_row=0) is None:
             pairs = "- | -"
         else:
-            ms = best_ms(_attend_kernel, (q, k, v, mask, causal), bf16=True)
+            ms = best_ms(_attend_kernel, (q, k, v, mask, causal), bf16_row=0)
             pairs = f"{ms:.2f} | {fp32 / ms:.2f}"
         print(f"| {T:,} x {S:,} | {fp32:.2f} | {bf16:.2f} | {fp32 / bf16:.2f} | {pairs} |",
               flush=True)  # fmt: skip

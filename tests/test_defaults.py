@@ -100,6 +100,38 @@ def test_the_prompt_products_rule(monkeypatch, flags, vnni, prefill):
     assert _resolve(FLOAT_FILE).prefill_dtype == "fp32"  # float weights: the dense path
 
 
+@pytest.mark.parametrize(
+    ("flags", "vnni", "attention"),
+    [
+        (["avx512_bf16", "amx_bf16", "avx512_vnni"], 1, 0),  # bf16 products: every row
+        (["avx512_bf16", "avx512_vnni"], 1, defaults.LONG_ATTENTION),  # int8: the long rows
+        (["avx512_vnni"], 1, None),  # int8 products, no bf16 multiplies: fp32
+        (["avx512_bf16"], 0, 0),
+        (["avx2"], 0, None),
+    ],
+)
+def test_the_prompt_attention_rule(monkeypatch, flags, vnni, attention):
+    """Which prompt rows attend in bf16 on each kind of CPU: every one with bf16 prompt
+    products, those from LONG_ATTENTION keys with int8 ones where the CPU multiplies bf16,
+    none otherwise; a named prefill dtype decides it as its auto self would."""
+
+    class Kernels:
+        @staticmethod
+        def kvlm_kernel_vnni():
+            return vnni
+
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(kernels, "library", lambda: Kernels)
+    got = _resolve(LOW_BIT_FILE)
+    assert got.attention_bf16_from == attention
+    said = any("prompt attention" in r for r in got.reasons)
+    assert said == (attention == defaults.LONG_ATTENTION)
+    assert _resolve(LOW_BIT_FILE, prefill_dtype="fp32").attention_bf16_from is None
+    assert _resolve(LOW_BIT_FILE, prefill_dtype="bf16").attention_bf16_from == 0
+    assert _resolve(LOW_BIT_FILE, exact=True).attention_bf16_from is None
+    assert _resolve(FLOAT_FILE).attention_bf16_from is None  # fp32 products
+
+
 def test_named_settings_win_over_auto():
     got = _resolve(LOW_BIT_FILE, weights="int8", activations="fp32", prefill_dtype="fp32")
     assert (got.weights, got.activations, got.prefill_dtype) == ("int8", "fp32", "fp32")

@@ -265,7 +265,7 @@ def test_qk_norm_rope_declines_what_it_does_not_take():
     [(14, 2, 64, 100, 100), (8, 8, 128, 33, 90), (12, 2, 128, 37, 37), (4, 2, 64, 5, 71)],
 )
 def test_prompt_attention_in_bf16_is_within_its_rounding(H, Hkv, D, T, S, amx, monkeypatch):
-    """`attend(bf16=True)` (--prefill-dtype bf16): q, k, v rounded to bf16 (relative
+    """`attend(bf16_from=0)` (--prefill-dtype bf16): q, k, v rounded to bf16 (relative
     2^-9 each), fp32 scores and softmax, the weights rounded to bf16 for p.V. A score is
     then within 2 * 2^-9 * scale * sum|q_d k_d| (E, plus the fp32 terms); a probability
     within 2E relative; the output within (2E + 2 * 2^-9) max|v| (v's and p's rounding)
@@ -278,7 +278,7 @@ def test_prompt_attention_in_bf16_is_within_its_rounding(H, Hkv, D, T, S, amx, m
     torch.manual_seed(T + S)
     q, k, v = torch.randn(1, H, T, D), torch.randn(1, Hkv, S, D), torch.randn(1, Hkv, S, D)
     mask, causal = causal_mask(S - T, T, S, None, q.device)
-    got = attend(q, k, v, mask, causal, bf16=True)
+    got = attend(q, k, v, mask, causal, bf16_from=0)
     assert got.dtype == torch.float32 and got.shape == (1, H, T, D)
     want = _exact(q, k, v, mask, causal)
     group = H // Hkv
@@ -302,14 +302,99 @@ def test_prompt_attention_bf16_pairs_give_a_row_its_own_bits():
     torch.manual_seed(5)
     H, Hkv, D, T = 12, 2, 64, 45
     q, k, v = torch.randn(1, H, T, D), torch.randn(1, Hkv, T, D), torch.randn(1, Hkv, T, D)
-    whole = _attend_kernel(q, k, v, None, True, bf16=True)
+    whole = _attend_kernel(q, k, v, None, True, bf16_row=0)
     if whole is None:
         pytest.skip("no AVX512-BF16: kvlm_attend's bf16 pairs decline (torch's road)")
     mask, causal = causal_mask(30, T - 30, T, None, q.device)
-    tail = _attend_kernel(q[:, :, 30:], k, v, mask, causal, bf16=True)
-    head = _attend_kernel(q[:, :, :30], k[:, :, :30], v[:, :, :30], None, True, bf16=True)
+    tail = _attend_kernel(q[:, :, 30:], k, v, mask, causal, bf16_row=0)
+    head = _attend_kernel(q[:, :, :30], k[:, :, :30], v[:, :, :30], None, True, bf16_row=0)
     assert torch.equal(tail, whole[:, :, 30:]) and torch.equal(head, whole[:, :, :30])
     assert not torch.equal(whole, _attend_kernel(q, k, v, None, True))
+
+
+@needs_vector_kernels
+@pytest.mark.parametrize(("H", "Hkv", "D"), [(12, 2, 64), (6, 2, 128)])
+def test_prompt_attention_bf16_from_a_row_on(H, Hkv, D):
+    """kvlm_attend's rows from `bf16_row` on take the bf16 pairs and the rows before it
+    the fp32 kernel, each with the bits it has when the whole call is in its dtype (at
+    row group boundaries of both kernels and off them), causal or after a prefix."""
+    from kvlm.cache.base import causal_mask
+
+    torch.manual_seed(D)
+    T = 45
+    q, k, v = torch.randn(1, H, T, D), torch.randn(1, Hkv, T, D), torch.randn(1, Hkv, T, D)
+    bf16 = _attend_kernel(q, k, v, None, True, bf16_row=0)
+    if bf16 is None:
+        pytest.skip("no AVX512-BF16: kvlm_attend's bf16 pairs decline (torch's road)")
+    fp32 = _attend_kernel(q, k, v, None, True)
+    assert torch.equal(_attend_kernel(q, k, v, None, True, bf16_row=T), fp32)
+    mask, causal = causal_mask(20, T - 20, T, None, q.device)
+    for r in (1, 13, 32, 44):
+        got = _attend_kernel(q, k, v, None, True, bf16_row=r)
+        assert torch.equal(got[:, :, :r], fp32[:, :, :r])
+        assert torch.equal(got[:, :, r:], bf16[:, :, r:])
+        tail = _attend_kernel(q[:, :, 20:], k, v, mask, causal, bf16_row=max(0, r - 20))
+        assert torch.equal(tail, got[:, :, 20:])
+
+
+@needs_vector_kernels
+@pytest.mark.parametrize("D", [64, 96])
+def test_attend_bf16_from_a_position_keeps_a_rows_bits_whatever_its_chunk(D):
+    """`attend(bf16_from=N)` (int8 prompt products' long rows): a row at position N or
+    later attends in bf16 and one before it in fp32, whether the prompt comes whole or in
+    chunks that straddle N; where the bf16 pairs do not take the head size (96), every
+    row keeps fp32 (not torch's bf16 road), so a row's bits never depend on its chunk."""
+    from kvlm.cache.base import causal_mask
+
+    torch.manual_seed(D + 1)
+    H, Hkv, T, N = 8, 2, 70, 37
+    q, k, v = torch.randn(1, H, T, D), torch.randn(1, Hkv, T, D), torch.randn(1, Hkv, T, D)
+    whole = attend(q, k, v, None, True, bf16_from=N)
+    fp32 = attend(q, k, v, None, True)
+    bf16 = _attend_kernel(q, k, v, None, True, bf16_row=0)
+    if D == 96 or bf16 is None:  # the pairs decline: fp32 throughout
+        assert torch.equal(whole, fp32)
+    else:
+        assert torch.equal(whole[:, :, :N], fp32[:, :, :N])
+        assert torch.equal(whole[:, :, N:], bf16[:, :, N:])
+    for a, b in ((0, 30), (30, 50), (50, 70)):  # chunks before, across and past N
+        mask, causal = causal_mask(a, b - a, b, None, q.device)
+        part = attend(q[:, :, a:b], k[:, :, :b], v[:, :, :b], mask, causal, bf16_from=N)
+        assert torch.equal(part, whole[:, :, a:b])
+
+
+@needs_kernels
+def test_a_model_row_past_bf16_from_has_its_bits_whole_or_in_chunks():
+    """The model's prompt rows (int8 products, row-count invariant) with the attention in
+    bf16 from position 24 on: a 60-token prompt's logits whole or in three chunks (one
+    straddling 24, at rows 20-39) are the same bits, and the rows from 24 on are not the
+    fp32 road's where the CPU has the bf16 pairs (a row's position decides, not its
+    chunk)."""
+    from kvlm import LLM
+    from kvlm.model.attention import Attention
+
+    lib = kernels.library()
+    if not lib.kvlm_kernel_vnni():
+        pytest.skip("no VNNI: no row-count invariant int8 prompt products to hold the rest fixed")
+    llm = LLM(progress=False, max_context=128, prefill_dtype="int8")
+    layers = [m for m in llm.model.modules() if isinstance(m, Attention)]
+    ids = [(11 * i) % 3000 + 50 for i in range(60)]
+
+    def logits(bf16_from, cuts):
+        for m in layers:
+            m.prompt_bf16_from = bf16_from
+        cache = llm.new_cache("contiguous")
+        return torch.cat([llm.runner.logits(ids[a:b], cache) for a, b in cuts])
+
+    whole = logits(24, [(0, 60)])
+    # chunks of more than 16 rows: at 16 or fewer a projection takes the small products'
+    # road, whose logits' last bits differ (seen with fp32 attention alike)
+    assert torch.equal(logits(24, [(0, 20), (20, 40), (40, 60)]), whole)
+    fp32 = logits(None, [(0, 60)])
+    assert torch.equal(whole[:24], fp32[:24])
+    q = torch.randn(1, 2, 4, 64)
+    if _attend_kernel(q, q, q, None, True, bf16_row=0) is not None:  # the pairs run here
+        assert not torch.equal(whole[24:], fp32[24:])
 
 
 def test_prefill_bf16_takes_the_prompts_attention_and_nothing_else(monkeypatch):
@@ -321,9 +406,9 @@ def test_prefill_bf16_takes_the_prompts_attention_and_nothing_else(monkeypatch):
     calls = []
     attend = attention.attend
 
-    def spy(q, *a, bf16=False, **kw):
-        calls.append(torch.bfloat16 if bf16 else q.dtype)
-        return attend(q, *a, bf16=bf16, **kw)
+    def spy(q, *a, bf16_from=None, **kw):
+        calls.append(torch.bfloat16 if bf16_from == 0 else q.dtype)
+        return attend(q, *a, bf16_from=bf16_from, **kw)
 
     monkeypatch.setattr(attention, "attend", spy)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

@@ -15,7 +15,9 @@ and the CPU:
                    blocks: on Zen 5 at the VNNI peak, ~1.1 TOPS on 2 cores, over oneDNN's
                    bf16 ~0.9 TFLOPS plus the dequantized tiles and their copies), else bf16
                    where the CPU has AVX512-BF16, else fp32
-    (the prompt's attention follows: in bf16 with bf16 products, kvlm.model.attention.attend)
+    (the prompt's attention follows: in bf16 with bf16 products; with int8 products, in
+    bf16 for the rows that see LONG_ATTENTION keys or more where the CPU multiplies bf16:
+    `attention_bf16_from`, kvlm.model.attention.attend)
     kv_dtype       fp16 with low-bit weights where the kernels' fused decode step reads
                    fp16 K/V (half the bytes a decode step reads from the cache; greedy
                    agreement as fp32 K/V; llama.cpp's default too), else the compute dtype
@@ -40,6 +42,15 @@ if TYPE_CHECKING:
     from kvlm.model.weights import WeightSource
 
 AUTO = "auto"
+# With int8 prompt products, prompt rows at this position or later (that see this many keys
+# or more) attend in bf16 pairs where the CPU has AVX512-BF16: there the attention is most
+# of a long prompt's time (55% at 8k tokens on the Qwen2.5-0.5B shape, a Zen 4) and the
+# pairs take 1.4-1.5x less of it, while below it they gain little (1.1-1.3x at 128-256
+# keys, and the attention is a small share of a short prompt's time), so a short prompt
+# keeps fp32's bits. On 8,000 tokens of real text the bf16 rows moved the default
+# model's KL divergence from the fp32 reference by no more than the int8 products' own
+# jitter (docs/BENCHMARKS.md 19.10).
+LONG_ATTENTION = 2048
 LOW_BIT = ("int8", "int4", "native")
 # names of the projection weights whose storage decides `weights` (not norms, not biases)
 _PROJECTION_SUFFIXES = ("proj.weight", "lm_head.weight")
@@ -54,6 +65,8 @@ class Numerics:
     prefill_dtype: str
     kv_dtype: str | None  # None: the compute dtype
     reasons: tuple[str, ...] = ()
+    # prompt rows at this position or later attend in bf16 (0: all; None: none, fp32)
+    attention_bf16_from: int | None = None
 
 
 def resolve(
@@ -107,6 +120,15 @@ def resolve(
         elif "avx512_bf16" in flags:
             prefill_dtype = "bf16"
             reasons.append("prefill bf16: the CPU multiplies bf16 in hardware")
+    attention_bf16_from = None
+    if prefill_dtype == "bf16":
+        attention_bf16_from = 0
+    elif prefill_dtype == "int8" and "avx512_bf16" in kernels.cpu_flags():
+        attention_bf16_from = LONG_ATTENTION
+        reasons.append(
+            f"prompt attention bf16 from {LONG_ATTENTION:,} keys on: AVX512-BF16 pairs "
+            "where the attention is most of a long prompt's time"
+        )
     k, v = kv_sides(kv_dtype) if isinstance(kv_dtype, str) else ("", "")
     if AUTO in (k, v):
         auto = None
@@ -118,7 +140,9 @@ def resolve(
         else:  # a side left to auto: fp16, or the compute dtype
             k, v = ((auto or compute) if s == AUTO else s for s in (k, v))
             kv_dtype = k if k == v else f"{k}/{v}"
-    return Numerics(weights, activations, prefill_dtype, kv_dtype, tuple(reasons))
+    return Numerics(
+        weights, activations, prefill_dtype, kv_dtype, tuple(reasons), attention_bf16_from
+    )
 
 
 def _low_bit_projections(source: WeightSource) -> bool:

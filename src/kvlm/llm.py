@@ -163,8 +163,8 @@ class LLM:
                 module.prefill_bf16 = self.prefill_dtype == "bf16" and block
                 module.prefill_int8 = self.prefill_dtype == "int8" and block
                 module.act_int8 = self.activations == "int8" and block
-            elif isinstance(module, Attention):  # the prompt's attention with its products
-                module.prompt_bf16 = self.prefill_dtype == "bf16"
+            elif isinstance(module, Attention):  # the prompt's attention (kvlm.defaults)
+                module.prompt_bf16_from = self.numerics.attention_bf16_from
         return model
 
     @property
@@ -382,6 +382,7 @@ class LLM:
             "weights": self.weights or dtype_name(self.dtype),
             "kernels": kernels.status() if self.weights in defaults.LOW_BIT else None,
             "prefill_dtype": self.prefill_dtype,
+            "attention_bf16_from": self.numerics.attention_bf16_from,
             "activations": self.activations,
             "numerics": list(self.numerics.reasons),
             "kv_dtype": self.cache_spec().kv_name,

@@ -232,7 +232,8 @@ class Engine:
             parts = part_layout(block, store.k_dtype, store.v_dtype)
             ns = namespace(
                 "kvlm/tiers/v2", llm.fingerprint, numerics.weights, numerics.activations,
-                numerics.prefill_dtype, llm.dtype, spec.device.type, spec.kv_name, block,
+                numerics.prefill_dtype, numerics.attention_bf16_from, llm.dtype,
+                spec.device.type, spec.kv_name, block,
             )  # fmt: skip
             if g:  # a windowed group: which layers, which window
                 layers = [i for i, (at, _) in enumerate(self.pool.layer_at) if at == g]

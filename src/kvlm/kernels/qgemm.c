@@ -144,7 +144,7 @@ static inline uint16_t to_f16(float f) {
 #endif
 }
 
-int kvlm_kernel_abi(void) { return 17; }
+int kvlm_kernel_abi(void) { return 18; }
 
 /* 512: AVX-512; 256: the same code on AVX2 (two halves per vector); 0: scalar loops */
 int kvlm_kernel_simd(void) { return KVLM_V512; }
@@ -3208,33 +3208,67 @@ static inline uint16_t bf16_round(float x) {
  * head h / (H / Hkv); softmax(scale q.k) v. Which keys row t sees: those with
  * mask[t * mst + s] != 0 (a bool [T, S] tensor) when mask is given, else 0 .. t when
  * `causal` (the top-left triangle, SDPA's is_causal), else all. out [T][H][D] contiguous.
- * `bf16`: q, k, v and the softmax's weights rounded to bf16, multiplied in pairs
- * (vdpbf16ps), scores, softmax and sums in fp32 (attend_prompt_rows_bf16; AVX512-BF16
- * only). Returns 0; -1 when scratch memory cannot be had; -2 for a shape it does not take
- * (D not a multiple of 16 or over 256 (bf16: of 32, 128 at most), no AVX-512 (bf16: no
- * AVX512-BF16): the caller uses torch's SDPA). */
+ * Rows from `bf16_from` on (0: all; T or more: none): q, k, v and the softmax's weights
+ * rounded to bf16, multiplied in pairs (vdpbf16ps), scores, softmax and sums in fp32
+ * (attend_prompt_rows_bf16; AVX512-BF16 only); the rows before it in fp32
+ * (attend_prompt_rows). Either way a row's bits depend on its own query and the keys it
+ * sees alone. Returns 0; -1 when scratch memory cannot be had; -2, touching nothing, for
+ * a shape it does not take (D not a multiple of 16 or over 256 (bf16 rows: not 64 or 128),
+ * no AVX-512 (bf16 rows: no AVX512-BF16): the caller uses torch's SDPA). */
 static int attend_prompt_bf16(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh,
                        int64_t qst, const float *k, const float *v, int64_t Hkv, int64_t S,
                        int64_t ksh, int64_t kst, int64_t vsh, int64_t vst, const uint8_t *mask,
-                       int64_t mst, int64_t causal, double scale, float *out);
+                       int64_t mst, int64_t causal, double scale, float *out, int64_t r0);
+static int attend_prompt_f32(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh,
+                       int64_t qst, const float *k, const float *v, int64_t Hkv, int64_t S,
+                       int64_t ksh, int64_t kst, int64_t vsh, int64_t vst, const uint8_t *mask,
+                       int64_t mst, int64_t causal, double scale, float *out, int64_t r1);
+
+/* the keys rows before r1 can read: a causal call's rows see none past their own (a
+ * block's worth more: the kernels read whole blocks of 16 NK keys past a row group) */
+static inline int64_t keys_read(int64_t S, int64_t causal, int64_t r1) {
+    return causal && r1 + 64 < S ? r1 + 64 : S;
+}
 
 int kvlm_attend(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh, int64_t qst,
                 const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksh,
                 int64_t kst, int64_t vsh, int64_t vst, const uint8_t *mask, int64_t mst,
-                int64_t causal, double scale, float *out, int64_t bf16) {
-    if (bf16)
-        return attend_prompt_bf16(q, H, T, D, qsh, qst, k, v, Hkv, S, ksh, kst, vsh, vst, mask, mst,
-                           causal, scale, out);
+                int64_t causal, double scale, float *out, int64_t bf16_from) {
+    const int64_t b = bf16_from < 0 ? 0 : bf16_from > T ? T : bf16_from;
+    if (T < 1 || S < 1 || Hkv < 1 || H % Hkv) return -2;
+#if !defined(KVLM_ATTEND_BF16)
+    if (b < T) return -2;
+#endif
+    if (b < T && D != 64 && D != 128) return -2;
+#if !KVLM_V512
+    if (b > 0) return -2;
+#endif
+    if (b > 0 && (D % 16 || D > 256)) return -2;
+    int rc = 0;
+    if (b < T) /* the longest rows first */
+        rc = attend_prompt_bf16(q, H, T, D, qsh, qst, k, v, Hkv, S, ksh, kst, vsh, vst, mask,
+                                mst, causal, scale, out, b);
+    if (rc == 0 && b > 0)
+        rc = attend_prompt_f32(q, H, T, D, qsh, qst, k, v, Hkv, S, ksh, kst, vsh, vst, mask,
+                               mst, causal, scale, out, b);
+    return rc;
+}
+
+/* kvlm_attend's fp32 rows 0 .. r1 - 1 */
+static int attend_prompt_f32(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh,
+                       int64_t qst, const float *k, const float *v, int64_t Hkv, int64_t S,
+                       int64_t ksh, int64_t kst, int64_t vsh, int64_t vst, const uint8_t *mask,
+                       int64_t mst, int64_t causal, double scale, float *out, int64_t r1) {
 #if !KVLM_V512
     (void)q, (void)H, (void)T, (void)D, (void)qsh, (void)qst, (void)k, (void)v, (void)Hkv;
     (void)S, (void)ksh, (void)kst, (void)vsh, (void)vst, (void)mask, (void)mst, (void)causal;
-    (void)scale, (void)out;
+    (void)scale, (void)out, (void)r1;
     return -2;
 #else
-    if (D % 16 || D > 256 || T < 1 || S < 1 || Hkv < 1 || H % Hkv) return -2;
+    (void)T;
     /* rows per pass and key vectors per block: D = 64 4 x 2, D = 128 2 x 4, else 1 x 2 */
     const int R = D == 64 ? 4 : D == 128 ? 2 : 1, NK = D == 128 ? 4 : 2, KB = 16 * NK;
-    const int64_t Sp = (S + KB - 1) / KB * KB, group = H / Hkv;
+    const int64_t Sn = keys_read(S, causal, r1), Sp = (Sn + KB - 1) / KB * KB, group = H / Hkv;
     float *kt = aligned_alloc(64, (size_t)(Hkv * D * Sp) * sizeof(float));
     if (!kt) return -1;
 #pragma omp parallel for schedule(static)
@@ -3243,9 +3277,9 @@ int kvlm_attend(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh, in
         for (int64_t s0 = 0; s0 < Sp; s0 += KB)
             for (int64_t s = s0; s < s0 + KB; s++)
                 for (int64_t d = 0; d < D; d++)
-                    kg[s0 * D + d * KB + (s - s0)] = s < S ? k[g * ksh + s * kst + d] : 0.f;
+                    kg[s0 * D + d * KB + (s - s0)] = s < Sn ? k[g * ksh + s * kst + d] : 0.f;
     }
-    const int64_t nqb = (T + R - 1) / R;
+    const int64_t nqb = (r1 + R - 1) / R;
     const float sc = (float)scale;
     /* a head's row groups one after another, the last (most keys) first: the threads
      * share one head's K and V while they last in cache (8 KV heads of 512 x 128 keys
@@ -3253,7 +3287,7 @@ int kvlm_attend(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh, in
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < H * nqb; task++) {
         const int64_t h = task / nqb, t0 = (nqb - 1 - task % nqb) * R;
-        const int rows = T - t0 < R ? (int)(T - t0) : R;
+        const int rows = r1 - t0 < R ? (int)(r1 - t0) : R;
         const float *qh = q + h * qsh + t0 * qst, *kg = kt + (h / group) * D * Sp;
         const float *vg = v + (h / group) * vsh;
         float *oh = out + h * D;
@@ -3287,14 +3321,13 @@ int kvlm_attend(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh, in
 static int attend_prompt_bf16(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh,
                        int64_t qst, const float *k, const float *v, int64_t Hkv, int64_t S,
                        int64_t ksh, int64_t kst, int64_t vsh, int64_t vst, const uint8_t *mask,
-                       int64_t mst, int64_t causal, double scale, float *out) {
+                       int64_t mst, int64_t causal, double scale, float *out, int64_t r0) {
 #if !defined(KVLM_ATTEND_BF16)
     (void)q, (void)H, (void)T, (void)D, (void)qsh, (void)qst, (void)k, (void)v, (void)Hkv;
     (void)S, (void)ksh, (void)kst, (void)vsh, (void)vst, (void)mask, (void)mst, (void)causal;
-    (void)scale, (void)out;
+    (void)scale, (void)out, (void)r0;
     return -2;
 #else
-    if ((D != 64 && D != 128) || T < 1 || S < 1 || Hkv < 1 || H % Hkv) return -2;
     /* rows per pass and key vectors per block as the fp32 kernel's */
     const int R = D == 64 ? 4 : 2, NK = D == 64 ? 2 : 4, KB = 16 * NK;
     const int64_t Sp = (S + KB - 1) / KB * KB, group = H / Hkv;
@@ -3315,11 +3348,11 @@ static int attend_prompt_bf16(const float *q, int64_t H, int64_t T, int64_t D, i
             }
         }
     }
-    const int64_t nqb = (T + R - 1) / R;
+    const int64_t nqb = (T - r0 + R - 1) / R; /* rows r0 .. T - 1 */
     const float sc = (float)scale;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < H * nqb; task++) {
-        const int64_t h = task / nqb, t0 = (nqb - 1 - task % nqb) * R;
+        const int64_t h = task / nqb, t0 = r0 + (nqb - 1 - task % nqb) * R;
         const int rows = T - t0 < R ? (int)(T - t0) : R;
         const float *qh = q + h * qsh + t0 * qst;
         const uint16_t *kg = kt + (h / group) * D * Sp, *vg = vp + (h / group) * D * Sp;

@@ -74,8 +74,9 @@ class Attention(nn.Module):
         self.k_norm = k_norm
         self.q_scale: float | None = None  # queries times this (a score scale, no q norm)
         self.softcap: float | None = None  # scores soft-capped: cap * tanh(s / cap) (Gemma 2)
-        # prompt rows' attention in bf16 on the CPU (set with --prefill-dtype bf16: `attend`)
-        self.prompt_bf16 = False
+        # prompt rows at this position or later attend in bf16 on the CPU (0: all, with
+        # --prefill-dtype bf16; None: none): kvlm.defaults' attention_bf16_from, `attend`
+        self.prompt_bf16_from: int | None = None
 
     def forward(
         self,
@@ -111,11 +112,11 @@ class Attention(nn.Module):
         if self.q_scale is not None:
             q = q * self.q_scale
         cap = self.softcap
+        bf16_from = self.prompt_bf16_from if prompt_rows(x) else None  # attend: T > 1 too
         if kv.segments is not None:
-            out = attend_ragged(q, k_all, v_all, kv.segments, cap)
+            out = attend_ragged(q, k_all, v_all, kv.segments, cap, bf16_from)
         elif kv.rows is None and (B == 1 or not q.is_cpu):
-            bf16 = self.prompt_bf16 and prompt_rows(x)  # attend: prompt rows, T > 1
-            out = attend(q, k_all, v_all, kv.mask, kv.is_causal, softcap=cap, bf16=bf16)
+            out = attend(q, k_all, v_all, kv.mask, kv.is_causal, softcap=cap, bf16_from=bf16_from)
         else:
             out = attend_rows(q, k_all, v_all, kv, cap)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
@@ -149,13 +150,19 @@ class Attention(nn.Module):
 
 
 def attend_ragged(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments, softcap: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seg: Segments,
+    softcap: float | None = None,
+    bf16_from: int | None = None,
 ) -> torch.Tensor:
     """A ragged step's attention: q (1, H, N, D), every sequence's queries one after the
     other; k, v (Tk, Hkv, D), every sequence's keys packed; -> (1, H, N, D). On a GPU in
     bf16/fp16, one call of FlashAttention's variable-length kernel (torch's varlen_attn)
     for all sequences, causal from the bottom right (a chunk after a prefix, a decode row
-    over all its keys); elsewhere, SDPA per sequence over its own keys (`attend`)."""
+    over all its keys); elsewhere, SDPA per sequence over its own keys (`attend`, with
+    `bf16_from` as a lone sequence's prompt rows take it)."""
     out = None if softcap is not None else _varlen(q, k, v, seg)
     if out is not None:
         return out
@@ -163,7 +170,8 @@ def attend_ragged(
     for i in range(len(seg)):
         qa, qb, ka, kb = seg.cu_q[i], seg.cu_q[i + 1], seg.cu_k[i], seg.cu_k[i + 1]
         ks, vs = (x[ka:kb].transpose(0, 1)[None] for x in (k, v))  # (1, Hkv, S, D)
-        parts.append(attend(q[:, :, qa:qb], ks, vs, *seg.mask(i), softcap=softcap))
+        parts.append(attend(q[:, :, qa:qb], ks, vs, *seg.mask(i), softcap=softcap,
+                            bf16_from=bf16_from))  # fmt: skip
     return torch.cat(parts, dim=2)
 
 
@@ -231,19 +239,22 @@ def attend(
     is_causal: bool,
     expand: bool | None = None,
     softcap: float | None = None,
-    bf16: bool = False,
+    bf16_from: int | None = None,
 ) -> torch.Tensor:
     """SDPA of q (B, H, T, D) over k, v (B, Hkv, S, D), H a multiple of Hkv; with
     `softcap`, the scores capped first (`attend_capped`).
 
-    `bf16` (prompt rows with --prefill-dtype bf16, on the CPU; Attention.prompt_bf16, set
-    by LLM): q, k and v rounded to bf16, fp32 scores and softmax, the weights rounded to
-    bf16 for p.V. With AMX, torch's flash attention over them (oneDNN's bf16 brgemm on the
-    tiles: on the AMX Xeon 2-4x kvlm_attend's fp32 from 1,024 keys); else kvlm_attend's
-    bf16 pairs (vdpbf16ps; on a Zen 4 1.4-1.55x its fp32 from 512 keys, where torch's bf16
-    flash attention is 0.4-0.85x of it: docs/BENCHMARKS.md 19.8, 19.10), torch's where that
-    does not apply. The prompt's largest cost at long contexts. The same trade as the
-    prompt's bf16 products.
+    `bf16_from` (prompt rows on the CPU, T > 1; Attention.prompt_bf16_from, from
+    kvlm.defaults): the rows at that position or later (row t of T at position S - T + t)
+    in bf16: q, k and v rounded to bf16, fp32 scores and softmax, the weights rounded to
+    bf16 for p.V. 0 (every row: --prefill-dtype bf16): with AMX, torch's flash attention
+    over them (oneDNN's bf16 brgemm on the tiles: on the AMX Xeon 2-4x kvlm_attend's fp32
+    from 1,024 keys); else kvlm_attend's bf16 pairs (vdpbf16ps; on a Zen 4 1.4-1.55x its
+    fp32 from 512 keys, where torch's bf16 flash attention is 0.4-0.85x of it:
+    docs/BENCHMARKS.md 19.8, 19.10), torch's where that does not apply. Later (int8 prompt
+    products, the long rows only): kvlm_attend alone, the rows before in its fp32 kernel,
+    and every row fp32 where its bf16 pairs do not apply, so a row's bits stay its own
+    whichever chunk it comes in. The prompt's largest cost at long contexts.
 
     On CUDA a grouped-query call with an explicit mask (a prefill chunk after the first, a
     batch of rows at different positions, a window step) finds no fused kernel: flash
@@ -253,16 +264,20 @@ def attend(
     enable_gqa serves every case."""
     if softcap is not None:
         return attend_capped(q, k, v, mask, is_causal, softcap)
-    if bf16 and q.is_cpu and q.dtype == torch.float32 and q.shape[2] > 1:
-        if q.shape[0] == 1 and not kernels.has_amx():
-            out = _attend_kernel(q, k, v, mask, is_causal, bf16=True)
-            if out is not None:
-                return out
-        out = F.scaled_dot_product_attention(
-            q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=mask, is_causal=is_causal,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )  # fmt: skip
-        return out.float()
+    T, S = q.shape[2], k.shape[2]
+    if bf16_from is not None and q.is_cpu and q.dtype == torch.float32 and T > 1:
+        first = min(T, max(0, bf16_from - (S - T)))  # the call's first row in bf16
+        out = None
+        if q.shape[0] == 1 and first < T and (bf16_from > 0 or not kernels.has_amx()):
+            out = _attend_kernel(q, k, v, mask, is_causal, bf16_row=first)
+        if out is not None:
+            return out
+        if bf16_from == 0:  # every row: torch's road (AMX's tiles) where kvlm's is not
+            out = F.scaled_dot_product_attention(
+                q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=mask, is_causal=is_causal,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )  # fmt: skip
+            return out.float()
     if q.is_cpu and q.shape[0] == 1 and q.shape[2] > 1:
         out = _attend_kernel(q, k, v, mask, is_causal)
         if out is not None:
@@ -337,12 +352,13 @@ def _attend_kernel(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     causal: bool,
-    bf16: bool = False,
+    bf16_row: int | None = None,
 ) -> torch.Tensor | None:
     """One sequence's prompt rows (T > 1) through kvlm's C attention (kvlm_attend: ~4x
-    torch's CPU SDPA at a 512-token prompt; `bf16`: its bf16 pairs, head sizes 64 and 128
-    on AVX512-BF16), or None where it does not apply (not fp32, a float mask, no compiled
-    kernels, a head size or CPU it does not take): then SDPA. Each row's
+    torch's CPU SDPA at a 512-token prompt; rows from `bf16_row` on (0: all; None: none)
+    in its bf16 pairs, head sizes 64 and 128 on AVX512-BF16), or None where it does not
+    apply (not fp32, a float mask, no compiled kernels, a head size or CPU it does not take,
+    for any of the rows): then SDPA. Each row's
     result depends only on its query and the keys it sees, so a prompt gets the same bits
     whole or in chunks. Decode rows (T = 1) keep SDPA, or the fused step's own attention."""
     if not (q.dtype == k.dtype == v.dtype == torch.float32):
@@ -368,7 +384,7 @@ def _attend_kernel(
         q.data_ptr(), H, T, D, q.stride(1), q.stride(2),
         k.data_ptr(), v.data_ptr(), Hkv, S, k.stride(1), k.stride(2), v.stride(1), v.stride(2),
         None if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0),
-        int(causal and mask is None), D**-0.5, out.data_ptr(), int(bf16),
+        int(causal and mask is None), D**-0.5, out.data_ptr(), T if bf16_row is None else bf16_row,
     )  # fmt: skip
     if rc == -2:
         return None
