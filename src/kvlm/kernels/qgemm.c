@@ -2212,14 +2212,11 @@ scores_q4_v(const int NG, const int NB, const int8_t *q8, int64_t QS, const floa
     }
     }
 }
-/* p[h * S + s] for NG heads over q4 rows of D = 8 NW values (groups of 32: NW a multiple of
- * 8), the rows in lanes: 16 rows at a time, word k of each row (its values 8k .. 8k + 7,
- * the even ones in the low nibbles) gathered into one vector, its low and its high nibbles
- * one vpdpbusd each against the head's 4 query bytes of those values, broadcast; a group's
- * 4 words summed so in integers per row, less 8 times the group's query sum, times the rows'
- * group scales and the head's query scale. No horizontal sums: the 16 rows' scores come
- * out as one vector, each lane its own row's (a run's last rows are masked lanes), so
- * paged and contiguous pools agree. */
+/* lane a of two vectors of 16 rows x 2 words (rows 0-7, then 8-15): row a's word u */
+static const int32_t word_of_pairs[2][16] = {
+    {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
+    {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
+
 /* X[k] lane j = the 32-bit word k of row j, for 16 rows of `rowb` bytes from r (8 words
  * each from r: a 16 x 8 transpose of words in three rounds of two-source permutes, the
  * rows loaded whole instead of 8 gathers) */
@@ -2231,9 +2228,6 @@ static inline __attribute__((always_inline)) void words_t(const uint8_t *r, int6
     static const int32_t i2[2][16] = { /* lane 2a + b: row a (of 8), word 2t + b (of 4) */
         {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
         {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31}};
-    static const int32_t i3[2][16] = { /* lane a: row a (of 16), word u (of 2) */
-        {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
-        {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
     __m512i Z[8], A[4][2], B[2][2][2];
     for (int i = 0; i < 8; i++) /* rows 2i, 2i + 1: 8 words each */
         Z[i] = rowb == 32 ? _mm512_loadu_si512(r + 64 * i)
@@ -2249,12 +2243,21 @@ static inline __attribute__((always_inline)) void words_t(const uint8_t *r, int6
             for (int h = 0; h < 2; h++) B[j][h][t] = _mm512_permutex2var_epi32(A[2 * j][h], ix, A[2 * j + 1][h]);
     }
     for (int u = 0; u < 2; u++) {
-        const __m512i ix = _mm512_loadu_si512(i3[u]);
+        const __m512i ix = _mm512_loadu_si512(word_of_pairs[u]);
         for (int h = 0; h < 2; h++)
             for (int t = 0; t < 2; t++) X[4 * h + 2 * t + u] = _mm512_permutex2var_epi32(B[0][h][t], ix, B[1][h][t]);
     }
 }
 
+/* p[h * S + s] for NG heads over q4 rows of D = 8 NW values (groups of 32: NW a multiple of
+ * 8), the rows in lanes: 16 rows at a time, word k of each row (its values 8k .. 8k + 7,
+ * the even ones in the low nibbles) in one vector (words_t; gathered for a run's last
+ * rows), its low and its high nibbles
+ * one vpdpbusd each against the head's 4 query bytes of those values, broadcast; a group's
+ * 4 words summed so in integers per row, less 8 times the group's query sum, times the rows'
+ * group scales and the head's query scale. No horizontal sums: the 16 rows' scores come
+ * out as one vector, each lane its own row's (a run's last rows are masked lanes), so
+ * paged and contiguous pools agree. */
 static inline __attribute__((always_inline)) void
 scores_q4_t(const int NG, const int NW, const int8_t *q8, int64_t QS, const float *sg,
             const kv_span *Ks, const kv_span *Kps, int64_t D, int64_t S, int64_t s0, int64_t s1,
@@ -2278,12 +2281,6 @@ scores_q4_t(const int NG, const int NW, const int8_t *q8, int64_t QS, const floa
     const __m512i words = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(rowb / 4)));
     const __m512i pwords = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(ns / 2)));
     const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F), half = _mm512_set1_epi32(0xFFFF);
-    __m512i pick[2]; /* lane j: word w of row j from 16 rows of 2 words (two vectors) */
-    for (int w = 0; w < 2; w++) {
-        int32_t t[16];
-        for (int j = 0; j < 16; j++) t[j] = (j / 8) * 16 + 2 * (j % 8) + w;
-        pick[w] = _mm512_loadu_si512(t);
-    }
     for (int64_t a0 = s0, e; a0 < s1; a0 = e) {
     const char *lim;
     const uint8_t *K = (const uint8_t *)run_at(Ks, rowb, a0, s1, &e, &lim);
@@ -2305,7 +2302,7 @@ scores_q4_t(const int NG, const int NW, const int8_t *q8, int64_t QS, const floa
                 if (R == 16 && ns == 2) /* the rows' scales are 16 words in a row */
                     w = _mm512_loadu_si512(pr);
                 else if (R == 16 && ns == 4) /* 2 words a row: word g / 2 of each */
-                    w = _mm512_permutex2var_epi32(_mm512_loadu_si512(pr), pick[g / 2],
+                    w = _mm512_permutex2var_epi32(_mm512_loadu_si512(pr), _mm512_loadu_si512(word_of_pairs[g / 2]),
                                                   _mm512_loadu_si512(pr + 32));
                 else
                     w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m,
@@ -3219,13 +3216,14 @@ static int attend_prompt_bf16(const float *q, int64_t H, int64_t T, int64_t D, i
                        int64_t qst, const float *k, const float *v, int64_t Hkv, int64_t S,
                        int64_t ksh, int64_t kst, int64_t vsh, int64_t vst, const uint8_t *mask,
                        int64_t mst, int64_t causal, double scale, float *out, int64_t r0);
-static int attend_prompt_f32(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh,
+static int attend_prompt_f32(const float *q, int64_t H, int64_t D, int64_t qsh,
                        int64_t qst, const float *k, const float *v, int64_t Hkv, int64_t S,
                        int64_t ksh, int64_t kst, int64_t vsh, int64_t vst, const uint8_t *mask,
                        int64_t mst, int64_t causal, double scale, float *out, int64_t r1);
 
-/* the keys rows before r1 can read: a causal call's rows see none past their own (a
- * block's worth more: the kernels read whole blocks of 16 NK keys past a row group) */
+/* the keys rows before r1 can read: a causal call's rows see none past their own, but the
+ * kernels read whole blocks of KB = 16 NK <= 64 keys up to a row group's end (t0 + R <=
+ * r1 + 3, R <= 4), so up to r1 + 3 rounded up to a block: within r1 + 64 rounded up */
 static inline int64_t keys_read(int64_t S, int64_t causal, int64_t r1) {
     return causal && r1 + 64 < S ? r1 + 64 : S;
 }
@@ -3249,23 +3247,22 @@ int kvlm_attend(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh, in
         rc = attend_prompt_bf16(q, H, T, D, qsh, qst, k, v, Hkv, S, ksh, kst, vsh, vst, mask,
                                 mst, causal, scale, out, b);
     if (rc == 0 && b > 0)
-        rc = attend_prompt_f32(q, H, T, D, qsh, qst, k, v, Hkv, S, ksh, kst, vsh, vst, mask,
+        rc = attend_prompt_f32(q, H, D, qsh, qst, k, v, Hkv, S, ksh, kst, vsh, vst, mask,
                                mst, causal, scale, out, b);
     return rc;
 }
 
 /* kvlm_attend's fp32 rows 0 .. r1 - 1 */
-static int attend_prompt_f32(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh,
+static int attend_prompt_f32(const float *q, int64_t H, int64_t D, int64_t qsh,
                        int64_t qst, const float *k, const float *v, int64_t Hkv, int64_t S,
                        int64_t ksh, int64_t kst, int64_t vsh, int64_t vst, const uint8_t *mask,
                        int64_t mst, int64_t causal, double scale, float *out, int64_t r1) {
 #if !KVLM_V512
-    (void)q, (void)H, (void)T, (void)D, (void)qsh, (void)qst, (void)k, (void)v, (void)Hkv;
+    (void)q, (void)H, (void)D, (void)qsh, (void)qst, (void)k, (void)v, (void)Hkv;
     (void)S, (void)ksh, (void)kst, (void)vsh, (void)vst, (void)mask, (void)mst, (void)causal;
     (void)scale, (void)out, (void)r1;
     return -2;
 #else
-    (void)T;
     /* rows per pass and key vectors per block: D = 64 4 x 2, D = 128 2 x 4, else 1 x 2 */
     const int R = D == 64 ? 4 : D == 128 ? 2 : 1, NK = D == 128 ? 4 : 2, KB = 16 * NK;
     const int64_t Sn = keys_read(S, causal, r1), Sp = (Sn + KB - 1) / KB * KB, group = H / Hkv;

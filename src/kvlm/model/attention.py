@@ -278,7 +278,7 @@ def attend(
                 enable_gqa=q.shape[1] != k.shape[1],
             )  # fmt: skip
             return out.float()
-    if q.is_cpu and q.shape[0] == 1 and q.shape[2] > 1:
+    if q.is_cpu and q.shape[0] == 1 and T > 1:
         out = _attend_kernel(q, k, v, mask, is_causal)
         if out is not None:
             return out
