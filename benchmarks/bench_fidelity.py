@@ -10,7 +10,8 @@ to the reference's (kvlm --exact: weights dequantized to fp32, fp32 activations 
 products, fp32 K/V): the first token, the whole answer, and teacher-forced agreement (the
 reference's argmax on the answer's own prefix, one no-cache forward per answer: a
 divergence does not cascade). kvlm's runs pull its numerics apart one at a time, to find
-which rounding loses agreement: decode activations (int8 per group of 32 with VNNI), the
+which rounding loses agreement: decode activations (int8 per group of 32 with VNNI; int16,
+int8 codes and an int8 residual), the
 prompt's products (bf16 with AMX, int8 with VNNI), the K/V dtype (fp16).
 """
 
@@ -28,6 +29,14 @@ from kvlm.model.attention import Attention
 RUNS = {
     "defaults": {},
     "activations fp32": {"activations": "fp32"},
+    "activations int16": {"activations": "int16"},
+    "activations int8": {"activations": "int8"},
+    # int16 on some products, int8 on the others (what each product's rounding costs)
+    "activations int16 on gate|up": {"activations": "int16", "int16_products": ("gate_up",)},
+    "activations int16 on qkv, o, down": {
+        "activations": "int16",
+        "int16_products": ("qkv", "o_proj", "down"),
+    },
     "prompt products fp32": {"prefill_dtype": "fp32"},
     "prompt products int8": {"prefill_dtype": "int8"},
     "prompt products bf16": {"prefill_dtype": "bf16"},
@@ -86,7 +95,17 @@ def main() -> None:
     for name in runs:
         settings = dict(RUNS[name])
         attention = settings.pop("prompt_attention", None)
+        fine = settings.pop("int16_products", None)
         llm = LLM(**common, **settings)
+        if fine is not None:
+            for block in llm.model.layers:
+                for product, lin in (
+                    ("qkv", block.attn.qkv),
+                    ("o_proj", block.attn.o_proj),
+                    ("gate_up", block.mlp.gate_up),
+                    ("down", block.mlp.down),
+                ):
+                    lin.act_int16 = product in fine  # the fused step reads them every step
         layers = [m for m in llm.model.modules() if isinstance(m, Attention)]
         if attention is not None:  # "bf16": every prompt row; "fp32": none
             for m in layers:

@@ -7,7 +7,11 @@ of 6 taken before and after) in the same run, and each dtype's median over the r
 its rate over the first dtype's in the same round.
 
     python benchmarks/bench_kv_decode.py [--model FILE] --contexts 512,4096,8000
-        [--dtypes fp16,int8,q4] [--rounds 3] [--threads 2] [--fill prompt|random]
+        [--dtypes fp16,int8,q4] [--activations auto|int8,int16,...] [--rounds 3]
+        [--threads 2] [--fill prompt|random]
+
+--activations: each K/V dtype under each of these (--activations of kvlm; a column each,
+"dtype activations").
 
 --fill random writes random K/V rows (normal, through the store's own rounding) straight
 into the cache instead of running the prompt: seconds instead of minutes at 32k on two
@@ -39,14 +43,20 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--fill", choices=("prompt", "random"), default="prompt")
+    p.add_argument("--activations", default="auto")
     args = p.parse_args()
-    dtypes = args.dtypes.split(",")
+    acts = args.activations.split(",")
+    variants = {
+        (f"{d} {a}" if len(acts) > 1 else d): (d, a) for d in args.dtypes.split(",") for a in acts
+    }
+    dtypes = list(variants)
     plain = bandwidth_samples(256, 3)
     print("| context | " + " | ".join(f"{d} tok/s (GB/s)" for d in dtypes) + " | decode step |")
     print("| ---: |" + " ---: |" * len(dtypes) + " --- |")
     for ctx in (int(c) for c in args.contexts.split(",")):
-        llms = {d: LLM(args.model, progress=False, kv_dtype=d, max_context=ctx + STEPS + 8,
-                       threads=args.threads) for d in dtypes}  # fmt: skip
+        llms = {name: LLM(args.model, progress=False, kv_dtype=d, activations=a,
+                          max_context=ctx + STEPS + 8, threads=args.threads)
+                for name, (d, a) in variants.items()}  # fmt: skip
         ids = [(7 * i) % 5000 + 100 for i in range(ctx)]
         caches = {}
         for d, llm in llms.items():

@@ -59,7 +59,7 @@ def test_activations_and_prefill_follow_the_cpu(monkeypatch):
     lib = kernels.library()
     got = _resolve(LOW_BIT_FILE)
     vnni = lib is not None and bool(lib.kvlm_kernel_vnni())
-    assert got.activations == ("int8" if vnni else "fp32")
+    assert got.activations == ("int16" if vnni else "fp32")
     prefill = "bf16" if "amx_bf16" in flags else "int8" if vnni else "bf16"
     assert got.prefill_dtype == (prefill if flags & {"avx512_bf16", "amx_bf16"} or vnni else "fp32")
     # K/V in fp16 where the kernels' fused step reads it (with low-bit weights on the CPU)
@@ -171,7 +171,8 @@ def test_the_default_model_runs_the_fast_path(fast):
     assert d["numerics"] and d["numerics"][0].startswith("weights native")
     # the vocabulary projection keeps fp32 activations, the blocks round theirs
     assert fast.model.lm_head.act_int8 is False
-    assert fast.model.layers[0].mlp.down.act_int8 == (fast.activations == "int8")
+    assert fast.model.layers[0].mlp.down.act_int8 == (fast.activations == "int16")
+    assert fast.model.layers[0].mlp.down.act_int16 == (fast.activations == "int16")
 
 
 @pytest.mark.slow
@@ -247,9 +248,9 @@ def test_rows_take_the_numerics_of_their_role_not_of_their_count(monkeypatch):
     monkeypatch.setattr(
         quant.QuantWeight,
         "matmul",
-        lambda self, x, prefill_bf16=False, act_int8=False, out=None: (
-            seen.append((x.shape[0], prefill_bf16, act_int8))
-            or real(self, x, prefill_bf16, act_int8, out=out)
+        lambda self, x, prefill_bf16=False, act_int8=False, out=None, act_int16=False: (
+            seen.append((x.shape[0], prefill_bf16, act_int8, act_int16))
+            or real(self, x, prefill_bf16, act_int8, out=out, act_int16=act_int16)
         ),
     )
     lin(torch.randn(1, 5, 64))  # a prompt chunk of 5
@@ -257,13 +258,15 @@ def test_rows_take_the_numerics_of_their_role_not_of_their_count(monkeypatch):
     lin(torch.randn(1, 1, 64))  # one row: a decode step by shape ...
     with feeding_prompt(True):
         lin(torch.randn(1, 1, 64))  # ... or the last token of a prompt, as the model says
-    assert seen == [(5, True, False), (40, False, True), (1, False, True), (1, True, False)]
-    # int8 prompt products (--prefill-dtype int8): prompt rows on int8 activations too
+    assert seen == [(5, True, False, False), (40, False, True, False), (1, False, True, False),
+                    (1, True, False, False)]  # fmt: skip
+    # int8 prompt products (--prefill-dtype int8): prompt rows on int8 activations too;
+    # int16 activations (--activations int16) for decoded rows only
     seen.clear()
-    lin.prefill_bf16, lin.prefill_int8 = False, True
+    lin.prefill_bf16, lin.prefill_int8, lin.act_int16 = False, True, True
     lin(torch.randn(1, 5, 64))
     lin(torch.randn(40, 1, 64))
-    assert seen == [(5, False, True), (40, False, True)]
+    assert seen == [(5, False, True, False), (40, False, True, True)]
 
 
 @pytest.mark.slow

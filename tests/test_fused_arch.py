@@ -264,6 +264,42 @@ def test_each_product_takes_its_own_activation_setting(arch_dir):
     assert_top_k_both_ways(mixed, mixed_ref)
 
 
+def _mean_apart(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().mean())
+
+
+@needs_kernels
+def test_int16_activations_in_the_fused_step(arch_dir):
+    """--activations int16: the fused step reads each product's act_int16 (a second mask)
+    as the torch step does. The two steps' last-bit differences upstream (the attention's
+    summation order) meet 256x finer codes, so now and then a residual code lands one
+    apart (e / 256 of its group), where int8's coarse codes stayed equal: the logits are
+    held to a quarter of what the setting itself moves them by (on average over the
+    vocabulary; a wrong mask would leave them as far apart as the setting moves them), one
+    product at a time and all four; and int16's logits are far closer to fp32
+    activations' than int8's are."""
+    folder = arch_dir("llama")
+    opts = dict(model=folder, progress=False, max_context=MAX_CONTEXT, weights="int4",
+                prefill_dtype="fp32")  # fmt: skip
+    prompt = _ids(LLM(**opts), 12, seed=6)
+    _, every, every_ref, *_ = fused_and_torch(LLM(**opts, activations="int8"), prompt, 3)
+    for keep in range(5):  # 0..3: that product alone; 4: all four
+        llm = LLM(**opts, activations="int16")
+        for block in llm.model.layers:
+            products = (block.attn.qkv, block.attn.o_proj, block.mlp.gate_up, block.mlp.down)
+            for i, lin in enumerate(products):
+                lin.act_int16 = keep in (i, 4)
+        tokens, one, one_ref, *_ = fused_and_torch(llm, prompt, 3)
+        moved = _mean_apart(one_ref[0], every_ref[0])  # step 0: the same prefix for both
+        assert _mean_apart(one, one_ref) <= moved / 4, keep
+        assert_top_k_both_ways(one, one_ref)
+    exact = LLM(**opts, activations="fp32")
+    cache = exact.new_cache("contiguous")
+    exact.runner.forward(prompt, cache)
+    fp32 = exact.runner.forward([tokens[0]], cache)
+    assert _mean_apart(one[0], fp32) * 16 < _mean_apart(every[0], fp32)
+
+
 def _codes_within_one(ours: tuple, theirs: tuple, dtype: str) -> None:
     """int8 codes, or q4's two a byte: a code on a rounding boundary may take its
     neighbour; the fused step's parameters finite."""

@@ -331,6 +331,8 @@ def test_kernel_products_equal_the_dequantized_weight(kind, rows):
     if rows <= quant.SMALL_M:
         xr = quant.round_activations(x)
         assert_product_close(q.matmul(x, act_int8=True), xr @ w.t(), xr, size)
+    xf = quant.round_activations(x, fine=True)  # int16: any row count, MT rows a pass
+    assert_product_close(q.matmul(x, act_int8=True, act_int16=True), xf @ w.t(), xf, size)
 
 
 @pytest.mark.parametrize("kind", TYPES)
@@ -338,12 +340,17 @@ def test_without_kernels_the_torch_fallback_gives_the_same_products(kind, monkey
     q, w = _weight(kind, 40, seed=9)
     x = torch.randn(3, COLS)
     xr = quant.round_activations(x)
+    xf = quant.round_activations(x, fine=True)
     monkeypatch.setattr(kernels, "library", lambda: None)
     assert torch.equal(_bits(q.dense()), _bits(w))
     assert torch.equal(_bits(q.dense(dtype=torch.bfloat16)), _bits(w.bfloat16()))
     size = _magnitudes(q)
     assert_product_close(q.matmul(x), x @ w.t(), x, size)
     assert_product_close(q.matmul(x, act_int8=True), xr @ w.t(), xr, size)
+    assert_product_close(q.matmul(x, act_int8=True, act_int16=True), xf @ w.t(), xf, size)
+
+
+ACTS = (0, 1, 2)  # fp32, int8 and int16 activations
 
 
 @needs_vector_kernels
@@ -359,15 +366,15 @@ def test_the_portable_build_computes_the_same_products(march, monkeypatch):
     for kind in TYPES:
         q, w = _weight(kind, 40, seed=4)
         x = torch.randn(5, COLS)
-        cases.append((q, w, x, [q.matmul(x, act_int8=a) for a in (False, True)]))
+        cases.append((q, w, x, [q.matmul(x, act_int8=a > 0, act_int16=a > 1) for a in ACTS]))
     monkeypatch.setattr(kernels, "library", lambda: portable)
     for q, w, x, fast in cases:
         assert torch.equal(_bits(q.dense()), _bits(w)), q.kind
         assert torch.equal(_bits(q.dense(dtype=torch.bfloat16)), _bits(w.bfloat16())), q.kind
         size = _magnitudes(q)
-        for act_int8, expected in zip((False, True), fast, strict=True):
-            xa = quant.round_activations(x) if act_int8 else x
-            got = q.matmul(x, act_int8=act_int8)
+        for act, expected in zip(ACTS, fast, strict=True):
+            xa = quant.round_activations(x, fine=act > 1) if act else x
+            got = q.matmul(x, act_int8=act > 0, act_int16=act > 1)
             assert_product_close(got, expected, xa, size)
             assert_product_close(got, xa @ w.t(), xa, size)
 
@@ -395,9 +402,10 @@ def test_a_weight_of_parts_keeps_each_parts_kind_and_numbers(monkeypatch):
     if kernels.library() is not None:
         assert torch.equal(_bits(fused.dense()), _bits(w))
         assert torch.equal(_bits(fused.dense(dtype=torch.bfloat16)), _bits(w.bfloat16()))
-        for act_int8 in (False, True):  # each part's columns are its own product, bit for bit
-            alone = torch.cat([q.matmul(x, act_int8=act_int8) for q, _ in parts], 1)
-            assert torch.equal(fused.matmul(x, act_int8=act_int8), alone)
+        for act in ACTS:  # each part's columns are its own product, bit for bit
+            how = {"act_int8": act > 0, "act_int16": act > 1}
+            alone = torch.cat([q.matmul(x, **how) for q, _ in parts], 1)
+            assert torch.equal(fused.matmul(x, **how), alone)
     assert_product_close(fused.matmul(x), x @ w.t(), x, size)
     many = torch.randn(20, COLS)  # the dense path
     assert_product_close(fused.matmul(many), many @ w.t(), many, size)

@@ -151,13 +151,51 @@ def test_int8_activation_products_round_x_per_group(kind, rows, width):
     assert torch.equal(q.matmul(many, act_int8=True)[16:32], q.matmul(many[16:32], act_int8=True))
 
 
+@needs_kernels
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17])
+@pytest.mark.parametrize("width", [32, 96, 576])
+def test_int16_activation_products_keep_a_residual(kind, rows, width):
+    """--activations int16: x per group of 32 as int8 codes c and an int8 residual r, x ~
+    e (c + r / 256) (round_activations(x, fine=True)); the kernel's two integer products
+    of the same weight codes give x' @ W^T, x' within e / 512 of x (e / 256 where the
+    residual's tie is taken as 127), 128x closer than int8's e / 2."""
+    torch.manual_seed(rows * width + 1)
+    q = quant.quantize(torch.randn(70, width) * 0.1, kind)
+    x = torch.randn(rows, width) * 3
+    x[0, :32] = 0.0  # an all-zero group: scale 0, no division by it
+    x[-1, -32:] = torch.linspace(-1, 1, 32)  # y - c of exactly 1/2: the residual's tie
+    xr = quant.round_activations(x, fine=True)
+    g, gr = x.view(rows, -1, 32), xr.view(rows, -1, 32)
+    top = g.abs().amax(-1, keepdim=True)
+    step = top / 127
+    assert ((gr - g).abs() <= step / 256 + 4 * U32 * top).all()
+    coarse = quant.round_activations(x).view(rows, -1, 32)
+    assert (gr - g).abs().sum() * 32 < (coarse - g).abs().sum()
+    w = quant._dense_torch(q)
+    got = q.matmul(x, act_int8=True, act_int16=True)
+    assert_product_close(got, xr @ w.t(), xr, w)
+    many = torch.randn(40, width)
+    manyr = quant.round_activations(many, fine=True)
+    fine = {"act_int8": True, "act_int16": True}
+    assert_product_close(q.matmul(many, **fine), manyr @ w.t(), manyr, w)
+    # a row's product is its own, however many rows share the call
+    rows_apart = torch.cat([q.matmul(many[i : i + 1], **fine) for i in range(40)])
+    assert torch.equal(q.matmul(many, **fine), rows_apart)
+
+
 def test_int8_activations_without_kernels_give_the_same_product(monkeypatch):
     torch.manual_seed(1)
     q = quant.quantize(torch.randn(64, 96), "q4")
     x = torch.randn(3, 96)
     xr, w = quant.round_activations(x), quant._dense_torch(q)
+    xf = quant.round_activations(x, fine=True)
     monkeypatch.setattr(kernels, "library", lambda: None)
     assert_product_close(q.matmul(x, act_int8=True), xr @ w.t(), xr, w)
+    assert_product_close(q.matmul(x, act_int8=True, act_int16=True), xf @ w.t(), xf, w)
+
+
+ACTS = (0, 1, 2)  # fp32, int8 and int16 activations
 
 
 @needs_vector_kernels
@@ -172,13 +210,14 @@ def test_the_portable_build_computes_the_same_products(march, monkeypatch):
     for kind in ("q8", "q4"):
         q = quant.quantize(torch.randn(40, 96), kind)
         x = torch.randn(5, 96)
-        cases.append((q, x, [q.matmul(x, act_int8=a) for a in (False, True)]))
+        cases.append((q, x, [q.matmul(x, act_int8=a > 0, act_int16=a > 1) for a in ACTS]))
     monkeypatch.setattr(kernels, "library", lambda: portable)
     for q, x, fast in cases:
         w = quant._dense_torch(q)
-        for act_int8, expected in zip((False, True), fast, strict=True):
-            xa = quant.round_activations(x) if act_int8 else x  # the same rounding in both
-            assert_product_close(q.matmul(x, act_int8=act_int8), expected, xa, w)
+        for act, expected in zip(ACTS, fast, strict=True):
+            # the same rounding in both
+            xa = quant.round_activations(x, fine=act > 1) if act else x
+            assert_product_close(q.matmul(x, act_int8=act > 0, act_int16=act > 1), expected, xa, w)
         assert torch.equal(q.dense(), quant._dense_torch(q))
         assert torch.equal(q.dense(dtype=torch.bfloat16), quant._dense_torch(q).bfloat16())
 

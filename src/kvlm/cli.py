@@ -329,9 +329,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
          "products in bf16 through oneDNN, and the prompt's attention in bf16) or int8 "
          "(prompt rows rounded to int8 per group of 32 as decode rows are, integer products "
          "from the packed blocks); agreement in docs/BENCHMARKS.md"),
-        ("--activations", None, "auto", "with low-bit weights: auto (default: int8 where the "
-         "CPU has VNNI), fp32 (exact) or int8 (per-token products round activations to int8 "
-         "per group of 32, as llama.cpp does; faster decode, agreement in docs/BENCHMARKS.md)"),
+        ("--activations", None, "auto", "with low-bit weights: auto (default: int16 where the "
+         "CPU has VNNI), fp32 (exact), int16 (per-token products round activations per group "
+         "of 32 to int8 codes and an int8 residual, two integer products) or int8 (int8 codes "
+         "alone, as llama.cpp does: a little faster decode, less faithful); agreement in "
+         "docs/BENCHMARKS.md"),
     )  # fmt: skip
     p.add_argument(
         "--exact", action="store_true",

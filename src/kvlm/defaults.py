@@ -7,8 +7,13 @@ and the CPU:
 
     weights        native when the file is a GGUF with low-bit projections (its own blocks,
                    multiplied as stored), else the compute dtype
-    activations    int8 with low-bit weights where the kernels have integer dot products
-                   (AVX512-VNNI), else fp32
+    activations    int16 with low-bit weights where the kernels have integer dot products
+                   (AVX512-VNNI): each decode row's values per group of 32 as int8 codes
+                   and an int8 residual, 16 bits a value, two integer products of the
+                   same weight codes (int8 alone, llama.cpp's rounding, lost 27 more of
+                   216 whole answers than int16 against the fp32 reference on the
+                   default model, for 1-12% of the decode step: docs/BENCHMARKS.md
+                   19.11), else fp32
     prefill_dtype  with low-bit weights: bf16 where the CPU has AMX (oneDNN's bf16 GEMM on
                    the tiles), else int8 where the kernels have VNNI (the prompt's rows
                    rounded as decode rows are, integer products straight from the packed
@@ -106,8 +111,8 @@ def resolve(
     if activations == AUTO:
         activations = "fp32"
         if lib is not None and lib.kvlm_kernel_vnni():
-            activations = "int8"
-            reasons.append("activations int8: the CPU has VNNI integer dot products")
+            activations = "int16"
+            reasons.append("activations int16: the CPU has VNNI integer dot products")
     if prefill_dtype == AUTO:
         prefill_dtype = "fp32"
         flags = set(kernels.cpu_flags()) if low_bit else set()

@@ -52,7 +52,10 @@ NO_SPECULATION = {
 # Sequences the batch engine decodes together (SchedulerConfig.max_num_seqs)
 BATCH_MAX_SEQS = 16
 # What the numerics' prefill_dtype and activations may be once resolved (kvlm.defaults)
-RESOLVED = {"prefill_dtype": ("fp32", "bf16", "int8"), "activations": ("fp32", "int8")}
+RESOLVED = {
+    "prefill_dtype": ("fp32", "bf16", "int8"),
+    "activations": ("fp32", "int8", "int16"),
+}
 
 
 @dataclass(slots=True, frozen=True)
@@ -162,7 +165,8 @@ class LLM:
                 block = module is not model.lm_head
                 module.prefill_bf16 = self.prefill_dtype == "bf16" and block
                 module.prefill_int8 = self.prefill_dtype == "int8" and block
-                module.act_int8 = self.activations == "int8" and block
+                module.act_int8 = self.activations in ("int8", "int16") and block
+                module.act_int16 = self.activations == "int16" and block
             elif isinstance(module, Attention):  # the prompt's attention (kvlm.defaults)
                 module.prompt_bf16_from = self.numerics.attention_bf16_from
         return model

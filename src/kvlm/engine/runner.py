@@ -82,9 +82,10 @@ class ModelRunner:
     def _decodes_alike(self, prompt: bool | None) -> bool:
         """Whether one prompt token may take the fused (decode) step: only when prompt
         and decode rows have the same numerics (no bf16 prompt products; int8 activations
-        for both or for neither)."""
+        for both or for neither; no int16 decode activations, which prompts never take)."""
         lin = self.model.layers[0].attn.qkv
-        return not prompt or (not lin.prefill_bf16 and lin.prefill_int8 == lin.act_int8)
+        alike = not lin.prefill_bf16 and lin.prefill_int8 == lin.act_int8 and not lin.act_int16
+        return not prompt or alike
 
     def ragged_steps(self) -> bool:
         """Whether a step's prompt chunks and decode rows go as one mixed batch (one ragged

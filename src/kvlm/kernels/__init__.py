@@ -45,7 +45,7 @@ import torch  # loaded first, so the kernels share torch's OpenMP runtime
 
 SOURCE = Path(__file__).with_name("qgemm.c")
 HEADERS = (Path(__file__).with_name("v512.h"),)  # qgemm.c includes them (quoted: beside it)
-ABI = 18
+ABI = 19
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 120
 WORK_PREFIX, WORK_SUFFIX = ".qgemm-", ".tmp"  # a build's private directory in the cache
@@ -323,7 +323,7 @@ def _build(cc: str, flags: tuple[str, ...] = FLAGS) -> Path:
 # each returns an int, kvlm_decode_scratch an int64
 _SIGNATURES = {
     "kvlm_qgemm": "ipiipipi",  # kind, x, M, K, w, N, y, ldy
-    "kvlm_qgemm_i8": "ipiipipi",
+    "kvlm_qgemm_i8": "ipiipipii",  # ..., fine (an int8 residual: 16 bits)
     "kvlm_qdequant": "iiipip",  # kind, bf16, K, w, N, out
     "kvlm_qdequant_rows": "iippip",  # kind, K, w, rows, n, out
     "kvlm_qpack": "ipiipp",  # kind, blocks, N, K, order, out

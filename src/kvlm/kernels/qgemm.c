@@ -46,9 +46,10 @@
  * are widened to fp32 in registers, each group's sum of q * x scaled once (per 16 for
  * q6_k; zero terms: plus m * sum(x), q4_0's -8d among them, its codes unsigned as q4's):
  * the dequantized weight's product up to rounding order. int8 activations (llama.cpp's
- * numerics; the default where the CPU has VNNI) take integer dot products, at any row
- * count (a prompt's rows too, --prefill-dtype int8: 8 rows per pass over a block, its
- * codes widened once for all of them). Many rows on fp32 or bf16 activations dequantize
+ * numerics) take integer dot products, at any row count (a prompt's rows too,
+ * --prefill-dtype int8: 8 rows per pass over a block, its codes widened once for all of
+ * them); int16 activations (the decode rows' default where the CPU has VNNI) are int8
+ * codes and an int8 residual, two integer products of the same widened codes. Many rows on fp32 or bf16 activations dequantize
  * once (kvlm_qdequant: exactly the loader's numbers) and call a real GEMM.
  *
  * The vector code is written in AVX-512 intrinsics (16 lanes: a block's 16 rows). Built
@@ -144,7 +145,7 @@ static inline uint16_t to_f16(float f) {
 #endif
 }
 
-int kvlm_kernel_abi(void) { return 18; }
+int kvlm_kernel_abi(void) { return 19; }
 
 /* 512: AVX-512; 256: the same code on AVX2 (two halves per vector); 0: scalar loops */
 int kvlm_kernel_simd(void) { return KVLM_V512; }
@@ -602,31 +603,52 @@ int kvlm_qgemm(int64_t kind, const float *x, int64_t M, int64_t K, const uint8_t
  * instruction, the 4 codes of x broadcast) where the CPU has it, else in scalar integer
  * code. vpdpbusd's first operand is unsigned: nibbles and the 5/6-bit codes are (their
  * offsets come off the integer sums, exactly); q8 codes are offset by 128 and the offset
- * taken back with the same sum(c) term.
+ * taken back with the same sum(c) term. int16 activations (--activations int16) add an
+ * int8 residual r per value, x ~ e (c + r / 256): the same sums over 256 c + r, scaled by
+ * e / 256 (kvlm_actrow), a second vpdpbusd per word (2x the integer work; on Zen 4, +1-4%
+ * of a decode step, +12% on the 1.7B Q4_0 shape whose step is the most compute-bound).
  * ------------------------------------------------------------------------------------ */
 
-/* A row of x as int8: codes [groups][32], then per group e, e * sum(c), and the integer
- * sums of codes 0..15 and 16..31. */
+/* A row of x as int8: codes [groups][32], then per group e, e * sum(x's codes), and the
+ * integer sums of codes 0..15 and 16..31; with a residual (--activations int16), then
+ * the residual codes [groups][32] and their half sums. x ~ e (c + r / 256): c the nearest
+ * (even) integer to y = x 127 / max|x|, r that of (y - c) 256 (at most 127: a tie's 128,
+ * y exactly half-way, is taken as 127), so a value is within e / 512 + e / 256 [at a tie]
+ * of x, 16 bits a value where int8 alone keeps it within e / 2. The residual's product
+ * is a second vpdpbusd over the same codes of the weight, its sums joined to the first's
+ * as 256 c + r in int32 (|.| < 2^28). */
 typedef struct {
-    const int8_t *c;
+    const int8_t *c, *r; /* r NULL: int8 alone */
     const float *e, *es;
-    const int32_t *hs;
+    const int32_t *hs, *hr;
 } kvlm_actrow;
 
-static inline int64_t actrow_bytes(int64_t K) { return (K / G) * (G + 16); }
-
-static kvlm_actrow actrow_at(const char *buf, int64_t K, int64_t t) {
-    const char *p = buf + t * actrow_bytes(K);
-    const float *e = (const float *)(p + K);
-    kvlm_actrow r = {(const int8_t *)p, e, e + K / G, (const int32_t *)(e + 2 * (K / G))};
-    return r;
+static inline int64_t actrow_bytes(int64_t K, int fine) {
+    return (K / G) * (G + 16) + (fine ? (K / G) * (G + 8) : 0);
 }
 
-static void quantize_act_row(const float *x, int64_t K, char *out) {
+static kvlm_actrow actrow_at(const char *buf, int64_t K, int64_t t, int fine) {
+    const char *p = buf + t * actrow_bytes(K, fine);
+    const float *e = (const float *)(p + K);
+    const int32_t *hs = (const int32_t *)(e + 2 * (K / G));
+    const int8_t *r = fine ? (const int8_t *)(hs + 2 * (K / G)) : NULL;
+    kvlm_actrow a = {(const int8_t *)p, r, e, e + K / G, hs, fine ? (const int32_t *)(r + K) : NULL};
+    return a;
+}
+
+/* es: e times the codes' sum, that of 256 c + r over 256 with a residual (exact integers
+ * below 2^24, then one rounding) */
+static inline float act_sum_scaled(float e, int32_t sc, int32_t sr, int fine) {
+    return fine ? (e * (1.f / 256.f)) * (float)(256 * sc + sr) : e * (float)sc;
+}
+
+static void quantize_act_row(const float *x, int64_t K, char *out, int fine) {
     int64_t groups = K / G;
     int8_t *codes = (int8_t *)out;
     float *e = (float *)(out + K), *es = e + groups;
     int32_t *hs = (int32_t *)(es + groups);
+    int8_t *rc = (int8_t *)(hs + 2 * groups);
+    int32_t *hr = (int32_t *)(rc + K);
 #if KVLM_V512
     /* one group = two vectors; the same max, the same product by 127 / amax and the same
      * half-to-even rounding as the loop below (1.6 -> 0.2 us per row at K = 576) */
@@ -635,15 +657,29 @@ static void quantize_act_row(const float *x, int64_t K, char *out) {
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
         const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
 #define RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) /* a literal: clang wants one */
-        __m512i clo = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(lo, inv), RN));
-        __m512i chi = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(hi, inv), RN));
-#undef RN
+        const __m512 ylo = _mm512_mul_ps(lo, inv), yhi = _mm512_mul_ps(hi, inv);
+        const __m512 flo = _mm512_roundscale_ps(ylo, RN), fhi = _mm512_roundscale_ps(yhi, RN);
+        __m512i clo = _mm512_cvtps_epi32(flo), chi = _mm512_cvtps_epi32(fhi);
         _mm_storeu_si128((__m128i *)(codes + g * G), _mm512_cvtepi32_epi8(clo));
         _mm_storeu_si128((__m128i *)(codes + g * G + 16), _mm512_cvtepi32_epi8(chi));
         hs[2 * g] = _mm512_reduce_add_epi32(clo);
         hs[2 * g + 1] = _mm512_reduce_add_epi32(chi);
         e[g] = amax / 127.f;
-        es[g] = e[g] * (float)(hs[2 * g] + hs[2 * g + 1]);
+        int32_t sr = 0;
+        if (fine) { /* y - c is exact (|.| <= 1/2), its product by 256 too */
+            const __m512 k256 = _mm512_set1_ps(256.f), top = _mm512_set1_ps(127.f);
+            __m512 rlo = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(ylo, flo), k256), RN);
+            __m512 rhi = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(yhi, fhi), k256), RN);
+            __m512i ilo = _mm512_cvtps_epi32(_mm512_min_ps(rlo, top));
+            __m512i ihi = _mm512_cvtps_epi32(_mm512_min_ps(rhi, top));
+            _mm_storeu_si128((__m128i *)(rc + g * G), _mm512_cvtepi32_epi8(ilo));
+            _mm_storeu_si128((__m128i *)(rc + g * G + 16), _mm512_cvtepi32_epi8(ihi));
+            hr[2 * g] = _mm512_reduce_add_epi32(ilo);
+            hr[2 * g + 1] = _mm512_reduce_add_epi32(ihi);
+            sr = hr[2 * g] + hr[2 * g + 1];
+        }
+#undef RN
+        es[g] = act_sum_scaled(e[g], hs[2 * g] + hs[2 * g + 1], sr, fine);
     }
     return;
 #endif
@@ -652,15 +688,21 @@ static void quantize_act_row(const float *x, int64_t K, char *out) {
         float amax = 0.f;
         for (int j = 0; j < G; j++) amax = fmaxf(amax, fabsf(xg[j]));
         float inv = amax > 0.f ? 127.f / amax : 0.f;
-        int32_t sum[2] = {0, 0};
+        int32_t sum[2] = {0, 0}, rsum[2] = {0, 0};
         for (int j = 0; j < G; j++) {
-            codes[g * G + j] = (int8_t)nearbyintf(xg[j] * inv); /* |.| <= 127; nearest even */
+            const float y = xg[j] * inv, c = nearbyintf(y); /* |.| <= 127; nearest even */
+            codes[g * G + j] = (int8_t)c;
             sum[j / 16] += codes[g * G + j];
+            if (fine) {
+                rc[g * G + j] = (int8_t)fminf(nearbyintf((y - c) * 256.f), 127.f);
+                rsum[j / 16] += rc[g * G + j];
+            }
         }
         hs[2 * g] = sum[0];
         hs[2 * g + 1] = sum[1];
+        if (fine) hr[2 * g] = rsum[0], hr[2 * g + 1] = rsum[1];
         e[g] = amax / 127.f;
-        es[g] = e[g] * (float)(sum[0] + sum[1]);
+        es[g] = act_sum_scaled(e[g], sum[0] + sum[1], rsum[0] + rsum[1], fine);
     }
 }
 
@@ -675,22 +717,25 @@ static inline __attribute__((always_inline)) __m512i dpbusd_word(__m512i acc, __
 }
 
 static inline __attribute__((always_inline)) void
-block_product_i8(int kind, const int R, kvlm_block B, int64_t groups, const kvlm_actrow *a,
-                 float *y, int64_t ldy, int64_t N, int64_t n0, int64_t m0) {
+block_product_i8(int kind, const int R, const int FINE, kvlm_block B, int64_t groups,
+                 const kvlm_actrow *a, float *y, int64_t ldy, int64_t N, int64_t n0, int64_t m0) {
     __m512 acc[MT_I8], off[MT_I8];
     for (int t = 0; t < R; t++) acc[t] = off[t] = _mm512_setzero_ps();
     const __m512i flip = _mm512_set1_epi8((char)0x80);
+    /* with a residual (FINE): a group's sums are 256 c + r's, its scale e / 256 (exact) */
+    const float unit = FINE ? 1.f / 256.f : 1.f;
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *c = codes_of(kind, B, g);
         prefetch_ahead(kind, B, g);
         /* independent integer sums per row (dpbusd latency): few rows, nibbles lo / hi
          * apart (q8: 4 or 2); many rows, one each (their own chains are enough), q6_k's
-         * halves always apart (a scale each). Integer sums: the split changes no bit. */
-        __m512i p[MT_I8][4];
-        const int C = kind == Q6K ? 2 : R > MT ? 1 : kind != Q8 ? 2 : (R <= 2 ? 4 : 2);
+         * halves always apart (a scale each). Integer sums: the split changes no bit.
+         * pr: the residual codes' sums, in chains of their own. */
+        __m512i p[MT_I8][4], pr[MT_I8][4];
+        const int C = kind == Q6K ? 2 : R > MT ? 1 : kind != Q8 ? 2 : (R <= 2 && !FINE ? 4 : 2);
         const int HI = C > 1 ? 1 : 0;
         for (int t = 0; t < R; t++)
-            for (int k = 0; k < C; k++) p[t][k] = _mm512_setzero_si512();
+            for (int k = 0; k < C; k++) p[t][k] = pr[t][k] = _mm512_setzero_si512();
         if (kind != Q8) { /* word v of x's group: elements 4v..; word 4 + v: 16 + 4v.. */
             const __m512i hb0 = high_bits(kind) ? _mm512_loadu_si512(c + 8 * G) : _mm512_setzero_si512();
             const __m512i hb1 = high_bits(kind) == 2 ? _mm512_loadu_si512(c + 8 * G + 64) : hb0;
@@ -701,6 +746,11 @@ block_product_i8(int kind, const int R, kvlm_block B, int64_t groups, const kvlm
                     const int32_t *xw = (const int32_t *)(a[t].c + g * G);
                     p[t][0] = dpbusd_word(p[t][0], lo, xw + v);
                     p[t][HI] = dpbusd_word(p[t][HI], hi, xw + 4 + v);
+                    if (FINE) {
+                        const int32_t *rw = (const int32_t *)(a[t].r + g * G);
+                        pr[t][0] = dpbusd_word(pr[t][0], lo, rw + v);
+                        pr[t][HI] = dpbusd_word(pr[t][HI], hi, rw + 4 + v);
+                    }
                 }
             }
         } else {
@@ -709,6 +759,8 @@ block_product_i8(int kind, const int R, kvlm_block B, int64_t groups, const kvlm
                 for (int t = 0; t < R; t++) {
                     const int32_t *xw = (const int32_t *)(a[t].c + g * G);
                     p[t][v % C] = dpbusd_word(p[t][v % C], u, xw + v);
+                    if (FINE)
+                        pr[t][v % C] = dpbusd_word(pr[t][v % C], u, (const int32_t *)(a[t].r + g * G) + v);
                 }
             }
         }
@@ -716,19 +768,32 @@ block_product_i8(int kind, const int R, kvlm_block B, int64_t groups, const kvlm
         group_params(kind, B, g, &s0, &s1, &z);
         if (kind == Q8) z = _mm512_mul_ps(s0, _mm512_set1_ps(-128.f));
         for (int t = 0; t < R; t++) {
-            const __m512 e = _mm512_set1_ps(a[t].e[g]);
+            const __m512 e = _mm512_set1_ps(a[t].e[g] * unit);
             if (kind == Q6K) { /* each half less 32 times its codes' sum: exact integers */
                 __m512i q0 = _mm512_sub_epi32(p[t][0], _mm512_set1_epi32(32 * a[t].hs[2 * g]));
                 __m512i q1 = _mm512_sub_epi32(p[t][1], _mm512_set1_epi32(32 * a[t].hs[2 * g + 1]));
+                if (FINE) {
+                    q0 = _mm512_add_epi32(_mm512_slli_epi32(q0, 8),
+                                          _mm512_sub_epi32(pr[t][0], _mm512_set1_epi32(32 * a[t].hr[2 * g])));
+                    q1 = _mm512_add_epi32(_mm512_slli_epi32(q1, 8),
+                                          _mm512_sub_epi32(pr[t][1], _mm512_set1_epi32(32 * a[t].hr[2 * g + 1])));
+                }
                 acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), _mm512_mul_ps(s0, e), acc[t]);
                 acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), _mm512_mul_ps(s1, e), acc[t]);
                 continue;
             }
-            __m512i q = p[t][0];
+            __m512i q = p[t][0], qr = pr[t][0];
             for (int k = 1; k < C; k++) q = _mm512_add_epi32(q, p[t][k]);
-            if (code_offset(kind)) /* q4_0, q5_0 */
+            if (FINE)
+                for (int k = 1; k < C; k++) qr = _mm512_add_epi32(qr, pr[t][k]);
+            if (code_offset(kind)) { /* q4_0, q5_0 */
                 q = _mm512_sub_epi32(q, _mm512_set1_epi32(code_offset(kind) *
                                                           (a[t].hs[2 * g] + a[t].hs[2 * g + 1])));
+                if (FINE)
+                    qr = _mm512_sub_epi32(qr, _mm512_set1_epi32(code_offset(kind) *
+                                                                (a[t].hr[2 * g] + a[t].hr[2 * g + 1])));
+            }
+            if (FINE) q = _mm512_add_epi32(_mm512_slli_epi32(q, 8), qr);
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(s0, e), acc[t]);
             if (kind == Q8 || has_zero(kind))
                 off[t] = _mm512_fmadd_ps(z, _mm512_set1_ps(a[t].es[g]), off[t]);
@@ -740,30 +805,34 @@ block_product_i8(int kind, const int R, kvlm_block B, int64_t groups, const kvlm
 }
 #else
 static inline __attribute__((always_inline)) void
-block_product_i8(int kind, const int R, kvlm_block B, int64_t groups, const kvlm_actrow *a,
-                 float *y, int64_t ldy, int64_t N, int64_t n0, int64_t m0) {
+block_product_i8(int kind, const int R, const int FINE, kvlm_block B, int64_t groups,
+                 const kvlm_actrow *a, float *y, int64_t ldy, int64_t N, int64_t n0, int64_t m0) {
     for (int i = 0; i < BR && n0 + i < N; i++) {
         for (int t = 0; t < R; t++) {
             float acc = 0.f;
+            const float unit = FINE ? 1.f / 256.f : 1.f;
             for (int64_t g = 0; g < groups; g++) {
                 uint8_t q[G];
                 float s[2], z;
                 row_codes(kind, B, g, i, q);
                 row_params(kind, B, g, i, s, &z);
-                const int8_t *c = a[t].c + g * G;
+                const int8_t *c = a[t].c + g * G, *r = FINE ? a[t].r + g * G : NULL;
+                const float e = a[t].e[g] * unit;
                 if (kind == Q8) {
                     int32_t dot = 0;
-                    for (int j = 0; j < G; j++) dot += (int8_t)q[j] * c[j];
-                    acc += s[0] * a[t].e[g] * (float)dot;
+                    for (int j = 0; j < G; j++) dot += (int8_t)q[j] * (FINE ? 256 * c[j] + r[j] : c[j]);
+                    acc += s[0] * e * (float)dot;
                     continue;
                 }
                 int32_t dot[2] = {0, 0};
-                for (int j = 0; j < G; j++) dot[j / 16] += q[j] * c[j];
-                for (int h = 0; h < 2; h++) dot[h] -= code_offset(kind) * a[t].hs[2 * g + h];
+                for (int j = 0; j < G; j++) dot[j / 16] += q[j] * (FINE ? 256 * c[j] + r[j] : c[j]);
+                for (int h = 0; h < 2; h++)
+                    dot[h] -= code_offset(kind) * (FINE ? 256 * a[t].hs[2 * g + h] + a[t].hr[2 * g + h]
+                                                        : a[t].hs[2 * g + h]);
                 if (kind == Q6K)
-                    acc += s[0] * a[t].e[g] * (float)dot[0] + s[1] * a[t].e[g] * (float)dot[1];
+                    acc += s[0] * e * (float)dot[0] + s[1] * e * (float)dot[1];
                 else
-                    acc += s[0] * a[t].e[g] * (float)(dot[0] + dot[1]) +
+                    acc += s[0] * e * (float)(dot[0] + dot[1]) +
                            (has_zero(kind) ? z * a[t].es[g] : 0.f);
             }
             y[(m0 + t) * ldy + n0 + i] = acc;
@@ -772,22 +841,31 @@ block_product_i8(int kind, const int R, kvlm_block B, int64_t groups, const kvlm
 }
 #endif
 
-/* As kvlm_qgemm with x rounded to int8 per group. */
+/* As kvlm_qgemm with x rounded to int8 per group, and with fine != 0 to 16 bits (int8
+ * codes and an int8 residual: kvlm_actrow), at any row count M (more than SMALL_ROWS: a
+ * prompt's rows; with a residual MT rows a pass, its chains of sums twice as many). */
 int kvlm_qgemm_i8(int64_t kind, const float *x, int64_t M, int64_t K, const uint8_t *w,
-                  int64_t N, float *y, int64_t ldy) {
+                  int64_t N, float *y, int64_t ldy, int64_t fine) {
     const int64_t groups = K / G;
-    if (M < 1 || !known_kind(kind)) return -2;
-    const size_t rows_at = ((size_t)M * actrow_bytes(K) + 63) / 64 * 64;
+    if (M < 1 || !known_kind(kind) || (fine != 0 && fine != 1)) return -2;
+    const int F = (int)fine;
+    const size_t rows_at = ((size_t)M * actrow_bytes(K, F) + 63) / 64 * 64;
     char *buf = act_scratch(rows_at + (size_t)M * sizeof(kvlm_actrow));
     if (!buf) return -1;
     kvlm_actrow *rows = (kvlm_actrow *)(buf + rows_at);
 #pragma omp parallel for schedule(static) if (M > SMALL_ROWS)
     for (int64_t t = 0; t < M; t++) {
-        quantize_act_row(x + t * K, K, buf + t * actrow_bytes(K));
-        rows[t] = actrow_at(buf, K, t);
+        quantize_act_row(x + t * K, K, buf + t * actrow_bytes(K, F), F);
+        rows[t] = actrow_at(buf, K, t, F);
     }
 #define QGEMM_I8_BODY(KIND, R, m0) \
-    block_product_i8(KIND, R, block_at(KIND, w, groups, b), groups, rows + (m0), y, ldy, N, b * BR, m0)
+    block_product_i8(KIND, R, 0, block_at(KIND, w, groups, b), groups, rows + (m0), y, ldy, N, b * BR, m0)
+#define QGEMM_I16_BODY(KIND, R, m0) \
+    block_product_i8(KIND, R, 1, block_at(KIND, w, groups, b), groups, rows + (m0), y, ldy, N, b * BR, m0)
+    if (F) {
+        FOR_KIND_BLOCKS(kind, M, N, QGEMM_I16_BODY);
+        return 0;
+    }
     if (M <= SMALL_ROWS) {
         FOR_KIND_BLOCKS(kind, M, N, QGEMM_I8_BODY);
         return 0;
@@ -797,14 +875,14 @@ int kvlm_qgemm_i8(int64_t kind, const float *x, int64_t M, int64_t K, const uint
      * the blocks), not all of them from L3 (512 rows at K = 8192 are 4.7 MiB: the down
      * projection ran at ~1.0 TOPS against ~1.15 for the others). A row's sums are the
      * same in any chunk. */
-    const int64_t chunk = (int64_t)(L2_ROWS_BYTES / actrow_bytes(K)) / MT_I8 * MT_I8;
+    const int64_t chunk = (int64_t)(L2_ROWS_BYTES / actrow_bytes(K, 0)) / MT_I8 * MT_I8;
     const int64_t step = chunk < MT_I8 ? MT_I8 : chunk;
     for (int64_t c0 = 0; c0 < M; c0 += step) {
         const int64_t mc = M - c0 < step ? M - c0 : step;
         const kvlm_actrow *rows_c = rows + c0;
         float *y_c = y + c0 * ldy;
 #define QGEMM_I8_CHUNK(KIND, R, m0) \
-    block_product_i8(KIND, R, block_at(KIND, w, groups, b), groups, rows_c + (m0), y_c, ldy, N, b * BR, m0)
+    block_product_i8(KIND, R, 0, block_at(KIND, w, groups, b), groups, rows_c + (m0), y_c, ldy, N, b * BR, m0)
         FOR_KIND_LOOP(FOR_BLOCKS_WIDE, kind, mc, N, QGEMM_I8_CHUNK);
 #undef QGEMM_I8_CHUNK
     }
@@ -1149,6 +1227,8 @@ typedef struct {
                                  KV_Q4 (each its own: --k-dtype, --v-dtype) */
     int64_t act_int8;        /* which products round x to int8 per group (--activations
                                 int8): a mask of ACT_QKV, ACT_O, ACT_GATE_UP, ACT_DOWN */
+    int64_t act_int16;       /* which of those keep an int8 residual too, x to 16 bits a
+                                value (--activations int16; kvlm_actrow) */
     const float *key_rot;    /* K in KV_I8 or KV_Q4: R (head_dim x head_dim); K rows are
                                 stored as k R */
     int64_t window;          /* the step's attention window (Mistral) for the layers whose
@@ -2511,15 +2591,16 @@ int64_t kvlm_decode_scratch(const kvlm_qmodel *m, int64_t B) {
     return B * row + D;
 }
 
-/* y [B, n] = x [B, k] . W^T, 16 rows per call (the small products' most); 0 or -1 */
-static int matmul_rows(const kvlm_qmat *w, const float *x, int64_t B, float *y, int act_int8) {
+/* y [B, n] = x [B, k] . W^T, 16 rows per call (the small products' most); act: x in fp32
+ * (0), rounded to int8 (1) or to 16 bits (2: int8 and a residual); 0 or -1 */
+static int matmul_rows(const kvlm_qmat *w, const float *x, int64_t B, float *y, int act) {
     for (int64_t r = 0; r < B; r += SMALL_ROWS) {
         const int64_t M = B - r < SMALL_ROWS ? B - r : SMALL_ROWS;
         const float *xr = x + r * w->k;
         float *yr = y + r * w->n;
         for (int64_t p = 0, col = 0; p < w->parts; col += w->part[p].n, p++) {
             const kvlm_qpart *P = w->part + p; /* its outputs: columns col .. col + n - 1 */
-            if (act_int8 && kvlm_qgemm_i8(P->kind, xr, M, w->k, P->data, P->n, yr + col, w->n) == 0)
+            if (act && kvlm_qgemm_i8(P->kind, xr, M, w->k, P->data, P->n, yr + col, w->n, act == 2) == 0)
                 continue;
             if (kvlm_qgemm(P->kind, xr, M, w->k, P->data, P->n, yr + col, w->n) != 0) return -1;
         }
@@ -2836,12 +2917,16 @@ static void add_residual(float *x, float *y, const float *w, int64_t B, int64_t 
  * when a product found no scratch memory. */
 enum { ACT_QKV = 1, ACT_O = 2, ACT_GATE_UP = 4, ACT_DOWN = 8 }; /* kvlm_qmodel.act_int8 */
 
+/* how product `bit` rounds x (matmul_rows' act) */
+static inline int act_of(const kvlm_qmodel *m, int64_t bit) {
+    return (m->act_int8 & bit) ? ((m->act_int16 & bit) ? 2 : 1) : 0;
+}
+
 int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *pos,
                       const float *cos, const float *sin, const kvlm_kv_view *views,
                       int64_t n_views, float *scratch, float *logits) {
     const int64_t H = m->hidden, D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
     const int64_t I = m->inter;
-    const int64_t ai8 = m->act_int8;
     if (B < 1 || B > MAX_BATCH || n_views < 1 || Hkv < 1 || Hq % Hkv != 0) return -2;
     if (Hq / Hkv > 8 || D > MAX_HEAD_DIM || D % 2) return -2; /* the attention's buffers */
     if (m->window < 0 || m->k_dtype < KV_F32 || m->k_dtype > KV_Q4) return -2;
@@ -2855,18 +2940,18 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *
         const kvlm_qlayer *L = m->layers + l;
         const layer_kv lk = layer_kv_of(m, L, views);
         for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->input_norm, H, m->eps, s.h + b * H);
-        if (matmul_rows(&L->qkv, s.h, B, s.qkv, (ai8 & ACT_QKV) != 0)) return -1;
+        if (matmul_rows(&L->qkv, s.h, B, s.qkv, act_of(m, ACT_QKV))) return -1;
         prepare_rows(m, L, &lk, B, pos, cos, sin, &s);
         attend_layer(m, &lk, &s, B, pos);
-        if (matmul_rows(&L->o, s.att, B, s.tmp, (ai8 & ACT_O) != 0)) return -1;
+        if (matmul_rows(&L->o, s.att, B, s.tmp, act_of(m, ACT_O))) return -1;
         if (L->o_bias)
             for (int64_t i = 0; i < B * H; i++) s.tmp[i] += L->o_bias[i % H];
         add_residual(x, s.tmp, L->attn_out_norm, B, H, m->eps);
         for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->post_norm, H, m->eps, s.h + b * H);
-        if (matmul_rows(&L->gate_up, s.h, B, s.gu, (ai8 & ACT_GATE_UP) != 0)) return -1;
+        if (matmul_rows(&L->gate_up, s.h, B, s.gu, act_of(m, ACT_GATE_UP))) return -1;
         for (int64_t b = 0; b < B; b++)
             (m->gelu ? gelu_mul : silu_mul)(s.gu + b * 2 * I, s.gu + b * 2 * I + I, s.act + b * I, I);
-        if (matmul_rows(&L->down, s.act, B, s.tmp, (ai8 & ACT_DOWN) != 0)) return -1;
+        if (matmul_rows(&L->down, s.act, B, s.tmp, act_of(m, ACT_DOWN))) return -1;
         add_residual(x, s.tmp, L->mlp_out_norm, B, H, m->eps);
     }
     for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, m->final_norm, H, m->eps, s.h + b * H);

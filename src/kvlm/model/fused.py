@@ -112,7 +112,7 @@ class _QModel(ctypes.Structure):
         ("layers", ctypes.POINTER(_QLayer)),
         ("final_norm", ctypes.c_void_p),
         ("lm_head", _QMat),
-        *_fields(ctypes.c_int64, "k_dtype v_dtype act_int8"),
+        *_fields(ctypes.c_int64, "k_dtype v_dtype act_int8 act_int16"),
         ("key_rot", ctypes.c_void_p),
         # window: the step's sliding window for the layers without their own (0: none);
         # head_act_int8: the vocabulary projection's own setting; gelu: GeGLU, not SwiGLU
@@ -437,10 +437,12 @@ class FusedDecoder:
         self.spec.k_dtype, self.spec.v_dtype = _KV_DTYPE[store.k_dtype], _KV_DTYPE[store.v_dtype]
         if store.k_quantized:  # codes + (step, zero) or scales per row; K stored rotated by R
             self.spec.key_rot = key_rotation(store.head_dim).data_ptr()  # cached, fp32
-        # --activations int8: each product's act_int8, the same in every block (LLM sets
-        # them); the vocabulary projection has its own (fp32 under the defaults)
+        # --activations int8 / int16: each product's act_int8 and act_int16, the same in
+        # every block (LLM sets them); the vocabulary projection has its own (fp32 under
+        # the defaults)
         block = self.model.layers[0]
         products = (block.attn.qkv, block.attn.o_proj, block.mlp.gate_up, block.mlp.down)
         self.spec.act_int8 = sum(1 << i for i, p in enumerate(products) if p.act_int8)
+        self.spec.act_int16 = sum(1 << i for i, p in enumerate(products) if p.act_int16)
         self.spec.head_act_int8 = int(self.model.lm_head.act_int8)
         self.spec.window = window or 0

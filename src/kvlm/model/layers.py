@@ -77,6 +77,7 @@ class Linear(nn.Module):
         self.prefill_bf16 = False  # low-bit weights: prompt products in bf16 (QuantWeight)
         self.prefill_int8 = False  # low-bit weights: prompt products on int8 activations
         self.act_int8 = False  # low-bit weights: decode products on int8 activations
+        self.act_int16 = False  # with act_int8: an int8 residual too, 16 bits a value
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`out`: where low-bit kernels may write the result (x's rows by out_features,
@@ -101,8 +102,9 @@ class Linear(nn.Module):
             # or beside others (the model says which: `prompt_rows`).
             prompt = prompt_rows(x)
             int8 = self.prefill_int8 if prompt else self.act_int8
+            fine = self.act_int16 and not prompt
             out = out if x.dtype == torch.float32 else None
-            y = self.quant.matmul(flat, self.prefill_bf16 and prompt, int8, out=out)
+            y = self.quant.matmul(flat, self.prefill_bf16 and prompt, int8, out=out, act_int16=fine)
             y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         else:
             return F.linear(x, self.weight, self.bias)

@@ -244,6 +244,7 @@ class QuantWeight:
         prefill_bf16: bool = False,
         act_int8: bool = False,
         out: torch.Tensor | None = None,
+        act_int16: bool = False,
     ) -> torch.Tensor:
         """x (M, K) fp32, contiguous -> x @ W^T (M, N) fp32: into `out` (M, N) fp32,
         contiguous, where the kernels write the result themselves (use the returned tensor:
@@ -258,8 +259,11 @@ class QuantWeight:
         `act_int8`: x rounded to int8 per group of 32 (`round_activations`), integer
         products in the kernel at any row count (VNNI: on AVX512-VNNI without AMX, as fast
         as oneDNN's bf16 GEMM and with no dequantized tiles), a trade of exactness for
-        speed: decode rows, and prompt rows with --prefill-dtype int8. Neither: up to
-        SMALL_M rows the C kernel, more a dense fp32 GEMM."""
+        speed: decode rows, and prompt rows with --prefill-dtype int8. `act_int16` (with
+        `act_int8`): x to 16 bits a value, int8 codes and an int8 residual
+        (`round_activations(x, fine=True)`), two integer products of the same weight codes
+        (--activations int16: decode rows near fp32's answers at integer speed). Neither:
+        up to SMALL_M rows the C kernel, more a dense fp32 GEMM."""
         m, k = x.shape
         numel = self.out_features * self.in_features
         if x.dtype == torch.float64:  # the reference: the same weights, fp64 sums
@@ -269,7 +273,7 @@ class QuantWeight:
             w = self.dense(dtype=torch.bfloat16)
             return torch.matmul(x.to(torch.bfloat16), w.t()).float()
         if lib is None:
-            x = round_activations(x) if act_int8 else x
+            x = round_activations(x, act_int16) if act_int8 else x
             return torch.matmul(x, self.dense(_scratch(numel)).t())
         if prefill_bf16 or (m > SMALL_M and not act_int8):
             return self._tiled(lib, x, torch.bfloat16 if prefill_bf16 else torch.float32)
@@ -277,13 +281,14 @@ class QuantWeight:
         y = torch.empty(m, n, dtype=torch.float32) if out is None else out
         if m > PROMPT_ROWS and act_int8:  # bounded scratch; a row's result is the same
             for i in range(0, m, PROMPT_ROWS):
-                self.matmul(x[i : i + PROMPT_ROWS], act_int8=True, out=y[i : i + PROMPT_ROWS])
+                part = y[i : i + PROMPT_ROWS]
+                self.matmul(x[i : i + PROMPT_ROWS], act_int8=True, out=part, act_int16=act_int16)
             return y
-        fn = lib.kvlm_qgemm_i8 if act_int8 else lib.kvlm_qgemm
         col = 0
         for p in self.parts():  # each part's outputs: columns col .. of y (row stride n)
-            rc = fn(KIND_CODES[p.kind], x.data_ptr(), m, k, p.data.data_ptr(), p.out_features,
+            args = (KIND_CODES[p.kind], x.data_ptr(), m, k, p.data.data_ptr(), p.out_features,
                     y.data_ptr() + 4 * col, n)  # fmt: skip
+            rc = lib.kvlm_qgemm_i8(*args, int(act_int16)) if act_int8 else lib.kvlm_qgemm(*args)
             if rc == -1:
                 raise MemoryError("no scratch memory for a low-bit product")
             if rc != 0:
@@ -777,14 +782,24 @@ def _dense_torch(q: QuantWeight) -> torch.Tensor:
     return _dense_fields(q.kind, _unpack_fields(q.kind, q.data, q.out_features, q.in_features))
 
 
-def round_activations(x: torch.Tensor) -> torch.Tensor:
+def round_activations(x: torch.Tensor, fine: bool = False) -> torch.Tensor:
     """x (M, K) as the int8-activation kernels see it: per group of 32, e = max|x| / 127
-    and x -> e * round(x / e) (nearest even), in fp32."""
+    and x -> e * round(x / e) (nearest even), in fp32. `fine` (int16 activations): plus the
+    residual to 1/256 of e, x -> e * (c + r / 256) with c = round(y), y = x / e, and r =
+    round(256 (y - c)) at most 127 (kernels/qgemm.c kvlm_actrow; in fp64, where every such
+    value is exact)."""
     m, k = x.shape
     g = x.reshape(m, k // GROUP, GROUP)
     amax = g.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    return (torch.round(g * inv) * (amax / 127.0)).reshape(m, k)
+    # a true division, as the kernels' 127 / amax (a Python number over a tensor is a
+    # reciprocal times 127 in torch: an ulp apart at times)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    y = g * inv
+    c = torch.round(y)
+    if not fine:
+        return (c * (amax / 127.0)).reshape(m, k)
+    r = torch.round((y - c) * 256.0).clamp(max=127.0)
+    return ((c.double() + r.double() / 256.0) * (amax / 127.0).double()).float().reshape(m, k)
 
 
 def can_quantize(weight: torch.Tensor) -> bool:
