@@ -276,21 +276,27 @@ def test_int16_activations_in_the_fused_step(arch_dir):
     apart (e / 256 of its group), where int8's coarse codes stayed equal: the logits are
     held to a quarter of what the setting itself moves them by (on average over the
     vocabulary; a wrong mask would leave them as far apart as the setting moves them), one
-    product at a time and all four; and int16's logits are far closer to fp32
-    activations' than int8's are."""
+    product at a time (the vocabulary projection's among them: a fifth bit) and the
+    blocks' four; and int16's logits are far closer to fp32 activations' than int8's are."""
     folder = arch_dir("llama")
     opts = dict(model=folder, progress=False, max_context=MAX_CONTEXT, weights="int4",
                 prefill_dtype="fp32")  # fmt: skip
     prompt = _ids(LLM(**opts), 12, seed=6)
     _, every, every_ref, *_ = fused_and_torch(LLM(**opts, activations="int8"), prompt, 3)
-    for keep in range(5):  # 0..3: that product alone; 4: all four
+    int8_head = LLM(**opts, activations="int8")
+    int8_head.model.lm_head.act_int8 = True  # the baseline of the vocabulary's int16
+    _, _, head_ref, *_ = fused_and_torch(int8_head, prompt, 3)
+    for keep in range(6):  # 0..3: that product alone; 4: the vocabulary's; 5: the blocks'
         llm = LLM(**opts, activations="int16")
+        head = llm.model.lm_head
         for block in llm.model.layers:
             products = (block.attn.qkv, block.attn.o_proj, block.mlp.gate_up, block.mlp.down)
             for i, lin in enumerate(products):
-                lin.act_int16 = keep in (i, 4)
+                lin.act_int16 = keep in (i, 5)
+        head.act_int8 = head.act_int16 = keep == 4
         tokens, one, one_ref, *_ = fused_and_torch(llm, prompt, 3)
-        moved = _mean_apart(one_ref[0], every_ref[0])  # step 0: the same prefix for both
+        base = head_ref if keep == 4 else every_ref  # the same with int8 for int16
+        moved = _mean_apart(one_ref[0], base[0])  # step 0: the same prefix for both
         assert _mean_apart(one, one_ref) <= moved / 4, keep
         assert_top_k_both_ways(one, one_ref)
     exact = LLM(**opts, activations="fp32")

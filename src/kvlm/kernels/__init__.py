@@ -45,7 +45,7 @@ import torch  # loaded first, so the kernels share torch's OpenMP runtime
 
 SOURCE = Path(__file__).with_name("qgemm.c")
 HEADERS = (Path(__file__).with_name("v512.h"),)  # qgemm.c includes them (quoted: beside it)
-ABI = 19
+ABI = 20
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 120
 WORK_PREFIX, WORK_SUFFIX = ".qgemm-", ".tmp"  # a build's private directory in the cache

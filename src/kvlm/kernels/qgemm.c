@@ -145,7 +145,7 @@ static inline uint16_t to_f16(float f) {
 #endif
 }
 
-int kvlm_kernel_abi(void) { return 19; }
+int kvlm_kernel_abi(void) { return 20; }
 
 /* 512: AVX-512; 256: the same code on AVX2 (two halves per vector); 0: scalar loops */
 int kvlm_kernel_simd(void) { return KVLM_V512; }
@@ -1226,7 +1226,9 @@ typedef struct {
     int64_t k_dtype, v_dtype; /* K's and V's storage: KV_F32, KV_BF16, KV_I8, KV_F16 or
                                  KV_Q4 (each its own: --k-dtype, --v-dtype) */
     int64_t act_int8;        /* which products round x to int8 per group (--activations
-                                int8): a mask of ACT_QKV, ACT_O, ACT_GATE_UP, ACT_DOWN */
+                                int8): a mask of ACT_QKV, ACT_O, ACT_GATE_UP, ACT_DOWN,
+                                ACT_HEAD (the vocabulary projection: off by default,
+                                near-tied logits decide the token) */
     int64_t act_int16;       /* which of those keep an int8 residual too, x to 16 bits a
                                 value (--activations int16; kvlm_actrow) */
     const float *key_rot;    /* K in KV_I8 or KV_Q4: R (head_dim x head_dim); K rows are
@@ -1234,8 +1236,6 @@ typedef struct {
     int64_t window;          /* the step's attention window (Mistral) for the layers whose
                                 own is -1: the query at p sees keys p - window < s <= p; 0:
                                 all of 0 .. p */
-    int64_t head_act_int8;   /* the vocabulary projection rounds x to int8 too (off under
-                                --activations int8: near-tied logits decide the token) */
     int64_t gelu;            /* the MLP's gate: 0 SiLU (SwiGLU), 1 tanh's GELU (GeGLU) */
     float score_scale;       /* the scores' scale (head_dim^-0.5, or Gemma's own) */
     float attn_softcap;      /* scores soft-capped, cap tanh(s / cap), before the softmax
@@ -2915,7 +2915,8 @@ static void add_residual(float *x, float *y, const float *w, int64_t B, int64_t 
  * Returns 0; -2 when an argument is out of range (a position past the slots or a table, a
  * block id past its pool, a ring shorter than a layer's window: nothing is written); -1
  * when a product found no scratch memory. */
-enum { ACT_QKV = 1, ACT_O = 2, ACT_GATE_UP = 4, ACT_DOWN = 8 }; /* kvlm_qmodel.act_int8 */
+/* kvlm_qmodel.act_int8, act_int16 */
+enum { ACT_QKV = 1, ACT_O = 2, ACT_GATE_UP = 4, ACT_DOWN = 8, ACT_HEAD = 16 };
 
 /* how product `bit` rounds x (matmul_rows' act) */
 static inline int act_of(const kvlm_qmodel *m, int64_t bit) {
@@ -2955,7 +2956,7 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *
         add_residual(x, s.tmp, L->mlp_out_norm, B, H, m->eps);
     }
     for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, m->final_norm, H, m->eps, s.h + b * H);
-    return matmul_rows(&m->lm_head, s.h, B, logits, m->head_act_int8 != 0);
+    return matmul_rows(&m->lm_head, s.h, B, logits, act_of(m, ACT_HEAD));
 }
 
 /* ------------------------------------------------------------------------------------

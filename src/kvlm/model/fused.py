@@ -115,8 +115,8 @@ class _QModel(ctypes.Structure):
         *_fields(ctypes.c_int64, "k_dtype v_dtype act_int8 act_int16"),
         ("key_rot", ctypes.c_void_p),
         # window: the step's sliding window for the layers without their own (0: none);
-        # head_act_int8: the vocabulary projection's own setting; gelu: GeGLU, not SwiGLU
-        *_fields(ctypes.c_int64, "window head_act_int8 gelu"),
+        # gelu: GeGLU, not SwiGLU
+        *_fields(ctypes.c_int64, "window gelu"),
         *_fields(ctypes.c_float, "score_scale attn_softcap"),  # softcap 0: none
         ("rope_tables", ctypes.c_int64),  # cos/sin tables: 1, or 2 (Gemma 3's local base)
     ]
@@ -438,11 +438,11 @@ class FusedDecoder:
         if store.k_quantized:  # codes + (step, zero) or scales per row; K stored rotated by R
             self.spec.key_rot = key_rotation(store.head_dim).data_ptr()  # cached, fp32
         # --activations int8 / int16: each product's act_int8 and act_int16, the same in
-        # every block (LLM sets them); the vocabulary projection has its own (fp32 under
-        # the defaults)
+        # every block (LLM sets them), then the vocabulary projection's own (fp32 under the
+        # defaults): a bit each in two masks
         block = self.model.layers[0]
-        products = (block.attn.qkv, block.attn.o_proj, block.mlp.gate_up, block.mlp.down)
+        products = (block.attn.qkv, block.attn.o_proj, block.mlp.gate_up, block.mlp.down,
+                    self.model.lm_head)  # fmt: skip
         self.spec.act_int8 = sum(1 << i for i, p in enumerate(products) if p.act_int8)
         self.spec.act_int16 = sum(1 << i for i, p in enumerate(products) if p.act_int16)
-        self.spec.head_act_int8 = int(self.model.lm_head.act_int8)
         self.spec.window = window or 0
