@@ -610,17 +610,18 @@ int kvlm_qgemm(int64_t kind, const float *x, int64_t M, int64_t K, const uint8_t
  * ------------------------------------------------------------------------------------ */
 
 /* A row of x as int8: codes [groups][32], then per group e, e * sum(x's codes), and the
- * integer sums of codes 0..15 and 16..31; with a residual (--activations int16), then
- * the residual codes [groups][32] and their half sums. x ~ e (c + r / 256): c the nearest
- * (even) integer to y = x 127 / max|x|, r that of (y - c) 256 (at most 127: a tie's 128,
- * y exactly half-way, is taken as 127), so a value is within e / 512 + e / 256 [at a tie]
- * of x, 16 bits a value where int8 alone keeps it within e / 2. The residual's product
- * is a second vpdpbusd over the same codes of the weight, its sums joined to the first's
- * as 256 c + r in int32 (|.| < 2^28). */
+ * integer sums of codes 0..15 and 16..31. With a residual (--activations int16), x ~ e
+ * (c + r / 256): c the nearest (even) integer to y = x 127 / max|x|, r that of (y - c) 256
+ * (at most 127: a tie's 128, y exactly half-way, is taken as 127), so a value is within
+ * e / 512 of x (e / 256 at a tie), 16 bits a value where int8 alone keeps it within e / 2;
+ * then the residual codes [groups][32] follow, each half's sum of 256 c + r, and the
+ * group's scale is kept as e / 256 (exact), so the kernel's sums are simply those of
+ * 256 c + r in int32 (|.| < 2^28): a second vpdpbusd over the same codes of the weight,
+ * joined to the first's by a shift, the offsets and scales as int8's. */
 typedef struct {
     const int8_t *c, *r; /* r NULL: int8 alone */
     const float *e, *es;
-    const int32_t *hs, *hr;
+    const int32_t *hs, *hr; /* hr: with r, each half's sum of 256 c + r */
 } kvlm_actrow;
 
 static inline int64_t actrow_bytes(int64_t K, int fine) {
@@ -634,12 +635,6 @@ static kvlm_actrow actrow_at(const char *buf, int64_t K, int64_t t, int fine) {
     const int8_t *r = fine ? (const int8_t *)(hs + 2 * (K / G)) : NULL;
     kvlm_actrow a = {(const int8_t *)p, r, e, e + K / G, hs, fine ? (const int32_t *)(r + K) : NULL};
     return a;
-}
-
-/* es: e times the codes' sum, that of 256 c + r over 256 with a residual (exact integers
- * below 2^24, then one rounding) */
-static inline float act_sum_scaled(float e, int32_t sc, int32_t sr, int fine) {
-    return fine ? (e * (1.f / 256.f)) * (float)(256 * sc + sr) : e * (float)sc;
 }
 
 static void quantize_act_row(const float *x, int64_t K, char *out, int fine) {
@@ -674,12 +669,14 @@ static void quantize_act_row(const float *x, int64_t K, char *out, int fine) {
             __m512i ihi = _mm512_cvtps_epi32(_mm512_min_ps(rhi, top));
             _mm_storeu_si128((__m128i *)(rc + g * G), _mm512_cvtepi32_epi8(ilo));
             _mm_storeu_si128((__m128i *)(rc + g * G + 16), _mm512_cvtepi32_epi8(ihi));
-            hr[2 * g] = _mm512_reduce_add_epi32(ilo);
-            hr[2 * g + 1] = _mm512_reduce_add_epi32(ihi);
+            hr[2 * g] = 256 * hs[2 * g] + _mm512_reduce_add_epi32(ilo);
+            hr[2 * g + 1] = 256 * hs[2 * g + 1] + _mm512_reduce_add_epi32(ihi);
+            e[g] *= 1.f / 256.f; /* exact */
             sr = hr[2 * g] + hr[2 * g + 1];
         }
 #undef RN
-        es[g] = act_sum_scaled(e[g], hs[2 * g] + hs[2 * g + 1], sr, fine);
+        /* e times the sum of codes (of 256 c + r: exact integers below 2^24), rounded once */
+        es[g] = e[g] * (float)(fine ? sr : hs[2 * g] + hs[2 * g + 1]);
     }
     return;
 #endif
@@ -700,9 +697,12 @@ static void quantize_act_row(const float *x, int64_t K, char *out, int fine) {
         }
         hs[2 * g] = sum[0];
         hs[2 * g + 1] = sum[1];
-        if (fine) hr[2 * g] = rsum[0], hr[2 * g + 1] = rsum[1];
         e[g] = amax / 127.f;
-        es[g] = act_sum_scaled(e[g], sum[0] + sum[1], rsum[0] + rsum[1], fine);
+        if (fine) {
+            hr[2 * g] = 256 * sum[0] + rsum[0], hr[2 * g + 1] = 256 * sum[1] + rsum[1];
+            e[g] *= 1.f / 256.f;
+        }
+        es[g] = e[g] * (float)(fine ? hr[2 * g] + hr[2 * g + 1] : sum[0] + sum[1]);
     }
 }
 
@@ -723,7 +723,6 @@ block_product_i8(int kind, const int R, const int FINE, kvlm_block B, int64_t gr
     for (int t = 0; t < R; t++) acc[t] = off[t] = _mm512_setzero_ps();
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     /* with a residual (FINE): a group's sums are 256 c + r's, its scale e / 256 (exact) */
-    const float unit = FINE ? 1.f / 256.f : 1.f;
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *c = codes_of(kind, B, g);
         prefetch_ahead(kind, B, g);
@@ -768,32 +767,29 @@ block_product_i8(int kind, const int R, const int FINE, kvlm_block B, int64_t gr
         group_params(kind, B, g, &s0, &s1, &z);
         if (kind == Q8) z = _mm512_mul_ps(s0, _mm512_set1_ps(-128.f));
         for (int t = 0; t < R; t++) {
-            const __m512 e = _mm512_set1_ps(a[t].e[g] * unit);
+            const __m512 e = _mm512_set1_ps(a[t].e[g]);
+            /* the codes' sums the offsets take: c's, or with FINE 256 c + r's */
+            const int32_t *hs = FINE ? a[t].hr : a[t].hs;
             if (kind == Q6K) { /* each half less 32 times its codes' sum: exact integers */
-                __m512i q0 = _mm512_sub_epi32(p[t][0], _mm512_set1_epi32(32 * a[t].hs[2 * g]));
-                __m512i q1 = _mm512_sub_epi32(p[t][1], _mm512_set1_epi32(32 * a[t].hs[2 * g + 1]));
+                __m512i q0 = p[t][0], q1 = p[t][1];
                 if (FINE) {
-                    q0 = _mm512_add_epi32(_mm512_slli_epi32(q0, 8),
-                                          _mm512_sub_epi32(pr[t][0], _mm512_set1_epi32(32 * a[t].hr[2 * g])));
-                    q1 = _mm512_add_epi32(_mm512_slli_epi32(q1, 8),
-                                          _mm512_sub_epi32(pr[t][1], _mm512_set1_epi32(32 * a[t].hr[2 * g + 1])));
+                    q0 = _mm512_add_epi32(_mm512_slli_epi32(q0, 8), pr[t][0]);
+                    q1 = _mm512_add_epi32(_mm512_slli_epi32(q1, 8), pr[t][1]);
                 }
+                q0 = _mm512_sub_epi32(q0, _mm512_set1_epi32(32 * hs[2 * g]));
+                q1 = _mm512_sub_epi32(q1, _mm512_set1_epi32(32 * hs[2 * g + 1]));
                 acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), _mm512_mul_ps(s0, e), acc[t]);
                 acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), _mm512_mul_ps(s1, e), acc[t]);
                 continue;
             }
             __m512i q = p[t][0], qr = pr[t][0];
             for (int k = 1; k < C; k++) q = _mm512_add_epi32(q, p[t][k]);
-            if (FINE)
+            if (FINE) {
                 for (int k = 1; k < C; k++) qr = _mm512_add_epi32(qr, pr[t][k]);
-            if (code_offset(kind)) { /* q4_0, q5_0 */
-                q = _mm512_sub_epi32(q, _mm512_set1_epi32(code_offset(kind) *
-                                                          (a[t].hs[2 * g] + a[t].hs[2 * g + 1])));
-                if (FINE)
-                    qr = _mm512_sub_epi32(qr, _mm512_set1_epi32(code_offset(kind) *
-                                                                (a[t].hr[2 * g] + a[t].hr[2 * g + 1])));
+                q = _mm512_add_epi32(_mm512_slli_epi32(q, 8), qr);
             }
-            if (FINE) q = _mm512_add_epi32(_mm512_slli_epi32(q, 8), qr);
+            if (code_offset(kind)) /* q4_0, q5_0 */
+                q = _mm512_sub_epi32(q, _mm512_set1_epi32(code_offset(kind) * (hs[2 * g] + hs[2 * g + 1])));
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(s0, e), acc[t]);
             if (kind == Q8 || has_zero(kind))
                 off[t] = _mm512_fmadd_ps(z, _mm512_set1_ps(a[t].es[g]), off[t]);
@@ -810,14 +806,13 @@ block_product_i8(int kind, const int R, const int FINE, kvlm_block B, int64_t gr
     for (int i = 0; i < BR && n0 + i < N; i++) {
         for (int t = 0; t < R; t++) {
             float acc = 0.f;
-            const float unit = FINE ? 1.f / 256.f : 1.f;
             for (int64_t g = 0; g < groups; g++) {
                 uint8_t q[G];
                 float s[2], z;
                 row_codes(kind, B, g, i, q);
                 row_params(kind, B, g, i, s, &z);
                 const int8_t *c = a[t].c + g * G, *r = FINE ? a[t].r + g * G : NULL;
-                const float e = a[t].e[g] * unit;
+                const float e = a[t].e[g]; /* e / 256 with FINE */
                 if (kind == Q8) {
                     int32_t dot = 0;
                     for (int j = 0; j < G; j++) dot += (int8_t)q[j] * (FINE ? 256 * c[j] + r[j] : c[j]);
@@ -827,8 +822,7 @@ block_product_i8(int kind, const int R, const int FINE, kvlm_block B, int64_t gr
                 int32_t dot[2] = {0, 0};
                 for (int j = 0; j < G; j++) dot[j / 16] += q[j] * (FINE ? 256 * c[j] + r[j] : c[j]);
                 for (int h = 0; h < 2; h++)
-                    dot[h] -= code_offset(kind) * (FINE ? 256 * a[t].hs[2 * g + h] + a[t].hr[2 * g + h]
-                                                        : a[t].hs[2 * g + h]);
+                    dot[h] -= code_offset(kind) * (FINE ? a[t].hr[2 * g + h] : a[t].hs[2 * g + h]);
                 if (kind == Q6K)
                     acc += s[0] * e * (float)dot[0] + s[1] * e * (float)dot[1];
                 else
