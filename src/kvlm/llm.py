@@ -158,7 +158,7 @@ class LLM:
                             self.progress, self.weights)  # fmt: skip
         for module in model.modules():
             if isinstance(module, Linear):
-                # bf16 prompt products and int8 activations in the blocks; the vocabulary
+                # bf16 prompt products and int8 / int16 activations in the blocks; the vocabulary
                 # projection keeps fp32 ones: its near-tied logits decide the token (on the
                 # default model, rounding its input too changed 7 of 8 test prompts'
                 # answers, and bf16 logits tie at 2^-8: docs/BENCHMARKS.md)

@@ -397,7 +397,7 @@ def status() -> str:
     )
     vnni = "VNNI" if lib.kvlm_kernel_vnni() else "scalar"
     cpu = f"; built for {_outcome.built_for}" if _outcome.built_for else ""
-    return f"compiled C kernels ({simd}; int8 activations: {vnni}{cpu})"
+    return f"compiled C kernels ({simd}; int8 / int16 activations: {vnni}{cpu})"
 
 
 HUGE_PAGE = 2 << 20

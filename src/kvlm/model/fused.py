@@ -9,11 +9,12 @@ bf16 rounded as torch rounds; int8 quantized as kvlm.cache.storage does, K throu
 rotation), attention over each row's slots so far (the query heads of a KV head together,
 positions split in chunks across threads and merged by log-sum-exp), o product, residual,
 norm, gate|up, SiLU (or GELU), down, residual, then the final norm and the vocabulary. The
-products read each weight once for up to 16 rows. With `--activations int8` the products
-round their input to int8 per group of 32 (kvlm.model.quant), as the torch path's products
-do. Over an int8 cache the scores are integer dot products: each query head (rotated like
-K) rounds to int8 with one scale, as llama.cpp does for its q8_0 cache; the torch path
-dequantizes K instead, so the two agree to that rounding.
+products read each weight once for up to 16 rows. With `--activations int8|int16` the
+products round their input per group of 32 to int8 (and an int8 residual: int16;
+kvlm.model.quant), as the torch path's products do. Over an int8 cache the scores are
+integer dot products: each query head (rotated like K) rounds to int8 with one scale, as
+llama.cpp does for its q8_0 cache; the torch path dequantizes K instead, so the two agree
+to that rounding.
 
 The cache is addressed through views (`KVView`, built by `FusedDecoder.views_of` for
 kvlm.engine.runner.ModelRunner): each a store, the rows' block tables, a block size, a ring

@@ -76,7 +76,7 @@ class Linear(nn.Module):
         self.quant: QuantWeight | None = None  # low-bit weights (kernel "quant")
         self.prefill_bf16 = False  # low-bit weights: prompt products in bf16 (QuantWeight)
         self.prefill_int8 = False  # low-bit weights: prompt products on int8 activations
-        self.act_int8 = False  # low-bit weights: decode products on int8 activations
+        self.act_int8 = False  # low-bit weights: decode products on integer activations
         self.act_int16 = False  # with act_int8: an int8 residual too, 16 bits a value
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

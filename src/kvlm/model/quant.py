@@ -18,9 +18,11 @@ model's weights (`move_to_huge_pages`). Fused projections (q|k|v, gate|up) are p
 one buffer (`concat`); where their parts come in different kinds (a Q4_K_M file's Q4_K q/k
 and Q6_K v) they stay a weight of row parts, each in its own kind. Products keep fp32
 activations: the C kernel widens the codes in registers (decode, up to SMALL_M rows), or
-the weight is dequantized once into a dense fp32 matrix for a BLAS GEMM (prefill). Opt-in
-`act_int8` (`--activations int8`) rounds each row of x to int8 per group of 32 in the
-small products, as llama.cpp does, for integer dot products (AVX512-VNNI). Without the
+the weight is dequantized once into a dense fp32 matrix for a BLAS GEMM (prefill).
+`act_int8` (`--activations int8`) rounds each row of x to int8 per group of 32, as
+llama.cpp does, for integer dot products (AVX512-VNNI); with `act_int16` (`--activations
+int16`, the decode rows' default with VNNI) an int8 residual too, 16 bits a value, for a
+second integer product of the same codes (`round_activations`). Without the
 compiled kernels the same products run in torch (from the same packed bytes): the same
 numbers, slower.
 """
