@@ -25,6 +25,9 @@ from kvlm import LLM
 from kvlm.bench.prompts import KINDS, fidelity_prompts
 from kvlm.engine.verify import compare, greedy_answers
 from kvlm.model.attention import Attention
+from kvlm.model.fused import block_products
+
+PRODUCTS = ("qkv", "o_proj", "gate_up", "down")  # block_products' order, as runs name them
 
 RUNS = {
     "defaults": {},
@@ -97,15 +100,10 @@ def main() -> None:
         attention = settings.pop("prompt_attention", None)
         fine = settings.pop("int16_products", None)
         llm = LLM(**common, **settings)
-        if fine is not None:
+        if fine is not None:  # the fused step reads them every step
             for block in llm.model.layers:
-                for product, lin in (
-                    ("qkv", block.attn.qkv),
-                    ("o_proj", block.attn.o_proj),
-                    ("gate_up", block.mlp.gate_up),
-                    ("down", block.mlp.down),
-                ):
-                    lin.act_int16 = product in fine  # the fused step reads them every step
+                for product, lin in zip(PRODUCTS, block_products(block), strict=True):
+                    lin.act_int16 = product in fine
         layers = [m for m in llm.model.modules() if isinstance(m, Attention)]
         if attention is not None:  # "bf16": every prompt row; "fp32": none
             for m in layers:

@@ -36,7 +36,7 @@ from kvlm.cache.hybrid import RING_SLACK, HybridCache
 from kvlm.cache.paged import BlockPool, PagedCache
 from kvlm.engine.engine import Engine, EngineConfig
 from kvlm.engine.runner import Batch
-from kvlm.model.fused import FusedDecoder, KVView, why_not
+from kvlm.model.fused import FusedDecoder, KVView, block_products, why_not
 from numerics import SAME_ROUNDING, U32, assert_as_exact_as, gamma
 
 # conftest.TINY_MODELS, and what each brings to the fused step
@@ -290,8 +290,7 @@ def test_int16_activations_in_the_fused_step(arch_dir):
         llm = LLM(**opts, activations="int16")
         head = llm.model.lm_head
         for block in llm.model.layers:
-            products = (block.attn.qkv, block.attn.o_proj, block.mlp.gate_up, block.mlp.down)
-            for i, lin in enumerate(products):
+            for i, lin in enumerate(block_products(block)):
                 lin.act_int16 = keep in (i, 5)
         head.act_int8 = head.act_int16 = keep == 4
         tokens, one, one_ref, *_ = fused_and_torch(llm, prompt, 3)

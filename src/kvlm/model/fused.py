@@ -166,6 +166,12 @@ def pool_views(pool: BlockPool, tables: Sequence[Sequence[Sequence[int]]]) -> li
 _KV_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float16: 3, Q4: 4}
 
 
+def block_products(block: Block) -> tuple[Linear, Linear, Linear, Linear]:
+    """A block's four low-bit products in the step's order: q|k|v, o, gate|up, down (bits 0-3
+    of the activation masks, kvlm_qmodel.act_int8 / act_int16; the vocabulary's is bit 4)."""
+    return block.attn.qkv, block.attn.o_proj, block.mlp.gate_up, block.mlp.down
+
+
 def _qmat(lin: Linear) -> _QMat:
     q = lin.quant
     parts = [_QPart(KIND_CODES[p.kind], p.data.data_ptr(), p.out_features) for p in q.parts()]
@@ -275,9 +281,9 @@ class FusedDecoder:
         return (torch.stack([t.reshape(slots, -1) for t in ts]).contiguous() for ts in (cos, sin))
 
     def _layer(self, block: Block, i: int) -> _QLayer:
-        attn, mlp, d = block.attn, block.mlp, self.model.config.head_dim
+        attn, d = block.attn, self.model.config.head_dim
         norms = (block.input_norm.weight.data_ptr(), block.post_norm.weight.data_ptr())
-        mats = [_qmat(lin) for lin in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)]
+        mats = [_qmat(lin) for lin in block_products(block)]
         biases = [_ptr(lin.bias, lin.out_features) for lin in (attn.qkv, attn.o_proj)]
         qk = [_ptr(None if n is None else n.weight, d) for n in (attn.q_norm, attn.k_norm)]
         hidden = self.model.config.hidden_size
@@ -441,9 +447,7 @@ class FusedDecoder:
         # --activations int8 / int16: each product's act_int8 and act_int16, the same in
         # every block (LLM sets them), then the vocabulary projection's own (fp32 under the
         # defaults): a bit each in two masks
-        block = self.model.layers[0]
-        products = (block.attn.qkv, block.attn.o_proj, block.mlp.gate_up, block.mlp.down,
-                    self.model.lm_head)  # fmt: skip
+        products = (*block_products(self.model.layers[0]), self.model.lm_head)
         self.spec.act_int8 = sum(1 << i for i, p in enumerate(products) if p.act_int8)
         self.spec.act_int16 = sum(1 << i for i, p in enumerate(products) if p.act_int16)
         self.spec.window = window or 0
