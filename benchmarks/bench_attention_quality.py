@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 from kvlm import LLM
+from kvlm.bench import QUALITY_TEXT, lockstep_logprobs
 from kvlm.defaults import LONG_ATTENTION
 from kvlm.model.attention import Attention
 
-DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 RUNS = {  # name: (LLM settings, every Attention's prompt_bf16_from or "as resolved")
     "exact": ({"exact": True}, "as resolved"),
     "defaults": ({}, "as resolved"),
@@ -40,7 +40,7 @@ RUNS = {  # name: (LLM settings, every Attention's prompt_bf16_from or "as resol
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
-    p.add_argument("--text", default=str(DEFAULT_TEXT))
+    p.add_argument("--text", default=str(QUALITY_TEXT))
     p.add_argument("--tokens", type=int, default=8000)
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
@@ -60,23 +60,20 @@ def main() -> None:
     ids = ids[: args.tokens]
     n = len(ids) - 1
     nxt = torch.tensor([*ids[1:], 0])
-    caches = {k: llm.new_cache("contiguous") for k, llm in llms.items()}
     nll: dict[str, list] = {k: [] for k in llms}
     kl: dict[str, list] = {k: [] for k in llms}  # against exact
     kd: dict[str, list] = {k: [] for k in llms}  # against the defaults
     same: dict[str, list] = {k: [] for k in llms}
-    for start in range(0, len(ids), args.chunk):
-        chunk = ids[start : start + args.chunk]
-        lp = {k: torch.log_softmax(llm.runner.logits(chunk, caches[k]).double(), -1)
-              for k, llm in llms.items()}  # fmt: skip
-        nx = nxt[start : start + len(chunk)]
+    for start, lp in lockstep_logprobs(llms, ids, args.chunk):
+        size = len(lp["exact"])
+        nx = nxt[start : start + size]
         pe, pd = lp["exact"].exp(), lp["defaults"].exp()
         for k in llms:
             nll[k].append(-lp[k].gather(-1, nx[:, None])[:, 0])
             kl[k].append((pe * (lp["exact"] - lp[k])).sum(-1))
             kd[k].append((pd * (lp["defaults"] - lp[k])).sum(-1))
             same[k].append((lp[k].argmax(-1) == lp["exact"].argmax(-1)).double())
-        print(f"{start + len(chunk)} tokens", flush=True)
+        print(f"{start + size} tokens", flush=True)
     edges = [e for e in (0, 512, LONG_ATTENTION, 4096, 16384, 32768) if e < n] + [n]
     spans = list(itertools.pairwise(edges))
     name = llms["exact"].model_name

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from kvlm import LLM
+from kvlm.bench import QUALITY_TEXT, lockstep_logprobs
 
 LLAMACPP_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml's type ids (llama_cpp.GGML_TYPE_*)
 
@@ -62,13 +63,10 @@ def llamacpp_rows(
     return out
 
 
-DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
-    p.add_argument("--text", default=str(DEFAULT_TEXT))
+    p.add_argument("--text", default=str(QUALITY_TEXT))
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--dtypes", default="fp16,fp32,bf16,int8,q4")
@@ -83,23 +81,21 @@ def main() -> None:
                    progress=False) for d in dtypes}  # fmt: skip
     base = llms["fp16"]
     ids = base.tokenizer.encode(text)[: args.tokens]
-    caches = {d: llm.new_cache("contiguous") for d, llm in llms.items()}
     kl: dict[str, list[torch.Tensor]] = {d: [] for d in dtypes[1:]}
     same = dict.fromkeys(dtypes[1:], 0)
     nll = dict.fromkeys(dtypes, 0.0)
-    for start in range(0, len(ids) - 1, args.chunk):
-        chunk = ids[start : start + args.chunk]
+    # the last token has no next one: no chunk starts at it
+    for start, lps in lockstep_logprobs(llms, ids, args.chunk, stop=len(ids) - 1):
         nxt = torch.tensor(ids[start + 1 : start + args.chunk + 1])
         logp = {}
-        for d, llm in llms.items():
-            lp = torch.log_softmax(llm.runner.logits(chunk, caches[d]).double(), dim=-1)
+        for d, lp in lps.items():
             logp[d] = lp[: len(nxt)]
             nll[d] -= float(logp[d].gather(-1, nxt[:, None]).sum())
         p_base = logp["fp16"].exp()
         for d in dtypes[1:]:
             kl[d].append((p_base * (logp["fp16"] - logp[d])).sum(-1))
             same[d] += int((logp[d].argmax(-1) == logp["fp16"].argmax(-1)).sum())
-        print(f"{start + len(chunk)} tokens", flush=True)
+        print(f"{start + len(lps['fp16'])} tokens", flush=True)
     n = len(ids) - 1
     spec = {d: llm.new_cache("contiguous").spec.bytes_per_token for d, llm in llms.items()}
     print(f"\n{base.model_name}, {n} positions of {Path(args.text).name}, chunks of "

@@ -23,7 +23,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -42,6 +42,10 @@ from kvlm.bench.child import (
     weight_bytes_per_token,
 )
 from kvlm.settings import table
+
+# The quality benchmarks' long real text: the GPL-3, as Debian ships it (~8k tokens of
+# English prose; benchmarks/bench_kv_quality.py, bench_attention_quality.py)
+QUALITY_TEXT = Path("/usr/share/common-licenses/GPL-3")
 
 FILLER = (
     "The KV cache stores the keys and values of every token already processed, so decoding "
@@ -62,6 +66,21 @@ class BenchConfig:
 
 
 PEERS = ("hf", "hf-static", "llama.cpp")
+
+
+def lockstep_logprobs(
+    llms: dict[str, LLM], ids: Sequence[int], chunk: int, stop: int | None = None
+) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """ids fed in chunks of `chunk` tokens (those starting before `stop`, default all)
+    through one contiguous cache per LLM, every LLM the same chunk in turn (the prompt
+    path: a chunk's rows attend over every earlier chunk's K/V as its cache stores them):
+    per chunk, its start and each LLM's log-probabilities of its positions (fp64, chunk x
+    vocabulary). Only one chunk's are held at a time."""
+    caches = {k: llm.new_cache("contiguous") for k, llm in llms.items()}
+    for start in range(0, len(ids) if stop is None else stop, chunk):
+        part = list(ids[start : start + chunk])
+        yield start, {k: torch.log_softmax(llm.runner.logits(part, caches[k]).double(), dim=-1)
+                      for k, llm in llms.items()}  # fmt: skip
 
 
 def prompt_ids(llm: Any, n: int) -> list[int]:
