@@ -49,8 +49,9 @@
  * numerics) take integer dot products, at any row count (a prompt's rows too,
  * --prefill-dtype int8: 8 rows per pass over a block, its codes widened once for all of
  * them); int16 activations (the decode rows' default where the CPU has VNNI) are int8
- * codes and an int8 residual, two integer products of the same widened codes. Many rows on fp32 or bf16 activations dequantize
- * once (kvlm_qdequant: exactly the loader's numbers) and call a real GEMM.
+ * codes and an int8 residual, two integer products of the same widened codes. Many rows
+ * on fp32 or bf16 activations dequantize once (kvlm_qdequant: exactly the loader's
+ * numbers) and call a real GEMM.
  *
  * The vector code is written in AVX-512 intrinsics (16 lanes: a block's 16 rows). Built
  * for a CPU with AVX2 + FMA + F16C and no AVX-512, v512.h gives those intrinsics as two
@@ -722,7 +723,6 @@ block_product_i8(int kind, const int R, const int FINE, kvlm_block B, int64_t gr
     __m512 acc[MT_I8], off[MT_I8];
     for (int t = 0; t < R; t++) acc[t] = off[t] = _mm512_setzero_ps();
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    /* with a residual (FINE): a group's sums are 256 c + r's, its scale e / 256 (exact) */
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *c = codes_of(kind, B, g);
         prefetch_ahead(kind, B, g);
@@ -767,8 +767,9 @@ block_product_i8(int kind, const int R, const int FINE, kvlm_block B, int64_t gr
         group_params(kind, B, g, &s0, &s1, &z);
         if (kind == Q8) z = _mm512_mul_ps(s0, _mm512_set1_ps(-128.f));
         for (int t = 0; t < R; t++) {
+            /* with a residual (FINE) a group's sums are those of 256 c + r (p << 8 plus pr),
+             * its scale e / 256 and the codes' sums the offsets take 256 c + r's too */
             const __m512 e = _mm512_set1_ps(a[t].e[g]);
-            /* the codes' sums the offsets take: c's, or with FINE 256 c + r's */
             const int32_t *hs = FINE ? a[t].hr : a[t].hs;
             if (kind == Q6K) { /* each half less 32 times its codes' sum: exact integers */
                 __m512i q0 = p[t][0], q1 = p[t][1];
