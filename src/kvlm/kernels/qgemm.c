@@ -1482,7 +1482,7 @@ static inline void load_bf16_pairs(const char *row, int64_t i, __m512 *even, __m
 /* the scores of J (4 or 1) rows from r for NG heads (see scores_rows) */
 static inline __attribute__((always_inline)) void
 scores_of_rows(const int NG, const int NV, const int PAIRS, const int J, const float *qs,
-               const char *r, int64_t rowb, int dt, int64_t D, __m512 acc[4][4]) {
+               const char *r, int64_t rowb, int dt, int64_t D, __m512 acc[8][4]) {
     for (int h = 0; h < NG; h++)
         for (int j = 0; j < J; j++) acc[h][j] = _mm512_setzero_ps();
     if (PAIRS) {
@@ -1516,7 +1516,7 @@ static inline __attribute__((always_inline)) void
 scores_rows(const int NG, const int NV, const int PAIRS, const float *qs, const kv_span *K,
             int dt, int64_t esz, int64_t D, int64_t S, int64_t s0, int64_t s1, float *p) {
     const int64_t rowb = D * esz;
-    __m512 acc[4][4];
+    __m512 acc[8][4];
     for (int64_t a = s0, end; a < s1; a = end) {
         const char *lim, *run = run_at(K, rowb, a, s1, &end, &lim);
         fetch_run(K, rowb, a, s0);
@@ -1544,13 +1544,19 @@ static void scores_dispatch(int ng, int nv, const float *qs, const kv_span *K, i
         return;                                                                              \
     }
     SC_CASE(1, 4) SC_CASE(2, 4) SC_CASE(3, 4) SC_CASE(4, 4) SC_CASE(1, 8) SC_CASE(2, 8)
-    SC_CASE(1, 16) SC_CASE(2, 16) SC_CASE(4, 16)
+    SC_CASE(1, 16) SC_CASE(2, 16) SC_CASE(4, 16) SC_CASE(5, 4) SC_CASE(6, 4) SC_CASE(7, 4)
 #undef SC_CASE
-    const int step = nv == 8 ? 2 : 4; /* more heads a KV head (Qwen2.5's 6, 7): in groups */
-    if (ng > step) {
-        for (int h = 0; h < ng; h += step)
-            scores_dispatch(ng - h < step ? ng - h : step, nv, qs + h * D, K, dt, esz, D, S, s0,
-                            s1, p + h * S);
+    /* more heads a KV head: in balanced passes over the rows (the later ones from L2); at
+     * head_dim 64 up to 7 a pass (28 sums and 4 rows in the 32 zmm registers): Qwen2.5-0.5B's
+     * 7 heads in one pass instead of 4 + 3, its decode +6% at 8k and 32k (the same sums:
+     * docs/BENCHMARKS.md 19.12); head_dim 128, 6 (Qwen2.5-1.5B) in 3 + 3: no gain */
+    const int most = nv == 4 ? 7 : nv == 8 ? 2 : 4;
+    if (ng > most) {
+        for (int h = 0, left = (ng + most - 1) / most; h < ng; left--) {
+            const int n = (ng - h + left - 1) / left;
+            scores_dispatch(n, nv, qs + h * D, K, dt, esz, D, S, s0, s1, p + h * S);
+            h += n;
+        }
         return;
     }
     for (int h = 0; h < ng; h++)
@@ -1618,9 +1624,10 @@ pv_avx512(const int NG, const int NV, const int PAIRS, const float *p, const kv_
 
 /* head_dim 256 (Gemma 3) in two passes of 128 columns over the chunk's rows (just read: in
  * L1/L2). The heads of a KV head in passes whose accumulators stay in registers: up to 4
- * heads x 4 vectors (head_dim 64), 3 x 8 from 128 columns (4 x 8 is all 32 zmm registers,
- * and GCC spilled them; without the spills the speed did not move: docs/BENCHMARKS.md
- * 19.9), the passes balanced (6 = 3 + 3, 4 = 2 + 2) */
+ * heads x 4 vectors (head_dim 64; 7 in one pass, as scores_dispatch now takes them, gained
+ * nothing over 4 + 3: docs/BENCHMARKS.md 19.12), 3 x 8 from 128 columns (4 x 8 is all 32
+ * zmm registers, and GCC spilled them; without the spills the speed did not move:
+ * docs/BENCHMARKS.md 19.9), the passes balanced (6 = 3 + 3, 4 = 2 + 2) */
 static void pv_dispatch(int ng, const float *p, const kv_span *V, int dt, int64_t esz,
                         int64_t D, int64_t S, int64_t s0, int64_t s1, float *o) {
     const int most = D >= 128 ? 3 : 4;
