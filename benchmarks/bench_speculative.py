@@ -68,7 +68,7 @@ def chat_rate(llm: LLM, text: str, n: int, spec) -> tuple[float, list[int], floa
     session = llm.chat_session(SamplingParams(temperature=0, max_tokens=n))
     turn = session.send(text)
     list(turn)
-    acceptance = session.speculator.stats.acceptance if session.speculator else 0.0
+    acceptance = session.engine.stats.spec.acceptance
     out = turn.output
     return out.metrics.decode_tokens_per_s, out.outputs[0].token_ids, acceptance
 

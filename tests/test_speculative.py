@@ -143,7 +143,10 @@ def test_the_server_speculates_and_answers_what_it_answers_without(tiny_model_di
             def ask(prompt, client=client):
                 out = client.completions.create(model=client.models.list().data[0].id,
                                                 prompt=prompt, temperature=0, max_tokens=80,
+                                                logprobs=0,
                                                 extra_body={"ignore_eos": True})  # fmt: skip
+                # usage counts tokens, every accepted draft token among them
+                assert out.usage.completion_tokens == len(out.choices[0].logprobs.tokens) == 80
                 return out.choices[0].text
 
             with ThreadPoolExecutor(3) as pool:  # concurrent: one batch
@@ -153,6 +156,7 @@ def test_the_server_speculates_and_answers_what_it_answers_without(tiny_model_di
     assert seen["kvlm_spec_draft_tokens_total"] > 0
     assert 0 <= seen["kvlm_spec_acceptance_rate"] <= 1
     assert seen["kvlm_spec_tokens_per_forward"] >= 1
+    assert seen["kvlm_generation_tokens_total"] == 3 * 80  # tokens, not steps or events
 
 
 @pytest.fixture(scope="module")

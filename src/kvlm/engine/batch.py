@@ -55,8 +55,12 @@ def _step(engine: Engine, live: dict[str, _Live]) -> list[StepOutput]:
     ran = {s.request_id for s in batch.decode} | {s.request_id for s, _ in batch.prefill}
     for rid in ran & live.keys():
         live[rid].metrics.record_forward(seconds)
-    for rid, count in Counter(ev.request_id for ev in events if ev.token_ids).items():
-        live[rid].metrics.record_token(count)
+    tokens: Counter[str] = Counter()  # every token a request got: all samples, all drafts kept
+    for ev in events:
+        tokens[ev.request_id] += len(ev.token_ids)
+    for rid, count in tokens.items():
+        if count:
+            live[rid].metrics.record_token(count)
     for ev in events:
         item = live[ev.request_id]
         item.metrics.prefill_tokens = ev.prompt_tokens - ev.cached_tokens

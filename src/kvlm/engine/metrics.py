@@ -67,7 +67,9 @@ class Metrics:
         self.per_forward_ms.append(seconds * 1000.0)
 
     def record_token(self, count: int = 1) -> None:
-        """`count` tokens (one per live sample) came out of the latest step."""
+        """`count` tokens came out of the latest step: every sample's, and with speculative
+        decoding every draft token a sample kept besides the model's own (a step's tokens,
+        never its events: kvlm.engine.batch._step counts them)."""
         now = time.perf_counter()
         if self._first is None:
             self._first = now
@@ -81,13 +83,24 @@ class Metrics:
         self.total_ms = (time.perf_counter() - self._start) * 1000.0
 
     @property
+    def decode_tokens(self) -> int:
+        """Tokens after the first step's: what `decode_tokens_per_s` counts."""
+        return self._tokens - self._first_count
+
+    @property
+    def decode_ms(self) -> float:
+        """From the first step's tokens to the last step's: the time it counts over."""
+        if self._first is None or self._last is None:
+            return 0.0
+        return (self._last - self._first) * 1000.0
+
+    @property
     def decode_tokens_per_s(self) -> float:
         """Tokens after the first step's, over the time since it (prefill excluded); with n
-        samples, all of them together."""
-        if self._first is None or self._last is None or self._tokens <= self._first_count:
+        samples, all of them together; with speculative decoding, every token kept."""
+        if self.decode_tokens <= 0 or self.decode_ms <= 0:
             return 0.0
-        elapsed = self._last - self._first
-        return (self._tokens - self._first_count) / elapsed if elapsed > 0 else 0.0
+        return self.decode_tokens / (self.decode_ms / 1000.0)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -102,6 +115,8 @@ class Metrics:
         return {
             "ttft_ms": round(self.ttft_ms, 3),
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
+            "decode_tokens": self.decode_tokens,
+            "decode_ms": round(self.decode_ms, 3),
             "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 3),
             "prompt_tokens": self.prompt_tokens,
             "prefill_tokens": self.prefill_tokens,
