@@ -235,8 +235,9 @@ def test_cli_exact_and_default(default_model_path, capsys):
 
 
 def test_rows_take_the_numerics_of_their_role_not_of_their_count(monkeypatch):
-    """A low-bit Linear: prompt rows (T > 1, or as the model says) take --prefill-dtype,
-    decoded rows --activations, whatever the number of rows in the call."""
+    """A low-bit Linear: prompt rows (T > 1, or as the model says) take --prefill-dtype
+    (with fp32 ones, the dense road: `prompt`), decoded rows --activations, whatever the
+    number of rows in the call; the vocabulary projection's rows never the dense road."""
     from kvlm.model import quant
     from kvlm.model.layers import Linear, feeding_prompt
 
@@ -248,25 +249,33 @@ def test_rows_take_the_numerics_of_their_role_not_of_their_count(monkeypatch):
     monkeypatch.setattr(
         quant.QuantWeight,
         "matmul",
-        lambda self, x, prefill_bf16=False, act_int8=False, out=None, act_int16=False: (
-            seen.append((x.shape[0], prefill_bf16, act_int8, act_int16))
-            or real(self, x, prefill_bf16, act_int8, out=out, act_int16=act_int16)
+        lambda self, x, prefill_bf16=False, act_int8=False, out=None, act_int16=False,
+        prompt=False: (
+            seen.append((x.shape[0], prefill_bf16, act_int8, act_int16, prompt))
+            or real(self, x, prefill_bf16, act_int8, out=out, act_int16=act_int16, prompt=prompt)
         ),
-    )
+    )  # fmt: skip
     lin(torch.randn(1, 5, 64))  # a prompt chunk of 5
     lin(torch.randn(40, 1, 64))  # 40 decode rows
     lin(torch.randn(1, 1, 64))  # one row: a decode step by shape ...
     with feeding_prompt(True):
         lin(torch.randn(1, 1, 64))  # ... or the last token of a prompt, as the model says
-    assert seen == [(5, True, False, False), (40, False, True, False), (1, False, True, False),
-                    (1, True, False, False)]  # fmt: skip
+    assert seen == [(5, True, False, False, True), (40, False, True, False, False),
+                    (1, False, True, False, False), (1, True, False, False, True)]  # fmt: skip
     # int8 prompt products (--prefill-dtype int8): prompt rows on int8 activations too;
     # int16 activations (--activations int16) for decoded rows only
     seen.clear()
     lin.prefill_bf16, lin.prefill_int8, lin.act_int16 = False, True, True
     lin(torch.randn(1, 5, 64))
     lin(torch.randn(40, 1, 64))
-    assert seen == [(5, False, True, False), (40, False, True, True)]
+    assert seen == [(5, False, True, False, True), (40, False, True, True, False)]
+    # fp32 products: a block's prompt rows the dense road, the vocabulary's rows the C kernel
+    seen.clear()
+    lin.prefill_int8, lin.act_int8, lin.act_int16 = False, False, False
+    lin(torch.randn(1, 5, 64))
+    lin.vocabulary = True
+    lin(torch.randn(1, 5, 64))
+    assert seen == [(5, False, False, False, True), (5, False, False, False, False)]
 
 
 @pytest.mark.slow

@@ -101,14 +101,16 @@ def test_widths_not_in_groups_of_32_are_refused():
 @pytest.mark.parametrize("kind", ["q8", "q4"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 40])
 def test_kernel_products_equal_the_dequantized_weight(kind, rows):
-    """The C kernel (up to SMALL_M rows) and the dense GEMM (more) both compute x @ W^T of
-    the dequantized weight; the torch fallback gives the same numbers."""
+    """The C kernel (SMALL_M rows a call, at any row count) and the dense GEMM of a
+    block's prompt rows (PROMPT_BLOCK rows a call) both compute x @ W^T of the dequantized
+    weight; the torch fallback gives the same numbers."""
     torch.manual_seed(rows)
     q = quant.quantize(torch.randn(72, 160) * 0.1, kind)  # 72: a part-filled block of 16
     x = torch.randn(rows, 160)
     w = quant._dense_torch(q)
     torch.testing.assert_close(q.dense(), w, atol=0, rtol=0)
     assert_product_close(q.matmul(x), x @ w.t(), x, w)
+    assert_product_close(q.matmul(x, prompt=True), x @ w.t(), x, w)
 
 
 def test_without_kernels_the_torch_fallback_gives_the_same_product(monkeypatch):
@@ -721,11 +723,12 @@ def test_fused_attention_split_into_position_chunks_matches_the_torch_model(
     _assert_fused_tracks_torch(llm, default_model_path, "native", ids, 6, factor)
 
 
-def test_bf16_prefill_meets_a_bounded_set_of_gemm_shapes(monkeypatch):
-    """oneDNN keeps a JIT-compiled primitive for every GEMM shape it meets: prompt chunks of
-    every row count from 1 to 300 reach it padded to a multiple of 16 rows (a server under
-    varied load grew ~50 MiB a minute before), past 512 of a 16th of the power of two
-    below, with the rows' results held to bf16's bound as at any count."""
+def test_prompt_products_meet_one_gemm_shape_and_keep_a_rows_bits(monkeypatch):
+    """oneDNN keeps a JIT-compiled primitive for every GEMM shape it meets (a server under
+    varied load grew ~50 MiB a minute when chunks reached it at every row count), and its
+    kernels and MKL's block a call by its shape: prompt chunks of every row count from 1 to
+    300 reach the GEMM as calls of PROMPT_BLOCK rows, each row's result held to bf16's
+    bound and the same bits as in the 300-row call, in bf16 and in fp32."""
     if kernels.library() is None:
         pytest.skip("the tiles are the compiled path")
     torch.manual_seed(5)
@@ -736,10 +739,14 @@ def test_bf16_prefill_meets_a_bounded_set_of_gemm_shapes(monkeypatch):
     bound = BF16_STEP * ref.abs() + product_bound(xb, wb).float()
     rows, real = set(), torch.matmul
     monkeypatch.setattr(torch, "matmul", lambda a, b: rows.add(a.shape[0]) or real(a, b))
+    whole = q.matmul(x, prefill_bf16=True)
+    whole32 = q.matmul(x, prompt=True)
     for m in range(1, 301):
         got = q.matmul(x[:m], prefill_bf16=True)
         assert got.shape == (m, 48) and ((got - ref[:m]).abs() <= bound[:m]).all()
-    assert rows == set(range(16, 305, 16))
+        assert torch.equal(got, whole[:m])
+        assert torch.equal(q.matmul(x[300 - m :], prompt=True), whole32[300 - m :])
+    assert rows == {quant.PROMPT_BLOCK}
     assert [quant.onednn_rows(m) for m in (511, 513, 1025, 2000)] == [512, 544, 1088, 2048]
 
 

@@ -79,18 +79,14 @@ class ModelRunner:
             self._fused[slots] = fused.FusedDecoder(self.model, slots)
         return self._fused[slots]
 
-    def _decodes_alike(self, prompt: bool | None) -> bool:
-        """Whether one prompt token may take the fused (decode) step: only when prompt
-        and decode rows have the same numerics (no bf16 prompt products; int8 activations
-        for both or for neither; no int16 decode activations, which prompts never take)."""
-        lin = self.model.layers[0].attn.qkv
-        alike = not lin.prefill_bf16 and lin.prefill_int8 == lin.act_int8 and not lin.act_int16
-        return not prompt or alike
-
     def ragged_steps(self) -> bool:
         """Whether a step's prompt chunks and decode rows go as one mixed batch (one ragged
-        forward): `one_forward`, and prompt and decode rows sharing their numerics."""
-        return self.one_forward and self._decodes_alike(True)
+        forward): `one_forward`, and prompt and decode rows sharing their numerics (no bf16
+        prompt products; int8 activations for both or for neither; no int16 decode
+        activations, which prompts never take)."""
+        lin = self.model.layers[0].attn.qkv
+        alike = not lin.prefill_bf16 and lin.prefill_int8 == lin.act_int8 and not lin.act_int16
+        return self.one_forward and alike
 
     def fused_for(self, cache: KVCache) -> fused.FusedDecoder | None:
         """The fused decode step for this cache, when it applies."""
@@ -157,7 +153,9 @@ class ModelRunner:
         tokens = [r[0] for r in rows]
         if one and not b.prompt and self.graphs and self.graphs.accepts(cache):
             return self.graphs.step(tokens, cache)
-        if one and self._decodes_alike(b.prompt) and (decoder := self.fused_for(cache)):
+        # a prompt's token never takes the fused step: a prompt row's bits are the prompt
+        # road's (row-blocked products, kvlm_attend) in a chunk of one token as of many
+        if one and not b.prompt and (decoder := self.fused_for(cache)):
             step = cache.begin(1)  # raises on overflow (paged: allocates, copies on write)
             n = len(rows)
             logits = self._run_fused(decoder, cache, step, tokens, [step.start] * n, range(n))
@@ -197,7 +195,7 @@ class ModelRunner:
             out = graphs.step_table(pool.store, pool.scratch, tokens, b.tables, b.starts, window)
             if out is not None:
                 return out
-        if one and len(rows) <= fused.MAX_ROWS and self._decodes_alike(b.prompt):
+        if one and len(rows) <= fused.MAX_ROWS and not b.prompt:
             decoder = self._decoder(spec.max_tokens)
             if decoder is not None and all(decoder.reads(g.store) for g in pool.groups):
                 views = fused.pool_views(pool, [b.tables, *b.windowed])

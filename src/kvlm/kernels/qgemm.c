@@ -3316,6 +3316,55 @@ static inline int64_t keys_read(int64_t S, int64_t causal, int64_t r1) {
     return causal && r1 + 64 < S ? r1 + 64 : S;
 }
 
+#if !KVLM_V512
+/* kvlm_attend on a CPU without the vector code (the scalar build: no AVX2, or not x86):
+ * each row's scores, max, sum and p.V over its keys in key order, so a row's bits are its
+ * own whichever chunk it comes in (torch's SDPA, the fallback before, split a chunk's rows
+ * and keys by its shape). Row t sees key j < S when j <= t if `causal`, and where mask[t
+ * mst + j] is nonzero if `mask` is given. A row that sees no key is 0. */
+static int attend_prompt_scalar(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh,
+                                int64_t qst, const float *k, const float *v, int64_t Hkv,
+                                int64_t S, int64_t ksh, int64_t kst, int64_t vsh, int64_t vst,
+                                const uint8_t *mask, int64_t mst, int64_t causal, double scale,
+                                float *out) {
+    const int64_t group = H / Hkv;
+    int failed = 0;
+#pragma omp parallel for schedule(static)
+    for (int64_t task = 0; task < H * T; task++) {
+        const int64_t h = task / T, t = task % T;
+        const float *qr = q + h * qsh + t * qst;
+        const float *kg = k + (h / group) * ksh, *vg = v + (h / group) * vsh;
+        float *sr = malloc((size_t)S * sizeof(float)), *o = out + t * H * D + h * D;
+        if (!sr) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < S; j++) {
+            sr[j] = -INFINITY;
+            if ((causal && j > t) || (mask && !mask[t * mst + j])) continue;
+            float dot = 0.f;
+            for (int64_t d = 0; d < D; d++) dot += qr[d] * kg[j * kst + d];
+            sr[j] = dot * (float)scale;
+            if (sr[j] > mx) mx = sr[j];
+        }
+        for (int64_t d = 0; d < D; d++) o[d] = 0.f;
+        float sum = 0.f;
+        for (int64_t j = 0; j < S && mx > -INFINITY; j++) {
+            if (sr[j] == -INFINITY) continue;
+            const float e = expf(sr[j] - mx);
+            sum += e;
+            for (int64_t d = 0; d < D; d++) o[d] += e * vg[j * vst + d];
+        }
+        if (sum > 0.f)
+            for (int64_t d = 0; d < D; d++) o[d] /= sum;
+        free(sr);
+    }
+    return failed ? -1 : 0;
+}
+#endif
+
 int kvlm_attend(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh, int64_t qst,
                 const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksh,
                 int64_t kst, int64_t vsh, int64_t vst, const uint8_t *mask, int64_t mst,
@@ -3327,7 +3376,9 @@ int kvlm_attend(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh, in
 #endif
     if (b < T && D != 64 && D != 128) return -2;
 #if !KVLM_V512
-    if (b > 0) return -2;
+    if (b > 0) /* the scalar build: every row in fp32, one key after another */
+        return attend_prompt_scalar(q, H, T, D, qsh, qst, k, v, Hkv, S, ksh, kst, vsh, vst,
+                                    mask, mst, causal, scale, out);
 #endif
     if (b > 0 && (D % 16 || D > 256)) return -2;
     int rc = 0;

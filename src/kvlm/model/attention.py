@@ -112,11 +112,13 @@ class Attention(nn.Module):
         if self.q_scale is not None:
             q = q * self.q_scale
         cap = self.softcap
-        bf16_from = self.prompt_bf16_from if prompt_rows(x) else None  # attend: T > 1 too
+        prompt = prompt_rows(x)
+        bf16_from = self.prompt_bf16_from if prompt else None
         if kv.segments is not None:
             out = attend_ragged(q, k_all, v_all, kv.segments, cap, bf16_from)
         elif kv.rows is None and (B == 1 or not q.is_cpu):
-            out = attend(q, k_all, v_all, kv.mask, kv.is_causal, softcap=cap, bf16_from=bf16_from)
+            out = attend(q, k_all, v_all, kv.mask, kv.is_causal, softcap=cap, bf16_from=bf16_from,
+                         prompt=prompt)  # fmt: skip
         else:
             out = attend_rows(q, k_all, v_all, kv, cap)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
@@ -240,21 +242,24 @@ def attend(
     expand: bool | None = None,
     softcap: float | None = None,
     bf16_from: int | None = None,
+    prompt: bool | None = None,
 ) -> torch.Tensor:
     """SDPA of q (B, H, T, D) over k, v (B, Hkv, S, D), H a multiple of Hkv; with
     `softcap`, the scores capped first (`attend_capped`).
 
-    `bf16_from` (prompt rows on the CPU, T > 1; Attention.prompt_bf16_from, from
-    kvlm.defaults): the rows at that position or later (row t of T at position S - T + t)
-    in bf16: q, k and v rounded to bf16, fp32 scores and softmax, the weights rounded to
-    bf16 for p.V. 0 (every row: --prefill-dtype bf16): with AMX, torch's flash attention
-    over them (oneDNN's bf16 brgemm on the tiles: on the AMX Xeon 2-4x kvlm_attend's fp32
-    from 1,024 keys); else kvlm_attend's bf16 pairs (vdpbf16ps; on a Zen 4 1.4-1.55x its
-    fp32 from 512 keys, where torch's bf16 flash attention is 0.4-0.85x of it:
-    docs/BENCHMARKS.md 19.8, 19.10), torch's where that does not apply. Later (int8 prompt
-    products, the long rows only): kvlm_attend alone, the rows before in its fp32 kernel,
-    and every row fp32 where its bf16 pairs do not apply, so a row's bits stay its own
-    whichever chunk it comes in. The prompt's largest cost at long contexts.
+    `prompt` (None: T > 1): the rows are a prompt's; on the CPU one sequence's prompt rows
+    go to kvlm_attend at any T, a chunk of one row too, so a row's bits are its own
+    whichever chunk it comes in (a prefix hit's last rows, any chunk size).
+    `bf16_from` (prompt rows on the CPU; Attention.prompt_bf16_from, from kvlm.defaults):
+    the rows at that position or later (row t of T at position S - T + t) in bf16: q, k
+    and v rounded to bf16, fp32 scores and softmax, the weights rounded to bf16 for p.V,
+    in kvlm_attend's bf16 pairs (vdpbf16ps; on a Zen 4 1.4-1.55x its fp32 from 512 keys,
+    where torch's bf16 flash attention is 0.4-0.85x of it: docs/BENCHMARKS.md 19.8,
+    19.10), every row fp32 where its pairs do not apply (with 0, --prefill-dtype bf16:
+    torch's bf16 flash attention there). With AMX too: torch's flash attention on the
+    tiles (2-4x kvlm_attend's fp32 from 1,024 keys on the AMX Xeon) splits a chunk's rows
+    by its length, so a row's bits followed its chunk. The prompt's largest cost at long
+    contexts.
 
     On CUDA a grouped-query call with an explicit mask (a prefill chunk after the first, a
     batch of rows at different positions, a window step) finds no fused kernel: flash
@@ -265,20 +270,21 @@ def attend(
     if softcap is not None:
         return attend_capped(q, k, v, mask, is_causal, softcap)
     T, S = q.shape[2], k.shape[2]
-    if bf16_from is not None and q.is_cpu and q.dtype == torch.float32 and T > 1:
+    prompt = T > 1 if prompt is None else prompt
+    if bf16_from is not None and q.is_cpu and q.dtype == torch.float32 and prompt:
         first = min(T, max(0, bf16_from - (S - T)))  # the call's first row in bf16
         out = None
-        if q.shape[0] == 1 and first < T and (bf16_from > 0 or not kernels.has_amx()):
+        if q.shape[0] == 1 and first < T:
             out = _attend_kernel(q, k, v, mask, is_causal, bf16_row=first)
         if out is not None:
             return out
-        if bf16_from == 0:  # every row: torch's road (AMX's tiles) where kvlm's is not
+        if bf16_from == 0:  # every row: torch's road where kvlm's does not apply
             out = F.scaled_dot_product_attention(
                 q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=mask, is_causal=is_causal,
                 enable_gqa=q.shape[1] != k.shape[1],
             )  # fmt: skip
             return out.float()
-    if q.is_cpu and q.shape[0] == 1 and T > 1:
+    if q.is_cpu and q.shape[0] == 1 and prompt:
         out = _attend_kernel(q, k, v, mask, is_causal)
         if out is not None:
             return out

@@ -15,7 +15,16 @@ from torch import nn
 from kvlm import kernels
 from kvlm.config import ModelConfig
 from kvlm.model.blas import openblas_available
-from kvlm.model.quant import FORMATS, QuantWeight, can_quantize, onednn_rows, quantize
+from kvlm.model.quant import (
+    FORMATS,
+    PROMPT_BLOCK,
+    SMALL_M,
+    QuantWeight,
+    can_quantize,
+    onednn_rows,
+    quantize,
+    row_blocks,
+)
 
 # oneDNN picks its packed layout for this many rows; one packing serves any count.
 ONEDNN_BATCH_HINT = 64
@@ -78,10 +87,20 @@ class Linear(nn.Module):
         self.prefill_int8 = False  # low-bit weights: prompt products on int8 activations
         self.act_int8 = False  # low-bit weights: decode products on integer activations
         self.act_int16 = False  # with act_int8: an int8 residual too, 16 bits a value
+        # The vocabulary projection (Transformer sets it): its prompt rows take the road of
+        # single rows (a prompt's last row alone gets the bits it gets among all of them)
+        self.vocabulary = False
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`out`: where low-bit kernels may write the result (x's rows by out_features,
         fp32, contiguous; the returned tensor is the result either way)."""
+        # Prompt rows take the prefill numerics, decode rows the decode ones, however many
+        # rows share the call: a prompt's K/V are the same chunked or whole, alone or beside
+        # others (the model says which: `prompt_rows`). Dense prompt products run in calls
+        # of one shape (kvlm.model.quant.row_blocks), so a row's bits are its own.
+        prompt = prompt_rows(x) and x.is_cpu and x.dtype != torch.float64
+        if prompt and self.kernel in ("onednn", "bf16", "cpu-fp32"):
+            return self._prompt_rows(x)
         if self.kernel == "onednn":
             return self._onednn(x, self.bias)
         if self.kernel == "bf16":  # bf16 weight, model dtype kept outside the product
@@ -97,18 +116,34 @@ class Linear(nn.Module):
             flat = x.reshape(-1, self.in_features)
             if flat.dtype not in (torch.float32, torch.float64) or not flat.is_contiguous():
                 flat = flat.float().contiguous()  # fp64: QuantWeight's exact reference
-            # Prompt rows take the prefill numerics, decode rows the decode ones, however
-            # many rows share the call: a prompt's K/V are the same chunked or whole, alone
-            # or beside others (the model says which: `prompt_rows`).
             prompt = prompt_rows(x)
             int8 = self.prefill_int8 if prompt else self.act_int8
             fine = self.act_int16 and not prompt
             out = out if x.dtype == torch.float32 else None
-            y = self.quant.matmul(flat, self.prefill_bf16 and prompt, int8, out=out, act_int16=fine)
+            dense = prompt and not self.vocabulary  # a block's prompt rows: the dense road
+            y = self.quant.matmul(flat, self.prefill_bf16 and prompt, int8, out=out,
+                                  act_int16=fine, prompt=dense)  # fmt: skip
             y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         else:
             return F.linear(x, self.weight, self.bias)
         return y if self.bias is None else y + self.bias
+
+    def _prompt_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Prompt rows through a dense weight, a fixed number of rows a call (row_blocks:
+        PROMPT_BLOCK, the vocabulary projection's SMALL_M), in the weight's dtype."""
+        flat = x.reshape(-1, self.in_features)
+        flat = flat.to(torch.bfloat16) if self.kernel == "bf16" else flat
+        rows = SMALL_M if self.vocabulary else PROMPT_BLOCK
+        y = row_blocks(flat, self._block_product, self.out_features, rows).to(x.dtype)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def _block_product(self, xb: torch.Tensor) -> torch.Tensor:
+        """One call of `_prompt_rows`: MKL's GEMM on the [in, out] weight, or oneDNN's on its
+        packed one (the result in fp32: a bf16 product's rounded to bf16 first)."""
+        if self.kernel == "cpu-fp32":
+            return torch.matmul(xb, self.weight)
+        return torch.ops.mkldnn._linear_pointwise(xb, self.weight, None, "none", [], "").float()
 
     def _onednn(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """oneDNN keeps a primitive (with its buffers) per row count it has seen, up to

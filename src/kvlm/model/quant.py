@@ -17,8 +17,9 @@ lie) at the file's own bytes per weight, and moved onto huge pages with the rest
 model's weights (`move_to_huge_pages`). Fused projections (q|k|v, gate|up) are packed into
 one buffer (`concat`); where their parts come in different kinds (a Q4_K_M file's Q4_K q/k
 and Q6_K v) they stay a weight of row parts, each in its own kind. Products keep fp32
-activations: the C kernel widens the codes in registers (decode, up to SMALL_M rows), or
-the weight is dequantized once into a dense fp32 matrix for a BLAS GEMM (prefill).
+activations: the C kernel widens the codes in registers (decode rows and the vocabulary
+projection's, SMALL_M rows a call), or the weight is dequantized in tiles into a dense
+matrix for a BLAS GEMM (a block's prompt rows, PROMPT_BLOCK rows a call: `row_blocks`).
 `act_int8` (`--activations int8`) rounds each row of x to int8 per group of 32, as
 llama.cpp does, for integer dot products (AVX512-VNNI); with `act_int16` (`--activations
 int16`, the decode rows' default with VNNI) an int8 residual too, 16 bits a value, for a
@@ -63,9 +64,17 @@ PACK_WEIGHTS = 1 << 24  # weights per piece that the torch packer packs at a tim
 MIXED = "mixed"  # the kind of a weight of row parts of different kinds (`concat`)
 FORMATS = {"int8": "q8", "int4": "q4"}  # --weights name -> kind
 PACKED_FORMATS = ("native", *FORMATS)  # --weights values that make packed weights
-# Up to this many rows the C kernel (reads the low-bit weight once); above, a dense GEMM
-# (fp32 activations; int8 activations take the kernel at any row count).
+# Rows per call of the C kernel (it reads the low-bit weight once a call; fp32 rows that
+# are not a block's prompt rows take it at any row count, SMALL_M at a time).
 SMALL_M = 16
+# A block's prompt rows in fp32 or bf16 go through a dense GEMM in calls of exactly this many
+# rows, the last padded with zero rows (`row_blocks`). oneDNN's and MKL's kernels pick
+# their blocking by the call's shape (MKL's fp32 GEMM sums rows 1, 2, 3 and 5 in other
+# orders than 8 or more; oneDNN's AMX tiles a 256-row call otherwise than a 64-row one), so
+# a row's bits followed the rows beside it and a prefix hit or another chunk size gave
+# other K/V. One shape for every call gives a row the same bits at any chunk size or
+# start; and oneDNN builds one primitive for it, not one per row count.
+PROMPT_BLOCK = 64
 # int8 activations: rows per kernel call (the kernel's int8 copy of them, ~1.1 bytes per
 # element, is its scratch, kept per thread: bounded by this, not by the prompt's length).
 PROMPT_ROWS = 512
@@ -86,6 +95,22 @@ def onednn_rows(m: int) -> int:
     """`m` rows padded for a oneDNN product (ONEDNN_ROWS)."""
     step = max(ONEDNN_ROWS, 1 << max(0, m.bit_length() - 5))
     return -(-m // step) * step
+
+
+def row_blocks(
+    x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor], n: int,
+    rows: int = PROMPT_BLOCK,
+) -> torch.Tensor:  # fmt: skip
+    """product(x) for x (M, K), computed `rows` rows a call (the last call's rows padded
+    with zeros): every call has one shape, so each row's result is what it gets in any
+    other call, whatever M and wherever the row sits (PROMPT_BLOCK). -> (M, n) fp32."""
+    m = x.shape[0]
+    if m % rows:
+        x = F.pad(x, (0, 0, 0, rows - m % rows))
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    for i in range(0, x.shape[0], rows):
+        y[i : i + rows] = product(x[i : i + rows])
+    return y[:m]
 
 
 class QuantWeight:
@@ -199,13 +224,13 @@ class QuantWeight:
 
     def _tiled(self, lib, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """x @ W^T through dense tiles of at most TILE_WEIGHTS weights in `dtype` (fp32
-        accumulation): the prefill's scratch stays bounded whatever the weight (a 128k
-        vocabulary projection would otherwise be dequantized whole: 1 GiB in fp32). The
-        tiles are fixed by the weight's shape; bf16 rows are padded (`onednn_rows`)."""
+        accumulation), PROMPT_BLOCK rows a product (`row_blocks`): the prefill's scratch
+        stays bounded whatever the weight (a 128k vocabulary projection would otherwise be
+        dequantized whole: 1 GiB in fp32), and a row's bits are its own at any row count.
+        The tiles are fixed by the weight's shape."""
         m, k = x.shape
-        padded = onednn_rows(m) if dtype == torch.bfloat16 else m  # 16 row counts an octave
-        xd = x.to(dtype) if padded == m else F.pad(x.to(dtype), (0, 0, 0, padded - m))
-        y = torch.empty(padded, self.out_features, dtype=torch.float32)
+        xd = x.to(dtype)
+        y = torch.empty(m, self.out_features, dtype=torch.float32)
         per = max(1, TILE_WEIGHTS // (BLOCK_ROWS * k))  # blocks per tile
         col = 0
         for p in self.parts():
@@ -214,9 +239,9 @@ class QuantWeight:
                 w = _scratch(rows * k, dtype).view(rows, k)
                 _dequant(lib, p, p.data[b0], w)
                 at = col + b0 * BLOCK_ROWS
-                y[:, at : at + rows] = torch.matmul(xd, w.t())
+                y[:, at : at + rows] = row_blocks(xd, lambda xb, w=w: torch.matmul(xb, w.t()), rows)
             col += p.out_features
-        return y[:m]
+        return y
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows `ids` (any shape, values in [0, N)) dequantized to fp32,
@@ -247,6 +272,7 @@ class QuantWeight:
         act_int8: bool = False,
         out: torch.Tensor | None = None,
         act_int16: bool = False,
+        prompt: bool = False,
     ) -> torch.Tensor:
         """x (M, K) fp32, contiguous -> x @ W^T (M, N) fp32: into `out` (M, N) fp32,
         contiguous, where the kernels write the result themselves (use the returned tensor:
@@ -265,7 +291,9 @@ class QuantWeight:
         `act_int8`): x to 16 bits a value, int8 codes and an int8 residual
         (`round_activations(x, fine=True)`), two integer products of the same weight codes
         (--activations int16: decode rows near fp32's answers at integer speed). Neither:
-        up to SMALL_M rows the C kernel, more a dense fp32 GEMM."""
+        fp32 products, `prompt` (a block's prompt rows) a dense GEMM PROMPT_BLOCK rows a
+        call, else (decode rows, the vocabulary projection's rows) the C kernel SMALL_M
+        rows a call: each road gives a row its bits at any row count."""
         m, k = x.shape
         numel = self.out_features * self.in_features
         if x.dtype == torch.float64:  # the reference: the same weights, fp64 sums
@@ -273,18 +301,22 @@ class QuantWeight:
         lib = kernels.library()
         if lib is None and prefill_bf16:
             w = self.dense(dtype=torch.bfloat16)
-            return torch.matmul(x.to(torch.bfloat16), w.t()).float()
+            return row_blocks(x.to(torch.bfloat16), lambda xb: torch.matmul(xb, w.t()).float(),
+                              self.out_features)  # fmt: skip
         if lib is None:
             x = round_activations(x, act_int16) if act_int8 else x
-            return torch.matmul(x, self.dense(_scratch(numel)).t())
-        if prefill_bf16 or (m > SMALL_M and not act_int8):
+            w = self.dense(_scratch(numel))
+            rows = PROMPT_BLOCK if prompt and not act_int8 else SMALL_M
+            return row_blocks(x, lambda xb: torch.matmul(xb, w.t()), self.out_features, rows)
+        if prefill_bf16 or (prompt and not act_int8):
             return self._tiled(lib, x, torch.bfloat16 if prefill_bf16 else torch.float32)
         n = self.out_features
         y = torch.empty(m, n, dtype=torch.float32) if out is None else out
-        if m > PROMPT_ROWS and act_int8:  # bounded scratch; a row's result is the same
-            for i in range(0, m, PROMPT_ROWS):
-                part = y[i : i + PROMPT_ROWS]
-                self.matmul(x[i : i + PROMPT_ROWS], act_int8=True, out=part, act_int16=act_int16)
+        step = PROMPT_ROWS if act_int8 else SMALL_M
+        if m > step:  # bounded scratch (int8) or the C kernel's most rows (fp32): a row's
+            for i in range(0, m, step):  # result is the same in any call
+                part = y[i : i + step]
+                self.matmul(x[i : i + step], act_int8=act_int8, out=part, act_int16=act_int16)
             return y
         col = 0
         for p in self.parts():  # each part's outputs: columns col .. of y (row stride n)

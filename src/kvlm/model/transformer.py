@@ -104,6 +104,7 @@ class Transformer(nn.Module):
                 self.lm_head = Linear.from_quant(q)
             else:
                 self.lm_head = loader.linear("model.embed_tokens.weight", embed)
+            self.lm_head.vocabulary = True  # its prompt rows: the single rows' road
             # Tied: read embeddings out of lm_head's weight unless it is packed.
             self._embed_table = embed if not tied or self.lm_head.rows() is None else None
             freq_factors = loader.take_raw("rope_freqs.weight")

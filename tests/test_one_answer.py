@@ -1,0 +1,167 @@
+"""One answer whatever the cache does: a prompt row's bits follow its position, never its
+chunk, under the numerics each CPU family gets by default (kvlm.defaults), so a request's
+tokens are the same cold, as a prefix hit, batched beside others and at any prefill chunk
+size (a tier's hit after a restart is a prefix hit whose blocks came back as bytes).
+
+On an Intel Xeon with AMX the defaults' bf16 prompt products went through oneDNN at the
+chunk's row count (padded to 16 shapes an octave) and its prompt attention through torch's
+flash attention, which splits a chunk's rows by its length: a 13-row prefix hit and a
+256-row chunk gave other bits than a 621-row prompt, and the same chat request answered
+differently the second time. Elsewhere a chunk of 16 rows or fewer took the C kernel where
+a longer one took a dense GEMM (fp32 prompt products: CPUs without VNNI, and the
+vocabulary projection everywhere). Each family's numerics run here on this CPU's kernels
+(and the AVX2 family's on the portable builds too): a family whose fast kernel this CPU
+lacks (AMX's tiles) runs oneDNN's road for the same dtype, so a test here holds the road,
+and on that CPU the same test holds its kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import portable_build_params, portable_kernels
+from kvlm import LLM, SamplingParams, kernels
+from kvlm import defaults as defaults_mod
+from kvlm.engine.engine import Engine, EngineConfig
+from kvlm.engine.runner import Batch
+from kvlm.engine.scheduler import SchedulerConfig
+
+pytestmark = pytest.mark.slow  # the default model
+
+# CPU family: (the flags it reports, whether its kernels have VNNI) -> what kvlm.defaults
+# resolves for a low-bit file (activations, prompt products, prompt attention bf16 from)
+FAMILIES = {
+    "amx": ({"amx_bf16", "avx512_bf16", "avx512_vnni", "avx512f", "avx2"}, True,
+            ("int16", "bf16", 0)),
+    "avx512-vnni-bf16": ({"avx512_bf16", "avx512_vnni", "avx512f", "avx2"}, True,
+                         ("int16", "int8", defaults_mod.LONG_ATTENTION)),
+    "avx512-vnni": ({"avx512_vnni", "avx512f", "avx2"}, True, ("int16", "int8", None)),
+    "avx2": ({"avx2", "fma", "f16c"}, False, ("fp32", "fp32", None)),
+}  # fmt: skip
+SYSTEM = "You are a careful assistant for a shipping company. " * 20
+
+
+class _Lib:
+    """This CPU's kernels, answering kvlm_kernel_vnni as another family's would."""
+
+    def __init__(self, lib, vnni: bool) -> None:
+        self._lib, self._vnni = lib, vnni
+
+    def kvlm_kernel_vnni(self) -> int:
+        return int(self._vnni)
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_cpu_familys_defaults_are_the_ones_named_here(monkeypatch, family, default_model_path):
+    from kvlm.loading.gguf import GGUFWeights
+
+    flags, vnni, (activations, prefill, bf16_from) = FAMILIES[family]
+    lib = kernels.library()
+    if lib is None:
+        pytest.skip(kernels.status())
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: sorted(flags))
+    monkeypatch.setattr(kernels, "library", lambda: _Lib(lib, vnni))
+    got = defaults_mod.resolve(weights="auto", activations="auto", prefill_dtype="auto",
+                               kv_dtype="auto", exact=False, fp32_cpu=True,
+                               source=GGUFWeights(default_model_path))  # fmt: skip
+    assert (got.weights, got.activations, got.prefill_dtype, got.kv_dtype) == (
+        "native",
+        activations,
+        prefill,
+        "fp16",
+    )
+    assert got.attention_bf16_from == bf16_from
+
+
+def _prompt(llm: LLM) -> list[int]:
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "Name three rivers."}]  # fmt: skip
+    return llm.tokenizer.encode_chat(messages)
+
+
+def _logits(llm: LLM, ids: list[int], cuts: list[tuple[int, int]]) -> torch.Tensor:
+    """Every prompt row's logits, the prompt fed as the engine feeds a chunk (prompt=True)."""
+    cache = llm.new_cache("contiguous")
+    rows = [llm.runner.run(Batch([ids[a:b]], cache, prompt=True, all_rows=True))[0]
+            for a, b in cuts]  # fmt: skip
+    return torch.cat(rows)
+
+
+def _cuts(n: int) -> dict[str, list[tuple[int, int]]]:
+    return {
+        "chunks of 64": [(a, min(a + 64, n)) for a in range(0, n, 64)],
+        "a prefix hit leaving 13 rows": [(0, n - 13), (n - 13, n)],
+        "chunks of 17": [(a, min(a + 17, n)) for a in range(0, n, 17)],
+        "the last rows one by one": [(0, n - 3), (n - 3, n - 2), (n - 2, n - 1), (n - 1, n)],
+    }
+
+
+def _assert_rows_whole_or_chunked(llm: LLM) -> None:
+    ids = _prompt(llm)
+    whole = _logits(llm, ids, [(0, len(ids))])
+    for name, cuts in _cuts(len(ids)).items():
+        got = _logits(llm, ids, cuts)
+        differ = (got != whole).any(dim=-1).nonzero().flatten().tolist()
+        assert not differ, f"{name}: rows {differ[:8]} differ from the whole prompt's"
+
+
+def _family_llm(family: str) -> LLM:
+    activations, prefill, _ = FAMILIES[family][2]
+    return LLM(progress=False, max_context=1024, activations=activations, prefill_dtype=prefill)
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "exact"])
+def test_a_prompt_row_has_its_bits_whole_or_in_any_chunks(family):
+    if family != "exact" and kernels.library() is None:
+        pytest.skip(kernels.status())
+    llm = LLM(progress=False, max_context=1024, exact=True) if family == "exact" else (
+        _family_llm(family))  # fmt: skip
+    _assert_rows_whole_or_chunked(llm)
+
+
+@pytest.mark.parametrize("march", portable_build_params())
+def test_the_portable_builds_keep_a_rows_bits(monkeypatch, march):
+    """The AVX2 family's numerics on the builds of CPUs without AVX-512 (the AVX2 halves,
+    the scalar loops)."""
+    portable = portable_kernels(march)
+    monkeypatch.setattr(kernels, "library", lambda: portable)
+    _assert_rows_whole_or_chunked(_family_llm("avx2"))
+
+
+def test_the_engine_answers_alike_cold_as_a_prefix_hit_batched_and_chunked():
+    """This CPU's defaults on the serving engine's pool: the same greedy tokens for the
+    request cold, again (a prefix hit), beside two others, and at other chunk sizes."""
+    llm = LLM(progress=False, max_context=1024)
+    ids = _prompt(llm)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    others = [llm.tokenizer.encode("The river Danube flows"), ids[:-20] + ids[-5:]]
+
+    def answers(chunk: int, batch: list[list[int]], repeat: int = 1) -> list[list[int]]:
+        sched = SchedulerConfig(prefill_chunk=chunk)
+        engine = Engine(llm, EngineConfig(num_blocks=None, kv_memory=64 << 20, scheduler=sched))
+        runs = []
+        for _ in range(repeat):
+            out: dict[str, list[int]] = {}
+            cached = {}
+            for i, prompt in enumerate(batch):
+                engine.add_request(f"r{len(runs)}-{i}", prompt, params)
+            for _ in range(2000):
+                if not engine.has_work():
+                    break
+                for ev in engine.step():
+                    out.setdefault(ev.request_id, []).extend(ev.token_ids)
+                    cached[ev.request_id] = ev.cached_tokens
+            runs.append((out[f"r{len(runs)}-0"], cached[f"r{len(runs)}-0"]))
+        return runs
+
+    (cold, none), (again, hit) = answers(256, [ids], repeat=2)
+    assert none == 0 and hit > len(ids) - 16  # the second run was a prefix hit
+    assert again == cold
+    ((batched, _),) = answers(256, [ids, *others])
+    assert batched == cold
+    for chunk in (64, 700):
+        ((chunked, _),) = answers(chunk, [ids])
+        assert chunked == cold, chunk
