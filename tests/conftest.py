@@ -130,8 +130,9 @@ def hostile_template_dir(tmp_path_factory):
     (helpers.HOSTILE_TEMPLATE): the template tests' model, on the CLI and on a server."""
     from helpers import HOSTILE_TEMPLATE
 
-    return save_tiny_model(tmp_path_factory.mktemp("hostile-template"), "llama", seed=5,
-                           chat_template=HOSTILE_TEMPLATE)  # fmt: skip
+    folder = tmp_path_factory.mktemp("hostile-template")
+    return save_tiny_model(folder, "llama", seed=5, chat_template=HOSTILE_TEMPLATE,
+                           max_position_embeddings=1024)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
