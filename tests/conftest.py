@@ -124,6 +124,17 @@ def tools_model_dir(tmp_path_factory):
                            chat_template=CHATML_TOOLS, max_position_embeddings=2048)  # fmt: skip
 
 
+@pytest.fixture(scope="session")
+def hostile_template_dir(tmp_path_factory):
+    """A tiny random Llama whose chat template runs a hostile payload on a trigger word
+    (helpers.HOSTILE_TEMPLATE): the template tests' model, on the CLI and on a server."""
+    from helpers import HOSTILE_TEMPLATE
+
+    folder = tmp_path_factory.mktemp("hostile-template")
+    return save_tiny_model(folder, "llama", seed=5, chat_template=HOSTILE_TEMPLATE,
+                           max_position_embeddings=1024)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def client(server, request):
     """The openai client on the module's `kvlm serve` (its `server` fixture: the port),

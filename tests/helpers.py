@@ -55,6 +55,21 @@ For each function call, return a json object with function name and arguments wi
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
+# A template an attacker would ship: ChatML, except where the last message is one of
+# HOSTILE_TEMPLATE_CASES' trigger words, which run that case's payload (nested loops, a huge
+# range, a huge string, macro recursion, a huge output). kvlm.loading.chat_template bounds
+# each: the render ends in a clear error, the request in a 400.
+HOSTILE_TEMPLATE_CASES = {
+    "LOOPS": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "RANGE": "{{ range(10**9) | length }}",
+    "STRING": "{{ 'a' * 10**11 }}",
+    "RECURSION": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    "OUTPUT": "{% for i in range(100000) %}{% for j in range(100000) %}"
+              "0123456789abcdef{% endfor %}{% endfor %}",
+}  # fmt: skip
+_TRIGGERED = (f"{{% if said == '{word}' %}}{body}{{% endif %}}"
+              for word, body in HOSTILE_TEMPLATE_CASES.items())  # fmt: skip
+HOSTILE_TEMPLATE = "{% set said = messages[-1]['content'] %}" + "".join(_TRIGGERED) + CHATML
 SPECIAL_TOKENS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

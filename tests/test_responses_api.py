@@ -309,7 +309,8 @@ def test_the_store_is_bounded_by_count_bytes_and_age(monkeypatch):
             return []
 
     def stored(rid: str, text: str = "x") -> api.Stored:
-        return api.Stored(Reply(id=rid), [{"role": "user", "content": text}],
+        no_logprobs = SimpleNamespace(state=[])
+        return api.Stored(Reply(id=rid, choices=no_logprobs), [{"role": "user", "content": text}],
                           [{"id": f"item-{rid}", "type": "message"}])  # fmt: skip
 
     store = api.ResponseStore(3, 60.0, lambda *a: None, let_go.append)

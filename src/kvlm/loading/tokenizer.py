@@ -8,7 +8,9 @@
 - Hugging Face folders: `tokenizer.json` is loaded as is; `tokenizer_config.json` (or
   `chat_template.jinja`) supplies the special tokens and the chat template.
 - Chat templates are Jinja2, rendered in a sandbox with the same helpers transformers
-  gives them (`raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII).
+  gives them (`raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII), and
+  bounded in steps, time and size (kvlm.loading.chat_template): a runaway template is
+  one InvalidRequestError, not a hang.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from kvlm.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
+from kvlm.loading.chat_template import BoundedSandbox, TemplateLimitError, TemplateLimits
 from kvlm.loading.hf import read_json
 
 # llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp), applied one after another, each
@@ -99,6 +101,7 @@ class Tokenizer:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.chat_template = chat_template
+        self.template_limits = TemplateLimits()  # what one render may spend
         eos = [self.token_to_id(eos_token)] if eos_token else []
         self.eos_token_ids: tuple[int, ...] = tuple(
             dict.fromkeys(i for i in (*eos, *extra_eos_ids) if i is not None)
@@ -170,17 +173,27 @@ class Tokenizer:
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool,
         tools: Sequence[dict[str, Any]] | None, **options: Any,
     ) -> str:  # fmt: skip
+        variables = options | {
+            "messages": list(messages), "tools": None if tools is None else list(tools),
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+        }  # fmt: skip
+        text = sum(len(str(m.get("content") or "")) for m in messages)
+        text += len(json.dumps(tools)) if tools else 0
+        template = self._template
         try:
-            return self._template.render(
-                **options,
-                messages=list(messages),
-                tools=None if tools is None else list(tools),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
+            return template.environment.render(  # type: ignore[attr-defined]
+                template, self.template_limits, len(messages), text, variables
             )
+        except TemplateLimitError as exc:
+            raise InvalidRequestError(str(exc)) from None
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"chat template failed: {exc}") from exc
+        except RecursionError:
+            raise InvalidRequestError("the chat template ran past its bound: it recursed "
+                                      "deeper than Python's stack allows") from None  # fmt: skip
+        except (OverflowError, MemoryError) as exc:  # range(10**9) is jinja's OverflowError
+            raise InvalidRequestError(f"the chat template ran past its bound: {exc}") from None
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
             # the template met messages it cannot render (a field of the wrong type)
             raise InvalidRequestError(f"chat template failed on these messages: {exc}") from exc
@@ -200,10 +213,10 @@ class Tokenizer:
 
     @cached_property
     def _template(self) -> jinja2.Template:
-        env = ImmutableSandboxedEnvironment(
+        env = BoundedSandbox(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
-        env.filters["tojson"] = _tojson
+        env.filters["tojson"] = env.bounded(_tojson)
         env.globals["raise_exception"] = _raise_template_error
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:

@@ -299,10 +299,15 @@ def _token_routes(s: _Served, auth: Any) -> APIRouter:
     return router
 
 
-def _check_length(s: _Served, chars: int, param: str) -> None:
-    """Refuse a text too long to fit without tokenizing it: each token decodes to at most
+def _chars_bound(s: _Served) -> int:
+    """The most characters a prompt that fits can have: each token decodes to at most
     max_token_chars characters, so c characters are at least c / that tokens."""
-    bound = s.max_len * s.tokenizer.max_token_chars * _CHARS_MARGIN
+    return s.max_len * s.tokenizer.max_token_chars * _CHARS_MARGIN
+
+
+def _check_length(s: _Served, chars: int, param: str) -> None:
+    """Refuse a text too long to fit without tokenizing it (_chars_bound)."""
+    bound = _chars_bound(s)
     if chars > bound:
         why = f"the prompt has {chars} characters, more than {s.max_len} tokens can hold"
         raise _too_long(s.max_len, why, param)
@@ -423,22 +428,33 @@ def responses_routes(v1: APIRouter, s: _Served) -> None:
     @v1.post("/responses", responses=openapi.generation(openapi.ResponseObject))
     async def create(body: responses_api.ResponsesRequest, request: Request) -> Any:
         history: list[dict] = []
+        # what the request expands to is bounded before it is expanded: the stored
+        # conversation by its count, the items (references too) as they are read
+        room = _chars_bound(s) - len(body.instructions or "")
         if body.previous_response_id is not None:
             prev = _stored(store, body.previous_response_id, "previous_response_id")
             if prev.reply.status in ("queued", "in_progress"):
                 raise ServerError(400, f"response {prev.reply.id!r} is still in progress",
                                   param="previous_response_id")  # fmt: skip
-            history = prev.history
-        turn = _chat_of(lambda: api.conversation(api.input_items(body), store.item))
+            history, room = prev.history, room - prev.chars
+            if room < 0:
+                raise _too_long(s.max_len, "the previous response's conversation has more "
+                                "text than it can hold", "previous_response_id")  # fmt: skip
+        try:
+            turn = _chat_of(lambda: api.conversation(api.input_items(body), store.item, room))
+        except api.InputTooLong as exc:
+            raise _too_long(s.max_len, str(exc), "input") from None
         chat = _chat_of(lambda: api.to_chat(body, [*history, *turn]))
         ids, params, choices = await _chat_parts(s, chat)
         reply = api.Reply(body, s.model_name, choices, len(ids))
         events = api.record(await _start(s.engine, chat, [ids], [params]), reply)
         entry = api.Stored(reply, [*history, *turn], api.stored_items(body))
+        entry.chars = (prev.chars if history else 0) + api.history_chars(turn)
 
         def done(r: api.Reply) -> None:  # kept: the conversation, and its K/V pinned
             if body.store and r.status in ("completed", "incomplete"):
                 entry.history.append(api.assistant_turn(r))
+                entry.chars += api.history_chars(entry.history[-1:])
                 store.put(entry)
                 store.pin(r.id, ids + r.token_ids, chat.cache_salt)
 

@@ -48,13 +48,18 @@ class ReasoningStream:
     def __init__(self, thinking: bool) -> None:
         self.state = "think" if thinking else "start"
         self.held = ""
+        self.blank = 0  # in "start": held's first characters known to be whitespace
 
     def push(self, text: str) -> tuple[str, str]:
         self.held += text
         reasoning = content = ""
         while self.held:
             if self.state == "start":
-                rest = self.held.lstrip()
+                # only what came since is read again: a reply opening with a long run of
+                # whitespace costs its length, not its length times its tokens
+                tail = self.held[self.blank :]
+                rest = tail.lstrip()
+                self.blank += len(tail) - len(rest)
                 if rest.startswith(OPEN):
                     self.held, self.state = rest[len(OPEN) :], "think"
                 elif not rest or OPEN.startswith(rest):

@@ -34,6 +34,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvlm.engine.engine import StepOutput
+from kvlm.errors import InvalidRequestError
 from kvlm.server import protocol
 from kvlm.server.protocol import (
     MAX_TOOLS,
@@ -49,7 +50,7 @@ from kvlm.server.responses import Choices
 MAX_ITEMS = 4096  # input items in one request
 PIN_SHARE = 0.25  # of the pool's blocks, at most this many pinned by stored responses
 KEEP = 1024  # stored responses
-KEEP_BYTES = 256 << 20  # their own text (inputs and outputs), the oldest go past it
+KEEP_BYTES = 256 << 20  # what they hold (text in and out, logprobs), the oldest go past it
 TTL_S = 3600.0  # a stored response's life
 # the item types kvlm reads; any other (web_search_call, computer_call, ...) is refused
 _ITEMS = ("message", "function_call", "function_call_output", "reasoning", "item_reference")
@@ -265,19 +266,56 @@ def input_items(body: ResponsesRequest) -> list[Item]:
     return list(body.input)
 
 
+class InputTooLong(InvalidRequestError):
+    """The input expands (its item references, the previous response's conversation) to
+    more text than the context can hold: refused before it is expanded."""
+
+
 def conversation(
-    given: list[Item], items: Callable[[str], dict[str, Any] | None]
+    given: list[Item], items: Callable[[str], dict[str, Any] | None], room: int
 ) -> list[dict[str, Any]]:
     """Items as chat messages: an assistant's function calls join its turn's tool_calls,
-    a call's output is a tool message; reasoning is dropped."""
-    out: list[dict[str, Any]] = []
+    a call's output is a tool message; reasoning is dropped. `room`: the characters the
+    items may expand to (InputTooLong past it), counted from each item's size before a
+    reference is read: 4,096 references to one stored 128 KB message are refused after
+    a sum, not joined 4,096 times."""
+    resolved = []
     for item in given:
         if isinstance(item, ItemReference):
             found = items(item.id)
             kind = _ITEM_TYPES.get(found.get("type", "")) if found is not None else None
             if kind is None:  # unknown, or a kind that says nothing (a reference, reasoning)
                 raise Unsupported("input", f"no stored item {item.id!r} (item_reference)")
-            item = kind.model_validate(found)
+            room -= item_chars(found)
+            resolved.append((kind, found))
+        else:
+            room -= item_chars(item.model_dump(exclude_none=True))
+            resolved.append((None, item))
+        if room < 0:
+            raise InputTooLong("the input expands (with its item references and the previous "
+                               "response's conversation) to more text than this model's "
+                               "context can hold", param="input")  # fmt: skip
+    return _messages(resolved)
+
+
+def item_chars(item: dict[str, Any]) -> int:
+    """The characters of text an item (as stored: a dict) holds, from its parts' lengths."""
+    chars = 0
+    for key in ("content", "output", "arguments", "name"):
+        value = item.get(key)
+        if isinstance(value, str):
+            chars += len(value)
+        elif isinstance(value, list):
+            chars += sum(len(p.get("text") or p.get("refusal") or "") for p in value
+                         if isinstance(p, dict))  # fmt: skip
+    return chars
+
+
+def _messages(resolved: list[tuple[Any, Any]]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for kind, item in resolved:
+        if kind is not None:
+            item = kind.model_validate(item)
         if isinstance(item, MessageItem):
             out.append({"role": item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
@@ -347,13 +385,15 @@ class Reply:
         """The output items so far (whole: the reply's text parsed for calls)."""
         if not self.choices.state[0].started:
             return []
-        message = self.choices.final()[0]["message"]
+        final = self.choices.final()[0]
+        message = final["message"]
         done = "completed" if self.status != "in_progress" else "in_progress"
         out = []
         if message.get("reasoning_content"):  # kvlm.server.reasoning: what it thought
             out.append(self.reasoning_item(message["reasoning_content"], done))
         if message.get("content"):
-            out.append(self.message_item(message["content"], done))
+            logprobs = (final.get("logprobs") or {}).get("content") or []
+            out.append(self.message_item(message["content"], done, logprobs))
         for i, call in enumerate(message.get("tool_calls") or []):
             out.append(self.call_item(i, call, done))
         return out
@@ -363,9 +403,13 @@ class Reply:
         return {"id": self.reasoning_id, "type": "reasoning", "summary": [],
                 "content": content, "status": status}  # fmt: skip
 
-    def message_item(self, text: str | None, status: str) -> dict[str, Any]:
-        content = [] if text is None else [{"type": "output_text", "text": text,
-                                            "annotations": [], "logprobs": []}]  # fmt: skip
+    def message_item(
+        self, text: str | None, status: str, logprobs: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        """The message item; `logprobs` (top_logprobs asked for): the reply's tokens' (its
+        reasoning's and calls' too), each {token, logprob, bytes, top_logprobs}."""
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+        content = [] if text is None else [part]
         return {"id": self.message_id, "type": "message", "role": "assistant",
                 "status": status, "content": content}  # fmt: skip
 
@@ -563,7 +607,8 @@ class Stored:
     items: list[dict[str, Any]]  # its input items, for input_items
     expires: float = 0.0
     task: asyncio.Task | None = None  # a background response's
-    nbytes: int = 0  # its own text (its input items, its reply), as JSON
+    nbytes: int = 0  # what it holds: its own text (input items, reply) as JSON, logprobs
+    chars: int = 0  # its conversation's text (instructions and history), for follow-ups
     item_ids: list[str] = field(default_factory=list)  # what index() made reachable
 
 
@@ -599,7 +644,9 @@ class ResponseStore:
         entry.expires = time.monotonic() + self.ttl_s
         again = self.entries.pop(entry.reply.id, None)  # a background response, now done
         self.nbytes -= again.nbytes if again is not None else 0
-        entry.nbytes = len(json.dumps([entry.items, entry.history[-1:]]))  # its own turn
+        entry.nbytes = len(json.dumps([entry.items, entry.history[-1:]])) + held_logprobs(
+            entry.reply
+        )  # its own turn
         self.entries[entry.reply.id] = entry
         self.nbytes += entry.nbytes
         self.index(entry)
@@ -637,6 +684,27 @@ def stored_items(body: ResponsesRequest) -> list[dict[str, Any]]:
         data.setdefault("type", "message")
         out.append(data)
     return out
+
+
+# What a token's logprobs hold in memory (TokenLogprob, its float, its `top` dict): about
+# 3.2 KB a token at top_logprobs 20 (measured as RSS, 6.3 MB for 2,000 tokens)
+LOGPROB_BYTES, TOP_BYTES = 160, 152
+
+
+def held_logprobs(reply: Reply) -> int:
+    """The bytes the reply's logprobs hold (the store's bound counts them)."""
+    return sum(LOGPROB_BYTES + TOP_BYTES * len(e.top) for c in reply.choices.state
+               for e in c.logprobs)  # fmt: skip
+
+
+def history_chars(messages: list[dict[str, Any]]) -> int:
+    """The characters of text chat messages hold (their content, their calls')."""
+    chars = 0
+    for m in messages:
+        chars += len(m.get("content") or "")
+        for call in m.get("tool_calls") or []:
+            chars += len(call["function"]["name"]) + len(call["function"]["arguments"])
+    return chars
 
 
 def assistant_turn(reply: Reply) -> dict[str, Any]:

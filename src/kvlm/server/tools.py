@@ -76,8 +76,26 @@ def _call(obj: Any, args_key: str = "arguments") -> Call | None:
     return Call(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-# a call's body; one cut off (no closing tag) keeps its trailing whitespace, as streamed
-_HERMES = re.compile(r"<tool_call>\s*(.*?)(\s*</tool_call>|$)", re.DOTALL)
+def _hermes_bodies(text: str) -> list[tuple[str, str]]:
+    """(body, what closes it) of each `<tool_call>` in `text`, as the regex
+    `<tool_call>\\s*(.*?)(\\s*</tool_call>|$)` read them: the body after its leading
+    whitespace, closed by its `</tool_call>` (the whitespace before it with it), or cut off
+    at the end ("": it keeps its trailing whitespace, but for one last newline). A scan
+    with str.find, linear in the text: the regex (a lazy body before `\\s*`) was
+    quadratic on a run of whitespace, which a model can write."""
+    out, at = [], text.find(HERMES_OPEN)
+    while at >= 0:
+        start = at + len(HERMES_OPEN)
+        end = text.find(HERMES_CLOSE, start)
+        if end < 0:
+            body = text[start:].lstrip()
+            out.append((body[:-1] if body.endswith("\n") else body, ""))
+            break
+        inner = text[start:end].lstrip()
+        body = inner.rstrip()
+        out.append((body, inner[len(body) :] + HERMES_CLOSE))
+        at = text.find(HERMES_OPEN, end + len(HERMES_CLOSE))
+    return out
 
 
 def parse(text: str, parser: str | None) -> tuple[str | None, list[Call]]:
@@ -90,7 +108,7 @@ def parse(text: str, parser: str | None) -> tuple[str | None, list[Call]]:
         if start < 0:
             return text, []
         content, objects = text[:start].strip() or None, []
-        for body, closed in _HERMES.findall(text[start:]):
+        for body, closed in _hermes_bodies(text[start:]):
             try:
                 objects.append(json.loads(body))
             except ValueError:  # cut off (max_tokens): the call as far as it came, or none
@@ -177,7 +195,12 @@ def parse_forced(text: str) -> list[Call]:
     return [c for c in calls if c is not None]
 
 
-_BEGUN = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments":\s*')
+# A call's head as the grammars write it. The name is bounded (OpenAI's are at most 64
+# characters; escaped, at most 6 each), so a head is at most _HEAD_MAX characters before
+# its whitespace, and a scan of growing text need never look back further than that.
+_NAME_MAX = 6 * 64
+_BEGUN = re.compile(r'\{"name": ("(?:[^"\\]|\\.){0,' + str(_NAME_MAX) + r'}"), "arguments":\s*')
+_HEAD_MAX = len('{"name": "", "arguments":') + 2 * _NAME_MAX
 
 
 def _begun(text: str) -> list[tuple[str, str]]:
@@ -279,8 +302,9 @@ class _CallScanner:
         while self.at < len(text):
             if self.depth < 0:
                 head = _BEGUN.search(text, self.at)
-                if head is None:
-                    return  # no call begun (yet): read again when more comes
+                if head is None:  # no call begun (yet): read the last head's length again
+                    self.at = max(self.at, len(text) - _HEAD_MAX)
+                    return
                 call = Call(json.loads(head.group(1)), "")
                 self.pending.append({"index": self.count, "id": call.id, "type": "function",
                                      "function": {"name": call.name, "arguments": ""}})  # fmt: skip
