@@ -185,3 +185,69 @@ def test_compiling_a_guide_leaves_the_engine_thread_no_import(tiny_model_dir):
                          timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "True"
+
+
+class HeldMatcher:
+    """A real llguidance matcher whose masks after the first wait for `release` (a guide
+    whose masks take long, as a grammar near the parser's limits does on a big
+    vocabulary); `done` says when one has been computed."""
+
+    def __init__(self, real, release: threading.Event, done: list) -> None:
+        self.real, self.release, self.done = real, release, done
+
+    def deep_copy(self) -> HeldMatcher:
+        return HeldMatcher(self.real.deep_copy(), self.release, self.done)
+
+    def unsafe_compute_mask_ptr(self, ptr: int, size: int) -> None:
+        self.release.wait(5)  # a bound for an engine that waits on it (before the fix)
+        self.real.unsafe_compute_mask_ptr(ptr, size)
+        self.done.append(True)
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+
+def test_a_slow_guide_mask_holds_its_sample_not_the_engines_steps(tiny):
+    """A guided sample's next mask is computed off the engine thread: while it is held,
+    each step still decodes the plain stream beside it and the guided sample sits the
+    steps out; once the mask comes the sample goes on, its tokens those of a run whose
+    masks were never held."""
+    import dataclasses
+
+    from kvlm.engine.guided import compile_guide
+
+    vocab = tiny.config.vocab_size
+    guide = compile_guide(Guide("regex", "[a-z]{3,12}"), tiny.tokenizer, vocab)
+    guided = SamplingParams(temperature=0, max_tokens=8, guide=guide)
+    plain = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+    def run(engine: Engine, steps: list) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {"g": [], "s": []}
+        while engine.has_work():
+            events = engine.step()
+            steps.append([ev.request_id for ev in events if ev.token_ids])
+            for ev in events:
+                out[ev.request_id] += ev.token_ids
+        return out
+
+    engine = Engine(tiny, EngineConfig(num_blocks=64))
+    engine.add_request("s", [5, 6, 7, 8], plain)
+    engine.add_request("g", [5, 6, 9], guided)
+    want = run(engine, [])
+    release, done = threading.Event(), []
+    held = dataclasses.replace(guide.compiled, matcher=HeldMatcher(guide.compiled.matcher,
+                                                                   release, done))  # fmt: skip
+    engine.add_request("s", [5, 6, 7, 8], plain)
+    engine.add_request("g", [5, 6, 9], dataclasses.replace(
+        guided, guide=dataclasses.replace(guide, compiled=held)))  # fmt: skip
+    first = engine.step()  # both prompts, and each sample's first token (the compiled mask)
+    assert sorted(ev.request_id for ev in first if ev.token_ids) == ["g", "s"]
+    for _ in range(4):
+        events = engine.step()
+        assert not done  # the guided sample's second mask is still held
+        assert [ev.request_id for ev in events if ev.token_ids] == ["s"]
+    release.set()
+    steps: list = []
+    got = run(engine, steps)
+    assert len(got["g"]) == len(want["g"]) - 1 and got["g"] == want["g"][1:]
+    assert len(got["s"]) == len(want["s"]) - 5 and done

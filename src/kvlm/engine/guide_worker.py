@@ -202,20 +202,19 @@ def grammar_of(kind: str, spec: Any, param: str) -> str:
     raise InvalidRequestError(f"unknown guide {kind!r}", param=param)
 
 
-def build_matcher(kind: str, spec: Any, param: str, tok: Any) -> Any:
-    """The matcher for a guide, its first mask computed (where llguidance's lazy compile
-    runs); InvalidRequestError naming `param` for a guide it refuses. Run by the worker
+def build_matcher(kind: str, spec: Any, param: str, tok: Any) -> tuple[Any, bytes]:
+    """The matcher for a guide and its first mask (computing it runs llguidance's lazy
+    compile); InvalidRequestError naming `param` for a guide it refuses. Run by the worker
     first, then by the server (the same function: the same outcome)."""
     import llguidance
 
     limits = llguidance.LLParserLimits(**PARSER_LIMITS)
     matcher = llguidance.LLMatcher(tok, grammar_of(kind, spec, param), log_level=0,
                                    limits=limits)  # fmt: skip
-    if not matcher.is_error():
-        matcher.compute_bitmask()
+    first = b"" if matcher.is_error() else matcher.compute_bitmask()
     if matcher.is_error():
         raise InvalidRequestError(f"{param}: {matcher.get_error()}", param=param)
-    return matcher
+    return matcher, first
 
 
 def _serve() -> None:
