@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import threading
+import time
 
 import jsonschema
 import pytest
@@ -251,3 +252,53 @@ def test_a_slow_guide_mask_holds_its_sample_not_the_engines_steps(tiny):
     got = run(engine, steps)
     assert len(got["g"]) == len(want["g"]) - 1 and got["g"] == want["g"][1:]
     assert len(got["s"]) == len(want["s"]) - 5 and done
+
+
+def test_three_guides_that_hold_their_workers_leave_a_fourth_free(tiny, monkeypatch):
+    """Several compile workers: three guides held at once (their processes stopped, as
+    compiles that run to the timeout hold them) and a fourth guide still compiles at once,
+    while the three wait; each of those ends in its own 400. (With two workers the fourth
+    waited for a held one's timeout.)"""
+    from kvlm.engine import guide_worker
+
+    monkeypatch.setattr(guide_worker, "COMPILE_TIMEOUT", 6.0)  # room on a loaded machine
+    eos = sorted(tiny.tokenizer.eos_token_ids) or None
+    workers = GuideWorkers(tiny.tokenizer.backend.to_str(), tiny.config.vocab_size, eos)
+    held_n = 3
+    assert held_n < WORKERS
+    try:
+        for worker in workers.workers:  # all started
+            worker.check("regex", "[0-9]+", "guided_regex")
+        for worker in workers.workers[:held_n]:  # the first taken (most recently used on top)
+            os.kill(worker.pid, signal.SIGSTOP)
+        for worker in workers.workers[:held_n]:  # stopped once the kernel says so (a
+            for _ in range(1000):  # process woken by a frame can answer it first)
+                with open(f"/proc/{worker.pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                        break
+                time.sleep(0.01)
+        outcome: list[BaseException | None] = []
+
+        def held() -> None:
+            try:
+                workers.check("regex", "[a-f]+", "guided_regex")
+                outcome.append(None)
+            except BaseException as exc:  # handed to the test
+                outcome.append(exc)
+
+        threads = [threading.Thread(target=held) for _ in range(held_n)]
+        for t in threads:
+            t.start()
+        for _ in range(1000):  # until the threads hold the stuck workers (10 s at most)
+            if workers._idle.qsize() == WORKERS - held_n:
+                break
+            threads[0].join(0.01)
+        workers.check("json_schema", {"type": "integer"}, "guided_json")  # a free worker
+        assert all(t.is_alive() for t in threads) and not outcome  # the three still wait
+        for t in threads:
+            t.join(30)
+        assert len(outcome) == held_n
+        assert all(isinstance(o, InvalidRequestError) and "longer than" in str(o)
+                   for o in outcome)  # fmt: skip
+    finally:
+        workers.close()
