@@ -128,6 +128,17 @@ def test_a_guide_is_compiled_once_and_shared_by_its_samples(tiny, monkeypatch):
             guided.compile_guide(Guide("regex", "(unclosed"), tiny.tokenizer, vocab)
 
 
+def stop(pid: int) -> None:
+    """SIGSTOP a compile worker and wait until the kernel says it is stopped: a process
+    still on its way to stopping, woken by a frame, can answer it first."""
+    os.kill(pid, signal.SIGSTOP)
+    for _ in range(1000):
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+
+
 def test_a_guide_that_holds_its_worker_does_not_hold_up_the_others(tiny):
     """Two compile workers: while one is stuck on a guide (here: its process stopped, as a
     compile that runs to its timeout would hold it), another guide compiles in the other
@@ -139,7 +150,7 @@ def test_a_guide_that_holds_its_worker_does_not_hold_up_the_others(tiny):
             worker.check("regex", "[0-9]+", "guided_regex")
         stuck = workers.workers[0]  # the first taken (the most recently used on top)
         stopped = stuck.pid
-        os.kill(stopped, signal.SIGSTOP)
+        stop(stopped)
         outcome: list[BaseException | None] = []
 
         def held() -> None:
@@ -270,13 +281,7 @@ def test_three_guides_that_hold_their_workers_leave_a_fourth_free(tiny, monkeypa
         for worker in workers.workers:  # all started
             worker.check("regex", "[0-9]+", "guided_regex")
         for worker in workers.workers[:held_n]:  # the first taken (most recently used on top)
-            os.kill(worker.pid, signal.SIGSTOP)
-        for worker in workers.workers[:held_n]:  # stopped once the kernel says so (a
-            for _ in range(1000):  # process woken by a frame can answer it first)
-                with open(f"/proc/{worker.pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                        break
-                time.sleep(0.01)
+            stop(worker.pid)
         outcome: list[BaseException | None] = []
 
         def held() -> None:
