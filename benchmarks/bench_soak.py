@@ -11,13 +11,17 @@ What it reports (and exits 1 if any fails):
 - at the end, once idle, no KV block is in use and no request is held;
 - RSS after warm-up vs at the end (flat: the server keeps nothing per request);
 - the worst stall of a normal greedy stream (the longest gap between two of its chunks),
-  while hostile grammars, schemas and prompt-scoring requests run beside it.
+  while hostile grammars, schemas and prompt-scoring requests run beside it: at most
+  `--max-stall` seconds (2 s: issue [18]).
 
 The hostile kinds (issue [12]): Lark rule chains, `$ref` chains, wide `anyOf` fan-outs and
 deep nesting, near and past kvlm's bounds (each a 400 or an answer, never a crash or a
 freeze); `echo` + `logprobs` + `prompt_logprobs: 20` over a ~3,500-token prompt; bodies
-over the limit. `--tier trickle` puts a Redis KV tier behind a loopback proxy that hands
-its replies back a few bytes at a time (each read inside the client's socket timeout).
+over the limit. Issue [18] adds vanishing clients (a stream's reader goes quiet, then the
+connection is reset; a whole answer's client reset before it comes) and stored-response
+traffic (/v1/responses conversations: pinned blocks, read back, deleted). `--tier trickle`
+puts a Redis KV tier behind a loopback proxy that hands its replies back a few bytes at a
+time (each read inside the client's socket timeout).
 
 Loopback only; every client loop is bounded by the deadline and a request count.
 """
@@ -31,6 +35,7 @@ import json
 import os
 import random
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -92,10 +97,10 @@ def post(port: int, path: str, body: bytes, timeout: float = 300) -> tuple[int, 
         conn.close()
 
 
-def get(port: int, path: str) -> tuple[int, str]:
+def get(port: int, path: str, method: str = "GET") -> tuple[int, str]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
-        conn.request("GET", path, headers={"Authorization": f"Bearer {KEY}"})
+        conn.request(method, path, headers={"Authorization": f"Bearer {KEY}"})
         resp = conn.getresponse()
         return resp.status, resp.read().decode()
     finally:
@@ -164,6 +169,64 @@ def disconnect(port: int, rng: random.Random, tally: Tally) -> None:
         resp.readline()
     conn.close()
     tally.record("disconnect", resp.status, resp.status == 200)
+
+
+def vanishing(port: int, rng: random.Random, tally: Tally) -> None:
+    """A client that stops reading, then vanishes: a long stream whose reader goes quiet
+    for seconds (a 4 KiB receive window fills, the server's writes wait) and is then reset
+    (no FIN: SO_LINGER 0), or a whole answer whose client is reset before it comes. Its
+    blocks and its slot must come back (checked at the end: none held)."""
+    stream = rng.random() < 0.7
+    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 300,
+                       "stream": stream, "ignore_eos": True}).encode()  # fmt: skip
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+    )
+    s = socket.socket()
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(300)
+        s.connect(("127.0.0.1", port))
+        s.sendall(head + body)
+        status = "reset"
+        if stream:  # the response head, then silence
+            reply = s.recv(64)
+            status = reply[9:12].decode(errors="replace") or "closed"
+            time.sleep(rng.uniform(2, 8))
+        else:
+            time.sleep(rng.uniform(0.2, 3))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    finally:
+        s.close()  # with SO_LINGER 0: a reset
+    tally.record("vanishing", status, status in ("reset", "200"))
+
+
+def stored_responses(port: int, rng: random.Random, tally: Tally) -> None:
+    """A conversation of stored responses (/v1/responses; each turn's K/V pinned in the
+    pool): two or three turns, each naming the one before, the last read back, then each
+    deleted, so that nothing is left pinned at the end."""
+    prev, made, status, ok, note = None, [], 200, True, ""
+    for turn in range(rng.randint(2, 3)):
+        body = {"model": MODEL, "input": f"Turn {turn}: name a colour of the sea.",
+                "max_output_tokens": 12, "temperature": 0, "store": True}  # fmt: skip
+        if prev is not None:
+            body["previous_response_id"] = prev
+        status, raw = post(port, "/v1/responses", json.dumps(body).encode())
+        if status != 200:
+            ok, note = False, raw[:200].decode(errors="replace")
+            break
+        prev = json.loads(raw)["id"]
+        made.append(prev)
+    if ok and made:
+        status, text = get(port, f"/v1/responses/{made[-1]}")
+        ok = status == 200 and json.loads(text)["id"] == made[-1]
+        note = text[:200]
+    for rid in made:
+        gone, text = get(port, f"/v1/responses/{rid}", "DELETE")
+        if gone != 200:
+            ok, status, note = False, gone, text[:200]
+    tally.record("stored_responses", status, ok, note)
 
 
 INVALID = [
@@ -314,7 +377,7 @@ def watched_stream(port: int, rng: random.Random, tally: Tally) -> None:
 
 KINDS = [(greedy_chat, 4), (sampled_stream, 3), (fan_out, 2), (disconnect, 2), (invalid, 4),
          (oversized, 1), (idle, 1), (hostile_guided, 2), (scoring, 1),
-         (watched_stream, 3)]  # fmt: skip
+         (watched_stream, 3), (vanishing, 2), (stored_responses, 2)]  # fmt: skip
 
 
 def client(port: int, seed: int, deadline: float, limit: int, tally: Tally) -> None:
@@ -421,6 +484,7 @@ def _soak(args: argparse.Namespace, extra: list[str]) -> dict:
         "completion_tokens_greedy": tally.tokens, "server_alive": alive,
         "server_exits": 0 if all(a for _, _, a in samples) and alive else 1,
         "blocks_used_at_end": final.get("kvlm_kv_blocks_used"),
+        "blocks_pinned_at_end": final.get("kvlm_kv_blocks_pinned"),
         "requests_held_at_end": final.get("kvlm_requests_held"),
         "engine_errors": final.get("kvlm_engine_errors_total"),
         # the longest engine step: a stream's gap past it was not the engine's doing
@@ -454,6 +518,8 @@ def main() -> int:
         help="a Redis KV tier under the server, straight or behind a trickling proxy",
     )
     ap.add_argument("--serve-args", default="", help='more kvlm serve flags: "--weights native"')
+    ap.add_argument("--max-stall", type=float, default=2.0,
+                    help="the worst gap a watched stream may have, s")  # fmt: skip
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args()
     result = soak(args)
@@ -463,6 +529,8 @@ def main() -> int:
     print(json.dumps(summary, indent=1))
     idle = result["blocks_used_at_end"] == 0 and result["requests_held_at_end"] == 0
     ok = result["server_exits"] == 0 and not result["failures"] and idle
+    stall = result["stall_s_worst"]
+    ok = ok and (stall is None or stall <= args.max_stall)
     return 0 if ok else 1
 
 

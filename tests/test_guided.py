@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import threading
+import time
 
 import jsonschema
 import pytest
@@ -127,6 +128,17 @@ def test_a_guide_is_compiled_once_and_shared_by_its_samples(tiny, monkeypatch):
             guided.compile_guide(Guide("regex", "(unclosed"), tiny.tokenizer, vocab)
 
 
+def stop(pid: int) -> None:
+    """SIGSTOP a compile worker and wait until the kernel says it is stopped: a process
+    still on its way to stopping, woken by a frame, can answer it first."""
+    os.kill(pid, signal.SIGSTOP)
+    for _ in range(1000):
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+
+
 def test_a_guide_that_holds_its_worker_does_not_hold_up_the_others(tiny):
     """Two compile workers: while one is stuck on a guide (here: its process stopped, as a
     compile that runs to its timeout would hold it), another guide compiles in the other
@@ -138,7 +150,7 @@ def test_a_guide_that_holds_its_worker_does_not_hold_up_the_others(tiny):
             worker.check("regex", "[0-9]+", "guided_regex")
         stuck = workers.workers[0]  # the first taken (the most recently used on top)
         stopped = stuck.pid
-        os.kill(stopped, signal.SIGSTOP)
+        stop(stopped)
         outcome: list[BaseException | None] = []
 
         def held() -> None:
@@ -185,3 +197,113 @@ def test_compiling_a_guide_leaves_the_engine_thread_no_import(tiny_model_dir):
                          timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "True"
+
+
+class HeldMatcher:
+    """A real llguidance matcher whose masks after the first wait for `release` (a guide
+    whose masks take long, as a grammar near the parser's limits does on a big
+    vocabulary); `done` says when one has been computed."""
+
+    def __init__(self, real, release: threading.Event, done: list) -> None:
+        self.real, self.release, self.done = real, release, done
+
+    def deep_copy(self) -> HeldMatcher:
+        return HeldMatcher(self.real.deep_copy(), self.release, self.done)
+
+    def unsafe_compute_mask_ptr(self, ptr: int, size: int) -> None:
+        self.release.wait(5)  # a bound for an engine that waits on it (before the fix)
+        self.real.unsafe_compute_mask_ptr(ptr, size)
+        self.done.append(True)
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+
+def test_a_slow_guide_mask_holds_its_sample_not_the_engines_steps(tiny):
+    """A guided sample's next mask is computed off the engine thread: while it is held,
+    each step still decodes the plain stream beside it and the guided sample sits the
+    steps out; once the mask comes the sample goes on, its tokens those of a run whose
+    masks were never held."""
+    import dataclasses
+
+    from kvlm.engine.guided import compile_guide
+
+    vocab = tiny.config.vocab_size
+    guide = compile_guide(Guide("regex", "[a-z]{3,12}"), tiny.tokenizer, vocab)
+    guided = SamplingParams(temperature=0, max_tokens=8, guide=guide)
+    plain = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+    def run(engine: Engine, steps: list) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {"g": [], "s": []}
+        while engine.has_work():
+            events = engine.step()
+            steps.append([ev.request_id for ev in events if ev.token_ids])
+            for ev in events:
+                out[ev.request_id] += ev.token_ids
+        return out
+
+    engine = Engine(tiny, EngineConfig(num_blocks=64))
+    engine.add_request("s", [5, 6, 7, 8], plain)
+    engine.add_request("g", [5, 6, 9], guided)
+    want = run(engine, [])
+    release, done = threading.Event(), []
+    held = dataclasses.replace(guide.compiled, matcher=HeldMatcher(guide.compiled.matcher,
+                                                                   release, done))  # fmt: skip
+    engine.add_request("s", [5, 6, 7, 8], plain)
+    engine.add_request("g", [5, 6, 9], dataclasses.replace(
+        guided, guide=dataclasses.replace(guide, compiled=held)))  # fmt: skip
+    first = engine.step()  # both prompts, and each sample's first token (the compiled mask)
+    assert sorted(ev.request_id for ev in first if ev.token_ids) == ["g", "s"]
+    for _ in range(4):
+        events = engine.step()
+        assert not done  # the guided sample's second mask is still held
+        assert [ev.request_id for ev in events if ev.token_ids] == ["s"]
+    release.set()
+    steps: list = []
+    got = run(engine, steps)
+    assert len(got["g"]) == len(want["g"]) - 1 and got["g"] == want["g"][1:]
+    assert len(got["s"]) == len(want["s"]) - 5 and done
+
+
+def test_three_guides_that_hold_their_workers_leave_a_fourth_free(tiny, monkeypatch):
+    """Several compile workers: three guides held at once (their processes stopped, as
+    compiles that run to the timeout hold them) and a fourth guide still compiles at once,
+    while the three wait; each of those ends in its own 400. (With two workers the fourth
+    waited for a held one's timeout.)"""
+    from kvlm.engine import guide_worker
+
+    monkeypatch.setattr(guide_worker, "COMPILE_TIMEOUT", 6.0)  # room on a loaded machine
+    eos = sorted(tiny.tokenizer.eos_token_ids) or None
+    workers = GuideWorkers(tiny.tokenizer.backend.to_str(), tiny.config.vocab_size, eos)
+    held_n = 3
+    assert held_n < WORKERS
+    try:
+        for worker in workers.workers:  # all started
+            worker.check("regex", "[0-9]+", "guided_regex")
+        for worker in workers.workers[:held_n]:  # the first taken (most recently used on top)
+            stop(worker.pid)
+        outcome: list[BaseException | None] = []
+
+        def held() -> None:
+            try:
+                workers.check("regex", "[a-f]+", "guided_regex")
+                outcome.append(None)
+            except BaseException as exc:  # handed to the test
+                outcome.append(exc)
+
+        threads = [threading.Thread(target=held) for _ in range(held_n)]
+        for t in threads:
+            t.start()
+        for _ in range(1000):  # until the threads hold the stuck workers (10 s at most)
+            if workers._idle.qsize() == WORKERS - held_n:
+                break
+            threads[0].join(0.01)
+        workers.check("json_schema", {"type": "integer"}, "guided_json")  # a free worker
+        assert all(t.is_alive() for t in threads) and not outcome  # the three still wait
+        for t in threads:
+            t.join(30)
+        assert len(outcome) == held_n
+        assert all(isinstance(o, InvalidRequestError) and "longer than" in str(o)
+                   for o in outcome)  # fmt: skip
+    finally:
+        workers.close()

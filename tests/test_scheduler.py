@@ -25,7 +25,7 @@ def make(num_blocks: int = 16, **config) -> Scheduler:
 def seq(tokens: list[int], rid: str = "r") -> Sequence:
     sample = SimpleNamespace(seq=list(tokens), out=SimpleNamespace(index=0, token_ids=[]),
                              params=SimpleNamespace(prompt_logprobs=None))  # fmt: skip
-    return Sequence(rid, sample, sampler=None, num_prompt=len(tokens))
+    return Sequence(rid, sample, sampler=SimpleNamespace(mask_job=None), num_prompt=len(tokens))
 
 
 def run(s: Scheduler, batch) -> None:

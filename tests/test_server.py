@@ -241,6 +241,7 @@ def test_a_full_server_answers_503_and_recovers(server, client, model):
     with pytest.raises(openai.InternalServerError) as e:  # 503
         client.completions.create(model=model, prompt="one more", max_tokens=4)
     assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
+    assert e.value.response.headers["Retry-After"] == "1"  # relayed by a cluster's ingress
     for resp in streams:
         resp.close()
     wait_idle(server)

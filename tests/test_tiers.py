@@ -763,3 +763,69 @@ def test_a_redis_answering_garbage_costs_recomputation(tiny, reply, down):
         else:  # every record refused, the tier still asked
             assert stats.refused == 6 and stats.hits == 0
         engine.close()
+
+
+def test_a_slow_tier_holds_its_request_not_the_engines_steps(tiny, tmp_path):
+    """The engine thread never waits for a tier: while a disk tier's lookup is held (its
+    get blocks until the test lets it go), every step goes on and decodes the running
+    stream, and the request that asked waits in the queue; once the tier answers it is
+    admitted with the blocks that came, and its answer is the one computed from scratch."""
+    first = engine_with(tiny, f"disk:{tmp_path}")
+    want, _ = run(first, {"a": PROMPT})
+    first.close()
+    engine = engine_with(tiny, f"disk:{tmp_path}")
+    disk = engine.tiers.tiers[0]
+    disk.deadline = 60.0  # the engine would wait this long for it (it used to)
+    asked, release, answered = threading.Event(), threading.Event(), threading.Event()
+    get_many = disk.get_many
+
+    def held(names: list[str], limit: int) -> list:
+        asked.set()
+        release.wait(5)  # a bound for the engine that waits (before the fix): 5 s
+        try:
+            return get_many(names, limit)
+        finally:
+            answered.set()
+
+    disk.get_many = held
+    stream = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine.add_request("s", PROMPT[:3], stream)
+    engine.step()
+    engine.add_request("a", PROMPT, GREEDY)
+    for _ in range(4):
+        events = engine.step()
+        assert asked.is_set() and not answered.is_set()  # the tier still holds its answer
+        assert [ev.request_id for ev in events] == ["s"]  # and the stream stepped on
+        assert [s.request_id for s in engine.scheduler.waiting] == ["a"]
+    release.set()
+    out, cached = {"a": [], "s": []}, {}
+    while engine.has_work():
+        for ev in engine.step():
+            out[ev.request_id] += ev.token_ids
+            cached.setdefault(ev.request_id, ev.cached_tokens)
+    assert out["a"] == want["a"] and cached["a"] == 96
+    assert engine.tiers.stats["disk"].hits == 6
+    engine.close()
+
+
+def test_a_request_that_leaves_while_its_tier_lookup_runs_holds_nothing(tiny, tmp_path):
+    """Aborted while it waits for the tier: the pool blocks its lookup held go back, and
+    the answer that comes later is dropped."""
+    first = engine_with(tiny, f"disk:{tmp_path}")
+    run(first, {"a": PROMPT})
+    first.close()
+    engine = engine_with(tiny, f"disk:{tmp_path}")
+    run(engine, {"warm": PROMPT[:40]})  # two blocks of the prompt in the pool: held by the lookup
+    disk = engine.tiers.tiers[0]
+    release, get_many = threading.Event(), disk.get_many
+    disk.get_many = lambda names, limit: release.wait(5) and get_many(names, limit)
+    engine.add_request("a", PROMPT, GREEDY)
+    engine.step()
+    assert engine.scheduler.blocked_on()
+    assert engine.pool.num_used == 2
+    engine.abort("a")
+    release.set()
+    engine.tiers.flush()
+    assert not engine.has_work() and engine.pool.num_used == 0
+    assert not engine.scheduler.blocked_on()
+    engine.close()

@@ -42,14 +42,18 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 from kvlm.cache.base import blocks_for
 from kvlm.cache.paged import ALL, FREED, BlockPool, window_blocks
 from kvlm.cache.tiers import KVTiers, check_digests, salt_field
 from kvlm.errors import CacheOverflowError
+
+log = logging.getLogger("kvlm.tiers")
 
 MAX_SALT_CHARS = 256  # a salt is client input: bounded
 _DOMAIN = b"kvlm/prefix/v1"
@@ -94,6 +98,46 @@ class BlockTable:
     hashes: list[bytes] = field(default_factory=list)
     salt: str | None = None
     windowed: list[list[int]] = field(default_factory=list)
+
+
+# a lookup in the tiers as the engine thread runs it: each yield a wait, off the thread
+Steps = Generator[Future, list, int]
+
+
+class TierFetch:
+    """A prompt's lookup in the KV tiers under way (BlockManager.start_fetch). Its steps
+    run on the engine thread (taking and filling blocks); between them it waits for the
+    tiers' lookup thread, and the engine thread does not: poll() goes on only when the
+    awaited answer is in. The request waits meanwhile (its step goes on for everyone
+    else), at most the tiers' deadlines (kvlm.cache.tiers)."""
+
+    def __init__(self, steps: Steps) -> None:
+        self._steps = steps
+        self.waiting: Future | None = None  # the lookup awaited (None once done)
+        self.loaded = 0  # blocks loaded, once done
+        self._next(None)
+
+    def poll(self) -> bool:
+        """Whether it is done: its blocks are in the pool (or none came)."""
+        while self.waiting is not None and self.waiting.done():
+            try:
+                found = self.waiting.result()
+            except Exception:  # a bug on the lookup thread: the request recomputes
+                log.exception("a KV tier lookup failed")
+                found = []
+            self._next(found)
+        return self.waiting is None
+
+    def cancel(self) -> None:
+        """The request left: let go of what it held (the lookup's answer is dropped)."""
+        self._steps.close()
+        self.waiting = None
+
+    def _next(self, found: list | None) -> None:
+        try:
+            self.waiting = self._steps.send(found)
+        except StopIteration as stop:
+            self.waiting, self.loaded = None, stop.value
 
 
 @dataclass(slots=True)
@@ -223,81 +267,110 @@ class BlockManager:
         return out
 
     def fetch(self, tokens: Sequence[int], salt: str | None = None) -> int:
-        """Ask the tiers for the blocks of `tokens` past the pool's hit, and load the
-        longest verified run of them into free blocks, registered as if computed here: the
-        next match() finds them. They wait in the free queue (the last to be evicted)
-        until allocate() takes them. On a hybrid pool, then each windowed group's blocks
-        of the window before the hit the tiers can serve, so a tier hit obeys the rule a
-        pool hit does. Returns the blocks loaded."""
-        if self.tiers is None:
+        """start_fetch(), waited for here: the blocks loaded (tests, a caller with nothing
+        else to do)."""
+        job = self.start_fetch(tokens, salt)
+        if job is None:
             return 0
-        loaded = self._fetch_group0(tokens, salt)
+        while not job.poll():
+            wait([job.waiting])
+        return job.loaded
+
+    def start_fetch(self, tokens: Sequence[int], salt: str | None = None) -> TierFetch | None:
+        """Ask the tiers for the blocks of `tokens` past the pool's hit: the lookup runs
+        on the tiers' lookup thread, and TierFetch.poll(), on the engine thread, loads the
+        longest verified run of them into free blocks once it is back, registered as if
+        computed here: the next match() finds them. They wait in the free queue (the last
+        to be evicted) until allocate() takes them. On a hybrid pool, then each windowed
+        group's blocks of the window before the hit the tiers can serve, so a tier hit
+        obeys the rule a pool hit does. None without tiers."""
+        if self.tiers is None:
+            return None
+        return TierFetch(self._fetch_steps(tokens, salt))
+
+    def _fetch_steps(self, tokens: Sequence[int], salt: str | None) -> Steps:
+        loaded = yield from self._fetch_group0(tokens, salt)
         if self.windowed:
             blocks, keys = self._walk(tokens, salt)
             for g, group in enumerate(self.windowed, start=1):
-                loaded += self._fetch_window(g, group, tokens, salt, blocks, keys)
+                loaded += yield from self._fetch_window(g, group, tokens, salt, blocks, keys)
         return loaded
 
-    def _fetch_group0(self, tokens: Sequence[int], salt: str | None) -> int:
+    def _fetch_group0(self, tokens: Sequence[int], salt: str | None) -> Steps:
         bs = self.block_size
         hit, keys = self._walk(tokens, salt)
         full = (len(tokens) - 1) // bs
-        for block in hit:  # held while loading, so allocate() cannot evict them
+        # held while the lookup runs and the blocks load, so nothing evicts them
+        for block in hit:
             self.pool.revive(block)
-        # every block loaded takes a free one; the request needs them all anyway
-        room = min(full, len(hit) + self.pool.num_free)
-        if room <= len(hit):
-            for block in reversed(hit):
+        held, loaded = list(hit), []
+        try:
+            # every block loaded takes a free one; the request needs them all anyway
+            room = min(full, len(hit) + self.pool.num_free)
+            if room <= len(hit):
+                return 0
+            chunks = [tuple(tokens[i * bs : (i + 1) * bs]) for i in range(len(hit), room)]
+            new_keys, key = [], keys[-1] if keys else root_key(salt)
+            for chunk in chunks:
+                key = block_key(key, chunk)
+                new_keys.append(key)
+            skip = len(hit)
+            loaded = yield self.tiers.fetch_later(
+                new_keys, chunks, lambda: check_digests(tokens, salt, bs, room)[skip:]
+            )
+            loaded = loaded[: self.pool.num_free]  # the pool may have given some out since
+            parent = hit[-1] if hit else None
+            for key, chunk, (tier, parts) in zip(new_keys, chunks, loaded, strict=False):
+                block = self.pool.allocate()
+                held.append(block)
+                self.pool.store.put_raw((ALL, ALL, block), parts)
+                self.pool.prefix.register(block, key, chunk, parent, salt)
+                self.pool.prefix.block_tier[block] = tier
+                parent = block
+        finally:  # also when the request leaves while it waits (TierFetch.cancel)
+            for block in reversed(held):  # tail first, as free() does
                 self.pool.release(block)
-            return 0
-        chunks = [tuple(tokens[i * bs : (i + 1) * bs]) for i in range(len(hit), room)]
-        new_keys, key = [], keys[-1] if keys else root_key(salt)
-        for chunk in chunks:
-            key = block_key(key, chunk)
-            new_keys.append(key)
-        checks = check_digests(tokens, salt, bs, room)[len(hit) :]
-        loaded = self.tiers.fetch(new_keys, chunks, checks)
-        held, parent = list(hit), hit[-1] if hit else None
-        for key, chunk, (tier, parts) in zip(new_keys, chunks, loaded, strict=False):
-            block = self.pool.allocate()
-            self.pool.store.put_raw((ALL, ALL, block), parts)
-            self.pool.prefix.register(block, key, chunk, parent, salt)
-            self.pool.prefix.block_tier[block] = tier
-            held.append(block)
-            parent = block
-        for block in reversed(held):  # tail first, as free() does
-            self.pool.release(block)
         return len(loaded)
 
     def _fetch_window(
         self, g: int, group: BlockPool, tokens: Sequence[int], salt: str | None,
         blocks: list[int], keys: list[bytes],
-    ) -> int:  # fmt: skip
+    ) -> Steps:  # fmt: skip
         """Load windowed group g's blocks of the window before group 0's hit (`blocks`)
         that the pool lacks, from the tiers (the group's own records), linked as seal()
-        links them. The ones it has are held while loading."""
+        links them. The ones it has are held while loading, and group 0's hit too."""
         bs = self.block_size
         lo = max(0, len(blocks) * bs - group.window) // bs
         have = self._window_blocks(group, tokens, salt, blocks, keys)
         held = [b for b in have[lo:] if b is not None]
         for block in held:
             group.revive(block)
-        want = [i for i in range(lo, len(blocks)) if have[i] is None][: group.num_free]
-        if want:
-            checks = check_digests(tokens, salt, bs, want[-1] + 1)
+        for block in blocks:
+            self.pool.revive(block)
+        loaded = []
+        try:
+            want = [i for i in range(lo, len(blocks)) if have[i] is None][: group.num_free]
+            if not want:
+                return 0
             chunks = {i: tuple(tokens[i * bs : (i + 1) * bs]) for i in want}
-            loaded = self.tiers.fetch([keys[i] for i in want], [chunks[i] for i in want],
-                                      [checks[i] for i in want], group=g)  # fmt: skip
+            loaded = yield self.tiers.fetch_later(
+                [keys[i] for i in want], [chunks[i] for i in want],
+                lambda: [check_digests(tokens, salt, bs, want[-1] + 1)[i] for i in want], g,
+            )  # fmt: skip
+            loaded = loaded[: group.num_free]
             for i, (tier, parts) in zip(want, loaded, strict=False):
                 block = group.allocate()
+                held.append(block)
                 group.store.put_raw((ALL, ALL, block), parts)
                 link = (self.pool.prefix.prefix_id[blocks[i]], salt)
                 group.prefix.register_linked(block, keys[i], chunks[i], link)
                 group.prefix.block_tier[block] = tier
-                held.append(block)
-        for block in held:
-            group.release(block)
-        return len(loaded) if want else 0
+        finally:
+            for block in held:
+                group.release(block)
+            for block in reversed(blocks):
+                self.pool.release(block)
+        return len(loaded)
 
     def blocks_to_admit(
         self, tokens: Sequence[int], salt: str | None = None, reuse: bool = True

@@ -15,7 +15,10 @@ tier never stalls a step; closing waits for the queue at most CLOSE_FLUSH_S.
 Reads happen at admission, once per request: the keys of a prompt's blocks follow from its
 tokens alone (kvlm.cache.prefix), so each tier is asked for all the blocks past the pool's
 hit at once (Redis: one pipeline), and the longest run of verified blocks is loaded. The
-lookup runs on the tier's own reader thread and the engine waits for it at most the tier's
+engine thread never waits for a lookup: it starts one on the tiers' lookup thread
+(fetch_later) and steps on; the request waits in the queue until its blocks are in, and
+is admitted then with whatever came (kvlm.cache.prefix.TierFetch). The lookup thread asks
+each tier on the tier's own reader thread and waits for it at most the tier's
 deadline (kvlm.cache.tier_stores: 1 s disk, 0.5 s Redis, `?deadline=S`) plus 1 s per
 DEADLINE_BYTES_PER_S asked: a socket timeout bounds one read, not a reply trickled a few
 bytes per read. A tier that raises or misses
@@ -203,6 +206,7 @@ class KVTiers:
         self.stats = {t.name: TierStats() for t in self.tiers}
         self._down_until = dict.fromkeys(self.stats, 0.0)
         self._readers = {t.name: _Reader(t.name) for t in self.tiers}
+        self._lookups = _Reader("lookups")  # fetch_later's: waits for the readers
         self._layouts = [(self.ns, self.parts), *self.groups]
         self._sizes = [{k: math.prod(shape) * dt.itemsize for k, (shape, dt) in parts.items()}
                        for _, parts in self._layouts]  # fmt: skip
@@ -274,6 +278,15 @@ class KVTiers:
             if lacked:  # promoted: the tiers asked first hold it next time (Redis -> disk)
                 self._queue_write(_Write(keys[i], chunks[i], checks[i], entry[1], lacked, group))
         return run
+
+    def fetch_later(
+        self, keys: list[bytes], chunks: list[tuple[int, ...]],
+        checks: Callable[[], list[bytes]], group: int = 0,
+    ) -> Future:  # fmt: skip
+        """fetch() run on the tiers' lookup thread, its checks made there too (`checks()`):
+        the engine thread starts it at admission and goes on stepping (kvlm.cache.prefix.
+        TierFetch); the future's answer is fetch()'s, within the tiers' deadlines."""
+        return self._lookups.submit(lambda: self.fetch(keys, chunks, checks(), group))
 
     def _lookup(self, tier: Tier, names: list[str], group: int = 0) -> list | None:
         """`tier.get_many(names)` run on the tier's reader thread, waited for at most the
@@ -369,7 +382,7 @@ class KVTiers:
         for tier in self.tiers:
             tier.abort()
         self._writer.join(timeout=1)
-        for reader in self._readers.values():
+        for reader in [*self._readers.values(), self._lookups]:
             reader.stop()
         for tier in self.tiers:
             tier.close()

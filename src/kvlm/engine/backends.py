@@ -204,8 +204,8 @@ class CacheManager:
         self.salt: str | None = None  # the cache_salt of the request whose K/V it holds
         self.stats = PrefixStats()
 
-    def fetch(self, tokens: Seq[int], salt: str | None = None) -> int:
-        return 0
+    def start_fetch(self, tokens: Seq[int], salt: str | None = None) -> None:
+        return None  # no tiers below one cache
 
     def can_admit(self, tokens: Seq[int], reserve: int = 0, salt=None, reuse=True) -> bool:
         return self.live == 0

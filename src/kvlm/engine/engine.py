@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -50,6 +51,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvlm.engine")
 
 
+# A step with nothing to run while a request waits for a tier lookup, or a guided one for
+# its mask, waits for them this long at most, then returns (the caller takes new requests
+# and aborts in between)
+IDLE_WAIT_S = 0.05
 SLOW_STEP_S = 1.0  # a longer step than any before it is logged (with what it held)
 GPU_MEMORY_SHARE = 0.9  # of a GPU's free memory, for the pool by default (vLLM's default)
 
@@ -158,7 +163,7 @@ class Engine:
             self.pool, self.spec, self.tiers = None, cache.spec, None
             kv = f"one {cache.mode} cache"
         self.manager = self.backend.manager
-        self.scheduler = Scheduler(self.manager, sched, self.max_model_len)
+        self.scheduler = Scheduler(self.manager, sched, self.max_model_len, cache is not None)
         self.drafter: DraftModel | None = None
         spec = self.config.speculative
         if spec is not None:
@@ -350,7 +355,9 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         batch = self.last_batch = self.scheduler.schedule()
-        if not batch:
+        if not batch:  # nothing to run: maybe a tier lookup or a guide's mask is under way
+            if blocked := self.scheduler.blocked_on():
+                wait(blocked, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
             return []
         events: list[StepOutput] = []
         drafted = sum(len(seq.draft) for seq in batch.decode)  # _run clears the drafts
@@ -475,6 +482,8 @@ class Engine:
         k = min(room, seq.draft_len or cfg.num_draft)
         if not self.backend.drafts:  # one cache's rows decode in lockstep: n > 1 cannot
             return []
+        if seq.sampler.guide is not None:  # a draft's rows would each need a mask at once,
+            return []  # on this thread; a guided sample's masks are made beside the steps
         if self.drafter is not None:
             return self.drafter.propose(seq, k)
         return propose_ngram(seq.token_ids, k, cfg.ngram_max, cfg.ngram_min)

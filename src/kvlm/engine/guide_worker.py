@@ -38,9 +38,11 @@ COMPILE_TIMEOUT = 3.0  # seconds for the worker's compile and first mask
 START_TIMEOUT = 60.0  # a worker's start and tokenizer (a loaded 2-core machine: seconds)
 WORKER_STACK = 8 << 20  # the engine thread's stack (Linux's default)
 # Compile workers per tokenizer, and compile threads in the server: a hostile guide holds
-# one of each for up to COMPILE_TIMEOUT; the second goes on serving the others. Each worker
-# is a Python process with its own LLTokenizer (~40 MB), started when first needed.
-WORKERS = 2
+# one of each for up to COMPILE_TIMEOUT; the others go on serving the rest. With two, a
+# client sending hostile guides two at a time held every other guided request up to 3 s
+# each (the soak of [12]); four leave one free beside three. Each worker is a Python
+# process with its own LLTokenizer (~40 MB), started only when that many compile at once.
+WORKERS = 4
 
 # JSON as json.dumps writes it: ", " and ": ", no other whitespace. Free whitespace lets a
 # small model spend its tokens on newlines and indents (a random-weight one never closes
@@ -202,20 +204,19 @@ def grammar_of(kind: str, spec: Any, param: str) -> str:
     raise InvalidRequestError(f"unknown guide {kind!r}", param=param)
 
 
-def build_matcher(kind: str, spec: Any, param: str, tok: Any) -> Any:
-    """The matcher for a guide, its first mask computed (where llguidance's lazy compile
-    runs); InvalidRequestError naming `param` for a guide it refuses. Run by the worker
+def build_matcher(kind: str, spec: Any, param: str, tok: Any) -> tuple[Any, bytes]:
+    """The matcher for a guide and its first mask (computing it runs llguidance's lazy
+    compile); InvalidRequestError naming `param` for a guide it refuses. Run by the worker
     first, then by the server (the same function: the same outcome)."""
     import llguidance
 
     limits = llguidance.LLParserLimits(**PARSER_LIMITS)
     matcher = llguidance.LLMatcher(tok, grammar_of(kind, spec, param), log_level=0,
                                    limits=limits)  # fmt: skip
-    if not matcher.is_error():
-        matcher.compute_bitmask()
+    first = b"" if matcher.is_error() else matcher.compute_bitmask()
     if matcher.is_error():
         raise InvalidRequestError(f"{param}: {matcher.get_error()}", param=param)
-    return matcher
+    return matcher, first
 
 
 def _serve() -> None:

@@ -11,8 +11,11 @@ which a server meeting a new schema per request wants.
 
 Each sample keeps its own matcher: before sampling, its allowed-token bitmask turns every
 other logit into -inf (a per-row operation, the same in any batch); after, the matcher
-consumes the token. When the grammar is complete only the end-of-sequence tokens are
-allowed, so the sample stops there.
+consumes the token, and the next bitmask is computed on a mask thread while the engine
+runs its next step (vLLM and SGLang overlap the grammar's bitmask with the forward in the
+same way); a sample whose mask is not ready sits that step out (GuideState.ready). When
+the grammar is complete only the end-of-sequence tokens are allowed, so the sample stops
+there.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from typing import Any
 
 from kvlm.engine.guide_limits import MAX_GUIDE_CHARS, check_bounds
 from kvlm.engine.guide_worker import WORKER_STACK, WORKERS, GuideWorkers, build_matcher
+
+MASK_THREADS = 2  # masks computed at once (the engine's guided samples share them)
 
 __all__ = ["MAX_GUIDE_CHARS", "Guide", "GuideState", "compile_guide"]
 
@@ -47,6 +52,7 @@ class Compiled:
 
     matcher: Any  # llguidance.LLMatcher
     vocab_size: int
+    first_mask: bytes | None = None  # its mask at the start (compute_bitmask's bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,35 +92,46 @@ def _kept(tokenizer, name: str, vocab_size: int, make: Callable[..., Any]) -> An
 
 
 _compile_lock = threading.Lock()
-_compile_jobs: SimpleQueue | None = None
 
 
-def _on_compile_thread(fn, *args) -> Any:
-    """fn(*args) on one of WORKERS compile threads, made with a COMPILE_STACK stack
-    (llguidance recurses; a thread's stack size is fixed when it is made)."""
-    global _compile_jobs
-    with _compile_lock:
-        if _compile_jobs is None:
-            _compile_jobs = SimpleQueue()
-            old = threading.stack_size(COMPILE_STACK)
-            try:
-                for i in range(WORKERS):
-                    threading.Thread(target=_compile_loop, args=(_compile_jobs,), daemon=True,
-                                     name=f"kvlm-guide-compile-{i}").start()  # fmt: skip
-            finally:
-                threading.stack_size(old)
-    done: Future = Future()
-    _compile_jobs.put((fn, args, done))
-    return done.result()
+class _Threads:
+    """`count` daemon threads made with a `stack`-byte stack (llguidance recurses; a
+    thread's stack size is fixed when it is made), started at the first submit."""
+
+    def __init__(self, name: str, count: int, stack: int) -> None:
+        self.name, self.count, self.stack = name, count, stack
+        self._jobs: SimpleQueue | None = None
+
+    def submit(self, fn: Callable, *args) -> Future:
+        """fn(*args) on one of the threads; its future."""
+        with _compile_lock:
+            if self._jobs is None:
+                self._jobs = SimpleQueue()
+                old = threading.stack_size(self.stack)
+                try:
+                    for i in range(self.count):
+                        threading.Thread(target=_work, args=(self._jobs,), daemon=True,
+                                         name=f"{self.name}-{i}").start()  # fmt: skip
+                finally:
+                    threading.stack_size(old)
+        done: Future = Future()
+        self._jobs.put((fn, args, done))
+        return done
 
 
-def _compile_loop(jobs: SimpleQueue) -> None:
+def _work(jobs: SimpleQueue) -> None:
     while True:
         fn, args, done = jobs.get()
         try:
             done.set_result(fn(*args))
         except BaseException as exc:  # handed to the caller as is
             done.set_exception(exc)
+
+
+# the server's matchers, built after the worker's check (64 MiB stacks)
+_COMPILES = _Threads("kvlm-guide-compile", WORKERS, COMPILE_STACK)
+# each sample's next mask, computed while the engine runs its step (GuideState)
+_MASKS = _Threads("kvlm-guide-mask", MASK_THREADS, WORKER_STACK)
 
 
 def compile_guide(guide: Guide, tokenizer, vocab_size: int) -> Guide:
@@ -135,13 +152,14 @@ def compile_guide(guide: Guide, tokenizer, vocab_size: int) -> Guide:
     if compiled is None:
         guide_workers(tokenizer, vocab_size).check(guide.kind, guide.spec, guide.param)
         tok = ll_tokenizer(tokenizer, vocab_size)
-        matcher = _on_compile_thread(build_matcher, guide.kind, guide.spec, guide.param, tok)
+        job = _COMPILES.submit(build_matcher, guide.kind, guide.spec, guide.param, tok)
+        matcher, first = job.result()
         # What GuideState imports, imported here, off the engine thread: its first import
         # took 3.5 s on a Zen 3, and at a guided request's first sampled token that froze
         # the engine's step (the soak's longest step, 5.4 s)
         import llguidance.torch  # noqa: F401
 
-        compiled = Compiled(matcher, vocab_size)
+        compiled = Compiled(matcher, vocab_size, first)
         with _compile_lock:
             kept[key] = compiled
             while len(kept) > KEEP_COMPILED:
@@ -158,7 +176,11 @@ def _compiled_kept(tokenizer, vocab_size: int) -> OrderedDict:
 
 
 class GuideState:
-    """One sample's matcher: a copy of the compiled one (never a compile here)."""
+    """One sample's matcher: a copy of the compiled one (never a compile here). Its next
+    mask is computed on a mask thread as soon as a token is accepted, so it is made while
+    the engine runs the step that gives the sample its logits: the engine thread never
+    computes one. The scheduler leaves a sample whose mask is not ready out of a step
+    (`ready`), so a slow grammar slows its own sample and no other."""
 
     def __init__(self, guide: Guide, tokenizer, vocab_size: int) -> None:
         import llguidance.torch as lt
@@ -172,12 +194,33 @@ class GuideState:
         self._fill = lt.fill_next_token_bitmask
         self.bitmask = lt.allocate_token_bitmask(1, vocab_size)
         self._bits = torch.arange(32, dtype=torch.int32)
+        first, size = guide.compiled.first_mask, self.bitmask.numel() * 4
+        self._job: Future = Future()
+        if first is not None and len(first) >= size:  # made at compile (a word more, unread)
+            self.bitmask[0] = torch.frombuffer(bytearray(first[:size]), dtype=torch.int32)
+            self._job.set_result(None)
+        else:
+            self._job = _MASKS.submit(self._compute)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the mask of the next token is computed (or its computing failed)."""
+        return self._job.done()
+
+    @property
+    def job(self) -> Future:
+        """The mask's computing (what an idle engine may wait on)."""
+        return self._job
+
+    def _compute(self) -> None:
+        self._fill(self.matcher, self.bitmask, 0)
 
     def mask(self, logits):
-        """A copy of `logits` (V,) with every token the grammar does not allow at -inf. A
-        matcher past guide_worker.PARSER_LIMITS mid-way is in llguidance's error state, whose mask
-        allows only the end-of-sequence tokens: the sample ends there."""
-        self._fill(self.matcher, self.bitmask, 0)
+        """A copy of `logits` (V,) with every token the grammar does not allow at -inf
+        (waits for the mask where it is not ready: a preempted sample recomputed). A
+        matcher past guide_worker.PARSER_LIMITS mid-way is in llguidance's error state,
+        whose mask allows only the end-of-sequence tokens: the sample ends there."""
+        self._job.result()
         words = self.bitmask[0].to(self._bits.dtype)
         allowed = ((words[:, None] >> self._bits) & 1).bool().flatten()[: logits.shape[-1]]
         if not bool(allowed.any()):  # the grammar is over and its end was ignored (ignore_eos)
@@ -187,4 +230,7 @@ class GuideState:
         return out
 
     def accept(self, token: int) -> None:
+        """Feed the sampled token; the next mask starts on a mask thread."""
+        self._job.result()  # never feed the matcher while a mask reads it
         self.matcher.consume_token(token)
+        self._job = _MASKS.submit(self._compute)

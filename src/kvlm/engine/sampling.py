@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,10 +186,20 @@ class Sampler:
         if params.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(params.seed + index)
         self.penalties = Penalties(params, prompt_ids) if params.penalized else None
-        self.tokenizer = tokenizer  # for a guide's matcher, made at the first call
+        self.tokenizer = tokenizer  # for a guide's matcher
         self.guide: GuideState | None = None
+        if params.guide is not None and params.guide.compiled is not None:  # its first mask
+            self.guide = GuideState(params.guide, tokenizer, params.guide.compiled.vocab_size)
         self.held = sorted(stops) if params.min_tokens else []
         self.made = 0  # tokens returned
+
+    @property
+    def mask_job(self) -> Future | None:
+        """A guided sample's next mask while it is being computed (GuideState); None when
+        there is nothing to wait for: the sample can run in a step."""
+        if self.guide is None or self.guide.ready:
+            return None
+        return self.guide.job
 
     def __call__(self, logits: torch.Tensor, argmax: int | None = None) -> int:
         """logits (V,) fp32 -> a token id. Call once per token the sample takes: the

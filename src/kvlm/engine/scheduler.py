@@ -7,11 +7,15 @@
 
 Each step has two parts, run as two forwards by the engine:
 
-- decode: every running sequence with one token pending, one token each, batched;
+- decode: every running sequence with one token pending, one token each, batched (a
+  guided one whose next mask is still being computed sits the step out);
 - prefill: up to `prefill_chunk` prompt tokens, taken first from sequences already part
   way through their prompt, then from newly admitted ones. A long prompt is fed over
   several steps, so the decode streams keep moving while it prefills.
 
+Admission first asks the KV tiers (if any) for the prompt's blocks the pool lacks, once:
+the lookup runs off the engine thread and the request waits at the head of the queue
+until it is back (kvlm.cache.prefix.TierFetch), while the running sequences step on.
 Admission takes a request only when the pool can hold its whole prompt (less what the
 prefix cache already holds) and a reserve is left for the running sequences to grow, and
 counts a request of n samples as the n rows (seats, first blocks) it becomes. When a
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvlm.cache.prefix import BlockManager
@@ -82,8 +87,13 @@ class Scheduler:
         manager: BlockManager,
         config: SchedulerConfig | None = None,
         max_model_len: int | None = None,
+        lockstep: bool = False,
     ) -> None:
+        """`lockstep`: every running sequence decodes in every step (one cache's rows,
+        kvlm.engine.backends.CacheBackend): a guided one waits for its mask in the step
+        instead of sitting it out."""
         self.manager = manager
+        self.lockstep = lockstep
         self.config = config or SchedulerConfig()
         self.max_model_len = max_model_len  # the context limit (reserve_full's worst case)
         self.waiting: deque[Sequence] = deque()
@@ -106,6 +116,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def blocked_on(self) -> list[Future]:
+        """What sequences wait for off the engine thread: the tier lookup of the first
+        waiting request, the masks of guided sequences that sit steps out. An engine with
+        nothing else to run waits on them a moment rather than spin."""
+        job = self.waiting[0].tier_fetch if self.waiting else None
+        out = [job.waiting] if job is not None and job.waiting is not None else []
+        return out + [f for s in self.running if (f := s.sampler.mask_job) is not None]
+
     def schedule(self) -> Batch:
         batch = Batch()
         self._schedule_decode(batch)
@@ -116,8 +134,9 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            if seq.prefilling:
-                i += 1
+            unready = not self.lockstep and seq.sampler.mask_job is not None
+            if seq.prefilling or unready:  # unready: its guide's mask is being computed,
+                i += 1  # it sits this step out (kvlm.engine.guided)
                 continue
             while not self.manager.can_append(seq.table, seq.num_computed):
                 victim = self.running[-1]  # the newest; never one already in this batch
@@ -198,8 +217,12 @@ class Scheduler:
                 reserve += sum(self._growth(s) for s in self.running)
             reuse = seq.sample.params.prompt_logprobs is None  # else every row's logits
             if reuse and not seq.tiers_asked:  # once per admission: blocks below the pool
-                self.manager.fetch(seq.token_ids, seq.cache_salt)
+                seq.tier_fetch = self.manager.start_fetch(seq.token_ids, seq.cache_salt)
                 seq.tiers_asked = True
+            if seq.tier_fetch is not None:
+                if not seq.tier_fetch.poll():
+                    break  # its blocks are on their way: it waits, the step goes on
+                seq.tier_fetch = None
             if not self.manager.can_admit(seq.token_ids, reserve, seq.cache_salt, reuse):
                 break  # first come, first served: later requests wait behind it
             if self.config.chunk_size and seq.num_pending > 1 and not self._chunk(seq, budget):
@@ -261,5 +284,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
+            if seq.tier_fetch is not None:  # what its tier lookup held is let go
+                seq.tier_fetch.cancel()
+                seq.tier_fetch = None
         self.manager.free(seq.table)
         seq.status = Status.FINISHED

@@ -19,7 +19,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-from kvlm.cache.prefix import BlockTable
+from kvlm.cache.prefix import BlockTable, TierFetch
 from kvlm.engine.request import SampleState
 from kvlm.engine.sampling import Sampler
 
@@ -44,6 +44,7 @@ class Sequence:
     num_computed: int = 0
     num_cached: int = 0  # prompt tokens served by the prefix cache at the last admission
     tiers_asked: bool = False  # the KV tiers were asked for its prompt (kvlm.cache.tiers)
+    tier_fetch: TierFetch | None = None  # that lookup, while under way
     table: BlockTable = field(default_factory=BlockTable)
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
     # speculative decoding (kvlm.engine.speculative): this step's proposed tokens, fed

@@ -778,7 +778,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(QueueFullError)  # full, as _start or _collect hands a request on
     async def queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
         body = error_body(str(exc), "server_busy", code="queue_full")
-        return _error(request, body, 503)
+        return _error(request, body, 503, {"Retry-After": "1"})  # a seat frees as a stream ends
 
     @app.exception_handler(EngineBusyError)
     @app.exception_handler(EngineStoppedError)
