@@ -253,3 +253,41 @@ def test_the_command_says_one_line(command, tmp_path):
     assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stderr)
     assert len(lines) == 1 and lines[0].startswith("kvlm: error: m.gguf: "), proc.stderr
     assert re.search(says, lines[0])
+
+
+def test_native_code_checks_the_sizes_it_is_given(tmp_path):
+    """The C entry points refuse sizes that disagree (-2, nothing read or written): a norm
+    weight of another length than the rows, and a decode step whose products are not of
+    the shape the model's sizes give (rows, columns or bytes)."""
+    import ctypes
+
+    import torch
+
+    from kvlm import LLM, kernels
+    from kvlm.model.fused import FusedDecoder
+
+    lib = kernels.library()
+    if lib is None:
+        pytest.skip(kernels.status())
+    x, y, w = torch.randn(2, 64), torch.empty(2, 64), torch.ones(64)
+    assert lib.kvlm_rms_norm(x.data_ptr(), 2, 64, 64, w.data_ptr(), 64, 1e-6, y.data_ptr(), 64) == 0
+    assert lib.kvlm_rms_norm(x.data_ptr(), 2, 64, 64, w.data_ptr(), 0, 1e-6, y.data_ptr(), 64) == -2
+    qkv, cs = torch.randn(1, 8 * 16), torch.ones(1, 16)
+    args = (qkv.data_ptr(), 1, 8 * 16, 4, 2, 16, w.data_ptr(), w.data_ptr())
+    tail = (1e-6, cs.data_ptr(), cs.data_ptr(), 16)
+    assert lib.kvlm_qk_norm_rope(*args, 16, *tail) == 0
+    assert lib.kvlm_qk_norm_rope(*args, 64, *tail) == -2
+
+    llm = LLM(model=write(tiny(), tmp_path / "m.gguf"), weights="native", progress=False)
+    step = FusedDecoder(llm.model, 64)
+    spec = ctypes.byref(step.spec)
+    assert lib.kvlm_decode_scratch(spec, 1) > 0
+    qkv_mat, head = step.spec.layers[1].qkv, step.spec.lm_head
+    for field, owner in (("n", qkv_mat), ("k", qkv_mat), ("n", qkv_mat.part[0]),
+                         ("bytes", head.part[0])):  # fmt: skip
+        setattr(owner, field, getattr(owner, field) + 32)
+        assert lib.kvlm_decode_scratch(spec, 1) == -2, field
+        # refused before anything is read: no views, no buffers given
+        assert lib.kvlm_decode_batch(spec, 1, *[None] * 5, 1, None, None) == -2, field
+        setattr(owner, field, getattr(owner, field) - 32)
+    assert lib.kvlm_decode_scratch(spec, 1) > 0
