@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +49,23 @@ def long_token(n: int) -> Edit:
         tokens = list(s.meta["tokenizer.ggml.tokens"][0])
         tokens[-1] = "ab" * (n // 2)
         s.set("tokenizer.ggml.tokens", tokens, V.ARRAY, V.STRING)
+
+    return edit
+
+
+def pieces(more: Iterable[str]) -> Edit:
+    """Append SentencePiece pieces (normal tokens, score 0) to the vocabulary, and rows to
+    the embedding and the output for them."""
+    more = list(more)
+
+    def edit(s: Spec) -> None:
+        for k, extra in (("tokens", more), ("token_type", [1] * len(more)),
+                         ("scores", [0.0] * len(more))):  # fmt: skip
+            values, vtype, sub = s.meta[f"tokenizer.ggml.{k}"]
+            s.set(f"tokenizer.ggml.{k}", [*values, *extra], vtype, sub)
+        for name in ("token_embd.weight", "output.weight"):
+            rows = len(s.meta["tokenizer.ggml.tokens"][0])
+            dims(name, rows, s.tensors[name][0].shape[1])(s)
 
     return edit
 
@@ -104,6 +121,8 @@ FINDINGS: dict[str, tuple[str, Edit, str]] = {
     "rope-base-negative": ("spm", key("rope.freq_base", -1.0, V.FLOAT32), r"freq_base"),
     # a hang: SentencePiece merges built over every split of a 1,000,000-character token
     "token-1e6-chars": ("spm", long_token(1_000_000), r"characters"),
+    # pieces of every length up to 1,024: each within bounds, their splits not
+    "spm-split-work": ("spm", pieces("ab" * n for n in range(3, 512)), r"splits"),
 }
 # fmt: on
 

@@ -249,12 +249,15 @@ def _raise_template_error(message: str) -> None:
 # ----------------------------------------------------------------------------- GGUF
 
 
-# Bounds on a GGUF vocabulary: its tokens (the model's vocabulary's limit) and the
-# characters of one token (the longest of the default model's is 81; a SentencePiece
-# vocabulary's merges are found by trying every split of every piece, work that grows with
-# the square of a piece's length)
+# Bounds on a GGUF vocabulary: its tokens (the model's vocabulary's limit), the characters
+# of one token (the longest of the default model's is 81), and the work of finding a
+# SentencePiece vocabulary's merges (`_merges_from_scores`: up to n - 1 splits of a piece
+# of n characters, each slicing and hashing its n characters; a 262k-token vocabulary of
+# pieces of ~7 characters takes ~2M splits of ~15M characters)
 MAX_TOKENS = LIMITS["vocab_size"][1]
 MAX_TOKEN_CHARS = 1024
+MAX_SPLITS = 1 << 22
+MAX_SPLIT_CHARS = 1 << 26
 
 
 def tokenizer_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> Tokenizer:
@@ -377,7 +380,7 @@ def _gguf_sentencepiece(f: Fields, tokens: list[str], types: list[int]) -> _HFTo
         for tok, score, t in zip(tokens, scores, types, strict=True)
         if t not in (_TOKEN_CONTROL, _TOKEN_BYTE)
     }
-    merges = _merges_from_scores(vocab, mergeable)
+    merges = _merges_from_scores(vocab, mergeable, f.where)
     bpe = _bpe(f, vocab, merges, unk_token=tokens[unk_id], fuse_unk=True, byte_fallback=True)
     backend = _HFTokenizer(bpe)
     # the space SentencePiece puts before the text, and takes off again when decoding
@@ -401,12 +404,20 @@ def _bpe(
         raise ModelLoadError(f"{f.where}: the vocabulary is not a BPE model: {exc}") from exc
 
 
-def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+def _merges_from_scores(
+    vocab: dict[str, int], scores: dict[str, float], where: str = "GGUF metadata"
+) -> list[tuple[str, str]]:
     """SentencePiece BPE stores no merges: a piece is formed by merging any split of it into
     two known pieces, and a higher piece score means an earlier merge. Only the cuts whose
-    left part has the length of some token are tried (a handful in real vocabularies, where
-    trying every cut made a piece of n characters cost n^2)."""
+    left part has the length of some token are tried: at most MAX_SPLITS of them, of at
+    most MAX_SPLIT_CHARS characters in all (a ModelLoadError before any is tried)."""
     lengths = sorted({len(t) for t in vocab})
+    cuts = [(bisect.bisect_left(lengths, len(piece)), len(piece)) for piece in scores]
+    splits, chars = sum(k for k, _ in cuts), sum(k * n for k, n in cuts)
+    if splits > MAX_SPLITS or chars > MAX_SPLIT_CHARS:
+        raise ModelLoadError(f"{where}: the SentencePiece vocabulary's merges would take "
+                             f"{splits} splits of {chars} characters; at most {MAX_SPLITS} of "
+                             f"{MAX_SPLIT_CHARS}")  # fmt: skip
     ranked = sorted(
         (-score, len(left), len(right), vocab[left], vocab[right], left, right)
         for piece, score in scores.items()
