@@ -194,7 +194,7 @@ def test_the_tiny_models_run(child, tmp_path):
 # The fuzzer: seeded, and bounded in cases and seconds (KVLM_FUZZ_SEED, KVLM_FUZZ_CASES and
 # KVLM_FUZZ_SECONDS run it longer or elsewhere by hand)
 FUZZ_SEED = int(os.environ.get("KVLM_FUZZ_SEED", "18"))
-FUZZ_CASES = int(os.environ.get("KVLM_FUZZ_CASES", "1000"))
+FUZZ_CASES = int(os.environ.get("KVLM_FUZZ_CASES", "2000"))
 FUZZ_SECONDS = float(os.environ.get("KVLM_FUZZ_SECONDS", "30"))
 
 

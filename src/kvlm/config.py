@@ -40,7 +40,7 @@ LIMITS: dict[str, tuple[int, int]] = {
     "max_position_embeddings": (1, 1 << 24),
     "sliding_window": (1, 1 << 24),
 }
-_REQUIRED = object()  # a value() without a default: the key must be there
+_REQUIRED = object()  # a Fields call without a default: the key must be there
 
 
 @dataclass(slots=True, frozen=True)
@@ -159,9 +159,9 @@ class ModelConfig:
         hf = Fields(cfg, f"{name}: config.json" if name else "config.json")
         hidden = hf("hidden_size", int, **_limits("hidden_size"))
         heads = hf("num_attention_heads", int, **_limits("num_heads"))
-        window = hf("sliding_window", int, None, **_limits("sliding_window"))
-        if arch == "qwen2" and not cfg.get("use_sliding_window", False):
-            window = None
+        window = None  # Qwen2's is read only where it is used (configs name one they do not)
+        if arch != "qwen2" or cfg.get("use_sliding_window", False):
+            window = hf("sliding_window", int, None, **_limits("sliding_window"))
         extra = _hf_gemma(cfg, window, arch, hf) if arch in GEMMA_PATTERN else {}
         window = None if extra else window  # Gemma: the window is its local layers'
         theta = _hf_rope(cfg).get("rope_theta", 1e6 if arch == "gemma3" else 1e4)
