@@ -197,13 +197,13 @@ def test_gguf_reads_gemma2_as_hf_does(tiny_model_dir, tmp_path):
 
 def test_a_hostile_window_pattern_is_refused(tmp_path):
     from kvlm.config import ModelConfig
-    from kvlm.errors import UnsupportedModelError
+    from kvlm.errors import ModelLoadError, UnsupportedModelError
 
     meta = {"general.architecture": "gemma3", "gemma3.embedding_length": 64,
             "gemma3.attention.head_count": 4, "gemma3.feed_forward_length": 128,
             "gemma3.block_count": 4, "gemma3.attention.sliding_window": 8,
             "gemma3.attention.sliding_window_pattern": 0, "gemma3.vocab_size": 10}  # fmt: skip
-    with pytest.raises(UnsupportedModelError, match="sliding window"):
+    with pytest.raises(ModelLoadError, match="sliding_window_pattern is 0"):
         ModelConfig.from_gguf(meta)
     meta["gemma3.attention.sliding_window_pattern"] = [True, False]  # 2 flags, 4 layers
     with pytest.raises(UnsupportedModelError, match="layer types for 4 layers"):
@@ -211,11 +211,12 @@ def test_a_hostile_window_pattern_is_refused(tmp_path):
     meta["gemma3.attention.sliding_window_pattern"] = 2
     for cap in (0.0, -30.0, float("inf"), float("nan")):  # cap * tanh(x / cap)
         meta["gemma3.final_logit_softcapping"] = cap
-        with pytest.raises(UnsupportedModelError, match="must be positive"):
+        with pytest.raises(ModelLoadError, match=r"final_logit_softcapping is .*; expected a "
+                           r"finite number above 0"):  # fmt: skip
             ModelConfig.from_gguf(meta)
     del meta["gemma3.final_logit_softcapping"]
     meta["gemma3.attention.key_length"] = -32  # the score scale head_dim ** -0.5
-    with pytest.raises(UnsupportedModelError, match="must be positive"):
+    with pytest.raises(ModelLoadError, match="key_length is -32; expected an integer at least 2"):
         ModelConfig.from_gguf(meta)
 
 

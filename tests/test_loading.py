@@ -64,14 +64,36 @@ def test_hf_config_with_transformers5_rope_parameters():
         ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
         ({"num_key_value_heads": 3}, "not a multiple"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported RoPE scaling 'yarn'"),
-        ({"hidden_size": None}, "bad field"),
     ],
 )
 def test_unsupported_configs_are_named(change, message):
-    raw = {**HF_LLAMA, **change}
-    if change.get("hidden_size", 0) is None:
-        del raw["hidden_size"]
     with pytest.raises(UnsupportedModelError, match=message):
+        ModelConfig.from_hf({**HF_LLAMA, **change})
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"hidden_size": None}, "config.json lacks hidden_size"),
+        ({"num_attention_heads": "4"}, "num_attention_heads is a string '4'; expected an integer"),
+        ({"num_attention_heads": 0}, "num_attention_heads is 0; expected an integer at least 1"),
+        ({"num_hidden_layers": 2.5}, "num_hidden_layers is 2.5"),
+        ({"num_hidden_layers": True}, "num_hidden_layers is a boolean"),
+        ({"rms_norm_eps": -1e-6}, "rms_norm_eps is -1e-06; expected a finite number above 0"),
+        ({"rope_theta": "1e4"}, "rope_theta is a string"),
+        ({"max_position_embeddings": 2**40}, "max_position_embeddings is 1099511627776"),
+        ({"eos_token_id": [1, "2"]}, "eos_token_id is a string '2'"),
+        (
+            {"bos_token_id": 100},
+            "bos_token_id is 100; expected an integer at least 0 and at most 99",
+        ),
+    ],
+)
+def test_bad_config_values_are_named(change, message):
+    """Every value of config.json is checked for its type and range: one ModelLoadError
+    naming the key, what it holds and what was expected."""
+    raw = {k: v for k, v in {**HF_LLAMA, **change}.items() if v is not None}
+    with pytest.raises(ModelLoadError, match=message):
         ModelConfig.from_hf(raw)
 
 

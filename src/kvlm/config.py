@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlm.errors import UnsupportedModelError
+from kvlm.errors import ModelLoadError, UnsupportedModelError
 
 # model_type (HF) / general.architecture (GGUF) -> what the model code switches on.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
@@ -26,6 +26,21 @@ GEMMA3_LOCAL_THETA = 10000.0
 # not head_dim ** -0.5 (llama.cpp's rule for GGUF files)
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 GEMMA2_SOFTCAPS = {"final": 30.0, "attn": 50.0}
+# The range of each size, past any real model's and short of what a buffer sized from it
+# could not hold: a file outside one is refused before anything is sized from it (the
+# tensors' shapes are then held to the sizes: kvlm.loading.shapes).
+LIMITS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 1 << 22),
+    "hidden_size": (1, 1 << 17),
+    "intermediate_size": (1, 1 << 20),
+    "num_layers": (1, 1 << 12),
+    "num_heads": (1, 1 << 12),
+    "num_kv_heads": (1, 1 << 12),
+    "head_dim": (2, 1 << 12),
+    "max_position_embeddings": (1, 1 << 24),
+    "sliding_window": (1, 1 << 24),
+}
+_REQUIRED = object()  # a Fields call without a default: the key must be there
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,6 +90,23 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_supported("architecture", self.architecture, SUPPORTED_ARCHITECTURES)
+        for name, (lo, hi) in LIMITS.items():
+            n = getattr(self, name)
+            if not (n is None and name == "sliding_window"):
+                value(n, name, int, lo, hi, where=self.name)
+        floats = [("rms_norm_eps", self.rms_norm_eps, 1.0), ("rope_theta", self.rope_theta, None),
+                  ("rope_local_theta", self.rope_local_theta, None),
+                  ("query_scale", self.query_scale, None),
+                  ("RoPE scaling factor", self.rope_scaling.factor, None)]  # fmt: skip
+        for name, x, hi in floats:
+            if x is not None:
+                value(x, name, float, 0.0, hi, where=self.name, open_low=True)
+        ids = [("bos_token_id", self.bos_token_id)] + [
+            ("eos_token_id", t) for t in self.eos_token_ids
+        ]
+        for key, t in ids:
+            if t is not None:
+                value(t, key, int, 0, self.vocab_size - 1, where=self.name)
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
@@ -118,102 +150,211 @@ class ModelConfig:
             shown = (cfg.get("architectures") or [arch or "?"])[0]
             _check_supported("architecture", arch, SUPPORTED_ARCHITECTURES, shown, "model_type")
         try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            window = cfg.get("sliding_window")
-            if arch == "qwen2" and not cfg.get("use_sliding_window", False):
-                window = None
-            extra = _hf_gemma(cfg, window, arch) if arch in GEMMA_PATTERN else {}
-            window = None if extra else window  # Gemma: the window is its local layers'
-            return cls(
-                architecture=arch,
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(_hf_rope(cfg).get("rope_theta", 1e6 if arch == "gemma3" else 1e4)),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA_PATTERN)),
-                qk_norm=arch in ("qwen3", "gemma3"),
-                sliding_window=int(window) if window else None,
-                rope_scaling=_hf_rope_scaling(cfg),
-                bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=_as_ids(cfg.get("eos_token_id")),
-                name=name,
-                **extra,
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise UnsupportedModelError(
-                f"config.json is missing or has a bad field: {exc}"
-            ) from exc
+            return cls._from_hf(cfg, arch, name)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a shape not read
+            raise ModelLoadError(f"{name or 'config.json'}: a bad field: {exc!r}") from exc
 
     @classmethod
-    def from_gguf(cls, meta: dict[str, Any], name: str = "") -> ModelConfig:
-        """Build from GGUF key/value metadata (`general.architecture` = llama/qwen2/qwen3)."""
-        arch = str(meta.get("general.architecture", ""))
-        _check_supported("GGUF architecture", arch, SUPPORTED_ARCHITECTURES)
-
-        def key(k: str, default: Any = None) -> Any:
-            v = meta.get(f"{arch}.{k}", default)
-            if v is None:
-                raise UnsupportedModelError(f"GGUF metadata lacks {arch}.{k}")
-            return v
-
-        hidden = int(key("embedding_length"))
-        heads = int(key("attention.head_count"))
-        vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
-        scaling = RopeScaling()
-        scaling_type = meta.get(f"{arch}.rope.scaling.type")
-        if scaling_type == "linear":
-            scaling = RopeScaling("linear", float(key("rope.scaling.factor")))
-        elif scaling_type not in (None, "none"):
-            raise UnsupportedModelError(f"unsupported GGUF RoPE scaling {scaling_type!r}")
-        layers, head_dim = (
-            int(key("block_count")),
-            int(meta.get(f"{arch}.attention.key_length") or hidden // heads),
-        )
-        extra: dict[str, Any] = {}
-        if arch in GEMMA_PATTERN:
-            window = int(key("attention.sliding_window"))
-            # the file's own pattern where it has one: every n-th layer global, or a flag
-            # per layer (True: windowed); else llama.cpp's fixed one
-            pattern = meta.get(f"{arch}.attention.sliding_window_pattern", GEMMA_PATTERN[arch])
-            types = None
-            if isinstance(pattern, list):
-                types = ["sliding_attention" if f else "full_attention" for f in pattern]
-                pattern = GEMMA_PATTERN[arch]
-            extra = _gemma_layers(layers, window, int(pattern), types)
-            scalar = hidden // heads if layers == GEMMA_27B_LAYERS[arch] else head_dim
-            extra["query_scale"] = _query_scale(scalar)
-            if arch == "gemma3":
-                extra["rope_local_theta"] = GEMMA3_LOCAL_THETA
-            for field_name, k in (("final_softcap", "final"), ("attn_softcap", "attn")):
-                cap = meta.get(f"{arch}.{k}_logit_softcapping")
-                extra[field_name] = None if cap is None else float(cap)
+    def _from_hf(cls, cfg: dict[str, Any], arch: str, name: str) -> ModelConfig:
+        hf = Fields(cfg, f"{name}: config.json" if name else "config.json")
+        hidden = hf("hidden_size", int, **_limits("hidden_size"))
+        heads = hf("num_attention_heads", int, **_limits("num_heads"))
+        window = None  # Qwen2's is read only where it is used (configs name one they do not)
+        if arch != "qwen2" or cfg.get("use_sliding_window", False):
+            window = hf("sliding_window", int, None, **_limits("sliding_window"))
+        extra = _hf_gemma(cfg, window, arch, hf) if arch in GEMMA_PATTERN else {}
+        window = None if extra else window  # Gemma: the window is its local layers'
+        theta = _hf_rope(cfg).get("rope_theta", 1e6 if arch == "gemma3" else 1e4)
+        context = hf("max_position_embeddings", int, 4096, **_limits("max_position_embeddings"))
         return cls(
             architecture=arch,
-            vocab_size=int(vocab),
+            vocab_size=hf("vocab_size", int, **_limits("vocab_size")),
             hidden_size=hidden,
-            intermediate_size=int(key("feed_forward_length")),
-            num_layers=layers,
+            intermediate_size=hf("intermediate_size", int, **_limits("intermediate_size")),
+            num_layers=hf("num_hidden_layers", int, **_limits("num_layers")),
             num_heads=heads,
-            num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads),
-            head_dim=head_dim,
-            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-            max_position_embeddings=int(key("context_length", 4096)),
-            tie_word_embeddings=False,  # decided by the loader from the tensor list
+            num_kv_heads=hf("num_key_value_heads", int, None, **_limits("num_kv_heads")) or heads,
+            head_dim=hf("head_dim", int, None, **_limits("head_dim")) or hidden // heads,
+            rms_norm_eps=hf("rms_norm_eps", float, 1e-6, lo=0.0),
+            rope_theta=value(theta, "rope_theta", float, 0.0, where=hf.where, open_low=True),
+            max_position_embeddings=context,
+            tie_word_embeddings=hf("tie_word_embeddings", bool, arch in GEMMA_PATTERN),
             qk_norm=arch in ("qwen3", "gemma3"),
-            rope_scaling=scaling,
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=_as_ids(meta.get("tokenizer.ggml.eos_token_id")),
+            sliding_window=window or None,
+            rope_scaling=_hf_rope_scaling(cfg, hf),
+            bos_token_id=hf("bos_token_id", int, None),
+            eos_token_ids=_as_ids(cfg.get("eos_token_id"), "eos_token_id", hf.where),
             name=name,
             **extra,
         )
+
+    @classmethod
+    def from_gguf(cls, meta: dict[str, Any], name: str = "") -> ModelConfig:
+        """Build from GGUF key/value metadata (`general.architecture` = llama/qwen2/qwen3/
+        mistral/gemma2/gemma3). Every value is checked for its type and range
+        (ModelLoadError naming the file, the key, what it holds and what was expected)."""
+        g = Fields(meta, name or "GGUF metadata")
+        arch = g("general.architecture", str, "")
+        _check_supported("GGUF architecture", arch, SUPPORTED_ARCHITECTURES)
+
+        def key(k: str, kind: type, default: Any = _REQUIRED, field_name: str = "") -> Any:
+            """`{arch}.k`, in its field's LIMITS (a float: above 0)."""
+            limits = _limits(field_name) if field_name else {"lo": 0.0} if kind is float else {}
+            return g(f"{arch}.{k}", kind, default, **limits)
+
+        hidden = key("embedding_length", int, field_name="hidden_size")
+        heads = key("attention.head_count", int, field_name="num_heads")
+        scaling = RopeScaling()
+        scaling_type = key("rope.scaling.type", str, None)
+        if scaling_type == "linear":
+            scaling = RopeScaling("linear", key("rope.scaling.factor", float))
+        elif scaling_type not in (None, "none"):
+            raise UnsupportedModelError(f"unsupported GGUF RoPE scaling {scaling_type!r}")
+        layers = key("block_count", int, field_name="num_layers")
+        head_dim = key("attention.key_length", int, None, "head_dim")
+        if head_dim is None:
+            derived = f"head_dim ({arch}.embedding_length / {arch}.attention.head_count)"
+            head_dim = value(hidden // heads, derived, int, *LIMITS["head_dim"], g.where)
+        rotated = key("rope.dimension_count", int, None)
+        if rotated is not None and rotated != head_dim:
+            raise UnsupportedModelError(f"{g.where}: {arch}.rope.dimension_count is {rotated}: "
+                                        f"kvlm rotates whole heads ({head_dim})")  # fmt: skip
+        gemma = _gguf_gemma(g, arch, layers, hidden, heads, head_dim)
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=_gguf_vocab(g, arch),
+            hidden_size=hidden,
+            intermediate_size=key("feed_forward_length", int, field_name="intermediate_size"),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=key("attention.head_count_kv", int, None, "num_kv_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=key("attention.layer_norm_rms_epsilon", float, 1e-5),
+            rope_theta=key("rope.freq_base", float, 10000.0),
+            max_position_embeddings=key("context_length", int, 4096, "max_position_embeddings"),
+            tie_word_embeddings=False,  # decided by the loader from the tensor list
+            qk_norm=arch in ("qwen3", "gemma3"),
+            rope_scaling=scaling,
+            bos_token_id=g("tokenizer.ggml.bos_token_id", int, None),
+            eos_token_ids=_as_ids(eos, "tokenizer.ggml.eos_token_id", g.where),
+            name=name,
+            **gemma,
+        )
+
+
+def value(
+    x: Any, key: str, kind: type, lo: float | None = None, hi: float | None = None,
+    where: str = "", open_low: bool = False,
+) -> Any:  # fmt: skip
+    """`x` if it is a `kind` (int: an integer, not a bool; float: a finite number, an
+    integer too, given as a float; str; bool) within [lo, hi] (lo excluded with
+    `open_low`), else a ModelLoadError naming `where` (the file), the key, what it holds
+    and what was expected."""
+    ok = isinstance(x, kind) and not (kind is int and isinstance(x, bool))
+    if kind is float and isinstance(x, int) and not isinstance(x, bool):
+        x, ok = float(x), True
+    if ok and kind is float and not math.isfinite(x):
+        ok = False
+    if ok and kind in (int, float):
+        ok = (lo is None or (x > lo if open_low else x >= lo)) and (hi is None or x <= hi)
+    if ok:
+        return x
+    what = {int: "an integer", float: "a finite number", str: "a string", bool: "a boolean"}
+    expected = what[kind]
+    if kind in (int, float) and (lo is not None or hi is not None):
+        low = "" if lo is None else f"{'above' if open_low else 'at least'} {lo:g}"
+        high = "" if hi is None else f"at most {hi:g}"
+        expected += " " + " and ".join(p for p in (low, high) if p)
+    prefix = f"{where}: " if where else ""
+    raise ModelLoadError(f"{prefix}{key} is {_shown(x)}; expected {expected}")
+
+
+def _is_str(x: Any) -> bool:
+    return isinstance(x, str)
+
+
+def _limits(field_name: str) -> dict[str, int]:
+    """A field's LIMITS as a reader's lo= and hi=."""
+    lo, hi = LIMITS[field_name]
+    return {"lo": lo, "hi": hi}
+
+
+def _shown(x: Any) -> str:
+    """A value as an error message shows it: its type where that is the fault, short."""
+    if isinstance(x, list):
+        return f"an array of {len(x)}"
+    if isinstance(x, str):
+        return f"a string {x[:40]!r}" + ("..." if len(x) > 40 else "")
+    if isinstance(x, bool):
+        return f"a boolean {x}"
+    if isinstance(x, dict):
+        return "an object"
+    return repr(x)
+
+
+class Fields:
+    """Typed values of a mapping (GGUF metadata, a config.json), each checked by `value`:
+    `fields(key, kind, default, lo=, hi=)` (no default: the key must be there; an int is
+    0 or more unless `lo` says otherwise; a float's `lo` is excluded); `where` names the
+    file in errors."""
+
+    def __init__(self, data: dict[str, Any], where: str) -> None:
+        self.data, self.where = data, where
+
+    def __call__(
+        self, key: str, kind: type, default: Any = _REQUIRED, lo: float | None = None,
+        hi: float | None = None,
+    ) -> Any:  # fmt: skip
+        x = self.data.get(key)
+        if x is None:
+            if default is _REQUIRED:
+                raise UnsupportedModelError(f"{self.where} lacks {key}")
+            return default
+        if kind is int and lo is None:
+            lo = 0
+        return value(x, key, kind, lo, hi, self.where, open_low=kind is float and lo is not None)
+
+
+def _gguf_vocab(g: Fields, arch: str) -> int:
+    """The vocabulary's size: `{arch}.vocab_size`, else the token list's length; never fewer
+    than the token list's tokens."""
+    tokens = g.data.get("tokenizer.ggml.tokens")
+    n = len(tokens) if isinstance(tokens, list) else 0
+    size = g(f"{arch}.vocab_size", int, None, **_limits("vocab_size"))
+    if size is None and not n:
+        raise ModelLoadError(f"{g.where} has no tokenizer.ggml.tokens")
+    if size is not None and size < n:
+        raise ModelLoadError(f"{g.where}: {arch}.vocab_size is {size}, fewer than the "
+                             f"{n} tokens of tokenizer.ggml.tokens")  # fmt: skip
+    return n if size is None else size
+
+
+def _gguf_gemma(
+    g: Fields, arch: str, layers: int, hidden: int, heads: int, head_dim: int
+) -> dict[str, Any]:
+    """Gemma's fields from its GGUF metadata (none for another architecture): the layer
+    pattern, the score scale, the local layers' RoPE base, the soft-caps."""
+    if arch not in GEMMA_PATTERN:
+        return {}
+    window = g(f"{arch}.attention.sliding_window", int, **_limits("sliding_window"))
+    # the file's own pattern where it has one: every n-th layer global, or a flag per layer
+    # (True: windowed); else llama.cpp's fixed one
+    pattern = g.data.get(f"{arch}.attention.sliding_window_pattern", GEMMA_PATTERN[arch])
+    types = None
+    if isinstance(pattern, list):
+        flags = [value(f, "a sliding_window_pattern entry", bool, where=g.where) for f in pattern]
+        types = ["sliding_attention" if f else "full_attention" for f in flags]
+        pattern = GEMMA_PATTERN[arch]
+    pattern = value(pattern, f"{arch}.attention.sliding_window_pattern", int, 1, where=g.where)
+    extra = _gemma_layers(layers, window, pattern, types)
+    scalar = hidden // heads if layers == GEMMA_27B_LAYERS[arch] else head_dim
+    extra["query_scale"] = _query_scale(scalar)
+    if arch == "gemma3":
+        extra["rope_local_theta"] = GEMMA3_LOCAL_THETA
+    for field_name, k in (("final_softcap", "final"), ("attn_softcap", "attn")):
+        extra[field_name] = g(f"{arch}.{k}_logit_softcapping", float, None, lo=0.0)
+    return extra
 
 
 def _text_part(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -246,12 +387,12 @@ def _check_supported(
         )
 
 
-def _as_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
+def _as_ids(ids: Any, key: str, where: str) -> tuple[int, ...]:
+    """A special token id, or a list of them, as a tuple (each an integer, 0 or more)."""
+    if ids is None:
         return ()
-    if isinstance(value, list | tuple):
-        return tuple(int(v) for v in value)
-    return (int(value),)
+    many = ids if isinstance(ids, list | tuple) else [ids]
+    return tuple(value(i, key, int, 0, where=where) for i in many)
 
 
 def _hf_rope(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -264,20 +405,21 @@ def _hf_rope(cfg: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def _hf_rope_scaling(cfg: dict[str, Any]) -> RopeScaling:
+def _hf_rope_scaling(cfg: dict[str, Any], hf: Fields) -> RopeScaling:
     params = _hf_rope(cfg)
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type == "default":
         return RopeScaling()
+    p = Fields(params, f"{hf.where} rope_scaling")
+    context = hf("max_position_embeddings", int, 8192)
     return RopeScaling(
-        rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
-        ),
-    )
+        rope_type=value(rope_type, "rope_type", str, where=hf.where),
+        factor=p("factor", float, 1.0, lo=0.0),
+        low_freq_factor=p("low_freq_factor", float, 1.0, lo=0.0),
+        high_freq_factor=p("high_freq_factor", float, 4.0, lo=0.0),
+        original_max_position_embeddings=p("original_max_position_embeddings", int, context,
+                                           lo=1, hi=LIMITS["max_position_embeddings"][1]),
+    )  # fmt: skip
 
 
 def _gemma_layers(
@@ -296,23 +438,27 @@ def _gemma_layers(
     return {"layer_windows": windows}
 
 
-def _hf_gemma(cfg: dict[str, Any], window: Any, arch: str) -> dict[str, Any]:
+def _hf_gemma(cfg: dict[str, Any], window: int | None, arch: str, hf: Fields) -> dict[str, Any]:
     """Gemma's fields from its HF text config: the layer pattern, Gemma 3's two RoPE bases
     (transformers 5's `rope_parameters` per layer type, or the Hub's `rope_theta`,
     `rope_local_base_freq` and `rope_scaling`), the score scale and the soft-caps."""
     if cfg.get("use_bidirectional_attention"):
         raise UnsupportedModelError("bidirectional attention (an embedding model) is not supported")
-    pattern = int(cfg.get("sliding_window_pattern", GEMMA_PATTERN[arch]))
-    layers = int(cfg["num_hidden_layers"])
-    extra = _gemma_layers(layers, int(window or 4096), pattern, cfg.get("layer_types"))
+    pattern = hf("sliding_window_pattern", int, GEMMA_PATTERN[arch], lo=1)
+    layers = hf("num_hidden_layers", int)
+    types = cfg.get("layer_types")
+    if types is not None and not (isinstance(types, list) and all(map(_is_str, types))):
+        raise ModelLoadError(f"{hf.where}: layer_types is {_shown(types)}; expected a list of "
+                             "layer type names")  # fmt: skip
+    extra = _gemma_layers(layers, window or 4096, pattern, types)
     if arch == "gemma3":
         local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
-        extra["rope_local_theta"] = float(
-            local.get("rope_theta", cfg.get("rope_local_base_freq", GEMMA3_LOCAL_THETA))
-        )
-    extra["query_scale"] = _query_scale(float(cfg.get("query_pre_attn_scalar", 256)))
+        theta = local.get("rope_theta", cfg.get("rope_local_base_freq", GEMMA3_LOCAL_THETA))
+        extra["rope_local_theta"] = value(theta, "rope_local_base_freq", float, 0.0,
+                                          where=hf.where, open_low=True)  # fmt: skip
+    extra["query_scale"] = _query_scale(hf("query_pre_attn_scalar", float, 256.0, lo=0.0))
     for field_name, k in (("final_softcap", "final"), ("attn_softcap", "attn")):
         # absent: transformers' defaults (Gemma 2: 30 and 50; Gemma 3: none)
-        cap = cfg.get(f"{k}_logit_softcapping", GEMMA2_SOFTCAPS[k] if arch == "gemma2" else None)
-        extra[field_name] = None if cap is None else float(cap)
+        default = GEMMA2_SOFTCAPS[k] if arch == "gemma2" else None
+        extra[field_name] = hf(f"{k}_logit_softcapping", float, default, lo=0.0)
     return extra

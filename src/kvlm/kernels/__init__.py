@@ -45,7 +45,7 @@ import torch  # loaded first, so the kernels share torch's OpenMP runtime
 
 SOURCE = Path(__file__).with_name("qgemm.c")
 HEADERS = (Path(__file__).with_name("v512.h"),)  # qgemm.c includes them (quoted: beside it)
-ABI = 20
+ABI = 21
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 120
 WORK_PREFIX, WORK_SUFFIX = ".qgemm-", ".tmp"  # a build's private directory in the cache
@@ -331,8 +331,9 @@ _SIGNATURES = {
     # q, H, T, D, qsh, qst, k, v, Hkv, S, ksh, kst, vsh, vst, mask, mst, causal, scale, out,
     # bf16
     "kvlm_attend": "piiiiippiiiiiipiidpi",
-    "kvlm_rms_norm": "piiipdpi",  # x, M, N, xs, w, eps, y, ys
-    "kvlm_qk_norm_rope": "piiiiippdppi",  # qkv, M, rs, nq, nk, D, qn, kn, eps, cos, sin, cs
+    "kvlm_rms_norm": "piiipidpi",  # x, M, N, xs, w, wn, eps, y, ys
+    # qkv, M, rs, nq, nk, D, qn, kn, nn, eps, cos, sin, cs
+    "kvlm_qk_norm_rope": "piiiiippidppi",
     "kvlm_decode_scratch": "pi",  # m, B
     # m, B, x, pos, cos, sin, views, n_views, scratch, logits
     "kvlm_decode_batch": "pipppppipp",

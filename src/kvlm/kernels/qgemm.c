@@ -146,7 +146,7 @@ static inline uint16_t to_f16(float f) {
 #endif
 }
 
-int kvlm_kernel_abi(void) { return 20; }
+int kvlm_kernel_abi(void) { return 21; }
 
 /* 512: AVX-512; 256: the same code on AVX2 (two halves per vector); 0: scalar loops */
 int kvlm_kernel_simd(void) { return KVLM_V512; }
@@ -1187,6 +1187,7 @@ typedef struct {
     int64_t kind;        /* Q8, Q4, Q40, Q50, Q51, Q4K, Q5K or Q6K */
     const uint8_t *data; /* packed (see the top of this file) */
     int64_t n;           /* its rows */
+    int64_t bytes;       /* data's bytes: checked against what n rows of k take */
 } kvlm_qpart;
 
 /* [n, k]: the rows of parts 0 .. parts - 1 stacked (q|k|v of a Q4_K_M file: Q4_K, Q4_K, Q6_K) */
@@ -2584,8 +2585,50 @@ static void pv_i8_rows(int ng, float *p, const kv_span *V, const kv_span *Vp, in
 
 static inline int64_t query_stride(int64_t D) { return (D + 63) / 64 * 64; } /* int8 bytes */
 
-/* floats of scratch a step of B rows needs */
+/* Bytes of a packed [n, k] weight of `kind` (quant.packed_bytes): blocks of BR rows */
+static inline int64_t packed_bytes(int kind, int64_t n, int64_t k) {
+    return (n + BR - 1) / BR * BR * (k / ggml_block_weights(kind) * ggml_block_bytes(kind));
+}
+
+/* Whether w is an [n, k] product of 1..QMAT_PARTS parts whose rows add up to n, each of a
+ * known kind, k whole blocks of it, and exactly the bytes n rows of k take */
+static int qmat_ok(const kvlm_qmat *w, int64_t n, int64_t k) {
+    if (w->n != n || w->k != k || n < 1 || k < 1 || w->parts < 1 || w->parts > QMAT_PARTS)
+        return 0;
+    int64_t rows = 0;
+    for (int64_t p = 0; p < w->parts; p++) {
+        const kvlm_qpart *P = w->part + p;
+        if (!known_kind(P->kind) || !P->data || P->n < 1) return 0;
+        if (k % ggml_block_weights((int)P->kind) || P->bytes != packed_bytes((int)P->kind, P->n, k))
+            return 0;
+        rows += P->n;
+    }
+    return rows == n;
+}
+
+/* The model's sizes in range (each far past a real model's, short of overflowing the
+ * scratch's size) and every product of the shape they give it: the step reads each
+ * weight, norm and buffer by these sizes, so a weight of another shape is refused here,
+ * not read past its end. 1 when so. */
+static int model_ok(const kvlm_qmodel *m) {
+    const int64_t H = m->hidden, D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
+    const int64_t I = m->inter;
+    if (m->n_layers < 1 || H < 1 || H > (1 << 22) || I < 1 || I > (1 << 22)) return 0;
+    if (D < 2 || D > MAX_HEAD_DIM || Hq < 1 || Hq > 4096 || Hkv < 1 || Hkv > Hq) return 0;
+    if (m->slots < 1 || m->slots > ((int64_t)1 << 26) || !m->layers || !m->final_norm) return 0;
+    for (int64_t l = 0; l < m->n_layers; l++) {
+        const kvlm_qlayer *L = m->layers + l;
+        if (!L->input_norm || !L->post_norm || !qmat_ok(&L->qkv, (Hq + 2 * Hkv) * D, H) ||
+            !qmat_ok(&L->o, H, Hq * D) || !qmat_ok(&L->gate_up, 2 * I, H) || !qmat_ok(&L->down, H, I))
+            return 0;
+    }
+    return qmat_ok(&m->lm_head, m->lm_head.n, H);
+}
+
+/* floats of scratch a step of B rows needs; -2 when the model or B is out of range
+ * (model_ok) */
 int64_t kvlm_decode_scratch(const kvlm_qmodel *m, int64_t B) {
+    if (B < 1 || B > MAX_BATCH || !model_ok(m)) return -2;
     const int64_t D = m->head_dim, Hq = m->n_heads;
     const int64_t row = 2 * m->hidden + (Hq + 2 * m->n_kv_heads) * D + Hq * D + 3 * m->inter +
                         Hq * m->slots + Hq * MAX_CHUNKS * (D + 2) + Hq * (query_stride(D) / 4 + 2) +
@@ -2914,8 +2957,9 @@ static void add_residual(float *x, float *y, const float *w, int64_t B, int64_t 
  *       then (Gemma 3) the local layers' (kvlm_qlayer.rope picks);
  *   views [n_views]: where the layers' K/V are (kvlm_kv_view; kvlm_qlayer.view, index);
  *   scratch: kvlm_decode_scratch(m, B) floats; logits [B, vocab] out.
- * Returns 0; -2 when an argument is out of range (a position past the slots or a table, a
- * block id past its pool, a ring shorter than a layer's window: nothing is written); -1
+ * Returns 0; -2 when an argument is out of range (a weight not of the shape the model's
+ * sizes give it, a position past the slots or a table, a block id past its pool, a ring
+ * shorter than a layer's window: nothing is written); -1
  * when a product found no scratch memory. */
 /* kvlm_qmodel.act_int8, act_int16 */
 enum { ACT_QKV = 1, ACT_O = 2, ACT_GATE_UP = 4, ACT_DOWN = 8, ACT_HEAD = 16 };
@@ -2930,7 +2974,7 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *
                       int64_t n_views, float *scratch, float *logits) {
     const int64_t H = m->hidden, D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
     const int64_t I = m->inter;
-    if (B < 1 || B > MAX_BATCH || n_views < 1 || Hkv < 1 || Hq % Hkv != 0) return -2;
+    if (B < 1 || B > MAX_BATCH || n_views < 1 || !model_ok(m) || Hq % Hkv != 0) return -2;
     if (Hq / Hkv > 8 || D > MAX_HEAD_DIM || D % 2) return -2; /* the attention's buffers */
     if (m->window < 0 || m->k_dtype < KV_F32 || m->k_dtype > KV_Q4) return -2;
     if (m->v_dtype < KV_F32 || m->v_dtype > KV_Q4) return -2;
@@ -3002,10 +3046,11 @@ static void rms_norm_row(const float *x, const float *w, int64_t n, float eps, f
     for (; i < n; i++) y[i] = x[i] * r * w[i];
 }
 
-/* y [M, N] (row stride ys) = RMSNorm of x [M, N] (row stride xs) by w; y may be x. */
+/* y [M, N] (row stride ys) = RMSNorm of x [M, N] (row stride xs) by w (wn floats: -2
+ * unless N); y may be x. */
 int kvlm_rms_norm(const float *x, int64_t M, int64_t N, int64_t xs, const float *w,
-                  double eps, float *y, int64_t ys) {
-    if (M < 0 || N < 1) return -2;
+                  int64_t wn, double eps, float *y, int64_t ys) {
+    if (M < 0 || N < 1 || wn != N) return -2; /* w: wn floats, one per column */
 #pragma omp parallel for schedule(static) if (M * N > 65536)
     for (int64_t m = 0; m < M; m++) rms_norm_row(x + m * xs, w, N, (float)eps, y + m * ys);
     return 0;
@@ -3043,9 +3088,10 @@ static void rope_row(float *v, const float *cos, const float *sin, int64_t d) {
  * for key heads; none when qn is NULL, Qwen3's before RoPE), then RoPE at the row's cos
  * and sin (row stride cs; none when cos is NULL). A row's result is its own. */
 int kvlm_qk_norm_rope(float *qkv, int64_t M, int64_t rs, int64_t nq, int64_t nk, int64_t D,
-                      const float *qn, const float *kn, double eps, const float *cos,
+                      const float *qn, const float *kn, int64_t nn, double eps, const float *cos,
                       const float *sin, int64_t cs) {
     if (M < 0 || nq < 0 || nk < 0 || D < 2 || D % 2 || (qn && !kn) || (cos && !sin)) return -2;
+    if (qn && nn != D) return -2; /* qn, kn: nn floats each, one per element of a head */
 #pragma omp parallel for schedule(static) if (M * (nq + nk) * D > 65536)
     for (int64_t m = 0; m < M; m++)
         for (int64_t j = 0; j < nq + nk; j++) {

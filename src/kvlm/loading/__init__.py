@@ -58,7 +58,7 @@ def load_model(model: str | Path | None = None) -> LoadedModel:
     if not is_gguf_file(path):
         raise ModelLoadError(f"{path} is neither a GGUF file nor a Hugging Face model folder")
     gguf = GGUFWeights(path)
-    tokenizer = tokenizer_from_gguf(gguf.metadata)
+    tokenizer = tokenizer_from_gguf(gguf.metadata, path.name)
     return LoadedModel(path, "gguf", gguf.config, gguf, tokenizer, gguf.quant_types)
 
 

@@ -22,6 +22,7 @@ import torch
 from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 from kvlm.loading.gguf_file import GGUFFile, GGUFTensor
+from kvlm.loading.shapes import check_shapes
 from kvlm.model.quant import GGML_KINDS, Blocks, QuantWeight
 from kvlm.model.weights import fingerprint_of
 
@@ -90,6 +91,21 @@ def hf_name(gguf_name: str, gemma: bool = False) -> str | None:
     return None
 
 
+def gguf_name(name: str, gemma: bool = False) -> str:
+    """The inverse of `hf_name`: `model.layers.3.self_attn.q_proj.weight` ->
+    `blk.3.attn_q.weight` (the name itself where it has no GGUF name)."""
+    stem, _, suffix = name.rpartition(".")
+    for ours, theirs in _GLOBAL_NAMES.items():
+        if stem == theirs:
+            return f"{ours}.{suffix}"
+    parts = stem.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"]:
+        for ours, theirs in (_GEMMA_NAMES if gemma else _LAYER_NAMES).items():
+            if parts[3] == theirs:
+                return f"blk.{parts[2]}.{ours}.{suffix}"
+    return name
+
+
 class GGUFWeights:
     """A `WeightSource` over one GGUF file."""
 
@@ -116,9 +132,13 @@ class GGUFWeights:
                 )
             self._tensors[name] = t
         self.quant_types = sorted({t.tensor_type.name for t in self._tensors.values()})
+        check_shapes(self, self.config, path.name, lambda n: gguf_name(n, cfg.gemma))
 
     def names(self) -> list[str]:
         return list(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(self._tensors[name].shape))  # ne0 last
 
     def files(self) -> list[Path]:
         return [self.path]
@@ -140,7 +160,7 @@ class GGUFWeights:
 
     def get(self, name: str) -> torch.Tensor:
         t = self._tensors[name]
-        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne0 (innermost) first
+        shape = self.shape(name)
         try:
             if t.tensor_type in FLOAT_TYPES:
                 # np.array copies out of the read-only mmap; BF16 travels as int16 bits.

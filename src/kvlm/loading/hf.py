@@ -11,8 +11,12 @@ import torch
 from safetensors import safe_open
 
 from kvlm.config import ModelConfig
-from kvlm.errors import ModelLoadError
+from kvlm.errors import ModelLoadError, UnsupportedModelError
+from kvlm.loading.shapes import check_shapes
 from kvlm.model.weights import fingerprint_of
+
+# the safetensors dtypes kvlm reads (as safetensors names them)
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -46,9 +50,17 @@ class SafetensorsWeights:
                 name = text_model_name(stored)
                 self._where[name], self._stored[name] = handle, stored
         self.dtypes = sorted({str(self.stored_as(n)[1]) for n in self._where})
+        for name in check_shapes(self, self.config, folder.name):
+            stored, dtype = self.stored_as(name)
+            if dtype not in FLOAT_DTYPES:
+                raise UnsupportedModelError(f"{folder.name}: tensor {stored} is {dtype}; kvlm "
+                                            f"reads {', '.join(FLOAT_DTYPES)}")  # fmt: skip
 
     def names(self) -> list[str]:
         return list(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name].get_slice(self._stored[name]).get_shape())
 
     def files(self) -> list[Path]:
         return self._files

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import re
@@ -29,6 +30,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
+from kvlm.config import LIMITS, Fields
 from kvlm.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
 from kvlm.loading.chat_template import BoundedSandbox, TemplateLimitError, TemplateLimits
 from kvlm.loading.hf import read_json
@@ -260,61 +262,114 @@ def _raise_template_error(message: str) -> None:
 # ----------------------------------------------------------------------------- GGUF
 
 
-def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
-    """Build the tokenizer described by GGUF metadata (`tokenizer.ggml.*`)."""
-    kind = meta.get("tokenizer.ggml.model")
-    tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
+# Bounds on a GGUF vocabulary: its tokens (the model's vocabulary's limit), the characters
+# of one token (the longest of the default model's is 81), and the work of finding a
+# SentencePiece vocabulary's merges (`_merges_from_scores`: up to n - 1 splits of a piece
+# of n characters, each slicing and hashing its n characters; a 262k-token vocabulary of
+# pieces of ~7 characters takes ~2M splits of ~15M characters)
+MAX_TOKENS = LIMITS["vocab_size"][1]
+MAX_TOKEN_CHARS = 1024
+MAX_SPLITS = 1 << 22
+MAX_SPLIT_CHARS = 1 << 26
+
+
+def tokenizer_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> Tokenizer:
+    """Build the tokenizer described by GGUF metadata (`tokenizer.ggml.*`), every value
+    checked for its type and range first (ModelLoadError naming `where`, the file)."""
+    f = Fields(meta, where)
+    kind = f("tokenizer.ggml.model", str, None)
+    tokens = _strings(f, "tokenizer.ggml.tokens")
     if not tokens:
-        raise UnsupportedModelError("GGUF file has no tokenizer.ggml.tokens")
-    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        raise UnsupportedModelError(f"{where} has no tokenizer.ggml.tokens")
+    n, last = len(tokens), len(tokens) - 1
+    types = _numbers(f, "tokenizer.ggml.token_type", int, n) or [1] * n
     if kind == "gpt2":
-        backend = _gguf_bpe(meta, tokens)
+        backend = _gguf_bpe(f, tokens)
     elif kind == "llama":
-        backend = _gguf_sentencepiece(meta, tokens, types)
+        backend = _gguf_sentencepiece(f, tokens, types)
     else:
         raise UnsupportedModelError(
             f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)"
         )
     specials = [
         AddedToken(tok, special=t == _TOKEN_CONTROL, normalized=False)
-        for tok, t in zip(tokens, types, strict=False)
-        if t in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)
+        for tok, t in zip(tokens, types, strict=True)
+        if t in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED) and tok
     ]
     backend.add_special_tokens([t for t in specials if t.special])
     backend.add_tokens([t for t in specials if not t.special])
-
-    def token(key: str) -> str | None:
-        idx = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
-
-    bos, eos = token("bos"), token("eos")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+    ids = {k: f(f"tokenizer.ggml.{k}_token_id", int, None, hi=last) for k in _SPECIAL_IDS}
+    bos, eos = (None if ids[k] is None else tokens[ids[k]] for k in ("bos", "eos"))
+    add_bos = f("tokenizer.ggml.add_bos_token", bool, kind == "llama")
     if add_bos and bos is not None:
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))]
         )
     # End-of-turn tokens (Llama 3's <|eot_id|>, <|eom_id|>) also end a generation.
-    extra = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+    extra = [ids[k] for k in ("eot", "eom") if ids[k] is not None]
     return Tokenizer(
         backend,
         bos_token=bos,
         eos_token=eos,
-        chat_template=meta.get("tokenizer.chat_template"),
-        extra_eos_ids=[int(i) for i in extra if i is not None],
+        chat_template=f("tokenizer.chat_template", str, None),
+        extra_eos_ids=extra,
     )
 
 
-def _gguf_bpe(meta: dict[str, Any], tokens: list[str]) -> _HFTokenizer:
-    pre = str(meta.get("tokenizer.ggml.pre", "default"))
+# the special tokens whose ids a GGUF file may name (tokenizer.ggml.<name>_token_id)
+_SPECIAL_IDS = ("bos", "eos", "unknown", "padding", "eot", "eom")
+
+
+def _strings(f: Fields, key: str) -> list[str]:
+    """A list of strings, each at most MAX_TOKEN_CHARS, at most MAX_TOKENS of them ([]
+    where absent)."""
+    items = f.data.get(key)
+    if items is None:
+        return []
+    if not isinstance(items, list) or not all(isinstance(t, str) for t in items):
+        raise ModelLoadError(f"{f.where}: {key} is not a list of strings")
+    if len(items) > MAX_TOKENS:
+        raise ModelLoadError(f"{f.where}: {key} has {len(items)} entries; at most {MAX_TOKENS}")
+    longest = max(map(len, items), default=0)
+    if longest > MAX_TOKEN_CHARS:
+        at = next(i for i, t in enumerate(items) if len(t) == longest)
+        raise ModelLoadError(f"{f.where}: entry {at} of {key} is {longest} characters long; "
+                             f"at most {MAX_TOKEN_CHARS}")  # fmt: skip
+    return items
+
+
+def _numbers(f: Fields, key: str, kind: type, n: int) -> list | None:
+    """A list of n numbers of `kind` (int, or float: not NaN), None where absent."""
+    items = f.data.get(key)
+    if items is None:
+        return None
+    number = (int,) if kind is int else (int, float)
+    if not isinstance(items, list) or not all(
+        isinstance(x, number) and not isinstance(x, bool) and x == x for x in items
+    ):
+        raise ModelLoadError(f"{f.where}: {key} is not a list of {kind.__name__}s")
+    if len(items) != n:
+        raise ModelLoadError(f"{f.where}: {key} has {len(items)} entries for {n} tokens")
+    return items
+
+
+def _gguf_bpe(f: Fields, tokens: list[str]) -> _HFTokenizer:
+    pre = f("tokenizer.ggml.pre", str, "default")
     regexes = PRE_TOKENIZER_REGEXES.get(pre)
     if regexes is None:
         raise UnsupportedModelError(
             f"unsupported GGUF pre-tokenizer {pre!r} "
             f"(supported: {', '.join(PRE_TOKENIZER_REGEXES)})"
         )
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    backend = _HFTokenizer(models.BPE(vocab, merges, ignore_merges=pre in _IGNORE_MERGES))
+    merges = []
+    for i, m in enumerate(_strings(f, "tokenizer.ggml.merges")):
+        pair = tuple(m.split(" ", 1))
+        if len(pair) != 2 or not all(t in vocab for t in (*pair, "".join(pair))):
+            raise ModelLoadError(f"{f.where}: merge {i} of tokenizer.ggml.merges, {m!r}, is "
+                                 "not two tokens of the vocabulary that make a third")  # fmt: skip
+        merges.append(pair)
+    backend = _HFTokenizer(_bpe(f, vocab, merges, ignore_merges=pre in _IGNORE_MERGES))
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
@@ -323,26 +378,26 @@ def _gguf_bpe(meta: dict[str, Any], tokens: list[str]) -> _HFTokenizer:
     return backend
 
 
-def _gguf_sentencepiece(meta: dict[str, Any], tokens: list[str], types: list[int]) -> _HFTokenizer:
-    scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
-    if meta.get("general.architecture") in GEMMA_VOCABULARIES:
+def _gguf_sentencepiece(f: Fields, tokens: list[str], types: list[int]) -> _HFTokenizer:
+    scores = _numbers(f, "tokenizer.ggml.scores", float, len(tokens)) or [0.0] * len(tokens)
+    if f.data.get("general.architecture") in GEMMA_VOCABULARIES:
         # Gemma's files (as transformers reads them): a run of spaces is a token spelled in
         # spaces, looked up as "▁"s; and the merge order is the vocabulary's order, not the
         # stored scores
         tokens = ["▁" * len(t) if t and not t.strip(" ") else t for t in tokens]
         scores = [-float(i) for i in range(len(tokens))]
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    unk_id = int(meta.get("tokenizer.ggml.unknown_token_id", 0))
+    unk_id = f("tokenizer.ggml.unknown_token_id", int, 0, hi=len(tokens) - 1)
     mergeable = {
         tok: score
-        for tok, score, t in zip(tokens, scores, types, strict=False)
+        for tok, score, t in zip(tokens, scores, types, strict=True)
         if t not in (_TOKEN_CONTROL, _TOKEN_BYTE)
     }
-    merges = _merges_from_scores(vocab, mergeable)
-    bpe = models.BPE(vocab, merges, unk_token=tokens[unk_id], fuse_unk=True, byte_fallback=True)
+    merges = _merges_from_scores(vocab, mergeable, f.where)
+    bpe = _bpe(f, vocab, merges, unk_token=tokens[unk_id], fuse_unk=True, byte_fallback=True)
     backend = _HFTokenizer(bpe)
     # the space SentencePiece puts before the text, and takes off again when decoding
-    prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+    prefix = f("tokenizer.ggml.add_space_prefix", bool, True)
     prepend = [normalizers.Prepend("▁")] if prefix else []
     backend.normalizer = normalizers.Sequence([*prepend, normalizers.Replace(" ", "▁")])
     strip = [decoders.Strip(" ", 1, 0)] if prefix else []
@@ -352,16 +407,42 @@ def _gguf_sentencepiece(meta: dict[str, Any], tokens: list[str], types: list[int
     return backend
 
 
-def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+def _bpe(
+    f: Fields, vocab: dict[str, int], merges: list[tuple[str, str]], **options: Any
+) -> models.BPE:
+    """tokenizers' BPE model; what it refuses (it raises a bare Exception) a ModelLoadError."""
+    try:
+        return models.BPE(vocab, merges, **options)
+    except Exception as exc:
+        raise ModelLoadError(f"{f.where}: the vocabulary is not a BPE model: {exc}") from exc
+
+
+def _merges_from_scores(
+    vocab: dict[str, int], scores: dict[str, float], where: str = "GGUF metadata"
+) -> list[tuple[str, str]]:
     """SentencePiece BPE stores no merges: a piece is formed by merging any split of it into
-    two known pieces, and a higher piece score means an earlier merge."""
+    two known pieces, and a higher piece score means an earlier merge. Only the cuts whose
+    left part has the length of some token are tried: at most MAX_SPLITS of them, of at
+    most MAX_SPLIT_CHARS characters in all (a ModelLoadError before any is tried)."""
+    lengths = sorted({len(t) for t in vocab})
+    cuts = [(bisect.bisect_left(lengths, len(piece)), len(piece)) for piece in scores]
+    splits, chars = sum(k for k, _ in cuts), sum(k * n for k, n in cuts)
+    if splits > MAX_SPLITS or chars > MAX_SPLIT_CHARS:
+        raise ModelLoadError(f"{where}: the SentencePiece vocabulary's merges would take "
+                             f"{splits} splits of {chars} characters; at most {MAX_SPLITS} of "
+                             f"{MAX_SPLIT_CHARS}")  # fmt: skip
     ranked = sorted(
         (-score, len(left), len(right), vocab[left], vocab[right], left, right)
         for piece, score in scores.items()
-        for left, right in ((piece[:cut], piece[cut:]) for cut in range(1, len(piece)))
+        for left, right in ((piece[:cut], piece[cut:]) for cut in _cuts(lengths, len(piece)))
         if left in vocab and right in vocab
     )
     return [(left, right) for *_, left, right in ranked]
+
+
+def _cuts(lengths: list[int], n: int) -> list[int]:
+    """The token lengths below n: where a piece of n characters may split."""
+    return lengths[: bisect.bisect_left(lengths, n)]
 
 
 # ----------------------------------------------------------------------------- HF folders
@@ -378,12 +459,16 @@ def tokenizer_from_hf_folder(folder: Path, eos_token_ids: Sequence[int] = ()) ->
     config_path = folder / "tokenizer_config.json"
     cfg = read_json(config_path) if config_path.is_file() else {}
     template = cfg.get("chat_template")
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+    if isinstance(template, list) and all(isinstance(t, dict) for t in template):
+        # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template}
         template = named.get("default") or next(iter(named.values()), None)
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
         template = jinja_file.read_text(encoding="utf-8")
+    if template is not None and not isinstance(template, str):
+        raise ModelLoadError(f"{config_path}: chat_template is {type(template).__name__}; "
+                             "expected a string (a Jinja template)")  # fmt: skip
     return Tokenizer(
         backend,
         bos_token=_token_text(cfg.get("bos_token")),

@@ -140,13 +140,16 @@ class Attention(nn.Module):
             qn, kn = self.q_norm.c_weight(), self.k_norm.c_weight()
             if qn is None or kn is None or self.q_norm.eps != self.k_norm.eps:
                 return False
+            if qn.numel() != kn.numel():  # the kernel takes one length for both
+                return False
         lib = kernels.library()
         if lib is None or qkv.numel() == 0:
             return False
         rc = lib.kvlm_qk_norm_rope(
             qkv.data_ptr(), B * T, heads * D, self.num_heads, self.num_kv_heads, D,
             None if qn is None else qn.data_ptr(), None if kn is None else kn.data_ptr(),
-            0.0 if qn is None else self.q_norm.eps, cos.data_ptr(), sin.data_ptr(), D,
+            0 if qn is None else qn.numel(), 0.0 if qn is None else self.q_norm.eps,
+            cos.data_ptr(), sin.data_ptr(), D,
         )  # fmt: skip
         return rc == 0
 

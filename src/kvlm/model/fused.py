@@ -87,7 +87,11 @@ def _fields(ctype, names: str) -> list[tuple[str, type]]:
 
 # kvlm_qpart, kvlm_qmat, kvlm_qlayer and kvlm_qmodel in qgemm.c
 class _QPart(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int64), ("data", ctypes.c_void_p), ("n", ctypes.c_int64)]
+    _fields_ = [
+        ("kind", ctypes.c_int64),
+        ("data", ctypes.c_void_p),
+        *_fields(ctypes.c_int64, "n bytes"),
+    ]
 
 
 class _QMat(ctypes.Structure):
@@ -174,7 +178,8 @@ def block_products(block: Block) -> tuple[Linear, Linear, Linear, Linear]:
 
 def _qmat(lin: Linear) -> _QMat:
     q = lin.quant
-    parts = [_QPart(KIND_CODES[p.kind], p.data.data_ptr(), p.out_features) for p in q.parts()]
+    parts = [_QPart(KIND_CODES[p.kind], p.data.data_ptr(), p.out_features, p.data.nbytes)
+             for p in q.parts()]  # fmt: skip
     if len(parts) > QMAT_PARTS:
         raise ValueError(f"a projection of {len(parts)} parts of different kinds")
     return _QMat(q.out_features, q.in_features, len(parts), (_QPart * QMAT_PARTS)(*parts))
@@ -260,7 +265,7 @@ class FusedDecoder:
         self._placed: tuple | None = None  # the layers' (view, index) last set
         shape = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                  c.intermediate_size)  # fmt: skip
-        head = (model.norm.weight.data_ptr(), _qmat(model.lm_head))  # final_norm, lm_head
+        head = (_ptr(model.norm.weight, c.hidden_size), _qmat(model.lm_head))  # final_norm, lm_head
         self.spec = _QModel(*shape, slots, c.rms_norm_eps, layers, *head)
         self.spec.gelu = _ACTS[model.layers[0].mlp.act]
         q_scale = model.layers[0].attn.q_scale  # Gemma 2 (no q norm to fold it into)
@@ -270,6 +275,8 @@ class FusedDecoder:
         self.final_softcap = c.final_softcap
         self.scratch = torch.empty(0, dtype=torch.float32)
         self.vocab = model.lm_head.out_features
+        if self.lib.kvlm_decode_scratch(ctypes.byref(self.spec), 1) < 0:
+            raise ValueError("the fused decode step refused the model's sizes or weights' shapes")
 
     @staticmethod
     def _rope_tables(model: Transformer, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,11 +289,11 @@ class FusedDecoder:
 
     def _layer(self, block: Block, i: int) -> _QLayer:
         attn, d = block.attn, self.model.config.head_dim
-        norms = (block.input_norm.weight.data_ptr(), block.post_norm.weight.data_ptr())
+        hidden = self.model.config.hidden_size
+        norms = (_ptr(block.input_norm.weight, hidden), _ptr(block.post_norm.weight, hidden))
         mats = [_qmat(lin) for lin in block_products(block)]
         biases = [_ptr(lin.bias, lin.out_features) for lin in (attn.qkv, attn.o_proj)]
         qk = [_ptr(None if n is None else n.weight, d) for n in (attn.q_norm, attn.k_norm)]
-        hidden = self.model.config.hidden_size
         outs = [_ptr(None if n is None else n.weight, hidden)
                 for n in (block.attn_out_norm, block.mlp_out_norm)]  # fmt: skip
         windows = self.model.config.layer_windows
@@ -417,6 +424,8 @@ class FusedDecoder:
         pos = torch.tensor(starts, dtype=torch.int64)
         logits = torch.empty(rows, self.vocab, dtype=torch.float32)
         need = self.lib.kvlm_decode_scratch(ctypes.byref(self.spec), rows)
+        if need < 0:
+            raise ValueError(f"the fused decode step refused a step of {rows} rows")
         if self.scratch.numel() < need:  # grows to the largest batch seen, then stays
             self.scratch = torch.empty(need, dtype=torch.float32)
         self._set_storage(views[0].store, window)

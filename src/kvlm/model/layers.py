@@ -272,7 +272,8 @@ class RMSNorm(nn.Module):
             # the rows, ~5% of a 512-token prefill)
             n, y = x.shape[-1], torch.empty_like(x)
             lib = kernels.library()
-            args = (x.numel() // n, n, n, self.weight.data_ptr(), self.eps, y.data_ptr(), n)
+            w = self.weight
+            args = (x.numel() // n, n, n, w.data_ptr(), w.numel(), self.eps, y.data_ptr(), n)
             if x.numel() and lib.kvlm_rms_norm(x.data_ptr(), *args) == 0:
                 return y
         # fp32/fp64; or one fused kernel on a GPU (fp32 inside, one rounding at the end),

@@ -108,6 +108,9 @@ class Transformer(nn.Module):
             # Tied: read embeddings out of lm_head's weight unless it is packed.
             self._embed_table = embed if not tied or self.lm_head.rows() is None else None
             freq_factors = loader.take_raw("rope_freqs.weight")
+            if freq_factors is not None and not bool((freq_factors.float() > 0).all()):
+                raise ModelLoadError("rope_freqs.weight holds a factor that is not a positive "
+                                     "number (RoPE frequencies are divided by them)")  # fmt: skip
             weights.release()  # the vocabulary table's pages
         self.rope = RotaryEmbedding(config, self.device, freq_factors)
         # Gemma 3: the layers with a window turn at their own base, unscaled

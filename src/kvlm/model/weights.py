@@ -25,6 +25,10 @@ class WeightSource(Protocol):
 
     def names(self) -> list[str]: ...
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, [out, in] for a projection, without reading it."""
+        ...
+
     def get(self, name: str) -> torch.Tensor: ...
 
     def fingerprint(self) -> str:

@@ -1,0 +1,95 @@
+"""The shape the config gives every tensor the model reads, checked at load for every
+source (a GGUF file, a folder of safetensors) before any tensor is read.
+
+The model's buffers (the C decode step's scratch, the cache, RoPE tables) are sized from
+the config, and its kernels read a weight by the config's sizes: a tensor of another shape
+would be read past its end or written into a buffer too small. So every tensor the model
+uses must have exactly the shape the config implies, and every tensor it needs must be
+there; a file that breaks either ends in one ModelLoadError naming the file, the tensor,
+its shape and the one expected. Tensors the model does not read (another layer count's,
+a vision tower's) are left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvlm.config import ModelConfig
+from kvlm.errors import ModelLoadError
+from kvlm.model.weights import WeightSource
+
+Shape = tuple[int, ...]
+
+
+def expected_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
+    """Hugging Face name -> (its shape, [out, in] for a projection; the sizes that give
+    it) for every tensor the model may read."""
+    h, v, i, d = c.hidden_size, c.vocab_size, c.intermediate_size, c.head_dim
+    q, kv = c.num_heads * d, c.num_kv_heads * d
+    hs, qs, kvs = f"hidden_size {h}", f"num_heads {c.num_heads} x head_dim {d}", (
+        f"num_kv_heads {c.num_kv_heads} x head_dim {d}")  # fmt: skip
+    inter = f"intermediate_size {i}"
+    out: dict[str, tuple[Shape, str]] = {
+        "model.embed_tokens.weight": ((v, h), f"vocab_size {v}, {hs}"),
+        "lm_head.weight": ((v, h), f"vocab_size {v}, {hs}"),
+        "model.norm.weight": ((h,), hs),
+        "rope_freqs.weight": ((d // 2,), f"head_dim {d} / 2"),
+    }
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if c.gemma:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    for layer in range(c.num_layers):
+        p = f"model.layers.{layer}"
+        out |= {f"{p}.{n}.weight": ((h,), hs) for n in norms}
+        for name, rows, cols, why in (
+            ("self_attn.q_proj", q, h, f"{qs}, {hs}"),
+            ("self_attn.k_proj", kv, h, f"{kvs}, {hs}"),
+            ("self_attn.v_proj", kv, h, f"{kvs}, {hs}"),
+            ("self_attn.o_proj", h, q, f"{hs}, {qs}"),
+            ("mlp.gate_proj", i, h, f"{inter}, {hs}"),
+            ("mlp.up_proj", i, h, f"{inter}, {hs}"),
+            ("mlp.down_proj", h, i, f"{hs}, {inter}"),
+        ):
+            out[f"{p}.{name}.weight"] = ((rows, cols), why)
+            out[f"{p}.{name}.bias"] = ((rows,), why.split(", ")[0])
+        for n in ("q_norm", "k_norm"):
+            out[f"{p}.self_attn.{n}.weight"] = ((d,), f"head_dim {d}")
+    return out
+
+
+def required(c: ModelConfig) -> list[str]:
+    """The tensors every model of this config needs (not lm_head: without one the
+    embeddings are tied; nor biases or the RoPE factors)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    parts = ["input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
+             "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj"]  # fmt: skip
+    if c.gemma:
+        parts += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    if c.qk_norm:
+        parts += ["self_attn.q_norm", "self_attn.k_norm"]
+    for layer in range(c.num_layers):
+        names += [f"model.layers.{layer}.{part}.weight" for part in parts]
+    return names
+
+
+def check_shapes(
+    weights: WeightSource, c: ModelConfig, where: str, file_name: Callable[[str], str] = str
+) -> list[str]:
+    """ModelLoadError unless every tensor of `weights` the model reads has the shape `c`
+    gives it and every one it needs is there (`where`: the file, and `file_name`: a
+    tensor's name there, for the message); the names of the tensors the model reads."""
+    have = set(weights.names())
+    for name in required(c):
+        if name not in have:
+            raise ModelLoadError(f"{where}: no tensor {file_name(name)} (the model has "
+                                 f"{c.num_layers} layers)")  # fmt: skip
+    shapes = expected_shapes(c)
+    used = [n for n in weights.names() if n in shapes]
+    for name in used:
+        got, (want, why) = tuple(weights.shape(name)), shapes[name]
+        if got != want:
+            stored = weights.stored_as(name)[0]
+            raise ModelLoadError(f"{where}: tensor {stored} has shape {got}, where the "
+                                 f"config's sizes give {want} ({why})")  # fmt: skip
+    return used

@@ -1,0 +1,312 @@
+"""Hostile model files: each ends in one clear line (a ModelLoadError), never a signal, a
+traceback, a hang or a run on garbage.
+
+Every file is the tiny valid model of tests/gguf_hostile.py with edits: the findings of
+issue [18] section 4 by name (`FINDINGS`), then a seeded fuzzer over the metadata, the
+tensor table and the header's bytes. Files load in a child process (`Child`), so that a
+signal or a hang is a failed test, not a dead test run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGUFValueType as V
+
+from gguf_hostile import ARCH, Child, Spec, flip_header, mutate, tiny, write, write_hf
+
+Edit = Callable[[Spec], None]
+
+
+def key(name: str, value, vtype: V = V.UINT32, sub: V | None = None) -> Edit:
+    """Set metadata `name` (an architecture key when it has no dot prefix of its own)."""
+    full = name if name.startswith(("tokenizer.", "general.")) else f"{ARCH}.{name}"
+    return lambda s: s.set(full, value, vtype, sub)
+
+
+def dims(name: str, *shape: int) -> Edit:
+    """Give tensor `name` this shape (numpy order: rows first), random values."""
+
+    def edit(s: Spec) -> None:
+        values = np.random.default_rng(0).normal(0, 0.2, shape).astype(np.float32)
+        s.tensors[name] = (values, s.tensors[name][1])
+
+    return edit
+
+
+def long_token(n: int) -> Edit:
+    def edit(s: Spec) -> None:
+        tokens = list(s.meta["tokenizer.ggml.tokens"][0])
+        tokens[-1] = "ab" * (n // 2)
+        s.set("tokenizer.ggml.tokens", tokens, V.ARRAY, V.STRING)
+
+    return edit
+
+
+def pieces(more: Iterable[str]) -> Edit:
+    """Append SentencePiece pieces (normal tokens, score 0) to the vocabulary, and rows to
+    the embedding and the output for them."""
+    more = list(more)
+
+    def edit(s: Spec) -> None:
+        for k, extra in (("tokens", more), ("token_type", [1] * len(more)),
+                         ("scores", [0.0] * len(more))):  # fmt: skip
+            values, vtype, sub = s.meta[f"tokenizer.ggml.{k}"]
+            s.set(f"tokenizer.ggml.{k}", [*values, *extra], vtype, sub)
+        for name in ("token_embd.weight", "output.weight"):
+            rows = len(s.meta["tokenizer.ggml.tokens"][0])
+            dims(name, rows, s.tensors[name][0].shape[1])(s)
+
+    return edit
+
+
+def edits(*each: Edit) -> Edit:
+    def edit(s: Spec) -> None:
+        for e in each:
+            e(s)
+
+    return edit
+
+
+N_TOKENS = len(tiny().meta["tokenizer.ggml.tokens"][0])
+FFN_4096 = edits(
+    *(dims(f"blk.{i}.ffn_{p}.weight", 4096, 64) for i in range(2) for p in ("gate", "up")),
+    *(dims(f"blk.{i}.ffn_down.weight", 64, 4096) for i in range(2)),
+)
+
+# name -> (tokenizer, edit, what the one line must say)
+# fmt: off
+FINDINGS: dict[str, tuple[str, Edit, str]] = {
+    # memory: sizes from the metadata, shapes trusted by the C kernels
+    "norm-dim-0": ("spm", dims("output_norm.weight", 0), r"output_norm\.weight.* \(0,\)"),
+    "hidden-65536": ("spm", key("embedding_length", 65536), r"head_dim .*embedding_length"),
+    "hidden-65536-key-length-16": ("spm", edits(key("embedding_length", 65536),
+                                                key("attention.key_length", 16)),
+                                   r"token_embd\.weight has shape \(\d+, 64\), .*65536"),
+    "hidden-2^20": ("spm", key("embedding_length", 2**20), r"embedding_length"),
+    "hidden-4194304": ("spm", key("embedding_length", 4194304), r"embedding_length"),
+    "ffn-32-rows-4096": ("spm", edits(key("feed_forward_length", 32), FFN_4096), r"ffn_"),
+    # one clear line, not a traceback
+    "heads-0": ("spm", key("attention.head_count", 0), r"head_count is 0"),
+    "heads-array": ("spm", key("attention.head_count", [4, 4], V.ARRAY, V.INT32),
+                    r"head_count .*an array"),
+    "heads-5-hidden-64": ("spm", edits(key("attention.head_count", 5),
+                                       key("attention.head_count_kv", 1)), r"attn_q"),
+    "block-count-string": ("spm", key("block_count", "2", V.STRING), r"block_count .*a string"),
+    "context-string": ("spm", key("context_length", "4k", V.STRING), r"context_length"),
+    "bos-string": ("spm", key("tokenizer.ggml.bos_token_id", "one", V.STRING), r"bos_token_id"),
+    "block-count-past-blocks": ("spm", key("block_count", 3), r"no tensor blk\.2\."),
+    "merge-unknown-token": ("bpe", key("tokenizer.ggml.merges", ["zz qq", "h e"], V.ARRAY,
+                                       V.STRING), r"merge 0 .*'zz qq'"),
+    "tokens-integers": ("spm", key("tokenizer.ggml.tokens", list(range(N_TOKENS)), V.ARRAY,
+                                   V.INT32), r"tokenizer\.ggml\.tokens"),
+    "unknown-id-out-of-range": ("spm", key("tokenizer.ggml.unknown_token_id", 100_000),
+                                r"unknown_token_id is 100000"),
+    "template-integer": ("spm", key("tokenizer.chat_template", 7), r"chat_template"),
+    # ran and failed, or ran on garbage
+    "kv-heads-1-tensors-2": ("spm", key("attention.head_count_kv", 1), r"attn_k"),
+    "embedding-200-rows": ("spm", dims("token_embd.weight", 200, 64), r"token_embd"),
+    "embedding-400-rows": ("spm", dims("token_embd.weight", 400, 64), r"token_embd"),
+    "rope-base-nan": ("spm", key("rope.freq_base", float("nan"), V.FLOAT32), r"freq_base"),
+    "rope-base-negative": ("spm", key("rope.freq_base", -1.0, V.FLOAT32), r"freq_base"),
+    # a hang: SentencePiece merges built over every split of a 1,000,000-character token
+    "token-1e6-chars": ("spm", long_token(1_000_000), r"characters"),
+    # pieces of every length up to 1,024: each within bounds, their splits not
+    "spm-split-work": ("spm", pieces("ab" * n for n in range(3, 512)), r"splits"),
+}
+# fmt: on
+
+
+@pytest.fixture(scope="module")
+def child():
+    c = Child(timeout=20)
+    yield c
+    c.close()
+
+
+def written(tmp_path: Path, tokenizer: str, edit: Edit) -> Path:
+    spec = tiny(tokenizer)
+    edit(spec)
+    return write(spec, tmp_path / "m.gguf")
+
+
+@pytest.mark.parametrize("finding", list(FINDINGS))
+def test_finding_is_one_clear_line(finding, child, tmp_path):
+    tokenizer, edit, says = FINDINGS[finding]
+    got = child.run(written(tmp_path, tokenizer, edit))
+    assert got.outcome == "refused", f"{got.outcome}: {got.detail}"
+    assert got.detail.startswith(("ModelLoadError", "UnsupportedModelError")), got.detail
+    assert "\n" not in got.detail
+    assert "m.gguf" in got.detail  # the file is named
+    assert got.seconds < 5, got  # no hang: bounded work
+    assert re.search(says, got.detail), got.detail
+
+
+# the same faults in a Hugging Face folder (config.json, model.safetensors, tokenizer files)
+# fmt: off
+HF_FINDINGS: dict[str, tuple[Edit, str]] = {
+    "norm-dim-0": (dims("output_norm.weight", 0), r"model\.norm\.weight has shape \(0,\)"),
+    "hidden-65536": (edits(key("embedding_length", 65536), key("attention.key_length", 16)),
+                     rf"(embed_tokens|lm_head)\.weight has shape \({N_TOKENS}, 64\)"),
+    "ffn-32-rows-4096": (edits(key("feed_forward_length", 32), FFN_4096), r"mlp\.\w+_proj"),
+    "heads-0": (key("attention.head_count", 0), r"num_attention_heads is 0"),
+    "heads-string": (key("attention.head_count", "4", V.STRING), r"num_attention_heads is a str"),
+    "layers-past-tensors": (key("block_count", 3), r"no tensor model\.layers\.2\."),
+    "kv-heads-1-tensors-2": (key("attention.head_count_kv", 1), r"k_proj"),
+    "embedding-200-rows": (dims("token_embd.weight", 200, 64), r"embed_tokens"),
+    "rope-theta-nan": (key("rope.freq_base", float("nan"), V.FLOAT32), r"rope_theta is nan"),
+    "template-integer": (key("tokenizer.chat_template", 7), r"chat_template is int"),
+}
+# fmt: on
+
+
+@pytest.mark.parametrize("finding", list(HF_FINDINGS))
+def test_hf_folder_finding_is_one_clear_line(finding, child, tmp_path):
+    edit, says = HF_FINDINGS[finding]
+    spec = tiny()
+    edit(spec)
+    got = child.run(write_hf(spec, tmp_path / "hf"))
+    assert got.outcome == "refused", f"{got.outcome}: {got.detail}"
+    assert got.detail.startswith(("ModelLoadError", "UnsupportedModelError")), got.detail
+    assert "\n" not in got.detail and "hf" in got.detail
+    assert re.search(says, got.detail), got.detail
+
+
+def test_the_tiny_models_run(child, tmp_path):
+    """The base the edits start from loads and generates (else every refusal is vacuous)."""
+    for tokenizer in ("spm", "bpe"):
+        got = child.run(write(tiny(tokenizer), tmp_path / f"{tokenizer}.gguf"))
+        assert got.outcome == "ran", got
+        got = child.run(write_hf(tiny(tokenizer), tmp_path / f"{tokenizer}-hf"))
+        assert got.outcome == "ran", got
+
+
+# The fuzzer: seeded, and bounded in cases and seconds (KVLM_FUZZ_SEED, KVLM_FUZZ_CASES and
+# KVLM_FUZZ_SECONDS run it longer or elsewhere by hand)
+FUZZ_SEED = int(os.environ.get("KVLM_FUZZ_SEED", "18"))
+FUZZ_CASES = int(os.environ.get("KVLM_FUZZ_CASES", "2000"))
+FUZZ_SECONDS = float(os.environ.get("KVLM_FUZZ_SECONDS", "30"))
+
+
+def fuzzed_file(rng: random.Random, bases: dict[str, Spec], folder: Path) -> tuple[Path, str]:
+    """One hostile file from `rng`: the tiny model mutated (as a GGUF file, or a Hugging
+    Face folder), or a GGUF file with bytes of its header set at random."""
+    tokenizer = rng.choice(list(bases))
+    spec, done = mutate(rng, bases[tokenizer])
+    what = f"{tokenizer}: " + "; ".join(done)
+    form = rng.random()
+    if form < 0.15:
+        try:  # the vocabulary's tokenizer.json is written by kvlm: a bad one is GGUF only
+            return write_hf(spec, folder / "hf"), "hf " + what
+        except Exception:
+            pass
+    path = write(spec, folder / "m.gguf")
+    if form > 0.7:
+        what += "; " + flip_header(path, rng)
+    return path, what
+
+
+def test_fuzzed_files_end_in_one_line(child, tmp_path):
+    """Hostile files drawn at random load and generate, or end in one KvlmError line (a
+    ModelLoadError at load; a prompt longer than a 1-token context at generate):
+    never a signal, a traceback, a hang or a failed generation. A signal is reported with
+    the cases the same process ran before it (a write past a buffer may kill it later)."""
+    rng = random.Random(FUZZ_SEED)
+    bases = {"spm": tiny("spm"), "bpe": tiny("bpe")}
+    failures, outcomes, since_start = [], {}, []
+    start = time.monotonic()
+    for i in range(FUZZ_CASES):
+        if time.monotonic() - start > FUZZ_SECONDS or len(failures) >= 5:
+            break
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        path, what = fuzzed_file(rng, bases, folder)
+        got = child.run(path)
+        outcomes[got.outcome] = outcomes.get(got.outcome, 0) + 1
+        since_start.append(f"{i} ({what})")
+        one_line = got.outcome == "refused" and "\n" not in got.detail  # any KvlmError
+        if got.outcome != "ran" and not one_line:
+            before = "; after " + ", ".join(since_start[-4:-1]) if got.outcome == "signal" else ""
+            failures.append(f"case {i} ({what}): {got.outcome}: {got.detail[-600:]}{before}")
+        if got.outcome in ("signal", "hang", "exit"):
+            since_start = []  # a fresh process from here
+    print(f"fuzzed {sum(outcomes.values())} files in {time.monotonic() - start:.1f} s: {outcomes}")
+    assert not failures, "\n".join(failures)
+    assert outcomes.get("refused", 0) > 10 and outcomes.get("ran", 0) > 0  # both roads taken
+
+
+# fmt: off
+CLI_CASES = {  # the command, and the finding whose file it is given
+    "generate": (["generate", "hello", "--max-new-tokens", "3"], "norm-dim-0"),
+    "serve": (["serve", "--port", "PORT"], "template-integer"),
+}
+# fmt: on
+
+
+@pytest.mark.parametrize("command", list(CLI_CASES))
+def test_the_command_says_one_line(command, tmp_path):
+    """`kvlm generate` and `kvlm serve` on a hostile file: exit status 2 and one line on
+    stderr, no traceback (the server never starts)."""
+    args, finding = CLI_CASES[command]
+    with socket.socket() as s:  # a free port, were the server to start
+        s.bind(("127.0.0.1", 0))
+        args = [str(s.getsockname()[1]) if a == "PORT" else a for a in args]
+    tokenizer, edit, says = FINDINGS[finding]
+    path = written(tmp_path, tokenizer, edit)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvlm.cli", *args, "--model", str(path)],
+        capture_output=True, text=True, timeout=60, env=env, check=False,
+    )  # fmt: skip
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith("kvlm: error: m.gguf: "), proc.stderr
+    assert re.search(says, lines[0])
+
+
+def test_native_code_checks_the_sizes_it_is_given(tmp_path):
+    """The C entry points refuse sizes that disagree (-2, nothing read or written): a norm
+    weight of another length than the rows, and a decode step whose products are not of
+    the shape the model's sizes give (rows, columns or bytes)."""
+    import ctypes
+
+    import torch
+
+    from kvlm import LLM, kernels
+    from kvlm.model.fused import FusedDecoder
+
+    lib = kernels.library()
+    if lib is None:
+        pytest.skip(kernels.status())
+    x, y, w = torch.randn(2, 64), torch.empty(2, 64), torch.ones(64)
+    assert lib.kvlm_rms_norm(x.data_ptr(), 2, 64, 64, w.data_ptr(), 64, 1e-6, y.data_ptr(), 64) == 0
+    assert lib.kvlm_rms_norm(x.data_ptr(), 2, 64, 64, w.data_ptr(), 0, 1e-6, y.data_ptr(), 64) == -2
+    qkv, cs = torch.randn(1, 8 * 16), torch.ones(1, 16)
+    args = (qkv.data_ptr(), 1, 8 * 16, 4, 2, 16, w.data_ptr(), w.data_ptr())
+    tail = (1e-6, cs.data_ptr(), cs.data_ptr(), 16)
+    assert lib.kvlm_qk_norm_rope(*args, 16, *tail) == 0
+    assert lib.kvlm_qk_norm_rope(*args, 64, *tail) == -2
+
+    llm = LLM(model=write(tiny(), tmp_path / "m.gguf"), weights="native", progress=False)
+    step = FusedDecoder(llm.model, 64)
+    spec = ctypes.byref(step.spec)
+    assert lib.kvlm_decode_scratch(spec, 1) > 0
+    qkv_mat, head = step.spec.layers[1].qkv, step.spec.lm_head
+    for field, owner in (("n", qkv_mat), ("k", qkv_mat), ("n", qkv_mat.part[0]),
+                         ("bytes", head.part[0])):  # fmt: skip
+        setattr(owner, field, getattr(owner, field) + 32)
+        assert lib.kvlm_decode_scratch(spec, 1) == -2, field
+        # refused before anything is read: no views, no buffers given
+        assert lib.kvlm_decode_batch(spec, 1, *[None] * 5, 1, None, None) == -2, field
+        setattr(owner, field, getattr(owner, field) - 32)
+    assert lib.kvlm_decode_scratch(spec, 1) > 0
