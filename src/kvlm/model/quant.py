@@ -73,8 +73,11 @@ SMALL_M = 16
 # orders than 8 or more; oneDNN's AMX tiles a 256-row call otherwise than a 64-row one), so
 # a row's bits followed the rows beside it and a prefix hit or another chunk size gave
 # other K/V. One shape for every call gives a row the same bits at any chunk size or
-# start; and oneDNN builds one primitive for it, not one per row count.
-PROMPT_BLOCK = 64
+# start; and oneDNN builds one primitive for it, not one per row count. 128: on a Zen 4 a
+# 64-row call ran the 1.7B shape's products 1.5x (fp32) and 1.2x (bf16) slower than one
+# call of 512 rows, 128 1.25x and 1.0x (docs/BENCHMARKS.md 20.1); a shorter chunk computes
+# 128 rows.
+PROMPT_BLOCK = 128
 # int8 activations: rows per kernel call (the kernel's int8 copy of them, ~1.1 bytes per
 # element, is its scratch, kept per thread: bounded by this, not by the prompt's length).
 PROMPT_ROWS = 512
