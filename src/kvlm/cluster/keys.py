@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import sys
 
 from kvlm.cache.prefix import block_key, root_key
 from kvlm.errors import KvlmError
@@ -85,7 +86,9 @@ def route_key(
             if request.previous_response_id is not None:
                 return None
             given = responses_api.input_items(request)
-            request = responses_api.to_chat(request, responses_api.conversation(given, _none))
+            # nothing expands here (a reference finds no stored item): no bound to hold
+            messages = responses_api.conversation(given, _none, room=sys.maxsize)
+            request = responses_api.to_chat(request, messages)
         return chain_key(prompt_ids(request, tokenizer), request.cache_salt, block_size, blocks)
     except (ValueError, KvlmError, struct.error):  # pydantic's ValidationError is a ValueError;
         return None  # struct.error: a token id past 2**32 (the replica says which)
