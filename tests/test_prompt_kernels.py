@@ -259,22 +259,24 @@ def test_qk_norm_rope_declines_what_it_does_not_take():
     assert not attn._norm_rope_in_c(qkv.transpose(1, 2).contiguous().transpose(1, 2), cos, sin)
 
 
-@pytest.mark.parametrize("amx", [True, False], ids=["torch-flash", "kvlm-pairs"])
+@pytest.mark.parametrize("declined", [True, False], ids=["torch-flash", "kvlm-pairs"])
 @pytest.mark.parametrize(
     ("H", "Hkv", "D", "T", "S"),
     [(14, 2, 64, 100, 100), (8, 8, 128, 33, 90), (12, 2, 128, 37, 37), (4, 2, 64, 5, 71)],
 )
-def test_prompt_attention_in_bf16_is_within_its_rounding(H, Hkv, D, T, S, amx, monkeypatch):
+def test_prompt_attention_in_bf16_is_within_its_rounding(H, Hkv, D, T, S, declined, monkeypatch):
     """`attend(bf16_from=0)` (--prefill-dtype bf16): q, k, v rounded to bf16 (relative
     2^-9 each), fp32 scores and softmax, the weights rounded to bf16 for p.V. A score is
     then within 2 * 2^-9 * scale * sum|q_d k_d| (E, plus the fp32 terms); a probability
     within 2E relative; the output within (2E + 2 * 2^-9) max|v| (v's and p's rounding)
-    plus the fp32 bound. A chunk after a prefix (an explicit mask) too. Both roads: torch's
-    flash attention (taken with AMX) and kvlm_attend's bf16 pairs (AVX512-BF16 without AMX;
-    on a CPU without AVX512-BF16 it declines and torch's road runs here too)."""
+    plus the fp32 bound. A chunk after a prefix (an explicit mask) too. Both roads:
+    kvlm_attend's bf16 pairs (AVX512-BF16, AMX CPUs too), and torch's flash attention
+    where kvlm_attend declines (here made to; on a CPU without AVX512-BF16 it does)."""
     from kvlm.cache.base import causal_mask
+    from kvlm.model import attention
 
-    monkeypatch.setattr(kernels, "has_amx", lambda: amx)
+    if declined:
+        monkeypatch.setattr(attention, "_attend_kernel", lambda *a, **kw: None)
     torch.manual_seed(T + S)
     q, k, v = torch.randn(1, H, T, D), torch.randn(1, Hkv, S, D), torch.randn(1, Hkv, S, D)
     mask, causal = causal_mask(S - T, T, S, None, q.device)

@@ -132,12 +132,6 @@ def cpu_flags() -> list[str]:
 
 
 @cache
-def has_amx() -> bool:
-    """The CPU has AMX's bf16 tiles (oneDNN's bf16 GEMM and attention run on them)."""
-    return "amx_bf16" in cpu_flags()
-
-
-@cache
 def _cpu_features() -> str:
     """What the OS says this CPU is and can do, stable across runs on one machine."""
     if sys.platform.startswith("linux") and (info := _linux_cpuinfo()):
