@@ -6,6 +6,7 @@ any work."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -139,6 +140,16 @@ def stop(pid: int) -> None:
         time.sleep(0.01)
 
 
+def _check_into(workers, outcome: list[BaseException | None]) -> None:
+    """A guide compiled on a worker of `workers` (on a thread of the test's): None into
+    `outcome`, or what it raised (handed to the test)."""
+    try:
+        workers.check("regex", "[a-f]+", "guided_regex")
+        outcome.append(None)
+    except BaseException as exc:
+        outcome.append(exc)
+
+
 def test_a_guide_that_holds_its_worker_does_not_hold_up_the_others(tiny):
     """Two compile workers: while one is stuck on a guide (here: its process stopped, as a
     compile that runs to its timeout would hold it), another guide compiles in the other
@@ -152,14 +163,7 @@ def test_a_guide_that_holds_its_worker_does_not_hold_up_the_others(tiny):
         stopped = stuck.pid
         stop(stopped)
         outcome: list[BaseException | None] = []
-
-        def held() -> None:
-            try:
-                workers.check("regex", "[a-f]+", "guided_regex")
-                outcome.append(None)
-            except BaseException as exc:  # handed to the test
-                outcome.append(exc)
-
+        held = functools.partial(_check_into, workers, outcome)
         first = threading.Thread(target=held)
         first.start()
         for _ in range(1000):  # until the thread holds the stuck worker (10 s at most)
@@ -283,14 +287,7 @@ def test_three_guides_that_hold_their_workers_leave_a_fourth_free(tiny, monkeypa
         for worker in workers.workers[:held_n]:  # the first taken (most recently used on top)
             stop(worker.pid)
         outcome: list[BaseException | None] = []
-
-        def held() -> None:
-            try:
-                workers.check("regex", "[a-f]+", "guided_regex")
-                outcome.append(None)
-            except BaseException as exc:  # handed to the test
-                outcome.append(exc)
-
+        held = functools.partial(_check_into, workers, outcome)
         threads = [threading.Thread(target=held) for _ in range(held_n)]
         for t in threads:
             t.start()
