@@ -794,7 +794,8 @@ def test_a_slow_tier_holds_its_request_not_the_engines_steps(tiny, tmp_path):
     engine.add_request("a", PROMPT, GREEDY)
     for _ in range(4):
         events = engine.step()
-        assert asked.is_set() and not answered.is_set()  # the tier still holds its answer
+        # the lookup runs on the tiers' thread: it has begun by now or begins shortly
+        assert asked.wait(5) and not answered.is_set()  # the tier still holds its answer
         assert [ev.request_id for ev in events] == ["s"]  # and the stream stepped on
         assert [s.request_id for s in engine.scheduler.waiting] == ["a"]
     release.set()
