@@ -180,27 +180,36 @@ def test_a_guide_that_holds_its_worker_does_not_hold_up_the_others(tiny):
         workers.close()
 
 
-def test_compiling_a_guide_leaves_the_engine_thread_no_import(tiny_model_dir):
-    """A guided request's first sampled token imported llguidance.torch on the engine
-    thread (3.5 s on a Zen 3: every stream froze). compile_guide, off the engine thread,
-    imports it; in a fresh process, so that no other test has imported it first."""
+def test_a_guided_request_imports_no_torch_compiler(tiny_model_dir):
+    """A guided request imported llguidance.torch, whose import decorates a kernel with
+    torch.compile and so pulls in torch._dynamo: 3.5-6 s of imports holding the GIL (Zen 3,
+    Zen 4), first on the engine thread (every stream froze), then on a compile thread
+    (every stream slowed: the GIL). A compile, a sample's state and its masks import
+    neither; in a fresh process, so that no other test has imported them first."""
     import subprocess
     import sys
 
     code = (
         "import sys\n"
+        "import torch\n"
         "from kvlm import LLM\n"
-        "from kvlm.engine.guided import Guide, compile_guide\n"
+        "from kvlm.engine.guided import Guide, GuideState, compile_guide\n"
         f"llm = LLM(model={str(tiny_model_dir('llama'))!r}, progress=False, max_context=64)\n"
-        "assert 'llguidance.torch' not in sys.modules\n"
-        "compile_guide(Guide('regex', '[a-z]+', 'guided_regex'), llm.tokenizer,"
-        " llm.config.vocab_size)\n"
-        "print('llguidance.torch' in sys.modules)\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "vocab = llm.config.vocab_size\n"
+        "guide = compile_guide(Guide('regex', '[a-z]+', 'guided_regex'), llm.tokenizer, vocab)\n"
+        "state = GuideState(guide, llm.tokenizer, vocab)\n"
+        "first = state.mask(torch.zeros(vocab))\n"
+        "allowed = [t for t in range(vocab) if first[t] == 0]\n"
+        "state.accept(allowed[0])\n"
+        "state.mask(torch.zeros(vocab))\n"
+        "print(0 < len(allowed) < vocab, sorted(m for m in ('torch._dynamo', 'llguidance.torch')"
+        " if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "True"
+    assert out.stdout.strip() == "True []"
 
 
 class HeldMatcher:

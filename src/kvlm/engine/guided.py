@@ -154,11 +154,6 @@ def compile_guide(guide: Guide, tokenizer, vocab_size: int) -> Guide:
         tok = ll_tokenizer(tokenizer, vocab_size)
         job = _COMPILES.submit(build_matcher, guide.kind, guide.spec, guide.param, tok)
         matcher, first = job.result()
-        # What GuideState imports, imported here, off the engine thread: its first import
-        # took 3.5 s on a Zen 3, and at a guided request's first sampled token that froze
-        # the engine's step (the soak's longest step, 5.4 s)
-        import llguidance.torch  # noqa: F401
-
         compiled = Compiled(matcher, vocab_size, first)
         with _compile_lock:
             kept[key] = compiled
@@ -183,7 +178,11 @@ class GuideState:
     (`ready`), so a slow grammar slows its own sample and no other."""
 
     def __init__(self, guide: Guide, tokenizer, vocab_size: int) -> None:
-        import llguidance.torch as lt
+        # llguidance.numpy, not llguidance.torch: the two functions are the same, and the
+        # latter's import decorates a kernel with torch.compile, so its first import pulls
+        # in torch._dynamo: 3.5-6 s of imports holding the GIL (Zen 3, Zen 4), that froze
+        # the engine's steps beside a server's first guided request (the soak's longest)
+        import llguidance.numpy as ln
         import torch
 
         if guide.compiled is None or guide.compiled.vocab_size != vocab_size:
@@ -191,8 +190,9 @@ class GuideState:
         self.guide = guide
         self.vocab_size = vocab_size
         self.matcher = guide.compiled.matcher.deep_copy()
-        self._fill = lt.fill_next_token_bitmask
-        self.bitmask = lt.allocate_token_bitmask(1, vocab_size)
+        self._fill = ln.fill_next_token_bitmask
+        self._words = ln.allocate_token_bitmask(1, vocab_size)  # what the matcher fills
+        self.bitmask = torch.from_numpy(self._words)  # the same memory
         self._bits = torch.arange(32, dtype=torch.int32)
         first, size = guide.compiled.first_mask, self.bitmask.numel() * 4
         self._job: Future = Future()
@@ -213,7 +213,7 @@ class GuideState:
         return self._job
 
     def _compute(self) -> None:
-        self._fill(self.matcher, self.bitmask, 0)
+        self._fill(self.matcher, self._words, 0)
 
     def mask(self, logits):
         """A copy of `logits` (V,) with every token the grammar does not allow at -inf
