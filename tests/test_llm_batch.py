@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
+import torch
 
 from helpers import break_sampler, fail_schedule_at
 from kvlm import LLM, SamplingParams
@@ -110,6 +112,30 @@ def test_a_list_of_params_must_match_the_prompts(tiny):
         tiny.generate(PROMPTS[:3], [SamplingParams(), SamplingParams()])
     with pytest.raises(InvalidRequestError, match="SamplingParams"):
         tiny.generate(PROMPTS[:2], [SamplingParams(), {"max_tokens": 3}])
+
+
+def test_prompts_of_the_wrong_type_are_one_clear_error(tiny):
+    """A user's token ids passed as prompts, a flat list of ids, a float or bool id: an
+    InvalidRequestError naming what was meant (they were a TypeError from deep in the
+    tokenizer, or a list() of an int); ids that are ints in other clothes still run."""
+    cases = [
+        ({"prompts": [[1, 2]]}, "prompts are a string or a list of strings"),
+        ({"prompts": [b"hi"]}, "prompts are a string or a list of strings"),
+        ({"prompts": 5}, "not int 5"),
+        ({"prompt_token_ids": [5, 6]}, "a list of lists of ints, not int 5"),
+        ({"prompt_token_ids": "ab"}, "a list of lists of ints, not str"),
+        ({"prompt_token_ids": [[1.5]]}, "1.5 is a float"),
+        ({"prompt_token_ids": [[True, 3]]}, "True is a bool"),
+    ]
+    for kw, message in cases:
+        with pytest.raises(InvalidRequestError, match=message):
+            tiny.generate(**kw)
+    ids = tiny.tokenizer.encode(PROMPTS[0])
+    greedy = SamplingParams(temperature=0, max_tokens=5)
+    want = tiny.generate(prompt_token_ids=[ids], sampling_params=greedy)[0].outputs[0].token_ids
+    for same in (tuple(ids), torch.tensor(ids), np.array(ids)):
+        out = tiny.generate(prompt_token_ids=[same], sampling_params=greedy)[0].outputs[0]
+        assert out.token_ids == want
 
 
 def test_bad_prompts_are_refused_before_any_work(tiny):

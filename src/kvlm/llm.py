@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import operator
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
@@ -278,10 +279,13 @@ class LLM:
         if (prompts is None) == (prompt_token_ids is None):
             raise InvalidRequestError("pass exactly one of prompts or prompt_token_ids")
         if prompts is not None:
-            texts = [prompts] if isinstance(prompts, str) else list(prompts)
+            texts = [prompts] if isinstance(prompts, str) else _listed(prompts, PROMPTS_ARE)
+            if not all(isinstance(t, str) for t in texts):
+                raise InvalidRequestError(PROMPTS_ARE)
             requests = [(t, self.tokenizer.encode(t)) for t in texts]
         else:
-            requests = [(None, list(ids)) for ids in prompt_token_ids or []]
+            listed = _listed(prompt_token_ids, "prompt_token_ids is a list of lists of ints")
+            requests = [(None, _token_ids(ids)) for ids in listed]
         params = self._params_for(sampling_params, len(requests))
         many = len(requests) > 1 or self.speculative is not None  # drafts live in the engine
         batched = many and self.kv_mode in BATCH_MODES
@@ -429,6 +433,32 @@ def _speculative_config(
             param="speculative",
         )
     return speculative
+
+
+PROMPTS_ARE = "prompts are a string or a list of strings (token ids: prompt_token_ids=)"
+
+
+def _listed(value: object, what: str) -> list:
+    """`value` as a list, or one clear error naming `what` it should be (a user's
+    `generate(5)`, a str of ids, a flat list of ids)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise InvalidRequestError(f"{what}, not {type(value).__name__} {value!r:.40}")
+    return list(value)
+
+
+def _token_ids(ids: object) -> list[int]:
+    """One prompt's token ids (ints; a bool is not one), or one clear error."""
+    out = []
+    for i in _listed(ids, "prompt_token_ids is a list of lists of ints"):
+        try:
+            if isinstance(i, bool):
+                raise TypeError
+            out.append(operator.index(i))  # an int, a numpy int, a 0-d integer tensor
+        except TypeError:
+            raise InvalidRequestError(
+                f"prompt_token_ids holds lists of ints: {i!r:.40} is a {type(i).__name__}"
+            ) from None
+    return out
 
 
 def _check_settings(
