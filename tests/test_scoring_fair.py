@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from kvlm import LLM, SamplingParams
+from kvlm.config import ModelConfig
 from kvlm.engine.engine import Engine, EngineConfig
+from kvlm.engine.pacing import MIN_TOKENS, Pacing
 from kvlm.engine.scheduler import SchedulerConfig
 from numerics import assert_as_exact_as
 from serving import kvlm_serve
@@ -156,3 +158,71 @@ def test_a_scored_prompt_does_not_freeze_a_neighbour_stream():
     assert times[-1] < scored["end"], "the neighbour waited for the scored prompt"
     assert worst < 0.25 * scored["seconds"], (worst, scored["seconds"])
     assert health and max(health) < 1.0, max(health)
+
+
+# ------------------------------------------------------------- pacing (SchedulerConfig.step_time)
+
+
+def _paced_run(llm: LLM, ids: list[int], step_time: float | None) -> tuple[dict, list]:
+    """A stream decoding when a 200-token prompt arrives: {id: tokens} and each step's
+    (decode rows, prompt tokens fed)."""
+    sched = SchedulerConfig(prefill_chunk=128, step_time=step_time)
+    engine = Engine(llm, EngineConfig(num_blocks=64, scheduler=sched))
+    stream = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("stream", llm.tokenizer.encode("Water boils at"), stream)
+    engine.step()  # its prompt, alone: the pacing measures it
+    engine.add_request("long", ids, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    out, fed = {"stream": [], "long": []}, []
+    while engine.has_work():
+        for ev in engine.step():
+            out[ev.request_id] += ev.token_ids
+        batch = engine.last_batch
+        fed.append((len(batch.decode), sum(n for _, n in batch.prefill)))
+    return out, fed
+
+
+def test_a_step_beside_decoding_streams_takes_the_prompt_tokens_that_fit_its_time(tiny):
+    """With `step_time`, a step in which streams decode takes the prompt tokens its
+    measured costs fit in that time, never fewer than MIN_TOKENS: here a time no step
+    meets, so MIN_TOKENS while the stream decodes and the whole prefill_chunk once it has
+    ended; both requests get the tokens they get unpaced (a row's bits follow its
+    position, never its chunk)."""
+    ids = tiny.tokenizer.encode("Once upon a time there was a long prompt. " * 20)[:200]
+    want, unpaced = _paced_run(tiny, ids, None)
+    got, fed = _paced_run(tiny, ids, 1e-9)
+    assert got == want
+    assert unpaced[0] == (1, 128)  # unpaced, the stream's step took a whole chunk
+    beside = [n for rows, n in fed if rows and n]
+    alone = [n for rows, n in fed if not rows and n]
+    assert beside and all(n == MIN_TOKENS for n in beside), fed
+    assert alone and alone[:-1] == [128] * (len(alone) - 1), fed  # the last: what was left
+    assert sum(beside) + sum(alone) == len(ids)
+
+
+def test_the_pacing_takes_what_fits_at_the_costliest_prompt():
+    """Pacing.budget from measured costs, on the default model's shape: a step of prompt
+    work alone sets the seconds per unit, a step of decode rows alone their seconds; a
+    step's budget is what fits in step_time less the decode rows' seconds at the costliest
+    prompt's next position (attention over its prefix, its rows scored), never below
+    MIN_TOKENS or above the most asked."""
+    shape = ModelConfig("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                        rms_norm_eps=1e-5, rope_theta=1e5, max_position_embeddings=8192,
+                        tie_word_embeddings=True)  # fmt: skip
+    pacing = Pacing(shape, step_time=1.0)
+    assert pacing.budget(256, [(0, False)]) == 256  # nothing measured yet
+    assert pacing.units(0, 100, False) == pytest.approx(100 * (1 + pacing.attend * 50.5))
+    pacing.record(0.5, 0, pacing.units(0, 100, False))  # 100 fresh tokens in 0.5 s
+    pacing.record(0.25, 3, 0.0)  # three decode rows alone: 0.25 s
+    fresh = pacing.budget(1000, [(0, False)])
+    assert 145 <= fresh <= 150  # 0.75 s left at ~5 ms a token
+    assert (
+        pacing.units(0, fresh, False) <= 0.75 / pacing.per_unit < pacing.units(0, fresh + 1, False)
+    )
+    assert pacing.budget(100, [(0, False)]) == 100
+    far = pacing.budget(1000, [(0, False), (3000, False)])  # attention over 3,000 positions
+    scored = pacing.budget(1000, [(0, True)])  # every row through the vocabulary
+    assert MIN_TOKENS < far < fresh and MIN_TOKENS < scored < fresh
+    pacing.record(10.0, 3, pacing.units(0, 32, True))  # a machine that became slow
+    assert pacing.budget(1000, [(0, True)]) == MIN_TOKENS
+    assert pacing.budget(20, [(0, True)]) == 20

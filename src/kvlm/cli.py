@@ -162,6 +162,8 @@ def _pool_args(serve: argparse.ArgumentParser) -> None:
         ("--max-num-seqs", int, 16, "sequences decoded together"),
         ("--max-waiting", int, 64, "queued requests before 503"),
         ("--prefill-chunk", int, 256, "prompt tokens per step"),
+        ("--step-time", float, 0.5, "while streams decode, a step takes only the prompt tokens "
+         "that fit in this many seconds, as measured (at least 32); 0: --prefill-chunk always"),
     )  # fmt: skip
     serve.add_argument(
         "--prefix-caching", action=argparse.BooleanOptionalAction, default=True,

@@ -37,6 +37,7 @@ from kvlm.cache.view import block_map, layer_groups
 from kvlm.engine.backends import CacheBackend, Chunk, PoolBackend
 from kvlm.engine.guided import compile_guide
 from kvlm.engine.metrics import GC_TIME, EngineStats
+from kvlm.engine.pacing import Pacing
 from kvlm.engine.request import SampleState, check_prompt, stop_token_ids
 from kvlm.engine.sampling import Sampler, SamplingParams, TokenLogprob, prompt_logprobs
 from kvlm.engine.scheduler import Batch, QueueFullError, Scheduler, SchedulerConfig
@@ -164,6 +165,8 @@ class Engine:
             kv = f"one {cache.mode} cache"
         self.manager = self.backend.manager
         self.scheduler = Scheduler(self.manager, sched, self.max_model_len, cache is not None)
+        self.pacing = Pacing(llm.config, sched.step_time) if sched.step_time else None
+        self.scheduler.pacing = self.pacing
         self.drafter: DraftModel | None = None
         spec = self.config.speculative
         if spec is not None:
@@ -361,14 +364,24 @@ class Engine:
             return []
         events: list[StepOutput] = []
         drafted = sum(len(seq.draft) for seq in batch.decode)  # _run clears the drafts
+        work = self._prompt_work(batch)  # before _run moves the sequences on
         gc0, cpu0, t0 = GC_TIME.seconds, time.thread_time(), time.perf_counter()
         forward_s, score_s = self._run(batch, events)
         seconds = time.perf_counter() - t0
+        if self.pacing is not None:
+            self.pacing.record(seconds, len(batch.decode), work)
         if seconds > max(SLOW_STEP_S, self.stats.step_seconds_max):
             parts = (forward_s, score_s, GC_TIME.seconds - gc0, time.thread_time() - cpu0)
             self._log_slow_step(batch, drafted, seconds, *parts)
         self.stats.record_step(seconds, len(batch.decode))
         return events
+
+    def _prompt_work(self, batch: Batch) -> float:
+        """The work of the step's prompt tokens, in the pacing's units (0 without it)."""
+        if self.pacing is None:
+            return 0.0
+        return sum(self.pacing.units(seq.num_computed, n, seq.sample.params.prompt_logprobs
+                                     is not None) for seq, n in batch.prefill)  # fmt: skip
 
     @staticmethod
     def _log_slow_step(

@@ -11,7 +11,9 @@ Each step has two parts, run as two forwards by the engine:
   guided one whose next mask is still being computed sits the step out);
 - prefill: up to `prefill_chunk` prompt tokens, taken first from sequences already part
   way through their prompt, then from newly admitted ones. A long prompt is fed over
-  several steps, so the decode streams keep moving while it prefills.
+  several steps, so the decode streams keep moving while it prefills. With `step_time`,
+  a step in which streams decode takes only the prompt tokens that fit in that time at
+  the costs measured so far (kvlm.engine.pacing).
 
 Admission first asks the KV tiers (if any) for the prompt's blocks the pool lacks, once:
 the lookup runs off the engine thread and the request waits at the head of the queue
@@ -47,6 +49,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvlm.cache.prefix import BlockManager
+from kvlm.engine.pacing import Pacing
 from kvlm.engine.sequence import Sequence, Status
 from kvlm.errors import KvlmError
 
@@ -62,12 +65,17 @@ class SchedulerConfig:
     max_waiting: int = 64  # requests queued beyond max_num_seqs before refusing more
     reserve_blocks: int = 1  # kept free at admission for running sequences to grow into
     chunk_size: int | None = None  # prompts fed in aligned whole chunks of it (see above)
+    # while streams decode, a step's prompt tokens are what fits in this many seconds
+    # (kvlm.engine.pacing); None: prefill_chunk whatever they cost
+    step_time: float | None = None
     reserve_full: bool = False  # admit only with room for everyone's worst case (see above)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "prefill_chunk", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.step_time is not None and not 0 < self.step_time < float("inf"):
+            raise ValueError("step_time must be a positive number of seconds")
         if self.chunk_size is not None and not 0 < self.chunk_size <= self.prefill_chunk:
             raise ValueError("chunk_size must be 1..prefill_chunk (a step's budget)")
 
@@ -101,6 +109,8 @@ class Scheduler:
         self.preemptions = 0
         # speculative decoding: (sequence, most tokens) -> its draft; set by the engine
         self.propose: Callable[[Sequence, int], list[int]] | None = None
+        # the step's prompt tokens from its time (config.step_time); set by the engine
+        self.pacing: Pacing | None = None
 
     @property
     def capacity(self) -> int:
@@ -175,8 +185,8 @@ class Scheduler:
         for the whole prompt. vLLM caps one prompt's chunk for the same reason
         (long_prefill_token_threshold). With `chunk_size` a chunk is whole or waits, so
         there the budget goes in order as before."""
-        budget = self.config.prefill_chunk
         going = [s for s in self.running if s.prefilling]
+        budget = most = self._paced(batch, going)
         share = budget
         if self.config.chunk_size is None and going and (len(going) > 1 or self.waiting):
             share = max(1, budget // (len(going) + bool(self.waiting)))
@@ -193,11 +203,23 @@ class Scheduler:
                     more = min(budget, seq.num_pending - part[seq])
                     part[seq] += more
                     budget -= more
-            if budget and share < self.config.prefill_chunk:
+            if budget and share < most:
                 admitted.update(self._admit(budget))
         batch.prefill += [*fed.items(), *admitted.items()]
         for seq, n in batch.prefill:  # a hybrid pool's windowed layers take their blocks now
             self.manager.prepare(seq.table, seq.num_computed, n)
+
+    def _paced(self, batch: Batch, going: list[Sequence]) -> int:
+        """The step's prompt tokens at most: `prefill_chunk`, or while streams decode in it
+        what `pacing` (kvlm.engine.pacing) says fits in the step's time; with `chunk_size`,
+        never less than one whole chunk."""
+        most = self.config.prefill_chunk
+        if self.pacing is None or not batch.decode:
+            return most
+        probe = [(s.num_computed, s.sample.params.prompt_logprobs is not None) for s in going]
+        if self.waiting:
+            probe.append((0, self.waiting[0].sample.params.prompt_logprobs is not None))
+        return max(self.pacing.budget(most, probe), self.config.chunk_size or 0)
 
     def _admit(self, budget: int) -> dict[Sequence, int]:
         """Admit waiting requests, first come first served, while `budget` prompt tokens

@@ -21,7 +21,8 @@ def serve_config(args: argparse.Namespace):
     from kvlm.server.limits import ServerLimits
 
     try:
-        sched = SchedulerConfig(args.max_num_seqs, args.prefill_chunk, args.max_waiting)
+        sched = SchedulerConfig(args.max_num_seqs, args.prefill_chunk, args.max_waiting,
+                                step_time=args.step_time or None)  # fmt: skip
         limits = ServerLimits(
             max_body_bytes=parse_size(args.max_body),
             idle_timeout_s=args.idle_timeout,

@@ -1,0 +1,86 @@
+"""Pacing: how many prompt tokens a step takes while streams decode.
+
+Every decoding stream waits for the whole step, and a step feeds up to `prefill_chunk`
+prompt tokens beside the decode rows. What those tokens cost varies tenfold: a 256-token
+chunk of a fresh prompt is ~0.15 s on the default model (2 cores), the same chunk at
+position 3,300 of a prompt whose logprobs are asked for (attention over the whole prefix,
+the vocabulary projection of every row) 1.8 s on a Zen 3, and more when the machine is
+shared. A stream saw its next token that much later (the soak of [18]). Sarathi-Serve's
+stall-free batching sizes a step's prompt tokens from the time between tokens a step may
+cost; vLLM bounds the same in tokens set by hand (max_num_batched_tokens). Here the bound
+is time, `SchedulerConfig.step_time` seconds a step, from costs measured as the engine
+runs:
+
+- a prompt token's work in units from the model's shape (`Pacing.units`): 1 for its
+  dense products, `attend` more per position it attends to, `score` more when every row's
+  logits are kept (prompt logprobs);
+- the seconds of a step of decode rows alone, and the seconds per unit of prompt work:
+  moving averages over the steps (a step with prompt tokens gives the second, less the
+  decode rows' share), so a slower CPU, a busier machine or a costlier kernel road is
+  measured, not assumed.
+
+While no stream decodes nobody waits: a step takes the whole `prefill_chunk`. A paced step
+still takes MIN_TOKENS (a prompt always moves on). A row's bits follow its position, never
+its chunk (DESIGN 5): pacing changes when a prompt's tokens run, never its answer.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvlm.config import ModelConfig
+
+MIN_TOKENS = 32  # prompt tokens a paced step still takes
+SMOOTH = 0.25  # weight of the newest step in the moving averages
+
+
+class Pacing:
+    def __init__(self, config: ModelConfig, step_time: float) -> None:
+        c = config
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        # multiply-adds of one token's dense products (q/k/v/o and a gated MLP a layer)
+        h = c.hidden_size
+        dense = c.num_layers * (h * (2 * q + 2 * kv) + 3 * h * c.intermediate_size)
+        self.attend = 2 * c.num_layers * q / dense  # scores and the weighted sum, a position
+        self.score = c.vocab_size * h / dense  # the vocabulary projection
+        self.step_time = step_time
+        self.per_unit: float | None = None  # seconds per unit of prompt work
+        self.decode_s: float | None = None  # seconds of a step of decode rows alone
+
+    def units(self, start: int, n: int, scored: bool) -> float:
+        """The work of feeding `n` prompt tokens from position `start`."""
+        mean_seen = start + (n + 1) / 2  # positions each row attends to, on average
+        return n * (1 + self.attend * mean_seen + (self.score if scored else 0.0))
+
+    def record(self, seconds: float, decode_rows: int, units: float) -> None:
+        """A step's seconds, its decode rows and the work of its prompt tokens."""
+        if units <= 0:
+            if decode_rows:
+                self.decode_s = _mix(self.decode_s, seconds)
+            return
+        decode = (self.decode_s or 0.0) if decode_rows else 0.0
+        prompt = max(seconds - decode, seconds / 2)  # the decode share, at most half
+        self.per_unit = _mix(self.per_unit, prompt / units)
+
+    def budget(self, most: int, probe: list[tuple[int, bool]]) -> int:
+        """Prompt tokens a step with decode rows may take, of at most `most`: what fits in
+        step_time at the costliest of `probe` (each prompt's next position, whether it is
+        scored), at least MIN_TOKENS. Unmeasured yet: `most`."""
+        if self.per_unit is None or not probe:
+            return most
+        work = (self.step_time - (self.decode_s or 0.0)) / self.per_unit
+        fits = min(self._tokens(start, scored, work) for start, scored in probe)
+        return max(min(most, fits), min(most, MIN_TOKENS))
+
+    def _tokens(self, start: int, scored: bool, work: float) -> int:
+        """The most tokens from position `start` whose units() are within `work`: units is
+        a n^2 / 2 + b n, so n = (sqrt(b^2 + 2 a work) - b) / a."""
+        if work <= 0:
+            return 0
+        a, b = self.attend, 1 + (self.score if scored else 0.0) + self.attend * (start + 0.5)
+        n = work / b if a <= 0 else (math.sqrt(b * b + 2 * a * work) - b) / a
+        return int(n)
+
+
+def _mix(average: float | None, sample: float) -> float:
+    return sample if average is None else average + SMOOTH * (sample - average)
