@@ -18,12 +18,19 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 from gguf import GGUFValueType as V
 
 from gguf_hostile import ARCH, Child, Spec, flip_header, mutate, tiny, write, write_hf
+from helpers import portable_build_params, portable_kernels
+from kvlm import kernels
+from kvlm.model import quant
+from kvlm.model.attention import _attend_kernel
 
 Edit = Callable[[Spec], None]
 
@@ -310,3 +317,210 @@ def test_native_code_checks_the_sizes_it_is_given(tmp_path):
         assert lib.kvlm_decode_batch(spec, 1, *[None] * 5, 1, None, None) == -2, field
         setattr(owner, field, getattr(owner, field) - 32)
     assert lib.kvlm_decode_scratch(spec, 1) > 0
+
+
+# Each C entry point that is handed a buffer is handed its length too, and refuses (-2) a
+# call whose buffers are shorter than its shape needs before it reads or writes any of
+# them. Called here with each buffer one element or byte short, a negative length, sizes
+# whose products overflow an int64, in the native build and the portable ones (the checks
+# are code every build shares). Outputs are `_guarded`: a call that wrote anything, or
+# past what it was given, changes a sentinel.
+
+BUILDS = [pytest.param("native", id="native"), *portable_build_params()]
+GUARD = 64  # elements after an output that no call may write
+SENTINEL = 7  # every element of a guarded output before the call
+HUGE = 2**62  # a size whose product with another (or twice it) overflows an int64
+ANY = 2**63 - 1  # a length that covers anything: the product must be refused itself
+
+
+def _kernels(build: str):
+    if build != "native":
+        return portable_kernels(build)
+    lib = kernels.library()
+    if lib is None:
+        pytest.skip(kernels.status())
+    return lib
+
+
+def _guarded(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An output of n elements and GUARD more, each SENTINEL."""
+    return torch.full((n + GUARD,), SENTINEL, dtype=dtype)
+
+
+def _untouched(buf: torch.Tensor) -> bool:
+    return bool((buf == SENTINEL).all())
+
+
+def _q8(n: int = 20, k: int = 64) -> quant.QuantWeight:
+    """A q8 weight [n, k]: 20 rows are two blocks of 16, the second partial."""
+    return quant.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(0)), "q8")
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_products_check_their_buffers(build):
+    """kvlm_qgemm and kvlm_qgemm_i8 (int8 and 16-bit x): x [M, K] within xn floats, the
+    packed w [N, K] within wn bytes, y's M rows of N at stride ldy >= N within yn floats,
+    K whole blocks of the kind."""
+    lib = _kernels(build)
+    M, K, N = 3, 64, 20
+    w, x = _q8(N, K), torch.randn(M, K)
+    wn = w.data.numel()
+    good = {"xn": M * K, "M": M, "K": K, "wn": wn, "yn": M * N, "ldy": N}
+    bad = [{"xn": M * K - 1}, {"wn": wn - 1}, {"yn": M * N - 1}, {"ldy": N - 1},
+           {"xn": -1}, {"wn": -1}, {"yn": -1}, {"K": K - 16}, {"K": 0},
+           {"M": HUGE, "xn": ANY}, {"ldy": HUGE, "yn": ANY}]  # fmt: skip
+    for name, fn, fine in (("fp32", lib.kvlm_qgemm, ()), ("int8", lib.kvlm_qgemm_i8, (0,)),
+                           ("int16", lib.kvlm_qgemm_i8, (1,))):  # fmt: skip
+
+        def call(y: torch.Tensor, fn=fn, fine=fine, **given) -> int:
+            a = {**good, **given}
+            return fn(8, x.data_ptr(), a["xn"], a["M"], a["K"], w.data.data_ptr(), a["wn"], N,
+                      y.data_ptr(), a["yn"], a["ldy"], *fine)  # fmt: skip
+
+        for given in bad:
+            y = _guarded(M * N)
+            assert call(y, **given) == -2 and _untouched(y), (name, given)
+        y = _guarded(M * N)
+        assert call(y) == 0 and _untouched(y[M * N :]) and not _untouched(y[: M * N]), name
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_dequantizing_checks_its_buffers(build):
+    """kvlm_qdequant: the packed w [N, K] within wn bytes, out [N, K] of fp32 or bf16
+    within its bytes (a bf16 buffer's are too few for fp32); kvlm_qdequant_rows: out [n, K]
+    within its floats, and each row in [0, N)."""
+    lib = _kernels(build)
+    K, N = 64, 20
+    w = _q8(N, K)
+    wp, wn = w.data.data_ptr(), w.data.numel()
+    for bf16, dtype in ((0, torch.float32), (1, torch.bfloat16)):
+        on = N * K * (2 if bf16 else 4)
+        good = {"bf16": bf16, "K": K, "wn": wn, "N": N, "on": on}
+
+        def call(out: torch.Tensor, good=good, **given) -> int:
+            a = {**good, **given}
+            return lib.kvlm_qdequant(8, a["bf16"], a["K"], wp, a["wn"], a["N"], out.data_ptr(),
+                                     a["on"])  # fmt: skip
+
+        bad = [{"wn": wn - 1}, {"on": on - 1}, {"wn": -1}, {"on": -1}, {"N": N + 16},
+               {"K": K - 16}, {"bf16": 2}, {"N": HUGE, "wn": ANY, "on": ANY}]  # fmt: skip
+        if bf16:
+            bad.append({"bf16": 0})  # fp32 into a bf16 buffer's bytes
+        for given in bad:
+            out = _guarded(N * K, dtype)
+            assert call(out, **given) == -2 and _untouched(out), (dtype, given)
+        out = _guarded(N * K, dtype)
+        assert call(out) == 0 and _untouched(out[N * K :]), dtype
+        assert torch.equal(out[: N * K].view(N, K), w.dense(dtype=dtype))
+
+    ids = torch.tensor([0, N - 1, 5])
+    good = {"K": K, "wn": wn, "N": N, "rows": ids, "n": 3, "on": 3 * K}
+
+    def rows(out: torch.Tensor, **given) -> int:
+        a = {**good, **given}
+        return lib.kvlm_qdequant_rows(8, a["K"], wp, a["wn"], a["N"], a["rows"].data_ptr(),
+                                      a["n"], out.data_ptr(), a["on"])  # fmt: skip
+
+    bad = [{"on": 3 * K - 1}, {"wn": wn - 1}, {"on": -1}, {"wn": -1}, {"n": -1},
+           {"N": N + 16}, {"K": K - 16}, {"rows": torch.tensor([0, N, 5])},
+           {"rows": torch.tensor([0, -1, 5])}, {"n": HUGE, "on": ANY}]  # fmt: skip
+    for given in bad:
+        out = _guarded(3 * K)
+        assert rows(out, **given) == -2 and _untouched(out), given
+    out = _guarded(3 * K)
+    assert rows(out) == 0 and _untouched(out[3 * K :])
+    assert torch.equal(out[: 3 * K].view(3, K), w.dense()[ids])
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_packing_checks_its_buffers(build):
+    """kvlm_qpack: N stored rows of K within the source's sn bytes, the packed [N, K]
+    within dst's dn bytes; K whole blocks; each order entry in [0, N)."""
+    lib = _kernels(build)
+    K, N = 64, 20
+    row = K // 32 * 34  # Q8_0: 34 bytes a block of 32
+    src = torch.randint(
+        0, 256, (N, row), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+    need, order = quant.packed_bytes("q8", N, K), torch.arange(N).flip(0)
+    good = {"sn": N * row, "N": N, "K": K, "order": order, "dn": need}
+
+    def call(dst: torch.Tensor, **given) -> int:
+        a = {**good, **given}
+        return lib.kvlm_qpack(8, src.data_ptr(), a["sn"], a["N"], a["K"], a["order"].data_ptr(),
+                              dst.data_ptr(), a["dn"])  # fmt: skip
+
+    bad = [{"sn": N * row - 1}, {"dn": need - 1}, {"sn": -1}, {"dn": -1},
+           {"N": N + 1, "order": torch.arange(N + 1)},  # a row more than the source holds
+           {"K": K - 16}, {"order": torch.arange(N).index_fill(0, torch.tensor([3]), N)},
+           {"N": HUGE, "sn": ANY, "dn": ANY}]  # fmt: skip
+    for given in bad:
+        dst = _guarded(need, torch.uint8)
+        assert call(dst, **given) == -2 and _untouched(dst), given
+    dst = _guarded(need, torch.uint8)
+    assert call(dst) == 0 and _untouched(dst[need:])
+    ref = quant.QuantWeight.from_blocks("q8", src, order, reference=True)
+    assert torch.equal(dst[:need], ref.data.reshape(-1))
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_prompt_attention_checks_its_buffers(build):
+    """kvlm_attend: q, k, v, the mask and out each within its count at the strides it is
+    given ((H - 1) qsh + (T - 1) qst + D elements of q, and so on), no stride negative, H a
+    multiple of Hkv. A shape the kernel does not take is -3 (declined: torch's SDPA), not
+    the -2 of sizes that disagree."""
+    lib = _kernels(build)
+    H, T, D, Hkv, S = 2, 3, 16, 1, 3
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, L, D, generator=g) for n, L in ((H, T), (Hkv, S), (Hkv, S)))
+    mask = torch.ones(T, S, dtype=torch.bool).tril()
+    on = T * H * D
+    good = {"qn": q.numel(), "H": H, "T": T, "qsh": T * D, "qst": D, "kn": k.numel(),
+            "vn": v.numel(), "Hkv": Hkv, "S": S, "ksh": S * D, "kst": D, "vsh": S * D, "vst": D,
+            "mn": mask.numel(), "mst": S, "on": on, "bf16_from": T}  # fmt: skip
+
+    def call(out: torch.Tensor, **given) -> int:
+        a = {**good, **given}
+        return lib.kvlm_attend(
+            q.data_ptr(), a["qn"], a["H"], a["T"], D, a["qsh"], a["qst"], k.data_ptr(),
+            a["kn"], v.data_ptr(), a["vn"], a["Hkv"], a["S"], a["ksh"], a["kst"], a["vsh"],
+            a["vst"], mask.data_ptr(), a["mn"], a["mst"], 0, D**-0.5, out.data_ptr(), a["on"],
+            a["bf16_from"],
+        )  # fmt: skip
+
+    bad = [{"qn": q.numel() - 1}, {"kn": k.numel() - 1}, {"vn": v.numel() - 1},
+           {"mn": mask.numel() - 1}, {"on": on - 1}, {"qst": D + 1}, {"kst": D + 1},
+           {"vst": D + 1}, {"mst": S + 1}, {"qst": -D}, {"qn": -1}, {"on": -1},
+           {"H": 3, "Hkv": 2}, {"T": 0}, {"S": 0}, {"kst": HUGE, "kn": ANY},
+           {"T": HUGE, "qst": 0, "mst": 0, "on": ANY}]  # fmt: skip
+    for given in bad:
+        out = _guarded(on)
+        assert call(out, **given) == -2 and _untouched(out), given
+    out = _guarded(on)
+    assert call(out, bf16_from=0) == -3 and _untouched(out)  # bf16 pairs: D 64 or 128 only
+    assert call(out) == 0 and _untouched(out[on:])
+    ref = F.scaled_dot_product_attention(q[None], k.expand(H, S, D)[None], v.expand(H, S, D)[None],
+                                         attn_mask=mask)  # fmt: skip
+    torch.testing.assert_close(out[:on].view(T, H, D), ref[0].transpose(0, 1))
+
+
+def test_a_weight_shorter_than_its_shape_is_refused_not_read_past(monkeypatch):
+    """The Python callers hand each kernel the lengths of the tensors themselves: a packed
+    weight whose bytes are fewer than its shape says (one block of 16 rows for 20) is
+    refused in a clear ValueError by every road that reads it. Attention's -2 (sizes that
+    disagree; torch's views never do) is a ValueError too, its -3 (declined) torch's SDPA."""
+    if kernels.library() is None:
+        pytest.skip(kernels.status())
+    short = quant.QuantWeight._wrap("q8", 20, 64, _q8(20, 64).data[:1])
+    for road in (lambda: short.matmul(torch.randn(1, 64)),
+                 lambda: short.matmul(torch.randn(2, 64), act_int8=True),
+                 lambda: short.matmul(torch.randn(2, 64), prompt=True),
+                 lambda: short.dense(), lambda: short.rows(torch.tensor([19]))):  # fmt: skip
+        with pytest.raises(ValueError, match="refused"):
+            road()
+    q = torch.randn(1, 2, 4, 16)
+    monkeypatch.setattr(kernels, "library", lambda: SimpleNamespace(kvlm_attend=lambda *a: -3))
+    assert _attend_kernel(q, q, q, None, True) is None
+    monkeypatch.setattr(kernels, "library", lambda: SimpleNamespace(kvlm_attend=lambda *a: -2))
+    with pytest.raises(ValueError, match="refused attention"):
+        _attend_kernel(q, q, q, None, True)

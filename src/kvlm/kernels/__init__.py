@@ -45,7 +45,7 @@ import torch  # loaded first, so the kernels share torch's OpenMP runtime
 
 SOURCE = Path(__file__).with_name("qgemm.c")
 HEADERS = (Path(__file__).with_name("v512.h"),)  # qgemm.c includes them (quoted: beside it)
-ABI = 21
+ABI = 22
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 120
 WORK_PREFIX, WORK_SUFFIX = ".qgemm-", ".tmp"  # a build's private directory in the cache
@@ -314,17 +314,19 @@ def _build(cc: str, flags: tuple[str, ...] = FLAGS) -> Path:
 
 
 # each function's arguments (p a pointer, i an int64, d a double), named as in qgemm.c;
-# each returns an int, kvlm_decode_scratch an int64
+# each returns an int, kvlm_decode_scratch an int64. A buffer's length follows it (xn: x's
+# elements, wn: w's bytes, ...; qgemm.c's "the sizes an entry point is given"): the
+# kernels refuse a call (-2) whose buffers are shorter than its shape needs.
 _SIGNATURES = {
-    "kvlm_qgemm": "ipiipipi",  # kind, x, M, K, w, N, y, ldy
-    "kvlm_qgemm_i8": "ipiipipii",  # ..., fine (an int8 residual: 16 bits)
-    "kvlm_qdequant": "iiipip",  # kind, bf16, K, w, N, out
-    "kvlm_qdequant_rows": "iippip",  # kind, K, w, rows, n, out
-    "kvlm_qpack": "ipiipp",  # kind, blocks, N, K, order, out
+    "kvlm_qgemm": "ipiiipiipii",  # kind, x, xn, M, K, w, wn, N, y, yn, ldy
+    "kvlm_qgemm_i8": "ipiiipiipiii",  # ..., fine (an int8 residual: 16 bits)
+    "kvlm_qdequant": "iiipiipi",  # kind, bf16, K, w, wn, N, out, on (bytes)
+    "kvlm_qdequant_rows": "iipiipipi",  # kind, K, w, wn, N, rows, n, out, on
+    "kvlm_qpack": "ipiiippi",  # kind, blocks, sn, N, K, order, out, dn
     "kvlm_silu_mul": "piip",  # gu, M, I, out
-    # q, H, T, D, qsh, qst, k, v, Hkv, S, ksh, kst, vsh, vst, mask, mst, causal, scale, out,
-    # bf16
-    "kvlm_attend": "piiiiippiiiiiipiidpi",
+    # q, qn, H, T, D, qsh, qst, k, kn, v, vn, Hkv, S, ksh, kst, vsh, vst, mask, mn, mst,
+    # causal, scale, out, on, bf16_from
+    "kvlm_attend": "piiiiiipipiiiiiiipiiidpii",
     "kvlm_rms_norm": "piiipidpi",  # x, M, N, xs, w, wn, eps, y, ys
     # qkv, M, rs, nq, nk, D, qn, kn, nn, eps, cos, sin, cs
     "kvlm_qk_norm_rope": "piiiiippidppi",

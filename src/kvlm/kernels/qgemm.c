@@ -91,6 +91,59 @@ static inline int known_kind(int64_t kind) {
            kind == Q4K || kind == Q5K || kind == Q6K;
 }
 
+static inline int is_k(int kind) { return kind == Q4K || kind == Q5K || kind == Q6K; }
+
+/* bytes of a block as a GGUF file stores it (kvlm_qpack's input), and the weights it
+ * holds: a row of K weights is K / weights blocks */
+static inline int64_t ggml_block_bytes(int kind) {
+    switch (kind) {
+    case Q8: return 34;
+    case Q4: return 20;
+    case Q40: return 18;
+    case Q50: return 22;
+    case Q51: return 24;
+    case Q4K: return 144;
+    case Q5K: return 176;
+    default: return 210;
+    }
+}
+
+static inline int64_t ggml_block_weights(int kind) { return is_k(kind) ? 256 : G; }
+
+/* ---- the sizes an entry point is given ----
+ * Every buffer an entry point reads or writes comes with its length (elements of its
+ * type, or bytes), and the call is refused (-2) before any of them is touched unless the
+ * furthest element it would touch lies within: native code does not take Python's word
+ * for a shape. Lengths and shapes are untrusted int64s, so their products are taken here
+ * with checks for negative values and overflow. */
+
+/* *r = a * b (a + b) when a, b >= 0 and it fits an int64: 1; else 0, *r unset */
+static inline int mul_ok(int64_t a, int64_t b, int64_t *r) {
+    return a >= 0 && b >= 0 && !__builtin_mul_overflow(a, b, r);
+}
+static inline int add_ok(int64_t a, int64_t b, int64_t *r) {
+    return a >= 0 && b >= 0 && !__builtin_add_overflow(a, b, r);
+}
+
+/* *r = bytes of a packed [n, k] weight of a known kind (quant.packed_bytes): ceil(n / 16)
+ * blocks of 16 rows of k / weights stored blocks each. 0 when n < 0, k < 1, k is not
+ * whole blocks of the kind, or the size overflows. */
+static int packed_size(int kind, int64_t n, int64_t k, int64_t *r) {
+    int64_t row, block;
+    if (n < 0 || k < 1 || k % ggml_block_weights(kind)) return 0;
+    return mul_ok(k / ggml_block_weights(kind), ggml_block_bytes(kind), &row) &&
+           mul_ok(row, BR, &block) && mul_ok(n / BR + (n % BR != 0), block, r);
+}
+
+/* *r = one past the furthest element of [n0][n1][d] at strides s0, s1 (d contiguous):
+ * (n0 - 1) s0 + (n1 - 1) s1 + d. 0 when a count is under 1, a stride negative, or it
+ * overflows. */
+static int extent_ok(int64_t n0, int64_t s0, int64_t n1, int64_t s1, int64_t d, int64_t *r) {
+    int64_t a, b, c;
+    return n0 >= 1 && n1 >= 1 && d >= 1 && mul_ok(n0 - 1, s0, &a) && mul_ok(n1 - 1, s1, &b) &&
+           add_ok(a, b, &c) && add_ok(c, d, r);
+}
+
 /* fp32 -> bf16 as torch rounds it (nearest even; NaN stays a quiet NaN) */
 static inline uint16_t to_bf16(float f) {
     uint32_t u;
@@ -146,7 +199,7 @@ static inline uint16_t to_f16(float f) {
 #endif
 }
 
-int kvlm_kernel_abi(void) { return 21; }
+int kvlm_kernel_abi(void) { return 22; }
 
 /* 512: AVX-512; 256: the same code on AVX2 (two halves per vector); 0: scalar loops */
 int kvlm_kernel_simd(void) { return KVLM_V512; }
@@ -161,8 +214,6 @@ int kvlm_kernel_vnni(void) {
 }
 
 /* ---- the packed layout ---- */
-
-static inline int is_k(int kind) { return kind == Q4K || kind == Q5K || kind == Q6K; }
 
 /* bits of a code above its nibble: 1 (5-bit kinds), 2 (q6_k), 0 */
 static inline int high_bits(int kind) {
@@ -569,13 +620,26 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
     } while (0)
 #define FOR_KIND_BLOCKS(kind, M, N, BODY) FOR_KIND_LOOP(FOR_BLOCKS, kind, M, N, BODY)
 
-/* x [M, K] (M <= SMALL_ROWS), w packed [N, K] of `kind` -> y [M, N], row stride ldy >= N
- * (a column slice of a wider output). Returns 0; -1 when scratch memory cannot be had, -2
- * when M or the kind is out of range (y untouched). */
-int kvlm_qgemm(int64_t kind, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-               float *y, int64_t ldy) {
+/* Whether a product's sizes agree: a known kind, M >= 1, K whole blocks of the kind, x
+ * [M, K] within its xn floats, w a packed [N, K] within its wn bytes, and y's rows of N at
+ * stride ldy >= N, (M - 1) ldy + N floats, within its yn. */
+static int product_ok(int64_t kind, int64_t M, int64_t K, int64_t xn, int64_t wn, int64_t N,
+                      int64_t ldy, int64_t yn) {
+    int64_t need, last;
+    if (!known_kind(kind) || M < 1 || N < 0 || ldy < N) return 0;
+    if (!packed_size((int)kind, N, K, &need) || wn < need) return 0;
+    if (!mul_ok(M, K, &need) || xn < need) return 0;
+    return mul_ok(M - 1, ldy, &last) && add_ok(last, N, &need) && yn >= need;
+}
+
+/* x [M, K] (M <= SMALL_ROWS; xn floats), w packed [N, K] of `kind` (wn bytes) -> y [M, N],
+ * row stride ldy >= N (a column slice of a wider output; yn floats from y on). Returns 0;
+ * -1 when scratch memory cannot be had, -2, nothing read or written, when M or the kind is
+ * out of range or a buffer is shorter than the shape needs (product_ok). */
+int kvlm_qgemm(int64_t kind, const float *x, int64_t xn, int64_t M, int64_t K,
+               const uint8_t *w, int64_t wn, int64_t N, float *y, int64_t yn, int64_t ldy) {
     const int64_t groups = K / G;
-    if (M < 1 || M > SMALL_ROWS || !known_kind(kind)) return -2;
+    if (M > SMALL_ROWS || !product_ok(kind, M, K, xn, wn, N, ldy, yn)) return -2;
     float *xs = (float *)act_scratch((size_t)M * groups * sizeof(float));
     if (!xs) return -1;
     for (int64_t t = 0; t < M * groups; t++) { /* each group's sum of x (the z terms) */
@@ -838,11 +902,13 @@ block_product_i8(int kind, const int R, const int FINE, kvlm_block B, int64_t gr
 
 /* As kvlm_qgemm with x rounded to int8 per group, and with fine != 0 to 16 bits (int8
  * codes and an int8 residual: kvlm_actrow), at any row count M (more than SMALL_ROWS: a
- * prompt's rows; with a residual MT rows a pass, its chains of sums twice as many). */
-int kvlm_qgemm_i8(int64_t kind, const float *x, int64_t M, int64_t K, const uint8_t *w,
-                  int64_t N, float *y, int64_t ldy, int64_t fine) {
+ * prompt's rows; with a residual MT rows a pass, its chains of sums twice as many). -2
+ * as kvlm_qgemm's, and for a fine other than 0 or 1. */
+int kvlm_qgemm_i8(int64_t kind, const float *x, int64_t xn, int64_t M, int64_t K,
+                  const uint8_t *w, int64_t wn, int64_t N, float *y, int64_t yn, int64_t ldy,
+                  int64_t fine) {
     const int64_t groups = K / G;
-    if (M < 1 || !known_kind(kind) || (fine != 0 && fine != 1)) return -2;
+    if ((fine != 0 && fine != 1) || !product_ok(kind, M, K, xn, wn, N, ldy, yn)) return -2;
     const int F = (int)fine;
     const size_t rows_at = ((size_t)M * actrow_bytes(K, F) + 63) / 64 * 64;
     char *buf = act_scratch(rows_at + (size_t)M * sizeof(kvlm_actrow));
@@ -994,21 +1060,34 @@ dequant_row(int kind, int bf16, int64_t groups, kvlm_block B, int i, void *out) 
         else DEQUANT_ROWS(KIND, 0);                                                          \
     } while (0)
 
-/* The dense weight [N, K] of packed w: fp32, or bf16 (--prefill-dtype bf16). Returns 0, or
- * -2 for an unknown kind (out untouched). */
-int kvlm_qdequant(int64_t kind, int64_t bf16, int64_t K, const uint8_t *w, int64_t N,
-                  void *out) {
+/* The dense weight [N, K] of packed w (wn bytes) into out (on bytes): fp32, or bf16 != 0
+ * bf16 (--prefill-dtype bf16). Returns 0, or -2, nothing read or written, for an unknown
+ * kind, a bf16 other than 0 or 1, K not whole blocks of the kind, or a buffer shorter than
+ * [N, K] needs. */
+int kvlm_qdequant(int64_t kind, int64_t bf16, int64_t K, const uint8_t *w, int64_t wn,
+                  int64_t N, void *out, int64_t on) {
     const int64_t groups = K / G;
+    int64_t need, elems;
+    if (!known_kind(kind) || (bf16 != 0 && bf16 != 1)) return -2;
+    if (!packed_size((int)kind, N, K, &need) || wn < need) return -2;
+    if (!mul_ok(N, K, &elems) || !mul_ok(elems, bf16 ? 2 : 4, &need) || on < need) return -2;
     EACH_KIND(kind, DEQUANT_KIND);
     return 0;
 }
 
-/* Rows rows[0 .. n) of packed w [N, K] into out [n, K] fp32 (the embedding lookup of a
- * table kept in its stored format). The caller checks 0 <= rows[t] < N. Returns 0, or -2
- * for an unknown kind. */
-int kvlm_qdequant_rows(int64_t kind, int64_t K, const uint8_t *w, const int64_t *rows,
-                       int64_t n, float *out) {
+/* Rows rows[0 .. n) of packed w [N, K] (wn bytes) into out [n, K] fp32 (on floats): the
+ * embedding lookup of a table kept in its stored format. Returns 0, or -2, nothing
+ * written, for an unknown kind, K not whole blocks of the kind, a buffer shorter than its
+ * shape needs, or a row outside [0, N). */
+int kvlm_qdequant_rows(int64_t kind, int64_t K, const uint8_t *w, int64_t wn, int64_t N,
+                       const int64_t *rows, int64_t n, float *out, int64_t on) {
     const int64_t groups = K / G;
+    int64_t need;
+    if (!known_kind(kind) || n < 0) return -2;
+    if (!packed_size((int)kind, N, K, &need) || wn < need) return -2;
+    if (!mul_ok(n, K, &need) || on < need) return -2;
+    for (int64_t t = 0; t < n; t++)
+        if (rows[t] < 0 || rows[t] >= N) return -2;
 #define DEQUANT_PICKED(KIND)                                                                 \
     for (int64_t t = 0; t < n; t++)                                                          \
         dequant_row(KIND, 0, groups, block_at(KIND, w, groups, rows[t] / BR),                \
@@ -1030,22 +1109,6 @@ int kvlm_qdequant_rows(int64_t kind, int64_t K, const uint8_t *w, const int64_t 
  * ggml's qs[j] of the 32-weight blocks holds element j (low nibble) and j + 16 (high):
  * the layout's own nibble bytes, copied as they are. Parameters are copied as stored
  * (fp16 and 6-bit scales alike): the packed weight holds the file's numbers. */
-
-/* bytes of a stored block, and the weights it holds */
-static inline int64_t ggml_block_bytes(int kind) {
-    switch (kind) {
-    case Q8: return 34;
-    case Q4: return 20;
-    case Q40: return 18;
-    case Q50: return 22;
-    case Q51: return 24;
-    case Q4K: return 144;
-    case Q5K: return 176;
-    default: return 210;
-    }
-}
-
-static inline int64_t ggml_block_weights(int kind) { return is_k(kind) ? 256 : G; }
 
 /* The row packer works on 32-bit words, 4 bytes of a row at once (a lane's width): byte b
  * of a word is the byte at address + b (little-endian, as everywhere in this file), and
@@ -1147,15 +1210,18 @@ static inline __attribute__((always_inline)) void pack_row(int kind, const uint8
 /* The packed weight [N, K] of `kind` from its stored blocks: row n is src row order[n]
  * (order NULL: row n; a permutation applied as the rows are read, llama's q/k rows), each
  * K / per * bytes long; dst: ceil(N / 16) blocks of 16 x that many bytes, every byte
- * written (rows past N zero). Blocks of 16 rows in parallel. Returns 0, or -2 for an
- * unknown kind, a K that is not whole blocks, or an order entry outside [0, N) (nothing
- * written). */
-int kvlm_qpack(int64_t kind, const uint8_t *src, int64_t N, int64_t K, const int64_t *order,
-               uint8_t *dst) {
-    if (!known_kind(kind) || N < 0 || K <= 0 || K % ggml_block_weights((int)kind)) return -2;
+ * written (rows past N zero). Blocks of 16 rows in parallel. src holds sn bytes, dst dn.
+ * Returns 0, or -2, nothing written, for an unknown kind, a K that is not whole blocks, a
+ * buffer shorter than its shape needs (src N rows, dst the packed [N, K]), or an order
+ * entry outside [0, N). */
+int kvlm_qpack(int64_t kind, const uint8_t *src, int64_t sn, int64_t N, int64_t K,
+               const int64_t *order, uint8_t *dst, int64_t dn) {
+    int64_t need;
+    if (!known_kind(kind) || !packed_size((int)kind, N, K, &need) || dn < need) return -2;
+    const int64_t row_bytes = K / ggml_block_weights((int)kind) * ggml_block_bytes((int)kind);
+    if (!mul_ok(N, row_bytes, &need) || sn < need) return -2; /* row_bytes: packed_size's */
     for (int64_t n = 0; order && n < N; n++)
         if (order[n] < 0 || order[n] >= N) return -2;
-    const int64_t row_bytes = K / ggml_block_weights((int)kind) * ggml_block_bytes((int)kind);
 #define PACK_KIND(KIND)                                                                      \
     do {                                                                                     \
         _Pragma("omp parallel for schedule(dynamic)") /* the CPUs may be shared */           \
@@ -2585,22 +2651,16 @@ static void pv_i8_rows(int ng, float *p, const kv_span *V, const kv_span *Vp, in
 
 static inline int64_t query_stride(int64_t D) { return (D + 63) / 64 * 64; } /* int8 bytes */
 
-/* Bytes of a packed [n, k] weight of `kind` (quant.packed_bytes): blocks of BR rows */
-static inline int64_t packed_bytes(int kind, int64_t n, int64_t k) {
-    return (n + BR - 1) / BR * BR * (k / ggml_block_weights(kind) * ggml_block_bytes(kind));
-}
-
 /* Whether w is an [n, k] product of 1..QMAT_PARTS parts whose rows add up to n, each of a
  * known kind, k whole blocks of it, and exactly the bytes n rows of k take */
 static int qmat_ok(const kvlm_qmat *w, int64_t n, int64_t k) {
     if (w->n != n || w->k != k || n < 1 || k < 1 || w->parts < 1 || w->parts > QMAT_PARTS)
         return 0;
-    int64_t rows = 0;
+    int64_t rows = 0, need;
     for (int64_t p = 0; p < w->parts; p++) {
         const kvlm_qpart *P = w->part + p;
-        if (!known_kind(P->kind) || !P->data || P->n < 1) return 0;
-        if (k % ggml_block_weights((int)P->kind) || P->bytes != packed_bytes((int)P->kind, P->n, k))
-            return 0;
+        if (!known_kind(P->kind) || !P->data || P->n < 1 || P->n > n) return 0;
+        if (!packed_size((int)P->kind, P->n, k, &need) || P->bytes != need) return 0;
         rows += P->n;
     }
     return rows == n;
@@ -2643,11 +2703,15 @@ static int matmul_rows(const kvlm_qmat *w, const float *x, int64_t B, float *y, 
         const int64_t M = B - r < SMALL_ROWS ? B - r : SMALL_ROWS;
         const float *xr = x + r * w->k;
         float *yr = y + r * w->n;
+        const int64_t xn = (B - r) * w->k, yn = (B - r) * w->n; /* from xr, yr on */
         for (int64_t p = 0, col = 0; p < w->parts; col += w->part[p].n, p++) {
             const kvlm_qpart *P = w->part + p; /* its outputs: columns col .. col + n - 1 */
-            if (act && kvlm_qgemm_i8(P->kind, xr, M, w->k, P->data, P->n, yr + col, w->n, act == 2) == 0)
+            if (act && kvlm_qgemm_i8(P->kind, xr, xn, M, w->k, P->data, P->bytes, P->n, yr + col,
+                                     yn - col, w->n, act == 2) == 0)
                 continue;
-            if (kvlm_qgemm(P->kind, xr, M, w->k, P->data, P->n, yr + col, w->n) != 0) return -1;
+            if (kvlm_qgemm(P->kind, xr, xn, M, w->k, P->data, P->bytes, P->n, yr + col, yn - col,
+                           w->n) != 0)
+                return -1;
         }
     }
     return 0;
@@ -3343,9 +3407,11 @@ static inline uint16_t bf16_round(float x) {
  * rounded to bf16, multiplied in pairs (vdpbf16ps), scores, softmax and sums in fp32
  * (attend_prompt_rows_bf16; AVX512-BF16 only); the rows before it in fp32
  * (attend_prompt_rows). Either way a row's bits depend on its own query and the keys it
- * sees alone. Returns 0; -1 when scratch memory cannot be had; -2, touching nothing, for
- * a shape it does not take (D not a multiple of 16 or over 256 (bf16 rows: not 64 or 128),
- * no AVX-512 (bf16 rows: no AVX512-BF16): the caller uses torch's SDPA). */
+ * sees alone. qn, kn, vn, mn, on: the elements of q, k, v, mask and out from each pointer
+ * on. Returns 0; -1 when scratch memory cannot be had; -2, touching nothing, for sizes
+ * that disagree (attend_ok); -3, touching nothing, for a shape it does not take (D not a
+ * multiple of 16 or over 256 (bf16 rows: not 64 or 128), no AVX-512 (bf16 rows: no
+ * AVX512-BF16): the caller uses torch's SDPA). */
 static int attend_prompt_bf16(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh,
                        int64_t qst, const float *k, const float *v, int64_t Hkv, int64_t S,
                        int64_t ksh, int64_t kst, int64_t vsh, int64_t vst, const uint8_t *mask,
@@ -3411,22 +3477,41 @@ static int attend_prompt_scalar(const float *q, int64_t H, int64_t T, int64_t D,
 }
 #endif
 
-int kvlm_attend(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh, int64_t qst,
-                const float *k, const float *v, int64_t Hkv, int64_t S, int64_t ksh,
-                int64_t kst, int64_t vsh, int64_t vst, const uint8_t *mask, int64_t mst,
-                int64_t causal, double scale, float *out, int64_t bf16_from) {
+/* Whether kvlm_attend's sizes agree: H, T, D, Hkv, S >= 1, H a multiple of Hkv, strides
+ * not negative, and within each buffer's count the furthest element the call may touch
+ * (every build reads keys 0 .. S - 1 at most): q (H - 1) qsh + (T - 1) qst + D, k and v
+ * (Hkv - 1) sh + (S - 1) st + D, mask (T - 1) mst + S, out T H D. */
+static int attend_ok(int64_t qn, int64_t H, int64_t T, int64_t D, int64_t qsh, int64_t qst,
+                     int64_t kn, int64_t vn, int64_t Hkv, int64_t S, int64_t ksh, int64_t kst,
+                     int64_t vsh, int64_t vst, const uint8_t *mask, int64_t mn, int64_t mst,
+                     int64_t on) {
+    int64_t need, rows;
+    if (H < 1 || Hkv < 1 || H % Hkv) return 0;
+    if (!extent_ok(H, qsh, T, qst, D, &need) || qn < need) return 0;
+    if (!extent_ok(Hkv, ksh, S, kst, D, &need) || kn < need) return 0;
+    if (!extent_ok(Hkv, vsh, S, vst, D, &need) || vn < need) return 0;
+    if (mask && (!extent_ok(1, 0, T, mst, S, &need) || mn < need)) return 0;
+    return mul_ok(T, H, &rows) && mul_ok(rows, D, &need) && on >= need;
+}
+
+int kvlm_attend(const float *q, int64_t qn, int64_t H, int64_t T, int64_t D, int64_t qsh,
+                int64_t qst, const float *k, int64_t kn, const float *v, int64_t vn, int64_t Hkv,
+                int64_t S, int64_t ksh, int64_t kst, int64_t vsh, int64_t vst,
+                const uint8_t *mask, int64_t mn, int64_t mst, int64_t causal, double scale,
+                float *out, int64_t on, int64_t bf16_from) {
+    if (!attend_ok(qn, H, T, D, qsh, qst, kn, vn, Hkv, S, ksh, kst, vsh, vst, mask, mn, mst, on))
+        return -2;
     const int64_t b = bf16_from < 0 ? 0 : bf16_from > T ? T : bf16_from;
-    if (T < 1 || S < 1 || Hkv < 1 || H % Hkv) return -2;
 #if !defined(KVLM_ATTEND_BF16)
-    if (b < T) return -2;
+    if (b < T) return -3;
 #endif
-    if (b < T && D != 64 && D != 128) return -2;
+    if (b < T && D != 64 && D != 128) return -3;
 #if !KVLM_V512
     if (b > 0) /* the scalar build: every row in fp32, one key after another */
         return attend_prompt_scalar(q, H, T, D, qsh, qst, k, v, Hkv, S, ksh, kst, vsh, vst,
                                     mask, mst, causal, scale, out);
 #endif
-    if (b > 0 && (D % 16 || D > 256)) return -2;
+    if (b > 0 && (D % 16 || D > 256)) return -3;
     int rc = 0;
     if (b < T) /* the longest rows first */
         rc = attend_prompt_bf16(q, H, T, D, qsh, qst, k, v, Hkv, S, ksh, kst, vsh, vst, mask,
@@ -3446,7 +3531,7 @@ static int attend_prompt_f32(const float *q, int64_t H, int64_t D, int64_t qsh,
     (void)q, (void)H, (void)D, (void)qsh, (void)qst, (void)k, (void)v, (void)Hkv;
     (void)S, (void)ksh, (void)kst, (void)vsh, (void)vst, (void)mask, (void)mst, (void)causal;
     (void)scale, (void)out, (void)r1;
-    return -2;
+    return -3;
 #else
     /* rows per pass and key vectors per block: D = 64 4 x 2, D = 128 2 x 4, else 1 x 2 */
     const int R = D == 64 ? 4 : D == 128 ? 2 : 1, NK = D == 128 ? 4 : 2, KB = 16 * NK;
@@ -3508,7 +3593,7 @@ static int attend_prompt_bf16(const float *q, int64_t H, int64_t T, int64_t D, i
     (void)q, (void)H, (void)T, (void)D, (void)qsh, (void)qst, (void)k, (void)v, (void)Hkv;
     (void)S, (void)ksh, (void)kst, (void)vsh, (void)vst, (void)mask, (void)mst, (void)causal;
     (void)scale, (void)out, (void)r0;
-    return -2;
+    return -3;
 #else
     /* rows per pass and key vectors per block as the fp32 kernel's */
     const int R = D == 64 ? 4 : 2, NK = D == 64 ? 2 : 4, KB = 16 * NK;

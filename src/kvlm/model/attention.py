@@ -355,6 +355,12 @@ def attend_decode(
     return out.to(q.dtype).reshape(B, H, 1, D)
 
 
+def _room(t: torch.Tensor) -> int:
+    """Elements of t's storage from t's first element on: what a kernel handed
+    t.data_ptr() may read, whatever t's shape and strides."""
+    return t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+
+
 def _attend_kernel(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -382,6 +388,8 @@ def _attend_kernel(
         return None
     _, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
+    if T < 1 or S < 1:
+        return None
     if q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if mask is not None:
@@ -389,14 +397,22 @@ def _attend_kernel(
         if mask.stride(1) != 1:
             mask = mask.contiguous()
     out = torch.empty(1, T, H, D, dtype=torch.float32)
+    # each buffer's elements from its pointer on (q, k, v: views of a wider buffer, read at
+    # their strides): the kernel refuses (-2) strides that would take it past them
     rc = lib.kvlm_attend(
-        q.data_ptr(), H, T, D, q.stride(1), q.stride(2),
-        k.data_ptr(), v.data_ptr(), Hkv, S, k.stride(1), k.stride(2), v.stride(1), v.stride(2),
-        None if mask is None else mask.data_ptr(), 0 if mask is None else mask.stride(0),
-        int(causal and mask is None), D**-0.5, out.data_ptr(), T if bf16_row is None else bf16_row,
+        q.data_ptr(), _room(q), H, T, D, q.stride(1), q.stride(2), k.data_ptr(), _room(k),
+        v.data_ptr(), _room(v), Hkv, S, k.stride(1), k.stride(2), v.stride(1), v.stride(2),
+        None if mask is None else mask.data_ptr(), 0 if mask is None else _room(mask),
+        0 if mask is None else mask.stride(0), int(causal and mask is None), D**-0.5,
+        out.data_ptr(), out.numel(), T if bf16_row is None else bf16_row,
     )  # fmt: skip
-    if rc == -2:
+    if rc == -3:  # a head size or CPU it does not take
         return None
+    if rc == -2:
+        raise ValueError(
+            f"the kernels refused attention of q {list(q.shape)} over k "
+            f"{list(k.shape)}, v {list(v.shape)}: a shape or stride past a buffer"
+        )
     if rc != 0:
         raise MemoryError("no scratch memory for the prompt's attention")
     return out.transpose(1, 2)  # (1, H, T, D), a view: the caller's transpose back is free

@@ -240,7 +240,7 @@ class QuantWeight:
             for b0 in range(0, p.data.shape[0], per):
                 rows = min(p.out_features, (b0 + per) * BLOCK_ROWS) - b0 * BLOCK_ROWS
                 w = _scratch(rows * k, dtype).view(rows, k)
-                _dequant(lib, p, p.data[b0], w)
+                _dequant(lib, p, p.data[b0:], w)
                 at = col + b0 * BLOCK_ROWS
                 y[:, at : at + rows] = row_blocks(xd, lambda xb, w=w: torch.matmul(xb, w.t()), rows)
             col += p.out_features
@@ -261,11 +261,13 @@ class QuantWeight:
             return self._dense_rows[flat].view(*ids.shape, self.in_features)
         out = torch.empty(flat.numel(), self.in_features, dtype=torch.float32)
         if flat.numel():
-            code, k = KIND_CODES[self.kind], self.in_features
-            rc = lib.kvlm_qdequant_rows(code, k, self.data.data_ptr(), flat.data_ptr(),
-                                        flat.numel(), out.data_ptr())  # fmt: skip
+            code, k, w = KIND_CODES[self.kind], self.in_features, self.data
+            rc = lib.kvlm_qdequant_rows(code, k, w.data_ptr(), _nbytes(w), self.out_features,
+                                        flat.data_ptr(), flat.numel(), out.data_ptr(),
+                                        out.numel())  # fmt: skip
             if rc != 0:
-                raise ValueError(f"the kernels refused {self.kind} rows")
+                raise ValueError(f"the kernels refused {self.kind} rows of a [{self.out_features}, "
+                                 f"{k}] weight in {_nbytes(w)} bytes")  # fmt: skip
         return out.view(*ids.shape, self.in_features)
 
     def matmul(
@@ -315,6 +317,10 @@ class QuantWeight:
             return self._tiled(lib, x, torch.bfloat16 if prefill_bf16 else torch.float32)
         n = self.out_features
         y = torch.empty(m, n, dtype=torch.float32) if out is None else out
+        if x.dtype != torch.float32 or not x.is_contiguous() or not y.is_contiguous():
+            raise ValueError("the kernels take x and out as contiguous fp32")
+        if y.dtype != torch.float32 or y.shape != (m, n):
+            raise ValueError(f"out must be fp32 [{m}, {n}], not {y.dtype} {list(y.shape)}")
         step = PROMPT_ROWS if act_int8 else SMALL_M
         if m > step:  # bounded scratch (int8) or the C kernel's most rows (fp32): a row's
             for i in range(0, m, step):  # result is the same in any call
@@ -323,13 +329,19 @@ class QuantWeight:
             return y
         col = 0
         for p in self.parts():  # each part's outputs: columns col .. of y (row stride n)
-            args = (KIND_CODES[p.kind], x.data_ptr(), m, k, p.data.data_ptr(), p.out_features,
-                    y.data_ptr() + 4 * col, n)  # fmt: skip
+            # each buffer's length from the tensor itself: the kernel refuses (-2) a shape
+            # its buffers are too short for
+            args = (KIND_CODES[p.kind], x.data_ptr(), x.numel(), m, k, p.data.data_ptr(),
+                    _nbytes(p.data), p.out_features, y.data_ptr() + 4 * col, y.numel() - col,
+                    n)  # fmt: skip
             rc = lib.kvlm_qgemm_i8(*args, int(act_int16)) if act_int8 else lib.kvlm_qgemm(*args)
             if rc == -1:
                 raise MemoryError("no scratch memory for a low-bit product")
             if rc != 0:
-                raise ValueError(f"the kernels refused a {p.kind} product of {m} rows")
+                raise ValueError(
+                    f"the kernels refused a {p.kind} product of [{m}, {k}] rows by "
+                    f"a [{p.out_features}, {k}] weight in {_nbytes(p.data)} bytes"
+                )
             col += p.out_features
         return y
 
@@ -337,12 +349,23 @@ class QuantWeight:
 BLOCK_ROWS = 16  # rows per packed block: one per 32-bit lane of a 512-bit vector
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    """Bytes of a contiguous tensor: the length a kernel is given with its pointer."""
+    if not t.is_contiguous():
+        raise ValueError("the kernels take contiguous buffers")
+    return t.numel() * t.element_size()
+
+
 def _dequant(lib, q: QuantWeight, data: torch.Tensor, out: torch.Tensor) -> None:
     """The rows of `out` (fp32 or bf16 [rows, K], contiguous) of q's kind from its packed
-    `data`."""
+    `data` (from the first of those rows' blocks on)."""
     code, bf16, rows = KIND_CODES[q.kind], out.dtype == torch.bfloat16, out.shape[0]
-    if lib.kvlm_qdequant(code, bf16, q.in_features, data.data_ptr(), rows, out.data_ptr()) != 0:
-        raise ValueError(f"the kernels do not know the kind {q.kind!r}")
+    if out.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the kernels dequantize into fp32 or bf16, not {out.dtype}")
+    k, wn, on = q.in_features, _nbytes(data), _nbytes(out)
+    if lib.kvlm_qdequant(code, bf16, k, data.data_ptr(), wn, rows, out.data_ptr(), on) != 0:
+        raise ValueError(f"the kernels refused to dequantize {rows} {q.kind} rows of {k} from "
+                         f"{wn} bytes into {on}")  # fmt: skip
 
 
 def _new_data(nbytes: int) -> torch.Tensor:
@@ -483,13 +506,19 @@ def _pack_blocks(
         # x 1,536) is packed in pieces, each piece's file pages given back once packed:
         # the file and the packed table were both resident, a peak of the table's size.
         row_bytes = blocks.shape[1]
+        src_bytes = _nbytes(blocks) if tensor else blocks.nbytes  # of the array itself
         step = n if not mapped or order is not None else _rows_per_piece(row_bytes)
         per_block = packed_bytes(kind, BLOCK_ROWS, k)
         for a in range(0, n, step):
-            rows = min(step, n - a)
-            dst = out.data_ptr() + a // BLOCK_ROWS * per_block
-            if lib.kvlm_qpack(KIND_CODES[kind], src + a * row_bytes, rows, k, at, dst) != 0:
-                raise ValueError(f"the kernels refused to pack {kind} blocks (a bad row order?)")
+            rows, skip = min(step, n - a), a // BLOCK_ROWS * per_block
+            sn, dn = src_bytes - a * row_bytes, out.numel() - skip  # out: uint8, contiguous
+            rc = lib.kvlm_qpack(KIND_CODES[kind], src + a * row_bytes, sn, rows, k, at,
+                                out.data_ptr() + skip, dn)  # fmt: skip
+            if rc != 0:
+                raise ValueError(
+                    f"the kernels refused to pack {rows} rows of {k} {kind} weights from {sn} "
+                    f"bytes into {dn} (a bad row order?)"
+                )
             if step < n:
                 _release_pages(src + a * row_bytes, rows * row_bytes)
         return
