@@ -456,6 +456,78 @@ def test_a_killed_replica_ends_its_streams_cleanly_and_comes_back(server, client
     assert wait_for(back, timeout=120, step=1)
 
 
+# greedy, the default model loops on this and never ends it (700+ tokens): a request of
+# every surface is still running when its replica is killed
+ENDLESS = "Tell me a very long story about a cat."
+
+
+def _call(port: int, method: str, path: str, body: dict | None = None) -> tuple[int, dict, bytes]:
+    """One request with the key, read whole: (status, headers, body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        conn.request(method, path, data, {"Authorization": f"Bearer {KEY}",
+                                          "Content-Type": "application/json"})  # fmt: skip
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def _long_requests(model: str) -> dict[str, dict]:
+    """A request on each surface the ingress fronts, each long enough to be killed under."""
+    user = [{"role": "user", "content": ENDLESS}]
+    greedy = {"model": model, "temperature": 0}
+    return {
+        "/v1/chat/completions": greedy | {"messages": user, "max_tokens": 900, "ignore_eos": True},
+        "/v1/completions": greedy | {"prompt": ENDLESS, "max_tokens": 900, "ignore_eos": True},
+        "/v1/messages": greedy | {"messages": user, "max_tokens": 900},
+        "/v1/responses": greedy | {"input": ENDLESS, "max_output_tokens": 900, "store": False},
+    }
+
+
+@pytest.mark.slow
+def test_the_ingresss_own_503s_say_when_to_retry(server, model):
+    """Both replicas killed under a request of each surface (OpenAI chat and completions,
+    Anthropic messages, Responses): each answers the ingress's own 503 replica_failed with
+    Retry-After 1 (a live replica takes the retry), and /health, /metrics and /v1/kv,
+    while no replica answers, 503 with Retry-After 5 (new ones load their model). The
+    ingress's own 503s had no Retry-After; a replica's passed through."""
+    port, proc = server
+    assert wait_for(lambda: all_up(port))
+    bodies = _long_requests(model)
+    held = metrics(port)["kvlm_requests_held"]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        calls = {path: pool.submit(_call, port, "POST", path, b) for path, b in bodies.items()}
+
+        def running() -> bool:
+            return metrics(port)["kvlm_requests_held"] == held + len(bodies)
+
+        assert wait_for(running, timeout=120, step=0.1), metrics(port)
+        pids = _replica_pids(proc)
+        assert len(pids) == 2
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        down: dict[str, tuple[int, dict, bytes]] = {}
+
+        def scraped_down() -> bool:
+            for path in ("/health", "/metrics", "/v1/kv"):
+                if path not in down and (answer := _call(port, "GET", path))[0] == 503:
+                    down[path] = answer
+            return len(down) == 3
+
+        assert wait_for(scraped_down, timeout=60, step=0.05), down
+        answers = {path: call.result(timeout=120) for path, call in calls.items()}
+    for path, (status, headers, body) in answers.items():
+        assert status == 503, (path, status, body)
+        assert headers.get("retry-after") == "1", (path, headers)
+        assert json.loads(body)["error"]["code"] == "replica_failed", (path, body)
+    for path, (_, headers, body) in down.items():
+        assert headers.get("retry-after") == "5", (path, headers, body)
+
+    assert wait_for(lambda: all_up(port) and len(_replica_pids(proc)) == 2, timeout=120, step=1)
+
+
 def test_the_redis_tier_is_shared_by_two_replicas(round_robin, model):
     """Round-robin puts the second request on the other replica: the long prompt its twin
     computed comes from Redis, the same tokens, and the cluster's /metrics counts it."""
