@@ -15,6 +15,8 @@ answers while one replica does, and clean endings when a replica dies:
 - nothing sent yet: 503 with OpenAI's error body (code "replica_failed") and a Retry-After
   (RETRY_FAILED_S: the retry goes to another replica);
 - mid-SSE: a last `data: {"error": ...}` event, then the end of the stream;
+- under /v1/messages both in Anthropic's shape (its body; an `event: error`, the only
+  failure its clients read in a stream), as kvlm serve writes its own errors there;
 - a client that hangs up: the ingress cancels its call, Ray Serve cancels the replica's
   generator, and the replica's app then reads `http.disconnect`, as uvicorn would report
   it, so kvlm aborts the request and frees its blocks on that replica.
@@ -43,6 +45,7 @@ from starlette.exceptions import HTTPException
 
 from kvlm.cluster import metrics as cluster_metrics  # a module: this class is pickled by value
 from kvlm.cluster.keys import affinity, route_key
+from kvlm.server import anthropic
 from kvlm.server.limits import RequestLimits
 from kvlm.server.protocol import error_body
 
@@ -251,10 +254,10 @@ class Ingress:
             raise
         except Exception as exc:  # the replica died, or was gone before it could answer
             log.warning("a replica failed before answering: %r", exc)
-            return _unavailable(_failed(), RETRY_FAILED_S)
+            return _unavailable(_failed(path=raw.path), RETRY_FAILED_S)
         headers = _relayed(head["headers"])
         sse = headers.get("content-type", "").startswith("text/event-stream")
-        return StreamingResponse(_relay(stream, sse), head["status"], headers)
+        return StreamingResponse(_relay(stream, sse, raw.path), head["status"], headers)
 
     async def metrics(self, request: Request) -> Response:
         answers = await self._answers(request)
@@ -318,7 +321,7 @@ async def _raw(request: Request) -> RawRequest:
                       list(request.scope["headers"]), body)  # fmt: skip
 
 
-async def _relay(stream: Any, sse: bool) -> AsyncIterator[bytes]:
+async def _relay(stream: Any, sse: bool, path: str) -> AsyncIterator[bytes]:
     """The replica's body chunks; a replica that dies mid-way ends an SSE stream with an
     error event. Leaving early (the client hung up) cancels the replica's request."""
     try:
@@ -326,14 +329,20 @@ async def _relay(stream: Any, sse: bool) -> AsyncIterator[bytes]:
             yield chunk
     except Exception as exc:
         log.warning("a replica failed mid-response: %r", exc)
-        if sse:
+        if sse and path.startswith(anthropic.ANTHROPIC_PATHS):  # as anthropic.stream ends
+            body = json.dumps(anthropic.error_body(500, REPLICA_FAILED))
+            yield f"event: error\ndata: {body}\n\n".encode()
+        elif sse:
             yield f"data: {json.dumps(_failed())}\n\n".encode()
     except BaseException:  # GeneratorExit, CancelledError: the client hung up
         stream.cancel()
         raise
 
 
-def _failed(message: str = REPLICA_FAILED) -> dict:
+def _failed(message: str = REPLICA_FAILED, path: str = "") -> dict:
+    """The body of the ingress's own 503: OpenAI's, or Anthropic's under /v1/messages."""
+    if path.startswith(anthropic.ANTHROPIC_PATHS):
+        return anthropic.error_body(503, message)
     return error_body(message, "server_error", code="replica_failed")
 
 
@@ -342,6 +351,10 @@ def _unavailable(body: dict, retry_s: int) -> JSONResponse:
     return JSONResponse(body, status_code=503, headers={"Retry-After": str(retry_s)})
 
 
-async def _bug(_: Request, exc: Exception) -> JSONResponse:
-    """OpenAI's error body, never a plain-text 500 (Starlette logs the traceback)."""
-    return JSONResponse(error_body("the ingress failed on this request", "server_error"), 500)
+async def _bug(request: Request, exc: Exception) -> JSONResponse:
+    """OpenAI's error body (Anthropic's under /v1/messages), never a plain-text 500
+    (Starlette logs the traceback)."""
+    message = "the ingress failed on this request"
+    if request.url.path.startswith(anthropic.ANTHROPIC_PATHS):
+        return JSONResponse(anthropic.error_body(500, message), 500)
+    return JSONResponse(error_body(message, "server_error"), 500)
