@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -454,6 +455,119 @@ def test_a_killed_replica_ends_its_streams_cleanly_and_comes_back(server, client
         return metrics(port)["kvlm_replicas"] == 2 and len(_replica_pids(proc)) == 2
 
     assert wait_for(back, timeout=120, step=1)
+
+
+# greedy, the default model loops on this and never ends it (700+ tokens): a request of
+# every surface is still running when its replica is killed
+ENDLESS = "Tell me a very long story about a cat."
+HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+
+def _call(port: int, method: str, path: str, body: dict | None = None) -> tuple[int, dict, bytes]:
+    """One request with the key, read whole: (status, headers, body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        conn.request(method, path, data, HEADERS)
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def _long_requests(model: str) -> dict[str, dict]:
+    """A request on each surface the ingress fronts, each long enough to be killed under."""
+    user = [{"role": "user", "content": ENDLESS}]
+    greedy = {"model": model, "temperature": 0}
+    return {
+        "/v1/chat/completions": greedy | {"messages": user, "max_tokens": 900, "ignore_eos": True},
+        "/v1/completions": greedy | {"prompt": ENDLESS, "max_tokens": 900, "ignore_eos": True},
+        "/v1/messages": greedy | {"messages": user, "max_tokens": 900},
+        "/v1/responses": greedy | {"input": ENDLESS, "max_output_tokens": 900, "store": False},
+    }
+
+
+def _sse(port: int, path: str, body: dict, begun: threading.Event) -> list[tuple[str | None, str]]:
+    """A streamed request's events read to the end, as (event name, data); `begun` is set
+    once its first events are in (it is running on its replica)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        conn.request("POST", path, json.dumps(body | {"stream": True}).encode(), HEADERS)
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        events: list[tuple[str | None, str]] = []
+        name = None
+        for raw in resp:
+            line = raw.decode().rstrip("\r\n")
+            if line.startswith("event: "):
+                name = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                events.append((name, line.removeprefix("data: ")))
+                name = None
+                if len(events) == 3:
+                    begun.set()
+        return events
+    finally:
+        conn.close()
+
+
+@pytest.mark.slow
+def test_the_ingresss_own_503s_say_when_to_retry(server, model):
+    """Both replicas killed under a request of each surface (OpenAI chat and completions,
+    Anthropic messages, Responses): each answers the ingress's own 503 replica_failed with
+    Retry-After 1 (a live replica takes the retry), under /v1/messages in Anthropic's shape,
+    and an Anthropic stream ends with its `event: error`; /health, /metrics and /v1/kv,
+    while no replica answers, 503 with Retry-After 5 (new ones load their model). The
+    ingress's own 503s had no Retry-After (a replica's passed through), its errors under
+    /v1/messages were OpenAI's, and an Anthropic client read the stream's end as none."""
+    from kvlm.cluster.app import REPLICA_FAILED
+
+    port, proc = server
+    assert wait_for(lambda: all_up(port))
+    bodies = _long_requests(model)
+    held = metrics(port)["kvlm_requests_held"]
+    begun = threading.Event()
+    with ThreadPoolExecutor(len(bodies) + 1) as pool:
+        calls = {path: pool.submit(_call, port, "POST", path, b) for path, b in bodies.items()}
+        stream = pool.submit(_sse, port, "/v1/messages", bodies["/v1/messages"], begun)
+
+        def running() -> bool:
+            return metrics(port)["kvlm_requests_held"] == held + len(bodies) + 1
+
+        assert wait_for(running, timeout=120, step=0.1), metrics(port)
+        assert begun.wait(timeout=120)
+        pids = _replica_pids(proc)
+        assert len(pids) == 2
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        down: dict[str, tuple[int, dict, bytes]] = {}
+
+        def scraped_down() -> bool:
+            for path in ("/health", "/metrics", "/v1/kv"):
+                if path not in down and (answer := _call(port, "GET", path))[0] == 503:
+                    down[path] = answer
+            return len(down) == 3
+
+        assert wait_for(scraped_down, timeout=60, step=0.05), down
+        answers = {path: call.result(timeout=120) for path, call in calls.items()}
+        events = stream.result(timeout=120)
+    for path, (status, headers, body) in answers.items():
+        assert status == 503, (path, status, body)
+        assert headers.get("retry-after") == "1", (path, headers)
+        error = json.loads(body)
+        if path == "/v1/messages":  # Anthropic's shape, as kvlm serve's errors there
+            assert error == {"type": "error", "error": {"type": "overloaded_error",
+                                                        "message": REPLICA_FAILED}}  # fmt: skip
+        else:
+            assert error["error"]["code"] == "replica_failed", (path, body)
+    for path, (_, headers, body) in down.items():
+        assert headers.get("retry-after") == "5", (path, headers, body)
+    assert events[0][0] == "message_start"
+    name, data = events[-1]
+    assert name == "error", events[-3:]
+    assert json.loads(data) == {"type": "error", "error": {"type": "api_error",
+                                                           "message": REPLICA_FAILED}}  # fmt: skip
+    assert wait_for(lambda: all_up(port) and len(_replica_pids(proc)) == 2, timeout=120, step=1)
 
 
 def test_the_redis_tier_is_shared_by_two_replicas(round_robin, model):

@@ -2,16 +2,20 @@
 traceback, a hang or a run on garbage.
 
 Every file is the tiny valid model of tests/gguf_hostile.py with edits: the findings of
-issue [18] section 4 by name (`FINDINGS`), then a seeded fuzzer over the metadata, the
-tensor table and the header's bytes. Files load in a child process (`Child`), so that a
+issue [18] section 4 by name (`FINDINGS`), a Hugging Face folder's hostile tokenizer files
+by name (`TOKENIZER_FINDINGS`, `TOKENIZER_OFF`), then a seeded fuzzer over the metadata,
+the tensor table and the header's bytes. Files load in a child process (`Child`), so that a
 signal or a hang is a failed test, not a dead test run.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import random
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -120,6 +125,8 @@ FINDINGS: dict[str, tuple[str, Edit, str]] = {
     "unknown-id-out-of-range": ("spm", key("tokenizer.ggml.unknown_token_id", 100_000),
                                 r"unknown_token_id is 100000"),
     "template-integer": ("spm", key("tokenizer.chat_template", 7), r"chat_template"),
+    "template-of-2-MiB": ("spm", key("tokenizer.chat_template", "x" * (2 << 20), V.STRING),
+                          r"chat_template is 2097152 characters long"),
     # ran and failed, or ran on garbage
     "kv-heads-1-tensors-2": ("spm", key("attention.head_count_kv", 1), r"attn_k"),
     "embedding-200-rows": ("spm", dims("token_embd.weight", 200, 64), r"token_embd"),
@@ -196,6 +203,246 @@ def test_the_tiny_models_run(child, tmp_path):
         assert got.outcome == "ran", got
         got = child.run(write_hf(tiny(tokenizer), tmp_path / f"{tokenizer}-hf"))
         assert got.outcome == "ran", got
+
+
+# ------------------------------------------------------- a HF folder's tokenizer files
+
+# A folder edit: the tiny byte-level BPE model written as a Hugging Face folder (write_hf),
+# then one of its tokenizer files changed
+FolderEdit = Callable[[Path], None]
+
+
+def json_file(name: str, edit: Callable[[dict], Any]) -> FolderEdit:
+    """Edit the folder's JSON file `name` (the edit's return value, if not None, is
+    written instead of the object)."""
+
+    def apply(folder: Path) -> None:
+        data = json.loads((folder / name).read_text())
+        out = edit(data)
+        (folder / name).write_text(json.dumps(data if out is None else out))
+
+    return apply
+
+
+def tok(edit: Callable[[dict], Any]) -> FolderEdit:
+    return json_file("tokenizer.json", edit)
+
+
+def tok_config(edit: Callable[[dict], Any]) -> FolderEdit:
+    return json_file("tokenizer_config.json", edit)
+
+
+def raw_file(name: str, data: bytes) -> FolderEdit:
+    return lambda folder: (folder / name).write_bytes(data)
+
+
+def padded(name: str, spaces: int) -> FolderEdit:
+    """The JSON file with `spaces` spaces after it: the same JSON, that many bytes more."""
+
+    def apply(folder: Path) -> None:
+        with (folder / name).open("ab") as f:
+            f.write(b" " * spaces)
+
+    return apply
+
+
+def many_tokens(n: int) -> Callable[[dict], None]:
+    def edit(t: dict) -> None:
+        vocab = t["model"]["vocab"]
+        vocab.update({f"extra{i}": len(vocab) + i for i in range(n)})
+
+    return edit
+
+
+def renamed(old: str, new: str) -> Callable[[dict], None]:
+    def edit(t: dict) -> None:
+        vocab = t["model"]["vocab"]
+        vocab[new] = vocab.pop(old)
+
+    return edit
+
+
+def added(content, token_id=100) -> Callable[[dict], None]:
+    token = {"id": token_id, "content": content, "single_word": False, "lstrip": False,
+             "rstrip": False, "normalized": False, "special": True}  # fmt: skip
+    return lambda t: t["added_tokens"].append(token)
+
+
+def split_by(regex: str) -> Callable[[dict], None]:
+    def edit(t: dict) -> None:
+        t["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {"Regex": regex}
+
+    return edit
+
+
+def setting(key: str, value) -> Callable[[dict], None]:
+    return lambda t: t.__setitem__(key, value)
+
+
+def template_of(pieces: int, ids: list[int]) -> dict:
+    """A TemplateProcessing post-processor: `pieces` special tokens before each text."""
+    special = {"SpecialToken": {"id": "<s>", "type_id": 0}}
+    text = {"Sequence": {"id": "A", "type_id": 0}}
+    token = {"id": "<s>", "ids": ids, "tokens": ["<s>"] * len(ids)}
+    return {
+        "type": "TemplateProcessing",
+        "single": [special] * pieces + [text],
+        "pair": [text],
+        "special_tokens": {"<s>": token},
+    }
+
+
+def charsmap(blob: bytes) -> dict:
+    """A Precompiled normalizer (a Unigram model's character map) of these bytes."""
+    return {"type": "Precompiled", "precompiled_charsmap": base64.b64encode(blob).decode()}
+
+
+def replace(pattern: str, content: str) -> dict:
+    return {"type": "Replace", "pattern": {"String": pattern}, "content": content}
+
+
+N_BPE = len(tiny("bpe").meta["tokenizer.ggml.tokens"][0])
+MiB = 1 << 20
+
+# name -> (edit, what the one line must say); every one loaded, ran, or failed otherwise
+# before tokenizer.json and tokenizer_config.json were checked
+# fmt: off
+TOKENIZER_FINDINGS: dict[str, tuple[FolderEdit, str]] = {
+    "file-over-64-MiB": (padded("tokenizer.json", 64 * MiB), r"over 67108864 bytes"),
+    "a-million-tokens": (tok(many_tokens(1_000_000)),
+                         rf"model\.vocab has {N_BPE + 1_000_000} tokens; at most the model's "
+                         rf"{N_BPE} \(config\.json vocab_size\)"),
+    "token-id-past-the-model": (tok(lambda t: t["model"]["vocab"].__setitem__("~", 10**9)),
+                                r"'~' id 1000000000; ids are below the model's"),
+    "token-of-1e6-chars": (tok(renamed("~", "ab" * 500_000)),
+                           r"model\.vocab has a token of 1000000 characters"),
+    "a-million-merges": (tok(lambda t: t["model"]["merges"].extend([["Ġ", "t"]] * 1_000_000)),
+                         rf"model\.merges has 1000005 merges for {N_BPE} tokens"),
+    "added-token-of-1e6-chars": (tok(added("x" * 1_000_000)),
+                                 r"added_tokens\[2\]\.content is 1000000 characters"),
+    "added-token-past-the-model": (tok(added("<big>", 10**6)),
+                                   r"added_tokens\[2\]\.id is 1000000; ids are below"),
+    # backtracking: on a crafted text, minutes (polynomial) or a Rust panic (exponential)
+    "regex-polynomial": (tok(split_by("a*a*a*a*c")), r"'a\*a\*a\*a\*c' is not a regex kvlm knows"),
+    "regex-exponential": (tok(split_by("(a+)+$")), r"is not a regex kvlm knows"),
+    # a Replace of an empty pattern panics in `tokenizers` on every text
+    "replace-empty-pattern": (tok(setting("normalizer", replace("", "x"))),
+                              r"normalizer\.pattern\.String is an empty pattern"),
+    "replacement-of-1e6-chars": (tok(setting("normalizer", replace(" ", "y" * 1_000_000))),
+                                 r"normalizer\.content is 1000000 characters long"),
+    "normalizer-of-1e5-steps": (tok(setting("normalizer", {
+        "type": "Sequence", "normalizers": [{"type": "Lowercase"}] * 100_000})),
+        r"normalizer has more than 4096 values"),
+    "template-of-1e5-tokens": (tok(setting("post_processor", template_of(100_000, [0]))),
+                               r"post_processor has more than 4096 values"),
+    # a Unigram model's character map that `tokenizers` cannot parse: a Rust panic (a
+    # BaseException) at load, or on every text
+    "charsmap-unparsable": (tok(setting("normalizer", charsmap(b""))),
+                            r"cannot read .*Cannot parse precompiled_charsmap"),
+    "charsmap-panics-on-text": (tok(setting("normalizer", charsmap(b"\x01\0\0\0"))),
+                                r"tokenizer\.json: the tokenizer fails on a plain text: index out"),
+    "suffix-of-1e6-chars": (tok(lambda t: t["model"].__setitem__("end_of_word_suffix",
+                                                                  "s" * 10**6)),
+                            r"model\.end_of_word_suffix is 1000000 characters long"),
+    "template-id-past-the-model": (tok(setting("post_processor", template_of(1, [10**6]))),
+                                   r"post_processor\.special_tokens\.<s>\.ids\[0\] is 1000000"),
+    "tokenizer-config-a-list": (tok_config(lambda c: [c]),
+                                r"tokenizer_config\.json: it holds a list"),
+    "bos-token-a-number": (tok_config(lambda c: c.__setitem__("bos_token", 7)),
+                           r"bos_token is an integer"),
+    "eos-token-of-1e6-chars": (tok_config(lambda c: c.__setitem__("eos_token", "e" * 1_000_000)),
+                               r"eos_token is 1000000 characters long"),
+    "chat-template-of-2-MiB": (tok_config(lambda c: c.__setitem__("chat_template", "x" * 2 * MiB)),
+                               r"the chat template is 2097152 characters long"),
+    "chat-template-file-not-utf8": (raw_file("chat_template.jinja", b"{{ x }}\xff\xfe"),
+                                    r"chat_template\.jinja: 'utf-8' codec"),
+    "config-json-a-list": (raw_file("config.json", b"[1]"), r"config\.json: it holds a list"),
+    "generation-config-a-list": (raw_file("generation_config.json", b"[]"),
+                                 r"generation_config\.json: it holds a list"),
+}
+# what kvlm never wants of a tokenizer.json, switched off: the model runs as without it
+# (before: every prompt padded to 10^8 tokens, a hang; cut to 2 tokens; split at random)
+TOKENIZER_OFF: dict[str, FolderEdit] = {
+    "padding-to-1e8": tok(setting("padding", {
+        "strategy": {"Fixed": 100_000_000}, "direction": "Right", "pad_to_multiple_of": None,
+        "pad_id": 0, "pad_type_id": 0, "pad_token": "<s>"})),
+    "truncation-to-2": tok(setting("truncation", {
+        "direction": "Right", "max_length": 2, "strategy": "LongestFirst", "stride": 0})),
+    "bpe-dropout": tok(lambda t: t["model"].__setitem__("dropout", 1.0)),
+}
+# fmt: on
+
+
+@pytest.fixture(scope="module")
+def hf_bpe(tmp_path_factory) -> Path:
+    return write_hf(tiny("bpe"), tmp_path_factory.mktemp("base") / "hf")
+
+
+def hf_edited(base: Path, tmp_path: Path, edit: FolderEdit) -> Path:
+    folder = shutil.copytree(base, tmp_path / "hf")
+    edit(folder)
+    return folder
+
+
+@pytest.mark.parametrize("finding", list(TOKENIZER_FINDINGS))
+def test_hf_tokenizer_finding_is_one_clear_line(finding, child, hf_bpe, tmp_path):
+    edit, says = TOKENIZER_FINDINGS[finding]
+    got = child.run(hf_edited(hf_bpe, tmp_path, edit))
+    assert got.outcome == "refused", f"{got.outcome}: {got.detail[-600:]}"
+    assert got.detail.startswith(("ModelLoadError", "UnsupportedModelError")), got.detail
+    assert "\n" not in got.detail and "/hf" in got.detail  # the folder's file is named
+    assert got.seconds < 5, got  # bounded work before the refusal
+    assert re.search(says, got.detail), got.detail
+
+
+@pytest.mark.parametrize("setting", list(TOKENIZER_OFF))
+def test_hf_tokenizer_settings_kvlm_never_wants_are_off(setting, child, hf_bpe, tmp_path):
+    base = child.run(hf_bpe)
+    got = child.run(hf_edited(hf_bpe, tmp_path, TOKENIZER_OFF[setting]))
+    assert base.outcome == "ran" and got.outcome == "ran", got
+    assert got.detail == base.detail and got.seconds < 5, (got, base)
+
+
+def test_a_panic_in_tokenizers_is_one_line():
+    """A Rust panic in `tokenizers` while encoding (pyo3's PanicException, a BaseException
+    that no `except Exception` catches) is an InvalidRequestError: a Replace of an empty
+    pattern before a byte-level split, built in code past the loader's checks."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, normalizers, pre_tokenizers
+
+    from kvlm.errors import InvalidRequestError
+    from kvlm.loading.tokenizer import Tokenizer
+
+    backend = Backend(models.BPE({"a": 0, "x": 1}, []))
+    backend.normalizer = normalizers.Replace("", "x")
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel()
+    ours = Tokenizer(backend, bos_token=None, eos_token=None, chat_template=None)
+    with pytest.raises(InvalidRequestError, match="the tokenizer failed on this text"):
+        ours.encode("a a")
+
+
+@pytest.mark.parametrize(("command", "finding"), [("generate", "tokenizer-config-a-list"),
+                                                   ("serve", "regex-polynomial")])  # fmt: skip
+def test_the_command_says_one_line_of_a_tokenizer(command, finding, hf_bpe, tmp_path):
+    """`kvlm generate` and `kvlm serve` on a folder with a hostile tokenizer file: exit
+    status 2 and one line naming the file, no traceback (the server never starts)."""
+    edit, says = TOKENIZER_FINDINGS[finding]
+    folder = hf_edited(hf_bpe, tmp_path, edit)
+    args = ["generate", "hello", "--max-new-tokens", "3"] if command == "generate" else ["serve"]
+    if command == "serve":
+        with socket.socket() as s:  # a free port, were the server to start
+            s.bind(("127.0.0.1", 0))
+            args += ["--port", str(s.getsockname()[1])]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvlm.cli", *args, "--model", str(folder)],
+        capture_output=True, text=True, timeout=60, env=env, check=False,
+    )  # fmt: skip
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith("kvlm: error: "), proc.stderr
+    assert f"{folder}/" in lines[0]  # the file is named
+    assert re.search(says, lines[0])
 
 
 # The fuzzer: seeded, and bounded in cases and seconds (KVLM_FUZZ_SEED, KVLM_FUZZ_CASES and

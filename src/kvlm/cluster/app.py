@@ -12,8 +12,11 @@ route, field check and error body is exactly `kvlm serve`'s. The ingress only ad
 cluster's view: /metrics summed over the replicas (kvlm.cluster.metrics), /health that
 answers while one replica does, and clean endings when a replica dies:
 
-- nothing sent yet: 503 with OpenAI's error body (code "replica_failed");
+- nothing sent yet: 503 with OpenAI's error body (code "replica_failed") and a Retry-After
+  (RETRY_FAILED_S: the retry goes to another replica);
 - mid-SSE: a last `data: {"error": ...}` event, then the end of the stream;
+- under /v1/messages both in Anthropic's shape (its body; an `event: error`, the only
+  failure its clients read in a stream), as kvlm serve writes its own errors there;
 - a client that hangs up: the ingress cancels its call, Ray Serve cancels the replica's
   generator, and the replica's app then reads `http.disconnect`, as uvicorn would report
   it, so kvlm aborts the request and frees its blocks on that replica.
@@ -42,6 +45,7 @@ from starlette.exceptions import HTTPException
 
 from kvlm.cluster import metrics as cluster_metrics  # a module: this class is pickled by value
 from kvlm.cluster.keys import affinity, route_key
+from kvlm.server import anthropic
 from kvlm.server.limits import RequestLimits
 from kvlm.server.protocol import error_body
 
@@ -50,6 +54,12 @@ log = logging.getLogger("kvlm.cluster")
 REPLICA_FAILED = "the replica serving this request failed; retry (the others are unaffected)"
 SCRAPE_TIMEOUT_S = 10.0  # /metrics and /health: a replica slower than this is not counted
 FINISH_TIMEOUT_S = 5.0  # a request's app, told its client left, to abort and return
+# the Retry-After of the ingress's own 503s, as kvlm serve's own (server/app.py: 1 s for a
+# full queue or a busy engine, 5 s while it shuts down): a replica died under the request
+# (Ray Serve sends the retry to a live one), or no replica answered (Serve is starting new
+# ones, each loading its model)
+RETRY_FAILED_S = 1
+RETRY_NONE_S = 5
 # hop-by-hop, or no longer true once relayed in chunks
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]  # the replica says 405
 _DROPPED_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length"}
@@ -244,10 +254,10 @@ class Ingress:
             raise
         except Exception as exc:  # the replica died, or was gone before it could answer
             log.warning("a replica failed before answering: %r", exc)
-            return JSONResponse(_failed(), status_code=503)
+            return _unavailable(_failed(path=raw.path), RETRY_FAILED_S)
         headers = _relayed(head["headers"])
         sse = headers.get("content-type", "").startswith("text/event-stream")
-        return StreamingResponse(_relay(stream, sse), head["status"], headers)
+        return StreamingResponse(_relay(stream, sse, raw.path), head["status"], headers)
 
     async def metrics(self, request: Request) -> Response:
         answers = await self._answers(request)
@@ -262,7 +272,7 @@ class Ingress:
         answers = await self._ask_all(request)
         up = sum(a[0] == 200 for a in answers)
         if not up:
-            return JSONResponse({"status": "no replica answers"}, status_code=503)
+            return _unavailable({"status": "no replica answers"}, RETRY_NONE_S)
         return JSONResponse({"status": "ok", "replicas": up})
 
     async def kv(self, request: Request) -> Response:
@@ -281,7 +291,7 @@ class Ingress:
         engine_busy)."""
         answers = await self._ask_all(request)
         if not answers:
-            return JSONResponse(_failed("no replica answered"), status_code=503)
+            return _unavailable(_failed("no replica answered"), RETRY_NONE_S)
         refused = next((a for a in answers if a[0] != 200), None)
         return answers if refused is None else _refusal(*refused[:3])
 
@@ -311,7 +321,7 @@ async def _raw(request: Request) -> RawRequest:
                       list(request.scope["headers"]), body)  # fmt: skip
 
 
-async def _relay(stream: Any, sse: bool) -> AsyncIterator[bytes]:
+async def _relay(stream: Any, sse: bool, path: str) -> AsyncIterator[bytes]:
     """The replica's body chunks; a replica that dies mid-way ends an SSE stream with an
     error event. Leaving early (the client hung up) cancels the replica's request."""
     try:
@@ -319,17 +329,32 @@ async def _relay(stream: Any, sse: bool) -> AsyncIterator[bytes]:
             yield chunk
     except Exception as exc:
         log.warning("a replica failed mid-response: %r", exc)
-        if sse:
+        if sse and path.startswith(anthropic.ANTHROPIC_PATHS):  # as anthropic.stream ends
+            body = json.dumps(anthropic.error_body(500, REPLICA_FAILED))
+            yield f"event: error\ndata: {body}\n\n".encode()
+        elif sse:
             yield f"data: {json.dumps(_failed())}\n\n".encode()
     except BaseException:  # GeneratorExit, CancelledError: the client hung up
         stream.cancel()
         raise
 
 
-def _failed(message: str = REPLICA_FAILED) -> dict:
+def _failed(message: str = REPLICA_FAILED, path: str = "") -> dict:
+    """The body of the ingress's own 503: OpenAI's, or Anthropic's under /v1/messages."""
+    if path.startswith(anthropic.ANTHROPIC_PATHS):
+        return anthropic.error_body(503, message)
     return error_body(message, "server_error", code="replica_failed")
 
 
-async def _bug(_: Request, exc: Exception) -> JSONResponse:
-    """OpenAI's error body, never a plain-text 500 (Starlette logs the traceback)."""
-    return JSONResponse(error_body("the ingress failed on this request", "server_error"), 500)
+def _unavailable(body: dict, retry_s: int) -> JSONResponse:
+    """One of the ingress's own 503s: `body`, and when to retry."""
+    return JSONResponse(body, status_code=503, headers={"Retry-After": str(retry_s)})
+
+
+async def _bug(request: Request, exc: Exception) -> JSONResponse:
+    """OpenAI's error body (Anthropic's under /v1/messages), never a plain-text 500
+    (Starlette logs the traceback)."""
+    message = "the ingress failed on this request"
+    if request.url.path.startswith(anthropic.ANTHROPIC_PATHS):
+        return JSONResponse(anthropic.error_body(500, message), 500)
+    return JSONResponse(error_body(message, "server_error"), 500)

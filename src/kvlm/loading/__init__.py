@@ -48,7 +48,8 @@ def load_model(model: str | Path | None = None) -> LoadedModel:
         ggufs = sorted(path.glob("*.gguf"))
         if (path / "config.json").is_file():
             hf = SafetensorsWeights(path)
-            tokenizer = tokenizer_from_hf_folder(path, hf.config.eos_token_ids)
+            tokenizer = tokenizer_from_hf_folder(path, hf.config.eos_token_ids,
+                                                 hf.config.vocab_size)  # fmt: skip
             return LoadedModel(path, "hf", hf.config, hf, tokenizer, hf.dtypes)
         if len(ggufs) != 1:
             raise ModelLoadError(

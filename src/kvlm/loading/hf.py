@@ -19,13 +19,60 @@ from kvlm.model.weights import fingerprint_of
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
-def read_json(path: Path) -> dict[str, Any]:
+# A folder's JSON files but tokenizer.json (config.json, generation_config.json,
+# tokenizer_config.json) are read whole, at most this many bytes: real ones are under
+# 2 MiB (a tokenizer_config.json listing thousands of added tokens)
+MAX_JSON_BYTES = 16 << 20
+
+
+def read_bounded(path: Path, limit: int) -> bytes:
+    """The bytes of `path`, at most `limit` of them (a ModelLoadError past it, read no
+    further)."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        with path.open("rb") as f:
+            data = f.read(limit + 1)
     except FileNotFoundError as exc:
         raise ModelLoadError(f"missing {path}") from exc
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except OSError as exc:
         raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    if len(data) > limit:
+        raise ModelLoadError(f"{path} is over {limit} bytes; at most {limit}")
+    return data
+
+
+def read_text(path: Path, limit: int) -> str:
+    """`path` as UTF-8 text of at most `limit` bytes."""
+    try:
+        return read_bounded(path, limit).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+
+
+def read_json(path: Path, limit: int = MAX_JSON_BYTES) -> dict[str, Any]:
+    """A JSON object of at most `limit` bytes (anything else is a ModelLoadError)."""
+    value = parse_json(read_text(path, limit), path)
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"cannot read {path}: it holds {json_kind(value)}; expected an "
+                             "object")  # fmt: skip
+    return value
+
+
+def parse_json(text: str, path: Path) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    except RecursionError:  # nested past Python's stack
+        raise ModelLoadError(f"cannot read {path}: its JSON is nested too deep") from None
+
+
+def json_kind(value: Any) -> str:
+    """A JSON value's type as an error names it (a list, a string, ...)."""
+    if value is None:
+        return "null"
+    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "a list", dict: "an object"}  # fmt: skip
+    return kind.get(type(value), type(value).__name__)
 
 
 class SafetensorsWeights:

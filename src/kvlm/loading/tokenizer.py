@@ -5,8 +5,10 @@
   use llama.cpp's pre-tokenizer regexes, chosen by `tokenizer.ggml.pre`; SentencePiece
   vocabularies (`"llama"`) become a byte-fallback BPE whose merges are ranked by the
   stored scores.
-- Hugging Face folders: `tokenizer.json` is loaded as is; `tokenizer_config.json` (or
-  `chat_template.jinja`) supplies the special tokens and the chat template.
+- Hugging Face folders: `tokenizer.json`, checked against its bounds first (its size,
+  types, ids, token lengths, merges, pipeline and regexes: `_check_tokenizer_json`), is
+  built by `tokenizers`; `tokenizer_config.json` (or `chat_template.jinja`) supplies the
+  special tokens and the chat template.
 - Chat templates are Jinja2, rendered in a sandbox with the same helpers transformers
   gives them (`raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII), and
   bounded in steps, time and size (kvlm.loading.chat_template): a runaway template is
@@ -33,7 +35,7 @@ from tokenizers.decoders import DecodeStream
 from kvlm.config import LIMITS, Fields
 from kvlm.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
 from kvlm.loading.chat_template import BoundedSandbox, TemplateLimitError, TemplateLimits
-from kvlm.loading.hf import read_json
+from kvlm.loading.hf import json_kind, parse_json, read_json, read_text
 
 # llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp), applied one after another, each
 # splitting the pieces the previous one produced and keeping both matches and the rest.
@@ -124,6 +126,11 @@ class Tokenizer:
             return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"): not Unicode text
             raise InvalidRequestError(f"the text is not valid Unicode ({exc.reason})") from exc
+        except BaseException as exc:  # a panic in `tokenizers` (a BaseException) is one line
+            if not _is_panic(exc):
+                raise
+            failed = f"the tokenizer failed on this text: {_one_line(exc)}"
+            raise InvalidRequestError(failed) from None
 
     @cached_property
     def max_token_chars(self) -> int:
@@ -271,6 +278,7 @@ MAX_TOKENS = LIMITS["vocab_size"][1]
 MAX_TOKEN_CHARS = 1024
 MAX_SPLITS = 1 << 22
 MAX_SPLIT_CHARS = 1 << 26
+MAX_TEMPLATE_CHARS = 1 << 20  # a chat template, of either format (real ones: under 64 KiB)
 
 
 def tokenizer_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> Tokenizer:
@@ -307,11 +315,15 @@ def tokenizer_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> T
         )
     # End-of-turn tokens (Llama 3's <|eot_id|>, <|eom_id|>) also end a generation.
     extra = [ids[k] for k in ("eot", "eom") if ids[k] is not None]
+    template = f("tokenizer.chat_template", str, None)
+    if template is not None and len(template) > MAX_TEMPLATE_CHARS:
+        raise ModelLoadError(f"{where}: tokenizer.chat_template is {len(template)} characters "
+                             f"long; at most {MAX_TEMPLATE_CHARS}")  # fmt: skip
     return Tokenizer(
         backend,
         bos_token=bos,
         eos_token=eos,
-        chat_template=f("tokenizer.chat_template", str, None),
+        chat_template=template,
         extra_eos_ids=extra,
     )
 
@@ -447,15 +459,65 @@ def _cuts(lengths: list[int], n: int) -> list[int]:
 
 # ----------------------------------------------------------------------------- HF folders
 
+# Bounds on a Hugging Face folder's tokenizer files, checked before the `tokenizers` library
+# sees them: it builds whatever the file describes (a padding to 10^8 tokens on every
+# encode, a normalizer of 100,000 steps, a Replace of an empty pattern that panics on every
+# text). Real tokenizer.json files are up to ~33 MB (Gemma 3's: 262k tokens and their
+# merges); a merge list is at most ~2.2 merges a token (Llama 3's 280k for 128k tokens).
+MAX_TOKENIZER_JSON_BYTES = 64 << 20
+MERGES_PER_TOKEN = 8
+# The normalizer, pre-tokenizer, post-processor and decoder run on every text: each at
+# most MAX_PIPELINE_VALUES JSON values (real ones: under 100; a Unigram model's precompiled
+# character map is one string), each string at most MAX_PIPELINE_CHARS characters (a
+# pattern, a replacement, a template's token) but that map and a regex of KNOWN_REGEXES.
+MAX_PIPELINE_VALUES = 4096
+MAX_PIPELINE_CHARS = 256
 
-def tokenizer_from_hf_folder(folder: Path, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+# The regexes a tokenizer.json may split or replace by. Oniguruma, which `tokenizers` runs
+# them with, backtracks: it bounds one match attempt (a retry limit; past it, a Rust panic),
+# not a search, which tries every position of the text. Measured here (tokenizers 0.23,
+# one core): `a*a*a*c` on 1,202 characters took 407 s, `a*a*a*a*c` on 302 took 110 s,
+# `a*a*[bc]d` on 4,002 took 52 s, even `a*[bc]d` on 80,002 took 13 s; `(a+)+$` panics in
+# 0.2 s. No check of a pattern's shape bounds that, so only the regexes of the tokenizers
+# kvlm runs are taken (as a GGUF file's pre-tokenizer is one kvlm names): those above, and
+# the ones real tokenizer.json files ship, each a linear scan (every alternative consumes
+# what it scans). A new one belongs here once its worst case is measured.
+KNOWN_REGEXES = frozenset({
+    *(r for rs in PRE_TOKENIZER_REGEXES.values() for r in rs),
+    # GPT-2's, as a Split (SmolLM's and others')
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+    # Llama 3's
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    # Qwen2's, Qwen 2.5's and Qwen 3's; and with marks in words (Qwen 3.5's)
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    # Tekken (Mistral Nemo, Small 3)
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    # o200k's (GPT-4o's, as converted tokenizers ship it)
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
+    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+})  # fmt: skip
+_PIPELINE = ("normalizer", "pre_tokenizer", "post_processor", "decoder")
+_PLAIN_TEXT = "Hello, world! It's 12:30.\n\tÉté, 中文, ١٢٣ 🙂"  # encoded once at load
+
+
+def tokenizer_from_hf_folder(
+    folder: Path, eos_token_ids: Sequence[int] = (), vocab_size: int | None = None
+) -> Tokenizer:
+    """The folder's tokenizer.json, tokenizer_config.json and chat_template.jinja, each
+    checked against its bounds first; `vocab_size`: the model's (config.json), which every
+    token id must be below."""
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise ModelLoadError(f"{folder} has no tokenizer.json (kvlm reads fast tokenizers only)")
-    try:
-        backend = _HFTokenizer.from_file(str(path))
-    except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
-        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    backend = _hf_backend(path, vocab_size)
     config_path = folder / "tokenizer_config.json"
     cfg = read_json(config_path) if config_path.is_file() else {}
     template = cfg.get("chat_template")
@@ -465,20 +527,212 @@ def tokenizer_from_hf_folder(folder: Path, eos_token_ids: Sequence[int] = ()) ->
         template = named.get("default") or next(iter(named.values()), None)
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
-        template = jinja_file.read_text(encoding="utf-8")
+        template, config_path = read_text(jinja_file, MAX_TEMPLATE_CHARS * 4), jinja_file
     if template is not None and not isinstance(template, str):
         raise ModelLoadError(f"{config_path}: chat_template is {type(template).__name__}; "
                              "expected a string (a Jinja template)")  # fmt: skip
+    if template is not None and len(template) > MAX_TEMPLATE_CHARS:
+        raise ModelLoadError(f"{config_path}: the chat template is {len(template)} characters "
+                             f"long; at most {MAX_TEMPLATE_CHARS}")  # fmt: skip
     return Tokenizer(
         backend,
-        bos_token=_token_text(cfg.get("bos_token")),
-        eos_token=_token_text(cfg.get("eos_token")),
+        bos_token=_token_text(cfg, "bos_token", folder / "tokenizer_config.json"),
+        eos_token=_token_text(cfg, "eos_token", folder / "tokenizer_config.json"),
         chat_template=template,
         extra_eos_ids=eos_token_ids,
     )
 
 
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, dict):
-        return value.get("content")
-    return value if isinstance(value, str) else None
+def _hf_backend(path: Path, vocab_size: int | None) -> _HFTokenizer:
+    """tokenizer.json checked (_check_tokenizer_json), then built; what kvlm never wants of
+    it switched off: padding and truncation (every prompt padded to, or cut at, the file's
+    length) and BPE dropout (merges skipped at random)."""
+    text = read_text(path, MAX_TOKENIZER_JSON_BYTES)
+    _check_tokenizer_json(parse_json(text, path), str(path), vocab_size)
+    try:
+        backend = _HFTokenizer.from_str(text)
+    except BaseException as exc:  # tokenizers raises a bare Exception, or panics
+        if not isinstance(exc, Exception) and not _is_panic(exc):
+            raise
+        raise ModelLoadError(f"cannot read {path}: {_one_line(exc)}") from exc
+    backend.no_padding()
+    backend.no_truncation()
+    if getattr(backend.model, "dropout", None):
+        backend.model.dropout = None
+    try:  # a pipeline that panics on any text (a character map it cannot read) is refused here
+        backend.encode(_PLAIN_TEXT)
+    except BaseException as exc:
+        if not isinstance(exc, Exception) and not _is_panic(exc):
+            raise
+        raise ModelLoadError(
+            f"{path}: the tokenizer fails on a plain text: {_one_line(exc)}"
+        ) from exc
+    return backend
+
+
+def _check_tokenizer_json(data: Any, where: str, vocab_size: int | None) -> None:
+    """What kvlm and `tokenizers` read of a tokenizer.json, of the types they expect and
+    within bounds: every token id below the model's `vocab_size` (else MAX_TOKENS), every
+    token at most MAX_TOKEN_CHARS, at most MERGES_PER_TOKEN merges a token, the pipeline
+    (_check_pipeline). A ModelLoadError naming the field, or UnsupportedModelError for a
+    regex kvlm does not know."""
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"cannot read {where}: it holds {json_kind(data)}; expected an "
+                             "object")  # fmt: skip
+    limit = vocab_size or MAX_TOKENS
+    bound = f"the model's {vocab_size} (config.json vocab_size)" if vocab_size else MAX_TOKENS
+    model = data.get("model")
+    if not isinstance(model, dict):
+        raise ModelLoadError(f"{where}: model is {json_kind(model)}; expected an object")
+    for key, value in model.items():  # unk_token, a word's prefix or suffix: on every word
+        if isinstance(value, str) and len(value) > MAX_PIPELINE_CHARS:
+            raise ModelLoadError(f"{where}: model.{key} is {len(value)} characters long; at "
+                                 f"most {MAX_PIPELINE_CHARS}")  # fmt: skip
+    vocab = model.get("vocab")
+    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: token -> id
+        tokens, ids = list(vocab), list(vocab.values())
+        if not all(type(i) is int for i in ids):
+            raise ModelLoadError(f"{where}: model.vocab gives a token something other than "
+                                 "an integer id")  # fmt: skip
+    elif isinstance(vocab, list):  # Unigram: [piece, score], the id its place
+        if not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+                   and type(p[1]) in (int, float) for p in vocab):  # fmt: skip
+            raise ModelLoadError(f"{where}: model.vocab is a list, but not of [piece, score] "
+                                 "pairs")  # fmt: skip
+        tokens, ids = [p[0] for p in vocab], list(range(len(vocab)))
+    else:
+        raise ModelLoadError(f"{where}: model.vocab is {json_kind(vocab)}; expected an "
+                             "object of tokens and ids (a list of [piece, score] for "
+                             "Unigram)")  # fmt: skip
+    if len(tokens) > limit:
+        raise ModelLoadError(f"{where}: model.vocab has {len(tokens)} tokens; at most {bound}")
+    outside = next((i for i in ids if not 0 <= i < limit), None)
+    if outside is not None:
+        token = tokens[ids.index(outside)]
+        raise ModelLoadError(f"{where}: model.vocab gives {_shown_token(token)} id {outside}; "
+                             f"ids are below {bound}")  # fmt: skip
+    _check_token_lengths(tokens, where, "model.vocab")
+    merges = model.get("merges")
+    if merges is not None:
+        if not isinstance(merges, list):
+            raise ModelLoadError(f"{where}: model.merges is {json_kind(merges)}; expected a "
+                                 "list")  # fmt: skip
+        most = MERGES_PER_TOKEN * max(len(tokens), 1)
+        if len(merges) > most:
+            raise ModelLoadError(f"{where}: model.merges has {len(merges)} merges for "
+                                 f"{len(tokens)} tokens; at most {MERGES_PER_TOKEN} a "
+                                 "token")  # fmt: skip
+        parts = []
+        for m in merges:
+            pair = m.split(" ", 1) if isinstance(m, str) else m
+            if not (isinstance(pair, list) and len(pair) == 2 and all(map(_is_str, pair))):
+                raise ModelLoadError(f"{where}: a merge of model.merges, {str(m)[:80]!r}, is not "
+                                     "two tokens")  # fmt: skip
+            parts.extend(pair)
+        _check_token_lengths(parts, where, "model.merges")
+    _check_added_tokens(data.get("added_tokens", []), where, limit, bound)
+    for part in _PIPELINE:
+        if data.get(part) is not None:
+            _check_pipeline(data[part], where, part, limit, bound)
+
+
+def _check_added_tokens(added: Any, where: str, limit: int, bound: Any) -> None:
+    if not isinstance(added, list) or not all(isinstance(t, dict) for t in added):
+        raise ModelLoadError(f"{where}: added_tokens is not a list of objects")
+    for i, t in enumerate(added):
+        at = f"{where}: added_tokens[{i}]"
+        token_id, content = t.get("id"), t.get("content")
+        if type(token_id) is not int or not 0 <= token_id < limit:
+            raise ModelLoadError(f"{at}.id is {_shown_value(token_id)}; ids are below {bound}")
+        if not isinstance(content, str):
+            raise ModelLoadError(f"{at}.content is {json_kind(content)}; expected a string")
+        if len(content) > MAX_TOKEN_CHARS:
+            raise ModelLoadError(f"{at}.content is {len(content)} characters long; at most "
+                                 f"{MAX_TOKEN_CHARS}")  # fmt: skip
+
+
+def _check_pipeline(value: Any, where: str, part: str, limit: int, bound: Any) -> None:
+    """A normalizer, pre-tokenizer, post-processor or decoder: an object of at most
+    MAX_PIPELINE_VALUES JSON values, its strings at most MAX_PIPELINE_CHARS (a
+    precompiled character map and a KNOWN_REGEXES regex aside), no empty pattern (a
+    Replace of one panics on every text), every integer a token id below `limit` (a
+    post-processor's template adds them to every text)."""
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{where}: {part} is {json_kind(value)}; expected an object")
+    seen = 0
+    stack: list[tuple[str, str, Any]] = [(part, part, value)]  # where, its key, the value
+    while stack:
+        at, key, v = stack.pop()
+        seen += 1
+        if seen > MAX_PIPELINE_VALUES:
+            raise ModelLoadError(f"{where}: {part} has more than {MAX_PIPELINE_VALUES} values "
+                                 "(steps, pieces, ids); it runs on every text")  # fmt: skip
+        if isinstance(v, dict):
+            for k, item in v.items():
+                if len(k) > MAX_PIPELINE_CHARS:
+                    raise ModelLoadError(f"{where}: {at} has a key of {len(k)} characters; "
+                                         f"at most {MAX_PIPELINE_CHARS}")  # fmt: skip
+                stack.append((f"{at}.{k}", k, item))
+        elif isinstance(v, list):
+            stack.extend((f"{at}[{i}]", key, item) for i, item in enumerate(v))
+        elif isinstance(v, str):
+            _check_pipeline_string(v, where, at, key)
+        elif type(v) is int and part == "post_processor" and not 0 <= v < limit:
+            raise ModelLoadError(f"{where}: {at} is {v}; token ids are below {bound}")
+
+
+def _check_pipeline_string(v: str, where: str, at: str, key: str) -> None:
+    if key == "Regex":
+        if v not in KNOWN_REGEXES:
+            raise UnsupportedModelError(
+                f"{where}: {at} {v[:80]!r}{'...' if len(v) > 80 else ''} is not a regex kvlm "
+                "knows (a regex runs on every text, and a backtracking one can take minutes "
+                "on a crafted one; see KNOWN_REGEXES)"
+            )
+    elif key == "String" and not v:
+        raise ModelLoadError(f"{where}: {at} is an empty pattern")
+    elif key != "precompiled_charsmap" and len(v) > MAX_PIPELINE_CHARS:
+        raise ModelLoadError(f"{where}: {at} is {len(v)} characters long; at most "
+                             f"{MAX_PIPELINE_CHARS}")  # fmt: skip
+
+
+def _check_token_lengths(tokens: list[str], where: str, field: str) -> None:
+    longest = max(map(len, tokens), default=0)
+    if longest > MAX_TOKEN_CHARS:
+        token = next(t for t in tokens if len(t) == longest)
+        raise ModelLoadError(f"{where}: {field} has a token of {longest} characters "
+                             f"({_shown_token(token)}); at most {MAX_TOKEN_CHARS}")  # fmt: skip
+
+
+def _shown_token(token: str) -> str:
+    return repr(token) if len(token) <= 40 else f"{token[:40]!r}..."
+
+
+def _shown_value(value: Any) -> str:
+    return str(value) if type(value) is int else json_kind(value)
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_panic(exc: BaseException) -> bool:
+    """A Rust panic inside `tokenizers` (pyo3's PanicException, a BaseException)."""
+    return type(exc).__name__ == "PanicException"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300] or type(exc).__name__
+
+
+def _token_text(cfg: dict[str, Any], key: str, where: Path) -> str | None:
+    """A special token of tokenizer_config.json: its text, or {"content": text}."""
+    value = cfg.get(key)
+    text = value.get("content") if isinstance(value, dict) else value
+    if text is not None and not isinstance(text, str):
+        raise ModelLoadError(f"{where}: {key} is {json_kind(value)}; expected a token's text "
+                             '(a string, or {"content": a string})')  # fmt: skip
+    if text is not None and len(text) > MAX_TOKEN_CHARS:
+        raise ModelLoadError(f"{where}: {key} is {len(text)} characters long; at most "
+                             f"{MAX_TOKEN_CHARS}")  # fmt: skip
+    return text
