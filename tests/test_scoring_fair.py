@@ -223,6 +223,9 @@ def test_the_pacing_takes_what_fits_at_the_costliest_prompt():
     far = pacing.budget(1000, [(0, False), (3000, False)])  # attention over 3,000 positions
     scored = pacing.budget(1000, [(0, True)])  # every row through the vocabulary
     assert MIN_TOKENS < far < fresh and MIN_TOKENS < scored < fresh
+    pacing.decode_s = 0.9  # decode rows that take nearly the whole step time
+    assert pacing.budget(1000, [(0, False)]) == pacing._tokens(0, False, 0.5 / pacing.per_unit)
+    assert 95 <= pacing.budget(1000, [(0, False)]) <= 100  # half of step time still theirs
     pacing.record(10.0, 3, pacing.units(0, 32, True))  # a machine that became slow
     assert pacing.budget(1000, [(0, True)]) == MIN_TOKENS
     assert pacing.budget(20, [(0, True)]) == 20

@@ -8,8 +8,10 @@ the vocabulary projection of every row) 1.8 s on a Zen 3, and more when the mach
 shared. A stream saw its next token that much later (the soak of [18]). Sarathi-Serve's
 stall-free batching sizes a step's prompt tokens from the time between tokens a step may
 cost; vLLM bounds the same in tokens set by hand (max_num_batched_tokens). Here the bound
-is time, `SchedulerConfig.step_time` seconds a step, from costs measured as the engine
-runs:
+is time: a step with decode rows takes the prompt tokens that fit in what the decode rows
+leave of `SchedulerConfig.step_time` seconds, and at least half of it (where decoding
+alone fills the time, prompts still move on, not at MIN_TOKENS a step), from costs
+measured as the engine runs:
 
 - a prompt token's work in units from the model's shape (`Pacing.units`): 1 for its
   dense products, `attend` more per position it attends to, `score` more when every row's
@@ -64,11 +66,16 @@ class Pacing:
 
     def budget(self, most: int, probe: list[tuple[int, bool]]) -> int:
         """Prompt tokens a step with decode rows may take, of at most `most`: what fits in
-        step_time at the costliest of `probe` (each prompt's next position, whether it is
-        scored), at least MIN_TOKENS. Unmeasured yet: `most`."""
+        what the decode rows leave of step_time (at least half of it) at the costliest of
+        `probe` (each prompt's next position, whether it is scored), at least MIN_TOKENS.
+        Unmeasured yet: `most`."""
         if self.per_unit is None or not probe:
             return most
-        work = (self.step_time - (self.decode_s or 0.0)) / self.per_unit
+        # what the decode rows leave of step_time, and never less than half of it: where
+        # decoding alone takes the whole time, prompts would crawl (the soak's scored
+        # 3,500-token prompt passed its client's 300 s at MIN_TOKENS a step)
+        left = max(self.step_time - (self.decode_s or 0.0), self.step_time / 2)
+        work = left / self.per_unit
         fits = min(self._tokens(start, scored, work) for start, scored in probe)
         return max(min(most, fits), min(most, MIN_TOKENS))
 
