@@ -285,32 +285,3 @@ def test_the_embedding_table_stays_in_its_stored_format(fast, exact):
     assert fast.model._embed_table is None and fast.model._embed_quant is fast.model.lm_head.quant
     ids = torch.tensor([[1, 504, 60, 49151]])
     assert torch.equal(fast.model.embed(ids), exact.model.embed(ids))
-
-
-@pytest.mark.parametrize(
-    ("first", "policy", "spins"),
-    [
-        ("kvlm", None, "0"),  # kvlm's default: asleep
-        ("kvlm", "ACTIVE", "30000000000"),  # the user's own policy stands
-        ("torch", None, "300000"),  # torch loaded libgomp first: its default stands
-    ],
-)
-def test_openmp_threads_wait_asleep_unless_told_otherwise(first, policy, spins):
-    """libgomp's idle threads spin ~300,000 rounds after each parallel region; beside any
-    other busy process that took the CPU from the thread each region waited for (decoding
-    10-40x slower: docs/BENCHMARKS.md 12.5). Importing kvlm before torch makes them wait
-    asleep; what libgomp itself read is checked (OMP_DISPLAY_ENV=VERBOSE prints it)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
-    env["OMP_DISPLAY_ENV"] = "VERBOSE"
-    if policy:
-        env["OMP_WAIT_POLICY"] = policy
-    order = "import kvlm, torch" if first == "kvlm" else "import torch, kvlm"
-    code = f"{order}; torch.ones(2).sum()"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert f"GOMP_SPINCOUNT = '{spins}'" in out.stderr, out.stderr[-2000:]
