@@ -16,7 +16,6 @@ import os
 import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from helpers import portable_build_params, portable_kernels
 from kvlm import kernels
 from kvlm.model import quant
 from kvlm.model.attention import _attend_kernel
+from serving import free_port
 
 Edit = Callable[[Spec], None]
 
@@ -430,19 +430,10 @@ def test_the_command_says_one_line_of_a_tokenizer(command, finding, hf_bpe, tmp_
     folder = hf_edited(hf_bpe, tmp_path, edit)
     args = ["generate", "hello", "--max-new-tokens", "3"] if command == "generate" else ["serve"]
     if command == "serve":
-        with socket.socket() as s:  # a free port, were the server to start
-            s.bind(("127.0.0.1", 0))
-            args += ["--port", str(s.getsockname()[1])]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvlm.cli", *args, "--model", str(folder)],
-        capture_output=True, text=True, timeout=60, env=env, check=False,
-    )  # fmt: skip
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stderr)
-    assert len(lines) == 1 and lines[0].startswith("kvlm: error: "), proc.stderr
-    assert f"{folder}/" in lines[0]  # the file is named
-    assert re.search(says, lines[0])
+        args += ["--port", "PORT"]
+    line = cli_error_line(args, folder)
+    assert f"{folder}/" in line  # the file is named
+    assert re.search(says, line)
 
 
 # The fuzzer: seeded, and bounded in cases and seconds (KVLM_FUZZ_SEED, KVLM_FUZZ_CASES and
@@ -512,20 +503,25 @@ def test_the_command_says_one_line(command, tmp_path):
     """`kvlm generate` and `kvlm serve` on a hostile file: exit status 2 and one line on
     stderr, no traceback (the server never starts)."""
     args, finding = CLI_CASES[command]
-    with socket.socket() as s:  # a free port, were the server to start
-        s.bind(("127.0.0.1", 0))
-        args = [str(s.getsockname()[1]) if a == "PORT" else a for a in args]
     tokenizer, edit, says = FINDINGS[finding]
-    path = written(tmp_path, tokenizer, edit)
+    line = cli_error_line(args, written(tmp_path, tokenizer, edit))
+    assert line.startswith("kvlm: error: m.gguf: "), line
+    assert re.search(says, line)
+
+
+def cli_error_line(args: list[str], model: Path) -> str:
+    """`kvlm ARGS --model MODEL` ("PORT" in ARGS: a free one, were a server to start) must
+    exit 2 with nothing on stdout and one line on stderr, no traceback: that line."""
+    args = [str(free_port()) if a == "PORT" else a for a in args]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
     proc = subprocess.run(
-        [sys.executable, "-m", "kvlm.cli", *args, "--model", str(path)],
+        [sys.executable, "-m", "kvlm.cli", *args, "--model", str(model)],
         capture_output=True, text=True, timeout=60, env=env, check=False,
     )  # fmt: skip
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stderr)
-    assert len(lines) == 1 and lines[0].startswith("kvlm: error: m.gguf: "), proc.stderr
-    assert re.search(says, lines[0])
+    assert len(lines) == 1 and lines[0].startswith("kvlm: error: "), proc.stderr
+    return lines[0]
 
 
 def test_native_code_checks_the_sizes_it_is_given(tmp_path):

@@ -316,9 +316,7 @@ def tokenizer_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> T
     # End-of-turn tokens (Llama 3's <|eot_id|>, <|eom_id|>) also end a generation.
     extra = [ids[k] for k in ("eot", "eom") if ids[k] is not None]
     template = f("tokenizer.chat_template", str, None)
-    if template is not None and len(template) > MAX_TEMPLATE_CHARS:
-        raise ModelLoadError(f"{where}: tokenizer.chat_template is {len(template)} characters "
-                             f"long; at most {MAX_TEMPLATE_CHARS}")  # fmt: skip
+    _check_length(template, MAX_TEMPLATE_CHARS, where, "tokenizer.chat_template")
     return Tokenizer(
         backend,
         bos_token=bos,
@@ -531,9 +529,7 @@ def tokenizer_from_hf_folder(
     if template is not None and not isinstance(template, str):
         raise ModelLoadError(f"{config_path}: chat_template is {type(template).__name__}; "
                              "expected a string (a Jinja template)")  # fmt: skip
-    if template is not None and len(template) > MAX_TEMPLATE_CHARS:
-        raise ModelLoadError(f"{config_path}: the chat template is {len(template)} characters "
-                             f"long; at most {MAX_TEMPLATE_CHARS}")  # fmt: skip
+    _check_length(template, MAX_TEMPLATE_CHARS, config_path, "the chat template")
     return Tokenizer(
         backend,
         bos_token=_token_text(cfg, "bos_token", folder / "tokenizer_config.json"),
@@ -732,7 +728,11 @@ def _token_text(cfg: dict[str, Any], key: str, where: Path) -> str | None:
     if text is not None and not isinstance(text, str):
         raise ModelLoadError(f"{where}: {key} is {json_kind(value)}; expected a token's text "
                              '(a string, or {"content": a string})')  # fmt: skip
-    if text is not None and len(text) > MAX_TOKEN_CHARS:
-        raise ModelLoadError(f"{where}: {key} is {len(text)} characters long; at most "
-                             f"{MAX_TOKEN_CHARS}")  # fmt: skip
+    _check_length(text, MAX_TOKEN_CHARS, where, key)
     return text
+
+
+def _check_length(text: str | None, limit: int, where: object, what: str) -> None:
+    """One clear line for a string of a tokenizer's files longer than its bound."""
+    if text is not None and len(text) > limit:
+        raise ModelLoadError(f"{where}: {what} is {len(text)} characters long; at most {limit}")
