@@ -296,11 +296,12 @@ def test_native_code_checks_the_sizes_it_is_given(tmp_path):
     if lib is None:
         pytest.skip(kernels.status())
     x, y, w = torch.randn(2, 64), torch.empty(2, 64), torch.ones(64)
-    assert lib.kvlm_rms_norm(x.data_ptr(), 2, 64, 64, w.data_ptr(), 64, 1e-6, y.data_ptr(), 64) == 0
-    assert lib.kvlm_rms_norm(x.data_ptr(), 2, 64, 64, w.data_ptr(), 0, 1e-6, y.data_ptr(), 64) == -2
+    xp, yp = x.data_ptr(), y.data_ptr()
+    assert lib.kvlm_rms_norm(xp, 128, 2, 64, 64, w.data_ptr(), 64, 1e-6, yp, 128, 64) == 0
+    assert lib.kvlm_rms_norm(xp, 128, 2, 64, 64, w.data_ptr(), 0, 1e-6, yp, 128, 64) == -2
     qkv, cs = torch.randn(1, 8 * 16), torch.ones(1, 16)
-    args = (qkv.data_ptr(), 1, 8 * 16, 4, 2, 16, w.data_ptr(), w.data_ptr())
-    tail = (1e-6, cs.data_ptr(), cs.data_ptr(), 16)
+    args = (qkv.data_ptr(), 8 * 16, 1, 8 * 16, 4, 2, 16, w.data_ptr(), w.data_ptr())
+    tail = (1e-6, cs.data_ptr(), 16, cs.data_ptr(), 16, 16)
     assert lib.kvlm_qk_norm_rope(*args, 16, *tail) == 0
     assert lib.kvlm_qk_norm_rope(*args, 64, *tail) == -2
 
@@ -314,7 +315,8 @@ def test_native_code_checks_the_sizes_it_is_given(tmp_path):
         setattr(owner, field, getattr(owner, field) + 32)
         assert lib.kvlm_decode_scratch(spec, 1) == -2, field
         # refused before anything is read: no views, no buffers given
-        assert lib.kvlm_decode_batch(spec, 1, *[None] * 5, 1, None, None) == -2, field
+        none = (None, 0) * 4  # x, pos, cos, sin and their lengths
+        assert lib.kvlm_decode_batch(spec, 1, *none, None, 1, None, 0, None, 0) == -2, field
         setattr(owner, field, getattr(owner, field) - 32)
     assert lib.kvlm_decode_scratch(spec, 1) > 0
 
