@@ -539,11 +539,12 @@ def test_native_code_checks_the_sizes_it_is_given(tmp_path):
     if lib is None:
         pytest.skip(kernels.status())
     x, y, w = torch.randn(2, 64), torch.empty(2, 64), torch.ones(64)
-    assert lib.kvlm_rms_norm(x.data_ptr(), 2, 64, 64, w.data_ptr(), 64, 1e-6, y.data_ptr(), 64) == 0
-    assert lib.kvlm_rms_norm(x.data_ptr(), 2, 64, 64, w.data_ptr(), 0, 1e-6, y.data_ptr(), 64) == -2
+    xp, yp = x.data_ptr(), y.data_ptr()
+    assert lib.kvlm_rms_norm(xp, 128, 2, 64, 64, w.data_ptr(), 64, 1e-6, yp, 128, 64) == 0
+    assert lib.kvlm_rms_norm(xp, 128, 2, 64, 64, w.data_ptr(), 0, 1e-6, yp, 128, 64) == -2
     qkv, cs = torch.randn(1, 8 * 16), torch.ones(1, 16)
-    args = (qkv.data_ptr(), 1, 8 * 16, 4, 2, 16, w.data_ptr(), w.data_ptr())
-    tail = (1e-6, cs.data_ptr(), cs.data_ptr(), 16)
+    args = (qkv.data_ptr(), 8 * 16, 1, 8 * 16, 4, 2, 16, w.data_ptr(), w.data_ptr())
+    tail = (1e-6, cs.data_ptr(), 16, cs.data_ptr(), 16, 16)
     assert lib.kvlm_qk_norm_rope(*args, 16, *tail) == 0
     assert lib.kvlm_qk_norm_rope(*args, 64, *tail) == -2
 
@@ -557,7 +558,8 @@ def test_native_code_checks_the_sizes_it_is_given(tmp_path):
         setattr(owner, field, getattr(owner, field) + 32)
         assert lib.kvlm_decode_scratch(spec, 1) == -2, field
         # refused before anything is read: no views, no buffers given
-        assert lib.kvlm_decode_batch(spec, 1, *[None] * 5, 1, None, None) == -2, field
+        none = (None, 0) * 4  # x, pos, cos, sin and their lengths
+        assert lib.kvlm_decode_batch(spec, 1, *none, None, 1, None, 0, None, 0) == -2, field
         setattr(owner, field, getattr(owner, field) - 32)
     assert lib.kvlm_decode_scratch(spec, 1) > 0
 
@@ -745,6 +747,234 @@ def test_prompt_attention_checks_its_buffers(build):
     ref = F.scaled_dot_product_attention(q[None], k.expand(H, S, D)[None], v.expand(H, S, D)[None],
                                          attn_mask=mask)  # fmt: skip
     torch.testing.assert_close(out[:on].view(T, H, D), ref[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_row_kernels_check_their_buffers(build):
+    """kvlm_silu_mul: gu [M, 2I] within gn floats, out [M, I] within on; kvlm_rms_norm: x
+    and y's M rows of N at their strides within xn and yn ((M - 1) xs + N, ...; ys >= N);
+    kvlm_qk_norm_rope: the q and k heads of M rows at stride rs >= (nq + nk) D within qkvn,
+    cos and sin's rows of D at stride cs within cn and sn, D even."""
+    lib = _kernels(build)
+    M, N, inter = 3, 24, 40
+    gu = torch.randn(M, 2 * inter)
+    good = {"gn": M * 2 * inter, "M": M, "I": inter, "on": M * inter}
+
+    def glu(out: torch.Tensor, **given) -> int:
+        a = {**good, **given}
+        return lib.kvlm_silu_mul(gu.data_ptr(), a["gn"], a["M"], a["I"], out.data_ptr(), a["on"])
+
+    n = M * inter
+    bad = [{"gn": 2 * n - 1}, {"on": n - 1}, {"gn": -1}, {"on": -1}, {"M": 0}, {"I": 0},
+           {"M": HUGE, "gn": ANY, "on": ANY}]  # fmt: skip
+    for given in bad:
+        out = _guarded(n)
+        assert glu(out, **given) == -2 and _untouched(out), ("silu_mul", given)
+    out = _guarded(n)
+    assert glu(out) == 0 and _untouched(out[n:]) and not _untouched(out[:n])
+
+    x, w = torch.randn(M, N), torch.rand(N) + 0.5
+    good = {"xn": M * N, "M": M, "xs": N, "wn": N, "yn": M * N, "ys": N}
+
+    def norm(y: torch.Tensor, **given) -> int:
+        a = {**good, **given}
+        return lib.kvlm_rms_norm(x.data_ptr(), a["xn"], a["M"], N, a["xs"], w.data_ptr(),
+                                 a["wn"], 1e-6, y.data_ptr(), a["yn"], a["ys"])  # fmt: skip
+
+    bad = [{"xn": M * N - 1}, {"yn": M * N - 1}, {"xs": N + 1}, {"ys": N + 1}, {"ys": N - 1},
+           {"xs": -N}, {"xn": -1}, {"yn": -1}, {"M": -1}, {"wn": N - 1},
+           {"xs": HUGE, "xn": ANY}, {"M": HUGE, "xs": 0, "yn": ANY}]  # fmt: skip
+    for given in bad:
+        y = _guarded(M * N)
+        assert norm(y, **given) == -2 and _untouched(y), ("rms_norm", given)
+    y = _guarded(M * N)
+    assert norm(y) == 0 and _untouched(y[M * N :])
+    torch.testing.assert_close(y[: M * N].view(M, N), F.rms_norm(x, (N,), w, 1e-6))
+
+    nq, nk, D = 2, 1, 16  # and a v head after them: a row is 4 heads, 3 of them touched
+    rs, cs = (nq + nk + 1) * D, D
+    need = (M - 1) * rs + (nq + nk) * D
+    cos, sin = torch.randn(M, D), torch.randn(M, D)
+    good = {"qkvn": need, "M": M, "rs": rs, "nq": nq, "nk": nk, "D": D, "nn": D,
+            "cn": M * D, "sn": M * D, "cs": cs}  # fmt: skip
+
+    def rope(qkv: torch.Tensor, **given) -> int:
+        a = {**good, **given}
+        return lib.kvlm_qk_norm_rope(
+            qkv.data_ptr(), a["qkvn"], a["M"], a["rs"], a["nq"], a["nk"], a["D"], w.data_ptr(),
+            w.data_ptr(), a["nn"], 1e-6, cos.data_ptr(), a["cn"], sin.data_ptr(), a["sn"],
+            a["cs"],
+        )  # fmt: skip
+
+    bad = [{"qkvn": need - 1}, {"cn": M * D - 1}, {"sn": M * D - 1}, {"rs": (nq + nk) * D - 1},
+           {"cs": D + 1}, {"cs": -D}, {"qkvn": -1}, {"cn": -1}, {"nq": -1}, {"D": 15},
+           {"nn": D + 2}, {"nq": 0, "nk": 0}, {"nq": HUGE, "nk": HUGE, "qkvn": ANY},
+           {"M": HUGE, "rs": HUGE, "qkvn": ANY}]  # fmt: skip
+    for given in bad:  # in place: a guarded q|k|v (each value the sentinel) stays so
+        qkv = _guarded(need)
+        assert rope(qkv, **given) == -2 and _untouched(qkv), ("qk_norm_rope", given)
+    qkv = _guarded(need)
+    assert rope(qkv) == 0 and _untouched(qkv[need:]) and not _untouched(qkv[:D])
+    assert _untouched(qkv[(nq + nk) * D : rs])  # the v head
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_test_exports_check_their_buffers(build):
+    """The quantizers and fp16 conversions exported for tests (kvlm_quantize_q4_rows,
+    kvlm_quantize_kv_rows, kvlm_f16_round_trip): x [rows, D] within xn floats, each output
+    within its length, D a size they take."""
+    lib = _kernels(build)
+    rows, D = 3, 64
+    x = torch.randn(rows, D)
+    n = rows * D
+    for name, fn, codes, params, dtype in (
+        ("q4", lib.kvlm_quantize_q4_rows, n // 2, rows * D // 32, torch.uint8),
+        ("kv", lib.kvlm_quantize_kv_rows, n, 2 * rows, torch.int8),
+    ):
+        good = {"xn": n, "cn": codes, "pn": params, "rows": rows, "D": D}
+
+        def call(c: torch.Tensor, p: torch.Tensor, fn=fn, good=good, **given) -> int:
+            a = {**good, **given}
+            return fn(x.data_ptr(), a["xn"], c.data_ptr(), a["cn"], p.data_ptr(), a["pn"],
+                      a["rows"], a["D"])  # fmt: skip
+
+        bad = [{"xn": n - 1}, {"cn": codes - 1}, {"pn": params - 1}, {"xn": -1}, {"cn": -1},
+               {"rows": -1}, {"D": 0}, {"rows": HUGE, "xn": ANY, "cn": ANY, "pn": ANY}]  # fmt: skip
+        if name == "q4":
+            bad.append({"D": 63})  # codes hold values in pairs
+        for given in bad:
+            c, p = _guarded(codes, dtype), _guarded(params, torch.int16)
+            assert call(c, p, **given) == -2 and _untouched(c) and _untouched(p), (name, given)
+        c, p = _guarded(codes, dtype), _guarded(params, torch.int16)
+        assert call(c, p) == 0 and _untouched(c[codes:]) and _untouched(p[params:]), name
+
+    def trip(h: torch.Tensor, y: torch.Tensor, xn=n, hn=n, yn=n, count=n) -> int:
+        return lib.kvlm_f16_round_trip(x.data_ptr(), xn, h.data_ptr(), hn, y.data_ptr(), yn,
+                                       count)  # fmt: skip
+
+    for given in ({"xn": n - 1}, {"hn": n - 1}, {"yn": n - 1}, {"count": -1}, {"hn": -1}):
+        h, y = _guarded(n, torch.int16), _guarded(n)
+        assert trip(h, y, **given) == -2 and _untouched(h) and _untouched(y), given
+    h, y = _guarded(n, torch.int16), _guarded(n)
+    assert trip(h, y) == 0 and _untouched(h[n:]) and torch.equal(y[:n].view(rows, D),
+                                                                   x.half().float())  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_step(tmp_path_factory):
+    """The tiny model's fused decode step over 32 slots."""
+    from kvlm import LLM
+    from kvlm.model.fused import FusedDecoder
+
+    if kernels.library() is None:
+        pytest.skip(kernels.status())
+    path = write(tiny(), tmp_path_factory.mktemp("step") / "m.gguf")
+    return FusedDecoder(LLM(model=path, weights="native", progress=False).model, 32)
+
+
+@pytest.mark.parametrize("kv", ["fp32", "int8"])
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_decode_step_checks_its_buffers(build, kv, tiny_step):
+    """kvlm_decode_batch: x [B, hidden], pos [B], cos and sin [tables, slots, head_dim],
+    the scratch and logits [B, vocab] each within its count; each view's tables [B, width]
+    within their entries, and its pool's blocks of every layer (and an int8 cache's
+    parameters) within its store's bytes: more blocks, layers, a longer block or a wider
+    layer stride than the store holds is refused. Nothing written: x, the logits and the
+    cache as they were."""
+    import ctypes
+
+    from kvlm.cache.storage import Store
+    from kvlm.model.fused import KVView
+
+    lib, step = _kernels(build), tiny_step
+    c, S, B = step.model.config, step.slots, 2
+    H, Hkv, D, vocab = c.hidden_size, c.num_kv_heads, c.head_dim, step.vocab
+    dtype = {"fp32": torch.float32, "int8": torch.int8}[kv]
+    store = Store((c.num_layers, 2, B, Hkv, S, D), dtype, torch.device("cpu"))
+    for t in store.parts.values():
+        t.fill_(1)
+    before = [t.clone() for t in store.parts.values()]
+    step._set_storage(store, None)
+    step._place([KVView(store, [[0], [1]], S)])
+    pos = torch.tensor([3, 5])
+    spec = ctypes.byref(step.spec)
+    scratch = torch.empty(lib.kvlm_decode_scratch(spec, B))
+    tables = step.cos.numel()
+    good = {"xn": B * H, "pn": B, "cn": tables, "sn": tables, "scn": scratch.numel(),
+            "ln": B * vocab}  # fmt: skip
+
+    def view(**fields) -> ctypes.Array:
+        """The step's view of `store` with each length exactly what it must hold, then
+        `fields`."""
+        views, keep = step._c_views([KVView(store, [[0], [1]], S)], pos.tolist())
+        v = views[0]
+        v.entries, block = B * v.width, Hkv * S  # rows a block holds (all slots, KV heads)
+        row, params = {"fp32": (4 * D, 0), "int8": (D, 4)}[kv]
+        v.k_bytes = v.v_bytes = (c.num_layers - 1) * v.k_layer + B * block * row
+        if params:
+            v.kp_bytes = v.vp_bytes = (c.num_layers - 1) * v.kp_layer + B * block * params
+        for name, value in fields.items():
+            setattr(v, name, value)
+        views._keep = keep  # the tables they point into
+        return views
+
+    def call(x: torch.Tensor, logits: torch.Tensor, views=None, **given) -> int:
+        a = {**good, **given}
+        return lib.kvlm_decode_batch(
+            spec, B, x.data_ptr(), a["xn"], pos.data_ptr(), a["pn"], step.cos.data_ptr(),
+            a["cn"], step.sin.data_ptr(), a["sn"], view() if views is None else views, 1,
+            scratch.data_ptr(), a["scn"], logits.data_ptr(), a["ln"],
+        )  # fmt: skip
+
+    bad = [{"xn": B * H - 1}, {"pn": B - 1}, {"cn": tables - 1}, {"sn": tables - 1},
+           {"scn": scratch.numel() - 1}, {"ln": B * vocab - 1}, {"xn": -1}, {"ln": -1}]  # fmt: skip
+    views = [{"entries": B - 1}, {"k_bytes": view()[0].k_bytes - 1},
+             {"v_bytes": view()[0].v_bytes - 1}, {"num_blocks": B + 1},
+             {"layers": c.num_layers + 1}, {"k_layer": view()[0].k_layer + 1},
+             {"v_layer": view()[0].v_layer + 1}, {"block_size": 2 * S}, {"k_bytes": -1},
+             {"tables": None}, {"k": None}, {"block_size": HUGE},
+             {"layers": 3, "k_layer": HUGE, "k_bytes": ANY}]  # fmt: skip
+    if kv == "int8":
+        views += [{"kp_bytes": view()[0].kp_bytes - 1}, {"vp_bytes": view()[0].vp_bytes - 1},
+                  {"kp_layer": view()[0].kp_layer + 1}]  # fmt: skip
+    cases = [(given, {}) for given in bad] + [({}, fields) for fields in views]
+    for given, fields in cases:
+        x, logits = _guarded(B * H), _guarded(B * vocab)
+        rc = call(x, logits, view(**fields), **given)
+        assert rc == -2 and _untouched(x) and _untouched(logits), (given, fields)
+    rope = step.spec.rope_tables  # cos and sin's tables past an int64 of floats
+    step.spec.rope_tables = HUGE
+    x, logits = _guarded(B * H), _guarded(B * vocab)
+    assert call(x, logits, cn=ANY, sn=ANY) == -2 and _untouched(logits), "rope_tables"
+    step.spec.rope_tables = rope
+    assert all(torch.equal(t, b) for t, b in zip(store.parts.values(), before, strict=True))
+    x, logits = _guarded(B * H), _guarded(B * vocab)
+    assert call(x, logits) == 0 and _untouched(logits[B * vocab :]) and _untouched(x[B * H :])
+    assert torch.isfinite(logits[: B * vocab]).all()
+    assert not all(torch.equal(t, b) for t, b in zip(store.parts.values(), before, strict=True))
+
+
+def test_a_norm_or_glu_the_kernels_refuse_is_an_error_not_torch(monkeypatch):
+    """A -2 from the norms' and SwiGLU's kernels is a ValueError, as every entry point's
+    (their callers took torch's road on it): an RMSNorm weight of another length than a
+    row (torch's own error before), q/k norms and RoPE or SwiGLU refused."""
+    from kvlm.model.attention import Attention
+    from kvlm.model.layers import MLP, Linear, RMSNorm
+
+    if kernels.library() is None:
+        pytest.skip(kernels.status())
+    with pytest.raises(ValueError, match="refused RMSNorm"):
+        RMSNorm(torch.ones(63), 1e-6)(torch.randn(2, 64))
+    H, Hkv, D = 2, 1, 16
+    attn = Attention(0, H, Hkv, D, Linear(torch.randn(4 * D, 32)), Linear(torch.randn(32, 32)))
+    qkv, cs = torch.randn(1, 3, H + 2 * Hkv, D), torch.ones(1, 3, 1, D)
+    mlp = MLP(Linear(torch.randn(64, 32)), Linear(torch.randn(32, 32)))
+    monkeypatch.setattr(kernels, "library", lambda: SimpleNamespace(
+        kvlm_qk_norm_rope=lambda *a: -2, kvlm_silu_mul=lambda *a: -2))  # fmt: skip
+    with pytest.raises(ValueError, match="refused the q/k norms and RoPE"):
+        attn._norm_rope_in_c(qkv, cs, cs)
+    with pytest.raises(ValueError, match="refused SwiGLU"):
+        mlp(torch.randn(1, 3, 32))
 
 
 def test_a_weight_shorter_than_its_shape_is_refused_not_read_past(monkeypatch):

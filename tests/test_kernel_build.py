@@ -134,7 +134,9 @@ def test_a_build_for_another_cpu_is_rebuilt_and_loaded(tmp_path, monkeypatch, ca
         "int kvlm_qpack(void) { return 0; }\nint kvlm_silu_mul(void) { return 0; }\n"
         "int kvlm_attend(void) { return 0; }\nint kvlm_rms_norm(void) { return 0; }\n"
         "int kvlm_qk_norm_rope(void) { return 0; }\nint kvlm_decode_scratch(void) { return 0; }\n"
-        "int kvlm_decode_batch(void) { return 0; }\n"
+        "int kvlm_decode_batch(void) { return 0; }\nint kvlm_f16_round_trip(void) { return 0; }\n"
+        "int kvlm_quantize_q4_rows(void) { return 0; }\n"
+        "int kvlm_quantize_kv_rows(void) { return 0; }\n"
     )
     monkeypatch.setattr(kernels, "SOURCE", stub)
     monkeypatch.setenv("CC", cc)

@@ -122,7 +122,7 @@ def test_silu_mul_matches_torch():
     lib = kernels.library()
     gu = torch.randn(37, 2 * 200) * 4
     out = torch.empty(37, 200)
-    assert lib.kvlm_silu_mul(gu.data_ptr(), 37, 200, out.data_ptr()) == 0
+    assert lib.kvlm_silu_mul(gu.data_ptr(), gu.numel(), 37, 200, out.data_ptr(), out.numel()) == 0
     g, u = gu.double().chunk(2, dim=-1)
     ref = F.silu(g) * u
     assert float(((out.double() - ref).abs() / ref.abs().clamp_min(1e-30)).max()) <= 16 * U32

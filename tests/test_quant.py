@@ -618,8 +618,6 @@ def test_fused_int8_rows_are_quantized_as_the_store_quantizes(build):
     """The C row quantizer (fp16 step and zero, round half to even, clamp; F16C or the
     portable conversion) against storage.quantize on rows with ties, constant rows and
     ranges from 1e-6 to 1e3."""
-    import ctypes
-
     from kvlm.cache.storage import quantize
 
     lib = kernels.library() if build == "native" else portable_kernels(build)
@@ -634,8 +632,9 @@ def test_fused_int8_rows_are_quantized_as_the_store_quantizes(build):
     )  # fmt: skip  the last row: step 2^-7 exactly, codes on .5 ties (half to even)
     codes = torch.empty(rows.shape, dtype=torch.int8)
     params = torch.empty(rows.shape[0], 2, dtype=torch.float16)
-    lib.kvlm_quantize_kv_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
-    lib.kvlm_quantize_kv_rows(rows.data_ptr(), codes.data_ptr(), params.data_ptr(), *rows.shape)
+    rc = lib.kvlm_quantize_kv_rows(rows.data_ptr(), rows.numel(), codes.data_ptr(), codes.numel(),
+                                   params.data_ptr(), params.numel(), *rows.shape)  # fmt: skip
+    assert rc == 0
     want_codes, want_params = quantize(rows)
     assert torch.equal(params, want_params)
     assert torch.equal(codes, want_codes)
@@ -648,8 +647,6 @@ def test_fused_q4_rows_are_quantized_as_the_store_quantizes(build, head_dim):
     """The C q4 quantizer (the first value of largest magnitude, its fp16 scale, round half
     to even, clamp) against storage.quantize_q4 bit for bit: ranges from 1e-6 to 1e3, equal
     magnitudes of both signs, constant and zero rows, codes on .5 ties."""
-    import ctypes
-
     from kvlm.cache.storage import quantize_q4
 
     lib = kernels.library() if build == "native" else portable_kernels(build)
@@ -665,8 +662,9 @@ def test_fused_q4_rows_are_quantized_as_the_store_quantizes(build, head_dim):
     )  # fmt: skip
     codes = torch.empty(rows.shape[0], d // 2, dtype=torch.uint8)
     scales = torch.empty(rows.shape[0], d // min(32, d), dtype=torch.float16)
-    lib.kvlm_quantize_q4_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
-    lib.kvlm_quantize_q4_rows(rows.data_ptr(), codes.data_ptr(), scales.data_ptr(), *rows.shape)
+    rc = lib.kvlm_quantize_q4_rows(rows.data_ptr(), rows.numel(), codes.data_ptr(), codes.numel(),
+                                   scales.data_ptr(), scales.numel(), *rows.shape)  # fmt: skip
+    assert rc == 0
     want_codes, want_scales = quantize_q4(rows)
     assert torch.equal(scales, want_scales)
     assert torch.equal(codes, want_codes)
@@ -680,8 +678,6 @@ def test_fused_fp16_rows_are_rounded_as_torch_rounds(build):
     neighbouring halves and their next floats (ties to even), subnormals, 65504 .. 65520
     (65520 and past: inf), inf, NaN (quiet, payload kept) and random bit patterns; and
     back to fp32 exactly."""
-    import ctypes
-
     lib = kernels.library() if build == "native" else portable_kernels(build)
     halves = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
     finite = halves[torch.isfinite(halves)].unique().sort().values.double()
@@ -699,8 +695,8 @@ def test_fused_fp16_rows_are_rounded_as_torch_rounds(build):
     ).contiguous()  # fmt: skip
     h = torch.empty(x.shape, dtype=torch.float16)
     y = torch.empty_like(x)
-    lib.kvlm_f16_round_trip.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64]
-    lib.kvlm_f16_round_trip(x.data_ptr(), h.data_ptr(), y.data_ptr(), x.numel())
+    n = x.numel()
+    assert lib.kvlm_f16_round_trip(x.data_ptr(), n, h.data_ptr(), n, y.data_ptr(), n, n) == 0
     want = x.to(torch.float16)
     assert torch.isinf(want).sum() > 4 and torch.isnan(want).sum() > 4  # the cases are there
     assert torch.equal(h.view(torch.int16), want.view(torch.int16))

@@ -45,7 +45,7 @@ import torch  # loaded first, so the kernels share torch's OpenMP runtime
 
 SOURCE = Path(__file__).with_name("qgemm.c")
 HEADERS = (Path(__file__).with_name("v512.h"),)  # qgemm.c includes them (quoted: beside it)
-ABI = 22
+ABI = 23
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 120
 WORK_PREFIX, WORK_SUFFIX = ".qgemm-", ".tmp"  # a build's private directory in the cache
@@ -323,16 +323,20 @@ _SIGNATURES = {
     "kvlm_qdequant": "iiipiipi",  # kind, bf16, K, w, wn, N, out, on (bytes)
     "kvlm_qdequant_rows": "iipiipipi",  # kind, K, w, wn, N, rows, n, out, on
     "kvlm_qpack": "ipiiippi",  # kind, blocks, sn, N, K, order, out, dn
-    "kvlm_silu_mul": "piip",  # gu, M, I, out
+    "kvlm_silu_mul": "piiipi",  # gu, gn, M, I, out, on
     # q, qn, H, T, D, qsh, qst, k, kn, v, vn, Hkv, S, ksh, kst, vsh, vst, mask, mn, mst,
     # causal, scale, out, on, bf16_from
     "kvlm_attend": "piiiiiipipiiiiiiipiiidpii",
-    "kvlm_rms_norm": "piiipidpi",  # x, M, N, xs, w, wn, eps, y, ys
-    # qkv, M, rs, nq, nk, D, qn, kn, nn, eps, cos, sin, cs
-    "kvlm_qk_norm_rope": "piiiiippidppi",
+    "kvlm_rms_norm": "piiiipidpii",  # x, xn, M, N, xs, w, wn, eps, y, yn, ys
+    # qkv, qkvn, M, rs, nq, nk, D, qn, kn, nn, eps, cos, cn, sin, sn, cs
+    "kvlm_qk_norm_rope": "piiiiiippidpipii",
     "kvlm_decode_scratch": "pi",  # m, B
-    # m, B, x, pos, cos, sin, views, n_views, scratch, logits
-    "kvlm_decode_batch": "pipppppipp",
+    # m, B, x, xn, pos, pn, cos, cn, sin, sn, views, n_views, scratch, scn, logits, ln
+    "kvlm_decode_batch": "pipipipipipipipi",
+    # for tests alone (no caller in kvlm): the store's quantizers and fp16 conversions
+    "kvlm_quantize_q4_rows": "pipipiii",  # x, xn, codes, cn, scales, sn, rows, D
+    "kvlm_quantize_kv_rows": "pipipiii",  # x, xn, codes, cn, params, pn, rows, D
+    "kvlm_f16_round_trip": "pipipii",  # x, xn, h, hn, y, yn, n
 }
 _CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "d": ctypes.c_double}
 

@@ -199,7 +199,7 @@ static inline uint16_t to_f16(float f) {
 #endif
 }
 
-int kvlm_kernel_abi(void) { return 22; }
+int kvlm_kernel_abi(void) { return 23; }
 
 /* 512: AVX-512; 256: the same code on AVX2 (two halves per vector); 0: scalar loops */
 int kvlm_kernel_simd(void) { return KVLM_V512; }
@@ -1320,6 +1320,9 @@ typedef struct {
     int64_t width, num_blocks, block_size, ring;
     int64_t layers;          /* the store's layers (a layer's index is checked against it) */
     int64_t k_layer, v_layer, kp_layer, vp_layer; /* bytes from one layer to the next */
+    int64_t entries;         /* tables' int32s (at least B width) */
+    /* bytes from k, v, kp and vp on: every layer's blocks must lie within them */
+    int64_t k_bytes, v_bytes, kp_bytes, vp_bytes;
 } kvlm_kv_view;
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_F16 = 3, KV_Q4 = 4 };
@@ -2112,24 +2115,43 @@ static void pv_q4(int ng, const float *p, const kv_span *V, const kv_span *Vp, i
     }
 }
 
-/* quantize_q4_row over `rows` rows (for tests: the store's quantizer, bit for bit) */
-void kvlm_quantize_q4_rows(const float *x, uint8_t *codes, uint16_t *scales, int64_t rows,
-                           int64_t D) {
+/* The store's quantizers and the fp16 cache's conversions, exported for tests alone (no
+ * caller in kvlm itself; tests/test_quant.py holds them to storage.py and torch bit for
+ * bit), their buffers bounded as every entry point's: each with its length (xn floats,
+ * cn bytes, ...), 0, or -2 with nothing read or written for sizes out of range or a buffer
+ * shorter than they need. */
+
+/* quantize_q4_row over `rows` rows of D (even, at least 2): x [rows, D] -> codes
+ * [rows, D / 2] bytes and scales [rows, D / q4_group(D)] fp16 */
+int kvlm_quantize_q4_rows(const float *x, int64_t xn, uint8_t *codes, int64_t cn,
+                          uint16_t *scales, int64_t sn, int64_t rows, int64_t D) {
+    int64_t need;
+    if (rows < 0 || D < 2 || D % 2 || !mul_ok(rows, D, &need) || xn < need) return -2;
+    if (cn < need / 2 || sn < rows * (D / q4_group(D))) return -2; /* each at most rows D */
     for (int64_t r = 0; r < rows; r++)
         quantize_q4_row(x + r * D, D, codes + r * D / 2, scales + r * (D / q4_group(D)));
+    return 0;
 }
 
-/* quantize_kv_row over `rows` rows (for tests: the store's quantizer, bit for bit) */
-void kvlm_quantize_kv_rows(const float *x, int8_t *codes, uint16_t *params, int64_t rows,
-                           int64_t D) {
+/* quantize_kv_row over `rows` rows of D: x [rows, D] -> codes [rows, D] and params
+ * [rows, 2] fp16 (step, zero) */
+int kvlm_quantize_kv_rows(const float *x, int64_t xn, int8_t *codes, int64_t cn,
+                          uint16_t *params, int64_t pn, int64_t rows, int64_t D) {
+    int64_t need;
+    if (rows < 0 || D < 1 || !mul_ok(rows, D, &need) || xn < need || cn < need) return -2;
+    if (!mul_ok(rows, 2, &need) || pn < need) return -2;
     for (int64_t r = 0; r < rows; r++) quantize_kv_row(x + r * D, D, codes + r * D, params + 2 * r);
+    return 0;
 }
 
-/* to_f16 of x[0:n] into h, and from_f16 of h back into y (for tests: the fp16 cache's
- * conversions, against torch's .to(float16) and .float()) */
-void kvlm_f16_round_trip(const float *x, uint16_t *h, float *y, int64_t n) {
+/* to_f16 of x[0:n] into h, and from_f16 of h back into y (the fp16 cache's conversions,
+ * against torch's .to(float16) and .float()) */
+int kvlm_f16_round_trip(const float *x, int64_t xn, uint16_t *h, int64_t hn, float *y,
+                        int64_t yn, int64_t n) {
+    if (n < 0 || xn < n || hn < n || yn < n) return -2;
     for (int64_t i = 0; i < n; i++) h[i] = to_f16(x[i]);
     for (int64_t i = 0; i < n; i++) y[i] = from_f16(h[i]);
+    return 0;
 }
 
 /* y = x R (R: D x D, row-major) */
@@ -2685,15 +2707,20 @@ static int model_ok(const kvlm_qmodel *m) {
     return qmat_ok(&m->lm_head, m->lm_head.n, H);
 }
 
-/* floats of scratch a step of B rows needs; -2 when the model or B is out of range
- * (model_ok) */
-int64_t kvlm_decode_scratch(const kvlm_qmodel *m, int64_t B) {
-    if (B < 1 || B > MAX_BATCH || !model_ok(m)) return -2;
+/* floats of scratch a step of B rows needs (bufs_of), the model's sizes in range */
+static int64_t scratch_floats(const kvlm_qmodel *m, int64_t B) {
     const int64_t D = m->head_dim, Hq = m->n_heads;
     const int64_t row = 2 * m->hidden + (Hq + 2 * m->n_kv_heads) * D + Hq * D + 3 * m->inter +
                         Hq * m->slots + Hq * MAX_CHUNKS * (D + 2) + Hq * (query_stride(D) / 4 + 2) +
                         Hq * Q4_QG;
     return B * row + D;
+}
+
+/* floats of scratch a step of B rows needs; -2 when the model or B is out of range
+ * (model_ok) */
+int64_t kvlm_decode_scratch(const kvlm_qmodel *m, int64_t B) {
+    if (B < 1 || B > MAX_BATCH || !model_ok(m)) return -2;
+    return scratch_floats(m, B);
 }
 
 /* y [B, n] = x [B, k] . W^T, 16 rows per call (the small products' most); act: x in fp32
@@ -2786,17 +2813,44 @@ static layer_kv layer_kv_of(const kvlm_qmodel *m, const kvlm_qlayer *L, const kv
     return r;
 }
 
-/* -2 unless every layer's view holds every row's slots up to its position: each table
- * entry the step reads within the view's table width and pool, a ring a whole number of
- * blocks and at least the layer's window (the keys a query sees are all still there) */
+/* Whether `layers` layers (layer_bytes apart) of `blocks` blocks of Hkv x bs rows of `row`
+ * bytes, the furthest byte a block id below `blocks` and a layer index below `layers`
+ * reach, (layers - 1) layer_bytes + blocks Hkv bs row, lie within a store's `bytes` (a
+ * view with no layers: nothing is read or written through it) */
+static int store_ok(int64_t layers, int64_t layer_bytes, int64_t blocks, int64_t Hkv,
+                    int64_t bs, int64_t row, int64_t bytes) {
+    int64_t block, need;
+    if (layers == 0) return 1;
+    return mul_ok(Hkv, bs, &block) && mul_ok(block, row, &block) &&
+           extent_ok(layers, layer_bytes, blocks, block, block, &need) && bytes >= need;
+}
+
+/* -2 unless every layer's view holds every row's slots up to its position: the tables
+ * [B, width] within their entries, each table entry the step reads within the view's
+ * table width and pool, the pool's blocks of every layer within K's and V's bytes (and
+ * their parameters'), a ring a whole number of blocks and at least the layer's window (the
+ * keys a query sees are all still there) */
 static int check_views(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
                        const kvlm_kv_view *views, int64_t n_views) {
+    const int64_t D = m->head_dim, Hkv = m->n_kv_heads;
+    const int kdt = (int)m->k_dtype, vdt = (int)m->v_dtype;
     for (int64_t v = 0; v < n_views; v++) {
         const kvlm_kv_view *V = views + v;
-        const int64_t bs = V->block_size;
-        if (bs < 1 || V->num_blocks < 1 || V->width < 1 || V->ring < 0 || V->ring % bs) return -2;
-        if ((kv_quantized(m->k_dtype) && !V->kp) || (kv_quantized(m->v_dtype) && !V->vp)) return -2;
+        const int64_t bs = V->block_size, nb = V->num_blocks, L = V->layers;
+        int64_t need;
+        if (bs < 1 || nb < 1 || V->width < 1 || V->ring < 0 || V->ring % bs) return -2;
+        if (!V->k || !V->v || !V->tables || L < 0) return -2;
+        if ((kv_quantized(kdt) && !V->kp) || (kv_quantized(vdt) && !V->vp)) return -2;
         if (V->k_layer < 0 || V->v_layer < 0 || V->kp_layer < 0 || V->vp_layer < 0) return -2;
+        if (!mul_ok(B, V->width, &need) || V->entries < need) return -2;
+        if (!store_ok(L, V->k_layer, nb, Hkv, bs, kv_row_bytes(kdt, D), V->k_bytes) ||
+            !store_ok(L, V->v_layer, nb, Hkv, bs, kv_row_bytes(vdt, D), V->v_bytes))
+            return -2;
+        if ((kv_quantized(kdt) &&
+             !store_ok(L, V->kp_layer, nb, Hkv, bs, kv_param_bytes(kdt, D), V->kp_bytes)) ||
+            (kv_quantized(vdt) &&
+             !store_ok(L, V->vp_layer, nb, Hkv, bs, kv_param_bytes(vdt, D), V->vp_bytes)))
+            return -2;
         for (int64_t b = 0; b < B; b++) {
             const int64_t last = V->ring && pos[b] >= V->ring ? V->ring - 1 : pos[b];
             if (last / bs >= V->width) return -2;
@@ -3013,18 +3067,20 @@ static void add_residual(float *x, float *y, const float *w, int64_t B, int64_t 
 
 /* One decode step for B sequences, one token each (B = 1 with a contiguous cache is the
  * single-stream decode; more rows are the server's batch, every product reading its weight
- * once for up to 16 rows).
- *   x [B, hidden]: the tokens' embeddings in (Gemma's scaled), overwritten;
- *   pos [B]: each row's position (its token is written there; it attends over 0 .. pos,
- *       or over its last `window` positions: the layer's, or m->window);
- *   cos, sin [m->rope_tables, slots, head_dim]: RoPE at every position, the model's base
- *       then (Gemma 3) the local layers' (kvlm_qlayer.rope picks);
- *   views [n_views]: where the layers' K/V are (kvlm_kv_view; kvlm_qlayer.view, index);
- *   scratch: kvlm_decode_scratch(m, B) floats; logits [B, vocab] out.
+ * once for up to 16 rows). Each buffer comes with its length (elements from its pointer
+ * on), checked against what the step reads or writes there:
+ *   x [B, hidden] (xn floats): the tokens' embeddings in (Gemma's scaled), overwritten;
+ *   pos [B] (pn): each row's position (its token is written there; it attends over 0 ..
+ *       pos, or over its last `window` positions: the layer's, or m->window);
+ *   cos, sin [m->rope_tables, slots, head_dim] (cn, sn floats): RoPE at every position,
+ *       the model's base then (Gemma 3) the local layers' (kvlm_qlayer.rope picks);
+ *   views [n_views]: where the layers' K/V are (kvlm_kv_view, with its tables' entries
+ *       and its stores' bytes; kvlm_qlayer.view, index);
+ *   scratch: kvlm_decode_scratch(m, B) floats (scn); logits [B, vocab] out (ln floats).
  * Returns 0; -2 when an argument is out of range (a weight not of the shape the model's
- * sizes give it, a position past the slots or a table, a block id past its pool, a ring
- * shorter than a layer's window: nothing is written); -1
- * when a product found no scratch memory. */
+ * sizes give it, a buffer shorter than its shape, a position past the slots or a table,
+ * a block id past its pool, a pool past its store's bytes, a ring shorter than a layer's
+ * window: nothing is written); -1 when a product found no scratch memory. */
 /* kvlm_qmodel.act_int8, act_int16 */
 enum { ACT_QKV = 1, ACT_O = 2, ACT_GATE_UP = 4, ACT_DOWN = 8, ACT_HEAD = 16 };
 
@@ -3033,16 +3089,26 @@ static inline int act_of(const kvlm_qmodel *m, int64_t bit) {
     return (m->act_int8 & bit) ? ((m->act_int16 & bit) ? 2 : 1) : 0;
 }
 
-int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *pos,
-                      const float *cos, const float *sin, const kvlm_kv_view *views,
-                      int64_t n_views, float *scratch, float *logits) {
+int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, int64_t xn, const int64_t *pos,
+                      int64_t pn, const float *cos, int64_t cn, const float *sin, int64_t sn,
+                      const kvlm_kv_view *views, int64_t n_views, float *scratch, int64_t scn,
+                      float *logits, int64_t ln) {
     const int64_t H = m->hidden, D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
     const int64_t I = m->inter;
-    if (B < 1 || B > MAX_BATCH || n_views < 1 || !model_ok(m) || Hq % Hkv != 0) return -2;
+    int64_t need;
+    if (B < 1 || B > MAX_BATCH || n_views < 1 || !views || !model_ok(m) || Hq % Hkv != 0)
+        return -2;
     if (Hq / Hkv > 8 || D > MAX_HEAD_DIM || D % 2) return -2; /* the attention's buffers */
     if (m->window < 0 || m->k_dtype < KV_F32 || m->k_dtype > KV_Q4) return -2;
     if (m->v_dtype < KV_F32 || m->v_dtype > KV_Q4) return -2;
     if (kv_quantized(m->k_dtype) && !m->key_rot) return -2;
+    /* the per-call buffers: x [B, hidden], pos [B], cos and sin [rope_tables, slots,
+     * head_dim], the scratch, logits [B, vocab] */
+    if (xn < B * H || pn < B || scn < scratch_floats(m, B)) return -2;
+    if (!mul_ok(m->rope_tables, m->slots, &need) || !mul_ok(need, D, &need) || cn < need ||
+        sn < need)
+        return -2;
+    if (!mul_ok(B, m->lm_head.n, &need) || ln < need) return -2;
     for (int64_t b = 0; b < B; b++)
         if (pos[b] < 0 || pos[b] >= m->slots) return -2;
     if (check_views(m, B, pos, views, n_views)) return -2;
@@ -3075,10 +3141,13 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, const int64_t *
  * products were integer ones).
  * ------------------------------------------------------------------------------------ */
 
-/* out [M, I] = silu(gu[:, :I]) * gu[:, I:], gu [M, 2I] (the fused gate|up product);
- * silu_mul's numbers, a row at a time. */
-int kvlm_silu_mul(const float *gu, int64_t M, int64_t I, float *out) {
-    if (M < 1 || I < 1) return -2;
+/* out [M, I] = silu(gu[:, :I]) * gu[:, I:], gu [M, 2I] (the fused gate|up product; gn
+ * floats) into out (on floats); silu_mul's numbers, a row at a time. Returns 0, or -2,
+ * nothing read or written, when M or I is under 1 or a buffer is shorter than its shape. */
+int kvlm_silu_mul(const float *gu, int64_t gn, int64_t M, int64_t I, float *out, int64_t on) {
+    int64_t need;
+    if (M < 1 || I < 1 || !mul_ok(M, I, &need) || on < need) return -2;
+    if (!mul_ok(need, 2, &need) || gn < need) return -2;
 #pragma omp parallel for schedule(static) if (M * I > 65536)
     for (int64_t m = 0; m < M; m++) silu_mul(gu + m * 2 * I, gu + m * 2 * I + I, out + m * I, I);
     return 0;
@@ -3110,11 +3179,16 @@ static void rms_norm_row(const float *x, const float *w, int64_t n, float eps, f
     for (; i < n; i++) y[i] = x[i] * r * w[i];
 }
 
-/* y [M, N] (row stride ys) = RMSNorm of x [M, N] (row stride xs) by w (wn floats: -2
- * unless N); y may be x. */
-int kvlm_rms_norm(const float *x, int64_t M, int64_t N, int64_t xs, const float *w,
-                  int64_t wn, double eps, float *y, int64_t ys) {
-    if (M < 0 || N < 1 || wn != N) return -2; /* w: wn floats, one per column */
+/* y [M, N] (row stride ys >= N; yn floats from y on) = RMSNorm of x [M, N] (row stride
+ * xs; xn floats) by w (wn floats: -2 unless N); y may be x. Returns 0, or -2, nothing
+ * read or written, for M < 0, N < 1, a stride negative (or ys < N), or a buffer shorter
+ * than its rows at their stride ((M - 1) xs + N floats of x, ...). */
+int kvlm_rms_norm(const float *x, int64_t xn, int64_t M, int64_t N, int64_t xs,
+                  const float *w, int64_t wn, double eps, float *y, int64_t yn, int64_t ys) {
+    int64_t need;
+    if (M < 0 || N < 1 || wn != N || ys < N) return -2; /* w: wn floats, one per column */
+    if (M > 0 && (!extent_ok(1, 0, M, xs, N, &need) || xn < need)) return -2;
+    if (M > 0 && (!extent_ok(1, 0, M, ys, N, &need) || yn < need)) return -2;
 #pragma omp parallel for schedule(static) if (M * N > 65536)
     for (int64_t m = 0; m < M; m++) rms_norm_row(x + m * xs, w, N, (float)eps, y + m * ys);
     return 0;
@@ -3148,14 +3222,23 @@ static void rope_row(float *v, const float *cos, const float *sin, int64_t d) {
 }
 
 /* The query and key heads of M rows of a q|k|v product (row stride rs: nq query heads,
- * then nk key heads, of D each), in place: each head's RMSNorm (qn for query heads, kn
- * for key heads; none when qn is NULL, Qwen3's before RoPE), then RoPE at the row's cos
- * and sin (row stride cs; none when cos is NULL). A row's result is its own. */
-int kvlm_qk_norm_rope(float *qkv, int64_t M, int64_t rs, int64_t nq, int64_t nk, int64_t D,
-                      const float *qn, const float *kn, int64_t nn, double eps, const float *cos,
-                      const float *sin, int64_t cs) {
-    if (M < 0 || nq < 0 || nk < 0 || D < 2 || D % 2 || (qn && !kn) || (cos && !sin)) return -2;
+ * then nk key heads, of D each; qkvn floats from qkv on), in place: each head's RMSNorm
+ * (qn for query heads, kn for key heads; none when qn is NULL, Qwen3's before RoPE), then
+ * RoPE at the row's cos and sin (row stride cs, D each; cn and sn floats; none when cos is
+ * NULL). A row's result is its own. Returns 0, or -2, nothing read or written, for sizes
+ * out of range (D odd or under 2, no heads, rs < (nq + nk) D, a stride negative), norm
+ * weights of another length than D, or a buffer shorter than its rows at their stride
+ * ((M - 1) rs + (nq + nk) D floats of qkv, (M - 1) cs + D of cos and of sin). */
+int kvlm_qk_norm_rope(float *qkv, int64_t qkvn, int64_t M, int64_t rs, int64_t nq, int64_t nk,
+                      int64_t D, const float *qn, const float *kn, int64_t nn, double eps,
+                      const float *cos, int64_t cn, const float *sin, int64_t sn, int64_t cs) {
+    int64_t heads, row, need;
+    if (M < 0 || D < 2 || D % 2 || (qn && !kn) || (cos && !sin)) return -2;
+    if (!add_ok(nq, nk, &heads) || !mul_ok(heads, D, &row) || rs < row) return -2;
     if (qn && nn != D) return -2; /* qn, kn: nn floats each, one per element of a head */
+    if (M > 0 && (!extent_ok(1, 0, M, rs, row, &need) || qkvn < need)) return -2;
+    if (M > 0 && cos && (!extent_ok(1, 0, M, cs, D, &need) || cn < need || sn < need))
+        return -2;
 #pragma omp parallel for schedule(static) if (M * (nq + nk) * D > 65536)
     for (int64_t m = 0; m < M; m++)
         for (int64_t j = 0; j < nq + nk; j++) {

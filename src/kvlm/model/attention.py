@@ -145,13 +145,21 @@ class Attention(nn.Module):
         lib = kernels.library()
         if lib is None or qkv.numel() == 0:
             return False
+        # each buffer's length from the tensor itself: the kernel refuses (-2) sizes that
+        # disagree (a caller's bug: everything it does not take is declined above)
         rc = lib.kvlm_qk_norm_rope(
-            qkv.data_ptr(), B * T, heads * D, self.num_heads, self.num_kv_heads, D,
+            qkv.data_ptr(), qkv.numel(), B * T, heads * D, self.num_heads, self.num_kv_heads, D,
             None if qn is None else qn.data_ptr(), None if kn is None else kn.data_ptr(),
             0 if qn is None else qn.numel(), 0.0 if qn is None else self.q_norm.eps,
-            cos.data_ptr(), sin.data_ptr(), D,
+            cos.data_ptr(), cos.numel(), sin.data_ptr(), sin.numel(), D,
         )  # fmt: skip
-        return rc == 0
+        if rc != 0:
+            raise ValueError(
+                f"the kernels refused the q/k norms and RoPE of q|k|v {list(qkv.shape)} "
+                f"({self.num_heads} + {self.num_kv_heads} heads) by cos {list(cos.shape)}"
+                + ("" if qn is None else f", norm weights of {qn.numel()}")
+            )
+        return True
 
 
 def attend_ragged(

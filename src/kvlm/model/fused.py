@@ -67,6 +67,7 @@ from kvlm.cache.hybrid import HybridCache
 from kvlm.cache.paged import BlockPool, Int8PagedCache, PagedCache, readable
 from kvlm.cache.storage import Store, key_rotation
 from kvlm.dtypes import Q4
+from kvlm.model.attention import _room
 from kvlm.model.layers import Linear
 from kvlm.model.quant import KIND_CODES
 from kvlm.model.transformer import Block, Transformer
@@ -132,6 +133,9 @@ class _KVView(ctypes.Structure):  # kvlm_kv_view
         *_fields(ctypes.c_void_p, "k v kp vp tables"),
         *_fields(ctypes.c_int64, "width num_blocks block_size ring layers"),
         *_fields(ctypes.c_int64, "k_layer v_layer kp_layer vp_layer"),
+        # the tables' int32s, and the bytes from k, v, kp, vp on (their storage's): the
+        # C step refuses a pool whose blocks reach past them
+        *_fields(ctypes.c_int64, "entries k_bytes v_bytes kp_bytes vp_bytes"),
     ]
 
 
@@ -192,6 +196,12 @@ def _base(t: torch.Tensor | None) -> int | None:
 def _layer_bytes(t: torch.Tensor | None) -> int:
     """Bytes from one layer's rows (or parameters) to the next in a store's K or V."""
     return 0 if t is None else t.stride(0) * t.element_size()
+
+
+def _bytes(t: torch.Tensor | None) -> int:
+    """Bytes of t's storage from t's first element on (0: None): what the C step handed
+    t.data_ptr() may reach."""
+    return 0 if t is None else _room(t) * t.element_size()
 
 
 def _ptr(t: torch.Tensor | None, n: int) -> int | None:
@@ -397,7 +407,8 @@ class FusedDecoder:
             out[i] = _KVView(k.data_ptr(), val.data_ptr(), _base(kp), _base(vp),
                              table.data_ptr(), table.shape[1], blocks, bs, v.ring, layers,
                              _layer_bytes(k), _layer_bytes(val), _layer_bytes(kp),
-                             _layer_bytes(vp))  # fmt: skip
+                             _layer_bytes(vp), table.numel(), _bytes(k), _bytes(val),
+                             _bytes(kp), _bytes(vp))  # fmt: skip
         return out, keep
 
     @torch.inference_mode()
@@ -431,9 +442,13 @@ class FusedDecoder:
         self._set_storage(views[0].store, window)
         self._place(views)
         c_views, _keep = self._c_views(views, starts)
+        # each buffer's length from the tensor itself (the C step refuses, -2, buffers
+        # shorter than the step's shape)
         rc = self.lib.kvlm_decode_batch(
-            ctypes.byref(self.spec), rows, x.data_ptr(), pos.data_ptr(), self.cos.data_ptr(),
-            self.sin.data_ptr(), c_views, len(views), self.scratch.data_ptr(), logits.data_ptr(),
+            ctypes.byref(self.spec), rows, x.data_ptr(), x.numel(), pos.data_ptr(), pos.numel(),
+            self.cos.data_ptr(), self.cos.numel(), self.sin.data_ptr(), self.sin.numel(),
+            c_views, len(views), self.scratch.data_ptr(), self.scratch.numel(),
+            logits.data_ptr(), logits.numel(),
         )  # fmt: skip
         if rc == -1:
             raise MemoryError("no scratch memory for the fused decode step")

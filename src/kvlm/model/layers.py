@@ -267,15 +267,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.c_weight() is not None and x.is_contiguous():
+        c_rows = x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and x.numel() > 0
+        if c_rows and self.c_weight() is not None:
             # kvlm's C RMSNorm, a row at a time (torch's rms_norm on CPU: six passes over
-            # the rows, ~5% of a 512-token prefill)
-            n, y = x.shape[-1], torch.empty_like(x)
-            lib = kernels.library()
-            w = self.weight
-            args = (x.numel() // n, n, n, w.data_ptr(), w.numel(), self.eps, y.data_ptr(), n)
-            if x.numel() and lib.kvlm_rms_norm(x.data_ptr(), *args) == 0:
-                return y
+            # the rows, ~5% of a 512-token prefill); each buffer's length from the tensor
+            # itself: a -2 (a weight of another length than a row, a buffer shorter than
+            # its rows) is a caller's bug, not a road to torch
+            n, y, w = x.shape[-1], torch.empty_like(x), self.weight
+            m = x.numel() // n
+            rc = kernels.library().kvlm_rms_norm(x.data_ptr(), x.numel(), m, n, n, w.data_ptr(),
+                                                 w.numel(), self.eps, y.data_ptr(), y.numel(),
+                                                 n)  # fmt: skip
+            if rc != 0:
+                raise ValueError(f"the kernels refused RMSNorm of {m} rows of {n} by a weight "
+                                 f"of {w.numel()}")  # fmt: skip
+            return y
         # fp32/fp64; or one fused kernel on a GPU (fp32 inside, one rounding at the end),
         # where the steps below are eight: a decode step is launch-bound there
         if x.dtype in (torch.float32, torch.float64) or (
@@ -420,8 +426,12 @@ class MLP(nn.Module):
             # one pass in C, the fused decode step's own silu_mul (torch's silu on the
             # strided half and the product: ~1 G elements/s in a prompt)
             act = torch.empty(*gu.shape[:-1], gu.shape[-1] // 2)
-            if lib.kvlm_silu_mul(gu.data_ptr(), rows, act.shape[-1], act.data_ptr()) == 0:
-                return self.down(act)
+            rc = lib.kvlm_silu_mul(gu.data_ptr(), gu.numel(), rows, act.shape[-1], act.data_ptr(),
+                                   act.numel())  # fmt: skip
+            if rc != 0:
+                raise ValueError(f"the kernels refused SwiGLU of {rows} rows of "
+                                 f"{gu.shape[-1]}")  # fmt: skip
+            return self.down(act)
         gate, up = gu.chunk(2, dim=-1)
         gate = F.silu(gate) if silu else F.gelu(gate, approximate="tanh")
         return self.down(gate * up)
