@@ -35,6 +35,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import struct
 import subprocess
 import sys
@@ -66,6 +67,7 @@ class Tally:
     # prompt: how loaded the server is), each in s
     stalls: list[float] = field(default_factory=list)
     firsts: list[float] = field(default_factory=list)
+    seconds: dict[str, list[float]] = field(default_factory=dict)  # each request's, by kind
     tokens: int = 0
 
     def record(self, kind: str, status: int | str, ok: bool, note: str = "") -> None:
@@ -387,10 +389,13 @@ def client(port: int, seed: int, deadline: float, limit: int, tally: Tally) -> N
         if time.time() > deadline:
             return
         kind = rng.choices(kinds, weights)[0]
+        began = time.perf_counter()
         try:
             kind(port, rng, tally)
         except (OSError, http.client.HTTPException, ValueError, IndexError) as exc:
             tally.record(kind.__name__, type(exc).__name__, False, str(exc))
+        with tally.lock:
+            tally.seconds.setdefault(kind.__name__, []).append(time.perf_counter() - began)
 
 
 # --------------------------------------------------------------------------- the run
@@ -487,6 +492,10 @@ def _soak(args: argparse.Namespace, extra: list[str]) -> dict:
         "blocks_pinned_at_end": final.get("kvlm_kv_blocks_pinned"),
         "requests_held_at_end": final.get("kvlm_requests_held"),
         "engine_errors": final.get("kvlm_engine_errors_total"),
+        "preemptions": final.get("kvlm_preemptions_total"),
+        # each kind's requests: median and worst seconds, from sending to the last byte
+        "seconds_by_kind": {k: [round(statistics.median(v), 2), round(max(v), 2)]
+                            for k, v in sorted(tally.seconds.items())},
         # the longest engine step: a stream's gap past it was not the engine's doing
         "engine_step_s_max": final.get("kvlm_engine_step_seconds_max"),
         "engine_steps": final.get("kvlm_engine_steps_total"),
