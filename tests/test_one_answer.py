@@ -165,3 +165,37 @@ def test_the_engine_answers_alike_cold_as_a_prefix_hit_batched_and_chunked():
     for chunk in (64, 700):
         ((chunked, _),) = answers(chunk, [ids])
         assert chunked == cold, chunk
+
+
+def _decode_logits(llm: LLM, ids: list[int], steps: int = 6) -> torch.Tensor:
+    """The logits of the prompt's last row and of `steps` greedy decode rows after it, on
+    the road the engine's decode rows take (one row against the cache)."""
+    cache = llm.new_cache(llm.kv_mode)
+    rows = [llm.runner.run(Batch([ids], cache, prompt=True))[0][-1:]]
+    for _ in range(steps):
+        token = int(rows[-1][-1].argmax())
+        rows.append(llm.runner.run(Batch([[token]], cache))[0][-1:])
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "exact"])
+def test_a_rows_bits_are_the_same_on_one_thread_or_two(family):
+    """The engine moves its OpenMP thread count while it runs (kvlm.engine.threads: fewer
+    when other work takes the cores), so the count must never change a token: every
+    prompt row's logits and a few decode steps' are bit-equal on 1 and 2 threads."""
+    if family != "exact" and kernels.library() is None:
+        pytest.skip(kernels.status())
+    llm = LLM(progress=False, max_context=1024, exact=True) if family == "exact" else (
+        _family_llm(family))  # fmt: skip
+    ids, was = _prompt(llm), torch.get_num_threads()
+    got = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)  # as the engine does: torch's count, not OpenBLAS's
+            got[n] = (_logits(llm, ids, [(0, len(ids))]), _decode_logits(llm, ids))
+    finally:
+        torch.set_num_threads(was)
+    prompt_rows = (got[1][0] != got[2][0]).any(dim=-1).nonzero().flatten().tolist()
+    assert not prompt_rows, f"prompt rows {prompt_rows[:8]} differ between 1 and 2 threads"
+    steps = (got[1][1] != got[2][1]).any(dim=-1).nonzero().flatten().tolist()
+    assert not steps, f"decode steps {steps} differ between 1 and 2 threads"

@@ -111,6 +111,9 @@ class LLM:
         unchanged; not with kv="off", which keeps nothing to verify against)."""
         self.speculative = _speculative_config(speculative, kv)
         _check_settings(kv, threads, prefill_chunk, weights, kv_dtype)  # before the slow load
+        # None: the engine measures how many of torch's threads run fastest while it runs
+        # (kvlm.engine.threads: fewer when other work takes the cores)
+        self.threads = threads
         if threads is not None:
             torch.set_num_threads(threads)
             set_blas_threads(threads)

@@ -37,12 +37,13 @@ from kvlm.cache.view import block_map, layer_groups
 from kvlm.engine.backends import CacheBackend, Chunk, PoolBackend
 from kvlm.engine.guided import compile_guide
 from kvlm.engine.metrics import GC_TIME, EngineStats
-from kvlm.engine.pacing import Pacing
+from kvlm.engine.pacing import Pacing, Work
 from kvlm.engine.request import SampleState, check_prompt, stop_token_ids
 from kvlm.engine.sampling import Sampler, SamplingParams, TokenLogprob, prompt_logprobs
 from kvlm.engine.scheduler import Batch, QueueFullError, Scheduler, SchedulerConfig
 from kvlm.engine.sequence import Sequence, Status
 from kvlm.engine.speculative import DraftModel, SpeculativeConfig, propose_ngram
+from kvlm.engine.threads import ThreadTuner
 from kvlm.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -167,6 +168,11 @@ class Engine:
         self.scheduler = Scheduler(self.manager, sched, self.max_model_len, cache is not None)
         self.pacing = Pacing(llm.config, sched.step_time) if sched.step_time else None
         self.scheduler.pacing = self.pacing
+        self.work = self.pacing or Work(llm.config)
+        # the CPU threads a step runs on: the user's, or measured (kvlm.engine.threads)
+        self.tuner, self._threads, self._threads_set = None, llm.threads, None
+        if self.runner.device.type == "cpu" and llm.threads is None:
+            self.tuner = ThreadTuner(torch.get_num_threads())
         self.drafter: DraftModel | None = None
         spec = self.config.speculative
         if spec is not None:
@@ -365,16 +371,34 @@ class Engine:
         events: list[StepOutput] = []
         drafted = sum(len(seq.draft) for seq in batch.decode)  # _run clears the drafts
         work = self._prompt_work(batch)  # before _run moves the sequences on
+        decode_work = 0.0 if batch.prefill else self._decode_work(batch)
+        self._set_threads()
         gc0, cpu0, t0 = GC_TIME.seconds, time.thread_time(), time.perf_counter()
         forward_s, score_s = self._run(batch, events)
         seconds = time.perf_counter() - t0
         if self.pacing is not None:
             self.pacing.record(seconds, len(batch.decode), work)
+        if self.tuner is not None:
+            self.tuner.record(seconds, decode_work)
         if seconds > max(SLOW_STEP_S, self.stats.step_seconds_max):
             parts = (forward_s, score_s, GC_TIME.seconds - gc0, time.thread_time() - cpu0)
             self._log_slow_step(batch, drafted, seconds, *parts)
         self.stats.record_step(seconds, len(batch.decode))
         return events
+
+    def _set_threads(self) -> None:
+        """The step's thread count on this thread (the OpenMP count is per thread: an
+        engine on a thread of its own would otherwise run on all the cores whatever the
+        user said)."""
+        n = self.tuner.threads if self.tuner is not None else self._threads
+        if n is not None and n != self._threads_set:
+            torch.set_num_threads(n)
+            self._threads_set = n
+
+    def _decode_work(self, batch: Batch) -> float:
+        """The work of a step of decode rows alone (each row and its draft tokens)."""
+        return sum(self.work.units(seq.num_computed, 1 + len(seq.draft), False)
+                   for seq in batch.decode)  # fmt: skip
 
     def _prompt_work(self, batch: Batch) -> float:
         """The work of the step's prompt tokens, in the pacing's units (0 without it)."""

@@ -36,8 +36,13 @@ MIN_TOKENS = 32  # prompt tokens a paced step still takes
 SMOOTH = 0.25  # weight of the newest step in the moving averages
 
 
-class Pacing:
-    def __init__(self, config: ModelConfig, step_time: float) -> None:
+class Work:
+    """A step's work in units from the model's shape: 1 a token for its dense products,
+    `attend` more per position it attends to, `score` more where its logits are kept. The
+    pacing's prompt tokens and the thread count's decode steps (kvlm.engine.threads) are
+    measured in it."""
+
+    def __init__(self, config: ModelConfig) -> None:
         c = config
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         # multiply-adds of one token's dense products (q/k/v/o and a gated MLP a layer)
@@ -45,14 +50,19 @@ class Pacing:
         dense = c.num_layers * (h * (2 * q + 2 * kv) + 3 * h * c.intermediate_size)
         self.attend = 2 * c.num_layers * q / dense  # scores and the weighted sum, a position
         self.score = c.vocab_size * h / dense  # the vocabulary projection
+
+    def units(self, start: int, n: int, scored: bool) -> float:
+        """The work of feeding `n` tokens from position `start`."""
+        mean_seen = start + (n + 1) / 2  # positions each row attends to, on average
+        return n * (1 + self.attend * mean_seen + (self.score if scored else 0.0))
+
+
+class Pacing(Work):
+    def __init__(self, config: ModelConfig, step_time: float) -> None:
+        super().__init__(config)
         self.step_time = step_time
         self.per_unit: float | None = None  # seconds per unit of prompt work
         self.decode_s: float | None = None  # seconds of a step of decode rows alone
-
-    def units(self, start: int, n: int, scored: bool) -> float:
-        """The work of feeding `n` prompt tokens from position `start`."""
-        mean_seen = start + (n + 1) / 2  # positions each row attends to, on average
-        return n * (1 + self.attend * mean_seen + (self.score if scored else 0.0))
 
     def record(self, seconds: float, decode_rows: int, units: float) -> None:
         """A step's seconds, its decode rows and the work of its prompt tokens."""

@@ -35,6 +35,7 @@ class ServedModel(Protocol):
     dtype: torch.dtype  # the activations'
     max_context: int
     kv_mode: str  # the single stream's cache mode (--kv)
+    threads: int | None  # the user's CPU thread count; None: measured (kvlm.engine.threads)
 
     @property
     def fingerprint(self) -> str:
