@@ -87,7 +87,7 @@ def _kvlm(model: str, ids: list[int], new: int, threads: int) -> tuple[float, An
     from kvlm import LLM
 
     start = time.perf_counter()
-    llm = LLM(model, progress=False, max_context=len(ids) + new + 16)
+    llm = LLM(model, progress=False, max_context=len(ids) + new + 16, threads=threads)
     load = time.perf_counter() - start
     d = llm.describe()
     extra = {
