@@ -27,6 +27,7 @@ from kvlm import LLM, SamplingParams
 from kvlm.config import ModelConfig, RopeScaling
 from kvlm.model.layers import RotaryEmbedding, rope_inv_freq
 from numerics import assert_as_exact_as
+from serving import get, kvlm_serve
 
 SRC = str(Path(__file__).parents[1] / "src")
 TRAINED = 256  # every tiny model's max_position_embeddings (helpers.tiny_config)
@@ -231,3 +232,32 @@ def test_the_fused_step_follows_the_scaling(tiny_model_dir, mode):
     want = exact.runner.logits(prompt + tokens, exact.new_cache("off"))[len(prompt) :]
     assert_as_exact_as(fused, ref, want)
     assert_top_k_both_ways(fused, ref)
+
+
+def test_serve_defaults_to_the_trained_context():
+    """`kvlm serve` without --max-context: the default model's 8,192 tokens (its pool of
+    1 GiB holds five such sequences at fp16 K/V), not the library's 4,096."""
+    with kvlm_serve() as (port, _):
+        status, body = get(port, "/v1/models")
+    assert status == 200 and json.loads(body)["data"][0]["max_model_len"] == 8192
+
+
+def test_serve_bounds_the_default_context_by_the_pool(tiny_model_dir, tmp_path):
+    """A pool too small for one sequence of the trained context: the context is what it
+    holds, less the block kept free at admission, in whole blocks, said in one warning."""
+    gguf = write_gguf_from_hf(tiny_model_dir("llama"), tmp_path / "t.gguf")
+    per_token = LLM(model=gguf, progress=False).cache_spec("paged").bytes_per_token
+    blocks = 6
+    memory = blocks * 16 * per_token  # bytes: six blocks of 16 tokens
+    with kvlm_serve("--model", str(gguf), "--kv-memory", str(memory)) as (port, proc):
+        status, body = get(port, "/v1/models")
+        log = proc.stdout.read().decode()  # what it said while it started
+    assert status == 200
+    fits = (blocks - 1) * 16
+    assert json.loads(body)["data"][0]["max_model_len"] == fits
+    said = [line for line in log.splitlines() if "short of the model's trained" in line]
+    assert said == [
+        f"the KV pool holds one sequence of {fits} tokens, short of the model's trained "
+        f"context of {TRAINED}: the context limit is {fits} (--kv-memory or --kv-blocks "
+        "raise it)"
+    ], log

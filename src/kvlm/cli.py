@@ -699,7 +699,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvlm.server.config import serve_config, serve_model
 
     config, limits = serve_config(args)
-    llm = serve_model(args)
+    llm = serve_model(args, config)
     serve(llm, config, args.host, args.port, args.api_key, args.served_model_name, args.log_level,
           limits, args.tool_call_parser, args.reasoning_parser)  # fmt: skip
     exit_now(0)  # (kvlm.server.exit_now says why)
