@@ -35,6 +35,20 @@ TINY_MODELS = {
             }
         },
     ),
+    # YaRN over 64 positions by 4 (to the 256 of every tiny model): slow dimensions
+    # interpolated, a ramp, cos/sin scaled by 0.1 ln 4 + 1
+    "llama-yarn": (
+        "llama",
+        12,
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
     "mistral-window": ("mistral", 6, {"sliding_window": 8}),
     # head_dim 128 (4 query heads per KV head), its own lm_head
     "llama-hd128": ("llama", 7, {"head_dim": 128, "num_attention_heads": 8}),

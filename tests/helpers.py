@@ -367,6 +367,11 @@ def write_gguf_from_hf(
                   cfg["intermediate_size"], cfg["vocab_size"], tied, theta,
                   cfg["max_position_embeddings"], cfg["rms_norm_eps"])  # fmt: skip
     add_shape(w, shape)
+    if rope.get("rope_type") in ("linear", "yarn"):  # as llama.cpp's converter writes it
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
+        w.add_rope_scaling_factor(rope["factor"])
+        if rope["rope_type"] == "yarn":
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch in ("gemma2", "gemma3"):  # the window, a SentencePiece vocabulary of Gemma's
         w.add_sliding_window(cfg["sliding_window"])
         _add_sentencepiece(w)

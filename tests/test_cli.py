@@ -91,7 +91,8 @@ def test_generate_streams_text_and_reads_stdin(capsys, monkeypatch, tiny_gguf):
         (["--temperature", "-1"], "temperature must be"),
         (["--dtype", "int3"], "unknown dtype 'int3'"),
         (["--device", "tpu"], "unknown device 'tpu'"),
-        (["--max-context", "999999"], "max_context must be between 1 and"),
+        (["--max-context", "0"], "max_context must be between 1 and"),
+        (["--rope-scale", "2"], "a RoPE scale needs the RoPE scaling linear or yarn"),
         (["--top-p", "0"], "top_p"),
         (
             ["--weights", "int3"],

@@ -63,7 +63,7 @@ def test_hf_config_with_transformers5_rope_parameters():
     [
         ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
         ({"num_key_value_heads": 3}, "not a multiple"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported RoPE scaling 'yarn'"),
+        ({"rope_scaling": {"rope_type": "dynamic"}}, "unsupported RoPE scaling 'dynamic'"),
     ],
 )
 def test_unsupported_configs_are_named(change, message):

@@ -342,6 +342,14 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         help="the fp32 reference path: weights dequantized to --dtype, fp32 activations and "
         "prompt products, the cache in --dtype (the defaults are the fast path: kvlm.defaults)",
     )  # fmt: skip
+    _flags(p,
+        ("--rope-scaling", None, None, "RoPE scaling for the context (default: the model "
+         "file's own; past its trained context, yarn by --max-context / trained, said in one "
+         "warning); none: unscaled, as llama.cpp runs it; linear or yarn in place of the "
+         "file's", {"choices": ("none", "linear", "yarn")}),
+        ("--rope-scale", float, None, "--rope-scaling linear/yarn: the factor (default: "
+         "--max-context / the trained context, at least 1)", {"metavar": "F"}),
+    )  # fmt: skip
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--system", default=None, help="system prompt for the chat template")
@@ -579,7 +587,8 @@ def _verify_numerics(args: argparse.Namespace) -> int:
         texts = [every[i * len(every) // args.prompts] for i in range(args.prompts)]
     llm = _load(args)
     reference = LLM(model=args.model, device=args.device, threads=args.threads,
-                    max_context=args.max_context, exact=True, progress=False)  # fmt: skip
+                    max_context=args.max_context, exact=True, progress=False,
+                    rope_scaling=args.rope_scaling, rope_scale=args.rope_scale)  # fmt: skip
     chat = _use_chat(args, llm)
     prompts = [llm.encode(t, chat=chat, system=args.system) for t in texts]
     n = args.max_new_tokens
@@ -690,7 +699,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvlm.server.config import serve_config, serve_model
 
     config, limits = serve_config(args)
-    llm = serve_model(args)
+    llm = serve_model(args, config)
     serve(llm, config, args.host, args.port, args.api_key, args.served_model_name, args.log_level,
           limits, args.tool_call_parser, args.reasoning_parser)  # fmt: skip
     exit_now(0)  # (kvlm.server.exit_now says why)

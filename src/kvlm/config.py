@@ -7,14 +7,17 @@ model came from a Hugging Face `config.json` or from GGUF metadata.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvlm.errors import ModelLoadError, UnsupportedModelError
+from kvlm.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
 
 # model_type (HF) / general.architecture (GGUF) -> what the model code switches on.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# What a user may ask RoPE to be scaled by for a context (--rope-scaling, LLM(rope_scaling=)):
+# none, as the file gives it; linear or YaRN in place of the file's (for_context)
+ROPE_SCALINGS = ("none", "linear", "yarn")
 # HF model_type values read as one of the above (Gemma3ForCausalLM's text config)
 HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
 # Gemma (as llama.cpp reads its GGUF files, which do not store these): every second (Gemma
@@ -45,13 +48,44 @@ _REQUIRED = object()  # a Fields call without a default: the key must be there
 
 @dataclass(slots=True, frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. `default` means plain `theta ** (-2i/d)` frequencies."""
+    """RoPE frequency scaling, with the numbers of transformers' ROPE_INIT_FUNCTIONS
+    (kvlm.model.layers.rope_inv_freq computes them): `default` plain `theta ** (-2i/d)`
+    frequencies; `linear` each divided by `factor`; `llama3` Llama 3.1's stretch by band
+    (`low_freq_factor`, `high_freq_factor`); `yarn` (YaRN, Peng et al. 2023) the fast
+    dimensions kept, those turning fewer than `beta_slow` times over
+    `original_max_position_embeddings` divided by `factor`, a ramp between (from
+    `beta_fast` turns), and cos/sin times `attention_scaling`."""
 
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    # YaRN's scale of cos/sin; None: from `factor` (and mscale / mscale_all_dim where the
+    # config names both: DeepSeek's), as transformers infers it
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True  # YaRN's ramp ends rounded to whole dimensions
+
+    @property
+    def attention_scaling(self) -> float:
+        """What cos and sin are multiplied by: 1 but for YaRN (0.1 ln(factor) + 1)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return _yarn_mscale(self.factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -166,6 +200,7 @@ class ModelConfig:
         window = None if extra else window  # Gemma: the window is its local layers'
         theta = _hf_rope(cfg).get("rope_theta", 1e6 if arch == "gemma3" else 1e4)
         context = hf("max_position_embeddings", int, 4096, **_limits("max_position_embeddings"))
+        scaling = _hf_rope_scaling(cfg, hf)
         return cls(
             architecture=arch,
             vocab_size=hf("vocab_size", int, **_limits("vocab_size")),
@@ -177,11 +212,11 @@ class ModelConfig:
             head_dim=hf("head_dim", int, None, **_limits("head_dim")) or hidden // heads,
             rms_norm_eps=hf("rms_norm_eps", float, 1e-6, lo=0.0),
             rope_theta=value(theta, "rope_theta", float, 0.0, where=hf.where, open_low=True),
-            max_position_embeddings=context,
+            max_position_embeddings=_scaled_context(context, scaling),
             tie_word_embeddings=hf("tie_word_embeddings", bool, arch in GEMMA_PATTERN),
             qk_norm=arch in ("qwen3", "gemma3"),
             sliding_window=window or None,
-            rope_scaling=_hf_rope_scaling(cfg, hf),
+            rope_scaling=scaling,
             bos_token_id=hf("bos_token_id", int, None),
             eos_token_ids=_as_ids(cfg.get("eos_token_id"), "eos_token_id", hf.where),
             name=name,
@@ -204,12 +239,8 @@ class ModelConfig:
 
         hidden = key("embedding_length", int, field_name="hidden_size")
         heads = key("attention.head_count", int, field_name="num_heads")
-        scaling = RopeScaling()
-        scaling_type = key("rope.scaling.type", str, None)
-        if scaling_type == "linear":
-            scaling = RopeScaling("linear", key("rope.scaling.factor", float))
-        elif scaling_type not in (None, "none"):
-            raise UnsupportedModelError(f"unsupported GGUF RoPE scaling {scaling_type!r}")
+        context = key("context_length", int, 4096, "max_position_embeddings")
+        scaling = _gguf_rope_scaling(key, context)
         layers = key("block_count", int, field_name="num_layers")
         head_dim = key("attention.key_length", int, None, "head_dim")
         if head_dim is None:
@@ -232,7 +263,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=key("attention.layer_norm_rms_epsilon", float, 1e-5),
             rope_theta=key("rope.freq_base", float, 10000.0),
-            max_position_embeddings=key("context_length", int, 4096, "max_position_embeddings"),
+            max_position_embeddings=_scaled_context(context, scaling),
             tie_word_embeddings=False,  # decided by the loader from the tensor list
             qk_norm=arch in ("qwen3", "gemma3"),
             rope_scaling=scaling,
@@ -241,6 +272,76 @@ class ModelConfig:
             name=name,
             **gemma,
         )
+
+
+def for_context(
+    config: ModelConfig, max_context: int, scaling: str | None = None,
+    factor: float | None = None, bounded: bool = False,
+) -> tuple[ModelConfig, str | None]:  # fmt: skip
+    """The config whose RoPE serves `max_context` tokens a sequence, and the warning for a
+    context past the trained one (None within it).
+
+    `scaling` None: the file's own RoPE; past the trained length, for a file that scales
+    none, YaRN by max_context / trained. (llama.cpp keeps RoPE as trained there and warns:
+    the slow dimensions then turn to angles the model never saw. YaRN keeps the fast ones,
+    those of short distances, as trained and interpolates only the slow ones.) "none": the
+    file's RoPE whatever the context, as llama.cpp runs it. "linear", "yarn": that scaling
+    by `factor` (default: max_context / the original length, at least 1), over the trained
+    length (a YaRN file's original one), in place of the file's: only where the file scales
+    none or by YaRN (llama3's and linear frequencies are the ones its model learned).
+    `bounded`: the cache keeps RoPE positions within the trained length itself (the window
+    cache counting them inside it): nothing to scale, nothing to say."""
+    trained, own = config.max_position_embeddings, config.rope_scaling
+    if scaling is not None and scaling not in ROPE_SCALINGS:
+        raise InvalidRequestError(
+            f"unknown RoPE scaling {scaling!r}; valid: {', '.join(ROPE_SCALINGS)}",
+            param="rope_scaling",
+        )
+    if factor is not None:
+        if scaling not in ("linear", "yarn"):
+            raise InvalidRequestError("a RoPE scale needs the RoPE scaling linear or yarn",
+                                      param="rope_scale")  # fmt: skip
+        if not isinstance(factor, int | float) or not 1 <= factor < math.inf:
+            raise InvalidRequestError(f"the RoPE scale must be a number >= 1, got {factor!r}",
+                                      param="rope_scale")  # fmt: skip
+    if scaling in ("linear", "yarn"):
+        if own.rope_type not in ("default", "yarn"):
+            raise InvalidRequestError(
+                f"the model's file scales RoPE by {own.rope_type} (factor {own.factor:g}), "
+                "the frequencies it was trained on: linear or YaRN would replace them",
+                param="rope_scaling",
+            )
+        original = own.original_max_position_embeddings if own.rope_type == "yarn" else trained
+        chosen = RopeScaling(scaling, float(factor or max(1.0, max_context / original)),
+                             original_max_position_embeddings=original)  # fmt: skip
+        config = replace(config, rope_scaling=chosen)
+    elif scaling is None and max_context > trained and own.rope_type == "default" and not bounded:
+        chosen = RopeScaling("yarn", max_context / trained,
+                             original_max_position_embeddings=trained)  # fmt: skip
+        config = replace(config, rope_scaling=chosen)
+    if max_context <= trained or bounded:
+        return config, None
+    auto = scaling is None and own.rope_type == "default"
+    return config, _past_trained(config, max_context, trained, auto)
+
+
+def _past_trained(config: ModelConfig, n: int, trained: int, chosen_for_you: bool) -> str:
+    """The one line a context past the trained one is said in (`chosen_for_you`: the YaRN
+    for_context picked)."""
+    s = config.rope_scaling
+    said = f"--max-context {n} is past the model's trained context of {trained} tokens: "
+    if s.rope_type not in ("linear", "yarn"):
+        kept = "unscaled" if s.rope_type == "default" else f"as the file scales it ({s.rope_type})"
+        return said + (f"RoPE {kept}, at positions the model never saw (--rope-scaling yarn "
+                       "interpolates them)")  # fmt: skip
+    name = "YaRN" if s.rope_type == "yarn" else "linear interpolation"
+    said += f"RoPE scaled by {name}, factor {s.factor:g}"
+    covered = math.floor(s.original_max_position_embeddings * s.factor)
+    if covered < n:
+        said += f", which stretches it to {covered} tokens"
+    if chosen_for_you:
+        said += " (--rope-scaling none: unscaled, as llama.cpp runs it)"
+    return said
 
 
 def value(
@@ -314,6 +415,26 @@ class Fields:
         if kind is int and lo is None:
             lo = 0
         return value(x, key, kind, lo, hi, self.where, open_low=kind is float and lo is not None)
+
+
+def _gguf_rope_scaling(key: Any, context: int) -> RopeScaling:
+    """A GGUF file's `rope.scaling.*` keys, as llama.cpp's converter writes them (linear:
+    the factor; YaRN: the factor, the original context, llama.cpp's beta_fast/slow keys
+    where present)."""
+    scaling_type = key("rope.scaling.type", str, None)
+    if scaling_type in (None, "none"):
+        return RopeScaling()
+    if scaling_type == "linear":
+        return RopeScaling("linear", key("rope.scaling.factor", float))
+    if scaling_type == "yarn":
+        original = key("rope.scaling.original_context_length", int, context,
+                       "max_position_embeddings")  # fmt: skip
+        return RopeScaling(
+            "yarn", key("rope.scaling.factor", float), original_max_position_embeddings=original,
+            beta_fast=key("rope.scaling.yarn_beta_fast", float, 32.0),
+            beta_slow=key("rope.scaling.yarn_beta_slow", float, 1.0),
+        )  # fmt: skip
+    raise UnsupportedModelError(f"unsupported GGUF RoPE scaling {scaling_type!r}")
 
 
 def _gguf_vocab(g: Fields, arch: str) -> int:
@@ -412,14 +533,36 @@ def _hf_rope_scaling(cfg: dict[str, Any], hf: Fields) -> RopeScaling:
         return RopeScaling()
     p = Fields(params, f"{hf.where} rope_scaling")
     context = hf("max_position_embeddings", int, 8192)
+    most = LIMITS["max_position_embeddings"][1]
+    # a top-level original_max_position_embeddings wins (Phi 3's), as transformers reads it
+    original = hf("original_max_position_embeddings", int, None, lo=1, hi=most)
+    original = original or p("original_max_position_embeddings", int, context, lo=1, hi=most)
+    factor = p("factor", float, None, lo=0.0)
+    if factor is None:  # YaRN without one: the ratio of the two lengths (DeepSeek's)
+        factor = context / original if rope_type == "yarn" else 1.0
     return RopeScaling(
         rope_type=value(rope_type, "rope_type", str, where=hf.where),
-        factor=p("factor", float, 1.0, lo=0.0),
+        factor=factor,
         low_freq_factor=p("low_freq_factor", float, 1.0, lo=0.0),
         high_freq_factor=p("high_freq_factor", float, 4.0, lo=0.0),
-        original_max_position_embeddings=p("original_max_position_embeddings", int, context,
-                                           lo=1, hi=LIMITS["max_position_embeddings"][1]),
-    )  # fmt: skip
+        original_max_position_embeddings=original,
+        beta_fast=p("beta_fast", float, None) or 32.0,  # 0 or absent: 32, as transformers
+        beta_slow=p("beta_slow", float, None) or 1.0,
+        attention_factor=p("attention_factor", float, None, lo=0.0),
+        mscale=p("mscale", float, None),
+        mscale_all_dim=p("mscale_all_dim", float, None),
+        truncate=p("truncate", bool, True),
+    )
+
+
+def _scaled_context(context: int, scaling: RopeScaling) -> int:
+    """The model's context limit: its file's, or the length a YaRN scaling stretches its
+    original one to where that is longer (Qwen's configs add YaRN by factor 4 over 32,768
+    tokens and keep max_position_embeddings at 32,768)."""
+    if scaling.rope_type != "yarn":
+        return context
+    stretched = math.floor(scaling.original_max_position_embeddings * scaling.factor)
+    return min(max(context, stretched), LIMITS["max_position_embeddings"][1])
 
 
 def _gemma_layers(

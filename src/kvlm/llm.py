@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import operator
 import sys
 from collections.abc import Iterable, Sequence
@@ -16,6 +18,7 @@ from tqdm import tqdm
 from kvlm import defaults, kernels
 from kvlm.cache import CacheSpec, KVCache, create_cache
 from kvlm.cache.factory import check_mode, mode_spec
+from kvlm.config import LIMITS, for_context
 from kvlm.dtypes import dtype_name, kv_sides, parse_dtype, parse_kv_dtype, parse_kv_dtypes
 from kvlm.engine.backends import cache_engine_limits
 from kvlm.engine.batch import Stream, run_batch
@@ -34,8 +37,10 @@ from kvlm.model.layers import Linear
 from kvlm.model.transformer import Transformer
 
 # The contiguous cache preallocates this many tokens unless told otherwise (the model's
-# own limit when smaller). 4096 is llama.cpp's default context too.
+# own limit when smaller). 4096 is llama.cpp's default context too. (`kvlm serve` defaults
+# to the model's trained context: kvlm.server.config.serve_model.)
 DEFAULT_MAX_CONTEXT = 4096
+log = logging.getLogger("kvlm")
 # How the projection weights are stored (kvlm.model.transformer.Transformer): None / "f32" =
 # in the compute dtype (--dtype); "bf16" = bf16 weights under fp32 activations; "int8",
 # "int4" = groups of 32 (kvlm.model.quant); "native" = the GGUF file's own blocks. The
@@ -100,6 +105,8 @@ class LLM:
         activations: str = "auto",
         exact: bool = False,
         speculative: SpeculativeConfig | str | None = None,
+        rope_scaling: str | None = None,
+        rope_scale: float | None = None,
     ) -> None:
         """`weights`, `activations`, `prefill_dtype` and `kv_dtype` default to "auto" (None
         for kv_dtype): the fast path, resolved from the file and the CPU (kvlm.defaults);
@@ -108,7 +115,10 @@ class LLM:
         `exact=True` resolves them to the fp32 reference path instead. `speculative`
         ("ngram" or a SpeculativeConfig): every request decodes speculatively, on the batch
         engine's pool or on one cache alike (kvlm.engine.speculative; greedy output
-        unchanged; not with kv="off", which keeps nothing to verify against)."""
+        unchanged; not with kv="off", which keeps nothing to verify against).
+        `max_context` past the model's trained context runs, with one warning, RoPE scaled
+        by YaRN over it unless `rope_scaling` ("none", "linear", "yarn") and `rope_scale`
+        (the factor) say otherwise (kvlm.config.for_context)."""
         self.speculative = _speculative_config(speculative, kv)
         _check_settings(kv, threads, prefill_chunk, weights, kv_dtype)  # before the slow load
         # None: the engine measures how many of torch's threads run fastest while it runs
@@ -140,14 +150,18 @@ class LLM:
         k, v = parse_kv_dtypes(kv_dtype) if kv_dtype is not None else (self.dtype, self.dtype)
         self.kv_dtype = k if k == v else (k, v)
         self.kv_mode = kv
-        self.config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
-        limit = self.config.max_position_embeddings
+        limit = self.loaded.config.max_position_embeddings
         self.max_context = min(limit, DEFAULT_MAX_CONTEXT) if max_context is None else max_context
-        if not 0 < self.max_context <= limit:
-            raise InvalidRequestError(
-                f"max_context must be between 1 and the model's limit of {limit} tokens"
-            )
+        most = LIMITS["max_position_embeddings"][1]
+        if not 0 < self.max_context <= most:
+            raise InvalidRequestError(f"max_context must be between 1 and {most} tokens "
+                                      f"(the model was trained on {limit})")  # fmt: skip
+        self.rope = (rope_scaling, rope_scale)  # as asked: a draft model gets the same
+        window = kv == "window" and self.cache_options.window_positions == "cache"
+        self.config, past = for_context(self.loaded.config, self.max_context, *self.rope, window)
+        if past is not None:
+            log.warning(past)
         self.cache_spec(kv)  # every cache setting checked before the weights load
         self._drafters: dict[tuple[str, str | None], DraftModel] = {}  # see draft_model
         self._engine: Engine | None = None  # generate's batch engine, made on first use
@@ -181,8 +195,13 @@ class LLM:
 
     @cached_property
     def fingerprint(self) -> str:
-        """Identifies the weights; cache files carry it so another model's are refused."""
-        return self.loaded.weights.fingerprint()
+        """Identifies the weights and the RoPE they run with; cache files and KV tiers carry
+        it so another model's K/V (or K rotated by another RoPE scaling) are refused."""
+        weights = self.loaded.weights.fingerprint()
+        if self.config.rope_scaling == self.loaded.config.rope_scaling:
+            return weights
+        rope = repr(self.config.rope_scaling).encode()
+        return hashlib.sha256(weights.encode() + b"/" + rope).hexdigest()[: len(weights)]
 
     @cached_property
     def cache(self) -> KVCache:
@@ -243,7 +262,8 @@ class LLM:
         key = (path, spec.draft_weights)
         if key not in self._drafters:
             draft = LLM(model=path, weights=spec.draft_weights, max_context=self.max_context,
-                        progress=False)  # fmt: skip
+                        progress=False, rope_scaling=self.rope[0],
+                        rope_scale=self.rope[1])  # fmt: skip
             ours = self.tokenizer.backend.get_vocab()
             theirs = draft.tokenizer.backend.get_vocab()
             if ours != theirs:
@@ -398,9 +418,17 @@ class LLM:
             "numerics": list(self.numerics.reasons),
             "kv_dtype": self.cache_spec().kv_name,
             "max_context": self.max_context,
+            "rope_scaling": _rope_described(self.config.rope_scaling),
             "device": str(self.device),
             "decode_step": self.runner.decode_step(self.cache),
         }
+
+
+def _rope_described(s) -> str:
+    """A RoPE scaling as describe() shows it: "none", or its kind, factor and length."""
+    if s.rope_type == "default":
+        return "none"
+    return f"{s.rope_type}, factor {s.factor:g} over {s.original_max_position_embeddings} tokens"
 
 
 def _check_device(device: str) -> torch.device:

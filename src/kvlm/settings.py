@@ -16,12 +16,14 @@ from kvlm.errors import KvlmError
 
 
 def model_from_args(args: argparse.Namespace, **settings: Any):
-    """An LLM from the flags every model command has (_model_args, --kv-dtype and
-    --max-context), plus the command's own cache settings (which win over those flags)."""
+    """An LLM from the flags every model command has (_model_args: the RoPE scaling too,
+    --kv-dtype and --max-context), plus the command's own cache settings (which win over
+    those flags)."""
     from kvlm.llm import LLM  # imports torch: only once a command runs
 
     numerics = ("weights", "prefill_dtype", "activations", "exact", "max_context")
-    flags = {k: getattr(args, k) for k in ("model", "dtype", "device", "threads", *numerics)}
+    rope = ("rope_scaling", "rope_scale")
+    flags = {k: getattr(args, k) for k in ("model", "dtype", "device", "threads", *numerics, *rope)}
     flags["kv_dtype"] = kv_dtype_of(args)
     return LLM(**(flags | settings), progress=sys.stderr.isatty())
 

@@ -103,7 +103,7 @@ class KvlmReplica:
         config, limits = serve_config(args)
         options = (args.served_model_name, args.api_key, limits, args.tool_call_parser,
                    args.reasoning_parser)  # fmt: skip
-        self.engine, self.app = engine_app(serve_model(args), config, *options)
+        self.engine, self.app = engine_app(serve_model(args, config), config, *options)
         self.engine.start()
 
     async def http(

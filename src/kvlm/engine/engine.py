@@ -86,6 +86,50 @@ class EngineConfig:
     kv_tier_key: str | None = None
 
 
+def pool_spec(llm: ServedModel) -> CacheSpec:
+    """The pool's cache spec: the LLM's K/V storage (--kv int8 stores int8 whatever
+    --kv-dtype says)."""
+    return llm.cache_spec("int8" if llm.kv_mode == "int8" else "paged")
+
+
+def windowed_plan(config: EngineConfig, spec: CacheSpec, context: int) -> tuple[int, int, int]:
+    """A hybrid model's pool (kvlm.cache.paged): the most tokens one step feeds a
+    sequence (a prefill chunk, a draft and its token), the blocks of the windowed layer
+    group (each of max_num_seqs sequences at its most, window_blocks: never short of
+    them) and their bytes; (step tokens, 0, 0) for a model without windowed layers."""
+    sched, spec_cfg = config.scheduler, config.speculative
+    chunk = min(sched.prefill_chunk, sched.chunk_size or sched.prefill_chunk)
+    step = min(context, max(chunk, 1 + (spec_cfg.num_draft if spec_cfg else 0)))
+    window = local_window(spec)
+    if window is None:
+        return step, 0, 0
+    bs, ring = spec.block_size, part_specs(spec)[1]
+    per_seq = min(blocks_for(context, bs), window_blocks(window + RING_SLACK, bs, step))
+    blocks = per_seq * sched.max_num_seqs + sched.reserve_blocks
+    return step, blocks, blocks * bs * ring.bytes_per_token
+
+
+def memory_blocks(config: EngineConfig, spec: CacheSpec, context: int) -> int:
+    """The blocks (of the layers that see the whole context) the KV memory holds once a
+    hybrid model's windowed group has its own: the pool's size by default."""
+    _, windowed, windowed_bytes = windowed_plan(config, spec, context)
+    whole = part_specs(spec)[0] if windowed else spec
+    kv_memory = config.kv_memory or default_kv_memory(spec.device)
+    return (kv_memory - windowed_bytes) // (spec.block_size * whole.bytes_per_token)
+
+
+def pool_context(llm: ServedModel, config: EngineConfig, context: int) -> int:
+    """The most of `context` tokens one sequence can hold in the pool `config` makes
+    (--kv-blocks, else the blocks --kv-memory holds), less the blocks the scheduler keeps
+    free at admission, in whole blocks: `kvlm serve`'s default context, the model's
+    trained one as far as the pool holds it. At least one block (a pool short of even
+    that is the engine's error)."""
+    spec = pool_spec(llm)
+    blocks = config.num_blocks or memory_blocks(config, spec, context)
+    fits = (blocks - config.scheduler.reserve_blocks) * spec.block_size
+    return max(spec.block_size, min(context, fits))
+
+
 @dataclass(slots=True, frozen=True)
 class ModelInfo:
     """What an engine's callers may know of it (the server's routes, its start line): they
@@ -189,16 +233,13 @@ class Engine:
         GC_TIME.watch()  # a slow step's log line says how much of it was collection
 
     def _pool_backend(self, llm: ServedModel) -> PoolBackend:
-        # the LLM's K/V storage: --kv int8 stores int8 whatever --kv-dtype says
-        spec = llm.cache_spec("int8" if llm.kv_mode == "int8" else "paged")
-        bs, sched = spec.block_size, self.config.scheduler
+        spec, sched = pool_spec(llm), self.config.scheduler
+        bs = spec.block_size
         least = blocks_for(llm.max_context, bs) + sched.reserve_blocks
-        kv_memory = self.config.kv_memory or default_kv_memory(spec.device)
-        step_tokens, windowed, windowed_bytes = self._windowed_plan(spec, llm.max_context)
-        whole = part_specs(spec)[0] if windowed else spec
+        step_tokens, windowed, _ = windowed_plan(self.config, spec, llm.max_context)
         num_blocks = self.config.num_blocks or min(
             blocks_for(llm.max_context, bs) * sched.max_num_seqs,
-            max(least, (kv_memory - windowed_bytes) // (bs * whole.bytes_per_token)),
+            max(least, memory_blocks(self.config, spec, llm.max_context)),
         )
         if num_blocks < least:
             raise InvalidRequestError(
@@ -215,22 +256,6 @@ class Engine:
         self.tiers = self._tiers() if self.config.kv_tiers else None
         manager = BlockManager(pool, self.config.prefix_caching, self.tiers, step_tokens)
         return PoolBackend(self.runner, manager, spec)
-
-    def _windowed_plan(self, spec: CacheSpec, context: int) -> tuple[int, int, int]:
-        """A hybrid model's pool (kvlm.cache.paged): the most tokens one step feeds a
-        sequence (a prefill chunk, a draft and its token), the blocks of the windowed layer
-        group (each of max_num_seqs sequences at its most, window_blocks: never short of
-        them) and their bytes; (step tokens, 0, 0) for a model without windowed layers."""
-        sched, spec_cfg = self.config.scheduler, self.config.speculative
-        chunk = min(sched.prefill_chunk, sched.chunk_size or sched.prefill_chunk)
-        step = min(context, max(chunk, 1 + (spec_cfg.num_draft if spec_cfg else 0)))
-        window = local_window(spec)
-        if window is None:
-            return step, 0, 0
-        bs, ring = spec.block_size, part_specs(spec)[1]
-        per_seq = min(blocks_for(context, bs), window_blocks(window + RING_SLACK, bs, step))
-        blocks = per_seq * sched.max_num_seqs + sched.reserve_blocks
-        return step, blocks, blocks * bs * ring.bytes_per_token
 
     def _tiers(self) -> KVTiers:
         """The KV tiers of config.kv_tiers, keyed to this model, its numerics and the

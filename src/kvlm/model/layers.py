@@ -320,6 +320,9 @@ class RotaryEmbedding(nn.Module):
         if freq_factors is not None:  # GGUF `rope_freqs`: per-frequency divisors (Llama 3.x)
             inv_freq = inv_freq / freq_factors.float().cpu()
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        # YaRN's cos/sin scale (1 otherwise): every road (the torch step, the C q/k pass,
+        # the fused step's tables, a window cache's keys) takes cos/sin from forward
+        self.attention_scaling = config.rope_scaling.attention_scaling
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -328,7 +331,10 @@ class RotaryEmbedding(nn.Module):
         (B, T, heads, D) tensor."""
         freqs = positions[..., None].float() * self.inv_freq  # (B, T, D/2), fp32 as HF
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]  # (B, T, 1, D)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:  # scaled in fp32 before the cast, as HF
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
 
     def for_keys(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -341,6 +347,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """The D/2 frequencies of `config.rope_scaling` (kvlm.config.RopeScaling), each as
+    transformers' ROPE_INIT_FUNCTIONS computes it, bit for bit (tests/test_context.py)."""
     dim = config.head_dim
     exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (config.rope_theta**exponent)
@@ -349,7 +357,30 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(config.rope_theta**exponent, dim, config.rope_theta, scaling)
     return inv_freq
+
+
+def _yarn_inv_freq(pos_freqs: torch.Tensor, dim: int, base: float, s) -> torch.Tensor:
+    """YaRN's frequencies: dimensions that turn more than `beta_fast` times over the
+    original length keep theirs (extrapolated), those turning fewer than `beta_slow`
+    times are divided by `factor` (interpolated), a linear ramp between."""
+
+    def dim_of(turns: float) -> float:  # the dimension that turns `turns` times
+        length = s.original_max_position_embeddings
+        return (dim * math.log(length / (turns * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = dim_of(s.beta_fast), dim_of(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no division by 0
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # 1: the dimension's own frequency, 0: divided by factor
+    interpolated, extrapolated = 1.0 / (s.factor * pos_freqs), 1.0 / pos_freqs
+    return interpolated * (1 - kept) + extrapolated * kept
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s) -> torch.Tensor:

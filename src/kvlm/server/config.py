@@ -6,8 +6,11 @@ bad flag is one line before anything starts)."""
 from __future__ import annotations
 
 import argparse
+import logging
 
 from kvlm.settings import model_from_args, speculative_from_args
+
+log = logging.getLogger("kvlm")
 
 
 def serve_config(args: argparse.Namespace):
@@ -47,9 +50,24 @@ def serve_config(args: argparse.Namespace):
     return config, limits
 
 
-def serve_model(args: argparse.Namespace):
-    """The LLM `kvlm serve` runs, from its arguments."""
+def serve_model(args: argparse.Namespace, config):
+    """The LLM `kvlm serve` runs, from its arguments and its engine's configuration
+    (serve_config). Without --max-context its context is the model's trained one as far as
+    the KV pool holds one sequence of it (kvlm.engine.engine.pool_context; said in a
+    warning where it falls short), not the library's 4,096: an agent's prompt of 20k
+    tokens fits a model trained on 32k."""
+    from kvlm.engine.engine import pool_context
     from kvlm.llm import CacheOptions
 
     options = CacheOptions(args.block_size, args.kv_blocks)
-    return model_from_args(args, kv="paged", cache_options=options)
+    llm = model_from_args(args, kv="paged", cache_options=options)
+    if args.max_context is None:
+        trained = llm.config.max_position_embeddings
+        # within the trained context: the RoPE the LLM was built with serves it as is
+        llm.max_context = pool_context(llm, config, trained)
+        if llm.max_context < trained:
+            n = llm.max_context
+            log.warning("the KV pool holds one sequence of %d tokens, short of the model's "
+                        "trained context of %d: the context limit is %d (--kv-memory or "
+                        "--kv-blocks raise it)", n, trained, n)  # fmt: skip
+    return llm
