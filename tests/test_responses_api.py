@@ -115,13 +115,88 @@ def test_structured_output_and_refusals(client, model):
     out = create(client, model, max_output_tokens=40, text={"format": {
         "type": "json_schema", "name": "answer", "schema": SCHEMA, "strict": True}})  # fmt: skip
     jsonschema.validate(json.loads(out.output_text), SCHEMA)
-    with pytest.raises(openai.BadRequestError, match="web_search tools are not supported"):
-        create(client, model, tools=[{"type": "web_search"}])
+    with pytest.raises(openai.BadRequestError, match="frobnicate tools are not supported"):
+        create(client, model, tools=[{"type": "frobnicate"}])
     with pytest.raises(openai.BadRequestError, match="input_image parts are not supported"):
         create(client, model, input=[{"role": "user", "content": [
             {"type": "input_image", "image_url": "https://example.com/x.png"}]}])  # fmt: skip
     with pytest.raises(openai.BadRequestError, match="no stored item"):
         create(client, model, input=[{"type": "item_reference", "id": "msg_nothing"}])
+
+
+# ---------------------------------------------------------------------------- Codex's shapes
+# What OpenAI's Codex CLI (0.171.0) sends on every request (tests/test_agent_codex.py runs
+# it): a namespace of functions, a hosted web_search, client_metadata.
+
+GEO = {"type": "namespace", "name": "geo", "description": "Places and their weather.",
+       "tools": [WEATHER]}  # fmt: skip
+CODEX_FIELDS = {"client_metadata": {"session_id": "s1", "turn_id": "t1"},
+                "context_management": [{"type": "compaction", "compact_threshold": 9000}],
+                "prompt_cache_options": {"ttl": "30m"}}  # fmt: skip
+
+
+def test_codex_fields_are_accepted(client, model):
+    """client_metadata (Codex's session and turn ids, which it cannot switch off) and the
+    bookkeeping fields beside it: accepted, no effect on the answer."""
+    plain = create(client, model, max_output_tokens=8)
+    codex = create(client, model, max_output_tokens=8, store=False, prompt_cache_key="s1",
+                   include=["reasoning.encrypted_content"], reasoning={"summary": "auto"},
+                   extra_body=CODEX_FIELDS)  # fmt: skip
+    assert codex.output_text == plain.output_text
+
+
+def test_hosted_tools_are_accepted_and_not_offered(client, model):
+    """web_search (Codex sends it with every request) and the other tools OpenAI runs
+    itself: the request is answered, the prompt is the one without them (the model is
+    offered the functions alone)."""
+    hosted = [{"type": "web_search", "external_web_access": False},
+              {"type": "file_search", "vector_store_ids": ["vs_1"]},
+              {"type": "code_interpreter", "container": {"type": "auto"}}]  # fmt: skip
+    bare = create(client, model, tools=[WEATHER], max_output_tokens=4)
+    mixed = create(client, model, tools=[*hosted, WEATHER], max_output_tokens=4)
+    assert mixed.usage.input_tokens == bare.usage.input_tokens
+    assert [t.type for t in mixed.tools] == ["web_search", "file_search", "code_interpreter",
+                                             "function"]  # fmt: skip
+    alone = create(client, model, tools=hosted[:1], max_output_tokens=4)
+    assert alone.usage.input_tokens == create(client, model, max_output_tokens=4).usage.input_tokens
+    with pytest.raises(openai.BadRequestError, match="no tools are given"):
+        create(client, model, tools=hosted[:1], tool_choice="required")
+
+
+def test_a_namespaced_function_is_offered_and_its_call_names_the_namespace(client, model):
+    """A namespace's functions are offered under their own names (the prompt is the one of
+    the same functions at the top level); a call of one is a function_call item with its
+    `namespace`, whole and streamed, and comes back in the input (Codex sends its calls
+    back with it) as the same conversation, found in the prefix cache."""
+    flat = create(client, model, tools=[WEATHER], max_output_tokens=4)
+    forced = {"type": "function", "name": "weather"}
+    call = create(client, model, tools=[GEO], tool_choice=forced, max_output_tokens=80)
+    assert call.usage.input_tokens == flat.usage.input_tokens
+    item = next(i for i in call.output if i.type == "function_call")
+    assert (item.name, item.namespace) == ("weather", "geo")
+    events = list(create(client, model, tools=[GEO], tool_choice=forced, max_output_tokens=80,
+                         stream=True))  # fmt: skip
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.name, i.namespace) for i in added + done] == [("weather", "geo")] * 2
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "type": "function_call",
+            "call_id": item.call_id,
+            "name": "weather",
+            "namespace": "geo",
+            "arguments": item.arguments,
+        },
+        {"type": "function_call_output", "call_id": item.call_id, "output": "Sunny"},
+    ]
+    answer = create(client, model, tools=[GEO], input=history, store=False)
+    again = create(client, model, tools=[GEO], input=history, store=False)
+    assert answer.status in ("completed", "incomplete")
+    assert again.usage.input_tokens_details.cached_tokens >= answer.usage.input_tokens - 16
+    twice = {**GEO, "name": "other"}
+    with pytest.raises(openai.BadRequestError, match="'weather' is given twice"):
+        create(client, model, tools=[GEO, twice])
 
 
 def test_background_responses_are_polled_and_cancelled(client, model):

@@ -54,6 +54,13 @@ KEEP_BYTES = 256 << 20  # what they hold (text in and out, logprobs), the oldest
 TTL_S = 3600.0  # a stored response's life
 # the item types kvlm reads; any other (web_search_call, computer_call, ...) is refused
 _ITEMS = ("message", "function_call", "function_call_output", "reasoning", "item_reference")
+# OpenAI's tool kinds that are not functions (openai-python's responses.Tool): accepted,
+# not offered to the model (HostedTool)
+_HOSTED = ("web_search", "web_search_2025_08_26", "web_search_preview",
+           "web_search_preview_2025_03_11", "file_search", "code_interpreter",
+           "image_generation", "mcp", "computer", "computer_use_preview", "local_shell",
+           "shell", "custom", "apply_patch", "tool_search",
+           "programmatic_tool_calling")  # fmt: skip
 
 
 class _Part(_Body):
@@ -101,6 +108,7 @@ class FunctionCallItem(_Body):
     call_id: Text
     name: Text
     arguments: Text
+    namespace: Text | None = None  # its function's namespace: the model saw `name` alone
     id: Text | None = None
     status: Text | None = None
 
@@ -132,6 +140,30 @@ class FunctionTool(FunctionDef):
     """A function tool, the Responses way: the chat's function with its type beside."""
 
     type: Literal["function"]
+    defer_loading: bool | None = None  # for OpenAI's tool search: every function is offered
+
+
+class HostedTool(BaseModel):
+    """A tool kvlm cannot offer the model: one OpenAI runs itself (web search, file
+    search, ...) or one whose calls are items of their own kinds (custom, shell,
+    apply_patch). Accepted and left out of the prompt: the model calls only functions, as
+    a local server can (Codex sends `web_search` on every request)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal[_HOSTED]
+
+
+class NamespaceTool(_Body):
+    """Function tools grouped under a name: offered to the model as functions under their
+    own names; a call of one is a function_call item carrying `namespace`."""
+
+    type: Literal["namespace"]
+    name: Text
+    description: Text | None = None
+    tools: Annotated[list[FunctionTool | HostedTool], Field(min_length=1, max_length=MAX_TOOLS)]
+
+
+ToolParam = FunctionTool | NamespaceTool | HostedTool
 
 
 class NamedFunction(protocol.NamedFunction):
@@ -162,7 +194,7 @@ class ResponsesRequest(_Body):
     input: Text | Annotated[list[Item], Field(min_length=1, max_length=MAX_ITEMS)]
     instructions: Text | None = None
     previous_response_id: Text | None = None
-    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tools: Annotated[list[ToolParam], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool = True
     max_tool_calls: Annotated[int, Field(ge=1)] | None = None
@@ -189,6 +221,11 @@ class ResponsesRequest(_Body):
     service_tier: Text | None = None
     truncation: Literal["auto", "disabled"] | None = None
     include: list[Text] | None = None
+    prompt_cache_options: dict[str, Any] | None = None  # the prefix cache needs no hints
+    context_management: list[dict[str, Any]] | None = None  # no compaction (context bound)
+    moderation: Any = None
+    # Codex's: its session and turn ids (OpenAI's backend logs them)
+    client_metadata: Annotated[dict[str, Text], Field(max_length=64)] | None = None
     # what kvlm does not serve: refused, naming the field
     conversation: Any = None
     prompt: Any = None
@@ -206,9 +243,9 @@ class ResponsesRequest(_Body):
                 raise Unsupported("input", f"{kind} items are not supported")
         for tool in data.get("tools") if isinstance(data.get("tools"), list) else []:
             kind = tool.get("type") if isinstance(tool, dict) else None
-            if isinstance(kind, str) and kind != "function":
-                raise Unsupported("tools", f"{kind} tools are not supported: kvlm serves "
-                                  "function tools")  # fmt: skip
+            if isinstance(kind, str) and kind not in ("function", "namespace", *_HOSTED):
+                raise Unsupported("tools", f"{kind} tools are not supported: kvlm offers "
+                                  "function tools (and namespaces of them)")  # fmt: skip
         return data
 
     @model_validator(mode="after")
@@ -221,7 +258,26 @@ class ResponsesRequest(_Body):
         if self.background and (self.stream or not self.store):
             raise Unsupported("background", "a background response needs store true and "
                               "stream false")  # fmt: skip
+        if len(self.functions()) > MAX_TOOLS:
+            raise Unsupported("tools", f"at most {MAX_TOOLS} functions, namespaces' included")
         return self
+
+    def functions(self) -> dict[str, tuple[str | None, FunctionTool]]:
+        """The functions the model is offered, by name, in the order given: each with its
+        namespace (None at the top level). Hosted tools are not among them. A name given
+        twice (two namespaces, or one and the top level) is refused: a call of it could
+        not be told apart."""
+        out: dict[str, tuple[str | None, FunctionTool]] = {}
+        for tool in self.tools or []:
+            inner = tool.tools if isinstance(tool, NamespaceTool) else [tool]
+            space = tool.name if isinstance(tool, NamespaceTool) else None
+            for fn in inner:
+                if not isinstance(fn, FunctionTool):
+                    continue
+                if fn.name in out:
+                    raise Unsupported("tools", f"the function {fn.name!r} is given twice")
+                out[fn.name] = (space, fn)
+        return out
 
 
 def to_chat(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
@@ -239,9 +295,10 @@ def to_chat(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompl
     chat |= {k: v for k, v in optional.items() if v is not None}
     if body.top_logprobs is not None:
         chat |= {"logprobs": True, "top_logprobs": body.top_logprobs}
-    if body.tools:
-        chat["tools"] = [{"type": "function", "function": t.model_dump(
-            exclude_none=True, exclude={"type"})} for t in body.tools]  # fmt: skip
+    if functions := body.functions():
+        chat["tools"] = [{"type": "function", "function": fn.model_dump(
+            exclude_none=True, exclude={"type", "defer_loading"})}
+            for _, fn in functions.values()]  # fmt: skip
     choice = body.tool_choice
     if isinstance(choice, NamedFunction):
         chat["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
@@ -416,8 +473,10 @@ class Reply:
     def call_item(self, index: int, call: dict[str, Any], status: str) -> dict[str, Any]:
         fn = call["function"]
         call_id = self.call_refs.setdefault(index, call["id"])  # as first streamed
-        return {"id": self.call_id(index), "type": "function_call", "call_id": call_id,
+        item = {"id": self.call_id(index), "type": "function_call", "call_id": call_id,
                 "name": fn["name"], "arguments": fn["arguments"], "status": status}  # fmt: skip
+        space = self.body.functions().get(fn["name"], (None,))[0]
+        return item | {"namespace": space} if space is not None else item
 
     def finish(self) -> None:
         """Set the status from how the sample ended."""
