@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvlm.server import ollama
 from kvlm.server.anthropic import MessagesRequest
 from kvlm.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvlm.server.responses_api import ResponsesRequest
@@ -42,6 +43,9 @@ def fields(model) -> set[str]:
     (CompletionRequest, ["Both endpoints", "/v1/completions"]),
     (ResponsesRequest, ["/v1/responses (OpenAI's Responses API)"]),
     (MessagesRequest, ["/v1/messages (Anthropic's Messages API)"]),
+    (ollama.ChatRequest, ["Ollama: /api/chat and /api/generate", "Ollama: /api/chat"]),
+    (ollama.GenerateRequest, ["Ollama: /api/chat and /api/generate", "Ollama: /api/generate"]),
+    (ollama.Options, ["Ollama: options"]),
 ])  # fmt: skip
 def test_each_endpoints_table_names_its_fields(model, sections):
     docs = documented()

@@ -47,6 +47,7 @@ from kvlm.engine.threads import ThreadTuner
 from kvlm.errors import InvalidRequestError
 
 if TYPE_CHECKING:
+    from kvlm.config import ModelConfig
     from kvlm.engine.served import ServedModel
     from kvlm.loading.tokenizer import Tokenizer
 
@@ -141,6 +142,9 @@ class ModelInfo:
     max_num_seqs: int  # sequences decoded together
     numerics: str  # the weight and activation formats, as the server's fingerprint names them
     kv: str  # the K/V storage: the pool's blocks and bytes, or the one cache's mode
+    config: ModelConfig  # the architecture and its shapes (Ollama's /api/show reads them)
+    weight_bytes: int = 0  # the weights' bytes in memory
+    weight_bytes_gpu: int = 0  # of those, on a GPU
 
 
 @dataclass(slots=True)
@@ -224,7 +228,8 @@ class Engine:
             if spec.method == "draft":
                 self.drafter = llm.draft_model(spec)
         self.info = ModelInfo(self.tokenizer, llm.config.vocab_size, self.max_model_len,
-                              sched.max_num_seqs, str(llm.numerics), kv)  # fmt: skip
+                              sched.max_num_seqs, str(llm.numerics), kv, llm.config,
+                              *_weight_bytes(llm.model))  # fmt: skip
         self.requests: dict[str, _Request] = {}
         # blocks held for stored conversations (the Responses API), oldest first
         self.pins: OrderedDict[str, list[list[int]]] = OrderedDict()
@@ -715,6 +720,16 @@ class Engine:
             },
             "tier_dropped_writes": 0 if tiers is None else tiers.dropped,
         }  # fmt: skip
+
+
+def _weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(all, on a GPU) bytes of the model's tensors: its parameters and buffers (a packed
+    low-bit weight is a buffer), each tensor counted once."""
+    seen: dict[int, torch.Tensor] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        seen.setdefault(id(t), t)
+    return (sum(t.nbytes for t in seen.values()),
+            sum(t.nbytes for t in seen.values() if t.is_cuda))  # fmt: skip
 
 
 __all__ = ["Engine", "EngineConfig", "ModelInfo", "QueueFullError", "StepOutput"]

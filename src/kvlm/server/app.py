@@ -53,7 +53,7 @@ from kvlm.engine.sampling import MAX_SAMPLES, SamplingParams
 from kvlm.engine.scheduler import QueueFullError
 from kvlm.engine.served import ServedModel
 from kvlm.errors import InvalidRequestError, KvlmError
-from kvlm.server import anthropic, openapi, reasoning, responses_api
+from kvlm.server import anthropic, ollama, openapi, reasoning, responses_api
 from kvlm.server import tools as tools_mod
 from kvlm.server.limits import RequestLimits, ServerLimits
 from kvlm.server.metrics import render_metrics
@@ -138,6 +138,7 @@ def create_app(
     _generation_routes(v1, s)
     app.include_router(v1)
     app.include_router(_token_routes(s, Depends(check_api_key)))
+    app.include_router(ollama_routes(app, s, Depends(check_api_key)))
     return app
 
 
@@ -417,6 +418,151 @@ def anthropic_routes(v1: APIRouter, s: _Served) -> None:
         chat = _as_chat(body)
         _check_model(chat.model, s.model_name)
         return {"input_tokens": len(await run_in_threadpool(chat.prompt_ids, s.tokenizer))}
+
+
+def ollama_routes(app: FastAPI, s: _Served, auth: Any) -> APIRouter:
+    """Ollama's API (kvlm.server.ollama) under /api. `GET`/`HEAD /` and `/api/version`
+    answer anyone (the probes Ollama's clients send first, as /health); the rest takes the
+    key as /v1 does. Not in /openapi.json, which describes the OpenAI and Anthropic API."""
+    api = APIRouter(prefix="/api", dependencies=[auth], include_in_schema=False)
+    info, name, started = s.engine.info, ollama.served_name(s.model_name), ollama.now()
+    details = ollama.details(info.config)
+    entry = {"name": name, "model": name, "modified_at": started, "size": info.weight_bytes,
+             "digest": hashlib.sha256(s.fingerprint.encode()).hexdigest(),
+             "details": details}  # fmt: skip
+
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    async def root() -> PlainTextResponse:
+        return PlainTextResponse("Ollama is running (kvlm serves Ollama's API under /api)")
+
+    @app.api_route("/api/version", methods=["GET", "HEAD"], include_in_schema=False)
+    async def version() -> dict:
+        return {"version": ollama.API_VERSION, "kvlm": __version__}
+
+    @api.api_route("/tags", methods=["GET", "HEAD"])
+    async def tags() -> dict:
+        return {"models": [entry]}
+
+    @api.get("/ps")
+    async def ps() -> dict:
+        return {"models": [entry | {"expires_at": ollama.NEVER, "context_length": s.max_len,
+                                    "size_vram": info.weight_bytes_gpu}]}  # fmt: skip
+
+    @api.post("/show")
+    async def show(body: ollama.ShowRequest) -> dict:
+        _check_model(ollama.resolve(body.which, s.model_name), s.model_name)
+        caps = ollama.capabilities(s.tokenizer.renders_tools, s.reasoning_parser is not None)
+        return {"modelfile": f"# kvlm serves {s.model_name}\nFROM {s.model_name}\n",
+                "parameters": "\n".join(f"{k} {v}" for k, v in ollama.DEFAULTS.items()),
+                "template": s.tokenizer.chat_template or "", "details": details,
+                "model_info": ollama.model_info(info.config, s.max_len),
+                "capabilities": caps, "modified_at": started}  # fmt: skip
+
+    @api.post("/pull")
+    async def pull(body: ollama.PullRequest) -> Any:
+        if ollama.resolve(body.which, s.model_name) != s.model_name:
+            raise ServerError(404, f"kvlm pulls no models: it serves {name!r}, loaded when it "
+                              f"started, and {body.which!r} is not it", param="model")  # fmt: skip
+        lines = ollama.pulled(name, body.stream)
+        if body.stream:
+            text = "".join(json.dumps(line) + "\n" for line in lines)
+            return Response(text, media_type="application/x-ndjson")
+        return lines[0]
+
+    @api.post("/chat")
+    async def chat(body: ollama.ChatRequest, request: Request) -> Any:
+        started = time.perf_counter_ns()
+        if not body.messages:  # Ollama's way to load a model
+            _check_model(ollama.resolve(body.model, s.model_name), s.model_name)
+            return _ollama_now(ollama.loaded(name, chat=True), body.stream)
+        req = _chat_of(lambda: ollama.to_chat(body, s.model_name))
+        ids, params, choices = await _chat_parts(s, req)
+        reply = ollama.Reply(name, True, choices, len(ids), started)
+        return await _ollama_run(s, request, body, req, ids, params, reply)
+
+    @api.post("/generate")
+    async def generate(body: ollama.GenerateRequest, request: Request) -> Any:
+        started = time.perf_counter_ns()
+        if not body.prompt:  # Ollama's way to load a model
+            _check_model(ollama.resolve(body.model, s.model_name), s.model_name)
+            return _ollama_now(ollama.loaded(name, chat=False), body.stream)
+        req: Any
+        if body.raw:  # the prompt as it is: the completions road
+            req = _chat_of(lambda: ollama.to_completion(body, s.model_name))
+            ids, params, choices = await _raw_parts(s, req)
+        else:
+            req = _chat_of(lambda: ollama.generate_chat(body, s.model_name))
+            ids, params, choices = await _chat_parts(s, req)
+        reply = ollama.Reply(name, False, choices, len(ids), started)
+        return await _ollama_run(s, request, body, req, ids, params, reply)
+
+    @api.post("/embed")
+    @api.post("/embeddings")
+    async def embeddings() -> None:
+        raise ServerError(400, "kvlm serves text generation; it does not serve embeddings")
+
+    @api.post("/create")
+    @api.post("/copy")
+    @api.post("/push")
+    @api.delete("/delete")
+    async def manage() -> None:
+        raise ServerError(400, f"kvlm serves one model, {name!r}, loaded when it started: it "
+                          "does not create, copy, push or delete models")  # fmt: skip
+
+    return api
+
+
+async def _raw_parts(
+    s: _Served, body: CompletionRequest
+) -> tuple[list[int], SamplingParams, Choices]:
+    """A raw generate request's prompt ids, parameters and Choices, as /v1/completions
+    makes them for one prompt."""
+    _check_model(body.model, s.model_name)
+    prompt = body.prompts()[0]
+    _check_length(s, len(prompt), "prompt")
+    ids = await run_in_threadpool(s.tokenizer.encode, prompt)
+    params = _params(body, ids, s.max_len, body.logprobs)
+    choices = Choices(s.tokenizer, 1, chat=False, want_logprobs=body.logprobs is not None,
+                      prompts=[ids])  # fmt: skip
+    return ids, params, choices
+
+
+def _ollama_fit(s: _Served, params: SamplingParams, prompt: int, options: Any) -> None:
+    """Ollama's bounds on the request: num_ctx (the context it may fill, at most the
+    server's), num_predict (> 0: at most this many tokens), stop (up to 16 strings)."""
+    o = options or ollama.Options()
+    window = min(o.num_ctx or s.max_len, s.max_len)
+    if prompt >= window:
+        why = f"the prompt has {prompt} tokens (options.num_ctx: {o.num_ctx})"
+        raise _too_long(window, why, "options.num_ctx")
+    room = window - prompt
+    if o.num_predict is not None and o.num_predict > 0:
+        room = min(room, o.num_predict)
+    params.max_tokens = min(params.max_tokens, room)
+    params.stop = o.stops()
+
+
+def _ollama_now(body: dict, stream: bool) -> Response:
+    if stream:
+        return Response(json.dumps(body) + "\n", media_type="application/x-ndjson")
+    return JSONResponse(body)
+
+
+async def _ollama_run(
+    s: _Served, request: Request, body: Any, req: Any, ids: list[int],
+    params: SamplingParams, reply: ollama.Reply,
+) -> Any:  # fmt: skip
+    """Run an Ollama chat or generate request on the engine; its answer whole or as
+    NDJSON lines."""
+    _ollama_fit(s, params, len(ids), body.options)
+    reply.submitted = time.perf_counter_ns()
+    events = reply.timed(await _start(s.engine, req, [ids], [params]))
+    if body.stream:
+        lines = reply.lines(events, ENGINE_FAILED)
+        return StreamingResponse(lines, media_type="application/x-ndjson")
+    if await _finished(events, reply.choices, request) is None:
+        return JSONResponse({}, status_code=499)
+    return JSONResponse(reply.whole())
 
 
 def responses_routes(v1: APIRouter, s: _Served) -> None:
@@ -819,10 +965,12 @@ def _allowed(app: FastAPI, path: str) -> str:
 
 
 def _error(request: Request, body: dict, status: int, headers: dict | None = None) -> JSONResponse:
-    """An error answer: OpenAI's body, or Anthropic's under /v1/messages (its clients
-    read that shape)."""
+    """An error answer: OpenAI's body, Anthropic's under /v1/messages, Ollama's
+    `{"error": message}` under /api/ (their clients read those shapes)."""
     if request.url.path.startswith(anthropic.ANTHROPIC_PATHS):
         body = anthropic.error_body(status, body["error"]["message"])
+    elif request.url.path.startswith(ollama.OLLAMA_PATHS):
+        body = {"error": body["error"]["message"]}
     return JSONResponse(body, status_code=status, headers=headers)
 
 

@@ -201,6 +201,11 @@ class Choices:
             "text_offset": list(accumulate(map(len, tokens[:-1]), initial=offset))[: len(tokens)],
         }
 
+    def entries(self, logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
+        """Logprob entries in the chat shape, {token, logprob, bytes, top_logprobs}, for a
+        chat or completions choice alike (Ollama's logprobs are this shape)."""
+        return [self._chat_entry(e) for e in logprobs]
+
     def _chat_entry(self, e: TokenLogprob) -> dict[str, Any]:
         top = [self._entry(t, lp) for t, lp in e.top.items()]
         return self._entry(e.token_id, e.logprob) | {"top_logprobs": top}
