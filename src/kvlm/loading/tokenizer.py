@@ -147,12 +147,6 @@ class Tokenizer:
         """An incremental decoder: `.step(tokenizer.backend, id)` returns new text or None."""
         return DecodeStream(skip_special_tokens=skip_special_tokens)
 
-    @property
-    def renders_tools(self) -> bool:
-        """Whether the chat template renders `tools` itself (else render_chat writes them
-        into the system turn)."""
-        return bool(self.chat_template and _TOOLS_VARIABLE.search(self.chat_template))
-
     def render_chat(
         self,
         messages: Sequence[dict[str, Any]],

@@ -451,7 +451,7 @@ def ollama_routes(app: FastAPI, s: _Served, auth: Any) -> APIRouter:
     @api.post("/show")
     async def show(body: ollama.ShowRequest) -> dict:
         _check_model(ollama.resolve(body.which, s.model_name), s.model_name)
-        caps = ollama.capabilities(s.tokenizer.renders_tools, s.reasoning_parser is not None)
+        caps = ollama.capabilities(s.reasoning_parser is not None)
         return {"modelfile": f"# kvlm serves {s.model_name}\nFROM {s.model_name}\n",
                 "parameters": "\n".join(f"{k} {v}" for k, v in ollama.DEFAULTS.items()),
                 "template": s.tokenizer.chat_template or "", "details": details,

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from kvlm.config import ModelConfig
 from kvlm.engine.engine import StepOutput
@@ -57,7 +57,15 @@ _DONE = {"length": "length"}  # finish_reason -> done_reason (else "stop")
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 
 
-class Options(_Body):
+class _Ollama(_Body):
+    """Ollama's bodies take unknown fields and ignore them, as Ollama's server does (its
+    clients add fields as Ollama grows: `truncate`, `shift`, ...): a field kvlm knows and
+    cannot honour is still a 400 naming it."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class Options(_Ollama):
     """Ollama's `options`: sampling honoured; loader and other samplers' knobs accepted
     with no effect (kvlm loads its model once, at `kvlm serve`)."""
 
@@ -113,19 +121,19 @@ class Options(_Body):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-class Function(_Body):
+class Function(_Ollama):
     name: Text
     arguments: dict[str, Any] | Text = Field(default_factory=dict)  # Ollama's: an object
     index: int | None = None
 
 
-class ToolCall(_Body):
+class ToolCall(_Ollama):
     function: Function
     id: Text | None = None
     type: Literal["function"] | None = None
 
 
-class Message(_Body):
+class Message(_Ollama):
     role: Literal["system", "user", "assistant", "tool"]
     content: Text = ""
     thinking: Text | None = None  # an earlier turn's: dropped, as templates drop it
@@ -145,7 +153,7 @@ Format = Literal["", "json"] | dict[str, Any]
 Think = bool | Literal["low", "medium", "high"]
 
 
-class _Generation(_Body):
+class _Generation(_Ollama):
     model: Text
     format: Format | None = None
     options: Options | None = None
@@ -200,7 +208,7 @@ class GenerateRequest(_Generation):
         return self
 
 
-class ShowRequest(_Body):
+class ShowRequest(_Ollama):
     model: Text | None = None
     name: Text | None = None  # the older name of `model`
     verbose: bool = False
@@ -483,11 +491,11 @@ def model_info(config: ModelConfig, context: int) -> dict[str, Any]:
             f"{arch}.vocab_size": config.vocab_size}  # fmt: skip
 
 
-def capabilities(renders_tools: bool, thinks: bool) -> list[str]:
-    """ "completion"; "tools" where the chat template renders tools; "thinking" where the
-    model reasons (kvlm.server.reasoning)."""
-    return ["completion", *(["tools"] if renders_tools else []),
-            *(["thinking"] if thinks else [])]  # fmt: skip
+def capabilities(thinks: bool) -> list[str]:
+    """ "completion" and "tools" (every model takes tools: a template that does not render
+    them gets them in its system turn, kvlm.server.tools; VS Code Copilot lists only models
+    that say "tools"); "thinking" where the model reasons (kvlm.server.reasoning)."""
+    return ["completion", "tools", *(["thinking"] if thinks else [])]
 
 
 def pulled(model: str, stream: bool) -> list[dict[str, Any]]:
