@@ -261,3 +261,30 @@ def test_serve_bounds_the_default_context_by_the_pool(tiny_model_dir, tmp_path):
         f"context of {TRAINED}: the context limit is {fits} (--kv-memory or --kv-blocks "
         "raise it)"
     ], log
+
+
+def test_a_config_field_a_later_kvlm_adds_leaves_old_fingerprints_alone():
+    """Cache files and KV tier records carry the weights' fingerprint, which hashes the
+    config: a field added at its default (this change's RoPE fields; every new family's)
+    must not make every saved file read as another model's."""
+    import dataclasses
+
+    from kvlm.config import ModelConfig
+    from kvlm.model.weights import fingerprint_of
+
+    config = ModelConfig("llama", vocab_size=259, hidden_size=64, intermediate_size=128,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                         rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=256,
+                         tie_word_embeddings=False)  # fmt: skip
+    grown = dataclasses.make_dataclass(
+        "ModelConfig",
+        [("new_knob", float, dataclasses.field(default=1.0))],
+        bases=(ModelConfig,),
+        frozen=True,
+    )
+    same = grown(**{f.name: getattr(config, f.name) for f in dataclasses.fields(ModelConfig)})
+    assert fingerprint_of(same, b"w") == fingerprint_of(config, b"w")
+    other = dataclasses.replace(same, new_knob=2.0)
+    assert fingerprint_of(other, b"w") != fingerprint_of(config, b"w")
+    assert fingerprint_of(dataclasses.replace(config, num_layers=3), b"w") != (
+        fingerprint_of(config, b"w"))  # fmt: skip

@@ -59,12 +59,32 @@ class WeightSource(Protocol):
 
 def fingerprint_of(config: object, *chunks: bytes) -> str:
     """sha256 of the config and a few raw weight bytes: cheap, and independent of the dtype
-    the model is later run in."""
+    the model is later run in. The config's fields at their defaults are left out, so a
+    field a later kvlm adds (a new family's, a RoPE variant's) leaves the fingerprints of
+    the models it does not concern as they were: their cache files and tier records stay
+    readable across the upgrade."""
     import hashlib
     import json
-    from dataclasses import asdict
 
-    h = hashlib.sha256(json.dumps(asdict(config), sort_keys=True, default=str).encode())
+    h = hashlib.sha256(json.dumps(_set_fields(config), sort_keys=True, default=str).encode())
     for chunk in chunks:
         h.update(chunk)
     return h.hexdigest()[:16]
+
+
+def _set_fields(value: object) -> object:
+    """A dataclass as a dict of its fields that differ from their defaults (nested ones
+    alike); anything else as it is."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
+        return value
+    out = {}
+    for f in dataclasses.fields(value):
+        v = getattr(value, f.name)
+        if f.default is not dataclasses.MISSING and v == f.default:
+            continue
+        if f.default_factory is not dataclasses.MISSING and v == f.default_factory():
+            continue
+        out[f.name] = _set_fields(v)
+    return out
