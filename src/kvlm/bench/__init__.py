@@ -271,7 +271,8 @@ def bench(llm: LLM, config: BenchConfig) -> dict[str, Any]:
     result = {
         "model": llm.model_name,
         "describe": llm.describe(),
-        "threads": torch.get_num_threads(),
+        # the user's count, or the engine's own (kvlm.engine.threads): where it ended
+        "threads": llm.threads or f"measured: {torch.get_num_threads()} at the end",
         "new_tokens": config.new_tokens,
         "bandwidth_gb_s": round(bandwidth, 2),
         "weight_bytes_per_token": per_token,
@@ -472,7 +473,7 @@ def _ratios(rows: list[dict]) -> list[dict]:
 def markdown(result: dict[str, Any]) -> str:
     d = result["describe"]
     lines = [
-        f"model {result['model']}, {result['threads']} threads, "
+        f"model {result['model']}, threads {result['threads']}, "
         f"{result['new_tokens']} new tokens; memory bandwidth at its best moment "
         f"{result['bandwidth_gb_s']} GB/s, "
         f"weights {result['weight_bytes_per_token'] / 2**20:.0f} MiB per token -> decode bound "
