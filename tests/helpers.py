@@ -16,7 +16,8 @@ CHATML = (
 )
 # ChatML with tools in the Hermes format Qwen2.5/Qwen3 use: the tools listed as JSON in the
 # system turn, calls as <tool_call>{"name", "arguments"}</tool_call>, tool replies in
-# <tool_response> (written for the tests after that format; kvlm.server.tools parses it)
+# <tool_response>, a system turn past the first where it stands, as Qwen2.5's template
+# writes it (written for the tests after that format; kvlm.server.tools parses it)
 CHATML_TOOLS = """{%- if tools %}<|im_start|>system
 {% if messages[0].role == 'system' %}{{ messages[0].content }}
 
@@ -49,7 +50,7 @@ For each function call, return a json object with function name and arguments wi
 <tool_response>
 {{ message.content }}
 </tool_response><|im_end|>
-{% elif message.role != 'system' %}<|im_start|>{{ message.role }}
+{% elif message.role != 'system' or not loop.first %}<|im_start|>{{ message.role }}
 {{ message.content }}<|im_end|>
 {% endif %}
 {%- endfor %}

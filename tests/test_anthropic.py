@@ -162,3 +162,83 @@ def test_structured_output_thinking_and_unknown_fields(client, model):
     with pytest.raises(anthropic.BadRequestError, match="unrecognized request argument supplied: "
                        "frobnicate"):  # fmt: skip
         create(client, model, extra_body={"frobnicate": 1})
+
+
+# ------------------------------------------------------------- what Claude Code sends
+
+# A record as zod writes it (z.record): `propertyNames`, which llguidance does not implement
+ENV_TOOL = {
+    "name": "set_env",
+    "description": "Set environment variables",
+    "input_schema": {"type": "object", "properties": {"vars": {
+        "type": "object", "propertyNames": {"type": "string"},
+        "additionalProperties": {"type": "string", "maxLength": 8}, "maxProperties": 2}},
+        "required": ["vars"], "additionalProperties": False},
+}  # fmt: skip
+
+
+def test_claude_codes_request_shape_is_served(client, model):
+    """What Claude Code 2.1.332 sends on its first request: a system turn inside
+    `messages` after the first user turn, `context_management` (clear_thinking),
+    adaptive thinking with display omitted, a 32,000 max_tokens past the context, and
+    a tool whose schema carries `propertyNames`. Each was a 400 before."""
+    messages = [*ASK, {"role": "system", "content": [
+        {"type": "text", "text": "# Environment\nPlatform: linux", "cache_control": {
+            "type": "ephemeral"}}]}]  # fmt: skip
+    extra = {"context_management": {"edits": [{"type": "clear_thinking_20251015",
+                                               "keep": "all"}]}, "temperature": 0}  # fmt: skip
+    with client.messages.stream(model=model, messages=messages, max_tokens=32000,
+                                tools=[ENV_TOOL], extra_body=extra,
+                                thinking={"type": "adaptive", "display": "omitted"},
+                                metadata={"user_id": '{"device_id": "x"}'}) as events:  # fmt: skip
+        final = events.get_final_message()
+        clamped = events.response.headers.get("kvlm-max-tokens")
+    assert final.stop_reason in ("end_turn", "tool_use", "model_context_window_exceeded")
+    counted = client.messages.count_tokens(model=model, messages=messages, tools=[ENV_TOOL])
+    # the room the prompt leaves in the server's 2,048-token context, said in a header
+    assert clamped is not None and int(clamped) == 2048 - counted.input_tokens
+    assert final.usage.output_tokens <= int(clamped)
+    if final.usage.output_tokens == int(clamped):  # cut by the context, as Anthropic says it
+        assert final.stop_reason == "model_context_window_exceeded"
+    # the system turn reaches the prompt: it has more tokens than the conversation without
+    assert counted.input_tokens > client.messages.count_tokens(
+        model=model, messages=ASK, tools=[ENV_TOOL]).input_tokens  # fmt: skip
+    # forced, the call's input follows the schema's other keywords (the grammar's)
+    forced = create(client, model, tools=[ENV_TOOL], max_tokens=80, temperature=0,
+                    tool_choice={"type": "tool", "name": "set_env"})  # fmt: skip
+    assert forced.stop_reason == "tool_use"
+    assert isinstance(forced.content[-1].input["vars"], dict)
+
+
+def test_what_kvlm_cannot_honour_of_those_is_named(client, model):
+    tool_blocks = [{"type": "tool_result", "tool_use_id": "x", "content": "y"}]
+    with pytest.raises(anthropic.BadRequestError, match="system turn's content is text"):
+        create(client, model, messages=[*ASK, {"role": "system", "content": tool_blocks}])
+    clear_tools = {"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}
+    with pytest.raises(anthropic.BadRequestError, match="clear_tool_uses_20250919"):
+        create(client, model, extra_body=clear_tools)
+
+
+def test_max_tokens_past_the_context_is_clamped_on_every_route(server, model):
+    """A max_tokens past the room the prompt leaves is run with that room (was a 400
+    context_length_exceeded), and the kvlm-max-tokens header says it, on every route: the
+    one road (kvlm.server.app._params)."""
+    import openai
+
+    oa = openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key=KEY, max_retries=0)
+    ask = [{"role": "user", "content": "Hi"}]
+    big = {"temperature": 0, "model": model}
+    chat = oa.chat.completions.with_raw_response.create(messages=ask, max_tokens=32000, **big)
+    done = oa.completions.with_raw_response.create(prompt="Hi", max_tokens=32000, **big)
+    reply = oa.responses.with_raw_response.create(input="Hi", store=False,
+                                                  max_output_tokens=32000, **big)  # fmt: skip
+    for raw, used in ((chat, chat.parse().usage.completion_tokens),
+                      (done, done.parse().usage.completion_tokens),
+                      (reply, reply.parse().usage.output_tokens)):  # fmt: skip
+        clamped = int(raw.headers["kvlm-max-tokens"])
+        assert 0 < clamped < 2048 and used <= clamped
+    prompt = chat.parse().usage.prompt_tokens
+    assert int(chat.headers["kvlm-max-tokens"]) == 2048 - prompt
+    # a max_tokens that fits: no header
+    fits = oa.chat.completions.with_raw_response.create(model=model, messages=ask, max_tokens=4)
+    assert "kvlm-max-tokens" not in fits.headers

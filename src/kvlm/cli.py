@@ -189,6 +189,9 @@ def _limit_args(serve: argparse.ArgumentParser) -> None:
         ("--max-connections", int, 512, "open connections; more get 503"),
         ("--engine-wait", float, 10.0,
          "seconds /v1/kv waits for the engine between two steps; longer gets 503"),
+        ("--stream-ping", float, 5.0,
+         "seconds a stream may wait for its next event (a long prefill) before a keep-alive "
+         "is sent: Anthropic's ping event, an SSE comment on OpenAI's routes"),
     )  # fmt: skip
     serve.add_argument(
         "--public-metrics", action="store_true",

@@ -46,6 +46,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
                529: "overloaded_error"}  # fmt: skip
 _STOPS = {"length": "max_tokens", "abort": "end_turn"}
+# sent while a stream waits for its next event (a long prefill), as Anthropic's API does
+PING = 'event: ping\ndata: {"type": "ping"}\n\n'
 
 
 class _Marked(_Body):
@@ -98,8 +100,16 @@ Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | OtherBlock
 
 
 class Message(_Body):
-    role: Literal["user", "assistant"]
+    # "system": a mid-conversation system turn (Anthropic's newer API; Claude Code sends
+    # its environment that way after the first user turn): text only
+    role: Literal["user", "assistant", "system"]
     content: Text | Annotated[list[Block], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _system_is_text(self) -> Message:
+        if self.role == "system" and not all(isinstance(b, TextBlock) for b in self.blocks()):
+            raise ValueError("a system turn's content is text or text blocks")
+        return self
 
     def blocks(self) -> list[Block]:
         if isinstance(self.content, str):
@@ -132,6 +142,20 @@ class Thinking(_Body):
     display: Literal["summarized", "omitted"] | None = None
 
 
+class ContextEdit(BaseModel):
+    """A context management edit (Anthropic's beta): `clear_thinking_20251015` is what kvlm
+    does anyway (earlier turns' thinking never reaches the template), so any `keep` is
+    accepted; an edit that would rewrite the conversation (clearing tool results,
+    compaction) is refused, naming it."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Text
+
+
+class ContextManagement(_Body):
+    edits: Annotated[list[ContextEdit], Field(max_length=16)] | None = None
+
+
 class JsonFormat(_Body):
     type: Literal["json_schema"]
     schema_: Annotated[dict[str, Any], Field(alias="schema")]
@@ -153,6 +177,7 @@ class MessagesRequest(_Body):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
+    context_management: ContextManagement | None = None
     # sampling: gone from Anthropic's newest API, still sent by older clients
     temperature: Annotated[float, Field(ge=0, le=1)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
@@ -175,6 +200,13 @@ class MessagesRequest(_Body):
         for field in ("mcp_servers", "container"):
             if getattr(self, field) is not None:
                 raise Unsupported(field, "kvlm runs no server-side tools or containers")
+        for edit in (self.context_management or ContextManagement()).edits or []:
+            if not edit.type.startswith("clear_thinking_"):
+                why = (
+                    f"{edit.type!r} is not supported: kvlm does not rewrite the conversation "
+                    "(earlier turns' thinking, which it drops, is the one edit it makes)"
+                )
+                raise Unsupported("context_management.edits", why)
         for tool in self.tools or []:
             if isinstance(tool, OtherBlock):
                 raise Unsupported("tools", f"server tool {tool.type!r} is not supported: "
@@ -247,7 +279,9 @@ def _turn(turn: Message) -> list[dict[str, Any]]:
         elif isinstance(block, ToolUseBlock):
             calls.append({"id": block.id, "type": "function", "function": {
                 "name": block.name, "arguments": json.dumps(block.input)}})  # fmt: skip
-    if turn.role == "assistant":
+    if turn.role == "system":  # in place: the turns before it stay a cached prefix
+        out.append({"role": "system", "content": "".join(text)})
+    elif turn.role == "assistant":
         if text or calls:
             out.append({"role": "assistant", "content": "".join(text) or None,
                         "tool_calls": calls or None})  # fmt: skip
@@ -262,9 +296,13 @@ def error_body(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-def _stop(choice: dict[str, Any], event: StepOutput | None) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of a finished choice."""
+def _stop(choice: dict[str, Any], event: StepOutput | None, full: bool) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finished choice; `full`: its max_tokens was the
+    room the prompt left (clamped), so a reply cut by it stopped at the context window
+    (Anthropic's model_context_window_exceeded, for a max_tokens past it)."""
     finish = choice["finish_reason"]
+    if finish == "length" and full:
+        return "model_context_window_exceeded", None
     if finish == "tool_calls":
         return "tool_use", None
     if finish == "stop" and event is not None and event.stop_reason is not None:
@@ -299,11 +337,12 @@ def _tool_use(call: dict[str, Any], whole: bool) -> dict[str, Any]:
 
 
 def message(
-    head: dict[str, Any], choices: Choices, last: StepOutput | None, prompt_tokens: int
-) -> dict[str, Any]:
-    """The whole reply."""
+    head: dict[str, Any], choices: Choices, last: StepOutput | None, prompt_tokens: int,
+    full: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """The whole reply (`full`: _stop's)."""
     choice = choices.final()[0]
-    reason, sequence = _stop(choice, last)
+    reason, sequence = _stop(choice, last, full)
     cached = sum(choices.cached.values())
     return head | {"content": _blocks(choice["message"]), "stop_reason": reason,
                    "stop_sequence": sequence,
@@ -321,7 +360,7 @@ def _event(kind: str, data: dict[str, Any]) -> str:
 
 async def stream(
     events: AsyncIterator[StepOutput], choices: Choices, head: dict[str, Any],
-    prompt_tokens: int, failed: str,
+    prompt_tokens: int, failed: str, full: bool = False,
 ) -> AsyncIterator[str]:  # fmt: skip
     """Anthropic's event stream of one reply: its reasoning as it comes in a thinking
     block, its text in a text block, then each tool call as a tool_use block, its input
@@ -360,7 +399,7 @@ async def stream(
         for line in blocks.close():
             yield line
         state = choices.state[0]
-        reason, sequence = _stop({"finish_reason": finish or state.finish_reason}, last)
+        reason, sequence = _stop({"finish_reason": finish or state.finish_reason}, last, full)
         yield _event("message_delta", {
             "delta": {"stop_reason": reason, "stop_sequence": sequence},
             "usage": usage(prompt_tokens, sum(choices.cached.values()), state.tokens)})  # fmt: skip

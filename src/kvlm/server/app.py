@@ -121,8 +121,9 @@ def create_app(
         _reasoning(reasoning_parser, info.tokenizer.chat_template), limits,
         int(time.time()), _response_store(engine),
     )  # fmt: skip
-    openapi.install(app, model_name, s.max_len, min(MAX_SAMPLES, info.max_num_seqs), s.max_prompts)
+    openapi.install(app, model_name, min(MAX_SAMPLES, info.max_num_seqs), s.max_prompts)
     app.add_middleware(RequestLimits, limits=limits)
+    app.add_middleware(NotedHeaders)
     _install_error_handlers(app)
     authorized = authorizer(api_key)
 
@@ -335,7 +336,7 @@ def _generation_routes(v1: APIRouter, s: _Served) -> None:
             p if isinstance(p, list) else await run_in_threadpool(s.tokenizer.encode, p)
             for p in prompts
         ]
-        params = [_params(body, one, s.max_len, body.logprobs) for one in ids]
+        params = [_params(body, one, s.max_len, body.logprobs, request) for one in ids]
         n = params[0].n
         echo = None
         if body.echo:  # each choice opens with its prompt, as the text it was sent as
@@ -351,7 +352,7 @@ def _generation_routes(v1: APIRouter, s: _Served) -> None:
 
     @v1.post("/chat/completions", responses=openapi.generation(openapi.ChatCompletionResponse))
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
-        ids, params, choices = await _chat_parts(s, body)
+        ids, params, choices = await _chat_parts(s, body, request)
         return await _respond(s, request, body, [ids], [params], choices)
 
     anthropic_routes(v1, s)
@@ -359,7 +360,7 @@ def _generation_routes(v1: APIRouter, s: _Served) -> None:
 
 
 async def _chat_parts(
-    s: _Served, body: ChatCompletionRequest
+    s: _Served, body: ChatCompletionRequest, request: Request
 ) -> tuple[list[int], SamplingParams, Choices]:
     """A chat request's prompt ids (the template, off the loop), sampling parameters (a
     tool call's grammar among them: forced, or lazy under tool_choice auto) and the
@@ -371,7 +372,7 @@ async def _chat_parts(
     _check_length(s, chars + len(json.dumps(tools or [])), "messages")
     ids = await run_in_threadpool(body.prompt_ids, s.tokenizer)
     top = (body.top_logprobs or 0) if body.logprobs else None
-    params = _params(body, ids, s.max_len, top)
+    params = _params(body, ids, s.max_len, top, request)
     forced = body.forced_tool()
     if forced is not None:  # tool_choice "required" or named: the output is the calls
         # (a response_format given too is for text replies, which a forced call has none
@@ -400,17 +401,18 @@ def anthropic_routes(v1: APIRouter, s: _Served) -> None:
     @v1.post("/messages", responses=openapi.generation(openapi.AnthropicMessage))
     async def messages(body: anthropic.MessagesRequest, request: Request) -> Any:
         chat = _as_chat(body)
-        ids, params, choices = await _chat_parts(s, chat)
+        ids, params, choices = await _chat_parts(s, chat, request)
         params.stop = list(body.stop_sequences or [])  # Anthropic allows more than OpenAI's 4
         head = anthropic.new_head(s.model_name)
+        full = params.max_tokens >= s.max_len - len(ids)  # up to the context: its stop's
         events = await _start(s.engine, chat, [ids], [params])
         if body.stream:
-            sse = anthropic.stream(events, choices, head, len(ids), ENGINE_FAILED)
-            return StreamingResponse(sse, media_type="text/event-stream")
+            sse = anthropic.stream(events, choices, head, len(ids), ENGINE_FAILED, full)
+            return _event_stream(sse, s, anthropic.PING)
         last = await _finished(events, choices, request)
         if last is None:
             return JSONResponse({}, status_code=499)
-        return anthropic.message(head, choices, last, len(ids))
+        return anthropic.message(head, choices, last, len(ids), full)
 
     @v1.post("/messages/count_tokens", responses={200: {"model": openapi.TokenCount},
              **openapi.errors(400, 401, 404, 408, 413, body=openapi.AnthropicError)})  # fmt: skip
@@ -591,7 +593,7 @@ def responses_routes(v1: APIRouter, s: _Served) -> None:
         except api.InputTooLong as exc:
             raise _too_long(s.max_len, str(exc), "input") from None
         chat = _chat_of(lambda: api.to_chat(body, [*history, *turn]))
-        ids, params, choices = await _chat_parts(s, chat)
+        ids, params, choices = await _chat_parts(s, chat, request)
         reply = api.Reply(body, s.model_name, choices, len(ids))
         events = api.record(await _start(s.engine, chat, [ids], [params]), reply)
         entry = api.Stored(reply, [*history, *turn], api.stored_items(body))
@@ -610,8 +612,7 @@ def responses_routes(v1: APIRouter, s: _Served) -> None:
             store.put(entry)
             return reply.response()
         if body.stream:
-            return StreamingResponse(api.stream(events, reply, done),
-                                     media_type="text/event-stream")  # fmt: skip
+            return _event_stream(api.stream(events, reply, done), s)
         if await _finished(events, choices, request) is None:
             return JSONResponse({}, status_code=499)
         reply.finish()
@@ -711,7 +712,13 @@ def _check_model(requested: str, served: str) -> None:
         raise ServerError(404, why, param="model", code="model_not_found")
 
 
-def _params(body: Any, ids: list[int], max_len: int, logprobs: int | None) -> SamplingParams:
+def _params(
+    body: Any, ids: list[int], max_len: int, logprobs: int | None, request: Request
+) -> SamplingParams:
+    """The request's sampling parameters for one prompt. A max_tokens past the room the
+    prompt leaves in the context is clamped to that room, not refused (agents ask for
+    32,000 whatever the model; OpenAI's and Anthropic's APIs stop at the context too), and
+    the response says so in its MAX_TOKENS_HEADER (_noted): every route takes this road."""
     room = max_len - len(ids)
     if room < 1:
         param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
@@ -724,12 +731,48 @@ def _params(body: Any, ids: list[int], max_len: int, logprobs: int | None) -> Sa
     if wanted == 0:  # echo only (checked at the door): the prompt, scored, nothing made
         wanted = 1
     if wanted is not None and wanted > room:
-        asked = f"{len(ids)} in the prompt, {wanted} for the completion"
-        raise _too_long(max_len, f"you requested {len(ids) + wanted} ({asked})", "max_tokens")
+        noted = _noted(request)
+        noted[MAX_TOKENS_HEADER] = str(min(room, int(noted.get(MAX_TOKENS_HEADER, room))))
+        wanted = room
     try:
         return body.sampling_params(wanted or room, logprobs)
     except ValueError as exc:  # InvalidRequestError names the field at fault
         raise ServerError(400, str(exc), param=getattr(exc, "param", None)) from exc
+
+
+# The max_tokens a request ran with where the one it asked for did not fit the context
+# (the smallest of its prompts'); absent where it fitted.
+MAX_TOKENS_HEADER = "kvlm-max-tokens"
+
+
+def _noted(request: Request) -> dict[str, str]:
+    """The response headers a route notes on its request as it goes (NotedHeaders sends
+    them with the response, streamed or whole, from whichever route)."""
+    return request.scope.setdefault(NOTED, {})
+
+
+NOTED = "kvlm.headers"  # the scope's key of a request's noted headers
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NotedHeaders:
+    """A plain ASGI middleware: the headers a route noted (_noted) added to its response
+    as it starts (a stream's head too: it goes before the first event)."""
+
+    app: Callable
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def noting(message: dict) -> None:
+            if message["type"] == "http.response.start" and scope.get(NOTED):
+                extra = [(k.encode(), v.encode()) for k, v in scope[NOTED].items()]
+                message = message | {"headers": [*message.get("headers", ()), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, noting)
 
 
 async def _respond(
@@ -748,7 +791,7 @@ async def _respond(
         events = await _start(s.engine, body, prompts, params)
     if body.stream:
         sse = _sse(events, choices, head, body.include_usage, prompt_tokens)
-        return StreamingResponse(sse, media_type="text/event-stream")
+        return _event_stream(sse, s)
     if await _finished(events, choices, request) is None:
         return JSONResponse({}, status_code=499)
     return await run_in_threadpool(_whole, head, choices, prompt_tokens)
@@ -859,6 +902,43 @@ async def _collect(
         # the event stream, whose `finally` aborts the request and frees its blocks.
         if not task.done():
             task.cancel()
+
+
+KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: OpenAI's clients skip it
+
+
+def _event_stream(lines: AsyncIterator[str], s: _Served, ping: str = KEEP_ALIVE) -> Response:
+    """A route's event stream, kept alive (_kept_alive) with its protocol's `ping`."""
+    kept = _kept_alive(lines, s.limits.stream_ping_s, ping)
+    return StreamingResponse(kept, media_type="text/event-stream")
+
+
+async def _kept_alive(lines: AsyncIterator[str], every: float, ping: str) -> AsyncIterator[str]:
+    """`lines`, with `ping` sent each `every` seconds that none comes: a long prefill (a
+    16k-token agent prompt is minutes on a CPU), a queue or a guide's compile then keeps
+    the stream alive, where a silent one had clients past their idle limit give up and
+    send the request again (Claude Code did, twice in 15 minutes). The next line is
+    awaited in a task of its own, so a ping does not cancel it."""
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(lines))
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield ping
+                continue
+            line, pending = pending, None
+            try:
+                text = line.result()
+            except StopAsyncIteration:
+                return
+            yield text
+    finally:  # a disconnect lands here: the stream's own `finally` aborts the request
+        if pending is not None:
+            pending.cancel()
+            await asyncio.wait({pending})
+        await lines.aclose()  # type: ignore[attr-defined]
 
 
 async def _sse(

@@ -32,6 +32,7 @@ def serve_config(args: argparse.Namespace):
             max_connections=args.max_connections,
             public_metrics=args.public_metrics,
             engine_wait_s=args.engine_wait,
+            stream_ping_s=args.stream_ping,
         )
         spec = speculative_from_args(args)
     except ValueError as exc:

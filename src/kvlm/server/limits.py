@@ -53,11 +53,13 @@ class ServerLimits:
     drain_s: float = 5.0  # the longest a refused body is drained
     public_metrics: bool = False  # /metrics without the API key (for a scraper)
     engine_wait_s: float = 10.0  # a route waiting for the engine between steps (/v1/kv); then 503
+    stream_ping_s: float = 5.0  # a stream without an event this long gets a keep-alive
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
             raise ValueError("the body limit must be at least 1 KiB")
-        for name in ("idle_timeout_s", "keep_alive_s", "drain_s", "engine_wait_s"):
+        for name in ("idle_timeout_s", "keep_alive_s", "drain_s", "engine_wait_s",
+                     "stream_ping_s"):  # fmt: skip
             if not 0 < getattr(self, name) <= 3600:
                 raise ValueError(f"{name} must be in (0, 3600] seconds")
         if self.max_connections < 1:

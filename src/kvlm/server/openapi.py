@@ -197,7 +197,12 @@ class AnthropicMessage(BaseModel):
     role: Literal["assistant"]
     model: str
     content: list[AnthropicBlock]
-    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_reason: (
+        Literal[
+            "end_turn", "max_tokens", "stop_sequence", "tool_use", "model_context_window_exceeded"
+        ]
+        | None
+    )
     stop_sequence: str | None
     usage: AnthropicUsage
 
@@ -314,15 +319,13 @@ def _event(chunk: str, error: str) -> dict[str, Any]:
     return {"type": "object", "required": ["data"], "properties": {"data": data}}
 
 
-def install(
-    app: FastAPI, model: str, max_model_len: int, max_samples: int, max_prompts: int
-) -> None:
+def install(app: FastAPI, model: str, max_samples: int, max_prompts: int) -> None:
     """Serve the schema without FastAPI's 422 validation responses, and with this server's
     own limits where the request models are generic: the one model it serves, the most
     samples it decodes together, the most prompts one request may list (the requests it
-    holds), the most tokens one request can ask for. (What depends on
-    the prompt, its length in tokens plus max_tokens within the context, no schema can say:
-    such a request is schema-valid and answered 400 context_length_exceeded.)"""
+    holds). (What depends on the prompt, its length in tokens within the context, no
+    schema can say: such a request is schema-valid and answered 400
+    context_length_exceeded. A max_tokens past the room it leaves is clamped to it.)"""
 
     def schema() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -335,8 +338,7 @@ def install(
                 components.pop(name, None)
             for name in ("CompletionRequest", "ChatCompletionRequest", "MessagesRequest",
                          "CountTokensRequest", "ResponsesRequest"):  # fmt: skip
-                limit = None if name == "CountTokensRequest" else max_model_len  # no output
-                _server_limits(components[name]["properties"], model, limit, max_samples)
+                _server_limits(components[name]["properties"], model, max_samples)
             for option in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
                 if option.get("type") == "array" and option["items"].get("type") != "integer":
                     option["maxItems"] = max_prompts  # a list of prompts
@@ -373,16 +375,9 @@ def _nulls_allowed(components: dict[str, Any]) -> None:
                                      {"type": "null"}])  # fmt: skip
 
 
-def _server_limits(
-    fields: dict[str, Any], model: str, max_len: int | None, max_samples: int
-) -> None:
-    """The served model; the most samples; the most output tokens (`max_len` None: the
-    request makes none)."""
+def _server_limits(fields: dict[str, Any], model: str, max_samples: int) -> None:
+    """The served model; the most samples. (No most output tokens: a max_tokens past the
+    room a prompt leaves in the context is clamped to it, not refused.)"""
     fields["model"] = {"type": "string", "enum": [model], "title": "Model"}
     if "n" in fields:
         fields["n"] |= {"maximum": max_samples}
-    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-        if name in fields and max_len is not None:
-            for option in fields[name].get("anyOf", [fields[name]]):
-                if option.get("type") == "integer":
-                    option["maximum"] = max_len - 1

@@ -38,6 +38,12 @@ from kvlm.engine.guide_worker import JSON_STYLE
 from kvlm.engine.guided import Guide
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+# A tool's schema in the grammar: JSON_STYLE, and a keyword llguidance does not implement
+# (`propertyNames`, which zod writes for a record and Claude Code's tools carry) left out
+# of the grammar rather than refusing the request: the tools are the client's, which
+# validates each call's input against the whole schema (an agent answers a bad one with
+# an error result the model reads). A response_format schema stays strict: a 400.
+TOOL_JSON = JSON_STYLE | {"lenient": True}
 PYTHON_TAG = "<|python_tag|>"
 
 
@@ -152,7 +158,7 @@ def _json_objects(text: str) -> list[Any]:
 def forced_guide(tools: list[dict[str, Any]], name: str | None, parallel: bool) -> Guide:
     """tool_choice "required" (name None) or a named function: the output is a JSON array
     of calls [{"name", "arguments"}] of the offered tools (of that one)."""
-    schema = _calls_schema(tools, name)
+    schema = _calls_schema(tools, name) | {"x-guidance": TOOL_JSON}
     if not parallel or name is not None:
         schema["maxItems"] = 1
     return Guide("json_schema", schema, "tool_choice")
@@ -178,7 +184,7 @@ def auto_guide(tools: list[dict[str, Any]]) -> Guide:
     are well formed without forcing one."""
     from llguidance._struct_tag import StructTag  # llguidance's own helper for this
 
-    schema = _calls_schema(tools, None)["items"] | {"x-guidance": JSON_STYLE}
+    schema = _calls_schema(tools, None)["items"] | {"x-guidance": TOOL_JSON}
     check_bounds("json_schema", schema, "tools")
     tag = StructTag(trigger=HERMES_OPEN, begin=HERMES_OPEN + "\n", grammar=schema,
                     end="\n" + HERMES_CLOSE)  # fmt: skip
