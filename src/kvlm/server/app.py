@@ -478,7 +478,7 @@ def ollama_routes(app: FastAPI, s: _Served, auth: Any) -> APIRouter:
             _check_model(ollama.resolve(body.model, s.model_name), s.model_name)
             return _ollama_now(ollama.loaded(name, chat=True), body.stream)
         req = _chat_of(lambda: ollama.to_chat(body, s.model_name))
-        ids, params, choices = await _chat_parts(s, req)
+        ids, params, choices = await _chat_parts(s, req, request)
         reply = ollama.Reply(name, True, choices, len(ids), started)
         return await _ollama_run(s, request, body, req, ids, params, reply)
 
@@ -491,10 +491,10 @@ def ollama_routes(app: FastAPI, s: _Served, auth: Any) -> APIRouter:
         req: Any
         if body.raw:  # the prompt as it is: the completions road
             req = _chat_of(lambda: ollama.to_completion(body, s.model_name))
-            ids, params, choices = await _raw_parts(s, req)
+            ids, params, choices = await _raw_parts(s, req, request)
         else:
             req = _chat_of(lambda: ollama.generate_chat(body, s.model_name))
-            ids, params, choices = await _chat_parts(s, req)
+            ids, params, choices = await _chat_parts(s, req, request)
         reply = ollama.Reply(name, False, choices, len(ids), started)
         return await _ollama_run(s, request, body, req, ids, params, reply)
 
@@ -515,7 +515,7 @@ def ollama_routes(app: FastAPI, s: _Served, auth: Any) -> APIRouter:
 
 
 async def _raw_parts(
-    s: _Served, body: CompletionRequest
+    s: _Served, body: CompletionRequest, request: Request
 ) -> tuple[list[int], SamplingParams, Choices]:
     """A raw generate request's prompt ids, parameters and Choices, as /v1/completions
     makes them for one prompt."""
@@ -523,7 +523,7 @@ async def _raw_parts(
     prompt = body.prompts()[0]
     _check_length(s, len(prompt), "prompt")
     ids = await run_in_threadpool(s.tokenizer.encode, prompt)
-    params = _params(body, ids, s.max_len, body.logprobs)
+    params = _params(body, ids, s.max_len, body.logprobs, request)
     choices = Choices(s.tokenizer, 1, chat=False, want_logprobs=body.logprobs is not None,
                       prompts=[ids])  # fmt: skip
     return ids, params, choices
