@@ -677,7 +677,7 @@ def _mib(n: int) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvlm.server import exit_now, serve
+    from kvlm.server import exit_now, log_to_stderr, serve
 
     if not 0 < args.port < 65536:
         raise InvalidRequestError(f"--port must be 1..65535, got {args.port}")
@@ -690,6 +690,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvlm.server.config import serve_config, serve_model
 
     config, limits = serve_config(args)
+    log_to_stderr(args.log_level)  # from the start: the kernels' first build says so there
     llm = serve_model(args)
     serve(llm, config, args.host, args.port, args.api_key, args.served_model_name, args.log_level,
           limits, args.tool_call_parser, args.reasoning_parser)  # fmt: skip
