@@ -6,7 +6,7 @@ library is built once with the system C compiler (`$CC`, else `cc`/`gcc`), `-O3
 as `qgemm-{key}.so`, the key hashing the source, the compiler, the flags and the CPU (the
 instruction sets the compiler resolves `-march=native` to, and the feature flags the OS
 reports), so an upgrade, or a cache dir shared with another CPU, rebuilds instead of loading
-code that dies of SIGILL. A build is about 40 s of CPU work (gcc 12, a Zen 4 core: most
+code that dies of SIGILL. A build is about 30 s of CPU work (gcc 12, a Zen 4 core: most
 of it optimizing a few large functions, the q4 cache's scores alone ~30%); with gcc and
 `make` at hand it is compiled with `-flto=auto`, whose link step optimizes the functions in
 partitions on every core (`_flags`; the same code: -std=c11 keeps -ffp-contract=off, so no
@@ -62,7 +62,7 @@ PARALLEL = ("-flto=auto",)
 # must not end in a remembered failure
 BUILD_TIMEOUT_S = 600
 PROGRESS_S = 10.0  # a "still compiling" line this often while the build runs
-CPU_SECONDS = 40  # the build's CPU time on one Zen 4 core (gcc 12), for the first line
+CPU_SECONDS = 30  # the build's CPU time on a Zen 4 core (gcc 12: 28-31 s user), for the first line
 WORK_PREFIX, WORK_SUFFIX = ".qgemm-", ".tmp"  # a build's private directory in the cache
 
 
