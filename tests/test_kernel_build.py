@@ -5,7 +5,9 @@ build. Fake compilers (shell scripts) keep these fast; one test compiles a stub 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -329,3 +331,91 @@ def test_kernels_can_be_switched_off_and_are_not_built_on_windows(monkeypatch):
     kernels.library.cache_clear()
     monkeypatch.setattr(sys, "platform", "win32")
     assert kernels.library() is None and "Windows" in kernels.status()
+
+
+# --- a first build says so, from every entry ---------------------------------------------
+
+# waits (at most 30 s) for the file the test's log handler makes on the first progress line
+WAITS_FOR = 'n=0; while [ ! -e "{go}" ] && [ $n -lt 600 ]; do sleep 0.05; n=$((n+1)); done\n'
+
+
+def test_a_build_says_what_it_does_and_how_it_goes(tmp_path, monkeypatch, cache, caplog):
+    """A line before (what, why, how long, where it is kept), a line while it runs, one at
+    the end; nothing when the library is there already."""
+    go = tmp_path / "go"
+    cc, log = fake_cc(tmp_path, WAITS_FOR.format(go=go) + BUILDS)
+    monkeypatch.setattr(kernels, "PROGRESS_S", 0.05)
+
+    class Go(logging.Handler):  # the compiler finishes once a progress line was logged
+        def emit(self, record: logging.LogRecord) -> None:
+            if "still compiling" in record.getMessage():
+                go.touch()
+
+    handler = Go()
+    logging.getLogger("kvlm.kernels").addHandler(handler)
+    caplog.set_level(logging.WARNING, logger="kvlm.kernels")
+    try:
+        kernels._build(cc)
+    finally:
+        logging.getLogger("kvlm.kernels").removeHandler(handler)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvlm.kernels"]
+    first = lines[0]
+    assert first.startswith("compiling kvlm's C kernels for this CPU") and cc in first
+    assert "s of CPU time" in first and f"Kept in {cache}" in first
+    assert "KVLM_NO_KERNELS=1" in first
+    assert any(line.startswith("still compiling the C kernels: ") for line in lines[1:-1])
+    assert lines[-1].startswith("C kernels built in ") and len(builds(log)) == 1
+    caplog.clear()
+    kernels._build(cc)  # cached: loaded at once, nothing said
+    assert [r for r in caplog.records if r.name == "kvlm.kernels"] == []
+
+
+def test_the_notice_names_the_parallel_build(tmp_path):
+    cc = kernels._compiler() or "cc"
+    assert "in parallel on" in kernels.build_notice(cc, kernels.FLAGS + kernels.PARALLEL, tmp_path)
+    assert "in parallel" not in kernels.build_notice(cc, kernels.FLAGS, tmp_path)
+
+
+def test_gcc_with_make_builds_in_parallel():
+    cc = kernels._compiler()
+    if cc is None or not kernels._is_gcc(cc) or not shutil.which("make"):
+        pytest.skip("needs gcc and make")
+    assert kernels._flags(cc) == kernels.FLAGS + kernels.PARALLEL
+    assert kernels._flags("false") == kernels.FLAGS  # not gcc: one job, as before
+
+
+ENTRIES = {
+    "kvlm generate": ["-m", "kvlm.cli", "generate", "hi", "--model", "{model}", "--no-chat",
+                      "--max-new-tokens", "2", "--threads", "1"],
+    "LLM()": ["-c", "from kvlm import LLM, SamplingParams; LLM(model='{model}', progress=False)"
+              ".generate('hi', SamplingParams(max_tokens=2))"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_the_first_build_is_announced_on_stderr(tmp_path, tiny_model_dir, entry):
+    """The real command and a script's LLM(), with a fresh cache: the line on stderr."""
+    cc, log = fake_cc(tmp_path, BUILDS)  # its "library" will not load: the torch path runs
+    args = [a.format(model=tiny_model_dir("llama")) for a in ENTRIES[entry]]
+    proc = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "CC": cc, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "compiling kvlm's C kernels for this CPU" in proc.stderr
+    assert "C kernels built in" in proc.stderr and len(builds(log)) == 1
+
+
+def test_kvlm_serve_announces_the_first_build(tmp_path, tiny_model_dir, monkeypatch):
+    """(The tiny fp32 model first needs the kernels in its first request's attention; a
+    low-bit GGUF while it loads.)"""
+    from serving import kvlm_serve, openai_client
+
+    cc, log = fake_cc(tmp_path, BUILDS)
+    monkeypatch.setenv("CC", cc)
+    with kvlm_serve("--model", str(tiny_model_dir("llama")), "--threads", "1") as (port, proc):
+        client = openai_client(port)
+        client.completions.create(model=client.models.list().data[0].id, prompt="hi", max_tokens=2)
+        out = proc.stdout.read().decode(errors="replace")
+    assert "\nkvlm.kernels: compiling kvlm's C kernels for this CPU" in f"\n{out}"
+    assert len(builds(log)) == 1

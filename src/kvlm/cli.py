@@ -43,11 +43,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvlm", description="A Python LLM inference engine built around the KV cache."
     )
+    parser.add_argument("--version", action="version", version=f"kvlm {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in (_generate_parser, _chat_parser, _verify_parser, _memory_parser,
                     _serve_parser, _bench_parser, _inspect_parser):  # fmt: skip
         command(sub)
     return parser
+
+
+def _version() -> str:
+    """The installed distribution's version (the package's metadata: no torch import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvlm")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def _generate_parser(sub: Any) -> None:
@@ -109,7 +120,10 @@ def _memory_parser(sub: Any) -> None:
     memory.add_argument("--context", type=int, default=None, help="tokens per sequence")
     memory.add_argument("--batch", type=int, default=1, help="sequences")
     memory.add_argument("--kv", default="contiguous", help=KV_HELP)
-    memory.add_argument("--kv-dtype", default="fp32", help="fp32, bf16, fp16, int8 or q4")
+    memory.add_argument("--kv-dtype", default=None,
+                        help="fp32, bf16, fp16, int8 or q4 (default: what kvlm generate "
+                        "stores this model's K/V in, kvlm.defaults: fp16 for a low-bit GGUF "
+                        "where the C kernels run, else --dtype)")  # fmt: skip
     memory.add_argument("--k-dtype", default=None, help=K_DTYPE_HELP)
     memory.add_argument("--v-dtype", default=None, help=V_DTYPE_HELP)
     memory.add_argument("--dtype", default="fp32", help="weights dtype, for the budget")
@@ -274,6 +288,8 @@ Every command and flag, as `kvlm COMMAND --help` prints them. Generated from the
 parser; tests/test_cli.py fails when this file and the parser disagree. To regenerate:
 
     python -c "from kvlm.cli import reference; print(reference(), end='')" > docs/CLI.md
+
+`kvlm --version` prints the installed version.
 """
 
 
@@ -501,17 +517,25 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.chat and not _use_chat(args, llm):
         raise KvlmError("this model has no chat template; use `kvlm chat --no-chat`")
     session = _session(args, llm, params)
-    print(f"kvlm chat: {llm.model_name} (kv {llm.kv_mode}). /reset clears, Ctrl-D quits.")
+    print(f"kvlm chat: {llm.model_name} (kv {llm.kv_mode}). /help lists the commands.")
     while True:
         try:
             line = input("> ")
         except EOFError:
             print()
             return 0
-        if line.strip() == "/reset":
+        command = line.strip()
+        if command in CHAT_EXIT:
+            return 0
+        if command == "/reset":
             session = _session(args, llm, params, load=False)
+            print("(conversation cleared: the next message starts a new one)")
             continue
-        if not line.strip():
+        if command == "/help" or (command.startswith("/") and command[1:].isalpha()):
+            unknown = "" if command == "/help" else f"unknown command {command}; "
+            print(f"({unknown}{CHAT_HELP})")
+            continue
+        if not command:
             continue
         turn = session.send(line)
         with contextlib.suppress(KeyboardInterrupt):  # stop this reply, keep the conversation
@@ -520,6 +544,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
         _summary(turn, llm, "this conversation")
         if args.save_cache:
             session.save(args.save_cache, llm.fingerprint)
+
+
+# `kvlm chat`'s own commands, never sent to the model ("/word": a command, known or not)
+CHAT_EXIT = ("/exit", "/quit", "exit", "quit")
+CHAT_HELP = (
+    "/reset: forget the conversation and its cache; /exit, /quit, exit, quit or Ctrl-D: "
+    "leave; /help: this; Ctrl-C: stop the reply being written"
+)
 
 
 def _use_chat(args: argparse.Namespace, llm: Any) -> bool:
@@ -617,31 +649,67 @@ def _verify_numerics(args: argparse.Namespace) -> int:
 def cmd_memory(args: argparse.Namespace) -> int:
     from kvlm.cache.factory import check_mode
     from kvlm.cache.memory import parse_size, plan, table
-    from kvlm.dtypes import parse_dtype, parse_kv_dtypes
+    from kvlm.dtypes import parse_dtype
     from kvlm.llm import _check_device
     from kvlm.loading import load_model
 
     check_mode(args.kv)
-    if args.plot:
-        from kvlm.cache.plots import check_output
-
-        check_output(args.plot)
+    no_picture = _check_plot(args.plot)
     device = _check_device(args.device)  # no GPU: one line, before the model loads
     budget = parse_size(args.budget) if args.budget else None
-    config = load_model(args.model).config
+    loaded = load_model(args.model)
+    config, dtype = loaded.config, parse_dtype(args.dtype)
     context = args.context or config.max_position_embeddings
     if not 0 < context <= config.max_position_embeddings:
         raise KvlmError(f"--context must be between 1 and {config.max_position_embeddings}")
     sizes = {"block_size": args.block_size, "window": args.window, "sinks": args.sinks}
-    p = plan(
-        config, args.kv, context, args.batch, parse_kv_dtypes(kv_dtype_of(args)),
-        parse_dtype(args.dtype), budget, device, **sizes,
-    )  # fmt: skip
+    kv_dtypes = _generate_kv_dtypes(args, loaded, dtype, device)
+    p = plan(config, args.kv, context, args.batch, kv_dtypes, dtype, budget, device, **sizes)
     rows = table(config, context, args.batch, **sizes)
-    if args.plot:
+    if args.plot and not no_picture:
         _memory_plot(args.plot, config.name, p, rows)
     record = {"model": config.name, **p.to_dict(), "table": rows}
-    return _print(args.json, record, _memory_report(config.name, p, rows))
+    _print(args.json, record, _memory_report(config.name, p, rows))
+    return _no_picture(no_picture)
+
+
+def _check_plot(path: str | None) -> str | None:
+    """--plot, checked before the slow work: a name that is not .png is an error; without
+    matplotlib, what to say after the text report (still printed: it is worth having)."""
+    if not path:
+        return None
+    from kvlm.cache.plots import NoMatplotlib, check_output
+
+    try:
+        check_output(path)
+    except NoMatplotlib as exc:
+        return f"no picture written to {path}: {exc}, then run this command again"
+    return None
+
+
+def _no_picture(note: str | None) -> int:
+    """The exit status after the report: 0, or `note` on stderr and EXIT_USER_ERROR."""
+    if note is None:
+        return 0
+    print(f"kvlm: {note}", file=sys.stderr)
+    return EXIT_USER_ERROR
+
+
+def _generate_kv_dtypes(args: argparse.Namespace, loaded: Any, dtype: Any, device: Any) -> Any:
+    """K's and V's storage as `kvlm generate` with these flags picks it: the LLM's road
+    (kvlm.defaults.resolve, then kv_dtypes), "auto" where no --kv-dtype is named."""
+    import torch
+
+    from kvlm import defaults
+    from kvlm.dtypes import dtype_name
+
+    auto = defaults.AUTO
+    numerics = defaults.resolve(
+        weights=auto, activations=auto, prefill_dtype=auto, kv_dtype=kv_dtype_of(args) or auto,
+        exact=False, fp32_cpu=device.type == "cpu" and dtype == torch.float32,
+        source=loaded.weights, compute=dtype_name(dtype),
+    )  # fmt: skip
+    return defaults.kv_dtypes(numerics, dtype)
 
 
 def _memory_plot(path: str, name: str, p: Any, rows: list[dict]) -> None:
@@ -689,7 +757,7 @@ def _mib(n: int) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvlm.server import exit_now, serve
+    from kvlm.server import exit_now, log_to_stderr, serve
 
     if not 0 < args.port < 65536:
         raise InvalidRequestError(f"--port must be 1..65535, got {args.port}")
@@ -702,6 +770,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvlm.server.config import serve_config, serve_model
 
     config, limits = serve_config(args)
+    log_to_stderr(args.log_level)  # from the start: the kernels' first build says so there
     llm = serve_model(args, config)
     serve(llm, config, args.host, args.port, args.api_key, args.served_model_name, args.log_level,
           limits, args.tool_call_parser, args.reasoning_parser)  # fmt: skip
@@ -843,19 +912,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def _inspect_cache(args: argparse.Namespace) -> int:
     """A saved cache file, read without its model (kvlm.cache.saved)."""
     from kvlm.cache.base import CacheSpec
-    from kvlm.cache.plots import cache_png, check_output, human
+    from kvlm.cache.plots import cache_png, human
     from kvlm.cache.saved import SavedCache
 
     CacheSpec(1, 1, 1, 1, block_size=args.block_size)  # a bad --block-size: one line, first
-    if args.plot:
-        check_output(args.plot)
+    no_picture = _check_plot(args.plot)
     saved = SavedCache.read(args.cache)
     info = saved.summary(args.block_size)
-    if args.plot:
+    if args.plot and not no_picture:
         info["plot"] = str(cache_png(saved, args.plot, args.block_size))
-    return _print_info(
+    _print_info(
         info, args.json, 16, lambda k, v: f"{v:,} ({human(v)})" if k.endswith("_bytes") else v
     )
+    return _no_picture(no_picture)
 
 
 def _print_info(info: dict, as_json: bool, width: int, shown: Any = lambda k, v: v) -> int:

@@ -39,8 +39,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from kvlm import kernels
-from kvlm.dtypes import kv_sides
+from kvlm.dtypes import kv_sides, parse_kv_dtypes
 from kvlm.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -148,6 +150,14 @@ def resolve(
     return Numerics(
         weights, activations, prefill_dtype, kv_dtype, tuple(reasons), attention_bf16_from
     )
+
+
+def kv_dtypes(numerics: Numerics, compute: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """K's and V's storage under `numerics`: its kv_dtype, or (None) the compute dtype. The
+    LLM allocates its cache in these, and `kvlm memory` counts in them."""
+    if numerics.kv_dtype is None:
+        return compute, compute
+    return parse_kv_dtypes(numerics.kv_dtype)
 
 
 def _low_bit_projections(source: WeightSource) -> bool:

@@ -19,7 +19,7 @@ from kvlm import defaults, kernels
 from kvlm.cache import CacheSpec, KVCache, create_cache
 from kvlm.cache.factory import check_mode, mode_spec
 from kvlm.config import LIMITS, for_context
-from kvlm.dtypes import dtype_name, kv_sides, parse_dtype, parse_kv_dtype, parse_kv_dtypes
+from kvlm.dtypes import dtype_name, kv_sides, parse_dtype, parse_kv_dtype
 from kvlm.engine.backends import cache_engine_limits
 from kvlm.engine.batch import Stream, run_batch
 from kvlm.engine.chat import ChatSession
@@ -145,9 +145,8 @@ class LLM:
         self.weights = _weight_format(self.numerics, self.dtype, self.device)
         self.prefill_dtype = self.numerics.prefill_dtype
         self.activations = self.numerics.activations
-        kv_dtype = self.numerics.kv_dtype
         # K's and V's storage: a dtype for both, or a (K, V) pair (--k-dtype, --v-dtype)
-        k, v = parse_kv_dtypes(kv_dtype) if kv_dtype is not None else (self.dtype, self.dtype)
+        k, v = defaults.kv_dtypes(self.numerics, self.dtype)
         self.kv_dtype = k if k == v else (k, v)
         self.kv_mode = kv
         self.tokenizer = self.loaded.tokenizer

@@ -54,12 +54,16 @@ def check_output(path: str | Path) -> Path:
     return path
 
 
+class NoMatplotlib(InvalidRequestError):
+    """matplotlib is not installed: a command can still give its text and say this."""
+
+
 def _matplotlib(module: str = "matplotlib") -> Any:
     """A matplotlib module; without matplotlib, the error that says how to install it."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise InvalidRequestError("pictures need matplotlib: pip install matplotlib") from exc
+        raise NoMatplotlib("pictures need matplotlib: pip install matplotlib") from exc
 
 
 def _figure(height: float) -> Any:

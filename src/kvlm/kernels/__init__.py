@@ -6,9 +6,15 @@ library is built once with the system C compiler (`$CC`, else `cc`/`gcc`), `-O3
 as `qgemm-{key}.so`, the key hashing the source, the compiler, the flags and the CPU (the
 instruction sets the compiler resolves `-march=native` to, and the feature flags the OS
 reports), so an upgrade, or a cache dir shared with another CPU, rebuilds instead of loading
-code that dies of SIGILL. A build takes a few seconds. Without a compiler (or with
-`KVLM_NO_KERNELS=1`) `library()` returns None and the formats fall back to a torch path with
-the same numerics, slower; `status()` says why.
+code that dies of SIGILL. A build is about 30 s of CPU work (gcc 12, a Zen 4 core: most
+of it optimizing a few large functions, the q4 cache's scores alone ~30%); with gcc and
+`make` at hand it is compiled with `-flto=auto`, whose link step optimizes the functions in
+partitions on every core (`_flags`; the same code: -std=c11 keeps -ffp-contract=off, so no
+float operation is reordered or fused). It logs a line before it starts (what, why, about
+how long, where it is cached) and one every PROGRESS_S while it runs, on the "kvlm.kernels"
+logger at WARNING: the CLI, `kvlm serve` and a script's `LLM()` all show them on stderr.
+Without a compiler (or with `KVLM_NO_KERNELS=1`) `library()` returns None and the formats
+fall back to a torch path with the same numerics, slower; `status()` says why.
 
 A dlopen runs the library's code, so it is loaded only from a directory the user owns and no
 one else can write (`_open_folder`). A failed build leaves `qgemm-{key}.failed` (the
@@ -23,6 +29,7 @@ import contextlib
 import ctypes
 import hashlib
 import itertools
+import logging
 import mmap
 import os
 import platform
@@ -47,7 +54,15 @@ SOURCE = Path(__file__).with_name("qgemm.c")
 HEADERS = (Path(__file__).with_name("v512.h"),)  # qgemm.c includes them (quoted: beside it)
 ABI = 23
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-BUILD_TIMEOUT_S = 120
+# gcc's link-time optimizer partitions the functions and compiles the partitions in
+# parallel (one job a core; lto-wrapper runs them through `make`): the one source file,
+# built on several cores without splitting it
+PARALLEL = ("-flto=auto",)
+# a first build on a busy 2-core box took 113 s of wall time: a slow or loaded machine
+# must not end in a remembered failure
+BUILD_TIMEOUT_S = 600
+PROGRESS_S = 10.0  # a "still compiling" line this often while the build runs
+CPU_SECONDS = 30  # the build's CPU time on a Zen 4 core (gcc 12: 28-31 s user), for the first line
 WORK_PREFIX, WORK_SUFFIX = ".qgemm-", ".tmp"  # a build's private directory in the cache
 
 
@@ -64,6 +79,7 @@ class _Outcome:
 
 
 _outcome = _Outcome()
+log = logging.getLogger("kvlm.kernels")
 
 
 def _compiler() -> str | None:
@@ -78,6 +94,23 @@ def _compiler_id(cc: str) -> str:
         return out.stdout.splitlines()[0] if out.stdout else cc
     except (OSError, subprocess.SubprocessError):
         return cc
+
+
+@cache
+def _is_gcc(cc: str) -> bool:
+    """Whether `cc` is gcc: `-v` ends "gcc version 12.2.0 ..." (clang's "clang version";
+    `--version` will not do: Debian's cc calls itself "cc (Debian 12.2.0...)")."""
+    try:
+        out = subprocess.run([cc, "-v"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "\ngcc version " in f"\n{out.stderr}"
+
+
+def _flags(cc: str) -> tuple[str, ...]:
+    """The build's flags: FLAGS, plus PARALLEL where `cc` is gcc and `make` is on PATH
+    (without make gcc's parallel LTO fails; clang's needs a linker plugin)."""
+    return FLAGS + PARALLEL if _is_gcc(cc) and shutil.which("make") else FLAGS
 
 
 @cache
@@ -253,8 +286,17 @@ def _run_compiler(cmd: list[str], work: Path) -> subprocess.CompletedProcess[str
         cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
+    start = time.monotonic()
     try:
-        out, _ = proc.communicate(timeout=BUILD_TIMEOUT_S)
+        while True:  # a line every PROGRESS_S, until it ends or BUILD_TIMEOUT_S
+            left = BUILD_TIMEOUT_S - (time.monotonic() - start)
+            try:
+                out, _ = proc.communicate(timeout=max(0.0, min(PROGRESS_S, left)))
+                break
+            except subprocess.TimeoutExpired:
+                if left <= PROGRESS_S:
+                    raise
+                log.warning("still compiling the C kernels: %.0f s", time.monotonic() - start)
     except BaseException:  # TimeoutExpired, KeyboardInterrupt, ...
         with contextlib.suppress(OSError):  # OSError: all gone already
             os.killpg(proc.pid, signal.SIGKILL)
@@ -306,11 +348,31 @@ def _build(cc: str, flags: tuple[str, ...] = FLAGS) -> Path:
     if os.path.lexists(failed):
         raise KernelBuildError(f"build failed earlier (see {failed}); delete it to retry")
     _remove_stale(folder)
+    log.warning(build_notice(cc, flags, folder))
+    start = time.monotonic()
     with tempfile.TemporaryDirectory(
         prefix=WORK_PREFIX, suffix=WORK_SUFFIX, dir=folder, ignore_cleanup_errors=True
     ) as work:
-        _compile(cc, flags, target, failed, Path(work))
+        try:
+            _compile(cc, flags, target, failed, Path(work))
+        except KernelBuildError as exc:
+            log.warning("C kernels not built (a slower torch path runs instead): %s", exc)
+            raise
+    log.warning("C kernels built in %.0f s: %s", time.monotonic() - start, target)
     return target
+
+
+def build_notice(cc: str, flags: tuple[str, ...], folder: Path) -> str:
+    """The line logged before a build: what, why, about how long, where it is kept."""
+    jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    spread = f", in parallel on {jobs} cores" if set(PARALLEL) <= set(flags) and jobs else ""
+    return (
+        f"compiling kvlm's C kernels for this CPU ({_cpu_summary(cc, flags)}) with {cc}, "
+        f"once: the low-bit weight formats and the fused decode step run on them. About "
+        f"{CPU_SECONDS} s of CPU time on a recent core{spread}. Kept in {folder} per source, "
+        f"compiler, flags and CPU; later starts load it at once. KVLM_NO_KERNELS=1 skips it "
+        f"(a slower torch path)"
+    )
 
 
 # each function's arguments (p a pointer, i an int64, d a double), named as in qgemm.c;
@@ -372,7 +434,7 @@ def library() -> ctypes.CDLL | None:
         _outcome.reason = "no C compiler found (set CC, or install gcc)"
         return None
     try:
-        path = _build(cc)
+        path = _build(cc, _flags(cc))
     except (OSError, subprocess.SubprocessError) as exc:  # a KernelBuildError in its own words
         _outcome.reason = str(exc) if isinstance(exc, KernelBuildError) else f"build failed: {exc}"
         return None
