@@ -147,3 +147,21 @@ def test_the_llm_says_whose_count_it_runs_on(tiny_model_dir, threads):
         assert llm.threads == threads
     finally:
         torch.set_num_threads(was)
+
+
+def test_one_probe_won_by_a_noisy_moment_moves_nothing_two_in_a_row_do():
+    tuner = ThreadTuner(2)
+    steps = 0
+    while tuner.trial is None and steps < 100:
+        tuner.record(0.010, 1.0)
+        steps += 1
+    tuner.record(0.005, 1.0)  # the probe's settling step
+    for _ in range(PROBE_STEPS):
+        tuner.record(0.005, 1.0)  # one thread "faster": a moment's noise
+    assert tuner.current == 2 and tuner.confirm == 1 and tuner.trial is None
+    ran = []
+    for _ in range(FIRST_WAIT + 1 + 1 + PROBE_STEPS):  # settle back, wait, settle, probe
+        ran.append(tuner.threads)
+        tuner.record(0.005 if tuner.threads == 1 else 0.010, 1.0)
+    assert ran.count(1) == 1 + PROBE_STEPS  # the confirming probe came FIRST_WAIT steps on
+    assert tuner.current == 1 and tuner.switches == 1

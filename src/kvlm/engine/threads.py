@@ -14,7 +14,8 @@ on what else runs, and that changes while a server runs, so the engine measures 
   a probe of PROBE_STEPS decode steps on fewer (half, then one); a step's seconds are
   divided by its work (rows, the positions they attend to: kvlm.engine.pacing.Work), so
   steps of other batch sizes and lengths compare;
-- a count whose median is faster by MARGIN becomes the count; a probe that loses doubles
+- a count whose median is faster by MARGIN in two probes in a row becomes the count (the
+  second comes FIRST_WAIT steps after the first); a probe that loses doubles
   the wait before the next (at most MOST_STEPS steps or MOST_SECONDS apart), and one whose
   first step is GIVE_UP times slower ends there; the next probe waits at least COST_SHARE
   times the seconds the last one took (a busy machine's step on the count that lost can
@@ -24,9 +25,10 @@ on what else runs, and that changes while a server runs, so the engine measures 
 
 The user's `--threads N` (`LLM(threads=N)`) fixes the count: no probing. Only the OpenMP
 threads move (torch.set_num_threads on the engine's thread, which the C kernels read per
-region), never OpenBLAS's (the exact path's one-row products sum by its thread count);
-the other kernels give a row the same bits on any count (tests/test_one_answer.py holds it
-under each CPU family's defaults), so the count changes when a token comes, never which.
+region), not OpenBLAS's pool (the exact path's fp32 one-row products), which keeps the
+count it had at load. A row's bits are the same on any count (tests/test_one_answer.py
+holds it under each CPU family's defaults and the exact path), so the count changes when
+a token comes, never which.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class ThreadTuner:
         self.turn = 0  # which of the other counts the next probe tries
         self.cost, self.hold = 0.0, 0.0  # the last probe's seconds; the wait they ask
         self.switches = 0
+        self.confirm: int | None = None  # a count that won its last probe, to win again
 
     @property
     def threads(self) -> int:
@@ -94,14 +97,23 @@ class ThreadTuner:
     def _decide(self) -> None:
         trial, self.trial = self.trial, None
         won = statistics.median(self.probe) < (1 - MARGIN) * statistics.median(self.recent)
-        if won:  # the wait stays: the count just left lost by as much, a moment ago
-            self.current, self.recent = trial, self.probe
-            self.switches += 1
-        else:
-            self.wait = min(2 * self.wait, MOST_STEPS)
-            self.settle = 1  # back on the current count
+        self.since, self.probed_at = 0, self.clock()
         # the next probe waits COST_SHARE times what this one took: a busy machine's
         # steps on the count that lost can take seconds (two threads' steps on 2 cores
         # with other work: 10 ms, then 2-3 s), and probing may cost 1/COST_SHARE at most
         self.hold = COST_SHARE * self.cost
-        self.since, self.probed_at, self.probe = 0, self.clock(), []
+        if won and self.confirm != trial:
+            # once more, FIRST_WAIT steps on, before moving: on a quiet box one probe in
+            # a few won by a noisy moment (a run of 128 tokens went from 2 threads to 1
+            # and back, at 0.65x)
+            self.confirm, self.turn = trial, self.turn - 1
+            self.since, self.hold = max(0, self.wait - FIRST_WAIT), 0.0
+            self.settle = 1
+        elif won:  # the wait stays: the count just left lost by as much, a moment ago
+            self.current, self.recent, self.confirm = trial, self.probe, None
+            self.switches += 1
+        else:
+            self.confirm = None
+            self.wait = min(2 * self.wait, MOST_STEPS)
+            self.settle = 1  # back on the current count
+        self.probe = []
