@@ -56,15 +56,20 @@ def parse_size(text: str) -> int:
     return int(value * _UNITS[unit])
 
 
-def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+def parameter_count(config: ModelConfig) -> int:
+    """The model's parameters, from its shapes: embeddings (and an untied output), the
+    attention and gated MLP products, the norms (the q/k norms where it has them)."""
     c = config
     q = c.num_heads * c.head_dim
     kv = c.num_kv_heads * c.head_dim
     per_layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
     per_layer += 2 * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)
     embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    params = c.num_layers * per_layer + embeddings + c.hidden_size
-    return params * dtype.itemsize
+    return c.num_layers * per_layer + embeddings + c.hidden_size
+
+
+def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    return parameter_count(config) * dtype.itemsize
 
 
 def available_memory(device: torch.device | str = "cpu") -> int | None:

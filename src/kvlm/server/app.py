@@ -475,8 +475,7 @@ def ollama_routes(app: FastAPI, s: _Served, auth: Any) -> APIRouter:
     async def chat(body: ollama.ChatRequest, request: Request) -> Any:
         started = time.perf_counter_ns()
         if not body.messages:  # Ollama's way to load a model
-            _check_model(ollama.resolve(body.model, s.model_name), s.model_name)
-            return _ollama_now(ollama.loaded(name, chat=True), body.stream)
+            return _ollama_loaded(s, name, body, chat=True)
         req = _chat_of(lambda: ollama.to_chat(body, s.model_name))
         ids, params, choices = await _chat_parts(s, req, request)
         reply = ollama.Reply(name, True, choices, len(ids), started)
@@ -486,8 +485,7 @@ def ollama_routes(app: FastAPI, s: _Served, auth: Any) -> APIRouter:
     async def generate(body: ollama.GenerateRequest, request: Request) -> Any:
         started = time.perf_counter_ns()
         if not body.prompt:  # Ollama's way to load a model
-            _check_model(ollama.resolve(body.model, s.model_name), s.model_name)
-            return _ollama_now(ollama.loaded(name, chat=False), body.stream)
+            return _ollama_loaded(s, name, body, chat=False)
         req: Any
         if body.raw:  # the prompt as it is: the completions road
             req = _chat_of(lambda: ollama.to_completion(body, s.model_name))
@@ -544,10 +542,14 @@ def _ollama_fit(s: _Served, params: SamplingParams, prompt: int, options: Any) -
     params.stop = o.stops()
 
 
-def _ollama_now(body: dict, stream: bool) -> Response:
-    if stream:
-        return Response(json.dumps(body) + "\n", media_type="application/x-ndjson")
-    return JSONResponse(body)
+def _ollama_loaded(s: _Served, name: str, body: Any, chat: bool) -> Response:
+    """The answer to a chat or generate request with nothing to generate (Ollama's way to
+    load a model): the model checked, `done_reason` "load", whole or as one NDJSON line."""
+    _check_model(ollama.resolve(body.model, s.model_name), s.model_name)
+    answer = ollama.loaded(name, chat=chat)
+    if body.stream:
+        return Response(json.dumps(answer) + "\n", media_type="application/x-ndjson")
+    return JSONResponse(answer)
 
 
 async def _ollama_run(

@@ -30,6 +30,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from kvlm.cache.memory import parameter_count
 from kvlm.config import ModelConfig
 from kvlm.engine.engine import StepOutput
 from kvlm.engine.sampling import MAX_LOGPROBS, MAX_REPETITION, SEED_MAX, SEED_MIN
@@ -459,14 +460,6 @@ def _ndjson(obj: dict[str, Any]) -> str:
 # ------------------------------------------------------------------ what the server says
 
 
-def parameters(config: ModelConfig) -> int:
-    """The model's parameter count, from its shapes (embeddings, attention, MLP, norms)."""
-    h, c = config.hidden_size, config
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    block = 2 * h * q + 2 * h * kv + 3 * h * c.intermediate_size + 2 * h
-    return c.vocab_size * h * (1 if c.tie_word_embeddings else 2) + c.num_layers * block + h
-
-
 def _size(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
 
@@ -474,14 +467,14 @@ def _size(n: int) -> str:
 def details(config: ModelConfig) -> dict[str, Any]:
     return {"parent_model": "", "family": config.architecture,
             "families": [config.architecture],
-            "parameter_size": _size(parameters(config))}  # fmt: skip
+            "parameter_size": _size(parameter_count(config))}  # fmt: skip
 
 
 def model_info(config: ModelConfig, context: int) -> dict[str, Any]:
     """/api/show's model_info: GGUF's key names. The context length is the server's (what a
     request may fill), not the model's trained one."""
     arch = config.architecture
-    return {"general.architecture": arch, "general.parameter_count": parameters(config),
+    return {"general.architecture": arch, "general.parameter_count": parameter_count(config),
             f"{arch}.context_length": context,
             f"{arch}.embedding_length": config.hidden_size,
             f"{arch}.block_count": config.num_layers,
