@@ -401,14 +401,15 @@ class Engine:
         events: list[StepOutput] = []
         drafted = sum(len(seq.draft) for seq in batch.decode)  # _run clears the drafts
         work = self._prompt_work(batch)  # before _run moves the sequences on
-        decode_work = 0.0 if batch.prefill else self._decode_work(batch)
+        measured = self.tuner is not None and not batch.prefill  # its decode steps alone
+        decode_work = self._decode_work(batch) if measured else 0.0
         self._set_threads()
         gc0, cpu0, t0 = GC_TIME.seconds, time.thread_time(), time.perf_counter()
         forward_s, score_s = self._run(batch, events)
         seconds = time.perf_counter() - t0
         if self.pacing is not None:
             self.pacing.record(seconds, len(batch.decode), work)
-        if self.tuner is not None:
+        if measured:
             self.tuner.record(seconds, decode_work)
         if seconds > max(SLOW_STEP_S, self.stats.step_seconds_max):
             parts = (forward_s, score_s, GC_TIME.seconds - gc0, time.thread_time() - cpu0)
