@@ -395,3 +395,33 @@ def test_a_conversation_cache_is_reused_only_under_its_salt(tiny):
     assert cached("c", "tenant-b") == 0  # another tenant's K/V are not served
     assert cached("d", None) == 0
     assert cached("e", None) == len(ids) - 1
+
+
+def test_events_dropped_before_they_start_let_their_request_go(tiny):
+    """A route that drops a request's events without ever reading them (a stream whose
+    response was cancelled before its body began; the keep-alive's first read cancelled
+    before it ran) never runs the events' own cleanup: the request must still be let go,
+    no longer held and aborted, its blocks freed (the schema fuzzer found one held)."""
+    import asyncio
+    import time
+
+    from kvlm.engine.async_engine import AsyncEngine
+
+    aeng = AsyncEngine(Engine(tiny, EngineConfig(num_blocks=64)))
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def drop_one() -> None:
+        events = await aeng.generate(tiny.tokenizer.encode("A river runs"), params)
+        assert aeng.metrics()["requests_held"] == 1
+        del events  # never started
+
+    try:
+        aeng.start()
+        asyncio.run(drop_one())
+        assert aeng.metrics()["requests_held"] == 0
+        deadline = time.time() + 30
+        while aeng.engine.requests and time.time() < deadline:  # the abort lands
+            time.sleep(0.01)
+        assert not aeng.engine.requests
+    finally:
+        aeng.stop()

@@ -20,6 +20,7 @@ import logging
 import queue
 import sys
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -138,7 +139,13 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         self._streams[rid] = stream
         self._send((self._add, rid, prompt_ids, params, cache_salt))
-        return self._events(rid, stream)
+        events = self._events(rid, stream)
+        # a consumer that drops its events before it starts them never runs _events'
+        # finally (a stream whose response was cancelled before its body began, or one
+        # the keep-alive's pending read was cancelled for): the request is let go when
+        # the generator is
+        weakref.finalize(events, self._let_go, rid, stream).atexit = False
+        return events
 
     async def compile_guide(self, guide: Guide) -> Guide:
         """`guide` compiled (kvlm.engine.guided.compile_guide: a no-op once it is), on a
@@ -162,9 +169,16 @@ class AsyncEngine:
                     stream.remaining -= 1
                 yield event
         finally:
-            self._streams.pop(rid, None)
-            if stream.remaining:  # the consumer left early: free the request's blocks
-                self._send((self._abort, rid))
+            self._let_go(rid, stream)
+
+    def _let_go(self, rid: str, stream: _Stream) -> None:
+        """The consumer of `rid`'s events is done or gone: it is no longer held, and one that
+        left early has its request aborted (its blocks freed). Once per stream."""
+        if self._streams.get(rid) is not stream:
+            return
+        del self._streams[rid]
+        if stream.remaining:
+            self._send((self._abort, rid))
 
     async def call(self, fn: Callable[[Engine], T], timeout: float = 10.0) -> T:
         """fn(engine) run on the engine thread between two steps (what reads the pool's
