@@ -6,6 +6,11 @@ docs/BENCHMARKS.md, not asserted on time."""
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +24,7 @@ from kvlm.engine.threads import (
     MOST_SECONDS,
     MOST_STEPS,
     PROBE_STEPS,
+    FreeCores,
     ThreadTuner,
 )
 
@@ -165,3 +171,100 @@ def test_one_probe_won_by_a_noisy_moment_moves_nothing_two_in_a_row_do():
         tuner.record(0.005 if tuner.threads == 1 else 0.010, 1.0)
     assert ran.count(1) == 1 + PROBE_STEPS  # the confirming probe came FIRST_WAIT steps on
     assert tuner.current == 1 and tuner.switches == 1
+
+
+# ------------------------------------------------------------------ the cores free
+
+
+def _stat(path: Path, busy_ticks: int) -> None:
+    """A /proc/stat as Linux writes it: every CPU this process may run on, `busy_ticks` of
+    user time spread over them (the rest idle)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    lines = [f"cpu  {busy_ticks} 0 0 0 0 0 0 0 0 0"]
+    for i, cpu in enumerate(cpus):
+        share = busy_ticks // len(cpus) + (i < busy_ticks % len(cpus))
+        lines.append(f"cpu{cpu} {share} 0 0 {10_000 - share} 0 0 0 0 0 0")
+    path.write_text("\n".join([*lines, "intr 1 0", "ctxt 5", ""]))
+
+
+needs_stat = pytest.mark.skipif(not Path(threads_mod.STAT).is_file(), reason="no /proc/stat")
+
+
+@needs_stat
+def test_free_cores_are_the_cpus_less_what_others_used_over_the_time_since(tmp_path):
+    clock, stat = Clock(), tmp_path / "stat"
+    _stat(stat, 0)
+    free = FreeCores(clock, str(stat))
+    n = len(free.cpus)
+    clock.now += 0.1
+    assert free.look() is None  # too short a time to tell
+    clock.now += 0.9
+    _stat(stat, free.tick * 1)  # others kept one core busy for the second
+    assert free.look() == pytest.approx(n - 1, abs=0.05)  # this process's own time is not theirs
+    stat.write_text("cpu0 not numbers\n")
+    clock.now += 1.0
+    assert free.look() is None  # a file not as Linux writes it tells nothing
+
+
+@needs_stat
+def test_a_busy_neighbour_takes_a_core_from_the_free_count():
+    free = FreeCores()
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 5\n"
+                             "while time.time() < end: pass"])  # fmt: skip
+    try:
+        time.sleep(0.3)  # it has started
+        free.mark()
+        time.sleep(0.5)
+        left = free.look()  # before it ends: a child waited for would count as this one
+    finally:
+        busy.kill()
+        busy.wait(timeout=30)
+    assert left is not None and left <= len(free.cpus) - 0.5, left
+
+
+@needs_stat
+def test_back_from_idle_the_tuner_starts_on_the_count_the_free_cores_hold(tmp_path):
+    clock, stat = Clock(), tmp_path / "stat"
+    _stat(stat, 0)
+    free = FreeCores(clock, str(stat))
+    n = len(free.cpus)
+    tuner = ThreadTuner(2, clock=clock, free=free)
+    run(tuner, {2: 0.005, 1: 0.009}, 50)
+    clock.now += 2.0
+    _stat(stat, free.tick * 2 * (n - 1))  # others held all the cores but one, for 2 s
+    tuner.resume()
+    assert tuner.threads == 1 and tuner.wait == FIRST_WAIT  # and a probe comes soon
+    ran = run(tuner, {2: 0.005, 1: 0.009}, 40)  # the load went: two threads win it back
+    assert ran[0] == 1 and tuner.current == 2
+    tuner.idle()
+    clock.now += 0.05
+    tuner.resume()  # too short an idle to tell: as it was
+    assert tuner.current == 2
+    clock.now += 1.0
+    before = (tuner.wait, tuner.since, tuner.recent)
+    tuner.resume()  # nothing used meanwhile: all cores free, the count stands
+    assert tuner.current == 2 and (tuner.wait, tuner.since, tuner.recent) == before
+
+
+@needs_stat
+def test_the_engine_starts_a_request_after_idle_on_the_free_cores(tiny_model_dir, tmp_path):
+    clock, stat = Clock(), tmp_path / "stat"
+    was = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=256)
+        engine = Engine(llm, EngineConfig(num_blocks=64))
+        _stat(stat, 0)
+        engine.tuner.free = free = FreeCores(clock, str(stat))
+        clock.now += 1.0
+        _stat(stat, free.tick * (len(free.cpus) - 1))  # a neighbour took all cores but one
+        engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2))
+        engine.step()  # the prompt's step: on one thread, before any decode step is measured
+        assert torch.get_num_threads() == 1
+        for _ in range(10):
+            if not engine.has_work():
+                break
+            engine.step()
+        assert engine._idle and free.last[0] == clock.now  # idle: looking from here on
+    finally:
+        torch.set_num_threads(was)

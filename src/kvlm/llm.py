@@ -29,6 +29,7 @@ from kvlm.engine.runner import ModelRunner
 from kvlm.engine.sampling import SamplingParams
 from kvlm.engine.scheduler import SchedulerConfig
 from kvlm.engine.speculative import DraftModel, SpeculativeConfig
+from kvlm.engine.threads import FreeCores
 from kvlm.errors import InvalidRequestError
 from kvlm.loading import load_model
 from kvlm.model.attention import Attention
@@ -124,6 +125,9 @@ class LLM:
         # None: the engine measures how many of torch's threads run fastest while it runs
         # (kvlm.engine.threads: fewer when other work takes the cores)
         self.threads = threads
+        # the cores other processes leave free, from the load on: the first request starts
+        # on what they allow (kvlm.engine.threads.FreeCores)
+        self.free_cores = FreeCores() if threads is None else None
         if threads is not None:
             torch.set_num_threads(threads)
             set_blas_threads(threads)

@@ -220,7 +220,8 @@ class Engine:
         # the CPU threads a step runs on: the user's, or measured (kvlm.engine.threads)
         self.tuner, self._threads, self._threads_set = None, llm.threads, None
         if self.runner.device.type == "cpu" and llm.threads is None:
-            self.tuner = ThreadTuner(torch.get_num_threads())
+            self.tuner = ThreadTuner(torch.get_num_threads(), free=llm.free_cores)
+        self._idle = True  # nothing has run since the last step that left no work
         self.drafter: DraftModel | None = None
         spec = self.config.speculative
         if spec is not None:
@@ -403,6 +404,9 @@ class Engine:
         work = self._prompt_work(batch)  # before _run moves the sequences on
         measured = self.tuner is not None and not batch.prefill  # its decode steps alone
         decode_work = self._decode_work(batch) if measured else 0.0
+        if self._idle and self.tuner is not None:  # back from idle: the cores others left
+            self.tuner.resume()
+        self._idle = False
         self._set_threads()
         gc0, cpu0, t0 = GC_TIME.seconds, time.thread_time(), time.perf_counter()
         forward_s, score_s = self._run(batch, events)
@@ -415,6 +419,9 @@ class Engine:
             parts = (forward_s, score_s, GC_TIME.seconds - gc0, time.thread_time() - cpu0)
             self._log_slow_step(batch, drafted, seconds, *parts)
         self.stats.record_step(seconds, len(batch.decode))
+        if self.tuner is not None and not self.scheduler.has_work():
+            self.tuner.idle()
+            self._idle = True
         return events
 
     def _set_threads(self) -> None:

@@ -23,6 +23,12 @@ on what else runs, and that changes while a server runs, so the engine measures 
   slower steps in a thousand, and the faster count is found within a few steps of the
   first and within MOST_SECONDS (or the probe's hold) of the load changing.
 
+A request that comes after the engine sat idle starts on the count the cores others left
+free say (FreeCores: /proc/stat's busy time of the CPUs this process may run on, less its
+own, over the idle time): its prompt runs before any decode step of it is measured, and on
+two threads with a busy neighbour a 512-token prompt took 1,008 ms against 589 on one
+(docs/BENCHMARKS.md 21.1). The probes go on from there as before.
+
 The user's `--threads N` (`LLM(threads=N)`) fixes the count: no probing. Only the OpenMP
 threads move (torch.set_num_threads on the engine's thread, which the C kernels read per
 region), not OpenBLAS's pool (the exact path's fp32 one-row products), which keeps the
@@ -33,6 +39,8 @@ a token comes, never which.
 
 from __future__ import annotations
 
+import os
+import resource
 import statistics
 import time
 
@@ -43,10 +51,63 @@ MOST_STEPS = 1024  # the longest wait between probes, in decode steps
 MOST_SECONDS = 30.0  # ... and in seconds
 COST_SHARE = 20  # probes take at most 1/COST_SHARE of the time
 GIVE_UP = 2.0  # a probe's step this many times the current count's median ends the probe
+LOOK_S = 0.2  # the shortest time FreeCores tells the cores free over
+STAT = "/proc/stat"  # Linux's CPU times: "cpuN user nice system idle iowait irq softirq steal"
+
+
+class FreeCores:
+    """How many of the CPUs this process may run on other processes left free: their busy
+    time in /proc/stat (steal too: a hypervisor's other guests), less this process's own CPU
+    time and its finished children's (the kernel build's compilers), over the time since
+    the last look. Linux only; elsewhere, or over less than LOOK_S, it tells nothing."""
+
+    def __init__(self, clock=time.monotonic, stat: str = STAT) -> None:
+        self.clock, self.stat = clock, stat
+        self.cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.last = self._read()
+
+    def _read(self) -> tuple[float, float, float] | None:
+        """(now, the CPUs' busy seconds, this process's CPU seconds), or None: no
+        /proc/stat, or one that does not read as Linux writes it."""
+        try:
+            with open(self.stat, encoding="ascii") as f:
+                lines = f.read(1 << 20).splitlines()
+            busy = 0
+            for line in lines:
+                name, _, rest = line.partition(" ")
+                if name[:3] != "cpu" or not name[3:].isdigit() or int(name[3:]) not in self.cpus:
+                    continue
+                user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, rest.split()[:8])
+                busy += user + nice + system + irq + softirq + steal
+        except (OSError, ValueError):
+            return None
+        own = sum(getattr(resource.getrusage(who), f)
+                  for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+                  for f in ("ru_utime", "ru_stime"))  # fmt: skip
+        return self.clock(), busy / self.tick, own
+
+    def mark(self) -> None:
+        """Look from now on (the engine goes idle: the time it waits is others' to use)."""
+        self.last = self._read()
+
+    def look(self) -> float | None:
+        """The cores others left free since the last look or mark (and look from here on),
+        or None: nothing to tell by, or too short a time (the last look stands)."""
+        now = self._read()
+        if now is None or self.last is None or not self.cpus:
+            return None
+        wall = now[0] - self.last[0]
+        if wall < LOOK_S:
+            return None
+        others = max(0.0, (now[1] - self.last[1]) - (now[2] - self.last[2]))
+        self.last = now
+        return max(0.0, len(self.cpus) - others / wall)
 
 
 class ThreadTuner:
-    def __init__(self, most: int, clock=time.monotonic) -> None:
+    def __init__(self, most: int, clock=time.monotonic, free: FreeCores | None = None) -> None:
+        self.free = free  # the cores others leave, read when the engine comes back from idle
         self.counts = sorted({most, max(1, most // 2), 1}, reverse=True)
         self.current = most
         self.trial: int | None = None  # the count a probe is measuring
@@ -65,6 +126,27 @@ class ThreadTuner:
     def threads(self) -> int:
         """The count the next step runs on."""
         return self.current if self.trial is None else self.trial
+
+    def idle(self) -> None:
+        """The engine has nothing to run: the cores are others' to use until it resumes."""
+        if self.free is not None:
+            self.free.mark()
+
+    def resume(self) -> None:
+        """The engine has work again after idling: start on the largest count the cores
+        others left free while it waited can hold (a count of `free` + 1/2 cores or fewer;
+        at least one), and probe it soon; nothing changes where that time was too short
+        to tell or the count stands."""
+        free = self.free.look() if self.free is not None else None
+        if free is None:
+            return
+        fits = [c for c in self.counts if c <= free + 0.5] or [1]
+        if fits[0] == self.current:
+            return
+        self.current, self.trial, self.confirm = fits[0], None, None
+        self.recent, self.probe, self.settle = [], [], 1
+        self.wait, self.since, self.hold = FIRST_WAIT, 0, 0.0
+        self.switches += 1
 
     def record(self, seconds: float, units: float) -> None:
         """A decode step's seconds and its work (kvlm.engine.pacing.Work units), run on
