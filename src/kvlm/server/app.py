@@ -67,6 +67,7 @@ from kvlm.server.protocol import (
     error_body,
 )
 from kvlm.server.responses import Choices, encode_json
+from kvlm.server.tool_check import tool_checks
 
 log = logging.getLogger("kvlm.server")
 _PROMPT_TAIL = 32  # the prompt's last tokens read for an open <think>
@@ -374,23 +375,28 @@ async def _chat_parts(
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = _params(body, ids, s.max_len, top, request)
     forced = body.forced_tool()
+    calls = None  # the calls' grammar
     if forced is not None:  # tool_choice "required" or named: the output is the calls
         # (a response_format given too is for text replies, which a forced call has none
         # of: OpenAI answers such a request with the call, as agent SDKs send it)
         name = None if forced == "required" else forced
-        params.guide = tools_mod.forced_guide(tools or [], name, body.parallel_tool_calls)
+        calls = tools_mod.forced_guide(tools or [], name, body.parallel_tool_calls)
+        params.guide = calls
     # a guided reply (a forced call, a format) takes its guide's shape from its first
     # token: a <think> the prompt opened does not hold for it
     think = s.reasoning_parser is not None
     opened = think and params.guide is None and reasoning.starts_thinking(
         s.tokenizer.decode(ids[-_PROMPT_TAIL:], skip_special_tokens=False))  # fmt: skip
     if tools and forced is None and params.guide is None and s.tool_parser == "hermes":
-        params.guide = tools_mod.auto_guide(tools)  # a call, once begun, is well formed
+        calls = tools_mod.auto_guide(tools)  # a call, once begun, is well formed
+    if calls is not None:  # compiled now: what it left out of the schemas is checked after
+        calls = params.guide = await s.engine.compile_guide(calls)
     choices = Choices(s.tokenizer, params.n, chat=True, want_logprobs=body.logprobs,
                       prompts=[ids] * params.n,
                       want_prompt_logprobs=body.prompt_logprobs is not None,
                       tools=tools is not None,
                       tool_parser=None if forced is not None else s.tool_parser,
+                      tool_checks=tool_checks(tools, calls),
                       reasoning=think, thinking=opened)  # fmt: skip
     return ids, params, choices
 
