@@ -319,6 +319,52 @@ def test_a_forced_call_cut_by_max_tokens_is_the_same_streamed_and_not(client):
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
 
 
+DEEP = "[" * 1100  # past json's nesting depth (the interpreter's recursion limit, 1,000)
+
+
+HEAD = '{"name": "weather", "arguments": '
+
+
+@pytest.mark.parametrize("parser, reply, content, calls", [
+    ("hermes", "Hm.\n<tool_call>\n" + DEEP, "text", 0),
+    ("hermes", f"<tool_call>\n{DEEP}\n</tool_call>", "text", 0),
+    ("llama3_json", HEAD.replace("arguments", "parameters") + DEEP, "text", 0),
+    (None, DEEP, None, 0),  # forced, no call begun: no content, as when cut before a name
+    ("hermes", "<tool_call>\n" + HEAD + DEEP, None, 1),  # begun: as far as it came
+    (None, f"[{HEAD}{DEEP}", None, 1),
+])  # fmt: skip
+def test_a_reply_nested_past_jsons_depth_is_text_or_a_cut_call(parser, reply, content, calls):
+    whole_content, whole_calls = parse(reply, parser)
+    assert whole_content == (reply if content == "text" else None)
+    assert [(c.name, c.arguments) for c in whole_calls] == [("weather", DEEP)] * calls
+    stream = ToolStream(parser)
+    shown = "".join(stream.push(piece) for piece in (reply[:20], reply[20:]))
+    rest, streamed = stream.finish()
+    assert shown + rest == (reply if content == "text" else "")
+    assert stream.began + len(streamed) == calls
+
+
+def test_a_cut_calls_arguments_nested_too_deep_are_read_as_none():
+    """Messages' tool_use input and Ollama's arguments, objects there, of a call cut
+    inside arguments nested past json's depth: {} (as of any cut call), not a 500."""
+    from kvlm.server import anthropic, ollama
+
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": DEEP}}  # fmt: skip
+    assert anthropic._tool_use(call, whole=True)["input"] == {}
+    assert ollama._call(call, 0)["function"]["arguments"] == {}
+
+
+@pytest.mark.slow
+def test_a_call_nested_past_jsons_depth_is_answered(client):
+    """A reply the model nests deeper than json can read (a guided_regex makes it, no
+    grammar holding the calls) is text, not a 500."""
+    out = ask(client, tools=[WEATHER], temperature=0, max_tokens=1200,
+              extra_body={"guided_regex": "<tool_call>\n" + re.escape(DEEP)})  # fmt: skip
+    assert out.choices[0].message.tool_calls is None
+    assert out.choices[0].message.content.count("[") == len(DEEP)
+
+
 def _record(keys: str) -> dict:
     """A tool whose one argument's keys are held to `keys` by `propertyNames`, which the
     grammar leaves out (llguidance's lenient), so the model writes "city" whatever it is."""

@@ -86,7 +86,7 @@ def _call(obj: Any, args_key: str = "arguments") -> Call | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
@@ -141,7 +141,8 @@ def _parsed(text: str, parser: str | None) -> tuple[str | None, list[Call]]:
         for body, closed in _hermes_bodies(text[start:]):
             try:
                 objects.append(json.loads(body))
-            except ValueError:  # cut off (max_tokens): the call as far as it came, or none
+            except (ValueError, RecursionError):  # cut off (max_tokens), or nested too deep:
+                # the call as far as it came, or none
                 begun = _begun(body)
                 if len(begun) == 1:
                     objects.append(Call(*begun[0]))
@@ -173,7 +174,7 @@ def _json_objects(text: str) -> list[Any]:
             break
         try:
             obj, i = decoder.raw_decode(text, i)
-        except ValueError:
+        except (ValueError, RecursionError):
             return []
         out.append(obj)
     return out
@@ -220,7 +221,7 @@ def parse_forced(text: str) -> list[Call]:
     last with its arguments as far as they came (OpenAI's answer when a call is cut)."""
     try:
         calls = [_call(obj) for obj in json.loads(text)]
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):
         return [Call(name, args) for name, args in _begun(text)]
     return [c for c in calls if c is not None]
 
@@ -244,7 +245,7 @@ def _begun(text: str) -> list[tuple[str, str]]:
         try:
             args, _ = json.JSONDecoder().raw_decode(body)
             body = json.dumps(args, ensure_ascii=False)
-        except ValueError:
+        except (ValueError, RecursionError):
             pass  # cut off: its text as far as it came
         out.append((json.loads(match.group(1)), body))
     return out
