@@ -99,16 +99,16 @@ def test_only_what_the_grammar_left_out_makes_the_calls_checked(tiny):
         ({"patternProperties": {"^(a|a)*$": {}}}, {"a" * 27 + "!": 1}),
         ({"patternProperties": {"^(a|a)*$": {}}, "additionalProperties": False},
          {"a" * 27 + "!": 1}),
-        # jsonschema compares objects' items pairwise: 2M comparisons (~4 s); quadratic
+        # jsonschema compares objects' items pairwise: 8M comparisons (~14 s)
         ({"properties": {"l": {"uniqueItems": True}}},
-         {"l": [{"k": i} for i in range(4 * MAX_UNIQUE)]}),
+         {"l": [{"k": i} for i in range(8 * MAX_UNIQUE)]}),
     ],
 )  # fmt: skip
 def test_a_hostile_schema_is_checked_within_its_bound(schema, args):
     checks = ToolChecks([tool("f", {"type": "object", **schema})])
     started = time.monotonic()
     assert checks.broken([call("f", args)]) is None  # not checked: the call goes through
-    assert time.monotonic() - started < CHECK_S + 0.5
+    assert time.monotonic() - started < CHECK_S + 2  # slack for a shared, loaded machine
 
 
 def test_a_reference_to_another_document_is_never_fetched():

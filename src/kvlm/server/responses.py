@@ -157,9 +157,10 @@ class Choices:
     def _with_calls(self, body: dict[str, Any], text: str, finish: str | None) -> None:
         """A whole chat reply's tool calls into its message (finish_reason "tool_calls")."""
         content, calls = parse(text, self.tool_parser, self.tool_checks)  # None: forced
-        if self.tool_parser is None and not calls:  # a forced call cut before its name
-            body["message"]["content"] = content  # ends: no text, as its stream sends
-            # none (None); calls that break their schemas are text
+        if self.tool_parser is None and not calls:
+            # forced, no call: cut before its name (content None, as its stream sends no
+            # text), or calls that break their schemas (their text, as streamed)
+            body["message"]["content"] = content
         if calls:
             body["message"] = {"role": "assistant", "content": content,
                                "tool_calls": [c.to_dict() for c in calls]}  # fmt: skip

@@ -2,14 +2,14 @@
 
 A tool's schema compiles with llguidance's `lenient` option (kvlm.server.tools TOOL_JSON):
 a keyword it does not implement (`propertyNames`, which zod writes for a record and Claude
-Code's tools carry; `uniqueItems`, ...) is left out of the grammar, and llguidance says so
-(kvlm.engine.guided `Compiled.warnings`). Such a request's calls are checked after the
-fact: once a reply is parsed (kvlm.server.tools `parse`), each call's arguments are
-validated against its tool's whole `parameters` with jsonschema (the draft its `$schema`
-names, 2020-12 without one; `format` is an annotation, as it is to the grammar). So are the
-calls no grammar made: tool_choice auto in the llama3_json format, or in the hermes format
-beside a response_format (whose guide is the reply's). A call the grammar made of a schema
-it kept whole is not checked again: the grammar is the check.
+Code's tools carry; `uniqueItems`, `contains`, `not`, ...) is left out of the grammar, and
+llguidance says so (kvlm.engine.guided `Compiled.warnings`). Such a request's calls are
+checked after the fact: once a reply is parsed (kvlm.server.tools `parse`), each call's
+arguments are validated against its tool's whole `parameters` with jsonschema (the draft
+its `$schema` names, 2020-12 without one; `format` is an annotation, as it is to the
+grammar). So are the calls no grammar made: tool_choice auto in the llama3_json format,
+or in the hermes format beside a response_format (whose guide is the reply's). A call the
+grammar made of a schema it kept whole is not checked again: the grammar is the check.
 
 What a failed check does. A call that breaks its tool's schema (or names a tool not
 offered) is not a call: the reply stays text, as a reply that does not parse as calls does
@@ -34,8 +34,8 @@ keyword; `uniqueItems` (quadratic in jsonschema) is not checked past MAX_UNIQUE 
 schema with both `unevaluatedProperties` and `patternProperties` (whose search jsonschema
 makes with `re`) is not checked. A check that cannot finish within these (or a schema
 jsonschema cannot use: an unknown type, a cycle, a `$ref` to another document, which is
-never fetched) lets the
-calls through as before, with a line in the log: the grammar's part of the schema holds.
+never fetched) lets the calls through as before, with a line in the log: the grammar's
+part of the schema holds.
 """
 
 from __future__ import annotations
