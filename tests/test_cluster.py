@@ -107,6 +107,25 @@ def test_the_route_key_is_the_prefix_cache_key_of_the_first_blocks(tokenizer):
     assert route_key("/v1/models", b"", tokenizer, 16) is None
 
 
+def test_ollamas_chat_and_generate_route_by_the_prompt_they_mean(tokenizer):
+    """/api/chat and /api/generate are keyed as the chat (a raw generate: the completion)
+    the replica runs for them: an Ollama conversation meets its prefix."""
+    from kvlm.cluster.keys import route_key
+
+    system = "You answer questions about the history of the Roman empire. " * 8
+    key = route_key("/v1/chat/completions", _chat(system, "Who was Augustus?"), tokenizer, 16)
+    chat = _chat(system, "Who was Augustus?", options={"temperature": 0}, stream=False)
+    assert key is not None and route_key("/api/chat", chat, tokenizer, 16) == key
+    generate = {"model": "m", "system": system, "prompt": "Who was Augustus?"}
+    assert route_key("/api/generate", json.dumps(generate).encode(), tokenizer, 16) == key
+    raw = json.dumps({"model": "m", "prompt": system, "raw": True}).encode()
+    completion = json.dumps({"model": "m", "prompt": system}).encode()
+    assert route_key("/api/generate", raw, tokenizer, 16) == route_key(
+        "/v1/completions", completion, tokenizer, 16) is not None  # fmt: skip
+    loading = json.dumps({"model": "m"}).encode()  # Ollama's way to load a model: no prompt
+    assert route_key("/api/chat", loading, tokenizer, 16) is None
+
+
 def test_a_responses_request_routes_by_its_prompt_or_to_the_replica_that_stored_it(tokenizer):
     from kvlm.cluster.keys import affinity, replica_tag, route_key
     from kvlm.server import responses_api

@@ -112,6 +112,35 @@ def test_chat_whole_and_streamed_agree(ol, name, base, server):
     wait_idle(server, KEY)
 
 
+def test_the_published_schema_describes_ollamas_routes_and_answers(base, name):
+    """/openapi.json lists Ollama's routes with their bodies, and the answers given are
+    what it says: a chat whole and each of its NDJSON lines, tags, an error."""
+    doc = httpx.get(base + "/openapi.json").json()
+    paths = {p: set(ops) for p, ops in doc["paths"].items()}
+    for path, method in (("/api/chat", "post"), ("/api/generate", "post"), ("/api/show", "post"),
+                         ("/api/pull", "post"), ("/api/tags", "get"), ("/api/ps", "get"),
+                         ("/api/version", "get"), ("/", "get")):  # fmt: skip
+        assert method in paths.get(path, ()), path
+    chat = doc["paths"]["/api/chat"]["post"]
+    assert chat["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/ChatRequest")  # fmt: skip
+
+    def holds(answer: dict, path: str, status: str = "200", kind: str = "application/json"):
+        media = doc["paths"][path]["post" if path != "/api/tags" else "get"]["responses"]
+        schema = media[status]["content"][kind]["schema"]
+        jsonschema.validate(answer, schema | {"components": doc["components"]})
+
+    body = {"model": name, "messages": ASK, "options": GREEDY}
+    holds(httpx.post(base + "/api/chat", json=body | {"stream": False}, headers=AUTH).json(),
+          "/api/chat")  # fmt: skip
+    lines = httpx.post(base + "/api/chat", json=body, headers=AUTH).text.splitlines()
+    for line in lines:
+        holds(json.loads(line), "/api/chat", kind="application/x-ndjson")
+    holds(httpx.get(base + "/api/tags", headers=AUTH).json(), "/api/tags")
+    unknown = httpx.post(base + "/api/chat", json=body | {"model": "nope"}, headers=AUTH)
+    holds(unknown.json(), "/api/chat", str(unknown.status_code))
+
+
 def test_generate_templated_raw_and_streamed(ol, name, base):
     prompt = "Count to five:"
     whole = ol.generate(model=name, prompt=prompt, system="Be brief.", options=GREEDY)

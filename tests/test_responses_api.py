@@ -163,6 +163,29 @@ def test_hosted_tools_are_accepted_and_not_offered(client, model):
         create(client, model, tools=hosted[:1], tool_choice="required")
 
 
+def test_a_tool_choice_naming_a_hosted_tool_is_answered_as_none(client, model):
+    """tool_choice naming a tool OpenAI runs itself: its model uses the tool to write its
+    response, a message, and calls no function. kvlm runs none: the message, as under
+    "none" (the same prompt: the functions not offered), the choice echoed as given. A
+    forced call of a tool the client runs, which kvlm does not offer, is a 400."""
+    tools = [{"type": "web_search"}, WEATHER]
+    none = create(client, model, tools=tools, tool_choice="none")
+    for kind in ("web_search", "web_search_preview", "file_search"):
+        out = create(client, model, tools=tools, tool_choice={"type": kind})
+        assert [item.type for item in out.output] == ["message"]
+        assert out.usage.input_tokens == none.usage.input_tokens
+        assert out.output_text == none.output_text
+        echo = out.tool_choice  # the SDK's own model, or a dict for a type it does not know
+        assert (echo["type"] if isinstance(echo, dict) else echo.type) == kind
+    streamed = list(create(client, model, tools=tools, stream=True,
+                           tool_choice={"type": "web_search_preview"}))  # fmt: skip
+    assert streamed[-1].response.output_text == none.output_text
+    with pytest.raises(openai.BadRequestError, match="a call of one cannot be forced") as err:
+        create(client, model, tools=[*tools, {"type": "apply_patch"}],
+               tool_choice={"type": "apply_patch"})  # fmt: skip
+    assert err.value.body["param"] == "tool_choice"
+
+
 def test_a_namespaced_function_is_offered_and_its_call_names_the_namespace(client, model):
     """A namespace's functions are offered under their own names (the prompt is the one of
     the same functions at the top level); a call of one is a function_call item with its

@@ -319,6 +319,146 @@ def test_a_forced_call_cut_by_max_tokens_is_the_same_streamed_and_not(client):
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
 
 
+DEEP = "[" * 1100  # past json's nesting depth (the interpreter's recursion limit, 1,000)
+
+
+HEAD = '{"name": "weather", "arguments": '
+
+
+@pytest.mark.parametrize("parser, reply, content, calls", [
+    ("hermes", "Hm.\n<tool_call>\n" + DEEP, "text", 0),
+    ("hermes", f"<tool_call>\n{DEEP}\n</tool_call>", "text", 0),
+    ("llama3_json", HEAD.replace("arguments", "parameters") + DEEP, "text", 0),
+    (None, DEEP, None, 0),  # forced, no call begun: no content, as when cut before a name
+    ("hermes", "<tool_call>\n" + HEAD + DEEP, None, 1),  # begun: as far as it came
+    (None, f"[{HEAD}{DEEP}", None, 1),
+])  # fmt: skip
+def test_a_reply_nested_past_jsons_depth_is_text_or_a_cut_call(parser, reply, content, calls):
+    whole_content, whole_calls = parse(reply, parser)
+    assert whole_content == (reply if content == "text" else None)
+    assert [(c.name, c.arguments) for c in whole_calls] == [("weather", DEEP)] * calls
+    stream = ToolStream(parser)
+    shown = "".join(stream.push(piece) for piece in (reply[:20], reply[20:]))
+    rest, streamed = stream.finish()
+    assert shown + rest == (reply if content == "text" else "")
+    assert stream.began + len(streamed) == calls
+
+
+def test_a_cut_calls_arguments_nested_too_deep_are_read_as_none():
+    """Messages' tool_use input and Ollama's arguments, objects there, of a call cut
+    inside arguments nested past json's depth: {} (as of any cut call), not a 500."""
+    from kvlm.server import anthropic, ollama
+
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": DEEP}}  # fmt: skip
+    assert anthropic._tool_use(call, whole=True)["input"] == {}
+    assert ollama._call(call, 0)["function"]["arguments"] == {}
+
+
+@pytest.mark.slow
+def test_a_call_nested_past_jsons_depth_is_answered(client):
+    """A reply the model nests deeper than json can read (a guided_regex makes it, no
+    grammar holding the calls) is text, not a 500."""
+    out = ask(client, tools=[WEATHER], temperature=0, max_tokens=1200,
+              extra_body={"guided_regex": "<tool_call>\n" + re.escape(DEEP)})  # fmt: skip
+    assert out.choices[0].message.tool_calls is None
+    assert out.choices[0].message.content.count("[") == len(DEEP)
+
+
+def _record(keys: str) -> dict:
+    """A tool whose one argument's keys are held to `keys` by `propertyNames`, which the
+    grammar leaves out (llguidance's lenient), so the model writes "city" whatever it is."""
+    return {"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"], "additionalProperties": False,
+        "propertyNames": {"pattern": keys}}}}  # fmt: skip
+
+
+FORCED = {"type": "function", "function": {"name": "weather"}}
+
+
+@pytest.mark.slow
+def test_a_call_that_breaks_what_the_grammar_left_out_is_text(client):
+    """The check after the lenient grammar, on the chat road: forced, the model writes
+    {"city": ...}; a schema whose propertyNames "city" meets gives the call, one it cannot
+    meet gives the call's text as content and no call, streamed (held, then whole) and
+    not alike."""
+    kw = dict(tool_choice=FORCED, temperature=0, max_tokens=60)
+    met = ask(client, tools=[_record("^c")], **kw).choices[0]
+    assert met.finish_reason == "tool_calls"
+    assert list(json.loads(met.message.tool_calls[0].function.arguments)) == ["city"]
+    broken = ask(client, tools=[_record("^x")], **kw).choices[0]
+    assert broken.finish_reason == "stop" and broken.message.tool_calls is None
+    assert json.loads(broken.message.content)[0]["arguments"] == json.loads(
+        met.message.tool_calls[0].function.arguments)  # fmt: skip
+    for tool, calls in ((_record("^c"), 1), (_record("^x"), 0)):
+        chunks = [c.choices[0] for c in ask(client, tools=[tool], stream=True, **kw) if c.choices]
+        deltas = [d for c in chunks for d in c.delta.tool_calls or []]
+        text = "".join(c.delta.content or "" for c in chunks)
+        assert chunks[-1].finish_reason == ("tool_calls" if calls else "stop")
+        assert len(deltas) == calls and text == ("" if calls else broken.message.content)
+        if calls:  # held to the end, then whole: one delta with id, name and arguments
+            assert deltas[0].function.arguments == met.message.tool_calls[0].function.arguments
+
+
+@pytest.mark.slow
+def test_the_check_holds_on_the_messages_and_responses_roads(server, client):
+    """Anthropic's Messages and OpenAI's Responses take the chat road: a forced call that
+    breaks its schema is text there too (no tool_use block, no function_call item)."""
+    tool, model = _record("^x")["function"], client.models.list().data[0].id
+    messages = _post(server, "/v1/messages", {
+        "model": model, "max_tokens": 60, "temperature": 0,
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [{"name": "weather", "input_schema": tool["parameters"]}],
+        "tool_choice": {"type": "tool", "name": "weather"}})  # fmt: skip
+    assert [b["type"] for b in messages["content"]] == ["text"]
+    assert messages["stop_reason"] == "end_turn" and '"city"' in messages["content"][0]["text"]
+    response = _post(server, "/v1/responses", {
+        "model": model, "max_output_tokens": 60, "temperature": 0, "input": "Weather in Paris?",
+        "tools": [{"type": "function", **tool}],
+        "tool_choice": {"type": "function", "name": "weather"}})  # fmt: skip
+    assert [item["type"] for item in response["output"]] == ["message"]
+    assert '"city"' in response["output"][0]["content"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def llama3_server(tools_model_dir):
+    with kvlm_serve("--model", str(tools_model_dir), "--max-context", "2048", "--threads", "2",
+                    "--tool-call-parser", "llama3_json") as (p, _):  # fmt: skip
+        yield p
+
+
+@pytest.mark.slow
+def test_a_call_no_grammar_made_is_checked_on_ollamas_road(llama3_server):
+    """tool_choice auto in the llama3_json format has no grammar for the calls: each is
+    checked against its whole schema. Ollama's `format` (a response_format) makes the
+    model write a call; "city" breaks a propertyNames of "^x", and meets "^c"."""
+    shape = {"type": "object", "properties": {
+        "name": {"const": "weather"}, "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+            "additionalProperties": False}},
+        "required": ["name", "parameters"], "additionalProperties": False}  # fmt: skip
+    model = _get(llama3_server, "/api/tags")["models"][0]["name"]
+    replies = []
+    for keys in ("^c", "^x"):
+        body = {"model": model, "stream": False, "format": shape, "tools": [_record(keys)],
+                "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                "options": {"temperature": 0, "num_predict": 60}}  # fmt: skip
+        replies.append(_post(llama3_server, "/api/chat", body)["message"])
+    met, broken = replies
+    assert [c["function"]["name"] for c in met["tool_calls"]] == ["weather"]
+    assert not broken.get("tool_calls")
+    assert json.loads(broken["content"])["parameters"] == met["tool_calls"][0]["function"][
+        "arguments"]  # fmt: skip
+
+
+def _get(port: int, path: str) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as answer:
+        return json.loads(answer.read())
+
+
 def _post(port: int, path: str, body: dict) -> dict:
     import urllib.request
 

@@ -15,6 +15,10 @@ the key. A prompt of fewer full blocks is keyed by those it has; one with none h
 (it shares nothing worth routing for). A body the ingress cannot read has no key either:
 the replica it lands on answers its 400.
 
+Ollama's /api/chat and /api/generate are keyed by the chat (or, raw, the completion) they
+mean (kvlm.server.ollama), as the replica runs it, so an Ollama client's conversation meets
+its prefix too.
+
 A Responses request that names a stored response (`previous_response_id`, an
 `item_reference`, or GET/DELETE/cancel of /v1/responses/{id}) must reach the replica that
 stored it: each replica writes its tag (`replica_tag`, 8 hex digits of its Ray Serve
@@ -34,14 +38,15 @@ import sys
 from kvlm.cache.prefix import block_key, root_key
 from kvlm.errors import KvlmError
 from kvlm.loading.tokenizer import Tokenizer
-from kvlm.server import anthropic, responses_api
+from kvlm.server import anthropic, ollama, responses_api
 from kvlm.server.anthropic import MessagesRequest
 from kvlm.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvlm.server.responses_api import ResponsesRequest
 
 ROUTE_BLOCKS = 4
 _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-           "/v1/messages": MessagesRequest, "/v1/responses": ResponsesRequest}  # fmt: skip
+           "/v1/messages": MessagesRequest, "/v1/responses": ResponsesRequest,
+           "/api/chat": ollama.ChatRequest, "/api/generate": ollama.GenerateRequest}  # fmt: skip
 _RESPONSES = "/v1/responses"
 
 
@@ -82,6 +87,8 @@ def route_key(
         request = model.model_validate_json(body)
         if isinstance(request, MessagesRequest):  # the chat it means (as the replica runs it)
             request = anthropic.to_chat(request)
+        elif isinstance(request, (ollama.ChatRequest, ollama.GenerateRequest)):
+            request = _ollama(request)
         elif isinstance(request, ResponsesRequest):  # one naming nothing stored (else affinity)
             if request.previous_response_id is not None:
                 return None
@@ -92,6 +99,18 @@ def route_key(
         return chain_key(prompt_ids(request, tokenizer), request.cache_salt, block_size, blocks)
     except (ValueError, KvlmError, struct.error):  # pydantic's ValidationError is a ValueError;
         return None  # struct.error: a token id past 2**32 (the replica says which)
+
+
+def _ollama(
+    request: ollama.ChatRequest | ollama.GenerateRequest,
+) -> ChatCompletionRequest | CompletionRequest:
+    """The chat (or, a raw generate, the completion) an Ollama body means, as the replica
+    reads it (kvlm.server.app ollama_routes; the model's name is the replica's to check)."""
+    if isinstance(request, ollama.ChatRequest):
+        return ollama.to_chat(request, request.model)
+    if request.raw:
+        return ollama.to_completion(request, request.model)
+    return ollama.generate_chat(request, request.model)
 
 
 def _none(_: str) -> None:  # no stored item is known here (a reference: affinity routes)

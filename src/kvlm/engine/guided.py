@@ -53,6 +53,9 @@ class Compiled:
     matcher: Any  # llguidance.LLMatcher
     vocab_size: int
     first_mask: bytes | None = None  # its mask at the start (compute_bitmask's bytes)
+    # what llguidance says it left out of the grammar (a lenient schema's keywords it does
+    # not implement: 'Unimplemented keys: ["propertyNames"]'); () where nothing
+    warnings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +157,7 @@ def compile_guide(guide: Guide, tokenizer, vocab_size: int) -> Guide:
         tok = ll_tokenizer(tokenizer, vocab_size)
         job = _COMPILES.submit(build_matcher, guide.kind, guide.spec, guide.param, tok)
         matcher, first = job.result()
-        compiled = Compiled(matcher, vocab_size, first)
+        compiled = Compiled(matcher, vocab_size, first, tuple(matcher.get_grammar_warnings()))
         with _compile_lock:
             kept[key] = compiled
             while len(kept) > KEEP_COMPILED:

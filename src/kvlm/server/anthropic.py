@@ -331,7 +331,7 @@ def _tool_use(call: dict[str, Any], whole: bool) -> dict[str, Any]:
     fn = call["function"]
     try:
         args = json.loads(fn["arguments"]) if whole else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # cut off, or nested too deep
         args = {}
     return {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": args}
 

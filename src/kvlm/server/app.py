@@ -67,6 +67,7 @@ from kvlm.server.protocol import (
     error_body,
 )
 from kvlm.server.responses import Choices, encode_json
+from kvlm.server.tool_check import tool_checks
 
 log = logging.getLogger("kvlm.server")
 _PROMPT_TAIL = 32  # the prompt's last tokens read for an open <think>
@@ -374,23 +375,28 @@ async def _chat_parts(
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = _params(body, ids, s.max_len, top, request)
     forced = body.forced_tool()
+    calls = None  # the calls' grammar
     if forced is not None:  # tool_choice "required" or named: the output is the calls
         # (a response_format given too is for text replies, which a forced call has none
         # of: OpenAI answers such a request with the call, as agent SDKs send it)
         name = None if forced == "required" else forced
-        params.guide = tools_mod.forced_guide(tools or [], name, body.parallel_tool_calls)
+        calls = tools_mod.forced_guide(tools or [], name, body.parallel_tool_calls)
+        params.guide = calls
     # a guided reply (a forced call, a format) takes its guide's shape from its first
     # token: a <think> the prompt opened does not hold for it
     think = s.reasoning_parser is not None
     opened = think and params.guide is None and reasoning.starts_thinking(
         s.tokenizer.decode(ids[-_PROMPT_TAIL:], skip_special_tokens=False))  # fmt: skip
     if tools and forced is None and params.guide is None and s.tool_parser == "hermes":
-        params.guide = tools_mod.auto_guide(tools)  # a call, once begun, is well formed
+        calls = tools_mod.auto_guide(tools)  # a call, once begun, is well formed
+    if calls is not None:  # compiled now: what it left out of the schemas is checked after
+        calls = params.guide = await s.engine.compile_guide(calls)
     choices = Choices(s.tokenizer, params.n, chat=True, want_logprobs=body.logprobs,
                       prompts=[ids] * params.n,
                       want_prompt_logprobs=body.prompt_logprobs is not None,
                       tools=tools is not None,
                       tool_parser=None if forced is not None else s.tool_parser,
+                      tool_checks=tool_checks(tools, calls),
                       reasoning=think, thinking=opened)  # fmt: skip
     return ids, params, choices
 
@@ -425,32 +431,37 @@ def anthropic_routes(v1: APIRouter, s: _Served) -> None:
 def ollama_routes(app: FastAPI, s: _Served, auth: Any) -> APIRouter:
     """Ollama's API (kvlm.server.ollama) under /api. `GET`/`HEAD /` and `/api/version`
     answer anyone (the probes Ollama's clients send first, as /health); the rest takes the
-    key as /v1 does. Not in /openapi.json, which describes the OpenAI and Anthropic API."""
-    api = APIRouter(prefix="/api", dependencies=[auth], include_in_schema=False)
+    key as /v1 does. In /openapi.json with their answers (kvlm.server.openapi `ollama`)."""
+    api = APIRouter(prefix="/api", dependencies=[auth])
+    gen = openapi.ollama(openapi.OllamaReply, 400, 401, 404, 408, 413, 500, 503, lines=True)
     info, name, started = s.engine.info, ollama.served_name(s.model_name), ollama.now()
     details = ollama.details(info.config)
     entry = {"name": name, "model": name, "modified_at": started, "size": info.weight_bytes,
              "digest": hashlib.sha256(s.fingerprint.encode()).hexdigest(),
              "details": details}  # fmt: skip
 
-    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    text = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
+
+    @app.api_route("/", methods=["GET", "HEAD"], response_class=PlainTextResponse, responses=text)
     async def root() -> PlainTextResponse:
         return PlainTextResponse("Ollama is running (kvlm serves Ollama's API under /api)")
 
-    @app.api_route("/api/version", methods=["GET", "HEAD"], include_in_schema=False)
+    @app.api_route("/api/version", methods=["GET", "HEAD"],
+                   responses={200: {"model": openapi.OllamaVersion}})  # fmt: skip
     async def version() -> dict:
         return {"version": ollama.API_VERSION, "kvlm": __version__}
 
-    @api.api_route("/tags", methods=["GET", "HEAD"])
+    @api.api_route("/tags", methods=["GET", "HEAD"],
+                   responses=openapi.ollama(openapi.OllamaModels, 401))  # fmt: skip
     async def tags() -> dict:
         return {"models": [entry]}
 
-    @api.get("/ps")
+    @api.get("/ps", responses=openapi.ollama(openapi.OllamaModels, 401))
     async def ps() -> dict:
         return {"models": [entry | {"expires_at": ollama.NEVER, "context_length": s.max_len,
                                     "size_vram": info.weight_bytes_gpu}]}  # fmt: skip
 
-    @api.post("/show")
+    @api.post("/show", responses=openapi.ollama(openapi.OllamaShow, 400, 401, 404, 408, 413))
     async def show(body: ollama.ShowRequest) -> dict:
         _check_model(ollama.resolve(body.which, s.model_name), s.model_name)
         caps = ollama.capabilities(s.reasoning_parser is not None)
@@ -460,7 +471,8 @@ def ollama_routes(app: FastAPI, s: _Served, auth: Any) -> APIRouter:
                 "model_info": ollama.model_info(info.config, s.max_len),
                 "capabilities": caps, "modified_at": started}  # fmt: skip
 
-    @api.post("/pull")
+    @api.post("/pull", responses=openapi.ollama(openapi.OllamaStatus, 400, 401, 404, 408, 413,
+                                                 lines=True))  # fmt: skip
     async def pull(body: ollama.PullRequest) -> Any:
         if ollama.resolve(body.which, s.model_name) != s.model_name:
             raise ServerError(404, f"kvlm pulls no models: it serves {name!r}, loaded when it "
@@ -471,7 +483,7 @@ def ollama_routes(app: FastAPI, s: _Served, auth: Any) -> APIRouter:
             return Response(text, media_type="application/x-ndjson")
         return lines[0]
 
-    @api.post("/chat")
+    @api.post("/chat", responses=gen)
     async def chat(body: ollama.ChatRequest, request: Request) -> Any:
         started = time.perf_counter_ns()
         if not body.messages:  # Ollama's way to load a model
@@ -481,7 +493,7 @@ def ollama_routes(app: FastAPI, s: _Served, auth: Any) -> APIRouter:
         reply = ollama.Reply(name, True, choices, len(ids), started)
         return await _ollama_run(s, request, body, req, ids, params, reply)
 
-    @api.post("/generate")
+    @api.post("/generate", responses=gen)
     async def generate(body: ollama.GenerateRequest, request: Request) -> Any:
         started = time.perf_counter_ns()
         if not body.prompt:  # Ollama's way to load a model
@@ -496,15 +508,17 @@ def ollama_routes(app: FastAPI, s: _Served, auth: Any) -> APIRouter:
         reply = ollama.Reply(name, False, choices, len(ids), started)
         return await _ollama_run(s, request, body, req, ids, params, reply)
 
-    @api.post("/embed")
-    @api.post("/embeddings")
+    @api.post("/embed", responses=openapi.ollama(None, 400, 401))
+    @api.post("/embeddings", responses=openapi.ollama(None, 400, 401))
     async def embeddings() -> None:
         raise ServerError(400, "kvlm serves text generation; it does not serve embeddings")
 
-    @api.post("/create")
-    @api.post("/copy")
-    @api.post("/push")
-    @api.delete("/delete")
+    refused = openapi.ollama(None, 400, 401)
+
+    @api.post("/create", responses=refused)
+    @api.post("/copy", responses=refused)
+    @api.post("/push", responses=refused)
+    @api.delete("/delete", responses=refused)
     async def manage() -> None:
         raise ServerError(400, f"kvlm serves one model, {name!r}, loaded when it started: it "
                           "does not create, copy, push or delete models")  # fmt: skip

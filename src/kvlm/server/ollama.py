@@ -447,7 +447,7 @@ def _call(call: dict[str, Any], index: int) -> dict[str, Any]:
     fn = call["function"]
     try:
         args = json.loads(fn["arguments"] or "{}")
-    except ValueError:
+    except (ValueError, RecursionError):  # cut off, or nested too deep
         args = {}
     return {"id": call["id"], "function": {"index": index, "name": fn["name"],
                                            "arguments": args}}  # fmt: skip

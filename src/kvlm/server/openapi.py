@@ -3,8 +3,10 @@ fuzzers (tests/test_server_fuzz.py runs schemathesis against it) read.
 
 Request bodies are kvlm.server.protocol's models. The responses below are documentation
 only (the routes build plain dicts, kvlm.server.responses): each route lists its JSON and
-SSE bodies and every error status it can answer, with OpenAI's error body. FastAPI's own
-422 is dropped: kvlm answers a bad request with 400, as OpenAI does.
+SSE bodies and every error status it can answer, with OpenAI's error body (Anthropic's
+under /v1/messages; Ollama's routes under /api their JSON or NDJSON lines and Ollama's
+error body). FastAPI's own 422 is dropped: kvlm answers a bad request with 400, as OpenAI
+does.
 """
 
 from __future__ import annotations
@@ -280,6 +282,67 @@ class Deleted(BaseModel):
     deleted: bool
 
 
+class OllamaError(BaseModel):
+    """Ollama's error body: the /api routes' errors (and a failed stream's last line)."""
+
+    error: str
+
+
+class OllamaMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+    thinking: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # {id, function: {index, name, arguments}}
+
+
+class OllamaReply(BaseModel):
+    """/api/chat's answer (`message`) or /api/generate's (`response`, `thinking`); streamed,
+    each NDJSON line is one, `done` false, the last `done` true with `done_reason` and the
+    counts and durations (nanoseconds)."""
+
+    model: str
+    created_at: str
+    message: OllamaMessage | None = None
+    response: str | None = None
+    thinking: str | None = None
+    logprobs: list[dict[str, Any]] | None = None
+    done: bool
+    done_reason: Literal["stop", "length", "load"] | None = None
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+
+
+class OllamaModels(BaseModel):
+    """/api/tags and /api/ps: the one model served."""
+
+    models: list[dict[str, Any]]
+
+
+class OllamaShow(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    modelfile: str
+    parameters: str
+    template: str
+    details: dict[str, Any]
+    model_info: dict[str, Any]
+    capabilities: list[str]
+
+
+class OllamaStatus(BaseModel):
+    """/api/pull's answer (streamed: its NDJSON lines)."""
+
+    status: str
+
+
+class OllamaVersion(BaseModel):
+    version: str
+    kvlm: str
+
+
 # An SSE event (OpenAPI before 3.2: the media type's schema describes one event): `data`
 # is a chunk or an error body as JSON, or the closing "[DONE]".
 STREAMS = {CompletionResponse: CompletionChunk, ChatCompletionResponse: ChatCompletionChunk,
@@ -307,6 +370,23 @@ def generation(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     sse = {"text/event-stream": {"schema": _event(STREAMS[model].__name__, error.__name__)}}
     ok = {"model": model, "description": "The completion, or its SSE stream.", "content": sse}
     return {200: ok, **errors(400, 401, 404, 408, 413, 500, 503, body=error)}
+
+
+def ollama(
+    model: type[BaseModel] | None, *statuses: int, lines: bool = False
+) -> dict[int | str, dict[str, Any]]:
+    """An Ollama route (/api): `model` as JSON (`lines`: or, with `stream`, NDJSON lines,
+    each one `model` or the error line that ends a failed stream); its errors in Ollama's
+    body. `model` None: a route that answers only errors."""
+    out: dict[int | str, dict[str, Any]] = errors(*statuses, body=OllamaError)
+    if model is not None:
+        out[200] = {"model": model, "description": "The answer."}
+    if model is not None and lines:
+        ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+        line = {"anyOf": [ref, {"$ref": "#/components/schemas/OllamaError"}]}
+        out[200] |= {"description": "The answer, or with `stream` its NDJSON lines.",
+                     "content": {"application/x-ndjson": {"schema": line}}}  # fmt: skip
+    return out
 
 
 def _event(chunk: str, error: str) -> dict[str, Any]:
@@ -356,9 +436,9 @@ def install(app: FastAPI, model: str, max_samples: int, max_prompts: int) -> Non
 def _nulls_allowed(components: dict[str, Any]) -> None:
     """An optional request field may be null (its default: protocol._Body), so the
     schema says so: each non-required property of a request model also takes null."""
-    from kvlm.server import anthropic, protocol, responses_api
+    from kvlm.server import anthropic, ollama, protocol, responses_api
 
-    bodies = {name for module in (protocol, anthropic, responses_api)
+    bodies = {name for module in (protocol, anthropic, ollama, responses_api)
               for name, obj in vars(module).items()
               if isinstance(obj, type) and issubclass(obj, protocol._Body)}  # fmt: skip
     for name in bodies & components.keys():

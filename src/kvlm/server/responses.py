@@ -16,6 +16,7 @@ streamed:     the same with "text_completion" / "chat.completion.chunk" and, for
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from kvlm.engine.engine import StepOutput
 from kvlm.engine.sampling import TokenLogprob
 from kvlm.loading.tokenizer import Tokenizer
 from kvlm.server.reasoning import ReasoningStream, split
+from kvlm.server.tool_check import ToolChecks
 from kvlm.server.tools import ToolStream, parse
 
 
@@ -51,8 +53,10 @@ class Choices:
     max_tokens 0, the one token the engine made is dropped. `want_prompt_logprobs`:
     vLLM's field in each choice. `tools` offered: each choice's text is read for calls
     (kvlm.server.tools), in the model's format (`tool_parser`) or, tool_choice forced
-    (None), as a JSON array of calls. `reasoning`: a chat choice's `<think>` text goes to
-    `reasoning_content` (kvlm.server.reasoning; `thinking`: the prompt left it open)."""
+    (None), as a JSON array of calls; `tool_checks`: the calls are checked against their
+    tools' whole schemas (kvlm.server.tool_check). `reasoning`: a chat choice's `<think>`
+    text goes to `reasoning_content` (kvlm.server.reasoning; `thinking`: the prompt left
+    it open)."""
 
     tokenizer: Tokenizer
     count: int
@@ -64,6 +68,7 @@ class Choices:
     want_prompt_logprobs: bool = False
     tools: bool = False
     tool_parser: str | None = None
+    tool_checks: ToolChecks | None = None
     reasoning: bool = False
     thinking: bool = False
     # per engine request: its prompt tokens cached
@@ -73,7 +78,8 @@ class Choices:
     _texts: dict[int, str] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
-        self.state = [_Choice(i, tools=ToolStream(self.tool_parser) if self.tools else None,
+        streams = functools.partial(ToolStream, self.tool_parser, self.tool_checks)
+        self.state = [_Choice(i, tools=streams() if self.tools else None,
                               think=ReasoningStream(self.thinking) if self.reasoning else None)
                       for i in range(self.count)]  # fmt: skip
 
@@ -150,9 +156,11 @@ class Choices:
 
     def _with_calls(self, body: dict[str, Any], text: str, finish: str | None) -> None:
         """A whole chat reply's tool calls into its message (finish_reason "tool_calls")."""
-        content, calls = parse(text, self.tool_parser)  # None: forced, all calls
-        if self.tool_parser is None and not calls:  # a forced call cut before its name
-            body["message"]["content"] = None  # ends: no text, as its stream sends none
+        content, calls = parse(text, self.tool_parser, self.tool_checks)  # None: forced
+        if self.tool_parser is None and not calls:
+            # forced, no call: cut before its name (content None, as its stream sends no
+            # text), or calls that break their schemas (their text, as streamed)
+            body["message"]["content"] = content
         if calls:
             body["message"] = {"role": "assistant", "content": content,
                                "tool_calls": [c.to_dict() for c in calls]}  # fmt: skip

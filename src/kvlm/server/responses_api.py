@@ -61,6 +61,14 @@ _HOSTED = ("web_search", "web_search_2025_08_26", "web_search_preview",
            "image_generation", "mcp", "computer", "computer_use_preview", "local_shell",
            "shell", "custom", "apply_patch", "tool_search",
            "programmatic_tool_calling")  # fmt: skip
+# The tools OpenAI runs itself that a tool_choice may name (openai-python's
+# ToolChoiceTypes, and its ToolChoiceMcp): "the model should use a built-in tool to generate
+# a response" (HostedChoice). The others of _HOSTED are called by the client (custom,
+# shell, apply_patch, ...): kvlm does not offer them, so a call of one cannot be forced.
+_RUN_BY_OPENAI = ("web_search", "web_search_2025_08_26", "web_search_preview",
+                  "web_search_preview_2025_03_11", "file_search", "code_interpreter",
+                  "image_generation", "mcp", "computer", "computer_use",
+                  "computer_use_preview")  # fmt: skip
 
 
 class _Part(_Body):
@@ -170,6 +178,16 @@ class NamedFunction(protocol.NamedFunction):
     type: Literal["function"]
 
 
+class HostedChoice(BaseModel):
+    """tool_choice naming a tool OpenAI runs itself (`{"type": "web_search_preview"}`, ...):
+    its model uses that tool to generate its response, a message, and calls no function.
+    kvlm runs no hosted tool, so the response is the model's message, as under "none" (the
+    functions not offered), whether the tool is among `tools` or not; echoed as given."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal[_RUN_BY_OPENAI]
+
+
 class TextFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
     name: Text | None = None
@@ -195,7 +213,7 @@ class ResponsesRequest(_Body):
     instructions: Text | None = None
     previous_response_id: Text | None = None
     tools: Annotated[list[ToolParam], Field(max_length=MAX_TOOLS)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | HostedChoice | None = None
     parallel_tool_calls: bool = True
     max_tool_calls: Annotated[int, Field(ge=1)] | None = None
     text: TextConfig | None = None
@@ -246,6 +264,12 @@ class ResponsesRequest(_Body):
             if isinstance(kind, str) and kind not in ("function", "namespace", *_HOSTED):
                 raise Unsupported("tools", f"{kind} tools are not supported: kvlm offers "
                                   "function tools (and namespaces of them)")  # fmt: skip
+        choice = data.get("tool_choice")
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        if isinstance(kind, str) and kind in _HOSTED and kind not in _RUN_BY_OPENAI:
+            raise Unsupported("tool_choice", f"{kind} tools are accepted but not offered to "
+                              "the model (kvlm offers function tools): a call of one cannot "
+                              "be forced")  # fmt: skip
         return data
 
     @model_validator(mode="after")
@@ -302,6 +326,8 @@ def to_chat(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompl
     choice = body.tool_choice
     if isinstance(choice, NamedFunction):
         chat["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    elif isinstance(choice, HostedChoice):  # a message, no function call (HostedChoice)
+        chat["tool_choice"] = "none"
     elif choice is not None:
         chat["tool_choice"] = choice
     fmt = body.text.format if body.text is not None else None
@@ -521,7 +547,7 @@ class Reply:
 
 
 def _echo_choice(choice: Any) -> Any:
-    if isinstance(choice, NamedFunction):
+    if isinstance(choice, (NamedFunction, HostedChoice)):
         return choice.model_dump()
     return choice or "auto"
 

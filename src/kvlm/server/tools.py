@@ -17,34 +17,45 @@ tool_choice "required" or a named function the output is constrained (kvlm.engin
 to a JSON array of calls, [{"name", "arguments"}], as vLLM constrains it, whatever the
 model's own format; cut off by max_tokens, the calls begun are returned (`parse_forced`).
 A template that does not render tools gets them written into its system turn
-(kvlm.loading.tokenizer TOOLS_SYSTEM, the hermes format).
+(kvlm.loading.tokenizer TOOLS_SYSTEM, the hermes format). Where the grammar left part of a
+tool's schema out (llguidance's `lenient`: TOOL_JSON) or no grammar made the calls, they
+are checked against the whole schema once parsed, and a call that breaks it leaves the
+reply text (kvlm.server.tool_check).
 
 Streaming: content streams as it comes, except from the first character that may open a
 call (the hermes tag, or a reply that opens with "{" / "<|python_tag|>" for llama3_json):
-from there the text is held, and parsed at the end into one delta per call (id, name and
-the whole arguments), which OpenAI's clients accumulate like any split.
+from there the text is held. A hermes or forced call streams as OpenAI streams it (its id
+and name, then its arguments as they come); llama3_json's calls, and those of a request
+whose calls are checked, are parsed at the end into one delta per call (id, name and the
+whole arguments), which OpenAI's clients accumulate like any split.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvlm.engine.guide_limits import check_bounds
 from kvlm.engine.guide_worker import JSON_STYLE
 from kvlm.engine.guided import Guide
 
+if TYPE_CHECKING:
+    from kvlm.server.tool_check import ToolChecks
+
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 # A tool's schema in the grammar: JSON_STYLE, and a keyword llguidance does not implement
 # (`propertyNames`, which zod writes for a record and Claude Code's tools carry) left out
-# of the grammar rather than refusing the request: the tools are the client's, which
-# validates each call's input against the whole schema (an agent answers a bad one with
-# an error result the model reads). A response_format schema stays strict: a 400.
+# of the grammar rather than refusing the request; the calls are then checked against the
+# whole schema after the fact (kvlm.server.tool_check). A response_format schema stays
+# strict: a 400.
 TOOL_JSON = JSON_STYLE | {"lenient": True}
 PYTHON_TAG = "<|python_tag|>"
+
+log = logging.getLogger("kvlm.server")
 
 
 def parser_for(template: str | None) -> str:
@@ -75,7 +86,7 @@ def _call(obj: Any, args_key: str = "arguments") -> Call | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
@@ -104,9 +115,22 @@ def _hermes_bodies(text: str) -> list[tuple[str, str]]:
     return out
 
 
-def parse(text: str, parser: str | None) -> tuple[str | None, list[Call]]:
+def parse(
+    text: str, parser: str | None, checks: ToolChecks | None = None
+) -> tuple[str | None, list[Call]]:
     """(content, calls) of a whole reply; no calls: (text, []). `parser` None: tool_choice
-    forced, the whole text is the calls (parse_forced)."""
+    forced, the whole text is the calls (parse_forced; none begun: (None, [])). `checks`:
+    a call that breaks its tool's whole schema leaves the reply text, forced or not
+    (kvlm.server.tool_check)."""
+    content, calls = _parsed(text, parser)
+    why = checks.broken(calls) if checks is not None and calls else None
+    if why is not None:
+        log.info("a tool call breaks its schema, the reply stays text: %s", why)
+        return text, []
+    return content, calls
+
+
+def _parsed(text: str, parser: str | None) -> tuple[str | None, list[Call]]:
     if parser is None:
         return None, parse_forced(text)
     if parser == "hermes":
@@ -117,7 +141,8 @@ def parse(text: str, parser: str | None) -> tuple[str | None, list[Call]]:
         for body, closed in _hermes_bodies(text[start:]):
             try:
                 objects.append(json.loads(body))
-            except ValueError:  # cut off (max_tokens): the call as far as it came, or none
+            except (ValueError, RecursionError):  # cut off (max_tokens), or nested too deep:
+                # the call as far as it came, or none
                 begun = _begun(body)
                 if len(begun) == 1:
                     objects.append(Call(*begun[0]))
@@ -149,7 +174,7 @@ def _json_objects(text: str) -> list[Any]:
             break
         try:
             obj, i = decoder.raw_decode(text, i)
-        except ValueError:
+        except (ValueError, RecursionError):
             return []
         out.append(obj)
     return out
@@ -196,7 +221,7 @@ def parse_forced(text: str) -> list[Call]:
     last with its arguments as far as they came (OpenAI's answer when a call is cut)."""
     try:
         calls = [_call(obj) for obj in json.loads(text)]
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):
         return [Call(name, args) for name, args in _begun(text)]
     return [c for c in calls if c is not None]
 
@@ -220,7 +245,7 @@ def _begun(text: str) -> list[tuple[str, str]]:
         try:
             args, _ = json.JSONDecoder().raw_decode(body)
             body = json.dumps(args, ensure_ascii=False)
-        except ValueError:
+        except (ValueError, RecursionError):
             pass  # cut off: its text as far as it came
         out.append((json.loads(match.group(1)), body))
     return out
@@ -230,14 +255,18 @@ class ToolStream:
     """One streamed choice's text: passes content through, holds what may be a call. In
     the hermes format and forced, a call streams as OpenAI streams it: a first delta with
     its id and name once the name is written, then its arguments' text as it comes
-    (`deltas()`); in llama3_json each call comes whole at the end."""
+    (`deltas()`); in llama3_json, and where the calls are checked (`checks`: a call that
+    breaks its schema leaves the reply text, which a call sent as it came could not), each
+    call comes whole at the end."""
 
-    def __init__(self, parser: str | None) -> None:
+    def __init__(self, parser: str | None, checks: ToolChecks | None = None) -> None:
         self.parser = parser  # None: forced (the whole output is the calls' JSON)
+        self.checks = checks
         self.text = ""  # everything so far
         self.shown = 0  # characters of it sent as content
         self.holding = parser is None
-        self.calls = _CallScanner() if parser in (None, "hermes") else None
+        scan = parser in (None, "hermes") and checks is None
+        self.calls = _CallScanner() if scan else None
 
     def push(self, delta: str) -> str:
         """The content to send now for this new text."""
@@ -285,9 +314,10 @@ class ToolStream:
         """At the end: (content still to send, the calls not streamed as they came)."""
         if self.began:
             return "", []
-        _, calls = parse(self.text, self.parser)
-        if not calls and self.parser is not None:  # held text that is no call: content
-            return self._release(len(self.text)), []
+        content, calls = parse(self.text, self.parser, self.checks)
+        if not calls:  # held text that is no call (or calls that break their schemas):
+            # content; a forced reply cut before its first name has none
+            return (self._release(len(self.text)) if content is not None else ""), []
         return "", calls  # what came before the calls was sent as it came
 
 
