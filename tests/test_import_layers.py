@@ -182,3 +182,10 @@ def test_the_arch_package_reads_config_helpers_only():
     below = {unit(t) for m, ts in EDGES.items() if unit(m) == "arch" for t in ts}
     assert below <= {"arch", "config", "errors"}
 
+
+def test_no_module_outside_the_family_file_and_the_registry_names_gemma():
+    """The knowledge check of issue [20]: `grep -ril gemma src/kvlm --include=*.py` lists
+    Gemma's family file and the registry only (a comment naming it elsewhere is knowledge
+    of the family outside its file too)."""
+    naming = {m for m, path in MODS.items() if "gemma" in path.read_text().lower()}
+    assert naming == {"kvlm.arch.gemma", "kvlm.arch"}
