@@ -163,7 +163,7 @@ def write_hf(spec: Spec, folder: Path) -> Path:
     its vocabulary's tokenizer.json."""
     from safetensors.numpy import save_file
 
-    from kvlm.loading.gguf import hf_name
+    from kvlm.arch import family
     from kvlm.loading.tokenizer import tokenizer_from_gguf
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -174,6 +174,7 @@ def write_hf(spec: Spec, folder: Path) -> Path:
     config |= {hf: meta[f"{arch}.{k}"] for k, hf in HF_KEYS.items() if f"{arch}.{k}" in meta}
     config.setdefault("vocab_size", len(meta["tokenizer.ggml.tokens"]))
     (folder / "config.json").write_text(json.dumps(config))
+    hf_name = family("llama").from_gguf_name
     tensors = {hf_name(n): np.ascontiguousarray(a, np.float32)
                for n, (a, _) in spec.tensors.items() if hf_name(n)}  # fmt: skip
     save_file(tensors, str(folder / "model.safetensors"))

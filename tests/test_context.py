@@ -24,7 +24,8 @@ from helpers import (
     write_gguf_from_hf,
 )
 from kvlm import LLM, SamplingParams
-from kvlm.config import ModelConfig, RopeScaling
+from kvlm.arch import config_from_hf
+from kvlm.config import RopeScaling
 from kvlm.model.layers import RotaryEmbedding, rope_inv_freq
 from numerics import assert_as_exact_as
 from serving import get, kvlm_serve
@@ -90,10 +91,10 @@ def test_cos_sin_are_transformers(name):
     if name == "yarn-for-context":  # kvlm's own choice, from an unscaled config
         from kvlm.config import for_context
 
-        plain = ModelConfig.from_hf(_hf_config({"rope_theta": 10000.0}).to_dict())
+        plain = config_from_hf(_hf_config({"rope_theta": 10000.0}).to_dict())
         config, _ = for_context(plain, 2 * TRAINED)
     else:
-        config = ModelConfig.from_hf(hf.to_dict())
+        config = config_from_hf(hf.to_dict())
     assert config.rope_scaling.rope_type == params["rope_type"]
     inv_freq, attention = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf, "cpu")
     assert torch.equal(rope_inv_freq(config), inv_freq)
@@ -263,6 +264,23 @@ def test_serve_bounds_the_default_context_by_the_pool(tiny_model_dir, tmp_path):
         f"context of {TRAINED}: the context limit is {fits} (--kv-memory or --kv-blocks "
         "raise it)"
     ], log
+
+
+def test_a_familys_block_fields_leave_its_fingerprints_as_they_were(tiny_model_dir):
+    """A ModelConfig's block composition (activation, norm layout, embedding scale) is set
+    by the family from the architecture and the sizes, which the fingerprint hashes: it is
+    not hashed again, so a Gemma model's cache files and tier records saved before those
+    were fields still read as the same model's."""
+    import dataclasses
+
+    from kvlm.model.weights import fingerprint_of
+
+    config = LLM(model=tiny_model_dir("gemma3"), progress=False).config
+    assert (config.activation, config.norm_layout, config.embed_scale) == (
+        "gelu_tanh", "sandwich", 64**0.5)  # fmt: skip
+    llama_block = dataclasses.replace(config, activation="silu", norm_layout="pre",
+                                      embed_scale=None)  # fmt: skip
+    assert fingerprint_of(llama_block, b"w") == fingerprint_of(config, b"w")
 
 
 def test_a_config_field_a_later_kvlm_adds_leaves_old_fingerprints_alone():

@@ -68,6 +68,31 @@ def test_gguf_reads_gemma3_as_hf_does(gguf_pair):
     assert_logits_as_hf(llm, folder)
 
 
+def test_both_formats_give_the_norms_folded_as_llama_cpp_stores_them(gguf_pair):
+    """The family folds its quirk into the weights at load (kvlm.arch.gemma.fold_hf): the
+    HF folder's norms come as 1 + w, as the GGUF file stores them, under the model's
+    names in both (Hugging Face's `pre_feedforward_layernorm` is the MLP's input norm,
+    llama.cpp's `ffn_norm`), so the model reads either without knowing the family."""
+    from safetensors import safe_open
+
+    from kvlm.loading.gguf import GGUFWeights
+    from kvlm.loading.hf import SafetensorsWeights
+
+    folder, path = gguf_pair
+    hf, gguf = SafetensorsWeights(folder), GGUFWeights(path)
+    assert set(hf.names()) == set(gguf.names())
+    stored = safe_open(str(next(folder.glob("*.safetensors"))), framework="pt")
+    roles = {"input_layernorm": "input_layernorm", "attn_out_norm": "post_attention_layernorm",
+             "post_attention_layernorm": "pre_feedforward_layernorm",
+             "mlp_out_norm": "post_feedforward_layernorm",
+             "self_attn.q_norm": "self_attn.q_norm"}  # fmt: skip
+    for ours, theirs in roles.items():
+        w = stored.get_tensor(f"model.layers.1.{theirs}.weight")
+        name = f"model.layers.1.{ours}.weight"
+        assert torch.equal(hf.get(name), 1.0 + w.float())
+        assert torch.equal(gguf.get(name), hf.get(name))
+
+
 def test_the_local_window_is_applied(gguf_pair):
     """Five layers of six see 8 tokens back: without that the logits are another
     function's (so the comparisons above can fail)."""
@@ -151,11 +176,11 @@ def test_a_gemma3_1b_shape_plans_a_fifth_of_the_bytes_at_32k():
     kept whole."""
     from dataclasses import replace
 
+    from kvlm.arch import config_from_hf
     from kvlm.cache import CacheSpec
     from kvlm.cache.factory import planned_nbytes
-    from kvlm.config import ModelConfig
 
-    config = ModelConfig.from_hf({
+    config = config_from_hf({
         "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152,
         "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
         "num_key_value_heads": 1, "head_dim": 256, "sliding_window": 512,
@@ -196,7 +221,7 @@ def test_gguf_reads_gemma2_as_hf_does(tiny_model_dir, tmp_path):
 
 
 def test_a_hostile_window_pattern_is_refused(tmp_path):
-    from kvlm.config import ModelConfig
+    from kvlm.arch import config_from_gguf
     from kvlm.errors import ModelLoadError, UnsupportedModelError
 
     meta = {"general.architecture": "gemma3", "gemma3.embedding_length": 64,
@@ -204,20 +229,20 @@ def test_a_hostile_window_pattern_is_refused(tmp_path):
             "gemma3.block_count": 4, "gemma3.attention.sliding_window": 8,
             "gemma3.attention.sliding_window_pattern": 0, "gemma3.vocab_size": 10}  # fmt: skip
     with pytest.raises(ModelLoadError, match="sliding_window_pattern is 0"):
-        ModelConfig.from_gguf(meta)
+        config_from_gguf(meta)
     meta["gemma3.attention.sliding_window_pattern"] = [True, False]  # 2 flags, 4 layers
     with pytest.raises(UnsupportedModelError, match="layer types for 4 layers"):
-        ModelConfig.from_gguf(meta)
+        config_from_gguf(meta)
     meta["gemma3.attention.sliding_window_pattern"] = 2
     for cap in (0.0, -30.0, float("inf"), float("nan")):  # cap * tanh(x / cap)
         meta["gemma3.final_logit_softcapping"] = cap
         with pytest.raises(ModelLoadError, match=r"final_logit_softcapping is .*; expected a "
                            r"finite number above 0"):  # fmt: skip
-            ModelConfig.from_gguf(meta)
+            config_from_gguf(meta)
     del meta["gemma3.final_logit_softcapping"]
     meta["gemma3.attention.key_length"] = -32  # the score scale head_dim ** -0.5
     with pytest.raises(ModelLoadError, match="key_length is -32; expected an integer at least 2"):
-        ModelConfig.from_gguf(meta)
+        config_from_gguf(meta)
 
 
 @pytest.mark.parametrize("mode", ["paged", "contiguous"])

@@ -16,9 +16,10 @@ from helpers import (
     write_gguf_from_hf,
 )
 from kvlm import LLM
+from kvlm.arch.llama import unpermute_qk
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 from kvlm.loading import load_model
-from kvlm.loading.gguf import GGUFWeights, unpermute_qk
+from kvlm.loading.gguf import GGUFWeights
 from numerics import U32, assert_as_exact_as
 
 UP = "model.layers.0.mlp.up_proj.weight"

@@ -3,7 +3,9 @@ function, under TYPE_CHECKING: each is a dependency) is read from the source, an
 
 - no two modules import each other, directly or round a ring;
 - no two packages do either (the package is the unit a reader holds in mind);
-- no module imports one of a layer above its own.
+- no module imports one of a layer above its own;
+- a family file of kvlm.arch is imported by the registry (kvlm.arch) alone, and imports
+  no other family's.
 
 LAYERS is the order, bottom first, written once here; docs/DESIGN.md draws the same.
 """
@@ -20,6 +22,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 LAYERS = (
     ("errors", "dtypes", "kernels"),  # no kvlm imports but these
     ("config",),  # the model's shape
+    ("arch",),  # the families: each one's config, tensor names, folds, tokenizer quirks
     ("cache",),  # the cache protocol and its modes, tiers, files
     ("model",),  # the transformer over a cache; the weight-source protocol
     ("loading", "defaults"),  # files -> weight sources, tokenizer; numerics by the CPU
@@ -157,3 +160,32 @@ def test_no_import_cycles_between_packages():
     for m, ts in EDGES.items():
         packages[unit(m)] |= {unit(t) for t in ts if unit(t) != unit(m)}
     assert cycles(packages) == KNOWN_PACKAGE_CYCLES
+
+
+# kvlm.arch's modules that are not a family's: the registry and what every family shares
+ARCH_SHARED = {"kvlm.arch", "kvlm.arch.family", "kvlm.arch.readers"}
+FAMILY_MODULES = {m for m in MODS if m.startswith("kvlm.arch.") and m not in ARCH_SHARED}
+
+
+def test_only_the_registry_imports_a_family_file():
+    """What a family is lives in its file: the rest of kvlm asks the registry (kvlm.arch)
+    and reads the ModelConfig and Family it gives, and no family builds on another's."""
+    assert {"kvlm.arch.llama", "kvlm.arch.gemma"} <= FAMILY_MODULES
+    importers = {(m, t) for m, ts in EDGES.items() for t in ts if t in FAMILY_MODULES}
+    assert {m for m, _ in importers} == {"kvlm.arch"}
+    assert {t for _, t in importers} == FAMILY_MODULES  # every family registered
+
+
+def test_the_arch_package_reads_config_helpers_only():
+    """kvlm.arch builds on kvlm.config (ModelConfig, Fields, value) and nothing of the
+    model, the caches or the loaders."""
+    below = {unit(t) for m, ts in EDGES.items() if unit(m) == "arch" for t in ts}
+    assert below <= {"arch", "config", "errors"}
+
+
+def test_no_module_outside_the_family_file_and_the_registry_names_gemma():
+    """The knowledge check of issue [20]: `grep -ril gemma src/kvlm --include=*.py` lists
+    Gemma's family file and the registry only (a comment naming it elsewhere is knowledge
+    of the family outside its file too)."""
+    naming = {m for m, path in MODS.items() if "gemma" in path.read_text().lower()}
+    assert naming == {"kvlm.arch.gemma", "kvlm.arch"}

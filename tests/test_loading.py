@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from kvlm.config import ModelConfig
+from kvlm.arch import config_from_gguf, config_from_hf
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 from kvlm.loading import load_model, resolve_model_path
 from kvlm.loading.default import DEFAULT_MODEL_FILE, default_model_path
@@ -44,7 +44,7 @@ def test_default_model_is_found_without_importing_it():
 
 
 def test_hf_config_with_legacy_rope_fields():
-    cfg = ModelConfig.from_hf(HF_LLAMA)
+    cfg = config_from_hf(HF_LLAMA)
     assert cfg.rope_theta == 500000.0
     assert cfg.rope_scaling.rope_type == "llama3" and cfg.rope_scaling.factor == 8.0
     assert cfg.head_dim == 16 and cfg.eos_token_ids == (1, 2)
@@ -54,7 +54,7 @@ def test_hf_config_with_legacy_rope_fields():
 def test_hf_config_with_transformers5_rope_parameters():
     raw = {k: v for k, v in HF_LLAMA.items() if k not in ("rope_theta", "rope_scaling")}
     raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 1234.0}
-    cfg = ModelConfig.from_hf(raw)
+    cfg = config_from_hf(raw)
     assert cfg.rope_theta == 1234.0 and cfg.rope_scaling.rope_type == "default"
 
 
@@ -68,7 +68,7 @@ def test_hf_config_with_transformers5_rope_parameters():
 )
 def test_unsupported_configs_are_named(change, message):
     with pytest.raises(UnsupportedModelError, match=message):
-        ModelConfig.from_hf({**HF_LLAMA, **change})
+        config_from_hf({**HF_LLAMA, **change})
 
 
 @pytest.mark.parametrize(
@@ -94,7 +94,7 @@ def test_bad_config_values_are_named(change, message):
     naming the key, what it holds and what was expected."""
     raw = {k: v for k, v in {**HF_LLAMA, **change}.items() if v is not None}
     with pytest.raises(ModelLoadError, match=message):
-        ModelConfig.from_hf(raw)
+        config_from_hf(raw)
 
 
 def test_gguf_metadata_config():
@@ -112,10 +112,10 @@ def test_gguf_metadata_config():
         "tokenizer.ggml.tokens": ["a"] * 50,
         "tokenizer.ggml.eos_token_id": 7,
     }
-    cfg = ModelConfig.from_gguf(meta)
+    cfg = config_from_gguf(meta)
     assert cfg.head_dim == 64 and cfg.qk_norm and cfg.vocab_size == 50 and cfg.eos_token_ids == (7,)
     with pytest.raises(UnsupportedModelError, match=r"lacks qwen3\.block_count"):
-        ModelConfig.from_gguf({k: v for k, v in meta.items() if k != "qwen3.block_count"})
+        config_from_gguf({k: v for k, v in meta.items() if k != "qwen3.block_count"})
 
 
 @pytest.fixture

@@ -33,7 +33,8 @@ FEATURES = {
 
 
 # The models of the grid: the Llama family (every layer one attention), and a hybrid one
-# (Gemma 3: layers with a window of 8 and layers that see the whole context)
+# (layers with a window of 8 and layers that see the whole context: tests/test_composition.py
+# builds it)
 MODELS = ("llama", "hybrid")
 
 

@@ -2,7 +2,8 @@
 
 Hub downloads are not always possible, and a benchmark of speed needs the shape and the
 storage types of a model, not its knowledge. `write_model` writes a GGUF file with the
-architecture, sizes and vocabulary of a real model (SHAPES) and the tensor types llama.cpp's
+architecture, sizes and vocabulary of a real model (SHAPES: each family file's, kvlm.arch)
+and the tensor types llama.cpp's
 quantizer gives each tensor for a file type (RECIPES: Q4_0, Q8_0, Q4_K_M, ...), each tensor
 random valid blocks (random codes, scales of a realistic size; gguf-py cannot quantize
 K-quants, and random blocks are what a random weight would quantize to anyway). The
@@ -14,11 +15,12 @@ to the shape's vocabulary size, so that both kvlm and llama.cpp load the file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from kvlm.arch import SHAPES, Shape, config_from_gguf
+from kvlm.config import ModelConfig
 from kvlm.loading.gguf_file import GGUFFile
 
 try:
@@ -27,40 +29,6 @@ try:
 except ImportError as exc:  # pragma: no cover - gguf is a declared dependency
     raise ImportError("kvlm needs the `gguf` package: pip install gguf") from exc
 
-
-@dataclass(frozen=True, slots=True)
-class Shape:
-    arch: str  # GGUF general.architecture: llama, qwen2, qwen3, gemma3
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    inter: int
-    vocab: int
-    tied: bool
-    rope_theta: float
-    context: int
-    eps: float = 1e-6
-    llama3_rope: bool = False  # Llama 3.x's rope_freqs factors
-    window: int | None = None  # Gemma 3: its local layers' window (every sixth is global)
-
-
-# The configurations of the models named (their config.json on the Hub).
-SHAPES = {
-    "qwen2.5-0.5b": Shape("qwen2", 896, 24, 14, 2, 64, 4864, 151936, True, 1e6, 32768),
-    "qwen2.5-1.5b": Shape("qwen2", 1536, 28, 12, 2, 128, 8960, 151936, True, 1e6, 32768),
-    "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 128, 3072, 151936, True, 1e6, 40960),
-    "qwen3-1.7b": Shape("qwen3", 2048, 28, 16, 8, 128, 6144, 151936, True, 1e6, 40960),
-    "llama-3.2-1b": Shape(
-        "llama", 2048, 16, 32, 8, 64, 8192, 128256, True, 5e5, 131072, 1e-5, llama3_rope=True
-    ),
-    "smollm2-135m": Shape("llama", 576, 30, 9, 3, 64, 1536, 49152, True, 1e5, 8192, 1e-5),
-    "smollm2-360m": Shape("llama", 960, 32, 15, 5, 64, 2560, 49152, True, 1e5, 8192, 1e-5),
-    "smollm2-1.7b": Shape("llama", 2048, 24, 32, 32, 64, 8192, 49152, True, 1.3e5, 8192, 1e-5),
-    "gemma-3-270m": Shape("gemma3", 640, 18, 4, 1, 256, 2048, 262144, True, 1e6, 32768, window=512),
-    "gemma-3-1b": Shape("gemma3", 1152, 26, 4, 1, 256, 6912, 262144, True, 1e6, 32768, window=512),
-}
 
 # llama.cpp's file types (llama_model_ftype) kvlm writes
 FILE_TYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
@@ -155,13 +123,27 @@ def add_shape(w: gguf.GGUFWriter, shape: Shape) -> None:
         w.add_sliding_window(shape.window)
 
 
+def shape_config(shape: Shape) -> ModelConfig:
+    """The ModelConfig kvlm reads from a file of this shape (its family's GGUF reader):
+    which tensors the file's blocks hold."""
+    K, a = gguf.Keys, shape.arch
+    sizes = {K.LLM.BLOCK_COUNT: shape.layers, K.LLM.CONTEXT_LENGTH: shape.context,
+             K.LLM.EMBEDDING_LENGTH: shape.hidden, K.LLM.FEED_FORWARD_LENGTH: shape.inter,
+             K.Attention.HEAD_COUNT: shape.heads, K.Attention.HEAD_COUNT_KV: shape.kv_heads,
+             K.Attention.KEY_LENGTH: shape.head_dim, K.Rope.FREQ_BASE: shape.rope_theta,
+             K.Attention.LAYERNORM_RMS_EPS: shape.eps, K.LLM.VOCAB_SIZE: shape.vocab,
+             K.Attention.SLIDING_WINDOW: shape.window}  # fmt: skip
+    meta = {k.format(arch=a): v for k, v in sizes.items() if v is not None}
+    return config_from_gguf({K.General.ARCHITECTURE: a, **meta})
+
+
 def write_model(shape_name: str, file_type: str, out: Path, tokenizer_from: Path) -> Path:
     """Write `out`: the shape `shape_name` in `file_type`, the tokenizer of the GGUF file
     `tokenizer_from` (padded to the vocabulary)."""
     shape = SHAPES[shape_name]
+    config = shape_config(shape)
     rng = np.random.default_rng(0)
-    arch = shape.arch
-    w = gguf.GGUFWriter(str(out), arch)
+    w = gguf.GGUFWriter(str(out), shape.arch)
     w.add_name(f"random {shape_name} {file_type}")
     add_shape(w, shape)
     w.add_file_type(FILE_TYPES[file_type])
@@ -186,15 +168,15 @@ def write_model(shape_name: str, file_type: str, out: Path, tokenizer_from: Path
         weight(f"{p}.attn_q", hq * d, h, i)
         weight(f"{p}.attn_k", hkv * d, h, i)
         weight(f"{p}.attn_v", hkv * d, h, i)
-        if arch == "qwen2":  # q/k/v biases
+        if shape.qkv_bias:
             for part, n in (("attn_q", hq * d), ("attn_k", hkv * d), ("attn_v", hkv * d)):
                 w.add_tensor(f"{p}.{part}.bias", rng.normal(0, STD, n).astype(np.float32))
-        if arch in ("qwen3", "gemma3"):  # per-head q/k norms
+        if config.qk_norm:  # per-head q/k norms
             vector(f"{p}.attn_q_norm.weight", d)
             vector(f"{p}.attn_k_norm.weight", d)
         weight(f"{p}.attn_output", h, hq * d, i)
         vector(f"{p}.ffn_norm.weight", h)
-        if arch == "gemma3":  # the attention's and the MLP's outputs normed too
+        if config.norm_layout == "sandwich":  # the attention's and the MLP's outputs normed
             vector(f"{p}.post_attention_norm.weight", h)
             vector(f"{p}.post_ffw_norm.weight", h)
         weight(f"{p}.ffn_gate", shape.inter, h, i)

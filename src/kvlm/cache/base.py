@@ -62,8 +62,8 @@ class CacheSpec:
     device: torch.device = torch.device("cpu")  # noqa: RUF009 - immutable
     # The model's own attention window (Mistral), applied in the mask; not the window cache.
     sliding_window: int | None = None
-    # Per layer: its attention window where the layers' differ (Gemma 3's local and global
-    # layers, kvlm.config.ModelConfig.layer_windows); empty: every layer's is sliding_window
+    # Per layer: its attention window where the layers' differ (local and global layers,
+    # kvlm.config.ModelConfig.layer_windows); empty: every layer's is sliding_window
     layer_windows: tuple[int | None, ...] = ()
     block_size: int = 16  # paged: tokens per block
     num_blocks: int | None = None  # paged: pool size (None: room for 8 full-length sequences)

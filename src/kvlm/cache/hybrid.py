@@ -1,8 +1,9 @@
 """Hybrid caches: each kind of layer keeps what it attends to, and no more.
 
-Gemma 3's layers come in two kinds: five of every six see only the last W tokens (a
-sliding window, W = 512 or 1,024), one sees the whole context. A cache that keeps every
-layer's K/V for the whole context holds ~5x what the model reads at 32k tokens. So a
+A hybrid model's layers come in two kinds (ModelConfig.layer_windows): local ones see only
+the last W tokens (a sliding window, e.g. five of every six with W = 512 or 1,024), global
+ones the whole context. A cache that keeps every layer's K/V for the whole context holds
+~5x what such a model reads at 32k tokens. So a
 hybrid model's cache is two caches in lockstep (`HybridCache`):
 
     layers   0  1  2  3  4  5 | 6  7  8  9 10 11 | ...

@@ -21,7 +21,7 @@ reused before its first ones: the order prefix reuse will want.
 Attention reads a sequence by gathering its blocks into (B, kv_heads, S, head_dim); that
 is a copy per layer per step, the price of not being contiguous.
 
-A hybrid model (Gemma 2/3: layers with a window W and layers that see everything,
+A hybrid model (layers with a window W and layers that see everything,
 kvlm.cache.hybrid.local_window) gets one block table per layer group, as vLLM's hybrid
 KV cache manager does:
 

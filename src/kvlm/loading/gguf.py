@@ -2,12 +2,14 @@
 
 The header is read by kvlm's own reader (kvlm.loading.gguf_file: gguf-py's results, in
 milliseconds rather than seconds for a 128k-token vocabulary, every fault a ModelLoadError).
-Tensors are dequantized with the `gguf` package, one at a time, into Hugging Face names
-and layout; `--weights native` takes the blocks of the types kvlm has kernels for as they
-are instead (`get_quant`: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K). llama.cpp's
-converter permutes the rows of Llama's q/k projections so that its interleaved RoPE sees
-HF's rotate-half pairs; we undo that permutation (of whole rows: of a row's blocks alike)
-so one RoPE serves both formats.
+Its metadata becomes a ModelConfig through the family of its `general.architecture`
+(kvlm.arch), and its tensors get the model's names from that family's table
+(`Family.from_gguf_name`). Tensors are dequantized with the `gguf` package, one at a time,
+rows in Hugging Face's order (`Family.gguf_rows`: Llama's q/k, which llama.cpp's converter
+permutes for its interleaved RoPE); `--weights native` takes the blocks of the types kvlm
+has kernels for as they are instead (`get_quant`: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+Q6_K), whole rows of blocks put in that order as they are packed. Values are the file's: a
+quirk llama.cpp's converter folded into the weights (1 + w norms) stays folded.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvlm.config import ModelConfig
+from kvlm.arch import config_from_gguf, family
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 from kvlm.loading.gguf_file import GGUFFile, GGUFTensor
 from kvlm.loading.shapes import check_shapes
@@ -41,34 +43,6 @@ QUANT_TYPES = {
 }  # fmt: skip
 SUPPORTED_TYPES = set(FLOAT_TYPES) | QUANT_TYPES
 
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-# Gemma's block norms its attention's and its MLP's outputs too; its `ffn_norm` is the
-# MLP's input norm, as Llama's is, but HF names that one `pre_feedforward_layernorm`.
-_GEMMA_NAMES = {
-    **_LAYER_NAMES,
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-    "rope_freqs": "rope_freqs",
-}
-
 
 def is_gguf_file(path: Path) -> bool:
     try:
@@ -76,34 +50,6 @@ def is_gguf_file(path: Path) -> bool:
             return f.read(4) == GGUF_MAGIC
     except OSError:
         return False
-
-
-def hf_name(gguf_name: str, gemma: bool = False) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (None if unknown;
-    `gemma`: a Gemma file's names, ModelConfig.gemma)."""
-    stem, _, suffix = gguf_name.rpartition(".")
-    parts = stem.split(".")
-    names = _GEMMA_NAMES if gemma else _LAYER_NAMES
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in names:
-        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
-    if stem in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
-    return None
-
-
-def gguf_name(name: str, gemma: bool = False) -> str:
-    """The inverse of `hf_name`: `model.layers.3.self_attn.q_proj.weight` ->
-    `blk.3.attn_q.weight` (the name itself where it has no GGUF name)."""
-    stem, _, suffix = name.rpartition(".")
-    for ours, theirs in _GLOBAL_NAMES.items():
-        if stem == theirs:
-            return f"{ours}.{suffix}"
-    parts = stem.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"]:
-        for ours, theirs in (_GEMMA_NAMES if gemma else _LAYER_NAMES).items():
-            if parts[3] == theirs:
-                return f"blk.{parts[2]}.{ours}.{suffix}"
-    return name
 
 
 class GGUFWeights:
@@ -118,11 +64,12 @@ class GGUFWeights:
         self.file = GGUFFile(path)
         self.metadata: dict[str, Any] = self.file.metadata
         tied = "output.weight" not in {t.name for t in self.file.tensors}
-        cfg = ModelConfig.from_gguf(self.metadata, name=path.name)
+        cfg = config_from_gguf(self.metadata, name=path.name)
         self.config = replace(cfg, tie_word_embeddings=tied)
+        self.family = family(cfg.architecture)
         self._tensors: dict[str, GGUFTensor] = {}
         for t in self.file.tensors:
-            name = hf_name(t.name, cfg.gemma)
+            name = self.family.from_gguf_name(t.name)
             if name is None:
                 continue
             if t.tensor_type not in SUPPORTED_TYPES:
@@ -132,7 +79,7 @@ class GGUFWeights:
                 )
             self._tensors[name] = t
         self.quant_types = sorted({t.tensor_type.name for t in self._tensors.values()})
-        check_shapes(self, self.config, path.name, lambda n: gguf_name(n, cfg.gemma))
+        check_shapes(self, self.config, path.name, self.family.to_gguf_name)
 
     def names(self) -> list[str]:
         return list(self._tensors)
@@ -172,9 +119,7 @@ class GGUFWeights:
             out = out.reshape(shape)
         except (ValueError, RuntimeError) as exc:
             raise ModelLoadError(f"{self.path.name}: cannot decode tensor {t.name}: {exc}") from exc
-        if self.config.gemma and name.endswith("norm.weight"):
-            out = out.float() - 1.0  # llama.cpp stores Gemma's norms as 1 + w; HF as w
-        return self._unpermute(name, out)
+        return self._in_order(name, out)
 
     def is_quantized(self, name: str) -> bool:
         return self._tensors[name].tensor_type in QUANT_TYPES
@@ -202,19 +147,17 @@ class GGUFWeights:
                 raise ValueError(f"{flat.size} bytes of {flat.dtype} are not {rows} rows of blocks")
             blocks = Blocks(kind, flat.reshape(rows, -1))
             # whole rows of blocks: q/k rows un-permuted as they are packed
-            order = self._unpermute(name, torch.arange(rows))
+            order = self._in_order(name, torch.arange(rows))
             if not torch.equal(order, torch.arange(rows)):
                 blocks.order = order
             return blocks.pack() if packed else blocks
         except ValueError as exc:
             raise ModelLoadError(f"{self.path.name}: cannot decode tensor {t.name}: {exc}") from exc
 
-    def _unpermute(self, name: str, rows: torch.Tensor) -> torch.Tensor:
-        is_qk = name.endswith(("q_proj.weight", "k_proj.weight"))
-        if self.config.architecture == "llama" and is_qk:
-            heads = self.config.num_heads if "q_proj" in name else self.config.num_kv_heads
-            rows = unpermute_qk(rows, heads)
-        return rows
+    def _in_order(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` (a tensor's, or their indices) in Hugging Face's order (Family.gguf_rows)."""
+        order = self.family.gguf_rows
+        return rows if order is None else order(self.config, name, rows)
 
 
 # GGUF blocks kvlm multiplies as they are (`--weights native`), each packed from its
@@ -223,15 +166,3 @@ class GGUFWeights:
 # own. Q2_K, Q3_K and the IQ types have no kernel: dequantized, and with --weights native
 # re-quantized to int8 (kvlm.model.transformer names them at load).
 NATIVE_BLOCKS = {Q.Q8_0: "q8", Q.Q4_1: "q4", **{Q[kind.upper()]: kind for kind in GGML_KINDS}}
-
-
-def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation.
-
-    Within each head, HF orders rows [x_0 .. x_{d/2-1}, y_0 .. y_{d/2-1}] (rotate-half
-    pairs x_i, y_i); llama.cpp stores them interleaved [x_0, y_0, x_1, y_1, ...].
-    """
-    rows = w.shape[0]
-    half = rows // n_heads // 2
-    # (heads, half, 2, ...) interleaved  ->  (heads, 2, half, ...) rotate-half
-    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

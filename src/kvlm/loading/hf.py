@@ -1,4 +1,9 @@
-"""Hugging Face model folders: config.json, *.safetensors, tokenizer files."""
+"""Hugging Face model folders: config.json, *.safetensors, tokenizer files.
+
+config.json becomes a ModelConfig through the family of its `model_type` (kvlm.arch);
+tensors get the model's names (`text_model_name`, then `Family.from_hf_name`) and values
+(`Family.fold_hf`: a quirk folded into the weights as llama.cpp's converter folds it).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from kvlm.config import ModelConfig
+from kvlm.arch import config_from_hf, family
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 from kvlm.loading.shapes import check_shapes
 from kvlm.model.weights import fingerprint_of
@@ -80,7 +85,8 @@ class SafetensorsWeights:
 
     def __init__(self, folder: Path) -> None:
         raw = read_json(folder / "config.json")
-        self.config = ModelConfig.from_hf(_with_generation_eos(folder, raw), name=folder.name)
+        self.config = config_from_hf(_with_generation_eos(folder, raw), name=folder.name)
+        self.family = family(self.config.architecture)
         files = self._files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(
@@ -94,10 +100,10 @@ class SafetensorsWeights:
             except Exception as exc:  # safetensors raises its own SafetensorError
                 raise ModelLoadError(f"cannot read {file}: {exc}") from exc
             for stored in handle.keys():  # noqa: SIM118 - safe_open: no __iter__
-                name = text_model_name(stored)
+                name = self.family.from_hf_name(text_model_name(stored))
                 self._where[name], self._stored[name] = handle, stored
         self.dtypes = sorted({str(self.stored_as(n)[1]) for n in self._where})
-        for name in check_shapes(self, self.config, folder.name):
+        for name in check_shapes(self, self.config, folder.name, self.family.to_hf_name):
             stored, dtype = self.stored_as(name)
             if dtype not in FLOAT_DTYPES:
                 raise UnsupportedModelError(f"{folder.name}: tensor {stored} is {dtype}; kvlm "
@@ -128,13 +134,18 @@ class SafetensorsWeights:
     def fingerprint(self) -> str:
         """Config + the final norm and the first rows of the embedding, as stored."""
         config = replace(self.config, name="")
-        norm = self.get("model.norm.weight")
+        norm = self._stored_tensor("model.norm.weight")
         embed = self._where["model.embed_tokens.weight"].get_slice(
             self._stored["model.embed_tokens.weight"]
         )
         return fingerprint_of(config, _bytes(norm), _bytes(embed[:8]))
 
     def get(self, name: str) -> torch.Tensor:
+        tensor = self._stored_tensor(name)
+        fold = self.family.fold_hf
+        return tensor if fold is None else fold(self.config, name, tensor)
+
+    def _stored_tensor(self, name: str) -> torch.Tensor:
         try:
             return self._where[name].get_tensor(self._stored[name])
         except Exception as exc:
@@ -142,8 +153,8 @@ class SafetensorsWeights:
 
 
 # A multimodal checkpoint's language model, as its files name it -> as a text model's
-# (Gemma3ForConditionalGeneration: `language_model.model.*` on the Hub, and
-# `model.language_model.*` as newer transformers lay it out)
+# (`language_model.model.*` on the Hub, and `model.language_model.*` as newer
+# transformers lay it out)
 _TEXT_PREFIXES = {
     "language_model.model.": "model.",
     "model.language_model.": "model.",

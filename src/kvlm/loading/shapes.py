@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError
-from kvlm.model.weights import WeightSource
+from kvlm.model.weights import WeightSource, out_norms
 
 Shape = tuple[int, ...]
 
@@ -35,9 +35,7 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
         "model.norm.weight": ((h,), hs),
         "rope_freqs.weight": ((d // 2,), f"head_dim {d} / 2"),
     }
-    norms = ["input_layernorm", "post_attention_layernorm"]
-    if c.gemma:
-        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    norms = ["input_layernorm", "post_attention_layernorm", *out_norms(c)]
     for layer in range(c.num_layers):
         p = f"model.layers.{layer}"
         out |= {f"{p}.{n}.weight": ((h,), hs) for n in norms}
@@ -64,8 +62,7 @@ def required(c: ModelConfig) -> list[str]:
     parts = ["input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
              "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
              "mlp.up_proj", "mlp.down_proj"]  # fmt: skip
-    if c.gemma:
-        parts += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    parts += out_norms(c)
     if c.qk_norm:
         parts += ["self_attn.q_norm", "self_attn.k_norm"]
     for layer in range(c.num_layers):

@@ -32,6 +32,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
+from kvlm.arch import tokenizing
 from kvlm.config import LIMITS, Fields
 from kvlm.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
 from kvlm.loading.chat_template import BoundedSandbox, TemplateLimitError, TemplateLimits
@@ -79,9 +80,6 @@ PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
     ),
     "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
 }
-
-# GGUF architectures whose SentencePiece vocabulary is Gemma's (_gguf_sentencepiece)
-GEMMA_VOCABULARIES = ("gemma", "gemma2", "gemma3")
 
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_CONTROL = 3
@@ -390,11 +388,11 @@ def _gguf_bpe(f: Fields, tokens: list[str]) -> _HFTokenizer:
 
 def _gguf_sentencepiece(f: Fields, tokens: list[str], types: list[int]) -> _HFTokenizer:
     scores = _numbers(f, "tokenizer.ggml.scores", float, len(tokens)) or [0.0] * len(tokens)
-    if f.data.get("general.architecture") in GEMMA_VOCABULARIES:
-        # Gemma's files (as transformers reads them): a run of spaces is a token spelled in
-        # spaces, looked up as "▁"s; and the merge order is the vocabulary's order, not the
-        # stored scores
+    # the family's quirks (kvlm.arch.family.Tokenizing), as transformers reads its files
+    quirks = tokenizing(f.data.get("general.architecture"))
+    if quirks.spaces_as_pieces:  # a token spelled in spaces, looked up as "▁"s
         tokens = ["▁" * len(t) if t and not t.strip(" ") else t for t in tokens]
+    if quirks.merges_in_vocab_order:  # not by the stored scores
         scores = [-float(i) for i in range(len(tokens))]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     unk_id = f("tokenizer.ggml.unknown_token_id", int, 0, hi=len(tokens) - 1)
@@ -460,7 +458,7 @@ def _cuts(lengths: list[int], n: int) -> list[int]:
 # Bounds on a Hugging Face folder's tokenizer files, checked before the `tokenizers` library
 # sees them: it builds whatever the file describes (a padding to 10^8 tokens on every
 # encode, a normalizer of 100,000 steps, a Replace of an empty pattern that panics on every
-# text). Real tokenizer.json files are up to ~33 MB (Gemma 3's: 262k tokens and their
+# text). Real tokenizer.json files are up to ~33 MB (a vocabulary of 262k tokens and its
 # merges); a merge list is at most ~2.2 merges a token (Llama 3's 280k for 128k tokens).
 MAX_TOKENIZER_JSON_BYTES = 64 << 20
 MERGES_PER_TOKEN = 8

@@ -73,7 +73,7 @@ class Attention(nn.Module):
         self.q_norm = q_norm
         self.k_norm = k_norm
         self.q_scale: float | None = None  # queries times this (a score scale, no q norm)
-        self.softcap: float | None = None  # scores soft-capped: cap * tanh(s / cap) (Gemma 2)
+        self.softcap: float | None = None  # scores soft-capped: cap * tanh(s / cap) (attn_softcap)
         # prompt rows at this position or later attend in bf16 on the CPU (0: all, with
         # --prefill-dtype bf16; None: none): kvlm.defaults' attention_bf16_from, `attend`
         self.prompt_bf16_from: int | None = None
@@ -327,8 +327,9 @@ def attend_capped(
     cap: float,
 ) -> torch.Tensor:
     """Attention whose scores are soft-capped before the softmax, cap * tanh(s / cap)
-    (Gemma 2), which no fused kernel takes: the scores are made whole, as transformers'
-    eager attention makes them (the softmax in fp32). q (B, H, T, D), k, v (B, Hkv, S, D)."""
+    (ModelConfig.attn_softcap), which no fused kernel takes: the scores are made whole, as
+    transformers' eager attention makes them (the softmax in fp32). q (B, H, T, D), k, v
+    (B, Hkv, S, D)."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5

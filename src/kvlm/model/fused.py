@@ -21,7 +21,7 @@ kvlm.engine.runner.ModelRunner): each a store, the rows' block tables, a block s
 size and the model layers it holds; every layer reads and writes its own view. A paged pool
 (kvlm.cache.paged: the engine's batch, a PagedCache's rows) is one view; a contiguous cache
 one too, its row b being block b of a pool of blocks holding every slot (one request's
-cache, and its n samples after `cache.fork(n)`); a hybrid contiguous cache (Gemma 2/3:
+cache, and its n samples after `cache.fork(n)`); a hybrid contiguous cache (local layers:
 kvlm.cache.hybrid) two, its whole part so and its ring, where position s is slot s % (W +
 RING_SLACK): the local layers' cost stays that of their window however long the context.
 The ring's step is written in place (`WindowCache.written_in_place`: a draft's undo record
@@ -30,18 +30,19 @@ rows share it, so a sequence gets the same logits, bit for bit, alone or in any 
 paged or contiguous (tests/test_fused_batch.py; a ring whose size is a multiple of 4
 groups its rows as a pool does).
 
-Every supported family's block: the q|k|v bias (Qwen2) and o_proj's (Llama's
-attention_bias) added after their products, as torch's Linear adds them; the per-head q/k
-RMSNorm before RoPE (Qwen3, Gemma 3); the model's sliding window (Mistral), the query at p
-seeing keys p - W < s <= p as kvlm.cache.base.causal_mask does (its chunks then cover the
-visible keys from the multiple of 16 below the first, boundaries still set by p alone);
-Gemma 2 and 3: a window per layer (0 on the global ones) and a RoPE table per layer (Gemma
-3's local base), the attention's and the MLP's outputs normed before the residual (the
-loader stores Gemma's norms as 1 + w), GeGLU with tanh's GELU, the score scale
-(query_pre_attn_scalar: in Gemma 3's q norm, Gemma 2's on the scores), Gemma 2's attention
-soft-cap on the scores in C and the final logit soft-cap on the logits after the call (the
-embeddings come scaled by `Transformer.embed`); head_dim up to 256 (MAX_HEAD_DIM); a tied
-or separate lm_head, read in its stored format (a 262k-entry vocabulary's Q6_K blocks).
+Every block the families describe (kvlm.config.ModelConfig): the q|k|v bias (Qwen2) and
+o_proj's (Llama's attention_bias) added after their products, as torch's Linear adds them;
+the per-head q/k RMSNorm before RoPE (ModelConfig.qk_norm); the model's sliding window
+(Mistral), the query at p seeing keys p - W < s <= p as kvlm.cache.base.causal_mask does
+(its chunks then cover the visible keys from the multiple of 16 below the first, boundaries
+still set by p alone); a window per layer (layer_windows: 0 on the global ones) and a RoPE
+table per layer (the local layers' own base, rope_local_theta), the attention's and the
+MLP's outputs normed before the residual (norm_layout "sandwich"; a family's 1 + w norms
+come folded into the weights), GeGLU with tanh's GELU (activation), the score scale
+(query_scale: in the q norm where there is one, else on the scores), the attention soft-cap
+on the scores in C and the final logit soft-cap on the logits after the call (the embeddings
+come scaled by `Transformer.embed`); head_dim up to 256 (MAX_HEAD_DIM); a tied or separate
+lm_head, read in its stored format (a 262k-entry vocabulary's Q6_K blocks).
 
 It applies where that is the whole story: CPU, fp32 activations, low-bit weights in every
 projection (`--weights int8|int4|native`), no MLP biases, and fp32, bf16, fp16, int8 or q4 K/V
@@ -103,7 +104,7 @@ class _QLayer(ctypes.Structure):
     _fields_ = [
         *_fields(ctypes.c_void_p, "input_norm post_norm"),
         *_fields(_QMat, "qkv o gate_up down"),
-        # NULL when absent: biases, q/k norms (Qwen3, Gemma 3), Gemma's sandwich norms
+        # NULL when absent: biases, q/k norms, a sandwich block's output norms
         *_fields(ctypes.c_void_p, "qkv_bias o_bias q_norm k_norm attn_out_norm mlp_out_norm"),
         # window: the layer's own (0: whole context; -1: the step's); rope: its cos/sin
         # table; view, index: where its K/V are (a _KVView, its layer inside that store)
@@ -124,7 +125,7 @@ class _QModel(ctypes.Structure):
         # gelu: GeGLU, not SwiGLU
         *_fields(ctypes.c_int64, "window gelu"),
         *_fields(ctypes.c_float, "score_scale attn_softcap"),  # softcap 0: none
-        ("rope_tables", ctypes.c_int64),  # cos/sin tables: 1, or 2 (Gemma 3's local base)
+        ("rope_tables", ctypes.c_int64),  # cos/sin tables: 1, or 2 (a local base)
     ]
 
 
@@ -213,7 +214,7 @@ def _ptr(t: torch.Tensor | None, n: int) -> int | None:
     return t.data_ptr()
 
 
-MAX_HEAD_DIM = 256  # the attention's buffers in qgemm.c (Gemma 3's head_dim)
+MAX_HEAD_DIM = 256  # the attention's buffers in qgemm.c (the widest head of a family kvlm runs)
 
 
 def why_not(model: Transformer) -> str | None:
@@ -278,7 +279,7 @@ class FusedDecoder:
         head = (_ptr(model.norm.weight, c.hidden_size), _qmat(model.lm_head))  # final_norm, lm_head
         self.spec = _QModel(*shape, slots, c.rms_norm_eps, layers, *head)
         self.spec.gelu = _ACTS[model.layers[0].mlp.act]
-        q_scale = model.layers[0].attn.q_scale  # Gemma 2 (no q norm to fold it into)
+        q_scale = model.layers[0].attn.q_scale  # a score scale with no q norm to fold it into
         self.spec.score_scale = (q_scale or 1.0) * c.head_dim**-0.5
         self.spec.attn_softcap = c.attn_softcap or 0.0
         self.spec.rope_tables = self.cos.shape[0]
@@ -291,7 +292,7 @@ class FusedDecoder:
     @staticmethod
     def _rope_tables(model: Transformer, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (tables, slots, head_dim): the torch path's own values at every position,
-        of the model's base, then (Gemma 3) of its local layers' base."""
+        of the model's base, then (rope_local_theta) of its local layers' base."""
         positions = torch.arange(slots, dtype=torch.long)[None]
         ropes = [r for r in (model.rope, model.local_rope) if r is not None]
         cos, sin = zip(*(r(positions, torch.float32) for r in ropes), strict=True)
@@ -431,7 +432,7 @@ class FusedDecoder:
         if window is not None and window < 1:
             raise ValueError(f"sliding window {window}: must be at least 1")
         rows = len(tokens)
-        x = self.model.embed(torch.tensor(tokens)).contiguous()  # Gemma's: scaled
+        x = self.model.embed(torch.tensor(tokens)).contiguous()  # times embed_scale
         pos = torch.tensor(starts, dtype=torch.int64)
         logits = torch.empty(rows, self.vocab, dtype=torch.float32)
         need = self.lib.kvlm_decode_scratch(ctypes.byref(self.spec), rows)

@@ -420,8 +420,8 @@ def _transient(numel: int) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    """SwiGLU (`act` "silu"), or GeGLU with tanh's GELU (`act` "gelu_tanh": Gemma), with
-    the gate and up projections fused into one matmul."""
+    """SwiGLU (`act` "silu"), or GeGLU with tanh's GELU (`act` "gelu_tanh"), with the gate
+    and up projections fused into one matmul (ModelConfig.activation)."""
 
     def __init__(self, gate_up: Linear, down: Linear, act: str = "silu") -> None:
         super().__init__()

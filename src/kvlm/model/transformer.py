@@ -1,5 +1,7 @@
-"""One transformer for the Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM2) and Gemma 2
-and 3 (kvlm.config.ModelConfig.gemma: their block's extra norms, GeGLU, soft-caps).
+"""One transformer for every family, built from the ModelConfig's description of its block
+(kvlm.config: the activation, the norm layout, the embedding scale, soft-caps, q/k norms,
+each layer's window and RoPE base) and the weights by the model's tensor names
+(kvlm.model.weights.WeightSource: a family's quirks already folded into them).
 
 The same `forward` serves prefill, decode and chunked prefill: what differs is how many
 tokens are fed, at which positions, and which cache step they attend through.
@@ -25,15 +27,16 @@ from kvlm.model import quant
 from kvlm.model.attention import Attention, KVStep
 from kvlm.model.blas import one_torch_thread
 from kvlm.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding, feeding_prompt
-from kvlm.model.weights import WeightSource
+from kvlm.model.weights import WeightSource, out_norms
 
 VOCAB_WEIGHTS = ("lm_head.weight", "model.embed_tokens.weight")
 log = logging.getLogger("kvlm.loading")
 
 
 class Block(nn.Module):
-    """Pre-norm attention and MLP, each added to the residual stream. Gemma's block also
-    norms each one's output before adding it (`attn_out_norm`, `mlp_out_norm`)."""
+    """Pre-norm attention and MLP, each added to the residual stream. A "sandwich" block
+    (ModelConfig.norm_layout) also norms each one's output before adding it
+    (`attn_out_norm`, `mlp_out_norm`)."""
 
     def __init__(
         self,
@@ -113,7 +116,7 @@ class Transformer(nn.Module):
                                      "number (RoPE frequencies are divided by them)")  # fmt: skip
             weights.release()  # the vocabulary table's pages
         self.rope = RotaryEmbedding(config, self.device, freq_factors)
-        # Gemma 3: the layers with a window turn at their own base, unscaled
+        # the layers with a window turn at their own base where they have one, unscaled
         self.local_rope = None
         if config.rope_local_theta is not None:
             local = replace(config, rope_theta=config.rope_local_theta, rope_scaling=RopeScaling())
@@ -122,8 +125,9 @@ class Transformer(nn.Module):
         two = self.local_rope is not None
         self._rope_of = [int(two and w is not None) for w in config.layer_windows]
         self._rope_of = self._rope_of or [0] * config.num_layers
-        # Gemma: embeddings times sqrt(hidden), rounded to fp32 first as transformers does
-        self.embed_scale = torch.tensor(config.hidden_size**0.5) if config.gemma else None
+        # embeddings times embed_scale, rounded to fp32 first as transformers does
+        scale = config.embed_scale
+        self.embed_scale = None if scale is None else torch.tensor(scale, dtype=torch.float32)
         # low-bit weights on huge pages, in the order a decode step reads them: packed
         # there as they loaded; any that did not fit moved there now, each old copy freed
         # as soon as it has moved
@@ -398,7 +402,7 @@ class _WeightTaker:
         c = self.config
         p = f"model.layers.{i}"
         q_norm = k_norm = None
-        if c.qk_norm:  # Qwen3, Gemma 3
+        if c.qk_norm:  # each q and k head normed before RoPE
             q_norm, k_norm = (self.norm(f"{p}.self_attn.{q}_norm") for q in ("q", "k"))
         # another score scale than head_dim ** -0.5: the queries scaled by the ratio, in
         # their norm where they have one (RoPE is linear); exactly 1 where the two agree
@@ -411,22 +415,19 @@ class _WeightTaker:
         attn.q_scale = None if q_norm is not None or ratio == 1.0 else ratio
         attn.softcap = c.attn_softcap
         gate_up = self.fused_linear(f"{p}.mlp", ("gate_proj", "up_proj"))
-        act = "gelu_tanh" if c.gemma else "silu"
-        mlp = MLP(gate_up, self._with_bias(f"{p}.mlp.down_proj"), act)
-        names = ("input", "pre_feedforward", "post_attention", "post_feedforward")
-        if not c.gemma:  # Llama's second norm is the MLP's input norm, and no others
-            names = ("input", "post_attention")
-        block = Block(attn, mlp, *(self.norm(f"{p}.{n}_layernorm") for n in names))
+        mlp = MLP(gate_up, self._with_bias(f"{p}.mlp.down_proj"), c.activation)
+        # the attention's and the MLP's input norms (the MLP's: Llama's HF name), then
+        # their output norms where the block has them
+        names = ["input_layernorm", "post_attention_layernorm", *out_norms(c)]
+        block = Block(attn, mlp, *(self.norm(f"{p}.{n}") for n in names))
         # the file's pages read so far are the model's own copies now: given back, so the
         # file and the packed model are never both resident (a layer at a time)
         self.weights.release()
         return block
 
     def norm(self, prefix: str) -> RMSNorm:
-        """The RMSNorm of `prefix`.weight (Gemma's: of 1 + weight, added in fp32)."""
-        if self.config.gemma:
-            weight = 1.0 + self.take(f"{prefix}.weight").float()
-            return RMSNorm(weight.to(self.device, self.dtype), self.config.rms_norm_eps)
+        """The RMSNorm of `prefix`.weight (what it multiplies by: a family's 1 + w is
+        folded into the weight by its loader)."""
         return RMSNorm(self.take(f"{prefix}.weight"), self.config.rms_norm_eps)
 
     def _with_bias(self, prefix: str) -> Linear:

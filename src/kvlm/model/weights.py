@@ -12,11 +12,16 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from kvlm.config import ModelConfig
     from kvlm.model.quant import Blocks, QuantWeight
 
 
 class WeightSource(Protocol):
-    """Tensors by Hugging Face name (`model.layers.0.self_attn.q_proj.weight`), [out, in].
+    """Tensors by the model's name, [out, in]: the Llama block's Hugging Face names
+    (`model.layers.0.self_attn.q_proj.weight`; `post_attention_layernorm` the MLP's input
+    norm) and a sandwich block's `attn_out_norm`, `mlp_out_norm` (`out_norms`), rows in
+    Hugging Face's order and values as the model multiplies them: a family's quirks
+    (kvlm.arch) already folded in.
 
     `get` may dequantize or read from disk on each call; the model builder calls it once
     per tensor and converts to its own dtype straight away, so the peak memory is the
@@ -57,6 +62,12 @@ class WeightSource(Protocol):
         ...
 
 
+def out_norms(config: ModelConfig) -> list[str]:
+    """The model's names of a block's output norms (the attention's, the MLP's): those of
+    a "sandwich" block (ModelConfig.norm_layout), none for another."""
+    return ["attn_out_norm", "mlp_out_norm"] if config.norm_layout == "sandwich" else []
+
+
 def fingerprint_of(config: object, *chunks: bytes) -> str:
     """sha256 of the config and a few raw weight bytes: cheap, and independent of the dtype
     the model is later run in. The config's fields at their defaults are left out, so a
@@ -74,13 +85,17 @@ def fingerprint_of(config: object, *chunks: bytes) -> str:
 
 def _set_fields(value: object) -> object:
     """A dataclass as a dict of its fields that differ from their defaults (nested ones
-    alike); anything else as it is."""
+    alike), but those marked `metadata={"fingerprint": False}` (what the hashed fields
+    determine: a ModelConfig's block composition, set by its family from the architecture
+    and the sizes); anything else as it is."""
     import dataclasses
 
     if not dataclasses.is_dataclass(value) or isinstance(value, type):
         return value
     out = {}
     for f in dataclasses.fields(value):
+        if f.metadata.get("fingerprint", True) is False:
+            continue
         v = getattr(value, f.name)
         if f.default is not dataclasses.MISSING and v == f.default:
             continue

@@ -1,0 +1,162 @@
+"""What a model family is to kvlm: one `Family` per family file of kvlm.arch, the
+registry's entry for it.
+
+A family reads its files' configs into a ModelConfig (the sizes and the block's
+composition as plain data: kvlm.config), names its tensors in each format, folds its
+weights' quirks into the weights at load (`fold_hf`, `gguf_rows`: what the model then
+multiplies is what llama.cpp's converter would have stored, in Hugging Face's row
+order), says how its GGUF vocabulary reads (`Tokenizing`) and which real models' shapes
+benchmarks may build (`shapes`). Everything outside kvlm.arch reads the ModelConfig and
+these fields, never a family's name.
+
+The model's tensor names (`model.layers.3.self_attn.q_proj.weight`: the names the
+transformer takes, kvlm.model.weights.WeightSource) are the Llama block's Hugging Face
+names, and for a block that norms the attention's and the MLP's outputs too,
+`attn_out_norm` and `mlp_out_norm`. llama.cpp names tensors by their role in every
+family (`ffn_norm` is the MLP's input norm whatever else a block has), so one table
+(`LAYER_NAMES`, `GLOBAL_NAMES`) serves every family's GGUF files; a family adds its own
+(`gguf_names`). A Hugging Face checkpoint whose names differ from the model's (a role
+named otherwise) says so in `hf_names`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvlm.config import Fields, ModelConfig
+
+# llama.cpp's names (blk.N.<name>) -> the model's (model.layers.N.<name>)
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",  # the MLP's input norm (Llama's HF name)
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# the output norms of a "sandwich" block (kvlm.config.NORM_LAYOUTS), as llama.cpp names them
+OUT_NORM_NAMES = {"post_attention_norm": "attn_out_norm", "post_ffw_norm": "mlp_out_norm"}
+GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "rope_freqs": "rope_freqs",
+}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(\w+)")
+
+# (the config, the model's name of a tensor, the tensor) -> the tensor the model takes
+Fold = Callable[[ModelConfig, str, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenizing:
+    """How a family's GGUF SentencePiece vocabulary reads (as transformers reads the
+    family's own tokenizer): `spaces_as_pieces`, a token spelled in spaces is looked up
+    as "▁"s; `merges_in_vocab_order`, pieces merge in the vocabulary's order, not by the
+    stored scores."""
+
+    spaces_as_pieces: bool = False
+    merges_in_vocab_order: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """A real model's sizes (its config.json on the Hub), for random-weight files of that
+    shape (kvlm.bench.models): `arch` its GGUF general.architecture, `window` its layers'
+    sliding window where it has one, `qkv_bias` whether its q|k|v products have biases,
+    `llama3_rope` whether its file carries Llama 3.x's rope_freqs factors."""
+
+    arch: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    vocab: int
+    tied: bool
+    rope_theta: float
+    context: int
+    eps: float = 1e-6
+    llama3_rope: bool = False
+    window: int | None = None
+    qkv_bias: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One family file's entry in the registry (kvlm.arch).
+
+    `architectures`: the ModelConfig.architecture values it covers, each also the GGUF
+    `general.architecture` of its files; `hf_model_types`: config.json's `model_type` ->
+    one of those; `from_hf(config.json's dict, architecture, name)` and
+    `from_gguf(the metadata's Fields, architecture, name)`: its ModelConfig
+    (kvlm.arch.readers); `gguf_names`: its GGUF files' layer tensors -> the model's names;
+    `hf_names`: a checkpoint's layer tensors whose names are not the model's -> the
+    model's; `fold_hf`: a Hugging Face tensor -> what the model multiplies; `gguf_rows`:
+    a GGUF tensor's rows in Hugging Face's order (the row order alone, so that low-bit
+    blocks take it as they are packed); `vocabularies`: the GGUF architectures whose
+    SentencePiece vocabulary reads by `tokenizing`; `shapes`: real models' sizes."""
+
+    name: str
+    architectures: tuple[str, ...]
+    from_hf: Callable[[dict[str, Any], str, str], ModelConfig]
+    from_gguf: Callable[[Fields, str, str], ModelConfig]
+    hf_model_types: Mapping[str, str] = field(default_factory=dict)
+    gguf_names: Mapping[str, str] = field(default_factory=lambda: LAYER_NAMES)
+    hf_names: Mapping[str, str] = field(default_factory=dict)
+    fold_hf: Fold | None = None
+    gguf_rows: Fold | None = None
+    tokenizing: Tokenizing = field(default_factory=Tokenizing)
+    vocabularies: tuple[str, ...] = ()
+    shapes: Mapping[str, Shape] = field(default_factory=dict)
+
+    def from_gguf_name(self, name: str) -> str | None:
+        """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (None: a
+        tensor the model does not read)."""
+        stem, _, suffix = name.rpartition(".")
+        parts = stem.split(".")
+        if parts[0] == "blk" and len(parts) == 3 and parts[2] in self.gguf_names:
+            return f"model.layers.{parts[1]}.{self.gguf_names[parts[2]]}.{suffix}"
+        if stem in GLOBAL_NAMES:
+            return f"{GLOBAL_NAMES[stem]}.{suffix}"
+        return None
+
+    def to_gguf_name(self, name: str) -> str:
+        """The inverse of `from_gguf_name` (the name itself where it has no GGUF name)."""
+        stem, _, suffix = name.rpartition(".")
+        for ours, theirs in GLOBAL_NAMES.items():
+            if stem == theirs:
+                return f"{ours}.{suffix}"
+        m = _LAYER.fullmatch(name)
+        if m is not None:
+            for ours, theirs in self.gguf_names.items():
+                if m[2] == theirs:
+                    return f"blk.{m[1]}.{ours}.{m[3]}"
+        return name
+
+    def from_hf_name(self, name: str) -> str:
+        """A checkpoint's (text model's) tensor name -> the model's."""
+        m = _LAYER.fullmatch(name)
+        if m is None or m[2] not in self.hf_names:
+            return name
+        return f"model.layers.{m[1]}.{self.hf_names[m[2]]}.{m[3]}"
+
+    def to_hf_name(self, name: str) -> str:
+        """The model's tensor name -> the checkpoint's (for messages)."""
+        m = _LAYER.fullmatch(name)
+        if m is not None:
+            for theirs, ours in self.hf_names.items():
+                if m[2] == ours:
+                    return f"model.layers.{m[1]}.{theirs}.{m[3]}"
+        return name

@@ -1,0 +1,199 @@
+"""What every family reads alike: the sizes, RoPE and special tokens of a Hugging Face
+`config.json` (`hf_config`) and of GGUF metadata (`gguf_config`), every value checked
+by kvlm.config's `Fields` and `value` (a ModelLoadError naming the file, the key, what it
+holds and what was expected). A family file calls them with its own part: the fields of
+its block and the keys only it has, read at the point the reading reaches them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from kvlm.config import LIMITS, REQUIRED, Fields, ModelConfig, RopeScaling, limits, value
+from kvlm.errors import ModelLoadError, UnsupportedModelError
+
+# (the config, its Fields, the architecture, hidden_size, num_heads) -> ModelConfig fields
+HFPart = Callable[[dict[str, Any], Fields, str, int, int], dict[str, Any]]
+# (the metadata's Fields, the architecture, num_layers, hidden_size, num_heads, head_dim)
+# -> ModelConfig fields
+GGUFPart = Callable[[Fields, str, int, int, int, int], dict[str, Any]]
+
+
+def hf_config(
+    cfg: dict[str, Any], arch: str, name: str, part: HFPart, rope_theta: float = 1e4,
+    tied: bool = False,
+) -> ModelConfig:  # fmt: skip
+    """A ModelConfig from a config.json: the sizes, RoPE (`rope_theta` where the file
+    names none), `tie_word_embeddings` (`tied` where absent), the special tokens, and
+    what the family's `part` reads after the hidden size and the heads."""
+    hf = Fields(cfg, f"{name}: config.json" if name else "config.json")
+    hidden = hf("hidden_size", int, **limits("hidden_size"))
+    heads = hf("num_attention_heads", int, **limits("num_heads"))
+    own = part(cfg, hf, arch, hidden, heads)
+    theta = hf_rope(cfg).get("rope_theta", rope_theta)
+    context = hf("max_position_embeddings", int, 4096, **limits("max_position_embeddings"))
+    scaling = hf_rope_scaling(cfg, hf)
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=hf("vocab_size", int, **limits("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=hf("intermediate_size", int, **limits("intermediate_size")),
+        num_layers=hf("num_hidden_layers", int, **limits("num_layers")),
+        num_heads=heads,
+        num_kv_heads=hf("num_key_value_heads", int, None, **limits("num_kv_heads")) or heads,
+        head_dim=hf("head_dim", int, None, **limits("head_dim")) or hidden // heads,
+        rms_norm_eps=hf("rms_norm_eps", float, 1e-6, lo=0.0),
+        rope_theta=value(theta, "rope_theta", float, 0.0, where=hf.where, open_low=True),
+        max_position_embeddings=scaled_context(context, scaling),
+        tie_word_embeddings=hf("tie_word_embeddings", bool, tied),
+        rope_scaling=scaling,
+        bos_token_id=hf("bos_token_id", int, None),
+        eos_token_ids=as_ids(cfg.get("eos_token_id"), "eos_token_id", hf.where),
+        name=name,
+        **own,
+    )
+
+
+def hf_window(hf: Fields) -> int | None:
+    """The config's `sliding_window` (None where it has none)."""
+    return hf("sliding_window", int, None, **limits("sliding_window"))
+
+
+def gguf_config(g: Fields, arch: str, name: str, part: GGUFPart) -> ModelConfig:
+    """A ModelConfig from GGUF metadata (`{arch}.*` keys as llama.cpp's converter writes
+    them): the sizes, RoPE, the special tokens, and what the family's `part` reads after
+    the sizes. Embeddings are untied here: the loader decides from the tensor list."""
+
+    def key(k: str, kind: type, default: Any = REQUIRED, field_name: str = "") -> Any:
+        """`{arch}.k`, in its field's LIMITS (a float: above 0)."""
+        bounds = limits(field_name) if field_name else {"lo": 0.0} if kind is float else {}
+        return g(f"{arch}.{k}", kind, default, **bounds)
+
+    hidden = key("embedding_length", int, field_name="hidden_size")
+    heads = key("attention.head_count", int, field_name="num_heads")
+    context = key("context_length", int, 4096, "max_position_embeddings")
+    scaling = gguf_rope_scaling(key, context)
+    layers = key("block_count", int, field_name="num_layers")
+    head_dim = key("attention.key_length", int, None, "head_dim")
+    if head_dim is None:
+        derived = f"head_dim ({arch}.embedding_length / {arch}.attention.head_count)"
+        head_dim = value(hidden // heads, derived, int, *LIMITS["head_dim"], g.where)
+    rotated = key("rope.dimension_count", int, None)
+    if rotated is not None and rotated != head_dim:
+        raise UnsupportedModelError(f"{g.where}: {arch}.rope.dimension_count is {rotated}: "
+                                    f"kvlm rotates whole heads ({head_dim})")  # fmt: skip
+    own = part(g, arch, layers, hidden, heads, head_dim)
+    eos = g.data.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=gguf_vocab(g, arch),
+        hidden_size=hidden,
+        intermediate_size=key("feed_forward_length", int, field_name="intermediate_size"),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=key("attention.head_count_kv", int, None, "num_kv_heads") or heads,
+        head_dim=head_dim,
+        rms_norm_eps=key("attention.layer_norm_rms_epsilon", float, 1e-5),
+        rope_theta=key("rope.freq_base", float, 10000.0),
+        max_position_embeddings=scaled_context(context, scaling),
+        tie_word_embeddings=False,  # decided by the loader from the tensor list
+        rope_scaling=scaling,
+        bos_token_id=g("tokenizer.ggml.bos_token_id", int, None),
+        eos_token_ids=as_ids(eos, "tokenizer.ggml.eos_token_id", g.where),
+        name=name,
+        **own,
+    )
+
+
+def gguf_rope_scaling(key: Any, context: int) -> RopeScaling:
+    """A GGUF file's `rope.scaling.*` keys, as llama.cpp's converter writes them (linear:
+    the factor; YaRN: the factor, the original context, llama.cpp's beta_fast/slow keys
+    where present)."""
+    scaling_type = key("rope.scaling.type", str, None)
+    if scaling_type in (None, "none"):
+        return RopeScaling()
+    if scaling_type == "linear":
+        return RopeScaling("linear", key("rope.scaling.factor", float))
+    if scaling_type == "yarn":
+        original = key("rope.scaling.original_context_length", int, context,
+                       "max_position_embeddings")  # fmt: skip
+        return RopeScaling(
+            "yarn", key("rope.scaling.factor", float), original_max_position_embeddings=original,
+            beta_fast=key("rope.scaling.yarn_beta_fast", float, 32.0),
+            beta_slow=key("rope.scaling.yarn_beta_slow", float, 1.0),
+        )  # fmt: skip
+    raise UnsupportedModelError(f"unsupported GGUF RoPE scaling {scaling_type!r}")
+
+
+def gguf_vocab(g: Fields, arch: str) -> int:
+    """The vocabulary's size: `{arch}.vocab_size`, else the token list's length; never fewer
+    than the token list's tokens."""
+    tokens = g.data.get("tokenizer.ggml.tokens")
+    n = len(tokens) if isinstance(tokens, list) else 0
+    size = g(f"{arch}.vocab_size", int, None, **limits("vocab_size"))
+    if size is None and not n:
+        raise ModelLoadError(f"{g.where} has no tokenizer.ggml.tokens")
+    if size is not None and size < n:
+        raise ModelLoadError(f"{g.where}: {arch}.vocab_size is {size}, fewer than the "
+                             f"{n} tokens of tokenizer.ggml.tokens")  # fmt: skip
+    return n if size is None else size
+
+
+def as_ids(ids: Any, key: str, where: str) -> tuple[int, ...]:
+    """A special token id, or a list of them, as a tuple (each an integer, 0 or more)."""
+    if ids is None:
+        return ()
+    many = ids if isinstance(ids, list | tuple) else [ids]
+    return tuple(value(i, key, int, 0, where=where) for i in many)
+
+
+def hf_rope(cfg: dict[str, Any]) -> dict[str, Any]:
+    """transformers>=5 writes `rope_parameters` (per layer type where the layers' differ:
+    the global layers' here); older configs use rope_theta/rope_scaling."""
+    params = dict(cfg.get("rope_scaling") or {})
+    given = cfg.get("rope_parameters") or {}
+    params.update(given.get("full_attention", given))
+    if "rope_theta" in cfg:
+        params.setdefault("rope_theta", cfg["rope_theta"])
+    return params
+
+
+def hf_rope_scaling(cfg: dict[str, Any], hf: Fields) -> RopeScaling:
+    params = hf_rope(cfg)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "default":
+        return RopeScaling()
+    p = Fields(params, f"{hf.where} rope_scaling")
+    context = hf("max_position_embeddings", int, 8192)
+    most = LIMITS["max_position_embeddings"][1]
+    # a top-level original_max_position_embeddings wins (Phi 3's), as transformers reads it
+    original = hf("original_max_position_embeddings", int, None, lo=1, hi=most)
+    original = original or p("original_max_position_embeddings", int, context, lo=1, hi=most)
+    factor = p("factor", float, None, lo=0.0)
+    if factor is None:  # YaRN without one: the ratio of the two lengths (DeepSeek's)
+        factor = context / original if rope_type == "yarn" else 1.0
+    return RopeScaling(
+        rope_type=value(rope_type, "rope_type", str, where=hf.where),
+        factor=factor,
+        low_freq_factor=p("low_freq_factor", float, 1.0, lo=0.0),
+        high_freq_factor=p("high_freq_factor", float, 4.0, lo=0.0),
+        original_max_position_embeddings=original,
+        beta_fast=p("beta_fast", float, None) or 32.0,  # 0 or absent: 32, as transformers
+        beta_slow=p("beta_slow", float, None) or 1.0,
+        attention_factor=p("attention_factor", float, None, lo=0.0),
+        mscale=p("mscale", float, None),
+        mscale_all_dim=p("mscale_all_dim", float, None),
+        truncate=p("truncate", bool, True),
+    )
+
+
+def scaled_context(context: int, scaling: RopeScaling) -> int:
+    """The model's context limit: its file's, or the length a YaRN scaling stretches its
+    original one to where that is longer (Qwen's configs add YaRN by factor 4 over 32,768
+    tokens and keep max_position_embeddings at 32,768)."""
+    if scaling.rope_type != "yarn":
+        return context
+    stretched = math.floor(scaling.original_max_position_embeddings * scaling.factor)
+    return min(max(context, stretched), LIMITS["max_position_embeddings"][1])
