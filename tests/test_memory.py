@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
 
@@ -72,3 +75,20 @@ def test_parse_size(text, value):
 def test_parse_size_refuses_nonsense(text):
     with pytest.raises(InvalidRequestError, match="cannot read the size"):
         parse_size(text)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2", "gemma3"])
+def test_the_parameter_count_is_the_files(tiny_model_dir, name):
+    """kvlm.cache.memory.parameter_count (what `kvlm memory` and Ollama's /api/show say)
+    from the shapes alone: the tensors the file holds (a Gemma layer's two output norms
+    and q/k norms too)."""
+    from safetensors import safe_open
+
+    from kvlm.arch import config_from_hf
+    from kvlm.cache.memory import parameter_count
+
+    folder = tiny_model_dir(name)
+    config = config_from_hf(json.loads((folder / "config.json").read_text()))
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        stored = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118 (a safe_open is not iterable)
+    assert parameter_count(config) == stored

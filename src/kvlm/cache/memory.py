@@ -58,12 +58,14 @@ def parse_size(text: str) -> int:
 
 def parameter_count(config: ModelConfig) -> int:
     """The model's parameters, from its shapes: embeddings (and an untied output), the
-    attention and gated MLP products, the norms (the q/k norms where it has them)."""
+    attention and gated MLP products, the norms (the q/k norms where it has them, and the
+    norms on attention's and the MLP's outputs in the "sandwich" layout)."""
     c = config
     q = c.num_heads * c.head_dim
     kv = c.num_kv_heads * c.head_dim
     per_layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
-    per_layer += 2 * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)
+    norms = 4 if c.norm_layout == "sandwich" else 2
+    per_layer += norms * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)
     embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
     return c.num_layers * per_layer + embeddings + c.hidden_size
 
