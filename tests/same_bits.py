@@ -6,7 +6,7 @@ bit: a move of code between files, a refactor).
     PYTHONPATH=src python tests/same_bits.py compare BEFORE.pt AFTER.pt
 
 `record` runs, on this source's kernels (native: the build kvlm makes for this CPU;
-haswell, x86-64: the portable AVX2 and scalar builds the tests make, helpers.
+haswell, x86-64: the portable AVX2 and scalar builds the tests make, helpers.py's
 portable_kernels):
 - every family the tests build (conftest.TINY_MODELS, test_fused_arch.MADE) under every
   K/V dtype the fused step reads (test_fused_arch.KV_DTYPES, SPLIT_KV) in a contiguous
