@@ -1,16 +1,22 @@
-"""kvlm's C kernels (qgemm.c), compiled for this machine on first use.
+"""kvlm's C kernels (qgemm.c and the parts it includes), compiled for this machine on first use.
 
 The low-bit weight formats (`--weights int8|int4|native`) multiply through these. The
-library is built once with the system C compiler (`$CC`, else `cc`/`gcc`), `-O3
--march=native -fopenmp`, into `$KVLM_CACHE_DIR/kernels` (default `~/.cache/kvlm/kernels`)
-as `qgemm-{key}.so`, the key hashing the source, the compiler, the flags and the CPU (the
-instruction sets the compiler resolves `-march=native` to, and the feature flags the OS
-reports), so an upgrade, or a cache dir shared with another CPU, rebuilds instead of loading
-code that dies of SIGILL. A build is about 30 s of CPU work (gcc 12, a Zen 4 core: most
-of it optimizing a few large functions, the q4 cache's scores alone ~30%); with gcc and
-`make` at hand it is compiled with `-flto=auto`, whose link step optimizes the functions in
-partitions on every core (`_flags`; the same code: -std=c11 keeps -ffp-contract=off, so no
-float operation is reordered or fused). It logs a line before it starts (what, why, about
+sources are split by concern (abi.h: the structs, enums and limits Python mirrors; base.c,
+weights.c, kv.c, kv_float.c, kv_int8.c, kv_q4.c, decode.c, prompt.c; v512.h: the map is
+qgemm.c's comment) and compiled as one translation unit: qgemm.c includes the parts in
+order and is the one file the compiler is given, so the compiler inlines across them as
+within one file. The library is built once with the system C compiler (`$CC`, else
+`cc`/`gcc`), `-O3 -march=native -fopenmp`, into `$KVLM_CACHE_DIR/kernels` (default
+`~/.cache/kvlm/kernels`) as `qgemm-{key}.so`, the key hashing every source file
+(`sources()`: qgemm.c and what it includes, so a change to any part rebuilds), the
+compiler, the flags and the CPU (the instruction sets the compiler resolves `-march=native`
+to, and the feature flags the OS reports), so an upgrade, or a cache dir shared with
+another CPU, rebuilds instead of loading code that dies of SIGILL. A build is about 30 s of
+CPU work (gcc 12, a Zen 4 core: most of it optimizing a few large functions, the q4 cache's
+scores alone ~30%); with gcc and `make` at hand it is compiled with `-flto=auto`, whose
+link step optimizes the functions in partitions on every core (`_flags`; the same
+arithmetic: -std=c11 keeps -ffp-contract=off, so no float operation is reordered or
+fused). It logs a line before it starts (what, why, about
 how long, where it is cached) and one every PROGRESS_S while it runs, on the "kvlm.kernels"
 logger at WARNING: the CLI, `kvlm serve` and a script's `LLM()` all show them on stderr.
 Without a compiler (or with `KVLM_NO_KERNELS=1`) `library()` returns None and the formats
@@ -50,12 +56,11 @@ from pathlib import Path
 
 import torch  # loaded first, so the kernels share torch's OpenMP runtime
 
-SOURCE = Path(__file__).with_name("qgemm.c")
-HEADERS = (Path(__file__).with_name("v512.h"),)  # qgemm.c includes them (quoted: beside it)
-ABI = 23
+SOURCE = Path(__file__).with_name("qgemm.c")  # the one file compiled: it includes the parts
+ABI_HEADER = Path(__file__).with_name("abi.h")  # the structs, enums and limits Python mirrors
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 # gcc's link-time optimizer partitions the functions and compiles the partitions in
-# parallel (one job a core; lto-wrapper runs them through `make`): the one source file,
+# parallel (one job a core; lto-wrapper runs them through `make`): the one translation unit,
 # built on several cores without splitting it
 PARALLEL = ("-flto=auto",)
 # a first build on a busy 2-core box took 113 s of wall time: a slow or loaded machine
@@ -64,6 +69,43 @@ BUILD_TIMEOUT_S = 600
 PROGRESS_S = 10.0  # a "still compiling" line this often while the build runs
 CPU_SECONDS = 30  # the build's CPU time on a Zen 4 core (gcc 12: 28-31 s user), for the first line
 WORK_PREFIX, WORK_SUFFIX = ".qgemm-", ".tmp"  # a build's private directory in the cache
+
+
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def sources(main: Path | None = None) -> list[Path]:
+    """The files a build of `main` (SOURCE) compiles: it, then each file it includes in
+    quotes (beside the file naming it), depth first in the order they are named, each once.
+    Every `#include "..."` counts, whichever `#if` branch it is in (v512.h: the AVX2
+    builds'), so the build key covers what any CPU's build reads."""
+    order: list[Path] = []
+
+    def walk(path: Path) -> None:
+        if path in order:
+            return
+        order.append(path)
+        for name in _INCLUDE.findall(path.read_text(encoding="utf-8")):
+            walk(path.parent / name)
+
+    walk(SOURCE if main is None else main)
+    return order
+
+
+def _abi_constants(text: str) -> dict[str, int]:
+    """abi.h's numbers by name: each `#define NAME <integer>` and each `NAME = <integer>` of
+    its enums (tests/test_kernel_abi.py holds them to what the compiler makes of them)."""
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.DOTALL)
+    found = {m[1]: int(m[2], 0) for m in re.finditer(r"^#define\s+(\w+)\s+(\d+)\s*$", text, re.M)}
+    for body in re.findall(r"\benum\s*\{([^}]*)\}", text):
+        found.update((m[1], int(m[2], 0)) for m in re.finditer(r"(\w+)\s*=\s*(\d+)", body))
+    return found
+
+
+# The binary interface's numbers (abi.h): limits (MAX_HEAD_DIM, MAX_BATCH, QMAT_PARTS, ...),
+# the weight kinds (Q8, Q4K, ...), K/V dtypes (KV_F32, ...), activation bits (ACT_QKV, ...)
+CONSTANTS = _abi_constants(ABI_HEADER.read_text(encoding="utf-8"))
+ABI = CONSTANTS["KVLM_ABI"]  # kvlm_kernel_abi() of a library built from these sources
 
 
 class KernelBuildError(OSError):
@@ -180,10 +222,10 @@ def _cpu_features() -> str:
 
 
 def _key(cc: str, flags: tuple[str, ...]) -> str:
-    """The build's name: source, compiler, flags, and the CPU the code is compiled for."""
+    """The build's name: every source file, compiler, flags, and the CPU the code is
+    compiled for."""
     parts = (
-        SOURCE.read_bytes(),
-        *(h.read_bytes() for h in HEADERS),
+        *(f"{path.name}\0".encode() + path.read_bytes() for path in sources()),
         _compiler_id(cc).encode(),
         " ".join(flags).encode(),
         _compiler_target(cc, flags).encode(),
@@ -375,39 +417,49 @@ def build_notice(cc: str, flags: tuple[str, ...], folder: Path) -> str:
     )
 
 
-# each function's arguments (p a pointer, i an int64, d a double), named as in qgemm.c;
-# each returns an int, kvlm_decode_scratch an int64. A buffer's length follows it (xn: x's
-# elements, wn: w's bytes, ...; qgemm.c's "the sizes an entry point is given"): the
-# kernels refuse a call (-2) whose buffers are shorter than its shape needs.
-_SIGNATURES = {
-    "kvlm_qgemm": "ipiiipiipii",  # kind, x, xn, M, K, w, wn, N, y, yn, ldy
-    "kvlm_qgemm_i8": "ipiiipiipiii",  # ..., fine (an int8 residual: 16 bits)
-    "kvlm_qdequant": "iiipiipi",  # kind, bf16, K, w, wn, N, out, on (bytes)
-    "kvlm_qdequant_rows": "iipiipipi",  # kind, K, w, wn, N, rows, n, out, on
-    "kvlm_qpack": "ipiiippi",  # kind, blocks, sn, N, K, order, out, dn
-    "kvlm_silu_mul": "piiipi",  # gu, gn, M, I, out, on
+# Every function the library exports, bound once here (`_bind`; nothing else sets a ctypes
+# signature on them: tests/test_kernel_abi.py holds this table to the C definitions and to
+# the library's exported symbols): its return type, "int" or "int64", and its arguments (p a
+# pointer, i an int64, d a double), named as in the C. A buffer's length follows it (xn: x's
+# elements, wn: w's bytes, ...; base.c's "the sizes an entry point is given"): the kernels
+# refuse a call (-2) whose buffers are shorter than its shape needs.
+_SIGNATURES: dict[str, tuple[str, str]] = {
+    # what the build is (base.c): ABI, 512 / 256 / 0, VNNI 1 / 0
+    "kvlm_kernel_abi": ("int", ""),
+    "kvlm_kernel_simd": ("int", ""),
+    "kvlm_kernel_vnni": ("int", ""),
+    # weights.c
+    "kvlm_qgemm": ("int", "ipiiipiipii"),  # kind, x, xn, M, K, w, wn, N, y, yn, ldy
+    "kvlm_qgemm_i8": ("int", "ipiiipiipiii"),  # ..., fine (an int8 residual: 16 bits)
+    "kvlm_qdequant": ("int", "iiipiipi"),  # kind, bf16, K, w, wn, N, out, on (bytes)
+    "kvlm_qdequant_rows": ("int", "iipiipipi"),  # kind, K, w, wn, N, rows, n, out, on
+    "kvlm_qpack": ("int", "ipiiippi"),  # kind, blocks, sn, N, K, order, out, dn
+    # prompt.c
+    "kvlm_silu_mul": ("int", "piiipi"),  # gu, gn, M, I, out, on
     # q, qn, H, T, D, qsh, qst, k, kn, v, vn, Hkv, S, ksh, kst, vsh, vst, mask, mn, mst,
     # causal, scale, out, on, bf16_from
-    "kvlm_attend": "piiiiiipipiiiiiiipiiidpii",
-    "kvlm_rms_norm": "piiiipidpii",  # x, xn, M, N, xs, w, wn, eps, y, yn, ys
+    "kvlm_attend": ("int", "piiiiiipipiiiiiiipiiidpii"),
+    "kvlm_rms_norm": ("int", "piiiipidpii"),  # x, xn, M, N, xs, w, wn, eps, y, yn, ys
     # qkv, qkvn, M, rs, nq, nk, D, qn, kn, nn, eps, cos, cn, sin, sn, cs
-    "kvlm_qk_norm_rope": "piiiiiippidpipii",
-    "kvlm_decode_scratch": "pi",  # m, B
+    "kvlm_qk_norm_rope": ("int", "piiiiiippidpipii"),
+    # decode.c
+    "kvlm_decode_scratch": ("int64", "pi"),  # m, B
     # m, B, x, xn, pos, pn, cos, cn, sin, sn, views, n_views, scratch, scn, logits, ln
-    "kvlm_decode_batch": "pipipipipipipipi",
+    "kvlm_decode_batch": ("int", "pipipipipipipipi"),
     # for tests alone (no caller in kvlm): the store's quantizers and fp16 conversions
-    "kvlm_quantize_q4_rows": "pipipiii",  # x, xn, codes, cn, scales, sn, rows, D
-    "kvlm_quantize_kv_rows": "pipipiii",  # x, xn, codes, cn, params, pn, rows, D
-    "kvlm_f16_round_trip": "pipipii",  # x, xn, h, hn, y, yn, n
+    "kvlm_quantize_q4_rows": ("int", "pipipiii"),  # x, xn, codes, cn, scales, sn, rows, D
+    "kvlm_quantize_kv_rows": ("int", "pipipiii"),  # x, xn, codes, cn, params, pn, rows, D
+    "kvlm_f16_round_trip": ("int", "pipipii"),  # x, xn, h, hn, y, yn, n
 }
 _CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "d": ctypes.c_double}
+_RESTYPES = {"int": ctypes.c_int, "int64": ctypes.c_int64}
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    for name, args in _SIGNATURES.items():
+    for name, (restype, args) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = [_CTYPES[a] for a in args]
-        fn.restype = ctypes.c_int64 if name == "kvlm_decode_scratch" else ctypes.c_int
+        fn.restype = _RESTYPES[restype]
     return lib
 
 

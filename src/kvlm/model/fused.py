@@ -1,4 +1,4 @@
-"""The fused decode step: one C call per step for one or many sequences (kernels/qgemm.c).
+"""The fused decode step: one C call per step for one or many sequences (kernels/decode.c).
 
 A decode step of the torch model is ~500 small ops (norms, RoPE, cache writes, attention,
 residuals) around 121 products; at 576 wide each op costs a few microseconds of dispatch,
@@ -73,13 +73,14 @@ from kvlm.model.layers import Linear
 from kvlm.model.quant import KIND_CODES
 from kvlm.model.transformer import Block, Transformer
 
-MAX_ROWS = 256  # the most sequences one step takes (MAX_BATCH in qgemm.c)
+_ABI = kernels.CONSTANTS  # kernels/abi.h's numbers: one place for each
+MAX_ROWS = _ABI["MAX_BATCH"]  # the most sequences one step takes
 CACHE_MODES = ("contiguous", "paged", "int8")  # the caches whose layout the step reads
 NOT_THIS_CACHE = "the fused step reads contiguous and paged caches"  # why the others do not
 # why a hybrid model's pool (a block table per layer group, kvlm.cache.paged) decodes
 # without CUDA graphs (the fused step reads each group through a view of its own)
 HYBRID_POOL = "the CUDA graphs read one block table per row, not one per layer group"
-QMAT_PARTS = 3  # row parts of different kinds one projection may have (qgemm.c)
+QMAT_PARTS = _ABI["QMAT_PARTS"]  # row parts of different kinds one projection may have
 
 
 def _fields(ctype, names: str) -> list[tuple[str, type]]:
@@ -87,7 +88,8 @@ def _fields(ctype, names: str) -> list[tuple[str, type]]:
     return [(name, ctype) for name in names.split()]
 
 
-# kvlm_qpart, kvlm_qmat, kvlm_qlayer and kvlm_qmodel in qgemm.c
+# kvlm_qpart, kvlm_qmat, kvlm_qlayer and kvlm_qmodel in kernels/abi.h, field for field
+# (tests/test_kernel_abi.py holds names, order, types, offsets and sizes to the header's)
 class _QPart(ctypes.Structure):
     _fields_ = [
         ("kind", ctypes.c_int64),
@@ -171,13 +173,20 @@ def pool_views(pool: BlockPool, tables: Sequence[Sequence[Sequence[int]]]) -> li
     return views
 
 
-# the cache dtypes the fused step reads and writes (kvlm_qmodel.k_dtype, v_dtype in qgemm.c)
-_KV_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float16: 3, Q4: 4}
+# the cache dtypes the fused step reads and writes (kvlm_qmodel.k_dtype, v_dtype: abi.h)
+_KV_DTYPE = {
+    torch.float32: _ABI["KV_F32"],
+    torch.bfloat16: _ABI["KV_BF16"],
+    torch.int8: _ABI["KV_I8"],
+    torch.float16: _ABI["KV_F16"],
+    Q4: _ABI["KV_Q4"],
+}
 
 
 def block_products(block: Block) -> tuple[Linear, Linear, Linear, Linear]:
-    """A block's four low-bit products in the step's order: q|k|v, o, gate|up, down (bits 0-3
-    of the activation masks, kvlm_qmodel.act_int8 / act_int16; the vocabulary's is bit 4)."""
+    """A block's four low-bit products in the step's order: q|k|v, o, gate|up, down (ACT_QKV,
+    ACT_O, ACT_GATE_UP, ACT_DOWN of the activation masks, kvlm_qmodel.act_int8 / act_int16;
+    the vocabulary's is ACT_HEAD)."""
     return block.attn.qkv, block.attn.o_proj, block.mlp.gate_up, block.mlp.down
 
 
@@ -214,7 +223,7 @@ def _ptr(t: torch.Tensor | None, n: int) -> int | None:
     return t.data_ptr()
 
 
-MAX_HEAD_DIM = 256  # the attention's buffers in qgemm.c (the widest head of a family kvlm runs)
+MAX_HEAD_DIM = _ABI["MAX_HEAD_DIM"]  # the attention's buffers (the widest head kvlm runs)
 
 
 def why_not(model: Transformer) -> str | None:
@@ -255,6 +264,9 @@ def _block_why_not(block: Block, eps: float) -> str | None:
 
 
 _ACTS = {"silu": 0, "gelu_tanh": 1}  # kvlm_qmodel.gelu
+# the products' bits of kvlm_qmodel.act_int8 / act_int16, in block_products' order, then
+# the vocabulary projection's
+_ACT_BITS = tuple(_ABI[f"ACT_{n}"] for n in ("QKV", "O", "GATE_UP", "DOWN", "HEAD"))
 
 
 class FusedDecoder:
@@ -473,6 +485,7 @@ class FusedDecoder:
         # every block (LLM sets them), then the vocabulary projection's own (fp32 under the
         # defaults): a bit each in two masks
         products = (*block_products(self.model.layers[0]), self.model.lm_head)
-        self.spec.act_int8 = sum(1 << i for i, p in enumerate(products) if p.act_int8)
-        self.spec.act_int16 = sum(1 << i for i, p in enumerate(products) if p.act_int16)
+        bits = list(zip(_ACT_BITS, products, strict=True))
+        self.spec.act_int8 = sum(bit for bit, p in bits if p.act_int8)
+        self.spec.act_int16 = sum(bit for bit, p in bits if p.act_int16)
         self.spec.window = window or 0

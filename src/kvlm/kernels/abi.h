@@ -1,0 +1,107 @@
+/* The kernels' binary interface with Python: every struct, enum and limit that Python
+ * mirrors or passes. kvlm/model/fused.py's ctypes classes (_QPart, _QMat, _QLayer, _QModel,
+ * _KVView) mirror the structs, field for field; kvlm.kernels.CONSTANTS reads the #defines
+ * and the enums' values from this file, and kvlm/model/quant.py's KIND_CODES, BLOCK_ROWS
+ * and SMALL_M repeat some of them. tests/test_kernel_abi.py holds each side to the other
+ * (a probe compiled against this header: sizes, offsets, values). The entry points' own
+ * signatures are kvlm.kernels._SIGNATURES (each checked against its definition there too).
+ * A change here that changes the layout or a meaning is a new KVLM_ABI. */
+#ifndef KVLM_ABI_H
+#define KVLM_ABI_H
+#include <stdint.h>
+
+#define KVLM_ABI 23 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
+
+/* the limits (fused.py: MAX_HEAD_DIM, MAX_ROWS, QMAT_PARTS; quant.py: BLOCK_ROWS, SMALL_M) */
+#define BR 16         /* weight rows per block: one per 32-bit vector lane */
+#define SMALL_ROWS 16 /* the most rows the small products take (quant.SMALL_M) */
+#define MAX_HEAD_DIM 256 /* the attention's buffers (Gemma 3's head_dim) */
+#define MAX_BATCH 256 /* the most rows (sequences) one decode step takes */
+#define QMAT_PARTS 3 /* a fused projection's row parts, each of its own kind */
+
+/* the weight kinds (kvlm.model.quant.KIND_CODES) */
+enum { Q8 = 8, Q4 = 4, Q40 = 40, Q50 = 50, Q51 = 51, Q4K = 104, Q5K = 105, Q6K = 106 };
+
+/* K's and V's storage (kvlm_qmodel.k_dtype, v_dtype) */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_F16 = 3, KV_Q4 = 4 };
+
+/* kvlm_qmodel.act_int8, act_int16 */
+enum { ACT_QKV = 1, ACT_O = 2, ACT_GATE_UP = 4, ACT_DOWN = 8, ACT_HEAD = 16 };
+
+typedef struct {
+    int64_t kind;        /* Q8, Q4, Q40, Q50, Q51, Q4K, Q5K or Q6K */
+    const uint8_t *data; /* packed (see the top of weights.c) */
+    int64_t n;           /* its rows */
+    int64_t bytes;       /* data's bytes: checked against what n rows of k take */
+} kvlm_qpart;
+
+/* [n, k]: the rows of parts 0 .. parts - 1 stacked (q|k|v of a Q4_K_M file: Q4_K, Q4_K, Q6_K) */
+typedef struct {
+    int64_t n, k, parts;
+    kvlm_qpart part[QMAT_PARTS];
+} kvlm_qmat;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    kvlm_qmat qkv, o, gate_up, down;
+    /* NULL when the model has none: the q|k|v bias (Qwen2; Llama's attention_bias), added
+     * after the product as torch's Linear does; o_proj's bias; the per-head RMSNorm
+     * weights (head_dim each) of the queries and keys before RoPE (Qwen3, Gemma 3) */
+    const float *qkv_bias, *o_bias, *q_norm, *k_norm;
+    /* Gemma's sandwich norms (NULL: none): the attention's output after o_proj and the
+     * MLP's after down, each normed before it is added to the residual */
+    const float *attn_out_norm, *mlp_out_norm;
+    int64_t window; /* keys the query at p sees: p - window < s <= p; 0: all of 0 .. p;
+                       -1: the step's window (kvlm_qmodel.window) */
+    int64_t rope;   /* which cos/sin table (0: the model's base; 1: the local layers') */
+    int64_t view;   /* which cache view holds this layer's K/V (kvlm_kv_view) */
+    int64_t index;  /* the layer's index inside that view's store */
+} kvlm_qlayer;
+
+typedef struct {
+    int64_t n_layers, hidden, n_heads, n_kv_heads, head_dim, inter, slots;
+    float eps;
+    const kvlm_qlayer *layers;
+    const float *final_norm;
+    kvlm_qmat lm_head;
+    int64_t k_dtype, v_dtype; /* K's and V's storage: KV_F32, KV_BF16, KV_I8, KV_F16 or
+                                 KV_Q4 (each its own: --k-dtype, --v-dtype) */
+    int64_t act_int8;        /* which products round x to int8 per group (--activations
+                                int8): a mask of ACT_QKV, ACT_O, ACT_GATE_UP, ACT_DOWN,
+                                ACT_HEAD (the vocabulary projection: off by default,
+                                near-tied logits decide the token) */
+    int64_t act_int16;       /* which of those keep an int8 residual too, x to 16 bits a
+                                value (--activations int16; kvlm_actrow) */
+    const float *key_rot;    /* K in KV_I8 or KV_Q4: R (head_dim x head_dim); K rows are
+                                stored as k R */
+    int64_t window;          /* the step's attention window (Mistral) for the layers whose
+                                own is -1: the query at p sees keys p - window < s <= p; 0:
+                                all of 0 .. p */
+    int64_t gelu;            /* the MLP's gate: 0 SiLU (SwiGLU), 1 tanh's GELU (GeGLU) */
+    float score_scale;       /* the scores' scale (head_dim^-0.5, or Gemma's own) */
+    float attn_softcap;      /* scores soft-capped, cap tanh(s / cap), before the softmax
+                                (Gemma 2); 0: none */
+    int64_t rope_tables;     /* the cos/sin tables given (1, or 2: a local layers' base) */
+} kvlm_qmodel;
+
+/* Where a group of layers keeps its K/V: K of layer l at k + l * k_layer bytes, a
+ * (num_blocks, kv_heads, block_size, row) array of rows in k_dtype (+ their parameters at
+ * kp + l * kp_layer: KV_I8's (step, zero) per row, KV_Q4's head_dim / q4_group scales),
+ * V alike in v_dtype; addressed per row of the step through tables [B, width] of block
+ * ids. Position s of row b is slot s (ring 0) or s % ring (a ring of `ring` slots, a
+ * multiple of block_size: the local layers' window cache), in block
+ * tables[b][slot / block_size]. A contiguous cache is one block per row holding every slot
+ * (tables {b}, block_size its slots). */
+typedef struct {
+    void *k, *v;
+    uint16_t *kp, *vp;       /* NULL for a float dtype */
+    const int32_t *tables;
+    int64_t width, num_blocks, block_size, ring;
+    int64_t layers;          /* the store's layers (a layer's index is checked against it) */
+    int64_t k_layer, v_layer, kp_layer, vp_layer; /* bytes from one layer to the next */
+    int64_t entries;         /* tables' int32s (at least B width) */
+    /* bytes from k, v, kp and vp on: every layer's blocks must lie within them */
+    int64_t k_bytes, v_bytes, kp_bytes, vp_bytes;
+} kvlm_kv_view;
+
+#endif

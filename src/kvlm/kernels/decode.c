@@ -1,0 +1,520 @@
+/* ------------------------------------------------------------------------------------
+ * One decode step of a Llama-family or Gemma 2/3 model, whole, for B sequences over their
+ * K/V caches (contiguous, paged, a hybrid cache's ring: kvlm_kv_view): the per-token path
+ * without ~500 small torch ops. The math is the torch model's (kvlm.model.transformer), in
+ * the same order; only summation order differs. (Part of qgemm.c's one translation unit:
+ * the K/V attention it calls is kv*.c's, the products weights.c's.)
+ * ------------------------------------------------------------------------------------ */
+
+static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *y) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * r * w[i];
+}
+
+/* rotate-half RoPE on one head in place */
+static void rope(float *v, const float *cos, const float *sin, int64_t d) {
+    int64_t h = d / 2;
+    for (int64_t i = 0; i < h; i++) {
+        float a = v[i], b = v[i + h];
+        v[i] = a * cos[i] - b * sin[i];
+        v[i + h] = b * cos[i + h] + a * sin[i + h];
+    }
+}
+
+/* y = silu(g) * u = g / (1 + exp(-g)) * u */
+static void silu_mul(const float *g, const float *u, float *y, int64_t n) {
+    int64_t i = 0;
+#if KVLM_V512
+    for (; i < n; i += 16) {
+        __mmask16 k = tail_mask(n - i);
+        __m512 gv = _mm512_maskz_loadu_ps(k, g + i);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        __m512 s = _mm512_div_ps(gv, _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
+        _mm512_mask_storeu_ps(y + i, k, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(k, u + i)));
+    }
+#endif
+    for (; i < n; i++) y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+/* y = gelu_tanh(g) * u, GELU's tanh form 0.5 g (1 + tanh(c (g + 0.044715 g^3))), c =
+ * sqrt(2 / pi), written as g / (1 + exp(-2 c (g + 0.044715 g^3))) (the same function:
+ * 1 + tanh(t) = 2 / (1 + exp(-2t))), silu_mul's shape */
+static void gelu_mul(const float *g, const float *u, float *y, int64_t n) {
+    const float c2 = -2.0f * 0.7978845608028654f, k = 0.044715f;
+    int64_t i = 0;
+#if KVLM_V512
+    for (; i < n; i += 16) {
+        __mmask16 m = tail_mask(n - i);
+        __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
+        __m512 t = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(k), gv), _mm512_mul_ps(gv, gv), gv);
+        __m512 e = exp512(_mm512_mul_ps(_mm512_set1_ps(c2), t));
+        __m512 s = _mm512_div_ps(gv, _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
+        _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + i)));
+    }
+#endif
+    for (; i < n; i++) y[i] = g[i] / (1.0f + expf(c2 * (g[i] + k * g[i] * g[i] * g[i]))) * u[i];
+}
+
+static inline int64_t query_stride(int64_t D) { return (D + 63) / 64 * 64; } /* int8 bytes */
+
+/* Whether w is an [n, k] product of 1..QMAT_PARTS parts whose rows add up to n, each of a
+ * known kind, k whole blocks of it, and exactly the bytes n rows of k take */
+static int qmat_ok(const kvlm_qmat *w, int64_t n, int64_t k) {
+    if (w->n != n || w->k != k || n < 1 || k < 1 || w->parts < 1 || w->parts > QMAT_PARTS)
+        return 0;
+    int64_t rows = 0, need;
+    for (int64_t p = 0; p < w->parts; p++) {
+        const kvlm_qpart *P = w->part + p;
+        if (!known_kind(P->kind) || !P->data || P->n < 1 || P->n > n) return 0;
+        if (!packed_size((int)P->kind, P->n, k, &need) || P->bytes != need) return 0;
+        rows += P->n;
+    }
+    return rows == n;
+}
+
+/* The model's sizes in range (each far past a real model's, short of overflowing the
+ * scratch's size) and every product of the shape they give it: the step reads each
+ * weight, norm and buffer by these sizes, so a weight of another shape is refused here,
+ * not read past its end. 1 when so. */
+static int model_ok(const kvlm_qmodel *m) {
+    const int64_t H = m->hidden, D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
+    const int64_t I = m->inter;
+    if (m->n_layers < 1 || H < 1 || H > (1 << 22) || I < 1 || I > (1 << 22)) return 0;
+    if (D < 2 || D > MAX_HEAD_DIM || Hq < 1 || Hq > 4096 || Hkv < 1 || Hkv > Hq) return 0;
+    if (m->slots < 1 || m->slots > ((int64_t)1 << 26) || !m->layers || !m->final_norm) return 0;
+    for (int64_t l = 0; l < m->n_layers; l++) {
+        const kvlm_qlayer *L = m->layers + l;
+        if (!L->input_norm || !L->post_norm || !qmat_ok(&L->qkv, (Hq + 2 * Hkv) * D, H) ||
+            !qmat_ok(&L->o, H, Hq * D) || !qmat_ok(&L->gate_up, 2 * I, H) || !qmat_ok(&L->down, H, I))
+            return 0;
+    }
+    return qmat_ok(&m->lm_head, m->lm_head.n, H);
+}
+
+/* floats of scratch a step of B rows needs (bufs_of), the model's sizes in range */
+static int64_t scratch_floats(const kvlm_qmodel *m, int64_t B) {
+    const int64_t D = m->head_dim, Hq = m->n_heads;
+    const int64_t row = 2 * m->hidden + (Hq + 2 * m->n_kv_heads) * D + Hq * D + 3 * m->inter +
+                        Hq * m->slots + Hq * MAX_CHUNKS * (D + 2) + Hq * (query_stride(D) / 4 + 2) +
+                        Hq * Q4_QG;
+    return B * row + D;
+}
+
+/* floats of scratch a step of B rows needs; -2 when the model or B is out of range
+ * (model_ok) */
+int64_t kvlm_decode_scratch(const kvlm_qmodel *m, int64_t B) {
+    if (B < 1 || B > MAX_BATCH || !model_ok(m)) return -2;
+    return scratch_floats(m, B);
+}
+
+/* y [B, n] = x [B, k] . W^T, 16 rows per call (the small products' most); act: x in fp32
+ * (0), rounded to int8 (1) or to 16 bits (2: int8 and a residual); 0 or -1 */
+static int matmul_rows(const kvlm_qmat *w, const float *x, int64_t B, float *y, int act) {
+    for (int64_t r = 0; r < B; r += SMALL_ROWS) {
+        const int64_t M = B - r < SMALL_ROWS ? B - r : SMALL_ROWS;
+        const float *xr = x + r * w->k;
+        float *yr = y + r * w->n;
+        const int64_t xn = (B - r) * w->k, yn = (B - r) * w->n; /* from xr, yr on */
+        for (int64_t p = 0, col = 0; p < w->parts; col += w->part[p].n, p++) {
+            const kvlm_qpart *P = w->part + p; /* its outputs: columns col .. col + n - 1 */
+            if (act && kvlm_qgemm_i8(P->kind, xr, xn, M, w->k, P->data, P->bytes, P->n, yr + col,
+                                     yn - col, w->n, act == 2) == 0)
+                continue;
+            if (kvlm_qgemm(P->kind, xr, xn, M, w->k, P->data, P->bytes, P->n, yr + col, yn - col,
+                           w->n) != 0)
+                return -1;
+        }
+    }
+    return 0;
+}
+
+/* The position chunks of a row attending over n positions: the threads' work items per
+ * KV head. A chunk starts at a multiple of 16, so the kernels' runs over a paged table
+ * (16-slot blocks) and over a contiguous cache group the positions alike (same sums). */
+static inline int64_t chunk_len(int64_t n) {
+    const int64_t chunks = n < 64 ? 1 : (n / 64 < MAX_CHUNKS ? n / 64 : MAX_CHUNKS);
+    return ((n + chunks - 1) / chunks + 15) / 16 * 16;
+}
+
+/* The keys the query at position p sees are [lo, p] (lo = p + 1 - window with a window
+ * that excludes some, else 0: causal_mask's `q - k < window`). Its chunks cover [a0, p]
+ * from a0, the multiple of 16 at or below lo, `per` positions each (a multiple of 16),
+ * `chunks` of them: boundaries that depend on p alone (a row's logits do not depend on the
+ * rows beside it) and fall on multiples of 16 (runs group positions alike over a contiguous
+ * cache and a paged one). Positions [a0, lo) are read but weigh nothing (softmax_pieces). */
+typedef struct {
+    int64_t lo, a0, per, chunks;
+} row_chunks;
+
+static inline row_chunks chunks_of(int64_t p, int64_t window) {
+    row_chunks r;
+    const int64_t n = p + 1;
+    r.lo = window > 0 && n > window ? n - window : 0;
+    r.a0 = r.lo / 16 * 16;
+    r.per = chunk_len(n - r.a0);
+    r.chunks = (n - r.a0 + r.per - 1) / r.per;
+    return r;
+}
+
+/* K or V of one layer as the step reads and writes them: rows (and their parameters) at
+ * block id 0, the dtype, a row's and its parameters' bytes, block id / KV head strides */
+typedef struct {
+    char *c, *p;
+    int dt;
+    int64_t rowb, pb, bstride, head_bytes, pstride, phead;
+} kv_half;
+
+/* One layer's K/V as the step reads and writes them (its view's store at the layer's
+ * index): K and V, the rows' tables, its window. */
+typedef struct {
+    kv_half k, v;
+    const int32_t *tables;     /* [B, width] */
+    int64_t width, bs, ring;   /* a view's geometry (kvlm_kv_view) */
+    int64_t window;            /* 0: whole context */
+} layer_kv;
+
+static inline int kv_quantized(int64_t dt) { return dt == KV_I8 || dt == KV_Q4; }
+
+static kv_half kv_half_of(int dt, int64_t D, int64_t Hkv, int64_t bs, char *c, char *p) {
+    kv_half h;
+    h.dt = dt, h.rowb = kv_row_bytes(dt, D), h.pb = kv_param_bytes(dt, D);
+    h.bstride = Hkv * bs * h.rowb, h.head_bytes = bs * h.rowb;
+    h.pstride = Hkv * bs * h.pb, h.phead = bs * h.pb;
+    h.c = c, h.p = kv_quantized(dt) ? p : NULL;
+    return h;
+}
+
+static layer_kv layer_kv_of(const kvlm_qmodel *m, const kvlm_qlayer *L, const kvlm_kv_view *views) {
+    const kvlm_kv_view *V = views + L->view;
+    const int64_t Hkv = m->n_kv_heads, bs = V->block_size, l = L->index, D = m->head_dim;
+    layer_kv r;
+    r.tables = V->tables, r.width = V->width, r.bs = bs, r.ring = V->ring;
+    r.k = kv_half_of((int)m->k_dtype, D, Hkv, bs, (char *)V->k + l * V->k_layer,
+                     (char *)V->kp + l * V->kp_layer);
+    r.v = kv_half_of((int)m->v_dtype, D, Hkv, bs, (char *)V->v + l * V->v_layer,
+                     (char *)V->vp + l * V->vp_layer);
+    r.window = L->window < 0 ? m->window : L->window;
+    return r;
+}
+
+/* Whether `layers` layers (layer_bytes apart) of `blocks` blocks of Hkv x bs rows of `row`
+ * bytes, the furthest byte a block id below `blocks` and a layer index below `layers`
+ * reach, (layers - 1) layer_bytes + blocks Hkv bs row, lie within a store's `bytes` (a
+ * view with no layers: nothing is read or written through it) */
+static int store_ok(int64_t layers, int64_t layer_bytes, int64_t blocks, int64_t Hkv,
+                    int64_t bs, int64_t row, int64_t bytes) {
+    int64_t block, need;
+    if (layers == 0) return 1;
+    return mul_ok(Hkv, bs, &block) && mul_ok(block, row, &block) &&
+           extent_ok(layers, layer_bytes, blocks, block, block, &need) && bytes >= need;
+}
+
+/* -2 unless every layer's view holds every row's slots up to its position: the tables
+ * [B, width] within their entries, each table entry the step reads within the view's
+ * table width and pool, the pool's blocks of every layer within K's and V's bytes (and
+ * their parameters'), a ring a whole number of blocks and at least the layer's window (the
+ * keys a query sees are all still there) */
+static int check_views(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
+                       const kvlm_kv_view *views, int64_t n_views) {
+    const int64_t D = m->head_dim, Hkv = m->n_kv_heads;
+    const int kdt = (int)m->k_dtype, vdt = (int)m->v_dtype;
+    for (int64_t v = 0; v < n_views; v++) {
+        const kvlm_kv_view *V = views + v;
+        const int64_t bs = V->block_size, nb = V->num_blocks, L = V->layers;
+        int64_t need;
+        if (bs < 1 || nb < 1 || V->width < 1 || V->ring < 0 || V->ring % bs) return -2;
+        if (!V->k || !V->v || !V->tables || L < 0) return -2;
+        if ((kv_quantized(kdt) && !V->kp) || (kv_quantized(vdt) && !V->vp)) return -2;
+        if (V->k_layer < 0 || V->v_layer < 0 || V->kp_layer < 0 || V->vp_layer < 0) return -2;
+        if (!mul_ok(B, V->width, &need) || V->entries < need) return -2;
+        if (!store_ok(L, V->k_layer, nb, Hkv, bs, kv_row_bytes(kdt, D), V->k_bytes) ||
+            !store_ok(L, V->v_layer, nb, Hkv, bs, kv_row_bytes(vdt, D), V->v_bytes))
+            return -2;
+        if ((kv_quantized(kdt) &&
+             !store_ok(L, V->kp_layer, nb, Hkv, bs, kv_param_bytes(kdt, D), V->kp_bytes)) ||
+            (kv_quantized(vdt) &&
+             !store_ok(L, V->vp_layer, nb, Hkv, bs, kv_param_bytes(vdt, D), V->vp_bytes)))
+            return -2;
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t last = V->ring && pos[b] >= V->ring ? V->ring - 1 : pos[b];
+            if (last / bs >= V->width) return -2;
+            for (int64_t j = 0; j <= last / bs; j++) {
+                const int32_t id = V->tables[b * V->width + j];
+                if (id < 0 || id >= V->num_blocks) return -2;
+            }
+        }
+    }
+    for (int64_t l = 0; l < m->n_layers; l++) {
+        const kvlm_qlayer *L = m->layers + l;
+        const int64_t w = L->window < 0 ? m->window : L->window;
+        if (L->view < 0 || L->view >= n_views || L->index < 0 || L->rope < 0 ||
+            L->rope >= m->rope_tables)
+            return -2;
+        if (L->index >= views[L->view].layers) return -2;
+        if (w < 0 || (views[L->view].ring && (w == 0 || w > views[L->view].ring))) return -2;
+    }
+    return 0;
+}
+
+/* One row x (head_dim values) into K or V's slot of block blk, KV head g, rounded to the
+ * storage dtype as the torch path rounds it */
+static void write_row(const kv_half *h, int64_t blk, int64_t g, int64_t slot, const float *x,
+                      int64_t D) {
+    char *d = h->c + blk * h->bstride + g * h->head_bytes + slot * h->rowb;
+    uint16_t *pp = h->p ? (uint16_t *)(h->p + blk * h->pstride + g * h->phead + slot * h->pb) : NULL;
+    if (h->dt == KV_Q4) {
+        quantize_q4_row(x, D, (uint8_t *)d, pp);
+    } else if (h->dt == KV_I8) {
+        quantize_kv_row(x, D, (int8_t *)d, pp);
+    } else if (h->dt == KV_BF16) {
+        for (int64_t i = 0; i < D; i++) ((uint16_t *)d)[i] = to_bf16(x[i]);
+    } else if (h->dt == KV_F16) { /* nearest even, as torch's .to(float16) */
+        for (int64_t i = 0; i < D; i++) ((uint16_t *)d)[i] = to_f16(x[i]);
+    } else {
+        memcpy(d, x, D * sizeof(float));
+    }
+}
+
+/* Row b's new K/V (k, v: head_dim each, KV head g) into its slot of the layer's store; a
+ * quantized K through R first (stored as k R) */
+static void write_kv(const kvlm_qmodel *m, const layer_kv *lk, int64_t b, int64_t p,
+                     int64_t g, const float *k, const float *v, float *rot) {
+    const int64_t D = m->head_dim, t = slot_of(lk->ring, p), slot = t % lk->bs;
+    const int64_t blk = lk->tables[b * lk->width + t / lk->bs];
+    if (kv_quantized(lk->k.dt)) {
+        rotate(k, m->key_rot, D, rot);
+        k = rot;
+    }
+    write_row(&lk->k, blk, g, slot, k, D);
+    write_row(&lk->v, blk, g, slot, v, D);
+}
+
+/* The step's buffers in its scratch (kvlm_decode_scratch) */
+typedef struct {
+    float *h, *qkv, *att, *gu, *act, *tmp, *scores, *part, *qsc, *qsum, *qgs, *rot;
+    int8_t *q8;
+} step_bufs;
+
+static step_bufs bufs_of(const kvlm_qmodel *m, int64_t B, float *scratch) {
+    const int64_t H = m->hidden, D = m->head_dim, Hq = m->n_heads, I = m->inter;
+    step_bufs s;
+    s.h = scratch;                                      /* B H */
+    s.qkv = s.h + B * H;                                /* B (Hq + 2 Hkv) D */
+    s.att = s.qkv + B * (Hq + 2 * m->n_kv_heads) * D;   /* B Hq D */
+    s.gu = s.att + B * Hq * D;                          /* B 2 I */
+    s.act = s.gu + B * 2 * I;                           /* B I */
+    s.tmp = s.act + B * I;                              /* B H */
+    s.scores = s.tmp + B * H;                           /* B Hq S */
+    s.part = s.scores + B * Hq * m->slots;  /* per (row, head, chunk): o [D], max, sum */
+    s.qsc = s.part + B * Hq * MAX_CHUNKS * (D + 2);     /* B Hq: the int8 queries' sq */
+    s.qsum = s.qsc + B * Hq;                            /* B Hq: their code sums */
+    s.qgs = s.qsum + B * Hq;   /* B Hq Q4_QG: a q4 K's queries' scale per group (q4_group) */
+    s.rot = s.qgs + B * Hq * Q4_QG;                     /* D: a row times R (int8 cache) */
+    s.q8 = (int8_t *)(s.rot + D);                       /* B Hq QS: the int8 queries */
+    return s;
+}
+
+/* Each row's q|k|v after the product: the bias, the q/k norms, RoPE at the row's position
+ * (the layer's table), K/V written into the row's slot, the queries rounded to int8 for an
+ * int8 cache (scaled, rotated) */
+static void prepare_rows(const kvlm_qmodel *m, const kvlm_qlayer *L, const layer_kv *lk,
+                         int64_t B, const int64_t *pos, const float *cos, const float *sin,
+                         const step_bufs *s) {
+    const int64_t D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
+    const int64_t QKV = (Hq + 2 * Hkv) * D, QS = query_stride(D);
+    const float *c = cos + L->rope * m->slots * D, *sn = sin + L->rope * m->slots * D;
+    for (int64_t b = 0; b < B; b++) {
+        float *q = s->qkv + b * QKV;
+        const int64_t p = pos[b];
+        if (L->qkv_bias)
+            for (int64_t i = 0; i < QKV; i++) q[i] += L->qkv_bias[i];
+        if (L->q_norm) /* per head, before RoPE (Attention.forward) */
+            for (int64_t j = 0; j < Hq + Hkv; j++)
+                rms_norm(q + j * D, j < Hq ? L->q_norm : L->k_norm, D, m->eps, q + j * D);
+        for (int64_t j = 0; j < Hq + Hkv; j++) rope(q + j * D, c + p * D, sn + p * D, D);
+        for (int64_t g = 0; g < Hkv; g++)
+            write_kv(m, lk, b, p, g, q + (Hq + g) * D, q + (Hq + Hkv + g) * D, s->rot);
+        for (int64_t j = 0; j < Hq && kv_quantized(m->k_dtype); j++) {
+            float qs[MAX_HEAD_DIM];
+            for (int64_t i = 0; i < D; i++) qs[i] = q[j * D + i] * m->score_scale;
+            rotate(qs, m->key_rot, D, s->rot);
+            int32_t sum;
+            int8_t *q8 = s->q8 + (b * Hq + j) * QS;
+            if (m->k_dtype == KV_Q4) { /* a scale per group of K's, as llama.cpp's q8_0 query */
+                quantize_query_groups(s->rot, D, q8, s->qgs + (b * Hq + j) * Q4_QG);
+                continue;
+            }
+            s->qsc[b * Hq + j] = quantize_query(s->rot, D, q8, &sum);
+            s->qsum[b * Hq + j] = (float)sum;
+        }
+    }
+}
+
+/* One work item of the attention: row b, KV head g, chunk c of the positions it sees: K's
+ * scores in K's dtype, their softmax pieces, p.V in V's dtype (each its own) */
+static void attend_item(const kvlm_qmodel *m, const layer_kv *lk, const step_bufs *s,
+                        const int64_t *pos, int64_t b, int64_t g, int64_t c) {
+    const int64_t D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads, S = m->slots;
+    const int64_t group = Hq / Hkv, QS = query_stride(D), n = pos[b] + 1;
+    const int kdt = lk->k.dt, vdt = lk->v.dt;
+    const row_chunks rc = chunks_of(pos[b], lk->window);
+    const int64_t s0 = rc.a0 + c * rc.per, s1 = s0 + rc.per < n ? s0 + rc.per : n;
+    const int64_t v0 = s0 > rc.lo ? s0 : rc.lo; /* the first key the query sees */
+    const int64_t hq = b * Hq + g * group;     /* the row's first query head of g */
+    const int32_t *table = lk->tables + b * lk->width;
+    float *pt = s->part + (hq * MAX_CHUNKS + c) * (D + 2);
+    /* heads hq ..: o at pt + h*MAX_CHUNKS*(D+2), max/sum after it */
+    float o[8 * MAX_HEAD_DIM], mh[8], lh[8], *p = s->scores + hq * S;
+    const float *q = s->qkv + b * (Hq + 2 * Hkv) * D + g * group * D;
+    const kv_span K = {lk->k.c + g * lk->k.head_bytes, table, lk->bs, lk->k.bstride, n, lk->ring};
+    const kv_span V = {lk->v.c + g * lk->v.head_bytes, table, lk->bs, lk->v.bstride, n, lk->ring};
+    const kv_span Kp = {lk->k.p + g * lk->k.phead, table, lk->bs, lk->k.pstride, n, lk->ring};
+    const kv_span Vp = {lk->v.p + g * lk->v.phead, table, lk->bs, lk->v.pstride, n, lk->ring};
+    int done = 0;
+#if KVLM_V512
+    if (kdt == KV_BF16 && vdt == KV_BF16 && D % 32 == 0 && D <= MAX_HEAD_DIM) {
+        float qs2[8 * MAX_HEAD_DIM]; /* bf16 K and V: words split into halves, per 32: 16
+                                        even elements, then 16 odd */
+        for (int64_t i = 0; i < group * D; i++)
+            qs2[i / 32 * 32 + (i % 2) * 16 + (i % 32) / 2] = q[i] * m->score_scale;
+        done = attend_bf16((int)group, D, qs2, &K, &V, S, s0, v0, s1, m->attn_softcap, p, mh,
+                           lh, o);
+    }
+#endif
+    if (!done) {
+        if (kdt == KV_Q4)
+            scores_q4(s->q8 + hq * QS, QS, s->qgs + hq * Q4_QG, (int)group, &K, &Kp, D, S, v0, s1, p);
+        else if (kdt == KV_I8)
+            scores_i8_rows(s->q8 + hq * QS, QS, s->qsc + hq, s->qsum + hq, (int)group, &K, &Kp,
+                           D, S, s0, s1, p);
+        else
+            scores_float(q, (int)group, &K, kdt, D, S, s0, v0, s1, m->score_scale, p);
+        softmax_pieces((int)group, p, S, s0, v0, s1, m->attn_softcap, mh, lh);
+        if (vdt == KV_Q4)
+            pv_q4((int)group, p, &V, &Vp, D, S, v0, s1, o);
+        else if (vdt == KV_I8)
+            pv_i8_rows((int)group, p, &V, &Vp, D, S, s0, s1, o);
+        else
+            pv_float((int)group, p, &V, vdt, D, S, s0, v0, s1, o);
+    }
+    for (int64_t j = 0; j < group; j++) {
+        float *dst = pt + j * MAX_CHUNKS * (D + 2);
+        memcpy(dst, o + j * D, D * sizeof(float));
+        dst[D] = mh[j];
+        dst[D + 1] = lh[j];
+    }
+}
+
+/* The layer's attention for every row into s->att: work items (row, KV head, chunk) across
+ * the threads, then each head's chunks merged by log-sum-exp */
+static void attend_layer(const kvlm_qmodel *m, const layer_kv *lk, const step_bufs *s,
+                         int64_t B, const int64_t *pos) {
+    const int64_t D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
+    int64_t first[MAX_BATCH + 1]; /* row b's work items start at first[b] */
+    first[0] = 0;
+    for (int64_t b = 0; b < B; b++)
+        first[b + 1] = first[b] + Hkv * chunks_of(pos[b], lk->window).chunks;
+#pragma omp parallel for schedule(static) /* a thread takes consecutive chunks of a head */
+    for (int64_t item = 0; item < first[B]; item++) {
+        int64_t b = 0, hi = B; /* the row holding this item: first[b] <= item < first[b+1] */
+        while (hi - b > 1) {
+            const int64_t mid = (b + hi) / 2;
+            if (first[mid] <= item) b = mid; else hi = mid;
+        }
+        const int64_t chunks = chunks_of(pos[b], lk->window).chunks;
+        attend_item(m, lk, s, pos, b, (item - first[b]) / chunks, (item - first[b]) % chunks);
+    }
+    for (int64_t b = 0; b < B; b++) { /* merge each head's chunks: log-sum-exp */
+        const int64_t chunks = chunks_of(pos[b], lk->window).chunks;
+        for (int64_t j = b * Hq; j < (b + 1) * Hq; j++) {
+            const float *pj = s->part + j * MAX_CHUNKS * (D + 2);
+            float M = -INFINITY, Lsum = 0.f, *out = s->att + j * D;
+            for (int64_t c = 0; c < chunks; c++)
+                M = pj[c * (D + 2) + D] > M ? pj[c * (D + 2) + D] : M;
+            memset(out, 0, D * sizeof(float));
+            for (int64_t c = 0; c < chunks; c++) {
+                const float *pc = pj + c * (D + 2);
+                float w = expf(pc[D] - M);
+                Lsum += w * pc[D + 1];
+                axpy_kv(w, (const char *)pc, KV_F32, out, D);
+            }
+            for (int64_t i = 0; i < D; i++) out[i] /= Lsum;
+        }
+    }
+}
+
+/* x += y (B rows of n), y first normed by w where there is one (Gemma's sandwich norms) */
+static void add_residual(float *x, float *y, const float *w, int64_t B, int64_t n, float eps) {
+    for (int64_t b = 0; b < B && w; b++) rms_norm(y + b * n, w, n, eps, y + b * n);
+    for (int64_t i = 0; i < B * n; i++) x[i] += y[i];
+}
+
+/* how product `bit` rounds x (matmul_rows' act) */
+static inline int act_of(const kvlm_qmodel *m, int64_t bit) {
+    return (m->act_int8 & bit) ? ((m->act_int16 & bit) ? 2 : 1) : 0;
+}
+
+/* One decode step for B sequences, one token each (B = 1 with a contiguous cache is the
+ * single-stream decode; more rows are the server's batch, every product reading its weight
+ * once for up to 16 rows). Each buffer comes with its length (elements from its pointer
+ * on), checked against what the step reads or writes there:
+ *   x [B, hidden] (xn floats): the tokens' embeddings in (Gemma's scaled), overwritten;
+ *   pos [B] (pn): each row's position (its token is written there; it attends over 0 ..
+ *       pos, or over its last `window` positions: the layer's, or m->window);
+ *   cos, sin [m->rope_tables, slots, head_dim] (cn, sn floats): RoPE at every position,
+ *       the model's base then (Gemma 3) the local layers' (kvlm_qlayer.rope picks);
+ *   views [n_views]: where the layers' K/V are (kvlm_kv_view, with its tables' entries
+ *       and its stores' bytes; kvlm_qlayer.view, index);
+ *   scratch: kvlm_decode_scratch(m, B) floats (scn); logits [B, vocab] out (ln floats).
+ * Returns 0; -2 when an argument is out of range (a weight not of the shape the model's
+ * sizes give it, a buffer shorter than its shape, a position past the slots or a table,
+ * a block id past its pool, a pool past its store's bytes, a ring shorter than a layer's
+ * window: nothing is written); -1 when a product found no scratch memory. */
+int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, int64_t xn, const int64_t *pos,
+                      int64_t pn, const float *cos, int64_t cn, const float *sin, int64_t sn,
+                      const kvlm_kv_view *views, int64_t n_views, float *scratch, int64_t scn,
+                      float *logits, int64_t ln) {
+    const int64_t H = m->hidden, D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
+    const int64_t I = m->inter;
+    int64_t need;
+    if (B < 1 || B > MAX_BATCH || n_views < 1 || !views || !model_ok(m) || Hq % Hkv != 0)
+        return -2;
+    if (Hq / Hkv > 8 || D > MAX_HEAD_DIM || D % 2) return -2; /* the attention's buffers */
+    if (m->window < 0 || m->k_dtype < KV_F32 || m->k_dtype > KV_Q4) return -2;
+    if (m->v_dtype < KV_F32 || m->v_dtype > KV_Q4) return -2;
+    if (kv_quantized(m->k_dtype) && !m->key_rot) return -2;
+    /* the per-call buffers: x [B, hidden], pos [B], cos and sin [rope_tables, slots,
+     * head_dim], the scratch, logits [B, vocab] */
+    if (xn < B * H || pn < B || scn < scratch_floats(m, B)) return -2;
+    if (!mul_ok(m->rope_tables, m->slots, &need) || !mul_ok(need, D, &need) || cn < need ||
+        sn < need)
+        return -2;
+    if (!mul_ok(B, m->lm_head.n, &need) || ln < need) return -2;
+    for (int64_t b = 0; b < B; b++)
+        if (pos[b] < 0 || pos[b] >= m->slots) return -2;
+    if (check_views(m, B, pos, views, n_views)) return -2;
+    const step_bufs s = bufs_of(m, B, scratch);
+    for (int64_t l = 0; l < m->n_layers; l++) {
+        const kvlm_qlayer *L = m->layers + l;
+        const layer_kv lk = layer_kv_of(m, L, views);
+        for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->input_norm, H, m->eps, s.h + b * H);
+        if (matmul_rows(&L->qkv, s.h, B, s.qkv, act_of(m, ACT_QKV))) return -1;
+        prepare_rows(m, L, &lk, B, pos, cos, sin, &s);
+        attend_layer(m, &lk, &s, B, pos);
+        if (matmul_rows(&L->o, s.att, B, s.tmp, act_of(m, ACT_O))) return -1;
+        if (L->o_bias)
+            for (int64_t i = 0; i < B * H; i++) s.tmp[i] += L->o_bias[i % H];
+        add_residual(x, s.tmp, L->attn_out_norm, B, H, m->eps);
+        for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->post_norm, H, m->eps, s.h + b * H);
+        if (matmul_rows(&L->gate_up, s.h, B, s.gu, act_of(m, ACT_GATE_UP))) return -1;
+        for (int64_t b = 0; b < B; b++)
+            (m->gelu ? gelu_mul : silu_mul)(s.gu + b * 2 * I, s.gu + b * 2 * I + I, s.act + b * I, I);
+        if (matmul_rows(&L->down, s.act, B, s.tmp, act_of(m, ACT_DOWN))) return -1;
+        add_residual(x, s.tmp, L->mlp_out_norm, B, H, m->eps);
+    }
+    for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, m->final_norm, H, m->eps, s.h + b * H);
+    return matmul_rows(&m->lm_head, s.h, B, logits, act_of(m, ACT_HEAD));
+}
+
