@@ -12,7 +12,7 @@
 A QuantWeight comes either from a float weight (`quantize(w, "q8" | "q4")`: `--weights
 int8|int4`) or straight from a GGUF file's blocks (`--weights native`: the file's own
 numbers, nothing re-rounded; `QuantWeight.from_blocks`), packed row-interleaved for the
-kernels (`QuantWeight`, kernels/qgemm.c: kvlm_qpack packs, reading the blocks where they
+kernels (`QuantWeight`, kernels/weights.c: kvlm_qpack packs, reading the blocks where they
 lie) at the file's own bytes per weight, and moved onto huge pages with the rest of the
 model's weights (`move_to_huge_pages`). Fused projections (q|k|v, gate|up) are packed into
 one buffer (`concat`); where their parts come in different kinds (a Q4_K_M file's Q4_K q/k
@@ -117,7 +117,7 @@ def row_blocks(
 
 
 class QuantWeight:
-    """A low-bit weight [N, K] in the kernels' packed layout (kernels/qgemm.c): blocks of 16
+    """A low-bit weight [N, K] in the kernels' packed layout (kernels/weights.c): blocks of 16
     rows, each row's 4 consecutive code bytes in one 32-bit lane, its parameters beside
     them. q8 and q4 are built from codes in their natural order:
 
@@ -734,7 +734,7 @@ def _unlanes(p: torch.Tensor, n: int, w: int, width: int) -> torch.Tensor:
 
 
 def _code_layout(kind: str, codes: torch.Tensor) -> torch.Tensor:
-    """Codes [N, K] -> [blocks, K / 32, code bytes] (kernels/qgemm.c: codes [CB])."""
+    """Codes [N, K] -> [blocks, K / 32, code bytes] (kernels/weights.c: codes [CB])."""
     n, k = codes.shape
     c = codes.view(n, k // GROUP, GROUP)
     if kind == "q8":  # the code bytes themselves
@@ -770,7 +770,7 @@ def _code_fields(kind: str, p: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _pack_fields(kind: str, f: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
-    """Fields -> the packed layout [blocks, records * record bytes] (kernels/qgemm.c)."""
+    """Fields -> the packed layout [blocks, records * record bytes] (kernels/weights.c)."""
     codes = _code_layout(kind, f["codes"])  # [blocks, G, code bytes]
     blocks = codes.shape[0]
     params = [_lanes(f[p], width) for p, _, width in _PACKED_PARAMS[kind]]
@@ -852,7 +852,7 @@ def round_activations(x: torch.Tensor, fine: bool = False) -> torch.Tensor:
     """x (M, K) as the int8-activation kernels see it: per group of 32, e = max|x| / 127
     and x -> e * round(x / e) (nearest even), in fp32. `fine` (int16 activations): plus the
     residual to 1/256 of e, x -> e * (c + r / 256) with c = round(y), y = x / e, and r =
-    round(256 (y - c)) at most 127 (kernels/qgemm.c kvlm_actrow; in fp64, where every such
+    round(256 (y - c)) at most 127 (kernels/weights.c kvlm_actrow; in fp64, where every such
     value is exact)."""
     m, k = x.shape
     g = x.reshape(m, k // GROUP, GROUP)
