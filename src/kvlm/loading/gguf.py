@@ -62,6 +62,16 @@ _GEMMA_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# The model's recommended sampling, as llama.cpp's converter writes it (from the model's
+# generation_config.json) and llama-server takes it for a request's unset fields: GGUF
+# key -> kvlm's field
+SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -120,6 +130,11 @@ class GGUFWeights:
         tied = "output.weight" not in {t.name for t in self.file.tensors}
         cfg = ModelConfig.from_gguf(self.metadata, name=path.name)
         self.config = replace(cfg, tie_word_embeddings=tied)
+        # field -> (where the file says it, its value as written: checked by its user)
+        self.sampling: dict[str, tuple[str, Any]] = {
+            name: (key, self.metadata[key])
+            for key, name in SAMPLING_KEYS.items() if key in self.metadata
+        }  # fmt: skip
         self._tensors: dict[str, GGUFTensor] = {}
         for t in self.file.tensors:
             name = hf_name(t.name, cfg.gemma)
