@@ -337,8 +337,12 @@ def write_gguf_from_hf(
     arch: str = "llama",
     extra_tensors: dict[str, tuple[np.ndarray, object]] | None = None,
     types: dict[str, object] | None = None,
+    metadata: dict[str, tuple[object, object]] | None = None,
 ) -> Path:
     """Write an HF tiny model as a GGUF the way llama.cpp's converter would.
+
+    `metadata`: more keys, each (value, its GGUFValueType), as the converter adds them
+    (`general.sampling.*` from a generation_config.json).
 
     `quant` (a GGMLQuantizationType) applies to 2-D weights whose rows fit its block size;
     norms stay F32, as llama.cpp keeps them. `types`: GGUF name patterns (fnmatch, first
@@ -382,6 +386,8 @@ def write_gguf_from_hf(
                 add(cfg[f"{cap}_logit_softcapping"])
     else:
         _add_tokenizer(w, Tokenizer.from_file(str(folder / "tokenizer.json")))
+    for key, (value, vtype) in (metadata or {}).items():
+        w.add_key_value(key, value, vtype)
     replace = dict(extra_tensors or {})  # GGUF name -> (array or packed bytes, type)
     for name, t in tensors.items():
         arr = t.float().numpy()

@@ -24,8 +24,9 @@ from serving import get, kvlm_serve, openai_client
 KEY = "cluster-key"
 COMMON = ("--api-key", KEY, "--threads", "1", "--max-context", "1024", "--log-level", "warning")
 ENGINE_WAIT_S = 0.05  # /v1/kv's wait for a busy engine: a prompt's prefill outlasts it
+# --top-k: a sampling default each replica builds from the flags (greedy answers ignore it)
 CLUSTER = ("--replicas", "2", "--max-body", "16KiB", "--engine-wait", str(ENGINE_WAIT_S),
-           *COMMON)  # fmt: skip
+           "--top-k", "40", *COMMON)  # fmt: skip
 REPLICA_PROCESS = "ray::ServeReplica:kvlm:KvlmReplica"  # Ray's title for a replica's worker
 
 
@@ -216,7 +217,8 @@ def test_bad_cluster_flags_are_one_line_before_anything_starts(capsys):
 
     assert main(["serve", "--replicas", "0"]) == 2
     assert main(["serve", "--replicas", "2", "--route-balance", "0.5"]) == 2
-    assert capsys.readouterr().err.count("kvlm: error:") == 2
+    assert main(["serve", "--replicas", "2", "--top-p", "0"]) == 2  # a replica's flag
+    assert capsys.readouterr().err.count("kvlm: error:") == 3
 
 
 # --------------------------------------------------------------------- a real cluster
@@ -304,6 +306,18 @@ def test_answers_equal_a_single_kvlm_serve(port, client, model, reference):
     m = wait_for(lambda: (m := metrics(port))["kvlm_replicas"] == 2 and m, timeout=60, step=1)
     assert m and m["kvlm_kv_blocks_total"] == 2 * blocks
     assert json.loads(get(port, "/health")[1]) == {"status": "ok", "replicas": 2}
+
+
+@pytest.mark.slow
+def test_the_replicas_take_the_sampling_flags(port, client, model):
+    """CLUSTER's --top-k is the replicas' default: in the card, and a request that sets no
+    top_k takes it (the replica's header, passed on by the ingress)."""
+    card = client.models.list().data[0]
+    assert card.model_extra["sampling_defaults"] == {"top_k": 40}
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0
+    )
+    assert raw.headers["kvlm-sampling-defaults"] == "top_k=40"
 
 
 @pytest.mark.slow

@@ -157,9 +157,27 @@ def _serve_parser(sub: Any) -> None:
         help="split <think> text out of replies into reasoning_content (auto: when the chat "
         "template writes </think>)",
     )  # fmt: skip
+    _serve_sampling_args(serve)
     _pool_args(serve)
     _limit_args(serve)
     _replica_args(serve)
+
+
+def _serve_sampling_args(serve: argparse.ArgumentParser) -> None:
+    """The sampling of a request's unset fields (kvlm.server.defaults): over the model
+    file's recommendation, under the request's own."""
+    _flags(serve,
+        ("--temperature", float, None, "the temperature of requests that set none (default: "
+         "the model file's recommendation, else the API's: 1; 0 = greedy)", {"metavar": "T"}),
+        ("--top-p", float, None, "the top_p of requests that set none (default: the file's, "
+         "else 1)", {"metavar": "P"}),
+        ("--top-k", int, None, "the top_k of requests that set none (default: the file's, "
+         "else off; <= 0 = off)", {"metavar": "K"}),
+        ("--min-p", float, None, "the min_p of requests that set none (default: the file's, "
+         "else 0)", {"metavar": "P"}),
+        ("--repeat-penalty", float, None, "the repetition_penalty of requests that set none "
+         "(default: the file's, else 1 = off)", {"metavar": "R"}),
+    )  # fmt: skip
 
 
 def _pool_args(serve: argparse.ArgumentParser) -> None:
@@ -767,13 +785,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from kvlm.cluster import serve_replicas  # imports Ray: only here
 
         return serve_replicas(args)
-    from kvlm.server.config import serve_config, serve_model
+    from kvlm.server.config import serve_config, serve_model, serve_sampling
 
     config, limits = serve_config(args)
     log_to_stderr(args.log_level)  # from the start: the kernels' first build says so there
     llm = serve_model(args, config)
     serve(llm, config, args.host, args.port, args.api_key, args.served_model_name, args.log_level,
-          limits, args.tool_call_parser, args.reasoning_parser)  # fmt: skip
+          limits, args.tool_call_parser, args.reasoning_parser,
+          serve_sampling(args, llm))  # fmt: skip
     exit_now(0)  # (kvlm.server.exit_now says why)
 
 

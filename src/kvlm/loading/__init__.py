@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError
@@ -28,6 +29,9 @@ class LoadedModel:
     weights: WeightSource
     tokenizer: Tokenizer
     weight_types: list[str]  # GGUF quant types or safetensors dtypes found in the file
+    # the sampling the file recommends: field -> (where it says so, the value as written,
+    # unchecked: an untrusted file's; kvlm.server.defaults checks it)
+    sampling: dict[str, tuple[str, Any]] = field(default_factory=dict)
 
 
 def resolve_model_path(model: str | Path | None) -> Path:
@@ -50,7 +54,7 @@ def load_model(model: str | Path | None = None) -> LoadedModel:
             hf = SafetensorsWeights(path)
             tokenizer = tokenizer_from_hf_folder(path, hf.config.eos_token_ids,
                                                  hf.config.vocab_size)  # fmt: skip
-            return LoadedModel(path, "hf", hf.config, hf, tokenizer, hf.dtypes)
+            return LoadedModel(path, "hf", hf.config, hf, tokenizer, hf.dtypes, hf.sampling)
         if len(ggufs) != 1:
             raise ModelLoadError(
                 f"{path} has no config.json and {len(ggufs)} .gguf files; pass one file"
@@ -60,7 +64,7 @@ def load_model(model: str | Path | None = None) -> LoadedModel:
         raise ModelLoadError(f"{path} is neither a GGUF file nor a Hugging Face model folder")
     gguf = GGUFWeights(path)
     tokenizer = tokenizer_from_gguf(gguf.metadata, path.name)
-    return LoadedModel(path, "gguf", gguf.config, gguf, tokenizer, gguf.quant_types)
+    return LoadedModel(path, "gguf", gguf.config, gguf, tokenizer, gguf.quant_types, gguf.sampling)
 
 
 def _download(repo_id: str) -> Path:

@@ -43,6 +43,17 @@ QUANT_TYPES = {
 }  # fmt: skip
 SUPPORTED_TYPES = set(FLOAT_TYPES) | QUANT_TYPES
 
+# The model's recommended sampling, as llama.cpp's converter writes it (from the model's
+# generation_config.json) and llama-server takes it for a request's unset fields: GGUF
+# key -> kvlm's field
+SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
 
 def is_gguf_file(path: Path) -> bool:
     try:
@@ -67,6 +78,11 @@ class GGUFWeights:
         cfg = config_from_gguf(self.metadata, name=path.name)
         self.config = replace(cfg, tie_word_embeddings=tied)
         self.family = family(cfg.architecture)
+        # field -> (where the file says it, its value as written: checked by its user)
+        self.sampling: dict[str, tuple[str, Any]] = {
+            name: (key, self.metadata[key])
+            for key, name in SAMPLING_KEYS.items() if key in self.metadata
+        }  # fmt: skip
         self._tensors: dict[str, GGUFTensor] = {}
         for t in self.file.tensors:
             name = self.family.from_gguf_name(t.name)

@@ -24,6 +24,11 @@ from kvlm.model.weights import fingerprint_of
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
+# generation_config.json's sampling fields: the model's recommended sampling, which `kvlm
+# serve` takes for a request's unset fields, as vLLM's `--generation-config auto` does (vLLM
+# reads them whatever `do_sample` says, and so does kvlm)
+GENERATION_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
 # A folder's JSON files but tokenizer.json (config.json, generation_config.json,
 # tokenizer_config.json) are read whole, at most this many bytes: real ones are under
 # 2 MiB (a tokenizer_config.json listing thousands of added tokens)
@@ -85,8 +90,15 @@ class SafetensorsWeights:
 
     def __init__(self, folder: Path) -> None:
         raw = read_json(folder / "config.json")
-        self.config = config_from_hf(_with_generation_eos(folder, raw), name=folder.name)
+        gen_path = folder / "generation_config.json"
+        gen = read_json(gen_path) if gen_path.is_file() else {}
+        self.config = config_from_hf(_with_generation_eos(gen, raw), name=folder.name)
         self.family = family(self.config.architecture)
+        # field -> (where the file says it, its value as written: checked by its user)
+        self.sampling: dict[str, tuple[str, Any]] = {
+            name: ("generation_config.json", gen[name])
+            for name in GENERATION_SAMPLING if gen.get(name) is not None
+        }  # fmt: skip
         files = self._files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(
@@ -174,12 +186,9 @@ def _bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def _with_generation_eos(folder: Path, cfg: dict[str, Any]) -> dict[str, Any]:
-    """generation_config.json often lists more end tokens than config.json (chat turns)."""
-    gen_path = folder / "generation_config.json"
-    if not gen_path.is_file():
-        return cfg
-    gen = read_json(gen_path)
+def _with_generation_eos(gen: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """generation_config.json (`gen`) often lists more end tokens than config.json (chat
+    turns)."""
     if gen.get("eos_token_id") is None:
         return cfg
     ids = cfg.get("eos_token_id")

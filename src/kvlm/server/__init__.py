@@ -16,6 +16,7 @@ from kvlm.engine.async_engine import AsyncEngine
 from kvlm.engine.engine import EngineConfig
 from kvlm.errors import KvlmError
 from kvlm.llm import LLM
+from kvlm.server.defaults import SamplingDefaults
 from kvlm.server.limits import ServerLimits
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -43,6 +44,7 @@ def serve(
     limits: ServerLimits | None = None,
     tool_parser: str | None = None,
     reasoning_parser: str = "auto",
+    sampling: SamplingDefaults | None = None,
 ) -> None:
     """Serve until interrupted (Ctrl-C or SIGTERM): HTTP on a thread, the engine on this
     one (see AsyncEngine.run_forever). Returns once shut down; or ends the process itself
@@ -55,7 +57,8 @@ def serve(
 
     limits = limits or ServerLimits()
     name = model_name or llm.model_name
-    engine, app = engine_app(llm, config, name, api_key, limits, tool_parser, reasoning_parser)
+    engine, app = engine_app(llm, config, name, api_key, limits, tool_parser, reasoning_parser,
+                             sampling)  # fmt: skip
     log_to_stderr(log_level)
     uv = uvicorn.Config(
         app,

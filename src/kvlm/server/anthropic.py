@@ -225,6 +225,9 @@ class CountTokensRequest(MessagesRequest):
     max_tokens: int | None = None  # type: ignore[assignment]
 
 
+SAMPLING = ("temperature", "top_p", "top_k")  # the Messages API's sampling fields
+
+
 def to_chat(body: MessagesRequest) -> ChatCompletionRequest:
     """The chat completion request `body` means (its checks run on it)."""
     messages: list[dict[str, Any]] = []
@@ -234,10 +237,9 @@ def to_chat(body: MessagesRequest) -> ChatCompletionRequest:
         messages.append({"role": "system", "content": system})
     for turn in body.messages:
         messages += _turn(turn)
-    chat: dict[str, Any] = {
-        "model": body.model, "messages": messages, "temperature": body.temperature,
-        "top_p": body.top_p, "top_k": body.top_k,
-    }  # fmt: skip
+    chat: dict[str, Any] = {"model": body.model, "messages": messages}
+    # only the sampling the client set: an unset field takes the server's default
+    chat |= {k: getattr(body, k) for k in SAMPLING if k in body.model_fields_set}
     if body.max_tokens is not None:
         chat["max_tokens"] = body.max_tokens
     if body.tools:

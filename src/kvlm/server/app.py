@@ -30,7 +30,8 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -53,7 +54,7 @@ from kvlm.engine.sampling import MAX_SAMPLES, SamplingParams
 from kvlm.engine.scheduler import QueueFullError
 from kvlm.engine.served import ServedModel
 from kvlm.errors import InvalidRequestError, KvlmError
-from kvlm.server import anthropic, ollama, openapi, reasoning, responses_api
+from kvlm.server import anthropic, defaults, ollama, openapi, reasoning, responses_api
 from kvlm.server import tools as tools_mod
 from kvlm.server.limits import RequestLimits, ServerLimits
 from kvlm.server.metrics import render_metrics
@@ -74,6 +75,7 @@ _PROMPT_TAIL = 32  # the prompt's last tokens read for an open <think>
 # Normalisation can shrink a text (NFKC composes sequences), so the character bound that
 # proves a prompt too long without tokenizing it keeps this much margin.
 _CHARS_MARGIN = 4
+_NONE: Mapping[str, Any] = MappingProxyType({})  # a dialect with no sampling defaults
 
 
 class ServerError(Exception):
@@ -99,6 +101,7 @@ class _Served:
     limits: ServerLimits
     started: int  # the models list's "created"
     responses: responses_api.ResponseStore  # stored responses (/v1/responses)
+    sampling: defaults.SamplingDefaults  # what a request's unset sampling fields take (_params)
 
 
 def create_app(
@@ -108,7 +111,11 @@ def create_app(
     limits: ServerLimits | None = None,
     tool_parser: str | None = None,
     reasoning_parser: str = "auto",
+    sampling: defaults.SamplingDefaults | None = None,
 ) -> FastAPI:
+    """The app over `engine`, serving it as `model_name`; `sampling`: the server's
+    defaults for a request's unset sampling fields (kvlm.server.defaults; none: the APIs'
+    own)."""
     limits = limits or ServerLimits()
     app = FastAPI(title="kvlm", version="1", docs_url=None, redoc_url=None)
     info = engine.info
@@ -120,7 +127,7 @@ def create_app(
         "fp_" + hashlib.sha256(made_by.encode()).hexdigest()[:10],
         tool_parser or tools_mod.parser_for(info.tokenizer.chat_template),
         _reasoning(reasoning_parser, info.tokenizer.chat_template), limits,
-        int(time.time()), _response_store(engine),
+        int(time.time()), _response_store(engine), sampling or defaults.SamplingDefaults(),
     )  # fmt: skip
     openapi.install(app, model_name, min(MAX_SAMPLES, info.max_num_seqs), s.max_prompts)
     app.add_middleware(RequestLimits, limits=limits)
@@ -172,9 +179,9 @@ def engine_app(
     llm: ServedModel, config: EngineConfig, model_name: str | None, *options: Any
 ) -> tuple[AsyncEngine, FastAPI]:
     """An engine for `llm` (not started yet) and the app over it, serving it as
-    `model_name` (None: the model file's name; `options`: create_app's api_key, limits
-    tool_parser, reasoning_parser): `kvlm serve`'s, and each replica's of `kvlm serve
-    --replicas`."""
+    `model_name` (None: the model file's name; `options`: create_app's api_key, limits,
+    tool_parser, reasoning_parser, sampling): `kvlm serve`'s, and each replica's of `kvlm
+    serve --replicas`."""
     engine = AsyncEngine(Engine(llm, config))
     return engine, create_app(engine, model_name or llm.model_name, *options)
 
@@ -227,8 +234,10 @@ def _status_routes(
         text = render_metrics(s.engine.metrics())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
+    # the server's settings a client may want: the context, and the sampling a request
+    # that sets none gets (llama-server's /props default_generation_settings)
     card = {"id": s.model_name, "object": "model", "created": s.started, "owned_by": "kvlm",
-            "max_model_len": s.max_len}  # fmt: skip
+            "max_model_len": s.max_len, "sampling_defaults": s.sampling.values}  # fmt: skip
 
     @v1.get("/models", responses={200: {"model": openapi.ModelList}, **openapi.errors(401)})
     async def models() -> dict:
@@ -337,7 +346,7 @@ def _generation_routes(v1: APIRouter, s: _Served) -> None:
             p if isinstance(p, list) else await run_in_threadpool(s.tokenizer.encode, p)
             for p in prompts
         ]
-        params = [_params(body, one, s.max_len, body.logprobs, request) for one in ids]
+        params = [_params(s, body, one, body.logprobs, request) for one in ids]
         n = params[0].n
         echo = None
         if body.echo:  # each choice opens with its prompt, as the text it was sent as
@@ -361,19 +370,20 @@ def _generation_routes(v1: APIRouter, s: _Served) -> None:
 
 
 async def _chat_parts(
-    s: _Served, body: ChatCompletionRequest, request: Request
+    s: _Served, body: ChatCompletionRequest, request: Request, api: Mapping[str, Any] = _NONE
 ) -> tuple[list[int], SamplingParams, Choices]:
     """A chat request's prompt ids (the template, off the loop), sampling parameters (a
     tool call's grammar among them: forced, or lazy under tool_choice auto) and the
     Choices its answer is built in: the chat road, which the Messages and Responses APIs
-    take too (kvlm.server.anthropic.to_chat, kvlm.server.responses_api.to_chat)."""
+    take too (kvlm.server.anthropic.to_chat, kvlm.server.responses_api.to_chat). `api`:
+    the dialect's own sampling defaults, under the server's (_params)."""
     _check_model(body.model, s.model_name)
     tools = body.tool_specs
     chars = sum(len(m["content"]) for m in body.conversation)
     _check_length(s, chars + len(json.dumps(tools or [])), "messages")
     ids = await run_in_threadpool(body.prompt_ids, s.tokenizer)
     top = (body.top_logprobs or 0) if body.logprobs else None
-    params = _params(body, ids, s.max_len, top, request)
+    params = _params(s, body, ids, top, request, api)
     forced = body.forced_tool()
     calls = None  # the calls' grammar
     if forced is not None:  # tool_choice "required" or named: the output is the calls
@@ -466,7 +476,7 @@ def ollama_routes(app: FastAPI, s: _Served, auth: Any) -> APIRouter:
         _check_model(ollama.resolve(body.which, s.model_name), s.model_name)
         caps = ollama.capabilities(s.reasoning_parser is not None)
         return {"modelfile": f"# kvlm serves {s.model_name}\nFROM {s.model_name}\n",
-                "parameters": "\n".join(f"{k} {v}" for k, v in ollama.DEFAULTS.items()),
+                "parameters": ollama.parameters(ollama.DEFAULTS | s.sampling.values),
                 "template": s.tokenizer.chat_template or "", "details": details,
                 "model_info": ollama.model_info(info.config, s.max_len),
                 "capabilities": caps, "modified_at": started}  # fmt: skip
@@ -489,7 +499,7 @@ def ollama_routes(app: FastAPI, s: _Served, auth: Any) -> APIRouter:
         if not body.messages:  # Ollama's way to load a model
             return _ollama_loaded(s, name, body, chat=True)
         req = _chat_of(lambda: ollama.to_chat(body, s.model_name))
-        ids, params, choices = await _chat_parts(s, req, request)
+        ids, params, choices = await _chat_parts(s, req, request, ollama.DEFAULTS)
         reply = ollama.Reply(name, True, choices, len(ids), started)
         return await _ollama_run(s, request, body, req, ids, params, reply)
 
@@ -501,10 +511,10 @@ def ollama_routes(app: FastAPI, s: _Served, auth: Any) -> APIRouter:
         req: Any
         if body.raw:  # the prompt as it is: the completions road
             req = _chat_of(lambda: ollama.to_completion(body, s.model_name))
-            ids, params, choices = await _raw_parts(s, req, request)
+            ids, params, choices = await _raw_parts(s, req, request, ollama.DEFAULTS)
         else:
             req = _chat_of(lambda: ollama.generate_chat(body, s.model_name))
-            ids, params, choices = await _chat_parts(s, req, request)
+            ids, params, choices = await _chat_parts(s, req, request, ollama.DEFAULTS)
         reply = ollama.Reply(name, False, choices, len(ids), started)
         return await _ollama_run(s, request, body, req, ids, params, reply)
 
@@ -527,15 +537,15 @@ def ollama_routes(app: FastAPI, s: _Served, auth: Any) -> APIRouter:
 
 
 async def _raw_parts(
-    s: _Served, body: CompletionRequest, request: Request
+    s: _Served, body: CompletionRequest, request: Request, api: Mapping[str, Any]
 ) -> tuple[list[int], SamplingParams, Choices]:
     """A raw generate request's prompt ids, parameters and Choices, as /v1/completions
-    makes them for one prompt."""
+    makes them for one prompt (`api`: Ollama's sampling defaults, under the server's)."""
     _check_model(body.model, s.model_name)
     prompt = body.prompts()[0]
     _check_length(s, len(prompt), "prompt")
     ids = await run_in_threadpool(s.tokenizer.encode, prompt)
-    params = _params(body, ids, s.max_len, body.logprobs, request)
+    params = _params(s, body, ids, body.logprobs, request, api)
     choices = Choices(s.tokenizer, 1, chat=False, want_logprobs=body.logprobs is not None,
                       prompts=[ids])  # fmt: skip
     return ids, params, choices
@@ -610,7 +620,8 @@ def responses_routes(v1: APIRouter, s: _Served) -> None:
             raise _too_long(s.max_len, str(exc), "input") from None
         chat = _chat_of(lambda: api.to_chat(body, [*history, *turn]))
         ids, params, choices = await _chat_parts(s, chat, request)
-        reply = api.Reply(body, s.model_name, choices, len(ids))
+        reply = api.Reply(body, s.model_name, choices, len(ids), temperature=params.temperature,
+                          top_p=params.top_p)  # fmt: skip
         events = api.record(await _start(s.engine, chat, [ids], [params]), reply)
         entry = api.Stored(reply, [*history, *turn], api.stored_items(body))
         entry.chars = (prev.chars if history else 0) + api.history_chars(turn)
@@ -729,12 +740,19 @@ def _check_model(requested: str, served: str) -> None:
 
 
 def _params(
-    body: Any, ids: list[int], max_len: int, logprobs: int | None, request: Request
-) -> SamplingParams:
-    """The request's sampling parameters for one prompt. A max_tokens past the room the
-    prompt leaves in the context is clamped to that room, not refused (agents ask for
-    32,000 whatever the model; OpenAI's and Anthropic's APIs stop at the context too), and
-    the response says so in its MAX_TOKENS_HEADER (_noted): every route takes this road."""
+    s: _Served, body: Any, ids: list[int], logprobs: int | None, request: Request,
+    api: Mapping[str, Any] = _NONE,
+) -> SamplingParams:  # fmt: skip
+    """The request's sampling parameters for one prompt: every route takes this road.
+
+    A sampling field the request leaves unset (not in its `model_fields_set`) takes the
+    server's default (s.sampling: --temperature and the like, else the model file's),
+    else the dialect's own (`api`: Ollama's), else the request model's; the response names
+    the server's it took in its defaults.HEADER. A max_tokens past the room the prompt
+    leaves in the context is clamped to that room, not refused (agents ask for 32,000
+    whatever the model; OpenAI's and Anthropic's APIs stop at the context too), and the
+    response says so in its MAX_TOKENS_HEADER (both _noted)."""
+    max_len = s.max_len
     room = max_len - len(ids)
     if room < 1:
         param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
@@ -750,8 +768,13 @@ def _params(
         noted = _noted(request)
         noted[MAX_TOKENS_HEADER] = str(min(room, int(noted.get(MAX_TOKENS_HEADER, room))))
         wanted = room
+    server = s.sampling.values
+    unset = {k: v for k, v in (api | server).items() if k not in body.model_fields_set}
+    taken = [k for k in server if k in unset]
+    if taken:
+        _noted(request)[defaults.HEADER] = s.sampling.header(taken)
     try:
-        return body.sampling_params(wanted or room, logprobs)
+        return body.sampling_params(wanted or room, logprobs, unset)
     except ValueError as exc:  # InvalidRequestError names the field at fault
         raise ServerError(400, str(exc), param=getattr(exc, "param", None)) from exc
 

@@ -1,7 +1,7 @@
 """`kvlm serve`'s configuration from its parsed arguments: the engine's configuration, the
-server's limits and the model. `kvlm serve` builds them once; each replica of `kvlm serve
---replicas` builds them from the same arguments (and the cluster checks them first, so a
-bad flag is one line before anything starts)."""
+server's limits, the model and its sampling defaults. `kvlm serve` builds them once; each
+replica of `kvlm serve --replicas` builds them from the same arguments (and the cluster
+checks them first, so a bad flag is one line before anything starts)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ def serve_config(args: argparse.Namespace):
     from kvlm.engine.engine import EngineConfig
     from kvlm.engine.scheduler import SchedulerConfig
     from kvlm.errors import InvalidRequestError
+    from kvlm.server.defaults import from_flags
     from kvlm.server.limits import ServerLimits
 
+    from_flags(args)  # --temperature and the like: a bad value before the slow load
     try:
         sched = SchedulerConfig(args.max_num_seqs, args.prefill_chunk, args.max_waiting,
                                 step_time=args.step_time or None)  # fmt: skip
@@ -72,3 +74,13 @@ def serve_model(args: argparse.Namespace, config):
                         "trained context of %d: the context limit is %d (--kv-memory or "
                         "--kv-blocks raise it)", n, trained, n)  # fmt: skip
     return llm
+
+
+def serve_sampling(args: argparse.Namespace, llm):
+    """The sampling defaults `llm` is served with (kvlm.server.defaults): the flags' over
+    its file's recommendation, said in one line."""
+    from kvlm.server.defaults import from_flags, resolve
+
+    defaults = resolve(from_flags(args), llm.loaded.sampling, llm.model_name)
+    log.info("%s", defaults.describe())
+    return defaults

@@ -15,8 +15,10 @@ the last `done: true` with `done_reason` and the counts and durations (nanosecon
 Two options bound the request where the chat road has no field for them: `num_predict`
 clips the completion (<= 0: up to the context, as Ollama's runner reads it), `num_ctx`
 narrows the context this request may fill (the server's own is the bound; a larger one is
-not an error). Unset sampling options take Ollama's documented defaults (`DEFAULTS`), so
-a client moved from Ollama samples as it did. Options that tune Ollama's loader or
+not an error). Unset sampling options take the server's defaults (kvlm serve's flags, the
+model file's recommendation: kvlm.server.defaults), as a Modelfile's PARAMETER lines do in
+Ollama, else Ollama's documented defaults (`DEFAULTS`), so a client moved from Ollama
+samples as it did. Options that tune Ollama's loader or
 samplers kvlm does not have are accepted with no effect (`Options`, docs/API.md).
 """
 
@@ -50,8 +52,11 @@ OLLAMA_PATHS = "/api/"  # errors under this path are written in Ollama's shape
 # The Ollama API level this module follows (GitHub Copilot asks for at least 0.6.4)
 API_VERSION = "0.13.0"
 MAX_STOP_SEQUENCES = 16  # stop strings one request may give (each at most MAX_STOP_CHARS)
-# Ollama's defaults for the sampling options a request leaves unset (its Modelfile docs)
+# Ollama's defaults for the sampling options a request leaves unset (its Modelfile docs),
+# under the server's own (kvlm.server.app._params)
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
+# kvlm's sampling fields Ollama names otherwise
+_NAMES = {"repetition_penalty": "repeat_penalty"}
 NEVER = "9999-12-31T23:59:59Z"  # /api/ps's expires_at: kvlm keeps its model loaded
 _DONE = {"length": "length"}  # finish_reason -> done_reason (else "stop")
 
@@ -108,15 +113,15 @@ class Options(_Ollama):
     num_thread: int | None = None
 
     def sampling(self) -> dict[str, Any]:
-        """The chat request's sampling fields (Ollama's defaults where unset)."""
-        out: dict[str, Any] = dict(DEFAULTS)
+        """The chat request's sampling fields: those given (the unset ones take the
+        server's defaults, then Ollama's: kvlm.server.app._params)."""
         given = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
                  "typical_p": self.typical_p, "seed": self.seed,
                  "presence_penalty": self.presence_penalty,
                  "frequency_penalty": self.frequency_penalty,
                  "repetition_penalty": self.repeat_penalty,
                  "top_k": None if self.top_k is None else max(self.top_k, 0)}  # fmt: skip
-        return out | {k: v for k, v in given.items() if v is not None}
+        return {k: v for k, v in given.items() if v is not None}
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -228,6 +233,11 @@ class ShowRequest(_Ollama):
 class PullRequest(ShowRequest):
     insecure: bool = False  # accepted; no effect (nothing is downloaded)
     stream: bool = True
+
+
+def parameters(values: dict[str, Any]) -> str:
+    """/api/show's `parameters`: a Modelfile's PARAMETER lines, Ollama's names."""
+    return "\n".join(f"{_NAMES.get(k, k)} {v}" for k, v in values.items())
 
 
 def served_name(name: str) -> str:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class ErrorDetail(BaseModel):
@@ -153,6 +153,11 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int
+    sampling_defaults: dict[str, float] = Field(
+        description="what a request's unset temperature, top_p, top_k, min_p and "
+        "repetition_penalty take: kvlm serve's flags, else the model file's recommendation "
+        "(those absent: the API's own defaults)"
+    )
 
 
 class ModelList(BaseModel):

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -43,6 +45,7 @@ MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_PROMPTS = 64  # prompts in one completions request (each is a request of n samples)
 MAX_TOOLS = 128  # OpenAI's limit on tools
 MAX_STOP_IDS = 64  # stop_token_ids
+_NONE: Mapping[str, Any] = MappingProxyType({})  # no values given
 
 
 def _unicode(text: str) -> str:
@@ -160,17 +163,22 @@ class _Sampling(_Body):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, unset: Mapping[str, Any] = _NONE
+    ) -> SamplingParams:
+        """The engine's parameters; `unset`: the values of fields this request did not
+        set (the server's defaults, kvlm.server.app._params), over the fields' own."""
+        fields = {name: getattr(self, name) for name in _AS_GIVEN} | {
+            "top_k": max(self.top_k, 0)}  # fmt: skip
         return SamplingParams(
             max_tokens=max_tokens,
-            top_k=max(self.top_k, 0),
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             logprobs=logprobs,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             stop_token_ids=list(self.stop_token_ids or []),
             prompt_logprobs=self.scored_prompt(),
             guide=self.guide(),
-            **{name: getattr(self, name) for name in _AS_GIVEN},
+            **(fields | dict(unset)),
         )
 
     def guide(self) -> Guide | None:

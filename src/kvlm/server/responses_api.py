@@ -304,16 +304,18 @@ class ResponsesRequest(_Body):
         return out
 
 
+SAMPLING = ("temperature", "top_p", "top_k")  # the Responses API's sampling fields
+
+
 def to_chat(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat request `body` means over `messages` (the chat messages of its previous
     response's conversation, then its own input's: `conversation`), its instructions
     the system turn."""
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    chat: dict[str, Any] = {
-        "model": body.model, "messages": system + messages,
-        "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
-        "parallel_tool_calls": body.parallel_tool_calls,
-    }  # fmt: skip
+    chat: dict[str, Any] = {"model": body.model, "messages": system + messages,
+                            "parallel_tool_calls": body.parallel_tool_calls}  # fmt: skip
+    # only the sampling the client set: an unset field takes the server's default
+    chat |= {k: getattr(body, k) for k in SAMPLING if k in body.model_fields_set}
     optional = {"max_tokens": body.max_output_tokens, "seed": body.seed,
                 "cache_salt": body.cache_salt}  # fmt: skip
     chat |= {k: v for k, v in optional.items() if v is not None}
@@ -458,6 +460,9 @@ class Reply:
     token_ids: list[int] = field(default_factory=list)  # what the model made
     status: str = "in_progress"
     error: dict[str, Any] | None = None
+    # what it samples with: the request's, else the server's defaults (the response's echo)
+    temperature: float = 1.0
+    top_p: float = 1.0
 
     def call_id(self, index: int) -> str:
         while len(self.call_ids) <= index:
@@ -537,10 +542,10 @@ class Reply:
             "parallel_tool_calls": b.parallel_tool_calls,
             "previous_response_id": b.previous_response_id,
             "reasoning": {"effort": b.reasoning.effort if b.reasoning else None, "summary": None},
-            "store": b.store, "temperature": b.temperature, "text": {"format": fmt},
+            "store": b.store, "temperature": self.temperature, "text": {"format": fmt},
             "tool_choice": _echo_choice(b.tool_choice),
             "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
-            "top_logprobs": b.top_logprobs or 0, "top_p": b.top_p,
+            "top_logprobs": b.top_logprobs or 0, "top_p": self.top_p,
             "truncation": b.truncation or "disabled", "usage": usage, "user": b.user,
             "metadata": b.metadata or {},
         }  # fmt: skip
