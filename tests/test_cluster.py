@@ -140,11 +140,7 @@ def test_a_responses_request_routes_by_its_prompt_or_to_the_replica_that_stored_
     # a stored response's id names the replica that made it; the ingress reads it back
     tag = replica_tag("replica-abc")
     assert len(tag) == 8 and tag != replica_tag("replica-abd")
-    old, responses_api.REPLICA_TAG = responses_api.REPLICA_TAG, tag
-    try:
-        made = responses_api._new_id("resp")
-    finally:
-        responses_api.REPLICA_TAG = old
+    made = responses_api.new_id("resp", tag)
     assert responses_api.tag_of(made) == tag and responses_api.tag_of("resp_abcdef") is None
     follow = json.dumps({"model": "m", "input": "And Nero?", "previous_response_id": made})
     assert affinity("POST", "/v1/responses", follow.encode()) == tag

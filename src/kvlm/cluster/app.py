@@ -92,19 +92,19 @@ class KvlmReplica:
 
     def __init__(self, args: argparse.Namespace) -> None:
         from kvlm.cluster.keys import replica_tag
-        from kvlm.server import log_to_stderr, responses_api
+        from kvlm.server import log_to_stderr
         from kvlm.server.app import engine_app
         from kvlm.server.config import serve_config, serve_model, serve_sampling
 
         log_to_stderr(args.log_level)
         # the ids of what this replica stores name it (the ingress routes by them)
-        responses_api.REPLICA_TAG = replica_tag(serve.get_replica_context().replica_id.unique_id)
+        tag = replica_tag(serve.get_replica_context().replica_id.unique_id)
         self.engine = None  # an AsyncEngine once the model has loaded
         config, limits = serve_config(args)
         llm = serve_model(args, config)
         options = (args.served_model_name, args.api_key, limits, args.tool_call_parser,
                    args.reasoning_parser, serve_sampling(args, llm))  # fmt: skip
-        self.engine, self.app = engine_app(llm, config, *options)
+        self.engine, self.app = engine_app(llm, config, *options, replica_tag=tag)
         self.engine.start()
 
     async def http(

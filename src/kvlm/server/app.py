@@ -112,10 +112,12 @@ def create_app(
     tool_parser: str | None = None,
     reasoning_parser: str = "auto",
     sampling: defaults.SamplingDefaults | None = None,
+    replica_tag: str = "",
 ) -> FastAPI:
     """The app over `engine`, serving it as `model_name`; `sampling`: the server's
     defaults for a request's unset sampling fields (kvlm.server.defaults; none: the APIs'
-    own)."""
+    own); `replica_tag`: the replica of `kvlm serve --replicas` it is, in the ids of what
+    it stores (responses_api.new_id)."""
     limits = limits or ServerLimits()
     app = FastAPI(title="kvlm", version="1", docs_url=None, redoc_url=None)
     info = engine.info
@@ -127,7 +129,8 @@ def create_app(
         "fp_" + hashlib.sha256(made_by.encode()).hexdigest()[:10],
         tool_parser or tools_mod.parser_for(info.tokenizer.chat_template),
         _reasoning(reasoning_parser, info.tokenizer.chat_template), limits,
-        int(time.time()), _response_store(engine), sampling or defaults.SamplingDefaults(),
+        int(time.time()), _response_store(engine, replica_tag),
+        sampling or defaults.SamplingDefaults(),
     )  # fmt: skip
     openapi.install(app, model_name, min(MAX_SAMPLES, info.max_num_seqs), s.max_prompts)
     app.add_middleware(RequestLimits, limits=limits)
@@ -161,7 +164,7 @@ def _reasoning(parser: str, template: str | None) -> str | None:
     return None if parser == "none" else parser
 
 
-def _response_store(engine: AsyncEngine) -> responses_api.ResponseStore:
+def _response_store(engine: AsyncEngine, tag: str) -> responses_api.ResponseStore:
     """Stored responses, their conversations' blocks pinned in the engine's pool (at most
     PIN_SHARE of it; the engine lets the oldest go)."""
     share = responses_api.PIN_SHARE
@@ -172,18 +175,20 @@ def _response_store(engine: AsyncEngine) -> responses_api.ResponseStore:
     def unpin(key: str) -> None:
         engine.tell(lambda e: e.unpin(key))
 
-    return responses_api.ResponseStore(responses_api.KEEP, responses_api.TTL_S, pin, unpin)
+    return responses_api.ResponseStore(responses_api.KEEP, responses_api.TTL_S, pin, unpin, tag)
 
 
 def engine_app(
-    llm: ServedModel, config: EngineConfig, model_name: str | None, *options: Any
-) -> tuple[AsyncEngine, FastAPI]:
+    llm: ServedModel, config: EngineConfig, model_name: str | None, *options: Any,
+    replica_tag: str = "",
+) -> tuple[AsyncEngine, FastAPI]:  # fmt: skip
     """An engine for `llm` (not started yet) and the app over it, serving it as
     `model_name` (None: the model file's name; `options`: create_app's api_key, limits,
-    tool_parser, reasoning_parser, sampling): `kvlm serve`'s, and each replica's of `kvlm
-    serve --replicas`."""
+    tool_parser, reasoning_parser, sampling; `replica_tag`: create_app's): `kvlm serve`'s,
+    and each replica's of `kvlm serve --replicas`."""
     engine = AsyncEngine(Engine(llm, config))
-    return engine, create_app(engine, model_name or llm.model_name, *options)
+    return engine, create_app(engine, model_name or llm.model_name, *options,
+                              replica_tag=replica_tag)  # fmt: skip
 
 
 def authorizer(api_key: str | None) -> Callable[[Request], bool]:
@@ -620,10 +625,10 @@ def responses_routes(v1: APIRouter, s: _Served) -> None:
             raise _too_long(s.max_len, str(exc), "input") from None
         chat = _chat_of(lambda: api.to_chat(body, [*history, *turn]))
         ids, params, choices = await _chat_parts(s, chat, request)
-        reply = api.Reply(body, s.model_name, choices, len(ids), temperature=params.temperature,
-                          top_p=params.top_p)  # fmt: skip
+        reply = api.Reply(body, s.model_name, choices, len(ids), store.tag,
+                          temperature=params.temperature, top_p=params.top_p)  # fmt: skip
         events = api.record(await _start(s.engine, chat, [ids], [params]), reply)
-        entry = api.Stored(reply, [*history, *turn], api.stored_items(body))
+        entry = api.Stored(reply, [*history, *turn], api.stored_items(body, store.tag))
         entry.chars = (prev.chars if history else 0) + api.history_chars(turn)
 
         def done(r: api.Reply) -> None:  # kept: the conversation, and its K/V pinned

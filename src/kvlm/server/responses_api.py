@@ -421,16 +421,12 @@ _ITEM_TYPES = {"message": MessageItem, "function_call": FunctionCallItem,
                "function_call_output": FunctionOutputItem}  # fmt: skip
 
 
-# The replica of `kvlm serve --replicas` this process is (kvlm.cluster.keys.replica_tag;
-# "" for a single server): written into every id the store makes, `resp_<tag>_<hex>`, so
-# the cluster's ingress sends a request naming a stored response or item to the replica
-# that holds it (kvlm.cluster.keys.affinity). One app per replica process.
-REPLICA_TAG = ""
-
-
-def _new_id(prefix: str) -> str:
-    tag = f"{REPLICA_TAG}_" if REPLICA_TAG else ""
-    return f"{prefix}_{tag}{uuid.uuid4().hex}"
+def new_id(prefix: str, tag: str = "") -> str:
+    """A new id: `prefix_<tag>_<hex>`. `tag`: the replica of `kvlm serve --replicas` whose
+    store makes it (kvlm.cluster.keys.replica_tag; "" for a single server, `prefix_<hex>`),
+    so the cluster's ingress sends a request naming a stored response or item to the
+    replica that holds it (kvlm.cluster.keys.affinity)."""
+    return f"{prefix}_{tag}_{uuid.uuid4().hex}" if tag else f"{prefix}_{uuid.uuid4().hex}"
 
 
 def tag_of(some_id: str) -> str | None:
@@ -451,10 +447,11 @@ class Reply:
     model: str
     choices: Choices
     prompt_tokens: int
-    id: str = field(default_factory=lambda: _new_id("resp"))
+    tag: str = ""  # the replica's, in every id it makes (new_id)
+    id: str = ""
     created_at: int = field(default_factory=lambda: int(time.time()))
-    message_id: str = field(default_factory=lambda: _new_id("msg"))
-    reasoning_id: str = field(default_factory=lambda: _new_id("rs"))
+    message_id: str = ""
+    reasoning_id: str = ""
     call_ids: list[str] = field(default_factory=list)  # the output's function_call items'
     call_refs: dict[int, str] = field(default_factory=dict)  # their call_id, by index
     token_ids: list[int] = field(default_factory=list)  # what the model made
@@ -464,9 +461,14 @@ class Reply:
     temperature: float = 1.0
     top_p: float = 1.0
 
+    def __post_init__(self) -> None:
+        self.id = self.id or new_id("resp", self.tag)
+        self.message_id = self.message_id or new_id("msg", self.tag)
+        self.reasoning_id = self.reasoning_id or new_id("rs", self.tag)
+
     def call_id(self, index: int) -> str:
         while len(self.call_ids) <= index:
-            self.call_ids.append(_new_id("fc"))
+            self.call_ids.append(new_id("fc", self.tag))
         return self.call_ids[index]
 
     def output(self) -> list[dict[str, Any]]:
@@ -710,9 +712,10 @@ class ResponseStore:
 
     def __init__(
         self, keep: int, ttl_s: float, pin: Callable[[str, list[int], str | None], None],
-        unpin: Callable[[str], None],
+        unpin: Callable[[str], None], tag: str = "",
     ) -> None:  # fmt: skip
         self.keep, self.ttl_s = keep, ttl_s
+        self.tag = tag  # the replica's (new_id): in the ids of what it stores
         self.pin, self._unpin = pin, unpin
         self.entries: OrderedDict[str, Stored] = OrderedDict()
         self._items: dict[str, dict[str, Any]] = {}
@@ -765,12 +768,13 @@ class ResponseStore:
         return True
 
 
-def stored_items(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """The request's input items as the API lists them (each with an id)."""
+def stored_items(body: ResponsesRequest, tag: str = "") -> list[dict[str, Any]]:
+    """The request's input items as the API lists them (each with an id; `tag`: new_id's)."""
     out = []
     for item in input_items(body):
         data = item.model_dump(by_alias=True, exclude_none=True)
-        data.setdefault("id", _new_id("msg" if data.get("type", "message") == "message" else "fc"))
+        kind = "msg" if data.get("type", "message") == "message" else "fc"
+        data.setdefault("id", new_id(kind, tag))
         data.setdefault("type", "message")
         out.append(data)
     return out
