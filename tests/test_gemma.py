@@ -152,7 +152,8 @@ def test_windowed_layers_keep_only_their_window(tiny_model_dir, tmp_path):
     RING_SLACK slots, however long the context: 190 tokens in, the same bytes as at 1; and
     a file of it reads back (kvlm inspect --cache) naming both groups."""
     from kvlm.cache.files import save_cache
-    from kvlm.cache.hybrid import RING_SLACK, HybridCache
+    from kvlm.cache.hybrid import HybridCache
+    from kvlm.cache.kinds import RING_SLACK
     from kvlm.cache.saved import SavedCache
 
     llm = LLM(model=tiny_model_dir("gemma3"), progress=False, max_context=256)

@@ -18,7 +18,7 @@ from kvlm import LLM, SamplingParams
 from kvlm.cache import create_cache
 from kvlm.cache.base import CacheFileError, blocks_for
 from kvlm.cache.files import load_cache, save_cache
-from kvlm.cache.hybrid import RING_SLACK
+from kvlm.cache.kinds import RING_SLACK
 from kvlm.cache.paged import FREED, PagedCache, RaggedStep, window_blocks
 from kvlm.cache.saved import SavedCache
 from kvlm.engine.engine import Engine, EngineConfig
