@@ -196,8 +196,8 @@ def test_a_gemma3_1b_shape_plans_a_fifth_of_the_bytes_at_32k():
     from kvlm.cache.memory import plan
 
     groups = plan(config, "contiguous", 32768, 1, torch.float16, budget=0).layer_groups
-    assert [(g["layers"], g["window"], g["tokens"]) for g in groups] == [
-        (4, None, 32768), (22, 512, 512 + 32)]  # fmt: skip
+    assert [(g["kind"], g["layers"], g["window"], g["tokens"]) for g in groups] == [
+        ("attention", 4, None, 32768), ("window", 22, 512, 512 + 32)]  # fmt: skip
     assert sum(g["bytes"] for g in groups) == hybrid
     # the paged pool's windowed group: at most ceil((W + RING_SLACK) / 16) + 1 blocks
     paged = plan(config, "paged", 32768, 1, torch.float16, budget=0)
