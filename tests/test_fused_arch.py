@@ -32,7 +32,8 @@ from helpers import (
 )
 from kvlm import LLM, SamplingParams, kernels
 from kvlm.cache.base import blocks_for
-from kvlm.cache.hybrid import RING_SLACK, HybridCache
+from kvlm.cache.hybrid import HybridCache
+from kvlm.cache.kinds import RING_SLACK
 from kvlm.cache.paged import BlockPool, PagedCache
 from kvlm.engine.engine import Engine, EngineConfig
 from kvlm.engine.runner import Batch

@@ -152,7 +152,8 @@ def test_windowed_layers_keep_only_their_window(tiny_model_dir, tmp_path):
     RING_SLACK slots, however long the context: 190 tokens in, the same bytes as at 1; and
     a file of it reads back (kvlm inspect --cache) naming both groups."""
     from kvlm.cache.files import save_cache
-    from kvlm.cache.hybrid import RING_SLACK, HybridCache
+    from kvlm.cache.hybrid import HybridCache
+    from kvlm.cache.kinds import RING_SLACK
     from kvlm.cache.saved import SavedCache
 
     llm = LLM(model=tiny_model_dir("gemma3"), progress=False, max_context=256)
@@ -195,8 +196,8 @@ def test_a_gemma3_1b_shape_plans_a_fifth_of_the_bytes_at_32k():
     from kvlm.cache.memory import plan
 
     groups = plan(config, "contiguous", 32768, 1, torch.float16, budget=0).layer_groups
-    assert [(g["layers"], g["window"], g["tokens"]) for g in groups] == [
-        (4, None, 32768), (22, 512, 512 + 32)]  # fmt: skip
+    assert [(g["kind"], g["layers"], g["window"], g["tokens"]) for g in groups] == [
+        ("attention", 4, None, 32768), ("window", 22, 512, 512 + 32)]  # fmt: skip
     assert sum(g["bytes"] for g in groups) == hybrid
     # the paged pool's windowed group: at most ceil((W + RING_SLACK) / 16) + 1 blocks
     paged = plan(config, "paged", 32768, 1, torch.float16, budget=0)

@@ -18,7 +18,7 @@ from kvlm import LLM, SamplingParams
 from kvlm.cache import create_cache
 from kvlm.cache.base import CacheFileError, blocks_for
 from kvlm.cache.files import load_cache, save_cache
-from kvlm.cache.hybrid import RING_SLACK
+from kvlm.cache.kinds import RING_SLACK
 from kvlm.cache.paged import FREED, PagedCache, RaggedStep, window_blocks
 from kvlm.cache.saved import SavedCache
 from kvlm.engine.engine import Engine, EngineConfig
@@ -261,7 +261,8 @@ def test_kvlm_serve_shows_the_groups_and_the_window_counters(folder):
     assert m["kvlm_prefix_cache_hits_total"] > 0
     assert status == 200
     view = json.loads(text)
-    assert [(g["layers"], g["window"]) for g in view["groups"]] == [([2], None), ([0, 1, 3], 8)]
+    assert [(g["kind"], g["layers"], g["window"]) for g in view["groups"]] == [
+        ("attention", [2], None), ("window", [0, 1, 3], 8)]  # fmt: skip
     assert view["prefix_cache"]["window_lookups"] == 1
 
 
@@ -270,8 +271,10 @@ def test_kvlm_inspect_names_the_layer_groups(folder, capsys):
 
     assert main(["inspect", "--model", str(folder), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["kv_layer_groups"] == [{"window": None, "layers": [2]},
-                                       {"window": 8, "layers": [0, 1, 3]}]  # fmt: skip
+    assert info["kv_layer_groups"] == [
+        {"kind": "attention", "window": None, "layers": [2]},
+        {"kind": "window", "window": 8, "layers": [0, 1, 3]},
+    ]
 
 
 def test_one_ragged_forward_per_step_on_the_hybrid_pool(folder, monkeypatch):

@@ -766,7 +766,8 @@ def _groups_report(groups: list[dict]) -> list[str]:
     lines = []
     for g in groups:
         kept = "the whole context" if g["window"] is None else f"a window of {g['window']:,}"
-        lines.append(f"  {g['layers']} layers, {kept}: {g['tokens']:,} tokens, {_mib(g['bytes'])}")
+        lines.append(f"  {g['layers']} {g['kind']} layers, {kept}: {g['tokens']:,} tokens, "
+                     f"{_mib(g['bytes'])}")  # fmt: skip
     return lines
 
 
@@ -920,11 +921,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "kv_bytes_per_token": {"fp32": per_token * 4, "bf16": per_token * 2, "fp16": per_token * 2},
     }
     if cfg.hybrid:  # what each layer group keeps (kvlm memory: its bytes at a context)
-        windows = sorted(set(cfg.layer_windows), key=lambda w: (w is not None, w or 0))
-        info["kv_layer_groups"] = [
-            {"window": w, "layers": [i for i, v in enumerate(cfg.layer_windows) if v == w]}
-            for w in windows
-        ]
+        from kvlm.cache.base import CacheSpec
+        from kvlm.cache.kinds import layer_groups
+
+        groups = layer_groups(CacheSpec.for_model(cfg, 1))
+        info["kv_layer_groups"] = [g.described for g in groups]
     return _print_info(info, args.json, 24)
 
 

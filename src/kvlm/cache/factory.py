@@ -9,7 +9,8 @@ import torch
 from kvlm.cache.base import CacheSpec, KVCache
 from kvlm.cache.basic import BasicCache
 from kvlm.cache.contiguous import ContiguousCache
-from kvlm.cache.hybrid import HybridCache, local_window, part_specs
+from kvlm.cache.hybrid import HybridCache, ring_spec
+from kvlm.cache.kinds import layer_groups
 from kvlm.cache.off import OffCache
 from kvlm.cache.paged import Int8PagedCache, PagedCache
 from kvlm.cache.window import WindowCache
@@ -53,7 +54,7 @@ def create_cache(mode: str, spec: CacheSpec) -> KVCache:
     keeps a sequence's rows (RING_MODES), a HybridCache of that mode (kvlm.cache.hybrid);
     paged and int8 keep them apart on their own (a block table per layer group)."""
     cls, spec = check_mode(mode), mode_spec(mode, spec)
-    if mode in RING_MODES and local_window(spec) is not None:
+    if mode in RING_MODES and len(layer_groups(spec)) > 1:
         return HybridCache(cls, spec)
     return cls(spec)
 
@@ -74,8 +75,15 @@ def planned_parts(
     cls, spec = check_mode(mode), mode_spec(mode, spec)
     if issubclass(cls, PagedCache):
         return cls.planned_groups(spec, tokens, batch)
-    if mode in RING_MODES and local_window(spec) is not None:
-        whole, ring = part_specs(spec)
-        return [(whole, cls.planned_nbytes(whole, tokens, batch), tokens),
-                (ring, WindowCache.planned_nbytes(ring, tokens, batch), ring.window)]  # fmt: skip
-    return [(spec, cls.planned_nbytes(spec, tokens, batch), tokens)]
+    groups = layer_groups(spec)
+    if mode not in RING_MODES or len(groups) == 1:
+        return [(spec, cls.planned_nbytes(spec, tokens, batch), tokens)]
+    parts = []
+    for group in groups:  # as kvlm.cache.hybrid.part_cache keeps each group
+        if group.kind.keep is None:
+            whole = group.spec(spec)
+            parts.append((whole, cls.planned_nbytes(whole, tokens, batch), tokens))
+        else:
+            ring = ring_spec(spec, group)
+            parts.append((ring, WindowCache.planned_nbytes(ring, tokens, batch), ring.window))
+    return parts

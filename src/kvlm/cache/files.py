@@ -18,7 +18,8 @@ import torch
 
 from kvlm.cache.base import CacheFileError, CacheSnapshot, KVCache, brief
 from kvlm.cache.factory import CACHE_MODES, HYBRID_MODES
-from kvlm.cache.hybrid import RING, RING_SLACK
+from kvlm.cache.hybrid import RING
+from kvlm.cache.kinds import RING_SLACK
 from kvlm.cache.storage import part_layout
 from kvlm.dtypes import NAMES, Q4, dtype_name
 from kvlm.errors import CacheOverflowError

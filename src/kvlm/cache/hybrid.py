@@ -25,10 +25,11 @@ is refused, as the window cache refuses it (`can_roll_back`: the caller starts o
 Cache files hold both parts (`layout` "hybrid"): the whole part's values, then the ring's
 as `ring_values` and `ring_slot_pos` (kvlm.cache.files checks them as it checks a ring).
 
-This is the basic and contiguous modes' way (factory.RING_MODES). The paged and int8
-modes keep the two kinds apart on their pool instead, a block table per layer group, the
-windowed layers' blocks freed as they leave W + RING_SLACK (kvlm.cache.paged); their files
-hold the same layout, so either reads the other's.
+The split is kvlm.cache.kinds': its `layer_groups` (the layers by kind, each group's
+spec, which layer sits where, the file's layout) serve this cache and the pool's block
+tables alike. This is the basic and contiguous modes' storage of the groups
+(factory.RING_MODES); the paged and int8 modes keep each group on a block table of its
+own (kvlm.cache.paged); their files hold the same layout, so either reads the other's.
 """
 
 from __future__ import annotations
@@ -39,40 +40,26 @@ from typing import ClassVar
 import torch
 
 from kvlm.cache.base import CacheSpec, CacheStep, KVCache, KVPair
+from kvlm.cache.kinds import LayerGroup, layer_at, layer_groups, layout_extra
 from kvlm.cache.window import WindowCache
 
 RING = "ring_"  # the prefix of the ring part's tensors in a snapshot
-# Tokens the ring keeps past the window: what a rollback may take back (a chat's last
-# token, a draft's rows beyond its own undo); a longer one is refused (the caller
-# recomputes the prefix)
-RING_SLACK = 32
 
 
-def local_window(spec: CacheSpec) -> int | None:
-    """The one window of a hybrid spec's local layers, or None when the spec is not hybrid
-    (every layer alike). Several different windows are refused."""
-    windows = set(spec.layer_windows)
-    if len(windows) < 2:
-        return None
-    local = windows - {None}
-    if len(local) != 1 or None not in windows:
-        raise ValueError(f"layers with windows {sorted(local)}: one window and whole layers only")
-    return local.pop()
+def ring_spec(spec: CacheSpec, group: LayerGroup) -> CacheSpec:
+    """The ring a windowed group of `spec` is kept in: W + RING_SLACK slots, no sinks,
+    positions as in the text, the model's window W in the masks."""
+    keep, window = group.kind.keep, group.kind.window
+    return replace(group.spec(spec), sinks=0, window=keep, window_positions="absolute",
+                   sliding_window=window)  # fmt: skip
 
 
-def part_specs(spec: CacheSpec) -> tuple[CacheSpec, CacheSpec]:
-    """A hybrid spec's two parts: its whole layers (the mode's cache over them), and its
-    windowed ones (a ring of W + RING_SLACK, no sinks, positions as in the text, the
-    model's window W in the masks)."""
-    window = local_window(spec)
-    if window is None:
-        raise ValueError("not a hybrid spec: every layer has the same window")
-    ring = sum(w is not None for w in spec.layer_windows)
-    whole = replace(spec, num_layers=spec.num_layers - ring, layer_windows=())
-    ring_spec = replace(spec, num_layers=ring, layer_windows=(), sinks=0,
-                        window=window + RING_SLACK, window_positions="absolute",
-                        sliding_window=window)  # fmt: skip
-    return whole, ring_spec
+def part_cache(mode_cls: type[KVCache], spec: CacheSpec, group: LayerGroup) -> KVCache:
+    """The cache a `mode_cls` cache keeps `group` of `spec`'s layers in: the mode's own for
+    the whole layers, a ring for a window."""
+    if group.kind.keep is None:
+        return mode_cls(group.spec(spec))
+    return WindowCache(ring_spec(spec, group))
 
 
 class _PartStep:
@@ -92,9 +79,9 @@ class HybridStep(CacheStep):
     """One forward through both parts: the whole part's step is the step's face (positions,
     masks), each layer gets its part's (`for_layer`)."""
 
-    def __init__(self, whole: CacheStep, ring: CacheStep, cache: HybridCache) -> None:
-        self.__dict__.update(whole.__dict__)  # positions, masks, rows: the whole part's
-        self.parts = (whole, ring)
+    def __init__(self, parts: list[CacheStep], cache: HybridCache) -> None:
+        self.__dict__.update(parts[0].__dict__)  # positions, masks, rows: the whole part's
+        self.parts = tuple(parts)
         self._views = {}
         self._layers = cache.layers
 
@@ -110,25 +97,36 @@ class HybridStep(CacheStep):
 
 
 class HybridCache(KVCache):
-    """The layers that see everything in a cache of `mode`, those with a window in a ring."""
+    """A cache per layer group of `spec` (kvlm.cache.kinds) in lockstep: the layers that
+    see everything in a cache of `mode_cls`, those with a window in a ring."""
 
     layout: ClassVar[str] = "hybrid"
 
     def __init__(self, mode_cls: type[KVCache], spec: CacheSpec) -> None:
         super().__init__(spec)
-        whole_spec, ring_spec = part_specs(spec)
-        self.whole, self.ring = mode_cls(whole_spec), WindowCache(ring_spec)
+        self.groups = layer_groups(spec)
+        self.caches = [part_cache(mode_cls, spec, group) for group in self.groups]
         self.mode = self.whole.mode
-        self.window = ring_spec.sliding_window
-        whole = [i for i, w in enumerate(spec.layer_windows) if w is None]
-        local = [i for i, w in enumerate(spec.layer_windows) if w is not None]
-        # layer -> (part: 0 whole, 1 ring; {layer: index inside the part} of that part)
-        indexes = ({i: n for n, i in enumerate(whole)}, {i: n for n, i in enumerate(local)})
-        self.layers = [(int(w is not None), indexes[w is not None]) for w in spec.layer_windows]
+        self.window = self.groups[1].kind.window
+        # layer -> (part, {layer: index inside the part} of that part)
+        indexes = [{i: n for n, i in enumerate(g.layers)} for g in self.groups]
+        self.layers = [(g, indexes[g]) for g, _ in layer_at(self.groups)]
 
     @property
-    def parts(self) -> tuple[KVCache, KVCache]:
-        return (self.whole, self.ring)
+    def parts(self) -> tuple[KVCache, ...]:
+        return tuple(self.caches)
+
+    @property
+    def whole(self) -> KVCache:
+        """The part of the layers that see the whole context (the mode's own cache)."""
+        return self.caches[0]
+
+    @property
+    def ring(self) -> WindowCache:
+        """The part of the windowed layers."""
+        ring = self.caches[1]
+        assert isinstance(ring, WindowCache)
+        return ring
 
     @property
     def capacity(self) -> int:
@@ -141,7 +139,7 @@ class HybridCache(KVCache):
         return self.whole._overflow_message(n_new)
 
     def _begin(self, n_new: int, draft: bool) -> CacheStep:
-        return HybridStep(self.whole.begin(n_new, draft), self.ring.begin(n_new, draft), self)
+        return HybridStep([part.begin(n_new, draft) for part in self.parts], self)
 
     def _commit(self, step: CacheStep) -> None:
         assert isinstance(step, HybridStep)
@@ -181,16 +179,15 @@ class HybridCache(KVCache):
             part._length = length
 
     def _layout_extra(self) -> dict[str, int]:
-        local = sum(1 << i for i, (part, _) in enumerate(self.layers) if part)
-        return {"window": self.window, "local_layers": local}
+        return layout_extra(self.groups)
 
     @property
     def nbytes(self) -> int:
-        return self.whole.nbytes + self.ring.nbytes
+        return sum(part.nbytes for part in self.parts)
 
     @classmethod
     def planned_nbytes(cls, spec: CacheSpec, tokens: int, batch: int) -> int:
         raise TypeError("a hybrid cache's plan depends on its mode: kvlm.cache.factory")
 
     def __repr__(self) -> str:
-        return f"<HybridCache {self.whole!r} + {self.ring!r}>"
+        return f"<HybridCache {' + '.join(repr(p) for p in self.parts)}>"

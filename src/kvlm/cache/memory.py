@@ -12,8 +12,10 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from kvlm.cache import kinds
 from kvlm.cache.base import CacheSpec
 from kvlm.cache.factory import mode_spec, planned_nbytes, planned_parts
+from kvlm.cache.kinds import FullAttention
 from kvlm.config import ModelConfig
 from kvlm.dtypes import Q4
 from kvlm.errors import InvalidRequestError
@@ -132,16 +134,21 @@ def plan(
 
 def layer_groups(mode: str, spec: CacheSpec, context: int, batch: int) -> list[dict]:
     """The layers by what a `mode` cache keeps of `batch` sequences of `context` tokens:
-    {"layers", "window" (None: the whole context), "tokens" each keeps, "bytes"}. One group,
-    but for a hybrid model's cache of a HYBRID_MODES mode: its whole layers, and its
-    windowed ones (a ring, or a paged pool's windowed block-table group), as
+    {"kind" (kvlm.cache.kinds, or the mode's own: "window" for the window cache, "none"
+    for off), "layers", "window" (None: the whole context), "tokens" each keeps, "bytes"}.
+    One group, but for a hybrid model's cache of a HYBRID_MODES mode: a group per
+    kinds.layer_groups (a ring, or a paged pool's windowed block-table group), as
     factory.planned_parts plans them."""
-    (whole, whole_bytes, _), *rest = planned_parts(mode, spec, context, batch)
-    groups = [{"layers": whole.num_layers, "window": None, "tokens": context, "bytes": whole_bytes}]
-    for part, part_bytes, kept in rest:
-        groups.append({"layers": part.num_layers, "window": part.sliding_window,
-                       "tokens": kept, "bytes": part_bytes})  # fmt: skip
-    return groups
+    parts = planned_parts(mode, spec, context, batch)
+    groups = kinds.layer_groups(spec)
+    if len(parts) == len(groups):
+        names = [group.kind.name for group in groups]
+    else:  # one cache over every layer, of the mode's own kind
+        names = [{"window": "window", "off": "none"}.get(mode, FullAttention.name)]
+    rows = enumerate(zip(names, parts, strict=True))
+    return [{"kind": name, "layers": part.num_layers,
+             "window": part.sliding_window if i else None, "tokens": kept, "bytes": n}
+            for i, (name, (part, n, kept)) in rows]  # fmt: skip
 
 
 def table(config: ModelConfig, context: int, batch: int, **sizes: int | None) -> list[dict]:

@@ -22,7 +22,7 @@ Attention reads a sequence by gathering its blocks into (B, kv_heads, S, head_di
 is a copy per layer per step, the price of not being contiguous.
 
 A hybrid model (layers with a window W and layers that see everything,
-kvlm.cache.hybrid.local_window) gets one block table per layer group, as vLLM's hybrid
+kvlm.cache.kinds.layer_groups) gets one block table per layer group, as vLLM's hybrid
 KV cache manager does:
 
     group 0  the layers that see everything   BlockPool (the pool's face: store, refs)
@@ -52,7 +52,8 @@ from itertools import pairwise
 import torch
 
 from kvlm.cache.base import CacheSpec, CacheStep, KVCache, KVPair, blocks_for, causal_mask, visible
-from kvlm.cache.hybrid import RING, RING_SLACK, local_window, part_specs
+from kvlm.cache.hybrid import RING, ring_spec
+from kvlm.cache.kinds import LayerGroup, layer_at, layer_groups, layout_extra
 from kvlm.cache.registry import PrefixRegistry
 from kvlm.cache.storage import Store
 from kvlm.errors import CacheOverflowError, InvalidRequestError
@@ -81,27 +82,22 @@ class BlockPool:
         num_blocks: int,
         scratch: bool | None = None,
         windowed_blocks: int | None = None,
+        group: LayerGroup | None = None,
     ) -> None:
         """`scratch` (default: on a GPU): one more block, never handed out: where the
         padding rows of a captured decode batch write (kvlm.model.graphs), so they never
-        touch a sequence's blocks. A hybrid `spec`: this pool holds the layers that see
-        everything (num_blocks), `groups[1]` the windowed ones (windowed_blocks, default
-        num_blocks)."""
+        touch a sequence's blocks. A `spec` whose layers come in groups (kvlm.cache.kinds:
+        a hybrid model's): this pool holds the first group, the layers that see everything
+        (num_blocks), `groups[g]` group g (a BlockPool of `group` g, windowed_blocks
+        blocks, default num_blocks)."""
+        kinds = layer_groups(spec)
+        self.group = group or kinds[0]  # the layers this pool's store holds, their kind
         self.groups: list[BlockPool] = [self]
-        self.window: int | None = None  # this group's attention window (None: everything)
-        self.keep: int | None = None  # positions a windowed group keeps behind the end
-        windows = spec.layer_windows or (None,) * spec.num_layers
-        local = local_window(spec)
-        # layer -> (its group, its index in the group's store)
-        self.layer_at = [(int(w is not None and local is not None),
-                          sum((v is None) == (w is None) for v in windows[:i]) if local else i)
-                         for i, w in enumerate(windows)]  # fmt: skip
-        if local is not None:
-            spec, ring = part_specs(spec)
-            group = BlockPool(replace(ring, sliding_window=None), windowed_blocks or num_blocks,
-                              scratch)  # fmt: skip
-            group.window, group.keep = local, local + RING_SLACK
-            self.groups.append(group)
+        self.layer_at = layer_at(kinds)  # layer -> (its group, its index in the group's store)
+        if group is None:
+            self.groups += [BlockPool(spec, windowed_blocks or num_blocks, scratch, group=g)
+                            for g in kinds[1:]]  # fmt: skip
+        spec = self.group.spec(spec)
         self.block_size = spec.block_size
         self.num_blocks = num_blocks
         if scratch is None:
@@ -119,6 +115,16 @@ class BlockPool:
         # The prefix cache's index of full blocks (kvlm.cache.registry): a freed block stays
         # findable until allocate() hands it out again.
         self.prefix = PrefixRegistry(num_blocks)
+
+    @property
+    def window(self) -> int | None:
+        """This group's attention window (None: everything)."""
+        return self.group.kind.window
+
+    @property
+    def keep(self) -> int | None:
+        """Positions a sequence keeps in this group behind its end (None: every one)."""
+        return self.group.kind.keep
 
     @property
     def hybrid(self) -> bool:
@@ -389,16 +395,17 @@ class PagedCache(KVCache):
 
     def _check_rollback(self, n: int) -> None:
         """A windowed group must still hold what the next query reads (W - 1 positions)."""
-        if not self.pool.hybrid or not self.tables:
+        length = self.num_tokens - n
+        if not self.tables or length == 0:
             return
-        group, length = self.pool.groups[1], self.num_tokens - n
-        needed = max(0, length - group.window + 1)
-        held = max(self._held_from, group.first_live(self.group_tables[1][0]) * group.block_size)
-        if needed < held and length > 0:
-            raise InvalidRequestError(
-                f"cannot roll back {n} tokens: the windowed layers have let go of position "
-                f"{needed}, which the next query would need"
-            )
+        for pool, tables in list(self._groups())[1:]:
+            needed = pool.group.kind.first_read(length)
+            held = max(self._held_from, pool.first_live(tables[0]) * pool.block_size)
+            if needed < held:
+                raise InvalidRequestError(
+                    f"cannot roll back {n} tokens: the windowed layers have let go of "
+                    f"position {needed}, which the next query would need"
+                )
 
     # ------------------------------------------------------------------ lifetime
 
@@ -509,10 +516,7 @@ class PagedCache(KVCache):
         pool.store.put_raw((ALL, ALL, blocks, ALL, slots), raw)
 
     def _layout_extra(self) -> dict[str, int]:
-        if not self.pool.hybrid:
-            return {}
-        local = sum(1 << i for i, (group, _) in enumerate(self.pool.layer_at) if group)
-        return {"window": self.pool.groups[1].window, "local_layers": local}
+        return layout_extra(tuple(pool.group for pool in self.pool.groups))
 
     # ------------------------------------------------------------------ accounting
 
@@ -552,14 +556,15 @@ class PagedCache(KVCache):
         """(the group's spec, bytes, tokens each sequence keeps) of each layer group of
         `batch` sequences of `tokens` tokens: a windowed group keeps at most
         window_blocks(W + RING_SLACK, block_size, 0) blocks between steps."""
-        whole = blocks_for(tokens, spec.block_size)
-        if local_window(spec) is None:
-            return [(spec, batch * whole * spec.block_size * spec.bytes_per_token, tokens)]
-        window = local_window(spec) + RING_SLACK
-        keep = min(whole, window_blocks(window, spec.block_size, 0)) * spec.block_size
-        (g0, ring) = part_specs(spec)
-        return [(g0, batch * whole * spec.block_size * g0.bytes_per_token, tokens),
-                (ring, batch * keep * ring.bytes_per_token, keep)]  # fmt: skip
+        whole, bs, out = blocks_for(tokens, spec.block_size), spec.block_size, []
+        for group in layer_groups(spec):
+            keep = group.kind.keep
+            blocks = whole if keep is None else min(whole, window_blocks(keep, bs, 0))
+            # a windowed group's part is planned as the ring a row cache would keep it in
+            part = group.spec(spec) if keep is None else ring_spec(spec, group)
+            kept = tokens if keep is None else blocks * bs
+            out.append((part, batch * blocks * bs * part.bytes_per_token, kept))
+        return out
 
 
 class Int8PagedCache(PagedCache):

@@ -88,14 +88,15 @@ def prefix_tree(pool: BlockPool, blocks: list[dict]) -> list[dict]:
 
 
 def layer_groups(pool: BlockPool) -> list[dict]:
-    """Each layer group of the pool: {group, layers (model layer indices), window (None:
+    """Each layer group of the pool: {group, kind (what its layers keep: kvlm.cache.kinds),
+    layers (model layer indices), window (None:
     the whole context), keep (positions a sequence keeps behind its end, None: all),
     num_blocks, used, cached, free, block_bytes, used_bytes, total_bytes}."""
     out = []
     for g, group in enumerate(pool.groups):
         cached = sum(1 for b in group.prefix.cached.values() if group.refs[b] == 0)
         out.append({
-            "group": g, "layers": [i for i, (at, _) in enumerate(pool.layer_at) if at == g],
+            "group": g, "kind": group.group.kind.name, "layers": list(group.group.layers),
             "window": group.window, "keep": group.keep, "num_blocks": group.num_blocks,
             "used": group.num_used, "cached": cached, "free": group.num_free - cached,
             "block_bytes": group.block_nbytes, "used_bytes": group.num_used * group.block_nbytes,

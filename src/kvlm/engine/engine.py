@@ -25,9 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvlm.cache import KVCache
+from kvlm.cache import KVCache, kinds
 from kvlm.cache.base import CacheSpec, blocks_for
-from kvlm.cache.hybrid import RING_SLACK, local_window, part_specs
 from kvlm.cache.paged import BlockPool, window_blocks
 from kvlm.cache.prefix import BlockManager, check_salt
 from kvlm.cache.storage import part_layout
@@ -101,20 +100,21 @@ def windowed_plan(config: EngineConfig, spec: CacheSpec, context: int) -> tuple[
     sched, spec_cfg = config.scheduler, config.speculative
     chunk = min(sched.prefill_chunk, sched.chunk_size or sched.prefill_chunk)
     step = min(context, max(chunk, 1 + (spec_cfg.num_draft if spec_cfg else 0)))
-    window = local_window(spec)
-    if window is None:
+    groups = kinds.layer_groups(spec)
+    if len(groups) == 1:
         return step, 0, 0
-    bs, ring = spec.block_size, part_specs(spec)[1]
-    per_seq = min(blocks_for(context, bs), window_blocks(window + RING_SLACK, bs, step))
+    (windowed,) = groups[1:]
+    bs, keep = spec.block_size, windowed.kind.keep
+    per_seq = min(blocks_for(context, bs), window_blocks(keep, bs, step))
     blocks = per_seq * sched.max_num_seqs + sched.reserve_blocks
-    return step, blocks, blocks * bs * ring.bytes_per_token
+    return step, blocks, blocks * bs * windowed.spec(spec).bytes_per_token
 
 
 def memory_blocks(config: EngineConfig, spec: CacheSpec, context: int) -> int:
     """The blocks (of the layers that see the whole context) the KV memory holds once a
     hybrid model's windowed group has its own: the pool's size by default."""
-    _, windowed, windowed_bytes = windowed_plan(config, spec, context)
-    whole = part_specs(spec)[0] if windowed else spec
+    _, _, windowed_bytes = windowed_plan(config, spec, context)
+    whole = kinds.layer_groups(spec)[0].spec(spec)
     kv_memory = config.kv_memory or default_kv_memory(spec.device)
     return (kv_memory - windowed_bytes) // (spec.block_size * whole.bytes_per_token)
 
@@ -281,8 +281,7 @@ class Engine:
                 spec.device.type, spec.kv_name, block,
             )  # fmt: skip
             if g:  # a windowed group: which layers, which window
-                layers = [i for i, (at, _) in enumerate(self.pool.layer_at) if at == g]
-                ns = namespace(ns, "layer group", g, group.window, layers)
+                ns = namespace(ns, "layer group", g, group.window, list(group.group.layers))
             layouts.append((ns, parts))
         key = load_tier_key(self.config.kv_tier_key)
         (ns, parts), *groups = layouts

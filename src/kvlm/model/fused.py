@@ -166,10 +166,8 @@ def pool_views(pool: BlockPool, tables: Sequence[Sequence[Sequence[int]]]) -> li
         return [KVView(pool.store, tables[0], pool.block_size)]
     views = []
     for g, (group, rows) in enumerate(zip(pool.groups, tables, strict=True)):
-        where = sorted((index, layer) for layer, (grp, index) in enumerate(pool.layer_at)
-                       if grp == g)  # fmt: skip
         rows = [readable(list(t), len(t)) for t in rows] if g else rows
-        views.append(KVView(group.store, rows, pool.block_size, 0, tuple(n for _, n in where)))
+        views.append(KVView(group.store, rows, pool.block_size, 0, group.group.layers))
     return views
 
 
@@ -371,10 +369,10 @@ class FusedDecoder:
             return [KVView(cache.store, tables, cache.store.shape[-2])]
         whole, ring = cache.whole, cache.ring
         cache.ring.written_in_place(step.parts[1])
-        parts = [[i for i, (part, _) in enumerate(cache.layers) if part == k] for k in (0, 1)]
+        layers = [group.layers for group in cache.groups]  # each part's, in its store's order
         return [
-            KVView(whole.store, tables, whole.store.shape[-2], 0, tuple(parts[0])),
-            KVView(ring.store, tables, ring.slots, ring.slots, tuple(parts[1])),
+            KVView(whole.store, tables, whole.store.shape[-2], 0, layers[0]),
+            KVView(ring.store, tables, ring.slots, ring.slots, layers[1]),
         ]
 
     def _place(self, views: Sequence[KVView]) -> None:

@@ -1,0 +1,98 @@
+"""Layer kinds (kvlm.cache.kinds): a model's layers grouped by what they keep, one grouping
+that the row caches' hybrid and the pool's block tables both take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlm.cache.base import CacheSpec
+from kvlm.cache.factory import create_cache, planned_parts
+from kvlm.cache.hybrid import HybridCache
+from kvlm.cache.kinds import (
+    RING_SLACK,
+    FullAttention,
+    SlidingWindow,
+    layer_at,
+    layer_groups,
+    layout_extra,
+)
+from kvlm.cache.paged import BlockPool
+from kvlm.errors import UnsupportedModelError
+
+# layers 0, 1, 3, 4 windowed (W = 8), 2 and 5 whole: a Gemma-like pattern
+WINDOWS = (8, 8, None, 8, 8, None)
+
+
+def _spec(windows: tuple[int | None, ...] = WINDOWS, **kw) -> CacheSpec:
+    return CacheSpec(num_layers=6, num_kv_heads=2, head_dim=8, max_tokens=64,
+                     layer_windows=windows, block_size=4, **kw)  # fmt: skip
+
+
+def test_layers_are_grouped_by_kind_whole_ones_first():
+    groups = layer_groups(_spec())
+    assert [(g.kind, g.layers) for g in groups] == [
+        (FullAttention(), (2, 5)), (SlidingWindow(8), (0, 1, 3, 4))]  # fmt: skip
+    assert layer_at(groups) == [(1, 0), (1, 1), (0, 0), (1, 2), (1, 3), (0, 1)]
+    assert layout_extra(groups) == {"window": 8, "local_layers": 0b11011}
+    whole, ring = (g.spec(_spec()) for g in groups)
+    assert (whole.num_layers, whole.sliding_window, whole.layer_windows) == (2, None, ())
+    assert (ring.num_layers, ring.sliding_window) == (4, 8)
+
+
+def test_one_group_where_every_layer_is_alike():
+    """A window on every layer (Mistral's) is the masks' business: one whole group."""
+    for spec in (_spec(()), _spec((4,) * 6, sliding_window=4)):
+        (group,) = layer_groups(spec)
+        assert group.kind == FullAttention() and group.layers == tuple(range(6))
+        assert group.spec(spec) is spec and layout_extra((group,)) == {}
+
+
+def test_what_each_kind_keeps():
+    window = SlidingWindow(8)
+    assert (window.keep, window.kept(1000), window.kept(5)) == (8 + RING_SLACK, 40, 5)
+    assert (window.first_read(3), window.first_read(100)) == (0, 93)
+    whole = FullAttention()
+    assert (whole.keep, whole.kept(1000), whole.first_read(100)) == (None, 1000, 0)
+
+
+def test_two_windows_are_refused_with_a_clear_error():
+    with pytest.raises(UnsupportedModelError, match="one window and whole layers only"):
+        layer_groups(_spec((8, 16, None, 8, 8, None)))
+
+
+@pytest.mark.parametrize("mode", ["basic", "contiguous"])
+def test_the_row_hybrid_and_the_pool_take_the_same_groups(mode):
+    """HybridCache's parts and BlockPool's groups are the one grouping: the same layers in
+    each part and store, the same windows, the same file layout."""
+    spec = _spec()
+    cache = create_cache(mode, spec)
+    pool = BlockPool(spec, 16)
+    assert isinstance(cache, HybridCache)
+    assert [p.group for p in pool.groups] == list(cache.groups) == list(layer_groups(spec))
+    assert [part.spec.num_layers for part in cache.parts] == [
+        g.store.shape[0] for g in pool.groups]  # fmt: skip
+    assert pool.layer_at == [(g, index[i]) for i, (g, index) in enumerate(cache.layers)]
+    assert [g.window for g in pool.groups] == [None, 8]
+    assert [g.keep for g in pool.groups] == [None, 8 + RING_SLACK]
+    paged = create_cache("paged", spec)
+    assert paged._layout_extra() == cache._layout_extra() == layout_extra(layer_groups(spec))
+    # the plans' groups: the ring keeps W + RING_SLACK positions, the pool whole blocks
+    plans = [planned_parts(m, spec, 64, 1) for m in (mode, "paged")]
+    assert [[(p.num_layers, kept) for p, _, kept in plan] for plan in plans] == [
+        [(2, 64), (4, 40)], [(2, 64), (4, 44)]]  # fmt: skip
+
+
+def test_a_pool_group_keeps_what_its_kind_says():
+    """The windowed group's blocks slide out behind its kind's `keep`, and a rollback that
+    would need a released position is refused by its kind's `first_read`."""
+    spec = _spec()
+    cache = create_cache("paged", spec)
+    step = cache.begin(60)
+    k = torch.zeros(1, 2, 60, 8)
+    for layer in range(6):
+        step.for_layer(layer).update(layer, k, k)
+    cache.commit(step)
+    live = [b for b in cache.group_tables[1][0] if b >= 0]
+    assert len(live) * 4 >= 40 and len(live) < 15  # 40 positions kept, not 60
+    assert cache.can_roll_back(RING_SLACK) and not cache.can_roll_back(RING_SLACK + 8)
