@@ -234,7 +234,8 @@ def compare(a_path: Path, b_path: Path) -> int:
     for key in bad:
         print(f"differs: {key}")
     fused = sum(1 for k, v in a.items() if k.endswith("/fused") and v == "yes")
-    print(f"{len(a)} results compared ({fused} through the fused step): "
+    through = f" ({fused} through the fused step)" if fused else ""
+    print(f"{len(a)} results compared{through}: "
           f"{'all the same bits' if not bad else f'{len(bad)} differ'}")  # fmt: skip
     return 1 if bad else 0
 

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import TINY_MODELS
 from helpers import save_tiny_model
+from same_bits import compare  # one comparison of two recordings, nested dicts and all
 
 STEPS = 24
 MAX_CONTEXT = 256
@@ -117,20 +118,6 @@ def record(path: Path, quick: bool) -> None:
                 print(name, kv, flush=True)
     torch.save(out, path)
     print(f"{len(out)} entries -> {path}")
-
-
-def compare(before: Path, after: Path) -> int:
-    a, b = torch.load(before), torch.load(after)
-    bad = sorted(set(a) ^ set(b))
-    for key in sorted(set(a) & set(b)):
-        for part in sorted(set(a[key]) | set(b[key])):
-            x, y = a[key].get(part), b[key].get(part)
-            if x is None or y is None or not torch.equal(x, y):
-                bad.append(f"{key}:{part}")
-    for key in bad:
-        print("differs:", key)
-    print(f"{len(a)} entries before, {len(b)} after, {len(bad)} differ")
-    return 1 if bad else 0
 
 
 def main() -> int:
