@@ -1,13 +1,11 @@
-"""Decode step time of the serving engine by batch size, for the two fp32 weight layouts.
+"""Decode step time of the serving engine by batch size.
 
-    python benchmarks/bench_batch.py --threads 2
+    python benchmarks/bench_batch.py --threads 2 --weights f32
 
 B sequences of one prompt (plus a distinct last token) decode together through
-`Engine.step`; the median step time over the steady part gives aggregate tokens/s.
-
-- default: the layout single-stream decode uses (fp32 [in, out]; one row to OpenBLAS,
-  more rows to MKL, which repacks the weight on every multi-row call);
-- packed: oneDNN's packed layout, what `Engine` switches to (`pack_for_batches`).
+`Engine.step`; the median step time over the steady part gives aggregate tokens/s. The
+weights as `--weights` (f32: the dense road, oneDNN's packed layout; the default: the
+file's own low-bit blocks).
 """
 
 from __future__ import annotations
@@ -42,25 +40,18 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--batches", default="1,4,8,16")
+    p.add_argument("--weights", default="auto")
     args = p.parse_args()
-    llm = LLM(progress=False, max_context=1024, threads=args.threads)
+    llm = LLM(progress=False, max_context=1024, threads=args.threads, weights=args.weights)
     batches = [int(b) for b in args.batches.split(",")]
     rows = []
-    for layout in ("default", "packed"):
-        if layout == "default":  # keep Engine from repacking, to measure the old layout
-            pack, llm.model.pack_for_batches = llm.model.pack_for_batches, lambda: None
-        else:
-            llm.model.pack_for_batches = pack
-        for b in batches:
-            ms = step_ms(llm, b, args.tokens)
-            rows.append((layout, b, ms, b / ms * 1000))
-            print(f"{layout:8s} B={b:2d}  step {ms:6.1f} ms  {b / ms * 1000:6.1f} tok/s")
-    print(
-        "\n| layout | batch | step ms | tok/s | vs batch 1 |\n| --- | ---: | ---: | ---: | ---: |"
-    )
-    for layout, b, ms, tps in rows:
-        base = next(r[3] for r in rows if r[0] == layout and r[1] == batches[0])
-        print(f"| {layout} | {b} | {ms:.1f} | {tps:.1f} | {tps / base:.2f}x |")
+    for b in batches:
+        ms = step_ms(llm, b, args.tokens)
+        rows.append((b, ms, b / ms * 1000))
+        print(f"B={b:2d}  step {ms:6.1f} ms  {b / ms * 1000:6.1f} tok/s")
+    print("\n| batch | step ms | tok/s | vs batch 1 |\n| ---: | ---: | ---: | ---: |")
+    for b, ms, tps in rows:
+        print(f"| {b} | {ms:.1f} | {tps:.1f} | {tps / rows[0][2]:.2f}x |")
 
 
 if __name__ == "__main__":

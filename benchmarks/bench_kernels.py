@@ -1,17 +1,21 @@
-"""Why kvlm's Linear picks the kernels it does: one decode row through each candidate.
+"""Why kvlm's Linear picks the kernels it does: one decode row through each candidate, and
+whether a row's bits hold in a batch and across thread counts.
 
     python benchmarks/bench_kernels.py --threads 2
 
-For each weight shape of the default model (fused q|k|v, o, fused gate|up, down, lm_head),
-microseconds per product of one row with 20 different weights in turn (so the weights come
-from memory, not cache, as in a real decode step), for:
+For each weight shape of the default model (fused q|k|v, o, fused gate|up, down, lm_head)
+and of a 1.7B model (2048 wide), microseconds per product of one row with up to 20
+different weights in turn (so the weights come from memory, not cache, as in a real decode
+step), for:
 
-- fp32: torch `F.linear` on [out, in]; torch matmul on [in, out] (MKL); numpy's BLAS on
-  [in, out] (OpenBLAS), with torch on one thread as kvlm runs it;
-- bf16: `F.linear`; oneDNN with the weight packed once.
+- fp32: numpy's OpenBLAS on [in, out] (torch on one thread while it runs); torch matmul on
+  [in, out] (MKL); oneDNN with the weight packed once (one row run as two, as Linear does);
+- bf16: oneDNN packed (one row as two).
 
-Then one whole decode step of the default model in fp32 at 512 tokens of context, with
-kvlm's kernel and with KVLM_CPU_BLAS-style torch-only matmuls.
+Then, per candidate, the row counts M (of 1..16, 24, 32, 64) at which row 0 of an M-row
+product has other bits than row 0 of a 16-row one, and whether 1 and 2 threads give the
+same bits: kvlm's contract (a row gets the same tokens alone or batched, whatever the
+load) takes a kernel with neither (kvlm.model.layers.Linear).
 """
 
 from __future__ import annotations
@@ -19,13 +23,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from contextlib import nullcontext
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
-          "lm_head": (576, 49152)}  # fmt: skip
+          "lm_head": (576, 49152), "1.7B gate_up": (2048, 16384),
+          "1.7B down": (6144, 2048)}  # fmt: skip
+ROWS = [*range(1, 17), 24, 32, 64]
 
 
 def per_call_us(fn, n_calls: int, reps: int = 10) -> float:
@@ -39,120 +45,87 @@ def per_call_us(fn, n_calls: int, reps: int = 10) -> float:
     return statistics.median(times) / n_calls * 1e6
 
 
-def kernels(threads: int) -> None:
-    print("| shape (in x out) | fp32 F.linear | fp32 MKL [in,out] | fp32 OpenBLAS | "
-          "bf16 F.linear | bf16 oneDNN packed |")  # fmt: skip
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for name, (i, o) in SHAPES.items():
-        n = 1 if name == "lm_head" else 20
-        g = torch.Generator().manual_seed(0)
-        w = [torch.randn(o, i, generator=g) for _ in range(n)]
-        x = torch.randn(1, i, generator=g)
-        row = _row(w, x, n, threads)
-        cells = " | ".join(f"{v:.0f}" for v in row)
-        print(f"| {name} ({i}x{o}) | {cells} |")
+def _linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    rows = x.shape[0]
+    x = F.pad(x, (0, 0, 0, 1)) if rows == 1 else x  # one row as two (Linear._onednn)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")[:rows].float()
 
 
-def _row(w: list[torch.Tensor], x: torch.Tensor, n: int, threads: int) -> list[float]:
-    """One table row: each candidate kernel over the same n weights (one row of x)."""
-    wt = [a.t().contiguous() for a in w]
-    row = [per_call_us(lambda: [F.linear(x, a) for a in w], n)]
-    row.append(per_call_us(lambda: [x @ a for a in wt], n))
-    npw, npx = [a.numpy() for a in wt], x.numpy()
-    torch.set_num_threads(1)  # as kvlm runs it: OpenBLAS owns the cores
-    row.append(per_call_us(lambda: [npx @ a for a in npw], n))
-    torch.set_num_threads(threads)
-    wb, xb = [a.bfloat16() for a in w], x.bfloat16()
-    row.append(per_call_us(lambda: [F.linear(xb, a) for a in wb], n))
+def candidates(w: torch.Tensor) -> dict[str, callable]:
+    """name -> product(x [M, K]) -> [M, N] fp32, over one weight w [N, K]."""
+    wt = w.t().contiguous()
+    npw = wt.numpy()
+    pf = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+    out = {
+        "fp32 OpenBLAS": lambda x: torch.from_numpy(x.numpy() @ npw),
+        "fp32 MKL": lambda x: torch.matmul(x, wt),
+        "fp32 oneDNN": lambda x: _linear(x, pf),
+    }
     try:
-        packed = [torch.ops.mkldnn._reorder_linear_weight(a, 1) for a in wb]
+        pb = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1)
+        out["bf16 oneDNN"] = lambda x: _linear(x.bfloat16(), pb)
     except RuntimeError:  # no oneDNN bf16 on this CPU
-        return [*row, float("nan")]
-    lin = torch.ops.mkldnn._linear_pointwise
-    row.append(per_call_us(lambda: [lin(xb, p, None, "none", [], "") for p in packed], n))
-    return row
+        pass
+    return out
 
 
-def decode_step(threads: int) -> None:
-    from kvlm import LLM
-    from kvlm.model.layers import Linear
-
-    llm = LLM(progress=False, max_context=1024, threads=threads)
-    runner, cache = llm.runner, llm.cache
-    linears = [m for m in llm.model.modules() if isinstance(m, Linear)]
-    blas = [m._blas for m in linears]
-
-    def step_ms() -> float:
-        cache.reset()
-        runner.forward(list(range(100, 612)), cache)
-        for _ in range(5):
-            runner.forward([5], cache)
-        times = []
-        for _ in range(60):
-            t = time.perf_counter()
-            runner.forward([5], cache)
-            times.append(time.perf_counter() - t)
-        return statistics.median(times) * 1000
-
-    def use_blas(on: bool) -> None:
-        for m, b in zip(linears, blas, strict=True):
-            m._blas = b if on else None
-
-    results: dict[str, list[float]] = {"kvlm (OpenBLAS one-row)": [], "torch/MKL only": []}
-    for _ in range(3):  # alternate, so drift hits both
-        use_blas(True)
-        results["kvlm (OpenBLAS one-row)"].append(step_ms())
-        time.sleep(1.0)
-        use_blas(False)
-        results["torch/MKL only"].append(step_ms())
-        time.sleep(1.0)
-    use_blas(True)
-    step_context = llm.model.step_context
-    llm.model.step_context = lambda rows: nullcontext()  # both thread pools at full width
-    results["OpenBLAS, torch left at all threads"] = [step_ms()]
-    llm.model.step_context = step_context
-    print("\n| fp32 decode step, 512-token context | ms (median of runs of 60 steps) | runs |")
-    print("| --- | ---: | --- |")
-    for name, runs in results.items():
-        print(f"| {name} | {statistics.median(runs):.1f} | {', '.join(f'{r:.1f}' for r in runs)} |")
-    time.sleep(1.0)
-    prefill_after_decode(runner, cache)
+def _set_threads(n: int) -> None:
+    torch.set_num_threads(n)
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:
+        return
+    for pool in ThreadpoolController().select(internal_api="openblas").lib_controllers:
+        pool.set_num_threads(n)  # numpy's OpenBLAS too
 
 
-def prefill_after_decode(runner, cache) -> None:
-    """OpenBLAS's workers spin ~0.1 s after a call: a prefill right after decode shares
-    the cores with them."""
-    ids = list(range(100, 140))
-
-    def prefill_ms(pause: float) -> float:
-        times = []
-        for _ in range(7):
-            cache.reset()
-            runner.forward(ids, cache)
-            for _ in range(10):
-                runner.forward([5], cache)
-            time.sleep(pause)
-            cache.reset()
-            t = time.perf_counter()
-            runner.forward(ids, cache)
-            times.append(time.perf_counter() - t)
-        return statistics.median(times) * 1000
-
-    print("\n| 40-token prefill (fp32) | ms (median of 7) |")
-    print("| --- | ---: |")
-    print(f"| right after 10 decode steps | {prefill_ms(0.0):.0f} |")
-    print(f"| 0.5 s after them | {prefill_ms(0.5):.0f} |")
+def kernels(threads: int) -> None:
+    names = list(candidates(torch.zeros(16, 16)))
+    print("| shape (in x out) | " + " | ".join(names) + " |")
+    print("| --- |" + " ---: |" * len(names))
+    invariance: dict[str, dict[str, str]] = {n: {} for n in names}
+    for shape, (i, o) in SHAPES.items():
+        n = max(1, min(20, (64 << 20) // (i * o * 4)))
+        g = torch.Generator().manual_seed(0)
+        ws = [torch.randn(o, i, generator=g) / i**0.5 for _ in range(n)]
+        x = torch.randn(64, i, generator=g)
+        each = [candidates(w) for w in ws]
+        cells = []
+        for name in names:
+            fns = [c[name] for c in each]
+            one = x[:1].contiguous()
+            if name == "fp32 OpenBLAS":
+                torch.set_num_threads(1)  # as kvlm ran it: OpenBLAS owns the cores
+            cells.append(per_call_us(lambda fns=fns, one=one: [f(one) for f in fns], n))
+            torch.set_num_threads(threads)
+            f = fns[0]
+            row0 = {m: f(x[:m].contiguous())[0] for m in ROWS}
+            moved = [m for m in ROWS if not torch.equal(row0[m], row0[16])]
+            _set_threads(1)
+            alone1 = f(x[:1].contiguous())[0]
+            _set_threads(2)
+            alone2 = f(x[:1].contiguous())[0]
+            _set_threads(threads)
+            same = "same" if torch.equal(alone1, alone2) else "differ"
+            invariance[name][shape] = f"M {moved or 'none'}; 1 vs 2 threads {same}"
+        print(f"| {shape} ({i}x{o}) | " + " | ".join(f"{v:.0f}" for v in cells) + " |")
+    print("\n| kernel | shape | row 0 moves at | threads |")
+    print("| --- | --- | --- | --- |")
+    for name, by_shape in invariance.items():
+        for shape, text in by_shape.items():
+            moved, same = text.split("; ")
+            print(f"| {name} | {shape} | {moved[2:]} | {same.split()[-1]} |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    print(f"one decode row, {args.threads} threads, microseconds per product:\n")
+    _set_threads(args.threads)
+    print(f"one decode row, {args.threads} threads, microseconds per product (numpy "
+          f"{np.__version__}, torch {torch.__version__}):\n")  # fmt: skip
     with torch.inference_mode():
         kernels(args.threads)
-    decode_step(args.threads)
 
 
 if __name__ == "__main__":

@@ -104,7 +104,6 @@ def speculative(folder, mode, dtype, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     spec = make(folder, mode, dtype, speculative=SpeculativeConfig(num_draft=4, ngram_min=1))
     plain = make(folder, mode, dtype)
-    plain.model.pack_for_batches()  # the layout drafts are checked in (generate's, for batches)
     assert tokens(spec, prompt, params) == tokens(plain, prompt, params)
 
 

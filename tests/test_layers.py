@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvlm.model import layers
 from kvlm.model.layers import Linear, _onednn_works
 from numerics import (
     BF16_STEP,
@@ -43,8 +44,11 @@ def test_linear_matches_f_linear(dtype, rows, with_bias):
 def test_kernel_choice_and_rows_view():
     w = torch.randn(16, 8)
     fp32 = Linear(w)
-    assert fp32.kernel == "cpu-fp32" and fp32.weight.shape == (8, 16)
-    assert torch.equal(fp32.rows(), w)  # a view of the transposed storage
+    if _onednn_works(torch.float32):  # packed once, at construction: one layout for life
+        assert fp32.kernel == "onednn" and fp32.rows() is None
+    else:
+        assert fp32.kernel == "cpu-fp32" and fp32.weight.shape == (8, 16)
+        assert torch.equal(fp32.rows(), w)  # a view of the transposed storage
     fp16 = Linear(w.half())
     assert fp16.kernel == "torch" and torch.equal(fp16.rows(), w.half())
     bf16 = Linear(w.bfloat16())
@@ -56,32 +60,49 @@ def test_kernel_choice_and_rows_view():
         assert bf16.kernel == "torch"
 
 
-def test_one_row_fp32_takes_the_blas_path_when_available():
-    from kvlm.model.blas import openblas_available
+def _kernels() -> list[tuple[str, torch.dtype, bool]]:
+    """(name, weight dtype, bf16 storage) of every CPU kernel Linear picks here, and the
+    portable one (fp32 where torch has no oneDNN: MKL or whatever BLAS torch was built on)."""
+    found = [("fp32", torch.float32, False), ("fp32 without oneDNN", torch.float32, False)]
+    if _onednn_works(torch.bfloat16):
+        found += [("bf16 model", torch.bfloat16, False), ("bf16 weights", torch.float32, True)]
+    return found
 
-    lin = Linear(torch.randn(16, 8))
-    assert lin.uses_blas == openblas_available()
 
-
-@pytest.mark.skipif(not _onednn_works(torch.float32), reason="oneDNN cannot run fp32 products here")
-@pytest.mark.parametrize("width", [64, 1536])
-def test_onednn_packed_rows_do_not_depend_on_their_batch(width):
-    """The serving kernel: a row's result is the same bits alone, in a decode batch, or in
-    a padded prefill chunk (kvlm.model.layers.Linear._onednn). 1536: oneDNN's one-row
-    kernel sums rows this long in another order than its multi-row one (seen on EPYC); one
-    row is run as two."""
+@pytest.mark.parametrize("width", [64, 1536, 2048])
+@pytest.mark.parametrize("kernel", _kernels(), ids=lambda k: k[0])
+def test_a_decode_row_gets_its_bits_alone_in_any_batch_on_any_thread_count(
+    kernel, width, monkeypatch
+):
+    """The contract batched = alone, at the product: a decode row's result is the same bits
+    alone, in a decode batch of any size (exact row counts, padded ones), in a prompt's rows,
+    and on 1 or 2 threads. 1536 / 2048: oneDNN's one-row kernel sums rows this long in
+    another order than its multi-row one (fp32 past 1024, bf16 at 2048 on a Zen 4). Before,
+    fp32 rows went to OpenBLAS alone and to MKL batched: other bits."""
+    name, dtype, bf16 = kernel
+    if name == "fp32 without oneDNN":
+        monkeypatch.setattr(layers, "_onednn_works", lambda dtype: False)
     torch.manual_seed(0)
-    w, b = torch.randn(96, width), torch.randn(96)
-    lin = Linear(w, b)
-    lin.pack_onednn()
-    assert lin.kernel == "onednn" and not lin.uses_blas
-    x = torch.randn(1, 40, width)
-    alone = torch.cat([lin(x[:, i : i + 1]) for i in range(40)], dim=1)
-    for rows in (1, 5, 16, 17, 33, 40):  # exact, exact, exact, padded, padded, padded
-        y = lin(x[:, :rows])
-        assert y.shape == (1, rows, 96)
-        assert torch.equal(y, alone[:, :rows])
-    assert_product_close(alone, F.linear(x, w, b), x, w, bias=b)
+    w, b = torch.randn(96, width).to(dtype), torch.randn(96).to(dtype)
+    lin = Linear(w, b, bf16=bf16)
+    assert (lin.kernel == "cpu-fp32") == (name == "fp32 without oneDNN")
+    x = torch.randn(40, 1, width).to(dtype)  # 40 sequences, one decode row each
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([lin(x[i : i + 1]) for i in range(40)])
+        torch.set_num_threads(2)
+        assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(40)]), alone)
+        for rows in (2, 3, 5, 16, 17, 33, 40):  # exact row counts, then padded ones
+            assert torch.equal(lin(x[:rows]), alone[:rows]), f"{rows} rows"
+        prompt = lin(x.view(1, 40, width))  # the prompt road: calls of PROMPT_BLOCK rows
+        assert torch.equal(prompt.view(40, 1, 96), alone)
+    finally:
+        torch.set_num_threads(threads)
+    assert alone.dtype == dtype
+    if not bf16 and dtype == torch.float32:
+        assert_product_close(alone.view(1, 40, 96), F.linear(x.view(1, 40, width), w, b),
+                             x.view(1, 40, width), w, bias=b)  # fmt: skip
 
 
 @pytest.mark.parametrize("with_mask", [False, True])

@@ -288,10 +288,9 @@ def chat_turns(llm: LLM, params: SamplingParams, turns: list[str]) -> list[list[
 
 
 def _chat_pair(folder, spec, turns, max_tokens=100, **kw):
-    """A conversation's greedy turns with `spec` and without, on LLMs in the batch layout."""
+    """A conversation's greedy turns with `spec` and without."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     plain = LLM(model=folder, progress=False, max_context=kw.pop("max_context", 256), **kw)
-    plain.model.pack_for_batches()  # the layout a speculating session decodes in
     ref, _ = chat_turns(plain, params, turns)
     llm = LLM(model=folder, progress=False, max_context=plain.max_context, speculative=spec,
               **kw)  # fmt: skip
@@ -412,7 +411,6 @@ def test_a_window_draft_rolled_back_leaves_the_kept_tokens_ring(tiny_model_dir, 
     options = CacheOptions(window=12, sinks=2)
     llm = LLM(model=tiny_model_dir("llama"), progress=False, max_context=256, kv="window",
               kv_dtype=kv_dtype, cache_options=options)  # fmt: skip
-    llm.model.pack_for_batches()
     ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog, twice over.")
     ids = (ids * 3)[:30]  # longer than sinks + ring: wrapped
     draft = [5, 9, 13, 17, 21]

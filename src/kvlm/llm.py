@@ -33,7 +33,6 @@ from kvlm.engine.threads import FreeCores
 from kvlm.errors import InvalidRequestError
 from kvlm.loading import load_model
 from kvlm.model.attention import Attention
-from kvlm.model.blas import set_blas_threads
 from kvlm.model.layers import Linear
 from kvlm.model.transformer import Transformer
 
@@ -130,7 +129,6 @@ class LLM:
         self.free_cores = FreeCores() if threads is None else None
         if threads is not None:
             torch.set_num_threads(threads)
-            set_blas_threads(threads)
         self.device = _check_device(device)
         self.dtype = parse_dtype(dtype)
         self.cache_options = cache_options or CacheOptions()
@@ -244,17 +242,10 @@ class LLM:
         rolls the cache back to what the prompt shares). `prefill_chunk`: the LLM's when
         None."""
         cache = self.cache if cache is None else cache
-        if self.speculative is not None:
-            self.for_batches()  # a row's bits the same alone or beside a draft's
         chunk = prefill_chunk or self.prefill_chunk
         sched = SchedulerConfig(**cache_engine_limits(cache, chunk))
         config = EngineConfig(scheduler=sched, speculative=self.speculative)
         return Engine(self, config, cache=cache, reuse=reuse)
-
-    def for_batches(self) -> None:
-        """The weights' batch layout (Transformer.pack_for_batches: fp32 CPU weights packed
-        for oneDNN, whose rows get the same bits alone or batched)."""
-        self.model.pack_for_batches()
 
     def draft_model(self, spec: SpeculativeConfig) -> DraftModel:
         """The draft model of `spec` (method "draft": another file with the same tokenizer,
@@ -315,8 +306,6 @@ class LLM:
         params = self._params_for(sampling_params, len(requests))
         many = len(requests) > 1 or self.speculative is not None  # drafts live in the engine
         batched = many and self.kv_mode in BATCH_MODES
-        if self.kv_mode in BATCH_MODES:
-            self.for_batches()  # one layout for one prompt and many
         pool = self.batch_engine() if batched else None
         one: Engine | None = None  # what the pool cannot take runs alone, as it would
         engines: list[Engine] = []  # each prompt checked, once, before any work

@@ -198,7 +198,6 @@ class Engine:
         self.runner = llm.runner
         sched = self.config.scheduler
         if cache is None:
-            llm.for_batches()  # one weight layout for 1..64 rows, batch-invariant
             self.backend = self._pool_backend(llm)
             self.max_model_len = llm.max_context
             p = self.pool

@@ -132,8 +132,7 @@ class ModelRunner:
 
     def _torch(self, rows, step, prompt: bool | None, all_rows: bool) -> torch.Tensor:
         ids = torch.tensor(rows, dtype=torch.long, device=self.device)
-        with self.model.step_context(ids.numel()):
-            logits = self.model(ids, step.positions, step, last_only=not all_rows, prompt=prompt)
+        logits = self.model(ids, step.positions, step, last_only=not all_rows, prompt=prompt)
         return logits if all_rows else logits[:, -1]
 
     @staticmethod
@@ -215,8 +214,7 @@ class ModelRunner:
         flat = [i for p in picks for i in p]
         step = RaggedStep(b.pool, b.spec, list(b.tables), list(b.starts), lengths, flat, b.windowed)
         ids = torch.tensor([[t for r in b.rows for t in r]], dtype=torch.long, device=self.device)
-        with self.model.step_context(ids.numel()):
-            logits = self.model(ids, step.positions, step, prompt=True)[0]  # (R, V)
+        logits = self.model(ids, step.positions, step, prompt=True)[0]  # (R, V)
         out, at = [], 0
         for p, all_rows in zip(picks, every, strict=True):
             out.append(logits[at : at + len(p)] if all_rows else logits[at])

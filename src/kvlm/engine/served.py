@@ -54,8 +54,3 @@ class ServedModel(Protocol):
         """The draft model `spec` names (method "draft"), loaded once and shared by every
         engine of this model."""
         ...
-
-    def for_batches(self) -> None:
-        """Put the weights in the layout whose rows get the same bits alone or batched
-        (idempotent): what an engine over the pool, or beside a draft, asks first."""
-        ...

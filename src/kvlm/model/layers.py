@@ -14,15 +14,11 @@ from torch import nn
 
 from kvlm import kernels
 from kvlm.config import ModelConfig
-from kvlm.model.blas import openblas_available
 from kvlm.model.quant import (
-    FORMATS,
     PROMPT_BLOCK,
     SMALL_M,
     QuantWeight,
-    can_quantize,
     onednn_rows,
-    quantize,
     row_blocks,
 )
 
@@ -56,28 +52,37 @@ def prompt_rows(x: torch.Tensor) -> bool:
 
 
 class Linear(nn.Module):
-    """y = x @ W^T + b, from a Hugging Face weight [out, in], with the kernel that is fastest
-    for its dtype and device, chosen once at construction. Times: one decode row through a
-    576x3072 weight on this project's 2-core EPYC (benchmarks/bench_kernels.py):
+    """y = x @ W^T + b, from a Hugging Face weight [out, in], with one kernel for its dtype
+    and device, chosen once at construction, whose rows do not depend on the rows beside
+    them (a decode row gets the same bits alone or in any batch, on any thread count):
 
-    - CPU fp32: the weight is stored [in, out]. One row goes to OpenBLAS through a numpy
-      view of the same memory (226 us; kvlm.model.blas); more rows to MKL, which reads
-      this layout faster than `F.linear`'s (373 us vs 805 us at one row).
-    - CPU bf16 with oneDNN bf16 support: the weight is packed once for oneDNN (179 us vs
-      365 us for `F.linear`, bitwise the same result).
+    - CPU fp32 or bf16 where oneDNN runs the dtype: the weight packed once for oneDNN
+      ("onednn"). `bf16=True` with an fp32 weight: packed as bf16, the inputs cast to bf16
+      for the product only, so norms, attention and the residual stream keep fp32 ("bf16").
+    - CPU fp32 without oneDNN: torch's matmul on [in, out], decode rows in calls of one
+      shape ("cpu-fp32").
     - anything else (GPU, fp16, ...): `F.linear` on [out, in].
+
+    numpy's OpenBLAS ran one fp32 row faster (a 576x49152 product 3.0 ms against oneDNN's
+    3.5-4.6, 2 threads of a Zen 4), but a row's bits in its multi-row product (or MKL's,
+    which the fp32 layout sent batches to) are not its bits alone, MKL's below 4 rows
+    neither, and one-row products in turn read the weight once per row
+    (benchmarks/bench_kernels.py, BENCHMARKS 23).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, bf16: bool = False
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.kernel = _pick_kernel(weight)
-        self._blas = None
+        self.kernel = _pick_kernel(weight, bf16)
         if self.kernel == "cpu-fp32":
             w = weight.t().contiguous()  # [in, out]
-            self._blas = w.numpy() if openblas_available() else None
+        elif self.kernel == "bf16":
+            w = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16).contiguous(), 1)
         elif self.kernel == "onednn":
-            w = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+            hint = ONEDNN_BATCH_HINT if weight.dtype == torch.float32 else 1
+            w = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), hint)
         else:
             w = weight.contiguous()
         self.register_buffer("weight", w, persistent=False)
@@ -106,12 +111,10 @@ class Linear(nn.Module):
         if self.kernel == "bf16":  # bf16 weight, model dtype kept outside the product
             y = self._onednn(x.to(torch.bfloat16), None).to(x.dtype)
             return y if self.bias is None else y + self.bias.to(x.dtype)
-        if self.kernel == "cpu-fp32":
-            if self._blas is not None and x.numel() == self.in_features:  # one row: OpenBLAS
-                y = torch.from_numpy(x.reshape(1, -1).numpy() @ self._blas)
-                y = y.view(*x.shape[:-1], self.out_features)
-            else:
-                y = torch.matmul(x, self.weight)
+        if self.kernel == "cpu-fp32":  # calls of one shape: MKL sums 1-3 rows otherwise
+            flat = x.reshape(-1, self.in_features)
+            y = row_blocks(flat, self._block_product, self.out_features, SMALL_M).to(x.dtype)
+            y = y.view(*x.shape[:-1], self.out_features)
         elif self.kernel == "quant":
             flat = x.reshape(-1, self.in_features)
             if flat.dtype not in (torch.float32, torch.float64) or not flat.is_contiguous():
@@ -136,14 +139,17 @@ class Linear(nn.Module):
         rows = SMALL_M if self.vocabulary else PROMPT_BLOCK
         y = row_blocks(flat, self._block_product, self.out_features, rows).to(x.dtype)
         y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias.to(x.dtype)
+        fused = self.kernel == "onednn"  # the bias inside the product, as in `_onednn`
+        return y if self.bias is None or fused else y + self.bias.to(x.dtype)
 
     def _block_product(self, xb: torch.Tensor) -> torch.Tensor:
-        """One call of `_prompt_rows`: MKL's GEMM on the [in, out] weight, or oneDNN's on its
-        packed one (the result in fp32: a bf16 product's rounded to bf16 first)."""
+        """One call of `_prompt_rows` (and of the decode rows without oneDNN): MKL's GEMM on
+        the [in, out] weight, or oneDNN's on its packed one with the bias where a decode
+        row's has it (the result in fp32: a bf16 product's rounded to bf16 first, once)."""
         if self.kernel == "cpu-fp32":
             return torch.matmul(xb, self.weight)
-        return torch.ops.mkldnn._linear_pointwise(xb, self.weight, None, "none", [], "").float()
+        bias = self.bias if self.kernel == "onednn" else None
+        return torch.ops.mkldnn._linear_pointwise(xb, self.weight, bias, "none", [], "").float()
 
     def _onednn(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """oneDNN keeps a primitive (with its buffers) per row count it has seen, up to
@@ -153,9 +159,10 @@ class Linear(nn.Module):
         result does not depend on the rows beside it, so the padding changes no bit."""
         rows = x.numel() // self.in_features
         pad = onednn_rows(rows) - rows if rows > ONEDNN_EXACT_ROWS else 0
-        if rows == 1 and x.dtype == torch.float32:
-            pad = 1  # fp32: oneDNN's one-row kernel sums long rows (K > 1024) in another order
-        # than its multi-row one; as two rows, one row gets the bits it gets in any batch
+        if rows == 1:
+            pad = 1  # oneDNN's one-row kernel sums long rows (fp32 K > 1024, bf16 K >= 2048 on
+        # a Zen 4) in another order than its multi-row one; as two rows, one row gets the
+        # bits it gets in any batch
         flat = x.reshape(rows, self.in_features)
         if pad:
             flat = F.pad(flat, (0, 0, 0, pad))
@@ -165,7 +172,7 @@ class Linear(nn.Module):
     @classmethod
     def from_quant(cls, quant: QuantWeight, bias: torch.Tensor | None = None) -> Linear:
         """A projection over low-bit weights (kvlm.model.quant): a GGUF file's own blocks."""
-        lin = cls(torch.empty(quant.out_features, 0), bias)
+        lin = cls(torch.empty(quant.out_features, 0, device="meta"), bias)
         lin._set_quant(quant)
         return lin
 
@@ -176,23 +183,7 @@ class Linear(nn.Module):
 
     def _store(self, kernel: str, weight: torch.Tensor) -> None:
         """Keep the weight as `weight` (its new layout), multiplied by `kernel`."""
-        self.weight, self.kernel, self._blas = weight, kernel, None
-
-    def convert(self, fmt: str) -> None:
-        """Re-store the weight as `fmt`: "int8" / "int4" (groups of 32, kvlm.model.quant;
-        the C kernels read 1 or 0.5 byte per weight instead of 4) or "bf16" (oneDNN packed,
-        inputs cast to bf16 for the product only, so norms, attention and the residual
-        stream keep the model's precision). A weight that cannot take the format (width not
-        a multiple of 32; no oneDNN bf16) stays as it is."""
-        if fmt in FORMATS:
-            if self.kernel != "quant" and can_quantize(self.dense_weight()):
-                self._set_quant(quantize(self.dense_weight(), FORMATS[fmt]))
-        elif fmt == "bf16":
-            if self.kernel == "cpu-fp32" and _onednn_works(torch.bfloat16):
-                w = self.dense_weight().to(torch.bfloat16).contiguous()
-                self._store("bf16", torch.ops.mkldnn._reorder_linear_weight(w, 1))
-        else:
-            raise ValueError(f"unknown weight format {fmt!r}")
+        self.weight, self.kernel = weight, kernel
 
     @property
     def nbytes(self) -> int:
@@ -213,36 +204,22 @@ class Linear(nn.Module):
             raise ValueError("a oneDNN-packed weight cannot be read back")
         return self.weight
 
-    def pack_onednn(self) -> None:
-        """Re-store an fp32 CPU weight packed for oneDNN: the kernel for batched decode.
-
-        oneDNN's packed fp32 product costs nearly the same for 1 row as for 16 and gives a
-        row the same bits alone or in a batch, where OpenBLAS and MKL repack the weight
-        at every call of more than one row (benchmarks/bench_kernels.py).
-        """
-        if self.kernel != "cpu-fp32" or not _onednn_works(torch.float32):
-            return
-        w = self.weight.t().contiguous()  # [out, in]
-        self._store("onednn", torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_BATCH_HINT))
-
-    @property
-    def uses_blas(self) -> bool:
-        return self._blas is not None
-
     def rows(self) -> torch.Tensor | None:
         """The weight as [out, in] (a view when stored transposed), usable as an embedding
         table; None when it is packed in a kernel-specific layout."""
         return None if self.kernel in ("onednn", "bf16", "quant") else self.dense_weight()
 
 
-def _pick_kernel(weight: torch.Tensor) -> str:
-    if weight.device.type != "cpu":
+def _pick_kernel(weight: torch.Tensor, bf16: bool) -> str:
+    """`bf16`: an fp32 weight stored as bf16 for the product (where oneDNN runs bf16; an
+    AVX2 CPU such as a Zen 3 keeps fp32)."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return "torch"
-    if weight.dtype == torch.float32:
-        return "cpu-fp32"
-    if weight.dtype == torch.bfloat16 and _onednn_works(torch.bfloat16):
+    if bf16 and weight.dtype == torch.float32 and _onednn_works(torch.bfloat16):
+        return "bf16"
+    if _onednn_works(weight.dtype):
         return "onednn"
-    return "torch"
+    return "cpu-fp32" if weight.dtype == torch.float32 else "torch"
 
 
 @cache

@@ -14,7 +14,7 @@ import logging
 import re
 import sys
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -25,7 +25,6 @@ from kvlm.config import ModelConfig, RopeScaling
 from kvlm.errors import ModelLoadError
 from kvlm.model import quant
 from kvlm.model.attention import Attention, KVStep
-from kvlm.model.blas import one_torch_thread
 from kvlm.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding, feeding_prompt
 from kvlm.model.weights import WeightSource, out_norms
 
@@ -147,22 +146,6 @@ class Transformer(nn.Module):
         with freed_memory_returned():
             if packed:
                 quant.move_to_huge_pages(packed, moved)
-
-    def step_context(self, rows: int) -> AbstractContextManager:
-        """Thread arrangement for a forward of `rows` token rows (see kvlm.model.blas)."""
-        return one_torch_thread() if rows == 1 and self.lm_head.uses_blas else nullcontext()
-
-    def pack_for_batches(self) -> None:
-        """Switch fp32 CPU weights to oneDNN's packed layout (kvlm.model.layers.Linear):
-        what a server wants, many rows per step, each row with the same bits alone or
-        batched. LLM.generate uses it for one prompt too (the same bits as in a batch).
-        One-row decode: within -6%..+16% of the default OpenBLAS layout run to run; prefill
-        ~30% faster (docs/BENCHMARKS.md, "LLM.generate with several prompts"). Idempotent."""
-        if self._embed_table is None and self._embed_quant is None:
-            self._embed_table = self.lm_head.rows().contiguous()  # tied: before the repack
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack_onednn()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The embeddings of token ids (any shape) -> (*ids.shape, H) in the model dtype."""
@@ -393,10 +376,7 @@ class _WeightTaker:
             fmt = "int8"
         if fmt in ("int8", "int4") and quant.can_quantize(weight):
             return Linear.from_quant(quant.quantize(weight, quant.FORMATS[fmt]), bias)
-        lin = Linear(weight, bias)
-        if fmt == "bf16":
-            lin.convert(fmt)
-        return lin
+        return Linear(weight, bias, bf16=fmt == "bf16")
 
     def block(self, i: int) -> Block:
         c = self.config
