@@ -1,5 +1,6 @@
-"""Layer kinds (kvlm.cache.kinds): a model's layers grouped by what they keep, one grouping
-that the row caches' hybrid and the pool's block tables both take."""
+"""Layer kinds (kvlm.cache.kinds) and groups (kvlm.cache.groups): a model's layers grouped
+by what they keep, one grouping that the row caches' hybrid and the pool's block tables
+both take."""
 
 from __future__ import annotations
 
@@ -8,25 +9,20 @@ import torch
 
 from kvlm.cache.base import CacheSpec
 from kvlm.cache.factory import create_cache, planned_parts
+from kvlm.cache.groups import layer_at, layer_groups, layout_extra
 from kvlm.cache.hybrid import HybridCache
-from kvlm.cache.kinds import (
-    RING_SLACK,
-    FullAttention,
-    SlidingWindow,
-    layer_at,
-    layer_groups,
-    layout_extra,
-)
+from kvlm.cache.kinds import RING_SLACK, FullAttention, SlidingWindow, kind_of
 from kvlm.cache.paged import BlockPool
-from kvlm.errors import UnsupportedModelError
+from kvlm.errors import InvalidRequestError, UnsupportedModelError
 
 # layers 0, 1, 3, 4 windowed (W = 8), 2 and 5 whole: a Gemma-like pattern
 WINDOWS = (8, 8, None, 8, 8, None)
 
 
 def _spec(windows: tuple[int | None, ...] = WINDOWS, **kw) -> CacheSpec:
+    kinds = tuple(kind_of(w) for w in windows)
     return CacheSpec(num_layers=6, num_kv_heads=2, head_dim=8, max_tokens=64,
-                     layer_windows=windows, block_size=4, **kw)  # fmt: skip
+                     layer_kinds=kinds, block_size=4, **kw)  # fmt: skip
 
 
 def test_layers_are_grouped_by_kind_whole_ones_first():
@@ -36,16 +32,48 @@ def test_layers_are_grouped_by_kind_whole_ones_first():
     assert layer_at(groups) == [(1, 0), (1, 1), (0, 0), (1, 2), (1, 3), (0, 1)]
     assert layout_extra(groups) == {"window": 8, "local_layers": 0b11011}
     whole, ring = (g.spec(_spec()) for g in groups)
-    assert (whole.num_layers, whole.sliding_window, whole.layer_windows) == (2, None, ())
+    assert (whole.num_layers, whole.sliding_window, whole.layer_kinds) == (2, None, ())
     assert (ring.num_layers, ring.sliding_window) == (4, 8)
 
 
 def test_one_group_where_every_layer_is_alike():
-    """A window on every layer (Mistral's) is the masks' business: one whole group."""
-    for spec in (_spec(()), _spec((4,) * 6, sliding_window=4)):
+    """A window on every layer (Mistral's) is the masks' business: one whole group; a spec
+    that names every layer's kind alike is refused (it says nothing `()` does not)."""
+    for spec in (_spec(()), _spec((), sliding_window=4)):
         (group,) = layer_groups(spec)
         assert group.kind == FullAttention() and group.layers == tuple(range(6))
         assert group.spec(spec) is spec and layout_extra((group,)) == {}
+    with pytest.raises(InvalidRequestError, match="6 kinds for 6 layers, 1 distinct"):
+        _spec((4,) * 6)
+    with pytest.raises(InvalidRequestError, match="2 kinds for 6 layers"):
+        _spec((4, None))
+
+
+def _config(arch: str, **overrides):
+    from dataclasses import replace
+
+    from kvlm.config import ModelConfig
+
+    base = ModelConfig(architecture=arch, vocab_size=64, hidden_size=32, intermediate_size=64,
+                       num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
+                       rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=512,
+                       tie_word_embeddings=True)  # fmt: skip
+    return replace(base, **overrides)
+
+
+def test_a_specs_kinds_come_from_the_models_layers():
+    """CacheSpec.for_model takes each layer's kind from its mixer (an attention layer's
+    window: kinds.kind_of); a window every layer shares is the spec's sliding_window, the
+    masks', and every row is kept."""
+    gemma = _config("gemma3", layer_windows=(8, 8, None, 8))
+    spec = CacheSpec.for_model(gemma, 64)
+    assert spec.layer_kinds == (SlidingWindow(8),) * 2 + (FullAttention(), SlidingWindow(8))
+    assert spec.sliding_window is None
+    alike = (_config("mistral", sliding_window=16), _config("gemma2", layer_windows=(16,) * 4))
+    for config in alike:
+        spec = CacheSpec.for_model(config, 64)
+        assert (spec.layer_kinds, spec.sliding_window) == ((), 16)
+        assert len(layer_groups(spec)) == 1
 
 
 def test_what_each_kind_keeps():

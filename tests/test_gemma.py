@@ -105,7 +105,7 @@ def test_the_local_window_is_applied(gguf_pair):
 
     from kvlm.cache import create_cache
 
-    spec = replace(llm.new_cache("off").spec, layer_windows=())
+    spec = replace(llm.new_cache("off").spec, layer_kinds=())
     far = max_error(llm.runner.logits(ids, create_cache("off", spec)), exact)
     assert far > 1000 * max(max_error(ours, exact), 1e-30)
 
@@ -190,7 +190,7 @@ def test_a_gemma3_1b_shape_plans_a_fifth_of_the_bytes_at_32k():
     assert config.layer_windows.count(None) == 4
     spec = CacheSpec.for_model(config, 32768, torch.float16)
     hybrid = planned_nbytes("contiguous", spec, 32768, 1)
-    whole = planned_nbytes("contiguous", replace(spec, layer_windows=()), 32768, 1)
+    whole = planned_nbytes("contiguous", replace(spec, layer_kinds=()), 32768, 1)
     assert whole == 32768 * 26 * 2 * 256 * 2
     assert hybrid <= 0.25 * whole
     from kvlm.cache.memory import plan
@@ -203,7 +203,7 @@ def test_a_gemma3_1b_shape_plans_a_fifth_of_the_bytes_at_32k():
     paged = plan(config, "paged", 32768, 1, torch.float16, budget=0)
     assert [(g["layers"], g["window"], g["tokens"]) for g in paged.layer_groups] == [
         (4, None, 32768), (22, 512, (34 + 1) * 16)]  # fmt: skip
-    whole = planned_nbytes("paged", replace(spec, layer_windows=()), 32768, 1)
+    whole = planned_nbytes("paged", replace(spec, layer_kinds=()), 32768, 1)
     assert paged.total_bytes <= 0.25 * whole
 
 

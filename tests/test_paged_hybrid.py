@@ -131,7 +131,7 @@ def test_one_paged_cache_keeps_the_window_and_rolls_back(folder, mode):
     assert isinstance(cache, PagedCache) and cache.layout == "hybrid"
     ids = list(range(10, 200))
     llm.runner.forward(ids, cache)
-    whole = create_cache(mode, replace(cache.spec, layer_windows=()))
+    whole = create_cache(mode, replace(cache.spec, layer_kinds=()))
     llm.runner.forward(ids, whole)  # every layer kept (the model's windows still masked)
     assert cache.nbytes <= PagedCache.planned_nbytes(cache.spec, 190, 1) < 0.6 * whole.nbytes
     assert cache.can_roll_back(RING_SLACK) and not cache.can_roll_back(RING_SLACK + 8)
@@ -232,7 +232,7 @@ def test_a_hybrid_paged_file_reads_back_and_a_whole_one_is_refused(folder, tmp_p
         assert other.num_tokens == len(ids)
         got = llm.runner.forward([5, 6, 7], other)
         assert got.equal(want) if mode == "paged" else (got - want).abs().max() < 1e-4
-    whole = PagedCache(replace(cache.spec, layer_windows=()))
+    whole = PagedCache(replace(cache.spec, layer_kinds=()))
     llm.runner.forward(ids, whole)
     save_cache(whole, tmp_path / "w.kv", llm.fingerprint)
     with pytest.raises(CacheFileError, match="a dense cache cannot be restored into --kv paged"):

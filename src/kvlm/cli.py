@@ -922,7 +922,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     }
     if cfg.hybrid:  # what each layer group keeps (kvlm memory: its bytes at a context)
         from kvlm.cache.base import CacheSpec
-        from kvlm.cache.kinds import layer_groups
+        from kvlm.cache.groups import layer_groups
 
         groups = layer_groups(CacheSpec.for_model(cfg, 1))
         info["kv_layer_groups"] = [g.described for g in groups]

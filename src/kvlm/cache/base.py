@@ -33,6 +33,7 @@ from typing import ClassVar
 
 import torch
 
+from kvlm.cache.kinds import LayerKind, layer_kinds
 from kvlm.cache.storage import Store, itemsize, key_rotation
 from kvlm.config import ModelConfig
 from kvlm.dtypes import kv_dtype_name
@@ -62,9 +63,10 @@ class CacheSpec:
     device: torch.device = torch.device("cpu")  # noqa: RUF009 - immutable
     # The model's own attention window (Mistral), applied in the mask; not the window cache.
     sliding_window: int | None = None
-    # Per layer: its attention window where the layers' differ (local and global layers,
-    # kvlm.config.ModelConfig.layer_windows); empty: every layer's is sliding_window
-    layer_windows: tuple[int | None, ...] = ()
+    # Per layer: what it keeps (kvlm.cache.kinds), where the layers' kinds differ (a
+    # hybrid model's local and global layers: kinds.layer_kinds); empty: every layer keeps
+    # every row, its masks those of sliding_window
+    layer_kinds: tuple[LayerKind, ...] = ()
     block_size: int = 16  # paged: tokens per block
     num_blocks: int | None = None  # paged: pool size (None: room for 8 full-length sequences)
     window: int = 256  # window: recent tokens kept
@@ -97,6 +99,13 @@ class CacheSpec:
             raise InvalidRequestError(f"sinks must be >= 0, got {self.sinks}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise InvalidRequestError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.layer_kinds and (
+            len(self.layer_kinds) != self.num_layers or len(set(self.layer_kinds)) < 2
+        ):
+            raise InvalidRequestError(
+                f"layer_kinds: {len(self.layer_kinds)} kinds for {self.num_layers} layers, "
+                f"{len(set(self.layer_kinds))} distinct (empty where every layer is alike)"
+            )
         if self.window_positions not in WINDOW_POSITIONS:
             raise InvalidRequestError(
                 f"unknown window positions {self.window_positions!r}; valid: "
@@ -115,6 +124,10 @@ class CacheSpec:
         """`dtype`: K's and V's storage, or a (K, V) pair; `sizes`: batch, block_size,
         num_blocks, window, sinks."""
         k, v = dtype if isinstance(dtype, tuple) else (dtype, dtype)
+        kinds = layer_kinds(config)
+        window = config.sliding_window  # a window every layer shares: the masks'
+        if not kinds and config.layer_windows:
+            window = config.layer_windows[0]
         return cls(
             num_layers=config.num_layers,
             num_kv_heads=config.num_kv_heads,
@@ -123,8 +136,8 @@ class CacheSpec:
             dtype=k,
             v_dtype=None if v == k else v,
             device=torch.device(device),
-            sliding_window=config.sliding_window,
-            layer_windows=config.layer_windows,
+            sliding_window=window,
+            layer_kinds=kinds,
             **{k: v for k, v in sizes.items() if v is not None},
         )
 
@@ -171,23 +184,23 @@ class CacheStep(ABC):
         # sequence over them; logit_rows: the rows whose logits the forward computes.
         self.segments = None
         self.logit_rows: torch.Tensor | None = None
-        # Per layer: its attention window, where the layers' differ (CacheSpec.layer_windows);
-        # the step's own masks are those of `sliding_window`, a layer's come from for_layer
-        self.windows: tuple[int | None, ...] = ()
-        self._views: dict[int | None, CacheStep] = {}
+        # Per layer: its kind, where the layers' differ (CacheSpec.layer_kinds); the step's
+        # own masks are those of `sliding_window`, a layer's its kind's (for_layer)
+        self.kinds: tuple[LayerKind, ...] = ()
+        self._views: dict[LayerKind, CacheStep] = {}
 
     def for_layer(self, layer: int) -> CacheStep:
-        """The step as `layer` sees it: itself, or where the layers' windows differ, a view
-        of it (the same store and positions) with that layer's window in its masks, made
-        once a step per window."""
-        if not self.windows:
+        """The step as `layer` sees it: itself, or where the layers' kinds differ, a view of
+        it (the same store and positions) with the window of that layer's kind in its
+        masks, made once a step per kind."""
+        if not self.kinds:
             return self
-        window = self.windows[layer]
-        view = self._views.get(window)
+        kind = self.kinds[layer]
+        view = self._views.get(kind)
         if view is None:
-            view = self._views[window] = copy.copy(self)
-            view.windows = ()
-            view.use_window(window)
+            view = self._views[kind] = copy.copy(self)
+            view.kinds = ()
+            view.use_window(kind.window)
         return view
 
     def use_window(self, window: int | None) -> None:
@@ -345,7 +358,7 @@ class KVCache(ABC):
         if self.would_overflow(n_new):
             raise CacheOverflowError(self._overflow_message(n_new))
         step = self._begin(n_new, draft)
-        step.windows = self.spec.layer_windows
+        step.kinds = self.spec.layer_kinds
         return step
 
     def _overflow_message(self, n_new: int) -> str:

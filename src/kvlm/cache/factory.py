@@ -9,8 +9,8 @@ import torch
 from kvlm.cache.base import CacheSpec, KVCache
 from kvlm.cache.basic import BasicCache
 from kvlm.cache.contiguous import ContiguousCache
+from kvlm.cache.groups import layer_groups
 from kvlm.cache.hybrid import HybridCache, ring_spec
-from kvlm.cache.kinds import layer_groups
 from kvlm.cache.off import OffCache
 from kvlm.cache.paged import Int8PagedCache, PagedCache
 from kvlm.cache.window import WindowCache

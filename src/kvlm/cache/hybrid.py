@@ -40,7 +40,7 @@ from typing import ClassVar
 import torch
 
 from kvlm.cache.base import CacheSpec, CacheStep, KVCache, KVPair
-from kvlm.cache.kinds import LayerGroup, layer_at, layer_groups, layout_extra
+from kvlm.cache.groups import LayerGroup, layer_at, layer_groups, layout_extra
 from kvlm.cache.window import WindowCache
 
 RING = "ring_"  # the prefix of the ring part's tensors in a snapshot

@@ -1,5 +1,4 @@
-"""Layer kinds: what each kind of layer keeps for a sequence, and a model's layers grouped
-by it (vLLM's KVCacheSpec and its KV cache groups).
+"""Layer kinds: what each kind of layer keeps for a sequence (vLLM's KVCacheSpec).
 
 A model is a stack of blocks; each block's mixer keeps something per sequence so that the
 next token is computed without the text before it again. What it keeps is its kind's spec:
@@ -10,37 +9,22 @@ next token is computed without the text before it again. What it keeps is its ki
     (next) conv   the last L - 1 input rows             a window of rows
     (next) state  one fixed matrix                      a state, no rows
 
-`layer_groups(spec)` groups a model's layers by spec, the layers that see everything
-first. Every cache keeps one part per group, its storage chosen by the mode and the
-group's kind, and asks the group's spec, never the model, what the group needs:
+A spec is a frozen value (equal specs: one group of layers, kvlm.cache.groups). It answers
+the window its masks use (`window`), how many positions a sequence keeps behind its end
+(`keep`, `kept`), the first position the next query reads (`first_read`: what a rollback
+must not let go of).
 
-    group 0  FullAttention     layers 5 11 17 ...   basic/contiguous: the mode's own cache
-                                                    paged/int8, the pool: a block table
-    group 1  SlidingWindow(W)  layers 0-4 6-10 ...  basic/contiguous: a ring of W + slack
-                                                    paged/int8, the pool: a block table
-                                                    whose blocks slide out behind `keep`
-
-- the group's cache shape (`LayerGroup.spec`: the model's geometry over its layers);
-- which layer is where (`layer_at`: layer i -> (group, index inside the group's store));
-- how many positions a sequence keeps (`kept`: a plan's bytes, `kvlm memory`, the pool's
-  windowed blocks), how far back it keeps them (`keep`), and the first position the next
-  query reads (`first_read`: what a rollback must not let go of);
-- how a file names the layout (`layout_extra`: the hybrid layout's window and local
-  layers, kvlm.cache.files).
-
-Today a layer's kind follows from its attention window (CacheSpec.layer_windows:
-`kind_of`); a model holds at most two groups, the whole layers and one window (the
-`hybrid` file layout has room for one ring).
+Which kind a layer is comes from its mixer (`layer_kinds`): an attention layer's is its
+window's (`kind_of`: the whole context, or a sliding window). A new mixer adds its kind
+here and its line in `layer_kinds`.
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
-from kvlm.cache.base import CacheSpec
-from kvlm.errors import UnsupportedModelError
+from kvlm.config import ModelConfig
 
 # Tokens a windowed group keeps past its window: what a rollback may take back (a chat's
 # last token, a draft's rows beyond its own undo); a longer one is refused (the caller
@@ -104,54 +88,11 @@ def kind_of(window: int | None) -> LayerKind:
     return FullAttention() if window is None else SlidingWindow(window)
 
 
-@dataclass(frozen=True, slots=True)
-class LayerGroup:
-    """Layers of one kind: `layers`, the model's layer indices in their store's order."""
-
-    kind: LayerKind
-    layers: tuple[int, ...]
-
-    def spec(self, spec: CacheSpec) -> CacheSpec:
-        """The cache shape of this group of `spec`'s layers: its layers, one window."""
-        if spec.layer_windows == () or len(self.layers) == spec.num_layers:
-            return spec
-        window = spec.sliding_window if self.kind.window is None else self.kind.window
-        return replace(spec, num_layers=len(self.layers), layer_windows=(), sliding_window=window)
-
-    @property
-    def described(self) -> dict:
-        """The group as `kvlm memory`, /v1/kv and the dashboard show it."""
-        return {"kind": self.kind.name, "layers": list(self.layers), "window": self.kind.window}
-
-
-@functools.cache
-def layer_groups(spec: CacheSpec) -> tuple[LayerGroup, ...]:
-    """`spec`'s layers grouped by kind, the ones that see the whole context first, then
-    each window's. One group where every layer is alike (a model window applied to every
-    layer, Mistral's, is the masks' business: the cache keeps every row)."""
-    windows = spec.layer_windows
-    if len(set(windows)) < 2:
-        return (LayerGroup(FullAttention(), tuple(range(spec.num_layers))),)
-    local = set(windows) - {None}
-    if len(local) != 1 or None not in windows:
-        raise UnsupportedModelError(
-            f"layers with windows {sorted(local)}: one window and whole layers only"
-        )
-    order = sorted(set(windows), key=lambda w: (w is not None, w or 0))
-    return tuple(LayerGroup(kind_of(w), tuple(i for i, v in enumerate(windows) if v == w))
-                 for w in order)  # fmt: skip
-
-
-def layer_at(groups: tuple[LayerGroup, ...]) -> list[tuple[int, int]]:
-    """Layer i -> (its group, its index inside the group's store)."""
-    where = {i: (g, n) for g, group in enumerate(groups) for n, i in enumerate(group.layers)}
-    return [where[i] for i in range(len(where))]
-
-
-def layout_extra(groups: tuple[LayerGroup, ...]) -> dict[str, int]:
-    """How a file names a grouped cache's layout (the `hybrid` layout's window and a bit
-    per windowed layer); {} for one group."""
-    if len(groups) == 1:
-        return {}
-    (ring,) = groups[1:]
-    return {"window": ring.kind.window, "local_layers": sum(1 << i for i in ring.layers)}
+def layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
+    """What each of `config`'s layers keeps, from its mixer: an attention layer's is
+    kind_of(its window, ModelConfig.layer_windows). () where every layer keeps the same:
+    every row of every token (a window every layer shares, Mistral's, is the masks'
+    business: CacheSpec.for_model makes it the spec's sliding_window)."""
+    if len(set(config.layer_windows)) < 2:
+        return ()
+    return tuple(kind_of(w) for w in config.layer_windows)

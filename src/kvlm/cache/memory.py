@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from kvlm.cache import kinds
 from kvlm.cache.base import CacheSpec
 from kvlm.cache.factory import mode_spec, planned_nbytes, planned_parts
+from kvlm.cache.groups import layer_groups as spec_groups
 from kvlm.cache.kinds import FullAttention
 from kvlm.config import ModelConfig
 from kvlm.dtypes import Q4
@@ -137,10 +137,10 @@ def layer_groups(mode: str, spec: CacheSpec, context: int, batch: int) -> list[d
     {"kind" (kvlm.cache.kinds, or the mode's own: "window" for the window cache, "none"
     for off), "layers", "window" (None: the whole context), "tokens" each keeps, "bytes"}.
     One group, but for a hybrid model's cache of a HYBRID_MODES mode: a group per
-    kinds.layer_groups (a ring, or a paged pool's windowed block-table group), as
+    kvlm.cache.groups.layer_groups (a ring, or a paged pool's windowed block-table group), as
     factory.planned_parts plans them."""
     parts = planned_parts(mode, spec, context, batch)
-    groups = kinds.layer_groups(spec)
+    groups = spec_groups(spec)
     if len(parts) == len(groups):
         names = [group.kind.name for group in groups]
     else:  # one cache over every layer, of the mode's own kind

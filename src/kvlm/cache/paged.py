@@ -22,7 +22,7 @@ Attention reads a sequence by gathering its blocks into (B, kv_heads, S, head_di
 is a copy per layer per step, the price of not being contiguous.
 
 A hybrid model (layers with a window W and layers that see everything,
-kvlm.cache.kinds.layer_groups) gets one block table per layer group, as vLLM's hybrid
+kvlm.cache.groups.layer_groups) gets one block table per layer group, as vLLM's hybrid
 KV cache manager does:
 
     group 0  the layers that see everything   BlockPool (the pool's face: store, refs)
@@ -52,8 +52,8 @@ from itertools import pairwise
 import torch
 
 from kvlm.cache.base import CacheSpec, CacheStep, KVCache, KVPair, blocks_for, causal_mask, visible
+from kvlm.cache.groups import LayerGroup, layer_at, layer_groups, layout_extra
 from kvlm.cache.hybrid import RING, ring_spec
-from kvlm.cache.kinds import LayerGroup, layer_at, layer_groups, layout_extra
 from kvlm.cache.registry import PrefixRegistry
 from kvlm.cache.storage import Store
 from kvlm.errors import CacheOverflowError, InvalidRequestError
@@ -86,7 +86,7 @@ class BlockPool:
     ) -> None:
         """`scratch` (default: on a GPU): one more block, never handed out: where the
         padding rows of a captured decode batch write (kvlm.model.graphs), so they never
-        touch a sequence's blocks. A `spec` whose layers come in groups (kvlm.cache.kinds:
+        touch a sequence's blocks. A `spec` whose layers come in groups (kvlm.cache.groups:
         a hybrid model's): this pool holds the first group, the layers that see everything
         (num_blocks), `groups[g]` group g (a BlockPool of `group` g, windowed_blocks
         blocks, default num_blocks)."""
@@ -606,7 +606,7 @@ class TableStep(_PagedStep):
         pos = torch.tensor(starts)[:, None] + torch.arange(n_new)  # (B, T)
         CacheStep.__init__(self, 0, n_new, len(tables), device, None, False)
         self.positions = pos.to(device)
-        self.starts, self.n_keys, self.windows = starts, n_keys, spec.layer_windows
+        self.starts, self.n_keys, self.kinds = starts, n_keys, spec.layer_kinds
         self.use_window(spec.sliding_window)
         width = blocks_for(n_keys, bs)
         self.parts, self.layer_at = [], pool.layer_at
@@ -728,7 +728,7 @@ class RaggedStep(_PagedStep):
         self.read_slots = torch.tensor(read_s, dtype=torch.long, device=device)
         self.segments = Segments(cu_q, cu_k, spec.sliding_window, device)
         self.logit_rows = torch.tensor(logit_rows, dtype=torch.long, device=device)
-        self.windows = spec.layer_windows
+        self.kinds = spec.layer_kinds
         self._over(pool.store)
 
     def use_window(self, window: int | None) -> None:

@@ -30,6 +30,7 @@ from kvlm.cache.base import CacheSnapshot, CacheSpec, blocks_for
 from kvlm.cache.factory import create_cache, planned_nbytes
 from kvlm.cache.files import file_kv_dtypes, read_cache_file
 from kvlm.cache.hybrid import RING
+from kvlm.cache.kinds import FullAttention, SlidingWindow
 from kvlm.cache.paged import PagedCache
 from kvlm.cache.storage import CODECS, parts_as
 
@@ -63,7 +64,8 @@ class SavedCache:
             sizes["window_positions"] = "cache" if extra.get("cache_positions") else "absolute"
         if s.layout == "hybrid":  # kvlm.cache.hybrid: a bit per layer of the ring
             ring = [extra["local_layers"] >> i & 1 for i in range(g["layers"])]
-            sizes = {"layer_windows": tuple(extra["window"] if r else None for r in ring)}
+            kinds = (FullAttention(), SlidingWindow(extra["window"]))
+            sizes = {"layer_kinds": tuple(kinds[r] for r in ring)}
         return CacheSpec(
             num_layers=g["layers"],
             num_kv_heads=g["kv_heads"],

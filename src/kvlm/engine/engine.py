@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvlm.cache import KVCache, kinds
+from kvlm.cache import KVCache
 from kvlm.cache.base import CacheSpec, blocks_for
+from kvlm.cache.groups import layer_groups as spec_groups
 from kvlm.cache.paged import BlockPool, window_blocks
 from kvlm.cache.prefix import BlockManager, check_salt
 from kvlm.cache.storage import part_layout
@@ -100,7 +101,7 @@ def windowed_plan(config: EngineConfig, spec: CacheSpec, context: int) -> tuple[
     sched, spec_cfg = config.scheduler, config.speculative
     chunk = min(sched.prefill_chunk, sched.chunk_size or sched.prefill_chunk)
     step = min(context, max(chunk, 1 + (spec_cfg.num_draft if spec_cfg else 0)))
-    groups = kinds.layer_groups(spec)
+    groups = spec_groups(spec)
     if len(groups) == 1:
         return step, 0, 0
     (windowed,) = groups[1:]
@@ -114,7 +115,7 @@ def memory_blocks(config: EngineConfig, spec: CacheSpec, context: int) -> int:
     """The blocks (of the layers that see the whole context) the KV memory holds once a
     hybrid model's windowed group has its own: the pool's size by default."""
     _, _, windowed_bytes = windowed_plan(config, spec, context)
-    whole = kinds.layer_groups(spec)[0].spec(spec)
+    whole = spec_groups(spec)[0].spec(spec)
     kv_memory = config.kv_memory or default_kv_memory(spec.device)
     return (kv_memory - windowed_bytes) // (spec.block_size * whole.bytes_per_token)
 
