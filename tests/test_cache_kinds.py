@@ -124,3 +124,32 @@ def test_a_pool_group_keeps_what_its_kind_says():
     live = [b for b in cache.group_tables[1][0] if b >= 0]
     assert len(live) * 4 >= 40 and len(live) < 15  # 40 positions kept, not 60
     assert cache.can_roll_back(RING_SLACK) and not cache.can_roll_back(RING_SLACK + 8)
+
+
+def test_a_kinds_geometry_and_bytes_reach_its_groups_stores_and_plans():
+    """A kind may have rows of its own geometry (Gemma 4's wider global heads): its group's
+    spec, stores and planned bytes take it (LayerKind.shape, token_bytes), every other
+    group keeps the model's; the whole spec's bytes per token sum each layer's kind's."""
+    wide = FullAttention(head_dim=16)
+    kinds = tuple(wide if w is None else SlidingWindow(w) for w in WINDOWS)
+    spec = CacheSpec(num_layers=6, num_kv_heads=2, head_dim=8, max_tokens=64, layer_kinds=kinds,
+                     block_size=4)  # fmt: skip
+    assert (wide.shape(spec), SlidingWindow(8).shape(spec)) == ((2, 16), (2, 8))
+    assert wide.token_bytes(spec) == 2 * 2 * 16 * 4 and wide.sequence_bytes(spec) == 0
+    assert spec.bytes_per_token == 2 * wide.token_bytes(spec) + 4 * 2 * 2 * 8 * 4
+    whole, ring = layer_groups(spec)
+    assert (whole.spec(spec).head_dim, ring.spec(spec).head_dim) == (16, 8)
+    pool = BlockPool(spec, 16)
+    assert [g.store.head_dim for g in pool.groups] == [16, 8]
+    for mode in ("contiguous", "paged"):
+        cache = create_cache(mode, spec)
+        step = cache.begin(5)
+        for layer, kind in enumerate(kinds):
+            k = torch.full((1, 2, 5, kind.shape(spec)[1]), float(layer))
+            keys, _ = step.for_layer(layer).update(layer, k, k)
+            assert keys.shape[-1] == k.shape[-1] and keys[0, 0, -1, 0] == layer
+        cache.commit(step)
+        planned = planned_parts(mode, spec, 64, 1)
+        assert planned[0][1] == 64 * whole.token_bytes(spec) == 64 * 2 * wide.token_bytes(spec)
+        if mode == "contiguous":  # preallocated: what it holds is what was planned
+            assert cache.nbytes == sum(n for _, n, _ in planned)

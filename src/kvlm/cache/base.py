@@ -33,8 +33,8 @@ from typing import ClassVar
 
 import torch
 
-from kvlm.cache.kinds import LayerKind, layer_kinds
-from kvlm.cache.storage import Store, itemsize, key_rotation
+from kvlm.cache.kinds import FullAttention, LayerKind, layer_kinds
+from kvlm.cache.storage import Store, key_rotation
 from kvlm.config import ModelConfig
 from kvlm.dtypes import kv_dtype_name
 from kvlm.errors import CacheOverflowError, InvalidRequestError, KvlmError
@@ -143,9 +143,11 @@ class CacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token in every layer, for one sequence, int8 parameters included."""
-        per_head = sum(round(self.head_dim * itemsize(t, self.head_dim)) for t in self.kv_dtypes)
-        return self.num_layers * self.num_kv_heads * per_head
+        """K and V of one token in every layer, for one sequence, int8 parameters included:
+        each layer's kind's (LayerKind.token_bytes)."""
+        if not self.layer_kinds:
+            return self.num_layers * FullAttention().token_bytes(self)
+        return sum(kind.token_bytes(self) for kind in self.layer_kinds)
 
     def geometry(self) -> dict[str, int]:
         return {"layers": self.num_layers, "kv_heads": self.num_kv_heads, "head_dim": self.head_dim}

@@ -41,11 +41,26 @@ class LayerGroup:
     layers: tuple[int, ...]
 
     def spec(self, spec: CacheSpec) -> CacheSpec:
-        """The cache shape of this group of `spec`'s layers: its layers, one window."""
+        """The cache shape of this group of `spec`'s layers: its layers, its kind's
+        geometry (LayerKind.shape), one window."""
         if not spec.layer_kinds or len(self.layers) == spec.num_layers:
             return spec
         window = spec.sliding_window if self.kind.window is None else self.kind.window
-        return replace(spec, num_layers=len(self.layers), layer_kinds=(), sliding_window=window)
+        heads, head_dim = self.kind.shape(spec)
+        return replace(spec, num_layers=len(self.layers), layer_kinds=(), sliding_window=window,
+                       num_kv_heads=heads, head_dim=head_dim)  # fmt: skip
+
+    def token_bytes(self, spec: CacheSpec) -> int:
+        """Bytes one token's rows take in this group's layers (LayerKind.token_bytes)."""
+        return len(self.layers) * self.kind.token_bytes(spec)
+
+    def sequence_bytes(self, spec: CacheSpec) -> int:
+        """Bytes one sequence keeps in this group's layers whatever its length."""
+        return len(self.layers) * self.kind.sequence_bytes(spec)
+
+    def planned_bytes(self, spec: CacheSpec, positions: int) -> int:
+        """Bytes one sequence holding `positions` positions' rows takes in this group."""
+        return positions * self.token_bytes(spec) + self.sequence_bytes(spec)
 
     @property
     def described(self) -> dict:
@@ -61,7 +76,7 @@ def layer_groups(spec: CacheSpec) -> tuple[LayerGroup, ...]:
     if not kinds:
         return (LayerGroup(FullAttention(), tuple(range(spec.num_layers))),)
     windows = {k.window for k in kinds} - {None}
-    if len(windows) != 1 or FullAttention() not in kinds:
+    if len(windows) != 1 or all(k.keep is not None for k in kinds):
         raise UnsupportedModelError(
             f"layers with windows {sorted(windows)}: one window and whole layers only"
         )

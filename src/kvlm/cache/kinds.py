@@ -12,7 +12,12 @@ next token is computed without the text before it again. What it keeps is its ki
 A spec is a frozen value (equal specs: one group of layers, kvlm.cache.groups). It answers
 the window its masks use (`window`), how many positions a sequence keeps behind its end
 (`keep`, `kept`), the first position the next query reads (`first_read`: what a rollback
-must not let go of).
+must not let go of), and its geometry and bytes (vLLM's page_size_bytes): the KV heads and
+head_dim of its rows (`shape`: its own where it says, e.g. global layers with wider
+heads, else the model's), what one token's rows cost in one layer (`token_bytes`) and
+what one sequence keeps whatever its length (`sequence_bytes`: a state kind's; 0 for
+rows). A plan's bytes for a layer of the kind at T tokens: kept(T) * token_bytes +
+sequence_bytes.
 
 Which kind a layer is comes from its mixer (`layer_kinds`): an attention layer's is its
 window's (`kind_of`: the whole context, or a sliding window). A new mixer adds its kind
@@ -21,9 +26,12 @@ here and its line in `layer_kinds`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
 
+import torch
+
+from kvlm.cache.storage import itemsize
 from kvlm.config import ModelConfig
 
 # Tokens a windowed group keeps past its window: what a rollback may take back (a chat's
@@ -32,11 +40,25 @@ from kvlm.config import ModelConfig
 RING_SLACK = 32
 
 
+class Geometry(Protocol):
+    """What a kind reads of a cache's spec (kvlm.cache.base.CacheSpec): the model's K/V
+    geometry and storage."""
+
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def kv_dtypes(self) -> tuple[torch.dtype, torch.dtype]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class LayerKind:
-    """What a layer of this kind keeps for a sequence (a spec: equal specs, one group)."""
+    """What a layer of this kind keeps for a sequence (a spec: equal specs, one group).
+    `heads`, `head_dim`: its rows' own geometry (None: the model's)."""
 
     name: ClassVar[str]
+    heads: int | None = field(default=None, kw_only=True)
+    head_dim: int | None = field(default=None, kw_only=True)
 
     @property
     def window(self) -> int | None:
@@ -54,6 +76,21 @@ class LayerKind:
 
     def first_read(self, length: int) -> int:
         """The first position the next query of a sequence `length` tokens long reads."""
+        return 0
+
+    def shape(self, spec: Geometry) -> tuple[int, int]:
+        """(KV heads, head_dim) of this kind's rows: its own, else the model's (`spec`'s)."""
+        return self.heads or spec.num_kv_heads, self.head_dim or spec.head_dim
+
+    def token_bytes(self, spec: Geometry) -> int:
+        """Bytes one token's rows take in one layer of this kind: K and V of every KV head
+        in `spec`'s dtypes, int8 and q4 parameters included."""
+        heads, dim = self.shape(spec)
+        return heads * sum(round(dim * itemsize(t, dim)) for t in spec.kv_dtypes)
+
+    def sequence_bytes(self, spec: Geometry) -> int:
+        """Bytes one sequence keeps in one layer of this kind whatever its length (a state
+        kind's; rows cost token_bytes each)."""
         return 0
 
 

@@ -554,7 +554,8 @@ class PagedCache(KVCache):
     @classmethod
     def planned_groups(cls, spec: CacheSpec, tokens: int, batch: int) -> list[tuple]:
         """(the group's spec, bytes, tokens each sequence keeps) of each layer group of
-        `batch` sequences of `tokens` tokens: a windowed group keeps at most
+        `batch` sequences of `tokens` tokens, each group's bytes its kind's
+        (LayerGroup.planned_bytes): a windowed group keeps at most
         window_blocks(W + RING_SLACK, block_size, 0) blocks between steps."""
         whole, bs, out = blocks_for(tokens, spec.block_size), spec.block_size, []
         for group in layer_groups(spec):
@@ -563,7 +564,7 @@ class PagedCache(KVCache):
             # a windowed group's part is planned as the ring a row cache would keep it in
             part = group.spec(spec) if keep is None else ring_spec(spec, group)
             kept = tokens if keep is None else blocks * bs
-            out.append((part, batch * blocks * bs * part.bytes_per_token, kept))
+            out.append((part, batch * group.planned_bytes(spec, blocks * bs), kept))
         return out
 
 

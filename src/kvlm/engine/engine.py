@@ -108,16 +108,16 @@ def windowed_plan(config: EngineConfig, spec: CacheSpec, context: int) -> tuple[
     bs, keep = spec.block_size, windowed.kind.keep
     per_seq = min(blocks_for(context, bs), window_blocks(keep, bs, step))
     blocks = per_seq * sched.max_num_seqs + sched.reserve_blocks
-    return step, blocks, blocks * bs * windowed.spec(spec).bytes_per_token
+    return step, blocks, blocks * bs * windowed.token_bytes(spec)
 
 
 def memory_blocks(config: EngineConfig, spec: CacheSpec, context: int) -> int:
     """The blocks (of the layers that see the whole context) the KV memory holds once a
     hybrid model's windowed group has its own: the pool's size by default."""
     _, _, windowed_bytes = windowed_plan(config, spec, context)
-    whole = spec_groups(spec)[0].spec(spec)
+    whole = spec_groups(spec)[0]
     kv_memory = config.kv_memory or default_kv_memory(spec.device)
-    return (kv_memory - windowed_bytes) // (spec.block_size * whole.bytes_per_token)
+    return (kv_memory - windowed_bytes) // (spec.block_size * whole.token_bytes(spec))
 
 
 def pool_context(llm: ServedModel, config: EngineConfig, context: int) -> int:
