@@ -1015,7 +1015,7 @@ def mixed_step(llm, one_forward: bool, seed: int = 0) -> list[torch.Tensor]:
     # row's last token at num_computed, a sequence's further rows its draft
     chunks, decoding = [], {}
     for s, p, n, chunk, every in MIXED_ROWS:
-        table = BlockTable(tables[s], windowed=[w[s] for w in windowed])
+        table = BlockTable(tables[s], others=[w[s] for w in windowed])
         if chunk:
             seq = SimpleNamespace(table=table, num_computed=p)
             chunks.append(Chunk(seq, tokens[s][p : p + n], every))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +28,8 @@ from safetensors.torch import save_file
 
 from kvlm.cache import CacheFileError, CacheSpec, create_cache, planned_nbytes
 from kvlm.cache.files import MAX_FILE_ROWS, load_cache, read_cache_file, save_cache
+from kvlm.cache.kinds import FullAttention, SlidingWindow
+from kvlm.cache.saved import SavedCache
 from kvlm.engine.chat import ChatSession
 from kvlm.engine.sampling import MAX_SAMPLES, SamplingParams
 from kvlm.errors import CacheOverflowError
@@ -43,6 +46,18 @@ VARIANTS = {
     "forked": ((5, 1), 3, 0),  # the fork happens after the first step
     "long": ((9, 7, 1), 1, 1),  # a window ring that wrapped, then a rollback
 }
+# A model of three layer groups (kvlm.cache.groups: the whole layer, windows of 1 and 2),
+# whose files hold the `groups` layout, and what its caches are fed: its rings (33 and 34
+# slots) wrap past 34 tokens
+GROUPED = replace(SPEC, num_layers=4, max_tokens=64,
+                  layer_kinds=(SlidingWindow(1), SlidingWindow(2), FullAttention(),
+                               SlidingWindow(1)))  # fmt: skip
+GROUPED_MODES = ["basic", "contiguous", "paged", "int8"]
+GROUPED_VARIANTS = {
+    "g-empty": ((), 1, 0),
+    "g-forked": ((20, 1), 2, 0),
+    "g-wrapped": ((30, 9), 1, 1),  # both rings wrapped, then a rollback
+}
 
 
 def kv(n: int, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,14 +68,14 @@ def kv(n: int, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def feed(cache, n: int, seed: int) -> None:
     step = cache.begin(n)
-    for layer in range(SPEC.num_layers):
-        step.update(layer, *kv(n, cache.batch, seed * 10 + layer))
+    for layer in range(cache.spec.num_layers):
+        step.for_layer(layer).update(layer, *kv(n, cache.batch, seed * 10 + layer))
     cache.commit(step)
 
 
-def filled(mode: str, variant: str):
-    steps, fork, back = VARIANTS[variant]
-    cache = create_cache(mode, SPEC)
+def filled(mode: str, variant: str, spec: CacheSpec = SPEC):
+    steps, fork, back = (VARIANTS | GROUPED_VARIANTS)[variant]
+    cache = create_cache(mode, spec)
     for i, n in enumerate(steps):
         feed(cache, n, seed=i)
         if i == 0:
@@ -70,11 +85,13 @@ def filled(mode: str, variant: str):
 
 
 @functools.cache
-def valid_file(mode: str, variant: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+def valid_file(
+    mode: str, variant: str, spec: CacheSpec = SPEC
+) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """The metadata and tensors of a file a real cache wrote (copy before changing)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "c.kv"
-        save_cache(filled(mode, variant), path, FP, extra={"note": "hi"})
+        save_cache(filled(mode, variant, spec), path, FP, extra={"note": "hi"})
         with safe_open(str(path), framework="pt") as f:
             return dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
 
@@ -123,6 +140,100 @@ def test_valid_files_load_as_before(tmp_path, mode, variant):
         feed(src, 1, seed=7)
         feed(dst, 1, seed=7)
         assert torch.equal(dst.snapshot().tensors["values"], src.snapshot().tensors["values"])
+
+
+@pytest.mark.parametrize("mode", GROUPED_MODES)
+@pytest.mark.parametrize("variant", GROUPED_VARIANTS)
+def test_grouped_files_load_as_before_into_each_grouped_mode(tmp_path, mode, variant):
+    """A model of three layer groups: its file (the `groups` layout, kvlm-cache/2) loads
+    into a cache of its mode, and into the other modes of its dtype (a ring and a
+    windowed block table export alike), exactly, and each goes on as the writer does."""
+    src = filled(mode, variant, GROUPED)
+    path = tmp_path / "c.kv"
+    save_cache(src, path, FP, extra={"note": "hi"})
+    with safe_open(str(path), framework="pt") as f:
+        meta, names = f.metadata(), set(f.keys())
+    assert (meta["format"], meta["layout"]) == ("kvlm-cache/2", "groups")
+    assert {n[:3] for n in names} == {"g0_", "g1_", "g2_"}
+    same_dtype = ["int8"] if mode == "int8" else ["basic", "contiguous", "paged"]
+    want = src.snapshot().tensors
+    for other in same_dtype:
+        dst = create_cache(other, GROUPED)
+        assert load_cache(dst, path, FP) == {"note": "hi"}
+        assert (dst.num_tokens, dst.batch) == (src.num_tokens, src.batch)
+        held = dst.snapshot().tensors
+        assert held.keys() == want.keys()
+        assert all(torch.equal(*held_slots(held, want, k)) for k in want), other
+    if src.num_tokens:  # and the one of its mode goes on as the writer does
+        feed(src, 1, seed=7)
+        dst = create_cache(mode, GROUPED)
+        load_cache(dst, path, FP)
+        feed(dst, 1, seed=7)
+        after = src.snapshot().tensors
+        assert all(torch.equal(dst.snapshot().tensors[k], t) for k, t in after.items())
+
+
+def held_slots(a: dict, b: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tensor `name` of two `groups` snapshots, a ring's cut to the slots that hold a
+    position (an empty slot's values are whatever the cache left there)."""
+    prefix = re.match(r"(g\d+_)?", name).group()
+    pos = a.get(prefix + "slot_pos") if prefix else None
+    if pos is None or name.endswith("slot_pos"):
+        return a[name], b[name]
+    slots = torch.nonzero(pos >= 0).flatten()
+    return a[name][:, :, :, :, slots], b[name][:, :, :, :, slots]
+
+
+# Files kvlm wrote before the groups layout (kvlm-cache/1, layout `hybrid`: one window and
+# the whole layers), as kvlm at 80b6b6d wrote them, by tests/data/make_hybrid_files.py:
+# a contiguous cache (fp32, forked into two rows) and an int8 pool's, 41 tokens of
+# OLD_SPEC, its ring of 4 + 32 slots wrapped
+DATA = Path(__file__).parent / "data"
+OLD_KINDS = (SlidingWindow(4), SlidingWindow(4), FullAttention(), SlidingWindow(4))
+OLD_SPEC = CacheSpec(num_layers=4, num_kv_heads=2, head_dim=8, max_tokens=64, block_size=8,
+                     layer_kinds=OLD_KINDS)  # fmt: skip
+
+
+def old_fed(mode: str):
+    """What make_hybrid_files.py fed its cache, fed to today's cache of `mode`."""
+    cache = create_cache(mode, OLD_SPEC)
+    for i, n in enumerate((38, 3)):
+        g = torch.Generator().manual_seed(i + 1)
+        step = cache.begin(n)
+        for layer in range(4):
+            k, v = (torch.randn(cache.batch, 2, n, 8, generator=g) for _ in range(2))
+            step.for_layer(layer).update(layer, k, v)
+        cache.commit(step)
+        if i == 0 and mode == "contiguous":
+            cache.fork(2)
+    return cache
+
+
+@pytest.mark.parametrize(
+    ("name", "modes"),
+    [("hybrid-contiguous.kv", ["contiguous", "paged", "basic"]), ("hybrid-int8.kv", ["int8"])],
+)
+def test_hybrid_files_of_kvlm_cache_1_still_load(name, modes):
+    """A `hybrid` file of kvlm-cache/1 reads as the `groups` snapshot it is (its whole
+    layers group 0, its ring group 1) and loads into today's caches of its dtype: each then
+    holds exactly what today's cache fed the same K/V holds, and goes on alike."""
+    path = DATA / name
+    with safe_open(str(path), framework="pt") as f:
+        assert (f.metadata()["format"], f.metadata()["layout"]) == ("kvlm-cache/1", "hybrid")
+    saved = SavedCache.read(path)
+    assert saved.snap.layout == "groups" and saved.spec().layer_kinds == OLD_SPEC.layer_kinds
+    assert [g["layers"] for g in saved.summary()["layer_groups"]] == [[2], [0, 1, 3]]
+    for mode in modes:
+        made, loaded = old_fed(modes[0]), create_cache(mode, OLD_SPEC)
+        assert load_cache(loaded, path, "fp-old") == {"made_by": "kvlm 80b6b6d"}
+        assert (loaded.num_tokens, loaded.batch) == (41, made.batch)
+        want = made.snapshot().tensors
+        assert loaded.snapshot().tensors.keys() == want.keys()
+        assert all(torch.equal(loaded.snapshot().tensors[k], t) for k, t in want.items())
+        feed(made, 1, seed=7)
+        feed(loaded, 1, seed=7)
+        want = made.snapshot().tensors
+        assert all(torch.equal(loaded.snapshot().tensors[k], t) for k, t in want.items())
 
 
 def test_the_row_bound_is_the_most_samples_a_fork_makes():
@@ -309,7 +420,7 @@ def test_a_good_conversation_loads(tmp_path):
         ("extra", '"note"', "extra is not a JSON object"),
         ("dtype", "fp8", "dtype 'fp8' is not one kvlm stores"),
         ("dtype", "float32", "dtype 'float32' is not one kvlm stores"),
-        ("layout", "ring", "layout 'ring' is not one kvlm writes"),
+        ("layout", "ring", "layout 'ring' is not one kvlm-cache/1 holds"),
         ("mode", "nope", "mode 'nope' is not one kvlm writes"),
         ("mode", "window", "mode 'window' does not write the dense layout"),
         ("length", None, "no 'length'"),
@@ -485,26 +596,50 @@ META_EDITS = st.one_of(
         st.one_of(st.just(DELETE), st.integers(-2, 40), JSON),
     ),
 )
-TENSOR_EDITS = st.one_of(
-    st.tuples(st.just("drop"), st.sampled_from(NAMES)),
-    st.tuples(st.just("dtype"), st.sampled_from(NAMES), st.sampled_from(DTYPES)),
-    st.tuples(st.just("add_dim"), st.sampled_from(NAMES), st.integers(0, 6)),
-    st.tuples(st.just("remove_dim"), st.sampled_from(NAMES), st.integers(0, 5)),
-    st.tuples(st.just("resize"), st.sampled_from(NAMES), st.integers(0, 5), st.integers(0, 9)),
-    st.tuples(st.just("scalar"), st.sampled_from(NAMES)),
+
+
+def tensor_edits(names: list[str]) -> st.SearchStrategy:
+    """Damage to the tensors `names` (and new ones)."""
+    return st.one_of(
+        st.tuples(st.just("drop"), st.sampled_from(names)),
+        st.tuples(st.just("dtype"), st.sampled_from(names), st.sampled_from(DTYPES)),
+        st.tuples(st.just("add_dim"), st.sampled_from(names), st.integers(0, 6)),
+        st.tuples(st.just("remove_dim"), st.sampled_from(names), st.integers(0, 5)),
+        st.tuples(st.just("resize"), st.sampled_from(names), st.integers(0, 5), st.integers(0, 40)),
+        st.tuples(st.just("scalar"), st.sampled_from(names)),
+        st.tuples(
+            st.just("add"),
+            st.sampled_from(["extra", "values", "scales", "slot_pos", "k", "v", "g3_values"]),
+            st.lists(st.integers(0, 3), max_size=3),
+            st.sampled_from(DTYPES),
+        ),
+        st.tuples(
+            st.just("poke"),
+            st.sampled_from(names),
+            st.integers(0, 10**6),
+            st.sampled_from(
+                [float("nan"), float("inf"), -float("inf"), -2, -1, 0, 1, 5, 16, 2**40]
+            ),
+        ),
+        st.tuples(st.just("shuffle"), st.sampled_from(names), st.integers(0, 2**32)),
+    )
+
+
+TENSOR_EDITS = tensor_edits(NAMES)
+# a groups file's: each group's tensors, and its layout's fields
+GROUP_NAMES = [f"g{g}_{n}" for g in range(3) for n in NAMES]
+GROUP_KEYS = ["groups", "g0_kind", "g0_layers", "g1_kind", "g1_size", "g1_layers"]
+GROUP_FIELDS = st.sampled_from([*GROUP_KEYS, "g2_size", "g2_layers", "g3_kind", "window"])
+GROUP_META_EDITS = st.one_of(
+    META_EDITS,
+    st.tuples(st.just("set"), st.just("layout"), st.sampled_from(["groups", "hybrid", "dense"])),
+    st.tuples(st.just("set"), st.just("format"), st.sampled_from(["kvlm-cache/1", "kvlm-cache/2"])),
     st.tuples(
-        st.just("add"),
-        st.sampled_from(["extra", "values", "scales", "slot_pos", "k", "v"]),
-        st.lists(st.integers(0, 3), max_size=3),
-        st.sampled_from(DTYPES),
+        st.just("field"),
+        st.just("layout_extra"),
+        GROUP_FIELDS,
+        st.one_of(st.just(DELETE), st.integers(-1, 70), JSON),
     ),
-    st.tuples(
-        st.just("poke"),
-        st.sampled_from(NAMES),
-        st.integers(0, 10**6),
-        st.sampled_from([float("nan"), float("inf"), -float("inf"), -2, -1, 0, 1, 5, 16, 2**40]),
-    ),
-    st.tuples(st.just("shuffle"), st.sampled_from(NAMES), st.integers(0, 2**32)),
 )
 
 
@@ -596,7 +731,33 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     target=st.one_of(st.none(), st.sampled_from(MODES)),
 )
 def test_damaged_files_load_exactly_or_are_refused(tmp_path, source, variant, edits, target):
-    meta, tensors = (dict(d) for d in valid_file(source, variant))
+    damaged_load(tmp_path, source, variant, edits, target, SPEC)
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    source=st.sampled_from(GROUPED_MODES),
+    variant=st.sampled_from(list(GROUPED_VARIANTS)),
+    edits=st.lists(st.one_of(GROUP_META_EDITS, tensor_edits(GROUP_NAMES)), max_size=3),
+    target=st.one_of(st.none(), st.sampled_from(GROUPED_MODES)),
+)
+def test_damaged_grouped_files_load_exactly_or_are_refused(
+    tmp_path, source, variant, edits, target
+):
+    """A model of three layer groups: its files (the `groups` layout) damaged, each group's
+    tensors and its layout's fields: refused in one line, or loaded exactly."""
+    damaged_load(tmp_path, source, variant, edits, target, GROUPED)
+
+
+def damaged_load(tmp_path, source, variant, edits, target, spec: CacheSpec) -> None:
+    """A file `source` of `variant` wrote, damaged by `edits`, loaded into a cache of
+    `target` (default: its own mode): refused with a CacheFileError naming it, or loaded
+    exactly, within the allocation bound, and the cache goes on working."""
+    meta, tensors = (dict(d) for d in valid_file(source, variant, spec))
     for edit in edits:
         if edit[0] in META_OPS:
             edit_meta(meta, edit)
@@ -610,27 +771,30 @@ def test_damaged_files_load_exactly_or_are_refused(tmp_path, source, variant, ed
         assert str(path) in str(exc) and "\n" not in str(exc)
         read = False
     mode = target or source
-    cache = create_cache(mode, SPEC)
+    cache = create_cache(mode, spec)
     try:
         load_cache(cache, path, FP)
     except CacheFileError as exc:
         assert str(path) in str(exc) and "\n" not in str(exc)
-        assert (cache.num_tokens, cache.batch) == (0, SPEC.batch)
+        assert (cache.num_tokens, cache.batch) == (0, spec.batch)
         event("refused")
         return
     event("loaded")
     assert read  # what load() accepts, read_cache_file accepts
     length, batch = int(meta["length"]), int(meta["batch"])
     assert (cache.num_tokens, cache.batch) == (length, batch)
-    assert 1 <= batch <= MAX_FILE_ROWS and (length > 0 or batch <= SPEC.batch)
-    assert cache.nbytes <= planned_nbytes(mode, SPEC, length, batch)
+    assert 1 <= batch <= MAX_FILE_ROWS and (length > 0 or batch <= spec.batch)
+    assert cache.nbytes <= planned_nbytes(mode, spec, length, batch)
     held = cache.snapshot().tensors
     assert held.keys() == tensors.keys()
-    assert all(same_bytes(held[k], t) for k, t in tensors.items())
+    if mode == source:  # another mode's empty ring slots hold what it left there
+        assert all(same_bytes(held[k], t) for k, t in tensors.items())
+    else:
+        assert all(same_bytes(*held_slots(held, tensors, k)) for k in tensors)
     try:  # and the cache goes on working
         feed(cache, 1, seed=3)
     except CacheOverflowError:
-        assert length == SPEC.max_tokens or mode in ("paged", "int8")
+        assert length == spec.max_tokens or mode in ("paged", "int8")
 
 
 MESSAGES = st.fixed_dictionaries({"role": st.text(max_size=4), "content": st.text(max_size=4)})

@@ -4,15 +4,20 @@ both take."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from kvlm import LLM, SamplingParams
 from kvlm.cache.base import CacheSpec
 from kvlm.cache.factory import create_cache, planned_parts
-from kvlm.cache.groups import layer_at, layer_groups, layout_extra
+from kvlm.cache.files import load_cache, save_cache
+from kvlm.cache.groups import from_layout, layer_at, layer_groups, layout_extra
 from kvlm.cache.hybrid import HybridCache
 from kvlm.cache.kinds import RING_SLACK, FullAttention, SlidingWindow, kind_of
 from kvlm.cache.paged import BlockPool
+from kvlm.cache.saved import SavedCache
 from kvlm.errors import InvalidRequestError, UnsupportedModelError
 
 # layers 0, 1, 3, 4 windowed (W = 8), 2 and 5 whole: a Gemma-like pattern
@@ -30,7 +35,9 @@ def test_layers_are_grouped_by_kind_whole_ones_first():
     assert [(g.kind, g.layers) for g in groups] == [
         (FullAttention(), (2, 5)), (SlidingWindow(8), (0, 1, 3, 4))]  # fmt: skip
     assert layer_at(groups) == [(1, 0), (1, 1), (0, 0), (1, 2), (1, 3), (0, 1)]
-    assert layout_extra(groups) == {"window": 8, "local_layers": 0b11011}
+    assert layout_extra(groups) == {"groups": 2, "g0_kind": 0, "g0_layers": 0b100100,
+                                    "g1_kind": 1, "g1_layers": 0b11011, "g1_size": 8}  # fmt: skip
+    assert from_layout(layout_extra(groups), 6) == groups
     whole, ring = (g.spec(_spec()) for g in groups)
     assert (whole.num_layers, whole.sliding_window, whole.layer_kinds) == (2, None, ())
     assert (ring.num_layers, ring.sliding_window) == (4, 8)
@@ -50,8 +57,6 @@ def test_one_group_where_every_layer_is_alike():
 
 
 def _config(arch: str, **overrides):
-    from dataclasses import replace
-
     from kvlm.config import ModelConfig
 
     base = ModelConfig(architecture=arch, vocab_size=64, hidden_size=32, intermediate_size=64,
@@ -84,9 +89,41 @@ def test_what_each_kind_keeps():
     assert (whole.keep, whole.kept(1000), whole.first_read(100)) == (None, 1000, 0)
 
 
-def test_two_windows_are_refused_with_a_clear_error():
-    with pytest.raises(UnsupportedModelError, match="one window and whole layers only"):
-        layer_groups(_spec((8, 16, None, 8, 8, None)))
+def test_each_window_is_a_group_and_one_kind_must_see_everything():
+    """Layers of two windows are two groups beside the whole layers (in the order of their
+    first layer); kinds without one that keeps every position are refused in one line (a
+    pool's prefix chain lives on that group)."""
+    groups = layer_groups(_spec((8, 16, None, 8, 16, None)))
+    assert [(g.kind, g.layers) for g in groups] == [
+        (FullAttention(), (2, 5)),
+        (SlidingWindow(8), (0, 3)),
+        (SlidingWindow(16), (1, 4)),
+    ]
+    assert from_layout(layout_extra(groups), 6) == groups
+    with pytest.raises(UnsupportedModelError, match="one kind of layers that see the whole"):
+        layer_groups(_spec((8, 16, 8, 8, 16, 8)))
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"groups": 1}, "not a count of 2 .. 6"),
+        ({"g1_kind": 9}, "kind 9 is not one of"),
+        ({"g1_size": 0}, "size 0 is not an integer >= 1"),
+        ({"g1_layers": 0b11111}, "layer 2 is in two groups"),
+        ({"g1_layers": 0b01011}, "layer 4 is in no group"),
+        ({"g0_kind": 1, "g0_size": 16}, "one kind of layers that see the whole"),
+        ({"g0_kind": 1, "g0_size": 8}, "1 distinct"),  # two groups of one kind
+        ({"g1_rows": 3}, "takes \\['size'\\]"),
+        ({"g2_kind": 0}, "not as kvlm writes them"),
+    ],
+)
+def test_a_files_groups_are_checked(change, match):
+    """A file's groups layout (kvlm.cache.groups.from_layout) names known kinds with their
+    fields, every layer in one group, and the groups in the order kvlm writes them."""
+    extra = layout_extra(layer_groups(_spec())) | change
+    with pytest.raises(ValueError, match=match):
+        from_layout(extra, 6)
 
 
 @pytest.mark.parametrize("mode", ["basic", "contiguous"])
@@ -153,3 +190,54 @@ def test_a_kinds_geometry_and_bytes_reach_its_groups_stores_and_plans():
         assert planned[0][1] == 64 * whole.token_bytes(spec) == 64 * 2 * wide.token_bytes(spec)
         if mode == "contiguous":  # preallocated: what it holds is what was planned
             assert cache.nbytes == sum(n for _, n, _ in planned)
+
+
+LONG = "The quick brown fox jumps over the lazy dog and runs far away. " * 3
+GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def three_groups(tiny_model_dir):
+    """LLMs of the tiny Gemma 3 with its local layers' windows 8 and 16: three layer
+    groups. No model file names two windows yet, so the config is changed in place
+    before any cache is made (the local layers keep their RoPE base)."""
+
+    def make(mode: str) -> LLM:
+        llm = LLM(model=tiny_model_dir("gemma3"), progress=False, max_context=256, kv=mode)
+        windows = llm.config.layer_windows
+        assert windows == (8, 8, None, 8)
+        llm.config = llm.model.config = replace(llm.config, layer_windows=(8, 16, None, 8))
+        return llm
+
+    return make
+
+
+def test_three_layer_groups_through_every_mode_the_pool_and_a_file(three_groups, tmp_path):
+    """A model of three groups (the whole layer, each window's): one cache of each row and
+    pool mode keeps a part per group and gives the `off` oracle's greedy tokens on a
+    prompt past both windows and their slack, so does the engine's pool; a paged cache's
+    file (the groups layout) resumes into a paged and a contiguous cache."""
+    want = three_groups("off").generate([LONG], GREEDY)[0].outputs[0].token_ids
+    for mode in ("basic", "contiguous", "paged"):
+        llm = three_groups(mode)
+        assert len(llm.tokenizer.encode(LONG)) > 16 + RING_SLACK
+        cache = llm.new_cache(mode)
+        parts = cache.pool.groups if mode == "paged" else cache.parts
+        assert [p.spec.sliding_window if mode != "paged" else p.window for p in parts] == [
+            None, 8, 16]  # fmt: skip
+        assert llm.generate([LONG], GREEDY)[0].outputs[0].token_ids == want
+        pair = llm.generate([LONG, LONG[:70]], GREEDY)  # the engine's pool
+        assert pair[0].outputs[0].token_ids == want
+        assert len(llm.batch_engine().pool.groups) == 3
+    llm = three_groups("paged")
+    cache = llm.new_cache("paged")
+    llm.runner.forward(llm.tokenizer.encode(LONG), cache)
+    save_cache(cache, tmp_path / "c.kv", llm.fingerprint)
+    info = SavedCache.read(tmp_path / "c.kv").summary()
+    assert [g["window"] for g in info["layer_groups"]] == [None, 8, 16]
+    next_logits = llm.runner.forward([5, 6, 7], cache)
+    for mode in ("paged", "contiguous"):
+        other = three_groups(mode).new_cache(mode)
+        load_cache(other, tmp_path / "c.kv", llm.fingerprint)
+        got = llm.runner.forward([5, 6, 7], other)
+        assert got.equal(next_logits) if mode == "paged" else (got - next_logits).abs().max() < 1e-4

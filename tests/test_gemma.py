@@ -166,7 +166,10 @@ def test_windowed_layers_keep_only_their_window(tiny_model_dir, tmp_path):
     assert cache.nbytes == before and cache.num_tokens == 190
     save_cache(cache, tmp_path / "c.kv", llm.fingerprint)
     info = SavedCache.read(tmp_path / "c.kv").summary()
-    assert info["layer_groups"] == {"whole": 1, "window": 3}
+    assert info["layer_groups"] == [
+        {"kind": "attention", "layers": [2], "window": None},
+        {"kind": "window", "layers": [0, 1, 3], "window": 8},
+    ]
     per_layer = cache.spec.bytes_per_token // 4  # one layer's K and V of one token
     assert info["restored_bytes"] == (190 + 3 * (8 + RING_SLACK)) * per_layer
 

@@ -106,7 +106,7 @@ def test_windowed_blocks_are_freed_and_all_come_back(folder):
         seq = next(iter(engine.scheduler.running), None)
         if seq is None:
             continue
-        table = seq.table.windowed[0]
+        table = seq.table.others[0]
         assert table[: local.first_live(table)] == [FREED] * local.first_live(table)
         assert local.num_used <= window_blocks(KEEP, 16, 1)
         n = seq.num_computed
@@ -128,7 +128,7 @@ def test_one_paged_cache_keeps_the_window_and_rolls_back(folder, mode):
     gives, a longer one is refused (the caller starts over)."""
     llm = make(folder, mode)
     cache = llm.new_cache(mode)
-    assert isinstance(cache, PagedCache) and cache.layout == "hybrid"
+    assert isinstance(cache, PagedCache) and cache.layout == "groups"
     ids = list(range(10, 200))
     llm.runner.forward(ids, cache)
     whole = create_cache(mode, replace(cache.spec, layer_kinds=()))
@@ -215,7 +215,7 @@ def test_a_disk_tier_restores_each_group(folder, tmp_path, monkeypatch):
 
 
 def test_a_hybrid_paged_file_reads_back_and_a_whole_one_is_refused(folder, tmp_path):
-    """A paged cache's file of a hybrid model holds the hybrid layout (the whole layers'
+    """A paged cache's file of a hybrid model holds the groups layout (the whole layers'
     rows, the windowed ones' last W + RING_SLACK positions): it resumes into a paged or a
     contiguous cache with the tokens of the cache that wrote it; a file of a cache that
     kept every layer whole is refused with one line."""
@@ -224,7 +224,8 @@ def test_a_hybrid_paged_file_reads_back_and_a_whole_one_is_refused(folder, tmp_p
     cache = llm.new_cache("paged")
     llm.runner.forward(ids, cache)
     save_cache(cache, tmp_path / "c.kv", llm.fingerprint)
-    assert SavedCache.read(tmp_path / "c.kv").summary()["layer_groups"] == {"whole": 1, "window": 3}
+    groups = SavedCache.read(tmp_path / "c.kv").summary()["layer_groups"]
+    assert [(g["kind"], len(g["layers"])) for g in groups] == [("attention", 1), ("window", 3)]
     want = llm.runner.forward([5, 6, 7], cache)
     for mode in ("paged", "contiguous"):
         other = llm.new_cache(mode)

@@ -3,6 +3,12 @@ what is needed to check it, and read back, checked whole, into a cache of the sa
 and shape (KVCache.restore's checks). kvlm.cache.saved reads one alone, for `kvlm inspect`.
 
 Beside the protocol, not inside it: a cache knows nothing of files.
+
+A file names its format, the oldest that reads it (FORMATS): `kvlm-cache/1` holds the
+`dense` and `window` layouts, and the `hybrid` layout kvlm wrote for a model of two layer
+groups before the `groups` layout (`kvlm-cache/2`: any number of groups, each group's
+tensors prefixed `g{n}_`, kvlm.cache.groups.layout_extra). A `hybrid` file is read as
+the `groups` snapshot it is (`_as_groups`: its whole layers group 0, its ring group 1).
 """
 
 from __future__ import annotations
@@ -12,19 +18,23 @@ import re
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from kvlm.cache.base import CacheFileError, CacheSnapshot, KVCache, brief
+from kvlm.cache.base import CacheFileError, CacheSnapshot, CacheSpec, KVCache, brief
 from kvlm.cache.factory import CACHE_MODES, HYBRID_MODES
-from kvlm.cache.hybrid import RING
-from kvlm.cache.kinds import RING_SLACK
+from kvlm.cache.groups import LayerGroup, from_layout, layer_groups, layout_extra
+from kvlm.cache.hybrid import group_prefix
+from kvlm.cache.kinds import RING_SLACK, FullAttention, SlidingWindow
 from kvlm.cache.storage import part_layout
 from kvlm.dtypes import NAMES, Q4, dtype_name
 from kvlm.errors import CacheOverflowError
 
-CACHE_FILE_FORMAT = "kvlm-cache/1"
+# Each format and the layouts it holds; a file names the one of its layout
+FORMATS = {"kvlm-cache/1": ("dense", "window", "hybrid"), "kvlm-cache/2": ("groups",)}
+RING = "ring_"  # the `hybrid` layout's prefix of its ring's tensors
 # The most rows (sequences) a cache file may hold: a fork of one sequence makes at most
 # kvlm.engine.sampling.MAX_SAMPLES (a test pins the two together; the cache layer does not
 # import the engine).
@@ -40,7 +50,7 @@ def save_cache(
 
     snap = cache.snapshot()
     meta = {
-        "format": CACHE_FILE_FORMAT,
+        "format": next(f for f, layouts in FORMATS.items() if snap.layout in layouts),
         "fingerprint": fingerprint,
         "mode": cache.mode,
         "layout": snap.layout,
@@ -100,7 +110,8 @@ _GEOMETRY = {"layers": 1, "kv_heads": 1, "head_dim": 1}  # key -> least value
 _LAYOUT_EXTRA = {
     "dense": {},
     "window": {"sinks": 0, "window": 1},
-    "hybrid": {"window": 1, "local_layers": 1},  # kvlm.cache.hybrid: a bit per ring layer
+    "hybrid": {"window": 1, "local_layers": 1},  # a bit per ring layer (kvlm-cache/1)
+    "groups": {"groups": 2},  # and each group's keys (kvlm.cache.groups.layout_extra)
 }
 # A count as str(int) writes it, under 2**63: int() would also take " 5", "1_0", "٥", "+5".
 _DECIMAL = re.compile(r"0|[1-9][0-9]{0,17}")
@@ -128,7 +139,7 @@ def read_cache_file(path: str | Path) -> tuple[CacheSnapshot, dict]:
         _check_shapes(path, snap, shapes)
         snap.tensors = {name: f.get_tensor(name) for name in shapes}
         _check_contents(path, snap)
-    return snap, parsed
+    return _as_groups(snap), parsed
 
 
 @contextmanager
@@ -147,7 +158,7 @@ def _parse_metadata(path: Path, meta: dict[str, str] | None) -> tuple[CacheSnaps
     """The snapshot the metadata describes (its tensors not read yet), and the rest."""
     if not meta:
         raise CacheFileError(f"{path} has no metadata: not a kvlm cache file")
-    if meta.get("format") != CACHE_FILE_FORMAT:
+    if meta.get("format") not in FORMATS:
         raise CacheFileError(
             f"{path} is not a kvlm cache file (format {brief(meta.get('format'))})"
         )
@@ -155,17 +166,19 @@ def _parse_metadata(path: Path, meta: dict[str, str] | None) -> tuple[CacheSnaps
         if key not in meta:
             raise _bad_meta(path, f"no {key!r}")
     layout, mode, dtype = meta["layout"], meta["mode"], meta["dtype"]
-    if layout not in _LAYOUT_EXTRA:
-        raise _bad_meta(path, f"layout {brief(layout)} is not one kvlm writes")
+    if layout not in FORMATS[meta["format"]]:
+        raise _bad_meta(path, f"layout {brief(layout)} is not one {meta['format']} holds")
     if mode not in CACHE_MODES or mode == "off":
         raise _bad_meta(path, f"mode {brief(mode)} is not one kvlm writes")
-    if CACHE_MODES[mode].layout != layout and not (layout == "hybrid" and mode in HYBRID_MODES):
+    grouped = layout in ("hybrid", "groups") and mode in HYBRID_MODES
+    if CACHE_MODES[mode].layout != layout and not grouped:
         raise _bad_meta(path, f"mode {mode!r} does not write the {layout} layout")
     if file_kv_dtypes(dtype) is None:
         raise _bad_meta(path, f"dtype {brief(dtype)} is not one kvlm stores")
     batch = _count(path, meta, "batch")
     if batch > MAX_FILE_ROWS:
         raise _bad_meta(path, f"batch {batch} is more than {MAX_FILE_ROWS} rows")
+    more = layout in ("window", "groups")  # keys beyond _LAYOUT_EXTRA's
     snap = CacheSnapshot(
         layout=layout,
         dtype=dtype,
@@ -173,9 +186,11 @@ def _parse_metadata(path: Path, meta: dict[str, str] | None) -> tuple[CacheSnaps
         batch=batch,
         geometry=_ints(path, meta, "geometry", _GEOMETRY),
         tensors={},
-        # a window's flags, e.g. "cache_positions": 1 (kvlm.cache.window)
-        extra=_ints(path, meta, "layout_extra", _LAYOUT_EXTRA[layout], more=layout == "window"),
+        # a window's flags, e.g. "cache_positions": 1 (kvlm.cache.window); each group's keys
+        extra=_ints(path, meta, "layout_extra", _LAYOUT_EXTRA[layout], more=more),
     )
+    if layout == "groups":
+        _groups(path, snap)
     extra = _json_object(path, meta, "extra")
     return snap, {"fingerprint": meta["fingerprint"], "mode": mode, "extra": extra}
 
@@ -217,6 +232,28 @@ def _ints(
     return obj
 
 
+def _groups(path: Path, snap: CacheSnapshot) -> tuple[LayerGroup, ...]:
+    """The layer groups a `groups` file's metadata names (kvlm.cache.groups.from_layout)."""
+    try:
+        return from_layout(snap.extra, snap.geometry["layers"])
+    except ValueError as exc:
+        raise _bad_meta(path, f"layout_extra: {_line(exc)}") from None
+
+
+def _as_groups(snap: CacheSnapshot) -> CacheSnapshot:
+    """A checked `hybrid` snapshot (kvlm-cache/1) as the `groups` one it is: its whole
+    layers group 0 (tensors "" -> "g0_"), its ring group 1 ("ring_" -> "g1_")."""
+    if snap.layout != "hybrid":
+        return snap
+    local, layers = snap.extra["local_layers"], snap.geometry["layers"]
+    window = SlidingWindow(snap.extra["window"])
+    kinds = tuple(window if local >> i & 1 else FullAttention() for i in range(layers))
+    spec = CacheSpec(layers, 1, 2, 1, layer_kinds=kinds)
+    tensors = {(group_prefix(1) + k[len(RING) :] if k.startswith(RING) else group_prefix(0) + k): t
+               for k, t in snap.tensors.items()}  # fmt: skip
+    return replace(snap, layout="groups", tensors=tensors, extra=layout_extra(layer_groups(spec)))
+
+
 def file_kv_dtypes(name: object) -> tuple[torch.dtype, torch.dtype] | None:
     """K's and V's dtypes from a file's dtype: "fp16", or "int8/q4" (K/V); None if it
     names no dtype kvlm stores, in the one spelling kvlm writes (kv_dtype_name)."""
@@ -242,25 +279,39 @@ def _layout(path: Path, snap: CacheSnapshot) -> dict[str, tuple[tuple[int, ...],
     """
     g, extra = snap.geometry, snap.extra
     rows = snap.length if snap.layout != "window" else extra["sinks"] + extra["window"]
-    layers = g["layers"]
-    parts = [("", layers, rows)]
+    layers, heads, d = g["layers"], g["kv_heads"], g["head_dim"]
+    # (prefix, layers, rows held, kv heads, head_dim, slot positions too)
+    parts = [("", layers, rows, heads, d, snap.layout == "window")]
     if snap.layout == "hybrid":  # the whole layers' rows, then the ring layers' ring
         local = extra["local_layers"]
         ring = bin(local).count("1")
         if local >= 1 << layers or ring == layers:
             raise _bad_meta(path, f"local_layers {local} is not a set of some of {layers} layers")
-        parts = [("", layers - ring, rows), (RING, ring, extra["window"] + RING_SLACK)]
+        parts = [("", layers - ring, rows, heads, d, False),
+                 (RING, ring, extra["window"] + RING_SLACK, heads, d, True)]  # fmt: skip
+    if snap.layout == "groups":  # each group's rows, or a window's ring of its `keep`
+        parts = [(group_prefix(n), len(group.layers), rows if group.kind.keep is None
+                  else group.kind.keep, *group.kind.shape(_Geometry(heads, d)),
+                  group.kind.keep is not None)
+                 for n, group in enumerate(_groups(path, snap))]  # fmt: skip
     k, v = file_kv_dtypes(snap.dtype)
     want = {}
-    for prefix, n, held in parts:
-        d = g["head_dim"]
-        if Q4 in (k, v) and d % 2:
-            raise _bad_meta(path, f"geometry.head_dim {d} is odd: q4 packs two values a byte")
-        shape = (n, 2, snap.batch, g["kv_heads"], held, d)
+    for prefix, n, held, h, dim, ring in parts:
+        if Q4 in (k, v) and dim % 2:
+            raise _bad_meta(path, f"head_dim {dim} is odd: q4 packs two values a byte")
+        shape = (n, 2, snap.batch, h, held, dim)
         want.update({prefix + name: sd for name, sd in part_layout(shape, k, v).items()})
-        if snap.layout == "window" or prefix:
+        if ring:
             want[prefix + "slot_pos"] = ((held,), torch.int64)
     return want
+
+
+@dataclass(frozen=True, slots=True)
+class _Geometry:
+    """A file's geometry as a kind reads it (LayerKind.shape)."""
+
+    num_kv_heads: int
+    head_dim: int
 
 
 def _check_shapes(path: Path, snap: CacheSnapshot, shapes: dict[str, tuple[int, ...]]) -> None:
@@ -292,6 +343,12 @@ def _check_contents(path: Path, snap: CacheSnapshot) -> None:
     if snap.layout == "hybrid":  # a ring of W + RING_SLACK; the next query reads W - 1
         window = snap.extra["window"]
         _check_ring(path, snap, 0, window + RING_SLACK, RING + "slot_pos", window)
+    if snap.layout == "groups":  # each window's ring, as the hybrid layout's
+        for n, group in enumerate(_groups(path, snap)):
+            kind = group.kind
+            if kind.keep is not None:
+                name = group_prefix(n) + "slot_pos"
+                _check_ring(path, snap, 0, kind.keep, name, kind.window or kind.keep)
 
 
 def _check_ring(

@@ -1,10 +1,10 @@
 """Hybrid caches: each kind of layer keeps what it attends to, and no more.
 
-A hybrid model's layers come in two kinds (ModelConfig.layer_windows): local ones see only
-the last W tokens (a sliding window, e.g. five of every six with W = 512 or 1,024), global
-ones the whole context. A cache that keeps every layer's K/V for the whole context holds
-~5x what such a model reads at 32k tokens. So a
-hybrid model's cache is two caches in lockstep (`HybridCache`):
+A hybrid model's layers come in kinds (kvlm.cache.kinds): local ones see only the last W
+tokens (a sliding window, e.g. five of every six with W = 512 or 1,024), global ones the
+whole context. A cache that keeps every layer's K/V for the whole context holds ~5x what
+such a model reads at 32k tokens. So a hybrid model's cache is a cache per layer group
+(kvlm.cache.groups) in lockstep (`HybridCache`):
 
     layers   0  1  2  3  4  5 | 6  7  8  9 10 11 | ...
     window   W  W  W  W  W  - | W  W  W  W  W  - |
@@ -12,7 +12,7 @@ hybrid model's cache is two caches in lockstep (`HybridCache`):
 
 - the layers that see everything in a cache of the mode asked for (contiguous, basic),
   over those layers only;
-- the layers with a window in a ring of their last W + RING_SLACK tokens: the window
+- the layers of each window W in a ring of their last W + RING_SLACK tokens: the window
   cache's ring (kvlm.cache.window) with no sinks and positions as in the text, the model's
   window W in its masks, so a chunk longer than the window still sees what its early
   queries need, a rollback of up to RING_SLACK tokens (or a draft's rejected rows) finds
@@ -22,10 +22,11 @@ hybrid model's cache is two caches in lockstep (`HybridCache`):
 A step is a step of each part (`HybridStep`); `for_layer(i)` hands layer i its part's
 step, with the layer's index inside that part. The model never knows. A longer rollback
 is refused, as the window cache refuses it (`can_roll_back`: the caller starts over).
-Cache files hold both parts (`layout` "hybrid"): the whole part's values, then the ring's
-as `ring_values` and `ring_slot_pos` (kvlm.cache.files checks them as it checks a ring).
+Cache files hold every part (`layout` "groups", kvlm.cache.files): group n's tensors as
+its part exports them, prefixed `g{n}_` (a ring's with its `slot_pos`, checked as a
+ring is).
 
-The split is kvlm.cache.kinds': its `layer_groups` (the layers by kind, each group's
+The split is kvlm.cache.groups': its `layer_groups` (the layers by kind, each group's
 spec, which layer sits where, the file's layout) serve this cache and the pool's block
 tables alike. This is the basic and contiguous modes' storage of the groups
 (factory.RING_MODES); the paged and int8 modes keep each group on a block table of its
@@ -43,7 +44,16 @@ from kvlm.cache.base import CacheSpec, CacheStep, KVCache, KVPair
 from kvlm.cache.groups import LayerGroup, layer_at, layer_groups, layout_extra
 from kvlm.cache.window import WindowCache
 
-RING = "ring_"  # the prefix of the ring part's tensors in a snapshot
+
+def group_prefix(g: int) -> str:
+    """The prefix of layer group g's tensors in a snapshot of the `groups` layout."""
+    return f"g{g}_"
+
+
+def group_tensors(tensors: dict[str, torch.Tensor], g: int) -> dict[str, torch.Tensor]:
+    """Layer group g's tensors of a `groups` snapshot, their prefix taken off."""
+    prefix = group_prefix(g)
+    return {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
 
 
 def ring_spec(spec: CacheSpec, group: LayerGroup) -> CacheSpec:
@@ -97,16 +107,16 @@ class HybridStep(CacheStep):
 
 
 class HybridCache(KVCache):
-    """A cache per layer group of `spec` (kvlm.cache.kinds) in lockstep: the layers that
-    see everything in a cache of `mode_cls`, those with a window in a ring."""
+    """A cache per layer group of `spec` (kvlm.cache.groups) in lockstep: the layers that
+    see everything in a cache of `mode_cls`, each window's in a ring."""
 
-    layout: ClassVar[str] = "hybrid"
+    layout: ClassVar[str] = "groups"
 
     def __init__(self, mode_cls: type[KVCache], spec: CacheSpec) -> None:
         super().__init__(spec)
         self.groups = layer_groups(spec)
         self.caches = [part_cache(mode_cls, spec, group) for group in self.groups]
-        self.mode = self.whole.mode
+        self.mode = mode_cls.mode
         self.window = self.groups[1].kind.window
         # layer -> (part, {layer: index inside the part} of that part)
         indexes = [{i: n for n, i in enumerate(g.layers)} for g in self.groups]
@@ -130,13 +140,14 @@ class HybridCache(KVCache):
 
     @property
     def capacity(self) -> int:
-        return self.whole.capacity
+        return min(part.capacity for part in self.parts)
 
     def would_overflow(self, n_new: int) -> bool:
-        return self.whole.would_overflow(n_new)
+        return any(part.would_overflow(n_new) for part in self.parts)
 
     def _overflow_message(self, n_new: int) -> str:
-        return self.whole._overflow_message(n_new)
+        part = next(p for p in self.parts if p.would_overflow(n_new))
+        return part._overflow_message(n_new)
 
     def _begin(self, n_new: int, draft: bool) -> CacheStep:
         return HybridStep([part.begin(n_new, draft) for part in self.parts], self)
@@ -166,16 +177,14 @@ class HybridCache(KVCache):
             part.fork(n)
 
     def _export(self) -> dict[str, torch.Tensor]:
-        ring = {RING + k: t for k, t in self.ring._export().items()}
-        return {**self.whole._export(), **ring}
+        parts = enumerate(self.parts)
+        return {group_prefix(g) + k: t for g, part in parts for k, t in part._export().items()}
 
     def _import(self, tensors: dict[str, torch.Tensor], length: int) -> None:
-        ring = {k[len(RING) :]: t for k, t in tensors.items() if k.startswith(RING)}
-        whole = {k: t for k, t in tensors.items() if not k.startswith(RING)}
-        for part, held in ((self.whole, whole), (self.ring, ring)):
+        for g, part in enumerate(self.parts):
             part.free()
             part.batch = self.batch
-            part._import(held, length)
+            part._import(group_tensors(tensors, g), length)
             part._length = length
 
     def _layout_extra(self) -> dict[str, int]:

@@ -26,6 +26,7 @@ here and its line in `layer_kinds`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
@@ -57,6 +58,7 @@ class LayerKind:
     `heads`, `head_dim`: its rows' own geometry (None: the model's)."""
 
     name: ClassVar[str]
+    code: ClassVar[int]  # its number in a file's `groups` layout (KINDS)
     heads: int | None = field(default=None, kw_only=True)
     head_dim: int | None = field(default=None, kw_only=True)
 
@@ -77,6 +79,12 @@ class LayerKind:
     def first_read(self, length: int) -> int:
         """The first position the next query of a sequence `length` tokens long reads."""
         return 0
+
+    @property
+    def fields(self) -> dict[str, int]:
+        """Its parameters as a file's layout names them: every field that is set."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None}  # fmt: skip
 
     def shape(self, spec: Geometry) -> tuple[int, int]:
         """(KV heads, head_dim) of this kind's rows: its own, else the model's (`spec`'s)."""
@@ -99,6 +107,7 @@ class FullAttention(LayerKind):
     """Attention over the whole context: K/V rows of every token."""
 
     name: ClassVar[str] = "attention"
+    code: ClassVar[int] = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +115,7 @@ class SlidingWindow(LayerKind):
     """Attention over the last `size` tokens: K/V rows of the last size + RING_SLACK."""
 
     name: ClassVar[str] = "window"
+    code: ClassVar[int] = 1
     size: int
 
     @property
@@ -118,6 +128,27 @@ class SlidingWindow(LayerKind):
 
     def first_read(self, length: int) -> int:
         return max(0, length - self.size + 1)
+
+
+# Every kind by its code (a file's `groups` layout): a new kind takes the next number
+KINDS: dict[int, type[LayerKind]] = {k.code: k for k in (FullAttention, SlidingWindow)}
+
+
+def kind_from(code: int, fields: dict[str, int]) -> LayerKind:
+    """The kind a file's layout names: KINDS[code] with `fields` (ints >= 1). ValueError
+    for a code kvlm does not know, or fields the kind does not have or lacks."""
+    cls = KINDS.get(code)
+    if cls is None:
+        raise ValueError(f"kind {code} is not one of {sorted(KINDS)}")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    needed = {n for n, f in known.items() if f.default is dataclasses.MISSING}
+    if not needed <= set(fields) <= set(known):
+        raise ValueError(f"kind {cls.name!r} takes {sorted(needed)} (and may take "
+                         f"{sorted(set(known) - needed)}), not {sorted(fields)}")  # fmt: skip
+    bad = [n for n, v in fields.items() if type(v) is not int or v < 1]
+    if bad:
+        raise ValueError(f"kind {cls.name!r}: {bad[0]} {fields[bad[0]]!r} is not an integer >= 1")
+    return cls(**fields)
 
 
 def kind_of(window: int | None) -> LayerKind:

@@ -27,6 +27,7 @@ KV cache manager does:
 
     group 0  the layers that see everything   BlockPool (the pool's face: store, refs)
     group 1  the layers with a window W       pool.groups[1], a BlockPool of its own
+    group g  (each other kind's layers)       pool.groups[g]
     layer i  -> pool.layer_at[i] = (group, index of the layer inside its group's store)
 
     sequence, group 0:  [ 7 | 2 | 9 | 4 | 11 ]       every block kept
@@ -53,7 +54,7 @@ import torch
 
 from kvlm.cache.base import CacheSpec, CacheStep, KVCache, KVPair, blocks_for, causal_mask, visible
 from kvlm.cache.groups import LayerGroup, layer_at, layer_groups, layout_extra
-from kvlm.cache.hybrid import RING, ring_spec
+from kvlm.cache.hybrid import group_prefix, group_tensors, ring_spec
 from kvlm.cache.registry import PrefixRegistry
 from kvlm.cache.storage import Store
 from kvlm.errors import CacheOverflowError, InvalidRequestError
@@ -81,22 +82,23 @@ class BlockPool:
         spec: CacheSpec,
         num_blocks: int,
         scratch: bool | None = None,
-        windowed_blocks: int | None = None,
+        group_blocks: Sequence[int] | None = None,
         group: LayerGroup | None = None,
     ) -> None:
         """`scratch` (default: on a GPU): one more block, never handed out: where the
         padding rows of a captured decode batch write (kvlm.model.graphs), so they never
         touch a sequence's blocks. A `spec` whose layers come in groups (kvlm.cache.groups:
         a hybrid model's): this pool holds the first group, the layers that see everything
-        (num_blocks), `groups[g]` group g (a BlockPool of `group` g, windowed_blocks
+        (num_blocks), `groups[g]` group g (a BlockPool of `group` g, group_blocks[g - 1]
         blocks, default num_blocks)."""
         kinds = layer_groups(spec)
         self.group = group or kinds[0]  # the layers this pool's store holds, their kind
         self.groups: list[BlockPool] = [self]
         self.layer_at = layer_at(kinds)  # layer -> (its group, its index in the group's store)
         if group is None:
-            self.groups += [BlockPool(spec, windowed_blocks or num_blocks, scratch, group=g)
-                            for g in kinds[1:]]  # fmt: skip
+            blocks = group_blocks or [num_blocks] * (len(kinds) - 1)
+            self.groups += [BlockPool(spec, n, scratch, group=g)
+                            for g, n in zip(kinds[1:], blocks, strict=True)]  # fmt: skip
         spec = self.group.spec(spec)
         self.block_size = spec.block_size
         self.num_blocks = num_blocks
@@ -300,10 +302,10 @@ class _PagedStep(CacheStep):
 
 class PagedCache(KVCache):
     """Rows on a BlockPool, a block table per row and per layer group (one group, or a
-    hybrid model's two: its windowed group's blocks slide out after each commit, and a
+    hybrid model's groups: a windowed group's blocks slide out after each commit, and a
     rollback may go back RING_SLACK tokens, as the hybrid ring's does). Files of a hybrid
-    model's paged cache hold the `hybrid` layout (kvlm.cache.hybrid): the whole layers'
-    rows, then the windowed layers' last W + RING_SLACK positions as a ring."""
+    model's paged cache hold the `groups` layout (kvlm.cache.hybrid): the whole layers'
+    rows, and each window's last W + RING_SLACK positions as a ring."""
 
     mode = "paged"
 
@@ -314,9 +316,10 @@ class PagedCache(KVCache):
         # [group][row]: each row's block table in each layer group; group 0 is `tables`
         self.group_tables: list[list[list[int]]] = [[] for _ in self.pool.groups]
         self._new_tables(spec.batch)
-        self._held_from = 0  # the first position a windowed group was given (a file's ring)
+        # per group: the first position it was given (a file's ring holds only the last)
+        self._held_from = [0] * len(self.pool.groups)
         if self.pool.hybrid:
-            self.layout = "hybrid"  # type: ignore[misc] - an instance's layout, not its class's
+            self.layout = "groups"  # type: ignore[misc] - an instance's layout, not its class's
 
     @property
     def tables(self) -> list[list[int]]:
@@ -398,9 +401,9 @@ class PagedCache(KVCache):
         length = self.num_tokens - n
         if not self.tables or length == 0:
             return
-        for pool, tables in list(self._groups())[1:]:
+        for g, (pool, tables) in enumerate(self._groups()):
             needed = pool.group.kind.first_read(length)
-            held = max(self._held_from, pool.first_live(tables[0]) * pool.block_size)
+            held = max(self._held_from[g], pool.first_live(tables[0]) * pool.block_size)
             if needed < held:
                 raise InvalidRequestError(
                     f"cannot roll back {n} tokens: the windowed layers have let go of "
@@ -414,7 +417,7 @@ class PagedCache(KVCache):
             for table in tables:
                 pool.trim(table, length)
         if length == 0:
-            self._held_from = 0
+            self._held_from = [0] * len(self._held_from)
 
     def _release(self) -> None:
         self._truncate(0)
@@ -427,9 +430,17 @@ class PagedCache(KVCache):
         ]
 
     def _export(self) -> dict[str, torch.Tensor]:
-        out = self._export_dense(self.pool, self.tables, self.num_tokens)
-        if self.pool.hybrid:
-            out.update(self._export_ring())
+        """One group's rows as the dense layout; a hybrid pool's groups as the `groups`
+        layout: the whole group's rows, each window's as a ring (kvlm.cache.hybrid's)."""
+        if not self.pool.hybrid:
+            return self._export_dense(self.pool, self.tables, self.num_tokens)
+        out = {}
+        for g, (pool, tables) in enumerate(self._groups()):
+            if pool.keep is None:
+                part = self._export_dense(pool, tables, self.num_tokens)
+            else:
+                part = self._export_ring(g)
+            out.update({group_prefix(g) + name: t for name, t in part.items()})
         return out
 
     def _export_dense(self, pool: BlockPool, rows: list[list[int]], n: int) -> dict:
@@ -438,17 +449,17 @@ class PagedCache(KVCache):
         # (L, 2, B, nb, H, bs[, D]) -> (L, 2, B, H, nb * bs[, D]), cut to the tokens held
         return {name: t.transpose(3, 4).flatten(4, 5)[:, :, :, :, :n] for name, t in raw.items()}
 
-    def _export_ring(self) -> dict[str, torch.Tensor]:
-        """The windowed group as kvlm.cache.hybrid's ring: W + RING_SLACK slots, position
+    def _export_ring(self, g: int) -> dict[str, torch.Tensor]:
+        """Windowed group g as kvlm.cache.hybrid's ring: W + RING_SLACK slots, position
         p in slot p % (W + RING_SLACK), each slot's position (-1: empty)."""
         group, rows, n, bs = (
-            self.pool.groups[1],
-            self.group_tables[1],
+            self.pool.groups[g],
+            self.group_tables[g],
             self.num_tokens,
             self.spec.block_size,
         )
         first = max(
-            n - group.keep, self._held_from, group.first_live(rows[0]) * bs if rows[0] else 0
+            n - group.keep, self._held_from[g], group.first_live(rows[0]) * bs if rows[0] else 0
         )
         pos = torch.arange(max(0, first), n)
         tables = torch.tensor([[max(b, 0) for b in t] for t in rows], dtype=torch.long)
@@ -463,43 +474,43 @@ class PagedCache(KVCache):
         ring = {}
         for name, t in group.store.raw(index).items():  # (B, m, L, 2, H[, D])
             shape = (t.shape[2], t.shape[3], self.batch, t.shape[4], group.keep, *t.shape[5:])
-            ring[RING + name] = torch.zeros(shape, dtype=t.dtype, device=dev)
-            ring[RING + name][:, :, :, :, slots.to(dev)] = t.permute(
-                2, 3, 0, 4, 1, *range(5, t.dim())
-            )
+            ring[name] = torch.zeros(shape, dtype=t.dtype, device=dev)
+            ring[name][:, :, :, :, slots.to(dev)] = t.permute(2, 3, 0, 4, 1, *range(5, t.dim()))
         slot_pos = torch.full((group.keep,), -1, dtype=torch.long, device=dev)
         slot_pos[slots.to(dev)] = pos.to(dev)
-        return {**ring, RING + "slot_pos": slot_pos}
+        return {**ring, "slot_pos": slot_pos}
 
     def _import(self, tensors: dict[str, torch.Tensor], length: int) -> None:
-        bs = self.spec.block_size
-        ring = {k[len(RING) :]: t for k, t in tensors.items() if k.startswith(RING)}
-        slot_pos = ring.pop("slot_pos", None)
-        held = slot_pos[slot_pos >= 0].cpu() if slot_pos is not None else torch.arange(length)
-        first = int(held.min()) // bs if len(held) else blocks_for(length, bs)
-        counts = [blocks_for(length, bs)] + [blocks_for(length, bs) - first] * (
-            len(self.pool.groups) - 1
-        )
+        """Each group's rows (a ring's: the positions its slot_pos names) into blocks of
+        its own, FREED before the first block a ring holds."""
+        bs, total = self.spec.block_size, blocks_for(length, self.spec.block_size)
+        parts = [group_tensors(tensors, g) for g in range(len(self.pool.groups))]
+        if not self.pool.hybrid:
+            parts = [tensors]
+        held, counts = [], []
+        for part in parts:
+            slot_pos = part.get("slot_pos")
+            pos = torch.arange(length) if slot_pos is None else slot_pos[slot_pos >= 0].cpu()
+            held.append(pos)
+            counts.append(total - (int(pos.min()) // bs if len(pos) else total))
         for pool, count in zip(self.pool.groups, counts, strict=True):
-            if (
-                self.batch * count > pool.num_free
-            ):  # refuse before taking any: a partial take would leak
+            if self.batch * count > pool.num_free:  # refused before any is taken: no leak
                 raise CacheOverflowError(
                     f"{self.batch} rows of {length} tokens need {self.batch * count} blocks, "
                     f"the pool has {pool.num_free} free"
                 )
         self.group_tables = [
-            [[FREED] * (blocks_for(length, bs) - count) + [pool.allocate() for _ in range(count)]
+            [[FREED] * (total - count) + [pool.allocate() for _ in range(count)]
              for _ in range(self.batch)]
             for pool, count in zip(self.pool.groups, counts, strict=True)
         ]  # fmt: skip
-        whole = {k: t for k, t in tensors.items() if not k.startswith(RING)}
-        self._put(self.pool, self.tables, torch.arange(length), whole)
-        if slot_pos is not None:
-            self._held_from = int(held.min()) if len(held) else length
-            slots = (held % slot_pos.numel()).to(slot_pos.device)
-            ring = {k: t[:, :, :, :, slots] for k, t in ring.items()}  # (L, 2, B, H, m[, D])
-            self._put(self.pool.groups[1], self.group_tables[1], held, ring)
+        for g, (part, pos) in enumerate(zip(parts, held, strict=True)):
+            slot_pos = part.pop("slot_pos", None)
+            if slot_pos is not None:  # (L, 2, B, H, m[, D]): the ring's slots in position order
+                self._held_from[g] = int(pos.min()) if len(pos) else length
+                slots = (pos % slot_pos.numel()).to(slot_pos.device)
+                part = {k: t[:, :, :, :, slots] for k, t in part.items()}
+            self._put(self.pool.groups[g], self.group_tables[g], pos, part)
 
     def _put(
         self, pool: BlockPool, rows: list[list[int]], pos: torch.Tensor, tensors: dict
@@ -598,10 +609,10 @@ class TableStep(_PagedStep):
         tables: list[list[int]],
         starts: list[int],
         n_new: int,
-        windowed: Sequence[Sequence[list[int]]] = (),
+        others: Sequence[Sequence[list[int]]] = (),
     ) -> None:
-        """`tables`: each row's table of the pool's group 0; `windowed`: a hybrid pool's
-        other groups', group by group (windowed[g - 1][b]: row b's table of group g)."""
+        """`tables`: each row's table of the pool's group 0; `others`: a hybrid pool's
+        other groups', group by group (others[g - 1][b]: row b's table of group g)."""
         device, bs = spec.device, pool.block_size
         n_keys = max(starts) + n_new
         pos = torch.tensor(starts)[:, None] + torch.arange(n_new)  # (B, T)
@@ -611,7 +622,7 @@ class TableStep(_PagedStep):
         self.use_window(spec.sliding_window)
         width = blocks_for(n_keys, bs)
         self.parts, self.layer_at = [], pool.layer_at
-        for group, rows in zip(pool.groups, [tables, *windowed], strict=True):
+        for group, rows in zip(pool.groups, [tables, *others], strict=True):
             padded = torch.tensor([readable(t, width) for t in rows])  # (B, width)
             write = padded.gather(1, pos // bs).to(device)  # (B, T)
             self.parts.append(_Part(group.store, write, padded.to(device)))
@@ -697,8 +708,9 @@ class RaggedStep(_PagedStep):
         starts: list[int],
         lengths: list[int],
         logit_rows: list[int],
-        windowed: Sequence[Sequence[list[int]]] = (),
+        others: Sequence[Sequence[list[int]]] = (),
     ) -> None:
+        """`others`: a hybrid pool's other groups' tables, as TableStep's."""
         device, bs = spec.device, pool.block_size
         n = sum(lengths)
         CacheStep.__init__(self, 0, n, 1, device, None, False)
@@ -712,7 +724,7 @@ class RaggedStep(_PagedStep):
             cu_q.append(cu_q[-1] + length)
             cu_k.append(cu_k[-1] + end)
         self.parts, self.layer_at = [], pool.layer_at
-        for group, rows in zip(pool.groups, [tables, *windowed], strict=True):
+        for group, rows in zip(pool.groups, [tables, *others], strict=True):
             write_b, read_b = [], []
             for table, start, length in zip(rows, starts, lengths, strict=True):
                 table = readable(table, blocks_for(start + length, bs))

@@ -91,13 +91,13 @@ def _packer(n: int) -> Callable[..., bytes]:
 @dataclass(slots=True)
 class BlockTable:
     """One sequence's blocks, the keys of those that are full and sealed, and its salt; on
-    a hybrid pool also its table of each windowed layer group (`windowed[g - 1]`, group g
-    of kvlm.cache.paged.BlockPool.groups: FREED where a block has left the window)."""
+    a hybrid pool also its table of each other layer group (`others[g - 1]`, group g of
+    kvlm.cache.paged.BlockPool.groups: FREED where a block has left a window)."""
 
     blocks: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
     salt: str | None = None
-    windowed: list[list[int]] = field(default_factory=list)
+    others: list[list[int]] = field(default_factory=list)
 
 
 # a lookup in the tiers as the engine thread runs it: each yield a wait, off the thread
@@ -158,13 +158,13 @@ class PrefixStats:
 
 @dataclass(slots=True)
 class Hit:
-    """A prefix-cache match: group 0's blocks and keys, each windowed group's table at the
+    """A prefix-cache match: group 0's blocks and keys, each other group's table at the
     hit (FREED, then the blocks of the window before it), and how many of the blocks
-    group 0 matched were given up because a windowed group lacked their window (`cut`)."""
+    group 0 matched were given up because another group lacked their window (`cut`)."""
 
     blocks: list[int]
     keys: list[bytes]
-    windowed: list[list[int]]
+    others: list[list[int]]
     cut: int = 0
 
 
@@ -193,8 +193,8 @@ class BlockManager:
         self.step_tokens = step_tokens
 
     @property
-    def windowed(self) -> list[BlockPool]:
-        """A hybrid pool's windowed layer groups (none for one group)."""
+    def others(self) -> list[BlockPool]:
+        """A hybrid pool's layer groups after group 0, each window's (none for one group)."""
         return self.pool.groups[1:]
 
     def sequence_blocks(self, group: BlockPool) -> int:
@@ -237,13 +237,13 @@ class BlockManager:
         """The longest hit: group 0's walk, cut back to the longest prefix whose window
         every windowed group still holds."""
         blocks, keys = self._walk(tokens, salt, reuse)
-        if not self.windowed or not blocks:
-            return Hit(blocks, keys, [[] for _ in self.windowed])
-        found = [self._window_blocks(g, tokens, salt, blocks, keys) for g in self.windowed]
+        if not self.others or not blocks:
+            return Hit(blocks, keys, [[] for _ in self.others])
+        found = [self._window_blocks(g, tokens, salt, blocks, keys) for g in self.others]
         bs, h = self.block_size, len(blocks)
         while h > 0:
             tables = []
-            for group, have in zip(self.windowed, found, strict=True):
+            for group, have in zip(self.others, found, strict=True):
                 lo = max(0, h * bs - group.window) // bs
                 if any(b is None for b in have[lo:h]):
                     break
@@ -251,7 +251,7 @@ class BlockManager:
             else:
                 return Hit(blocks[:h], keys[:h], tables, len(blocks) - h)
             h -= 1
-        return Hit([], [], [[] for _ in self.windowed], len(blocks))
+        return Hit([], [], [[] for _ in self.others], len(blocks))
 
     def _window_blocks(
         self, group: BlockPool, tokens: Sequence[int], salt: str | None, blocks: list[int],
@@ -290,9 +290,9 @@ class BlockManager:
 
     def _fetch_steps(self, tokens: Sequence[int], salt: str | None) -> Steps:
         loaded = yield from self._fetch_group0(tokens, salt)
-        if self.windowed:
+        if self.others:
             blocks, keys = self._walk(tokens, salt)
-            for g, group in enumerate(self.windowed, start=1):
+            for g, group in enumerate(self.others, start=1):
                 loaded += yield from self._fetch_window(g, group, tokens, salt, blocks, keys)
         return loaded
 
@@ -393,7 +393,7 @@ class BlockManager:
         hit = self._match(tokens, salt, reuse)
         if self._admit_cost(len(tokens), hit.blocks) > self.pool.num_free - reserve:
             return False
-        for group, table in zip(self.windowed, hit.windowed, strict=True):
+        for group, table in zip(self.others, hit.others, strict=True):
             revived = sum(1 for b in table if b != FREED and group.refs[b] == 0)
             if revived + self.sequence_blocks(group) > group.num_free:
                 return False
@@ -408,18 +408,18 @@ class BlockManager:
         hit = self._match(tokens, salt, reuse)
         if self._admit_cost(len(tokens), hit.blocks) > self.pool.num_free:
             raise RuntimeError("allocate() without room: check can_admit() first")
-        for group, blocks in zip(self.pool.groups, [hit.blocks, *hit.windowed], strict=True):
+        for group, blocks in zip(self.pool.groups, [hit.blocks, *hit.others], strict=True):
             for block in blocks:
                 if block != FREED:
                     group.revive(block)
                     group.prefix.block_hits[block] += 1
-        table = BlockTable(list(hit.blocks), hit.keys, salt, [list(t) for t in hit.windowed])
+        table = BlockTable(list(hit.blocks), hit.keys, salt, [list(t) for t in hit.others])
         need = blocks_for(len(tokens), self.block_size)
         table.blocks += [self.pool.allocate() for _ in range(need - len(hit.blocks))]
         cached = len(hit.blocks) * self.block_size
         self.stats.queries += len(tokens)
         self.stats.hits += cached
-        if self.windowed and (hit.blocks or hit.cut):
+        if self.others and (hit.blocks or hit.cut):
             self.stats.window_lookups += 1
             self.stats.window_cut += hit.cut > 0
             self.stats.window_cut_tokens += hit.cut * self.block_size
@@ -429,7 +429,7 @@ class BlockManager:
 
     def _tables(self, table: BlockTable) -> list[tuple[BlockPool, list[int]]]:
         """(group's pool, the sequence's table in it) of each layer group."""
-        return list(zip(self.pool.groups, [table.blocks, *table.windowed], strict=True))
+        return list(zip(self.pool.groups, [table.blocks, *table.others], strict=True))
 
     def can_append(self, table: BlockTable, num_tokens: int) -> bool:
         """Whether the token at position `num_tokens` can be written: it needs a new block
@@ -487,8 +487,8 @@ class BlockManager:
 
     def fork(self, table: BlockTable) -> BlockTable:
         """A second table over the same blocks (parallel samples of one prompt)."""
-        windowed = [g.fork(t) for g, t in zip(self.windowed, table.windowed, strict=True)]
-        return BlockTable(self.pool.fork(table.blocks), list(table.hashes), table.salt, windowed)
+        others = [g.fork(t) for g, t in zip(self.others, table.others, strict=True)]
+        return BlockTable(self.pool.fork(table.blocks), list(table.hashes), table.salt, others)
 
     def trim(self, table: BlockTable, num_tokens: int) -> None:
         """Drop the blocks past the first `num_tokens` positions (rejected draft tokens):
@@ -502,7 +502,7 @@ class BlockManager:
         its last token not computed) so that eviction passes them by, each layer group's
         (a hybrid pool's windowed groups: the window before the hit); unpin() lets go."""
         hit = self._match(tokens, salt)
-        held = [[b for b in blocks if b != FREED] for blocks in [hit.blocks, *hit.windowed]]
+        held = [[b for b in blocks if b != FREED] for blocks in [hit.blocks, *hit.others]]
         for group, blocks in zip(self.pool.groups, held, strict=True):
             for block in blocks:
                 group.revive(block)

@@ -8,9 +8,11 @@ file is a CacheFileError before anything is drawn):
     dense file   values [layers, 2, batch, kv_heads, length, head_dim]   position = column
     window file  values [..., sinks + window, head_dim] + slot_pos       position = slot_pos
                  (ring order; read back here in position order, empty slots dropped)
-    hybrid file  values of the layers that see everything, as a dense file's, and the
-                 windowed layers' ring (ring_values, ring_slot_pos): contents() and the
-                 pictures are of the first part; the summary names both
+    groups file  each layer group's tensors, prefixed g0_, g1_, ...: the layers that see
+                 everything as a dense file's, each window's layers as a ring (with
+                 g{n}_slot_pos); contents() and the pictures are of group 0; the summary
+                 names every group (a kvlm-cache/1 `hybrid` file reads as one of two
+                 groups, kvlm.cache.files)
 
 A paged or int8 file is dense on disk: a cache re-pages it when it loads, and the file does
 not record the block size it was written with. Its block map is the pool it restores into
@@ -29,8 +31,8 @@ import torch
 from kvlm.cache.base import CacheSnapshot, CacheSpec, blocks_for
 from kvlm.cache.factory import create_cache, planned_nbytes
 from kvlm.cache.files import file_kv_dtypes, read_cache_file
-from kvlm.cache.hybrid import RING
-from kvlm.cache.kinds import FullAttention, SlidingWindow
+from kvlm.cache.groups import from_layout, layer_kinds
+from kvlm.cache.hybrid import group_tensors
 from kvlm.cache.paged import PagedCache
 from kvlm.cache.storage import CODECS, parts_as
 
@@ -55,6 +57,13 @@ class SavedCache:
     def quantized(self) -> bool:
         return any(t in CODECS for t in file_kv_dtypes(self.snap.dtype))
 
+    @property
+    def groups(self) -> tuple:
+        """The layer groups of a `groups` file (kvlm.cache.groups), () for another layout."""
+        if self.snap.layout != "groups":
+            return ()
+        return from_layout(self.snap.extra, self.snap.geometry["layers"])
+
     def spec(self, block_size: int = 16) -> CacheSpec:
         """The spec of a cache that holds exactly this file (the pool: its rows' blocks)."""
         s, g, extra = self.snap, self.snap.geometry, self.snap.extra
@@ -62,10 +71,8 @@ class SavedCache:
         if s.layout == "window":
             sizes = {"window": extra["window"], "sinks": extra["sinks"]}
             sizes["window_positions"] = "cache" if extra.get("cache_positions") else "absolute"
-        if s.layout == "hybrid":  # kvlm.cache.hybrid: a bit per layer of the ring
-            ring = [extra["local_layers"] >> i & 1 for i in range(g["layers"])]
-            kinds = (FullAttention(), SlidingWindow(extra["window"]))
-            sizes = {"layer_kinds": tuple(kinds[r] for r in ring)}
+        if s.layout == "groups":  # each layer's kind, from its group's
+            sizes = {"layer_kinds": layer_kinds(self.groups)}
         return CacheSpec(
             num_layers=g["layers"],
             num_kv_heads=g["kv_heads"],
@@ -117,8 +124,7 @@ class SavedCache:
         """(layers, 2, kv_heads, T, head_dim) fp32: sequence `row`'s K and V as stored
         (int8 and q4 dequantized; their K in its rotated basis, which keeps norms; window K
         before RoPE in its default positions, which keeps norms too)."""
-        parts = {name: t[:, :, row] for name, t in self.snap.tensors.items()
-                 if t.dim() == 6 and not name.startswith(RING)}  # fmt: skip
+        parts = {name: t[:, :, row] for name, t in self._stored().items() if t.dim() == 6}
         values = parts_as(parts, *file_kv_dtypes(self.snap.dtype), torch.float32)
         return self._columns(values.float())
 
@@ -126,7 +132,12 @@ class SavedCache:
         """int8: (layers, 2, kv_heads, T, 2) fp32 step and zero point of each token row."""
         if self.snap.dtype != "int8":
             raise ValueError(f"a {self.snap.dtype} file has no int8 scales")
-        return self._columns(self.snap.tensors["scales"][:, :, row].float())
+        return self._columns(self._stored()["scales"][:, :, row].float())
+
+    def _stored(self) -> dict[str, torch.Tensor]:
+        """The tensors contents() reads: a groups file's group 0's (the layers that see
+        everything), another's all."""
+        return group_tensors(self.snap.tensors, 0) if self.groups else self.snap.tensors
 
     # ------------------------------------------------------------------ summary
 
@@ -152,9 +163,8 @@ class SavedCache:
         }
         if s.extra:
             info["layout_extra"] = s.extra
-        if s.layout == "hybrid":
-            ring = bin(s.extra["local_layers"]).count("1")
-            info["layer_groups"] = {"whole": s.geometry["layers"] - ring, "window": ring}
+        if self.groups:
+            info["layer_groups"] = [group.described for group in self.groups]
         if self.mode in PAGED_MODES:
             info["block_size"] = block_size
             info["blocks"] = s.batch * blocks_for(s.length, block_size)

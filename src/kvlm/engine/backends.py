@@ -99,7 +99,7 @@ class PoolBackend:
     ) -> torch.Tensor | list:
         """Rows on the pool, row b at starts[b] through tables[b] (a sequence's BlockTable:
         its table of each layer group); `options`: Batch's."""
-        windowed = [[t.windowed[g] for t in tables] for g in range(len(self.pool.groups) - 1)]
+        windowed = [[t.others[g] for t in tables] for g in range(len(self.pool.groups) - 1)]
         batch = Batch(rows, pool=self.pool, spec=self.spec, tables=[t.blocks for t in tables],
                       starts=starts, windowed=windowed, **options)  # fmt: skip
         return self.runner.run(batch)

@@ -93,27 +93,28 @@ def pool_spec(llm: ServedModel) -> CacheSpec:
     return llm.cache_spec("int8" if llm.kv_mode == "int8" else "paged")
 
 
-def windowed_plan(config: EngineConfig, spec: CacheSpec, context: int) -> tuple[int, int, int]:
+def windowed_plan(
+    config: EngineConfig, spec: CacheSpec, context: int
+) -> tuple[int, list[int], int]:
     """A hybrid model's pool (kvlm.cache.paged): the most tokens one step feeds a
-    sequence (a prefill chunk, a draft and its token), the blocks of the windowed layer
-    group (each of max_num_seqs sequences at its most, window_blocks: never short of
-    them) and their bytes; (step tokens, 0, 0) for a model without windowed layers."""
+    sequence (a prefill chunk, a draft and its token), the blocks of each layer group
+    after group 0 (each window's: each of max_num_seqs sequences at its most,
+    window_blocks: never short of them) and their bytes together; (step tokens, [], 0)
+    for a model of one group."""
     sched, spec_cfg = config.scheduler, config.speculative
     chunk = min(sched.prefill_chunk, sched.chunk_size or sched.prefill_chunk)
     step = min(context, max(chunk, 1 + (spec_cfg.num_draft if spec_cfg else 0)))
-    groups = spec_groups(spec)
-    if len(groups) == 1:
-        return step, 0, 0
-    (windowed,) = groups[1:]
-    bs, keep = spec.block_size, windowed.kind.keep
-    per_seq = min(blocks_for(context, bs), window_blocks(keep, bs, step))
-    blocks = per_seq * sched.max_num_seqs + sched.reserve_blocks
-    return step, blocks, blocks * bs * windowed.token_bytes(spec)
+    bs, blocks, nbytes = spec.block_size, [], 0
+    for group in spec_groups(spec)[1:]:
+        per_seq = min(blocks_for(context, bs), window_blocks(group.kind.keep, bs, step))
+        blocks.append(per_seq * sched.max_num_seqs + sched.reserve_blocks)
+        nbytes += blocks[-1] * bs * group.token_bytes(spec)
+    return step, blocks, nbytes
 
 
 def memory_blocks(config: EngineConfig, spec: CacheSpec, context: int) -> int:
     """The blocks (of the layers that see the whole context) the KV memory holds once a
-    hybrid model's windowed group has its own: the pool's size by default."""
+    hybrid model's other groups have their own: the pool's size by default."""
     _, _, windowed_bytes = windowed_plan(config, spec, context)
     whole = spec_groups(spec)[0]
     kv_memory = config.kv_memory or default_kv_memory(spec.device)
@@ -203,8 +204,7 @@ class Engine:
             self.max_model_len = llm.max_context
             p = self.pool
             kv = f"KV pool {p.num_blocks} blocks of {p.block_size} tokens, "
-            if p.hybrid:  # a block table per layer group (kvlm.cache.paged)
-                w = p.groups[1]
+            for w in p.groups[1:]:  # a block table per layer group (kvlm.cache.paged)
                 kv += f"{w.num_blocks} for the layers with a window of {w.window}, "
             kv += f"{p.total_nbytes / 2**20:,.0f} MiB"
         else:
@@ -242,7 +242,7 @@ class Engine:
         spec, sched = pool_spec(llm), self.config.scheduler
         bs = spec.block_size
         least = blocks_for(llm.max_context, bs) + sched.reserve_blocks
-        step_tokens, windowed, _ = windowed_plan(self.config, spec, llm.max_context)
+        step_tokens, group_blocks, _ = windowed_plan(self.config, spec, llm.max_context)
         num_blocks = self.config.num_blocks or min(
             blocks_for(llm.max_context, bs) * sched.max_num_seqs,
             max(least, memory_blocks(self.config, spec, llm.max_context)),
@@ -252,7 +252,7 @@ class Engine:
                 f"{num_blocks} KV blocks cannot hold one sequence of the context limit "
                 f"({llm.max_context} tokens needs {least} blocks of {bs})"
             )
-        pool = BlockPool(spec, num_blocks, windowed_blocks=windowed or None)
+        pool = BlockPool(spec, num_blocks, group_blocks=group_blocks)
         # Commit the whole pool now, as a GPU server reserves its memory at start: the
         # process's memory is what it will stay at, and a pool that does not fit fails here
         # rather than under load.
@@ -653,7 +653,7 @@ class Engine:
         view["sequences"] = [
             {"id": names[s.seq_id], "request_id": s.request_id, "index": s.index,
              "tokens": s.num_computed, "cached_tokens": s.num_cached, "blocks": s.table.blocks}
-            | ({"windowed_blocks": s.table.windowed} if self.pool.hybrid else {})
+            | ({"windowed_blocks": s.table.others} if self.pool.hybrid else {})
             for s in seqs
         ]  # fmt: skip
         view["groups"] = layer_groups(self.pool)

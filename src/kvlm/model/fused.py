@@ -330,7 +330,8 @@ class FusedDecoder:
         if type(cache) is HybridCache:
             ring = cache.ring
             return (
-                self.accepts(cache.whole)
+                len(cache.parts) == 2
+                and self.accepts(cache.whole)
                 and self.reads(ring.store)
                 and ring.spec.kv_dtypes == cache.whole.spec.kv_dtypes
                 and not ring.cache_positions
