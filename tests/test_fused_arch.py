@@ -10,6 +10,7 @@ alone, in any batch, paged or contiguous."""
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -203,7 +204,7 @@ def test_the_fused_step_tracks_the_torch_model(arch_dir, name, kv_dtype, mode):
     if window is not None:
         assert len(prompt) + len(tokens) > window + 16  # first visible keys past a chunk start
     if isinstance(fused_cache, HybridCache):  # past the ring: its slots reused
-        assert len(prompt) + len(tokens) > fused_cache.ring.slots
+        assert len(prompt) + len(tokens) > fused_cache.parts[1].slots
     exact_llm = _exact(folder, weights)
     exact = exact_llm.runner.logits(prompt + tokens, exact_llm.new_cache("off"))[len(prompt) :]
     # q4: the queries stay fp32 (rotated), but the codes are 16x coarser than int8's, so a
@@ -328,7 +329,7 @@ def _layer0_half(cache, kv: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Layer 0's stored K (kv 0) or V rows of a contiguous cache (batch, kv_heads, n, row),
     and their parameters (None for floats), held as _layer0_held holds them."""
     if isinstance(cache, HybridCache):  # layer 0 is local: every ring slot (_layer0_held)
-        store, held = cache.ring.store, slice(None)
+        store, held = cache.parts[1].store, slice(None)
     else:
         store, held = cache.store, slice(0, cache.num_tokens)
     values, scales = store.rows(kv)
@@ -340,7 +341,7 @@ def _layer0_held(cache) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor
     their int8 (step, zero) or None, and the positions they hold: 0 .. n-1, or (a hybrid
     cache, whose layer 0 is local) every ring slot, holding the positions slot_pos says."""
     if isinstance(cache, HybridCache):
-        store, held, at = cache.ring.store, slice(None), cache.ring.slot_pos
+        store, held, at = cache.parts[1].store, slice(None), cache.parts[1].slot_pos
         assert (at >= 0).all()
     else:
         n = cache.num_tokens
@@ -645,7 +646,7 @@ def test_a_gemma_draft_in_the_fused_step_rolls_its_ring_back(arch_dir, kv_dtype,
     a, b = llm.new_cache("contiguous"), llm.new_cache("contiguous")
     for cache in (a, b):
         llm.runner.forward(ids[:-1], cache)  # the prefill (torch), past the ring
-    assert a.num_tokens > a.ring.slots
+    assert a.num_tokens > a.parts[1].slots
     calls = _counted_runs(monkeypatch)
     rows = llm.runner.run(Batch([[t] for t in [ids[-1], *draft]], a, draft=True))
     assert calls == [6]
@@ -655,12 +656,12 @@ def test_a_gemma_draft_in_the_fused_step_rolls_its_ring_back(arch_dir, kv_dtype,
     assert calls == [6] + [1] * len(kept)
     assert torch.equal(rows[: len(kept)], alone)
     n = a.num_tokens
-    assert n == b.num_tokens and torch.equal(a.ring.slot_pos, b.ring.slot_pos)
-    for key, t in a.ring.store.raw(()).items():
-        assert torch.equal(t, b.ring.store.raw(())[key]), key
+    assert n == b.num_tokens and torch.equal(a.parts[1].slot_pos, b.parts[1].slot_pos)
+    for key, t in a.parts[1].store.raw(()).items():
+        assert torch.equal(t, b.parts[1].store.raw(())[key]), key
     held = (slice(None),) * 4 + (slice(0, n),)
-    for key, t in a.whole.store.raw(held).items():
-        assert torch.equal(t, b.whole.store.raw(held)[key]), key
+    for key, t in a.parts[0].store.raw(held).items():
+        assert torch.equal(t, b.parts[0].store.raw(held)[key]), key
     assert torch.equal(llm.runner.forward([7], a), llm.runner.forward([7], b))
 
 
@@ -671,8 +672,33 @@ def test_a_draft_longer_than_the_rings_slack_stays_with_the_torch_step(arch_dir)
     llm = _load(arch_dir, "gemma3")[0]
     cache = llm.new_cache("contiguous")
     decoder = llm.runner.fused_for(cache)
-    slack = cache.ring.slots - cache.window
+    slack = cache.parts[1].slots - cache.groups[1].kind.window
     assert decoder.drafts(cache, slack + 1) and not decoder.drafts(cache, slack + 2)
+
+
+@needs_kernels
+def test_the_fused_step_reads_a_cache_of_three_layer_groups(arch_dir):
+    """The fused step reads what a cache declares (KVCache.kv_views: a view per layer
+    group), so a hybrid cache of two rings is read as one of one: the tiny Gemma 3 with
+    local windows 8 and 16 (no file names two windows yet: its config is changed in place
+    before any cache is made), greedy past both rings, as exact as the torch path against
+    fp64; drafts only as long as the tighter ring keeps what the first row reads."""
+    folder, weights = arch_dir("gemma3"), _weights("gemma3")
+    options = {"progress": False, "max_context": MAX_CONTEXT, "weights": weights,
+               "activations": "fp32", "prefill_dtype": "fp32"}  # fmt: skip
+    made = [LLM(model=folder, dtype=d, **options) for d in ("fp32", "fp64")]
+    for llm in made:
+        assert llm.config.layer_windows == (8, 8, None, 8)
+        llm.config = llm.model.config = replace(llm.config, layer_windows=(8, 16, None, 8))
+    llm, exact_llm = made
+    prompt = _ids(llm, 30, seed=5)
+    tokens, fused, ref, cache, _ = fused_and_torch(llm, prompt, 40)
+    assert [len(g.layers) for g in cache.groups] == [1, 2, 1]
+    assert len(prompt) + len(tokens) > cache.parts[2].slots == 16 + RING_SLACK
+    exact = exact_llm.runner.logits(prompt + tokens, exact_llm.new_cache("off"))[len(prompt) :]
+    assert_as_exact_as(fused, ref, exact, SAME_ROUNDING)
+    decoder = llm.runner.fused_for(cache)
+    assert decoder.drafts(cache, RING_SLACK + 1) and not decoder.drafts(cache, RING_SLACK + 2)
 
 
 @pytest.fixture(scope="module")

@@ -159,8 +159,8 @@ def test_windowed_layers_keep_only_their_window(tiny_model_dir, tmp_path):
     llm = LLM(model=tiny_model_dir("gemma3"), progress=False, max_context=256)
     cache = llm.new_cache("contiguous")
     assert isinstance(cache, HybridCache) and cache.mode == "contiguous"
-    assert cache.ring.store.values.shape[4] == 8 + RING_SLACK  # 3 layers: a ring each
-    assert cache.whole.store.values.shape[:1] == (1,)  # 1 layer sees everything
+    assert cache.parts[1].store.values.shape[4] == 8 + RING_SLACK  # 3 layers: a ring each
+    assert cache.parts[0].store.values.shape[:1] == (1,)  # 1 layer sees everything
     before = cache.nbytes
     llm.runner.forward(list(range(10, 200)), cache)
     assert cache.nbytes == before and cache.num_tokens == 190

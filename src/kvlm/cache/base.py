@@ -21,6 +21,12 @@ re-feeds the whole sequence.
 Beyond the forward: rollback(n), reset(), free(), fork(n), snapshot()/restore() (which
 kvlm.cache.files writes to and reads from a file), nbytes (exact), and planned_nbytes()
 (what a cache of this mode allocates for a workload, the figure `kvlm memory` prints).
+
+A caller that reads and writes K/V itself (the fused C decode step, kvlm.model.fused)
+asks a cache where they are: `kv_views(rows)`, a `KVView` per layer group (a store, each
+row's blocks, a ring's size and its window; None where its layout is no such view), and
+after begin() tells it `written_in_place(step)` (a ring that stages its writes for commit
+then only records the positions).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import copy
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -299,6 +306,23 @@ def visible(q: torch.Tensor, k: torch.Tensor, window: int | None) -> torch.Tenso
     return allowed
 
 
+@dataclass(frozen=True)
+class KVView:
+    """Where some of the model's layers keep their K/V for one step: `store` (layers, 2,
+    blocks, kv_heads, block_size, head_dim), row b's position s in block
+    tables[b][slot // block_size], slot = s, or s % ring in a ring of `ring` slots (a
+    windowed group's ring, kvlm.cache.hybrid), whose layers attend within `window` (the
+    kind's; 0: none); `layers`: the model's layers the store holds, in its order (None:
+    all of them). A contiguous cache is a pool of one block per row holding every slot."""
+
+    store: Store
+    tables: Sequence[Sequence[int]]
+    block_size: int
+    ring: int = 0
+    layers: tuple[int, ...] | None = None
+    window: int = 0
+
+
 @dataclass(slots=True)
 class CacheSnapshot:
     """A cache's contents, detached from it: what snapshot() returns and files hold.
@@ -514,6 +538,18 @@ class KVCache(ABC):
 
     def _layout_extra(self) -> dict[str, int]:
         return {}
+
+    # ------------------------------------------------------------------ views
+
+    def kv_views(self, rows: Sequence[int]) -> list[KVView] | None:
+        """This cache's K/V for a caller that reads and writes them itself (the fused
+        decode step), token i through row rows[i]: a KVView per layer group; None where
+        the layout is none a view describes (basic, off, window)."""
+        return None
+
+    def written_in_place(self, step: CacheStep) -> None:  # noqa: B027 - most write in place
+        """The caller wrote `step`'s K/V through kv_views() itself: a cache that stages a
+        step's writes for commit() (a ring) then only records the positions."""
 
     def __repr__(self) -> str:
         return (

@@ -16,9 +16,11 @@ the counter back; rows past it are overwritten before anything reads them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep, DenseStep, DraftRows, KVPair
+from kvlm.cache.base import CacheSpec, CacheStep, DenseStep, DraftRows, KVPair, KVView
 from kvlm.cache.rows import RowCache
 
 ALL = slice(None)
@@ -63,6 +65,10 @@ class ContiguousCache(RowCache):
 
     def _import(self, tensors: dict[str, torch.Tensor], length: int) -> None:
         self._import_rows(tensors, (ALL, ALL, ALL, ALL, slice(0, length)))
+
+    def kv_views(self, rows: Sequence[int]) -> list[KVView]:
+        """One view: row b of the store is block b, holding every slot."""
+        return [KVView(self.store, [[r] for r in rows], self.slots)]
 
 
 class DraftRowsStep(DraftRows, _ContiguousStep):

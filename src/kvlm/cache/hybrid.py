@@ -35,12 +35,13 @@ own (kvlm.cache.paged); their files hold the same layout, so either reads the ot
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import ClassVar
 
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep, KVCache, KVPair
+from kvlm.cache.base import CacheSpec, CacheStep, KVCache, KVPair, KVView
 from kvlm.cache.groups import LayerGroup, layer_at, layer_groups, layout_extra
 from kvlm.cache.window import WindowCache
 
@@ -117,7 +118,6 @@ class HybridCache(KVCache):
         self.groups = layer_groups(spec)
         self.caches = [part_cache(mode_cls, spec, group) for group in self.groups]
         self.mode = mode_cls.mode
-        self.window = self.groups[1].kind.window
         # layer -> (part, {layer: index inside the part} of that part)
         indexes = [{i: n for n, i in enumerate(g.layers)} for g in self.groups]
         self.layers = [(g, indexes[g]) for g, _ in layer_at(self.groups)]
@@ -125,18 +125,6 @@ class HybridCache(KVCache):
     @property
     def parts(self) -> tuple[KVCache, ...]:
         return tuple(self.caches)
-
-    @property
-    def whole(self) -> KVCache:
-        """The part of the layers that see the whole context (the mode's own cache)."""
-        return self.caches[0]
-
-    @property
-    def ring(self) -> WindowCache:
-        """The part of the windowed layers."""
-        ring = self.caches[1]
-        assert isinstance(ring, WindowCache)
-        return ring
 
     @property
     def capacity(self) -> int:
@@ -189,6 +177,22 @@ class HybridCache(KVCache):
 
     def _layout_extra(self) -> dict[str, int]:
         return layout_extra(self.groups)
+
+    def kv_views(self, rows: Sequence[int]) -> list[KVView] | None:
+        """Each part's views, its group's layers in its store's order: the mode's own
+        cache's (kv_views), a ring's (WindowCache.ring_views); None if a part has none."""
+        views = []
+        for group, part in zip(self.groups, self.parts, strict=True):
+            mine = part.kv_views(rows) if group.kind.keep is None else part.ring_views(rows)
+            if mine is None:
+                return None
+            views += [replace(view, layers=group.layers) for view in mine]
+        return views
+
+    def written_in_place(self, step: CacheStep) -> None:
+        assert isinstance(step, HybridStep)
+        for part, sub in zip(self.parts, step.parts, strict=True):
+            part.written_in_place(sub)
 
     @property
     def nbytes(self) -> int:

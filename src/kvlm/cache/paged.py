@@ -52,7 +52,16 @@ from itertools import pairwise
 
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep, KVCache, KVPair, blocks_for, causal_mask, visible
+from kvlm.cache.base import (
+    CacheSpec,
+    CacheStep,
+    KVCache,
+    KVPair,
+    KVView,
+    blocks_for,
+    causal_mask,
+    visible,
+)
 from kvlm.cache.groups import LayerGroup, layer_at, layer_groups, layout_extra
 from kvlm.cache.hybrid import group_prefix, group_tensors, ring_spec
 from kvlm.cache.registry import PrefixRegistry
@@ -242,6 +251,20 @@ class BlockPool:
             table[i] = FREED
             released += 1
         return released
+
+    def views(self, tables: Sequence[Sequence[Sequence[int]]]) -> list[KVView]:
+        """The pool's K/V as views for a step (KVCache.kv_views): `tables[g][b]`, row b's
+        table of layer group g (one group; a hybrid pool's others too, each its layers in
+        their store's order, a block that left the window read as the row's first live
+        one: `readable`, never within the window the step reads)."""
+        if not self.hybrid:
+            return [KVView(self.store, tables[0], self.block_size)]
+        views = []
+        for g, (group, rows) in enumerate(zip(self.groups, tables, strict=True)):
+            rows = [readable(list(t), len(t)) for t in rows] if g else rows
+            views.append(KVView(group.store, rows, self.block_size, 0, group.group.layers,
+                                group.window or 0))  # fmt: skip
+        return views
 
     def first_live(self, table: list[int]) -> int:
         """The index of a table's first block not FREED (len(table) when none is)."""
@@ -528,6 +551,10 @@ class PagedCache(KVCache):
 
     def _layout_extra(self) -> dict[str, int]:
         return layout_extra(tuple(pool.group for pool in self.pool.groups))
+
+    def kv_views(self, rows: Sequence[int]) -> list[KVView]:
+        """The pool's views (BlockPool.views) over these rows' tables."""
+        return self.pool.views([[t[r] for r in rows] for t in self.group_tables])
 
     # ------------------------------------------------------------------ accounting
 

@@ -58,10 +58,11 @@ files written before the mode existed), so a file is only restored into its own 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep, KVPair
+from kvlm.cache.base import CacheSpec, CacheStep, KVPair, KVView
 from kvlm.cache.rows import RowCache
 from kvlm.errors import InvalidRequestError
 
@@ -234,6 +235,16 @@ class WindowCache(RowCache):
             return None
         raw = {key: t.clone() for key, t in self.store.raw((ALL, ALL, ALL, ALL, slots)).items()}
         return (step.start, step.n_new, slots, raw, self.slot_pos[slots].clone())
+
+    def ring_views(self, rows: Sequence[int]) -> list[KVView] | None:
+        """The ring as a view (kv_views), row b's block b of `slots` slots, position p in
+        slot p % slots, where its masks are a model window on positions as in the text
+        with no sinks (a windowed layer group's ring, kvlm.cache.hybrid); else None."""
+        s = self.spec
+        if s.sinks or self.cache_positions or s.sliding_window is None:
+            return None
+        return [KVView(self.store, [[r] for r in rows], self.slots, self.slots,
+                       window=s.sliding_window)]  # fmt: skip
 
     def written_in_place(self, step: CacheStep) -> None:
         """The caller writes the step's K/V into the ring itself, every token at its slot

@@ -197,7 +197,7 @@ class ModelRunner:
         if one and len(rows) <= fused.MAX_ROWS and not b.prompt:
             decoder = self._decoder(spec.max_tokens)
             if decoder is not None and all(decoder.reads(g.store) for g in pool.groups):
-                views = fused.pool_views(pool, [b.tables, *b.windowed])
+                views = pool.views([b.tables, *b.windowed])
                 return decoder.run(views, tokens, b.starts, window)
         step = TableStep(pool, spec, list(b.tables), list(b.starts), len(rows[0]), b.windowed)
         return self._torch(rows, step, b.prompt, b.all_rows)

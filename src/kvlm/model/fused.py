@@ -16,19 +16,21 @@ integer dot products: each query head (rotated like K) rounds to int8 with one s
 llama.cpp does for its q8_0 cache; the torch path dequantizes K instead, so the two agree
 to that rounding.
 
-The cache is addressed through views (`KVView`, built by `FusedDecoder.views_of` for
-kvlm.engine.runner.ModelRunner): each a store, the rows' block tables, a block size, a ring
-size and the model layers it holds; every layer reads and writes its own view. A paged pool
-(kvlm.cache.paged: the engine's batch, a PagedCache's rows) is one view; a contiguous cache
-one too, its row b being block b of a pool of blocks holding every slot (one request's
-cache, and its n samples after `cache.fork(n)`); a hybrid contiguous cache (local layers:
-kvlm.cache.hybrid) two, its whole part so and its ring, where position s is slot s % (W +
+The cache is addressed through views (kvlm.cache.base.KVView: what a cache declares,
+`KVCache.kv_views`, and `BlockPool.views` for the engine's pool): each a store, the rows'
+block tables, a block size, a ring size and its window, and the model layers it holds;
+every layer reads and writes its own view. A paged pool (kvlm.cache.paged: the engine's
+batch, a PagedCache's rows) is a view per layer group; a contiguous cache one, its row b
+being block b of a pool of blocks holding every slot (one request's cache, and its n
+samples after `cache.fork(n)`); a hybrid contiguous cache (kvlm.cache.hybrid) one per
+part, its whole part so and each window's ring, where position s is slot s % (W +
 RING_SLACK): the local layers' cost stays that of their window however long the context.
-The ring's step is written in place (`WindowCache.written_in_place`: a draft's undo record
-taken first). Chunks start at multiples of 16 and every product sums a row alike whatever
-rows share it, so a sequence gets the same logits, bit for bit, alone or in any batch,
-paged or contiguous (tests/test_fused_batch.py; a ring whose size is a multiple of 4
-groups its rows as a pool does).
+The step writes them in place; the cache is told (`KVCache.written_in_place`: a ring takes
+a draft's undo record first, then its commit only records the positions). Chunks start
+at multiples of 16 and every product sums a row alike whatever rows share it, so a
+sequence gets the same logits, bit for bit, alone or in any batch, paged or contiguous
+(tests/test_fused_batch.py; a ring whose size is a multiple of 4 groups its rows as a pool
+does).
 
 Every block the families describe (kvlm.config.ModelConfig): the q|k|v bias (Qwen2) and
 o_proj's (Llama's attention_bias) added after their products, as torch's Linear adds them;
@@ -56,16 +58,12 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from kvlm import kernels
 from kvlm.cache import KVCache
-from kvlm.cache.base import CacheStep
-from kvlm.cache.contiguous import ContiguousCache
-from kvlm.cache.hybrid import HybridCache
-from kvlm.cache.paged import BlockPool, Int8PagedCache, PagedCache, readable
+from kvlm.cache.base import CacheStep, KVView
 from kvlm.cache.storage import Store, key_rotation
 from kvlm.dtypes import Q4
 from kvlm.model.attention import _room
@@ -140,35 +138,6 @@ class _KVView(ctypes.Structure):  # kvlm_kv_view
         # C step refuses a pool whose blocks reach past them
         *_fields(ctypes.c_int64, "entries k_bytes v_bytes kp_bytes vp_bytes"),
     ]
-
-
-@dataclass(frozen=True)
-class KVView:
-    """Where some of the model's layers keep their K/V for one step: `store` (layers, 2,
-    blocks, kv_heads, block_size, head_dim), row b's position s in block
-    tables[b][slot // block_size], slot = s, or s % ring in a ring of `ring` slots (the
-    hybrid cache's local layers: kvlm.cache.hybrid); `layers`: the model's layers the store
-    holds, in its order (None: all of them)."""
-
-    store: Store
-    tables: Sequence[Sequence[int]]
-    block_size: int
-    ring: int = 0
-    layers: tuple[int, ...] | None = None
-
-
-def pool_views(pool: BlockPool, tables: Sequence[Sequence[Sequence[int]]]) -> list[KVView]:
-    """A pool's views for a step: `tables[g][b]`, row b's table of layer group g (one
-    group; a hybrid pool's windowed group too, its layers in their store's order, a
-    block that left the window read as the row's first live one: kvlm.cache.paged.readable,
-    never within the window the step reads)."""
-    if not pool.hybrid:
-        return [KVView(pool.store, tables[0], pool.block_size)]
-    views = []
-    for g, (group, rows) in enumerate(zip(pool.groups, tables, strict=True)):
-        rows = [readable(list(t), len(t)) for t in rows] if g else rows
-        views.append(KVView(group.store, rows, pool.block_size, 0, group.group.layers))
-    return views
 
 
 # the cache dtypes the fused step reads and writes (kvlm_qmodel.k_dtype, v_dtype: abi.h)
@@ -322,27 +291,18 @@ class FusedDecoder:
         return _QLayer(*norms, *mats, *biases, *qk, *outs, window, self.model._rope_of[i], 0, i)
 
     def accepts(self, cache: KVCache) -> bool:
-        """A contiguous cache of these slots, a paged one, or a hybrid cache of a
-        contiguous part and a ring with positions as in the text, any batch up to
-        MAX_ROWS."""
-        if cache.batch > MAX_ROWS:
+        """A cache whose K/V are views (KVCache.kv_views: contiguous, paged, int8, a
+        hybrid cache of contiguous parts and rings) of stores the step reads, in one pair
+        of dtypes, each ring at least its window, positions within these slots, any
+        batch up to MAX_ROWS."""
+        if cache.batch > MAX_ROWS or cache.capacity > self.slots:
             return False
-        if type(cache) is HybridCache:
-            ring = cache.ring
-            return (
-                len(cache.parts) == 2
-                and self.accepts(cache.whole)
-                and self.reads(ring.store)
-                and ring.spec.kv_dtypes == cache.whole.spec.kv_dtypes
-                and not ring.cache_positions
-                and ring.spec.sinks == 0
-                and cache.window <= ring.slots
-            )
-        if type(cache) is ContiguousCache:
-            return cache.store.shape[-2] == self.slots and self.reads(cache.store)
-        # --kv int8 is a paged cache storing int8 (Int8PagedCache): the same layout
-        return type(cache) in (PagedCache, Int8PagedCache) and all(
-            self.reads(group.store) for group in cache.pool.groups)  # fmt: skip
+        views = cache.kv_views(())
+        if not views:
+            return False
+        dtypes = (views[0].store.k_dtype, views[0].store.v_dtype)
+        return all(self.reads(v.store) and (v.store.k_dtype, v.store.v_dtype) == dtypes
+                   and (not v.ring or 0 < v.window <= v.ring) for v in views)  # fmt: skip
 
     def reads(self, store: Store) -> bool:
         """Whether the step reads and writes this storage (dtypes, device, layout)."""
@@ -353,28 +313,19 @@ class FusedDecoder:
         """Whether n draft rows of one sequence go through the step: all rows' K/V are
         written before any attends, so a ring must keep what row 0 reads when row n - 1
         has written (n <= ring - window + 1)."""
-        if type(cache) is not HybridCache:
-            return True
-        return n <= cache.ring.slots - cache.window + 1
+        views = cache.kv_views(()) or ()
+        return all(n <= v.ring - v.window + 1 for v in views if v.ring)
 
     @staticmethod
     def views_of(cache: KVCache, step: CacheStep, rows: Sequence[int]) -> list[KVView]:
         """The step's K/V of `cache` for the fused step's rows (token i through the cache's
-        row rows[i]): a paged cache's block tables; a contiguous cache's row b as block b
-        holding every slot; a hybrid cache's whole part so, and its ring (whose commit then
-        only records the positions the step wrote: WindowCache.written_in_place)."""
-        if isinstance(cache, PagedCache):
-            return pool_views(cache.pool, [[t[r] for r in rows] for t in cache.group_tables])
-        tables = [[r] for r in rows]
-        if not isinstance(cache, HybridCache):
-            return [KVView(cache.store, tables, cache.store.shape[-2])]
-        whole, ring = cache.whole, cache.ring
-        cache.ring.written_in_place(step.parts[1])
-        layers = [group.layers for group in cache.groups]  # each part's, in its store's order
-        return [
-            KVView(whole.store, tables, whole.store.shape[-2], 0, layers[0]),
-            KVView(ring.store, tables, ring.slots, ring.slots, layers[1]),
-        ]
+        row rows[i]): its views (KVCache.kv_views), the cache told that the step writes
+        them in place (KVCache.written_in_place)."""
+        views = cache.kv_views(rows)
+        if views is None:
+            raise ValueError(f"a {cache.mode} cache has no views for the fused step")
+        cache.written_in_place(step)
+        return views
 
     def _place(self, views: Sequence[KVView]) -> None:
         """Each layer's (view, index) from the views' layers, set where they changed; every
