@@ -7,6 +7,7 @@ tests/test_gpu.py runs the captured graphs themselves on a GPU."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -107,6 +108,34 @@ def test_static_pool_step_pads_into_the_scratch_block(folder, monkeypatch):
     assert static.runner.graphs.replays > 0
     assert static.runner.graphs.captured == 3  # 3 rows (padded to 4), then 2, then 1
     assert engine.pool.store.values[:, :, 40].abs().sum() > 0  # the padding wrote there
+
+
+def test_the_graphs_take_what_has_one_layer_group(tiny_model_dir, monkeypatch):
+    """The runner asks a cache's and a pool's layer groups, not the model's config, whether
+    the graphs read it (one store, one table per row: graphs.ONE_GROUP). A Gemma 3 has a
+    GraphDecoder, and its caches and pools (a view per group) decode eagerly, the tokens
+    the graphs-less runner gives; a Gemma 2 whose layers share one window (its config
+    changed in place: one group, the window the masks') replays them."""
+    monkeypatch.setattr(graphs, "enabled", lambda device: True)  # as on a GPU
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    hybrid = _llm(tiny_model_dir("gemma3"))
+    assert hybrid.runner.graphs is not None
+    monkeypatch.undo()
+    eager = _llm(tiny_model_dir("gemma3"))
+    assert hybrid.runner.decode_step(hybrid.new_cache("contiguous")) != "cuda graphs"
+    for prompts in ([PROMPT], [PROMPT, "def f(x):"]):  # one cache; the engine's pool
+        assert [o.outputs[0].token_ids for o in hybrid.generate(prompts, params)] == [
+            o.outputs[0].token_ids for o in eager.generate(prompts, params)]  # fmt: skip
+    assert hybrid.runner.graphs.captured == 0
+    one, eager = _llm(tiny_model_dir("gemma2")), _llm(tiny_model_dir("gemma2"))
+    for llm in (one, eager):
+        assert llm.config.layer_windows == (8, None)
+        llm.config = llm.model.config = replace(llm.config, layer_windows=(8, 8))
+    one.runner.graphs = GraphDecoder(one.model, capture=False)
+    assert one.runner.decode_step(one.new_cache("contiguous")) == "cuda graphs"
+    many = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert one.generate(PROMPT, many)[0].token_ids == eager.generate(PROMPT, many)[0].token_ids
+    assert one.runner.graphs.replays == 23
 
 
 def test_the_pool_defaults_to_a_share_of_the_gpus_free_memory():

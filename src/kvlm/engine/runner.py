@@ -62,8 +62,9 @@ class ModelRunner:
         # its pool: one C call (kvlm.model.fused).
         self.fused_reason = fused.why_not(model)
         self._fused: dict[int, fused.FusedDecoder] = {}
-        # On a GPU, decode steps replay CUDA graphs (kvlm.model.graphs)
-        on = graphs.enabled(model.device) and not model.config.layer_windows
+        # On a GPU, decode steps replay CUDA graphs (kvlm.model.graphs) over the caches and
+        # pools they read: one layer group (GraphDecoder.accepts, _on_pool)
+        on = graphs.enabled(model.device)
         self.graphs = graphs.GraphDecoder(model) if on else None
         # A step's prompt chunks and decode rows in one ragged forward: on a GPU (one
         # launch per op for the whole step), unless KVLM_ONE_FORWARD=0; the CPU keeps a
@@ -188,8 +189,9 @@ class ModelRunner:
         pool, spec, rows, window = b.pool, b.spec, b.rows, b.spec.sliding_window
         tokens = [r[0] for r in rows]
         one = len(rows[0]) == 1 and not b.all_rows
-        replay = one and not b.prompt and pool.scratch is not None and not pool.hybrid
-        graphs = self.graphs if replay else None  # (fused.HYBRID_POOL)
+        # the graphs read one block table per row: a pool of one layer group (graphs.ONE_GROUP)
+        replay = one and not b.prompt and pool.scratch is not None and len(pool.groups) == 1
+        graphs = self.graphs if replay else None
         if graphs and graphs.reads(pool.store):
             out = graphs.step_table(pool.store, pool.scratch, tokens, b.tables, b.starts, window)
             if out is not None:

@@ -75,9 +75,6 @@ _ABI = kernels.CONSTANTS  # kernels/abi.h's numbers: one place for each
 MAX_ROWS = _ABI["MAX_BATCH"]  # the most sequences one step takes
 CACHE_MODES = ("contiguous", "paged", "int8")  # the caches whose layout the step reads
 NOT_THIS_CACHE = "the fused step reads contiguous and paged caches"  # why the others do not
-# why a hybrid model's pool (a block table per layer group, kvlm.cache.paged) decodes
-# without CUDA graphs (the fused step reads each group through a view of its own)
-HYBRID_POOL = "the CUDA graphs read one block table per row, not one per layer group"
 QMAT_PARTS = _ABI["QMAT_PARTS"]  # row parts of different kinds one projection may have
 
 

@@ -43,6 +43,10 @@ from kvlm.cache.storage import Store
 log = logging.getLogger("kvlm.graphs")
 
 MIN_KEYS = 128  # the smallest key bucket of a contiguous cache
+# why a cache or pool of several layer groups (kvlm.cache.groups: a hybrid model's) decodes
+# without CUDA graphs: a graph's step reads one store through one table per row, every
+# layer with one window (the fused step reads each group through a view of its own)
+ONE_GROUP = "the CUDA graphs read one store and one block table per row: one layer group"
 MAX_ROWS = 256  # batches of more rows run eagerly (a graph per power of two up to this)
 
 
@@ -90,7 +94,7 @@ class StaticStep:
         self.mask: torch.Tensor | None = None
 
     def for_layer(self, layer: int) -> StaticStep:
-        return self  # one window for every layer (GraphDecoder takes no hybrid model)
+        return self  # one window for every layer (one layer group: ONE_GROUP)
 
     def prepare(self) -> None:
         """Build the mask from the static positions (inside the captured forward)."""
@@ -191,10 +195,11 @@ class GraphDecoder:
 
     @staticmethod
     def accepts(cache: KVCache) -> bool:
-        """A contiguous cache of float K/V in one dtype (quantized or split stores and the
-        other modes: eager)."""
-        store = getattr(cache, "store", None)
-        return cache.mode == "contiguous" and store is not None and GraphDecoder.reads(store)
+        """A contiguous cache of one layer group (one view: KVCache.kv_views; ONE_GROUP)
+        of float K/V in one dtype (quantized or split stores, a hybrid cache's parts and
+        the other modes: eager)."""
+        views = cache.kv_views(()) if cache.mode == "contiguous" else None
+        return views is not None and len(views) == 1 and GraphDecoder.reads(views[0].store)
 
     @staticmethod
     def reads(store: Store) -> bool:
