@@ -298,7 +298,8 @@ def _layout(path: Path, snap: CacheSnapshot) -> dict[str, tuple[tuple[int, ...],
     want = {}
     for prefix, n, held, h, dim, ring in parts:
         if Q4 in (k, v) and dim % 2:
-            raise _bad_meta(path, f"head_dim {dim} is odd: q4 packs two values a byte")
+            what = "geometry.head_dim" if dim == d else f"{prefix}head_dim"
+            raise _bad_meta(path, f"{what} {dim} is odd: q4 packs two values a byte")
         shape = (n, 2, snap.batch, h, held, dim)
         want.update({prefix + name: sd for name, sd in part_layout(shape, k, v).items()})
         if ring:
