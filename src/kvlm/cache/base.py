@@ -306,14 +306,15 @@ def visible(q: torch.Tensor, k: torch.Tensor, window: int | None) -> torch.Tenso
     return allowed
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class KVView:
     """Where some of the model's layers keep their K/V for one step: `store` (layers, 2,
     blocks, kv_heads, block_size, head_dim), row b's position s in block
     tables[b][slot // block_size], slot = s, or s % ring in a ring of `ring` slots (a
     windowed group's ring, kvlm.cache.hybrid), whose layers attend within `window` (the
     kind's; 0: none); `layers`: the model's layers the store holds, in its order (None:
-    all of them). A contiguous cache is a pool of one block per row holding every slot."""
+    all of them). A contiguous cache is a pool of one block per row holding every slot.
+    Made afresh for each call (kv_views), so its maker may still fill a field in."""
 
     store: Store
     tables: Sequence[Sequence[int]]

@@ -186,7 +186,9 @@ class HybridCache(KVCache):
             mine = part.kv_views(rows) if group.kind.keep is None else part.ring_views(rows)
             if mine is None:
                 return None
-            views += [replace(view, layers=group.layers) for view in mine]
+            for view in mine:  # fresh ones: the part's layers are this group's
+                view.layers = group.layers
+            views += mine
         return views
 
     def written_in_place(self, step: CacheStep) -> None:
