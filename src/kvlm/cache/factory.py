@@ -25,8 +25,8 @@ CACHE_MODES: dict[str, type[KVCache]] = {
     "window": WindowCache,
 }
 # Modes whose caches keep a hybrid model's layers (layers with a window and layers without)
-# apart, in the `hybrid` layout: basic and contiguous as a HybridCache, a cache of the mode
-# for the whole layers and a ring for the others (RING_MODES, kvlm.cache.hybrid); paged and
+# apart, in the `groups` layout: basic and contiguous as a HybridCache, a cache of the mode
+# for the whole layers and a ring for each window's (RING_MODES, kvlm.cache.hybrid); paged and
 # int8 on a pool with a block table per layer group (kvlm.cache.paged)
 HYBRID_MODES = ("basic", "contiguous", "paged", "int8")
 RING_MODES = ("basic", "contiguous")
