@@ -88,7 +88,13 @@ class EngineConfig:
 
 def pool_spec(llm: ServedModel) -> CacheSpec:
     """The pool's cache spec: the LLM's K/V storage (--kv int8 stores int8 whatever
-    --kv-dtype says)."""
+    --kv-dtype says). A model with short-convolution layers is refused: the pool keeps
+    no rows of theirs yet (docs/DESIGN.md section 5)."""
+    if llm.config.conv_layers:
+        raise InvalidRequestError(
+            "the engine's pool keeps no short-convolution rows yet: this model runs one "
+            "request at a time, with --kv off", param="kv"
+        )  # fmt: skip
     return llm.cache_spec("int8" if llm.kv_mode == "int8" else "paged")
 
 

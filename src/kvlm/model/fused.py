@@ -231,6 +231,8 @@ def why_not(model: Transformer) -> str | None:
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return "needs fp32 activations on the CPU"
     c = model.config
+    if c.conv_layers:  # kernels/ has no part for the conv layer kind yet
+        return "a short-convolution layer (the step has no kernel for one yet)"
     if c.num_heads // c.num_kv_heads > 8 or c.head_dim > MAX_HEAD_DIM or c.head_dim % 2:
         return f"more than 8 query heads per KV head, or head_dim > {MAX_HEAD_DIM} or odd"
     if any(isinstance(m, Linear) and m.kernel != "quant" for m in model.modules()):
