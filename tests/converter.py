@@ -108,7 +108,7 @@ def convert(folder: Path, outtype: str = "f32", pre: str = "gpt2") -> Path:
     digest = hashlib.sha256(f"{VERSION}/{outtype}/{pre}".encode())
     for f in sorted(p for p in folder.iterdir() if p.is_file()):
         digest.update(f.name.encode() + b"\0" + f.read_bytes())
-    out = CACHE / "gguf" / f"{folder.name}-{digest.hexdigest()[:16]}-{outtype}.gguf"
+    out = CACHE / "gguf" / f"{digest.hexdigest()[:24]}-{outtype}.gguf"  # not by the folder's name
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
