@@ -81,7 +81,10 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
-class Batch:
+class StepPlan:
+    """What one step runs: the sequences that decode a token (and their drafts), and the
+    prompt chunks, each a sequence and how many of its pending tokens it feeds."""
+
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens)
 
@@ -134,13 +137,13 @@ class Scheduler:
         out = [job.waiting] if job is not None and job.waiting is not None else []
         return out + [f for s in self.running if (f := s.sampler.mask_job) is not None]
 
-    def schedule(self) -> Batch:
-        batch = Batch()
-        self._schedule_decode(batch)
-        self._schedule_prefill(batch)
-        return batch
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        self._schedule_decode(plan)
+        self._schedule_prefill(plan)
+        return plan
 
-    def _schedule_decode(self, batch: Batch) -> None:
+    def _schedule_decode(self, plan: StepPlan) -> None:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
@@ -149,7 +152,7 @@ class Scheduler:
                 i += 1  # it sits this step out (kvlm.engine.guided)
                 continue
             while not self.manager.can_append(seq.table, seq.num_computed):
-                victim = self.running[-1]  # the newest; never one already in this batch
+                victim = self.running[-1]  # the newest; never one already in this step
                 self.preempt(victim)
                 if victim is seq:
                     break
@@ -157,7 +160,7 @@ class Scheduler:
                 self.manager.append_slot(seq.table, seq.num_computed)
                 if self.propose is not None:
                     self._draft(seq)
-                batch.decode.append(seq)
+                plan.decode.append(seq)
                 i += 1
 
     def _draft(self, seq: Sequence) -> None:
@@ -176,7 +179,7 @@ class Scheduler:
             self.manager.append_slot(seq.table, seq.num_computed + i)
         seq.draft = draft
 
-    def _schedule_prefill(self, batch: Batch) -> None:
+    def _schedule_prefill(self, plan: StepPlan) -> None:
         """The step's prompt tokens, at most `prefill_chunk` in all. Alone, a prefilling
         sequence takes the whole budget. Beside others (prompts part way through, requests
         waiting to be admitted) each first takes an equal share, and what is left goes in
@@ -186,7 +189,7 @@ class Scheduler:
         (long_prefill_token_threshold). With `chunk_size` a chunk is whole or waits, so
         there the budget goes in order as before."""
         going = [s for s in self.running if s.prefilling]
-        budget = most = self._paced(batch, going)
+        budget = most = self._paced(plan, going)
         share = budget
         if self.config.chunk_size is None and going and (len(going) > 1 or self.waiting):
             share = max(1, budget // (len(going) + bool(self.waiting)))
@@ -205,16 +208,16 @@ class Scheduler:
                     budget -= more
             if budget and share < most:
                 admitted.update(self._admit(budget))
-        batch.prefill += [*fed.items(), *admitted.items()]
-        for seq, n in batch.prefill:  # a hybrid pool's windowed layers take their blocks now
+        plan.prefill += [*fed.items(), *admitted.items()]
+        for seq, n in plan.prefill:  # a hybrid pool's windowed layers take their blocks now
             self.manager.prepare(seq.table, seq.num_computed, n)
 
-    def _paced(self, batch: Batch, going: list[Sequence]) -> int:
+    def _paced(self, plan: StepPlan, going: list[Sequence]) -> int:
         """The step's prompt tokens at most: `prefill_chunk`, or while streams decode in it
         what `pacing` (kvlm.engine.pacing) says fits in the step's time; with `chunk_size`,
         never less than one whole chunk."""
         most = self.config.prefill_chunk
-        if self.pacing is None or not batch.decode:
+        if self.pacing is None or not plan.decode:
             return most
         probe = [(s.num_computed, s.sample.params.prompt_logprobs is not None) for s in going]
         if self.waiting:
