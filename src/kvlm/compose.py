@@ -12,7 +12,7 @@ why. (Nobody asks for the fused step: where it does not run, `LLM.describe()
 
 from __future__ import annotations
 
-from kvlm.cache.factory import CACHE_MODES
+from kvlm.cache.factory import CACHE_MODES, FUSED_MODES
 from kvlm.llm import NO_SPECULATION
 from kvlm.model import fused
 from kvlm.settings import table
@@ -53,7 +53,7 @@ def refusal(model: str, mode: str, kv_dtype: str | None, feature: str) -> str | 
         return "keeps no cache" if feature == "save/load" else "cannot roll back"
     if feature == "speculative decoding" and mode in NO_SPECULATION:
         return NO_SPECULATION[mode]
-    if feature == "fused low-bit step" and mode not in fused.CACHE_MODES:
+    if feature == "fused low-bit step" and mode not in FUSED_MODES:
         return f"torch step: {fused.NOT_THIS_CACHE}"
     return None
 

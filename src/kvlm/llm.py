@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from kvlm import defaults, kernels
 from kvlm.cache import CacheSpec, KVCache, create_cache
-from kvlm.cache.factory import check_mode, mode_spec
+from kvlm.cache.factory import BATCH_MODES, check_mode, mode_spec
 from kvlm.config import LIMITS, ModelConfig, for_context
 from kvlm.dtypes import dtype_name, kv_sides, parse_dtype, parse_kv_dtype
 from kvlm.engine.backends import cache_engine_limits
@@ -46,10 +46,6 @@ log = logging.getLogger("kvlm")
 # "int4" = groups of 32 (kvlm.model.quant); "native" = the GGUF file's own blocks. The
 # default, "auto", picks native for a low-bit GGUF (kvlm.defaults).
 WEIGHT_FORMATS = (None, "f32", "bf16", "int8", "int4", "native")
-# Cache modes whose requests `generate` can batch through the engine's paged pool (the same
-# attention, exactly: contiguous and paged; int8 codes alike). window, basic and off keep
-# state the pool cannot (a ring, a per-step rebuild): their prompts run one after another.
-BATCH_MODES = ("contiguous", "paged", "int8")
 # The cache modes speculative decoding cannot run on, and why (the others: in the batch
 # engine's pool, or on one cache's own rows, ModelRunner.run with a draft Batch)
 NO_SPECULATION = {

@@ -27,6 +27,7 @@ import torch
 
 from kvlm.cache import KVCache, kinds
 from kvlm.cache.base import CacheSpec, blocks_for
+from kvlm.cache.factory import pool_mode
 from kvlm.cache.paged import BlockPool, window_blocks
 from kvlm.cache.prefix import BlockManager, check_salt
 from kvlm.cache.storage import part_layout
@@ -87,15 +88,16 @@ class EngineConfig:
 
 
 def pool_spec(llm: ServedModel) -> CacheSpec:
-    """The pool's cache spec: the LLM's K/V storage (--kv int8 stores int8 whatever
-    --kv-dtype says). A model with short-convolution layers is refused: the pool keeps
-    no rows of theirs yet (docs/DESIGN.md section 5)."""
+    """The pool's cache spec: the LLM's K/V storage in its mode's pool (--kv int8 stores
+    int8 whatever --kv-dtype says: kvlm.cache.factory.pool_mode). A model with
+    short-convolution layers is refused: the pool keeps no rows of theirs yet
+    (docs/DESIGN.md section 5)."""
     if llm.config.conv_layers:
         raise InvalidRequestError(
             "the engine's pool keeps no short-convolution rows yet: this model runs one "
             "request at a time, with --kv off", param="kv"
         )  # fmt: skip
-    return llm.cache_spec("int8" if llm.kv_mode == "int8" else "paged")
+    return llm.cache_spec(pool_mode(llm.kv_mode))
 
 
 def windowed_plan(config: EngineConfig, spec: CacheSpec, context: int) -> tuple[int, int, int]:
