@@ -18,7 +18,11 @@ from kvlm.model import fused
 from kvlm.settings import table
 
 STORAGE_MODES = ("contiguous", "paged")  # modes whose K/V dtype is --kv-dtype's
-KV_DTYPES = ("bf16", "int8")
+# K/V storage dtypes of the grid, K and V alike (fp32, the compute dtype: the rows without
+# one). q4 is held elsewhere (tests/test_kv_q4.py, test_fused_arch.py): on the grid's tiny
+# random hybrid model its K/V stray from the no-cache oracle past the fused cell's top-5
+# rule, on the torch step and the fused step alike
+KV_DTYPES = ("bf16", "fp16", "int8")
 
 FEATURES = {
     "batching": "LLM.generate of several prompts (the batch engine, or one after another)",
