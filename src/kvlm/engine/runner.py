@@ -123,12 +123,9 @@ class ModelRunner:
 
     def ragged_steps(self) -> bool:
         """Whether a step's prompt chunks and decode rows go as one mixed batch (one ragged
-        forward): `one_forward`, and prompt and decode rows sharing their numerics (no bf16
-        prompt products; int8 activations for both or for neither; no int16 decode
-        activations, which prompts never take)."""
-        lin = self.model.layers[0].attn.qkv
-        alike = not lin.prefill_bf16 and lin.prefill_int8 == lin.act_int8 and not lin.act_int16
-        return self.one_forward and alike
+        forward): `one_forward`, and prompt and decode rows sharing the model's numerics
+        (kvlm.model.numerics.ModelNumerics.prompt_like_decode)."""
+        return self.one_forward and self.model.numerics.prompt_like_decode
 
     def fused_for(self, cache: KVCache) -> fused.FusedDecoder | None:
         """The fused decode step for this cache, when it applies."""
