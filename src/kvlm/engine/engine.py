@@ -1,9 +1,10 @@
 """Engine: many requests at once on one paged pool (continuous batching).
 
     add_request() -> scheduler.waiting
-    step():  batch = scheduler.schedule()
-             the prompt chunks and the decode rows: one ragged forward on a GPU; on the
-             CPU one per chunk and one for the decode rows -> sample -> StepOutput events
+    step():  plan = scheduler.schedule()
+             the prompt chunks and the decode rows, in one call to the backend: one
+             ragged forward on a GPU; on the CPU one per chunk and one for the decode
+             rows -> sample -> StepOutput events
              finished sequences free their blocks (full ones stay in the prefix cache)
 
 A request with n > 1 samples prefills once; when its prompt is done the sequence is forked

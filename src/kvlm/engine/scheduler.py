@@ -5,15 +5,22 @@
          ^          and seats are free             |
          +---- preempt the newest (recompute) -----+   when a decode finds no free block
 
-Each step has two parts, run as two forwards by the engine:
+`schedule()` plans a step (`StepPlan`) in two parts, which the engine hands its backend
+in one call (kvlm.engine.backends: one ragged forward on a GPU's pool, else a forward per
+prompt chunk and one for all the decode rows):
 
-- decode: every running sequence with one token pending, one token each, batched (a
-  guided one whose next mask is still being computed sits the step out);
-- prefill: up to `prefill_chunk` prompt tokens, taken first from sequences already part
-  way through their prompt, then from newly admitted ones. A long prompt is fed over
-  several steps, so the decode streams keep moving while it prefills. With `step_time`,
-  a step in which streams decode takes only the prompt tokens that fit in that time at
-  the costs measured so far (kvlm.engine.pacing).
+- decode: every running sequence with one token pending, one token each, and its draft
+  where the engine speculates (`propose`; its positions made writable here), batched. A
+  guided one whose next mask is still being computed sits the step out (on one cache's
+  lockstep rows, `lockstep`, the step waits for it instead);
+- prefill: up to `prefill_chunk` prompt tokens, from sequences part way through their
+  prompt and from newly admitted ones: alone, a sequence takes the whole budget; beside
+  others, each takes an equal share first and what is left goes in order (with
+  `chunk_size`, whole chunks in order). A long prompt is fed over several steps, so the
+  decode streams keep moving while it prefills. With `step_time`, a step in which streams
+  decode takes only the prompt tokens that fit in that time at the costs measured so far
+  (kvlm.engine.pacing). A hybrid pool's windowed layers take their blocks for each chunk
+  as it is planned (`prepare`).
 
 Admission first asks the KV tiers (if any) for the prompt's blocks the pool lacks, once:
 the lookup runs off the engine thread and the request waits at the head of the queue
