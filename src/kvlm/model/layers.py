@@ -100,11 +100,14 @@ class Linear(nn.Module):
         self.register_buffer("weight", w, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self.quant: QuantWeight | None = None  # low-bit weights (kernel "quant")
+        # how its low-bit products round (QuantWeight.matmul): prompt rows in bf16 or on
+        # int8 activations; decoded rows on int8 activations, and with act_int16 an int8
+        # residual too (16 bits a value)
         n = ModelNumerics() if numerics is None or vocabulary else numerics
-        self.prefill_bf16 = n.prefill_dtype == "bf16"  # low-bit: prompt products in bf16
-        self.prefill_int8 = n.prefill_dtype == "int8"  # ... prompt products on int8 activations
-        self.act_int8 = n.activations in ("int8", "int16")  # ... decode products on integers
-        self.act_int16 = n.activations == "int16"  # with act_int8: an int8 residual, 16 bits
+        self.prefill_bf16 = n.prefill_dtype == "bf16"
+        self.prefill_int8 = n.prefill_dtype == "int8"
+        self.act_int8 = n.activations in ("int8", "int16")
+        self.act_int16 = n.activations == "int16"
         self.vocabulary = vocabulary
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
