@@ -243,7 +243,7 @@ class Engine:
         # blocks held for stored conversations (the Responses API), oldest first
         self.pins: OrderedDict[str, list[list[int]]] = OrderedDict()
         self.stats = EngineStats()
-        self.last_batch: StepPlan | None = None  # what the latest step ran
+        self.last_plan: StepPlan | None = None  # what the latest step ran
         GC_TIME.watch()  # a slow step's log line says how much of it was collection
 
     def _pool_backend(self, llm: ServedModel) -> PoolBackend:
