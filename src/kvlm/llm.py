@@ -46,7 +46,7 @@ log = logging.getLogger("kvlm")
 # default, "auto", picks native for a low-bit GGUF (kvlm.defaults).
 WEIGHT_FORMATS = (None, "f32", "bf16", "int8", "int4", "native")
 # The cache modes speculative decoding cannot run on, and why (the others: in the batch
-# engine's pool, or on one cache's own rows, ModelRunner.run with a draft Batch)
+# engine's pool, or on one cache's own rows, ModelRunner.run with a DraftBatch)
 NO_SPECULATION = {
     "off": "it keeps no cache to check a draft against",
 }
