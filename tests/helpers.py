@@ -997,15 +997,15 @@ def feed_batched(llm, seqs: list[list[int]], pool, tables, windowed=()) -> list[
     paged pool (the engine's path), all rows that still have one together; each row's
     logits per step. `windowed`: a hybrid pool's other groups' tables (kvlm.cache.paged),
     windowed[g - 1][b]."""
-    from kvlm.engine.runner import Batch
+    from kvlm.engine.runner import PoolBatch
 
     spec = llm.cache_spec("paged")
     out: list[list[torch.Tensor]] = [[] for _ in seqs]
     for t in range(max(len(s) for s in seqs)):
         live = [b for b, s in enumerate(seqs) if t < len(s)]
         rows, starts = [[seqs[b][t]] for b in live], [t] * len(live)
-        batch = Batch(rows, pool=pool, spec=spec, tables=[tables[b] for b in live], starts=starts,
-                      windowed=[[w[b] for b in live] for w in windowed])  # fmt: skip
+        batch = PoolBatch(rows, pool, spec, [tables[b] for b in live], starts,
+                          [[w[b] for b in live] for w in windowed])  # fmt: skip
         logits = llm.runner.run(batch)
         for i, b in enumerate(live):
             out[b].append(logits[i])
@@ -1088,7 +1088,7 @@ def mixed_step(llm, one_forward: bool, seed: int = 0) -> list[torch.Tensor]:
     from kvlm.cache.paged import BlockPool
     from kvlm.cache.prefix import BlockManager, BlockTable
     from kvlm.engine.backends import Chunk, PoolBackend
-    from kvlm.engine.runner import Batch
+    from kvlm.engine.runner import PoolBatch
 
     spec = llm.cache_spec("paged")
     pool = BlockPool(spec, 64)
@@ -1102,8 +1102,8 @@ def mixed_step(llm, one_forward: bool, seed: int = 0) -> list[torch.Tensor]:
     windowed = [scrambled_tables(group, length, seed) for group in pool.groups[1:]]
     for i in range(n_seqs):
         if held[i]:
-            prefix = Batch([tokens[i][: held[i]]], pool=pool, spec=spec, tables=[tables[i]],
-                           starts=[0], windowed=[[w[i]] for w in windowed])  # fmt: skip
+            prefix = PoolBatch([tokens[i][: held[i]]], pool, spec, [tables[i]], [0],
+                               [[w[i]] for w in windowed])  # fmt: skip
             llm.runner.run(prefix)
     # the step's sequences as the backend reads them: a chunk's start and table; a decode
     # row's last token at num_computed, a sequence's further rows its draft

@@ -23,7 +23,7 @@ from helpers import portable_build_params, portable_kernels
 from kvlm import LLM, SamplingParams, kernels
 from kvlm import defaults as defaults_mod
 from kvlm.engine.engine import Engine, EngineConfig
-from kvlm.engine.runner import Batch
+from kvlm.engine.runner import CacheBatch
 from kvlm.engine.scheduler import SchedulerConfig
 
 pytestmark = pytest.mark.slow  # the default model
@@ -85,7 +85,7 @@ def _prompt(llm: LLM) -> list[int]:
 def _logits(llm: LLM, ids: list[int], cuts: list[tuple[int, int]]) -> torch.Tensor:
     """Every prompt row's logits, the prompt fed as the engine feeds a chunk (prompt=True)."""
     cache = llm.new_cache("contiguous")
-    rows = [llm.runner.run(Batch([ids[a:b]], cache, prompt=True, all_rows=True))[0]
+    rows = [llm.runner.run(CacheBatch([ids[a:b]], cache, prompt=True, all_rows=True))[0]
             for a, b in cuts]  # fmt: skip
     return torch.cat(rows)
 
@@ -177,10 +177,10 @@ def _decode_logits(llm: LLM, ids: list[int], steps: int = 6) -> torch.Tensor:
     """The logits of the prompt's last row and of `steps` greedy decode rows after it, on
     the road the engine's decode rows take (one row against the cache)."""
     cache = llm.new_cache(llm.kv_mode)
-    rows = [llm.runner.run(Batch([ids], cache, prompt=True))[0][-1:]]
+    rows = [llm.runner.run(CacheBatch([ids], cache, prompt=True))[0][-1:]]
     for _ in range(steps):
         token = int(rows[-1][-1].argmax())
-        rows.append(llm.runner.run(Batch([[token]], cache))[0][-1:])
+        rows.append(llm.runner.run(CacheBatch([[token]], cache))[0][-1:])
     return torch.cat(rows)
 
 

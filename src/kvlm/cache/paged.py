@@ -306,6 +306,8 @@ class PagedCache(KVCache):
     rows, then the windowed layers' last W + RING_SLACK positions as a ring."""
 
     mode = "paged"
+    fused_step = True
+    pool_mode = "paged"
 
     def __init__(self, spec: CacheSpec, pool: BlockPool | None = None) -> None:
         super().__init__(spec)
@@ -576,6 +578,7 @@ class Int8PagedCache(PagedCache):
     """
 
     mode = "int8"
+    pool_mode = "int8"
 
 
 class TableStep(_PagedStep):

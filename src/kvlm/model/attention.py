@@ -14,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvlm import kernels
 from kvlm.model.layers import Linear, RMSNorm, apply_rope, prompt_rows
+from kvlm.model.numerics import ModelNumerics
 
 if TYPE_CHECKING:
     from kvlm.cache.paged import Segments
@@ -62,6 +63,7 @@ class Attention(nn.Module):
         o_proj: Linear,
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
+        numerics: ModelNumerics | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -75,8 +77,9 @@ class Attention(nn.Module):
         self.q_scale: float | None = None  # queries times this (a score scale, no q norm)
         self.softcap: float | None = None  # scores soft-capped: cap * tanh(s / cap) (attn_softcap)
         # prompt rows at this position or later attend in bf16 on the CPU (0: all, with
-        # --prefill-dtype bf16; None: none): kvlm.defaults' attention_bf16_from, `attend`
-        self.prompt_bf16_from: int | None = None
+        # --prefill-dtype bf16; None: none): the model's numerics (kvlm.defaults), `attend`
+        n = numerics or ModelNumerics()
+        self.prompt_bf16_from: int | None = n.attention_bf16_from
 
     def forward(
         self,

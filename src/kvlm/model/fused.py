@@ -64,6 +64,7 @@ from kvlm import kernels
 from kvlm.cache import KVCache
 from kvlm.cache.base import CacheStep
 from kvlm.cache.contiguous import ContiguousCache
+from kvlm.cache.factory import FUSED_MODES
 from kvlm.cache.hybrid import HybridCache
 from kvlm.cache.paged import BlockPool, Int8PagedCache, PagedCache, readable
 from kvlm.cache.storage import Store, key_rotation
@@ -75,8 +76,9 @@ from kvlm.model.transformer import Block, Transformer
 
 _ABI = kernels.CONSTANTS  # kernels/abi.h's numbers: one place for each
 MAX_ROWS = _ABI["MAX_BATCH"]  # the most sequences one step takes
-CACHE_MODES = ("contiguous", "paged", "int8")  # the caches whose layout the step reads
-NOT_THIS_CACHE = "the fused step reads contiguous and paged caches"  # why the others do not
+# why the other modes' caches decode on the torch step (FUSED_MODES: the caches declare it)
+_READ = " and ".join(filter(None, [", ".join(FUSED_MODES[:-1]), FUSED_MODES[-1]]))
+NOT_THIS_CACHE = f"the fused step reads {_READ} caches"
 # why a hybrid model's pool (a block table per layer group, kvlm.cache.paged) decodes
 # without CUDA graphs (the fused step reads each group through a view of its own)
 HYBRID_POOL = "the CUDA graphs read one block table per row, not one per layer group"

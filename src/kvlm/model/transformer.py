@@ -17,7 +17,7 @@ import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from kvlm.model import quant
 from kvlm.model.attention import Attention, KVStep
 from kvlm.model.conv import ConvRows, ConvStep, ConvWindow, ShortConv
 from kvlm.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding, feeding_prompt
+from kvlm.model.numerics import ModelNumerics
 from kvlm.model.weights import WeightSource, out_norms
 
 VOCAB_WEIGHTS = ("lm_head.weight", "model.embed_tokens.weight")
@@ -89,8 +90,11 @@ class Transformer(nn.Module):
         device: torch.device | str = "cpu",
         progress: bool = True,
         weight_format: str | None = None,
+        numerics: ModelNumerics | None = None,
     ) -> None:
-        """`weight_format` (kvlm.model.layers.Linear.convert): None keeps the projections
+        """`numerics`: how the products and the prompt's attention round (fp32 without),
+        handed to each layer as it is built; the runner reads them here (`numerics`).
+        `weight_format` (kvlm.model.layers.Linear.convert): None keeps the projections
         in `dtype`; "bf16", "int8", "int4" convert each as it loads (int4 keeps the vocabulary
         projection at int8); "native" multiplies a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0,
         Q5_1, Q4_K, Q5_K and Q6_K blocks as stored (q|k|v and gate|up of different types
@@ -101,7 +105,9 @@ class Transformer(nn.Module):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        loader = _WeightTaker(weights, config, dtype, self.device, progress, weight_format)
+        self.numerics = numerics or ModelNumerics()
+        loader = _WeightTaker(weights, config, dtype, self.device, progress, weight_format,
+                              self.numerics)  # fmt: skip
         capacity = _arena_capacity(weights) if weight_format in quant.PACKED_FORMATS else 0
         arena = quant.packing_on_huge_pages(capacity) if capacity else nullcontext()
         with loader, freed_memory_returned(), arena as packed_in:
@@ -112,13 +118,14 @@ class Transformer(nn.Module):
             # dequantized on lookup (a 151,936 x 896 table is 519 MiB in fp32)
             q = self._embed_quant = loader.native_embedding("model.embed_tokens.weight")
             embed = None if q is not None else loader.take("model.embed_tokens.weight")
+            # the vocabulary projection: fp32 products, its prompt rows the single rows'
+            # road (Linear's `vocabulary`)
             if not tied:
-                self.lm_head = loader.linear("lm_head.weight")
+                self.lm_head = loader.linear("lm_head.weight", vocabulary=True)
             elif q is not None:
-                self.lm_head = Linear.from_quant(q)
+                self.lm_head = Linear.from_quant(q, vocabulary=True)
             else:
-                self.lm_head = loader.linear("model.embed_tokens.weight", embed)
-            self.lm_head.vocabulary = True  # its prompt rows: the single rows' road
+                self.lm_head = loader.linear("model.embed_tokens.weight", embed, vocabulary=True)
             # Tied: read embeddings out of lm_head's weight unless it is packed.
             self._embed_table = embed if not tied or self.lm_head.rows() is None else None
             freq_factors = loader.take_raw("rope_freqs.weight")
@@ -294,6 +301,7 @@ class _WeightTaker:
     device: torch.device
     progress: bool
     weight_format: str | None = None
+    numerics: ModelNumerics = field(default_factory=ModelNumerics)  # a block's products
 
     def __post_init__(self) -> None:
         self.available = set(self.weights.names())
@@ -353,7 +361,7 @@ class _WeightTaker:
             self.bar.update(sum(q is not None for q in native))
             pairs = zip(names, native, strict=True)
             parts = [self._as_int8(n) if q is None else q for n, q in pairs]
-            return Linear.from_quant(quant.concat(parts), bias)
+            return Linear.from_quant(quant.concat(parts), bias, self.numerics)
         return self._make(torch.cat([self.take(n) for n in names], dim=0), bias, names)
 
     def _as_int8(self, name: str) -> quant.QuantWeight:
@@ -364,15 +372,21 @@ class _WeightTaker:
             return quant.quantize(self.take(name), "q8")
 
     def linear(
-        self, name: str, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None
+        self,
+        name: str,
+        weight: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        vocabulary: bool = False,
     ) -> Linear:
-        """One projection (`weight`: already taken, e.g. the tied embedding)."""
+        """One projection (`weight`: already taken, e.g. the tied embedding; `vocabulary`:
+        the vocabulary projection, Linear's)."""
         native = self._native(name)
         if native is not None:
             if weight is None:
                 self.bar.update(1)
-            return Linear.from_quant(native, bias)
-        return self._make(self.take(name) if weight is None else weight, bias, [name])
+            return Linear.from_quant(native, bias, self.numerics, vocabulary)
+        weight = self.take(name) if weight is None else weight
+        return self._make(weight, bias, [name], vocabulary)
 
     def _rows(self, name: str) -> int:
         """Output rows of a projection, from the config (reading the tensor would decode
@@ -400,7 +414,13 @@ class _WeightTaker:
             return None
         return self.weights.get_quant(name, packed=packed)
 
-    def _make(self, weight: torch.Tensor, bias: torch.Tensor | None, names: list[str]) -> Linear:
+    def _make(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        names: list[str],
+        vocabulary: bool = False,
+    ) -> Linear:
         """A Linear in the requested weight format (kvlm.model.layers.Linear.convert)."""
         fmt = self.weight_format
         if fmt == "native":  # no kernel for the stored type: int8 if it was quantized at all
@@ -413,8 +433,9 @@ class _WeightTaker:
             # greedy agreement with fp32 fell from 97% to 91% (benchmarks/bench_weights.py)
             fmt = "int8"
         if fmt in ("int8", "int4") and quant.can_quantize(weight):
-            return Linear.from_quant(quant.quantize(weight, quant.FORMATS[fmt]), bias)
-        return Linear(weight, bias, bf16=fmt == "bf16")
+            q = quant.quantize(weight, quant.FORMATS[fmt])
+            return Linear.from_quant(q, bias, self.numerics, vocabulary)
+        return Linear(weight, bias, fmt == "bf16", self.numerics, vocabulary)
 
     def block(self, i: int) -> Block:
         c = self.config
@@ -431,7 +452,8 @@ class _WeightTaker:
             q_norm.weight *= ratio
         qkv = self.fused_linear(f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"))
         o_proj = self._with_bias(f"{p}.self_attn.o_proj")
-        attn = Attention(i, c.num_heads, c.num_kv_heads, c.head_dim, qkv, o_proj, q_norm, k_norm)
+        attn = Attention(i, c.num_heads, c.num_kv_heads, c.head_dim, qkv, o_proj, q_norm, k_norm,
+                         self.numerics)  # fmt: skip
         attn.q_scale = None if q_norm is not None or ratio == 1.0 else ratio
         attn.softcap = c.attn_softcap
         gate_up = self.fused_linear(f"{p}.mlp", ("gate_proj", "up_proj"))
