@@ -205,3 +205,28 @@ def test_a_rows_bits_are_the_same_on_one_thread_or_two(family):
     assert not prompt_rows, f"prompt rows {prompt_rows[:8]} differ between 1 and 2 threads"
     steps = (got[1][1] != got[2][1]).any(dim=-1).nonzero().flatten().tolist()
     assert not steps, f"decode steps {steps} differ between 1 and 2 threads"
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_a_decode_row_has_its_bits_on_any_thread_count(tiny_model_dir, name):
+    """The engine picks its thread count from the cores other work leaves free
+    (kvlm.engine.threads), so two runs of one request, or a batch and a row alone, may run
+    on different counts: an HF folder's dense road (oneDNN's products, kvlm_attend for
+    decode rows too: torch's SDPA split one row's keys across threads) gives a decode row
+    the same bits on 1 and 2 threads, and so does the prompt before it."""
+    llm = LLM(model=tiny_model_dir(name), progress=False, max_context=256, threads=2)
+    ids = list(range(5, 60))
+    runs = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            cache = llm.new_cache("contiguous")
+            prompt = llm.runner.run(CacheBatch([ids], cache, prompt=True, all_rows=True))[0]
+            decode = torch.stack([llm.runner.forward([7 + i], cache) for i in range(8)])
+            runs.append((prompt, decode))
+    finally:
+        torch.set_num_threads(before)
+    assert llm.runner.fused_for(llm.new_cache("contiguous")) is None  # the torch step
+    assert torch.equal(runs[0][0], runs[1][0]), "prompt rows"
+    assert torch.equal(runs[0][1], runs[1][1]), "decode rows"

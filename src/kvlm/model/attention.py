@@ -298,7 +298,9 @@ def attend(
                 enable_gqa=q.shape[1] != k.shape[1],
             )  # fmt: skip
             return out.float()
-    if q.is_cpu and q.shape[0] == 1 and prompt:
+    # decode rows too: torch's CPU SDPA splits one query row's keys across threads, so its
+    # bits followed the thread count, which the engine changes with the load (FreeCores)
+    if q.is_cpu and q.shape[0] == 1:
         out = _attend_kernel(q, k, v, mask, is_causal)
         if out is not None:
             return out
@@ -387,7 +389,8 @@ def _attend_kernel(
     apply (not fp32, a float mask, no compiled kernels, a head size or CPU it does not take,
     for any of the rows): then SDPA. Each row's
     result depends only on its query and the keys it sees, so a prompt gets the same bits
-    whole or in chunks. Decode rows (T = 1) keep SDPA, or the fused step's own attention."""
+    whole or in chunks, and a decode row (T = 1) the same bits on any thread count (each
+    head's row is one thread's work). The fused step has its own attention."""
     if not (q.dtype == k.dtype == v.dtype == torch.float32):
         return None
     if mask is not None:
