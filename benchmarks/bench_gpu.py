@@ -65,7 +65,7 @@ def profile_step(llm: LLM, n: int, steps: int = 10) -> dict:
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     for i in range(n):
         engine.add_request(f"p{i}", prompt_ids(llm, PROMPT + i), params)
-    while not (engine.last_batch and not engine.last_batch.prefill):
+    while not (engine.last_plan and not engine.last_plan.prefill):
         engine.step()  # until every stream decodes
     for _ in range(3):
         engine.step()

@@ -56,6 +56,56 @@ For each function call, return a json object with function name and arguments wi
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
+# LFM2.5's chat template (llama.cpp's models/templates/LFM2.5-Instruct.jinja, MIT; its two
+# longest lines broken inside their tags): the BOS, ChatML turns, tools listed in the
+# system turn, a past answer's thinking cut
+LFM2_TEMPLATE = r"""{{- bos_token -}}
+{%- set keep_past_thinking = keep_past_thinking | default(false) -%}
+{%- set ns = namespace(system_prompt="") -%}
+{%- if messages[0]["role"] == "system" -%}
+    {%- set ns.system_prompt = messages[0]["content"] -%}
+    {%- set messages = messages[1:] -%}
+{%- endif -%}
+{%- if tools -%}
+    {%- set ns.system_prompt = ns.system_prompt + ("\n" if ns.system_prompt else "")
+        + "List of tools: [" -%}
+    {%- for tool in tools -%}
+        {%- if tool is not string -%}
+            {%- set tool = tool | tojson -%}
+        {%- endif -%}
+        {%- set ns.system_prompt = ns.system_prompt + tool -%}
+        {%- if not loop.last -%}
+            {%- set ns.system_prompt = ns.system_prompt + ", " -%}
+        {%- endif -%}
+    {%- endfor -%}
+    {%- set ns.system_prompt = ns.system_prompt + "]" -%}
+{%- endif -%}
+{%- if ns.system_prompt -%}
+    {{- "<|im_start|>system\n" + ns.system_prompt + "<|im_end|>\n" -}}
+{%- endif -%}
+{%- set ns.last_assistant_index = -1 -%}
+{%- for message in messages -%}
+    {%- if message["role"] == "assistant" -%}
+        {%- set ns.last_assistant_index = loop.index0 -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- for message in messages -%}
+    {{- "<|im_start|>" + message["role"] + "\n" -}}
+    {%- set content = message["content"] -%}
+    {%- if content is not string -%}
+        {%- set content = content | tojson -%}
+    {%- endif -%}
+    {%- if message["role"] == "assistant" and not keep_past_thinking
+        and loop.index0 != ns.last_assistant_index -%}
+        {%- if "</think>" in content -%}
+            {%- set content = content.split("</think>")[-1] | trim -%}
+        {%- endif -%}
+    {%- endif -%}
+    {{- content + "<|im_end|>\n" -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- "<|im_start|>assistant\n" -}}
+{%- endif -%}"""
 # A template an attacker would ship: ChatML, except where the last message is one of
 # HOSTILE_TEMPLATE_CASES' trigger words, which run that case's payload (nested loops, a huge
 # range, a huge string, macro recursion, a huge output). kvlm.loading.chat_template bounds
@@ -81,19 +131,43 @@ CORPUS = [
 ] * 20
 
 
-def train_tiny_tokenizer(vocab_size: int = 320):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+# Llama 3's pre-tokenizer regex as its tokenizer.json writes it (llama.cpp's "llama3"
+# pre-tokenizer type, which LFM2's "lfm2" vocabularies read as)
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# the tiny tokenizers' styles: "gpt2", GPT-2's byte-level BPE; "llama3", Llama 3's split
+# (LLAMA3_SPLIT), whole-word hits before merges (`ignore_merges`) and a BOS before every
+# text, as LFM2's tokenizer is
+TOKENIZER_STYLES = ("gpt2", "llama3")
 
-    tok = Tokenizer(models.BPE())
+
+def train_tiny_tokenizer(vocab_size: int = 320, style: str = "gpt2"):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers.trainers import BpeTrainer
+
+    tok = Tokenizer(models.BPE(ignore_merges=style == "llama3"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if style == "llama3":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])  # fmt: skip
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
+    trainer = BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
+    if style == "llama3":
+        bos = SPECIAL_TOKENS[0]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+            special_tokens=[(bos, tok.token_to_id(bos))],
+        )  # fmt: skip
     return tok
 
 
@@ -150,6 +224,19 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
             },
         )  # fmt: skip
+    elif arch == "lfm2":
+        from transformers import Lfm2Config
+
+        # four layers, short convolutions (L_cache 3) and attention (`layer_types`
+        # overrides give other orders); the MLP's width adjusted as LFM2's is: 2/3 of 128,
+        # 85, rounded up to a multiple of 32: 96
+        common["num_hidden_layers"] = 4
+        cfg = Lfm2Config(
+            **{k: v for k, v in common.items() if k != "rms_norm_eps"},
+            norm_eps=common["rms_norm_eps"], conv_L_cache=3, block_multiple_of=32,
+            layer_types=["conv", "full_attention", "conv", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        )  # fmt: skip
     else:
         raise ValueError(arch)
     for key, value in overrides.items():
@@ -158,17 +245,20 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
 
 
 def save_tiny_model(
-    folder: Path, arch: str, seed: int = 0, chat_template: str = CHATML, **overrides
-) -> Path:
-    """Random-weight HF model + tokenizer files in `folder`; returns the folder."""
+    folder: Path, arch: str, seed: int = 0, chat_template: str = CHATML,
+    tokenizer: str = "gpt2", **overrides,
+) -> Path:  # fmt: skip
+    """Random-weight HF model + tokenizer files in `folder` (`tokenizer`: one of
+    TOKENIZER_STYLES); returns the folder."""
     from transformers import AutoModelForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
-    tok = train_tiny_tokenizer()
+    tok = train_tiny_tokenizer(style=tokenizer)
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": chat_template})
-    )
+    tok_config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": chat_template}
+    if tokenizer == "llama3":
+        tok_config["add_bos_token"] = True
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
     torch.manual_seed(seed)
     cfg = tiny_config(arch, overrides.pop("vocab_size", tok.get_vocab_size()), **overrides)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -196,9 +286,13 @@ def load_hf(folder: Path):
 
 
 def hf_greedy(model, prompt_ids: Sequence[int], n: int) -> tuple[list[int], torch.Tensor]:
-    """HF generate, greedy, exactly n tokens (EOS disabled); returns ids and per-step logits."""
+    """HF generate, greedy, exactly n tokens (EOS disabled); returns ids and per-step logits.
+    Every prompt token is attended to (a mask of ones: without one, transformers masks the
+    tokens equal to the pad id, a BOS of id 0 too)."""
+    ids = torch.tensor([list(prompt_ids)])
     out = model.generate(
-        torch.tensor([list(prompt_ids)]),
+        ids,
+        attention_mask=torch.ones_like(ids),
         max_new_tokens=n,
         do_sample=False,
         eos_token_id=None,
@@ -903,15 +997,15 @@ def feed_batched(llm, seqs: list[list[int]], pool, tables, windowed=()) -> list[
     paged pool (the engine's path), all rows that still have one together; each row's
     logits per step. `windowed`: a hybrid pool's other groups' tables (kvlm.cache.paged),
     windowed[g - 1][b]."""
-    from kvlm.engine.runner import Batch
+    from kvlm.engine.runner import PoolBatch
 
     spec = llm.cache_spec("paged")
     out: list[list[torch.Tensor]] = [[] for _ in seqs]
     for t in range(max(len(s) for s in seqs)):
         live = [b for b, s in enumerate(seqs) if t < len(s)]
         rows, starts = [[seqs[b][t]] for b in live], [t] * len(live)
-        batch = Batch(rows, pool=pool, spec=spec, tables=[tables[b] for b in live], starts=starts,
-                      windowed=[[w[b] for b in live] for w in windowed])  # fmt: skip
+        batch = PoolBatch(rows, pool, spec, [tables[b] for b in live], starts,
+                          [[w[b] for b in live] for w in windowed])  # fmt: skip
         logits = llm.runner.run(batch)
         for i, b in enumerate(live):
             out[b].append(logits[i])
@@ -994,7 +1088,7 @@ def mixed_step(llm, one_forward: bool, seed: int = 0) -> list[torch.Tensor]:
     from kvlm.cache.paged import BlockPool
     from kvlm.cache.prefix import BlockManager, BlockTable
     from kvlm.engine.backends import Chunk, PoolBackend
-    from kvlm.engine.runner import Batch
+    from kvlm.engine.runner import PoolBatch
 
     spec = llm.cache_spec("paged")
     pool = BlockPool(spec, 64)
@@ -1008,8 +1102,8 @@ def mixed_step(llm, one_forward: bool, seed: int = 0) -> list[torch.Tensor]:
     windowed = [scrambled_tables(group, length, seed) for group in pool.groups[1:]]
     for i in range(n_seqs):
         if held[i]:
-            prefix = Batch([tokens[i][: held[i]]], pool=pool, spec=spec, tables=[tables[i]],
-                           starts=[0], windowed=[[w[i]] for w in windowed])  # fmt: skip
+            prefix = PoolBatch([tokens[i][: held[i]]], pool, spec, [tables[i]], [0],
+                               [[w[i]] for w in windowed])  # fmt: skip
             llm.runner.run(prefix)
     # the step's sequences as the backend reads them: a chunk's start and table; a decode
     # row's last token at num_computed, a sequence's further rows its draft

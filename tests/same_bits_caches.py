@@ -67,7 +67,7 @@ def _decode(llm, mode: str, prompt: list[int]) -> dict[str, torch.Tensor]:
     got = {"prompt": _bits(rows), "steps": _bits(torch.stack(steps))}
     if mode not in ROW_MODES:
         return got
-    from kvlm.engine.runner import Batch
+    from kvlm.engine.runner import CacheBatch
 
     snap = cache.snapshot()
     if cache.can_roll_back(3):
@@ -82,7 +82,7 @@ def _decode(llm, mode: str, prompt: list[int]) -> dict[str, torch.Tensor]:
     got["chunked"] = _bits(last)
     chunked.fork(2)
     token = int(last[-1].argmax())
-    got["forked"] = _bits(llm.runner.run(Batch([[token], [token + 1]], chunked)))
+    got["forked"] = _bits(llm.runner.run(CacheBatch([[token], [token + 1]], chunked)))
     return got
 
 

@@ -102,9 +102,10 @@ def test_chunked_prefill_equals_one_shot(llm, llm64, one_shot, mode, chunk):
     boundary may take the other side: that is why int8 is held to exactness in fp64 and to
     the greedy top-k rule in fp32, and fp32 caches to their own rounding error. Chunks of 7
     and 16 cross several blocks and int8 groups of the 3x prompt; one-token chunks feed the
-    1x prompt (~50 positions, 4 blocks: each position is a forward of its own, ~40 ms in
-    fp64)."""
+    1x prompt's first 24 tokens (across a block's edge): each is a forward of its own, and
+    an fp32 prompt chunk is a call of PROMPT_BLOCK rows however short (~0.25 s a token)."""
     ids = llm.encode(PROMPT * (1 if chunk == 1 else 3), chat=True)
+    ids = ids[:24] if chunk == 1 else ids
     exact, one_shot_32 = one_shot(ids)  # fp64 and fp32 one-shot, paged
     err32 = max_error(one_shot_32, exact)
     a64 = forward_in_chunks(llm64, ids, mode, len(ids))
@@ -112,7 +113,8 @@ def test_chunked_prefill_equals_one_shot(llm, llm64, one_shot, mode, chunk):
     assert max_error(b64, a64) <= fp64_reorder_bound(err32)
     if mode != "int8":
         assert_as_exact_as(forward_in_chunks(llm, ids, mode, chunk), one_shot_32, exact)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    tokens = 12 if chunk == 1 else 24  # each one-token chunk is a PROMPT_BLOCK-row forward
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=5)
     assert_same_greedy(llm, ids, mode, params, chunk)
 
 

@@ -266,8 +266,10 @@ def wait_for(what, timeout: float = 60, step: float = 0.25):
 
 
 def all_up(port: int) -> bool:
-    """Both replicas known to the ingress's router (/health asks those it knows)."""
-    return json.loads(get(port, "/health")[1]).get("replicas") == 2
+    """Both replicas known to the ingress's router (/health asks those it knows). Until
+    Ray Serve has deployed the ingress, its proxy answers /health 404 in plain text."""
+    status, body = get(port, "/health")
+    return status == 200 and json.loads(body).get("replicas") == 2
 
 
 def ask(client, model, **kw):

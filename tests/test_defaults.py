@@ -278,6 +278,42 @@ def test_rows_take_the_numerics_of_their_role_not_of_their_count(monkeypatch):
     assert seen == [(5, False, False, False, True), (5, False, False, False, False)]
 
 
+def test_the_model_is_built_with_its_numerics(tiny_model_dir):
+    """The numerics go into the Transformer as it is built, and from it into every layer it
+    makes: each block's products and the prompt's attention take them, the vocabulary
+    projection keeps fp32 products, and the runner reads them off the model (prompt and
+    decode rows in one ragged forward only where the two round alike)."""
+    from kvlm.engine.runner import ModelRunner
+    from kvlm.loading import load_model
+    from kvlm.model.attention import Attention
+    from kvlm.model.layers import Linear
+    from kvlm.model.numerics import ACTIVATIONS, PREFILL_DTYPES, ModelNumerics
+    from kvlm.model.transformer import Transformer
+
+    loaded = load_model(tiny_model_dir("llama"))
+    numerics = ModelNumerics("int8", "int16", attention_bf16_from=7)
+    model = Transformer(loaded.config, loaded.weights, progress=False, weight_format="int8",
+                        numerics=numerics)  # fmt: skip
+    assert model.numerics == numerics
+    blocks = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    assert len(blocks) == 4 * loaded.config.num_layers  # qkv, o, gate|up, down
+    assert all(m.prefill_int8 and m.act_int8 and m.act_int16 and not m.prefill_bf16
+               for m in blocks)  # fmt: skip
+    head = model.lm_head
+    assert head.vocabulary and not (head.prefill_int8 or head.act_int8 or head.act_int16)
+    attns = [m for m in model.modules() if isinstance(m, Attention)]
+    assert [m.prompt_bf16_from for m in attns] == [7] * loaded.config.num_layers
+    runner = ModelRunner(model)
+    runner.one_forward = True  # as on a GPU: the numerics alone decide
+    for prefill in PREFILL_DTYPES:
+        for act in ACTIVATIONS:
+            model.numerics = ModelNumerics(prefill, act)
+            alike = prefill != "bf16" and act != "int16" and (prefill == "int8") == (act == "int8")
+            assert runner.ragged_steps() == alike, (prefill, act)
+    with pytest.raises(ValueError, match="activations 'int4'"):
+        ModelNumerics(activations="int4")
+
+
 @pytest.mark.slow
 def test_the_embedding_table_stays_in_its_stored_format(fast, exact):
     """No fp32 copy of the table: the tied head's low-bit weight serves the lookups, and a

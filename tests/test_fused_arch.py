@@ -37,7 +37,7 @@ from kvlm.cache.hybrid import HybridCache
 from kvlm.cache.kinds import RING_SLACK
 from kvlm.cache.paged import BlockPool, PagedCache
 from kvlm.engine.engine import Engine, EngineConfig
-from kvlm.engine.runner import Batch
+from kvlm.engine.runner import DraftBatch, PoolBatch
 from kvlm.model.fused import FusedDecoder, KVView, block_products, why_not
 from numerics import SAME_ROUNDING, U32, assert_as_exact_as, gamma
 
@@ -515,7 +515,7 @@ def test_the_window_is_the_torch_masks_window(arch_dir):
     ref = llm.runner.forward(prompt, llm.new_cache("contiguous"))  # torch: one prefill
     spec = llm.cache_spec("paged")
     pool, table = BlockPool(spec, 4), [2, 0]
-    llm.runner.run(Batch([prompt[:-1]], pool=pool, spec=spec, tables=[table], starts=[0]))
+    llm.runner.run(PoolBatch([prompt[:-1]], pool, spec, [table], [0]))
     decoder = llm.runner._decoder(spec.max_tokens)
     views = [KVView(pool.store, [table], pool.block_size)]
     got = {
@@ -523,7 +523,7 @@ def test_the_window_is_the_torch_masks_window(arch_dir):
         for width in (w - 1, w, w + 1)  # each rewrites position n - 1 before reading it
     }
     assert_as_exact_as(got[w], ref, exact)
-    last = Batch([prompt[-1:]], pool=pool, spec=spec, tables=[table], starts=[n - 1])
+    last = PoolBatch([prompt[-1:]], pool, spec, [table], [n - 1])
     runner_step = llm.runner.run(last)[0]
     assert torch.equal(got[w], runner_step)  # the runner passes the spec's window
     own = float((ref.double() - exact.double()).abs().max())
@@ -648,7 +648,7 @@ def test_a_gemma_draft_in_the_fused_step_rolls_its_ring_back(arch_dir, kv_dtype,
         llm.runner.forward(ids[:-1], cache)  # the prefill (torch), past the ring
     assert a.num_tokens > a.parts[1].slots
     calls = _counted_runs(monkeypatch)
-    rows = llm.runner.run(Batch([[t] for t in [ids[-1], *draft]], a, draft=True))
+    rows = llm.runner.run(DraftBatch([ids[-1], *draft], a))
     assert calls == [6]
     a.rollback(reject)
     kept = [ids[-1], *draft][: 6 - reject]

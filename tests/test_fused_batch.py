@@ -21,7 +21,7 @@ from helpers import (
 from kvlm import LLM, kernels
 from kvlm.cache.paged import BlockPool
 from kvlm.cache.storage import Store
-from kvlm.engine.runner import Batch
+from kvlm.engine.runner import CacheBatch
 from kvlm.model.fused import KVView
 from numerics import assert_as_exact_as
 
@@ -198,7 +198,7 @@ def test_forked_samples_decode_in_one_step_as_each_would_alone(tiny_model_dir, m
     cache.fork(3)
     assert llm.runner.fused_for(cache) is not None
     together = torch.stack(
-        [llm.runner.run(Batch([r[t : t + 1] for r in rows], cache)) for t in range(30)]
+        [llm.runner.run(CacheBatch([r[t : t + 1] for r in rows], cache)) for t in range(30)]
     )
     for b, row in enumerate(rows):
         alone = llm.new_cache(mode)

@@ -161,7 +161,7 @@ def test_one_forward_per_step_follows_the_cpu(tiny_model_dir, name, dtype, monke
         for ev in engine.step():
             tokens[ev.request_id] += ev.token_ids
             tops[ev.request_id] += [list(lp.top) for lp in ev.logprobs]
-        mixed += bool(engine.last_batch.prefill and engine.last_batch.decode)
+        mixed += bool(engine.last_plan.prefill and engine.last_plan.decode)
     assert mixed >= 2 and engine.pool.num_used == 0
     for i, prompt in enumerate(PROMPTS):
         ref_tokens = cpu.generate(prompt, params)[0].token_ids

@@ -16,7 +16,7 @@ import torch
 from kvlm import LLM, SamplingParams
 from kvlm.cache.paged import BlockPool
 from kvlm.engine.engine import Engine, EngineConfig
-from kvlm.engine.runner import Batch
+from kvlm.engine.runner import CacheBatch
 from kvlm.model import graphs
 from kvlm.model.attention import attend, attend_decode
 from kvlm.model.graphs import GraphDecoder
@@ -77,7 +77,7 @@ def test_static_contiguous_step_follows_the_cache_step(folder, exact):
     cache = static.new_cache("contiguous")
     static.runner.forward(seq[:-1], cache)
     cache.fork(2)
-    got = static.runner.run(Batch([seq[-1:]] * 2, cache))
+    got = static.runner.run(CacheBatch([seq[-1:]] * 2, cache))
     assert torch.equal(got[0], got[1])
     assert_as_exact_as(got[0], ref, want.double())
 

@@ -170,7 +170,7 @@ FAMILY_MODULES = {m for m in MODS if m.startswith("kvlm.arch.") and m not in ARC
 def test_only_the_registry_imports_a_family_file():
     """What a family is lives in its file: the rest of kvlm asks the registry (kvlm.arch)
     and reads the ModelConfig and Family it gives, and no family builds on another's."""
-    assert {"kvlm.arch.llama", "kvlm.arch.gemma"} <= FAMILY_MODULES
+    assert {"kvlm.arch.llama", "kvlm.arch.gemma", "kvlm.arch.lfm2"} <= FAMILY_MODULES
     importers = {(m, t) for m, ts in EDGES.items() for t in ts if t in FAMILY_MODULES}
     assert {m for m, _ in importers} == {"kvlm.arch"}
     assert {t for _, t in importers} == FAMILY_MODULES  # every family registered
@@ -189,3 +189,10 @@ def test_no_module_outside_the_family_file_and_the_registry_names_gemma():
     of the family outside its file too)."""
     naming = {m for m, path in MODS.items() if "gemma" in path.read_text().lower()}
     assert naming == {"kvlm.arch.gemma", "kvlm.arch"}
+
+
+def test_no_module_outside_the_family_file_and_the_registry_names_lfm2():
+    """The same for LFM2: its short convolution is a layer kind (kvlm.model.conv), not
+    the family's, and every other module reads it from the ModelConfig."""
+    naming = {m for m, path in MODS.items() if "lfm2" in path.read_text().lower()}
+    assert naming == {"kvlm.arch.lfm2", "kvlm.arch"}

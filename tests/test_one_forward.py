@@ -63,7 +63,7 @@ def test_the_engine_on_one_forward_per_step_follows_a_forward_per_chunk(tiny, ch
                     break
                 for ev in engine.step():
                     out.setdefault(ev.request_id, []).extend(ev.logprobs)
-                b = engine.last_batch
+                b = engine.last_plan
                 mixed += bool(b.prefill and b.decode)
             assert mixed >= 2, "no step held a prompt chunk and decode rows together"
             assert engine.pool.num_used == 0

@@ -83,7 +83,7 @@ def test_speculative_rates_count_the_accepted_drafts(llms):
     stats = spec.batch_engine().stats.spec
     assert stats.tokens_per_forward > 2  # drafts were kept: events are far fewer than tokens
     assert_counts_tokens(out, wall, first_step=1)
-    # a chat turn on its own cache (kvlm chat / kvlm generate's road: the draft Batch)
+    # a chat turn on its own cache (kvlm chat / kvlm generate's road: the DraftBatch)
     session = spec.chat_session(params)
     turn, wall = timed(lambda: session.send(COPY).run())
     assert turn.metrics.decode_tokens > 0 and session.engine.stats.spec.tokens_per_forward > 2

@@ -58,7 +58,7 @@ def test_a_request_arriving_while_a_prompt_is_scored_decodes_beside_it(tiny, exa
         if not engine.has_work():
             break
         events = engine.step()
-        fed = sum(n for _, n in engine.last_batch.prefill)
+        fed = sum(n for _, n in engine.last_plan.prefill)
         assert fed <= CHUNK, f"step {step} fed {fed} prompt tokens, more than one chunk"
         for e in events:
             if e.request_id == "near" and e.token_ids:
@@ -176,7 +176,7 @@ def _paced_run(llm: LLM, ids: list[int], step_time: float | None) -> tuple[dict,
     while engine.has_work():
         for ev in engine.step():
             out[ev.request_id] += ev.token_ids
-        batch = engine.last_batch
+        batch = engine.last_plan
         fed.append((len(batch.decode), sum(n for _, n in batch.prefill)))
     return out, fed
 

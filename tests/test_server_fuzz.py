@@ -22,7 +22,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance  # noqa: 
 
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-EXAMPLES = int(os.environ.get("KVLM_FUZZ_EXAMPLES", "100"))  # per route and generation mode
+EXAMPLES = int(os.environ.get("KVLM_FUZZ_EXAMPLES", "50"))  # per route and generation mode
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import torch
 
 from kvlm import LLM, SamplingParams
 from kvlm.engine.engine import Engine, EngineConfig
-from kvlm.engine.runner import Batch
+from kvlm.engine.runner import DraftBatch
 from kvlm.engine.sampling import Sampler
 from kvlm.engine.speculative import SpeculativeConfig, propose_ngram
 
@@ -377,7 +377,7 @@ def test_chat_speculation_refuses_n_and_other_caches(tiny_model_dir):
     with pytest.raises(InvalidRequestError, match="no speculative decoding with kv 'off'"):
         LLM(model=tiny_model_dir("llama"), progress=False, kv="off", speculative=spec)
     with pytest.raises(InvalidRequestError, match="contiguous, paged, basic or window"):
-        llm.runner.run(Batch([[1], [2]], llm.new_cache("off"), draft=True))
+        llm.runner.run(DraftBatch([1, 2], llm.new_cache("off")))
 
 
 @pytest.mark.slow
@@ -417,7 +417,7 @@ def test_a_window_draft_rolled_back_leaves_the_kept_tokens_ring(tiny_model_dir, 
     a, b = llm.new_cache("window"), llm.new_cache("window")
     for cache in (a, b):
         llm.runner.forward(ids[:-1], cache)
-    llm.runner.run(Batch([[t] for t in [ids[-1], *draft]], a, draft=True))
+    llm.runner.run(DraftBatch([ids[-1], *draft], a))
     a.rollback(reject)
     for token in [ids[-1], *draft][: 6 - reject]:
         llm.runner.forward([token], b)

@@ -12,13 +12,17 @@ why. (Nobody asks for the fused step: where it does not run, `LLM.describe()
 
 from __future__ import annotations
 
-from kvlm.cache.factory import CACHE_MODES
+from kvlm.cache.factory import CACHE_MODES, FUSED_MODES
 from kvlm.llm import NO_SPECULATION
 from kvlm.model import fused
 from kvlm.settings import table
 
 STORAGE_MODES = ("contiguous", "paged")  # modes whose K/V dtype is --kv-dtype's
-KV_DTYPES = ("bf16", "int8")
+# K/V storage dtypes of the grid, K and V alike (fp32, the compute dtype: the rows without
+# one). q4 is held elsewhere (tests/test_kv_q4.py, test_fused_arch.py): on the grid's tiny
+# random hybrid model its K/V stray from the no-cache oracle past the fused cell's top-5
+# rule, on the torch step and the fused step alike
+KV_DTYPES = ("bf16", "fp16", "int8")
 
 FEATURES = {
     "batching": "LLM.generate of several prompts (the batch engine, or one after another)",
@@ -53,7 +57,7 @@ def refusal(model: str, mode: str, kv_dtype: str | None, feature: str) -> str | 
         return "keeps no cache" if feature == "save/load" else "cannot roll back"
     if feature == "speculative decoding" and mode in NO_SPECULATION:
         return NO_SPECULATION[mode]
-    if feature == "fused low-bit step" and mode not in fused.CACHE_MODES:
+    if feature == "fused low-bit step" and mode not in FUSED_MODES:
         return f"torch step: {fused.NOT_THIS_CACHE}"
     return None
 

@@ -40,6 +40,12 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 # Where a block's RMSNorms are: "pre" one before attention and one before the MLP; "sandwich"
 # also one on each one's output before it is added to the residual stream
 NORM_LAYOUTS = ("pre", "sandwich")
+# A block's mixer, what mixes positions before its MLP: "attention" (over the whole context
+# or a window), "conv" a gated short convolution over the last `conv_kernel` positions
+# (kvlm.model.conv)
+MIXERS = ("attention", "conv")
+# a short convolution's kernel: 2 positions or more (it keeps kernel - 1 rows a sequence)
+CONV_KERNEL = (2, 64)
 
 
 @dataclass(slots=True, frozen=True)
@@ -126,6 +132,15 @@ class ModelConfig:
     activation: str = field(default="silu", metadata={"fingerprint": False})
     norm_layout: str = field(default="pre", metadata={"fingerprint": False})
     embed_scale: float | None = field(default=None, metadata={"fingerprint": False})
+    # Per layer: its mixer (MIXERS). Empty: every layer attends. A "conv" layer has no
+    # attention (its K/V slots of a cache go unused) and its kernel is `conv_kernel`.
+    layer_mixers: tuple[str, ...] = ()
+    conv_kernel: int | None = None
+
+    @property
+    def conv_layers(self) -> tuple[int, ...]:
+        """The layers whose mixer is a short convolution, in order."""
+        return tuple(i for i, m in enumerate(self.layer_mixers) if m == "conv")
 
     def __post_init__(self) -> None:
         value(self.architecture, "architecture", str, where=self.name)
@@ -160,10 +175,21 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"{len(self.layer_windows)} layer types for {self.num_layers} layers"
             )
+        self._check_mixers()
         for name in ("final_softcap", "attn_softcap"):
             cap = getattr(self, name)
             if cap is not None and not 0 < cap < math.inf:  # cap * tanh(x / cap)
                 raise UnsupportedModelError(f"{name} {cap!r}: a soft-cap must be positive")
+
+    def _check_mixers(self) -> None:
+        if self.layer_mixers and len(self.layer_mixers) != self.num_layers:
+            raise UnsupportedModelError(
+                f"{len(self.layer_mixers)} layer mixers for {self.num_layers} layers"
+            )
+        for mixer in self.layer_mixers:
+            check_supported("layer mixer", mixer, MIXERS)
+        if self.conv_layers or self.conv_kernel is not None:
+            value(self.conv_kernel, "conv_kernel", int, *CONV_KERNEL, where=self.name)
 
     @property
     def hybrid(self) -> bool:

@@ -17,8 +17,8 @@ from tqdm import tqdm
 
 from kvlm import defaults, kernels
 from kvlm.cache import CacheSpec, KVCache, create_cache
-from kvlm.cache.factory import check_mode, mode_spec
-from kvlm.config import LIMITS, for_context
+from kvlm.cache.factory import BATCH_MODES, check_mode, mode_spec
+from kvlm.config import LIMITS, ModelConfig, for_context
 from kvlm.dtypes import dtype_name, kv_sides, parse_dtype, parse_kv_dtype
 from kvlm.engine.backends import cache_engine_limits
 from kvlm.engine.batch import Stream, run_batch
@@ -32,8 +32,7 @@ from kvlm.engine.speculative import DraftModel, SpeculativeConfig
 from kvlm.engine.threads import FreeCores
 from kvlm.errors import InvalidRequestError
 from kvlm.loading import load_model
-from kvlm.model.attention import Attention
-from kvlm.model.layers import Linear
+from kvlm.model.numerics import ACTIVATIONS, PREFILL_DTYPES, ModelNumerics
 from kvlm.model.transformer import Transformer
 
 # The contiguous cache preallocates this many tokens unless told otherwise (the model's
@@ -46,22 +45,15 @@ log = logging.getLogger("kvlm")
 # "int4" = groups of 32 (kvlm.model.quant); "native" = the GGUF file's own blocks. The
 # default, "auto", picks native for a low-bit GGUF (kvlm.defaults).
 WEIGHT_FORMATS = (None, "f32", "bf16", "int8", "int4", "native")
-# Cache modes whose requests `generate` can batch through the engine's paged pool (the same
-# attention, exactly: contiguous and paged; int8 codes alike). window, basic and off keep
-# state the pool cannot (a ring, a per-step rebuild): their prompts run one after another.
-BATCH_MODES = ("contiguous", "paged", "int8")
 # The cache modes speculative decoding cannot run on, and why (the others: in the batch
-# engine's pool, or on one cache's own rows, ModelRunner.run with a draft Batch)
+# engine's pool, or on one cache's own rows, ModelRunner.run with a DraftBatch)
 NO_SPECULATION = {
     "off": "it keeps no cache to check a draft against",
 }
 # Sequences the batch engine decodes together (SchedulerConfig.max_num_seqs)
 BATCH_MAX_SEQS = 16
 # What the numerics' prefill_dtype and activations may be once resolved (kvlm.defaults)
-RESOLVED = {
-    "prefill_dtype": ("fp32", "bf16", "int8"),
-    "activations": ("fp32", "int8", "int16"),
-}
+RESOLVED = {"prefill_dtype": PREFILL_DTYPES, "activations": ACTIVATIONS}
 
 
 @dataclass(slots=True, frozen=True)
@@ -163,6 +155,7 @@ class LLM:
         self.config, past = for_context(self.loaded.config, self.max_context, *self.rope, window)
         if past is not None:
             log.warning(past)
+        _check_layer_kinds(self.config, kv)
         self.cache_spec(kv)  # every cache setting checked before the weights load
         self._drafters: dict[tuple[str, str | None], DraftModel] = {}  # see draft_model
         self._engine: Engine | None = None  # generate's batch engine, made on first use
@@ -173,22 +166,13 @@ class LLM:
         self.runner = ModelRunner(self.model)
 
     def _build_model(self) -> Transformer:
-        model = Transformer(self.config, self.loaded.weights, self.dtype, self.device,
-                            self.progress, self.weights)  # fmt: skip
-        for module in model.modules():
-            if isinstance(module, Linear):
-                # bf16 prompt products and int8 / int16 activations in the blocks; the vocabulary
-                # projection keeps fp32 ones: its near-tied logits decide the token (on the
-                # default model, rounding its input too changed 7 of 8 test prompts'
-                # answers, and bf16 logits tie at 2^-8: docs/BENCHMARKS.md)
-                block = module is not model.lm_head
-                module.prefill_bf16 = self.prefill_dtype == "bf16" and block
-                module.prefill_int8 = self.prefill_dtype == "int8" and block
-                module.act_int8 = self.activations in ("int8", "int16") and block
-                module.act_int16 = self.activations == "int16" and block
-            elif isinstance(module, Attention):  # the prompt's attention (kvlm.defaults)
-                module.prompt_bf16_from = self.numerics.attention_bf16_from
-        return model
+        """The model, its products and prompt attention rounding as resolved (bf16 prompt
+        products, int8 / int16 activations in the blocks; the vocabulary projection keeps
+        fp32 ones: kvlm.model.layers.Linear)."""
+        numerics = ModelNumerics(self.prefill_dtype, self.activations,
+                                 self.numerics.attention_bf16_from)  # fmt: skip
+        return Transformer(self.config, self.loaded.weights, self.dtype, self.device,
+                           self.progress, self.weights, numerics)  # fmt: skip
 
     @property
     def model_name(self) -> str:
@@ -502,6 +486,18 @@ def _check_settings(
         for side in sides:
             if side != defaults.AUTO:
                 parse_kv_dtype(side)
+
+
+def _check_layer_kinds(config: ModelConfig, kv: str) -> None:
+    """The cache mode keeps what every layer needs kept: no mode keeps a short
+    convolution's rows yet (docs/DESIGN.md section 5), so a model with conv layers runs on
+    `off` alone, which keeps nothing and feeds every forward from position 0."""
+    if config.conv_layers and kv != "off":
+        raise InvalidRequestError(
+            f"kv {kv!r}: this model's short-convolution layers keep rows that no cache "
+            "mode holds yet: it runs with kv 'off' alone (kvlm generate and chat: --kv off; "
+            "not kvlm serve, whose pool keeps none either)", param="kv"
+        )  # fmt: skip
 
 
 def _weight_format(numerics: defaults.Numerics, dtype: torch.dtype, device: torch.device):

@@ -2,7 +2,8 @@
 `general.architecture` -> its family file's `Family` (kvlm.arch.family), and the
 ModelConfig that family reads from the file.
 
-One module per family (llama.py: Llama, Mistral, Qwen2, Qwen3; gemma.py: Gemma 2 and 3),
+One module per family (llama.py: Llama, Mistral, Qwen2, Qwen3; gemma.py: Gemma 2 and 3;
+lfm2.py: LFM2),
 each imported here and nowhere else; a new family is a module and a line in FAMILIES
 (docs/ADDING_A_MODEL.md). Outside kvlm.arch, code reads the ModelConfig a family made
 and the `Family` fields (tensor names, folds, tokenizer quirks), never a family's name.
@@ -12,15 +13,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvlm.arch import gemma, llama
+from kvlm.arch import gemma, lfm2, llama
 from kvlm.arch.family import Family, Shape, Tokenizing
 from kvlm.config import Fields, ModelConfig, check_supported
 from kvlm.errors import ModelLoadError
 
 __all__ = ["FAMILIES", "SHAPES", "SUPPORTED_ARCHITECTURES", "Family", "Shape", "Tokenizing",
-           "config_from_gguf", "config_from_hf", "family", "tokenizing"]  # fmt: skip
+           "config_from_gguf", "config_from_hf", "family", "pre_tokenizer",
+           "tokenizing"]  # fmt: skip
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, gemma.FAMILY, lfm2.FAMILY)
 _BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.architectures}
 # ModelConfig.architecture values, each also a GGUF general.architecture
 SUPPORTED_ARCHITECTURES = tuple(_BY_ARCHITECTURE)
@@ -28,6 +30,8 @@ SUPPORTED_ARCHITECTURES = tuple(_BY_ARCHITECTURE)
 _HF_MODEL_TYPES = {t: a for f in FAMILIES for t, a in f.hf_model_types.items()}
 # real models' sizes, by name (kvlm.bench.models writes random-weight files of them)
 SHAPES: dict[str, Shape] = {n: s for f in FAMILIES for n, s in f.shapes.items()}
+# a byte-level vocabulary's tokenizer.ggml.pre -> the llama.cpp pre-tokenizer it reads as
+_PRE_TOKENIZERS = {n: t for f in FAMILIES for n, t in f.pre_tokenizers.items()}
 
 
 def family(architecture: str) -> Family:
@@ -69,6 +73,12 @@ def tokenizing(gguf_architecture: Any) -> Tokenizing:
         if gguf_architecture in f.vocabularies:
             return f.tokenizing
     return Tokenizing()
+
+
+def pre_tokenizer(name: str) -> str:
+    """The llama.cpp pre-tokenizer a GGUF vocabulary's `tokenizer.ggml.pre` reads as: a
+    family's own name for one (LFM2's "lfm2" is Llama 3's), else the name itself."""
+    return _PRE_TOKENIZERS.get(name, name)
 
 
 def _text_part(cfg: dict[str, Any]) -> dict[str, Any]:

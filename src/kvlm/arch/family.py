@@ -12,11 +12,12 @@ these fields, never a family's name.
 The model's tensor names (`model.layers.3.self_attn.q_proj.weight`: the names the
 transformer takes, kvlm.model.weights.WeightSource) are the Llama block's Hugging Face
 names, and for a block that norms the attention's and the MLP's outputs too,
-`attn_out_norm` and `mlp_out_norm`. llama.cpp names tensors by their role in every
+`attn_out_norm` and `mlp_out_norm`; a short convolution's are `conv.in_proj`,
+`conv.conv`, `conv.out_proj`. llama.cpp names tensors by their role in every
 family (`ffn_norm` is the MLP's input norm whatever else a block has), so one table
-(`LAYER_NAMES`, `GLOBAL_NAMES`) serves every family's GGUF files; a family adds its own
-(`gguf_names`). A Hugging Face checkpoint whose names differ from the model's (a role
-named otherwise) says so in `hf_names`.
+(`LAYER_NAMES`, `GLOBAL_NAMES`, `CONV_NAMES`) serves every family's GGUF files; a family
+adds its own (`gguf_names`, `gguf_globals`). A Hugging Face checkpoint whose names differ
+from the model's (a role named otherwise) says so in `hf_names` and `hf_globals`.
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ LAYER_NAMES = {
 }
 # the output norms of a "sandwich" block (kvlm.config.NORM_LAYOUTS), as llama.cpp names them
 OUT_NORM_NAMES = {"post_attention_norm": "attn_out_norm", "post_ffw_norm": "mlp_out_norm"}
+# a short convolution's tensors (kvlm.config.MIXERS "conv", kvlm.model.conv), as llama.cpp
+# names them: the model's names are transformers' (`conv.conv` the depthwise kernel)
+CONV_NAMES = {
+    "shortconv.in_proj": "conv.in_proj",
+    "shortconv.conv": "conv.conv",
+    "shortconv.out_proj": "conv.out_proj",
+}
 GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -103,10 +111,14 @@ class Family:
     `from_gguf(the metadata's Fields, architecture, name)`: its ModelConfig
     (kvlm.arch.readers); `gguf_names`: its GGUF files' layer tensors -> the model's names;
     `hf_names`: a checkpoint's layer tensors whose names are not the model's -> the
-    model's; `fold_hf`: a Hugging Face tensor -> what the model multiplies; `gguf_rows`:
+    model's; `gguf_globals`, `hf_globals`: the tensors outside the layers (their names
+    without the `.weight`) -> the model's, in each format, where a family's differ;
+    `fold_hf`: a Hugging Face tensor -> what the model multiplies; `gguf_rows`:
     a GGUF tensor's rows in Hugging Face's order (the row order alone, so that low-bit
     blocks take it as they are packed); `vocabularies`: the GGUF architectures whose
-    SentencePiece vocabulary reads by `tokenizing`; `shapes`: real models' sizes."""
+    SentencePiece vocabulary reads by `tokenizing`; `pre_tokenizers`: a byte-level
+    vocabulary's `tokenizer.ggml.pre` -> the llama.cpp pre-tokenizer it reads as (its
+    files name their own); `shapes`: real models' sizes."""
 
     name: str
     architectures: tuple[str, ...]
@@ -115,27 +127,30 @@ class Family:
     hf_model_types: Mapping[str, str] = field(default_factory=dict)
     gguf_names: Mapping[str, str] = field(default_factory=lambda: LAYER_NAMES)
     hf_names: Mapping[str, str] = field(default_factory=dict)
+    gguf_globals: Mapping[str, str] = field(default_factory=lambda: GLOBAL_NAMES)
+    hf_globals: Mapping[str, str] = field(default_factory=dict)
     fold_hf: Fold | None = None
     gguf_rows: Fold | None = None
     tokenizing: Tokenizing = field(default_factory=Tokenizing)
     vocabularies: tuple[str, ...] = ()
+    pre_tokenizers: Mapping[str, str] = field(default_factory=dict)
     shapes: Mapping[str, Shape] = field(default_factory=dict)
 
     def from_gguf_name(self, name: str) -> str | None:
         """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (None: a
         tensor the model does not read)."""
         stem, _, suffix = name.rpartition(".")
-        parts = stem.split(".")
+        parts = stem.split(".", 2)  # a role may have dots of its own (shortconv.conv)
         if parts[0] == "blk" and len(parts) == 3 and parts[2] in self.gguf_names:
             return f"model.layers.{parts[1]}.{self.gguf_names[parts[2]]}.{suffix}"
-        if stem in GLOBAL_NAMES:
-            return f"{GLOBAL_NAMES[stem]}.{suffix}"
+        if stem in self.gguf_globals:
+            return f"{self.gguf_globals[stem]}.{suffix}"
         return None
 
     def to_gguf_name(self, name: str) -> str:
         """The inverse of `from_gguf_name` (the name itself where it has no GGUF name)."""
         stem, _, suffix = name.rpartition(".")
-        for ours, theirs in GLOBAL_NAMES.items():
+        for ours, theirs in self.gguf_globals.items():
             if stem == theirs:
                 return f"{ours}.{suffix}"
         m = _LAYER.fullmatch(name)
@@ -147,6 +162,9 @@ class Family:
 
     def from_hf_name(self, name: str) -> str:
         """A checkpoint's (text model's) tensor name -> the model's."""
+        stem, _, suffix = name.rpartition(".")
+        if stem in self.hf_globals:
+            return f"{self.hf_globals[stem]}.{suffix}"
         m = _LAYER.fullmatch(name)
         if m is None or m[2] not in self.hf_names:
             return name
@@ -154,6 +172,10 @@ class Family:
 
     def to_hf_name(self, name: str) -> str:
         """The model's tensor name -> the checkpoint's (for messages)."""
+        stem, _, suffix = name.rpartition(".")
+        for theirs, ours in self.hf_globals.items():
+            if stem == ours:
+                return f"{theirs}.{suffix}"
         m = _LAYER.fullmatch(name)
         if m is not None:
             for theirs, ours in self.hf_names.items():

@@ -236,7 +236,7 @@ def stream_throughput(
         while engine.has_work():
             t0 = time.perf_counter()
             tokens += sum(len(o.token_ids) for o in engine.step())
-            batch = engine.last_batch
+            batch = engine.last_plan
             if batch and not batch.prefill and len(batch.decode) == n:  # every stream decoding
                 decode_steps.append(time.perf_counter() - t0)
             if capture and n == max(streams) and engine.pool.num_used > most:

@@ -349,6 +349,13 @@ class KVCache(ABC):
     mode: ClassVar[str]
     layout: ClassVar[str] = "dense"
     drafts: ClassVar[bool] = True  # begin(n, draft=True) applies (all modes but off)
+    # What the roads that take a cache read of its mode (kvlm.cache.factory's lists of
+    # modes are made from these): the fused C decode step reads and writes its store in
+    # place (kvlm.model.fused); and the mode of the engine's pool that computes its
+    # attention bit for bit, through which LLM.generate batches its prompts (None: they
+    # run one after another on the cache)
+    fused_step: ClassVar[bool] = False
+    pool_mode: ClassVar[str | None] = None
 
     def __init__(self, spec: CacheSpec) -> None:
         self.spec = spec

@@ -46,6 +46,8 @@ class _ContiguousStep(DenseStep):
 
 class ContiguousCache(RowCache):
     mode = "contiguous"
+    fused_step = True
+    pool_mode = "paged"
 
     def __init__(self, spec: CacheSpec) -> None:
         super().__init__(spec, slots=spec.max_tokens)

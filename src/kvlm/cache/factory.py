@@ -33,6 +33,12 @@ RING_MODES = ("basic", "contiguous")
 # Modes whose attention equals full attention over the whole sequence, bit for bit in the
 # stored dtype (int8 quantizes; window drops what falls out of it).
 EXACT_MODES = ("off", "basic", "contiguous", "paged")
+# What the caches declare (KVCache.fused_step, pool_mode): the modes the fused C decode
+# step reads (kvlm.model.fused), and those whose prompts LLM.generate batches through the
+# engine's pool (the same attention, exactly: window, basic and off keep state the pool
+# cannot, a ring, a per-step rebuild, nothing)
+FUSED_MODES = tuple(mode for mode, cls in CACHE_MODES.items() if cls.fused_step)
+BATCH_MODES = tuple(mode for mode, cls in CACHE_MODES.items() if cls.pool_mode is not None)
 
 
 def check_mode(mode: str) -> type[KVCache]:
@@ -42,6 +48,12 @@ def check_mode(mode: str) -> type[KVCache]:
             f"unknown cache mode {mode!r}; valid modes: {', '.join(CACHE_MODES)}"
         )
     return cls
+
+
+def pool_mode(mode: str) -> str:
+    """The mode of the engine's pool for an LLM of `mode`: its cache's own pool mode
+    (int8 stores int8 whatever --kv-dtype says), else paged."""
+    return check_mode(mode).pool_mode or "paged"
 
 
 def mode_spec(mode: str, spec: CacheSpec) -> CacheSpec:

@@ -160,7 +160,9 @@ def layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
     """What each of `config`'s layers keeps, from its mixer: an attention layer's is
     kind_of(its window, ModelConfig.layer_windows). () where every layer keeps the same:
     every row of every token (a window every layer shares, Mistral's, is the masks'
-    business: CacheSpec.for_model makes it the spec's sliding_window)."""
+    business: CacheSpec.for_model makes it the spec's sliding_window). A conv layer
+    (ModelConfig.layer_mixers) is no cache kind yet: its rows ride kvlm.model.conv's
+    ConvRows beside the cache (docs/NOTES-kinds.md, step 4)."""
     if len(set(config.layer_windows)) < 2:
         return ()
     return tuple(kind_of(w) for w in config.layer_windows)

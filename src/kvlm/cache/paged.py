@@ -331,6 +331,8 @@ class PagedCache(KVCache):
     rows, and each window's last W + RING_SLACK positions as a ring."""
 
     mode = "paged"
+    fused_step = True
+    pool_mode = "paged"
 
     def __init__(self, spec: CacheSpec, pool: BlockPool | None = None) -> None:
         super().__init__(spec)
@@ -615,6 +617,7 @@ class Int8PagedCache(PagedCache):
     """
 
     mode = "int8"
+    pool_mode = "int8"
 
 
 class TableStep(_PagedStep):

@@ -7,9 +7,9 @@ The engine's step is the same over both: the scheduler admits through the backen
 interface) and the engine runs a step's forwards through `forward` (its prompt chunks
 and its decode rows; what comes back: StepLogits).
 
-    PoolBackend:  BlockManager over a BlockPool; ModelRunner.run(Batch(pool=...)), a
-                  step's chunks and decode rows in one mixed batch
-    CacheBackend: one KVCache; ModelRunner.run(Batch(rows, cache[, draft=True]))
+    PoolBackend:  BlockManager over a BlockPool; ModelRunner.run(PoolBatch(...)), a
+                  step's chunks and decode rows in one MixedBatch on a GPU
+    CacheBackend: one KVCache; ModelRunner.run(CacheBatch(...)), a draft's DraftBatch
 
 One cache admits one request at a time. Its rows decode in lockstep (the cache's rows all
 grow together): a sample that finished keeps feeding its last token, and its row's output
@@ -31,7 +31,7 @@ from kvlm.cache import KVCache
 from kvlm.cache.base import blocks_for
 from kvlm.cache.paged import BlockPool
 from kvlm.cache.prefix import BlockManager, BlockTable, PrefixStats
-from kvlm.engine.runner import Batch, ModelRunner
+from kvlm.engine.runner import CacheBatch, DraftBatch, MixedBatch, ModelRunner, PoolBatch
 from kvlm.engine.sequence import Sequence
 from kvlm.errors import CacheOverflowError, InvalidRequestError
 
@@ -71,14 +71,14 @@ class PoolBackend:
             return each_piece(self, chunks, seqs)
         rows, tables, starts, spans = self._rows(seqs)
         k, d = len(chunks), len(rows)
+        blocks, windowed = self._where([c.seq.table for c in chunks] + tables)
+        mixed = MixedBatch(
+            [c.tokens for c in chunks] + rows, self.pool, self.spec, blocks,
+            [c.seq.num_computed for c in chunks] + starts, windowed,
+            every_row=[c.all_rows for c in chunks] + [False] * d,
+        )  # fmt: skip
         try:
-            out = self._run(
-                [c.tokens for c in chunks] + rows,
-                [c.seq.table for c in chunks] + tables,
-                [c.seq.num_computed for c in chunks] + starts,
-                chunks=[True] * k + [False] * d,
-                every_row=[c.all_rows for c in chunks] + [False] * d,
-            )
+            out = self.runner.run(mixed)
         except Exception:
             log.warning("a step of %d rows failed; running it piece by piece", k + d,
                         exc_info=True)  # fmt: skip
@@ -95,14 +95,24 @@ class PoolBackend:
                          all_rows=all_rows)[0]  # fmt: skip
 
     def _run(
-        self, rows: list, tables: list[BlockTable], starts: list, **options
-    ) -> torch.Tensor | list:
+        self,
+        rows: list,
+        tables: list[BlockTable],
+        starts: list,
+        prompt: bool | None = None,
+        all_rows: bool = False,
+    ) -> torch.Tensor:
         """Rows on the pool, row b at starts[b] through tables[b] (a sequence's BlockTable:
-        its table of each layer group); `options`: Batch's."""
-        windowed = [[t.others[g] for t in tables] for g in range(len(self.pool.groups) - 1)]
-        batch = Batch(rows, pool=self.pool, spec=self.spec, tables=[t.blocks for t in tables],
-                      starts=starts, windowed=windowed, **options)  # fmt: skip
+        its table of each layer group)."""
+        blocks, windowed = self._where(tables)
+        batch = PoolBatch(rows, self.pool, self.spec, blocks, starts, windowed, prompt, all_rows)
         return self.runner.run(batch)
+
+    def _where(self, tables: list[BlockTable]) -> tuple[list[list[int]], list[list[list[int]]]]:
+        """Rows' block tables as a batch on the pool takes them: group 0's, and each other
+        layer group's (windowed[g - 1][b])."""
+        windowed = [[t.others[g] for t in tables] for g in range(len(self.pool.groups) - 1)]
+        return [t.blocks for t in tables], windowed
 
     @staticmethod
     def _rows(seqs: list[Sequence]) -> tuple[list, list, list, list[tuple[int, int]]]:
@@ -288,7 +298,7 @@ class CacheBackend:
             self._done = {}
         held = self.cache.num_tokens
         fed = seq.token_ids[held : seq.num_computed + len(tokens)]  # off: from the start
-        batch = Batch([fed], self.cache, prompt=True, all_rows=all_rows)
+        batch = CacheBatch([fed], self.cache, prompt=True, all_rows=all_rows)
         logits = self.runner.run(batch)
         return logits[0, -len(tokens) :] if all_rows else logits[0]
 
@@ -297,10 +307,9 @@ class CacheBackend:
         try:
             if len(seqs) == 1 and seqs[0].draft:  # one sequence, its last token and draft
                 s = seqs[0]
-                rows = [[t] for t in [s.token_ids[-1], *s.draft]]
-                return [self.runner.run(Batch(rows, cache, draft=True))], hints
+                return [self.runner.run(DraftBatch([s.token_ids[-1], *s.draft], cache))], hints
             rows = self._lockstep(seqs)
-            out = self.runner.run(Batch(rows, cache, prompt=False))
+            out = self.runner.run(CacheBatch(rows, cache, prompt=False))
             return [out[s.table.blocks[0]][None] for s in seqs], hints
         except Exception as exc:  # one request holds the cache: it fails whole
             return [exc] * len(seqs), hints

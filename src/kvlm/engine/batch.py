@@ -51,7 +51,7 @@ def _step(engine: Engine, live: dict[str, _Live]) -> list[StepOutput]:
     t0 = time.perf_counter()
     events = engine.step()
     seconds = time.perf_counter() - t0
-    batch = engine.last_batch  # every request with a forward in this step
+    batch = engine.last_plan  # every request with a forward in this step
     ran = {s.request_id for s in batch.decode} | {s.request_id for s, _ in batch.prefill}
     for rid in ran & live.keys():
         live[rid].metrics.record_forward(seconds)

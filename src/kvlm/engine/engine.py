@@ -1,9 +1,10 @@
 """Engine: many requests at once on one paged pool (continuous batching).
 
     add_request() -> scheduler.waiting
-    step():  batch = scheduler.schedule()
-             the prompt chunks and the decode rows: one ragged forward on a GPU; on the
-             CPU one per chunk and one for the decode rows -> sample -> StepOutput events
+    step():  plan = scheduler.schedule()
+             the prompt chunks and the decode rows, in one call to the backend: one
+             ragged forward on a GPU; on the CPU one per chunk and one for the decode
+             rows -> sample -> StepOutput events
              finished sequences free their blocks (full ones stay in the prefix cache)
 
 A request with n > 1 samples prefills once; when its prompt is done the sequence is forked
@@ -27,6 +28,7 @@ import torch
 
 from kvlm.cache import KVCache
 from kvlm.cache.base import CacheSpec, blocks_for
+from kvlm.cache.factory import pool_mode
 from kvlm.cache.groups import layer_groups as spec_groups
 from kvlm.cache.paged import BlockPool, window_blocks
 from kvlm.cache.prefix import BlockManager, check_salt
@@ -40,7 +42,7 @@ from kvlm.engine.metrics import GC_TIME, EngineStats
 from kvlm.engine.pacing import Pacing, Work
 from kvlm.engine.request import SampleState, check_prompt, stop_token_ids
 from kvlm.engine.sampling import Sampler, SamplingParams, TokenLogprob, prompt_logprobs
-from kvlm.engine.scheduler import Batch, QueueFullError, Scheduler, SchedulerConfig
+from kvlm.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig, StepPlan
 from kvlm.engine.sequence import Sequence, Status
 from kvlm.engine.speculative import DraftModel, SpeculativeConfig, propose_ngram
 from kvlm.engine.threads import ThreadTuner
@@ -88,9 +90,16 @@ class EngineConfig:
 
 
 def pool_spec(llm: ServedModel) -> CacheSpec:
-    """The pool's cache spec: the LLM's K/V storage (--kv int8 stores int8 whatever
-    --kv-dtype says)."""
-    return llm.cache_spec("int8" if llm.kv_mode == "int8" else "paged")
+    """The pool's cache spec: the LLM's K/V storage in its mode's pool (--kv int8 stores
+    int8 whatever --kv-dtype says: kvlm.cache.factory.pool_mode). A model with
+    short-convolution layers is refused: the pool keeps no rows of theirs yet
+    (docs/DESIGN.md section 5)."""
+    if llm.config.conv_layers:
+        raise InvalidRequestError(
+            "the engine's pool keeps no short-convolution rows yet: this model runs one "
+            "request at a time, with --kv off", param="kv"
+        )  # fmt: skip
+    return llm.cache_spec(pool_mode(llm.kv_mode))
 
 
 def windowed_plan(
@@ -235,7 +244,7 @@ class Engine:
         # blocks held for stored conversations (the Responses API), oldest first
         self.pins: OrderedDict[str, list[list[int]]] = OrderedDict()
         self.stats = EngineStats()
-        self.last_batch: Batch | None = None  # what the latest step ran
+        self.last_plan: StepPlan | None = None  # what the latest step ran
         GC_TIME.watch()  # a slow step's log line says how much of it was collection
 
     def _pool_backend(self, llm: ServedModel) -> PoolBackend:
@@ -393,31 +402,31 @@ class Engine:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[StepOutput]:
-        batch = self.last_batch = self.scheduler.schedule()
-        if not batch:  # nothing to run: maybe a tier lookup or a guide's mask is under way
+        plan = self.last_plan = self.scheduler.schedule()
+        if not plan:  # nothing to run: maybe a tier lookup or a guide's mask is under way
             if blocked := self.scheduler.blocked_on():
                 wait(blocked, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
             return []
         events: list[StepOutput] = []
-        drafted = sum(len(seq.draft) for seq in batch.decode)  # _run clears the drafts
-        work = self._prompt_work(batch)  # before _run moves the sequences on
-        measured = self.tuner is not None and not batch.prefill  # its decode steps alone
-        decode_work = self._decode_work(batch) if measured else 0.0
+        drafted = sum(len(seq.draft) for seq in plan.decode)  # _run clears the drafts
+        work = self._prompt_work(plan)  # before _run moves the sequences on
+        measured = self.tuner is not None and not plan.prefill  # its decode steps alone
+        decode_work = self._decode_work(plan) if measured else 0.0
         if self._idle and self.tuner is not None:  # back from idle: the cores others left
             self.tuner.resume()
         self._idle = False
         self._set_threads()
         gc0, cpu0, t0 = GC_TIME.seconds, time.thread_time(), time.perf_counter()
-        forward_s, score_s = self._run(batch, events)
+        forward_s, score_s = self._run(plan, events)
         seconds = time.perf_counter() - t0
         if self.pacing is not None:
-            self.pacing.record(seconds, len(batch.decode), work)
+            self.pacing.record(seconds, len(plan.decode), work)
         if measured:
             self.tuner.record(seconds, decode_work)
         if seconds > max(SLOW_STEP_S, self.stats.step_seconds_max):
             parts = (forward_s, score_s, GC_TIME.seconds - gc0, time.thread_time() - cpu0)
-            self._log_slow_step(batch, drafted, seconds, *parts)
-        self.stats.record_step(seconds, len(batch.decode))
+            self._log_slow_step(plan, drafted, seconds, *parts)
+        self.stats.record_step(seconds, len(plan.decode))
         if self.tuner is not None and not self.scheduler.has_work():
             self.tuner.idle()
             self._idle = True
@@ -432,53 +441,53 @@ class Engine:
             torch.set_num_threads(n)
             self._threads_set = n
 
-    def _decode_work(self, batch: Batch) -> float:
+    def _decode_work(self, plan: StepPlan) -> float:
         """The work of a step of decode rows alone (each row and its draft tokens)."""
         return sum(self.work.units(seq.num_computed, 1 + len(seq.draft), False)
-                   for seq in batch.decode)  # fmt: skip
+                   for seq in plan.decode)  # fmt: skip
 
-    def _prompt_work(self, batch: Batch) -> float:
+    def _prompt_work(self, plan: StepPlan) -> float:
         """The work of the step's prompt tokens, in the pacing's units (0 without it)."""
         if self.pacing is None:
             return 0.0
         return sum(self.pacing.units(seq.num_computed, n, seq.sample.params.prompt_logprobs
-                                     is not None) for seq, n in batch.prefill)  # fmt: skip
+                                     is not None) for seq, n in plan.prefill)  # fmt: skip
 
     @staticmethod
     def _log_slow_step(
-        batch: Batch, drafted: int, seconds: float, forward_s: float, score_s: float,
+        plan: StepPlan, drafted: int, seconds: float, forward_s: float, score_s: float,
         gc_s: float, cpu_s: float,
     ) -> None:  # fmt: skip
         """Say what the longest step so far held (every stream waited for it) and where
         its time went: the forward, scoring prompts, Python's garbage collector, and how
         much of it the engine thread was on a CPU (time.thread_time: working, not waiting).
         Logged on a new longest step only: a busy server logs a handful of lines."""
-        params = [seq.sampler.params for seq, _ in batch.prefill]
-        scored = sum(n for p, (_, n) in zip(params, batch.prefill, strict=True)
+        params = [seq.sampler.params for seq, _ in plan.prefill]
+        scored = sum(n for p, (_, n) in zip(params, plan.prefill, strict=True)
                      if p.prompt_logprobs is not None)  # fmt: skip
-        params += [seq.sampler.params for seq in batch.decode]
+        params += [seq.sampler.params for seq in plan.decode]
         log.info(
             "longest engine step so far: %.2f s (forward %.2f s, scoring %.2f s, garbage "
             "collection %.2f s; the engine thread on a CPU %.2f s of it): %d prompt chunks of "
             "%d tokens (%d scored), %d decode rows (%d drafted tokens); %d guided sequences",
-            seconds, forward_s, score_s, gc_s, cpu_s, len(batch.prefill),
-            sum(n for _, n in batch.prefill), scored, len(batch.decode), drafted,
+            seconds, forward_s, score_s, gc_s, cpu_s, len(plan.prefill),
+            sum(n for _, n in plan.prefill), scored, len(plan.decode), drafted,
             sum(p.guide is not None for p in params),
         )  # fmt: skip
 
-    def _run(self, batch: Batch, events: list[StepOutput]) -> tuple[float, float]:
+    def _run(self, plan: StepPlan, events: list[StepOutput]) -> tuple[float, float]:
         """The step's forward (its prompt chunks and its decode rows: one ragged forward
         on a GPU, kvlm.engine.backends), then sampling. A failure ends only the request it
         belongs to (the backend finds which). Returns its seconds in the forward and in
         scoring prompts (a slow step's log line)."""
         chunks = []
-        for seq, n in batch.prefill:
+        for seq, n in plan.prefill:
             start = seq.num_computed
             scored = self.requests[seq.request_id].prompt_logprobs is not None
             chunks.append(Chunk(seq, seq.token_ids[start : start + n],
                                 scored and start + 1 < seq.num_prompt))  # fmt: skip
         t0 = time.perf_counter()
-        out = self.backend.forward(chunks, batch.decode)
+        out = self.backend.forward(chunks, plan.decode)
         forward_s, score_s = time.perf_counter() - t0, 0.0
         for chunk, logits, hint in zip(chunks, out.prefilled, out.prefill_argmax, strict=True):
             seq, n = chunk.seq, len(chunk.tokens)
@@ -498,7 +507,7 @@ class Engine:
                     continue
             self.stats.prefill_tokens += n
             self._finish_forward(seq, n, logits, events, hint)
-        for seq, logits, hint in zip(batch.decode, out.decoded, out.decode_argmax, strict=True):
+        for seq, logits, hint in zip(plan.decode, out.decoded, out.decode_argmax, strict=True):
             if seq.status is Status.FINISHED:  # its request failed earlier in this step
                 continue
             if isinstance(logits, Exception):

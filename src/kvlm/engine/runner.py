@@ -1,11 +1,14 @@
 """ModelRunner: feeds a batch of token rows through the model and one cache step.
 
-`ModelRunner.run(Batch)` is the one forward. Where the rows' K/V lives picks the road:
+`ModelRunner.run(batch)` is the one forward. Where the rows' K/V lives is the batch's
+type, and picks the road:
 
-    Batch(rows, cache)                  rows of one cache, after what it holds
-    Batch(rows, cache, draft=True)      one sequence's draft: a token per row, consecutive
-    Batch(rows, pool=, spec=, tables=, starts=)   the engine's pool, a table per row
-    Batch(..., chunks=[...])            a step's prompt chunks and decode rows together
+    CacheBatch(rows, cache)              rows of one cache, after what it holds
+    DraftBatch(tokens, cache)            one sequence's last token and its draft, a token
+                                         per row at consecutive positions
+    PoolBatch(rows, pool, spec, tables, starts)    the engine's pool, a table per row
+    MixedBatch(rows, pool, spec, tables, starts)   a step's prompt chunks and decode rows
+                                         together, rows of any length (one ragged forward)
 
 and inside, one token per row replays a CUDA graph or takes the fused C step where they
 apply; anything else is the torch model over a cache step. A mixed step is one ragged
@@ -20,6 +23,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
@@ -30,28 +34,66 @@ from kvlm.model.transformer import Transformer
 
 
 @dataclass(slots=True)
-class Batch:
-    """One forward's rows (every row the same number of tokens), where their K/V lives
-    (`cache`, or `pool` with a block table and start per row), and what comes back:
-    `prompt` says the tokens are a prompt's (its numerics, kvlm.model.layers.feeding_prompt;
-    None: more than one token per row), `all_rows` every position's logits."""
+class CacheBatch:
+    """Rows after what one cache holds, one per cached sequence, every row the same
+    number of tokens (a prompt's chunk, a lockstep decode). `prompt`: the tokens are a
+    prompt's (its numerics, kvlm.model.layers.feeding_prompt; None: more than one token a
+    row); `all_rows`: every position's logits, (B, T, V), else each row's last, (B, V).
+    The cache commits the tokens only if the whole forward succeeded."""
 
     rows: Sequence[Sequence[int]]
-    cache: KVCache | None = None
-    draft: bool = False
-    pool: BlockPool | None = None
-    spec: CacheSpec | None = None
-    tables: Sequence[list[int]] = ()
-    starts: Sequence[int] = ()
-    # a hybrid pool's other layer groups' tables, group by group: windowed[g - 1][b] is
-    # row b's table of group g (kvlm.cache.paged.BlockPool.groups)
-    windowed: Sequence[Sequence[list[int]]] = ()
+    cache: KVCache
     prompt: bool | None = None
     all_rows: bool = False
-    # a mixed step on the pool (rows of any lengths): which rows are a prompt's chunks, and
-    # which want every position's logits; run() then returns a list, a tensor per row
-    chunks: Sequence[bool] = ()
+
+
+@dataclass(slots=True)
+class DraftBatch:
+    """One sequence's last token and its draft (speculative decoding on one cache of one
+    row), a token per row at consecutive positions, each row computing what decoding its
+    token alone would: logits (n, V). The cache commits all n; the caller rolls back the
+    rejected."""
+
+    tokens: Sequence[int]
+    cache: KVCache
+
+
+@dataclass(slots=True)
+class _OnPool:
+    """Rows on the engine's pool: row b at starts[b] through its block table tables[b]
+    (group 0's), and a hybrid pool's other layer groups' tables, group by group:
+    windowed[g - 1][b] is row b's table of group g (kvlm.cache.paged.BlockPool.groups)."""
+
+    rows: Sequence[Sequence[int]]
+    pool: BlockPool
+    spec: CacheSpec
+    tables: Sequence[list[int]]
+    starts: Sequence[int]
+    windowed: Sequence[Sequence[list[int]]] = ()
+
+
+@dataclass(slots=True)
+class PoolBatch(_OnPool):
+    """Sequences of different lengths on the pool, every row the same number of tokens
+    (the engine's decode rows and drafts, a prompt's chunk); `prompt` and `all_rows` as
+    CacheBatch's."""
+
+    prompt: bool | None = None
+    all_rows: bool = False
+
+
+@dataclass(slots=True)
+class MixedBatch(_OnPool):
+    """A step's prompt chunks and decode rows on the pool, rows of any length, as one
+    ragged forward (kvlm.cache.paged.RaggedStep; every row takes the prompt's numerics):
+    a list of each row's last logits (V,), or every position's (T, V) where
+    every_row[i]."""
+
     every_row: Sequence[bool] = ()
+
+
+# What ModelRunner.run takes: where the rows' K/V lives is the type
+Batch = CacheBatch | DraftBatch | PoolBatch | MixedBatch
 
 
 class ModelRunner:
@@ -82,12 +124,9 @@ class ModelRunner:
 
     def ragged_steps(self) -> bool:
         """Whether a step's prompt chunks and decode rows go as one mixed batch (one ragged
-        forward): `one_forward`, and prompt and decode rows sharing their numerics (no bf16
-        prompt products; int8 activations for both or for neither; no int16 decode
-        activations, which prompts never take)."""
-        lin = self.model.layers[0].attn.qkv
-        alike = not lin.prefill_bf16 and lin.prefill_int8 == lin.act_int8 and not lin.act_int16
-        return self.one_forward and alike
+        forward): `one_forward`, and prompt and decode rows sharing the model's numerics
+        (kvlm.model.numerics.ModelNumerics.prompt_like_decode)."""
+        return self.one_forward and self.model.numerics.prompt_like_decode
 
     def fused_for(self, cache: KVCache) -> fused.FusedDecoder | None:
         """The fused decode step for this cache, when it applies."""
@@ -106,30 +145,36 @@ class ModelRunner:
             return f"torch step: {fused.NOT_THIS_CACHE}, not {cache.mode} ({rows})"
         return "fused"
 
+    @overload
+    def run(self, batch: MixedBatch) -> list[torch.Tensor]: ...
+    @overload
+    def run(self, batch: CacheBatch | DraftBatch | PoolBatch) -> torch.Tensor: ...
+
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor | list[torch.Tensor]:
         """The one forward: each row's last logits, (B, V), or with `all_rows` every
-        position's, (B, T, V). One token per row (a decode batch, a draft's rows) replays a
-        captured CUDA graph or takes the fused C step where they apply (kvlm.model.graphs,
-        kvlm.model.fused); everything else runs the torch model through a cache step. A
-        cache commits the tokens only if the whole forward succeeded. A mixed step
-        (`chunks`), one ragged forward, gives a list: row i's last logits (V,), or (T, V)
-        with every_row[i]."""
-        if batch.chunks:
-            return self._ragged(batch)
-        if batch.pool is not None:
-            return self._on_pool(batch)
-        if batch.draft:
-            return self._draft(batch)
-        return self._on_cache(batch)
+        position's, (B, T, V); a mixed step's list (MixedBatch). One token per row (a decode
+        batch, a draft's rows) replays a captured CUDA graph or takes the fused C step where
+        they apply (kvlm.model.graphs, kvlm.model.fused); everything else runs the torch
+        model through a cache step."""
+        match batch:
+            case CacheBatch():
+                return self._on_cache(batch)
+            case DraftBatch():
+                return self._draft(batch)
+            case PoolBatch():
+                return self._on_pool(batch)
+            case MixedBatch():
+                return self._mixed(batch)
+        raise TypeError(f"not a batch: {type(batch).__name__}")
 
     def forward(self, token_ids: Sequence[int], cache: KVCache) -> torch.Tensor:
         """One sequence's tokens after what `cache` holds: its last logits, (V,)."""
-        return self.run(Batch([token_ids], cache))[0]
+        return self.run(CacheBatch([token_ids], cache))[0]
 
     def logits(self, token_ids: Sequence[int], cache: KVCache) -> torch.Tensor:
         """Teacher-forced logits for every position, (T, V): the reference tests' view."""
-        return self.run(Batch([token_ids], cache, all_rows=True))[0]
+        return self.run(CacheBatch([token_ids], cache, all_rows=True))[0]
 
     def _torch(self, rows, step, prompt: bool | None, all_rows: bool) -> torch.Tensor:
         ids = torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -143,7 +188,7 @@ class ModelRunner:
         views = decoder.views_of(cache, step, rows)
         return decoder.run(views, tokens, starts, cache.spec.sliding_window)
 
-    def _on_cache(self, b: Batch) -> torch.Tensor:
+    def _on_cache(self, b: CacheBatch) -> torch.Tensor:
         """Rows of one cache: row b's tokens after what it holds for row b (all rows one
         length, one row per cached sequence)."""
         rows, cache = b.rows, b.cache
@@ -165,13 +210,10 @@ class ModelRunner:
         cache.commit(step)
         return logits
 
-    def _draft(self, b: Batch) -> torch.Tensor:
-        """One sequence's last token and its draft (speculative decoding on one cache), one
-        token per row at consecutive positions, each computing what decoding its token
-        alone would (the fused step's rows, or the torch step's draft rows over their own
-        keys): logits (n, V). The cache commits all n; the caller rolls back what it
-        rejects."""
-        cache, tokens = b.cache, [r[0] for r in b.rows]
+    def _draft(self, b: DraftBatch) -> torch.Tensor:
+        """One sequence's last token and its draft: the fused step's rows, or the torch
+        step's draft rows over their own keys (DraftBatch)."""
+        cache, tokens = b.cache, list(b.tokens)
         n = len(tokens)
         step = cache.begin(n, draft=True)  # refuses other caches, raises on overflow
         decoder = self.fused_for(cache)
@@ -183,7 +225,7 @@ class ModelRunner:
         cache.commit(step)
         return logits
 
-    def _on_pool(self, b: Batch) -> torch.Tensor:
+    def _on_pool(self, b: PoolBatch) -> torch.Tensor:
         """Sequences of different lengths in one pool (the engine's batch): row b feeds its
         tokens at positions starts[b].. through block table tables[b]."""
         pool, spec, rows, window = b.pool, b.spec, b.rows, b.spec.sliding_window
@@ -204,7 +246,7 @@ class ModelRunner:
         step = TableStep(pool, spec, list(b.tables), list(b.starts), len(rows[0]), b.windowed)
         return self._torch(rows, step, b.prompt, b.all_rows)
 
-    def _ragged(self, b: Batch) -> list[torch.Tensor]:
+    def _mixed(self, b: MixedBatch) -> list[torch.Tensor]:
         """A step's prompt chunks and decode rows on the pool as one forward (kvlm.cache.
         paged.RaggedStep), each row's logits."""
         every = list(b.every_row) or [False] * len(b.rows)

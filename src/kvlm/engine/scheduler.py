@@ -5,15 +5,22 @@
          ^          and seats are free             |
          +---- preempt the newest (recompute) -----+   when a decode finds no free block
 
-Each step has two parts, run as two forwards by the engine:
+`schedule()` plans a step (`StepPlan`) in two parts, which the engine hands its backend
+in one call (kvlm.engine.backends: one ragged forward on a GPU's pool, else a forward per
+prompt chunk and one for all the decode rows):
 
-- decode: every running sequence with one token pending, one token each, batched (a
-  guided one whose next mask is still being computed sits the step out);
-- prefill: up to `prefill_chunk` prompt tokens, taken first from sequences already part
-  way through their prompt, then from newly admitted ones. A long prompt is fed over
-  several steps, so the decode streams keep moving while it prefills. With `step_time`,
-  a step in which streams decode takes only the prompt tokens that fit in that time at
-  the costs measured so far (kvlm.engine.pacing).
+- decode: every running sequence with one token pending, one token each, and its draft
+  where the engine speculates (`propose`; its positions made writable here), batched. A
+  guided one whose next mask is still being computed sits the step out (on one cache's
+  lockstep rows, `lockstep`, the step waits for it instead);
+- prefill: up to `prefill_chunk` prompt tokens, from sequences part way through their
+  prompt and from newly admitted ones: alone, a sequence takes the whole budget; beside
+  others, each takes an equal share first and what is left goes in order (with
+  `chunk_size`, whole chunks in order). A long prompt is fed over several steps, so the
+  decode streams keep moving while it prefills. With `step_time`, a step in which streams
+  decode takes only the prompt tokens that fit in that time at the costs measured so far
+  (kvlm.engine.pacing). A hybrid pool's windowed layers take their blocks for each chunk
+  as it is planned (`prepare`).
 
 Admission first asks the KV tiers (if any) for the prompt's blocks the pool lacks, once:
 the lookup runs off the engine thread and the request waits at the head of the queue
@@ -81,7 +88,10 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
-class Batch:
+class StepPlan:
+    """What one step runs: the sequences that decode a token (and their drafts), and the
+    prompt chunks, each a sequence and how many of its pending tokens it feeds."""
+
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens)
 
@@ -134,13 +144,13 @@ class Scheduler:
         out = [job.waiting] if job is not None and job.waiting is not None else []
         return out + [f for s in self.running if (f := s.sampler.mask_job) is not None]
 
-    def schedule(self) -> Batch:
-        batch = Batch()
-        self._schedule_decode(batch)
-        self._schedule_prefill(batch)
-        return batch
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        self._schedule_decode(plan)
+        self._schedule_prefill(plan)
+        return plan
 
-    def _schedule_decode(self, batch: Batch) -> None:
+    def _schedule_decode(self, plan: StepPlan) -> None:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
@@ -149,7 +159,7 @@ class Scheduler:
                 i += 1  # it sits this step out (kvlm.engine.guided)
                 continue
             while not self.manager.can_append(seq.table, seq.num_computed):
-                victim = self.running[-1]  # the newest; never one already in this batch
+                victim = self.running[-1]  # the newest; never one already in this step
                 self.preempt(victim)
                 if victim is seq:
                     break
@@ -157,7 +167,7 @@ class Scheduler:
                 self.manager.append_slot(seq.table, seq.num_computed)
                 if self.propose is not None:
                     self._draft(seq)
-                batch.decode.append(seq)
+                plan.decode.append(seq)
                 i += 1
 
     def _draft(self, seq: Sequence) -> None:
@@ -176,7 +186,7 @@ class Scheduler:
             self.manager.append_slot(seq.table, seq.num_computed + i)
         seq.draft = draft
 
-    def _schedule_prefill(self, batch: Batch) -> None:
+    def _schedule_prefill(self, plan: StepPlan) -> None:
         """The step's prompt tokens, at most `prefill_chunk` in all. Alone, a prefilling
         sequence takes the whole budget. Beside others (prompts part way through, requests
         waiting to be admitted) each first takes an equal share, and what is left goes in
@@ -186,7 +196,7 @@ class Scheduler:
         (long_prefill_token_threshold). With `chunk_size` a chunk is whole or waits, so
         there the budget goes in order as before."""
         going = [s for s in self.running if s.prefilling]
-        budget = most = self._paced(batch, going)
+        budget = most = self._paced(plan, going)
         share = budget
         if self.config.chunk_size is None and going and (len(going) > 1 or self.waiting):
             share = max(1, budget // (len(going) + bool(self.waiting)))
@@ -205,16 +215,16 @@ class Scheduler:
                     budget -= more
             if budget and share < most:
                 admitted.update(self._admit(budget))
-        batch.prefill += [*fed.items(), *admitted.items()]
-        for seq, n in batch.prefill:  # a hybrid pool's windowed layers take their blocks now
+        plan.prefill += [*fed.items(), *admitted.items()]
+        for seq, n in plan.prefill:  # a hybrid pool's windowed layers take their blocks now
             self.manager.prepare(seq.table, seq.num_computed, n)
 
-    def _paced(self, batch: Batch, going: list[Sequence]) -> int:
+    def _paced(self, plan: StepPlan, going: list[Sequence]) -> int:
         """The step's prompt tokens at most: `prefill_chunk`, or while streams decode in it
         what `pacing` (kvlm.engine.pacing) says fits in the step's time; with `chunk_size`,
         never less than one whole chunk."""
         most = self.config.prefill_chunk
-        if self.pacing is None or not batch.decode:
+        if self.pacing is None or not plan.decode:
             return most
         probe = [(s.num_computed, s.sample.params.prompt_logprobs is not None) for s in going]
         if self.waiting:

@@ -52,20 +52,50 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
             out[f"{p}.{name}.bias"] = ((rows,), why.split(", ")[0])
         for n in ("q_norm", "k_norm"):
             out[f"{p}.self_attn.{n}.weight"] = ((d,), f"head_dim {d}")
+    if c.conv_layers:
+        out |= _conv_shapes(c)
     return out
+
+
+def _conv_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
+    """The short convolutions' tensors (kvlm.model.conv): in_proj to B, C, x, the
+    depthwise kernel (hidden, L: llama.cpp's; transformers' Conv1d has (hidden, 1, L),
+    `_same`), out_proj."""
+    h, k = c.hidden_size, c.conv_kernel
+    hs, three = f"hidden_size {h}", f"3 x hidden_size {h}"
+    out: dict[str, tuple[Shape, str]] = {}
+    for layer in c.conv_layers:
+        p = f"model.layers.{layer}.conv"
+        out |= {
+            f"{p}.in_proj.weight": ((3 * h, h), f"{three}, {hs}"),
+            f"{p}.in_proj.bias": ((3 * h,), three),
+            f"{p}.conv.weight": ((h, k), f"{hs}, conv_kernel {k}"),
+            f"{p}.conv.bias": ((h,), hs),
+            f"{p}.out_proj.weight": ((h, h), f"{hs}, {hs}"),
+            f"{p}.out_proj.bias": ((h,), hs),
+        }
+    return out
+
+
+def _same(name: str, got: Shape, want: Shape) -> bool:
+    """`got` is the shape `want` (a depthwise kernel (hidden, L) also as (hidden, 1, L))."""
+    kernel = name.endswith(".conv.conv.weight") and got == (want[0], 1, *want[1:])
+    return got == want or kernel
 
 
 def required(c: ModelConfig) -> list[str]:
     """The tensors every model of this config needs (not lm_head: without one the
     embeddings are tied; nor biases or the RoPE factors)."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
-    parts = ["input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
-             "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-             "mlp.up_proj", "mlp.down_proj"]  # fmt: skip
-    parts += out_norms(c)
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    mlp = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", *out_norms(c)]
+    attention = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
+    attention_parts = norms + attention + mlp
     if c.qk_norm:
-        parts += ["self_attn.q_norm", "self_attn.k_norm"]
+        attention_parts += ["self_attn.q_norm", "self_attn.k_norm"]
+    conv_parts = [*norms, "conv.in_proj", "conv.conv", "conv.out_proj", *mlp]
     for layer in range(c.num_layers):
+        parts = conv_parts if layer in c.conv_layers else attention_parts
         names += [f"model.layers.{layer}.{part}.weight" for part in parts]
     return names
 
@@ -85,7 +115,7 @@ def check_shapes(
     used = [n for n in weights.names() if n in shapes]
     for name in used:
         got, (want, why) = tuple(weights.shape(name)), shapes[name]
-        if got != want:
+        if not _same(name, got, want):
             stored = weights.stored_as(name)[0]
             raise ModelLoadError(f"{where}: tensor {stored} has shape {got}, where the "
                                  f"config's sizes give {want} ({why})")  # fmt: skip

@@ -32,7 +32,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
-from kvlm.arch import tokenizing
+from kvlm.arch import pre_tokenizer, tokenizing
 from kvlm.config import LIMITS, Fields
 from kvlm.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
 from kvlm.loading.chat_template import BoundedSandbox, TemplateLimitError, TemplateLimits
@@ -362,7 +362,7 @@ def _numbers(f: Fields, key: str, kind: type, n: int) -> list | None:
 
 
 def _gguf_bpe(f: Fields, tokens: list[str]) -> _HFTokenizer:
-    pre = f("tokenizer.ggml.pre", str, "default")
+    pre = pre_tokenizer(f("tokenizer.ggml.pre", str, "default"))  # a family's name: its type
     regexes = PRE_TOKENIZER_REGEXES.get(pre)
     if regexes is None:
         raise UnsupportedModelError(

@@ -14,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvlm import kernels
 from kvlm.model.layers import Linear, RMSNorm, apply_rope, prompt_rows
+from kvlm.model.numerics import ModelNumerics
 
 if TYPE_CHECKING:
     from kvlm.cache.paged import Segments
@@ -62,6 +63,7 @@ class Attention(nn.Module):
         o_proj: Linear,
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
+        numerics: ModelNumerics | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -75,8 +77,9 @@ class Attention(nn.Module):
         self.q_scale: float | None = None  # queries times this (a score scale, no q norm)
         self.softcap: float | None = None  # scores soft-capped: cap * tanh(s / cap) (attn_softcap)
         # prompt rows at this position or later attend in bf16 on the CPU (0: all, with
-        # --prefill-dtype bf16; None: none): kvlm.defaults' attention_bf16_from, `attend`
-        self.prompt_bf16_from: int | None = None
+        # --prefill-dtype bf16; None: none): the model's numerics (kvlm.defaults), `attend`
+        n = numerics or ModelNumerics()
+        self.prompt_bf16_from: int | None = n.attention_bf16_from
 
     def forward(
         self,
@@ -295,7 +298,9 @@ def attend(
                 enable_gqa=q.shape[1] != k.shape[1],
             )  # fmt: skip
             return out.float()
-    if q.is_cpu and q.shape[0] == 1 and prompt:
+    # decode rows too: torch's CPU SDPA splits one query row's keys across threads, so its
+    # bits followed the thread count, which the engine changes with the load (FreeCores)
+    if q.is_cpu and q.shape[0] == 1:
         out = _attend_kernel(q, k, v, mask, is_causal)
         if out is not None:
             return out
@@ -384,7 +389,8 @@ def _attend_kernel(
     apply (not fp32, a float mask, no compiled kernels, a head size or CPU it does not take,
     for any of the rows): then SDPA. Each row's
     result depends only on its query and the keys it sees, so a prompt gets the same bits
-    whole or in chunks. Decode rows (T = 1) keep SDPA, or the fused step's own attention."""
+    whole or in chunks, and a decode row (T = 1) the same bits on any thread count (each
+    head's row is one thread's work). The fused step has its own attention."""
     if not (q.dtype == k.dtype == v.dtype == torch.float32):
         return None
     if mask is not None:

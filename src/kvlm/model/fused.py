@@ -64,6 +64,7 @@ import torch
 from kvlm import kernels
 from kvlm.cache import KVCache
 from kvlm.cache.base import CacheStep, KVView
+from kvlm.cache.factory import FUSED_MODES
 from kvlm.cache.storage import Store, key_rotation
 from kvlm.dtypes import Q4
 from kvlm.model.attention import _room
@@ -73,8 +74,9 @@ from kvlm.model.transformer import Block, Transformer
 
 _ABI = kernels.CONSTANTS  # kernels/abi.h's numbers: one place for each
 MAX_ROWS = _ABI["MAX_BATCH"]  # the most sequences one step takes
-CACHE_MODES = ("contiguous", "paged", "int8")  # the caches whose layout the step reads
-NOT_THIS_CACHE = "the fused step reads contiguous and paged caches"  # why the others do not
+# why the other modes' caches decode on the torch step (FUSED_MODES: the caches declare it)
+_READ = " and ".join(filter(None, [", ".join(FUSED_MODES[:-1]), FUSED_MODES[-1]]))
+NOT_THIS_CACHE = f"the fused step reads {_READ} caches"
 QMAT_PARTS = _ABI["QMAT_PARTS"]  # row parts of different kinds one projection may have
 
 
@@ -197,6 +199,8 @@ def why_not(model: Transformer) -> str | None:
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return "needs fp32 activations on the CPU"
     c = model.config
+    if c.conv_layers:  # kernels/ has no part for the conv layer kind yet
+        return "a short-convolution layer (the step has no kernel for one yet)"
     if c.num_heads // c.num_kv_heads > 8 or c.head_dim > MAX_HEAD_DIM or c.head_dim % 2:
         return f"more than 8 query heads per KV head, or head_dim > {MAX_HEAD_DIM} or odd"
     if any(isinstance(m, Linear) and m.kernel != "quant" for m in model.modules()):

@@ -14,6 +14,7 @@ from torch import nn
 
 from kvlm import kernels
 from kvlm.config import ModelConfig
+from kvlm.model.numerics import ModelNumerics
 from kvlm.model.quant import (
     PROMPT_BLOCK,
     SMALL_M,
@@ -71,8 +72,19 @@ class Linear(nn.Module):
     """
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, bf16: bool = False
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        bf16: bool = False,
+        numerics: ModelNumerics | None = None,
+        vocabulary: bool = False,
     ) -> None:
+        """`numerics`: how its low-bit products round (fp32 without); `vocabulary`: the
+        vocabulary projection, whose products stay fp32 whatever `numerics` say: its
+        near-tied logits decide the token (on the default model, rounding its input too
+        changed 7 of 8 test prompts' answers, and bf16 logits tie at 2^-8:
+        docs/BENCHMARKS.md), and whose prompt rows take the road of single rows (a
+        prompt's last row alone gets the bits it gets among all of them)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.kernel = _pick_kernel(weight, bf16)
@@ -88,13 +100,15 @@ class Linear(nn.Module):
         self.register_buffer("weight", w, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self.quant: QuantWeight | None = None  # low-bit weights (kernel "quant")
-        self.prefill_bf16 = False  # low-bit weights: prompt products in bf16 (QuantWeight)
-        self.prefill_int8 = False  # low-bit weights: prompt products on int8 activations
-        self.act_int8 = False  # low-bit weights: decode products on integer activations
-        self.act_int16 = False  # with act_int8: an int8 residual too, 16 bits a value
-        # The vocabulary projection (Transformer sets it): its prompt rows take the road of
-        # single rows (a prompt's last row alone gets the bits it gets among all of them)
-        self.vocabulary = False
+        # how its low-bit products round (QuantWeight.matmul): prompt rows in bf16 or on
+        # int8 activations; decoded rows on int8 activations, and with act_int16 an int8
+        # residual too (16 bits a value)
+        n = ModelNumerics() if numerics is None or vocabulary else numerics
+        self.prefill_bf16 = n.prefill_dtype == "bf16"
+        self.prefill_int8 = n.prefill_dtype == "int8"
+        self.act_int8 = n.activations in ("int8", "int16")
+        self.act_int16 = n.activations == "int16"
+        self.vocabulary = vocabulary
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`out`: where low-bit kernels may write the result (x's rows by out_features,
@@ -170,9 +184,16 @@ class Linear(nn.Module):
         return y[:rows].view(*x.shape[:-1], self.out_features)
 
     @classmethod
-    def from_quant(cls, quant: QuantWeight, bias: torch.Tensor | None = None) -> Linear:
+    def from_quant(
+        cls,
+        quant: QuantWeight,
+        bias: torch.Tensor | None = None,
+        numerics: ModelNumerics | None = None,
+        vocabulary: bool = False,
+    ) -> Linear:
         """A projection over low-bit weights (kvlm.model.quant): a GGUF file's own blocks."""
-        lin = cls(torch.empty(quant.out_features, 0, device="meta"), bias)
+        meta = torch.empty(quant.out_features, 0, device="meta")
+        lin = cls(meta, bias, numerics=numerics, vocabulary=vocabulary)
         lin._set_quant(quant)
         return lin
 

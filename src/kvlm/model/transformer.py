@@ -1,10 +1,12 @@
 """One transformer for every family, built from the ModelConfig's description of its block
-(kvlm.config: the activation, the norm layout, the embedding scale, soft-caps, q/k norms,
-each layer's window and RoPE base) and the weights by the model's tensor names
-(kvlm.model.weights.WeightSource: a family's quirks already folded into them).
+(kvlm.config: each layer's mixer, attention or a short convolution; the activation, the
+norm layout, the embedding scale, soft-caps, q/k norms, each layer's window and RoPE
+base) and the weights by the model's tensor names (kvlm.model.weights.WeightSource: a
+family's quirks already folded into them).
 
 The same `forward` serves prefill, decode and chunked prefill: what differs is how many
-tokens are fed, at which positions, and which cache step they attend through.
+tokens are fed, at which positions, and which cache step they attend through (and for
+conv layers, which ConvStep holds their rows: kvlm.model.conv).
 """
 
 from __future__ import annotations
@@ -15,39 +17,48 @@ import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from kvlm.config import ModelConfig, RopeScaling
-from kvlm.errors import ModelLoadError
+from kvlm.errors import ModelLoadError, UnsupportedModelError
 from kvlm.model import quant
 from kvlm.model.attention import Attention, KVStep
+from kvlm.model.conv import ConvRows, ConvStep, ConvWindow, ShortConv
 from kvlm.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding, feeding_prompt
+from kvlm.model.numerics import ModelNumerics
 from kvlm.model.weights import WeightSource, out_norms
 
 VOCAB_WEIGHTS = ("lm_head.weight", "model.embed_tokens.weight")
 log = logging.getLogger("kvlm.loading")
+# a forward past position 0 of a model with conv layers, given no ConvStep
+NO_CONV_ROWS = (
+    "this model's short-convolution layers need their rows of the tokens before this step, "
+    "which no cache mode keeps yet: run it with --kv off"
+)
 
 
 class Block(nn.Module):
-    """Pre-norm attention and MLP, each added to the residual stream. A "sandwich" block
-    (ModelConfig.norm_layout) also norms each one's output before adding it
-    (`attn_out_norm`, `mlp_out_norm`)."""
+    """Pre-norm mixer (attention, or a short convolution: `conv`) and MLP, each added to
+    the residual stream. A "sandwich" block (ModelConfig.norm_layout) also norms each
+    one's output before adding it (`attn_out_norm`, `mlp_out_norm`)."""
 
     def __init__(
         self,
-        attn: Attention,
+        attn: Attention | None,
         mlp: MLP,
         input_norm: RMSNorm,
         post_norm: RMSNorm,
         attn_out_norm: RMSNorm | None = None,
         mlp_out_norm: RMSNorm | None = None,
+        conv: ShortConv | None = None,
     ):
         super().__init__()
         self.attn = attn
+        self.conv = conv
         self.mlp = mlp
         self.input_norm = input_norm
         self.post_norm = post_norm
@@ -61,8 +72,10 @@ class Block(nn.Module):
         sin: torch.Tensor,
         kv: KVStep,
         key_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rows: ConvStep | None = None,
     ) -> torch.Tensor:
-        a = self.attn(self.input_norm(x), cos, sin, kv, key_rope)
+        h = self.input_norm(x)
+        a = self.attn(h, cos, sin, kv, key_rope) if self.conv is None else self.conv(h, rows)
         x = x + (a if self.attn_out_norm is None else self.attn_out_norm(a))
         m = self.mlp(self.post_norm(x))
         return x + (m if self.mlp_out_norm is None else self.mlp_out_norm(m))
@@ -77,8 +90,11 @@ class Transformer(nn.Module):
         device: torch.device | str = "cpu",
         progress: bool = True,
         weight_format: str | None = None,
+        numerics: ModelNumerics | None = None,
     ) -> None:
-        """`weight_format` (kvlm.model.layers.Linear.convert): None keeps the projections
+        """`numerics`: how the products and the prompt's attention round (fp32 without),
+        handed to each layer as it is built; the runner reads them here (`numerics`).
+        `weight_format` (kvlm.model.layers.Linear.convert): None keeps the projections
         in `dtype`; "bf16", "int8", "int4" convert each as it loads (int4 keeps the vocabulary
         projection at int8); "native" multiplies a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0,
         Q5_1, Q4_K, Q5_K and Q6_K blocks as stored (q|k|v and gate|up of different types
@@ -89,7 +105,9 @@ class Transformer(nn.Module):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        loader = _WeightTaker(weights, config, dtype, self.device, progress, weight_format)
+        self.numerics = numerics or ModelNumerics()
+        loader = _WeightTaker(weights, config, dtype, self.device, progress, weight_format,
+                              self.numerics)  # fmt: skip
         capacity = _arena_capacity(weights) if weight_format in quant.PACKED_FORMATS else 0
         arena = quant.packing_on_huge_pages(capacity) if capacity else nullcontext()
         with loader, freed_memory_returned(), arena as packed_in:
@@ -100,13 +118,14 @@ class Transformer(nn.Module):
             # dequantized on lookup (a 151,936 x 896 table is 519 MiB in fp32)
             q = self._embed_quant = loader.native_embedding("model.embed_tokens.weight")
             embed = None if q is not None else loader.take("model.embed_tokens.weight")
+            # the vocabulary projection: fp32 products, its prompt rows the single rows'
+            # road (Linear's `vocabulary`)
             if not tied:
-                self.lm_head = loader.linear("lm_head.weight")
+                self.lm_head = loader.linear("lm_head.weight", vocabulary=True)
             elif q is not None:
-                self.lm_head = Linear.from_quant(q)
+                self.lm_head = Linear.from_quant(q, vocabulary=True)
             else:
-                self.lm_head = loader.linear("model.embed_tokens.weight", embed)
-            self.lm_head.vocabulary = True  # its prompt rows: the single rows' road
+                self.lm_head = loader.linear("model.embed_tokens.weight", embed, vocabulary=True)
             # Tied: read embeddings out of lm_head's weight unless it is packed.
             self._embed_table = embed if not tied or self.lm_head.rows() is None else None
             freq_factors = loader.take_raw("rope_freqs.weight")
@@ -124,6 +143,10 @@ class Transformer(nn.Module):
         two = self.local_rope is not None
         self._rope_of = [int(two and w is not None) for w in config.layer_windows]
         self._rope_of = self._rope_of or [0] * config.num_layers
+        # what each conv layer keeps of a sequence: its last kernel - 1 input rows
+        self.conv_window = None
+        if config.conv_layers:
+            self.conv_window = ConvWindow(rows=config.conv_kernel - 1)
         # embeddings times embed_scale, rounded to fp32 first as transformers does
         scale = config.embed_scale
         self.embed_scale = None if scale is None else torch.tensor(scale, dtype=torch.float32)
@@ -156,6 +179,13 @@ class Transformer(nn.Module):
             x = (self.lm_head.rows() if table is None else table)[ids]
         return x if self.embed_scale is None else x * self.embed_scale.to(x.dtype)
 
+    def new_conv_rows(self, batch: int = 1, slack: int = 0) -> ConvRows:
+        """Empty rows of this model's conv layers for `batch` sequences (`slack`: rows
+        kept for a rollback of up to that many tokens)."""
+        kind = ConvWindow(self.conv_window.rows, slack)
+        c = self.config
+        return ConvRows(kind, len(c.conv_layers), batch, c.hidden_size, self.dtype, self.device)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -163,6 +193,7 @@ class Transformer(nn.Module):
         kv: KVStep,
         last_only: bool = True,
         prompt: bool | None = None,
+        conv: ConvStep | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: (B, T) -> fp32 logits (B, 1 or T, V) (fp64 for an fp64
         model: the reference keeps its precision to the end).
@@ -171,9 +202,16 @@ class Transformer(nn.Module):
         512-token prefill would otherwise build a 512 x 49152 logits matrix to use one row.
         `prompt`: the tokens are a prompt's (True) or decoded ones (False), which picks the
         low-bit products' numerics (kvlm.model.layers.feeding_prompt); None: T > 1.
+        `conv`: the conv layers' rows before the step (kvlm.model.conv; the caller commits
+        them); None: rows of zeros, right for a step from position 0 only.
         """
         if prompt is None:
             prompt = input_ids.shape[-1] > 1
+        if conv is None and self.conv_window is not None:
+            conv = self._fresh_rows(input_ids, positions)
+        elif conv is not None and positions.numel() and int(positions[0, 0]) != conv.start:
+            raise ValueError(f"the conv rows are at position {conv.start}, the step at "
+                             f"{int(positions[0, 0])}")  # fmt: skip
         with feeding_prompt(prompt):
             x = self.embed(input_ids)  # (B, T, H)
             # A cache that keeps K before RoPE (the window cache, positions inside the
@@ -183,7 +221,7 @@ class Transformer(nn.Module):
                      for r in (self.rope, self.local_rope) if r is not None]  # fmt: skip
             for i, layer in enumerate(self.layers):
                 cos, sin, key_rope = ropes[self._rope_of[i]]
-                x = layer(x, cos, sin, kv.for_layer(i), key_rope)
+                x = layer(x, cos, sin, kv.for_layer(i), key_rope, conv)
             if kv.logit_rows is not None:  # a ragged step: each sequence's rows it asks for
                 x = x[:, kv.logit_rows]
             elif last_only:
@@ -193,6 +231,13 @@ class Transformer(nn.Module):
                 cap = self.config.final_softcap
                 logits = torch.tanh(logits / cap) * cap
         return logits if logits.dtype == torch.float64 else logits.float()
+
+    def _fresh_rows(self, input_ids: torch.Tensor, positions: torch.Tensor) -> ConvStep:
+        """Zero rows for a step from position 0 (the `off` cache's every forward, a first
+        prefill); past it, the rows of the tokens before are needed and not here."""
+        if positions.numel() and int(positions[..., 0].max()) != 0:
+            raise UnsupportedModelError(NO_CONV_ROWS)
+        return self.new_conv_rows(input_ids.shape[0]).begin(input_ids.shape[-1])
 
     @staticmethod
     def _ropes(
@@ -256,6 +301,7 @@ class _WeightTaker:
     device: torch.device
     progress: bool
     weight_format: str | None = None
+    numerics: ModelNumerics = field(default_factory=ModelNumerics)  # a block's products
 
     def __post_init__(self) -> None:
         self.available = set(self.weights.names())
@@ -315,7 +361,7 @@ class _WeightTaker:
             self.bar.update(sum(q is not None for q in native))
             pairs = zip(names, native, strict=True)
             parts = [self._as_int8(n) if q is None else q for n, q in pairs]
-            return Linear.from_quant(quant.concat(parts), bias)
+            return Linear.from_quant(quant.concat(parts), bias, self.numerics)
         return self._make(torch.cat([self.take(n) for n in names], dim=0), bias, names)
 
     def _as_int8(self, name: str) -> quant.QuantWeight:
@@ -326,15 +372,21 @@ class _WeightTaker:
             return quant.quantize(self.take(name), "q8")
 
     def linear(
-        self, name: str, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None
+        self,
+        name: str,
+        weight: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        vocabulary: bool = False,
     ) -> Linear:
-        """One projection (`weight`: already taken, e.g. the tied embedding)."""
+        """One projection (`weight`: already taken, e.g. the tied embedding; `vocabulary`:
+        the vocabulary projection, Linear's)."""
         native = self._native(name)
         if native is not None:
             if weight is None:
                 self.bar.update(1)
-            return Linear.from_quant(native, bias)
-        return self._make(self.take(name) if weight is None else weight, bias, [name])
+            return Linear.from_quant(native, bias, self.numerics, vocabulary)
+        weight = self.take(name) if weight is None else weight
+        return self._make(weight, bias, [name], vocabulary)
 
     def _rows(self, name: str) -> int:
         """Output rows of a projection, from the config (reading the tensor would decode
@@ -362,7 +414,13 @@ class _WeightTaker:
             return None
         return self.weights.get_quant(name, packed=packed)
 
-    def _make(self, weight: torch.Tensor, bias: torch.Tensor | None, names: list[str]) -> Linear:
+    def _make(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        names: list[str],
+        vocabulary: bool = False,
+    ) -> Linear:
         """A Linear in the requested weight format (kvlm.model.layers.Linear.convert)."""
         fmt = self.weight_format
         if fmt == "native":  # no kernel for the stored type: int8 if it was quantized at all
@@ -375,12 +433,15 @@ class _WeightTaker:
             # greedy agreement with fp32 fell from 97% to 91% (benchmarks/bench_weights.py)
             fmt = "int8"
         if fmt in ("int8", "int4") and quant.can_quantize(weight):
-            return Linear.from_quant(quant.quantize(weight, quant.FORMATS[fmt]), bias)
-        return Linear(weight, bias, bf16=fmt == "bf16")
+            q = quant.quantize(weight, quant.FORMATS[fmt])
+            return Linear.from_quant(q, bias, self.numerics, vocabulary)
+        return Linear(weight, bias, fmt == "bf16", self.numerics, vocabulary)
 
     def block(self, i: int) -> Block:
         c = self.config
         p = f"model.layers.{i}"
+        if c.layer_mixers and c.layer_mixers[i] == "conv":
+            return self.conv_block(i)
         q_norm = k_norm = None
         if c.qk_norm:  # each q and k head normed before RoPE
             q_norm, k_norm = (self.norm(f"{p}.self_attn.{q}_norm") for q in ("q", "k"))
@@ -391,7 +452,8 @@ class _WeightTaker:
             q_norm.weight *= ratio
         qkv = self.fused_linear(f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"))
         o_proj = self._with_bias(f"{p}.self_attn.o_proj")
-        attn = Attention(i, c.num_heads, c.num_kv_heads, c.head_dim, qkv, o_proj, q_norm, k_norm)
+        attn = Attention(i, c.num_heads, c.num_kv_heads, c.head_dim, qkv, o_proj, q_norm, k_norm,
+                         self.numerics)  # fmt: skip
         attn.q_scale = None if q_norm is not None or ratio == 1.0 else ratio
         attn.softcap = c.attn_softcap
         gate_up = self.fused_linear(f"{p}.mlp", ("gate_proj", "up_proj"))
@@ -402,6 +464,21 @@ class _WeightTaker:
         block = Block(attn, mlp, *(self.norm(f"{p}.{n}") for n in names))
         # the file's pages read so far are the model's own copies now: given back, so the
         # file and the packed model are never both resident (a layer at a time)
+        self.weights.release()
+        return block
+
+    def conv_block(self, i: int) -> Block:
+        """Layer i, whose mixer is a short convolution (kvlm.model.conv)."""
+        c, p = self.config, f"model.layers.{i}"
+        kernel = self.take(f"{p}.conv.conv.weight").reshape(c.hidden_size, c.conv_kernel)
+        bias = self.take_raw(f"{p}.conv.conv.bias")
+        bias = None if bias is None else bias.to(self.device, self.dtype)
+        conv = ShortConv(c.conv_layers.index(i), self._with_bias(f"{p}.conv.in_proj"), kernel,
+                         bias, self._with_bias(f"{p}.conv.out_proj"))  # fmt: skip
+        mlp = MLP(self.fused_linear(f"{p}.mlp", ("gate_proj", "up_proj")),
+                  self._with_bias(f"{p}.mlp.down_proj"), c.activation)  # fmt: skip
+        names = ["input_layernorm", "post_attention_layernorm", *out_norms(c)]
+        block = Block(None, mlp, *(self.norm(f"{p}.{n}") for n in names), conv=conv)
         self.weights.release()
         return block
 

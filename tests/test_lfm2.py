@@ -1,0 +1,330 @@
+"""LFM2: gated short convolutions beside attention (kvlm.model.conv), against transformers'
+Lfm2ForCausalLM on tiny random-weight models of several conv/attention layer orders, and
+from the GGUF file llama.cpp's own converter writes for them (tests/converter.py).
+
+What runs today is the `off` cache (every forward from position 0) and the conv rows
+carried by hand through the model (`Transformer.forward(conv=)`) beside a one-sequence
+cache; every other mode, the pool and the fused C step refuse the model, each saying so
+(docs/NOTES-lfm2.md: what is left)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import converter
+from helpers import LFM2_TEMPLATE, assert_greedy_agreement, hf_greedy, load_hf, save_tiny_model
+from kvlm import LLM, SamplingParams
+from numerics import assert_as_exact_as, fp64_reorder_bound, max_error
+
+PROMPT = "What is the capital of France? The capital of France is"
+C, A = "conv", "full_attention"
+# name -> (seed, transformers config overrides): the layer orders and conv variants
+LFM2_MODELS = {
+    "lfm2": (20, {}),  # conv, attention, conv, attention
+    "lfm2-attention-first": (21, {"layer_types": [A, C, C, A]}),
+    "lfm2-convs-last": (22, {"layer_types": [A, C, C, C]}),
+    # biases in the conv layers' products and kernel, a kernel of 4
+    "lfm2-bias-k4": (23, {"layer_types": [C, C, A, C], "conv_bias": True, "conv_L_cache": 4}),
+    "lfm2-k4": (24, {"conv_L_cache": 4}),
+}
+
+
+@pytest.fixture(scope="session")
+def lfm2_dir(tmp_path_factory):
+    """name in LFM2_MODELS -> its folder: weights, config, an LFM2-like tokenizer
+    (Llama 3's split, a BOS on every text) and LFM2.5's chat template."""
+    made = {}
+
+    def make(name: str):
+        if name not in made:
+            seed, overrides = LFM2_MODELS[name]
+            made[name] = save_tiny_model(tmp_path_factory.mktemp(name), "lfm2", seed=seed,
+                                         chat_template=LFM2_TEMPLATE, tokenizer="llama3",
+                                         **overrides)  # fmt: skip
+        return made[name]
+
+    return make
+
+
+def hf_logits(model_or_folder, ids: list[int], dtype: torch.dtype | None = None) -> torch.Tensor:
+    from test_hf_reference import hf_logits as logits
+
+    return logits(model_or_folder, ids, dtype)
+
+
+def prompt_ids(llm: LLM, n: int = 40) -> list[int]:
+    ids = llm.tokenizer.encode(PROMPT * 4)[:n]
+    assert len(ids) == n
+    return ids
+
+
+@pytest.mark.parametrize("name", list(LFM2_MODELS))
+def test_config_read_from_folder(lfm2_dir, name):
+    folder = lfm2_dir(name)
+    config, hf = LLM(model=folder, kv="off", progress=False).config, load_hf(folder)
+    types = hf.config.layer_types
+    assert config.layer_mixers == tuple("conv" if t == C else "attention" for t in types)
+    assert config.conv_kernel == hf.config.conv_L_cache
+    assert config.intermediate_size == hf.model.layers[0].feed_forward.w1.out_features == 96
+    assert config.rms_norm_eps == hf.config.norm_eps
+    assert config.num_kv_heads == hf.config.num_key_value_heads
+    assert config.tie_word_embeddings and config.qk_norm
+
+
+@pytest.mark.parametrize("name", list(LFM2_MODELS))
+def test_teacher_forced_logits_match_hf(lfm2_dir, name):
+    """Every position's logits over 40 tokens, the exact path (fp32 reference numerics):
+    as close to the exact result (transformers in fp64) as transformers' own fp32 logits
+    (tests/numerics.py)."""
+    folder = lfm2_dir(name)
+    llm = LLM(model=folder, kv="off", exact=True, progress=False)
+    ids = prompt_ids(llm)
+    ours, ref = llm.runner.logits(ids, llm.new_cache("off")), hf_logits(load_hf(folder), ids)
+    assert_as_exact_as(ours, ref, hf_logits(folder, ids, torch.float64))
+
+
+@pytest.mark.parametrize("name", ["lfm2", "lfm2-bias-k4"])
+def test_greedy_tokens_equal_hf(lfm2_dir, name):
+    """32 greedy tokens through LLM.generate (kv off): in fp64 the same tokens as
+    transformers in fp64; in fp32 by default numerics, the top-5 rule against its fp32."""
+    from transformers import AutoModelForCausalLM
+
+    folder = lfm2_dir(name)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
+    fp64 = LLM(model=folder, kv="off", dtype="fp64", progress=False)
+    ids = fp64.tokenizer.encode(PROMPT)
+    hf64 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    out = fp64.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    assert out.token_ids == hf_greedy(hf64, ids, 32)[0]
+    llm = LLM(model=folder, kv="off", progress=False)
+    out = llm.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    ref_ids, ref_logits = hf_greedy(load_hf(folder), ids, 32)
+    tops = [list(lp.top) for lp in out.logprobs]
+    assert_greedy_agreement(out.token_ids, tops, ref_ids, ref_logits)
+
+
+def test_the_convolution_is_applied(lfm2_dir):
+    """The conv layers matter: a kernel zeroed moves the logits by far more than rounding
+    (so the tests above can fail)."""
+    folder = lfm2_dir("lfm2")
+    llm = LLM(model=folder, kv="off", exact=True, progress=False)
+    ids = prompt_ids(llm)
+    exact = hf_logits(folder, ids, torch.float64)
+    before = max_error(llm.runner.logits(ids, llm.new_cache("off")), exact)
+    llm.model.layers[0].conv.kernel.data[1:] = 0  # position t reads only its own row
+    after = max_error(llm.runner.logits(ids, llm.new_cache("off")), exact)
+    assert after > 1000 * before
+
+
+def carried(llm: LLM, ids: list[int], chunks: list[int], mode: str = "contiguous"):
+    """Teacher-forced logits of `ids` fed in `chunks` through a one-sequence cache of
+    `mode` and the conv rows carried beside it (the model's forward, as the runner will
+    call it once the caches hold the rows), each chunk committed to both."""
+    cache, rows = llm.new_cache(mode), llm.model.new_conv_rows(slack=8)
+    out, at = [], 0
+    with torch.inference_mode():
+        for n in chunks:
+            step, conv = cache.begin(n), rows.begin(n)
+            tokens = torch.tensor([ids[at : at + n]])
+            out.append(llm.model(tokens, step.positions, step, last_only=False, conv=conv)[0])
+            cache.commit(step)
+            rows.commit(conv)
+            at += n
+    return torch.cat(out), cache, rows
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "basic"])
+def test_rows_carried_across_chunks_and_decode_equal_one_shot(lfm2_dir, mode):
+    """Chunks of 7 across the kernel's edge, then a token at a time: every position's
+    logits as close to the exact ones as the one-shot forward's (the conv rows of the
+    tokens before a step are what a step from position 0 computes)."""
+    folder = lfm2_dir("lfm2-bias-k4")
+    chunks = [7] * 4 + [1] * 12
+    llm = LLM(model=folder, kv="off", exact=True, progress=False)
+    ids = prompt_ids(llm)
+    one_shot = llm.runner.logits(ids, llm.new_cache("off"))
+    exact = hf_logits(folder, ids, torch.float64)
+    assert_as_exact_as(carried(llm, ids, chunks, mode)[0], one_shot, exact)
+    # in fp64, within the reordering bound of two fp64 evaluations (tests/numerics.py)
+    fp64 = LLM(model=folder, kv="off", dtype="fp64", progress=False)
+    one_shot64 = fp64.runner.logits(ids, fp64.new_cache("off"))
+    far = max_error(carried(fp64, ids, chunks, mode)[0], one_shot64)
+    assert far <= fp64_reorder_bound(max_error(one_shot, exact))
+
+
+def test_conv_rows_roll_back_fork_and_restore(lfm2_dir):
+    """ConvRows as a cache's rows: a rollback within the slack and the same tokens fed
+    again give the same logits; one past it is refused; a snapshot restores; a fork
+    decodes each row as the one it came from."""
+    from kvlm.errors import CacheOverflowError
+
+    llm = LLM(model=lfm2_dir("lfm2"), kv="off", exact=True, progress=False)
+    ids = prompt_ids(llm, 24)
+    first, cache, rows = carried(llm, ids, [16, 8])
+    cache.rollback(5), rows.rollback(5)
+    with torch.inference_mode():
+        step, conv = cache.begin(5), rows.begin(5)
+        again = llm.model(torch.tensor([ids[19:]]), step.positions, step, last_only=False,
+                          conv=conv)[0]  # fmt: skip
+    cache.commit(step), rows.commit(conv)
+    assert torch.equal(again, first[19:])
+    saved = rows.snapshot()
+    rows.rollback(8)  # the 8 rows of slack: kernel - 1 rows before position 16 still held
+    with pytest.raises(CacheOverflowError, match="rollback"):
+        rows.rollback(1)
+    rows.restore(saved)
+    assert rows.length == 24
+    cache.fork(2), rows.fork(2)
+    with torch.inference_mode():
+        step, conv = cache.begin(1), rows.begin(1)
+        two = llm.model(torch.tensor([[5], [5]]), step.positions, step, conv=conv)
+    assert torch.equal(two[0], two[1])
+    with pytest.raises(ValueError, match="conv rows"):  # rows and cache out of step
+        llm.model(torch.tensor([[5], [5]]), step.positions + 1, step, conv=conv)
+
+
+def test_other_cache_modes_the_pool_and_the_fused_step_refuse_it(lfm2_dir):
+    from kvlm.engine.engine import Engine, EngineConfig
+    from kvlm.errors import InvalidRequestError, UnsupportedModelError
+    from kvlm.model import fused
+    from kvlm.model.transformer import NO_CONV_ROWS
+
+    folder = lfm2_dir("lfm2")
+    for kv in ("contiguous", "paged", "basic", "window", "int8"):
+        with pytest.raises(InvalidRequestError, match=f"kv '{kv}': this model's short-conv"):
+            LLM(model=folder, kv=kv, progress=False)
+    llm = LLM(model=folder, kv="off", weights="int8", progress=False)
+    with pytest.raises(InvalidRequestError, match="pool keeps no short-convolution rows"):
+        Engine(llm, EngineConfig())
+    assert fused.why_not(llm.model) == (
+        "a short-convolution layer (the step has no kernel for one yet)"
+    )
+    assert llm.describe()["decode_step"].startswith("torch step: a short-convolution layer")
+    cache = llm.new_cache("contiguous")  # a cache the LLM would not make: the model says why
+    llm.runner.forward([3, 4], cache)  # from position 0: the rows are zeros
+    with pytest.raises(UnsupportedModelError, match="--kv off"):
+        llm.runner.forward([5], cache)
+    assert "--kv off" in NO_CONV_ROWS
+
+
+# ------------------------------------------------------------------- llama.cpp's converter
+
+
+@pytest.fixture(scope="module")
+def converted(lfm2_dir):
+    """name -> (the HF folder, the f32 GGUF llama.cpp's convert_hf_to_gguf.py writes)."""
+    return lambda name: (lfm2_dir(name), converter.convert(lfm2_dir(name), pre="lfm2"))
+
+
+@pytest.mark.parametrize("name", ["lfm2", "lfm2-attention-first", "lfm2-k4"])
+def test_gguf_from_llama_cpps_converter_reads_as_the_folder(converted, name):
+    """The file users get: the same config (but the epsilon, stored in fp32) and logits as
+    close to the exact ones as the folder's through kvlm. (Not of a model with conv
+    biases: the converter squeezes the kernel's bias as it does the kernel, and fails.)"""
+    from dataclasses import replace
+
+    folder, path = converted(name)
+    from_gguf = LLM(model=path, kv="off", exact=True, progress=False)
+    from_hf = LLM(model=folder, kv="off", exact=True, progress=False)
+    a, b = from_gguf.config, from_hf.config
+    assert a.rms_norm_eps == pytest.approx(b.rms_norm_eps, rel=1e-7)
+    assert replace(a, name="", rms_norm_eps=0.1) == replace(b, name="", rms_norm_eps=0.1)
+    ids = prompt_ids(from_hf)
+    ours = from_gguf.runner.logits(ids, from_gguf.new_cache("off"))
+    ref = from_hf.runner.logits(ids, from_hf.new_cache("off"))
+    assert_as_exact_as(ours, ref, hf_logits(folder, ids, torch.float64))
+
+
+def test_gguf_vocabulary_and_template_read_as_transformers(converted):
+    """The vocabulary's pre-tokenizer "lfm2" is Llama 3's: the file's ids are transformers' for the
+    folder (a BOS before each text), and its chat template renders as transformers'."""
+    from transformers import AutoTokenizer
+
+    folder, path = converted("lfm2")
+    ours = LLM(model=path, kv="off", progress=False).tokenizer
+    ref = AutoTokenizer.from_pretrained(folder)
+    for text in ["The quick brown fox.", "  runs   of\n\n spaces\t", "12345 3.14159 café", "I'll"]:
+        assert ours.encode(text) == ref.encode(text), text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.render_chat(messages, add_generation_prompt=True) == want
+    assert want.startswith("<s><|im_start|>system\nBe brief.<|im_end|>")
+
+
+def test_a_quantized_gguf_follows_hf(converted):
+    """--outtype q8_0 (llama.cpp's Q8_0 products; the conv kernels, 3 wide, stay as they
+    were): greedy tokens by the top-5 rule against transformers' fp32."""
+    folder, _ = converted("lfm2")
+    path = converter.convert(folder, outtype="q8_0", pre="lfm2")
+    llm = LLM(model=path, kv="off", progress=False)
+    ids = llm.tokenizer.encode(PROMPT)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    out = llm.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    ref_ids, ref_logits = hf_greedy(load_hf(folder), ids, 16)
+    assert_greedy_agreement(out.token_ids, [list(lp.top) for lp in out.logprobs], ref_ids,
+                            ref_logits)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- config keys
+
+
+def hf_cfg(**changes) -> dict:
+    cfg = {"model_type": "lfm2", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "layer_types": [C, A, C, A], "block_multiple_of": 32}  # fmt: skip
+    return {k: v for k, v in {**cfg, **changes}.items() if v is not None}
+
+
+def gguf_meta(**changes) -> dict:
+    meta = {"general.architecture": "lfm2", "lfm2.embedding_length": 64,
+            "lfm2.attention.head_count": 4, "lfm2.attention.head_count_kv": [0, 2, 0, 2],
+            "lfm2.feed_forward_length": 96, "lfm2.block_count": 4, "lfm2.vocab_size": 64,
+            "lfm2.shortconv.l_cache": 3}  # fmt: skip
+    return {k: v for k, v in {**meta, **changes}.items() if v is not None}
+
+
+def test_the_mlp_width_is_derived_as_transformers_and_llama_cpp_do():
+    """LFM2-350M's and 1.2B's block_ff_dim (6656, 12288) give the widths llama.cpp names
+    those models by (4608, 8192); without the multiplier transformers does not round."""
+    from kvlm.arch import config_from_hf
+
+    real = {"block_multiple_of": 256, "block_ffn_dim_multiplier": 1.0}
+    for ff, want in ((6656, 4608), (12288, 8192)):
+        assert config_from_hf(hf_cfg(block_ff_dim=ff, **real)).intermediate_size == want
+    unrounded = {**hf_cfg(), "block_ffn_dim_multiplier": None}
+    assert config_from_hf(unrounded).intermediate_size == 85
+    assert config_from_hf(hf_cfg(block_auto_adjust_ff_dim=False)).intermediate_size == 128
+    old = hf_cfg(layer_types=None, full_attn_idxs=[1, 3])  # the Hub's first configs
+    assert config_from_hf(old).layer_mixers == ("conv", "attention", "conv", "attention")
+
+
+def test_hostile_config_keys_are_refused():
+    from kvlm.arch import config_from_gguf, config_from_hf
+    from kvlm.errors import ModelLoadError, UnsupportedModelError
+
+    bad_hf = [
+        ({"layer_types": "conv"}, ModelLoadError, "layer_types is a string"),
+        ({"layer_types": [C, A]}, ModelLoadError, "names 2 layers; num_hidden_layers is 4"),
+        ({"layer_types": [C, A, "mamba", A]}, UnsupportedModelError, "layer types .'mamba'."),
+        ({"layer_types": None, "full_attn_idxs": [1, 9]}, ModelLoadError, "full_attn_idxs"),
+        ({"conv_L_cache": 1}, ModelLoadError, "conv_L_cache is 1; expected an integer at least 2"),
+        ({"norm_eps": -1.0}, ModelLoadError, "norm_eps is -1.0"),
+        ({"block_multiple_of": 0}, ModelLoadError, "block_multiple_of is 0"),
+    ]
+    for changes, error, said in bad_hf:
+        with pytest.raises(error, match=said):
+            config_from_hf(hf_cfg(**changes))
+    bad_gguf = [
+        ({"lfm2.attention.head_count_kv": [0, 2, 0]}, ModelLoadError, "names 3 layers"),
+        ({"lfm2.attention.head_count_kv": [0, 2, 0, 1]}, UnsupportedModelError, r"\[1, 2\]"),
+        ({"lfm2.attention.head_count_kv": [0, -2, 0, 2]}, ModelLoadError, "an entry of lfm2"),
+        ({"lfm2.shortconv.l_cache": None}, UnsupportedModelError, "lacks lfm2.shortconv.l_cache"),
+        ({"lfm2.shortconv.l_cache": 1000}, ModelLoadError, "l_cache is 1000"),
+        ({"lfm2.attention.sliding_window": 8}, UnsupportedModelError, "windowed attention"),
+    ]
+    for changes, error, said in bad_gguf:
+        with pytest.raises(error, match=said):
+            config_from_gguf(gguf_meta(**changes))
+    c = config_from_gguf(gguf_meta())
+    assert (c.layer_mixers, c.num_kv_heads, c.conv_kernel) == (("conv", "attention") * 2, 2, 3)
