@@ -161,23 +161,30 @@ def test_claude_code_runs_unchanged_and_its_prompt_is_cached(server, tmp_path):
     # working folder, a temporary one of a random name, and the greedy reply moved with it
     # (~181 tokens in one fresh-clone run; 946 in the next, resumed past the context: "Prompt
     # is too long"), so one run's exit code was a draw of the folder's name.
+    # The other way the model's verbosity ends a run: its reply called a tool, Claude Code
+    # sent the result back, and after a few such turns the prompt outgrew the context, so
+    # kvlm answered 400 "prompt is too long" (946 tokens over 3 turns in one CI): allowed
+    # after the first turn, never on it (the first request is Claude Code's own, whole).
     runs = []
     for _ in range(ATTEMPTS):
         runs.append(_run_claude(binary, server, model, tmp_path, PROMPT))
         if runs[-1]["returncode"] == 0:
             break
     for run in runs:
-        assert run.get("api_error_status") is None, run
+        grew = run.get("terminal_reason") == "prompt_too_long" and run.get("num_turns", 0) > 1
+        assert run.get("api_error_status") is None or grew, run
         if run["returncode"] != 0:
-            assert run["result"].startswith(VERBOSE), run
+            assert run["result"].startswith(VERBOSE) or grew, run
     if runs[-1]["returncode"] != 0:  # the model, not the protocol: said, not failed
-        warnings.warn(f"Claude Code: {ATTEMPTS} runs all ended on the model's verbosity",
+        warnings.warn(f"Claude Code: {ATTEMPTS} runs all ended on the model's verbosity "
+                      "(its output cap, or a prompt grown past the context by its turns)",
                       stacklevel=1)  # fmt: skip
     else:
         assert runs[-1]["result"], runs[-1]
     before = metrics(server, KEY)["kvlm_prefix_cache_hits_total"]
     second = _run_claude(binary, server, model, tmp_path, PROMPT)
-    assert second.get("api_error_status") is None, second
+    grew = second.get("terminal_reason") == "prompt_too_long" and second.get("num_turns", 0) > 1
+    assert second.get("api_error_status") is None or grew, second
     # its long prompt (system, tools) came from the prefix cache, and usage said so
     assert second["usage"]["cache_read_input_tokens"] > 3000, second["usage"]
     assert metrics(server, KEY)["kvlm_prefix_cache_hits_total"] - before > 3000
