@@ -745,8 +745,47 @@ def test_prompt_attention_checks_its_buffers(build):
     assert call(out, bf16_from=0) == -3 and _untouched(out)  # bf16 pairs: D 64 or 128 only
     assert call(out) == 0 and _untouched(out[on:])
     ref = F.scaled_dot_product_attention(q[None], k.expand(H, S, D)[None], v.expand(H, S, D)[None],
-                                         attn_mask=mask)  # fmt: skip
+                                         attn_mask=mask[None])  # fmt: skip
     torch.testing.assert_close(out[:on].view(T, H, D), ref[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_a_decode_rows_attention_checks_its_buffers(build):
+    """kvlm_attend_row (one query row per head, a decoded token's): q's H heads at stride qsh,
+    k and v's Hkv heads of S keys at their strides, the mask's S and out's H D, each within
+    its count; H a multiple of Hkv. The result is SDPA's up to summation order."""
+    lib = _kernels(build)
+    H, D, Hkv, S = 4, 16, 2, 5
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(H, D, generator=g), *(torch.randn(Hkv, S, D, generator=g)
+                                                 for _ in range(2))  # fmt: skip
+    mask = torch.tensor([True, False, True, True, False])
+    on = H * D
+    good = {"qn": q.numel(), "H": H, "qsh": D, "kn": k.numel(), "vn": v.numel(), "Hkv": Hkv,
+            "S": S, "ksh": S * D, "kst": D, "vsh": S * D, "vst": D, "mn": S, "on": on}  # fmt: skip
+
+    def call(out: torch.Tensor, **given) -> int:
+        a = {**good, **given}
+        return lib.kvlm_attend_row(
+            q.data_ptr(), a["qn"], a["H"], D, a["qsh"], k.data_ptr(), a["kn"], v.data_ptr(),
+            a["vn"], a["Hkv"], a["S"], a["ksh"], a["kst"], a["vsh"], a["vst"], mask.data_ptr(),
+            a["mn"], D**-0.5, out.data_ptr(), a["on"],
+        )  # fmt: skip
+
+    bad = [{"qn": q.numel() - 1}, {"kn": k.numel() - 1}, {"vn": v.numel() - 1},
+           {"mn": S - 1}, {"on": on - 1}, {"qsh": D + 1}, {"kst": D + 1}, {"vst": D + 1},
+           {"qsh": -D}, {"on": -1}, {"H": 3}, {"S": 0}, {"H": 0},
+           {"kst": HUGE, "kn": ANY}, {"S": HUGE, "mn": ANY}]  # fmt: skip
+    for given in bad:
+        out = _guarded(on)
+        assert call(out, **given) == -2 and _untouched(out), given
+    out = _guarded(on)
+    assert call(out) == 0 and _untouched(out[on:])
+    group = H // Hkv
+    ref = F.scaled_dot_product_attention(
+        q[None, :, None], k.repeat_interleave(group, 0)[None], v.repeat_interleave(group, 0)[None],
+        attn_mask=mask[None])  # fmt: skip
+    torch.testing.assert_close(out[:on].view(H, D), ref[0, :, 0])
 
 
 @pytest.mark.parametrize("build", BUILDS)

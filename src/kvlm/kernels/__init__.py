@@ -439,6 +439,8 @@ _SIGNATURES: dict[str, tuple[str, str]] = {
     # q, qn, H, T, D, qsh, qst, k, kn, v, vn, Hkv, S, ksh, kst, vsh, vst, mask, mn, mst,
     # causal, scale, out, on, bf16_from
     "kvlm_attend": ("int", "piiiiiipipiiiiiiipiiidpii"),
+    # q, qn, H, D, qsh, k, kn, v, vn, Hkv, S, ksh, kst, vsh, vst, mask, mn, scale, out, on
+    "kvlm_attend_row": ("int", "piiiipipiiiiiiipidpi"),
     "kvlm_rms_norm": ("int", "piiiipidpii"),  # x, xn, M, N, xs, w, wn, eps, y, yn, ys
     # qkv, qkvn, M, rs, nq, nk, D, qn, kn, nn, eps, cos, cn, sin, sn, cs
     "kvlm_qk_norm_rope": ("int", "piiiiiippidpipii"),

@@ -468,6 +468,89 @@ int kvlm_attend(const float *q, int64_t qn, int64_t H, int64_t T, int64_t D, int
     return rc;
 }
 
+/* One query row per head, a decode row (T = 1): q [H][D] (head stride qsh, d contiguous)
+ * over keys 0 .. S - 1 of k, v [Hkv][S][D] (strides ksh, kst, vsh, vst), query head h
+ * reading KV head h / (H / Hkv), the keys with mask[s] != 0 where mask is given; out
+ * [H][D]. Each head's row is one thread's work and its keys go in order: the scores q.k
+ * (16 lanes of d, the lanes then summed), their max, exp(s - max) summed in key order and
+ * p.V accumulated in key order, divided by the sum once. So a row's bits depend neither on
+ * the thread count nor on the other heads (torch's SDPA split one row's keys across
+ * threads), and no copy of K is made (kvlm_attend's prompt kernel transposes K for many
+ * rows). A row that sees no key is 0. Returns 0; -1 when scratch memory cannot be had;
+ * -2, touching nothing, for sizes that disagree (attend_ok with T = 1); -3, touching
+ * nothing, for D not a multiple of 16 or over 256 in a vector build. */
+int kvlm_attend_row(const float *q, int64_t qn, int64_t H, int64_t D, int64_t qsh,
+                    const float *k, int64_t kn, const float *v, int64_t vn, int64_t Hkv,
+                    int64_t S, int64_t ksh, int64_t kst, int64_t vsh, int64_t vst,
+                    const uint8_t *mask, int64_t mn, double scale, float *out, int64_t on) {
+    if (!attend_ok(qn, H, 1, D, qsh, 0, kn, vn, Hkv, S, ksh, kst, vsh, vst, mask, mn, 0, on))
+        return -2;
+#if KVLM_V512
+    if (D % 16 || D > MAX_HEAD_DIM) return -3;
+#endif
+    const int64_t group = H / Hkv;
+    const float sc = (float)scale;
+    int failed = 0;
+#pragma omp parallel for schedule(static)
+    for (int64_t h = 0; h < H; h++) {
+        const float *qh = q + h * qsh, *kg = k + (h / group) * ksh, *vg = v + (h / group) * vsh;
+        float *oh = out + h * D, *sr = malloc((size_t)S * sizeof(float));
+        if (!sr) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        float mx = -INFINITY, sum = 0.f;
+#if KVLM_V512
+        const int64_t C = D / 16;
+        __m512 qv[MAX_HEAD_DIM / 16], O[MAX_HEAD_DIM / 16];
+        for (int64_t c = 0; c < C; c++) {
+            qv[c] = _mm512_loadu_ps(qh + 16 * c);
+            O[c] = _mm512_setzero_ps();
+        }
+        for (int64_t j = 0; j < S; j++) {
+            sr[j] = -INFINITY;
+            if (mask && !mask[j]) continue;
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t c = 0; c < C; c++)
+                acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kg + j * kst + 16 * c), acc);
+            sr[j] = _mm512_reduce_add_ps(acc) * sc;
+            if (sr[j] > mx) mx = sr[j];
+        }
+        for (int64_t j = 0; j < S && mx > -INFINITY; j++) {
+            if (sr[j] == -INFINITY) continue;
+            const float e = expf(sr[j] - mx);
+            sum += e;
+            const __m512 ev = _mm512_set1_ps(e);
+            for (int64_t c = 0; c < C; c++)
+                O[c] = _mm512_fmadd_ps(ev, _mm512_loadu_ps(vg + j * vst + 16 * c), O[c]);
+        }
+        const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
+        for (int64_t c = 0; c < C; c++) _mm512_storeu_ps(oh + 16 * c, _mm512_mul_ps(O[c], inv));
+#else
+        for (int64_t j = 0; j < S; j++) {
+            sr[j] = -INFINITY;
+            if (mask && !mask[j]) continue;
+            float dot = 0.f;
+            for (int64_t d = 0; d < D; d++) dot += qh[d] * kg[j * kst + d];
+            sr[j] = dot * sc;
+            if (sr[j] > mx) mx = sr[j];
+        }
+        for (int64_t d = 0; d < D; d++) oh[d] = 0.f;
+        for (int64_t j = 0; j < S && mx > -INFINITY; j++) {
+            if (sr[j] == -INFINITY) continue;
+            const float e = expf(sr[j] - mx);
+            sum += e;
+            for (int64_t d = 0; d < D; d++) oh[d] += e * vg[j * vst + d];
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int64_t d = 0; d < D; d++) oh[d] *= inv;
+#endif
+        free(sr);
+    }
+    return failed ? -1 : 0;
+}
+
 /* kvlm_attend's fp32 rows 0 .. r1 - 1 */
 static int attend_prompt_f32(const float *q, int64_t H, int64_t D, int64_t qsh,
                        int64_t qst, const float *k, const float *v, int64_t Hkv, int64_t S,

@@ -301,7 +301,7 @@ def attend(
     # decode rows too: torch's CPU SDPA splits one query row's keys across threads, so its
     # bits followed the thread count, which the engine changes with the load (FreeCores)
     if q.is_cpu and q.shape[0] == 1:
-        out = _attend_kernel(q, k, v, mask, is_causal)
+        out = _attend_kernel(q, k, v, mask, is_causal, decode=not prompt)
         if out is not None:
             return out
     gqa = q.shape[1] != k.shape[1]
@@ -382,6 +382,7 @@ def _attend_kernel(
     mask: torch.Tensor | None,
     causal: bool,
     bf16_row: int | None = None,
+    decode: bool = False,
 ) -> torch.Tensor | None:
     """One sequence's prompt rows (T > 1) through kvlm's C attention (kvlm_attend: ~4x
     torch's CPU SDPA at a 512-token prompt; rows from `bf16_row` on (0: all; None: none)
@@ -389,8 +390,10 @@ def _attend_kernel(
     apply (not fp32, a float mask, no compiled kernels, a head size or CPU it does not take,
     for any of the rows): then SDPA. Each row's
     result depends only on its query and the keys it sees, so a prompt gets the same bits
-    whole or in chunks, and a decode row (T = 1) the same bits on any thread count (each
-    head's row is one thread's work). The fused step has its own attention."""
+    whole or in chunks. `decode`: the rows are decoded tokens, a one-row call of which goes
+    to kvlm_attend_row (no copy of K; its keys in order). Either way a row gets the same
+    bits on any thread count (each head's row is one thread's work). The fused step has
+    its own attention."""
     if not (q.dtype == k.dtype == v.dtype == torch.float32):
         return None
     if mask is not None:
@@ -412,6 +415,22 @@ def _attend_kernel(
         if mask.stride(1) != 1:
             mask = mask.contiguous()
     out = torch.empty(1, T, H, D, dtype=torch.float32)
+    if decode and T == 1 and not causal:  # (a causal one-row call sees key 0 alone)
+        rc = lib.kvlm_attend_row(
+            q.data_ptr(), _room(q), H, D, q.stride(1), k.data_ptr(), _room(k), v.data_ptr(),
+            _room(v), Hkv, S, k.stride(1), k.stride(2), v.stride(1), v.stride(2),
+            None if mask is None else mask.data_ptr(), 0 if mask is None else _room(mask),
+            D**-0.5, out.data_ptr(), out.numel(),
+        )  # fmt: skip
+        if rc == 0:
+            return out.transpose(1, 2)
+        if rc == -2:
+            raise ValueError(
+                f"the kernels refused a decode row of q {list(q.shape)} over k "
+                f"{list(k.shape)}, v {list(v.shape)}: a stride past a buffer"
+            )
+        if rc == -1:
+            raise MemoryError("no scratch memory for a decode row's attention")
     # each buffer's elements from its pointer on (q, k, v: views of a wider buffer, read at
     # their strides): the kernel refuses (-2) strides that would take it past them
     rc = lib.kvlm_attend(
