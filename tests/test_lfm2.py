@@ -273,6 +273,55 @@ def test_cache_rows_roll_back_within_the_slack_fork_and_draft(lfm2_dir):
     assert torch.equal(rows, torch.stack(steps))
 
 
+def test_a_saved_conversation_continues_with_the_same_tokens(lfm2_dir, tmp_path):
+    """A chat saved after a turn and loaded into a fresh session continues as the one
+    that never stopped (the file's `groups` layout holds the conv group's rows)."""
+    llm = LLM(model=lfm2_dir("lfm2"), kv="paged", progress=False)
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    one = llm.chat_session(params)
+    "".join(one.send("Hello there"))
+    one.save(tmp_path / "chat.kvc", llm.fingerprint)
+    went_on = "".join(one.send("And then?"))
+    two = llm.chat_session(params)
+    two.load(tmp_path / "chat.kvc", llm.fingerprint)
+    assert "".join(two.send("And then?")) == went_on
+    assert two.history == one.history
+    # the rows' file checks: how far back the rows go, their shape
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from kvlm.cache.base import CacheFileError
+
+    with safe_open(tmp_path / "chat.kvc", "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    conv = next(k[: -len("held")] for k in tensors if k.endswith("held"))
+    short = tensors[conv + "rows"][:, :, 1:].contiguous()
+    for name, bad, says in ((conv + "held", torch.tensor([1]), "held 1 is not"),
+                            (conv + "rows", short, "rows have shape")):  # fmt: skip
+        save_file({**tensors, name: bad}, tmp_path / "bad.kvc", meta)
+        with pytest.raises(CacheFileError, match=says):
+            llm.chat_session(params).load(tmp_path / "bad.kvc", llm.fingerprint)
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "paged", "window"])
+def test_memory_counts_the_rows_per_sequence(lfm2_dir, mode):
+    """`kvlm memory`'s plan: the conv layers' rows a sequence whatever its length (kernel
+    - 1 + RING_SLACK rows of the hidden size in fp32), the attention layers' K/V per
+    token; a made cache holds what is planned for it."""
+    from kvlm.cache import memory
+    from kvlm.cache.kinds import RING_SLACK
+
+    llm = LLM(model=lfm2_dir("lfm2-k4"), kv=mode, progress=False)
+    c, spec = llm.config, llm.cache_spec()
+    rows = len(c.conv_layers) * (c.conv_kernel - 1 + RING_SLACK) * c.hidden_size * 4
+    for context, batch in ((64, 1), (128, 3)):
+        conv = [g for g in memory.layer_groups(mode, spec, context, batch) if g["kind"] == "conv"]
+        assert conv == [{"kind": "conv", "layers": len(c.conv_layers), "window": None,
+                         "tokens": 0, "bytes": batch * rows}]  # fmt: skip
+    cache = llm.new_cache()
+    assert cache.parts[-1].nbytes == rows
+
+
 def test_the_pool_and_the_fused_step_refuse_it(lfm2_dir):
     from dataclasses import replace
 

@@ -102,10 +102,9 @@ def planned_parts(
     blocks between steps)."""
     cls, spec = check_mode(mode), mode_spec(mode, spec)
     conv = conv_group(layer_groups(spec))
-    if conv is not None:  # the mode's cache of the other layers, and a window a sequence
-        rest = planned_parts(mode, without(spec, conv), tokens, batch) if mode != "off" else []
-        rows = batch * conv.sequence_bytes(spec) if mode != "off" else 0
-        return [*rest, (conv.spec(spec), rows, 0)]
+    if conv is not None and mode != "off":  # the mode's cache of the others, and the rows
+        rest = planned_parts(mode, without(spec, conv), tokens, batch)
+        return [*rest, (conv.spec(spec), batch * conv.sequence_bytes(spec), 0)]
     if issubclass(cls, PagedCache):
         return cls.planned_groups(spec, tokens, batch)
     groups = layer_groups(spec)
