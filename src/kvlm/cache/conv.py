@@ -180,6 +180,10 @@ class ConvCache(KVCache):
     def _fork(self, n: int) -> None:
         self.rows.fork(n)
 
+    def _release(self) -> None:  # back to the spec's batch
+        self.rows = ConvRows(self.kind, self.spec.num_layers, self.spec.batch, CONV_ROW_DTYPE,
+                             self.spec.device)  # fmt: skip
+
     def _export(self) -> dict[str, torch.Tensor]:
         """`rows` (layers, B, keep, width) ending at the held length; `held` (1,) int64:
         how many positions before it are held (length - first)."""

@@ -41,11 +41,14 @@ from typing import ClassVar
 
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep, KVCache, KVPair, KVView
+from kvlm.cache.base import CacheFileError, CacheSpec, CacheStep, KVCache, KVPair, KVView
 from kvlm.cache.conv import ConvCache
 from kvlm.cache.groups import LayerGroup, layer_at, layer_groups, layout_extra
 from kvlm.cache.kinds import ConvWindow
 from kvlm.cache.window import WindowCache
+
+# --kv window of a model with conv layers (a HybridCache of a window cache and the conv rows)
+NO_WINDOW_FILE = "--kv window keeps no file of a model with short-convolution layers yet"
 
 
 def group_prefix(g: int) -> str:
@@ -170,6 +173,8 @@ class HybridCache(KVCache):
             part.fork(n)
 
     def _export(self) -> dict[str, torch.Tensor]:
+        if self.mode == "window":  # its group 0 is a sinks + ring, no `groups` layout's
+            raise CacheFileError(NO_WINDOW_FILE)
         parts = enumerate(self.parts)
         return {group_prefix(g) + k: t for g, part in parts for k, t in part._export().items()}
 
