@@ -15,7 +15,7 @@ from kvlm.cache.factory import create_cache, planned_parts
 from kvlm.cache.files import load_cache, save_cache
 from kvlm.cache.groups import from_layout, layer_at, layer_groups, layout_extra
 from kvlm.cache.hybrid import HybridCache
-from kvlm.cache.kinds import RING_SLACK, FullAttention, SlidingWindow, kind_of
+from kvlm.cache.kinds import RING_SLACK, ConvWindow, FullAttention, SlidingWindow, kind_of
 from kvlm.cache.paged import BlockPool
 from kvlm.cache.saved import SavedCache
 from kvlm.errors import InvalidRequestError, UnsupportedModelError
@@ -87,6 +87,25 @@ def test_what_each_kind_keeps():
     assert (window.first_read(3), window.first_read(100)) == (0, 93)
     whole = FullAttention()
     assert (whole.keep, whole.kept(1000), whole.first_read(100)) == (None, 1000, 0)
+
+
+def test_a_conv_layer_is_a_state_kind_of_its_own_group():
+    """A short convolution's kind (ConvWindow(L - 1, H), from the model's mixers): its
+    rows a sequence, none per token (a conv layer takes no K/V), a rollback as far as its
+    slack, its group after the whole layers, its fields in a file's layout."""
+    conv = ConvWindow(2, 64)
+    spec = CacheSpec(num_layers=4, num_kv_heads=2, head_dim=8, max_tokens=64,
+                     layer_kinds=(conv, FullAttention(), conv, FullAttention()))  # fmt: skip
+    assert (conv.keep, conv.kept(1000), conv.first_read(100)) == (2 + RING_SLACK, 0, 98)
+    assert (conv.token_bytes(spec), conv.sequence_bytes(spec)) == (0, (2 + RING_SLACK) * 64 * 4)
+    assert spec.bytes_per_token == 2 * FullAttention().token_bytes(spec)
+    groups = layer_groups(spec)
+    assert [(g.kind, g.layers) for g in groups] == [(FullAttention(), (1, 3)), (conv, (0, 2))]
+    assert layout_extra(groups)["g1_kind"] == 2
+    assert from_layout(layout_extra(groups), 4) == groups
+    lfm2 = _config("lfm2", layer_mixers=("conv", "attention") * 2, conv_kernel=3)
+    kinds = CacheSpec.for_model(lfm2, 64).layer_kinds
+    assert kinds == (ConvWindow(2, lfm2.hidden_size), FullAttention()) * 2
 
 
 def test_each_window_is_a_group_and_one_kind_must_see_everything():

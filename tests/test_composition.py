@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_generation_agrees
+from helpers import LFM2_TEMPLATE, assert_generation_agrees, save_tiny_model
 from kvlm import LLM, SamplingParams, compose
 from kvlm.engine.speculative import SpeculativeConfig
 from kvlm.errors import KvlmError
@@ -22,8 +22,26 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 PROMPT = "The quick brown fox jumps over the lazy dog and then runs far away into the woods and"
 
 
-# the grid's models (kvlm.compose.MODELS): tiny random ones of conftest.TINY_MODELS
+# the grid's models (kvlm.compose.MODELS): tiny random ones of conftest.TINY_MODELS, and
+# an LFM2 (conv, attention, conv, attention) with its chat template
 MODEL_DIRS = {"llama": "llama", "hybrid": "gemma3"}
+
+
+@pytest.fixture(scope="module")
+def grid_model_dir(tiny_model_dir, tmp_path_factory):
+    made = {}
+
+    def make(model: str):
+        if model in MODEL_DIRS:
+            return tiny_model_dir(MODEL_DIRS[model])
+        if model not in made:
+            folder = tmp_path_factory.mktemp(model)
+            made[model] = save_tiny_model(
+                folder, "lfm2", seed=20, chat_template=LFM2_TEMPLATE, tokenizer="llama3"
+            )
+        return made[model]
+
+    return make
 
 
 def make(folder, mode, dtype, **kw) -> LLM:
@@ -135,8 +153,8 @@ def test_every_feature_has_a_runner():
 @pytest.mark.parametrize("feature", list(compose.FEATURES))
 @pytest.mark.parametrize(("model", "mode", "dtype"), compose.variants(),
                          ids=[compose.label(*v) for v in compose.variants()])  # fmt: skip
-def test_cell(tiny_model_dir, model, mode, dtype, feature, tmp_path):
-    folder = tiny_model_dir(MODEL_DIRS[model])
+def test_cell(grid_model_dir, model, mode, dtype, feature, tmp_path):
+    folder = grid_model_dir(model)
     why = compose.refusal(model, mode, dtype, feature)
     if why is None:
         RUNNERS[feature](folder, mode, dtype, tmp_path)

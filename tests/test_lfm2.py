@@ -2,10 +2,9 @@
 Lfm2ForCausalLM on tiny random-weight models of several conv/attention layer orders, and
 from the GGUF file llama.cpp's own converter writes for them (tests/converter.py).
 
-What runs today is the `off` cache (every forward from position 0) and the conv rows
-carried by hand through the model (`Transformer.forward(conv=)`) beside a one-sequence
-cache; every other mode, the pool and the fused C step refuse the model, each saying so
-(docs/NOTES-lfm2.md: what is left)."""
+Every one-sequence cache mode keeps the conv rows as a layer group of its own
+(kvlm.cache.conv); the engine's pool and the fused C step refuse the model, each saying
+so (docs/NOTES-lfm2.md: what is left)."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ import torch
 import converter
 from helpers import LFM2_TEMPLATE, assert_greedy_agreement, hf_greedy, load_hf, save_tiny_model
 from kvlm import LLM, SamplingParams
+from kvlm.errors import InvalidRequestError
 from numerics import assert_as_exact_as, fp64_reorder_bound, max_error
 
 PROMPT = "What is the capital of France? The capital of France is"
@@ -54,7 +54,7 @@ def hf_logits(model_or_folder, ids: list[int], dtype: torch.dtype | None = None)
 
 
 def prompt_ids(llm: LLM, n: int = 40) -> list[int]:
-    ids = llm.tokenizer.encode(PROMPT * 4)[:n]
+    ids = llm.tokenizer.encode(PROMPT * 8)[:n]
     assert len(ids) == n
     return ids
 
@@ -119,9 +119,14 @@ def test_the_convolution_is_applied(lfm2_dir):
 
 def carried(llm: LLM, ids: list[int], chunks: list[int], mode: str = "contiguous"):
     """Teacher-forced logits of `ids` fed in `chunks` through a one-sequence cache of
-    `mode` and the conv rows carried beside it (the model's forward, as the runner will
-    call it once the caches hold the rows), each chunk committed to both."""
-    cache, rows = llm.new_cache(mode), llm.model.new_conv_rows(slack=8)
+    `mode` with no conv group and the conv rows carried beside it by hand
+    (`Transformer.forward(conv=)`), each chunk committed to both."""
+    from dataclasses import replace
+
+    from kvlm.cache import create_cache
+
+    spec = replace(llm.cache_spec(mode), layer_kinds=())
+    cache, rows = create_cache(mode, spec), llm.model.new_conv_rows(slack=8)
     out, at = [], 0
     with torch.inference_mode():
         for n in chunks:
@@ -184,28 +189,161 @@ def test_conv_rows_roll_back_fork_and_restore(lfm2_dir):
         llm.model(torch.tensor([[5], [5]]), step.positions + 1, step, conv=conv)
 
 
-def test_other_cache_modes_the_pool_and_the_fused_step_refuse_it(lfm2_dir):
+ROW_MODES = ["basic", "contiguous", "paged", "int8", "window"]
+
+
+def fed(llm: LLM, ids: list[int], chunks: list[int], cache=None) -> torch.Tensor:
+    """Teacher-forced logits of `ids` fed in `chunks` through the runner and a cache of the
+    LLM's (the rows are the cache's: no conv= by hand)."""
+    cache = cache if cache is not None else llm.new_cache()
+    out, at = [], 0
+    for n in chunks:
+        out.append(llm.runner.logits(ids[at : at + n], cache))
+        at += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("mode", ROW_MODES)
+def test_every_mode_keeps_the_rows_chunked_equals_one_shot(lfm2_dir, mode):
+    """Every one-sequence mode keeps the conv layers' rows as a layer group of its cache
+    (kvlm.cache.conv): chunks of 7 across the kernel's edge, then a token at a time, give
+    the one-shot prefill's logits through the same mode bit for bit (window: as exact);
+    the exact modes also the `off` oracle's; a conv layer takes no K/V (the K/V bytes per
+    token are the attention layers')."""
+    folder = lfm2_dir("lfm2-bias-k4")
+    llm = LLM(model=folder, kv=mode, exact=True, progress=False)
+    ids = prompt_ids(llm)
+    one_shot, chunked = fed(llm, ids, [len(ids)]), fed(llm, ids, [7] * 4 + [1] * 12)
+    if mode == "window":  # keys kept before RoPE, turned at each step: as exact, not equal
+        assert_as_exact_as(chunked, one_shot, hf_logits(folder, ids, torch.float64))
+    else:
+        assert torch.equal(chunked, one_shot)
+    if mode in ("basic", "contiguous", "paged"):
+        off = LLM(model=folder, kv="off", exact=True, progress=False)
+        assert torch.equal(one_shot, off.runner.logits(ids, off.new_cache("off")))
+    spec, attention = llm.cache_spec(), 1  # C C A C
+    per_layer = spec.num_kv_heads * spec.head_dim * 2 * spec.dtype.itemsize
+    assert spec.bytes_per_token == attention * per_layer or mode == "int8"
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "paged", "window"])
+def test_generate_batched_forked_and_speculative_equal_alone(lfm2_dir, mode):
+    """Prompts batched = each alone; n = 2 greedy samples (a fork of the prompt's cache,
+    rows and all) = the one greedy sample; speculative (prompt lookup: drafts checked as
+    rows of one step, the rejected rolled back; a draft model, the file's int8 self) =
+    plain decoding."""
+    from kvlm.engine.speculative import SpeculativeConfig
+
+    folder = lfm2_dir("lfm2")
+    llm = LLM(model=folder, kv=mode, progress=False)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    prompts = [PROMPT, "One two three, one two three, one two"]
+    alone = [llm.generate(p, greedy)[0].outputs[0].token_ids for p in prompts]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == alone
+    two = llm.generate(prompts[0], SamplingParams(n=2, max_tokens=24, temperature=0.0))
+    assert [s.token_ids for s in two[0].outputs] == [alone[0]] * 2
+    for how in (SpeculativeConfig("ngram", ngram_min=1),
+                SpeculativeConfig("draft", draft_weights="int8")):  # fmt: skip
+        spec = LLM(model=folder, kv=mode, speculative=how, progress=False)
+        assert [o.outputs[0].token_ids for o in spec.generate(prompts, greedy)] == alone
+
+
+def test_cache_rows_roll_back_within_the_slack_fork_and_draft(lfm2_dir):
+    """A cache's conv rows: a rollback within RING_SLACK and the same tokens fed again
+    give the same logits; one past it is refused (can_roll_back False, the caller starts
+    over); a draft's rows (begin(n, draft=True)) give each token's decode logits."""
+    from kvlm.cache.kinds import RING_SLACK
+    from kvlm.engine.runner import DraftBatch
+
+    llm = LLM(model=lfm2_dir("lfm2-k4"), kv="contiguous", exact=True, progress=False)
+    ids = prompt_ids(llm, 60)
+    cache = llm.new_cache()
+    first = fed(llm, ids, [40, 20], cache)
+    cache.rollback(RING_SLACK)
+    assert not cache.can_roll_back(1)
+    with pytest.raises(InvalidRequestError, match="rollback"):
+        cache.rollback(1)
+    assert torch.equal(fed(llm, ids[60 - RING_SLACK :], [RING_SLACK], cache), first[-RING_SLACK:])
+    plain = llm.new_cache()
+    fed(llm, ids[:50], [50], plain)
+    steps = [llm.runner.forward([t], plain) for t in ids[50:55]]
+    draft = llm.new_cache()
+    fed(llm, ids[:50], [50], draft)
+    rows = llm.runner.run(DraftBatch(ids[50:55], draft))
+    assert torch.equal(rows, torch.stack(steps))
+
+
+def test_a_saved_conversation_continues_with_the_same_tokens(lfm2_dir, tmp_path):
+    """A chat saved after a turn and loaded into a fresh session continues as the one
+    that never stopped (the file's `groups` layout holds the conv group's rows)."""
+    llm = LLM(model=lfm2_dir("lfm2"), kv="paged", progress=False)
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    one = llm.chat_session(params)
+    "".join(one.send("Hello there"))
+    one.save(tmp_path / "chat.kvc", llm.fingerprint)
+    went_on = "".join(one.send("And then?"))
+    two = llm.chat_session(params)
+    two.load(tmp_path / "chat.kvc", llm.fingerprint)
+    assert "".join(two.send("And then?")) == went_on
+    assert two.history == one.history
+    # the rows' file checks: how far back the rows go, their shape
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from kvlm.cache.base import CacheFileError
+
+    with safe_open(tmp_path / "chat.kvc", "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    conv = next(k[: -len("held")] for k in tensors if k.endswith("held"))
+    short = tensors[conv + "rows"][:, :, 1:].contiguous()
+    for name, bad, says in ((conv + "held", torch.tensor([1]), "held 1 is not"),
+                            (conv + "rows", short, "rows have shape")):  # fmt: skip
+        save_file({**tensors, name: bad}, tmp_path / "bad.kvc", meta)
+        with pytest.raises(CacheFileError, match=says):
+            llm.chat_session(params).load(tmp_path / "bad.kvc", llm.fingerprint)
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "paged", "window"])
+def test_memory_counts_the_rows_per_sequence(lfm2_dir, mode):
+    """`kvlm memory`'s plan: the conv layers' rows a sequence whatever its length (kernel
+    - 1 + RING_SLACK rows of the hidden size in fp32), the attention layers' K/V per
+    token; a made cache holds what is planned for it."""
+    from kvlm.cache import memory
+    from kvlm.cache.kinds import RING_SLACK
+
+    llm = LLM(model=lfm2_dir("lfm2-k4"), kv=mode, progress=False)
+    c, spec = llm.config, llm.cache_spec()
+    rows = len(c.conv_layers) * (c.conv_kernel - 1 + RING_SLACK) * c.hidden_size * 4
+    for context, batch in ((64, 1), (128, 3)):
+        conv = [g for g in memory.layer_groups(mode, spec, context, batch) if g["kind"] == "conv"]
+        assert conv == [{"kind": "conv", "layers": len(c.conv_layers), "window": None,
+                         "tokens": 0, "bytes": batch * rows}]  # fmt: skip
+    cache = llm.new_cache()
+    assert cache.parts[-1].nbytes == rows
+
+
+def test_the_pool_and_the_fused_step_refuse_it(lfm2_dir):
+    from dataclasses import replace
+
+    from kvlm.cache import create_cache
     from kvlm.engine.engine import Engine, EngineConfig
-    from kvlm.errors import InvalidRequestError, UnsupportedModelError
+    from kvlm.errors import UnsupportedModelError
     from kvlm.model import fused
     from kvlm.model.transformer import NO_CONV_ROWS
 
-    folder = lfm2_dir("lfm2")
-    for kv in ("contiguous", "paged", "basic", "window", "int8"):
-        with pytest.raises(InvalidRequestError, match=f"kv '{kv}': this model's short-conv"):
-            LLM(model=folder, kv=kv, progress=False)
-    llm = LLM(model=folder, kv="off", weights="int8", progress=False)
+    llm = LLM(model=lfm2_dir("lfm2"), kv="contiguous", weights="int8", progress=False)
     with pytest.raises(InvalidRequestError, match="pool keeps no short-convolution rows"):
         Engine(llm, EngineConfig())
     assert fused.why_not(llm.model) == (
         "a short-convolution layer (the step has no kernel for one yet)"
     )
     assert llm.describe()["decode_step"].startswith("torch step: a short-convolution layer")
-    cache = llm.new_cache("contiguous")  # a cache the LLM would not make: the model says why
+    # a cache made for another spec, with no conv group: the model says why
+    cache = create_cache("contiguous", replace(llm.cache_spec(), layer_kinds=()))
     llm.runner.forward([3, 4], cache)  # from position 0: the rows are zeros
-    with pytest.raises(UnsupportedModelError, match="--kv off"):
+    with pytest.raises(UnsupportedModelError, match="cache spec"):
         llm.runner.forward([5], cache)
-    assert "--kv off" in NO_CONV_ROWS
+    assert "LLM.new_cache" in NO_CONV_ROWS
 
 
 # ------------------------------------------------------------------- llama.cpp's converter

@@ -766,6 +766,10 @@ def _groups_report(groups: list[dict]) -> list[str]:
     lines = []
     for g in groups:
         kept = "the whole context" if g["window"] is None else f"a window of {g['window']:,}"
+        if g["kind"] == "conv":  # a state kind: its rows a sequence, none per token
+            lines.append(f"  {g['layers']} conv layers, their last rows a sequence: "
+                         f"{_mib(g['bytes'])}")  # fmt: skip
+            continue
         lines.append(f"  {g['layers']} {g['kind']} layers, {kept}: {g['tokens']:,} tokens, "
                      f"{_mib(g['bytes'])}")  # fmt: skip
     return lines

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from kvlm import defaults, kernels
 from kvlm.cache import CacheSpec, KVCache, create_cache
 from kvlm.cache.factory import BATCH_MODES, check_mode, mode_spec
-from kvlm.config import LIMITS, ModelConfig, for_context
+from kvlm.config import LIMITS, for_context
 from kvlm.dtypes import dtype_name, kv_sides, parse_dtype, parse_kv_dtype
 from kvlm.engine.backends import cache_engine_limits
 from kvlm.engine.batch import Stream, run_batch
@@ -155,7 +155,6 @@ class LLM:
         self.config, past = for_context(self.loaded.config, self.max_context, *self.rope, window)
         if past is not None:
             log.warning(past)
-        _check_layer_kinds(self.config, kv)
         self.cache_spec(kv)  # every cache setting checked before the weights load
         self._drafters: dict[tuple[str, str | None], DraftModel] = {}  # see draft_model
         self._engine: Engine | None = None  # generate's batch engine, made on first use
@@ -289,7 +288,8 @@ class LLM:
             requests = [(None, _token_ids(ids)) for ids in listed]
         params = self._params_for(sampling_params, len(requests))
         many = len(requests) > 1 or self.speculative is not None  # drafts live in the engine
-        batched = many and self.kv_mode in BATCH_MODES
+        # (the pool keeps no short-convolution rows yet: such a model's prompts run alone)
+        batched = many and self.kv_mode in BATCH_MODES and not self.config.conv_layers
         pool = self.batch_engine() if batched else None
         one: Engine | None = None  # what the pool cannot take runs alone, as it would
         engines: list[Engine] = []  # each prompt checked, once, before any work
@@ -486,18 +486,6 @@ def _check_settings(
         for side in sides:
             if side != defaults.AUTO:
                 parse_kv_dtype(side)
-
-
-def _check_layer_kinds(config: ModelConfig, kv: str) -> None:
-    """The cache mode keeps what every layer needs kept: no mode keeps a short
-    convolution's rows yet (docs/DESIGN.md section 5), so a model with conv layers runs on
-    `off` alone, which keeps nothing and feeds every forward from position 0."""
-    if config.conv_layers and kv != "off":
-        raise InvalidRequestError(
-            f"kv {kv!r}: this model's short-convolution layers keep rows that no cache "
-            "mode holds yet: it runs with kv 'off' alone (kvlm generate and chat: --kv off; "
-            "not kvlm serve, whose pool keeps none either)", param="kv"
-        )  # fmt: skip
 
 
 def _weight_format(numerics: defaults.Numerics, dtype: torch.dtype, device: torch.device):

@@ -197,6 +197,9 @@ class CacheStep(ABC):
         # own masks are those of `sliding_window`, a layer's its kind's (for_layer)
         self.kinds: tuple[LayerKind, ...] = ()
         self._views: dict[LayerKind, CacheStep] = {}
+        # The conv layers' rows before the step (kvlm.cache.conv.ConvStep), where the
+        # cache keeps a conv group (Transformer.forward reads them); None: none kept
+        self.conv = None
 
     def for_layer(self, layer: int) -> CacheStep:
         """The step as `layer` sees it: itself, or where the layers' kinds differ, a view of

@@ -9,8 +9,9 @@ import torch
 from kvlm.cache.base import CacheSpec, KVCache
 from kvlm.cache.basic import BasicCache
 from kvlm.cache.contiguous import ContiguousCache
-from kvlm.cache.groups import layer_groups
+from kvlm.cache.groups import LayerGroup, layer_groups
 from kvlm.cache.hybrid import HybridCache, ring_spec
+from kvlm.cache.kinds import ConvWindow
 from kvlm.cache.off import OffCache
 from kvlm.cache.paged import Int8PagedCache, PagedCache
 from kvlm.cache.window import WindowCache
@@ -66,9 +67,24 @@ def create_cache(mode: str, spec: CacheSpec) -> KVCache:
     keeps a sequence's rows (RING_MODES), a HybridCache of that mode (kvlm.cache.hybrid);
     paged and int8 keep them apart on their own (a block table per layer group)."""
     cls, spec = check_mode(mode), mode_spec(mode, spec)
-    if mode in RING_MODES and len(layer_groups(spec)) > 1:
+    groups = layer_groups(spec)
+    if len(groups) > 1 and (mode in RING_MODES or (mode != "off" and conv_group(groups))):
         return HybridCache(cls, spec)
     return cls(spec)
+
+
+def conv_group(groups: tuple[LayerGroup, ...]) -> LayerGroup | None:
+    """The group of conv layers (kinds.ConvWindow), if any: every mode but off keeps it as
+    a HybridCache's part (kvlm.cache.conv.ConvCache) beside the mode's cache of the
+    others."""
+    return next((g for g in groups if isinstance(g.kind, ConvWindow)), None)
+
+
+def without(spec: CacheSpec, group: LayerGroup) -> CacheSpec:
+    """`spec` less `group`'s layers (the layers the mode's own cache keeps)."""
+    kinds = [k for i, k in enumerate(spec.layer_kinds) if i not in group.layers]
+    return replace(spec, num_layers=len(kinds),
+                   layer_kinds=tuple(kinds) if len(set(kinds)) > 1 else ())  # fmt: skip
 
 
 def planned_nbytes(mode: str, spec: CacheSpec, tokens: int, batch: int) -> int:
@@ -85,6 +101,10 @@ def planned_parts(
     a windowed group holds at most kvlm.cache.paged.window_blocks(W + RING_SLACK, ...)
     blocks between steps)."""
     cls, spec = check_mode(mode), mode_spec(mode, spec)
+    conv = conv_group(layer_groups(spec))
+    if conv is not None and mode != "off":  # the mode's cache of the others, and the rows
+        rest = planned_parts(mode, without(spec, conv), tokens, batch)
+        return [*rest, (conv.spec(spec), batch * conv.sequence_bytes(spec), 0)]
     if issubclass(cls, PagedCache):
         return cls.planned_groups(spec, tokens, batch)
     groups = layer_groups(spec)

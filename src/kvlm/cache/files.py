@@ -27,7 +27,7 @@ from kvlm.cache.base import CacheFileError, CacheSnapshot, CacheSpec, KVCache, b
 from kvlm.cache.factory import CACHE_MODES, HYBRID_MODES
 from kvlm.cache.groups import LayerGroup, from_layout, layer_groups, layout_extra
 from kvlm.cache.hybrid import group_prefix
-from kvlm.cache.kinds import RING_SLACK, FullAttention, SlidingWindow
+from kvlm.cache.kinds import CONV_ROW_DTYPE, RING_SLACK, ConvWindow, FullAttention, SlidingWindow
 from kvlm.cache.storage import part_layout
 from kvlm.dtypes import NAMES, Q4, dtype_name
 from kvlm.errors import CacheOverflowError
@@ -289,13 +289,19 @@ def _layout(path: Path, snap: CacheSnapshot) -> dict[str, tuple[tuple[int, ...],
             raise _bad_meta(path, f"local_layers {local} is not a set of some of {layers} layers")
         parts = [("", layers - ring, rows, heads, d, False),
                  (RING, ring, extra["window"] + RING_SLACK, heads, d, True)]  # fmt: skip
+    want = {}
     if snap.layout == "groups":  # each group's rows, or a window's ring of its `keep`
+        groups = list(enumerate(_groups(path, snap)))
         parts = [(group_prefix(n), len(group.layers), rows if group.kind.keep is None
                   else group.kind.keep, *group.kind.shape(_Geometry(heads, d)),
                   group.kind.keep is not None)
-                 for n, group in enumerate(_groups(path, snap))]  # fmt: skip
+                 for n, group in groups if not isinstance(group.kind, ConvWindow)]  # fmt: skip
+        for n, group in groups:  # a conv group's window a sequence (kvlm.cache.conv)
+            if isinstance(kind := group.kind, ConvWindow):
+                shape = (len(group.layers), snap.batch, kind.keep, kind.width)
+                want[group_prefix(n) + "rows"] = (shape, CONV_ROW_DTYPE)
+                want[group_prefix(n) + "held"] = ((1,), torch.int64)
     k, v = file_kv_dtypes(snap.dtype)
-    want = {}
     for prefix, n, held, h, dim, ring in parts:
         if Q4 in (k, v) and dim % 2:
             what = "geometry.head_dim" if dim == d else f"{prefix}head_dim"
@@ -347,7 +353,12 @@ def _check_contents(path: Path, snap: CacheSnapshot) -> None:
     if snap.layout == "groups":  # each window's ring, as the hybrid layout's
         for n, group in enumerate(_groups(path, snap)):
             kind = group.kind
-            if kind.keep is not None:
+            if isinstance(kind, ConvWindow):  # rows held before the end: rows .. keep
+                held = int(snap.tensors[group_prefix(n) + "held"][0])
+                if not kind.rows <= held <= kind.keep:
+                    raise _damaged(path, f"{group_prefix(n)}held {held} is not "
+                                         f"{kind.rows} .. {kind.keep}")  # fmt: skip
+            elif kind.keep is not None:
                 name = group_prefix(n) + "slot_pos"
                 _check_ring(path, snap, 0, kind.keep, name, kind.window or kind.keep)
 

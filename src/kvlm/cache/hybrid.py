@@ -41,9 +41,14 @@ from typing import ClassVar
 
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep, KVCache, KVPair, KVView
+from kvlm.cache.base import CacheFileError, CacheSpec, CacheStep, KVCache, KVPair, KVView
+from kvlm.cache.conv import ConvCache
 from kvlm.cache.groups import LayerGroup, layer_at, layer_groups, layout_extra
+from kvlm.cache.kinds import ConvWindow
 from kvlm.cache.window import WindowCache
+
+# --kv window of a model with conv layers (a HybridCache of a window cache and the conv rows)
+NO_WINDOW_FILE = "--kv window keeps no file of a model with short-convolution layers yet"
 
 
 def group_prefix(g: int) -> str:
@@ -67,7 +72,9 @@ def ring_spec(spec: CacheSpec, group: LayerGroup) -> CacheSpec:
 
 def part_cache(mode_cls: type[KVCache], spec: CacheSpec, group: LayerGroup) -> KVCache:
     """The cache a `mode_cls` cache keeps `group` of `spec`'s layers in: the mode's own for
-    the whole layers, a ring for a window."""
+    the whole layers, a ring for a window, a ConvCache for conv layers' rows."""
+    if isinstance(group.kind, ConvWindow):
+        return ConvCache(group.spec(spec), group.kind)
     if group.kind.keep is None:
         return mode_cls(group.spec(spec))
     return WindowCache(ring_spec(spec, group))
@@ -94,6 +101,7 @@ class HybridStep(CacheStep):
         self.__dict__.update(parts[0].__dict__)  # positions, masks, rows: the whole part's
         self.parts = tuple(parts)
         self._views = {}
+        self.conv = next((p.conv for p in parts if p.conv is not None), None)
         self._layers = cache.layers
 
     def for_layer(self, layer: int) -> _PartStep:
@@ -165,6 +173,8 @@ class HybridCache(KVCache):
             part.fork(n)
 
     def _export(self) -> dict[str, torch.Tensor]:
+        if self.mode == "window":  # its group 0 is a sinks + ring, no `groups` layout's
+            raise CacheFileError(NO_WINDOW_FILE)
         parts = enumerate(self.parts)
         return {group_prefix(g) + k: t for g, part in parts for k, t in part._export().items()}
 
@@ -183,6 +193,8 @@ class HybridCache(KVCache):
         cache's (kv_views), a ring's (WindowCache.ring_views); None if a part has none."""
         views = []
         for group, part in zip(self.groups, self.parts, strict=True):
+            if isinstance(part, ConvCache):
+                return None  # no view of conv rows yet (the fused step refuses them)
             mine = part.kv_views(rows) if group.kind.keep is None else part.ring_views(rows)
             if mine is None:
                 return None

@@ -6,7 +6,7 @@ next token is computed without the text before it again. What it keeps is its ki
     kind          keeps, per sequence                   spec               kept(T)   first_read(T)
     attention     K/V rows of every token               FullAttention()    T         0
     window        K/V rows of the last W + RING_SLACK   SlidingWindow(W)   <= W+32   T - W + 1
-    (next) conv   the last L - 1 input rows             a window of rows
+    conv          the last L - 1 input rows (+ slack)   ConvWindow(L-1, H) 0 (state) T - L + 1
     (next) state  one fixed matrix                      a state, no rows
 
 A spec is a frozen value (equal specs: one group of layers, kvlm.cache.groups). It answers
@@ -39,6 +39,8 @@ from kvlm.config import ModelConfig
 # last token, a draft's rows beyond its own undo); a longer one is refused (the caller
 # recomputes the prefix)
 RING_SLACK = 32
+# The dtype a ConvWindow's rows are kept in
+CONV_ROW_DTYPE = torch.float32
 
 
 class Geometry(Protocol):
@@ -130,8 +132,39 @@ class SlidingWindow(LayerKind):
         return max(0, length - self.size + 1)
 
 
+@dataclass(frozen=True, slots=True)
+class ConvWindow(LayerKind):
+    """A short convolution's (kvlm.model.conv): its input rows at the last `rows`
+    positions (the kernel less one), each `width` wide (the model's hidden size), and
+    RING_SLACK rows more, so a rollback of up to RING_SLACK tokens still finds the rows
+    before its new end. A state kind: no row per token (token_bytes 0), a fixed window a
+    sequence (sequence_bytes), kept in fp32 whatever the K/V dtype (a bf16 or fp16 row
+    goes there and back exactly), held by kvlm.cache.conv."""
+
+    name: ClassVar[str] = "conv"
+    code: ClassVar[int] = 2
+    rows: int
+    width: int
+
+    @property
+    def keep(self) -> int:
+        return self.rows + RING_SLACK
+
+    def kept(self, tokens: int) -> int:
+        return 0  # no rows per token: the window is sequence_bytes
+
+    def first_read(self, length: int) -> int:
+        return max(0, length - self.rows)
+
+    def token_bytes(self, spec: Geometry) -> int:
+        return 0
+
+    def sequence_bytes(self, spec: Geometry) -> int:
+        return self.keep * self.width * CONV_ROW_DTYPE.itemsize
+
+
 # Every kind by its code (a file's `groups` layout): a new kind takes the next number
-KINDS: dict[int, type[LayerKind]] = {k.code: k for k in (FullAttention, SlidingWindow)}
+KINDS: dict[int, type[LayerKind]] = {k.code: k for k in (FullAttention, SlidingWindow, ConvWindow)}
 
 
 def kind_from(code: int, fields: dict[str, int]) -> LayerKind:
@@ -160,9 +193,14 @@ def layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
     """What each of `config`'s layers keeps, from its mixer: an attention layer's is
     kind_of(its window, ModelConfig.layer_windows). () where every layer keeps the same:
     every row of every token (a window every layer shares, Mistral's, is the masks'
-    business: CacheSpec.for_model makes it the spec's sliding_window). A conv layer
-    (ModelConfig.layer_mixers) is no cache kind yet: its rows ride kvlm.model.conv's
-    ConvRows beside the cache (docs/NOTES-kinds.md, step 4)."""
+    business: CacheSpec.for_model makes it the spec's sliding_window). A conv layer's
+    (ModelConfig.layer_mixers "conv") is ConvWindow(kernel - 1, hidden)."""
+    windows = config.layer_windows or (config.sliding_window,) * config.num_layers
+    kinds = [kind_of(w) for w in windows]
     if len(set(config.layer_windows)) < 2:
-        return ()
-    return tuple(kind_of(w) for w in config.layer_windows)
+        kinds = [FullAttention()] * config.num_layers  # a shared window: the masks'
+    if config.conv_layers:
+        conv = ConvWindow(config.conv_kernel - 1, config.hidden_size)  # type: ignore[operator]
+        for i in config.conv_layers:
+            kinds[i] = conv
+    return tuple(kinds) if len(set(kinds)) > 1 else ()

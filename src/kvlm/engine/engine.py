@@ -97,7 +97,7 @@ def pool_spec(llm: ServedModel) -> CacheSpec:
     if llm.config.conv_layers:
         raise InvalidRequestError(
             "the engine's pool keeps no short-convolution rows yet: this model runs one "
-            "request at a time, with --kv off", param="kv"
+            "request at a time on its own cache (kvlm generate, kvlm chat)", param="kv"
         )  # fmt: skip
     return llm.cache_spec(pool_mode(llm.kv_mode))
 

@@ -23,21 +23,23 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from kvlm.cache.kinds import ConvWindow
 from kvlm.config import ModelConfig, RopeScaling
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 from kvlm.model import quant
 from kvlm.model.attention import Attention, KVStep
-from kvlm.model.conv import ConvRows, ConvStep, ConvWindow, ShortConv
+from kvlm.model.conv import ConvRows, ConvStep, ShortConv
 from kvlm.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding, feeding_prompt
 from kvlm.model.numerics import ModelNumerics
 from kvlm.model.weights import WeightSource, out_norms
 
 VOCAB_WEIGHTS = ("lm_head.weight", "model.embed_tokens.weight")
 log = logging.getLogger("kvlm.loading")
-# a forward past position 0 of a model with conv layers, given no ConvStep
+# a forward past position 0 of a model with conv layers, given no ConvStep (a cache made
+# for another model's spec; the caches of this model's spec keep a conv group)
 NO_CONV_ROWS = (
     "this model's short-convolution layers need their rows of the tokens before this step, "
-    "which no cache mode keeps yet: run it with --kv off"
+    "which this cache does not keep: make it with the model's own cache spec (LLM.new_cache)"
 )
 
 
@@ -146,7 +148,7 @@ class Transformer(nn.Module):
         # what each conv layer keeps of a sequence: its last kernel - 1 input rows
         self.conv_window = None
         if config.conv_layers:
-            self.conv_window = ConvWindow(rows=config.conv_kernel - 1)
+            self.conv_window = ConvWindow(config.conv_kernel - 1, config.hidden_size)
         # embeddings times embed_scale, rounded to fp32 first as transformers does
         scale = config.embed_scale
         self.embed_scale = None if scale is None else torch.tensor(scale, dtype=torch.float32)
@@ -182,9 +184,8 @@ class Transformer(nn.Module):
     def new_conv_rows(self, batch: int = 1, slack: int = 0) -> ConvRows:
         """Empty rows of this model's conv layers for `batch` sequences (`slack`: rows
         kept for a rollback of up to that many tokens)."""
-        kind = ConvWindow(self.conv_window.rows, slack)
-        c = self.config
-        return ConvRows(kind, len(c.conv_layers), batch, c.hidden_size, self.dtype, self.device)
+        layers = len(self.config.conv_layers)
+        return ConvRows(self.conv_window, layers, batch, self.dtype, self.device, slack)
 
     def forward(
         self,
@@ -203,10 +204,13 @@ class Transformer(nn.Module):
         `prompt`: the tokens are a prompt's (True) or decoded ones (False), which picks the
         low-bit products' numerics (kvlm.model.layers.feeding_prompt); None: T > 1.
         `conv`: the conv layers' rows before the step (kvlm.model.conv; the caller commits
-        them); None: rows of zeros, right for a step from position 0 only.
+        them); None: the cache step's (`kv.conv`, a cache that keeps a conv group), else
+        rows of zeros, right for a step from position 0 only.
         """
         if prompt is None:
             prompt = input_ids.shape[-1] > 1
+        if conv is None:
+            conv = getattr(kv, "conv", None)
         if conv is None and self.conv_window is not None:
             conv = self._fresh_rows(input_ids, positions)
         elif conv is not None and positions.numel() and int(positions[0, 0]) != conv.start:
