@@ -14,6 +14,7 @@ import torch
 import converter
 from helpers import LFM2_TEMPLATE, assert_greedy_agreement, hf_greedy, load_hf, save_tiny_model
 from kvlm import LLM, SamplingParams
+from kvlm.engine.runner import CacheBatch
 from kvlm.errors import InvalidRequestError
 from numerics import assert_as_exact_as, fp64_reorder_bound, max_error
 
@@ -194,11 +195,14 @@ ROW_MODES = ["basic", "contiguous", "paged", "int8", "window"]
 
 def fed(llm: LLM, ids: list[int], chunks: list[int], cache=None) -> torch.Tensor:
     """Teacher-forced logits of `ids` fed in `chunks` through the runner and a cache of the
-    LLM's (the rows are the cache's: no conv= by hand)."""
+    LLM's (the rows are the cache's: no conv= by hand), each chunk a prompt's, as the
+    engine feeds a chunked prefill (a one-token chunk too: a decoded token's row takes
+    the decode road, kvlm_attend_row on the CPU, whose sums run in another order)."""
     cache = cache if cache is not None else llm.new_cache()
     out, at = [], 0
     for n in chunks:
-        out.append(llm.runner.logits(ids[at : at + n], cache))
+        out.append(llm.runner.run(CacheBatch([ids[at : at + n]], cache, prompt=True,
+                                             all_rows=True))[0])  # fmt: skip
         at += n
     return torch.cat(out)
 
