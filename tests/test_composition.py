@@ -23,7 +23,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog and then runs far away int
 
 
 # the grid's models (kvlm.compose.MODELS): tiny random ones of conftest.TINY_MODELS, and
-# an LFM2 (conv, attention, conv, attention) with its chat template
+# "conv": an LFM2 (conv, attention, conv, attention) with its chat template
 MODEL_DIRS = {"llama": "llama", "hybrid": "gemma3"}
 
 

@@ -38,10 +38,10 @@ FEATURES = {
 
 
 # The models of the grid: the Llama family (every layer one attention), a hybrid one
-# (layers with a window of 8 and layers that see the whole context) and LFM2 (short
+# (layers with a window of 8 and layers that see the whole context) and a conv one (short
 # convolutions beside attention): tests/test_composition.py builds them
-MODELS = ("llama", "hybrid", "lfm2")
-# Why the fused step does not run an LFM2 (kvlm.model.fused.why_not)
+MODELS = ("llama", "hybrid", "conv")
+# Why the fused step does not run a model with conv layers (kvlm.model.fused.why_not)
 NO_FUSED_CONV = "a short-convolution layer (the step has no kernel for one yet)"
 
 
@@ -58,11 +58,11 @@ def refusal(model: str, mode: str, kv_dtype: str | None, feature: str) -> str | 
         raise ValueError(f"unknown feature {feature!r}")
     if mode == "off" and feature in ("save/load", "rollback"):
         return "keeps no cache" if feature == "save/load" else "cannot roll back"
-    if feature == "save/load" and model == "lfm2" and mode == "window":
+    if feature == "save/load" and model == "conv" and mode == "window":
         return NO_WINDOW_FILE
     if feature == "speculative decoding" and mode in NO_SPECULATION:
         return NO_SPECULATION[mode]
-    if feature == "fused low-bit step" and model == "lfm2":  # the model's reason first
+    if feature == "fused low-bit step" and model == "conv":  # the model's reason first
         return f"torch step: {NO_FUSED_CONV}"
     if feature == "fused low-bit step" and mode not in FUSED_MODES:
         return f"torch step: {fused.NOT_THIS_CACHE}"
