@@ -485,10 +485,12 @@ int kvlm_attend_row(const float *q, int64_t qn, int64_t H, int64_t D, int64_t qs
                     const uint8_t *mask, int64_t mn, double scale, float *out, int64_t on) {
     if (!attend_ok(qn, H, 1, D, qsh, 0, kn, vn, Hkv, S, ksh, kst, vsh, vst, mask, mn, 0, on))
         return -2;
-#if KVLM_V512
+#if !KVLM_V512 /* the scalar build: its prompt loop, one row */
+    return attend_prompt_scalar(q, H, 1, D, qsh, 0, k, v, Hkv, S, ksh, kst, vsh, vst, mask, 0,
+                                0, scale, out);
+#else
     if (D % 16 || D > MAX_HEAD_DIM) return -3;
-#endif
-    const int64_t group = H / Hkv;
+    const int64_t group = H / Hkv, C = D / 16;
     const float sc = (float)scale;
     int failed = 0;
 #pragma omp parallel for schedule(static)
@@ -501,8 +503,6 @@ int kvlm_attend_row(const float *q, int64_t qn, int64_t H, int64_t D, int64_t qs
             continue;
         }
         float mx = -INFINITY, sum = 0.f;
-#if KVLM_V512
-        const int64_t C = D / 16;
         __m512 qv[MAX_HEAD_DIM / 16], O[MAX_HEAD_DIM / 16];
         for (int64_t c = 0; c < C; c++) {
             qv[c] = _mm512_loadu_ps(qh + 16 * c);
@@ -527,28 +527,10 @@ int kvlm_attend_row(const float *q, int64_t qn, int64_t H, int64_t D, int64_t qs
         }
         const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
         for (int64_t c = 0; c < C; c++) _mm512_storeu_ps(oh + 16 * c, _mm512_mul_ps(O[c], inv));
-#else
-        for (int64_t j = 0; j < S; j++) {
-            sr[j] = -INFINITY;
-            if (mask && !mask[j]) continue;
-            float dot = 0.f;
-            for (int64_t d = 0; d < D; d++) dot += qh[d] * kg[j * kst + d];
-            sr[j] = dot * sc;
-            if (sr[j] > mx) mx = sr[j];
-        }
-        for (int64_t d = 0; d < D; d++) oh[d] = 0.f;
-        for (int64_t j = 0; j < S && mx > -INFINITY; j++) {
-            if (sr[j] == -INFINITY) continue;
-            const float e = expf(sr[j] - mx);
-            sum += e;
-            for (int64_t d = 0; d < D; d++) oh[d] += e * vg[j * vst + d];
-        }
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        for (int64_t d = 0; d < D; d++) oh[d] *= inv;
-#endif
         free(sr);
     }
     return failed ? -1 : 0;
+#endif
 }
 
 /* kvlm_attend's fp32 rows 0 .. r1 - 1 */

@@ -415,6 +415,9 @@ def _attend_kernel(
         if mask.stride(1) != 1:
             mask = mask.contiguous()
     out = torch.empty(1, T, H, D, dtype=torch.float32)
+    # each buffer's elements from its pointer on (q, k, v: views of a wider buffer, read at
+    # their strides): the kernels refuse (-2) strides that would take them past them
+    rc = -3
     if decode and T == 1 and not causal:  # (a causal one-row call sees key 0 alone)
         rc = lib.kvlm_attend_row(
             q.data_ptr(), _room(q), H, D, q.stride(1), k.data_ptr(), _room(k), v.data_ptr(),
@@ -422,24 +425,14 @@ def _attend_kernel(
             None if mask is None else mask.data_ptr(), 0 if mask is None else _room(mask),
             D**-0.5, out.data_ptr(), out.numel(),
         )  # fmt: skip
-        if rc == 0:
-            return out.transpose(1, 2)
-        if rc == -2:
-            raise ValueError(
-                f"the kernels refused a decode row of q {list(q.shape)} over k "
-                f"{list(k.shape)}, v {list(v.shape)}: a stride past a buffer"
-            )
-        if rc == -1:
-            raise MemoryError("no scratch memory for a decode row's attention")
-    # each buffer's elements from its pointer on (q, k, v: views of a wider buffer, read at
-    # their strides): the kernel refuses (-2) strides that would take it past them
-    rc = lib.kvlm_attend(
-        q.data_ptr(), _room(q), H, T, D, q.stride(1), q.stride(2), k.data_ptr(), _room(k),
-        v.data_ptr(), _room(v), Hkv, S, k.stride(1), k.stride(2), v.stride(1), v.stride(2),
-        None if mask is None else mask.data_ptr(), 0 if mask is None else _room(mask),
-        0 if mask is None else mask.stride(0), int(causal and mask is None), D**-0.5,
-        out.data_ptr(), out.numel(), T if bf16_row is None else bf16_row,
-    )  # fmt: skip
+    if rc == -3:  # not a decode row, or a head size the row kernel does not take
+        rc = lib.kvlm_attend(
+            q.data_ptr(), _room(q), H, T, D, q.stride(1), q.stride(2), k.data_ptr(), _room(k),
+            v.data_ptr(), _room(v), Hkv, S, k.stride(1), k.stride(2), v.stride(1), v.stride(2),
+            None if mask is None else mask.data_ptr(), 0 if mask is None else _room(mask),
+            0 if mask is None else mask.stride(0), int(causal and mask is None), D**-0.5,
+            out.data_ptr(), out.numel(), T if bf16_row is None else bf16_row,
+        )  # fmt: skip
     if rc == -3:  # a head size or CPU it does not take
         return None
     if rc == -2:
@@ -448,5 +441,5 @@ def _attend_kernel(
             f"{list(k.shape)}, v {list(v.shape)}: a shape or stride past a buffer"
         )
     if rc != 0:
-        raise MemoryError("no scratch memory for the prompt's attention")
+        raise MemoryError("no scratch memory for the attention")
     return out.transpose(1, 2)  # (1, H, T, D), a view: the caller's transpose back is free

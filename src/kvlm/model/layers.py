@@ -119,17 +119,15 @@ class Linear(nn.Module):
         # of one shape (kvlm.model.quant.row_blocks), so a row's bits are its own.
         prompt = prompt_rows(x) and x.is_cpu and x.dtype != torch.float64
         if prompt and self.kernel in ("onednn", "bf16", "cpu-fp32"):
-            return self._prompt_rows(x)
+            return self._blocked(x, SMALL_M if self.vocabulary else PROMPT_BLOCK)
         if self.kernel == "onednn":
             return self._onednn(x, self.bias)
         if self.kernel == "bf16":  # bf16 weight, model dtype kept outside the product
             y = self._onednn(x.to(torch.bfloat16), None).to(x.dtype)
             return y if self.bias is None else y + self.bias.to(x.dtype)
         if self.kernel == "cpu-fp32":  # calls of one shape: MKL sums 1-3 rows otherwise
-            flat = x.reshape(-1, self.in_features)
-            y = row_blocks(flat, self._block_product, self.out_features, SMALL_M).to(x.dtype)
-            y = y.view(*x.shape[:-1], self.out_features)
-        elif self.kernel == "quant":
+            return self._blocked(x, SMALL_M)
+        if self.kernel == "quant":
             flat = x.reshape(-1, self.in_features)
             if flat.dtype not in (torch.float32, torch.float64) or not flat.is_contiguous():
                 flat = flat.float().contiguous()  # fp64: QuantWeight's exact reference
@@ -145,19 +143,19 @@ class Linear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         return y if self.bias is None else y + self.bias
 
-    def _prompt_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Prompt rows through a dense weight, a fixed number of rows a call (row_blocks:
-        PROMPT_BLOCK, the vocabulary projection's SMALL_M), in the weight's dtype."""
+    def _blocked(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """x's rows through a dense weight, `rows` rows a call (row_blocks: prompt rows
+        PROMPT_BLOCK, the vocabulary projection's SMALL_M; without oneDNN decode rows
+        SMALL_M), in the weight's dtype."""
         flat = x.reshape(-1, self.in_features)
         flat = flat.to(torch.bfloat16) if self.kernel == "bf16" else flat
-        rows = SMALL_M if self.vocabulary else PROMPT_BLOCK
         y = row_blocks(flat, self._block_product, self.out_features, rows).to(x.dtype)
         y = y.view(*x.shape[:-1], self.out_features)
         fused = self.kernel == "onednn"  # the bias inside the product, as in `_onednn`
         return y if self.bias is None or fused else y + self.bias.to(x.dtype)
 
     def _block_product(self, xb: torch.Tensor) -> torch.Tensor:
-        """One call of `_prompt_rows` (and of the decode rows without oneDNN): MKL's GEMM on
+        """One call of `_blocked`: MKL's GEMM on
         the [in, out] weight, or oneDNN's on its packed one with the bias where a decode
         row's has it (the result in fp32: a bf16 product's rounded to bf16 first, once)."""
         if self.kernel == "cpu-fp32":
