@@ -117,3 +117,27 @@ def test_suite_refuses_flags_that_do_not_apply_in_one_line(capsys, tmp_path):
         code = main(["bench", "--suite", str(tmp_path), *args])
         err = capsys.readouterr().err
         assert code == 2 and err.startswith("kvlm: error: ") and message in err, err
+
+
+def test_a_conv_shape_writes_the_file_llama_cpps_converter_would(tmp_path):
+    """An LFM2 shape (short convolutions beside attention): the layer pattern as
+    head_count_kv per layer (0: a conv layer), the conv's taps kept F32, the final norm
+    under the family's name; kvlm reads it as that pattern and runs it."""
+    from kvlm import LLM, SamplingParams
+    from kvlm.loading.default import default_model_path
+    from kvlm.loading.gguf_file import GGUFFile
+
+    shape = models.Shape("lfm2", 64, 4, 4, 2, 16, 128, 49152, True, 1e6, 256, 1e-5,
+                         attention_layers=(1, 3))  # fmt: skip
+    models.SHAPES["tiny-conv"] = shape
+    try:
+        path = models.write_model("tiny-conv", "Q8_0", tmp_path / "c.gguf", default_model_path())
+    finally:
+        del models.SHAPES["tiny-conv"]
+    meta = GGUFFile(path).metadata
+    assert list(meta["lfm2.attention.head_count_kv"]) == [0, 2, 0, 2]
+    assert meta["lfm2.shortconv.l_cache"] == 3
+    llm = LLM(str(path), threads=1)
+    assert llm.config.layer_mixers == ("conv", "attention", "conv", "attention")
+    out = llm.generate("a b c", SamplingParams(max_tokens=4, temperature=0))[0]
+    assert len(out.outputs[0].token_ids) == 4

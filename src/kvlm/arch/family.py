@@ -82,7 +82,9 @@ class Shape:
     """A real model's sizes (its config.json on the Hub), for random-weight files of that
     shape (kvlm.bench.models): `arch` its GGUF general.architecture, `window` its layers'
     sliding window where it has one, `qkv_bias` whether its q|k|v products have biases,
-    `llama3_rope` whether its file carries Llama 3.x's rope_freqs factors."""
+    `llama3_rope` whether its file carries Llama 3.x's rope_freqs factors;
+    `attention_layers` the layers that attend where the others mix by a short convolution
+    of `conv_kernel` positions (LFM2's; None: every layer attends)."""
 
     arch: str
     hidden: int
@@ -99,6 +101,8 @@ class Shape:
     llama3_rope: bool = False
     window: int | None = None
     qkv_bias: bool = False
+    attention_layers: tuple[int, ...] | None = None
+    conv_kernel: int = 3
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvlm.arch.family import CONV_NAMES, GLOBAL_NAMES, LAYER_NAMES, Family
+from kvlm.arch.family import CONV_NAMES, GLOBAL_NAMES, LAYER_NAMES, Family, Shape
 from kvlm.arch.readers import gguf_config, hf_config
 from kvlm.config import CONV_KERNEL, LIMITS, REQUIRED, Fields, ModelConfig, limits, shown, value
 from kvlm.errors import ModelLoadError, UnsupportedModelError
@@ -147,6 +147,16 @@ def _gguf_mixers(g: Fields, arch: str) -> tuple[Fields, tuple[str, ...] | None]:
     return Fields(data, g.where), tuple("conv" if n == 0 else "attention" for n in counts)
 
 
+# the Hub's config.json sizes (the MLP's width as `_hf_width` derives it from block_ff_dim
+# 6656 / 12288; the attention layers from full_attn_idxs)
+_ATTENTION = (2, 5, 8, 10, 12, 14)
+SHAPES = {
+    "lfm2-350m": Shape("lfm2", 1024, 16, 16, 8, 64, 4608, 65536, True, 1e6, 128000, 1e-5,
+                       attention_layers=_ATTENTION),
+    "lfm2-1.2b": Shape("lfm2", 2048, 16, 32, 8, 64, 8192, 65536, True, 1e6, 128000, 1e-5,
+                       attention_layers=_ATTENTION),
+}  # fmt: skip
+
 FAMILY = Family(
     name="lfm2",
     architectures=("lfm2",),
@@ -159,4 +169,5 @@ FAMILY = Family(
     hf_globals=HF_GLOBALS,
     # llama.cpp reads an "lfm2" vocabulary with Llama 3's pre-tokenizer (llama-vocab.cpp)
     pre_tokenizers={"lfm2": "llama3"},
+    shapes=SHAPES,
 )

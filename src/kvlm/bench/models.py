@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvlm.arch import SHAPES, Shape, config_from_gguf
+from kvlm.arch import SHAPES, Shape, config_from_gguf, family
 from kvlm.config import ModelConfig
 from kvlm.loading.gguf_file import GGUFFile
 
@@ -112,7 +112,9 @@ def add_shape(w: gguf.GGUFWriter, shape: Shape) -> None:
     w.add_embedding_length(shape.hidden)
     w.add_feed_forward_length(shape.inter)
     w.add_head_count(shape.heads)
-    w.add_head_count_kv(shape.kv_heads)
+    w.add_head_count_kv(_kv_heads(shape))
+    if shape.attention_layers is not None:
+        w.add_shortconv_l_cache(shape.conv_kernel)
     w.add_key_length(shape.head_dim)
     w.add_value_length(shape.head_dim)
     w.add_rope_dimension_count(shape.head_dim)
@@ -123,16 +125,26 @@ def add_shape(w: gguf.GGUFWriter, shape: Shape) -> None:
         w.add_sliding_window(shape.window)
 
 
+def _kv_heads(shape: Shape) -> int | list[int]:
+    """`attention.head_count_kv`: a number, or per layer with 0 for a conv layer (as
+    llama.cpp's converter writes an LFM2's pattern)."""
+    if shape.attention_layers is None:
+        return shape.kv_heads
+    return [shape.kv_heads if i in shape.attention_layers else 0 for i in range(shape.layers)]
+
+
 def shape_config(shape: Shape) -> ModelConfig:
     """The ModelConfig kvlm reads from a file of this shape (its family's GGUF reader):
     which tensors the file's blocks hold."""
     K, a = gguf.Keys, shape.arch
     sizes = {K.LLM.BLOCK_COUNT: shape.layers, K.LLM.CONTEXT_LENGTH: shape.context,
              K.LLM.EMBEDDING_LENGTH: shape.hidden, K.LLM.FEED_FORWARD_LENGTH: shape.inter,
-             K.Attention.HEAD_COUNT: shape.heads, K.Attention.HEAD_COUNT_KV: shape.kv_heads,
+             K.Attention.HEAD_COUNT: shape.heads, K.Attention.HEAD_COUNT_KV: _kv_heads(shape),
              K.Attention.KEY_LENGTH: shape.head_dim, K.Rope.FREQ_BASE: shape.rope_theta,
              K.Attention.LAYERNORM_RMS_EPS: shape.eps, K.LLM.VOCAB_SIZE: shape.vocab,
              K.Attention.SLIDING_WINDOW: shape.window}  # fmt: skip
+    if shape.attention_layers is not None:
+        sizes[K.ShortConv.L_CACHE] = shape.conv_kernel
     meta = {k.format(arch=a): v for k, v in sizes.items() if v is not None}
     return config_from_gguf({K.General.ARCHITECTURE: a, **meta})
 
@@ -149,9 +161,15 @@ def write_model(shape_name: str, file_type: str, out: Path, tokenizer_from: Path
     w.add_file_type(FILE_TYPES[file_type])
     _copy_tokenizer(w, tokenizer_from, shape.vocab)
 
+    # llama.cpp's quantizer counts attn_v tensors among the layers that have one
+    attending = [i for i, m in enumerate(config.layer_mixers) if m == "attention"]
+
     def weight(name: str, rows: int, cols: int, layer: int | None = None) -> None:
         base = name.split(".")[-1] if layer is None else name.split(".")[2]
-        qtype = tensor_type(file_type, base, layer, shape.layers, shape.tied)
+        at, of = layer, shape.layers
+        if base == "attn_v" and layer is not None:
+            at, of = attending.index(layer), len(attending)
+        qtype = tensor_type(file_type, base, at, of, shape.tied)
         if cols % gguf.GGML_QUANT_SIZES[qtype][0]:
             qtype = _K_FALLBACK[qtype]
         data = random_blocks(qtype, rows, cols, rng)
@@ -160,11 +178,24 @@ def write_model(shape_name: str, file_type: str, out: Path, tokenizer_from: Path
     def vector(name: str, n: int, value: float = 1.0) -> None:
         w.add_tensor(name, np.full(n, value, np.float32))
 
+    def mlp(p: str, i: int) -> None:
+        vector(f"{p}.ffn_norm.weight", h)
+        weight(f"{p}.ffn_gate", shape.inter, h, i)
+        weight(f"{p}.ffn_up", shape.inter, h, i)
+        weight(f"{p}.ffn_down", h, shape.inter, i)
+
     h, d, hq, hkv = shape.hidden, shape.head_dim, shape.heads, shape.kv_heads
     weight("token_embd", shape.vocab, h)
     for i in range(shape.layers):
         p = f"blk.{i}"
         vector(f"{p}.attn_norm.weight", h)
+        if config.layer_mixers[i] == "conv":  # B, C, x; the depthwise taps; the output
+            weight(f"{p}.shortconv.in_proj", 3 * h, h, i)
+            taps = rng.normal(0, 1 / shape.conv_kernel, (h, shape.conv_kernel))
+            w.add_tensor(f"{p}.shortconv.conv.weight", taps.astype(np.float32))
+            weight(f"{p}.shortconv.out_proj", h, h, i)
+            mlp(p, i)
+            continue
         weight(f"{p}.attn_q", hq * d, h, i)
         weight(f"{p}.attn_k", hkv * d, h, i)
         weight(f"{p}.attn_v", hkv * d, h, i)
@@ -175,14 +206,12 @@ def write_model(shape_name: str, file_type: str, out: Path, tokenizer_from: Path
             vector(f"{p}.attn_q_norm.weight", d)
             vector(f"{p}.attn_k_norm.weight", d)
         weight(f"{p}.attn_output", h, hq * d, i)
-        vector(f"{p}.ffn_norm.weight", h)
         if config.norm_layout == "sandwich":  # the attention's and the MLP's outputs normed
             vector(f"{p}.post_attention_norm.weight", h)
             vector(f"{p}.post_ffw_norm.weight", h)
-        weight(f"{p}.ffn_gate", shape.inter, h, i)
-        weight(f"{p}.ffn_up", shape.inter, h, i)
-        weight(f"{p}.ffn_down", h, shape.inter, i)
-    vector("output_norm.weight", h)
+        mlp(p, i)
+    # the final norm under the family's name for it (an LFM2's token_embd_norm)
+    vector(family(shape.arch).to_gguf_name("model.norm.weight"), h)
     if not shape.tied:
         weight("output", shape.vocab, h)
     if shape.llama3_rope:
