@@ -114,13 +114,18 @@ def test_a_long_prefill_keeps_the_stream_alive(server, route):
 # ------------------------------------------------------------------------ Claude Code
 
 
+def _claude_binary_path() -> Path:
+    folder = Path(os.environ.get("KVLM_AGENTS_DIR", Path.home() / ".cache" / "kvlm-agents"))
+    return folder / "node_modules" / ".bin" / "claude"
+
+
 def _claude() -> Path:
     """The `claude` binary of CLAUDE_CODE_VERSION, npm-installed once into the agents'
     folder; skips where node or npm is missing or the install fails (no registry)."""
     if shutil.which("node") is None or shutil.which("npm") is None:
         pytest.skip("Claude Code needs node and npm (neither is installed here)")
-    folder = Path(os.environ.get("KVLM_AGENTS_DIR", Path.home() / ".cache" / "kvlm-agents"))
-    binary = folder / "node_modules" / ".bin" / "claude"
+    binary = _claude_binary_path()
+    folder = binary.parent.parent.parent
     package = folder / "node_modules" / "@anthropic-ai" / "claude-code" / "package.json"
     installed = package.is_file() and json.loads(package.read_text())["version"]
     if installed != CLAUDE_CODE_VERSION:
@@ -135,12 +140,14 @@ def _claude() -> Path:
     return binary
 
 
-def _run_claude(binary: Path, port: int, model: str, home: Path, prompt: str) -> dict:
+def _run_claude(
+    binary: Path, port: int, model: str, home: Path, prompt: str, cap: int = 128
+) -> dict:
     env = {
         "PATH": os.environ["PATH"], "HOME": str(home),
         "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{port}",
         "ANTHROPIC_AUTH_TOKEN": KEY, "ANTHROPIC_MODEL": model,
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "128",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(cap),
     }  # fmt: skip
     done = subprocess.run(
         [str(binary), "-p", prompt, "--tools", "Bash,Read,Edit", "--output-format", "json"],
