@@ -84,7 +84,7 @@ class Shape:
     sliding window where it has one, `qkv_bias` whether its q|k|v products have biases,
     `llama3_rope` whether its file carries Llama 3.x's rope_freqs factors;
     `attention_layers` the layers that attend where the others mix by a short convolution
-    of `conv_kernel` positions (LFM2's; None: every layer attends)."""
+    of `conv_kernel` positions (None: every layer attends)."""
 
     arch: str
     hidden: int

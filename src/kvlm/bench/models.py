@@ -127,7 +127,7 @@ def add_shape(w: gguf.GGUFWriter, shape: Shape) -> None:
 
 def _kv_heads(shape: Shape) -> int | list[int]:
     """`attention.head_count_kv`: a number, or per layer with 0 for a conv layer (as
-    llama.cpp's converter writes an LFM2's pattern)."""
+    llama.cpp's converter writes a conv-and-attention pattern)."""
     if shape.attention_layers is None:
         return shape.kv_heads
     return [shape.kv_heads if i in shape.attention_layers else 0 for i in range(shape.layers)]
@@ -210,7 +210,7 @@ def write_model(shape_name: str, file_type: str, out: Path, tokenizer_from: Path
             vector(f"{p}.post_attention_norm.weight", h)
             vector(f"{p}.post_ffw_norm.weight", h)
         mlp(p, i)
-    # the final norm under the family's name for it (an LFM2's token_embd_norm)
+    # the final norm under the family's name for it (token_embd_norm for some)
     vector(family(shape.arch).to_gguf_name("model.norm.weight"), h)
     if not shape.tied:
         weight("output", shape.vocab, h)
