@@ -155,3 +155,16 @@ def test_unsupported_tokenizers_are_named():
     }
     with pytest.raises(UnsupportedModelError, match="'klingon'"):
         tokenizer_from_gguf(meta)
+
+
+@pytest.mark.parametrize(("pre", "bos"), [("llama-bpe", True), ("lfm2", True), ("smollm", False)])
+def test_a_byte_level_vocabulary_without_add_bos_token_reads_as_llama_cpp_does(pre, bos):
+    """llama.cpp adds a BOS to a byte-level vocabulary of Llama 3's pre-tokenizer (and of a
+    family's name for it, LFM2's "lfm2") where the file does not say; to others not."""
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+            "tokenizer.ggml.tokens": ["<s>", "a", "b", "ab"], "tokenizer.ggml.merges": ["a b"],
+            "tokenizer.ggml.bos_token_id": 0}  # fmt: skip
+    ids = tokenizer_from_gguf(meta).encode("ab")
+    assert ids == ([0, 3] if bos else [3])
+    meta["tokenizer.ggml.add_bos_token"] = not bos  # the key, where there is one, decides
+    assert tokenizer_from_gguf(meta).encode("ab") == ([3] if bos else [0, 3])

@@ -71,6 +71,7 @@ For each function call, return a json object with function name and arguments wi
 </tool_call>"""
 _TOOLS_VARIABLE = re.compile(r"\btools\b")
 _IGNORE_MERGES = ("llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe")
+_BOS_PRE = ("llama3", "llama-bpe", "llama-v3")  # llama.cpp's add_bos default: true
 PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("gpt2", "gpt-2", "mpt", "olmo"), (_GPT2,)),
     **dict.fromkeys(_IGNORE_MERGES, (_LLAMA3,)),
@@ -306,7 +307,10 @@ def tokenizer_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> T
     backend.add_tokens([t for t in specials if not t.special])
     ids = {k: f(f"tokenizer.ggml.{k}_token_id", int, None, hi=last) for k in _SPECIAL_IDS}
     bos, eos = (None if ids[k] is None else tokens[ids[k]] for k in ("bos", "eos"))
-    add_bos = f("tokenizer.ggml.add_bos_token", bool, kind == "llama")
+    # without the key, as llama.cpp reads it (llama-vocab.cpp): a BOS for SentencePiece and
+    # for the byte-level vocabularies of Llama 3's pre-tokenizer (a family's name for it too)
+    llama3 = kind == "gpt2" and pre_tokenizer(f("tokenizer.ggml.pre", str, "default")) in _BOS_PRE
+    add_bos = f("tokenizer.ggml.add_bos_token", bool, kind == "llama" or llama3)
     if add_bos and bos is not None:
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))]
