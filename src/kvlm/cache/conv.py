@@ -113,10 +113,12 @@ class ConvRows:
 
 
 class ConvStep:
-    """One forward's view of the conv rows: `window(slot)` the L - 1 rows before `start`
-    of conv layer `slot` (B, L - 1, H); `put(slot, u)` stages the step's rows (B, T, H),
-    kept only by `ConvRows.commit`. `draft`: the step's tokens come as rows of one token
-    (n, 1, H), one sequence's (ShortConv reads them as (1, n, H))."""
+    """One forward's view of the conv rows: `taps(layer, u)` stages conv layer `layer`'s
+    new rows u (B, T, H), kept only by `ConvRows.commit`, and gives the L rows each of
+    them reads, the L - 1 rows before `start` first. `draft`: the step's tokens come as
+    rows of one token (n, 1, H), one sequence's (ShortConv hands them over as (1, n, H))."""
+
+    draft: bool
 
     def __init__(self, rows: ConvRows, start: int, n_new: int, draft: bool = False) -> None:
         self.start, self.n_new, self.draft = start, n_new, draft
@@ -125,11 +127,15 @@ class ConvStep:
         self._before = rows.rows[:, :, keep - behind - r : keep - behind]
         self.staged: list[torch.Tensor | None] = [None] * rows.rows.shape[0]
 
-    def window(self, slot: int) -> torch.Tensor:
-        return self._before[slot]
-
-    def put(self, slot: int, u: torch.Tensor) -> None:
-        self.staged[slot] = u
+    def taps(self, layer: int, u: torch.Tensor) -> list[torch.Tensor]:
+        """u (B, T, H): the rows conv layer `layer` (its index among the conv layers) adds
+        this step, staged. Returns the L tensors (B, T, H) the kernel's taps read, tap k at
+        row t: the input row at position start + t - (L - 1) + k (those before `start`
+        the window's)."""
+        self.staged[layer] = u
+        seq = torch.cat([self._before[layer].to(u.dtype), u], dim=1)  # (B, L - 1 + T, H)
+        t = u.shape[1]
+        return [seq[:, k : k + t] for k in range(seq.shape[1] - t + 1)]
 
 
 class _ConvCacheStep(CacheStep):

@@ -13,8 +13,9 @@ channel, position t reading u at t - L + 1 .. t, zeros before the text.
 What a conv layer keeps of a sequence is not a row per token but the last L - 1 rows of
 u: its layer kind is kvlm.cache.kinds.ConvWindow(L - 1, H), a fixed window per sequence,
 held by kvlm.cache.conv's ConvRows (a cache's conv part, or a caller's own passed as
-`Transformer.forward(conv=)`); the forward reads the rows before the step from its
-ConvStep and stages its new rows there, kept when the cache commits.
+`Transformer.forward(conv=)`); the forward asks its ConvStep for the rows each tap
+reads (`taps`: the rows before the step, then its own) and the step stages its new rows,
+kept when the cache commits.
 """
 
 from __future__ import annotations
@@ -53,12 +54,11 @@ class ShortConv(nn.Module):
     def _mix(self, x: torch.Tensor, step: ConvStep) -> torch.Tensor:
         b, c, xs = self.in_proj(x).chunk(3, dim=-1)  # (B, T, H) each
         u = b * xs
-        step.put(self.slot, u)
-        seq = torch.cat([step.window(self.slot).to(u.dtype), u], dim=1)  # (B, L - 1 + T, H)
-        w, t = self.kernel.to(u.dtype), u.shape[1]
-        conv = seq[:, :t] * w[0]
+        taps = step.taps(self.slot, u)  # L of (B, T, H): what each tap reads, window first
+        w = self.kernel.to(u.dtype)
+        conv = taps[0] * w[0]
         for k in range(1, w.shape[0]):
-            conv = conv + seq[:, k : k + t] * w[k]
+            conv = conv + taps[k] * w[k]
         if self.bias is not None:
             conv = conv + self.bias.to(u.dtype)
         return self.out_proj(c * conv)
