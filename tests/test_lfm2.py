@@ -3,10 +3,13 @@ Lfm2ForCausalLM on tiny random-weight models of several conv/attention layer ord
 from the GGUF file llama.cpp's own converter writes for them (tests/converter.py).
 
 Every one-sequence cache mode keeps the conv rows as a layer group of its own
-(kvlm.cache.conv); the engine's pool and the fused C step refuse the model, each saying
-so (docs/NOTES-lfm2.md: what is left)."""
+(kvlm.cache.conv), the engine's pool a slot of them a sequence and each sealed block's end
+rows for prefix hits (kvlm.cache.conv.ConvSlots); the fused C step refuses the model,
+saying so (docs/NOTES-lfm2.md: what is left)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -308,36 +311,39 @@ def test_a_saved_conversation_continues_with_the_same_tokens(lfm2_dir, tmp_path)
 
 
 @pytest.mark.parametrize("mode", ["contiguous", "paged", "window"])
-def test_memory_counts_the_rows_per_sequence(lfm2_dir, mode):
+def test_memory_counts_the_rows_per_sequence(lfm2_dir, mode, capsys):
     """`kvlm memory`'s plan: the conv layers' rows a sequence whatever its length (kernel
     - 1 + RING_SLACK rows of the hidden size in fp32), the attention layers' K/V per
-    token; a made cache holds what is planned for it."""
+    token, and what `kvlm serve`'s pool keeps more a block for prefix hits (the kernel - 1
+    rows at its end); a made cache holds what is planned for it."""
     from kvlm.cache import memory
     from kvlm.cache.kinds import RING_SLACK
+    from kvlm.cli import main
 
     llm = LLM(model=lfm2_dir("lfm2-k4"), kv=mode, progress=False)
     c, spec = llm.config, llm.cache_spec()
     rows = len(c.conv_layers) * (c.conv_kernel - 1 + RING_SLACK) * c.hidden_size * 4
     for context, batch in ((64, 1), (128, 3)):
         conv = [g for g in memory.layer_groups(mode, spec, context, batch) if g["kind"] == "conv"]
+        end = len(c.conv_layers) * (c.conv_kernel - 1) * c.hidden_size * 4  # a block's
         assert conv == [{"kind": "conv", "layers": len(c.conv_layers), "window": None,
-                         "tokens": 0, "bytes": batch * rows}]  # fmt: skip
+                         "tokens": 0, "bytes": batch * rows, "block_end_bytes": end}]  # fmt: skip
     cache = llm.new_cache()
     assert cache.parts[-1].nbytes == rows
+    assert main(["memory", "--model", str(llm.loaded.path), "--kv", mode, "--context", "64"]) == 0
+    assert f"kvlm serve's pool keeps {end / 2**10:,.1f} KiB more a block for prefix hits" in (
+        capsys.readouterr().out)  # fmt: skip
 
 
-def test_the_pool_and_the_fused_step_refuse_it(lfm2_dir):
+def test_the_fused_step_refuses_it(lfm2_dir):
     from dataclasses import replace
 
     from kvlm.cache import create_cache
-    from kvlm.engine.engine import Engine, EngineConfig
     from kvlm.errors import UnsupportedModelError
     from kvlm.model import fused
     from kvlm.model.transformer import NO_CONV_ROWS
 
     llm = LLM(model=lfm2_dir("lfm2"), kv="contiguous", weights="int8", progress=False)
-    with pytest.raises(InvalidRequestError, match="pool keeps no short-convolution rows"):
-        Engine(llm, EngineConfig())
     assert fused.why_not(llm.model) == (
         "a short-convolution layer (the step has no kernel for one yet)"
     )
@@ -348,6 +354,318 @@ def test_the_pool_and_the_fused_step_refuse_it(lfm2_dir):
     with pytest.raises(UnsupportedModelError, match="cache spec"):
         llm.runner.forward([5], cache)
     assert "LLM.new_cache" in NO_CONV_ROWS
+
+
+# ------------------------------------------------------------------- the engine's pool
+
+# prompts of different lengths: inside one block of 16, across several, and one longer
+POOL_PROMPTS = [PROMPT, "One two three, one two three, one two", PROMPT * 4 + " Paris. And"]
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+def on_pool(llm: LLM, prompts, params=GREEDY, **config) -> tuple[list[list[list[int]]], object]:
+    """Each prompt's samples' tokens through an engine on the pool (EngineConfig(**config),
+    the scheduler's fields under `scheduler`), and the engine."""
+    from kvlm.engine.batch import run_batch
+    from kvlm.engine.engine import Engine, EngineConfig
+    from kvlm.engine.scheduler import SchedulerConfig
+
+    sched = SchedulerConfig(**config.pop("scheduler", {}))
+    engine = Engine(llm, EngineConfig(scheduler=sched, **config))
+    texts = [(p, llm.tokenizer.encode(p)) for p in prompts]
+    outs = run_batch(engine, texts, [params] * len(prompts), _NoBar())
+    return [[o.token_ids for o in r.outputs] for r in outs], engine
+
+
+class _NoBar:
+    def update(self, n: int) -> None: ...
+    def set_postfix_str(self, text: str, refresh: bool = False) -> None: ...
+
+
+@pytest.fixture(scope="module")
+def pooled(lfm2_dir):
+    """The tiny LFM2 (C A C A) on --kv paged, and each POOL_PROMPTS' greedy tokens alone
+    on its one-sequence cache (a HybridCache: the paged part and the conv rows)."""
+    llm = LLM(model=lfm2_dir("lfm2"), kv="paged", progress=False)
+    alone = {p: [llm.generate(p, GREEDY)[0].outputs[0].token_ids] for p in POOL_PROMPTS}
+    return llm, alone
+
+
+def test_the_pool_batches_chunks_forks_and_drafts_as_alone(pooled):
+    """Through the engine's pool (a slot of conv rows a sequence, kvlm.cache.conv): the
+    prompts batched, in chunks of 5 (across the kernel's edge and the blocks'), n = 2
+    greedy samples (the slot forked by copy) and drafts, prompt lookup's and a draft
+    model's (the file's int8 self; a draft's rows one sequence to the convolution, the
+    rejected rolled back in the ring) each give every prompt's tokens alone; every slot
+    is back at the end."""
+    from kvlm.engine.speculative import SpeculativeConfig
+
+    llm, alone = pooled
+    want = [alone[p] for p in POOL_PROMPTS]
+    got, engine = on_pool(llm, POOL_PROMPTS)
+    assert got == want
+    conv = engine.pool.conv
+    assert conv is not None and conv.num_used == 0 and conv.num_blocks == 16
+    assert on_pool(llm, POOL_PROMPTS, scheduler={"prefill_chunk": 5})[0] == want
+    two, engine = on_pool(llm, POOL_PROMPTS, SamplingParams(n=2, max_tokens=20, temperature=0.0,
+                                                            ignore_eos=True))  # fmt: skip
+    assert two == [w * 2 for w in want] and engine.pool.conv.num_used == 0
+    for spec in (SpeculativeConfig("ngram", num_draft=4, ngram_min=1),
+                 SpeculativeConfig("draft", draft_weights="int8")):  # fmt: skip
+        drafted, engine = on_pool(llm, POOL_PROMPTS, speculative=spec)
+        st = engine.stats.spec
+        assert drafted == want and st.drafted > st.accepted  # some were rolled back
+    assert st.accepted > 0  # the draft model's: rows of a draft checked as one sequence
+    assert [o.outputs[0].token_ids for o in llm.generate(POOL_PROMPTS, GREEDY)] == [
+        w[0] for w in want]  # LLM.generate's own pool  # fmt: skip
+
+
+def test_a_preempted_sequence_gets_its_rows_back(pooled):
+    """A pool too small for every sequence's growth: the newest are preempted (their
+    slots freed) and recomputed; each prompt still gets its tokens alone."""
+    llm = LLM(model=pooled[0].loaded.path, kv="paged", max_context=96, progress=False)
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = [[llm.generate(p, long)[0].outputs[0].token_ids] for p in POOL_PROMPTS]
+    for prefix_caching in (False, True):  # recomputed whole, or from its sealed blocks
+        got, engine = on_pool(llm, POOL_PROMPTS, long, num_blocks=8,
+                              prefix_caching=prefix_caching)  # fmt: skip
+        assert got == want
+        assert engine.scheduler.preemptions > 0 and engine.pool.conv.num_used == 0
+
+
+def test_one_ragged_forward_per_step_follows_a_forward_per_chunk(pooled):
+    """The GPU's road switched on here (one ragged forward a step: prompt chunks and
+    decode rows together, each sequence's conv rows by its slot, kvlm.cache.conv.SlotStep):
+    greedy tokens held to the top-5 rule against the forward-per-chunk road."""
+    from kvlm.engine.engine import Engine, EngineConfig
+    from kvlm.engine.scheduler import SchedulerConfig
+
+    llm, _ = pooled
+    prompts = [llm.tokenizer.encode(p) for p in POOL_PROMPTS]
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=5, ignore_eos=True)
+
+    def run(one_forward: bool) -> dict[str, list]:
+        engine = Engine(llm, EngineConfig(scheduler=SchedulerConfig(prefill_chunk=8)))
+        engine.runner.one_forward = one_forward
+        out: dict[str, list] = {}
+        try:
+            for step in range(400):
+                if step < len(prompts):  # one more request per step: chunks meet decodes
+                    engine.add_request(str(step), prompts[step], params)
+                if not engine.has_work():
+                    break
+                for ev in engine.step():
+                    out.setdefault(ev.request_id, []).extend(
+                        (t, list(lp.top)) for t, lp in zip(ev.token_ids, ev.logprobs, strict=True)
+                    )
+        finally:
+            engine.runner.one_forward = False
+        assert engine.pool.conv.num_used == 0
+        return out
+
+    ragged, split = run(True), run(False)
+    for rid, got in split.items():
+        want = ragged[rid]
+        assert len(got) == len(want) == 12
+        for i, ((a, a_top), (b, b_top)) in enumerate(zip(got, want, strict=True)):
+            if a != b:  # the first divergence: each in the other's top 5, then stop
+                assert a in b_top and b in a_top, (rid, i)
+                break
+
+
+def answer(engine, ids: list[int], params=GREEDY) -> tuple[list[int], int]:
+    """One request through `engine` to its end: its tokens and its cached prompt tokens."""
+    rid = f"r{engine.stats.requests_added}"
+    engine.add_request(rid, ids, params)
+    out, cached = [], 0
+    while engine.has_work():
+        for ev in engine.step():
+            out += ev.token_ids
+            cached = ev.cached_tokens
+    return out, cached
+
+
+def conversation(llm: LLM) -> tuple[list[int], list[int]]:
+    """A chat's first turn and its second (the first, its answer, a new question)."""
+    first = [{"role": "user", "content": "Name a city in France, then one in Spain."}]
+    ids = llm.tokenizer.encode_chat(first)
+    reply = llm.tokenizer.decode(answer(fresh_engine(llm), ids)[0])
+    second = [*first, {"role": "assistant", "content": reply},
+              {"role": "user", "content": "And one in Italy?"}]  # fmt: skip
+    return ids, llm.tokenizer.encode_chat(second)
+
+
+def fresh_engine(llm: LLM, **config):
+    from kvlm.engine.engine import Engine, EngineConfig
+
+    return Engine(llm, EngineConfig(**config))
+
+
+def test_a_prefix_hit_mid_conversation_restores_the_rows(pooled):
+    """The second turn of a chat finds the first's blocks: the hit's last block's end
+    rows (kept when it was sealed) restore the sequence's slot, and the answer is a
+    fresh pool's; without those rows the hit goes back to the last block that has them."""
+    llm, _ = pooled
+    first, second = conversation(llm)
+    want, cold = answer(fresh_engine(llm), second)
+    assert cold == 0
+    engine = fresh_engine(llm)
+    answer(engine, first)
+    got, cached = answer(engine, second)
+    hit = (len(first) // 16) * 16  # the first turn's full blocks (its reply's last block
+    assert got == want and cached >= hit > 0  # may be the prompt's too)
+    assert engine.manager.stats.hits == cached and engine.manager.stats.window_cut == 0
+    conv = engine.pool.conv
+    assert conv.blocks_with_rows >= len(second) // 16 and conv.num_used == 0
+    # the rows of the blocks after the first one forgotten: the hit is that one block
+    blocks, _ = engine.manager.match(second)
+    for block in blocks[1:]:
+        conv.ends_of[block] = 0
+    got, cached = answer(engine, second)
+    assert got == want and cached == 16 and engine.manager.stats.window_cut == 1
+
+
+def test_a_disk_tier_restores_the_rows(pooled, tmp_path, monkeypatch):
+    """A disk tier holds each block's end rows under the conv group's own records: a
+    restarted engine hits the first turn's prefix from the tier, rows and all, with a
+    fresh pool's tokens; with those records gone the hit is none."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))  # the tier key's home
+    llm, _ = pooled
+    first, second = conversation(llm)
+    want = answer(fresh_engine(llm), second)[0]
+    tier = (f"disk:{tmp_path / 'tier'}",)
+    writer = fresh_engine(llm, kv_tiers=tier)
+    answer(writer, first)
+    writer.close()
+    sealed = (len(first) + GREEDY.max_tokens - 1) // 16  # full blocks of computed tokens
+    assert writer.tiers.stats["disk"].writes == 2 * sealed  # each one's K/V and end rows
+    reader = fresh_engine(llm, kv_tiers=tier)
+    got, cached = answer(reader, second)
+    reader.close()
+    assert got == want and cached >= (len(first) // 16) * 16 > 0
+    rows_ns = reader.tiers.groups[0][0][:32]
+    for f in (tmp_path / "tier").rglob("*"):
+        if f.is_file() and rows_ns in f.name:
+            f.unlink()
+    third = fresh_engine(llm, kv_tiers=tier)
+    got, cached = answer(third, second)
+    third.close()
+    assert got == want and cached == 0 and third.manager.stats.window_cut == 1
+
+
+def test_conv_slots_roll_back_within_the_slack_only(pooled):
+    """A slot's ring keeps RING_SLACK rows past the kernel's: a step after a rollback
+    within them reads its rows, one past them is refused (the sequence would be
+    recomputed), and a step past what the slot holds too."""
+    from kvlm.cache.kinds import RING_SLACK
+    from kvlm.errors import CacheOverflowError
+
+    llm, _ = pooled
+    conv = fresh_engine(llm).pool.conv
+    slot = conv.allocate()
+    table = list(range(8))
+    with torch.inference_mode():
+        step = conv.step([(slot, 0, 60, table)])
+        for layer in range(2):
+            step.taps(layer, torch.ones(1, 60, 64))
+        step.commit()
+    conv.step([(slot, 60 - RING_SLACK, 1, table)])  # within the slack
+    with pytest.raises(CacheOverflowError, match="slack"):
+        conv.step([(slot, 59 - RING_SLACK, 1, table)])
+    with pytest.raises(CacheOverflowError, match="slack"):
+        conv.step([(slot, 61, 1, table)])
+
+
+def test_the_pools_memory_counts_slots_and_end_rows(pooled):
+    """The pool's plan (windowed_plan, memory_blocks): a slot of rows for each of
+    max_num_seqs sequences beside the K/V, and with the prefix cache each block's end
+    rows; the pool made holds what was planned. The pacing's work has no attention in
+    the conv layers."""
+    from kvlm.engine.engine import EngineConfig, block_bytes, memory_blocks, pool_spec
+    from kvlm.engine.pacing import Work
+
+    llm, _ = pooled
+    c, spec = llm.config, pool_spec(llm)
+    rows = len(c.conv_layers) * (c.conv_kernel - 1) * c.hidden_size * 4
+    kv = 16 * spec.bytes_per_token
+    assert block_bytes(EngineConfig(), spec) == kv + rows
+    assert block_bytes(EngineConfig(prefix_caching=False), spec) == kv
+    blocks = memory_blocks(EngineConfig(kv_memory=1 << 21), spec, 256)
+    engine = fresh_engine(llm, kv_memory=1 << 21)
+    slots = 16 * (c.conv_kernel - 1 + 32) * c.hidden_size * 4 * len(c.conv_layers)
+    assert engine.pool.num_blocks == blocks == ((1 << 21) - slots) // (kv + rows)
+    zero_row = len(c.conv_layers) * c.hidden_size * 4  # the rows before position 0
+    assert engine.pool.total_nbytes == blocks * (kv + rows) + slots + zero_row
+    view = engine.kv_view()["groups"][1]
+    assert (view["kind"], view["num_blocks"], view["block_bytes"], view["block_rows_bytes"]) == (
+        "conv", 16, slots // 16, rows)  # fmt: skip
+    h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    dense = 2 * h * (2 * q + 2 * kv) + 2 * h * (4 * h + 3) + 4 * 3 * h * c.intermediate_size
+    assert Work(c).attend == 2 * 2 * q / dense  # C A C A: two layers attend
+
+
+def test_the_pool_view_counts_each_sequences_rows(pooled):
+    """/v1/kv's view of the pool (Engine.kv_view) while two sequences decode: each holds a
+    slot of conv rows (its bytes the group's block_bytes), the conv group counts them."""
+    llm, _ = pooled
+    engine = fresh_engine(llm)
+    for i, p in enumerate(POOL_PROMPTS[:2]):
+        engine.add_request(str(i), llm.tokenizer.encode(p), GREEDY)
+    engine.step()
+    engine.step()
+    view = engine.kv_view()
+    conv = view["groups"][1]
+    rows = [s["conv_rows"] for s in view["sequences"]]
+    assert len(rows) == 2 and {r["slot"] for r in rows} == {0, 1}
+    assert all(r["bytes"] == conv["block_bytes"] > 0 for r in rows)
+    assert (conv["kind"], conv["used"], conv["used_bytes"]) == ("conv", 2, 2 * conv["block_bytes"])
+    assert "windowed_blocks" not in view["sequences"][0]
+
+
+def test_kvlm_serve_answers_concurrent_chats(pooled):
+    """A real `kvlm serve` of the tiny LFM2 (its pool: a slot of conv rows a sequence):
+    two chat requests at once, batched (fewer steps than tokens), each answered as the
+    LLM answers it alone; /v1/kv and /metrics show the conv group."""
+    import threading
+
+    from serving import get, kvlm_serve, openai_client, wait_idle
+
+    llm, _ = pooled
+    questions = ["Name a city in France.", "Count to ten, please, one number at a time."]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    want = [llm.generate(
+        prompt_token_ids=[llm.tokenizer.encode_chat([{"role": "user", "content": q}])],
+        sampling_params=params)[0].outputs[0].text for q in questions]  # fmt: skip
+    key = "sekret"
+    with kvlm_serve("--model", str(llm.loaded.path), "--threads", "1", "--api-key", key,
+                    "--max-context", "256") as (port, _):  # fmt: skip
+        client = openai_client(port, key)
+        model = client.models.list().data[0].id
+        got: dict[int, str] = {}
+        start = threading.Barrier(len(questions))
+
+        def ask(i: int) -> None:
+            start.wait()
+            reply = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": questions[i]}],
+                max_tokens=48, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+            got[i] = reply.choices[0].message.content
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        m = wait_idle(port, key)
+        status, text = get(port, "/v1/kv", {"Authorization": f"Bearer {key}"})
+    assert [got[i] for i in range(len(questions))] == want
+    assert m["kvlm_engine_steps_total"] < m["kvlm_generation_tokens_total"]  # rows together
+    assert m['kvlm_kv_group_blocks_total{group="1",window="none",layers="2"}'] == 16  # slots
+    assert m['kvlm_kv_group_blocks_used{group="1",window="none",layers="2"}'] == 0
+    assert status == 200
+    groups = json.loads(text)["groups"]
+    assert [(g["kind"], g["layers"]) for g in groups] == [("attention", [1, 3]), ("conv", [0, 2])]
+    assert groups[1]["blocks_with_rows"] > 0  # the answers' blocks' end rows, for hits
 
 
 # ------------------------------------------------------------------- llama.cpp's converter

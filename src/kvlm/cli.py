@@ -768,7 +768,9 @@ def _groups_report(groups: list[dict]) -> list[str]:
         kept = "the whole context" if g["window"] is None else f"a window of {g['window']:,}"
         if g["kind"] == "conv":  # a state kind: its rows a sequence, none per token
             lines.append(f"  {g['layers']} conv layers, their last rows a sequence: "
-                         f"{_mib(g['bytes'])}")  # fmt: skip
+                         f"{_mib(g['bytes'])}; kvlm serve's pool keeps "
+                         f"{g['block_end_bytes'] / 2**10:,.1f} KiB more a block for prefix "
+                         "hits (the rows at its end)")  # fmt: skip
             continue
         lines.append(f"  {g['layers']} {g['kind']} layers, {kept}: {g['tokens']:,} tokens, "
                      f"{_mib(g['bytes'])}")  # fmt: skip

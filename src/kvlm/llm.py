@@ -288,8 +288,7 @@ class LLM:
             requests = [(None, _token_ids(ids)) for ids in listed]
         params = self._params_for(sampling_params, len(requests))
         many = len(requests) > 1 or self.speculative is not None  # drafts live in the engine
-        # (the pool keeps no short-convolution rows yet: such a model's prompts run alone)
-        batched = many and self.kv_mode in BATCH_MODES and not self.config.conv_layers
+        batched = many and self.kv_mode in BATCH_MODES
         pool = self.batch_engine() if batched else None
         one: Engine | None = None  # what the pool cannot take runs alone, as it would
         engines: list[Engine] = []  # each prompt checked, once, before any work

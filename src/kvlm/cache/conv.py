@@ -16,15 +16,34 @@ with conv layers keeps a part per layer group, the conv layers' this one), its s
 A draft (KVCache.begin(n, draft=True): one sequence's n tokens as n rows of one token) is
 one sequence of n tokens to the convolution: the model's ShortConv takes the rows as
 (1, n, H) over the window before the first (`ConvStep.draft`).
+
+The engine's pool keeps the conv group as `ConvSlots` (one of kvlm.cache.paged.BlockPool's
+groups): a slot of rows per sequence, not per block, and each sealed block's end rows for
+the prefix cache:
+
+    rows: (conv layers, slots * keep + 1, H)   slot s's position p at row s * keep + p % keep
+                                                (a ring per slot); the last row zeros: every
+                                                position before 0
+    ends: (conv layers, blocks * (L - 1), H)   group 0's block b's last L - 1 positions' rows,
+                                                held while b is registered (`ends_of`)
+
+A pool step's `SlotStep` hands the model every row's taps (its window before its start
+from its slot, then its own rows), whatever the layout: rows of a table step (a sequence's
+draft rows, consecutive, are one sequence to the convolution) or a ragged step's
+sequences; the runner keeps what it staged (`commit`) only once the forward succeeded, so a
+step run again piece by piece reads the rows it read the first time.
 """
 
 from __future__ import annotations
 
 import sys
+from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 
 from kvlm.cache.base import CacheSpec, CacheStep, KVCache, KVPair
+from kvlm.cache.groups import LayerGroup
 from kvlm.cache.kinds import CONV_ROW_DTYPE, RING_SLACK, ConvWindow
 from kvlm.errors import CacheOverflowError, InvalidRequestError
 
@@ -113,10 +132,12 @@ class ConvRows:
 
 
 class ConvStep:
-    """One forward's view of the conv rows: `window(slot)` the L - 1 rows before `start`
-    of conv layer `slot` (B, L - 1, H); `put(slot, u)` stages the step's rows (B, T, H),
-    kept only by `ConvRows.commit`. `draft`: the step's tokens come as rows of one token
-    (n, 1, H), one sequence's (ShortConv reads them as (1, n, H))."""
+    """One forward's view of the conv rows: `taps(slot, u)` stages conv layer `slot`'s new
+    rows u (B, T, H), kept only by `ConvRows.commit`, and gives the L rows each of them
+    reads, the L - 1 rows before `start` first. `draft`: the step's tokens come as rows of
+    one token (n, 1, H), one sequence's (ShortConv hands them over as (1, n, H))."""
+
+    draft: bool
 
     def __init__(self, rows: ConvRows, start: int, n_new: int, draft: bool = False) -> None:
         self.start, self.n_new, self.draft = start, n_new, draft
@@ -125,11 +146,15 @@ class ConvStep:
         self._before = rows.rows[:, :, keep - behind - r : keep - behind]
         self.staged: list[torch.Tensor | None] = [None] * rows.rows.shape[0]
 
-    def window(self, slot: int) -> torch.Tensor:
-        return self._before[slot]
-
-    def put(self, slot: int, u: torch.Tensor) -> None:
-        self.staged[slot] = u
+    def taps(self, layer: int, u: torch.Tensor) -> list[torch.Tensor]:
+        """u (B, T, H): the rows conv layer `layer` (its index among the conv layers) adds
+        this step, staged. Returns the L tensors (B, T, H) the kernel's taps read, tap k at
+        row t: the input row at position start + t - (L - 1) + k (those before `start`
+        the window's)."""
+        self.staged[layer] = u
+        seq = torch.cat([self._before[layer].to(u.dtype), u], dim=1)  # (B, L - 1 + T, H)
+        t = u.shape[1]
+        return [seq[:, k : k + t] for k in range(seq.shape[1] - t + 1)]
 
 
 class _ConvCacheStep(CacheStep):
@@ -204,3 +229,286 @@ class ConvCache(KVCache):
     @classmethod
     def planned_nbytes(cls, spec: CacheSpec, tokens: int, batch: int) -> int:
         raise TypeError("a conv part's plan is its kind's: LayerGroup.sequence_bytes")
+
+
+# A pool step's piece of rows: (the sequence's slot, its first position, its tokens, its
+# table of group 0's blocks), in the order the step's tokens are flattened
+Piece = tuple[int, int, int, Sequence[int]]
+
+
+class ConvSlots:
+    """The engine pool's conv group (kvlm.cache.paged.BlockPool.groups; the module
+    docstring's picture): `slots` rows slots, one a sequence from admission to its finish
+    or preemption (BlockManager), a fork's copied; and, where `blocks` > 0 (a pool with
+    prefix caching), the end rows of each of group 0's `blocks` blocks, which a prefix hit
+    at that block's end restores a slot from.
+
+    A slot is a table of one entry in BlockTable.others (its group's), so the block-table
+    calls of kvlm.cache.prefix reach it as they reach a windowed group's table: `grow`,
+    `trim` (to 0: the slot goes back), `fork` (a copy), `slide` (nothing)."""
+
+    def __init__(
+        self, spec: CacheSpec, group: LayerGroup, slots: int, blocks: int, block_size: int
+    ) -> None:
+        kind = group.kind
+        if not isinstance(kind, ConvWindow):
+            raise TypeError(f"ConvSlots keeps a conv group, not {kind!r}")
+        self.group, self.kind, self.block_size = group, kind, block_size
+        self.ring = kind.keep  # rows a slot keeps: L - 1 + RING_SLACK
+        self.num_blocks = slots  # the group's units, as a block pool counts them
+        self.zero_row = slots * self.ring
+        layers, dev = len(group.layers), spec.device
+        self.rows = torch.zeros(layers, slots * self.ring + 1, kind.width, dtype=CONV_ROW_DTYPE,
+                                device=dev)  # fmt: skip
+        self.ends = torch.zeros(layers, blocks * kind.rows, kind.width, dtype=CONV_ROW_DTYPE,
+                                device=dev)  # fmt: skip
+        # per group 0 block: the prefix id (kvlm.cache.registry) it held when its end rows
+        # were kept (0: none); its rows are good while it holds that id
+        self.ends_of = [0] * blocks
+        self.refs = [0] * slots
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(slots))
+        # per slot: one past the furthest position written, and the first position held
+        # (positions before 0 are held: the zero row)
+        self.end = [0] * slots
+        self.first = [0] * slots
+
+    # ------------------------------------------------------------------ as a group
+
+    @property
+    def window(self) -> None:
+        return None  # no attention mask of its own
+
+    @property
+    def keep(self) -> int:
+        return self.ring
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    @property
+    def block_nbytes(self) -> int:
+        """A slot's bytes (the group's sequence_bytes)."""
+        return self.rows[:, : self.ring].nbytes
+
+    @property
+    def block_rows_nbytes(self) -> int:
+        """One group 0 block's end rows (every conv layer's L - 1 rows)."""
+        return self.ends.shape[0] * self.kind.rows * self.ends.shape[2] * self.ends.element_size()
+
+    @property
+    def holds_ends(self) -> bool:
+        return self.ends.shape[1] > 0
+
+    @property
+    def blocks_with_rows(self) -> int:
+        """Group 0 blocks whose end rows are held (while they stay registered)."""
+        return sum(1 for p in self.ends_of if p)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes + self.ends.nbytes
+
+    def commit_memory(self) -> None:
+        """Touch every page now (a server's pool is committed at start)."""
+        self.rows.zero_()
+        self.ends.zero_()
+
+    # ------------------------------------------------------------------ slots
+
+    def allocate(self) -> int:
+        if not self.free_queue:
+            raise CacheOverflowError(f"the conv rows' {self.num_blocks} slots are all taken")
+        slot, _ = self.free_queue.popitem(last=False)
+        self.refs[slot] = 1
+        self.end[slot], self.first[slot] = 0, -self.ring
+        return slot
+
+    def release(self, slot: int) -> None:
+        if self.refs[slot] <= 0:
+            raise RuntimeError(f"double free of conv slot {slot}")
+        self.refs[slot] = 0
+        self.free_queue[slot] = None
+
+    def _ring(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
+        """Rows of `slot` holding `positions` (the zero row for those before 0)."""
+        rows = slot * self.ring + positions % self.ring
+        return torch.where(positions >= 0, rows, self.zero_row).to(self.rows.device)
+
+    # ------------------------------------------------------------------ as a block table
+
+    def grow_cost(self, table: list[int], start: int, n_new: int) -> int:
+        return 0 if table else 1
+
+    def grow(self, table: list[int], start: int, n_new: int) -> None:
+        if not table:
+            table.append(self.allocate())
+
+    def trim(self, table: list[int], num_tokens: int) -> None:
+        """To 0 tokens: the slot goes back. Fewer tokens (a draft's rejected rows): the ring
+        keeps them; the next step reads the rows before its start, held within the slack
+        (SlotStep refuses a read past it)."""
+        if num_tokens == 0 and table:
+            self.release(table.pop())
+
+    def fork(self, table: list[int]) -> list[int]:
+        """A second sequence with a copy of the slot's rows."""
+        if not table:
+            return []
+        src, dst = table[0], self.allocate()
+        ring = self.ring
+        self.rows[:, dst * ring : (dst + 1) * ring] = self.rows[:, src * ring : (src + 1) * ring]
+        self.end[dst], self.first[dst] = self.end[src], self.first[src]
+        return [dst]
+
+    def slide(self, table: list[int], end: int) -> int:
+        return 0  # a slot is a fixed window: nothing leaves it
+
+    # ------------------------------------------------------------------ prefix hits
+
+    def has_rows(self, block: int, prefix_id: int) -> bool:
+        """Whether group 0's `block`, registered under `prefix_id`, has its end rows here."""
+        return prefix_id != 0 and self.holds_ends and self.ends_of[block] == prefix_id
+
+    def mark(self, block: int, prefix_id: int, holder: int | None = None) -> None:
+        """`block` was sealed under `prefix_id` (registered) with its end rows written by
+        the steps that computed it (SlotStep.commit). `holder`: the block the prefix cache
+        finds for that prefix, where it is another (the same prefix computed twice) and
+        has no rows: it gets these (a tier-loaded block's, say)."""
+        if not self.holds_ends or not prefix_id:
+            return
+        self.ends_of[block] = prefix_id
+        if holder is not None and holder != block and not self.has_rows(holder, prefix_id):
+            r = self.kind.rows
+            self.ends[:, holder * r : (holder + 1) * r] = self.ends[:, block * r : (block + 1) * r]
+            self.ends_of[holder] = prefix_id
+
+    def forget(self, block: int) -> None:
+        """Group 0's `block` is handed out again: its end rows go with its prefix."""
+        self.ends_of[block] = 0
+
+    def block_rows(self, block: int) -> dict[str, torch.Tensor]:
+        """A block's end rows as a tier record's parts: "rows" (conv layers, L - 1, H)."""
+        r = self.kind.rows
+        return {"rows": self.ends[:, block * r : (block + 1) * r]}
+
+    def put_block_rows(self, block: int, parts: dict[str, torch.Tensor], prefix_id: int) -> None:
+        """A tier record's end rows for group 0's `block` (registered under `prefix_id`)."""
+        r = self.kind.rows
+        self.ends[:, block * r : (block + 1) * r] = parts["rows"].to(self.ends.device)
+        self.ends_of[block] = prefix_id
+
+    def restore(self, slot: int, block: int, position: int) -> None:
+        """A prefix hit at `position` (group 0's `block` the last of it): the slot's rows
+        before it are that block's end rows."""
+        r = self.kind.rows
+        pos, src = torch.arange(position - r, position), torch.arange(block * r, (block + 1) * r)
+        held = pos >= 0  # (those before 0 read as the zero row)
+        rows = self.ends.index_select(1, src[held].to(self.ends.device))
+        self.rows.index_copy_(1, self._ring(slot, pos[held]), rows)
+        self.end[slot], self.first[slot] = position, position - r
+
+    def step(self, pieces: Sequence[Piece]) -> SlotStep:
+        """The conv rows of a pool step whose tokens, flattened, are `pieces` in order."""
+        return SlotStep(self, pieces)
+
+
+class SlotStep:
+    """A pool step's conv rows (ConvSlots): the step's tokens flattened in order are
+    pieces (a slot, its first position, its tokens, its group 0 table); consecutive pieces
+    of one slot at consecutive positions (a sequence's draft rows) are one sequence to the
+    convolution. `taps(layer, u)` gives every token's taps, `commit()` keeps the new rows
+    (the ring's last `keep` of each sequence, and the end rows of each block boundary the
+    step passes), once the forward has succeeded.
+
+        buf:  [ seq 0's L - 1 rows before | seq 1's ... | u of every token, flattened ]
+        tap k of a token at position p of sequence s: buf's row for position p - (L - 1) + k
+    """
+
+    draft = False  # ShortConv: the pieces say which rows are one sequence
+
+    def __init__(self, slots: ConvSlots, pieces: Sequence[Piece]) -> None:
+        self.slots = slots
+        seqs: list[list] = []
+        for slot, start, n, table in pieces:
+            last = seqs[-1] if seqs else None
+            if last is not None and last[0] == slot and last[1] + last[2] == start:
+                last[2] += n
+            else:
+                seqs.append([slot, start, n, table])
+        self.start = pieces[0][1] if pieces else 0  # the first row's (Transformer checks it)
+        self.seqs = [tuple(s) for s in seqs]
+        r, n_seq = slots.kind.rows, len(seqs)
+        before, taps, ring, ring_src, ends, ends_src = [], [], [], [], [], []
+        offset = n_seq * r  # buf's row of the first token's u
+        for s, (slot, start, n, table) in enumerate(self.seqs):
+            self._check(slot, start)
+            before.append(slots._ring(slot, torch.arange(start - r, start)))
+
+            def at(q: torch.Tensor, s=s, start=start, offset=offset) -> torch.Tensor:
+                """buf's rows of positions q of sequence s (q >= start - (L - 1))."""
+                return torch.where(q >= start, offset + q - start, s * r + r + q - start)
+
+            rel = torch.arange(start, start + n)
+            taps.append(torch.stack([at(rel - r + k) for k in range(r + 1)]))
+            kept = torch.arange(max(start, start + n - slots.ring), start + n)
+            ring.append(slots._ring(slot, kept))
+            ring_src.append(at(kept))
+            if slots.holds_ends:
+                bs = slots.block_size
+                for b in range(-(-(start + 1) // bs) * bs, start + n + 1, bs):
+                    ends.append(table[b // bs - 1] * r + torch.arange(r))
+                    ends_src.append(at(torch.arange(b - r, b)))
+            offset += n
+        dev = slots.rows.device
+        self._before, self._taps = _joined(before, dev), torch.cat(taps, dim=1).to(dev)  # (L, N)
+        self._ring, self._ring_src = _joined(ring, dev), _joined(ring_src, dev)
+        self._ends, self._ends_src = _joined(ends, dev), _joined(ends_src, dev)
+        self.staged: list[torch.Tensor | None] = [None] * slots.rows.shape[0]
+
+    def _check(self, slot: int, start: int) -> None:
+        """The rows before `start` must be the slot's: not past what it wrote, and within
+        what its ring still holds (a rollback within the slack)."""
+        slots, first_read = self.slots, start - self.slots.kind.rows
+        if start > slots.end[slot] or (first_read >= 0 and first_read < slots.first[slot]):
+            raise CacheOverflowError(
+                f"the conv rows of slot {slot} hold positions {slots.first[slot]} .. "
+                f"{slots.end[slot] - 1}; a step at {start} reads from {first_read} (a rollback "
+                f"past the {RING_SLACK} rows of slack: the sequence must be recomputed)"
+            )
+
+    def taps(self, layer: int, u: torch.Tensor) -> list[torch.Tensor]:
+        """u (B, T, H) (the step's tokens, flattened in the pieces' order): the rows conv
+        layer `layer` adds, staged; returns the L tensors shaped as u its kernel's taps
+        read (ConvStep.taps)."""
+        flat = u.reshape(-1, u.shape[-1])  # (N, H)
+        before = self.slots.rows[layer].index_select(0, self._before).to(u.dtype)
+        buf = torch.cat([before, flat])  # (sequences * (L - 1) + N, H)
+        self.staged[layer] = buf
+        return [buf.index_select(0, row).view(u.shape) for row in self._taps]
+
+    def commit(self) -> None:
+        """Keep the step's rows: each sequence's last `keep` in its slot's ring, each block
+        boundary's L - 1 in that block's end rows."""
+        if any(buf is None for buf in self.staged):
+            raise ValueError("a conv step committed before every conv layer ran")
+        slots = self.slots
+        for layer, buf in enumerate(self.staged):
+            rows = buf.to(CONV_ROW_DTYPE)  # type: ignore[union-attr]
+            slots.rows[layer].index_copy_(0, self._ring, rows.index_select(0, self._ring_src))
+            if len(self._ends):
+                slots.ends[layer].index_copy_(0, self._ends, rows.index_select(0, self._ends_src))
+        for slot, start, n, _ in self.seqs:
+            slots.end[slot] = max(slots.end[slot], start + n)
+            slots.first[slot] = max(slots.first[slot], slots.end[slot] - slots.ring)
+
+
+def _joined(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Index tensors end to end, on `device` (an empty one for none)."""
+    if not parts:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    return torch.cat(parts).to(device)

@@ -16,7 +16,7 @@ what the group needs:
     group 2  SlidingWindow(V)  ...                  (as many as the model has kinds)
 
 - the group's cache shape (`LayerGroup.spec`: its kind's geometry over its layers) and
-  bytes (`token_bytes`, `sequence_bytes`, `planned_bytes`);
+  bytes (`token_bytes`, `sequence_bytes`, `end_bytes`, `planned_bytes`);
 - which layer is where (`layer_at`: layer i -> (group, index inside the group's store));
 - how many positions a sequence keeps, how far back, and what the next query reads (the
   group's kind: `keep`, `kept`, `first_read`);
@@ -58,6 +58,11 @@ class LayerGroup:
     def sequence_bytes(self, spec: CacheSpec) -> int:
         """Bytes one sequence keeps in this group's layers whatever its length."""
         return len(self.layers) * self.kind.sequence_bytes(spec)
+
+    def end_bytes(self, spec: CacheSpec) -> int:
+        """Bytes a prefix-caching pool keeps at each full block's end in this group's
+        layers (LayerKind.end_bytes: a conv group's rows before it)."""
+        return len(self.layers) * self.kind.end_bytes(spec)
 
     def planned_bytes(self, spec: CacheSpec, positions: int) -> int:
         """Bytes one sequence holding `positions` positions' rows takes in this group."""

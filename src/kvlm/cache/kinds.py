@@ -14,10 +14,11 @@ the window its masks use (`window`), how many positions a sequence keeps behind 
 (`keep`, `kept`), the first position the next query reads (`first_read`: what a rollback
 must not let go of), and its geometry and bytes (vLLM's page_size_bytes): the KV heads and
 head_dim of its rows (`shape`: its own where it says, e.g. global layers with wider
-heads, else the model's), what one token's rows cost in one layer (`token_bytes`) and
+heads, else the model's), what one token's rows cost in one layer (`token_bytes`),
 what one sequence keeps whatever its length (`sequence_bytes`: a state kind's; 0 for
-rows). A plan's bytes for a layer of the kind at T tokens: kept(T) * token_bytes +
-sequence_bytes.
+rows) and what the engine's pool keeps at each full block's end for a prefix hit there
+(`end_bytes`: a state kind's state at that point). A plan's bytes for a layer of the kind
+at T tokens: kept(T) * token_bytes + sequence_bytes.
 
 Which kind a layer is comes from its mixer (`layer_kinds`): an attention layer's is its
 window's (`kind_of`: the whole context, or a sliding window). A new mixer adds its kind
@@ -103,6 +104,12 @@ class LayerKind:
         kind's; rows cost token_bytes each)."""
         return 0
 
+    def end_bytes(self, spec: Geometry) -> int:
+        """Bytes a pool with a prefix cache keeps in one layer of this kind for each full
+        block, what a hit at the block's end needs besides the blocks (a state kind's
+        state there; 0 for rows, which the blocks hold)."""
+        return 0
+
 
 @dataclass(frozen=True, slots=True)
 class FullAttention(LayerKind):
@@ -161,6 +168,9 @@ class ConvWindow(LayerKind):
 
     def sequence_bytes(self, spec: Geometry) -> int:
         return self.keep * self.width * CONV_ROW_DTYPE.itemsize
+
+    def end_bytes(self, spec: Geometry) -> int:
+        return self.rows * self.width * CONV_ROW_DTYPE.itemsize  # the rows before the end
 
 
 # Every kind by its code (a file's `groups` layout): a new kind takes the next number

@@ -135,7 +135,10 @@ def plan(
 def layer_groups(mode: str, spec: CacheSpec, context: int, batch: int) -> list[dict]:
     """The layers by what a `mode` cache keeps of `batch` sequences of `context` tokens:
     {"kind" (kvlm.cache.kinds, or the mode's own: "window" for the window cache, "none"
-    for off), "layers", "window" (None: the whole context), "tokens" each keeps, "bytes"}.
+    for off), "layers", "window" (None: the whole context), "tokens" each keeps, "bytes"},
+    and for a state kind (conv) "block_end_bytes": what the engine's pool (`kvlm serve`)
+    keeps besides, with its prefix cache, for each full block of block_size tokens (the
+    state at its end, which a hit there restores; LayerGroup.end_bytes).
     One group, but for a hybrid model's cache of a HYBRID_MODES mode: a group per
     kvlm.cache.groups.layer_groups (a ring, or a paged pool's windowed block-table group), as
     factory.planned_parts plans them."""
@@ -146,9 +149,14 @@ def layer_groups(mode: str, spec: CacheSpec, context: int, batch: int) -> list[d
     else:  # one cache over every layer, of the mode's own kind
         names = [{"window": "window", "off": "none"}.get(mode, FullAttention.name)]
     rows = enumerate(zip(names, parts, strict=True))
-    return [{"kind": name, "layers": part.num_layers,
-             "window": part.sliding_window if i else None, "tokens": kept, "bytes": n}
-            for i, (name, (part, n, kept)) in rows]  # fmt: skip
+    out = [{"kind": name, "layers": part.num_layers,
+            "window": part.sliding_window if i else None, "tokens": kept, "bytes": n}
+           for i, (name, (part, n, kept)) in rows]  # fmt: skip
+    if len(parts) == len(groups):  # a state kind's end rows: what the engine's pool keeps
+        for row, group in zip(out, groups, strict=True):  # a block for prefix hits
+            if group.end_bytes(spec):
+                row["block_end_bytes"] = group.end_bytes(spec)
+    return out
 
 
 def table(config: ModelConfig, context: int, batch: int, **sizes: int | None) -> list[dict]:

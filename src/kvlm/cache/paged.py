@@ -62,8 +62,10 @@ from kvlm.cache.base import (
     causal_mask,
     visible,
 )
+from kvlm.cache.conv import ConvSlots
 from kvlm.cache.groups import LayerGroup, layer_at, layer_groups, layout_extra
 from kvlm.cache.hybrid import group_prefix, group_tensors, ring_spec
+from kvlm.cache.kinds import ConvWindow
 from kvlm.cache.registry import PrefixRegistry
 from kvlm.cache.storage import Store
 from kvlm.errors import CacheOverflowError, InvalidRequestError
@@ -93,21 +95,28 @@ class BlockPool:
         scratch: bool | None = None,
         group_blocks: Sequence[int] | None = None,
         group: LayerGroup | None = None,
+        end_rows: bool = True,
     ) -> None:
         """`scratch` (default: on a GPU): one more block, never handed out: where the
         padding rows of a captured decode batch write (kvlm.model.graphs), so they never
         touch a sequence's blocks. A `spec` whose layers come in groups (kvlm.cache.groups:
         a hybrid model's): this pool holds the first group, the layers that see everything
         (num_blocks), `groups[g]` group g (a BlockPool of `group` g, group_blocks[g - 1]
-        blocks, default num_blocks)."""
+        blocks, default num_blocks; a conv group's ConvSlots, group_blocks[g - 1] slots,
+        and with `end_rows` (a pool that keeps a prefix cache) each of this pool's blocks'
+        end rows: kvlm.cache.conv)."""
         kinds = layer_groups(spec)
         self.group = group or kinds[0]  # the layers this pool's store holds, their kind
-        self.groups: list[BlockPool] = [self]
+        self.groups: list[BlockPool | ConvSlots] = [self]
         self.layer_at = layer_at(kinds)  # layer -> (its group, its index in the group's store)
         if group is None:
             blocks = group_blocks or [num_blocks] * (len(kinds) - 1)
-            self.groups += [BlockPool(spec, n, scratch, group=g)
-                            for g, n in zip(kinds[1:], blocks, strict=True)]  # fmt: skip
+            for g, n in zip(kinds[1:], blocks, strict=True):
+                if isinstance(g.kind, ConvWindow):
+                    ends = num_blocks if end_rows else 0
+                    self.groups.append(ConvSlots(spec, g, n, ends, spec.block_size))
+                else:
+                    self.groups.append(BlockPool(spec, n, scratch, group=g))
         spec = self.group.spec(spec)
         self.block_size = spec.block_size
         self.num_blocks = num_blocks
@@ -126,6 +135,9 @@ class BlockPool:
         # The prefix cache's index of full blocks (kvlm.cache.registry): a freed block stays
         # findable until allocate() hands it out again.
         self.prefix = PrefixRegistry(num_blocks)
+        # a conv group that keeps this pool's blocks' end rows (group 0's pool), if any
+        conv = self.conv
+        self._ends = conv if conv is not None and conv.holds_ends else None
 
     @property
     def window(self) -> int | None:
@@ -149,8 +161,22 @@ class BlockPool:
 
     @property
     def total_nbytes(self) -> int:
-        """Bytes of every group's store."""
-        return sum(g.store.nbytes for g in self.groups)
+        """Bytes of every group's store (a conv group's slots and end rows)."""
+        return sum(g.nbytes for g in self.groups)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this group's store."""
+        return self.store.nbytes
+
+    @property
+    def conv(self) -> ConvSlots | None:
+        """The conv group's slots, if the model has conv layers (kvlm.cache.conv)."""
+        return next((g for g in self.groups if isinstance(g, ConvSlots)), None)
+
+    def commit_memory(self) -> None:
+        """Touch every page of this group's store now (a server commits its pool at start)."""
+        self.store.zero_((ALL,))
 
     @property
     def num_free(self) -> int:
@@ -169,6 +195,8 @@ class BlockPool:
             raise CacheOverflowError(f"the KV block pool is full ({self.num_blocks} blocks)")
         block, _ = self.free_queue.popitem(last=False)  # the least recently freed
         self.prefix.forget(block)  # evicted from the prefix cache, if it was there
+        if self._ends is not None:  # and the conv rows at its end with it
+            self._ends.forget(block)
         self.refs[block] = 1
         self.store.zero_((ALL, ALL, block))
         return block
@@ -300,12 +328,25 @@ class _PagedStep(CacheStep):
     """A step that writes each token at its block and slot of a pool's stores: one `_Part`
     per layer group, layer i in part layer_at[i][0] at index layer_at[i][1]."""
 
-    parts: list[_Part]
+    parts: list[_Part | None]  # None: a conv group's (its rows are `conv`'s, no K/V)
     layer_at: list[tuple[int, int]]
+
+    def _conv_rows(self, group: ConvSlots, slots: Sequence[list[int]], pieces: list) -> None:
+        """A conv group's part: each row's slot (its table's one entry), its rows through
+        `conv` (kvlm.cache.conv.SlotStep), read by the model's conv layers."""
+        self.conv = group.step([(t[0], *piece) for t, piece in zip(slots, pieces, strict=True)])
+        self.parts.append(None)
+
+    def commit_rows(self) -> None:
+        """Keep the conv rows the forward staged (the K/V went to their blocks as it ran;
+        the rows wait for its success, so a step run again reads what it read first)."""
+        if self.conv is not None:
+            self.conv.commit()
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVPair:
         group, index = self.layer_at[layer]
         part = self.parts[group]
+        assert part is not None, "a conv layer has no K/V"
         self._write(part, index, k, v)
         return self._gather(part, index, 0, k.dtype), self._gather(part, index, 1, v.dtype)
 
@@ -653,12 +694,17 @@ class TableStep(_PagedStep):
         width = blocks_for(n_keys, bs)
         self.parts, self.layer_at = [], pool.layer_at
         for group, rows in zip(pool.groups, [tables, *others], strict=True):
+            if isinstance(group, ConvSlots):
+                pieces = [(s, n_new, t) for s, t in zip(starts, tables, strict=True)]
+                self._conv_rows(group, rows, pieces)
+                continue
             padded = torch.tensor([readable(t, width) for t in rows])  # (B, width)
             write = padded.gather(1, pos // bs).to(device)  # (B, T)
             self.parts.append(_Part(group.store, write, padded.to(device)))
-        self.write_blocks = self.parts[0].write_blocks  # group 0's (B, T)
+        whole = self.parts[0]  # group 0's (never a conv group)
+        self.write_blocks = whole.write_blocks  # (B, T)
         self.write_slots = (pos % bs).to(device)  # (B, T)
-        self.read_tables = self.parts[0].read  # (B, width); the padding is masked or not read
+        self.read_tables = whole.read  # (B, width); the padding is masked or not read
         self._over(pool.store)
 
     def use_window(self, window: int | None) -> None:
@@ -755,6 +801,9 @@ class RaggedStep(_PagedStep):
             cu_k.append(cu_k[-1] + end)
         self.parts, self.layer_at = [], pool.layer_at
         for group, rows in zip(pool.groups, [tables, *others], strict=True):
+            if isinstance(group, ConvSlots):
+                self._conv_rows(group, rows, list(zip(starts, lengths, tables, strict=True)))
+                continue
             write_b, read_b = [], []
             for table, start, length in zip(rows, starts, lengths, strict=True):
                 table = readable(table, blocks_for(start + length, bs))
@@ -765,9 +814,10 @@ class RaggedStep(_PagedStep):
                 torch.tensor(read_b, dtype=torch.long, device=device)))  # fmt: skip
         positions = torch.tensor(pos, dtype=torch.long)
         self.positions = positions[None].to(device)  # (1, N)
-        self.write_blocks = self.parts[0].write_blocks
+        whole = self.parts[0]  # group 0's (never a conv group)
+        self.write_blocks = whole.write_blocks
         self.write_slots = (positions % bs)[None].to(device)
-        self.read_blocks = self.parts[0].read
+        self.read_blocks = whole.read
         self.read_slots = torch.tensor(read_s, dtype=torch.long, device=device)
         self.segments = Segments(cu_q, cu_k, spec.sliding_window, device)
         self.logit_rows = torch.tensor(logit_rows, dtype=torch.long, device=device)
@@ -781,6 +831,7 @@ class RaggedStep(_PagedStep):
         """k, v (1, Hkv, N, D): stored; returns every sequence's keys packed, (Tk, Hkv, D)."""
         group, index = self.layer_at[layer]
         part = self.parts[group]
+        assert part is not None, "a conv layer has no K/V"
         self._write(part, index, k, v)
         read = (part.read, ALL, self.read_slots)
         keys = part.store.get((index, 0, *read), k.dtype)

@@ -49,6 +49,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 from kvlm.cache.base import blocks_for
+from kvlm.cache.conv import ConvSlots
 from kvlm.cache.paged import ALL, FREED, BlockPool, window_blocks
 from kvlm.cache.tiers import KVTiers, check_digests, salt_field
 from kvlm.errors import CacheOverflowError
@@ -92,7 +93,8 @@ def _packer(n: int) -> Callable[..., bytes]:
 class BlockTable:
     """One sequence's blocks, the keys of those that are full and sealed, and its salt; on
     a hybrid pool also its table of each other layer group (`others[g - 1]`, group g of
-    kvlm.cache.paged.BlockPool.groups: FREED where a block has left a window)."""
+    kvlm.cache.paged.BlockPool.groups: FREED where a block has left a window; a conv
+    group's, the sequence's one slot of rows, kvlm.cache.conv.ConvSlots)."""
 
     blocks: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
@@ -146,7 +148,8 @@ class PrefixStats:
     hits: int = 0  # of those, tokens served from cached blocks
     # a hybrid pool's admissions whose global layers' blocks matched (window_lookups), and
     # of those, the ones whose hit was cut short because the windowed layers' blocks before
-    # the hit had been handed out again (window_cut; the tokens lost: window_cut_tokens)
+    # the hit had been handed out again, or a conv group held no end rows of the hit's
+    # last block (window_cut; the tokens lost: window_cut_tokens)
     window_lookups: int = 0
     window_cut: int = 0
     window_cut_tokens: int = 0
@@ -176,7 +179,13 @@ class BlockManager:
     window the next query reads. A windowed group's blocks are allocated a step at a time
     (`prepare`, `append_slot`) and let go of once they leave the window (`seal`), so one
     sequence holds at most window_blocks(W + RING_SLACK, block_size, step_tokens) of them;
-    `step_tokens` is the most tokens one step feeds a sequence (a prefill chunk, a draft)."""
+    `step_tokens` is the most tokens one step feeds a sequence (a prefill chunk, a draft).
+
+    A conv group (kvlm.cache.conv.ConvSlots) keeps a slot of rows a sequence: taken at
+    admission (`allocate`), back at its finish or preemption (`free`), copied by `fork`; a
+    hit at p needs the rows before p, the end rows of group 0's block ending at p, which
+    `seal` marks held as it registers a block (the steps wrote them): the hit is the longest
+    p whose rows are held (sglang's mamba radix cache, vLLM's hybrid manager)."""
 
     def __init__(
         self,
@@ -193,8 +202,9 @@ class BlockManager:
         self.step_tokens = step_tokens
 
     @property
-    def others(self) -> list[BlockPool]:
-        """A hybrid pool's layer groups after group 0, each window's (none for one group)."""
+    def others(self) -> list[BlockPool | ConvSlots]:
+        """A hybrid pool's layer groups after group 0, each window's and a conv group's
+        (none for one group)."""
         return self.pool.groups[1:]
 
     def sequence_blocks(self, group: BlockPool) -> int:
@@ -235,15 +245,23 @@ class BlockManager:
 
     def _match(self, tokens: Sequence[int], salt: str | None, reuse: bool = True) -> Hit:
         """The longest hit: group 0's walk, cut back to the longest prefix whose window
-        every windowed group still holds."""
+        every windowed group still holds and whose last block's end rows every conv group
+        holds (its table at the hit: empty, the slot is taken at admission)."""
         blocks, keys = self._walk(tokens, salt, reuse)
         if not self.others or not blocks:
             return Hit(blocks, keys, [[] for _ in self.others])
-        found = [self._window_blocks(g, tokens, salt, blocks, keys) for g in self.others]
-        bs, h = self.block_size, len(blocks)
+        found = [None if isinstance(g, ConvSlots) else
+                 self._window_blocks(g, tokens, salt, blocks, keys)
+                 for g in self.others]  # fmt: skip
+        bs, h, ids = self.block_size, len(blocks), self.pool.prefix.prefix_id
         while h > 0:
             tables = []
             for group, have in zip(self.others, found, strict=True):
+                if isinstance(group, ConvSlots):
+                    if not group.has_rows(blocks[h - 1], ids[blocks[h - 1]]):
+                        break
+                    tables.append([])
+                    continue
                 lo = max(0, h * bs - group.window) // bs
                 if any(b is None for b in have[lo:h]):
                     break
@@ -293,7 +311,10 @@ class BlockManager:
         if self.others:
             blocks, keys = self._walk(tokens, salt)
             for g, group in enumerate(self.others, start=1):
-                loaded += yield from self._fetch_window(g, group, tokens, salt, blocks, keys)
+                if isinstance(group, ConvSlots):
+                    loaded += yield from self._fetch_rows(g, group, tokens, salt, blocks, keys)
+                else:
+                    loaded += yield from self._fetch_window(g, group, tokens, salt, blocks, keys)
         return loaded
 
     def _fetch_group0(self, tokens: Sequence[int], salt: str | None) -> Steps:
@@ -372,6 +393,34 @@ class BlockManager:
                 self.pool.release(block)
         return len(loaded)
 
+    def _fetch_rows(
+        self, g: int, group: ConvSlots, tokens: Sequence[int], salt: str | None,
+        blocks: list[int], keys: list[bytes],
+    ) -> Steps:  # fmt: skip
+        """Load conv group g's end rows of the last block of group 0's hit (`blocks`) where
+        the pool lacks them, from the tiers (the group's own record of that block), so a
+        tier hit restores the sequence's rows as a pool hit does. The block is held while
+        they load."""
+        if not blocks or not group.holds_ends:
+            return 0
+        last, ids = blocks[-1], self.pool.prefix.prefix_id
+        held_as = ids[last]
+        if group.has_rows(last, held_as):
+            return 0
+        bs, i = self.block_size, len(blocks) - 1
+        self.pool.revive(last)
+        loaded = []
+        try:
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            loaded = yield self.tiers.fetch_later(
+                [keys[i]], [chunk], lambda: check_digests(tokens, salt, bs, i + 1)[i:], g
+            )
+            if loaded and ids[last] == held_as:
+                group.put_block_rows(last, loaded[0][1], held_as)
+        finally:
+            self.pool.release(last)
+        return len(loaded)
+
     def blocks_to_admit(
         self, tokens: Sequence[int], salt: str | None = None, reuse: bool = True
     ) -> int:
@@ -394,6 +443,10 @@ class BlockManager:
         if self._admit_cost(len(tokens), hit.blocks) > self.pool.num_free - reserve:
             return False
         for group, table in zip(self.others, hit.others, strict=True):
+            if isinstance(group, ConvSlots):  # a slot of rows
+                if not group.num_free:
+                    return False
+                continue
             revived = sum(1 for b in table if b != FREED and group.refs[b] == 0)
             if revived + self.sequence_blocks(group) > group.num_free:
                 return False
@@ -417,6 +470,11 @@ class BlockManager:
         need = blocks_for(len(tokens), self.block_size)
         table.blocks += [self.pool.allocate() for _ in range(need - len(hit.blocks))]
         cached = len(hit.blocks) * self.block_size
+        for group, slots in zip(self.others, table.others, strict=True):
+            if isinstance(group, ConvSlots):  # its slot, its rows at the hit
+                slots.append(group.allocate())
+                if hit.blocks:
+                    group.restore(slots[0], hit.blocks[-1], cached)
         self.stats.queries += len(tokens)
         self.stats.hits += cached
         if self.others and (hit.blocks or hit.cut):
@@ -463,25 +521,35 @@ class BlockManager:
             group.slide(blocks, num_computed)
 
     def _register(self, table: BlockTable, tokens: Sequence[int], num_computed: int) -> None:
-        bs = self.block_size
+        bs, pool = self.block_size, self.pool
         first, stop, checks = len(table.hashes), num_computed // bs, None
         for i in range(first, stop):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             key = block_key(table.hashes[-1] if i else root_key(table.salt), chunk)
-            parent = table.blocks[i - 1] if i else None
+            block = table.blocks[i]
+            pool.prefix.register(block, key, chunk, table.blocks[i - 1] if i else None, table.salt)
             table.hashes.append(key)
-            for g, (group, blocks) in enumerate(self._tables(table)):
-                block = blocks[i]
-                if g == 0:
-                    group.prefix.register(block, key, chunk, parent, table.salt)
-                    link = (group.prefix.prefix_id[block], table.salt)
-                elif link[0] and block != FREED:
-                    group.prefix.register_linked(block, key, chunk, link)
-                if self.tiers is not None and group.prefix.cached.get(key) == block:
-                    if checks is None:
-                        checks = check_digests(tokens, table.salt, bs, stop)
-                    parts = group.store.raw((ALL, ALL, block))
-                    self.tiers.offer(key, chunk, checks[i], parts, group=g)
+            link, holder = (pool.prefix.prefix_id[block], table.salt), pool.prefix.cached.get(key)
+            offers = [(0, pool, block)] if holder == block else []
+            for g, (group, blocks) in enumerate(self._tables(table)[1:], start=1):
+                if isinstance(group, ConvSlots):  # group 0's block's end rows, now held
+                    had = holder is not None and group.has_rows(holder, link[0])
+                    group.mark(block, link[0], holder)
+                    if holder is not None and not had and group.has_rows(holder, link[0]):
+                        offers.append((g, group, holder))
+                    continue
+                if link[0] and blocks[i] != FREED:
+                    group.prefix.register_linked(blocks[i], key, chunk, link)
+                if group.prefix.cached.get(key) == blocks[i] != FREED:
+                    offers.append((g, group, blocks[i]))
+            if self.tiers is None or not offers:
+                continue
+            if checks is None:
+                checks = check_digests(tokens, table.salt, bs, stop)
+            for g, group, held in offers:
+                parts = (group.block_rows(held) if isinstance(group, ConvSlots)
+                         else group.store.raw((ALL, ALL, held)))  # fmt: skip
+                self.tiers.offer(key, chunk, checks[i], parts, group=g)
 
     # ------------------------------------------------------------------ lifetime
 

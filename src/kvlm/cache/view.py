@@ -17,13 +17,15 @@ One description feeds every picture of a pool: `GET /v1/kv` returns it as JSON, 
 
 The block map is group 0's: every layer, or a hybrid model's layers that see everything.
 `layer_groups` sums up every layer group of the pool (kvlm.cache.paged: a hybrid model's
-windowed layers have a block table and blocks of their own) with its blocks and bytes.
+windowed layers have a block table and blocks of their own; its conv layers a slot of rows
+a sequence, kvlm.cache.conv) with its blocks and bytes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from kvlm.cache.conv import ConvSlots
 from kvlm.cache.paged import BlockPool
 
 
@@ -94,6 +96,9 @@ def layer_groups(pool: BlockPool) -> list[dict]:
     num_blocks, used, cached, free, block_bytes, used_bytes, total_bytes}."""
     out = []
     for g, group in enumerate(pool.groups):
+        if isinstance(group, ConvSlots):
+            out.append(conv_group(g, group))
+            continue
         cached = sum(1 for b in group.prefix.cached.values() if group.refs[b] == 0)
         out.append({
             "group": g, "kind": group.group.kind.name, "layers": list(group.group.layers),
@@ -103,3 +108,18 @@ def layer_groups(pool: BlockPool) -> list[dict]:
             "total_bytes": group.num_blocks * group.block_nbytes,
         })  # fmt: skip
     return out
+
+
+def conv_group(g: int, group: ConvSlots) -> dict:
+    """A conv group (kvlm.cache.conv.ConvSlots) as layer_groups gives the others: its
+    "blocks" are slots of rows, one a sequence (`block_bytes` a slot's, `used` the
+    sequences holding one), and besides them the end rows it holds of group 0's blocks
+    for prefix hits (`blocks_with_rows`, `block_rows_bytes` each; in `total_bytes`)."""
+    return {
+        "group": g, "kind": group.group.kind.name, "layers": list(group.group.layers),
+        "window": None, "keep": group.keep, "num_blocks": group.num_blocks,
+        "used": group.num_used, "cached": 0, "free": group.num_free,
+        "block_bytes": group.block_nbytes, "used_bytes": group.num_used * group.block_nbytes,
+        "total_bytes": group.nbytes, "blocks_with_rows": group.blocks_with_rows,
+        "block_rows_bytes": group.block_rows_nbytes,
+    }  # fmt: skip

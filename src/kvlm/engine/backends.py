@@ -110,7 +110,7 @@ class PoolBackend:
 
     def _where(self, tables: list[BlockTable]) -> tuple[list[list[int]], list[list[list[int]]]]:
         """Rows' block tables as a batch on the pool takes them: group 0's, and each other
-        layer group's (windowed[g - 1][b])."""
+        layer group's (windowed[g - 1][b]: a window's blocks, a conv group's slot)."""
         windowed = [[t.others[g] for t in tables] for g in range(len(self.pool.groups) - 1)]
         return [t.blocks for t in tables], windowed
 

@@ -28,8 +28,10 @@ import torch
 
 from kvlm.cache import KVCache
 from kvlm.cache.base import CacheSpec, blocks_for
+from kvlm.cache.conv import ConvSlots
 from kvlm.cache.factory import pool_mode
 from kvlm.cache.groups import layer_groups as spec_groups
+from kvlm.cache.kinds import CONV_ROW_DTYPE, ConvWindow
 from kvlm.cache.paged import BlockPool, window_blocks
 from kvlm.cache.prefix import BlockManager, check_salt
 from kvlm.cache.storage import part_layout
@@ -91,14 +93,7 @@ class EngineConfig:
 
 def pool_spec(llm: ServedModel) -> CacheSpec:
     """The pool's cache spec: the LLM's K/V storage in its mode's pool (--kv int8 stores
-    int8 whatever --kv-dtype says: kvlm.cache.factory.pool_mode). A model with
-    short-convolution layers is refused: the pool keeps no rows of theirs yet
-    (docs/DESIGN.md section 5)."""
-    if llm.config.conv_layers:
-        raise InvalidRequestError(
-            "the engine's pool keeps no short-convolution rows yet: this model runs one "
-            "request at a time on its own cache (kvlm generate, kvlm chat)", param="kv"
-        )  # fmt: skip
+    int8 whatever --kv-dtype says: kvlm.cache.factory.pool_mode)."""
     return llm.cache_spec(pool_mode(llm.kv_mode))
 
 
@@ -108,26 +103,38 @@ def windowed_plan(
     """A hybrid model's pool (kvlm.cache.paged): the most tokens one step feeds a
     sequence (a prefill chunk, a draft and its token), the blocks of each layer group
     after group 0 (each window's: each of max_num_seqs sequences at its most,
-    window_blocks: never short of them) and their bytes together; (step tokens, [], 0)
-    for a model of one group."""
+    window_blocks: never short of them; a conv group's: a slot of rows for each of
+    max_num_seqs sequences, kvlm.cache.conv) and their bytes together; (step tokens, [],
+    0) for a model of one group."""
     sched, spec_cfg = config.scheduler, config.speculative
     chunk = min(sched.prefill_chunk, sched.chunk_size or sched.prefill_chunk)
     step = min(context, max(chunk, 1 + (spec_cfg.num_draft if spec_cfg else 0)))
     bs, blocks, nbytes = spec.block_size, [], 0
     for group in spec_groups(spec)[1:]:
+        if isinstance(group.kind, ConvWindow):  # a slot a sequence (its seats: max_num_seqs)
+            blocks.append(sched.max_num_seqs)
+            nbytes += blocks[-1] * group.sequence_bytes(spec)
+            continue
         per_seq = min(blocks_for(context, bs), window_blocks(group.kind.keep, bs, step))
         blocks.append(per_seq * sched.max_num_seqs + sched.reserve_blocks)
         nbytes += blocks[-1] * bs * group.token_bytes(spec)
     return step, blocks, nbytes
 
 
+def block_bytes(config: EngineConfig, spec: CacheSpec) -> int:
+    """What each block of group 0 costs in the pool: its K/V, and with the prefix cache a
+    conv group's end rows of it (ConvSlots: what a hit at its end restores)."""
+    groups = spec_groups(spec)
+    nbytes = spec.block_size * groups[0].token_bytes(spec)
+    return nbytes + (sum(g.end_bytes(spec) for g in groups) if config.prefix_caching else 0)
+
+
 def memory_blocks(config: EngineConfig, spec: CacheSpec, context: int) -> int:
     """The blocks (of the layers that see the whole context) the KV memory holds once a
     hybrid model's other groups have their own: the pool's size by default."""
     _, _, windowed_bytes = windowed_plan(config, spec, context)
-    whole = spec_groups(spec)[0]
     kv_memory = config.kv_memory or default_kv_memory(spec.device)
-    return (kv_memory - windowed_bytes) // (spec.block_size * whole.token_bytes(spec))
+    return (kv_memory - windowed_bytes) // block_bytes(config, spec)
 
 
 def pool_context(llm: ServedModel, config: EngineConfig, context: int) -> int:
@@ -214,7 +221,10 @@ class Engine:
             p = self.pool
             kv = f"KV pool {p.num_blocks} blocks of {p.block_size} tokens, "
             for w in p.groups[1:]:  # a block table per layer group (kvlm.cache.paged)
-                kv += f"{w.num_blocks} for the layers with a window of {w.window}, "
+                if isinstance(w, ConvSlots):
+                    kv += f"{w.num_blocks} slots of the conv layers' rows, "
+                else:
+                    kv += f"{w.num_blocks} for the layers with a window of {w.window}, "
             kv += f"{p.total_nbytes / 2**20:,.0f} MiB"
         else:
             self.backend = CacheBackend(self.runner, cache, reuse)
@@ -261,12 +271,13 @@ class Engine:
                 f"{num_blocks} KV blocks cannot hold one sequence of the context limit "
                 f"({llm.max_context} tokens needs {least} blocks of {bs})"
             )
-        pool = BlockPool(spec, num_blocks, group_blocks=group_blocks)
+        pool = BlockPool(spec, num_blocks, group_blocks=group_blocks,
+                         end_rows=self.config.prefix_caching)  # fmt: skip
         # Commit the whole pool now, as a GPU server reserves its memory at start: the
         # process's memory is what it will stay at, and a pool that does not fit fails here
         # rather than under load.
         for group in pool.groups:
-            group.store.zero_((slice(None),))
+            group.commit_memory()
         self.pool, self.spec = pool, spec
         self.tiers = self._tiers() if self.config.kv_tiers else None
         manager = BlockManager(pool, self.config.prefix_caching, self.tiers, step_tokens)
@@ -280,6 +291,11 @@ class Engine:
         numerics = llm.numerics
         layouts = []
         for g, group in enumerate(self.pool.groups):
+            if isinstance(group, ConvSlots):  # a block's end rows, under group 0's namespace
+                rows = (len(group.group.layers), group.kind.rows, group.kind.width)
+                conv = namespace(layouts[0][0], "conv rows", g, list(group.group.layers), rows)
+                layouts.append((conv, {"rows": (rows, CONV_ROW_DTYPE)}))
+                continue
             store = group.store
             # a block of the store's rows: its parts as the store keeps them (storage)
             block = (store.shape[0], 2, spec.num_kv_heads, spec.block_size, store.head_dim)
@@ -662,7 +678,7 @@ class Engine:
         view["sequences"] = [
             {"id": names[s.seq_id], "request_id": s.request_id, "index": s.index,
              "tokens": s.num_computed, "cached_tokens": s.num_cached, "blocks": s.table.blocks}
-            | ({"windowed_blocks": s.table.others} if self.pool.hybrid else {})
+            | self._other_groups(s)
             for s in seqs
         ]  # fmt: skip
         view["groups"] = layer_groups(self.pool)
@@ -676,6 +692,19 @@ class Engine:
         view["dtype"] = self.spec.kv_name
         view["waiting"] = snap["waiting"]
         return view
+
+    def _other_groups(self, seq: Sequence) -> dict:
+        """What a sequence holds in a hybrid pool's other groups, for /v1/kv: each
+        window's blocks (`windowed_blocks`), a conv group's slot and its rows' bytes
+        (`conv_rows`)."""
+        out: dict = {}
+        for group, table in zip(self.pool.groups[1:], seq.table.others, strict=True):
+            if isinstance(group, ConvSlots):
+                out["conv_rows"] = {"slot": table[0] if table else None,
+                                    "bytes": group.block_nbytes if table else 0}  # fmt: skip
+            else:
+                out.setdefault("windowed_blocks", []).append(table)
+        return out
 
     def pin(self, key: str, tokens: list[int], salt: str | None, share: float) -> None:
         """Hold the pool's cached blocks of `tokens` under `key` (a stored response's

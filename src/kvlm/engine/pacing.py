@@ -40,15 +40,19 @@ class Work:
     """A step's work in units from the model's shape: 1 a token for its dense products,
     `attend` more per position it attends to, `score` more where its logits are kept. The
     pacing's prompt tokens and the thread count's decode steps (kvlm.engine.threads) are
-    measured in it."""
+    measured in it. A short-convolution layer (ModelConfig.conv_layers) attends to
+    nothing: its products (in_proj to 3 x hidden, out_proj) and its taps are its work."""
 
     def __init__(self, config: ModelConfig) -> None:
         c = config
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        # multiply-adds of one token's dense products (q/k/v/o and a gated MLP a layer)
-        h = c.hidden_size
-        dense = c.num_layers * (h * (2 * q + 2 * kv) + 3 * h * c.intermediate_size)
-        self.attend = 2 * c.num_layers * q / dense  # scores and the weighted sum, a position
+        # multiply-adds of one token's dense products: q/k/v/o of an attention layer, the
+        # products and L taps of a conv layer, a gated MLP every layer
+        h, convs = c.hidden_size, len(c.conv_layers)
+        attending = c.num_layers - convs
+        dense = (attending * h * (2 * q + 2 * kv) + convs * h * (4 * h + (c.conv_kernel or 0))
+                 + c.num_layers * 3 * h * c.intermediate_size)  # fmt: skip
+        self.attend = 2 * attending * q / dense  # scores and the weighted sum, a position
         self.score = c.vocab_size * h / dense  # the vocabulary projection
 
     def units(self, start: int, n: int, scored: bool) -> float:

@@ -62,7 +62,8 @@ class DraftBatch:
 class _OnPool:
     """Rows on the engine's pool: row b at starts[b] through its block table tables[b]
     (group 0's), and a hybrid pool's other layer groups' tables, group by group:
-    windowed[g - 1][b] is row b's table of group g (kvlm.cache.paged.BlockPool.groups)."""
+    windowed[g - 1][b] is row b's table of group g (kvlm.cache.paged.BlockPool.groups; a
+    conv group's: the row's slot of rows, kvlm.cache.conv.ConvSlots)."""
 
     rows: Sequence[Sequence[int]]
     pool: BlockPool
@@ -244,7 +245,9 @@ class ModelRunner:
                 views = pool.views([b.tables, *b.windowed])
                 return decoder.run(views, tokens, b.starts, window)
         step = TableStep(pool, spec, list(b.tables), list(b.starts), len(rows[0]), b.windowed)
-        return self._torch(rows, step, b.prompt, b.all_rows)
+        logits = self._torch(rows, step, b.prompt, b.all_rows)
+        step.commit_rows()  # a conv group's rows, once the forward has succeeded
+        return logits
 
     def _mixed(self, b: MixedBatch) -> list[torch.Tensor]:
         """A step's prompt chunks and decode rows on the pool as one forward (kvlm.cache.
@@ -259,6 +262,7 @@ class ModelRunner:
         step = RaggedStep(b.pool, b.spec, list(b.tables), list(b.starts), lengths, flat, b.windowed)
         ids = torch.tensor([[t for r in b.rows for t in r]], dtype=torch.long, device=self.device)
         logits = self.model(ids, step.positions, step, prompt=True)[0]  # (R, V)
+        step.commit_rows()
         out, at = [], 0
         for p, all_rows in zip(picks, every, strict=True):
             out.append(logits[at : at + len(p)] if all_rows else logits[at])

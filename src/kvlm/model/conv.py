@@ -13,8 +13,9 @@ channel, position t reading u at t - L + 1 .. t, zeros before the text.
 What a conv layer keeps of a sequence is not a row per token but the last L - 1 rows of
 u: its layer kind is kvlm.cache.kinds.ConvWindow(L - 1, H), a fixed window per sequence,
 held by kvlm.cache.conv's ConvRows (a cache's conv part, or a caller's own passed as
-`Transformer.forward(conv=)`); the forward reads the rows before the step from its
-ConvStep and stages its new rows there, kept when the cache commits.
+`Transformer.forward(conv=)`) or the engine pool's ConvSlots (a slot a sequence); the
+forward asks its step for the rows each tap reads (`taps`: the rows before the step, then
+its own) and the step stages its new rows, kept when the cache commits.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvlm.cache.conv import ConvRows, ConvStep
+from kvlm.cache.conv import ConvRows, ConvStep, SlotStep
 from kvlm.model.layers import Linear
 
 __all__ = ["ConvRows", "ConvStep", "ShortConv"]
@@ -43,22 +44,21 @@ class ShortConv(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.out_proj = out_proj
 
-    def forward(self, x: torch.Tensor, step: ConvStep) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: ConvStep | SlotStep) -> torch.Tensor:
         """x (B, T, H), the block's normed input -> (B, T, H); a draft's (n, 1, H), one
-        sequence's n tokens (ConvStep.draft)."""
+        sequence's n tokens (ConvStep.draft; a pool's SlotStep knows its sequences)."""
         if step.draft:
             return self._mix(x.transpose(0, 1), step).transpose(0, 1)
         return self._mix(x, step)
 
-    def _mix(self, x: torch.Tensor, step: ConvStep) -> torch.Tensor:
+    def _mix(self, x: torch.Tensor, step: ConvStep | SlotStep) -> torch.Tensor:
         b, c, xs = self.in_proj(x).chunk(3, dim=-1)  # (B, T, H) each
         u = b * xs
-        step.put(self.slot, u)
-        seq = torch.cat([step.window(self.slot).to(u.dtype), u], dim=1)  # (B, L - 1 + T, H)
-        w, t = self.kernel.to(u.dtype), u.shape[1]
-        conv = seq[:, :t] * w[0]
+        taps = step.taps(self.slot, u)  # L of (B, T, H): what each tap reads, window first
+        w = self.kernel.to(u.dtype)
+        conv = taps[0] * w[0]
         for k in range(1, w.shape[0]):
-            conv = conv + seq[:, k : k + t] * w[k]
+            conv = conv + taps[k] * w[k]
         if self.bias is not None:
             conv = conv + self.bias.to(u.dtype)
         return self.out_proj(c * conv)

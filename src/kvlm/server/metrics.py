@@ -21,7 +21,8 @@ _SERIES = [
     ("prefix_cache_window_lookups_total", "counter",
      "Hybrid-model admissions whose global layers' blocks matched.", "prefix_window_lookups"),
     ("prefix_cache_window_cut_total", "counter", "Of those, hits cut short: the windowed "
-     "layers' blocks before the hit had been reused.", "prefix_window_cut"),
+     "layers' blocks before the hit had been reused, or the conv layers' rows at its end "
+     "were not held.", "prefix_window_cut"),
     ("prefix_cache_window_cut_tokens_total", "counter",
      "Prompt tokens recomputed by hits cut short.", "prefix_window_cut_tokens"),
     ("preemptions_total", "counter", "Sequences preempted (recomputed).", "preemptions"),
