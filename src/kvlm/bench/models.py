@@ -162,7 +162,7 @@ def write_model(shape_name: str, file_type: str, out: Path, tokenizer_from: Path
     _copy_tokenizer(w, tokenizer_from, shape.vocab)
 
     # llama.cpp's quantizer counts attn_v tensors among the layers that have one
-    attending = [i for i, m in enumerate(config.layer_mixers) if m == "attention"]
+    attending = [i for i in range(shape.layers) if i not in config.conv_layers]
 
     def weight(name: str, rows: int, cols: int, layer: int | None = None) -> None:
         base = name.split(".")[-1] if layer is None else name.split(".")[2]
@@ -189,7 +189,7 @@ def write_model(shape_name: str, file_type: str, out: Path, tokenizer_from: Path
     for i in range(shape.layers):
         p = f"blk.{i}"
         vector(f"{p}.attn_norm.weight", h)
-        if config.layer_mixers[i] == "conv":  # B, C, x; the depthwise taps; the output
+        if i in config.conv_layers:  # B, C, x; the depthwise taps; the output
             weight(f"{p}.shortconv.in_proj", 3 * h, h, i)
             taps = rng.normal(0, 1 / shape.conv_kernel, (h, shape.conv_kernel))
             w.add_tensor(f"{p}.shortconv.conv.weight", taps.astype(np.float32))
