@@ -1,5 +1,5 @@
 /* ------------------------------------------------------------------------------------
- * The gated short convolution's decode rows (LFM2's conv layers, kvlm.model.conv): the
+ * The gated short convolution's decode rows (the conv layer kind, kvlm.model.conv): the
  * part of the decode step between a conv layer's two products (decode.c runs in_proj and
  * out_proj as it runs an attention layer's). From each row's in_proj output B | C | x:
  *

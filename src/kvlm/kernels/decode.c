@@ -1,9 +1,9 @@
 /* ------------------------------------------------------------------------------------
- * One decode step of a Llama-family, Gemma 2/3 or LFM2 model, whole, for B sequences over
- * their K/V caches (contiguous, paged, a hybrid cache's ring: kvlm_kv_view) and their conv
- * layers' rows (kvlm_conv_view): the per-token path without ~500 small torch ops. The math
- * is the torch model's (kvlm.model.transformer), in the same order; only summation order
- * differs. (Part of qgemm.c's one translation unit: the K/V attention it calls is kv*.c's,
+ * One decode step of a Llama-family or Gemma 2/3 model, or one with short convolutions,
+ * whole, for B sequences over their K/V caches (contiguous, paged, a hybrid cache's ring:
+ * kvlm_kv_view) and their conv layers' rows (kvlm_conv_view): the per-token path without
+ * ~500 small torch ops. The math is the torch model's (kvlm.model.transformer), in the
+ * same order; only summation order differs. (Part of qgemm.c's one translation unit: the K/V attention it calls is kv*.c's,
  * the short convolution's conv.c's, the products weights.c's.)
  * ------------------------------------------------------------------------------------ */
 

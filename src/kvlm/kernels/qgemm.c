@@ -17,7 +17,7 @@
  *   kv_int8.c   int8 K/V: the row quantizer, integer scores, p.V (kvlm_quantize_kv_rows)
  *   kv_q4.c     q4 K/V: the row quantizer, grouped integer scores, p.V
  *               (kvlm_quantize_q4_rows)
- *   conv.c      the short convolution's decode rows (LFM2's conv layers): the gated taps
+ *   conv.c      the short convolution's decode rows (the conv layer kind): the gated taps
  *               over a sequence's held rows and the step's, the rows moved on after it
  *   decode.c    the fused decode step (kvlm_decode_scratch, kvlm_decode_batch)
  *   prompt.c    the prompt's ops: SwiGLU (kvlm_silu_mul), RMSNorm (kvlm_rms_norm), q/k norm

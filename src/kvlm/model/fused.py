@@ -44,17 +44,18 @@ come folded into the weights), GeGLU with tanh's GELU (activation), the score sc
 (query_scale: in the q norm where there is one, else on the scores), the attention soft-cap
 on the scores in C and the final logit soft-cap on the logits after the call (the embeddings
 come scaled by `Transformer.embed`); head_dim up to 256 (MAX_HEAD_DIM); a tied or separate
-lm_head, read in its stored format (a 262k-entry vocabulary's Q6_K blocks). LFM2's gated
-short convolutions beside its attention layers (kvlm.model.conv; kernels/conv.c): in_proj,
-B * x, the taps over the sequence's held rows and the new one, C * that, out_proj, the
-rows read and moved on in place through a `ConvView` of the cache's conv part
+lm_head, read in its stored format (a 262k-entry vocabulary's Q6_K blocks). Gated short
+convolutions beside attention layers (the conv layer kind, kvlm.model.conv;
+kernels/conv.c): in_proj, B * x, the taps over the sequence's held rows and the new one,
+C * that, out_proj, the rows read and moved on in place through a `ConvView` of the
+cache's conv part
 (kvlm.cache.conv: the rows ConvStep reads, moved on as ConvRows.commit moves them, once
 the step's logits are made, so a step that fails leaves them as they were); a draft's
 rows are one sequence to the convolution, as the torch model takes them.
 
 It applies where that is the whole story: CPU, fp32 activations, low-bit weights in every
 projection (`--weights int8|int4|native`), no MLP biases, and fp32, bf16, fp16, int8 or q4 K/V
-in a contiguous, paged or hybrid contiguous cache (an LFM2's conv rows beside either).
+in a contiguous, paged or hybrid contiguous cache (a conv model's rows beside either).
 Anything else (prefill, the window, basic and off caches, a draft longer than a ring's
 slack: `drafts`, other formats) runs the torch model. `KVLM_NO_FUSED=1` turns it off.
 Tests hold its logits to the torch path's.
