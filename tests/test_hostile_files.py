@@ -11,6 +11,7 @@ signal or a hang is a failed test, not a dead test run.
 from __future__ import annotations
 
 import base64
+import ctypes
 import json
 import os
 import random
@@ -559,7 +560,8 @@ def test_native_code_checks_the_sizes_it_is_given(tmp_path):
         assert lib.kvlm_decode_scratch(spec, 1) == -2, field
         # refused before anything is read: no views, no buffers given
         none = (None, 0) * 4  # x, pos, cos, sin and their lengths
-        assert lib.kvlm_decode_batch(spec, 1, *none, None, 1, None, 0, None, 0) == -2, field
+        views = (None, 1, None, 0)  # K/V views, conv views
+        assert lib.kvlm_decode_batch(spec, 1, *none, *views, None, 0, None, 0) == -2, field
         setattr(owner, field, getattr(owner, field) - 32)
     assert lib.kvlm_decode_scratch(spec, 1) > 0
 
@@ -934,7 +936,7 @@ def test_the_decode_step_checks_its_buffers(build, kv, tiny_step):
         t.fill_(1)
     before = [t.clone() for t in store.parts.values()]
     step._set_storage(store, None)
-    step._place([KVView(store, [[0], [1]], S)])
+    step._place([KVView(store, [[0], [1]], S)], [])
     pos = torch.tensor([3, 5])
     spec = ctypes.byref(step.spec)
     scratch = torch.empty(lib.kvlm_decode_scratch(spec, B))
@@ -961,8 +963,8 @@ def test_the_decode_step_checks_its_buffers(build, kv, tiny_step):
         a = {**good, **given}
         return lib.kvlm_decode_batch(
             spec, B, x.data_ptr(), a["xn"], pos.data_ptr(), a["pn"], step.cos.data_ptr(),
-            a["cn"], step.sin.data_ptr(), a["sn"], view() if views is None else views, 1,
-            scratch.data_ptr(), a["scn"], logits.data_ptr(), a["ln"],
+            a["cn"], step.sin.data_ptr(), a["sn"], view() if views is None else views, 1, None,
+            0, scratch.data_ptr(), a["scn"], logits.data_ptr(), a["ln"],
         )  # fmt: skip
 
     bad = [{"xn": B * H - 1}, {"pn": B - 1}, {"cn": tables - 1}, {"sn": tables - 1},
@@ -991,6 +993,103 @@ def test_the_decode_step_checks_its_buffers(build, kv, tiny_step):
     assert call(x, logits) == 0 and _untouched(logits[B * vocab :]) and _untouched(x[B * H :])
     assert torch.isfinite(logits[: B * vocab]).all()
     assert not all(torch.equal(t, b) for t, b in zip(store.parts.values(), before, strict=True))
+
+
+@pytest.fixture(scope="module")
+def lfm2_step(tmp_path_factory):
+    """A tiny LFM2's fused step (conv, attention, conv, attention) and a contiguous cache
+    of two sequences, 5 tokens held: the step's K/V views and conv rows."""
+    from helpers import save_tiny_model
+    from kvlm import LLM
+    from kvlm.model.fused import FusedDecoder
+
+    if kernels.library() is None:
+        pytest.skip(kernels.status())
+    folder = save_tiny_model(tmp_path_factory.mktemp("lfm2"), "lfm2", seed=3, tokenizer="llama3")
+    llm = LLM(model=folder, weights="int8", max_context=32, progress=False)
+    cache = llm.new_cache("contiguous")
+    llm.runner.forward([5, 6, 7, 8, 9], cache)
+    cache.fork(2)
+    return FusedDecoder(llm.model, 32), cache
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_conv_rows_are_checked(build, lfm2_step):
+    """kvlm_decode_batch over a model with conv layers: each conv view's rows within its
+    bytes (layers x sequences x keep x hidden floats, overflow refused), its seq and ends
+    within their entries, each row's sequence within the batch, the rows before each
+    step's held (end - keep + kernel - 1 <= start <= end), a sequence's rows consecutive
+    at consecutive positions with one end, no sequence twice, each conv layer's view and
+    index within them; the model's conv layers' products of their shapes, taps given, the
+    kernel in range, a known mixer. Nothing written: x, the logits, the K/V and the rows
+    as they were; the call with each as it should be moves the rows on."""
+    from kvlm.model.fused import ConvView, _split
+
+    lib, (step, cache) = _kernels(build), lfm2_step
+    c, n = step.model.config, cache.num_tokens
+    H, vocab, L = c.hidden_size, step.vocab, c.conv_kernel
+    kv, (conv,) = _split(cache.kv_views([0, 1]))
+    step._set_storage(kv[0].store, None)
+    step._place(kv, [conv])
+    rows = conv.rows
+    slack = rows.shape[2] - (L - 1)
+    held = [rows, *kv[0].store.parts.values()]
+    before = [t.clone() for t in held]
+    spec = ctypes.byref(step.spec)
+
+    def call(pos=(n, n), seqs=(0, 1), ends_at=(n, n), n_convs=1, **fields) -> int:
+        """The step of len(pos) rows, the conv view's seq and ends as given, then its
+        struct's `fields`; a refusal (-2) has left x and the logits untouched."""
+        B = len(pos)
+        kv_rows, _ = _split(cache.kv_views([b % 2 for b in range(B)]))  # K/V rows in range
+        c_views, _tables = step._c_views(kv_rows, list(pos))
+        c_convs, _lists = step._c_convs([ConvView(rows, list(seqs), list(ends_at))])
+        for name, value in fields.items():
+            setattr(c_convs[0], name, value)
+        scratch = torch.empty(lib.kvlm_decode_scratch(spec, B))
+        x, logits, p = _guarded(B * H), _guarded(B * vocab), torch.tensor(pos)
+        rc = lib.kvlm_decode_batch(
+            spec, B, x.data_ptr(), B * H, p.data_ptr(), B, step.cos.data_ptr(), step.cos.numel(),
+            step.sin.data_ptr(), step.sin.numel(), c_views, len(kv), c_convs, n_convs,
+            scratch.data_ptr(), scratch.numel(), logits.data_ptr(), B * vocab,
+        )  # fmt: skip
+        assert rc != -2 or (_untouched(x) and _untouched(logits)), fields
+        return rc
+
+    layers, need = rows.shape[0], rows.numel() * 4
+    bad = [{"rows": None}, {"seq": None}, {"ends": None}, {"layers": layers - 1},
+           {"batch": 1}, {"batch": 0}, {"keep": L - 2}, {"width": H + 1}, {"width": H - 1},
+           {"entries": 1}, {"bytes": need - 1}, {"bytes": -1},
+           {"layers": HUGE, "bytes": ANY}, {"keep": HUGE, "layers": 2, "bytes": ANY},
+           {"seqs": (0, 2)}, {"seqs": (-1, 0)}, {"ends_at": (n, -1)},
+           {"ends_at": (n + slack + 1,) * 2}, {"ends_at": (n - 1, n)},  # not held; past its end
+           {"seqs": (0, 0)},  # one sequence's rows at one position
+           {"seqs": (0, 0), "pos": (n, n + 1), "ends_at": (n, n + 1)},  # two ends
+           {"seqs": (0, 1, 0), "pos": (n,) * 3, "ends_at": (n,) * 3},  # a sequence twice
+           {"n_convs": 0}]  # fmt: skip
+    for given in bad:
+        assert call(**given) == -2, given
+    layer = step.spec.layers[0]  # a conv layer
+    for field, value in (("view", 1), ("index", layers)):
+        old = getattr(layer, field)
+        setattr(layer, field, value)
+        assert call() == -2, field
+        setattr(layer, field, old)
+    assert all(torch.equal(a, b) for a, b in zip(held, before, strict=True))
+    most = kernels.CONSTANTS["MAX_CONV_KERNEL"]
+    for owner, field, value in ((step.spec, "conv_kernel", 1),
+                                (step.spec, "conv_kernel", most + 1), (layer, "mixer", 2),
+                                (layer.in_proj, "n", 3 * H + 32), (layer.out_proj, "k", H + 32),
+                                (layer, "taps", None)):  # fmt: skip
+        old = getattr(owner, field)
+        setattr(owner, field, value)
+        assert lib.kvlm_decode_scratch(spec, 2) == -2, field
+        setattr(owner, field, old)
+    assert call() == 0  # the rows moved on: each sequence's new u last, the rest one back
+    assert torch.equal(rows[:, :, :-1], before[0][:, :, 1:])
+    assert not torch.equal(rows[:, :, -1], before[0][:, :, -1])
+    # a draft of two rows on one sequence beside a row of the other: taken
+    assert call(pos=(n + 1, n + 2, n + 1), seqs=(0, 0, 1), ends_at=(n + 1,) * 3) == 0
 
 
 def test_a_norm_or_glu_the_kernels_refuse_is_an_error_not_torch(monkeypatch):

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvlm import kernels
+from kvlm.config import CONV_KERNEL, MIXERS
 from kvlm.model import fused, quant
 
 KERNELS = Path(kernels.__file__).parent
@@ -26,6 +27,7 @@ MIRROR = {
     "kvlm_qlayer": fused._QLayer,
     "kvlm_qmodel": fused._QModel,
     "kvlm_kv_view": fused._KVView,
+    "kvlm_conv_view": fused._ConvView,
 }
 SCALARS = {"int64_t": ctypes.c_int64, "float": ctypes.c_float, "double": ctypes.c_double}
 
@@ -146,6 +148,11 @@ def test_pythons_numbers_are_abi_hs():
     } == header
     assert (c["BR"], c["SMALL_ROWS"]) == (quant.BLOCK_ROWS, quant.SMALL_M)
     assert c["KVLM_ABI"] == kernels.ABI
+    # a layer's mixer: one code for each of the config's (kvlm_qlayer.mixer), and the most
+    # taps a conv layer takes the config's bound
+    assert set(fused._MIXERS) == set(MIXERS)
+    assert set(fused._MIXERS.values()) == {c[k] for k in c if k.startswith("MIX_")}
+    assert c["MAX_CONV_KERNEL"] == CONV_KERNEL[1]
 
 
 def exported_definitions() -> dict[str, tuple[str, str]]:

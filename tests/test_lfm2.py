@@ -4,22 +4,35 @@ from the GGUF file llama.cpp's own converter writes for them (tests/converter.py
 
 Every one-sequence cache mode keeps the conv rows as a layer group of its own
 (kvlm.cache.conv), the engine's pool a slot of them a sequence and each sealed block's end
-rows for prefix hits (kvlm.cache.conv.ConvSlots); the fused C step refuses the model,
-saying so (docs/NOTES-lfm2.md: what is left)."""
+rows for prefix hits (kvlm.cache.conv.ConvSlots); the fused C decode step (kvlm.model.fused,
+kernels/conv.c) reads and moves them on in place in the contiguous, paged and int8 modes,
+held to the torch model by tests/numerics.py's rules as test_fused_arch holds the other
+families (docs/NOTES-lfm2.md: what is left)."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 import torch
 
 import converter
-from helpers import LFM2_TEMPLATE, assert_greedy_agreement, hf_greedy, load_hf, save_tiny_model
+from helpers import (
+    LFM2_TEMPLATE,
+    assert_greedy_agreement,
+    assert_top_k_both_ways,
+    fused_and_torch,
+    hf_greedy,
+    load_hf,
+    portable_build_params,
+    portable_kernels,
+    save_tiny_model,
+)
 from kvlm import LLM, SamplingParams
 from kvlm.engine.runner import CacheBatch
 from kvlm.errors import InvalidRequestError
-from numerics import assert_as_exact_as, fp64_reorder_bound, max_error
+from numerics import SAME_ROUNDING, assert_as_exact_as, fp64_reorder_bound, max_error
 
 PROMPT = "What is the capital of France? The capital of France is"
 C, A = "conv", "full_attention"
@@ -335,7 +348,9 @@ def test_memory_counts_the_rows_per_sequence(lfm2_dir, mode, capsys):
         capsys.readouterr().out)  # fmt: skip
 
 
-def test_the_fused_step_refuses_it(lfm2_dir):
+def test_the_fused_step_takes_it(lfm2_dir):
+    """The fused step decodes the modes whose caches it reads (their conv part's rows a
+    ConvView), the others the torch step, saying why."""
     from dataclasses import replace
 
     from kvlm.cache import create_cache
@@ -344,10 +359,12 @@ def test_the_fused_step_refuses_it(lfm2_dir):
     from kvlm.model.transformer import NO_CONV_ROWS
 
     llm = LLM(model=lfm2_dir("lfm2"), kv="contiguous", weights="int8", progress=False)
-    assert fused.why_not(llm.model) == (
-        "a short-convolution layer (the step has no kernel for one yet)"
-    )
-    assert llm.describe()["decode_step"].startswith("torch step: a short-convolution layer")
+    assert fused.why_not(llm.model) is None
+    assert llm.describe()["decode_step"] == "fused"
+    for mode in ("contiguous", "paged", "int8"):
+        assert llm.runner.decode_step(llm.new_cache(mode)) == "fused", mode
+    for mode in ("basic", "window"):
+        assert llm.runner.decode_step(llm.new_cache(mode)).startswith("torch step: the fused")
     # a cache made for another spec, with no conv group: the model says why
     cache = create_cache("contiguous", replace(llm.cache_spec(), layer_kinds=()))
     llm.runner.forward([3, 4], cache)  # from position 0: the rows are zeros
@@ -668,6 +685,271 @@ def test_kvlm_serve_answers_concurrent_chats(pooled):
     assert groups[1]["blocks_with_rows"] > 0  # the answers' blocks' end rows, for hits
 
 
+# ---------------------------------------------------------------------- the fused C step
+
+FUSED_CONTEXT = 256
+KV_DTYPES = ["fp32", "int8", "q4"]
+# each tiny model's low-bit weights in the fused tests: both kinds over the layer orders
+FUSED_WEIGHTS = {"lfm2": "int8", "lfm2-attention-first": "int4", "lfm2-convs-last": "int8",
+                 "lfm2-bias-k4": "int4", "lfm2-k4": "int8"}  # fmt: skip
+
+
+@functools.cache
+def fused_llm(folder, weights: str, kv_dtype: str = "fp32", dtype: str = "fp32") -> LLM:
+    """Low-bit weights on fp32 activations and prompt products (the exact products the
+    fused step and the torch step share), in `dtype` (fp64: the exact result)."""
+    return LLM(model=folder, progress=False, max_context=FUSED_CONTEXT, weights=weights,
+               kv_dtype=kv_dtype, dtype=dtype, activations="fp32",
+               prefill_dtype="fp32")  # fmt: skip
+
+
+def exact_rows(llm: LLM, ids: list[int], n: int) -> torch.Tensor:
+    """The conv layers' last n input rows after `ids`, (conv layers, 1, n, H), computed by
+    `llm` (fp64: exact) with rows of its own dtype carried beside a cache."""
+    return carried(llm, ids, [len(ids)])[2].rows[:, :, -n:]
+
+
+def held_rows(cache, n: int) -> torch.Tensor:
+    """The last n rows a cache's conv part holds before its length."""
+    return cache.parts[-1].rows.at_length()[:, :, -n:]
+
+
+def factor_for(kv_dtype: str) -> float:
+    """The fused step also rounds each query head to int8 over an int8 or q4 cache
+    (test_fused_arch.INT8_QUERIES)."""
+    from test_fused_arch import INT8_QUERIES
+
+    return INT8_QUERIES if kv_dtype in ("int8", "q4") else SAME_ROUNDING
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "paged"])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("name", list(LFM2_MODELS))
+def test_the_fused_step_tracks_the_torch_model(lfm2_dir, name, kv_dtype, mode):
+    """40 fused steps against the torch model fed the same tokens, each over its own cache,
+    both held to the exact (fp64) result: the fused logits as close to it as the torch
+    path's (int8 and q4 K/V: with the int8 queries' rounding), each side's best token in
+    the other's top 5; and the conv rows the fused step moved on in place (the last
+    kernel - 1 + 8, past where a misplaced row would sit) as close to the exact ones as
+    the torch step's."""
+    folder, weights = lfm2_dir(name), FUSED_WEIGHTS[name]
+    llm = fused_llm(folder, weights, kv_dtype)
+    prompt = prompt_ids(llm, 20)
+    tokens, fused, ref, fused_cache, torch_cache = fused_and_torch(llm, prompt, 40, mode)
+    exact_llm = fused_llm(folder, weights, dtype="fp64")
+    ids = prompt + tokens
+    exact = exact_llm.runner.logits(ids, exact_llm.new_cache("off"))[len(prompt) :]
+    assert_as_exact_as(fused, ref, exact, factor_for(kv_dtype))
+    assert_top_k_both_ways(fused, ref)
+    n = llm.config.conv_kernel - 1 + 8
+    want = exact_rows(exact_llm, ids, n)
+    assert_as_exact_as(held_rows(fused_cache, n), held_rows(torch_cache, n), want)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("mode", ["contiguous", "paged"])
+def test_generate_decodes_through_the_fused_step(lfm2_dir, mode, kv_dtype, monkeypatch):
+    """LLM.generate decodes every token after the prefill's through the fused step (one
+    call of one row each), its greedy tokens the torch step's (equal up to a first
+    divergence, where each side's token is in the other's top 5)."""
+    from kvlm.model.fused import FusedDecoder
+
+    llm = fused_llm(lfm2_dir("lfm2-bias-k4"), "int4", kv_dtype)
+    n, prompt = 48, prompt_ids(llm, 8)
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
+    calls = counted_runs(monkeypatch, FusedDecoder)
+    fused = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    assert calls == [1] * (n - 1)
+    reason, llm.runner.fused_reason = llm.runner.fused_reason, "off for the comparison"
+    try:
+        ref = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+        ref_logits = llm.runner.logits(prompt + ref.token_ids[:-1], llm.new_cache(mode))
+    finally:
+        llm.runner.fused_reason = reason
+    assert len(calls) == n - 1  # the torch runs did not call it
+    assert_greedy_agreement(fused.token_ids, [list(lp.top) for lp in fused.logprobs],
+                            ref.token_ids, ref_logits[len(prompt) - 1 :])  # fmt: skip
+
+
+def test_the_conv_products_take_their_own_activation_setting(lfm2_dir):
+    """--activations int8 rounds every product's input, the conv layers' in_proj and
+    out_proj too (their own bits of the fused step's masks): the two steps differ by
+    summation order only, with those two on int8 or on fp32 while the rest stay on int8;
+    and turning them to fp32 moves the logits far more than that."""
+    llm = LLM(model=lfm2_dir("lfm2"), progress=False, max_context=FUSED_CONTEXT,
+              weights="int8", activations="int8", prefill_dtype="fp32")  # fmt: skip
+    prompt = prompt_ids(llm, 12)
+    _, every, every_ref, *_ = fused_and_torch(llm, prompt, 6)
+    convs = [b.conv for b in llm.model.layers if b.conv is not None]
+    assert all(c.in_proj.act_int8 and c.out_proj.act_int8 for c in convs)
+    for conv in convs:
+        conv.in_proj.act_int8 = conv.out_proj.act_int8 = False
+    _, mixed, mixed_ref, *_ = fused_and_torch(llm, prompt, 6)
+    order = max(max_error(every, every_ref), max_error(mixed, mixed_ref))
+    assert max_error(mixed, mixed_ref) <= 4 * max_error(every, every_ref)
+    assert max_error(mixed[0], every[0]) > 4 * order  # step 0: the same prefix
+    assert_top_k_both_ways(mixed, mixed_ref)
+
+
+def counted_runs(monkeypatch, decoder) -> list[int]:
+    """The rows of every FusedDecoder.run call from now on."""
+    calls: list[int] = []
+    run = decoder.run
+
+    def counted(self, views, tokens, *args):
+        calls.append(len(tokens))
+        return run(self, views, tokens, *args)
+
+    monkeypatch.setattr(decoder, "run", counted)
+    return calls
+
+
+def test_fused_steps_after_a_chunked_prompt_equal_those_after_one_shot(lfm2_dir):
+    """A prompt fed in chunks of 7 across the kernel's edge leaves the rows a one-shot
+    prompt leaves, bit for bit, so the fused steps after either give the same logits and
+    move the rows on alike."""
+    llm = fused_llm(lfm2_dir("lfm2-bias-k4"), "int4")
+    ids, steps = prompt_ids(llm, 28), prompt_ids(llm, 40)[28:]
+    caches = [llm.new_cache("contiguous") for _ in range(2)]
+    fed(llm, ids, [7] * 4, caches[0])
+    fed(llm, ids, [28], caches[1])
+    assert llm.runner.fused_for(caches[0]) is not None
+    logits = [torch.stack([llm.runner.forward([t], c) for t in steps]) for c in caches]
+    assert torch.equal(logits[0], logits[1])
+    assert torch.equal(held_rows(caches[0], 35), held_rows(caches[1], 35))
+
+
+def test_fused_and_torch_steps_take_turns_on_one_cache(lfm2_dir):
+    """Each step reads the rows the other left (the fused step's in place, the torch
+    step's ConvRows.commit), so steps taking turns are as exact as the torch step alone."""
+    folder = lfm2_dir("lfm2")
+    llm = fused_llm(folder, "int8")
+    prompt = prompt_ids(llm, 12)
+    tokens, _, ref, _, _ = fused_and_torch(llm, prompt, 24)
+    cache, runner, turns = llm.new_cache("contiguous"), llm.runner, []
+    runner.forward(prompt, cache)
+    for i, t in enumerate(tokens):
+        runner.fused_reason = None if i % 3 else "off: the torch step's turn"
+        try:
+            turns.append(runner.forward([t], cache))
+        finally:
+            runner.fused_reason = None
+    exact_llm = fused_llm(folder, "int8", dtype="fp64")
+    exact = exact_llm.runner.logits(prompt + tokens, exact_llm.new_cache("off"))[len(prompt) :]
+    assert_as_exact_as(torch.stack(turns), ref, exact)
+
+
+@pytest.mark.parametrize("reject", [0, 1, 3, 5])
+def test_a_draft_through_the_fused_step_rolls_back(lfm2_dir, reject, monkeypatch):
+    """The last token and a draft of 5 checked as 6 rows of one fused step (one sequence
+    to the convolution: each row reads the rows of those before it), `reject` of them
+    rolled back: each kept row's logits are those of the fused step fed its token alone,
+    the rows held then bit for bit those of a cache fed the kept tokens one at a time, and
+    so are the next tokens' logits."""
+    from kvlm.engine.runner import DraftBatch
+    from kvlm.model.fused import FusedDecoder
+
+    llm = fused_llm(lfm2_dir("lfm2-k4"), "int8", "int8")
+    ids, draft = prompt_ids(llm, 30), prompt_ids(llm, 40)[30:35]
+    a, b = llm.new_cache("contiguous"), llm.new_cache("contiguous")
+    for cache in (a, b):
+        llm.runner.forward(ids[:-1], cache)
+    calls = counted_runs(monkeypatch, FusedDecoder)
+    rows = llm.runner.run(DraftBatch([ids[-1], *draft], a))
+    assert calls == [6]
+    a.rollback(reject)
+    kept = [ids[-1], *draft][: 6 - reject]
+    alone = torch.stack([llm.runner.forward([t], b) for t in kept])
+    assert torch.equal(rows[: len(kept)], alone)
+    keep = a.parts[-1].rows.keep - reject  # a's rows below the rollback: zeros, not held
+    assert torch.equal(held_rows(a, keep), held_rows(b, keep))
+    for t in ids[:4]:
+        assert torch.equal(llm.runner.forward([t], a), llm.runner.forward([t], b))
+
+
+def test_ngram_drafts_through_the_fused_step_keep_the_plain_tokens(lfm2_dir, monkeypatch):
+    """Prompt lookup's drafts checked as rows of one fused step, the rejected rolled back
+    (the conv rows within their slack): the plain greedy tokens, which the fused step
+    decodes too."""
+    from tqdm import tqdm
+
+    from kvlm.engine.batch import run_batch
+    from kvlm.engine.speculative import SpeculativeConfig
+    from kvlm.model.fused import FusedDecoder
+
+    folder = lfm2_dir("lfm2")
+    options = {"model": folder, "progress": False, "weights": "int8", "kv": "contiguous"}
+    greedy = SamplingParams(max_tokens=40, temperature=0.0)
+    prompts = [PROMPT, "One two three, one two three, one two"]
+    calls = counted_runs(monkeypatch, FusedDecoder)
+    # one prompt a call: its own cache (more go to the engine's pool, whose conv slots the
+    # fused step does not read yet)
+    llm = LLM(**options)
+    plain = [llm.generate(p, greedy)[0].outputs[0].token_ids for p in prompts]
+    assert set(calls) == {1}
+    # drafts on the LLM's own cache (LLM.generate sends them to the pool)
+    spec = LLM(**options, speculative=SpeculativeConfig("ngram", ngram_min=1))
+    one, bar = spec.cache_engine(), tqdm(disable=True)
+    runs = [run_batch(one, [(p, spec.tokenizer.encode(p))], [greedy], bar)[0] for p in prompts]
+    assert [r.outputs[0].token_ids for r in runs] == plain
+    assert max(calls) > 1  # drafts went through it
+
+
+def test_forked_rows_in_one_fused_step_are_each_alone(lfm2_dir):
+    """A prompt's cache forked into 3 rows fed different tokens: each row of the fused
+    step reads and moves on its own sequence's rows, its logits bit for bit those of a
+    cache fed its tokens alone."""
+    from kvlm.engine.runner import CacheBatch
+
+    llm = fused_llm(lfm2_dir("lfm2-convs-last"), "int8")
+    prompt, more = prompt_ids(llm, 20), prompt_ids(llm, 40)[20:]
+    cache = llm.new_cache("contiguous")
+    llm.runner.forward(prompt, cache)
+    cache.fork(3)
+    assert llm.runner.fused_for(cache) is not None
+    rows = [more[b::3][:6] for b in range(3)]
+    together = torch.stack([llm.runner.run(CacheBatch([[r[i]] for r in rows], cache))
+                            for i in range(6)], dim=1)  # fmt: skip
+    for b, tokens in enumerate(rows):
+        alone = llm.new_cache("contiguous")
+        llm.runner.forward(prompt, alone)
+        assert torch.equal(together[b], torch.stack([llm.runner.forward([t], alone)
+                                                     for t in tokens])), b  # fmt: skip
+
+
+@pytest.mark.parametrize("march", portable_build_params())
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+def test_the_portable_builds_run_it_alike(lfm2_dir, march, kv_dtype):
+    """The scalar build and the AVX2 halves: the conv layers' arithmetic is the same
+    operations in the same order on every build, the rest as the other families'
+    (test_fused_arch): the logits of 24 fused steps as close to the exact ones as the
+    native build's, and each side's conv rows as close as the other's."""
+    from kvlm import kernels
+    from kvlm.model.fused import FusedDecoder
+
+    folder = lfm2_dir("lfm2-bias-k4")
+    llm = fused_llm(folder, "int4", kv_dtype)
+    prompt, steps = prompt_ids(llm, 12), prompt_ids(llm, 36)[12:]
+    logits, rows = [], []
+    for lib in (kernels.library(), portable_kernels(march)):
+        cache = llm.new_cache("contiguous")
+        llm.runner.forward(prompt, cache)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(kernels, "library", lambda lib=lib: lib)
+            slots = cache.spec.max_tokens
+            mp.setitem(llm.runner._fused, slots, FusedDecoder(llm.model, slots))
+            logits.append(torch.stack([llm.runner.forward([t], cache) for t in steps]))
+        rows.append(held_rows(cache, 10))
+    exact_llm = fused_llm(folder, "int4", dtype="fp64")
+    ids = prompt + steps
+    exact = exact_llm.runner.logits(ids, exact_llm.new_cache("off"))[len(prompt) :]
+    want = exact_rows(exact_llm, ids, 10)
+    factor = factor_for(kv_dtype)
+    for got, ref in ((logits, exact), (rows, want)):
+        assert_as_exact_as(got[1], got[0], ref, factor)
+        assert_as_exact_as(got[0], got[1], ref, factor)
+
+
 # ------------------------------------------------------------------- llama.cpp's converter
 
 
@@ -710,6 +992,25 @@ def test_gguf_vocabulary_and_template_read_as_transformers(converted):
     want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert ours.render_chat(messages, add_generation_prompt=True) == want
     assert want.startswith("<s><|im_start|>system\nBe brief.<|im_end|>")
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "paged"])
+def test_a_q8_0_gguf_takes_the_fused_step(converted, mode):
+    """--weights native on llama.cpp's Q8_0 file: every projection, the conv layers' in the
+    file's blocks, goes to the fused step, its logits over 40 steps as close to the exact
+    ones as the torch step's."""
+    folder, _ = converted("lfm2")
+    path = converter.convert(folder, outtype="q8_0", pre="lfm2")
+    llm = fused_llm(path, "native")
+    assert llm.runner.fused_reason is None, llm.runner.fused_reason
+    conv = llm.model.layers[0].conv  # the file's Q8_0 blocks: kvlm's q8
+    assert conv.in_proj.quant.kind == conv.out_proj.quant.kind == "q8"
+    prompt = prompt_ids(llm, 16)
+    tokens, fused, ref, _, _ = fused_and_torch(llm, prompt, 40, mode)
+    exact_llm = fused_llm(path, "native", dtype="fp64")
+    exact = exact_llm.runner.logits(prompt + tokens, exact_llm.new_cache("off"))[len(prompt) :]
+    assert_as_exact_as(fused, ref, exact)
+    assert_top_k_both_ways(fused, ref)
 
 
 def test_a_quantized_gguf_follows_hf(converted):

@@ -41,8 +41,6 @@ FEATURES = {
 # (layers with a window of 8 and layers that see the whole context) and a conv one (short
 # convolutions beside attention): tests/test_composition.py builds them
 MODELS = ("llama", "hybrid", "conv")
-# Why the fused step does not run a model with conv layers (kvlm.model.fused.why_not)
-NO_FUSED_CONV = "a short-convolution layer (the step has no kernel for one yet)"
 
 
 def variants() -> list[tuple[str, str, str | None]]:
@@ -62,8 +60,6 @@ def refusal(model: str, mode: str, kv_dtype: str | None, feature: str) -> str | 
         return NO_WINDOW_FILE
     if feature == "speculative decoding" and mode in NO_SPECULATION:
         return NO_SPECULATION[mode]
-    if feature == "fused low-bit step" and model == "conv":  # the model's reason first
-        return f"torch step: {NO_FUSED_CONV}"
     if feature == "fused low-bit step" and mode not in FUSED_MODES:
         return f"torch step: {fused.NOT_THIS_CACHE}"
     return None

@@ -24,9 +24,10 @@ kvlm.cache.files writes to and reads from a file), nbytes (exact), and planned_n
 
 A caller that reads and writes K/V itself (the fused C decode step, kvlm.model.fused)
 asks a cache where they are: `kv_views(rows)`, a `KVView` per layer group (a store, each
-row's blocks, a ring's size and its window; None where its layout is no such view), and
-after begin() tells it `written_in_place(step)` (a ring that stages its writes for commit
-then only records the positions).
+row's blocks, a ring's size and its window; None where its layout is no such view), and a
+`ConvView` for a group of conv layers (their rows, kvlm.cache.conv), and after begin()
+tells it `written_in_place(step)` (a ring that stages its writes for commit, and the conv
+rows, then only record the positions).
 """
 
 from __future__ import annotations
@@ -328,6 +329,21 @@ class KVView:
 
 
 @dataclass(slots=True)
+class ConvView:
+    """Where some of the model's conv layers keep their rows for one step (kvlm.cache.conv's
+    ConvRows): `rows` (layers, sequences, keep, H) fp32, a sequence's last `keep` input
+    rows of the convolution; the step's row i feeds sequence seqs[i], whose rows end at
+    position ends[i] (rows of one sequence consecutive at consecutive positions: a
+    draft's); `layers`: the model's layers the rows hold, in their order. Made afresh for
+    each call (kv_views)."""
+
+    rows: torch.Tensor
+    seqs: Sequence[int]
+    ends: Sequence[int]
+    layers: tuple[int, ...] | None = None
+
+
+@dataclass(slots=True)
 class CacheSnapshot:
     """A cache's contents, detached from it: what snapshot() returns and files hold.
 
@@ -552,15 +568,17 @@ class KVCache(ABC):
 
     # ------------------------------------------------------------------ views
 
-    def kv_views(self, rows: Sequence[int]) -> list[KVView] | None:
+    def kv_views(self, rows: Sequence[int]) -> list[KVView | ConvView] | None:
         """This cache's K/V for a caller that reads and writes them itself (the fused
-        decode step), token i through row rows[i]: a KVView per layer group; None where
-        the layout is none a view describes (basic, off, window)."""
+        decode step), token i through row rows[i]: a KVView per layer group of attention,
+        a ConvView per group of conv layers; None where the layout is none a view
+        describes (basic, off, window)."""
         return None
 
     def written_in_place(self, step: CacheStep) -> None:  # noqa: B027 - most write in place
-        """The caller wrote `step`'s K/V through kv_views() itself: a cache that stages a
-        step's writes for commit() (a ring) then only records the positions."""
+        """The caller wrote `step`'s K/V (and conv rows) through kv_views() itself: a cache
+        that stages a step's writes for commit() (a ring, conv rows) then only records the
+        positions."""
 
     def __repr__(self) -> str:
         return (

@@ -17,6 +17,12 @@ A draft (KVCache.begin(n, draft=True): one sequence's n tokens as n rows of one 
 one sequence of n tokens to the convolution: the model's ShortConv takes the rows as
 (1, n, H) over the window before the first (`ConvStep.draft`).
 
+The fused C decode step (kvlm.model.fused, kernels/conv.c) reads and writes the rows in
+place, in this layout, through `ConvCache.kv_views` (a `ConvView`): it reads the L - 1 rows
+before each step as `ConvStep.window` does and moves the rows on as `commit` would, once
+its logits are made; the cache told (`written_in_place`), its commit only records the
+positions.
+
 The engine's pool keeps the conv group as `ConvSlots` (one of kvlm.cache.paged.BlockPool's
 groups): a slot of rows per sequence, not per block, and each sealed block's end rows for
 the prefix cache:
@@ -42,7 +48,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep, KVCache, KVPair
+from kvlm.cache.base import CacheSpec, CacheStep, ConvView, KVCache, KVPair
 from kvlm.cache.groups import LayerGroup
 from kvlm.cache.kinds import CONV_ROW_DTYPE, RING_SLACK, ConvWindow
 from kvlm.errors import CacheOverflowError, InvalidRequestError
@@ -76,10 +82,15 @@ class ConvRows:
         return ConvStep(self, self.length, n_new, draft)
 
     def commit(self, step: ConvStep) -> None:
-        """Keep the step's rows: the sequences hold start + n_new tokens."""
-        if step.start != self.length or any(u is None for u in step.staged):
+        """Keep the step's rows: the sequences hold start + n_new tokens (`in_place`: the
+        fused step has moved the rows on itself)."""
+        if step.start != self.length or (not step.in_place and any(u is None for u in step.staged)):
             raise ValueError("a conv step committed out of order, or not run through")
         keep = self.keep
+        if step.in_place:
+            self.end = self.length = step.start + step.n_new
+            self.first = max(self.first, self.end - keep)
+            return
         staged = torch.stack(step.staged).to(self.rows.dtype)  # type: ignore[arg-type]
         before = self.rows[:, :, : keep - (self.end - step.start)]  # up to start
         rows = torch.cat([before, staged], dim=2)[:, :, -keep:]  # (layers, B, <= keep, H)
@@ -87,7 +98,7 @@ class ConvRows:
             # below end - keep were not kept, so the slack left is smaller (`first`)
             pad = rows.new_zeros(*rows.shape[:2], keep - rows.shape[2], rows.shape[3])
             rows = torch.cat([pad, rows], dim=2)
-        self.rows = rows
+        self.rows = rows.contiguous()  # the layout the fused step reads in place
         self.end = self.length = step.start + step.n_new
         self.first = max(self.first, self.end - keep)
 
@@ -141,6 +152,7 @@ class ConvStep:
 
     def __init__(self, rows: ConvRows, start: int, n_new: int, draft: bool = False) -> None:
         self.start, self.n_new, self.draft = start, n_new, draft
+        self.in_place = False  # the rows moved on by the fused step (ConvCache.written_in_place)
         behind = rows.end - start  # 0, or up to slack after a rollback
         keep, r = rows.keep, rows.kind.rows
         self._before = rows.rows[:, :, keep - behind - r : keep - behind]
@@ -205,6 +217,16 @@ class ConvCache(KVCache):
     def _fork(self, n: int) -> None:
         self.rows.fork(n)
 
+    def kv_views(self, rows: Sequence[int]) -> list[ConvView]:
+        """The rows as one view (the fused step's): token i through sequence rows[i],
+        every sequence's rows ending at `end`."""
+        return [ConvView(self.rows.rows, list(rows), [self.rows.end] * len(rows))]
+
+    def written_in_place(self, step: CacheStep) -> None:
+        """The fused step reads the rows before the step and moves them on itself (after
+        its logits are made): commit then only records the positions."""
+        step.conv.in_place = True  # type: ignore[attr-defined]
+
     def _release(self) -> None:  # back to the spec's batch
         self.rows = ConvRows(self.kind, self.spec.num_layers, self.spec.batch, CONV_ROW_DTYPE,
                              self.spec.device)  # fmt: skip
@@ -218,7 +240,8 @@ class ConvCache(KVCache):
     def _import(self, tensors: dict[str, torch.Tensor], length: int) -> None:
         rows, held = tensors["rows"], int(tensors["held"][0])
         self.rows.reset()
-        self.rows.rows = rows.to(CONV_ROW_DTYPE, copy=True).to(self.spec.device)
+        # contiguous, as every other road leaves them: the fused step's layout
+        self.rows.rows = rows.to(CONV_ROW_DTYPE, copy=True).to(self.spec.device).contiguous()
         self.rows.end = self.rows.length = length
         self.rows.first = length - held
 

@@ -41,7 +41,15 @@ from typing import ClassVar
 
 import torch
 
-from kvlm.cache.base import CacheFileError, CacheSpec, CacheStep, KVCache, KVPair, KVView
+from kvlm.cache.base import (
+    CacheFileError,
+    CacheSpec,
+    CacheStep,
+    ConvView,
+    KVCache,
+    KVPair,
+    KVView,
+)
 from kvlm.cache.conv import ConvCache
 from kvlm.cache.groups import LayerGroup, layer_at, layer_groups, layout_extra
 from kvlm.cache.kinds import ConvWindow
@@ -188,14 +196,14 @@ class HybridCache(KVCache):
     def _layout_extra(self) -> dict[str, int]:
         return layout_extra(self.groups)
 
-    def kv_views(self, rows: Sequence[int]) -> list[KVView] | None:
+    def kv_views(self, rows: Sequence[int]) -> list[KVView | ConvView] | None:
         """Each part's views, its group's layers in its store's order: the mode's own
-        cache's (kv_views), a ring's (WindowCache.ring_views); None if a part has none."""
-        views = []
+        cache's (kv_views), a ring's (WindowCache.ring_views), the conv rows'
+        (ConvCache.kv_views); None if a part has none."""
+        views: list[KVView | ConvView] = []
         for group, part in zip(self.groups, self.parts, strict=True):
-            if isinstance(part, ConvCache):
-                return None  # no view of conv rows yet (the fused step refuses them)
-            mine = part.kv_views(rows) if group.kind.keep is None else part.ring_views(rows)
+            whole = group.kind.keep is None or isinstance(part, ConvCache)
+            mine = part.kv_views(rows) if whole else part.ring_views(rows)
             if mine is None:
                 return None
             for view in mine:  # fresh ones: the part's layers are this group's

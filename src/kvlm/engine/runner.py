@@ -241,7 +241,10 @@ class ModelRunner:
                 return out
         if one and len(rows) <= fused.MAX_ROWS and not b.prompt:
             decoder = self._decoder(spec.max_tokens)
-            if decoder is not None and all(decoder.reads(g.store) for g in pool.groups):
+            # a conv group's slots (ConvSlots) have no view the step reads yet: the torch road
+            if decoder is not None and all(
+                isinstance(g, BlockPool) and decoder.reads(g.store) for g in pool.groups
+            ):
                 views = pool.views([b.tables, *b.windowed])
                 return decoder.run(views, tokens, b.starts, window)
         step = TableStep(pool, spec, list(b.tables), list(b.starts), len(rows[0]), b.windowed)

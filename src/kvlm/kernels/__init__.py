@@ -2,7 +2,7 @@
 
 The low-bit weight formats (`--weights int8|int4|native`) multiply through these. The
 sources are split by concern (abi.h: the structs, enums and limits Python mirrors; base.c,
-weights.c, kv.c, kv_float.c, kv_int8.c, kv_q4.c, decode.c, prompt.c; v512.h: the map is
+weights.c, kv.c, kv_float.c, kv_int8.c, kv_q4.c, conv.c, decode.c, prompt.c; v512.h: the map is
 qgemm.c's comment) and compiled as one translation unit: qgemm.c includes the parts in
 order and is the one file the compiler is given, so the compiler inlines across them as
 within one file. The library is built once with the system C compiler (`$CC`, else
@@ -446,8 +446,9 @@ _SIGNATURES: dict[str, tuple[str, str]] = {
     "kvlm_qk_norm_rope": ("int", "piiiiiippidpipii"),
     # decode.c
     "kvlm_decode_scratch": ("int64", "pi"),  # m, B
-    # m, B, x, xn, pos, pn, cos, cn, sin, sn, views, n_views, scratch, scn, logits, ln
-    "kvlm_decode_batch": ("int", "pipipipipipipipi"),
+    # m, B, x, xn, pos, pn, cos, cn, sin, sn, views, n_views, convs, n_convs, scratch, scn,
+    # logits, ln
+    "kvlm_decode_batch": ("int", "pipipipipipipipipi"),
     # for tests alone (no caller in kvlm): the store's quantizers and fp16 conversions
     "kvlm_quantize_q4_rows": ("int", "pipipiii"),  # x, xn, codes, cn, scales, sn, rows, D
     "kvlm_quantize_kv_rows": ("int", "pipipiii"),  # x, xn, codes, cn, params, pn, rows, D

@@ -1,8 +1,8 @@
 /* The kernels' binary interface with Python: every struct, enum and limit that Python
  * mirrors or passes. kvlm/model/fused.py's ctypes classes (_QPart, _QMat, _QLayer, _QModel,
- * _KVView) mirror the structs, field for field; kvlm.kernels.CONSTANTS reads the #defines
- * and the enums' values from this file, and kvlm/model/quant.py's KIND_CODES, BLOCK_ROWS
- * and SMALL_M repeat some of them. tests/test_kernel_abi.py holds each side to the other
+ * _KVView, _ConvView) mirror the structs, field for field; kvlm.kernels.CONSTANTS reads
+ * the #defines and the enums' values from this file, and kvlm/model/quant.py's KIND_CODES,
+ * BLOCK_ROWS and SMALL_M repeat some of them. tests/test_kernel_abi.py holds each side to the other
  * (a probe compiled against this header: sizes, offsets, values). The entry points' own
  * signatures are kvlm.kernels._SIGNATURES (each checked against its definition there too).
  * A change here that changes the layout or a meaning is a new KVLM_ABI. */
@@ -10,7 +10,7 @@
 #define KVLM_ABI_H
 #include <stdint.h>
 
-#define KVLM_ABI 24 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
+#define KVLM_ABI 25 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
 
 /* the limits (fused.py: MAX_HEAD_DIM, MAX_ROWS, QMAT_PARTS; quant.py: BLOCK_ROWS, SMALL_M) */
 #define BR 16         /* weight rows per block: one per 32-bit vector lane */
@@ -18,6 +18,7 @@
 #define MAX_HEAD_DIM 256 /* the attention's buffers (Gemma 3's head_dim) */
 #define MAX_BATCH 256 /* the most rows (sequences) one decode step takes */
 #define QMAT_PARTS 3 /* a fused projection's row parts, each of its own kind */
+#define MAX_CONV_KERNEL 64 /* a conv layer's most taps (kvlm.config.CONV_KERNEL's bound) */
 
 /* the weight kinds (kvlm.model.quant.KIND_CODES) */
 enum { Q8 = 8, Q4 = 4, Q40 = 40, Q50 = 50, Q51 = 51, Q4K = 104, Q5K = 105, Q6K = 106 };
@@ -25,8 +26,15 @@ enum { Q8 = 8, Q4 = 4, Q40 = 40, Q50 = 50, Q51 = 51, Q4K = 104, Q5K = 105, Q6K =
 /* K's and V's storage (kvlm_qmodel.k_dtype, v_dtype) */
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_F16 = 3, KV_Q4 = 4 };
 
-/* kvlm_qmodel.act_int8, act_int16 */
-enum { ACT_QKV = 1, ACT_O = 2, ACT_GATE_UP = 4, ACT_DOWN = 8, ACT_HEAD = 16 };
+/* kvlm_qmodel.act_int8, act_int16: an attention layer's q|k|v and o, a conv layer's in_proj
+ * and out_proj, every layer's gate|up and down, the vocabulary projection */
+enum {
+    ACT_QKV = 1, ACT_O = 2, ACT_GATE_UP = 4, ACT_DOWN = 8, ACT_HEAD = 16, ACT_CONV_IN = 32,
+    ACT_CONV_OUT = 64
+};
+
+/* a layer's mixer (kvlm_qlayer.mixer; kvlm.config.MIXERS) */
+enum { MIX_ATTENTION = 0, MIX_CONV = 1 };
 
 typedef struct {
     int64_t kind;        /* Q8, Q4, Q40, Q50, Q51, Q4K, Q5K or Q6K */
@@ -54,8 +62,19 @@ typedef struct {
     int64_t window; /* keys the query at p sees: p - window < s <= p; 0: all of 0 .. p;
                        -1: the step's window (kvlm_qmodel.window) */
     int64_t rope;   /* which cos/sin table (0: the model's base; 1: the local layers') */
-    int64_t view;   /* which cache view holds this layer's K/V (kvlm_kv_view) */
+    int64_t view;   /* which cache view holds this layer's K/V (kvlm_kv_view), or a conv
+                       layer's rows (kvlm_conv_view) */
     int64_t index;  /* the layer's index inside that view's store */
+    int64_t mixer;  /* MIX_ATTENTION: q|k|v through the fields above; MIX_CONV: a gated short
+                       convolution through those below (qkv, o, their biases, the q/k norms,
+                       window and rope unread; norms, gate_up, down and the output norms
+                       as an attention layer's) */
+    /* a conv layer (kvlm.model.conv): B|C|x = in_proj [3 hidden, hidden], out_proj
+     * [hidden, hidden]; their biases (NULL: none); the depthwise taps (conv_kernel,
+     * hidden), tap k of channel h at k hidden + h (tap conv_kernel - 1 reads the row's own
+     * position); the taps' bias (NULL: none) */
+    kvlm_qmat in_proj, out_proj;
+    const float *in_bias, *out_bias, *taps, *taps_bias;
 } kvlm_qlayer;
 
 typedef struct {
@@ -82,6 +101,8 @@ typedef struct {
     float attn_softcap;      /* scores soft-capped, cap tanh(s / cap), before the softmax
                                 (Gemma 2); 0: none */
     int64_t rope_tables;     /* the cos/sin tables given (1, or 2: a local layers' base) */
+    int64_t conv_kernel;     /* a conv layer's taps, 2 .. MAX_CONV_KERNEL (unread without
+                                one) */
 } kvlm_qmodel;
 
 /* Where a group of layers keeps its K/V: K of layer l at k + l * k_layer bytes, a
@@ -103,5 +124,26 @@ typedef struct {
     /* bytes from k, v, kp and vp on: every layer's blocks must lie within them */
     int64_t k_bytes, v_bytes, kp_bytes, vp_bytes;
 } kvlm_kv_view;
+
+/* Where a group of conv layers keeps its rows (kvlm.cache.conv.ConvRows): layer l's at rows
+ * + l batch keep width floats, (batch, keep, width): sequence s's last `keep` input rows
+ * of the convolution (u = B * x, width = hidden floats each) at positions end - keep ..
+ * end - 1, zeros before position 0 (and before what a rollback kept):
+ *
+ *     [ .. slack .. | conv_kernel - 1 rows ]  end        a step at start reads the
+ *                                                        conv_kernel - 1 rows before it
+ *
+ * Step row b (at pos[b]) feeds sequence seq[b], whose rows end at ends[b] (end - keep +
+ * conv_kernel - 1 <= start <= end: a rollback leaves the rows). Rows of one sequence are
+ * consecutive in the step at consecutive positions (a draft's rows: one sequence to the
+ * convolution); the step moves each sequence's rows to end at its last row's position + 1
+ * once its logits are made, as ConvRows.commit would. */
+typedef struct {
+    float *rows;
+    const int64_t *seq, *ends; /* [B] each */
+    int64_t layers, batch, keep, width;
+    int64_t entries;           /* seq's and ends' int64s (each at least B) */
+    int64_t bytes;             /* bytes from rows on: layers batch keep width floats within */
+} kvlm_conv_view;
 
 #endif

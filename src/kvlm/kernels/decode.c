@@ -1,9 +1,10 @@
 /* ------------------------------------------------------------------------------------
- * One decode step of a Llama-family or Gemma 2/3 model, whole, for B sequences over their
- * K/V caches (contiguous, paged, a hybrid cache's ring: kvlm_kv_view): the per-token path
- * without ~500 small torch ops. The math is the torch model's (kvlm.model.transformer), in
- * the same order; only summation order differs. (Part of qgemm.c's one translation unit:
- * the K/V attention it calls is kv*.c's, the products weights.c's.)
+ * One decode step of a Llama-family or Gemma 2/3 model, or one with short convolutions,
+ * whole, for B sequences over their K/V caches (contiguous, paged, a hybrid cache's ring:
+ * kvlm_kv_view) and their conv layers' rows (kvlm_conv_view): the per-token path without
+ * ~500 small torch ops. The math is the torch model's (kvlm.model.transformer), in the
+ * same order; only summation order differs. (Part of qgemm.c's one translation unit: the K/V attention it calls is kv*.c's,
+ * the short convolution's conv.c's, the products weights.c's.)
  * ------------------------------------------------------------------------------------ */
 
 static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *y) {
@@ -74,6 +75,18 @@ static int qmat_ok(const kvlm_qmat *w, int64_t n, int64_t k) {
     return rows == n;
 }
 
+/* Whether layer L's mixer is one the step runs, with its products of the shape the
+ * model's sizes give them: attention's q|k|v and o, or a conv layer's in_proj and out_proj
+ * and its taps (conv_kernel of them in range) */
+static int mixer_ok(const kvlm_qmodel *m, const kvlm_qlayer *L) {
+    const int64_t H = m->hidden, D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
+    if (L->mixer == MIX_CONV)
+        return m->conv_kernel >= 2 && m->conv_kernel <= MAX_CONV_KERNEL && L->taps &&
+               qmat_ok(&L->in_proj, 3 * H, H) && qmat_ok(&L->out_proj, H, H);
+    return L->mixer == MIX_ATTENTION && qmat_ok(&L->qkv, (Hq + 2 * Hkv) * D, H) &&
+           qmat_ok(&L->o, H, Hq * D);
+}
+
 /* The model's sizes in range (each far past a real model's, short of overflowing the
  * scratch's size) and every product of the shape they give it: the step reads each
  * weight, norm and buffer by these sizes, so a weight of another shape is refused here,
@@ -81,16 +94,32 @@ static int qmat_ok(const kvlm_qmat *w, int64_t n, int64_t k) {
 static int model_ok(const kvlm_qmodel *m) {
     const int64_t H = m->hidden, D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
     const int64_t I = m->inter;
-    if (m->n_layers < 1 || H < 1 || H > (1 << 22) || I < 1 || I > (1 << 22)) return 0;
+    if (m->n_layers < 1 || m->n_layers > (1 << 16) || H < 1 || H > (1 << 22) || I < 1 ||
+        I > (1 << 22))
+        return 0;
     if (D < 2 || D > MAX_HEAD_DIM || Hq < 1 || Hq > 4096 || Hkv < 1 || Hkv > Hq) return 0;
     if (m->slots < 1 || m->slots > ((int64_t)1 << 26) || !m->layers || !m->final_norm) return 0;
     for (int64_t l = 0; l < m->n_layers; l++) {
         const kvlm_qlayer *L = m->layers + l;
-        if (!L->input_norm || !L->post_norm || !qmat_ok(&L->qkv, (Hq + 2 * Hkv) * D, H) ||
-            !qmat_ok(&L->o, H, Hq * D) || !qmat_ok(&L->gate_up, 2 * I, H) || !qmat_ok(&L->down, H, I))
+        if (!L->input_norm || !L->post_norm || !mixer_ok(m, L) ||
+            !qmat_ok(&L->gate_up, 2 * I, H) || !qmat_ok(&L->down, H, I))
             return 0;
     }
     return qmat_ok(&m->lm_head, m->lm_head.n, H);
+}
+
+/* how many of the model's layers are conv layers */
+static int64_t conv_layers(const kvlm_qmodel *m) {
+    int64_t n = 0;
+    for (int64_t l = 0; l < m->n_layers; l++) n += m->layers[l].mixer == MIX_CONV;
+    return n;
+}
+
+/* floats a row of the step's conv layers needs (bufs_of): in_proj's output, the taps',
+ * and every conv layer's u, kept for the rows' update at the end; 0 without conv layers */
+static int64_t conv_floats(const kvlm_qmodel *m) {
+    const int64_t convs = conv_layers(m);
+    return convs ? (4 + convs) * m->hidden : 0;
 }
 
 /* floats of scratch a step of B rows needs (bufs_of), the model's sizes in range */
@@ -98,7 +127,7 @@ static int64_t scratch_floats(const kvlm_qmodel *m, int64_t B) {
     const int64_t D = m->head_dim, Hq = m->n_heads;
     const int64_t row = 2 * m->hidden + (Hq + 2 * m->n_kv_heads) * D + Hq * D + 3 * m->inter +
                         Hq * m->slots + Hq * MAX_CHUNKS * (D + 2) + Hq * (query_stride(D) / 4 + 2) +
-                        Hq * Q4_QG;
+                        Hq * Q4_QG + conv_floats(m);
     return B * row + D;
 }
 
@@ -220,6 +249,7 @@ static int check_views(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
                        const kvlm_kv_view *views, int64_t n_views) {
     const int64_t D = m->head_dim, Hkv = m->n_kv_heads;
     const int kdt = (int)m->k_dtype, vdt = (int)m->v_dtype;
+    if (n_views < 0 || (n_views > 0 && !views)) return -2;
     for (int64_t v = 0; v < n_views; v++) {
         const kvlm_kv_view *V = views + v;
         const int64_t bs = V->block_size, nb = V->num_blocks, L = V->layers;
@@ -249,6 +279,7 @@ static int check_views(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
     for (int64_t l = 0; l < m->n_layers; l++) {
         const kvlm_qlayer *L = m->layers + l;
         const int64_t w = L->window < 0 ? m->window : L->window;
+        if (L->mixer != MIX_ATTENTION) continue; /* a conv layer's rows: check_convs */
         if (L->view < 0 || L->view >= n_views || L->index < 0 || L->rope < 0 ||
             L->rope >= m->rope_tables)
             return -2;
@@ -295,6 +326,7 @@ static void write_kv(const kvlm_qmodel *m, const layer_kv *lk, int64_t b, int64_
 typedef struct {
     float *h, *qkv, *att, *gu, *act, *tmp, *scores, *part, *qsc, *qsum, *qgs, *rot;
     int8_t *q8;
+    float *cin, *cy, *u; /* conv layers: in_proj's output, the taps', each layer's u */
 } step_bufs;
 
 static step_bufs bufs_of(const kvlm_qmodel *m, int64_t B, float *scratch) {
@@ -313,6 +345,9 @@ static step_bufs bufs_of(const kvlm_qmodel *m, int64_t B, float *scratch) {
     s.qgs = s.qsum + B * Hq;   /* B Hq Q4_QG: a q4 K's queries' scale per group (q4_group) */
     s.rot = s.qgs + B * Hq * Q4_QG;                     /* D: a row times R (int8 cache) */
     s.q8 = (int8_t *)(s.rot + D);                       /* B Hq QS: the int8 queries */
+    s.cin = (float *)(s.q8 + B * Hq * query_stride(D)); /* B 3H: B | C | x (conv_floats) */
+    s.cy = s.cin + B * 3 * H;                           /* B H: C * the taps */
+    s.u = s.cy + B * H; /* conv layers x B H: each one's u, in the order of the layers */
     return s;
 }
 
@@ -456,10 +491,43 @@ static inline int act_of(const kvlm_qmodel *m, int64_t bit) {
     return (m->act_int8 & bit) ? ((m->act_int16 & bit) ? 2 : 1) : 0;
 }
 
+/* y [B, n] += bias [n] where there is one (after the product, as torch's Linear adds it) */
+static void add_bias(float *y, const float *bias, int64_t B, int64_t n) {
+    for (int64_t i = 0; bias && i < B * n; i++) y[i] += bias[i % n];
+}
+
+/* An attention layer's mixer: the normed rows s->h to s->tmp (q|k|v, RoPE, the K/V
+ * written, attention, o); 0 or -1 (a product's) */
+static int attention_mix(const kvlm_qmodel *m, const kvlm_qlayer *L, const kvlm_kv_view *views,
+                         int64_t B, const int64_t *pos, const float *cos, const float *sin,
+                         const step_bufs *s) {
+    const layer_kv lk = layer_kv_of(m, L, views);
+    if (matmul_rows(&L->qkv, s->h, B, s->qkv, act_of(m, ACT_QKV))) return -1;
+    prepare_rows(m, L, &lk, B, pos, cos, sin, s);
+    attend_layer(m, &lk, s, B, pos);
+    if (matmul_rows(&L->o, s->att, B, s->tmp, act_of(m, ACT_O))) return -1;
+    add_bias(s->tmp, L->o_bias, B, m->hidden);
+    return 0;
+}
+
+/* A conv layer's mixer (conv.c), the `c`-th of the model's: s->h to s->tmp, in_proj, the
+ * gated taps over its rows, out_proj; its u rows kept in s->u for the rows' update */
+static int conv_mix(const kvlm_qmodel *m, const kvlm_qlayer *L, const kvlm_conv_view *convs,
+                    int64_t B, const int64_t *pos, const step_bufs *s, int64_t c) {
+    const int64_t H = m->hidden;
+    if (matmul_rows(&L->in_proj, s->h, B, s->cin, act_of(m, ACT_CONV_IN))) return -1;
+    add_bias(s->cin, L->in_bias, B, 3 * H);
+    conv_rows(m, L, convs + L->view, L->index, B, pos, s->cin, s->u + c * B * H, s->cy);
+    if (matmul_rows(&L->out_proj, s->cy, B, s->tmp, act_of(m, ACT_CONV_OUT))) return -1;
+    add_bias(s->tmp, L->out_bias, B, H);
+    return 0;
+}
+
 /* One decode step for B sequences, one token each (B = 1 with a contiguous cache is the
  * single-stream decode; more rows are the server's batch, every product reading its weight
- * once for up to 16 rows). Each buffer comes with its length (elements from its pointer
- * on), checked against what the step reads or writes there:
+ * once for up to 16 rows; rows of one sequence at consecutive positions are a draft's).
+ * Each buffer comes with its length (elements from its pointer on), checked against what
+ * the step reads or writes there:
  *   x [B, hidden] (xn floats): the tokens' embeddings in (Gemma's scaled), overwritten;
  *   pos [B] (pn): each row's position (its token is written there; it attends over 0 ..
  *       pos, or over its last `window` positions: the layer's, or m->window);
@@ -467,20 +535,23 @@ static inline int act_of(const kvlm_qmodel *m, int64_t bit) {
  *       the model's base then (Gemma 3) the local layers' (kvlm_qlayer.rope picks);
  *   views [n_views]: where the layers' K/V are (kvlm_kv_view, with its tables' entries
  *       and its stores' bytes; kvlm_qlayer.view, index);
+ *   convs [n_convs]: where the conv layers' rows are (kvlm_conv_view, with its entries
+ *       and bytes; kvlm_qlayer.view, index), moved on past the step's rows once its
+ *       logits are made (none without conv layers);
  *   scratch: kvlm_decode_scratch(m, B) floats (scn); logits [B, vocab] out (ln floats).
  * Returns 0; -2 when an argument is out of range (a weight not of the shape the model's
  * sizes give it, a buffer shorter than its shape, a position past the slots or a table,
  * a block id past its pool, a pool past its store's bytes, a ring shorter than a layer's
- * window: nothing is written); -1 when a product found no scratch memory. */
+ * window, conv rows that do not hold the rows before a step's: nothing is written); -1
+ * when a product found no scratch memory (the conv rows as they were). */
 int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, int64_t xn, const int64_t *pos,
                       int64_t pn, const float *cos, int64_t cn, const float *sin, int64_t sn,
-                      const kvlm_kv_view *views, int64_t n_views, float *scratch, int64_t scn,
-                      float *logits, int64_t ln) {
+                      const kvlm_kv_view *views, int64_t n_views, const kvlm_conv_view *convs,
+                      int64_t n_convs, float *scratch, int64_t scn, float *logits, int64_t ln) {
     const int64_t H = m->hidden, D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
     const int64_t I = m->inter;
     int64_t need;
-    if (B < 1 || B > MAX_BATCH || n_views < 1 || !views || !model_ok(m) || Hq % Hkv != 0)
-        return -2;
+    if (B < 1 || B > MAX_BATCH || !model_ok(m) || Hq % Hkv != 0) return -2;
     if (Hq / Hkv > 8 || D > MAX_HEAD_DIM || D % 2) return -2; /* the attention's buffers */
     if (m->window < 0 || m->k_dtype < KV_F32 || m->k_dtype > KV_Q4) return -2;
     if (m->v_dtype < KV_F32 || m->v_dtype > KV_Q4) return -2;
@@ -494,18 +565,15 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, int64_t xn, con
     if (!mul_ok(B, m->lm_head.n, &need) || ln < need) return -2;
     for (int64_t b = 0; b < B; b++)
         if (pos[b] < 0 || pos[b] >= m->slots) return -2;
-    if (check_views(m, B, pos, views, n_views)) return -2;
+    if (check_views(m, B, pos, views, n_views) || check_convs(m, B, pos, convs, n_convs))
+        return -2;
     const step_bufs s = bufs_of(m, B, scratch);
-    for (int64_t l = 0; l < m->n_layers; l++) {
+    for (int64_t l = 0, c = 0; l < m->n_layers; l++) {
         const kvlm_qlayer *L = m->layers + l;
-        const layer_kv lk = layer_kv_of(m, L, views);
         for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->input_norm, H, m->eps, s.h + b * H);
-        if (matmul_rows(&L->qkv, s.h, B, s.qkv, act_of(m, ACT_QKV))) return -1;
-        prepare_rows(m, L, &lk, B, pos, cos, sin, &s);
-        attend_layer(m, &lk, &s, B, pos);
-        if (matmul_rows(&L->o, s.att, B, s.tmp, act_of(m, ACT_O))) return -1;
-        if (L->o_bias)
-            for (int64_t i = 0; i < B * H; i++) s.tmp[i] += L->o_bias[i % H];
+        if (L->mixer == MIX_CONV ? conv_mix(m, L, convs, B, pos, &s, c++)
+                                 : attention_mix(m, L, views, B, pos, cos, sin, &s))
+            return -1;
         add_residual(x, s.tmp, L->attn_out_norm, B, H, m->eps);
         for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->post_norm, H, m->eps, s.h + b * H);
         if (matmul_rows(&L->gate_up, s.h, B, s.gu, act_of(m, ACT_GATE_UP))) return -1;
@@ -515,6 +583,12 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, int64_t xn, con
         add_residual(x, s.tmp, L->mlp_out_norm, B, H, m->eps);
     }
     for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, m->final_norm, H, m->eps, s.h + b * H);
-    return matmul_rows(&m->lm_head, s.h, B, logits, act_of(m, ACT_HEAD));
+    if (matmul_rows(&m->lm_head, s.h, B, logits, act_of(m, ACT_HEAD))) return -1;
+    for (int64_t l = 0, c = 0; l < m->n_layers; l++) { /* the conv rows, now the step is made */
+        const kvlm_qlayer *L = m->layers + l;
+        if (L->mixer == MIX_CONV)
+            conv_keep_rows(convs + L->view, L->index, B, pos, s.u + c++ * B * H, H);
+    }
+    return 0;
 }
 

@@ -17,6 +17,8 @@
  *   kv_int8.c   int8 K/V: the row quantizer, integer scores, p.V (kvlm_quantize_kv_rows)
  *   kv_q4.c     q4 K/V: the row quantizer, grouped integer scores, p.V
  *               (kvlm_quantize_q4_rows)
+ *   conv.c      the short convolution's decode rows (the conv layer kind): the gated taps
+ *               over a sequence's held rows and the step's, the rows moved on after it
  *   decode.c    the fused decode step (kvlm_decode_scratch, kvlm_decode_batch)
  *   prompt.c    the prompt's ops: SwiGLU (kvlm_silu_mul), RMSNorm (kvlm_rms_norm), q/k norm
  *               and RoPE (kvlm_qk_norm_rope), attention (kvlm_attend)
@@ -28,5 +30,6 @@
 #include "kv_float.c"
 #include "kv_int8.c"
 #include "kv_q4.c"
+#include "conv.c"
 #include "decode.c"
 #include "prompt.c"

@@ -44,13 +44,21 @@ come folded into the weights), GeGLU with tanh's GELU (activation), the score sc
 (query_scale: in the q norm where there is one, else on the scores), the attention soft-cap
 on the scores in C and the final logit soft-cap on the logits after the call (the embeddings
 come scaled by `Transformer.embed`); head_dim up to 256 (MAX_HEAD_DIM); a tied or separate
-lm_head, read in its stored format (a 262k-entry vocabulary's Q6_K blocks).
+lm_head, read in its stored format (a 262k-entry vocabulary's Q6_K blocks). Gated short
+convolutions beside attention layers (the conv layer kind, kvlm.model.conv;
+kernels/conv.c): in_proj, B * x, the taps over the sequence's held rows and the new one,
+C * that, out_proj, the rows read and moved on in place through a `ConvView` of the
+cache's conv part
+(kvlm.cache.conv: the rows ConvStep reads, moved on as ConvRows.commit moves them, once
+the step's logits are made, so a step that fails leaves them as they were); a draft's
+rows are one sequence to the convolution, as the torch model takes them.
 
 It applies where that is the whole story: CPU, fp32 activations, low-bit weights in every
 projection (`--weights int8|int4|native`), no MLP biases, and fp32, bf16, fp16, int8 or q4 K/V
-in a contiguous, paged or hybrid contiguous cache. Anything else (prefill, the window,
-basic and off caches, a draft longer than a ring's slack: `drafts`, other formats) runs
-the torch model. `KVLM_NO_FUSED=1` turns it off. Tests hold its logits to the torch path's.
+in a contiguous, paged or hybrid contiguous cache (a conv model's rows beside either).
+Anything else (prefill, the window, basic and off caches, a draft longer than a ring's
+slack: `drafts`, other formats) runs the torch model. `KVLM_NO_FUSED=1` turns it off.
+Tests hold its logits to the torch path's.
 """
 
 from __future__ import annotations
@@ -63,7 +71,7 @@ import torch
 
 from kvlm import kernels
 from kvlm.cache import KVCache
-from kvlm.cache.base import CacheStep, KVView
+from kvlm.cache.base import CacheStep, ConvView, KVView
 from kvlm.cache.factory import FUSED_MODES
 from kvlm.cache.storage import Store, key_rotation
 from kvlm.dtypes import Q4
@@ -106,8 +114,12 @@ class _QLayer(ctypes.Structure):
         # NULL when absent: biases, q/k norms, a sandwich block's output norms
         *_fields(ctypes.c_void_p, "qkv_bias o_bias q_norm k_norm attn_out_norm mlp_out_norm"),
         # window: the layer's own (0: whole context; -1: the step's); rope: its cos/sin
-        # table; view, index: where its K/V are (a _KVView, its layer inside that store)
-        *_fields(ctypes.c_int64, "window rope view index"),
+        # table; view, index: where its K/V are (a _KVView, its layer inside that store),
+        # or a conv layer's rows (a _ConvView); mixer: MIX_ATTENTION or MIX_CONV
+        *_fields(ctypes.c_int64, "window rope view index mixer"),
+        # a conv layer's products, their biases, its taps (L, H) and their bias (NULL: none)
+        *_fields(_QMat, "in_proj out_proj"),
+        *_fields(ctypes.c_void_p, "in_bias out_bias taps taps_bias"),
     ]
 
 
@@ -125,6 +137,7 @@ class _QModel(ctypes.Structure):
         *_fields(ctypes.c_int64, "window gelu"),
         *_fields(ctypes.c_float, "score_scale attn_softcap"),  # softcap 0: none
         ("rope_tables", ctypes.c_int64),  # cos/sin tables: 1, or 2 (a local base)
+        ("conv_kernel", ctypes.c_int64),  # a conv layer's taps (0: no conv layer)
     ]
 
 
@@ -139,6 +152,16 @@ class _KVView(ctypes.Structure):  # kvlm_kv_view
     ]
 
 
+class _ConvView(ctypes.Structure):  # kvlm_conv_view
+    _fields_ = [
+        ("rows", ctypes.c_void_p),
+        *_fields(ctypes.c_void_p, "seq ends"),  # [B] int64s each: a row's sequence, its end
+        *_fields(ctypes.c_int64, "layers batch keep width"),
+        # seq's and ends' int64s, the bytes from rows on (its storage's)
+        *_fields(ctypes.c_int64, "entries bytes"),
+    ]
+
+
 # the cache dtypes the fused step reads and writes (kvlm_qmodel.k_dtype, v_dtype: abi.h)
 _KV_DTYPE = {
     torch.float32: _ABI["KV_F32"],
@@ -150,9 +173,12 @@ _KV_DTYPE = {
 
 
 def block_products(block: Block) -> tuple[Linear, Linear, Linear, Linear]:
-    """A block's four low-bit products in the step's order: q|k|v, o, gate|up, down (ACT_QKV,
-    ACT_O, ACT_GATE_UP, ACT_DOWN of the activation masks, kvlm_qmodel.act_int8 / act_int16;
-    the vocabulary's is ACT_HEAD)."""
+    """A block's four low-bit products in the step's order: its mixer's input and output
+    (attention: q|k|v, o; a short convolution: in_proj, out_proj), gate|up, down (their
+    bits of the activation masks, kvlm_qmodel.act_int8 / act_int16: `_product_bits`; the
+    vocabulary's is ACT_HEAD)."""
+    if block.conv is not None:
+        return block.conv.in_proj, block.conv.out_proj, block.mlp.gate_up, block.mlp.down
     return block.attn.qkv, block.attn.o_proj, block.mlp.gate_up, block.mlp.down
 
 
@@ -199,8 +225,8 @@ def why_not(model: Transformer) -> str | None:
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return "needs fp32 activations on the CPU"
     c = model.config
-    if c.conv_layers:  # kernels/ has no part for the conv layer kind yet
-        return "a short-convolution layer (the step has no kernel for one yet)"
+    if all(block.attn is None for block in model.layers):
+        return "no attention layer"
     if c.num_heads // c.num_kv_heads > 8 or c.head_dim > MAX_HEAD_DIM or c.head_dim % 2:
         return f"more than 8 query heads per KV head, or head_dim > {MAX_HEAD_DIM} or odd"
     if any(isinstance(m, Linear) and m.kernel != "quant" for m in model.modules()):
@@ -219,10 +245,10 @@ def why_not(model: Transformer) -> str | None:
 def _block_why_not(block: Block, eps: float) -> str | None:
     """Why the step cannot run this block (None: it can)."""
     if block.mlp.gate_up.bias is not None or block.mlp.down.bias is not None:
-        return "MLP biases (the step adds only the attention projections' biases)"
+        return "MLP biases (the step adds only the mixers' projections' biases)"
     if block.mlp.act not in _ACTS:
         return f"the MLP's activation {block.mlp.act!r}"
-    norms = [block.attn.q_norm, block.attn.k_norm]
+    norms = [] if block.attn is None else [block.attn.q_norm, block.attn.k_norm]
     if norms.count(None) == 1:
         return "a q norm without a k norm, or the reverse"
     norms += [block.attn_out_norm, block.mlp_out_norm]
@@ -232,9 +258,19 @@ def _block_why_not(block: Block, eps: float) -> str | None:
 
 
 _ACTS = {"silu": 0, "gelu_tanh": 1}  # kvlm_qmodel.gelu
-# the products' bits of kvlm_qmodel.act_int8 / act_int16, in block_products' order, then
-# the vocabulary projection's
-_ACT_BITS = tuple(_ABI[f"ACT_{n}"] for n in ("QKV", "O", "GATE_UP", "DOWN", "HEAD"))
+# the products' bits of kvlm_qmodel.act_int8 / act_int16: an attention block's and a conv
+# block's, in block_products' order; the vocabulary projection's
+_ACT = {n: _ABI[f"ACT_{n}"] for n in ("QKV", "O", "CONV_IN", "CONV_OUT", "GATE_UP", "DOWN")}
+_ATTENTION_BITS = tuple(_ACT[n] for n in ("QKV", "O", "GATE_UP", "DOWN"))
+_CONV_BITS = tuple(_ACT[n] for n in ("CONV_IN", "CONV_OUT", "GATE_UP", "DOWN"))
+_ACT_HEAD = _ABI["ACT_HEAD"]
+_ACT_BITS = (*_ACT.values(), _ACT_HEAD)  # every bit of the masks
+_MIXERS = {"attention": _ABI["MIX_ATTENTION"], "conv": _ABI["MIX_CONV"]}  # kvlm_qlayer.mixer
+
+
+def _product_bits(block: Block) -> tuple[int, ...]:
+    """The mask bits of block_products(block), in its order."""
+    return _ATTENTION_BITS if block.conv is None else _CONV_BITS
 
 
 class FusedDecoder:
@@ -259,8 +295,13 @@ class FusedDecoder:
         head = (_ptr(model.norm.weight, c.hidden_size), _qmat(model.lm_head))  # final_norm, lm_head
         self.spec = _QModel(*shape, slots, c.rms_norm_eps, layers, *head)
         self.spec.gelu = _ACTS[model.layers[0].mlp.act]
-        q_scale = model.layers[0].attn.q_scale  # a score scale with no q norm to fold it into
+        # the first block of each mixer, whose products' activation settings every block
+        # of its kind shares (_set_storage)
+        self._firsts = list({b.conv is None: b for b in reversed(model.layers)}.values())
+        # a score scale with no q norm to fold it into (the first attention layer's: every one's)
+        q_scale = next(b.attn for b in model.layers if b.attn is not None).q_scale
         self.spec.score_scale = (q_scale or 1.0) * c.head_dim**-0.5
+        self.spec.conv_kernel = c.conv_kernel if c.conv_layers else 0
         self.spec.attn_softcap = c.attn_softcap or 0.0
         self.spec.rope_tables = self.cos.shape[0]
         self.final_softcap = c.final_softcap
@@ -279,31 +320,62 @@ class FusedDecoder:
         return (torch.stack([t.reshape(slots, -1) for t in ts]).contiguous() for ts in (cos, sin))
 
     def _layer(self, block: Block, i: int) -> _QLayer:
-        attn, d = block.attn, self.model.config.head_dim
         hidden = self.model.config.hidden_size
         norms = (_ptr(block.input_norm.weight, hidden), _ptr(block.post_norm.weight, hidden))
+        outs = [_ptr(None if n is None else n.weight, hidden)
+                for n in (block.attn_out_norm, block.mlp_out_norm)]  # fmt: skip
+        if block.conv is not None:
+            return self._conv_layer(block, norms, outs)
+        attn, d = block.attn, self.model.config.head_dim
         mats = [_qmat(lin) for lin in block_products(block)]
         biases = [_ptr(lin.bias, lin.out_features) for lin in (attn.qkv, attn.o_proj)]
         qk = [_ptr(None if n is None else n.weight, d) for n in (attn.q_norm, attn.k_norm)]
-        outs = [_ptr(None if n is None else n.weight, hidden)
-                for n in (block.attn_out_norm, block.mlp_out_norm)]  # fmt: skip
         windows = self.model.config.layer_windows
         window = (windows[i] or 0) if windows else -1  # -1: the step's (Mistral's)
         return _QLayer(*norms, *mats, *biases, *qk, *outs, window, self.model._rope_of[i], 0, i)
 
+    def _conv_layer(self, block: Block, norms: tuple, outs: list) -> _QLayer:
+        """A conv layer's struct: its products, their biases, the taps (L, H) and theirs
+        (kvlm_qlayer's conv fields); no q|k|v, o or window."""
+        conv, c = block.conv, self.model.config
+        h = c.hidden_size
+        layer = _QLayer(*norms, gate_up=_qmat(block.mlp.gate_up), down=_qmat(block.mlp.down),
+                        attn_out_norm=outs[0], mlp_out_norm=outs[1], mixer=_MIXERS["conv"],
+                        in_proj=_qmat(conv.in_proj), out_proj=_qmat(conv.out_proj))  # fmt: skip
+        layer.in_bias = _ptr(conv.in_proj.bias, 3 * h)
+        layer.out_bias = _ptr(conv.out_proj.bias, h)
+        layer.taps = _ptr(conv.kernel, c.conv_kernel * h)
+        layer.taps_bias = _ptr(conv.bias, h)
+        return layer
+
     def accepts(self, cache: KVCache) -> bool:
         """A cache whose K/V are views (KVCache.kv_views: contiguous, paged, int8, a
-        hybrid cache of contiguous parts and rings) of stores the step reads, in one pair
-        of dtypes, each ring at least its window, positions within these slots, any
-        batch up to MAX_ROWS."""
+        hybrid cache of contiguous parts and rings, and of conv rows) of stores the step
+        reads, in one pair of dtypes, each ring at least its window, conv rows it reads,
+        positions within these slots, any batch up to MAX_ROWS."""
         if cache.batch > MAX_ROWS or cache.capacity > self.slots:
             return False
         views = cache.kv_views(())
         if not views:
             return False
-        dtypes = (views[0].store.k_dtype, views[0].store.v_dtype)
+        kv, convs = _split(views)
+        if not kv or not all(self.reads_rows(v) for v in convs):
+            return False
+        try:
+            self._placement(kv, convs)
+        except ValueError:  # say, no conv rows: a cache made for another spec (the torch
+            return False  # step says why)
+        dtypes = (kv[0].store.k_dtype, kv[0].store.v_dtype)
         return all(self.reads(v.store) and (v.store.k_dtype, v.store.v_dtype) == dtypes
-                   and (not v.ring or 0 < v.window <= v.ring) for v in views)  # fmt: skip
+                   and (not v.ring or 0 < v.window <= v.ring) for v in kv)  # fmt: skip
+
+    def reads_rows(self, view: ConvView) -> bool:
+        """Whether the step reads and writes these conv rows: fp32 on the CPU, contiguous,
+        (layers, sequences, keep, H) with keep at least the taps' L - 1."""
+        rows, c = view.rows, self.model.config
+        return (rows.dtype == torch.float32 and rows.device.type == "cpu"
+                and rows.is_contiguous() and rows.dim() == 4 and rows.shape[3] == c.hidden_size
+                and rows.shape[2] >= c.conv_kernel - 1)  # fmt: skip
 
     def reads(self, store: Store) -> bool:
         """Whether the step reads and writes this storage (dtypes, device, layout)."""
@@ -314,11 +386,11 @@ class FusedDecoder:
         """Whether n draft rows of one sequence go through the step: all rows' K/V are
         written before any attends, so a ring must keep what row 0 reads when row n - 1
         has written (n <= ring - window + 1)."""
-        views = cache.kv_views(()) or ()
-        return all(n <= v.ring - v.window + 1 for v in views if v.ring)
+        kv, _ = _split(cache.kv_views(()) or ())  # conv rows take a draft of any length
+        return all(n <= v.ring - v.window + 1 for v in kv if v.ring)
 
     @staticmethod
-    def views_of(cache: KVCache, step: CacheStep, rows: Sequence[int]) -> list[KVView]:
+    def views_of(cache: KVCache, step: CacheStep, rows: Sequence[int]) -> list[KVView | ConvView]:
         """The step's K/V of `cache` for the fused step's rows (token i through the cache's
         row rows[i]): its views (KVCache.kv_views), the cache told that the step writes
         them in place (KVCache.written_in_place)."""
@@ -328,22 +400,33 @@ class FusedDecoder:
         cache.written_in_place(step)
         return views
 
-    def _place(self, views: Sequence[KVView]) -> None:
-        """Each layer's (view, index) from the views' layers, set where they changed; every
-        layer in one view exactly (the C step checks each index against its store)."""
-        placed: list[tuple[int, int] | None] = [None] * len(self._layers)
-        for v, view in enumerate(views):
-            for n, layer in enumerate(range(len(placed)) if view.layers is None else view.layers):
-                if placed[layer] is not None:
-                    raise ValueError(f"layer {layer} in two views")
-                placed[layer] = (v, n)
-        if None in placed:
-            raise ValueError(f"layer {placed.index(None)} in no view")
-        key = tuple(placed)
+    def _place(self, kv: Sequence[KVView], convs: Sequence[ConvView]) -> None:
+        """Each layer's (view, index) (`_placement`), set where they changed."""
+        key = self._placement(kv, convs)
         if key != self._placed:
             for layer, (v, n) in zip(self._layers, key, strict=True):
                 layer.view, layer.index = v, n
             self._placed = key
+
+    def _placement(self, kv: Sequence[KVView], convs: Sequence[ConvView]) -> tuple:
+        """Each layer's (view, index) from the views' layers: every layer in one view
+        exactly, an attention layer's a KVView (v: its number among them), a conv layer's
+        a ConvView (among those) at its ShortConv's slot (the C step checks each index
+        against its store); else ValueError."""
+        placed: list[tuple[int, int] | None] = [None] * len(self._layers)
+        for views in (kv, convs):
+            for v, view in enumerate(views):
+                for n, layer in enumerate(range(len(placed)) if view.layers is None
+                                          else view.layers):  # fmt: skip
+                    if placed[layer] is not None:
+                        raise ValueError(f"layer {layer} in two views")
+                    conv = self.model.layers[layer].conv
+                    if (conv is None) == (views is convs) or (conv is not None and conv.slot != n):
+                        raise ValueError(f"layer {layer} in a view of another kind, or slot")
+                    placed[layer] = (v, n)
+        if None in placed:
+            raise ValueError(f"layer {placed.index(None)} in no view")
+        return tuple(placed)
 
     @staticmethod
     def _table(tables: Sequence[Sequence[int]], starts: Sequence[int], bs: int, ring: int):
@@ -375,10 +458,24 @@ class FusedDecoder:
                              _bytes(kp), _bytes(vp))  # fmt: skip
         return out, keep
 
+    def _c_convs(self, convs: Sequence[ConvView]) -> tuple:
+        """The conv views as kvlm_conv_view structs, and the tensors they point into."""
+        out, keep = (_ConvView * len(convs))(), []
+        for i, v in enumerate(convs):
+            if not self.reads_rows(v):
+                raise ValueError(f"conv rows of shape {tuple(v.rows.shape)} {v.rows.dtype}: "
+                                 f"not this model's, or not contiguous fp32")  # fmt: skip
+            seq, ends = (torch.tensor(t, dtype=torch.int64) for t in (v.seqs, v.ends))
+            keep += [seq, ends]
+            entries = min(seq.numel(), ends.numel())
+            out[i] = _ConvView(v.rows.data_ptr(), seq.data_ptr(), ends.data_ptr(), *v.rows.shape,
+                               entries, _bytes(v.rows))  # fmt: skip
+        return out, keep
+
     @torch.inference_mode()
     def run(
         self,
-        views: Sequence[KVView],
+        views: Sequence[KVView | ConvView],
         tokens: Sequence[int],
         starts: Sequence[int],
         window: int | None = None,
@@ -387,7 +484,8 @@ class FusedDecoder:
         K/V written into each view's slot for that position (which the caller has made the
         row's own), attending over its positions up to it (within the layer's window, or
         `window` for a model without per-layer ones). `views`: a KVView per group of
-        layers (`views_of`; the engine's pool: one, its block tables). A contiguous cache
+        layers (`views_of`; the engine's pool: one, its block tables), and a ConvView per
+        group of conv layers (read, and moved on past the step's rows). A contiguous cache
         is a pool of one block per row holding every slot (tables [[0], [1], ...],
         block_size its slots); a draft's rows share one table at consecutive positions,
         each row computing what decoding its token alone would. The caller plans and
@@ -403,24 +501,28 @@ class FusedDecoder:
             raise ValueError(f"the fused decode step refused a step of {rows} rows")
         if self.scratch.numel() < need:  # grows to the largest batch seen, then stays
             self.scratch = torch.empty(need, dtype=torch.float32)
-        self._set_storage(views[0].store, window)
-        self._place(views)
-        c_views, _keep = self._c_views(views, starts)
+        kv, convs = _split(views)
+        self._set_storage(kv[0].store, window)
+        self._place(kv, convs)
+        c_views, _keep = self._c_views(kv, starts)
+        c_convs, _keep_rows = self._c_convs(convs)
         # each buffer's length from the tensor itself (the C step refuses, -2, buffers
         # shorter than the step's shape)
         rc = self.lib.kvlm_decode_batch(
             ctypes.byref(self.spec), rows, x.data_ptr(), x.numel(), pos.data_ptr(), pos.numel(),
             self.cos.data_ptr(), self.cos.numel(), self.sin.data_ptr(), self.sin.numel(),
-            c_views, len(views), self.scratch.data_ptr(), self.scratch.numel(),
+            c_views, len(kv), c_convs, len(convs), self.scratch.data_ptr(), self.scratch.numel(),
             logits.data_ptr(), logits.numel(),
         )  # fmt: skip
         if rc == -1:
             raise MemoryError("no scratch memory for the fused decode step")
         if rc != 0:
-            shapes = [(v.store.shape[2:5:2], v.ring) for v in views]
+            shapes = [(v.store.shape[2:5:2], v.ring) for v in kv]
+            ends = [list(v.ends) for v in convs]
             raise ValueError(
                 f"the fused decode step refused rows at positions {list(starts)} "
-                f"({self.slots} slots; (blocks, block size), ring of each view: {shapes})"
+                f"({self.slots} slots; (blocks, block size), ring of each view: {shapes}; "
+                f"conv rows' ends: {ends})"
             )
         if self.final_softcap is not None:  # as the torch model caps its logits
             cap = self.final_softcap
@@ -433,10 +535,18 @@ class FusedDecoder:
         if store.k_quantized:  # codes + (step, zero) or scales per row; K stored rotated by R
             self.spec.key_rot = key_rotation(store.head_dim).data_ptr()  # cached, fp32
         # --activations int8 / int16: each product's act_int8 and act_int16, the same in
-        # every block (LLM sets them), then the vocabulary projection's own (fp32 under the
+        # every block of a kind (LLM sets them: the first attention block's and conv
+        # block's are read), then the vocabulary projection's own (fp32 under the
         # defaults): a bit each in two masks
-        products = (*block_products(self.model.layers[0]), self.model.lm_head)
-        bits = list(zip(_ACT_BITS, products, strict=True))
-        self.spec.act_int8 = sum(bit for bit, p in bits if p.act_int8)
-        self.spec.act_int16 = sum(bit for bit, p in bits if p.act_int16)
+        bits = {_ACT_HEAD: self.model.lm_head}
+        for block in self._firsts:
+            bits.update(zip(_product_bits(block), block_products(block), strict=True))
+        self.spec.act_int8 = sum(bit for bit, p in bits.items() if p.act_int8)
+        self.spec.act_int16 = sum(bit for bit, p in bits.items() if p.act_int16)
         self.spec.window = window or 0
+
+
+def _split(views: Sequence[KVView | ConvView]) -> tuple[list[KVView], list[ConvView]]:
+    """A cache's views (KVCache.kv_views): its K/V's, its conv rows'."""
+    kv = [v for v in views if isinstance(v, KVView)]
+    return kv, [v for v in views if isinstance(v, ConvView)]

@@ -1,0 +1,124 @@
+/* ------------------------------------------------------------------------------------
+ * The gated short convolution's decode rows (the conv layer kind, kvlm.model.conv): the
+ * part of the decode step between a conv layer's two products (decode.c runs in_proj and
+ * out_proj as it runs an attention layer's). From each row's in_proj output B | C | x:
+ *
+ *     u    = B * x                           the row's input to the convolution
+ *     conv = taps[0] u[p - L + 1] + ... + taps[L - 1] u[p]   (+ the taps' bias)
+ *     y    = C * conv                        what out_proj reads
+ *
+ * a depthwise causal convolution of L = conv_kernel taps per channel over the sequence's
+ * held rows (kvlm_conv_view: its last `keep` rows of u) and the step's own. Once the step
+ * has made its logits, each sequence's held rows move on past the step's rows
+ * (conv_keep_rows, what kvlm.cache.conv.ConvRows.commit does to them), so a step that
+ * fails leaves them as they were. The arithmetic is ShortConv's, operation for operation
+ * (a product, then a sum, tap by tap in order; -std=c11 keeps products and sums from
+ * being fused into one rounding), so each value is the torch model's for the same in_proj
+ * output, on every build. (Part of qgemm.c's one translation unit: decode.c calls these.)
+ * ------------------------------------------------------------------------------------ */
+
+/* -2 unless every conv view holds what the step reads and writes there: its rows within
+ * its bytes, seq and ends within their entries, each step row's sequence within its batch,
+ * the rows of one sequence consecutive in the step at consecutive positions with one end
+ * (a draft's), no sequence in two such runs, and the L - 1 rows before each run held (end
+ * - keep + L - 1 <= start <= end); each conv layer's view and index within them */
+static int check_convs(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
+                       const kvlm_conv_view *convs, int64_t n_convs) {
+    const int64_t L = m->conv_kernel;
+    if (n_convs < 0 || (n_convs > 0 && !convs)) return -2;
+    for (int64_t v = 0; v < n_convs; v++) {
+        const kvlm_conv_view *V = convs + v;
+        int64_t need;
+        if (!V->rows || !V->seq || !V->ends || V->layers < 0 || V->batch < 1) return -2;
+        if (V->keep < L - 1 || V->keep < 1 || V->width != m->hidden || V->entries < B) return -2;
+        if (!mul_ok(V->layers, V->batch, &need) || !mul_ok(need, V->keep, &need) ||
+            !mul_ok(need, V->width, &need) || !mul_ok(need, (int64_t)sizeof(float), &need) ||
+            V->bytes < need)
+            return -2;
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t s = V->seq[b];
+            if (s < 0 || s >= V->batch || V->ends[b] < 0) return -2;
+            if (b > 0 && s == V->seq[b - 1]) { /* the run goes on: the next position */
+                if (pos[b] != pos[b - 1] + 1 || V->ends[b] != V->ends[b - 1]) return -2;
+                continue;
+            }
+            for (int64_t a = 0; a < b; a++)
+                if (V->seq[a] == s) return -2; /* the sequence's second run */
+            const int64_t behind = V->ends[b] - pos[b];
+            if (behind < 0 || behind > V->keep - (L - 1)) return -2;
+        }
+    }
+    for (int64_t l = 0; l < m->n_layers; l++) {
+        const kvlm_qlayer *Lr = m->layers + l;
+        if (Lr->mixer != MIX_CONV) continue;
+        if (Lr->view < 0 || Lr->view >= n_convs || Lr->index < 0 ||
+            Lr->index >= convs[Lr->view].layers)
+            return -2;
+    }
+    return 0;
+}
+
+/* Sequence seq[b]'s held rows of layer `index` (keep rows of H) */
+static inline float *conv_held(const kvlm_conv_view *V, int64_t index, int64_t b, int64_t H) {
+    return V->rows + (index * V->batch + V->seq[b]) * V->keep * H;
+}
+
+/* The conv layer Lr's rows of the step: u [B, H] = B * x of each row's in_proj output cin
+ * [B, 3H] (B | C | x), then y [B, H] = C * (the taps over positions pos - L + 1 .. pos +
+ * the taps' bias), a position before the row's run read from its sequence's held rows of
+ * layer `index` in V, one from the run's first on from the run's own u */
+static void conv_rows(const kvlm_qmodel *m, const kvlm_qlayer *Lr, const kvlm_conv_view *V,
+                      int64_t index, int64_t B, const int64_t *pos, const float *cin, float *u,
+                      float *y) {
+    const int64_t H = m->hidden, L = m->conv_kernel;
+    for (int64_t b = 0; b < B; b++) {
+        const float *bx = cin + b * 3 * H; /* B, then (after C) x */
+        for (int64_t h = 0; h < H; h++) u[b * H + h] = bx[h] * bx[2 * H + h];
+    }
+    for (int64_t b = 0, first = 0; b < B; b++) {
+        if (b == 0 || V->seq[b] != V->seq[b - 1]) first = b;
+        const int64_t start = pos[first], end = V->ends[b];
+        const float *held = conv_held(V, index, b, H), *c = cin + b * 3 * H + H;
+        float *yb = y + b * H;
+        for (int64_t k = 0; k < L; k++) {
+            const int64_t q = pos[b] - (L - 1) + k; /* the position tap k reads */
+            const float *r = q >= start ? u + (first + q - start) * H
+                                        : held + (q - end + V->keep) * H;
+            const float *w = Lr->taps + k * H;
+            if (k == 0)
+                for (int64_t h = 0; h < H; h++) yb[h] = r[h] * w[h];
+            else
+                for (int64_t h = 0; h < H; h++) yb[h] = yb[h] + r[h] * w[h];
+        }
+        if (Lr->taps_bias)
+            for (int64_t h = 0; h < H; h++) yb[h] = yb[h] + Lr->taps_bias[h];
+        for (int64_t h = 0; h < H; h++) yb[h] = c[h] * yb[h];
+    }
+}
+
+/* Each sequence's held rows of layer `index` in V moved on past the step, as
+ * ConvRows.commit moves them: a run of n rows from `start` over rows that ended at `end`
+ * now ends at start + n, its rows before start where they still fit in keep (zeros for
+ * positions that were not held: a run shorter than the rollback before it), then its own
+ * u rows (the last keep of them)
+ *
+ *     before   [ end - keep ............... start ... end )
+ *     after              [ start + n - keep ... start | u: n rows )   */
+static void conv_keep_rows(const kvlm_conv_view *V, int64_t index, int64_t B,
+                           const int64_t *pos, const float *u, int64_t H) {
+    const int64_t keep = V->keep;
+    for (int64_t b = 0, n = 1; b < B; b += n, n = 1) {
+        while (b + n < B && V->seq[b + n] == V->seq[b]) n++;
+        const int64_t behind = V->ends[b] - pos[b], shift = n - behind;
+        float *r = conv_held(V, index, b, H);
+        const int64_t before = keep - n; /* rows for the positions before start */
+        if (before > 0) { /* row j <- row j + shift, zeros where that is below row 0 */
+            const int64_t zero = behind - n <= 0 ? 0 : (behind - n < before ? behind - n : before);
+            if (before > zero)
+                memmove(r + zero * H, r + (zero + shift) * H, (before - zero) * H * sizeof(float));
+            memset(r, 0, zero * H * sizeof(float));
+        }
+        for (int64_t i = n > keep ? n - keep : 0; i < n; i++)
+            memcpy(r + (keep - n + i) * H, u + (b + i) * H, H * sizeof(float));
+    }
+}
