@@ -34,6 +34,17 @@ def free_port() -> int:
     raise RuntimeError("no free port in TEST_PORTS")
 
 
+def _end_with_parent() -> None:
+    """In the child before exec: SIGTERM when the test process dies (Linux's
+    PR_SET_PDEATHSIG), so a killed pytest leaves no server, and no Ray cluster of one (a
+    server stops its cluster on SIGTERM), running behind it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 @contextmanager
 def kvlm_serve(*args: str, start_timeout: float = 180) -> Iterator[tuple[int, subprocess.Popen]]:
     """`kvlm serve ARGS` on a free port; yields (port, process) once /health answers."""
@@ -45,7 +56,8 @@ def kvlm_serve(*args: str, start_timeout: float = 180) -> Iterator[tuple[int, su
     # (a cluster relays every Ray worker's log) would fill a pipe and stall on its writes.
     # proc.stdout reads that file from its start.
     with tempfile.TemporaryFile() as log, open(f"/proc/self/fd/{log.fileno()}", "rb") as out:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=_end_with_parent)  # fmt: skip
         proc.stdout = out
         try:
             deadline = time.time() + start_timeout
