@@ -1133,3 +1133,46 @@ def mixed_step(llm, one_forward: bool, seed: int = 0) -> list[torch.Tensor]:
     prefilled, decoded = iter(out.prefilled), dict(zip(decoding, out.decoded, strict=True))
     return [next(prefilled) if chunk else decoded[s][p - decoding[s].num_computed]
             for s, p, _, chunk, _ in MIXED_ROWS]  # fmt: skip
+
+
+def counted_fused_runs(monkeypatch) -> list[int]:
+    """The rows of every FusedDecoder.run call from now on."""
+    from kvlm.model.fused import FusedDecoder
+
+    calls: list[int] = []
+    fused_run = FusedDecoder.run
+
+    def counted(self, views, tokens, *args):
+        calls.append(len(tokens))
+        return fused_run(self, views, tokens, *args)
+
+    monkeypatch.setattr(FusedDecoder, "run", counted)
+    return calls
+
+
+def staggered_answers(engine, prompts: list[list[int]], params) -> dict[str, list]:
+    """One more request a step (so prompt chunks meet decode rows) until `engine` has no
+    work: each request's (token, its top logprob ids) in order."""
+    out: dict[str, list] = {}
+    for step in range(400):
+        if step < len(prompts):
+            engine.add_request(str(step), prompts[step], params)
+        if not engine.has_work():
+            break
+        for ev in engine.step():
+            out.setdefault(ev.request_id, []).extend(
+                (t, list(lp.top)) for t, lp in zip(ev.token_ids, ev.logprobs, strict=True)
+            )
+    return out
+
+
+def assert_ragged_agrees(ragged: dict[str, list], split: dict[str, list], n: int) -> None:
+    """Each request's n greedy tokens of one ragged forward a step against a forward a
+    chunk, by the top-5 rule: at the first divergence each token is in the other's top 5."""
+    for rid, got in split.items():
+        want = ragged[rid]
+        assert len(got) == len(want) == n
+        for i, ((a, a_top), (b, b_top)) in enumerate(zip(got, want, strict=True)):
+            if a != b:  # the first divergence: each in the other's top 5, then stop
+                assert a in b_top and b in a_top, (rid, i)
+                break

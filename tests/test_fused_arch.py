@@ -20,6 +20,7 @@ from safetensors import safe_open
 from helpers import (
     assert_greedy_agreement,
     assert_top_k_both_ways,
+    counted_fused_runs,
     feed_batched,
     feed_contiguous,
     fused_and_torch,
@@ -364,14 +365,7 @@ def test_generate_runs_the_fused_step_and_keeps_the_greedy_tokens(
     n = (window or 16) + 24 + (RING_SLACK if llm.config.layer_windows else 0)  # past a ring
     prompt = _ids(llm, 8, seed=12)
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
-    calls: list[int] = []
-    fused_run = FusedDecoder.run
-
-    def counted(self, store, tokens, *args):
-        calls.append(len(tokens))
-        return fused_run(self, store, tokens, *args)
-
-    monkeypatch.setattr(FusedDecoder, "run", counted)
+    calls = counted_fused_runs(monkeypatch)
     fused = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
     assert calls == [1] * (n - 1)  # every token after the first (the prefill's)
     reason, llm.runner.fused_reason = llm.runner.fused_reason, "off for the comparison"
@@ -540,14 +534,7 @@ def test_the_engine_batches_them_through_the_fused_step(arch_dir, name, monkeypa
     llm = low_bit_llm(model=folder, max_context=MAX_CONTEXT, weights=weights)
     engine = Engine(llm, EngineConfig(num_blocks=64))
     assert llm.runner.fused_reason is None
-    calls: list[int] = []
-    fused_run = FusedDecoder.run
-
-    def counted(self, store, tokens, *args):
-        calls.append(len(tokens))
-        return fused_run(self, store, tokens, *args)
-
-    monkeypatch.setattr(FusedDecoder, "run", counted)
+    calls = counted_fused_runs(monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = {f"r{i}": _ids(llm, n, seed=20 + i) for i, n in enumerate([5, 12, 20, 31])}
 
@@ -618,19 +605,6 @@ def test_kv_int8_mode_takes_the_fused_step_like_paged_int8():
     assert outs[0] == outs[1]
 
 
-def _counted_runs(monkeypatch) -> list[int]:
-    """The rows of every FusedDecoder.run call from now on."""
-    calls: list[int] = []
-    fused_run = FusedDecoder.run
-
-    def counted(self, views, tokens, *args):
-        calls.append(len(tokens))
-        return fused_run(self, views, tokens, *args)
-
-    monkeypatch.setattr(FusedDecoder, "run", counted)
-    return calls
-
-
 @needs_kernels
 @pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
 @pytest.mark.parametrize("reject", [0, 1, 3, 5])
@@ -647,7 +621,7 @@ def test_a_gemma_draft_in_the_fused_step_rolls_its_ring_back(arch_dir, kv_dtype,
     for cache in (a, b):
         llm.runner.forward(ids[:-1], cache)  # the prefill (torch), past the ring
     assert a.num_tokens > a.parts[1].slots
-    calls = _counted_runs(monkeypatch)
+    calls = counted_fused_runs(monkeypatch)
     rows = llm.runner.run(DraftBatch([ids[-1], *draft], a))
     assert calls == [6]
     a.rollback(reject)

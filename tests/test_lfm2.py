@@ -21,13 +21,16 @@ import converter
 from helpers import (
     LFM2_TEMPLATE,
     assert_greedy_agreement,
+    assert_ragged_agrees,
     assert_top_k_both_ways,
+    counted_fused_runs,
     fused_and_torch,
     hf_greedy,
     load_hf,
     portable_build_params,
     portable_kernels,
     save_tiny_model,
+    staggered_answers,
 )
 from kvlm import LLM, SamplingParams
 from kvlm.engine.runner import CacheBatch
@@ -464,30 +467,15 @@ def test_one_ragged_forward_per_step_follows_a_forward_per_chunk(pooled):
     def run(one_forward: bool) -> dict[str, list]:
         engine = Engine(llm, EngineConfig(scheduler=SchedulerConfig(prefill_chunk=8)))
         engine.runner.one_forward = one_forward
-        out: dict[str, list] = {}
         try:
-            for step in range(400):
-                if step < len(prompts):  # one more request per step: chunks meet decodes
-                    engine.add_request(str(step), prompts[step], params)
-                if not engine.has_work():
-                    break
-                for ev in engine.step():
-                    out.setdefault(ev.request_id, []).extend(
-                        (t, list(lp.top)) for t, lp in zip(ev.token_ids, ev.logprobs, strict=True)
-                    )
+            out = staggered_answers(engine, prompts, params)
         finally:
             engine.runner.one_forward = False
         assert engine.pool.conv.num_used == 0
         return out
 
     ragged, split = run(True), run(False)
-    for rid, got in split.items():
-        want = ragged[rid]
-        assert len(got) == len(want) == 12
-        for i, ((a, a_top), (b, b_top)) in enumerate(zip(got, want, strict=True)):
-            if a != b:  # the first divergence: each in the other's top 5, then stop
-                assert a in b_top and b in a_top, (rid, i)
-                break
+    assert_ragged_agrees(ragged, split, 12)
 
 
 def answer(engine, ids: list[int], params=GREEDY) -> tuple[list[int], int]:
@@ -752,12 +740,11 @@ def test_generate_decodes_through_the_fused_step(lfm2_dir, mode, kv_dtype, monke
     """LLM.generate decodes every token after the prefill's through the fused step (one
     call of one row each), its greedy tokens the torch step's (equal up to a first
     divergence, where each side's token is in the other's top 5)."""
-    from kvlm.model.fused import FusedDecoder
 
     llm = fused_llm(lfm2_dir("lfm2-bias-k4"), "int4", kv_dtype)
     n, prompt = 48, prompt_ids(llm, 8)
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
-    calls = counted_runs(monkeypatch, FusedDecoder)
+    calls = counted_fused_runs(monkeypatch)
     fused = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
     assert calls == [1] * (n - 1)
     reason, llm.runner.fused_reason = llm.runner.fused_reason, "off for the comparison"
@@ -789,19 +776,6 @@ def test_the_conv_products_take_their_own_activation_setting(lfm2_dir):
     assert max_error(mixed, mixed_ref) <= 4 * max_error(every, every_ref)
     assert max_error(mixed[0], every[0]) > 4 * order  # step 0: the same prefix
     assert_top_k_both_ways(mixed, mixed_ref)
-
-
-def counted_runs(monkeypatch, decoder) -> list[int]:
-    """The rows of every FusedDecoder.run call from now on."""
-    calls: list[int] = []
-    run = decoder.run
-
-    def counted(self, views, tokens, *args):
-        calls.append(len(tokens))
-        return run(self, views, tokens, *args)
-
-    monkeypatch.setattr(decoder, "run", counted)
-    return calls
 
 
 def test_fused_steps_after_a_chunked_prompt_equal_those_after_one_shot(lfm2_dir):
@@ -847,14 +821,13 @@ def test_a_draft_through_the_fused_step_rolls_back(lfm2_dir, reject, monkeypatch
     the rows held then bit for bit those of a cache fed the kept tokens one at a time, and
     so are the next tokens' logits."""
     from kvlm.engine.runner import DraftBatch
-    from kvlm.model.fused import FusedDecoder
 
     llm = fused_llm(lfm2_dir("lfm2-k4"), "int8", "int8")
     ids, draft = prompt_ids(llm, 30), prompt_ids(llm, 40)[30:35]
     a, b = llm.new_cache("contiguous"), llm.new_cache("contiguous")
     for cache in (a, b):
         llm.runner.forward(ids[:-1], cache)
-    calls = counted_runs(monkeypatch, FusedDecoder)
+    calls = counted_fused_runs(monkeypatch)
     rows = llm.runner.run(DraftBatch([ids[-1], *draft], a))
     assert calls == [6]
     a.rollback(reject)
@@ -875,13 +848,12 @@ def test_ngram_drafts_through_the_fused_step_keep_the_plain_tokens(lfm2_dir, mon
 
     from kvlm.engine.batch import run_batch
     from kvlm.engine.speculative import SpeculativeConfig
-    from kvlm.model.fused import FusedDecoder
 
     folder = lfm2_dir("lfm2")
     options = {"model": folder, "progress": False, "weights": "int8", "kv": "contiguous"}
     greedy = SamplingParams(max_tokens=40, temperature=0.0)
     prompts = [PROMPT, "One two three, one two three, one two"]
-    calls = counted_runs(monkeypatch, FusedDecoder)
+    calls = counted_fused_runs(monkeypatch)
     # one prompt a call: its own cache (more go to the engine's pool, whose conv slots the
     # fused step does not read yet)
     llm = LLM(**options)

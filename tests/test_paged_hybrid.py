@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from helpers import assert_generation_agrees
+from helpers import assert_generation_agrees, assert_ragged_agrees, staggered_answers
 from kvlm import LLM, SamplingParams
 from kvlm.cache import create_cache
 from kvlm.cache.base import CacheFileError, blocks_for
@@ -290,17 +290,8 @@ def test_one_ragged_forward_per_step_on_the_hybrid_pool(folder, monkeypatch):
     def run(one_forward: bool) -> dict[str, list]:
         engine = Engine(llm, EngineConfig(scheduler=SchedulerConfig(prefill_chunk=16)))
         engine.runner.one_forward = one_forward
-        out: dict[str, list] = {}
         try:
-            for step in range(400):
-                if step < len(prompts):  # one more request per step: chunks meet decodes
-                    engine.add_request(str(step), prompts[step], params)
-                if not engine.has_work():
-                    break
-                for ev in engine.step():
-                    out.setdefault(ev.request_id, []).extend(
-                        (t, list(lp.top)) for t, lp in zip(ev.token_ids, ev.logprobs, strict=True)
-                    )
+            out = staggered_answers(engine, prompts, params)
         finally:
             engine.runner.one_forward = False
         assert [g.num_used for g in engine.pool.groups] == [0, 0]
@@ -316,11 +307,4 @@ def test_one_ragged_forward_per_step_on_the_hybrid_pool(folder, monkeypatch):
     monkeypatch.setattr(RaggedStep, "__init__", spy)
     ragged = run(True)
     assert made and set(made) == {1}  # mixed steps, each through the windowed group's tables
-    split = run(False)
-    for rid, got in split.items():
-        want = ragged[rid]
-        assert len(got) == len(want) == 12
-        for i, ((a, a_top), (b, b_top)) in enumerate(zip(got, want, strict=True)):
-            if a != b:  # the first divergence: each in the other's top 5, then stop
-                assert a in b_top and b in a_top, (rid, i)
-                break
+    assert_ragged_agrees(ragged, run(False), 12)
