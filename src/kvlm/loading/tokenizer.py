@@ -290,10 +290,14 @@ def tokenizer_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> T
         raise UnsupportedModelError(f"{where} has no tokenizer.ggml.tokens")
     n, last = len(tokens), len(tokens) - 1
     types = _numbers(f, "tokenizer.ggml.token_type", int, n) or [1] * n
+    # without tokenizer.ggml.add_bos_token, as llama.cpp reads it (llama-vocab.cpp): a BOS
+    # for SentencePiece and for the byte-level vocabularies of Llama 3's pre-tokenizer (a
+    # family's name for it too)
     if kind == "gpt2":
-        backend = _gguf_bpe(f, tokens)
+        pre = pre_tokenizer(f("tokenizer.ggml.pre", str, "default"))  # a family's name: its type
+        backend, bos_by_default = _gguf_bpe(f, tokens, pre), pre in _BOS_PRE
     elif kind == "llama":
-        backend = _gguf_sentencepiece(f, tokens, types)
+        backend, bos_by_default = _gguf_sentencepiece(f, tokens, types), True
     else:
         raise UnsupportedModelError(
             f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)"
@@ -307,10 +311,7 @@ def tokenizer_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> T
     backend.add_tokens([t for t in specials if not t.special])
     ids = {k: f(f"tokenizer.ggml.{k}_token_id", int, None, hi=last) for k in _SPECIAL_IDS}
     bos, eos = (None if ids[k] is None else tokens[ids[k]] for k in ("bos", "eos"))
-    # without the key, as llama.cpp reads it (llama-vocab.cpp): a BOS for SentencePiece and
-    # for the byte-level vocabularies of Llama 3's pre-tokenizer (a family's name for it too)
-    llama3 = kind == "gpt2" and pre_tokenizer(f("tokenizer.ggml.pre", str, "default")) in _BOS_PRE
-    add_bos = f("tokenizer.ggml.add_bos_token", bool, kind == "llama" or llama3)
+    add_bos = f("tokenizer.ggml.add_bos_token", bool, bos_by_default)
     if add_bos and bos is not None:
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))]
@@ -365,8 +366,7 @@ def _numbers(f: Fields, key: str, kind: type, n: int) -> list | None:
     return items
 
 
-def _gguf_bpe(f: Fields, tokens: list[str]) -> _HFTokenizer:
-    pre = pre_tokenizer(f("tokenizer.ggml.pre", str, "default"))  # a family's name: its type
+def _gguf_bpe(f: Fields, tokens: list[str], pre: str) -> _HFTokenizer:
     regexes = PRE_TOKENIZER_REGEXES.get(pre)
     if regexes is None:
         raise UnsupportedModelError(
