@@ -831,3 +831,18 @@ def test_damaged_conversations_load_or_are_refused(tmp_path, extra, variant, use
     assert all(type(t) is int and 0 <= t < 100 for t in chat.history)
     assert chat.cache.num_tokens <= len(chat.history) <= chat.cache.capacity + 1
     assert all(set(m) >= {"role", "content"} for m in chat.messages)
+
+
+def test_a_ring_with_a_gap_in_its_slack_is_refused(tmp_path):
+    """A window's ring in a groups file holds one run of positions: a gap among the slack's
+    older positions (which no next query reads) was read, and a pool loading it held the
+    gap's rows unwritten (hypothesis found it: a paged file, one slot emptied)."""
+    meta, tensors = (dict(d) for d in valid_file("paged", "g-forked", GROUPED))
+    pos = tensors["g2_slot_pos"]
+    held = sorted(int(p) for p in pos if p >= 0)
+    assert len(held) >= 3  # an inner position to take out
+    pos = pos.clone()
+    pos[pos == held[1]] = -1
+    path = write(tmp_path / "c.kv", meta, {**tensors, "g2_slot_pos": pos})
+    with pytest.raises(CacheFileError, match="gap in its run of positions"):
+        read_cache_file(path)

@@ -296,10 +296,16 @@ def test_cache_rows_roll_back_within_the_slack_fork_and_draft(lfm2_dir):
     assert torch.equal(rows, torch.stack(steps))
 
 
-def test_a_saved_conversation_continues_with_the_same_tokens(lfm2_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["paged", "window"])
+def test_a_saved_conversation_continues_with_the_same_tokens(lfm2_dir, tmp_path, mode):
     """A chat saved after a turn and loaded into a fresh session continues as the one
-    that never stopped (the file's `groups` layout holds the conv group's rows)."""
-    llm = LLM(model=lfm2_dir("lfm2"), kv="paged", progress=False)
+    that never stopped (the file's `groups` layout holds the conv group's rows; --kv
+    window's group 0 a sinks + ring, its slot positions checked as a window file's; the
+    chat is longer than its 2 sinks + 12, so the ring has wrapped when it is saved)."""
+    from kvlm.llm import CacheOptions
+
+    llm = LLM(model=lfm2_dir("lfm2"), kv=mode, progress=False,
+              cache_options=CacheOptions(window=12, sinks=2))  # fmt: skip
     params = SamplingParams(max_tokens=10, temperature=0.0)
     one = llm.chat_session(params)
     "".join(one.send("Hello there"))
@@ -307,6 +313,7 @@ def test_a_saved_conversation_continues_with_the_same_tokens(lfm2_dir, tmp_path)
     went_on = "".join(one.send("And then?"))
     two = llm.chat_session(params)
     two.load(tmp_path / "chat.kvc", llm.fingerprint)
+    assert one.cache.num_tokens > 14  # wrapped past the window's 2 + 12
     assert "".join(two.send("And then?")) == went_on
     assert two.history == one.history
     # the rows' file checks: how far back the rows go, their shape
@@ -319,9 +326,20 @@ def test_a_saved_conversation_continues_with_the_same_tokens(lfm2_dir, tmp_path)
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     conv = next(k[: -len("held")] for k in tensors if k.endswith("held"))
     short = tensors[conv + "rows"][:, :, 1:].contiguous()
-    for name, bad, says in ((conv + "held", torch.tensor([1]), "held 1 is not"),
-                            (conv + "rows", short, "rows have shape")):  # fmt: skip
-        save_file({**tensors, name: bad}, tmp_path / "bad.kvc", meta)
+    bad_files = [({conv + "held": torch.tensor([1])}, meta, "held 1 is not"),
+                 ({conv + "rows": short}, meta, "rows have shape")]  # fmt: skip
+    extra = json.loads(meta["layout_extra"])
+    if mode == "window":  # group 0's ring: a position twice; the window's keys dropped
+        pos = tensors["g0_slot_pos"].clone()
+        pos[1] = pos[0]
+        plain = json.dumps({k: v for k, v in extra.items() if k not in ("sinks", "window")})
+        bad_files += [({"g0_slot_pos": pos}, meta, "slot_pos"),
+                      ({}, {**meta, "layout_extra": plain}, "ring")]  # fmt: skip
+    else:  # a ring claimed by a cache whose group 0 keeps every position
+        ringed = json.dumps({**extra, "sinks": 0, "window": 8})
+        bad_files.append(({}, {**meta, "layout_extra": ringed}, "ring"))
+    for bad, bad_meta, says in bad_files:
+        save_file({**tensors, **bad}, tmp_path / "bad.kvc", bad_meta)
         with pytest.raises(CacheFileError, match=says):
             llm.chat_session(params).load(tmp_path / "bad.kvc", llm.fingerprint)
 

@@ -13,7 +13,6 @@ why. (Nobody asks for the fused step: where it does not run, `LLM.describe()
 from __future__ import annotations
 
 from kvlm.cache.factory import CACHE_MODES, FUSED_MODES
-from kvlm.cache.hybrid import NO_WINDOW_FILE
 from kvlm.llm import NO_SPECULATION
 from kvlm.model import fused
 from kvlm.settings import table
@@ -56,8 +55,6 @@ def refusal(model: str, mode: str, kv_dtype: str | None, feature: str) -> str | 
         raise ValueError(f"unknown feature {feature!r}")
     if mode == "off" and feature in ("save/load", "rollback"):
         return "keeps no cache" if feature == "save/load" else "cannot roll back"
-    if feature == "save/load" and model == "conv" and mode == "window":
-        return NO_WINDOW_FILE
     if feature == "speculative decoding" and mode in NO_SPECULATION:
         return NO_SPECULATION[mode]
     if feature == "fused low-bit step" and mode not in FUSED_MODES:

@@ -113,6 +113,9 @@ _LAYOUT_EXTRA = {
     "hybrid": {"window": 1, "local_layers": 1},  # a bit per ring layer (kvlm-cache/1)
     "groups": {"groups": 2},  # and each group's keys (kvlm.cache.groups.layout_extra)
 }
+# A `groups` file's keys of --kv window's group 0, a sinks + ring (WindowCache's), beside
+# the groups' own
+_RING_KEYS = ("sinks", "window", "cache_positions")
 # A count as str(int) writes it, under 2**63: int() would also take " 5", "1_0", "٥", "+5".
 _DECIMAL = re.compile(r"0|[1-9][0-9]{0,17}")
 
@@ -170,7 +173,9 @@ def _parse_metadata(path: Path, meta: dict[str, str] | None) -> tuple[CacheSnaps
         raise _bad_meta(path, f"layout {brief(layout)} is not one {meta['format']} holds")
     if mode not in CACHE_MODES or mode == "off":
         raise _bad_meta(path, f"mode {brief(mode)} is not one kvlm writes")
-    grouped = layout in ("hybrid", "groups") and mode in HYBRID_MODES
+    # --kv window of a model of layer groups: a `groups` file whose group 0 is a sinks + ring
+    grouped = (layout in ("hybrid", "groups") and mode in HYBRID_MODES) or (
+        layout == "groups" and mode == "window")  # fmt: skip
     if CACHE_MODES[mode].layout != layout and not grouped:
         raise _bad_meta(path, f"mode {mode!r} does not write the {layout} layout")
     if file_kv_dtypes(dtype) is None:
@@ -190,6 +195,14 @@ def _parse_metadata(path: Path, meta: dict[str, str] | None) -> tuple[CacheSnaps
         extra=_ints(path, meta, "layout_extra", _LAYOUT_EXTRA[layout], more=more),
     )
     if layout == "groups":
+        ring = {k: snap.extra.get(k) for k in _LAYOUT_EXTRA["window"]}  # group 0's ring
+        if (mode == "window") != (ring["window"] is not None) or (
+            (ring["sinks"] is None) != (ring["window"] is None)
+        ):
+            raise _bad_meta(path, f"layout_extra: a {mode} cache's groups with ring {ring} "
+                                  "(--kv window's group 0 names both, others neither)")  # fmt: skip
+        if ring["window"] == 0:
+            raise _bad_meta(path, "layout_extra.window is 0, not an integer >= 1")
         _groups(path, snap)
     extra = _json_object(path, meta, "extra")
     return snap, {"fingerprint": meta["fingerprint"], "mode": mode, "extra": extra}
@@ -234,8 +247,9 @@ def _ints(
 
 def _groups(path: Path, snap: CacheSnapshot) -> tuple[LayerGroup, ...]:
     """The layer groups a `groups` file's metadata names (kvlm.cache.groups.from_layout)."""
+    groups = {k: v for k, v in snap.extra.items() if k not in _RING_KEYS}
     try:
-        return from_layout(snap.extra, snap.geometry["layers"])
+        return from_layout(groups, snap.geometry["layers"])
     except ValueError as exc:
         raise _bad_meta(path, f"layout_extra: {_line(exc)}") from None
 
@@ -296,6 +310,9 @@ def _layout(path: Path, snap: CacheSnapshot) -> dict[str, tuple[tuple[int, ...],
                   else group.kind.keep, *group.kind.shape(_Geometry(heads, d)),
                   group.kind.keep is not None)
                  for n, group in groups if not isinstance(group.kind, ConvWindow)]  # fmt: skip
+        if "window" in extra:  # --kv window: group 0 a sinks + ring, as the window layout's
+            prefix, n, _, h, dim, _ = parts[0]
+            parts[0] = (prefix, n, extra["sinks"] + extra["window"], h, dim, True)
         for n, group in groups:  # a conv group's window a sequence (kvlm.cache.conv)
             if isinstance(kind := group.kind, ConvWindow):
                 shape = (len(group.layers), snap.batch, kind.keep, kind.width)
@@ -351,6 +368,9 @@ def _check_contents(path: Path, snap: CacheSnapshot) -> None:
         window = snap.extra["window"]
         _check_ring(path, snap, 0, window + RING_SLACK, RING + "slot_pos", window)
     if snap.layout == "groups":  # each window's ring, as the hybrid layout's
+        if "window" in snap.extra:  # --kv window's group 0, as the window layout's
+            extra = snap.extra
+            _check_ring(path, snap, extra["sinks"], extra["window"], group_prefix(0) + "slot_pos")
         for n, group in enumerate(_groups(path, snap)):
             kind = group.kind
             if isinstance(kind, ConvWindow):  # rows held before the end: rows .. keep
@@ -369,9 +389,9 @@ def _check_ring(
     """slot_pos (`name`) must be a ring kvlm.cache.window could hold at `length` tokens:
 
     slots [ s0 .. sS-1 | r0 .. rW-1 ]   position p < S in slot p, p >= S in S + (p-S) % W
-    held: each sink below length; of the rest at most the last W positions and at
-          least the last `reads` - 1 (what the next query reads; `reads` 0: W, what a
-          window cache keeps through a rollback); -1 marks an empty slot.
+    held: each sink below length; of the rest one run of positions, at most the last W
+          and at least the last `reads` - 1 (what the next query reads; `reads` 0: W,
+          what a window cache keeps through a rollback); -1 marks an empty slot.
     """
     n, pos = snap.length, snap.tensors[name]
     if ((pos < -1) | (pos >= n)).any():
@@ -396,6 +416,10 @@ def _check_ring(
     needed = min(sinks, n) + max(0, n - max(sinks, n - reads + 1))
     if int((p < sinks).sum() + (ring >= n - reads + 1).sum()) != needed:
         raise _damaged(path, f"{name} misses positions the token after {n - 1} attends to")
+    # a ring holds one run of positions (a rollback empties its newest slots, no others):
+    # a pool reading one with a gap would hold the gap's rows too, unwritten
+    if len(ring) and int(ring.max() - ring.min()) + 1 != len(ring):
+        raise _damaged(path, f"{name} has a gap in its run of positions")
 
 
 def _bad_meta(path: Path, what: str) -> CacheFileError:

@@ -42,7 +42,6 @@ from typing import ClassVar
 import torch
 
 from kvlm.cache.base import (
-    CacheFileError,
     CacheSpec,
     CacheStep,
     ConvView,
@@ -54,9 +53,6 @@ from kvlm.cache.conv import ConvCache
 from kvlm.cache.groups import LayerGroup, layer_at, layer_groups, layout_extra
 from kvlm.cache.kinds import ConvWindow
 from kvlm.cache.window import WindowCache
-
-# --kv window of a model with conv layers (a HybridCache of a window cache and the conv rows)
-NO_WINDOW_FILE = "--kv window keeps no file of a model with short-convolution layers yet"
 
 
 def group_prefix(g: int) -> str:
@@ -181,8 +177,6 @@ class HybridCache(KVCache):
             part.fork(n)
 
     def _export(self) -> dict[str, torch.Tensor]:
-        if self.mode == "window":  # its group 0 is a sinks + ring, no `groups` layout's
-            raise CacheFileError(NO_WINDOW_FILE)
         parts = enumerate(self.parts)
         return {group_prefix(g) + k: t for g, part in parts for k, t in part._export().items()}
 
@@ -194,7 +188,12 @@ class HybridCache(KVCache):
             part._length = length
 
     def _layout_extra(self) -> dict[str, int]:
-        return layout_extra(self.groups)
+        """The groups' keys (groups.layout_extra); --kv window's group 0 is a sinks + ring,
+        whose keys (sinks, window: WindowCache's) the file carries beside them."""
+        extra = layout_extra(self.groups)
+        if self.mode == "window":
+            extra.update(self.parts[0]._layout_extra())
+        return extra
 
     def kv_views(self, rows: Sequence[int]) -> list[KVView | ConvView] | None:
         """Each part's views, its group's layers in its store's order: the mode's own
