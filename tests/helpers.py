@@ -237,6 +237,22 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
             layer_types=["conv", "full_attention", "conv", "full_attention"],
             rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         )  # fmt: skip
+    elif arch == "qwen3_5":
+        from transformers import Qwen3_5TextConfig
+
+        # four layers, gated DeltaNets (linear attention) and gated attention (`layer_types`
+        # overrides give other orders); 2 q/k heads of 16 serving 4 v heads of 8, a
+        # kernel of 4; attention heads of 32, RoPE over a quarter of them (8)
+        common["num_hidden_layers"] = 4
+        cfg = Qwen3_5TextConfig(
+            **common, head_dim=32, tie_word_embeddings=True,
+            layer_types=["linear_attention", "full_attention", "linear_attention",
+                         "full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                             "partial_rotary_factor": 0.25},
+        )  # fmt: skip
     else:
         raise ValueError(arch)
     for key, value in overrides.items():

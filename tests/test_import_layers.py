@@ -196,3 +196,11 @@ def test_no_module_outside_the_family_file_and_the_registry_names_lfm2():
     the family's, and every other module reads it from the ModelConfig."""
     naming = {m for m, path in MODS.items() if "lfm2" in path.read_text().lower()}
     assert naming == {"kvlm.arch.lfm2", "kvlm.arch"}
+
+
+def test_no_module_outside_the_family_file_and_the_registry_names_qwen35():
+    """The same for Qwen3.5: its gated DeltaNet is a layer kind (kvlm.model.deltanet) and
+    its gated attention and partial RoPE are ModelConfig fields, not the family's."""
+    names = ("qwen35", "qwen3_5", "qwen3.5")
+    naming = {m for m, path in MODS.items() if any(n in path.read_text().lower() for n in names)}
+    assert naming == {"kvlm.arch.qwen35", "kvlm.arch"}

@@ -42,8 +42,9 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 NORM_LAYOUTS = ("pre", "sandwich")
 # A block's mixer, what mixes positions before its MLP: "attention" (over the whole context
 # or a window), "conv" a gated short convolution over the last `conv_kernel` positions
-# (kvlm.model.conv)
-MIXERS = ("attention", "conv")
+# (kvlm.model.conv), "deltanet" a gated DeltaNet: a causal convolution, then the gated delta
+# rule's recurrent state (kvlm.model.deltanet)
+MIXERS = ("attention", "conv", "deltanet")
 # a short convolution's kernel: 2 positions or more (it keeps kernel - 1 rows a sequence)
 CONV_KERNEL = (2, 64)
 
@@ -88,6 +89,35 @@ class RopeScaling:
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(slots=True, frozen=True)
+class DeltaNet:
+    """The sizes of a gated DeltaNet layer (kvlm.model.deltanet): `key_heads` q/k heads of
+    `key_dim`, `value_heads` v heads of `value_dim` (each q/k head serves value_heads /
+    key_heads consecutive v heads), the causal convolution over q|k|v of `conv_kernel`
+    positions."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_width(self) -> int:
+        """The convolution's channels: q|k|v."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    def check(self, where: str) -> None:
+        for name in ("key_heads", "value_heads"):
+            value(getattr(self, name), f"deltanet {name}", int, *LIMITS["num_heads"], where=where)
+        for name in ("key_dim", "value_dim"):
+            value(getattr(self, name), f"deltanet {name}", int, *LIMITS["head_dim"], where=where)
+        value(self.conv_kernel, "deltanet conv_kernel", int, *CONV_KERNEL, where=where)
+        if self.value_heads % self.key_heads:
+            raise UnsupportedModelError(f"deltanet value_heads={self.value_heads} is not a "
+                                        f"multiple of key_heads={self.key_heads}")  # fmt: skip
 
 
 @dataclass(slots=True, frozen=True)
@@ -136,11 +166,30 @@ class ModelConfig:
     # attention (its K/V slots of a cache go unused) and its kernel is `conv_kernel`.
     layer_mixers: tuple[str, ...] = ()
     conv_kernel: int | None = None
+    # A "deltanet" layer's sizes (None: no such layer)
+    deltanet: DeltaNet | None = None
+    # The dimensions of each q/k head RoPE rotates, the first ones (a partial rotary
+    # factor); None: all head_dim
+    rope_dim: int | None = None
+    # attention's output times sigmoid(a gate): q_proj's rows are the queries, then the
+    # gate (H x head_dim each), the gate taken per element of the heads' output before
+    # o_proj
+    attn_output_gate: bool = field(default=False, metadata={"fingerprint": False})
 
     @property
     def conv_layers(self) -> tuple[int, ...]:
         """The layers whose mixer is a short convolution, in order."""
         return tuple(i for i, m in enumerate(self.layer_mixers) if m == "conv")
+
+    @property
+    def deltanet_layers(self) -> tuple[int, ...]:
+        """The layers whose mixer is a gated DeltaNet, in order."""
+        return tuple(i for i, m in enumerate(self.layer_mixers) if m == "deltanet")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head RoPE rotates (the first ones)."""
+        return self.head_dim if self.rope_dim is None else self.rope_dim
 
     def __post_init__(self) -> None:
         value(self.architecture, "architecture", str, where=self.name)
@@ -190,6 +239,14 @@ class ModelConfig:
             check_supported("layer mixer", mixer, MIXERS)
         if self.conv_layers or self.conv_kernel is not None:
             value(self.conv_kernel, "conv_kernel", int, *CONV_KERNEL, where=self.name)
+        if self.deltanet_layers and self.deltanet is None:
+            raise UnsupportedModelError("deltanet layers without their sizes")
+        if self.deltanet is not None:
+            self.deltanet.check(self.name)
+        if self.rope_dim is not None:
+            value(self.rope_dim, "rope_dim", int, 2, self.head_dim, where=self.name)
+            if self.rope_dim % 2:
+                raise UnsupportedModelError(f"rope_dim={self.rope_dim} must be even for RoPE")
 
     @property
     def hybrid(self) -> bool:

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from kvlm import defaults, kernels
 from kvlm.cache import CacheSpec, KVCache, create_cache
 from kvlm.cache.factory import BATCH_MODES, check_mode, mode_spec
-from kvlm.config import LIMITS, for_context
+from kvlm.config import LIMITS, ModelConfig, for_context
 from kvlm.dtypes import dtype_name, kv_sides, parse_dtype, parse_kv_dtype
 from kvlm.engine.backends import cache_engine_limits
 from kvlm.engine.batch import Stream, run_batch
@@ -194,6 +194,9 @@ class LLM:
         return self.new_cache()
 
     def cache_spec(self, mode: str | None = None) -> CacheSpec:
+        """The spec of a cache of `mode` (the LLM's by default) for this model; refused
+        for a mode that cannot keep what every layer needs kept (`_check_layer_kinds`)."""
+        _check_layer_kinds(self.config, mode or self.kv_mode)
         o = asdict(self.cache_options)  # CacheSpec's fields of the same names
         spec = CacheSpec.for_model(self.config, self.max_context, self.kv_dtype, self.device, **o)
         return mode_spec(mode or self.kv_mode, spec)
@@ -485,6 +488,20 @@ def _check_settings(
         for side in sides:
             if side != defaults.AUTO:
                 parse_kv_dtype(side)
+
+
+def _check_layer_kinds(config: ModelConfig, mode: str) -> None:
+    """The cache mode keeps what every layer needs kept: no mode keeps a gated DeltaNet
+    layer's state yet (docs/DESIGN.md section 5), so a model with such layers runs on `off`
+    alone, which keeps nothing and feeds every forward from position 0; the engine's pool
+    (its mode's spec, kvlm.engine.engine.pool_spec) is refused here too."""
+    if config.deltanet_layers and mode != "off":
+        raise InvalidRequestError(
+            f"kv {mode!r}: this model's gated DeltaNet layers keep a state that no cache "
+            "mode holds yet: it runs with kv 'off' alone, one request at a time (kvlm "
+            "generate and chat: --kv off; not kvlm serve, whose pool keeps none either)",
+            param="kv",
+        )  # fmt: skip
 
 
 def _weight_format(numerics: defaults.Numerics, dtype: torch.dtype, device: torch.device):

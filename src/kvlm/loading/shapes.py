@@ -26,6 +26,9 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
     it) for every tensor the model may read."""
     h, v, i, d = c.hidden_size, c.vocab_size, c.intermediate_size, c.head_dim
     q, kv = c.num_heads * d, c.num_kv_heads * d
+    # q_proj's rows: the queries, and as many of the output gate's where there is one
+    qg = 2 * q if c.attn_output_gate else q
+    qgs = f"{'2 x ' if c.attn_output_gate else ''}num_heads {c.num_heads} x head_dim {d}"
     hs, qs, kvs = f"hidden_size {h}", f"num_heads {c.num_heads} x head_dim {d}", (
         f"num_kv_heads {c.num_kv_heads} x head_dim {d}")  # fmt: skip
     inter = f"intermediate_size {i}"
@@ -33,14 +36,14 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
         "model.embed_tokens.weight": ((v, h), f"vocab_size {v}, {hs}"),
         "lm_head.weight": ((v, h), f"vocab_size {v}, {hs}"),
         "model.norm.weight": ((h,), hs),
-        "rope_freqs.weight": ((d // 2,), f"head_dim {d} / 2"),
+        "rope_freqs.weight": ((c.rotary_dim // 2,), f"rotary dims {c.rotary_dim} / 2"),
     }
     norms = ["input_layernorm", "post_attention_layernorm", *out_norms(c)]
     for layer in range(c.num_layers):
         p = f"model.layers.{layer}"
         out |= {f"{p}.{n}.weight": ((h,), hs) for n in norms}
         for name, rows, cols, why in (
-            ("self_attn.q_proj", q, h, f"{qs}, {hs}"),
+            ("self_attn.q_proj", qg, h, f"{qgs}, {hs}"),
             ("self_attn.k_proj", kv, h, f"{kvs}, {hs}"),
             ("self_attn.v_proj", kv, h, f"{kvs}, {hs}"),
             ("self_attn.o_proj", h, q, f"{hs}, {qs}"),
@@ -54,6 +57,35 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
             out[f"{p}.self_attn.{n}.weight"] = ((d,), f"head_dim {d}")
     if c.conv_layers:
         out |= _conv_shapes(c)
+    if c.deltanet_layers:
+        out |= _deltanet_shapes(c)
+    return out
+
+
+def _deltanet_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
+    """The gated DeltaNet layers' tensors (kvlm.model.deltanet): in_proj_qkv, in_proj_z,
+    in_proj_b, in_proj_a, the depthwise kernel over q|k|v ((C, 1, L) as transformers'
+    Conv1d stores it, or (C, L): `_same`), A_log, dt_bias, the gated norm, out_proj."""
+    d, h = c.deltanet, c.hidden_size
+    hs, cw, nv = f"hidden_size {h}", d.conv_width, d.value_heads
+    cws = f"2 x {d.key_heads} x {d.key_dim} + {nv} x {d.value_dim} (q|k|v)"
+    vd = nv * d.value_dim
+    vds, nvs = f"{nv} value heads x {d.value_dim}", f"{nv} value heads"
+    out: dict[str, tuple[Shape, str]] = {}
+    for layer in c.deltanet_layers:
+        p = f"model.layers.{layer}.linear_attn"
+        out |= {
+            f"{p}.in_proj_qkv.weight": ((cw, h), f"{cws}, {hs}"),
+            f"{p}.in_proj_z.weight": ((vd, h), f"{vds}, {hs}"),
+            f"{p}.in_proj_b.weight": ((nv, h), f"{nvs}, {hs}"),
+            f"{p}.in_proj_a.weight": ((nv, h), f"{nvs}, {hs}"),
+            f"{p}.conv1d.weight": ((cw, d.conv_kernel), f"{cws}, conv kernel {d.conv_kernel}"),
+            f"{p}.A_log": ((nv,), nvs),
+            f"{p}.dt_bias": ((nv,), nvs),
+            f"{p}.norm.weight": ((d.value_dim,), f"value head dim {d.value_dim}"),
+            f"{p}.out_proj.weight": ((h, vd), f"{hs}, {vds}"),
+            f"{p}.out_proj.bias": ((h,), hs),
+        }
     return out
 
 
@@ -79,7 +111,8 @@ def _conv_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
 
 def _same(name: str, got: Shape, want: Shape) -> bool:
     """`got` is the shape `want` (a depthwise kernel (hidden, L) also as (hidden, 1, L))."""
-    kernel = name.endswith(".conv.conv.weight") and got == (want[0], 1, *want[1:])
+    depthwise = name.endswith((".conv.conv.weight", ".linear_attn.conv1d.weight"))
+    kernel = depthwise and got == (want[0], 1, *want[1:])
     return got == want or kernel
 
 
@@ -94,8 +127,26 @@ def required(c: ModelConfig) -> list[str]:
     if c.qk_norm:
         attention_parts += ["self_attn.q_norm", "self_attn.k_norm"]
     conv_parts = [*norms, "conv.in_proj", "conv.conv", "conv.out_proj", *mlp]
+    delta = [
+        f"linear_attn.{n}"
+        for n in (
+            "in_proj_qkv",
+            "in_proj_z",
+            "in_proj_b",
+            "in_proj_a",
+            "conv1d",
+            "norm",
+            "out_proj",
+        )
+    ]
+    delta_parts = [*norms, *delta, *mlp]
     for layer in range(c.num_layers):
-        parts = conv_parts if layer in c.conv_layers else attention_parts
+        parts = attention_parts
+        if layer in c.conv_layers:
+            parts = conv_parts
+        elif layer in c.deltanet_layers:
+            parts = delta_parts
+            names += [f"model.layers.{layer}.linear_attn.{n}" for n in ("A_log", "dt_bias")]
         names += [f"model.layers.{layer}.{part}.weight" for part in parts]
     return names
 

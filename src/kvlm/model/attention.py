@@ -76,6 +76,9 @@ class Attention(nn.Module):
         self.k_norm = k_norm
         self.q_scale: float | None = None  # queries times this (a score scale, no q norm)
         self.softcap: float | None = None  # scores soft-capped: cap * tanh(s / cap) (attn_softcap)
+        # the output times sigmoid(a gate) per element (ModelConfig.attn_output_gate): qkv's
+        # rows are then q, the gate (H heads each), k, v
+        self.gated = False
         # prompt rows at this position or later attend in bf16 on the CPU (0: all, with
         # --prefill-dtype bf16; None: none): the model's numerics (kvlm.defaults), `attend`
         n = numerics or ModelNumerics()
@@ -94,7 +97,14 @@ class Attention(nn.Module):
         the queries are rotated before update(), and every key it returns after."""
         B, T, _ = x.shape
         H, Hkv = self.num_heads, self.num_kv_heads
-        qkv = self.qkv(x).view(B, T, H + 2 * Hkv, self.head_dim)
+        gate = None
+        if self.gated:
+            qgkv = self.qkv(x).view(B, T, 2 * H + 2 * Hkv, self.head_dim)
+            q, gate, kv_ = qgkv.split([H, H, 2 * Hkv], dim=2)
+            gate = gate.reshape(B, T, H * self.head_dim)
+            qkv = torch.cat([q, kv_], dim=2)
+        else:
+            qkv = self.qkv(x).view(B, T, H + 2 * Hkv, self.head_dim)
         prepared = key_rope is None and self._norm_rope_in_c(qkv, cos, sin)
         qk, v = qkv.split([H + Hkv, Hkv], dim=2)  # q and k heads side by side
         if self.q_norm is not None and not prepared:  # Qwen3: per-head RMSNorm before RoPE
@@ -124,7 +134,10 @@ class Attention(nn.Module):
                          prompt=prompt)  # fmt: skip
         else:
             out = attend_rows(q, k_all, v_all, kv, cap)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+        out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
 
     def _norm_rope_in_c(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         """The q and k heads' RMSNorm (Qwen3) and RoPE in place, in one C pass over the

@@ -225,6 +225,10 @@ def why_not(model: Transformer) -> str | None:
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return "needs fp32 activations on the CPU"
     c = model.config
+    if c.deltanet_layers:  # kernels/ has no part for the DeltaNet layer kind yet
+        return "a gated DeltaNet layer (the step has no kernel for one yet)"
+    if c.attn_output_gate or c.rotary_dim != c.head_dim:
+        return "gated attention or partial RoPE (the step has no kernel for them yet)"
     if all(block.attn is None for block in model.layers):
         return "no attention layer"
     if c.num_heads // c.num_kv_heads > 8 or c.head_dim > MAX_HEAD_DIM or c.head_dim % 2:

@@ -344,8 +344,10 @@ class RotaryEmbedding(nn.Module):
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """The D/2 frequencies of `config.rope_scaling` (kvlm.config.RopeScaling), each as
-    transformers' ROPE_INIT_FUNCTIONS computes it, bit for bit (tests/test_context.py)."""
-    dim = config.head_dim
+    transformers' ROPE_INIT_FUNCTIONS computes it, bit for bit (tests/test_context.py);
+    D is the dimensions rotated (`ModelConfig.rotary_dim`: head_dim but for a partial
+    rotary factor)."""
+    dim = config.rotary_dim
     exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (config.rope_theta**exponent)
     scaling = config.rope_scaling
@@ -395,7 +397,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (B, T, H, D) rotated by cos/sin (B, T, 1, D): x*cos + rotate_half(x)*sin. Any layout
-    whose cos/sin broadcast works the same, element by element: (B, H, S, D) by (1, 1, S, D)."""
+    whose cos/sin broadcast works the same, element by element: (B, H, S, D) by (1, 1, S, D).
+    cos/sin of fewer dimensions R than x's (a partial rotary factor): x's first R rotated
+    (rotate_half among them), the rest as they are, as transformers rotates them."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -29,6 +29,7 @@ from kvlm.errors import ModelLoadError, UnsupportedModelError
 from kvlm.model import quant
 from kvlm.model.attention import Attention, KVStep
 from kvlm.model.conv import ConvRows, ConvStep, ShortConv
+from kvlm.model.deltanet import DeltaRows, DeltaStep, GatedDeltaNet
 from kvlm.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding, feeding_prompt
 from kvlm.model.numerics import ModelNumerics
 from kvlm.model.weights import WeightSource, out_norms
@@ -41,12 +42,19 @@ NO_CONV_ROWS = (
     "this model's short-convolution layers need their rows of the tokens before this step, "
     "which this cache does not keep: make it with the model's own cache spec (LLM.new_cache)"
 )
+# a forward past position 0 of a model with gated DeltaNet layers, given no DeltaStep (no
+# cache keeps their state yet: kv "off" feeds every forward from position 0)
+NO_DELTA_STATE = (
+    "this model's gated DeltaNet layers need their state of the tokens before this step, "
+    "which no cache keeps yet: run it with kv 'off' (every forward from position 0)"
+)
 
 
 class Block(nn.Module):
-    """Pre-norm mixer (attention, or a short convolution: `conv`) and MLP, each added to
-    the residual stream. A "sandwich" block (ModelConfig.norm_layout) also norms each
-    one's output before adding it (`attn_out_norm`, `mlp_out_norm`)."""
+    """Pre-norm mixer (attention, a short convolution: `conv`, or a gated DeltaNet:
+    `delta`) and MLP, each added to the residual stream. A "sandwich" block
+    (ModelConfig.norm_layout) also norms each one's output before adding it
+    (`attn_out_norm`, `mlp_out_norm`)."""
 
     def __init__(
         self,
@@ -57,10 +65,12 @@ class Block(nn.Module):
         attn_out_norm: RMSNorm | None = None,
         mlp_out_norm: RMSNorm | None = None,
         conv: ShortConv | None = None,
+        delta: GatedDeltaNet | None = None,
     ):
         super().__init__()
         self.attn = attn
         self.conv = conv
+        self.delta = delta
         self.mlp = mlp
         self.input_norm = input_norm
         self.post_norm = post_norm
@@ -75,9 +85,15 @@ class Block(nn.Module):
         kv: KVStep,
         key_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         rows: ConvStep | None = None,
+        state: DeltaStep | None = None,
     ) -> torch.Tensor:
         h = self.input_norm(x)
-        a = self.attn(h, cos, sin, kv, key_rope) if self.conv is None else self.conv(h, rows)
+        if self.conv is not None:
+            a = self.conv(h, rows)
+        elif self.delta is not None:
+            a = self.delta(h, state)
+        else:
+            a = self.attn(h, cos, sin, kv, key_rope)
         x = x + (a if self.attn_out_norm is None else self.attn_out_norm(a))
         m = self.mlp(self.post_norm(x))
         return x + (m if self.mlp_out_norm is None else self.mlp_out_norm(m))
@@ -187,6 +203,11 @@ class Transformer(nn.Module):
         layers = len(self.config.conv_layers)
         return ConvRows(self.conv_window, layers, batch, self.dtype, self.device, slack)
 
+    def new_delta_rows(self, batch: int = 1) -> DeltaRows:
+        """Zero state of this model's gated DeltaNet layers for `batch` sequences."""
+        layers = len(self.config.deltanet_layers)
+        return DeltaRows(self.config.deltanet, layers, batch, self.dtype, self.device)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -195,6 +216,7 @@ class Transformer(nn.Module):
         last_only: bool = True,
         prompt: bool | None = None,
         conv: ConvStep | None = None,
+        recurrent: DeltaStep | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: (B, T) -> fp32 logits (B, 1 or T, V) (fp64 for an fp64
         model: the reference keeps its precision to the end).
@@ -205,7 +227,9 @@ class Transformer(nn.Module):
         low-bit products' numerics (kvlm.model.layers.feeding_prompt); None: T > 1.
         `conv`: the conv layers' rows before the step (kvlm.model.conv; the caller commits
         them); None: the cache step's (`kv.conv`, a cache that keeps a conv group), else
-        rows of zeros, right for a step from position 0 only.
+        rows of zeros, right for a step from position 0 only. `recurrent`: the gated
+        DeltaNet layers' rows and states before the step (kvlm.model.deltanet; the caller
+        commits them); None: a zero state, right for a step from position 0 only.
         """
         if prompt is None:
             prompt = input_ids.shape[-1] > 1
@@ -216,6 +240,17 @@ class Transformer(nn.Module):
         elif conv is not None and positions.numel() and int(positions[0, 0]) != conv.start:
             raise ValueError(f"the conv rows are at position {conv.start}, the step at "
                              f"{int(positions[0, 0])}")  # fmt: skip
+        if recurrent is None and self.config.deltanet_layers:
+            if positions.numel() and int(positions[..., 0].max()) != 0:
+                raise UnsupportedModelError(NO_DELTA_STATE)
+            recurrent = self.new_delta_rows(input_ids.shape[0]).begin(input_ids.shape[-1])
+        elif (
+            recurrent is not None
+            and positions.numel()
+            and (int(positions[0, 0]) != recurrent.start)
+        ):
+            raise ValueError(f"the DeltaNet state is at position {recurrent.start}, the step "
+                             f"at {int(positions[0, 0])}")  # fmt: skip
         with feeding_prompt(prompt):
             x = self.embed(input_ids)  # (B, T, H)
             # A cache that keeps K before RoPE (the window cache, positions inside the
@@ -225,7 +260,7 @@ class Transformer(nn.Module):
                      for r in (self.rope, self.local_rope) if r is not None]  # fmt: skip
             for i, layer in enumerate(self.layers):
                 cos, sin, key_rope = ropes[self._rope_of[i]]
-                x = layer(x, cos, sin, kv.for_layer(i), key_rope, conv)
+                x = layer(x, cos, sin, kv.for_layer(i), key_rope, conv, recurrent)
             if kv.logit_rows is not None:  # a ragged step: each sequence's rows it asks for
                 x = x[:, kv.logit_rows]
             elif last_only:
@@ -397,7 +432,8 @@ class _WeightTaker:
         it whole)."""
         c = self.config
         part = name.split(".")[-2]
-        known = {"q_proj": c.num_heads * c.head_dim, "k_proj": c.num_kv_heads * c.head_dim,
+        q_rows = c.num_heads * c.head_dim * (2 if c.attn_output_gate else 1)  # q|gate
+        known = {"q_proj": q_rows, "k_proj": c.num_kv_heads * c.head_dim,
                  "v_proj": c.num_kv_heads * c.head_dim, "gate_proj": c.intermediate_size,
                  "up_proj": c.intermediate_size}  # fmt: skip
         return known[part] if part in known else self.weights.get(name).shape[0]
@@ -446,6 +482,8 @@ class _WeightTaker:
         p = f"model.layers.{i}"
         if c.layer_mixers and c.layer_mixers[i] == "conv":
             return self.conv_block(i)
+        if c.layer_mixers and c.layer_mixers[i] == "deltanet":
+            return self.deltanet_block(i)
         q_norm = k_norm = None
         if c.qk_norm:  # each q and k head normed before RoPE
             q_norm, k_norm = (self.norm(f"{p}.self_attn.{q}_norm") for q in ("q", "k"))
@@ -460,6 +498,7 @@ class _WeightTaker:
                          self.numerics)  # fmt: skip
         attn.q_scale = None if q_norm is not None or ratio == 1.0 else ratio
         attn.softcap = c.attn_softcap
+        attn.gated = c.attn_output_gate
         gate_up = self.fused_linear(f"{p}.mlp", ("gate_proj", "up_proj"))
         mlp = MLP(gate_up, self._with_bias(f"{p}.mlp.down_proj"), c.activation)
         # the attention's and the MLP's input norms (the MLP's: Llama's HF name), then
@@ -483,6 +522,24 @@ class _WeightTaker:
                   self._with_bias(f"{p}.mlp.down_proj"), c.activation)  # fmt: skip
         names = ["input_layernorm", "post_attention_layernorm", *out_norms(c)]
         block = Block(None, mlp, *(self.norm(f"{p}.{n}") for n in names), conv=conv)
+        self.weights.release()
+        return block
+
+    def deltanet_block(self, i: int) -> Block:
+        """Layer i, whose mixer is a gated DeltaNet (kvlm.model.deltanet)."""
+        c, p = self.config, f"model.layers.{i}"
+        d, a = c.deltanet, f"{p}.linear_attn"
+        in_proj = self.fused_linear(a, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+        kernel = self.take(f"{a}.conv1d.weight").reshape(d.conv_width, d.conv_kernel)
+        delta = GatedDeltaNet(
+            c.deltanet_layers.index(i), d, in_proj, kernel, self.take(f"{a}.A_log"),
+            self.take(f"{a}.dt_bias"), self.take(f"{a}.norm.weight"), c.rms_norm_eps,
+            self._with_bias(f"{a}.out_proj"),
+        )  # fmt: skip
+        mlp = MLP(self.fused_linear(f"{p}.mlp", ("gate_proj", "up_proj")),
+                  self._with_bias(f"{p}.mlp.down_proj"), c.activation)  # fmt: skip
+        names = ["input_layernorm", "post_attention_layernorm", *out_norms(c)]
+        block = Block(None, mlp, *(self.norm(f"{p}.{n}") for n in names), delta=delta)
         self.weights.release()
         return block
 

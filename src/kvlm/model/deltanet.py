@@ -1,0 +1,188 @@
+"""The gated DeltaNet: a mixer beside attention (kvlm.config.MIXERS "deltanet"; a hybrid's
+linear-attention layers), computed as transformers' reference computes it. For
+the block's normed input x (B, T, H), with nk q/k heads of dk and nv v heads of dv
+(ModelConfig.deltanet):
+
+    q|k|v, z, b, a = in_proj(x)       # in_proj_qkv | in_proj_z | in_proj_b | in_proj_a
+    q|k|v = silu(causal depthwise conv of L positions over q|k|v)   (no bias)
+    q, k = l2norm(q), l2norm(k) per head; q /= sqrt(dk); each q/k head serves nv / nk
+           consecutive v heads
+    beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias)     (per v head)
+    per token t, per v head, the state S (dk, dv):
+        S = S * exp(g_t);  S = S + k_t (x) ((v_t - S^T k_t) * beta_t);  o_t = S^T q_t
+    out = out_proj(rmsnorm(o) * w * silu(z))          (the gated RMSNorm, per v head)
+
+Prefill runs the recurrence token by token, exactly transformers' reference
+`torch_recurrent_gated_delta_rule` (transformers' own prefill takes the chunked form, the
+same mathematics in another order); a chunked algorithm is left for later
+(docs/DESIGN.md section 5). The recurrence, l2norm, g and the gated norm run in fp32 (fp64 for
+an fp64 model), as transformers runs them in fp32.
+
+What a DeltaNet layer keeps of a sequence: the last L - 1 rows of q|k|v before the
+convolution (a window like a short convolution's: kvlm.cache.conv's ConvRows, L - 1
+rows of conv_width) and its state S (nv, dk, dv), both fixed per sequence. `DeltaRows`
+holds them for the model's DeltaNet layers and a batch of sequences (begin/commit as a
+cache does, fork, snapshot/restore; no rollback: a state cannot forget tokens);
+`Transformer.forward(recurrent=)` takes its step. No cache keeps them yet: a model with
+DeltaNet layers runs `kv="off"` (every forward from position 0, a zero state), or at the
+model level with rows a caller carries.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvlm.cache.conv import ConvRows, ConvStep
+from kvlm.cache.kinds import ConvWindow
+from kvlm.config import DeltaNet
+from kvlm.model.layers import Linear
+
+L2_EPS = 1e-6  # transformers' l2norm (FLA's)
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The recurrence's dtype: fp32, fp64 for an fp64 model."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class DeltaRows:
+    """The DeltaNet layers' state of `batch` sequences advanced in lockstep: each layer's
+    last L - 1 input rows of its convolution (`conv`, a ConvRows) and its recurrent state
+    `state` (layers, batch, nv, dk, dv) in the recurrence's dtype; `length` the tokens
+    they hold."""
+
+    def __init__(
+        self, shape: DeltaNet, layers: int, batch: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.shape = shape
+        window = ConvWindow(shape.conv_kernel - 1, shape.conv_width)
+        self.conv = ConvRows(window, layers, batch, dtype, device, slack=0)
+        s = shape
+        self.state = torch.zeros(layers, batch, s.value_heads, s.key_dim, s.value_dim,
+                                 dtype=work_dtype(dtype), device=device)  # fmt: skip
+
+    @property
+    def length(self) -> int:
+        return self.conv.length
+
+    def begin(self, n_new: int) -> DeltaStep:
+        """The step of `n_new` tokens after the `length` the sequences hold."""
+        return DeltaStep(self, n_new)
+
+    def commit(self, step: DeltaStep) -> None:
+        """Keep the step's rows and states (only once its forward succeeded)."""
+        if any(s is None for s in step.staged):
+            raise ValueError("a DeltaNet step committed before it was run through")
+        self.conv.commit(step.conv)
+        self.state = torch.stack(step.staged)  # type: ignore[arg-type]
+
+    def fork(self, n: int) -> None:
+        """Each sequence as n (n samples decoding from one prompt)."""
+        self.conv.fork(n)
+        self.state = self.state.repeat_interleave(n, dim=1)
+
+    def snapshot(self) -> tuple:
+        return self.conv.snapshot(), self.state.clone()
+
+    def restore(self, saved: tuple) -> None:
+        conv, state = saved
+        self.conv.restore(conv)
+        self.state = state.clone()
+
+
+class DeltaStep:
+    """One forward's view of the DeltaNet rows: `conv` the ConvStep of their convolution
+    windows, `initial(layer)` a layer's state before the step, `stage(layer, state)` its
+    state after (kept by DeltaRows.commit)."""
+
+    def __init__(self, rows: DeltaRows, n_new: int) -> None:
+        self.start, self.n_new = rows.length, n_new
+        self.conv: ConvStep = rows.conv.begin(n_new)
+        self._state = rows.state
+        self.staged: list[torch.Tensor | None] = [None] * rows.state.shape[0]
+
+    def initial(self, layer: int) -> torch.Tensor:
+        return self._state[layer]
+
+    def stage(self, layer: int, state: torch.Tensor) -> None:
+        self.staged[layer] = state
+
+
+class GatedDeltaNet(nn.Module):
+    """A gated DeltaNet layer (the module docstring): `slot` its index among the model's
+    DeltaNet layers, `in_proj` in_proj_qkv | in_proj_z | in_proj_b | in_proj_a as one
+    product, `kernel` (conv_width, L) the depthwise convolution's weights, `a_log` and
+    `dt_bias` (nv,), `norm` (dv,) the gated RMSNorm's weight (w as stored: not 1 + w)."""
+
+    def __init__(
+        self, slot: int, shape: DeltaNet, in_proj: Linear, kernel: torch.Tensor,
+        a_log: torch.Tensor, dt_bias: torch.Tensor, norm: torch.Tensor, eps: float,
+        out_proj: Linear,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.slot, self.shape, self.eps = slot, shape, eps
+        self.in_proj, self.out_proj = in_proj, out_proj
+        self.kernel = nn.Parameter(kernel.t().contiguous(), requires_grad=False)  # (L, C)
+        self.a_log = nn.Parameter(a_log, requires_grad=False)
+        self.dt_bias = nn.Parameter(dt_bias, requires_grad=False)
+        self.norm = nn.Parameter(norm, requires_grad=False)
+
+    def forward(self, x: torch.Tensor, step: DeltaStep) -> torch.Tensor:
+        """x (B, T, H), the block's normed input -> (B, T, H)."""
+        s, (B, T, _) = self.shape, x.shape
+        nk, nv, dk, dv = s.key_heads, s.value_heads, s.key_dim, s.value_dim
+        qkv, z, b, a = self.in_proj(x).split([s.conv_width, nv * dv, nv, nv], dim=-1)
+        taps = step.conv.taps(self.slot, qkv)  # L of (B, T, C): the window's rows first
+        w = self.kernel.to(qkv.dtype)
+        conv = taps[0] * w[0]
+        for k in range(1, w.shape[0]):
+            conv = conv + taps[k] * w[k]
+        q, k, v = F.silu(conv).split([nk * dk, nk * dk, nv * dv], dim=-1)
+        work = work_dtype(x.dtype)
+        beta = b.sigmoid().to(work)
+        g = -self.a_log.to(work).exp() * F.softplus(a.to(work) + self.dt_bias.to(work))
+        rep = nv // nk
+        q, k = (t.view(B, T, nk, dk).repeat_interleave(rep, dim=2).to(work) for t in (q, k))
+        q, k = l2norm(q), l2norm(k)
+        q = q / dk**0.5
+        out, state = recurrent_gated_delta_rule(q, k, v.view(B, T, nv, dv).to(work), g, beta,
+                                                step.initial(self.slot).to(work))  # fmt: skip
+        step.stage(self.slot, state)
+        out = gated_rms_norm(out.to(x.dtype), z.view(B, T, nv, dv), self.norm, self.eps, work)
+        return self.out_proj(out.reshape(B, T, nv * dv))
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """x / |x| over the last dim, as transformers' (FLA's) l2norm computes it."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """q, k (B, T, nv, dk) (normed, q scaled), v (B, T, nv, dv), g, beta (B, T, nv), state
+    (B, nv, dk, dv) -> the outputs (B, T, nv, dv) and the state after the T tokens: token
+    by token, each operation as transformers' torch_recurrent_gated_delta_rule does it."""
+    out = v.new_empty(v.shape)
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]
+        kt = k[:, t].unsqueeze(-1)  # (B, nv, dk, 1)
+        kv_mem = (state * kt).sum(dim=-2)  # (B, nv, dv)
+        delta = (v[:, t] - kv_mem) * beta[:, t].unsqueeze(-1)
+        state = state + kt * delta.unsqueeze(-2)
+        out[:, t] = (state * q[:, t].unsqueeze(-1)).sum(dim=-2)
+    return out, state
+
+
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, work: torch.dtype
+) -> torch.Tensor:
+    """RMSNorm of x (..., dv) in `work`, times the weight in x's dtype, times silu(gate)
+    in `work`, back to x's dtype, as transformers' gated RMSNorm."""
+    h = x.to(work)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight.to(x.dtype) * h.to(x.dtype)
+    return (h * F.silu(gate.to(work))).to(x.dtype)

@@ -1,0 +1,284 @@
+"""Qwen3.5: gated DeltaNets beside gated attention (kvlm.model.deltanet; ModelConfig's
+attn_output_gate and rope_dim), against transformers' Qwen3_5ForCausalLM on tiny
+random-weight models of several layer orders, with kv "off" (no cache keeps a DeltaNet's
+state yet: docs/NOTES-qwen35.md).
+
+The exact reference is transformers in fp64 with its delta rule's fp32 casts lifted
+(`exact_hf`): transformers runs the rule in fp32 whatever the model's dtype, so its fp64
+logits share its fp32 chunked rule's rounding (measured: its fp32 logits looked 5x closer
+to them than to a true fp64 forward)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from helpers import assert_greedy_agreement, hf_greedy, load_hf, save_tiny_model
+from kvlm import LLM, SamplingParams
+from kvlm.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
+from numerics import assert_as_exact_as, fp64_reorder_bound, max_error
+
+PROMPT = "What is the capital of France? The capital of France is"
+D, A = "linear_attention", "full_attention"
+# name -> (seed, transformers config overrides): the layer orders and variants (the
+# helpers' config: D A D A, 2 q/k heads serving 4 v heads, kernel 4, RoPE over 8 of 32)
+QWEN35_MODELS = {
+    "qwen35": (30, {}),
+    "qwen35-attention-first": (31, {"layer_types": [A, D, D, A]}),
+    # a kernel of 3; q/k heads as many as v heads; RoPE over half of each head
+    "qwen35-deltanets-last": (32, {"layer_types": [A, D, D, D], "linear_conv_kernel_dim": 3,
+                                   "linear_num_value_heads": 2,
+                                   "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                       "partial_rotary_factor": 0.5}}),
+    # biases in q|k|v and o (q_proj's interleaved with its gate's)
+    "qwen35-bias": (33, {"layer_types": [D, D, A, D], "attention_bias": True}),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def qwen35_dir(tmp_path_factory):
+    made = {}
+
+    def make(name: str):
+        if name not in made:
+            seed, overrides = QWEN35_MODELS[name]
+            made[name] = save_tiny_model(tmp_path_factory.mktemp(name), "qwen3_5", seed=seed,
+                                         **overrides)  # fmt: skip
+        return made[name]
+
+    return make
+
+
+@pytest.fixture(scope="module", autouse=True)
+def exact_hf():
+    """transformers' delta rules (chunked and recurrent) computed in their inputs' dtype:
+    their own source with `torch.float32` read as the input's dtype."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as m
+
+    saved = {}
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        saved[name] = getattr(m, name)
+        src = inspect.getsource(saved[name])
+        src = src[src.index("def ") :].replace("torch.float32", "initial_dtype")
+        assert "initial_dtype = query.dtype" in src
+        scope: dict = {}
+        exec(compile(src, m.__file__, "exec"), m.__dict__, scope)
+        setattr(m, name, scope[name])
+    yield
+    for name, fn in saved.items():
+        setattr(m, name, fn)
+
+
+def hf_logits(model_or_folder, ids: list[int], dtype: torch.dtype | None = None) -> torch.Tensor:
+    from test_hf_reference import hf_logits as logits
+
+    return logits(model_or_folder, ids, dtype)
+
+
+def prompt_ids(llm: LLM, n: int = 40) -> list[int]:
+    ids = llm.tokenizer.encode(PROMPT * 8)[:n]
+    assert len(ids) == n
+    return ids
+
+
+@pytest.mark.parametrize("name", list(QWEN35_MODELS))
+def test_config_read_from_folder(qwen35_dir, name):
+    folder = qwen35_dir(name)
+    config, hf = LLM(model=folder, kv="off", progress=False).config, load_hf(folder).config
+    mixers = {D: "deltanet", A: "attention"}
+    assert config.architecture == "qwen35"
+    assert config.layer_mixers == tuple(mixers[t] for t in hf.layer_types)
+    d = config.deltanet
+    assert (d.key_heads, d.value_heads, d.key_dim, d.value_dim, d.conv_kernel) == (
+        hf.linear_num_key_heads, hf.linear_num_value_heads, hf.linear_key_head_dim,
+        hf.linear_value_head_dim, hf.linear_conv_kernel_dim)  # fmt: skip
+    assert config.rotary_dim == int(hf.head_dim * hf.rope_parameters["partial_rotary_factor"])
+    assert config.attn_output_gate and config.qk_norm and config.tie_word_embeddings
+
+
+@pytest.mark.parametrize("name", list(QWEN35_MODELS))
+def test_teacher_forced_logits_match_hf(qwen35_dir, name):
+    """Every position's logits over 40 tokens, the exact path: as close to the exact
+    result as transformers' own fp32 logits (tests/numerics.py)."""
+    folder = qwen35_dir(name)
+    llm = LLM(model=folder, kv="off", exact=True, progress=False)
+    ids = prompt_ids(llm)
+    ours, ref = llm.runner.logits(ids, llm.new_cache("off")), hf_logits(load_hf(folder), ids)
+    assert_as_exact_as(ours, ref, hf_logits(folder, ids, torch.float64))
+
+
+@pytest.mark.parametrize("name", ["qwen35", "qwen35-bias"])
+def test_greedy_tokens_equal_hf(qwen35_dir, name):
+    """16 greedy tokens through LLM.generate (kv off): in fp64 the same tokens as
+    transformers in fp64; in fp32 by default numerics, the top-5 rule against its fp32."""
+    from transformers import AutoModelForCausalLM
+
+    folder, n = qwen35_dir(name), 16
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
+    fp64 = LLM(model=folder, kv="off", dtype="fp64", progress=False)
+    ids = fp64.tokenizer.encode(PROMPT)
+    hf64 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    out = fp64.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    assert out.token_ids == hf_greedy(hf64, ids, n)[0]
+    llm = LLM(model=folder, kv="off", progress=False)
+    out = llm.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    ref_ids, ref_logits = hf_greedy(load_hf(folder), ids, n)
+    tops = [list(lp.top) for lp in out.logprobs]
+    assert_greedy_agreement(out.token_ids, tops, ref_ids, ref_logits)
+
+
+def test_the_deltanet_and_the_gate_are_applied(qwen35_dir, tmp_path):
+    """Each part matters: the DeltaNet's convolution reduced to its last tap, or the
+    attention's output gate's rows of q_proj zeroed in the file (every output times
+    sigmoid(0)), moves the logits by far more than rounding (so the tests above can
+    fail)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = qwen35_dir("qwen35")
+    llm = LLM(model=folder, kv="off", exact=True, progress=False)
+    ids = prompt_ids(llm)
+    exact = hf_logits(folder, ids, torch.float64)
+
+    def error(llm: LLM) -> float:
+        return max_error(llm.runner.logits(ids, llm.new_cache("off")), exact)
+
+    before = error(llm)
+    llm.model.layers[0].delta.kernel.data[:-1] = 0  # position t reads only its own row
+    assert error(llm) > 1000 * before
+    c = llm.config
+    for f in folder.iterdir():
+        if f.suffix == ".safetensors":
+            tensors = load_file(f)
+            q = tensors["model.layers.1.self_attn.q_proj.weight"]
+            q.view(c.num_heads, 2, c.head_dim, -1)[:, 1] = 0  # each head's gate rows
+            save_file(tensors, tmp_path / f.name)
+        else:
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    assert error(LLM(model=tmp_path, kv="off", exact=True, progress=False)) > 1000 * before
+
+
+def carried(llm: LLM, ids: list[int], chunks: list[int]) -> torch.Tensor:
+    """Teacher-forced logits of `ids` fed in `chunks` through a contiguous cache (the
+    attention layers' K/V) with the DeltaNet state carried beside it by hand
+    (`Transformer.forward(recurrent=)`), each chunk committed to both."""
+    from kvlm.cache import create_cache
+
+    cache, rows = create_cache("contiguous", llm.cache_spec("off")), llm.model.new_delta_rows()
+    out, at = [], 0
+    with torch.inference_mode():
+        for n in chunks:
+            step, state = cache.begin(n), rows.begin(n)
+            tokens = torch.tensor([ids[at : at + n]])
+            out.append(llm.model(tokens, step.positions, step, last_only=False,
+                                 recurrent=state)[0])  # fmt: skip
+            cache.commit(step)
+            rows.commit(state)
+            at += n
+    return torch.cat(out)
+
+
+def test_state_carried_across_chunks_and_decode_equals_one_shot(qwen35_dir):
+    """Chunks of 7 across the kernel's edge, then a token at a time: every position's
+    logits as close to the exact ones as the one-shot forward's; in fp64 within the
+    reordering bound of two fp64 evaluations."""
+    folder = qwen35_dir("qwen35-bias")
+    chunks = [7] * 4 + [1] * 12
+    llm = LLM(model=folder, kv="off", exact=True, progress=False)
+    ids = prompt_ids(llm)
+    one_shot = llm.runner.logits(ids, llm.new_cache("off"))
+    exact = hf_logits(folder, ids, torch.float64)
+    assert_as_exact_as(carried(llm, ids, chunks), one_shot, exact)
+    fp64 = LLM(model=folder, kv="off", dtype="fp64", progress=False)
+    one_shot64 = fp64.runner.logits(ids, fp64.new_cache("off"))
+    far = max_error(carried(fp64, ids, chunks), one_shot64)
+    assert far <= fp64_reorder_bound(max_error(one_shot, exact))
+
+
+def test_a_multimodal_folder_runs_its_language_model(qwen35_dir, tmp_path):
+    """A Qwen3_5ForConditionalGeneration folder (config.json's text_config; the weights
+    under model.language_model., as transformers saves them) reads to the same config and
+    logits as the text model's folder."""
+    from safetensors.torch import load_file, save_file
+
+    folder = qwen35_dir("qwen35")
+    text = json.loads((folder / "config.json").read_text())
+    wrapped = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+               "tie_word_embeddings": text.pop("tie_word_embeddings"),
+               "text_config": text}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(wrapped))
+    for f in folder.iterdir():
+        if f.suffix == ".safetensors":
+            tensors = load_file(f)
+            save_file({k.replace("model.", "model.language_model.", 1): v
+                       for k, v in tensors.items()}, tmp_path / f.name)  # fmt: skip
+        elif f.name != "config.json":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    plain = LLM(model=folder, kv="off", exact=True, progress=False)
+    multi = LLM(model=tmp_path, kv="off", exact=True, progress=False)
+    assert multi.config == replace(plain.config, name=tmp_path.name)
+    ids = prompt_ids(plain)
+    ours = multi.runner.logits(ids, multi.new_cache("off"))
+    assert torch.equal(ours, plain.runner.logits(ids, plain.new_cache("off")))
+
+
+def test_what_cannot_hold_the_state_is_refused(qwen35_dir):
+    """Every cache mode but off, the engine's pool and the fused step refuse a model with
+    DeltaNet layers, each with one clear error; a forward past position 0 without a state
+    says why."""
+    from kvlm.engine.engine import pool_spec
+    from kvlm.model import fused
+
+    folder = qwen35_dir("qwen35")
+    for mode in ("contiguous", "basic", "paged", "window", "int8"):
+        with pytest.raises(InvalidRequestError, match="DeltaNet") as err:
+            LLM(model=folder, kv=mode, progress=False)
+        assert err.value.param == "kv"
+    llm = LLM(model=folder, kv="off", progress=False)
+    with pytest.raises(InvalidRequestError, match="DeltaNet"):
+        llm.new_cache("contiguous")
+    with pytest.raises(InvalidRequestError, match="DeltaNet"):
+        pool_spec(llm)
+    assert "DeltaNet" in fused.why_not(llm.model)
+    from kvlm.cache import create_cache
+
+    cache = create_cache("contiguous", llm.cache_spec("off"))
+    with torch.inference_mode():
+        step = cache.begin(4)
+        llm.model(torch.tensor([[5, 6, 7, 8]]), step.positions, step)
+        cache.commit(step)
+        step = cache.begin(1)
+        with pytest.raises(UnsupportedModelError, match="DeltaNet layers need their state"):
+            llm.model(torch.tensor([[9]]), step.positions, step)
+
+
+def test_hostile_config_keys_are_refused(tmp_path):
+    """Each key the family reads, of the wrong kind or range, is one clear error naming
+    it; GGUF files of the family are refused by name."""
+    from transformers import Qwen3_5TextConfig
+
+    from kvlm.arch import config_from_gguf, config_from_hf
+
+    base = Qwen3_5TextConfig(vocab_size=64, hidden_size=32, num_hidden_layers=4, head_dim=8,
+                             num_attention_heads=4, num_key_value_heads=2).to_dict()  # fmt: skip
+    assert config_from_hf(base).layer_mixers == ("deltanet",) * 3 + ("attention",)
+    bad = [
+        ({"linear_num_value_heads": 3, "linear_num_key_heads": 2}, "linear_num_value_heads"),
+        ({"linear_key_head_dim": "16"}, "linear_key_head_dim"),
+        ({"linear_conv_kernel_dim": 1}, "linear_conv_kernel_dim"),
+        ({"layer_types": ["linear_attention"] * 3}, "layer_types"),
+        ({"layer_types": ["mamba"] * 4}, "unsupported layer types"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                              "partial_rotary_factor": 1.5}}, "partial_rotary_factor"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                              "partial_rotary_factor": 0.1}}, "partial_rotary_factor"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+    ]  # fmt: skip
+    for change, named in bad:
+        with pytest.raises((ModelLoadError, UnsupportedModelError), match=named):
+            config_from_hf({**base, **change})
+    with pytest.raises(UnsupportedModelError, match="qwen35"):
+        config_from_gguf({"general.architecture": "qwen35"})
