@@ -73,6 +73,7 @@ from kvlm import kernels
 from kvlm.cache import KVCache
 from kvlm.cache.base import CacheStep, ConvView, KVView
 from kvlm.cache.factory import FUSED_MODES
+from kvlm.cache.paged import BlockPool
 from kvlm.cache.storage import Store, key_rotation
 from kvlm.dtypes import Q4
 from kvlm.model.attention import _room
@@ -157,6 +158,7 @@ class _ConvView(ctypes.Structure):  # kvlm_conv_view
         ("rows", ctypes.c_void_p),
         *_fields(ctypes.c_void_p, "seq ends"),  # [B] int64s each: a row's sequence, its end
         *_fields(ctypes.c_int64, "layers batch keep width"),
+        ("layout", ctypes.c_int64),  # CONV_ROWS (ConvRows') or CONV_SLOTS (ConvSlots' rings)
         # seq's and ends' int64s, the bytes from rows on (its storage's)
         *_fields(ctypes.c_int64, "entries bytes"),
     ]
@@ -266,6 +268,7 @@ _CONV_BITS = tuple(_ACT[n] for n in ("CONV_IN", "CONV_OUT", "GATE_UP", "DOWN"))
 _ACT_HEAD = _ABI["ACT_HEAD"]
 _ACT_BITS = (*_ACT.values(), _ACT_HEAD)  # every bit of the masks
 _MIXERS = {"attention": _ABI["MIX_ATTENTION"], "conv": _ABI["MIX_CONV"]}  # kvlm_qlayer.mixer
+_CONV_ROWS, _CONV_SLOTS = _ABI["CONV_ROWS"], _ABI["CONV_SLOTS"]  # kvlm_conv_view.layout
 
 
 def _product_bits(block: Block) -> tuple[int, ...]:
@@ -371,11 +374,38 @@ class FusedDecoder:
 
     def reads_rows(self, view: ConvView) -> bool:
         """Whether the step reads and writes these conv rows: fp32 on the CPU, contiguous,
-        (layers, sequences, keep, H) with keep at least the taps' L - 1."""
+        (layers, sequences, keep, H) (ConvRows'), or (layers, slots * ring + 1, H) (ConvSlots'
+        rings, `view.ring`), with keep (ring) at least the taps' L - 1."""
         rows, c = view.rows, self.model.config
+        if view.ring:
+            shape = rows.dim() == 3 and (rows.shape[1] - 1) % view.ring == 0 < rows.shape[1] - 1
+            keep = view.ring
+        else:
+            shape, keep = rows.dim() == 4, rows.shape[2] if rows.dim() == 4 else 0
         return (rows.dtype == torch.float32 and rows.device.type == "cpu"
-                and rows.is_contiguous() and rows.dim() == 4 and rows.shape[3] == c.hidden_size
-                and rows.shape[2] >= c.conv_kernel - 1)  # fmt: skip
+                and rows.is_contiguous() and shape and rows.shape[-1] == c.hidden_size
+                and keep >= c.conv_kernel - 1)  # fmt: skip
+
+    def pool_why_not(self, pool: BlockPool) -> str | None:
+        """Why the step does not decode on the engine's pool (None: it does), from what its
+        layer groups declare (BlockPool.views without tables): K/V stores it reads in one
+        pair of dtypes, conv rows it reads (a conv group's slots: fp32 rings on the CPU),
+        every layer in a view of its kind."""
+        views = pool.views([[] for _ in pool.groups])
+        kv, convs = _split(views or ())
+        if not kv:
+            return "a pool with no K/V view"
+        if not all(self.reads(v.store) for v in kv):
+            return "a pool store of another dtype, device or layout"
+        if len({(v.store.k_dtype, v.store.v_dtype) for v in kv}) > 1:
+            return "a pool whose layer groups keep K/V in different dtypes"
+        if not all(self.reads_rows(v) for v in convs):
+            return "a pool's conv rows not fp32 on the CPU"
+        try:
+            self._placement(kv, convs)
+        except ValueError as exc:
+            return f"a pool whose layer groups the step cannot place: {exc}"
+        return None
 
     def reads(self, store: Store) -> bool:
         """Whether the step reads and writes this storage (dtypes, device, layout)."""
@@ -468,7 +498,12 @@ class FusedDecoder:
             seq, ends = (torch.tensor(t, dtype=torch.int64) for t in (v.seqs, v.ends))
             keep += [seq, ends]
             entries = min(seq.numel(), ends.numel())
-            out[i] = _ConvView(v.rows.data_ptr(), seq.data_ptr(), ends.data_ptr(), *v.rows.shape,
+            if v.ring:  # (layers, slots * ring + 1, H): slots of `ring` rows, the zero row
+                layers, n, width = v.rows.shape
+                shape, layout = (layers, (n - 1) // v.ring, v.ring, width), _CONV_SLOTS
+            else:
+                shape, layout = tuple(v.rows.shape), _CONV_ROWS
+            out[i] = _ConvView(v.rows.data_ptr(), seq.data_ptr(), ends.data_ptr(), *shape, layout,
                                entries, _bytes(v.rows))  # fmt: skip
         return out, keep
 
