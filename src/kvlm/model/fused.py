@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -293,6 +294,7 @@ class FusedDecoder:
             layers[i] = self._layer(block, i)
         self._layers = layers  # keep alive: the struct points into it
         self._placed: tuple | None = None  # the layers' (view, index) last set
+        self._pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool_why_not's
         shape = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                  c.intermediate_size)  # fmt: skip
         head = (_ptr(model.norm.weight, c.hidden_size), _qmat(model.lm_head))  # final_norm, lm_head
@@ -390,7 +392,12 @@ class FusedDecoder:
         """Why the step does not decode on the engine's pool (None: it does), from what its
         layer groups declare (BlockPool.views without tables): K/V stores it reads in one
         pair of dtypes, conv rows it reads (a conv group's slots: fp32 rings on the CPU),
-        every layer in a view of its kind."""
+        every layer in a view of its kind. Asked once a pool (its groups are fixed)."""
+        if pool not in self._pools:
+            self._pools[pool] = self._pool_reason(pool)
+        return self._pools[pool]
+
+    def _pool_reason(self, pool: BlockPool) -> str | None:
         views = pool.views([[] for _ in pool.groups])
         kv, convs = _split(views or ())
         if not kv:
