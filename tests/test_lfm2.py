@@ -6,8 +6,8 @@ Every one-sequence cache mode keeps the conv rows as a layer group of its own
 (kvlm.cache.conv), the engine's pool a slot of them a sequence and each sealed block's end
 rows for prefix hits (kvlm.cache.conv.ConvSlots); the fused C decode step (kvlm.model.fused,
 kernels/conv.c) reads and moves them on in place in the contiguous, paged and int8 modes
-and the pool's slots (each sequence's ring), held to the torch model by tests/numerics.py's rules as test_fused_arch holds the other
-families (docs/NOTES-lfm2.md: what is left)."""
+and the pool's slots (each sequence's ring), held to the torch model by tests/numerics.py's
+rules as test_fused_arch holds the other families (docs/NOTES-lfm2.md: what is left)."""
 
 from __future__ import annotations
 

@@ -37,7 +37,11 @@ A pool step's `SlotStep` hands the model every row's taps (its window before its
 from its slot, then its own rows), whatever the layout: rows of a table step (a sequence's
 draft rows, consecutive, are one sequence to the convolution) or a ragged step's
 sequences; the runner keeps what it staged (`commit`) only once the forward succeeded, so a
-step run again piece by piece reads the rows it read the first time.
+step run again piece by piece reads the rows it read the first time. The fused C step
+reads and writes the rings in place instead (`view`: a ConvView of this layout, kernels/
+conv.c's CONV_SLOTS; each row's u written at its position's ring row once its logits are
+made), and `written` then does the rest of what `commit` does: the ends moved on, each
+sealed block's end rows copied from the ring.
 """
 
 from __future__ import annotations

@@ -50,12 +50,16 @@ kernels/conv.c): in_proj, B * x, the taps over the sequence's held rows and the 
 C * that, out_proj, the rows read and moved on in place through a `ConvView` of the
 cache's conv part
 (kvlm.cache.conv: the rows ConvStep reads, moved on as ConvRows.commit moves them, once
-the step's logits are made, so a step that fails leaves them as they were); a draft's
-rows are one sequence to the convolution, as the torch model takes them.
+the step's logits are made, so a step that fails leaves them as they were), or of the
+engine pool's slots (ConvSlots.view: a ring a slot, each row's u written at its
+position's ring row after the logits, the sealed blocks' end rows copied by
+ConvSlots.written); a draft's rows are one sequence to the convolution, as the torch
+model takes them.
 
 It applies where that is the whole story: CPU, fp32 activations, low-bit weights in every
 projection (`--weights int8|int4|native`), no MLP biases, and fp32, bf16, fp16, int8 or q4 K/V
-in a contiguous, paged or hybrid contiguous cache (a conv model's rows beside either).
+in a contiguous, paged or hybrid contiguous cache (a conv model's rows beside either)
+or the engine's pool (a conv group's slots too: `pool_why_not`).
 Anything else (prefill, the window, basic and off caches, a draft longer than a ring's
 slack: `drafts`, other formats) runs the torch model. `KVLM_NO_FUSED=1` turns it off.
 Tests hold its logits to the torch path's.
