@@ -1092,6 +1092,75 @@ def test_the_conv_rows_are_checked(build, lfm2_step):
     assert call(pos=(n + 1, n + 2, n + 1), seqs=(0, 0, 1), ends_at=(n + 1,) * 3) == 0
 
 
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_conv_slots_are_checked_and_read_as_the_rows(build, lfm2_step):
+    """kvlm_decode_batch over the engine pool's conv layout (CONV_SLOTS: a ring of keep rows
+    a slot, position p at row slot keep + p % keep, one zero row after the rings): the rows
+    within its bytes (layers x (slots x keep + 1) x hidden floats), each row's slot within
+    the slots, the rows before its start held, a known layout; nothing written when
+    refused. Taken, the same rows as rings give the logits of the one-sequence layout bit
+    for bit, and the step writes each row's u at its position's ring row only (the zero
+    row, the other slots and the other ring rows as they were)."""
+    from kvlm.model.fused import ConvView, _split
+
+    lib, (step, cache) = _kernels(build), lfm2_step
+    c, n = step.model.config, cache.num_tokens
+    H, vocab, L = c.hidden_size, step.vocab, c.conv_kernel
+    kv, (conv,) = _split(cache.kv_views([0, 1]))
+    step._set_storage(kv[0].store, None)
+    step._place(kv, [conv])
+    layers, _, keep, _ = conv.rows.shape
+    slots, order = 3, (2, 0)  # the cache's sequence 0 in slot 2, its sequence 1 in slot 0
+    rings = torch.zeros(layers, slots * keep + 1, H)
+    rings[:, keep : 2 * keep] = torch.randn(layers, keep, H)  # slot 1: not the step's
+    for seq, slot in enumerate(order):  # positions n - keep .. n - 1, those >= 0
+        for p in range(max(0, n - keep), n):
+            rings[:, slot * keep + p % keep] = conv.rows[:, seq, p - n + keep]
+    spec = ctypes.byref(step.spec)
+
+    def call(view: ConvView, pos=(n, n), **fields) -> tuple[int, torch.Tensor]:
+        B = len(pos)
+        c_views, _tables = step._c_views(kv, list(pos))
+        c_convs, _lists = step._c_convs([view])
+        for name, value in fields.items():
+            setattr(c_convs[0], name, value)
+        scratch = torch.empty(lib.kvlm_decode_scratch(spec, B))
+        x = step.model.embed(torch.tensor([5, 9])).contiguous()
+        logits, p = _guarded(B * vocab), torch.tensor(pos)
+        rc = lib.kvlm_decode_batch(
+            spec, B, x.data_ptr(), B * H, p.data_ptr(), B, step.cos.data_ptr(), step.cos.numel(),
+            step.sin.data_ptr(), step.sin.numel(), c_views, len(kv), c_convs, 1,
+            scratch.data_ptr(), scratch.numel(), logits.data_ptr(), B * vocab,
+        )  # fmt: skip
+        assert rc != -2 or _untouched(logits), fields
+        return rc, logits[: B * vocab]
+
+    def ring(**given) -> ConvView:
+        return ConvView(rings, given.get("seqs", order), given.get("ends", (n, n)), None, keep)
+
+    need = rings.numel() * 4
+    before = rings.clone()
+    bad = [({"layout": 2}, {}), ({"bytes": need - 1}, {}), ({"batch": slots + 1}, {}),
+           ({"keep": keep + 1}, {}), ({"layers": HUGE, "bytes": ANY}, {}),
+           ({"batch": HUGE, "bytes": ANY}, {}), ({}, {"seqs": (slots, 0)}),
+           ({}, {"seqs": (-1, 0)}), ({}, {"ends": (n + keep - L + 2, n)}),
+           ({}, {"ends": (n - 1, n)}), ({}, {"seqs": (2, 2)})]  # fmt: skip
+    for fields, given in bad:
+        assert call(ring(**given), **fields)[0] == -2, (fields, given)
+    assert torch.equal(rings, before)
+    shift = conv.rows.clone()
+    rc, want = call(ConvView(conv.rows, [0, 1], [n, n]))  # the one-sequence layout
+    assert rc == 0
+    conv.rows.copy_(shift)  # (as it was, for the tests after)
+    rc, got = call(ring())
+    assert rc == 0 and torch.equal(got, want)
+    written = [slot * keep + n % keep for slot in order]
+    others = [r for r in range(slots * keep + 1) if r not in written]
+    assert torch.equal(rings[:, others], before[:, others])
+    assert not torch.equal(rings[:, written], before[:, written])
+    assert rings[:, -1].abs().sum() == 0
+
+
 def test_a_norm_or_glu_the_kernels_refuse_is_an_error_not_torch(monkeypatch):
     """A -2 from the norms' and SwiGLU's kernels is a ValueError, as every entry point's
     (their callers took torch's road on it): an RMSNorm weight of another length than a

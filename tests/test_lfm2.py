@@ -5,9 +5,9 @@ from the GGUF file llama.cpp's own converter writes for them (tests/converter.py
 Every one-sequence cache mode keeps the conv rows as a layer group of its own
 (kvlm.cache.conv), the engine's pool a slot of them a sequence and each sealed block's end
 rows for prefix hits (kvlm.cache.conv.ConvSlots); the fused C decode step (kvlm.model.fused,
-kernels/conv.c) reads and moves them on in place in the contiguous, paged and int8 modes,
-held to the torch model by tests/numerics.py's rules as test_fused_arch holds the other
-families (docs/NOTES-lfm2.md: what is left)."""
+kernels/conv.c) reads and moves them on in place in the contiguous, paged and int8 modes
+and the pool's slots (each sequence's ring), held to the torch model by tests/numerics.py's
+rules as test_fused_arch holds the other families (docs/NOTES-lfm2.md: what is left)."""
 
 from __future__ import annotations
 
@@ -645,15 +645,17 @@ def test_the_pool_view_counts_each_sequences_rows(pooled):
     assert "windowed_blocks" not in view["sequences"][0]
 
 
-def test_kvlm_serve_answers_concurrent_chats(pooled):
-    """A real `kvlm serve` of the tiny LFM2 (its pool: a slot of conv rows a sequence):
-    two chat requests at once, batched (fewer steps than tokens), each answered as the
-    LLM answers it alone; /v1/kv and /metrics show the conv group."""
+def test_kvlm_serve_answers_concurrent_chats(lfm2_dir):
+    """A real `kvlm serve` of the tiny LFM2 in int8 weights (its pool: a slot of conv rows
+    a sequence, decoded by the fused step): two chat requests at once, batched (fewer
+    steps than tokens), each answered as the LLM answers it alone; every decode row
+    through the fused step (/metrics' fused rows, /v1/kv's decode_step); /v1/kv and
+    /metrics show the conv group."""
     import threading
 
     from serving import get, kvlm_serve, openai_client, wait_idle
 
-    llm, _ = pooled
+    llm = pool_fused_llm(lfm2_dir("lfm2"), "int8")
     questions = ["Name a city in France.", "Count to ten, please, one number at a time."]
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     want = [llm.generate(
@@ -661,7 +663,7 @@ def test_kvlm_serve_answers_concurrent_chats(pooled):
         sampling_params=params)[0].outputs[0].text for q in questions]  # fmt: skip
     key = "sekret"
     with kvlm_serve("--model", str(llm.loaded.path), "--threads", "1", "--api-key", key,
-                    "--max-context", "256") as (port, _):  # fmt: skip
+                    "--max-context", "256", "--weights", "int8") as (port, _):  # fmt: skip
         client = openai_client(port, key)
         model = client.models.list().data[0].id
         got: dict[int, str] = {}
@@ -683,12 +685,150 @@ def test_kvlm_serve_answers_concurrent_chats(pooled):
         status, text = get(port, "/v1/kv", {"Authorization": f"Bearer {key}"})
     assert [got[i] for i in range(len(questions))] == want
     assert m["kvlm_engine_steps_total"] < m["kvlm_generation_tokens_total"]  # rows together
+    # every token after each answer's first (the prefill's) a row of the fused step
+    decoded = m["kvlm_generation_tokens_total"] - len(questions)
+    assert m["kvlm_engine_fused_rows_total"] == decoded > 0
     assert m['kvlm_kv_group_blocks_total{group="1",window="none",layers="2"}'] == 16  # slots
     assert m['kvlm_kv_group_blocks_used{group="1",window="none",layers="2"}'] == 0
     assert status == 200
-    groups = json.loads(text)["groups"]
+    view = json.loads(text)
+    groups = view["groups"]
     assert [(g["kind"], g["layers"]) for g in groups] == [("attention", [1, 3]), ("conv", [0, 2])]
     assert groups[1]["blocks_with_rows"] > 0  # the answers' blocks' end rows, for hits
+    assert view["decode_step"] == "fused"
+
+
+# ----------------------------------------------------- the engine's pool through the fused step
+
+# the pool's fused tests: low-bit weights under the defaults (int16 activations, fp16 K/V
+# where the CPU has them: what `kvlm serve` of such a model runs)
+POOL_FUSED = {"lfm2": "int8", "lfm2-bias-k4": "int4"}
+
+
+@functools.cache
+def pool_fused_llm(folder, weights: str, exact_products: bool = False, **options) -> LLM:
+    """`exact_products`: fp32 activations and prompt products, so that a sequence's rows
+    recomputed as a prompt (a preemption's, a prefix's) are the bits its decode rows made."""
+    if exact_products:
+        options |= {"activations": "fp32", "prefill_dtype": "fp32"}
+    return LLM(model=folder, kv="paged", weights=weights, progress=False, **options)
+
+
+def alone_on_cache(llm: LLM, prompts, params=GREEDY) -> list[list[list[int]]]:
+    """Each prompt's tokens alone on the LLM's one-sequence cache (its own fused step)."""
+    return [[llm.generate(p, params)[0].outputs[0].token_ids] for p in prompts]
+
+
+def all_fused(calls: list[int], engine) -> None:
+    """Every decode row of `engine` went through the fused step (the pool's, with the
+    conv slots' rings: kvlm.cache.conv.ConvSlots.view)."""
+    assert engine.decode_step == "fused"
+    assert engine.stats.decode_rows > 0 and sum(calls) >= engine.stats.decode_rows
+
+
+@pytest.mark.parametrize("name", list(POOL_FUSED))
+def test_the_pools_fused_step_batches_forks_and_drafts_as_alone(lfm2_dir, name, monkeypatch):
+    """The fused step on the engine's pool reads and writes each sequence's conv slot (a
+    ring a slot, kvlm_conv_view's CONV_SLOTS): the prompts batched, n = 2 (a forked slot),
+    prompt lookup's drafts and a draft model's (a draft's rows one sequence to the
+    convolution, the rejected rolled back in the ring) each give every prompt's tokens
+    alone, every decode row through the fused step."""
+    from kvlm.engine.speculative import SpeculativeConfig
+
+    llm = pool_fused_llm(lfm2_dir(name), POOL_FUSED[name])
+    want = alone_on_cache(llm, POOL_PROMPTS)
+    calls = counted_fused_runs(monkeypatch)
+    got, engine = on_pool(llm, POOL_PROMPTS)
+    assert got == want and engine.pool.conv.num_used == 0
+    all_fused(calls, engine)
+    assert sum(calls) == engine.stats.decode_rows and max(calls) == len(POOL_PROMPTS)
+    calls.clear()
+    two, engine = on_pool(llm, POOL_PROMPTS, SamplingParams(n=2, max_tokens=20, temperature=0.0,
+                                                            ignore_eos=True))  # fmt: skip
+    assert two == [w * 2 for w in want] and engine.pool.conv.num_used == 0
+    all_fused(calls, engine)
+    other = {"int8": "int4", "int4": "int8"}[POOL_FUSED[name]]  # a draft model that errs
+    for spec in (SpeculativeConfig("ngram", num_draft=4, ngram_min=1),
+                 SpeculativeConfig("draft", draft_weights=other)):  # fmt: skip
+        calls.clear()
+        drafted, engine = on_pool(llm, POOL_PROMPTS, speculative=spec)
+        st = engine.stats.spec
+        assert drafted == want and st.drafted > st.accepted  # some rolled back
+        all_fused(calls, engine)
+        assert sum(calls) > engine.stats.decode_rows  # the drafts' rows went through it
+    assert st.accepted > 0  # the draft model's: rows of a draft checked as one sequence
+
+
+def test_the_pools_fused_step_after_preemptions(lfm2_dir, monkeypatch):
+    """A pool too small for every sequence's growth, decoding through the fused step: the
+    preempted sequences' slots freed and recomputed (whole, or from their sealed blocks'
+    end rows that the fused step's decode rows wrote), each prompt's tokens alone."""
+    llm = pool_fused_llm(lfm2_dir("lfm2"), "int8", True, max_context=96)
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = alone_on_cache(llm, POOL_PROMPTS, long)
+    calls = counted_fused_runs(monkeypatch)
+    for prefix_caching in (False, True):
+        calls.clear()
+        got, engine = on_pool(llm, POOL_PROMPTS, long, num_blocks=8,
+                              prefix_caching=prefix_caching)  # fmt: skip
+        assert got == want
+        assert engine.scheduler.preemptions > 0 and engine.pool.conv.num_used == 0
+        all_fused(calls, engine)
+
+
+def test_a_prefix_hit_on_blocks_the_fused_step_sealed(lfm2_dir, monkeypatch):
+    """Blocks sealed by the fused step's decode rows keep their end rows (copied from the
+    slot's ring after the step, ConvSlots.written): a prompt that is a first answer's
+    tokens and more hits those blocks, restores the slot from the last one's rows, and
+    answers as a fresh pool does; a chat's second turn likewise."""
+    llm = pool_fused_llm(lfm2_dir("lfm2"), "int8", True)
+    first = llm.tokenizer.encode(PROMPT)[:10]
+    calls = counted_fused_runs(monkeypatch)
+    engine = fresh_engine(llm)
+    answer_ids, _ = answer(engine, first, SamplingParams(max_tokens=30, temperature=0.0,
+                                                         ignore_eos=True))  # fmt: skip
+    all_fused(calls, engine)
+    # 10 + 29 tokens computed: blocks 0 and 1 sealed, each at a decode row
+    assert engine.pool.conv.blocks_with_rows == 2
+    second = first + answer_ids + llm.tokenizer.encode(" And Spain?")[1:]
+    want, cold = answer(fresh_engine(llm), second)
+    got, cached = answer(engine, second)
+    assert cold == 0 and cached == 32 and got == want
+    assert engine.manager.stats.window_cut == 0
+    first_turn, second_turn = conversation(llm)
+    want = answer(fresh_engine(llm), second_turn)[0]
+    engine = fresh_engine(llm)
+    answer(engine, first_turn)
+    got, cached = answer(engine, second_turn)
+    assert got == want and cached >= (len(first_turn) // 16) * 16 > 0
+
+
+def test_a_failed_fused_step_leaves_the_slots_as_they_were(lfm2_dir):
+    """A fused step on the pool that the C step refuses (a row's block table that does not
+    cover its position) raises, and every slot's rings, end rows and ends are as they
+    were, the other row's too; the same step with good tables then moves the rows on."""
+    from kvlm.engine.runner import PoolBatch
+
+    llm = pool_fused_llm(lfm2_dir("lfm2"), "int8")
+    engine = fresh_engine(llm)
+    for i, p in enumerate(POOL_PROMPTS[:2]):
+        engine.add_request(str(i), llm.tokenizer.encode(p), GREEDY)
+    while len(engine.scheduler.running) < 2 or any(s.prefilling for s in engine.scheduler.running):
+        engine.step()
+    seqs = engine.scheduler.running
+    backend, conv = engine.backend, engine.pool.conv
+    rows = [[s.token_ids[-1]] for s in seqs]
+    starts = [s.num_computed for s in seqs]
+    blocks, others = backend._where([s.table for s in seqs])
+    before = (conv.rows.clone(), conv.ends.clone(), list(conv.end), list(conv.first))
+    bad = [list(blocks[0]), blocks[1][: starts[1] // 16]]  # row 1's table a block short
+    with pytest.raises(ValueError, match="fused decode step refused"):
+        llm.runner.run(PoolBatch(rows, engine.pool, engine.spec, bad, starts, others))
+    assert torch.equal(conv.rows, before[0]) and torch.equal(conv.ends, before[1])
+    assert (conv.end, conv.first) == (before[2], before[3])
+    llm.runner.run(PoolBatch(rows, engine.pool, engine.spec, blocks, starts, others))
+    assert not torch.equal(conv.rows, before[0])
+    assert [conv.end[t[0]] for t in others[0]] == [s + 1 for s in starts]
 
 
 # ---------------------------------------------------------------------- the fused C step
@@ -872,8 +1012,7 @@ def test_ngram_drafts_through_the_fused_step_keep_the_plain_tokens(lfm2_dir, mon
     greedy = SamplingParams(max_tokens=40, temperature=0.0)
     prompts = [PROMPT, "One two three, one two three, one two"]
     calls = counted_fused_runs(monkeypatch)
-    # one prompt a call: its own cache (more go to the engine's pool, whose conv slots the
-    # fused step does not read yet)
+    # one prompt a call: its own cache (more go to the engine's pool: the tests above)
     llm = LLM(**options)
     plain = [llm.generate(p, greedy)[0].outputs[0].token_ids for p in prompts]
     assert set(calls) == {1}

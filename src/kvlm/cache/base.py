@@ -330,17 +330,20 @@ class KVView:
 
 @dataclass(slots=True)
 class ConvView:
-    """Where some of the model's conv layers keep their rows for one step (kvlm.cache.conv's
-    ConvRows): `rows` (layers, sequences, keep, H) fp32, a sequence's last `keep` input
-    rows of the convolution; the step's row i feeds sequence seqs[i], whose rows end at
-    position ends[i] (rows of one sequence consecutive at consecutive positions: a
-    draft's); `layers`: the model's layers the rows hold, in their order. Made afresh for
-    each call (kv_views)."""
+    """Where some of the model's conv layers keep their rows for one step (kvlm.cache.conv):
+    `rows` fp32, a sequence's last `keep` input rows of the convolution, either ConvRows'
+    (ring 0: (layers, sequences, keep, H), positions end - keep .. end - 1 in order) or
+    ConvSlots' (`ring` = keep: (layers, slots * ring + 1, H), slot s's position p at row
+    s * ring + p % ring, the last row zeros for every position before 0); the step's row i
+    feeds sequence (slot) seqs[i], whose rows end at position ends[i] (rows of one
+    sequence consecutive at consecutive positions: a draft's); `layers`: the model's
+    layers the rows hold, in their order. Made afresh for each call (kv_views)."""
 
     rows: torch.Tensor
     seqs: Sequence[int]
     ends: Sequence[int]
     layers: tuple[int, ...] | None = None
+    ring: int = 0
 
 
 @dataclass(slots=True)

@@ -37,7 +37,11 @@ A pool step's `SlotStep` hands the model every row's taps (its window before its
 from its slot, then its own rows), whatever the layout: rows of a table step (a sequence's
 draft rows, consecutive, are one sequence to the convolution) or a ragged step's
 sequences; the runner keeps what it staged (`commit`) only once the forward succeeded, so a
-step run again piece by piece reads the rows it read the first time.
+step run again piece by piece reads the rows it read the first time. The fused C step
+reads and writes the rings in place instead (`view`: a ConvView of this layout, kernels/
+conv.c's CONV_SLOTS; each row's u written at its position's ring row once its logits are
+made), and `written` then does the rest of what `commit` does: the ends moved on, each
+sealed block's end rows copied from the ring.
 """
 
 from __future__ import annotations
@@ -439,6 +443,39 @@ class ConvSlots:
         """The conv rows of a pool step whose tokens, flattened, are `pieces` in order."""
         return SlotStep(self, pieces)
 
+    # ------------------------------------------------------------------ the fused step
+
+    def view(self, pieces: Sequence[Piece]) -> ConvView | None:
+        """The rings as the fused step reads and writes them (kvlm.model.fused; BlockPool.
+        views): a ConvView of the slots' layout, its row i through pieces[i]'s slot (one
+        token a piece, a sequence's draft rows consecutive), each sequence's rows before
+        its start checked as SlotStep checks them (CacheOverflowError past the slack).
+        None for a run of more than RING_SLACK + 1 rows (the torch step's): the end rows of
+        a block it seals could leave the ring before `written` copies them."""
+        seqs = _sequences(pieces)
+        if any(n > self.ring - self.kind.rows + 1 for _, _, n, _ in seqs):
+            return None
+        for slot, start, _, _ in seqs:
+            _check(self, slot, start)
+        slots = [p[0] for p in pieces]
+        return ConvView(self.rows, slots, [self.end[s] for s in slots], self.group.layers,
+                        self.ring)  # fmt: skip
+
+    def written(self, pieces: Sequence[Piece]) -> None:
+        """After the fused step wrote `pieces`' rows into the rings (their positions' rows,
+        once its logits were made): each sequence's end moved on, and each block boundary
+        it passed has the L - 1 rows before it copied from the ring into that block's end
+        rows, as SlotStep.commit writes them."""
+        r, bs = self.kind.rows, self.block_size
+        for slot, start, n, table in _sequences(pieces):
+            if self.holds_ends:
+                for b in range(-(-(start + 1) // bs) * bs, start + n + 1, bs):
+                    rows = self.rows.index_select(1, self._ring(slot, torch.arange(b - r, b)))
+                    block = table[b // bs - 1]
+                    self.ends[:, block * r : (block + 1) * r] = rows
+            self.end[slot] = max(self.end[slot], start + n)
+            self.first[slot] = max(self.first[slot], self.end[slot] - self.ring)
+
 
 class SlotStep:
     """A pool step's conv rows (ConvSlots): the step's tokens flattened in order are
@@ -456,20 +493,13 @@ class SlotStep:
 
     def __init__(self, slots: ConvSlots, pieces: Sequence[Piece]) -> None:
         self.slots = slots
-        seqs: list[list] = []
-        for slot, start, n, table in pieces:
-            last = seqs[-1] if seqs else None
-            if last is not None and last[0] == slot and last[1] + last[2] == start:
-                last[2] += n
-            else:
-                seqs.append([slot, start, n, table])
         self.start = pieces[0][1] if pieces else 0  # the first row's (Transformer checks it)
-        self.seqs = [tuple(s) for s in seqs]
-        r, n_seq = slots.kind.rows, len(seqs)
+        self.seqs = _sequences(pieces)
+        r, n_seq = slots.kind.rows, len(self.seqs)
         before, taps, ring, ring_src, ends, ends_src = [], [], [], [], [], []
         offset = n_seq * r  # buf's row of the first token's u
         for s, (slot, start, n, table) in enumerate(self.seqs):
-            self._check(slot, start)
+            _check(slots, slot, start)
             before.append(slots._ring(slot, torch.arange(start - r, start)))
 
             def at(q: torch.Tensor, s=s, start=start, offset=offset) -> torch.Tensor:
@@ -492,17 +522,6 @@ class SlotStep:
         self._ring, self._ring_src = _joined(ring, dev), _joined(ring_src, dev)
         self._ends, self._ends_src = _joined(ends, dev), _joined(ends_src, dev)
         self.staged: list[torch.Tensor | None] = [None] * slots.rows.shape[0]
-
-    def _check(self, slot: int, start: int) -> None:
-        """The rows before `start` must be the slot's: not past what it wrote, and within
-        what its ring still holds (a rollback within the slack)."""
-        slots, first_read = self.slots, start - self.slots.kind.rows
-        if start > slots.end[slot] or (first_read >= 0 and first_read < slots.first[slot]):
-            raise CacheOverflowError(
-                f"the conv rows of slot {slot} hold positions {slots.first[slot]} .. "
-                f"{slots.end[slot] - 1}; a step at {start} reads from {first_read} (a rollback "
-                f"past the {RING_SLACK} rows of slack: the sequence must be recomputed)"
-            )
 
     def taps(self, layer: int, u: torch.Tensor) -> list[torch.Tensor]:
         """u (B, T, H) (the step's tokens, flattened in the pieces' order): the rows conv
@@ -528,6 +547,31 @@ class SlotStep:
         for slot, start, n, _ in self.seqs:
             slots.end[slot] = max(slots.end[slot], start + n)
             slots.first[slot] = max(slots.first[slot], slots.end[slot] - slots.ring)
+
+
+def _sequences(pieces: Sequence[Piece]) -> list[Piece]:
+    """Pieces as sequences to the convolution: consecutive pieces of one slot at
+    consecutive positions (a sequence's draft rows) joined into one."""
+    seqs: list[list] = []
+    for slot, start, n, table in pieces:
+        last = seqs[-1] if seqs else None
+        if last is not None and last[0] == slot and last[1] + last[2] == start:
+            last[2] += n
+        else:
+            seqs.append([slot, start, n, table])
+    return [tuple(s) for s in seqs]  # type: ignore[misc]
+
+
+def _check(slots: ConvSlots, slot: int, start: int) -> None:
+    """The rows before `start` must be the slot's: not past what it wrote, and within what
+    its ring still holds (a rollback within the slack)."""
+    first_read = start - slots.kind.rows
+    if start > slots.end[slot] or (first_read >= 0 and first_read < slots.first[slot]):
+        raise CacheOverflowError(
+            f"the conv rows of slot {slot} hold positions {slots.first[slot]} .. "
+            f"{slots.end[slot] - 1}; a step at {start} reads from {first_read} (a rollback "
+            f"past the {RING_SLACK} rows of slack: the sequence must be recomputed)"
+        )
 
 
 def _joined(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:

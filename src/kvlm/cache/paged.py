@@ -55,6 +55,7 @@ import torch
 from kvlm.cache.base import (
     CacheSpec,
     CacheStep,
+    ConvView,
     KVCache,
     KVPair,
     KVView,
@@ -280,19 +281,39 @@ class BlockPool:
             released += 1
         return released
 
-    def views(self, tables: Sequence[Sequence[Sequence[int]]]) -> list[KVView]:
-        """The pool's K/V as views for a step (KVCache.kv_views): `tables[g][b]`, row b's
-        table of layer group g (one group; a hybrid pool's others too, each its layers in
-        their store's order, a block that left the window read as the row's first live
-        one: `readable`, never within the window the step reads)."""
+    def views(
+        self, tables: Sequence[Sequence[Sequence[int]]], starts: Sequence[int] = ()
+    ) -> list[KVView | ConvView] | None:
+        """The pool's K/V as views for a step of a token a row (KVCache.kv_views; the fused
+        step's): `tables[g][b]`, row b's table of layer group g (one group; a hybrid pool's
+        others too, each its layers in their store's order, a block that left the window
+        read as the row's first live one: `readable`, never within the window the step
+        reads), row b at starts[b]; a conv group's rows its slots' rings (ConvSlots.view:
+        row b through its slot, tables[g][b]'s one entry; None where the group has no view
+        for these rows, and `stepped` after the step). No tables: what each group
+        declares, for FusedDecoder.pool_why_not."""
         if not self.hybrid:
             return [KVView(self.store, tables[0], self.block_size)]
-        views = []
+        views: list[KVView | ConvView] = []
         for g, (group, rows) in enumerate(zip(self.groups, tables, strict=True)):
+            if isinstance(group, ConvSlots):
+                view = group.view(_pieces(rows, starts, tables[0]))
+                if view is None:
+                    return None
+                views.append(view)
+                continue
             rows = [readable(list(t), len(t)) for t in rows] if g else rows
             views.append(KVView(group.store, rows, self.block_size, 0, group.group.layers,
                                 group.window or 0))  # fmt: skip
         return views
+
+    def stepped(self, tables: Sequence[Sequence[Sequence[int]]], starts: Sequence[int]) -> None:
+        """After the fused step wrote a step's rows through `views(tables, starts)` (its K/V
+        as it ran, a conv group's rows once its logits were made): each conv group's
+        slots moved on (ConvSlots.written: what SlotStep.commit does on the torch step)."""
+        for group, rows in zip(self.groups, tables, strict=True):
+            if isinstance(group, ConvSlots):
+                group.written(_pieces(rows, starts, tables[0]))
 
     def first_live(self, table: list[int]) -> int:
         """The index of a table's first block not FREED (len(table) when none is)."""
@@ -310,6 +331,12 @@ class _Part:
     store: Store
     write_blocks: torch.Tensor
     read: torch.Tensor
+
+
+def _pieces(slots: Sequence[Sequence[int]], starts: Sequence[int], tables: Sequence) -> list:
+    """A step of a token a row as a conv group's pieces (kvlm.cache.conv.Piece): row b's
+    slot (its table's one entry), start, 1 token, its table of group 0."""
+    return [(t[0], s, 1, table) for t, s, table in zip(slots, starts, tables, strict=True)]
 
 
 def readable(table: list[int], width: int) -> list[int]:

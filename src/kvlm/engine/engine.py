@@ -691,7 +691,16 @@ class Engine:
                          for name, st in (snap["tiers"] or {}).items()}  # fmt: skip
         view["dtype"] = self.spec.kv_name
         view["waiting"] = snap["waiting"]
+        view["decode_step"] = self.decode_step
         return view
+
+    @property
+    def decode_step(self) -> str:
+        """Which step decodes this engine's rows (ModelRunner.decode_step's words: "fused",
+        "cuda graphs", or "torch step: <why>"), its pool's or its one cache's."""
+        if self.pool is None:
+            return self.runner.decode_step(self.backend.cache)  # type: ignore[union-attr]
+        return self.runner.pool_decode_step(self.pool, self.spec.max_tokens)
 
     def _other_groups(self, seq: Sequence) -> dict:
         """What a sequence holds in a hybrid pool's other groups, for /v1/kv: each
@@ -752,6 +761,7 @@ class Engine:
             "prefix_window_cut_tokens": self.manager.stats.window_cut_tokens,
             "kv_groups": layer_groups(pool),
             "preemptions": s.preemptions,
+            "fused_rows": self.runner.fused_rows,  # the model's runner's, every engine's
             **{f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)
                if type(getattr(stats, f.name)) in (int, float)},  # the counters
             "tokens_per_s": stats.tokens_per_s(),

@@ -105,6 +105,7 @@ class ModelRunner:
         # its pool: one C call (kvlm.model.fused).
         self.fused_reason = fused.why_not(model)
         self._fused: dict[int, fused.FusedDecoder] = {}
+        self.fused_rows = 0  # rows the fused step has decoded (/metrics: fused_rows)
         # On a GPU, decode steps replay CUDA graphs (kvlm.model.graphs) over the caches and
         # pools they read: one layer group (GraphDecoder.accepts, _on_pool)
         on = graphs.enabled(model.device)
@@ -146,6 +147,20 @@ class ModelRunner:
             return f"torch step: {fused.NOT_THIS_CACHE}, not {cache.mode} ({rows})"
         return "fused"
 
+    def pool_decode_step(self, pool: BlockPool, max_tokens: int) -> str:
+        """Which step decodes the engine's pool (decode_step's words; positions up to
+        `max_tokens`): "cuda graphs" (a pool of one layer group on a GPU), "fused", or
+        "torch step: <why the fused one does not>" (FusedDecoder.pool_why_not). A step
+        the fused one takes may still go to the torch step on its own rows (a draft longer
+        than a conv slot's ring keeps: ConvSlots.view)."""
+        if (self.graphs and pool.scratch is not None and len(pool.groups) == 1
+                and self.graphs.reads(pool.store)):  # fmt: skip
+            return "cuda graphs"
+        if self.fused_reason is not None:
+            return f"torch step: {self.fused_reason}"
+        reason = self._decoder(max_tokens).pool_why_not(pool)  # type: ignore[union-attr]
+        return "fused" if reason is None else f"torch step: {reason}"
+
     @overload
     def run(self, batch: MixedBatch) -> list[torch.Tensor]: ...
     @overload
@@ -182,12 +197,14 @@ class ModelRunner:
         logits = self.model(ids, step.positions, step, last_only=not all_rows, prompt=prompt)
         return logits if all_rows else logits[:, -1]
 
-    @staticmethod
-    def _run_fused(decoder, cache: KVCache, step, tokens: list[int], starts: list[int], rows):
+    def _run_fused(self, decoder, cache: KVCache, step, tokens: list[int], starts: list[int],
+                   rows):  # fmt: skip
         """The fused step over `cache`: token i at starts[i], through the cache's row
         rows[i] (fused.FusedDecoder.views_of: its block table, or its slots)."""
         views = decoder.views_of(cache, step, rows)
-        return decoder.run(views, tokens, starts, cache.spec.sliding_window)
+        logits = decoder.run(views, tokens, starts, cache.spec.sliding_window)
+        self.fused_rows += len(tokens)
+        return logits
 
     def _on_cache(self, b: CacheBatch) -> torch.Tensor:
         """Rows of one cache: row b's tokens after what it holds for row b (all rows one
@@ -241,12 +258,14 @@ class ModelRunner:
                 return out
         if one and len(rows) <= fused.MAX_ROWS and not b.prompt:
             decoder = self._decoder(spec.max_tokens)
-            # a conv group's slots (ConvSlots) have no view the step reads yet: the torch road
-            if decoder is not None and all(
-                isinstance(g, BlockPool) and decoder.reads(g.store) for g in pool.groups
-            ):
-                views = pool.views([b.tables, *b.windowed])
-                return decoder.run(views, tokens, b.starts, window)
+            if decoder is not None and decoder.pool_why_not(pool) is None:
+                tables = [b.tables, *b.windowed]
+                views = pool.views(tables, b.starts)  # None: a draft too long for a ring
+                if views is not None:
+                    logits = decoder.run(views, tokens, b.starts, window)
+                    pool.stepped(tables, b.starts)  # a conv group's slots moved on
+                    self.fused_rows += len(tokens)
+                    return logits
         step = TableStep(pool, spec, list(b.tables), list(b.starts), len(rows[0]), b.windowed)
         logits = self._torch(rows, step, b.prompt, b.all_rows)
         step.commit_rows()  # a conv group's rows, once the forward has succeeded

@@ -10,7 +10,7 @@
 #define KVLM_ABI_H
 #include <stdint.h>
 
-#define KVLM_ABI 25 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
+#define KVLM_ABI 26 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
 
 /* the limits (fused.py: MAX_HEAD_DIM, MAX_ROWS, QMAT_PARTS; quant.py: BLOCK_ROWS, SMALL_M) */
 #define BR 16         /* weight rows per block: one per 32-bit vector lane */
@@ -125,25 +125,38 @@ typedef struct {
     int64_t k_bytes, v_bytes, kp_bytes, vp_bytes;
 } kvlm_kv_view;
 
-/* Where a group of conv layers keeps its rows (kvlm.cache.conv.ConvRows): layer l's at rows
- * + l batch keep width floats, (batch, keep, width): sequence s's last `keep` input rows
- * of the convolution (u = B * x, width = hidden floats each) at positions end - keep ..
- * end - 1, zeros before position 0 (and before what a rollback kept):
+/* a conv view's layout (kvlm_conv_view.layout) */
+enum { CONV_ROWS = 0, CONV_SLOTS = 1 };
+
+/* Where a group of conv layers keeps its rows, in one of two layouts (`layout`):
+ *
+ * CONV_ROWS (kvlm.cache.conv.ConvRows, a one-sequence cache's): layer l's at rows + l batch
+ * keep width floats, (batch, keep, width): sequence s's last `keep` input rows of the
+ * convolution (u = B * x, width = hidden floats each) at positions end - keep .. end - 1,
+ * zeros before position 0 (and before what a rollback kept):
  *
  *     [ .. slack .. | conv_kernel - 1 rows ]  end        a step at start reads the
  *                                                        conv_kernel - 1 rows before it
  *
- * Step row b (at pos[b]) feeds sequence seq[b], whose rows end at ends[b] (end - keep +
- * conv_kernel - 1 <= start <= end: a rollback leaves the rows). Rows of one sequence are
- * consecutive in the step at consecutive positions (a draft's rows: one sequence to the
- * convolution); the step moves each sequence's rows to end at its last row's position + 1
- * once its logits are made, as ConvRows.commit would. */
+ * CONV_SLOTS (kvlm.cache.conv.ConvSlots, the engine pool's): layer l's at rows + l (batch
+ * keep + 1) width floats, a ring of `keep` rows per slot (batch slots): slot s's position
+ * p >= 0 at row s keep + p % keep, every position before 0 at row batch keep (zeros, never
+ * written); the ring holds positions end - keep .. end - 1.
+ *
+ * Step row b (at pos[b]) feeds sequence (slot) seq[b], whose rows end at ends[b] (end -
+ * keep + conv_kernel - 1 <= start <= end: a rollback leaves the rows). Rows of one
+ * sequence are consecutive in the step at consecutive positions (a draft's rows: one
+ * sequence to the convolution); once its logits are made the step moves each sequence's
+ * rows on to end at its last row's position + 1, as ConvRows.commit would (CONV_ROWS), or
+ * writes its rows' u into the ring (CONV_SLOTS: the last keep of them). */
 typedef struct {
     float *rows;
     const int64_t *seq, *ends; /* [B] each */
     int64_t layers, batch, keep, width;
+    int64_t layout;            /* CONV_ROWS or CONV_SLOTS */
     int64_t entries;           /* seq's and ends' int64s (each at least B) */
-    int64_t bytes;             /* bytes from rows on: layers batch keep width floats within */
+    int64_t bytes;             /* bytes from rows on: layers batch keep width floats within
+                                  (CONV_SLOTS: layers (batch keep + 1) width) */
 } kvlm_conv_view;
 
 #endif

@@ -8,20 +8,22 @@
  *     y    = C * conv                        what out_proj reads
  *
  * a depthwise causal convolution of L = conv_kernel taps per channel over the sequence's
- * held rows (kvlm_conv_view: its last `keep` rows of u) and the step's own. Once the step
- * has made its logits, each sequence's held rows move on past the step's rows
- * (conv_keep_rows, what kvlm.cache.conv.ConvRows.commit does to them), so a step that
- * fails leaves them as they were. The arithmetic is ShortConv's, operation for operation
+ * held rows (kvlm_conv_view: its last `keep` rows of u, a one-sequence cache's rows or a
+ * pool slot's ring: conv_row) and the step's own. Once the step has made its logits, each
+ * sequence's held rows move on past the step's rows (conv_keep_rows, what
+ * kvlm.cache.conv.ConvRows.commit does to them; a slot's ring takes the new rows where
+ * their positions fall), so a step that fails leaves them as they were. The arithmetic is ShortConv's, operation for operation
  * (a product, then a sum, tap by tap in order; -std=c11 keeps products and sums from
  * being fused into one rounding), so each value is the torch model's for the same in_proj
  * output, on every build. (Part of qgemm.c's one translation unit: decode.c calls these.)
  * ------------------------------------------------------------------------------------ */
 
-/* -2 unless every conv view holds what the step reads and writes there: its rows within
- * its bytes, seq and ends within their entries, each step row's sequence within its batch,
- * the rows of one sequence consecutive in the step at consecutive positions with one end
- * (a draft's), no sequence in two such runs, and the L - 1 rows before each run held (end
- * - keep + L - 1 <= start <= end); each conv layer's view and index within them */
+/* -2 unless every conv view holds what the step reads and writes there: a known layout,
+ * its rows within its bytes, seq and ends within their entries, each step row's sequence
+ * (slot) within its batch, the rows of one sequence consecutive in the step at consecutive
+ * positions with one end (a draft's), no sequence in two such runs, and the L - 1 rows
+ * before each run held (end - keep + L - 1 <= start <= end); each conv layer's view and
+ * index within them */
 static int check_convs(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
                        const kvlm_conv_view *convs, int64_t n_convs) {
     const int64_t L = m->conv_kernel;
@@ -31,9 +33,11 @@ static int check_convs(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
         int64_t need;
         if (!V->rows || !V->seq || !V->ends || V->layers < 0 || V->batch < 1) return -2;
         if (V->keep < L - 1 || V->keep < 1 || V->width != m->hidden || V->entries < B) return -2;
-        if (!mul_ok(V->layers, V->batch, &need) || !mul_ok(need, V->keep, &need) ||
-            !mul_ok(need, V->width, &need) || !mul_ok(need, (int64_t)sizeof(float), &need) ||
-            V->bytes < need)
+        if (V->layout != CONV_ROWS && V->layout != CONV_SLOTS) return -2;
+        if (!mul_ok(V->batch, V->keep, &need)) return -2;
+        if (V->layout == CONV_SLOTS && !add_ok(need, 1, &need)) return -2; /* the zero row */
+        if (!mul_ok(need, V->layers, &need) || !mul_ok(need, V->width, &need) ||
+            !mul_ok(need, (int64_t)sizeof(float), &need) || V->bytes < need)
             return -2;
         for (int64_t b = 0; b < B; b++) {
             const int64_t s = V->seq[b];
@@ -58,9 +62,17 @@ static int check_convs(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
     return 0;
 }
 
-/* Sequence seq[b]'s held rows of layer `index` (keep rows of H) */
-static inline float *conv_held(const kvlm_conv_view *V, int64_t index, int64_t b, int64_t H) {
-    return V->rows + (index * V->batch + V->seq[b]) * V->keep * H;
+/* Layer `index`'s held row of position q (end - keep <= q < end, or q < 0) of sequence s
+ * whose rows end at `end`: CONV_ROWS, row q - end + keep of the sequence's (zeros before 0
+ * are rows of it); CONV_SLOTS, row q % keep of slot s's ring, the zero row for q < 0 */
+static inline float *conv_row(const kvlm_conv_view *V, int64_t index, int64_t s, int64_t end,
+                              int64_t q, int64_t H) {
+    const int64_t keep = V->keep;
+    if (V->layout == CONV_SLOTS) {
+        const int64_t per = V->batch * keep + 1; /* a layer's rows: the rings, the zero row */
+        return V->rows + (index * per + (q < 0 ? V->batch * keep : s * keep + q % keep)) * H;
+    }
+    return V->rows + ((index * V->batch + s) * keep + q - end + keep) * H;
 }
 
 /* The conv layer Lr's rows of the step: u [B, H] = B * x of each row's in_proj output cin
@@ -77,13 +89,13 @@ static void conv_rows(const kvlm_qmodel *m, const kvlm_qlayer *Lr, const kvlm_co
     }
     for (int64_t b = 0, first = 0; b < B; b++) {
         if (b == 0 || V->seq[b] != V->seq[b - 1]) first = b;
-        const int64_t start = pos[first], end = V->ends[b];
-        const float *held = conv_held(V, index, b, H), *c = cin + b * 3 * H + H;
+        const int64_t start = pos[first], end = V->ends[b], seq = V->seq[b];
+        const float *c = cin + b * 3 * H + H;
         float *yb = y + b * H;
         for (int64_t k = 0; k < L; k++) {
             const int64_t q = pos[b] - (L - 1) + k; /* the position tap k reads */
             const float *r = q >= start ? u + (first + q - start) * H
-                                        : held + (q - end + V->keep) * H;
+                                        : conv_row(V, index, seq, end, q, H);
             const float *w = Lr->taps + k * H;
             if (k == 0)
                 for (int64_t h = 0; h < H; h++) yb[h] = r[h] * w[h];
@@ -96,21 +108,31 @@ static void conv_rows(const kvlm_qmodel *m, const kvlm_qlayer *Lr, const kvlm_co
     }
 }
 
-/* Each sequence's held rows of layer `index` in V moved on past the step, as
+/* Each sequence's held rows of layer `index` in V moved on past the step. CONV_ROWS, as
  * ConvRows.commit moves them: a run of n rows from `start` over rows that ended at `end`
  * now ends at start + n, its rows before start where they still fit in keep (zeros for
  * positions that were not held: a run shorter than the rollback before it), then its own
  * u rows (the last keep of them)
  *
  *     before   [ end - keep ............... start ... end )
- *     after              [ start + n - keep ... start | u: n rows )   */
+ *     after              [ start + n - keep ... start | u: n rows )
+ *
+ * CONV_SLOTS: the run's u rows (the last keep of them) into the slot's ring at their
+ * positions' rows, as kvlm.cache.conv.SlotStep.commit writes them (the zero row never) */
 static void conv_keep_rows(const kvlm_conv_view *V, int64_t index, int64_t B,
                            const int64_t *pos, const float *u, int64_t H) {
     const int64_t keep = V->keep;
     for (int64_t b = 0, n = 1; b < B; b += n, n = 1) {
         while (b + n < B && V->seq[b + n] == V->seq[b]) n++;
+        const int64_t first = n > keep ? n - keep : 0;
+        if (V->layout == CONV_SLOTS) {
+            for (int64_t i = first; i < n; i++) /* pos[b + i] >= 0: a row of the ring */
+                memcpy(conv_row(V, index, V->seq[b], 0, pos[b + i], H), u + (b + i) * H,
+                       H * sizeof(float));
+            continue;
+        }
         const int64_t behind = V->ends[b] - pos[b], shift = n - behind;
-        float *r = conv_held(V, index, b, H);
+        float *r = V->rows + (index * V->batch + V->seq[b]) * keep * H;
         const int64_t before = keep - n; /* rows for the positions before start */
         if (before > 0) { /* row j <- row j + shift, zeros where that is below row 0 */
             const int64_t zero = behind - n <= 0 ? 0 : (behind - n < before ? behind - n : before);
@@ -118,7 +140,7 @@ static void conv_keep_rows(const kvlm_conv_view *V, int64_t index, int64_t B,
                 memmove(r + zero * H, r + (zero + shift) * H, (before - zero) * H * sizeof(float));
             memset(r, 0, zero * H * sizeof(float));
         }
-        for (int64_t i = n > keep ? n - keep : 0; i < n; i++)
+        for (int64_t i = first; i < n; i++)
             memcpy(r + (keep - n + i) * H, u + (b + i) * H, H * sizeof(float));
     }
 }

@@ -50,12 +50,16 @@ kernels/conv.c): in_proj, B * x, the taps over the sequence's held rows and the 
 C * that, out_proj, the rows read and moved on in place through a `ConvView` of the
 cache's conv part
 (kvlm.cache.conv: the rows ConvStep reads, moved on as ConvRows.commit moves them, once
-the step's logits are made, so a step that fails leaves them as they were); a draft's
-rows are one sequence to the convolution, as the torch model takes them.
+the step's logits are made, so a step that fails leaves them as they were), or of the
+engine pool's slots (ConvSlots.view: a ring a slot, each row's u written at its
+position's ring row after the logits, the sealed blocks' end rows copied by
+ConvSlots.written); a draft's rows are one sequence to the convolution, as the torch
+model takes them.
 
 It applies where that is the whole story: CPU, fp32 activations, low-bit weights in every
 projection (`--weights int8|int4|native`), no MLP biases, and fp32, bf16, fp16, int8 or q4 K/V
-in a contiguous, paged or hybrid contiguous cache (a conv model's rows beside either).
+in a contiguous, paged or hybrid contiguous cache (a conv model's rows beside either)
+or the engine's pool (a conv group's slots too: `pool_why_not`).
 Anything else (prefill, the window, basic and off caches, a draft longer than a ring's
 slack: `drafts`, other formats) runs the torch model. `KVLM_NO_FUSED=1` turns it off.
 Tests hold its logits to the torch path's.
@@ -65,6 +69,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -73,6 +78,7 @@ from kvlm import kernels
 from kvlm.cache import KVCache
 from kvlm.cache.base import CacheStep, ConvView, KVView
 from kvlm.cache.factory import FUSED_MODES
+from kvlm.cache.paged import BlockPool
 from kvlm.cache.storage import Store, key_rotation
 from kvlm.dtypes import Q4
 from kvlm.model.attention import _room
@@ -157,6 +163,7 @@ class _ConvView(ctypes.Structure):  # kvlm_conv_view
         ("rows", ctypes.c_void_p),
         *_fields(ctypes.c_void_p, "seq ends"),  # [B] int64s each: a row's sequence, its end
         *_fields(ctypes.c_int64, "layers batch keep width"),
+        ("layout", ctypes.c_int64),  # CONV_ROWS (ConvRows') or CONV_SLOTS (ConvSlots' rings)
         # seq's and ends' int64s, the bytes from rows on (its storage's)
         *_fields(ctypes.c_int64, "entries bytes"),
     ]
@@ -225,8 +232,9 @@ def why_not(model: Transformer) -> str | None:
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return "needs fp32 activations on the CPU"
     c = model.config
-    if c.deltanet_layers:  # kernels/ has no part for the DeltaNet layer kind yet
-        return "a gated DeltaNet layer (the step has no kernel for one yet)"
+    missing = sorted({m for m in c.layer_mixers if m not in _MIXERS})
+    if missing:  # a layer kind kernels/ has no part for yet
+        return f"a {missing[0]} layer (the step has no kernel for one yet)"
     if c.attn_output_gate or c.rotary_dim != c.head_dim:
         return "gated attention or partial RoPE (the step has no kernel for them yet)"
     if all(block.attn is None for block in model.layers):
@@ -270,6 +278,7 @@ _CONV_BITS = tuple(_ACT[n] for n in ("CONV_IN", "CONV_OUT", "GATE_UP", "DOWN"))
 _ACT_HEAD = _ABI["ACT_HEAD"]
 _ACT_BITS = (*_ACT.values(), _ACT_HEAD)  # every bit of the masks
 _MIXERS = {"attention": _ABI["MIX_ATTENTION"], "conv": _ABI["MIX_CONV"]}  # kvlm_qlayer.mixer
+_CONV_ROWS, _CONV_SLOTS = _ABI["CONV_ROWS"], _ABI["CONV_SLOTS"]  # kvlm_conv_view.layout
 
 
 def _product_bits(block: Block) -> tuple[int, ...]:
@@ -294,6 +303,7 @@ class FusedDecoder:
             layers[i] = self._layer(block, i)
         self._layers = layers  # keep alive: the struct points into it
         self._placed: tuple | None = None  # the layers' (view, index) last set
+        self._pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool_why_not's
         shape = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                  c.intermediate_size)  # fmt: skip
         head = (_ptr(model.norm.weight, c.hidden_size), _qmat(model.lm_head))  # final_norm, lm_head
@@ -375,11 +385,43 @@ class FusedDecoder:
 
     def reads_rows(self, view: ConvView) -> bool:
         """Whether the step reads and writes these conv rows: fp32 on the CPU, contiguous,
-        (layers, sequences, keep, H) with keep at least the taps' L - 1."""
+        (layers, sequences, keep, H) (ConvRows'), or (layers, slots * ring + 1, H) (ConvSlots'
+        rings, `view.ring`), with keep (ring) at least the taps' L - 1."""
         rows, c = view.rows, self.model.config
+        if view.ring:
+            shape = rows.dim() == 3 and (rows.shape[1] - 1) % view.ring == 0 < rows.shape[1] - 1
+            keep = view.ring
+        else:
+            shape, keep = rows.dim() == 4, rows.shape[2] if rows.dim() == 4 else 0
         return (rows.dtype == torch.float32 and rows.device.type == "cpu"
-                and rows.is_contiguous() and rows.dim() == 4 and rows.shape[3] == c.hidden_size
-                and rows.shape[2] >= c.conv_kernel - 1)  # fmt: skip
+                and rows.is_contiguous() and shape and rows.shape[-1] == c.hidden_size
+                and keep >= c.conv_kernel - 1)  # fmt: skip
+
+    def pool_why_not(self, pool: BlockPool) -> str | None:
+        """Why the step does not decode on the engine's pool (None: it does), from what its
+        layer groups declare (BlockPool.views without tables): K/V stores it reads in one
+        pair of dtypes, conv rows it reads (a conv group's slots: fp32 rings on the CPU),
+        every layer in a view of its kind. Asked once a pool (its groups are fixed)."""
+        if pool not in self._pools:
+            self._pools[pool] = self._pool_reason(pool)
+        return self._pools[pool]
+
+    def _pool_reason(self, pool: BlockPool) -> str | None:
+        views = pool.views([[] for _ in pool.groups])
+        kv, convs = _split(views or ())
+        if not kv:
+            return "a pool with no K/V view"
+        if not all(self.reads(v.store) for v in kv):
+            return "a pool store of another dtype, device or layout"
+        if len({(v.store.k_dtype, v.store.v_dtype) for v in kv}) > 1:
+            return "a pool whose layer groups keep K/V in different dtypes"
+        if not all(self.reads_rows(v) for v in convs):
+            return "a pool's conv rows not fp32 on the CPU"
+        try:
+            self._placement(kv, convs)
+        except ValueError as exc:
+            return f"a pool whose layer groups the step cannot place: {exc}"
+        return None
 
     def reads(self, store: Store) -> bool:
         """Whether the step reads and writes this storage (dtypes, device, layout)."""
@@ -472,7 +514,12 @@ class FusedDecoder:
             seq, ends = (torch.tensor(t, dtype=torch.int64) for t in (v.seqs, v.ends))
             keep += [seq, ends]
             entries = min(seq.numel(), ends.numel())
-            out[i] = _ConvView(v.rows.data_ptr(), seq.data_ptr(), ends.data_ptr(), *v.rows.shape,
+            if v.ring:  # (layers, slots * ring + 1, H): slots of `ring` rows, the zero row
+                layers, n, width = v.rows.shape
+                shape, layout = (layers, (n - 1) // v.ring, v.ring, width), _CONV_SLOTS
+            else:
+                shape, layout = tuple(v.rows.shape), _CONV_ROWS
+            out[i] = _ConvView(v.rows.data_ptr(), seq.data_ptr(), ends.data_ptr(), *shape, layout,
                                entries, _bytes(v.rows))  # fmt: skip
         return out, keep
 

@@ -33,6 +33,8 @@ _SERIES = [
     ("engine_steps_total", "counter", "Engine steps run.", "steps"),
     ("engine_step_seconds_total", "counter", "Time in engine steps.", "step_seconds"),
     ("engine_step_seconds_max", "gauge", "The longest engine step.", "step_seconds_max"),
+    ("engine_fused_rows_total", "counter", "Decode rows run by the fused C step.",
+     "fused_rows"),
     ("prompt_tokens_computed_total", "counter", "Prompt tokens computed.", "prefill_tokens"),
     ("generation_tokens_total", "counter", "Tokens generated.", "generated_tokens"),
     ("requests_held", "gauge", "Requests accepted and not finished.", "requests_held"),
