@@ -303,6 +303,8 @@ class FusedDecoder:
             layers[i] = self._layer(block, i)
         self._layers = layers  # keep alive: the struct points into it
         self._placed: tuple | None = None  # the layers' (view, index) last set
+        # each layer's ShortConv slot, None for attention (read every step by _placement)
+        self._conv_slots = tuple(None if b.conv is None else b.conv.slot for b in model.layers)
         self._pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool_why_not's
         shape = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                  c.intermediate_size)  # fmt: skip
@@ -466,8 +468,8 @@ class FusedDecoder:
                                           else view.layers):  # fmt: skip
                     if placed[layer] is not None:
                         raise ValueError(f"layer {layer} in two views")
-                    conv = self.model.layers[layer].conv
-                    if (conv is None) == (views is convs) or (conv is not None and conv.slot != n):
+                    slot = self._conv_slots[layer]
+                    if (slot is None) == (views is convs) or (slot is not None and slot != n):
                         raise ValueError(f"layer {layer} in a view of another kind, or slot")
                     placed[layer] = (v, n)
         if None in placed:
