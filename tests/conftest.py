@@ -149,6 +149,20 @@ def hostile_template_dir(tmp_path_factory):
                            max_position_embeddings=1024)  # fmt: skip
 
 
+@pytest.fixture(scope="session")
+def plain_serve_answers():
+    """One plain `kvlm serve` with the cluster tests' flags (test_cluster.COMMON): its four
+    greedy answers and its pool's blocks (test_cluster.single_kvlm_serve), a future. Started
+    by the first cluster module that asks, while its cluster starts (mostly waiting on Ray);
+    test_cluster and test_ray_cluster hold their replicas to the same answers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_cluster import COMMON, KEY, single_kvlm_serve
+
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(single_kvlm_serve, COMMON, KEY)
+
+
 @pytest.fixture(scope="module")
 def client(server, request):
     """The openai client on the module's `kvlm serve` (its `server` fixture: the port),
