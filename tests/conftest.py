@@ -116,15 +116,29 @@ def default_llm():
 
 @pytest.fixture(scope="session")
 def hf_default():
-    """transformers loading the same GGUF, fp32: the reference for the real model."""
+    """transformers loading the same GGUF, fp32: the reference for the real model.
+
+    transformers reads the file with a fresh gguf.GGUFReader per pass (the config's, the
+    weights'), each parsing every metadata field (the 49,152-token vocabulary's), and
+    builds gguf's name map of the architecture once per module of the model (~400 times):
+    ~19 s of a 2-core box, the same work each time. Both are pure functions of their
+    arguments, so each is made once here (the same config and weights, bit for bit): ~5 s."""
+    from contextlib import ExitStack
+    from functools import lru_cache
+    from unittest import mock
+
+    import gguf
     from transformers import AutoModelForCausalLM
 
     from kvlm.loading.default import default_model_path
 
     path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    with ExitStack() as once:
+        for name in ("GGUFReader", "get_tensor_name_map"):  # imported from gguf at each call
+            once.enter_context(mock.patch.object(gguf, name, lru_cache(getattr(gguf, name))))
+        return AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        ).eval()
 
 
 @pytest.fixture(scope="session")

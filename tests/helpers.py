@@ -304,6 +304,21 @@ def hf_greedy(model, prompt_ids: Sequence[int], n: int) -> tuple[list[int], torc
     return ids, torch.stack([lg[0].float() for lg in out.logits])
 
 
+def hf_forced(
+    model, prompt_ids: Sequence[int], tokens: Sequence[int]
+) -> tuple[list[int], torch.Tensor]:
+    """transformers' argmax and logits at each step of `tokens` (another engine's greedy
+    answer to `prompt_ids`), from one forward over the prompt and tokens[:-1]: causal, so
+    row i sees what decoding up to step i would. Up to the first step where `tokens` leave
+    that argmax the prefixes are hf_greedy's, so these are its ids and logits there, and
+    assert_greedy_agreement reads nothing past that step: one forward, not len(tokens)."""
+    seq = torch.tensor([list(prompt_ids) + list(tokens[:-1])])
+    with torch.no_grad():
+        out = model(seq, attention_mask=torch.ones_like(seq))  # every token attended (hf_greedy)
+    logits = out.logits[0, len(prompt_ids) - 1 :].float()
+    return logits.argmax(-1).tolist(), logits
+
+
 def assert_greedy_agreement(
     ours: Sequence[int],
     our_top: Sequence[Sequence[int]],
