@@ -17,10 +17,10 @@ from numerics import assert_as_exact_as, fp64_reorder_bound, max_error
 pytestmark = pytest.mark.slow
 
 PROMPT = "Tell me a short story about a lighthouse keeper and a storm."
-# 32 greedy tokens after the chat prompt's 43: positions 43-74, across the paged cache's
-# block edges at 48 and 64 (a block allocated mid-decode, twice). Nothing else on these
-# modes' exact road changes with the length below the window (no eviction under 260 tokens,
-# no key-count edge in the torch step's decode attention).
+# 32 greedy tokens after the chat prompt's 43: the 31 fed back fill positions 43-73, across
+# the paged cache's block edges at 48 and 64 (a block allocated mid-decode, twice). Nothing
+# else on these modes' exact road changes with the length below the window (no eviction
+# under 260 tokens, no key-count edge in the torch step's decode attention).
 GREEDY_32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
@@ -108,8 +108,8 @@ def test_chunked_prefill_equals_one_shot(llm, llm64, one_shot, mode, chunk):
     and 16 cross several blocks and int8 groups of the 3x prompt; one-token chunks feed the
     1x prompt's first 20 tokens (across the block edge at 16): each is a forward of its
     own, and an fp32 prompt chunk is a call of PROMPT_BLOCK rows however short (~0.3 s a
-    token). Then 12 greedy tokens: the first decode step already reads every chunk's slots,
-    and 12 take the 3x prompt's 69 tokens across the block edge at 80."""
+    token). Then 13 greedy tokens: the first decode step already reads every chunk's slots,
+    and the 12 fed back take the 3x prompt's 69 tokens to position 80, a block of its own."""
     ids = llm.encode(PROMPT * (1 if chunk == 1 else 3), chat=True)
     ids = ids[:20] if chunk == 1 else ids
     exact, one_shot_32 = one_shot(ids)  # fp64 and fp32 one-shot, paged
@@ -120,7 +120,7 @@ def test_chunked_prefill_equals_one_shot(llm, llm64, one_shot, mode, chunk):
     assert max_error(b64, a64) <= fp64_reorder_bound(err32)
     if mode != "int8":
         assert_as_exact_as(forward_in_chunks(llm, ids, mode, chunk), one_shot_32, exact)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    params = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True, logprobs=5)
     assert_same_greedy(llm, ids, mode, params, chunk)
 
 
