@@ -116,15 +116,29 @@ def default_llm():
 
 @pytest.fixture(scope="session")
 def hf_default():
-    """transformers loading the same GGUF, fp32: the reference for the real model."""
+    """transformers loading the same GGUF, fp32: the reference for the real model.
+
+    transformers reads the file with a fresh gguf.GGUFReader per pass (the config's, the
+    weights'), each parsing every metadata field (the 49,152-token vocabulary's), and
+    builds gguf's name map of the architecture once per module of the model (~400 times):
+    ~19 s of a 2-core box, the same work each time. Both are pure functions of their
+    arguments, so each is made once here (the same config and weights, bit for bit): ~5 s."""
+    from contextlib import ExitStack
+    from functools import lru_cache
+    from unittest import mock
+
+    import gguf
     from transformers import AutoModelForCausalLM
 
     from kvlm.loading.default import default_model_path
 
     path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    with ExitStack() as once:
+        for name in ("GGUFReader", "get_tensor_name_map"):  # imported from gguf at each call
+            once.enter_context(mock.patch.object(gguf, name, lru_cache(getattr(gguf, name))))
+        return AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        ).eval()
 
 
 @pytest.fixture(scope="session")
@@ -147,6 +161,20 @@ def hostile_template_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hostile-template")
     return save_tiny_model(folder, "llama", seed=5, chat_template=HOSTILE_TEMPLATE,
                            max_position_embeddings=1024)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def plain_serve_answers():
+    """One plain `kvlm serve` with the cluster tests' flags (test_cluster.COMMON): its four
+    greedy answers and its pool's blocks (test_cluster.single_kvlm_serve), a future. Started
+    by the first cluster module that asks, while its cluster starts (mostly waiting on Ray);
+    test_cluster and test_ray_cluster hold their replicas to the same answers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_cluster import COMMON, KEY, single_kvlm_serve
+
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(single_kvlm_serve, COMMON, KEY)
 
 
 @pytest.fixture(scope="module")

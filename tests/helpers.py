@@ -320,6 +320,21 @@ def hf_greedy(model, prompt_ids: Sequence[int], n: int) -> tuple[list[int], torc
     return ids, torch.stack([lg[0].float() for lg in out.logits])
 
 
+def hf_forced(
+    model, prompt_ids: Sequence[int], tokens: Sequence[int]
+) -> tuple[list[int], torch.Tensor]:
+    """transformers' argmax and logits at each step of `tokens` (another engine's greedy
+    answer to `prompt_ids`), from one forward over the prompt and tokens[:-1]: causal, so
+    row i sees what decoding up to step i would. Up to the first step where `tokens` leave
+    that argmax the prefixes are hf_greedy's, so these are its ids and logits there, and
+    assert_greedy_agreement reads nothing past that step: one forward, not len(tokens)."""
+    seq = torch.tensor([list(prompt_ids) + list(tokens[:-1])])
+    with torch.no_grad():
+        out = model(seq, attention_mask=torch.ones_like(seq))  # every token attended (hf_greedy)
+    logits = out.logits[0, len(prompt_ids) - 1 :].float()
+    return logits.argmax(-1).tolist(), logits
+
+
 def assert_greedy_agreement(
     ours: Sequence[int],
     our_top: Sequence[Sequence[int]],
@@ -858,17 +873,28 @@ def write_spm_gguf(path: Path) -> Path:
     return path
 
 
-def assert_generation_agrees(ref, llm, prompt: str, n: int) -> None:
-    """Greedy n tokens from `ref` (an fp32 LLM) and `llm` on `prompt`; `llm`'s tokens held to
-    the top-5 rule against `ref`'s teacher-forced logits (the `off` oracle)."""
+def reference_generation(ref, prompt: str, n: int) -> tuple[list[int], torch.Tensor]:
+    """`ref`'s (an fp32 LLM) greedy n tokens on `prompt` and its teacher-forced logits at
+    each (the `off` oracle): what assert_generation_agrees holds another LLM to."""
     from kvlm import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
-    a, b = ref.generate(prompt, params)[0], llm.generate(prompt, params)[0]
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    a = ref.generate(prompt, params)[0]
     ids = ref.tokenizer.encode(prompt) + a.token_ids[:-1]
-    ref_logits = ref.runner.logits(ids, ref.new_cache("off"))[-n:]
+    return a.token_ids, ref.runner.logits(ids, ref.new_cache("off"))[-n:]
+
+
+def assert_generation_agrees(ref, llm, prompt: str, n: int, reference=None) -> None:
+    """Greedy n tokens from `ref` (an fp32 LLM) and `llm` on `prompt`; `llm`'s tokens held to
+    the top-5 rule against `ref`'s teacher-forced logits (the `off` oracle). `reference`:
+    reference_generation(ref, prompt, n), made once where several LLMs are held to it."""
+    from kvlm import SamplingParams
+
+    ref_ids, ref_logits = reference or reference_generation(ref, prompt, n)
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
+    b = llm.generate(prompt, params)[0]
     our_top = [list(lp.top) for lp in b.logprobs]
-    assert_greedy_agreement(b.token_ids, our_top, a.token_ids, ref_logits)
+    assert_greedy_agreement(b.token_ids, our_top, ref_ids, ref_logits)
 
 
 # The builds a CPU without AVX-512 runs: "x86-64", the scalar loops (no AVX2 either); and

@@ -221,11 +221,11 @@ def test_bad_cluster_flags_are_one_line_before_anything_starts(capsys):
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(plain_serve_answers):
     """One plain `kvlm serve`'s four greedy answers and its pool size: a future, computed
-    while the cluster starts (its start is mostly waiting on Ray)."""
-    with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(single_kvlm_serve, COMMON, KEY)
+    while the cluster starts (its start is mostly waiting on Ray); the session's, which
+    test_ray_cluster reads too (conftest.py)."""
+    return plain_serve_answers
 
 
 def single_kvlm_serve(common: tuple[str, ...], key: str) -> tuple[list, float]:

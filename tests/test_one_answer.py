@@ -38,7 +38,7 @@ FAMILIES = {
     "avx512-vnni": ({"avx512_vnni", "avx512f", "avx2"}, True, ("int16", "int8", None)),
     "avx2": ({"avx2", "fma", "f16c"}, False, ("fp32", "fp32", None)),
 }  # fmt: skip
-SYSTEM = "You are a careful assistant for a shipping company. " * 20
+SYSTEM = "You are a careful assistant for a shipping company. "
 
 
 class _Lib:
@@ -76,8 +76,10 @@ def test_each_cpu_familys_defaults_are_the_ones_named_here(monkeypatch, family, 
     assert got.attention_bf16_from == bf16_from
 
 
-def _prompt(llm: LLM) -> list[int]:
-    messages = [{"role": "system", "content": SYSTEM},
+def _prompt(llm: LLM, repeat: int = 20) -> list[int]:
+    """A chat prompt of SYSTEM `repeat` times: 219 tokens at 20, 149 at 13 (the default
+    model's tokenizer)."""
+    messages = [{"role": "system", "content": SYSTEM * repeat},
                 {"role": "user", "content": "Name three rivers."}]  # fmt: skip
     return llm.tokenizer.encode_chat(messages)
 
@@ -91,17 +93,26 @@ def _logits(llm: LLM, ids: list[int], cuts: list[tuple[int, int]]) -> torch.Tens
 
 
 def _cuts(n: int) -> dict[str, list[tuple[int, int]]]:
+    """Chunks of 17 rows, one more than the C kernel's SMALL_M (a chunk of 16 or fewer took
+    it where a longer one took a dense GEMM): three, the last of the prompt, after one of
+    n - 51 rows (past a PROMPT_BLOCK's 128: a row count of its own). Not the whole prompt
+    in 17s: each chunk is a forward of its own, on the fp32 and bf16 roads of 128 rows
+    however short (kvlm.model.quant.row_blocks), and the 64s and the prefix hit cover
+    every row at other row counts."""
     return {
         "chunks of 64": [(a, min(a + 64, n)) for a in range(0, n, 64)],
         "a prefix hit leaving 13 rows": [(0, n - 13), (n - 13, n)],
-        "chunks of 17": [(a, min(a + 17, n)) for a in range(0, n, 17)],
+        "chunks of 17": [(0, n - 51), (n - 51, n - 34), (n - 34, n - 17), (n - 17, n)],
         "the last rows one by one": [(0, n - 3), (n - 3, n - 2), (n - 2, n - 1), (n - 1, n)],
     }
 
 
-def _assert_rows_whole_or_chunked(llm: LLM, only: tuple[str, ...] | None = None) -> None:
-    """`only`: these of `_cuts` (the portable builds: the scalar one runs a prompt in ~4 s)."""
-    ids = _prompt(llm)
+def _assert_rows_whole_or_chunked(
+    llm: LLM, only: tuple[str, ...] | None = None, repeat: int = 20
+) -> None:
+    """`only`: these of `_cuts` (the portable builds: the scalar one runs a prompt in ~4 s);
+    `repeat`: the prompt's (_prompt)."""
+    ids = _prompt(llm, repeat)
     whole = _logits(llm, ids, [(0, len(ids))])
     for name, cuts in _cuts(len(ids)).items():
         if only is not None and name not in only:
@@ -116,13 +127,26 @@ def _family_llm(family: str) -> LLM:
     return LLM(progress=False, max_context=1024, activations=activations, prefill_dtype=prefill)
 
 
+@pytest.fixture(scope="module")
+def family_llm():
+    """family (of FAMILIES, or "exact") -> its LLM on this CPU's kernels, each loaded once
+    for the chunk and thread-count tests (neither changes it)."""
+    made: dict[str, LLM] = {}
+
+    def get(family: str) -> LLM:
+        if family != "exact" and kernels.library() is None:
+            pytest.skip(kernels.status())
+        if family not in made:
+            made[family] = (LLM(progress=False, max_context=1024, exact=True)
+                            if family == "exact" else _family_llm(family))  # fmt: skip
+        return made[family]
+
+    return get
+
+
 @pytest.mark.parametrize("family", [*FAMILIES, "exact"])
-def test_a_prompt_row_has_its_bits_whole_or_in_any_chunks(family):
-    if family != "exact" and kernels.library() is None:
-        pytest.skip(kernels.status())
-    llm = LLM(progress=False, max_context=1024, exact=True) if family == "exact" else (
-        _family_llm(family))  # fmt: skip
-    _assert_rows_whole_or_chunked(llm)
+def test_a_prompt_row_has_its_bits_whole_or_in_any_chunks(family_llm, family):
+    _assert_rows_whole_or_chunked(family_llm(family))
 
 
 @pytest.mark.parametrize("march", portable_build_params())
@@ -134,7 +158,9 @@ def test_the_portable_builds_keep_a_rows_bits(monkeypatch, march):
     portable = portable_kernels(march)
     monkeypatch.setattr(kernels, "library", lambda: portable)
     only = ("a prefix hit leaving 13 rows", "the last rows one by one")
-    _assert_rows_whole_or_chunked(_family_llm("avx2"), only)
+    # 149 tokens: still past a PROMPT_BLOCK (the prefix hit's first chunk of 136 rows is two
+    # prompt calls), a third fewer rows through the scalar loops than the 219 of the others
+    _assert_rows_whole_or_chunked(_family_llm("avx2"), only, repeat=13)
 
 
 def test_the_engine_answers_alike_cold_as_a_prefix_hit_batched_and_chunked():
@@ -185,14 +211,11 @@ def _decode_logits(llm: LLM, ids: list[int], steps: int = 6) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, "exact"])
-def test_a_rows_bits_are_the_same_on_one_thread_or_two(family):
+def test_a_rows_bits_are_the_same_on_one_thread_or_two(family_llm, family):
     """The engine moves its OpenMP thread count while it runs (kvlm.engine.threads: fewer
     when other work takes the cores), so the count must never change a token: every
     prompt row's logits and a few decode steps' are bit-equal on 1 and 2 threads."""
-    if family != "exact" and kernels.library() is None:
-        pytest.skip(kernels.status())
-    llm = LLM(progress=False, max_context=1024, exact=True) if family == "exact" else (
-        _family_llm(family))  # fmt: skip
+    llm = family_llm(family)
     ids, was = _prompt(llm), torch.get_num_threads()
     got = {}
     try:

@@ -374,8 +374,17 @@ def test_weight_formats_agree_with_fp32_on_a_tiny_model(tiny_model_dir, fmt):
     assert_generation_agrees(ref, llm, "The quick brown fox", 24)
 
 
+@pytest.fixture(scope="module")
+def real_reference(default_llm):
+    """default_llm's greedy answer to REAL_PROMPT and its no-cache logits, made once for the
+    four LLMs held to it below."""
+    from helpers import reference_generation
+
+    return reference_generation(default_llm, REAL_PROMPT, 32)
+
+
 @pytest.mark.parametrize("fmt", ["int4", "native"])
-def test_low_bit_formats_agree_with_fp32_on_the_real_model(default_llm, fmt):
+def test_low_bit_formats_agree_with_fp32_on_the_real_model(default_llm, real_reference, fmt):
     """The default file is Q4_1: `native` multiplies its blocks, `int4` re-derives them."""
     from helpers import assert_generation_agrees
     from kvlm import LLM
@@ -383,10 +392,10 @@ def test_low_bit_formats_agree_with_fp32_on_the_real_model(default_llm, fmt):
     llm = LLM(
         progress=False, max_context=256, weights=fmt, activations="fp32", prefill_dtype="fp32"
     )
-    assert_generation_agrees(default_llm, llm, REAL_PROMPT, 32)
+    assert_generation_agrees(default_llm, llm, REAL_PROMPT, 32, real_reference)
 
 
-def test_int8_activations_keep_greedy_agreement_on_the_real_model(default_llm):
+def test_int8_activations_keep_greedy_agreement_on_the_real_model(default_llm, real_reference):
     from helpers import assert_generation_agrees
     from kvlm import LLM
 
@@ -394,7 +403,7 @@ def test_int8_activations_keep_greedy_agreement_on_the_real_model(default_llm):
         progress=False, max_context=256, weights="native", activations="int8", prefill_dtype="fp32"
     )
     assert llm.describe()["activations"] == "int8"
-    assert_generation_agrees(default_llm, llm, REAL_PROMPT, 32)
+    assert_generation_agrees(default_llm, llm, REAL_PROMPT, 32, real_reference)
 
 
 def test_bf16_prefill_rounds_the_dense_weight_as_torch_does():
@@ -414,7 +423,7 @@ def test_bf16_prefill_rounds_the_dense_weight_as_torch_does():
         assert ((got - ref[:rows]).abs() <= bound[:rows]).all()
 
 
-def test_bf16_prefill_keeps_greedy_agreement_on_the_real_model(default_llm):
+def test_bf16_prefill_keeps_greedy_agreement_on_the_real_model(default_llm, real_reference):
     from helpers import assert_generation_agrees
     from kvlm import LLM
 
@@ -422,7 +431,7 @@ def test_bf16_prefill_keeps_greedy_agreement_on_the_real_model(default_llm):
         progress=False, max_context=256, weights="native", prefill_dtype="bf16", activations="fp32"
     )
     assert llm.describe()["prefill_dtype"] == "bf16"
-    assert_generation_agrees(default_llm, llm, REAL_PROMPT, 32)
+    assert_generation_agrees(default_llm, llm, REAL_PROMPT, 32, real_reference)
 
 
 def test_weight_format_mistakes_are_clear():
@@ -457,7 +466,11 @@ def _assert_fused_tracks_torch(llm, folder, weights, prompt_ids, steps, factor=S
     Layer 0's K/V, whose inputs differ by fp32 rounding only, are within one storage step
     of each other (bf16: one ulp; int8: one code); fp32 K/V as exact as the torch path's."""
     tokens, fused, ref, fused_cache, torch_cache = fused_and_torch(llm, prompt_ids, steps)
-    exact = _exact_steps(folder, weights, prompt_ids, tokens)
+    # the exact logits (_exact_steps' rows, bit for bit) and layer 0's exact K/V for the
+    # fp32 check below from one fp64 forward over a contiguous cache, not one for each
+    exact_cache = _exact_llm(folder, weights).new_cache("contiguous")
+    seq = list(prompt_ids) + tokens
+    exact = _exact_llm(folder, weights).runner.logits(seq, exact_cache)[len(prompt_ids) :]
     assert_as_exact_as(fused, ref, exact, factor)
     assert_top_k_both_ways(fused, ref)
     dtype = fused_cache.store.values.dtype
@@ -470,9 +483,6 @@ def _assert_fused_tracks_torch(llm, folder, weights, prompt_ids, steps, factor=S
         ulp = torch.ldexp(torch.ones_like(a), torch.frexp(a.abs().maximum(b.abs()))[1] - 8)
         assert ((a - b).abs() <= ulp).all()
     else:
-        exact_llm = _exact_llm(folder, weights)
-        exact_cache = exact_llm.new_cache("contiguous")
-        exact_llm.runner.forward(list(prompt_ids) + tokens, exact_cache)
         n = exact_cache.num_tokens
         held = [c.store.values[..., :n, :] for c in (fused_cache, torch_cache, exact_cache)]
         assert_as_exact_as(*held)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -28,7 +27,6 @@ from test_cluster import (
     all_up,
     ask,
     complete,
-    single_kvlm_serve,
     wait_for,
 )
 
@@ -41,11 +39,12 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(plain_serve_answers):
     """The four greedy answers (chat and completions, streamed and not) of one plain
-    `kvlm serve`: a future, computed while the cluster starts."""
-    with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(lambda: single_kvlm_serve(COMMON, KEY)[0])
+    `kvlm serve`, with test_cluster's flags (this module's COMMON but for the key, which
+    changes no answer): the session's future (conftest.py), made while test_cluster's
+    cluster started, or this module's when it runs alone."""
+    return plain_serve_answers
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +103,7 @@ def test_one_replica_on_each_node_answers_as_one_kvlm_serve(cluster, server, ref
     port, _ = server
     for node in cluster.nodes:
         assert len(node.titled(REPLICA_PROCESS)) == 1, [p.name() for p in node.processes()]
-    assert _answers(_client(port), model_name) == reference.result(timeout=120)
+    assert _answers(_client(port), model_name) == reference.result(timeout=300)[0]
 
 
 def test_a_repeated_prefix_goes_to_one_replica(server, model_name):
@@ -136,7 +135,7 @@ def test_killing_the_second_nodes_replica_ends_its_stream_cleanly(cluster, serve
     victim.kill()
     assert _endings(streams) == ["done", "failed"]
     # the head's replica answers, as before: the router has dropped the dead one
-    chat, _, text, _ = reference.result(timeout=120)
+    chat, _, text, _ = reference.result(timeout=300)[0]
     assert ask(client, model_name).choices[0].message.content == chat
     assert complete(client, model_name).choices[0].text == text
 
