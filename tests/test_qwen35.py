@@ -1,7 +1,8 @@
 """Qwen3.5: gated DeltaNets beside gated attention (kvlm.model.deltanet; ModelConfig's
 attn_output_gate and rope_dim), against transformers' Qwen3_5ForCausalLM on tiny
-random-weight models of several layer orders, with kv "off" (no cache keeps a DeltaNet's
-state yet: docs/NOTES-qwen35.md).
+random-weight models of several layer orders, with kv "off"; then the DeltaNet state as a
+layer group of every one-sequence cache (kvlm.cache.recurrent; the pool and cache files
+refuse it: docs/NOTES-qwen35.md).
 
 The exact reference is transformers in fp64 with its delta rule's fp32 casts lifted
 (`exact_hf`): transformers runs the rule in fp32 whatever the model's dtype, so its fp64
@@ -19,8 +20,9 @@ import torch
 
 from helpers import assert_greedy_agreement, hf_greedy, load_hf, save_tiny_model
 from kvlm import LLM, SamplingParams
+from kvlm.engine.runner import CacheBatch
 from kvlm.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
-from numerics import assert_as_exact_as, fp64_reorder_bound, max_error
+from numerics import SAME_ROUNDING, assert_as_exact_as, fp64_reorder_bound, max_error
 
 PROMPT = "What is the capital of France? The capital of France is"
 D, A = "linear_attention", "full_attention"
@@ -167,7 +169,8 @@ def carried(llm: LLM, ids: list[int], chunks: list[int]) -> torch.Tensor:
     (`Transformer.forward(recurrent=)`), each chunk committed to both."""
     from kvlm.cache import create_cache
 
-    cache, rows = create_cache("contiguous", llm.cache_spec("off")), llm.model.new_delta_rows()
+    spec = replace(llm.cache_spec("contiguous"), layer_kinds=())  # no state group
+    cache, rows = create_cache("contiguous", spec), llm.model.new_delta_rows()
     out, at = [], 0
     with torch.inference_mode():
         for n in chunks:
@@ -225,27 +228,190 @@ def test_a_multimodal_folder_runs_its_language_model(qwen35_dir, tmp_path):
     assert torch.equal(ours, plain.runner.logits(ids, plain.new_cache("off")))
 
 
-def test_what_cannot_hold_the_state_is_refused(qwen35_dir):
-    """Every cache mode but off, the engine's pool and the fused step refuse a model with
-    DeltaNet layers, each with one clear error; a forward past position 0 without a state
+STATE_MODES = ["basic", "contiguous", "paged", "int8", "window"]
+
+
+def fed(llm: LLM, ids: list[int], chunks: list[int], cache=None) -> torch.Tensor:
+    """Teacher-forced logits of `ids` fed in `chunks` through the runner and a cache of the
+    LLM's (the state is the cache's: no recurrent= by hand), each chunk a prompt's, as the
+    engine feeds a chunked prefill."""
+    cache = cache if cache is not None else llm.new_cache()
+    out, at = [], 0
+    for n in chunks:
+        out.append(llm.runner.run(CacheBatch([ids[at : at + n]], cache, prompt=True,
+                                             all_rows=True))[0])  # fmt: skip
+        at += n
+    return torch.cat(out)
+
+
+def cut(total: int, size: int) -> list[int]:
+    return [size] * (total // size) + ([total % size] if total % size else [])
+
+
+@pytest.mark.parametrize("mode", STATE_MODES)
+def test_every_mode_keeps_the_state_chunked_equals_one_shot(qwen35_dir, mode):
+    """Every one-sequence mode keeps the DeltaNet layers' state as a layer group of its
+    cache (kvlm.cache.recurrent, a HybridCache's part): chunks of 1, 3 and 5 give the
+    one-shot prefill's logits through the same mode as exactly as the one shot is (the
+    elementwise kernels round a row by where it falls in the step, so not bit for bit);
+    in fp64 within the reordering bound of two fp64 evaluations; the exact modes' one
+    shot is the `off` oracle's bit for bit; a DeltaNet layer takes no K/V."""
+    folder = qwen35_dir("qwen35-bias")
+    llm = LLM(model=folder, kv=mode, exact=True, progress=False)
+    fp64 = LLM(model=folder, kv=mode, dtype="fp64", progress=False)
+    ids = prompt_ids(llm)
+    exact = hf_logits(folder, ids, torch.float64)
+    one_shot, one_shot64 = fed(llm, ids, [len(ids)]), fed(fp64, ids, [len(ids)])
+    off = LLM(model=folder, kv="off", exact=True, progress=False)
+    off_shot = off.runner.logits(ids, off.new_cache("off"))
+    for size in (1, 3, 5):
+        chunked = fed(llm, ids, cut(len(ids), size))
+        if mode == "int8":  # both as far from the exact as int8 rows make them: apart by
+            # no more than fp32 rounding
+            assert max_error(chunked, one_shot) <= SAME_ROUNDING * max_error(off_shot, exact)
+        else:
+            assert_as_exact_as(chunked, one_shot, exact)
+        far = max_error(fed(fp64, ids, cut(len(ids), size)), one_shot64)
+        if mode == "int8":
+            assert far <= SAME_ROUNDING * max_error(off_shot, exact), size
+        else:
+            assert far <= fp64_reorder_bound(max_error(off_shot, exact)), size
+    if mode in ("basic", "contiguous", "paged"):
+        assert torch.equal(one_shot, off_shot)
+    spec, attention = llm.cache_spec(), 1  # D D A D
+    per_layer = spec.num_kv_heads * spec.head_dim * 2 * spec.dtype.itemsize
+    assert spec.bytes_per_token == attention * per_layer or mode == "int8"
+
+
+@pytest.mark.parametrize("mode", STATE_MODES)
+def test_generate_in_every_mode_and_forks_equal_kv_off(qwen35_dir, mode):
+    """Greedy tokens through LLM.generate in every mode = kv off's (which feeds every
+    forward from position 0); n = 2 greedy samples (a fork of the prompt's cache, state
+    and all) = the one; two prompts (run one after another: the pool keeps no state) =
+    each alone."""
+    folder = qwen35_dir("qwen35")
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [PROMPT, "One two three, one two three, one two"]
+    off = LLM(model=folder, kv="off", progress=False)
+    alone = [off.generate(p, greedy)[0].outputs[0].token_ids for p in prompts]
+    llm = LLM(model=folder, kv=mode, progress=False)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == alone
+    two = llm.generate(prompts[0], replace(greedy, n=2))
+    assert [s.token_ids for s in two[0].outputs] == [alone[0]] * 2
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "paged", "window"])
+def test_a_chat_turn_starts_over_as_a_fresh_session(qwen35_dir, mode):
+    """A state cannot be rolled back (can_roll_back False past 0 tokens, rollback refused
+    with the reason), so a chat's second turn starts over: its reply is a kv-off
+    session's, which recomputes the whole conversation."""
+    folder = qwen35_dir("qwen35")
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    llm, off = (
+        LLM(model=folder, kv=mode, progress=False),
+        LLM(model=folder, kv="off", progress=False),
+    )
+    one, ref = llm.chat_session(params), off.chat_session(params)
+    for text in ("Hello there", "And then?"):
+        assert "".join(one.send(text)) == "".join(ref.send(text))
+    one._settle(), ref._settle()
+    assert one.history == ref.history
+    cache = one.cache
+    assert cache.num_tokens > 1 and not cache.can_roll_back(1) and cache.can_roll_back(0)
+    with pytest.raises(InvalidRequestError, match="DeltaNet's state cannot forget"):
+        cache.rollback(1)
+    assert cache.can_roll_back(cache.num_tokens)  # all of it: a reset
+    cache.rollback(cache.num_tokens)
+    assert cache.num_tokens == 0
+
+
+def test_the_state_forks_snapshots_and_restores(qwen35_dir):
+    """A cache's state: a snapshot restored gives the same next logits; a fork decodes
+    each row as the one it came from (bit for bit alike, and within rounding of the
+    unforked row); free goes back to one empty sequence."""
+    llm = LLM(model=qwen35_dir("qwen35-attention-first"), kv="contiguous", exact=True,
+              progress=False)  # fmt: skip
+    ids = prompt_ids(llm, 24)
+    cache = llm.new_cache()
+    fed(llm, ids[:20], [20], cache)
+    saved = cache.snapshot()
+    after = fed(llm, ids[20:], [4], cache)
+    cache.restore(saved)
+    assert cache.num_tokens == 20
+    assert torch.equal(fed(llm, ids[20:], [4], cache), after)
+    cache.restore(saved)
+    cache.fork(2)
+    two = llm.runner.run(CacheBatch([[5], [5]], cache))
+    assert two.shape[0] == 2 and torch.equal(two[0], two[1])
+    cache.restore(saved)
+    one = llm.runner.run(CacheBatch([[5]], cache))[0]  # a batch of 1 rounds its own way
+    assert max_error(two[0], one) <= 1e-5 * one.abs().max()
+    cache.free()
+    assert cache.num_tokens == 0 and cache.batch == 1
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "paged", "window"])
+def test_memory_counts_the_state_per_sequence(qwen35_dir, mode, capsys):
+    """`kvlm memory`'s plan: the DeltaNet layers' state a sequence whatever its length
+    (value_heads x key_dim x value_dim and kernel - 1 rows of q|k|v, fp32), the attention
+    layers' K/V per token; a made cache holds what is planned for it."""
+    from kvlm.cache import memory
+    from kvlm.cli import main
+
+    llm = LLM(model=qwen35_dir("qwen35"), kv=mode, progress=False)
+    c, spec = llm.config, llm.cache_spec()
+    d, layers = c.deltanet, len(c.deltanet_layers)
+    state = layers * (d.value_heads * d.key_dim * d.value_dim
+                      + (d.conv_kernel - 1) * d.conv_width) * 4  # fmt: skip
+    for context, batch in ((64, 1), (128, 3)):
+        groups = memory.layer_groups(mode, spec, context, batch)
+        assert [g for g in groups if g["kind"] == "state"] == [
+            {"kind": "state", "layers": layers, "window": None, "tokens": 0,
+             "bytes": batch * state}]  # fmt: skip
+        assert memory.planned_nbytes(mode, spec, context, batch) == sum(g["bytes"] for g in groups)
+    assert llm.new_cache().parts[-1].nbytes == state
+    assert main(["memory", "--model", str(llm.loaded.path), "--kv", mode, "--context", "64"]) == 0
+    said = f"{layers} gated DeltaNet layers, their state {state / 2**10:,.1f} KiB a sequence"
+    assert said in capsys.readouterr().out
+
+
+def test_what_cannot_hold_the_state_is_refused(qwen35_dir, tmp_path):
+    """The engine's pool, cache files, speculative decoding (the model's or as a draft
+    model) and the fused step refuse a model with DeltaNet layers, each with one clear
+    error; a forward past position 0 through a cache of another spec (no state group)
     says why."""
+    from kvlm.cache import create_cache
+    from kvlm.cache.base import CacheFileError
     from kvlm.engine.engine import pool_spec
+    from kvlm.engine.speculative import SpeculativeConfig
     from kvlm.model import fused
 
     folder = qwen35_dir("qwen35")
-    for mode in ("contiguous", "basic", "paged", "window", "int8"):
-        with pytest.raises(InvalidRequestError, match="DeltaNet") as err:
-            LLM(model=folder, kv=mode, progress=False)
-        assert err.value.param == "kv"
-    llm = LLM(model=folder, kv="off", progress=False)
-    with pytest.raises(InvalidRequestError, match="DeltaNet"):
-        llm.new_cache("contiguous")
-    with pytest.raises(InvalidRequestError, match="DeltaNet"):
+    llm = LLM(model=folder, kv="paged", progress=False)
+    with pytest.raises(InvalidRequestError, match="pool keeps no gated DeltaNet state") as err:
         pool_spec(llm)
+    assert err.value.param == "kv"
+    for how in ("ngram", SpeculativeConfig("draft", draft_weights="int8")):
+        with pytest.raises(InvalidRequestError, match="rejected draft") as err:
+            LLM(model=folder, kv="contiguous", speculative=how, progress=False)
+        assert err.value.param == "speculative"
+    other = save_tiny_model(tmp_path / "llama", "llama", seed=3)
+    target = LLM(model=other, kv="contiguous", progress=False,
+                 speculative=SpeculativeConfig("draft", draft_model=str(folder)))  # fmt: skip
+    with pytest.raises(InvalidRequestError, match="rejected draft") as err:
+        target.draft_model(target.speculative)
+    assert err.value.param == "draft_model"
+    chat = llm.chat_session(SamplingParams(max_tokens=4, temperature=0.0))
+    "".join(chat.send("Hello"))
+    with pytest.raises(CacheFileError, match="no gated DeltaNet state"):
+        chat.save(tmp_path / "chat.kvc", llm.fingerprint)
+    assert not (tmp_path / "chat.kvc").exists()
+    with pytest.raises(CacheFileError, match="no gated DeltaNet state"):
+        chat.load(tmp_path / "chat.kvc", llm.fingerprint)
+    with pytest.raises(InvalidRequestError, match="draft"):
+        llm.new_cache("contiguous").begin(2, draft=True)
     assert "a deltanet layer" in fused.why_not(llm.model)
-    from kvlm.cache import create_cache
-
-    cache = create_cache("contiguous", llm.cache_spec("off"))
+    cache = create_cache("contiguous", replace(llm.cache_spec("contiguous"), layer_kinds=()))
     with torch.inference_mode():
         step = cache.begin(4)
         llm.model(torch.tensor([[5, 6, 7, 8]]), step.positions, step)

@@ -751,7 +751,7 @@ def _memory_report(name: str, p: Any, rows: list[dict]) -> str:
         f"  total (batch {p.batch:<3})   {_mib(p.total_bytes)}",
         f"  weights             {_mib(p.weight_bytes)}",
         f"  budget              {budget}: {fits} sequences of {p.context:,} tokens",
-        *_groups_report(p.layer_groups),
+        *_groups_report(p.layer_groups, p.batch),
         "",
         *table(head, "llrr", (f"{r['mode']} | {r['kv_dtype']} | {r['bytes_per_token']:,} | "
                               f"{_mib(r['total_bytes'])}" for r in rows)),
@@ -759,7 +759,7 @@ def _memory_report(name: str, p: Any, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _groups_report(groups: list[dict]) -> list[str]:
+def _groups_report(groups: list[dict], batch: int) -> list[str]:
     """A hybrid model's layer groups (kvlm.cache.memory.layer_groups), a line each."""
     if len(groups) < 2:
         return []
@@ -771,6 +771,11 @@ def _groups_report(groups: list[dict]) -> list[str]:
                          f"{_mib(g['bytes'])}; kvlm serve's pool keeps "
                          f"{g['block_end_bytes'] / 2**10:,.1f} KiB more a block for prefix "
                          "hits (the rows at its end)")  # fmt: skip
+            continue
+        if g["kind"] == "state":  # a gated DeltaNet's: fixed a sequence, no pool yet
+            lines.append(f"  {g['layers']} gated DeltaNet layers, their state "
+                         f"{g['bytes'] / batch / 2**10:,.1f} KiB a sequence: "
+                         f"{_mib(g['bytes'])}")  # fmt: skip
             continue
         lines.append(f"  {g['layers']} {g['kind']} layers, {kept}: {g['tokens']:,} tokens, "
                      f"{_mib(g['bytes'])}")  # fmt: skip

@@ -17,13 +17,14 @@ from tqdm import tqdm
 
 from kvlm import defaults, kernels
 from kvlm.cache import CacheSpec, KVCache, create_cache
-from kvlm.cache.factory import BATCH_MODES, check_mode, mode_spec
-from kvlm.config import LIMITS, ModelConfig, for_context
+from kvlm.cache.factory import BATCH_MODES, check_mode, mode_spec, pool_mode
+from kvlm.cache.recurrent import NO_ROLLBACK
+from kvlm.config import LIMITS, for_context
 from kvlm.dtypes import dtype_name, kv_sides, parse_dtype, parse_kv_dtype
 from kvlm.engine.backends import cache_engine_limits
 from kvlm.engine.batch import Stream, run_batch
 from kvlm.engine.chat import ChatSession
-from kvlm.engine.engine import Engine, EngineConfig
+from kvlm.engine.engine import Engine, EngineConfig, pool_refusal
 from kvlm.engine.request import RequestOutput
 from kvlm.engine.runner import ModelRunner
 from kvlm.engine.sampling import SamplingParams
@@ -50,6 +51,12 @@ WEIGHT_FORMATS = (None, "f32", "bf16", "int8", "int4", "native")
 NO_SPECULATION = {
     "off": "it keeps no cache to check a draft against",
 }
+# Why a model with gated DeltaNet layers neither decodes speculatively nor drafts: a
+# rejected draft's tokens would have to leave its state (kvlm.cache.recurrent)
+NO_DRAFT_STATE = (
+    f"{NO_ROLLBACK}, so the tokens of a rejected draft cannot be taken back (a state per "
+    "draft position is not kept yet)"
+)
 # Sequences the batch engine decodes together (SchedulerConfig.max_num_seqs)
 BATCH_MAX_SEQS = 16
 # What the numerics' prefill_dtype and activations may be once resolved (kvlm.defaults)
@@ -156,6 +163,9 @@ class LLM:
         if past is not None:
             log.warning(past)
         self.cache_spec(kv)  # every cache setting checked before the weights load
+        if self.speculative is not None and self.config.deltanet_layers:
+            raise InvalidRequestError(f"no speculative decoding of this model: {NO_DRAFT_STATE}",
+                                      param="speculative")  # fmt: skip
         self._drafters: dict[tuple[str, str | None], DraftModel] = {}  # see draft_model
         self._engine: Engine | None = None  # generate's batch engine, made on first use
         self.progress = progress
@@ -194,9 +204,7 @@ class LLM:
         return self.new_cache()
 
     def cache_spec(self, mode: str | None = None) -> CacheSpec:
-        """The spec of a cache of `mode` (the LLM's by default) for this model; refused
-        for a mode that cannot keep what every layer needs kept (`_check_layer_kinds`)."""
-        _check_layer_kinds(self.config, mode or self.kv_mode)
+        """The spec of a cache of `mode` (the LLM's by default) for this model."""
         o = asdict(self.cache_options)  # CacheSpec's fields of the same names
         spec = CacheSpec.for_model(self.config, self.max_context, self.kv_dtype, self.device, **o)
         return mode_spec(mode or self.kv_mode, spec)
@@ -244,6 +252,9 @@ class LLM:
             draft = LLM(model=path, weights=spec.draft_weights, max_context=self.max_context,
                         progress=False, rope_scaling=self.rope[0],
                         rope_scale=self.rope[1])  # fmt: skip
+            if draft.config.deltanet_layers:
+                raise InvalidRequestError(f"the draft model {path}: {NO_DRAFT_STATE}",
+                                          param="draft_model")  # fmt: skip
             ours = self.tokenizer.backend.get_vocab()
             theirs = draft.tokenizer.backend.get_vocab()
             if ours != theirs:
@@ -291,7 +302,7 @@ class LLM:
             requests = [(None, _token_ids(ids)) for ids in listed]
         params = self._params_for(sampling_params, len(requests))
         many = len(requests) > 1 or self.speculative is not None  # drafts live in the engine
-        batched = many and self.kv_mode in BATCH_MODES
+        batched = many and self.kv_mode in BATCH_MODES and self._pool_takes
         pool = self.batch_engine() if batched else None
         one: Engine | None = None  # what the pool cannot take runs alone, as it would
         engines: list[Engine] = []  # each prompt checked, once, before any work
@@ -331,6 +342,12 @@ class LLM:
         if not all(isinstance(p, SamplingParams) for p in params):
             raise InvalidRequestError("sampling_params must be SamplingParams")
         return params
+
+    @cached_property
+    def _pool_takes(self) -> bool:
+        """Whether the engine's pool keeps what this model's layers keep (a gated
+        DeltaNet's state it does not yet: generate runs such a model's prompts alone)."""
+        return pool_refusal(self.cache_spec(pool_mode(self.kv_mode))) is None
 
     def batch_engine(self) -> Engine:
         """The engine `generate` batches prompts through, made on first use and kept: it
@@ -488,20 +505,6 @@ def _check_settings(
         for side in sides:
             if side != defaults.AUTO:
                 parse_kv_dtype(side)
-
-
-def _check_layer_kinds(config: ModelConfig, mode: str) -> None:
-    """The cache mode keeps what every layer needs kept: no mode keeps a gated DeltaNet
-    layer's state yet (docs/DESIGN.md section 5), so a model with such layers runs on `off`
-    alone, which keeps nothing and feeds every forward from position 0; the engine's pool
-    (its mode's spec, kvlm.engine.engine.pool_spec) is refused here too."""
-    if config.deltanet_layers and mode != "off":
-        raise InvalidRequestError(
-            f"kv {mode!r}: this model's gated DeltaNet layers keep a state that no cache "
-            "mode holds yet: it runs with kv 'off' alone, one request at a time (kvlm "
-            "generate and chat: --kv off; not kvlm serve, whose pool keeps none either)",
-            param="kv",
-        )  # fmt: skip
 
 
 def _weight_format(numerics: defaults.Numerics, dtype: torch.dtype, device: torch.device):

@@ -201,6 +201,9 @@ class CacheStep(ABC):
         # The conv layers' rows before the step (kvlm.cache.conv.ConvStep), where the
         # cache keeps a conv group (Transformer.forward reads them); None: none kept
         self.conv = None
+        # The gated DeltaNet layers' state before the step (kvlm.model.deltanet.DeltaStep),
+        # where the cache keeps a state group (kvlm.cache.recurrent); None: none kept
+        self.recurrent = None
 
     def for_layer(self, layer: int) -> CacheStep:
         """The step as `layer` sees it: itself, or where the layers' kinds differ, a view of

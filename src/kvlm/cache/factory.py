@@ -11,7 +11,7 @@ from kvlm.cache.basic import BasicCache
 from kvlm.cache.contiguous import ContiguousCache
 from kvlm.cache.groups import LayerGroup, layer_groups
 from kvlm.cache.hybrid import HybridCache, ring_spec
-from kvlm.cache.kinds import ConvWindow
+from kvlm.cache.kinds import STATE_KINDS
 from kvlm.cache.off import OffCache
 from kvlm.cache.paged import Int8PagedCache, PagedCache
 from kvlm.cache.window import WindowCache
@@ -68,16 +68,17 @@ def create_cache(mode: str, spec: CacheSpec) -> KVCache:
     paged and int8 keep them apart on their own (a block table per layer group)."""
     cls, spec = check_mode(mode), mode_spec(mode, spec)
     groups = layer_groups(spec)
-    if len(groups) > 1 and (mode in RING_MODES or (mode != "off" and conv_group(groups))):
+    if len(groups) > 1 and (mode in RING_MODES or (mode != "off" and state_group(groups))):
         return HybridCache(cls, spec)
     return cls(spec)
 
 
-def conv_group(groups: tuple[LayerGroup, ...]) -> LayerGroup | None:
-    """The group of conv layers (kinds.ConvWindow), if any: every mode but off keeps it as
-    a HybridCache's part (kvlm.cache.conv.ConvCache) beside the mode's cache of the
-    others."""
-    return next((g for g in groups if isinstance(g.kind, ConvWindow)), None)
+def state_group(groups: tuple[LayerGroup, ...]) -> LayerGroup | None:
+    """The first group of a state kind (kinds.STATE_KINDS: conv layers' rows, a gated
+    DeltaNet's state), if any: every mode but off keeps it as a HybridCache's part
+    (kvlm.cache.conv.ConvCache, kvlm.cache.recurrent.StateCache) beside the mode's cache of
+    the others."""
+    return next((g for g in groups if isinstance(g.kind, STATE_KINDS)), None)
 
 
 def without(spec: CacheSpec, group: LayerGroup) -> CacheSpec:
@@ -101,10 +102,10 @@ def planned_parts(
     a windowed group holds at most kvlm.cache.paged.window_blocks(W + RING_SLACK, ...)
     blocks between steps)."""
     cls, spec = check_mode(mode), mode_spec(mode, spec)
-    conv = conv_group(layer_groups(spec))
-    if conv is not None and mode != "off":  # the mode's cache of the others, and the rows
-        rest = planned_parts(mode, without(spec, conv), tokens, batch)
-        return [*rest, (conv.spec(spec), batch * conv.sequence_bytes(spec), 0)]
+    state = state_group(layer_groups(spec))
+    if state is not None and mode != "off":  # the mode's cache of the others, the state
+        rest = planned_parts(mode, without(spec, state), tokens, batch)
+        return [*rest, (state.spec(spec), batch * state.sequence_bytes(spec), 0)]
     if issubclass(cls, PagedCache):
         return cls.planned_groups(spec, tokens, batch)
     groups = layer_groups(spec)

@@ -27,7 +27,14 @@ from kvlm.cache.base import CacheFileError, CacheSnapshot, CacheSpec, KVCache, b
 from kvlm.cache.factory import CACHE_MODES, HYBRID_MODES
 from kvlm.cache.groups import LayerGroup, from_layout, layer_groups, layout_extra
 from kvlm.cache.hybrid import group_prefix
-from kvlm.cache.kinds import CONV_ROW_DTYPE, RING_SLACK, ConvWindow, FullAttention, SlidingWindow
+from kvlm.cache.kinds import (
+    CONV_ROW_DTYPE,
+    RING_SLACK,
+    ConvWindow,
+    FullAttention,
+    RecurrentState,
+    SlidingWindow,
+)
 from kvlm.cache.storage import part_layout
 from kvlm.dtypes import NAMES, Q4, dtype_name
 from kvlm.errors import CacheOverflowError
@@ -48,6 +55,7 @@ def save_cache(
     check it."""
     from safetensors.torch import save_file
 
+    _check_kinds(cache)
     snap = cache.snapshot()
     meta = {
         "format": next(f for f, layouts in FORMATS.items() if snap.layout in layouts),
@@ -75,6 +83,7 @@ def load_cache(cache: KVCache, path: str | Path, fingerprint: str) -> dict:
     changes. Rows cost memory only for the data they hold: an empty file (length 0)
     may not claim more rows than this cache's own batch (read_cache_file caps the rest).
     """
+    _check_kinds(cache)
     snap, meta = read_cache_file(path)
     if meta["fingerprint"] != fingerprint:
         raise CacheFileError(
@@ -93,6 +102,16 @@ def load_cache(cache: KVCache, path: str | Path, fingerprint: str) -> dict:
     except CacheOverflowError as exc:
         raise CacheFileError(f"{path} does not fit: {exc}") from exc
     return meta["extra"]
+
+
+def _check_kinds(cache: KVCache) -> None:
+    """A file holds what `cache`'s layers keep: not yet a gated DeltaNet's state
+    (kinds.RecurrentState; docs/DESIGN.md section 5)."""
+    if any(isinstance(g.kind, RecurrentState) for g in layer_groups(cache.spec)):
+        raise CacheFileError(
+            "cache files hold no gated DeltaNet state yet: this model's cache is neither "
+            "saved nor loaded (a conversation goes on in its own session)"
+        )
 
 
 # ---------------------------------------------------------------------- cache files

@@ -51,7 +51,8 @@ from kvlm.cache.base import (
 )
 from kvlm.cache.conv import ConvCache
 from kvlm.cache.groups import LayerGroup, layer_at, layer_groups, layout_extra
-from kvlm.cache.kinds import ConvWindow
+from kvlm.cache.kinds import ConvWindow, RecurrentState
+from kvlm.cache.recurrent import StateCache
 from kvlm.cache.window import WindowCache
 
 
@@ -76,9 +77,12 @@ def ring_spec(spec: CacheSpec, group: LayerGroup) -> CacheSpec:
 
 def part_cache(mode_cls: type[KVCache], spec: CacheSpec, group: LayerGroup) -> KVCache:
     """The cache a `mode_cls` cache keeps `group` of `spec`'s layers in: the mode's own for
-    the whole layers, a ring for a window, a ConvCache for conv layers' rows."""
+    the whole layers, a ring for a window, a ConvCache for conv layers' rows, a
+    StateCache for gated DeltaNet layers' state."""
     if isinstance(group.kind, ConvWindow):
         return ConvCache(group.spec(spec), group.kind)
+    if isinstance(group.kind, RecurrentState):
+        return StateCache(group.spec(spec), group.kind)
     if group.kind.keep is None:
         return mode_cls(group.spec(spec))
     return WindowCache(ring_spec(spec, group))
@@ -106,6 +110,7 @@ class HybridStep(CacheStep):
         self.parts = tuple(parts)
         self._views = {}
         self.conv = next((p.conv for p in parts if p.conv is not None), None)
+        self.recurrent = next((p.recurrent for p in parts if p.recurrent is not None), None)
         self._layers = cache.layers
 
     def for_layer(self, layer: int) -> _PartStep:
@@ -130,6 +135,8 @@ class HybridCache(KVCache):
         self.groups = layer_groups(spec)
         self.caches = [part_cache(mode_cls, spec, group) for group in self.groups]
         self.mode = mode_cls.mode
+        # a draft step on every part, or none (a DeltaNet state takes none back)
+        self.drafts = all(part.drafts for part in self.caches)
         # layer -> (part, {layer: index inside the part} of that part)
         indexes = [{i: n for n, i in enumerate(g.layers)} for g in self.groups]
         self.layers = [(g, indexes[g]) for g, _ in layer_at(self.groups)]
@@ -201,7 +208,7 @@ class HybridCache(KVCache):
         (ConvCache.kv_views); None if a part has none."""
         views: list[KVView | ConvView] = []
         for group, part in zip(self.groups, self.parts, strict=True):
-            whole = group.kind.keep is None or isinstance(part, ConvCache)
+            whole = group.kind.keep is None or isinstance(part, (ConvCache, StateCache))
             mine = part.kv_views(rows) if whole else part.ring_views(rows)
             if mine is None:
                 return None

@@ -7,7 +7,7 @@ next token is computed without the text before it again. What it keeps is its ki
     attention     K/V rows of every token               FullAttention()    T         0
     window        K/V rows of the last W + RING_SLACK   SlidingWindow(W)   <= W+32   T - W + 1
     conv          the last L - 1 input rows (+ slack)   ConvWindow(L-1, H) 0 (state) T - L + 1
-    (next) state  one fixed matrix                      a state, no rows
+    state         a DeltaNet's state + its L - 1 rows   RecurrentState(..) 0 (state) T
 
 A spec is a frozen value (equal specs: one group of layers, kvlm.cache.groups). It answers
 the window its masks use (`window`), how many positions a sequence keeps behind its end
@@ -34,7 +34,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from kvlm.cache.storage import itemsize
-from kvlm.config import ModelConfig
+from kvlm.config import DeltaNet, ModelConfig
 
 # Tokens a windowed group keeps past its window: what a rollback may take back (a chat's
 # last token, a draft's rows beyond its own undo); a longer one is refused (the caller
@@ -42,6 +42,12 @@ from kvlm.config import ModelConfig
 RING_SLACK = 32
 # The dtype a ConvWindow's rows are kept in
 CONV_ROW_DTYPE = torch.float32
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a RecurrentState is kept in for a cache storing `dtype`: fp32 (the
+    recurrence's, kvlm.model.deltanet.work_dtype), fp64 for an fp64 cache (an fp64 model's)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class Geometry(Protocol):
@@ -173,8 +179,73 @@ class ConvWindow(LayerKind):
         return self.rows * self.width * CONV_ROW_DTYPE.itemsize  # the rows before the end
 
 
+@dataclass(frozen=True, slots=True)
+class RecurrentState(LayerKind):
+    """A gated DeltaNet's (kvlm.model.deltanet, its sizes kvlm.config.DeltaNet): its
+    recurrent state (`value_heads`, `key_dim`, `value_dim`) and its causal convolution's
+    last `conv_kernel` - 1 input rows of `conv_width` channels (q|k|v: the `key_heads`
+    too), both fixed a sequence, kept in state_dtype (fp32; fp64 for an fp64 cache) by
+    kvlm.cache.recurrent. The rows are part of this kind, not a ConvWindow group of their
+    own: they and the state move together (one begin/commit a step, the same layers) and
+    neither can be taken back (a state cannot forget tokens, so rows kept for a rollback
+    would serve nothing: no slack). No row per token (token_bytes 0); the next query
+    reads no position before it (the state holds them all)."""
+
+    name: ClassVar[str] = "state"
+    code: ClassVar[int] = 3
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    @property
+    def sizes(self) -> DeltaNet:
+        """The layer's sizes (kvlm.config.DeltaNet)."""
+        return DeltaNet(self.key_heads, self.value_heads, self.key_dim, self.value_dim,
+                        self.conv_kernel)  # fmt: skip
+
+    @property
+    def conv_width(self) -> int:
+        return self.sizes.conv_width
+
+    @property
+    def keep(self) -> int:
+        return 0  # no positions: the state
+
+    def kept(self, tokens: int) -> int:
+        return 0
+
+    def first_read(self, length: int) -> int:
+        return length
+
+    def token_bytes(self, spec: Geometry) -> int:
+        return 0
+
+    def sequence_bytes(self, spec: Geometry) -> int:
+        rows = (self.conv_kernel - 1) * self.conv_width
+        values = self.value_heads * self.key_dim * self.value_dim + rows
+        return values * state_dtype(spec.kv_dtypes[0]).itemsize
+
+    def end_bytes(self, spec: Geometry) -> int:
+        return 0  # the engine's pool keeps no state yet (kvlm.engine.engine.pool_refusal)
+
+
 # Every kind by its code (a file's `groups` layout): a new kind takes the next number
-KINDS: dict[int, type[LayerKind]] = {k.code: k for k in (FullAttention, SlidingWindow, ConvWindow)}
+KINDS: dict[int, type[LayerKind]] = {
+    k.code: k for k in (FullAttention, SlidingWindow, ConvWindow, RecurrentState)
+}
+# The kinds that keep a fixed state a sequence, no rows per token (a cache's part of their
+# own beside the mode's cache of the others: kvlm.cache.hybrid)
+STATE_KINDS = (ConvWindow, RecurrentState)
+
+
+def recurrent_state(config: ModelConfig) -> RecurrentState | None:
+    """What each of `config`'s gated DeltaNet layers keeps (None: it has none)."""
+    d = config.deltanet
+    if d is None or not config.deltanet_layers:
+        return None
+    return RecurrentState(d.key_heads, d.value_heads, d.key_dim, d.value_dim, d.conv_kernel)
 
 
 def kind_from(code: int, fields: dict[str, int]) -> LayerKind:
@@ -213,4 +284,8 @@ def layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
         conv = ConvWindow(config.conv_kernel - 1, config.hidden_size)  # type: ignore[operator]
         for i in config.conv_layers:
             kinds[i] = conv
+    state = recurrent_state(config)
+    if state is not None:
+        for i in config.deltanet_layers:
+            kinds[i] = state
     return tuple(kinds) if len(set(kinds)) > 1 else ()

@@ -31,7 +31,7 @@ from kvlm.cache.base import CacheSpec, blocks_for
 from kvlm.cache.conv import ConvSlots
 from kvlm.cache.factory import pool_mode
 from kvlm.cache.groups import layer_groups as spec_groups
-from kvlm.cache.kinds import CONV_ROW_DTYPE, ConvWindow
+from kvlm.cache.kinds import CONV_ROW_DTYPE, ConvWindow, RecurrentState
 from kvlm.cache.paged import BlockPool, window_blocks
 from kvlm.cache.prefix import BlockManager, check_salt
 from kvlm.cache.storage import part_layout
@@ -93,8 +93,24 @@ class EngineConfig:
 
 def pool_spec(llm: ServedModel) -> CacheSpec:
     """The pool's cache spec: the LLM's K/V storage in its mode's pool (--kv int8 stores
-    int8 whatever --kv-dtype says: kvlm.cache.factory.pool_mode)."""
-    return llm.cache_spec(pool_mode(llm.kv_mode))
+    int8 whatever --kv-dtype says: kvlm.cache.factory.pool_mode); refused for a model
+    whose layers keep a kind the pool has no store for (`pool_refusal`)."""
+    spec = llm.cache_spec(pool_mode(llm.kv_mode))
+    reason = pool_refusal(spec)
+    if reason is not None:
+        raise InvalidRequestError(f"kv {llm.kv_mode!r}: {reason}", param="kv")
+    return spec
+
+
+def pool_refusal(spec: CacheSpec) -> str | None:
+    """Why the engine's pool cannot keep `spec`'s layers (None: it can): a gated DeltaNet's
+    state (kinds.RecurrentState) has no slot in it yet (docs/DESIGN.md section 5)."""
+    if any(isinstance(g.kind, RecurrentState) for g in spec_groups(spec)):
+        return (
+            "the engine's pool keeps no gated DeltaNet state yet: this model runs one "
+            "request at a time on its own cache (kvlm generate and chat; not kvlm serve)"
+        )
+    return None
 
 
 def windowed_plan(

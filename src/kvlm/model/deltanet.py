@@ -20,12 +20,13 @@ an fp64 model), as transformers runs them in fp32.
 
 What a DeltaNet layer keeps of a sequence: the last L - 1 rows of q|k|v before the
 convolution (a window like a short convolution's: kvlm.cache.conv's ConvRows, L - 1
-rows of conv_width) and its state S (nv, dk, dv), both fixed per sequence. `DeltaRows`
-holds them for the model's DeltaNet layers and a batch of sequences (begin/commit as a
-cache does, fork, snapshot/restore; no rollback: a state cannot forget tokens);
-`Transformer.forward(recurrent=)` takes its step. No cache keeps them yet: a model with
-DeltaNet layers runs `kv="off"` (every forward from position 0, a zero state), or at the
-model level with rows a caller carries.
+rows of conv_width) and its state S (nv, dk, dv), both fixed per sequence.
+kvlm.cache.recurrent's `DeltaRows` holds them for the model's DeltaNet layers and a
+batch of sequences (begin/commit as a cache does, fork, snapshot/restore; no rollback: a
+state cannot forget tokens); `Transformer.forward(recurrent=)` takes its step, else the
+cache step's: every one-sequence cache but off keeps them as a part of their own
+(kvlm.cache.recurrent's StateCache, the layer kind RecurrentState); kv "off" feeds every
+forward from position 0 with a zero state.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvlm.cache.conv import ConvRows, ConvStep
-from kvlm.cache.kinds import ConvWindow
+from kvlm.cache.kinds import state_dtype
+from kvlm.cache.recurrent import DeltaStep
 from kvlm.config import DeltaNet
 from kvlm.model.layers import Linear
 
@@ -43,71 +44,9 @@ L2_EPS = 1e-6  # transformers' l2norm (FLA's)
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The recurrence's dtype: fp32, fp64 for an fp64 model."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-class DeltaRows:
-    """The DeltaNet layers' state of `batch` sequences advanced in lockstep: each layer's
-    last L - 1 input rows of its convolution (`conv`, a ConvRows) and its recurrent state
-    `state` (layers, batch, nv, dk, dv) in the recurrence's dtype; `length` the tokens
-    they hold."""
-
-    def __init__(
-        self, shape: DeltaNet, layers: int, batch: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        self.shape = shape
-        window = ConvWindow(shape.conv_kernel - 1, shape.conv_width)
-        self.conv = ConvRows(window, layers, batch, dtype, device, slack=0)
-        s = shape
-        self.state = torch.zeros(layers, batch, s.value_heads, s.key_dim, s.value_dim,
-                                 dtype=work_dtype(dtype), device=device)  # fmt: skip
-
-    @property
-    def length(self) -> int:
-        return self.conv.length
-
-    def begin(self, n_new: int) -> DeltaStep:
-        """The step of `n_new` tokens after the `length` the sequences hold."""
-        return DeltaStep(self, n_new)
-
-    def commit(self, step: DeltaStep) -> None:
-        """Keep the step's rows and states (only once its forward succeeded)."""
-        if any(s is None for s in step.staged):
-            raise ValueError("a DeltaNet step committed before it was run through")
-        self.conv.commit(step.conv)
-        self.state = torch.stack(step.staged)  # type: ignore[arg-type]
-
-    def fork(self, n: int) -> None:
-        """Each sequence as n (n samples decoding from one prompt)."""
-        self.conv.fork(n)
-        self.state = self.state.repeat_interleave(n, dim=1)
-
-    def snapshot(self) -> tuple:
-        return self.conv.snapshot(), self.state.clone()
-
-    def restore(self, saved: tuple) -> None:
-        conv, state = saved
-        self.conv.restore(conv)
-        self.state = state.clone()
-
-
-class DeltaStep:
-    """One forward's view of the DeltaNet rows: `conv` the ConvStep of their convolution
-    windows, `initial(layer)` a layer's state before the step, `stage(layer, state)` its
-    state after (kept by DeltaRows.commit)."""
-
-    def __init__(self, rows: DeltaRows, n_new: int) -> None:
-        self.start, self.n_new = rows.length, n_new
-        self.conv: ConvStep = rows.conv.begin(n_new)
-        self._state = rows.state
-        self.staged: list[torch.Tensor | None] = [None] * rows.state.shape[0]
-
-    def initial(self, layer: int) -> torch.Tensor:
-        return self._state[layer]
-
-    def stage(self, layer: int, state: torch.Tensor) -> None:
-        self.staged[layer] = state
+    """The recurrence's dtype: fp32, fp64 for an fp64 model (kinds.state_dtype: the
+    state's, which DeltaRows keeps)."""
+    return state_dtype(dtype)
 
 
 class GatedDeltaNet(nn.Module):

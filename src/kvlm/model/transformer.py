@@ -24,12 +24,13 @@ from torch import nn
 from tqdm import tqdm
 
 from kvlm.cache.kinds import ConvWindow
+from kvlm.cache.recurrent import DeltaRows, DeltaStep
 from kvlm.config import ModelConfig, RopeScaling
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 from kvlm.model import quant
 from kvlm.model.attention import Attention, KVStep
 from kvlm.model.conv import ConvRows, ConvStep, ShortConv
-from kvlm.model.deltanet import DeltaRows, DeltaStep, GatedDeltaNet
+from kvlm.model.deltanet import GatedDeltaNet
 from kvlm.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding, feeding_prompt
 from kvlm.model.numerics import ModelNumerics
 from kvlm.model.weights import WeightSource, out_norms
@@ -42,11 +43,11 @@ NO_CONV_ROWS = (
     "this model's short-convolution layers need their rows of the tokens before this step, "
     "which this cache does not keep: make it with the model's own cache spec (LLM.new_cache)"
 )
-# a forward past position 0 of a model with gated DeltaNet layers, given no DeltaStep (no
-# cache keeps their state yet: kv "off" feeds every forward from position 0)
+# a forward past position 0 of a model with gated DeltaNet layers, given no DeltaStep (a
+# cache made for another model's spec; the caches of this model's spec keep a state group)
 NO_DELTA_STATE = (
     "this model's gated DeltaNet layers need their state of the tokens before this step, "
-    "which no cache keeps yet: run it with kv 'off' (every forward from position 0)"
+    "which this cache does not keep: make it with the model's own cache spec (LLM.new_cache)"
 )
 
 
@@ -229,7 +230,9 @@ class Transformer(nn.Module):
         them); None: the cache step's (`kv.conv`, a cache that keeps a conv group), else
         rows of zeros, right for a step from position 0 only. `recurrent`: the gated
         DeltaNet layers' rows and states before the step (kvlm.model.deltanet; the caller
-        commits them); None: a zero state, right for a step from position 0 only.
+        commits them); None: the cache step's (`kv.recurrent`, a cache that keeps a state
+        group, kvlm.cache.recurrent), else a zero state, right for a step from position 0
+        only.
         """
         if prompt is None:
             prompt = input_ids.shape[-1] > 1
@@ -240,6 +243,8 @@ class Transformer(nn.Module):
         elif conv is not None and positions.numel() and int(positions[0, 0]) != conv.start:
             raise ValueError(f"the conv rows are at position {conv.start}, the step at "
                              f"{int(positions[0, 0])}")  # fmt: skip
+        if recurrent is None:
+            recurrent = getattr(kv, "recurrent", None)
         if recurrent is None and self.config.deltanet_layers:
             if positions.numel() and int(positions[..., 0].max()) != 0:
                 raise UnsupportedModelError(NO_DELTA_STATE)
