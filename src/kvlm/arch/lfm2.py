@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvlm.arch.family import CONV_NAMES, GLOBAL_NAMES, LAYER_NAMES, Family, Shape
-from kvlm.arch.readers import gguf_config, hf_config
+from kvlm.arch.readers import gguf_config, hf_config, hf_layer_mixers
 from kvlm.config import CONV_KERNEL, LIMITS, REQUIRED, Fields, ModelConfig, limits, shown, value
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 
@@ -95,17 +95,7 @@ def _hf_mixers(cfg: dict[str, Any], hf: Fields, layers: int) -> tuple[str, ...]:
                                  "list of layer indices")  # fmt: skip
         at = {value(i, "a full_attn_idxs entry", int, 0, layers - 1, hf.where) for i in idxs}
         types = ["full_attention" if i in at else "conv" for i in range(layers)]
-    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
-        raise ModelLoadError(f"{hf.where}: layer_types is {shown(types)}; expected a list of "
-                             "layer type names")  # fmt: skip
-    if len(types) != layers:
-        raise ModelLoadError(f"{hf.where}: layer_types names {len(types)} layers; "
-                             f"num_hidden_layers is {layers}")  # fmt: skip
-    unknown = sorted(set(types) - set(LAYER_TYPES))
-    if unknown:
-        raise UnsupportedModelError(f"{hf.where}: unsupported layer types {unknown} "
-                                    f"(supported: {', '.join(LAYER_TYPES)})")  # fmt: skip
-    return tuple(LAYER_TYPES[t] for t in types)
+    return hf_layer_mixers(types, LAYER_TYPES, hf, layers)
 
 
 def from_gguf(g: Fields, arch: str, name: str) -> ModelConfig:

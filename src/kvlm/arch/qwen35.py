@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from kvlm.arch.family import Family
-from kvlm.arch.readers import hf_config
-from kvlm.config import LIMITS, DeltaNet, Fields, ModelConfig, limits, shown, value
+from kvlm.arch.readers import hf_config, hf_layer_mixers
+from kvlm.config import LIMITS, DeltaNet, Fields, ModelConfig, limits, value
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 
 ARCHITECTURE = "qwen35"  # llama.cpp's general.architecture
@@ -75,17 +75,7 @@ def _hf_mixers(cfg: dict[str, Any], hf: Fields, layers: int) -> tuple[str, ...]:
                    hi=LIMITS["num_layers"][1])  # fmt: skip
         types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
                  for i in range(layers)]  # fmt: skip
-    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
-        raise ModelLoadError(f"{hf.where}: layer_types is {shown(types)}; expected a list of "
-                             "layer type names")  # fmt: skip
-    if len(types) != layers:
-        raise ModelLoadError(f"{hf.where}: layer_types names {len(types)} layers; "
-                             f"num_hidden_layers is {layers}")  # fmt: skip
-    unknown = sorted(set(types) - set(LAYER_TYPES))
-    if unknown:
-        raise UnsupportedModelError(f"{hf.where}: unsupported layer types {unknown} "
-                                    f"(supported: {', '.join(LAYER_TYPES)})")  # fmt: skip
-    return tuple(LAYER_TYPES[t] for t in types)
+    return hf_layer_mixers(types, LAYER_TYPES, hf, layers)
 
 
 def _hf_deltanet(hf: Fields) -> DeltaNet:

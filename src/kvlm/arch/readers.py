@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from kvlm.config import LIMITS, REQUIRED, Fields, ModelConfig, RopeScaling, limits, value
+from kvlm.config import LIMITS, REQUIRED, Fields, ModelConfig, RopeScaling, limits, shown, value
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 
 # (the config, its Fields, the architecture, hidden_size, num_heads) -> ModelConfig fields
@@ -54,6 +54,22 @@ def hf_config(
         name=name,
         **own,
     )
+
+
+def hf_layer_mixers(types: Any, kinds: dict[str, str], hf: Fields, layers: int) -> tuple[str, ...]:
+    """Each layer's mixer from a config's `layer_types` (`kinds`: a type's name -> its
+    mixer), checked: a list of `layers` names, each one of `kinds`."""
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise ModelLoadError(f"{hf.where}: layer_types is {shown(types)}; expected a list of "
+                             "layer type names")  # fmt: skip
+    if len(types) != layers:
+        raise ModelLoadError(f"{hf.where}: layer_types names {len(types)} layers; "
+                             f"num_hidden_layers is {layers}")  # fmt: skip
+    unknown = sorted(set(types) - set(kinds))
+    if unknown:
+        raise UnsupportedModelError(f"{hf.where}: unsupported layer types {unknown} "
+                                    f"(supported: {', '.join(kinds)})")  # fmt: skip
+    return tuple(kinds[t] for t in types)
 
 
 def hf_window(hf: Fields) -> int | None:
