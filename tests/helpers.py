@@ -295,6 +295,29 @@ def _bump_norm_and_biases(model, seed: int) -> None:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
 
 
+def hf_logits(folder_or_model, ids: list[int], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """HF's teacher-forced logits (T, V); with `dtype`, the model loaded in it (fp64: the
+    exact result both implementations are held to)."""
+    from transformers import AutoModelForCausalLM
+
+    model = folder_or_model
+    if dtype is not None:
+        model = AutoModelForCausalLM.from_pretrained(folder_or_model, dtype=dtype).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+# the tiny families' tests' prompt (test_lfm2, test_qwen35)
+FRANCE = "What is the capital of France? The capital of France is"
+
+
+def prompt_ids(llm, n: int = 40) -> list[int]:
+    """The first n token ids of FRANCE repeated (the tiny families' teacher-forced ids)."""
+    ids = llm.tokenizer.encode(FRANCE * 8)[:n]
+    assert len(ids) == n
+    return ids
+
+
 def load_hf(folder: Path):
     from transformers import AutoModelForCausalLM
 
@@ -1206,6 +1229,21 @@ def staggered_answers(engine, prompts: list[list[int]], params) -> dict[str, lis
                 (t, list(lp.top)) for t, lp in zip(ev.token_ids, ev.logprobs, strict=True)
             )
     return out
+
+
+def staggered_on_pool(llm, prompts: list[list[int]], params, chunk: int, one_forward: bool):
+    """staggered_answers through a fresh engine on `llm`'s pool (prompts in chunks of
+    `chunk`), with one ragged forward a step (`one_forward`, the GPU's road) or a forward
+    a chunk: (the answers, the engine)."""
+    from kvlm.engine.engine import Engine, EngineConfig
+    from kvlm.engine.scheduler import SchedulerConfig
+
+    engine = Engine(llm, EngineConfig(scheduler=SchedulerConfig(prefill_chunk=chunk)))
+    engine.runner.one_forward = one_forward
+    try:
+        return staggered_answers(engine, prompts, params), engine
+    finally:
+        engine.runner.one_forward = False
 
 
 def assert_ragged_agrees(ragged: dict[str, list], split: dict[str, list], n: int) -> None:

@@ -35,7 +35,7 @@ TEXTS = [
 def assert_logits_as_hf(llm: LLM, folder) -> None:
     """Teacher-forced logits over 41 tokens (past the window) as close to the exact ones
     (transformers in fp64 on the HF folder) as transformers' own fp32 logits are."""
-    from test_hf_reference import hf_logits
+    from helpers import hf_logits
 
     ids = [2, *range(300, 340)]
     ours = llm.runner.logits(ids, llm.new_cache("off"))

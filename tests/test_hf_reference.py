@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import TINY_MODELS
-from helpers import assert_greedy_agreement, hf_greedy, load_hf
+from helpers import assert_greedy_agreement, hf_greedy, hf_logits, load_hf
 from kvlm import LLM, SamplingParams
 from numerics import assert_as_exact_as, max_error
 
@@ -17,18 +17,6 @@ PROMPT = "What is the capital of France? The capital of France is"
 def pair(request, tiny_model_dir):
     folder = tiny_model_dir(request.param)
     return request.param, LLM(model=folder, progress=False), load_hf(folder)
-
-
-def hf_logits(folder_or_model, ids: list[int], dtype: torch.dtype | None = None) -> torch.Tensor:
-    """HF's teacher-forced logits (T, V); with `dtype`, the model loaded in it (fp64: the
-    exact result both implementations are held to)."""
-    from transformers import AutoModelForCausalLM
-
-    model = folder_or_model
-    if dtype is not None:
-        model = AutoModelForCausalLM.from_pretrained(folder_or_model, dtype=dtype).eval()
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0]
 
 
 def test_config_read_from_folder(pair):

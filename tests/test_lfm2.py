@@ -19,6 +19,7 @@ import torch
 
 import converter
 from helpers import (
+    FRANCE,
     LFM2_TEMPLATE,
     assert_greedy_agreement,
     assert_ragged_agrees,
@@ -26,18 +27,20 @@ from helpers import (
     counted_fused_runs,
     fused_and_torch,
     hf_greedy,
+    hf_logits,
     load_hf,
     portable_build_params,
     portable_kernels,
+    prompt_ids,
     save_tiny_model,
-    staggered_answers,
+    staggered_on_pool,
 )
 from kvlm import LLM, SamplingParams
 from kvlm.engine.runner import CacheBatch
 from kvlm.errors import InvalidRequestError
 from numerics import SAME_ROUNDING, assert_as_exact_as, fp64_reorder_bound, max_error
 
-PROMPT = "What is the capital of France? The capital of France is"
+PROMPT = FRANCE
 C, A = "conv", "full_attention"
 # name -> (seed, transformers config overrides): the layer orders and conv variants
 LFM2_MODELS = {
@@ -65,18 +68,6 @@ def lfm2_dir(tmp_path_factory):
         return made[name]
 
     return make
-
-
-def hf_logits(model_or_folder, ids: list[int], dtype: torch.dtype | None = None) -> torch.Tensor:
-    from test_hf_reference import hf_logits as logits
-
-    return logits(model_or_folder, ids, dtype)
-
-
-def prompt_ids(llm: LLM, n: int = 40) -> list[int]:
-    ids = llm.tokenizer.encode(PROMPT * 8)[:n]
-    assert len(ids) == n
-    return ids
 
 
 @pytest.mark.parametrize("name", list(LFM2_MODELS))
@@ -475,20 +466,12 @@ def test_one_ragged_forward_per_step_follows_a_forward_per_chunk(pooled):
     """The GPU's road switched on here (one ragged forward a step: prompt chunks and
     decode rows together, each sequence's conv rows by its slot, kvlm.cache.conv.SlotStep):
     greedy tokens held to the top-5 rule against the forward-per-chunk road."""
-    from kvlm.engine.engine import Engine, EngineConfig
-    from kvlm.engine.scheduler import SchedulerConfig
-
     llm, _ = pooled
     prompts = [llm.tokenizer.encode(p) for p in POOL_PROMPTS]
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=5, ignore_eos=True)
 
     def run(one_forward: bool) -> dict[str, list]:
-        engine = Engine(llm, EngineConfig(scheduler=SchedulerConfig(prefill_chunk=8)))
-        engine.runner.one_forward = one_forward
-        try:
-            out = staggered_answers(engine, prompts, params)
-        finally:
-            engine.runner.one_forward = False
+        out, engine = staggered_on_pool(llm, prompts, params, 8, one_forward)
         assert engine.pool.conv.num_used == 0
         return out
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from helpers import assert_generation_agrees, assert_ragged_agrees, staggered_answers
+from helpers import assert_generation_agrees, assert_ragged_agrees, staggered_on_pool
 from kvlm import LLM, SamplingParams
 from kvlm.cache import create_cache
 from kvlm.cache.base import CacheFileError, blocks_for
@@ -288,12 +288,7 @@ def test_one_ragged_forward_per_step_on_the_hybrid_pool(folder, monkeypatch):
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=5)
 
     def run(one_forward: bool) -> dict[str, list]:
-        engine = Engine(llm, EngineConfig(scheduler=SchedulerConfig(prefill_chunk=16)))
-        engine.runner.one_forward = one_forward
-        try:
-            out = staggered_answers(engine, prompts, params)
-        finally:
-            engine.runner.one_forward = False
+        out, engine = staggered_on_pool(llm, prompts, params, 16, one_forward)
         assert [g.num_used for g in engine.pool.groups] == [0, 0]
         return out
 

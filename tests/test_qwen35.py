@@ -18,13 +18,21 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import assert_greedy_agreement, hf_greedy, load_hf, save_tiny_model
+from helpers import (
+    FRANCE,
+    assert_greedy_agreement,
+    hf_greedy,
+    hf_logits,
+    load_hf,
+    prompt_ids,
+    save_tiny_model,
+)
 from kvlm import LLM, SamplingParams
 from kvlm.engine.runner import CacheBatch
 from kvlm.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
 from numerics import SAME_ROUNDING, assert_as_exact_as, fp64_reorder_bound, max_error
 
-PROMPT = "What is the capital of France? The capital of France is"
+PROMPT = FRANCE
 D, A = "linear_attention", "full_attention"
 # name -> (seed, transformers config overrides): the layer orders and variants (the
 # helpers' config: D A D A, 2 q/k heads serving 4 v heads, kernel 4, RoPE over 8 of 32)
@@ -73,18 +81,6 @@ def exact_hf():
     yield
     for name, fn in saved.items():
         setattr(m, name, fn)
-
-
-def hf_logits(model_or_folder, ids: list[int], dtype: torch.dtype | None = None) -> torch.Tensor:
-    from test_hf_reference import hf_logits as logits
-
-    return logits(model_or_folder, ids, dtype)
-
-
-def prompt_ids(llm: LLM, n: int = 40) -> list[int]:
-    ids = llm.tokenizer.encode(PROMPT * 8)[:n]
-    assert len(ids) == n
-    return ids
 
 
 @pytest.mark.parametrize("name", list(QWEN35_MODELS))
