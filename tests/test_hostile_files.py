@@ -36,6 +36,7 @@ from helpers import portable_build_params, portable_kernels
 from kvlm import kernels
 from kvlm.model import quant
 from kvlm.model.attention import _attend_kernel
+from numerics import assert_as_exact_as
 from serving import free_port
 
 Edit = Callable[[Spec], None]
@@ -545,7 +546,7 @@ def test_native_code_checks_the_sizes_it_is_given(tmp_path):
     assert lib.kvlm_rms_norm(xp, 128, 2, 64, 64, w.data_ptr(), 0, 1e-6, yp, 128, 64) == -2
     qkv, cs = torch.randn(1, 8 * 16), torch.ones(1, 16)
     args = (qkv.data_ptr(), 8 * 16, 1, 8 * 16, 4, 2, 16, w.data_ptr(), w.data_ptr())
-    tail = (1e-6, cs.data_ptr(), 16, cs.data_ptr(), 16, 16)
+    tail = (1e-6, cs.data_ptr(), 16, cs.data_ptr(), 16, 16, 16)
     assert lib.kvlm_qk_norm_rope(*args, 16, *tail) == 0
     assert lib.kvlm_qk_norm_rope(*args, 64, *tail) == -2
 
@@ -795,7 +796,8 @@ def test_the_row_kernels_check_their_buffers(build):
     """kvlm_silu_mul: gu [M, 2I] within gn floats, out [M, I] within on; kvlm_rms_norm: x
     and y's M rows of N at their strides within xn and yn ((M - 1) xs + N, ...; ys >= N);
     kvlm_qk_norm_rope: the q and k heads of M rows at stride rs >= (nq + nk) D within qkvn,
-    cos and sin's rows of D at stride cs within cn and sn, D even."""
+    cos and sin's rows of R (even, 2..D: a partial rotary factor's) at stride cs within cn
+    and sn, D even."""
     lib = _kernels(build)
     M, N, inter = 3, 24, 40
     gu = torch.randn(M, 2 * inter)
@@ -837,17 +839,18 @@ def test_the_row_kernels_check_their_buffers(build):
     need = (M - 1) * rs + (nq + nk) * D
     cos, sin = torch.randn(M, D), torch.randn(M, D)
     good = {"qkvn": need, "M": M, "rs": rs, "nq": nq, "nk": nk, "D": D, "nn": D,
-            "cn": M * D, "sn": M * D, "cs": cs}  # fmt: skip
+            "cn": M * D, "sn": M * D, "cs": cs, "R": D}  # fmt: skip
 
     def rope(qkv: torch.Tensor, **given) -> int:
         a = {**good, **given}
         return lib.kvlm_qk_norm_rope(
             qkv.data_ptr(), a["qkvn"], a["M"], a["rs"], a["nq"], a["nk"], a["D"], w.data_ptr(),
             w.data_ptr(), a["nn"], 1e-6, cos.data_ptr(), a["cn"], sin.data_ptr(), a["sn"],
-            a["cs"],
+            a["cs"], a["R"],
         )  # fmt: skip
 
     bad = [{"qkvn": need - 1}, {"cn": M * D - 1}, {"sn": M * D - 1}, {"rs": (nq + nk) * D - 1},
+           {"R": D + 2}, {"R": 3}, {"R": 0}, {"R": 8, "cs": 8, "cn": 2 * 8 + 7},
            {"cs": D + 1}, {"cs": -D}, {"qkvn": -1}, {"cn": -1}, {"nq": -1}, {"D": 15},
            {"nn": D + 2}, {"nq": 0, "nk": 0}, {"nq": HUGE, "nk": HUGE, "qkvn": ANY},
            {"M": HUGE, "rs": HUGE, "qkvn": ANY}]  # fmt: skip
@@ -857,6 +860,74 @@ def test_the_row_kernels_check_their_buffers(build):
     qkv = _guarded(need)
     assert rope(qkv) == 0 and _untouched(qkv[need:]) and not _untouched(qkv[:D])
     assert _untouched(qkv[(nq + nk) * D : rs])  # the v head
+
+
+def _delta_torch(conv, z, b, a, a_log, dt_bias, w, eps, state, nk, dk):
+    """The torch road of kvlm.model.deltanet (GatedDeltaNet.forward after its conv), in
+    the inputs' dtype: (out (B, T, nv dv), the state after)."""
+    from kvlm.model.deltanet import gated_rms_norm, l2norm, recurrent_gated_delta_rule
+
+    B, T, nv = b.shape
+    dv = z.shape[-1] // nv
+    q, k, v = F.silu(conv).split([nk * dk, nk * dk, nv * dv], dim=-1)
+    beta, g = b.sigmoid(), -a_log.exp() * F.softplus(a + dt_bias)
+    q, k = (t.view(B, T, nk, dk).repeat_interleave(nv // nk, dim=2) for t in (q, k))
+    q, k = l2norm(q), l2norm(k)
+    out, after = recurrent_gated_delta_rule(q / dk**0.5, k, v.view(B, T, nv, dv), g, beta, state)
+    return gated_rms_norm(out, z.view(B, T, nv, dv), w, eps, z.dtype).reshape(B, T, -1), after
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_gated_delta_checks_its_buffers_and_is_the_torch_road(build):
+    """kvlm_gated_delta (kernels/deltanet.c): conv [B T, 2 nk dk + nv dv], z [B T, nv dv],
+    b and a [B T, nv], a_log and dt_bias [nv] (hn), w [dv] (wn), state [B, nv, dk, dv],
+    out [B T, nv dv], each within its length; nv a multiple of nk; dk, dv in 1..512.
+    Refused calls write nothing (out and the state stay); a good one is the torch road's
+    arithmetic as exactly as torch's own fp32 (against fp64), its state too, on every
+    build, with dims off the 16 lanes (dk 20, dv 24) and two q/k heads serving four."""
+    lib = _kernels(build)
+    g = torch.Generator().manual_seed(5)
+    B, T, nk, nv, dk, dv = 2, 5, 2, 4, 20, 24
+    C = 2 * nk * dk + nv * dv
+
+    def r(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
+
+    ins = dict(conv=r(B, T, C), z=r(B, T, nv * dv), b=r(B, T, nv), a=r(B, T, nv),
+               a_log=r(nv, scale=0.5), dt_bias=r(nv, scale=0.5), w=r(dv).abs() + 0.5)  # fmt: skip
+    state0 = r(B, nv, dk, dv, scale=0.1)
+    f32 = {k: v.float().contiguous() for k, v in ins.items()}
+    size = {"cn": B * T * C, "zn": B * T * nv * dv, "bn": B * T * nv, "an": B * T * nv,
+            "hn": nv, "wn": dv, "sn": B * nv * dk * dv, "on": B * T * nv * dv}  # fmt: skip
+    dims = {"B": B, "T": T, "nk": nk, "nv": nv, "dk": dk, "dv": dv}
+
+    def call(state: torch.Tensor, out: torch.Tensor, **given) -> int:
+        n, d = {**size, **given}, {**dims, **{k: v for k, v in given.items() if k in dims}}
+        return lib.kvlm_gated_delta(
+            f32["conv"].data_ptr(), n["cn"], f32["z"].data_ptr(), n["zn"], f32["b"].data_ptr(),
+            n["bn"], f32["a"].data_ptr(), n["an"], f32["a_log"].data_ptr(),
+            f32["dt_bias"].data_ptr(), n["hn"], f32["w"].data_ptr(), n["wn"], 1e-6,
+            state.data_ptr(), n["sn"], out.data_ptr(), n["on"], d["B"], d["T"], d["nk"], d["nv"],
+            d["dk"], d["dv"],
+        )  # fmt: skip
+
+    bad = [{k: v - 1} for k, v in size.items()] + [
+        {"cn": -1}, {"B": 0}, {"T": 0}, {"nk": 0}, {"nv": 3}, {"nk": 3}, {"dk": 0},
+        {"dk": 513}, {"dv": 513}, {"hn": nv + 1}, {"wn": dv + 1},
+        {"B": HUGE, "cn": ANY, "zn": ANY, "bn": ANY, "an": ANY, "sn": ANY, "on": ANY},
+        {"T": HUGE, "cn": ANY, "zn": ANY, "bn": ANY, "an": ANY, "sn": ANY, "on": ANY}]  # fmt: skip
+    n_state, n_out = size["sn"], size["on"]
+    for given in bad:
+        state, out = _guarded(n_state), _guarded(n_out)
+        assert call(state, out, **given) == -2, given
+        assert _untouched(state) and _untouched(out), given
+    state, out = _guarded(n_state), _guarded(n_out)
+    state[:n_state] = state0.float().flatten()
+    assert call(state, out) == 0 and _untouched(out[n_out:]) and _untouched(state[n_state:])
+    exact, after = _delta_torch(**ins, eps=1e-6, state=state0, nk=nk, dk=dk)
+    ref, ref_after = _delta_torch(**f32, eps=1e-6, state=state0.float(), nk=nk, dk=dk)
+    assert_as_exact_as(out[:n_out].view(B, T, -1), ref, exact)
+    assert_as_exact_as(state[:n_state].view(B, nv, dk, dv), ref_after, after)
 
 
 @pytest.mark.parametrize("build", BUILDS)

@@ -213,19 +213,21 @@ def _attention_inputs(norms: bool):
     return Attention(0, H, Hkv, D, qkv, o, qn, kn)
 
 
+@pytest.mark.parametrize("rotary", [64, 16], ids=["whole", "partial"])
 @pytest.mark.parametrize("norms", [False, True])
-def test_qk_norm_rope_is_the_torch_steps(norms):
+def test_qk_norm_rope_is_the_torch_steps(norms, rotary):
     """kvlm_qk_norm_rope on a q|k|v product: RoPE alone has apply_rope's bits exactly (the
     same two roundings per product and one per sum, no fused multiply-add); with Qwen3's
     per-head norms first, each head is within the norm's bound of torch's (then rotated
-    alike: RoPE's error is relative to the rotated pair's size)."""
+    alike: RoPE's error is relative to the rotated pair's size). A partial rotary factor
+    (Qwen3.5's: cos/sin of 16 of 64 dims) rotates each head's first 16, as apply_rope."""
     from kvlm.model.layers import apply_rope
 
     attn = _attention_inputs(norms)
     H, Hkv, D = 4, 2, 64
     T = 21
     qkv = torch.randn(1, T, H + 2 * Hkv, D)
-    angles = torch.arange(T)[:, None] * torch.rand(D // 2)[None] * 3
+    angles = torch.arange(T)[:, None] * torch.rand(rotary // 2)[None] * 3
     emb = torch.cat([angles, angles], dim=-1)[None, :, None]
     cos, sin = emb.cos(), emb.sin()
     qk = qkv[:, :, : H + Hkv]

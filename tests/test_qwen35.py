@@ -248,8 +248,9 @@ def cut(total: int, size: int) -> list[int]:
 def test_every_mode_keeps_the_state_chunked_equals_one_shot(qwen35_dir, mode):
     """Every one-sequence mode keeps the DeltaNet layers' state as a layer group of its
     cache (kvlm.cache.recurrent, a HybridCache's part): chunks of 1, 3 and 5 give the
-    one-shot prefill's logits through the same mode as exactly as the one shot is (the
-    elementwise kernels round a row by where it falls in the step, so not bit for bit);
+    one-shot prefill's logits bit for bit in the exact modes (int8 within fp32 rounding:
+    a chunk reads earlier rows as int8; window as exactly as the one shot: the ring's
+    order);
     in fp64 within the reordering bound of two fp64 evaluations; the exact modes' one
     shot is the `off` oracle's bit for bit; a DeltaNet layer takes no K/V."""
     folder = qwen35_dir("qwen35-bias")
@@ -262,11 +263,14 @@ def test_every_mode_keeps_the_state_chunked_equals_one_shot(qwen35_dir, mode):
     off_shot = off.runner.logits(ids, off.new_cache("off"))
     for size in (1, 3, 5):
         chunked = fed(llm, ids, cut(len(ids), size))
-        if mode == "int8":  # both as far from the exact as int8 rows make them: apart by
-            # no more than fp32 rounding
+        if mode == "int8":  # a chunk reads earlier chunks' K/V as int8 rows, one shot its
+            # own fp32 K/V: both as far from the exact as int8 rows make them, apart by no
+            # more than fp32 rounding (as every family's int8 cache)
             assert max_error(chunked, one_shot) <= SAME_ROUNDING * max_error(off_shot, exact)
-        else:
+        elif mode == "window":  # the ring's keys in slot order: another summation order
             assert_as_exact_as(chunked, one_shot, exact)
+        else:  # bit for bit (kernels/deltanet.c: each value one way wherever it falls)
+            assert torch.equal(chunked, one_shot), (size, max_error(chunked, one_shot))
         far = max_error(fed(fp64, ids, cut(len(ids), size)), one_shot64)
         if mode == "int8":
             assert far <= SAME_ROUNDING * max_error(off_shot, exact), size
@@ -323,8 +327,8 @@ def test_a_chat_turn_starts_over_as_a_fresh_session(qwen35_dir, mode):
 
 def test_the_state_forks_snapshots_and_restores(qwen35_dir):
     """A cache's state: a snapshot restored gives the same next logits; a fork decodes
-    each row as the one it came from (bit for bit alike, and within rounding of the
-    unforked row); free goes back to one empty sequence."""
+    each row as the one it came from and as the unforked row alone, bit for bit (batched =
+    alone); free goes back to one empty sequence."""
     llm = LLM(model=qwen35_dir("qwen35-attention-first"), kv="contiguous", exact=True,
               progress=False)  # fmt: skip
     ids = prompt_ids(llm, 24)
@@ -340,10 +344,28 @@ def test_the_state_forks_snapshots_and_restores(qwen35_dir):
     two = llm.runner.run(CacheBatch([[5], [5]], cache))
     assert two.shape[0] == 2 and torch.equal(two[0], two[1])
     cache.restore(saved)
-    one = llm.runner.run(CacheBatch([[5]], cache))[0]  # a batch of 1 rounds its own way
-    assert max_error(two[0], one) <= 1e-5 * one.abs().max()
+    one = llm.runner.run(CacheBatch([[5]], cache))[0]
+    assert torch.equal(two[0], one)
     cache.free()
     assert cache.num_tokens == 0 and cache.batch == 1
+
+
+def test_a_rows_bits_are_the_same_on_one_thread_or_two(qwen35_dir):
+    """The engine moves its thread count while it runs (kvlm.engine.threads): prompt rows
+    and decode rows of a hybrid are bit-equal on 1 and 2 threads (the DeltaNet step
+    splits its work by sequence and head, never a value's sum)."""
+    llm = LLM(model=qwen35_dir("qwen35"), kv="contiguous", progress=False, threads=2)
+    ids, runs, before = prompt_ids(llm), [], torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            cache = llm.new_cache()
+            prompt = fed(llm, ids, [len(ids)], cache)
+            decode = torch.stack([llm.runner.forward([7 + i], cache) for i in range(6)])
+            runs.append((prompt, decode))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
 
 @pytest.mark.parametrize("mode", ["contiguous", "paged", "window"])

@@ -87,27 +87,31 @@ static void rope_row(float *v, const float *cos, const float *sin, int64_t d) {
 /* The query and key heads of M rows of a q|k|v product (row stride rs: nq query heads,
  * then nk key heads, of D each; qkvn floats from qkv on), in place: each head's RMSNorm
  * (qn for query heads, kn for key heads; none when qn is NULL, Qwen3's before RoPE), then
- * RoPE at the row's cos and sin (row stride cs, D each; cn and sn floats; none when cos is
- * NULL). A row's result is its own. Returns 0, or -2, nothing read or written, for sizes
- * out of range (D odd or under 2, no heads, rs < (nq + nk) D, a stride negative), norm
- * weights of another length than D, or a buffer shorter than its rows at their stride
- * ((M - 1) rs + (nq + nk) D floats of qkv, (M - 1) cs + D of cos and of sin). */
+ * RoPE of each head's first R dims at the row's cos and sin (row stride cs, R each; cn and
+ * sn floats; R = D but for a partial rotary factor, the rest of the head as it is; none
+ * when cos is NULL). A row's result is its own. Returns 0, or -2, nothing read or written,
+ * for sizes out of range (D odd or under 2, R odd, under 2 or over D, no heads, rs <
+ * (nq + nk) D, a stride negative), norm weights of another length than D, or a buffer
+ * shorter than its rows at their stride ((M - 1) rs + (nq + nk) D floats of qkv,
+ * (M - 1) cs + R of cos and of sin). */
 int kvlm_qk_norm_rope(float *qkv, int64_t qkvn, int64_t M, int64_t rs, int64_t nq, int64_t nk,
                       int64_t D, const float *qn, const float *kn, int64_t nn, double eps,
-                      const float *cos, int64_t cn, const float *sin, int64_t sn, int64_t cs) {
+                      const float *cos, int64_t cn, const float *sin, int64_t sn, int64_t cs,
+                      int64_t R) {
     int64_t heads, row, need;
     if (M < 0 || D < 2 || D % 2 || (qn && !kn) || (cos && !sin)) return -2;
+    if (cos && (R < 2 || R % 2 || R > D)) return -2;
     if (!add_ok(nq, nk, &heads) || !mul_ok(heads, D, &row) || rs < row) return -2;
     if (qn && nn != D) return -2; /* qn, kn: nn floats each, one per element of a head */
     if (M > 0 && (!extent_ok(1, 0, M, rs, row, &need) || qkvn < need)) return -2;
-    if (M > 0 && cos && (!extent_ok(1, 0, M, cs, D, &need) || cn < need || sn < need))
+    if (M > 0 && cos && (!extent_ok(1, 0, M, cs, R, &need) || cn < need || sn < need))
         return -2;
 #pragma omp parallel for schedule(static) if (M * (nq + nk) * D > 65536)
     for (int64_t m = 0; m < M; m++)
         for (int64_t j = 0; j < nq + nk; j++) {
             float *head = qkv + m * rs + j * D;
             if (qn) rms_norm_row(head, j < nq ? qn : kn, D, (float)eps, head);
-            if (cos) rope_row(head, cos + m * cs, sin + m * cs, D);
+            if (cos) rope_row(head, cos + m * cs, sin + m * cs, R);
         }
     return 0;
 }

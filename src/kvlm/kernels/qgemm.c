@@ -19,6 +19,9 @@
  *               (kvlm_quantize_q4_rows)
  *   conv.c      the short convolution's decode rows (the conv layer kind): the gated taps
  *               over a sequence's held rows and the step's, the rows moved on after it
+ *   deltanet.c  the gated DeltaNet's step after its convolution (the deltanet layer kind):
+ *               silu, the q/k norms, the gates, the delta rule's state, the gated norm
+ *               (kvlm_gated_delta), a value one way wherever it falls in a step
  *   decode.c    the fused decode step (kvlm_decode_scratch, kvlm_decode_batch)
  *   prompt.c    the prompt's ops: SwiGLU (kvlm_silu_mul), RMSNorm (kvlm_rms_norm), q/k norm
  *               and RoPE (kvlm_qk_norm_rope), attention (kvlm_attend)
@@ -31,5 +34,6 @@
 #include "kv_int8.c"
 #include "kv_q4.c"
 #include "conv.c"
+#include "deltanet.c"
 #include "decode.c"
 #include "prompt.c"

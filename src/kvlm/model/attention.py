@@ -142,12 +142,14 @@ class Attention(nn.Module):
     def _norm_rope_in_c(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         """The q and k heads' RMSNorm (Qwen3) and RoPE in place, in one C pass over the
         rows (torch's cat, three products and an add per layer, and six passes per norm:
-        ~10% of a Qwen3 prompt), with apply_rope's bits; False where it does not apply
+        ~10% of a Qwen3 prompt), with apply_rope's bits (a partial rotary factor's too:
+        cos/sin of R < D dims rotate each head's first R); False where it does not apply
         (not fp32 on the CPU, no kernels, cos/sin not one row per query row)."""
         B, T, heads, D = qkv.shape
         if qkv.dtype != torch.float32 or not qkv.is_cpu or not qkv.is_contiguous():
             return False
-        if cos.shape != (B, T, 1, D) or cos.dtype != torch.float32:
+        R = cos.shape[-1]
+        if cos.shape != (B, T, 1, R) or R > D or R % 2 or cos.dtype != torch.float32:
             return False
         if not (cos.is_contiguous() and sin.is_contiguous() and sin.shape == cos.shape):
             return False
@@ -167,7 +169,7 @@ class Attention(nn.Module):
             qkv.data_ptr(), qkv.numel(), B * T, heads * D, self.num_heads, self.num_kv_heads, D,
             None if qn is None else qn.data_ptr(), None if kn is None else kn.data_ptr(),
             0 if qn is None else qn.numel(), 0.0 if qn is None else self.q_norm.eps,
-            cos.data_ptr(), cos.numel(), sin.data_ptr(), sin.numel(), D,
+            cos.data_ptr(), cos.numel(), sin.data_ptr(), sin.numel(), R, R,
         )  # fmt: skip
         if rc != 0:
             raise ValueError(

@@ -16,7 +16,12 @@ Prefill runs the recurrence token by token, exactly transformers' reference
 `torch_recurrent_gated_delta_rule` (transformers' own prefill takes the chunked form, the
 same mathematics in another order); a chunked algorithm is left for later
 (docs/DESIGN.md section 5). The recurrence, l2norm, g and the gated norm run in fp32 (fp64 for
-an fp64 model), as transformers runs them in fp32.
+an fp64 model), as transformers runs them in fp32. In fp32 on the CPU with the kernels
+built, everything after the convolution is one C call (kernels/deltanet.c,
+`kvlm_gated_delta`): the same operations, each value computed one way wherever it falls
+in a step, so a prompt in chunks is its one shot and a batch row is the row alone, bit for
+bit (torch's elementwise ops round a vector body and a scalar tail differently); the
+torch ops below are the road for fp64 and other devices.
 
 What a DeltaNet layer keeps of a sequence: the last L - 1 rows of q|k|v before the
 convolution (a window like a short convolution's: kvlm.cache.conv's ConvRows, L - 1
@@ -35,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvlm import kernels
 from kvlm.cache.kinds import state_dtype
 from kvlm.cache.recurrent import DeltaStep
 from kvlm.config import DeltaNet
@@ -78,8 +84,11 @@ class GatedDeltaNet(nn.Module):
         conv = taps[0] * w[0]
         for k in range(1, w.shape[0]):
             conv = conv + taps[k] * w[k]
-        q, k, v = F.silu(conv).split([nk * dk, nk * dk, nv * dv], dim=-1)
         work = work_dtype(x.dtype)
+        lib = kernels.library() if x.dtype == torch.float32 and x.is_cpu else None
+        if lib is not None:  # every value one way wherever it falls (kernels/deltanet.c)
+            return self.out_proj(self._kernel(lib, conv, z, b, a, step).view(B, T, nv * dv))
+        q, k, v = F.silu(conv).split([nk * dk, nk * dk, nv * dv], dim=-1)
         beta = b.sigmoid().to(work)
         g = -self.a_log.to(work).exp() * F.softplus(a.to(work) + self.dt_bias.to(work))
         rep = nv // nk
@@ -91,6 +100,29 @@ class GatedDeltaNet(nn.Module):
         step.stage(self.slot, state)
         out = gated_rms_norm(out.to(x.dtype), z.view(B, T, nv, dv), self.norm, self.eps, work)
         return self.out_proj(out.reshape(B, T, nv * dv))
+
+    def _kernel(self, lib, conv, z, b, a, step: DeltaStep) -> torch.Tensor:
+        """The step after the convolution in C (kvlm_gated_delta): silu, the q/k norms,
+        the gates, the rule over the T tokens (the state staged as the torch road's),
+        the gated norm -> (B, T, nv * dv)."""
+        s, (B, T, _) = self.shape, conv.shape
+        nk, nv, dk, dv = s.key_heads, s.value_heads, s.key_dim, s.value_dim
+        conv, z, b, a = (t.contiguous() for t in (conv, z, b, a))
+        state = step.initial(self.slot).to(torch.float32, copy=True).contiguous()
+        out = torch.empty(B, T, nv * dv)
+        params = [p.detach().to(torch.float32).contiguous()
+                  for p in (self.a_log, self.dt_bias, self.norm)]  # fmt: skip
+        rc = lib.kvlm_gated_delta(
+            conv.data_ptr(), conv.numel(), z.data_ptr(), z.numel(), b.data_ptr(), b.numel(),
+            a.data_ptr(), a.numel(), params[0].data_ptr(), params[1].data_ptr(), nv,
+            params[2].data_ptr(), dv, self.eps, state.data_ptr(), state.numel(),
+            out.data_ptr(), out.numel(), B, T, nk, nv, dk, dv,
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"the kernels refused a gated DeltaNet step of {B} x {T} rows "
+                             f"({nk} q/k heads of {dk}, {nv} v heads of {dv})")  # fmt: skip
+        step.stage(self.slot, state)
+        return out
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
