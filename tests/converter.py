@@ -99,13 +99,15 @@ def _fetch(sdist: Path) -> None:
                     f"could not fetch it ({said[0]})")  # fmt: skip
 
 
-def convert(folder: Path, outtype: str = "f32", pre: str = "gpt2") -> Path:
+def convert(
+    folder: Path, outtype: str = "f32", pre: str = "gpt2", options: tuple[str, ...] = ()
+) -> Path:
     """The GGUF llama.cpp's convert_hf_to_gguf.py writes for the Hugging Face `folder`
     (`outtype`: its --outtype; `pre`: the pre-tokenizer the folder's tokenizer was built
-    with, named where the converter does not know its hash), kept in CACHE by the
-    folder's bytes and the options."""
+    with, named where the converter does not know its hash; `options`: more of its
+    arguments, `--no-mtp`), kept in CACHE by the folder's bytes and the options."""
     vendor = converter()
-    digest = hashlib.sha256(f"{VERSION}/{outtype}/{pre}".encode())
+    digest = hashlib.sha256(f"{VERSION}/{outtype}/{pre}/{' '.join(options)}".encode())
     for f in sorted(p for p in folder.iterdir() if p.is_file()):
         digest.update(f.name.encode() + b"\0" + f.read_bytes())
     out = CACHE / "gguf" / f"{digest.hexdigest()[:24]}-{outtype}.gguf"  # not by the folder's name
@@ -116,7 +118,7 @@ def convert(folder: Path, outtype: str = "f32", pre: str = "gpt2") -> Path:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(vendor / "gguf-py"), str(vendor)])}
     env.pop("NO_LOCAL_GGUF", None)
     cmd = [sys.executable, "-c", _RUNNER, str(vendor), pre, str(folder),
-           "--outfile", str(partial), "--outtype", outtype]  # fmt: skip
+           "--outfile", str(partial), "--outtype", outtype, *options]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, env=env,
                           timeout=CONVERT_TIMEOUT_S)  # fmt: skip
     if done.returncode != 0:

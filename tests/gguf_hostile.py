@@ -4,7 +4,8 @@ each file in a child process.
 `tiny()` describes a small valid GGUF (a 2-layer Llama, hidden 64, Q4_0/Q8_0 projections
 so the C kernels run, a SentencePiece or byte-level BPE vocabulary) as an editable
 `Spec`: metadata keys with their GGUF value types, tensors as float arrays with their
-GGML types. `write` turns a Spec into a file with the `gguf` package's writer.
+GGML types. `write` turns a Spec into a file with the `gguf` package's writer, `read` a
+float file (another family's, from llama.cpp's converter) into a Spec.
 `MUTATIONS` are named edits of a Spec (a metadata value of another type or range, a
 tensor dimension changed, a tensor dropped or added, a hostile vocabulary); `mutate`
 draws some of them with a seeded generator, and `flip_header` sets bytes of a written
@@ -144,6 +145,20 @@ def write(spec: Spec, path: Path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def read(path: Path) -> Spec:
+    """A float GGUF file (F32, F16) as a Spec to edit: its metadata and its tensors, each
+    written back as F32."""
+    r = gguf.GGUFReader(path)
+    spec = Spec()
+    for key, f in r.fields.items():
+        if not key.startswith("GGUF."):
+            sub = f.types[-1] if f.types[0] == V.ARRAY else None
+            spec.set(key, f.contents(), f.types[0], sub)
+    for t in r.tensors:
+        spec.tensors[t.name] = (np.array(t.data, dtype=np.float32), Q.F32)
+    return spec
 
 
 # a Spec's metadata as config.json names it (write_hf)

@@ -137,27 +137,45 @@ LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen 3.5's, as its tokenizer.json writes it: Qwen2's with combining marks in words
+QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # the tiny tokenizers' styles: "gpt2", GPT-2's byte-level BPE; "llama3", Llama 3's split
 # (LLAMA3_SPLIT), whole-word hits before merges (`ignore_merges`) and a BOS before every
-# text, as LFM2's tokenizer is
-TOKENIZER_STYLES = ("gpt2", "llama3")
+# text, as LFM2's tokenizer is; "qwen35", Qwen 3.5's split (QWEN35_SPLIT) after NFC and
+# its `<|endoftext|>` among the special tokens (transformers' Qwen3_5Tokenizer adds one
+# where the file has none), as Qwen 3.5's tokenizer.json is
+TOKENIZER_STYLES = ("gpt2", "llama3", "qwen35")
 
 
 def train_tiny_tokenizer(vocab_size: int = 320, style: str = "gpt2"):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
     from tokenizers.trainers import BpeTrainer
 
     tok = Tokenizer(models.BPE(ignore_merges=style == "llama3"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    if style == "llama3":
+    split = {"llama3": LLAMA3_SPLIT, "qwen35": QWEN35_SPLIT}.get(style)
+    if split is not None:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])  # fmt: skip
+    if style == "qwen35":
+        tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
     trainer = BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + (["<|endoftext|>"] if style == "qwen35" else []),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

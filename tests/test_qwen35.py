@@ -2,7 +2,8 @@
 attn_output_gate and rope_dim), against transformers' Qwen3_5ForCausalLM on tiny
 random-weight models of several layer orders, with kv "off"; then the DeltaNet state as a
 layer group of every one-sequence cache (kvlm.cache.recurrent; the pool and cache files
-refuse it: docs/NOTES-qwen35.md).
+refuse it: docs/NOTES-qwen35.md); then the GGUF files llama.cpp's own converter writes for
+them (tests/converter.py).
 
 The exact reference is transformers in fp64 with its delta rule's fp32 casts lifted
 (`exact_hf`): transformers runs the rule in fp32 whatever the model's dtype, so its fp64
@@ -15,9 +16,11 @@ import inspect
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
+import converter
 from helpers import (
     FRANCE,
     assert_greedy_agreement,
@@ -47,6 +50,8 @@ QWEN35_MODELS = {
     # biases in q|k|v and o (q_proj's interleaved with its gate's)
     "qwen35-bias": (33, {"layer_types": [D, D, A, D], "attention_bias": True}),
 }  # fmt: skip
+# converted only (the GGUF tests): v heads of 32, one Q8_0 block each
+GGUF_ONLY = {"qwen35-wide-v": (34, {"linear_value_head_dim": 32})}
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +60,9 @@ def qwen35_dir(tmp_path_factory):
 
     def make(name: str):
         if name not in made:
-            seed, overrides = QWEN35_MODELS[name]
+            seed, overrides = {**QWEN35_MODELS, **GGUF_ONLY}[name]
             made[name] = save_tiny_model(tmp_path_factory.mktemp(name), "qwen3_5", seed=seed,
-                                         **overrides)  # fmt: skip
+                                         tokenizer="qwen35", **overrides)  # fmt: skip
         return made[name]
 
     return make
@@ -441,10 +446,10 @@ def test_what_cannot_hold_the_state_is_refused(qwen35_dir, tmp_path):
 
 def test_hostile_config_keys_are_refused(tmp_path):
     """Each key the family reads, of the wrong kind or range, is one clear error naming
-    it; GGUF files of the family are refused by name."""
+    it."""
     from transformers import Qwen3_5TextConfig
 
-    from kvlm.arch import config_from_gguf, config_from_hf
+    from kvlm.arch import config_from_hf
 
     base = Qwen3_5TextConfig(vocab_size=64, hidden_size=32, num_hidden_layers=4, head_dim=8,
                              num_attention_heads=4, num_key_value_heads=2).to_dict()  # fmt: skip
@@ -464,5 +469,238 @@ def test_hostile_config_keys_are_refused(tmp_path):
     for change, named in bad:
         with pytest.raises((ModelLoadError, UnsupportedModelError), match=named):
             config_from_hf({**base, **change})
-    with pytest.raises(UnsupportedModelError, match="qwen35"):
-        config_from_gguf({"general.architecture": "qwen35"})
+
+
+# ------------------------------------------------------------------- llama.cpp's converter
+
+# the folders converted: with an MTP head as the Hub's checkpoints carry (the converter
+# writes it as a block after the model's), or without (`--no-mtp`)
+WITH_MTP = ("qwen35", "qwen35-deltanets-last")
+
+
+def with_mtp(folder, dest):
+    """A copy of `folder` with a multi-token-prediction head (`mtp.*`, random weights of
+    an attention block's shapes; `mtp_num_hidden_layers` 1) as Qwen3.5's checkpoints
+    have, which llama.cpp's converter needs unless told --no-mtp."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, dest)
+    weights = load_file(dest / "model.safetensors")
+    g = torch.Generator().manual_seed(7)
+    config = json.loads((dest / "config.json").read_text())
+    attention = config["layer_types"].index(A)
+    block = {k.split(f"layers.{attention}.", 1)[1]: v for k, v in weights.items()
+             if f".layers.{attention}." in k}  # fmt: skip
+    hidden = config["hidden_size"]
+    mtp = {f"mtp.layers.0.{k}": v.shape for k, v in block.items()}
+    mtp |= {"mtp.fc.weight": (hidden, 2 * hidden)}
+    mtp |= {f"mtp.{n}.weight": (hidden,) for n in ("norm", "pre_fc_norm_embedding",
+                                                     "pre_fc_norm_hidden")}  # fmt: skip
+    weights |= {k: 0.1 * torch.randn(shape, generator=g) for k, shape in mtp.items()}
+    save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
+    (dest / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def converted(qwen35_dir, tmp_path_factory):
+    """(name, outtype) -> (the HF folder, the GGUF llama.cpp's convert_hf_to_gguf.py
+    writes for it), each converted once."""
+    made = {}
+
+    def make(name: str, outtype: str = "f32"):
+        if (name, outtype) not in made:
+            folder = qwen35_dir(name)
+            if name in WITH_MTP:
+                source = with_mtp(folder, tmp_path_factory.mktemp(name) / "mtp")
+                path = converter.convert(source, outtype, pre="qwen35")
+            else:
+                path = converter.convert(folder, outtype, pre="qwen35", options=("--no-mtp",))
+            made[name, outtype] = folder, path
+        return made[name, outtype]
+
+    return make
+
+
+@pytest.mark.parametrize("name", ["qwen35", "qwen35-deltanets-last", "qwen35-bias"])
+def test_gguf_from_llama_cpps_converter_reads_as_the_folder(converted, name):
+    """The file users get (f32): the folder's config (but the epsilon, stored in fp32), the
+    very weights the folder's load gives (the +1 norms as transformers adds them; -exp(A_log)
+    taken back to an A_log of the same exp; q_proj's [q, gate] rows and the v heads the
+    converter tiles put back), so teacher-forced logits bit-equal to the folder's and the
+    same greedy tokens. With an MTP head (its block after the model's, not read) and without."""
+    folder, path = converted(name)
+    from_gguf = LLM(model=path, kv="off", exact=True, progress=False)
+    from_hf = LLM(model=folder, kv="off", exact=True, progress=False)
+    a, b = from_gguf.config, from_hf.config
+    assert a.rms_norm_eps == pytest.approx(b.rms_norm_eps, rel=1e-7)
+    assert replace(a, name="", rms_norm_eps=0.1) == replace(b, name="", rms_norm_eps=0.1)
+    ours, ref = from_gguf.model.state_dict(), from_hf.model.state_dict()
+    assert ours.keys() == ref.keys()
+    for key, value in ref.items():
+        assert torch.equal(ours[key], value), key
+    ids = prompt_ids(from_hf)
+    got = from_gguf.runner.logits(ids, from_gguf.new_cache("off"))
+    assert torch.equal(got, from_hf.runner.logits(ids, from_hf.new_cache("off")))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    runs = [LLM(model=m, progress=False).generate(prompt_token_ids=[ids[:8]],
+                                                  sampling_params=params)[0].token_ids
+            for m in (path, folder)]  # fmt: skip
+    assert runs[0] == runs[1]
+
+
+def test_gguf_vocabulary_and_template_read_as_the_folder(converted):
+    """The vocabulary's pre-tokenizer "qwen35" is Qwen 3.5's split (marks in words): the
+    file's ids are the folder's, through kvlm and transformers, for text in NFC (llama.cpp
+    does not normalise; transformers composes first), and its chat template renders alike."""
+    from transformers import AutoTokenizer
+
+    folder, path = converted("qwen35")
+    ours = LLM(model=path, kv="off", progress=False).tokenizer
+    theirs = LLM(model=folder, kv="off", progress=False).tokenizer
+    ref = AutoTokenizer.from_pretrained(folder)
+    texts = ["The quick brown fox.", "  runs   of\n\n spaces\t", "12345 3.14159 café", "I'll",
+             "na\u00efve ma\u00f1ana <|im_end|>", "x\u0301y \u0301!"]  # fmt: skip
+    for text in texts:
+        assert ours.encode(text) == theirs.encode(text) == ref.encode(text), text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.render_chat(messages, add_generation_prompt=True) == want
+    assert ours.eos_token_ids == theirs.eos_token_ids
+
+
+@pytest.mark.parametrize("name", ["qwen35", "qwen35-wide-v"])
+def test_a_q8_0_gguf_native_blocks_are_its_values(converted, name):
+    """--outtype q8_0: every tensor kvlm takes as the file's blocks (--weights native),
+    rows and columns in Hugging Face's order, is the tensor the file decodes to; out_proj,
+    whose columns the converter tiled by v head, as blocks where a v head is whole blocks
+    (value_dim 32: "qwen35-wide-v"), else decoded (value_dim 8); so the model on the
+    file's blocks is, bit for bit, the model on its decoded values quantized to int8
+    (Q8_0's blocks are kvlm's q8 codes). Greedy tokens follow transformers' fp32 by the
+    top-5 rule (on "qwen35": the wider model's random weights move its logits by Q8_0's
+    rounding more than that rule allows, the f32 decoding of the file as much)."""
+    from kvlm.loading.gguf import GGUFWeights
+
+    folder, path = converted(name, "q8_0")
+    weights = GGUFWeights(path)
+    taken = {}
+    for key in weights.names():
+        blocks = weights.get_quant(key)
+        if blocks is not None:
+            assert torch.equal(blocks.dense(), weights.get(key).float()), key
+            taken[key] = blocks
+    out_proj = "model.layers.0.linear_attn.out_proj.weight"
+    assert (out_proj in taken) == (name == "qwen35-wide-v")
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in taken
+    llm = LLM(model=path, kv="off", weights="native", progress=False)
+    int8 = LLM(model=path, kv="off", weights="int8", progress=False)
+    ids = llm.tokenizer.encode(PROMPT)
+    assert torch.equal(llm.runner.logits(ids, llm.new_cache("off")),
+                       int8.runner.logits(ids, int8.new_cache("off")))  # fmt: skip
+    if name != "qwen35":
+        return
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    out = llm.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    ref_ids, ref_logits = hf_greedy(load_hf(folder), ids, 16)
+    assert_greedy_agreement(out.token_ids, [list(lp.top) for lp in out.logprobs], ref_ids,
+                            ref_logits)  # fmt: skip
+
+
+def test_ssm_a_is_taken_back_to_an_a_log_of_the_same_exp(converted):
+    """The converter stores -exp(A_log) (fp32); log of it, rounded to fp32, misses an
+    A_log whose exp is that value for about 1 in 10^4 (exp spreads neighbours apart past
+    |A_log| > 1): the value next to it is taken there, so exp(A_log) at run time is the
+    file's, every one of 10^6 values of transformers' init range (log U(0, 16))."""
+    from kvlm.arch import family
+
+    config = LLM(model=converted("qwen35")[1], kv="off", progress=False).config
+    a_log = torch.log(
+        torch.empty(10**6).uniform_(0, 16, generator=torch.Generator().manual_seed(0))
+    )
+    stored = -a_log.float().exp()
+    got = family("qwen35").fold_gguf(config, "model.layers.0.linear_attn.A_log", stored)
+    assert torch.equal(-got.exp(), stored)
+
+
+def _drop(key):
+    return lambda spec: spec.meta.pop(key)
+
+
+def _key(key, value):
+    return lambda spec: spec.set(key, value, *spec.meta[key][1:])
+
+
+def _shape(tensor, rows):
+    def edit(spec):
+        arr, kind = spec.tensors[tensor]
+        spec.tensors[tensor] = (arr[:rows], kind)
+
+    return edit
+
+
+def _values(tensor, value):
+    def edit(spec):
+        arr, kind = spec.tensors[tensor]
+        spec.tensors[tensor] = (np.full_like(arr, value), kind)
+
+    return edit
+
+
+# a converted file's faults -> what the one line names
+QWEN35_GGUF_FINDINGS = {
+    "no-state-size": (_drop("qwen35.ssm.state_size"), r"qwen35\.ssm\.state_size"),
+    "no-group-count": (_drop("qwen35.ssm.group_count"), r"qwen35\.ssm\.group_count"),
+    "inner-size-7": (_key("qwen35.ssm.inner_size", 7), r"inner_size 7"),
+    "v-heads-3": (_key("qwen35.ssm.time_step_rank", 3), r"time_step_rank"),
+    "recurrent-layers-short": (_key("qwen35.attention.recurrent_layers", [True, False]),
+                               r"recurrent_layers names 2 blocks"),
+    "mtp-block-recurrent": (_key("qwen35.attention.recurrent_layers", [True] * 5),
+                            r"marks block 4 recurrent"),
+    "rope-dims-odd": (_key("qwen35.rope.dimension_count", 7), r"dimension_count is 7"),
+    "nextn-all": (_key("qwen35.nextn_predict_layers", 5), r"nextn_predict_layers"),
+    "conv-kernel-rows": (_shape("blk.0.ssm_conv1d.weight", 40), r"blk\.0\.ssm_conv1d"),
+    "qkv-rows": (_shape("blk.2.attn_qkv.weight", 50), r"blk\.2\.attn_qkv"),
+    "no-ssm-a": (lambda spec: spec.tensors.pop("blk.0.ssm_a"), r"no tensor blk\.0\.ssm_a"),
+    "ssm-a-positive": (_values("blk.0.ssm_a", 0.5), r"blk\.0\.ssm_a holds values"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def child():
+    from gguf_hostile import Child
+
+    c = Child(timeout=20)
+    yield c
+    c.close()
+
+
+def test_the_converted_file_runs_in_the_child(converted, child, tmp_path):
+    """The base the edits start from, written back from its Spec, loads and generates (else
+    every refusal below is vacuous)."""
+    from gguf_hostile import read, write
+
+    _, path = converted("qwen35")
+    got = child.run(write(read(path), tmp_path / "m.gguf"))
+    assert got.outcome == "ran", got
+
+
+@pytest.mark.parametrize("finding", list(QWEN35_GGUF_FINDINGS))
+def test_a_faulty_qwen35_gguf_is_one_clear_line(converted, child, tmp_path, finding):
+    """A key the family reads missing or wrong, a DeltaNet tensor of another shape,
+    missing, or of values -exp cannot give: one ModelLoadError / UnsupportedModelError
+    line naming the file and the fault."""
+    import re
+
+    from gguf_hostile import read, write
+
+    _, path = converted("qwen35")
+    edit, says = QWEN35_GGUF_FINDINGS[finding]
+    spec = read(path)
+    edit(spec)
+    got = child.run(write(spec, tmp_path / "m.gguf"))
+    assert got.outcome == "refused", f"{got.outcome}: {got.detail}"
+    assert got.detail.startswith(("ModelLoadError", "UnsupportedModelError")), got.detail
+    assert "\n" not in got.detail and "m.gguf" in got.detail
+    assert re.search(says, got.detail), got.detail

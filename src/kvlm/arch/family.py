@@ -16,8 +16,12 @@ names, and for a block that norms the attention's and the MLP's outputs too,
 `conv.conv`, `conv.out_proj`. llama.cpp names tensors by their role in every
 family (`ffn_norm` is the MLP's input norm whatever else a block has), so one table
 (`LAYER_NAMES`, `GLOBAL_NAMES`, `CONV_NAMES`) serves every family's GGUF files; a family
-adds its own (`gguf_names`, `gguf_globals`). A Hugging Face checkpoint whose names differ
-from the model's (a role named otherwise) says so in `hf_names` and `hf_globals`.
+adds its own (`gguf_names`, `gguf_globals`). A GGUF tensor that has no `.weight` or
+`.bias` of its own (`blk.0.ssm_a`), or whose suffix the model's name does not keep
+(`blk.0.ssm_dt.bias`, the model's `linear_attn.dt_bias`), is named in `gguf_names`
+whole: the GGUF name after `blk.N.` -> the model's after `model.layers.N.`. A Hugging
+Face checkpoint whose names differ from the model's (a role named otherwise) says so in
+`hf_names` and `hf_globals`.
 """
 
 from __future__ import annotations
@@ -119,7 +123,11 @@ class Family:
     without the `.weight`) -> the model's, in each format, where a family's differ;
     `fold_hf`: a Hugging Face tensor -> what the model multiplies; `gguf_rows`:
     a GGUF tensor's rows in Hugging Face's order (the row order alone, so that low-bit
-    blocks take it as they are packed); `vocabularies`: the GGUF architectures whose
+    blocks take it as they are packed); `gguf_cols`: its columns (the last dimension) in
+    Hugging Face's order (low-bit blocks take it where it moves whole blocks, else the
+    tensor is decoded); `fold_gguf`: a GGUF vector's values (decoded, in Hugging Face's
+    order) -> what the model takes, where the converter changed them (a 1-D tensor's
+    only: no low-bit kernel reads one); `vocabularies`: the GGUF architectures whose
     SentencePiece vocabulary reads by `tokenizing`; `pre_tokenizers`: a byte-level
     vocabulary's `tokenizer.ggml.pre` -> the llama.cpp pre-tokenizer it reads as (its
     files name their own); `shapes`: real models' sizes."""
@@ -135,6 +143,8 @@ class Family:
     hf_globals: Mapping[str, str] = field(default_factory=dict)
     fold_hf: Fold | None = None
     gguf_rows: Fold | None = None
+    gguf_cols: Fold | None = None
+    fold_gguf: Fold | None = None
     tokenizing: Tokenizing = field(default_factory=Tokenizing)
     vocabularies: tuple[str, ...] = ()
     pre_tokenizers: Mapping[str, str] = field(default_factory=dict)
@@ -143,6 +153,9 @@ class Family:
     def from_gguf_name(self, name: str) -> str | None:
         """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (None: a
         tensor the model does not read)."""
+        whole = name.split(".", 2)  # blk, N, the rest: named whole (`ssm_a`, `ssm_dt.bias`)
+        if whole[0] == "blk" and len(whole) == 3 and whole[2] in self.gguf_names:
+            return f"model.layers.{whole[1]}.{self.gguf_names[whole[2]]}"
         stem, _, suffix = name.rpartition(".")
         parts = stem.split(".", 2)  # a role may have dots of its own (shortconv.conv)
         if parts[0] == "blk" and len(parts) == 3 and parts[2] in self.gguf_names:
@@ -159,6 +172,9 @@ class Family:
                 return f"{ours}.{suffix}"
         m = _LAYER.fullmatch(name)
         if m is not None:
+            for ours, theirs in self.gguf_names.items():
+                if f"{m[2]}.{m[3]}" == theirs:  # named whole
+                    return f"blk.{m[1]}.{ours}"
             for ours, theirs in self.gguf_names.items():
                 if m[2] == theirs:
                     return f"blk.{m[1]}.{ours}.{m[3]}"

@@ -19,8 +19,21 @@ The config's rope_parameters may carry `mrope_section` / `mrope_interleaved` (th
 model's 3-D positions): for text alone the three position streams are one, so RoPE is
 the plain one at each token's position. The tokenizer (byte-level BPE with its own split
 regex, NFC) and the chat template come from the files. The multi-token-prediction head
-(`mtp.*`) and the vision tower are left unread. GGUF files (llama.cpp's `qwen35`) are not
-read yet (docs/NOTES-qwen35.md).
+(`mtp.*`) and the vision tower are left unread.
+
+GGUF files (llama.cpp's `qwen35`, as its convert_hf_to_gguf.py writes them: `from_gguf`,
+`GGUF_NAMES`): the DeltaNet's sizes are `ssm.*` keys (group_count the q/k heads,
+time_step_rank the v heads, state_size the q/k head dim, inner_size all v heads' dims,
+conv_kernel), its layers `attention.recurrent_layers` (else every
+`full_attention_interval`-th layer attends), the partial RoPE `rope.dimension_count`
+(`rope.dimension_sections`, the vision model's, left unread as the config's are); the
+blocks after the model's are the MTP head's (`nextn_predict_layers`: not read). The
+converter keeps q_proj's per-head [q, gate] rows and folds the 1 into the norms as
+`fold_hf` does; it stores A_log as -exp(A_log) (`ssm_a`, taken back by `fold_gguf`), the
+convolution as (C, L), and where the q/k heads are fewer than the v heads, every tensor's
+v heads in ggml's tiled order (v head j of every q/k head, then j + 1: [0, r, 2r, ..., 1,
+r + 1, ...] for r v heads a q/k head) instead of grouped by their q/k head; `gguf_rows`
+and `gguf_cols` (out_proj's columns) put them back.
 """
 
 from __future__ import annotations
@@ -29,9 +42,9 @@ from typing import Any
 
 import torch
 
-from kvlm.arch.family import Family
-from kvlm.arch.readers import hf_config, hf_layer_mixers
-from kvlm.config import LIMITS, DeltaNet, Fields, ModelConfig, limits, value
+from kvlm.arch.family import LAYER_NAMES, Family
+from kvlm.arch.readers import gguf_config, hf_config, hf_layer_mixers
+from kvlm.config import LIMITS, REQUIRED, DeltaNet, Fields, ModelConfig, limits, shown, value
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 
 ARCHITECTURE = "qwen35"  # llama.cpp's general.architecture
@@ -43,6 +56,26 @@ DEFAULTS = {"head_dim": 256, "rope_theta": 10000.0, "partial_rotary_factor": 0.2
             "linear_key_head_dim": 128, "linear_value_head_dim": 128,
             "linear_num_key_heads": 16, "linear_num_value_heads": 32}  # fmt: skip
 GATED_NORM = "linear_attn.norm.weight"  # the DeltaNet's gated norm: w, not 1 + w
+# llama.cpp's names of a block's tensors -> the model's: attention's as every family's,
+# but `post_attention_norm` is the MLP's input norm here (llama.cpp's ATTN_POST_NORM; no
+# ffn_norm); the DeltaNet's (`ssm_a` and `ssm_dt.bias` named whole: family.py)
+GGUF_NAMES = {k: v for k, v in LAYER_NAMES.items() if k != "ffn_norm"} | {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_a": "linear_attn.A_log",  # stored as -exp(A_log): fold_gguf
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
+# the DeltaNet tensors whose rows the converter puts in ggml's tiled v-head order, and
+# how many rows a v head has there ("v": value_dim; 1: one; the q|k|v product and its
+# kernel: their v rows alone, after q and k)
+V_ROWS = {"in_proj_qkv.weight": "v", "conv1d.weight": "v", "in_proj_z.weight": "v",
+          "in_proj_b.weight": 1, "in_proj_a.weight": 1, "A_log": 1, "dt_bias": 1}  # fmt: skip
 
 
 def from_hf(cfg: dict[str, Any], arch: str, name: str) -> ModelConfig:
@@ -113,8 +146,122 @@ def _hf_rope_dim(cfg: dict[str, Any], hf: Fields, head_dim: int) -> int | None:
 
 
 def from_gguf(g: Fields, arch: str, name: str) -> ModelConfig:
-    raise UnsupportedModelError(f"{g.where}: kvlm does not read Qwen3.5 ({arch}) GGUF files "
-                                "yet; its Hugging Face folder runs (--kv off)")  # fmt: skip
+    def part(g: Fields, arch: str, layers: int, hidden: int, heads: int, head_dim: int) -> dict:
+        mixers = _gguf_mixers(g, arch, layers)
+        return {
+            "qk_norm": True,
+            "attn_output_gate": True,
+            "layer_mixers": mixers,
+            "deltanet": _gguf_deltanet(g, arch) if "deltanet" in mixers else None,
+        }
+
+    return gguf_config(g, arch, name, part, partial_rope=True)
+
+
+def _gguf_mixers(g: Fields, arch: str, layers: int) -> tuple[str, ...]:
+    """Each layer's mixer from `attention.recurrent_layers` (one bool a block, the MTP
+    head's blocks after the model's), else every `full_attention_interval`-th layer
+    attends (llama.cpp's rule, transformers')."""
+    key = f"{arch}.attention.recurrent_layers"
+    flags = g.data.get(key)
+    if flags is None:
+        every = g(f"{arch}.full_attention_interval", int, DEFAULTS["full_attention_interval"],
+                  lo=1, hi=LIMITS["num_layers"][1])  # fmt: skip
+        return tuple("attention" if (i + 1) % every == 0 else "deltanet" for i in range(layers))
+    if not isinstance(flags, list) or not all(isinstance(f, bool) for f in flags):
+        raise ModelLoadError(f"{g.where}: {key} is {shown(flags)}; expected a list of bools, "
+                             "one a block")  # fmt: skip
+    if len(flags) < layers:
+        raise ModelLoadError(f"{g.where}: {key} names {len(flags)} blocks; the model has "
+                             f"{layers} layers")  # fmt: skip
+    if any(flags[layers:]):
+        raise ModelLoadError(f"{g.where}: {key} marks block {flags.index(True, layers)} "
+                             f"recurrent, past the model's {layers} layers (the MTP head's "
+                             "blocks attend)")  # fmt: skip
+    return tuple("deltanet" if f else "attention" for f in flags[:layers])
+
+
+def _gguf_deltanet(g: Fields, arch: str) -> DeltaNet:
+    """The DeltaNet layers' sizes from the `ssm.*` keys as the converter writes them."""
+    heads, dims = limits("num_heads"), limits("head_dim")
+
+    def key(k: str, bounds: dict[str, int]) -> int:
+        return g(f"{arch}.ssm.{k}", int, REQUIRED, **bounds)
+
+    key_heads, value_heads = key("group_count", heads), key("time_step_rank", heads)
+    inner = key("inner_size", {"lo": 1, "hi": value_heads * dims["hi"]})
+    if inner % value_heads:
+        raise ModelLoadError(f"{g.where}: {arch}.ssm.inner_size {inner} is not a multiple of "
+                             f"{arch}.ssm.time_step_rank {value_heads} (the v heads)")  # fmt: skip
+    if value_heads % key_heads:
+        raise ModelLoadError(f"{g.where}: {arch}.ssm.time_step_rank {value_heads} is not a "
+                             f"multiple of {arch}.ssm.group_count {key_heads}")  # fmt: skip
+    return DeltaNet(key_heads=key_heads, value_heads=value_heads,
+                    key_dim=key("state_size", dims),
+                    value_dim=value(inner // value_heads, f"{arch}.ssm.inner_size / "
+                                    f"{arch}.ssm.time_step_rank", int, *LIMITS["head_dim"],
+                                    g.where),
+                    conv_kernel=key("conv_kernel", {"lo": 2, "hi": 64}))  # fmt: skip
+
+
+def gguf_rows(config: ModelConfig, name: str, rows: torch.Tensor) -> torch.Tensor:
+    """A GGUF tensor's rows in Hugging Face's order: q_proj's as `fold_hf` puts them
+    (all queries, then the gates); the DeltaNet's v heads grouped by their q/k head."""
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        return fold_hf(config, name, rows)
+    per_head = _v_rows(config, name)
+    if per_head is None:
+        return rows
+    d = config.deltanet
+    first = 2 * d.key_heads * d.key_dim if name.endswith(("qkv.weight", "conv1d.weight")) else 0
+    v = _grouped(rows[first:], d.key_heads, d.value_heads // d.key_heads, per_head)
+    return torch.cat([rows[:first], v]) if first else v
+
+
+def gguf_cols(config: ModelConfig, name: str, cols: torch.Tensor) -> torch.Tensor:
+    """out_proj's columns (its input, the v heads) grouped by their q/k head."""
+    d = config.deltanet
+    if (
+        d is None
+        or d.key_heads == d.value_heads
+        or not name.endswith("linear_attn.out_proj.weight")
+    ):
+        return cols
+    return _grouped(cols, d.key_heads, d.value_heads // d.key_heads, d.value_dim)
+
+
+def _v_rows(config: ModelConfig, name: str) -> int | None:
+    """The rows a v head has in a DeltaNet tensor the converter reorders (None: not one)."""
+    d = config.deltanet
+    if d is None or d.key_heads == d.value_heads or ".linear_attn." not in name:
+        return None
+    rows = V_ROWS.get(name.rpartition(".linear_attn.")[2])
+    return d.value_dim if rows == "v" else rows
+
+
+def _grouped(t: torch.Tensor, key_heads: int, per_key: int, width: int) -> torch.Tensor:
+    """ggml's tiled v heads ([per_key][key_heads] of `width` along dim 0) grouped by their
+    q/k head ([key_heads][per_key]), the converter's _reorder_v_heads undone."""
+    tiled = t.reshape(per_key, key_heads, width, *t.shape[1:])
+    return tiled.transpose(0, 1).reshape(t.shape)
+
+
+def fold_gguf(config: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """`ssm_a` (-exp(A_log), as the converter stores it) back to A_log: the fp32 value
+    whose exp, as the model takes it (fp32), is -ssm_a where one is (log(-ssm_a), or the
+    fp32 value next to it), so that exp(A_log) at run time is the value the file holds."""
+    if not name.endswith("linear_attn.A_log"):
+        return tensor
+    a = -tensor.float()
+    if not bool((a > 0).all()) or not bool(torch.isfinite(a).all()):
+        layer = name.split(".")[2]
+        raise ModelLoadError(f"{config.name}: tensor blk.{layer}.ssm_a holds values that are "
+                             "not -exp(A_log) (each must be finite and below 0)")  # fmt: skip
+    x = torch.log(a.double()).float()
+    for toward in (torch.full_like(x, float("inf")), torch.full_like(x, -float("inf"))):
+        step = torch.nextafter(x, toward)
+        x = torch.where((x.exp() != a) & (step.exp() == a), step, x)
+    return x.to(tensor.dtype)
 
 
 def fold_hf(config: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -136,5 +283,9 @@ FAMILY = Family(
     from_hf=from_hf,
     from_gguf=from_gguf,
     hf_model_types={"qwen3_5_text": ARCHITECTURE, "qwen3_5": ARCHITECTURE},
+    gguf_names=GGUF_NAMES,
     fold_hf=fold_hf,
+    gguf_rows=gguf_rows,
+    gguf_cols=gguf_cols,
+    fold_gguf=fold_gguf,
 )

@@ -77,10 +77,17 @@ def hf_window(hf: Fields) -> int | None:
     return hf("sliding_window", int, None, **limits("sliding_window"))
 
 
-def gguf_config(g: Fields, arch: str, name: str, part: GGUFPart) -> ModelConfig:
+def gguf_config(
+    g: Fields, arch: str, name: str, part: GGUFPart, partial_rope: bool = False
+) -> ModelConfig:
     """A ModelConfig from GGUF metadata (`{arch}.*` keys as llama.cpp's converter writes
-    them): the sizes, RoPE, the special tokens, and what the family's `part` reads after
-    the sizes. Embeddings are untied here: the loader decides from the tensor list."""
+    them): the sizes, RoPE (`partial_rope`: the family rotates the first
+    `rope.dimension_count` dimensions of each head, `rope_dim`; else that key, where
+    present, must be the whole head), the special tokens, and what the family's `part`
+    reads after the sizes. The model's layers are `block_count` less
+    `nextn_predict_layers` (the blocks llama.cpp's converter appends for a
+    multi-token-prediction head, which kvlm does not run). Embeddings are untied here:
+    the loader decides from the tensor list."""
 
     def key(k: str, kind: type, default: Any = REQUIRED, field_name: str = "") -> Any:
         """`{arch}.k`, in its field's LIMITS (a float: above 0)."""
@@ -91,16 +98,24 @@ def gguf_config(g: Fields, arch: str, name: str, part: GGUFPart) -> ModelConfig:
     heads = key("attention.head_count", int, field_name="num_heads")
     context = key("context_length", int, 4096, "max_position_embeddings")
     scaling = gguf_rope_scaling(key, context)
-    layers = key("block_count", int, field_name="num_layers")
+    blocks = key("block_count", int, field_name="num_layers")
+    extra = g(f"{arch}.nextn_predict_layers", int, 0, lo=0, hi=blocks - 1)
+    layers = blocks - extra
     head_dim = key("attention.key_length", int, None, "head_dim")
     if head_dim is None:
         derived = f"head_dim ({arch}.embedding_length / {arch}.attention.head_count)"
         head_dim = value(hidden // heads, derived, int, *LIMITS["head_dim"], g.where)
     rotated = key("rope.dimension_count", int, None)
-    if rotated is not None and rotated != head_dim:
+    if rotated is not None and rotated != head_dim and not partial_rope:
         raise UnsupportedModelError(f"{g.where}: {arch}.rope.dimension_count is {rotated}: "
                                     f"kvlm rotates whole heads ({head_dim})")  # fmt: skip
     own = part(g, arch, layers, hidden, heads, head_dim)
+    if partial_rope and rotated is not None and rotated != head_dim:
+        if rotated < 2 or rotated > head_dim or rotated % 2:
+            raise UnsupportedModelError(f"{g.where}: {arch}.rope.dimension_count is {rotated}; "
+                                        f"RoPE rotates an even number of a head's {head_dim} "
+                                        "dimensions, 2 or more")  # fmt: skip
+        own["rope_dim"] = rotated
     eos = g.data.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=arch,

@@ -4,12 +4,17 @@ The header is read by kvlm's own reader (kvlm.loading.gguf_file: gguf-py's resul
 milliseconds rather than seconds for a 128k-token vocabulary, every fault a ModelLoadError).
 Its metadata becomes a ModelConfig through the family of its `general.architecture`
 (kvlm.arch), and its tensors get the model's names from that family's table
-(`Family.from_gguf_name`). Tensors are dequantized with the `gguf` package, one at a time,
-rows in Hugging Face's order (`Family.gguf_rows`: Llama's q/k, which llama.cpp's converter
-permutes for its interleaved RoPE); `--weights native` takes the blocks of the types kvlm
-has kernels for as they are instead (`get_quant`: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
-Q6_K), whole rows of blocks put in that order as they are packed. Values are the file's: a
-quirk llama.cpp's converter folded into the weights (1 + w norms) stays folded.
+(`Family.from_gguf_name`); blocks past the model's layers (a multi-token-prediction
+head's, `{arch}.nextn_predict_layers`: kvlm.arch.readers) are not read. Tensors are
+dequantized with the `gguf` package, one at a time, rows and columns in Hugging Face's
+order (`Family.gguf_rows`: Llama's q/k, which llama.cpp's converter permutes for its
+interleaved RoPE; `Family.gguf_cols`); `--weights native` takes the blocks of the types
+kvlm has kernels for as they are instead (`get_quant`: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+Q5_K, Q6_K), whole rows of blocks put in that order as they are packed, and the blocks of
+each row in theirs where a column order moves whole blocks (else the tensor is decoded).
+Values are the file's: a quirk llama.cpp's converter folded into the weights (1 + w
+norms) stays folded; a vector whose values it changed otherwise the family takes back
+(`Family.fold_gguf`: an A_log stored as -exp(A_log)).
 """
 
 from __future__ import annotations
@@ -135,7 +140,12 @@ class GGUFWeights:
             out = out.reshape(shape)
         except (ValueError, RuntimeError) as exc:
             raise ModelLoadError(f"{self.path.name}: cannot decode tensor {t.name}: {exc}") from exc
-        return self._in_order(name, out)
+        out = self._in_order(name, out)
+        cols = self._columns(name, shape[-1])
+        if cols is not None:
+            out = out[..., cols].contiguous()
+        fold = self.family.fold_gguf
+        return out if fold is None else fold(self.config, name, out)
 
     def is_quantized(self, name: str) -> bool:
         return self._tensors[name].tensor_type in QUANT_TYPES
@@ -161,7 +171,13 @@ class GGUFWeights:
             flat = np.asarray(t.data).reshape(-1)
             if flat.dtype != np.uint8 or flat.size % rows:
                 raise ValueError(f"{flat.size} bytes of {flat.dtype} are not {rows} rows of blocks")
-            blocks = Blocks(kind, flat.reshape(rows, -1))
+            flat = flat.reshape(rows, -1)
+            cols = self._columns(name, int(t.shape[0]))
+            if cols is not None:  # whole blocks of each row in their order, or decoded
+                flat = _blocks_in_order(flat, cols, t.tensor_type)
+                if flat is None:
+                    return None
+            blocks = Blocks(kind, flat)
             # whole rows of blocks: q/k rows un-permuted as they are packed
             order = self._in_order(name, torch.arange(rows))
             if not torch.equal(order, torch.arange(rows)):
@@ -174,6 +190,28 @@ class GGUFWeights:
         """`rows` (a tensor's, or their indices) in Hugging Face's order (Family.gguf_rows)."""
         order = self.family.gguf_rows
         return rows if order is None else order(self.config, name, rows)
+
+    def _columns(self, name: str, n: int) -> torch.Tensor | None:
+        """The order a tensor's `n` columns are taken in (Family.gguf_cols; None: as stored)."""
+        order = self.family.gguf_cols
+        if order is None:
+            return None
+        cols = order(self.config, name, torch.arange(n))
+        return None if torch.equal(cols, torch.arange(n)) else cols
+
+
+def _blocks_in_order(rows: np.ndarray, cols: torch.Tensor, kind: Any) -> np.ndarray | None:
+    """Each row's blocks (`rows`: (R, bytes a row)) in the order that takes the columns in
+    `cols` order, where it moves whole blocks (a copy); None where it does not."""
+    width, size = gguf.GGML_QUANT_SIZES[kind]
+    runs = cols.reshape(-1, width)
+    first = runs[:, :1]
+    if not (torch.equal(runs, first + torch.arange(width)) and not (first % width).any()):
+        return None
+    blocks = rows.reshape(rows.shape[0], -1, size)
+    return np.ascontiguousarray(blocks[:, (first[:, 0] // width).numpy()]).reshape(
+        rows.shape[0], -1
+    )
 
 
 # GGUF blocks kvlm multiplies as they are (`--weights native`), each packed from its

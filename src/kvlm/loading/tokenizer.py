@@ -49,6 +49,12 @@ _QWEN2 = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen 3.5's ("qwen35"): Qwen2's with combining marks (\p{M}) in words and out of
+# punctuation runs. llama.cpp splits by it without the NFC its tokenizer.json applies first.
+_QWEN35 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+"
+    r"|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # Llama 3's pre-tokenizers: their reference tokenizer.json sets BPE `ignore_merges`
 # (whole-word hits in the vocabulary win over merging).
 log = logging.getLogger("kvlm")
@@ -76,6 +82,7 @@ PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("gpt2", "gpt-2", "mpt", "olmo"), (_GPT2,)),
     **dict.fromkeys(_IGNORE_MERGES, (_LLAMA3,)),
     **dict.fromkeys(("qwen2", "stablelm2"), (_QWEN2,)),
+    "qwen35": (_QWEN35,),
     **dict.fromkeys(
         ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"), (r"\p{N}", _GPT2)
     ),
