@@ -105,12 +105,13 @@ def test_chunked_prefill_equals_one_shot(llm, llm64, one_shot, mode, chunk):
     between a 16-row and a 200-row product, and an int8 code whose value sits on a rounding
     boundary may take the other side: that is why int8 is held to exactness in fp64 and to
     the greedy top-k rule in fp32, and fp32 caches to their own rounding error. Chunks of 7
-    and 16 cross several blocks and int8 groups of the 3x prompt; one-token chunks feed the
+    and 16 cross several blocks and int8 groups of the 2x prompt; one-token chunks feed the
     1x prompt's first 20 tokens (across the block edge at 16): each is a forward of its
     own, and an fp32 prompt chunk is a call of PROMPT_BLOCK rows however short (~0.3 s a
     token). Then 13 greedy tokens: the first decode step already reads every chunk's slots,
-    and the 12 fed back take the 3x prompt's 69 tokens to position 80, a block of its own."""
-    ids = llm.encode(PROMPT * (1 if chunk == 1 else 3), chat=True)
+    and the 12 fed back take the 2x prompt's 56 tokens to position 68, across the block
+    edge at 64."""
+    ids = llm.encode(PROMPT * (1 if chunk == 1 else 2), chat=True)
     ids = ids[:20] if chunk == 1 else ids
     exact, one_shot_32 = one_shot(ids)  # fp64 and fp32 one-shot, paged
     err32 = max_error(one_shot_32, exact)

@@ -72,7 +72,7 @@ def test_the_fused_batch_answers_as_generate_does(kv_dtype):
     llm = low_bit_llm(max_context=1024, kv_dtype=kv_dtype)
     if llm.runner.fused_reason is not None:
         pytest.skip(llm.runner.fused_reason)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     engine = Engine(llm)
     decoder, calls = llm.runner._decoder(engine.spec.max_tokens), []
     fused_run = decoder.run
