@@ -355,6 +355,21 @@ def test_the_state_forks_snapshots_and_restores(qwen35_dir):
     assert cache.num_tokens == 0 and cache.batch == 1
 
 
+def test_the_pacings_work_counts_the_deltanet_layers_as_no_attention(qwen35_dir):
+    """kvlm.engine.pacing's Work: only the attention layers attend (D A D A: two), a gated
+    one's q product twice as wide; a DeltaNet layer's products and its state's update are
+    dense work a token."""
+    from kvlm.engine.pacing import Work
+
+    c = LLM(model=qwen35_dir("qwen35"), kv="off", progress=False).config
+    d, h = c.deltanet, c.hidden_size
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    v = d.value_heads * d.value_dim
+    delta = h * (d.conv_width + v + 2 * d.value_heads) + v * h + 4 * v * d.key_dim
+    dense = 2 * h * (3 * q + 2 * kv) + 2 * delta + 4 * 3 * h * c.intermediate_size
+    assert Work(c).attend == 2 * 2 * q / dense
+
+
 def test_a_rows_bits_are_the_same_on_one_thread_or_two(qwen35_dir):
     """The engine moves its thread count while it runs (kvlm.engine.threads): prompt rows
     and decode rows of a hybrid are bit-equal on 1 and 2 threads (the DeltaNet step

@@ -41,16 +41,28 @@ class Work:
     `attend` more per position it attends to, `score` more where its logits are kept. The
     pacing's prompt tokens and the thread count's decode steps (kvlm.engine.threads) are
     measured in it. A short-convolution layer (ModelConfig.conv_layers) attends to
-    nothing: its products (in_proj to 3 x hidden, out_proj) and its taps are its work."""
+    nothing: its products (in_proj to 3 x hidden, out_proj) and its taps are its work; a
+    gated DeltaNet layer (ModelConfig.deltanet_layers) neither: its products (in_proj to
+    q|k|v, z, b and a; out_proj) and its state's update, a fixed cost a token (about four
+    multiply-adds an element of the value heads' dk x dv state). A gated attention layer's
+    q product is twice as wide (ModelConfig.attn_output_gate: the gate's rows)."""
 
     def __init__(self, config: ModelConfig) -> None:
         c = config
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         # multiply-adds of one token's dense products: q/k/v/o of an attention layer, the
-        # products and L taps of a conv layer, a gated MLP every layer
-        h, convs = c.hidden_size, len(c.conv_layers)
-        attending = c.num_layers - convs
-        dense = (attending * h * (2 * q + 2 * kv) + convs * h * (4 * h + (c.conv_kernel or 0))
+        # products and L taps of a conv layer, a DeltaNet layer's products and state, a
+        # gated MLP every layer
+        h, convs, deltas = c.hidden_size, len(c.conv_layers), len(c.deltanet_layers)
+        attending = c.num_layers - convs - deltas
+        q_rows = 2 * q if c.attn_output_gate else q
+        delta = 0
+        if deltas and (d := c.deltanet) is not None:
+            v = d.value_heads * d.value_dim
+            delta = (h * (d.conv_width + v + 2 * d.value_heads) + v * h
+                     + 4 * d.value_heads * d.key_dim * d.value_dim)  # fmt: skip
+        dense = (attending * h * (q_rows + q + 2 * kv) + deltas * delta
+                 + convs * h * (4 * h + (c.conv_kernel or 0))
                  + c.num_layers * 3 * h * c.intermediate_size)  # fmt: skip
         self.attend = 2 * attending * q / dense  # scores and the weighted sum, a position
         self.score = c.vocab_size * h / dense  # the vocabulary projection
