@@ -1249,6 +1249,25 @@ def staggered_answers(engine, prompts: list[list[int]], params) -> dict[str, lis
     return out
 
 
+def on_pool(llm, prompts, params, **config) -> tuple[list[list[list[int]]], object]:
+    """Each prompt's samples' tokens through an engine on the pool (EngineConfig(**config),
+    the scheduler's fields under `scheduler`), and the engine."""
+    from kvlm.engine.batch import run_batch
+    from kvlm.engine.engine import Engine, EngineConfig
+    from kvlm.engine.scheduler import SchedulerConfig
+
+    sched = SchedulerConfig(**config.pop("scheduler", {}))
+    engine = Engine(llm, EngineConfig(scheduler=sched, **config))
+    texts = [(p, llm.tokenizer.encode(p)) for p in prompts]
+    outs = run_batch(engine, texts, [params] * len(prompts), _NoBar())
+    return [[o.token_ids for o in r.outputs] for r in outs], engine
+
+
+class _NoBar:
+    def update(self, n: int) -> None: ...
+    def set_postfix_str(self, text: str, refresh: bool = False) -> None: ...
+
+
 def staggered_on_pool(llm, prompts: list[list[int]], params, chunk: int, one_forward: bool):
     """staggered_answers through a fresh engine on `llm`'s pool (prompts in chunks of
     `chunk`), with one ragged forward a step (`one_forward`, the GPU's road) or a forward

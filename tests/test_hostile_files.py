@@ -880,43 +880,49 @@ def _delta_torch(conv, z, b, a, a_log, dt_bias, w, eps, state, nk, dk):
 
 @pytest.mark.parametrize("build", BUILDS)
 def test_the_gated_delta_checks_its_buffers_and_is_the_torch_road(build):
-    """kvlm_gated_delta (kernels/deltanet.c): conv [B T, 2 nk dk + nv dv], z [B T, nv dv],
-    b and a [B T, nv], a_log and dt_bias [nv] (hn), w [dv] (wn), state [B, nv, dk, dv],
-    out [B T, nv dv], each within its length; nv a multiple of nk; dk, dv in 1..512.
-    Refused calls write nothing (out and the state stay); a good one is the torch road's
+    """kvlm_gated_delta (kernels/deltanet.c): S sequences at the row offsets cu (S + 1 of
+    them, from 0, never decreasing), conv [rows, 2 nk dk + nv dv], z [rows, nv dv], b and a
+    [rows, nv], a_log and dt_bias [nv] (hn), w [dv] (wn), state [S, nv, dk, dv], out
+    [rows, nv dv], each within its length; nv a multiple of nk; dk, dv in 1..512. Refused
+    calls write nothing (out and the state stay); a good one is the torch road's
     arithmetic as exactly as torch's own fp32 (against fp64), its state too, on every
-    build, with dims off the 16 lanes (dk 20, dv 24) and two q/k heads serving four."""
+    build, with dims off the 16 lanes (dk 20, dv 24), two q/k heads serving four, and
+    sequences of 5, 0 and 3 rows (a pool step's ragged rows)."""
     lib = _kernels(build)
     g = torch.Generator().manual_seed(5)
-    B, T, nk, nv, dk, dv = 2, 5, 2, 4, 20, 24
-    C = 2 * nk * dk + nv * dv
+    lengths, nk, nv, dk, dv = [5, 0, 3], 2, 4, 20, 24
+    S, N, C = len(lengths), sum(lengths), 2 * nk * dk + nv * dv
+    cu = torch.tensor([0, 5, 5, 8], dtype=torch.int64)
 
     def r(*shape, scale=1.0):
         return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
 
-    ins = dict(conv=r(B, T, C), z=r(B, T, nv * dv), b=r(B, T, nv), a=r(B, T, nv),
-               a_log=r(nv, scale=0.5), dt_bias=r(nv, scale=0.5), w=r(dv).abs() + 0.5)  # fmt: skip
-    state0 = r(B, nv, dk, dv, scale=0.1)
+    ins = dict(conv=r(N, C), z=r(N, nv * dv), b=r(N, nv), a=r(N, nv), a_log=r(nv, scale=0.5),
+               dt_bias=r(nv, scale=0.5), w=r(dv).abs() + 0.5)  # fmt: skip
+    state0 = r(S, nv, dk, dv, scale=0.1)
     f32 = {k: v.float().contiguous() for k, v in ins.items()}
-    size = {"cn": B * T * C, "zn": B * T * nv * dv, "bn": B * T * nv, "an": B * T * nv,
-            "hn": nv, "wn": dv, "sn": B * nv * dk * dv, "on": B * T * nv * dv}  # fmt: skip
-    dims = {"B": B, "T": T, "nk": nk, "nv": nv, "dk": dk, "dv": dv}
+    size = {"cn": N * C, "zn": N * nv * dv, "bn": N * nv, "an": N * nv, "hn": nv, "wn": dv,
+            "sn": S * nv * dk * dv, "on": N * nv * dv}  # fmt: skip
+    dims = {"cun": S + 1, "S": S, "nk": nk, "nv": nv, "dk": dk, "dv": dv}
 
-    def call(state: torch.Tensor, out: torch.Tensor, **given) -> int:
+    def call(state: torch.Tensor, out: torch.Tensor, offsets=cu, **given) -> int:
         n, d = {**size, **given}, {**dims, **{k: v for k, v in given.items() if k in dims}}
         return lib.kvlm_gated_delta(
             f32["conv"].data_ptr(), n["cn"], f32["z"].data_ptr(), n["zn"], f32["b"].data_ptr(),
             n["bn"], f32["a"].data_ptr(), n["an"], f32["a_log"].data_ptr(),
             f32["dt_bias"].data_ptr(), n["hn"], f32["w"].data_ptr(), n["wn"], 1e-6,
-            state.data_ptr(), n["sn"], out.data_ptr(), n["on"], d["B"], d["T"], d["nk"], d["nv"],
-            d["dk"], d["dv"],
+            state.data_ptr(), n["sn"], out.data_ptr(), n["on"], offsets.data_ptr(), d["cun"],
+            d["S"], d["nk"], d["nv"], d["dk"], d["dv"],
         )  # fmt: skip
 
+    big = {k: ANY for k in size if k not in ("hn", "wn")}
     bad = [{k: v - 1} for k, v in size.items()] + [
-        {"cn": -1}, {"B": 0}, {"T": 0}, {"nk": 0}, {"nv": 3}, {"nk": 3}, {"dk": 0},
+        {"cn": -1}, {"S": 0, "cun": 1}, {"cun": S}, {"nk": 0}, {"nv": 3}, {"nk": 3}, {"dk": 0},
         {"dk": 513}, {"dv": 513}, {"hn": nv + 1}, {"wn": dv + 1},
-        {"B": HUGE, "cn": ANY, "zn": ANY, "bn": ANY, "an": ANY, "sn": ANY, "on": ANY},
-        {"T": HUGE, "cn": ANY, "zn": ANY, "bn": ANY, "an": ANY, "sn": ANY, "on": ANY}]  # fmt: skip
+        {"offsets": torch.tensor([1, 5, 5, 8])}, {"offsets": torch.tensor([0, 5, 4, 8])},
+        {"offsets": torch.tensor([0, 5, 5, 9])},
+        {"offsets": torch.tensor([0, 5, 5, HUGE]), **big},
+        {"nv": HUGE, "hn": HUGE, "nk": 1, **big}]  # fmt: skip
     n_state, n_out = size["sn"], size["on"]
     for given in bad:
         state, out = _guarded(n_state), _guarded(n_out)
@@ -925,10 +931,20 @@ def test_the_gated_delta_checks_its_buffers_and_is_the_torch_road(build):
     state, out = _guarded(n_state), _guarded(n_out)
     state[:n_state] = state0.float().flatten()
     assert call(state, out) == 0 and _untouched(out[n_out:]) and _untouched(state[n_state:])
-    exact, after = _delta_torch(**ins, eps=1e-6, state=state0, nk=nk, dk=dk)
-    ref, ref_after = _delta_torch(**f32, eps=1e-6, state=state0.float(), nk=nk, dk=dk)
-    assert_as_exact_as(out[:n_out].view(B, T, -1), ref, exact)
-    assert_as_exact_as(state[:n_state].view(B, nv, dk, dv), ref_after, after)
+    got, got_state = out[:n_out].view(N, -1), state[:n_state].view(S, nv, dk, dv)
+    assert torch.equal(got_state[1], state0[1].float())  # a sequence of no rows: as it was
+    at = 0
+    for i, n in enumerate(lengths):
+        if not n:
+            continue
+        one = {k: v[at : at + n][None] if k in ("conv", "z", "b", "a") else v
+               for k, v in ins.items()}  # fmt: skip
+        exact, after = _delta_torch(**one, eps=1e-6, state=state0[i : i + 1], nk=nk, dk=dk)
+        ref, ref_after = _delta_torch(**{k: v.float() for k, v in one.items()}, eps=1e-6,
+                                      state=state0[i : i + 1].float(), nk=nk, dk=dk)  # fmt: skip
+        assert_as_exact_as(got[at : at + n][None], ref, exact)
+        assert_as_exact_as(got_state[i : i + 1], ref_after, after)
+        at += n
 
 
 @pytest.mark.parametrize("build", BUILDS)

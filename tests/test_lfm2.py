@@ -29,6 +29,7 @@ from helpers import (
     hf_greedy,
     hf_logits,
     load_hf,
+    on_pool,
     portable_build_params,
     portable_kernels,
     prompt_ids,
@@ -392,25 +393,6 @@ POOL_PROMPTS = [PROMPT, "One two three, one two three, one two", PROMPT * 4 + " 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 
-def on_pool(llm: LLM, prompts, params=GREEDY, **config) -> tuple[list[list[list[int]]], object]:
-    """Each prompt's samples' tokens through an engine on the pool (EngineConfig(**config),
-    the scheduler's fields under `scheduler`), and the engine."""
-    from kvlm.engine.batch import run_batch
-    from kvlm.engine.engine import Engine, EngineConfig
-    from kvlm.engine.scheduler import SchedulerConfig
-
-    sched = SchedulerConfig(**config.pop("scheduler", {}))
-    engine = Engine(llm, EngineConfig(scheduler=sched, **config))
-    texts = [(p, llm.tokenizer.encode(p)) for p in prompts]
-    outs = run_batch(engine, texts, [params] * len(prompts), _NoBar())
-    return [[o.token_ids for o in r.outputs] for r in outs], engine
-
-
-class _NoBar:
-    def update(self, n: int) -> None: ...
-    def set_postfix_str(self, text: str, refresh: bool = False) -> None: ...
-
-
 @pytest.fixture(scope="module")
 def pooled(lfm2_dir):
     """The tiny LFM2 (C A C A) on --kv paged, and each POOL_PROMPTS' greedy tokens alone
@@ -431,17 +413,17 @@ def test_the_pool_batches_chunks_forks_and_drafts_as_alone(pooled):
 
     llm, alone = pooled
     want = [alone[p] for p in POOL_PROMPTS]
-    got, engine = on_pool(llm, POOL_PROMPTS)
+    got, engine = on_pool(llm, POOL_PROMPTS, GREEDY)
     assert got == want
     conv = engine.pool.conv
     assert conv is not None and conv.num_used == 0 and conv.num_blocks == 16
-    assert on_pool(llm, POOL_PROMPTS, scheduler={"prefill_chunk": 5})[0] == want
+    assert on_pool(llm, POOL_PROMPTS, GREEDY, scheduler={"prefill_chunk": 5})[0] == want
     two, engine = on_pool(llm, POOL_PROMPTS, SamplingParams(n=2, max_tokens=20, temperature=0.0,
                                                             ignore_eos=True))  # fmt: skip
     assert two == [w * 2 for w in want] and engine.pool.conv.num_used == 0
     for spec in (SpeculativeConfig("ngram", num_draft=4, ngram_min=1),
                  SpeculativeConfig("draft", draft_weights="int8")):  # fmt: skip
-        drafted, engine = on_pool(llm, POOL_PROMPTS, speculative=spec)
+        drafted, engine = on_pool(llm, POOL_PROMPTS, GREEDY, speculative=spec)
         st = engine.stats.spec
         assert drafted == want and st.drafted > st.accepted  # some were rolled back
     assert st.accepted > 0  # the draft model's: rows of a draft checked as one sequence
@@ -721,7 +703,7 @@ def test_the_pools_fused_step_batches_forks_and_drafts_as_alone(lfm2_dir, name, 
     llm = pool_fused_llm(lfm2_dir(name), POOL_FUSED[name])
     want = alone_on_cache(llm, POOL_PROMPTS)
     calls = counted_fused_runs(monkeypatch)
-    got, engine = on_pool(llm, POOL_PROMPTS)
+    got, engine = on_pool(llm, POOL_PROMPTS, GREEDY)
     assert got == want and engine.pool.conv.num_used == 0
     all_fused(calls, engine)
     assert sum(calls) == engine.stats.decode_rows and max(calls) == len(POOL_PROMPTS)
@@ -734,7 +716,7 @@ def test_the_pools_fused_step_batches_forks_and_drafts_as_alone(lfm2_dir, name, 
     for spec in (SpeculativeConfig("ngram", num_draft=4, ngram_min=1),
                  SpeculativeConfig("draft", draft_weights=other)):  # fmt: skip
         calls.clear()
-        drafted, engine = on_pool(llm, POOL_PROMPTS, speculative=spec)
+        drafted, engine = on_pool(llm, POOL_PROMPTS, GREEDY, speculative=spec)
         st = engine.stats.spec
         assert drafted == want and st.drafted > st.accepted  # some rolled back
         all_fused(calls, engine)

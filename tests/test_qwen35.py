@@ -27,6 +27,7 @@ from helpers import (
     hf_greedy,
     hf_logits,
     load_hf,
+    on_pool,
     prompt_ids,
     save_tiny_model,
 )
@@ -292,8 +293,8 @@ def test_every_mode_keeps_the_state_chunked_equals_one_shot(qwen35_dir, mode):
 def test_generate_in_every_mode_and_forks_equal_kv_off(qwen35_dir, mode):
     """Greedy tokens through LLM.generate in every mode = kv off's (which feeds every
     forward from position 0); n = 2 greedy samples (a fork of the prompt's cache, state
-    and all) = the one; two prompts (run one after another: the pool keeps no state) =
-    each alone."""
+    and all) = the one; two prompts (batched on the engine's pool in paged and int8, a
+    slot of state a sequence) = each alone."""
     folder = qwen35_dir("qwen35")
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = [PROMPT, "One two three, one two three, one two"]
@@ -414,21 +415,21 @@ def test_memory_counts_the_state_per_sequence(qwen35_dir, mode, capsys):
 
 
 def test_what_cannot_hold_the_state_is_refused(qwen35_dir, tmp_path):
-    """The engine's pool, cache files, speculative decoding (the model's or as a draft
-    model) and the fused step refuse a model with DeltaNet layers, each with one clear
-    error; a forward past position 0 through a cache of another spec (no state group)
-    says why."""
+    """KV tiers under the engine's pool (no state at block ends: nothing could hit),
+    cache files, speculative decoding (the model's or as a draft model) and the fused step
+    refuse a model with DeltaNet layers, each with one clear error; a forward past
+    position 0 through a cache of another spec (no state group) says why."""
     from kvlm.cache import create_cache
     from kvlm.cache.base import CacheFileError
-    from kvlm.engine.engine import pool_spec
+    from kvlm.engine.engine import Engine, EngineConfig
     from kvlm.engine.speculative import SpeculativeConfig
     from kvlm.model import fused
 
     folder = qwen35_dir("qwen35")
     llm = LLM(model=folder, kv="paged", progress=False)
-    with pytest.raises(InvalidRequestError, match="pool keeps no gated DeltaNet state") as err:
-        pool_spec(llm)
-    assert err.value.param == "kv"
+    with pytest.raises(InvalidRequestError, match="keeps no state at block ends") as err:
+        Engine(llm, EngineConfig(kv_tiers=(f"disk:{tmp_path / 'tier'}",)))
+    assert err.value.param == "kv_tiers" and not (tmp_path / "tier").exists()
     for how in ("ngram", SpeculativeConfig("draft", draft_weights="int8")):
         with pytest.raises(InvalidRequestError, match="rejected draft") as err:
             LLM(model=folder, kv="contiguous", speculative=how, progress=False)
@@ -719,3 +720,144 @@ def test_a_faulty_qwen35_gguf_is_one_clear_line(converted, child, tmp_path, find
     assert got.detail.startswith(("ModelLoadError", "UnsupportedModelError")), got.detail
     assert "\n" not in got.detail and "m.gguf" in got.detail
     assert re.search(says, got.detail), got.detail
+
+
+# ------------------------------------------------------------------- the engine's pool
+
+# prompts of different lengths: inside one block of 16, across several, and one longer
+POOL_PROMPTS = [PROMPT, "One two three, one two three, one two", PROMPT * 4 + " Paris. And"]
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pooled(qwen35_dir):
+    """The tiny Qwen3.5 (D A D A) on --kv paged, and each POOL_PROMPTS' greedy tokens
+    alone on its one-sequence cache (a HybridCache: the paged part and the state)."""
+    llm = LLM(model=qwen35_dir("qwen35"), kv="paged", progress=False)
+    alone = [[llm.generate(p, GREEDY)[0].outputs[0].token_ids] for p in POOL_PROMPTS]
+    return llm, alone
+
+
+def test_the_pool_batches_chunks_forks_and_preempts_as_alone(pooled):
+    """Through the engine's pool (a slot of state a sequence, kvlm.cache.recurrent.
+    StateSlots): the prompts batched, in chunks of 5 (one ragged step's sequences at their
+    own row offsets), n = 2 greedy samples (the slot forked by copy), and on a pool too
+    small for them all (the newest preempted, their slots freed and their prompts
+    recomputed) each give every prompt's tokens alone; every slot is back at the end,
+    and the same prompts again hit nothing (no state at block ends yet). The pool made
+    holds the slots and blocks planned (windowed_plan, block_bytes)."""
+    from kvlm.cache.recurrent import StateSlots
+    from kvlm.engine.engine import block_bytes, windowed_plan
+
+    llm, want = pooled
+    got, engine = on_pool(llm, POOL_PROMPTS, GREEDY)
+    assert got == want
+    state = engine.pool.groups[1]
+    assert isinstance(state, StateSlots) and state.num_used == 0 and state.num_blocks == 16
+    cfg, spec = engine.config, engine.spec  # the pool made is the pool planned
+    _, slots, slot_bytes = windowed_plan(cfg, spec, llm.max_context)
+    assert slots == [16] and state.nbytes == slot_bytes
+    assert engine.pool.total_nbytes == engine.pool.num_blocks * block_bytes(cfg, spec) + slot_bytes
+    assert [o.outputs[0].token_ids for o in llm.generate(POOL_PROMPTS, GREEDY)] == [
+        w[0] for w in want]  # LLM.generate's own pool  # fmt: skip
+    assert on_pool(llm, POOL_PROMPTS, GREEDY, scheduler={"prefill_chunk": 5})[0] == want
+    two, engine = on_pool(llm, POOL_PROMPTS, SamplingParams(n=2, max_tokens=20, temperature=0.0,
+                                                            ignore_eos=True))  # fmt: skip
+    assert two == [w * 2 for w in want] and engine.pool.groups[1].num_used == 0
+    small = LLM(model=llm.loaded.path, kv="paged", max_context=96, progress=False)
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want_long = [[small.generate(p, long)[0].outputs[0].token_ids] for p in POOL_PROMPTS]
+    got, engine = on_pool(small, POOL_PROMPTS, long, num_blocks=8)
+    assert got == want_long
+    assert engine.scheduler.preemptions > 0 and engine.pool.groups[1].num_used == 0
+    again, engine = on_pool(llm, POOL_PROMPTS * 2, GREEDY)
+    assert again == want * 2 and engine.manager.stats.hits == 0
+
+
+def test_a_pool_step_refuses_a_state_of_another_length(pooled):
+    """A slot's state holds its tokens and no others: a step that does not start where
+    the slot ends is refused (CacheOverflowError), and so is a trim to fewer tokens but
+    0; a step that fails leaves the slot as it was (commit after the forward only)."""
+    from kvlm.cache.recurrent import StateSlots
+    from kvlm.engine.engine import Engine
+    from kvlm.errors import CacheOverflowError
+
+    llm, _ = pooled
+    state = Engine(llm).pool.groups[1]
+    assert isinstance(state, StateSlots)
+    r, width, layers = state.conv.shape[2], state.conv.shape[-1], state.state.shape[0]
+    slot = [state.allocate()]
+
+    def run(step, u: torch.Tensor) -> list[torch.Tensor]:
+        taps = []
+        for layer in range(layers):
+            taps = step.taps(layer, u)
+            step.stage(layer, step.initial(layer) + 1)
+        return taps
+
+    step = state.step([(slot[0], 0, 5, [])])
+    u = torch.randn(1, 5, width)
+    step.taps(0, u)
+    with pytest.raises(ValueError, match="before every DeltaNet layer ran"):
+        step.commit()
+    assert state.end[slot[0]] == 0 and not state.conv[:, slot[0]].any()
+    taps = run(step, u)
+    assert torch.equal(taps[0][0, :r], torch.zeros(r, width))  # before position 0: zeros
+    step.commit()
+    assert state.end[slot[0]] == 5 and torch.equal(state.conv[0, slot[0]], u[0, -r:])
+    v = torch.randn(1, 1, width)
+    taps = run(state.step([(slot[0], 5, 1, [])]), v)  # one row: the slot's rows before it
+    assert all(torch.equal(t[0, 0], w) for t, w in zip(taps, [*u[0, -r:], v[0, 0]], strict=True))
+    with pytest.raises(CacheOverflowError, match="holds 5 tokens; a step at 4"):
+        state.step([(slot[0], 4, 1, [])])
+    with pytest.raises(RuntimeError, match="cannot forget"):
+        state.trim(slot, 4)
+    state.trim(slot, 0)
+    assert not slot and state.num_used == 0
+
+
+def test_kvlm_serve_answers_concurrent_chats(qwen35_dir):
+    """A real `kvlm serve` of the tiny Qwen3.5 (its pool: a slot of DeltaNet state a
+    sequence): two chat requests at once, batched (fewer steps than tokens), each answered
+    as the LLM answers it alone; /v1/kv and /metrics show the state group."""
+    import threading
+
+    from serving import get, kvlm_serve, openai_client, wait_idle
+
+    llm = LLM(model=qwen35_dir("qwen35"), kv="paged", progress=False)
+    questions = ["Name a city in France.", "Count to ten, please, one number at a time."]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    want = [llm.generate(
+        prompt_token_ids=[llm.tokenizer.encode_chat([{"role": "user", "content": q}])],
+        sampling_params=params)[0].outputs[0].text for q in questions]  # fmt: skip
+    key = "sekret"
+    with kvlm_serve("--model", str(llm.loaded.path), "--threads", "1", "--api-key", key,
+                    "--max-context", "256") as (port, _):  # fmt: skip
+        client = openai_client(port, key)
+        model = client.models.list().data[0].id
+        got: dict[int, str] = {}
+        start = threading.Barrier(len(questions))
+
+        def ask(i: int) -> None:
+            start.wait()
+            reply = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": questions[i]}],
+                max_tokens=32, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+            got[i] = reply.choices[0].message.content
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        m = wait_idle(port, key)
+        status, text = get(port, "/v1/kv", {"Authorization": f"Bearer {key}"})
+    assert [got[i] for i in range(len(questions))] == want
+    assert m["kvlm_engine_steps_total"] < m["kvlm_generation_tokens_total"]  # rows together
+    assert m['kvlm_kv_group_blocks_total{group="1",window="none",layers="2"}'] == 16  # slots
+    assert m['kvlm_kv_group_blocks_used{group="1",window="none",layers="2"}'] == 0
+    assert status == 200
+    groups = json.loads(text)["groups"]
+    assert [(g["kind"], g["layers"]) for g in groups] == [("attention", [1, 3]), ("state", [0, 2])]
+    assert groups[1]["block_bytes"] == llm.cache_spec().layer_kinds[0].sequence_bytes(
+        llm.cache_spec()) * 2  # two DeltaNet layers' state a slot  # fmt: skip

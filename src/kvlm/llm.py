@@ -17,14 +17,14 @@ from tqdm import tqdm
 
 from kvlm import defaults, kernels
 from kvlm.cache import CacheSpec, KVCache, create_cache
-from kvlm.cache.factory import BATCH_MODES, check_mode, mode_spec, pool_mode
+from kvlm.cache.factory import BATCH_MODES, check_mode, mode_spec
 from kvlm.cache.recurrent import NO_ROLLBACK
 from kvlm.config import LIMITS, for_context
 from kvlm.dtypes import dtype_name, kv_sides, parse_dtype, parse_kv_dtype
 from kvlm.engine.backends import cache_engine_limits
 from kvlm.engine.batch import Stream, run_batch
 from kvlm.engine.chat import ChatSession
-from kvlm.engine.engine import Engine, EngineConfig, pool_refusal
+from kvlm.engine.engine import Engine, EngineConfig
 from kvlm.engine.request import RequestOutput
 from kvlm.engine.runner import ModelRunner
 from kvlm.engine.sampling import SamplingParams
@@ -302,7 +302,7 @@ class LLM:
             requests = [(None, _token_ids(ids)) for ids in listed]
         params = self._params_for(sampling_params, len(requests))
         many = len(requests) > 1 or self.speculative is not None  # drafts live in the engine
-        batched = many and self.kv_mode in BATCH_MODES and self._pool_takes
+        batched = many and self.kv_mode in BATCH_MODES
         pool = self.batch_engine() if batched else None
         one: Engine | None = None  # what the pool cannot take runs alone, as it would
         engines: list[Engine] = []  # each prompt checked, once, before any work
@@ -342,12 +342,6 @@ class LLM:
         if not all(isinstance(p, SamplingParams) for p in params):
             raise InvalidRequestError("sampling_params must be SamplingParams")
         return params
-
-    @cached_property
-    def _pool_takes(self) -> bool:
-        """Whether the engine's pool keeps what this model's layers keep (a gated
-        DeltaNet's state it does not yet: generate runs such a model's prompts alone)."""
-        return pool_refusal(self.cache_spec(pool_mode(self.kv_mode))) is None
 
     def batch_engine(self) -> Engine:
         """The engine `generate` batches prompts through, made on first use and kept: it

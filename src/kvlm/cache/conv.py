@@ -47,7 +47,6 @@ sealed block's end rows copied from the ring.
 from __future__ import annotations
 
 import sys
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -55,6 +54,7 @@ import torch
 from kvlm.cache.base import CacheSpec, CacheStep, ConvView, KVCache, KVPair
 from kvlm.cache.groups import LayerGroup
 from kvlm.cache.kinds import CONV_ROW_DTYPE, RING_SLACK, ConvWindow
+from kvlm.cache.slots import Piece, Slots, sequences
 from kvlm.errors import CacheOverflowError, InvalidRequestError
 
 
@@ -258,21 +258,18 @@ class ConvCache(KVCache):
         raise TypeError("a conv part's plan is its kind's: LayerGroup.sequence_bytes")
 
 
-# A pool step's piece of rows: (the sequence's slot, its first position, its tokens, its
-# table of group 0's blocks), in the order the step's tokens are flattened
-Piece = tuple[int, int, int, Sequence[int]]
-
-
-class ConvSlots:
+class ConvSlots(Slots):
     """The engine pool's conv group (kvlm.cache.paged.BlockPool.groups; the module
     docstring's picture): `slots` rows slots, one a sequence from admission to its finish
-    or preemption (BlockManager), a fork's copied; and, where `blocks` > 0 (a pool with
-    prefix caching), the end rows of each of group 0's `blocks` blocks, which a prefix hit
-    at that block's end restores a slot from.
+    or preemption (BlockManager), a fork's copied (kvlm.cache.slots.Slots: a slot is a
+    table of one entry in BlockTable.others); and, where `blocks` > 0 (a pool with prefix
+    caching), the end rows of each of group 0's `blocks` blocks, which a prefix hit at that
+    block's end restores a slot from. A trim to fewer tokens (a draft's rejected rows)
+    leaves the ring as it is: the next step reads the rows before its start, held within
+    the slack (SlotStep refuses a read past it)."""
 
-    A slot is a table of one entry in BlockTable.others (its group's), so the block-table
-    calls of kvlm.cache.prefix reach it as they reach a windowed group's table: `grow`,
-    `trim` (to 0: the slot goes back), `fork` (a copy), `slide` (nothing)."""
+    step_attr = "conv"
+    what = "conv rows"
 
     def __init__(
         self, spec: CacheSpec, group: LayerGroup, slots: int, blocks: int, block_size: int
@@ -280,9 +277,8 @@ class ConvSlots:
         kind = group.kind
         if not isinstance(kind, ConvWindow):
             raise TypeError(f"ConvSlots keeps a conv group, not {kind!r}")
-        self.group, self.kind, self.block_size = group, kind, block_size
+        super().__init__(group, slots, block_size)
         self.ring = kind.keep  # rows a slot keeps: L - 1 + RING_SLACK
-        self.num_blocks = slots  # the group's units, as a block pool counts them
         self.zero_row = slots * self.ring
         layers, dev = len(group.layers), spec.device
         self.rows = torch.zeros(layers, slots * self.ring + 1, kind.width, dtype=CONV_ROW_DTYPE,
@@ -292,8 +288,6 @@ class ConvSlots:
         # per group 0 block: the prefix id (kvlm.cache.registry) it held when its end rows
         # were kept (0: none); its rows are good while it holds that id
         self.ends_of = [0] * blocks
-        self.refs = [0] * slots
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(slots))
         # per slot: one past the furthest position written, and the first position held
         # (positions before 0 are held: the zero row)
         self.end = [0] * slots
@@ -302,20 +296,8 @@ class ConvSlots:
     # ------------------------------------------------------------------ as a group
 
     @property
-    def window(self) -> None:
-        return None  # no attention mask of its own
-
-    @property
     def keep(self) -> int:
         return self.ring
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_queue)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - self.num_free
 
     @property
     def block_nbytes(self) -> int:
@@ -347,53 +329,18 @@ class ConvSlots:
 
     # ------------------------------------------------------------------ slots
 
-    def allocate(self) -> int:
-        if not self.free_queue:
-            raise CacheOverflowError(f"the conv rows' {self.num_blocks} slots are all taken")
-        slot, _ = self.free_queue.popitem(last=False)
-        self.refs[slot] = 1
+    def _reset(self, slot: int) -> None:
         self.end[slot], self.first[slot] = 0, -self.ring
-        return slot
 
-    def release(self, slot: int) -> None:
-        if self.refs[slot] <= 0:
-            raise RuntimeError(f"double free of conv slot {slot}")
-        self.refs[slot] = 0
-        self.free_queue[slot] = None
+    def _copy(self, src: int, dst: int) -> None:
+        ring = self.ring
+        self.rows[:, dst * ring : (dst + 1) * ring] = self.rows[:, src * ring : (src + 1) * ring]
+        self.end[dst], self.first[dst] = self.end[src], self.first[src]
 
     def _ring(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
         """Rows of `slot` holding `positions` (the zero row for those before 0)."""
         rows = slot * self.ring + positions % self.ring
         return torch.where(positions >= 0, rows, self.zero_row).to(self.rows.device)
-
-    # ------------------------------------------------------------------ as a block table
-
-    def grow_cost(self, table: list[int], start: int, n_new: int) -> int:
-        return 0 if table else 1
-
-    def grow(self, table: list[int], start: int, n_new: int) -> None:
-        if not table:
-            table.append(self.allocate())
-
-    def trim(self, table: list[int], num_tokens: int) -> None:
-        """To 0 tokens: the slot goes back. Fewer tokens (a draft's rejected rows): the ring
-        keeps them; the next step reads the rows before its start, held within the slack
-        (SlotStep refuses a read past it)."""
-        if num_tokens == 0 and table:
-            self.release(table.pop())
-
-    def fork(self, table: list[int]) -> list[int]:
-        """A second sequence with a copy of the slot's rows."""
-        if not table:
-            return []
-        src, dst = table[0], self.allocate()
-        ring = self.ring
-        self.rows[:, dst * ring : (dst + 1) * ring] = self.rows[:, src * ring : (src + 1) * ring]
-        self.end[dst], self.first[dst] = self.end[src], self.first[src]
-        return [dst]
-
-    def slide(self, table: list[int], end: int) -> int:
-        return 0  # a slot is a fixed window: nothing leaves it
 
     # ------------------------------------------------------------------ prefix hits
 
@@ -452,7 +399,7 @@ class ConvSlots:
         its start checked as SlotStep checks them (CacheOverflowError past the slack).
         None for a run of more than RING_SLACK + 1 rows (the torch step's): the end rows of
         a block it seals could leave the ring before `written` copies them."""
-        seqs = _sequences(pieces)
+        seqs = sequences(pieces)
         if any(n > self.ring - self.kind.rows + 1 for _, _, n, _ in seqs):
             return None
         for slot, start, _, _ in seqs:
@@ -467,7 +414,7 @@ class ConvSlots:
         it passed has the L - 1 rows before it copied from the ring into that block's end
         rows, as SlotStep.commit writes them."""
         r, bs = self.kind.rows, self.block_size
-        for slot, start, n, table in _sequences(pieces):
+        for slot, start, n, table in sequences(pieces):
             if self.holds_ends:
                 for b in range(-(-(start + 1) // bs) * bs, start + n + 1, bs):
                     rows = self.rows.index_select(1, self._ring(slot, torch.arange(b - r, b)))
@@ -494,7 +441,7 @@ class SlotStep:
     def __init__(self, slots: ConvSlots, pieces: Sequence[Piece]) -> None:
         self.slots = slots
         self.start = pieces[0][1] if pieces else 0  # the first row's (Transformer checks it)
-        self.seqs = _sequences(pieces)
+        self.seqs = sequences(pieces)
         r, n_seq = slots.kind.rows, len(self.seqs)
         before, taps, ring, ring_src, ends, ends_src = [], [], [], [], [], []
         offset = n_seq * r  # buf's row of the first token's u
@@ -547,19 +494,6 @@ class SlotStep:
         for slot, start, n, _ in self.seqs:
             slots.end[slot] = max(slots.end[slot], start + n)
             slots.first[slot] = max(slots.first[slot], slots.end[slot] - slots.ring)
-
-
-def _sequences(pieces: Sequence[Piece]) -> list[Piece]:
-    """Pieces as sequences to the convolution: consecutive pieces of one slot at
-    consecutive positions (a sequence's draft rows) joined into one."""
-    seqs: list[list] = []
-    for slot, start, n, table in pieces:
-        last = seqs[-1] if seqs else None
-        if last is not None and last[0] == slot and last[1] + last[2] == start:
-            last[2] += n
-        else:
-            seqs.append([slot, start, n, table])
-    return [tuple(s) for s in seqs]  # type: ignore[misc]
 
 
 def _check(slots: ConvSlots, slot: int, start: int) -> None:

@@ -228,7 +228,7 @@ class RecurrentState(LayerKind):
         return values * state_dtype(spec.kv_dtypes[0]).itemsize
 
     def end_bytes(self, spec: Geometry) -> int:
-        return 0  # the engine's pool keeps no state yet (kvlm.engine.engine.pool_refusal)
+        return 0  # no state kept at block ends yet (kvlm.cache.recurrent.StateSlots)
 
 
 # Every kind by its code (a file's `groups` layout): a new kind takes the next number

@@ -66,8 +66,10 @@ from kvlm.cache.base import (
 from kvlm.cache.conv import ConvSlots
 from kvlm.cache.groups import LayerGroup, layer_at, layer_groups, layout_extra
 from kvlm.cache.hybrid import group_prefix, group_tensors, ring_spec
-from kvlm.cache.kinds import ConvWindow
+from kvlm.cache.kinds import ConvWindow, RecurrentState
+from kvlm.cache.recurrent import StateSlots
 from kvlm.cache.registry import PrefixRegistry
+from kvlm.cache.slots import Slots
 from kvlm.cache.storage import Store
 from kvlm.errors import CacheOverflowError, InvalidRequestError
 
@@ -105,10 +107,11 @@ class BlockPool:
         (num_blocks), `groups[g]` group g (a BlockPool of `group` g, group_blocks[g - 1]
         blocks, default num_blocks; a conv group's ConvSlots, group_blocks[g - 1] slots,
         and with `end_rows` (a pool that keeps a prefix cache) each of this pool's blocks'
-        end rows: kvlm.cache.conv)."""
+        end rows: kvlm.cache.conv; a DeltaNet group's StateSlots, group_blocks[g - 1] slots
+        of state: kvlm.cache.recurrent)."""
         kinds = layer_groups(spec)
         self.group = group or kinds[0]  # the layers this pool's store holds, their kind
-        self.groups: list[BlockPool | ConvSlots] = [self]
+        self.groups: list[BlockPool | Slots] = [self]
         self.layer_at = layer_at(kinds)  # layer -> (its group, its index in the group's store)
         if group is None:
             blocks = group_blocks or [num_blocks] * (len(kinds) - 1)
@@ -116,6 +119,8 @@ class BlockPool:
                 if isinstance(g.kind, ConvWindow):
                     ends = num_blocks if end_rows else 0
                     self.groups.append(ConvSlots(spec, g, n, ends, spec.block_size))
+                elif isinstance(g.kind, RecurrentState):
+                    self.groups.append(StateSlots(spec, g, n, spec.block_size))
                 else:
                     self.groups.append(BlockPool(spec, n, scratch, group=g))
         spec = self.group.spec(spec)
@@ -162,7 +167,7 @@ class BlockPool:
 
     @property
     def total_nbytes(self) -> int:
-        """Bytes of every group's store (a conv group's slots and end rows)."""
+        """Bytes of every group's store (a state group's slots, a conv group's end rows)."""
         return sum(g.nbytes for g in self.groups)
 
     @property
@@ -296,6 +301,8 @@ class BlockPool:
             return [KVView(self.store, tables[0], self.block_size)]
         views: list[KVView | ConvView] = []
         for g, (group, rows) in enumerate(zip(self.groups, tables, strict=True)):
+            if isinstance(group, StateSlots):
+                return None  # no fused step reads a DeltaNet state
             if isinstance(group, ConvSlots):
                 view = group.view(_pieces(rows, starts, tables[0]))
                 if view is None:
@@ -355,20 +362,23 @@ class _PagedStep(CacheStep):
     """A step that writes each token at its block and slot of a pool's stores: one `_Part`
     per layer group, layer i in part layer_at[i][0] at index layer_at[i][1]."""
 
-    parts: list[_Part | None]  # None: a conv group's (its rows are `conv`'s, no K/V)
+    parts: list[_Part | None]  # None: a state group's (its rows are `conv`'s, no K/V)
     layer_at: list[tuple[int, int]]
 
-    def _conv_rows(self, group: ConvSlots, slots: Sequence[list[int]], pieces: list) -> None:
-        """A conv group's part: each row's slot (its table's one entry), its rows through
-        `conv` (kvlm.cache.conv.SlotStep), read by the model's conv layers."""
-        self.conv = group.step([(t[0], *piece) for t, piece in zip(slots, pieces, strict=True)])
+    def _slot_rows(self, group: Slots, slots: Sequence[list[int]], pieces: list) -> None:
+        """A state group's part: each row's slot (its table's one entry), its rows through
+        the step's `conv` (a conv group's: kvlm.cache.conv.SlotStep) or `recurrent` (a
+        DeltaNet group's: kvlm.cache.recurrent.SlotDeltaStep), read by those layers."""
+        step = group.step([(t[0], *piece) for t, piece in zip(slots, pieces, strict=True)])
+        setattr(self, group.step_attr, step)
         self.parts.append(None)
 
     def commit_rows(self) -> None:
-        """Keep the conv rows the forward staged (the K/V went to their blocks as it ran;
-        the rows wait for its success, so a step run again reads what it read first)."""
-        if self.conv is not None:
-            self.conv.commit()
+        """Keep the state the forward staged (the K/V went to their blocks as it ran; the
+        state waits for its success, so a step run again reads what it read first)."""
+        for step in (self.conv, self.recurrent):
+            if step is not None:
+                step.commit()
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVPair:
         group, index = self.layer_at[layer]
@@ -721,9 +731,9 @@ class TableStep(_PagedStep):
         width = blocks_for(n_keys, bs)
         self.parts, self.layer_at = [], pool.layer_at
         for group, rows in zip(pool.groups, [tables, *others], strict=True):
-            if isinstance(group, ConvSlots):
+            if isinstance(group, Slots):
                 pieces = [(s, n_new, t) for s, t in zip(starts, tables, strict=True)]
-                self._conv_rows(group, rows, pieces)
+                self._slot_rows(group, rows, pieces)
                 continue
             padded = torch.tensor([readable(t, width) for t in rows])  # (B, width)
             write = padded.gather(1, pos // bs).to(device)  # (B, T)
@@ -828,8 +838,8 @@ class RaggedStep(_PagedStep):
             cu_k.append(cu_k[-1] + end)
         self.parts, self.layer_at = [], pool.layer_at
         for group, rows in zip(pool.groups, [tables, *others], strict=True):
-            if isinstance(group, ConvSlots):
-                self._conv_rows(group, rows, list(zip(starts, lengths, tables, strict=True)))
+            if isinstance(group, Slots):
+                self._slot_rows(group, rows, list(zip(starts, lengths, tables, strict=True)))
                 continue
             write_b, read_b = [], []
             for table, start, length in zip(rows, starts, lengths, strict=True):

@@ -49,8 +49,8 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 from kvlm.cache.base import blocks_for
-from kvlm.cache.conv import ConvSlots
 from kvlm.cache.paged import ALL, FREED, BlockPool, window_blocks
+from kvlm.cache.slots import Slots
 from kvlm.cache.tiers import KVTiers, check_digests, salt_field
 from kvlm.errors import CacheOverflowError
 
@@ -94,7 +94,7 @@ class BlockTable:
     """One sequence's blocks, the keys of those that are full and sealed, and its salt; on
     a hybrid pool also its table of each other layer group (`others[g - 1]`, group g of
     kvlm.cache.paged.BlockPool.groups: FREED where a block has left a window; a conv
-    group's, the sequence's one slot of rows, kvlm.cache.conv.ConvSlots)."""
+    group's or a DeltaNet group's, the sequence's one slot: kvlm.cache.slots)."""
 
     blocks: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
@@ -185,7 +185,9 @@ class BlockManager:
     admission (`allocate`), back at its finish or preemption (`free`), copied by `fork`; a
     hit at p needs the rows before p, the end rows of group 0's block ending at p, which
     `seal` marks held as it registers a block (the steps wrote them): the hit is the longest
-    p whose rows are held (sglang's mamba radix cache, vLLM's hybrid manager)."""
+    p whose rows are held (sglang's mamba radix cache, vLLM's hybrid manager). A DeltaNet
+    group (kvlm.cache.recurrent.StateSlots) keeps a slot of state a sequence the same way
+    and no state at block ends yet: no hit reaches a model with one."""
 
     def __init__(
         self,
@@ -202,7 +204,7 @@ class BlockManager:
         self.step_tokens = step_tokens
 
     @property
-    def others(self) -> list[BlockPool | ConvSlots]:
+    def others(self) -> list[BlockPool | Slots]:
         """A hybrid pool's layer groups after group 0, each window's and a conv group's
         (none for one group)."""
         return self.pool.groups[1:]
@@ -250,14 +252,14 @@ class BlockManager:
         blocks, keys = self._walk(tokens, salt, reuse)
         if not self.others or not blocks:
             return Hit(blocks, keys, [[] for _ in self.others])
-        found = [None if isinstance(g, ConvSlots) else
+        found = [None if isinstance(g, Slots) else
                  self._window_blocks(g, tokens, salt, blocks, keys)
                  for g in self.others]  # fmt: skip
         bs, h, ids = self.block_size, len(blocks), self.pool.prefix.prefix_id
         while h > 0:
             tables = []
             for group, have in zip(self.others, found, strict=True):
-                if isinstance(group, ConvSlots):
+                if isinstance(group, Slots):
                     if not group.has_rows(blocks[h - 1], ids[blocks[h - 1]]):
                         break
                     tables.append([])
@@ -311,7 +313,7 @@ class BlockManager:
         if self.others:
             blocks, keys = self._walk(tokens, salt)
             for g, group in enumerate(self.others, start=1):
-                if isinstance(group, ConvSlots):
+                if isinstance(group, Slots):
                     loaded += yield from self._fetch_rows(g, group, tokens, salt, blocks, keys)
                 else:
                     loaded += yield from self._fetch_window(g, group, tokens, salt, blocks, keys)
@@ -394,7 +396,7 @@ class BlockManager:
         return len(loaded)
 
     def _fetch_rows(
-        self, g: int, group: ConvSlots, tokens: Sequence[int], salt: str | None,
+        self, g: int, group: Slots, tokens: Sequence[int], salt: str | None,
         blocks: list[int], keys: list[bytes],
     ) -> Steps:  # fmt: skip
         """Load conv group g's end rows of the last block of group 0's hit (`blocks`) where
@@ -443,7 +445,7 @@ class BlockManager:
         if self._admit_cost(len(tokens), hit.blocks) > self.pool.num_free - reserve:
             return False
         for group, table in zip(self.others, hit.others, strict=True):
-            if isinstance(group, ConvSlots):  # a slot of rows
+            if isinstance(group, Slots):  # a slot of rows
                 if not group.num_free:
                     return False
                 continue
@@ -471,7 +473,7 @@ class BlockManager:
         table.blocks += [self.pool.allocate() for _ in range(need - len(hit.blocks))]
         cached = len(hit.blocks) * self.block_size
         for group, slots in zip(self.others, table.others, strict=True):
-            if isinstance(group, ConvSlots):  # its slot, its rows at the hit
+            if isinstance(group, Slots):  # its slot, its rows at the hit
                 slots.append(group.allocate())
                 if hit.blocks:
                     group.restore(slots[0], hit.blocks[-1], cached)
@@ -532,7 +534,7 @@ class BlockManager:
             link, holder = (pool.prefix.prefix_id[block], table.salt), pool.prefix.cached.get(key)
             offers = [(0, pool, block)] if holder == block else []
             for g, (group, blocks) in enumerate(self._tables(table)[1:], start=1):
-                if isinstance(group, ConvSlots):  # group 0's block's end rows, now held
+                if isinstance(group, Slots):  # group 0's block's end rows, now held
                     had = holder is not None and group.has_rows(holder, link[0])
                     group.mark(block, link[0], holder)
                     if holder is not None and not had and group.has_rows(holder, link[0]):
@@ -547,7 +549,7 @@ class BlockManager:
             if checks is None:
                 checks = check_digests(tokens, table.salt, bs, stop)
             for g, group, held in offers:
-                parts = (group.block_rows(held) if isinstance(group, ConvSlots)
+                parts = (group.block_rows(held) if isinstance(group, Slots)
                          else group.store.raw((ALL, ALL, held)))  # fmt: skip
                 self.tiers.offer(key, chunk, checks[i], parts, group=g)
 

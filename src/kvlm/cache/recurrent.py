@@ -17,20 +17,28 @@ Both in kinds.state_dtype (fp32; fp64 for an fp64 cache). A state cannot forget 
 `can_roll_back(n)` is False for any n > 0 (a chat turn starts over; speculative decoding
 is refused for such a model, kvlm.llm), rollback to 0 is a reset. fork, snapshot/restore
 copy it whole. No fused C step reads it (kvlm.model.fused refuses a DeltaNet layer), no
-cache file holds it yet (kvlm.cache.files refuses), nor the engine's pool (kvlm.llm).
+cache file holds it yet (kvlm.cache.files refuses).
+
+`StateSlots` keeps it in the engine's pool (kvlm.cache.paged.BlockPool.groups; the slot
+bookkeeping is kvlm.cache.slots'): a slot a sequence of both tensors above, its step a
+`SlotDeltaStep` (the step's sequences at their row offsets `cu`, as GatedDeltaNet reads
+them); no state at group 0's block ends yet, so no prefix hit reaches such a model.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 import torch
 
 from kvlm.cache.base import CacheSpec, CacheStep, KVCache, KVPair
 from kvlm.cache.conv import ConvRows, ConvStep
+from kvlm.cache.groups import LayerGroup
 from kvlm.cache.kinds import ConvWindow, RecurrentState, state_dtype
+from kvlm.cache.slots import Piece, Slots, sequences
 from kvlm.config import DeltaNet
-from kvlm.errors import InvalidRequestError
+from kvlm.errors import CacheOverflowError, InvalidRequestError
 
 # Why a cache with a DeltaNet state refuses a rollback (and the callers that need one)
 NO_ROLLBACK = "a gated DeltaNet's state cannot forget tokens"
@@ -84,7 +92,10 @@ class DeltaRows:
 class DeltaStep:
     """One forward's view of the DeltaNet rows: `conv` the ConvStep of their convolution
     windows, `initial(layer)` a layer's state before the step, `stage(layer, state)` its
-    state after (kept by DeltaRows.commit)."""
+    state after (kept by DeltaRows.commit). The step's sequences are its B rows of n_new
+    tokens each (`cu` None: a pool step's say where each sequence's rows are)."""
+
+    cu: list[int] | None = None
 
     def __init__(self, rows: DeltaRows, n_new: int) -> None:
         self.start, self.n_new = rows.length, n_new
@@ -177,3 +188,140 @@ class StateCache(KVCache):
     @classmethod
     def planned_nbytes(cls, spec: CacheSpec, tokens: int, batch: int) -> int:
         raise TypeError("a state part's plan is its kind's: LayerGroup.sequence_bytes")
+
+
+class StateSlots(Slots):
+    """The engine pool's DeltaNet group (kvlm.cache.paged.BlockPool.groups): `slots` slots
+    of state, one a sequence (kvlm.cache.slots.Slots), each every DeltaNet layer's
+    recurrent state and its convolution's last L - 1 input rows, in kinds.state_dtype:
+
+        state: (layers, slots, value_heads, key_dim, value_dim)
+        conv:  (layers, slots, L - 1, conv_width)    positions end - L + 1 .. end - 1
+
+    zeroed when a slot is taken (the state before any token; rows before position 0 read
+    as zeros), `end[slot]` the tokens it holds. No state is kept at group 0's block ends
+    yet, so a prefix hit never reaches such a model (Slots.has_rows: the engine's prefix
+    cache computes every prompt whole), and a state cannot forget tokens: a step must
+    start where its slot ends (`SlotDeltaStep`), a trim to fewer tokens than it holds
+    but 0 is refused (speculative decoding is refused for such a model, kvlm.llm)."""
+
+    step_attr = "recurrent"
+    what = "DeltaNet states"
+
+    def __init__(self, spec: CacheSpec, group: LayerGroup, slots: int, block_size: int) -> None:
+        kind = group.kind
+        if not isinstance(kind, RecurrentState):
+            raise TypeError(f"StateSlots keeps a DeltaNet group, not {kind!r}")
+        super().__init__(group, slots, block_size)
+        s, layers = kind.sizes, len(group.layers)
+        dtype, dev = state_dtype(spec.kv_dtypes[0]), spec.device
+        self.state = torch.zeros(layers, slots, s.value_heads, s.key_dim, s.value_dim,
+                                 dtype=dtype, device=dev)  # fmt: skip
+        self.conv = torch.zeros(layers, slots, s.conv_kernel - 1, s.conv_width, dtype=dtype,
+                                device=dev)  # fmt: skip
+        self.end = [0] * slots
+
+    @property
+    def keep(self) -> int:
+        return 0  # no positions: the state
+
+    @property
+    def block_nbytes(self) -> int:
+        """A slot's bytes (the group's sequence_bytes)."""
+        return (self.state.nbytes + self.conv.nbytes) // self.num_blocks
+
+    @property
+    def nbytes(self) -> int:
+        return self.state.nbytes + self.conv.nbytes
+
+    def commit_memory(self) -> None:
+        self.state.zero_()
+        self.conv.zero_()
+
+    def _reset(self, slot: int) -> None:
+        self.state[:, slot].zero_()
+        self.conv[:, slot].zero_()
+        self.end[slot] = 0
+
+    def _copy(self, src: int, dst: int) -> None:
+        self.state[:, dst] = self.state[:, src]
+        self.conv[:, dst] = self.conv[:, src]
+        self.end[dst] = self.end[src]
+
+    def trim(self, table: list[int], num_tokens: int) -> None:
+        if table and 0 < num_tokens < self.end[table[0]]:
+            raise RuntimeError(f"{NO_ROLLBACK}: slot {table[0]} holds {self.end[table[0]]} "
+                               f"tokens, trimmed to {num_tokens}")  # fmt: skip
+        super().trim(table, num_tokens)
+
+    def step(self, pieces: Sequence[Piece]) -> SlotDeltaStep:
+        """The DeltaNet state of a pool step whose tokens, flattened, are `pieces`."""
+        return SlotDeltaStep(self, pieces)
+
+
+class SlotDeltaStep:
+    """A pool step's DeltaNet state (StateSlots), what GatedDeltaNet reads as it reads a
+    DeltaStep: its sequences (the pieces joined, `sequences`) in the order the step's
+    tokens are flattened, `cu` their row offsets, `conv.taps` each token's taps over its
+    slot's rows and the step's, `initial(layer)` the sequences' states (S, nv, dk, dv),
+    `stage(layer, state)` them after; `commit()` writes them and each slot's last L - 1
+    rows back once the forward has succeeded. A sequence's piece must start where its
+    slot ends (CacheOverflowError otherwise: its state is of another length)."""
+
+    def __init__(self, slots: StateSlots, pieces: Sequence[Piece]) -> None:
+        self.slots, self.seqs = slots, sequences(pieces)
+        self.start = pieces[0][1] if pieces else 0  # the first row's (Transformer checks it)
+        r = slots.conv.shape[2]
+        cu, taps, kept, offset = [0], [], [], len(self.seqs) * r
+        for s, (slot, start, n, _) in enumerate(self.seqs):
+            if start != slots.end[slot]:
+                raise CacheOverflowError(
+                    f"the DeltaNet state of slot {slot} holds {slots.end[slot]} tokens; a "
+                    f"step at {start} cannot start there ({NO_ROLLBACK}: the sequence must "
+                    "be recomputed)"
+                )
+            cu.append(cu[-1] + n)
+
+            def at(q: torch.Tensor, s=s, offset=offset) -> torch.Tensor:
+                """buf's rows of the sequence's relative positions q (q >= -(L - 1))."""
+                return torch.where(q >= 0, offset + q, s * r + r + q)
+
+            rel = torch.arange(n)
+            taps.append(torch.stack([at(rel - r + k) for k in range(r + 1)]))
+            kept.append(at(torch.arange(n - r, n)))
+            offset += n
+        dev = slots.conv.device
+        self.cu = cu
+        self._slots = torch.tensor([seq[0] for seq in self.seqs], dtype=torch.long, device=dev)
+        self._taps = torch.cat(taps, dim=1).to(dev)  # (L, N)
+        self._kept = torch.cat(kept).to(dev)  # (S (L - 1),)
+        self.conv = self  # the model reads `step.conv.taps`
+        layers = slots.state.shape[0]
+        self._bufs: list[torch.Tensor | None] = [None] * layers
+        self.staged: list[torch.Tensor | None] = [None] * layers
+
+    def taps(self, layer: int, u: torch.Tensor) -> list[torch.Tensor]:
+        """u (B, T, C) (the step's tokens, flattened in the pieces' order): the L tensors
+        shaped as u its convolution's taps read (ConvStep.taps), the rows staged."""
+        before = self.slots.conv[layer].index_select(0, self._slots)  # (S, L - 1, C)
+        buf = torch.cat([before.flatten(0, 1).to(u.dtype), u.reshape(-1, u.shape[-1])])
+        self._bufs[layer] = buf
+        return [buf.index_select(0, row).view(u.shape) for row in self._taps]
+
+    def initial(self, layer: int) -> torch.Tensor:
+        return self.slots.state[layer].index_select(0, self._slots)
+
+    def stage(self, layer: int, state: torch.Tensor) -> None:
+        self.staged[layer] = state
+
+    def commit(self) -> None:
+        """Keep the step's states and each sequence's last L - 1 rows in their slots."""
+        if any(t is None for t in self.staged) or any(t is None for t in self._bufs):
+            raise ValueError("a DeltaNet step committed before every DeltaNet layer ran")
+        slots, r = self.slots, self.slots.conv.shape[2]
+        for layer, (state, buf) in enumerate(zip(self.staged, self._bufs, strict=True)):
+            slots.state[layer].index_copy_(0, self._slots, state.to(slots.state.dtype))  # type: ignore[union-attr]
+            rows = buf.index_select(0, self._kept).view(len(self.seqs), r, -1)  # type: ignore[union-attr]
+            slots.conv[layer].index_copy_(0, self._slots, rows.to(slots.conv.dtype))
+        for slot, start, n, _ in self.seqs:
+            slots.end[slot] = start + n

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvlm.cache.conv import ConvSlots
 from kvlm.cache.paged import BlockPool
+from kvlm.cache.slots import Slots
 
 
 def block_map(
@@ -96,8 +96,8 @@ def layer_groups(pool: BlockPool) -> list[dict]:
     num_blocks, used, cached, free, block_bytes, used_bytes, total_bytes}."""
     out = []
     for g, group in enumerate(pool.groups):
-        if isinstance(group, ConvSlots):
-            out.append(conv_group(g, group))
+        if isinstance(group, Slots):
+            out.append(slot_group(g, group))
             continue
         cached = sum(1 for b in group.prefix.cached.values() if group.refs[b] == 0)
         out.append({
@@ -110,11 +110,12 @@ def layer_groups(pool: BlockPool) -> list[dict]:
     return out
 
 
-def conv_group(g: int, group: ConvSlots) -> dict:
-    """A conv group (kvlm.cache.conv.ConvSlots) as layer_groups gives the others: its
-    "blocks" are slots of rows, one a sequence (`block_bytes` a slot's, `used` the
-    sequences holding one), and besides them the end rows it holds of group 0's blocks
-    for prefix hits (`blocks_with_rows`, `block_rows_bytes` each; in `total_bytes`)."""
+def slot_group(g: int, group: Slots) -> dict:
+    """A state group (kvlm.cache.slots: a conv group's rows, a DeltaNet group's state) as
+    layer_groups gives the others: its "blocks" are slots, one a sequence (`block_bytes` a
+    slot's, `used` the sequences holding one), and besides them the end rows it holds of
+    group 0's blocks for prefix hits (`blocks_with_rows`, `block_rows_bytes` each; in
+    `total_bytes`; none for a DeltaNet group yet)."""
     return {
         "group": g, "kind": group.group.kind.name, "layers": list(group.group.layers),
         "window": None, "keep": group.keep, "num_blocks": group.num_blocks,

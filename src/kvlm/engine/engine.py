@@ -31,9 +31,10 @@ from kvlm.cache.base import CacheSpec, blocks_for
 from kvlm.cache.conv import ConvSlots
 from kvlm.cache.factory import pool_mode
 from kvlm.cache.groups import layer_groups as spec_groups
-from kvlm.cache.kinds import CONV_ROW_DTYPE, ConvWindow, RecurrentState
+from kvlm.cache.kinds import CONV_ROW_DTYPE, STATE_KINDS
 from kvlm.cache.paged import BlockPool, window_blocks
 from kvlm.cache.prefix import BlockManager, check_salt
+from kvlm.cache.recurrent import StateSlots
 from kvlm.cache.storage import part_layout
 from kvlm.cache.tier_key import load_tier_key
 from kvlm.cache.tiers import KVTiers, namespace, parse_tier
@@ -93,24 +94,17 @@ class EngineConfig:
 
 def pool_spec(llm: ServedModel) -> CacheSpec:
     """The pool's cache spec: the LLM's K/V storage in its mode's pool (--kv int8 stores
-    int8 whatever --kv-dtype says: kvlm.cache.factory.pool_mode); refused for a model
-    whose layers keep a kind the pool has no store for (`pool_refusal`)."""
-    spec = llm.cache_spec(pool_mode(llm.kv_mode))
-    reason = pool_refusal(spec)
-    if reason is not None:
-        raise InvalidRequestError(f"kv {llm.kv_mode!r}: {reason}", param="kv")
-    return spec
+    int8 whatever --kv-dtype says: kvlm.cache.factory.pool_mode). Every layer kind has a
+    store in the pool (a state kind's slots: kvlm.cache.slots)."""
+    return llm.cache_spec(pool_mode(llm.kv_mode))
 
 
-def pool_refusal(spec: CacheSpec) -> str | None:
-    """Why the engine's pool cannot keep `spec`'s layers (None: it can): a gated DeltaNet's
-    state (kinds.RecurrentState) has no slot in it yet (docs/DESIGN.md section 5)."""
-    if any(isinstance(g.kind, RecurrentState) for g in spec_groups(spec)):
-        return (
-            "the engine's pool keeps no gated DeltaNet state yet: this model runs one "
-            "request at a time on its own cache (kvlm generate and chat; not kvlm serve)"
-        )
-    return None
+# Why a pool of a model with gated DeltaNet layers takes no KV tier: its slots keep no
+# state at block ends, so no tier record could ever be a hit (kvlm.cache.recurrent)
+NO_STATE_TIERS = (
+    "a model with gated DeltaNet layers keeps no state at block ends yet, so its prefix "
+    "cache never hits and a KV tier would only be written: drop --kv-tier"
+)
 
 
 def windowed_plan(
@@ -119,15 +113,15 @@ def windowed_plan(
     """A hybrid model's pool (kvlm.cache.paged): the most tokens one step feeds a
     sequence (a prefill chunk, a draft and its token), the blocks of each layer group
     after group 0 (each window's: each of max_num_seqs sequences at its most,
-    window_blocks: never short of them; a conv group's: a slot of rows for each of
-    max_num_seqs sequences, kvlm.cache.conv) and their bytes together; (step tokens, [],
-    0) for a model of one group."""
+    window_blocks: never short of them; a conv or DeltaNet group's: a slot of state for
+    each of max_num_seqs sequences, kvlm.cache.slots) and their bytes together; (step
+    tokens, [], 0) for a model of one group."""
     sched, spec_cfg = config.scheduler, config.speculative
     chunk = min(sched.prefill_chunk, sched.chunk_size or sched.prefill_chunk)
     step = min(context, max(chunk, 1 + (spec_cfg.num_draft if spec_cfg else 0)))
     bs, blocks, nbytes = spec.block_size, [], 0
     for group in spec_groups(spec)[1:]:
-        if isinstance(group.kind, ConvWindow):  # a slot a sequence (its seats: max_num_seqs)
+        if isinstance(group.kind, STATE_KINDS):  # a slot a sequence (its seats: max_num_seqs)
             blocks.append(sched.max_num_seqs)
             nbytes += blocks[-1] * group.sequence_bytes(spec)
             continue
@@ -239,6 +233,8 @@ class Engine:
             for w in p.groups[1:]:  # a block table per layer group (kvlm.cache.paged)
                 if isinstance(w, ConvSlots):
                     kv += f"{w.num_blocks} slots of the conv layers' rows, "
+                elif isinstance(w, StateSlots):
+                    kv += f"{w.num_blocks} slots of the DeltaNet layers' state, "
                 else:
                     kv += f"{w.num_blocks} for the layers with a window of {w.window}, "
             kv += f"{p.total_nbytes / 2**20:,.0f} MiB"
@@ -295,6 +291,8 @@ class Engine:
         for group in pool.groups:
             group.commit_memory()
         self.pool, self.spec = pool, spec
+        if self.config.kv_tiers and any(isinstance(g, StateSlots) for g in pool.groups):
+            raise InvalidRequestError(NO_STATE_TIERS, param="kv_tiers")
         self.tiers = self._tiers() if self.config.kv_tiers else None
         manager = BlockManager(pool, self.config.prefix_caching, self.tiers, step_tokens)
         return PoolBackend(self.runner, manager, spec)
@@ -721,12 +719,15 @@ class Engine:
     def _other_groups(self, seq: Sequence) -> dict:
         """What a sequence holds in a hybrid pool's other groups, for /v1/kv: each
         window's blocks (`windowed_blocks`), a conv group's slot and its rows' bytes
-        (`conv_rows`)."""
+        (`conv_rows`), a DeltaNet group's slot and its state's (`deltanet_state`)."""
         out: dict = {}
         for group, table in zip(self.pool.groups[1:], seq.table.others, strict=True):
             if isinstance(group, ConvSlots):
                 out["conv_rows"] = {"slot": table[0] if table else None,
                                     "bytes": group.block_nbytes if table else 0}  # fmt: skip
+            elif isinstance(group, StateSlots):
+                out["deltanet_state"] = {"slot": table[0] if table else None,
+                                         "bytes": group.block_nbytes if table else 0}  # fmt: skip
             else:
                 out.setdefault("windowed_blocks", []).append(table)
         return out

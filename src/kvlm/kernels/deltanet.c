@@ -130,35 +130,40 @@ static void delta_head(const float *conv, const float *z, const float *bb, const
     }
 }
 
-/* The step of one gated DeltaNet layer over B sequences of T tokens each (rows b * T + t):
- * conv [B T, C] (C = 2 nk dk + nv dv: q|k|v, before silu), z [B T, nv dv], b and a
- * [B T, nv], a_log and dt_bias [nv] (hn), w [dv] (wn: the gated norm's weight), state
- * [B, nv, dk, dv] (sn floats: read and updated), out [B T, nv dv] (on floats). Each
- * buffer's length follows it, in floats. Returns 0, or -2, nothing read or written, for a
- * shape out of range (B, T, nk >= 1; nv a multiple of nk; dk, dv in 1..DELTA_MAX_DIM) or
- * a buffer shorter than its shape. */
+/* The step of one gated DeltaNet layer over S sequences, sequence s the rows cu[s] ..
+ * cu[s + 1] - 1 of the step (cu: S + 1 offsets, cun of them; 0 first, never decreasing;
+ * a sequence of no rows keeps its state): conv [rows, C] (C = 2 nk dk + nv dv: q|k|v,
+ * before silu), z [rows, nv dv], b and a [rows, nv], a_log and dt_bias [nv] (hn), w [dv]
+ * (wn: the gated norm's weight), state [S, nv, dk, dv] (sn floats: read and updated), out
+ * [rows, nv dv] (on floats). Each buffer's length follows it, in floats. Returns 0, or -2,
+ * nothing read or written, for a shape out of range (S, nk >= 1; nv a multiple of nk; dk,
+ * dv in 1..DELTA_MAX_DIM; cu not as said) or a buffer shorter than its shape. */
 int kvlm_gated_delta(const float *conv, int64_t cn, const float *z, int64_t zn,
                      const float *b, int64_t bn, const float *a, int64_t an,
                      const float *a_log, const float *dt_bias, int64_t hn, const float *w,
                      int64_t wn, double eps, float *state, int64_t sn, float *out, int64_t on,
-                     int64_t B, int64_t T, int64_t nk, int64_t nv, int64_t dk, int64_t dv) {
-    int64_t rows, C, need, heads;
-    if (B < 1 || T < 1 || nk < 1 || nv < nk || nv % nk) return -2;
+                     const int64_t *cu, int64_t cun, int64_t S, int64_t nk, int64_t nv,
+                     int64_t dk, int64_t dv) {
+    int64_t rows, C, need, heads, vd, work;
+    if (S < 1 || nk < 1 || nv < nk || nv % nk || !cu || cun != S + 1 || cu[0] != 0) return -2;
     if (dk < 1 || dk > DELTA_MAX_DIM || dv < 1 || dv > DELTA_MAX_DIM) return -2;
     if (!conv || !z || !b || !a || !a_log || !dt_bias || !w || !state || !out) return -2;
-    if (hn != nv || wn != dv || !mul_ok(B, T, &rows) || !mul_ok(B, nv, &heads)) return -2;
-    if (!mul_ok(2 * nk, dk, &C) || !mul_ok(nv, dv, &need) || !add_ok(C, need, &C)) return -2;
+    for (int64_t s = 0; s < S; s++)
+        if (cu[s + 1] < cu[s]) return -2;
+    rows = cu[S];
+    if (hn != nv || wn != dv || !mul_ok(S, nv, &heads) || !mul_ok(nv, dv, &vd)) return -2;
+    if (!mul_ok(nk, 2 * dk, &C) || !add_ok(C, vd, &C)) return -2;
     if (!mul_ok(rows, C, &need) || cn < need) return -2;
-    if (!mul_ok(rows, nv * dv, &need) || zn < need || on < need) return -2;
+    if (!mul_ok(rows, vd, &need) || zn < need || on < need) return -2;
+    if (!mul_ok(need, dk, &work)) work = INT64_MAX; /* the step's work, for the threads */
     if (!mul_ok(rows, nv, &need) || bn < need || an < need) return -2;
     if (!mul_ok(heads, dk * dv, &need) || sn < need) return -2;
     const float e = (float)eps;
-#pragma omp parallel for schedule(static) if (heads > 1 && heads * T * dk * dv >= 16384)
+#pragma omp parallel for schedule(dynamic) if (heads > 1 && work >= 16384)
     for (int64_t p = 0; p < heads; p++) {
-        const int64_t s = p / nv, h = p % nv, r0 = s * T;
-        delta_head(conv + r0 * C, z + r0 * nv * dv, b + r0 * nv, a + r0 * nv, a_log[h],
-                   dt_bias[h], w, e, state + p * dk * dv, out + r0 * nv * dv, T, h, nk, nv,
-                   dk, dv);
+        const int64_t s = p / nv, h = p % nv, r0 = cu[s], T = cu[s + 1] - cu[s];
+        delta_head(conv + r0 * C, z + r0 * vd, b + r0 * nv, a + r0 * nv, a_log[h], dt_bias[h],
+                   w, e, state + p * dk * dv, out + r0 * vd, T, h, nk, nv, dk, dv);
     }
     return 0;
 }

@@ -36,6 +36,8 @@ forward from position 0 with a zero state.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -75,52 +77,74 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.Parameter(norm, requires_grad=False)
 
     def forward(self, x: torch.Tensor, step: DeltaStep) -> torch.Tensor:
-        """x (B, T, H), the block's normed input -> (B, T, H)."""
+        """x (B, T, H), the block's normed input -> (B, T, H). The step's sequences: B of
+        T tokens each, or where `step.cu` says (an engine pool step's rows flattened:
+        sequence s the rows cu[s] .. cu[s + 1] - 1 of the B x T)."""
         s, (B, T, _) = self.shape, x.shape
-        nk, nv, dk, dv = s.key_heads, s.value_heads, s.key_dim, s.value_dim
+        nv, dv = s.value_heads, s.value_dim
         qkv, z, b, a = self.in_proj(x).split([s.conv_width, nv * dv, nv, nv], dim=-1)
         taps = step.conv.taps(self.slot, qkv)  # L of (B, T, C): the window's rows first
         w = self.kernel.to(qkv.dtype)
         conv = taps[0] * w[0]
         for k in range(1, w.shape[0]):
             conv = conv + taps[k] * w[k]
-        work = work_dtype(x.dtype)
+        cu = step.cu if step.cu is not None else [i * T for i in range(B + 1)]
+        rows = [t.reshape(B * T, -1) for t in (conv, z, b, a)]
         lib = kernels.library() if x.dtype == torch.float32 and x.is_cpu else None
         if lib is not None:  # every value one way wherever it falls (kernels/deltanet.c)
-            return self.out_proj(self._kernel(lib, conv, z, b, a, step).view(B, T, nv * dv))
-        q, k, v = F.silu(conv).split([nk * dk, nk * dk, nv * dv], dim=-1)
-        beta = b.sigmoid().to(work)
-        g = -self.a_log.to(work).exp() * F.softplus(a.to(work) + self.dt_bias.to(work))
-        rep = nv // nk
-        q, k = (t.view(B, T, nk, dk).repeat_interleave(rep, dim=2).to(work) for t in (q, k))
-        q, k = l2norm(q), l2norm(k)
-        q = q / dk**0.5
-        out, state = recurrent_gated_delta_rule(q, k, v.view(B, T, nv, dv).to(work), g, beta,
-                                                step.initial(self.slot).to(work))  # fmt: skip
-        step.stage(self.slot, state)
-        out = gated_rms_norm(out.to(x.dtype), z.view(B, T, nv, dv), self.norm, self.eps, work)
-        return self.out_proj(out.reshape(B, T, nv * dv))
+            out = self._kernel(lib, *rows, step, cu)
+        else:
+            out = self._torch(*rows, step, cu)
+        return self.out_proj(out.view(B, T, nv * dv))
 
-    def _kernel(self, lib, conv, z, b, a, step: DeltaStep) -> torch.Tensor:
+    def _torch(self, conv, z, b, a, step: DeltaStep, cu: list[int]) -> torch.Tensor:
+        """The step after the convolution in torch ops (fp64, other devices), a sequence
+        at a time: rows (N, .) -> (N, nv * dv), each sequence's state staged."""
+        s, dtype = self.shape, conv.dtype
+        nk, nv, dk, dv = s.key_heads, s.value_heads, s.key_dim, s.value_dim
+        work, initial = work_dtype(dtype), step.initial(self.slot)
+        out, states = [], []
+        for i, (r0, r1) in enumerate(pairwise(cu)):
+            T = r1 - r0
+            q, k, v = F.silu(conv[r0:r1]).split([nk * dk, nk * dk, nv * dv], dim=-1)
+            beta = b[None, r0:r1].sigmoid().to(work)
+            g = -self.a_log.to(work).exp() * F.softplus(a[None, r0:r1].to(work)
+                                                        + self.dt_bias.to(work))  # fmt: skip
+            q, k = (t.view(1, T, nk, dk).repeat_interleave(nv // nk, dim=2).to(work)
+                    for t in (q, k))  # fmt: skip
+            q, k = l2norm(q), l2norm(k)
+            o, state = recurrent_gated_delta_rule(q / dk**0.5, k, v.view(1, T, nv, dv).to(work),
+                                                  g, beta, initial[i : i + 1].to(work))  # fmt: skip
+            states.append(state[0])
+            o = gated_rms_norm(o.to(dtype), z[None, r0:r1].view(1, T, nv, dv), self.norm,
+                               self.eps, work)  # fmt: skip
+            out.append(o.reshape(T, nv * dv))
+        step.stage(self.slot, torch.stack(states))
+        return torch.cat(out)
+
+    def _kernel(self, lib, conv, z, b, a, step: DeltaStep, cu: list[int]) -> torch.Tensor:
         """The step after the convolution in C (kvlm_gated_delta): silu, the q/k norms,
-        the gates, the rule over the T tokens (the state staged as the torch road's),
-        the gated norm -> (B, T, nv * dv)."""
-        s, (B, T, _) = self.shape, conv.shape
+        the gates, the rule over each sequence's tokens (its state staged as the torch
+        road's), the gated norm: rows (N, .) -> (N, nv * dv)."""
+        s = self.shape
         nk, nv, dk, dv = s.key_heads, s.value_heads, s.key_dim, s.value_dim
         conv, z, b, a = (t.contiguous() for t in (conv, z, b, a))
         state = step.initial(self.slot).to(torch.float32, copy=True).contiguous()
-        out = torch.empty(B, T, nv * dv)
+        out = torch.empty(conv.shape[0], nv * dv)
+        offsets = torch.tensor(cu, dtype=torch.int64)
         params = [p.detach().to(torch.float32).contiguous()
                   for p in (self.a_log, self.dt_bias, self.norm)]  # fmt: skip
         rc = lib.kvlm_gated_delta(
             conv.data_ptr(), conv.numel(), z.data_ptr(), z.numel(), b.data_ptr(), b.numel(),
             a.data_ptr(), a.numel(), params[0].data_ptr(), params[1].data_ptr(), nv,
             params[2].data_ptr(), dv, self.eps, state.data_ptr(), state.numel(),
-            out.data_ptr(), out.numel(), B, T, nk, nv, dk, dv,
+            out.data_ptr(), out.numel(), offsets.data_ptr(), offsets.numel(), len(cu) - 1, nk,
+            nv, dk, dv,
         )  # fmt: skip
         if rc != 0:
-            raise ValueError(f"the kernels refused a gated DeltaNet step of {B} x {T} rows "
-                             f"({nk} q/k heads of {dk}, {nv} v heads of {dv})")  # fmt: skip
+            raise ValueError(f"the kernels refused a gated DeltaNet step of {len(cu) - 1} "
+                             f"sequences, {conv.shape[0]} rows ({nk} q/k heads of {dk}, "
+                             f"{nv} v heads of {dv})")  # fmt: skip
         step.stage(self.slot, state)
         return out
 
