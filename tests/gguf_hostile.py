@@ -21,6 +21,7 @@ import copy
 import json
 import os
 import random
+import re
 import select
 import subprocess
 import sys
@@ -387,6 +388,14 @@ class Outcome:
     outcome: str  # ran | refused | error | raised | signal | hang | exit
     detail: str
     seconds: float
+
+    def refused_in_one_line(self, name: str, says: str) -> None:
+        """The load ended in one ModelLoadError / UnsupportedModelError line naming the
+        file (or folder) `name` and matching `says`."""
+        assert self.outcome == "refused", f"{self.outcome}: {self.detail}"
+        assert self.detail.startswith(("ModelLoadError", "UnsupportedModelError")), self.detail
+        assert "\n" not in self.detail and name in self.detail, self.detail
+        assert re.search(says, self.detail), self.detail
 
 
 class Child:

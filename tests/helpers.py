@@ -1249,6 +1249,23 @@ def staggered_answers(engine, prompts: list[list[int]], params) -> dict[str, lis
     return out
 
 
+def gguf_as_folder(path, folder):
+    """The converted GGUF at `path` and its HF `folder`, each an exact kv-off LLM, their
+    configs held equal (but the name, and the epsilon the file stores in fp32)."""
+    from dataclasses import replace
+
+    import pytest
+
+    from kvlm import LLM
+
+    from_gguf = LLM(model=path, kv="off", exact=True, progress=False)
+    from_hf = LLM(model=folder, kv="off", exact=True, progress=False)
+    a, b = from_gguf.config, from_hf.config
+    assert a.rms_norm_eps == pytest.approx(b.rms_norm_eps, rel=1e-7)
+    assert replace(a, name="", rms_norm_eps=0.1) == replace(b, name="", rms_norm_eps=0.1)
+    return from_gguf, from_hf
+
+
 def on_pool(llm, prompts, params, **config) -> tuple[list[list[list[int]]], object]:
     """Each prompt's samples' tokens through an engine on the pool (EngineConfig(**config),
     the scheduler's fields under `scheduler`), and the engine."""

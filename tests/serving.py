@@ -90,6 +90,46 @@ def openai_client(port: int, key: str = "unused"):
     return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
 
 
+# two chat questions a real serve answers at once (chats_at_once), beside the LLM's answers
+QUESTIONS = ["Name a city in France.", "Count to ten, please, one number at a time."]
+
+
+def chats_alone(llm, questions: list[str], max_tokens: int) -> list[str]:
+    """What `llm` answers each question alone, as chats_at_once asks it (greedy,
+    ignore_eos): the server's answers must be these."""
+    from kvlm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    chats = [llm.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
+    return [llm.generate(prompt_token_ids=[c], sampling_params=params)[0].outputs[0].text
+            for c in chats]  # fmt: skip
+
+
+def chats_at_once(port: int, key: str, questions: list[str], max_tokens: int) -> list[str]:
+    """Each question asked as one chat completion (greedy, ignore_eos), all at once (a
+    thread each, started together), through the openai client; the answers in order."""
+    import threading
+
+    client = openai_client(port, key)
+    model = client.models.list().data[0].id
+    got: dict[int, str] = {}
+    start = threading.Barrier(len(questions))
+
+    def ask(i: int) -> None:
+        start.wait()
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": questions[i]}],
+            max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+        got[i] = reply.choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return [got.get(i) for i in range(len(questions))]
+
+
 def _healthy(port: int) -> bool:
     try:
         return get(port, "/health")[0] == 200

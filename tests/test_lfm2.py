@@ -26,6 +26,7 @@ from helpers import (
     assert_top_k_both_ways,
     counted_fused_runs,
     fused_and_torch,
+    gguf_as_folder,
     hf_greedy,
     hf_logits,
     load_hf,
@@ -616,42 +617,20 @@ def test_kvlm_serve_answers_concurrent_chats(lfm2_dir):
     steps than tokens), each answered as the LLM answers it alone; every decode row
     through the fused step (/metrics' fused rows, /v1/kv's decode_step); /v1/kv and
     /metrics show the conv group."""
-    import threading
-
-    from serving import get, kvlm_serve, openai_client, wait_idle
+    from serving import QUESTIONS, chats_alone, chats_at_once, get, kvlm_serve, wait_idle
 
     llm = pool_fused_llm(lfm2_dir("lfm2"), "int8")
-    questions = ["Name a city in France.", "Count to ten, please, one number at a time."]
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    want = [llm.generate(
-        prompt_token_ids=[llm.tokenizer.encode_chat([{"role": "user", "content": q}])],
-        sampling_params=params)[0].outputs[0].text for q in questions]  # fmt: skip
+    want = chats_alone(llm, QUESTIONS, 48)
     key = "sekret"
     with kvlm_serve("--model", str(llm.loaded.path), "--threads", "1", "--api-key", key,
                     "--max-context", "256", "--weights", "int8") as (port, _):  # fmt: skip
-        client = openai_client(port, key)
-        model = client.models.list().data[0].id
-        got: dict[int, str] = {}
-        start = threading.Barrier(len(questions))
-
-        def ask(i: int) -> None:
-            start.wait()
-            reply = client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": questions[i]}],
-                max_tokens=48, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
-            got[i] = reply.choices[0].message.content
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        got = chats_at_once(port, key, QUESTIONS, 48)
         m = wait_idle(port, key)
         status, text = get(port, "/v1/kv", {"Authorization": f"Bearer {key}"})
-    assert [got[i] for i in range(len(questions))] == want
+    assert got == want
     assert m["kvlm_engine_steps_total"] < m["kvlm_generation_tokens_total"]  # rows together
     # every token after each answer's first (the prefill's) a row of the fused step
-    decoded = m["kvlm_generation_tokens_total"] - len(questions)
+    decoded = m["kvlm_generation_tokens_total"] - len(QUESTIONS)
     assert m["kvlm_engine_fused_rows_total"] == decoded > 0
     assert m['kvlm_kv_group_blocks_total{group="1",window="none",layers="2"}'] == 16  # slots
     assert m['kvlm_kv_group_blocks_used{group="1",window="none",layers="2"}'] == 0
@@ -1058,14 +1037,8 @@ def test_gguf_from_llama_cpps_converter_reads_as_the_folder(converted, name):
     """The file users get: the same config (but the epsilon, stored in fp32) and logits as
     close to the exact ones as the folder's through kvlm. (Not of a model with conv
     biases: the converter squeezes the kernel's bias as it does the kernel, and fails.)"""
-    from dataclasses import replace
-
     folder, path = converted(name)
-    from_gguf = LLM(model=path, kv="off", exact=True, progress=False)
-    from_hf = LLM(model=folder, kv="off", exact=True, progress=False)
-    a, b = from_gguf.config, from_hf.config
-    assert a.rms_norm_eps == pytest.approx(b.rms_norm_eps, rel=1e-7)
-    assert replace(a, name="", rms_norm_eps=0.1) == replace(b, name="", rms_norm_eps=0.1)
+    from_gguf, from_hf = gguf_as_folder(path, folder)
     ids = prompt_ids(from_hf)
     ours = from_gguf.runner.logits(ids, from_gguf.new_cache("off"))
     ref = from_hf.runner.logits(ids, from_hf.new_cache("off"))

@@ -24,6 +24,7 @@ import converter
 from helpers import (
     FRANCE,
     assert_greedy_agreement,
+    gguf_as_folder,
     hf_greedy,
     hf_logits,
     load_hf,
@@ -548,11 +549,7 @@ def test_gguf_from_llama_cpps_converter_reads_as_the_folder(converted, name):
     converter tiles put back), so teacher-forced logits bit-equal to the folder's and the
     same greedy tokens. With an MTP head (its block after the model's, not read) and without."""
     folder, path = converted(name)
-    from_gguf = LLM(model=path, kv="off", exact=True, progress=False)
-    from_hf = LLM(model=folder, kv="off", exact=True, progress=False)
-    a, b = from_gguf.config, from_hf.config
-    assert a.rms_norm_eps == pytest.approx(b.rms_norm_eps, rel=1e-7)
-    assert replace(a, name="", rms_norm_eps=0.1) == replace(b, name="", rms_norm_eps=0.1)
+    from_gguf, from_hf = gguf_as_folder(path, folder)
     ours, ref = from_gguf.model.state_dict(), from_hf.model.state_dict()
     assert ours.keys() == ref.keys()
     for key, value in ref.items():
@@ -707,7 +704,6 @@ def test_a_faulty_qwen35_gguf_is_one_clear_line(converted, child, tmp_path, find
     """A key the family reads missing or wrong, a DeltaNet tensor of another shape,
     missing, or of values -exp cannot give: one ModelLoadError / UnsupportedModelError
     line naming the file and the fault."""
-    import re
 
     from gguf_hostile import read, write
 
@@ -715,11 +711,7 @@ def test_a_faulty_qwen35_gguf_is_one_clear_line(converted, child, tmp_path, find
     edit, says = QWEN35_GGUF_FINDINGS[finding]
     spec = read(path)
     edit(spec)
-    got = child.run(write(spec, tmp_path / "m.gguf"))
-    assert got.outcome == "refused", f"{got.outcome}: {got.detail}"
-    assert got.detail.startswith(("ModelLoadError", "UnsupportedModelError")), got.detail
-    assert "\n" not in got.detail and "m.gguf" in got.detail
-    assert re.search(says, got.detail), got.detail
+    child.run(write(spec, tmp_path / "m.gguf")).refused_in_one_line("m.gguf", says)
 
 
 # ------------------------------------------------------------------- the engine's pool
@@ -820,39 +812,17 @@ def test_kvlm_serve_answers_concurrent_chats(qwen35_dir):
     """A real `kvlm serve` of the tiny Qwen3.5 (its pool: a slot of DeltaNet state a
     sequence): two chat requests at once, batched (fewer steps than tokens), each answered
     as the LLM answers it alone; /v1/kv and /metrics show the state group."""
-    import threading
-
-    from serving import get, kvlm_serve, openai_client, wait_idle
+    from serving import QUESTIONS, chats_alone, chats_at_once, get, kvlm_serve, wait_idle
 
     llm = LLM(model=qwen35_dir("qwen35"), kv="paged", progress=False)
-    questions = ["Name a city in France.", "Count to ten, please, one number at a time."]
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    want = [llm.generate(
-        prompt_token_ids=[llm.tokenizer.encode_chat([{"role": "user", "content": q}])],
-        sampling_params=params)[0].outputs[0].text for q in questions]  # fmt: skip
+    want = chats_alone(llm, QUESTIONS, 32)
     key = "sekret"
     with kvlm_serve("--model", str(llm.loaded.path), "--threads", "1", "--api-key", key,
                     "--max-context", "256") as (port, _):  # fmt: skip
-        client = openai_client(port, key)
-        model = client.models.list().data[0].id
-        got: dict[int, str] = {}
-        start = threading.Barrier(len(questions))
-
-        def ask(i: int) -> None:
-            start.wait()
-            reply = client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": questions[i]}],
-                max_tokens=32, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
-            got[i] = reply.choices[0].message.content
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        got = chats_at_once(port, key, QUESTIONS, 32)
         m = wait_idle(port, key)
         status, text = get(port, "/v1/kv", {"Authorization": f"Bearer {key}"})
-    assert [got[i] for i in range(len(questions))] == want
+    assert got == want
     assert m["kvlm_engine_steps_total"] < m["kvlm_generation_tokens_total"]  # rows together
     assert m['kvlm_kv_group_blocks_total{group="1",window="none",layers="2"}'] == 16  # slots
     assert m['kvlm_kv_group_blocks_used{group="1",window="none",layers="2"}'] == 0
