@@ -1266,6 +1266,48 @@ def gguf_as_folder(path, folder):
     return from_gguf, from_hf
 
 
+# the pool tests' prompts, of different lengths: inside one block of 16, across several,
+# and one longer; and their greedy sampling
+POOL_PROMPTS = [FRANCE, "One two three, one two three, one two", FRANCE * 4 + " Paris. And"]
+
+
+def _greedy():
+    from kvlm import SamplingParams
+
+    return SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+GREEDY = _greedy()
+
+
+def answer(engine, ids: list[int], params=GREEDY) -> tuple[list[int], int]:
+    """One request through `engine` to its end: its tokens and its cached prompt tokens."""
+    rid = f"r{engine.stats.requests_added}"
+    engine.add_request(rid, ids, params)
+    out, cached = [], 0
+    while engine.has_work():
+        for ev in engine.step():
+            out += ev.token_ids
+            cached = ev.cached_tokens
+    return out, cached
+
+
+def conversation(llm) -> tuple[list[int], list[int]]:
+    """A chat's first turn and its second (the first, its answer, a new question)."""
+    first = [{"role": "user", "content": "Name a city in France, then one in Spain."}]
+    ids = llm.tokenizer.encode_chat(first)
+    reply = llm.tokenizer.decode(answer(fresh_engine(llm), ids)[0])
+    second = [*first, {"role": "assistant", "content": reply},
+              {"role": "user", "content": "And one in Italy?"}]  # fmt: skip
+    return ids, llm.tokenizer.encode_chat(second)
+
+
+def fresh_engine(llm, **config):
+    from kvlm.engine.engine import Engine, EngineConfig
+
+    return Engine(llm, EngineConfig(**config))
+
+
 def on_pool(llm, prompts, params, **config) -> tuple[list[list[list[int]]], object]:
     """Each prompt's samples' tokens through an engine on the pool (EngineConfig(**config),
     the scheduler's fields under `scheduler`), and the engine."""

@@ -880,7 +880,9 @@ def test_the_gated_delta_checks_its_buffers_and_is_the_torch_road(build):
     calls write nothing (out and the state stay); a good one is the torch road's
     arithmetic as exactly as torch's own fp32 (against fp64), its state too, on every
     build, with dims off the 16 lanes (dk 20, dv 24), two q/k heads serving four, and
-    sequences of 5, 0 and 3 rows (a pool step's ragged rows)."""
+    sequences of 5, 0 and 3 rows (a pool step's ragged rows); the snapshots asked for (the
+    state after 2 of the first's rows, all 3 of the third's) are the states those rows
+    alone leave, bit for bit."""
     lib = _kernels(build)
     g = torch.Generator().manual_seed(5)
     lengths, nk, nv, dk, dv = [5, 0, 3], 2, 4, 20, 24
@@ -898,13 +900,18 @@ def test_the_gated_delta_checks_its_buffers_and_is_the_torch_road(build):
             "sn": S * nv * dk * dv, "on": N * nv * dv}  # fmt: skip
     dims = {"cun": S + 1, "S": S, "nk": nk, "nv": nv, "dk": dk, "dv": dv}
 
-    def call(state: torch.Tensor, out: torch.Tensor, offsets=cu, **given) -> int:
-        n, d = {**size, **given}, {**dims, **{k: v for k, v in given.items() if k in dims}}
+    snap_at = torch.tensor([2, 0, 3], dtype=torch.int64)  # after 2 of 5 rows, none, all 3
+    snaps = _guarded(S * nv * dk * dv)
+
+    def call(state: torch.Tensor, out: torch.Tensor, offsets=cu, at=snap_at, **given) -> int:
+        n = {**size, "atn": S, "pn": S * nv * dk * dv, **given}
+        d = {**dims, **{k: v for k, v in given.items() if k in dims}}
         return lib.kvlm_gated_delta(
             f32["conv"].data_ptr(), n["cn"], f32["z"].data_ptr(), n["zn"], f32["b"].data_ptr(),
             n["bn"], f32["a"].data_ptr(), n["an"], f32["a_log"].data_ptr(),
             f32["dt_bias"].data_ptr(), n["hn"], f32["w"].data_ptr(), n["wn"], 1e-6,
             state.data_ptr(), n["sn"], out.data_ptr(), n["on"], offsets.data_ptr(), d["cun"],
+            None if at is None else at.data_ptr(), n["atn"], snaps.data_ptr(), n["pn"],
             d["S"], d["nk"], d["nv"], d["dk"], d["dv"],
         )  # fmt: skip
 
@@ -915,12 +922,14 @@ def test_the_gated_delta_checks_its_buffers_and_is_the_torch_road(build):
         {"offsets": torch.tensor([1, 5, 5, 8])}, {"offsets": torch.tensor([0, 5, 4, 8])},
         {"offsets": torch.tensor([0, 5, 5, 9])},
         {"offsets": torch.tensor([0, 5, 5, HUGE]), **big},
-        {"nv": HUGE, "hn": HUGE, "nk": 1, **big}]  # fmt: skip
+        {"nv": HUGE, "hn": HUGE, "nk": 1, **big}, {"atn": S - 1}, {"pn": S * nv * dk * dv - 1},
+        {"at": torch.tensor([2, 1, 3])}, {"at": torch.tensor([6, 0, 3])},
+        {"at": torch.tensor([-1, 0, 3])}]  # fmt: skip
     n_state, n_out = size["sn"], size["on"]
     for given in bad:
         state, out = _guarded(n_state), _guarded(n_out)
         assert call(state, out, **given) == -2, given
-        assert _untouched(state) and _untouched(out), given
+        assert _untouched(state) and _untouched(out) and _untouched(snaps), given
     state, out = _guarded(n_state), _guarded(n_out)
     state[:n_state] = state0.float().flatten()
     assert call(state, out) == 0 and _untouched(out[n_out:]) and _untouched(state[n_state:])
@@ -937,7 +946,19 @@ def test_the_gated_delta_checks_its_buffers_and_is_the_torch_road(build):
                                       state=state0[i : i + 1].float(), nk=nk, dk=dk)  # fmt: skip
         assert_as_exact_as(got[at : at + n][None], ref, exact)
         assert_as_exact_as(got_state[i : i + 1], ref_after, after)
+        k = int(snap_at[i])  # the state after k rows: the same call over k rows alone
+        alone, alone_out = state0[i : i + 1].float().clone(), torch.empty(k, nv * dv)
+        part = {key: f32[key][at : at + k].contiguous() for key in ("conv", "z", "b", "a")}
+        assert lib.kvlm_gated_delta(
+            part["conv"].data_ptr(), part["conv"].numel(), part["z"].data_ptr(),
+            part["z"].numel(), part["b"].data_ptr(), part["b"].numel(), part["a"].data_ptr(),
+            part["a"].numel(), f32["a_log"].data_ptr(), f32["dt_bias"].data_ptr(), nv,
+            f32["w"].data_ptr(), dv, 1e-6, alone.data_ptr(), alone.numel(), alone_out.data_ptr(),
+            alone_out.numel(), torch.tensor([0, k]).data_ptr(), 2, None, 0, None, 0, 1, nk, nv,
+            dk, dv) == 0  # fmt: skip
+        assert torch.equal(snaps[: S * nv * dk * dv].view(S, nv, dk, dv)[i], alone[0])
         at += n
+    assert _untouched(snaps[S * nv * dk * dv :])
 
 
 @pytest.mark.parametrize("build", BUILDS)

@@ -20,11 +20,16 @@ import torch
 import converter
 from helpers import (
     FRANCE,
+    GREEDY,
     LFM2_TEMPLATE,
+    POOL_PROMPTS,
+    answer,
     assert_greedy_agreement,
     assert_ragged_agrees,
     assert_top_k_both_ways,
+    conversation,
     counted_fused_runs,
+    fresh_engine,
     fused_and_torch,
     gguf_as_folder,
     hf_greedy,
@@ -389,10 +394,6 @@ def test_the_fused_step_takes_it(lfm2_dir):
 
 # ------------------------------------------------------------------- the engine's pool
 
-# prompts of different lengths: inside one block of 16, across several, and one longer
-POOL_PROMPTS = [PROMPT, "One two three, one two three, one two", PROMPT * 4 + " Paris. And"]
-GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-
 
 @pytest.fixture(scope="module")
 def pooled(lfm2_dir):
@@ -460,34 +461,6 @@ def test_one_ragged_forward_per_step_follows_a_forward_per_chunk(pooled):
 
     ragged, split = run(True), run(False)
     assert_ragged_agrees(ragged, split, 12)
-
-
-def answer(engine, ids: list[int], params=GREEDY) -> tuple[list[int], int]:
-    """One request through `engine` to its end: its tokens and its cached prompt tokens."""
-    rid = f"r{engine.stats.requests_added}"
-    engine.add_request(rid, ids, params)
-    out, cached = [], 0
-    while engine.has_work():
-        for ev in engine.step():
-            out += ev.token_ids
-            cached = ev.cached_tokens
-    return out, cached
-
-
-def conversation(llm: LLM) -> tuple[list[int], list[int]]:
-    """A chat's first turn and its second (the first, its answer, a new question)."""
-    first = [{"role": "user", "content": "Name a city in France, then one in Spain."}]
-    ids = llm.tokenizer.encode_chat(first)
-    reply = llm.tokenizer.decode(answer(fresh_engine(llm), ids)[0])
-    second = [*first, {"role": "assistant", "content": reply},
-              {"role": "user", "content": "And one in Italy?"}]  # fmt: skip
-    return ids, llm.tokenizer.encode_chat(second)
-
-
-def fresh_engine(llm: LLM, **config):
-    from kvlm.engine.engine import Engine, EngineConfig
-
-    return Engine(llm, EngineConfig(**config))
 
 
 def test_a_prefix_hit_mid_conversation_restores_the_rows(pooled):

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from helpers import assert_generation_agrees, assert_ragged_agrees, staggered_on_pool
+from helpers import answer, assert_generation_agrees, assert_ragged_agrees, staggered_on_pool
 from kvlm import LLM, SamplingParams
 from kvlm.cache import create_cache
 from kvlm.cache.base import CacheFileError, blocks_for
@@ -152,28 +152,19 @@ def test_prefix_hits_need_the_window_and_are_cut_short_without_it(folder):
     a, b = [*ids[:110], 5, 6, 7], [*ids[:110], 9, 10]
     other = llm.tokenizer.encode(OTHER)
 
-    def answer(engine, prompt):
-        engine.add_request(str(len(engine.requests) + engine.stats.requests_added), prompt, GREEDY)
-        out, cached = [], 0
-        while engine.has_work():
-            for ev in engine.step():
-                out += ev.token_ids
-                cached = ev.cached_tokens
-        return out, cached
-
-    want_b = answer(Engine(llm, EngineConfig()), b)[0]
+    want_b = answer(Engine(llm, EngineConfig()), b, GREEDY)[0]
     roomy = Engine(llm, EngineConfig())
-    answer(roomy, a)
-    got, cached = answer(roomy, b)
+    answer(roomy, a, GREEDY)
+    got, cached = answer(roomy, b, GREEDY)
     assert got == want_b and cached == 96
     st = roomy.manager.stats
     assert (st.window_lookups, st.window_cut) == (1, 0)
     sched = SchedulerConfig(max_num_seqs=1, prefill_chunk=16)
     tight = Engine(llm, EngineConfig(num_blocks=64, scheduler=sched))
     assert tight.pool.groups[1].num_blocks == window_blocks(KEEP, 16, 16) + 1 == 6
-    answer(tight, a)
-    answer(tight, other)  # takes the windowed blocks a left behind
-    got, cached = answer(tight, b)
+    answer(tight, a, GREEDY)
+    answer(tight, other, GREEDY)  # takes the windowed blocks a left behind
+    got, cached = answer(tight, b, GREEDY)
     st = tight.manager.stats
     assert got == want_b and cached < 96
     assert (st.window_lookups, st.window_cut) == (1, 1) and st.window_cut_tokens == 96 - cached

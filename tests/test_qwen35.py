@@ -23,7 +23,12 @@ import torch
 import converter
 from helpers import (
     FRANCE,
+    GREEDY,
+    POOL_PROMPTS,
+    answer,
     assert_greedy_agreement,
+    conversation,
+    fresh_engine,
     gguf_as_folder,
     hf_greedy,
     hf_logits,
@@ -416,7 +421,7 @@ def test_memory_counts_the_state_per_sequence(qwen35_dir, mode, capsys):
 
 
 def test_what_cannot_hold_the_state_is_refused(qwen35_dir, tmp_path):
-    """KV tiers under the engine's pool (no state at block ends: nothing could hit),
+    """KV tiers under the engine's pool (they keep no state snapshots: nothing could hit),
     cache files, speculative decoding (the model's or as a draft model) and the fused step
     refuse a model with DeltaNet layers, each with one clear error; a forward past
     position 0 through a cache of another spec (no state group) says why."""
@@ -428,7 +433,7 @@ def test_what_cannot_hold_the_state_is_refused(qwen35_dir, tmp_path):
 
     folder = qwen35_dir("qwen35")
     llm = LLM(model=folder, kv="paged", progress=False)
-    with pytest.raises(InvalidRequestError, match="keeps no state at block ends") as err:
+    with pytest.raises(InvalidRequestError, match="no snapshots of a gated DeltaNet") as err:
         Engine(llm, EngineConfig(kv_tiers=(f"disk:{tmp_path / 'tier'}",)))
     assert err.value.param == "kv_tiers" and not (tmp_path / "tier").exists()
     for how in ("ngram", SpeculativeConfig("draft", draft_weights="int8")):
@@ -716,10 +721,6 @@ def test_a_faulty_qwen35_gguf_is_one_clear_line(converted, child, tmp_path, find
 
 # ------------------------------------------------------------------- the engine's pool
 
-# prompts of different lengths: inside one block of 16, across several, and one longer
-POOL_PROMPTS = [PROMPT, "One two three, one two three, one two", PROMPT * 4 + " Paris. And"]
-GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-
 
 @pytest.fixture(scope="module")
 def pooled(qwen35_dir):
@@ -735,9 +736,10 @@ def test_the_pool_batches_chunks_forks_and_preempts_as_alone(pooled):
     StateSlots): the prompts batched, in chunks of 5 (one ragged step's sequences at their
     own row offsets), n = 2 greedy samples (the slot forked by copy), and on a pool too
     small for them all (the newest preempted, their slots freed and their prompts
-    recomputed) each give every prompt's tokens alone; every slot is back at the end,
-    and the same prompts again hit nothing (no state at block ends yet). The pool made
-    holds the slots and blocks planned (windowed_plan, block_bytes)."""
+    recomputed) each give every prompt's tokens alone; every slot is back at the end; the
+    same prompts again (after the first three finished) are prefix hits with the same
+    tokens. The pool made holds the slots, snapshots and blocks planned (windowed_plan,
+    block_bytes)."""
     from kvlm.cache.recurrent import StateSlots
     from kvlm.engine.engine import block_bytes, windowed_plan
 
@@ -748,7 +750,7 @@ def test_the_pool_batches_chunks_forks_and_preempts_as_alone(pooled):
     assert isinstance(state, StateSlots) and state.num_used == 0 and state.num_blocks == 16
     cfg, spec = engine.config, engine.spec  # the pool made is the pool planned
     _, slots, slot_bytes = windowed_plan(cfg, spec, llm.max_context)
-    assert slots == [16] and state.nbytes == slot_bytes
+    assert slots == [16] and state.nbytes == slot_bytes == 3 * 16 * state.block_nbytes
     assert engine.pool.total_nbytes == engine.pool.num_blocks * block_bytes(cfg, spec) + slot_bytes
     assert [o.outputs[0].token_ids for o in llm.generate(POOL_PROMPTS, GREEDY)] == [
         w[0] for w in want]  # LLM.generate's own pool  # fmt: skip
@@ -762,8 +764,8 @@ def test_the_pool_batches_chunks_forks_and_preempts_as_alone(pooled):
     got, engine = on_pool(small, POOL_PROMPTS, long, num_blocks=8)
     assert got == want_long
     assert engine.scheduler.preemptions > 0 and engine.pool.groups[1].num_used == 0
-    again, engine = on_pool(llm, POOL_PROMPTS * 2, GREEDY)
-    assert again == want * 2 and engine.manager.stats.hits == 0
+    again, engine = on_pool(llm, POOL_PROMPTS * 2, GREEDY, scheduler={"max_num_seqs": 3})
+    assert again == want * 2 and engine.manager.stats.hits > 0  # the second three: hits
 
 
 def test_a_pool_step_refuses_a_state_of_another_length(pooled):
@@ -808,10 +810,50 @@ def test_a_pool_step_refuses_a_state_of_another_length(pooled):
     assert not slot and state.num_used == 0
 
 
+def test_a_prefix_hit_mid_conversation_restores_the_state(pooled):
+    """The second turn of a chat finds the first's blocks: the snapshot of the state at
+    the hit's last block end (taken by the step that passed it) restores the sequence's
+    slot, and the answer is a fresh pool's, which computes the whole prompt; without that
+    snapshot the hit goes back to the last block end that has one, and with none it is
+    no hit. The snapshots are a fixed budget (two a seat: a running sequence holds its
+    prompt's and its answer's latest), the least recently used reused first."""
+    llm, _ = pooled
+    first, second = conversation(llm)
+    want, cold = answer(fresh_engine(llm), second)
+    assert cold == 0
+    engine = fresh_engine(llm)
+    answer(engine, first)
+    got, cached = answer(engine, second)
+    hit = (len(first) // 16) * 16  # at least the first turn's full blocks
+    assert got == want and cached >= hit > 0 and engine.manager.stats.hits == cached
+    state = engine.pool.groups[1]
+    assert 0 < state.blocks_with_rows <= state.snap_state.shape[1] == 32
+    assert state.num_used == 0
+    blocks, _ = engine.manager.match(second)
+    assert state.has_rows(blocks[-1], engine.pool.prefix.prefix_id[blocks[-1]])
+    state.forget(blocks[-1])  # that block's snapshot gone: the hit is an earlier end
+    shorter = max((i + 1) * 16 for i, b in enumerate(blocks[:-1])
+                  if state.has_rows(b, engine.pool.prefix.prefix_id[b]))  # fmt: skip
+    got, cached = answer(engine, second)
+    assert got == want and cached == shorter < len(blocks) * 16
+    for block in engine.manager.match(second)[0]:
+        state.forget(block)
+    assert engine.manager.match(second)[0] == []  # no snapshot: no hit
+    got, cached = answer(engine, second)
+    assert got == want and cached == 0
+    from kvlm.engine.scheduler import SchedulerConfig
+
+    few = fresh_engine(llm, scheduler=SchedulerConfig(max_num_seqs=2))  # four snapshots
+    for p in POOL_PROMPTS:
+        answer(few, llm.tokenizer.encode(p))
+    assert few.pool.groups[1].blocks_with_rows <= 4
+
+
 def test_kvlm_serve_answers_concurrent_chats(qwen35_dir):
     """A real `kvlm serve` of the tiny Qwen3.5 (its pool: a slot of DeltaNet state a
     sequence): two chat requests at once, batched (fewer steps than tokens), each answered
-    as the LLM answers it alone; /v1/kv and /metrics show the state group."""
+    as the LLM answers it alone; /v1/kv and /metrics show the state group and the
+    snapshots it keeps at block ends."""
     from serving import QUESTIONS, chats_alone, chats_at_once, get, kvlm_serve, wait_idle
 
     llm = LLM(model=qwen35_dir("qwen35"), kv="paged", progress=False)
@@ -826,6 +868,7 @@ def test_kvlm_serve_answers_concurrent_chats(qwen35_dir):
     assert m["kvlm_engine_steps_total"] < m["kvlm_generation_tokens_total"]  # rows together
     assert m['kvlm_kv_group_blocks_total{group="1",window="none",layers="2"}'] == 16  # slots
     assert m['kvlm_kv_group_blocks_used{group="1",window="none",layers="2"}'] == 0
+    assert m['kvlm_kv_group_end_states{group="1",window="none",layers="2"}'] > 0  # snapshots
     assert status == 200
     groups = json.loads(text)["groups"]
     assert [(g["kind"], g["layers"]) for g in groups] == [("attention", [1, 3]), ("state", [0, 2])]

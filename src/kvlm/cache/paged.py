@@ -108,7 +108,8 @@ class BlockPool:
         blocks, default num_blocks; a conv group's ConvSlots, group_blocks[g - 1] slots,
         and with `end_rows` (a pool that keeps a prefix cache) each of this pool's blocks'
         end rows: kvlm.cache.conv; a DeltaNet group's StateSlots, group_blocks[g - 1] slots
-        of state: kvlm.cache.recurrent)."""
+        of state and with `end_rows` two snapshots a slot of the state at block ends:
+        kvlm.cache.recurrent)."""
         kinds = layer_groups(spec)
         self.group = group or kinds[0]  # the layers this pool's store holds, their kind
         self.groups: list[BlockPool | Slots] = [self]
@@ -119,8 +120,9 @@ class BlockPool:
                 if isinstance(g.kind, ConvWindow):
                     ends = num_blocks if end_rows else 0
                     self.groups.append(ConvSlots(spec, g, n, ends, spec.block_size))
-                elif isinstance(g.kind, RecurrentState):
-                    self.groups.append(StateSlots(spec, g, n, spec.block_size))
+                elif isinstance(g.kind, RecurrentState):  # two snapshots a slot
+                    snaps = 2 * n if end_rows else 0
+                    self.groups.append(StateSlots(spec, g, n, spec.block_size, snaps))
                 else:
                     self.groups.append(BlockPool(spec, n, scratch, group=g))
         spec = self.group.spec(spec)
@@ -141,9 +143,8 @@ class BlockPool:
         # The prefix cache's index of full blocks (kvlm.cache.registry): a freed block stays
         # findable until allocate() hands it out again.
         self.prefix = PrefixRegistry(num_blocks)
-        # a conv group that keeps this pool's blocks' end rows (group 0's pool), if any
-        conv = self.conv
-        self._ends = conv if conv is not None and conv.holds_ends else None
+        # the state groups that keep this pool's blocks' end rows or state (group 0's pool)
+        self._ends = [g for g in self.groups[1:] if isinstance(g, Slots) and g.holds_ends]
 
     @property
     def window(self) -> int | None:
@@ -201,8 +202,8 @@ class BlockPool:
             raise CacheOverflowError(f"the KV block pool is full ({self.num_blocks} blocks)")
         block, _ = self.free_queue.popitem(last=False)  # the least recently freed
         self.prefix.forget(block)  # evicted from the prefix cache, if it was there
-        if self._ends is not None:  # and the conv rows at its end with it
-            self._ends.forget(block)
+        for group in self._ends:  # and the conv rows or state at its end with it
+            group.forget(block)
         self.refs[block] = 1
         self.store.zero_((ALL, ALL, block))
         return block

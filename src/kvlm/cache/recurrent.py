@@ -22,12 +22,14 @@ cache file holds it yet (kvlm.cache.files refuses).
 `StateSlots` keeps it in the engine's pool (kvlm.cache.paged.BlockPool.groups; the slot
 bookkeeping is kvlm.cache.slots'): a slot a sequence of both tensors above, its step a
 `SlotDeltaStep` (the step's sequences at their row offsets `cu`, as GatedDeltaNet reads
-them); no state at group 0's block ends yet, so no prefix hit reaches such a model.
+them), and with the prefix cache snapshots of it at group 0's block ends, which prefix
+hits restore a slot from.
 """
 
 from __future__ import annotations
 
 import sys
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -96,6 +98,7 @@ class DeltaStep:
     tokens each (`cu` None: a pool step's say where each sequence's rows are)."""
 
     cu: list[int] | None = None
+    snap_at: list[int] | None = None  # a pool step's: kvlm.cache.recurrent.SlotDeltaStep
 
     def __init__(self, rows: DeltaRows, n_new: int) -> None:
         self.start, self.n_new = rows.length, n_new
@@ -199,27 +202,50 @@ class StateSlots(Slots):
         conv:  (layers, slots, L - 1, conv_width)    positions end - L + 1 .. end - 1
 
     zeroed when a slot is taken (the state before any token; rows before position 0 read
-    as zeros), `end[slot]` the tokens it holds. No state is kept at group 0's block ends
-    yet, so a prefix hit never reaches such a model (Slots.has_rows: the engine's prefix
-    cache computes every prompt whole), and a state cannot forget tokens: a step must
-    start where its slot ends (`SlotDeltaStep`), a trim to fewer tokens than it holds
-    but 0 is refused (speculative decoding is refused for such a model, kvlm.llm)."""
+    as zeros), `end[slot]` the tokens it holds. A state cannot forget tokens: a step must
+    start where its slot ends (`SlotDeltaStep`), a trim to fewer tokens than it holds but
+    0 is refused (speculative decoding is refused for such a model, kvlm.llm).
+
+    Prefix hits (a pool with a prefix cache: `snapshots` > 0): snapshots of the state and
+    rows at group 0's block ends, the same two tensors with `snapshots` entries. A step
+    takes one at the last block end each sequence passes, for the block ending there
+    (`snap_of`; `mark` at seal records the prefix id it was registered under); a hit at p
+    restores a slot from the snapshot of the block ending at p (`restore`). A sequence
+    holds at most two while it runs, one a role: its prompt's (taken by a step of more
+    than one of its tokens: a prompt's last full block) and its answer's (a decode row's:
+    each block the answer fills replaces the one before), so a chat's next turn hits at
+    the end of the answer's last full block and a regenerated answer at the prompt's;
+    once it finishes they are the least recently used's to reuse. Two a slot
+    (`snapshots`: the pool passes 2 x slots) so that a sequence's first snapshot of a
+    role always finds one no running sequence holds; one goes with its block when the
+    block is handed out again (`forget`)."""
 
     step_attr = "recurrent"
     what = "DeltaNet states"
 
-    def __init__(self, spec: CacheSpec, group: LayerGroup, slots: int, block_size: int) -> None:
+    def __init__(
+        self, spec: CacheSpec, group: LayerGroup, slots: int, block_size: int, snapshots: int = 0
+    ) -> None:
         kind = group.kind
         if not isinstance(kind, RecurrentState):
             raise TypeError(f"StateSlots keeps a DeltaNet group, not {kind!r}")
         super().__init__(group, slots, block_size)
         s, layers = kind.sizes, len(group.layers)
         dtype, dev = state_dtype(spec.kv_dtypes[0]), spec.device
-        self.state = torch.zeros(layers, slots, s.value_heads, s.key_dim, s.value_dim,
-                                 dtype=dtype, device=dev)  # fmt: skip
-        self.conv = torch.zeros(layers, slots, s.conv_kernel - 1, s.conv_width, dtype=dtype,
-                                device=dev)  # fmt: skip
+        state = (s.value_heads, s.key_dim, s.value_dim)
+        rows = (s.conv_kernel - 1, s.conv_width)
+        self.state = torch.zeros(layers, slots, *state, dtype=dtype, device=dev)
+        self.conv = torch.zeros(layers, slots, *rows, dtype=dtype, device=dev)
         self.end = [0] * slots
+        self.snap_state = torch.zeros(layers, snapshots, *state, dtype=dtype, device=dev)
+        self.snap_conv = torch.zeros(layers, snapshots, *rows, dtype=dtype, device=dev)
+        self.snap_of: dict[int, int] = {}  # group 0's block -> the snapshot at its end
+        self.snap_id: dict[int, int] = {}  # ... -> the prefix id it held when marked
+        self.snap_block = [-1] * snapshots  # snapshot -> its block (-1: none)
+        self.snap_owner = [-1] * snapshots  # snapshot -> the slot holding it (-1: none)
+        self.held: list[dict[str, int]] = [{} for _ in range(slots)]  # slot: role -> snapshot
+        # least recently taken or restored first
+        self.snap_order: OrderedDict[int, None] = OrderedDict.fromkeys(range(snapshots))
 
     @property
     def keep(self) -> int:
@@ -232,11 +258,11 @@ class StateSlots(Slots):
 
     @property
     def nbytes(self) -> int:
-        return self.state.nbytes + self.conv.nbytes
+        return self.state.nbytes + self.conv.nbytes + self.snap_state.nbytes + self.snap_conv.nbytes
 
     def commit_memory(self) -> None:
-        self.state.zero_()
-        self.conv.zero_()
+        for t in (self.state, self.conv, self.snap_state, self.snap_conv):
+            t.zero_()
 
     def _reset(self, slot: int) -> None:
         self.state[:, slot].zero_()
@@ -248,6 +274,13 @@ class StateSlots(Slots):
         self.conv[:, dst] = self.conv[:, src]
         self.end[dst] = self.end[src]
 
+    def release(self, slot: int) -> None:
+        """The slot goes back; the snapshots it took stay, held by no sequence."""
+        for idx in self.held[slot].values():
+            self.snap_owner[idx] = -1
+        self.held[slot] = {}
+        super().release(slot)
+
     def trim(self, table: list[int], num_tokens: int) -> None:
         if table and 0 < num_tokens < self.end[table[0]]:
             raise RuntimeError(f"{NO_ROLLBACK}: slot {table[0]} holds {self.end[table[0]]} "
@@ -257,6 +290,90 @@ class StateSlots(Slots):
     def step(self, pieces: Sequence[Piece]) -> SlotDeltaStep:
         """The DeltaNet state of a pool step whose tokens, flattened, are `pieces`."""
         return SlotDeltaStep(self, pieces)
+
+    # ------------------------------------------------------------------ prefix hits
+
+    @property
+    def holds_ends(self) -> bool:
+        return self.snap_state.shape[1] > 0
+
+    @property
+    def blocks_with_rows(self) -> int:
+        """Group 0 blocks whose end state is held (marked: registered)."""
+        return len(self.snap_id)
+
+    @property
+    def block_rows_nbytes(self) -> int:
+        """One snapshot's bytes (every DeltaNet layer's state and rows)."""
+        n = self.snap_state.shape[1]
+        return (self.snap_state.nbytes + self.snap_conv.nbytes) // n if n else 0
+
+    def has_rows(self, block: int, prefix_id: int) -> bool:
+        return prefix_id != 0 and block in self.snap_of and self.snap_id.get(block) == prefix_id
+
+    def take(self, block: int, slot: int, role: str) -> int:
+        """The snapshot that will hold the state at `block`'s end, taken by `slot` in
+        `role` ("prompt" or "answer"): the block's own if it has one, else the one the slot
+        holds in that role (superseded), else the least recently used no slot holds (its
+        block's let go)."""
+        idx = self.snap_of.get(block)
+        if idx is None:
+            idx = self.held[slot].get(role)
+            if idx is None:
+                idx = next(i for i in self.snap_order if self.snap_owner[i] < 0)
+            self.forget(self.snap_block[idx])
+            self.snap_of[block], self.snap_block[idx] = idx, block
+        if self.snap_owner[idx] >= 0 and self.snap_owner[idx] != slot:
+            held = self.held[self.snap_owner[idx]]
+            for r in [r for r, i in held.items() if i == idx]:
+                del held[r]
+        old = self.held[slot].get(role)
+        if old is not None and old != idx:
+            self.forget(self.snap_block[old])  # superseded by this one
+        self.held[slot][role], self.snap_owner[idx] = idx, slot
+        self.snap_id.pop(block, None)  # written anew: marked again at its seal
+        self.snap_order.move_to_end(idx)
+        return idx
+
+    def mark(self, block: int, prefix_id: int, holder: int | None = None) -> None:
+        """`block` was sealed under `prefix_id` with its end state taken by the steps that
+        computed it. `holder`: the block the prefix cache finds for that prefix, where it
+        is another (the same prefix computed twice) and has none: the snapshot goes to it."""
+        if not prefix_id or block not in self.snap_of:
+            return
+        self.snap_id[block] = prefix_id
+        if holder is not None and holder != block and not self.has_rows(holder, prefix_id):
+            self.forget(holder)
+            idx = self.snap_of.pop(block)
+            del self.snap_id[block]
+            self.snap_of[holder], self.snap_id[holder], self.snap_block[idx] = (
+                idx,
+                prefix_id,
+                holder,
+            )
+
+    def forget(self, block: int) -> None:
+        """Group 0's `block` is handed out again (or its snapshot superseded): its snapshot
+        is free, reused first."""
+        idx = self.snap_of.pop(block, None)
+        self.snap_id.pop(block, None)
+        if idx is not None:
+            self.snap_block[idx] = -1
+            owner, self.snap_owner[idx] = self.snap_owner[idx], -1
+            if owner >= 0:
+                held = self.held[owner]
+                for r in [r for r, i in held.items() if i == idx]:
+                    del held[r]
+            self.snap_order.move_to_end(idx, last=False)
+
+    def restore(self, slot: int, block: int, position: int) -> None:
+        """A prefix hit at `position` (group 0's `block` the last of it): the slot's state
+        and rows are the snapshot at that block's end."""
+        idx = self.snap_of[block]
+        self.state[:, slot] = self.snap_state[:, idx]
+        self.conv[:, slot] = self.snap_conv[:, idx]
+        self.end[slot] = position
+        self.snap_order.move_to_end(idx)
 
 
 class SlotDeltaStep:
@@ -271,9 +388,10 @@ class SlotDeltaStep:
     def __init__(self, slots: StateSlots, pieces: Sequence[Piece]) -> None:
         self.slots, self.seqs = slots, sequences(pieces)
         self.start = pieces[0][1] if pieces else 0  # the first row's (Transformer checks it)
-        r = slots.conv.shape[2]
+        r, bs = slots.conv.shape[2], slots.block_size
         cu, taps, kept, offset = [0], [], [], len(self.seqs) * r
-        for s, (slot, start, n, _) in enumerate(self.seqs):
+        snap_at, self._snaps, snap_rows = [], [], []  # the snapshots the step takes
+        for s, (slot, start, n, table) in enumerate(self.seqs):
             if start != slots.end[slot]:
                 raise CacheOverflowError(
                     f"the DeltaNet state of slot {slot} holds {slots.end[slot]} tokens; a "
@@ -289,6 +407,13 @@ class SlotDeltaStep:
             rel = torch.arange(n)
             taps.append(torch.stack([at(rel - r + k) for k in range(r + 1)]))
             kept.append(at(torch.arange(n - r, n)))
+            b = (start + n) // bs * bs  # the last block end the sequence passes
+            if slots.holds_ends and b > start:
+                snap_at.append(b - start)
+                self._snaps.append((s, table[b // bs - 1], slot, "prompt" if n > 1 else "answer"))
+                snap_rows.append(at(torch.arange(b - start - r, b - start)))
+            else:
+                snap_at.append(0)
             offset += n
         dev = slots.conv.device
         self.cu = cu
@@ -299,6 +424,11 @@ class SlotDeltaStep:
         layers = slots.state.shape[0]
         self._bufs: list[torch.Tensor | None] = [None] * layers
         self.staged: list[torch.Tensor | None] = [None] * layers
+        # each sequence's rows of the step after which the state is a snapshot's (0: none;
+        # None: no snapshot this step), GatedDeltaNet's `stage_snapshot` the states there
+        self.snap_at = snap_at if self._snaps else None
+        self._snap_rows = torch.cat(snap_rows).to(dev) if snap_rows else None
+        self.snapped: list[torch.Tensor | None] = [None] * layers
 
     def taps(self, layer: int, u: torch.Tensor) -> list[torch.Tensor]:
         """u (B, T, C) (the step's tokens, flattened in the pieces' order): the L tensors
@@ -314,10 +444,18 @@ class SlotDeltaStep:
     def stage(self, layer: int, state: torch.Tensor) -> None:
         self.staged[layer] = state
 
+    def stage_snapshot(self, layer: int, states: torch.Tensor) -> None:
+        """The sequences' states after their `snap_at` rows (S, nv, dk, dv)."""
+        self.snapped[layer] = states
+
     def commit(self) -> None:
-        """Keep the step's states and each sequence's last L - 1 rows in their slots."""
+        """Keep the step's states and each sequence's last L - 1 rows in their slots, and
+        the snapshots at the block ends the step passed."""
         if any(t is None for t in self.staged) or any(t is None for t in self._bufs):
             raise ValueError("a DeltaNet step committed before every DeltaNet layer ran")
+        if self._snaps and any(t is None for t in self.snapped):
+            raise ValueError("a DeltaNet step committed before its snapshots were staged")
+        self._commit_snapshots()
         slots, r = self.slots, self.slots.conv.shape[2]
         for layer, (state, buf) in enumerate(zip(self.staged, self._bufs, strict=True)):
             slots.state[layer].index_copy_(0, self._slots, state.to(slots.state.dtype))  # type: ignore[union-attr]
@@ -325,3 +463,12 @@ class SlotDeltaStep:
             slots.conv[layer].index_copy_(0, self._slots, rows.to(slots.conv.dtype))
         for slot, start, n, _ in self.seqs:
             slots.end[slot] = start + n
+
+    def _commit_snapshots(self) -> None:
+        slots, r = self.slots, self.slots.conv.shape[2]
+        for i, (s, block, slot, role) in enumerate(self._snaps):
+            idx = slots.take(block, slot, role)
+            for layer, (snapped, buf) in enumerate(zip(self.snapped, self._bufs, strict=True)):
+                slots.snap_state[layer, idx] = snapped[s]  # type: ignore[index]
+                rows = buf.index_select(0, self._snap_rows[i * r : (i + 1) * r])  # type: ignore[union-attr,index]
+                slots.snap_conv[layer, idx] = rows

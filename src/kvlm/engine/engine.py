@@ -31,7 +31,7 @@ from kvlm.cache.base import CacheSpec, blocks_for
 from kvlm.cache.conv import ConvSlots
 from kvlm.cache.factory import pool_mode
 from kvlm.cache.groups import layer_groups as spec_groups
-from kvlm.cache.kinds import CONV_ROW_DTYPE, STATE_KINDS
+from kvlm.cache.kinds import CONV_ROW_DTYPE, STATE_KINDS, RecurrentState
 from kvlm.cache.paged import BlockPool, window_blocks
 from kvlm.cache.prefix import BlockManager, check_salt
 from kvlm.cache.recurrent import StateSlots
@@ -99,11 +99,11 @@ def pool_spec(llm: ServedModel) -> CacheSpec:
     return llm.cache_spec(pool_mode(llm.kv_mode))
 
 
-# Why a pool of a model with gated DeltaNet layers takes no KV tier: its slots keep no
-# state at block ends, so no tier record could ever be a hit (kvlm.cache.recurrent)
+# Why a pool of a model with gated DeltaNet layers takes no KV tier: the tiers keep no
+# snapshots of its state (kvlm.cache.recurrent), so no tier record could ever be a hit
 NO_STATE_TIERS = (
-    "a model with gated DeltaNet layers keeps no state at block ends yet, so its prefix "
-    "cache never hits and a KV tier would only be written: drop --kv-tier"
+    "the KV tiers keep no snapshots of a gated DeltaNet's state yet, so no tier record of "
+    "this model could be a hit: drop --kv-tier (the pool's prefix cache still hits)"
 )
 
 
@@ -114,7 +114,8 @@ def windowed_plan(
     sequence (a prefill chunk, a draft and its token), the blocks of each layer group
     after group 0 (each window's: each of max_num_seqs sequences at its most,
     window_blocks: never short of them; a conv or DeltaNet group's: a slot of state for
-    each of max_num_seqs sequences, kvlm.cache.slots) and their bytes together; (step
+    each of max_num_seqs sequences, kvlm.cache.slots, and with the prefix cache a DeltaNet
+    group's two snapshots of the state at block ends a slot) and their bytes together; (step
     tokens, [], 0) for a model of one group."""
     sched, spec_cfg = config.scheduler, config.speculative
     chunk = min(sched.prefill_chunk, sched.chunk_size or sched.prefill_chunk)
@@ -124,6 +125,8 @@ def windowed_plan(
         if isinstance(group.kind, STATE_KINDS):  # a slot a sequence (its seats: max_num_seqs)
             blocks.append(sched.max_num_seqs)
             nbytes += blocks[-1] * group.sequence_bytes(spec)
+            if isinstance(group.kind, RecurrentState) and config.prefix_caching:
+                nbytes += 2 * blocks[-1] * group.sequence_bytes(spec)  # two snapshots a slot
             continue
         per_seq = min(blocks_for(context, bs), window_blocks(group.kind.keep, bs, step))
         blocks.append(per_seq * sched.max_num_seqs + sched.reserve_blocks)

@@ -85,11 +85,12 @@ static inline void delta_axpy(float *acc, const float *s, float c, int64_t n) {
 }
 
 /* One sequence's value head over its T tokens (the module comment): S its (dk, dv) state,
- * updated in place; rows of conv, z, b, a and out at b0 * T on. */
+ * updated in place; rows of conv, z, b, a and out at its first row on; the state after
+ * its first snap_at tokens copied to snap as well (none for snap_at 0). */
 static void delta_head(const float *conv, const float *z, const float *bb, const float *aa,
                        float a_log, float dt_bias, const float *w, float eps, float *S,
                        float *out, int64_t T, int64_t h, int64_t nk, int64_t nv, int64_t dk,
-                       int64_t dv) {
+                       int64_t dv, int64_t snap_at, float *snap) {
     float q[DELTA_MAX_DIM], k[DELTA_MAX_DIM], v[DELTA_MAX_DIM], kv[DELTA_MAX_DIM],
         o[DELTA_MAX_DIM], gate[DELTA_MAX_DIM];
     const int64_t C = 2 * nk * dk + nv * dv, kh = h / (nv / nk);
@@ -127,6 +128,7 @@ static void delta_head(const float *conv, const float *z, const float *bb, const
         delta_silu_row(z + t * nv * dv + h * dv, gate, dv);
         float *y = out + t * nv * dv + h * dv;
         for (int64_t j = 0; j < dv; j++) y[j] = o[j] * r * w[j] * gate[j];
+        if (t + 1 == snap_at) memcpy(snap, S, (size_t)(dk * dv) * sizeof(float));
     }
 }
 
@@ -135,21 +137,28 @@ static void delta_head(const float *conv, const float *z, const float *bb, const
  * a sequence of no rows keeps its state): conv [rows, C] (C = 2 nk dk + nv dv: q|k|v,
  * before silu), z [rows, nv dv], b and a [rows, nv], a_log and dt_bias [nv] (hn), w [dv]
  * (wn: the gated norm's weight), state [S, nv, dk, dv] (sn floats: read and updated), out
- * [rows, nv dv] (on floats). Each buffer's length follows it, in floats. Returns 0, or -2,
- * nothing read or written, for a shape out of range (S, nk >= 1; nv a multiple of nk; dk,
- * dv in 1..DELTA_MAX_DIM; cu not as said) or a buffer shorter than its shape. */
+ * [rows, nv dv] (on floats). Each buffer's length follows it, in floats. `at` (an, S
+ * entries, or NULL): sequence s's state after its first at[s] rows (1 .. its rows; 0:
+ * none) copied into snaps [S, nv, dk, dv] too (a state at a block's end, for prefix hits).
+ * Returns 0, or -2, nothing read or written, for a shape out of range (S, nk >= 1; nv a
+ * multiple of nk; dk, dv in 1..DELTA_MAX_DIM; cu or at not as said) or a buffer shorter
+ * than its shape. */
 int kvlm_gated_delta(const float *conv, int64_t cn, const float *z, int64_t zn,
                      const float *b, int64_t bn, const float *a, int64_t an,
                      const float *a_log, const float *dt_bias, int64_t hn, const float *w,
                      int64_t wn, double eps, float *state, int64_t sn, float *out, int64_t on,
-                     const int64_t *cu, int64_t cun, int64_t S, int64_t nk, int64_t nv,
-                     int64_t dk, int64_t dv) {
+                     const int64_t *cu, int64_t cun, const int64_t *at, int64_t atn,
+                     float *snaps, int64_t pn, int64_t S, int64_t nk, int64_t nv, int64_t dk,
+                     int64_t dv) {
     int64_t rows, C, need, heads, vd, work;
     if (S < 1 || nk < 1 || nv < nk || nv % nk || !cu || cun != S + 1 || cu[0] != 0) return -2;
     if (dk < 1 || dk > DELTA_MAX_DIM || dv < 1 || dv > DELTA_MAX_DIM) return -2;
     if (!conv || !z || !b || !a || !a_log || !dt_bias || !w || !state || !out) return -2;
     for (int64_t s = 0; s < S; s++)
         if (cu[s + 1] < cu[s]) return -2;
+    if (at && (atn != S || !snaps)) return -2;
+    for (int64_t s = 0; at && s < S; s++)
+        if (at[s] < 0 || at[s] > cu[s + 1] - cu[s]) return -2;
     rows = cu[S];
     if (hn != nv || wn != dv || !mul_ok(S, nv, &heads) || !mul_ok(nv, dv, &vd)) return -2;
     if (!mul_ok(nk, 2 * dk, &C) || !add_ok(C, vd, &C)) return -2;
@@ -157,13 +166,14 @@ int kvlm_gated_delta(const float *conv, int64_t cn, const float *z, int64_t zn,
     if (!mul_ok(rows, vd, &need) || zn < need || on < need) return -2;
     if (!mul_ok(need, dk, &work)) work = INT64_MAX; /* the step's work, for the threads */
     if (!mul_ok(rows, nv, &need) || bn < need || an < need) return -2;
-    if (!mul_ok(heads, dk * dv, &need) || sn < need) return -2;
+    if (!mul_ok(heads, dk * dv, &need) || sn < need || (at && pn < need)) return -2;
     const float e = (float)eps;
 #pragma omp parallel for schedule(dynamic) if (heads > 1 && work >= 16384)
     for (int64_t p = 0; p < heads; p++) {
         const int64_t s = p / nv, h = p % nv, r0 = cu[s], T = cu[s + 1] - cu[s];
         delta_head(conv + r0 * C, z + r0 * vd, b + r0 * nv, a + r0 * nv, a_log[h], dt_bias[h],
-                   w, e, state + p * dk * dv, out + r0 * vd, T, h, nk, nv, dk, dv);
+                   w, e, state + p * dk * dv, out + r0 * vd, T, h, nk, nv, dk, dv,
+                   at ? at[s] : 0, at ? snaps + p * dk * dv : NULL);
     }
     return 0;
 }

@@ -103,7 +103,7 @@ class GatedDeltaNet(nn.Module):
         s, dtype = self.shape, conv.dtype
         nk, nv, dk, dv = s.key_heads, s.value_heads, s.key_dim, s.value_dim
         work, initial = work_dtype(dtype), step.initial(self.slot)
-        out, states = [], []
+        out, states, snaps = [], [], []
         for i, (r0, r1) in enumerate(pairwise(cu)):
             T = r1 - r0
             q, k, v = F.silu(conv[r0:r1]).split([nk * dk, nk * dk, nv * dv], dim=-1)
@@ -112,14 +112,26 @@ class GatedDeltaNet(nn.Module):
                                                         + self.dt_bias.to(work))  # fmt: skip
             q, k = (t.view(1, T, nk, dk).repeat_interleave(nv // nk, dim=2).to(work)
                     for t in (q, k))  # fmt: skip
-            q, k = l2norm(q), l2norm(k)
-            o, state = recurrent_gated_delta_rule(q / dk**0.5, k, v.view(1, T, nv, dv).to(work),
-                                                  g, beta, initial[i : i + 1].to(work))  # fmt: skip
+            q, k, v = l2norm(q) / dk**0.5, l2norm(k), v.view(1, T, nv, dv).to(work)
+            state, parts = initial[i : i + 1].to(work), []
+            at = step.snap_at[i] if step.snap_at is not None else 0
+            for lo, hi in ((0, at), (at, T)) if at else ((0, T),):  # the rule is token by
+                # token: cut at the snapshot's row, it computes the same values
+                cut = slice(lo, hi)
+                o, state = recurrent_gated_delta_rule(q[:, cut], k[:, cut], v[:, cut], g[:, cut],
+                                                      beta[:, cut], state)  # fmt: skip
+                parts.append(o)
+                if hi == at:
+                    snaps.append(state[0])
+            if step.snap_at is not None and not at:
+                snaps.append(state[0])  # no snapshot of this sequence: any value
             states.append(state[0])
-            o = gated_rms_norm(o.to(dtype), z[None, r0:r1].view(1, T, nv, dv), self.norm,
-                               self.eps, work)  # fmt: skip
+            o = gated_rms_norm(torch.cat(parts, dim=1).to(dtype), z[None, r0:r1].view(1, T, nv, dv),
+                               self.norm, self.eps, work)  # fmt: skip
             out.append(o.reshape(T, nv * dv))
         step.stage(self.slot, torch.stack(states))
+        if step.snap_at is not None:
+            step.stage_snapshot(self.slot, torch.stack(snaps))
         return torch.cat(out)
 
     def _kernel(self, lib, conv, z, b, a, step: DeltaStep, cu: list[int]) -> torch.Tensor:
@@ -132,20 +144,26 @@ class GatedDeltaNet(nn.Module):
         state = step.initial(self.slot).to(torch.float32, copy=True).contiguous()
         out = torch.empty(conv.shape[0], nv * dv)
         offsets = torch.tensor(cu, dtype=torch.int64)
+        at = None if step.snap_at is None else torch.tensor(step.snap_at, dtype=torch.int64)
+        snaps = None if at is None else torch.empty_like(state)
         params = [p.detach().to(torch.float32).contiguous()
                   for p in (self.a_log, self.dt_bias, self.norm)]  # fmt: skip
         rc = lib.kvlm_gated_delta(
             conv.data_ptr(), conv.numel(), z.data_ptr(), z.numel(), b.data_ptr(), b.numel(),
             a.data_ptr(), a.numel(), params[0].data_ptr(), params[1].data_ptr(), nv,
             params[2].data_ptr(), dv, self.eps, state.data_ptr(), state.numel(),
-            out.data_ptr(), out.numel(), offsets.data_ptr(), offsets.numel(), len(cu) - 1, nk,
-            nv, dk, dv,
+            out.data_ptr(), out.numel(), offsets.data_ptr(), offsets.numel(),
+            None if at is None else at.data_ptr(), 0 if at is None else at.numel(),
+            None if snaps is None else snaps.data_ptr(), 0 if snaps is None else snaps.numel(),
+            len(cu) - 1, nk, nv, dk, dv,
         )  # fmt: skip
         if rc != 0:
             raise ValueError(f"the kernels refused a gated DeltaNet step of {len(cu) - 1} "
                              f"sequences, {conv.shape[0]} rows ({nk} q/k heads of {dk}, "
                              f"{nv} v heads of {dv})")  # fmt: skip
         step.stage(self.slot, state)
+        if snaps is not None:
+            step.stage_snapshot(self.slot, snaps)
         return out
 
 

@@ -96,14 +96,25 @@ _GROUP_SERIES = [
 ]
 
 
+# a state group's (kvlm.cache.slots: conv rows, a DeltaNet's state), beside those
+_STATE_SERIES = [
+    ("kv_group_end_states", "Block ends whose state the layer group holds for prefix hits "
+     "(conv rows, gated DeltaNet snapshots).", "blocks_with_rows"),
+]  # fmt: skip
+
+
 def _group_lines(groups: list[dict]) -> list[str]:
     lines: list[str] = []
-    for name, help_, key in _GROUP_SERIES:
-        lines += _head(f"kvlm_{name}", "gauge", help_)
-        for g in groups:
-            window = "none" if g["window"] is None else g["window"]
-            labels = f'group="{g["group"]}",window="{window}",layers="{len(g["layers"])}"'
-            lines.append(f"kvlm_{name}{{{labels}}} {g[key]:g}")
+    states = [g for g in groups if "blocks_with_rows" in g]
+    for series, which in ((_GROUP_SERIES, groups), (_STATE_SERIES, states)):
+        for name, help_, key in series:
+            if not which:
+                continue
+            lines += _head(f"kvlm_{name}", "gauge", help_)
+            for g in which:
+                window = "none" if g["window"] is None else g["window"]
+                labels = f'group="{g["group"]}",window="{window}",layers="{len(g["layers"])}"'
+                lines.append(f"kvlm_{name}{{{labels}}} {g[key]:g}")
     return lines
 
 
