@@ -1,0 +1,121 @@
+"""Qwen3.5's gated DeltaNet (BENCHMARKS 24.4), two measurements, run alone on an idle box:
+
+1. `kernel`: kvlm_gated_delta (kernels/deltanet.c) against the torch road it replaced on
+   the CPU (the same token loop in torch ops), one layer of a Qwen3.5-0.8B-like shape (16
+   q/k and 16 v heads of 128), T tokens through each; five interleaved rounds, medians.
+2. `turns`: a chat's second turn through the engine's pool on random weights of that shape
+   (hidden 1,024, 24 layers of which 18 gated DeltaNets; written once to FOLDER): its time
+   to first token on a fresh pool (the whole conversation prefilled) and on the pool that
+   ran the first turn (a prefix hit: the state snapshot restored), the same token both ways.
+
+    python benchmarks/bench_deltanet.py kernel
+    python benchmarks/bench_deltanet.py turns --first 1000 --folder /tmp/q35-08
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from helpers import answer, fresh_engine, save_tiny_model
+from kvlm import LLM, SamplingParams, kernels
+from test_hostile_files import _delta_torch
+
+NK = NV = 16
+DK = DV = 128
+
+
+def kernel() -> None:
+    lib = kernels.library()
+    if lib is None:
+        raise SystemExit(kernels.status())
+    C = 2 * NK * DK + NV * DV
+    for T in (1, 64, 512):
+        conv, z = torch.randn(T, C), torch.randn(T, NV * DV)
+        b, a = torch.randn(T, NV), torch.randn(T, NV)
+        a_log, dt, w = torch.randn(NV) * 0.5, torch.randn(NV) * 0.5, torch.rand(DV) + 0.5
+        st, cu = torch.randn(1, NV, DK, DV) * 0.1, torch.tensor([0, T])
+
+        def ours(T=T, conv=conv, z=z, b=b, a=a, a_log=a_log, dt=dt, w=w, st=st, cu=cu) -> None:
+            s, out = st.clone(), torch.empty(T, NV * DV)
+            assert lib.kvlm_gated_delta(
+                conv.data_ptr(), conv.numel(), z.data_ptr(), z.numel(), b.data_ptr(),
+                b.numel(), a.data_ptr(), a.numel(), a_log.data_ptr(), dt.data_ptr(), NV,
+                w.data_ptr(), DV, 1e-6, s.data_ptr(), s.numel(), out.data_ptr(), out.numel(),
+                cu.data_ptr(), 2, None, 0, None, 0, 1, NK, NV, DK, DV) == 0  # fmt: skip
+
+        def theirs(conv=conv, z=z, b=b, a=a, a_log=a_log, dt=dt, w=w, st=st) -> None:
+            _delta_torch(conv[None], z[None], b[None], a[None], a_log, dt, w, 1e-6, st, NK, DK)
+
+        times: dict[str, list[float]] = {"kernel": [], "torch": []}
+        n = max(3, 100 // T)
+        for _ in range(5):
+            for name, f in (("kernel", ours), ("torch", theirs)):
+                f()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    f()
+                times[name].append((time.perf_counter() - t0) / n * 1e3)
+        km, tm = statistics.median(times["kernel"]), statistics.median(times["torch"])
+        flops = T * NV * DK * DV * 7 / km / 1e6
+        print(f"T={T}: kernel {km:.2f} ms, torch {tm:.2f} ms, {tm / km:.1f}x; {flops:.1f} GFLOP/s")
+
+
+def turns(first_tokens: int, folder: Path, rounds: int) -> None:
+    if not (folder / "config.json").exists():
+        D, A = "linear_attention", "full_attention"
+        save_tiny_model(folder, "qwen3_5", seed=1, hidden_size=1024, num_hidden_layers=24,
+                        layer_types=[D, D, D, A] * 6, num_attention_heads=8,
+                        num_key_value_heads=2, head_dim=256, intermediate_size=3584,
+                        linear_num_key_heads=NK, linear_num_value_heads=NV,
+                        linear_key_head_dim=DK, linear_value_head_dim=DV,
+                        linear_conv_kernel_dim=4)  # fmt: skip
+    llm = LLM(model=folder, kv="paged", progress=False, max_context=4096)
+    g, vocab = torch.Generator().manual_seed(0), llm.config.vocab_size
+    first = torch.randint(10, vocab - 10, (first_tokens,), generator=g).tolist()
+    reply_params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def ttft(engine, ids):
+        t = time.perf_counter()
+        out, cached = answer(engine, ids, one)
+        return time.perf_counter() - t, out, cached
+
+    cold_t, hit_t = [], []
+    for r in range(rounds):
+        engine = fresh_engine(llm)
+        reply, _ = answer(engine, first, reply_params)
+        second = first + reply + torch.randint(10, vocab - 10, (24,), generator=g).tolist()
+        ht, hout, cached = ttft(engine, second)
+        ct, cout, cold = ttft(fresh_engine(llm), second)
+        assert hout == cout and cold == 0, (hout, cout, cold)
+        hit_t.append(ht)
+        cold_t.append(ct)
+        print(f"round {r}: second turn {len(second)} tokens: cold {ct:.2f} s, hit {ht:.3f} s "
+              f"({cached} cached)", flush=True)  # fmt: skip
+    cm, hm = statistics.median(cold_t), statistics.median(hit_t)
+    print(f"median cold {cm:.2f} s, hit {hm:.3f} s, {cm / hm:.1f}x")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=["kernel", "turns"])
+    p.add_argument("--first", type=int, default=1000, help="the first turn's tokens")
+    p.add_argument("--folder", type=Path, default=Path("/tmp/q35-08"))
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    if args.what == "kernel":
+        kernel()
+    else:
+        turns(args.first, args.folder, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
