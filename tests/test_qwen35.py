@@ -417,7 +417,12 @@ def test_memory_counts_the_state_per_sequence(qwen35_dir, mode, capsys):
     assert llm.new_cache().parts[-1].nbytes == state
     assert main(["memory", "--model", str(llm.loaded.path), "--kv", mode, "--context", "64"]) == 0
     said = f"{layers} gated DeltaNet layers, their state {state / 2**10:,.1f} KiB a sequence"
-    assert said in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert said in out
+    assert (
+        f"two snapshots of it a seat for prefix hits (the state at a block's end), "
+        f"{2 * state / 2**20:,.1f} MiB a seat" in out
+    )  # windowed_plan's, per seat
 
 
 def test_what_cannot_hold_the_state_is_refused(qwen35_dir, tmp_path):

@@ -772,10 +772,12 @@ def _groups_report(groups: list[dict], batch: int) -> list[str]:
                          f"{g['block_end_bytes'] / 2**10:,.1f} KiB more a block for prefix "
                          "hits (the rows at its end)")  # fmt: skip
             continue
-        if g["kind"] == "state":  # a gated DeltaNet's: fixed a sequence, no pool yet
+        if g["kind"] == "state":  # a gated DeltaNet's: fixed a sequence, a slot in the pool
+            each = g["bytes"] / batch
             lines.append(f"  {g['layers']} gated DeltaNet layers, their state "
-                         f"{g['bytes'] / batch / 2**10:,.1f} KiB a sequence: "
-                         f"{_mib(g['bytes'])}")  # fmt: skip
+                         f"{each / 2**10:,.1f} KiB a sequence: {_mib(g['bytes'])}; kvlm "
+                         f"serve's pool keeps two snapshots of it a seat for prefix hits "
+                         f"(the state at a block's end), {_mib(2 * each)} a seat")  # fmt: skip
             continue
         lines.append(f"  {g['layers']} {g['kind']} layers, {kept}: {g['tokens']:,} tokens, "
                      f"{_mib(g['bytes'])}")  # fmt: skip
