@@ -1308,6 +1308,23 @@ def fresh_engine(llm, **config):
     return Engine(llm, EngineConfig(**config))
 
 
+def fed(llm, ids: list[int], chunks: list[int], cache=None):
+    """Teacher-forced logits of `ids` fed in `chunks` through the runner and a cache of the
+    LLM's (its state, a conv group's rows or a DeltaNet's, is the cache's), each chunk a
+    prompt's, as the engine feeds a chunked prefill (a one-token chunk too: a decoded
+    token's row takes the decode road, kvlm_attend_row on the CPU, whose sums run in
+    another order)."""
+    from kvlm.engine.runner import CacheBatch
+
+    cache = cache if cache is not None else llm.new_cache()
+    out, at = [], 0
+    for n in chunks:
+        out.append(llm.runner.run(CacheBatch([ids[at : at + n]], cache, prompt=True,
+                                             all_rows=True))[0])  # fmt: skip
+        at += n
+    return torch.cat(out)
+
+
 def on_pool(llm, prompts, params, **config) -> tuple[list[list[list[int]]], object]:
     """Each prompt's samples' tokens through an engine on the pool (EngineConfig(**config),
     the scheduler's fields under `scheduler`), and the engine."""

@@ -29,6 +29,7 @@ from helpers import (
     assert_top_k_both_ways,
     conversation,
     counted_fused_runs,
+    fed,
     fresh_engine,
     fused_and_torch,
     gguf_as_folder,
@@ -208,20 +209,6 @@ def test_conv_rows_roll_back_fork_and_restore(lfm2_dir):
 
 
 ROW_MODES = ["basic", "contiguous", "paged", "int8", "window"]
-
-
-def fed(llm: LLM, ids: list[int], chunks: list[int], cache=None) -> torch.Tensor:
-    """Teacher-forced logits of `ids` fed in `chunks` through the runner and a cache of the
-    LLM's (the rows are the cache's: no conv= by hand), each chunk a prompt's, as the
-    engine feeds a chunked prefill (a one-token chunk too: a decoded token's row takes
-    the decode road, kvlm_attend_row on the CPU, whose sums run in another order)."""
-    cache = cache if cache is not None else llm.new_cache()
-    out, at = [], 0
-    for n in chunks:
-        out.append(llm.runner.run(CacheBatch([ids[at : at + n]], cache, prompt=True,
-                                             all_rows=True))[0])  # fmt: skip
-        at += n
-    return torch.cat(out)
 
 
 @pytest.mark.parametrize("mode", ROW_MODES)
@@ -945,7 +932,6 @@ def test_forked_rows_in_one_fused_step_are_each_alone(lfm2_dir):
     """A prompt's cache forked into 3 rows fed different tokens: each row of the fused
     step reads and moves on its own sequence's rows, its logits bit for bit those of a
     cache fed its tokens alone."""
-    from kvlm.engine.runner import CacheBatch
 
     llm = fused_llm(lfm2_dir("lfm2-convs-last"), "int8")
     prompt, more = prompt_ids(llm, 20), prompt_ids(llm, 40)[20:]

@@ -28,6 +28,7 @@ from helpers import (
     answer,
     assert_greedy_agreement,
     conversation,
+    fed,
     fresh_engine,
     gguf_as_folder,
     hf_greedy,
@@ -237,19 +238,6 @@ def test_a_multimodal_folder_runs_its_language_model(qwen35_dir, tmp_path):
 
 
 STATE_MODES = ["basic", "contiguous", "paged", "int8", "window"]
-
-
-def fed(llm: LLM, ids: list[int], chunks: list[int], cache=None) -> torch.Tensor:
-    """Teacher-forced logits of `ids` fed in `chunks` through the runner and a cache of the
-    LLM's (the state is the cache's: no recurrent= by hand), each chunk a prompt's, as the
-    engine feeds a chunked prefill."""
-    cache = cache if cache is not None else llm.new_cache()
-    out, at = [], 0
-    for n in chunks:
-        out.append(llm.runner.run(CacheBatch([ids[at : at + n]], cache, prompt=True,
-                                             all_rows=True))[0])  # fmt: skip
-        at += n
-    return torch.cat(out)
 
 
 def cut(total: int, size: int) -> list[int]:
