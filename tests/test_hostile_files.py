@@ -880,9 +880,9 @@ def test_the_gated_delta_checks_its_buffers_and_is_the_torch_road(build):
     calls write nothing (out and the state stay); a good one is the torch road's
     arithmetic as exactly as torch's own fp32 (against fp64), its state too, on every
     build, with dims off the 16 lanes (dk 20, dv 24), two q/k heads serving four, and
-    sequences of 5, 0 and 3 rows (a pool step's ragged rows); the snapshots asked for (the
-    state after 2 of the first's rows, all 3 of the third's) are the states those rows
-    alone leave, bit for bit."""
+    sequences of 5, 0 and 3 rows (a pool step's ragged rows); the states asked for (`at`:
+    rows of the step, ascending, at most 64 of a sequence's; after rows 0, 1 and 3 of the
+    first, after all 3 of the third) are the states those rows alone leave, bit for bit."""
     lib = _kernels(build)
     g = torch.Generator().manual_seed(5)
     lengths, nk, nv, dk, dv = [5, 0, 3], 2, 4, 20, 24
@@ -900,11 +900,12 @@ def test_the_gated_delta_checks_its_buffers_and_is_the_torch_road(build):
             "sn": S * nv * dk * dv, "on": N * nv * dv}  # fmt: skip
     dims = {"cun": S + 1, "S": S, "nk": nk, "nv": nv, "dk": dk, "dv": dv}
 
-    snap_at = torch.tensor([2, 0, 3], dtype=torch.int64)  # after 2 of 5 rows, none, all 3
-    snaps = _guarded(S * nv * dk * dv)
+    points = torch.tensor([0, 1, 3, 7], dtype=torch.int64)  # rows of the step
+    A, one = len(points), nv * dk * dv
+    snaps = _guarded(A * one)
 
-    def call(state: torch.Tensor, out: torch.Tensor, offsets=cu, at=snap_at, **given) -> int:
-        n = {**size, "atn": S, "pn": S * nv * dk * dv, **given}
+    def call(state: torch.Tensor, out: torch.Tensor, offsets=cu, at=points, **given) -> int:
+        n = {**size, "atn": A, "pn": A * one, **given}
         d = {**dims, **{k: v for k, v in given.items() if k in dims}}
         return lib.kvlm_gated_delta(
             f32["conv"].data_ptr(), n["cn"], f32["z"].data_ptr(), n["zn"], f32["b"].data_ptr(),
@@ -922,9 +923,10 @@ def test_the_gated_delta_checks_its_buffers_and_is_the_torch_road(build):
         {"offsets": torch.tensor([1, 5, 5, 8])}, {"offsets": torch.tensor([0, 5, 4, 8])},
         {"offsets": torch.tensor([0, 5, 5, 9])},
         {"offsets": torch.tensor([0, 5, 5, HUGE]), **big},
-        {"nv": HUGE, "hn": HUGE, "nk": 1, **big}, {"atn": S - 1}, {"pn": S * nv * dk * dv - 1},
-        {"at": torch.tensor([2, 1, 3])}, {"at": torch.tensor([6, 0, 3])},
-        {"at": torch.tensor([-1, 0, 3])}]  # fmt: skip
+        {"nv": HUGE, "hn": HUGE, "nk": 1, **big}, {"atn": 0}, {"pn": A * one - 1},
+        {"at": torch.tensor([1, 0, 3, 7])},
+        {"at": torch.tensor([0, 1, 1, 7])}, {"at": torch.tensor([0, 1, 3, 8])},
+        {"at": torch.tensor([-1, 1, 3, 7])}]  # fmt: skip
     n_state, n_out = size["sn"], size["on"]
     for given in bad:
         state, out = _guarded(n_state), _guarded(n_out)
@@ -939,26 +941,42 @@ def test_the_gated_delta_checks_its_buffers_and_is_the_torch_road(build):
     for i, n in enumerate(lengths):
         if not n:
             continue
-        one = {k: v[at : at + n][None] if k in ("conv", "z", "b", "a") else v
-               for k, v in ins.items()}  # fmt: skip
-        exact, after = _delta_torch(**one, eps=1e-6, state=state0[i : i + 1], nk=nk, dk=dk)
-        ref, ref_after = _delta_torch(**{k: v.float() for k, v in one.items()}, eps=1e-6,
+        one_seq = {k: v[at : at + n][None] if k in ("conv", "z", "b", "a") else v
+                   for k, v in ins.items()}  # fmt: skip
+        exact, after = _delta_torch(**one_seq, eps=1e-6, state=state0[i : i + 1], nk=nk, dk=dk)
+        ref, ref_after = _delta_torch(**{k: v.float() for k, v in one_seq.items()}, eps=1e-6,
                                       state=state0[i : i + 1].float(), nk=nk, dk=dk)  # fmt: skip
         assert_as_exact_as(got[at : at + n][None], ref, exact)
         assert_as_exact_as(got_state[i : i + 1], ref_after, after)
-        k = int(snap_at[i])  # the state after k rows: the same call over k rows alone
-        alone, alone_out = state0[i : i + 1].float().clone(), torch.empty(k, nv * dv)
-        part = {key: f32[key][at : at + k].contiguous() for key in ("conv", "z", "b", "a")}
-        assert lib.kvlm_gated_delta(
-            part["conv"].data_ptr(), part["conv"].numel(), part["z"].data_ptr(),
-            part["z"].numel(), part["b"].data_ptr(), part["b"].numel(), part["a"].data_ptr(),
-            part["a"].numel(), f32["a_log"].data_ptr(), f32["dt_bias"].data_ptr(), nv,
-            f32["w"].data_ptr(), dv, 1e-6, alone.data_ptr(), alone.numel(), alone_out.data_ptr(),
-            alone_out.numel(), torch.tensor([0, k]).data_ptr(), 2, None, 0, None, 0, 1, nk, nv,
-            dk, dv) == 0  # fmt: skip
-        assert torch.equal(snaps[: S * nv * dk * dv].view(S, nv, dk, dv)[i], alone[0])
+        for j, row in enumerate(points.tolist()):
+            if not at <= row < at + n:
+                continue
+            k = row - at + 1  # the state after k rows: the same call over k rows alone
+            alone, alone_out = state0[i : i + 1].float().clone(), torch.empty(k, nv * dv)
+            part = {key: f32[key][at : at + k].contiguous() for key in ("conv", "z", "b", "a")}
+            assert lib.kvlm_gated_delta(
+                part["conv"].data_ptr(), part["conv"].numel(), part["z"].data_ptr(),
+                part["z"].numel(), part["b"].data_ptr(), part["b"].numel(),
+                part["a"].data_ptr(), part["a"].numel(), f32["a_log"].data_ptr(),
+                f32["dt_bias"].data_ptr(), nv, f32["w"].data_ptr(), dv, 1e-6,
+                alone.data_ptr(), alone.numel(), alone_out.data_ptr(), alone_out.numel(),
+                torch.tensor([0, k]).data_ptr(), 2, None, 0, None, 0, 1, nk, nv, dk,
+                dv) == 0  # fmt: skip
+            assert torch.equal(snaps[: A * one].view(A, nv, dk, dv)[j], alone[0]), (i, row)
         at += n
-    assert _untouched(snaps[S * nv * dk * dv :])
+    assert _untouched(snaps[A * one :])
+    # more than 64 states of one sequence: refused, nothing written
+    rows = 70
+    z0 = [torch.zeros(rows, w) for w in (C, nv * dv, nv, nv)]
+    st, o, many = torch.zeros(nv * dk * dv), torch.zeros(rows * nv * dv), torch.arange(65)
+    out_many = _guarded(65 * one)
+    assert lib.kvlm_gated_delta(
+        z0[0].data_ptr(), z0[0].numel(), z0[1].data_ptr(), z0[1].numel(), z0[2].data_ptr(),
+        z0[2].numel(), z0[3].data_ptr(), z0[3].numel(), f32["a_log"].data_ptr(),
+        f32["dt_bias"].data_ptr(), nv, f32["w"].data_ptr(), dv, 1e-6, st.data_ptr(), st.numel(),
+        o.data_ptr(), o.numel(), torch.tensor([0, rows]).data_ptr(), 2, many.data_ptr(), 65,
+        out_many.data_ptr(), 65 * one, 1, nk, nv, dk, dv) == -2  # fmt: skip
+    assert _untouched(out_many)
 
 
 @pytest.mark.parametrize("build", BUILDS)

@@ -325,6 +325,74 @@ def test_a_chat_turn_starts_over_as_a_fresh_session(qwen35_dir, mode):
     assert cache.num_tokens == 0
 
 
+@pytest.mark.parametrize("mode", ["contiguous", "window"])
+def test_speculative_decoding_on_one_cache_equals_plain(qwen35_dir, mode):
+    """Speculative decoding on one cache (a DraftBatch: the last token and its draft as
+    rows of one step; the state after each row kept, the rejected rows' rolled back to the
+    accepted one's): prompt lookup and a draft model (the file's int8 self, whose own
+    cache keeps the state its one-token steps end at, `hold_rollback`) give plain greedy
+    decoding's tokens, with drafts both accepted and rejected."""
+    from kvlm.engine.speculative import SpeculativeConfig
+
+    folder = qwen35_dir("qwen35")
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=folder, kv=mode, progress=False)
+    prompts = [llm.tokenizer.encode(p) for p in (PROMPT, "One two three, one two three, one two")]
+    want = [answer(llm.cache_engine(), ids, greedy)[0] for ids in prompts]
+    for how in (SpeculativeConfig("ngram", ngram_min=1),
+                SpeculativeConfig("draft", draft_weights="int8")):  # fmt: skip
+        spec = LLM(model=folder, kv=mode, speculative=how, progress=False)
+        engine = spec.cache_engine()
+        assert [answer(engine, ids, greedy)[0] for ids in prompts] == want, how.method
+        st = engine.stats.spec
+        # prompt lookup's drafts are rejected (a random model); the int8 self's accepted
+        # in part: rows rolled back to a middle one
+        assert st.drafted > 0 and (how.method == "ngram" or 0 < st.accepted < st.drafted), st
+
+
+def test_a_draft_rolls_back_to_any_of_its_rows(qwen35_dir):
+    """A one-sequence cache's draft step (begin(n, draft=True)) gives each token's decode
+    logits bit for bit and keeps the state and conv rows after each of its rows: rolled
+    back to any of them, the next token's logits are plain decoding's; back past them
+    (before the step's first row) is refused with the reason (can_roll_back False: the
+    caller starts over). hold_rollback(k) keeps the states
+    that steps of one token end at, k back (a draft model's cache)."""
+    from kvlm.engine.runner import DraftBatch
+
+    llm = LLM(model=qwen35_dir("qwen35-attention-first"), kv="contiguous", exact=True,
+              progress=False)  # fmt: skip
+    ids = prompt_ids(llm, 30)
+    plain = llm.new_cache()
+    fed(llm, ids[:20], [20], plain)
+    steps = [llm.runner.forward([t], plain) for t in ids[20:26]]  # positions 20 .. 25
+    draft = llm.new_cache()
+    fed(llm, ids[:20], [20], draft)
+    saved = draft.snapshot()
+    rows = llm.runner.run(DraftBatch(ids[20:25], draft))
+    assert torch.equal(rows, torch.stack(steps[:5]))
+    for back in range(1, 5):  # keep 5 - back of the 5 rows
+        draft.restore(saved)
+        llm.runner.run(DraftBatch(ids[20:25], draft))
+        draft.rollback(back)
+        n = draft.num_tokens
+        assert n == 25 - back and draft.can_roll_back(n - 21) and not draft.can_roll_back(n - 20)
+        with pytest.raises(InvalidRequestError, match="past the states kept"):
+            draft.rollback(n - 20)  # before the draft's first row
+        nxt = llm.runner.forward([ids[25 - back]], draft)
+        assert torch.equal(nxt, steps[5 - back]), back
+    draft.restore(saved)
+    llm.runner.run(DraftBatch(ids[20:25], draft))
+    assert draft.can_roll_back(4) and not draft.can_roll_back(5)  # the first row stays
+    held = llm.new_cache()
+    held.hold_rollback(3)
+    fed(llm, ids[:20], [20], held)
+    for t in ids[20:24]:
+        llm.runner.forward([t], held)
+    assert held.can_roll_back(3) and not held.can_roll_back(4)
+    held.rollback(3)
+    assert torch.equal(llm.runner.forward([ids[21]], held), steps[1])
+
+
 def test_the_state_forks_snapshots_and_restores(qwen35_dir):
     """A cache's state: a snapshot restored gives the same next logits; a fork decodes
     each row as the one it came from and as the unforked row alone, bit for bit (batched =
@@ -415,13 +483,12 @@ def test_memory_counts_the_state_per_sequence(qwen35_dir, mode, capsys):
 
 def test_what_cannot_hold_the_state_is_refused(qwen35_dir, tmp_path):
     """KV tiers under the engine's pool (they keep no state snapshots: nothing could hit),
-    cache files, speculative decoding (the model's or as a draft model) and the fused step
-    refuse a model with DeltaNet layers, each with one clear error; a forward past
-    position 0 through a cache of another spec (no state group) says why."""
+    cache files and the fused step refuse a model with DeltaNet layers, each with one
+    clear error; a forward past position 0 through a cache of another spec (no state
+    group) says why."""
     from kvlm.cache import create_cache
     from kvlm.cache.base import CacheFileError
     from kvlm.engine.engine import Engine, EngineConfig
-    from kvlm.engine.speculative import SpeculativeConfig
     from kvlm.model import fused
 
     folder = qwen35_dir("qwen35")
@@ -429,16 +496,6 @@ def test_what_cannot_hold_the_state_is_refused(qwen35_dir, tmp_path):
     with pytest.raises(InvalidRequestError, match="no snapshots of a gated DeltaNet") as err:
         Engine(llm, EngineConfig(kv_tiers=(f"disk:{tmp_path / 'tier'}",)))
     assert err.value.param == "kv_tiers" and not (tmp_path / "tier").exists()
-    for how in ("ngram", SpeculativeConfig("draft", draft_weights="int8")):
-        with pytest.raises(InvalidRequestError, match="rejected draft") as err:
-            LLM(model=folder, kv="contiguous", speculative=how, progress=False)
-        assert err.value.param == "speculative"
-    other = save_tiny_model(tmp_path / "llama", "llama", seed=3)
-    target = LLM(model=other, kv="contiguous", progress=False,
-                 speculative=SpeculativeConfig("draft", draft_model=str(folder)))  # fmt: skip
-    with pytest.raises(InvalidRequestError, match="rejected draft") as err:
-        target.draft_model(target.speculative)
-    assert err.value.param == "draft_model"
     chat = llm.chat_session(SamplingParams(max_tokens=4, temperature=0.0))
     "".join(chat.send("Hello"))
     with pytest.raises(CacheFileError, match="no gated DeltaNet state"):
@@ -446,8 +503,6 @@ def test_what_cannot_hold_the_state_is_refused(qwen35_dir, tmp_path):
     assert not (tmp_path / "chat.kvc").exists()
     with pytest.raises(CacheFileError, match="no gated DeltaNet state"):
         chat.load(tmp_path / "chat.kvc", llm.fingerprint)
-    with pytest.raises(InvalidRequestError, match="draft"):
-        llm.new_cache("contiguous").begin(2, draft=True)
     assert "a deltanet layer" in fused.why_not(llm.model)
     cache = create_cache("contiguous", replace(llm.cache_spec("contiguous"), layer_kinds=()))
     with torch.inference_mode():
@@ -803,6 +858,58 @@ def test_a_pool_step_refuses_a_state_of_another_length(pooled):
     assert not slot and state.num_used == 0
 
 
+def test_a_pool_draft_rolls_back_to_its_rows(pooled):
+    """A sequence's draft rows (pieces of one token at consecutive positions) are one
+    sequence of the step whose state after each row but the last is kept
+    (SlotDeltaStep.keep_rows) until the slot's next step: a trim to one of them restores
+    that row's state and conv rows, and forgets the block-end snapshot taken past it (a
+    rejected row's state); a trim before the draft, or after the next step, is refused."""
+    from kvlm.engine.engine import Engine
+
+    llm, _ = pooled
+    state = Engine(llm).pool.groups[1]
+    layers, r, width = state.state.shape[0], state.conv.shape[2], state.conv.shape[-1]
+    bs, slot, table = state.block_size, [state.allocate()], [7, 8]
+
+    def run(step, u: torch.Tensor, mark: float) -> None:
+        for layer in range(layers):
+            step.taps(layer, u)
+            step.stage(layer, step.initial(layer) + mark)
+            if step.keep_rows:  # the state after kept row i: marked i + 1
+                kept = [step.initial(layer)[0] + i + 1 for i in range(len(step.keep_rows))]
+                step.stage_kept(layer, torch.stack(kept))
+        step.commit()
+
+    u = torch.randn(1, bs - 2, width)
+    run(state.step([(slot[0], 0, bs - 2, table)]), u, 0.5)  # a prompt: 2 short of a block
+    before = state.state[:, slot[0]].clone()
+    d = torch.randn(1, 5, width)  # the last token and 4 drafted: positions bs - 2 .. bs + 2
+    step = state.step([(slot[0], bs - 2 + i, 1, table) for i in range(5)])
+    assert step.cu == [0, 5] and step.keep_rows == [0, 1, 2, 3]
+    run(step, d, 100.0)
+    assert state.end[slot[0]] == bs + 3 and table[0] in state.snap_of  # the block's end
+    state.trim(slot, bs + 1)  # 3 rows kept: the state after row 2, the rows before bs + 1
+    assert state.end[slot[0]] == bs + 1
+    assert torch.equal(state.state[:, slot[0]], before + 3)
+    assert torch.equal(state.conv[0, slot[0]], torch.cat([u[0], d[0]])[-r - 2 : -2])
+    assert table[0] in state.snap_of  # taken at bs, kept
+    run(state.step([(slot[0], bs + 1 + i, 1, table) for i in range(3)]), d[:, :3], 1.0)
+    state.trim(slot, bs + 1 + 1)
+    run(state.step([(slot[0], bs + 2 + i, 1, table) for i in range(2)]), d[:, :2], 1.0)
+    with pytest.raises(RuntimeError, match="cannot forget"):
+        state.trim(slot, bs + 1)  # the draft before the last step: gone
+    again = [state.allocate()]
+    run(state.step([(again[0], 0, bs - 2, table)]), u, 0.5)
+    run(state.step([(again[0], bs - 2 + i, 1, table) for i in range(5)]), d, 100.0)
+    assert table[0] in state.snap_of
+    state.trim(again, bs - 1)  # back before the block's end: its snapshot was a rejected row's
+    assert table[0] not in state.snap_of and state.end[again[0]] == bs - 1
+    with pytest.raises(RuntimeError, match="cannot forget"):
+        state.trim(again, bs - 2)
+    state.trim(slot, 0), state.trim(again, 0)
+    assert state.num_used == 0 and not state.drafted
+
+
 def test_a_prefix_hit_mid_conversation_restores_the_state(pooled):
     """The second turn of a chat finds the first's blocks: the snapshot of the state at
     the hit's last block end (taken by the step that passed it) restores the sequence's
@@ -840,6 +947,33 @@ def test_a_prefix_hit_mid_conversation_restores_the_state(pooled):
     for p in POOL_PROMPTS:
         answer(few, llm.tokenizer.encode(p))
     assert few.pool.groups[1].blocks_with_rows <= 4
+
+
+def test_speculative_decoding_on_the_pool_equals_plain(pooled):
+    """Speculative decoding through the engine's pool: a sequence's draft rows are one
+    sequence of the step to its slot (the state after each row kept until its next step,
+    StateSlots.drafted) and a rejected row's trim goes back to the accepted one's state;
+    prompt lookup and the file's int8 self as draft model give every prompt's tokens
+    alone, batched, drafts accepted and rejected. A conversation decoded speculatively
+    (block-end snapshots taken by draft steps, those after a rejected row forgotten)
+    hits for its second turn with a fresh pool's answer."""
+    from kvlm.engine.speculative import SpeculativeConfig
+
+    llm, want = pooled
+    for how in (SpeculativeConfig("ngram", ngram_min=1),
+                SpeculativeConfig("draft", draft_weights="int8")):  # fmt: skip
+        got, engine = on_pool(llm, POOL_PROMPTS, GREEDY, speculative=how)
+        st, state = engine.stats.spec, engine.pool.groups[1]
+        assert got == want and st.drafted > 0, how.method  # ngram's rejected, int8's in part
+        assert how.method == "ngram" or 0 < st.accepted < st.drafted, st
+        assert state.num_used == 0 and not state.drafted
+    first, second = conversation(llm)
+    plain, _ = answer(fresh_engine(llm), second)
+    engine = fresh_engine(llm, speculative=SpeculativeConfig("draft", draft_weights="int8"))
+    answer(engine, first)
+    got, cached = answer(engine, second)
+    assert got == plain and cached >= (len(first) // 16) * 16 > 0
+    assert engine.stats.spec.drafted > engine.stats.spec.accepted > 0
 
 
 def test_kvlm_serve_answers_concurrent_chats(qwen35_dir):

@@ -18,7 +18,6 @@ from tqdm import tqdm
 from kvlm import defaults, kernels
 from kvlm.cache import CacheSpec, KVCache, create_cache
 from kvlm.cache.factory import BATCH_MODES, check_mode, mode_spec
-from kvlm.cache.recurrent import NO_ROLLBACK
 from kvlm.config import LIMITS, for_context
 from kvlm.dtypes import dtype_name, kv_sides, parse_dtype, parse_kv_dtype
 from kvlm.engine.backends import cache_engine_limits
@@ -51,12 +50,6 @@ WEIGHT_FORMATS = (None, "f32", "bf16", "int8", "int4", "native")
 NO_SPECULATION = {
     "off": "it keeps no cache to check a draft against",
 }
-# Why a model with gated DeltaNet layers neither decodes speculatively nor drafts: a
-# rejected draft's tokens would have to leave its state (kvlm.cache.recurrent)
-NO_DRAFT_STATE = (
-    f"{NO_ROLLBACK}, so the tokens of a rejected draft cannot be taken back (a state per "
-    "draft position is not kept yet)"
-)
 # Sequences the batch engine decodes together (SchedulerConfig.max_num_seqs)
 BATCH_MAX_SEQS = 16
 # What the numerics' prefill_dtype and activations may be once resolved (kvlm.defaults)
@@ -163,9 +156,6 @@ class LLM:
         if past is not None:
             log.warning(past)
         self.cache_spec(kv)  # every cache setting checked before the weights load
-        if self.speculative is not None and self.config.deltanet_layers:
-            raise InvalidRequestError(f"no speculative decoding of this model: {NO_DRAFT_STATE}",
-                                      param="speculative")  # fmt: skip
         self._drafters: dict[tuple[str, str | None], DraftModel] = {}  # see draft_model
         self._engine: Engine | None = None  # generate's batch engine, made on first use
         self.progress = progress
@@ -252,9 +242,6 @@ class LLM:
             draft = LLM(model=path, weights=spec.draft_weights, max_context=self.max_context,
                         progress=False, rope_scaling=self.rope[0],
                         rope_scale=self.rope[1])  # fmt: skip
-            if draft.config.deltanet_layers:
-                raise InvalidRequestError(f"the draft model {path}: {NO_DRAFT_STATE}",
-                                          param="draft_model")  # fmt: skip
             ours = self.tokenizer.backend.get_vocab()
             theirs = draft.tokenizer.backend.get_vocab()
             if ours != theirs:

@@ -443,6 +443,12 @@ class KVCache(ABC):
         self._length -= n
         self._truncate(self._length)
 
+    def hold_rollback(self, n: int) -> None:
+        """Keep what a rollback of up to `n` tokens over steps of their own needs (a draft
+        model's cache, its drafts one token a step): a DeltaNet state the state each step
+        ends at (kvlm.cache.recurrent); K/V rows and rings keep it anyway."""
+        return None
+
     def can_roll_back(self, n: int) -> bool:
         """Whether rollback(n) keeps what the next query reads (a ring may have let it go)."""
         if not 0 <= n <= self._length:

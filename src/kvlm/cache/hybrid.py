@@ -135,7 +135,7 @@ class HybridCache(KVCache):
         self.groups = layer_groups(spec)
         self.caches = [part_cache(mode_cls, spec, group) for group in self.groups]
         self.mode = mode_cls.mode
-        # a draft step on every part, or none (a DeltaNet state takes none back)
+        # a draft step on every part, or none
         self.drafts = all(part.drafts for part in self.caches)
         # layer -> (part, {layer: index inside the part} of that part)
         indexes = [{i: n for n, i in enumerate(g.layers)} for g in self.groups]
@@ -178,6 +178,10 @@ class HybridCache(KVCache):
     def _release(self) -> None:
         for part in self.parts:
             part.free()
+
+    def hold_rollback(self, n: int) -> None:
+        for part in self.parts:
+            part.hold_rollback(n)
 
     def _fork(self, n: int) -> None:
         for part in self.parts:

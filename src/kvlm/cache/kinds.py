@@ -186,10 +186,12 @@ class RecurrentState(LayerKind):
     last `conv_kernel` - 1 input rows of `conv_width` channels (q|k|v: the `key_heads`
     too), both fixed a sequence, kept in state_dtype (fp32; fp64 for an fp64 cache) by
     kvlm.cache.recurrent. The rows are part of this kind, not a ConvWindow group of their
-    own: they and the state move together (one begin/commit a step, the same layers) and
-    neither can be taken back (a state cannot forget tokens, so rows kept for a rollback
-    would serve nothing: no slack). No row per token (token_bytes 0); the next query
-    reads no position before it (the state holds them all)."""
+    own: they and the state move together (one begin/commit a step, the same layers).
+    No row per token (token_bytes 0); the next query reads no position before it (the
+    state holds them all). A state cannot forget tokens: a rollback (a rejected draft's
+    rows) goes back to a state kept for it with its rows, no slack (the one-sequence
+    caches: after each draft row, kvlm.cache.recurrent.DeltaRows; the pool: a draft step's
+    until its sequence's next step, StateSlots); sequence_bytes is a slot's, without them."""
 
     name: ClassVar[str] = "state"
     code: ClassVar[int] = 3

@@ -3,7 +3,8 @@ layers keep of a sequence is no row per token but a fixed state, its recurrence'
 (value heads, key_dim, value_dim) and its convolution's last L - 1 input rows.
 `DeltaRows` holds it for a group of DeltaNet layers and a batch of sequences in lockstep
 (begin(n) -> a `DeltaStep` the model reads and stages in, commit only once the forward
-succeeded; fork, snapshot/restore; no rollback: a state cannot forget tokens).
+succeeded; fork, snapshot/restore; a rollback only to a state it kept: a state cannot
+forget tokens).
 `StateCache` is the part of a cache that keeps it (kvlm.cache.hybrid: a cache of a model
 with DeltaNet layers keeps a part per layer group, the DeltaNet layers' this one), a
 DeltaRows of the group's layers and the cache's sequences; its step's
@@ -13,17 +14,21 @@ the forward succeeded.
     conv:  (DeltaNet layers, B, L - 1, conv_width)        positions length - L + 1 .. length - 1
     state: (DeltaNet layers, B, value_heads, key_dim, value_dim)   after `length` tokens
 
-Both in kinds.state_dtype (fp32; fp64 for an fp64 cache). A state cannot forget tokens:
-`can_roll_back(n)` is False for any n > 0 (a chat turn starts over; speculative decoding
-is refused for such a model, kvlm.llm), rollback to 0 is a reset. fork, snapshot/restore
-copy it whole. No fused C step reads it (kvlm.model.fused refuses a DeltaNet layer), no
-cache file holds it yet (kvlm.cache.files refuses).
+Both in kinds.state_dtype (fp32; fp64 for an fp64 cache). A state cannot forget tokens,
+so a rollback goes back to a state kept for it: a draft step (begin(n, draft=True): the
+last token and its draft as rows of one step) keeps the state and rows after each of
+its rows, `hold_rollback(k)` those the last k one-token steps ended at (a draft model's
+cache); `can_roll_back(n)` is False past them (a chat turn starts over), rollback to 0 is
+a reset. fork, snapshot/restore copy it whole. No fused C step reads it
+(kvlm.model.fused refuses a DeltaNet layer), no cache file holds it yet
+(kvlm.cache.files refuses).
 
 `StateSlots` keeps it in the engine's pool (kvlm.cache.paged.BlockPool.groups; the slot
 bookkeeping is kvlm.cache.slots'): a slot a sequence of both tensors above, its step a
 `SlotDeltaStep` (the step's sequences at their row offsets `cu`, as GatedDeltaNet reads
-them), and with the prefix cache snapshots of it at group 0's block ends, which prefix
-hits restore a slot from.
+them; a sequence's draft rows one of them, the state after each kept until its next step
+for a rejected row's trim), and with the prefix cache snapshots of it at group 0's block
+ends, which prefix hits restore a slot from.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import sys
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -38,7 +44,7 @@ from kvlm.cache.base import CacheSpec, CacheStep, KVCache, KVPair
 from kvlm.cache.conv import ConvRows, ConvStep
 from kvlm.cache.groups import LayerGroup
 from kvlm.cache.kinds import ConvWindow, RecurrentState, state_dtype
-from kvlm.cache.slots import Piece, Slots, sequences
+from kvlm.cache.slots import Piece, Slots, pieces_per_sequence, sequences
 from kvlm.config import DeltaNet
 from kvlm.errors import CacheOverflowError, InvalidRequestError
 
@@ -50,7 +56,11 @@ class DeltaRows:
     """The DeltaNet layers' state of `batch` sequences advanced in lockstep: each layer's
     last L - 1 input rows of its convolution (`conv`, a ConvRows) and its recurrent state
     `state` (layers, batch, nv, dk, dv) in the recurrence's dtype; `length` the tokens
-    they hold."""
+    they hold. A state cannot forget tokens, so a rollback goes back to a state kept:
+    `kept` (position -> the state and conv rows there), each draft row's (a draft step
+    keeps the state after each of its rows) and, for `depth` positions back, those each
+    step ended at (`hold_rollback`: a draft model's own cache, whose drafts are steps of
+    one token)."""
 
     def __init__(
         self, shape: DeltaNet, layers: int, batch: int, dtype: torch.dtype, device: torch.device
@@ -61,26 +71,61 @@ class DeltaRows:
         s = shape
         self.state = torch.zeros(layers, batch, s.value_heads, s.key_dim, s.value_dim,
                                  dtype=state_dtype(dtype), device=device)  # fmt: skip
+        self.depth = 0
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def length(self) -> int:
         return self.conv.length
 
-    def begin(self, n_new: int) -> DeltaStep:
-        """The step of `n_new` tokens after the `length` the sequences hold."""
-        return DeltaStep(self, n_new)
+    def begin(self, n_new: int, draft: bool = False) -> DeltaStep:
+        """The step of `n_new` tokens after the `length` the sequences hold (`draft`: one
+        sequence's tokens as rows of one token, the state after each kept)."""
+        return DeltaStep(self, n_new, draft)
 
     def commit(self, step: DeltaStep) -> None:
         """Keep the step's rows and states (only once its forward succeeded)."""
-        if any(s is None for s in step.staged):
+        if any(s is None for s in step.staged) or (
+            step.keep_rows and any(s is None for s in step.kept)
+        ):
             raise ValueError("a DeltaNet step committed before it was run through")
+        before = self.conv.rows
         self.conv.commit(step.conv)
         self.state = torch.stack(step.staged)  # type: ignore[arg-type]
+        end, r = step.start + step.n_new, self.conv.keep
+        if step.keep_rows:  # a draft's: the state and rows after each of its rows but the last
+            states = torch.stack(step.kept)  # type: ignore[arg-type]  # (layers, n - 1, ...)
+            new = torch.stack(step.conv.staged).to(before.dtype)  # type: ignore[arg-type]
+            rows = torch.cat([before, new], dim=2)  # (layers, 1, L - 1 + n, C)
+            for i in range(states.shape[1]):
+                at = rows[:, :, i + 1 : i + 1 + r]
+                self.kept[step.start + 1 + i] = (states[:, i : i + 1], at)
+        self.kept[end] = (self.state, self.conv.rows)
+        back = max(self.depth, step.n_new - 1 if step.keep_rows else 0)
+        self.kept = {p: t for p, t in self.kept.items() if end - back <= p <= end}
+
+    def can_roll_back(self, n: int) -> bool:
+        """Whether the state `n` tokens back is kept."""
+        return n == 0 or self.length - n in self.kept
+
+    def rollback(self, n: int) -> None:
+        """Back to the state and rows `n` tokens before the end (kept: `can_roll_back`)."""
+        if not self.can_roll_back(n):
+            raise InvalidRequestError(f"{NO_ROLLBACK}: {n} of {self.length} tokens back is "
+                                      "past the states kept")  # fmt: skip
+        if n:
+            length = self.length - n
+            self.state, rows = self.kept[length]
+            self.conv.rows = rows.contiguous()
+            self.conv.end = self.conv.length = length
+            self.conv.first = length - self.conv.keep
+            self.kept = {p: t for p, t in self.kept.items() if p <= length}
 
     def fork(self, n: int) -> None:
         """Each sequence as n (n samples decoding from one prompt)."""
         self.conv.fork(n)
         self.state = self.state.repeat_interleave(n, dim=1)
+        self.kept = {self.length: (self.state, self.conv.rows)}
 
     def snapshot(self) -> tuple:
         return self.conv.snapshot(), self.state.clone()
@@ -89,22 +134,30 @@ class DeltaRows:
         conv, state = saved
         self.conv.restore(conv)
         self.state = state.clone()
+        self.kept = {self.length: (self.state, self.conv.rows)}
 
 
 class DeltaStep:
     """One forward's view of the DeltaNet rows: `conv` the ConvStep of their convolution
     windows, `initial(layer)` a layer's state before the step, `stage(layer, state)` its
     state after (kept by DeltaRows.commit). The step's sequences are its B rows of n_new
-    tokens each (`cu` None: a pool step's say where each sequence's rows are)."""
+    tokens each (`cu` None: a pool step's say where each sequence's rows are), or a draft's
+    one sequence of n_new rows of one token, whose state after each row but the last is
+    kept too (`keep_rows`, those rows; `stage_kept`)."""
 
     cu: list[int] | None = None
-    snap_at: list[int] | None = None  # a pool step's: kvlm.cache.recurrent.SlotDeltaStep
 
-    def __init__(self, rows: DeltaRows, n_new: int) -> None:
+    def __init__(self, rows: DeltaRows, n_new: int, draft: bool = False) -> None:
         self.start, self.n_new = rows.length, n_new
-        self.conv: ConvStep = rows.conv.begin(n_new)
+        self.conv: ConvStep = rows.conv.begin(n_new, draft)
         self._state = rows.state
-        self.staged: list[torch.Tensor | None] = [None] * rows.state.shape[0]
+        layers = rows.state.shape[0]
+        self.staged: list[torch.Tensor | None] = [None] * layers
+        self.kept: list[torch.Tensor | None] = [None] * layers
+        # rows of the step (flattened) after which the state is kept too
+        self.keep_rows: list[int] | None = list(range(n_new - 1)) if draft else None
+        if draft:
+            self.cu = [0, n_new]
 
     def initial(self, layer: int) -> torch.Tensor:
         return self._state[layer]
@@ -112,14 +165,18 @@ class DeltaStep:
     def stage(self, layer: int, state: torch.Tensor) -> None:
         self.staged[layer] = state
 
+    def stage_kept(self, layer: int, states: torch.Tensor) -> None:
+        """The states after the `keep_rows` (one each, (rows, nv, dk, dv))."""
+        self.kept[layer] = states
+
 
 class _StateCacheStep(CacheStep):
     """A StateCache's step: no K/V (a DeltaNet layer attends to nothing); `recurrent` its
     DeltaStep."""
 
-    def __init__(self, cache: StateCache, n_new: int) -> None:
+    def __init__(self, cache: StateCache, n_new: int, draft: bool) -> None:
         super().__init__(cache.num_tokens, n_new, cache.batch, cache.spec.device, None, False)
-        self.recurrent = cache.rows.begin(n_new)
+        self.recurrent = cache.rows.begin(n_new, draft)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVPair:
         raise RuntimeError("a DeltaNet layer has no K/V")  # a bug, not a user error
@@ -130,7 +187,6 @@ class StateCache(KVCache):
     `spec.batch` sequences: a part of a HybridCache, any mode but off."""
 
     mode = "state"
-    drafts = False  # a draft's rejected tokens would have to leave the state
 
     def __init__(self, spec: CacheSpec, kind: RecurrentState) -> None:
         super().__init__(spec)
@@ -146,20 +202,26 @@ class StateCache(KVCache):
         return sys.maxsize  # a state a sequence: any length
 
     def _begin(self, n_new: int, draft: bool) -> CacheStep:
-        return _StateCacheStep(self, n_new)
+        return _StateCacheStep(self, n_new, draft)
 
     def _commit(self, step: CacheStep) -> None:
         self.rows.commit(step.recurrent)  # type: ignore[arg-type]
 
+    def hold_rollback(self, n: int) -> None:
+        self.rows.depth = n
+
     def _check_rollback(self, n: int) -> None:
-        if 0 < n < self._length:  # all of them: a reset
-            raise InvalidRequestError(f"{NO_ROLLBACK}: {n} of {self._length} tokens back")
+        if 0 < n < self._length and not self.rows.can_roll_back(n):  # all of them: a reset
+            raise InvalidRequestError(f"{NO_ROLLBACK}: {n} of {self._length} tokens back is "
+                                      "past the states kept")  # fmt: skip
 
     def _truncate(self, length: int) -> None:
         if length == 0:
+            depth = self.rows.depth
             self.rows = self._new_rows(self.batch)
-        elif length != self.rows.length:  # _check_rollback lets none through
-            raise RuntimeError(f"{NO_ROLLBACK}: to {length} of {self.rows.length}")
+            self.rows.depth = depth
+        else:
+            self.rows.rollback(self.rows.length - length)
 
     def _fork(self, n: int) -> None:
         self.rows.fork(n)
@@ -168,7 +230,9 @@ class StateCache(KVCache):
         return None  # no fused step reads a DeltaNet layer
 
     def _release(self) -> None:  # back to the spec's batch
+        depth = self.rows.depth
         self.rows = self._new_rows(self.spec.batch)
+        self.rows.depth = depth
 
     def _export(self) -> dict[str, torch.Tensor]:
         """`conv` (layers, B, L - 1, conv_width) and `state` (layers, B, nv, dk, dv)."""
@@ -181,16 +245,34 @@ class StateCache(KVCache):
         rows.conv.end = rows.conv.length = length
         rows.conv.first = length - rows.conv.keep
         rows.state = tensors["state"].to(dtype=dtype, device=device, copy=True)
+        rows.kept = {length: (rows.state, rows.conv.rows)}
+        rows.depth = self.rows.depth
         self.rows = rows
 
     @property
     def nbytes(self) -> int:
-        conv, state = self.rows.conv.rows, self.rows.state
-        return conv.numel() * conv.element_size() + state.numel() * state.element_size()
+        """The rows, the state and the states kept for a rollback."""
+        rows = self.rows
+        held = [rows.state, rows.conv.rows, *(t for pair in rows.kept.values() for t in pair)]
+        return sum({t.data_ptr(): t.nbytes for t in held}.values())
 
     @classmethod
     def planned_nbytes(cls, spec: CacheSpec, tokens: int, batch: int) -> int:
         raise TypeError("a state part's plan is its kind's: LayerGroup.sequence_bytes")
+
+
+@dataclass(slots=True)
+class Drafted:
+    """What a slot keeps of its last step's draft (a sequence's n rows from `start`) for a
+    rollback to one of its rows: `states` (layers, n - 1, nv, dk, dv) the state after each
+    row but the last, `conv` (layers, L - 1 + n, conv_width) the rows of positions
+    start - (L - 1) .. start + n - 1, `snaps` (position, block) the block-end snapshots
+    the step took (forgotten where a rollback goes back before their end)."""
+
+    start: int
+    states: torch.Tensor
+    conv: torch.Tensor
+    snaps: list[tuple[int, int]]
 
 
 class StateSlots(Slots):
@@ -203,8 +285,9 @@ class StateSlots(Slots):
 
     zeroed when a slot is taken (the state before any token; rows before position 0 read
     as zeros), `end[slot]` the tokens it holds. A state cannot forget tokens: a step must
-    start where its slot ends (`SlotDeltaStep`), a trim to fewer tokens than it holds but
-    0 is refused (speculative decoding is refused for such a model, kvlm.llm).
+    start where its slot ends (`SlotDeltaStep`); a trim to fewer tokens than it holds (a
+    rejected draft's rows) goes back to the state its last step kept at that row
+    (`drafted`), and one further back but 0 is refused.
 
     Prefix hits (a pool with a prefix cache: `snapshots` > 0): snapshots of the state and
     rows at group 0's block ends, the same two tensors with `snapshots` entries. A step
@@ -237,6 +320,7 @@ class StateSlots(Slots):
         self.state = torch.zeros(layers, slots, *state, dtype=dtype, device=dev)
         self.conv = torch.zeros(layers, slots, *rows, dtype=dtype, device=dev)
         self.end = [0] * slots
+        self.drafted: dict[int, Drafted] = {}  # slot -> its last step's draft, kept
         self.snap_state = torch.zeros(layers, snapshots, *state, dtype=dtype, device=dev)
         self.snap_conv = torch.zeros(layers, snapshots, *rows, dtype=dtype, device=dev)
         self.snap_of: dict[int, int] = {}  # group 0's block -> the snapshot at its end
@@ -268,23 +352,39 @@ class StateSlots(Slots):
         self.state[:, slot].zero_()
         self.conv[:, slot].zero_()
         self.end[slot] = 0
+        self.drafted.pop(slot, None)
 
     def _copy(self, src: int, dst: int) -> None:
         self.state[:, dst] = self.state[:, src]
         self.conv[:, dst] = self.conv[:, src]
         self.end[dst] = self.end[src]
+        self.drafted.pop(dst, None)
 
     def release(self, slot: int) -> None:
         """The slot goes back; the snapshots it took stay, held by no sequence."""
         for idx in self.held[slot].values():
             self.snap_owner[idx] = -1
         self.held[slot] = {}
+        self.drafted.pop(slot, None)
         super().release(slot)
 
     def trim(self, table: list[int], num_tokens: int) -> None:
+        """To 0: the slot goes back; to a row of its last step's draft: the state kept
+        there (a rejected draft's rows); further back: refused (a bug: the engine rolls
+        back no more than a draft)."""
         if table and 0 < num_tokens < self.end[table[0]]:
-            raise RuntimeError(f"{NO_ROLLBACK}: slot {table[0]} holds {self.end[table[0]]} "
-                               f"tokens, trimmed to {num_tokens}")  # fmt: skip
+            slot, r = table[0], self.conv.shape[2]
+            d = self.drafted.pop(slot, None)
+            if d is None or num_tokens <= d.start:
+                raise RuntimeError(f"{NO_ROLLBACK}: slot {slot} holds {self.end[slot]} "
+                                   f"tokens, trimmed to {num_tokens}")  # fmt: skip
+            i = num_tokens - d.start  # the draft's rows kept
+            self.state[:, slot] = d.states[:, i - 1]
+            self.conv[:, slot] = d.conv[:, i : i + r]
+            self.end[slot] = num_tokens
+            for position, block in d.snaps:
+                if position > num_tokens:  # taken after a rejected row
+                    self.forget(block)
         super().trim(table, num_tokens)
 
     def step(self, pieces: Sequence[Piece]) -> SlotDeltaStep:
@@ -383,14 +483,21 @@ class SlotDeltaStep:
     slot's rows and the step's, `initial(layer)` the sequences' states (S, nv, dk, dv),
     `stage(layer, state)` them after; `commit()` writes them and each slot's last L - 1
     rows back once the forward has succeeded. A sequence's piece must start where its
-    slot ends (CacheOverflowError otherwise: its state is of another length)."""
+    slot ends (CacheOverflowError otherwise: its state is of another length). `keep_rows`:
+    the rows after which the state is kept too (`stage_kept`): the last block end a
+    sequence passes (a snapshot, for prefix hits) and each row but the last of a draft (a
+    sequence of several pieces: its draft rows), which its slot keeps with their conv rows
+    until its next step (`StateSlots.drafted`: a rollback to a rejected draft's row)."""
 
     def __init__(self, slots: StateSlots, pieces: Sequence[Piece]) -> None:
         self.slots, self.seqs = slots, sequences(pieces)
+        counts = pieces_per_sequence(pieces)
         self.start = pieces[0][1] if pieces else 0  # the first row's (Transformer checks it)
         r, bs = slots.conv.shape[2], slots.block_size
         cu, taps, kept, offset = [0], [], [], len(self.seqs) * r
-        snap_at, self._snaps, snap_rows = [], [], []  # the snapshots the step takes
+        points: set[int] = set()
+        self._snaps = []  # (row, s, block, slot, role, position): the snapshots it takes
+        self._drafts = []  # (slot, start, n, buf rows): each draft's states and rows kept
         for s, (slot, start, n, table) in enumerate(self.seqs):
             if start != slots.end[slot]:
                 raise CacheOverflowError(
@@ -398,7 +505,6 @@ class SlotDeltaStep:
                     f"step at {start} cannot start there ({NO_ROLLBACK}: the sequence must "
                     "be recomputed)"
                 )
-            cu.append(cu[-1] + n)
 
             def at(q: torch.Tensor, s=s, offset=offset) -> torch.Tensor:
                 """buf's rows of the sequence's relative positions q (q >= -(L - 1))."""
@@ -407,13 +513,17 @@ class SlotDeltaStep:
             rel = torch.arange(n)
             taps.append(torch.stack([at(rel - r + k) for k in range(r + 1)]))
             kept.append(at(torch.arange(n - r, n)))
+            draft = counts[s] > 1
             b = (start + n) // bs * bs  # the last block end the sequence passes
             if slots.holds_ends and b > start:
-                snap_at.append(b - start)
-                self._snaps.append((s, table[b // bs - 1], slot, "prompt" if n > 1 else "answer"))
-                snap_rows.append(at(torch.arange(b - start - r, b - start)))
-            else:
-                snap_at.append(0)
+                row = cu[-1] + b - start - 1
+                points.add(row)
+                role = "prompt" if n > 1 and not draft else "answer"
+                self._snaps.append((row, s, table[b // bs - 1], slot, role, b))
+            if draft:
+                points.update(range(cu[-1], cu[-1] + n - 1))
+                self._drafts.append((s, slot, start, n, at(torch.arange(-r, n))))
+            cu.append(cu[-1] + n)
             offset += n
         dev = slots.conv.device
         self.cu = cu
@@ -421,14 +531,13 @@ class SlotDeltaStep:
         self._taps = torch.cat(taps, dim=1).to(dev)  # (L, N)
         self._kept = torch.cat(kept).to(dev)  # (S (L - 1),)
         self.conv = self  # the model reads `step.conv.taps`
+        self.draft = False  # the pieces say which rows are one sequence
         layers = slots.state.shape[0]
         self._bufs: list[torch.Tensor | None] = [None] * layers
         self.staged: list[torch.Tensor | None] = [None] * layers
-        # each sequence's rows of the step after which the state is a snapshot's (0: none;
-        # None: no snapshot this step), GatedDeltaNet's `stage_snapshot` the states there
-        self.snap_at = snap_at if self._snaps else None
-        self._snap_rows = torch.cat(snap_rows).to(dev) if snap_rows else None
-        self.snapped: list[torch.Tensor | None] = [None] * layers
+        self.keep_rows = sorted(points) or None
+        self._index = {row: i for i, row in enumerate(self.keep_rows or [])}
+        self.kept: list[torch.Tensor | None] = [None] * layers
 
     def taps(self, layer: int, u: torch.Tensor) -> list[torch.Tensor]:
         """u (B, T, C) (the step's tokens, flattened in the pieces' order): the L tensors
@@ -444,19 +553,27 @@ class SlotDeltaStep:
     def stage(self, layer: int, state: torch.Tensor) -> None:
         self.staged[layer] = state
 
-    def stage_snapshot(self, layer: int, states: torch.Tensor) -> None:
-        """The sequences' states after their `snap_at` rows (S, nv, dk, dv)."""
-        self.snapped[layer] = states
+    def stage_kept(self, layer: int, states: torch.Tensor) -> None:
+        """The states after the `keep_rows` (one each, (rows, nv, dk, dv))."""
+        self.kept[layer] = states
 
     def commit(self) -> None:
-        """Keep the step's states and each sequence's last L - 1 rows in their slots, and
-        the snapshots at the block ends the step passed."""
+        """Keep the step's states and each sequence's last L - 1 rows in their slots, the
+        snapshots at the block ends the step passed, and each draft's states and rows."""
         if any(t is None for t in self.staged) or any(t is None for t in self._bufs):
             raise ValueError("a DeltaNet step committed before every DeltaNet layer ran")
-        if self._snaps and any(t is None for t in self.snapped):
-            raise ValueError("a DeltaNet step committed before its snapshots were staged")
-        self._commit_snapshots()
+        if self.keep_rows and any(t is None for t in self.kept):
+            raise ValueError("a DeltaNet step committed before its kept states were staged")
         slots, r = self.slots, self.slots.conv.shape[2]
+        for slot, _, _, _ in self.seqs:
+            slots.drafted.pop(slot, None)  # the last step's draft: past
+        self._commit_snapshots()
+        for s, slot, start, n, rows in self._drafts:
+            first = self._index[self.cu[s]]
+            states = torch.stack([t[first : first + n - 1] for t in self.kept])  # type: ignore[index]
+            conv = torch.stack([b.index_select(0, rows) for b in self._bufs])  # type: ignore[union-attr]
+            snaps = [(pos, block) for _, q, block, _, _, pos in self._snaps if q == s]
+            slots.drafted[slot] = Drafted(start, states, conv.to(slots.conv.dtype), snaps)
         for layer, (state, buf) in enumerate(zip(self.staged, self._bufs, strict=True)):
             slots.state[layer].index_copy_(0, self._slots, state.to(slots.state.dtype))  # type: ignore[union-attr]
             rows = buf.index_select(0, self._kept).view(len(self.seqs), r, -1)  # type: ignore[union-attr]
@@ -465,10 +582,18 @@ class SlotDeltaStep:
             slots.end[slot] = start + n
 
     def _commit_snapshots(self) -> None:
-        slots, r = self.slots, self.slots.conv.shape[2]
-        for i, (s, block, slot, role) in enumerate(self._snaps):
-            idx = slots.take(block, slot, role)
-            for layer, (snapped, buf) in enumerate(zip(self.snapped, self._bufs, strict=True)):
-                slots.snap_state[layer, idx] = snapped[s]  # type: ignore[index]
-                rows = buf.index_select(0, self._snap_rows[i * r : (i + 1) * r])  # type: ignore[union-attr,index]
-                slots.snap_conv[layer, idx] = rows
+        slots = self.slots
+        for row, s, block, slot, role, _ in self._snaps:
+            idx, i = slots.take(block, slot, role), self._index[row]
+            local = row - self.cu[s] + 1  # the rows of the sequence before the block's end
+            for layer, (kept, buf) in enumerate(zip(self.kept, self._bufs, strict=True)):
+                slots.snap_state[layer, idx] = kept[i]  # type: ignore[index]
+                at = self._rows_before(s, local)
+                slots.snap_conv[layer, idx] = buf.index_select(0, at)  # type: ignore[union-attr]
+
+    def _rows_before(self, s: int, local: int) -> torch.Tensor:
+        """buf's rows of sequence s's last L - 1 positions before its relative `local`."""
+        r = self.slots.conv.shape[2]
+        offset = len(self.seqs) * r + self.cu[s]
+        q = torch.arange(local - r, local)
+        return torch.where(q >= 0, offset + q, s * r + r + q).to(self.slots.conv.device)

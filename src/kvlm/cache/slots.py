@@ -28,14 +28,25 @@ Piece = tuple[int, int, int, Sequence[int]]
 def sequences(pieces: Sequence[Piece]) -> list[Piece]:
     """Pieces as sequences: consecutive pieces of one slot at consecutive positions (a
     sequence's draft rows) joined into one."""
+    return [seq for seq, _ in joined(pieces)]
+
+
+def pieces_per_sequence(pieces: Sequence[Piece]) -> list[int]:
+    """How many pieces each of `sequences(pieces)` joins (more than one: draft rows)."""
+    return [count for _, count in joined(pieces)]
+
+
+def joined(pieces: Sequence[Piece]) -> list[tuple[Piece, int]]:
+    """`sequences(pieces)`, each with the number of pieces it joins."""
     seqs: list[list] = []
     for slot, start, n, table in pieces:
         last = seqs[-1] if seqs else None
         if last is not None and last[0] == slot and last[1] + last[2] == start:
             last[2] += n
+            last[4] += 1
         else:
-            seqs.append([slot, start, n, table])
-    return [tuple(s) for s in seqs]  # type: ignore[misc]
+            seqs.append([slot, start, n, table, 1])
+    return [((s[0], s[1], s[2], s[3]), s[4]) for s in seqs]
 
 
 class Slots:

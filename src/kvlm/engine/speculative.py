@@ -38,6 +38,10 @@ from kvlm.engine.sequence import Status, common_prefix
 METHODS = ("ngram", "draft")
 
 
+# The most tokens a sequence may propose in one step (SpeculativeConfig.num_draft)
+MAX_DRAFT = 16
+
+
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """`ngram`: prompt lookup. `draft`: a draft model proposes greedily, `draft_model` (a
@@ -56,8 +60,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method must be one of {', '.join(METHODS)}")
         if self.method != "draft" and self.draft_model is not None:
             raise ValueError("a draft model needs the draft method (--speculative draft)")
-        if not 1 <= self.num_draft <= 16:
-            raise ValueError("num_draft must be 1..16")
+        if not 1 <= self.num_draft <= MAX_DRAFT:
+            raise ValueError(f"num_draft must be 1..{MAX_DRAFT}")
         if not 1 <= self.ngram_min <= self.ngram_max <= 16:
             raise ValueError("need 1 <= ngram_min <= ngram_max <= 16")
 
@@ -99,9 +103,13 @@ class DraftModel:
             self.states.pop(sid)[0].free()  # the finished sequences' caches
         tokens = seq.token_ids
         if seq.seq_id not in self.states:
-            self.states[seq.seq_id] = (self.llm.new_cache("contiguous"), [], seq)
+            cache = self.llm.new_cache("contiguous")
+            cache.hold_rollback(MAX_DRAFT)  # a DeltaNet state keeps its drafts' states
+            self.states[seq.seq_id] = (cache, [], seq)
         cache, fed, _ = self.states[seq.seq_id]
         keep = common_prefix(fed, tokens[:-1])  # the cache's tokens the sequence still has
+        if not cache.can_roll_back(cache.num_tokens - keep):
+            keep = 0  # a state kept no further back: fed again
         cache.rollback(cache.num_tokens - keep)
         del fed[keep:]
         pending = tokens[keep:]

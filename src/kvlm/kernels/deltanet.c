@@ -21,6 +21,7 @@
  * ------------------------------------------------------------------------------------ */
 
 #define DELTA_MAX_DIM 512 /* the largest key or value head the step takes */
+#define DELTA_MAX_AT 64  /* the most states one sequence's rows may copy out in a step */
 
 static inline float delta_silu(float x) { return x / (1.0f + expf(-x)); }
 
@@ -86,15 +87,16 @@ static inline void delta_axpy(float *acc, const float *s, float c, int64_t n) {
 
 /* One sequence's value head over its T tokens (the module comment): S its (dk, dv) state,
  * updated in place; rows of conv, z, b, a and out at its first row on; the state after
- * its first snap_at tokens copied to snap as well (none for snap_at 0). */
+ * row at[i] (i < na: ascending rows of this sequence) copied to snap + i * stride too. */
 static void delta_head(const float *conv, const float *z, const float *bb, const float *aa,
                        float a_log, float dt_bias, const float *w, float eps, float *S,
                        float *out, int64_t T, int64_t h, int64_t nk, int64_t nv, int64_t dk,
-                       int64_t dv, int64_t snap_at, float *snap) {
+                       int64_t dv, const int64_t *at, int64_t na, float *snap, int64_t stride) {
     float q[DELTA_MAX_DIM], k[DELTA_MAX_DIM], v[DELTA_MAX_DIM], kv[DELTA_MAX_DIM],
         o[DELTA_MAX_DIM], gate[DELTA_MAX_DIM];
     const int64_t C = 2 * nk * dk + nv * dv, kh = h / (nv / nk);
     const float scale = (float)(1.0 / sqrt((double)dk)), decay_rate = -expf(a_log);
+    int64_t next = 0; /* the next of at[] */
     for (int64_t t = 0; t < T; t++) {
         const float *x = conv + t * C;
         delta_silu_row(x + kh * dk, q, dk);
@@ -128,7 +130,10 @@ static void delta_head(const float *conv, const float *z, const float *bb, const
         delta_silu_row(z + t * nv * dv + h * dv, gate, dv);
         float *y = out + t * nv * dv + h * dv;
         for (int64_t j = 0; j < dv; j++) y[j] = o[j] * r * w[j] * gate[j];
-        if (t + 1 == snap_at) memcpy(snap, S, (size_t)(dk * dv) * sizeof(float));
+        if (next < na && at[next] == t) {
+            memcpy(snap + next * stride, S, (size_t)(dk * dv) * sizeof(float));
+            next++;
+        }
     }
 }
 
@@ -137,12 +142,14 @@ static void delta_head(const float *conv, const float *z, const float *bb, const
  * a sequence of no rows keeps its state): conv [rows, C] (C = 2 nk dk + nv dv: q|k|v,
  * before silu), z [rows, nv dv], b and a [rows, nv], a_log and dt_bias [nv] (hn), w [dv]
  * (wn: the gated norm's weight), state [S, nv, dk, dv] (sn floats: read and updated), out
- * [rows, nv dv] (on floats). Each buffer's length follows it, in floats. `at` (an, S
- * entries, or NULL): sequence s's state after its first at[s] rows (1 .. its rows; 0:
- * none) copied into snaps [S, nv, dk, dv] too (a state at a block's end, for prefix hits).
- * Returns 0, or -2, nothing read or written, for a shape out of range (S, nk >= 1; nv a
- * multiple of nk; dk, dv in 1..DELTA_MAX_DIM; cu or at not as said) or a buffer shorter
- * than its shape. */
+ * [rows, nv dv] (on floats). Each buffer's length follows it, in floats. `at` (atn
+ * entries, or NULL): rows of the step, strictly ascending; the state of row at[i]'s
+ * sequence after that row copied into snaps [atn, nv, dk, dv] (pn floats) at i too (a
+ * state at a block's end, for prefix hits; at each draft row, for a rollback), at most
+ * DELTA_MAX_AT of one sequence's. Returns 0,
+ * or -2, nothing read or written, for a shape out of range (S, nk >= 1; nv a multiple of
+ * nk; dk, dv in 1..DELTA_MAX_DIM; cu or at not as said) or a buffer shorter than its
+ * shape. */
 int kvlm_gated_delta(const float *conv, int64_t cn, const float *z, int64_t zn,
                      const float *b, int64_t bn, const float *a, int64_t an,
                      const float *a_log, const float *dt_bias, int64_t hn, const float *w,
@@ -156,24 +163,37 @@ int kvlm_gated_delta(const float *conv, int64_t cn, const float *z, int64_t zn,
     if (!conv || !z || !b || !a || !a_log || !dt_bias || !w || !state || !out) return -2;
     for (int64_t s = 0; s < S; s++)
         if (cu[s + 1] < cu[s]) return -2;
-    if (at && (atn != S || !snaps)) return -2;
-    for (int64_t s = 0; at && s < S; s++)
-        if (at[s] < 0 || at[s] > cu[s + 1] - cu[s]) return -2;
     rows = cu[S];
+    if (at && (atn < 1 || !snaps)) return -2;
+    if (!at) atn = 0;
+    for (int64_t i = 0; i < atn; i++)
+        if (at[i] < (i ? at[i - 1] + 1 : 0) || at[i] >= rows) return -2;
+    for (int64_t s = 0, i = 0; s < S; s++) { /* at most DELTA_MAX_AT a sequence */
+        int64_t n = 0;
+        for (; i < atn && at[i] < cu[s + 1]; i++) n++;
+        if (n > DELTA_MAX_AT) return -2;
+    }
     if (hn != nv || wn != dv || !mul_ok(S, nv, &heads) || !mul_ok(nv, dv, &vd)) return -2;
     if (!mul_ok(nk, 2 * dk, &C) || !add_ok(C, vd, &C)) return -2;
     if (!mul_ok(rows, C, &need) || cn < need) return -2;
     if (!mul_ok(rows, vd, &need) || zn < need || on < need) return -2;
     if (!mul_ok(need, dk, &work)) work = INT64_MAX; /* the step's work, for the threads */
     if (!mul_ok(rows, nv, &need) || bn < need || an < need) return -2;
-    if (!mul_ok(heads, dk * dv, &need) || sn < need || (at && pn < need)) return -2;
+    if (!mul_ok(heads, dk * dv, &need) || sn < need) return -2;
+    if (!mul_ok(atn, nv * dk * dv, &need) || (at && pn < need)) return -2;
     const float e = (float)eps;
 #pragma omp parallel for schedule(dynamic) if (heads > 1 && work >= 16384)
     for (int64_t p = 0; p < heads; p++) {
         const int64_t s = p / nv, h = p % nv, r0 = cu[s], T = cu[s + 1] - cu[s];
+        int64_t i0 = 0, na = 0, local[DELTA_MAX_AT];
+        while (i0 < atn && at[i0] < r0) i0++;
+        while (i0 + na < atn && at[i0 + na] < r0 + T) {
+            local[na] = at[i0 + na] - r0;
+            na++;
+        }
         delta_head(conv + r0 * C, z + r0 * vd, b + r0 * nv, a + r0 * nv, a_log[h], dt_bias[h],
-                   w, e, state + p * dk * dv, out + r0 * vd, T, h, nk, nv, dk, dv,
-                   at ? at[s] : 0, at ? snaps + p * dk * dv : NULL);
+                   w, e, state + p * dk * dv, out + r0 * vd, T, h, nk, nv, dk, dv, local, na,
+                   na ? snaps + (i0 * nv + h) * dk * dv : NULL, nv * dk * dv);
     }
     return 0;
 }

@@ -27,11 +27,12 @@ What a DeltaNet layer keeps of a sequence: the last L - 1 rows of q|k|v before t
 convolution (a window like a short convolution's: kvlm.cache.conv's ConvRows, L - 1
 rows of conv_width) and its state S (nv, dk, dv), both fixed per sequence.
 kvlm.cache.recurrent's `DeltaRows` holds them for the model's DeltaNet layers and a
-batch of sequences (begin/commit as a cache does, fork, snapshot/restore; no rollback: a
-state cannot forget tokens); `Transformer.forward(recurrent=)` takes its step, else the
-cache step's: every one-sequence cache but off keeps them as a part of their own
-(kvlm.cache.recurrent's StateCache, the layer kind RecurrentState); kv "off" feeds every
-forward from position 0 with a zero state.
+batch of sequences (begin/commit as a cache does, fork, snapshot/restore; a rollback only
+to a state kept: a draft step keeps the state after each of its rows, `step.keep_rows`);
+`Transformer.forward(recurrent=)` takes its step, else the cache step's: every
+one-sequence cache but off keeps them as a part of their own (kvlm.cache.recurrent's
+StateCache, the layer kind RecurrentState); kv "off" feeds every forward from position 0
+with a zero state.
 """
 
 from __future__ import annotations
@@ -79,7 +80,13 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, step: DeltaStep) -> torch.Tensor:
         """x (B, T, H), the block's normed input -> (B, T, H). The step's sequences: B of
         T tokens each, or where `step.cu` says (an engine pool step's rows flattened:
-        sequence s the rows cu[s] .. cu[s + 1] - 1 of the B x T)."""
+        sequence s the rows cu[s] .. cu[s + 1] - 1 of the B x T); a draft's (n, 1, H) is
+        one sequence's n tokens (ConvStep.draft: its convolution reads them as (1, n, H))."""
+        if step.conv.draft:
+            return self._mix(x.transpose(0, 1), step).transpose(0, 1)
+        return self._mix(x, step)
+
+    def _mix(self, x: torch.Tensor, step: DeltaStep) -> torch.Tensor:
         s, (B, T, _) = self.shape, x.shape
         nv, dv = s.value_heads, s.value_dim
         qkv, z, b, a = self.in_proj(x).split([s.conv_width, nv * dv, nv, nv], dim=-1)
@@ -104,6 +111,7 @@ class GatedDeltaNet(nn.Module):
         nk, nv, dk, dv = s.key_heads, s.value_heads, s.key_dim, s.value_dim
         work, initial = work_dtype(dtype), step.initial(self.slot)
         out, states, snaps = [], [], []
+        points = step.keep_rows or []
         for i, (r0, r1) in enumerate(pairwise(cu)):
             T = r1 - r0
             q, k, v = F.silu(conv[r0:r1]).split([nk * dk, nk * dk, nv * dv], dim=-1)
@@ -113,25 +121,25 @@ class GatedDeltaNet(nn.Module):
             q, k = (t.view(1, T, nk, dk).repeat_interleave(nv // nk, dim=2).to(work)
                     for t in (q, k))  # fmt: skip
             q, k, v = l2norm(q) / dk**0.5, l2norm(k), v.view(1, T, nv, dv).to(work)
-            state, parts = initial[i : i + 1].to(work), []
-            at = step.snap_at[i] if step.snap_at is not None else 0
-            for lo, hi in ((0, at), (at, T)) if at else ((0, T),):  # the rule is token by
-                # token: cut at the snapshot's row, it computes the same values
+            state, parts, lo = initial[i : i + 1].to(work), [], 0
+            # the rule is token by token: cut after each row whose state is kept, it
+            # computes the same values
+            ends = [p - r0 + 1 for p in points if r0 <= p < r1]
+            for hi in [*ends, T] if not ends or ends[-1] < T else ends:
                 cut = slice(lo, hi)
-                o, state = recurrent_gated_delta_rule(q[:, cut], k[:, cut], v[:, cut], g[:, cut],
-                                                      beta[:, cut], state)  # fmt: skip
+                o, state = recurrent_gated_delta_rule(q[:, cut], k[:, cut], v[:, cut],
+                                                      g[:, cut], beta[:, cut], state)  # fmt: skip
                 parts.append(o)
-                if hi == at:
+                if hi in ends:
                     snaps.append(state[0])
-            if step.snap_at is not None and not at:
-                snaps.append(state[0])  # no snapshot of this sequence: any value
+                lo = hi
             states.append(state[0])
             o = gated_rms_norm(torch.cat(parts, dim=1).to(dtype), z[None, r0:r1].view(1, T, nv, dv),
                                self.norm, self.eps, work)  # fmt: skip
             out.append(o.reshape(T, nv * dv))
         step.stage(self.slot, torch.stack(states))
-        if step.snap_at is not None:
-            step.stage_snapshot(self.slot, torch.stack(snaps))
+        if points:
+            step.stage_kept(self.slot, torch.stack(snaps))
         return torch.cat(out)
 
     def _kernel(self, lib, conv, z, b, a, step: DeltaStep, cu: list[int]) -> torch.Tensor:
@@ -144,8 +152,9 @@ class GatedDeltaNet(nn.Module):
         state = step.initial(self.slot).to(torch.float32, copy=True).contiguous()
         out = torch.empty(conv.shape[0], nv * dv)
         offsets = torch.tensor(cu, dtype=torch.int64)
-        at = None if step.snap_at is None else torch.tensor(step.snap_at, dtype=torch.int64)
-        snaps = None if at is None else torch.empty_like(state)
+        kept = step.keep_rows
+        at = torch.tensor(kept, dtype=torch.int64) if kept else None
+        snaps = None if at is None else state.new_empty(len(kept), nv, dk, dv)
         params = [p.detach().to(torch.float32).contiguous()
                   for p in (self.a_log, self.dt_bias, self.norm)]  # fmt: skip
         rc = lib.kvlm_gated_delta(
@@ -163,7 +172,7 @@ class GatedDeltaNet(nn.Module):
                              f"{nv} v heads of {dv})")  # fmt: skip
         step.stage(self.slot, state)
         if snaps is not None:
-            step.stage_snapshot(self.slot, snaps)
+            step.stage_kept(self.slot, snaps)
         return out
 
 
