@@ -301,10 +301,13 @@ def test_generate_in_every_mode_and_forks_equal_kv_off(qwen35_dir, mode):
 
 
 @pytest.mark.parametrize("mode", ["contiguous", "paged", "window"])
-def test_a_chat_turn_starts_over_as_a_fresh_session(qwen35_dir, mode):
-    """A state cannot be rolled back (can_roll_back False past 0 tokens, rollback refused
-    with the reason), so a chat's second turn starts over: its reply is a kv-off
-    session's, which recomputes the whole conversation."""
+def test_a_chat_turn_resumes_from_the_state_where_its_reply_began(qwen35_dir, mode):
+    """A state cannot be rolled back token by token, so a chat session asks its cache to
+    keep the state where each turn's generation prompt begins (`checkpoint`: the next turn
+    renders the reply after it otherwise): the next turn rolls back there and prefills
+    only the rest (the reply as the template renders it and the new message), and its
+    reply is a kv-off session's, which recomputes the whole conversation. Back past what
+    is kept is refused with the reason (can_roll_back False: the caller starts over)."""
     folder = qwen35_dir("qwen35")
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     llm, off = (
@@ -312,12 +315,20 @@ def test_a_chat_turn_starts_over_as_a_fresh_session(qwen35_dir, mode):
         LLM(model=folder, kv="off", progress=False),
     )
     one, ref = llm.chat_session(params), off.chat_session(params)
-    for text in ("Hello there", "And then?"):
-        assert "".join(one.send(text)) == "".join(ref.send(text))
+    turns = []
+    for text in ("Hello there", "And then?", "Go on."):
+        stream = one.send(text)
+        assert "".join(stream) == "".join(ref.send(text))
+        prompt = llm.tokenizer.encode_chat(one.messages)
+        began = len(llm.tokenizer.encode_chat(one.messages, add_generation_prompt=False))
+        turns.append((len(prompt), began, stream.output.metrics.prefill_tokens))
     one._settle(), ref._settle()
     assert one.history == ref.history
+    (n1, b1, p1), (n2, b2, p2), (n3, b3, p3) = turns
+    assert p1 == n1 and p2 == n2 - b1 and p3 == n3 - b2, turns  # from the last turn's start
     cache = one.cache
     assert cache.num_tokens > 1 and not cache.can_roll_back(1) and cache.can_roll_back(0)
+    assert cache.rollback_point(cache.num_tokens - 1) == b3  # the last turn's start
     with pytest.raises(InvalidRequestError, match="DeltaNet's state cannot forget"):
         cache.rollback(1)
     assert cache.can_roll_back(cache.num_tokens)  # all of it: a reset

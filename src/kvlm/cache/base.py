@@ -449,6 +449,16 @@ class KVCache(ABC):
         ends at (kvlm.cache.recurrent); K/V rows and rings keep it anyway."""
         return None
 
+    def checkpoint(self, position: int) -> None:
+        """Keep what a rollback to `position` needs once a step passes it (a DeltaNet
+        state: the state there, kvlm.cache.recurrent; K/V rows keep it anyway)."""
+        return None
+
+    def rollback_point(self, keep: int) -> int:
+        """The furthest position at most `keep` a rollback can go back to (0: none, the
+        caller starts over)."""
+        return keep if self.can_roll_back(self.num_tokens - keep) else 0
+
     def can_roll_back(self, n: int) -> bool:
         """Whether rollback(n) keeps what the next query reads (a ring may have let it go)."""
         if not 0 <= n <= self._length:

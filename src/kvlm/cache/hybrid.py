@@ -183,6 +183,19 @@ class HybridCache(KVCache):
         for part in self.parts:
             part.hold_rollback(n)
 
+    def checkpoint(self, position: int) -> None:
+        for part in self.parts:
+            part.checkpoint(position)
+
+    def rollback_point(self, keep: int) -> int:
+        """The furthest position at most `keep` every part can go back to."""
+        while keep > 0:
+            point = min(part.rollback_point(keep) for part in self.parts)
+            if point == keep:
+                return keep
+            keep = point
+        return 0
+
     def _fork(self, n: int) -> None:
         for part in self.parts:
             part.fork(n)

@@ -50,6 +50,8 @@ from kvlm.errors import CacheOverflowError, InvalidRequestError
 
 # Why a cache with a DeltaNet state refuses a rollback (and the callers that need one)
 NO_ROLLBACK = "a gated DeltaNet's state cannot forget tokens"
+# The checkpoints (positions asked for ahead: DeltaRows.checkpoint) a cache keeps, latest
+CHECKPOINTS = 4
 
 
 class DeltaRows:
@@ -60,7 +62,8 @@ class DeltaRows:
     `kept` (position -> the state and conv rows there), each draft row's (a draft step
     keeps the state after each of its rows) and, for `depth` positions back, those each
     step ended at (`hold_rollback`: a draft model's own cache, whose drafts are steps of
-    one token)."""
+    one token); and `marks`, the last CHECKPOINTS positions asked for ahead
+    (`checkpoint(p)`: a chat's turn boundary), kept by the step that passes them."""
 
     def __init__(
         self, shape: DeltaNet, layers: int, batch: int, dtype: torch.dtype, device: torch.device
@@ -73,6 +76,8 @@ class DeltaRows:
                                  dtype=state_dtype(dtype), device=device)  # fmt: skip
         self.depth = 0
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.wanted: set[int] = set()  # positions a step will keep the state at (marks)
+        self.marks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def length(self) -> int:
@@ -92,21 +97,41 @@ class DeltaRows:
         before = self.conv.rows
         self.conv.commit(step.conv)
         self.state = torch.stack(step.staged)  # type: ignore[arg-type]
-        end, r = step.start + step.n_new, self.conv.keep
-        if step.keep_rows:  # a draft's: the state and rows after each of its rows but the last
-            states = torch.stack(step.kept)  # type: ignore[arg-type]  # (layers, n - 1, ...)
+        start, end, r = step.start, step.start + step.n_new, self.conv.keep
+        if step.keep_rows:  # the state and rows after each row kept
+            states = torch.stack(step.kept)  # type: ignore[arg-type]  # (layers, rows, ...)
             new = torch.stack(step.conv.staged).to(before.dtype)  # type: ignore[arg-type]
-            rows = torch.cat([before, new], dim=2)  # (layers, 1, L - 1 + n, C)
-            for i in range(states.shape[1]):
-                at = rows[:, :, i + 1 : i + 1 + r]
-                self.kept[step.start + 1 + i] = (states[:, i : i + 1], at)
+            rows = torch.cat([before, new], dim=2)  # (layers, B, L - 1 + n, C)
+            index = {row: i for i, row in enumerate(step.keep_rows)}
+            for p in step.inside:  # sequence b's row of position p: b n + p - start - 1
+                at = [index[b * step.n_new + p - start - 1] for b in range(self.batch)]
+                held = (states[:, at], rows[:, :, p - start : p - start + r])
+                (self.marks if p in self.wanted else self.kept)[p] = held
         self.kept[end] = (self.state, self.conv.rows)
-        back = max(self.depth, step.n_new - 1 if step.keep_rows else 0)
+        if end in self.wanted:
+            self.marks[end] = self.kept[end]
+        self.wanted = {p for p in self.wanted if p > end}
+        self.marks = dict(sorted(self.marks.items())[-CHECKPOINTS:])
+        back = max(self.depth, step.n_new - 1 if step.draft else 0)
         self.kept = {p: t for p, t in self.kept.items() if end - back <= p <= end}
+
+    @property
+    def batch(self) -> int:
+        return self.state.shape[1]
+
+    def checkpoint(self, position: int) -> None:
+        """Keep the state at `position` when a step passes it (a rollback may go there)."""
+        if position > self.length:
+            self.wanted.add(position)
+
+    def rollback_point(self, keep: int) -> int:
+        """The furthest position at most `keep` a rollback can go back to (0: none)."""
+        return max((p for p in (*self.kept, *self.marks) if p <= keep), default=0)
 
     def can_roll_back(self, n: int) -> bool:
         """Whether the state `n` tokens back is kept."""
-        return n == 0 or self.length - n in self.kept
+        p = self.length - n
+        return n == 0 or p in self.kept or p in self.marks
 
     def rollback(self, n: int) -> None:
         """Back to the state and rows `n` tokens before the end (kept: `can_roll_back`)."""
@@ -115,17 +140,21 @@ class DeltaRows:
                                       "past the states kept")  # fmt: skip
         if n:
             length = self.length - n
-            self.state, rows = self.kept[length]
+            self.state, rows = self.kept.get(length) or self.marks[length]
             self.conv.rows = rows.contiguous()
             self.conv.end = self.conv.length = length
             self.conv.first = length - self.conv.keep
             self.kept = {p: t for p, t in self.kept.items() if p <= length}
+            self.kept[length] = (self.state, self.conv.rows)
+            self.marks = {p: t for p, t in self.marks.items() if p <= length}
+            self.wanted = set()
 
     def fork(self, n: int) -> None:
         """Each sequence as n (n samples decoding from one prompt)."""
         self.conv.fork(n)
         self.state = self.state.repeat_interleave(n, dim=1)
         self.kept = {self.length: (self.state, self.conv.rows)}
+        self.marks, self.wanted = {}, set()
 
     def snapshot(self) -> tuple:
         return self.conv.snapshot(), self.state.clone()
@@ -135,6 +164,7 @@ class DeltaRows:
         self.conv.restore(conv)
         self.state = state.clone()
         self.kept = {self.length: (self.state, self.conv.rows)}
+        self.marks, self.wanted = {}, set()
 
 
 class DeltaStep:
@@ -142,22 +172,26 @@ class DeltaStep:
     windows, `initial(layer)` a layer's state before the step, `stage(layer, state)` its
     state after (kept by DeltaRows.commit). The step's sequences are its B rows of n_new
     tokens each (`cu` None: a pool step's say where each sequence's rows are), or a draft's
-    one sequence of n_new rows of one token, whose state after each row but the last is
-    kept too (`keep_rows`, those rows; `stage_kept`)."""
+    one sequence of n_new rows of one token. `keep_rows`: the rows (flattened) after
+    which the state is kept too (`stage_kept`): a draft's every row but the last, and each
+    sequence's row of a checkpoint inside the step (`inside`, their positions)."""
 
     cu: list[int] | None = None
 
     def __init__(self, rows: DeltaRows, n_new: int, draft: bool = False) -> None:
-        self.start, self.n_new = rows.length, n_new
+        self.start, self.n_new, self.draft = rows.length, n_new, draft
         self.conv: ConvStep = rows.conv.begin(n_new, draft)
         self._state = rows.state
-        layers = rows.state.shape[0]
+        layers, start = rows.state.shape[0], self.start
         self.staged: list[torch.Tensor | None] = [None] * layers
         self.kept: list[torch.Tensor | None] = [None] * layers
-        # rows of the step (flattened) after which the state is kept too
-        self.keep_rows: list[int] | None = list(range(n_new - 1)) if draft else None
         if draft:
             self.cu = [0, n_new]
+            self.inside = list(range(start + 1, start + n_new))
+        else:
+            self.inside = sorted(p for p in rows.wanted if start < p < start + n_new)
+        rel = [p - start - 1 for p in self.inside]
+        self.keep_rows = sorted(b * n_new + q for b in range(rows.batch) for q in rel) or None
 
     def initial(self, layer: int) -> torch.Tensor:
         return self._state[layer]
@@ -209,6 +243,12 @@ class StateCache(KVCache):
 
     def hold_rollback(self, n: int) -> None:
         self.rows.depth = n
+
+    def checkpoint(self, position: int) -> None:
+        self.rows.checkpoint(position)
+
+    def rollback_point(self, keep: int) -> int:
+        return self.rows.rollback_point(min(keep, self._length))
 
     def _check_rollback(self, n: int) -> None:
         if 0 < n < self._length and not self.rows.can_roll_back(n):  # all of them: a reset

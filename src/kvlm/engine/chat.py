@@ -61,14 +61,25 @@ class ChatSession:
         if self.use_template:
             self.messages.append({"role": "user", "content": text})
             ids = self.tokenizer.encode_chat(self.messages)
+            # where the generation prompt starts: the next turn renders this one's reply
+            # after it otherwise (a template may drop what the prompt opened it with), so a
+            # state that cannot forget tokens keeps its value there (DeltaRows.checkpoint)
+            turn = self.tokenizer.encode_chat(self.messages, add_generation_prompt=False)
+            boundary = len(turn) if len(turn) < len(ids) and ids[: len(turn)] == turn else 0
         else:
+            boundary = 0
             ids = self.history + self.tokenizer.encode(text, add_special_tokens=not self.history)
         cached = self.history[: self.cache.num_tokens]  # exactly the tokens the cache holds
         keep = min(common_prefix(cached, ids), len(ids) - 1)
-        if self.cache.can_roll_back(self.cache.num_tokens - keep):
-            self.cache.rollback(self.cache.num_tokens - keep)
-        else:  # a ring has let go of what the kept prefix's end reads: the turn starts over
+        # the furthest the cache can go back to within that (a ring may have let go of what
+        # the kept prefix's end reads, a state kept only some positions); 0: start over
+        point = self.cache.rollback_point(keep)
+        if point:
+            self.cache.rollback(self.cache.num_tokens - point)
+        else:
             self.cache.reset()
+        if boundary:
+            self.cache.checkpoint(boundary)
         self._turn = Stream(self.engine, ids, self.params)
         return self._turn
 
