@@ -1280,10 +1280,11 @@ def _greedy():
 GREEDY = _greedy()
 
 
-def answer(engine, ids: list[int], params=GREEDY) -> tuple[list[int], int]:
-    """One request through `engine` to its end: its tokens and its cached prompt tokens."""
+def answer(engine, ids: list[int], params=GREEDY, turn_start=None) -> tuple[list[int], int]:
+    """One request through `engine` to its end: its tokens and its cached prompt tokens
+    (`turn_start`: Engine.add_request's)."""
     rid = f"r{engine.stats.requests_added}"
-    engine.add_request(rid, ids, params)
+    engine.add_request(rid, ids, params, turn_start=turn_start)
     out, cached = [], 0
     while engine.has_work():
         for ev in engine.step():
@@ -1300,6 +1301,19 @@ def conversation(llm) -> tuple[list[int], list[int]]:
     second = [*first, {"role": "assistant", "content": reply},
               {"role": "user", "content": "And one in Italy?"}]  # fmt: skip
     return ids, llm.tokenizer.encode_chat(second)
+
+
+def conversation_on_a_tier(llm, folder: Path):
+    """A chat's first turn answered through a fresh engine on a disk tier in `folder`
+    (closed: its writes flushed), for a restarted engine to find: (the first turn, the
+    second, the second's answer from a fresh pool, the tier, the writer engine)."""
+    first, second = conversation(llm)
+    want = answer(fresh_engine(llm), second)[0]
+    tier = (f"disk:{folder}",)
+    writer = fresh_engine(llm, kv_tiers=tier)
+    answer(writer, first)
+    writer.close()
+    return first, second, want, tier, writer
 
 
 def fresh_engine(llm, **config):

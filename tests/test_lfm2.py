@@ -28,6 +28,7 @@ from helpers import (
     assert_ragged_agrees,
     assert_top_k_both_ways,
     conversation,
+    conversation_on_a_tier,
     counted_fused_runs,
     fed,
     fresh_engine,
@@ -480,12 +481,7 @@ def test_a_disk_tier_restores_the_rows(pooled, tmp_path, monkeypatch):
     fresh pool's tokens; with those records gone the hit is none."""
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))  # the tier key's home
     llm, _ = pooled
-    first, second = conversation(llm)
-    want = answer(fresh_engine(llm), second)[0]
-    tier = (f"disk:{tmp_path / 'tier'}",)
-    writer = fresh_engine(llm, kv_tiers=tier)
-    answer(writer, first)
-    writer.close()
+    first, second, want, tier, writer = conversation_on_a_tier(llm, tmp_path / "tier")
     sealed = (len(first) + GREEDY.max_tokens - 1) // 16  # full blocks of computed tokens
     assert writer.tiers.stats["disk"].writes == 2 * sealed  # each one's K/V and end rows
     reader = fresh_engine(llm, kv_tiers=tier)

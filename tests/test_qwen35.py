@@ -22,12 +22,14 @@ import torch
 
 import converter
 from helpers import (
+    CHATML,
     FRANCE,
     GREEDY,
     POOL_PROMPTS,
     answer,
     assert_greedy_agreement,
     conversation,
+    conversation_on_a_tier,
     fed,
     fresh_engine,
     gguf_as_folder,
@@ -60,6 +62,11 @@ QWEN35_MODELS = {
 }  # fmt: skip
 # converted only (the GGUF tests): v heads of 32, one Q8_0 block each
 GGUF_ONLY = {"qwen35-wide-v": (34, {"linear_value_head_dim": 32})}
+# ChatML whose generation prompt opens an empty think block that a past reply is rendered
+# without (as Qwen 3's and 3.5's templates with thinking off): the next turn parts from
+# the prompt right after "<|im_start|>assistant\n"
+THINK_OFF = CHATML.replace("'<|im_start|>assistant\n' }}", "'<|im_start|>assistant\n<think>"
+                           "\n\n</think>\n\n' }}")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +75,11 @@ def qwen35_dir(tmp_path_factory):
 
     def make(name: str):
         if name not in made:
-            seed, overrides = {**QWEN35_MODELS, **GGUF_ONLY}[name]
+            seed, overrides = {**QWEN35_MODELS, **GGUF_ONLY}.get(name, (30, {}))
+            template = THINK_OFF if name == "qwen35-think-off" else CHATML
             made[name] = save_tiny_model(tmp_path_factory.mktemp(name), "qwen3_5", seed=seed,
-                                         tokenizer="qwen35", **overrides)  # fmt: skip
+                                         tokenizer="qwen35", chat_template=template,
+                                         **overrides)  # fmt: skip
         return made[name]
 
     return make
@@ -336,6 +345,62 @@ def test_a_chat_turn_resumes_from_the_state_where_its_reply_began(qwen35_dir, mo
     assert cache.num_tokens == 0
 
 
+@pytest.mark.parametrize("mode", ["contiguous", "paged", "window"])
+def test_a_saved_conversation_continues_from_its_checkpoint(qwen35_dir, tmp_path, mode):
+    """A chat saved after two turns and loaded into a fresh session continues as the one
+    that never stopped: the file's state group holds the state and conv rows, and the
+    session's checkpoints (where each turn's reply began), so the loaded session's next
+    turn prefills only from the last one, as the unbroken session's does; `kvlm inspect
+    --cache` reads the file alone. Damaged state groups are one clear CacheFileError each
+    (a state that is not finite, checkpoints out of order or past the tokens, too many,
+    a shape the metadata does not say), the session left empty."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from kvlm.cache.base import CacheFileError
+    from kvlm.cli import main
+
+    llm = LLM(model=qwen35_dir("qwen35"), kv=mode, progress=False)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    one = llm.chat_session(params)
+    for text in ("Hello there", "And then?"):
+        "".join(one.send(text))
+    path = tmp_path / "chat.kvc"
+    one.save(path, llm.fingerprint)
+    went_on = one.send("Go on.")
+    text = "".join(went_on)
+    two = llm.chat_session(params)
+    two.load(path, llm.fingerprint)
+    again = two.send("Go on.")
+    assert "".join(again) == text and two.history == one.history
+    assert again.output.metrics.prefill_tokens == went_on.output.metrics.prefill_tokens
+    assert 0 < again.output.metrics.prefill_tokens < len(again.tokens) - 8
+    assert main(["inspect", "--cache", str(path)]) == 0
+    with safe_open(path, "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    g = next(k[: -len("mark_pos")] for k in tensors if k.endswith("mark_pos"))
+    pos, state = tensors[g + "mark_pos"], tensors[g + "state"]
+    assert len(pos) == 2 and 0 < pos[0] < pos[1] < int(meta["length"])
+    inf = state.clone()
+    inf.view(-1)[3] = float("inf")
+    five = {g + "mark_pos": torch.arange(1, 6), **{g + k: tensors[g + k][:1].repeat(
+        5, *[1] * (tensors[g + k].dim() - 1)) for k in ("mark_state", "mark_conv")}}  # fmt: skip
+    bad_files = [
+        ({g + "state": inf}, "state are not all finite"),
+        ({g + "mark_pos": pos.flip(0)}, "are not ascending"),
+        ({g + "mark_pos": pos + int(meta["length"])}, "are not ascending"),
+        (five, "at most 4 checkpoints"),
+        ({g + "mark_conv": tensors[g + "mark_conv"][:1]}, "mark_conv have shape"),
+        ({g + "state": state[:, :, :1].contiguous()}, "state have shape"),
+    ]
+    for bad, says in bad_files:
+        save_file({**tensors, **bad}, tmp_path / "bad.kvc", meta)
+        session = llm.chat_session(params)
+        with pytest.raises(CacheFileError, match=says):
+            session.load(tmp_path / "bad.kvc", llm.fingerprint)
+        assert session.cache.num_tokens == 0
+
+
 @pytest.mark.parametrize("mode", ["contiguous", "window"])
 def test_speculative_decoding_on_one_cache_equals_plain(qwen35_dir, mode):
     """Speculative decoding on one cache (a DraftBatch: the last token and its draft as
@@ -492,28 +557,14 @@ def test_memory_counts_the_state_per_sequence(qwen35_dir, mode, capsys):
     )  # windowed_plan's, per seat
 
 
-def test_what_cannot_hold_the_state_is_refused(qwen35_dir, tmp_path):
-    """KV tiers under the engine's pool (they keep no state snapshots: nothing could hit),
-    cache files and the fused step refuse a model with DeltaNet layers, each with one
-    clear error; a forward past position 0 through a cache of another spec (no state
-    group) says why."""
+def test_the_fused_step_and_a_cache_without_the_state_say_why(qwen35_dir):
+    """The fused step refuses a model with DeltaNet layers with one clear error; a
+    forward past position 0 through a cache of another spec (no state group) says why."""
     from kvlm.cache import create_cache
-    from kvlm.cache.base import CacheFileError
-    from kvlm.engine.engine import Engine, EngineConfig
     from kvlm.model import fused
 
     folder = qwen35_dir("qwen35")
     llm = LLM(model=folder, kv="paged", progress=False)
-    with pytest.raises(InvalidRequestError, match="no snapshots of a gated DeltaNet") as err:
-        Engine(llm, EngineConfig(kv_tiers=(f"disk:{tmp_path / 'tier'}",)))
-    assert err.value.param == "kv_tiers" and not (tmp_path / "tier").exists()
-    chat = llm.chat_session(SamplingParams(max_tokens=4, temperature=0.0))
-    "".join(chat.send("Hello"))
-    with pytest.raises(CacheFileError, match="no gated DeltaNet state"):
-        chat.save(tmp_path / "chat.kvc", llm.fingerprint)
-    assert not (tmp_path / "chat.kvc").exists()
-    with pytest.raises(CacheFileError, match="no gated DeltaNet state"):
-        chat.load(tmp_path / "chat.kvc", llm.fingerprint)
     assert "a deltanet layer" in fused.why_not(llm.model)
     cache = create_cache("contiguous", replace(llm.cache_spec("contiguous"), layer_kinds=()))
     with torch.inference_mode():
@@ -987,22 +1038,111 @@ def test_speculative_decoding_on_the_pool_equals_plain(pooled):
     assert engine.stats.spec.drafted > engine.stats.spec.accepted > 0
 
 
+def test_a_disk_tier_restores_the_state_snapshots(pooled, tmp_path, monkeypatch):
+    """A disk tier holds the state snapshots the pool marks at block ends under the
+    DeltaNet group's own records (MAC'd as the K/V's): a restarted engine hits the first
+    turn's prefix from the tier, state and all (the latest block end a record has), with
+    a fresh pool's tokens; those records changed in one byte are refused, and with no
+    state for it the hit is none, the same tokens."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))  # the tier key's home
+    llm, _ = pooled
+    first, second, want, tier, writer = conversation_on_a_tier(llm, tmp_path / "tier")
+    sealed = (len(first) + GREEDY.max_tokens - 1) // 16  # full blocks of computed tokens
+    stats = writer.tiers.stats["disk"]
+    assert sealed < stats.writes < 2 * sealed  # every block's K/V, some blocks' state
+    reader = fresh_engine(llm, kv_tiers=tier)
+    got, cached = answer(reader, second)
+    reader.close()
+    assert got == want and cached >= (len(first) // 16) * 16 > 0
+    state_ns = reader.tiers.groups[0][0][:32]
+    records = [f for f in (tmp_path / "tier").rglob("*") if f.is_file() and state_ns in f.name]
+    assert records
+    for f in records:  # each changed in one byte: refused, so no state for the hit
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 1
+        f.write_bytes(bytes(data))
+    bent = fresh_engine(llm, kv_tiers=tier)
+    got, cached = answer(bent, second)
+    bent.close()
+    assert got == want and cached == 0 and bent.tiers.stats["disk"].refused >= 1
+
+
+def think_off_conversation(llm) -> tuple[list[dict], list[int], int, list[int]]:
+    """A conversation's two turns under THINK_OFF whose first prompt's last full block
+    ends past the point the second turn parts from it (its user message chosen so): the
+    second turn's messages, the first's ids and turn start
+    (ChatCompletionRequest.turn_start), the second's ids."""
+    from kvlm.server.protocol import ChatCompletionRequest
+
+    tok = llm.tokenizer
+    for n in range(1, 40):
+        user = {"role": "user", "content": " ".join(["word"] * n)}
+        first = tok.encode_chat([user])
+        turn = ChatCompletionRequest(model="m", messages=[user]).turn_start(tok, first)
+        reply = tok.decode(answer(fresh_engine(llm), first)[0])
+        messages = [user, {"role": "assistant", "content": reply},
+                    {"role": "user", "content": "And then?"}]  # fmt: skip
+        second = tok.encode_chat(messages)
+        parts = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+        if turn and turn >= 16 and parts < len(first) // 16 * 16:
+            return messages, first, turn, second
+    raise AssertionError("no first turn found whose last block ends past the parting")
+
+
+def test_a_chat_turns_snapshot_is_where_its_reply_began(qwen35_dir):
+    """The pool takes a prompt's snapshot at its last full block end; where the next turn
+    renders the reply otherwise than the prompt opened it (a think block dropped), that
+    end is past where the turns part, so the next turn cannot use it (nor the answer's).
+    With the request's turn start (the server's, ChatCompletionRequest.turn_start) the
+    prompt's snapshot is at the last block end at most it: the next turn hits there, with
+    a fresh pool's tokens."""
+    llm = LLM(model=qwen35_dir("qwen35-think-off"), kv="paged", progress=False)
+    _, first, turn, second = think_off_conversation(llm)
+    want, _ = answer(fresh_engine(llm), second)
+    plain = fresh_engine(llm)
+    answer(plain, first)
+    got, cached = answer(plain, second)
+    assert got == want and cached < turn // 16 * 16
+    engine = fresh_engine(llm)
+    answer(engine, first, turn_start=turn)
+    got, cached = answer(engine, second)
+    assert got == want and cached == turn // 16 * 16 > 0, (turn, len(first))
+
+
 def test_kvlm_serve_answers_concurrent_chats(qwen35_dir):
     """A real `kvlm serve` of the tiny Qwen3.5 (its pool: a slot of DeltaNet state a
     sequence): two chat requests at once, batched (fewer steps than tokens), each answered
-    as the LLM answers it alone; /v1/kv and /metrics show the state group and the
-    snapshots it keeps at block ends."""
-    from serving import QUESTIONS, chats_alone, chats_at_once, get, kvlm_serve, wait_idle
+    as the LLM answers it alone; a conversation's second turn hits at its first turn's
+    start (the server tells the engine where the reply began: its template renders a past
+    reply without the think block its prompt opened); /v1/kv and /metrics show the state
+    group and the snapshots it keeps at block ends."""
+    from serving import (
+        QUESTIONS,
+        chats_alone,
+        chats_at_once,
+        get,
+        kvlm_serve,
+        openai_client,
+        wait_idle,
+    )
 
-    llm = LLM(model=qwen35_dir("qwen35"), kv="paged", progress=False)
+    llm = LLM(model=qwen35_dir("qwen35-think-off"), kv="paged", progress=False)
     want = chats_alone(llm, QUESTIONS, 32)
+    messages, _, turn, _ = think_off_conversation(llm)
     key = "sekret"
     with kvlm_serve("--model", str(llm.loaded.path), "--threads", "1", "--api-key", key,
                     "--max-context", "256") as (port, _):  # fmt: skip
         got = chats_at_once(port, key, QUESTIONS, 32)
+        client = openai_client(port, key)
+        model, cached = client.models.list().data[0].id, []
+        for turn_messages in (messages[:1], messages):
+            reply = client.chat.completions.create(model=model, messages=turn_messages,
+                                                   max_tokens=4, temperature=0)  # fmt: skip
+            cached.append(reply.usage.prompt_tokens_details.cached_tokens)
         m = wait_idle(port, key)
         status, text = get(port, "/v1/kv", {"Authorization": f"Bearer {key}"})
     assert got == want
+    assert cached == [0, turn // 16 * 16], (cached, turn)
     assert m["kvlm_engine_steps_total"] < m["kvlm_generation_tokens_total"]  # rows together
     assert m['kvlm_kv_group_blocks_total{group="1",window="none",layers="2"}'] == 16  # slots
     assert m['kvlm_kv_group_blocks_used{group="1",window="none",layers="2"}'] == 0

@@ -370,11 +370,12 @@ class ConvSlots(Slots):
         r = self.kind.rows
         return {"rows": self.ends[:, block * r : (block + 1) * r]}
 
-    def put_block_rows(self, block: int, parts: dict[str, torch.Tensor], prefix_id: int) -> None:
+    def put_block_rows(self, block: int, parts: dict[str, torch.Tensor], prefix_id: int) -> bool:
         """A tier record's end rows for group 0's `block` (registered under `prefix_id`)."""
         r = self.kind.rows
         self.ends[:, block * r : (block + 1) * r] = parts["rows"].to(self.ends.device)
         self.ends_of[block] = prefix_id
+        return True
 
     def restore(self, slot: int, block: int, position: int) -> None:
         """A prefix hit at `position` (group 0's `block` the last of it): the slot's rows

@@ -34,7 +34,9 @@ from kvlm.cache.kinds import (
     FullAttention,
     RecurrentState,
     SlidingWindow,
+    state_dtype,
 )
+from kvlm.cache.recurrent import CHECKPOINTS, state_layout
 from kvlm.cache.storage import part_layout
 from kvlm.dtypes import NAMES, Q4, dtype_name
 from kvlm.errors import CacheOverflowError
@@ -55,7 +57,6 @@ def save_cache(
     check it."""
     from safetensors.torch import save_file
 
-    _check_kinds(cache)
     snap = cache.snapshot()
     meta = {
         "format": next(f for f, layouts in FORMATS.items() if snap.layout in layouts),
@@ -83,7 +84,6 @@ def load_cache(cache: KVCache, path: str | Path, fingerprint: str) -> dict:
     changes. Rows cost memory only for the data they hold: an empty file (length 0)
     may not claim more rows than this cache's own batch (read_cache_file caps the rest).
     """
-    _check_kinds(cache)
     snap, meta = read_cache_file(path)
     if meta["fingerprint"] != fingerprint:
         raise CacheFileError(
@@ -102,16 +102,6 @@ def load_cache(cache: KVCache, path: str | Path, fingerprint: str) -> dict:
     except CacheOverflowError as exc:
         raise CacheFileError(f"{path} does not fit: {exc}") from exc
     return meta["extra"]
-
-
-def _check_kinds(cache: KVCache) -> None:
-    """A file holds what `cache`'s layers keep: not yet a gated DeltaNet's state
-    (kinds.RecurrentState; docs/DESIGN.md section 5)."""
-    if any(isinstance(g.kind, RecurrentState) for g in layer_groups(cache.spec)):
-        raise CacheFileError(
-            "cache files hold no gated DeltaNet state yet: this model's cache is neither "
-            "saved nor loaded (a conversation goes on in its own session)"
-        )
 
 
 # ---------------------------------------------------------------------- cache files
@@ -134,7 +124,7 @@ _LAYOUT_EXTRA = {
 }
 # A `groups` file's keys of --kv window's group 0, a sinks + ring (WindowCache's), beside
 # the groups' own
-_RING_KEYS = ("sinks", "window", "cache_positions")
+RING_KEYS = ("sinks", "window", "cache_positions")
 # A count as str(int) writes it, under 2**63: int() would also take " 5", "1_0", "٥", "+5".
 _DECIMAL = re.compile(r"0|[1-9][0-9]{0,17}")
 
@@ -266,7 +256,7 @@ def _ints(
 
 def _groups(path: Path, snap: CacheSnapshot) -> tuple[LayerGroup, ...]:
     """The layer groups a `groups` file's metadata names (kvlm.cache.groups.from_layout)."""
-    groups = {k: v for k, v in snap.extra.items() if k not in _RING_KEYS}
+    groups = {k: v for k, v in snap.extra.items() if k not in RING_KEYS}
     try:
         return from_layout(groups, snap.geometry["layers"])
     except ValueError as exc:
@@ -298,9 +288,13 @@ def file_kv_dtypes(name: object) -> tuple[torch.dtype, torch.dtype] | None:
     return FILE_DTYPES[k], FILE_DTYPES[v or k]
 
 
-def _layout(path: Path, snap: CacheSnapshot) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def _layout(
+    path: Path, snap: CacheSnapshot, shapes: dict[str, tuple[int, ...]]
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The tensors (shape, dtype) the metadata says the file holds: the stores' parts
-    (kvlm.cache.storage.part_layout) of each group of layers, and a ring's slot positions:
+    (kvlm.cache.storage.part_layout) of each group of layers, a ring's slot positions, a
+    conv group's rows and a DeltaNet group's state (`state_layout`; how many checkpoints
+    it holds read from `shapes`, the file's, at most CHECKPOINTS):
 
     values    [layers, 2, batch, kv_heads, rows, head_dim]   rows: length, or S + W
                                                              (q4: head_dim / 2 bytes)
@@ -309,6 +303,10 @@ def _layout(path: Path, snap: CacheSnapshot) -> dict[str, tuple[tuple[int, ...],
               K and V in two dtypes: k.values, k.scales, v.values, v.scales, each [layers,
               1, ...] in its own
     slot_pos  [S + W]                                        window only
+    conv, held                 a conv group's rows (kvlm.cache.conv)
+    conv, state, mark_pos,     a DeltaNet group's rows and state, and its M checkpoints'
+    mark_state, mark_conv      positions, states and rows (M <= CHECKPOINTS: the shape of
+                               mark_pos as the file says it, bounded before any is read)
     """
     g, extra = snap.geometry, snap.extra
     rows = snap.length if snap.layout != "window" else extra["sinks"] + extra["window"]
@@ -328,7 +326,8 @@ def _layout(path: Path, snap: CacheSnapshot) -> dict[str, tuple[tuple[int, ...],
         parts = [(group_prefix(n), len(group.layers), rows if group.kind.keep is None
                   else group.kind.keep, *group.kind.shape(_Geometry(heads, d)),
                   group.kind.keep is not None)
-                 for n, group in groups if not isinstance(group.kind, ConvWindow)]  # fmt: skip
+                 for n, group in groups
+                 if not isinstance(group.kind, ConvWindow | RecurrentState)]  # fmt: skip
         if "window" in extra:  # --kv window: group 0 a sinks + ring, as the window layout's
             prefix, n, _, h, dim, _ = parts[0]
             parts[0] = (prefix, n, extra["sinks"] + extra["window"], h, dim, True)
@@ -337,6 +336,16 @@ def _layout(path: Path, snap: CacheSnapshot) -> dict[str, tuple[tuple[int, ...],
                 shape = (len(group.layers), snap.batch, kind.keep, kind.width)
                 want[group_prefix(n) + "rows"] = (shape, CONV_ROW_DTYPE)
                 want[group_prefix(n) + "held"] = ((1,), torch.int64)
+            elif isinstance(kind, RecurrentState):
+                prefix = group_prefix(n)
+                marks = shapes.get(prefix + "mark_pos", (0,))
+                if len(marks) != 1 or marks[0] > CHECKPOINTS:
+                    raise _damaged(path, f"{prefix}mark_pos have shape {marks}: at most "
+                                         f"{CHECKPOINTS} checkpoints")  # fmt: skip
+                sd = state_dtype(file_kv_dtypes(snap.dtype)[0])  # type: ignore[index]
+                for name, shape in state_layout(kind, len(group.layers), snap.batch,
+                                                marks[0]).items():  # fmt: skip
+                    want[prefix + name] = (shape, torch.int64 if name == "mark_pos" else sd)
     k, v = file_kv_dtypes(snap.dtype)
     for prefix, n, held, h, dim, ring in parts:
         if Q4 in (k, v) and dim % 2:
@@ -359,7 +368,7 @@ class _Geometry:
 
 def _check_shapes(path: Path, snap: CacheSnapshot, shapes: dict[str, tuple[int, ...]]) -> None:
     """Exactly the layout's tensors (_layout), of the shape the metadata says."""
-    want = _layout(path, snap)
+    want = _layout(path, snap, shapes)
     missing, unexpected = set(want) - set(shapes), set(shapes) - set(want)
     if missing:
         raise _damaged(path, f"missing tensor {min(missing)}")
@@ -373,8 +382,9 @@ def _check_shapes(path: Path, snap: CacheSnapshot, shapes: dict[str, tuple[int, 
 def _check_contents(path: Path, snap: CacheSnapshot) -> None:
     """Dtypes (values in the file's dtypes, fp16 int8/q4 parameters, int64 slot
     positions), finite parameters (one inf step turns a row into NaN; values themselves
-    are data, NaN included), and a window's ring."""
-    want = _layout(path, snap)
+    are data, NaN included), a window's ring, and a DeltaNet group's state (finite, its
+    checkpoints at ascending positions within the tokens held)."""
+    want = _layout(path, snap, {k: tuple(t.shape) for k, t in snap.tensors.items()})
     for name, t in snap.tensors.items():
         dtype = want[name][1]
         if t.dtype != dtype:
@@ -397,6 +407,15 @@ def _check_contents(path: Path, snap: CacheSnapshot) -> None:
                 if not kind.rows <= held <= kind.keep:
                     raise _damaged(path, f"{group_prefix(n)}held {held} is not "
                                          f"{kind.rows} .. {kind.keep}")  # fmt: skip
+            elif isinstance(kind, RecurrentState):  # a state is no data: one inf spreads
+                prefix = group_prefix(n)
+                for name in ("state", "conv", "mark_state", "mark_conv"):
+                    if not torch.isfinite(snap.tensors[prefix + name]).all():
+                        raise _damaged(path, f"{prefix}{name} are not all finite")
+                pos = snap.tensors[prefix + "mark_pos"].tolist()
+                if any(not 0 < p <= snap.length for p in pos) or pos != sorted(set(pos)):
+                    raise _damaged(path, f"{prefix}mark_pos {brief(pos)} are not ascending "
+                                         f"positions in 1 .. {snap.length}")  # fmt: skip
             elif kind.keep is not None:
                 name = group_prefix(n) + "slot_pos"
                 _check_ring(path, snap, 0, kind.keep, name, kind.window or kind.keep)

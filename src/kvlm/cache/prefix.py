@@ -399,29 +399,39 @@ class BlockManager:
         self, g: int, group: Slots, tokens: Sequence[int], salt: str | None,
         blocks: list[int], keys: list[bytes],
     ) -> Steps:  # fmt: skip
-        """Load conv group g's end rows of the last block of group 0's hit (`blocks`) where
-        the pool lacks them, from the tiers (the group's own record of that block), so a
-        tier hit restores the sequence's rows as a pool hit does. The block is held while
-        they load."""
+        """Load state group g's end state of group 0's hit (`blocks`) where the pool lacks
+        it, from the tiers (the group's own record of a block), so a tier hit restores the
+        sequence's state as a pool hit does: a conv group's end rows of the hit's last
+        block (every block has them); a DeltaNet group's snapshot at the latest block end
+        past the last one the pool holds that a tier has (some blocks have one: the hit is
+        cut back to it, BlockManager._match). The blocks are held while they load."""
         if not blocks or not group.holds_ends:
             return 0
-        last, ids = blocks[-1], self.pool.prefix.prefix_id
-        held_as = ids[last]
-        if group.has_rows(last, held_as):
+        ids, bs = self.pool.prefix.prefix_id, self.block_size
+        have = [i for i, b in enumerate(blocks) if group.has_rows(b, ids[b])]
+        if have and have[-1] == len(blocks) - 1:
             return 0
-        bs, i = self.block_size, len(blocks) - 1
-        self.pool.revive(last)
-        loaded = []
+        want = [len(blocks) - 1] if group.every_end else list(range(have[-1] + 1 if have else 0,
+                                                                    len(blocks)))  # fmt: skip
+        held_as = [ids[blocks[i]] for i in want]
+        for i in want:
+            self.pool.revive(blocks[i])
+        put = 0
         try:
-            chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            loaded = yield self.tiers.fetch_later(
-                [keys[i]], [chunk], lambda: check_digests(tokens, salt, bs, i + 1)[i:], g
-            )
-            if loaded and ids[last] == held_as:
-                group.put_block_rows(last, loaded[0][1], held_as)
+            chunks = [tuple(tokens[i * bs : (i + 1) * bs]) for i in want]
+            found = yield self.tiers.fetch_later(
+                [keys[i] for i in want], chunks,
+                lambda: [check_digests(tokens, salt, bs, want[-1] + 1)[i] for i in want], g,
+                run=False,
+            )  # fmt: skip
+            for i, was, entry in reversed(list(zip(want, held_as, found, strict=True))):
+                if entry is not None and ids[blocks[i]] == was:  # the latest found
+                    put = int(group.put_block_rows(blocks[i], entry[1], was))
+                    break
         finally:
-            self.pool.release(last)
-        return len(loaded)
+            for i in reversed(want):
+                self.pool.release(blocks[i])
+        return put
 
     def blocks_to_admit(
         self, tokens: Sequence[int], salt: str | None = None, reuse: bool = True
@@ -455,11 +465,14 @@ class BlockManager:
         return True
 
     def allocate(
-        self, tokens: Sequence[int], salt: str | None = None, reuse: bool = True
-    ) -> tuple[BlockTable, int]:
+        self, tokens: Sequence[int], salt: str | None = None, reuse: bool = True,
+        turn_start: int | None = None,
+    ) -> tuple[BlockTable, int]:  # fmt: skip
         """Blocks for all of `tokens`: cached prefix blocks (of the same salt) shared, the
         rest fresh (a windowed group's: as each step needs them, `prepare`). Returns the
-        table and how many leading tokens are already computed."""
+        table and how many leading tokens are already computed. `turn_start`: where a
+        chat prompt's generation prompt begins (a state group's prompt snapshot is taken
+        at the last block end at most it: `Slots.turn`)."""
         hit = self._match(tokens, salt, reuse)
         if self._admit_cost(len(tokens), hit.blocks) > self.pool.num_free:
             raise RuntimeError("allocate() without room: check can_admit() first")
@@ -477,6 +490,8 @@ class BlockManager:
                 slots.append(group.allocate())
                 if hit.blocks:
                     group.restore(slots[0], hit.blocks[-1], cached)
+                if turn_start is not None:
+                    group.turn(slots[0], turn_start)
         self.stats.queries += len(tokens)
         self.stats.hits += cached
         if self.others and (hit.blocks or hit.cut):

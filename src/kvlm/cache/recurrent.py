@@ -54,6 +54,19 @@ NO_ROLLBACK = "a gated DeltaNet's state cannot forget tokens"
 CHECKPOINTS = 4
 
 
+def state_layout(
+    kind: RecurrentState, layers: int, batch: int, marks: int
+) -> dict[str, tuple[int, ...]]:
+    """The tensors a StateCache exports (a cache file's state group) and their shapes:
+    `conv` and `state` as DeltaRows holds them, and its `marks` checkpoints' positions
+    (`mark_pos`, ascending) and states and rows (`mark_state`, `mark_conv`)."""
+    s = kind.sizes
+    state, conv = (layers, batch, s.value_heads, s.key_dim, s.value_dim), (
+        layers, batch, s.conv_kernel - 1, s.conv_width)  # fmt: skip
+    return {"conv": conv, "state": state, "mark_pos": (marks,), "mark_state": (marks, *state),
+            "mark_conv": (marks, *conv)}  # fmt: skip
+
+
 class DeltaRows:
     """The DeltaNet layers' state of `batch` sequences advanced in lockstep: each layer's
     last L - 1 input rows of its convolution (`conv`, a ConvRows) and its recurrent state
@@ -275,8 +288,20 @@ class StateCache(KVCache):
         self.rows.depth = depth
 
     def _export(self) -> dict[str, torch.Tensor]:
-        """`conv` (layers, B, L - 1, conv_width) and `state` (layers, B, nv, dk, dv)."""
-        return {"conv": self.rows.conv.rows, "state": self.rows.state}
+        """`conv` (layers, B, L - 1, conv_width), `state` (layers, B, nv, dk, dv), and
+        the checkpoints (state_layout): a conversation's turn starts, which its next turn
+        goes back to."""
+        rows = self.rows
+        marks = sorted(rows.marks.items())
+        shapes = state_layout(self.kind, self.spec.num_layers, self.batch, 0)
+        empty = {k: rows.state.new_empty(v) for k, v in shapes.items()}
+        return {
+            "conv": rows.conv.rows,
+            "state": rows.state,
+            "mark_pos": torch.tensor([p for p, _ in marks], dtype=torch.int64),
+            "mark_state": torch.stack([t[0] for _, t in marks]) if marks else empty["mark_state"],
+            "mark_conv": torch.stack([t[1] for _, t in marks]) if marks else empty["mark_conv"],
+        }
 
     def _import(self, tensors: dict[str, torch.Tensor], length: int) -> None:
         rows = self._new_rows(self.batch)
@@ -286,6 +311,11 @@ class StateCache(KVCache):
         rows.conv.first = length - rows.conv.keep
         rows.state = tensors["state"].to(dtype=dtype, device=device, copy=True)
         rows.kept = {length: (rows.state, rows.conv.rows)}
+        marks = zip(tensors["mark_pos"].tolist(), tensors["mark_state"], tensors["mark_conv"],
+                    strict=True)  # fmt: skip
+        rows.marks = {int(p): (st.to(dtype=dtype, device=device, copy=True),
+                               cv.to(dtype=dtype, device=device, copy=True).contiguous())
+                      for p, st, cv in marks}  # fmt: skip
         rows.depth = self.rows.depth
         self.rows = rows
 
@@ -345,6 +375,7 @@ class StateSlots(Slots):
 
     step_attr = "recurrent"
     what = "DeltaNet states"
+    every_end = False  # snapshots at some block ends (a tier asked for each of a hit's)
 
     def __init__(
         self, spec: CacheSpec, group: LayerGroup, slots: int, block_size: int, snapshots: int = 0
@@ -361,6 +392,7 @@ class StateSlots(Slots):
         self.conv = torch.zeros(layers, slots, *rows, dtype=dtype, device=dev)
         self.end = [0] * slots
         self.drafted: dict[int, Drafted] = {}  # slot -> its last step's draft, kept
+        self.turn_end: dict[int, int] = {}  # slot -> the last block end of its prompt's turn
         self.snap_state = torch.zeros(layers, snapshots, *state, dtype=dtype, device=dev)
         self.snap_conv = torch.zeros(layers, snapshots, *rows, dtype=dtype, device=dev)
         self.snap_of: dict[int, int] = {}  # group 0's block -> the snapshot at its end
@@ -393,6 +425,14 @@ class StateSlots(Slots):
         self.conv[:, slot].zero_()
         self.end[slot] = 0
         self.drafted.pop(slot, None)
+        self.turn_end.pop(slot, None)
+
+    def turn(self, slot: int, position: int) -> None:
+        """A chat prompt's generation prompt begins at `position`: its prompt snapshot is
+        taken at the last block end at most it, not at the prompt's last full block (the
+        next turn renders this reply after the generation prompt's opening, which it may
+        drop: a snapshot past that point is one no next turn can use)."""
+        self.turn_end[slot] = position // self.block_size * self.block_size
 
     def _copy(self, src: int, dst: int) -> None:
         self.state[:, dst] = self.state[:, src]
@@ -406,6 +446,7 @@ class StateSlots(Slots):
             self.snap_owner[idx] = -1
         self.held[slot] = {}
         self.drafted.pop(slot, None)
+        self.turn_end.pop(slot, None)
         super().release(slot)
 
     def trim(self, table: list[int], num_tokens: int) -> None:
@@ -450,6 +491,37 @@ class StateSlots(Slots):
 
     def has_rows(self, block: int, prefix_id: int) -> bool:
         return prefix_id != 0 and block in self.snap_of and self.snap_id.get(block) == prefix_id
+
+    @property
+    def record_parts(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """A snapshot as a tier record's parts: "state" (layers, nv, dk, dv) and "conv"
+        (layers, L - 1, conv_width), in the state's dtype."""
+        s, c = self.snap_state, self.snap_conv
+        return {"state": ((s.shape[0], *s.shape[2:]), s.dtype),
+                "conv": ((c.shape[0], *c.shape[2:]), c.dtype)}  # fmt: skip
+
+    def block_rows(self, block: int) -> dict[str, torch.Tensor]:
+        """The snapshot at group 0's `block`'s end as a tier record's parts."""
+        idx = self.snap_of[block]
+        return {"state": self.snap_state[:, idx], "conv": self.snap_conv[:, idx]}
+
+    def put_block_rows(self, block: int, parts: dict[str, torch.Tensor], prefix_id: int) -> bool:
+        """A tier record's state for group 0's `block` (registered under `prefix_id`), in
+        the least recently used snapshot no running sequence holds; False when every one
+        is held (the hit goes without it)."""
+        idx = self.snap_of.get(block)
+        if idx is None:
+            idx = next((i for i in self.snap_order if self.snap_owner[i] < 0), None)
+            if idx is None:
+                return False
+            self.forget(self.snap_block[idx])
+            self.snap_of[block], self.snap_block[idx] = idx, block
+        dev = self.snap_state.device
+        self.snap_state[:, idx] = parts["state"].to(dev)
+        self.snap_conv[:, idx] = parts["conv"].to(dev)
+        self.snap_id[block] = prefix_id
+        self.snap_order.move_to_end(idx)
+        return True
 
     def take(self, block: int, slot: int, role: str) -> int:
         """The snapshot that will hold the state at `block`'s end, taken by `slot` in
@@ -555,10 +627,12 @@ class SlotDeltaStep:
             kept.append(at(torch.arange(n - r, n)))
             draft = counts[s] > 1
             b = (start + n) // bs * bs  # the last block end the sequence passes
+            role = "prompt" if n > 1 and not draft else "answer"
+            if role == "prompt" and slot in slots.turn_end:  # a chat's: at its turn's start
+                b = min(b, slots.turn_end[slot])
             if slots.holds_ends and b > start:
                 row = cu[-1] + b - start - 1
                 points.add(row)
-                role = "prompt" if n > 1 and not draft else "answer"
                 self._snaps.append((row, s, table[b // bs - 1], slot, role, b))
             if draft:
                 points.update(range(cu[-1], cu[-1] + n - 1))

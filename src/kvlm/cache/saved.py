@@ -30,7 +30,7 @@ import torch
 
 from kvlm.cache.base import CacheSnapshot, CacheSpec, blocks_for
 from kvlm.cache.factory import create_cache, planned_nbytes
-from kvlm.cache.files import file_kv_dtypes, read_cache_file
+from kvlm.cache.files import RING_KEYS, file_kv_dtypes, read_cache_file
 from kvlm.cache.groups import from_layout, layer_kinds
 from kvlm.cache.hybrid import group_tensors
 from kvlm.cache.paged import PagedCache
@@ -62,7 +62,8 @@ class SavedCache:
         """The layer groups of a `groups` file (kvlm.cache.groups), () for another layout."""
         if self.snap.layout != "groups":
             return ()
-        return from_layout(self.snap.extra, self.snap.geometry["layers"])
+        groups = {k: v for k, v in self.snap.extra.items() if k not in RING_KEYS}
+        return from_layout(groups, self.snap.geometry["layers"])
 
     def spec(self, block_size: int = 16) -> CacheSpec:
         """The spec of a cache that holds exactly this file (the pool: its rows' blocks)."""

@@ -58,6 +58,9 @@ class Slots:
 
     step_attr: ClassVar[str]
     what: ClassVar[str]  # what the slots hold, for an error
+    # whether a group that keeps the state at group 0's block ends keeps it at every one
+    # (a conv group's rows) or at some (a DeltaNet group's snapshots)
+    every_end: ClassVar[bool] = True
 
     def __init__(self, group: LayerGroup, slots: int, block_size: int) -> None:
         self.group, self.kind, self.block_size = group, group.kind, block_size
@@ -148,4 +151,10 @@ class Slots:
         return None
 
     def forget(self, block: int) -> None:
+        return None
+
+    def turn(self, slot: int, position: int) -> None:
+        """The slot's sequence is a chat prompt whose generation prompt begins at
+        `position` (a group that keeps the state at some block ends takes its prompt's
+        there, StateSlots; one that keeps every end has nothing to do)."""
         return None

@@ -241,12 +241,14 @@ class KVTiers:
 
     def fetch(
         self, keys: list[bytes], chunks: list[tuple[int, ...]], checks: list[bytes],
-        group: int = 0,
-    ) -> list[tuple[str, dict[str, torch.Tensor]]]:  # fmt: skip
+        group: int = 0, run: bool = True,
+    ) -> list:  # fmt: skip
         """The K/V of the longest run of blocks `keys` (in chain order) of layer group
         `group` found in some tier and verified, with the name of the tier each came from;
         each tier is asked for the blocks the tiers before it lacked. A tier's hits are
-        the blocks of the run it served, its misses the blocks it lacked."""
+        the blocks of the run it served, its misses the blocks it lacked. `run` False:
+        every block's, None where none was found (a group whose records some blocks have:
+        a DeltaNet's state snapshots)."""
         found: list[tuple[str, dict[str, torch.Tensor]] | None] = [None] * len(keys)
         for tier in self.tiers:
             want = [i for i, f in enumerate(found) if f is None]
@@ -267,26 +269,29 @@ class KVTiers:
                     stats.misses += 1
                 else:
                     found[i] = (tier.name, parts)
-        run: list[tuple[str, dict[str, torch.Tensor]]] = []
+        served: list = []
         names = [t.name for t in self.tiers]
         for i, entry in enumerate(found):
             if entry is None:
-                break
+                if run:
+                    break
+                served.append(None)
+                continue
             self.stats[entry[0]].hits += 1
-            run.append(entry)
+            served.append(entry)
             lacked = tuple(names[: names.index(entry[0])])
             if lacked:  # promoted: the tiers asked first hold it next time (Redis -> disk)
                 self._queue_write(_Write(keys[i], chunks[i], checks[i], entry[1], lacked, group))
-        return run
+        return served
 
     def fetch_later(
         self, keys: list[bytes], chunks: list[tuple[int, ...]],
-        checks: Callable[[], list[bytes]], group: int = 0,
+        checks: Callable[[], list[bytes]], group: int = 0, run: bool = True,
     ) -> Future:  # fmt: skip
         """fetch() run on the tiers' lookup thread, its checks made there too (`checks()`):
         the engine thread starts it at admission and goes on stepping (kvlm.cache.prefix.
         TierFetch); the future's answer is fetch()'s, within the tiers' deadlines."""
-        return self._lookups.submit(lambda: self.fetch(keys, chunks, checks(), group))
+        return self._lookups.submit(lambda: self.fetch(keys, chunks, checks(), group, run))
 
     def _lookup(self, tier: Tier, names: list[str], group: int = 0) -> list | None:
         """`tier.get_many(names)` run on the tier's reader thread, waited for at most the

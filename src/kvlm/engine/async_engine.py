@@ -108,6 +108,15 @@ class AsyncEngine:
             _soon(stream.loop, stream.events.put_nowait, exc)
 
     @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def keeps_turns(self) -> bool:
+        """Whether a chat request's turn start serves the engine (Engine.keeps_turns)."""
+        return self.engine.keeps_turns
+
+    @property
     def alive(self) -> bool:
         on = self._running_on
         return not self._stop and (self._thread.is_alive() or (on is not None and on.is_alive()))
@@ -125,9 +134,11 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        turn_start: int | None = None,
     ) -> AsyncIterator[StepOutput]:
         """Events of one request until all its samples finish. Raises KvlmError subclasses
-        before the first event for a request that cannot run (checked at once)."""
+        before the first event for a request that cannot run (checked at once).
+        `turn_start`: Engine.add_request's."""
         rid = request_id or f"req-{next(self._ids)}"
         if self._stop:
             raise EngineStoppedError("the server is shutting down")
@@ -138,7 +149,7 @@ class AsyncEngine:
             raise QueueFullError(f"the server is busy ({self.max_requests} requests held)")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         self._streams[rid] = stream
-        self._send((self._add, rid, prompt_ids, params, cache_salt))
+        self._send((self._add, rid, prompt_ids, params, cache_salt, turn_start))
         events = self._events(rid, stream)
         # a consumer that drops its events before it starts them never runs _events'
         # finally (a stream whose response was cancelled before its body began, or one
@@ -245,9 +256,12 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _add(self, rid: str, prompt_ids: list[int], params: SamplingParams, cache_salt) -> None:
+    def _add(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, cache_salt, turn_start
+    ) -> None:
         try:
-            self.engine.add_request(rid, prompt_ids, params, cache_salt, checked=True)
+            self.engine.add_request(rid, prompt_ids, params, cache_salt, checked=True,
+                                    turn_start=turn_start)  # fmt: skip
         except KvlmError as exc:  # e.g. the queue filled since the check
             self._tell(rid, exc)
         except Exception as exc:  # a bug in admission: this request only

@@ -220,7 +220,9 @@ class CacheManager:
     def can_admit(self, tokens: Seq[int], reserve: int = 0, salt=None, reuse=True) -> bool:
         return self.live == 0
 
-    def allocate(self, tokens: Seq[int], salt=None, reuse: bool = True) -> tuple[BlockTable, int]:
+    def allocate(
+        self, tokens: Seq[int], salt=None, reuse: bool = True, turn_start: int | None = None
+    ) -> tuple[BlockTable, int]:
         cache = self.cache
         back = cache.num_tokens - len(tokens) + 1  # the last token is fed
         if not (self.reuse and reuse) or cache.batch != 1 or salt != self.salt:
@@ -231,6 +233,8 @@ class CacheManager:
             cache.rollback(back)
         self.salt = salt
         self.rows = self.live = 1
+        if turn_start is not None:  # a state that cannot forget keeps its value there
+            cache.checkpoint(turn_start)
         cached = cache.num_tokens if cache.mode != "off" else 0
         self.stats.queries += len(tokens)
         self.stats.hits += cached

@@ -99,14 +99,6 @@ def pool_spec(llm: ServedModel) -> CacheSpec:
     return llm.cache_spec(pool_mode(llm.kv_mode))
 
 
-# Why a pool of a model with gated DeltaNet layers takes no KV tier: the tiers keep no
-# snapshots of its state (kvlm.cache.recurrent), so no tier record could ever be a hit
-NO_STATE_TIERS = (
-    "the KV tiers keep no snapshots of a gated DeltaNet's state yet, so no tier record of "
-    "this model could be a hit: drop --kv-tier (the pool's prefix cache still hits)"
-)
-
-
 def windowed_plan(
     config: EngineConfig, spec: CacheSpec, context: int
 ) -> tuple[int, list[int], int]:
@@ -203,6 +195,7 @@ class _Request:
     params: SamplingParams
     arrival: float
     cache_salt: str | None = None
+    turn_start: int | None = None
     seqs: list[Sequence] = field(default_factory=list)
     first_token: float | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled by the prefill
@@ -294,8 +287,6 @@ class Engine:
         for group in pool.groups:
             group.commit_memory()
         self.pool, self.spec = pool, spec
-        if self.config.kv_tiers and any(isinstance(g, StateSlots) for g in pool.groups):
-            raise InvalidRequestError(NO_STATE_TIERS, param="kv_tiers")
         self.tiers = self._tiers() if self.config.kv_tiers else None
         manager = BlockManager(pool, self.config.prefix_caching, self.tiers, step_tokens)
         return PoolBackend(self.runner, manager, spec)
@@ -312,6 +303,13 @@ class Engine:
                 rows = (len(group.group.layers), group.kind.rows, group.kind.width)
                 conv = namespace(layouts[0][0], "conv rows", g, list(group.group.layers), rows)
                 layouts.append((conv, {"rows": (rows, CONV_ROW_DTYPE)}))
+                continue
+            if isinstance(group, StateSlots):  # the state at a block's end: a snapshot's
+                parts = group.record_parts
+                shapes = {k: (shape, str(dt)) for k, (shape, dt) in parts.items()}
+                layers = list(group.group.layers)
+                layouts.append((namespace(layouts[0][0], "deltanet state", g, layers, shapes),
+                                parts))  # fmt: skip
                 continue
             store = group.store
             # a block of the store's rows: its parts as the store keeps them (storage)
@@ -374,6 +372,12 @@ class Engine:
             )
         self.backend.check(prompt_ids, params.n, sched.reserve_blocks)
 
+    @property
+    def keeps_turns(self) -> bool:
+        """Whether the model keeps a state that cannot forget tokens (gated DeltaNet
+        layers): a chat request's turn start (add_request) tells it where to keep it."""
+        return bool(self.llm.config.deltanet_layers)
+
     def add_request(
         self,
         request_id: str,
@@ -381,16 +385,23 @@ class Engine:
         params: SamplingParams,
         cache_salt: str | None = None,
         checked: bool = False,
+        turn_start: int | None = None,
     ) -> None:
         """Queue a request. `cache_salt` (vLLM's field): its prompt shares prefix-cache
         blocks only with requests of the same salt, so tenants keep their prefixes apart.
         `checked`: the caller ran check_request on these very arguments already, at its
-        door (AsyncEngine.generate, LLM.generate): a request is checked once."""
+        door (AsyncEngine.generate, LLM.generate): a request is checked once. `turn_start`:
+        where a chat prompt's generation prompt begins (the next turn may part from it
+        there): a DeltaNet state's prompt snapshot is taken at the last block end at most
+        it (StateSlots.turn), a one-sequence cache keeps its state there."""
         if not checked:
             self.check_request(prompt_ids, params, cache_salt)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
-        req = _Request(request_id, list(prompt_ids), params, time.perf_counter(), cache_salt)
+        if turn_start is not None and not 0 < turn_start < len(prompt_ids):
+            turn_start = None  # not within the prompt: no turn (a caller's slip, not the user's)
+        req = _Request(request_id, list(prompt_ids), params, time.perf_counter(), cache_salt,
+                       turn_start)  # fmt: skip
         seq = self._sequence(req, 0)
         seq.fan_out = params.n
         self.scheduler.add(seq)  # may raise QueueFullError: nothing is kept
@@ -403,7 +414,12 @@ class Engine:
         sampler = Sampler(req.params, self.runner.device, index, req.prompt_ids,
                           self.tokenizer, stops)  # seeded seed + index  # fmt: skip
         seq = Sequence(
-            req.request_id, sample, sampler, len(req.prompt_ids), cache_salt=req.cache_salt
+            req.request_id,
+            sample,
+            sampler,
+            len(req.prompt_ids),
+            cache_salt=req.cache_salt,
+            turn_start=req.turn_start,
         )
         req.seqs.append(seq)
         return seq

@@ -260,7 +260,9 @@ class Scheduler:
             if self.config.chunk_size and seq.num_pending > 1 and not self._chunk(seq, budget):
                 break  # its first chunk waits for a step with room for all of it
             self.waiting.popleft()
-            seq.table, seq.num_cached = self.manager.allocate(seq.token_ids, seq.cache_salt, reuse)
+            seq.table, seq.num_cached = self.manager.allocate(
+                seq.token_ids, seq.cache_salt, reuse, seq.turn_start
+            )
             seq.num_computed = seq.num_cached
             seq.status = Status.RUNNING
             self.running.append(seq)

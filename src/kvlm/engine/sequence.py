@@ -47,6 +47,7 @@ class Sequence:
     tier_fetch: TierFetch | None = None  # that lookup, while under way
     table: BlockTable = field(default_factory=BlockTable)
     cache_salt: str | None = None  # prefix-cache blocks are shared only under the same salt
+    turn_start: int | None = None  # a chat prompt's generation prompt's start (add_request)
     # speculative decoding (kvlm.engine.speculative): this step's proposed tokens, fed
     # after the last one at the next positions, and how many to propose next time
     draft: list[int] = field(default_factory=list)
