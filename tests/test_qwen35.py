@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import json
 from dataclasses import replace
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ import torch
 import converter
 from helpers import (
     CHATML,
+    CHATML_TOOLS,
     FRANCE,
     GREEDY,
     POOL_PROMPTS,
@@ -76,7 +78,10 @@ def qwen35_dir(tmp_path_factory):
     def make(name: str):
         if name not in made:
             seed, overrides = {**QWEN35_MODELS, **GGUF_ONLY}.get(name, (30, {}))
-            template = THINK_OFF if name == "qwen35-think-off" else CHATML
+            templates = {"qwen35-think-off": THINK_OFF, "qwen35-tools": CHATML_TOOLS}
+            template = templates.get(name, CHATML)
+            if name == "qwen35-tools":  # the tools' system turn: ~800 of the tiny tokenizer's
+                overrides = {**overrides, "max_position_embeddings": 2048}
             made[name] = save_tiny_model(tmp_path_factory.mktemp(name), "qwen3_5", seed=seed,
                                          tokenizer="qwen35", chat_template=template,
                                          **overrides)  # fmt: skip
@@ -1152,3 +1157,98 @@ def test_kvlm_serve_answers_concurrent_chats(qwen35_dir):
     assert [(g["kind"], g["layers"]) for g in groups] == [("attention", [1, 3]), ("state", [0, 2])]
     assert groups[1]["block_bytes"] == llm.cache_spec().layer_kinds[0].sequence_bytes(
         llm.cache_spec()) * 2  # two DeltaNet layers' state a slot  # fmt: skip
+
+
+WEATHER = {
+    "name": "weather",
+    "description": "The weather in a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
+                     "required": ["city"], "additionalProperties": False},
+}  # fmt: skip
+
+
+def test_the_sdks_five_turns_with_tools_on_a_gguf_are_cached_and_as_fresh(converted):
+    """The anthropic SDK (Messages: the conversation resent each turn) and the openai SDK
+    (Responses: each turn on the last by previous_response_id) through five turns with a
+    tool (a forced call, its result, three more) on the tiny hybrid as llama.cpp's
+    converter writes it, against two real `kvlm serve`s of it: every turn's reply is the
+    one a server without the prefix cache gives, and from the second turn on the usage
+    reports cached prompt tokens (Anthropic's cache_read_input_tokens, Responses'
+    input_tokens_details.cached_tokens), none on the cacheless one: the conversation is
+    not prefilled again."""
+    import anthropic
+    import openai
+
+    from serving import kvlm_serve
+
+    _, path = converted("qwen35-tools")
+    key = "sekret"
+    args = ("--model", str(path), "--max-context", "2048", "--threads", "1", "--api-key", key)
+    tool = {"type": "function", "name": "weather", "description": WEATHER["description"],
+            "parameters": WEATHER["input_schema"]}  # fmt: skip
+    with kvlm_serve(*args) as (port, _), kvlm_serve(*args, "--no-prefix-caching") as (cold, _):
+        base = [f"http://127.0.0.1:{p}" for p in (port, cold)]
+        claude = [anthropic.Anthropic(base_url=b, api_key=key, max_retries=0) for b in base]
+        oai = [openai.OpenAI(base_url=b + "/v1", api_key=key, max_retries=0) for b in base]
+        model = oai[0].models.list().data[0].id
+        # Messages: the conversation as the client keeps it, sent to both
+        messages = [{"role": "user", "content": "Weather in Paris?"}]
+        cached: list[list[int]] = [[], []]
+        for turn in range(5):
+            kw = dict(model=model, messages=messages, tools=[WEATHER], max_tokens=16,
+                      extra_body={"temperature": 0})  # fmt: skip
+            if turn == 0:
+                kw.update(tool_choice={"type": "tool", "name": "weather"}, max_tokens=80)
+            replies = [c.messages.create(**kw) for c in claude]
+            said = [[b.model_dump(exclude={"id"}) for b in r.content] for r in replies]
+            assert said[0] == said[1], turn  # (a call's id is new each time)
+            for i, r in enumerate(replies):
+                cached[i].append(r.usage.cache_read_input_tokens or 0)
+            blocks = [b.model_dump(exclude_none=True) for b in replies[0].content]
+            messages = [*messages, {"role": "assistant", "content": blocks}]
+            if turn == 0:
+                call = replies[0].content[-1]
+                assert call.type == "tool_use"
+                messages.append(
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "tool_result",
+                                "tool_use_id": call.id,
+                                "content": "Sunny, 21 C",
+                            }
+                        ],
+                    }
+                )
+            else:
+                messages.append({"role": "user", "content": f"And then ({turn})?"})
+        # each turn reads more of the conversation from the cache than the one before (on
+        # the 2 cores of the writing: 560, 736, 784, 816 of the Messages turns)
+        assert cached[0][1] > 0 and all(a < b for a, b in pairwise(cached[0][1:])), cached
+        assert not any(cached[1]), cached
+        # Responses: each server's own chain of stored responses
+        outputs, used = [[], []], [[], []]
+        for i, client in enumerate(oai):
+            previous, given = None, "Weather in Paris?"
+            for turn in range(5):
+                kw = dict(model=model, input=given, tools=[tool], temperature=0,
+                          max_output_tokens=16, previous_response_id=previous)  # fmt: skip
+                if turn == 0:
+                    kw.update(tool_choice={"type": "function", "name": "weather"},
+                              max_output_tokens=80)  # fmt: skip
+                r = client.responses.create(**kw)
+                outputs[i].append([(o.type, getattr(o, "arguments", None), getattr(o, "content",
+                                   None) and o.content[0].text) for o in r.output])  # fmt: skip
+                used[i].append(r.usage.input_tokens_details.cached_tokens)
+                previous = r.id
+                if turn == 0:
+                    call = r.output[-1]
+                    assert call.type == "function_call"
+                    given = [{"type": "function_call_output", "call_id": call.call_id,
+                              "output": "Sunny, 21 C"}]  # fmt: skip
+                else:
+                    given = f"And then ({turn})?"
+        assert outputs[0] == outputs[1]
+        assert used[0][1] > 0 and all(a < b for a, b in pairwise(used[0][1:])), used
+        assert not any(used[1]), used
