@@ -7,7 +7,7 @@ next token is computed without the text before it again. What it keeps is its ki
     attention     K/V rows of every token               FullAttention()    T         0
     window        K/V rows of the last W + RING_SLACK   SlidingWindow(W)   <= W+32   T - W + 1
     conv          the last L - 1 input rows (+ slack)   ConvWindow(L-1, H) 0 (state) T - L + 1
-    state         a DeltaNet's state + its L - 1 rows   RecurrentState(..) 0 (state) T
+    state         a recurrent state + its L - 1 rows    RecurrentState(..) 0 (state) T
 
 A spec is a frozen value (equal specs: one group of layers, kvlm.cache.groups). It answers
 the window its masks use (`window`), how many positions a sequence keeps behind its end
@@ -34,7 +34,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from kvlm.cache.storage import itemsize
-from kvlm.config import DeltaNet, ModelConfig
+from kvlm.config import ModelConfig
 
 # Tokens a windowed group keeps past its window: what a rollback may take back (a chat's
 # last token, a draft's rows beyond its own undo); a longer one is refused (the caller
@@ -181,12 +181,14 @@ class ConvWindow(LayerKind):
 
 @dataclass(frozen=True, slots=True)
 class RecurrentState(LayerKind):
-    """A gated DeltaNet's (kvlm.model.deltanet, its sizes kvlm.config.DeltaNet): its
-    recurrent state (`value_heads`, `key_dim`, `value_dim`) and its causal convolution's
-    last `conv_kernel` - 1 input rows of `conv_width` channels (q|k|v: the `key_heads`
-    too), both fixed a sequence, kept in state_dtype (fp32; fp64 for an fp64 cache) by
-    kvlm.cache.recurrent. The rows are part of this kind, not a ConvWindow group of their
-    own: they and the state move together (one begin/commit a step, the same layers).
+    """A recurrent mixer's (a gated DeltaNet's, kvlm.model.deltanet: `heads` value heads
+    of a (key_dim, value_dim) state, its convolution over q|k|v): a state of `heads`
+    matrices (`rows`, `cols`) and its causal convolution's last `conv_kernel` - 1 input
+    rows of `conv_width` channels, both fixed a sequence, kept in state_dtype (fp32; fp64
+    for an fp64 cache) by kvlm.cache.recurrent: the cache's shapes, not the mixer's
+    arithmetic (`recurrent_state` maps a mixer's sizes to them). The rows are part of this
+    kind, not a ConvWindow group of their own: they and the state move together (one
+    begin/commit a step, the same layers).
     No row per token (token_bytes 0); the next query reads no position before it (the
     state holds them all). A state cannot forget tokens: a rollback (a rejected draft's
     rows) goes back to a state kept for it with its rows, no slack (the one-sequence
@@ -195,21 +197,16 @@ class RecurrentState(LayerKind):
 
     name: ClassVar[str] = "state"
     code: ClassVar[int] = 3
-    key_heads: int
-    value_heads: int
-    key_dim: int
-    value_dim: int
+    heads: int
+    rows: int
+    cols: int
     conv_kernel: int
+    conv_width: int
 
     @property
-    def sizes(self) -> DeltaNet:
-        """The layer's sizes (kvlm.config.DeltaNet)."""
-        return DeltaNet(self.key_heads, self.value_heads, self.key_dim, self.value_dim,
-                        self.conv_kernel)  # fmt: skip
-
-    @property
-    def conv_width(self) -> int:
-        return self.sizes.conv_width
+    def state_shape(self) -> tuple[int, int, int]:
+        """One layer's state of one sequence: (heads, rows, cols)."""
+        return self.heads, self.rows, self.cols
 
     @property
     def keep(self) -> int:
@@ -226,7 +223,7 @@ class RecurrentState(LayerKind):
 
     def sequence_bytes(self, spec: Geometry) -> int:
         rows = (self.conv_kernel - 1) * self.conv_width
-        values = self.value_heads * self.key_dim * self.value_dim + rows
+        values = self.heads * self.rows * self.cols + rows
         return values * state_dtype(spec.kv_dtypes[0]).itemsize
 
     def end_bytes(self, spec: Geometry) -> int:
@@ -247,7 +244,7 @@ def recurrent_state(config: ModelConfig) -> RecurrentState | None:
     d = config.deltanet
     if d is None or not config.deltanet_layers:
         return None
-    return RecurrentState(d.key_heads, d.value_heads, d.key_dim, d.value_dim, d.conv_kernel)
+    return RecurrentState(d.value_heads, d.key_dim, d.value_dim, d.conv_kernel, d.conv_width)
 
 
 def kind_from(code: int, fields: dict[str, int]) -> LayerKind:

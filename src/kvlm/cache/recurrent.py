@@ -45,7 +45,6 @@ from kvlm.cache.conv import ConvRows, ConvStep
 from kvlm.cache.groups import LayerGroup
 from kvlm.cache.kinds import ConvWindow, RecurrentState, state_dtype
 from kvlm.cache.slots import Piece, Slots, pieces_per_sequence, sequences
-from kvlm.config import DeltaNet
 from kvlm.errors import CacheOverflowError, InvalidRequestError
 
 # Why a cache with a DeltaNet state refuses a rollback (and the callers that need one)
@@ -60,9 +59,8 @@ def state_layout(
     """The tensors a StateCache exports (a cache file's state group) and their shapes:
     `conv` and `state` as DeltaRows holds them, and its `marks` checkpoints' positions
     (`mark_pos`, ascending) and states and rows (`mark_state`, `mark_conv`)."""
-    s = kind.sizes
-    state, conv = (layers, batch, s.value_heads, s.key_dim, s.value_dim), (
-        layers, batch, s.conv_kernel - 1, s.conv_width)  # fmt: skip
+    state, conv = (layers, batch, *kind.state_shape), (
+        layers, batch, kind.conv_kernel - 1, kind.conv_width)  # fmt: skip
     return {"conv": conv, "state": state, "mark_pos": (marks,), "mark_state": (marks, *state),
             "mark_conv": (marks, *conv)}  # fmt: skip
 
@@ -79,14 +77,14 @@ class DeltaRows:
     (`checkpoint(p)`: a chat's turn boundary), kept by the step that passes them."""
 
     def __init__(
-        self, shape: DeltaNet, layers: int, batch: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        self.shape = shape
-        window = ConvWindow(shape.conv_kernel - 1, shape.conv_width)
+        self, kind: RecurrentState, layers: int, batch: int, dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:  # fmt: skip
+        self.kind = kind
+        window = ConvWindow(kind.conv_kernel - 1, kind.conv_width)
         self.conv = ConvRows(window, layers, batch, dtype, device, slack=0)
-        s = shape
-        self.state = torch.zeros(layers, batch, s.value_heads, s.key_dim, s.value_dim,
-                                 dtype=state_dtype(dtype), device=device)  # fmt: skip
+        self.state = torch.zeros(layers, batch, *kind.state_shape, dtype=state_dtype(dtype),
+                                 device=device)  # fmt: skip
         self.depth = 0
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.wanted: set[int] = set()  # positions a step will keep the state at (marks)
@@ -242,7 +240,7 @@ class StateCache(KVCache):
 
     def _new_rows(self, batch: int) -> DeltaRows:
         dtype = state_dtype(self.spec.kv_dtypes[0])
-        return DeltaRows(self.kind.sizes, self.spec.num_layers, batch, dtype, self.spec.device)
+        return DeltaRows(self.kind, self.spec.num_layers, batch, dtype, self.spec.device)
 
     @property
     def capacity(self) -> int:
@@ -384,10 +382,10 @@ class StateSlots(Slots):
         if not isinstance(kind, RecurrentState):
             raise TypeError(f"StateSlots keeps a DeltaNet group, not {kind!r}")
         super().__init__(group, slots, block_size)
-        s, layers = kind.sizes, len(group.layers)
+        layers = len(group.layers)
         dtype, dev = state_dtype(spec.kv_dtypes[0]), spec.device
-        state = (s.value_heads, s.key_dim, s.value_dim)
-        rows = (s.conv_kernel - 1, s.conv_width)
+        state = kind.state_shape
+        rows = (kind.conv_kernel - 1, kind.conv_width)
         self.state = torch.zeros(layers, slots, *state, dtype=dtype, device=dev)
         self.conv = torch.zeros(layers, slots, *rows, dtype=dtype, device=dev)
         self.end = [0] * slots

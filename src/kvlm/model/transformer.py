@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from kvlm.cache.kinds import ConvWindow
+from kvlm.cache.kinds import ConvWindow, recurrent_state
 from kvlm.cache.recurrent import DeltaRows, DeltaStep
 from kvlm.config import ModelConfig, RopeScaling
 from kvlm.errors import ModelLoadError, UnsupportedModelError
@@ -207,7 +207,7 @@ class Transformer(nn.Module):
     def new_delta_rows(self, batch: int = 1) -> DeltaRows:
         """Zero state of this model's gated DeltaNet layers for `batch` sequences."""
         layers = len(self.config.deltanet_layers)
-        return DeltaRows(self.config.deltanet, layers, batch, self.dtype, self.device)
+        return DeltaRows(recurrent_state(self.config), layers, batch, self.dtype, self.device)
 
     def forward(
         self,
