@@ -44,11 +44,12 @@ def kernel() -> None:
         st, cu = torch.randn(1, NV, DK, DV) * 0.1, torch.tensor([0, T])
 
         def ours(T=T, conv=conv, z=z, b=b, a=a, a_log=a_log, dt=dt, w=w, st=st, cu=cu) -> None:
-            s, out = st.clone(), torch.empty(T, NV * DV)
+            s, out = torch.empty_like(st), torch.empty(T, NV * DV)  # the state: st's after
             assert lib.kvlm_gated_delta(
                 conv.data_ptr(), conv.numel(), z.data_ptr(), z.numel(), b.data_ptr(),
                 b.numel(), a.data_ptr(), a.numel(), a_log.data_ptr(), dt.data_ptr(), NV,
-                w.data_ptr(), DV, 1e-6, s.data_ptr(), s.numel(), out.data_ptr(), out.numel(),
+                w.data_ptr(), DV, 1e-6, st.data_ptr(), s.data_ptr(), s.numel(), out.data_ptr(),
+                out.numel(),
                 cu.data_ptr(), 2, None, 0, None, 0, 1, NK, NV, DK, DV) == 0  # fmt: skip
 
         def theirs(conv=conv, z=z, b=b, a=a, a_log=a_log, dt=dt, w=w, st=st) -> None:

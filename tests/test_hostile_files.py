@@ -904,14 +904,17 @@ def test_the_gated_delta_checks_its_buffers_and_is_the_torch_road(build):
     A, one = len(points), nv * dk * dv
     snaps = _guarded(A * one)
 
-    def call(state: torch.Tensor, out: torch.Tensor, offsets=cu, at=points, **given) -> int:
+    def call(
+        state: torch.Tensor, out: torch.Tensor, offsets=cu, at=points, before=None, **given
+    ) -> int:  # fmt: skip
         n = {**size, "atn": A, "pn": A * one, **given}
         d = {**dims, **{k: v for k, v in given.items() if k in dims}}
         return lib.kvlm_gated_delta(
             f32["conv"].data_ptr(), n["cn"], f32["z"].data_ptr(), n["zn"], f32["b"].data_ptr(),
             n["bn"], f32["a"].data_ptr(), n["an"], f32["a_log"].data_ptr(),
             f32["dt_bias"].data_ptr(), n["hn"], f32["w"].data_ptr(), n["wn"], 1e-6,
-            state.data_ptr(), n["sn"], out.data_ptr(), n["on"], offsets.data_ptr(), d["cun"],
+            None if before is None else before.data_ptr(), state.data_ptr(), n["sn"],
+            out.data_ptr(), n["on"], offsets.data_ptr(), d["cun"],
             None if at is None else at.data_ptr(), n["atn"], snaps.data_ptr(), n["pn"],
             d["S"], d["nk"], d["nv"], d["dk"], d["dv"],
         )  # fmt: skip
@@ -937,6 +940,12 @@ def test_the_gated_delta_checks_its_buffers_and_is_the_torch_road(build):
     assert call(state, out) == 0 and _untouched(out[n_out:]) and _untouched(state[n_state:])
     got, got_state = out[:n_out].view(N, -1), state[:n_state].view(S, nv, dk, dv)
     assert torch.equal(got_state[1], state0[1].float())  # a sequence of no rows: as it was
+    # the states before in a buffer of their own (`state_in`): `state` only written, the
+    # same bits as in place, the buffer before untouched
+    before = state0.float().flatten().clone()
+    fresh, out2 = _guarded(n_state), _guarded(n_out)
+    assert call(fresh, out2, before=before) == 0 and torch.equal(before, state0.float().flatten())
+    assert torch.equal(fresh[:n_state], state[:n_state]) and torch.equal(out2, out)
     at = 0
     for i, n in enumerate(lengths):
         if not n:
@@ -958,7 +967,7 @@ def test_the_gated_delta_checks_its_buffers_and_is_the_torch_road(build):
                 part["conv"].data_ptr(), part["conv"].numel(), part["z"].data_ptr(),
                 part["z"].numel(), part["b"].data_ptr(), part["b"].numel(),
                 part["a"].data_ptr(), part["a"].numel(), f32["a_log"].data_ptr(),
-                f32["dt_bias"].data_ptr(), nv, f32["w"].data_ptr(), dv, 1e-6,
+                f32["dt_bias"].data_ptr(), nv, f32["w"].data_ptr(), dv, 1e-6, None,
                 alone.data_ptr(), alone.numel(), alone_out.data_ptr(), alone_out.numel(),
                 torch.tensor([0, k]).data_ptr(), 2, None, 0, None, 0, 1, nk, nv, dk,
                 dv) == 0  # fmt: skip
@@ -973,7 +982,8 @@ def test_the_gated_delta_checks_its_buffers_and_is_the_torch_road(build):
     assert lib.kvlm_gated_delta(
         z0[0].data_ptr(), z0[0].numel(), z0[1].data_ptr(), z0[1].numel(), z0[2].data_ptr(),
         z0[2].numel(), z0[3].data_ptr(), z0[3].numel(), f32["a_log"].data_ptr(),
-        f32["dt_bias"].data_ptr(), nv, f32["w"].data_ptr(), dv, 1e-6, st.data_ptr(), st.numel(),
+        f32["dt_bias"].data_ptr(), nv, f32["w"].data_ptr(), dv, 1e-6, None, st.data_ptr(),
+        st.numel(),
         o.data_ptr(), o.numel(), torch.tensor([0, rows]).data_ptr(), 2, many.data_ptr(), 65,
         out_many.data_ptr(), 65 * one, 1, nk, nv, dk, dv) == -2  # fmt: skip
     assert _untouched(out_many)

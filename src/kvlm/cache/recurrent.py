@@ -107,7 +107,7 @@ class DeltaRows:
             raise ValueError("a DeltaNet step committed before it was run through")
         before = self.conv.rows
         self.conv.commit(step.conv)
-        self.state = torch.stack(step.staged)  # type: ignore[arg-type]
+        self.state = step.states()
         start, end, r = step.start, step.start + step.n_new, self.conv.keep
         if step.keep_rows:  # the state and rows after each row kept
             states = torch.stack(step.kept)  # type: ignore[arg-type]  # (layers, rows, ...)
@@ -193,6 +193,7 @@ class DeltaStep:
         self.start, self.n_new, self.draft = rows.length, n_new, draft
         self.conv: ConvStep = rows.conv.begin(n_new, draft)
         self._state = rows.state
+        self.out: torch.Tensor | None = None
         layers, start = rows.state.shape[0], self.start
         self.staged: list[torch.Tensor | None] = [None] * layers
         self.kept: list[torch.Tensor | None] = [None] * layers
@@ -207,12 +208,33 @@ class DeltaStep:
     def initial(self, layer: int) -> torch.Tensor:
         return self._state[layer]
 
+    def out_state(self, layer: int) -> torch.Tensor:
+        """Where a layer's state after the step may be written (the C road's, fp32): a
+        layer of one buffer the step allocates, which commit then keeps whole."""
+        if self.out is None:
+            self.out = torch.empty_like(self._state, dtype=torch.float32)
+        return self.out[layer]
+
     def stage(self, layer: int, state: torch.Tensor) -> None:
         self.staged[layer] = state
 
     def stage_kept(self, layer: int, states: torch.Tensor) -> None:
         """The states after the `keep_rows` (one each, (rows, nv, dk, dv))."""
         self.kept[layer] = states
+
+    def states(self) -> torch.Tensor:
+        """The staged states as one tensor (layers, B, ...): the out buffer where every
+        layer wrote into it, else stacked."""
+        out, staged = self.out, self.staged
+        if (
+            out is not None
+            and out.dtype == self._state.dtype
+            and all(
+                s is not None and s.data_ptr() == out[i].data_ptr() for i, s in enumerate(staged)
+            )
+        ):
+            return out
+        return torch.stack(staged)  # type: ignore[arg-type]
 
 
 class _StateCacheStep(CacheStep):
@@ -645,6 +667,7 @@ class SlotDeltaStep:
         self.conv = self  # the model reads `step.conv.taps`
         self.draft = False  # the pieces say which rows are one sequence
         layers = slots.state.shape[0]
+        self._initial: list[torch.Tensor | None] = [None] * layers
         self._bufs: list[torch.Tensor | None] = [None] * layers
         self.staged: list[torch.Tensor | None] = [None] * layers
         self.keep_rows = sorted(points) or None
@@ -660,7 +683,17 @@ class SlotDeltaStep:
         return [buf.index_select(0, row).view(u.shape) for row in self._taps]
 
     def initial(self, layer: int) -> torch.Tensor:
-        return self.slots.state[layer].index_select(0, self._slots)
+        if self._initial[layer] is None:  # the sequences' states gathered: the step's copy
+            self._initial[layer] = self.slots.state[layer].index_select(0, self._slots)
+        return self._initial[layer]  # type: ignore[return-value]
+
+    def out_state(self, layer: int) -> torch.Tensor:
+        """Where the C road writes a layer's states after the step: over the gathered copy
+        (the slots' own stay as they were until commit)."""
+        state = self.initial(layer)
+        return (
+            state if state.dtype == torch.float32 else torch.empty_like(state, dtype=torch.float32)
+        )
 
     def stage(self, layer: int, state: torch.Tensor) -> None:
         self.staged[layer] = state

@@ -444,9 +444,9 @@ _SIGNATURES: dict[str, tuple[str, str]] = {
     "kvlm_rms_norm": ("int", "piiiipidpii"),  # x, xn, M, N, xs, w, wn, eps, y, yn, ys
     # qkv, qkvn, M, rs, nq, nk, D, qn, kn, nn, eps, cos, cn, sin, sn, cs, R
     "kvlm_qk_norm_rope": ("int", "piiiiiippidpipiii"),
-    # deltanet.c: conv, cn, z, zn, b, bn, a, an, a_log, dt_bias, hn, w, wn, eps, state, sn,
-    # out, on, cu, cun, at, atn, snaps, pn, S, nk, nv, dk, dv
-    "kvlm_gated_delta": ("int", "pipipipippipidpipipipipiiiiii"),
+    # deltanet.c: conv, cn, z, zn, b, bn, a, an, a_log, dt_bias, hn, w, wn, eps, state_in,
+    # state, sn, out, on, cu, cun, at, atn, snaps, pn, S, nk, nv, dk, dv
+    "kvlm_gated_delta": ("int", "pipipipippipidppipipipipiiiiii"),
     # decode.c
     "kvlm_decode_scratch": ("int64", "pi"),  # m, B
     # m, B, x, xn, pos, pn, cos, cn, sin, sn, views, n_views, convs, n_convs, scratch, scn,

@@ -142,7 +142,10 @@ static void delta_head(const float *conv, const float *z, const float *bb, const
  * a sequence of no rows keeps its state): conv [rows, C] (C = 2 nk dk + nv dv: q|k|v,
  * before silu), z [rows, nv dv], b and a [rows, nv], a_log and dt_bias [nv] (hn), w [dv]
  * (wn: the gated norm's weight), state [S, nv, dk, dv] (sn floats: read and updated), out
- * [rows, nv dv] (on floats). Each buffer's length follows it, in floats. `at` (atn
+ * [rows, nv dv] (on floats). `state_in` (NULL: `state` is read and updated in place):
+ * the states before the step, [S, nv, dk, dv] as `state` (sn floats too), `state` then
+ * only written (the caller keeps the states before, no copy of its own). Each buffer's
+ * length follows it, in floats. `at` (atn
  * entries, or NULL): rows of the step, strictly ascending; the state of row at[i]'s
  * sequence after that row copied into snaps [atn, nv, dk, dv] (pn floats) at i too (a
  * state at a block's end, for prefix hits; at each draft row, for a rollback), at most
@@ -153,7 +156,8 @@ static void delta_head(const float *conv, const float *z, const float *bb, const
 int kvlm_gated_delta(const float *conv, int64_t cn, const float *z, int64_t zn,
                      const float *b, int64_t bn, const float *a, int64_t an,
                      const float *a_log, const float *dt_bias, int64_t hn, const float *w,
-                     int64_t wn, double eps, float *state, int64_t sn, float *out, int64_t on,
+                     int64_t wn, double eps, const float *state_in, float *state, int64_t sn,
+                     float *out, int64_t on,
                      const int64_t *cu, int64_t cun, const int64_t *at, int64_t atn,
                      float *snaps, int64_t pn, int64_t S, int64_t nk, int64_t nv, int64_t dk,
                      int64_t dv) {
@@ -191,6 +195,8 @@ int kvlm_gated_delta(const float *conv, int64_t cn, const float *z, int64_t zn,
             local[na] = at[i0 + na] - r0;
             na++;
         }
+        if (state_in) memcpy(state + p * dk * dv, state_in + p * dk * dv,
+                             (size_t)(dk * dv) * sizeof(float)); /* this head's, in cache */
         delta_head(conv + r0 * C, z + r0 * vd, b + r0 * nv, a + r0 * nv, a_log[h], dt_bias[h],
                    w, e, state + p * dk * dv, out + r0 * vd, T, h, nk, nv, dk, dv, local, na,
                    na ? snaps + (i0 * nv + h) * dk * dv : NULL, nv * dk * dv);

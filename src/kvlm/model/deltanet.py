@@ -149,7 +149,11 @@ class GatedDeltaNet(nn.Module):
         s = self.shape
         nk, nv, dk, dv = s.key_heads, s.value_heads, s.key_dim, s.value_dim
         conv, z, b, a = (t.contiguous() for t in (conv, z, b, a))
-        state = step.initial(self.slot).to(torch.float32, copy=True).contiguous()
+        initial = step.initial(self.slot)
+        state = step.out_state(self.slot)  # the step's own: written, the initial kept
+        same = state.data_ptr() == initial.data_ptr()  # a pool step's gathered copy
+        if initial.dtype != torch.float32 or not initial.is_contiguous():
+            initial = initial.to(torch.float32).contiguous()
         out = torch.empty(conv.shape[0], nv * dv)
         offsets = torch.tensor(cu, dtype=torch.int64)
         kept = step.keep_rows
@@ -160,7 +164,8 @@ class GatedDeltaNet(nn.Module):
         rc = lib.kvlm_gated_delta(
             conv.data_ptr(), conv.numel(), z.data_ptr(), z.numel(), b.data_ptr(), b.numel(),
             a.data_ptr(), a.numel(), params[0].data_ptr(), params[1].data_ptr(), nv,
-            params[2].data_ptr(), dv, self.eps, state.data_ptr(), state.numel(),
+            params[2].data_ptr(), dv, self.eps, None if same else initial.data_ptr(),
+            state.data_ptr(), state.numel(),
             out.data_ptr(), out.numel(), offsets.data_ptr(), offsets.numel(),
             None if at is None else at.data_ptr(), 0 if at is None else at.numel(),
             None if snaps is None else snaps.data_ptr(), 0 if snaps is None else snaps.numel(),
