@@ -557,8 +557,8 @@ def test_memory_counts_the_state_per_sequence(qwen35_dir, mode, capsys):
     out = capsys.readouterr().out
     assert said in out
     assert (
-        f"two snapshots of it a seat for prefix hits (the state at a block's end), "
-        f"{2 * state / 2**20:,.1f} MiB a seat" in out
+        f"3 snapshots of it a seat for prefix hits (the state at a block's end: a prompt's, "
+        f"an answer's, one every 512 prompt tokens), {3 * state / 2**20:,.1f} MiB a seat" in out
     )  # windowed_plan's, per seat
 
 
@@ -865,7 +865,7 @@ def test_the_pool_batches_chunks_forks_and_preempts_as_alone(pooled):
     assert isinstance(state, StateSlots) and state.num_used == 0 and state.num_blocks == 16
     cfg, spec = engine.config, engine.spec  # the pool made is the pool planned
     _, slots, slot_bytes = windowed_plan(cfg, spec, llm.max_context)
-    assert slots == [16] and state.nbytes == slot_bytes == 3 * 16 * state.block_nbytes
+    assert slots == [16] and state.nbytes == slot_bytes == (1 + 3) * 16 * state.block_nbytes
     assert engine.pool.total_nbytes == engine.pool.num_blocks * block_bytes(cfg, spec) + slot_bytes
     assert [o.outputs[0].token_ids for o in llm.generate(POOL_PROMPTS, GREEDY)] == [
         w[0] for w in want]  # LLM.generate's own pool  # fmt: skip
@@ -994,7 +994,7 @@ def test_a_prefix_hit_mid_conversation_restores_the_state(pooled):
     hit = (len(first) // 16) * 16  # at least the first turn's full blocks
     assert got == want and cached >= hit > 0 and engine.manager.stats.hits == cached
     state = engine.pool.groups[1]
-    assert 0 < state.blocks_with_rows <= state.snap_state.shape[1] == 32
+    assert 0 < state.blocks_with_rows <= state.snap_state.shape[1] == 3 * 16
     assert state.num_used == 0
     blocks, _ = engine.manager.match(second)
     assert state.has_rows(blocks[-1], engine.pool.prefix.prefix_id[blocks[-1]])
@@ -1010,10 +1010,10 @@ def test_a_prefix_hit_mid_conversation_restores_the_state(pooled):
     assert got == want and cached == 0
     from kvlm.engine.scheduler import SchedulerConfig
 
-    few = fresh_engine(llm, scheduler=SchedulerConfig(max_num_seqs=2))  # four snapshots
+    few = fresh_engine(llm, scheduler=SchedulerConfig(max_num_seqs=2))  # six snapshots
     for p in POOL_PROMPTS:
         answer(few, llm.tokenizer.encode(p))
-    assert few.pool.groups[1].blocks_with_rows <= 4
+    assert few.pool.groups[1].blocks_with_rows <= 6
 
 
 def test_speculative_decoding_on_the_pool_equals_plain(pooled):
@@ -1112,6 +1112,28 @@ def test_a_chat_turns_snapshot_is_where_its_reply_began(qwen35_dir):
     answer(engine, first, turn_start=turn)
     got, cached = answer(engine, second)
     assert got == want and cached == turn // 16 * 16 > 0, (turn, len(first))
+
+
+def test_a_shared_prefix_hits_at_the_snapshot_a_prompt_left_within_it(pooled):
+    """A prompt leaves a snapshot every `every` tokens it passes (held by no seat, least
+    recently used reused first), so another prompt that shares only its first part (a
+    system prompt, a document, then another question) hits within it, at the last one
+    its shared part passes, with a fresh pool's tokens; without them (`every` past the
+    prompt) the second prompt shares nothing the pool kept and prefills it all."""
+    llm, _ = pooled
+    tok = llm.tokenizer
+    shared = tok.encode(" ".join(f"rule {i}: be brief." for i in range(8)))
+    # the first's own question long: its prompt's last full block ends past the shared part
+    first = shared + tok.encode(" Alpha, and then " + " and then ".join(["more"] * 8) + "?")
+    second = shared + tok.encode(" Beta, then gamma?")
+    assert len(shared) > 64 and (len(first) - 1) // 16 * 16 > len(shared)
+    want, _ = answer(fresh_engine(llm), second)
+    for every, hit in ((32, len(shared) // 32 * 32), (4096, 0)):
+        engine = fresh_engine(llm)
+        engine.pool.groups[1].every = every
+        answer(engine, first)
+        got, cached = answer(engine, second)
+        assert got == want and cached == hit, (every, cached, len(shared))
 
 
 def test_kvlm_serve_answers_concurrent_chats(qwen35_dir):

@@ -761,6 +761,8 @@ def _memory_report(name: str, p: Any, rows: list[dict]) -> str:
 
 def _groups_report(groups: list[dict], batch: int) -> list[str]:
     """A hybrid model's layer groups (kvlm.cache.memory.layer_groups), a line each."""
+    from kvlm.cache.recurrent import SNAPSHOT_EVERY, SNAPSHOTS_PER_SEAT
+
     if len(groups) < 2:
         return []
     lines = []
@@ -776,8 +778,10 @@ def _groups_report(groups: list[dict], batch: int) -> list[str]:
             each = g["bytes"] / batch
             lines.append(f"  {g['layers']} gated DeltaNet layers, their state "
                          f"{each / 2**10:,.1f} KiB a sequence: {_mib(g['bytes'])}; kvlm "
-                         f"serve's pool keeps two snapshots of it a seat for prefix hits "
-                         f"(the state at a block's end), {_mib(2 * each)} a seat")  # fmt: skip
+                         f"serve's pool keeps {SNAPSHOTS_PER_SEAT} snapshots of it a seat "
+                         f"for prefix hits (the state at a block's end: a prompt's, an "
+                         f"answer's, one every {SNAPSHOT_EVERY} prompt tokens), "
+                         f"{_mib(SNAPSHOTS_PER_SEAT * each)} a seat")  # fmt: skip
             continue
         lines.append(f"  {g['layers']} {g['kind']} layers, {kept}: {g['tokens']:,} tokens, "
                      f"{_mib(g['bytes'])}")  # fmt: skip

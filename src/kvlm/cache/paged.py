@@ -67,7 +67,7 @@ from kvlm.cache.conv import ConvSlots
 from kvlm.cache.groups import LayerGroup, layer_at, layer_groups, layout_extra
 from kvlm.cache.hybrid import group_prefix, group_tensors, ring_spec
 from kvlm.cache.kinds import ConvWindow, RecurrentState
-from kvlm.cache.recurrent import StateSlots
+from kvlm.cache.recurrent import SNAPSHOTS_PER_SEAT, StateSlots
 from kvlm.cache.registry import PrefixRegistry
 from kvlm.cache.slots import Slots
 from kvlm.cache.storage import Store
@@ -108,7 +108,7 @@ class BlockPool:
         blocks, default num_blocks; a conv group's ConvSlots, group_blocks[g - 1] slots,
         and with `end_rows` (a pool that keeps a prefix cache) each of this pool's blocks'
         end rows: kvlm.cache.conv; a DeltaNet group's StateSlots, group_blocks[g - 1] slots
-        of state and with `end_rows` two snapshots a slot of the state at block ends:
+        of state and with `end_rows` SNAPSHOTS_PER_SEAT snapshots a slot of the state at block ends:
         kvlm.cache.recurrent)."""
         kinds = layer_groups(spec)
         self.group = group or kinds[0]  # the layers this pool's store holds, their kind
@@ -120,8 +120,8 @@ class BlockPool:
                 if isinstance(g.kind, ConvWindow):
                     ends = num_blocks if end_rows else 0
                     self.groups.append(ConvSlots(spec, g, n, ends, spec.block_size))
-                elif isinstance(g.kind, RecurrentState):  # two snapshots a slot
-                    snaps = 2 * n if end_rows else 0
+                elif isinstance(g.kind, RecurrentState):  # snapshots of the state a slot
+                    snaps = SNAPSHOTS_PER_SEAT * n if end_rows else 0
                     self.groups.append(StateSlots(spec, g, n, spec.block_size, snaps))
                 else:
                     self.groups.append(BlockPool(spec, n, scratch, group=g))

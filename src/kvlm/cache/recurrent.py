@@ -51,6 +51,12 @@ from kvlm.errors import CacheOverflowError, InvalidRequestError
 NO_ROLLBACK = "a gated DeltaNet's state cannot forget tokens"
 # The checkpoints (positions asked for ahead: DeltaRows.checkpoint) a cache keeps, latest
 CHECKPOINTS = 4
+# The engine pool's snapshots of the state a seat (StateSlots): a running sequence's
+# prompt's and answer's (one a role, held), and one more a seat for those a prompt leaves
+# every SNAPSHOT_EVERY tokens (held by none, least recently used reused first): a long
+# prefix another prompt shares (a system prompt, a document) then hits within it
+SNAPSHOTS_PER_SEAT = 3
+SNAPSHOT_EVERY = 512
 
 
 def state_layout(
@@ -388,10 +394,12 @@ class StateSlots(Slots):
     than one of its tokens: a prompt's last full block) and its answer's (a decode row's:
     each block the answer fills replaces the one before), so a chat's next turn hits at
     the end of the answer's last full block and a regenerated answer at the prompt's;
-    once it finishes they are the least recently used's to reuse. Two a slot
-    (`snapshots`: the pool passes 2 x slots) so that a sequence's first snapshot of a
-    role always finds one no running sequence holds; one goes with its block when the
-    block is handed out again (`forget`)."""
+    once it finishes they are the least recently used's to reuse. A prompt also leaves
+    one every `every` tokens it passes (SNAPSHOT_EVERY; role None, held by none), so a
+    prompt sharing only its first part hits within it. SNAPSHOTS_PER_SEAT (3) a slot (the
+    pool passes 3 x slots): a sequence's first snapshot of a role always finds one no
+    running sequence holds, and the rest serve the shared ones (none free: none taken);
+    one goes with its block when the block is handed out again (`forget`)."""
 
     step_attr = "recurrent"
     what = "DeltaNet states"
@@ -413,6 +421,8 @@ class StateSlots(Slots):
         self.end = [0] * slots
         self.drafted: dict[int, Drafted] = {}  # slot -> its last step's draft, kept
         self.turn_end: dict[int, int] = {}  # slot -> the last block end of its prompt's turn
+        # a prompt's shared snapshots: every this many tokens (a multiple of the block size)
+        self.every = max(1, SNAPSHOT_EVERY // block_size) * block_size
         self.snap_state = torch.zeros(layers, snapshots, *state, dtype=dtype, device=dev)
         self.snap_conv = torch.zeros(layers, snapshots, *rows, dtype=dtype, device=dev)
         self.snap_of: dict[int, int] = {}  # group 0's block -> the snapshot at its end
@@ -543,18 +553,25 @@ class StateSlots(Slots):
         self.snap_order.move_to_end(idx)
         return True
 
-    def take(self, block: int, slot: int, role: str) -> int:
+    def take(self, block: int, slot: int, role: str | None) -> int | None:
         """The snapshot that will hold the state at `block`'s end, taken by `slot` in
         `role` ("prompt" or "answer"): the block's own if it has one, else the one the slot
         holds in that role (superseded), else the least recently used no slot holds (its
-        block's let go)."""
+        block's let go). `role` None: one a prompt leaves every SNAPSHOT_EVERY tokens, held
+        by no slot (None where every snapshot is held: none taken)."""
         idx = self.snap_of.get(block)
         if idx is None:
-            idx = self.held[slot].get(role)
+            idx = self.held[slot].get(role) if role else None
             if idx is None:
-                idx = next(i for i in self.snap_order if self.snap_owner[i] < 0)
+                idx = next((i for i in self.snap_order if self.snap_owner[i] < 0), None)
+                if idx is None:  # (a role's always finds one: SNAPSHOTS_PER_SEAT)
+                    return None
             self.forget(self.snap_block[idx])
             self.snap_of[block], self.snap_block[idx] = idx, block
+        if role is None:
+            self.snap_id.pop(block, None)  # written anew: marked again at its seal
+            self.snap_order.move_to_end(idx)
+            return idx
         if self.snap_owner[idx] >= 0 and self.snap_owner[idx] != slot:
             held = self.held[self.snap_owner[idx]]
             for r in [r for r, i in held.items() if i == idx]:
@@ -654,6 +671,13 @@ class SlotDeltaStep:
                 row = cu[-1] + b - start - 1
                 points.add(row)
                 self._snaps.append((row, s, table[b // bs - 1], slot, role, b))
+            if slots.holds_ends and role == "prompt":  # and every `every` tokens it passes
+                every = slots.every
+                ends = range((start // every + 1) * every, start + n + 1, every)
+                for e in [e for e in ends if e != b][-8:]:
+                    row = cu[-1] + e - start - 1
+                    points.add(row)
+                    self._snaps.append((row, s, table[e // bs - 1], slot, None, e))
             if draft:
                 points.update(range(cu[-1], cu[-1] + n - 1))
                 self._drafts.append((s, slot, start, n, at(torch.arange(-r, n))))
@@ -730,6 +754,8 @@ class SlotDeltaStep:
         slots = self.slots
         for row, s, block, slot, role, _ in self._snaps:
             idx, i = slots.take(block, slot, role), self._index[row]
+            if idx is None:
+                continue
             local = row - self.cu[s] + 1  # the rows of the sequence before the block's end
             for layer, (kept, buf) in enumerate(zip(self.kept, self._bufs, strict=True)):
                 slots.snap_state[layer, idx] = kept[i]  # type: ignore[index]

@@ -34,7 +34,7 @@ from kvlm.cache.groups import layer_groups as spec_groups
 from kvlm.cache.kinds import CONV_ROW_DTYPE, STATE_KINDS, RecurrentState
 from kvlm.cache.paged import BlockPool, window_blocks
 from kvlm.cache.prefix import BlockManager, check_salt
-from kvlm.cache.recurrent import StateSlots
+from kvlm.cache.recurrent import SNAPSHOTS_PER_SEAT, StateSlots
 from kvlm.cache.storage import part_layout
 from kvlm.cache.tier_key import load_tier_key
 from kvlm.cache.tiers import KVTiers, namespace, parse_tier
@@ -107,7 +107,8 @@ def windowed_plan(
     after group 0 (each window's: each of max_num_seqs sequences at its most,
     window_blocks: never short of them; a conv or DeltaNet group's: a slot of state for
     each of max_num_seqs sequences, kvlm.cache.slots, and with the prefix cache a DeltaNet
-    group's two snapshots of the state at block ends a slot) and their bytes together; (step
+    group's SNAPSHOTS_PER_SEAT snapshots of the state at block ends a slot) and their bytes
+    together; (step
     tokens, [], 0) for a model of one group."""
     sched, spec_cfg = config.scheduler, config.speculative
     chunk = min(sched.prefill_chunk, sched.chunk_size or sched.prefill_chunk)
@@ -117,8 +118,8 @@ def windowed_plan(
         if isinstance(group.kind, STATE_KINDS):  # a slot a sequence (its seats: max_num_seqs)
             blocks.append(sched.max_num_seqs)
             nbytes += blocks[-1] * group.sequence_bytes(spec)
-            if isinstance(group.kind, RecurrentState) and config.prefix_caching:
-                nbytes += 2 * blocks[-1] * group.sequence_bytes(spec)  # two snapshots a slot
+            if isinstance(group.kind, RecurrentState) and config.prefix_caching:  # snapshots
+                nbytes += SNAPSHOTS_PER_SEAT * blocks[-1] * group.sequence_bytes(spec)
             continue
         per_seq = min(blocks_for(context, bs), window_blocks(group.kind.keep, bs, step))
         blocks.append(per_seq * sched.max_num_seqs + sched.reserve_blocks)
