@@ -7,9 +7,18 @@
    (hidden 1,024, 24 layers of which 18 gated DeltaNets; written once to FOLDER): its time
    to first token on a fresh pool (the whole conversation prefilled) and on the pool that
    ran the first turn (a prefix hit: the state snapshot restored), the same token both ways.
+3. `system`: a conversation of TURNS turns after a SYSTEM-token system prompt on a GGUF
+   file (llama.cpp's converter's), kvlm's engine pool (as `kvlm serve` keeps it) against
+   llama-cpp-python's `Llama` (one object: its own prompt reuse, `generate`'s longest
+   prefix) on the same token ids (kvlm's greedy replies: kvlm computes its own, llama.cpp
+   evaluates them untimed, as had it generated them; each prompt ends in an opener the
+   next turn drops, as a think-off template's, kvlm told where it began as the server
+   tells it), each turn's time to first token, interleaved turn by turn; then kvlm's last
+   turn cold on a fresh pool.
 
     python benchmarks/bench_deltanet.py kernel
     python benchmarks/bench_deltanet.py turns --first 1000 --folder /tmp/q35-08
+    python benchmarks/bench_deltanet.py system --gguf q35-08-q8_0.gguf --system 6000 --turns 6
 """
 
 from __future__ import annotations
@@ -105,15 +114,64 @@ def turns(first_tokens: int, folder: Path, rounds: int) -> None:
     print(f"median cold {cm:.2f} s, hit {hm:.3f} s, {cm / hm:.1f}x")
 
 
+def system(path: Path, system_tokens: int, turns: int, threads: int) -> None:
+    import llama_cpp
+
+    llm = LLM(model=path, kv="paged", progress=False, max_context=system_tokens + 1024,
+              threads=threads)  # fmt: skip
+    peer = llama_cpp.Llama(str(path), n_ctx=system_tokens + 1024, n_threads=threads,
+                           n_batch=512, verbose=False)  # fmt: skip
+    g, vocab = torch.Generator().manual_seed(0), llm.config.vocab_size
+
+    def words(n: int) -> list[int]:
+        return torch.randint(10, vocab - 10, (n,), generator=g).tolist()
+
+    # each turn's prompt ends in a generation prompt's opener that the next turn renders the
+    # reply without (an empty think block, as Qwen 3.5's template with thinking off): the
+    # next prompt parts from the last one where that opener began (its turn start)
+    opener, reply_params = words(6), SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    engine = fresh_engine(llm)
+    base, ours, theirs = words(system_tokens), [], []
+    for turn in range(turns):
+        base += words(40)  # the user's message
+        prompt = base + opener
+        t = time.perf_counter()
+        _, cached = answer(engine, prompt, SamplingParams(max_tokens=1, temperature=0.0),
+                           turn_start=len(base))  # fmt: skip
+        ours.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        next(iter(peer.generate(prompt, temp=0.0)))  # its first token, its own reuse
+        theirs.append(time.perf_counter() - t)
+        print(f"turn {turn + 1}: {len(prompt)} tokens: kvlm {ours[-1]:.2f} s ({cached} cached), "
+              f"llama.cpp {theirs[-1]:.2f} s", flush=True)  # fmt: skip
+        reply = answer(engine, prompt, reply_params, turn_start=len(base))[0]  # kvlm's own,
+        peer.eval(reply)  # llama.cpp the same tokens (as had it generated them), untimed
+        base += reply
+    t = time.perf_counter()
+    answer(
+        fresh_engine(llm), base[: -reply_params.max_tokens] + opener, SamplingParams(max_tokens=1)
+    )
+    cold = time.perf_counter() - t
+    print(f"turns 2-{turns}: kvlm {sum(ours[1:]):.2f} s, llama.cpp {sum(theirs[1:]):.2f} s "
+          f"({sum(ours[1:]) / sum(theirs[1:]):.3f}x); kvlm's last turn {ours[-1]:.2f} s, cold "
+          f"{cold:.2f} s ({ours[-1] / cold:.1%})")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["kernel", "turns"])
+    p.add_argument("what", choices=["kernel", "turns", "system"])
+    p.add_argument("--gguf", type=Path, help="system: the model file")
+    p.add_argument("--system", type=int, default=6000, help="system: its prompt's tokens")
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--first", type=int, default=1000, help="the first turn's tokens")
     p.add_argument("--folder", type=Path, default=Path("/tmp/q35-08"))
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     if args.what == "kernel":
         kernel()
+    elif args.what == "system":
+        system(args.gguf, args.system, args.turns, args.threads)
     else:
         turns(args.first, args.folder, args.rounds)
 
