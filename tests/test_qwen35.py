@@ -499,6 +499,28 @@ def test_the_state_forks_snapshots_and_restores(qwen35_dir):
     assert cache.num_tokens == 0 and cache.batch == 1
 
 
+def test_a_long_steps_conv_rows_keep_only_what_commit_needs(qwen35_dir):
+    """A prompt step's conv rows stage only the last L - 1 of each DeltaNet layer's input
+    (copied: a view would hold that layer's whole in_proj product until commit, 18 of
+    them ~1.5 MB a token at Qwen3.5-0.8B's shape, which took a 16k-token prompt past 24
+    GB), and a checkpoint's window where one falls inside; the state after the step is
+    the one a step of the whole prompt at once leaves, as before."""
+    llm = LLM(model=qwen35_dir("qwen35"), kv="contiguous", exact=True, progress=False)
+    ids = prompt_ids(llm, 40)
+    cache = llm.new_cache()
+    cache.checkpoint(17)
+    step = cache.begin(len(ids))
+    with torch.inference_mode():
+        llm.model(torch.tensor([ids]), step.positions, step)
+    conv = step.for_layer(0).recurrent.conv  # the DeltaNet part's ConvStep
+    r = llm.config.deltanet.conv_kernel - 1
+    for staged, windows in zip(conv.staged, conv.windows, strict=True):
+        assert staged.shape[1] == r and staged._base is None
+        assert list(windows) == [17] and windows[17].shape[1] == r
+    cache.commit(step)
+    assert cache.rollback_point(20) == 17
+
+
 def test_the_pacings_work_counts_the_deltanet_layers_as_no_attention(qwen35_dir):
     """kvlm.engine.pacing's Work: only the attention layers attend (D A D A: two), a gated
     one's q product twice as wide; a DeltaNet layer's products and its state's update are

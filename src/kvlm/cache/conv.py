@@ -80,10 +80,11 @@ class ConvRows:
     def batch(self) -> int:
         return self.rows.shape[1]
 
-    def begin(self, n_new: int, draft: bool = False) -> ConvStep:
+    def begin(self, n_new: int, draft: bool = False, windows_at: tuple[int, ...] = ()) -> ConvStep:
         """The step of `n_new` tokens after the `length` the sequences hold (`draft`: fed
-        as n_new rows of one token, one sequence to the convolution)."""
-        return ConvStep(self, self.length, n_new, draft)
+        as n_new rows of one token, one sequence to the convolution; `windows_at`: the step's
+        positions, relative to its start, whose rows before it the step keeps)."""
+        return ConvStep(self, self.length, n_new, draft, windows_at)
 
     def commit(self, step: ConvStep) -> None:
         """Keep the step's rows: the sequences hold start + n_new tokens (`in_place`: the
@@ -154,22 +155,34 @@ class ConvStep:
 
     draft: bool
 
-    def __init__(self, rows: ConvRows, start: int, n_new: int, draft: bool = False) -> None:
+    def __init__(
+        self, rows: ConvRows, start: int, n_new: int, draft: bool = False,
+        windows_at: tuple[int, ...] = (),
+    ) -> None:  # fmt: skip
         self.start, self.n_new, self.draft = start, n_new, draft
         self.in_place = False  # the rows moved on by the fused step (ConvCache.written_in_place)
         behind = rows.end - start  # 0, or up to slack after a rollback
         keep, r = rows.keep, rows.kind.rows
+        self._keep, self._r = keep, r
         self._before = rows.rows[:, :, keep - behind - r : keep - behind]
         self.staged: list[torch.Tensor | None] = [None] * rows.rows.shape[0]
+        # the L - 1 rows before each of these positions of the step (relative to start),
+        # kept for a state's checkpoint there (kvlm.cache.recurrent.DeltaRows)
+        self.windows_at = windows_at
+        self.windows: list[dict[int, torch.Tensor]] = [{} for _ in self.staged]
 
     def taps(self, layer: int, u: torch.Tensor) -> list[torch.Tensor]:
         """u (B, T, H): the rows conv layer `layer` (its index among the conv layers) adds
-        this step, staged. Returns the L tensors (B, T, H) the kernel's taps read, tap k at
+        this step, staged (of a long step only the last `keep`, copied: commit keeps no
+        more, and a view would hold the whole product it was cut from until then; a
+        draft's all). Returns the L tensors (B, T, H) the kernel's taps read, tap k at
         row t: the input row at position start + t - (L - 1) + k (those before `start`
         the window's)."""
-        self.staged[layer] = u
-        seq = torch.cat([self._before[layer].to(u.dtype), u], dim=1)  # (B, L - 1 + T, H)
         t = u.shape[1]
+        self.staged[layer] = u if self.draft or t <= self._keep else u[:, -self._keep :].clone()
+        seq = torch.cat([self._before[layer].to(u.dtype), u], dim=1)  # (B, L - 1 + T, H)
+        for q in self.windows_at:  # seq's rows q .. q + L - 2: positions start + q - (L - 1) ..
+            self.windows[layer][q] = seq[:, q : q + self._r].clone()
         return [seq[:, k : k + t] for k in range(seq.shape[1] - t + 1)]
 
 

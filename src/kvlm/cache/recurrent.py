@@ -117,12 +117,19 @@ class DeltaRows:
         start, end, r = step.start, step.start + step.n_new, self.conv.keep
         if step.keep_rows:  # the state and rows after each row kept
             states = torch.stack(step.kept)  # type: ignore[arg-type]  # (layers, rows, ...)
-            new = torch.stack(step.conv.staged).to(before.dtype)  # type: ignore[arg-type]
-            rows = torch.cat([before, new], dim=2)  # (layers, B, L - 1 + n, C)
+            rows = None
+            if step.draft:  # a draft's rows are all staged
+                new = torch.stack(step.conv.staged).to(before.dtype)  # type: ignore[arg-type]
+                rows = torch.cat([before, new], dim=2)  # (layers, B, L - 1 + n, C)
             index = {row: i for i, row in enumerate(step.keep_rows)}
             for p in step.inside:  # sequence b's row of position p: b n + p - start - 1
                 at = [index[b * step.n_new + p - start - 1] for b in range(self.batch)]
-                held = (states[:, at], rows[:, :, p - start : p - start + r])
+                q = p - start
+                if rows is not None:
+                    window = rows[:, :, q : q + r]
+                else:
+                    window = torch.stack([w[q] for w in step.conv.windows]).to(before.dtype)
+                held = (states[:, at], window)
                 (self.marks if p in self.wanted else self.kept)[p] = held
         self.kept[end] = (self.state, self.conv.rows)
         if end in self.wanted:
@@ -197,17 +204,20 @@ class DeltaStep:
 
     def __init__(self, rows: DeltaRows, n_new: int, draft: bool = False) -> None:
         self.start, self.n_new, self.draft = rows.length, n_new, draft
-        self.conv: ConvStep = rows.conv.begin(n_new, draft)
-        self._state = rows.state
-        self.out: torch.Tensor | None = None
-        layers, start = rows.state.shape[0], self.start
-        self.staged: list[torch.Tensor | None] = [None] * layers
-        self.kept: list[torch.Tensor | None] = [None] * layers
+        start = self.start
         if draft:
             self.cu = [0, n_new]
             self.inside = list(range(start + 1, start + n_new))
         else:
             self.inside = sorted(p for p in rows.wanted if start < p < start + n_new)
+        # a checkpoint's rows: kept by the conv step (of a long one only its tail stays)
+        windows = () if draft else tuple(p - start for p in self.inside)
+        self.conv: ConvStep = rows.conv.begin(n_new, draft, windows)
+        self._state = rows.state
+        self.out: torch.Tensor | None = None
+        layers = rows.state.shape[0]
+        self.staged: list[torch.Tensor | None] = [None] * layers
+        self.kept: list[torch.Tensor | None] = [None] * layers
         rel = [p - start - 1 for p in self.inside]
         self.keep_rows = sorted(b * n_new + q for b in range(rows.batch) for q in rel) or None
 
