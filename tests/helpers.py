@@ -14,6 +14,13 @@ CHATML = (
     "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# A tool in Anthropic's shape (the Messages tests')
+WEATHER = {
+    "name": "weather",
+    "description": "The weather in a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
+                     "required": ["city"], "additionalProperties": False},
+}  # fmt: skip
 # ChatML with tools in the Hermes format Qwen2.5/Qwen3 use: the tools listed as JSON in the
 # system turn, calls as <tool_call>{"name", "arguments"}</tool_call>, tool replies in
 # <tool_response>, a system turn past the first where it stands, as Qwen2.5's template

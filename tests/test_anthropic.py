@@ -13,17 +13,12 @@ import json
 import jsonschema
 import pytest
 
+from helpers import WEATHER
 from serving import kvlm_serve, wait_idle
 
 anthropic = pytest.importorskip("anthropic")
 
 KEY = "anthropic-key"
-WEATHER = {
-    "name": "weather",
-    "description": "The weather in a city",
-    "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
-                     "required": ["city"], "additionalProperties": False},
-}  # fmt: skip
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 

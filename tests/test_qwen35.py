@@ -28,6 +28,7 @@ from helpers import (
     FRANCE,
     GREEDY,
     POOL_PROMPTS,
+    WEATHER,
     answer,
     assert_greedy_agreement,
     conversation,
@@ -1201,14 +1202,6 @@ def test_kvlm_serve_answers_concurrent_chats(qwen35_dir):
     assert [(g["kind"], g["layers"]) for g in groups] == [("attention", [1, 3]), ("state", [0, 2])]
     assert groups[1]["block_bytes"] == llm.cache_spec().layer_kinds[0].sequence_bytes(
         llm.cache_spec()) * 2  # two DeltaNet layers' state a slot  # fmt: skip
-
-
-WEATHER = {
-    "name": "weather",
-    "description": "The weather in a city",
-    "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
-                     "required": ["city"], "additionalProperties": False},
-}  # fmt: skip
 
 
 def test_the_sdks_five_turns_with_tools_on_a_gguf_are_cached_and_as_fresh(converted):
