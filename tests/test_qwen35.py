@@ -935,6 +935,7 @@ def test_a_pool_step_refuses_a_state_of_another_length(pooled):
     assert state.end[slot[0]] == 0 and not state.conv[:, slot[0]].any()
     taps = run(step, u)
     assert torch.equal(taps[0][0, :r], torch.zeros(r, width))  # before position 0: zeros
+    assert step._bufs[0].shape[0] == r  # of the step's rows only what commit reads is held
     step.commit()
     assert state.end[slot[0]] == 5 and torch.equal(state.conv[0, slot[0]], u[0, -r:])
     v = torch.randn(1, 1, width)

@@ -697,7 +697,18 @@ class SlotDeltaStep:
         self.cu = cu
         self._slots = torch.tensor([seq[0] for seq in self.seqs], dtype=torch.long, device=dev)
         self._taps = torch.cat(taps, dim=1).to(dev)  # (L, N)
-        self._kept = torch.cat(kept).to(dev)  # (S (L - 1),)
+        # the rows commit reads of each layer's buffer, gathered at `taps` (the rest let go
+        # there: a prompt chunk's whole buffer would live to commit, every layer's): each
+        # sequence's last L - 1, each snapshot's L - 1 before its row, each draft's all
+        windows = [self._rows_before(s, row - cu[s] + 1) for row, s, *_ in self._snaps]
+        drafts = [rows for *_, rows in self._drafts]
+        need = [torch.cat(kept), *windows, *drafts]
+        starts = [0]
+        for part in need:
+            starts.append(starts[-1] + len(part))
+        self._need = torch.cat(need).to(dev)
+        self._snap_rows = starts[1 : 1 + len(windows)]  # snapshot j's r rows from here
+        self._draft_rows = starts[1 + len(windows) : -1]  # draft d's r + n rows from here
         self.conv = self  # the model reads `step.conv.taps`
         self.draft = False  # the pieces say which rows are one sequence
         layers = slots.state.shape[0]
@@ -713,7 +724,7 @@ class SlotDeltaStep:
         shaped as u its convolution's taps read (ConvStep.taps), the rows staged."""
         before = self.slots.conv[layer].index_select(0, self._slots)  # (S, L - 1, C)
         buf = torch.cat([before.flatten(0, 1).to(u.dtype), u.reshape(-1, u.shape[-1])])
-        self._bufs[layer] = buf
+        self._bufs[layer] = buf.index_select(0, self._need)  # what commit reads
         return [buf.index_select(0, row).view(u.shape) for row in self._taps]
 
     def initial(self, layer: int) -> torch.Tensor:
@@ -747,34 +758,33 @@ class SlotDeltaStep:
         for slot, _, _, _ in self.seqs:
             slots.drafted.pop(slot, None)  # the last step's draft: past
         self._commit_snapshots()
-        for s, slot, start, n, rows in self._drafts:
+        for (s, slot, start, n, _), o in zip(self._drafts, self._draft_rows, strict=True):
             first = self._index[self.cu[s]]
             states = torch.stack([t[first : first + n - 1] for t in self.kept])  # type: ignore[index]
-            conv = torch.stack([b.index_select(0, rows) for b in self._bufs])  # type: ignore[union-attr]
+            conv = torch.stack([b[o : o + r + n] for b in self._bufs])  # type: ignore[index]
             snaps = [(pos, block) for _, q, block, _, _, pos in self._snaps if q == s]
             slots.drafted[slot] = Drafted(start, states, conv.to(slots.conv.dtype), snaps)
         for layer, (state, buf) in enumerate(zip(self.staged, self._bufs, strict=True)):
             slots.state[layer].index_copy_(0, self._slots, state.to(slots.state.dtype))  # type: ignore[union-attr]
-            rows = buf.index_select(0, self._kept).view(len(self.seqs), r, -1)  # type: ignore[union-attr]
+            rows = buf[: len(self.seqs) * r].view(len(self.seqs), r, -1)  # type: ignore[index]
             slots.conv[layer].index_copy_(0, self._slots, rows.to(slots.conv.dtype))
         for slot, start, n, _ in self.seqs:
             slots.end[slot] = start + n
 
     def _commit_snapshots(self) -> None:
-        slots = self.slots
-        for row, s, block, slot, role, _ in self._snaps:
+        slots, r = self.slots, self.slots.conv.shape[2]
+        for (row, _, block, slot, role, _), o in zip(self._snaps, self._snap_rows, strict=True):
             idx, i = slots.take(block, slot, role), self._index[row]
             if idx is None:
                 continue
-            local = row - self.cu[s] + 1  # the rows of the sequence before the block's end
             for layer, (kept, buf) in enumerate(zip(self.kept, self._bufs, strict=True)):
                 slots.snap_state[layer, idx] = kept[i]  # type: ignore[index]
-                at = self._rows_before(s, local)
-                slots.snap_conv[layer, idx] = buf.index_select(0, at)  # type: ignore[union-attr]
+                slots.snap_conv[layer, idx] = buf[o : o + r]  # type: ignore[index]
 
     def _rows_before(self, s: int, local: int) -> torch.Tensor:
-        """buf's rows of sequence s's last L - 1 positions before its relative `local`."""
+        """The buffer's rows (as `taps` builds it, before the gather) of sequence s's last
+        L - 1 positions before its relative `local`."""
         r = self.slots.conv.shape[2]
         offset = len(self.seqs) * r + self.cu[s]
         q = torch.arange(local - r, local)
-        return torch.where(q >= 0, offset + q, s * r + r + q).to(self.slots.conv.device)
+        return torch.where(q >= 0, offset + q, s * r + r + q)
