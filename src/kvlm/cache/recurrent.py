@@ -3,8 +3,7 @@ layers keep of a sequence is no row per token but a fixed state, its recurrence'
 (value heads, key_dim, value_dim) and its convolution's last L - 1 input rows.
 `DeltaRows` holds it for a group of DeltaNet layers and a batch of sequences in lockstep
 (begin(n) -> a `DeltaStep` the model reads and stages in, commit only once the forward
-succeeded; fork, snapshot/restore; a rollback only to a state it kept: a state cannot
-forget tokens).
+succeeded; fork; a rollback only to a state it kept: a state cannot forget tokens).
 `StateCache` is the part of a cache that keeps it (kvlm.cache.hybrid: a cache of a model
 with DeltaNet layers keeps a part per layer group, the DeltaNet layers' this one), a
 DeltaRows of the group's layers and the cache's sequences; its step's
@@ -19,9 +18,8 @@ so a rollback goes back to a state kept for it: a draft step (begin(n, draft=Tru
 last token and its draft as rows of one step) keeps the state and rows after each of
 its rows, `hold_rollback(k)` those the last k one-token steps ended at (a draft model's
 cache); `can_roll_back(n)` is False past them (a chat turn starts over), rollback to 0 is
-a reset. fork, snapshot/restore copy it whole. No fused C step reads it
-(kvlm.model.fused refuses a DeltaNet layer), no cache file holds it yet
-(kvlm.cache.files refuses).
+a reset; fork copies it whole. No fused C step reads it (kvlm.model.fused refuses a
+DeltaNet layer); a cache file holds it with its checkpoints (`state_layout`).
 
 `StateSlots` keeps it in the engine's pool (kvlm.cache.paged.BlockPool.groups; the slot
 bookkeeping is kvlm.cache.slots'): a slot a sequence of both tensors above, its step a
@@ -44,7 +42,7 @@ from kvlm.cache.base import CacheSpec, CacheStep, KVCache, KVPair
 from kvlm.cache.conv import ConvRows, ConvStep
 from kvlm.cache.groups import LayerGroup
 from kvlm.cache.kinds import ConvWindow, RecurrentState, state_dtype
-from kvlm.cache.slots import Piece, Slots, pieces_per_sequence, sequences
+from kvlm.cache.slots import Piece, Slots, joined
 from kvlm.errors import CacheOverflowError, InvalidRequestError
 
 # Why a cache with a DeltaNet state refuses a rollback (and the callers that need one)
@@ -84,14 +82,14 @@ class DeltaRows:
 
     def __init__(
         self, kind: RecurrentState, layers: int, batch: int, dtype: torch.dtype,
-        device: torch.device,
+        device: torch.device, depth: int = 0,
     ) -> None:  # fmt: skip
         self.kind = kind
         window = ConvWindow(kind.conv_kernel - 1, kind.conv_width)
         self.conv = ConvRows(window, layers, batch, dtype, device, slack=0)
         self.state = torch.zeros(layers, batch, *kind.state_shape, dtype=state_dtype(dtype),
                                  device=device)  # fmt: skip
-        self.depth = 0
+        self.depth = depth
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.wanted: set[int] = set()  # positions a step will keep the state at (marks)
         self.marks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -180,16 +178,6 @@ class DeltaRows:
         self.kept = {self.length: (self.state, self.conv.rows)}
         self.marks, self.wanted = {}, set()
 
-    def snapshot(self) -> tuple:
-        return self.conv.snapshot(), self.state.clone()
-
-    def restore(self, saved: tuple) -> None:
-        conv, state = saved
-        self.conv.restore(conv)
-        self.state = state.clone()
-        self.kept = {self.length: (self.state, self.conv.rows)}
-        self.marks, self.wanted = {}, set()
-
 
 class DeltaStep:
     """One forward's view of the DeltaNet rows: `conv` the ConvStep of their convolution
@@ -274,11 +262,13 @@ class StateCache(KVCache):
     def __init__(self, spec: CacheSpec, kind: RecurrentState) -> None:
         super().__init__(spec)
         self.kind = kind
+        self.depth = 0  # hold_rollback's: every DeltaRows this cache makes keeps it
         self.rows = self._new_rows(spec.batch)
 
     def _new_rows(self, batch: int) -> DeltaRows:
         dtype = state_dtype(self.spec.kv_dtypes[0])
-        return DeltaRows(self.kind, self.spec.num_layers, batch, dtype, self.spec.device)
+        return DeltaRows(self.kind, self.spec.num_layers, batch, dtype, self.spec.device,
+                         self.depth)  # fmt: skip
 
     @property
     def capacity(self) -> int:
@@ -291,7 +281,7 @@ class StateCache(KVCache):
         self.rows.commit(step.recurrent)  # type: ignore[arg-type]
 
     def hold_rollback(self, n: int) -> None:
-        self.rows.depth = n
+        self.depth = self.rows.depth = n
 
     def checkpoint(self, position: int) -> None:
         self.rows.checkpoint(position)
@@ -306,9 +296,7 @@ class StateCache(KVCache):
 
     def _truncate(self, length: int) -> None:
         if length == 0:
-            depth = self.rows.depth
             self.rows = self._new_rows(self.batch)
-            self.rows.depth = depth
         else:
             self.rows.rollback(self.rows.length - length)
 
@@ -319,9 +307,7 @@ class StateCache(KVCache):
         return None  # no fused step reads a DeltaNet layer
 
     def _release(self) -> None:  # back to the spec's batch
-        depth = self.rows.depth
         self.rows = self._new_rows(self.spec.batch)
-        self.rows.depth = depth
 
     def _export(self) -> dict[str, torch.Tensor]:
         """`conv` (layers, B, L - 1, conv_width), `state` (layers, B, nv, dk, dv), and
@@ -352,14 +338,14 @@ class StateCache(KVCache):
         rows.marks = {int(p): (st.to(dtype=dtype, device=device, copy=True),
                                cv.to(dtype=dtype, device=device, copy=True).contiguous())
                       for p, st, cv in marks}  # fmt: skip
-        rows.depth = self.rows.depth
         self.rows = rows
 
     @property
     def nbytes(self) -> int:
-        """The rows, the state and the states kept for a rollback."""
+        """The rows, the state and the states kept for a rollback (drafts', checkpoints')."""
         rows = self.rows
-        held = [rows.state, rows.conv.rows, *(t for pair in rows.kept.values() for t in pair)]
+        pairs = (*rows.kept.values(), *rows.marks.values())
+        held = [rows.state, rows.conv.rows, *(t for pair in pairs for t in pair)]
         return sum({t.data_ptr(): t.nbytes for t in held}.values())
 
     @classmethod
@@ -549,29 +535,24 @@ class StateSlots(Slots):
         """A tier record's state for group 0's `block` (registered under `prefix_id`), in
         the least recently used snapshot no running sequence holds; False when every one
         is held (the hit goes without it)."""
-        idx = self.snap_of.get(block)
+        idx = self.take(block, None, None)  # the block's own, or the LRU unheld one
         if idx is None:
-            idx = next((i for i in self.snap_order if self.snap_owner[i] < 0), None)
-            if idx is None:
-                return False
-            self.forget(self.snap_block[idx])
-            self.snap_of[block], self.snap_block[idx] = idx, block
+            return False
         dev = self.snap_state.device
         self.snap_state[:, idx] = parts["state"].to(dev)
         self.snap_conv[:, idx] = parts["conv"].to(dev)
         self.snap_id[block] = prefix_id
-        self.snap_order.move_to_end(idx)
         return True
 
-    def take(self, block: int, slot: int, role: str | None) -> int | None:
+    def take(self, block: int, slot: int | None, role: str | None) -> int | None:
         """The snapshot that will hold the state at `block`'s end, taken by `slot` in
         `role` ("prompt" or "answer"): the block's own if it has one, else the one the slot
         holds in that role (superseded), else the least recently used no slot holds (its
-        block's let go). `role` None: one a prompt leaves every SNAPSHOT_EVERY tokens, held
-        by no slot (None where every snapshot is held: none taken)."""
+        block's let go). `role` None: held by no slot (one a prompt leaves every
+        SNAPSHOT_EVERY tokens, a tier's record); None where every snapshot is held."""
         idx = self.snap_of.get(block)
         if idx is None:
-            idx = self.held[slot].get(role) if role else None
+            idx = self.held[slot].get(role) if role and slot is not None else None
             if idx is None:
                 idx = next((i for i in self.snap_order if self.snap_owner[i] < 0), None)
                 if idx is None:  # (a role's always finds one: SNAPSHOTS_PER_SEAT)
@@ -649,8 +630,9 @@ class SlotDeltaStep:
     until its next step (`StateSlots.drafted`: a rollback to a rejected draft's row)."""
 
     def __init__(self, slots: StateSlots, pieces: Sequence[Piece]) -> None:
-        self.slots, self.seqs = slots, sequences(pieces)
-        counts = pieces_per_sequence(pieces)
+        both = joined(pieces)
+        self.seqs, counts = [seq for seq, _ in both], [count for _, count in both]
+        self.slots = slots
         self.start = pieces[0][1] if pieces else 0  # the first row's (Transformer checks it)
         r, bs = slots.conv.shape[2], slots.block_size
         cu, taps, kept, offset = [0], [], [], len(self.seqs) * r

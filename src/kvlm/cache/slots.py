@@ -31,11 +31,6 @@ def sequences(pieces: Sequence[Piece]) -> list[Piece]:
     return [seq for seq, _ in joined(pieces)]
 
 
-def pieces_per_sequence(pieces: Sequence[Piece]) -> list[int]:
-    """How many pieces each of `sequences(pieces)` joins (more than one: draft rows)."""
-    return [count for _, count in joined(pieces)]
-
-
 def joined(pieces: Sequence[Piece]) -> list[tuple[Piece, int]]:
     """`sequences(pieces)`, each with the number of pieces it joins."""
     seqs: list[list] = []

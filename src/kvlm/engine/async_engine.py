@@ -108,15 +108,6 @@ class AsyncEngine:
             _soon(stream.loop, stream.events.put_nowait, exc)
 
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def keeps_turns(self) -> bool:
-        """Whether a chat request's turn start serves the engine (Engine.keeps_turns)."""
-        return self.engine.keeps_turns
-
-    @property
     def alive(self) -> bool:
         on = self._running_on
         return not self._stop and (self._thread.is_alive() or (on is not None and on.is_alive()))

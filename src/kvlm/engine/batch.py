@@ -41,8 +41,9 @@ class _Live:
 
 
 def _add(engine: Engine, index: int, prompt: str | None, ids: list[int],
-         params: SamplingParams, request_id: str, checked: bool = False) -> _Live:  # fmt: skip
-    engine.add_request(request_id, ids, params, checked=checked)
+         params: SamplingParams, request_id: str, checked: bool = False,
+         turn_start: int | None = None) -> _Live:  # fmt: skip
+    engine.add_request(request_id, ids, params, checked=checked, turn_start=turn_start)
     return _Live(index, prompt, engine.requests[request_id], Metrics(prompt_tokens=len(ids)))
 
 
@@ -117,10 +118,12 @@ class Stream:
         prompt_ids: Sequence[int],
         params: SamplingParams,
         prompt: str | None = None,
+        turn_start: int | None = None,
     ) -> None:
         self.engine = engine
         rid = f"stream-{next(_ids)}"
-        self._live = {rid: _add(engine, 0, prompt, list(prompt_ids), params, rid)}
+        self._live = {rid: _add(engine, 0, prompt, list(prompt_ids), params, rid,
+                                turn_start=turn_start)}  # fmt: skip
         self._item = self._live[rid]
         self.output: RequestOutput = _output(self._item, None, final=False)
 

@@ -62,12 +62,10 @@ class ChatSession:
             self.messages.append({"role": "user", "content": text})
             ids = self.tokenizer.encode_chat(self.messages)
             # where the generation prompt starts: the next turn renders this one's reply
-            # after it otherwise (a template may drop what the prompt opened it with), so a
-            # state that cannot forget tokens keeps its value there (DeltaRows.checkpoint)
-            turn = self.tokenizer.encode_chat(self.messages, add_generation_prompt=False)
-            boundary = len(turn) if len(turn) < len(ids) and ids[: len(turn)] == turn else 0
+            # after it otherwise, so a state that cannot forget tokens keeps its value there
+            turn = self.tokenizer.turn_start(ids, self.messages)
         else:
-            boundary = 0
+            turn = None
             ids = self.history + self.tokenizer.encode(text, add_special_tokens=not self.history)
         cached = self.history[: self.cache.num_tokens]  # exactly the tokens the cache holds
         keep = min(common_prefix(cached, ids), len(ids) - 1)
@@ -78,9 +76,7 @@ class ChatSession:
             self.cache.rollback(self.cache.num_tokens - point)
         else:
             self.cache.reset()
-        if boundary:
-            self.cache.checkpoint(boundary)
-        self._turn = Stream(self.engine, ids, self.params)
+        self._turn = Stream(self.engine, ids, self.params, turn_start=turn)
         return self._turn
 
     def _settle(self) -> None:

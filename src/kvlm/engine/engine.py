@@ -170,6 +170,13 @@ class ModelInfo:
     weight_bytes: int = 0  # the weights' bytes in memory
     weight_bytes_gpu: int = 0  # of those, on a GPU
 
+    @property
+    def keeps_turns(self) -> bool:
+        """Whether the model keeps a state that cannot forget tokens (gated DeltaNet
+        layers): a chat request's turn start (Engine.add_request) tells it where to keep
+        it."""
+        return bool(self.config.deltanet_layers)
+
 
 @dataclass(slots=True)
 class StepOutput:
@@ -372,12 +379,6 @@ class Engine:
                 param="n",
             )
         self.backend.check(prompt_ids, params.n, sched.reserve_blocks)
-
-    @property
-    def keeps_turns(self) -> bool:
-        """Whether the model keeps a state that cannot forget tokens (gated DeltaNet
-        layers): a chat request's turn start (add_request) tells it where to keep it."""
-        return bool(self.llm.config.deltanet_layers)
 
     def add_request(
         self,

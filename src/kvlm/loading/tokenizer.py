@@ -226,6 +226,21 @@ class Tokenizer:
         text = self.render_chat(messages, add_generation_prompt, tools, continue_final, **options)
         return self.encode(text, add_special_tokens=False)
 
+    def turn_start(
+        self,
+        ids: Sequence[int],
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        **options: Any,
+    ) -> int | None:
+        """Where the generation prompt begins in `ids` (encode_chat(messages, tools,
+        **options)): the length of the conversation rendered without it, where that is a
+        prefix of `ids`; None otherwise. The next turn may render this reply otherwise
+        than the generation prompt opened it (dropping an empty think block), so a state
+        that cannot forget tokens is kept there (Engine.add_request's turn_start)."""
+        turn = self.encode_chat(messages, False, tools, **options)
+        return len(turn) if 0 < len(turn) < len(ids) and list(ids[: len(turn)]) == turn else None
+
     @cached_property
     def _template(self) -> jinja2.Template:
         env = BoundedSandbox(

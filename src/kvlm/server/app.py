@@ -863,8 +863,8 @@ async def _start(
         for p in params:
             p.guide = guide
     turn = None  # a chat's turn start: a DeltaNet state is kept there (StateSlots.turn)
-    if isinstance(body, ChatCompletionRequest) and len(prompts) == 1 and engine.keeps_turns:
-        turn = await run_in_threadpool(body.turn_start, engine.tokenizer, prompts[0])
+    if isinstance(body, ChatCompletionRequest) and len(prompts) == 1 and engine.info.keeps_turns:
+        turn = await run_in_threadpool(body.turn_start, engine.info.tokenizer, prompts[0])
     try:
         for ids, p in zip(prompts, params, strict=True):
             streams.append(await engine.generate(ids, p, cache_salt=body.cache_salt,

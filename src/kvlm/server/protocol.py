@@ -491,28 +491,29 @@ class ChatCompletionRequest(_Sampling):
     def conversation(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
 
-    def prompt_ids(self, tokenizer: Tokenizer, generation: bool = True) -> list[int]:
-        """The chat template over the conversation and the tools (the options given of
-        reasoning_effort and verbosity passed on): the ids the engine runs (`generation`
-        False: without the generation prompt)."""
+    @property
+    def template_options(self) -> dict[str, Any]:
+        """The template's extra variables: chat_template_kwargs, and reasoning_effort and
+        verbosity where given."""
         options = {"reasoning_effort": self.reasoning_effort, "verbosity": self.verbosity}
-        given = (self.chat_template_kwargs or {}) | {
+        return (self.chat_template_kwargs or {}) | {
             k: v for k, v in options.items() if v is not None}  # fmt: skip
+
+    def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
+        """The chat template over the conversation and the tools (the options given of
+        reasoning_effort and verbosity passed on): the ids the engine runs."""
         return tokenizer.encode_chat(
-            self.conversation, self.add_generation_prompt and generation, self.tool_specs,
-            self.continue_final_message, **given,
+            self.conversation, self.add_generation_prompt, self.tool_specs,
+            self.continue_final_message, **self.template_options,
         )  # fmt: skip
 
     def turn_start(self, tokenizer: Tokenizer, ids: list[int]) -> int | None:
-        """Where the reply's generation prompt begins in `ids` (the conversation rendered
-        without it, where that is a prefix of them), the point the next turn's rendering
-        of this reply may part from this prompt (a template may drop what the generation
-        prompt opened): a state that cannot forget tokens is kept there. None: no
-        generation prompt, or not a prefix."""
+        """Where the reply's generation prompt begins in `ids` (Tokenizer.turn_start); None
+        without a generation prompt."""
         if not self.add_generation_prompt or self.continue_final_message:
             return None
-        turn = self.prompt_ids(tokenizer, generation=False)
-        return len(turn) if 0 < len(turn) < len(ids) and ids[: len(turn)] == turn else None
+        return tokenizer.turn_start(ids, self.conversation, self.tool_specs,
+                                    **self.template_options)  # fmt: skip
 
 
 class TokenizeRequest(_Body):
