@@ -424,7 +424,7 @@ class BlockManager:
         if have and have[-1] == len(blocks) - 1:
             return 0
         # a DeltaNet's records: asked for latest first, SPARSE_ASK blocks a lookup, so that
-        # the records before the latest found (a state each, ~19 MiB at Qwen3.5-0.8B's
+        # the records before the latest found (a state each, ~19 MiB for a 0.8B hybrid's
         # shape) are not read for nothing
         lo = len(blocks) - 1 if group.every_end else (have[-1] + 1 if have else 0)
         step = 1 if group.every_end else SPARSE_ASK
