@@ -19,6 +19,13 @@
     python benchmarks/bench_deltanet.py kernel
     python benchmarks/bench_deltanet.py turns --first 1000 --folder /tmp/q35-08
     python benchmarks/bench_deltanet.py system --gguf q35-08-q8_0.gguf --system 6000 --turns 6
+
+4. `steps`: a decode step after a CONTEXT-token prompt on a GGUF file (one contiguous cache,
+   the prompt in one step), its time and its time by module (forward hooks on the
+   DeltaNets, the attention layers and the MLPs; 20 steps, mean), and the process's peak
+   RSS after the prompt; `--kv-dtype` the cache's storage.
+
+    python benchmarks/bench_deltanet.py steps --gguf q35-08-q4_k_m.gguf --context 4096
 """
 
 from __future__ import annotations
@@ -157,9 +164,46 @@ def system(path: Path, system_tokens: int, turns: int, threads: int) -> None:
           f"{cold:.2f} s ({ours[-1] / cold:.1%})")  # fmt: skip
 
 
+def steps(path: Path, context: int, kv_dtype: str | None, threads: int) -> None:
+    import collections
+    import resource
+
+    from kvlm.engine.runner import CacheBatch
+
+    extra = {} if kv_dtype is None else {"kv_dtype": kv_dtype}
+    llm = LLM(model=path, kv="contiguous", progress=False, max_context=context + 256,
+              threads=threads, **extra)  # fmt: skip
+    cache, vocab = llm.new_cache(), llm.config.vocab_size
+    ids = torch.randint(10, vocab - 10, (context,), generator=torch.Generator().manual_seed(0))
+    llm.runner.run(CacheBatch([ids.tolist()], cache, prompt=True))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    spent, began = collections.Counter(), {}
+    for block in llm.model.layers:
+        for name in ("delta", "attn", "mlp"):
+            module = getattr(block, name, None)
+            if module is not None:
+                module.register_forward_pre_hook(
+                    lambda m, a, name=name: began.__setitem__(name, time.perf_counter())
+                )
+                module.register_forward_hook(lambda m, a, o, name=name: spent.update(
+                    {name: time.perf_counter() - began[name]}))  # fmt: skip
+    for _ in range(3):
+        llm.runner.forward([200], cache)
+    spent.clear()
+    t = time.perf_counter()
+    for _ in range(20):
+        llm.runner.forward([200], cache)
+    step = (time.perf_counter() - t) / 20 * 1000
+    parts = ", ".join(f"{k} {v / 20 * 1000:.2f}" for k, v in spent.most_common())
+    print(f"context {context}: a decode step {step:.2f} ms ({parts} ms); peak RSS after the "
+          f"prompt {peak:,.0f} MiB")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["kernel", "turns", "system"])
+    p.add_argument("what", choices=["kernel", "turns", "system", "steps"])
+    p.add_argument("--context", type=int, default=4096, help="steps: the prompt's tokens")
+    p.add_argument("--kv-dtype", default=None, help="steps: the cache's storage")
     p.add_argument("--gguf", type=Path, help="system: the model file")
     p.add_argument("--system", type=int, default=6000, help="system: its prompt's tokens")
     p.add_argument("--turns", type=int, default=6)
@@ -170,6 +214,8 @@ def main() -> None:
     args = p.parse_args()
     if args.what == "kernel":
         kernel()
+    elif args.what == "steps":
+        steps(args.gguf, args.context, args.kv_dtype, args.threads)
     elif args.what == "system":
         system(args.gguf, args.system, args.turns, args.threads)
     else:
