@@ -278,6 +278,22 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
             rope_parameters={"rope_type": "default", "rope_theta": 1e6,
                              "partial_rotary_factor": 0.25},
         )  # fmt: skip
+    elif arch == "granitemoehybrid":
+        from transformers import GraniteMoeHybridConfig
+
+        # four layers, Mamba2 and attention without RoPE (`layer_types` overrides give other
+        # orders); 8 Mamba2 heads of 16 (mamba_expand 2 x 64), B and C in 2 groups of a
+        # state of 16, a kernel of 4; the dense MLP (no experts) of 96; the multipliers
+        # powers of two (exact in fp32: kvlm's embed_scale rounds to fp32 first), the
+        # attention's not head_dim ** -0.5
+        common["num_hidden_layers"] = 4
+        cfg = GraniteMoeHybridConfig(
+            **common, tie_word_embeddings=True, num_local_experts=0, shared_intermediate_size=96,
+            layer_types=["mamba", "attention", "mamba", "mamba"], position_embedding_type=None,
+            mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2,
+            mamba_d_conv=4, mamba_expand=2, embedding_multiplier=2.0, attention_multiplier=0.125,
+            residual_multiplier=0.5, logits_scaling=4.0,
+        )  # fmt: skip
     else:
         raise ValueError(arch)
     for key, value in overrides.items():

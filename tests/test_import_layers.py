@@ -207,3 +207,10 @@ def test_no_module_outside_the_family_file_and_the_registry_names_qwen35():
     names = ("qwen35", "qwen3_5", "qwen3.5")
     naming = {m for m, path in MODS.items() if any(n in path.read_text().lower() for n in names)}
     assert naming == {"kvlm.arch.qwen35", "kvlm.arch", "kvlm.loading.tokenizer"}
+
+
+def test_no_module_outside_the_family_file_and_the_registry_names_granite():
+    """The same for Granite 4.0-H: its Mamba2 layer is a layer kind (kvlm.model.mamba2),
+    NoPE and its multipliers ModelConfig fields, not the family's."""
+    naming = {m for m, path in MODS.items() if "granite" in path.read_text().lower()}
+    assert naming == {"kvlm.arch.granite", "kvlm.arch"}

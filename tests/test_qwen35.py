@@ -173,7 +173,7 @@ def test_the_deltanet_and_the_gate_are_applied(qwen35_dir, tmp_path):
         return max_error(llm.runner.logits(ids, llm.new_cache("off")), exact)
 
     before = error(llm)
-    llm.model.layers[0].delta.kernel.data[:-1] = 0  # position t reads only its own row
+    llm.model.layers[0].recurrent.kernel.data[:-1] = 0  # position t reads only its own row
     assert error(llm) > 1000 * before
     c = llm.config
     for f in folder.iterdir():
@@ -576,7 +576,7 @@ def test_memory_counts_the_state_per_sequence(qwen35_dir, mode, capsys):
         assert memory.planned_nbytes(mode, spec, context, batch) == sum(g["bytes"] for g in groups)
     assert llm.new_cache().parts[-1].nbytes == state
     assert main(["memory", "--model", str(llm.loaded.path), "--kv", mode, "--context", "64"]) == 0
-    said = f"{layers} gated DeltaNet layers, their state {state / 2**10:,.1f} KiB a sequence"
+    said = f"{layers} recurrent layers, their state {state / 2**10:,.1f} KiB a sequence"
     out = capsys.readouterr().out
     assert said in out
     assert (
@@ -600,7 +600,7 @@ def test_the_fused_step_and_a_cache_without_the_state_say_why(qwen35_dir):
         llm.model(torch.tensor([[5, 6, 7, 8]]), step.positions, step)
         cache.commit(step)
         step = cache.begin(1)
-        with pytest.raises(UnsupportedModelError, match="DeltaNet layers need their state"):
+        with pytest.raises(UnsupportedModelError, match="recurrent layers need their state"):
             llm.model(torch.tensor([[9]]), step.positions, step)
 
 

@@ -774,9 +774,9 @@ def _groups_report(groups: list[dict], batch: int) -> list[str]:
                          f"{g['block_end_bytes'] / 2**10:,.1f} KiB more a block for prefix "
                          "hits (the rows at its end)")  # fmt: skip
             continue
-        if g["kind"] == "state":  # a gated DeltaNet's: fixed a sequence, a slot in the pool
+        if g["kind"] == "state":  # a recurrent layer's: fixed a sequence, a slot in the pool
             each = g["bytes"] / batch
-            lines.append(f"  {g['layers']} gated DeltaNet layers, their state "
+            lines.append(f"  {g['layers']} recurrent layers, their state "
                          f"{each / 2**10:,.1f} KiB a sequence: {_mib(g['bytes'])}; kvlm "
                          f"serve's pool keeps {SNAPSHOTS_PER_SEAT} snapshots of it a seat "
                          f"for prefix hits (the state at a block's end: a prompt's, an "

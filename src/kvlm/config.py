@@ -43,8 +43,12 @@ NORM_LAYOUTS = ("pre", "sandwich")
 # A block's mixer, what mixes positions before its MLP: "attention" (over the whole context
 # or a window), "conv" a gated short convolution over the last `conv_kernel` positions
 # (kvlm.model.conv), "deltanet" a gated DeltaNet: a causal convolution, then the gated delta
-# rule's recurrent state (kvlm.model.deltanet)
-MIXERS = ("attention", "conv", "deltanet")
+# rule's recurrent state (kvlm.model.deltanet), "mamba2" a Mamba2 layer: a causal convolution,
+# then a selective state space's recurrent state (kvlm.model.mamba2)
+MIXERS = ("attention", "conv", "deltanet", "mamba2")
+# the mixers that keep a recurrent state a sequence (kvlm.cache.recurrent); a model has
+# layers of one of them at most
+RECURRENT_MIXERS = ("deltanet", "mamba2")
 # a short convolution's kernel: 2 positions or more (it keeps kernel - 1 rows a sequence)
 CONV_KERNEL = (2, 64)
 
@@ -121,6 +125,40 @@ class DeltaNet:
 
 
 @dataclass(slots=True, frozen=True)
+class Mamba2:
+    """The sizes of a Mamba2 layer (kvlm.model.mamba2): `heads` heads of `head_dim`
+    channels, each with a (head_dim, state_size) state; B and C in `groups` groups of
+    `state_size`, each serving heads / groups consecutive heads; the causal convolution
+    over x|B|C of `conv_kernel` positions (with a bias where the file has one)."""
+
+    heads: int
+    head_dim: int
+    state_size: int
+    groups: int
+    conv_kernel: int
+
+    @property
+    def inner(self) -> int:
+        """x's channels (and z's, the gate's): every head's."""
+        return self.heads * self.head_dim
+
+    @property
+    def conv_width(self) -> int:
+        """The convolution's channels: x|B|C."""
+        return self.inner + 2 * self.groups * self.state_size
+
+    def check(self, where: str) -> None:
+        for name in ("heads", "groups"):
+            value(getattr(self, name), f"mamba2 {name}", int, *LIMITS["num_heads"], where=where)
+        for name in ("head_dim", "state_size"):
+            value(getattr(self, name), f"mamba2 {name}", int, *LIMITS["head_dim"], where=where)
+        value(self.conv_kernel, "mamba2 conv_kernel", int, *CONV_KERNEL, where=where)
+        if self.heads % self.groups:
+            raise UnsupportedModelError(f"mamba2 heads={self.heads} is not a multiple of "
+                                        f"groups={self.groups}")  # fmt: skip
+
+
+@dataclass(slots=True, frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -175,6 +213,15 @@ class ModelConfig:
     # gate (H x head_dim each), the gate taken per element of the heads' output before
     # o_proj
     attn_output_gate: bool = field(default=False, metadata={"fingerprint": False})
+    # A "mamba2" layer's sizes (None: no such layer)
+    mamba2: Mamba2 | None = None
+    # whether attention rotates q and k (False: no position encoding at all, NoPE: RoPE's
+    # frequencies are zeros, so cos 1 and sin 0 leave q and k as they are, bit for bit)
+    rope: bool = True
+    # each mixer's and MLP's output times this before it joins the residual stream
+    # (None: 1); the logits divided by `logit_scale` (None: 1)
+    residual_scale: float | None = None
+    logit_scale: float | None = None
 
     @property
     def conv_layers(self) -> tuple[int, ...]:
@@ -185,6 +232,17 @@ class ModelConfig:
     def deltanet_layers(self) -> tuple[int, ...]:
         """The layers whose mixer is a gated DeltaNet, in order."""
         return tuple(i for i, m in enumerate(self.layer_mixers) if m == "deltanet")
+
+    @property
+    def mamba2_layers(self) -> tuple[int, ...]:
+        """The layers whose mixer is a Mamba2 layer, in order."""
+        return tuple(i for i, m in enumerate(self.layer_mixers) if m == "mamba2")
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """The layers that keep a recurrent state (RECURRENT_MIXERS), in order: the state
+        group of a cache (kvlm.cache.kinds.recurrent_state)."""
+        return tuple(i for i, m in enumerate(self.layer_mixers) if m in RECURRENT_MIXERS)
 
     @property
     def rotary_dim(self) -> int:
@@ -201,6 +259,8 @@ class ModelConfig:
                   ("rope_local_theta", self.rope_local_theta, None),
                   ("query_scale", self.query_scale, None),
                   ("embed_scale", self.embed_scale, None),
+                  ("residual_scale", self.residual_scale, None),
+                  ("logit_scale", self.logit_scale, None),
                   ("RoPE scaling factor", self.rope_scaling.factor, None)]  # fmt: skip
         for name, x, hi in floats:
             if x is not None:
@@ -243,6 +303,13 @@ class ModelConfig:
             raise UnsupportedModelError("deltanet layers without their sizes")
         if self.deltanet is not None:
             self.deltanet.check(self.name)
+        if self.mamba2_layers and self.mamba2 is None:
+            raise UnsupportedModelError("mamba2 layers without their sizes")
+        if self.mamba2 is not None:
+            self.mamba2.check(self.name)
+        if self.deltanet_layers and self.mamba2_layers:
+            raise UnsupportedModelError("gated DeltaNet and Mamba2 layers in one model (one "
+                                        "kind of recurrent state a model)")  # fmt: skip
         if self.rope_dim is not None:
             value(self.rope_dim, "rope_dim", int, 2, self.head_dim, where=self.name)
             if self.rope_dim % 2:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from kvlm.config import Fields, ModelConfig
+from kvlm.errors import ModelLoadError
 
 # llama.cpp's names (blk.N.<name>) -> the model's (model.layers.N.<name>)
 LAYER_NAMES = {
@@ -202,3 +203,32 @@ class Family:
                 if m[2] == ours:
                     return f"model.layers.{m[1]}.{theirs}.{m[3]}"
         return name
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (its converter's `undo_permute`, which the
+    Llama family's files and others built on its converter class carry).
+
+    Within each head, HF orders rows [x_0 .. x_{d/2-1}, y_0 .. y_{d/2-1}] (rotate-half
+    pairs x_i, y_i); llama.cpp stores them interleaved [x_0, y_0, x_1, y_1, ...].
+    """
+    half = w.shape[0] // n_heads // 2
+    # (heads, half, 2, ...) interleaved  ->  (heads, 2, half, ...) rotate-half
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def fold_a_log(config: ModelConfig, name: str, tensor: torch.Tensor, stored: str) -> torch.Tensor:
+    """A recurrent layer's A_log from the -exp(A_log) llama.cpp's converter stores (GGUF
+    tensor `stored`, `ssm_a`): the fp32 value whose exp, as the model takes it (fp32), is
+    the file's value negated where one is (log of it, or the fp32 value next to it), so
+    that exp(A_log) at run time is the value the file holds."""
+    a = -tensor.float()
+    if not bool((a > 0).all()) or not bool(torch.isfinite(a).all()):
+        layer = name.split(".")[2]
+        raise ModelLoadError(f"{config.name}: tensor blk.{layer}.{stored} holds values that "
+                             "are not -exp(A_log) (each must be finite and below 0)")  # fmt: skip
+    x = torch.log(a.double()).float()
+    for toward in (torch.full_like(x, float("inf")), torch.full_like(x, -float("inf"))):
+        step = torch.nextafter(x, toward)
+        x = torch.where((x.exp() != a) & (step.exp() == a), step, x)
+    return x.to(tensor.dtype)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvlm.arch.family import CONV_NAMES, GLOBAL_NAMES, LAYER_NAMES, Family, Shape
-from kvlm.arch.readers import gguf_config, hf_config, hf_layer_mixers
+from kvlm.arch.readers import gguf_config, gguf_kv_pattern, hf_config, hf_layer_mixers
 from kvlm.config import CONV_KERNEL, LIMITS, REQUIRED, Fields, ModelConfig, limits, shown, value
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 
@@ -99,7 +99,7 @@ def _hf_mixers(cfg: dict[str, Any], hf: Fields, layers: int) -> tuple[str, ...]:
 
 
 def from_gguf(g: Fields, arch: str, name: str) -> ModelConfig:
-    g, mixers = _gguf_mixers(g, arch)
+    g, mixers = gguf_kv_pattern(g, arch, "conv")
 
     def part(g: Fields, arch: str, layers: int, hidden: int, heads: int, head_dim: int) -> dict:
         if g(f"{arch}.attention.sliding_window", int, 0):
@@ -115,26 +115,6 @@ def from_gguf(g: Fields, arch: str, name: str) -> ModelConfig:
         return {"qk_norm": True, "layer_mixers": layer_mixers, "conv_kernel": kernel}
 
     return gguf_config(g, arch, name, part)
-
-
-def _gguf_mixers(g: Fields, arch: str) -> tuple[Fields, tuple[str, ...] | None]:
-    """The layer pattern of `{arch}.attention.head_count_kv` where it is an array (0: a
-    conv layer, as llama.cpp reads it), and the metadata with that key the attention
-    layers' one KV head count (every family's reader takes a number there)."""
-    key = f"{arch}.attention.head_count_kv"
-    counts = g.data.get(key)
-    if not isinstance(counts, list):
-        return g, None
-    hi = LIMITS["num_kv_heads"][1]
-    counts = [value(n, f"an entry of {key}", int, 0, hi, where=g.where) for n in counts]
-    heads = sorted({n for n in counts if n})
-    if len(heads) > 1:
-        raise UnsupportedModelError(f"{g.where}: {key} gives attention layers different KV "
-                                    f"head counts {heads}")  # fmt: skip
-    data = {k: v for k, v in g.data.items() if k != key}
-    if heads:  # none: a model of convolutions alone, its KV head count the query heads'
-        data[key] = heads[0]
-    return Fields(data, g.where), tuple("conv" if n == 0 else "attention" for n in counts)
 
 
 # the Hub's config.json sizes (the MLP's width as `_hf_width` derives it from block_ff_dim

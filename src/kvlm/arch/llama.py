@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvlm.arch.family import Family, Shape
+from kvlm.arch.family import Family, Shape, unpermute_qk
 from kvlm.arch.readers import gguf_config, hf_config, hf_window
 from kvlm.config import Fields, ModelConfig
 
@@ -40,18 +40,6 @@ def gguf_rows(config: ModelConfig, name: str, rows: torch.Tensor) -> torch.Tenso
         heads = config.num_heads if "q_proj" in name else config.num_kv_heads
         return unpermute_qk(rows, heads)
     return rows
-
-
-def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation.
-
-    Within each head, HF orders rows [x_0 .. x_{d/2-1}, y_0 .. y_{d/2-1}] (rotate-half
-    pairs x_i, y_i); llama.cpp stores them interleaved [x_0, y_0, x_1, y_1, ...].
-    """
-    rows = w.shape[0]
-    half = rows // n_heads // 2
-    # (heads, half, 2, ...) interleaved  ->  (heads, 2, half, ...) rotate-half
-    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 # The configurations of the models named (their config.json on the Hub).

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from kvlm.arch.family import LAYER_NAMES, Family
+from kvlm.arch.family import LAYER_NAMES, Family, fold_a_log
 from kvlm.arch.readers import gguf_config, hf_config, hf_layer_mixers
 from kvlm.config import LIMITS, REQUIRED, DeltaNet, Fields, ModelConfig, limits, shown, value
 from kvlm.errors import ModelLoadError, UnsupportedModelError
@@ -252,16 +252,7 @@ def fold_gguf(config: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Ten
     fp32 value next to it), so that exp(A_log) at run time is the value the file holds."""
     if not name.endswith("linear_attn.A_log"):
         return tensor
-    a = -tensor.float()
-    if not bool((a > 0).all()) or not bool(torch.isfinite(a).all()):
-        layer = name.split(".")[2]
-        raise ModelLoadError(f"{config.name}: tensor blk.{layer}.ssm_a holds values that are "
-                             "not -exp(A_log) (each must be finite and below 0)")  # fmt: skip
-    x = torch.log(a.double()).float()
-    for toward in (torch.full_like(x, float("inf")), torch.full_like(x, -float("inf"))):
-        step = torch.nextafter(x, toward)
-        x = torch.where((x.exp() != a) & (step.exp() == a), step, x)
-    return x.to(tensor.dtype)
+    return fold_a_log(config, name, tensor, "ssm_a")
 
 
 def fold_hf(config: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -138,6 +138,27 @@ def gguf_config(
     )
 
 
+def gguf_kv_pattern(g: Fields, arch: str, other: str) -> tuple[Fields, tuple[str, ...] | None]:
+    """The layer pattern of `{arch}.attention.head_count_kv` where it is an array (0: a
+    layer of mixer `other`, one that does not attend: a short convolution, a Mamba2 layer,
+    as llama.cpp reads it), and the metadata with that key the attention layers' one KV
+    head count (every family's reader takes a number there)."""
+    key = f"{arch}.attention.head_count_kv"
+    counts = g.data.get(key)
+    if not isinstance(counts, list):
+        return g, None
+    hi = LIMITS["num_kv_heads"][1]
+    counts = [value(n, f"an entry of {key}", int, 0, hi, where=g.where) for n in counts]
+    heads = sorted({n for n in counts if n})
+    if len(heads) > 1:
+        raise UnsupportedModelError(f"{g.where}: {key} gives attention layers different KV "
+                                    f"head counts {heads}")  # fmt: skip
+    data = {k: v for k, v in g.data.items() if k != key}
+    if heads:  # none: a model without attention, its KV head count the query heads'
+        data[key] = heads[0]
+    return Fields(data, g.where), tuple(other if n == 0 else "attention" for n in counts)
+
+
 def gguf_rope_scaling(key: Any, context: int) -> RopeScaling:
     """A GGUF file's `rope.scaling.*` keys, as llama.cpp's converter writes them (linear:
     the factor; YaRN: the factor, the original context, llama.cpp's beta_fast/slow keys

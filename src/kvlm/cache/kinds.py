@@ -182,7 +182,8 @@ class ConvWindow(LayerKind):
 @dataclass(frozen=True, slots=True)
 class RecurrentState(LayerKind):
     """A recurrent mixer's (a gated DeltaNet's, kvlm.model.deltanet: `heads` value heads
-    of a (key_dim, value_dim) state, its convolution over q|k|v): a state of `heads`
+    of a (key_dim, value_dim) state, its convolution over q|k|v; a Mamba2 layer's,
+    kvlm.model.mamba2: heads of (head_dim, state_size), over x|B|C): a state of `heads`
     matrices (`rows`, `cols`) and its causal convolution's last `conv_kernel` - 1 input
     rows of `conv_width` channels, both fixed a sequence, kept in state_dtype (fp32; fp64
     for an fp64 cache) by kvlm.cache.recurrent: the cache's shapes, not the mixer's
@@ -240,11 +241,15 @@ STATE_KINDS = (ConvWindow, RecurrentState)
 
 
 def recurrent_state(config: ModelConfig) -> RecurrentState | None:
-    """What each of `config`'s gated DeltaNet layers keeps (None: it has none)."""
-    d = config.deltanet
-    if d is None or not config.deltanet_layers:
-        return None
-    return RecurrentState(d.value_heads, d.key_dim, d.value_dim, d.conv_kernel, d.conv_width)
+    """What each of `config`'s recurrent layers keeps (ModelConfig.recurrent_layers; None:
+    it has none): a gated DeltaNet's v heads of (key_dim, value_dim) and its q|k|v rows, a
+    Mamba2 layer's heads of (head_dim, state_size) and its x|B|C rows."""
+    d, m = config.deltanet, config.mamba2
+    if d is not None and config.deltanet_layers:
+        return RecurrentState(d.value_heads, d.key_dim, d.value_dim, d.conv_kernel, d.conv_width)
+    if m is not None and config.mamba2_layers:
+        return RecurrentState(m.heads, m.head_dim, m.state_size, m.conv_kernel, m.conv_width)
+    return None
 
 
 def kind_from(code: int, fields: dict[str, int]) -> LayerKind:
@@ -285,6 +290,6 @@ def layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
             kinds[i] = conv
     state = recurrent_state(config)
     if state is not None:
-        for i in config.deltanet_layers:
+        for i in config.recurrent_layers:
             kinds[i] = state
     return tuple(kinds) if len(set(kinds)) > 1 else ()

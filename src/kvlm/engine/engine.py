@@ -172,10 +172,10 @@ class ModelInfo:
 
     @property
     def keeps_turns(self) -> bool:
-        """Whether the model keeps a state that cannot forget tokens (gated DeltaNet
-        layers): a chat request's turn start (Engine.add_request) tells it where to keep
-        it."""
-        return bool(self.config.deltanet_layers)
+        """Whether the model keeps a state that cannot forget tokens (recurrent layers:
+        gated DeltaNet, Mamba2): a chat request's turn start (Engine.add_request) tells it
+        where to keep it."""
+        return bool(self.config.recurrent_layers)
 
 
 @dataclass(slots=True)
@@ -238,7 +238,7 @@ class Engine:
                 if isinstance(w, ConvSlots):
                     kv += f"{w.num_blocks} slots of the conv layers' rows, "
                 elif isinstance(w, StateSlots):
-                    kv += f"{w.num_blocks} slots of the DeltaNet layers' state, "
+                    kv += f"{w.num_blocks} slots of the recurrent layers' state, "
                 else:
                     kv += f"{w.num_blocks} for the layers with a window of {w.window}, "
             kv += f"{p.total_nbytes / 2**20:,.0f} MiB"

@@ -44,8 +44,10 @@ class Work:
     nothing: its products (in_proj to 3 x hidden, out_proj) and its taps are its work; a
     gated DeltaNet layer (ModelConfig.deltanet_layers) neither: its products (in_proj to
     q|k|v, z, b and a; out_proj) and its state's update, a fixed cost a token (about four
-    multiply-adds an element of the value heads' dk x dv state). A gated attention layer's
-    q product is twice as wide (ModelConfig.attn_output_gate: the gate's rows)."""
+    multiply-adds an element of the value heads' dk x dv state); a Mamba2 layer
+    (ModelConfig.mamba2_layers) alike (in_proj to z|x|B|C|dt, out_proj, about three an
+    element of its heads' head_dim x N state). A gated attention layer's q product is twice
+    as wide (ModelConfig.attn_output_gate: the gate's rows)."""
 
     def __init__(self, config: ModelConfig) -> None:
         c = config
@@ -54,14 +56,19 @@ class Work:
         # products and L taps of a conv layer, a DeltaNet layer's products and state, a
         # gated MLP every layer
         h, convs, deltas = c.hidden_size, len(c.conv_layers), len(c.deltanet_layers)
-        attending = c.num_layers - convs - deltas
+        mambas = len(c.mamba2_layers)
+        attending = c.num_layers - convs - deltas - mambas
         q_rows = 2 * q if c.attn_output_gate else q
         delta = 0
         if deltas and (d := c.deltanet) is not None:
             v = d.value_heads * d.value_dim
             delta = (h * (d.conv_width + v + 2 * d.value_heads) + v * h
                      + 4 * d.value_heads * d.key_dim * d.value_dim)  # fmt: skip
-        dense = (attending * h * (q_rows + q + 2 * kv) + deltas * delta
+        mamba = 0
+        if mambas and (m := c.mamba2) is not None:
+            mamba = (h * (m.inner + m.conv_width + m.heads) + m.inner * h
+                     + 3 * m.inner * m.state_size)  # fmt: skip
+        dense = (attending * h * (q_rows + q + 2 * kv) + deltas * delta + mambas * mamba
                  + convs * h * (4 * h + (c.conv_kernel or 0))
                  + c.num_layers * 3 * h * c.intermediate_size)  # fmt: skip
         self.attend = 2 * attending * q / dense  # scores and the weighted sum, a position

@@ -447,6 +447,9 @@ _SIGNATURES: dict[str, tuple[str, str]] = {
     # deltanet.c: conv, cn, z, zn, b, bn, a, an, a_log, dt_bias, hn, w, wn, eps, state_in,
     # state, sn, out, on, cu, cun, at, atn, snaps, pn, S, nk, nv, dk, dv
     "kvlm_gated_delta": ("int", "pipipipippipidppipipipipiiiiii"),
+    # mamba2.c: conv, cn, z, zn, dt, dn, a_log, dt_bias, d, hn, w, wn, eps, state_in,
+    # state, sn, out, on, cu, cun, at, atn, snaps, pn, S, heads, hd, N, G
+    "kvlm_mamba2": ("int", "pipipipppipidppipipipipiiiiii"),
     # decode.c
     "kvlm_decode_scratch": ("int64", "pi"),  # m, B
     # m, B, x, xn, pos, pn, cos, cn, sin, sn, views, n_views, convs, n_convs, scratch, scn,

@@ -10,7 +10,7 @@
 #define KVLM_ABI_H
 #include <stdint.h>
 
-#define KVLM_ABI 30 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
+#define KVLM_ABI 31 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
 
 /* the limits (fused.py: MAX_HEAD_DIM, MAX_ROWS, QMAT_PARTS; quant.py: BLOCK_ROWS, SMALL_M) */
 #define BR 16         /* weight rows per block: one per 32-bit vector lane */

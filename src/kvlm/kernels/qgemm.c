@@ -22,6 +22,9 @@
  *   deltanet.c  the gated DeltaNet's step after its convolution (the deltanet layer kind):
  *               silu, the q/k norms, the gates, the delta rule's state, the gated norm
  *               (kvlm_gated_delta), a value one way wherever it falls in a step
+ *   mamba2.c    the Mamba2 layer's step after its convolution (the mamba2 layer kind):
+ *               silu, dt, the selective state, D, the gate and the group norm
+ *               (kvlm_mamba2), with deltanet.c's row helpers
  *   decode.c    the fused decode step (kvlm_decode_scratch, kvlm_decode_batch)
  *   prompt.c    the prompt's ops: SwiGLU (kvlm_silu_mul), RMSNorm (kvlm_rms_norm), q/k norm
  *               and RoPE (kvlm_qk_norm_rope), attention (kvlm_attend)
@@ -35,5 +38,6 @@
 #include "kv_q4.c"
 #include "conv.c"
 #include "deltanet.c"
+#include "mamba2.c"
 #include "decode.c"
 #include "prompt.c"

@@ -48,6 +48,7 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
             ("self_attn.v_proj", kv, h, f"{kvs}, {hs}"),
             ("self_attn.o_proj", h, q, f"{hs}, {qs}"),
             ("mlp.gate_proj", i, h, f"{inter}, {hs}"),
+            ("mlp.gate_up_proj", 2 * i, h, f"2 x {inter}, {hs}"),
             ("mlp.up_proj", i, h, f"{inter}, {hs}"),
             ("mlp.down_proj", h, i, f"{hs}, {inter}"),
         ):
@@ -59,6 +60,37 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
         out |= _conv_shapes(c)
     if c.deltanet_layers:
         out |= _deltanet_shapes(c)
+    if c.mamba2_layers:
+        out |= _mamba2_shapes(c)
+    return out
+
+
+def _mamba2_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
+    """The Mamba2 layers' tensors (kvlm.model.mamba2): in_proj to z|x|B|C|dt, the
+    depthwise kernel over x|B|C ((C, 1, L) as transformers' Conv1d stores it, or (C, L))
+    and its bias, A_log, D and dt_bias (or (heads, 1), llama.cpp's), the gated norm's
+    weight (or (groups, inner / groups)), out_proj."""
+    m, h = c.mamba2, c.hidden_size
+    hs, cw, n, inner = f"hidden_size {h}", m.conv_width, m.heads, m.inner
+    cws = f"{n} heads x {m.head_dim} + 2 x {m.groups} groups x {m.state_size} (x|B|C)"
+    ins, ns = f"{n} heads x {m.head_dim}", f"{n} heads"
+    proj = inner + cw + n
+    out: dict[str, tuple[Shape, str]] = {}
+    for layer in c.mamba2_layers:
+        p = f"model.layers.{layer}.mamba"
+        out |= {
+            f"{p}.in_proj.weight": ((proj, h), f"2 x {ins} + 2 x {m.groups} x {m.state_size} "
+                                               f"+ {ns} (z|x|B|C|dt), {hs}"),
+            f"{p}.in_proj.bias": ((proj,), "z|x|B|C|dt"),
+            f"{p}.conv1d.weight": ((cw, m.conv_kernel), f"{cws}, conv kernel {m.conv_kernel}"),
+            f"{p}.conv1d.bias": ((cw,), cws),
+            f"{p}.A_log": ((n,), ns),
+            f"{p}.D": ((n,), ns),
+            f"{p}.dt_bias": ((n,), ns),
+            f"{p}.norm.weight": ((inner,), ins),
+            f"{p}.out_proj.weight": ((h, inner), f"{hs}, {ins}"),
+            f"{p}.out_proj.bias": ((h,), hs),
+        }  # fmt: skip
     return out
 
 
@@ -110,10 +142,15 @@ def _conv_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
 
 
 def _same(name: str, got: Shape, want: Shape) -> bool:
-    """`got` is the shape `want` (a depthwise kernel (hidden, L) also as (hidden, 1, L))."""
-    depthwise = name.endswith((".conv.conv.weight", ".linear_attn.conv1d.weight"))
+    """`got` is the shape `want` (a depthwise kernel (hidden, L) also as (hidden, 1, L); a
+    Mamba2 layer's per-head vectors also as (heads, 1), its norm's weight as (groups,
+    inner / groups), as llama.cpp's converter stores them)."""
+    depthwise = name.endswith((".conv.conv.weight", ".linear_attn.conv1d.weight",
+                               ".mamba.conv1d.weight"))  # fmt: skip
     kernel = depthwise and got == (want[0], 1, *want[1:])
-    return got == want or kernel
+    vector = name.endswith((".mamba.A_log", ".mamba.D", ".mamba.dt_bias", ".mamba.norm.weight"))
+    split = vector and len(got) == 2 and got[0] * got[1] == want[0] and got[0] >= 1
+    return got == want or kernel or split
 
 
 def required(c: ModelConfig) -> list[str]:
@@ -140,6 +177,8 @@ def required(c: ModelConfig) -> list[str]:
         )
     ]
     delta_parts = [*norms, *delta, *mlp]
+    mamba_parts = [*norms, *(f"mamba.{n}" for n in ("in_proj", "conv1d", "norm", "out_proj")),
+                   *mlp]  # fmt: skip
     for layer in range(c.num_layers):
         parts = attention_parts
         if layer in c.conv_layers:
@@ -147,6 +186,9 @@ def required(c: ModelConfig) -> list[str]:
         elif layer in c.deltanet_layers:
             parts = delta_parts
             names += [f"model.layers.{layer}.linear_attn.{n}" for n in ("A_log", "dt_bias")]
+        elif layer in c.mamba2_layers:
+            parts = mamba_parts
+            names += [f"model.layers.{layer}.mamba.{n}" for n in ("A_log", "D", "dt_bias")]
         names += [f"model.layers.{layer}.{part}.weight" for part in parts]
     return names
 
@@ -159,6 +201,10 @@ def check_shapes(
     tensor's name there, for the message); the names of the tensors the model reads."""
     have = set(weights.names())
     for name in required(c):
+        # a gate and up stored as one tensor (mlp.gate_up_proj) stand for both
+        fused = name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight"))
+        if fused and f"{name.rsplit('.mlp.', 1)[0]}.mlp.gate_up_proj.weight" in have:
+            continue
         if name not in have:
             raise ModelLoadError(f"{where}: no tensor {file_name(name)} (the model has "
                                  f"{c.num_layers} layers)")  # fmt: skip

@@ -237,6 +237,8 @@ def why_not(model: Transformer) -> str | None:
         return f"a {missing[0]} layer (the step has no kernel for one yet)"
     if c.attn_output_gate or c.rotary_dim != c.head_dim:
         return "gated attention or partial RoPE (the step has no kernel for them yet)"
+    if c.residual_scale is not None or c.logit_scale is not None:
+        return "a residual or logit multiplier (the step has no kernel for them yet)"
     if all(block.attn is None for block in model.layers):
         return "no attention layer"
     if c.num_heads // c.num_kv_heads > 8 or c.head_dim > MAX_HEAD_DIM or c.head_dim % 2:

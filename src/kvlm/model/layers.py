@@ -313,6 +313,8 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(config)
+        if not config.rope:  # NoPE: angle 0 at every position, cos 1 and sin 0 (q, k kept)
+            inv_freq = torch.zeros_like(inv_freq)
         if freq_factors is not None:  # GGUF `rope_freqs`: per-frequency divisors (Llama 3.x)
             inv_freq = inv_freq / freq_factors.float().cpu()
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)

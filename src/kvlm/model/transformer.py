@@ -32,6 +32,7 @@ from kvlm.model.attention import Attention, KVStep
 from kvlm.model.conv import ConvRows, ConvStep, ShortConv
 from kvlm.model.deltanet import GatedDeltaNet
 from kvlm.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding, feeding_prompt
+from kvlm.model.mamba2 import Mamba2Mixer
 from kvlm.model.numerics import ModelNumerics
 from kvlm.model.weights import WeightSource, out_norms
 
@@ -43,18 +44,20 @@ NO_CONV_ROWS = (
     "this model's short-convolution layers need their rows of the tokens before this step, "
     "which this cache does not keep: make it with the model's own cache spec (LLM.new_cache)"
 )
-# a forward past position 0 of a model with gated DeltaNet layers, given no DeltaStep (a
-# cache made for another model's spec; the caches of this model's spec keep a state group)
+# a forward past position 0 of a model with recurrent layers (gated DeltaNet, Mamba2), given
+# no DeltaStep (a cache made for another model's spec; the caches of this model's spec keep
+# a state group)
 NO_DELTA_STATE = (
-    "this model's gated DeltaNet layers need their state of the tokens before this step, "
+    "this model's recurrent layers need their state of the tokens before this step, "
     "which this cache does not keep: make it with the model's own cache spec (LLM.new_cache)"
 )
 
 
 class Block(nn.Module):
-    """Pre-norm mixer (attention, a short convolution: `conv`, or a gated DeltaNet:
-    `delta`) and MLP, each added to the residual stream. A "sandwich" block
-    (ModelConfig.norm_layout) also norms each one's output before adding it
+    """Pre-norm mixer (attention, a short convolution: `conv`, or a recurrent mixer, a
+    gated DeltaNet or a Mamba2 layer: `recurrent`) and MLP, each added to the residual
+    stream (times `residual_scale` where it is not None: ModelConfig's). A "sandwich"
+    block (ModelConfig.norm_layout) also norms each one's output before adding it
     (`attn_out_norm`, `mlp_out_norm`)."""
 
     def __init__(
@@ -66,12 +69,14 @@ class Block(nn.Module):
         attn_out_norm: RMSNorm | None = None,
         mlp_out_norm: RMSNorm | None = None,
         conv: ShortConv | None = None,
-        delta: GatedDeltaNet | None = None,
+        recurrent: GatedDeltaNet | Mamba2Mixer | None = None,
+        residual_scale: float | None = None,
     ):
         super().__init__()
         self.attn = attn
         self.conv = conv
-        self.delta = delta
+        self.recurrent = recurrent
+        self.residual_scale = residual_scale
         self.mlp = mlp
         self.input_norm = input_norm
         self.post_norm = post_norm
@@ -91,13 +96,15 @@ class Block(nn.Module):
         h = self.input_norm(x)
         if self.conv is not None:
             a = self.conv(h, rows)
-        elif self.delta is not None:
-            a = self.delta(h, state)
+        elif self.recurrent is not None:
+            a = self.recurrent(h, state)
         else:
             a = self.attn(h, cos, sin, kv, key_rope)
-        x = x + (a if self.attn_out_norm is None else self.attn_out_norm(a))
+        a = a if self.attn_out_norm is None else self.attn_out_norm(a)
+        x = x + (a if self.residual_scale is None else a * self.residual_scale)
         m = self.mlp(self.post_norm(x))
-        return x + (m if self.mlp_out_norm is None else self.mlp_out_norm(m))
+        m = m if self.mlp_out_norm is None else self.mlp_out_norm(m)
+        return x + (m if self.residual_scale is None else m * self.residual_scale)
 
 
 class Transformer(nn.Module):
@@ -205,8 +212,9 @@ class Transformer(nn.Module):
         return ConvRows(self.conv_window, layers, batch, self.dtype, self.device, slack)
 
     def new_delta_rows(self, batch: int = 1) -> DeltaRows:
-        """Zero state of this model's gated DeltaNet layers for `batch` sequences."""
-        layers = len(self.config.deltanet_layers)
+        """Zero state of this model's recurrent layers (gated DeltaNet or Mamba2) for
+        `batch` sequences."""
+        layers = len(self.config.recurrent_layers)
         return DeltaRows(recurrent_state(self.config), layers, batch, self.dtype, self.device)
 
     def forward(
@@ -245,7 +253,7 @@ class Transformer(nn.Module):
                              f"{int(positions[0, 0])}")  # fmt: skip
         if recurrent is None:
             recurrent = getattr(kv, "recurrent", None)
-        if recurrent is None and self.config.deltanet_layers:
+        if recurrent is None and self.config.recurrent_layers:
             if positions.numel() and int(positions[..., 0].max()) != 0:
                 raise UnsupportedModelError(NO_DELTA_STATE)
             recurrent = self.new_delta_rows(input_ids.shape[0]).begin(input_ids.shape[-1])
@@ -254,7 +262,7 @@ class Transformer(nn.Module):
             and positions.numel()
             and (int(positions[0, 0]) != recurrent.start)
         ):
-            raise ValueError(f"the DeltaNet state is at position {recurrent.start}, the step "
+            raise ValueError(f"the recurrent state is at position {recurrent.start}, the step "
                              f"at {int(positions[0, 0])}")  # fmt: skip
         with feeding_prompt(prompt):
             x = self.embed(input_ids)  # (B, T, H)
@@ -274,6 +282,8 @@ class Transformer(nn.Module):
             if self.config.final_softcap is not None:
                 cap = self.config.final_softcap
                 logits = torch.tanh(logits / cap) * cap
+            if self.config.logit_scale is not None:
+                logits = logits / self.config.logit_scale
         return logits if logits.dtype == torch.float64 else logits.float()
 
     def _fresh_rows(self, input_ids: torch.Tensor, positions: torch.Tensor) -> ConvStep:
@@ -489,6 +499,8 @@ class _WeightTaker:
             return self.conv_block(i)
         if c.layer_mixers and c.layer_mixers[i] == "deltanet":
             return self.deltanet_block(i)
+        if c.layer_mixers and c.layer_mixers[i] == "mamba2":
+            return self.mamba2_block(i)
         q_norm = k_norm = None
         if c.qk_norm:  # each q and k head normed before RoPE
             q_norm, k_norm = (self.norm(f"{p}.self_attn.{q}_norm") for q in ("q", "k"))
@@ -504,12 +516,23 @@ class _WeightTaker:
         attn.q_scale = None if q_norm is not None or ratio == 1.0 else ratio
         attn.softcap = c.attn_softcap
         attn.gated = c.attn_output_gate
-        gate_up = self.fused_linear(f"{p}.mlp", ("gate_proj", "up_proj"))
+        return self._block(i, attn=attn)
+
+    def _block(self, i: int, **mixer) -> Block:
+        """Layer i around its mixer (Block's `attn`, `conv` or `recurrent`): the gated MLP
+        (its gate|up one product: `mlp.gate_up_proj` where the file stores them as one,
+        else gate_proj and up_proj joined), the attention's and the MLP's input norms (the
+        MLP's: Llama's HF name), then their output norms where the block has them."""
+        c, p = self.config, f"model.layers.{i}"
+        fused = f"{p}.mlp.gate_up_proj.weight"
+        if fused in self.available:
+            gate_up = self.linear(fused)
+        else:
+            gate_up = self.fused_linear(f"{p}.mlp", ("gate_proj", "up_proj"))
         mlp = MLP(gate_up, self._with_bias(f"{p}.mlp.down_proj"), c.activation)
-        # the attention's and the MLP's input norms (the MLP's: Llama's HF name), then
-        # their output norms where the block has them
         names = ["input_layernorm", "post_attention_layernorm", *out_norms(c)]
-        block = Block(attn, mlp, *(self.norm(f"{p}.{n}") for n in names))
+        block = Block(mixer.pop("attn", None), mlp, *(self.norm(f"{p}.{n}") for n in names),
+                      residual_scale=c.residual_scale, **mixer)  # fmt: skip
         # the file's pages read so far are the model's own copies now: given back, so the
         # file and the packed model are never both resident (a layer at a time)
         self.weights.release()
@@ -519,16 +542,10 @@ class _WeightTaker:
         """Layer i, whose mixer is a short convolution (kvlm.model.conv)."""
         c, p = self.config, f"model.layers.{i}"
         kernel = self.take(f"{p}.conv.conv.weight").reshape(c.hidden_size, c.conv_kernel)
-        bias = self.take_raw(f"{p}.conv.conv.bias")
-        bias = None if bias is None else bias.to(self.device, self.dtype)
         conv = ShortConv(c.conv_layers.index(i), self._with_bias(f"{p}.conv.in_proj"), kernel,
-                         bias, self._with_bias(f"{p}.conv.out_proj"))  # fmt: skip
-        mlp = MLP(self.fused_linear(f"{p}.mlp", ("gate_proj", "up_proj")),
-                  self._with_bias(f"{p}.mlp.down_proj"), c.activation)  # fmt: skip
-        names = ["input_layernorm", "post_attention_layernorm", *out_norms(c)]
-        block = Block(None, mlp, *(self.norm(f"{p}.{n}") for n in names), conv=conv)
-        self.weights.release()
-        return block
+                         self._bias(f"{p}.conv.conv"),
+                         self._with_bias(f"{p}.conv.out_proj"))  # fmt: skip
+        return self._block(i, conv=conv)
 
     def deltanet_block(self, i: int) -> Block:
         """Layer i, whose mixer is a gated DeltaNet (kvlm.model.deltanet)."""
@@ -537,24 +554,36 @@ class _WeightTaker:
         in_proj = self.fused_linear(a, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
         kernel = self.take(f"{a}.conv1d.weight").reshape(d.conv_width, d.conv_kernel)
         delta = GatedDeltaNet(
-            c.deltanet_layers.index(i), d, in_proj, kernel, self.take(f"{a}.A_log"),
+            c.recurrent_layers.index(i), d, in_proj, kernel, self.take(f"{a}.A_log"),
             self.take(f"{a}.dt_bias"), self.take(f"{a}.norm.weight"), c.rms_norm_eps,
             self._with_bias(f"{a}.out_proj"),
         )  # fmt: skip
-        mlp = MLP(self.fused_linear(f"{p}.mlp", ("gate_proj", "up_proj")),
-                  self._with_bias(f"{p}.mlp.down_proj"), c.activation)  # fmt: skip
-        names = ["input_layernorm", "post_attention_layernorm", *out_norms(c)]
-        block = Block(None, mlp, *(self.norm(f"{p}.{n}") for n in names), delta=delta)
-        self.weights.release()
-        return block
+        return self._block(i, recurrent=delta)
+
+    def mamba2_block(self, i: int) -> Block:
+        """Layer i, whose mixer is a Mamba2 layer (kvlm.model.mamba2); its vectors as
+        (heads,) and (inner,) whichever shape the file keeps them in (kvlm.loading.shapes)."""
+        c, p = self.config, f"model.layers.{i}"
+        m, a = c.mamba2, f"{p}.mamba"
+        kernel = self.take(f"{a}.conv1d.weight").reshape(m.conv_width, m.conv_kernel)
+        heads = [self.take(f"{a}.{n}").reshape(m.heads) for n in ("A_log", "dt_bias", "D")]
+        mixer = Mamba2Mixer(
+            c.recurrent_layers.index(i), m, self._with_bias(f"{a}.in_proj"), kernel,
+            self._bias(f"{a}.conv1d"), *heads, self.take(f"{a}.norm.weight").reshape(m.inner),
+            c.rms_norm_eps, self._with_bias(f"{a}.out_proj"),
+        )  # fmt: skip
+        return self._block(i, recurrent=mixer)
 
     def norm(self, prefix: str) -> RMSNorm:
         """The RMSNorm of `prefix`.weight (what it multiplies by: a family's 1 + w is
         folded into the weight by its loader)."""
         return RMSNorm(self.take(f"{prefix}.weight"), self.config.rms_norm_eps)
 
+    def _bias(self, prefix: str) -> torch.Tensor | None:
+        """`prefix`.bias in the model's dtype, where the file has one."""
+        bias = self.take_raw(f"{prefix}.bias")
+        return None if bias is None else bias.to(self.device, self.dtype)
+
     def _with_bias(self, prefix: str) -> Linear:
         """The projection `prefix`.weight, with `prefix`.bias where the file has one."""
-        bias = self.take_raw(f"{prefix}.bias")
-        bias = None if bias is None else bias.to(self.device, self.dtype)
-        return self.linear(f"{prefix}.weight", bias=bias)
+        return self.linear(f"{prefix}.weight", bias=self._bias(prefix))
