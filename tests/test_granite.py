@@ -412,6 +412,57 @@ def test_speculative_decoding_on_the_pool_equals_plain(pooled):
         assert state.num_used == 0 and not state.drafted
 
 
+def test_a_disk_tier_restores_the_state_snapshots(pooled, tmp_path, monkeypatch):
+    """A disk tier holds the Mamba2 state's snapshots under the state group's own records
+    (MAC'd as the K/V's): a restarted engine hits the first turn's prefix from the tier,
+    state and all, with a fresh pool's tokens; records changed in one byte are refused
+    (no state: no hit, the same tokens)."""
+    from helpers import conversation_on_a_tier
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))  # the tier key's home
+    llm, _ = pooled
+    first, second, want, tier, _ = conversation_on_a_tier(llm, tmp_path / "tier")
+    reader = fresh_engine(llm, kv_tiers=tier)
+    got, cached = answer(reader, second)
+    reader.close()
+    assert got == want and cached >= (len(first) // 16) * 16 > 0
+    state_ns = reader.tiers.groups[0][0][:32]
+    records = [f for f in (tmp_path / "tier").rglob("*") if f.is_file() and state_ns in f.name]
+    assert records
+    for f in records:
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 1
+        f.write_bytes(bytes(data))
+    bent = fresh_engine(llm, kv_tiers=tier)
+    got, cached = answer(bent, second)
+    bent.close()
+    assert got == want and cached == 0 and bent.tiers.stats["disk"].refused >= 1
+
+
+def test_memory_counts_the_state_per_sequence(granite_dir, capsys):
+    """`kvlm memory`: the Mamba2 layers' state a sequence whatever its length (heads x
+    head_dim x state_size and kernel - 1 rows of x|B|C, fp32), the attention layer's K/V
+    per token; a made cache holds what is planned."""
+    from kvlm.cache import memory
+    from kvlm.cli import main
+
+    llm = LLM(model=granite_dir("granite"), kv="paged", progress=False)
+    m, layers = llm.config.mamba2, len(llm.config.mamba2_layers)
+    state = layers * (m.heads * m.head_dim * m.state_size
+                      + (m.conv_kernel - 1) * m.conv_width) * 4  # fmt: skip
+    groups = memory.layer_groups("paged", llm.cache_spec(), 64, 2)
+    assert [g for g in groups if g["kind"] == "state"] == [
+        {"kind": "state", "layers": layers, "window": None, "tokens": 0, "bytes": 2 * state}
+    ]
+    assert llm.new_cache().parts[-1].nbytes == state
+    assert main(["memory", "--model", str(llm.loaded.path), "--kv", "paged", "--context",
+                 "64"]) == 0  # fmt: skip
+    assert (
+        f"{layers} recurrent layers, their state {state / 2**10:,.1f} KiB"
+        in capsys.readouterr().out
+    )
+
+
 def test_hostile_config_keys_are_refused(tmp_path):
     """Sizes and kinds kvlm does not run are one clear error each, before any tensor."""
     base = save_tiny_model(tmp_path / "base", "granitemoehybrid", seed=43)
