@@ -137,6 +137,27 @@ static void delta_head(const float *conv, const float *z, const float *bb, const
     }
 }
 
+/* A recurrent step's sequences and kept rows, checked (kvlm_gated_delta's and
+ * kvlm_mamba2's): cu[0 .. S] never decreasing from 0 (the caller checked cu[0] and its
+ * length); at (*atn entries, or NULL: *atn set 0) strictly ascending rows below cu[S],
+ * snaps given with it, at most DELTA_MAX_AT a sequence. Returns the step's rows, or -1. */
+static int64_t step_rows(const int64_t *cu, int64_t S, const int64_t *at, int64_t *atn,
+                         const float *snaps) {
+    for (int64_t s = 0; s < S; s++)
+        if (cu[s + 1] < cu[s]) return -1;
+    const int64_t rows = cu[S];
+    if (at && (*atn < 1 || !snaps)) return -1;
+    if (!at) *atn = 0;
+    for (int64_t i = 0; i < *atn; i++)
+        if (at[i] < (i ? at[i - 1] + 1 : 0) || at[i] >= rows) return -1;
+    for (int64_t s = 0, i = 0; s < S; s++) {
+        int64_t n = 0;
+        for (; i < *atn && at[i] < cu[s + 1]; i++) n++;
+        if (n > DELTA_MAX_AT) return -1;
+    }
+    return rows;
+}
+
 /* The step of one gated DeltaNet layer over S sequences, sequence s the rows cu[s] ..
  * cu[s + 1] - 1 of the step (cu: S + 1 offsets, cun of them; 0 first, never decreasing;
  * a sequence of no rows keeps its state): conv [rows, C] (C = 2 nk dk + nv dv: q|k|v,
@@ -165,18 +186,7 @@ int kvlm_gated_delta(const float *conv, int64_t cn, const float *z, int64_t zn,
     if (S < 1 || nk < 1 || nv < nk || nv % nk || !cu || cun != S + 1 || cu[0] != 0) return -2;
     if (dk < 1 || dk > DELTA_MAX_DIM || dv < 1 || dv > DELTA_MAX_DIM) return -2;
     if (!conv || !z || !b || !a || !a_log || !dt_bias || !w || !state || !out) return -2;
-    for (int64_t s = 0; s < S; s++)
-        if (cu[s + 1] < cu[s]) return -2;
-    rows = cu[S];
-    if (at && (atn < 1 || !snaps)) return -2;
-    if (!at) atn = 0;
-    for (int64_t i = 0; i < atn; i++)
-        if (at[i] < (i ? at[i - 1] + 1 : 0) || at[i] >= rows) return -2;
-    for (int64_t s = 0, i = 0; s < S; s++) { /* at most DELTA_MAX_AT a sequence */
-        int64_t n = 0;
-        for (; i < atn && at[i] < cu[s + 1]; i++) n++;
-        if (n > DELTA_MAX_AT) return -2;
-    }
+    if ((rows = step_rows(cu, S, at, &atn, snaps)) < 0) return -2;
     if (hn != nv || wn != dv || !mul_ok(S, nv, &heads) || !mul_ok(nv, dv, &vd)) return -2;
     if (!mul_ok(nk, 2 * dk, &C) || !add_ok(C, vd, &C)) return -2;
     if (!mul_ok(rows, C, &need) || cn < need) return -2;

@@ -104,18 +104,7 @@ int kvlm_mamba2(const float *conv, int64_t cn, const float *z, int64_t zn, const
     if (S < 1 || heads < 1 || ng < 1 || heads % ng || !cu || cun != S + 1 || cu[0] != 0) return -2;
     if (hd < 1 || hd > MAMBA_MAX_DIM || N < 1 || N > MAMBA_MAX_DIM) return -2;
     if (!conv || !z || !dt || !a_log || !dt_bias || !d || !w || !state || !out) return -2;
-    for (int64_t s = 0; s < S; s++)
-        if (cu[s + 1] < cu[s]) return -2;
-    rows = cu[S];
-    if (at && (atn < 1 || !snaps)) return -2;
-    if (!at) atn = 0;
-    for (int64_t i = 0; i < atn; i++)
-        if (at[i] < (i ? at[i - 1] + 1 : 0) || at[i] >= rows) return -2;
-    for (int64_t s = 0, i = 0; s < S; s++) { /* at most DELTA_MAX_AT a sequence */
-        int64_t n = 0;
-        for (; i < atn && at[i] < cu[s + 1]; i++) n++;
-        if (n > DELTA_MAX_AT) return -2;
-    }
+    if ((rows = step_rows(cu, S, at, &atn, snaps)) < 0) return -2;
     if (hn != heads || !mul_ok(S, heads, &pairs) || !mul_ok(heads, hd, &inner)) return -2;
     if (wn != inner || inner / ng > MAMBA_MAX_GROUP) return -2;
     if (!mul_ok(ng, 2 * N, &C) || !add_ok(C, inner, &C)) return -2;

@@ -26,7 +26,7 @@ from torch import nn
 from kvlm.cache.conv import ConvRows, ConvStep, SlotStep
 from kvlm.model.layers import Linear
 
-__all__ = ["ConvRows", "ConvStep", "ShortConv"]
+__all__ = ["ConvRows", "ConvStep", "ShortConv", "depthwise"]
 
 
 class ShortConv(nn.Module):
@@ -55,10 +55,18 @@ class ShortConv(nn.Module):
         b, c, xs = self.in_proj(x).chunk(3, dim=-1)  # (B, T, H) each
         u = b * xs
         taps = step.taps(self.slot, u)  # L of (B, T, H): what each tap reads, window first
-        w = self.kernel.to(u.dtype)
-        conv = taps[0] * w[0]
-        for k in range(1, w.shape[0]):
-            conv = conv + taps[k] * w[k]
-        if self.bias is not None:
-            conv = conv + self.bias.to(u.dtype)
-        return self.out_proj(c * conv)
+        return self.out_proj(c * depthwise(taps, self.kernel, self.bias))
+
+
+def depthwise(
+    taps: list[torch.Tensor], kernel: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """A depthwise causal convolution's output from its taps (ConvStep.taps: L tensors,
+    tap k the rows k - L + 1 positions back) and `kernel` (L, C): tap 0 times its weights,
+    then each next tap's product added in order (every mixer with a convolution: the short
+    convolution, the gated DeltaNet's, the Mamba2 layer's), then the bias where one is."""
+    w = kernel.to(taps[0].dtype)
+    conv = taps[0] * w[0]
+    for k in range(1, w.shape[0]):
+        conv = conv + taps[k] * w[k]
+    return conv if bias is None else conv + bias.to(conv.dtype)

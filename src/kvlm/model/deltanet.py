@@ -47,6 +47,7 @@ from kvlm import kernels
 from kvlm.cache.kinds import state_dtype
 from kvlm.cache.recurrent import DeltaStep
 from kvlm.config import DeltaNet
+from kvlm.model.conv import depthwise
 from kvlm.model.layers import Linear
 
 L2_EPS = 1e-6  # transformers' l2norm (FLA's)
@@ -90,11 +91,7 @@ class GatedDeltaNet(nn.Module):
         s, (B, T, _) = self.shape, x.shape
         nv, dv = s.value_heads, s.value_dim
         qkv, z, b, a = self.in_proj(x).split([s.conv_width, nv * dv, nv, nv], dim=-1)
-        taps = step.conv.taps(self.slot, qkv)  # L of (B, T, C): the window's rows first
-        w = self.kernel.to(qkv.dtype)
-        conv = taps[0] * w[0]
-        for k in range(1, w.shape[0]):
-            conv = conv + taps[k] * w[k]
+        conv = depthwise(step.conv.taps(self.slot, qkv), self.kernel, None)  # window first
         cu = step.cu if step.cu is not None else [i * T for i in range(B + 1)]
         rows = [t.reshape(B * T, -1) for t in (conv, z, b, a)]
         lib = kernels.library() if x.dtype == torch.float32 and x.is_cpu else None

@@ -45,6 +45,7 @@ from kvlm import kernels
 from kvlm.cache.kinds import state_dtype
 from kvlm.cache.recurrent import DeltaStep
 from kvlm.config import Mamba2
+from kvlm.model.conv import depthwise
 from kvlm.model.layers import Linear
 
 
@@ -79,13 +80,7 @@ class Mamba2Mixer(nn.Module):
     def _mix(self, x: torch.Tensor, step: DeltaStep) -> torch.Tensor:
         s, (B, T, _) = self.shape, x.shape
         z, xbc, dt = self.in_proj(x).split([s.inner, s.conv_width, s.heads], dim=-1)
-        taps = step.conv.taps(self.slot, xbc)  # L of (B, T, C): the window's rows first
-        w = self.kernel.to(xbc.dtype)
-        conv = taps[0] * w[0]
-        for k in range(1, w.shape[0]):
-            conv = conv + taps[k] * w[k]
-        if self.conv_bias is not None:
-            conv = conv + self.conv_bias.to(conv.dtype)
+        conv = depthwise(step.conv.taps(self.slot, xbc), self.kernel, self.conv_bias)
         cu = step.cu if step.cu is not None else [i * T for i in range(B + 1)]
         rows = [t.reshape(B * T, -1) for t in (conv, z, dt)]
         lib = kernels.library() if x.dtype == torch.float32 and x.is_cpu else None
