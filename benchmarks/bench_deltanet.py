@@ -179,7 +179,7 @@ def steps(path: Path, context: int, kv_dtype: str | None, threads: int) -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     spent, began = collections.Counter(), {}
     for block in llm.model.layers:
-        for name in ("delta", "attn", "mlp"):
+        for name in ("recurrent", "attn", "mlp"):
             module = getattr(block, name, None)
             if module is not None:
                 module.register_forward_pre_hook(

@@ -286,9 +286,12 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
         # state of 16, a kernel of 4; the dense MLP (no experts) of 96; the multipliers
         # powers of two (exact in fp32: kvlm's embed_scale rounds to fp32 first), the
         # attention's not head_dim ** -0.5
-        common["num_hidden_layers"] = 4
+        # (intermediate_size the experts', none here: the MLP's width, as the dense Granite
+        # 4.0-H configs have it, which llama.cpp reads as its feed_forward_length)
+        common["num_hidden_layers"], common["intermediate_size"] = 4, 96
         cfg = GraniteMoeHybridConfig(
-            **common, tie_word_embeddings=True, num_local_experts=0, shared_intermediate_size=96,
+            **common, tie_word_embeddings=True, num_local_experts=0, num_experts_per_tok=0,
+            shared_intermediate_size=96,
             layer_types=["mamba", "attention", "mamba", "mamba"], position_embedding_type=None,
             mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2,
             mamba_d_conv=4, mamba_expand=2, embedding_multiplier=2.0, attention_multiplier=0.125,

@@ -90,6 +90,11 @@ class DeltaRows:
         self.state = torch.zeros(layers, batch, *kind.state_shape, dtype=state_dtype(dtype),
                                  device=device)  # fmt: skip
         self.depth = depth
+        # the buffer a committed step's state replaced, where nothing kept holds it: the
+        # next step's C road writes its states into it (DeltaStep.out_state), so a step
+        # allocates none (every layer's state of a sequence in one buffer, 55 MiB at
+        # Granite-4.0-H-1B's shape: a fresh mapping a step, its pages faulted in anew)
+        self.spare: torch.Tensor | None = None
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.wanted: set[int] = set()  # positions a step will keep the state at (marks)
         self.marks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -109,7 +114,7 @@ class DeltaRows:
             step.keep_rows and any(s is None for s in step.kept)
         ):
             raise ValueError("a DeltaNet step committed before it was run through")
-        before = self.conv.rows
+        before, replaced = self.conv.rows, self.state
         self.conv.commit(step.conv)
         self.state = step.states()
         start, end, r = step.start, step.start + step.n_new, self.conv.keep
@@ -136,6 +141,9 @@ class DeltaRows:
         self.marks = dict(sorted(self.marks.items())[-CHECKPOINTS:])
         back = max(self.depth, step.n_new - 1 if step.draft else 0)
         self.kept = {p: t for p, t in self.kept.items() if end - back <= p <= end}
+        held = {t[0].data_ptr() for t in (*self.kept.values(), *self.marks.values())}
+        if replaced.data_ptr() not in held and replaced.data_ptr() != self.state.data_ptr():
+            self.spare = replaced
 
     @property
     def batch(self) -> int:
@@ -201,7 +209,7 @@ class DeltaStep:
         # a checkpoint's rows: kept by the conv step (of a long one only its tail stays)
         windows = () if draft else tuple(p - start for p in self.inside)
         self.conv: ConvStep = rows.conv.begin(n_new, draft, windows)
-        self._state = rows.state
+        self._state, self._rows = rows.state, rows
         self.out: torch.Tensor | None = None
         layers = rows.state.shape[0]
         self.staged: list[torch.Tensor | None] = [None] * layers
@@ -216,7 +224,17 @@ class DeltaStep:
         """Where a layer's state after the step may be written (the C road's, fp32): a
         layer of one buffer the step allocates, which commit then keeps whole."""
         if self.out is None:
-            self.out = torch.empty_like(self._state, dtype=torch.float32)
+            spare, self._rows.spare = self._rows.spare, None
+            like = self._state
+            if (
+                spare is not None
+                and spare.shape == like.shape
+                and spare.dtype == torch.float32
+                and spare.is_contiguous()
+            ):
+                self.out = spare
+            else:
+                self.out = torch.empty_like(like, dtype=torch.float32)
         return self.out[layer]
 
     def stage(self, layer: int, state: torch.Tensor) -> None:

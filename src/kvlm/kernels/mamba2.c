@@ -36,35 +36,42 @@ static float mamba_dot(const float *x, const float *y, int64_t n) {
     return sum;
 }
 
-/* s[j] = s[j] * c + b[j] * x for n values (two roundings each: no contraction) */
-static inline void mamba_decay_add(float *s, float c, const float *b, float x, int64_t n) {
+/* s[j] = in[j] * c + b[j] * x for n values (two roundings each: no contraction; `in` the
+ * state before, s itself but for a step's first token, whose state before is state_in's) */
+static inline void mamba_decay_add(float *s, const float *in, float c, const float *b, float x,
+                                   int64_t n) {
     int64_t j = 0;
 #if KVLM_V512
     const __m512 cv = _mm512_set1_ps(c), xv = _mm512_set1_ps(x);
     for (; j < n; j += 16) {
         const __mmask16 k = tail_mask(n - j);
-        const __m512 d = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), cv);
+        const __m512 d = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, in + j), cv);
         const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, b + j), xv);
         _mm512_mask_storeu_ps(s + j, k, _mm512_add_ps(d, p));
     }
 #endif
-    for (; j < n; j++) s[j] = s[j] * c + b[j] * x;
+    for (; j < n; j++) s[j] = in[j] * c + b[j] * x;
 }
 
 /* One sequence's head over its T tokens (the module comment, but the norm): S its
- * (hd, N) state, updated in place; rows of conv, z, dt and out at its first row on; the
+ * (hd, N) state, updated in place (read from `before` at the first token where that is
+ * not NULL: the state before the step in its own buffer, not copied first; a sequence of
+ * no tokens copies it); rows of conv, z, dt and out at its first row on; the
  * state after row at[i] (i < na: ascending rows of this sequence) copied to
  * snap + i * stride too. */
 static void mamba_head(const float *conv, const float *z, const float *dts, float a_log,
-                       float dt_bias, float d, float *S, float *out, int64_t T, int64_t h,
+                       float dt_bias, float d, const float *before, float *S, float *out,
+                       int64_t T, int64_t h,
                        int64_t heads, int64_t hd, int64_t N, int64_t ng, const int64_t *at,
                        int64_t na, float *snap, int64_t stride) {
     float x[MAMBA_MAX_DIM], b[MAMBA_MAX_DIM], c[MAMBA_MAX_DIM], gate[MAMBA_MAX_DIM];
     const int64_t inner = heads * hd, C = inner + 2 * ng * N, g = h / (heads / ng);
     const float A = -expf(a_log);
     int64_t next = 0; /* the next of at[] */
+    if (before && T == 0) memcpy(S, before, (size_t)(hd * N) * sizeof(float));
     for (int64_t t = 0; t < T; t++) {
         const float *row = conv + t * C;
+        const float *in = t == 0 && before ? before : S;
         delta_silu_row(row + h * hd, x, hd);
         delta_silu_row(row + inner + g * N, b, N);
         delta_silu_row(row + inner + ng * N + g * N, c, N);
@@ -74,7 +81,7 @@ static void mamba_head(const float *conv, const float *z, const float *dts, floa
         delta_silu_row(z + t * inner + h * hd, gate, hd);
         float *y = out + t * inner + h * hd;
         for (int64_t p = 0; p < hd; p++) {
-            mamba_decay_add(S + p * N, decay, b, x[p], N);
+            mamba_decay_add(S + p * N, in + p * N, decay, b, x[p], N);
             y[p] = (mamba_dot(S + p * N, c, N) + x[p] * d) * gate[p];
         }
         if (next < na && at[next] == t) {
@@ -123,9 +130,8 @@ int kvlm_mamba2(const float *conv, int64_t cn, const float *z, int64_t zn, const
             local[na] = at[i0 + na] - r0;
             na++;
         }
-        if (state_in) memcpy(state + p * hdn, state_in + p * hdn, (size_t)hdn * sizeof(float));
         mamba_head(conv + r0 * C, z + r0 * inner, dt + r0 * heads, a_log[h], dt_bias[h], d[h],
-                   state + p * hdn, out + r0 * inner, T, h, heads, hd, N, ng, local, na,
+                   state_in ? state_in + p * hdn : NULL, state + p * hdn, out + r0 * inner, T, h, heads, hd, N, ng, local, na,
                    na ? snaps + (i0 * heads + h) * hdn : NULL, heads * hdn);
     }
     /* the gated norm, a (row, group) at a time: its channels' squares summed in one order */
