@@ -26,6 +26,10 @@ and the CPU:
     kv_dtype       fp16 with low-bit weights where the kernels' fused decode step reads
                    fp16 K/V (half the bytes a decode step reads from the cache; greedy
                    agreement as fp32 K/V; llama.cpp's default too), else the compute dtype
+                   (a model the fused step refuses, kvlm.model.fused.config_why_not: its
+                   decode is the torch step's, which would convert every layer's fp16 K/V
+                   to fp32 each step; a 1.5B Mamba2 hybrid at 16k of context decoded
+                   150 ms a step with fp16 K/V, 71 with fp32: docs/BENCHMARKS.md 24.7)
 
 Those are the fastest numerics that keep greedy decoding within the top-5 rule of the fp32
 reference on the tests' prompts (tests/test_defaults.py; figures in docs/BENCHMARKS.md).
@@ -44,6 +48,7 @@ import torch
 from kvlm import kernels
 from kvlm.dtypes import kv_sides, parse_kv_dtypes
 from kvlm.errors import InvalidRequestError
+from kvlm.model import fused
 
 if TYPE_CHECKING:
     from kvlm.model.weights import WeightSource
@@ -139,9 +144,15 @@ def resolve(
     k, v = kv_sides(kv_dtype) if isinstance(kv_dtype, str) else ("", "")
     if AUTO in (k, v):
         auto = None
-        if lib is not None and fp32_cpu:  # the kernels' fused step reads fp16 K/V
+        config = getattr(source, "config", None)
+        refused = None if config is None or lib is None else fused.config_why_not(config)
+        if lib is not None and fp32_cpu and refused is None:  # the fused step reads fp16
             auto = "fp16"
             reasons.append("kv fp16: half the K/V bytes; the fused step reads fp16")
+        elif lib is not None and fp32_cpu:
+            reasons.append(f"kv in the compute dtype: the fused step cannot run this model "
+                           f"({refused}), and the torch step would convert fp16 K/V to "
+                           "fp32 every step")  # fmt: skip
         if "/" not in kv_dtype:
             kv_dtype = auto
         else:  # a side left to auto: fp16, or the compute dtype

@@ -93,7 +93,8 @@ class DeltaRows:
         # the buffer a committed step's state replaced, where nothing kept holds it: the
         # next step's C road writes its states into it (DeltaStep.out_state), so a step
         # allocates none (every layer's state of a sequence in one buffer, 55 MiB at
-        # Granite-4.0-H-1B's shape: a fresh mapping a step, its pages faulted in anew)
+        # a 1.5B hybrid's 36 Mamba2 layers: a fresh mapping a step, its pages faulted in
+        # anew: docs/BENCHMARKS.md 24.7)
         self.spare: torch.Tensor | None = None
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.wanted: set[int] = set()  # positions a step will keep the state at (marks)

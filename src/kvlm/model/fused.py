@@ -80,6 +80,7 @@ from kvlm.cache.base import CacheStep, ConvView, KVView
 from kvlm.cache.factory import FUSED_MODES
 from kvlm.cache.paged import BlockPool
 from kvlm.cache.storage import Store, key_rotation
+from kvlm.config import ModelConfig
 from kvlm.dtypes import Q4
 from kvlm.model.attention import _room
 from kvlm.model.layers import Linear
@@ -225,13 +226,13 @@ def _ptr(t: torch.Tensor | None, n: int) -> int | None:
 MAX_HEAD_DIM = _ABI["MAX_HEAD_DIM"]  # the attention's buffers (the widest head kvlm runs)
 
 
-def why_not(model: Transformer) -> str | None:
-    """None when the fused step can run this model, else the reason it cannot."""
+def config_why_not(c: ModelConfig) -> str | None:
+    """The reason the fused step cannot run any model of this config (None: it may, as
+    far as the config says; `why_not` checks the built model too). kvlm.defaults reads
+    it: a model this refuses decodes on the torch step, where fp16 K/V would be converted
+    to fp32 every step."""
     if os.environ.get("KVLM_NO_FUSED"):
         return "disabled by KVLM_NO_FUSED"
-    if model.device.type != "cpu" or model.dtype != torch.float32:
-        return "needs fp32 activations on the CPU"
-    c = model.config
     missing = sorted({m for m in c.layer_mixers if m not in _MIXERS})
     if missing:  # a layer kind kernels/ has no part for yet
         return f"a {missing[0]} layer (the step has no kernel for one yet)"
@@ -239,6 +240,19 @@ def why_not(model: Transformer) -> str | None:
         return "gated attention or partial RoPE (the step has no kernel for them yet)"
     if c.residual_scale is not None or c.logit_scale is not None:
         return "a residual or logit multiplier (the step has no kernel for them yet)"
+    return None
+
+
+def why_not(model: Transformer) -> str | None:
+    """None when the fused step can run this model, else the reason it cannot."""
+    if os.environ.get("KVLM_NO_FUSED"):
+        return "disabled by KVLM_NO_FUSED"
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return "needs fp32 activations on the CPU"
+    c = model.config
+    reason = config_why_not(c)
+    if reason is not None:
+        return reason
     if all(block.attn is None for block in model.layers):
         return "no attention layer"
     if c.num_heads // c.num_kv_heads > 8 or c.head_dim > MAX_HEAD_DIM or c.head_dim % 2:
