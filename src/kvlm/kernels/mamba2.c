@@ -19,38 +19,32 @@
 #define MAMBA_MAX_DIM 512  /* the largest head_dim or state_size the step takes */
 #define MAMBA_MAX_GROUP 16384 /* the most channels of one group of the norm */
 
-/* sum of x[i] y[i] over n values: 16 lanes (masked tail), then the lanes in a fixed order */
-static float mamba_dot(const float *x, const float *y, int64_t n) {
+/* One row of the state: s[j] = in[j] * c + b[j] * x for n values (two roundings each: no
+ * contraction; `in` the row before, s itself but for a step's first token, whose state
+ * before is state_in's), and returns sum of s[j] q[j] (the row's output: q is C), summed
+ * in 16 lanes (masked tail) then the lanes in a fixed order: the row read once for both. */
+static inline float mamba_row(float *s, const float *in, float c, const float *b, float x,
+                              const float *q, int64_t n) {
     float sum = 0.f;
-    int64_t i = 0;
-#if KVLM_V512
-    __m512 acc = _mm512_setzero_ps();
-    for (; i < n; i += 16) {
-        const __mmask16 k = tail_mask(n - i);
-        const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), _mm512_maskz_loadu_ps(k, y + i));
-        acc = _mm512_add_ps(acc, p);
-    }
-    sum = _mm512_reduce_add_ps(acc);
-#endif
-    for (; i < n; i++) sum += x[i] * y[i];
-    return sum;
-}
-
-/* s[j] = in[j] * c + b[j] * x for n values (two roundings each: no contraction; `in` the
- * state before, s itself but for a step's first token, whose state before is state_in's) */
-static inline void mamba_decay_add(float *s, const float *in, float c, const float *b, float x,
-                                   int64_t n) {
     int64_t j = 0;
 #if KVLM_V512
     const __m512 cv = _mm512_set1_ps(c), xv = _mm512_set1_ps(x);
+    __m512 acc = _mm512_setzero_ps();
     for (; j < n; j += 16) {
         const __mmask16 k = tail_mask(n - j);
         const __m512 d = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, in + j), cv);
         const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, b + j), xv);
-        _mm512_mask_storeu_ps(s + j, k, _mm512_add_ps(d, p));
+        const __m512 v = _mm512_add_ps(d, p);
+        _mm512_mask_storeu_ps(s + j, k, v);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(k, q + j)));
     }
+    sum = _mm512_reduce_add_ps(acc);
 #endif
-    for (; j < n; j++) s[j] = in[j] * c + b[j] * x;
+    for (; j < n; j++) {
+        s[j] = in[j] * c + b[j] * x;
+        sum += s[j] * q[j];
+    }
+    return sum;
 }
 
 /* One sequence's head over its T tokens (the module comment, but the norm): S its
@@ -64,25 +58,23 @@ static void mamba_head(const float *conv, const float *z, const float *dts, floa
                        int64_t T, int64_t h,
                        int64_t heads, int64_t hd, int64_t N, int64_t ng, const int64_t *at,
                        int64_t na, float *snap, int64_t stride) {
-    float x[MAMBA_MAX_DIM], b[MAMBA_MAX_DIM], c[MAMBA_MAX_DIM], gate[MAMBA_MAX_DIM];
+    float b[MAMBA_MAX_DIM];
     const int64_t inner = heads * hd, C = inner + 2 * ng * N, g = h / (heads / ng);
     const float A = -expf(a_log);
     int64_t next = 0; /* the next of at[] */
     if (before && T == 0) memcpy(S, before, (size_t)(hd * N) * sizeof(float));
     for (int64_t t = 0; t < T; t++) {
-        const float *row = conv + t * C;
+        /* x, B, C and the gate already silu'd (the first pass of kvlm_mamba2) */
+        const float *row = conv + t * C, *x = row + h * hd, *c = row + inner + ng * N + g * N;
+        const float *gate = z + t * inner + h * hd, *bg = row + inner + g * N;
         const float *in = t == 0 && before ? before : S;
-        delta_silu_row(row + h * hd, x, hd);
-        delta_silu_row(row + inner + g * N, b, N);
-        delta_silu_row(row + inner + ng * N + g * N, c, N);
         const float dt = delta_softplus(dts[t * heads + h] + dt_bias);
         const float decay = expf(dt * A);
-        for (int64_t n = 0; n < N; n++) b[n] = dt * b[n]; /* dt B */
-        delta_silu_row(z + t * inner + h * hd, gate, hd);
+        for (int64_t n = 0; n < N; n++) b[n] = dt * bg[n]; /* dt B */
         float *y = out + t * inner + h * hd;
         for (int64_t p = 0; p < hd; p++) {
-            mamba_decay_add(S + p * N, in + p * N, decay, b, x[p], N);
-            y[p] = (mamba_dot(S + p * N, c, N) + x[p] * d) * gate[p];
+            const float sc = mamba_row(S + p * N, in + p * N, decay, b, x[p], c, N);
+            y[p] = (sc + x[p] * d) * gate[p];
         }
         if (next < na && at[next] == t) {
             memcpy(snap + next * stride, S, (size_t)(hd * N) * sizeof(float));
@@ -94,14 +86,14 @@ static void mamba_head(const float *conv, const float *z, const float *dts, floa
 /* The step of one Mamba2 layer over S sequences, sequence s the rows cu[s] .. cu[s + 1] - 1
  * of the step (cu: S + 1 offsets, cun of them; 0 first, never decreasing; a sequence of
  * no rows keeps its state): conv [rows, C] (C = heads hd + 2 ng N: x|B|C, before silu),
- * z [rows, heads hd], dt [rows, heads], a_log, dt_bias and d [heads] (hn), w [heads hd]
+ * z [rows, heads hd] (both overwritten with their silu: the caller's scratch), dt [rows, heads], a_log, dt_bias and d [heads] (hn), w [heads hd]
  * (wn: the gated norm's weight), state [S, heads, hd, N] (sn floats), out [rows, heads hd]
  * (on floats). `state_in`, `at` and `snaps` as kvlm_gated_delta's (the states before the
  * step, NULL for in place; rows whose state is copied out, at most DELTA_MAX_AT a
  * sequence). Returns 0, or -2, nothing read or written, for a shape out of range (S,
  * heads, ng >= 1; heads a multiple of ng; hd, N in 1..MAMBA_MAX_DIM; a group's channels at
  * most MAMBA_MAX_GROUP; cu or at not as said) or a buffer shorter than its shape. */
-int kvlm_mamba2(const float *conv, int64_t cn, const float *z, int64_t zn, const float *dt,
+int kvlm_mamba2(float *conv, int64_t cn, float *z, int64_t zn, const float *dt,
                 int64_t dn, const float *a_log, const float *dt_bias, const float *d,
                 int64_t hn, const float *w, int64_t wn, double eps, const float *state_in,
                 float *state, int64_t sn, float *out, int64_t on, const int64_t *cu,
@@ -121,6 +113,13 @@ int kvlm_mamba2(const float *conv, int64_t cn, const float *z, int64_t zn, const
     if (!mul_ok(rows, heads, &need) || dn < need) return -2;
     if (!mul_ok(hd, N, &hdn) || !mul_ok(pairs, hdn, &need) || sn < need) return -2;
     if (!mul_ok(atn, heads * hdn, &need) || (at && pn < need)) return -2;
+    /* silu of x|B|C and of z, a row at a time, in place: B and C once a group, not once
+     * a head (a value's bits the same wherever its row is cut: deltanet.c's lanes) */
+#pragma omp parallel for schedule(static) if (rows > 1 && work >= 16384)
+    for (int64_t r = 0; r < rows; r++) {
+        delta_silu_row(conv + r * C, conv + r * C, C);
+        delta_silu_row(z + r * inner, z + r * inner, inner);
+    }
 #pragma omp parallel for schedule(dynamic) if (pairs > 1 && work >= 16384)
     for (int64_t p = 0; p < pairs; p++) {
         const int64_t s = p / heads, h = p % heads, r0 = cu[s], T = cu[s + 1] - cu[s];

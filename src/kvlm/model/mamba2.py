@@ -138,6 +138,8 @@ class Mamba2Mixer(nn.Module):
         each sequence's tokens (staged as the torch road's), D, the gate and the group
         norm: rows (N, .) -> (N, inner)."""
         s = self.shape
+        # conv and z are this step's own (the convolution's output, z's part of in_proj's):
+        # the kernel overwrites them with their silu
         conv, z, dt = (t.contiguous() for t in (conv, z, dt))
         initial = step.initial(self.slot)
         state = step.out_state(self.slot)  # the step's own: written, the initial kept
