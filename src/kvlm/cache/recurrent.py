@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -258,6 +258,52 @@ class DeltaStep:
         ):
             return out
         return torch.stack(staged)  # type: ignore[arg-type]
+
+
+class KernelCall:
+    """One recurrent layer of a step (a DeltaStep or a SlotDeltaStep) through its C kernel
+    (kvlm_gated_delta, kvlm_mamba2: both take these buffers in this order after their
+    own): the states before (`state_in`, None where the step's out buffer is that state
+    itself, a pool step's gathered copy), the step's out buffer, `out` (the layer's
+    output rows), the sequences' row offsets `cu`, the rows whose state is kept
+    (`keep_rows`) and their snapshots' buffer; `staged` stages them once it ran."""
+
+    def __init__(self, step: DeltaStep | SlotDeltaStep, slot: int, cu: list[int],
+                 out: torch.Tensor) -> None:  # fmt: skip
+        self.step, self.slot, self.out, self.sequences = step, slot, out, len(cu) - 1
+        initial = step.initial(slot)
+        self.state = step.out_state(slot)  # the step's own: written, the initial kept
+        self.state_in: torch.Tensor | None = None
+        if self.state.data_ptr() != initial.data_ptr():
+            self.state_in = initial.to(torch.float32).contiguous()
+        self.offsets = torch.tensor(cu, dtype=torch.int64)
+        kept = step.keep_rows
+        self.at = torch.tensor(kept, dtype=torch.int64) if kept else None
+        self.snaps = None
+        if kept:
+            self.snaps = self.state.new_empty(len(kept), *self.state.shape[1:])
+
+    def args(self) -> tuple:
+        """state_in, state, sn, out, on, cu, cun, at, atn, snaps, pn, S."""
+        at, snaps, state = self.at, self.snaps, self.state
+        return (
+            None if self.state_in is None else self.state_in.data_ptr(),
+            state.data_ptr(), state.numel(), self.out.data_ptr(), self.out.numel(),
+            self.offsets.data_ptr(), self.offsets.numel(),
+            None if at is None else at.data_ptr(), 0 if at is None else at.numel(),
+            None if snaps is None else snaps.data_ptr(), 0 if snaps is None else snaps.numel(),
+            self.sequences,
+        )  # fmt: skip
+
+    def staged(self, rc: int, refused: Callable[[], str]) -> torch.Tensor:
+        """The layer's output, its states staged; ValueError(`refused()`, the call's shapes
+        in words) where the kernel refused the call (rc != 0)."""
+        if rc != 0:
+            raise ValueError(refused())
+        self.step.stage(self.slot, self.state)
+        if self.snaps is not None:
+            self.step.stage_kept(self.slot, self.snaps)
+        return self.out
 
 
 class _StateCacheStep(CacheStep):

@@ -158,6 +158,21 @@ static int64_t step_rows(const int64_t *cu, int64_t S, const int64_t *at, int64_
     return rows;
 }
 
+/* The kept rows (at, ascending: step_rows checked, at most DELTA_MAX_AT a sequence) of
+ * the sequence at rows r0 .. r0 + T - 1, relative to r0 in local[]; their count, and in
+ * *first the index in at of the first of them. */
+static int64_t seq_kept(const int64_t *at, int64_t atn, int64_t r0, int64_t T, int64_t *local,
+                        int64_t *first) {
+    int64_t i0 = 0, na = 0;
+    while (i0 < atn && at[i0] < r0) i0++;
+    while (i0 + na < atn && at[i0 + na] < r0 + T) {
+        local[na] = at[i0 + na] - r0;
+        na++;
+    }
+    *first = i0;
+    return na;
+}
+
 /* The step of one gated DeltaNet layer over S sequences, sequence s the rows cu[s] ..
  * cu[s + 1] - 1 of the step (cu: S + 1 offsets, cun of them; 0 first, never decreasing;
  * a sequence of no rows keeps its state): conv [rows, C] (C = 2 nk dk + nv dv: q|k|v,
@@ -199,12 +214,8 @@ int kvlm_gated_delta(const float *conv, int64_t cn, const float *z, int64_t zn,
 #pragma omp parallel for schedule(dynamic) if (heads > 1 && work >= 16384)
     for (int64_t p = 0; p < heads; p++) {
         const int64_t s = p / nv, h = p % nv, r0 = cu[s], T = cu[s + 1] - cu[s];
-        int64_t i0 = 0, na = 0, local[DELTA_MAX_AT];
-        while (i0 < atn && at[i0] < r0) i0++;
-        while (i0 + na < atn && at[i0 + na] < r0 + T) {
-            local[na] = at[i0 + na] - r0;
-            na++;
-        }
+        int64_t i0, local[DELTA_MAX_AT];
+        const int64_t na = seq_kept(at, atn, r0, T, local, &i0);
         if (state_in) memcpy(state + p * dk * dv, state_in + p * dk * dv,
                              (size_t)(dk * dv) * sizeof(float)); /* this head's, in cache */
         delta_head(conv + r0 * C, z + r0 * vd, b + r0 * nv, a + r0 * nv, a_log[h], dt_bias[h],

@@ -123,15 +123,12 @@ int kvlm_mamba2(float *conv, int64_t cn, float *z, int64_t zn, const float *dt,
 #pragma omp parallel for schedule(dynamic) if (pairs > 1 && work >= 16384)
     for (int64_t p = 0; p < pairs; p++) {
         const int64_t s = p / heads, h = p % heads, r0 = cu[s], T = cu[s + 1] - cu[s];
-        int64_t i0 = 0, na = 0, local[DELTA_MAX_AT];
-        while (i0 < atn && at[i0] < r0) i0++;
-        while (i0 + na < atn && at[i0 + na] < r0 + T) {
-            local[na] = at[i0 + na] - r0;
-            na++;
-        }
+        int64_t i0, local[DELTA_MAX_AT];
+        const int64_t na = seq_kept(at, atn, r0, T, local, &i0);
         mamba_head(conv + r0 * C, z + r0 * inner, dt + r0 * heads, a_log[h], dt_bias[h], d[h],
-                   state_in ? state_in + p * hdn : NULL, state + p * hdn, out + r0 * inner, T, h, heads, hd, N, ng, local, na,
-                   na ? snaps + (i0 * heads + h) * hdn : NULL, heads * hdn);
+                   state_in ? state_in + p * hdn : NULL, state + p * hdn, out + r0 * inner, T,
+                   h, heads, hd, N, ng, local, na, na ? snaps + (i0 * heads + h) * hdn : NULL,
+                   heads * hdn);
     }
     /* the gated norm, a (row, group) at a time: its channels' squares summed in one order */
     const int64_t size = inner / ng, cells = rows * ng;

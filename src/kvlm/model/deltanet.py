@@ -45,7 +45,7 @@ from torch import nn
 
 from kvlm import kernels
 from kvlm.cache.kinds import state_dtype
-from kvlm.cache.recurrent import DeltaStep
+from kvlm.cache.recurrent import DeltaStep, KernelCall
 from kvlm.config import DeltaNet
 from kvlm.model.conv import depthwise
 from kvlm.model.layers import Linear
@@ -146,36 +146,17 @@ class GatedDeltaNet(nn.Module):
         s = self.shape
         nk, nv, dk, dv = s.key_heads, s.value_heads, s.key_dim, s.value_dim
         conv, z, b, a = (t.contiguous() for t in (conv, z, b, a))
-        initial = step.initial(self.slot)
-        state = step.out_state(self.slot)  # the step's own: written, the initial kept
-        same = state.data_ptr() == initial.data_ptr()  # a pool step's gathered copy
-        if initial.dtype != torch.float32 or not initial.is_contiguous():
-            initial = initial.to(torch.float32).contiguous()
-        out = torch.empty(conv.shape[0], nv * dv)
-        offsets = torch.tensor(cu, dtype=torch.int64)
-        kept = step.keep_rows
-        at = torch.tensor(kept, dtype=torch.int64) if kept else None
-        snaps = None if at is None else state.new_empty(len(kept), nv, dk, dv)
+        call = KernelCall(step, self.slot, cu, torch.empty(conv.shape[0], nv * dv))
         params = [p.detach().to(torch.float32).contiguous()
                   for p in (self.a_log, self.dt_bias, self.norm)]  # fmt: skip
         rc = lib.kvlm_gated_delta(
             conv.data_ptr(), conv.numel(), z.data_ptr(), z.numel(), b.data_ptr(), b.numel(),
             a.data_ptr(), a.numel(), params[0].data_ptr(), params[1].data_ptr(), nv,
-            params[2].data_ptr(), dv, self.eps, None if same else initial.data_ptr(),
-            state.data_ptr(), state.numel(),
-            out.data_ptr(), out.numel(), offsets.data_ptr(), offsets.numel(),
-            None if at is None else at.data_ptr(), 0 if at is None else at.numel(),
-            None if snaps is None else snaps.data_ptr(), 0 if snaps is None else snaps.numel(),
-            len(cu) - 1, nk, nv, dk, dv,
+            params[2].data_ptr(), dv, self.eps, *call.args(), nk, nv, dk, dv,
         )  # fmt: skip
-        if rc != 0:
-            raise ValueError(f"the kernels refused a gated DeltaNet step of {len(cu) - 1} "
-                             f"sequences, {conv.shape[0]} rows ({nk} q/k heads of {dk}, "
-                             f"{nv} v heads of {dv})")  # fmt: skip
-        step.stage(self.slot, state)
-        if snaps is not None:
-            step.stage_kept(self.slot, snaps)
-        return out
+        return call.staged(rc, lambda: (
+            f"the kernels refused a gated DeltaNet step of {len(cu) - 1} sequences, "
+            f"{conv.shape[0]} rows ({nk} q/k heads of {dk}, {nv} v heads of {dv})"))  # fmt: skip
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:

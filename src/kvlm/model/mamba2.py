@@ -43,7 +43,7 @@ from torch import nn
 
 from kvlm import kernels
 from kvlm.cache.kinds import state_dtype
-from kvlm.cache.recurrent import DeltaStep
+from kvlm.cache.recurrent import DeltaStep, KernelCall
 from kvlm.config import Mamba2
 from kvlm.model.conv import depthwise
 from kvlm.model.layers import Linear
@@ -141,33 +141,16 @@ class Mamba2Mixer(nn.Module):
         # conv and z are this step's own (the convolution's output, z's part of in_proj's):
         # the kernel overwrites them with their silu
         conv, z, dt = (t.contiguous() for t in (conv, z, dt))
-        initial = step.initial(self.slot)
-        state = step.out_state(self.slot)  # the step's own: written, the initial kept
-        same = state.data_ptr() == initial.data_ptr()  # a pool step's gathered copy
-        if initial.dtype != torch.float32 or not initial.is_contiguous():
-            initial = initial.to(torch.float32).contiguous()
-        out = torch.empty(conv.shape[0], s.inner)
-        offsets = torch.tensor(cu, dtype=torch.int64)
-        kept = step.keep_rows
-        at = torch.tensor(kept, dtype=torch.int64) if kept else None
-        snaps = None if at is None else state.new_empty(len(kept), *state.shape[1:])
+        call = KernelCall(step, self.slot, cu, torch.empty(conv.shape[0], s.inner))
         params = [p.detach().to(torch.float32).contiguous()
                   for p in (self.a_log, self.dt_bias, self.d, self.norm)]  # fmt: skip
         rc = lib.kvlm_mamba2(
             conv.data_ptr(), conv.numel(), z.data_ptr(), z.numel(), dt.data_ptr(), dt.numel(),
             params[0].data_ptr(), params[1].data_ptr(), params[2].data_ptr(), s.heads,
-            params[3].data_ptr(), s.inner, self.eps, None if same else initial.data_ptr(),
-            state.data_ptr(), state.numel(), out.data_ptr(), out.numel(),
-            offsets.data_ptr(), offsets.numel(),
-            None if at is None else at.data_ptr(), 0 if at is None else at.numel(),
-            None if snaps is None else snaps.data_ptr(), 0 if snaps is None else snaps.numel(),
-            len(cu) - 1, s.heads, s.head_dim, s.state_size, s.groups,
+            params[3].data_ptr(), s.inner, self.eps, *call.args(), s.heads, s.head_dim,
+            s.state_size, s.groups,
         )  # fmt: skip
-        if rc != 0:
-            raise ValueError(f"the kernels refused a Mamba2 step of {len(cu) - 1} sequences, "
-                             f"{conv.shape[0]} rows ({s.heads} heads of {s.head_dim}, state "
-                             f"{s.state_size}, {s.groups} groups)")  # fmt: skip
-        step.stage(self.slot, state)
-        if snaps is not None:
-            step.stage_kept(self.slot, snaps)
-        return out
+        return call.staged(rc, lambda: (
+            f"the kernels refused a Mamba2 step of {len(cu) - 1} sequences, "
+            f"{conv.shape[0]} rows ({s.heads} heads of {s.head_dim}, state "
+            f"{s.state_size}, {s.groups} groups)"))  # fmt: skip
