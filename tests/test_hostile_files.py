@@ -555,7 +555,7 @@ def test_native_code_checks_the_sizes_it_is_given(tmp_path):
         assert lib.kvlm_decode_scratch(spec, 1) == -2, field
         # refused before anything is read: no views, no buffers given
         none = (None, 0) * 4  # x, pos, cos, sin and their lengths
-        views = (None, 1, None, 0)  # K/V views, conv views
+        views = (None, 1, None, 0, None, 0)  # K/V views, conv views, state views
         assert lib.kvlm_decode_batch(spec, 1, *none, *views, None, 0, None, 0) == -2, field
         setattr(owner, field, getattr(owner, field) - 32)
     assert lib.kvlm_decode_scratch(spec, 1) > 0
@@ -1066,7 +1066,7 @@ def test_the_decode_step_checks_its_buffers(build, kv, tiny_step):
         t.fill_(1)
     before = [t.clone() for t in store.parts.values()]
     step._set_storage(store, None)
-    step._place([KVView(store, [[0], [1]], S)], [])
+    step._place([KVView(store, [[0], [1]], S)], [], [])
     pos = torch.tensor([3, 5])
     spec = ctypes.byref(step.spec)
     scratch = torch.empty(lib.kvlm_decode_scratch(spec, B))
@@ -1094,7 +1094,7 @@ def test_the_decode_step_checks_its_buffers(build, kv, tiny_step):
         return lib.kvlm_decode_batch(
             spec, B, x.data_ptr(), a["xn"], pos.data_ptr(), a["pn"], step.cos.data_ptr(),
             a["cn"], step.sin.data_ptr(), a["sn"], view() if views is None else views, 1, None,
-            0, scratch.data_ptr(), a["scn"], logits.data_ptr(), a["ln"],
+            0, None, 0, scratch.data_ptr(), a["scn"], logits.data_ptr(), a["ln"],
         )  # fmt: skip
 
     bad = [{"xn": B * H - 1}, {"pn": B - 1}, {"cn": tables - 1}, {"sn": tables - 1},
@@ -1158,9 +1158,9 @@ def test_the_conv_rows_are_checked(build, lfm2_step):
     lib, (step, cache) = _kernels(build), lfm2_step
     c, n = step.model.config, cache.num_tokens
     H, vocab, L = c.hidden_size, step.vocab, c.conv_kernel
-    kv, (conv,) = _split(cache.kv_views([0, 1]))
+    kv, (conv,), _ = _split(cache.kv_views([0, 1]))
     step._set_storage(kv[0].store, None)
-    step._place(kv, [conv])
+    step._place(kv, [conv], [])
     rows = conv.rows
     slack = rows.shape[2] - (L - 1)
     held = [rows, *kv[0].store.parts.values()]
@@ -1171,7 +1171,7 @@ def test_the_conv_rows_are_checked(build, lfm2_step):
         """The step of len(pos) rows, the conv view's seq and ends as given, then its
         struct's `fields`; a refusal (-2) has left x and the logits untouched."""
         B = len(pos)
-        kv_rows, _ = _split(cache.kv_views([b % 2 for b in range(B)]))  # K/V rows in range
+        kv_rows, *_ = _split(cache.kv_views([b % 2 for b in range(B)]))  # K/V rows in range
         c_views, _tables = step._c_views(kv_rows, list(pos))
         c_convs, _lists = step._c_convs([ConvView(rows, list(seqs), list(ends_at))])
         for name, value in fields.items():
@@ -1180,7 +1180,7 @@ def test_the_conv_rows_are_checked(build, lfm2_step):
         x, logits, p = _guarded(B * H), _guarded(B * vocab), torch.tensor(pos)
         rc = lib.kvlm_decode_batch(
             spec, B, x.data_ptr(), B * H, p.data_ptr(), B, step.cos.data_ptr(), step.cos.numel(),
-            step.sin.data_ptr(), step.sin.numel(), c_views, len(kv), c_convs, n_convs,
+            step.sin.data_ptr(), step.sin.numel(), c_views, len(kv), c_convs, n_convs, None, 0,
             scratch.data_ptr(), scratch.numel(), logits.data_ptr(), B * vocab,
         )  # fmt: skip
         assert rc != -2 or (_untouched(x) and _untouched(logits)), fields
@@ -1208,7 +1208,7 @@ def test_the_conv_rows_are_checked(build, lfm2_step):
     assert all(torch.equal(a, b) for a, b in zip(held, before, strict=True))
     most = kernels.CONSTANTS["MAX_CONV_KERNEL"]
     for owner, field, value in ((step.spec, "conv_kernel", 1),
-                                (step.spec, "conv_kernel", most + 1), (layer, "mixer", 2),
+                                (step.spec, "conv_kernel", most + 1), (layer, "mixer", 4),
                                 (layer.in_proj, "n", 3 * H + 32), (layer.out_proj, "k", H + 32),
                                 (layer, "taps", None)):  # fmt: skip
         old = getattr(owner, field)
@@ -1236,9 +1236,9 @@ def test_the_conv_slots_are_checked_and_read_as_the_rows(build, lfm2_step):
     lib, (step, cache) = _kernels(build), lfm2_step
     c, n = step.model.config, cache.num_tokens
     H, vocab, L = c.hidden_size, step.vocab, c.conv_kernel
-    kv, (conv,) = _split(cache.kv_views([0, 1]))
+    kv, (conv,), _ = _split(cache.kv_views([0, 1]))
     step._set_storage(kv[0].store, None)
-    step._place(kv, [conv])
+    step._place(kv, [conv], [])
     layers, _, keep, _ = conv.rows.shape
     slots, order = 3, (2, 0)  # the cache's sequence 0 in slot 2, its sequence 1 in slot 0
     rings = torch.zeros(layers, slots * keep + 1, H)
@@ -1259,7 +1259,7 @@ def test_the_conv_slots_are_checked_and_read_as_the_rows(build, lfm2_step):
         logits, p = _guarded(B * vocab), torch.tensor(pos)
         rc = lib.kvlm_decode_batch(
             spec, B, x.data_ptr(), B * H, p.data_ptr(), B, step.cos.data_ptr(), step.cos.numel(),
-            step.sin.data_ptr(), step.sin.numel(), c_views, len(kv), c_convs, 1,
+            step.sin.data_ptr(), step.sin.numel(), c_views, len(kv), c_convs, 1, None, 0,
             scratch.data_ptr(), scratch.numel(), logits.data_ptr(), B * vocab,
         )  # fmt: skip
         assert rc != -2 or _untouched(logits), fields
@@ -1289,6 +1289,111 @@ def test_the_conv_slots_are_checked_and_read_as_the_rows(build, lfm2_step):
     assert torch.equal(rings[:, others], before[:, others])
     assert not torch.equal(rings[:, written], before[:, written])
     assert rings[:, -1].abs().sum() == 0
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "granitemoehybrid"])
+def recurrent_step(request, tmp_path_factory):
+    """A tiny hybrid's fused step (gated DeltaNets, or Mamba2 layers, beside attention) and
+    a contiguous cache of two sequences, 5 tokens held."""
+    from helpers import save_tiny_model
+    from kvlm import LLM
+    from kvlm.model.fused import FusedDecoder
+
+    if kernels.library() is None:
+        pytest.skip(kernels.status())
+    extra = {"tokenizer": "qwen35"} if request.param == "qwen3_5" else {}
+    folder = save_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=3,
+                             **extra)  # fmt: skip
+    llm = LLM(model=folder, weights="int8", max_context=32, progress=False)
+    cache = llm.new_cache("contiguous")
+    llm.runner.forward([5, 6, 7, 8, 9], cache)
+    cache.fork(2)
+    return FusedDecoder(llm.model, 32), cache
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_recurrent_states_are_checked(build, recurrent_step):
+    """kvlm_decode_batch over a model with recurrent layers: each state view's conv rows as
+    a conv view's (within their bytes, of the layers' conv width, one row a sequence, the
+    one-sequence layout), its states before the step within `in`'s bytes, `out`'s rows at
+    least the step's and within its bytes, the state's floats the layers' own, each
+    recurrent layer's view and index within them; the recurrent sizes within the kernels'
+    limits and one kind a model. Nothing written: x, the logits, the states, the conv rows
+    and the out buffer as they were; the call as it should be writes `out` and moves the
+    rows on."""
+    from kvlm.cache.base import ConvView, StateView
+    from kvlm.model.fused import _split
+
+    lib, (step, cache) = _kernels(build), recurrent_step
+    c, n = step.model.config, cache.num_tokens
+    H, vocab = c.hidden_size, step.vocab
+    kv, _, (state,) = _split(cache.kv_views([0, 1]))
+    step._set_storage(kv[0].store, None)
+    step._place(kv, [], [state])
+    rows, states = state.conv.rows, state.state
+    held = [rows, states, *kv[0].store.parts.values()]
+    before = [t.clone() for t in held]
+    spec = ctypes.byref(step.spec)
+
+    def call(pos=(n, n), seqs=(0, 1), n_states=1, out_rows=2, **fields):
+        B = len(pos)
+        out = _guarded(states.shape[0] * out_rows * states[0, 0].numel())
+        view = StateView(
+            ConvView(rows, list(seqs), [n] * len(seqs)),
+            states,
+            out[: out.numel() - GUARD].view(states.shape[0], out_rows, *states.shape[2:]),
+        )
+        kv_rows, *_ = _split(cache.kv_views([b % 2 for b in range(B)]))
+        c_views, _tables = step._c_views(kv_rows, list(pos))
+        c_states, _lists = step._c_states([view])
+        for name, value in fields.items():
+            owner = c_states[0].conv if name.startswith("conv_") else c_states[0]
+            setattr(owner, name.removeprefix("conv_"), value)
+        scratch = torch.empty(lib.kvlm_decode_scratch(spec, B))
+        x, logits, p = _guarded(B * H), _guarded(B * vocab), torch.tensor(pos)
+        rc = lib.kvlm_decode_batch(
+            spec, B, x.data_ptr(), B * H, p.data_ptr(), B, step.cos.data_ptr(), step.cos.numel(),
+            step.sin.data_ptr(), step.sin.numel(), c_views, len(kv), None, 0, c_states, n_states,
+            scratch.data_ptr(), scratch.numel(), logits.data_ptr(), B * vocab,
+        )  # fmt: skip
+        if rc == -2:
+            assert _untouched(x) and _untouched(logits) and _untouched(out), fields
+        else:
+            assert _untouched(out[-GUARD:]) and not _untouched(out[:-GUARD])
+        return rc
+
+    layers, per = states.shape[0], states[0, 0].numel()
+    width = rows.shape[-1]
+    bad = [{"in": None}, {"out": None}, {"state": per - 1}, {"state": per + 1},
+           {"out_rows": 1}, {"in_bytes": states.numel() * 4 - 1}, {"out_bytes": 2 * per * 4},
+           {"in_bytes": -1}, {"conv_width": width - 1}, {"conv_layers": layers - 1},
+           {"conv_bytes": rows.numel() * 4 - 1}, {"conv_layout": 1}, {"conv_batch": 1},
+           {"conv_keep": rows.shape[2] + 1}, {"conv_layers": HUGE, "conv_bytes": ANY},
+           {"seqs": (0, 0)},  # one sequence's two rows (a draft's: the torch step's)
+           {"seqs": (0, 2)}, {"n_states": 0}, {"state": HUGE, "in_bytes": ANY}]  # fmt: skip
+    for given in bad:
+        assert call(**given) == -2, given
+    layer = next(ly for ly in step.spec.layers[: c.num_layers] if ly.mixer >= 2)
+    for field, value in (("view", 1), ("index", layers), ("view", -1)):
+        old = getattr(layer, field)
+        setattr(layer, field, value)
+        assert call() == -2, field
+        setattr(layer, field, old)
+    assert all(torch.equal(a, b) for a, b in zip(held, before, strict=True))
+    for owner, field, value in ((step.spec, "rec_key_dim", 513), (step.spec, "rec_groups", 0),
+                                (step.spec, "rec_heads", 2 * step.spec.rec_heads + 1),
+                                (layer, "mixer", 5 - layer.mixer), (layer, "a_log", None),
+                                (layer.in_proj, "n", layer.in_proj.n + 32), (layer, "taps", None),
+                                (step.spec, "rotary_dim", c.head_dim + 2),
+                                (step.spec, "rotary_dim", 3),
+                                (step.spec, "attn_gate", 2)):  # fmt: skip
+        old = getattr(owner, field)
+        setattr(owner, field, value)
+        assert lib.kvlm_decode_scratch(spec, 2) == -2, field
+        setattr(owner, field, old)
+    assert call() == 0  # the rows moved on (each sequence's new row last), the states kept
+    assert torch.equal(rows[:, :, :-1], before[0][:, :, 1:])
+    assert torch.equal(states, before[1])
 
 
 def test_a_norm_or_glu_the_kernels_refuse_is_an_error_not_torch(monkeypatch):

@@ -28,6 +28,7 @@ MIRROR = {
     "kvlm_qmodel": fused._QModel,
     "kvlm_kv_view": fused._KVView,
     "kvlm_conv_view": fused._ConvView,
+    "kvlm_state_view": fused._StateView,
 }
 SCALARS = {"int64_t": ctypes.c_int64, "float": ctypes.c_float, "double": ctypes.c_double}
 

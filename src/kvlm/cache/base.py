@@ -24,10 +24,12 @@ kvlm.cache.files writes to and reads from a file), nbytes (exact), and planned_n
 
 A caller that reads and writes K/V itself (the fused C decode step, kvlm.model.fused)
 asks a cache where they are: `kv_views(rows)`, a `KVView` per layer group (a store, each
-row's blocks, a ring's size and its window; None where its layout is no such view), and a
-`ConvView` for a group of conv layers (their rows, kvlm.cache.conv), and after begin()
-tells it `written_in_place(step)` (a ring that stages its writes for commit, and the conv
-rows, then only record the positions).
+row's blocks, a ring's size and its window; None where its layout is no such view), a
+`ConvView` for a group of conv layers (their rows, kvlm.cache.conv) and a `StateView` for
+a group of recurrent layers (their states and rows, kvlm.cache.recurrent); after begin()
+it tells the cache `written_in_place(step)` first (a ring that stages its writes for
+commit, and the conv rows, then only record the positions; a state group stages the
+buffer the step writes its states into) and then asks `kv_views(rows, step)`.
 """
 
 from __future__ import annotations
@@ -350,6 +352,22 @@ class ConvView:
 
 
 @dataclass(slots=True)
+class StateView:
+    """Where some of the model's recurrent layers keep their state for one step
+    (kvlm.cache.recurrent): `conv` their convolution's rows (a ConvView of ConvRows' layout,
+    ring 0, one row a sequence: row i feeds sequence conv.seqs[i]), `state` the states
+    before the step (layers, sequences, *state shape) fp32, row i's at its sequence, read
+    only; `out` (layers, rows, *state shape) fp32, where the step writes row i's state
+    after it at i (None: a declaration, no step); `layers`: the model's layers, in their
+    order. Made afresh for each call (kv_views)."""
+
+    conv: ConvView
+    state: torch.Tensor
+    out: torch.Tensor | None = None
+    layers: tuple[int, ...] | None = None
+
+
+@dataclass(slots=True)
 class CacheSnapshot:
     """A cache's contents, detached from it: what snapshot() returns and files hold.
 
@@ -590,11 +608,14 @@ class KVCache(ABC):
 
     # ------------------------------------------------------------------ views
 
-    def kv_views(self, rows: Sequence[int]) -> list[KVView | ConvView] | None:
+    def kv_views(
+        self, rows: Sequence[int], step: CacheStep | None = None
+    ) -> list[KVView | ConvView | StateView] | None:
         """This cache's K/V for a caller that reads and writes them itself (the fused
         decode step), token i through row rows[i]: a KVView per layer group of attention,
-        a ConvView per group of conv layers; None where the layout is none a view
-        describes (basic, off, window)."""
+        a ConvView per group of conv layers, a StateView per group of recurrent layers
+        (its `out` the `step`'s, staged by written_in_place; None without a step); None
+        where the layout is none a view describes (basic, off, window)."""
         return None
 
     def written_in_place(self, step: CacheStep) -> None:  # noqa: B027 - most write in place

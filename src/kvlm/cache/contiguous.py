@@ -68,7 +68,7 @@ class ContiguousCache(RowCache):
     def _import(self, tensors: dict[str, torch.Tensor], length: int) -> None:
         self._import_rows(tensors, (ALL, ALL, ALL, ALL, slice(0, length)))
 
-    def kv_views(self, rows: Sequence[int]) -> list[KVView]:
+    def kv_views(self, rows: Sequence[int], step: CacheStep | None = None) -> list[KVView]:
         """One view: row b of the store is block b, holding every slot."""
         return [KVView(self.store, [[r] for r in rows], self.slots)]
 

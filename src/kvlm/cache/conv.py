@@ -234,7 +234,7 @@ class ConvCache(KVCache):
     def _fork(self, n: int) -> None:
         self.rows.fork(n)
 
-    def kv_views(self, rows: Sequence[int]) -> list[ConvView]:
+    def kv_views(self, rows: Sequence[int], step: CacheStep | None = None) -> list[ConvView]:
         """The rows as one view (the fused step's): token i through sequence rows[i],
         every sequence's rows ending at `end`."""
         return [ConvView(self.rows.rows, list(rows), [self.rows.end] * len(rows))]

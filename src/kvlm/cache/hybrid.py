@@ -48,6 +48,7 @@ from kvlm.cache.base import (
     KVCache,
     KVPair,
     KVView,
+    StateView,
 )
 from kvlm.cache.conv import ConvCache
 from kvlm.cache.groups import LayerGroup, layer_at, layer_groups, layout_extra
@@ -219,14 +220,18 @@ class HybridCache(KVCache):
             extra.update(self.parts[0]._layout_extra())
         return extra
 
-    def kv_views(self, rows: Sequence[int]) -> list[KVView | ConvView] | None:
+    def kv_views(
+        self, rows: Sequence[int], step: CacheStep | None = None
+    ) -> list[KVView | ConvView | StateView] | None:
         """Each part's views, its group's layers in its store's order: the mode's own
         cache's (kv_views), a ring's (WindowCache.ring_views), the conv rows'
-        (ConvCache.kv_views); None if a part has none."""
-        views: list[KVView | ConvView] = []
-        for group, part in zip(self.groups, self.parts, strict=True):
+        (ConvCache.kv_views), the states' (StateCache.kv_views, with its part of `step`);
+        None if a part has none."""
+        views: list[KVView | ConvView | StateView] = []
+        subs = step.parts if isinstance(step, HybridStep) else [None] * len(self.parts)
+        for group, part, sub in zip(self.groups, self.parts, subs, strict=True):
             whole = group.kind.keep is None or isinstance(part, (ConvCache, StateCache))
-            mine = part.kv_views(rows) if whole else part.ring_views(rows)
+            mine = part.kv_views(rows, sub) if whole else part.ring_views(rows)
             if mine is None:
                 return None
             for view in mine:  # fresh ones: the part's layers are this group's

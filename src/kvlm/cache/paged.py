@@ -59,6 +59,7 @@ from kvlm.cache.base import (
     KVCache,
     KVPair,
     KVView,
+    StateView,
     blocks_for,
     causal_mask,
     visible,
@@ -289,22 +290,21 @@ class BlockPool:
 
     def views(
         self, tables: Sequence[Sequence[Sequence[int]]], starts: Sequence[int] = ()
-    ) -> list[KVView | ConvView] | None:
+    ) -> list[KVView | ConvView | StateView] | None:
         """The pool's K/V as views for a step of a token a row (KVCache.kv_views; the fused
         step's): `tables[g][b]`, row b's table of layer group g (one group; a hybrid pool's
         others too, each its layers in their store's order, a block that left the window
         read as the row's first live one: `readable`, never within the window the step
         reads), row b at starts[b]; a conv group's rows its slots' rings (ConvSlots.view:
-        row b through its slot, tables[g][b]'s one entry; None where the group has no view
-        for these rows, and `stepped` after the step). No tables: what each group
-        declares, for FusedDecoder.pool_why_not."""
+        row b through its slot, tables[g][b]'s one entry), a recurrent group's its slots'
+        states and rows (StateSlots.view); None where a group has no view for these rows,
+        and `stepped` after the step. No tables: what each group declares, for
+        FusedDecoder.pool_why_not."""
         if not self.hybrid:
             return [KVView(self.store, tables[0], self.block_size)]
-        views: list[KVView | ConvView] = []
+        views: list[KVView | ConvView | StateView] = []
         for g, (group, rows) in enumerate(zip(self.groups, tables, strict=True)):
-            if isinstance(group, StateSlots):
-                return None  # no fused step reads a DeltaNet state
-            if isinstance(group, ConvSlots):
+            if isinstance(group, (ConvSlots, StateSlots)):
                 view = group.view(_pieces(rows, starts, tables[0]))
                 if view is None:
                     return None
@@ -315,13 +315,19 @@ class BlockPool:
                                 group.window or 0))  # fmt: skip
         return views
 
-    def stepped(self, tables: Sequence[Sequence[Sequence[int]]], starts: Sequence[int]) -> None:
+    def stepped(
+        self, tables: Sequence[Sequence[Sequence[int]]], starts: Sequence[int],
+        views: Sequence[KVView | ConvView | StateView],
+    ) -> None:  # fmt: skip
         """After the fused step wrote a step's rows through `views(tables, starts)` (its K/V
         as it ran, a conv group's rows once its logits were made): each conv group's
-        slots moved on (ConvSlots.written: what SlotStep.commit does on the torch step)."""
-        for group, rows in zip(self.groups, tables, strict=True):
+        slots moved on (ConvSlots.written: what SlotStep.commit does on the torch step),
+        each recurrent group's states kept (StateSlots.written)."""
+        for group, rows, view in zip(self.groups, tables, views, strict=True):
             if isinstance(group, ConvSlots):
                 group.written(_pieces(rows, starts, tables[0]))
+            elif isinstance(group, StateSlots):
+                group.written(_pieces(rows, starts, tables[0]), view)  # type: ignore[arg-type]
 
     def first_live(self, table: list[int]) -> int:
         """The index of a table's first block not FREED (len(table) when none is)."""
@@ -633,7 +639,7 @@ class PagedCache(KVCache):
     def _layout_extra(self) -> dict[str, int]:
         return layout_extra(tuple(pool.group for pool in self.pool.groups))
 
-    def kv_views(self, rows: Sequence[int]) -> list[KVView]:
+    def kv_views(self, rows: Sequence[int], step: CacheStep | None = None) -> list[KVView]:
         """The pool's views (BlockPool.views) over these rows' tables."""
         return self.pool.views([[t[r] for r in rows] for t in self.group_tables])
 

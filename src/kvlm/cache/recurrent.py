@@ -18,8 +18,15 @@ so a rollback goes back to a state kept for it: a draft step (begin(n, draft=Tru
 last token and its draft as rows of one step) keeps the state and rows after each of
 its rows, `hold_rollback(k)` those the last k one-token steps ended at (a draft model's
 cache); `can_roll_back(n)` is False past them (a chat turn starts over), rollback to 0 is
-a reset; fork copies it whole. No fused C step reads it (kvlm.model.fused refuses a
-DeltaNet layer); a cache file holds it with its checkpoints (`state_layout`).
+a reset; fork copies it whole. A cache file holds it with its checkpoints (`state_layout`).
+
+The fused C decode step (kvlm.model.fused) reads it through a `StateView`
+(`StateCache.kv_views`, `StateSlots.view`): the states before the step where they are,
+each row's after into the step's out buffer (a one-sequence cache's: DeltaStep.out_state,
+which commit keeps; the pool's: `StateSlots.written` copies them into the slots), the conv
+rows moved on in place as a conv layer's (ConvRows' layout; a kept state's rows copied
+off first: `DeltaRows.own_rows`). One row a sequence: a draft's rows, which keep each
+row's state, take the torch step.
 
 `StateSlots` keeps it in the engine's pool (kvlm.cache.paged.BlockPool.groups; the slot
 bookkeeping is kvlm.cache.slots'): a slot a sequence of both tensors above, its step a
@@ -38,11 +45,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep, KVCache, KVPair
+from kvlm.cache.base import CacheSpec, CacheStep, ConvView, KVCache, KVPair, StateView
 from kvlm.cache.conv import ConvRows, ConvStep
 from kvlm.cache.groups import LayerGroup
 from kvlm.cache.kinds import ConvWindow, RecurrentState, state_dtype
-from kvlm.cache.slots import Piece, Slots, joined
+from kvlm.cache.slots import Piece, Slots, joined, sequences
 from kvlm.errors import CacheOverflowError, InvalidRequestError
 
 # Why a cache with a DeltaNet state refuses a rollback (and the callers that need one)
@@ -179,6 +186,15 @@ class DeltaRows:
             self.kept[length] = (self.state, self.conv.rows)
             self.marks = {p: t for p, t in self.marks.items() if p <= length}
             self.wanted = set()
+
+    def own_rows(self) -> None:
+        """Before a step that moves the conv rows on in place (the fused step's): the rows
+        copied off first where a state kept for a rollback or a checkpoint holds them (the
+        one at the end itself only where a rollback may return there)."""
+        live = self.conv.rows.data_ptr()
+        held = [t for p, t in self.kept.items() if self.depth or p != self.length]
+        if any(t[1].data_ptr() == live for t in (*held, *self.marks.values())):
+            self.conv.rows = self.conv.rows.clone()
 
     def fork(self, n: int) -> None:
         """Each sequence as n (n samples decoding from one prompt)."""
@@ -368,8 +384,23 @@ class StateCache(KVCache):
     def _fork(self, n: int) -> None:
         self.rows.fork(n)
 
-    def kv_views(self, rows):  # type: ignore[override]
-        return None  # no fused step reads a DeltaNet layer
+    def kv_views(self, rows: Sequence[int], step: CacheStep | None = None) -> list[StateView]:
+        """The state as one view (the fused step's): token i through sequence rows[i], its
+        out buffer `step`'s (written_in_place staged it; None without a step)."""
+        r, seqs = self.rows, list(rows)
+        out = None if step is None else step.recurrent.out  # type: ignore[attr-defined]
+        conv = ConvView(r.conv.rows, seqs, [r.conv.end] * len(seqs))
+        return [StateView(conv, r.state, out)]
+
+    def written_in_place(self, step: CacheStep) -> None:
+        """The fused step reads the states before the step, writes every layer's after into
+        the step's out buffer (staged here: commit keeps it) and moves the conv rows on
+        itself (commit then only records the positions)."""
+        recurrent: DeltaStep = step.recurrent  # type: ignore[attr-defined]
+        self.rows.own_rows()
+        recurrent.conv.in_place = True
+        for layer in range(len(recurrent.staged)):
+            recurrent.stage(layer, recurrent.out_state(layer))
 
     def _release(self) -> None:  # back to the spec's batch
         self.rows = self._new_rows(self.spec.batch)
@@ -559,6 +590,72 @@ class StateSlots(Slots):
                     self.forget(block)
         super().trim(table, num_tokens)
 
+    def snapshots_at(
+        self, slot: int, start: int, n: int, draft: bool
+    ) -> list[tuple[int, str | None]]:
+        """The snapshots a step of n tokens of `slot` from `start` takes, (position, role):
+        the last block end it passes (its prompt's, a chat prompt's at its turn start at
+        most: `turn`; a decode row's or a draft's: its answer's), and a prompt's every
+        `every` tokens it passes (role None, at most 8). None without a prefix cache."""
+        if not self.holds_ends:
+            return []
+        b = (start + n) // self.block_size * self.block_size  # the last block end passed
+        role = "prompt" if n > 1 and not draft else "answer"
+        if role == "prompt" and slot in self.turn_end:  # a chat's: at its turn's start
+            b = min(b, self.turn_end[slot])
+        out: list[tuple[int, str | None]] = [(b, role)] if b > start else []
+        if role == "prompt":  # and every `every` tokens it passes
+            ends = range((start // self.every + 1) * self.every, start + n + 1, self.every)
+            out += [(e, None) for e in [e for e in ends if e != b][-8:]]
+        return out
+
+    def check_start(self, slot: int, start: int) -> None:
+        """CacheOverflowError unless a step of `slot` at `start` starts where it ends."""
+        if start != self.end[slot]:
+            raise CacheOverflowError(
+                f"the DeltaNet state of slot {slot} holds {self.end[slot]} tokens; a step at "
+                f"{start} cannot start there ({NO_ROLLBACK}: the sequence must be recomputed)"
+            )
+
+    # ------------------------------------------------------------------ the fused step
+
+    def view(self, pieces: Sequence[Piece]) -> StateView | None:
+        """The slots as the fused step reads and writes them (kvlm.model.fused;
+        BlockPool.views): row i through pieces[i]'s slot, the states read where they are,
+        each row's after into a buffer of its own (`written` keeps them), the conv rows
+        (ConvRows' layout, a slot a sequence) moved on in place. None where a sequence has
+        more than one row (a draft's: the torch step keeps each row's state)."""
+        seqs = sequences(pieces)
+        if any(n != 1 for _, _, n, _ in seqs) or len(seqs) != len(pieces):
+            return None
+        for slot, start, _, _ in seqs:
+            self.check_start(slot, start)
+        slots = [p[0] for p in pieces]
+        out = None
+        if pieces:
+            out = torch.empty(self.state.shape[0], len(pieces), *self.state.shape[2:],
+                              dtype=torch.float32, device=self.state.device)  # fmt: skip
+        conv = ConvView(self.conv, slots, [self.end[s] for s in slots], self.group.layers)
+        return StateView(conv, self.state, out, self.group.layers)
+
+    def written(self, pieces: Sequence[Piece], view: StateView) -> None:
+        """After the fused step ran `pieces` through `view`: each row's state into its
+        slot, its end moved on (its conv rows the step moved on itself), and the snapshot
+        of a block end its row reached (snapshots_at), as SlotDeltaStep.commit keeps them."""
+        bs, out = self.block_size, view.out
+        assert out is not None
+        index = torch.tensor([p[0] for p in pieces], dtype=torch.long, device=out.device)
+        for i, (slot, start, n, table) in enumerate(pieces):
+            self.drafted.pop(slot, None)  # the last step's draft: past
+            for e, role in self.snapshots_at(slot, start, n, False):
+                idx = self.take(table[e // bs - 1], slot, role)
+                if idx is not None:
+                    self.snap_state[:, idx] = out[:, i]
+                    self.snap_conv[:, idx] = self.conv[:, slot]
+        self.state.index_copy_(1, index, out.to(self.state.dtype))
+        for slot, start, n, _ in pieces:
+            self.end[slot] = start + n
+
     def step(self, pieces: Sequence[Piece]) -> SlotDeltaStep:
         """The DeltaNet state of a pool step whose tokens, flattened, are `pieces`."""
         return SlotDeltaStep(self, pieces)
@@ -705,12 +802,7 @@ class SlotDeltaStep:
         self._snaps = []  # (row, s, block, slot, role, position): the snapshots it takes
         self._drafts = []  # (slot, start, n, buf rows): each draft's states and rows kept
         for s, (slot, start, n, table) in enumerate(self.seqs):
-            if start != slots.end[slot]:
-                raise CacheOverflowError(
-                    f"the DeltaNet state of slot {slot} holds {slots.end[slot]} tokens; a "
-                    f"step at {start} cannot start there ({NO_ROLLBACK}: the sequence must "
-                    "be recomputed)"
-                )
+            slots.check_start(slot, start)
 
             def at(q: torch.Tensor, s=s, offset=offset) -> torch.Tensor:
                 """buf's rows of the sequence's relative positions q (q >= -(L - 1))."""
@@ -720,21 +812,10 @@ class SlotDeltaStep:
             taps.append(torch.stack([at(rel - r + k) for k in range(r + 1)]))
             kept.append(at(torch.arange(n - r, n)))
             draft = counts[s] > 1
-            b = (start + n) // bs * bs  # the last block end the sequence passes
-            role = "prompt" if n > 1 and not draft else "answer"
-            if role == "prompt" and slot in slots.turn_end:  # a chat's: at its turn's start
-                b = min(b, slots.turn_end[slot])
-            if slots.holds_ends and b > start:
-                row = cu[-1] + b - start - 1
+            for e, role in slots.snapshots_at(slot, start, n, draft):
+                row = cu[-1] + e - start - 1
                 points.add(row)
-                self._snaps.append((row, s, table[b // bs - 1], slot, role, b))
-            if slots.holds_ends and role == "prompt":  # and every `every` tokens it passes
-                every = slots.every
-                ends = range((start // every + 1) * every, start + n + 1, every)
-                for e in [e for e in ends if e != b][-8:]:
-                    row = cu[-1] + e - start - 1
-                    points.add(row)
-                    self._snaps.append((row, s, table[e // bs - 1], slot, None, e))
+                self._snaps.append((row, s, table[e // bs - 1], slot, role, e))
             if draft:
                 points.update(range(cu[-1], cu[-1] + n - 1))
                 self._drafts.append((s, slot, start, n, at(torch.arange(-r, n))))

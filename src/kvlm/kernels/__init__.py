@@ -452,9 +452,9 @@ _SIGNATURES: dict[str, tuple[str, str]] = {
     "kvlm_mamba2": ("int", "pipipipppipidppipipipipiiiiii"),
     # decode.c
     "kvlm_decode_scratch": ("int64", "pi"),  # m, B
-    # m, B, x, xn, pos, pn, cos, cn, sin, sn, views, n_views, convs, n_convs, scratch, scn,
-    # logits, ln
-    "kvlm_decode_batch": ("int", "pipipipipipipipipi"),
+    # m, B, x, xn, pos, pn, cos, cn, sin, sn, views, n_views, convs, n_convs, states,
+    # n_states, scratch, scn, logits, ln
+    "kvlm_decode_batch": ("int", "pipipipipipipipipipi"),
     # for tests alone (no caller in kvlm): the store's quantizers and fp16 conversions
     "kvlm_quantize_q4_rows": ("int", "pipipiii"),  # x, xn, codes, cn, scales, sn, rows, D
     "kvlm_quantize_kv_rows": ("int", "pipipiii"),  # x, xn, codes, cn, params, pn, rows, D

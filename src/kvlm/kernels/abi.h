@@ -10,7 +10,7 @@
 #define KVLM_ABI_H
 #include <stdint.h>
 
-#define KVLM_ABI 31 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
+#define KVLM_ABI 32 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
 
 /* the limits (fused.py: MAX_HEAD_DIM, MAX_ROWS, QMAT_PARTS; quant.py: BLOCK_ROWS, SMALL_M) */
 #define BR 16         /* weight rows per block: one per 32-bit vector lane */
@@ -26,15 +26,16 @@ enum { Q8 = 8, Q4 = 4, Q40 = 40, Q50 = 50, Q51 = 51, Q4K = 104, Q5K = 105, Q6K =
 /* K's and V's storage (kvlm_qmodel.k_dtype, v_dtype) */
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_F16 = 3, KV_Q4 = 4 };
 
-/* kvlm_qmodel.act_int8, act_int16: an attention layer's q|k|v and o, a conv layer's in_proj
- * and out_proj, every layer's gate|up and down, the vocabulary projection */
+/* kvlm_qmodel.act_int8, act_int16: an attention layer's q|k|v and o, a conv or recurrent
+ * layer's in_proj and out_proj, every layer's gate|up and down, the vocabulary projection */
 enum {
     ACT_QKV = 1, ACT_O = 2, ACT_GATE_UP = 4, ACT_DOWN = 8, ACT_HEAD = 16, ACT_CONV_IN = 32,
     ACT_CONV_OUT = 64
 };
 
-/* a layer's mixer (kvlm_qlayer.mixer; kvlm.config.MIXERS) */
-enum { MIX_ATTENTION = 0, MIX_CONV = 1 };
+/* a layer's mixer (kvlm_qlayer.mixer; kvlm.config.MIXERS): attention, a gated short
+ * convolution, a gated DeltaNet, a Mamba2 layer (the last two: recurrent, kvlm_state_view) */
+enum { MIX_ATTENTION = 0, MIX_CONV = 1, MIX_DELTA = 2, MIX_MAMBA2 = 3 };
 
 typedef struct {
     int64_t kind;        /* Q8, Q4, Q40, Q50, Q51, Q4K, Q5K or Q6K */
@@ -62,19 +63,27 @@ typedef struct {
     int64_t window; /* keys the query at p sees: p - window < s <= p; 0: all of 0 .. p;
                        -1: the step's window (kvlm_qmodel.window) */
     int64_t rope;   /* which cos/sin table (0: the model's base; 1: the local layers') */
-    int64_t view;   /* which cache view holds this layer's K/V (kvlm_kv_view), or a conv
-                       layer's rows (kvlm_conv_view) */
+    int64_t view;   /* which cache view holds this layer's K/V (kvlm_kv_view), a conv
+                       layer's rows (kvlm_conv_view), a recurrent layer's state and rows
+                       (kvlm_state_view) */
     int64_t index;  /* the layer's index inside that view's store */
     int64_t mixer;  /* MIX_ATTENTION: q|k|v through the fields above; MIX_CONV: a gated short
                        convolution through those below (qkv, o, their biases, the q/k norms,
                        window and rope unread; norms, gate_up, down and the output norms
-                       as an attention layer's) */
+                       as an attention layer's); MIX_DELTA, MIX_MAMBA2: a recurrent layer
+                       through those below too (in_proj, out_proj, taps, the fields after) */
     /* a conv layer (kvlm.model.conv): B|C|x = in_proj [3 hidden, hidden], out_proj
      * [hidden, hidden]; their biases (NULL: none); the depthwise taps (conv_kernel,
      * hidden), tap k of channel h at k hidden + h (tap conv_kernel - 1 reads the row's own
      * position); the taps' bias (NULL: none) */
     kvlm_qmat in_proj, out_proj;
     const float *in_bias, *out_bias, *taps, *taps_bias;
+    /* a recurrent layer (MIX_DELTA: kvlm.model.deltanet; MIX_MAMBA2: kvlm.model.mamba2),
+     * with in_proj, out_proj, their biases, taps (conv_kernel, its conv's channels) and
+     * their bias above: A_log and dt_bias (a value head's each), D (Mamba2's, a head's;
+     * NULL for a DeltaNet), the gated norm's weight (a value head's dv: DeltaNet; the
+     * inner channels: Mamba2) */
+    const float *a_log, *dt_bias, *d, *gnorm;
 } kvlm_qlayer;
 
 typedef struct {
@@ -101,8 +110,19 @@ typedef struct {
     float attn_softcap;      /* scores soft-capped, cap tanh(s / cap), before the softmax
                                 (Gemma 2); 0: none */
     int64_t rope_tables;     /* the cos/sin tables given (1, or 2: a local layers' base) */
-    int64_t conv_kernel;     /* a conv layer's taps, 2 .. MAX_CONV_KERNEL (unread without
-                                one) */
+    int64_t conv_kernel;     /* a conv or recurrent layer's taps, 2 .. MAX_CONV_KERNEL
+                                (unread without one) */
+    int64_t rotary_dim;      /* the dimensions of a head RoPE rotates (head_dim; fewer: a
+                                partial rotary factor), the tables' last dimension */
+    int64_t attn_gate;       /* 1: q|gate|k|v, the attention's output times sigmoid(gate)
+                                per element before o (Qwen3.5's gated attention) */
+    float residual_scale;    /* each mixer's and MLP's output times this before the
+                                residual add (Granite's multiplier); 0: none */
+    float rec_eps;           /* a recurrent layer's gated norm's eps */
+    /* a recurrent layer's sizes (every one of the model's of one kind): its value heads
+     * (a DeltaNet's nv, a Mamba2's heads), a value head's channels (dv; head_dim), a key
+     * head's (dk; the state size N), and the key heads (nk; the groups G) */
+    int64_t rec_heads, rec_head_dim, rec_key_dim, rec_groups;
 } kvlm_qmodel;
 
 /* Where a group of layers keeps its K/V: K of layer l at k + l * k_layer bytes, a
@@ -158,5 +178,20 @@ typedef struct {
     int64_t bytes;             /* bytes from rows on: layers batch keep width floats within
                                   (CONV_SLOTS: layers (batch keep + 1) width) */
 } kvlm_conv_view;
+
+/* Where a group of recurrent layers keeps its state (kvlm.cache.recurrent: a
+ * one-sequence cache's DeltaRows, the engine pool's StateSlots): `conv` their conv rows
+ * (CONV_ROWS; its width the convolution's channels, `keep` L - 1), sequence conv.seq[b]
+ * row b's; `in` the states before the step, (layers, conv.batch, state) floats, read only;
+ * `out` (layers, out_rows, state): row b's state after the step written at row b (the
+ * caller keeps it once the step succeeded). One row a sequence (no draft's run). */
+typedef struct {
+    kvlm_conv_view conv;
+    const float *in;
+    float *out;
+    int64_t state;              /* floats of a layer's state of one sequence */
+    int64_t out_rows;           /* out's rows a layer (at least the step's) */
+    int64_t in_bytes, out_bytes; /* bytes from in and out on */
+} kvlm_state_view;
 
 #endif

@@ -9,7 +9,8 @@
  *
  * a depthwise causal convolution of L = conv_kernel taps per channel over the sequence's
  * held rows (kvlm_conv_view: its last `keep` rows of u, a one-sequence cache's rows or a
- * pool slot's ring: conv_row) and the step's own. Once the step has made its logits, each
+ * pool slot's ring: conv_row) and the step's own (conv_taps: a recurrent layer's
+ * convolution too, over its q|k|v or x|B|C, decode.c's recurrent_mix). Once the step has made its logits, each
  * sequence's held rows move on past the step's rows (conv_keep_rows, what
  * kvlm.cache.conv.ConvRows.commit does to them; a slot's ring takes the new rows where
  * their positions fall), so a step that fails leaves them as they were. The arithmetic is ShortConv's, operation for operation
@@ -18,40 +19,46 @@
  * output, on every build. (Part of qgemm.c's one translation unit: decode.c calls these.)
  * ------------------------------------------------------------------------------------ */
 
-/* -2 unless every conv view holds what the step reads and writes there: a known layout,
+/* -2 unless the conv view V holds what the step reads and writes there: a known layout,
  * its rows within its bytes, seq and ends within their entries, each step row's sequence
  * (slot) within its batch, the rows of one sequence consecutive in the step at consecutive
- * positions with one end (a draft's), no sequence in two such runs, and the L - 1 rows
- * before each run held (end - keep + L - 1 <= start <= end); each conv layer's view and
- * index within them */
+ * positions with one end (a draft's; `runs` 0: none, one row a sequence), no sequence in
+ * two such runs, and the L - 1 rows before each run held (end - keep + L - 1 <= start <=
+ * end); 0 when so */
+static int conv_view_ok(const kvlm_conv_view *V, int64_t B, const int64_t *pos, int64_t L,
+                        int runs) {
+    int64_t need;
+    if (!V->rows || !V->seq || !V->ends || V->layers < 0 || V->batch < 1) return -2;
+    if (V->keep < L - 1 || V->keep < 1 || V->width < 1 || V->entries < B) return -2;
+    if (V->layout != CONV_ROWS && V->layout != CONV_SLOTS) return -2;
+    if (!mul_ok(V->batch, V->keep, &need)) return -2;
+    if (V->layout == CONV_SLOTS && !add_ok(need, 1, &need)) return -2; /* the zero row */
+    if (!mul_ok(need, V->layers, &need) || !mul_ok(need, V->width, &need) ||
+        !mul_ok(need, (int64_t)sizeof(float), &need) || V->bytes < need)
+        return -2;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t s = V->seq[b];
+        if (s < 0 || s >= V->batch || V->ends[b] < 0) return -2;
+        if (b > 0 && s == V->seq[b - 1]) { /* the run goes on: the next position */
+            if (!runs || pos[b] != pos[b - 1] + 1 || V->ends[b] != V->ends[b - 1]) return -2;
+            continue;
+        }
+        for (int64_t a = 0; a < b; a++)
+            if (V->seq[a] == s) return -2; /* the sequence's second run */
+        const int64_t behind = V->ends[b] - pos[b];
+        if (behind < 0 || behind > V->keep - (L - 1)) return -2;
+    }
+    return 0;
+}
+
+/* -2 unless every conv view holds what the step reads and writes there (conv_view_ok, its
+ * rows a hidden wide) and each conv layer's view and index lie within them */
 static int check_convs(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
                        const kvlm_conv_view *convs, int64_t n_convs) {
-    const int64_t L = m->conv_kernel;
     if (n_convs < 0 || (n_convs > 0 && !convs)) return -2;
-    for (int64_t v = 0; v < n_convs; v++) {
-        const kvlm_conv_view *V = convs + v;
-        int64_t need;
-        if (!V->rows || !V->seq || !V->ends || V->layers < 0 || V->batch < 1) return -2;
-        if (V->keep < L - 1 || V->keep < 1 || V->width != m->hidden || V->entries < B) return -2;
-        if (V->layout != CONV_ROWS && V->layout != CONV_SLOTS) return -2;
-        if (!mul_ok(V->batch, V->keep, &need)) return -2;
-        if (V->layout == CONV_SLOTS && !add_ok(need, 1, &need)) return -2; /* the zero row */
-        if (!mul_ok(need, V->layers, &need) || !mul_ok(need, V->width, &need) ||
-            !mul_ok(need, (int64_t)sizeof(float), &need) || V->bytes < need)
+    for (int64_t v = 0; v < n_convs; v++)
+        if (conv_view_ok(convs + v, B, pos, m->conv_kernel, 1) || convs[v].width != m->hidden)
             return -2;
-        for (int64_t b = 0; b < B; b++) {
-            const int64_t s = V->seq[b];
-            if (s < 0 || s >= V->batch || V->ends[b] < 0) return -2;
-            if (b > 0 && s == V->seq[b - 1]) { /* the run goes on: the next position */
-                if (pos[b] != pos[b - 1] + 1 || V->ends[b] != V->ends[b - 1]) return -2;
-                continue;
-            }
-            for (int64_t a = 0; a < b; a++)
-                if (V->seq[a] == s) return -2; /* the sequence's second run */
-            const int64_t behind = V->ends[b] - pos[b];
-            if (behind < 0 || behind > V->keep - (L - 1)) return -2;
-        }
-    }
     for (int64_t l = 0; l < m->n_layers; l++) {
         const kvlm_qlayer *Lr = m->layers + l;
         if (Lr->mixer != MIX_CONV) continue;
@@ -75,36 +82,47 @@ static inline float *conv_row(const kvlm_conv_view *V, int64_t index, int64_t s,
     return V->rows + ((index * V->batch + s) * keep + q - end + keep) * H;
 }
 
+/* y [B, W] = the taps (L of them, each W wide: tap k of channel h at k W + h) over
+ * positions pos - L + 1 .. pos of each row's input u [B, W] (+ the taps' bias), a position
+ * before the row's run read from its sequence's held rows of layer `index` in V, one from
+ * the run's first on from the run's own u: ShortConv's and depthwise's sum, tap by tap in
+ * order */
+static void conv_taps(const kvlm_conv_view *V, int64_t index, int64_t B, const int64_t *pos,
+                      const float *u, const float *taps, const float *bias, int64_t L,
+                      int64_t W, float *y) {
+    for (int64_t b = 0, first = 0; b < B; b++) {
+        if (b == 0 || V->seq[b] != V->seq[b - 1]) first = b;
+        const int64_t start = pos[first], end = V->ends[b], seq = V->seq[b];
+        float *yb = y + b * W;
+        for (int64_t k = 0; k < L; k++) {
+            const int64_t q = pos[b] - (L - 1) + k; /* the position tap k reads */
+            const float *r = q >= start ? u + (first + q - start) * W
+                                        : conv_row(V, index, seq, end, q, W);
+            const float *w = taps + k * W;
+            if (k == 0)
+                for (int64_t h = 0; h < W; h++) yb[h] = r[h] * w[h];
+            else
+                for (int64_t h = 0; h < W; h++) yb[h] = yb[h] + r[h] * w[h];
+        }
+        if (bias)
+            for (int64_t h = 0; h < W; h++) yb[h] = yb[h] + bias[h];
+    }
+}
+
 /* The conv layer Lr's rows of the step: u [B, H] = B * x of each row's in_proj output cin
- * [B, 3H] (B | C | x), then y [B, H] = C * (the taps over positions pos - L + 1 .. pos +
- * the taps' bias), a position before the row's run read from its sequence's held rows of
- * layer `index` in V, one from the run's first on from the run's own u */
+ * [B, 3H] (B | C | x), then y [B, H] = C * (the taps over u: conv_taps) */
 static void conv_rows(const kvlm_qmodel *m, const kvlm_qlayer *Lr, const kvlm_conv_view *V,
                       int64_t index, int64_t B, const int64_t *pos, const float *cin, float *u,
                       float *y) {
-    const int64_t H = m->hidden, L = m->conv_kernel;
+    const int64_t H = m->hidden;
     for (int64_t b = 0; b < B; b++) {
         const float *bx = cin + b * 3 * H; /* B, then (after C) x */
         for (int64_t h = 0; h < H; h++) u[b * H + h] = bx[h] * bx[2 * H + h];
     }
-    for (int64_t b = 0, first = 0; b < B; b++) {
-        if (b == 0 || V->seq[b] != V->seq[b - 1]) first = b;
-        const int64_t start = pos[first], end = V->ends[b], seq = V->seq[b];
+    conv_taps(V, index, B, pos, u, Lr->taps, Lr->taps_bias, m->conv_kernel, H, y);
+    for (int64_t b = 0; b < B; b++) {
         const float *c = cin + b * 3 * H + H;
-        float *yb = y + b * H;
-        for (int64_t k = 0; k < L; k++) {
-            const int64_t q = pos[b] - (L - 1) + k; /* the position tap k reads */
-            const float *r = q >= start ? u + (first + q - start) * H
-                                        : conv_row(V, index, seq, end, q, H);
-            const float *w = Lr->taps + k * H;
-            if (k == 0)
-                for (int64_t h = 0; h < H; h++) yb[h] = r[h] * w[h];
-            else
-                for (int64_t h = 0; h < H; h++) yb[h] = yb[h] + r[h] * w[h];
-        }
-        if (Lr->taps_bias)
-            for (int64_t h = 0; h < H; h++) yb[h] = yb[h] + Lr->taps_bias[h];
-        for (int64_t h = 0; h < H; h++) yb[h] = c[h] * yb[h];
+        for (int64_t h = 0; h < H; h++) y[b * H + h] = c[h] * y[b * H + h];
     }
 }
 

@@ -75,15 +75,67 @@ static int qmat_ok(const kvlm_qmat *w, int64_t n, int64_t k) {
     return rows == n;
 }
 
+static inline int is_recurrent(int64_t mixer) { return mixer == MIX_DELTA || mixer == MIX_MAMBA2; }
+
+/* A recurrent layer's sizes from the model's (rec_*: nv value heads of dv, nk key heads
+ * (groups) of dk): its convolution's channels (DeltaNet q|k|v = 2 nk dk + nv dv; Mamba2
+ * x|B|C = nv dv + 2 nk dk), out_proj's input (nv dv), in_proj's rows (DeltaNet q|k|v, z,
+ * b, a; Mamba2 z, x|B|C, dt), its gates a row (DeltaNet b and a; Mamba2 dt), and a
+ * sequence's state (nv dk dv floats either way) */
+typedef struct {
+    int64_t conv, inner, in, gates, state;
+} rec_sizes;
+
+static rec_sizes rec_sizes_of(const kvlm_qmodel *m, int64_t mixer) {
+    const int64_t nv = m->rec_heads, dv = m->rec_head_dim, dk = m->rec_key_dim;
+    rec_sizes r;
+    r.inner = nv * dv;
+    r.conv = 2 * m->rec_groups * dk + r.inner;
+    r.gates = mixer == MIX_DELTA ? 2 * nv : nv;
+    r.in = r.conv + r.inner + r.gates;
+    r.state = nv * dk * dv;
+    return r;
+}
+
+/* the model's recurrent kind (MIX_DELTA or MIX_MAMBA2: every recurrent layer's), or -1 */
+static int64_t recurrent_kind(const kvlm_qmodel *m) {
+    for (int64_t l = 0; l < m->n_layers; l++)
+        if (is_recurrent(m->layers[l].mixer)) return m->layers[l].mixer;
+    return -1;
+}
+
+/* Whether a recurrent layer's sizes are in range (its kernel's limits: deltanet.c,
+ * mamba2.c), it is of the model's one recurrent kind, and its weights are of the shapes
+ * they give */
+static int recurrent_ok(const kvlm_qmodel *m, const kvlm_qlayer *L) {
+    const int64_t H = m->hidden, nv = m->rec_heads, dv = m->rec_head_dim;
+    const int64_t dk = m->rec_key_dim, nk = m->rec_groups;
+    if (L->mixer != recurrent_kind(m) || nk < 1 || nv < nk || nv > 4096 || nv % nk) return 0;
+    if (dk < 1 || dv < 1 || dk > DELTA_MAX_DIM || dv > DELTA_MAX_DIM || dk > MAMBA_MAX_DIM ||
+        dv > MAMBA_MAX_DIM || !(m->rec_eps >= 0.0f))
+        return 0;
+    if (L->mixer == MIX_MAMBA2 && (!L->d || nv * dv / nk > MAMBA_MAX_GROUP)) return 0;
+    const rec_sizes r = rec_sizes_of(m, L->mixer);
+    return m->conv_kernel >= 2 && m->conv_kernel <= MAX_CONV_KERNEL && L->taps && L->a_log &&
+           L->dt_bias && L->gnorm && qmat_ok(&L->in_proj, r.in, H) &&
+           qmat_ok(&L->out_proj, H, r.inner);
+}
+
+/* q|k|v's rows a token: Hq query heads (twice: q|gate, with attn_gate), Hkv K and V */
+static inline int64_t qkv_rows(const kvlm_qmodel *m) {
+    return ((m->attn_gate ? 2 : 1) * m->n_heads + 2 * m->n_kv_heads) * m->head_dim;
+}
+
 /* Whether layer L's mixer is one the step runs, with its products of the shape the
- * model's sizes give them: attention's q|k|v and o, or a conv layer's in_proj and out_proj
- * and its taps (conv_kernel of them in range) */
+ * model's sizes give them: attention's q|k|v and o, a conv layer's in_proj and out_proj
+ * and its taps (conv_kernel of them in range), a recurrent layer's (recurrent_ok) */
 static int mixer_ok(const kvlm_qmodel *m, const kvlm_qlayer *L) {
-    const int64_t H = m->hidden, D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
+    const int64_t H = m->hidden, D = m->head_dim, Hq = m->n_heads;
     if (L->mixer == MIX_CONV)
         return m->conv_kernel >= 2 && m->conv_kernel <= MAX_CONV_KERNEL && L->taps &&
                qmat_ok(&L->in_proj, 3 * H, H) && qmat_ok(&L->out_proj, H, H);
-    return L->mixer == MIX_ATTENTION && qmat_ok(&L->qkv, (Hq + 2 * Hkv) * D, H) &&
+    if (is_recurrent(L->mixer)) return recurrent_ok(m, L);
+    return L->mixer == MIX_ATTENTION && qmat_ok(&L->qkv, qkv_rows(m), H) &&
            qmat_ok(&L->o, H, Hq * D);
 }
 
@@ -98,6 +150,8 @@ static int model_ok(const kvlm_qmodel *m) {
         I > (1 << 22))
         return 0;
     if (D < 2 || D > MAX_HEAD_DIM || Hq < 1 || Hq > 4096 || Hkv < 1 || Hkv > Hq) return 0;
+    if (m->rotary_dim < 2 || m->rotary_dim > D || m->rotary_dim % 2 || (m->attn_gate >> 1))
+        return 0;
     if (m->slots < 1 || m->slots > ((int64_t)1 << 26) || !m->layers || !m->final_norm) return 0;
     for (int64_t l = 0; l < m->n_layers; l++) {
         const kvlm_qlayer *L = m->layers + l;
@@ -108,26 +162,37 @@ static int model_ok(const kvlm_qmodel *m) {
     return qmat_ok(&m->lm_head, m->lm_head.n, H);
 }
 
-/* how many of the model's layers are conv layers */
-static int64_t conv_layers(const kvlm_qmodel *m) {
+/* how many of the model's layers are conv layers (MIX_CONV), recurrent ones (recurrent) */
+static int64_t layers_of(const kvlm_qmodel *m, int recurrent) {
     int64_t n = 0;
-    for (int64_t l = 0; l < m->n_layers; l++) n += m->layers[l].mixer == MIX_CONV;
+    for (int64_t l = 0; l < m->n_layers; l++)
+        n += recurrent ? is_recurrent(m->layers[l].mixer) : m->layers[l].mixer == MIX_CONV;
     return n;
 }
 
 /* floats a row of the step's conv layers needs (bufs_of): in_proj's output, the taps',
  * and every conv layer's u, kept for the rows' update at the end; 0 without conv layers */
 static int64_t conv_floats(const kvlm_qmodel *m) {
-    const int64_t convs = conv_layers(m);
+    const int64_t convs = layers_of(m, 0);
     return convs ? (4 + convs) * m->hidden : 0;
+}
+
+/* floats a row of the step's recurrent layers needs (bufs_of): in_proj's output, the
+ * convolution's, z, the gates, the kernel's output, and every recurrent layer's conv
+ * input u, kept for the rows' update at the end; 0 without recurrent layers */
+static int64_t recurrent_floats(const kvlm_qmodel *m) {
+    const int64_t n = layers_of(m, 1);
+    if (!n) return 0;
+    const rec_sizes r = rec_sizes_of(m, recurrent_kind(m));
+    return r.in + r.conv + 2 * r.inner + r.gates + n * r.conv;
 }
 
 /* floats of scratch a step of B rows needs (bufs_of), the model's sizes in range */
 static int64_t scratch_floats(const kvlm_qmodel *m, int64_t B) {
     const int64_t D = m->head_dim, Hq = m->n_heads;
-    const int64_t row = 2 * m->hidden + (Hq + 2 * m->n_kv_heads) * D + Hq * D + 3 * m->inter +
+    const int64_t row = 2 * m->hidden + qkv_rows(m) + 2 * Hq * D + 3 * m->inter +
                         Hq * m->slots + Hq * MAX_CHUNKS * (D + 2) + Hq * (query_stride(D) / 4 + 2) +
-                        Hq * Q4_QG + conv_floats(m);
+                        Hq * Q4_QG + conv_floats(m) + recurrent_floats(m);
     return B * row + D;
 }
 
@@ -324,18 +389,22 @@ static void write_kv(const kvlm_qmodel *m, const layer_kv *lk, int64_t b, int64_
 
 /* The step's buffers in its scratch (kvlm_decode_scratch) */
 typedef struct {
-    float *h, *qkv, *att, *gu, *act, *tmp, *scores, *part, *qsc, *qsum, *qgs, *rot;
+    float *h, *qkv, *att, *gate, *gu, *act, *tmp, *scores, *part, *qsc, *qsum, *qgs, *rot;
     int8_t *q8;
     float *cin, *cy, *u; /* conv layers: in_proj's output, the taps', each layer's u */
+    /* recurrent layers: in_proj's output, the convolution's, z, the gates, the kernel's
+     * output, each layer's u (recurrent_floats) */
+    float *rin, *rcy, *rz, *rg, *ro, *ru;
 } step_bufs;
 
 static step_bufs bufs_of(const kvlm_qmodel *m, int64_t B, float *scratch) {
     const int64_t H = m->hidden, D = m->head_dim, Hq = m->n_heads, I = m->inter;
     step_bufs s;
     s.h = scratch;                                      /* B H */
-    s.qkv = s.h + B * H;                                /* B (Hq + 2 Hkv) D */
-    s.att = s.qkv + B * (Hq + 2 * m->n_kv_heads) * D;   /* B Hq D */
-    s.gu = s.att + B * Hq * D;                          /* B 2 I */
+    s.qkv = s.h + B * H;                                /* B qkv_rows: (Hq + 2 Hkv) D used */
+    s.att = s.qkv + B * qkv_rows(m);                    /* B Hq D */
+    s.gate = s.att + B * Hq * D;                        /* B Hq D: attn_gate's */
+    s.gu = s.gate + B * Hq * D;                         /* B 2 I */
     s.act = s.gu + B * 2 * I;                           /* B I */
     s.tmp = s.act + B * I;                              /* B H */
     s.scores = s.tmp + B * H;                           /* B Hq S */
@@ -348,27 +417,38 @@ static step_bufs bufs_of(const kvlm_qmodel *m, int64_t B, float *scratch) {
     s.cin = (float *)(s.q8 + B * Hq * query_stride(D)); /* B 3H: B | C | x (conv_floats) */
     s.cy = s.cin + B * 3 * H;                           /* B H: C * the taps */
     s.u = s.cy + B * H; /* conv layers x B H: each one's u, in the order of the layers */
+    float *rec = s.cin + B * conv_floats(m); /* recurrent_floats */
+    const int64_t kind = recurrent_kind(m);
+    if (kind >= 0) {
+        const rec_sizes r = rec_sizes_of(m, kind);
+        s.rin = rec;                  /* B r.in: in_proj's output */
+        s.rcy = s.rin + B * r.in;     /* B r.conv: the convolution's */
+        s.rz = s.rcy + B * r.conv;    /* B r.inner: z */
+        s.rg = s.rz + B * r.inner;    /* B r.gates: b | a, or dt */
+        s.ro = s.rg + B * r.gates;    /* B r.inner: the kernel's output */
+        s.ru = s.ro + B * r.inner;    /* recurrent layers x B r.conv: each one's u */
+    } else {
+        s.rin = s.rcy = s.rz = s.rg = s.ro = s.ru = NULL;
+    }
     return s;
 }
 
-/* Each row's q|k|v after the product: the bias, the q/k norms, RoPE at the row's position
- * (the layer's table), K/V written into the row's slot, the queries rounded to int8 for an
- * int8 cache (scaled, rotated) */
+/* Each row's q|k|v after the product (its bias added): the q/k norms, RoPE at the row's
+ * position (the layer's table; the first rotary_dim of each head), K/V written into the
+ * row's slot, the queries rounded to int8 for an int8 cache (scaled, rotated) */
 static void prepare_rows(const kvlm_qmodel *m, const kvlm_qlayer *L, const layer_kv *lk,
                          int64_t B, const int64_t *pos, const float *cos, const float *sin,
                          const step_bufs *s) {
     const int64_t D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
-    const int64_t QKV = (Hq + 2 * Hkv) * D, QS = query_stride(D);
-    const float *c = cos + L->rope * m->slots * D, *sn = sin + L->rope * m->slots * D;
+    const int64_t QKV = (Hq + 2 * Hkv) * D, QS = query_stride(D), R = m->rotary_dim;
+    const float *c = cos + L->rope * m->slots * R, *sn = sin + L->rope * m->slots * R;
     for (int64_t b = 0; b < B; b++) {
         float *q = s->qkv + b * QKV;
         const int64_t p = pos[b];
-        if (L->qkv_bias)
-            for (int64_t i = 0; i < QKV; i++) q[i] += L->qkv_bias[i];
         if (L->q_norm) /* per head, before RoPE (Attention.forward) */
             for (int64_t j = 0; j < Hq + Hkv; j++)
                 rms_norm(q + j * D, j < Hq ? L->q_norm : L->k_norm, D, m->eps, q + j * D);
-        for (int64_t j = 0; j < Hq + Hkv; j++) rope(q + j * D, c + p * D, sn + p * D, D);
+        for (int64_t j = 0; j < Hq + Hkv; j++) rope(q + j * D, c + p * R, sn + p * R, R);
         for (int64_t g = 0; g < Hkv; g++)
             write_kv(m, lk, b, p, g, q + (Hq + g) * D, q + (Hq + Hkv + g) * D, s->rot);
         for (int64_t j = 0; j < Hq && kv_quantized(m->k_dtype); j++) {
@@ -480,9 +560,14 @@ static void attend_layer(const kvlm_qmodel *m, const layer_kv *lk, const step_bu
     }
 }
 
-/* x += y (B rows of n), y first normed by w where there is one (Gemma's sandwich norms) */
-static void add_residual(float *x, float *y, const float *w, int64_t B, int64_t n, float eps) {
+/* x += y (B rows of n), y first normed by w where there is one (Gemma's sandwich norms),
+ * then times `scale` where it is not 0 (Granite's residual multiplier: a product, then
+ * the sum, as the torch model rounds them) */
+static void add_residual(float *x, float *y, const float *w, int64_t B, int64_t n, float eps,
+                         float scale) {
     for (int64_t b = 0; b < B && w; b++) rms_norm(y + b * n, w, n, eps, y + b * n);
+    if (scale != 0.0f)
+        for (int64_t i = 0; i < B * n; i++) y[i] = y[i] * scale;
     for (int64_t i = 0; i < B * n; i++) x[i] += y[i];
 }
 
@@ -502,9 +587,22 @@ static int attention_mix(const kvlm_qmodel *m, const kvlm_qlayer *L, const kvlm_
                          int64_t B, const int64_t *pos, const float *cos, const float *sin,
                          const step_bufs *s) {
     const layer_kv lk = layer_kv_of(m, L, views);
+    const int64_t D = m->head_dim, Hq = m->n_heads, QG = qkv_rows(m);
+    const int64_t QKV = (Hq + 2 * m->n_kv_heads) * D;
     if (matmul_rows(&L->qkv, s->h, B, s->qkv, act_of(m, ACT_QKV))) return -1;
+    add_bias(s->qkv, L->qkv_bias, B, QG);
+    if (m->attn_gate) /* q|gate|k|v: the gate aside, q|k|v rows packed (row b's moves down) */
+        for (int64_t b = 0; b < B; b++) {
+            float *row = s->qkv + b * QG;
+            memcpy(s->gate + b * Hq * D, row + Hq * D, Hq * D * sizeof(float));
+            memmove(s->qkv + b * QKV, row, Hq * D * sizeof(float));
+            memmove(s->qkv + b * QKV + Hq * D, row + 2 * Hq * D, (QKV - Hq * D) * sizeof(float));
+        }
     prepare_rows(m, L, &lk, B, pos, cos, sin, s);
     attend_layer(m, &lk, s, B, pos);
+    if (m->attn_gate) /* the output times sigmoid(gate), element by element */
+        for (int64_t i = 0; i < B * Hq * D; i++)
+            s->att[i] = s->att[i] * (1.0f / (1.0f + expf(-s->gate[i])));
     if (matmul_rows(&L->o, s->att, B, s->tmp, act_of(m, ACT_O))) return -1;
     add_bias(s->tmp, L->o_bias, B, m->hidden);
     return 0;
@@ -523,6 +621,85 @@ static int conv_mix(const kvlm_qmodel *m, const kvlm_qlayer *L, const kvlm_conv_
     return 0;
 }
 
+/* -2 unless every state view holds what the step reads and writes there: its conv rows
+ * (conv_view_ok: one row a sequence, CONV_ROWS), the states before the step of each of
+ * its layers and sequences within in's bytes, out's rows (at least B) within out's; each
+ * recurrent layer's view and index within them, its view's conv rows and states of its
+ * sizes */
+static int check_states(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
+                        const kvlm_state_view *states, int64_t n_states) {
+    const int64_t kind = recurrent_kind(m);
+    int64_t need;
+    if (n_states < 0 || (n_states > 0 && !states)) return -2;
+    for (int64_t v = 0; v < n_states; v++) {
+        const kvlm_state_view *V = states + v;
+        const int64_t per = V->state * (int64_t)sizeof(float);
+        if (conv_view_ok(&V->conv, B, pos, m->conv_kernel, 0) || V->conv.layout != CONV_ROWS)
+            return -2;
+        if (!V->in || !V->out || V->state < 1 || V->out_rows < B) return -2;
+        if (!mul_ok(V->conv.layers, V->conv.batch, &need) || !mul_ok(need, per, &need) ||
+            V->in_bytes < need)
+            return -2;
+        if (!mul_ok(V->conv.layers, V->out_rows, &need) || !mul_ok(need, per, &need) ||
+            V->out_bytes < need)
+            return -2;
+    }
+    for (int64_t l = 0; l < m->n_layers; l++) {
+        const kvlm_qlayer *L = m->layers + l;
+        if (!is_recurrent(L->mixer)) continue;
+        const rec_sizes r = rec_sizes_of(m, kind);
+        if (L->view < 0 || L->view >= n_states || L->index < 0) return -2;
+        const kvlm_state_view *V = states + L->view;
+        if (L->index >= V->conv.layers || V->conv.width != r.conv || V->state != r.state)
+            return -2;
+    }
+    return 0;
+}
+
+/* A recurrent layer's mixer, the `c`-th recurrent layer of the model: s->h to s->tmp,
+ * in_proj; its convolution's input u (kept in s->ru for the rows' update), z and the
+ * gates each made contiguous; the taps over its rows (conv_taps: its held rows and the
+ * row's u); the layer's kernel (deltanet.c, mamba2.c) from each row's state before the
+ * step (its view's `in`, the row's sequence) to its state after (`out`, the row's); out_proj */
+static int recurrent_mix(const kvlm_qmodel *m, const kvlm_qlayer *L,
+                         const kvlm_state_view *states, int64_t B, const int64_t *pos,
+                         const step_bufs *s, int64_t c) {
+    const rec_sizes r = rec_sizes_of(m, L->mixer);
+    const kvlm_state_view *V = states + L->view;
+    const int64_t nv = m->rec_heads, dv = m->rec_head_dim, dk = m->rec_key_dim;
+    const int64_t nk = m->rec_groups, delta = L->mixer == MIX_DELTA;
+    /* in_proj's rows: DeltaNet q|k|v, z, b, a; Mamba2 z, x|B|C, dt */
+    const int64_t at_u = delta ? 0 : r.inner, at_z = delta ? r.conv : 0;
+    float *u = s->ru + c * B * r.conv;
+    int64_t cu[MAX_BATCH + 1];
+    if (matmul_rows(&L->in_proj, s->h, B, s->rin, act_of(m, ACT_CONV_IN))) return -1;
+    add_bias(s->rin, L->in_bias, B, r.in);
+    for (int64_t b = 0; b < B; b++) {
+        const float *row = s->rin + b * r.in;
+        memcpy(u + b * r.conv, row + at_u, r.conv * sizeof(float));
+        memcpy(s->rz + b * r.inner, row + at_z, r.inner * sizeof(float));
+        for (int64_t g = 0; g < r.gates; g++) /* b | a: b's rows, then a's (B nv each) */
+            s->rg[(g / nv) * B * nv + b * nv + g % nv] = row[r.conv + r.inner + g];
+        cu[b] = b;
+    }
+    cu[B] = B;
+    conv_taps(&V->conv, L->index, B, pos, u, L->taps, L->taps_bias, m->conv_kernel, r.conv,
+              s->rcy);
+    const float *in = V->in + L->index * V->conv.batch * r.state;
+    float *out = V->out + L->index * V->out_rows * r.state;
+    const int64_t work = B * r.inner * dk;
+    if (delta)
+        gated_delta_heads(s->rcy, s->rz, s->rg, s->rg + B * nv, L->a_log, L->dt_bias, L->gnorm,
+                          m->rec_eps, in, V->conv.seq, out, s->ro, cu, B, NULL, 0, NULL, nk, nv,
+                          dk, dv, work);
+    else
+        mamba2_run(s->rcy, s->rz, s->rg, L->a_log, L->dt_bias, L->d, L->gnorm, m->rec_eps, in,
+                   V->conv.seq, out, s->ro, cu, B, NULL, 0, NULL, nv, dv, dk, nk, B, work);
+    if (matmul_rows(&L->out_proj, s->ro, B, s->tmp, act_of(m, ACT_CONV_OUT))) return -1;
+    add_bias(s->tmp, L->out_bias, B, m->hidden);
+    return 0;
+}
+
 /* One decode step for B sequences, one token each (B = 1 with a contiguous cache is the
  * single-stream decode; more rows are the server's batch, every product reading its weight
  * once for up to 16 rows; rows of one sequence at consecutive positions are a draft's).
@@ -531,13 +708,17 @@ static int conv_mix(const kvlm_qmodel *m, const kvlm_qlayer *L, const kvlm_conv_
  *   x [B, hidden] (xn floats): the tokens' embeddings in (Gemma's scaled), overwritten;
  *   pos [B] (pn): each row's position (its token is written there; it attends over 0 ..
  *       pos, or over its last `window` positions: the layer's, or m->window);
- *   cos, sin [m->rope_tables, slots, head_dim] (cn, sn floats): RoPE at every position,
+ *   cos, sin [m->rope_tables, slots, rotary_dim] (cn, sn floats): RoPE at every position,
  *       the model's base then (Gemma 3) the local layers' (kvlm_qlayer.rope picks);
  *   views [n_views]: where the layers' K/V are (kvlm_kv_view, with its tables' entries
  *       and its stores' bytes; kvlm_qlayer.view, index);
  *   convs [n_convs]: where the conv layers' rows are (kvlm_conv_view, with its entries
  *       and bytes; kvlm_qlayer.view, index), moved on past the step's rows once its
  *       logits are made (none without conv layers);
+ *   states [n_states]: where the recurrent layers' states and conv rows are
+ *       (kvlm_state_view; kvlm_qlayer.view, index): the states before the step read from
+ *       `in`, each row's after written to `out`, the conv rows moved on as a conv
+ *       layer's (none without recurrent layers);
  *   scratch: kvlm_decode_scratch(m, B) floats (scn); logits [B, vocab] out (ln floats).
  * Returns 0; -2 when an argument is out of range (a weight not of the shape the model's
  * sizes give it, a buffer shorter than its shape, a position past the slots or a table,
@@ -547,7 +728,8 @@ static int conv_mix(const kvlm_qmodel *m, const kvlm_qlayer *L, const kvlm_conv_
 int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, int64_t xn, const int64_t *pos,
                       int64_t pn, const float *cos, int64_t cn, const float *sin, int64_t sn,
                       const kvlm_kv_view *views, int64_t n_views, const kvlm_conv_view *convs,
-                      int64_t n_convs, float *scratch, int64_t scn, float *logits, int64_t ln) {
+                      int64_t n_convs, const kvlm_state_view *states, int64_t n_states,
+                      float *scratch, int64_t scn, float *logits, int64_t ln) {
     const int64_t H = m->hidden, D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
     const int64_t I = m->inter;
     int64_t need;
@@ -559,35 +741,42 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, int64_t xn, con
     /* the per-call buffers: x [B, hidden], pos [B], cos and sin [rope_tables, slots,
      * head_dim], the scratch, logits [B, vocab] */
     if (xn < B * H || pn < B || scn < scratch_floats(m, B)) return -2;
-    if (!mul_ok(m->rope_tables, m->slots, &need) || !mul_ok(need, D, &need) || cn < need ||
+    if (!mul_ok(m->rope_tables, m->slots, &need) || !mul_ok(need, m->rotary_dim, &need) || cn < need ||
         sn < need)
         return -2;
     if (!mul_ok(B, m->lm_head.n, &need) || ln < need) return -2;
     for (int64_t b = 0; b < B; b++)
         if (pos[b] < 0 || pos[b] >= m->slots) return -2;
-    if (check_views(m, B, pos, views, n_views) || check_convs(m, B, pos, convs, n_convs))
+    if (check_views(m, B, pos, views, n_views) || check_convs(m, B, pos, convs, n_convs) ||
+        check_states(m, B, pos, states, n_states))
         return -2;
     const step_bufs s = bufs_of(m, B, scratch);
-    for (int64_t l = 0, c = 0; l < m->n_layers; l++) {
+    const float rs = m->residual_scale;
+    for (int64_t l = 0, c = 0, r = 0; l < m->n_layers; l++) {
         const kvlm_qlayer *L = m->layers + l;
         for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->input_norm, H, m->eps, s.h + b * H);
-        if (L->mixer == MIX_CONV ? conv_mix(m, L, convs, B, pos, &s, c++)
-                                 : attention_mix(m, L, views, B, pos, cos, sin, &s))
-            return -1;
-        add_residual(x, s.tmp, L->attn_out_norm, B, H, m->eps);
+        const int rc = L->mixer == MIX_CONV      ? conv_mix(m, L, convs, B, pos, &s, c++)
+                       : is_recurrent(L->mixer) ? recurrent_mix(m, L, states, B, pos, &s, r++)
+                                                : attention_mix(m, L, views, B, pos, cos, sin, &s);
+        if (rc) return -1;
+        add_residual(x, s.tmp, L->attn_out_norm, B, H, m->eps, rs);
         for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->post_norm, H, m->eps, s.h + b * H);
         if (matmul_rows(&L->gate_up, s.h, B, s.gu, act_of(m, ACT_GATE_UP))) return -1;
         for (int64_t b = 0; b < B; b++)
             (m->gelu ? gelu_mul : silu_mul)(s.gu + b * 2 * I, s.gu + b * 2 * I + I, s.act + b * I, I);
         if (matmul_rows(&L->down, s.act, B, s.tmp, act_of(m, ACT_DOWN))) return -1;
-        add_residual(x, s.tmp, L->mlp_out_norm, B, H, m->eps);
+        add_residual(x, s.tmp, L->mlp_out_norm, B, H, m->eps, rs);
     }
     for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, m->final_norm, H, m->eps, s.h + b * H);
     if (matmul_rows(&m->lm_head, s.h, B, logits, act_of(m, ACT_HEAD))) return -1;
-    for (int64_t l = 0, c = 0; l < m->n_layers; l++) { /* the conv rows, now the step is made */
+    for (int64_t l = 0, c = 0, r = 0; l < m->n_layers; l++) { /* the conv rows, the step made */
         const kvlm_qlayer *L = m->layers + l;
         if (L->mixer == MIX_CONV)
             conv_keep_rows(convs + L->view, L->index, B, pos, s.u + c++ * B * H, H);
+        if (is_recurrent(L->mixer)) {
+            const int64_t w = rec_sizes_of(m, L->mixer).conv;
+            conv_keep_rows(&states[L->view].conv, L->index, B, pos, s.ru + r++ * B * w, w);
+        }
     }
     return 0;
 }

@@ -173,6 +173,31 @@ static int64_t seq_kept(const int64_t *at, int64_t atn, int64_t r0, int64_t T, i
     return na;
 }
 
+/* kvlm_gated_delta's work, its arguments checked (the fused decode step's too): each
+ * (sequence s, value head h) pair in one thread, its state before the step read from
+ * state_in's sequence in_seq[s] (NULL: s) and left at state's s (state_in NULL: state's
+ * own, updated in place). `work` the step's multiply-adds, whether threads pay. */
+static void gated_delta_heads(const float *conv, const float *z, const float *b, const float *a,
+                              const float *a_log, const float *dt_bias, const float *w, float e,
+                              const float *state_in, const int64_t *in_seq, float *state,
+                              float *out, const int64_t *cu, int64_t S, const int64_t *at,
+                              int64_t atn, float *snaps, int64_t nk, int64_t nv, int64_t dk,
+                              int64_t dv, int64_t work) {
+    const int64_t C = 2 * nk * dk + nv * dv, vd = nv * dv, heads = S * nv;
+#pragma omp parallel for schedule(dynamic) if (heads > 1 && work >= 16384)
+    for (int64_t p = 0; p < heads; p++) {
+        const int64_t s = p / nv, h = p % nv, r0 = cu[s], T = cu[s + 1] - cu[s];
+        int64_t i0, local[DELTA_MAX_AT];
+        const int64_t na = seq_kept(at, atn, r0, T, local, &i0);
+        const int64_t from = ((in_seq ? in_seq[s] : s) * nv + h) * dk * dv;
+        if (state_in) memcpy(state + p * dk * dv, state_in + from,
+                             (size_t)(dk * dv) * sizeof(float)); /* this head's, in cache */
+        delta_head(conv + r0 * C, z + r0 * vd, b + r0 * nv, a + r0 * nv, a_log[h], dt_bias[h],
+                   w, e, state + p * dk * dv, out + r0 * vd, T, h, nk, nv, dk, dv, local, na,
+                   na ? snaps + (i0 * nv + h) * dk * dv : NULL, nv * dk * dv);
+    }
+}
+
 /* The step of one gated DeltaNet layer over S sequences, sequence s the rows cu[s] ..
  * cu[s + 1] - 1 of the step (cu: S + 1 offsets, cun of them; 0 first, never decreasing;
  * a sequence of no rows keeps its state): conv [rows, C] (C = 2 nk dk + nv dv: q|k|v,
@@ -210,17 +235,7 @@ int kvlm_gated_delta(const float *conv, int64_t cn, const float *z, int64_t zn,
     if (!mul_ok(rows, nv, &need) || bn < need || an < need) return -2;
     if (!mul_ok(heads, dk * dv, &need) || sn < need) return -2;
     if (!mul_ok(atn, nv * dk * dv, &need) || (at && pn < need)) return -2;
-    const float e = (float)eps;
-#pragma omp parallel for schedule(dynamic) if (heads > 1 && work >= 16384)
-    for (int64_t p = 0; p < heads; p++) {
-        const int64_t s = p / nv, h = p % nv, r0 = cu[s], T = cu[s + 1] - cu[s];
-        int64_t i0, local[DELTA_MAX_AT];
-        const int64_t na = seq_kept(at, atn, r0, T, local, &i0);
-        if (state_in) memcpy(state + p * dk * dv, state_in + p * dk * dv,
-                             (size_t)(dk * dv) * sizeof(float)); /* this head's, in cache */
-        delta_head(conv + r0 * C, z + r0 * vd, b + r0 * nv, a + r0 * nv, a_log[h], dt_bias[h],
-                   w, e, state + p * dk * dv, out + r0 * vd, T, h, nk, nv, dk, dv, local, na,
-                   na ? snaps + (i0 * nv + h) * dk * dv : NULL, nv * dk * dv);
-    }
+    gated_delta_heads(conv, z, b, a, a_log, dt_bias, w, (float)eps, state_in, NULL, state, out,
+                      cu, S, at, atn, snaps, nk, nv, dk, dv, work);
     return 0;
 }

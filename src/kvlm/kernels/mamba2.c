@@ -83,6 +83,46 @@ static void mamba_head(const float *conv, const float *z, const float *dts, floa
     }
 }
 
+/* kvlm_mamba2's work, its arguments checked (the fused decode step's too): the silu
+ * pass, each (sequence s, head) pair in one thread (its state before the step read from
+ * state_in's sequence in_seq[s], NULL: s; state_in NULL: state's own, in place), the
+ * gated norm; `work` the step's multiply-adds, whether threads pay. */
+static void mamba2_run(float *conv, float *z, const float *dt, const float *a_log,
+                       const float *dt_bias, const float *d, const float *w, float e,
+                       const float *state_in, const int64_t *in_seq, float *state, float *out,
+                       const int64_t *cu, int64_t S, const int64_t *at, int64_t atn,
+                       float *snaps, int64_t heads, int64_t hd, int64_t N, int64_t ng,
+                       int64_t rows, int64_t work) {
+    const int64_t inner = heads * hd, C = inner + 2 * ng * N, pairs = S * heads, hdn = hd * N;
+    /* silu of x|B|C and of z, a row at a time, in place: B and C once a group, not once
+     * a head (a value's bits the same wherever its row is cut: deltanet.c's lanes) */
+#pragma omp parallel for schedule(static) if (rows > 1 && work >= 16384)
+    for (int64_t r = 0; r < rows; r++) {
+        delta_silu_row(conv + r * C, conv + r * C, C);
+        delta_silu_row(z + r * inner, z + r * inner, inner);
+    }
+#pragma omp parallel for schedule(dynamic) if (pairs > 1 && work >= 16384)
+    for (int64_t p = 0; p < pairs; p++) {
+        const int64_t s = p / heads, h = p % heads, r0 = cu[s], T = cu[s + 1] - cu[s];
+        int64_t i0, local[DELTA_MAX_AT];
+        const int64_t na = seq_kept(at, atn, r0, T, local, &i0);
+        const float *before =
+            state_in ? state_in + ((in_seq ? in_seq[s] : s) * heads + h) * hdn : NULL;
+        mamba_head(conv + r0 * C, z + r0 * inner, dt + r0 * heads, a_log[h], dt_bias[h], d[h],
+                   before, state + p * hdn, out + r0 * inner, T, h, heads, hd, N, ng, local, na,
+                   na ? snaps + (i0 * heads + h) * hdn : NULL, heads * hdn);
+    }
+    /* the gated norm, a (row, group) at a time: its channels' squares summed in one order */
+    const int64_t size = inner / ng, cells = rows * ng;
+#pragma omp parallel for schedule(static) if (cells > 1 && work >= 16384)
+    for (int64_t q = 0; q < cells; q++) {
+        float *y = out + q * size;
+        const float *wg = w + (q % ng) * size;
+        const float r = 1.0f / sqrtf(delta_sum_squares(y, size) / (float)size + e);
+        for (int64_t j = 0; j < size; j++) y[j] = wg[j] * (y[j] * r);
+    }
+}
+
 /* The step of one Mamba2 layer over S sequences, sequence s the rows cu[s] .. cu[s + 1] - 1
  * of the step (cu: S + 1 offsets, cun of them; 0 first, never decreasing; a sequence of
  * no rows keeps its state): conv [rows, C] (C = heads hd + 2 ng N: x|B|C, before silu),
@@ -113,32 +153,7 @@ int kvlm_mamba2(float *conv, int64_t cn, float *z, int64_t zn, const float *dt,
     if (!mul_ok(rows, heads, &need) || dn < need) return -2;
     if (!mul_ok(hd, N, &hdn) || !mul_ok(pairs, hdn, &need) || sn < need) return -2;
     if (!mul_ok(atn, heads * hdn, &need) || (at && pn < need)) return -2;
-    /* silu of x|B|C and of z, a row at a time, in place: B and C once a group, not once
-     * a head (a value's bits the same wherever its row is cut: deltanet.c's lanes) */
-#pragma omp parallel for schedule(static) if (rows > 1 && work >= 16384)
-    for (int64_t r = 0; r < rows; r++) {
-        delta_silu_row(conv + r * C, conv + r * C, C);
-        delta_silu_row(z + r * inner, z + r * inner, inner);
-    }
-#pragma omp parallel for schedule(dynamic) if (pairs > 1 && work >= 16384)
-    for (int64_t p = 0; p < pairs; p++) {
-        const int64_t s = p / heads, h = p % heads, r0 = cu[s], T = cu[s + 1] - cu[s];
-        int64_t i0, local[DELTA_MAX_AT];
-        const int64_t na = seq_kept(at, atn, r0, T, local, &i0);
-        mamba_head(conv + r0 * C, z + r0 * inner, dt + r0 * heads, a_log[h], dt_bias[h], d[h],
-                   state_in ? state_in + p * hdn : NULL, state + p * hdn, out + r0 * inner, T,
-                   h, heads, hd, N, ng, local, na, na ? snaps + (i0 * heads + h) * hdn : NULL,
-                   heads * hdn);
-    }
-    /* the gated norm, a (row, group) at a time: its channels' squares summed in one order */
-    const int64_t size = inner / ng, cells = rows * ng;
-    const float e = (float)eps;
-#pragma omp parallel for schedule(static) if (cells > 1 && work >= 16384)
-    for (int64_t q = 0; q < cells; q++) {
-        float *y = out + q * size;
-        const float *wg = w + (q % ng) * size;
-        const float r = 1.0f / sqrtf(delta_sum_squares(y, size) / (float)size + e);
-        for (int64_t j = 0; j < size; j++) y[j] = wg[j] * (y[j] * r);
-    }
+    mamba2_run(conv, z, dt, a_log, dt_bias, d, w, (float)eps, state_in, NULL, state, out, cu,
+               S, at, atn, snaps, heads, hd, N, ng, rows, work);
     return 0;
 }

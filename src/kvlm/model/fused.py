@@ -54,12 +54,24 @@ the step's logits are made, so a step that fails leaves them as they were), or o
 engine pool's slots (ConvSlots.view: a ring a slot, each row's u written at its
 position's ring row after the logits, the sealed blocks' end rows copied by
 ConvSlots.written); a draft's rows are one sequence to the convolution, as the torch
-model takes them.
+model takes them. Recurrent layers beside attention layers (a gated DeltaNet, a Mamba2
+layer: kvlm.model.deltanet, kvlm.model.mamba2; kernels/deltanet.c, mamba2.c): in_proj,
+the taps over the sequence's held rows and the new one, the layer's kernel from the row's
+state before the step to its state after, out_proj, through a `StateView` (kvlm.cache.
+recurrent): the states read where they are (a one-sequence cache's DeltaRows, the pool's
+slots) and each row's written into the step's out buffer, which the cache keeps once the
+step succeeded (DeltaRows.commit, StateSlots.written), the conv rows moved on in place as
+a conv layer's; one row a sequence (a draft's rows keep each row's state: the torch
+step's). Qwen3.5's gated attention (q|gate|k|v, the output times sigmoid(gate)) and
+partial RoPE (the first rotary_dim of each head), Granite's residual multiplier (each
+output times it before the add) and logit divisor (after the call) and NoPE (RoPE tables
+of zero frequencies: cos 1, sin 0).
 
 It applies where that is the whole story: CPU, fp32 activations, low-bit weights in every
 projection (`--weights int8|int4|native`), no MLP biases, and fp32, bf16, fp16, int8 or q4 K/V
-in a contiguous, paged or hybrid contiguous cache (a conv model's rows beside either)
-or the engine's pool (a conv group's slots too: `pool_why_not`).
+in a contiguous, paged or hybrid contiguous cache (a conv model's rows, a recurrent model's
+states beside either) or the engine's pool (a conv group's slots, a state group's too:
+`pool_why_not`).
 Anything else (prefill, the window, basic and off caches, a draft longer than a ring's
 slack: `drafts`, other formats) runs the torch model. `KVLM_NO_FUSED=1` turns it off.
 Tests hold its logits to the torch path's.
@@ -68,6 +80,7 @@ Tests hold its logits to the torch path's.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import weakref
 from collections.abc import Sequence
@@ -76,7 +89,7 @@ import torch
 
 from kvlm import kernels
 from kvlm.cache import KVCache
-from kvlm.cache.base import CacheStep, ConvView, KVView
+from kvlm.cache.base import CacheStep, ConvView, KVView, StateView
 from kvlm.cache.factory import FUSED_MODES
 from kvlm.cache.paged import BlockPool
 from kvlm.cache.storage import Store, key_rotation
@@ -127,6 +140,8 @@ class _QLayer(ctypes.Structure):
         # a conv layer's products, their biases, its taps (L, H) and their bias (NULL: none)
         *_fields(_QMat, "in_proj out_proj"),
         *_fields(ctypes.c_void_p, "in_bias out_bias taps taps_bias"),
+        # a recurrent layer's A_log, dt_bias, D (NULL: a DeltaNet's) and gated norm weight
+        *_fields(ctypes.c_void_p, "a_log dt_bias d gnorm"),
     ]
 
 
@@ -144,7 +159,13 @@ class _QModel(ctypes.Structure):
         *_fields(ctypes.c_int64, "window gelu"),
         *_fields(ctypes.c_float, "score_scale attn_softcap"),  # softcap 0: none
         ("rope_tables", ctypes.c_int64),  # cos/sin tables: 1, or 2 (a local base)
-        ("conv_kernel", ctypes.c_int64),  # a conv layer's taps (0: no conv layer)
+        ("conv_kernel", ctypes.c_int64),  # a conv or recurrent layer's taps (0: none)
+        # the dimensions RoPE rotates; 1: q|gate|k|v, the output gated
+        *_fields(ctypes.c_int64, "rotary_dim attn_gate"),
+        *_fields(ctypes.c_float, "residual_scale rec_eps"),  # residual_scale 0: none
+        # a recurrent layer's value heads, their channels, a key head's (the state size),
+        # the key heads (groups)
+        *_fields(ctypes.c_int64, "rec_heads rec_head_dim rec_key_dim rec_groups"),
     ]
 
 
@@ -170,6 +191,15 @@ class _ConvView(ctypes.Structure):  # kvlm_conv_view
     ]
 
 
+class _StateView(ctypes.Structure):  # kvlm_state_view
+    _fields_ = [
+        ("conv", _ConvView),
+        *_fields(ctypes.c_void_p, "in out"),  # the states before the step; each row's after
+        # a layer's state of a sequence (floats), out's rows, the bytes from in and out on
+        *_fields(ctypes.c_int64, "state out_rows in_bytes out_bytes"),
+    ]
+
+
 # the cache dtypes the fused step reads and writes (kvlm_qmodel.k_dtype, v_dtype: abi.h)
 _KV_DTYPE = {
     torch.float32: _ABI["KV_F32"],
@@ -182,11 +212,12 @@ _KV_DTYPE = {
 
 def block_products(block: Block) -> tuple[Linear, Linear, Linear, Linear]:
     """A block's four low-bit products in the step's order: its mixer's input and output
-    (attention: q|k|v, o; a short convolution: in_proj, out_proj), gate|up, down (their
-    bits of the activation masks, kvlm_qmodel.act_int8 / act_int16: `_product_bits`; the
-    vocabulary's is ACT_HEAD)."""
-    if block.conv is not None:
-        return block.conv.in_proj, block.conv.out_proj, block.mlp.gate_up, block.mlp.down
+    (attention: q|k|v, o; a short convolution or a recurrent layer: in_proj, out_proj),
+    gate|up, down (their bits of the activation masks, kvlm_qmodel.act_int8 / act_int16:
+    `_product_bits`; the vocabulary's is ACT_HEAD)."""
+    mixer = block.conv if block.conv is not None else block.recurrent
+    if mixer is not None:
+        return mixer.in_proj, mixer.out_proj, block.mlp.gate_up, block.mlp.down
     return block.attn.qkv, block.attn.o_proj, block.mlp.gate_up, block.mlp.down
 
 
@@ -224,6 +255,7 @@ def _ptr(t: torch.Tensor | None, n: int) -> int | None:
 
 
 MAX_HEAD_DIM = _ABI["MAX_HEAD_DIM"]  # the attention's buffers (the widest head kvlm runs)
+_REC_MAX_DIM = 512  # kernels/deltanet.c's DELTA_MAX_DIM, mamba2.c's MAMBA_MAX_DIM
 
 
 def config_why_not(c: ModelConfig) -> str | None:
@@ -236,10 +268,14 @@ def config_why_not(c: ModelConfig) -> str | None:
     missing = sorted({m for m in c.layer_mixers if m not in _MIXERS})
     if missing:  # a layer kind kernels/ has no part for yet
         return f"a {missing[0]} layer (the step has no kernel for one yet)"
-    if c.attn_output_gate or c.rotary_dim != c.head_dim:
-        return "gated attention or partial RoPE (the step has no kernel for them yet)"
-    if c.residual_scale is not None or c.logit_scale is not None:
-        return "a residual or logit multiplier (the step has no kernel for them yet)"
+    if c.rotary_dim % 2:
+        return f"RoPE over an odd {c.rotary_dim} dimensions"
+    rec = c.deltanet or c.mamba2
+    if rec is not None:  # kernels/deltanet.c's and mamba2.c's limits
+        d = c.deltanet
+        dims = (d.key_dim, d.value_dim) if d else (c.mamba2.head_dim, c.mamba2.state_size)
+        if max(dims) > _REC_MAX_DIM or (c.mamba2 and c.mamba2.inner // c.mamba2.groups > 16384):
+            return f"a recurrent layer's head over {_REC_MAX_DIM} (or a norm group over 16384)"
     return None
 
 
@@ -276,6 +312,11 @@ def _block_why_not(block: Block, eps: float) -> str | None:
         return "MLP biases (the step adds only the mixers' projections' biases)"
     if block.mlp.act not in _ACTS:
         return f"the MLP's activation {block.mlp.act!r}"
+    rec = block.recurrent
+    if rec is not None and not all(
+        p.dtype == torch.float32 and p.is_contiguous() for p in rec.parameters(recurse=False)
+    ):
+        return "a recurrent layer's parameters not contiguous fp32"
     norms = [] if block.attn is None else [block.attn.q_norm, block.attn.k_norm]
     if norms.count(None) == 1:
         return "a q norm without a k norm, or the reverse"
@@ -293,13 +334,16 @@ _ATTENTION_BITS = tuple(_ACT[n] for n in ("QKV", "O", "GATE_UP", "DOWN"))
 _CONV_BITS = tuple(_ACT[n] for n in ("CONV_IN", "CONV_OUT", "GATE_UP", "DOWN"))
 _ACT_HEAD = _ABI["ACT_HEAD"]
 _ACT_BITS = (*_ACT.values(), _ACT_HEAD)  # every bit of the masks
-_MIXERS = {"attention": _ABI["MIX_ATTENTION"], "conv": _ABI["MIX_CONV"]}  # kvlm_qlayer.mixer
+# kvlm_qlayer.mixer
+_MIXERS = {"attention": _ABI["MIX_ATTENTION"], "conv": _ABI["MIX_CONV"],
+           "deltanet": _ABI["MIX_DELTA"], "mamba2": _ABI["MIX_MAMBA2"]}  # fmt: skip
 _CONV_ROWS, _CONV_SLOTS = _ABI["CONV_ROWS"], _ABI["CONV_SLOTS"]  # kvlm_conv_view.layout
 
 
 def _product_bits(block: Block) -> tuple[int, ...]:
-    """The mask bits of block_products(block), in its order."""
-    return _ATTENTION_BITS if block.conv is None else _CONV_BITS
+    """The mask bits of block_products(block), in its order (a recurrent layer's in_proj
+    and out_proj take a conv layer's bits)."""
+    return _ATTENTION_BITS if block.attn is not None else _CONV_BITS
 
 
 class FusedDecoder:
@@ -319,8 +363,9 @@ class FusedDecoder:
             layers[i] = self._layer(block, i)
         self._layers = layers  # keep alive: the struct points into it
         self._placed: tuple | None = None  # the layers' (view, index) last set
-        # each layer's ShortConv slot, None for attention (read every step by _placement)
-        self._conv_slots = tuple(None if b.conv is None else b.conv.slot for b in model.layers)
+        # each layer's kind of view and its index among that kind's layers (attention:
+        # None; a ShortConv's or a recurrent layer's slot), read every step by _placement
+        self._slots = tuple(_slot_of(b) for b in model.layers)
         self._pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool_why_not's
         shape = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                  c.intermediate_size)  # fmt: skip
@@ -329,14 +374,17 @@ class FusedDecoder:
         self.spec.gelu = _ACTS[model.layers[0].mlp.act]
         # the first block of each mixer, whose products' activation settings every block
         # of its kind shares (_set_storage)
-        self._firsts = list({b.conv is None: b for b in reversed(model.layers)}.values())
+        self._firsts = list({_slot_of(b)[0]: b for b in reversed(model.layers)}.values())
         # a score scale with no q norm to fold it into (the first attention layer's: every one's)
         q_scale = next(b.attn for b in model.layers if b.attn is not None).q_scale
         self.spec.score_scale = (q_scale or 1.0) * c.head_dim**-0.5
         self.spec.conv_kernel = c.conv_kernel if c.conv_layers else 0
         self.spec.attn_softcap = c.attn_softcap or 0.0
         self.spec.rope_tables = self.cos.shape[0]
-        self.final_softcap = c.final_softcap
+        self.spec.rotary_dim, self.spec.attn_gate = c.rotary_dim, int(c.attn_output_gate)
+        self.spec.residual_scale = c.residual_scale or 0.0
+        self._recurrent_sizes(model)
+        self.final_softcap, self.logit_scale = c.final_softcap, c.logit_scale
         self.scratch = torch.empty(0, dtype=torch.float32)
         self.vocab = model.lm_head.out_features
         if self.lib.kvlm_decode_scratch(ctypes.byref(self.spec), 1) < 0:
@@ -351,6 +399,23 @@ class FusedDecoder:
         cos, sin = zip(*(r(positions, torch.float32) for r in ropes), strict=True)
         return (torch.stack([t.reshape(slots, -1) for t in ts]).contiguous() for ts in (cos, sin))
 
+    def _recurrent_sizes(self, model: Transformer) -> None:
+        """kvlm_qmodel's recurrent fields from the model's recurrent layers (every one of
+        one kind): a DeltaNet's (nk, nv, dk, dv), a Mamba2's (groups, heads, state_size,
+        head_dim) as (key heads, value heads, a key head's, a value head's), its taps."""
+        c, spec = model.config, self.spec
+        layers = [b.recurrent for b in model.layers if b.recurrent is not None]
+        if not layers:
+            return
+        if c.deltanet is not None:
+            d = c.deltanet
+            sizes = (d.key_heads, d.value_heads, d.key_dim, d.value_dim, d.conv_kernel)
+        else:
+            m = c.mamba2
+            sizes = (m.groups, m.heads, m.state_size, m.head_dim, m.conv_kernel)
+        spec.rec_groups, spec.rec_heads, spec.rec_key_dim, spec.rec_head_dim = sizes[:4]
+        spec.conv_kernel, spec.rec_eps = sizes[4], layers[0].eps
+
     def _layer(self, block: Block, i: int) -> _QLayer:
         hidden = self.model.config.hidden_size
         norms = (_ptr(block.input_norm.weight, hidden), _ptr(block.post_norm.weight, hidden))
@@ -358,6 +423,8 @@ class FusedDecoder:
                 for n in (block.attn_out_norm, block.mlp_out_norm)]  # fmt: skip
         if block.conv is not None:
             return self._conv_layer(block, norms, outs)
+        if block.recurrent is not None:
+            return self._recurrent_layer(block, norms, outs, self.model.config.layer_mixers[i])
         attn, d = block.attn, self.model.config.head_dim
         mats = [_qmat(lin) for lin in block_products(block)]
         biases = [_ptr(lin.bias, lin.out_features) for lin in (attn.qkv, attn.o_proj)]
@@ -380,6 +447,25 @@ class FusedDecoder:
         layer.taps_bias = _ptr(conv.bias, h)
         return layer
 
+    def _recurrent_layer(self, block: Block, norms: tuple, outs: list, mixer: str) -> _QLayer:
+        """A recurrent layer's struct: its products, their biases, the taps (L, its conv's
+        channels) and their bias (Mamba2's), A_log, dt_bias, D (Mamba2's) and the gated
+        norm's weight (kvlm_qlayer's recurrent fields); no q|k|v, o or window."""
+        rec = block.recurrent
+        layer = _QLayer(*norms, gate_up=_qmat(block.mlp.gate_up), down=_qmat(block.mlp.down),
+                        attn_out_norm=outs[0], mlp_out_norm=outs[1], mixer=_MIXERS[mixer],
+                        in_proj=_qmat(rec.in_proj), out_proj=_qmat(rec.out_proj))  # fmt: skip
+        layer.in_bias = _ptr(rec.in_proj.bias, rec.in_proj.out_features)
+        layer.out_bias = _ptr(rec.out_proj.bias, rec.out_proj.out_features)
+        layer.taps = _ptr(rec.kernel, rec.kernel.numel())
+        bias = getattr(rec, "conv_bias", None)
+        layer.taps_bias = _ptr(bias, rec.kernel.shape[1])
+        layer.a_log, layer.dt_bias = (_ptr(p, p.numel()) for p in (rec.a_log, rec.dt_bias))
+        d = getattr(rec, "d", None)
+        layer.d = _ptr(d, rec.a_log.numel())
+        layer.gnorm = _ptr(rec.norm, rec.norm.numel())
+        return layer
+
     def accepts(self, cache: KVCache) -> bool:
         """A cache whose K/V are views (KVCache.kv_views: contiguous, paged, int8, a
         hybrid cache of contiguous parts and rings, and of conv rows) of stores the step
@@ -390,11 +476,13 @@ class FusedDecoder:
         views = cache.kv_views(())
         if not views:
             return False
-        kv, convs = _split(views)
+        kv, convs, states = _split(views)
         if not kv or not all(self.reads_rows(v) for v in convs):
             return False
+        if not all(self.reads_state(v) for v in states):
+            return False
         try:
-            self._placement(kv, convs)
+            self._placement(kv, convs, states)
         except ValueError:  # say, no conv rows: a cache made for another spec (the torch
             return False  # step says why)
         dtypes = (kv[0].store.k_dtype, kv[0].store.v_dtype)
@@ -415,6 +503,21 @@ class FusedDecoder:
                 and rows.is_contiguous() and shape and rows.shape[-1] == c.hidden_size
                 and keep >= c.conv_kernel - 1)  # fmt: skip
 
+    def reads_state(self, view: StateView) -> bool:
+        """Whether the step reads these states and writes their rows: fp32 on the CPU,
+        contiguous, the states (layers, sequences, *state) of this model's recurrent layers,
+        their conv rows (layers, sequences, L - 1, channels) (ConvRows' layout)."""
+        state, rows, spec = view.state, view.conv.rows, self.spec
+        if not spec.rec_heads or view.conv.ring:
+            return False
+        floats = spec.rec_heads * spec.rec_head_dim * spec.rec_key_dim
+        width = spec.rec_heads * spec.rec_head_dim + 2 * spec.rec_groups * spec.rec_key_dim
+        fp32 = all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                   for t in (state, rows))  # fmt: skip
+        return (fp32 and state.dim() >= 3 and math.prod(state.shape[2:]) == floats
+                and rows.dim() == 4 and rows.shape[:2] == state.shape[:2]
+                and rows.shape[2] == spec.conv_kernel - 1 and rows.shape[3] == width)  # fmt: skip
+
     def pool_why_not(self, pool: BlockPool) -> str | None:
         """Why the step does not decode on the engine's pool (None: it does), from what its
         layer groups declare (BlockPool.views without tables): K/V stores it reads in one
@@ -426,7 +529,7 @@ class FusedDecoder:
 
     def _pool_reason(self, pool: BlockPool) -> str | None:
         views = pool.views([[] for _ in pool.groups])
-        kv, convs = _split(views or ())
+        kv, convs, states = _split(views or ())
         if not kv:
             return "a pool with no K/V view"
         if not all(self.reads(v.store) for v in kv):
@@ -435,8 +538,10 @@ class FusedDecoder:
             return "a pool whose layer groups keep K/V in different dtypes"
         if not all(self.reads_rows(v) for v in convs):
             return "a pool's conv rows not fp32 on the CPU"
+        if not all(self.reads_state(v) for v in states):
+            return "a pool's recurrent states not fp32 on the CPU"
         try:
-            self._placement(kv, convs)
+            self._placement(kv, convs, states)
         except ValueError as exc:
             return f"a pool whose layer groups the step cannot place: {exc}"
         return None
@@ -449,43 +554,48 @@ class FusedDecoder:
     def drafts(self, cache: KVCache, n: int) -> bool:
         """Whether n draft rows of one sequence go through the step: all rows' K/V are
         written before any attends, so a ring must keep what row 0 reads when row n - 1
-        has written (n <= ring - window + 1)."""
-        kv, _ = _split(cache.kv_views(()) or ())  # conv rows take a draft of any length
-        return all(n <= v.ring - v.window + 1 for v in kv if v.ring)
+        has written (n <= ring - window + 1); a recurrent state, which keeps each draft
+        row's, never (the torch step's)."""
+        kv, _, states = _split(cache.kv_views(()) or ())  # conv rows take any draft
+        return not states and all(n <= v.ring - v.window + 1 for v in kv if v.ring)
 
     @staticmethod
-    def views_of(cache: KVCache, step: CacheStep, rows: Sequence[int]) -> list[KVView | ConvView]:
+    def views_of(cache: KVCache, step: CacheStep, rows: Sequence[int]) -> list[View]:
         """The step's K/V of `cache` for the fused step's rows (token i through the cache's
-        row rows[i]): its views (KVCache.kv_views), the cache told that the step writes
-        them in place (KVCache.written_in_place)."""
-        views = cache.kv_views(rows)
+        row rows[i]): the cache told that the step writes them in place
+        (KVCache.written_in_place: a state group stages its out buffer), then its views
+        (KVCache.kv_views)."""
+        cache.written_in_place(step)
+        views = cache.kv_views(rows, step)
         if views is None:
             raise ValueError(f"a {cache.mode} cache has no views for the fused step")
-        cache.written_in_place(step)
         return views
 
-    def _place(self, kv: Sequence[KVView], convs: Sequence[ConvView]) -> None:
+    def _place(self, kv: Sequence[KVView], convs: Sequence[ConvView],
+               states: Sequence[StateView]) -> None:  # fmt: skip
         """Each layer's (view, index) (`_placement`), set where they changed."""
-        key = self._placement(kv, convs)
+        key = self._placement(kv, convs, states)
         if key != self._placed:
             for layer, (v, n) in zip(self._layers, key, strict=True):
                 layer.view, layer.index = v, n
             self._placed = key
 
-    def _placement(self, kv: Sequence[KVView], convs: Sequence[ConvView]) -> tuple:
+    def _placement(self, kv: Sequence[KVView], convs: Sequence[ConvView],
+                   states: Sequence[StateView]) -> tuple:  # fmt: skip
         """Each layer's (view, index) from the views' layers: every layer in one view
         exactly, an attention layer's a KVView (v: its number among them), a conv layer's
-        a ConvView (among those) at its ShortConv's slot (the C step checks each index
-        against its store); else ValueError."""
+        a ConvView (among those) at its ShortConv's slot, a recurrent layer's a StateView
+        at its slot among the recurrent layers (the C step checks each index against its
+        store); else ValueError."""
         placed: list[tuple[int, int] | None] = [None] * len(self._layers)
-        for views in (kv, convs):
+        for kind, views in (("kv", kv), ("conv", convs), ("state", states)):
             for v, view in enumerate(views):
                 for n, layer in enumerate(range(len(placed)) if view.layers is None
                                           else view.layers):  # fmt: skip
                     if placed[layer] is not None:
                         raise ValueError(f"layer {layer} in two views")
-                    slot = self._conv_slots[layer]
-                    if (slot is None) == (views is convs) or (slot is not None and slot != n):
+                    mine, slot = self._slots[layer]
+                    if mine != kind or (slot is not None and slot != n):
                         raise ValueError(f"layer {layer} in a view of another kind, or slot")
                     placed[layer] = (v, n)
         if None in placed:
@@ -529,16 +639,23 @@ class FusedDecoder:
             if not self.reads_rows(v):
                 raise ValueError(f"conv rows of shape {tuple(v.rows.shape)} {v.rows.dtype}: "
                                  f"not this model's, or not contiguous fp32")  # fmt: skip
-            seq, ends = (torch.tensor(t, dtype=torch.int64) for t in (v.seqs, v.ends))
-            keep += [seq, ends]
-            entries = min(seq.numel(), ends.numel())
-            if v.ring:  # (layers, slots * ring + 1, H): slots of `ring` rows, the zero row
-                layers, n, width = v.rows.shape
-                shape, layout = (layers, (n - 1) // v.ring, v.ring, width), _CONV_SLOTS
-            else:
-                shape, layout = tuple(v.rows.shape), _CONV_ROWS
-            out[i] = _ConvView(v.rows.data_ptr(), seq.data_ptr(), ends.data_ptr(), *shape, layout,
-                               entries, _bytes(v.rows))  # fmt: skip
+            out[i] = _conv_view(v, keep)
+        return out, keep
+
+    def _c_states(self, states: Sequence[StateView]) -> tuple:
+        """The state views as kvlm_state_view structs, and the tensors they point into."""
+        out, keep = (_StateView * len(states))(), []
+        for i, v in enumerate(states):
+            if not self.reads_state(v) or v.out is None or v.out.dtype != torch.float32:
+                raise ValueError(
+                    f"recurrent states of shape {tuple(v.state.shape)} {v.state.dtype}: not "
+                    "this model's, or not contiguous fp32"
+                )
+            floats = math.prod(v.state.shape[2:])
+            if not v.out.is_contiguous() or v.out.shape[0] != v.state.shape[0]:
+                raise ValueError(f"an out buffer of shape {tuple(v.out.shape)}")
+            out[i] = _StateView(_conv_view(v.conv, keep), v.state.data_ptr(), v.out.data_ptr(),
+                                floats, v.out.shape[1], _bytes(v.state), _bytes(v.out))  # fmt: skip
         return out, keep
 
     @torch.inference_mode()
@@ -570,18 +687,19 @@ class FusedDecoder:
             raise ValueError(f"the fused decode step refused a step of {rows} rows")
         if self.scratch.numel() < need:  # grows to the largest batch seen, then stays
             self.scratch = torch.empty(need, dtype=torch.float32)
-        kv, convs = _split(views)
+        kv, convs, states = _split(views)
         self._set_storage(kv[0].store, window)
-        self._place(kv, convs)
+        self._place(kv, convs, states)
         c_views, _keep = self._c_views(kv, starts)
         c_convs, _keep_rows = self._c_convs(convs)
+        c_states, _keep_states = self._c_states(states)
         # each buffer's length from the tensor itself (the C step refuses, -2, buffers
         # shorter than the step's shape)
         rc = self.lib.kvlm_decode_batch(
             ctypes.byref(self.spec), rows, x.data_ptr(), x.numel(), pos.data_ptr(), pos.numel(),
             self.cos.data_ptr(), self.cos.numel(), self.sin.data_ptr(), self.sin.numel(),
-            c_views, len(kv), c_convs, len(convs), self.scratch.data_ptr(), self.scratch.numel(),
-            logits.data_ptr(), logits.numel(),
+            c_views, len(kv), c_convs, len(convs), c_states, len(states),
+            self.scratch.data_ptr(), self.scratch.numel(), logits.data_ptr(), logits.numel(),
         )  # fmt: skip
         if rc == -1:
             raise MemoryError("no scratch memory for the fused decode step")
@@ -596,6 +714,8 @@ class FusedDecoder:
         if self.final_softcap is not None:  # as the torch model caps its logits
             cap = self.final_softcap
             logits = torch.tanh(logits / cap) * cap
+        if self.logit_scale is not None:  # as the torch model divides them (Granite)
+            logits = logits / self.logit_scale
         return logits
 
     def _set_storage(self, store: Store, window: int | None) -> None:
@@ -615,7 +735,35 @@ class FusedDecoder:
         self.spec.window = window or 0
 
 
-def _split(views: Sequence[KVView | ConvView]) -> tuple[list[KVView], list[ConvView]]:
-    """A cache's views (KVCache.kv_views): its K/V's, its conv rows'."""
+View = KVView | ConvView | StateView  # what a cache's kv_views hands the step
+
+
+def _split(views: Sequence[View]) -> tuple[list[KVView], list[ConvView], list[StateView]]:
+    """A cache's views (KVCache.kv_views): its K/V's, its conv rows', its states'."""
     kv = [v for v in views if isinstance(v, KVView)]
-    return kv, [v for v in views if isinstance(v, ConvView)]
+    convs = [v for v in views if isinstance(v, ConvView)]
+    return kv, convs, [v for v in views if isinstance(v, StateView)]
+
+
+def _slot_of(block: Block) -> tuple[str, int | None]:
+    """The kind of view a block's layer is in ("kv", "conv", "state") and its slot among
+    that kind's layers (None for attention: a KVView's layers say)."""
+    if block.conv is not None:
+        return "conv", block.conv.slot
+    if block.recurrent is not None:
+        return "state", block.recurrent.slot
+    return "kv", None
+
+
+def _conv_view(v: ConvView, keep: list) -> _ConvView:
+    """A ConvView as a kvlm_conv_view (its seq and ends tensors appended to `keep`)."""
+    seq, ends = (torch.tensor(t, dtype=torch.int64) for t in (v.seqs, v.ends))
+    keep += [seq, ends]
+    entries = min(seq.numel(), ends.numel())
+    if v.ring:  # (layers, slots * ring + 1, H): slots of `ring` rows, the zero row
+        layers, n, width = v.rows.shape
+        shape, layout = (layers, (n - 1) // v.ring, v.ring, width), _CONV_SLOTS
+    else:
+        shape, layout = tuple(v.rows.shape), _CONV_ROWS
+    return _ConvView(v.rows.data_ptr(), seq.data_ptr(), ends.data_ptr(), *shape, layout, entries,
+                     _bytes(v.rows))  # fmt: skip

@@ -1,0 +1,250 @@
+"""The fused decode step (kvlm.model.fused) on the recurrent hybrids: Qwen3.5's gated
+DeltaNets beside gated attention with partial RoPE, Granite 4.0-H's Mamba2 layers beside
+NoPE attention with its multipliers (kernels/decode.c's MIX_DELTA and MIX_MAMBA2, the
+states through kvlm_state_view: kvlm.cache.recurrent's StateCache and StateSlots). Each is
+held to the torch model by the rules of tests/numerics.py (the exact result: the same
+low-bit weights in fp64), a row's logits are the same bit for bit alone, forked or in the
+engine's batch, a state kept for a rollback or a checkpoint survives the steps that move
+its rows on in place, and the pool's steps keep the states, the snapshots at the block ends
+their rows reach and a failed step's states as they were."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from helpers import (
+    CHATML,
+    GREEDY,
+    POOL_PROMPTS,
+    answer,
+    assert_top_k_both_ways,
+    conversation,
+    counted_fused_runs,
+    fresh_engine,
+    fused_and_torch,
+    needs_kernels,
+    on_pool,
+    prompt_ids,
+    save_tiny_model,
+)
+from kvlm import LLM, SamplingParams
+from kvlm.cache.recurrent import StateCache
+from kvlm.engine.runner import CacheBatch, PoolBatch
+from numerics import SAME_ROUNDING, assert_as_exact_as
+from test_granite import GRANITE_MODELS
+from test_qwen35 import QWEN35_MODELS
+
+pytestmark = needs_kernels
+
+# the tiny models (test_qwen35's, test_granite's) whose every projection takes low-bit
+# weights: DeltaNets with 2 q/k heads serving 4 v heads, q|k|v and o biases beside the
+# gate; Mamba2 layers in 2 groups, RoPE and the projections' biases, the multipliers
+MODELS = {"qwen35": "qwen3_5", "qwen35-bias": "qwen3_5", "granite": "granitemoehybrid",
+          "granite-rope-bias": "granitemoehybrid"}  # fmt: skip
+CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    made = {}
+
+    def make(name: str):
+        if name not in made:
+            seed, overrides = {**QWEN35_MODELS, **GRANITE_MODELS}[name]
+            extra = {"tokenizer": "qwen35", "chat_template": CHATML} if "qwen" in name else {}
+            made[name] = save_tiny_model(tmp_path_factory.mktemp(name), MODELS[name], seed=seed,
+                                         **extra, **overrides)  # fmt: skip
+        return made[name]
+
+    return make
+
+
+@functools.cache
+def fused_llm(folder, kv_dtype: str = "fp32", dtype: str = "fp32", **options) -> LLM:
+    """int8 weights on fp32 activations and prompt products (the exact products the fused
+    step and the torch step share), in `dtype` (fp64: the exact result)."""
+    return LLM(model=folder, progress=False, max_context=CONTEXT, weights="int8",
+               kv_dtype=kv_dtype, dtype=dtype, activations="fp32", prefill_dtype="fp32",
+               **options)  # fmt: skip
+
+
+def state_of(cache) -> torch.Tensor:
+    """The recurrent states a one-sequence cache holds (layers, B, ...)."""
+    return next(p for p in cache.parts if isinstance(p, StateCache)).rows.state
+
+
+def exact_state(llm: LLM, ids: list[int]) -> torch.Tensor:
+    cache = llm.new_cache("contiguous")
+    llm.runner.forward(ids, cache)
+    return state_of(cache)
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "paged"])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "q4"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_fused_step_tracks_the_torch_model(hybrid_dir, name, kv_dtype, mode):
+    """24 fused steps against the torch model fed the same tokens, each over its own cache,
+    both held to the exact (fp64) result: the fused logits as close to it as the torch
+    step's (q4 K/V: with the int8 queries' rounding), each side's best token in the other's
+    top 5; and the states the fused step left as close to the exact ones as the torch
+    step's."""
+    from test_fused_arch import INT8_QUERIES
+
+    folder = hybrid_dir(name)
+    llm = fused_llm(folder, kv_dtype)
+    assert llm.describe()["decode_step"] == "fused"
+    prompt = prompt_ids(llm, 20)
+    tokens, fused, ref, fused_cache, torch_cache = fused_and_torch(llm, prompt, 24, mode)
+    exact_llm = fused_llm(folder, dtype="fp64")
+    ids = prompt + tokens
+    exact = exact_llm.runner.logits(ids, exact_llm.new_cache("off"))[len(prompt) :]
+    factor = INT8_QUERIES if kv_dtype == "q4" else SAME_ROUNDING
+    assert_as_exact_as(fused, ref, exact, factor)
+    assert_top_k_both_ways(fused, ref)
+    want = exact_state(exact_llm, ids)
+    assert_as_exact_as(state_of(fused_cache), state_of(torch_cache), want)
+
+
+@pytest.mark.parametrize("name", ["qwen35", "granite"])
+def test_forked_rows_in_one_fused_step_are_each_alone(hybrid_dir, name):
+    """A prompt's cache forked into 3 rows fed different tokens: each row of the fused step
+    reads its own sequence's state and rows, its logits bit for bit those of a cache fed
+    its tokens alone."""
+    llm = fused_llm(hybrid_dir(name))
+    prompt, more = prompt_ids(llm, 20), prompt_ids(llm, 40)[20:]
+    cache = llm.new_cache("contiguous")
+    llm.runner.forward(prompt, cache)
+    cache.fork(3)
+    assert llm.runner.fused_for(cache) is not None
+    rows = [more[b::3][:6] for b in range(3)]
+    together = torch.stack([llm.runner.run(CacheBatch([[r[i]] for r in rows], cache))
+                            for i in range(6)], dim=1)  # fmt: skip
+    for b, tokens in enumerate(rows):
+        alone = llm.new_cache("contiguous")
+        llm.runner.forward(prompt, alone)
+        assert torch.equal(together[b], torch.stack([llm.runner.forward([t], alone)
+                                                     for t in tokens])), b  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["qwen35", "granite"])
+def test_kept_states_survive_the_steps_that_move_the_rows_on(hybrid_dir, name):
+    """The fused step moves the conv rows on in place: a checkpoint's state (a chat's turn
+    start) and a draft model's rollback depth keep rows of their own (DeltaRows.own_rows),
+    so going back there and decoding again gives the first time's logits bit for bit."""
+    llm = fused_llm(hybrid_dir(name))
+    prompt, more = prompt_ids(llm, 20), prompt_ids(llm, 36)[20:]
+    for depth in (0, 3):
+        cache = llm.new_cache("contiguous")
+        cache.checkpoint(len(prompt))  # kept as the prompt's step commits
+        llm.runner.forward(prompt, cache)
+        cache.hold_rollback(depth)
+        first = torch.stack([llm.runner.forward([t], cache) for t in more])
+        assert llm.runner.fused_for(cache) is not None
+        if depth:
+            cache.rollback(2)
+            again = torch.stack([llm.runner.forward([t], cache) for t in more[-2:]])
+            assert torch.equal(again, first[-2:])
+        assert cache.rollback_point(len(prompt)) == len(prompt)
+        cache.rollback(cache.num_tokens - len(prompt))
+        assert torch.equal(torch.stack([llm.runner.forward([t], cache) for t in more]), first)
+
+
+# --------------------------------------------------------------- the engine's pool
+
+
+@functools.cache
+def pool_llm(folder, **options) -> LLM:
+    """The pool's: int8 weights under the defaults (int16 activations, fp16 K/V where the
+    CPU has them: what `kvlm serve` of such a model runs)."""
+    return LLM(model=folder, kv="paged", weights="int8", progress=False, **options)
+
+
+def alone_on_cache(llm: LLM, prompts, params=GREEDY) -> list[list[list[int]]]:
+    return [[llm.generate(p, params)[0].outputs[0].token_ids] for p in prompts]
+
+
+def all_fused(calls: list[int], engine) -> None:
+    assert engine.decode_step == "fused"
+    assert engine.stats.decode_rows > 0 and sum(calls) >= engine.stats.decode_rows
+
+
+@pytest.mark.parametrize("name", ["qwen35-bias", "granite-rope-bias"])
+def test_the_pools_fused_step_batches_forks_and_drafts_as_alone(hybrid_dir, name, monkeypatch):
+    """The fused step on the engine's pool reads each sequence's slot and writes its state
+    back (StateSlots.view, written): the prompts batched, n = 2 (forked slots), prompt
+    lookup's drafts (their rows the torch step's, the rejected rolled back) give every
+    prompt's tokens alone, every decode row but the drafts' through the fused step."""
+    from kvlm.engine.speculative import SpeculativeConfig
+
+    llm = pool_llm(hybrid_dir(name))
+    want = alone_on_cache(llm, POOL_PROMPTS)
+    calls = counted_fused_runs(monkeypatch)
+    got, engine = on_pool(llm, POOL_PROMPTS, GREEDY)
+    assert got == want
+    all_fused(calls, engine)
+    assert sum(calls) == engine.stats.decode_rows and max(calls) == len(POOL_PROMPTS)
+    calls.clear()
+    two, engine = on_pool(llm, POOL_PROMPTS, SamplingParams(n=2, max_tokens=20, temperature=0.0,
+                                                            ignore_eos=True))  # fmt: skip
+    assert two == [w * 2 for w in want]
+    all_fused(calls, engine)
+    drafted, engine = on_pool(
+        llm, POOL_PROMPTS, GREEDY, speculative=SpeculativeConfig("ngram", num_draft=4, ngram_min=1)
+    )
+    st = engine.stats.spec
+    assert drafted == want and st.drafted > st.accepted  # some rolled back
+
+
+@pytest.mark.parametrize("name", ["qwen35", "granite"])
+def test_a_prefix_hit_on_a_snapshot_the_fused_step_took(hybrid_dir, name, monkeypatch):
+    """A decode row that reaches a block end leaves the state's snapshot there
+    (StateSlots.written): a prompt that is a first answer's tokens and more hits at the
+    last block its answer filled and answers as a fresh pool does; a chat's second turn
+    likewise."""
+    llm = pool_llm(hybrid_dir(name), activations="fp32", prefill_dtype="fp32")
+    first = llm.tokenizer.encode(POOL_PROMPTS[0])[:10]
+    calls = counted_fused_runs(monkeypatch)
+    engine = fresh_engine(llm)
+    answer_ids, _ = answer(engine, first, SamplingParams(max_tokens=30, temperature=0.0,
+                                                         ignore_eos=True))  # fmt: skip
+    all_fused(calls, engine)
+    second = first + answer_ids + llm.tokenizer.encode(" And Spain?")[1:]
+    want, cold = answer(fresh_engine(llm), second)
+    got, cached = answer(engine, second)
+    assert cold == 0 and cached == 32 and got == want
+    first_turn, second_turn = conversation(llm)
+    want = answer(fresh_engine(llm), second_turn)[0]
+    engine = fresh_engine(llm)
+    answer(engine, first_turn)
+    got, cached = answer(engine, second_turn)
+    assert got == want and cached >= 16
+
+
+def test_a_failed_fused_step_leaves_the_states_as_they_were(hybrid_dir):
+    """A fused step on the pool that the C step refuses (a row's block table that does not
+    cover its position) raises with every slot's state, rows and end as they were; the
+    same step with good tables then moves them on."""
+    llm = pool_llm(hybrid_dir("qwen35"))
+    engine = fresh_engine(llm)
+    for i, p in enumerate(POOL_PROMPTS[:2]):
+        engine.add_request(str(i), llm.tokenizer.encode(p), GREEDY)
+    while len(engine.scheduler.running) < 2 or any(s.prefilling for s in engine.scheduler.running):
+        engine.step()
+    seqs = engine.scheduler.running
+    backend = engine.backend
+    slots = next(g for g in engine.pool.groups if type(g).__name__ == "StateSlots")
+    rows = [[s.token_ids[-1]] for s in seqs]
+    starts = [s.num_computed for s in seqs]
+    blocks, others = backend._where([s.table for s in seqs])
+    before = (slots.state.clone(), slots.conv.clone(), list(slots.end))
+    bad = [list(blocks[0]), blocks[1][: starts[1] // 16]]  # row 1's table a block short
+    with pytest.raises(ValueError, match="fused decode step refused"):
+        llm.runner.run(PoolBatch(rows, engine.pool, engine.spec, bad, starts, others))
+    assert torch.equal(slots.state, before[0]) and torch.equal(slots.conv, before[1])
+    assert slots.end == before[2]
+    llm.runner.run(PoolBatch(rows, engine.pool, engine.spec, blocks, starts, others))
+    assert not torch.equal(slots.state, before[0]) and not torch.equal(slots.conv, before[1])
+    assert sorted(slots.end)[-2:] == sorted(s + 1 for s in starts)
