@@ -22,7 +22,7 @@
 
 4. `steps`: a decode step after a CONTEXT-token prompt on a GGUF file (one contiguous cache,
    the prompt in one step), its time and its time by module (forward hooks on the
-   DeltaNets, the attention layers and the MLPs; 20 steps, mean), and the process's peak
+   DeltaNets, the attention layers and the MLPs on the torch step; 20 steps, mean), and the process's peak
    RSS after the prompt; `--kv-dtype` the cache's storage.
 
     python benchmarks/bench_deltanet.py steps --gguf q35-08-q4_k_m.gguf --context 4096
@@ -195,8 +195,8 @@ def steps(path: Path, context: int, kv_dtype: str | None, threads: int) -> None:
         llm.runner.forward([200], cache)
     step = (time.perf_counter() - t) / 20 * 1000
     parts = ", ".join(f"{k} {v / 20 * 1000:.2f}" for k, v in spent.most_common())
-    print(f"context {context}: a decode step {step:.2f} ms ({parts} ms); peak RSS after the "
-          f"prompt {peak:,.0f} MiB")  # fmt: skip
+    print(f"context {context}: a decode step {step:.2f} ms on the {llm.describe()['decode_step']} "
+          f"({parts or 'one C call'}); peak RSS after the prompt {peak:,.0f} MiB")  # fmt: skip
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from helpers import WEATHER
-from serving import kvlm_serve, wait_idle
+from serving import kvlm_serve, metrics, wait_idle
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -157,6 +157,60 @@ def test_structured_output_thinking_and_unknown_fields(client, model):
     with pytest.raises(anthropic.BadRequestError, match="unrecognized request argument supplied: "
                        "frobnicate"):  # fmt: skip
         create(client, model, extra_body={"frobnicate": 1})
+
+
+def test_cache_control_marks_pin_their_prefixes_and_usage_says_what_they_wrote(
+    client, model, server
+):
+    """A system prompt marked with cache_control (and a mark on the last user block, a
+    1 h one): the first request writes the marked prefix (cache_creation_input_tokens:
+    its tokens the cache did not serve, input_tokens the rest, together the prompt's) and
+    pins it (kvlm_kv_blocks_pinned grows); the next request with that system prompt reads
+    it (cache_read_input_tokens at least the marked prefix's whole blocks, nothing written
+    for the mark but the part of a block past them). Five marks are a 400, as
+    Anthropic's."""
+    system = [{"type": "text", "text": "You answer in one line. " * 40,
+               "cache_control": {"type": "ephemeral"}}]  # fmt: skip
+    ask = [
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "text",
+                    "text": "Weather in Rome?",
+                    "cache_control": {"type": "ephemeral", "ttl": "1h"},
+                }
+            ],
+        }
+    ]
+    pinned = metrics(server, KEY)["kvlm_kv_blocks_pinned"]
+    first = create(client, model, system=system, messages=ask, max_tokens=4, temperature=0)
+    prompt = client.messages.count_tokens(model=model, system=system, messages=ask).input_tokens
+    u = first.usage
+    assert u.input_tokens + u.cache_creation_input_tokens + u.cache_read_input_tokens == prompt
+    assert u.cache_creation_input_tokens >= prompt - 16 and u.cache_read_input_tokens == 0
+    wait_idle(server, KEY)
+    assert metrics(server, KEY)["kvlm_kv_blocks_pinned"] >= pinned + (prompt - 16) // 16
+    other = [{"role": "user", "content": "And in Oslo?"}]
+    again = create(client, model, system=system, messages=other, max_tokens=4, temperature=0)
+    x = [{"role": "user", "content": "x"}]
+    turn = (client.messages.count_tokens(model=model, system=system, messages=x).input_tokens
+            - client.messages.count_tokens(model=model, messages=x).input_tokens)  # fmt: skip
+    u = again.usage
+    assert u.cache_read_input_tokens >= 16 * (turn // 16) - 16 > 0  # the system turn's
+    assert u.cache_creation_input_tokens < 32
+    five = [{"type": "text", "text": f"part {i}. ", "cache_control": {"type": "ephemeral"}}
+            for i in range(5)]  # fmt: skip
+    with pytest.raises(anthropic.BadRequestError, match="maximum of 4 blocks"):
+        create(client, model, system=five)
+    with pytest.raises(anthropic.BadRequestError, match="ttl"):
+        create(
+            client,
+            model,
+            system=[
+                {"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "2h"}}
+            ],
+        )
 
 
 # ------------------------------------------------------------- what Claude Code sends

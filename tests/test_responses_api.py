@@ -259,6 +259,31 @@ def test_a_pinned_conversation_outlives_the_pools_pressure(tiny, pinned):
     assert engine.pool.num_used == 0 and engine.snapshot()["blocks_pinned"] == 0
 
 
+def test_a_pin_with_a_life_is_let_go_after_it(tiny, monkeypatch):
+    """A pin with a ttl (a Messages request's cache_control mark) holds its blocks until
+    its life is over, pinned again from then; past it, the engine's next step lets it
+    go (its blocks stay cached, evictable)."""
+    import kvlm.engine.engine as engine_mod
+
+    engine, run = _engine_of(tiny)
+    bs = engine.pool.block_size
+    now = [1000.0]
+    monkeypatch.setattr(engine_mod.time, "monotonic", lambda: now[0])
+    first = [(7 * i) % 200 + 3 for i in range(3 * bs)]
+    conversation = first + run("a", first)
+    engine.pin("cc", conversation, None, 0.5, ttl=300.0)
+    assert engine.snapshot()["blocks_pinned"] == 3
+    now[0] += 200
+    engine.pin("cc", conversation, None, 0.5, ttl=300.0)  # again: 300 s from now
+    now[0] += 200
+    engine.step()
+    assert engine.snapshot()["blocks_pinned"] == 3
+    now[0] += 101
+    engine.step()
+    assert engine.snapshot()["blocks_pinned"] == 0 and not engine.pin_until
+    assert len(engine.manager.match(conversation)[0]) == 3  # still cached
+
+
 def test_pins_that_share_blocks_count_each_block_once(tiny):
     """Two stored responses of one conversation (a response and its follow-up) hold the
     same leading blocks: blocks_pinned counts the pool's blocks, so it stays within

@@ -269,6 +269,7 @@ class Engine:
         self.requests: dict[str, _Request] = {}
         # blocks held for stored conversations (the Responses API), oldest first
         self.pins: OrderedDict[str, list[list[int]]] = OrderedDict()
+        self.pin_until: dict[str, float] = {}  # a pin with a life: when it is let go
         self.stats = EngineStats()
         self.last_plan: StepPlan | None = None  # what the latest step ran
         GC_TIME.watch()  # a slow step's log line says how much of it was collection
@@ -453,6 +454,8 @@ class Engine:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[StepOutput]:
+        if self.pin_until:
+            self._expire_pins()  # before the schedule may need their blocks
         plan = self.last_plan = self.scheduler.schedule()
         if not plan:  # nothing to run: maybe a tier lookup or a guide's mask is under way
             if blocked := self.scheduler.blocked_on():
@@ -753,16 +756,29 @@ class Engine:
                 out.setdefault("windowed_blocks", []).append(table)
         return out
 
-    def pin(self, key: str, tokens: list[int], salt: str | None, share: float) -> None:
+    def pin(
+        self, key: str, tokens: list[int], salt: str | None, share: float,
+        ttl: float | None = None,
+    ) -> None:  # fmt: skip
         """Hold the pool's cached blocks of `tokens` under `key` (a stored response's
-        conversation), so that the prefix cache keeps them for its follow-up; the oldest
-        pins are let go while more than `share` of the pool's blocks are held."""
+        conversation, a Messages request's cache_control prefix), so that the prefix cache
+        keeps them for its follow-up, for `ttl` seconds (None: until unpinned; pinned
+        again: from then); the oldest pins are let go while more than `share` of the
+        pool's blocks are held."""
         if self.pool is None:
             return
+        self._expire_pins()
         self.unpin(key)
         self.pins[key] = self.manager.pin(tokens, salt)
+        if ttl is not None:
+            self.pin_until[key] = time.monotonic() + ttl
         while self._pinned() > share * self.pool.num_blocks:
             self.unpin(next(iter(self.pins)))
+
+    def _expire_pins(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, until in self.pin_until.items() if until <= now]:
+            self.unpin(key)
 
     def _pinned(self) -> int:
         """Group 0's blocks held by pins, each once (the share is of group 0's blocks): two
@@ -773,6 +789,7 @@ class Engine:
     def unpin(self, key: str) -> None:
         """Let go of `key`'s blocks: they stay cached until evicted (or in the tiers)."""
         blocks = self.pins.pop(key, None)
+        self.pin_until.pop(key, None)
         if blocks:
             self.manager.unpin(blocks)
 

@@ -12,8 +12,14 @@ prefix cache served (`cache_read_input_tokens`), whole or as Anthropic's event s
 
 What a text model cannot take is a 400 naming the field: image, document and search
 result blocks, server tools (web search, code execution, ...), MCP servers, containers.
-`cache_control` marks are accepted and have no effect: every prompt's blocks are reused
-by the prefix cache without being asked. Thinking blocks in the history are dropped (as
+Every prompt's blocks are reused by the prefix cache without being asked; `cache_control`
+marks (at most 4, "ephemeral", a ttl of "5m" or "1h"; the request's own: its last block)
+pin the prefix up to each marked block for its ttl (`breakpoints`: the conversation cut
+after the block, rendered without a generation prompt, as far as it is a prefix of the
+prompt; a tool's or a system block's mark: the system turn and the tools), so eviction
+passes them by (Engine.pin, within the stored responses' share of the pool), and usage
+says what the marks wrote: `cache_creation_input_tokens` the marked prefix's tokens the
+cache did not serve, `input_tokens` those after it. Thinking blocks in the history are dropped (as
 Anthropic's own API drops earlier turns' thinking); `thinking` reaches the chat template as
 `enable_thinking`.
 """
@@ -50,8 +56,25 @@ _STOPS = {"length": "max_tokens", "abort": "end_turn"}
 PING = 'event: ping\ndata: {"type": "ping"}\n\n'
 
 
+class CacheControl(_Body):
+    """A cache breakpoint: the prefix up to the block it marks is kept for `ttl` (other
+    keys a client adds are Anthropic's bookkeeping: no effect)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+    @property
+    def seconds(self) -> float:
+        return TTL_S[self.ttl]
+
+
+TTL_S = {"5m": 300.0, "1h": 3600.0}
+MAX_BREAKPOINTS = 4  # Anthropic's: more cache_control marks in one request are a 400
+
+
 class _Marked(_Body):
-    cache_control: dict[str, Any] | None = None  # accepted: the prefix cache needs no mark
+    cache_control: CacheControl | None = None
 
 
 class TextBlock(_Marked):
@@ -182,8 +205,9 @@ class MessagesRequest(_Body):
     temperature: Annotated[float, Field(ge=0, le=1)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=0)] = 0
-    # accepted; no effect (bookkeeping on Anthropic's side; the prefix cache needs no mark)
-    cache_control: dict[str, Any] | None = None
+    # the request's own mark: its last block (automatic caching)
+    cache_control: CacheControl | None = None
+    # accepted; no effect (bookkeeping on Anthropic's side)
     diagnostics: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     service_tier: Text | None = None
@@ -216,6 +240,10 @@ class MessagesRequest(_Body):
                 if isinstance(block, OtherBlock):
                     raise Unsupported("messages.content", f"{block.type} blocks are not "
                                       "supported: kvlm serves text models")  # fmt: skip
+        marks = len(_marks(self)) + (self.cache_control is not None)
+        if marks > MAX_BREAKPOINTS:
+            raise ValueError(f"a maximum of {MAX_BREAKPOINTS} blocks with cache_control may be "
+                             f"provided, {marks} were")  # fmt: skip
         return self
 
 
@@ -226,6 +254,43 @@ class CountTokensRequest(MessagesRequest):
 
 
 SAMPLING = ("temperature", "top_p", "top_k")  # the Messages API's sampling fields
+
+
+def _marks(body: MessagesRequest) -> list[tuple[int, int, CacheControl]]:
+    """The marked blocks in order, (turn, block, mark): a tool's or a system block's as
+    turn -1 (the system turn and the tools)."""
+    out = [(-1, 0, t.cache_control) for t in body.tools or []
+           if isinstance(t, ToolDef) and t.cache_control is not None]  # fmt: skip
+    if isinstance(body.system, list):
+        out += [(-1, 0, b.cache_control) for b in body.system if b.cache_control is not None]
+    for i, turn in enumerate(body.messages):
+        out += [(i, j, getattr(b, "cache_control", None)) for j, b in enumerate(turn.blocks())
+                if getattr(b, "cache_control", None) is not None]  # fmt: skip
+    return out
+
+
+def breakpoints(body: MessagesRequest) -> list[tuple[ChatCompletionRequest, float]]:
+    """The prefixes the request's cache_control marks ask to keep, each the chat request
+    of the conversation cut after the marked block (a tool's or the system's: the system
+    turn and the tools alone), with its life in seconds; the request's own mark is its
+    last block. A cut the chat road refuses (a template that needs a user turn) is left
+    out: there is no prefix to keep."""
+    marks = _marks(body)
+    if body.cache_control is not None:
+        last = body.messages[-1]
+        marks.append((len(body.messages) - 1, len(last.blocks()) - 1, body.cache_control))
+    out = []
+    for turn, block, mark in marks:
+        messages = body.messages[:turn]
+        if turn >= 0:
+            cut = body.messages[turn]
+            messages = [*messages, cut.model_copy(update={"content": cut.blocks()[: block + 1]})]
+        try:
+            chat = to_chat(body.model_copy(update={"messages": messages}))
+        except ValueError:
+            continue
+        out.append((chat, mark.seconds))
+    return out
 
 
 def to_chat(body: MessagesRequest) -> ChatCompletionRequest:
@@ -312,9 +377,13 @@ def _stop(choice: dict[str, Any], event: StepOutput | None, full: bool) -> tuple
     return _STOPS.get(finish, "end_turn"), None
 
 
-def usage(prompt_tokens: int, cached: int, output: int) -> dict[str, Any]:
-    return {"input_tokens": prompt_tokens - cached, "output_tokens": output,
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}  # fmt: skip
+def usage(prompt_tokens: int, cached: int, output: int, marked: int = 0) -> dict[str, Any]:
+    """Anthropic's usage: the prompt's tokens the cache served (`cached`), those of the
+    marked prefix (the longest cache_control breakpoint's, `marked` tokens) it did not
+    (written to the cache for the marks), and those after (input_tokens)."""
+    written = max(0, min(marked, prompt_tokens) - cached)
+    return {"input_tokens": prompt_tokens - cached - written, "output_tokens": output,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": written}  # fmt: skip
 
 
 def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
@@ -340,15 +409,16 @@ def _tool_use(call: dict[str, Any], whole: bool) -> dict[str, Any]:
 
 def message(
     head: dict[str, Any], choices: Choices, last: StepOutput | None, prompt_tokens: int,
-    full: bool = False,
+    full: bool = False, marked: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
-    """The whole reply (`full`: _stop's)."""
+    """The whole reply (`full`: _stop's; `marked`: usage's)."""
     choice = choices.final()[0]
     reason, sequence = _stop(choice, last, full)
     cached = sum(choices.cached.values())
     return head | {"content": _blocks(choice["message"]), "stop_reason": reason,
                    "stop_sequence": sequence,
-                   "usage": usage(prompt_tokens, cached, choices.state[0].tokens)}  # fmt: skip
+                   "usage": usage(prompt_tokens, cached, choices.state[0].tokens,
+                                  marked)}  # fmt: skip
 
 
 def new_head(model: str) -> dict[str, Any]:
@@ -362,7 +432,7 @@ def _event(kind: str, data: dict[str, Any]) -> str:
 
 async def stream(
     events: AsyncIterator[StepOutput], choices: Choices, head: dict[str, Any],
-    prompt_tokens: int, failed: str, full: bool = False,
+    prompt_tokens: int, failed: str, full: bool = False, marked: int = 0,
 ) -> AsyncIterator[str]:  # fmt: skip
     """Anthropic's event stream of one reply: its reasoning as it comes in a thinking
     block, its text in a text block, then each tool call as a tool_use block, its input
@@ -404,7 +474,8 @@ async def stream(
         reason, sequence = _stop({"finish_reason": finish or state.finish_reason}, last, full)
         yield _event("message_delta", {
             "delta": {"stop_reason": reason, "stop_sequence": sequence},
-            "usage": usage(prompt_tokens, sum(choices.cached.values()), state.tokens)})  # fmt: skip
+            "usage": usage(prompt_tokens, sum(choices.cached.values()), state.tokens,
+                           marked)})  # fmt: skip
         yield _event("message_stop", {})
     finally:
         await events.aclose()  # type: ignore[attr-defined]  # a disconnect: aborted

@@ -30,6 +30,7 @@ import logging
 import re
 import time
 import uuid
+from array import array
 from collections.abc import AsyncIterator, Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -416,6 +417,37 @@ async def _chat_parts(
     return ids, params, choices
 
 
+def _marked_prefixes(
+    s: _Served, body: anthropic.MessagesRequest, ids: list[int]
+) -> list[tuple[int, float]]:
+    """Each cache_control mark's prefix of the prompt `ids` (anthropic.breakpoints: the
+    conversation cut after the marked block, rendered without a generation prompt, as
+    far as it agrees with `ids`) and its life; marks that keep nothing left out."""
+    out = []
+    for chat, ttl in anthropic.breakpoints(body):
+        try:
+            cut = s.tokenizer.encode_chat(chat.conversation, False, chat.tool_specs,
+                                          **chat.template_options)  # fmt: skip
+        except InvalidRequestError:  # a template that cannot render the cut: nothing kept
+            continue
+        n = next((i for i, (a, b) in enumerate(zip(cut, ids, strict=False)) if a != b),
+                 min(len(cut), len(ids)))  # fmt: skip
+        if n:
+            out.append((n, ttl))
+    return out
+
+
+def _digest(ids: list[int]) -> str:
+    return hashlib.sha256(array("I", ids).tobytes()).hexdigest()[:32]
+
+
+async def _then(chunks: AsyncIterator[str], done: Callable[[], None]) -> AsyncIterator[str]:
+    """`chunks`, then `done()` once they all went (a stream that ended early: not)."""
+    async for chunk in chunks:
+        yield chunk
+    done()
+
+
 def anthropic_routes(v1: APIRouter, s: _Served) -> None:
     """POST /v1/messages and /v1/messages/count_tokens (kvlm.server.anthropic)."""
 
@@ -426,14 +458,24 @@ def anthropic_routes(v1: APIRouter, s: _Served) -> None:
         params.stop = list(body.stop_sequences or [])  # Anthropic allows more than OpenAI's 4
         head = anthropic.new_head(s.model_name)
         full = params.max_tokens >= s.max_len - len(ids)  # up to the context: its stop's
+        marks = await run_in_threadpool(_marked_prefixes, s, body, ids)
+        marked = max((n for n, _ in marks), default=0)
         events = await _start(s.engine, chat, [ids], [params])
+
+        def pin() -> None:  # once the prompt's blocks are cached: each mark's prefix kept
+            for n, ttl in marks:
+                key = f"cache_control:{chat.cache_salt}:{_digest(ids[:n])}"
+                s.engine.tell(lambda e, key=key, n=n, ttl=ttl: e.pin(
+                    key, ids[:n], chat.cache_salt, responses_api.PIN_SHARE, ttl))  # fmt: skip
+
         if body.stream:
-            sse = anthropic.stream(events, choices, head, len(ids), ENGINE_FAILED, full)
-            return _event_stream(sse, s, anthropic.PING)
+            sse = anthropic.stream(events, choices, head, len(ids), ENGINE_FAILED, full, marked)
+            return _event_stream(_then(sse, pin), s, anthropic.PING)
         last = await _finished(events, choices, request)
         if last is None:
             return JSONResponse({}, status_code=499)
-        return anthropic.message(head, choices, last, len(ids), full)
+        pin()
+        return anthropic.message(head, choices, last, len(ids), full, marked)
 
     @v1.post("/messages/count_tokens", responses={200: {"model": openapi.TokenCount},
              **openapi.errors(400, 401, 404, 408, 413, body=openapi.AnthropicError)})  # fmt: skip
