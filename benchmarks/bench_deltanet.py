@@ -21,11 +21,13 @@
     python benchmarks/bench_deltanet.py system --gguf q35-08-q8_0.gguf --system 6000 --turns 6
 
 4. `steps`: a decode step after a CONTEXT-token prompt on a GGUF file (one contiguous cache,
-   the prompt in one step), its time and its time by module (forward hooks on the
-   DeltaNets, the attention layers and the MLPs on the torch step; 20 steps, mean), and the process's peak
-   RSS after the prompt; `--kv-dtype` the cache's storage.
+   the prompt in one step), its time (the median of 7 rounds of 10 steps; several
+   contexts, each on a cache of its own, take turns round by round, each against the
+   first) and on the torch step its time by module (forward hooks on the recurrent
+   layers, the attention layers and the MLPs), and the process's peak RSS after the
+   prompts; `--kv-dtype` the cache's storage.
 
-    python benchmarks/bench_deltanet.py steps --gguf q35-08-q4_k_m.gguf --context 4096
+    python benchmarks/bench_deltanet.py steps --gguf q35-08-q4_k_m.gguf --context 512,16384
 """
 
 from __future__ import annotations
@@ -164,18 +166,23 @@ def system(path: Path, system_tokens: int, turns: int, threads: int) -> None:
           f"{cold:.2f} s ({ours[-1] / cold:.1%})")  # fmt: skip
 
 
-def steps(path: Path, context: int, kv_dtype: str | None, threads: int) -> None:
+def steps(path: Path, contexts: list[int], kv_dtype: str | None, threads: int) -> None:
     import collections
     import resource
+    import statistics
 
     from kvlm.engine.runner import CacheBatch
 
     extra = {} if kv_dtype is None else {"kv_dtype": kv_dtype}
-    llm = LLM(model=path, kv="contiguous", progress=False, max_context=context + 256,
+    llm = LLM(model=path, kv="contiguous", progress=False, max_context=max(contexts) + 256,
               threads=threads, **extra)  # fmt: skip
-    cache, vocab = llm.new_cache(), llm.config.vocab_size
-    ids = torch.randint(10, vocab - 10, (context,), generator=torch.Generator().manual_seed(0))
-    llm.runner.run(CacheBatch([ids.tolist()], cache, prompt=True))
+    vocab = llm.config.vocab_size
+    caches = {}
+    for context in contexts:  # each prompt on a cache of its own, one step each
+        cache = caches[context] = llm.new_cache()
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(10, vocab - 10, (context,), generator=g)
+        llm.runner.run(CacheBatch([ids.tolist()], cache, prompt=True))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     spent, began = collections.Counter(), {}
     for block in llm.model.layers:
@@ -187,22 +194,38 @@ def steps(path: Path, context: int, kv_dtype: str | None, threads: int) -> None:
                 )
                 module.register_forward_hook(lambda m, a, o, name=name: spent.update(
                     {name: time.perf_counter() - began[name]}))  # fmt: skip
-    for _ in range(3):
-        llm.runner.forward([200], cache)
+    for cache in caches.values():
+        for _ in range(3):
+            llm.runner.forward([200], cache)
     spent.clear()
-    t = time.perf_counter()
-    for _ in range(20):
-        llm.runner.forward([200], cache)
-    step = (time.perf_counter() - t) / 20 * 1000
-    parts = ", ".join(f"{k} {v / 20 * 1000:.2f}" for k, v in spent.most_common())
-    print(f"context {context}: a decode step {step:.2f} ms on the {llm.describe()['decode_step']} "
-          f"({parts or 'one C call'}); peak RSS after the prompt {peak:,.0f} MiB")  # fmt: skip
+    rounds: dict[int, list[float]] = {c: [] for c in contexts}
+    for _ in range(ROUNDS):  # the contexts take turns: 10 steps each a round
+        for context, cache in caches.items():
+            t = time.perf_counter()
+            for _ in range(10):
+                llm.runner.forward([200], cache)
+            rounds[context].append((time.perf_counter() - t) / 10 * 1000)
+    parts = ", ".join(f"{k} {v / (10 * ROUNDS * len(contexts)) * 1000:.2f}"
+                      for k, v in spent.most_common())  # fmt: skip
+    base = statistics.median(rounds[contexts[0]])
+    for context in contexts:
+        step = statistics.median(rounds[context])
+        print(f"context {context}: a decode step {step:.2f} ms ({step / base:.3f}x "
+              f"context {contexts[0]}'s) on the {llm.describe()['decode_step']}")  # fmt: skip
+    print(f"({parts or 'one C call'}); peak RSS after the prompts {peak:,.0f} MiB")
+
+
+ROUNDS = 7  # steps' rounds
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("what", choices=["kernel", "turns", "system", "steps"])
-    p.add_argument("--context", type=int, default=4096, help="steps: the prompt's tokens")
+    p.add_argument(
+        "--context",
+        default="4096",
+        help="steps: the prompt's tokens (several, comma-separated: taking turns)",
+    )
     p.add_argument("--kv-dtype", default=None, help="steps: the cache's storage")
     p.add_argument("--gguf", type=Path, help="system: the model file")
     p.add_argument("--system", type=int, default=6000, help="system: its prompt's tokens")
@@ -215,7 +238,7 @@ def main() -> None:
     if args.what == "kernel":
         kernel()
     elif args.what == "steps":
-        steps(args.gguf, args.context, args.kv_dtype, args.threads)
+        steps(args.gguf, [int(c) for c in args.context.split(",")], args.kv_dtype, args.threads)
     elif args.what == "system":
         system(args.gguf, args.system, args.turns, args.threads)
     else:

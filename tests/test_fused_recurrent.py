@@ -27,6 +27,8 @@ from helpers import (
     fused_and_torch,
     needs_kernels,
     on_pool,
+    portable_build_params,
+    portable_kernels,
     prompt_ids,
     save_tiny_model,
 )
@@ -150,6 +152,37 @@ def test_kept_states_survive_the_steps_that_move_the_rows_on(hybrid_dir, name):
         assert cache.rollback_point(len(prompt)) == len(prompt)
         cache.rollback(cache.num_tokens - len(prompt))
         assert torch.equal(torch.stack([llm.runner.forward([t], cache) for t in more]), first)
+
+
+@pytest.mark.parametrize("march", portable_build_params())
+@pytest.mark.parametrize("name", ["qwen35-bias", "granite-rope-bias"])
+def test_the_portable_builds_run_it_alike(hybrid_dir, name, march):
+    """The scalar build and the AVX2 halves run the recurrent layers' kernels as the native
+    one (masked lanes there, plain loops here): the logits of 16 fused steps and the
+    states they leave as close to the exact ones as the native build's, each side's."""
+    from kvlm import kernels
+    from kvlm.model.fused import FusedDecoder
+
+    folder = hybrid_dir(name)
+    llm = fused_llm(folder)
+    prompt, steps = prompt_ids(llm, 12), prompt_ids(llm, 28)[12:]
+    logits, states = [], []
+    for lib in (kernels.library(), portable_kernels(march)):
+        cache = llm.new_cache("contiguous")
+        llm.runner.forward(prompt, cache)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(kernels, "library", lambda lib=lib: lib)
+            slots = cache.spec.max_tokens
+            mp.setitem(llm.runner._fused, slots, FusedDecoder(llm.model, slots))
+            logits.append(torch.stack([llm.runner.forward([t], cache) for t in steps]))
+        states.append(state_of(cache))
+    exact_llm = fused_llm(folder, dtype="fp64")
+    ids = prompt + steps
+    exact = exact_llm.runner.logits(ids, exact_llm.new_cache("off"))[len(prompt) :]
+    want = exact_state(exact_llm, ids)
+    for got, ref in ((logits, exact), (states, want)):
+        assert_as_exact_as(got[1], got[0], ref)
+        assert_as_exact_as(got[0], got[1], ref)
 
 
 # --------------------------------------------------------------- the engine's pool
