@@ -1093,6 +1093,44 @@ def fused_and_torch(llm, prompt: Sequence[int], steps: int, mode: str = "contigu
     return tokens, torch.stack(fused), torch.stack(ref), fused_cache, torch_cache
 
 
+def fused_steps_on(llm, lib, prompt: Sequence[int], steps: Sequence[int]):
+    """`prompt` prefilled on a contiguous cache, then `steps` through the fused step with
+    the kernels `lib` (a portable build's, or the native one): the logits (steps, V) and
+    the cache."""
+    import pytest
+
+    from kvlm import kernels
+    from kvlm.model.fused import FusedDecoder
+
+    cache = llm.new_cache("contiguous")
+    llm.runner.forward(prompt, cache)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "library", lambda: lib)
+        slots = cache.spec.max_tokens
+        mp.setitem(llm.runner._fused, slots, FusedDecoder(llm.model, slots))
+        logits = torch.stack([llm.runner.forward([t], cache) for t in steps])
+    return logits, cache
+
+
+def assert_forked_rows_alone(llm, prompt: Sequence[int], more: Sequence[int]) -> None:
+    """A prompt's cache forked into 3 rows fed different tokens of `more` (6 each): each
+    row of the fused step gives, bit for bit, the logits of a cache fed its tokens alone."""
+    from kvlm.engine.runner import CacheBatch
+
+    cache = llm.new_cache("contiguous")
+    llm.runner.forward(prompt, cache)
+    cache.fork(3)
+    assert llm.runner.fused_for(cache) is not None
+    rows = [more[b::3][:6] for b in range(3)]
+    together = torch.stack([llm.runner.run(CacheBatch([[r[i]] for r in rows], cache))
+                            for i in range(6)], dim=1)  # fmt: skip
+    for b, tokens in enumerate(rows):
+        alone = llm.new_cache("contiguous")
+        llm.runner.forward(prompt, alone)
+        assert torch.equal(together[b], torch.stack([llm.runner.forward([t], alone)
+                                                     for t in tokens])), b  # fmt: skip
+
+
 def assert_top_k_both_ways(a: torch.Tensor, b: torch.Tensor, k: int = 5) -> None:
     """At every step each side's best token is in the other's top k (the top-k rule, for
     teacher-forced steps)."""

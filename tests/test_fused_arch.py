@@ -24,6 +24,7 @@ from helpers import (
     feed_batched,
     feed_contiguous,
     fused_and_torch,
+    fused_steps_on,
     low_bit_llm,
     needs_kernels,
     needs_vector_kernels,
@@ -39,7 +40,7 @@ from kvlm.cache.kinds import RING_SLACK
 from kvlm.cache.paged import BlockPool, PagedCache
 from kvlm.engine.engine import Engine, EngineConfig
 from kvlm.engine.runner import DraftBatch, PoolBatch
-from kvlm.model.fused import FusedDecoder, KVView, block_products, why_not
+from kvlm.model.fused import KVView, block_products, why_not
 from numerics import SAME_ROUNDING, U32, assert_as_exact_as, gamma
 
 # conftest.TINY_MODELS, and what each brings to the fused step
@@ -571,13 +572,7 @@ def test_the_portable_build_runs_them_alike(arch_dir, march, name, kv_dtype, mon
     steps = _ids(llm, 24, seed=17)
     logits = []
     for lib in (kernels.library(), portable):
-        cache = llm.new_cache("contiguous")
-        llm.runner.forward(prompt, cache)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(kernels, "library", lambda lib=lib: lib)
-            slots = cache.spec.max_tokens
-            mp.setitem(llm.runner._fused, slots, FusedDecoder(llm.model, slots))
-            logits.append(torch.stack([llm.runner.forward([t], cache) for t in steps]))
+        logits.append(fused_steps_on(llm, lib, prompt, steps)[0])
     exact_llm = _exact(folder, weights)
     exact = exact_llm.runner.logits(prompt + steps, exact_llm.new_cache("off"))[len(prompt) :]
     factor = INT8_QUERIES if kv_dtype == "int8" else SAME_ROUNDING

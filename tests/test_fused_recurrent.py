@@ -20,11 +20,13 @@ from helpers import (
     GREEDY,
     POOL_PROMPTS,
     answer,
+    assert_forked_rows_alone,
     assert_top_k_both_ways,
     conversation,
     counted_fused_runs,
     fresh_engine,
     fused_and_torch,
+    fused_steps_on,
     needs_kernels,
     on_pool,
     portable_build_params,
@@ -34,7 +36,7 @@ from helpers import (
 )
 from kvlm import LLM, SamplingParams
 from kvlm.cache.recurrent import StateCache
-from kvlm.engine.runner import CacheBatch, PoolBatch
+from kvlm.engine.runner import PoolBatch
 from numerics import SAME_ROUNDING, assert_as_exact_as
 from test_granite import GRANITE_MODELS
 from test_qwen35 import QWEN35_MODELS
@@ -116,19 +118,7 @@ def test_forked_rows_in_one_fused_step_are_each_alone(hybrid_dir, name):
     reads its own sequence's state and rows, its logits bit for bit those of a cache fed
     its tokens alone."""
     llm = fused_llm(hybrid_dir(name))
-    prompt, more = prompt_ids(llm, 20), prompt_ids(llm, 40)[20:]
-    cache = llm.new_cache("contiguous")
-    llm.runner.forward(prompt, cache)
-    cache.fork(3)
-    assert llm.runner.fused_for(cache) is not None
-    rows = [more[b::3][:6] for b in range(3)]
-    together = torch.stack([llm.runner.run(CacheBatch([[r[i]] for r in rows], cache))
-                            for i in range(6)], dim=1)  # fmt: skip
-    for b, tokens in enumerate(rows):
-        alone = llm.new_cache("contiguous")
-        llm.runner.forward(prompt, alone)
-        assert torch.equal(together[b], torch.stack([llm.runner.forward([t], alone)
-                                                     for t in tokens])), b  # fmt: skip
+    assert_forked_rows_alone(llm, prompt_ids(llm, 20), prompt_ids(llm, 40)[20:])
 
 
 @pytest.mark.parametrize("name", ["qwen35", "granite"])
@@ -161,20 +151,14 @@ def test_the_portable_builds_run_it_alike(hybrid_dir, name, march):
     one (masked lanes there, plain loops here): the logits of 16 fused steps and the
     states they leave as close to the exact ones as the native build's, each side's."""
     from kvlm import kernels
-    from kvlm.model.fused import FusedDecoder
 
     folder = hybrid_dir(name)
     llm = fused_llm(folder)
     prompt, steps = prompt_ids(llm, 12), prompt_ids(llm, 28)[12:]
     logits, states = [], []
     for lib in (kernels.library(), portable_kernels(march)):
-        cache = llm.new_cache("contiguous")
-        llm.runner.forward(prompt, cache)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(kernels, "library", lambda lib=lib: lib)
-            slots = cache.spec.max_tokens
-            mp.setitem(llm.runner._fused, slots, FusedDecoder(llm.model, slots))
-            logits.append(torch.stack([llm.runner.forward([t], cache) for t in steps]))
+        got, cache = fused_steps_on(llm, lib, prompt, steps)
+        logits.append(got)
         states.append(state_of(cache))
     exact_llm = fused_llm(folder, dtype="fp64")
     ids = prompt + steps

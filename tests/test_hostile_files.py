@@ -1129,13 +1129,18 @@ def test_the_decode_step_checks_its_buffers(build, kv, tiny_step):
 def lfm2_step(tmp_path_factory):
     """A tiny LFM2's fused step (conv, attention, conv, attention) and a contiguous cache
     of two sequences, 5 tokens held: the step's K/V views and conv rows."""
+    return _step_of(tmp_path_factory, "lfm2", tokenizer="llama3")
+
+
+def _step_of(tmp_path_factory, arch: str, **extra):
+    """A tiny model's fused step and a contiguous cache of two sequences, 5 tokens held."""
     from helpers import save_tiny_model
     from kvlm import LLM
     from kvlm.model.fused import FusedDecoder
 
     if kernels.library() is None:
         pytest.skip(kernels.status())
-    folder = save_tiny_model(tmp_path_factory.mktemp("lfm2"), "lfm2", seed=3, tokenizer="llama3")
+    folder = save_tiny_model(tmp_path_factory.mktemp(arch), arch, seed=3, **extra)
     llm = LLM(model=folder, weights="int8", max_context=32, progress=False)
     cache = llm.new_cache("contiguous")
     llm.runner.forward([5, 6, 7, 8, 9], cache)
@@ -1295,20 +1300,8 @@ def test_the_conv_slots_are_checked_and_read_as_the_rows(build, lfm2_step):
 def recurrent_step(request, tmp_path_factory):
     """A tiny hybrid's fused step (gated DeltaNets, or Mamba2 layers, beside attention) and
     a contiguous cache of two sequences, 5 tokens held."""
-    from helpers import save_tiny_model
-    from kvlm import LLM
-    from kvlm.model.fused import FusedDecoder
-
-    if kernels.library() is None:
-        pytest.skip(kernels.status())
     extra = {"tokenizer": "qwen35"} if request.param == "qwen3_5" else {}
-    folder = save_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=3,
-                             **extra)  # fmt: skip
-    llm = LLM(model=folder, weights="int8", max_context=32, progress=False)
-    cache = llm.new_cache("contiguous")
-    llm.runner.forward([5, 6, 7, 8, 9], cache)
-    cache.fork(2)
-    return FusedDecoder(llm.model, 32), cache
+    return _step_of(tmp_path_factory, request.param, **extra)
 
 
 @pytest.mark.parametrize("build", BUILDS)

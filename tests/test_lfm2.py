@@ -24,6 +24,7 @@ from helpers import (
     LFM2_TEMPLATE,
     POOL_PROMPTS,
     answer,
+    assert_forked_rows_alone,
     assert_greedy_agreement,
     assert_ragged_agrees,
     assert_top_k_both_ways,
@@ -33,6 +34,7 @@ from helpers import (
     fed,
     fresh_engine,
     fused_and_torch,
+    fused_steps_on,
     gguf_as_folder,
     hf_greedy,
     hf_logits,
@@ -45,7 +47,6 @@ from helpers import (
     staggered_on_pool,
 )
 from kvlm import LLM, SamplingParams
-from kvlm.engine.runner import CacheBatch
 from kvlm.errors import InvalidRequestError
 from numerics import SAME_ROUNDING, assert_as_exact_as, fp64_reorder_bound, max_error
 
@@ -930,19 +931,7 @@ def test_forked_rows_in_one_fused_step_are_each_alone(lfm2_dir):
     cache fed its tokens alone."""
 
     llm = fused_llm(lfm2_dir("lfm2-convs-last"), "int8")
-    prompt, more = prompt_ids(llm, 20), prompt_ids(llm, 40)[20:]
-    cache = llm.new_cache("contiguous")
-    llm.runner.forward(prompt, cache)
-    cache.fork(3)
-    assert llm.runner.fused_for(cache) is not None
-    rows = [more[b::3][:6] for b in range(3)]
-    together = torch.stack([llm.runner.run(CacheBatch([[r[i]] for r in rows], cache))
-                            for i in range(6)], dim=1)  # fmt: skip
-    for b, tokens in enumerate(rows):
-        alone = llm.new_cache("contiguous")
-        llm.runner.forward(prompt, alone)
-        assert torch.equal(together[b], torch.stack([llm.runner.forward([t], alone)
-                                                     for t in tokens])), b  # fmt: skip
+    assert_forked_rows_alone(llm, prompt_ids(llm, 20), prompt_ids(llm, 40)[20:])
 
 
 @pytest.mark.parametrize("march", portable_build_params())
@@ -953,20 +942,14 @@ def test_the_portable_builds_run_it_alike(lfm2_dir, march, kv_dtype):
     (test_fused_arch): the logits of 24 fused steps as close to the exact ones as the
     native build's, and each side's conv rows as close as the other's."""
     from kvlm import kernels
-    from kvlm.model.fused import FusedDecoder
 
     folder = lfm2_dir("lfm2-bias-k4")
     llm = fused_llm(folder, "int4", kv_dtype)
     prompt, steps = prompt_ids(llm, 12), prompt_ids(llm, 36)[12:]
     logits, rows = [], []
     for lib in (kernels.library(), portable_kernels(march)):
-        cache = llm.new_cache("contiguous")
-        llm.runner.forward(prompt, cache)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(kernels, "library", lambda lib=lib: lib)
-            slots = cache.spec.max_tokens
-            mp.setitem(llm.runner._fused, slots, FusedDecoder(llm.model, slots))
-            logits.append(torch.stack([llm.runner.forward([t], cache) for t in steps]))
+        got, cache = fused_steps_on(llm, lib, prompt, steps)
+        logits.append(got)
         rows.append(held_rows(cache, 10))
     exact_llm = fused_llm(folder, "int4", dtype="fp64")
     ids = prompt + steps
