@@ -1131,6 +1131,31 @@ def assert_forked_rows_alone(llm, prompt: Sequence[int], more: Sequence[int]) ->
                                                      for t in tokens])), b  # fmt: skip
 
 
+def a_refused_pool_step(llm):
+    """Two requests of `llm` decoding on a fresh engine's pool, and their next step two
+    ways: `step(good)` runs it as a PoolBatch, with good tables (True) or with row 1's
+    table a block short (False: the fused step refuses it, ValueError). Returns (engine,
+    step, the rows' starts, the other groups' tables)."""
+    from kvlm.engine.runner import PoolBatch
+
+    engine = fresh_engine(llm)
+    for i, p in enumerate(POOL_PROMPTS[:2]):
+        engine.add_request(str(i), llm.tokenizer.encode(p), GREEDY)
+    while len(engine.scheduler.running) < 2 or any(s.prefilling for s in engine.scheduler.running):
+        engine.step()
+    seqs = engine.scheduler.running
+    rows = [[s.token_ids[-1]] for s in seqs]
+    starts = [s.num_computed for s in seqs]
+    blocks, others = engine.backend._where([s.table for s in seqs])
+    bad = [list(blocks[0]), blocks[1][: starts[1] // 16]]  # row 1's table a block short
+
+    def step(good: bool):
+        tables = blocks if good else bad
+        return llm.runner.run(PoolBatch(rows, engine.pool, engine.spec, tables, starts, others))
+
+    return engine, step, starts, others
+
+
 def assert_top_k_both_ways(a: torch.Tensor, b: torch.Tensor, k: int = 5) -> None:
     """At every step each side's best token is in the other's top k (the top-k rule, for
     teacher-forced steps)."""

@@ -19,6 +19,7 @@ from helpers import (
     CHATML,
     GREEDY,
     POOL_PROMPTS,
+    a_refused_pool_step,
     answer,
     assert_forked_rows_alone,
     assert_top_k_both_ways,
@@ -36,7 +37,6 @@ from helpers import (
 )
 from kvlm import LLM, SamplingParams
 from kvlm.cache.recurrent import StateCache
-from kvlm.engine.runner import PoolBatch
 from numerics import SAME_ROUNDING, assert_as_exact_as
 from test_granite import GRANITE_MODELS
 from test_qwen35 import QWEN35_MODELS
@@ -245,23 +245,13 @@ def test_a_failed_fused_step_leaves_the_states_as_they_were(hybrid_dir):
     cover its position) raises with every slot's state, rows and end as they were; the
     same step with good tables then moves them on."""
     llm = pool_llm(hybrid_dir("qwen35"))
-    engine = fresh_engine(llm)
-    for i, p in enumerate(POOL_PROMPTS[:2]):
-        engine.add_request(str(i), llm.tokenizer.encode(p), GREEDY)
-    while len(engine.scheduler.running) < 2 or any(s.prefilling for s in engine.scheduler.running):
-        engine.step()
-    seqs = engine.scheduler.running
-    backend = engine.backend
+    engine, step, starts, _ = a_refused_pool_step(llm)
     slots = next(g for g in engine.pool.groups if type(g).__name__ == "StateSlots")
-    rows = [[s.token_ids[-1]] for s in seqs]
-    starts = [s.num_computed for s in seqs]
-    blocks, others = backend._where([s.table for s in seqs])
     before = (slots.state.clone(), slots.conv.clone(), list(slots.end))
-    bad = [list(blocks[0]), blocks[1][: starts[1] // 16]]  # row 1's table a block short
     with pytest.raises(ValueError, match="fused decode step refused"):
-        llm.runner.run(PoolBatch(rows, engine.pool, engine.spec, bad, starts, others))
+        step(good=False)
     assert torch.equal(slots.state, before[0]) and torch.equal(slots.conv, before[1])
     assert slots.end == before[2]
-    llm.runner.run(PoolBatch(rows, engine.pool, engine.spec, blocks, starts, others))
+    step(good=True)
     assert not torch.equal(slots.state, before[0]) and not torch.equal(slots.conv, before[1])
     assert sorted(slots.end)[-2:] == sorted(s + 1 for s in starts)

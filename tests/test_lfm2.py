@@ -23,6 +23,7 @@ from helpers import (
     GREEDY,
     LFM2_TEMPLATE,
     POOL_PROMPTS,
+    a_refused_pool_step,
     answer,
     assert_forked_rows_alone,
     assert_greedy_agreement,
@@ -708,26 +709,15 @@ def test_a_failed_fused_step_leaves_the_slots_as_they_were(lfm2_dir):
     """A fused step on the pool that the C step refuses (a row's block table that does not
     cover its position) raises, and every slot's rings, end rows and ends are as they
     were, the other row's too; the same step with good tables then moves the rows on."""
-    from kvlm.engine.runner import PoolBatch
-
     llm = pool_fused_llm(lfm2_dir("lfm2"), "int8")
-    engine = fresh_engine(llm)
-    for i, p in enumerate(POOL_PROMPTS[:2]):
-        engine.add_request(str(i), llm.tokenizer.encode(p), GREEDY)
-    while len(engine.scheduler.running) < 2 or any(s.prefilling for s in engine.scheduler.running):
-        engine.step()
-    seqs = engine.scheduler.running
-    backend, conv = engine.backend, engine.pool.conv
-    rows = [[s.token_ids[-1]] for s in seqs]
-    starts = [s.num_computed for s in seqs]
-    blocks, others = backend._where([s.table for s in seqs])
+    engine, step, starts, others = a_refused_pool_step(llm)
+    conv = engine.pool.conv
     before = (conv.rows.clone(), conv.ends.clone(), list(conv.end), list(conv.first))
-    bad = [list(blocks[0]), blocks[1][: starts[1] // 16]]  # row 1's table a block short
     with pytest.raises(ValueError, match="fused decode step refused"):
-        llm.runner.run(PoolBatch(rows, engine.pool, engine.spec, bad, starts, others))
+        step(good=False)
     assert torch.equal(conv.rows, before[0]) and torch.equal(conv.ends, before[1])
     assert (conv.end, conv.first) == (before[2], before[3])
-    llm.runner.run(PoolBatch(rows, engine.pool, engine.spec, blocks, starts, others))
+    step(good=True)
     assert not torch.equal(conv.rows, before[0])
     assert [conv.end[t[0]] for t in others[0]] == [s + 1 for s in starts]
 
