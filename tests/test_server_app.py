@@ -134,3 +134,28 @@ def test_a_text_too_long_for_the_context_is_refused_without_tokenizing(engine, m
     chat = {"model": "tiny", "messages": [{"role": "user", "content": text}]}
     r = c.post("/v1/chat/completions", headers=auth, json=chat)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_the_slots_without_a_save_path(engine):
+    """llama-server's /slots: the slots listed; a request's id_slot takes its slot and
+    keeps its conversation there; erase forgets it; save and restore need
+    --slot-save-path (501, as llama-server answers); a slot or an action that is not
+    one is a 400."""
+    c = client(engine)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    listed = c.get("/slots", headers=auth).json()
+    assert [s["id"] for s in listed] == list(range(len(listed))) and len(listed) >= 2
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 3,
+            "temperature": 0, "id_slot": 1}  # fmt: skip
+    done = c.post("/v1/completions", json=body, headers=auth).json()
+    held = c.get("/slots", headers=auth).json()[1]
+    assert held["n_tokens"] == done["usage"]["total_tokens"] and not held["is_processing"]
+    save = c.post("/slots/1?action=save", json={"filename": "a.bin"}, headers=auth)
+    assert save.status_code == 501 and "--slot-save-path" in save.text
+    erased = c.post("/slots/1?action=erase", headers=auth).json()
+    assert erased == {"id_slot": 1, "n_erased": done["usage"]["total_tokens"]}
+    assert c.get("/slots", headers=auth).json()[1]["n_tokens"] == 0
+    assert c.post("/slots/1?action=copy", headers=auth).status_code == 400
+    assert c.post(f"/slots/{len(listed)}?action=erase", headers=auth).status_code == 400
+    assert c.post("/v1/completions", json={**body, "id_slot": 99}, headers=auth).status_code == 400
+    assert c.get("/slots").status_code == 401

@@ -209,6 +209,9 @@ def _pool_args(serve: argparse.ArgumentParser) -> None:
         ("--kv-tier-key", None, None, "the key (a 0600 file of 16+ random bytes) that signs KV "
          "tier records: give every server that shares a tier the same one (default: a key "
          "made on first use in $XDG_STATE_HOME/kvlm/tier.key)", {"metavar": "FILE"}),
+        ("--slot-save-path", None, None, "llama-server's: where POST /slots/ID?action=save "
+         "writes a slot's file and restore reads it; the K/V go to a disk tier in DIR/kv "
+         "(every sealed block, as --kv-tier disk:DIR/kv)", {"metavar": "DIR"}),
     )  # fmt: skip
 
 
@@ -810,7 +813,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     llm = serve_model(args, config)
     serve(llm, config, args.host, args.port, args.api_key, args.served_model_name, args.log_level,
           limits, args.tool_call_parser, args.reasoning_parser,
-          serve_sampling(args, llm))  # fmt: skip
+          serve_sampling(args, llm), args.slot_save_path)  # fmt: skip
     exit_now(0)  # (kvlm.server.exit_now says why)
 
 

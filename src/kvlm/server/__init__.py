@@ -45,6 +45,7 @@ def serve(
     tool_parser: str | None = None,
     reasoning_parser: str = "auto",
     sampling: SamplingDefaults | None = None,
+    slot_save_path: str | None = None,
 ) -> None:
     """Serve until interrupted (Ctrl-C or SIGTERM): HTTP on a thread, the engine on this
     one (see AsyncEngine.run_forever). Returns once shut down; or ends the process itself
@@ -58,7 +59,7 @@ def serve(
     limits = limits or ServerLimits()
     name = model_name or llm.model_name
     engine, app = engine_app(llm, config, name, api_key, limits, tool_parser, reasoning_parser,
-                             sampling)  # fmt: skip
+                             sampling, slot_save_path)  # fmt: skip
     log_to_stderr(log_level)
     uv = uvicorn.Config(
         app,

@@ -32,6 +32,7 @@ import time
 import uuid
 from array import array
 from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -56,6 +57,7 @@ from kvlm.engine.scheduler import QueueFullError
 from kvlm.engine.served import ServedModel
 from kvlm.errors import InvalidRequestError, KvlmError
 from kvlm.server import anthropic, defaults, ollama, openapi, reasoning, responses_api
+from kvlm.server import slots as slots_mod
 from kvlm.server import tools as tools_mod
 from kvlm.server.limits import RequestLimits, ServerLimits
 from kvlm.server.metrics import render_metrics
@@ -103,6 +105,7 @@ class _Served:
     started: int  # the models list's "created"
     responses: responses_api.ResponseStore  # stored responses (/v1/responses)
     sampling: defaults.SamplingDefaults  # what a request's unset sampling fields take (_params)
+    slots: slots_mod.SlotTable  # llama-server's slots (/slots; kvlm.server.slots)
 
 
 def create_app(
@@ -113,12 +116,14 @@ def create_app(
     tool_parser: str | None = None,
     reasoning_parser: str = "auto",
     sampling: defaults.SamplingDefaults | None = None,
+    slot_save_path: str | None = None,
     replica_tag: str = "",
 ) -> FastAPI:
     """The app over `engine`, serving it as `model_name`; `sampling`: the server's
     defaults for a request's unset sampling fields (kvlm.server.defaults; none: the APIs'
-    own); `replica_tag`: the replica of `kvlm serve --replicas` it is, in the ids of what
-    it stores (responses_api.new_id)."""
+    own); `slot_save_path`: where /slots saves and restores (kvlm.server.slots; its disk
+    tier is the engine's: serve_config); `replica_tag`: the replica of `kvlm serve
+    --replicas` it is, in the ids of what it stores (responses_api.new_id)."""
     limits = limits or ServerLimits()
     app = FastAPI(title="kvlm", version="1", docs_url=None, redoc_url=None)
     info = engine.info
@@ -132,6 +137,8 @@ def create_app(
         _reasoning(reasoning_parser, info.tokenizer.chat_template), limits,
         int(time.time()), _response_store(engine, replica_tag),
         sampling or defaults.SamplingDefaults(),
+        slots_mod.SlotTable(min(slots_mod.MAX_SLOTS, info.max_num_seqs),
+                            Path(slot_save_path) if slot_save_path else None),
     )  # fmt: skip
     openapi.install(app, model_name, min(MAX_SAMPLES, info.max_num_seqs), s.max_prompts)
     app.add_middleware(RequestLimits, limits=limits)
@@ -151,6 +158,7 @@ def create_app(
     _generation_routes(v1, s)
     app.include_router(v1)
     app.include_router(_token_routes(s, Depends(check_api_key)))
+    app.include_router(_slot_routes(s, Depends(check_api_key)))
     app.include_router(ollama_routes(app, s, Depends(check_api_key)))
     return app
 
@@ -282,6 +290,32 @@ def _status_routes(
             return JSONResponse(body, status_code=401,
                                 headers={"WWW-Authenticate": 'Basic realm="kvlm"'})  # fmt: skip
         return HTMLResponse(_dashboard_html(), headers={"Cache-Control": "no-store"})
+
+
+def _slot_routes(s: _Served, auth: Any) -> APIRouter:
+    """llama-server's GET /slots and POST /slots/{id_slot}?action=save|restore|erase
+    (kvlm.server.slots; no /v1 prefix, as llama-server serves them)."""
+    router = APIRouter(dependencies=[auth])
+
+    @router.get("/slots")
+    async def slots() -> list:
+        return s.slots.listing(s.max_len)
+
+    @router.post("/slots/{id_slot}")
+    async def slot_action(id_slot: int, action: str, request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError:
+            raise ServerError(400, "the body is not JSON") from None
+        if not isinstance(body, dict):
+            raise ServerError(400, "the body is a JSON object")
+        try:
+            return await slots_mod.act(s.slots, s.engine, id_slot, action, body)
+        except slots_mod.NotSupported as exc:
+            raise ServerError(501, str(exc), "not_supported_error") from None
+
+    return router
 
 
 def _token_routes(s: _Served, auth: Any) -> APIRouter:
@@ -460,7 +494,7 @@ def anthropic_routes(v1: APIRouter, s: _Served) -> None:
         full = params.max_tokens >= s.max_len - len(ids)  # up to the context: its stop's
         marks = await run_in_threadpool(_marked_prefixes, s, body, ids)
         marked = max((n for n, _ in marks), default=0)
-        events = await _start(s.engine, chat, [ids], [params])
+        events = await _start(s, chat, [ids], [params])
 
         def pin() -> None:  # once the prompt's blocks are cached: each mark's prefix kept
             for n, ttl in marks:
@@ -631,7 +665,7 @@ async def _ollama_run(
     NDJSON lines."""
     _ollama_fit(s, params, len(ids), body.options)
     reply.submitted = time.perf_counter_ns()
-    events = reply.timed(await _start(s.engine, req, [ids], [params]))
+    events = reply.timed(await _start(s, req, [ids], [params]))
     if body.stream:
         lines = reply.lines(events, ENGINE_FAILED)
         return StreamingResponse(lines, media_type="application/x-ndjson")
@@ -669,7 +703,7 @@ def responses_routes(v1: APIRouter, s: _Served) -> None:
         ids, params, choices = await _chat_parts(s, chat, request)
         reply = api.Reply(body, s.model_name, choices, len(ids), store.tag,
                           temperature=params.temperature, top_p=params.top_p)  # fmt: skip
-        events = api.record(await _start(s.engine, chat, [ids], [params]), reply)
+        events = api.record(await _start(s, chat, [ids], [params]), reply)
         entry = api.Stored(reply, [*history, *turn], api.stored_items(body, store.tag))
         entry.chars = (prev.chars if history else 0) + api.history_chars(turn)
 
@@ -874,7 +908,7 @@ async def _respond(
         # echo, no completion, nothing to score: no engine work
         events: AsyncIterator[StepOutput] = _nothing(len(prompts), params[0].n)
     else:
-        events = await _start(s.engine, body, prompts, params)
+        events = await _start(s, body, prompts, params)
     if body.stream:
         sse = _sse(events, choices, head, body.include_usage, prompt_tokens)
         return _event_stream(sse, s)
@@ -893,11 +927,14 @@ def _whole(head: dict, choices: Choices, prompt_tokens: int) -> Response:
 
 
 async def _start(
-    engine: AsyncEngine, body: Any, prompts: list[list[int]], params: list[SamplingParams]
+    s: _Served, body: Any, prompts: list[list[int]], params: list[SamplingParams]
 ) -> AsyncIterator[StepOutput]:
     """Each prompt's request in the engine, their events as one stream (a prompt's
     sample indices moved past the earlier prompts'). A prompt refused (the queue full, a
-    bad token) ends those already started."""
+    bad token) ends those already started. One prompt runs under a slot (its `id_slot`,
+    or the one whose conversation it continues: kvlm.server.slots), which keeps its ids
+    and its first sample's reply."""
+    engine = s.engine
     streams: list[AsyncIterator[StepOutput]] = []
     guide = params[0].guide
     if guide is not None:  # compiled once for all prompts, off the loop and the engine
@@ -907,6 +944,7 @@ async def _start(
     turn = None  # a chat's turn start: a DeltaNet state is kept there (StateSlots.turn)
     if isinstance(body, ChatCompletionRequest) and len(prompts) == 1 and engine.info.keeps_turns:
         turn = await run_in_threadpool(body.turn_start, engine.info.tokenizer, prompts[0])
+    slot = s.slots.take(getattr(body, "id_slot", None), prompts[0]) if len(prompts) == 1 else None
     try:
         for ids, p in zip(prompts, params, strict=True):
             streams.append(await engine.generate(ids, p, cache_salt=body.cache_salt,
@@ -914,8 +952,28 @@ async def _start(
     except BaseException:
         for stream in streams:
             await stream.aclose()  # type: ignore[attr-defined]
+        if slot is not None:
+            s.slots.done(slot, slot.ids)  # as it was
         raise
-    return streams[0] if len(streams) == 1 else _merged(streams, params[0].n)
+    if slot is None:
+        return _merged(streams, params[0].n)
+    return _into_slot(streams[0], s.slots, slot, prompts[0])
+
+
+async def _into_slot(
+    events: AsyncIterator[StepOutput], table: slots_mod.SlotTable, slot: slots_mod.Slot,
+    ids: list[int],
+) -> AsyncIterator[StepOutput]:  # fmt: skip
+    """`events`, the first sample's tokens kept: the slot's conversation once they end."""
+    reply: list[int] = []
+    try:
+        async for event in events:
+            if event.index == 0:
+                reply += event.token_ids
+            yield event
+    finally:
+        table.done(slot, ids + reply)
+        await events.aclose()  # type: ignore[attr-defined]
 
 
 async def _merged(streams: list[AsyncIterator[StepOutput]], n: int) -> AsyncIterator[StepOutput]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 from kvlm.settings import model_from_args, speculative_from_args
 
@@ -40,6 +41,14 @@ def serve_config(args: argparse.Namespace):
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from exc
     kv_memory = parse_size(args.kv_memory) if args.kv_memory else None
+    if args.slot_save_path:  # its K/V: a disk tier of its own, asked first
+        path = Path(args.slot_save_path).expanduser()
+        try:
+            (path / "kv").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InvalidRequestError(f"--slot-save-path {path}: {exc.strerror}") from None
+        args.slot_save_path = str(path)
+        args.kv_tier = [f"disk:{path / 'kv'}", *args.kv_tier]
     for tier in args.kv_tier:
         check_tier(tier)  # a typo is refused before the slow load
     key = args.kv_tier_key

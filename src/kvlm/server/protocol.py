@@ -146,6 +146,8 @@ class _Sampling(_Body):
     guided_grammar: Annotated[Text, Field(min_length=1, max_length=MAX_GUIDE_CHARS)] | None = None
     # vLLM's: prefix-cache blocks are shared only between requests of the same salt
     cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_SALT_CHARS)] | None = None
+    # llama-server's: the slot the request runs under (kvlm.server.slots; -1: any)
+    id_slot: Annotated[int, Field(ge=-1)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_IDS)] | None = None
     skip_special_tokens: bool = True
