@@ -1363,7 +1363,9 @@ def test_the_recurrent_states_are_checked(build, recurrent_step):
            {"conv_bytes": rows.numel() * 4 - 1}, {"conv_layout": 1}, {"conv_batch": 1},
            {"conv_keep": rows.shape[2] + 1}, {"conv_layers": HUGE, "conv_bytes": ANY},
            {"seqs": (0, 0)},  # one sequence's two rows (a draft's: the torch step's)
-           {"seqs": (0, 2)}, {"n_states": 0}, {"state": HUGE, "in_bytes": ANY}]  # fmt: skip
+           {"seqs": (0, 2)}, {"n_states": 0}, {"state": HUGE, "in_bytes": ANY},
+           # in place (out is in: the pool's) with rows of another count than in's
+           {"out": states.data_ptr(), "out_rows": 3, "out_bytes": ANY}]  # fmt: skip
     for given in bad:
         assert call(**given) == -2, given
     layer = next(ly for ly in step.spec.layers[: c.num_layers] if ly.mixer >= 2)

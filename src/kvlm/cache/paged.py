@@ -315,19 +315,15 @@ class BlockPool:
                                 group.window or 0))  # fmt: skip
         return views
 
-    def stepped(
-        self, tables: Sequence[Sequence[Sequence[int]]], starts: Sequence[int],
-        views: Sequence[KVView | ConvView | StateView],
-    ) -> None:  # fmt: skip
+    def stepped(self, tables: Sequence[Sequence[Sequence[int]]], starts: Sequence[int]) -> None:
         """After the fused step wrote a step's rows through `views(tables, starts)` (its K/V
-        as it ran, a conv group's rows once its logits were made): each conv group's
-        slots moved on (ConvSlots.written: what SlotStep.commit does on the torch step),
-        each recurrent group's states kept (StateSlots.written)."""
-        for group, rows, view in zip(self.groups, tables, views, strict=True):
-            if isinstance(group, ConvSlots):
+        as it ran, a conv group's rows once its logits were made, a recurrent group's
+        states in place): each conv group's slots moved on (ConvSlots.written: what
+        SlotStep.commit does on the torch step), each recurrent group's ends and
+        snapshots (StateSlots.written)."""
+        for group, rows in zip(self.groups, tables, strict=True):
+            if isinstance(group, (ConvSlots, StateSlots)):
                 group.written(_pieces(rows, starts, tables[0]))
-            elif isinstance(group, StateSlots):
-                group.written(_pieces(rows, starts, tables[0]), view)  # type: ignore[arg-type]
 
     def first_live(self, table: list[int]) -> int:
         """The index of a table's first block not FREED (len(table) when none is)."""

@@ -23,8 +23,9 @@ a reset; fork copies it whole. A cache file holds it with its checkpoints (`stat
 The fused C decode step (kvlm.model.fused) reads it through a `StateView`
 (`StateCache.kv_views`, `StateSlots.view`): the states before the step where they are,
 each row's after into the step's out buffer (a one-sequence cache's: DeltaStep.out_state,
-which commit keeps; the pool's: `StateSlots.written` copies them into the slots), the conv
-rows moved on in place as a conv layer's (ConvRows' layout; a kept state's rows copied
+which commit keeps; the pool's slots are updated in place, `StateSlots.written` then
+moves the ends on and takes the snapshots), the conv rows moved on in place as a conv
+layer's (ConvRows' layout; a kept state's rows copied
 off first: `DeltaRows.own_rows`). One row a sequence: a draft's rows, which keep each
 row's state, take the torch step.
 
@@ -621,39 +622,32 @@ class StateSlots(Slots):
 
     def view(self, pieces: Sequence[Piece]) -> StateView | None:
         """The slots as the fused step reads and writes them (kvlm.model.fused;
-        BlockPool.views): row i through pieces[i]'s slot, the states read where they are,
-        each row's after into a buffer of its own (`written` keeps them), the conv rows
-        (ConvRows' layout, a slot a sequence) moved on in place. None where a sequence has
-        more than one row (a draft's: the torch step keeps each row's state)."""
+        BlockPool.views): row i through pieces[i]'s slot, the states updated in place (the
+        view's out is its state: no copy a step, each sequence's 18-55 MiB at 1-2B; the C
+        step refuses a bad step before it writes any) and the conv rows (ConvRows' layout,
+        a slot a sequence) moved on in place. None where a sequence has more than one row
+        (a draft's: the torch step keeps each row's state)."""
         seqs = sequences(pieces)
         if any(n != 1 for _, _, n, _ in seqs) or len(seqs) != len(pieces):
             return None
         for slot, start, _, _ in seqs:
             self.check_start(slot, start)
         slots = [p[0] for p in pieces]
-        out = None
-        if pieces:
-            out = torch.empty(self.state.shape[0], len(pieces), *self.state.shape[2:],
-                              dtype=torch.float32, device=self.state.device)  # fmt: skip
         conv = ConvView(self.conv, slots, [self.end[s] for s in slots], self.group.layers)
-        return StateView(conv, self.state, out, self.group.layers)
+        return StateView(conv, self.state, self.state if pieces else None, self.group.layers)
 
-    def written(self, pieces: Sequence[Piece], view: StateView) -> None:
-        """After the fused step ran `pieces` through `view`: each row's state into its
-        slot, its end moved on (its conv rows the step moved on itself), and the snapshot
-        of a block end its row reached (snapshots_at), as SlotDeltaStep.commit keeps them."""
-        bs, out = self.block_size, view.out
-        assert out is not None
-        index = torch.tensor([p[0] for p in pieces], dtype=torch.long, device=out.device)
-        for i, (slot, start, n, table) in enumerate(pieces):
+    def written(self, pieces: Sequence[Piece]) -> None:
+        """After the fused step ran `pieces` through `view` (their states and conv rows
+        moved on in place): each sequence's end, and the snapshot of a block end its row
+        reached (snapshots_at), as SlotDeltaStep.commit keeps them."""
+        bs = self.block_size
+        for slot, start, n, table in pieces:
             self.drafted.pop(slot, None)  # the last step's draft: past
             for e, role in self.snapshots_at(slot, start, n, False):
                 idx = self.take(table[e // bs - 1], slot, role)
                 if idx is not None:
-                    self.snap_state[:, idx] = out[:, i]
+                    self.snap_state[:, idx] = self.state[:, slot]
                     self.snap_conv[:, idx] = self.conv[:, slot]
-        self.state.index_copy_(1, index, out.to(self.state.dtype))
-        for slot, start, n, _ in pieces:
             self.end[slot] = start + n
 
     def step(self, pieces: Sequence[Piece]) -> SlotDeltaStep:

@@ -263,7 +263,7 @@ class ModelRunner:
                 views = pool.views(tables, b.starts)  # None: a draft too long for a ring
                 if views is not None:
                     logits = decoder.run(views, tokens, b.starts, window)
-                    pool.stepped(tables, b.starts, views)  # conv rows', states' slots
+                    pool.stepped(tables, b.starts)  # conv rows', states' slots
                     self.fused_rows += len(tokens)
                     return logits
         step = TableStep(pool, spec, list(b.tables), list(b.starts), len(rows[0]), b.windowed)

@@ -10,7 +10,7 @@
 #define KVLM_ABI_H
 #include <stdint.h>
 
-#define KVLM_ABI 32 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
+#define KVLM_ABI 33 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
 
 /* the limits (fused.py: MAX_HEAD_DIM, MAX_ROWS, QMAT_PARTS; quant.py: BLOCK_ROWS, SMALL_M) */
 #define BR 16         /* weight rows per block: one per 32-bit vector lane */
@@ -183,8 +183,10 @@ typedef struct {
  * one-sequence cache's DeltaRows, the engine pool's StateSlots): `conv` their conv rows
  * (CONV_ROWS; its width the convolution's channels, `keep` L - 1), sequence conv.seq[b]
  * row b's; `in` the states before the step, (layers, conv.batch, state) floats, read only;
- * `out` (layers, out_rows, state): row b's state after the step written at row b (the
- * caller keeps it once the step succeeded). One row a sequence (no draft's run). */
+ * `out` (layers, out_rows, state): row b's state after the step written at row
+ * conv.seq[b] (a one-sequence cache's out buffer, which the caller keeps once the step
+ * succeeded); `out` == `in`: the states updated in place (the pool's slots; out_rows then
+ * conv.batch). One row a sequence (no draft's run). */
 typedef struct {
     kvlm_conv_view conv;
     const float *in;

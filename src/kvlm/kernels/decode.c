@@ -637,6 +637,9 @@ static int check_states(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
         if (conv_view_ok(&V->conv, B, pos, m->conv_kernel, 0) || V->conv.layout != CONV_ROWS)
             return -2;
         if (!V->in || !V->out || V->state < 1 || V->out_rows < B) return -2;
+        if (V->in == V->out && V->out_rows != V->conv.batch) return -2; /* in place */
+        for (int64_t b = 0; b < B; b++)
+            if (V->conv.seq[b] >= V->out_rows) return -2; /* its row of out */
         if (!mul_ok(V->conv.layers, V->conv.batch, &need) || !mul_ok(need, per, &need) ||
             V->in_bytes < need)
             return -2;
@@ -660,7 +663,8 @@ static int check_states(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
  * in_proj; its convolution's input u (kept in s->ru for the rows' update), z and the
  * gates each made contiguous; the taps over its rows (conv_taps: its held rows and the
  * row's u); the layer's kernel (deltanet.c, mamba2.c) from each row's state before the
- * step (its view's `in`, the row's sequence) to its state after (`out`, the row's); out_proj */
+ * step (its view's `in`, the row's sequence's) to its state after (`out`, the same row;
+ * `in` itself where out is in: the pool's slots, updated in place); out_proj */
 static int recurrent_mix(const kvlm_qmodel *m, const kvlm_qlayer *L,
                          const kvlm_state_view *states, int64_t B, const int64_t *pos,
                          const step_bufs *s, int64_t c) {
@@ -685,7 +689,9 @@ static int recurrent_mix(const kvlm_qmodel *m, const kvlm_qlayer *L,
     cu[B] = B;
     conv_taps(&V->conv, L->index, B, pos, u, L->taps, L->taps_bias, m->conv_kernel, r.conv,
               s->rcy);
-    const float *in = V->in + L->index * V->conv.batch * r.state;
+    /* row b's state at row seq[b] of the layer's `in` and `out` (the same rows: a
+     * one-sequence cache's out buffer, or the pool's slots updated in place) */
+    const float *in = V->in == V->out ? NULL : V->in + L->index * V->conv.batch * r.state;
     float *out = V->out + L->index * V->out_rows * r.state;
     const int64_t work = B * r.inner * dk;
     if (delta)

@@ -174,12 +174,12 @@ static int64_t seq_kept(const int64_t *at, int64_t atn, int64_t r0, int64_t T, i
 }
 
 /* kvlm_gated_delta's work, its arguments checked (the fused decode step's too): each
- * (sequence s, value head h) pair in one thread, its state before the step read from
- * state_in's sequence in_seq[s] (NULL: s) and left at state's s (state_in NULL: state's
- * own, updated in place). `work` the step's multiply-adds, whether threads pay. */
+ * (sequence s, value head h) pair in one thread, its state at row seq[s] (NULL: s) of
+ * `state`, read first from that row of state_in (NULL: state's own, updated in place).
+ * `work` the step's multiply-adds, whether threads pay. */
 static void gated_delta_heads(const float *conv, const float *z, const float *b, const float *a,
                               const float *a_log, const float *dt_bias, const float *w, float e,
-                              const float *state_in, const int64_t *in_seq, float *state,
+                              const float *state_in, const int64_t *seq, float *state,
                               float *out, const int64_t *cu, int64_t S, const int64_t *at,
                               int64_t atn, float *snaps, int64_t nk, int64_t nv, int64_t dk,
                               int64_t dv, int64_t work) {
@@ -189,11 +189,11 @@ static void gated_delta_heads(const float *conv, const float *z, const float *b,
         const int64_t s = p / nv, h = p % nv, r0 = cu[s], T = cu[s + 1] - cu[s];
         int64_t i0, local[DELTA_MAX_AT];
         const int64_t na = seq_kept(at, atn, r0, T, local, &i0);
-        const int64_t from = ((in_seq ? in_seq[s] : s) * nv + h) * dk * dv;
-        if (state_in) memcpy(state + p * dk * dv, state_in + from,
+        const int64_t at_row = ((seq ? seq[s] : s) * nv + h) * dk * dv;
+        if (state_in) memcpy(state + at_row, state_in + at_row,
                              (size_t)(dk * dv) * sizeof(float)); /* this head's, in cache */
         delta_head(conv + r0 * C, z + r0 * vd, b + r0 * nv, a + r0 * nv, a_log[h], dt_bias[h],
-                   w, e, state + p * dk * dv, out + r0 * vd, T, h, nk, nv, dk, dv, local, na,
+                   w, e, state + at_row, out + r0 * vd, T, h, nk, nv, dk, dv, local, na,
                    na ? snaps + (i0 * nv + h) * dk * dv : NULL, nv * dk * dv);
     }
 }

@@ -84,12 +84,12 @@ static void mamba_head(const float *conv, const float *z, const float *dts, floa
 }
 
 /* kvlm_mamba2's work, its arguments checked (the fused decode step's too): the silu
- * pass, each (sequence s, head) pair in one thread (its state before the step read from
- * state_in's sequence in_seq[s], NULL: s; state_in NULL: state's own, in place), the
- * gated norm; `work` the step's multiply-adds, whether threads pay. */
+ * pass, each (sequence s, head) pair in one thread (its state at row seq[s], NULL: s, of
+ * `state`, read first from that row of state_in; NULL: state's own, in place), the gated
+ * norm; `work` the step's multiply-adds, whether threads pay. */
 static void mamba2_run(float *conv, float *z, const float *dt, const float *a_log,
                        const float *dt_bias, const float *d, const float *w, float e,
-                       const float *state_in, const int64_t *in_seq, float *state, float *out,
+                       const float *state_in, const int64_t *seq, float *state, float *out,
                        const int64_t *cu, int64_t S, const int64_t *at, int64_t atn,
                        float *snaps, int64_t heads, int64_t hd, int64_t N, int64_t ng,
                        int64_t rows, int64_t work) {
@@ -106,10 +106,10 @@ static void mamba2_run(float *conv, float *z, const float *dt, const float *a_lo
         const int64_t s = p / heads, h = p % heads, r0 = cu[s], T = cu[s + 1] - cu[s];
         int64_t i0, local[DELTA_MAX_AT];
         const int64_t na = seq_kept(at, atn, r0, T, local, &i0);
-        const float *before =
-            state_in ? state_in + ((in_seq ? in_seq[s] : s) * heads + h) * hdn : NULL;
+        const int64_t at_row = ((seq ? seq[s] : s) * heads + h) * hdn;
         mamba_head(conv + r0 * C, z + r0 * inner, dt + r0 * heads, a_log[h], dt_bias[h], d[h],
-                   before, state + p * hdn, out + r0 * inner, T, h, heads, hd, N, ng, local, na,
+                   state_in ? state_in + at_row : NULL, state + at_row, out + r0 * inner, T,
+                   h, heads, hd, N, ng, local, na,
                    na ? snaps + (i0 * heads + h) * hdn : NULL, heads * hdn);
     }
     /* the gated norm, a (row, group) at a time: its channels' squares summed in one order */
