@@ -599,6 +599,43 @@ def _q8(n: int = 20, k: int = 64) -> quant.QuantWeight:
 
 
 @pytest.mark.parametrize("build", BUILDS)
+def test_the_convolution_checks_its_rows(build):
+    """kvlm_depthwise (the prompt's depthwise convolution): x's rows within xn floats,
+    every row number of idx [L, N] within x's rows and within its entries, w [L, C], the
+    bias [C] and y [N, C] each within its count, L within MAX_CONV_KERNEL; nothing
+    written when refused, and the torch ops' sums when taken."""
+    lib = _kernels(build)
+    R, L, N, C = 7, 4, 5, 24
+    x, w, bias = torch.randn(R, C), torch.randn(L, C), torch.randn(C)
+    idx = torch.randint(0, R, (L, N), generator=torch.Generator().manual_seed(1))
+    good = {"xn": R * C, "xr": R, "in": L * N, "L": L, "N": N, "C": C, "wn": L * C, "bn": C,
+            "yn": N * C}  # fmt: skip
+
+    def call(index=idx, **given) -> tuple[int, torch.Tensor]:
+        a, y = {**good, **given}, _guarded(N * C)
+        rc = lib.kvlm_depthwise(x.data_ptr(), a["xn"], a["xr"], index.data_ptr(), a["in"],
+                                a["L"], a["N"], a["C"], w.data_ptr(), a["wn"], bias.data_ptr(),
+                                a["bn"], y.data_ptr(), a["yn"])  # fmt: skip
+        assert rc != -2 or _untouched(y), given
+        return rc, y[: N * C].view(N, C)
+
+    bad = [{"xn": R * C - 1}, {"xr": R + 1}, {"in": L * N - 1}, {"wn": L * C - 1},
+           {"bn": C - 1}, {"yn": N * C - 1}, {"L": 0}, {"L": 65}, {"N": 0}, {"C": 0},
+           {"xr": HUGE, "xn": ANY}, {"N": HUGE, "in": ANY, "yn": ANY}]  # fmt: skip
+    for given in bad:
+        assert call(**given)[0] == -2, given
+    for row in (-1, R):
+        past = idx.clone()
+        past[2, 3] = row
+        assert call(past)[0] == -2, row
+    rc, y = call()
+    want = x[idx[0]] * w[0]
+    for k in range(1, L):
+        want = want + x[idx[k]] * w[k]
+    assert rc == 0 and torch.equal(y, want + bias)
+
+
+@pytest.mark.parametrize("build", BUILDS)
 def test_the_products_check_their_buffers(build):
     """kvlm_qgemm and kvlm_qgemm_i8 (int8 and 16-bit x): x [M, K] within xn floats, the
     packed w [N, K] within wn bytes, y's M rows of N at stride ldy >= N within yn floats,

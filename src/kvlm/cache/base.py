@@ -352,6 +352,25 @@ class ConvView:
 
 
 @dataclass(slots=True)
+class Taps:
+    """What a causal convolution's L taps read in one step (ConvStep.taps, a pool step's
+    `taps`), without copying them out: output n's tap k is row index[k, n] of `rows`
+    (R, C), the rows held before the step and the step's own; `shape` the outputs' (B, T,
+    C). kvlm.model.conv.depthwise sums them (in C, kvlm_depthwise); `taps[k]` is tap k as
+    a tensor of `shape`."""
+
+    rows: torch.Tensor
+    index: torch.Tensor  # (L, N) int64
+    shape: tuple[int, ...]
+
+    def __getitem__(self, k: int) -> torch.Tensor:
+        return self.rows.index_select(0, self.index[k]).view(self.shape)
+
+    def __len__(self) -> int:
+        return self.index.shape[0]
+
+
+@dataclass(slots=True)
 class StateView:
     """Where some of the model's recurrent layers keep their state for one step
     (kvlm.cache.recurrent): `conv` their convolution's rows (a ConvView of ConvRows' layout,

@@ -51,7 +51,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep, ConvView, KVCache, KVPair
+from kvlm.cache.base import CacheSpec, CacheStep, ConvView, KVCache, KVPair, Taps
 from kvlm.cache.groups import LayerGroup
 from kvlm.cache.kinds import CONV_ROW_DTYPE, RING_SLACK, ConvWindow
 from kvlm.cache.slots import Piece, Slots, sequences
@@ -171,19 +171,22 @@ class ConvStep:
         self.windows_at = windows_at
         self.windows: list[dict[int, torch.Tensor]] = [{} for _ in self.staged]
 
-    def taps(self, layer: int, u: torch.Tensor) -> list[torch.Tensor]:
+    def taps(self, layer: int, u: torch.Tensor) -> Taps:
         """u (B, T, H): the rows conv layer `layer` (its index among the conv layers) adds
         this step, staged (of a long step only the last `keep`, copied: commit keeps no
         more, and a view would hold the whole product it was cut from until then; a
-        draft's all). Returns the L tensors (B, T, H) the kernel's taps read, tap k at
-        row t: the input row at position start + t - (L - 1) + k (those before `start`
-        the window's)."""
-        t = u.shape[1]
+        draft's all). Returns what the kernel's taps read (Taps), tap k at row t: the
+        input row at position start + t - (L - 1) + k (those before `start` the
+        window's)."""
+        b, t, width = u.shape
         self.staged[layer] = u if self.draft or t <= self._keep else u[:, -self._keep :].clone()
         seq = torch.cat([self._before[layer].to(u.dtype), u], dim=1)  # (B, L - 1 + T, H)
         for q in self.windows_at:  # seq's rows q .. q + L - 2: positions start + q - (L - 1) ..
             self.windows[layer][q] = seq[:, q : q + self._r].clone()
-        return [seq[:, k : k + t] for k in range(seq.shape[1] - t + 1)]
+        n = seq.shape[1]  # output (b, t)'s tap k: row b n + t + k of the rows
+        first = (torch.arange(b)[:, None] * n + torch.arange(t)[None]).reshape(-1)
+        index = first[None] + torch.arange(n - t + 1)[:, None]
+        return Taps(seq.reshape(-1, width), index.to(u.device), tuple(u.shape))
 
 
 class _ConvCacheStep(CacheStep):
@@ -484,15 +487,14 @@ class SlotStep:
         self._ends, self._ends_src = _joined(ends, dev), _joined(ends_src, dev)
         self.staged: list[torch.Tensor | None] = [None] * slots.rows.shape[0]
 
-    def taps(self, layer: int, u: torch.Tensor) -> list[torch.Tensor]:
+    def taps(self, layer: int, u: torch.Tensor) -> Taps:
         """u (B, T, H) (the step's tokens, flattened in the pieces' order): the rows conv
-        layer `layer` adds, staged; returns the L tensors shaped as u its kernel's taps
-        read (ConvStep.taps)."""
+        layer `layer` adds, staged; returns what its kernel's taps read (ConvStep.taps)."""
         flat = u.reshape(-1, u.shape[-1])  # (N, H)
         before = self.slots.rows[layer].index_select(0, self._before).to(u.dtype)
         buf = torch.cat([before, flat])  # (sequences * (L - 1) + N, H)
         self.staged[layer] = buf
-        return [buf.index_select(0, row).view(u.shape) for row in self._taps]
+        return Taps(buf, self._taps, tuple(u.shape))
 
     def commit(self) -> None:
         """Keep the step's rows: each sequence's last `keep` in its slot's ring, each block

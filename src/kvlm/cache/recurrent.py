@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlm.cache.base import CacheSpec, CacheStep, ConvView, KVCache, KVPair, StateView
+from kvlm.cache.base import CacheSpec, CacheStep, ConvView, KVCache, KVPair, StateView, Taps
 from kvlm.cache.conv import ConvRows, ConvStep
 from kvlm.cache.groups import LayerGroup
 from kvlm.cache.kinds import ConvWindow, RecurrentState, state_dtype
@@ -841,13 +841,13 @@ class SlotDeltaStep:
         self._index = {row: i for i, row in enumerate(self.keep_rows or [])}
         self.kept: list[torch.Tensor | None] = [None] * layers
 
-    def taps(self, layer: int, u: torch.Tensor) -> list[torch.Tensor]:
-        """u (B, T, C) (the step's tokens, flattened in the pieces' order): the L tensors
-        shaped as u its convolution's taps read (ConvStep.taps), the rows staged."""
+    def taps(self, layer: int, u: torch.Tensor) -> Taps:
+        """u (B, T, C) (the step's tokens, flattened in the pieces' order): what its
+        convolution's taps read (ConvStep.taps), the rows staged."""
         before = self.slots.conv[layer].index_select(0, self._slots)  # (S, L - 1, C)
         buf = torch.cat([before.flatten(0, 1).to(u.dtype), u.reshape(-1, u.shape[-1])])
         self._bufs[layer] = buf.index_select(0, self._need)  # what commit reads
-        return [buf.index_select(0, row).view(u.shape) for row in self._taps]
+        return Taps(buf, self._taps, tuple(u.shape))
 
     def initial(self, layer: int) -> torch.Tensor:
         if self._initial[layer] is None:  # the sequences' states gathered: the step's copy

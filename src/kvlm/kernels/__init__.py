@@ -450,6 +450,8 @@ _SIGNATURES: dict[str, tuple[str, str]] = {
     # mamba2.c: conv, cn, z, zn, dt, dn, a_log, dt_bias, d, hn, w, wn, eps, state_in,
     # state, sn, out, on, cu, cun, at, atn, snaps, pn, S, heads, hd, N, G
     "kvlm_mamba2": ("int", "pipipipppipidppipipipipiiiiii"),
+    # conv.c: x, xn, xr, idx, in, L, N, C, w, wn, bias, bn, y, yn
+    "kvlm_depthwise": ("int", "piipiiiipipipi"),
     # decode.c
     "kvlm_decode_scratch": ("int64", "pi"),  # m, B
     # m, B, x, xn, pos, pn, cos, cn, sin, sn, views, n_views, convs, n_convs, states,

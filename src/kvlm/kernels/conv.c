@@ -109,6 +109,44 @@ static void conv_taps(const kvlm_conv_view *V, int64_t index, int64_t B, const i
     }
 }
 
+/* The prompt road's depthwise causal convolution (kvlm.model.conv.depthwise: every mixer
+ * with one; its taps a cache step's Taps): y [N, C], output n the taps' rows of x summed,
+ *
+ *     y[n] = w[0] x[idx[0][n]] + w[1] x[idx[1][n]] + ... + w[L - 1] x[idx[L - 1][n]] (+ bias)
+ *
+ * as conv_taps sums it (a product, then the sum, tap by tap in order, then the bias; no
+ * contraction), so a value's bits are the torch ops' this replaces, wherever it falls.
+ * x: xr rows of C floats (xn from x on), idx: [L, N] row numbers (in entries, each below
+ * xr), w [L, C] (wn floats), bias [C] (bn) or NULL, y [N, C] (yn). Returns 0, or -2,
+ * nothing read past a buffer or written, for a size out of range or a buffer shorter
+ * than its shape. */
+int kvlm_depthwise(const float *x, int64_t xn, int64_t xr, const int64_t *idx, int64_t in,
+                   int64_t L, int64_t N, int64_t C, const float *w, int64_t wn,
+                   const float *bias, int64_t bn, float *y, int64_t yn) {
+    int64_t need;
+    if (!x || !idx || !w || !y || L < 1 || L > MAX_CONV_KERNEL || N < 1 || C < 1 || xr < 1)
+        return -2;
+    if (!mul_ok(xr, C, &need) || xn < need || !mul_ok(L, N, &need) || in < need) return -2;
+    if (!mul_ok(L, C, &need) || wn < need || (bias && bn < C)) return -2;
+    if (!mul_ok(N, C, &need) || yn < need) return -2;
+    for (int64_t i = 0; i < L * N; i++)
+        if (idx[i] < 0 || idx[i] >= xr) return -2;
+#pragma omp parallel for schedule(static) if (N > 1 && N * C * L >= 65536)
+    for (int64_t n = 0; n < N; n++) {
+        float *yn_ = y + n * C;
+        for (int64_t k = 0; k < L; k++) {
+            const float *r = x + idx[k * N + n] * C, *wk = w + k * C;
+            if (k == 0)
+                for (int64_t h = 0; h < C; h++) yn_[h] = r[h] * wk[h];
+            else
+                for (int64_t h = 0; h < C; h++) yn_[h] = yn_[h] + r[h] * wk[h];
+        }
+        if (bias)
+            for (int64_t h = 0; h < C; h++) yn_[h] = yn_[h] + bias[h];
+    }
+    return 0;
+}
+
 /* The conv layer Lr's rows of the step: u [B, H] = B * x of each row's in_proj output cin
  * [B, 3H] (B | C | x), then y [B, H] = C * (the taps over u: conv_taps) */
 static void conv_rows(const kvlm_qmodel *m, const kvlm_qlayer *Lr, const kvlm_conv_view *V,

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvlm import kernels
+from kvlm.cache.base import Taps
 from kvlm.cache.conv import ConvRows, ConvStep, SlotStep
 from kvlm.model.layers import Linear
 
@@ -58,15 +60,36 @@ class ShortConv(nn.Module):
         return self.out_proj(c * depthwise(taps, self.kernel, self.bias))
 
 
-def depthwise(
-    taps: list[torch.Tensor], kernel: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """A depthwise causal convolution's output from its taps (ConvStep.taps: L tensors,
-    tap k the rows k - L + 1 positions back) and `kernel` (L, C): tap 0 times its weights,
-    then each next tap's product added in order (every mixer with a convolution: the short
-    convolution, the gated DeltaNet's, the Mamba2 layer's), then the bias where one is."""
+def depthwise(taps: Taps, kernel: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A depthwise causal convolution's output from its taps (ConvStep.taps: tap k the
+    rows k - L + 1 positions back) and `kernel` (L, C): tap 0 times its weights, then each
+    next tap's product added in order (every mixer with a convolution: the short
+    convolution, the gated DeltaNet's, the Mamba2 layer's), then the bias where one is.
+    In fp32 on the CPU one C pass over the taps' rows (kvlm_depthwise, the same operations:
+    the torch ops' bits, without a tensor a tap); the torch ops below elsewhere."""
+    rows = taps.rows
+    lib = kernels.library() if rows.dtype == torch.float32 and rows.is_cpu else None
+    if lib is not None:
+        return _depthwise_c(lib, taps, kernel, bias)
     w = kernel.to(taps[0].dtype)
     conv = taps[0] * w[0]
     for k in range(1, w.shape[0]):
         conv = conv + taps[k] * w[k]
     return conv if bias is None else conv + bias.to(conv.dtype)
+
+
+def _depthwise_c(lib, taps: Taps, kernel: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    rows, index = taps.rows.contiguous(), taps.index.contiguous()
+    w = kernel.to(torch.float32).contiguous()
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    length, n = index.shape
+    out = torch.empty(taps.shape, dtype=torch.float32)
+    rc = lib.kvlm_depthwise(
+        rows.data_ptr(), rows.numel(), rows.shape[0], index.data_ptr(), index.numel(), length,
+        n, rows.shape[1], w.data_ptr(), w.numel(), None if b is None else b.data_ptr(),
+        0 if b is None else b.numel(), out.data_ptr(), out.numel(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"the kernels refused a convolution of {length} taps over "
+                         f"{tuple(rows.shape)} rows into {taps.shape}")  # fmt: skip
+    return out

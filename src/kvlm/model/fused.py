@@ -59,13 +59,14 @@ layer: kvlm.model.deltanet, kvlm.model.mamba2; kernels/deltanet.c, mamba2.c): in
 the taps over the sequence's held rows and the new one, the layer's kernel from the row's
 state before the step to its state after, out_proj, through a `StateView` (kvlm.cache.
 recurrent): the states read where they are (a one-sequence cache's DeltaRows, the pool's
-slots) and each row's written into the step's out buffer, which the cache keeps once the
-step succeeded (DeltaRows.commit, StateSlots.written), the conv rows moved on in place as
-a conv layer's; one row a sequence (a draft's rows keep each row's state: the torch
-step's). Qwen3.5's gated attention (q|gate|k|v, the output times sigmoid(gate)) and
-partial RoPE (the first rotary_dim of each head), Granite's residual multiplier (each
-output times it before the add) and logit divisor (after the call) and NoPE (RoPE tables
-of zero frequencies: cos 1, sin 0).
+slots), each row's after written into the step's out buffer, which the cache keeps once
+the step succeeded (DeltaRows.commit), or into the pool's slots in place (the C step
+refuses a bad step before it writes any; StateSlots.written then takes the snapshots), the
+conv rows moved on in place as a conv layer's; one row a sequence (a draft's rows keep
+each row's state: the torch step's). Gated attention (q|gate|k|v, the output times
+sigmoid(gate)) and partial RoPE (the first rotary_dim of each head), a residual
+multiplier (each output times it before the add) and logit divisor (after the call) and
+NoPE (RoPE tables of zero frequencies: cos 1, sin 0).
 
 It applies where that is the whole story: CPU, fp32 activations, low-bit weights in every
 projection (`--weights int8|int4|native`), no MLP biases, and fp32, bf16, fp16, int8 or q4 K/V
@@ -714,7 +715,7 @@ class FusedDecoder:
         if self.final_softcap is not None:  # as the torch model caps its logits
             cap = self.final_softcap
             logits = torch.tanh(logits / cap) * cap
-        if self.logit_scale is not None:  # as the torch model divides them (Granite)
+        if self.logit_scale is not None:  # as the torch model divides them
             logits = logits / self.logit_scale
         return logits
 
