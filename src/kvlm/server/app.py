@@ -297,11 +297,17 @@ def _slot_routes(s: _Served, auth: Any) -> APIRouter:
     (kvlm.server.slots; no /v1 prefix, as llama-server serves them)."""
     router = APIRouter(dependencies=[auth])
 
-    @router.get("/slots")
+    listed = {"content": {"application/json": {"schema": {"type": "array", "items": {
+        "type": "object"}}}}, "description": "The slots."}  # fmt: skip
+    answer = {"content": {"application/json": {"schema": {"type": "object"}}},
+              "description": "llama-server's answer to the action."}  # fmt: skip
+
+    @router.get("/slots", responses={200: listed, **openapi.errors(401)})
     async def slots() -> list:
         return s.slots.listing(s.max_len)
 
-    @router.post("/slots/{id_slot}")
+    @router.post("/slots/{id_slot}", responses={200: answer,
+                 **openapi.errors(400, 401, 408, 413, 501)})  # fmt: skip
     async def slot_action(id_slot: int, action: str, request: Request) -> dict:
         raw = await request.body()
         try:

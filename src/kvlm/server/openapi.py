@@ -360,6 +360,7 @@ _ERRORS = {
     413: "The request body is over the server's limit.",
     500: "The engine failed on this request (only this request).",
     503: "The server holds as many requests as it takes; try again later.",
+    501: "Not supported by how this server was started (a slot save without --slot-save-path).",
 }
 
 
