@@ -82,6 +82,22 @@ static inline float *conv_row(const kvlm_conv_view *V, int64_t index, int64_t s,
     return V->rows + ((index * V->batch + s) * keep + q - end + keep) * H;
 }
 
+/* One output row of a depthwise convolution: y[h] = rows[0][h] w[h] + rows[1][h] w[W + h]
+ * + ... + rows[L - 1][h] w[(L - 1) W + h] (+ bias[h]): a product, then the sum, tap by tap
+ * in order (ShortConv's and depthwise's operations; -std=c11: no contraction) */
+static inline void taps_sum(float *y, const float *const *rows, const float *w,
+                            const float *bias, int64_t L, int64_t W) {
+    for (int64_t k = 0; k < L; k++) {
+        const float *r = rows[k], *wk = w + k * W;
+        if (k == 0)
+            for (int64_t h = 0; h < W; h++) y[h] = r[h] * wk[h];
+        else
+            for (int64_t h = 0; h < W; h++) y[h] = y[h] + r[h] * wk[h];
+    }
+    if (bias)
+        for (int64_t h = 0; h < W; h++) y[h] = y[h] + bias[h];
+}
+
 /* y [B, W] = the taps (L of them, each W wide: tap k of channel h at k W + h) over
  * positions pos - L + 1 .. pos of each row's input u [B, W] (+ the taps' bias), a position
  * before the row's run read from its sequence's held rows of layer `index` in V, one from
@@ -93,19 +109,13 @@ static void conv_taps(const kvlm_conv_view *V, int64_t index, int64_t B, const i
     for (int64_t b = 0, first = 0; b < B; b++) {
         if (b == 0 || V->seq[b] != V->seq[b - 1]) first = b;
         const int64_t start = pos[first], end = V->ends[b], seq = V->seq[b];
-        float *yb = y + b * W;
+        const float *rows[MAX_CONV_KERNEL];
         for (int64_t k = 0; k < L; k++) {
             const int64_t q = pos[b] - (L - 1) + k; /* the position tap k reads */
-            const float *r = q >= start ? u + (first + q - start) * W
-                                        : conv_row(V, index, seq, end, q, W);
-            const float *w = taps + k * W;
-            if (k == 0)
-                for (int64_t h = 0; h < W; h++) yb[h] = r[h] * w[h];
-            else
-                for (int64_t h = 0; h < W; h++) yb[h] = yb[h] + r[h] * w[h];
+            rows[k] = q >= start ? u + (first + q - start) * W
+                                 : conv_row(V, index, seq, end, q, W);
         }
-        if (bias)
-            for (int64_t h = 0; h < W; h++) yb[h] = yb[h] + bias[h];
+        taps_sum(y + b * W, rows, taps, bias, L, W);
     }
 }
 
@@ -133,16 +143,9 @@ int kvlm_depthwise(const float *x, int64_t xn, int64_t xr, const int64_t *idx, i
         if (idx[i] < 0 || idx[i] >= xr) return -2;
 #pragma omp parallel for schedule(static) if (N > 1 && N * C * L >= 65536)
     for (int64_t n = 0; n < N; n++) {
-        float *yn_ = y + n * C;
-        for (int64_t k = 0; k < L; k++) {
-            const float *r = x + idx[k * N + n] * C, *wk = w + k * C;
-            if (k == 0)
-                for (int64_t h = 0; h < C; h++) yn_[h] = r[h] * wk[h];
-            else
-                for (int64_t h = 0; h < C; h++) yn_[h] = yn_[h] + r[h] * wk[h];
-        }
-        if (bias)
-            for (int64_t h = 0; h < C; h++) yn_[h] = yn_[h] + bias[h];
+        const float *rows[MAX_CONV_KERNEL];
+        for (int64_t k = 0; k < L; k++) rows[k] = x + idx[k * N + n] * C;
+        taps_sum(y + n * C, rows, w, bias, L, C);
     }
     return 0;
 }
