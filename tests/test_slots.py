@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from helpers import CHATML, save_tiny_model
+from kvlm.engine.sequence import common_prefix
 from serving import kvlm_serve
 
 openai = pytest.importorskip("openai")
@@ -82,7 +83,7 @@ def test_a_slot_saved_restores_on_another_server(folder, tmp_path):
         # that text's tokens part from the generated ones; served from there back to the
         # last block end with a state snapshot (a block at most)
         ids = post(port, "/tokenize", {"messages": second}).json()["tokens"]
-        shared = next(i for i, (a, b) in enumerate(zip(ids, conv["ids"], strict=False)) if a != b)
+        shared = common_prefix(ids, conv["ids"])
         cached = ours.usage.prompt_tokens_details.cached_tokens
         assert cached >= (min(shared, restored["n_restored"]) // 16 - 1) * 16 > 0
         assert fresh.usage.prompt_tokens_details.cached_tokens == 0

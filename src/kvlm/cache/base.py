@@ -375,10 +375,11 @@ class StateView:
     """Where some of the model's recurrent layers keep their state for one step
     (kvlm.cache.recurrent): `conv` their convolution's rows (a ConvView of ConvRows' layout,
     ring 0, one row a sequence: row i feeds sequence conv.seqs[i]), `state` the states
-    before the step (layers, sequences, *state shape) fp32, row i's at its sequence, read
-    only; `out` (layers, rows, *state shape) fp32, where the step writes row i's state
-    after it at i (None: a declaration, no step); `layers`: the model's layers, in their
-    order. Made afresh for each call (kv_views)."""
+    before the step (layers, sequences, *state shape) fp32, row i's at its sequence;
+    `out` (layers, sequences, *state shape) fp32, where the step writes row i's state
+    after it, at its sequence too: a buffer of the step's (a one-sequence cache's), or
+    `state` itself, updated in place (the pool's slots); None: a declaration, no step.
+    `layers`: the model's layers, in their order. Made afresh for each call (kv_views)."""
 
     conv: ConvView
     state: torch.Tensor

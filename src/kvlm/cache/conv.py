@@ -170,6 +170,7 @@ class ConvStep:
         # kept for a state's checkpoint there (kvlm.cache.recurrent.DeltaRows)
         self.windows_at = windows_at
         self.windows: list[dict[int, torch.Tensor]] = [{} for _ in self.staged]
+        self._tap_index: tuple[tuple[int, int, int], torch.Tensor] | None = None
 
     def taps(self, layer: int, u: torch.Tensor) -> Taps:
         """u (B, T, H): the rows conv layer `layer` (its index among the conv layers) adds
@@ -184,9 +185,11 @@ class ConvStep:
         for q in self.windows_at:  # seq's rows q .. q + L - 2: positions start + q - (L - 1) ..
             self.windows[layer][q] = seq[:, q : q + self._r].clone()
         n = seq.shape[1]  # output (b, t)'s tap k: row b n + t + k of the rows
-        first = (torch.arange(b)[:, None] * n + torch.arange(t)[None]).reshape(-1)
-        index = first[None] + torch.arange(n - t + 1)[:, None]
-        return Taps(seq.reshape(-1, width), index.to(u.device), tuple(u.shape))
+        if self._tap_index is None or self._tap_index[0] != (b, t, n):  # a step's layers': one
+            first = (torch.arange(b)[:, None] * n + torch.arange(t)[None]).reshape(-1)
+            index = first[None] + torch.arange(n - t + 1)[:, None]
+            self._tap_index = ((b, t, n), index.to(u.device))
+        return Taps(seq.reshape(-1, width), self._tap_index[1], tuple(u.shape))
 
 
 class _ConvCacheStep(CacheStep):

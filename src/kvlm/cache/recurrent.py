@@ -628,7 +628,7 @@ class StateSlots(Slots):
         a slot a sequence) moved on in place. None where a sequence has more than one row
         (a draft's: the torch step keeps each row's state)."""
         seqs = sequences(pieces)
-        if any(n != 1 for _, _, n, _ in seqs) or len(seqs) != len(pieces):
+        if any(n != 1 for _, _, n, _ in seqs):
             return None
         for slot, start, _, _ in seqs:
             self.check_start(slot, start)

@@ -54,6 +54,7 @@ from kvlm.engine.async_engine import AsyncEngine, EngineBusyError, EngineStopped
 from kvlm.engine.engine import Engine, EngineConfig, StepOutput
 from kvlm.engine.sampling import MAX_SAMPLES, SamplingParams
 from kvlm.engine.scheduler import QueueFullError
+from kvlm.engine.sequence import common_prefix
 from kvlm.engine.served import ServedModel
 from kvlm.errors import InvalidRequestError, KvlmError
 from kvlm.server import anthropic, defaults, ollama, openapi, reasoning, responses_api
@@ -470,8 +471,7 @@ def _marked_prefixes(
                                           **chat.template_options)  # fmt: skip
         except InvalidRequestError:  # a template that cannot render the cut: nothing kept
             continue
-        n = next((i for i, (a, b) in enumerate(zip(cut, ids, strict=False)) if a != b),
-                 min(len(cut), len(ids)))  # fmt: skip
+        n = common_prefix(cut, ids)
         if n:
             out.append((n, ttl))
     return out

@@ -21,10 +21,10 @@ the least recently used one; its token ids (the prompt and the first sample's re
              says 0, never a success that re-prefills (llama.cpp 26676, on hybrids).
     erase    forgets the slot's conversation (its blocks stay cached, evictable).
 
-Nothing read is trusted: FILE is a name, not a path; the file is read within MAX_FILE
-bytes, its namespace must be this model's and its ids ints within the vocabulary and the
-context; ids changed in the file find no records (each record's MAC covers the ids before
-it), so they are computed, never answered from another prefix's K/V.
+Nothing read is trusted: FILE is a name, not a path; the file is read within the bytes
+a context's ids take, its namespace must be this model's and its ids ints within the
+vocabulary and the context; ids changed in the file find no records (each record's MAC
+covers the ids before it), so they are computed, never answered from another prefix's K/V.
 """
 
 from __future__ import annotations
@@ -34,16 +34,18 @@ import json
 import os
 import re
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvlm.engine.async_engine import AsyncEngine
 from kvlm.engine.sampling import SamplingParams
+from kvlm.engine.sequence import common_prefix
 from kvlm.errors import InvalidRequestError, KvlmError
 
 FORMAT = "kvlm slot 1"  # the file's "format"
-MAX_FILE = 64 << 20  # bytes a slot file may have (a 1M-token conversation's ids as JSON)
+ID_BYTES = 16  # a slot file's bytes an id at most (JSON: "1234567, " and then some)
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")  # a slot file's name
 MAX_SLOTS = 16  # slots /slots lists: at most the engine's sequences decoding together
 ACTIONS = ("save", "restore", "erase")
@@ -81,12 +83,8 @@ class SlotTable:
         if id_slot is not None and id_slot >= 0:
             slot = self.slot(id_slot)
         else:
-
-            def shared(s: Slot) -> int:
-                n = min(len(s.ids), len(ids))
-                return next((i for i in range(n) if s.ids[i] != ids[i]), n)
-
-            slot = max(self.slots, key=lambda s: (shared(s), s.running == 0, -s.used))
+            slot = max(self.slots, key=lambda s: (common_prefix(s.ids, ids), s.running == 0,
+                                                  -s.used))  # fmt: skip
         slot.used, slot.running = time.monotonic(), slot.running + 1
         return slot
 
@@ -125,8 +123,8 @@ async def act(
         return {"id_slot": id_slot, "n_erased": n}
     path = table.path(body.get("filename"))
     t = time.perf_counter()
-    if action == "save":
-        ns = await engine.call(_flushed_namespace, timeout=30.0)
+    if action == "save":  # the tier's queued writes out first: the file names their K/V
+        ns = await engine.call(lambda e: _namespace(e, flush=True), timeout=30.0)
         data = json.dumps({"format": FORMAT, "namespace": ns, "ids": slot.ids}).encode()
         await asyncio.to_thread(_write, path, data)
         return {"id_slot": id_slot, "filename": path.name, "n_saved": len(slot.ids),
@@ -140,37 +138,46 @@ async def act(
             "n_read": len(ids), "timings": {"restore_ms": ms}}  # fmt: skip
 
 
-def _flushed_namespace(engine) -> str:
-    """The tier namespace of the engine's K/V (group 0's), once its queued writes are
-    out (on the engine's thread)."""
+def _namespace(engine, flush: bool = False) -> str:
+    """The tier namespace of the engine's K/V (group 0's), with `flush` once its queued
+    writes are out (on the engine's thread)."""
     tiers = engine.tiers
     if tiers is None:
         raise NotSupported("slot save and restore need --slot-save-path's disk tier")
-    tiers.flush()
+    if flush:
+        tiers.flush()
     return tiers.ns
 
 
 def _write(path: Path, data: bytes) -> None:
-    """The file whole or not at all: a temporary file renamed over it."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """The file whole or not at all: a temporary file of its own (two saves at once each
+    write theirs) renamed over it."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 async def _read(path: Path, engine: AsyncEngine) -> list[int]:
-    """A slot file's ids, every field checked against this model."""
+    """A slot file's ids, every field checked against this model (read within the bytes
+    a context's ids take: ID_BYTES an id, 4 KiB besides)."""
+    info = engine.info
+    most = ID_BYTES * info.max_model_len + 4096
 
     def read() -> bytes:
         try:
             with open(path, "rb") as f:
-                data = f.read(MAX_FILE + 1)
+                data = f.read(most + 1)
         except FileNotFoundError:
             raise InvalidRequestError(f"no slot file {path.name!r}") from None
-        if len(data) > MAX_FILE:
-            raise InvalidRequestError(f"slot file {path.name!r} is over {MAX_FILE} bytes")
+        if len(data) > most:
+            raise InvalidRequestError(f"slot file {path.name!r} is over {most} bytes: more "
+                                      "ids than the context holds")  # fmt: skip
         return data
 
     data = await asyncio.to_thread(read)
@@ -180,11 +187,11 @@ async def _read(path: Path, engine: AsyncEngine) -> list[int]:
         raise InvalidRequestError(f"slot file {path.name!r} is not a kvlm slot file") from None
     if not isinstance(saved, dict) or saved.get("format") != FORMAT:
         raise InvalidRequestError(f"slot file {path.name!r} is not a kvlm slot file")
-    ns = await engine.call(_flushed_namespace)
+    ns = await engine.call(_namespace)
     if saved.get("namespace") != ns:
         raise InvalidRequestError(f"slot file {path.name!r} was saved by another model or "
                                   "numerics: its K/V are not this server's")  # fmt: skip
-    ids, info = saved.get("ids"), engine.info
+    ids = saved.get("ids")
     if not isinstance(ids, list) or not all(
         type(t) is int and 0 <= t < info.vocab_size for t in ids
     ):
