@@ -671,9 +671,9 @@ def converted(qwen35_dir, tmp_path_factory):
     def make(name: str, outtype: str = "f32"):
         if (name, outtype) not in made:
             folder = qwen35_dir(name)
-            if name in WITH_MTP:
-                source = with_mtp(folder, tmp_path_factory.mktemp(name) / "mtp")
-                path = converter.convert(source, outtype, pre="qwen35")
+            if name in WITH_MTP:  # the folder with its head: the file's twin
+                folder = with_mtp(folder, tmp_path_factory.mktemp(name) / "mtp")
+                path = converter.convert(folder, outtype, pre="qwen35")
             else:
                 path = converter.convert(folder, outtype, pre="qwen35", options=("--no-mtp",))
             made[name, outtype] = folder, path
@@ -688,7 +688,8 @@ def test_gguf_from_llama_cpps_converter_reads_as_the_folder(converted, name):
     very weights the folder's load gives (the +1 norms as transformers adds them; -exp(A_log)
     taken back to an A_log of the same exp; q_proj's [q, gate] rows and the v heads the
     converter tiles put back), so teacher-forced logits bit-equal to the folder's and the
-    same greedy tokens. With an MTP head (its block after the model's, not read) and without."""
+    same greedy tokens. With an MTP head (its blocks after the model's, read as the
+    folder's `mtp.*`: the converter's +1 on its norms as the folder's fold) and without."""
     folder, path = converted(name)
     from_gguf, from_hf = gguf_as_folder(path, folder)
     ours, ref = from_gguf.model.state_dict(), from_hf.model.state_dict()
@@ -1288,3 +1289,121 @@ def test_the_sdks_five_turns_with_tools_on_a_gguf_are_cached_and_as_fresh(conver
         assert outputs[0] == outputs[1]
         assert used[0][1] > 0 and all(a < b for a, b in pairwise(used[0][1:])), used
         assert not any(used[1]), used
+
+
+def mtp_logits_hf(folder, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """The MTP head's logits at positions 0 .. T - 2 (of the token after next), built of
+    transformers' own modules in `dtype` (it does not run the head: Qwen3_5DecoderLayer
+    of the full-attention kind, Qwen3_5RMSNorm, a Linear fc; vLLM's composition): the
+    model's final-normed states and the next tokens' embeddings, normed, joined
+    (embedding first), fc, the block causal over the head's positions, the norm, lm_head."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    c, w = hf.config, load_file(folder / "model.safetensors")
+    head = {k.removeprefix("mtp."): v.to(dtype) for k, v in w.items() if k.startswith("mtp.")}
+    block = m.Qwen3_5DecoderLayer(c, c.layer_types.index(A)).to(dtype).eval()
+    block.load_state_dict({k.removeprefix("layers.0."): v for k, v in head.items()
+                           if k.startswith("layers.0.")})  # fmt: skip
+
+    def norm(name):
+        n = m.Qwen3_5RMSNorm(c.hidden_size, eps=c.rms_norm_eps).to(dtype).eval()
+        n.load_state_dict({"weight": head[f"{name}.weight"]})
+        return n
+
+    t = torch.tensor([ids])
+    n = len(ids) - 1
+    with torch.no_grad():
+        h = hf(t, output_hidden_states=True).hidden_states[-1][:, :n]  # after the final norm
+        e = hf.model.embed_tokens(t[:, 1:])
+        u = torch.cat([norm("pre_fc_norm_embedding")(e), norm("pre_fc_norm_hidden")(h)], -1)
+        u = u @ head["fc.weight"].t()
+        pos = torch.arange(n)[None]
+        mask = torch.full((n, n), float("-inf"), dtype=dtype).triu(1)[None, None]
+        u = block(u, attention_mask=mask, position_ids=pos,
+                  position_embeddings=hf.model.rotary_emb(u, pos))  # fmt: skip
+        u = u[0] if isinstance(u, tuple) else u
+        return hf.lm_head(norm("norm")(u))[0]
+
+
+def mtp_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """kvlm's MTP head over the same positions: the model's states (`hidden=True`), then
+    the head on a cache of its own (kvlm.model.mtp.head_spec)."""
+    from kvlm.cache import create_cache
+    from kvlm.model.mtp import head_spec
+
+    t = torch.tensor([ids])
+    with torch.inference_mode():
+        cache = llm.new_cache("contiguous")
+        step = cache.begin(len(ids))
+        _, hidden = llm.model(t, step.positions, step, last_only=False, hidden=True)
+        n = len(ids) - 1
+        head = create_cache("contiguous", head_spec(llm.config, 64, llm.model.dtype))
+        hs = head.begin(n)
+        logits, _ = llm.model.mtp_forward(t[:, 1:], hs.positions, hidden[:, :n].contiguous(), hs)
+        head.commit(hs)
+    return logits[0]
+
+
+def test_the_mtp_head_is_transformers_blocks_on_the_models_states(qwen35_dir, tmp_path):
+    """A folder with a multi-token-prediction head (`mtp.*`, as Qwen3.5's checkpoints): the
+    head's logits over 20 positions as close to the exact result (the same modules in
+    fp64) as transformers' modules' own fp32 ones, on the exact path; the head's greedy
+    picks equal."""
+    folder = with_mtp(qwen35_dir("qwen35"), tmp_path / "mtp")
+    llm = LLM(model=folder, kv="off", exact=True, progress=False)
+    assert llm.config.mtp_layers == 1 and llm.model.mtp is not None
+    ids = prompt_ids(llm, 20)
+    ours, ref = mtp_logits(llm, ids), mtp_logits_hf(folder, ids, torch.float32)
+    exact = mtp_logits_hf(folder, ids, torch.float64)
+    assert_as_exact_as(ours, ref, exact)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_the_mtp_head_of_a_converted_file_is_the_folders(converted):
+    """The converter's blocks after the model's (`blk.N.nextn.*` and the block's own)
+    read as the folder's head: the same logits bit for bit (f32)."""
+    folder, path = converted("qwen35")
+    from_gguf, from_hf = gguf_as_folder(path, folder)
+    assert from_gguf.model.mtp is not None
+    ids = prompt_ids(from_hf, 12)
+    assert torch.equal(mtp_logits(from_gguf, ids), mtp_logits(from_hf, ids))
+
+
+def _edit_head(folder, dest, drop=(), shapes=None, config=None):
+    """A copy of `folder` (with a head) less the tensors `drop`, with `shapes` replaced by
+    zeros of another shape, and the config's keys `config` set."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, dest)
+    w = load_file(dest / "model.safetensors")
+    w = {k: v for k, v in w.items() if k not in drop}
+    w |= {k: torch.zeros(shape) for k, shape in (shapes or {}).items()}
+    save_file(w, dest / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**cfg, **(config or {})}))
+    return dest
+
+
+def test_a_head_the_config_names_but_the_save_left_out_runs_without(qwen35_dir, tmp_path):
+    """transformers saves a Qwen3.5 without its `mtp.*` (it leaves them unread) and keeps
+    `mtp_num_hidden_layers` in config.json: the model runs, headless; a head left half
+    (its norm gone) or of another shape (fc [H, H]) is one clear ModelLoadError."""
+    from kvlm.errors import ModelLoadError
+
+    base = qwen35_dir("qwen35")
+    headless = _edit_head(base, tmp_path / "headless", config={"mtp_num_hidden_layers": 1})
+    llm = LLM(model=headless, kv="off", progress=False)
+    assert llm.config.mtp_layers == 1 and llm.model.mtp is None
+    full = with_mtp(base, tmp_path / "mtp")
+    half = _edit_head(full, tmp_path / "half", drop=("mtp.norm.weight",))
+    with pytest.raises(ModelLoadError, match=r"no tensor mtp\.norm\.weight"):
+        LLM(model=half, kv="off", progress=False)
+    h = llm.config.hidden_size
+    wrong = _edit_head(full, tmp_path / "wrong", shapes={"mtp.fc.weight": (h, h)})
+    with pytest.raises(ModelLoadError, match=rf"mtp\.fc\.weight has shape \({h}, {h}\)"):
+        LLM(model=wrong, kv="off", progress=False)

@@ -940,6 +940,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "tokenizer_vocab": loaded.tokenizer.vocab_size,
         "kv_bytes_per_token": {"fp32": per_token * 4, "bf16": per_token * 2, "fp16": per_token * 2},
     }
+    if cfg.mtp_layers:  # a drafter the file carries (kvlm.model.mtp), or only its name
+        held = "mtp.fc.weight" in loaded.weights.names()
+        info["mtp_head"] = (f"{cfg.mtp_layers} block(s)" if held else
+                            "named by the config, not in the file (runs without)")  # fmt: skip
     if cfg.hybrid:  # what each layer group keeps (kvlm memory: its bytes at a context)
         from kvlm.cache.base import CacheSpec
         from kvlm.cache.groups import layer_groups

@@ -222,6 +222,10 @@ class ModelConfig:
     # (None: 1); the logits divided by `logit_scale` (None: 1)
     residual_scale: float | None = None
     logit_scale: float | None = None
+    # the blocks of a multi-token-prediction head the file carries (kvlm.model.mtp: an
+    # attention block each, after the model's; a drafter, never part of the model's own
+    # tokens, so not in the fingerprint); 0: none
+    mtp_layers: int = field(default=0, metadata={"fingerprint": False})
 
     @property
     def conv_layers(self) -> tuple[int, ...]:

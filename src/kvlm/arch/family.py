@@ -59,6 +59,14 @@ CONV_NAMES = {
     "shortconv.conv": "conv.conv",
     "shortconv.out_proj": "conv.out_proj",
 }
+# a multi-token-prediction head's own tensors, as llama.cpp's converter names them in the
+# block it appends (blk.N.nextn.*) -> the model's, after `mtp.` (the checkpoints' names)
+NEXTN_NAMES = {
+    "nextn.eh_proj": "fc",
+    "nextn.enorm": "pre_fc_norm_embedding",
+    "nextn.hnorm": "pre_fc_norm_hidden",
+    "nextn.shared_head_norm": "norm",
+}
 GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -151,10 +159,21 @@ class Family:
     pre_tokenizers: Mapping[str, str] = field(default_factory=dict)
     shapes: Mapping[str, Shape] = field(default_factory=dict)
 
-    def from_gguf_name(self, name: str) -> str | None:
+    def from_gguf_name(self, name: str, layers: int | None = None) -> str | None:
         """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (None: a
-        tensor the model does not read)."""
+        tensor the model does not read). Given the model's `layers`, a block past them is
+        the multi-token-prediction head's (llama.cpp's converter appends its blocks): its
+        own tensors (`blk.N.nextn.eh_proj`) and its attention block's under `mtp.`, as the
+        checkpoints name them (`mtp.fc`, `mtp.layers.0.self_attn.q_proj`)."""
         whole = name.split(".", 2)  # blk, N, the rest: named whole (`ssm_a`, `ssm_dt.bias`)
+        if (
+            layers is not None
+            and whole[0] == "blk"
+            and len(whole) == 3
+            and whole[1].isdecimal()
+            and int(whole[1]) >= layers
+        ):
+            return self._head_name(int(whole[1]) - layers, name)
         if whole[0] == "blk" and len(whole) == 3 and whole[2] in self.gguf_names:
             return f"model.layers.{whole[1]}.{self.gguf_names[whole[2]]}"
         stem, _, suffix = name.rpartition(".")
@@ -165,8 +184,28 @@ class Family:
             return f"{self.gguf_globals[stem]}.{suffix}"
         return None
 
+    def _head_name(self, block: int, name: str) -> str | None:
+        """The MTP head's `block`-th block's tensor `name` (blk.N...) -> the model's."""
+        stem, _, suffix = name.rpartition(".")
+        role = stem.split(".", 2)[2]
+        if role in NEXTN_NAMES:
+            return f"mtp.{NEXTN_NAMES[role]}.{suffix}"
+        inner = self.from_gguf_name(f"blk.0.{role}.{suffix}")
+        if inner is None:
+            return None
+        return f"mtp.layers.{block}.{inner.removeprefix('model.layers.0.')}"
+
     def to_gguf_name(self, name: str) -> str:
-        """The inverse of `from_gguf_name` (the name itself where it has no GGUF name)."""
+        """The inverse of `from_gguf_name` (the name itself where it has no GGUF name; an
+        MTP head's tensor by its role, `nextn.eh_proj`, or `blk.M.` where M counts the
+        head's blocks from 0)."""
+        stem, _, suffix = name.rpartition(".")
+        for ours, theirs in NEXTN_NAMES.items():
+            if stem == f"mtp.{theirs}":
+                return f"{ours}.{suffix}"
+        if name.startswith("mtp.layers."):
+            block, _, rest = name.removeprefix("mtp.layers.").partition(".")
+            return self.to_gguf_name(f"model.layers.{block}.{rest}")
         stem, _, suffix = name.rpartition(".")
         for ours, theirs in self.gguf_globals.items():
             if stem == theirs:

@@ -19,7 +19,8 @@ The config's rope_parameters may carry `mrope_section` / `mrope_interleaved` (th
 model's 3-D positions): for text alone the three position streams are one, so RoPE is
 the plain one at each token's position. The tokenizer (byte-level BPE with its own split
 regex, NFC) and the chat template come from the files. The multi-token-prediction head
-(`mtp.*`) and the vision tower are left unread.
+(`mtp.*`, `mtp_num_hidden_layers` blocks: kvlm.model.mtp) is read where the folder
+has it (a drafter); the vision tower is left unread.
 
 GGUF files (llama.cpp's `qwen35`, as its convert_hf_to_gguf.py writes them: `from_gguf`,
 `GGUF_NAMES`): the DeltaNet's sizes are `ssm.*` keys (group_count the q/k heads,
@@ -27,7 +28,8 @@ time_step_rank the v heads, state_size the q/k head dim, inner_size all v heads'
 conv_kernel), its layers `attention.recurrent_layers` (else every
 `full_attention_interval`-th layer attends), the partial RoPE `rope.dimension_count`
 (`rope.dimension_sections`, the vision model's, left unread as the config's are); the
-blocks after the model's are the MTP head's (`nextn_predict_layers`: not read). The
+blocks after the model's are the MTP head's (`nextn_predict_layers`, `blk.N.nextn.*`:
+kvlm.arch.family's NEXTN_NAMES). The
 converter keeps q_proj's per-head [q, gate] rows and folds the 1 into the norms as
 `fold_hf` does; it stores A_log as -exp(A_log) (`ssm_a`, taken back by `fold_gguf`), the
 convolution as (C, L), and where the q/k heads are fewer than the v heads, every tensor's
@@ -55,6 +57,7 @@ DEFAULTS = {"head_dim": 256, "rope_theta": 10000.0, "partial_rotary_factor": 0.2
             "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
             "linear_key_head_dim": 128, "linear_value_head_dim": 128,
             "linear_num_key_heads": 16, "linear_num_value_heads": 32}  # fmt: skip
+MAX_MTP_LAYERS = 8  # the most multi-token-prediction blocks a config may name
 GATED_NORM = "linear_attn.norm.weight"  # the DeltaNet's gated norm: w, not 1 + w
 # llama.cpp's names of a block's tensors -> the model's: attention's as every family's,
 # but `post_attention_norm` is the MLP's input norm here (llama.cpp's ATTN_POST_NORM; no
@@ -94,6 +97,8 @@ def from_hf(cfg: dict[str, Any], arch: str, name: str) -> ModelConfig:
             "layer_mixers": _hf_mixers(cfg, hf, layers),
             "deltanet": _hf_deltanet(hf),
             "rope_dim": _hf_rope_dim(cfg, hf, head_dim),
+            # the checkpoints' `mtp.*` head (transformers leaves it unread)
+            "mtp_layers": hf("mtp_num_hidden_layers", int, 0, lo=0, hi=MAX_MTP_LAYERS),
         }
 
     return hf_config(cfg, arch, name, part, rope_theta=DEFAULTS["rope_theta"])
@@ -255,11 +260,18 @@ def fold_gguf(config: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Ten
     return fold_a_log(config, name, tensor, "ssm_a")
 
 
+def _is_norm(name: str) -> bool:
+    """Whether `name` is an RMSNorm's weight: `*norm.weight`, and the MTP head's input
+    norms (`mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`: the converter's
+    `nextn.enorm` / `hnorm`, which it folds as norms)."""
+    return name.endswith("norm.weight") or name.startswith("mtp.pre_fc_norm_")
+
+
 def fold_hf(config: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """A norm's weight as the block multiplies by it: 1 + w, added in fp32 (as
     transformers adds it), but the DeltaNet's gated norm's (w as it is); q_proj's rows
     (and bias) as the queries of every head, then the gates."""
-    if name.endswith("norm.weight") and not name.endswith(GATED_NORM):
+    if _is_norm(name) and not name.endswith(GATED_NORM):
         return 1.0 + tensor.float()
     if config.attn_output_gate and name.endswith(("q_proj.weight", "q_proj.bias")):
         d = config.head_dim

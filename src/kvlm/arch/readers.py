@@ -86,8 +86,8 @@ def gguf_config(
     present, must be the whole head), the special tokens, and what the family's `part`
     reads after the sizes. The model's layers are `block_count` less
     `nextn_predict_layers` (the blocks llama.cpp's converter appends for a
-    multi-token-prediction head, which kvlm does not run). Embeddings are untied here:
-    the loader decides from the tensor list."""
+    multi-token-prediction head: `mtp_layers`, kvlm.model.mtp). Embeddings are untied
+    here: the loader decides from the tensor list."""
 
     def key(k: str, kind: type, default: Any = REQUIRED, field_name: str = "") -> Any:
         """`{arch}.k`, in its field's LIMITS (a float: above 0)."""
@@ -134,7 +134,7 @@ def gguf_config(
         bos_token_id=g("tokenizer.ggml.bos_token_id", int, None),
         eos_token_ids=as_ids(eos, "tokenizer.ggml.eos_token_id", g.where),
         name=name,
-        **own,
+        **{"mtp_layers": extra, **own},
     )
 
 

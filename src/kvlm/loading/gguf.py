@@ -5,7 +5,8 @@ milliseconds rather than seconds for a 128k-token vocabulary, every fault a Mode
 Its metadata becomes a ModelConfig through the family of its `general.architecture`
 (kvlm.arch), and its tensors get the model's names from that family's table
 (`Family.from_gguf_name`); blocks past the model's layers (a multi-token-prediction
-head's, `{arch}.nextn_predict_layers`: kvlm.arch.readers) are not read. Tensors are
+head's, `{arch}.nextn_predict_layers`: kvlm.arch.readers) are the head's, `mtp.*`
+(kvlm.model.mtp). Tensors are
 dequantized with the `gguf` package, one at a time, rows and columns in Hugging Face's
 order (`Family.gguf_rows`: Llama's q/k, which llama.cpp's converter permutes for its
 interleaved RoPE; `Family.gguf_cols`); `--weights native` takes the blocks of the types
@@ -90,7 +91,7 @@ class GGUFWeights:
         }  # fmt: skip
         self._tensors: dict[str, GGUFTensor] = {}
         for t in self.file.tensors:
-            name = self.family.from_gguf_name(t.name)
+            name = self.family.from_gguf_name(t.name, cfg.num_layers)
             if name is None:
                 continue
             if t.tensor_type not in SUPPORTED_TYPES:

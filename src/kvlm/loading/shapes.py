@@ -19,6 +19,8 @@ from kvlm.errors import ModelLoadError
 from kvlm.model.weights import WeightSource, out_norms
 
 Shape = tuple[int, ...]
+# a multi-token-prediction head's norms (kvlm.model.mtp)
+MTP_NORMS = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
 
 
 def expected_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
@@ -39,8 +41,13 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
         "rope_freqs.weight": ((c.rotary_dim // 2,), f"rotary dims {c.rotary_dim} / 2"),
     }
     norms = ["input_layernorm", "post_attention_layernorm", *out_norms(c)]
-    for layer in range(c.num_layers):
-        p = f"model.layers.{layer}"
+    # the model's layers, then a multi-token-prediction head's blocks (attention blocks)
+    blocks = [f"model.layers.{i}" for i in range(c.num_layers)]
+    blocks += [f"mtp.layers.{i}" for i in range(c.mtp_layers)]
+    if c.mtp_layers:
+        out["mtp.fc.weight"] = ((h, 2 * h), f"{hs}, 2 x {hs}")
+        out |= {f"mtp.{n}.weight": ((h,), hs) for n in MTP_NORMS}
+    for p in blocks:
         out |= {f"{p}.{n}.weight": ((h,), hs) for n in norms}
         for name, rows, cols, why in (
             ("self_attn.q_proj", qg, h, f"{qgs}, {hs}"),
@@ -153,9 +160,10 @@ def _same(name: str, got: Shape, want: Shape) -> bool:
     return got == want or kernel or split
 
 
-def required(c: ModelConfig) -> list[str]:
+def required(c: ModelConfig, head: bool = False) -> list[str]:
     """The tensors every model of this config needs (not lm_head: without one the
-    embeddings are tied; nor biases or the RoPE factors)."""
+    embeddings are tied; nor biases or the RoPE factors); with `head`, its
+    multi-token-prediction head's too (a file that has one has it whole)."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     norms = ["input_layernorm", "post_attention_layernorm"]
     mlp = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", *out_norms(c)]
@@ -190,6 +198,10 @@ def required(c: ModelConfig) -> list[str]:
             parts = mamba_parts
             names += [f"model.layers.{layer}.mamba.{n}" for n in ("A_log", "D", "dt_bias")]
         names += [f"model.layers.{layer}.{part}.weight" for part in parts]
+    if head:
+        names += [f"mtp.{n}.weight" for n in ("fc", *MTP_NORMS)]
+        names += [f"mtp.layers.{i}.{part}.weight" for i in range(c.mtp_layers)
+                  for part in attention_parts]  # fmt: skip
     return names
 
 
@@ -200,7 +212,8 @@ def check_shapes(
     gives it and every one it needs is there (`where`: the file, and `file_name`: a
     tensor's name there, for the message); the names of the tensors the model reads."""
     have = set(weights.names())
-    for name in required(c):
+    head = c.mtp_layers > 0 and any(n.startswith("mtp.") for n in have)
+    for name in required(c, head):
         # a gate and up stored as one tensor (mlp.gate_up_proj) stand for both
         fused = name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight"))
         if fused and f"{name.rsplit('.mlp.', 1)[0]}.mlp.gate_up_proj.weight" in have:

@@ -33,6 +33,7 @@ from kvlm.model.conv import ConvRows, ConvStep, ShortConv
 from kvlm.model.deltanet import GatedDeltaNet
 from kvlm.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding, feeding_prompt
 from kvlm.model.mamba2 import Mamba2Mixer
+from kvlm.model.mtp import MtpHead
 from kvlm.model.numerics import ModelNumerics
 from kvlm.model.weights import WeightSource, out_norms
 
@@ -139,6 +140,7 @@ class Transformer(nn.Module):
         with loader, freed_memory_returned(), arena as packed_in:
             self.layers = nn.ModuleList(loader.block(i) for i in range(config.num_layers))
             self.norm = loader.norm("model.norm")
+            self.mtp = loader.mtp_head()  # a drafter the file carries (kvlm.model.mtp)
             tied = config.tie_word_embeddings or "lm_head.weight" not in loader.available
             # --weights native: the table stays in its stored low-bit format, rows
             # dequantized on lookup (a 151,936 x 896 table is 519 MiB in fp32)
@@ -226,9 +228,11 @@ class Transformer(nn.Module):
         prompt: bool | None = None,
         conv: ConvStep | None = None,
         recurrent: DeltaStep | None = None,
-    ) -> torch.Tensor:
+        hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids, positions: (B, T) -> fp32 logits (B, 1 or T, V) (fp64 for an fp64
-        model: the reference keeps its precision to the end).
+        model: the reference keeps its precision to the end). With `hidden`, (the logits,
+        every position's final-normed state (B, T, H): what an MTP head drafts from).
 
         `last_only` skips the vocabulary projection for all but the last position: a
         512-token prefill would otherwise build a 512 x 49152 logits matrix to use one row.
@@ -274,17 +278,45 @@ class Transformer(nn.Module):
             for i, layer in enumerate(self.layers):
                 cos, sin, key_rope = ropes[self._rope_of[i]]
                 x = layer(x, cos, sin, kv.for_layer(i), key_rope, conv, recurrent)
+            normed = self.norm(x) if hidden else None  # a row's norm is its own: same bits
             if kv.logit_rows is not None:  # a ragged step: each sequence's rows it asks for
-                x = x[:, kv.logit_rows]
+                x = x[:, kv.logit_rows] if normed is None else normed[:, kv.logit_rows]
             elif last_only:
-                x = x[:, -1:]
-            logits = self.lm_head(self.norm(x))
-            if self.config.final_softcap is not None:
-                cap = self.config.final_softcap
-                logits = torch.tanh(logits / cap) * cap
-            if self.config.logit_scale is not None:
-                logits = logits / self.config.logit_scale
+                x = x[:, -1:] if normed is None else normed[:, -1:]
+            elif normed is not None:
+                x = normed
+            logits = self._logits(self.norm(x) if normed is None else x.contiguous())
+        return logits if normed is None else (logits, normed)
+
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The vocabulary projection of final-normed rows, soft-capped and scaled as the
+        config says: fp32 (fp64 for an fp64 model)."""
+        logits = self.lm_head(normed)
+        if self.config.final_softcap is not None:
+            cap = self.config.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        if self.config.logit_scale is not None:
+            logits = logits / self.config.logit_scale
         return logits if logits.dtype == torch.float64 else logits.float()
+
+    def mtp_forward(
+        self,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv: KVStep,
+        step: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP head (`self.mtp`) at `positions` (B, T): `next_ids` (B, T) the tokens
+        after each position, `hidden` (B, T, H) the states it drafts from, `kv` the head's
+        cache step -> (fp32 logits (B, T, V) of the token after those, the head's normed
+        states: the next draft's `hidden`). Products as the model's: prompt rows where T > 1."""
+        if self.mtp is None:
+            raise UnsupportedModelError("this model file carries no multi-token-prediction head")
+        with feeding_prompt(next_ids.shape[-1] > 1):
+            cos, sin, _ = self._ropes(self.rope, positions, None, hidden.dtype)
+            normed = self.mtp(self.embed(next_ids), hidden, cos, sin, kv, step)
+            return self._logits(normed), normed
 
     def _fresh_rows(self, input_ids: torch.Tensor, positions: torch.Tensor) -> ConvStep:
         """Zero rows for a step from position 0 (the `off` cache's every forward, a first
@@ -501,6 +533,12 @@ class _WeightTaker:
             return self.deltanet_block(i)
         if c.layer_mixers and c.layer_mixers[i] == "mamba2":
             return self.mamba2_block(i)
+        return self.attention_block(i, p)
+
+    def attention_block(self, i: int, p: str) -> Block:
+        """The attention block of tensors `p`.* (a layer's, or an MTP head's block), its
+        K/V at layer i of its cache."""
+        c = self.config
         q_norm = k_norm = None
         if c.qk_norm:  # each q and k head normed before RoPE
             q_norm, k_norm = (self.norm(f"{p}.self_attn.{q}_norm") for q in ("q", "k"))
@@ -516,14 +554,25 @@ class _WeightTaker:
         attn.q_scale = None if q_norm is not None or ratio == 1.0 else ratio
         attn.softcap = c.attn_softcap
         attn.gated = c.attn_output_gate
-        return self._block(i, attn=attn)
+        return self._block(i, p, attn=attn)
 
-    def _block(self, i: int, **mixer) -> Block:
+    def mtp_head(self) -> MtpHead | None:
+        """The file's multi-token-prediction head (`mtp.*`), or None where it has none (a
+        config may name one whose tensors a save left out: the model runs without it)."""
+        if not self.config.mtp_layers or "mtp.fc.weight" not in self.available:
+            return None
+        n = self.config.mtp_layers
+        blocks = [self.attention_block(j, f"mtp.layers.{j}") for j in range(n)]
+        norms = [self.norm(f"mtp.{k}") for k in ("pre_fc_norm_embedding", "pre_fc_norm_hidden")]
+        return MtpHead(self.linear("mtp.fc.weight"), *norms, blocks, self.norm("mtp.norm"))
+
+    def _block(self, i: int, p: str | None = None, **mixer) -> Block:
         """Layer i around its mixer (Block's `attn`, `conv` or `recurrent`): the gated MLP
         (its gate|up one product: `mlp.gate_up_proj` where the file stores them as one,
         else gate_proj and up_proj joined), the attention's and the MLP's input norms (the
-        MLP's: Llama's HF name), then their output norms where the block has them."""
-        c, p = self.config, f"model.layers.{i}"
+        MLP's: Llama's HF name), then their output norms where the block has them. `p`:
+        the tensors' prefix, layer i's by default."""
+        c, p = self.config, p or f"model.layers.{i}"
         fused = f"{p}.mlp.gate_up_proj.weight"
         if fused in self.available:
             gate_up = self.linear(fused)
