@@ -1407,3 +1407,88 @@ def test_a_head_the_config_names_but_the_save_left_out_runs_without(qwen35_dir, 
     wrong = _edit_head(full, tmp_path / "wrong", shapes={"mtp.fc.weight": (h, h)})
     with pytest.raises(ModelLoadError, match=rf"mtp\.fc\.weight has shape \({h}, {h}\)"):
         LLM(model=wrong, kv="off", progress=False)
+
+
+def _head_drafts(llm: LLM, tokens: list[int], k: int) -> list[int]:
+    """The MTP head's k greedy drafts after `tokens` computed from nothing: the model over
+    tokens[:-1] (its states, `hidden=True`), the head over every position at once on a
+    fresh cache, then k - 1 steps on its own states: the oracle MtpDrafter's incremental
+    head (recorded states, kept K/V, rolled-back drafts) is held to."""
+    from kvlm.cache import create_cache
+    from kvlm.model.mtp import head_spec
+
+    n, model = len(tokens) - 1, llm.model
+    t = torch.tensor([tokens])
+    with torch.inference_mode():
+        cache = llm.new_cache("contiguous")
+        step = cache.begin(n)
+        _, hidden = model(t[:, :n], step.positions, step, last_only=False, hidden=True)
+        head = create_cache("contiguous", head_spec(llm.config, 128, model.dtype))
+        hs = head.begin(n)
+        logits, normed = model.mtp_forward(t[:, 1:], hs.positions, hidden, hs)
+        head.commit(hs)
+        drafts = [int(logits[0, -1].argmax())]
+        for j in range(1, k):
+            hs = head.begin(1)
+            logits, normed = model.mtp_forward(torch.tensor([drafts[-1:]]), hs.positions,
+                                               normed[:, -1:], hs, j)  # fmt: skip
+            head.commit(hs)
+            drafts.append(int(logits[0, -1].argmax()))
+    return drafts
+
+
+@pytest.mark.parametrize("engine_kind", ["cache", "pool"])
+def test_the_mtp_head_drafts_and_greedy_output_is_plain(qwen35_dir, tmp_path, engine_kind):
+    """--speculative mtp: the file's head proposes from the states the engine's steps
+    leave (prompt chunks, then each step's kept decode and draft rows); in fp64 every
+    proposal (k = 3: one from the model's states, two on the head's own) equals the head
+    run from nothing over the sequence so far (`_head_drafts`), so the head's cache keeps
+    exactly the verified positions through rejections; the tokens are plain greedy
+    decoding's, on one cache and on the pool (prompt chunks of 5, two sequences)."""
+    from kvlm.engine.speculative import MtpDrafter, SpeculativeConfig
+
+    folder = with_mtp(qwen35_dir("qwen35"), tmp_path / "mtp")
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    how = SpeculativeConfig("mtp", num_draft=3)
+    kv = "contiguous" if engine_kind == "cache" else "paged"
+    plain = LLM(model=folder, kv=kv, dtype="fp64", progress=False)
+    spec = LLM(model=folder, kv=kv, dtype="fp64", speculative=how, progress=False)
+    prompts = [PROMPT, "One two three, one two three, one two"]
+    calls = []
+    propose = MtpDrafter.propose
+
+    def watched(self, seq, k):
+        draft = propose(self, seq, k)
+        calls.append((list(seq.token_ids), k, draft))
+        return draft
+
+    MtpDrafter.propose = watched
+    try:
+        if engine_kind == "cache":
+            want = [answer(plain.cache_engine(), plain.tokenizer.encode(p), greedy)[0]
+                    for p in prompts]  # fmt: skip
+            engine = spec.cache_engine()
+            got = [answer(engine, spec.tokenizer.encode(p), greedy)[0] for p in prompts]
+        else:
+            want = [w[0] for w in on_pool(plain, prompts, greedy)[0]]
+            out, engine = on_pool(spec, prompts, greedy, scheduler={"prefill_chunk": 5},
+                                  speculative=how)  # fmt: skip
+            got = [o[0] for o in out]
+    finally:
+        MtpDrafter.propose = propose
+    assert got == want
+    st = engine.stats.spec
+    assert st.drafted > 0 and len(calls) > 4, st
+    for tokens, k, draft in calls:
+        assert draft == _head_drafts(spec, tokens, k)[: len(draft)], len(tokens)
+
+
+def test_speculative_mtp_on_a_model_without_a_head_is_refused(qwen35_dir):
+    from kvlm.engine.speculative import SpeculativeConfig
+    from kvlm.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="no multi-token-prediction head"):
+        LLM(model=qwen35_dir("qwen35"), progress=False, speculative="mtp")
+    llm = LLM(model=qwen35_dir("qwen35"), progress=False)  # an engine asked for it: the same
+    with pytest.raises(InvalidRequestError, match="no multi-token-prediction head"):
+        fresh_engine(llm, speculative=SpeculativeConfig("mtp"))

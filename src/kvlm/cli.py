@@ -442,8 +442,9 @@ def _session_args(p: argparse.ArgumentParser) -> None:
 def _speculative_args(p: argparse.ArgumentParser) -> None:
     _flags(p,
         ("--speculative", None, None, "speculative decoding: each sequence proposes tokens "
-         "(ngram: by prompt lookup; draft: a draft model), the model checks them in one "
-         "forward (greedy output unchanged)", {"choices": ("ngram", "draft")}),
+         "(ngram: by prompt lookup; draft: a draft model; mtp: the file's own "
+         "multi-token-prediction head), the model checks them in one forward (greedy output "
+         "unchanged)", {"choices": ("ngram", "draft", "mtp")}),  # speculative.METHODS
         ("--num-draft", int, 8, "the most tokens proposed per step (--speculative)"),
         ("--draft-model", None, None, "--speculative draft: a model file with the same "
          "tokenizer (default: this model's own file, at --draft-weights)"),

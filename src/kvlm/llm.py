@@ -28,7 +28,7 @@ from kvlm.engine.request import RequestOutput
 from kvlm.engine.runner import ModelRunner
 from kvlm.engine.sampling import SamplingParams
 from kvlm.engine.scheduler import SchedulerConfig
-from kvlm.engine.speculative import DraftModel, SpeculativeConfig
+from kvlm.engine.speculative import DraftModel, SpeculativeConfig, check_mtp
 from kvlm.engine.threads import FreeCores
 from kvlm.errors import InvalidRequestError
 from kvlm.loading import load_model
@@ -163,6 +163,8 @@ class LLM:
         self.fingerprint  # noqa: B018 - read now, while the file's pages are still in
         self.loaded.weights.release()  # the packed weights are the model's own copies now
         self.runner = ModelRunner(self.model)
+        if self.speculative is not None and self.speculative.method == "mtp":
+            check_mtp(self.model)  # refused now, not at the first request
 
     def _build_model(self) -> Transformer:
         """The model, its products and prompt attention rounding as resolved (bf16 prompt

@@ -50,6 +50,8 @@ class PoolBackend:
         self.pool: BlockPool = manager.pool
         self.spec = spec
         self.drafts = True  # speculative rows on each sequence's own table
+        # the latest decode's rows' states per sequence (runner.keep_hidden; each_piece)
+        self.decoded_hidden: list[torch.Tensor | None] = []
 
     def check(self, prompt_ids: list[int], n: int, reserve: int) -> None:
         need = blocks_for(len(prompt_ids), self.pool.block_size) + n - 1
@@ -66,7 +68,9 @@ class PoolBackend:
         mixed batch; else a forward per chunk and one for the decode rows. A mixed batch
         that raises is run again piece by piece, so the request that raised fails alone."""
         if not chunks:
-            return StepLogits([], [], *self.decode(seqs))
+            out = StepLogits([], [], *self.decode(seqs))
+            out.decode_hidden = self.decoded_hidden if self.runner.keep_hidden else None
+            return out
         if not self.runner.ragged_steps():
             return each_piece(self, chunks, seqs)
         rows, tables, starts, spans = self._rows(seqs)
@@ -87,7 +91,15 @@ class PoolBackend:
         firsts = [o[-1] if c.all_rows else o for o, c in zip(out, chunks, strict=False)]
         firsts += [x[0] for x in decoded]
         argmax = _argmax(firsts, range(len(firsts)))
-        return StepLogits(out[:k], argmax[:k], decoded, argmax[k:])
+        result = StepLogits(out[:k], argmax[:k], decoded, argmax[k:])
+        if self.runner.keep_hidden and self.runner.hidden is not None:
+            h, at = self.runner.hidden, 0  # the chunks' rows, then a row a decode row
+            result.prefill_hidden = []
+            for c in chunks:
+                result.prefill_hidden.append(h[at : at + len(c.tokens)])
+                at += len(c.tokens)
+            result.decode_hidden = [h[at + a : at + b] for a, b in spans]
+        return result
 
     def prefill(self, seq: Sequence, tokens: list[int], all_rows: bool) -> torch.Tensor:
         """A chunk of a sequence's prompt: its last logits (V,), or every row's (T, V)."""
@@ -137,23 +149,39 @@ class PoolBackend:
         sequence by sequence, so the one that raised fails alone. Returns each sequence's
         logits and, on a GPU, its first row's argmax (one transfer for all)."""
         rows, tables, starts, spans = self._rows(seqs)
+        h = None
         try:
             out = self._run(rows, tables, starts)
+            h = self.runner.hidden
         except Exception:
             log.warning("a decode batch of %d rows failed; running them one by one", len(rows),
                         exc_info=True)  # fmt: skip
         else:
+            self.decoded_hidden = [None if h is None else h[a:b] for a, b in spans]
             return [out[a:b] for a, b in spans], _argmax(out, [a for a, _ in spans])
-        results = [_tried(self._run, rows[a:b], tables[a:b], starts[a:b]) for a, b in spans]
+        results, self.decoded_hidden = [], []
+        for a, b in spans:
+            results.append(_tried(self._run, rows[a:b], tables[a:b], starts[a:b]))
+            h = self.runner.hidden
+            ok = h is not None and not isinstance(results[-1], Exception)
+            self.decoded_hidden.append(h if ok else None)
         return results, [None] * len(seqs)
 
 
 def each_piece(backend: PoolBackend | CacheBackend, chunks: list[Chunk], seqs: list) -> StepLogits:
     """A step as a forward per chunk and one for the decode rows, each chunk's failure
     its own."""
-    prefilled = [_tried(backend.prefill, c.seq, c.tokens, c.all_rows) for c in chunks]
+    runner, prefilled, hidden = backend.runner, [], []
+    for c in chunks:
+        prefilled.append(_tried(backend.prefill, c.seq, c.tokens, c.all_rows))
+        rows = runner.hidden if runner.keep_hidden else None  # the chunk's rows: its last n
+        hidden.append(None if rows is None or isinstance(prefilled[-1], Exception)
+                      else rows[-len(c.tokens) :])  # fmt: skip
     decoded, hints = backend.decode(seqs) if seqs else ([], [])
-    return StepLogits(prefilled, [None] * len(chunks), decoded, hints)
+    out = StepLogits(prefilled, [None] * len(chunks), decoded, hints)
+    if runner.keep_hidden:
+        out.prefill_hidden, out.decode_hidden = hidden, backend.decoded_hidden if seqs else []
+    return out
 
 
 def _tried(fn: Callable[..., torch.Tensor], *args) -> Result:
@@ -193,6 +221,11 @@ class StepLogits:
     prefill_argmax: list[int | None]
     decoded: list[Result]
     decode_argmax: list[int | None]
+    # with the runner's keep_hidden (an MTP drafter): each chunk's rows' final-normed
+    # states (n, H) and each decoding sequence's (its last token and draft rows); None
+    # where a piece had none (it failed, or its road keeps none)
+    prefill_hidden: list[torch.Tensor | None] | None = None
+    decode_hidden: list[torch.Tensor | None] | None = None
 
 
 class CacheManager:
@@ -278,6 +311,7 @@ class CacheBackend:
         self.pool = None
         self._rows: dict[int, Sequence] = {}  # row -> the sequence decoding in it
         self._done: dict[int, list[int]] = {}  # row -> a finished sample's fed tokens
+        self.decoded_hidden: list[torch.Tensor | None] = []  # as PoolBackend's
 
     @property
     def drafts(self) -> bool:
@@ -308,12 +342,19 @@ class CacheBackend:
 
     def decode(self, seqs: list[Sequence]) -> tuple[list[Result], list[int | None]]:
         cache, hints = self.cache, [None] * len(seqs)
+        self.decoded_hidden = [None] * len(seqs)
         try:
             if len(seqs) == 1 and seqs[0].draft:  # one sequence, its last token and draft
                 s = seqs[0]
-                return [self.runner.run(DraftBatch([s.token_ids[-1], *s.draft], cache))], hints
+                out = self.runner.run(DraftBatch([s.token_ids[-1], *s.draft], cache))
+                self.decoded_hidden = [self.runner.hidden]
+                return [out], hints
             rows = self._lockstep(seqs)
             out = self.runner.run(CacheBatch(rows, cache, prompt=False))
+            h = self.runner.hidden  # a row of the cache a row: its last token's
+            if h is not None:
+                per_row = h.reshape(cache.batch, -1, h.shape[-1])[:, -1]
+                self.decoded_hidden = [per_row[s.table.blocks[0]][None] for s in seqs]
             return [out[s.table.blocks[0]][None] for s in seqs], hints
         except Exception as exc:  # one request holds the cache: it fails whole
             return [exc] * len(seqs), hints

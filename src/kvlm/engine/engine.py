@@ -47,7 +47,13 @@ from kvlm.engine.request import SampleState, check_prompt, stop_token_ids
 from kvlm.engine.sampling import Sampler, SamplingParams, TokenLogprob, prompt_logprobs
 from kvlm.engine.scheduler import QueueFullError, Scheduler, SchedulerConfig, StepPlan
 from kvlm.engine.sequence import Sequence, Status
-from kvlm.engine.speculative import DraftModel, SpeculativeConfig, propose_ngram
+from kvlm.engine.speculative import (
+    DraftModel,
+    MtpDrafter,
+    SpeculativeConfig,
+    check_mtp,
+    propose_ngram,
+)
 from kvlm.engine.threads import ThreadTuner
 from kvlm.errors import InvalidRequestError
 
@@ -257,12 +263,17 @@ class Engine:
         if self.runner.device.type == "cpu" and llm.threads is None:
             self.tuner = ThreadTuner(torch.get_num_threads(), free=llm.free_cores)
         self._idle = True  # nothing has run since the last step that left no work
-        self.drafter: DraftModel | None = None
+        self.drafter: DraftModel | MtpDrafter | None = None
+        self.mtp: MtpDrafter | None = None  # the drafter fed the model's states
         spec = self.config.speculative
         if spec is not None:
             self.scheduler.propose = self._propose
             if spec.method == "draft":
                 self.drafter = llm.draft_model(spec)
+            elif spec.method == "mtp":
+                check_mtp(llm.model)
+                vocab = llm.config.vocab_size
+                self.drafter = self.mtp = MtpDrafter(llm.model, self.max_model_len, vocab)
         self.info = ModelInfo(self.tokenizer, llm.config.vocab_size, self.max_model_len,
                               sched.max_num_seqs, str(llm.numerics), kv, llm.config,
                               *_weight_bytes(llm.model))  # fmt: skip
@@ -541,15 +552,20 @@ class Engine:
             chunks.append(Chunk(seq, seq.token_ids[start : start + n],
                                 scored and start + 1 < seq.num_prompt))  # fmt: skip
         t0 = time.perf_counter()
+        self.runner.keep_hidden = self.mtp is not None  # (the runner is the model's, shared)
         out = self.backend.forward(chunks, plan.decode)
         forward_s, score_s = time.perf_counter() - t0, 0.0
-        for chunk, logits, hint in zip(chunks, out.prefilled, out.prefill_argmax, strict=True):
+        hidden = out.prefill_hidden or [None] * len(chunks)
+        for chunk, logits, hint, rows in zip(chunks, out.prefilled, out.prefill_argmax, hidden,
+                                             strict=True):  # fmt: skip
             seq, n = chunk.seq, len(chunk.tokens)
             if seq.status is Status.FINISHED:  # its request failed earlier in this step
                 continue
             if isinstance(logits, Exception):
                 events += self._fail(seq.request_id, logits)
                 continue
+            if self.mtp is not None:  # the chunk's states, for the head to draft from
+                self.mtp.record(seq, seq.num_computed, rows)
             if chunk.all_rows:  # row j predicts prompt token start + j + 1
                 try:
                     t0 = time.perf_counter()
@@ -561,15 +577,21 @@ class Engine:
                     continue
             self.stats.prefill_tokens += n
             self._finish_forward(seq, n, logits, events, hint)
-        for seq, logits, hint in zip(plan.decode, out.decoded, out.decode_argmax, strict=True):
+        hidden = out.decode_hidden or [None] * len(plan.decode)
+        for seq, logits, hint, rows in zip(plan.decode, out.decoded, out.decode_argmax, hidden,
+                                           strict=True):  # fmt: skip
             if seq.status is Status.FINISHED:  # its request failed earlier in this step
                 continue
             if isinstance(logits, Exception):
                 events += self._fail(seq.request_id, logits)
-            elif seq.draft:
+                continue
+            start = seq.num_computed
+            if seq.draft:
                 self._finish_draft(seq, logits, events)
             else:
                 self._finish_forward(seq, 1, logits[0], events, hint)
+            if self.mtp is not None and rows is not None:  # the rows whose K/V are kept
+                self.mtp.record(seq, start, rows[: seq.num_computed - start])
         return forward_s, score_s
 
     def _accept(self, seq: Sequence, token: int, logits: torch.Tensor) -> str:

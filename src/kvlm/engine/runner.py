@@ -116,6 +116,11 @@ class ModelRunner:
         self.one_forward = (
             model.device.type == "cuda" and os.environ.get("KVLM_ONE_FORWARD", "1") != "0"
         )
+        # An MTP drafter's input (kvlm.engine.speculative.MtpDrafter): with `keep_hidden`,
+        # every run leaves `hidden`, each fed token's final-normed state (R, H) in the
+        # batch's order (row by row, a row's tokens in order); None where a run had none
+        self.keep_hidden = False
+        self.hidden: torch.Tensor | None = None
 
     def _decoder(self, slots: int) -> fused.FusedDecoder | None:
         if self.fused_reason is not None:  # set after a decoder was made: it is not used
@@ -173,6 +178,7 @@ class ModelRunner:
         batch, a draft's rows) replays a captured CUDA graph or takes the fused C step where
         they apply (kvlm.model.graphs, kvlm.model.fused); everything else runs the torch
         model through a cache step."""
+        self.hidden = None
         match batch:
             case CacheBatch():
                 return self._on_cache(batch)
@@ -194,8 +200,18 @@ class ModelRunner:
 
     def _torch(self, rows, step, prompt: bool | None, all_rows: bool) -> torch.Tensor:
         ids = torch.tensor(rows, dtype=torch.long, device=self.device)
-        logits = self.model(ids, step.positions, step, last_only=not all_rows, prompt=prompt)
+        logits = self.model(ids, step.positions, step, last_only=not all_rows, prompt=prompt,
+                            hidden=self.keep_hidden)  # fmt: skip
+        if self.keep_hidden:
+            logits, hidden = logits
+            self.hidden = hidden.reshape(-1, hidden.shape[-1])
         return logits if all_rows else logits[:, -1]
+
+    def _fused_hidden(self, decoder: fused.FusedDecoder) -> None:
+        """The fused step's rows' states: its residual stream after the call, final-normed
+        as the step normed it for the vocabulary projection."""
+        if self.keep_hidden:
+            self.hidden = self.model.norm(decoder.last_x)
 
     def _run_fused(self, decoder, cache: KVCache, step, tokens: list[int], starts: list[int],
                    rows):  # fmt: skip
@@ -204,6 +220,7 @@ class ModelRunner:
         views = decoder.views_of(cache, step, rows)
         logits = decoder.run(views, tokens, starts, cache.spec.sliding_window)
         self.fused_rows += len(tokens)
+        self._fused_hidden(decoder)
         return logits
 
     def _on_cache(self, b: CacheBatch) -> torch.Tensor:
@@ -214,7 +231,8 @@ class ModelRunner:
             raise ValueError(f"need {cache.batch} rows of one length, got {[len(r) for r in rows]}")
         one = len(rows[0]) == 1 and not b.all_rows
         tokens = [r[0] for r in rows]
-        if one and not b.prompt and self.graphs and self.graphs.accepts(cache):
+        graphs = self.graphs if not self.keep_hidden else None  # graphs keep no states
+        if one and not b.prompt and graphs and graphs.accepts(cache):
             return self.graphs.step(tokens, cache)
         # a prompt's token never takes the fused step: a prompt row's bits are the prompt
         # road's (row-blocked products, kvlm_attend) in a chunk of one token as of many
@@ -251,7 +269,7 @@ class ModelRunner:
         one = len(rows[0]) == 1 and not b.all_rows
         # the graphs read one block table per row: a pool of one layer group (graphs.ONE_GROUP)
         replay = one and not b.prompt and pool.scratch is not None and len(pool.groups) == 1
-        graphs = self.graphs if replay else None
+        graphs = self.graphs if replay and not self.keep_hidden else None
         if graphs and graphs.reads(pool.store):
             out = graphs.step_table(pool.store, pool.scratch, tokens, b.tables, b.starts, window)
             if out is not None:
@@ -265,6 +283,7 @@ class ModelRunner:
                     logits = decoder.run(views, tokens, b.starts, window)
                     pool.stepped(tables, b.starts)  # conv rows', states' slots
                     self.fused_rows += len(tokens)
+                    self._fused_hidden(decoder)
                     return logits
         step = TableStep(pool, spec, list(b.tables), list(b.starts), len(rows[0]), b.windowed)
         logits = self._torch(rows, step, b.prompt, b.all_rows)
@@ -283,7 +302,11 @@ class ModelRunner:
         flat = [i for p in picks for i in p]
         step = RaggedStep(b.pool, b.spec, list(b.tables), list(b.starts), lengths, flat, b.windowed)
         ids = torch.tensor([[t for r in b.rows for t in r]], dtype=torch.long, device=self.device)
-        logits = self.model(ids, step.positions, step, prompt=True)[0]  # (R, V)
+        logits = self.model(ids, step.positions, step, prompt=True, hidden=self.keep_hidden)
+        if self.keep_hidden:
+            logits, hidden = logits
+            self.hidden = hidden[0]
+        logits = logits[0]  # (R, V)
         step.commit_rows()
         out, at = [], 0
         for p, all_rows in zip(picks, every, strict=True):

@@ -29,13 +29,13 @@ two per step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvlm.engine.sequence import Status, common_prefix
 
-METHODS = ("ngram", "draft")
+METHODS = ("ngram", "draft", "mtp")
 
 
 # The most tokens a sequence may propose in one step (SpeculativeConfig.num_draft)
@@ -46,7 +46,8 @@ MAX_DRAFT = 16
 class SpeculativeConfig:
     """`ngram`: prompt lookup. `draft`: a draft model proposes greedily, `draft_model` (a
     file with the same tokenizer; None: the served model's own file) at `draft_weights`
-    (a cheaper format of the same file is self-speculation)."""
+    (a cheaper format of the same file is self-speculation). `mtp`: the model file's own
+    multi-token-prediction head proposes greedily from the model's states (MtpDrafter)."""
 
     method: str = "ngram"
     num_draft: int = 8  # the most tokens a sequence proposes in one step
@@ -128,4 +129,112 @@ class DraftModel:
             if i + 1 < k:
                 logits = runner.forward([token], cache)
                 fed.append(token)
+        return draft
+
+
+def check_mtp(model) -> None:
+    """InvalidRequestError unless `model` (a Transformer) carries an MTP head to draft
+    with (--speculative mtp)."""
+    if model.mtp is None:
+        from kvlm.errors import InvalidRequestError
+
+        raise InvalidRequestError(
+            "--speculative mtp: this model file carries no multi-token-prediction head (its "
+            "checkpoints' mtp.*, a GGUF's nextn blocks: `kvlm inspect` says)",
+            param="speculative",
+        )
+
+
+@dataclass(slots=True)
+class _Head:
+    """One sequence's MTP head: its cache, and the model's states recorded past what the
+    cache holds, for positions `first` .. (rows of (n, H) in order)."""
+
+    cache: object  # a kvlm.cache KVCache
+    seq: object  # the kvlm.engine.sequence.Sequence
+    first: int = 0
+    held: list = field(default_factory=list)
+
+
+class MtpDrafter:
+    """The model file's multi-token-prediction head proposing for the engine's sequences
+    (kvlm.model.mtp): each sequence's head keeps a cache of its own (its K/V of positions
+    0..n-1, n the sequence's computed tokens), fed position i the model's final-normed
+    state h_i (the engine's step leaves every fed token's: ModelRunner.keep_hidden,
+    `record`) and the token x_{i+1}. To propose k tokens after x_n: the head over the
+    positions not yet fed (n - 1 last, its pair (h_{n-1}, x_n)) drafts d_1, then k - 1
+    steps on its own states (d_j at position n - 1 + j), rolled back after: the positions
+    it keeps are the model's verified ones. Greedy drafts are a one-hot proposal, so the
+    engine's acceptance stays exact for sampled requests too.
+
+    A position whose state the step never computed (a prefix the cache or a tier held)
+    is fed the token with a zero state (hnorm(0) = 0: the embedding alone): the head's
+    K/V there are not the ones it was trained on, which costs acceptance, never tokens."""
+
+    def __init__(self, model, max_tokens: int, vocab_size: int) -> None:
+        # model: the served kvlm.model.transformer.Transformer (its `mtp` head)
+        self.model = model
+        self.max_tokens = max_tokens
+        self.vocab_size = vocab_size
+        self.heads: dict[int, _Head] = {}  # seq_id -> its head
+
+    def _head(self, seq) -> _Head:
+        from kvlm.cache import create_cache
+        from kvlm.model.mtp import head_spec
+
+        for sid in [s for s, h in self.heads.items() if h.seq.status is Status.FINISHED]:
+            self.heads.pop(sid).cache.free()  # the finished sequences' caches
+        if seq.seq_id not in self.heads:
+            spec = head_spec(self.model.config, self.max_tokens, self.model.dtype)
+            self.heads[seq.seq_id] = _Head(create_cache("contiguous", spec), seq)
+        return self.heads[seq.seq_id]
+
+    def record(self, seq, start: int, rows) -> None:
+        """The model's states of the sequence's positions start .. start + len(rows) - 1
+        (rows (n, H), a step's: its chunk's, or its kept decode rows)."""
+        if rows is None or not len(rows):
+            return
+        head = self._head(seq)
+        end = head.first + sum(len(r) for r in head.held)
+        if not head.held or start != end:  # a gap, or positions again: from here
+            head.first, head.held = start, []
+        head.held.append(rows.detach().clone())
+
+    def propose(self, seq, k: int) -> list[int]:
+        import torch
+
+        with torch.inference_mode():
+            return self._propose(torch, seq, k)
+
+    def _propose(self, torch, seq, k: int) -> list[int]:
+        head = self._head(seq)
+        cache, n, tokens = head.cache, seq.num_computed, seq.token_ids
+        k = min(k, cache.capacity - n)
+        if n < 1 or len(tokens) != n + 1 or k < 1:
+            return []
+        if cache.num_tokens > n:  # the sequence went back (a recompute): so does the head
+            cache.rollback(cache.num_tokens - n)
+        fed = cache.num_tokens
+        states = torch.zeros(n - fed, self.model.config.hidden_size, dtype=self.model.dtype)
+        rows = torch.cat(head.held) if head.held else states[:0]
+        lo, hi = max(fed, head.first), min(n, head.first + len(rows))
+        if lo < hi:  # the recorded ones; the rest stay zeros
+            states[lo - fed : hi - fed] = rows[lo - head.first : hi - head.first]
+        step = cache.begin(n - fed)
+        ids = torch.tensor([tokens[fed + 1 : n + 1]])
+        logits, normed = self.model.mtp_forward(ids, step.positions, states[None], step)
+        cache.commit(step)
+        head.first, head.held = n, []  # fed up to n: those states are the head's K/V now
+        draft: list[int] = []
+        for j in range(k):
+            token = int(logits[0, -1].argmax())
+            if token >= self.vocab_size:
+                break
+            draft.append(token)
+            if j + 1 < k:
+                step = cache.begin(1)
+                logits, normed = self.model.mtp_forward(torch.tensor([[token]]), step.positions,
+                                                        normed[:, -1:], step, j + 1)  # fmt: skip
+                cache.commit(step)
+        cache.rollback(cache.num_tokens - n)  # the drafts' positions: the model's to verify
         return draft

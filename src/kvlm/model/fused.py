@@ -387,6 +387,7 @@ class FusedDecoder:
         self._recurrent_sizes(model)
         self.final_softcap, self.logit_scale = c.final_softcap, c.logit_scale
         self.scratch = torch.empty(0, dtype=torch.float32)
+        self.last_x: torch.Tensor | None = None  # the latest step's rows after it (run)
         self.vocab = model.lm_head.out_features
         if self.lib.kvlm_decode_scratch(ctypes.byref(self.spec), 1) < 0:
             raise ValueError("the fused decode step refused the model's sizes or weights' shapes")
@@ -712,6 +713,7 @@ class FusedDecoder:
                 f"({self.slots} slots; (blocks, block size), ring of each view: {shapes}; "
                 f"conv rows' ends: {ends})"
             )
+        self.last_x = x  # the rows' residual stream after the step (an MTP head's input)
         if self.final_softcap is not None:  # as the torch model caps its logits
             cap = self.final_softcap
             logits = torch.tanh(logits / cap) * cap
