@@ -306,17 +306,20 @@ class Transformer(nn.Module):
         hidden: torch.Tensor,
         kv: KVStep,
         step: int = 0,
+        last_only: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP head (`self.mtp`) at `positions` (B, T): `next_ids` (B, T) the tokens
         after each position, `hidden` (B, T, H) the states it drafts from, `kv` the head's
-        cache step -> (fp32 logits (B, T, V) of the token after those, the head's normed
-        states: the next draft's `hidden`). Products as the model's: prompt rows where T > 1."""
+        cache step -> (fp32 logits (B, 1, V) of the token after the last position, or with
+        `last_only` False every position's (B, T, V); the head's normed states (B, T, H):
+        the next draft's `hidden`). Products as the model's: prompt rows where T > 1."""
         if self.mtp is None:
             raise UnsupportedModelError("this model file carries no multi-token-prediction head")
         with feeding_prompt(next_ids.shape[-1] > 1):
             cos, sin, _ = self._ropes(self.rope, positions, None, hidden.dtype)
             normed = self.mtp(self.embed(next_ids), hidden, cos, sin, kv, step)
-            return self._logits(normed), normed
+            rows = normed[:, -1:] if last_only else normed
+            return self._logits(rows.contiguous()), normed
 
     def _fresh_rows(self, input_ids: torch.Tensor, positions: torch.Tensor) -> ConvStep:
         """Zero rows for a step from position 0 (the `off` cache's every forward, a first
