@@ -1342,8 +1342,9 @@ def mtp_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
         n = len(ids) - 1
         head = create_cache("contiguous", head_spec(llm.config, 64, llm.model.dtype))
         hs = head.begin(n)
-        logits, _ = llm.model.mtp_forward(t[:, 1:], hs.positions, hidden[:, :n].contiguous(), hs,
-                                          last_only=False)
+        logits, _ = llm.model.mtp_forward(
+            t[:, 1:], hs.positions, hidden[:, :n].contiguous(), hs, last_only=False
+        )
         head.commit(hs)
     return logits[0]
 
