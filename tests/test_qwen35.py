@@ -1411,11 +1411,12 @@ def test_a_head_the_config_names_but_the_save_left_out_runs_without(qwen35_dir, 
         LLM(model=wrong, kv="off", progress=False)
 
 
-def _head_drafts(llm: LLM, tokens: list[int], k: int) -> list[int]:
+def _head_drafts(llm: LLM, tokens: list[int], k: int, first: int = 0) -> list[int]:
     """The MTP head's k greedy drafts after `tokens` computed from nothing: the model over
-    tokens[:-1] (its states, `hidden=True`), the head over every position at once on a
-    fresh cache, then k - 1 steps on its own states: the oracle MtpDrafter's incremental
-    head (recorded states, kept K/V, rolled-back drafts) is held to."""
+    tokens[:-1] (its states, `hidden=True`), the head over every position from `first` at
+    once on a fresh cache (each at its own position), then k - 1 steps on its own states:
+    the oracle MtpDrafter's incremental head (recorded states, kept K/V, rolled-back
+    drafts) is held to."""
     from kvlm.cache import create_cache
     from kvlm.model.mtp import head_spec
 
@@ -1426,14 +1427,16 @@ def _head_drafts(llm: LLM, tokens: list[int], k: int) -> list[int]:
         step = cache.begin(n)
         _, hidden = model(t[:, :n], step.positions, step, last_only=False, hidden=True)
         head = create_cache("contiguous", head_spec(llm.config, 128, model.dtype))
-        hs = head.begin(n)
-        logits, normed = model.mtp_forward(t[:, 1:], hs.positions, hidden, hs)
+        hs = head.begin(n - first)
+        positions = torch.arange(first, n)[None]
+        logits, normed = model.mtp_forward(t[:, first + 1 :], positions, hidden[:, first:], hs)
         head.commit(hs)
         drafts = [int(logits[0, -1].argmax())]
         for j in range(1, k):
             hs = head.begin(1)
-            logits, normed = model.mtp_forward(torch.tensor([drafts[-1:]]), hs.positions,
-                                               normed[:, -1:], hs, j)  # fmt: skip
+            logits, normed = model.mtp_forward(torch.tensor([drafts[-1:]]),
+                                               torch.tensor([[n - 1 + j]]), normed[:, -1:],
+                                               hs, j)  # fmt: skip
             head.commit(hs)
             drafts.append(int(logits[0, -1].argmax()))
     return drafts
@@ -1446,7 +1449,9 @@ def test_the_mtp_head_drafts_and_greedy_output_is_plain(qwen35_dir, tmp_path, en
     proposal (k = 3: one from the model's states, two on the head's own) equals the head
     run from nothing over the sequence so far (`_head_drafts`), so the head's cache keeps
     exactly the verified positions through rejections; the tokens are plain greedy
-    decoding's, on one cache and on the pool (prompt chunks of 5, two sequences)."""
+    decoding's, on one cache and on the pool (prompt chunks of 5, two sequences). On the
+    pool a prompt again is a prefix hit: its head is fed from the hit's end on (positions
+    this process never computed have no state to feed), the oracle's too."""
     from kvlm.engine.speculative import MtpDrafter, SpeculativeConfig
 
     folder = with_mtp(qwen35_dir("qwen35"), tmp_path / "mtp")
@@ -1461,7 +1466,7 @@ def test_the_mtp_head_drafts_and_greedy_output_is_plain(qwen35_dir, tmp_path, en
 
     def watched(self, seq, k):
         draft = propose(self, seq, k)
-        calls.append((list(seq.token_ids), k, draft))
+        calls.append((list(seq.token_ids), k, draft, self.heads[seq.seq_id].offset))
         return draft
 
     MtpDrafter.propose = watched
@@ -1481,8 +1486,23 @@ def test_the_mtp_head_drafts_and_greedy_output_is_plain(qwen35_dir, tmp_path, en
     assert got == want
     st = engine.stats.spec
     assert st.drafted > 0 and len(calls) > 4, st
-    for tokens, k, draft in calls:
-        assert draft == _head_drafts(spec, tokens, k)[: len(draft)], len(tokens)
+    for tokens, k, draft, first in calls:
+        assert draft == _head_drafts(spec, tokens, k, first)[: len(draft)], len(tokens)
+    if engine_kind == "pool":  # the first prompt again, after it: a prefix hit
+        calls.clear()
+        MtpDrafter.propose = watched
+        try:
+            long = [" ".join([PROMPT] * 4)] * 2  # blocks of 16 to hit
+            again, engine = on_pool(spec, long, greedy, speculative=how, num_blocks=48,
+                                    scheduler={"max_num_seqs": 1})  # fmt: skip
+        finally:
+            MtpDrafter.propose = propose
+        alone = on_pool(plain, long[:1], greedy)[0][0]
+        assert [o[0] for o in again] == alone * 2 and engine.manager.stats.hits > 0
+        # the second's head starts where its states do (the hit's end): never fed before
+        assert {first for *_, first in calls} - {0}, calls
+        for tokens, k, draft, first in calls:
+            assert draft == _head_drafts(spec, tokens, k, first)[: len(draft)], len(tokens)
 
 
 def test_speculative_mtp_on_a_model_without_a_head_is_refused(qwen35_dir):

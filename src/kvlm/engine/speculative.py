@@ -147,29 +147,38 @@ def check_mtp(model) -> None:
 
 @dataclass(slots=True)
 class _Head:
-    """One sequence's MTP head: its cache, and the model's states recorded past what the
-    cache holds, for positions `first` .. (rows of (n, H) in order)."""
+    """One sequence's MTP head: its cache, holding the positions `offset` .. `offset` +
+    its tokens (slot j: position offset + j), and the model's states recorded past them,
+    for positions `first` .. (rows of (n, H) in order)."""
 
     cache: object  # a kvlm.cache KVCache
     seq: object  # the kvlm.engine.sequence.Sequence
+    offset: int = 0
     first: int = 0
     held: list = field(default_factory=list)
+
+    @property
+    def end(self) -> int:
+        """The position after the last one the cache holds."""
+        return self.offset + self.cache.num_tokens  # type: ignore[attr-defined]
 
 
 class MtpDrafter:
     """The model file's multi-token-prediction head proposing for the engine's sequences
-    (kvlm.model.mtp): each sequence's head keeps a cache of its own (its K/V of positions
-    0..n-1, n the sequence's computed tokens), fed position i the model's final-normed
-    state h_i (the engine's step leaves every fed token's: ModelRunner.keep_hidden,
-    `record`) and the token x_{i+1}. To propose k tokens after x_n: the head over the
-    positions not yet fed (n - 1 last, its pair (h_{n-1}, x_n)) drafts d_1, then k - 1
-    steps on its own states (d_j at position n - 1 + j), rolled back after: the positions
-    it keeps are the model's verified ones. Greedy drafts are a one-hot proposal, so the
-    engine's acceptance stays exact for sampled requests too.
+    (kvlm.model.mtp): each sequence's head keeps a cache of its own (its K/V of the
+    positions before n, n the sequence's computed tokens), fed position i the model's
+    final-normed state h_i (the engine's step leaves every fed token's:
+    ModelRunner.keep_hidden, `record`) and the token x_{i+1}. To propose k tokens after
+    x_n: the head over the positions not yet fed (n - 1 last, its pair (h_{n-1}, x_n))
+    drafts d_1, then k - 1 steps on its own states (d_j at position n - 1 + j), rolled back
+    after: the positions it keeps are the model's verified ones. Greedy drafts are a
+    one-hot proposal, so the engine's acceptance stays exact for sampled requests too.
 
-    A position whose state the step never computed (a prefix the cache or a tier held)
-    is fed the token with a zero state (hnorm(0) = 0: the embedding alone): the head's
-    K/V there are not the ones it was trained on, which costs acceptance, never tokens."""
+    Positions whose states the step never computed (a prefix the cache or a tier held, so
+    this process never ran them) are not fed: the head's cache starts at the first
+    position it has a state for (`_Head.offset`), each key rotated at its own position, so
+    it attends over the recent part it was fed (as a head trained on shorter contexts
+    would), which costs acceptance, never tokens."""
 
     def __init__(self, model, max_tokens: int, vocab_size: int) -> None:
         # model: the served kvlm.model.transformer.Transformer (its `mtp` head)
@@ -179,15 +188,18 @@ class MtpDrafter:
         self.heads: dict[int, _Head] = {}  # seq_id -> its head
 
     def _head(self, seq) -> _Head:
-        from kvlm.cache import create_cache
-        from kvlm.model.mtp import head_spec
-
         for sid in [s for s, h in self.heads.items() if h.seq.status is Status.FINISHED]:
             self.heads.pop(sid).cache.free()  # the finished sequences' caches
         if seq.seq_id not in self.heads:
-            spec = head_spec(self.model.config, self.max_tokens, self.model.dtype)
-            self.heads[seq.seq_id] = _Head(create_cache("contiguous", spec), seq)
+            self.heads[seq.seq_id] = _Head(self._new_cache(), seq)
         return self.heads[seq.seq_id]
+
+    def _new_cache(self):
+        from kvlm.cache import create_cache
+        from kvlm.model.mtp import head_spec
+
+        spec = head_spec(self.model.config, self.max_tokens, self.model.dtype)
+        return create_cache("contiguous", spec)
 
     def record(self, seq, start: int, rows) -> None:
         """The model's states of the sequence's positions start .. start + len(rows) - 1
@@ -208,21 +220,25 @@ class MtpDrafter:
 
     def _propose(self, torch, seq, k: int) -> list[int]:
         head = self._head(seq)
-        cache, n, tokens = head.cache, seq.num_computed, seq.token_ids
-        k = min(k, cache.capacity - n)
-        if n < 1 or len(tokens) != n + 1 or k < 1:
+        n, tokens = seq.num_computed, seq.token_ids
+        rows = torch.cat(head.held) if head.held else None
+        have = head.first + (0 if rows is None else len(rows))  # states recorded up to
+        if n < 1 or len(tokens) != n + 1 or have < n:  # no state of position n - 1
             return []
-        if cache.num_tokens > n:  # the sequence went back (a recompute): so does the head
-            cache.rollback(cache.num_tokens - n)
-        fed = cache.num_tokens
-        states = torch.zeros(n - fed, self.model.config.hidden_size, dtype=self.model.dtype)
-        rows = torch.cat(head.held) if head.held else states[:0]
-        lo, hi = max(fed, head.first), min(n, head.first + len(rows))
-        if lo < hi:  # the recorded ones; the rest stay zeros
-            states[lo - fed : hi - fed] = rows[lo - head.first : hi - head.first]
+        if head.end > n and head.offset <= n:  # the sequence went back (a recompute)
+            head.cache.rollback(head.end - n)
+        if head.end > n or head.first > head.end:  # a gap before the states: start there
+            head.cache.free()
+            head.cache, head.offset = self._new_cache(), head.first
+        cache, fed = head.cache, head.end
+        k = min(k, cache.capacity - cache.num_tokens - (n - fed))
+        if k < 1:
+            return []
+        states = rows[fed - head.first : n - head.first][None]  # (1, n - fed, H)
+        positions = torch.arange(fed, n)[None]
         step = cache.begin(n - fed)
         ids = torch.tensor([tokens[fed + 1 : n + 1]])
-        logits, normed = self.model.mtp_forward(ids, step.positions, states[None], step)
+        logits, normed = self.model.mtp_forward(ids, positions, states, step)
         cache.commit(step)
         head.first, head.held = n, []  # fed up to n: those states are the head's K/V now
         draft: list[int] = []
@@ -233,8 +249,9 @@ class MtpDrafter:
             draft.append(token)
             if j + 1 < k:
                 step = cache.begin(1)
-                logits, normed = self.model.mtp_forward(torch.tensor([[token]]), step.positions,
+                logits, normed = self.model.mtp_forward(torch.tensor([[token]]),
+                                                        torch.tensor([[n + j]]),
                                                         normed[:, -1:], step, j + 1)  # fmt: skip
                 cache.commit(step)
-        cache.rollback(cache.num_tokens - n)  # the drafts' positions: the model's to verify
+        cache.rollback(head.end - n)  # the drafts' positions: the model's to verify
         return draft
