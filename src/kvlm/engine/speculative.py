@@ -168,10 +168,11 @@ class MtpDrafter:
     (kvlm.model.mtp): each sequence's head keeps a cache of its own (its K/V of the
     positions before n, n the sequence's computed tokens), fed position i the model's
     final-normed state h_i (the engine's step leaves every fed token's:
-    ModelRunner.keep_hidden, `record`) and the token x_{i+1}. To propose k tokens after
-    x_n: the head over the positions not yet fed (n - 1 last, its pair (h_{n-1}, x_n))
-    drafts d_1, then k - 1 steps on its own states (d_j at position n - 1 + j), rolled back
-    after: the positions it keeps are the model's verified ones. Greedy drafts are a
+    ModelRunner.keep_hidden, `record`, which feeds the head at once up to the last state
+    it records) and the token x_{i+1}. To propose k tokens after x_n: the head at position
+    n - 1 (its pair (h_{n-1}, x_n)) drafts d_1, then k - 1 steps on its own states (d_j at
+    position n - 1 + j), rolled back after: the positions it keeps are the model's
+    verified ones. Greedy drafts are a
     one-hot proposal, so the engine's acceptance stays exact for sampled requests too.
 
     Positions whose states the step never computed (a prefix the cache or a tier held, so
@@ -203,14 +204,47 @@ class MtpDrafter:
 
     def record(self, seq, start: int, rows) -> None:
         """The model's states of the sequence's positions start .. start + len(rows) - 1
-        (rows (n, H), a step's: its chunk's, or its kept decode rows)."""
+        (rows (n, H), a step's: its chunk's, or its kept decode rows); the head fed at once
+        up to the last of them (kept for the next proposal, which drafts from its output),
+        so a long prompt's states are never all held."""
         if rows is None or not len(rows):
             return
+        import torch
+
         head = self._head(seq)
         end = head.first + sum(len(r) for r in head.held)
         if not head.held or start != end:  # a gap, or positions again: from here
             head.first, head.held = start, []
         head.held.append(rows.detach().clone())
+        with torch.inference_mode():
+            self._feed(torch, head, seq, min(start + len(rows), len(seq.token_ids)) - 1)
+
+    def _feed(self, torch, head: _Head, seq, upto: int):
+        """Feed the head the positions from where its cache ends to `upto` (the states
+        recorded, each with the token after it) -> (logits of the last, the head's states),
+        or None where there was nothing to feed. Positions the recorded states do not
+        reach back to (a prefix hit's) are not fed: the cache starts over at the first
+        recorded (`offset`); positions fed again (a recompute) roll it back first."""
+        first = head.first
+        if head.end > first and head.offset <= first:  # positions again: back to them
+            head.cache.rollback(head.end - first)
+        if head.end > first or first > head.end:  # a gap before the states: start there
+            head.cache.free()
+            head.cache, head.offset = self._new_cache(), first
+        fed, have = head.end, first + sum(len(r) for r in head.held)
+        upto = min(upto, have)
+        if upto <= fed or upto - head.offset > head.cache.capacity:
+            return None
+        rows = torch.cat(head.held)
+        step = head.cache.begin(upto - fed)
+        ids = torch.tensor([seq.token_ids[fed + 1 : upto + 1]])
+        positions = torch.arange(fed, upto)[None]
+        logits, normed = self.model.mtp_forward(
+            ids, positions, rows[None, fed - first : upto - first], step
+        )
+        head.cache.commit(step)
+        head.first, head.held = upto, [rows[upto - first :]] if upto < have else []
+        return logits, normed
 
     def propose(self, seq, k: int) -> list[int]:
         import torch
@@ -221,26 +255,16 @@ class MtpDrafter:
     def _propose(self, torch, seq, k: int) -> list[int]:
         head = self._head(seq)
         n, tokens = seq.num_computed, seq.token_ids
-        rows = torch.cat(head.held) if head.held else None
-        have = head.first + (0 if rows is None else len(rows))  # states recorded up to
-        if n < 1 or len(tokens) != n + 1 or have < n:  # no state of position n - 1
+        if n < 1 or len(tokens) != n + 1 or head.cache.capacity - (n - head.offset) < 1:
             return []
-        if head.end > n and head.offset <= n:  # the sequence went back (a recompute)
-            head.cache.rollback(head.end - n)
-        if head.end > n or head.first > head.end:  # a gap before the states: start there
-            head.cache.free()
-            head.cache, head.offset = self._new_cache(), head.first
-        cache, fed = head.cache, head.end
-        k = min(k, cache.capacity - cache.num_tokens - (n - fed))
-        if k < 1:
+        if head.end >= n:  # fed past the last position already: feed it again
+            head.first, head.held = n - 1, head.held if head.first == n - 1 else []
+        out = self._feed(torch, head, seq, n)
+        if out is None or head.end != n:  # no state of position n - 1
             return []
-        states = rows[fed - head.first : n - head.first][None]  # (1, n - fed, H)
-        positions = torch.arange(fed, n)[None]
-        step = cache.begin(n - fed)
-        ids = torch.tensor([tokens[fed + 1 : n + 1]])
-        logits, normed = self.model.mtp_forward(ids, positions, states, step)
-        cache.commit(step)
-        head.first, head.held = n, []  # fed up to n: those states are the head's K/V now
+        logits, normed = out
+        cache = head.cache
+        k = min(k, cache.capacity - cache.num_tokens)
         draft: list[int] = []
         for j in range(k):
             token = int(logits[0, -1].argmax())
