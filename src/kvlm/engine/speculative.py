@@ -257,8 +257,8 @@ class MtpDrafter:
         n, tokens = seq.num_computed, seq.token_ids
         if n < 1 or len(tokens) != n + 1 or head.cache.capacity - (n - head.offset) < 1:
             return []
-        if head.end >= n:  # fed past the last position already: feed it again
-            head.first, head.held = n - 1, head.held if head.first == n - 1 else []
+        if head.end >= n:  # position n - 1 fed already (asked again before a step): none
+            return []
         out = self._feed(torch, head, seq, n)
         if out is None or head.end != n:  # no state of position n - 1
             return []
