@@ -206,7 +206,6 @@ class Family:
         if name.startswith("mtp.layers."):
             block, _, rest = name.removeprefix("mtp.layers.").partition(".")
             return self.to_gguf_name(f"model.layers.{block}.{rest}")
-        stem, _, suffix = name.rpartition(".")
         for ours, theirs in self.gguf_globals.items():
             if stem == theirs:
                 return f"{ours}.{suffix}"

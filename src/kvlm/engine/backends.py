@@ -67,11 +67,7 @@ class PoolBackend:
         (CUDA graphs, the fused step); where the runner takes ragged steps (a GPU), one
         mixed batch; else a forward per chunk and one for the decode rows. A mixed batch
         that raises is run again piece by piece, so the request that raised fails alone."""
-        if not chunks:
-            out = StepLogits([], [], *self.decode(seqs))
-            out.decode_hidden = self.decoded_hidden if self.runner.keep_hidden else None
-            return out
-        if not self.runner.ragged_steps():
+        if not chunks or not self.runner.ragged_steps():
             return each_piece(self, chunks, seqs)
         rows, tables, starts, spans = self._rows(seqs)
         k, d = len(chunks), len(rows)

@@ -264,7 +264,6 @@ class Engine:
             self.tuner = ThreadTuner(torch.get_num_threads(), free=llm.free_cores)
         self._idle = True  # nothing has run since the last step that left no work
         self.drafter: DraftModel | MtpDrafter | None = None
-        self.mtp: MtpDrafter | None = None  # the drafter fed the model's states
         spec = self.config.speculative
         if spec is not None:
             self.scheduler.propose = self._propose
@@ -273,7 +272,7 @@ class Engine:
             elif spec.method == "mtp":
                 check_mtp(llm.model)
                 vocab = llm.config.vocab_size
-                self.drafter = self.mtp = MtpDrafter(llm.model, self.max_model_len, vocab)
+                self.drafter = MtpDrafter(llm.model, self.max_model_len, vocab)
         self.info = ModelInfo(self.tokenizer, llm.config.vocab_size, self.max_model_len,
                               sched.max_num_seqs, str(llm.numerics), kv, llm.config,
                               *_weight_bytes(llm.model))  # fmt: skip
@@ -284,6 +283,11 @@ class Engine:
         self.stats = EngineStats()
         self.last_plan: StepPlan | None = None  # what the latest step ran
         GC_TIME.watch()  # a slow step's log line says how much of it was collection
+
+    @property
+    def mtp(self) -> MtpDrafter | None:
+        """The drafter fed the model's states (--speculative mtp), or None."""
+        return self.drafter if isinstance(self.drafter, MtpDrafter) else None
 
     def _pool_backend(self, llm: ServedModel) -> PoolBackend:
         spec, sched = pool_spec(llm), self.config.scheduler
@@ -552,7 +556,8 @@ class Engine:
             chunks.append(Chunk(seq, seq.token_ids[start : start + n],
                                 scored and start + 1 < seq.num_prompt))  # fmt: skip
         t0 = time.perf_counter()
-        self.runner.keep_hidden = self.mtp is not None  # (the runner is the model's, shared)
+        mtp = self.mtp
+        self.runner.keep_hidden = mtp is not None  # (the runner is the model's, shared)
         out = self.backend.forward(chunks, plan.decode)
         forward_s, score_s = time.perf_counter() - t0, 0.0
         hidden = out.prefill_hidden or [None] * len(chunks)
@@ -564,8 +569,8 @@ class Engine:
             if isinstance(logits, Exception):
                 events += self._fail(seq.request_id, logits)
                 continue
-            if self.mtp is not None:  # the chunk's states, for the head to draft from
-                self.mtp.record(seq, seq.num_computed, rows)
+            if mtp is not None:  # the chunk's states, for the head to draft from
+                mtp.record(seq, seq.num_computed, rows)
             if chunk.all_rows:  # row j predicts prompt token start + j + 1
                 try:
                     t0 = time.perf_counter()
@@ -590,8 +595,8 @@ class Engine:
                 self._finish_draft(seq, logits, events)
             else:
                 self._finish_forward(seq, 1, logits[0], events, hint)
-            if self.mtp is not None and rows is not None:  # the rows whose K/V are kept
-                self.mtp.record(seq, start, rows[: seq.num_computed - start])
+            if mtp is not None and rows is not None:  # the rows whose K/V are kept
+                mtp.record(seq, start, rows[: seq.num_computed - start])
         return forward_s, score_s
 
     def _accept(self, seq: Sequence, token: int, logits: torch.Tensor) -> str:

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from kvlm.engine.sequence import Status, common_prefix
 
@@ -162,6 +163,11 @@ class _Head:
         """The position after the last one the cache holds."""
         return self.offset + self.cache.num_tokens  # type: ignore[attr-defined]
 
+    @property
+    def recorded(self) -> int:
+        """The position after the last state recorded."""
+        return self.first + sum(len(r) for r in self.held)
+
 
 class MtpDrafter:
     """The model file's multi-token-prediction head proposing for the engine's sequences
@@ -209,17 +215,14 @@ class MtpDrafter:
         so a long prompt's states are never all held."""
         if rows is None or not len(rows):
             return
-        import torch
-
         head = self._head(seq)
-        end = head.first + sum(len(r) for r in head.held)
-        if not head.held or start != end:  # a gap, or positions again: from here
+        if not head.held or start != head.recorded:  # a gap, or positions again: from here
             head.first, head.held = start, []
         head.held.append(rows.detach().clone())
-        with torch.inference_mode():
-            self._feed(torch, head, seq, min(start + len(rows), len(seq.token_ids)) - 1)
+        self._feed(head, seq, min(start + len(rows), len(seq.token_ids)) - 1)
 
-    def _feed(self, torch, head: _Head, seq, upto: int):
+    @torch.inference_mode()
+    def _feed(self, head: _Head, seq, upto: int):
         """Feed the head the positions from where its cache ends to `upto` (the states
         recorded, each with the token after it) -> (logits of the last, the head's states),
         or None where there was nothing to feed. Positions the recorded states do not
@@ -228,10 +231,10 @@ class MtpDrafter:
         first = head.first
         if head.end > first and head.offset <= first:  # positions again: back to them
             head.cache.rollback(head.end - first)
-        if head.end > first or first > head.end:  # a gap before the states: start there
+        if head.end != first:  # a gap before the states (or before the cache): start there
             head.cache.free()
             head.cache, head.offset = self._new_cache(), first
-        fed, have = head.end, first + sum(len(r) for r in head.held)
+        fed, have = head.end, head.recorded
         upto = min(upto, have)
         if upto <= fed or upto - head.offset > head.cache.capacity:
             return None
@@ -246,20 +249,15 @@ class MtpDrafter:
         head.first, head.held = upto, [rows[upto - first :]] if upto < have else []
         return logits, normed
 
+    @torch.inference_mode()
     def propose(self, seq, k: int) -> list[int]:
-        import torch
-
-        with torch.inference_mode():
-            return self._propose(torch, seq, k)
-
-    def _propose(self, torch, seq, k: int) -> list[int]:
         head = self._head(seq)
         n, tokens = seq.num_computed, seq.token_ids
         if n < 1 or len(tokens) != n + 1 or head.cache.capacity - (n - head.offset) < 1:
             return []
         if head.end >= n:  # position n - 1 fed already (asked again before a step): none
             return []
-        out = self._feed(torch, head, seq, n)
+        out = self._feed(head, seq, n)
         if out is None or head.end != n:  # no state of position n - 1
             return []
         logits, normed = out

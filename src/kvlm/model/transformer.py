@@ -279,13 +279,12 @@ class Transformer(nn.Module):
                 cos, sin, key_rope = ropes[self._rope_of[i]]
                 x = layer(x, cos, sin, kv.for_layer(i), key_rope, conv, recurrent)
             normed = self.norm(x) if hidden else None  # a row's norm is its own: same bits
+            rows = x if normed is None else normed
             if kv.logit_rows is not None:  # a ragged step: each sequence's rows it asks for
-                x = x[:, kv.logit_rows] if normed is None else normed[:, kv.logit_rows]
+                rows = rows[:, kv.logit_rows]
             elif last_only:
-                x = x[:, -1:] if normed is None else normed[:, -1:]
-            elif normed is not None:
-                x = normed
-            logits = self._logits(self.norm(x) if normed is None else x.contiguous())
+                rows = rows[:, -1:]
+            logits = self._logits(self.norm(rows) if normed is None else rows.contiguous())
         return logits if normed is None else (logits, normed)
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
