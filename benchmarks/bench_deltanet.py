@@ -28,6 +28,14 @@
    prompts; `--kv-dtype` the cache's storage.
 
     python benchmarks/bench_deltanet.py steps --gguf q35-08-q4_k_m.gguf --context 512,16384
+
+5. `drafts`: after a 512-token prompt on one contiguous cache (kept for a rollback of 8),
+   a decode step of one row on the fused step and on the torch step (and the torch step
+   keeping the states an MTP head drafts from: ModelRunner.keep_hidden), and a draft of 2
+   and of 4 rows (the torch step's, DraftBatch, on these models), each rolled back after;
+   medians of 8 (BENCHMARKS 24.10).
+
+    python benchmarks/bench_deltanet.py drafts --gguf q35-08-mtp-q8_0.gguf
 """
 
 from __future__ import annotations
@@ -218,9 +226,48 @@ def steps(path: Path, contexts: list[int], kv_dtype: str | None, threads: int) -
 ROUNDS = 7  # steps' rounds
 
 
+def drafts(path: Path, threads: int) -> None:
+    from kvlm import LLM
+    from kvlm.engine.runner import CacheBatch, DraftBatch
+
+    torch.set_num_threads(threads)
+    llm = LLM(model=str(path), progress=False)
+    runner, cache = llm.runner, llm.new_cache("contiguous")
+    cache.hold_rollback(8)
+    runner.run(CacheBatch([list(range(1000, 1512))], cache, prompt=True))
+
+    def timed(fn, n: int = 8) -> float:
+        fn()
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times) * 1e3
+
+    def one() -> None:
+        runner.run(CacheBatch([[5]], cache, prompt=False))
+        cache.rollback(1)
+
+    def draft(n: int):
+        def run() -> None:
+            runner.run(DraftBatch([5] * n, cache))
+            cache.rollback(n)
+
+        return run
+
+    print(f"fused, 1 row: {timed(one):.1f} ms ({runner.decode_step(cache)})")
+    for n in (2, 4):
+        print(f"draft of {n} rows: {timed(draft(n)):.1f} ms")
+    runner.fused_reason = "off for the measurement"
+    print(f"torch, 1 row: {timed(one):.1f} ms")
+    runner.keep_hidden = True
+    print(f"torch, 1 row, keep_hidden: {timed(one):.1f} ms")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["kernel", "turns", "system", "steps"])
+    p.add_argument("what", choices=["kernel", "turns", "system", "steps", "drafts"])
     p.add_argument(
         "--context",
         default="4096",
@@ -239,6 +286,8 @@ def main() -> None:
         kernel()
     elif args.what == "steps":
         steps(args.gguf, [int(c) for c in args.context.split(",")], args.kv_dtype, args.threads)
+    elif args.what == "drafts":
+        drafts(args.gguf, args.threads)
     elif args.what == "system":
         system(args.gguf, args.system, args.turns, args.threads)
     else:
