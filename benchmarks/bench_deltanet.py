@@ -30,10 +30,10 @@
     python benchmarks/bench_deltanet.py steps --gguf q35-08-q4_k_m.gguf --context 512,16384
 
 5. `drafts`: after a 512-token prompt on one contiguous cache (kept for a rollback of 8),
-   a decode step of one row on the fused step and on the torch step (and the torch step
-   keeping the states an MTP head drafts from: ModelRunner.keep_hidden), and a draft of 2
-   and of 4 rows (the torch step's, DraftBatch, on these models), each rolled back after;
-   medians of 8 (BENCHMARKS 24.10).
+   a decode step of one row and a draft of 2 and of 4 rows (DraftBatch), each on the fused
+   step and on the torch step in turn, each rolled back after, and the torch step keeping
+   the states an MTP head drafts from (ModelRunner.keep_hidden); medians of 8
+   (BENCHMARKS 24.10, 24.12).
 
     python benchmarks/bench_deltanet.py drafts --gguf q35-08-mtp-q8_0.gguf
 """
@@ -256,11 +256,14 @@ def drafts(path: Path, threads: int) -> None:
 
         return run
 
-    print(f"fused, 1 row: {timed(one):.1f} ms ({runner.decode_step(cache)})")
+    steps = {"fused": None, "torch": "off for the measurement"}
+    for road, off in steps.items():  # each road's rows, interleaved round by round
+        runner.fused_reason = off
+        print(f"{road}, 1 row: {timed(one):.1f} ms ({runner.decode_step(cache)})")
     for n in (2, 4):
-        print(f"draft of {n} rows: {timed(draft(n)):.1f} ms")
-    runner.fused_reason = "off for the measurement"
-    print(f"torch, 1 row: {timed(one):.1f} ms")
+        for road, off in steps.items():
+            runner.fused_reason = off
+            print(f"{road}, draft of {n} rows: {timed(draft(n)):.1f} ms")
     runner.keep_hidden = True
     print(f"torch, 1 row, keep_hidden: {timed(one):.1f} ms")
 

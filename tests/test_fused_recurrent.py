@@ -192,8 +192,9 @@ def all_fused(calls: list[int], engine) -> None:
 def test_the_pools_fused_step_batches_forks_and_drafts_as_alone(hybrid_dir, name, monkeypatch):
     """The fused step on the engine's pool reads each sequence's slot and writes its state
     back (StateSlots.view, written): the prompts batched, n = 2 (forked slots), prompt
-    lookup's drafts (their rows the torch step's, the rejected rolled back) give every
-    prompt's tokens alone, every decode row but the drafts' through the fused step."""
+    lookup's drafts and a draft model's (a draft's rows one run of its sequence, the state
+    after each kept, the rejected rolled back to it: StateSlots.drafted) give every
+    prompt's tokens alone, every decode row through the fused step."""
     from kvlm.engine.speculative import SpeculativeConfig
 
     llm = pool_llm(hybrid_dir(name))
@@ -208,11 +209,15 @@ def test_the_pools_fused_step_batches_forks_and_drafts_as_alone(hybrid_dir, name
                                                             ignore_eos=True))  # fmt: skip
     assert two == [w * 2 for w in want]
     all_fused(calls, engine)
-    drafted, engine = on_pool(
-        llm, POOL_PROMPTS, GREEDY, speculative=SpeculativeConfig("ngram", num_draft=4, ngram_min=1)
-    )
-    st = engine.stats.spec
-    assert drafted == want and st.drafted > st.accepted  # some rolled back
+    for spec in (SpeculativeConfig("ngram", num_draft=4, ngram_min=1),
+                 SpeculativeConfig("draft", draft_weights="int4")):  # fmt: skip
+        calls.clear()
+        drafted, engine = on_pool(llm, POOL_PROMPTS, GREEDY, speculative=spec)
+        st = engine.stats.spec
+        assert drafted == want and st.drafted > st.accepted  # some rolled back
+        all_fused(calls, engine)
+        assert sum(calls) > engine.stats.decode_rows  # the drafts' rows went through it
+    assert st.accepted > 0  # the draft model's
 
 
 @pytest.mark.parametrize("name", ["qwen35", "granite"])
@@ -255,3 +260,72 @@ def test_a_failed_fused_step_leaves_the_states_as_they_were(hybrid_dir):
     step(good=True)
     assert not torch.equal(slots.state, before[0]) and not torch.equal(slots.conv, before[1])
     assert sorted(slots.end)[-2:] == sorted(s + 1 for s in starts)
+
+
+@pytest.mark.parametrize("reject", [0, 2, 5])
+@pytest.mark.parametrize("name", ["qwen35", "granite"])
+def test_a_draft_in_the_fused_step_keeps_each_rows_state(hybrid_dir, name, reject, monkeypatch):
+    """The last token and a draft of 5 as 6 rows of one fused step (one run of the
+    sequence: the state after each row but the last kept, kvlm_state_view.snaps), `reject`
+    of them rolled back: each kept row's logits are those of the fused step fed its token
+    alone, and the state, the conv rows and the next token's logits bit for bit those of a
+    cache fed the kept tokens one at a time."""
+    from kvlm.engine.runner import DraftBatch
+
+    llm = fused_llm(hybrid_dir(name))
+    ids, draft = prompt_ids(llm, 30), prompt_ids(llm, 40)[30:35]
+    a, b = llm.new_cache("contiguous"), llm.new_cache("contiguous")
+    for cache in (a, b):
+        llm.runner.forward(ids[:-1], cache)
+    calls = counted_fused_runs(monkeypatch)
+    rows = llm.runner.run(DraftBatch([ids[-1], *draft], a))
+    assert calls == [6]
+    a.rollback(reject)
+    kept = [ids[-1], *draft][: 6 - reject]
+    alone = torch.stack([llm.runner.forward([t], b) for t in kept])
+    assert calls == [6] + [1] * len(kept)
+    assert torch.equal(rows[: len(kept)], alone)
+    parts = [next(p for p in c.parts if isinstance(p, StateCache)).rows for c in (a, b)]
+    assert parts[0].length == parts[1].length == len(ids) + 5 - reject
+    assert torch.equal(parts[0].state, parts[1].state)
+    assert torch.equal(parts[0].conv.rows, parts[1].conv.rows)
+    assert torch.equal(llm.runner.forward([7], a), llm.runner.forward([7], b))
+
+
+@pytest.mark.parametrize("name", ["qwen35", "granite"])
+def test_a_prefix_hit_on_a_snapshot_a_draft_row_took(hybrid_dir, name, monkeypatch):
+    """A draft's rows on the pool's fused step reach block ends: the snapshot there is the
+    state after that draft row (the view's snaps; one after a rejected row forgotten by the
+    trim). A draft model of the same weights (every draft accepted) and one of int4 weights
+    (some rejected): a prompt that is the first answer's tokens and more hits at the block
+    end a draft row took (32) and answers as a fresh pool does."""
+    from kvlm.cache.recurrent import StateSlots
+    from kvlm.engine.speculative import SpeculativeConfig
+
+    llm = pool_llm(hybrid_dir(name), activations="fp32", prefill_dtype="fp32")
+    first = llm.tokenizer.encode(POOL_PROMPTS[0])[:10]
+    inside: list[int] = []  # block ends a draft row reached, its snapshot taken
+    written = StateSlots.written
+
+    def spied(self, pieces):
+        written(self, pieces)
+        for d in self.drafted.values():
+            n = d.conv.shape[1] - self.conv.shape[2]
+            inside.extend(e for e, _ in d.snaps if e < d.start + n)
+
+    monkeypatch.setattr(StateSlots, "written", spied)
+    calls = counted_fused_runs(monkeypatch)
+    drafted_hit = []  # whether the hit's block end was a draft row's, each run
+    for weights in ("int8", "int4"):
+        inside.clear()
+        spec = SpeculativeConfig("draft", draft_weights=weights, num_draft=4)
+        engine = fresh_engine(llm, speculative=spec)
+        answer_ids, _ = answer(engine, first, SamplingParams(max_tokens=30, temperature=0.0,
+                                                             ignore_eos=True))  # fmt: skip
+        assert max(calls) > 1 and inside
+        drafted_hit.append(32 in inside)
+        second = first + answer_ids + llm.tokenizer.encode(" And Spain?")[1:]
+        want, _ = answer(fresh_engine(llm), second)
+        got, cached = answer(engine, second)
+        assert cached == 32 and got == want
+    assert any(drafted_hit)  # (where a draft's rows fall follows the tokens: both, here)

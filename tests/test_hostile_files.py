@@ -1344,13 +1344,15 @@ def recurrent_step(request, tmp_path_factory):
 @pytest.mark.parametrize("build", BUILDS)
 def test_the_recurrent_states_are_checked(build, recurrent_step):
     """kvlm_decode_batch over a model with recurrent layers: each state view's conv rows as
-    a conv view's (within their bytes, of the layers' conv width, one row a sequence, the
-    one-sequence layout), its states before the step within `in`'s bytes, `out`'s rows at
-    least the step's and within its bytes, the state's floats the layers' own, each
-    recurrent layer's view and index within them; the recurrent sizes within the kernels'
-    limits and one kind a model. Nothing written: x, the logits, the states, the conv rows
-    and the out buffer as they were; the call as it should be writes `out` and moves the
-    rows on."""
+    a conv view's (within their bytes, of the layers' conv width, a sequence's rows one
+    run at consecutive positions, the one-sequence layout), its states before the step
+    within `in`'s bytes, `out`'s rows each row's sequence's and within its bytes, a draft
+    row's state within `snaps`' rows and bytes, the rows' u within `urows`' bytes, the
+    state's floats the layers' own, each recurrent layer's view and index within them; the
+    recurrent sizes within the kernels' limits and one kind a model. Nothing written: x,
+    the logits, the states, the conv rows and the out and draft buffers as they were; the
+    call as it should be writes `out` (a draft's `snaps`) and `urows` and moves the rows
+    on."""
     from kvlm.cache.base import ConvView, StateView
     from kvlm.model.fused import _split
 
@@ -1365,13 +1367,18 @@ def test_the_recurrent_states_are_checked(build, recurrent_step):
     before = [t.clone() for t in held]
     spec = ctypes.byref(step.spec)
 
-    def call(pos=(n, n), seqs=(0, 1), n_states=1, out_rows=2, **fields):
-        B = len(pos)
-        out = _guarded(states.shape[0] * out_rows * states[0, 0].numel())
+    def call(pos=(n, n), seqs=(0, 1), n_states=1, out_rows=2, drafts=0, **fields):
+        B, L = len(pos), states.shape[0]
+        out = _guarded(L * out_rows * states[0, 0].numel())
+        # a draft's buffers: the state after `drafts` rows, every row's u
+        snaps, urows = _guarded(L * drafts * states[0, 0].numel()), _guarded(L * B * width)
         view = StateView(
             ConvView(rows, list(seqs), [n] * len(seqs)),
             states,
-            out[: out.numel() - GUARD].view(states.shape[0], out_rows, *states.shape[2:]),
+            out[: out.numel() - GUARD].view(L, out_rows, *states.shape[2:]),
+            None,
+            snaps[: snaps.numel() - GUARD].view(L, drafts, *states.shape[2:]),
+            urows[: urows.numel() - GUARD].view(L, B, width),
         )
         kv_rows, *_ = _split(cache.kv_views([b % 2 for b in range(B)]))
         c_views, _tables = step._c_views(kv_rows, list(pos))
@@ -1388,21 +1395,32 @@ def test_the_recurrent_states_are_checked(build, recurrent_step):
         )  # fmt: skip
         if rc == -2:
             assert _untouched(x) and _untouched(logits) and _untouched(out), fields
+            assert _untouched(snaps) and _untouched(urows), fields
         else:
             assert _untouched(out[-GUARD:]) and not _untouched(out[:-GUARD])
+            assert _untouched(snaps[-GUARD:]) and _untouched(urows[-GUARD:])
+            assert not _untouched(urows[:-GUARD]) and (not drafts or not _untouched(snaps))
         return rc
 
     layers, per = states.shape[0], states[0, 0].numel()
     width = rows.shape[-1]
+    draft = {"pos": (n, n + 1), "seqs": (0, 0), "drafts": 1}  # one sequence's run of two
     bad = [{"in": None}, {"out": None}, {"state": per - 1}, {"state": per + 1},
            {"out_rows": 1}, {"in_bytes": states.numel() * 4 - 1}, {"out_bytes": 2 * per * 4},
            {"in_bytes": -1}, {"conv_width": width - 1}, {"conv_layers": layers - 1},
            {"conv_bytes": rows.numel() * 4 - 1}, {"conv_layout": 1}, {"conv_batch": 1},
            {"conv_keep": rows.shape[2] + 1}, {"conv_layers": HUGE, "conv_bytes": ANY},
-           {"seqs": (0, 0)},  # one sequence's two rows (a draft's: the torch step's)
+           {"seqs": (0, 0)},  # one sequence's two rows at one position
            {"seqs": (0, 2)}, {"n_states": 0}, {"state": HUGE, "in_bytes": ANY},
            # in place (out is in: the pool's) with rows of another count than in's
-           {"out": states.data_ptr(), "out_rows": 3, "out_bytes": ANY}]  # fmt: skip
+           {"out": states.data_ptr(), "out_rows": 3, "out_bytes": ANY},
+           # a draft's: its row's state with nowhere to go, or past snaps' rows or bytes;
+           # the rows' u past urows' bytes
+           {**draft, "snaps": None}, {**draft, "snap_rows": 0},
+           {**draft, "snaps_bytes": layers * per * 4 - 1},
+           {**draft, "snap_rows": HUGE, "snaps_bytes": ANY},
+           {"urows_bytes": layers * 2 * width * 4 - 1},
+           {"pos": (n, n + 2), "seqs": (0, 0), "drafts": 1}]  # fmt: skip
     for given in bad:
         assert call(**given) == -2, given
     layer = next(ly for ly in step.spec.layers[: c.num_layers] if ly.mixer >= 2)
@@ -1423,6 +1441,8 @@ def test_the_recurrent_states_are_checked(build, recurrent_step):
         setattr(owner, field, value)
         assert lib.kvlm_decode_scratch(spec, 2) == -2, field
         setattr(owner, field, old)
+    assert call(**draft) == 0  # a draft's run of two rows: the state after the first kept
+    rows.copy_(before[0])
     assert call() == 0  # the rows moved on (each sequence's new row last), the states kept
     assert torch.equal(rows[:, :, :-1], before[0][:, :, 1:])
     assert torch.equal(states, before[1])

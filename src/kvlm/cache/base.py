@@ -379,12 +379,18 @@ class StateView:
     `out` (layers, sequences, *state shape) fp32, where the step writes row i's state
     after it, at its sequence too: a buffer of the step's (a one-sequence cache's), or
     `state` itself, updated in place (the pool's slots); None: a declaration, no step.
-    `layers`: the model's layers, in their order. Made afresh for each call (kv_views)."""
+    `layers`: the model's layers, in their order. A sequence's rows may be several (a
+    draft's, consecutive at consecutive positions): its state after each but the last goes
+    to `snaps` (layers, draft rows of the step in row order, *state shape) fp32, and every
+    row's convolution input to `urows` (layers, rows, conv width) fp32 (None: no draft).
+    Made afresh for each call (kv_views)."""
 
     conv: ConvView
     state: torch.Tensor
     out: torch.Tensor | None = None
     layers: tuple[int, ...] | None = None
+    snaps: torch.Tensor | None = None
+    urows: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

@@ -26,8 +26,10 @@ each row's after into the step's out buffer (a one-sequence cache's: DeltaStep.o
 which commit keeps; the pool's slots are updated in place, `StateSlots.written` then
 moves the ends on and takes the snapshots), the conv rows moved on in place as a conv
 layer's (ConvRows' layout; a kept state's rows copied
-off first: `DeltaRows.own_rows`). One row a sequence: a draft's rows, which keep each
-row's state, take the torch step.
+off first: `DeltaRows.own_rows`). A draft's rows are one run of its sequence: the state
+after each but the last into the view's `snaps`, each row's convolution input into its
+`urows`, kept with the rows from before the step as the torch step keeps them (a draft
+step's kept states; the pool's `Drafted`).
 
 `StateSlots` keeps it in the engine's pool (kvlm.cache.paged.BlockPool.groups; the slot
 bookkeeping is kvlm.cache.slots'): a slot a sequence of both tensors above, its step a
@@ -77,6 +79,29 @@ def state_layout(
             "mark_conv": (marks, *conv)}  # fmt: skip
 
 
+class DraftBuffers:
+    """The buffers a fused step writes its draft rows' states into (StateView.snaps), each
+    (layers, rows, *state) fp32, reused once nothing holds a state in it: a fresh buffer a
+    step is a fresh mapping whose pages are faulted in anew (18 MiB a row at a 0.8B hybrid;
+    docs/BENCHMARKS.md 24.7, 24.12)."""
+
+    def __init__(self) -> None:
+        self.bufs: list[torch.Tensor] = []
+
+    def get(self, like: torch.Tensor, rows: int, held: Sequence[torch.Tensor]) -> torch.Tensor:
+        """A buffer of at least `rows` states shaped as `like`'s (layers, sequences, ...)
+        that none of `held` (the states still kept) lies in, else a new one (those of too
+        few rows let go)."""
+        taken = {t.untyped_storage().data_ptr() for t in held}
+        for buf in self.bufs:
+            if buf.shape[1] >= rows and buf.untyped_storage().data_ptr() not in taken:
+                return buf
+        buf = torch.empty(like.shape[0], rows, *like.shape[2:], dtype=torch.float32,
+                          device=like.device)  # fmt: skip
+        self.bufs = [b for b in self.bufs if b.untyped_storage().data_ptr() in taken] + [buf]
+        return buf
+
+
 class DeltaRows:
     """The DeltaNet layers' state of `batch` sequences advanced in lockstep: each layer's
     last L - 1 input rows of its convolution (`conv`, a ConvRows) and its recurrent state
@@ -104,6 +129,7 @@ class DeltaRows:
         # a 1.5B hybrid's 36 Mamba2 layers: a fresh mapping a step, its pages faulted in
         # anew: docs/BENCHMARKS.md 24.7)
         self.spare: torch.Tensor | None = None
+        self.draft_bufs = DraftBuffers()  # the fused draft steps' (StateView.snaps)
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.wanted: set[int] = set()  # positions a step will keep the state at (marks)
         self.marks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -128,9 +154,12 @@ class DeltaRows:
         self.state = step.states()
         start, end, r = step.start, step.start + step.n_new, self.conv.keep
         if step.keep_rows:  # the state and rows after each row kept
-            states = torch.stack(step.kept)  # type: ignore[arg-type]  # (layers, rows, ...)
+            # (layers, rows, ...): the fused draft step's buffer, else the staged stacked
+            states = step.kept_states()
             rows = None
-            if step.draft:  # a draft's rows are all staged
+            if step.urows is not None:  # the fused step's: the rows before it, its u rows
+                rows = torch.cat([step.before, step.urows[:, None].to(before.dtype)], dim=2)
+            elif step.draft:  # a draft's rows are all staged
                 new = torch.stack(step.conv.staged).to(before.dtype)  # type: ignore[arg-type]
                 rows = torch.cat([before, new], dim=2)  # (layers, B, L - 1 + n, C)
             index = {row: i for i, row in enumerate(step.keep_rows)}
@@ -141,7 +170,9 @@ class DeltaRows:
                     window = rows[:, :, q : q + r]
                 else:
                     window = torch.stack([w[q] for w in step.conv.windows]).to(before.dtype)
-                held = (states[:, at], window)
+                # one sequence's (a draft's): a view of the step's states, else gathered
+                kept = states[:, at[0] : at[0] + 1] if len(at) == 1 else states[:, at]
+                held = (kept, window)
                 (self.marks if p in self.wanted else self.kept)[p] = held
         self.kept[end] = (self.state, self.conv.rows)
         if end in self.wanted:
@@ -179,7 +210,15 @@ class DeltaRows:
                                       "past the states kept")  # fmt: skip
         if n:
             length = self.length - n
-            self.state, rows = self.kept.get(length) or self.marks[length]
+            replaced = self.state
+            state, rows = self.kept.get(length) or self.marks[length]
+            if not state.is_contiguous():  # a draft row's, in its step's buffer: the
+                # layout the fused step reads, in the spare buffer where there is one
+                spare, self.spare = self.spare, None
+                with torch.inference_mode():  # (the step's buffers are inference tensors)
+                    fits = spare is not None and spare.shape == state.shape
+                    state = spare.copy_(state) if fits else state.contiguous()  # type: ignore[union-attr]
+            self.state = state
             self.conv.rows = rows.contiguous()
             self.conv.end = self.conv.length = length
             self.conv.first = length - self.conv.keep
@@ -187,6 +226,15 @@ class DeltaRows:
             self.kept[length] = (self.state, self.conv.rows)
             self.marks = {p: t for p, t in self.marks.items() if p <= length}
             self.wanted = set()
+            held = {t[0].data_ptr() for t in (*self.kept.values(), *self.marks.values())}
+            if replaced.data_ptr() not in held and replaced.is_contiguous():
+                self.spare = replaced  # the next step's out buffer
+
+    def draft_buffer(self, rows: int) -> torch.Tensor:
+        """A fused draft step's buffer of its rows' states (DraftBuffers), where no state
+        kept for a rollback or a checkpoint is held."""
+        held = [t[0] for t in (*self.kept.values(), *self.marks.values())]
+        return self.draft_bufs.get(self.state, rows, held)
 
     def own_rows(self) -> None:
         """Before a step that moves the conv rows on in place (the fused step's): the rows
@@ -229,6 +277,11 @@ class DeltaStep:
         self.conv: ConvStep = rows.conv.begin(n_new, draft, windows)
         self._state, self._rows = rows.state, rows
         self.out: torch.Tensor | None = None
+        # a draft through the fused step (StateCache.written_in_place): the conv rows
+        # before it, and the step's buffers of its rows' states (snaps) and u rows
+        self.before: torch.Tensor | None = None
+        self.snaps: torch.Tensor | None = None
+        self.urows: torch.Tensor | None = None
         layers = rows.state.shape[0]
         self.staged: list[torch.Tensor | None] = [None] * layers
         self.kept: list[torch.Tensor | None] = [None] * layers
@@ -261,6 +314,13 @@ class DeltaStep:
     def stage_kept(self, layer: int, states: torch.Tensor) -> None:
         """The states after the `keep_rows` (one each, (rows, nv, dk, dv))."""
         self.kept[layer] = states
+
+    def kept_states(self) -> torch.Tensor:
+        """The kept states as one tensor (layers, keep_rows, ...): the fused draft step's
+        buffer's rows, else the staged stacked."""
+        if self.snaps is not None:
+            return self.snaps[:, : len(self.keep_rows or ())]
+        return torch.stack(self.kept)  # type: ignore[arg-type]
 
     def states(self) -> torch.Tensor:
         """The staged states as one tensor (layers, B, ...): the out buffer where every
@@ -389,19 +449,30 @@ class StateCache(KVCache):
         """The state as one view (the fused step's): token i through sequence rows[i], its
         out buffer `step`'s (written_in_place staged it; None without a step)."""
         r, seqs = self.rows, list(rows)
-        out = None if step is None else step.recurrent.out  # type: ignore[attr-defined]
+        d: DeltaStep | None = None if step is None else step.recurrent  # type: ignore[attr-defined]
         conv = ConvView(r.conv.rows, seqs, [r.conv.end] * len(seqs))
-        return [StateView(conv, r.state, out)]
+        if d is None:
+            return [StateView(conv, r.state)]
+        return [StateView(conv, r.state, d.out, None, d.snaps, d.urows)]
 
     def written_in_place(self, step: CacheStep) -> None:
         """The fused step reads the states before the step, writes every layer's after into
         the step's out buffer (staged here: commit keeps it) and moves the conv rows on
-        itself (commit then only records the positions)."""
+        itself (commit then only records the positions). A draft's: the state after each
+        row but the last into a buffer staged as the kept ones, each row's u into another,
+        the rows before it copied off (commit builds each row's window from them)."""
         recurrent: DeltaStep = step.recurrent  # type: ignore[attr-defined]
         self.rows.own_rows()
         recurrent.conv.in_place = True
         for layer in range(len(recurrent.staged)):
             recurrent.stage(layer, recurrent.out_state(layer))
+        if recurrent.draft:
+            rows, n = self.rows.conv.rows, recurrent.n_new
+            recurrent.before = rows.clone()
+            recurrent.snaps = self.rows.draft_buffer(n - 1)
+            recurrent.urows = rows.new_empty(rows.shape[0], n, rows.shape[3])
+            for layer, kept in enumerate(recurrent.snaps):
+                recurrent.stage_kept(layer, kept[: n - 1])
 
     def _release(self) -> None:  # back to the spec's batch
         self.rows = self._new_rows(self.spec.batch)
@@ -516,6 +587,11 @@ class StateSlots(Slots):
         self.turn_end: dict[int, int] = {}  # slot -> the last block end of its prompt's turn
         # a prompt's shared snapshots: every this many tokens (a multiple of the block size)
         self.every = max(1, SNAPSHOT_EVERY // block_size) * block_size
+        # a fused step's drafts between `view` and `written`: each draft's slot's rows
+        # before the step, the step's snaps and urows
+        self._before: dict[int, torch.Tensor] = {}
+        self._drafts: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        self.draft_bufs = DraftBuffers()
         self.snap_state = torch.zeros(layers, snapshots, *state, dtype=dtype, device=dev)
         self.snap_conv = torch.zeros(layers, snapshots, *rows, dtype=dtype, device=dev)
         self.snap_of: dict[int, int] = {}  # group 0's block -> the snapshot at its end
@@ -622,33 +698,64 @@ class StateSlots(Slots):
 
     def view(self, pieces: Sequence[Piece]) -> StateView | None:
         """The slots as the fused step reads and writes them (kvlm.model.fused;
-        BlockPool.views): row i through pieces[i]'s slot, the states updated in place (the
-        view's out is its state: no copy a step, each sequence's 18-55 MiB at 1-2B; the C
-        step refuses a bad step before it writes any) and the conv rows (ConvRows' layout,
-        a slot a sequence) moved on in place. None where a sequence has more than one row
-        (a draft's: the torch step keeps each row's state)."""
-        seqs = sequences(pieces)
-        if any(n != 1 for _, _, n, _ in seqs):
+        BlockPool.views): row i through pieces[i]'s slot (a piece a row), the states updated
+        in place (the view's out is its state: no copy a step, each sequence's 18-55 MiB at
+        1-2B; the C step refuses a bad step before it writes any) and the conv rows
+        (ConvRows' layout, a slot a sequence) moved on in place. A sequence of several rows
+        (a draft's): the state after each but its last into the view's snaps and every
+        row's u into its urows, its slot's rows before the step copied off (`written` keeps
+        them as the draft's, for a rollback to one of its rows). None where a piece is more
+        than one row (a prompt's: the torch step's)."""
+        if any(n != 1 for _, _, n, _ in pieces):
             return None
+        seqs = sequences(pieces)
         for slot, start, _, _ in seqs:
             self.check_start(slot, start)
         slots = [p[0] for p in pieces]
         conv = ConvView(self.conv, slots, [self.end[s] for s in slots], self.group.layers)
-        return StateView(conv, self.state, self.state if pieces else None, self.group.layers)
+        self._before = {slot: self.conv[:, slot].clone() for slot, _, n, _ in seqs if n > 1}
+        snaps = urows = None
+        if self._before:  # the drafts' buffers (a step's few rows: at most MAX_ROWS)
+            held = [d.states for d in self.drafted.values()]
+            snaps = self.draft_bufs.get(self.state, len(pieces) - len(seqs), held)
+            urows = self.conv.new_empty(self.conv.shape[0], len(pieces), self.conv.shape[3])
+        self._drafts = (snaps, urows)
+        out = self.state if pieces else None
+        return StateView(conv, self.state, out, self.group.layers, snaps, urows)
 
     def written(self, pieces: Sequence[Piece]) -> None:
         """After the fused step ran `pieces` through `view` (their states and conv rows
-        moved on in place): each sequence's end, and the snapshot of a block end its row
-        reached (snapshots_at), as SlotDeltaStep.commit keeps them."""
-        bs = self.block_size
-        for slot, start, n, table in pieces:
+        moved on in place): each sequence's end, the snapshot of a block end its rows
+        reached (snapshots_at: the state after that row, a draft row's from the view's
+        snaps) and each draft's states and rows (`drafted`), as SlotDeltaStep.commit keeps
+        them."""
+        bs, r = self.block_size, self.conv.shape[2]
+        snaps, urows = self._drafts
+        row = kept = 0  # the sequence's first row of the step; its first of snaps
+        for (slot, start, n, table), count in joined(pieces):
             self.drafted.pop(slot, None)  # the last step's draft: past
-            for e, role in self.snapshots_at(slot, start, n, False):
+            draft = count > 1
+            # the rows of positions start - (L - 1) .. start + n - 1, a draft's
+            rows = torch.cat([self._before[slot], urows[:, row : row + n]], 1) if draft else None  # type: ignore[index]
+            taken = []
+            for e, role in self.snapshots_at(slot, start, n, draft):
                 idx = self.take(table[e // bs - 1], slot, role)
-                if idx is not None:
+                if idx is None:
+                    continue
+                taken.append((e, table[e // bs - 1]))
+                if e == start + n:  # after its last row: the slot's state
                     self.snap_state[:, idx] = self.state[:, slot]
                     self.snap_conv[:, idx] = self.conv[:, slot]
+                else:  # after a draft row's
+                    self.snap_state[:, idx] = snaps[:, kept + e - start - 1]  # type: ignore[index]
+                    self.snap_conv[:, idx] = rows[:, e - start : e - start + r]  # type: ignore[index]
+            if draft:
+                states = snaps[:, kept : kept + n - 1]  # type: ignore[index]
+                self.drafted[slot] = Drafted(start, states, rows, taken)  # type: ignore[arg-type]
+                kept += n - 1
             self.end[slot] = start + n
+            row += n
+        self._before, self._drafts = {}, (None, None)
 
     def step(self, pieces: Sequence[Piece]) -> SlotDeltaStep:
         """The DeltaNet state of a pool step whose tokens, flattened, are `pieces`."""

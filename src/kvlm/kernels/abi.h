@@ -10,7 +10,7 @@
 #define KVLM_ABI_H
 #include <stdint.h>
 
-#define KVLM_ABI 33 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
+#define KVLM_ABI 34 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
 
 /* the limits (fused.py: MAX_HEAD_DIM, MAX_ROWS, QMAT_PARTS; quant.py: BLOCK_ROWS, SMALL_M) */
 #define BR 16         /* weight rows per block: one per 32-bit vector lane */
@@ -183,17 +183,28 @@ typedef struct {
  * one-sequence cache's DeltaRows, the engine pool's StateSlots): `conv` their conv rows
  * (CONV_ROWS; its width the convolution's channels, `keep` L - 1), sequence conv.seq[b]
  * row b's; `in` the states before the step, (layers, conv.batch, state) floats, read only;
- * `out` (layers, out_rows, state): row b's state after the step written at row
- * conv.seq[b] (a one-sequence cache's out buffer, which the caller keeps once the step
- * succeeded); `out` == `in`: the states updated in place (the pool's slots; out_rows then
- * conv.batch). One row a sequence (no draft's run). */
+ * `out` (layers, out_rows, state): the state of row b's sequence after its last row of the
+ * step written at row conv.seq[b] (a one-sequence cache's out buffer, which the caller
+ * keeps once the step succeeded); `out` == `in`: the states updated in place (the pool's
+ * slots; out_rows then conv.batch).
+ *
+ * A sequence's rows are one run (a draft's: consecutive rows at consecutive positions,
+ * conv_view_ok), read from its state in order. The state after each row of a run but its
+ * last (the draft rows a rollback may go back to; `n_at` of them in the step, in row
+ * order) goes to `snaps` (layers, snap_rows, state): layer l's i-th at (l snap_rows + i)
+ * state, required where n_at > 0 (snap_rows >= n_at). `urows` (layers, B, conv.width) or
+ * NULL: each row's convolution input u, which the caller keeps with the rows before the
+ * step for a rollback's window (conv_keep_rows keeps only the last L - 1). */
 typedef struct {
     kvlm_conv_view conv;
     const float *in;
     float *out;
     int64_t state;              /* floats of a layer's state of one sequence */
-    int64_t out_rows;           /* out's rows a layer (at least the step's) */
+    int64_t out_rows;           /* out's rows a layer (each row's sequence's among them) */
     int64_t in_bytes, out_bytes; /* bytes from in and out on */
+    float *snaps, *urows;       /* the draft rows' states; the rows' u (or NULL) */
+    int64_t snap_rows;          /* snaps' rows a layer */
+    int64_t snaps_bytes, urows_bytes; /* bytes from snaps and urows on */
 } kvlm_state_view;
 
 #endif

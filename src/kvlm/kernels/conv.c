@@ -22,11 +22,9 @@
 /* -2 unless the conv view V holds what the step reads and writes there: a known layout,
  * its rows within its bytes, seq and ends within their entries, each step row's sequence
  * (slot) within its batch, the rows of one sequence consecutive in the step at consecutive
- * positions with one end (a draft's; `runs` 0: none, one row a sequence), no sequence in
- * two such runs, and the L - 1 rows before each run held (end - keep + L - 1 <= start <=
- * end); 0 when so */
-static int conv_view_ok(const kvlm_conv_view *V, int64_t B, const int64_t *pos, int64_t L,
-                        int runs) {
+ * positions with one end (a draft's run), no sequence in two such runs, and the L - 1 rows
+ * before each run held (end - keep + L - 1 <= start <= end); 0 when so */
+static int conv_view_ok(const kvlm_conv_view *V, int64_t B, const int64_t *pos, int64_t L) {
     int64_t need;
     if (!V->rows || !V->seq || !V->ends || V->layers < 0 || V->batch < 1) return -2;
     if (V->keep < L - 1 || V->keep < 1 || V->width < 1 || V->entries < B) return -2;
@@ -40,7 +38,7 @@ static int conv_view_ok(const kvlm_conv_view *V, int64_t B, const int64_t *pos, 
         const int64_t s = V->seq[b];
         if (s < 0 || s >= V->batch || V->ends[b] < 0) return -2;
         if (b > 0 && s == V->seq[b - 1]) { /* the run goes on: the next position */
-            if (!runs || pos[b] != pos[b - 1] + 1 || V->ends[b] != V->ends[b - 1]) return -2;
+            if (pos[b] != pos[b - 1] + 1 || V->ends[b] != V->ends[b - 1]) return -2;
             continue;
         }
         for (int64_t a = 0; a < b; a++)
@@ -57,7 +55,7 @@ static int check_convs(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
                        const kvlm_conv_view *convs, int64_t n_convs) {
     if (n_convs < 0 || (n_convs > 0 && !convs)) return -2;
     for (int64_t v = 0; v < n_convs; v++)
-        if (conv_view_ok(convs + v, B, pos, m->conv_kernel, 1) || convs[v].width != m->hidden)
+        if (conv_view_ok(convs + v, B, pos, m->conv_kernel) || convs[v].width != m->hidden)
             return -2;
     for (int64_t l = 0; l < m->n_layers; l++) {
         const kvlm_qlayer *Lr = m->layers + l;

@@ -621,11 +621,26 @@ static int conv_mix(const kvlm_qmodel *m, const kvlm_qlayer *L, const kvlm_conv_
     return 0;
 }
 
+/* The draft rows of a step whose row b feeds sequence seq[b] (runs of one sequence
+ * consecutive: conv_view_ok): every row of a run but its last, the rows whose state a
+ * state view keeps (kvlm_state_view.snaps), written to at[] where at is not NULL; their
+ * count */
+static int64_t draft_rows(const int64_t *seq, int64_t B, int64_t *at) {
+    int64_t n = 0;
+    for (int64_t b = 0; b + 1 < B; b++)
+        if (seq[b + 1] == seq[b]) {
+            if (at) at[n] = b;
+            n++;
+        }
+    return n;
+}
+
 /* -2 unless every state view holds what the step reads and writes there: its conv rows
- * (conv_view_ok: one row a sequence, CONV_ROWS), the states before the step of each of
- * its layers and sequences within in's bytes, out's rows (at least B) within out's; each
- * recurrent layer's view and index within them, its view's conv rows and states of its
- * sizes */
+ * (conv_view_ok: a sequence's rows one run, CONV_ROWS), the states before the step of
+ * each of its layers and sequences within in's bytes, out's rows (each row's sequence's
+ * among them) within out's, the draft rows' states within snaps' rows and bytes, the rows' u within urows'
+ * (where given); each recurrent layer's view and index within them, its view's conv rows
+ * and states of its sizes */
 static int check_states(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
                         const kvlm_state_view *states, int64_t n_states) {
     const int64_t kind = recurrent_kind(m);
@@ -634,9 +649,9 @@ static int check_states(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
     for (int64_t v = 0; v < n_states; v++) {
         const kvlm_state_view *V = states + v;
         const int64_t per = V->state * (int64_t)sizeof(float);
-        if (conv_view_ok(&V->conv, B, pos, m->conv_kernel, 0) || V->conv.layout != CONV_ROWS)
+        if (conv_view_ok(&V->conv, B, pos, m->conv_kernel) || V->conv.layout != CONV_ROWS)
             return -2;
-        if (!V->in || !V->out || V->state < 1 || V->out_rows < B) return -2;
+        if (!V->in || !V->out || V->state < 1 || V->out_rows < 1) return -2;
         if (V->in == V->out && V->out_rows != V->conv.batch) return -2; /* in place */
         for (int64_t b = 0; b < B; b++)
             if (V->conv.seq[b] >= V->out_rows) return -2; /* its row of out */
@@ -645,6 +660,15 @@ static int check_states(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
             return -2;
         if (!mul_ok(V->conv.layers, V->out_rows, &need) || !mul_ok(need, per, &need) ||
             V->out_bytes < need)
+            return -2;
+        const int64_t n_at = draft_rows(V->conv.seq, B, NULL);
+        if (n_at > 0) { /* the draft rows' states: snaps (layers, snap_rows, state) */
+            if (!V->snaps || V->snap_rows < n_at || !mul_ok(V->conv.layers, V->snap_rows, &need) ||
+                !mul_ok(need, per, &need) || V->snaps_bytes < need)
+                return -2;
+        }
+        if (V->urows && (!mul_ok(V->conv.layers, B, &need) || !mul_ok(need, V->conv.width, &need) ||
+                         !mul_ok(need, (int64_t)sizeof(float), &need) || V->urows_bytes < need))
             return -2;
     }
     for (int64_t l = 0; l < m->n_layers; l++) {
@@ -660,11 +684,13 @@ static int check_states(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
 }
 
 /* A recurrent layer's mixer, the `c`-th recurrent layer of the model: s->h to s->tmp,
- * in_proj; its convolution's input u (kept in s->ru for the rows' update), z and the
- * gates each made contiguous; the taps over its rows (conv_taps: its held rows and the
- * row's u); the layer's kernel (deltanet.c, mamba2.c) from each row's state before the
- * step (its view's `in`, the row's sequence's) to its state after (`out`, the same row;
- * `in` itself where out is in: the pool's slots, updated in place); out_proj */
+ * in_proj; its convolution's input u (kept in s->ru for the rows' update, copied to the
+ * view's urows where there are some), z and the gates each made contiguous; the taps over
+ * its rows (conv_taps: its held rows and the run's earlier u); the layer's kernel
+ * (deltanet.c, mamba2.c) over each sequence's run of rows from its state before the step
+ * (its view's `in`, the sequence's row) to its state after (`out`, the same row; `in`
+ * itself where out is in: the pool's slots, updated in place), the state after each draft
+ * row but the run's last into the view's snaps; out_proj */
 static int recurrent_mix(const kvlm_qmodel *m, const kvlm_qlayer *L,
                          const kvlm_state_view *states, int64_t B, const int64_t *pos,
                          const step_bufs *s, int64_t c) {
@@ -675,7 +701,7 @@ static int recurrent_mix(const kvlm_qmodel *m, const kvlm_qlayer *L,
     /* in_proj's rows: DeltaNet q|k|v, z, b, a; Mamba2 z, x|B|C, dt */
     const int64_t at_u = delta ? 0 : r.inner, at_z = delta ? r.conv : 0;
     float *u = s->ru + c * B * r.conv;
-    int64_t cu[MAX_BATCH + 1];
+    int64_t cu[MAX_BATCH + 1], seq[MAX_BATCH], at[MAX_BATCH], S = 0;
     if (matmul_rows(&L->in_proj, s->h, B, s->rin, act_of(m, ACT_CONV_IN))) return -1;
     add_bias(s->rin, L->in_bias, B, r.in);
     for (int64_t b = 0; b < B; b++) {
@@ -684,23 +710,31 @@ static int recurrent_mix(const kvlm_qmodel *m, const kvlm_qlayer *L,
         memcpy(s->rz + b * r.inner, row + at_z, r.inner * sizeof(float));
         for (int64_t g = 0; g < r.gates; g++) /* b | a: b's rows, then a's (B nv each) */
             s->rg[(g / nv) * B * nv + b * nv + g % nv] = row[r.conv + r.inner + g];
-        cu[b] = b;
+        if (b == 0 || V->conv.seq[b] != V->conv.seq[b - 1]) { /* a sequence's run starts */
+            cu[S] = b;
+            seq[S++] = V->conv.seq[b];
+        }
     }
-    cu[B] = B;
+    cu[S] = B;
+    if (V->urows)
+        memcpy(V->urows + L->index * B * r.conv, u, (size_t)(B * r.conv) * sizeof(float));
     conv_taps(&V->conv, L->index, B, pos, u, L->taps, L->taps_bias, m->conv_kernel, r.conv,
               s->rcy);
-    /* row b's state at row seq[b] of the layer's `in` and `out` (the same rows: a
-     * one-sequence cache's out buffer, or the pool's slots updated in place) */
+    /* sequence s's state at row seq[s] of the layer's `in` and `out` (the same rows: a
+     * one-sequence cache's out buffer, or the pool's slots updated in place); its draft
+     * rows' states at the layer's rows of snaps */
     const float *in = V->in == V->out ? NULL : V->in + L->index * V->conv.batch * r.state;
     float *out = V->out + L->index * V->out_rows * r.state;
+    const int64_t atn = draft_rows(V->conv.seq, B, at);
+    float *snaps = atn ? V->snaps + L->index * V->snap_rows * r.state : NULL;
     const int64_t work = B * r.inner * dk;
     if (delta)
         gated_delta_heads(s->rcy, s->rz, s->rg, s->rg + B * nv, L->a_log, L->dt_bias, L->gnorm,
-                          m->rec_eps, in, V->conv.seq, out, s->ro, cu, B, NULL, 0, NULL, nk, nv,
-                          dk, dv, work);
+                          m->rec_eps, in, seq, out, s->ro, cu, S, atn ? at : NULL, atn, snaps,
+                          nk, nv, dk, dv, work);
     else
         mamba2_run(s->rcy, s->rz, s->rg, L->a_log, L->dt_bias, L->d, L->gnorm, m->rec_eps, in,
-                   V->conv.seq, out, s->ro, cu, B, NULL, 0, NULL, nv, dv, dk, nk, B, work);
+                   seq, out, s->ro, cu, S, atn ? at : NULL, atn, snaps, nv, dv, dk, nk, B, work);
     if (matmul_rows(&L->out_proj, s->ro, B, s->tmp, act_of(m, ACT_CONV_OUT))) return -1;
     add_bias(s->tmp, L->out_bias, B, m->hidden);
     return 0;
@@ -723,8 +757,9 @@ static int recurrent_mix(const kvlm_qmodel *m, const kvlm_qlayer *L,
  *       logits are made (none without conv layers);
  *   states [n_states]: where the recurrent layers' states and conv rows are
  *       (kvlm_state_view; kvlm_qlayer.view, index): the states before the step read from
- *       `in`, each row's after written to `out`, the conv rows moved on as a conv
- *       layer's (none without recurrent layers);
+ *       `in`, each sequence's after its rows written to `out` (a draft's earlier rows'
+ *       to `snaps`), the conv rows moved on as a conv layer's (none without recurrent
+ *       layers);
  *   scratch: kvlm_decode_scratch(m, B) floats (scn); logits [B, vocab] out (ln floats).
  * Returns 0; -2 when an argument is out of range (a weight not of the shape the model's
  * sizes give it, a buffer shorter than its shape, a position past the slots or a table,

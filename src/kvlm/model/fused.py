@@ -198,6 +198,10 @@ class _StateView(ctypes.Structure):  # kvlm_state_view
         *_fields(ctypes.c_void_p, "in out"),  # the states before the step; each row's after
         # a layer's state of a sequence (floats), out's rows, the bytes from in and out on
         *_fields(ctypes.c_int64, "state out_rows in_bytes out_bytes"),
+        # the draft rows' states and the rows' convolution inputs (or NULL), snaps' rows a
+        # layer, the bytes from snaps and urows on
+        *_fields(ctypes.c_void_p, "snaps urows"),
+        *_fields(ctypes.c_int64, "snap_rows snaps_bytes urows_bytes"),
     ]
 
 
@@ -554,12 +558,12 @@ class FusedDecoder:
             t.device.type == "cpu" and t.is_contiguous() for t in store.parts.values())  # fmt: skip
 
     def drafts(self, cache: KVCache, n: int) -> bool:
-        """Whether n draft rows of one sequence go through the step: all rows' K/V are
-        written before any attends, so a ring must keep what row 0 reads when row n - 1
-        has written (n <= ring - window + 1); a recurrent state, which keeps each draft
-        row's, never (the torch step's)."""
-        kv, _, states = _split(cache.kv_views(()) or ())  # conv rows take any draft
-        return not states and all(n <= v.ring - v.window + 1 for v in kv if v.ring)
+        """Whether n draft rows of one sequence go through the step: at most MAX_ROWS, and
+        all rows' K/V are written before any attends, so a ring must keep what row 0 reads
+        when row n - 1 has written (n <= ring - window + 1). Conv rows take any draft; a
+        recurrent state keeps each draft row's (StateView.snaps)."""
+        kv = _split(cache.kv_views(()) or ())[0]
+        return n <= MAX_ROWS and all(n <= v.ring - v.window + 1 for v in kv if v.ring)
 
     @staticmethod
     def views_of(cache: KVCache, step: CacheStep, rows: Sequence[int]) -> list[View]:
@@ -656,8 +660,15 @@ class FusedDecoder:
             floats = math.prod(v.state.shape[2:])
             if not v.out.is_contiguous() or v.out.shape[0] != v.state.shape[0]:
                 raise ValueError(f"an out buffer of shape {tuple(v.out.shape)}")
+            for t in (v.snaps, v.urows):
+                if t is not None and not (t.dtype == torch.float32 and t.is_contiguous()
+                                          and t.device.type == "cpu"):  # fmt: skip
+                    raise ValueError(f"a draft's buffer of shape {tuple(t.shape)} {t.dtype}")
+            snap_rows = 0 if v.snaps is None else v.snaps.shape[1]
             out[i] = _StateView(_conv_view(v.conv, keep), v.state.data_ptr(), v.out.data_ptr(),
-                                floats, v.out.shape[1], _bytes(v.state), _bytes(v.out))  # fmt: skip
+                                floats, v.out.shape[1], _bytes(v.state), _bytes(v.out),
+                                _base(v.snaps), _base(v.urows), snap_rows, _bytes(v.snaps),
+                                _bytes(v.urows))  # fmt: skip
         return out, keep
 
     @torch.inference_mode()
