@@ -1307,6 +1307,73 @@ def mixed_step(llm, one_forward: bool, seed: int = 0) -> list[torch.Tensor]:
             for s, p, _, chunk, _ in MIXED_ROWS]  # fmt: skip
 
 
+def fused_draft_rolled_back(llm, ids: list[int], draft: list[int], reject: int, monkeypatch):
+    """The last of `ids` and `draft` checked as rows of one fused step on a contiguous
+    cache `a` that holds ids[:-1], `reject` of them rolled back, against a cache `b` fed
+    the kept tokens one at a time through the fused step: each kept row's logits bit for
+    bit the row's alone. Returns (a, b), for the caller's checks of what they hold."""
+    from kvlm.engine.runner import DraftBatch
+
+    a, b = llm.new_cache("contiguous"), llm.new_cache("contiguous")
+    for cache in (a, b):
+        llm.runner.forward(ids[:-1], cache)  # the prefill (torch)
+    calls, n = counted_fused_runs(monkeypatch), len(draft) + 1
+    rows = llm.runner.run(DraftBatch([ids[-1], *draft], a))
+    assert calls == [n]
+    a.rollback(reject)
+    kept = [ids[-1], *draft][: n - reject]
+    alone = torch.stack([llm.runner.forward([t], b) for t in kept])
+    assert calls == [n] + [1] * len(kept)
+    assert torch.equal(rows[: len(kept)], alone)
+    return a, b
+
+
+def alone_on_cache(llm, prompts, params=None) -> list[list[list[int]]]:
+    """Each prompt's tokens alone on the LLM's one-sequence cache (its own fused step),
+    under `params` (None: GREEDY)."""
+    params = GREEDY if params is None else params
+    return [[llm.generate(p, params)[0].outputs[0].token_ids] for p in prompts]
+
+
+def assert_all_fused(calls: list[int], engine) -> None:
+    """Every decode row of `engine` went through the fused step (`calls`:
+    counted_fused_runs')."""
+    assert engine.decode_step == "fused"
+    assert engine.stats.decode_rows > 0 and sum(calls) >= engine.stats.decode_rows
+
+
+def assert_pool_fused_as_alone(llm, monkeypatch, draft_weights: str, after=None) -> None:
+    """The fused step on the engine's pool of `llm`: POOL_PROMPTS batched, n = 2 (forked
+    slots), prompt lookup's drafts and a draft model's of `draft_weights` (some rejected,
+    rolled back) each give every prompt's tokens alone, every decode row (a draft's
+    rows too) through the fused step; `after(engine)`: the caller's check of each engine
+    but the speculative ones."""
+    from kvlm import SamplingParams
+    from kvlm.engine.speculative import SpeculativeConfig
+
+    want = alone_on_cache(llm, POOL_PROMPTS)
+    calls = counted_fused_runs(monkeypatch)
+    n2 = SamplingParams(n=2, max_tokens=20, temperature=0.0, ignore_eos=True)
+    for params, tokens in ((GREEDY, want), (n2, [w * 2 for w in want])):
+        calls.clear()
+        got, engine = on_pool(llm, POOL_PROMPTS, params)
+        assert got == tokens
+        assert_all_fused(calls, engine)
+        if after is not None:
+            after(engine)
+        if params is GREEDY:
+            assert sum(calls) == engine.stats.decode_rows and max(calls) == len(POOL_PROMPTS)
+    for spec in (SpeculativeConfig("ngram", num_draft=4, ngram_min=1),
+                 SpeculativeConfig("draft", draft_weights=draft_weights)):  # fmt: skip
+        calls.clear()
+        drafted, engine = on_pool(llm, POOL_PROMPTS, GREEDY, speculative=spec)
+        st = engine.stats.spec
+        assert drafted == want and st.drafted > st.accepted  # some rolled back
+        assert_all_fused(calls, engine)
+        assert sum(calls) > engine.stats.decode_rows  # the drafts' rows went through it
+    assert st.accepted > 0  # the draft model's: rows of a draft checked as one sequence
+
+
 def counted_fused_runs(monkeypatch) -> list[int]:
     """The rows of every FusedDecoder.run call from now on."""
     from kvlm.model.fused import FusedDecoder

@@ -24,6 +24,7 @@ from helpers import (
     feed_batched,
     feed_contiguous,
     fused_and_torch,
+    fused_draft_rolled_back,
     fused_steps_on,
     low_bit_llm,
     needs_kernels,
@@ -39,7 +40,7 @@ from kvlm.cache.hybrid import HybridCache
 from kvlm.cache.kinds import RING_SLACK
 from kvlm.cache.paged import BlockPool, PagedCache
 from kvlm.engine.engine import Engine, EngineConfig
-from kvlm.engine.runner import DraftBatch, PoolBatch
+from kvlm.engine.runner import PoolBatch
 from kvlm.model.fused import KVView, block_products, why_not
 from numerics import SAME_ROUNDING, U32, assert_as_exact_as, gamma
 
@@ -612,18 +613,8 @@ def test_a_gemma_draft_in_the_fused_step_rolls_its_ring_back(arch_dir, kv_dtype,
     one at a time, so the next token's logits are too."""
     llm = _load(arch_dir, "gemma3", kv_dtype)[0]
     ids, draft = _ids(llm, 50, seed=21), _ids(llm, 5, seed=22)
-    a, b = llm.new_cache("contiguous"), llm.new_cache("contiguous")
-    for cache in (a, b):
-        llm.runner.forward(ids[:-1], cache)  # the prefill (torch), past the ring
-    assert a.num_tokens > a.parts[1].slots
-    calls = counted_fused_runs(monkeypatch)
-    rows = llm.runner.run(DraftBatch([ids[-1], *draft], a))
-    assert calls == [6]
-    a.rollback(reject)
-    kept = [ids[-1], *draft][: 6 - reject]
-    alone = torch.stack([llm.runner.forward([t], b) for t in kept])
-    assert calls == [6] + [1] * len(kept)
-    assert torch.equal(rows[: len(kept)], alone)
+    a, b = fused_draft_rolled_back(llm, ids, draft, reject, monkeypatch)
+    assert len(ids) - 1 > a.parts[1].slots  # the prefill went past the ring
     n = a.num_tokens
     assert n == b.num_tokens and torch.equal(a.parts[1].slot_pos, b.parts[1].slot_pos)
     for key, t in a.parts[1].store.raw(()).items():

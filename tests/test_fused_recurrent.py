@@ -17,19 +17,20 @@ import torch
 
 from helpers import (
     CHATML,
-    GREEDY,
     POOL_PROMPTS,
     a_refused_pool_step,
     answer,
+    assert_all_fused,
     assert_forked_rows_alone,
+    assert_pool_fused_as_alone,
     assert_top_k_both_ways,
     conversation,
     counted_fused_runs,
     fresh_engine,
     fused_and_torch,
+    fused_draft_rolled_back,
     fused_steps_on,
     needs_kernels,
-    on_pool,
     portable_build_params,
     portable_kernels,
     prompt_ids,
@@ -179,15 +180,6 @@ def pool_llm(folder, **options) -> LLM:
     return LLM(model=folder, kv="paged", weights="int8", progress=False, **options)
 
 
-def alone_on_cache(llm: LLM, prompts, params=GREEDY) -> list[list[list[int]]]:
-    return [[llm.generate(p, params)[0].outputs[0].token_ids] for p in prompts]
-
-
-def all_fused(calls: list[int], engine) -> None:
-    assert engine.decode_step == "fused"
-    assert engine.stats.decode_rows > 0 and sum(calls) >= engine.stats.decode_rows
-
-
 @pytest.mark.parametrize("name", ["qwen35-bias", "granite-rope-bias"])
 def test_the_pools_fused_step_batches_forks_and_drafts_as_alone(hybrid_dir, name, monkeypatch):
     """The fused step on the engine's pool reads each sequence's slot and writes its state
@@ -195,29 +187,7 @@ def test_the_pools_fused_step_batches_forks_and_drafts_as_alone(hybrid_dir, name
     lookup's drafts and a draft model's (a draft's rows one run of its sequence, the state
     after each kept, the rejected rolled back to it: StateSlots.drafted) give every
     prompt's tokens alone, every decode row through the fused step."""
-    from kvlm.engine.speculative import SpeculativeConfig
-
-    llm = pool_llm(hybrid_dir(name))
-    want = alone_on_cache(llm, POOL_PROMPTS)
-    calls = counted_fused_runs(monkeypatch)
-    got, engine = on_pool(llm, POOL_PROMPTS, GREEDY)
-    assert got == want
-    all_fused(calls, engine)
-    assert sum(calls) == engine.stats.decode_rows and max(calls) == len(POOL_PROMPTS)
-    calls.clear()
-    two, engine = on_pool(llm, POOL_PROMPTS, SamplingParams(n=2, max_tokens=20, temperature=0.0,
-                                                            ignore_eos=True))  # fmt: skip
-    assert two == [w * 2 for w in want]
-    all_fused(calls, engine)
-    for spec in (SpeculativeConfig("ngram", num_draft=4, ngram_min=1),
-                 SpeculativeConfig("draft", draft_weights="int4")):  # fmt: skip
-        calls.clear()
-        drafted, engine = on_pool(llm, POOL_PROMPTS, GREEDY, speculative=spec)
-        st = engine.stats.spec
-        assert drafted == want and st.drafted > st.accepted  # some rolled back
-        all_fused(calls, engine)
-        assert sum(calls) > engine.stats.decode_rows  # the drafts' rows went through it
-    assert st.accepted > 0  # the draft model's
+    assert_pool_fused_as_alone(pool_llm(hybrid_dir(name)), monkeypatch, "int4")
 
 
 @pytest.mark.parametrize("name", ["qwen35", "granite"])
@@ -232,7 +202,7 @@ def test_a_prefix_hit_on_a_snapshot_the_fused_step_took(hybrid_dir, name, monkey
     engine = fresh_engine(llm)
     answer_ids, _ = answer(engine, first, SamplingParams(max_tokens=30, temperature=0.0,
                                                          ignore_eos=True))  # fmt: skip
-    all_fused(calls, engine)
+    assert_all_fused(calls, engine)
     second = first + answer_ids + llm.tokenizer.encode(" And Spain?")[1:]
     want, cold = answer(fresh_engine(llm), second)
     got, cached = answer(engine, second)
@@ -270,21 +240,9 @@ def test_a_draft_in_the_fused_step_keeps_each_rows_state(hybrid_dir, name, rejec
     of them rolled back: each kept row's logits are those of the fused step fed its token
     alone, and the state, the conv rows and the next token's logits bit for bit those of a
     cache fed the kept tokens one at a time."""
-    from kvlm.engine.runner import DraftBatch
-
     llm = fused_llm(hybrid_dir(name))
     ids, draft = prompt_ids(llm, 30), prompt_ids(llm, 40)[30:35]
-    a, b = llm.new_cache("contiguous"), llm.new_cache("contiguous")
-    for cache in (a, b):
-        llm.runner.forward(ids[:-1], cache)
-    calls = counted_fused_runs(monkeypatch)
-    rows = llm.runner.run(DraftBatch([ids[-1], *draft], a))
-    assert calls == [6]
-    a.rollback(reject)
-    kept = [ids[-1], *draft][: 6 - reject]
-    alone = torch.stack([llm.runner.forward([t], b) for t in kept])
-    assert calls == [6] + [1] * len(kept)
-    assert torch.equal(rows[: len(kept)], alone)
+    a, b = fused_draft_rolled_back(llm, ids, draft, reject, monkeypatch)
     parts = [next(p for p in c.parts if isinstance(p, StateCache)).rows for c in (a, b)]
     assert parts[0].length == parts[1].length == len(ids) + 5 - reject
     assert torch.equal(parts[0].state, parts[1].state)

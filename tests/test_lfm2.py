@@ -24,9 +24,12 @@ from helpers import (
     LFM2_TEMPLATE,
     POOL_PROMPTS,
     a_refused_pool_step,
+    alone_on_cache,
     answer,
+    assert_all_fused,
     assert_forked_rows_alone,
     assert_greedy_agreement,
+    assert_pool_fused_as_alone,
     assert_ragged_agrees,
     assert_top_k_both_ways,
     conversation,
@@ -35,6 +38,7 @@ from helpers import (
     fed,
     fresh_engine,
     fused_and_torch,
+    fused_draft_rolled_back,
     fused_steps_on,
     gguf_as_folder,
     hf_greedy,
@@ -616,18 +620,6 @@ def pool_fused_llm(folder, weights: str, exact_products: bool = False, **options
     return LLM(model=folder, kv="paged", weights=weights, progress=False, **options)
 
 
-def alone_on_cache(llm: LLM, prompts, params=GREEDY) -> list[list[list[int]]]:
-    """Each prompt's tokens alone on the LLM's one-sequence cache (its own fused step)."""
-    return [[llm.generate(p, params)[0].outputs[0].token_ids] for p in prompts]
-
-
-def all_fused(calls: list[int], engine) -> None:
-    """Every decode row of `engine` went through the fused step (the pool's, with the
-    conv slots' rings: kvlm.cache.conv.ConvSlots.view)."""
-    assert engine.decode_step == "fused"
-    assert engine.stats.decode_rows > 0 and sum(calls) >= engine.stats.decode_rows
-
-
 @pytest.mark.parametrize("name", list(POOL_FUSED))
 def test_the_pools_fused_step_batches_forks_and_drafts_as_alone(lfm2_dir, name, monkeypatch):
     """The fused step on the engine's pool reads and writes each sequence's conv slot (a
@@ -635,30 +627,13 @@ def test_the_pools_fused_step_batches_forks_and_drafts_as_alone(lfm2_dir, name, 
     prompt lookup's drafts and a draft model's (a draft's rows one sequence to the
     convolution, the rejected rolled back in the ring) each give every prompt's tokens
     alone, every decode row through the fused step."""
-    from kvlm.engine.speculative import SpeculativeConfig
-
     llm = pool_fused_llm(lfm2_dir(name), POOL_FUSED[name])
-    want = alone_on_cache(llm, POOL_PROMPTS)
-    calls = counted_fused_runs(monkeypatch)
-    got, engine = on_pool(llm, POOL_PROMPTS, GREEDY)
-    assert got == want and engine.pool.conv.num_used == 0
-    all_fused(calls, engine)
-    assert sum(calls) == engine.stats.decode_rows and max(calls) == len(POOL_PROMPTS)
-    calls.clear()
-    two, engine = on_pool(llm, POOL_PROMPTS, SamplingParams(n=2, max_tokens=20, temperature=0.0,
-                                                            ignore_eos=True))  # fmt: skip
-    assert two == [w * 2 for w in want] and engine.pool.conv.num_used == 0
-    all_fused(calls, engine)
     other = {"int8": "int4", "int4": "int8"}[POOL_FUSED[name]]  # a draft model that errs
-    for spec in (SpeculativeConfig("ngram", num_draft=4, ngram_min=1),
-                 SpeculativeConfig("draft", draft_weights=other)):  # fmt: skip
-        calls.clear()
-        drafted, engine = on_pool(llm, POOL_PROMPTS, GREEDY, speculative=spec)
-        st = engine.stats.spec
-        assert drafted == want and st.drafted > st.accepted  # some rolled back
-        all_fused(calls, engine)
-        assert sum(calls) > engine.stats.decode_rows  # the drafts' rows went through it
-    assert st.accepted > 0  # the draft model's: rows of a draft checked as one sequence
+
+    def no_slot_held(engine) -> None:
+        assert engine.pool.conv.num_used == 0
+
+    assert_pool_fused_as_alone(llm, monkeypatch, other, no_slot_held)
 
 
 def test_the_pools_fused_step_after_preemptions(lfm2_dir, monkeypatch):
@@ -675,7 +650,7 @@ def test_the_pools_fused_step_after_preemptions(lfm2_dir, monkeypatch):
                               prefix_caching=prefix_caching)  # fmt: skip
         assert got == want
         assert engine.scheduler.preemptions > 0 and engine.pool.conv.num_used == 0
-        all_fused(calls, engine)
+        assert_all_fused(calls, engine)
 
 
 def test_a_prefix_hit_on_blocks_the_fused_step_sealed(lfm2_dir, monkeypatch):
@@ -689,7 +664,7 @@ def test_a_prefix_hit_on_blocks_the_fused_step_sealed(lfm2_dir, monkeypatch):
     engine = fresh_engine(llm)
     answer_ids, _ = answer(engine, first, SamplingParams(max_tokens=30, temperature=0.0,
                                                          ignore_eos=True))  # fmt: skip
-    all_fused(calls, engine)
+    assert_all_fused(calls, engine)
     # 10 + 29 tokens computed: blocks 0 and 1 sealed, each at a decode row
     assert engine.pool.conv.blocks_with_rows == 2
     second = first + answer_ids + llm.tokenizer.encode(" And Spain?")[1:]
@@ -869,20 +844,9 @@ def test_a_draft_through_the_fused_step_rolls_back(lfm2_dir, reject, monkeypatch
     rolled back: each kept row's logits are those of the fused step fed its token alone,
     the rows held then bit for bit those of a cache fed the kept tokens one at a time, and
     so are the next tokens' logits."""
-    from kvlm.engine.runner import DraftBatch
-
     llm = fused_llm(lfm2_dir("lfm2-k4"), "int8", "int8")
     ids, draft = prompt_ids(llm, 30), prompt_ids(llm, 40)[30:35]
-    a, b = llm.new_cache("contiguous"), llm.new_cache("contiguous")
-    for cache in (a, b):
-        llm.runner.forward(ids[:-1], cache)
-    calls = counted_fused_runs(monkeypatch)
-    rows = llm.runner.run(DraftBatch([ids[-1], *draft], a))
-    assert calls == [6]
-    a.rollback(reject)
-    kept = [ids[-1], *draft][: 6 - reject]
-    alone = torch.stack([llm.runner.forward([t], b) for t in kept])
-    assert torch.equal(rows[: len(kept)], alone)
+    a, b = fused_draft_rolled_back(llm, ids, draft, reject, monkeypatch)
     keep = a.parts[-1].rows.keep - reject  # a's rows below the rollback: zeros, not held
     assert torch.equal(held_rows(a, keep), held_rows(b, keep))
     for t in ids[:4]:
