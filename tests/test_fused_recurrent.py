@@ -222,13 +222,13 @@ def test_a_failed_fused_step_leaves_the_states_as_they_were(hybrid_dir):
     llm = pool_llm(hybrid_dir("qwen35"))
     engine, step, starts, _ = a_refused_pool_step(llm)
     slots = next(g for g in engine.pool.groups if type(g).__name__ == "StateSlots")
-    before = (slots.state.clone(), slots.conv.clone(), list(slots.end))
+    before = (slots.state.clone(), slots.conv.clone(), list(slots.end), slots.win.clone())
     with pytest.raises(ValueError, match="fused decode step refused"):
         step(good=False)
     assert torch.equal(slots.state, before[0]) and torch.equal(slots.conv, before[1])
-    assert slots.end == before[2]
-    step(good=True)
-    assert not torch.equal(slots.state, before[0]) and not torch.equal(slots.conv, before[1])
+    assert slots.end == before[2] and torch.equal(slots.win, before[3])
+    step(good=True)  # (the state moves at a chunk's end: the carried rows, each row)
+    assert not torch.equal(slots.win, before[3]) and not torch.equal(slots.conv, before[1])
     assert sorted(slots.end)[-2:] == sorted(s + 1 for s in starts)
 
 

@@ -908,23 +908,43 @@ def _delta_torch(conv, z, b, a, a_log, dt_bias, w, eps, state, nk, dk):
     return gated_rms_norm(out, z.view(B, T, nv, dv), w, eps, z.dtype).reshape(B, T, -1), after
 
 
+def _replayed(state: torch.Tensor, win: torch.Tensor, m: int) -> torch.Tensor:
+    """The state a DeltaNet's cache format means (kernels/deltanet.c: the state at the
+    chunk start, `win` the chunk's m rows since, each k, u, g, gc) in fp64: the rows' rule
+    applied to it, (S, nv, dk, dv) from (S, nv, dk, dv) and (S, nv, DELTA_CHUNK - 1, row)."""
+    dk = state.shape[-2]
+    out = state.double()
+    for r in range(m):
+        row = win[:, :, r].double()
+        k, u, g = row[..., :dk], row[..., dk:-2], row[..., -2]
+        out = out * g.exp()[..., None, None] + k[..., :, None] * u[..., None, :]
+    return out
+
+
 @pytest.mark.parametrize("build", BUILDS)
 def test_the_gated_delta_checks_its_buffers_and_is_the_torch_road(build):
     """kvlm_gated_delta (kernels/deltanet.c): S sequences at the row offsets cu (S + 1 of
-    them, from 0, never decreasing), conv [rows, 2 nk dk + nv dv], z [rows, nv dv], b and a
-    [rows, nv], a_log and dt_bias [nv] (hn), w [dv] (wn), state [S, nv, dk, dv], out
-    [rows, nv dv], each within its length; nv a multiple of nk; dk, dv in 1..512. Refused
-    calls write nothing (out and the state stay); a good one is the torch road's
-    arithmetic as exactly as torch's own fp32 (against fp64), its state too, on every
-    build, with dims off the 16 lanes (dk 20, dv 24), two q/k heads serving four, and
-    sequences of 5, 0 and 3 rows (a pool step's ragged rows); the states asked for (`at`:
-    rows of the step, ascending, at most 64 of a sequence's; after rows 0, 1 and 3 of the
-    first, after all 3 of the third) are the states those rows alone leave, bit for bit."""
+    them, from 0, never decreasing) from positions starts (S, each >= 0), conv [rows, 2 nk
+    dk + nv dv], z [rows, nv dv], b and a [rows, nv], a_log and dt_bias [nv] (hn), w [dv]
+    (wn), state [S, nv, dk, dv] and its carried rows win [S, nv, DELTA_CHUNK - 1, dk + dv +
+    2], out [rows, nv dv], each within its length; nv a multiple of nk; dk, dv in 1..512.
+    Refused calls write nothing (out, the state and its rows stay); a good one is the
+    torch road's arithmetic as exactly as torch's own fp32 (against fp64), its state too
+    (the carried rows applied to the chunk's state), on every build, with dims off the 16
+    lanes (dk 20, dv 24), two q/k heads serving four, and sequences of 5, 0 and 20 rows (a
+    pool step's ragged rows; the third past a chunk's end); the states asked for (`at`:
+    rows of the step, ascending, at most 64 of a sequence's) are those the rows alone
+    leave, bit for bit, and a sequence's rows cut in two calls (the rows carried) are its
+    one call's, bit for bit."""
+    from kvlm.cache.kinds import DELTA_CHUNK
+
     lib = _kernels(build)
     g = torch.Generator().manual_seed(5)
-    lengths, nk, nv, dk, dv = [5, 0, 3], 2, 4, 20, 24
+    lengths, nk, nv, dk, dv = [5, 0, 20], 2, 4, 20, 24
     S, N, C = len(lengths), sum(lengths), 2 * nk * dk + nv * dv
-    cu = torch.tensor([0, 5, 5, 8], dtype=torch.int64)
+    cu = torch.tensor([0, 5, 5, 25], dtype=torch.int64)
+    starts = torch.zeros(S, dtype=torch.int64)
+    carried = nv * (DELTA_CHUNK - 1) * (dk + dv + 2)  # a sequence's rows, one layer
 
     def r(*shape, scale=1.0):
         return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
@@ -934,55 +954,62 @@ def test_the_gated_delta_checks_its_buffers_and_is_the_torch_road(build):
     state0 = r(S, nv, dk, dv, scale=0.1)
     f32 = {k: v.float().contiguous() for k, v in ins.items()}
     size = {"cn": N * C, "zn": N * nv * dv, "bn": N * nv, "an": N * nv, "hn": nv, "wn": dv,
-            "sn": S * nv * dk * dv, "on": N * nv * dv}  # fmt: skip
-    dims = {"cun": S + 1, "S": S, "nk": nk, "nv": nv, "dk": dk, "dv": dv}
+            "sn": S * nv * dk * dv, "wn2": S * carried, "on": N * nv * dv}  # fmt: skip
+    dims = {"cun": S + 1, "stn": S, "S": S, "nk": nk, "nv": nv, "dk": dk, "dv": dv}
 
-    points = torch.tensor([0, 1, 3, 7], dtype=torch.int64)  # rows of the step
+    points = torch.tensor([0, 1, 3, 7, 20], dtype=torch.int64)  # rows of the step
     A, one = len(points), nv * dk * dv
-    snaps = _guarded(A * one)
+    snaps, wsnaps = _guarded(A * one), _guarded(A * carried)
 
-    def call(
-        state: torch.Tensor, out: torch.Tensor, offsets=cu, at=points, before=None, **given
-    ) -> int:  # fmt: skip
-        n = {**size, "atn": A, "pn": A * one, **given}
+    def call(state, win, out, offsets=cu, at=points, before=None, win_before=None,
+             first=starts, **given) -> int:  # fmt: skip
+        n = {**size, "atn": A, "pn": A * one, "pwn": A * carried, **given}
         d = {**dims, **{k: v for k, v in given.items() if k in dims}}
         return lib.kvlm_gated_delta(
             f32["conv"].data_ptr(), n["cn"], f32["z"].data_ptr(), n["zn"], f32["b"].data_ptr(),
             n["bn"], f32["a"].data_ptr(), n["an"], f32["a_log"].data_ptr(),
             f32["dt_bias"].data_ptr(), n["hn"], f32["w"].data_ptr(), n["wn"], 1e-6,
             None if before is None else before.data_ptr(), state.data_ptr(), n["sn"],
-            out.data_ptr(), n["on"], offsets.data_ptr(), d["cun"],
+            None if win_before is None else win_before.data_ptr(), win.data_ptr(), n["wn2"],
+            out.data_ptr(), n["on"], offsets.data_ptr(), d["cun"], first.data_ptr(), d["stn"],
             None if at is None else at.data_ptr(), n["atn"], snaps.data_ptr(), n["pn"],
-            d["S"], d["nk"], d["nv"], d["dk"], d["dv"],
+            wsnaps.data_ptr(), n["pwn"], d["S"], d["nk"], d["nv"], d["dk"], d["dv"],
         )  # fmt: skip
 
     big = {k: ANY for k in size if k not in ("hn", "wn")}
     bad = [{k: v - 1} for k, v in size.items()] + [
-        {"cn": -1}, {"S": 0, "cun": 1}, {"cun": S}, {"nk": 0}, {"nv": 3}, {"nk": 3}, {"dk": 0},
-        {"dk": 513}, {"dv": 513}, {"hn": nv + 1}, {"wn": dv + 1},
-        {"offsets": torch.tensor([1, 5, 5, 8])}, {"offsets": torch.tensor([0, 5, 4, 8])},
-        {"offsets": torch.tensor([0, 5, 5, 9])},
+        {"cn": -1}, {"S": 0, "cun": 1, "stn": 0}, {"cun": S}, {"stn": S - 1}, {"nk": 0},
+        {"nv": 3}, {"nk": 3}, {"dk": 0}, {"dk": 513}, {"dv": 513}, {"hn": nv + 1},
+        {"wn": dv + 1}, {"first": torch.tensor([0, -1, 0])},
+        {"offsets": torch.tensor([1, 5, 5, 25])}, {"offsets": torch.tensor([0, 5, 4, 25])},
+        {"offsets": torch.tensor([0, 5, 5, 26])},
         {"offsets": torch.tensor([0, 5, 5, HUGE]), **big},
         {"nv": HUGE, "hn": HUGE, "nk": 1, **big}, {"atn": 0}, {"pn": A * one - 1},
-        {"at": torch.tensor([1, 0, 3, 7])},
-        {"at": torch.tensor([0, 1, 1, 7])}, {"at": torch.tensor([0, 1, 3, 8])},
-        {"at": torch.tensor([-1, 1, 3, 7])}]  # fmt: skip
-    n_state, n_out = size["sn"], size["on"]
+        {"pwn": A * carried - 1}, {"at": torch.tensor([1, 0, 3, 7, 20])},
+        {"at": torch.tensor([0, 1, 1, 7, 20])}, {"at": torch.tensor([0, 1, 3, 8, 25])},
+        {"at": torch.tensor([-1, 1, 3, 7, 20])}]  # fmt: skip
+    n_state, n_out, n_win = size["sn"], size["on"], size["wn2"]
     for given in bad:
-        state, out = _guarded(n_state), _guarded(n_out)
-        assert call(state, out, **given) == -2, given
-        assert _untouched(state) and _untouched(out) and _untouched(snaps), given
-    state, out = _guarded(n_state), _guarded(n_out)
+        state, win, out = _guarded(n_state), _guarded(n_win), _guarded(n_out)
+        assert call(state, win, out, **given) == -2, given
+        assert _untouched(state) and _untouched(out) and _untouched(win), given
+        assert _untouched(snaps) and _untouched(wsnaps), given
+    state, win, out = _guarded(n_state), _guarded(n_win), _guarded(n_out)
     state[:n_state] = state0.float().flatten()
-    assert call(state, out) == 0 and _untouched(out[n_out:]) and _untouched(state[n_state:])
+    win[:n_win] = 0
+    assert call(state, win, out) == 0 and _untouched(out[n_out:]) and _untouched(state[n_state:])
+    assert _untouched(win[n_win:])
     got, got_state = out[:n_out].view(N, -1), state[:n_state].view(S, nv, dk, dv)
+    got_win = win[:n_win].view(S, nv, DELTA_CHUNK - 1, -1)
     assert torch.equal(got_state[1], state0[1].float())  # a sequence of no rows: as it was
-    # the states before in a buffer of their own (`state_in`): `state` only written, the
-    # same bits as in place, the buffer before untouched
-    before = state0.float().flatten().clone()
-    fresh, out2 = _guarded(n_state), _guarded(n_out)
-    assert call(fresh, out2, before=before) == 0 and torch.equal(before, state0.float().flatten())
+    # the states before in buffers of their own (`state_in`, `win_in`): `state` and `win`
+    # only written, the same bits as in place, the buffers before untouched
+    before, wbefore = state0.float().flatten().clone(), torch.zeros(n_win)
+    fresh, fresh_win, out2 = _guarded(n_state), _guarded(n_win), _guarded(n_out)
+    assert call(fresh, fresh_win, out2, before=before, win_before=wbefore) == 0
+    assert torch.equal(before, state0.float().flatten()) and not wbefore.any()
     assert torch.equal(fresh[:n_state], state[:n_state]) and torch.equal(out2, out)
+    assert torch.equal(fresh_win[:n_win], win[:n_win])
     at = 0
     for i, n in enumerate(lengths):
         if not n:
@@ -993,37 +1020,61 @@ def test_the_gated_delta_checks_its_buffers_and_is_the_torch_road(build):
         ref, ref_after = _delta_torch(**{k: v.float() for k, v in one_seq.items()}, eps=1e-6,
                                       state=state0[i : i + 1].float(), nk=nk, dk=dk)  # fmt: skip
         assert_as_exact_as(got[at : at + n][None], ref, exact)
-        assert_as_exact_as(got_state[i : i + 1], ref_after, after)
+        meant = _replayed(got_state[i : i + 1], got_win[i : i + 1], n % DELTA_CHUNK)
+        assert_as_exact_as(meant, ref_after, after)
         for j, row in enumerate(points.tolist()):
             if not at <= row < at + n:
                 continue
             k = row - at + 1  # the state after k rows: the same call over k rows alone
-            alone, alone_out = state0[i : i + 1].float().clone(), torch.empty(k, nv * dv)
+            alone, alone_win = state0[i : i + 1].float().clone(), torch.zeros(carried)
+            alone_out = torch.empty(k, nv * dv)
             part = {key: f32[key][at : at + k].contiguous() for key in ("conv", "z", "b", "a")}
             assert lib.kvlm_gated_delta(
                 part["conv"].data_ptr(), part["conv"].numel(), part["z"].data_ptr(),
                 part["z"].numel(), part["b"].data_ptr(), part["b"].numel(),
                 part["a"].data_ptr(), part["a"].numel(), f32["a_log"].data_ptr(),
                 f32["dt_bias"].data_ptr(), nv, f32["w"].data_ptr(), dv, 1e-6, None,
-                alone.data_ptr(), alone.numel(), alone_out.data_ptr(), alone_out.numel(),
-                torch.tensor([0, k]).data_ptr(), 2, None, 0, None, 0, 1, nk, nv, dk,
+                alone.data_ptr(), alone.numel(), None, alone_win.data_ptr(), carried,
+                alone_out.data_ptr(), alone_out.numel(), torch.tensor([0, k]).data_ptr(), 2,
+                torch.tensor([0]).data_ptr(), 1, None, 0, None, 0, None, 0, 1, nk, nv, dk,
                 dv) == 0  # fmt: skip
             assert torch.equal(snaps[: A * one].view(A, nv, dk, dv)[j], alone[0]), (i, row)
+            assert torch.equal(wsnaps[: A * carried].view(A, -1)[j], alone_win), (i, row)
         at += n
-    assert _untouched(snaps[A * one :])
+    assert _untouched(snaps[A * one :]) and _untouched(wsnaps[A * carried :])
+    # the third sequence's 20 rows in two calls, 7 then 13 (the rows carried between):
+    # its one call's outputs, state and rows, bit for bit
+    st, wn = state0[2:].float().clone(), torch.zeros(carried)
+    halves = []
+    for lo, hi in ((5, 12), (12, 25)):
+        part = {key: f32[key][lo:hi].contiguous() for key in ("conv", "z", "b", "a")}
+        o = torch.empty(hi - lo, nv * dv)
+        assert lib.kvlm_gated_delta(
+            part["conv"].data_ptr(), part["conv"].numel(), part["z"].data_ptr(),
+            part["z"].numel(), part["b"].data_ptr(), part["b"].numel(), part["a"].data_ptr(),
+            part["a"].numel(), f32["a_log"].data_ptr(), f32["dt_bias"].data_ptr(), nv,
+            f32["w"].data_ptr(), dv, 1e-6, None, st.data_ptr(), st.numel(), None,
+            wn.data_ptr(), carried, o.data_ptr(), o.numel(),
+            torch.tensor([0, hi - lo]).data_ptr(), 2, torch.tensor([lo - 5]).data_ptr(), 1,
+            None, 0, None, 0, None, 0, 1, nk, nv, dk, dv) == 0  # fmt: skip
+        halves.append(o)
+    assert torch.equal(torch.cat(halves), got[5:25])
+    assert torch.equal(st, got_state[2:]) and torch.equal(wn, got_win[2].flatten())
     # more than 64 states of one sequence: refused, nothing written
     rows = 70
     z0 = [torch.zeros(rows, w) for w in (C, nv * dv, nv, nv)]
     st, o, many = torch.zeros(nv * dk * dv), torch.zeros(rows * nv * dv), torch.arange(65)
-    out_many = _guarded(65 * one)
+    wn = torch.zeros(carried)
+    out_many, wout_many = _guarded(65 * one), _guarded(65 * carried)
     assert lib.kvlm_gated_delta(
         z0[0].data_ptr(), z0[0].numel(), z0[1].data_ptr(), z0[1].numel(), z0[2].data_ptr(),
         z0[2].numel(), z0[3].data_ptr(), z0[3].numel(), f32["a_log"].data_ptr(),
         f32["dt_bias"].data_ptr(), nv, f32["w"].data_ptr(), dv, 1e-6, None, st.data_ptr(),
-        st.numel(),
-        o.data_ptr(), o.numel(), torch.tensor([0, rows]).data_ptr(), 2, many.data_ptr(), 65,
-        out_many.data_ptr(), 65 * one, 1, nk, nv, dk, dv) == -2  # fmt: skip
-    assert _untouched(out_many)
+        st.numel(), None, wn.data_ptr(), carried, o.data_ptr(), o.numel(),
+        torch.tensor([0, rows]).data_ptr(), 2, torch.tensor([0]).data_ptr(), 1,
+        many.data_ptr(), 65, out_many.data_ptr(), 65 * one, wout_many.data_ptr(), 65 * carried,
+        1, nk, nv, dk, dv) == -2  # fmt: skip
+    assert _untouched(out_many) and _untouched(wout_many)
 
 
 @pytest.mark.parametrize("build", BUILDS)
@@ -1370,8 +1421,11 @@ def test_the_recurrent_states_are_checked(build, recurrent_step):
     def call(pos=(n, n), seqs=(0, 1), n_states=1, out_rows=2, drafts=0, **fields):
         B, L = len(pos), states.shape[0]
         out = _guarded(L * out_rows * states[0, 0].numel())
-        # a draft's buffers: the state after `drafts` rows, every row's u
+        # a draft's buffers: the state after `drafts` rows, every row's u; a DeltaNet's
+        # carried rows after the step and after the draft's rows
         snaps, urows = _guarded(L * drafts * states[0, 0].numel()), _guarded(L * B * width)
+        win_out, wsnaps = _guarded(L * out_rows * carried), _guarded(L * drafts * carried)
+        win_shape = () if win is None else win.shape[2:]
         view = StateView(
             ConvView(rows, list(seqs), [n] * len(seqs)),
             states,
@@ -1379,6 +1433,9 @@ def test_the_recurrent_states_are_checked(build, recurrent_step):
             None,
             snaps[: snaps.numel() - GUARD].view(L, drafts, *states.shape[2:]),
             urows[: urows.numel() - GUARD].view(L, B, width),
+            win,
+            None if win is None else win_out[:-GUARD].view(L, out_rows, *win_shape),
+            None if win is None else wsnaps[:-GUARD].view(L, drafts, *win_shape),
         )
         kv_rows, *_ = _split(cache.kv_views([b % 2 for b in range(B)]))
         c_views, _tables = step._c_views(kv_rows, list(pos))
@@ -1396,14 +1453,19 @@ def test_the_recurrent_states_are_checked(build, recurrent_step):
         if rc == -2:
             assert _untouched(x) and _untouched(logits) and _untouched(out), fields
             assert _untouched(snaps) and _untouched(urows), fields
+            assert _untouched(win_out) and _untouched(wsnaps), fields
         else:
             assert _untouched(out[-GUARD:]) and not _untouched(out[:-GUARD])
             assert _untouched(snaps[-GUARD:]) and _untouched(urows[-GUARD:])
             assert not _untouched(urows[:-GUARD]) and (not drafts or not _untouched(snaps))
+            assert _untouched(win_out[-GUARD:]) and _untouched(wsnaps[-GUARD:])
+            assert not carried or not _untouched(win_out[:-GUARD])
         return rc
 
     layers, per = states.shape[0], states[0, 0].numel()
     width = rows.shape[-1]
+    win = state.win  # a DeltaNet's carried rows (None: a Mamba2's, none)
+    carried = 0 if win is None else win[0, 0].numel()
     draft = {"pos": (n, n + 1), "seqs": (0, 0), "drafts": 1}  # one sequence's run of two
     bad = [{"in": None}, {"out": None}, {"state": per - 1}, {"state": per + 1},
            {"out_rows": 1}, {"in_bytes": states.numel() * 4 - 1}, {"out_bytes": 2 * per * 4},
@@ -1420,7 +1482,15 @@ def test_the_recurrent_states_are_checked(build, recurrent_step):
            {**draft, "snaps_bytes": layers * per * 4 - 1},
            {**draft, "snap_rows": HUGE, "snaps_bytes": ANY},
            {"urows_bytes": layers * 2 * width * 4 - 1},
-           {"pos": (n, n + 2), "seqs": (0, 0), "drafts": 1}]  # fmt: skip
+           {"pos": (n, n + 2), "seqs": (0, 0), "drafts": 1},
+           # the carried rows: of another size than the layers' (a Mamba2's: none), or
+           # (a DeltaNet's) missing or past their bytes, in place with out not in place
+           {"carried": carried + 1}]  # fmt: skip
+    if carried:
+        bad += [{"win": None}, {"win_out": None}, {"win_bytes": layers * 2 * carried * 4 - 1},
+                {"win_out_bytes": layers * 2 * carried * 4 - 1},
+                {**draft, "wsnaps": None}, {**draft, "wsnaps_bytes": layers * carried * 4 - 1},
+                {"win_out": win.data_ptr(), "win_out_bytes": ANY}]  # fmt: skip
     for given in bad:
         assert call(**given) == -2, given
     layer = next(ly for ly in step.spec.layers[: c.num_layers] if ly.mixer >= 2)

@@ -148,6 +148,9 @@ def test_pythons_numbers_are_abi_hs():
         name.upper().replace("_", ""): code for name, code in quant.KIND_CODES.items()
     } == header
     assert (c["BR"], c["SMALL_ROWS"]) == (quant.BLOCK_ROWS, quant.SMALL_M)
+    from kvlm.cache.kinds import DELTA_CHUNK  # the DeltaNet state's format: one chunk
+
+    assert c["DELTA_CHUNK"] == DELTA_CHUNK
     assert c["KVLM_ABI"] == kernels.ABI
     # a layer's mixer: one code for each of the config's the step runs (kvlm_qlayer.mixer;
     # why_not refuses a model with any other), and the most taps a conv layer takes the

@@ -558,16 +558,19 @@ def test_a_rows_bits_are_the_same_on_one_thread_or_two(qwen35_dir):
 @pytest.mark.parametrize("mode", ["contiguous", "paged", "window"])
 def test_memory_counts_the_state_per_sequence(qwen35_dir, mode, capsys):
     """`kvlm memory`'s plan: the DeltaNet layers' state a sequence whatever its length
-    (value_heads x key_dim x value_dim and kernel - 1 rows of q|k|v, fp32), the attention
+    (value_heads x key_dim x value_dim, kernel - 1 rows of q|k|v and the rule's carried
+    rows, DELTA_CHUNK - 1 of key_dim + value_dim + 2 a value head, fp32), the attention
     layers' K/V per token; a made cache holds what is planned for it."""
     from kvlm.cache import memory
+    from kvlm.cache.kinds import DELTA_CHUNK
     from kvlm.cli import main
 
     llm = LLM(model=qwen35_dir("qwen35"), kv=mode, progress=False)
     c, spec = llm.config, llm.cache_spec()
     d, layers = c.deltanet, len(c.deltanet_layers)
+    carried = d.value_heads * (DELTA_CHUNK - 1) * (d.key_dim + d.value_dim + 2)
     state = layers * (d.value_heads * d.key_dim * d.value_dim
-                      + (d.conv_kernel - 1) * d.conv_width) * 4  # fmt: skip
+                      + (d.conv_kernel - 1) * d.conv_width + carried) * 4  # fmt: skip
     for context, batch in ((64, 1), (128, 3)):
         groups = memory.layer_groups(mode, spec, context, batch)
         assert [g for g in groups if g["kind"] == "state"] == [
@@ -924,6 +927,7 @@ def test_a_pool_step_refuses_a_state_of_another_length(pooled):
         for layer in range(layers):
             taps = step.taps(layer, u)
             step.stage(layer, step.initial(layer) + 1)
+            step.stage_win(layer, step.initial_win(layer))
         return taps
 
     step = state.step([(slot[0], 0, 5, [])])
@@ -965,9 +969,11 @@ def test_a_pool_draft_rolls_back_to_its_rows(pooled):
         for layer in range(layers):
             step.taps(layer, u)
             step.stage(layer, step.initial(layer) + mark)
+            step.stage_win(layer, step.initial_win(layer))
             if step.keep_rows:  # the state after kept row i: marked i + 1
                 kept = [step.initial(layer)[0] + i + 1 for i in range(len(step.keep_rows))]
                 step.stage_kept(layer, torch.stack(kept))
+                step.stage_kept_win(layer, step.initial_win(layer)[[0] * len(kept)])
         step.commit()
 
     u = torch.randn(1, bs - 2, width)

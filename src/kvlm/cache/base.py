@@ -391,6 +391,12 @@ class StateView:
     layers: tuple[int, ...] | None = None
     snaps: torch.Tensor | None = None
     urows: torch.Tensor | None = None
+    # a gated DeltaNet's carried rows (kinds.RecurrentState.window_shape; None: a Mamba2's):
+    # before the step (layers, sequences, ...) as `state`, after it as `out`, the draft
+    # rows' as `snaps`
+    win: torch.Tensor | None = None
+    win_out: torch.Tensor | None = None
+    wsnaps: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

@@ -28,6 +28,7 @@ here and its line in `layer_kinds`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
@@ -35,6 +36,10 @@ import torch
 
 from kvlm.cache.storage import itemsize
 from kvlm.config import ModelConfig
+
+# A gated DeltaNet's rule runs in chunks of this many positions, at multiples of it from
+# 0 (kernels/abi.h's DELTA_CHUNK, which tests/test_kernel_abi.py holds it to)
+DELTA_CHUNK = 16
 
 # Tokens a windowed group keeps past its window: what a rollback may take back (a chat's
 # last token, a draft's rows beyond its own undo); a longer one is refused (the caller
@@ -203,11 +208,23 @@ class RecurrentState(LayerKind):
     cols: int
     conv_kernel: int
     conv_width: int
+    # a gated DeltaNet's rule runs in chunks of this many positions (kernels/deltanet.c):
+    # its state is the one at the chunk start of a sequence's length, beside the chunk's
+    # rows since (`window_shape`); None: no chunks, the state after every token (Mamba2:
+    # a field that is not set, so a Mamba2 cache file's layout is as it was)
+    chunk: int | None = None
 
     @property
     def state_shape(self) -> tuple[int, int, int]:
         """One layer's state of one sequence: (heads, rows, cols)."""
         return self.heads, self.rows, self.cols
+
+    @property
+    def window_shape(self) -> tuple[int, int, int]:
+        """One layer's carried rows of one sequence: (heads, chunk - 1, rows + cols + 2),
+        a row each position of the current chunk before the length: its k (rows), u
+        (cols), g and the chunk's cumulative g (empty without chunks)."""
+        return self.heads, (self.chunk or 1) - 1, self.rows + self.cols + 2
 
     @property
     def keep(self) -> int:
@@ -224,7 +241,7 @@ class RecurrentState(LayerKind):
 
     def sequence_bytes(self, spec: Geometry) -> int:
         rows = (self.conv_kernel - 1) * self.conv_width
-        values = self.heads * self.rows * self.cols + rows
+        values = self.heads * self.rows * self.cols + rows + math.prod(self.window_shape)
         return values * state_dtype(spec.kv_dtypes[0]).itemsize
 
     def end_bytes(self, spec: Geometry) -> int:
@@ -246,7 +263,9 @@ def recurrent_state(config: ModelConfig) -> RecurrentState | None:
     Mamba2 layer's heads of (head_dim, state_size) and its x|B|C rows."""
     d, m = config.deltanet, config.mamba2
     if d is not None and config.deltanet_layers:
-        return RecurrentState(d.value_heads, d.key_dim, d.value_dim, d.conv_kernel, d.conv_width)
+        return RecurrentState(
+            d.value_heads, d.key_dim, d.value_dim, d.conv_kernel, d.conv_width, DELTA_CHUNK
+        )
     if m is not None and config.mamba2_layers:
         return RecurrentState(m.heads, m.head_dim, m.state_size, m.conv_kernel, m.conv_width)
     return None

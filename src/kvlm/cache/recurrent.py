@@ -11,7 +11,13 @@ DeltaRows of the group's layers and the cache's sequences; its step's
 the forward succeeded.
 
     conv:  (DeltaNet layers, B, L - 1, conv_width)        positions length - L + 1 .. length - 1
-    state: (DeltaNet layers, B, value_heads, key_dim, value_dim)   after `length` tokens
+    state: (DeltaNet layers, B, value_heads, key_dim, value_dim)   at the chunk start c
+    win:   (DeltaNet layers, B, value_heads, DELTA_CHUNK - 1, key_dim + value_dim + 2)
+           the carried rows of positions c .. length - 1 (c = length - length % 16)
+
+(the gated delta rule runs in chunks of kinds.DELTA_CHUNK at absolute positions, so a step
+cut anywhere computes one shot's values: kvlm.model.deltanet; a Mamba2's state is the
+one after `length` tokens, its `win` empty).
 
 Both in kinds.state_dtype (fp32; fp64 for an fp64 cache). A state cannot forget tokens,
 so a rollback goes back to a state kept for it: a draft step (begin(n, draft=True): the
@@ -71,12 +77,21 @@ def state_layout(
     kind: RecurrentState, layers: int, batch: int, marks: int
 ) -> dict[str, tuple[int, ...]]:
     """The tensors a StateCache exports (a cache file's state group) and their shapes:
-    `conv` and `state` as DeltaRows holds them, and its `marks` checkpoints' positions
-    (`mark_pos`, ascending) and states and rows (`mark_state`, `mark_conv`)."""
+    `conv`, `state` and `win` (a DeltaNet's carried rows) as DeltaRows holds them, and its
+    `marks` checkpoints' positions (`mark_pos`, ascending) and states, rows and carried
+    rows (`mark_state`, `mark_conv`, `mark_win`)."""
     state, conv = (layers, batch, *kind.state_shape), (
         layers, batch, kind.conv_kernel - 1, kind.conv_width)  # fmt: skip
-    return {"conv": conv, "state": state, "mark_pos": (marks,), "mark_state": (marks, *state),
-            "mark_conv": (marks, *conv)}  # fmt: skip
+    out = {"conv": conv, "state": state, "mark_pos": (marks,), "mark_state": (marks, *state),
+           "mark_conv": (marks, *conv)}  # fmt: skip
+    if kind.chunk:  # a DeltaNet's carried rows (a Mamba2 carries none)
+        win = (layers, batch, *kind.window_shape)
+        out |= {"win": win, "mark_win": (marks, *win)}
+    return out
+
+
+# what a state kept for a rollback or a checkpoint is: (state, conv rows, carried rows)
+Held = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class DraftBuffers:
@@ -122,6 +137,10 @@ class DeltaRows:
         self.conv = ConvRows(window, layers, batch, dtype, device, slack=0)
         self.state = torch.zeros(layers, batch, *kind.state_shape, dtype=state_dtype(dtype),
                                  device=device)  # fmt: skip
+        # a DeltaNet's carried rows: its state is the one at the chunk start of `length`
+        # (kinds.DELTA_CHUNK), these the chunk's rows since (kvlm.model.deltanet)
+        self.win = torch.zeros(layers, batch, *kind.window_shape, dtype=self.state.dtype,
+                               device=device)  # fmt: skip
         self.depth = depth
         # the buffer a committed step's state replaced, where nothing kept holds it: the
         # next step's C road writes its states into it (DeltaStep.out_state), so a step
@@ -130,9 +149,11 @@ class DeltaRows:
         # anew: docs/BENCHMARKS.md 24.7)
         self.spare: torch.Tensor | None = None
         self.draft_bufs = DraftBuffers()  # the fused draft steps' (StateView.snaps)
-        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.win_bufs = DraftBuffers()  # ... and their carried rows' (StateView.wsnaps)
+        # position -> the state, conv rows and carried rows there
+        self.kept: dict[int, Held] = {}
         self.wanted: set[int] = set()  # positions a step will keep the state at (marks)
-        self.marks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.marks: dict[int, Held] = {}
 
     @property
     def length(self) -> int:
@@ -152,10 +173,11 @@ class DeltaRows:
         before, replaced = self.conv.rows, self.state
         self.conv.commit(step.conv)
         self.state = step.states()
+        self.win = step.wins()
         start, end, r = step.start, step.start + step.n_new, self.conv.keep
         if step.keep_rows:  # the state and rows after each row kept
             # (layers, rows, ...): the fused draft step's buffer, else the staged stacked
-            states = step.kept_states()
+            states, wins = step.kept_states(), step.kept_wins()
             rows = None
             if step.urows is not None:  # the fused step's: the rows before it, its u rows
                 rows = torch.cat([step.before, step.urows[:, None].to(before.dtype)], dim=2)
@@ -171,10 +193,10 @@ class DeltaRows:
                 else:
                     window = torch.stack([w[q] for w in step.conv.windows]).to(before.dtype)
                 # one sequence's (a draft's): a view of the step's states, else gathered
-                kept = states[:, at[0] : at[0] + 1] if len(at) == 1 else states[:, at]
-                held = (kept, window)
+                one = slice(at[0], at[0] + 1) if len(at) == 1 else at
+                held = (states[:, one], window, wins[:, one])
                 (self.marks if p in self.wanted else self.kept)[p] = held
-        self.kept[end] = (self.state, self.conv.rows)
+        self.kept[end] = (self.state, self.conv.rows, self.win)
         if end in self.wanted:
             self.marks[end] = self.kept[end]
         self.wanted = {p for p in self.wanted if p > end}
@@ -211,7 +233,7 @@ class DeltaRows:
         if n:
             length = self.length - n
             replaced = self.state
-            state, rows = self.kept.get(length) or self.marks[length]
+            state, rows, win = self.kept.get(length) or self.marks[length]
             if not state.is_contiguous():  # a draft row's, in its step's buffer: the
                 # layout the fused step reads, in the spare buffer where there is one
                 spare, self.spare = self.spare, None
@@ -219,22 +241,24 @@ class DeltaRows:
                     fits = spare is not None and spare.shape == state.shape
                     state = spare.copy_(state) if fits else state.contiguous()  # type: ignore[union-attr]
             self.state = state
+            self.win = win.contiguous()
             self.conv.rows = rows.contiguous()
             self.conv.end = self.conv.length = length
             self.conv.first = length - self.conv.keep
             self.kept = {p: t for p, t in self.kept.items() if p <= length}
-            self.kept[length] = (self.state, self.conv.rows)
+            self.kept[length] = (self.state, self.conv.rows, self.win)
             self.marks = {p: t for p, t in self.marks.items() if p <= length}
             self.wanted = set()
             held = {t[0].data_ptr() for t in (*self.kept.values(), *self.marks.values())}
             if replaced.data_ptr() not in held and replaced.is_contiguous():
                 self.spare = replaced  # the next step's out buffer
 
-    def draft_buffer(self, rows: int) -> torch.Tensor:
-        """A fused draft step's buffer of its rows' states (DraftBuffers), where no state
-        kept for a rollback or a checkpoint is held."""
-        held = [t[0] for t in (*self.kept.values(), *self.marks.values())]
-        return self.draft_bufs.get(self.state, rows, held)
+    def draft_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fused draft step's buffers of its rows' states and carried rows
+        (DraftBuffers), where nothing kept for a rollback or a checkpoint is held."""
+        held = [t for h in (*self.kept.values(), *self.marks.values()) for t in (h[0], h[2])]
+        return (self.draft_bufs.get(self.state, rows, held),
+                self.win_bufs.get(self.win, rows, held))  # fmt: skip
 
     def own_rows(self) -> None:
         """Before a step that moves the conv rows on in place (the fused step's): the rows
@@ -249,7 +273,8 @@ class DeltaRows:
         """Each sequence as n (n samples decoding from one prompt)."""
         self.conv.fork(n)
         self.state = self.state.repeat_interleave(n, dim=1)
-        self.kept = {self.length: (self.state, self.conv.rows)}
+        self.win = self.win.repeat_interleave(n, dim=1)
+        self.kept = {self.length: (self.state, self.conv.rows, self.win)}
         self.marks, self.wanted = {}, set()
 
 
@@ -267,6 +292,7 @@ class DeltaStep:
     def __init__(self, rows: DeltaRows, n_new: int, draft: bool = False) -> None:
         self.start, self.n_new, self.draft = rows.length, n_new, draft
         start = self.start
+        self.starts = [start] * (1 if draft else rows.batch)  # each sequence's first position
         if draft:
             self.cu = [0, n_new]
             self.inside = list(range(start + 1, start + n_new))
@@ -275,21 +301,68 @@ class DeltaStep:
         # a checkpoint's rows: kept by the conv step (of a long one only its tail stays)
         windows = () if draft else tuple(p - start for p in self.inside)
         self.conv: ConvStep = rows.conv.begin(n_new, draft, windows)
-        self._state, self._rows = rows.state, rows
+        self._state, self._rows, self._win = rows.state, rows, rows.win
         self.out: torch.Tensor | None = None
+        self.win_out: torch.Tensor | None = None
         # a draft through the fused step (StateCache.written_in_place): the conv rows
-        # before it, and the step's buffers of its rows' states (snaps) and u rows
+        # before it, and the step's buffers of its rows' states and carried rows (snaps,
+        # wsnaps) and u rows
         self.before: torch.Tensor | None = None
         self.snaps: torch.Tensor | None = None
+        self.wsnaps: torch.Tensor | None = None
         self.urows: torch.Tensor | None = None
         layers = rows.state.shape[0]
         self.staged: list[torch.Tensor | None] = [None] * layers
         self.kept: list[torch.Tensor | None] = [None] * layers
         rel = [p - start - 1 for p in self.inside]
         self.keep_rows = sorted(b * n_new + q for b in range(rows.batch) for q in rel) or None
+        # the carried rows after the step and after each kept row (none to carry: a
+        # Mamba2's, its window empty, staged as it is)
+        empty = rows.win.numel() == 0
+        self.staged_win: list[torch.Tensor | None] = [w if empty else None for w in rows.win]
+        kept_win = rows.win.new_empty(len(self.keep_rows or ()), *rows.win.shape[2:])
+        self.kept_win: list[torch.Tensor | None] = [kept_win if empty else None] * layers
 
     def initial(self, layer: int) -> torch.Tensor:
         return self._state[layer]
+
+    def initial_win(self, layer: int) -> torch.Tensor:
+        """A layer's carried rows before the step (B, ...)."""
+        return self._win[layer]
+
+    def out_win(self, layer: int) -> torch.Tensor:
+        """Where the C road writes a layer's carried rows after the step (fp32): a layer of
+        one buffer the step allocates, which commit keeps whole."""
+        if self.win_out is None:
+            self.win_out = torch.empty_like(self._win, dtype=torch.float32)
+        return self.win_out[layer]
+
+    def stage_win(self, layer: int, win: torch.Tensor) -> None:
+        self.staged_win[layer] = win
+
+    def stage_kept_win(self, layer: int, wins: torch.Tensor) -> None:
+        """The carried rows after the `keep_rows` (one each, (rows, ...))."""
+        self.kept_win[layer] = wins
+
+    def wins(self) -> torch.Tensor:
+        """The staged carried rows as one tensor (layers, B, ...), as `states`."""
+        out, staged = self.win_out, self.staged_win
+        if any(w is None for w in staged):
+            raise ValueError("a DeltaNet step committed before its carried rows were staged")
+        if (
+            out is not None
+            and out.dtype == self._win.dtype
+            and all(w.data_ptr() == out[i].data_ptr() for i, w in enumerate(staged))  # type: ignore[union-attr]
+        ):
+            return out
+        return torch.stack(staged)  # type: ignore[arg-type]
+
+    def kept_wins(self) -> torch.Tensor:
+        """The carried rows after the `keep_rows` (layers, keep_rows, ...), as
+        `kept_states`."""
+        if self.wsnaps is not None:
+            return self.wsnaps[:, : len(self.keep_rows or ())]
+        return torch.stack(self.kept_win)  # type: ignore[arg-type]
 
     def out_state(self, layer: int) -> torch.Tensor:
         """Where a layer's state after the step may be written (the C road's, fp32): a
@@ -339,38 +412,47 @@ class DeltaStep:
 
 class KernelCall:
     """One recurrent layer of a step (a DeltaStep or a SlotDeltaStep) through its C kernel
-    (kvlm_gated_delta, kvlm_mamba2: both take these buffers in this order after their
-    own): the states before (`state_in`, None where the step's out buffer is that state
-    itself, a pool step's gathered copy), the step's out buffer, `out` (the layer's
-    output rows), the sequences' row offsets `cu`, the rows whose state is kept
-    (`keep_rows`) and their snapshots' buffer; `staged` stages them once it ran."""
+    (kvlm_gated_delta, kvlm_mamba2): the states before (`state_in`, None where the step's
+    out buffer is that state itself, a pool step's gathered copy), the step's out buffer,
+    `out` (the layer's output rows), the sequences' row offsets `cu`, the rows whose state
+    is kept (`keep_rows`) and their snapshots' buffer, and for a DeltaNet (`carried`) its
+    carried rows before and after (as the states) with each sequence's first position
+    `starts` and the kept rows' carried rows; `staged` stages them once it ran."""
 
     def __init__(self, step: DeltaStep | SlotDeltaStep, slot: int, cu: list[int],
-                 out: torch.Tensor) -> None:  # fmt: skip
+                 out: torch.Tensor, starts: Sequence[int] | None = None) -> None:  # fmt: skip
         self.step, self.slot, self.out, self.sequences = step, slot, out, len(cu) - 1
-        initial = step.initial(slot)
-        self.state = step.out_state(slot)  # the step's own: written, the initial kept
-        self.state_in: torch.Tensor | None = None
-        if self.state.data_ptr() != initial.data_ptr():
-            self.state_in = initial.to(torch.float32).contiguous()
+        self.state, self.state_in = _in_out(step.initial(slot), step.out_state(slot))
         self.offsets = torch.tensor(cu, dtype=torch.int64)
         kept = step.keep_rows
         self.at = torch.tensor(kept, dtype=torch.int64) if kept else None
         self.snaps = None
         if kept:
             self.snaps = self.state.new_empty(len(kept), *self.state.shape[1:])
+        self.carried = starts is not None
+        if self.carried:  # a DeltaNet's: its carried rows
+            self.win, self.win_in = _in_out(step.initial_win(slot), step.out_win(slot))
+            self.starts = torch.tensor(starts, dtype=torch.int64)
+            self.wsnaps = self.win.new_empty(len(kept or ()), *self.win.shape[1:])
 
     def args(self) -> tuple:
-        """state_in, state, sn, out, on, cu, cun, at, atn, snaps, pn, S."""
+        """kvlm_gated_delta's: state_in, state, sn, win_in, win, wn2, out, on, cu, cun,
+        starts, stn, at, atn, snaps, pn, wsnaps, pwn, S; kvlm_mamba2's: state_in, state,
+        sn, out, on, cu, cun, at, atn, snaps, pn, S."""
         at, snaps, state = self.at, self.snaps, self.state
-        return (
-            None if self.state_in is None else self.state_in.data_ptr(),
-            state.data_ptr(), state.numel(), self.out.data_ptr(), self.out.numel(),
-            self.offsets.data_ptr(), self.offsets.numel(),
-            None if at is None else at.data_ptr(), 0 if at is None else at.numel(),
-            None if snaps is None else snaps.data_ptr(), 0 if snaps is None else snaps.numel(),
-            self.sequences,
-        )  # fmt: skip
+        kept = (None if at is None else at.data_ptr(), 0 if at is None else at.numel(),
+                None if snaps is None else snaps.data_ptr(),
+                0 if snaps is None else snaps.numel())  # fmt: skip
+        head = (_ptr(self.state_in), state.data_ptr(), state.numel())
+        if not self.carried:
+            return (*head, self.out.data_ptr(), self.out.numel(), self.offsets.data_ptr(),
+                    self.offsets.numel(), *kept, self.sequences)  # fmt: skip
+        win, ws = self.win, self.wsnaps
+        return (*head, _ptr(self.win_in), win.data_ptr(), win.numel(), self.out.data_ptr(),
+                self.out.numel(), self.offsets.data_ptr(), self.offsets.numel(),
+                self.starts.data_ptr(), self.starts.numel(), *kept,
+                ws.data_ptr() if at is not None else None, ws.numel(),
+                self.sequences)  # fmt: skip
 
     def staged(self, rc: int, refused: Callable[[], str]) -> torch.Tensor:
         """The layer's output, its states staged; ValueError(`refused()`, the call's shapes
@@ -380,7 +462,23 @@ class KernelCall:
         self.step.stage(self.slot, self.state)
         if self.snaps is not None:
             self.step.stage_kept(self.slot, self.snaps)
+        if self.carried:
+            self.step.stage_win(self.slot, self.win)
+            if self.at is not None:
+                self.step.stage_kept_win(self.slot, self.wsnaps)
         return self.out
+
+
+def _in_out(initial: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A kernel's buffer written in a step (`out`) and what it reads first: None where out
+    is `initial` itself (updated in place), else `initial` as contiguous fp32."""
+    if out.data_ptr() == initial.data_ptr():
+        return out, None
+    return out, initial.to(torch.float32).contiguous()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 class _StateCacheStep(CacheStep):
@@ -452,8 +550,9 @@ class StateCache(KVCache):
         d: DeltaStep | None = None if step is None else step.recurrent  # type: ignore[attr-defined]
         conv = ConvView(r.conv.rows, seqs, [r.conv.end] * len(seqs))
         if d is None:
-            return [StateView(conv, r.state)]
-        return [StateView(conv, r.state, d.out, None, d.snaps, d.urows)]
+            return [StateView(conv, r.state, win=r.win)]
+        return [StateView(conv, r.state, d.out, None, d.snaps, d.urows, r.win, d.win_out,
+                          d.wsnaps)]  # fmt: skip
 
     def written_in_place(self, step: CacheStep) -> None:
         """The fused step reads the states before the step, writes every layer's after into
@@ -464,15 +563,22 @@ class StateCache(KVCache):
         recurrent: DeltaStep = step.recurrent  # type: ignore[attr-defined]
         self.rows.own_rows()
         recurrent.conv.in_place = True
+        carried = self.rows.win.numel() > 0
         for layer in range(len(recurrent.staged)):
             recurrent.stage(layer, recurrent.out_state(layer))
+            if carried:
+                recurrent.stage_win(layer, recurrent.out_win(layer))
         if recurrent.draft:
             rows, n = self.rows.conv.rows, recurrent.n_new
             recurrent.before = rows.clone()
-            recurrent.snaps = self.rows.draft_buffer(n - 1)
+            recurrent.snaps, wsnaps = self.rows.draft_buffers(n - 1)
+            if carried:
+                recurrent.wsnaps = wsnaps
             recurrent.urows = rows.new_empty(rows.shape[0], n, rows.shape[3])
             for layer, kept in enumerate(recurrent.snaps):
                 recurrent.stage_kept(layer, kept[: n - 1])
+                if carried:
+                    recurrent.stage_kept_win(layer, wsnaps[layer, : n - 1])
 
     def _release(self) -> None:  # back to the spec's batch
         self.rows = self._new_rows(self.spec.batch)
@@ -485,13 +591,17 @@ class StateCache(KVCache):
         marks = sorted(rows.marks.items())
         shapes = state_layout(self.kind, self.spec.num_layers, self.batch, 0)
         empty = {k: rows.state.new_empty(v) for k, v in shapes.items()}
-        return {
+        out = {
             "conv": rows.conv.rows,
             "state": rows.state,
             "mark_pos": torch.tensor([p for p, _ in marks], dtype=torch.int64),
             "mark_state": torch.stack([t[0] for _, t in marks]) if marks else empty["mark_state"],
             "mark_conv": torch.stack([t[1] for _, t in marks]) if marks else empty["mark_conv"],
         }
+        if "win" in shapes:
+            out["win"] = rows.win
+            out["mark_win"] = torch.stack([t[2] for _, t in marks]) if marks else empty["mark_win"]
+        return out
 
     def _import(self, tensors: dict[str, torch.Tensor], length: int) -> None:
         rows = self._new_rows(self.batch)
@@ -500,12 +610,17 @@ class StateCache(KVCache):
         rows.conv.end = rows.conv.length = length
         rows.conv.first = length - rows.conv.keep
         rows.state = tensors["state"].to(dtype=dtype, device=device, copy=True)
-        rows.kept = {length: (rows.state, rows.conv.rows)}
+        if "win" in tensors:  # a DeltaNet's carried rows (a Mamba2 carries none)
+            rows.win = tensors["win"].to(dtype=dtype, device=device, copy=True).contiguous()
+        none = [rows.win.new_empty(rows.win.shape)] * len(tensors["mark_pos"])  # (empty)
+        win = tensors.get("mark_win", none)
+        rows.kept = {length: (rows.state, rows.conv.rows, rows.win)}
         marks = zip(tensors["mark_pos"].tolist(), tensors["mark_state"], tensors["mark_conv"],
-                    strict=True)  # fmt: skip
+                    win, strict=True)  # fmt: skip
         rows.marks = {int(p): (st.to(dtype=dtype, device=device, copy=True),
-                               cv.to(dtype=dtype, device=device, copy=True).contiguous())
-                      for p, st, cv in marks}  # fmt: skip
+                               cv.to(dtype=dtype, device=device, copy=True).contiguous(),
+                               wn.to(dtype=dtype, device=device, copy=True).contiguous())
+                      for p, st, cv, wn in marks}  # fmt: skip
         self.rows = rows
 
     @property
@@ -513,7 +628,7 @@ class StateCache(KVCache):
         """The rows, the state and the states kept for a rollback (drafts', checkpoints')."""
         rows = self.rows
         pairs = (*rows.kept.values(), *rows.marks.values())
-        held = [rows.state, rows.conv.rows, *(t for pair in pairs for t in pair)]
+        held = [rows.state, rows.conv.rows, rows.win, *(t for pair in pairs for t in pair)]
         return sum({t.data_ptr(): t.nbytes for t in held}.values())
 
     @classmethod
@@ -533,6 +648,7 @@ class Drafted:
     states: torch.Tensor
     conv: torch.Tensor
     snaps: list[tuple[int, int]]
+    wins: torch.Tensor  # (layers, n - 1, ...) the carried rows after each row but the last
 
 
 class StateSlots(Slots):
@@ -582,6 +698,7 @@ class StateSlots(Slots):
         rows = (kind.conv_kernel - 1, kind.conv_width)
         self.state = torch.zeros(layers, slots, *state, dtype=dtype, device=dev)
         self.conv = torch.zeros(layers, slots, *rows, dtype=dtype, device=dev)
+        self.win = torch.zeros(layers, slots, *kind.window_shape, dtype=dtype, device=dev)
         self.end = [0] * slots
         self.drafted: dict[int, Drafted] = {}  # slot -> its last step's draft, kept
         self.turn_end: dict[int, int] = {}  # slot -> the last block end of its prompt's turn
@@ -590,10 +707,12 @@ class StateSlots(Slots):
         # a fused step's drafts between `view` and `written`: each draft's slot's rows
         # before the step, the step's snaps and urows
         self._before: dict[int, torch.Tensor] = {}
-        self._drafts: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-        self.draft_bufs = DraftBuffers()
+        self._drafts: tuple[torch.Tensor | None, ...] = (None, None, None)
+        self.draft_bufs, self.win_bufs = DraftBuffers(), DraftBuffers()
         self.snap_state = torch.zeros(layers, snapshots, *state, dtype=dtype, device=dev)
         self.snap_conv = torch.zeros(layers, snapshots, *rows, dtype=dtype, device=dev)
+        self.snap_win = torch.zeros(layers, snapshots, *kind.window_shape, dtype=dtype,
+                                    device=dev)  # fmt: skip
         self.snap_of: dict[int, int] = {}  # group 0's block -> the snapshot at its end
         self.snap_id: dict[int, int] = {}  # ... -> the prefix id it held when marked
         self.snap_block = [-1] * snapshots  # snapshot -> its block (-1: none)
@@ -609,19 +728,22 @@ class StateSlots(Slots):
     @property
     def block_nbytes(self) -> int:
         """A slot's bytes (the group's sequence_bytes)."""
-        return (self.state.nbytes + self.conv.nbytes) // self.num_blocks
+        return (self.state.nbytes + self.conv.nbytes + self.win.nbytes) // self.num_blocks
 
     @property
     def nbytes(self) -> int:
-        return self.state.nbytes + self.conv.nbytes + self.snap_state.nbytes + self.snap_conv.nbytes
+        return sum(t.nbytes for t in (self.state, self.conv, self.win, self.snap_state,
+                                      self.snap_conv, self.snap_win))  # fmt: skip
 
     def commit_memory(self) -> None:
-        for t in (self.state, self.conv, self.snap_state, self.snap_conv):
+        for t in (self.state, self.conv, self.win, self.snap_state, self.snap_conv,
+                  self.snap_win):  # fmt: skip
             t.zero_()
 
     def _reset(self, slot: int) -> None:
         self.state[:, slot].zero_()
         self.conv[:, slot].zero_()
+        self.win[:, slot].zero_()
         self.end[slot] = 0
         self.drafted.pop(slot, None)
         self.turn_end.pop(slot, None)
@@ -636,6 +758,7 @@ class StateSlots(Slots):
     def _copy(self, src: int, dst: int) -> None:
         self.state[:, dst] = self.state[:, src]
         self.conv[:, dst] = self.conv[:, src]
+        self.win[:, dst] = self.win[:, src]
         self.end[dst] = self.end[src]
         self.drafted.pop(dst, None)
 
@@ -660,6 +783,7 @@ class StateSlots(Slots):
                                    f"tokens, trimmed to {num_tokens}")  # fmt: skip
             i = num_tokens - d.start  # the draft's rows kept
             self.state[:, slot] = d.states[:, i - 1]
+            self.win[:, slot] = d.wins[:, i - 1]
             self.conv[:, slot] = d.conv[:, i : i + r]
             self.end[slot] = num_tokens
             for position, block in d.snaps:
@@ -714,14 +838,19 @@ class StateSlots(Slots):
         slots = [p[0] for p in pieces]
         conv = ConvView(self.conv, slots, [self.end[s] for s in slots], self.group.layers)
         self._before = {slot: self.conv[:, slot].clone() for slot, _, n, _ in seqs if n > 1}
-        snaps = urows = None
+        snaps = urows = wsnaps = None
         if self._before:  # the drafts' buffers (a step's few rows: at most MAX_ROWS)
-            held = [d.states for d in self.drafted.values()]
-            snaps = self.draft_bufs.get(self.state, len(pieces) - len(seqs), held)
+            held = [t for d in self.drafted.values() for t in (d.states, d.wins)]
+            drafts = len(pieces) - len(seqs)
+            snaps = self.draft_bufs.get(self.state, drafts, held)
+            wsnaps = self.win_bufs.get(self.win, drafts, held)
             urows = self.conv.new_empty(self.conv.shape[0], len(pieces), self.conv.shape[3])
-        self._drafts = (snaps, urows)
+        self._drafts = (snaps, urows, wsnaps)
         out = self.state if pieces else None
-        return StateView(conv, self.state, out, self.group.layers, snaps, urows)
+        carried = self.win.numel() > 0
+        win = self.win if carried else None
+        return StateView(conv, self.state, out, self.group.layers, snaps, urows, win,
+                         win if pieces else None, wsnaps if carried else None)  # fmt: skip
 
     def written(self, pieces: Sequence[Piece]) -> None:
         """After the fused step ran `pieces` through `view` (their states and conv rows
@@ -730,7 +859,7 @@ class StateSlots(Slots):
         snaps) and each draft's states and rows (`drafted`), as SlotDeltaStep.commit keeps
         them."""
         bs, r = self.block_size, self.conv.shape[2]
-        snaps, urows = self._drafts
+        snaps, urows, wsnaps = self._drafts
         row = kept = 0  # the sequence's first row of the step; its first of snaps
         for (slot, start, n, table), count in joined(pieces):
             self.drafted.pop(slot, None)  # the last step's draft: past
@@ -746,16 +875,19 @@ class StateSlots(Slots):
                 if e == start + n:  # after its last row: the slot's state
                     self.snap_state[:, idx] = self.state[:, slot]
                     self.snap_conv[:, idx] = self.conv[:, slot]
+                    self.snap_win[:, idx] = self.win[:, slot]
                 else:  # after a draft row's
                     self.snap_state[:, idx] = snaps[:, kept + e - start - 1]  # type: ignore[index]
                     self.snap_conv[:, idx] = rows[:, e - start : e - start + r]  # type: ignore[index]
+                    self.snap_win[:, idx] = wsnaps[:, kept + e - start - 1]  # type: ignore[index]
             if draft:
                 states = snaps[:, kept : kept + n - 1]  # type: ignore[index]
-                self.drafted[slot] = Drafted(start, states, rows, taken)  # type: ignore[arg-type]
+                wins = wsnaps[:, kept : kept + n - 1]  # type: ignore[index]
+                self.drafted[slot] = Drafted(start, states, rows, taken, wins)  # type: ignore[arg-type]
                 kept += n - 1
             self.end[slot] = start + n
             row += n
-        self._before, self._drafts = {}, (None, None)
+        self._before, self._drafts = {}, (None, None, None)
 
     def step(self, pieces: Sequence[Piece]) -> SlotDeltaStep:
         """The DeltaNet state of a pool step whose tokens, flattened, are `pieces`."""
@@ -776,7 +908,8 @@ class StateSlots(Slots):
     def block_rows_nbytes(self) -> int:
         """One snapshot's bytes (every DeltaNet layer's state and rows)."""
         n = self.snap_state.shape[1]
-        return (self.snap_state.nbytes + self.snap_conv.nbytes) // n if n else 0
+        both = self.snap_state.nbytes + self.snap_conv.nbytes + self.snap_win.nbytes
+        return both // n if n else 0
 
     def has_rows(self, block: int, prefix_id: int) -> bool:
         return prefix_id != 0 and block in self.snap_of and self.snap_id.get(block) == prefix_id
@@ -785,14 +918,20 @@ class StateSlots(Slots):
     def record_parts(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """A snapshot as a tier record's parts: "state" (layers, nv, dk, dv) and "conv"
         (layers, L - 1, conv_width), in the state's dtype."""
-        s, c = self.snap_state, self.snap_conv
-        return {"state": ((s.shape[0], *s.shape[2:]), s.dtype),
-                "conv": ((c.shape[0], *c.shape[2:]), c.dtype)}  # fmt: skip
+        s, c, w = self.snap_state, self.snap_conv, self.snap_win
+        parts = {"state": ((s.shape[0], *s.shape[2:]), s.dtype),
+                 "conv": ((c.shape[0], *c.shape[2:]), c.dtype)}  # fmt: skip
+        if w[:, :1].numel():  # a DeltaNet's carried rows (a Mamba2 carries none)
+            parts["win"] = ((w.shape[0], *w.shape[2:]), w.dtype)
+        return parts
 
     def block_rows(self, block: int) -> dict[str, torch.Tensor]:
         """The snapshot at group 0's `block`'s end as a tier record's parts."""
         idx = self.snap_of[block]
-        return {"state": self.snap_state[:, idx], "conv": self.snap_conv[:, idx]}
+        parts = {"state": self.snap_state[:, idx], "conv": self.snap_conv[:, idx]}
+        if "win" in self.record_parts:
+            parts["win"] = self.snap_win[:, idx]
+        return parts
 
     def put_block_rows(self, block: int, parts: dict[str, torch.Tensor], prefix_id: int) -> bool:
         """A tier record's state for group 0's `block` (registered under `prefix_id`), in
@@ -804,6 +943,8 @@ class StateSlots(Slots):
         dev = self.snap_state.device
         self.snap_state[:, idx] = parts["state"].to(dev)
         self.snap_conv[:, idx] = parts["conv"].to(dev)
+        if "win" in parts:
+            self.snap_win[:, idx] = parts["win"].to(dev)
         self.snap_id[block] = prefix_id
         return True
 
@@ -875,6 +1016,7 @@ class StateSlots(Slots):
         idx = self.snap_of[block]
         self.state[:, slot] = self.snap_state[:, idx]
         self.conv[:, slot] = self.snap_conv[:, idx]
+        self.win[:, slot] = self.snap_win[:, idx]
         self.end[slot] = position
         self.snap_order.move_to_end(idx)
 
@@ -941,12 +1083,21 @@ class SlotDeltaStep:
         self.conv = self  # the model reads `step.conv.taps`
         self.draft = False  # the pieces say which rows are one sequence
         layers = slots.state.shape[0]
+        self.starts = [start for _, start, _, _ in self.seqs]  # each sequence's first position
         self._initial: list[torch.Tensor | None] = [None] * layers
+        self._initial_win: list[torch.Tensor | None] = [None] * layers
         self._bufs: list[torch.Tensor | None] = [None] * layers
         self.staged: list[torch.Tensor | None] = [None] * layers
         self.keep_rows = sorted(points) or None
         self._index = {row: i for i, row in enumerate(self.keep_rows or [])}
         self.kept: list[torch.Tensor | None] = [None] * layers
+        # the carried rows after the step and after each kept row (none to carry: a
+        # Mamba2's, its window empty, staged as gathered)
+        empty = slots.win.numel() == 0
+        none = slots.win.new_empty(len(self.seqs), *slots.win.shape[2:])
+        kept_none = slots.win.new_empty(len(self.keep_rows or ()), *slots.win.shape[2:])
+        self.staged_win: list[torch.Tensor | None] = [none if empty else None] * layers
+        self.kept_win: list[torch.Tensor | None] = [kept_none if empty else None] * layers
 
     def taps(self, layer: int, u: torch.Tensor) -> Taps:
         """u (B, T, C) (the step's tokens, flattened in the pieces' order): what its
@@ -960,6 +1111,23 @@ class SlotDeltaStep:
         if self._initial[layer] is None:  # the sequences' states gathered: the step's copy
             self._initial[layer] = self.slots.state[layer].index_select(0, self._slots)
         return self._initial[layer]  # type: ignore[return-value]
+
+    def initial_win(self, layer: int) -> torch.Tensor:
+        if self._initial_win[layer] is None:  # the sequences' carried rows gathered
+            self._initial_win[layer] = self.slots.win[layer].index_select(0, self._slots)
+        return self._initial_win[layer]  # type: ignore[return-value]
+
+    def out_win(self, layer: int) -> torch.Tensor:
+        """Where the C road writes a layer's carried rows after the step: over the gathered
+        copy, as out_state."""
+        win = self.initial_win(layer)
+        return win if win.dtype == torch.float32 else torch.empty_like(win, dtype=torch.float32)
+
+    def stage_win(self, layer: int, win: torch.Tensor) -> None:
+        self.staged_win[layer] = win
+
+    def stage_kept_win(self, layer: int, wins: torch.Tensor) -> None:
+        self.kept_win[layer] = wins
 
     def out_state(self, layer: int) -> torch.Tensor:
         """Where the C road writes a layer's states after the step: over the gathered copy
@@ -979,9 +1147,9 @@ class SlotDeltaStep:
     def commit(self) -> None:
         """Keep the step's states and each sequence's last L - 1 rows in their slots, the
         snapshots at the block ends the step passed, and each draft's states and rows."""
-        if any(t is None for t in self.staged) or any(t is None for t in self._bufs):
+        if any(t is None for t in (*self.staged, *self._bufs, *self.staged_win)):
             raise ValueError("a DeltaNet step committed before every DeltaNet layer ran")
-        if self.keep_rows and any(t is None for t in self.kept):
+        if self.keep_rows and any(t is None for t in (*self.kept, *self.kept_win)):
             raise ValueError("a DeltaNet step committed before its kept states were staged")
         slots, r = self.slots, self.slots.conv.shape[2]
         for slot, _, _, _ in self.seqs:
@@ -990,11 +1158,15 @@ class SlotDeltaStep:
         for (s, slot, start, n, _), o in zip(self._drafts, self._draft_rows, strict=True):
             first = self._index[self.cu[s]]
             states = torch.stack([t[first : first + n - 1] for t in self.kept])  # type: ignore[index]
+            wins = torch.stack([t[first : first + n - 1] for t in self.kept_win])  # type: ignore[index]
             conv = torch.stack([b[o : o + r + n] for b in self._bufs])  # type: ignore[index]
             snaps = [(pos, block) for _, q, block, _, _, pos in self._snaps if q == s]
-            slots.drafted[slot] = Drafted(start, states, conv.to(slots.conv.dtype), snaps)
+            slots.drafted[slot] = Drafted(start, states, conv.to(slots.conv.dtype), snaps,
+                                          wins.to(slots.win.dtype))  # fmt: skip
         for layer, (state, buf) in enumerate(zip(self.staged, self._bufs, strict=True)):
             slots.state[layer].index_copy_(0, self._slots, state.to(slots.state.dtype))  # type: ignore[union-attr]
+            win = self.staged_win[layer]
+            slots.win[layer].index_copy_(0, self._slots, win.to(slots.win.dtype))  # type: ignore[union-attr]
             rows = buf[: len(self.seqs) * r].view(len(self.seqs), r, -1)  # type: ignore[index]
             slots.conv[layer].index_copy_(0, self._slots, rows.to(slots.conv.dtype))
         for slot, start, n, _ in self.seqs:
@@ -1009,6 +1181,7 @@ class SlotDeltaStep:
             for layer, (kept, buf) in enumerate(zip(self.kept, self._bufs, strict=True)):
                 slots.snap_state[layer, idx] = kept[i]  # type: ignore[index]
                 slots.snap_conv[layer, idx] = buf[o : o + r]  # type: ignore[index]
+                slots.snap_win[layer, idx] = self.kept_win[layer][i]  # type: ignore[index]
 
     def _rows_before(self, s: int, local: int) -> torch.Tensor:
         """The buffer's rows (as `taps` builds it, before the gather) of sequence s's last

@@ -445,8 +445,9 @@ _SIGNATURES: dict[str, tuple[str, str]] = {
     # qkv, qkvn, M, rs, nq, nk, D, qn, kn, nn, eps, cos, cn, sin, sn, cs, R
     "kvlm_qk_norm_rope": ("int", "piiiiiippidpipiii"),
     # deltanet.c: conv, cn, z, zn, b, bn, a, an, a_log, dt_bias, hn, w, wn, eps, state_in,
-    # state, sn, out, on, cu, cun, at, atn, snaps, pn, S, nk, nv, dk, dv
-    "kvlm_gated_delta": ("int", "pipipipippipidppipipipipiiiiii"),
+    # state, sn, win_in, win, wn2, out, on, cu, cun, starts, stn, at, atn, snaps, pn,
+    # wsnaps, pwn, S, nk, nv, dk, dv
+    "kvlm_gated_delta": ("int", "pipipipippipidppippipipipipipipiiiiii"),
     # mamba2.c: conv, cn, z, zn, dt, dn, a_log, dt_bias, d, hn, w, wn, eps, state_in,
     # state, sn, out, on, cu, cun, at, atn, snaps, pn, S, heads, hd, N, G
     "kvlm_mamba2": ("int", "pipipipppipidppipipipipiiiiii"),

@@ -10,7 +10,7 @@
 #define KVLM_ABI_H
 #include <stdint.h>
 
-#define KVLM_ABI 34 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
+#define KVLM_ABI 35 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
 
 /* the limits (fused.py: MAX_HEAD_DIM, MAX_ROWS, QMAT_PARTS; quant.py: BLOCK_ROWS, SMALL_M) */
 #define BR 16         /* weight rows per block: one per 32-bit vector lane */
@@ -19,6 +19,9 @@
 #define MAX_BATCH 256 /* the most rows (sequences) one decode step takes */
 #define QMAT_PARTS 3 /* a fused projection's row parts, each of its own kind */
 #define MAX_CONV_KERNEL 64 /* a conv layer's most taps (kvlm.config.CONV_KERNEL's bound) */
+/* the gated delta rule's chunk (deltanet.c; kvlm.cache.kinds.DELTA_CHUNK): a DeltaNet
+ * state is the one at a multiple of it, beside the rows since */
+#define DELTA_CHUNK 16
 
 /* the weight kinds (kvlm.model.quant.KIND_CODES) */
 enum { Q8 = 8, Q4 = 4, Q40 = 40, Q50 = 50, Q51 = 51, Q4K = 104, Q5K = 105, Q6K = 106 };
@@ -205,6 +208,16 @@ typedef struct {
     float *snaps, *urows;       /* the draft rows' states; the rows' u (or NULL) */
     int64_t snap_rows;          /* snaps' rows a layer */
     int64_t snaps_bytes, urows_bytes; /* bytes from snaps and urows on */
+    /* A gated DeltaNet's carried rows (deltanet.c: the state is the one at the start of
+     * the 16-row chunk a sequence's position is in, and these the chunk's rows before it),
+     * laid out as the states: `win` (layers, conv.batch, carried) before the step, read
+     * only; `win_out` (layers, out_rows, carried) after it (win_out == win: in place, as
+     * out == in); `wsnaps` (layers, snap_rows, carried) the draft rows'. `carried` the
+     * floats of a layer's of one sequence (0 for Mamba2: no rows, the pointers NULL). */
+    const float *win;
+    float *win_out, *wsnaps;
+    int64_t carried;
+    int64_t win_bytes, win_out_bytes, wsnaps_bytes;
 } kvlm_state_view;
 
 #endif

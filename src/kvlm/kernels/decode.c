@@ -80,10 +80,11 @@ static inline int is_recurrent(int64_t mixer) { return mixer == MIX_DELTA || mix
 /* A recurrent layer's sizes from the model's (rec_*: nv value heads of dv, nk key heads
  * (groups) of dk): its convolution's channels (DeltaNet q|k|v = 2 nk dk + nv dv; Mamba2
  * x|B|C = nv dv + 2 nk dk), out_proj's input (nv dv), in_proj's rows (DeltaNet q|k|v, z,
- * b, a; Mamba2 z, x|B|C, dt), its gates a row (DeltaNet b and a; Mamba2 dt), and a
- * sequence's state (nv dk dv floats either way) */
+ * b, a; Mamba2 z, x|B|C, dt), its gates a row (DeltaNet b and a; Mamba2 dt), a
+ * sequence's state (nv dk dv floats either way) and its carried rows (DeltaNet: nv heads
+ * of DELTA_CHUNK - 1 rows of DELTA_ROW floats; Mamba2 none) */
 typedef struct {
-    int64_t conv, inner, in, gates, state;
+    int64_t conv, inner, in, gates, state, carried;
 } rec_sizes;
 
 static rec_sizes rec_sizes_of(const kvlm_qmodel *m, int64_t mixer) {
@@ -94,6 +95,7 @@ static rec_sizes rec_sizes_of(const kvlm_qmodel *m, int64_t mixer) {
     r.gates = mixer == MIX_DELTA ? 2 * nv : nv;
     r.in = r.conv + r.inner + r.gates;
     r.state = nv * dk * dv;
+    r.carried = mixer == MIX_DELTA ? nv * (DELTA_CHUNK - 1) * DELTA_ROW(dk, dv) : 0;
     return r;
 }
 
@@ -670,6 +672,20 @@ static int check_states(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
         if (V->urows && (!mul_ok(V->conv.layers, B, &need) || !mul_ok(need, V->conv.width, &need) ||
                          !mul_ok(need, (int64_t)sizeof(float), &need) || V->urows_bytes < need))
             return -2;
+        /* the carried rows, laid out as the states (none: Mamba2's) */
+        const int64_t wper = V->carried * (int64_t)sizeof(float);
+        if (V->carried < 0 || (V->carried > 0 && (!V->win || !V->win_out))) return -2;
+        if (V->carried > 0 && (V->win == V->win_out) != (V->in == V->out)) return -2;
+        if (V->carried > 0 && (!mul_ok(V->conv.layers, V->conv.batch, &need) ||
+                               !mul_ok(need, wper, &need) || V->win_bytes < need))
+            return -2;
+        if (V->carried > 0 && (!mul_ok(V->conv.layers, V->out_rows, &need) ||
+                               !mul_ok(need, wper, &need) || V->win_out_bytes < need))
+            return -2;
+        if (V->carried > 0 && n_at > 0 &&
+            (!V->wsnaps || !mul_ok(V->conv.layers, V->snap_rows, &need) ||
+             !mul_ok(need, wper, &need) || V->wsnaps_bytes < need))
+            return -2;
     }
     for (int64_t l = 0; l < m->n_layers; l++) {
         const kvlm_qlayer *L = m->layers + l;
@@ -677,7 +693,8 @@ static int check_states(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
         const rec_sizes r = rec_sizes_of(m, kind);
         if (L->view < 0 || L->view >= n_states || L->index < 0) return -2;
         const kvlm_state_view *V = states + L->view;
-        if (L->index >= V->conv.layers || V->conv.width != r.conv || V->state != r.state)
+        if (L->index >= V->conv.layers || V->conv.width != r.conv || V->state != r.state ||
+            V->carried != r.carried)
             return -2;
     }
     return 0;
@@ -701,7 +718,7 @@ static int recurrent_mix(const kvlm_qmodel *m, const kvlm_qlayer *L,
     /* in_proj's rows: DeltaNet q|k|v, z, b, a; Mamba2 z, x|B|C, dt */
     const int64_t at_u = delta ? 0 : r.inner, at_z = delta ? r.conv : 0;
     float *u = s->ru + c * B * r.conv;
-    int64_t cu[MAX_BATCH + 1], seq[MAX_BATCH], at[MAX_BATCH], S = 0;
+    int64_t cu[MAX_BATCH + 1], seq[MAX_BATCH], at[MAX_BATCH], starts[MAX_BATCH], S = 0;
     if (matmul_rows(&L->in_proj, s->h, B, s->rin, act_of(m, ACT_CONV_IN))) return -1;
     add_bias(s->rin, L->in_bias, B, r.in);
     for (int64_t b = 0; b < B; b++) {
@@ -712,6 +729,7 @@ static int recurrent_mix(const kvlm_qmodel *m, const kvlm_qlayer *L,
             s->rg[(g / nv) * B * nv + b * nv + g % nv] = row[r.conv + r.inner + g];
         if (b == 0 || V->conv.seq[b] != V->conv.seq[b - 1]) { /* a sequence's run starts */
             cu[S] = b;
+            starts[S] = pos[b];
             seq[S++] = V->conv.seq[b];
         }
     }
@@ -728,10 +746,15 @@ static int recurrent_mix(const kvlm_qmodel *m, const kvlm_qlayer *L,
     const int64_t atn = draft_rows(V->conv.seq, B, at);
     float *snaps = atn ? V->snaps + L->index * V->snap_rows * r.state : NULL;
     const int64_t work = B * r.inner * dk;
-    if (delta)
+    if (delta) { /* and its carried rows, laid out as its states */
+        const float *win_in = V->win == V->win_out ? NULL
+                                                   : V->win + L->index * V->conv.batch * r.carried;
+        float *win = V->win_out + L->index * V->out_rows * r.carried;
+        float *wsnaps = atn ? V->wsnaps + L->index * V->snap_rows * r.carried : NULL;
         gated_delta_heads(s->rcy, s->rz, s->rg, s->rg + B * nv, L->a_log, L->dt_bias, L->gnorm,
-                          m->rec_eps, in, seq, out, s->ro, cu, S, atn ? at : NULL, atn, snaps,
-                          nk, nv, dk, dv, work);
+                          m->rec_eps, in, win_in, seq, out, win, s->ro, cu, starts, S,
+                          atn ? at : NULL, atn, snaps, wsnaps, nk, nv, dk, dv, work);
+    }
     else
         mamba2_run(s->rcy, s->rz, s->rg, L->a_log, L->dt_bias, L->d, L->gnorm, m->rec_eps, in,
                    seq, out, s->ro, cu, S, atn ? at : NULL, atn, snaps, nv, dv, dk, nk, B, work);

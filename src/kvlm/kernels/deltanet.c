@@ -85,55 +85,293 @@ static inline void delta_axpy(float *acc, const float *s, float c, int64_t n) {
     for (; j < n; j++) acc[j] = acc[j] + s[j] * c;
 }
 
-/* One sequence's value head over its T tokens (the module comment): S its (dk, dv) state,
- * updated in place; rows of conv, z, b, a and out at its first row on; the state after
- * row at[i] (i < na: ascending rows of this sequence) copied to snap + i * stride too. */
+/* a carried row's floats: k [dk] (normed), u [dv], g, gc (the chunk's cumulative g) */
+#define DELTA_ROW(dk, dv) ((dk) + (dv) + 2)
+
+/* y[0..n) = y + x * c (fma in the vector path) */
+static inline void ck_axpy(float *y, const float *x, float c, int64_t n) {
+    int64_t j = 0;
+#if KVLM_V512
+    const __m512 cv = _mm512_set1_ps(c);
+    for (; j < n; j += 16) {
+        const __mmask16 k = tail_mask(n - j);
+        _mm512_mask_storeu_ps(y + j, k, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, x + j), cv,
+                                                        _mm512_maskz_loadu_ps(k, y + j)));
+    }
+#endif
+    for (; j < n; j++) y[j] = y[j] + x[j] * c;
+}
+
+static inline float ck_dot(const float *a, const float *b, int64_t n) {
+    float s = 0.f;
+    int64_t i = 0;
+#if KVLM_V512
+    __m512 acc = _mm512_setzero_ps();
+    for (; i < n; i += 16) {
+        const __mmask16 k = tail_mask(n - i);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i), acc);
+    }
+    s = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* A[j][s] = e^{gc_j - gc_s} (k_j . k_s) for s < j and B[j][s] = e^{gc_j - gc_s} (q_j . k_s)
+ * for s <= j (rows of DELTA_CHUNK), the n x n lower triangles; Kt scratch (dk, n) */
+static void ck_chunk_dots(const float *Q, const float *K, float *A, float *B, const float *gc,
+                          int64_t j0, int64_t n, int64_t dk, float *Kt) {
+    const int64_t CH = DELTA_CHUNK;
+    for (int64_t s = 0; s < n; s++)
+        for (int64_t i = 0; i < dk; i++) Kt[i * CH + s] = K[s * dk + i];
+#if KVLM_V512 && DELTA_CHUNK <= 32
+    enum { NVEC = (DELTA_CHUNK + 15) / 16 };
+    __mmask16 m[NVEC];
+    for (int v = 0; v < NVEC; v++) m[v] = n > 16 * v ? tail_mask(n - 16 * v) : 0;
+    for (int64_t j = j0; j < n; j++) {
+        __m512 a[NVEC], b[NVEC];
+        for (int v = 0; v < NVEC; v++) a[v] = b[v] = _mm512_setzero_ps();
+        const float *kj = K + j * dk, *qj = Q + j * dk;
+        for (int64_t i = 0; i < dk; i++) {
+            const __m512 kb = _mm512_set1_ps(kj[i]), qb = _mm512_set1_ps(qj[i]);
+            for (int v = 0; v < NVEC; v++) {
+                const __m512 t = _mm512_maskz_loadu_ps(m[v], Kt + i * CH + 16 * v);
+                a[v] = _mm512_fmadd_ps(t, kb, a[v]);
+                b[v] = _mm512_fmadd_ps(t, qb, b[v]);
+            }
+        }
+        const __m512 gj = _mm512_set1_ps(gc[j]);
+        for (int v = 0; v < NVEC; v++) {
+            const __m512 d = exp512(_mm512_sub_ps(gj, _mm512_maskz_loadu_ps(m[v], gc + 16 * v)));
+            _mm512_mask_storeu_ps(A + j * CH + 16 * v, m[v], _mm512_mul_ps(d, a[v]));
+            _mm512_mask_storeu_ps(B + j * CH + 16 * v, m[v], _mm512_mul_ps(d, b[v]));
+        }
+    }
+    return;
+#endif
+    for (int64_t j = j0; j < n; j++)
+        for (int64_t s = 0; s <= j; s++) {
+            const float d = expf(gc[j] - gc[s]);
+            B[j * CH + s] = d * ck_dot(Q + j * dk, K + s * dk, dk);
+            if (s < j) A[j * CH + s] = d * ck_dot(K + j * dk, K + s * dk, dk);
+        }
+}
+
+/* y = y * a + sum_{s < n} c[s] rows[s] (rows of dv floats): y kept in registers */
+static void ck_rows_combine(float *y, float a, const float *rows, const float *c, int64_t n,
+                            int64_t dv) {
+#if KVLM_V512
+    if (dv % 16 == 0 && dv <= 256) {
+        const int64_t L = dv / 16;
+        __m512 acc[16];
+        const __m512 av = _mm512_set1_ps(a);
+        for (int64_t l = 0; l < L; l++) acc[l] = _mm512_mul_ps(_mm512_loadu_ps(y + 16 * l), av);
+        for (int64_t s = 0; s < n; s++) {
+            const __m512 cb = _mm512_set1_ps(c[s]);
+            const float *r = rows + s * dv;
+            for (int64_t l = 0; l < L; l++)
+                acc[l] = _mm512_fmadd_ps(_mm512_loadu_ps(r + 16 * l), cb, acc[l]);
+        }
+        for (int64_t l = 0; l < L; l++) _mm512_storeu_ps(y + 16 * l, acc[l]);
+        return;
+    }
+#endif
+    delta_scale(y, a, dv);
+    for (int64_t s = 0; s < n; s++) ck_axpy(y, rows + s * dv, c[s], dv);
+}
+
+/* ks[j] = S^T k_j and qs[j] = S^T q_j for j < n: one pass over S's rows per token */
+static void ck_state_products(const float *S, const float *K, const float *Q, float *ks, float *qs,
+                              int64_t n, int64_t dk, int64_t dv) {
+#if KVLM_V512
+    if (dv % 32 == 0) { /* 4 tokens x 32 columns a pass: S read once for 4 tokens */
+        for (int64_t j0 = 0; j0 < n; j0 += 4) {
+            const int64_t tb = n - j0 < 4 ? n - j0 : 4;
+            for (int64_t c0 = 0; c0 < dv; c0 += 32) {
+                __m512 ak[4][2], aq[4][2];
+                for (int64_t t = 0; t < 4; t++)
+                    ak[t][0] = ak[t][1] = aq[t][0] = aq[t][1] = _mm512_setzero_ps();
+                for (int64_t i = 0; i < dk; i++) {
+                    const float *row = S + i * dv + c0;
+                    const __m512 s0 = _mm512_loadu_ps(row), s1 = _mm512_loadu_ps(row + 16);
+                    for (int64_t t = 0; t < tb; t++) {
+                        const __m512 kb = _mm512_set1_ps(K[(j0 + t) * dk + i]);
+                        const __m512 qb = _mm512_set1_ps(Q[(j0 + t) * dk + i]);
+                        ak[t][0] = _mm512_fmadd_ps(s0, kb, ak[t][0]);
+                        ak[t][1] = _mm512_fmadd_ps(s1, kb, ak[t][1]);
+                        aq[t][0] = _mm512_fmadd_ps(s0, qb, aq[t][0]);
+                        aq[t][1] = _mm512_fmadd_ps(s1, qb, aq[t][1]);
+                    }
+                }
+                for (int64_t t = 0; t < tb; t++) {
+                    _mm512_storeu_ps(ks + (j0 + t) * dv + c0, ak[t][0]);
+                    _mm512_storeu_ps(ks + (j0 + t) * dv + c0 + 16, ak[t][1]);
+                    _mm512_storeu_ps(qs + (j0 + t) * dv + c0, aq[t][0]);
+                    _mm512_storeu_ps(qs + (j0 + t) * dv + c0 + 16, aq[t][1]);
+                }
+            }
+        }
+        return;
+    }
+    if (dv % 16 == 0 && dv <= 256) {
+        const int64_t L = dv / 16;
+        for (int64_t j = 0; j < n; j++) {
+            __m512 ak[16], aq[16];
+            for (int64_t l = 0; l < L; l++) ak[l] = aq[l] = _mm512_setzero_ps();
+            const float *kj = K + j * dk, *qj = Q + j * dk;
+            for (int64_t i = 0; i < dk; i++) {
+                const __m512 kb = _mm512_set1_ps(kj[i]), qb = _mm512_set1_ps(qj[i]);
+                const float *row = S + i * dv;
+                for (int64_t l = 0; l < L; l++) {
+                    const __m512 s = _mm512_loadu_ps(row + 16 * l);
+                    ak[l] = _mm512_fmadd_ps(s, kb, ak[l]);
+                    aq[l] = _mm512_fmadd_ps(s, qb, aq[l]);
+                }
+            }
+            for (int64_t l = 0; l < L; l++) {
+                _mm512_storeu_ps(ks + j * dv + 16 * l, ak[l]);
+                _mm512_storeu_ps(qs + j * dv + 16 * l, aq[l]);
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < n; j++) {
+        for (int64_t c = 0; c < dv; c++) ks[j * dv + c] = qs[j * dv + c] = 0.f;
+        for (int64_t i = 0; i < dk; i++) {
+            ck_axpy(ks + j * dv, S + i * dv, K[j * dk + i], dv);
+            ck_axpy(qs + j * dv, S + i * dv, Q[j * dk + i], dv);
+        }
+    }
+}
+
+
+/* One sequence's value head over its T tokens (the module comment's rule) in chunks of
+ * DELTA_CHUNK at absolute positions: the chunk of positions c .. c + 15 from S0, its state
+ * at c, by the WY form
+ *
+ *     gc_j = g_0 + .. + g_j,   ks_j = S0^T k_j,   qs_j = S0^T q_j
+ *     u_j = beta_j (v_j - e^{gc_j} ks_j) - beta_j sum_{s<j} e^{gc_j - gc_s} (k_j . k_s) u_s
+ *     o_j = e^{gc_j} qs_j + sum_{s<=j} e^{gc_j - gc_s} (q_j . k_s) u_s
+ *     S   = e^{gc_15} S0 + sum_s e^{gc_15 - gc_s} k_s (x) u_s        (the chunk complete)
+ *
+ * (u_j is the loop's delta: the same rule, its products as small matrix products, S read
+ * once a row and written once a chunk). S holds the state at the chunk start of the
+ * sequence's first position p0 (c = p0 - p0 % DELTA_CHUNK), `win` the chunk's rows before
+ * p0 (p0 % DELTA_CHUNK of them, DELTA_ROW floats each): a step's rows continue that chunk,
+ * so every value is the one a step from the chunk's start computes, whatever the steps'
+ * cuts (a prompt in chunks = one shot, a decode row = the prompt's row, bit for bit). S and
+ * win move on in place (S when a chunk completes, win to the rows of the last, incomplete
+ * one); rows of conv, z, b, a and out at the sequence's first row on. The state after row
+ * at[i] (i < na, ascending rows of this sequence) is copied out too, S to snap + i stride
+ * and the rows to wsnap + i wstride (the rest of its rows zeros). `work`: delta_work
+ * floats. */
+static inline int64_t delta_work(int64_t dk, int64_t dv) {
+    const int64_t d = dk > dv ? dk : dv;
+    return 6 * DELTA_CHUNK * d + 2 * DELTA_CHUNK * DELTA_CHUNK;
+}
+
 static void delta_head(const float *conv, const float *z, const float *bb, const float *aa,
                        float a_log, float dt_bias, const float *w, float eps, float *S,
-                       float *out, int64_t T, int64_t h, int64_t nk, int64_t nv, int64_t dk,
-                       int64_t dv, const int64_t *at, int64_t na, float *snap, int64_t stride) {
-    float q[DELTA_MAX_DIM], k[DELTA_MAX_DIM], v[DELTA_MAX_DIM], kv[DELTA_MAX_DIM],
-        o[DELTA_MAX_DIM], gate[DELTA_MAX_DIM];
-    const int64_t C = 2 * nk * dk + nv * dv, kh = h / (nv / nk);
+                       float *win, float *out, int64_t T, int64_t h, int64_t nk, int64_t nv,
+                       int64_t dk, int64_t dv, int64_t p0, const int64_t *at, int64_t na,
+                       float *snap, int64_t stride, float *wsnap, int64_t wstride,
+                       float *work) {
+    const int64_t C = 2 * nk * dk + nv * dv, kh = h / (nv / nk), CH = DELTA_CHUNK;
+    const int64_t WR = DELTA_ROW(dk, dv);
     const float scale = (float)(1.0 / sqrt((double)dk)), decay_rate = -expf(a_log);
-    int64_t next = 0; /* the next of at[] */
-    for (int64_t t = 0; t < T; t++) {
-        const float *x = conv + t * C;
-        delta_silu_row(x + kh * dk, q, dk);
-        delta_silu_row(x + nk * dk + kh * dk, k, dk);
-        delta_silu_row(x + 2 * nk * dk + h * dv, v, dv);
-        const float rq = 1.0f / sqrtf(delta_sum_squares(q, dk) + 1e-6f);
-        const float rk = 1.0f / sqrtf(delta_sum_squares(k, dk) + 1e-6f);
-        for (int64_t i = 0; i < dk; i++) {
-            q[i] = q[i] * rq * scale;
-            k[i] = k[i] * rk;
+    float *Q = work, *K = Q + CH * dk, *V = K + CH * dk, *U = V + CH * dv, *O = U + CH * dv;
+    float *A = O + CH * dv, *Bm = A + CH * CH, *Kt = Bm + CH * CH;
+    float g[DELTA_CHUNK], gc[DELTA_CHUNK], beta[DELTA_CHUNK], cf[DELTA_CHUNK];
+    float gate[DELTA_MAX_DIM];
+    int64_t m = p0 % CH, next = 0; /* the chunk's rows before the step's first; at[next] */
+    for (int64_t r = 0; r < m; r++) {
+        memcpy(K + r * dk, win + r * WR, (size_t)dk * sizeof(float));
+        memcpy(U + r * dv, win + r * WR + dk, (size_t)dv * sizeof(float));
+        g[r] = win[r * WR + dk + dv];
+        gc[r] = win[r * WR + dk + dv + 1];
+    }
+    for (int64_t t0 = 0; t0 < T; m = 0) {
+        int64_t n = CH; /* the chunk's rows at the end of this pass */
+        if (n - m > T - t0) n = m + (T - t0);
+        for (int64_t j = m; j < n; j++) {
+            const int64_t t = t0 + j - m;
+            const float *x = conv + t * C;
+            float *q = Q + j * dk, *k = K + j * dk;
+            delta_silu_row(x + kh * dk, q, dk);
+            delta_silu_row(x + nk * dk + kh * dk, k, dk);
+            delta_silu_row(x + 2 * nk * dk + h * dv, V + j * dv, dv);
+            const float rq = 1.0f / sqrtf(delta_sum_squares(q, dk) + 1e-6f);
+            const float rk = 1.0f / sqrtf(delta_sum_squares(k, dk) + 1e-6f);
+            for (int64_t i = 0; i < dk; i++) {
+                q[i] = q[i] * rq * scale;
+                k[i] = k[i] * rk;
+            }
+            beta[j] = 1.0f / (1.0f + expf(-bb[t * nv + h]));
+            g[j] = decay_rate * delta_softplus(aa[t * nv + h] + dt_bias);
+            gc[j] = j ? gc[j - 1] + g[j] : g[j];
         }
-        const float beta = 1.0f / (1.0f + expf(-bb[t * nv + h]));
-        const float decay = expf(decay_rate * delta_softplus(aa[t * nv + h] + dt_bias));
-        /* S = S decay; kv = S^T k (rows of S in order) */
-        for (int64_t j = 0; j < dv; j++) kv[j] = 0.f;
-        for (int64_t i = 0; i < dk; i++) {
-            delta_scale(S + i * dv, decay, dv);
-            delta_axpy(kv, S + i * dv, k[i], dv);
+        ck_state_products(S, K + m * dk, Q + m * dk, U + m * dv, O + m * dv, n - m, dk, dv);
+        ck_chunk_dots(Q, K, A, Bm, gc, m, n, dk, Kt);
+        for (int64_t j = m; j < n; j++) {
+            const float e = expf(gc[j]);
+            for (int64_t c = 0; c < dv; c++) {
+                O[j * dv + c] = O[j * dv + c] * e;
+                U[j * dv + c] = beta[j] * (V[j * dv + c] - U[j * dv + c] * e);
+            }
+            for (int64_t s = 0; s < j; s++) cf[s] = -beta[j] * A[j * CH + s];
+            ck_rows_combine(U + j * dv, 1.0f, U, cf, j, dv);
+            ck_rows_combine(O + j * dv, 1.0f, U, Bm + j * CH, j + 1, dv);
         }
-        for (int64_t j = 0; j < dv; j++) {
-            kv[j] = (v[j] - kv[j]) * beta; /* the delta */
-            o[j] = 0.f;
+        for (int64_t j = m; j < n; j++) {
+            const int64_t t = t0 + j - m;
+            const float *o = O + j * dv;
+            const float r = 1.0f / sqrtf(delta_sum_squares(o, dv) / (float)dv + eps);
+            delta_silu_row(z + t * nv * dv + h * dv, gate, dv);
+            float *y = out + t * nv * dv + h * dv;
+            for (int64_t c = 0; c < dv; c++) y[c] = o[c] * r * w[c] * gate[c];
         }
-        /* S = S + k (x) delta; o = S^T q */
-        for (int64_t i = 0; i < dk; i++) {
-            delta_axpy(S + i * dv, kv, k[i], dv);
-            delta_axpy(o, S + i * dv, q[i], dv);
-        }
-        /* the gated RMSNorm */
-        const float r = 1.0f / sqrtf(delta_sum_squares(o, dv) / (float)dv + eps);
-        delta_silu_row(z + t * nv * dv + h * dv, gate, dv);
-        float *y = out + t * nv * dv + h * dv;
-        for (int64_t j = 0; j < dv; j++) y[j] = o[j] * r * w[j] * gate[j];
-        if (next < na && at[next] == t) {
+        /* the rows of this chunk as carried rows (win's layout) up to row `upto` into dst */
+#define DELTA_PUT_ROWS(dst, upto)                                                            \
+    do {                                                                                     \
+        for (int64_t r_ = 0; r_ < (upto); r_++) {                                            \
+            memcpy((dst) + r_ * WR, K + r_ * dk, (size_t)dk * sizeof(float));                \
+            memcpy((dst) + r_ * WR + dk, U + r_ * dv, (size_t)dv * sizeof(float));           \
+            (dst)[r_ * WR + dk + dv] = g[r_];                                                \
+            (dst)[r_ * WR + dk + dv + 1] = gc[r_];                                           \
+        }                                                                                    \
+    } while (0)
+        /* kept rows inside the chunk (not its last): S (the chunk's start) and its rows */
+        while (next < na && at[next] < t0 + n - m && (at[next] - t0 + m) < CH - 1) {
+            const int64_t j = at[next] - t0 + m;
             memcpy(snap + next * stride, S, (size_t)(dk * dv) * sizeof(float));
+            float *ws = wsnap + next * wstride;
+            memset(ws, 0, (size_t)((CH - 1) * WR) * sizeof(float));
+            DELTA_PUT_ROWS(ws, j + 1);
             next++;
         }
+        t0 += n - m;
+        if (n < CH) { /* the step ends inside the chunk: its rows carried (zeros after) */
+            DELTA_PUT_ROWS(win, n);
+            memset(win + n * WR, 0, (size_t)((CH - 1 - n) * WR) * sizeof(float));
+            break;
+        }
+        /* the chunk complete: S e^{gc_15} + sum_s (e^{gc_15 - gc_s} k_s) (x) u_s */
+        const float last = gc[n - 1], el = expf(last);
+        float wk[DELTA_CHUNK];
+        for (int64_t s = 0; s < n; s++) wk[s] = expf(last - gc[s]);
+        for (int64_t i = 0; i < dk; i++) {
+            for (int64_t s = 0; s < n; s++) cf[s] = wk[s] * K[s * dk + i];
+            ck_rows_combine(S + i * dv, el, U, cf, n, dv);
+        }
+        if (next < na && at[next] == t0 - 1) { /* a kept row that completed the chunk */
+            memcpy(snap + next * stride, S, (size_t)(dk * dv) * sizeof(float));
+            memset(wsnap + next * wstride, 0, (size_t)((CH - 1) * WR) * sizeof(float));
+            next++;
+        }
+        if (t0 == T) /* no rows carried */
+            memset(win, 0, (size_t)((CH - 1) * WR) * sizeof(float));
+#undef DELTA_PUT_ROWS
     }
 }
 
@@ -175,58 +413,68 @@ static int64_t seq_kept(const int64_t *at, int64_t atn, int64_t r0, int64_t T, i
 
 /* kvlm_gated_delta's work, its arguments checked (the fused decode step's too): each
  * (sequence s, value head h) pair in one thread, its state at row seq[s] (NULL: s) of
- * `state`, read first from that row of state_in (NULL: state's own, updated in place).
- * `work` the step's multiply-adds, whether threads pay. */
+ * `state` and its carried rows at that row of `win`, read first from those rows of
+ * state_in and win_in (NULL: state's and win's own, updated in place); starts[s] the
+ * sequence's first position. `work` the step's multiply-adds, whether threads pay. */
 static void gated_delta_heads(const float *conv, const float *z, const float *b, const float *a,
                               const float *a_log, const float *dt_bias, const float *w, float e,
-                              const float *state_in, const int64_t *seq, float *state,
-                              float *out, const int64_t *cu, int64_t S, const int64_t *at,
-                              int64_t atn, float *snaps, int64_t nk, int64_t nv, int64_t dk,
+                              const float *state_in, const float *win_in, const int64_t *seq,
+                              float *state, float *win, float *out, const int64_t *cu,
+                              const int64_t *starts, int64_t S, const int64_t *at, int64_t atn,
+                              float *snaps, float *wsnaps, int64_t nk, int64_t nv, int64_t dk,
                               int64_t dv, int64_t work) {
     const int64_t C = 2 * nk * dk + nv * dv, vd = nv * dv, heads = S * nv;
+    const int64_t rows = (DELTA_CHUNK - 1) * DELTA_ROW(dk, dv); /* a head's carried rows */
 #pragma omp parallel for schedule(dynamic) if (heads > 1 && work >= 16384)
     for (int64_t p = 0; p < heads; p++) {
         const int64_t s = p / nv, h = p % nv, r0 = cu[s], T = cu[s + 1] - cu[s];
         int64_t i0, local[DELTA_MAX_AT];
+        float scratch[delta_work(dk, dv)];
         const int64_t na = seq_kept(at, atn, r0, T, local, &i0);
-        const int64_t at_row = ((seq ? seq[s] : s) * nv + h) * dk * dv;
-        if (state_in) memcpy(state + at_row, state_in + at_row,
+        const int64_t row = (seq ? seq[s] : s) * nv + h;
+        if (state_in) memcpy(state + row * dk * dv, state_in + row * dk * dv,
                              (size_t)(dk * dv) * sizeof(float)); /* this head's, in cache */
+        if (win_in) memcpy(win + row * rows, win_in + row * rows, (size_t)rows * sizeof(float));
         delta_head(conv + r0 * C, z + r0 * vd, b + r0 * nv, a + r0 * nv, a_log[h], dt_bias[h],
-                   w, e, state + at_row, out + r0 * vd, T, h, nk, nv, dk, dv, local, na,
-                   na ? snaps + (i0 * nv + h) * dk * dv : NULL, nv * dk * dv);
+                   w, e, state + row * dk * dv, win + row * rows, out + r0 * vd, T, h, nk, nv,
+                   dk, dv, starts[s], local, na, na ? snaps + (i0 * nv + h) * dk * dv : NULL,
+                   nv * dk * dv, na ? wsnaps + (i0 * nv + h) * rows : NULL, nv * rows, scratch);
     }
 }
 
 /* The step of one gated DeltaNet layer over S sequences, sequence s the rows cu[s] ..
- * cu[s + 1] - 1 of the step (cu: S + 1 offsets, cun of them; 0 first, never decreasing;
- * a sequence of no rows keeps its state): conv [rows, C] (C = 2 nk dk + nv dv: q|k|v,
- * before silu), z [rows, nv dv], b and a [rows, nv], a_log and dt_bias [nv] (hn), w [dv]
- * (wn: the gated norm's weight), state [S, nv, dk, dv] (sn floats: read and updated), out
- * [rows, nv dv] (on floats). `state_in` (NULL: `state` is read and updated in place):
- * the states before the step, [S, nv, dk, dv] as `state` (sn floats too), `state` then
- * only written (the caller keeps the states before, no copy of its own). Each buffer's
- * length follows it, in floats. `at` (atn
- * entries, or NULL): rows of the step, strictly ascending; the state of row at[i]'s
- * sequence after that row copied into snaps [atn, nv, dk, dv] (pn floats) at i too (a
- * state at a block's end, for prefix hits; at each draft row, for a rollback), at most
- * DELTA_MAX_AT of one sequence's. Returns 0,
- * or -2, nothing read or written, for a shape out of range (S, nk >= 1; nv a multiple of
- * nk; dk, dv in 1..DELTA_MAX_DIM; cu or at not as said) or a buffer shorter than its
- * shape. */
+ * cu[s + 1] - 1 of the step at positions starts[s] on (cu: S + 1 offsets, cun of them; 0
+ * first, never decreasing; starts: S positions, stn of them, each at least 0; a sequence
+ * of no rows keeps its state): conv [rows, C] (C = 2 nk dk + nv dv: q|k|v, before silu), z
+ * [rows, nv dv], b and a [rows, nv], a_log and dt_bias [nv] (hn), w [dv] (wn: the gated
+ * norm's weight), state [S, nv, dk, dv] (sn floats: the state at each sequence's chunk
+ * start, read and updated), win [S, nv, DELTA_CHUNK - 1, DELTA_ROW] (wn2 floats: the
+ * chunk's rows before its first position, read and updated), out [rows, nv dv] (on
+ * floats). `state_in`, `win_in` (NULL: `state`, `win` read and updated in place): the
+ * states and rows before the step, shaped as `state` and `win`, which are then only
+ * written. `at` (atn entries, or NULL): rows of the step, strictly ascending; the state of
+ * row at[i]'s sequence after that row copied into snaps [atn, nv, dk, dv] (pn floats) and
+ * its carried rows into wsnaps [atn, nv, DELTA_CHUNK - 1, DELTA_ROW] (pwn floats) at i, at
+ * most DELTA_MAX_AT of one sequence's. Each buffer's length follows it, in floats. Returns
+ * 0, or -2, nothing read or written, for a shape out of range (S, nk >= 1; nv a multiple
+ * of nk; dk, dv in 1..DELTA_MAX_DIM; cu, starts or at not as said) or a buffer shorter than
+ * its shape. */
 int kvlm_gated_delta(const float *conv, int64_t cn, const float *z, int64_t zn,
                      const float *b, int64_t bn, const float *a, int64_t an,
                      const float *a_log, const float *dt_bias, int64_t hn, const float *w,
                      int64_t wn, double eps, const float *state_in, float *state, int64_t sn,
-                     float *out, int64_t on,
-                     const int64_t *cu, int64_t cun, const int64_t *at, int64_t atn,
-                     float *snaps, int64_t pn, int64_t S, int64_t nk, int64_t nv, int64_t dk,
-                     int64_t dv) {
-    int64_t rows, C, need, heads, vd, work;
+                     const float *win_in, float *win, int64_t wn2, float *out, int64_t on,
+                     const int64_t *cu, int64_t cun, const int64_t *starts, int64_t stn,
+                     const int64_t *at, int64_t atn, float *snaps, int64_t pn, float *wsnaps,
+                     int64_t pwn, int64_t S, int64_t nk, int64_t nv, int64_t dk, int64_t dv) {
+    int64_t rows, C, need, heads, vd, work, carried;
     if (S < 1 || nk < 1 || nv < nk || nv % nk || !cu || cun != S + 1 || cu[0] != 0) return -2;
     if (dk < 1 || dk > DELTA_MAX_DIM || dv < 1 || dv > DELTA_MAX_DIM) return -2;
-    if (!conv || !z || !b || !a || !a_log || !dt_bias || !w || !state || !out) return -2;
-    if ((rows = step_rows(cu, S, at, &atn, snaps)) < 0) return -2;
+    if (!conv || !z || !b || !a || !a_log || !dt_bias || !w || !state || !win || !out) return -2;
+    if (!starts || stn != S) return -2;
+    for (int64_t s = 0; s < S; s++)
+        if (starts[s] < 0) return -2;
+    if ((rows = step_rows(cu, S, at, &atn, snaps)) < 0 || (at && !wsnaps)) return -2;
     if (hn != nv || wn != dv || !mul_ok(S, nv, &heads) || !mul_ok(nv, dv, &vd)) return -2;
     if (!mul_ok(nk, 2 * dk, &C) || !add_ok(C, vd, &C)) return -2;
     if (!mul_ok(rows, C, &need) || cn < need) return -2;
@@ -234,8 +482,12 @@ int kvlm_gated_delta(const float *conv, int64_t cn, const float *z, int64_t zn,
     if (!mul_ok(need, dk, &work)) work = INT64_MAX; /* the step's work, for the threads */
     if (!mul_ok(rows, nv, &need) || bn < need || an < need) return -2;
     if (!mul_ok(heads, dk * dv, &need) || sn < need) return -2;
+    carried = (DELTA_CHUNK - 1) * DELTA_ROW(dk, dv);
+    if (!mul_ok(heads, carried, &need) || wn2 < need) return -2;
     if (!mul_ok(atn, nv * dk * dv, &need) || (at && pn < need)) return -2;
-    gated_delta_heads(conv, z, b, a, a_log, dt_bias, w, (float)eps, state_in, NULL, state, out,
-                      cu, S, at, atn, snaps, nk, nv, dk, dv, work);
+    if (!mul_ok(atn, nv * carried, &need) || (at && pwn < need)) return -2;
+    gated_delta_heads(conv, z, b, a, a_log, dt_bias, w, (float)eps, state_in, win_in, NULL,
+                      state, win, out, cu, starts, S, at, atn, snaps, wsnaps, nk, nv, dk, dv,
+                      work);
     return 0;
 }

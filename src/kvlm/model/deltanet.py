@@ -12,20 +12,26 @@ the block's normed input x (B, T, H), with nk q/k heads of dk and nv v heads of 
         S = S * exp(g_t);  S = S + k_t (x) ((v_t - S^T k_t) * beta_t);  o_t = S^T q_t
     out = out_proj(rmsnorm(o) * w * silu(z))          (the gated RMSNorm, per v head)
 
-Prefill runs the recurrence token by token, exactly transformers' reference
-`torch_recurrent_gated_delta_rule` (transformers' own prefill takes the chunked form, the
-same mathematics in another order); a chunked algorithm is left for later
-(docs/DESIGN.md section 5). The recurrence, l2norm, g and the gated norm run in fp32 (fp64 for
-an fp64 model), as transformers runs them in fp32. In fp32 on the CPU with the kernels
-built, everything after the convolution is one C call (kernels/deltanet.c,
-`kvlm_gated_delta`): the same operations, each value computed one way wherever it falls
-in a step, so a prompt in chunks is its one shot and a batch row is the row alone, bit for
-bit (torch's elementwise ops round a vector body and a scalar tail differently); the
-torch ops below are the road for fp64 and other devices.
+The rule runs in chunks of DELTA_CHUNK (16) positions at absolute multiples of 16 from
+0 (kernels/deltanet.c, `kvlm_gated_delta`: the WY form transformers' chunked prefill
+uses, its products as small matrix products, the state read once a row and written
+once a chunk; 1.75x the token loop at 512 tokens, BENCHMARKS 24.12), and everything after
+the convolution in fp32 on the CPU is that one C call: silu, the norms, the gates, the
+rule, the gated norm, each value computed one way wherever it falls in a step. So that a
+step cut anywhere computes the values a step from the chunk's start would, the cache
+keeps a DeltaNet layer's state as the state at the chunk start of the sequence's length
+beside that chunk's rows since (each row's k, u (the delta), g and the chunk's cumulative
+g: `kinds.RecurrentState.window_shape`, "carried rows"): a prompt in chunks is its one
+shot, a decode row is the prompt's row and a batch row is the row alone, bit for bit.
+The torch ops below are the road for fp64 and other devices: the token loop, exactly
+transformers' reference `torch_recurrent_gated_delta_rule`, in the same cache format
+(`ChunkRows`: the carried rows replayed onto the chunk's state by the loop's own
+operations, each row recorded), each value one way there too.
 
 What a DeltaNet layer keeps of a sequence: the last L - 1 rows of q|k|v before the
 convolution (a window like a short convolution's: kvlm.cache.conv's ConvRows, L - 1
-rows of conv_width) and its state S (nv, dk, dv), both fixed per sequence.
+rows of conv_width), its state S (nv, dk, dv) at the chunk start and the chunk's carried
+rows (nv, DELTA_CHUNK - 1, dk + dv + 2), all fixed per sequence.
 kvlm.cache.recurrent's `DeltaRows` holds them for the model's DeltaNet layers and a
 batch of sequences (begin/commit as a cache does, fork, snapshot/restore; a rollback only
 to a state kept: a draft step keeps the state after each of its rows, `step.keep_rows`);
@@ -44,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlm import kernels
-from kvlm.cache.kinds import state_dtype
+from kvlm.cache.kinds import DELTA_CHUNK, state_dtype
 from kvlm.cache.recurrent import DeltaStep, KernelCall
 from kvlm.config import DeltaNet
 from kvlm.model.conv import depthwise
@@ -103,11 +109,14 @@ class GatedDeltaNet(nn.Module):
 
     def _torch(self, conv, z, b, a, step: DeltaStep, cu: list[int]) -> torch.Tensor:
         """The step after the convolution in torch ops (fp64, other devices), a sequence
-        at a time: rows (N, .) -> (N, nv * dv), each sequence's state staged."""
+        at a time: rows (N, .) -> (N, nv * dv), each sequence's state at its chunk start
+        and its carried rows staged (the cache's format, kernels/deltanet.c's: the rule
+        here is the token loop, the carried rows replayed onto the state first)."""
         s, dtype = self.shape, conv.dtype
         nk, nv, dk, dv = s.key_heads, s.value_heads, s.key_dim, s.value_dim
         work, initial = work_dtype(dtype), step.initial(self.slot)
-        out, states, snaps = [], [], []
+        carried = step.initial_win(self.slot)
+        out, states, wins, snaps, wsnaps = [], [], [], [], []
         points = step.keep_rows or []
         for i, (r0, r1) in enumerate(pairwise(cu)):
             T = r1 - r0
@@ -118,25 +127,23 @@ class GatedDeltaNet(nn.Module):
             q, k = (t.view(1, T, nk, dk).repeat_interleave(nv // nk, dim=2).to(work)
                     for t in (q, k))  # fmt: skip
             q, k, v = l2norm(q) / dk**0.5, l2norm(k), v.view(1, T, nv, dv).to(work)
-            state, parts, lo = initial[i : i + 1].to(work), [], 0
-            # the rule is token by token: cut after each row whose state is kept, it
-            # computes the same values
-            ends = [p - r0 + 1 for p in points if r0 <= p < r1]
-            for hi in [*ends, T] if not ends or ends[-1] < T else ends:
-                cut = slice(lo, hi)
-                o, state = recurrent_gated_delta_rule(q[:, cut], k[:, cut], v[:, cut],
-                                                      g[:, cut], beta[:, cut], state)  # fmt: skip
-                parts.append(o)
-                if hi in ends:
-                    snaps.append(state[0])
-                lo = hi
-            states.append(state[0])
-            o = gated_rms_norm(torch.cat(parts, dim=1).to(dtype), z[None, r0:r1].view(1, T, nv, dv),
-                               self.norm, self.eps, work)  # fmt: skip
+            chunk = ChunkRows(initial[i : i + 1].to(work), carried[i].to(work), step.starts[i])
+            kept = [p - r0 for p in points if r0 <= p < r1]
+            o = chunk.run(q, k, v, g, beta, kept)
+            states.append(chunk.start_state[0])
+            wins.append(chunk.window())
+            for st, wn in chunk.kept:
+                snaps.append(st[0])
+                wsnaps.append(wn)
+            o = gated_rms_norm(o.to(dtype), z[None, r0:r1].view(1, T, nv, dv), self.norm,
+                               self.eps, work)  # fmt: skip
             out.append(o.reshape(T, nv * dv))
-        step.stage(self.slot, torch.stack(states))
+        state_dtype_ = initial.dtype
+        step.stage(self.slot, torch.stack(states).to(state_dtype_))
+        step.stage_win(self.slot, torch.stack(wins).to(state_dtype_))
         if points:
-            step.stage_kept(self.slot, torch.stack(snaps))
+            step.stage_kept(self.slot, torch.stack(snaps).to(state_dtype_))
+            step.stage_kept_win(self.slot, torch.stack(wsnaps).to(state_dtype_))
         return torch.cat(out)
 
     def _kernel(self, lib, conv, z, b, a, step: DeltaStep, cu: list[int]) -> torch.Tensor:
@@ -146,7 +153,7 @@ class GatedDeltaNet(nn.Module):
         s = self.shape
         nk, nv, dk, dv = s.key_heads, s.value_heads, s.key_dim, s.value_dim
         conv, z, b, a = (t.contiguous() for t in (conv, z, b, a))
-        call = KernelCall(step, self.slot, cu, torch.empty(conv.shape[0], nv * dv))
+        call = KernelCall(step, self.slot, cu, torch.empty(conv.shape[0], nv * dv), step.starts)
         params = [p.detach().to(torch.float32).contiguous()
                   for p in (self.a_log, self.dt_bias, self.norm)]  # fmt: skip
         rc = lib.kvlm_gated_delta(
@@ -162,6 +169,56 @@ class GatedDeltaNet(nn.Module):
 def l2norm(x: torch.Tensor) -> torch.Tensor:
     """x / |x| over the last dim, as transformers' (FLA's) l2norm computes it."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
+
+
+class ChunkRows:
+    """The torch road's rule over one sequence in the cache's format (kernels/deltanet.c's:
+    the state at the start of the DELTA_CHUNK-row chunk a position is in, and that chunk's
+    rows before it, each its k, u (the delta), g and the chunk's cumulative g): the carried
+    rows are replayed onto the chunk's state (the loop's own operations, so the state is
+    the one a loop from the chunk start reaches), then the loop goes on, recording each
+    row. `start_state` (1, nv, dk, dv), `rows` the current chunk's records, `kept` the
+    (state, window) after each kept row, in order."""
+
+    def __init__(self, state: torch.Tensor, window: torch.Tensor, p0: int) -> None:
+        self.start_state, self.p = state, p0
+        m = p0 % DELTA_CHUNK
+        self.shape = window.shape  # (nv, DELTA_CHUNK - 1, dk + dv + 2)
+        self.rows = [window[:, r] for r in range(m)]
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def window(self) -> torch.Tensor:
+        w = self.rows[0].new_zeros(self.shape) if self.rows else self.start_state.new_zeros(
+            self.shape)  # fmt: skip
+        for r, row in enumerate(self.rows):
+            w[:, r] = row
+        return w
+
+    def run(self, q, k, v, g, beta, kept: list[int]) -> torch.Tensor:
+        """q, k (1, T, nv, dk), v (1, T, nv, dv), g, beta (1, T, nv) -> the outputs (1, T,
+        nv, dv); `kept`: rows after which the state is recorded."""
+        dk = k.shape[-1]
+        state = self.start_state
+        for row in self.rows:  # the carried rows onto the chunk's state
+            kt, delta, gr = row[:, :dk], row[:, dk:-2], row[:, -2]
+            state = state * gr.exp()[None, :, None, None]
+            state = state + kt[None].unsqueeze(-1) * delta[None].unsqueeze(-2)
+        out = v.new_empty(v.shape)
+        for t in range(q.shape[1]):
+            state = state * g[:, t].exp()[..., None, None]
+            kt = k[:, t].unsqueeze(-1)  # (1, nv, dk, 1)
+            kv_mem = (state * kt).sum(dim=-2)  # (1, nv, dv)
+            delta = (v[:, t] - kv_mem) * beta[:, t].unsqueeze(-1)
+            state = state + kt * delta.unsqueeze(-2)
+            out[:, t] = (state * q[:, t].unsqueeze(-1)).sum(dim=-2)
+            gc = g[0, t] if not self.rows else self.rows[-1][:, -1] + g[0, t]
+            self.rows.append(torch.cat([k[0, t], delta[0], g[0, t, :, None], gc[:, None]], -1))
+            self.p += 1
+            if self.p % DELTA_CHUNK == 0:  # the chunk complete
+                self.start_state, self.rows = state, []
+            if t in kept:
+                self.kept.append((self.start_state, self.window()))
+        return out
 
 
 def recurrent_gated_delta_rule(

@@ -202,6 +202,10 @@ class _StateView(ctypes.Structure):  # kvlm_state_view
         # layer, the bytes from snaps and urows on
         *_fields(ctypes.c_void_p, "snaps urows"),
         *_fields(ctypes.c_int64, "snap_rows snaps_bytes urows_bytes"),
+        # a DeltaNet's carried rows before and after the step and the draft rows', a
+        # layer's floats of one sequence (0: none, a Mamba2's), the bytes from each on
+        *_fields(ctypes.c_void_p, "win win_out wsnaps"),
+        *_fields(ctypes.c_int64, "carried win_bytes win_out_bytes wsnaps_bytes"),
     ]
 
 
@@ -660,15 +664,18 @@ class FusedDecoder:
             floats = math.prod(v.state.shape[2:])
             if not v.out.is_contiguous() or v.out.shape[0] != v.state.shape[0]:
                 raise ValueError(f"an out buffer of shape {tuple(v.out.shape)}")
-            for t in (v.snaps, v.urows):
+            for t in (v.snaps, v.urows, v.win, v.win_out, v.wsnaps):
                 if t is not None and not (t.dtype == torch.float32 and t.is_contiguous()
                                           and t.device.type == "cpu"):  # fmt: skip
-                    raise ValueError(f"a draft's buffer of shape {tuple(t.shape)} {t.dtype}")
+                    raise ValueError(f"a state's buffer of shape {tuple(t.shape)} {t.dtype}")
             snap_rows = 0 if v.snaps is None else v.snaps.shape[1]
+            carried = 0 if v.win is None else math.prod(v.win.shape[2:])
             out[i] = _StateView(_conv_view(v.conv, keep), v.state.data_ptr(), v.out.data_ptr(),
                                 floats, v.out.shape[1], _bytes(v.state), _bytes(v.out),
                                 _base(v.snaps), _base(v.urows), snap_rows, _bytes(v.snaps),
-                                _bytes(v.urows))  # fmt: skip
+                                _bytes(v.urows), _base(v.win), _base(v.win_out),
+                                _base(v.wsnaps), carried, _bytes(v.win), _bytes(v.win_out),
+                                _bytes(v.wsnaps))  # fmt: skip
         return out, keep
 
     @torch.inference_mode()
