@@ -36,6 +36,11 @@
    (BENCHMARKS 24.10, 24.12).
 
     python benchmarks/bench_deltanet.py drafts --gguf q35-08-mtp-q8_0.gguf
+
+6. `prefill`: a prompt of CONTEXT tokens on one contiguous cache, four times, the median
+   of the last three (BENCHMARKS 24.13: the commits compared each in its own process).
+
+    python benchmarks/bench_deltanet.py prefill --gguf q35-2b-q4_k_m.gguf --context 512
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from helpers import answer, fresh_engine, save_tiny_model
 from kvlm import LLM, SamplingParams, kernels
+from kvlm.cache.kinds import DELTA_CHUNK
 from test_hostile_files import _delta_torch
 
 NK = NV = 16
@@ -69,14 +75,20 @@ def kernel() -> None:
         a_log, dt, w = torch.randn(NV) * 0.5, torch.randn(NV) * 0.5, torch.rand(DV) + 0.5
         st, cu = torch.randn(1, NV, DK, DV) * 0.1, torch.tensor([0, T])
 
-        def ours(T=T, conv=conv, z=z, b=b, a=a, a_log=a_log, dt=dt, w=w, st=st, cu=cu) -> None:
+        win = torch.zeros(NV * (DELTA_CHUNK - 1) * (DK + DV + 2))  # no rows carried in
+        first = torch.tensor([0])
+
+        def ours(T=T, conv=conv, z=z, b=b, a=a, a_log=a_log, dt=dt, w=w, st=st, cu=cu,
+                 win=win, first=first) -> None:  # fmt: skip
             s, out = torch.empty_like(st), torch.empty(T, NV * DV)  # the state: st's after
+            rows = torch.empty_like(win)
             assert lib.kvlm_gated_delta(
                 conv.data_ptr(), conv.numel(), z.data_ptr(), z.numel(), b.data_ptr(),
                 b.numel(), a.data_ptr(), a.numel(), a_log.data_ptr(), dt.data_ptr(), NV,
-                w.data_ptr(), DV, 1e-6, st.data_ptr(), s.data_ptr(), s.numel(), out.data_ptr(),
-                out.numel(),
-                cu.data_ptr(), 2, None, 0, None, 0, 1, NK, NV, DK, DV) == 0  # fmt: skip
+                w.data_ptr(), DV, 1e-6, st.data_ptr(), s.data_ptr(), s.numel(),
+                win.data_ptr(), rows.data_ptr(), rows.numel(), out.data_ptr(), out.numel(),
+                cu.data_ptr(), 2, first.data_ptr(), 1, None, 0, None, 0, None, 0, 1, NK, NV,
+                DK, DV) == 0  # fmt: skip
 
         def theirs(conv=conv, z=z, b=b, a=a, a_log=a_log, dt=dt, w=w, st=st) -> None:
             _delta_torch(conv[None], z[None], b[None], a[None], a_log, dt, w, 1e-6, st, NK, DK)
@@ -268,9 +280,25 @@ def drafts(path: Path, threads: int) -> None:
     print(f"torch, 1 row, keep_hidden: {timed(one):.1f} ms")
 
 
+def prefill(path: Path, tokens: int, threads: int) -> None:
+    from kvlm.engine.runner import CacheBatch
+
+    torch.set_num_threads(threads)
+    llm = LLM(model=str(path), progress=False)
+    ids = [1000 + (i * 7) % 5000 for i in range(tokens)]
+    times = []
+    for _ in range(4):
+        cache = llm.new_cache("contiguous")
+        t0 = time.perf_counter()
+        llm.runner.run(CacheBatch([ids], cache, prompt=True))
+        times.append(time.perf_counter() - t0)
+    print(f"prefill of {tokens}: median {statistics.median(times[1:]) * 1e3:.0f} ms "
+          f"(each: {', '.join(f'{t * 1e3:.0f}' for t in times)})")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["kernel", "turns", "system", "steps", "drafts"])
+    p.add_argument("what", choices=["kernel", "turns", "system", "steps", "drafts", "prefill"])
     p.add_argument(
         "--context",
         default="4096",
@@ -291,6 +319,8 @@ def main() -> None:
         steps(args.gguf, [int(c) for c in args.context.split(",")], args.kv_dtype, args.threads)
     elif args.what == "drafts":
         drafts(args.gguf, args.threads)
+    elif args.what == "prefill":
+        prefill(args.gguf, int(args.context), args.threads)
     elif args.what == "system":
         system(args.gguf, args.system, args.turns, args.threads)
     else:
