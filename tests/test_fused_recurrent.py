@@ -287,3 +287,34 @@ def test_a_prefix_hit_on_a_snapshot_a_draft_row_took(hybrid_dir, name, monkeypat
         got, cached = answer(engine, second)
         assert cached == 32 and got == want
     assert any(drafted_hit)  # (where a draft's rows fall follows the tokens: both, here)
+
+
+def test_a_prefix_hit_at_a_block_end_inside_the_rules_chunk(hybrid_dir):
+    """With blocks of 8 a block end can fall inside the delta rule's chunk of 16: the
+    snapshot there keeps the chunk's carried rows too (StateSlots.snap_carries; a block
+    size of 16 needs none), so a prompt that continues a first prompt of 30 tokens hits at
+    24 (the first's last block end) and scores as a fresh pool does, bit for bit."""
+    from kvlm.llm import CacheOptions
+
+    llm = pool_llm(hybrid_dir("qwen35"), activations="fp32", prefill_dtype="fp32",
+                   cache_options=CacheOptions(block_size=8))  # fmt: skip
+    ids = prompt_ids(llm, 42)
+    engine = fresh_engine(llm)
+    state = next(g for g in engine.pool.groups if type(g).__name__ == "StateSlots")
+    assert state.snap_carries and state.snap_win.shape[1] > 0
+    answer(engine, ids[:30], SamplingParams(max_tokens=1, temperature=0.0))
+    assert state.snap_win.abs().sum() > 0  # the block end's carried rows were kept
+    scored = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
+
+    def run(engine) -> tuple[list, int]:
+        engine.add_request("r", ids, scored)
+        out, cached = [], 0
+        while engine.has_work():
+            for ev in engine.step():
+                out += [(lp.token_id, lp.logprob, sorted(lp.top.items())) for lp in ev.logprobs]
+                cached = ev.cached_tokens
+        return out, cached
+
+    want, cold = run(fresh_engine(llm))
+    got, cached = run(engine)
+    assert cold == 0 and cached == 24 and got == want  # the logprobs too, bit for bit

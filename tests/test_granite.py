@@ -452,7 +452,14 @@ def test_memory_counts_the_state_per_sequence(granite_dir, capsys):
                       + (m.conv_kernel - 1) * m.conv_width) * 4  # fmt: skip
     groups = memory.layer_groups("paged", llm.cache_spec(), 64, 2)
     assert [g for g in groups if g["kind"] == "state"] == [
-        {"kind": "state", "layers": layers, "window": None, "tokens": 0, "bytes": 2 * state}
+        {
+            "kind": "state",
+            "layers": layers,
+            "window": None,
+            "tokens": 0,
+            "bytes": 2 * state,
+            "snapshot_bytes": state,
+        }
     ]
     assert llm.new_cache().parts[-1].nbytes == state
     assert main(["memory", "--model", str(llm.loaded.path), "--kv", "paged", "--context",

@@ -575,16 +575,17 @@ def test_memory_counts_the_state_per_sequence(qwen35_dir, mode, capsys):
         groups = memory.layer_groups(mode, spec, context, batch)
         assert [g for g in groups if g["kind"] == "state"] == [
             {"kind": "state", "layers": layers, "window": None, "tokens": 0,
-             "bytes": batch * state}]  # fmt: skip
+             "bytes": batch * state, "snapshot_bytes": state - layers * carried * 4}]  # fmt: skip
         assert memory.planned_nbytes(mode, spec, context, batch) == sum(g["bytes"] for g in groups)
     assert llm.new_cache().parts[-1].nbytes == state
     assert main(["memory", "--model", str(llm.loaded.path), "--kv", mode, "--context", "64"]) == 0
     said = f"{layers} recurrent layers, their state {state / 2**10:,.1f} KiB a sequence"
     out = capsys.readouterr().out
     assert said in out
+    snapshot = state - layers * carried * 4  # at a block end of 16: no rows carried
     assert (
         f"3 snapshots of it a seat for prefix hits (the state at a block's end: a prompt's, "
-        f"an answer's, one every 512 prompt tokens), {3 * state / 2**20:,.1f} MiB a seat" in out
+        f"an answer's, one every 512 prompt tokens), {3 * snapshot / 2**20:,.1f} MiB a seat" in out
     )  # windowed_plan's, per seat
 
 
@@ -890,7 +891,11 @@ def test_the_pool_batches_chunks_forks_and_preempts_as_alone(pooled):
     assert isinstance(state, StateSlots) and state.num_used == 0 and state.num_blocks == 16
     cfg, spec = engine.config, engine.spec  # the pool made is the pool planned
     _, slots, slot_bytes = windowed_plan(cfg, spec, llm.max_context)
-    assert slots == [16] and state.nbytes == slot_bytes == (1 + 3) * 16 * state.block_nbytes
+    # a slot, and three snapshots a slot of its state and rows (a block end of 16
+    # carries no rows of the rule's chunk: a snapshot is a slot less its carried rows)
+    assert slots == [16] and state.nbytes == slot_bytes
+    assert slot_bytes == 16 * state.block_nbytes + 3 * 16 * state.block_rows_nbytes
+    assert state.block_rows_nbytes == state.block_nbytes - state.win.nbytes // 16
     assert engine.pool.total_nbytes == engine.pool.num_blocks * block_bytes(cfg, spec) + slot_bytes
     assert [o.outputs[0].token_ids for o in llm.generate(POOL_PROMPTS, GREEDY)] == [
         w[0] for w in want]  # LLM.generate's own pool  # fmt: skip

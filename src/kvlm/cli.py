@@ -785,7 +785,7 @@ def _groups_report(groups: list[dict], batch: int) -> list[str]:
                          f"serve's pool keeps {SNAPSHOTS_PER_SEAT} snapshots of it a seat "
                          f"for prefix hits (the state at a block's end: a prompt's, an "
                          f"answer's, one every {SNAPSHOT_EVERY} prompt tokens), "
-                         f"{_mib(SNAPSHOTS_PER_SEAT * each)} a seat")  # fmt: skip
+                         f"{_mib(SNAPSHOTS_PER_SEAT * g['snapshot_bytes'])} a seat")  # fmt: skip
             continue
         lines.append(f"  {g['layers']} {g['kind']} layers, {kept}: {g['tokens']:,} tokens, "
                      f"{_mib(g['bytes'])}")  # fmt: skip

@@ -59,6 +59,11 @@ class LayerGroup:
         """Bytes one sequence keeps in this group's layers whatever its length."""
         return len(self.layers) * self.kind.sequence_bytes(spec)
 
+    def snapshot_bytes(self, spec: CacheSpec) -> int:
+        """Bytes a snapshot of one sequence's state takes in this group's layers (a
+        recurrent kind's: RecurrentState.snapshot_bytes at the spec's block size)."""
+        return len(self.layers) * self.kind.snapshot_bytes(spec, spec.block_size)  # type: ignore[attr-defined]
+
     def end_bytes(self, spec: CacheSpec) -> int:
         """Bytes a prefix-caching pool keeps at each full block's end in this group's
         layers (LayerKind.end_bytes: a conv group's rows before it)."""

@@ -247,6 +247,17 @@ class RecurrentState(LayerKind):
     def end_bytes(self, spec: Geometry) -> int:
         return 0  # no state kept at block ends yet (kvlm.cache.recurrent.StateSlots)
 
+    def carries_at(self, block_size: int) -> bool:
+        """Whether the state at a block end carries rows (a chunk that does not end there:
+        a block size not a multiple of the chunk); a snapshot then keeps them too."""
+        return bool(self.chunk) and block_size % self.chunk != 0  # type: ignore[operator]
+
+    def snapshot_bytes(self, spec: Geometry, block_size: int) -> int:
+        """A snapshot's bytes: the state and conv rows, and the carried rows where a block
+        end carries some (`carries_at`)."""
+        window = 0 if self.carries_at(block_size) else math.prod(self.window_shape)
+        return self.sequence_bytes(spec) - window * state_dtype(spec.kv_dtypes[0]).itemsize
+
 
 # Every kind by its code (a file's `groups` layout): a new kind takes the next number
 KINDS: dict[int, type[LayerKind]] = {

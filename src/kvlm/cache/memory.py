@@ -15,7 +15,7 @@ import torch
 from kvlm.cache.base import CacheSpec
 from kvlm.cache.factory import mode_spec, planned_nbytes, planned_parts
 from kvlm.cache.groups import layer_groups as spec_groups
-from kvlm.cache.kinds import FullAttention
+from kvlm.cache.kinds import FullAttention, RecurrentState
 from kvlm.config import ModelConfig
 from kvlm.dtypes import Q4
 from kvlm.errors import InvalidRequestError
@@ -156,6 +156,8 @@ def layer_groups(mode: str, spec: CacheSpec, context: int, batch: int) -> list[d
         for row, group in zip(out, groups, strict=True):  # a block for prefix hits
             if group.end_bytes(spec):
                 row["block_end_bytes"] = group.end_bytes(spec)
+            if isinstance(group.kind, RecurrentState):  # a sequence's snapshot
+                row["snapshot_bytes"] = group.snapshot_bytes(spec)
     return out
 
 

@@ -711,8 +711,11 @@ class StateSlots(Slots):
         self.draft_bufs, self.win_bufs = DraftBuffers(), DraftBuffers()
         self.snap_state = torch.zeros(layers, snapshots, *state, dtype=dtype, device=dev)
         self.snap_conv = torch.zeros(layers, snapshots, *rows, dtype=dtype, device=dev)
-        self.snap_win = torch.zeros(layers, snapshots, *kind.window_shape, dtype=dtype,
-                                    device=dev)  # fmt: skip
+        # a snapshot's carried rows: only where a block end carries some (a block size not
+        # a multiple of the rule's chunk); else none, the state at a block end is whole
+        self.snap_carries = kind.carries_at(block_size)
+        self.snap_win = torch.zeros(layers, snapshots if self.snap_carries else 0,
+                                    *kind.window_shape, dtype=dtype, device=dev)  # fmt: skip
         self.snap_of: dict[int, int] = {}  # group 0's block -> the snapshot at its end
         self.snap_id: dict[int, int] = {}  # ... -> the prefix id it held when marked
         self.snap_block = [-1] * snapshots  # snapshot -> its block (-1: none)
@@ -875,11 +878,13 @@ class StateSlots(Slots):
                 if e == start + n:  # after its last row: the slot's state
                     self.snap_state[:, idx] = self.state[:, slot]
                     self.snap_conv[:, idx] = self.conv[:, slot]
-                    self.snap_win[:, idx] = self.win[:, slot]
+                    if self.snap_carries:
+                        self.snap_win[:, idx] = self.win[:, slot]
                 else:  # after a draft row's
                     self.snap_state[:, idx] = snaps[:, kept + e - start - 1]  # type: ignore[index]
                     self.snap_conv[:, idx] = rows[:, e - start : e - start + r]  # type: ignore[index]
-                    self.snap_win[:, idx] = wsnaps[:, kept + e - start - 1]  # type: ignore[index]
+                    if self.snap_carries:
+                        self.snap_win[:, idx] = wsnaps[:, kept + e - start - 1]  # type: ignore[index]
             if draft:
                 states = snaps[:, kept : kept + n - 1]  # type: ignore[index]
                 wins = wsnaps[:, kept : kept + n - 1]  # type: ignore[index]
@@ -921,7 +926,7 @@ class StateSlots(Slots):
         s, c, w = self.snap_state, self.snap_conv, self.snap_win
         parts = {"state": ((s.shape[0], *s.shape[2:]), s.dtype),
                  "conv": ((c.shape[0], *c.shape[2:]), c.dtype)}  # fmt: skip
-        if w[:, :1].numel():  # a DeltaNet's carried rows (a Mamba2 carries none)
+        if self.snap_carries:  # a block end's carried rows (a block size off the chunk)
             parts["win"] = ((w.shape[0], *w.shape[2:]), w.dtype)
         return parts
 
@@ -929,7 +934,7 @@ class StateSlots(Slots):
         """The snapshot at group 0's `block`'s end as a tier record's parts."""
         idx = self.snap_of[block]
         parts = {"state": self.snap_state[:, idx], "conv": self.snap_conv[:, idx]}
-        if "win" in self.record_parts:
+        if self.snap_carries:
             parts["win"] = self.snap_win[:, idx]
         return parts
 
@@ -943,7 +948,7 @@ class StateSlots(Slots):
         dev = self.snap_state.device
         self.snap_state[:, idx] = parts["state"].to(dev)
         self.snap_conv[:, idx] = parts["conv"].to(dev)
-        if "win" in parts:
+        if self.snap_carries:
             self.snap_win[:, idx] = parts["win"].to(dev)
         self.snap_id[block] = prefix_id
         return True
@@ -1016,7 +1021,10 @@ class StateSlots(Slots):
         idx = self.snap_of[block]
         self.state[:, slot] = self.snap_state[:, idx]
         self.conv[:, slot] = self.snap_conv[:, idx]
-        self.win[:, slot] = self.snap_win[:, idx]
+        if self.snap_carries:
+            self.win[:, slot] = self.snap_win[:, idx]
+        else:  # a block end the rule's chunk ends at too: no rows carried
+            self.win[:, slot].zero_()
         self.end[slot] = position
         self.snap_order.move_to_end(idx)
 
@@ -1181,7 +1189,8 @@ class SlotDeltaStep:
             for layer, (kept, buf) in enumerate(zip(self.kept, self._bufs, strict=True)):
                 slots.snap_state[layer, idx] = kept[i]  # type: ignore[index]
                 slots.snap_conv[layer, idx] = buf[o : o + r]  # type: ignore[index]
-                slots.snap_win[layer, idx] = self.kept_win[layer][i]  # type: ignore[index]
+                if slots.snap_carries:
+                    slots.snap_win[layer, idx] = self.kept_win[layer][i]  # type: ignore[index]
 
     def _rows_before(self, s: int, local: int) -> torch.Tensor:
         """The buffer's rows (as `taps` builds it, before the gather) of sequence s's last

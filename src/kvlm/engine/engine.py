@@ -125,7 +125,7 @@ def windowed_plan(
             blocks.append(sched.max_num_seqs)
             nbytes += blocks[-1] * group.sequence_bytes(spec)
             if isinstance(group.kind, RecurrentState) and config.prefix_caching:  # snapshots
-                nbytes += SNAPSHOTS_PER_SEAT * blocks[-1] * group.sequence_bytes(spec)
+                nbytes += SNAPSHOTS_PER_SEAT * blocks[-1] * group.snapshot_bytes(spec)
             continue
         per_seq = min(blocks_for(context, bs), window_blocks(group.kind.keep, bs, step))
         blocks.append(per_seq * sched.max_num_seqs + sched.reserve_blocks)

@@ -8,16 +8,21 @@
  *     S = S exp(g); S = S + k (x) ((v - S^T k) beta); o = S^T q     S (dk, dv), fp32
  *     y = rmsnorm(o) w silu(z)                   (the gated RMSNorm, over dv)
  *
- * transformers' torch_recurrent_gated_delta_rule and its gated norm, in fp32. Why here and
- * not in torch: torch's elementwise ops run a vector loop and a scalar tail whose exp,
- * sigmoid and silu round differently, so a value's bits depended on where it fell in a
- * step's tensor (a prompt in chunks was ~7e-6 from one shot, a forked row 1e-5 from its
- * batch of one), and the reductions over dk could be split by threads; here every value is
- * computed one way whatever the step holds: a (b, h) pair's work in one thread, the lanes
- * of dv with masked tails (no scalar tail), the sums over dk in order, those over dk / dv
- * of a norm in 16 lanes added in one fixed order. Products and sums stay separate roundings
- * (-std=c11: no contraction), so the portable builds compute the same values with
- * scalar exp (their own bits, one way). Part of qgemm.c's one translation unit.
+ * transformers' torch_recurrent_gated_delta_rule and its gated norm, in fp32, the rule
+ * computed in chunks of DELTA_CHUNK positions (abi.h: 16) at absolute multiples of it
+ * (delta_head: the WY form, a row's state products one read of S, the state written once
+ * a chunk), a sequence's state kept as the one at its chunk's start beside the chunk's
+ * carried rows, so a step cut anywhere computes the values a step from the chunk's start
+ * does. Why here and not in torch: torch's elementwise ops run a vector loop and a scalar
+ * tail whose exp, sigmoid and silu round differently, so a value's bits depended on where
+ * it fell in a step's tensor (a prompt in chunks was ~7e-6 from one shot, a forked row
+ * 1e-5 from its batch of one), and the reductions over dk could be split by threads; here
+ * every value is computed one way whatever the step holds: a (b, h) pair's work in one
+ * thread, the lanes of dv with masked tails (no scalar tail), each sum in one order, a
+ * norm's in 16 lanes added in one fixed order, the chunk's dots a lane each. The vector
+ * path fuses its products and sums (fma); the portable builds keep them apart (-std=c11:
+ * no contraction) with scalar exp: each build its own bits, one way. Part of qgemm.c's one
+ * translation unit.
  * ------------------------------------------------------------------------------------ */
 
 #define DELTA_MAX_DIM 512 /* the largest key or value head the step takes */
@@ -69,20 +74,6 @@ static inline void delta_scale(float *s, float c, int64_t n) {
     }
 #endif
     for (; j < n; j++) s[j] = s[j] * c;
-}
-
-/* acc[j] = acc[j] + s[j] * c for n values */
-static inline void delta_axpy(float *acc, const float *s, float c, int64_t n) {
-    int64_t j = 0;
-#if KVLM_V512
-    const __m512 cv = _mm512_set1_ps(c);
-    for (; j < n; j += 16) {
-        const __mmask16 k = tail_mask(n - j);
-        const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), cv);
-        _mm512_mask_storeu_ps(acc + j, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, acc + j), p));
-    }
-#endif
-    for (; j < n; j++) acc[j] = acc[j] + s[j] * c;
 }
 
 /* a carried row's floats: k [dk] (normed), u [dv], g, gc (the chunk's cumulative g) */
