@@ -640,9 +640,11 @@ static int64_t draft_rows(const int64_t *seq, int64_t B, int64_t *at) {
 /* -2 unless every state view holds what the step reads and writes there: its conv rows
  * (conv_view_ok: a sequence's rows one run, CONV_ROWS), the states before the step of
  * each of its layers and sequences within in's bytes, out's rows (each row's sequence's
- * among them) within out's, the draft rows' states within snaps' rows and bytes, the rows' u within urows'
- * (where given); each recurrent layer's view and index within them, its view's conv rows
- * and states of its sizes */
+ * among them) within out's, the draft rows' states within snaps' rows and bytes, the
+ * rows' u within urows' (where given), a DeltaNet's carried rows laid out as the states
+ * (win, win_out, wsnaps; in place exactly where the states are); each recurrent layer's
+ * view and index within them, its view's conv rows, states and carried rows of its
+ * sizes */
 static int check_states(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
                         const kvlm_state_view *states, int64_t n_states) {
     const int64_t kind = recurrent_kind(m);
