@@ -1525,3 +1525,31 @@ def test_speculative_mtp_on_a_model_without_a_head_is_refused(qwen35_dir):
     llm = LLM(model=qwen35_dir("qwen35"), progress=False)  # an engine asked for it: the same
     with pytest.raises(InvalidRequestError, match="no multi-token-prediction head"):
         fresh_engine(llm, speculative=SpeculativeConfig("mtp"))
+
+
+def test_memory_counts_a_gguf_files_weights_as_held(converted, capsys):
+    """`kvlm memory` of a Q8_0 file: the weights as `kvlm generate` holds them (--weights
+    native, the default for such a file on the CPU): the file's low-bit tensors at their
+    bytes in the file (gguf-py's reader's count) and its float ones in fp32, not every
+    parameter dense; the budget is the RAM less that."""
+    import json
+
+    import gguf
+
+    from kvlm.cache.memory import weight_bytes
+    from kvlm.cli import main
+
+    path = converted("qwen35", "q8_0")[1]
+    assert main(["memory", "--model", str(path), "--kv", "contiguous", "--context", "64",
+                 "--json"]) == 0  # fmt: skip
+    record = json.loads(capsys.readouterr().out)
+    quant = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+             gguf.GGMLQuantizationType.BF16}  # fmt: skip
+    llm = LLM(model=path, kv="off", progress=False)
+    taken = set(llm.loaded.weights.names())  # the tensors the model reads (not the MTP's)
+    want = 0
+    for t in gguf.GGUFReader(path).tensors:
+        name = llm.loaded.weights.family.from_gguf_name(t.name, llm.config.num_layers)
+        if name in taken:
+            want += int(t.n_elements) * 4 if t.tensor_type in quant else int(t.n_bytes)
+    assert record["weight_bytes"] == want < weight_bytes(llm.config, torch.float32)

@@ -669,6 +669,7 @@ def _verify_numerics(args: argparse.Namespace) -> int:
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
+    from kvlm import defaults
     from kvlm.cache.factory import check_mode
     from kvlm.cache.memory import parse_size, plan, table
     from kvlm.dtypes import parse_dtype
@@ -685,8 +686,11 @@ def cmd_memory(args: argparse.Namespace) -> int:
     if not 0 < context <= config.max_position_embeddings:
         raise KvlmError(f"--context must be between 1 and {config.max_position_embeddings}")
     sizes = {"block_size": args.block_size, "window": args.window, "sinks": args.sinks}
-    kv_dtypes = _generate_kv_dtypes(args, loaded, dtype, device)
-    p = plan(config, args.kv, context, args.batch, kv_dtypes, dtype, budget, device, **sizes)
+    numerics = _generate_numerics(args, loaded, dtype, device)
+    kv_dtypes = defaults.kv_dtypes(numerics, dtype)
+    held = _held_weight_bytes(loaded, numerics.weights, dtype)
+    p = plan(config, args.kv, context, args.batch, kv_dtypes, dtype, budget, device, held,
+             **sizes)  # fmt: skip
     rows = table(config, context, args.batch, **sizes)
     if args.plot and not no_picture:
         _memory_plot(args.plot, config.name, p, rows)
@@ -717,21 +721,35 @@ def _no_picture(note: str | None) -> int:
     return EXIT_USER_ERROR
 
 
-def _generate_kv_dtypes(args: argparse.Namespace, loaded: Any, dtype: Any, device: Any) -> Any:
-    """K's and V's storage as `kvlm generate` with these flags picks it: the LLM's road
-    (kvlm.defaults.resolve, then kv_dtypes), "auto" where no --kv-dtype is named."""
+def _generate_numerics(args: argparse.Namespace, loaded: Any, dtype: Any, device: Any) -> Any:
+    """The numerics `kvlm generate` with these flags picks (kvlm.defaults.resolve: the
+    LLM's road), "auto" where no --kv-dtype is named."""
     import torch
 
     from kvlm import defaults
     from kvlm.dtypes import dtype_name
 
     auto = defaults.AUTO
-    numerics = defaults.resolve(
+    return defaults.resolve(
         weights=auto, activations=auto, prefill_dtype=auto, kv_dtype=kv_dtype_of(args) or auto,
         exact=False, fp32_cpu=device.type == "cpu" and dtype == torch.float32,
         source=loaded.weights, compute=dtype_name(dtype),
     )  # fmt: skip
-    return defaults.kv_dtypes(numerics, dtype)
+
+
+def _held_weight_bytes(loaded: Any, weights: str | None, dtype: Any) -> int | None:
+    """What the weights take once loaded as `kvlm generate` loads them, where that is not
+    every parameter dense: a GGUF file's low-bit tensors kept as its blocks (--weights
+    native, the default for such a file on the CPU) at their bytes in the file, its float
+    tensors in the compute dtype; None otherwise (kvlm.cache.memory.weight_bytes)."""
+    import math
+
+    source = loaded.weights
+    if weights != "native" or not hasattr(source, "stored_bytes"):
+        return None
+    return sum(source.stored_bytes(n) if source.is_quantized(n)
+               else math.prod(source.shape(n)) * dtype.itemsize
+               for n in source.names())  # fmt: skip
 
 
 def _memory_plot(path: str, name: str, p: Any, rows: list[dict]) -> None:

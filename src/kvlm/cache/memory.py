@@ -104,15 +104,17 @@ def plan(
     compute_dtype: torch.dtype = torch.float32,
     budget: int | None = None,
     device: torch.device | str = "cpu",
+    weights: int | None = None,
     **sizes: int | None,
 ) -> MemoryPlan:
     """`sizes`: block_size, num_blocks, window, sinks (as CacheSpec). `budget` None: what
-    `device` has free (RAM, or the GPU's memory) less the weights."""
+    `device` has free (RAM, or the GPU's memory) less the weights: `weights` bytes (None:
+    every parameter dense in `compute_dtype`)."""
     if batch < 1:
         raise InvalidRequestError("batch must be >= 1")
     spec = mode_spec(mode, CacheSpec.for_model(config, context, kv_dtype, **sizes))
     per_seq = planned_nbytes(mode, spec, context, 1)
-    weights = weight_bytes(config, compute_dtype)
+    weights = weight_bytes(config, compute_dtype) if weights is None else weights
     if budget is None:
         free = available_memory(device)
         budget = None if free is None else max(0, free - weights)

@@ -151,6 +151,11 @@ class GGUFWeights:
     def is_quantized(self, name: str) -> bool:
         return self._tensors[name].tensor_type in QUANT_TYPES
 
+    def stored_bytes(self, name: str) -> int:
+        """The tensor's bytes in the file (a low-bit one's blocks as --weights native
+        keeps them)."""
+        return self._tensors[name].n_bytes
+
     def stored_as(self, name: str) -> tuple[str, str]:
         """(the tensor's name in the file, its GGML type's name): `blk.3.ffn_down.weight`,
         `Q3_K`."""
