@@ -1220,8 +1220,9 @@ def lfm2_step(tmp_path_factory):
     return _step_of(tmp_path_factory, "lfm2", tokenizer="llama3")
 
 
-def _step_of(tmp_path_factory, arch: str, **extra):
-    """A tiny model's fused step and a contiguous cache of two sequences, 5 tokens held."""
+def _step_of(tmp_path_factory, arch: str, slots: int = 32, **extra):
+    """A tiny model's fused step and a contiguous cache of two sequences, 5 tokens held,
+    `slots` positions."""
     from helpers import save_tiny_model
     from kvlm import LLM
     from kvlm.model.fused import FusedDecoder
@@ -1229,11 +1230,11 @@ def _step_of(tmp_path_factory, arch: str, **extra):
     if kernels.library() is None:
         pytest.skip(kernels.status())
     folder = save_tiny_model(tmp_path_factory.mktemp(arch), arch, seed=3, **extra)
-    llm = LLM(model=folder, weights="int8", max_context=32, progress=False)
+    llm = LLM(model=folder, weights="int8", max_context=slots, progress=False)
     cache = llm.new_cache("contiguous")
     llm.runner.forward([5, 6, 7, 8, 9], cache)
     cache.fork(2)
-    return FusedDecoder(llm.model, 32), cache
+    return FusedDecoder(llm.model, slots), cache
 
 
 @pytest.mark.parametrize("build", BUILDS)
@@ -1389,7 +1390,7 @@ def recurrent_step(request, tmp_path_factory):
     """A tiny hybrid's fused step (gated DeltaNets, or Mamba2 layers, beside attention) and
     a contiguous cache of two sequences, 5 tokens held."""
     extra = {"tokenizer": "qwen35"} if request.param == "qwen3_5" else {}
-    return _step_of(tmp_path_factory, request.param, **extra)
+    return _step_of(tmp_path_factory, request.param, slots=96, **extra)
 
 
 @pytest.mark.parametrize("build", BUILDS)
@@ -1398,7 +1399,8 @@ def test_the_recurrent_states_are_checked(build, recurrent_step):
     a conv view's (within their bytes, of the layers' conv width, a sequence's rows one
     run at consecutive positions, the one-sequence layout), its states before the step
     within `in`'s bytes, `out`'s rows each row's sequence's and within its bytes, a draft
-    row's state within `snaps`' rows and bytes, the rows' u within `urows`' bytes, the
+    run's kept rows at most 64 (the kernels' bound), their states within `snaps`' rows and
+    bytes, the rows' u within `urows`' bytes, the
     state's floats the layers' own, each recurrent layer's view and index within them; the
     recurrent sizes within the kernels' limits and one kind a model. Nothing written: x,
     the logits, the states, the conv rows and the out and draft buffers as they were; the
@@ -1513,6 +1515,10 @@ def test_the_recurrent_states_are_checked(build, recurrent_step):
         setattr(owner, field, old)
     assert call(**draft) == 0  # a draft's run of two rows: the state after the first kept
     rows.copy_(before[0])
+    # a run of 65 rows keeps 64 states (DELTA_MAX_AT, the kernels' bound); 66 refused
+    for run, rc in ((65, 0), (66, -2)):
+        assert call(pos=tuple(range(n, n + run)), seqs=(0,) * run, drafts=run - 1) == rc, run
+        rows.copy_(before[0])
     assert call() == 0  # the rows moved on (each sequence's new row last), the states kept
     assert torch.equal(rows[:, :, :-1], before[0][:, :, 1:])
     assert torch.equal(states, before[1])

@@ -640,8 +640,8 @@ static int64_t draft_rows(const int64_t *seq, int64_t B, int64_t *at) {
 /* -2 unless every state view holds what the step reads and writes there: its conv rows
  * (conv_view_ok: a sequence's rows one run, CONV_ROWS), the states before the step of
  * each of its layers and sequences within in's bytes, out's rows (each row's sequence's
- * among them) within out's, the draft rows' states within snaps' rows and bytes, the
- * rows' u within urows' (where given), a DeltaNet's carried rows laid out as the states
+ * among them) within out's, a run's draft rows at most DELTA_MAX_AT, their states
+ * within snaps' rows and bytes, the rows' u within urows' (where given), a DeltaNet's carried rows laid out as the states
  * (win, win_out, wsnaps; in place exactly where the states are); each recurrent layer's
  * view and index within them, its view's conv rows, states and carried rows of its
  * sizes */
@@ -666,6 +666,9 @@ static int check_states(const kvlm_qmodel *m, int64_t B, const int64_t *pos,
             V->out_bytes < need)
             return -2;
         const int64_t n_at = draft_rows(V->conv.seq, B, NULL);
+        for (int64_t b = 0, run = 1; b + 1 < B; b++) /* a run keeps at most DELTA_MAX_AT */
+            if ((run = V->conv.seq[b + 1] == V->conv.seq[b] ? run + 1 : 1) > DELTA_MAX_AT + 1)
+                return -2;
         if (n_at > 0) { /* the draft rows' states: snaps (layers, snap_rows, state) */
             if (!V->snaps || V->snap_rows < n_at || !mul_ok(V->conv.layers, V->snap_rows, &need) ||
                 !mul_ok(need, per, &need) || V->snaps_bytes < need)
