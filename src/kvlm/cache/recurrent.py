@@ -346,23 +346,14 @@ class DeltaStep:
 
     def wins(self) -> torch.Tensor:
         """The staged carried rows as one tensor (layers, B, ...), as `states`."""
-        out, staged = self.win_out, self.staged_win
-        if any(w is None for w in staged):
+        if any(w is None for w in self.staged_win):
             raise ValueError("a DeltaNet step committed before its carried rows were staged")
-        if (
-            out is not None
-            and out.dtype == self._win.dtype
-            and all(w.data_ptr() == out[i].data_ptr() for i, w in enumerate(staged))  # type: ignore[union-attr]
-        ):
-            return out
-        return torch.stack(staged)  # type: ignore[arg-type]
+        return _joined(self.win_out, self.staged_win, self._win.dtype)
 
     def kept_wins(self) -> torch.Tensor:
         """The carried rows after the `keep_rows` (layers, keep_rows, ...), as
         `kept_states`."""
-        if self.wsnaps is not None:
-            return self.wsnaps[:, : len(self.keep_rows or ())]
-        return torch.stack(self.kept_win)  # type: ignore[arg-type]
+        return _kept(self.wsnaps, self.kept_win, self.keep_rows)
 
     def out_state(self, layer: int) -> torch.Tensor:
         """Where a layer's state after the step may be written (the C road's, fp32): a
@@ -391,23 +382,32 @@ class DeltaStep:
     def kept_states(self) -> torch.Tensor:
         """The kept states as one tensor (layers, keep_rows, ...): the fused draft step's
         buffer's rows, else the staged stacked."""
-        if self.snaps is not None:
-            return self.snaps[:, : len(self.keep_rows or ())]
-        return torch.stack(self.kept)  # type: ignore[arg-type]
+        return _kept(self.snaps, self.kept, self.keep_rows)
 
     def states(self) -> torch.Tensor:
         """The staged states as one tensor (layers, B, ...): the out buffer where every
         layer wrote into it, else stacked."""
-        out, staged = self.out, self.staged
-        if (
-            out is not None
-            and out.dtype == self._state.dtype
-            and all(
-                s is not None and s.data_ptr() == out[i].data_ptr() for i, s in enumerate(staged)
-            )
-        ):
-            return out
-        return torch.stack(staged)  # type: ignore[arg-type]
+        return _joined(self.out, self.staged, self._state.dtype)
+
+
+def _joined(out: torch.Tensor | None, staged: list, dtype: torch.dtype) -> torch.Tensor:
+    """A step's per-layer tensors as one (layers, ...): its out buffer `out` where every
+    layer wrote into it (in `dtype`, the cache's), else the staged stacked."""
+    if (
+        out is not None
+        and out.dtype == dtype
+        and all(t is not None and t.data_ptr() == out[i].data_ptr() for i, t in enumerate(staged))
+    ):
+        return out
+    return torch.stack(staged)
+
+
+def _kept(buf: torch.Tensor | None, kept: list, rows: list[int] | None) -> torch.Tensor:
+    """The tensors after a step's kept rows as one (layers, rows, ...): the fused draft
+    step's buffer's first rows where it has one, else the staged stacked."""
+    if buf is not None:
+        return buf[:, : len(rows or ())]
+    return torch.stack(kept)
 
 
 class KernelCall:
@@ -481,6 +481,14 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _fp32_over(gathered: torch.Tensor) -> torch.Tensor:
+    """Where the C road writes a pool step's tensor of a layer: over its gathered copy
+    (the step's own), or a buffer of its shape where that is not fp32 (an fp64 pool)."""
+    if gathered.dtype == torch.float32:
+        return gathered
+    return torch.empty_like(gathered, dtype=torch.float32)
+
+
 class _StateCacheStep(CacheStep):
     """A StateCache's step: no K/V (a DeltaNet layer attends to nothing); `recurrent` its
     DeltaStep."""
@@ -549,9 +557,10 @@ class StateCache(KVCache):
         r, seqs = self.rows, list(rows)
         d: DeltaStep | None = None if step is None else step.recurrent  # type: ignore[attr-defined]
         conv = ConvView(r.conv.rows, seqs, [r.conv.end] * len(seqs))
+        win = r.win if r.win.numel() else None  # a DeltaNet's carried rows (a Mamba2: none)
         if d is None:
-            return [StateView(conv, r.state, win=r.win)]
-        return [StateView(conv, r.state, d.out, None, d.snaps, d.urows, r.win, d.win_out,
+            return [StateView(conv, r.state, win=win)]
+        return [StateView(conv, r.state, d.out, None, d.snaps, d.urows, win, d.win_out,
                           d.wsnaps)]  # fmt: skip
 
     def written_in_place(self, step: CacheStep) -> None:
@@ -1128,8 +1137,7 @@ class SlotDeltaStep:
     def out_win(self, layer: int) -> torch.Tensor:
         """Where the C road writes a layer's carried rows after the step: over the gathered
         copy, as out_state."""
-        win = self.initial_win(layer)
-        return win if win.dtype == torch.float32 else torch.empty_like(win, dtype=torch.float32)
+        return _fp32_over(self.initial_win(layer))
 
     def stage_win(self, layer: int, win: torch.Tensor) -> None:
         self.staged_win[layer] = win
@@ -1140,10 +1148,7 @@ class SlotDeltaStep:
     def out_state(self, layer: int) -> torch.Tensor:
         """Where the C road writes a layer's states after the step: over the gathered copy
         (the slots' own stay as they were until commit)."""
-        state = self.initial(layer)
-        return (
-            state if state.dtype == torch.float32 else torch.empty_like(state, dtype=torch.float32)
-        )
+        return _fp32_over(self.initial(layer))
 
     def stage(self, layer: int, state: torch.Tensor) -> None:
         self.staged[layer] = state

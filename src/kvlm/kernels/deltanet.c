@@ -175,35 +175,6 @@ static void ck_rows_combine(float *y, float a, const float *rows, const float *c
 static void ck_state_products(const float *S, const float *K, const float *Q, float *ks, float *qs,
                               int64_t n, int64_t dk, int64_t dv) {
 #if KVLM_V512
-    if (dv % 32 == 0) { /* 4 tokens x 32 columns a pass: S read once for 4 tokens */
-        for (int64_t j0 = 0; j0 < n; j0 += 4) {
-            const int64_t tb = n - j0 < 4 ? n - j0 : 4;
-            for (int64_t c0 = 0; c0 < dv; c0 += 32) {
-                __m512 ak[4][2], aq[4][2];
-                for (int64_t t = 0; t < 4; t++)
-                    ak[t][0] = ak[t][1] = aq[t][0] = aq[t][1] = _mm512_setzero_ps();
-                for (int64_t i = 0; i < dk; i++) {
-                    const float *row = S + i * dv + c0;
-                    const __m512 s0 = _mm512_loadu_ps(row), s1 = _mm512_loadu_ps(row + 16);
-                    for (int64_t t = 0; t < tb; t++) {
-                        const __m512 kb = _mm512_set1_ps(K[(j0 + t) * dk + i]);
-                        const __m512 qb = _mm512_set1_ps(Q[(j0 + t) * dk + i]);
-                        ak[t][0] = _mm512_fmadd_ps(s0, kb, ak[t][0]);
-                        ak[t][1] = _mm512_fmadd_ps(s1, kb, ak[t][1]);
-                        aq[t][0] = _mm512_fmadd_ps(s0, qb, aq[t][0]);
-                        aq[t][1] = _mm512_fmadd_ps(s1, qb, aq[t][1]);
-                    }
-                }
-                for (int64_t t = 0; t < tb; t++) {
-                    _mm512_storeu_ps(ks + (j0 + t) * dv + c0, ak[t][0]);
-                    _mm512_storeu_ps(ks + (j0 + t) * dv + c0 + 16, ak[t][1]);
-                    _mm512_storeu_ps(qs + (j0 + t) * dv + c0, aq[t][0]);
-                    _mm512_storeu_ps(qs + (j0 + t) * dv + c0 + 16, aq[t][1]);
-                }
-            }
-        }
-        return;
-    }
     if (dv % 16 == 0 && dv <= 256) {
         const int64_t L = dv / 16;
         for (int64_t j = 0; j < n; j++) {

@@ -138,12 +138,12 @@ class GatedDeltaNet(nn.Module):
             o = gated_rms_norm(o.to(dtype), z[None, r0:r1].view(1, T, nv, dv), self.norm,
                                self.eps, work)  # fmt: skip
             out.append(o.reshape(T, nv * dv))
-        state_dtype_ = initial.dtype
-        step.stage(self.slot, torch.stack(states).to(state_dtype_))
-        step.stage_win(self.slot, torch.stack(wins).to(state_dtype_))
+        kept_as = initial.dtype  # the cache's
+        step.stage(self.slot, torch.stack(states).to(kept_as))
+        step.stage_win(self.slot, torch.stack(wins).to(kept_as))
         if points:
-            step.stage_kept(self.slot, torch.stack(snaps).to(state_dtype_))
-            step.stage_kept_win(self.slot, torch.stack(wsnaps).to(state_dtype_))
+            step.stage_kept(self.slot, torch.stack(snaps).to(kept_as))
+            step.stage_kept_win(self.slot, torch.stack(wsnaps).to(kept_as))
         return torch.cat(out)
 
     def _kernel(self, lib, conv, z, b, a, step: DeltaStep, cu: list[int]) -> torch.Tensor:
@@ -188,8 +188,7 @@ class ChunkRows:
         self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def window(self) -> torch.Tensor:
-        w = self.rows[0].new_zeros(self.shape) if self.rows else self.start_state.new_zeros(
-            self.shape)  # fmt: skip
+        w = self.start_state.new_zeros(self.shape)
         for r, row in enumerate(self.rows):
             w[:, r] = row
         return w
@@ -205,12 +204,8 @@ class ChunkRows:
             state = state + kt[None].unsqueeze(-1) * delta[None].unsqueeze(-2)
         out = v.new_empty(v.shape)
         for t in range(q.shape[1]):
-            state = state * g[:, t].exp()[..., None, None]
-            kt = k[:, t].unsqueeze(-1)  # (1, nv, dk, 1)
-            kv_mem = (state * kt).sum(dim=-2)  # (1, nv, dv)
-            delta = (v[:, t] - kv_mem) * beta[:, t].unsqueeze(-1)
-            state = state + kt * delta.unsqueeze(-2)
-            out[:, t] = (state * q[:, t].unsqueeze(-1)).sum(dim=-2)
+            out[:, t], delta, state = delta_token(q[:, t], k[:, t], v[:, t], g[:, t],
+                                                  beta[:, t], state)  # fmt: skip
             gc = g[0, t] if not self.rows else self.rows[-1][:, -1] + g[0, t]
             self.rows.append(torch.cat([k[0, t], delta[0], g[0, t, :, None], gc[:, None]], -1))
             self.p += 1
@@ -230,13 +225,23 @@ def recurrent_gated_delta_rule(
     by token, each operation as transformers' torch_recurrent_gated_delta_rule does it."""
     out = v.new_empty(v.shape)
     for t in range(q.shape[1]):
-        state = state * g[:, t].exp()[..., None, None]
-        kt = k[:, t].unsqueeze(-1)  # (B, nv, dk, 1)
-        kv_mem = (state * kt).sum(dim=-2)  # (B, nv, dv)
-        delta = (v[:, t] - kv_mem) * beta[:, t].unsqueeze(-1)
-        state = state + kt * delta.unsqueeze(-2)
-        out[:, t] = (state * q[:, t].unsqueeze(-1)).sum(dim=-2)
+        out[:, t], _, state = delta_token(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
     return out, state
+
+
+def delta_token(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One token of the rule: q, k (B, nv, dk), v (B, nv, dv), g, beta (B, nv), state (B,
+    nv, dk, dv) -> its output (B, nv, dv), its delta (the u a chunk's carried row keeps)
+    and the state after it, each operation as transformers' reference does it."""
+    state = state * g.exp()[..., None, None]
+    kt = k.unsqueeze(-1)  # (B, nv, dk, 1)
+    kv_mem = (state * kt).sum(dim=-2)  # (B, nv, dv)
+    delta = (v - kv_mem) * beta.unsqueeze(-1)
+    state = state + kt * delta.unsqueeze(-2)
+    return (state * q.unsqueeze(-1)).sum(dim=-2), delta, state
 
 
 def gated_rms_norm(
