@@ -584,9 +584,11 @@ def test_memory_counts_the_state_per_sequence(qwen35_dir, mode, capsys):
     assert said in out
     snapshot = state - layers * carried * 4  # at a block end of 16: no rows carried
     assert (
-        f"3 snapshots of it a seat for prefix hits (the state at a block's end: a prompt's, "
-        f"an answer's, one every 512 prompt tokens), {3 * snapshot / 2**20:,.1f} MiB a seat" in out
-    )  # windowed_plan's, per seat
+        f"snapshots of it for prefix hits (the state at a block's end: a prompt's, an "
+        f"answer's, one every 512 prompt tokens) in 25% of --kv-memory (--snapshot-share): "
+        f"{(1 << 28) // snapshot:,} of {snapshot / 2**10:,.1f} KiB in the default 1,024.0 MiB"
+        in out
+    )  # snapshot_plan's, at the default --kv-memory (before its cap of a snapshot a block)
 
 
 def test_a_cache_without_the_state_says_why(qwen35_dir):
@@ -890,13 +892,14 @@ def test_the_pool_batches_chunks_forks_and_preempts_as_alone(pooled):
     state = engine.pool.groups[1]
     assert isinstance(state, StateSlots) and state.num_used == 0 and state.num_blocks == 16
     cfg, spec = engine.config, engine.spec  # the pool made is the pool planned
-    _, slots, slot_bytes = windowed_plan(cfg, spec, llm.max_context)
-    # a slot, and three snapshots a slot of its state and rows (a block end of 16
+    plan = windowed_plan(cfg, spec, llm.max_context)
+    # a slot a seat, and the snapshots of its state and rows planned (a block end of 16
     # carries no rows of the rule's chunk: a snapshot is a slot less its carried rows)
-    assert slots == [16] and state.nbytes == slot_bytes
-    assert slot_bytes == 16 * state.block_nbytes + 3 * 16 * state.block_rows_nbytes
+    assert plan.blocks == [16] and state.nbytes == plan.nbytes
+    assert state.snap_state.shape[1] == plan.snapshots > 0
+    assert plan.nbytes == 16 * state.block_nbytes + plan.snapshots * state.block_rows_nbytes
     assert state.block_rows_nbytes == state.block_nbytes - state.win.nbytes // 16
-    assert engine.pool.total_nbytes == engine.pool.num_blocks * block_bytes(cfg, spec) + slot_bytes
+    assert engine.pool.total_nbytes == engine.pool.num_blocks * block_bytes(cfg, spec) + plan.nbytes
     assert [o.outputs[0].token_ids for o in llm.generate(POOL_PROMPTS, GREEDY)] == [
         w[0] for w in want]  # LLM.generate's own pool  # fmt: skip
     assert on_pool(llm, POOL_PROMPTS, GREEDY, scheduler={"prefill_chunk": 5})[0] == want
@@ -1016,8 +1019,8 @@ def test_a_prefix_hit_mid_conversation_restores_the_state(pooled):
     the hit's last block end (taken by the step that passed it) restores the sequence's
     slot, and the answer is a fresh pool's, which computes the whole prompt; without that
     snapshot the hit goes back to the last block end that has one, and with none it is
-    no hit. The snapshots are a fixed budget (two a seat: a running sequence holds its
-    prompt's and its answer's latest), the least recently used reused first."""
+    no hit. The snapshots are a fixed budget (a running sequence holds its prompt's and
+    its answer's latest), the least recently used reused first."""
     llm, _ = pooled
     first, second = conversation(llm)
     want, cold = answer(fresh_engine(llm), second)
@@ -1028,7 +1031,7 @@ def test_a_prefix_hit_mid_conversation_restores_the_state(pooled):
     hit = (len(first) // 16) * 16  # at least the first turn's full blocks
     assert got == want and cached >= hit > 0 and engine.manager.stats.hits == cached
     state = engine.pool.groups[1]
-    assert 0 < state.blocks_with_rows <= state.snap_state.shape[1] == 3 * 16
+    assert 0 < state.blocks_with_rows <= state.snap_state.shape[1]
     assert state.num_used == 0
     blocks, _ = engine.manager.match(second)
     assert state.has_rows(blocks[-1], engine.pool.prefix.prefix_id[blocks[-1]])
@@ -1042,12 +1045,46 @@ def test_a_prefix_hit_mid_conversation_restores_the_state(pooled):
     assert engine.manager.match(second)[0] == []  # no snapshot: no hit
     got, cached = answer(engine, second)
     assert got == want and cached == 0
-    from kvlm.engine.scheduler import SchedulerConfig
 
-    few = fresh_engine(llm, scheduler=SchedulerConfig(max_num_seqs=2))  # six snapshots
-    for p in POOL_PROMPTS:
-        answer(few, llm.tokenizer.encode(p))
-    assert few.pool.groups[1].blocks_with_rows <= 6
+
+def test_the_snapshots_are_a_share_of_the_kv_memory(pooled):
+    """The snapshots of the state take --snapshot-share of --kv-memory (as many as it
+    holds, kvlm.engine.engine.snapshot_plan), inside the pool's budget: a pool of a given
+    kv_memory holds blocks, slots and snapshots within it; a share that holds six keeps
+    six, and the oldest conversations' hits go as newer ones take them, the answers
+    unchanged; a share of 0 keeps none (no hits, the same tokens); a share outside [0, 1)
+    is one clear error, from the library and from `kvlm serve`."""
+    from kvlm.engine.engine import EngineConfig, snapshot_plan
+    from kvlm.errors import InvalidRequestError
+
+    llm, _ = pooled
+    first, second = conversation(llm)
+    want, _ = answer(fresh_engine(llm), second)
+    each = fresh_engine(llm).pool.groups[1].block_rows_nbytes
+    memory = 4 << 20
+    six = 6 * each / memory + 1e-9  # a share that holds six snapshots and not seven
+    assert snapshot_plan(EngineConfig(kv_memory=memory, snapshot_share=six),
+                         llm.cache_spec("paged"), llm.max_context) == 6  # fmt: skip
+    engine = fresh_engine(llm, kv_memory=memory, snapshot_share=six)
+    state = engine.pool.groups[1]
+    assert state.snap_state.shape[1] == 6 and engine.pool.total_nbytes <= memory
+    answer(engine, first)
+    got, cached = answer(engine, second)
+    assert got == want and cached > 0  # the conversation's hit
+    for p in POOL_PROMPTS:  # other conversations take the six, least recently used first
+        answer(engine, llm.tokenizer.encode(p))
+    assert state.blocks_with_rows <= 6
+    got, cached = answer(engine, second)
+    assert got == want  # its snapshots reused by others: a shorter hit or none, same tokens
+    none = fresh_engine(llm, kv_memory=memory, snapshot_share=0.0)
+    assert none.pool.groups[1].snap_state.shape[1] == 0
+    answer(none, first)
+    assert answer(none, second) == (want, 0)  # no snapshot: no hit
+    more = fresh_engine(llm, kv_memory=memory, snapshot_share=0.5)
+    assert more.pool.groups[1].snap_state.shape[1] > 6 and more.pool.total_nbytes <= memory
+    for bad in (-0.1, 1.0, 2.0):
+        with pytest.raises(InvalidRequestError, match="--snapshot-share"):
+            EngineConfig(snapshot_share=bad)
 
 
 def test_speculative_decoding_on_the_pool_equals_plain(pooled):

@@ -233,6 +233,11 @@ def test_a_files_top_k_reads_as_llama_cpp_reads_it():
         ("--temperature", "nan", "--temperature: temperature must be a finite number >= 0"),
         ("--min-p", "2", "--min-p: min_p must be in [0, 1]"),
         ("--repeat-penalty", "-1", "--repeat-penalty: repetition_penalty must be > 0"),
+        (
+            "--snapshot-share",
+            "1",
+            "--snapshot-share (the snapshots' share of the KV memory) must be in [0, 1), not 1.0",
+        ),
     ],
 )
 def test_a_bad_flag_is_one_line_before_the_load(flag, value, said, capsys):

@@ -191,6 +191,9 @@ def _pool_args(serve: argparse.ArgumentParser) -> None:
         ("--kv-blocks", int, None, "blocks in the KV pool"),
         ("--kv-memory", None, None, "KV pool size when --kv-blocks is unset (default: 1GiB; on "
          "a GPU, 90%% of its free memory once the model is loaded)"),
+        ("--snapshot-share", float, None, "a model with recurrent layers (Qwen3.5, Granite "
+         "4.0-H): the share of --kv-memory kept for snapshots of their state at block ends, "
+         "where prefix hits resume (default 0.25; 0: no prefix hits on such a model)"),
         ("--max-num-seqs", int, 16, "sequences decoded together"),
         ("--max-waiting", int, 64, "queued requests before 503"),
         ("--prefill-chunk", int, 256, "prompt tokens per step"),
@@ -783,7 +786,10 @@ def _memory_report(name: str, p: Any, rows: list[dict]) -> str:
 
 def _groups_report(groups: list[dict], batch: int) -> list[str]:
     """A hybrid model's layer groups (kvlm.cache.memory.layer_groups), a line each."""
-    from kvlm.cache.recurrent import SNAPSHOT_EVERY, SNAPSHOTS_PER_SEAT
+    import torch
+
+    from kvlm.cache.recurrent import SNAPSHOT_EVERY
+    from kvlm.engine.engine import SNAPSHOT_SHARE, default_kv_memory
 
     if len(groups) < 2:
         return []
@@ -797,13 +803,16 @@ def _groups_report(groups: list[dict], batch: int) -> list[str]:
                          "hits (the rows at its end)")  # fmt: skip
             continue
         if g["kind"] == "state":  # a recurrent layer's: fixed a sequence, a slot in the pool
-            each = g["bytes"] / batch
+            each, pool = g["bytes"] / batch, default_kv_memory(torch.device("cpu"))
+            snaps = int(pool * SNAPSHOT_SHARE) // g["snapshot_bytes"]
             lines.append(f"  {g['layers']} recurrent layers, their state "
                          f"{each / 2**10:,.1f} KiB a sequence: {_mib(g['bytes'])}; kvlm "
-                         f"serve's pool keeps {SNAPSHOTS_PER_SEAT} snapshots of it a seat "
-                         f"for prefix hits (the state at a block's end: a prompt's, an "
-                         f"answer's, one every {SNAPSHOT_EVERY} prompt tokens), "
-                         f"{_mib(SNAPSHOTS_PER_SEAT * g['snapshot_bytes'])} a seat")  # fmt: skip
+                         f"serve's pool keeps snapshots of it for prefix hits (the state at "
+                         f"a block's end: a prompt's, an answer's, one every {SNAPSHOT_EVERY} "
+                         f"prompt tokens) in {SNAPSHOT_SHARE:.0%} of --kv-memory "
+                         f"(--snapshot-share): {snaps:,} of "
+                         f"{g['snapshot_bytes'] / 2**10:,.1f} KiB in the default "
+                         f"{_mib(pool)}")  # fmt: skip
             continue
         lines.append(f"  {g['layers']} {g['kind']} layers, {kept}: {g['tokens']:,} tokens, "
                      f"{_mib(g['bytes'])}")  # fmt: skip

@@ -68,7 +68,7 @@ from kvlm.cache.conv import ConvSlots
 from kvlm.cache.groups import LayerGroup, layer_at, layer_groups, layout_extra
 from kvlm.cache.hybrid import group_prefix, group_tensors, ring_spec
 from kvlm.cache.kinds import ConvWindow, RecurrentState
-from kvlm.cache.recurrent import SNAPSHOTS_PER_SEAT, StateSlots
+from kvlm.cache.recurrent import StateSlots
 from kvlm.cache.registry import PrefixRegistry
 from kvlm.cache.slots import Slots
 from kvlm.cache.storage import Store
@@ -100,6 +100,7 @@ class BlockPool:
         group_blocks: Sequence[int] | None = None,
         group: LayerGroup | None = None,
         end_rows: bool = True,
+        snapshots: int = 0,
     ) -> None:
         """`scratch` (default: on a GPU): one more block, never handed out: where the
         padding rows of a captured decode batch write (kvlm.model.graphs), so they never
@@ -108,9 +109,9 @@ class BlockPool:
         (num_blocks), `groups[g]` group g (a BlockPool of `group` g, group_blocks[g - 1]
         blocks, default num_blocks; a conv group's ConvSlots, group_blocks[g - 1] slots,
         and with `end_rows` (a pool that keeps a prefix cache) each of this pool's blocks'
-        end rows: kvlm.cache.conv; a DeltaNet group's StateSlots, group_blocks[g - 1] slots
-        of state and with `end_rows` SNAPSHOTS_PER_SEAT snapshots a slot of the state at block ends:
-        kvlm.cache.recurrent)."""
+        end rows: kvlm.cache.conv; a recurrent group's StateSlots, group_blocks[g - 1] slots
+        of state and with `end_rows` `snapshots` snapshots of the state at block ends,
+        kvlm.cache.recurrent: the engine's kvlm.engine.engine.snapshot_plan)."""
         kinds = layer_groups(spec)
         self.group = group or kinds[0]  # the layers this pool's store holds, their kind
         self.groups: list[BlockPool | Slots] = [self]
@@ -121,8 +122,8 @@ class BlockPool:
                 if isinstance(g.kind, ConvWindow):
                     ends = num_blocks if end_rows else 0
                     self.groups.append(ConvSlots(spec, g, n, ends, spec.block_size))
-                elif isinstance(g.kind, RecurrentState):  # snapshots of the state a slot
-                    snaps = SNAPSHOTS_PER_SEAT * n if end_rows else 0
+                elif isinstance(g.kind, RecurrentState):  # and snapshots of the state
+                    snaps = snapshots if end_rows else 0
                     self.groups.append(StateSlots(spec, g, n, spec.block_size, snaps))
                 else:
                     self.groups.append(BlockPool(spec, n, scratch, group=g))

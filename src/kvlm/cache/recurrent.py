@@ -65,11 +65,9 @@ from kvlm.errors import CacheOverflowError, InvalidRequestError
 NO_ROLLBACK = "a gated DeltaNet's state cannot forget tokens"
 # The checkpoints (positions asked for ahead: DeltaRows.checkpoint) a cache keeps, latest
 CHECKPOINTS = 4
-# The engine pool's snapshots of the state a seat (StateSlots): a running sequence's
-# prompt's and answer's (one a role, held), and one more a seat for those a prompt leaves
-# every SNAPSHOT_EVERY tokens (held by none, least recently used reused first): a long
-# prefix another prompt shares (a system prompt, a document) then hits within it
-SNAPSHOTS_PER_SEAT = 3
+# A prompt leaves a snapshot of the state every this many tokens it passes (StateSlots;
+# held by none, least recently used reused first): a long prefix another prompt shares (a
+# system prompt, a document) then hits within it
 SNAPSHOT_EVERY = 512
 
 
@@ -685,10 +683,11 @@ class StateSlots(Slots):
     the end of the answer's last full block and a regenerated answer at the prompt's;
     once it finishes they are the least recently used's to reuse. A prompt also leaves
     one every `every` tokens it passes (SNAPSHOT_EVERY; role None, held by none), so a
-    prompt sharing only its first part hits within it. SNAPSHOTS_PER_SEAT (3) a slot (the
-    pool passes 3 x slots): a sequence's first snapshot of a role always finds one no
-    running sequence holds, and the rest serve the shared ones (none free: none taken);
-    one goes with its block when the block is handed out again (`forget`)."""
+    prompt sharing only its first part hits within it. `snapshots` of them in all (the
+    engine's pool: as many as its share of the KV memory holds, kvlm.engine.engine.
+    snapshot_plan); a step that finds every one held by a running sequence takes none
+    (fewer hits, never a wrong state); one goes with its block when the block is handed
+    out again (`forget`)."""
 
     step_attr = "recurrent"
     what = "DeltaNet states"
@@ -973,7 +972,7 @@ class StateSlots(Slots):
             idx = self.held[slot].get(role) if role and slot is not None else None
             if idx is None:
                 idx = next((i for i in self.snap_order if self.snap_owner[i] < 0), None)
-                if idx is None:  # (a role's always finds one: SNAPSHOTS_PER_SEAT)
+                if idx is None:  # every one held: this end goes without
                     return None
             self.forget(self.snap_block[idx])
             self.snap_of[block], self.snap_block[idx] = idx, block

@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -34,7 +34,7 @@ from kvlm.cache.groups import layer_groups as spec_groups
 from kvlm.cache.kinds import CONV_ROW_DTYPE, STATE_KINDS, RecurrentState
 from kvlm.cache.paged import BlockPool, window_blocks
 from kvlm.cache.prefix import BlockManager, check_salt
-from kvlm.cache.recurrent import SNAPSHOTS_PER_SEAT, StateSlots
+from kvlm.cache.recurrent import StateSlots
 from kvlm.cache.storage import part_layout
 from kvlm.cache.tier_key import load_tier_key
 from kvlm.cache.tiers import KVTiers, namespace, parse_tier
@@ -71,6 +71,10 @@ log = logging.getLogger("kvlm.engine")
 IDLE_WAIT_S = 0.05
 SLOW_STEP_S = 1.0  # a longer step than any before it is logged (with what it held)
 GPU_MEMORY_SHARE = 0.9  # of a GPU's free memory, for the pool by default (vLLM's default)
+# of the KV memory, for the snapshots of a recurrent state at block ends (what a prefix hit
+# on a hybrid model resumes from) by default: LightLLM's --mamba_cache_ratio and SGLang's
+# --mamba-full-memory-ratio size the same store as a share of theirs
+SNAPSHOT_SHARE = 0.25
 
 
 def default_kv_memory(device: torch.device, free: int | None = None) -> int:
@@ -96,6 +100,15 @@ class EngineConfig:
     kv_tiers: tuple[str, ...] = ()
     # the file of the key that signs tier records (kvlm.cache.tier_key); None: the default
     kv_tier_key: str | None = None
+    # a hybrid model's snapshots of its recurrent state at block ends take at most this
+    # share of kv_memory (and one a block at most): snapshot_plan
+    snapshot_share: float = SNAPSHOT_SHARE
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.snapshot_share < 1.0:
+            share = self.snapshot_share
+            raise InvalidRequestError(f"--snapshot-share (the snapshots' share of the KV "
+                                      f"memory) must be in [0, 1), not {share}")  # fmt: skip
 
 
 def pool_spec(llm: ServedModel) -> CacheSpec:
@@ -105,32 +118,56 @@ def pool_spec(llm: ServedModel) -> CacheSpec:
     return llm.cache_spec(pool_mode(llm.kv_mode))
 
 
-def windowed_plan(
-    config: EngineConfig, spec: CacheSpec, context: int
-) -> tuple[int, list[int], int]:
+class PoolPlan(NamedTuple):
+    """What a hybrid model's pool holds beside group 0's blocks (windowed_plan)."""
+
+    step: int  # the most tokens one step feeds a sequence
+    blocks: list[int]  # each layer group's after group 0: blocks, or slots of a state kind
+    nbytes: int  # theirs together, and the snapshots'
+    snapshots: int  # of each recurrent group's state at block ends (snapshot_plan)
+
+
+def snapshot_plan(config: EngineConfig, spec: CacheSpec, context: int) -> int:
+    """How many snapshots of the state at block ends the pool keeps for prefix hits on a
+    model with recurrent layers: as many as config.snapshot_share of the KV memory holds
+    (a snapshot being every recurrent group's state at one block end), at most one for
+    each block the pool can have (max_num_seqs full contexts): a snapshot sits at a
+    block's end. 0 without the prefix cache or a recurrent group. Fewer than the running
+    sequences take (a prompt's and an answer's each) only means fewer hits: a step that
+    finds every snapshot held takes none (kvlm.cache.recurrent.StateSlots.take)."""
+    groups = spec_groups(spec)[1:]
+    each = sum(g.snapshot_bytes(spec) for g in groups if isinstance(g.kind, RecurrentState))
+    if not each or not config.prefix_caching:
+        return 0
+    kv_memory = config.kv_memory or default_kv_memory(spec.device)
+    most = blocks_for(context, spec.block_size) * config.scheduler.max_num_seqs
+    return min(int(kv_memory * config.snapshot_share) // each, most)
+
+
+def windowed_plan(config: EngineConfig, spec: CacheSpec, context: int) -> PoolPlan:
     """A hybrid model's pool (kvlm.cache.paged): the most tokens one step feeds a
     sequence (a prefill chunk, a draft and its token), the blocks of each layer group
     after group 0 (each window's: each of max_num_seqs sequences at its most,
     window_blocks: never short of them; a conv or DeltaNet group's: a slot of state for
-    each of max_num_seqs sequences, kvlm.cache.slots, and with the prefix cache a DeltaNet
-    group's SNAPSHOTS_PER_SEAT snapshots of the state at block ends a slot) and their bytes
-    together; (step
-    tokens, [], 0) for a model of one group."""
+    each of max_num_seqs sequences, kvlm.cache.slots), the snapshots of a recurrent
+    group's state at block ends (snapshot_plan) and the bytes of all these together;
+    (step tokens, [], 0, 0) for a model of one group."""
     sched, spec_cfg = config.scheduler, config.speculative
     chunk = min(sched.prefill_chunk, sched.chunk_size or sched.prefill_chunk)
     step = min(context, max(chunk, 1 + (spec_cfg.num_draft if spec_cfg else 0)))
     bs, blocks, nbytes = spec.block_size, [], 0
+    snapshots = snapshot_plan(config, spec, context)
     for group in spec_groups(spec)[1:]:
         if isinstance(group.kind, STATE_KINDS):  # a slot a sequence (its seats: max_num_seqs)
             blocks.append(sched.max_num_seqs)
             nbytes += blocks[-1] * group.sequence_bytes(spec)
-            if isinstance(group.kind, RecurrentState) and config.prefix_caching:  # snapshots
-                nbytes += SNAPSHOTS_PER_SEAT * blocks[-1] * group.snapshot_bytes(spec)
+            if isinstance(group.kind, RecurrentState):
+                nbytes += snapshots * group.snapshot_bytes(spec)
             continue
         per_seq = min(blocks_for(context, bs), window_blocks(group.kind.keep, bs, step))
         blocks.append(per_seq * sched.max_num_seqs + sched.reserve_blocks)
         nbytes += blocks[-1] * bs * group.token_bytes(spec)
-    return step, blocks, nbytes
+    return PoolPlan(step, blocks, nbytes, snapshots)
 
 
 def block_bytes(config: EngineConfig, spec: CacheSpec) -> int:
@@ -144,7 +181,7 @@ def block_bytes(config: EngineConfig, spec: CacheSpec) -> int:
 def memory_blocks(config: EngineConfig, spec: CacheSpec, context: int) -> int:
     """The blocks (of the layers that see the whole context) the KV memory holds once a
     hybrid model's other groups have their own: the pool's size by default."""
-    _, _, windowed_bytes = windowed_plan(config, spec, context)
+    windowed_bytes = windowed_plan(config, spec, context).nbytes
     kv_memory = config.kv_memory or default_kv_memory(spec.device)
     return (kv_memory - windowed_bytes) // block_bytes(config, spec)
 
@@ -244,7 +281,8 @@ class Engine:
                 if isinstance(w, ConvSlots):
                     kv += f"{w.num_blocks} slots of the conv layers' rows, "
                 elif isinstance(w, StateSlots):
-                    kv += f"{w.num_blocks} slots of the recurrent layers' state, "
+                    kv += (f"{w.num_blocks} slots of the recurrent layers' state and "
+                           f"{w.snap_state.shape[1]} snapshots of it, ")  # fmt: skip
                 else:
                     kv += f"{w.num_blocks} for the layers with a window of {w.window}, "
             kv += f"{p.total_nbytes / 2**20:,.0f} MiB"
@@ -293,7 +331,7 @@ class Engine:
         spec, sched = pool_spec(llm), self.config.scheduler
         bs = spec.block_size
         least = blocks_for(llm.max_context, bs) + sched.reserve_blocks
-        step_tokens, group_blocks, _ = windowed_plan(self.config, spec, llm.max_context)
+        plan = windowed_plan(self.config, spec, llm.max_context)
         num_blocks = self.config.num_blocks or min(
             blocks_for(llm.max_context, bs) * sched.max_num_seqs,
             max(least, memory_blocks(self.config, spec, llm.max_context)),
@@ -303,8 +341,8 @@ class Engine:
                 f"{num_blocks} KV blocks cannot hold one sequence of the context limit "
                 f"({llm.max_context} tokens needs {least} blocks of {bs})"
             )
-        pool = BlockPool(spec, num_blocks, group_blocks=group_blocks,
-                         end_rows=self.config.prefix_caching)  # fmt: skip
+        pool = BlockPool(spec, num_blocks, group_blocks=plan.blocks,
+                         end_rows=self.config.prefix_caching, snapshots=plan.snapshots)  # fmt: skip
         # Commit the whole pool now, as a GPU server reserves its memory at start: the
         # process's memory is what it will stay at, and a pool that does not fit fails here
         # rather than under load.
@@ -312,7 +350,7 @@ class Engine:
             group.commit_memory()
         self.pool, self.spec = pool, spec
         self.tiers = self._tiers() if self.config.kv_tiers else None
-        manager = BlockManager(pool, self.config.prefix_caching, self.tiers, step_tokens)
+        manager = BlockManager(pool, self.config.prefix_caching, self.tiers, plan.step)
         return PoolBackend(self.runner, manager, spec)
 
     def _tiers(self) -> KVTiers:

@@ -56,9 +56,10 @@ def serve_config(args: argparse.Namespace):
         raise InvalidRequestError("--kv-tier-key signs KV tier records: it needs --kv-tier")
     if args.kv_tier:
         load_tier_key(key)  # a missing or loose key too
+    share = {} if args.snapshot_share is None else {"snapshot_share": args.snapshot_share}
     config = EngineConfig(args.kv_blocks, kv_memory, args.prefix_caching, sched,
                           speculative=spec, kv_tiers=tuple(args.kv_tier),
-                          kv_tier_key=key)  # fmt: skip
+                          kv_tier_key=key, **share)  # fmt: skip
     return config, limits
 
 
