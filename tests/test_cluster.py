@@ -14,6 +14,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -45,6 +46,36 @@ def test_the_ring_keeps_keys_in_place_and_moves_only_a_leaving_replicas():
     for k, owner in owners.items():
         if owner != "c":
             assert smaller.pick(k, {}) == owner  # only c's keys move
+
+
+def test_a_slot_lives_on_one_replica_and_requests_naming_it_go_there():
+    """llama-server's slot N lives on replica N mod R in the order of the replicas' ids:
+    POST /slots/N and a completion's or chat's id_slot N name it (kvlm.cluster.keys.
+    slot_of, the body read only where it holds the name), anything else names none; the
+    ingress's GET /slots takes each slot from the replica it lives on."""
+    from kvlm.cluster.app import merged_slots
+    from kvlm.cluster.keys import slot_of
+    from kvlm.cluster.router import slot_replica
+
+    assert slot_of("POST", "/slots/3", b"") == 3
+    assert slot_of("POST", "/slots/0", b'{"filename": "a"}') == 0
+    for path in ("/slots/-1", "/slots/x", "/slots/1e3", "/slots/\u0663", "/slots/" + "9" * 10):
+        assert slot_of("POST", path, b"") is None, path
+    assert slot_of("GET", "/slots/3", b"") is None and slot_of("GET", "/slots", b"") is None
+    chat = "/v1/chat/completions"
+    assert slot_of("POST", chat, b'{"messages": [], "id_slot": 5}') == 5
+    assert slot_of("POST", "/v1/completions", b'{"prompt": "a", "id_slot": 0}') == 0
+    for body in (b'{"id_slot": -1}', b'{"id_slot": "1"}', b'{"id_slot": true}',
+                 b'{"id_slot": 1.0}', b'{"id_slot": null}', b'["id_slot"]', b'{"id_slot": 1',
+                 b'{"prompt": "say \\"id_slot\\""}', b"[" * 100_000 + b'"id_slot"'):  # fmt: skip
+        assert slot_of("POST", chat, body) is None, body
+    assert slot_of("POST", "/v1/responses", b'{"id_slot": 1}') is None  # not a field of it
+    ids = ["b-replica", "a-replica", "c-replica"]
+    assert [slot_replica(n, ids) for n in range(4)] == ["a-replica", "b-replica", "c-replica",
+                                                        "a-replica"]  # fmt: skip
+    listings = {rid: [{"id": n, "n_tokens": 10 * i + n} for n in range(4)]
+                for i, rid in enumerate(sorted(ids))}  # fmt: skip
+    assert [s["n_tokens"] for s in merged_slots(listings)] == [0, 11, 22, 3]
 
 
 def test_the_ring_bounds_a_replicas_load():
@@ -630,6 +661,34 @@ def test_the_redis_tier_is_shared_by_two_replicas(round_robin, model):
     assert _tier_hits(rr) - tier_before >= 8
     gained = [v - before.get(k, 0) for k, v in routed().items()]
     assert sorted(gained) == [1, 1]  # one request on each replica
+
+
+def test_a_slot_is_one_replicas_through_the_ingress(port, client, model):
+    """A chat under id_slot 0 and one under id_slot 1 go to the two replicas (the slots'
+    own: kvlm.cluster.router.slot_replica); GET /slots shows each as its replica holds
+    it, POST /slots/1?action=erase reaches the replica that holds slot 1, and a save on a
+    cluster started without --slot-save-path is the replica's 501."""
+    wait_for(lambda: all_up(port))
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def routed() -> dict[str, float]:
+        return {k: v for k, v in metrics(port).items()
+                if k.startswith("kvlm_cluster_requests_routed")}  # fmt: skip
+
+    before = routed()
+    totals = [ask(client, model, max_tokens=6, extra_body={"id_slot": n}).usage.total_tokens
+              for n in (0, 1)]  # fmt: skip
+    gained = [v - before.get(k, 0) for k, v in routed().items()]
+    assert sorted(gained) == [1, 1]  # one on each replica
+    listed = json.loads(get(port, "/slots", auth)[1])
+    assert [s["n_tokens"] for s in listed[:2]] == totals and listed[0]["id"] == 0
+    erase = httpx.post(f"http://127.0.0.1:{port}/slots/1?action=erase", headers=auth, timeout=30)
+    assert erase.json() == {"id_slot": 1, "n_erased": totals[1]}
+    assert json.loads(get(port, "/slots", auth)[1])[1]["n_tokens"] == 0
+    save = httpx.post(f"http://127.0.0.1:{port}/slots/0?action=save", headers=auth,
+                      json={"filename": "conv.bin"}, timeout=30)  # fmt: skip
+    assert save.status_code == 501 and "--slot-save-path" in save.text
+    assert get(port, "/slots")[0] == 401
 
 
 def test_kv_and_the_dashboard_show_every_replica(port, client, model):

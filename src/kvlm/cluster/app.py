@@ -44,7 +44,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from kvlm.cluster import metrics as cluster_metrics  # a module: this class is pickled by value
-from kvlm.cluster.keys import affinity, route_key
+from kvlm.cluster.keys import affinity, route_key, slot_of
+from kvlm.cluster.router import slot_replica
 from kvlm.server import anthropic
 from kvlm.server.limits import RequestLimits
 from kvlm.server.protocol import error_body
@@ -108,10 +109,14 @@ class KvlmReplica:
         self.engine.start()
 
     async def http(
-        self, raw: RawRequest, route_key: bytes | None = None, replica: str | None = None
+        self,
+        raw: RawRequest,
+        route_key: bytes | None = None,
+        replica: str | None = None,
+        slot: int | None = None,
     ) -> AsyncIterator[Any]:
-        """The response to `raw`: {"status", "headers"}, then its body chunks. `route_key`
-        and `replica` were the router's."""
+        """The response to `raw`: {"status", "headers"}, then its body chunks. `route_key`,
+        `replica` and `slot` were the router's."""
         async for item in call_asgi(self.app, raw):
             yield item
 
@@ -211,7 +216,7 @@ async def _finish(task: asyncio.Future) -> None:
 @serve.ingress()
 class Ingress:
     """Every HTTP request of the cluster: forwarded to a replica the router picks, but
-    /metrics and /health, which ask every replica."""
+    /metrics, /health, /v1/kv and GET /slots, which ask every replica."""
 
     def __init__(self, args: argparse.Namespace, replicas: DeploymentHandle) -> None:
         from kvlm.loading import load_model
@@ -235,19 +240,22 @@ class Ingress:
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/v1/kv", self.kv, methods=["GET"])
+        app.add_api_route("/slots", self.slots, methods=["GET"])
         app.add_api_route("/{path:path}", self.forward, methods=_METHODS)
         return app
 
     async def forward(self, request: Request) -> Response:
         raw = await _raw(request)
-        key = tag = None
+        key = tag = slot = None
         if self.authorized(request):  # a stranger's body is not worth reading
             tag = await run_in_threadpool(affinity, raw.method, raw.path, raw.body)
             if tag is None:
+                slot = await run_in_threadpool(slot_of, raw.method, raw.path, raw.body)
+            if tag is None and slot is None:
                 key = await run_in_threadpool(route_key, raw.path, raw.body, self.tokenizer,
                                               self.block_size, self.route_blocks)  # fmt: skip
         call = self.replicas.options(method_name="http", stream=True)
-        stream = call.remote(raw, route_key=key, replica=tag)
+        stream = call.remote(raw, route_key=key, replica=tag, slot=slot)
         try:
             head = await stream.__anext__()
         except asyncio.CancelledError:  # the client hung up first: the replica aborts
@@ -286,6 +294,15 @@ class Ingress:
         views = [json.loads(body) | {"replica": rid} for _, body, _, rid in answers]
         return JSONResponse(views[0] | {"replicas": views})
 
+    async def slots(self, request: Request) -> Response:
+        """llama-server's GET /slots of the cluster: slot N as the replica it lives on has
+        it (kvlm.cluster.router.slot_replica), so the listing is what a request naming
+        slot N, or POST /slots/N, meets."""
+        answers = await self._answers(request)
+        if isinstance(answers, Response):
+            return answers
+        return JSONResponse(merged_slots({rid: json.loads(body) for _, body, _, rid in answers}))
+
     async def _answers(self, request: Request) -> list[Reply] | Response:
         """Each live replica's 200 answer, or what to answer instead: 503 when none
         answered, else the first refusal (401: the replicas' own key check; 503
@@ -308,6 +325,14 @@ class Ingress:
             log.warning("no replica answered %s: %r", raw.path, exc)
             return []
         return sorted((r for r in results if not isinstance(r, BaseException)), key=lambda r: r[3])
+
+
+def merged_slots(listings: dict[str, list[dict]]) -> list[dict]:
+    """GET /slots over the replicas (replica id -> its listing): each slot's entry from
+    the replica it lives on (slot_replica), as many slots as one replica has."""
+    ids = list(listings)
+    n = min(len(v) for v in listings.values())
+    return [listings[slot_replica(i, ids)][i] for i in range(n)]
 
 
 def _refusal(status: int, body: bytes, headers: dict[str, str]) -> Response:

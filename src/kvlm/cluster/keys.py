@@ -26,6 +26,13 @@ replica id) into the ids it makes, `resp_<tag>_<hex>` (kvlm.server.responses_api
 `affinity` reads the tag back for the router, which then sends the request there (that
 replica's prefix cache holds the conversation too). A tag no live replica has (it died
 and came back under a new id) routes as usual, and the replica answers "not found".
+
+llama-server's slots (kvlm.server.slots) are each one replica's: slot N lives on replica
+N mod R (the R live replicas in the order of their ids), so `slot_of` reads the slot a
+request names (POST /slots/N, or a completion's `id_slot` N) and the router sends it
+there: the conversation run under a slot, its save, its restore and the next turn under
+it all meet on one replica (the ingress's GET /slots lists each slot as its replica has
+it). A request naming no slot routes by its prefix, as any other.
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCom
            "/v1/messages": MessagesRequest, "/v1/responses": ResponsesRequest,
            "/api/chat": ollama.ChatRequest, "/api/generate": ollama.GenerateRequest}  # fmt: skip
 _RESPONSES = "/v1/responses"
+_SLOTS = "/slots/"
+_SLOTTED = ("/v1/completions", "/v1/chat/completions")  # the bodies with an id_slot
 
 
 def replica_tag(replica_id: str) -> str:
@@ -74,6 +83,23 @@ def affinity(method: str, path: str, body: bytes) -> str | None:
                   if isinstance(i, dict) and i.get("type") == "item_reference"]  # fmt: skip
     return next((tag for n in named if isinstance(n, str) and (tag := responses_api.tag_of(n))),
                 None)  # fmt: skip
+
+
+def slot_of(method: str, path: str, body: bytes) -> int | None:
+    """The llama-server slot a request names, or None: POST /slots/N (N a decimal of at
+    most 9 digits; the replica checks it is one of its slots), or a completion's or
+    chat's `id_slot` >= 0 (the body read as JSON only where it holds the name)."""
+    if path.startswith(_SLOTS):
+        n = path[len(_SLOTS) :]
+        return int(n) if method == "POST" and n.isascii() and n.isdigit() and len(n) <= 9 else None
+    if method != "POST" or path not in _SLOTTED or b'"id_slot"' not in body:
+        return None
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    n = data.get("id_slot") if isinstance(data, dict) else None
+    return n if type(n) is int and 0 <= n < 10**9 else None
 
 
 def route_key(

@@ -11,7 +11,9 @@ candidate:
     round-robin  the next replica in turn (the benchmark's baseline)
 
 Under either policy, a request with a `replica` kwarg (the tag of the replica that stored
-the response it names, kvlm.cluster.keys.affinity) goes to that replica while it lives.
+the response it names, kvlm.cluster.keys.affinity) goes to that replica while it lives,
+and one with a `slot` kwarg (the llama-server slot it names, kvlm.cluster.keys.slot_of)
+to replica slot mod R of the R candidates in the order of their ids (`slot_replica`).
 
 Loads are the in-flight counts of Ray Serve's queue-length cache (bumped when a request is
 sent, dropped when it ends, refreshed by the replicas' answers), probing the replicas
@@ -37,6 +39,13 @@ from kvlm.cluster.ring import BALANCE, HashRing, least_loaded
 POLICIES = ("prefix", "round-robin")
 
 
+def slot_replica(slot: int, replica_ids: list[str]) -> str:
+    """The replica llama-server's slot `slot` lives on: slot mod R of the R replicas in the
+    order of their ids (the ingress's GET /slots reads each slot from the same one)."""
+    ids = sorted(replica_ids)
+    return ids[slot % len(ids)]
+
+
 class KvlmRouter(RequestRouter):
     def initialize_state(self, policy: str = "prefix", balance: float = BALANCE) -> None:
         if policy not in POLICIES:
@@ -54,11 +63,14 @@ class KvlmRouter(RequestRouter):
         if not candidate_replicas:
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        tag = pending_request.kwargs.get("replica") if pending_request else None
+        kwargs = pending_request.kwargs if pending_request else {}
+        tag = kwargs.get("replica")
         if tag is not None:
             held = [r for rid, r in by_id.items() if replica_tag(rid) == tag]
             if held:
                 return [held]
+        if kwargs.get("slot") is not None:
+            return [[by_id[slot_replica(kwargs["slot"], list(by_id))]]]
         if self.policy == "round-robin":
             ids = sorted(by_id)
             return [[by_id[ids[next(self._turn) % len(ids)]]]]
