@@ -297,6 +297,18 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
             mamba_d_conv=4, mamba_expand=2, embedding_multiplier=2.0, attention_multiplier=0.125,
             residual_multiplier=0.5, logits_scaling=4.0,
         )  # fmt: skip
+    elif arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        # four layers of 8 experts of 64, the top 2 renormalised (as llama.cpp runs every
+        # qwen3moe file); `mlp_only_layers` / `decoder_sparse_step` overrides keep dense
+        # MLPs of 128 in some layers
+        common["num_hidden_layers"] = 4
+        cfg = Qwen3MoeConfig(
+            **common, head_dim=32, tie_word_embeddings=False, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+            decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1e6,
+        )  # fmt: skip
     else:
         raise ValueError(arch)
     for key, value in overrides.items():

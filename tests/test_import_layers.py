@@ -209,6 +209,14 @@ def test_no_module_outside_the_family_file_and_the_registry_names_qwen35():
     assert naming == {"kvlm.arch.qwen35", "kvlm.arch", "kvlm.loading.tokenizer"}
 
 
+def test_no_module_outside_the_family_file_and_the_registry_names_qwen3moe():
+    """The same for Qwen3-MoE: its mixture of experts is an FFN kind (kvlm.model.experts),
+    its router's sizes ModelConfig fields, not the family's."""
+    names = ("qwen3moe", "qwen3_moe", "qwen3-moe")
+    naming = {m for m, path in MODS.items() if any(n in path.read_text().lower() for n in names)}
+    assert naming == {"kvlm.arch.qwen3moe", "kvlm.arch"}
+
+
 def test_no_module_outside_the_family_file_and_the_registry_names_granite():
     """The same for Granite 4.0-H: its Mamba2 layer is a layer kind (kvlm.model.mamba2),
     NoPE and its multipliers ModelConfig fields, not the family's."""

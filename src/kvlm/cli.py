@@ -191,9 +191,10 @@ def _pool_args(serve: argparse.ArgumentParser) -> None:
         ("--kv-blocks", int, None, "blocks in the KV pool"),
         ("--kv-memory", None, None, "KV pool size when --kv-blocks is unset (default: 1GiB; on "
          "a GPU, 90%% of its free memory once the model is loaded)"),
-        ("--snapshot-share", float, None, "a model with recurrent layers (Qwen3.5, Granite "
-         "4.0-H): the share of --kv-memory kept for snapshots of their state at block ends, "
-         "where prefix hits resume (default 0.25; 0: no prefix hits on such a model)"),
+        ("--snapshot-share", float, None, "a model with recurrent layers (a gated DeltaNet's "
+         "or a Mamba2 state): the share of --kv-memory kept for snapshots of their state at "
+         "block ends, where prefix hits resume (default 0.25; 0: no prefix hits on such a "
+         "model)"),
         ("--max-num-seqs", int, 16, "sequences decoded together"),
         ("--max-waiting", int, 64, "queued requests before 503"),
         ("--prefill-chunk", int, 256, "prompt tokens per step"),

@@ -51,6 +51,12 @@ MIXERS = ("attention", "conv", "deltanet", "mamba2")
 RECURRENT_MIXERS = ("deltanet", "mamba2")
 # a short convolution's kernel: 2 positions or more (it keeps kernel - 1 rows a sequence)
 CONV_KERNEL = (2, 64)
+# A block's FFN: "mlp" the gated MLP, "experts" a mixture of gated MLPs a router picks from
+# for each token (kvlm.model.experts)
+FFNS = ("mlp", "experts")
+# how a router scores experts: "softmax" over every expert's logit, then the top k
+ROUTERS = ("softmax",)
+EXPERTS = (1, 1 << 12)  # experts in a layer
 
 
 @dataclass(slots=True, frozen=True)
@@ -159,6 +165,26 @@ class Mamba2:
 
 
 @dataclass(slots=True, frozen=True)
+class Experts:
+    """A mixture-of-experts FFN (kvlm.model.experts): `count` gated MLPs of `intermediate`
+    each, `top_k` of them a token, scored by `router` (ROUTERS), their weights divided by
+    their sum where `normalize` (transformers' norm_topk_prob)."""
+
+    count: int
+    top_k: int
+    intermediate: int
+    normalize: bool = True
+    router: str = "softmax"
+
+    def check(self, where: str) -> None:
+        value(self.count, "experts count", int, *EXPERTS, where=where)
+        value(self.top_k, "experts used per token", int, 1, self.count, where=where)
+        value(self.intermediate, "an expert's intermediate size", int,
+              *LIMITS["intermediate_size"], where=where)  # fmt: skip
+        check_supported("expert router", self.router, ROUTERS)
+
+
+@dataclass(slots=True, frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -226,6 +252,10 @@ class ModelConfig:
     # attention block each, after the model's; a drafter, never part of the model's own
     # tokens, so not in the fingerprint); 0: none
     mtp_layers: int = field(default=0, metadata={"fingerprint": False})
+    # Per layer: its FFN (FFNS). Empty: every layer's is the gated MLP. An "experts" layer's
+    # sizes are `experts`.
+    layer_ffns: tuple[str, ...] = ()
+    experts: Experts | None = None
 
     @property
     def conv_layers(self) -> tuple[int, ...]:
@@ -247,6 +277,11 @@ class ModelConfig:
         """The layers that keep a recurrent state (RECURRENT_MIXERS), in order: the state
         group of a cache (kvlm.cache.kinds.recurrent_state)."""
         return tuple(i for i, m in enumerate(self.layer_mixers) if m in RECURRENT_MIXERS)
+
+    @property
+    def expert_layers(self) -> tuple[int, ...]:
+        """The layers whose FFN is a mixture of experts, in order."""
+        return tuple(i for i, f in enumerate(self.layer_ffns) if f == "experts")
 
     @property
     def rotary_dim(self) -> int:
@@ -314,6 +349,15 @@ class ModelConfig:
         if self.deltanet_layers and self.mamba2_layers:
             raise UnsupportedModelError("gated DeltaNet and Mamba2 layers in one model (one "
                                         "kind of recurrent state a model)")  # fmt: skip
+        if self.layer_ffns and len(self.layer_ffns) != self.num_layers:
+            raise UnsupportedModelError(f"{len(self.layer_ffns)} layer FFNs for "
+                                        f"{self.num_layers} layers")  # fmt: skip
+        for ffn in self.layer_ffns:
+            check_supported("layer FFN", ffn, FFNS)
+        if self.expert_layers and self.experts is None:
+            raise UnsupportedModelError("expert layers without their sizes")
+        if self.experts is not None:
+            self.experts.check(self.name)
         if self.rope_dim is not None:
             value(self.rope_dim, "rope_dim", int, 2, self.head_dim, where=self.name)
             if self.rope_dim % 2:

@@ -49,6 +49,12 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # a mixture of experts (kvlm.model.experts): the router, and every expert's gate, up
+    # and down stacked (experts, rows, columns)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 # the output norms of a "sandwich" block (kvlm.config.NORM_LAYOUTS), as llama.cpp names them
 OUT_NORM_NAMES = {"post_attention_norm": "attn_out_norm", "post_ffw_norm": "mlp_out_norm"}

@@ -164,14 +164,16 @@ class GGUFWeights:
 
     def get_quant(self, name: str, packed: bool = True) -> QuantWeight | Blocks | None:
         """The tensor's own blocks, unrounded, for the types kvlm multiplies as stored
-        (NATIVE_BLOCKS); None for other types. Packed for the kernels, read where they lie
+        (NATIVE_BLOCKS); None for other types. A stack of matrices (a mixture of experts'
+        (E, rows, K)) reads as one of E x rows rows. Packed for the kernels, read where they lie
         in the file's map; `packed=False`: not yet (quant.Blocks, a view of the map), for
         the caller to pack with others into one buffer (quant.concat)."""
         t = self._tensors[name]
         kind = NATIVE_BLOCKS.get(t.tensor_type)
-        if kind is None or len(t.shape) != 2:
+        if kind is None or len(t.shape) not in (2, 3):
             return None
-        rows = int(t.shape[1])
+        # rows of every matrix of a stack (experts: (E, rows, K) -> E x rows rows)
+        rows = int(np.prod([int(n) for n in t.shape[1:]]))
         try:
             # the blocks as stored, rows of K / 32 (or / 256) blocks: a view, not a copy
             flat = np.asarray(t.data).reshape(-1)

@@ -69,6 +69,28 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
         out |= _deltanet_shapes(c)
     if c.mamba2_layers:
         out |= _mamba2_shapes(c)
+    if c.expert_layers:
+        out |= _expert_shapes(c)
+    return out
+
+
+def _expert_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
+    """The mixture-of-experts layers' tensors (kvlm.model.experts): the router (experts,
+    hidden), and each expert's gate, up and down, one tensor an expert (a Hugging Face
+    checkpoint's `mlp.experts.E.gate_proj`) or every expert's stacked (llama.cpp's
+    `ffn_gate_exps`: (experts, rows, columns))."""
+    x, h = c.experts, c.hidden_size
+    hs, es, ins = f"hidden_size {h}", f"{x.count} experts", f"expert intermediate {x.intermediate}"
+    out: dict[str, tuple[Shape, str]] = {}
+    for layer in c.expert_layers:
+        p = f"model.layers.{layer}.mlp"
+        out[f"{p}.gate.weight"] = ((x.count, h), f"{es}, {hs}")
+        parts = (("gate_proj", x.intermediate, h, f"{ins}, {hs}"),
+                 ("up_proj", x.intermediate, h, f"{ins}, {hs}"),
+                 ("down_proj", h, x.intermediate, f"{hs}, {ins}"))  # fmt: skip
+        for name, rows, cols, why in parts:
+            out[f"{p}.experts.{name}.weight"] = ((x.count, rows, cols), f"{es}, {why}")
+            out |= {f"{p}.experts.{e}.{name}.weight": ((rows, cols), why) for e in range(x.count)}
     return out
 
 
@@ -187,6 +209,7 @@ def required(c: ModelConfig, head: bool = False) -> list[str]:
     delta_parts = [*norms, *delta, *mlp]
     mamba_parts = [*norms, *(f"mamba.{n}" for n in ("in_proj", "conv1d", "norm", "out_proj")),
                    *mlp]  # fmt: skip
+    experts = ["mlp.gate", *(f"mlp.experts.{n}" for n in ("gate_proj", "up_proj", "down_proj"))]
     for layer in range(c.num_layers):
         parts = attention_parts
         if layer in c.conv_layers:
@@ -197,6 +220,8 @@ def required(c: ModelConfig, head: bool = False) -> list[str]:
         elif layer in c.mamba2_layers:
             parts = mamba_parts
             names += [f"model.layers.{layer}.mamba.{n}" for n in ("A_log", "D", "dt_bias")]
+        if layer in c.expert_layers:  # the router and the experts in place of the MLP
+            parts = [n for n in parts if n not in mlp[:3]] + experts
         names += [f"model.layers.{layer}.{part}.weight" for part in parts]
     if head:
         names += [f"mtp.{n}.weight" for n in ("fc", *MTP_NORMS)]
@@ -218,6 +243,11 @@ def check_shapes(
         fused = name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight"))
         if fused and f"{name.rsplit('.mlp.', 1)[0]}.mlp.gate_up_proj.weight" in have:
             continue
+        if ".mlp.experts." in name:  # every expert's stacked, or one tensor an expert
+            head, part = name.rsplit(".mlp.experts.", 1)
+            each = [f"{head}.mlp.experts.{e}.{part}" for e in range(c.experts.count)]
+            if name not in have and all(n in have for n in each):
+                continue
         if name not in have:
             raise ModelLoadError(f"{where}: no tensor {file_name(name)} (the model has "
                                  f"{c.num_layers} layers)")  # fmt: skip

@@ -97,7 +97,7 @@ from kvlm.cache.storage import Store, key_rotation
 from kvlm.config import ModelConfig
 from kvlm.dtypes import Q4
 from kvlm.model.attention import _room
-from kvlm.model.layers import Linear
+from kvlm.model.layers import MLP, Linear
 from kvlm.model.quant import KIND_CODES
 from kvlm.model.transformer import Block, Transformer
 
@@ -302,6 +302,8 @@ def why_not(model: Transformer) -> str | None:
         return "no attention layer"
     if c.num_heads // c.num_kv_heads > 8 or c.head_dim > MAX_HEAD_DIM or c.head_dim % 2:
         return f"more than 8 query heads per KV head, or head_dim > {MAX_HEAD_DIM} or odd"
+    if any(not isinstance(block.mlp, MLP) for block in model.layers):
+        return "a mixture of experts (the step runs gated MLPs only)"
     if any(isinstance(m, Linear) and m.kernel != "quant" for m in model.modules()):
         return "needs low-bit weights in every projection (--weights int8|int4|native)"
     for block in model.layers:

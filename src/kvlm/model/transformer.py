@@ -31,6 +31,7 @@ from kvlm.model import quant
 from kvlm.model.attention import Attention, KVStep
 from kvlm.model.conv import ConvRows, ConvStep, ShortConv
 from kvlm.model.deltanet import GatedDeltaNet
+from kvlm.model.experts import Experts
 from kvlm.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding, feeding_prompt
 from kvlm.model.mamba2 import Mamba2Mixer
 from kvlm.model.mtp import MtpHead
@@ -64,7 +65,7 @@ class Block(nn.Module):
     def __init__(
         self,
         attn: Attention | None,
-        mlp: MLP,
+        mlp: MLP | Experts,
         input_norm: RMSNorm,
         post_norm: RMSNorm,
         attn_out_norm: RMSNorm | None = None,
@@ -576,11 +577,13 @@ class _WeightTaker:
         the tensors' prefix, layer i's by default."""
         c, p = self.config, p or f"model.layers.{i}"
         fused = f"{p}.mlp.gate_up_proj.weight"
-        if fused in self.available:
-            gate_up = self.linear(fused)
+        if i in c.expert_layers and p.startswith("model."):
+            mlp = self.experts(p)
+        elif fused in self.available:
+            mlp = MLP(self.linear(fused), self._with_bias(f"{p}.mlp.down_proj"), c.activation)
         else:
             gate_up = self.fused_linear(f"{p}.mlp", ("gate_proj", "up_proj"))
-        mlp = MLP(gate_up, self._with_bias(f"{p}.mlp.down_proj"), c.activation)
+            mlp = MLP(gate_up, self._with_bias(f"{p}.mlp.down_proj"), c.activation)
         names = ["input_layernorm", "post_attention_layernorm", *out_norms(c)]
         block = Block(mixer.pop("attn", None), mlp, *(self.norm(f"{p}.{n}") for n in names),
                       residual_scale=c.residual_scale, **mixer)  # fmt: skip
@@ -588,6 +591,45 @@ class _WeightTaker:
         # file and the packed model are never both resident (a layer at a time)
         self.weights.release()
         return block
+
+    def experts(self, p: str) -> Experts:
+        """A mixture of experts (kvlm.model.experts) of tensors `p`.mlp.*: the router, its
+        weights and products fp32 (fp64 in an fp64 model) whatever the weights' format,
+        as llama.cpp's quantizer leaves ffn_gate_inp (its logits pick the experts),
+        and each expert's gate|up and down, from one tensor an expert or from every
+        expert's stacked (llama.cpp's `ffn_*_exps`: each expert's rows of its blocks)."""
+        c, x = self.config, self.config.experts
+        w = self.take(f"{p}.mlp.gate.weight")
+        w = w if w.dtype == torch.float64 else w.float()
+        router = Linear(w, numerics=self.numerics, vocabulary=True)
+        if f"{p}.mlp.experts.gate_proj.weight" not in self.available:
+            mlps = [MLP(self.fused_linear(f"{p}.mlp.experts.{e}", ("gate_proj", "up_proj")),
+                        self._with_bias(f"{p}.mlp.experts.{e}.down_proj"), c.activation)
+                    for e in range(x.count)]  # fmt: skip
+            return Experts(x, router, mlps, w.dtype)
+        names = [f"{p}.mlp.experts.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
+        gate, up, down = (self._each_expert(n, x.count) for n in names)
+        mlps = [MLP(self._expert_linear([gate[e], up[e]], names[0]),
+                    self._expert_linear([down[e]], names[2]), c.activation)
+                for e in range(x.count)]  # fmt: skip
+        return Experts(x, router, mlps, w.dtype)
+
+    def _each_expert(self, name: str, count: int) -> list[quant.Blocks] | list[torch.Tensor]:
+        """Each expert's matrix of the stacked tensor `name`: its blocks as stored
+        (--weights native, a view of the file's), else its values."""
+        native = self._native(name, packed=False)
+        if native is None:
+            stack = self.take(name)
+            return list(stack.unbind(0))
+        self.bar.update(1)
+        raw, rows = native.raw, native.out_features // count
+        return [quant.Blocks(native.kind, raw[e * rows : (e + 1) * rows]) for e in range(count)]
+
+    def _expert_linear(self, parts: list, name: str) -> Linear:
+        """One expert's projection of `parts` (gate and up joined, or down)."""
+        if isinstance(parts[0], quant.Blocks):
+            return Linear.from_quant(quant.concat(parts), None, self.numerics)
+        return self._make(torch.cat(parts, dim=0), None, [name])
 
     def conv_block(self, i: int) -> Block:
         """Layer i, whose mixer is a short convolution (kvlm.model.conv)."""

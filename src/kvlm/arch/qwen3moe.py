@@ -1,0 +1,70 @@
+"""The Qwen3-MoE family: Qwen3's mixture-of-experts models (Qwen3-30B-A3B, Qwen3-235B-A22B,
+Qwen3-Coder-30B-A3B; transformers' `Qwen3MoeForCausalLM`, llama.cpp's `qwen3moe`).
+
+Qwen3's block (kvlm.arch.llama: per-head q/k norms, SwiGLU, RoPE) with a mixture of
+experts for its FFN (`layer_ffns` "experts", kvlm.model.experts): a router's softmax over
+`num_experts`, the top `num_experts_per_tok`, renormalised where `norm_topk_prob`, each
+expert a SwiGLU MLP of `moe_intermediate_size`. Hugging Face configs may keep a dense MLP
+(of `intermediate_size`) in some layers: those in `mlp_only_layers`, and all but every
+`decoder_sparse_step`-th. llama.cpp's converter stacks each layer's experts into one
+tensor (`ffn_gate_exps`, (experts, rows, columns)) and its graph renormalises the top k
+always and puts experts in every layer, so a GGUF file reads that way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvlm.arch.family import Family
+from kvlm.arch.readers import gguf_config, hf_config
+from kvlm.config import EXPERTS, Experts, Fields, ModelConfig, limits, value
+
+ARCH = "qwen3moe"
+
+
+def from_hf(cfg: dict[str, Any], arch: str, name: str) -> ModelConfig:
+    def part(cfg: dict[str, Any], hf: Fields, arch: str, hidden: int, heads: int) -> dict:
+        layers = hf("num_hidden_layers", int, **limits("num_layers"))
+        # the Hub's configs say num_experts; transformers 5 saves num_local_experts
+        key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+        count = hf(key, int, lo=EXPERTS[0], hi=EXPERTS[1])
+        experts = Experts(
+            count=count,
+            top_k=hf("num_experts_per_tok", int, lo=1, hi=count),
+            intermediate=hf("moe_intermediate_size", int, **limits("intermediate_size")),
+            normalize=hf("norm_topk_prob", bool, False),
+        )
+        step = hf("decoder_sparse_step", int, 1, lo=1, hi=layers)
+        dense = cfg.get("mlp_only_layers") or []
+        if not isinstance(dense, list):
+            dense = [dense]
+        dense = {value(i, "an mlp_only_layers entry", int, 0, layers - 1, hf.where) for i in dense}
+        ffns = tuple("experts" if i not in dense and (i + 1) % step == 0 else "mlp"
+                     for i in range(layers))  # fmt: skip
+        return {"qk_norm": True, "layer_ffns": ffns, "experts": experts}
+
+    return hf_config(cfg, arch, name, part, rope_theta=1e6)
+
+
+def from_gguf(g: Fields, arch: str, name: str) -> ModelConfig:
+    def part(g: Fields, arch: str, layers: int, hidden: int, heads: int, head_dim: int) -> dict:
+        count = g(f"{arch}.expert_count", int, lo=EXPERTS[0], hi=EXPERTS[1])
+        width = limits("intermediate_size")
+        experts = Experts(
+            count=count,
+            top_k=g(f"{arch}.expert_used_count", int, lo=1, hi=count),
+            intermediate=g(f"{arch}.expert_feed_forward_length", int, **width),
+            normalize=True,  # llama.cpp's qwen3moe graph renormalises the top k
+        )
+        return {"qk_norm": True, "layer_ffns": ("experts",) * layers, "experts": experts}
+
+    return gguf_config(g, arch, name, part)
+
+
+FAMILY = Family(
+    name="qwen3moe",
+    architectures=(ARCH,),
+    from_hf=from_hf,
+    from_gguf=from_gguf,
+    hf_model_types={"qwen3_moe": ARCH},
+)

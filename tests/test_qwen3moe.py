@@ -1,0 +1,326 @@
+"""Qwen3-MoE: a mixture of experts for the FFN (kvlm.model.experts), against transformers'
+Qwen3MoeForCausalLM on tiny random-weight models (8 experts of 64, the top 2; with and
+without dense layers beside them), and from the GGUF files llama.cpp's own converter
+writes for them (tests/converter.py: the experts stacked into one tensor a layer).
+
+The router's products stay fp32 and its ties go to the lower expert, and a routed row
+runs its experts under the numerics of the rows the block was given, so a row routes and
+computes the same alone, batched, chunked or drafted: the contracts below hold on the
+default path bit for bit, as for the dense families. The fused C decode step does not take
+experts yet (kvlm.model.fused: a reason), so decode runs the torch model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import converter
+from helpers import (
+    FRANCE,
+    GREEDY,
+    POOL_PROMPTS,
+    assert_greedy_agreement,
+    fed,
+    gguf_as_folder,
+    hf_greedy,
+    load_hf,
+    on_pool,
+    prompt_ids,
+    save_tiny_model,
+)
+from kvlm import LLM, SamplingParams
+from kvlm.errors import ModelLoadError, UnsupportedModelError
+from numerics import assert_as_exact_as, max_error
+
+# name -> (seed, transformers config overrides)
+MODELS = {
+    "qwen3moe": (40, {}),  # experts in all four layers
+    # a dense MLP in layers 0 and 2 (mlp_only_layers, and every 2nd layer sparse)
+    "qwen3moe-dense": (41, {"mlp_only_layers": [0], "decoder_sparse_step": 2}),
+}
+
+
+@pytest.fixture(scope="session")
+def moe_dir(tmp_path_factory):
+    made = {}
+
+    def make(name: str):
+        if name not in made:
+            seed, overrides = MODELS[name]
+            made[name] = save_tiny_model(tmp_path_factory.mktemp(name), "qwen3_moe", seed=seed,
+                                         tokenizer="qwen35", **overrides)  # fmt: skip
+        return made[name]
+
+    return make
+
+
+def hf64(folder):
+    """transformers' model in fp64 (its experts one at a time: its grouped product runs
+    fp32 and bf16 only)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64,
+                                                experts_implementation="eager").eval()  # fmt: skip
+
+
+def exact_logits(folder, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf64(folder)(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_config_read_from_folder(moe_dir, name):
+    folder = moe_dir(name)
+    c, hf = LLM(model=folder, kv="off", progress=False).config, load_hf(folder).config
+    assert c.architecture == "qwen3moe" and c.qk_norm
+    x = c.experts
+    assert (x.count, x.top_k, x.intermediate, x.normalize) == (
+        hf.num_experts,
+        hf.num_experts_per_tok,
+        hf.moe_intermediate_size,
+        hf.norm_topk_prob,
+    )
+    sparse = [i not in hf.mlp_only_layers and (i + 1) % hf.decoder_sparse_step == 0
+              for i in range(hf.num_hidden_layers)]  # fmt: skip
+    assert c.layer_ffns == tuple("experts" if s else "mlp" for s in sparse)
+    assert ("mlp" in c.layer_ffns) == (name == "qwen3moe-dense")
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_teacher_forced_logits_match_hf(moe_dir, name):
+    """Every position's logits over 40 tokens, the exact path: as close to transformers'
+    fp64 as its own fp32 logits (tests/numerics.py)."""
+    folder = moe_dir(name)
+    llm = LLM(model=folder, kv="off", exact=True, progress=False)
+    ids = prompt_ids(llm)
+    ours = llm.runner.logits(ids, llm.new_cache("off"))
+    with torch.no_grad():
+        ref = load_hf(folder)(torch.tensor([ids])).logits[0]
+    assert_as_exact_as(ours, ref, exact_logits(folder, ids))
+
+
+def test_greedy_tokens_equal_hf(moe_dir):
+    """32 greedy tokens: in fp64 transformers' fp64 tokens; by default (fp32) the top-5
+    rule against its fp32."""
+    folder = moe_dir("qwen3moe")
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
+    fp64 = LLM(model=folder, kv="off", dtype="fp64", progress=False)
+    ids = fp64.tokenizer.encode(FRANCE)
+    out = fp64.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    assert out.token_ids == hf_greedy(hf64(folder), ids, 32)[0]
+    llm = LLM(model=folder, progress=False)
+    out = llm.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    ref_ids, ref_logits = hf_greedy(load_hf(folder), ids, 32)
+    assert_greedy_agreement(out.token_ids, [list(lp.top) for lp in out.logprobs], ref_ids,
+                            ref_logits)  # fmt: skip
+
+
+def test_the_router_and_the_experts_are_applied(moe_dir):
+    """An expert's down projection zeroed, or the router's rows of two experts swapped,
+    move the logits far more than rounding (so the tests above can fail); the fused step
+    says why it does not take the model."""
+    folder = moe_dir("qwen3moe")
+    llm = LLM(model=folder, kv="off", exact=True, progress=False)
+    ids = prompt_ids(llm)
+    exact = exact_logits(folder, ids)
+    before = max_error(llm.runner.logits(ids, llm.new_cache("off")), exact)
+    moe = llm.model.layers[1].mlp
+    chosen, _ = moe.route(llm.model.embed(torch.tensor(ids)))  # some rows' picks, any
+    e = int(chosen[0, 0])
+    with torch.no_grad():
+        moe.experts[e].down.weight.zero_()
+    zeroed = max_error(llm.runner.logits(ids, llm.new_cache("off")), exact)
+    assert zeroed > 1000 * before
+    fast = LLM(model=folder, weights="int8", progress=False)
+    assert "experts" in (fast.runner.fused_reason or "")
+
+
+def test_ties_go_to_the_lower_expert_and_weights_renormalise():
+    """The router's top k by a stable sort: equal scores pick the lower index, whatever
+    the row's neighbours; the weights are the softmax's over every expert, divided by
+    their sum with `normalize` (transformers' norm_topk_prob)."""
+    from kvlm.config import Experts as Sizes
+    from kvlm.model.experts import Experts
+    from kvlm.model.layers import MLP, Linear
+
+    def moe(normalize: bool) -> Experts:
+        router = torch.tensor([[1.0, 0.0], [2.0, 0.0], [2.0, 0.0], [0.0, 1.0]])
+        mlps = [MLP(Linear(torch.ones(2, 2)), Linear(torch.ones(2, 1))) for _ in range(4)]
+        return Experts(Sizes(4, 2, 1, normalize), Linear(router, vocabulary=True), mlps)
+
+    x = torch.tensor([[1.0, 0.0], [0.0, 3.0], [1.0, 0.0]])
+    chosen, weights = moe(False).route(x)
+    assert chosen.tolist() == [[1, 2], [3, 0], [1, 2]]  # experts 1 and 2 tie: 1 first
+    p = torch.softmax(torch.tensor([1.0, 2.0, 2.0, 0.0]), 0)
+    assert torch.allclose(weights[0], p[[1, 2]])
+    _, normed = moe(True).route(x)
+    assert torch.allclose(normed.sum(-1), torch.ones(3)) and torch.equal(normed[0], normed[2])
+    alone = moe(False).route(x[2:])[0]
+    assert torch.equal(alone, chosen[2:])
+
+
+ROW_MODES = ["basic", "contiguous", "paged", "int8", "window"]
+
+
+@pytest.mark.parametrize("mode", ROW_MODES)
+def test_every_mode_chunked_equals_one_shot(moe_dir, mode):
+    """Chunks of 7, then a token at a time, give the one-shot prefill's logits through the
+    same mode bit for bit (a chunk's rows route as they do in the whole prompt; the
+    default path's on a low-bit file: test_a_q8_0_gguf_runs_each_expert_from_its_blocks);
+    the exact modes also the `off` oracle's."""
+    folder = moe_dir("qwen3moe-dense")
+    llm = LLM(model=folder, kv=mode, exact=True, progress=False)
+    ids = prompt_ids(llm)
+    one_shot, chunked = fed(llm, ids, [len(ids)]), fed(llm, ids, [7] * 4 + [1] * 12)
+    if mode in ("window", "int8"):  # a ring's keys turned at each step; int8 decode rows
+        # attend on the row kernel, in another order (a dense model's alike): as exact
+        assert_as_exact_as(chunked, one_shot, exact_logits(folder, ids))
+    else:
+        assert torch.equal(chunked, one_shot)
+    if mode in ("basic", "contiguous", "paged"):
+        off = LLM(model=folder, kv="off", exact=True, progress=False)
+        assert torch.equal(one_shot, off.runner.logits(ids, off.new_cache("off")))
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "paged"])
+def test_generate_batched_forked_and_speculative_equal_alone(moe_dir, mode):
+    """Prompts batched = each alone (a decode row routes as it does alone); n = 2 greedy
+    samples = the one; speculative (prompt lookup; a draft model, the file's int8 self,
+    routing on its own) = plain."""
+    from kvlm.engine.speculative import SpeculativeConfig
+
+    folder = moe_dir("qwen3moe")
+    llm = LLM(model=folder, kv=mode, progress=False)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [FRANCE, "One two three, one two three, one two"]
+    alone = [llm.generate(p, greedy)[0].outputs[0].token_ids for p in prompts]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == alone
+    two = llm.generate(prompts[0], SamplingParams(n=2, max_tokens=24, temperature=0.0,
+                                                  ignore_eos=True))  # fmt: skip
+    assert [s.token_ids for s in two[0].outputs] == [alone[0]] * 2
+    for how in (SpeculativeConfig("ngram", ngram_min=1),
+                SpeculativeConfig("draft", draft_weights="int8")):  # fmt: skip
+        spec = LLM(model=folder, kv=mode, speculative=how, progress=False)
+        assert [o.outputs[0].token_ids for o in spec.generate(prompts, greedy)] == alone
+
+
+def test_the_pool_batches_chunks_and_hits_as_alone(moe_dir):
+    """Through the engine's pool: the prompts batched, in chunks of 5, n = 2, and again
+    as prefix hits, each prompt's tokens alone."""
+    llm = LLM(model=moe_dir("qwen3moe"), kv="paged", progress=False)
+    want = [[llm.generate(p, GREEDY)[0].outputs[0].token_ids] for p in POOL_PROMPTS]
+    assert on_pool(llm, POOL_PROMPTS, GREEDY)[0] == want
+    assert on_pool(llm, POOL_PROMPTS, GREEDY, scheduler={"prefill_chunk": 5})[0] == want
+    two = SamplingParams(n=2, max_tokens=20, temperature=0.0, ignore_eos=True)
+    assert on_pool(llm, POOL_PROMPTS, two)[0] == [w * 2 for w in want]
+    again, engine = on_pool(llm, POOL_PROMPTS * 2, GREEDY, scheduler={"max_num_seqs": 3})
+    assert again == want * 2 and engine.manager.stats.hits > 0
+
+
+# ---------------------------------------------------------------- llama.cpp's converter
+
+
+@pytest.fixture(scope="module")
+def converted(moe_dir):
+    """(name, outtype) -> (the folder, the GGUF llama.cpp's converter writes)."""
+    return lambda name, outtype="f32": (
+        moe_dir(name),
+        converter.convert(moe_dir(name), outtype, pre="qwen35"),
+    )
+
+
+def test_gguf_from_llama_cpps_converter_reads_as_the_folder(converted):
+    """The file users get (the experts stacked, `ffn_*_exps`): the folder's config and
+    its logits bit for bit (the same fp32 values, the same products)."""
+    folder, path = converted("qwen3moe")
+    from_gguf, from_hf = gguf_as_folder(path, folder)
+    assert from_gguf.config.experts == from_hf.config.experts
+    ids = prompt_ids(from_hf)
+    ours = from_gguf.runner.logits(ids, from_gguf.new_cache("off"))
+    assert torch.equal(ours, from_hf.runner.logits(ids, from_hf.new_cache("off")))
+
+
+def test_a_q8_0_gguf_runs_each_expert_from_its_blocks(converted):
+    """--outtype q8_0: each expert's products from the file's Q8_0 blocks (its rows of the
+    stacked tensor), with fp32 products and K/V as exact as the dequantized weights'
+    fp32 run;
+    by default, greedy tokens by the top-5 rule against transformers' fp32; chunked =
+    one shot on the default path."""
+    folder, path = converted("qwen3moe", "q8_0")
+    llm = LLM(model=path, progress=False, prefill_dtype="fp32", activations="fp32",
+              kv_dtype="fp32")  # fmt: skip
+    moe = llm.model.layers[0].mlp
+    assert {m.gate_up.quant.kind for m in moe.experts} == {"q8"}
+    ids = prompt_ids(llm)
+    dequantized = LLM(model=path, kv="off", exact=True, progress=False)
+    ref = dequantized.runner.logits(ids, dequantized.new_cache("off"))
+    exact64 = LLM(model=path, kv="off", dtype="fp64", progress=False)
+    assert_as_exact_as(fed(llm, ids, [len(ids)]), ref, exact64.runner.logits(
+        ids, exact64.new_cache("off")))  # fmt: skip
+    default = LLM(model=path, progress=False)
+    assert torch.equal(fed(default, ids, [9, 1, 30]), fed(default, ids, [len(ids)]))
+    prompt = default.tokenizer.encode(FRANCE)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    out = default.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    ref_ids, ref_logits = hf_greedy(load_hf(folder), prompt, 16)
+    assert_greedy_agreement(out.token_ids, [list(lp.top) for lp in out.logprobs], ref_ids,
+                            ref_logits)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- config keys
+
+
+def hf_cfg(**changes) -> dict:
+    cfg = {"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "num_experts": 8, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 64}  # fmt: skip
+    return {k: v for k, v in {**cfg, **changes}.items() if v is not None}
+
+
+def gguf_meta(**changes) -> dict:
+    meta = {"general.architecture": "qwen3moe", "qwen3moe.embedding_length": 64,
+            "qwen3moe.attention.head_count": 4, "qwen3moe.feed_forward_length": 128,
+            "qwen3moe.block_count": 2, "qwen3moe.vocab_size": 64, "qwen3moe.expert_count": 8,
+            "qwen3moe.expert_used_count": 2,
+            "qwen3moe.expert_feed_forward_length": 64}  # fmt: skip
+    return {k: v for k, v in {**meta, **changes}.items() if v is not None}
+
+
+@pytest.mark.parametrize(
+    ("changes", "said"),
+    [
+        ({"num_experts": 0}, "num_experts"),
+        ({"num_experts": 1 << 20}, "num_experts"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+        ({"num_experts_per_tok": 0}, "num_experts_per_tok"),
+        ({"num_experts": None}, "num_experts"),
+        ({"moe_intermediate_size": -1}, "moe_intermediate_size"),
+        ({"norm_topk_prob": "yes"}, "norm_topk_prob"),
+        ({"mlp_only_layers": [5]}, "mlp_only_layers"),
+        ({"decoder_sparse_step": 0}, "decoder_sparse_step"),
+    ],
+)
+def test_hostile_config_keys_are_refused(changes, said):
+    from kvlm.arch import config_from_hf
+
+    with pytest.raises((ModelLoadError, UnsupportedModelError), match=said):
+        config_from_hf(hf_cfg(**changes), "m")
+
+
+@pytest.mark.parametrize(
+    ("changes", "said"),
+    [
+        ({"qwen3moe.expert_count": 0}, "expert_count"),
+        ({"qwen3moe.expert_used_count": 9}, "expert_used_count"),
+        ({"qwen3moe.expert_count": None}, "expert_count"),
+        ({"qwen3moe.expert_feed_forward_length": 0}, "expert_feed_forward_length"),
+        ({"qwen3moe.expert_used_count": 2.5}, "expert_used_count"),
+    ],
+)
+def test_hostile_gguf_keys_are_refused(changes, said):
+    from kvlm.arch import config_from_gguf
+
+    assert config_from_gguf(gguf_meta(), "m.gguf").experts.count == 8
+    with pytest.raises((ModelLoadError, UnsupportedModelError), match=said):
+        config_from_gguf(gguf_meta(**changes), "m.gguf")
