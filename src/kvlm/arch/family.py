@@ -103,7 +103,8 @@ class Shape:
     sliding window where it has one, `qkv_bias` whether its q|k|v products have biases,
     `llama3_rope` whether its file carries Llama 3.x's rope_freqs factors;
     `attention_layers` the layers that attend where the others mix by a short convolution
-    of `conv_kernel` positions (None: every layer attends)."""
+    of `conv_kernel` positions (None: every layer attends); `experts` the experts of every
+    layer's FFN (0: a gated MLP)."""
 
     arch: str
     hidden: int
@@ -122,6 +123,11 @@ class Shape:
     qkv_bias: bool = False
     attention_layers: tuple[int, ...] | None = None
     conv_kernel: int = 3
+    # a mixture of experts in every layer: `experts` of `expert_inter` each, `experts_used`
+    # a token (0: the gated MLP of `inter`)
+    experts: int = 0
+    experts_used: int = 0
+    expert_inter: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,7 +71,8 @@ def tensor_type(file_type: str, name: str, layer: int | None, layers: int, tied:
         return Q.Q6_K
     if file_type == "Q4_0":
         return Q.Q4_0
-    if name in ("attn_v", "ffn_down") and layer is not None and _use_more_bits(layer, layers):
+    more = ("attn_v", "ffn_down", "ffn_down_exps")
+    if name in more and layer is not None and _use_more_bits(layer, layers):
         return Q.Q6_K
     return Q.Q4_K if file_type == "Q4_K_M" else Q.Q5_K
 
@@ -123,6 +124,10 @@ def add_shape(w: gguf.GGUFWriter, shape: Shape) -> None:
     w.add_vocab_size(shape.vocab)
     if shape.window is not None:
         w.add_sliding_window(shape.window)
+    if shape.experts:
+        w.add_expert_count(shape.experts)
+        w.add_expert_used_count(shape.experts_used)
+        w.add_expert_feed_forward_length(shape.expert_inter)
 
 
 def _kv_heads(shape: Shape) -> int | list[int]:
@@ -145,6 +150,9 @@ def shape_config(shape: Shape) -> ModelConfig:
              K.Attention.SLIDING_WINDOW: shape.window}  # fmt: skip
     if shape.attention_layers is not None:
         sizes[K.ShortConv.L_CACHE] = shape.conv_kernel
+    if shape.experts:
+        sizes |= {K.LLM.EXPERT_COUNT: shape.experts, K.LLM.EXPERT_USED_COUNT: shape.experts_used,
+                  K.LLM.EXPERT_FEED_FORWARD_LENGTH: shape.expert_inter}  # fmt: skip
     meta = {k.format(arch=a): v for k, v in sizes.items() if v is not None}
     return config_from_gguf({K.General.ARCHITECTURE: a, **meta})
 
@@ -164,7 +172,8 @@ def write_model(shape_name: str, file_type: str, out: Path, tokenizer_from: Path
     # llama.cpp's quantizer counts attn_v tensors among the layers that have one
     attending = [i for i in range(shape.layers) if i not in config.conv_layers]
 
-    def weight(name: str, rows: int, cols: int, layer: int | None = None) -> None:
+    def weight(name: str, rows: int, cols: int, layer: int | None = None, stack: int = 0) -> None:
+        """A weight [rows, cols], or `stack` of them (every expert's: (stack, rows, cols))."""
         base = name.split(".")[-1] if layer is None else name.split(".")[2]
         at, of = layer, shape.layers
         if base == "attn_v" and layer is not None:
@@ -172,7 +181,9 @@ def write_model(shape_name: str, file_type: str, out: Path, tokenizer_from: Path
         qtype = tensor_type(file_type, base, at, of, shape.tied)
         if cols % gguf.GGML_QUANT_SIZES[qtype][0]:
             qtype = _K_FALLBACK[qtype]
-        data = random_blocks(qtype, rows, cols, rng)
+        data = random_blocks(qtype, max(stack, 1) * rows, cols, rng)
+        if stack:
+            data = data.reshape(stack, rows, -1)
         w.add_tensor(f"{name}.weight", data, raw_shape=data.shape, raw_dtype=qtype)
 
     def vector(name: str, n: int, value: float = 1.0) -> None:
@@ -180,6 +191,14 @@ def write_model(shape_name: str, file_type: str, out: Path, tokenizer_from: Path
 
     def mlp(p: str, i: int) -> None:
         vector(f"{p}.ffn_norm.weight", h)
+        if shape.experts:  # the router (never quantized, as llama.cpp's quantizer leaves it)
+            n, e = shape.experts, shape.expert_inter
+            router = rng.normal(0, STD, (n, h)).astype(np.float32)
+            w.add_tensor(f"{p}.ffn_gate_inp.weight", router)
+            weight(f"{p}.ffn_gate_exps", e, h, i, stack=n)
+            weight(f"{p}.ffn_up_exps", e, h, i, stack=n)
+            weight(f"{p}.ffn_down_exps", h, e, i, stack=n)
+            return
         weight(f"{p}.ffn_gate", shape.inter, h, i)
         weight(f"{p}.ffn_up", shape.inter, h, i)
         weight(f"{p}.ffn_down", h, shape.inter, i)
