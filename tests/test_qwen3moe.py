@@ -87,6 +87,32 @@ def test_config_read_from_folder(moe_dir, name):
 
 
 @pytest.mark.parametrize("name", list(MODELS))
+def test_inspect_counts_every_and_the_active_parameters(moe_dir, name, capsys):
+    """`kvlm inspect`: the parameters transformers' model has, and those one token runs
+    (top_k of the experts of each expert layer: the dense layers whole); the benchmark's
+    bytes a decode step reads count the experts a token reads alone."""
+    import json
+
+    from kvlm.bench.child import weight_bytes_per_token
+    from kvlm.cli import main
+    from kvlm.model.layers import Linear
+
+    folder = moe_dir(name)
+    hf, llm = load_hf(folder), LLM(model=folder, weights="int8", progress=False)
+    c, x = llm.config, llm.config.experts
+    every = sum(p.numel() for p in hf.parameters())
+    idle = len(c.expert_layers) * (x.count - x.top_k) * 3 * c.hidden_size * x.intermediate
+    assert main(["inspect", "--model", str(folder), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["parameters"], info["active_parameters"]) == (every, every - idle)
+    expert = llm.model.layers[c.expert_layers[0]].mlp.experts[0]
+    one = expert.gate_up.nbytes + expert.down.nbytes  # every expert's bytes alike
+    linears = sum(m.nbytes for m in llm.model.modules() if isinstance(m, Linear))
+    idle_bytes = len(c.expert_layers) * (x.count - x.top_k) * one
+    assert weight_bytes_per_token(llm) == linears - idle_bytes
+
+
+@pytest.mark.parametrize("name", list(MODELS))
 def test_teacher_forced_logits_match_hf(moe_dir, name):
     """Every position's logits over 40 tokens, the exact path: as close to transformers'
     fp64 as its own fp32 logits (tests/numerics.py)."""

@@ -969,6 +969,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "tokenizer_vocab": loaded.tokenizer.vocab_size,
         "kv_bytes_per_token": {"fp32": per_token * 4, "bf16": per_token * 2, "fp16": per_token * 2},
     }
+    if cfg.expert_layers:  # what a token runs of them (kvlm.model.experts)
+        from kvlm.cache.memory import parameter_count
+
+        info["parameters"] = parameter_count(cfg)
+        info["active_parameters"] = parameter_count(cfg, active=True)
     if cfg.mtp_layers:  # a drafter the file carries (kvlm.model.mtp), or only its name
         held = "mtp.fc.weight" in loaded.weights.names()
         info["mtp_head"] = (f"{cfg.mtp_layers} block(s)" if held else

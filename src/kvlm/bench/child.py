@@ -39,11 +39,22 @@ class _Clock:
 
 
 def weight_bytes_per_token(llm: Any) -> int:
-    """Bytes of projection weights a decode step reads (every Linear once; one embedding
-    row is negligible)."""
+    """Bytes of projection weights a decode step of one sequence reads: every Linear
+    once, but a mixture of experts' experts, of which a token reads top_k of count (one
+    embedding row is negligible)."""
+    from kvlm.model.experts import Experts
     from kvlm.model.layers import Linear
 
-    return sum(m.nbytes for m in llm.model.modules() if isinstance(m, Linear))
+    def linears(module: Any) -> list[Linear]:
+        return [m for m in module.modules() if isinstance(m, Linear)]
+
+    moes = [m for m in llm.model.modules() if isinstance(m, Experts)]
+    routed = {id(lin) for moe in moes for lin in linears(moe.experts)}
+    total = sum(m.nbytes for m in linears(llm.model) if id(m) not in routed)
+    for moe in moes:
+        every = sum(lin.nbytes for lin in linears(moe.experts))
+        total += every * moe.config.top_k // moe.config.count
+    return total
 
 
 def proc_mib(key: str = "VmHWM") -> float:

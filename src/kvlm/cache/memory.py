@@ -58,10 +58,12 @@ def parse_size(text: str) -> int:
     return int(value * _UNITS[unit])
 
 
-def parameter_count(config: ModelConfig) -> int:
+def parameter_count(config: ModelConfig, active: bool = False) -> int:
     """The model's parameters, from its shapes: embeddings (and an untied output), the
-    attention and gated MLP products, the norms (the q/k norms where it has them, and the
-    norms on attention's and the MLP's outputs in the "sandwich" layout)."""
+    attention and gated MLP products (a mixture of experts' layers: the router and every
+    expert, or with `active` the experts one token runs, top_k of them), the norms (the
+    q/k norms where it has them, and the norms on attention's and the MLP's outputs in
+    the "sandwich" layout)."""
     c = config
     q = c.num_heads * c.head_dim
     kv = c.num_kv_heads * c.head_dim
@@ -69,7 +71,13 @@ def parameter_count(config: ModelConfig) -> int:
     norms = 4 if c.norm_layout == "sandwich" else 2
     per_layer += norms * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)
     embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    return c.num_layers * per_layer + embeddings + c.hidden_size
+    total = c.num_layers * per_layer + embeddings + c.hidden_size
+    x = c.experts
+    if x is not None and c.expert_layers:  # experts in place of those layers' MLP
+        used = x.top_k if active else x.count
+        moe = x.count * c.hidden_size + used * 3 * c.hidden_size * x.intermediate
+        total += len(c.expert_layers) * (moe - 3 * c.hidden_size * c.intermediate_size)
+    return total
 
 
 def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
