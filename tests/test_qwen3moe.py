@@ -293,6 +293,26 @@ def test_a_q8_0_gguf_runs_each_expert_from_its_blocks(converted):
                             ref_logits)  # fmt: skip
 
 
+def test_kvlm_serve_answers_concurrent_chats_from_the_converted_file(converted):
+    """A real `kvlm serve` of the converter's Q8_0 file (its pool; decode rows on the
+    torch model, the fused step refusing experts): two chats at once, batched (fewer
+    steps than tokens), each answered as the LLM answers it alone; the second asking
+    again is a prefix hit with the same answer."""
+    from serving import QUESTIONS, chats_alone, chats_at_once, kvlm_serve, wait_idle
+
+    _, path = converted("qwen3moe", "q8_0")
+    llm = LLM(model=path, kv="paged", progress=False)
+    want = chats_alone(llm, QUESTIONS, 24)
+    key = "sekret"
+    with kvlm_serve("--model", str(path), "--threads", "1", "--api-key", key,
+                    "--max-context", "256") as (port, _):  # fmt: skip
+        assert chats_at_once(port, key, QUESTIONS, 24) == want
+        m = wait_idle(port, key)
+        assert m["kvlm_engine_steps_total"] < m["kvlm_generation_tokens_total"]
+        assert chats_at_once(port, key, QUESTIONS, 24) == want
+        assert wait_idle(port, key)["kvlm_prefix_cache_hits_total"] > 0
+
+
 # ---------------------------------------------------------------------------- config keys
 
 
