@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import LFM2_TEMPLATE, assert_generation_agrees, save_tiny_model
+from helpers import CHATML, LFM2_TEMPLATE, assert_generation_agrees, save_tiny_model
 from kvlm import LLM, SamplingParams, compose
 from kvlm.engine.speculative import SpeculativeConfig
 from kvlm.errors import KvlmError
@@ -23,8 +23,15 @@ PROMPT = "The quick brown fox jumps over the lazy dog and then runs far away int
 
 
 # the grid's models (kvlm.compose.MODELS): tiny random ones of conftest.TINY_MODELS, and
-# "conv": an LFM2 (conv, attention, conv, attention) with its chat template
+# "conv": an LFM2 (conv, attention, conv, attention) with its chat template; "state": a
+# Qwen3.5 (DeltaNet, attention, DeltaNet, attention); "experts": a Qwen3-MoE (8 experts,
+# the top 2, in all four layers)
 MODEL_DIRS = {"llama": "llama", "hybrid": "gemma3"}
+SAVED = {
+    "conv": dict(arch="lfm2", seed=20, chat_template=LFM2_TEMPLATE, tokenizer="llama3"),
+    "state": dict(arch="qwen3_5", seed=30, chat_template=CHATML, tokenizer="qwen35"),
+    "experts": dict(arch="qwen3_moe", seed=40, chat_template=CHATML, tokenizer="qwen35"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +42,7 @@ def grid_model_dir(tiny_model_dir, tmp_path_factory):
         if model in MODEL_DIRS:
             return tiny_model_dir(MODEL_DIRS[model])
         if model not in made:
-            folder = tmp_path_factory.mktemp(model)
-            made[model] = save_tiny_model(
-                folder, "lfm2", seed=20, chat_template=LFM2_TEMPLATE, tokenizer="llama3"
-            )
+            made[model] = save_tiny_model(tmp_path_factory.mktemp(model), **SAVED[model])
         return made[model]
 
     return make

@@ -13,6 +13,7 @@ why. (Nobody asks for the fused step: where it does not run, `LLM.describe()
 from __future__ import annotations
 
 from kvlm.cache.factory import CACHE_MODES, FUSED_MODES
+from kvlm.cache.recurrent import NO_ROLLBACK
 from kvlm.llm import NO_SPECULATION
 from kvlm.model import fused
 from kvlm.settings import table
@@ -37,9 +38,11 @@ FEATURES = {
 
 
 # The models of the grid: the Llama family (every layer one attention), a hybrid one
-# (layers with a window of 8 and layers that see the whole context) and a conv one (short
-# convolutions beside attention): tests/test_composition.py builds them
-MODELS = ("llama", "hybrid", "conv")
+# (layers with a window of 8 and layers that see the whole context), a conv one (short
+# convolutions beside attention), a state one (gated DeltaNets, a recurrent state a
+# sequence, beside attention) and an experts one (a mixture of experts for every layer's
+# FFN): tests/test_composition.py builds them
+MODELS = ("llama", "hybrid", "conv", "state", "experts")
 
 
 def variants() -> list[tuple[str, str, str | None]]:
@@ -57,8 +60,12 @@ def refusal(model: str, mode: str, kv_dtype: str | None, feature: str) -> str | 
         return "keeps no cache" if feature == "save/load" else "cannot roll back"
     if feature == "speculative decoding" and mode in NO_SPECULATION:
         return NO_SPECULATION[mode]
+    if model == "experts" and feature == "fused low-bit step":  # the model, before the cache
+        return f"torch step: {fused.NO_EXPERTS}"
     if feature == "fused low-bit step" and mode not in FUSED_MODES:
         return f"torch step: {fused.NOT_THIS_CACHE}"
+    if model == "state" and feature == "rollback":  # but to a state it kept (a draft's)
+        return NO_ROLLBACK
     return None
 
 

@@ -106,6 +106,7 @@ MAX_ROWS = _ABI["MAX_BATCH"]  # the most sequences one step takes
 # why the other modes' caches decode on the torch step (FUSED_MODES: the caches declare it)
 _READ = " and ".join(filter(None, [", ".join(FUSED_MODES[:-1]), FUSED_MODES[-1]]))
 NOT_THIS_CACHE = f"the fused step reads {_READ} caches"
+NO_EXPERTS = "a mixture of experts (the step runs gated MLPs only)"
 QMAT_PARTS = _ABI["QMAT_PARTS"]  # row parts of different kinds one projection may have
 
 
@@ -303,7 +304,7 @@ def why_not(model: Transformer) -> str | None:
     if c.num_heads // c.num_kv_heads > 8 or c.head_dim > MAX_HEAD_DIM or c.head_dim % 2:
         return f"more than 8 query heads per KV head, or head_dim > {MAX_HEAD_DIM} or odd"
     if any(not isinstance(block.mlp, MLP) for block in model.layers):
-        return "a mixture of experts (the step runs gated MLPs only)"
+        return NO_EXPERTS
     if any(isinstance(m, Linear) and m.kernel != "quant" for m in model.modules()):
         return "needs low-bit weights in every projection (--weights int8|int4|native)"
     for block in model.layers:
