@@ -6,8 +6,9 @@ writes for them (tests/converter.py: the experts stacked into one tensor a layer
 The router's products stay fp32 and its ties go to the lower expert, and a routed row
 runs its experts under the numerics of the rows the block was given, so a row routes and
 computes the same alone, batched, chunked or drafted: the contracts below hold on the
-default path bit for bit, as for the dense families. The fused C decode step does not take
-experts yet (kvlm.model.fused: a reason), so decode runs the torch model."""
+default path bit for bit, as for the dense families. The fused C decode step runs the
+experts too (kernels/experts.c: its own router sums, so held to the torch model by the
+top-5 rule, and to itself alone = batched bit for bit)."""
 
 from __future__ import annotations
 
@@ -143,8 +144,7 @@ def test_greedy_tokens_equal_hf(moe_dir):
 
 def test_the_router_and_the_experts_are_applied(moe_dir):
     """An expert's down projection zeroed, or the router's rows of two experts swapped,
-    move the logits far more than rounding (so the tests above can fail); the fused step
-    says why it does not take the model."""
+    move the logits far more than rounding (so the tests above can fail)."""
     folder = moe_dir("qwen3moe")
     llm = LLM(model=folder, kv="off", exact=True, progress=False)
     ids = prompt_ids(llm)
@@ -157,8 +157,6 @@ def test_the_router_and_the_experts_are_applied(moe_dir):
         moe.experts[e].down.weight.zero_()
     zeroed = max_error(llm.runner.logits(ids, llm.new_cache("off")), exact)
     assert zeroed > 1000 * before
-    fast = LLM(model=folder, weights="int8", progress=False)
-    assert "experts" in (fast.runner.fused_reason or "")
 
 
 def test_ties_go_to_the_lower_expert_and_weights_renormalise():
@@ -172,7 +170,7 @@ def test_ties_go_to_the_lower_expert_and_weights_renormalise():
     def moe(normalize: bool) -> Experts:
         router = torch.tensor([[1.0, 0.0], [2.0, 0.0], [2.0, 0.0], [0.0, 1.0]])
         mlps = [MLP(Linear(torch.ones(2, 2)), Linear(torch.ones(2, 1))) for _ in range(4)]
-        return Experts(Sizes(4, 2, 1, normalize), Linear(router, vocabulary=True), mlps)
+        return Experts(Sizes(4, 2, 1, normalize), Linear(router, vocabulary=True), mlps, router)
 
     x = torch.tensor([[1.0, 0.0], [0.0, 3.0], [1.0, 0.0]])
     chosen, weights = moe(False).route(x)
@@ -294,10 +292,10 @@ def test_a_q8_0_gguf_runs_each_expert_from_its_blocks(converted):
 
 
 def test_kvlm_serve_answers_concurrent_chats_from_the_converted_file(converted):
-    """A real `kvlm serve` of the converter's Q8_0 file (its pool; decode rows on the
-    torch model, the fused step refusing experts): two chats at once, batched (fewer
-    steps than tokens), each answered as the LLM answers it alone; the second asking
-    again is a prefix hit with the same answer."""
+    """A real `kvlm serve` of the converter's Q8_0 file (its pool, decode rows on the
+    fused step): two chats at once, batched (fewer steps than tokens), each answered as
+    the LLM answers it alone; the second asking again is a prefix hit with the same
+    answer."""
     from serving import QUESTIONS, chats_alone, chats_at_once, kvlm_serve, wait_idle
 
     _, path = converted("qwen3moe", "q8_0")
@@ -309,8 +307,63 @@ def test_kvlm_serve_answers_concurrent_chats_from_the_converted_file(converted):
         assert chats_at_once(port, key, QUESTIONS, 24) == want
         m = wait_idle(port, key)
         assert m["kvlm_engine_steps_total"] < m["kvlm_generation_tokens_total"]
+        decoded = m["kvlm_generation_tokens_total"] - len(QUESTIONS)
+        assert m["kvlm_engine_fused_rows_total"] == decoded > 0
         assert chats_at_once(port, key, QUESTIONS, 24) == want
         assert wait_idle(port, key)["kvlm_prefix_cache_hits_total"] > 0
+
+
+# ------------------------------------------------------------------ the fused decode step
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "paged"])
+def test_the_fused_step_runs_the_experts(converted, mode):
+    """The converter's Q8_0 file: the fused C step takes the model (its experts from the
+    file's blocks, the router's fp32 weights), and its logits over 40 greedy steps follow
+    the torch model's by the top-5 rule both ways (its router's sums are its own); an
+    expert zeroed in the step's weights moves them (the step reads the experts)."""
+    from helpers import assert_top_k_both_ways, fused_and_torch
+
+    _, path = converted("qwen3moe", "q8_0")
+    llm = LLM(model=path, kv=mode, progress=False)
+    assert llm.runner.fused_reason is None and llm.describe()["decode_step"] == "fused"
+    prompt = prompt_ids(llm, 16)
+    _, fused, ref, _, _ = fused_and_torch(llm, prompt, 40, mode)
+    assert_top_k_both_ways(fused, ref)
+    assert max_error(fused, ref) < 0.5 * max_error(ref, torch.zeros_like(ref))
+
+
+def test_the_pools_fused_step_batches_forks_and_drafts_as_alone(converted, monkeypatch):
+    """On the engine's pool every decode row through the fused step: the prompts batched,
+    n = 2, prompt lookup's drafts and a draft model's (the file's int8 self) give each
+    prompt's tokens alone, bit for bit (a row routes and sums the same in any batch)."""
+    from helpers import assert_pool_fused_as_alone
+
+    _, path = converted("qwen3moe", "q8_0")
+    llm = LLM(model=path, kv="paged", progress=False)
+    assert_pool_fused_as_alone(llm, monkeypatch, "int8")
+
+
+def test_the_step_refuses_experts_it_cannot_read(converted):
+    """A mixture the step cannot run is refused by the kernels before anything is read:
+    top_k past the experts, an expert's product of another shape, no router."""
+    import ctypes
+
+    from kvlm.model.fused import FusedDecoder
+
+    _, path = converted("qwen3moe", "q8_0")
+    llm = LLM(model=path, progress=False)
+    dec = FusedDecoder(llm.model, 64)
+    lib, spec = dec.lib, dec.spec
+    assert lib.kvlm_decode_scratch(ctypes.byref(spec), 1) > 0
+    layer = dec._layers[1]
+    for field, bad in (("top_k", 9), ("top_k", 0), ("n_experts", 0), ("n_experts", 1 << 20),
+                       ("expert_inter", 63), ("router", None), ("normalize", 2)):  # fmt: skip
+        good = getattr(layer, field)
+        setattr(layer, field, bad)
+        assert lib.kvlm_decode_scratch(ctypes.byref(spec), 1) == -2, field
+        setattr(layer, field, good)
+    assert lib.kvlm_decode_scratch(ctypes.byref(spec), 1) > 0
 
 
 # ---------------------------------------------------------------------------- config keys

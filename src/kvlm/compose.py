@@ -60,8 +60,6 @@ def refusal(model: str, mode: str, kv_dtype: str | None, feature: str) -> str | 
         return "keeps no cache" if feature == "save/load" else "cannot roll back"
     if feature == "speculative decoding" and mode in NO_SPECULATION:
         return NO_SPECULATION[mode]
-    if model == "experts" and feature == "fused low-bit step":  # the model, before the cache
-        return f"torch step: {fused.NO_EXPERTS}"
     if feature == "fused low-bit step" and mode not in FUSED_MODES:
         return f"torch step: {fused.NOT_THIS_CACHE}"
     if model == "state" and feature == "rollback":  # but to a state it kept (a draft's)

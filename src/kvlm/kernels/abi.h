@@ -10,7 +10,7 @@
 #define KVLM_ABI_H
 #include <stdint.h>
 
-#define KVLM_ABI 35 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
+#define KVLM_ABI 36 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
 
 /* the limits (fused.py: MAX_HEAD_DIM, MAX_ROWS, QMAT_PARTS; quant.py: BLOCK_ROWS, SMALL_M) */
 #define BR 16         /* weight rows per block: one per 32-bit vector lane */
@@ -35,6 +35,11 @@ enum {
     ACT_QKV = 1, ACT_O = 2, ACT_GATE_UP = 4, ACT_DOWN = 8, ACT_HEAD = 16, ACT_CONV_IN = 32,
     ACT_CONV_OUT = 64
 };
+
+/* a layer's FFN (kvlm_qlayer.ffn; kvlm.config.FFNS): the gated MLP (gate_up, down), or a
+ * mixture of experts (the experts' fields; experts.c) */
+enum { FFN_MLP = 0, FFN_EXPERTS = 1 };
+#define MAX_EXPERTS 4096 /* a layer's experts at most (kvlm.config.EXPERTS' bound) */
 
 /* a layer's mixer (kvlm_qlayer.mixer; kvlm.config.MIXERS): attention, a gated short
  * convolution, a gated DeltaNet, a Mamba2 layer (the last two: recurrent, kvlm_state_view) */
@@ -87,6 +92,15 @@ typedef struct {
      * NULL for a DeltaNet), the gated norm's weight (a value head's dv: DeltaNet; the
      * inner channels: Mamba2) */
     const float *a_log, *dt_bias, *d, *gnorm;
+    /* FFN_MLP: gate_up and down above; FFN_EXPERTS: n_experts experts, each a gated MLP
+     * of expert_inter (exp_gate_up [2 expert_inter, hidden] and exp_down [hidden,
+     * expert_inter], n_experts of each), top_k of them a row, chosen by the router's
+     * (n_experts, hidden) fp32 weights, their weights divided by their sum where
+     * normalize (gate_up and down above unread) */
+    int64_t ffn;
+    const float *router;
+    const kvlm_qmat *exp_gate_up, *exp_down;
+    int64_t n_experts, top_k, normalize, expert_inter;
 } kvlm_qlayer;
 
 typedef struct {

@@ -157,9 +157,11 @@ static int model_ok(const kvlm_qmodel *m) {
     if (m->slots < 1 || m->slots > ((int64_t)1 << 26) || !m->layers || !m->final_norm) return 0;
     for (int64_t l = 0; l < m->n_layers; l++) {
         const kvlm_qlayer *L = m->layers + l;
-        if (!L->input_norm || !L->post_norm || !mixer_ok(m, L) ||
-            !qmat_ok(&L->gate_up, 2 * I, H) || !qmat_ok(&L->down, H, I))
-            return 0;
+        const int ffn_ok = L->ffn == FFN_EXPERTS ? experts_ok(m, L)
+                           : L->ffn == FFN_MLP
+                               ? qmat_ok(&L->gate_up, 2 * I, H) && qmat_ok(&L->down, H, I)
+                               : 0;
+        if (!L->input_norm || !L->post_norm || !mixer_ok(m, L) || !ffn_ok) return 0;
     }
     return qmat_ok(&m->lm_head, m->lm_head.n, H);
 }
@@ -194,7 +196,7 @@ static int64_t scratch_floats(const kvlm_qmodel *m, int64_t B) {
     const int64_t D = m->head_dim, Hq = m->n_heads;
     const int64_t row = 2 * m->hidden + qkv_rows(m) + 2 * Hq * D + 3 * m->inter +
                         Hq * m->slots + Hq * MAX_CHUNKS * (D + 2) + Hq * (query_stride(D) / 4 + 2) +
-                        Hq * Q4_QG + conv_floats(m) + recurrent_floats(m);
+                        Hq * Q4_QG + conv_floats(m) + recurrent_floats(m) + experts_floats(m);
     return B * row + D;
 }
 
@@ -397,6 +399,7 @@ typedef struct {
     /* recurrent layers: in_proj's output, the convolution's, z, the gates, the kernel's
      * output, each layer's u (recurrent_floats) */
     float *rin, *rcy, *rz, *rg, *ro, *ru;
+    float *ex; /* expert layers: experts_floats a row (experts.c carves it) */
 } step_bufs;
 
 static step_bufs bufs_of(const kvlm_qmodel *m, int64_t B, float *scratch) {
@@ -432,6 +435,7 @@ static step_bufs bufs_of(const kvlm_qmodel *m, int64_t B, float *scratch) {
     } else {
         s.rin = s.rcy = s.rz = s.rg = s.ro = s.ru = NULL;
     }
+    s.ex = rec + B * recurrent_floats(m);
     return s;
 }
 
@@ -830,10 +834,16 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, int64_t xn, con
         if (rc) return -1;
         add_residual(x, s.tmp, L->attn_out_norm, B, H, m->eps, rs);
         for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->post_norm, H, m->eps, s.h + b * H);
-        if (matmul_rows(&L->gate_up, s.h, B, s.gu, act_of(m, ACT_GATE_UP))) return -1;
-        for (int64_t b = 0; b < B; b++)
-            (m->gelu ? gelu_mul : silu_mul)(s.gu + b * 2 * I, s.gu + b * 2 * I + I, s.act + b * I, I);
-        if (matmul_rows(&L->down, s.act, B, s.tmp, act_of(m, ACT_DOWN))) return -1;
+        if (L->ffn == FFN_EXPERTS) {
+            if (experts_ffn(m, L, B, s.h, s.tmp, s.ex, act_of(m, ACT_GATE_UP), act_of(m, ACT_DOWN)))
+                return -1;
+        } else {
+            if (matmul_rows(&L->gate_up, s.h, B, s.gu, act_of(m, ACT_GATE_UP))) return -1;
+            for (int64_t b = 0; b < B; b++)
+                (m->gelu ? gelu_mul : silu_mul)(s.gu + b * 2 * I, s.gu + b * 2 * I + I,
+                                                s.act + b * I, I);
+            if (matmul_rows(&L->down, s.act, B, s.tmp, act_of(m, ACT_DOWN))) return -1;
+        }
         add_residual(x, s.tmp, L->mlp_out_norm, B, H, m->eps, rs);
     }
     for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, m->final_norm, H, m->eps, s.h + b * H);

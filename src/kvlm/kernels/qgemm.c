@@ -39,5 +39,6 @@
 #include "conv.c"
 #include "deltanet.c"
 #include "mamba2.c"
+#include "experts.c"
 #include "decode.c"
 #include "prompt.c"

@@ -1,11 +1,13 @@
 """The FFN kind "experts" (ModelConfig.experts): a router picks `top_k` of `count` gated
 MLPs for each token, and the token's output is their outputs weighted by the router.
 
-    logits = x @ router^T                  fp32, each row's bits its own (Linear's road of
-                                           the vocabulary projection: any batch, any cut)
+    logits = x @ router^T                  fp32, each row's bits its own (any batch, any
+                                           cut): on the CPU the kernels' router
+                                           (kernels/experts.c kvlm_route, the fused step's
+                                           too); else a Linear of the vocabulary's road
     p      = softmax(logits)               over every expert
-    chosen = the top_k of p, the lower index first among equal ones (a stable sort: ties
-             broken one way everywhere, so a row routes alone as in any batch)
+    chosen = the top_k of p, the lower index first among equal ones (ties broken one way
+             everywhere, so a row routes alone as in any batch)
     w      = p[chosen], divided by their sum where the family normalises (norm_topk_prob)
     y      = sum over chosen, in ascending expert order, of w_e * MLP_e(x)
 
@@ -22,32 +24,42 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvlm import kernels
 from kvlm.config import Experts as ExpertsConfig
 from kvlm.model.layers import MLP, Linear, feeding_prompt, prompt_rows
 
 
 class Experts(nn.Module):
-    """A mixture-of-experts FFN: `router` (count x hidden, its products in `router_dtype`:
-    fp32, or an fp64 model's fp64) and one gated MLP an expert."""
+    """A mixture-of-experts FFN: `router` (a Linear of `router_weight`, count x hidden,
+    fp32, or an fp64 model's fp64, its products in that dtype) and one gated MLP an
+    expert."""
 
     def __init__(
         self,
         config: ExpertsConfig,
         router: Linear,
         experts: list[MLP],
-        router_dtype: torch.dtype = torch.float32,
+        router_weight: torch.Tensor,
     ) -> None:
         super().__init__()
         if len(experts) != config.count or router.out_features != config.count:
             raise ValueError(f"{len(experts)} experts and a router of {router.out_features} "
                              f"for {config.count}")  # fmt: skip
         self.config = config
-        self.router, self.router_dtype = router, router_dtype
+        self.router, self.router_dtype = router, router_weight.dtype
+        # its weights as they are (the fused C step reads them): (count, hidden)
+        self.router_weight = router_weight.contiguous()
         self.experts = nn.ModuleList(experts)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row of x (N, hidden): its experts (N, top_k), the higher weight first,
-        and their weights (N, top_k) fp32."""
+        and their weights (N, top_k) fp32. On the CPU in fp32 the kernels' router
+        (kvlm_route: the fused step's own, so both roads route a row alike); else torch's
+        (fp64, a GPU, no kernels), the same steps."""
+        lib = kernels.library()
+        w = self.router_weight
+        if lib is not None and w.dtype == torch.float32 and x.is_cpu and x.numel():
+            return self._route_kernel(lib, x.float().contiguous())
         logits = self.router(x.to(self.router_dtype))
         probs = torch.softmax(logits, dim=-1)
         order = torch.sort(probs, dim=-1, descending=True, stable=True).indices
@@ -55,6 +67,19 @@ class Experts(nn.Module):
         weights = probs.gather(1, chosen)
         if self.config.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        return chosen, weights
+
+    def _route_kernel(self, lib, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n, (e, h), k = x.shape[0], self.router_weight.shape, self.config.top_k
+        chosen = torch.empty(n, k, dtype=torch.int64)
+        weights = torch.empty(n, k, dtype=torch.float32)
+        logits = torch.empty(n, e, dtype=torch.float32)
+        rc = lib.kvlm_route(x.data_ptr(), x.numel(), n, h, self.router_weight.data_ptr(),
+                            self.router_weight.numel(), e, k, int(self.config.normalize),
+                            chosen.data_ptr(), chosen.numel(), weights.data_ptr(),
+                            weights.numel(), logits.data_ptr(), logits.numel())  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"the kernels refused a router of {e} experts over {h}")
         return chosen, weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

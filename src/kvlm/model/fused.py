@@ -97,6 +97,7 @@ from kvlm.cache.storage import Store, key_rotation
 from kvlm.config import ModelConfig
 from kvlm.dtypes import Q4
 from kvlm.model.attention import _room
+from kvlm.model.experts import Experts
 from kvlm.model.layers import MLP, Linear
 from kvlm.model.quant import KIND_CODES
 from kvlm.model.transformer import Block, Transformer
@@ -106,7 +107,6 @@ MAX_ROWS = _ABI["MAX_BATCH"]  # the most sequences one step takes
 # why the other modes' caches decode on the torch step (FUSED_MODES: the caches declare it)
 _READ = " and ".join(filter(None, [", ".join(FUSED_MODES[:-1]), FUSED_MODES[-1]]))
 NOT_THIS_CACHE = f"the fused step reads {_READ} caches"
-NO_EXPERTS = "a mixture of experts (the step runs gated MLPs only)"
 QMAT_PARTS = _ABI["QMAT_PARTS"]  # row parts of different kinds one projection may have
 
 
@@ -144,6 +144,12 @@ class _QLayer(ctypes.Structure):
         *_fields(ctypes.c_void_p, "in_bias out_bias taps taps_bias"),
         # a recurrent layer's A_log, dt_bias, D (NULL: a DeltaNet's) and gated norm weight
         *_fields(ctypes.c_void_p, "a_log dt_bias d gnorm"),
+        # FFN_MLP (gate_up, down) or FFN_EXPERTS: the router's fp32 (experts, hidden) and
+        # each expert's gate|up and down (arrays of n_experts), top_k a row
+        ("ffn", ctypes.c_int64),
+        ("router", ctypes.c_void_p),
+        *_fields(ctypes.POINTER(_QMat), "exp_gate_up exp_down"),
+        *_fields(ctypes.c_int64, "n_experts top_k normalize expert_inter"),
     ]
 
 
@@ -220,15 +226,23 @@ _KV_DTYPE = {
 }
 
 
+def _mlp(block: Block) -> MLP:
+    """The block's gated MLP, or its first expert's: every expert's products take the
+    same activation settings and its activation (the step's gate|up and down bits)."""
+    return block.mlp.experts[0] if isinstance(block.mlp, Experts) else block.mlp
+
+
 def block_products(block: Block) -> tuple[Linear, Linear, Linear, Linear]:
     """A block's four low-bit products in the step's order: its mixer's input and output
     (attention: q|k|v, o; a short convolution or a recurrent layer: in_proj, out_proj),
-    gate|up, down (their bits of the activation masks, kvlm_qmodel.act_int8 / act_int16:
+    gate|up, down (a mixture of experts': its first expert's, which stand for all;
+    their bits of the activation masks, kvlm_qmodel.act_int8 / act_int16:
     `_product_bits`; the vocabulary's is ACT_HEAD)."""
+    mlp = _mlp(block)
     mixer = block.conv if block.conv is not None else block.recurrent
     if mixer is not None:
-        return mixer.in_proj, mixer.out_proj, block.mlp.gate_up, block.mlp.down
-    return block.attn.qkv, block.attn.o_proj, block.mlp.gate_up, block.mlp.down
+        return mixer.in_proj, mixer.out_proj, mlp.gate_up, mlp.down
+    return block.attn.qkv, block.attn.o_proj, mlp.gate_up, mlp.down
 
 
 def _qmat(lin: Linear) -> _QMat:
@@ -303,9 +317,9 @@ def why_not(model: Transformer) -> str | None:
         return "no attention layer"
     if c.num_heads // c.num_kv_heads > 8 or c.head_dim > MAX_HEAD_DIM or c.head_dim % 2:
         return f"more than 8 query heads per KV head, or head_dim > {MAX_HEAD_DIM} or odd"
-    if any(not isinstance(block.mlp, MLP) for block in model.layers):
-        return NO_EXPERTS
-    if any(isinstance(m, Linear) and m.kernel != "quant" for m in model.modules()):
+    routers = {id(b.mlp.router) for b in model.layers if isinstance(b.mlp, Experts)}
+    if any(isinstance(m, Linear) and m.kernel != "quant" and id(m) not in routers
+           for m in model.modules()):  # fmt: skip
         return "needs low-bit weights in every projection (--weights int8|int4|native)"
     for block in model.layers:
         reason = _block_why_not(block, c.rms_norm_eps)
@@ -320,10 +334,13 @@ def why_not(model: Transformer) -> str | None:
 
 def _block_why_not(block: Block, eps: float) -> str | None:
     """Why the step cannot run this block (None: it can)."""
-    if block.mlp.gate_up.bias is not None or block.mlp.down.bias is not None:
+    mlps = block.mlp.experts if isinstance(block.mlp, Experts) else [block.mlp]
+    if any(m.gate_up.bias is not None or m.down.bias is not None for m in mlps):
         return "MLP biases (the step adds only the mixers' projections' biases)"
-    if block.mlp.act not in _ACTS:
-        return f"the MLP's activation {block.mlp.act!r}"
+    if any(m.act != mlps[0].act for m in mlps) or mlps[0].act not in _ACTS:
+        return f"the MLP's activation {mlps[0].act!r}"
+    if isinstance(block.mlp, Experts) and block.mlp.router_weight.dtype != torch.float32:
+        return "a router not in fp32"
     rec = block.recurrent
     if rec is not None and not all(
         p.dtype == torch.float32 and p.is_contiguous() for p in rec.parameters(recurse=False)
@@ -350,6 +367,7 @@ _ACT_BITS = (*_ACT.values(), _ACT_HEAD)  # every bit of the masks
 _MIXERS = {"attention": _ABI["MIX_ATTENTION"], "conv": _ABI["MIX_CONV"],
            "deltanet": _ABI["MIX_DELTA"], "mamba2": _ABI["MIX_MAMBA2"]}  # fmt: skip
 _CONV_ROWS, _CONV_SLOTS = _ABI["CONV_ROWS"], _ABI["CONV_SLOTS"]  # kvlm_conv_view.layout
+_FFNS = {"mlp": _ABI["FFN_MLP"], "experts": _ABI["FFN_EXPERTS"]}  # kvlm_qlayer.ffn
 
 
 def _product_bits(block: Block) -> tuple[int, ...]:
@@ -371,8 +389,10 @@ class FusedDecoder:
         self.slots = slots
         self.cos, self.sin = self._rope_tables(model, slots)
         layers = (_QLayer * c.num_layers)()
+        self._experts: list = []  # each expert layer's arrays of _QMat: kept alive
         for i, block in enumerate(model.layers):
             layers[i] = self._layer(block, i)
+            self._ffn(layers[i], block)
         self._layers = layers  # keep alive: the struct points into it
         self._placed: tuple | None = None  # the layers' (view, index) last set
         # each layer's kind of view and its index among that kind's layers (attention:
@@ -383,7 +403,7 @@ class FusedDecoder:
                  c.intermediate_size)  # fmt: skip
         head = (_ptr(model.norm.weight, c.hidden_size), _qmat(model.lm_head))  # final_norm, lm_head
         self.spec = _QModel(*shape, slots, c.rms_norm_eps, layers, *head)
-        self.spec.gelu = _ACTS[model.layers[0].mlp.act]
+        self.spec.gelu = _ACTS[_mlp(model.layers[0]).act]
         # the first block of each mixer, whose products' activation settings every block
         # of its kind shares (_set_storage)
         self._firsts = list({_slot_of(b)[0]: b for b in reversed(model.layers)}.values())
@@ -446,12 +466,30 @@ class FusedDecoder:
         window = (windows[i] or 0) if windows else -1  # -1: the step's (Mistral's)
         return _QLayer(*norms, *mats, *biases, *qk, *outs, window, self.model._rope_of[i], 0, i)
 
+    def _ffn(self, layer: _QLayer, block: Block) -> None:
+        """kvlm_qlayer's FFN fields: FFN_MLP (gate_up and down, set with the layer), or a
+        mixture of experts' router and each expert's products."""
+        moe = block.mlp
+        if not isinstance(moe, Experts):
+            layer.ffn = _FFNS["mlp"]
+            return
+        x = moe.config
+        gate_up = (_QMat * x.count)(*(_qmat(e.gate_up) for e in moe.experts))
+        down = (_QMat * x.count)(*(_qmat(e.down) for e in moe.experts))
+        self._experts.append((gate_up, down))
+        router = moe.router_weight
+        layer.ffn, layer.router = _FFNS["experts"], _ptr(router, router.numel())
+        layer.exp_gate_up, layer.exp_down = gate_up, down
+        layer.n_experts, layer.top_k, layer.normalize = x.count, x.top_k, int(x.normalize)
+        layer.expert_inter = x.intermediate
+
     def _conv_layer(self, block: Block, norms: tuple, outs: list) -> _QLayer:
         """A conv layer's struct: its products, their biases, the taps (L, H) and theirs
         (kvlm_qlayer's conv fields); no q|k|v, o or window."""
         conv, c = block.conv, self.model.config
         h = c.hidden_size
-        layer = _QLayer(*norms, gate_up=_qmat(block.mlp.gate_up), down=_qmat(block.mlp.down),
+        mlp = _mlp(block)
+        layer = _QLayer(*norms, gate_up=_qmat(mlp.gate_up), down=_qmat(mlp.down),
                         attn_out_norm=outs[0], mlp_out_norm=outs[1], mixer=_MIXERS["conv"],
                         in_proj=_qmat(conv.in_proj), out_proj=_qmat(conv.out_proj))  # fmt: skip
         layer.in_bias = _ptr(conv.in_proj.bias, 3 * h)
@@ -465,7 +503,8 @@ class FusedDecoder:
         channels) and their bias (Mamba2's), A_log, dt_bias, D (Mamba2's) and the gated
         norm's weight (kvlm_qlayer's recurrent fields); no q|k|v, o or window."""
         rec = block.recurrent
-        layer = _QLayer(*norms, gate_up=_qmat(block.mlp.gate_up), down=_qmat(block.mlp.down),
+        mlp = _mlp(block)
+        layer = _QLayer(*norms, gate_up=_qmat(mlp.gate_up), down=_qmat(mlp.down),
                         attn_out_norm=outs[0], mlp_out_norm=outs[1], mixer=_MIXERS[mixer],
                         in_proj=_qmat(rec.in_proj), out_proj=_qmat(rec.out_proj))  # fmt: skip
         layer.in_bias = _ptr(rec.in_proj.bias, rec.in_proj.out_features)

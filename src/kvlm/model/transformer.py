@@ -606,13 +606,13 @@ class _WeightTaker:
             mlps = [MLP(self.fused_linear(f"{p}.mlp.experts.{e}", ("gate_proj", "up_proj")),
                         self._with_bias(f"{p}.mlp.experts.{e}.down_proj"), c.activation)
                     for e in range(x.count)]  # fmt: skip
-            return Experts(x, router, mlps, w.dtype)
+            return Experts(x, router, mlps, w)
         names = [f"{p}.mlp.experts.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
         gate, up, down = (self._each_expert(n, x.count) for n in names)
         mlps = [MLP(self._expert_linear([gate[e], up[e]], names[0]),
                     self._expert_linear([down[e]], names[2]), c.activation)
                 for e in range(x.count)]  # fmt: skip
-        return Experts(x, router, mlps, w.dtype)
+        return Experts(x, router, mlps, w)
 
     def _each_expert(self, name: str, count: int) -> list[quant.Blocks] | list[torch.Tensor]:
         """Each expert's matrix of the stacked tensor `name`: its blocks as stored

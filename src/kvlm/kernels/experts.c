@@ -1,0 +1,142 @@
+/* A mixture of experts, the FFN kind "experts" (kvlm.model.experts), for the decode step:
+ * B rows' normed inputs h [B, hidden] -> out [B, hidden], as the torch model computes it
+ *
+ *     logits = h . router^T      fp32, each row's dot products in one order (any batch)
+ *     p      = softmax(logits)   exp(l - max) / their sum, summed in expert order
+ *     chosen = the top_k of p, the higher first, the lower expert first among equal ones
+ *     w      = p[chosen], divided by their sum (in chosen order) where `normalize`
+ *     out    = 0, then for each expert in ascending order, for each row routed to it:
+ *              out += MLP_e(h) * w   (a product, then the sum: no fused multiply-add)
+ *
+ * Each expert's products run once over every row routed to it (rows that share an expert
+ * read its weights once: matmul_rows, whose rows' sums are their own in any batch), with
+ * the model's activation settings of gate|up and down. The router (route_rows) is the
+ * torch model's too on the CPU (kvlm_route), so a row picks the same experts with the
+ * same weights on either road, alone or batched. */
+
+static int matmul_rows(const kvlm_qmat *w, const float *x, int64_t B, float *y, int act);
+static void silu_mul(const float *g, const float *u, float *y, int64_t n);
+static void gelu_mul(const float *g, const float *u, float *y, int64_t n);
+static int qmat_ok(const kvlm_qmat *w, int64_t n, int64_t k);
+
+/* Whether layer L's experts are a mixture the step can run: counts in range, a router,
+ * every expert's gate|up [2 expert_inter, hidden] and down [hidden, expert_inter] */
+static int experts_ok(const kvlm_qmodel *m, const kvlm_qlayer *L) {
+    const int64_t E = L->n_experts, I = L->expert_inter, H = m->hidden;
+    if (E < 1 || E > MAX_EXPERTS || L->top_k < 1 || L->top_k > E || I < 1 || I > (1 << 22))
+        return 0;
+    if ((L->normalize >> 1) || !L->router || !L->exp_gate_up || !L->exp_down) return 0;
+    for (int64_t e = 0; e < E; e++)
+        if (!qmat_ok(L->exp_gate_up + e, 2 * I, H) || !qmat_ok(L->exp_down + e, H, I)) return 0;
+    return 1;
+}
+
+/* floats of scratch a row of the step's expert layers needs (the most of any layer): the
+ * logits, the chosen experts (int64, two floats each) and their weights, an expert's rows
+ * gathered, their gate|up, its product and their output */
+static int64_t experts_floats(const kvlm_qmodel *m) {
+    int64_t most = 0;
+    for (int64_t l = 0; l < m->n_layers; l++) {
+        const kvlm_qlayer *L = m->layers + l;
+        if (L->ffn != FFN_EXPERTS) continue;
+        const int64_t n = L->n_experts + 3 * L->top_k + 2 * m->hidden + 3 * L->expert_inter;
+        most = n > most ? n : most;
+    }
+    return most ? most + 2 : 0; /* + 2: the int64s' alignment */
+}
+
+/* The router of B rows (a mixture's first half, the torch model's too: kvlm_route):
+ * h [B, hidden] . router [E, hidden]^T into logits [B, E] (each dot product summed in
+ * column order), softmax over each row's E (exp(l - max) summed in expert order), then
+ * the top K of each row by a selection that takes the lower expert among equal ones (the
+ * higher weight first), their weights divided by their sum (in chosen order) where
+ * `normalize`: chosen [B, K], w [B, K]. A NaN never wins a comparison: a row of NaNs
+ * takes experts 0 .. K - 1. */
+static void route_rows(const float *h, int64_t B, int64_t H, const float *router, int64_t E,
+                       int64_t K, int64_t normalize, float *logits, int64_t *chosen, float *w) {
+#pragma omp parallel for schedule(static) if (B * E > 64)
+    for (int64_t i = 0; i < B * E; i++) {
+        const float *hb = h + (i / E) * H, *r = router + (i % E) * H;
+        float s = 0.0f;
+        for (int64_t c = 0; c < H; c++) s += hb[c] * r[c];
+        logits[i] = s;
+    }
+    for (int64_t b = 0; b < B; b++) {
+        float *p = logits + b * E;
+        float mx = p[0], sum = 0.0f;
+        for (int64_t e = 1; e < E; e++) mx = p[e] > mx ? p[e] : mx;
+        for (int64_t e = 0; e < E; e++) {
+            p[e] = expf(p[e] - mx);
+            sum += p[e];
+        }
+        for (int64_t e = 0; e < E; e++) p[e] /= sum;
+        float total = 0.0f;
+        for (int64_t j = 0; j < K; j++) { /* the best not yet taken; ties: the lower one */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t t = 0; t < j; t++) taken |= chosen[b * K + t] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            chosen[b * K + j] = best;
+            w[b * K + j] = p[best];
+            total += p[best];
+        }
+        for (int64_t j = 0; normalize && j < K; j++) w[b * K + j] /= total;
+    }
+}
+
+/* kvlm.model.experts' router on the CPU (route_rows): x [M, H] fp32, router [E, H] fp32
+ * -> chosen [M, K] int64, w [M, K] fp32; logits [M, E] its scratch (the softmax's
+ * probabilities after it). 0, or -2 for sizes out of range or buffers too small. */
+int kvlm_route(const float *x, int64_t xn, int64_t M, int64_t H, const float *router,
+               int64_t rn, int64_t E, int64_t K, int64_t normalize, int64_t *chosen,
+               int64_t cn, float *w, int64_t wn, float *logits, int64_t ln) {
+    int64_t need;
+    if (M < 1 || H < 1 || E < 1 || E > MAX_EXPERTS || K < 1 || K > E || (normalize >> 1))
+        return -2;
+    if (!x || !router || !chosen || !w || !logits) return -2;
+    if (!mul_ok(M, H, &need) || xn < need || !mul_ok(E, H, &need) || rn < need) return -2;
+    if (!mul_ok(M, K, &need) || cn < need || wn < need) return -2;
+    if (!mul_ok(M, E, &need) || ln < need) return -2;
+    route_rows(x, M, H, router, E, K, normalize, logits, chosen, w);
+    return 0;
+}
+
+/* out [B, hidden] = layer L's mixture of experts of h [B, hidden] (above); `ex` the
+ * scratch of experts_floats a row; act_gu, act_down: the products' activations
+ * (matmul_rows' act); 0, or -1 (a product's failure) */
+static int experts_ffn(const kvlm_qmodel *m, const kvlm_qlayer *L, int64_t B, const float *h,
+                       float *out, float *ex, int act_gu, int act_down) {
+    const int64_t H = m->hidden, E = L->n_experts, K = L->top_k, I = L->expert_inter;
+    float *logits = ex;                         /* B E */
+    float *w = logits + B * E;                  /* B K */
+    float *x = w + B * K;                       /* B H: an expert's rows */
+    float *gu = x + B * H;                      /* B 2 I */
+    float *act = gu + B * 2 * I;                /* B I */
+    float *y = act + B * I;                     /* B H */
+    float *tail = y + B * H;
+    int64_t *chosen = (int64_t *)(tail + ((uintptr_t)tail % 8 ? 1 : 0)); /* B K */
+    route_rows(h, B, H, L->router, E, K, L->normalize, logits, chosen, w);
+    for (int64_t i = 0; i < B * H; i++) out[i] = 0.0f;
+    for (int64_t e = 0; e < E; e++) {
+        int64_t n = 0; /* the rows routed to e, in row order (a row takes e once at most) */
+        for (int64_t i = 0; i < B * K; i++)
+            if (chosen[i] == e) memcpy(x + n++ * H, h + (i / K) * H, (size_t)H * sizeof(float));
+        if (!n) continue;
+        if (matmul_rows(L->exp_gate_up + e, x, n, gu, act_gu)) return -1;
+        for (int64_t r = 0; r < n; r++)
+            (m->gelu ? gelu_mul : silu_mul)(gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, I);
+        if (matmul_rows(L->exp_down + e, act, n, y, act_down)) return -1;
+        for (int64_t i = 0, r = 0; i < B * K; i++) {
+            if (chosen[i] != e) continue;
+            float *o = out + (i / K) * H;
+            const float *yr = y + r++ * H, wt = w[i];
+            for (int64_t c = 0; c < H; c++) {
+                const float t = yr[c] * wt;
+                o[c] += t;
+            }
+        }
+    }
+    return 0;
+}
