@@ -679,7 +679,8 @@ def test_a_slot_is_one_replicas_through_the_ingress(port, client, model):
     totals = [ask(client, model, max_tokens=6, extra_body={"id_slot": n}).usage.total_tokens
               for n in (0, 1)]  # fmt: skip
     gained = [v - before.get(k, 0) for k, v in routed().items()]
-    assert sorted(gained) == [1, 1]  # one on each replica
+    # one on each replica (series of replicas an earlier test killed stay, at 0 gained)
+    assert sorted(g for g in gained if g) == [1, 1]
     listed = json.loads(get(port, "/slots", auth)[1])
     assert [s["n_tokens"] for s in listed[:2]] == totals and listed[0]["id"] == 0
     erase = httpx.post(f"http://127.0.0.1:{port}/slots/1?action=erase", headers=auth, timeout=30)
