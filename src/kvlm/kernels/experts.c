@@ -46,8 +46,8 @@ static int64_t experts_floats(const kvlm_qmodel *m) {
 }
 
 /* The router of B rows (a mixture's first half, the torch model's too: kvlm_route):
- * h [B, hidden] . router [E, hidden]^T into logits [B, E] (each dot product summed in
- * column order), softmax over each row's E (exp(l - max) summed in expert order), then
+ * h [B, hidden] . router [E, hidden]^T into logits [B, E] (each dot product in 16
+ * running sums, column c into sum c % 16, then those in order), softmax over each row's E (exp(l - max) summed in expert order), then
  * the top K of each row by a selection that takes the lower expert among equal ones (the
  * higher weight first), their weights divided by their sum (in chosen order) where
  * `normalize`: chosen [B, K], w [B, K]. A NaN never wins a comparison: a row of NaNs
@@ -57,8 +57,15 @@ static void route_rows(const float *h, int64_t B, int64_t H, const float *router
 #pragma omp parallel for schedule(static) if (B * E > 64)
     for (int64_t i = 0; i < B * E; i++) {
         const float *hb = h + (i / E) * H, *r = router + (i % E) * H;
+        /* 16 running sums, column c into sum c % 16 (the compiler's vector lanes), then
+         * added in lane order: one order on every build and for any batch */
+        float acc[16] = {0.0f};
+        int64_t c = 0;
+        for (; c + 16 <= H; c += 16)
+            for (int j = 0; j < 16; j++) acc[j] += hb[c + j] * r[c + j];
+        for (int j = 0; c + j < H; j++) acc[j] += hb[c + j] * r[c + j];
         float s = 0.0f;
-        for (int64_t c = 0; c < H; c++) s += hb[c] * r[c];
+        for (int j = 0; j < 16; j++) s += acc[j];
         logits[i] = s;
     }
     for (int64_t b = 0; b < B; b++) {
