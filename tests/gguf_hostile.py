@@ -162,6 +162,31 @@ def read(path: Path) -> Spec:
     return spec
 
 
+def set_key(key: str, value: Any) -> Callable[[Spec], None]:
+    """An edit of a read Spec: `key` set to `value`, of the type the file gave it."""
+    return lambda spec: spec.set(key, value, *spec.meta[key][1:])
+
+
+def cut_rows(tensor: str, rows: int) -> Callable[[Spec], None]:
+    """An edit: `tensor` cut to its first `rows` along its first dimension."""
+
+    def edit(spec: Spec) -> None:
+        arr, kind = spec.tensors[tensor]
+        spec.tensors[tensor] = (arr[:rows], kind)
+
+    return edit
+
+
+def fill(tensor: str, value: float) -> Callable[[Spec], None]:
+    """An edit: every value of `tensor` set to `value`."""
+
+    def edit(spec: Spec) -> None:
+        arr, kind = spec.tensors[tensor]
+        spec.tensors[tensor] = (np.full_like(arr, value), kind)
+
+    return edit
+
+
 # a Spec's metadata as config.json names it (write_hf)
 HF_KEYS = {
     "block_count": "num_hidden_layers", "context_length": "max_position_embeddings",

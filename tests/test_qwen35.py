@@ -17,11 +17,11 @@ import json
 from dataclasses import replace
 from itertools import pairwise
 
-import numpy as np
 import pytest
 import torch
 
 import converter
+from gguf_hostile import cut_rows, fill, set_key
 from helpers import (
     CHATML,
     CHATML_TOOLS,
@@ -789,24 +789,7 @@ def _drop(key):
     return lambda spec: spec.meta.pop(key)
 
 
-def _key(key, value):
-    return lambda spec: spec.set(key, value, *spec.meta[key][1:])
-
-
-def _shape(tensor, rows):
-    def edit(spec):
-        arr, kind = spec.tensors[tensor]
-        spec.tensors[tensor] = (arr[:rows], kind)
-
-    return edit
-
-
-def _values(tensor, value):
-    def edit(spec):
-        arr, kind = spec.tensors[tensor]
-        spec.tensors[tensor] = (np.full_like(arr, value), kind)
-
-    return edit
+_key, _shape, _values = set_key, cut_rows, fill
 
 
 # a converted file's faults -> what the one line names

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import converter
+from gguf_hostile import cut_rows, set_key
 from helpers import (
     FRANCE,
     GREEDY,
@@ -364,6 +365,51 @@ def test_the_step_refuses_experts_it_cannot_read(converted):
         assert lib.kvlm_decode_scratch(ctypes.byref(spec), 1) == -2, field
         setattr(layer, field, good)
     assert lib.kvlm_decode_scratch(ctypes.byref(spec), 1) > 0
+
+
+def _drop(tensor):
+    return lambda spec: spec.tensors.pop(tensor)
+
+
+# a converted file's faults -> what the one line names
+MOE_GGUF_FINDINGS = {
+    "experts-12": (set_key("qwen3moe.expert_count", 12), r"the config's sizes give \(12, "),
+    "used-9": (set_key("qwen3moe.expert_used_count", 9), r"expert_used_count"),
+    "expert-width-32": (set_key("qwen3moe.expert_feed_forward_length", 32),
+                        r"blk\.0\.ffn_(gate|up|down)_exps"),
+    "six-up-experts": (cut_rows("blk.1.ffn_up_exps.weight", 6), r"blk\.1\.ffn_up_exps"),
+    "no-router": (_drop("blk.2.ffn_gate_inp.weight"), r"no tensor blk\.2\.ffn_gate_inp"),
+    "no-down-experts": (_drop("blk.3.ffn_down_exps.weight"), r"no tensor blk\.3\.ffn_down_exps"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def child():
+    from gguf_hostile import Child
+
+    c = Child(timeout=20)
+    yield c
+    c.close()
+
+
+@pytest.mark.parametrize("finding", [None, *MOE_GGUF_FINDINGS])
+def test_a_faulty_moe_gguf_is_one_clear_line(converted, child, tmp_path, finding):
+    """The converted file written back from its Spec loads and generates in the child;
+    each fault of its experts (a count the tensors do not have, more used than there are,
+    a width or a stack of another size, a router or a stack missing) is one
+    ModelLoadError / UnsupportedModelError line naming the file and the fault, nothing
+    read past a tensor's end."""
+    from gguf_hostile import read, write
+
+    _, path = converted("qwen3moe")
+    spec = read(path)
+    if finding is None:
+        got = child.run(write(spec, tmp_path / "m.gguf"))
+        assert got.outcome == "ran", got
+        return
+    edit, says = MOE_GGUF_FINDINGS[finding]
+    edit(spec)
+    child.run(write(spec, tmp_path / "m.gguf")).refused_in_one_line("m.gguf", says)
 
 
 # ---------------------------------------------------------------------------- config keys
