@@ -297,6 +297,22 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
             mamba_d_conv=4, mamba_expand=2, embedding_multiplier=2.0, attention_multiplier=0.125,
             residual_multiplier=0.5, logits_scaling=4.0,
         )  # fmt: skip
+    elif arch == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeTextConfig
+
+        # qwen3_5's four layers, every FFN 8 experts of 64 (the top 2) and a shared expert
+        # of 96 behind its sigmoid gate
+        common["num_hidden_layers"] = 4
+        cfg = Qwen3_5MoeTextConfig(
+            **common, head_dim=32, tie_word_embeddings=False,
+            layer_types=["linear_attention", "full_attention", "linear_attention",
+                         "full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                             "partial_rotary_factor": 0.25},
+        )  # fmt: skip
     elif arch == "qwen3_moe":
         from transformers import Qwen3MoeConfig
 

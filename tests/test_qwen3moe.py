@@ -412,6 +412,90 @@ def test_a_faulty_moe_gguf_is_one_clear_line(converted, child, tmp_path, finding
     child.run(write(spec, tmp_path / "m.gguf")).refused_in_one_line("m.gguf", says)
 
 
+# ------------------------------------------------------- Qwen3.5's mixture-of-experts sizes
+
+
+@pytest.fixture(scope="module")
+def q35moe(tmp_path_factory):
+    """A tiny Qwen3.5-MoE (DeltaNet, attention, DeltaNet, attention; every FFN 8 experts
+    of 64, the top 2, and a shared expert of 96 behind its gate): the folder, and
+    llama.cpp's converter's f32 and Q8_0 files of it."""
+    folder = save_tiny_model(tmp_path_factory.mktemp("q35moe"), "qwen3_5_moe", seed=50,
+                             tokenizer="qwen35")  # fmt: skip
+    files = {t: converter.convert(folder, t, pre="qwen35", options=("--no-mtp",))
+             for t in ("f32", "q8_0")}  # fmt: skip
+    return folder, files
+
+
+def test_qwen35_moe_follows_hf_and_its_gguf_the_folder(q35moe):
+    """The MoE sizes' config (experts, the shared expert and its gate) as transformers
+    reads it; the exact path's logits as close to transformers' fp64 as its own fp32; the
+    converter's f32 file (`qwen35moe`: the stacks, `ffn_*_shexp`, `ffn_gate_inp_shexp`)
+    the folder's bit for bit."""
+    folder, files = q35moe
+    hf = load_hf(folder)
+    llm = LLM(model=folder, kv="off", exact=True, progress=False)
+    x, h = llm.config.experts, hf.config
+    assert llm.config.architecture == "qwen35moe" and llm.config.deltanet is not None
+    assert (x.count, x.top_k, x.intermediate, x.shared, x.shared_gate, x.normalize) == (
+        h.num_experts, h.num_experts_per_tok, h.moe_intermediate_size,
+        h.shared_expert_intermediate_size, True, True)  # fmt: skip
+    ids = prompt_ids(llm)
+    ours = llm.runner.logits(ids, llm.new_cache("off"))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert_as_exact_as(ours, ref, exact_logits(folder, ids))
+    gguf = LLM(model=files["f32"], kv="off", exact=True, progress=False)
+    assert gguf.config.experts == x
+    assert torch.equal(gguf.runner.logits(ids, gguf.new_cache("off")), ours)
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "paged"])
+def test_qwen35_moe_decodes_on_the_fused_step(q35moe, mode):
+    """The Q8_0 file on the fused step (the DeltaNet's state, the routed experts and the
+    shared one behind its gate, all in C): its logits over 30 greedy steps follow the
+    torch step's by the top-5 rule both ways."""
+    from helpers import assert_top_k_both_ways, fused_and_torch
+
+    _, files = q35moe
+    llm = LLM(model=files["q8_0"], kv=mode, progress=False)
+    assert llm.runner.fused_reason is None
+    _, fused, ref, _, _ = fused_and_torch(llm, prompt_ids(llm, 16), 30, mode)
+    assert_top_k_both_ways(fused, ref)
+
+
+def test_qwen35_moe_pool_fused_step_as_alone(q35moe, monkeypatch):
+    """On the pool's fused step (a DeltaNet slot a sequence, experts and the shared one):
+    batched, n = 2, prompt lookup's and a draft model's drafts = each prompt alone, bit for
+    bit."""
+    from helpers import assert_pool_fused_as_alone
+
+    _, files = q35moe
+    llm = LLM(model=files["q8_0"], kv="paged", progress=False)
+    assert_pool_fused_as_alone(llm, monkeypatch, "int8")
+
+
+def test_the_step_refuses_a_shared_expert_of_another_shape(q35moe):
+    """The kernels check the shared expert's products against shared_inter, and refuse a
+    gate without a shared expert."""
+    import ctypes
+
+    from kvlm.model.fused import FusedDecoder
+
+    _, files = q35moe
+    dec = FusedDecoder(LLM(model=files["q8_0"], progress=False).model, 64)
+    lib, spec, layer = dec.lib, dec.spec, dec._layers[0]
+    assert lib.kvlm_decode_scratch(ctypes.byref(spec), 1) > 0
+    good = layer.shared_inter
+    for bad in (good + 16, -1):
+        layer.shared_inter = bad
+        assert lib.kvlm_decode_scratch(ctypes.byref(spec), 1) == -2, bad
+    layer.shared_inter = 0  # a gate left without its expert
+    assert lib.kvlm_decode_scratch(ctypes.byref(spec), 1) == -2
+    layer.shared_inter = good
+    assert lib.kvlm_decode_scratch(ctypes.byref(spec), 1) > 0
+
+
 # ---------------------------------------------------------------------------- config keys
 
 

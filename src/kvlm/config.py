@@ -168,13 +168,18 @@ class Mamba2:
 class Experts:
     """A mixture-of-experts FFN (kvlm.model.experts): `count` gated MLPs of `intermediate`
     each, `top_k` of them a token, scored by `router` (ROUTERS), their weights divided by
-    their sum where `normalize` (transformers' norm_topk_prob)."""
+    their sum where `normalize` (transformers' norm_topk_prob); a shared expert of
+    `shared` beside them (0: none), gated by sigmoid(a product) where `shared_gate`."""
 
     count: int
     top_k: int
     intermediate: int
     normalize: bool = True
     router: str = "softmax"
+    # a shared expert every token runs beside the routed ones (its intermediate size; 0:
+    # none), its output times sigmoid(a gate's product) where `shared_gate`
+    shared: int = 0
+    shared_gate: bool = False
 
     def check(self, where: str) -> None:
         value(self.count, "experts count", int, *EXPERTS, where=where)
@@ -182,6 +187,10 @@ class Experts:
         value(self.intermediate, "an expert's intermediate size", int,
               *LIMITS["intermediate_size"], where=where)  # fmt: skip
         check_supported("expert router", self.router, ROUTERS)
+        value(self.shared, "the shared expert's intermediate size", int, 0,
+              LIMITS["intermediate_size"][1], where=where)  # fmt: skip
+        if self.shared_gate and not self.shared:
+            raise UnsupportedModelError("a shared expert's gate without a shared expert")
 
 
 @dataclass(slots=True, frozen=True)

@@ -55,6 +55,11 @@ LAYER_NAMES = {
     "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
+    # a shared expert beside them, and its gate
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # the output norms of a "sandwich" block (kvlm.config.NORM_LAYOUTS), as llama.cpp names them
 OUT_NORM_NAMES = {"post_attention_norm": "attn_out_norm", "post_ffw_norm": "mlp_out_norm"}

@@ -1,7 +1,10 @@
 """The Qwen3.5 family: Qwen3.5's dense models (text; transformers' `Qwen3_5ForCausalLM`,
 `qwen3_5_text`, and the language model of a `Qwen3_5ForConditionalGeneration` folder,
 `qwen3_5`, whose `text_config` is read and whose weights under `model.language_model.`
-are the text model's: kvlm.loading.hf).
+are the text model's: kvlm.loading.hf), and its mixture-of-experts sizes (`qwen3_5_moe`,
+`qwen3_5_moe_text`; llama.cpp's `qwen35moe`): the same block with experts for every
+layer's FFN (kvlm.model.experts: softmax, the top k always renormalised) and a shared
+expert beside them gated by sigmoid(`shared_expert_gate`).
 
 Its block beside Llama's (kvlm.config): three of every four layers (`layer_types`
 "linear_attention"; transformers' default `full_attention_interval` 4) mix positions by
@@ -46,10 +49,22 @@ import torch
 
 from kvlm.arch.family import LAYER_NAMES, Family, fold_a_log
 from kvlm.arch.readers import gguf_config, hf_config, hf_layer_mixers
-from kvlm.config import LIMITS, REQUIRED, DeltaNet, Fields, ModelConfig, limits, shown, value
+from kvlm.config import (
+    EXPERTS,
+    LIMITS,
+    REQUIRED,
+    DeltaNet,
+    Experts,
+    Fields,
+    ModelConfig,
+    limits,
+    shown,
+    value,
+)
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 
 ARCHITECTURE = "qwen35"  # llama.cpp's general.architecture
+MOE = "qwen35moe"  # the mixture-of-experts sizes' (Qwen3.5-35B-A3B, ...)
 # HF's layer_types -> the model's mixers
 LAYER_TYPES = {"linear_attention": "deltanet", "full_attention": "attention"}
 # transformers' Qwen3_5TextConfig defaults, where a config.json leaves a key out
@@ -99,9 +114,35 @@ def from_hf(cfg: dict[str, Any], arch: str, name: str) -> ModelConfig:
             "rope_dim": _hf_rope_dim(cfg, hf, head_dim),
             # the checkpoints' `mtp.*` head (transformers leaves it unread)
             "mtp_layers": hf("mtp_num_hidden_layers", int, 0, lo=0, hi=MAX_MTP_LAYERS),
+            **(_hf_experts(cfg, hf, layers) if arch == MOE else {}),
         }
 
     return hf_config(cfg, arch, name, part, rope_theta=DEFAULTS["rope_theta"])
+
+
+def _hf_experts(cfg: dict[str, Any], hf: Fields, layers: int) -> dict[str, Any]:
+    """The MoE sizes' FFN: experts in every layer (softmax, the top k renormalised, as
+    transformers' Qwen3_5MoeTopKRouter always does), a shared expert beside them gated by
+    sigmoid(shared_expert_gate)."""
+    key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+    count = hf(key, int, lo=EXPERTS[0], hi=EXPERTS[1])
+    width = limits("intermediate_size")
+    experts = Experts(count=count, top_k=hf("num_experts_per_tok", int, lo=1, hi=count),
+                      intermediate=hf("moe_intermediate_size", int, **width),
+                      shared=hf("shared_expert_intermediate_size", int, **width),
+                      shared_gate=True)  # fmt: skip
+    return {"layer_ffns": ("experts",) * layers, "experts": experts}
+
+
+def _gguf_experts(g: Fields, arch: str, layers: int) -> dict[str, Any]:
+    """The same from llama.cpp's `qwen35moe` keys (its graph renormalises the top k)."""
+    count = g(f"{arch}.expert_count", int, lo=EXPERTS[0], hi=EXPERTS[1])
+    width = limits("intermediate_size")
+    experts = Experts(count=count, top_k=g(f"{arch}.expert_used_count", int, lo=1, hi=count),
+                      intermediate=g(f"{arch}.expert_feed_forward_length", int, **width),
+                      shared=g(f"{arch}.expert_shared_feed_forward_length", int, **width),
+                      shared_gate=True)  # fmt: skip
+    return {"layer_ffns": ("experts",) * layers, "experts": experts}
 
 
 def _hf_mixers(cfg: dict[str, Any], hf: Fields, layers: int) -> tuple[str, ...]:
@@ -158,6 +199,7 @@ def from_gguf(g: Fields, arch: str, name: str) -> ModelConfig:
             "attn_output_gate": True,
             "layer_mixers": mixers,
             "deltanet": _gguf_deltanet(g, arch) if "deltanet" in mixers else None,
+            **(_gguf_experts(g, arch, layers) if arch == MOE else {}),
         }
 
     return gguf_config(g, arch, name, part, partial_rope=True)
@@ -280,12 +322,15 @@ def fold_hf(config: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tenso
     return tensor
 
 
+HF_MODEL_TYPES = {"qwen3_5_text": ARCHITECTURE, "qwen3_5": ARCHITECTURE,
+                  "qwen3_5_moe_text": MOE, "qwen3_5_moe": MOE}  # fmt: skip
+
 FAMILY = Family(
     name="qwen35",
-    architectures=(ARCHITECTURE,),
+    architectures=(ARCHITECTURE, MOE),
     from_hf=from_hf,
     from_gguf=from_gguf,
-    hf_model_types={"qwen3_5_text": ARCHITECTURE, "qwen3_5": ARCHITECTURE},
+    hf_model_types=HF_MODEL_TYPES,
     gguf_names=GGUF_NAMES,
     fold_hf=fold_hf,
     gguf_rows=gguf_rows,

@@ -10,7 +10,7 @@
 #define KVLM_ABI_H
 #include <stdint.h>
 
-#define KVLM_ABI 36 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
+#define KVLM_ABI 37 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
 
 /* the limits (fused.py: MAX_HEAD_DIM, MAX_ROWS, QMAT_PARTS; quant.py: BLOCK_ROWS, SMALL_M) */
 #define BR 16         /* weight rows per block: one per 32-bit vector lane */
@@ -101,6 +101,11 @@ typedef struct {
     const float *router;
     const kvlm_qmat *exp_gate_up, *exp_down;
     int64_t n_experts, top_k, normalize, expert_inter;
+    /* FFN_EXPERTS with a shared expert every row runs beside them (shared_inter > 0; 0:
+     * none): its gate|up and down are gate_up [2 shared_inter, hidden] and down above, its
+     * output times sigmoid(shared_gate . h) where shared_gate (hidden fp32) is not NULL */
+    int64_t shared_inter;
+    const float *shared_gate;
 } kvlm_qlayer;
 
 typedef struct {

@@ -28,18 +28,22 @@ static int experts_ok(const kvlm_qmodel *m, const kvlm_qlayer *L) {
     if ((L->normalize >> 1) || !L->router || !L->exp_gate_up || !L->exp_down) return 0;
     for (int64_t e = 0; e < E; e++)
         if (!qmat_ok(L->exp_gate_up + e, 2 * I, H) || !qmat_ok(L->exp_down + e, H, I)) return 0;
-    return 1;
+    const int64_t S = L->shared_inter; /* a shared expert: gate_up and down */
+    if (S < 0 || S > (1 << 22) || (!S && L->shared_gate)) return 0;
+    return !S || (qmat_ok(&L->gate_up, 2 * S, H) && qmat_ok(&L->down, H, S));
 }
 
 /* floats of scratch a row of the step's expert layers needs (the most of any layer): the
  * logits, the chosen experts (int64, two floats each) and their weights, an expert's rows
- * gathered, their gate|up, its product and their output */
+ * gathered, their gate|up, its product and their output; a shared expert's gate|up, its
+ * product, its output and its gate */
 static int64_t experts_floats(const kvlm_qmodel *m) {
     int64_t most = 0;
     for (int64_t l = 0; l < m->n_layers; l++) {
         const kvlm_qlayer *L = m->layers + l;
         if (L->ffn != FFN_EXPERTS) continue;
-        const int64_t n = L->n_experts + 3 * L->top_k + 2 * m->hidden + 3 * L->expert_inter;
+        const int64_t n = L->n_experts + 3 * L->top_k + 2 * m->hidden + 3 * L->expert_inter +
+                          3 * L->shared_inter + m->hidden + 1; /* the shared expert's */
         most = n > most ? n : most;
     }
     return most ? most + 2 : 0; /* + 2: the int64s' alignment */
@@ -122,7 +126,12 @@ static int experts_ffn(const kvlm_qmodel *m, const kvlm_qlayer *L, int64_t B, co
     float *gu = x + B * H;                      /* B 2 I */
     float *act = gu + B * 2 * I;                /* B I */
     float *y = act + B * I;                     /* B H */
-    float *tail = y + B * H;
+    const int64_t S = L->shared_inter;
+    float *sgu = y + B * H;                     /* B 2 S: the shared expert's */
+    float *sact = sgu + B * 2 * S;              /* B S */
+    float *sy = sact + B * S;                   /* B H */
+    float *sg = sy + B * H;                     /* B: its gate */
+    float *tail = sg + B;
     int64_t *chosen = (int64_t *)(tail + ((uintptr_t)tail % 8 ? 1 : 0)); /* B K */
     route_rows(h, B, H, L->router, E, K, L->normalize, logits, chosen, w);
     for (int64_t i = 0; i < B * H; i++) out[i] = 0.0f;
@@ -143,6 +152,30 @@ static int experts_ffn(const kvlm_qmodel *m, const kvlm_qlayer *L, int64_t B, co
                 const float t = yr[c] * wt;
                 o[c] += t;
             }
+        }
+    }
+    if (!S) return 0;
+    /* the shared expert over every row, times sigmoid(its gate), added after the routed */
+    if (matmul_rows(&L->gate_up, h, B, sgu, act_gu)) return -1;
+    for (int64_t b = 0; b < B; b++)
+        (m->gelu ? gelu_mul : silu_mul)(sgu + b * 2 * S, sgu + b * 2 * S + S, sact + b * S, S);
+    if (matmul_rows(&L->down, sact, B, sy, act_down)) return -1;
+    for (int64_t b = 0; b < B; b++) {
+        float g = 1.0f;
+        if (L->shared_gate) {
+            float acc[16] = {0.0f}, d = 0.0f;
+            int64_t c = 0;
+            for (; c + 16 <= H; c += 16)
+                for (int j = 0; j < 16; j++) acc[j] += h[b * H + c + j] * L->shared_gate[c + j];
+            for (int j = 0; c + j < H; j++) acc[j] += h[b * H + c + j] * L->shared_gate[c + j];
+            for (int j = 0; j < 16; j++) d += acc[j];
+            g = 1.0f / (1.0f + expf(-d));
+        }
+        sg[b] = g;
+        float *o = out + b * H;
+        for (int64_t c = 0; c < H; c++) {
+            const float t = g * sy[b * H + c];
+            o[c] += t;
         }
     }
     return 0;

@@ -91,6 +91,12 @@ def _expert_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
         for name, rows, cols, why in parts:
             out[f"{p}.experts.{name}.weight"] = ((x.count, rows, cols), f"{es}, {why}")
             out |= {f"{p}.experts.{e}.{name}.weight": ((rows, cols), why) for e in range(x.count)}
+        if x.shared:
+            sh = f"shared expert intermediate {x.shared}"
+            out |= {f"{p}.shared_expert.gate_proj.weight": ((x.shared, h), f"{sh}, {hs}"),
+                    f"{p}.shared_expert.up_proj.weight": ((x.shared, h), f"{sh}, {hs}"),
+                    f"{p}.shared_expert.down_proj.weight": ((h, x.shared), f"{hs}, {sh}"),
+                    f"{p}.shared_expert_gate.weight": ((1, h), f"1, {hs}")}  # fmt: skip
     return out
 
 
@@ -222,6 +228,10 @@ def required(c: ModelConfig, head: bool = False) -> list[str]:
             names += [f"model.layers.{layer}.mamba.{n}" for n in ("A_log", "D", "dt_bias")]
         if layer in c.expert_layers:  # the router and the experts in place of the MLP
             parts = [n for n in parts if n not in mlp[:3]] + experts
+            if c.experts.shared:
+                parts += [f"mlp.shared_expert.{n}" for n in ("gate_proj", "up_proj", "down_proj")]
+            if c.experts.shared_gate:
+                parts += ["mlp.shared_expert_gate"]
         names += [f"model.layers.{layer}.{part}.weight" for part in parts]
     if head:
         names += [f"mtp.{n}.weight" for n in ("fc", *MTP_NORMS)]

@@ -10,6 +10,7 @@ MLPs for each token, and the token's output is their outputs weighted by the rou
              everywhere, so a row routes alone as in any batch)
     w      = p[chosen], divided by their sum where the family normalises (norm_topk_prob)
     y      = sum over chosen, in ascending expert order, of w_e * MLP_e(x)
+             (+ sigmoid(x . g) * MLP_shared(x) where the family has a shared expert)
 
 transformers' sparse MoE blocks of this router compute the same (softmax in fp32, top-k,
 the renormalisation, then the experts in ascending order, each one's rows added into zeros),
@@ -40,6 +41,9 @@ class Experts(nn.Module):
         router: Linear,
         experts: list[MLP],
         router_weight: torch.Tensor,
+        shared: MLP | None = None,
+        shared_gate: Linear | None = None,
+        shared_gate_weight: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         if len(experts) != config.count or router.out_features != config.count:
@@ -50,6 +54,11 @@ class Experts(nn.Module):
         # its weights as they are (the fused C step reads them): (count, hidden)
         self.router_weight = router_weight.contiguous()
         self.experts = nn.ModuleList(experts)
+        # the shared expert every row runs, and its gate's product (fp32: the vocabulary
+        # projection's road), or None
+        self.shared, self.shared_gate = shared, shared_gate
+        # the gate's weights as they are (the fused C step reads them): (hidden,), or None
+        self.shared_gate_weight = shared_gate_weight
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row of x (N, hidden): its experts (N, top_k), the higher weight first,
@@ -93,4 +102,9 @@ class Experts(nn.Module):
                 rows, slot = torch.where(chosen == e)
                 y = self.experts[e](flat[rows].unsqueeze(0))[0]
                 out.index_add_(0, rows, y * weights[rows, slot, None])
+            if self.shared is not None:  # routed + sigmoid(gate) * shared, as transformers
+                y = self.shared(flat.unsqueeze(0))[0]
+                if self.shared_gate is not None:
+                    y = torch.sigmoid(self.shared_gate(flat.to(self.router_dtype))).to(y.dtype) * y
+                out = out + y
         return out.view(shape)

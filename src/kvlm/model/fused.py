@@ -150,6 +150,10 @@ class _QLayer(ctypes.Structure):
         ("router", ctypes.c_void_p),
         *_fields(ctypes.POINTER(_QMat), "exp_gate_up exp_down"),
         *_fields(ctypes.c_int64, "n_experts top_k normalize expert_inter"),
+        # a shared expert beside them (gate_up and down above; 0: none) and its gate's
+        # fp32 (hidden) (NULL: none)
+        ("shared_inter", ctypes.c_int64),
+        ("shared_gate", ctypes.c_void_p),
     ]
 
 
@@ -317,7 +321,8 @@ def why_not(model: Transformer) -> str | None:
         return "no attention layer"
     if c.num_heads // c.num_kv_heads > 8 or c.head_dim > MAX_HEAD_DIM or c.head_dim % 2:
         return f"more than 8 query heads per KV head, or head_dim > {MAX_HEAD_DIM} or odd"
-    routers = {id(b.mlp.router) for b in model.layers if isinstance(b.mlp, Experts)}
+    moes = [b.mlp for b in model.layers if isinstance(b.mlp, Experts)]
+    routers = {id(m.router) for m in moes} | {id(m.shared_gate) for m in moes}
     if any(isinstance(m, Linear) and m.kernel != "quant" and id(m) not in routers
            for m in model.modules()):  # fmt: skip
         return "needs low-bit weights in every projection (--weights int8|int4|native)"
@@ -335,12 +340,18 @@ def why_not(model: Transformer) -> str | None:
 def _block_why_not(block: Block, eps: float) -> str | None:
     """Why the step cannot run this block (None: it can)."""
     mlps = block.mlp.experts if isinstance(block.mlp, Experts) else [block.mlp]
+    if isinstance(block.mlp, Experts) and block.mlp.shared is not None:
+        mlps = [*mlps, block.mlp.shared]
     if any(m.gate_up.bias is not None or m.down.bias is not None for m in mlps):
         return "MLP biases (the step adds only the mixers' projections' biases)"
     if any(m.act != mlps[0].act for m in mlps) or mlps[0].act not in _ACTS:
         return f"the MLP's activation {mlps[0].act!r}"
     if isinstance(block.mlp, Experts) and block.mlp.router_weight.dtype != torch.float32:
         return "a router not in fp32"
+    if isinstance(block.mlp, Experts) and block.mlp.shared is not None:
+        gate = block.mlp.shared_gate_weight
+        if gate is not None and gate.dtype != torch.float32:
+            return "a shared expert's gate not in fp32"
     rec = block.recurrent
     if rec is not None and not all(
         p.dtype == torch.float32 and p.is_contiguous() for p in rec.parameters(recurse=False)
@@ -482,6 +493,11 @@ class FusedDecoder:
         layer.exp_gate_up, layer.exp_down = gate_up, down
         layer.n_experts, layer.top_k, layer.normalize = x.count, x.top_k, int(x.normalize)
         layer.expert_inter = x.intermediate
+        if moe.shared is not None:  # its products where a dense MLP's go
+            layer.gate_up, layer.down = _qmat(moe.shared.gate_up), _qmat(moe.shared.down)
+            layer.shared_inter = x.shared
+            gate = moe.shared_gate_weight
+            layer.shared_gate = None if gate is None else _ptr(gate, gate.numel())
 
     def _conv_layer(self, block: Block, norms: tuple, outs: list) -> _QLayer:
         """A conv layer's struct: its products, their biases, the taps (L, H) and theirs

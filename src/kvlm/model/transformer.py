@@ -602,17 +602,27 @@ class _WeightTaker:
         w = self.take(f"{p}.mlp.gate.weight")
         w = w if w.dtype == torch.float64 else w.float()
         router = Linear(w, numerics=self.numerics, vocabulary=True)
+        shared = gate = g = None
+        if x.shared:  # the shared expert, and its gate's (1, hidden) product in fp32
+            q = f"{p}.mlp.shared_expert"
+            shared = MLP(self.fused_linear(q, ("gate_proj", "up_proj")),
+                         self._with_bias(f"{q}.down_proj"), c.activation)  # fmt: skip
+        if x.shared_gate:
+            g = self.take(f"{p}.mlp.shared_expert_gate.weight")
+            g = g if g.dtype == torch.float64 else g.float()
+            gate = Linear(g, numerics=self.numerics, vocabulary=True)
+            g = g.reshape(-1).contiguous()
         if f"{p}.mlp.experts.gate_proj.weight" not in self.available:
             mlps = [MLP(self.fused_linear(f"{p}.mlp.experts.{e}", ("gate_proj", "up_proj")),
                         self._with_bias(f"{p}.mlp.experts.{e}.down_proj"), c.activation)
                     for e in range(x.count)]  # fmt: skip
-            return Experts(x, router, mlps, w)
+            return Experts(x, router, mlps, w, shared, gate, g)
         names = [f"{p}.mlp.experts.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
-        gate, up, down = (self._each_expert(n, x.count) for n in names)
-        mlps = [MLP(self._expert_linear([gate[e], up[e]], names[0]),
+        gate_, up, down = (self._each_expert(n, x.count) for n in names)
+        mlps = [MLP(self._expert_linear([gate_[e], up[e]], names[0]),
                     self._expert_linear([down[e]], names[2]), c.activation)
                 for e in range(x.count)]  # fmt: skip
-        return Experts(x, router, mlps, w)
+        return Experts(x, router, mlps, w, shared, gate, g)
 
     def _each_expert(self, name: str, count: int) -> list[quant.Blocks] | list[torch.Tensor]:
         """Each expert's matrix of the stacked tensor `name`: its blocks as stored
