@@ -1567,3 +1567,29 @@ def assert_ragged_agrees(ragged: dict[str, list], split: dict[str, list], n: int
             if a != b:  # the first divergence: each in the other's top 5, then stop
                 assert a in b_top and b in a_top, (rid, i)
                 break
+
+
+def with_mtp(folder, dest):
+    """A copy of `folder` with a multi-token-prediction head (`mtp.*`, random weights of
+    an attention block's shapes; `mtp_num_hidden_layers` 1) as Qwen3.5's checkpoints
+    have, which llama.cpp's converter needs unless told --no-mtp."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, dest)
+    weights = load_file(dest / "model.safetensors")
+    g = torch.Generator().manual_seed(7)
+    config = json.loads((dest / "config.json").read_text())
+    attention = config["layer_types"].index("full_attention")
+    block = {k.split(f"layers.{attention}.", 1)[1]: v for k, v in weights.items()
+             if f".layers.{attention}." in k}  # fmt: skip
+    hidden = config["hidden_size"]
+    mtp = {f"mtp.layers.0.{k}": v.shape for k, v in block.items()}
+    mtp |= {"mtp.fc.weight": (hidden, 2 * hidden)}
+    mtp |= {f"mtp.{n}.weight": (hidden,) for n in ("norm", "pre_fc_norm_embedding",
+                                                     "pre_fc_norm_hidden")}  # fmt: skip
+    weights |= {k: 0.1 * torch.randn(shape, generator=g) for k, shape in mtp.items()}
+    save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
+    (dest / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    return dest

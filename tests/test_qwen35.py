@@ -42,6 +42,7 @@ from helpers import (
     on_pool,
     prompt_ids,
     save_tiny_model,
+    with_mtp,
 )
 from kvlm import LLM, SamplingParams
 from kvlm.engine.runner import CacheBatch
@@ -640,32 +641,6 @@ def test_hostile_config_keys_are_refused(tmp_path):
 # the folders converted: with an MTP head as the Hub's checkpoints carry (the converter
 # writes it as a block after the model's), or without (`--no-mtp`)
 WITH_MTP = ("qwen35", "qwen35-deltanets-last")
-
-
-def with_mtp(folder, dest):
-    """A copy of `folder` with a multi-token-prediction head (`mtp.*`, random weights of
-    an attention block's shapes; `mtp_num_hidden_layers` 1) as Qwen3.5's checkpoints
-    have, which llama.cpp's converter needs unless told --no-mtp."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(folder, dest)
-    weights = load_file(dest / "model.safetensors")
-    g = torch.Generator().manual_seed(7)
-    config = json.loads((dest / "config.json").read_text())
-    attention = config["layer_types"].index(A)
-    block = {k.split(f"layers.{attention}.", 1)[1]: v for k, v in weights.items()
-             if f".layers.{attention}." in k}  # fmt: skip
-    hidden = config["hidden_size"]
-    mtp = {f"mtp.layers.0.{k}": v.shape for k, v in block.items()}
-    mtp |= {"mtp.fc.weight": (hidden, 2 * hidden)}
-    mtp |= {f"mtp.{n}.weight": (hidden,) for n in ("norm", "pre_fc_norm_embedding",
-                                                     "pre_fc_norm_hidden")}  # fmt: skip
-    weights |= {k: 0.1 * torch.randn(shape, generator=g) for k, shape in mtp.items()}
-    save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
-    (dest / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
-    return dest
 
 
 @pytest.fixture(scope="module")

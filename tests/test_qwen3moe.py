@@ -475,6 +475,33 @@ def test_qwen35_moe_pool_fused_step_as_alone(q35moe, monkeypatch):
     assert_pool_fused_as_alone(llm, monkeypatch, "int8")
 
 
+def test_qwen35_moe_with_its_mtp_head_loads_and_drafts_as_plain(q35moe, tmp_path):
+    """A checkpoint with its multi-token-prediction head, whose block routes through
+    experts too (the MoE sizes' heads do): the folder and the converter's file with the
+    head (blk.N.ffn_*_exps past the model's blocks) load it, the two heads alike, and
+    `--speculative mtp` gives plain greedy decoding's tokens on the pool."""
+    from helpers import with_mtp
+    from kvlm.engine.speculative import SpeculativeConfig
+    from kvlm.model.experts import Experts
+
+    folder = with_mtp(q35moe[0], tmp_path / "mtp")
+    path = converter.convert(folder, "f32", pre="qwen35")
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = LLM(model=folder, kv="paged", progress=False)
+    spec = LLM(model=folder, kv="paged", speculative=SpeculativeConfig("mtp", num_draft=3),
+               progress=False)  # fmt: skip
+    head = spec.model.mtp
+    assert head is not None and isinstance(head.blocks[0].mlp, Experts)
+    gguf = LLM(model=path, kv="off", exact=True, progress=False).model.mtp
+    ours = LLM(model=folder, kv="off", exact=True, progress=False).model.mtp
+    assert gguf is not None
+    for a, b in zip(gguf.state_dict().values(), ours.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    prompts = [FRANCE, "One two three, one two three, one two"]
+    assert on_pool(spec, prompts, greedy, speculative=SpeculativeConfig("mtp", num_draft=3))[
+        0] == on_pool(plain, prompts, greedy)[0]  # fmt: skip
+
+
 def test_the_step_refuses_a_shared_expert_of_another_shape(q35moe):
     """The kernels check the shared expert's products against shared_inter, and refuse a
     gate without a shared expert."""

@@ -82,8 +82,8 @@ def _expert_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
     x, h = c.experts, c.hidden_size
     hs, es, ins = f"hidden_size {h}", f"{x.count} experts", f"expert intermediate {x.intermediate}"
     out: dict[str, tuple[Shape, str]] = {}
-    for layer in c.expert_layers:
-        p = f"model.layers.{layer}.mlp"
+    heads = [f"mtp.layers.{i}.mlp" for i in range(c.mtp_layers)]  # an MTP head's blocks too
+    for p in [f"model.layers.{layer}.mlp" for layer in c.expert_layers] + heads:
         out[f"{p}.gate.weight"] = ((x.count, h), f"{es}, {hs}")
         parts = (("gate_proj", x.intermediate, h, f"{ins}, {hs}"),
                  ("up_proj", x.intermediate, h, f"{ins}, {hs}"),
@@ -233,10 +233,16 @@ def required(c: ModelConfig, head: bool = False) -> list[str]:
             if c.experts.shared_gate:
                 parts += ["mlp.shared_expert_gate"]
         names += [f"model.layers.{layer}.{part}.weight" for part in parts]
-    if head:
+    if head:  # an MTP head's blocks: attention blocks of the model's FFN kind
+        head_parts = attention_parts
+        if c.expert_layers:
+            head_parts = [n for n in attention_parts if n not in mlp[:3]] + experts
+            head_parts += [f"mlp.shared_expert.{n}" for n in ("gate_proj", "up_proj", "down_proj")
+                           if c.experts.shared]  # fmt: skip
+            head_parts += ["mlp.shared_expert_gate"] if c.experts.shared_gate else []
         names += [f"mtp.{n}.weight" for n in ("fc", *MTP_NORMS)]
         names += [f"mtp.layers.{i}.{part}.weight" for i in range(c.mtp_layers)
-                  for part in attention_parts]  # fmt: skip
+                  for part in head_parts]  # fmt: skip
     return names
 
 

@@ -577,7 +577,10 @@ class _WeightTaker:
         the tensors' prefix, layer i's by default."""
         c, p = self.config, p or f"model.layers.{i}"
         fused = f"{p}.mlp.gate_up_proj.weight"
-        if i in c.expert_layers and p.startswith("model."):
+        # a multi-token-prediction head's block takes the model's FFN kind (a mixture of
+        # experts' model: its head's block routes through experts too)
+        routed = i in c.expert_layers if p.startswith("model.") else bool(c.expert_layers)
+        if routed:
             mlp = self.experts(p)
         elif fused in self.available:
             mlp = MLP(self.linear(fused), self._with_bias(f"{p}.mlp.down_proj"), c.activation)
