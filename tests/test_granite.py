@@ -475,7 +475,14 @@ def test_hostile_config_keys_are_refused(tmp_path):
     base = save_tiny_model(tmp_path / "base", "granitemoehybrid", seed=43)
     cfg = json.loads((base / "config.json").read_text())
     cases = [
-        ({"num_local_experts": 4}, UnsupportedModelError, "mixture-of-experts"),
+        # the MoE sizes read (tests/test_qwen3moe.py), but a dense file's are not theirs
+        ({"num_local_experts": 4}, ModelLoadError, "num_experts_per_tok is 0"),
+        ({"num_local_experts": 4, "num_experts_per_tok": 5}, ModelLoadError, "num_experts_per_tok"),
+        (
+            {"num_local_experts": 4, "num_experts_per_tok": 2},
+            ModelLoadError,
+            "no tensor .*block_sparse_moe",
+        ),
         ({"time_step_limit": [0.0, 8.0]}, UnsupportedModelError, "time_step_limit"),
         ({"position_embedding_type": "alibi"}, UnsupportedModelError, "position_embedding"),
         ({"mamba_d_head": 12}, ModelLoadError, "mamba_d_head"),

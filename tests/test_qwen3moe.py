@@ -523,6 +523,49 @@ def test_the_step_refuses_a_shared_expert_of_another_shape(q35moe):
     assert lib.kvlm_decode_scratch(ctypes.byref(spec), 1) > 0
 
 
+# ------------------------------------------------------------- Granite 4.0-H's MoE sizes
+
+
+@pytest.fixture(scope="module")
+def granite_moe(tmp_path_factory):
+    """A tiny Granite 4.0-H MoE (Mamba2, attention, Mamba2, Mamba2; every FFN 8 experts of
+    96, the top 2, gate|up stacked as one tensor, and the shared MLP beside them)."""
+    return save_tiny_model(tmp_path_factory.mktemp("granite-moe"), "granitemoehybrid",
+                           seed=60, num_local_experts=8, num_experts_per_tok=2)  # fmt: skip
+
+
+def test_granite_moe_follows_hf(granite_moe):
+    """Its config (the experts of intermediate_size, the shared MLP their ungated shared
+    expert) as transformers reads it, and the exact path's logits as close to
+    transformers' fp64 as its own fp32 (its router's softmax over the top k's logits is
+    the renormalised softmax)."""
+    hf = load_hf(granite_moe)
+    llm = LLM(model=granite_moe, kv="off", exact=True, progress=False)
+    x, h = llm.config.experts, hf.config
+    assert (x.count, x.top_k, x.intermediate, x.shared, x.shared_gate, x.normalize) == (
+        h.num_local_experts, h.num_experts_per_tok, h.intermediate_size,
+        h.shared_intermediate_size, False, True)  # fmt: skip
+    ids = prompt_ids(llm)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert_as_exact_as(llm.runner.logits(ids, llm.new_cache("off")), ref,
+                       exact_logits(granite_moe, ids))  # fmt: skip
+
+
+def test_granite_moe_on_the_fused_step(granite_moe, monkeypatch):
+    """int8 weights: the fused step (the Mamba2 state, the experts and the ungated shared
+    expert in C) follows the torch step by the top-5 rule both ways; the pool's fused
+    step batched, forked and drafted = alone bit for bit."""
+    from helpers import assert_pool_fused_as_alone, assert_top_k_both_ways, fused_and_torch
+
+    llm = LLM(model=granite_moe, weights="int8", progress=False)
+    assert llm.runner.fused_reason is None
+    _, fused, ref, _, _ = fused_and_torch(llm, prompt_ids(llm, 16), 30)
+    assert_top_k_both_ways(fused, ref)
+    pool = LLM(model=granite_moe, kv="paged", weights="int8", progress=False)
+    assert_pool_fused_as_alone(pool, monkeypatch, "int4")
+
+
 # ---------------------------------------------------------------------------- config keys
 
 

@@ -1,7 +1,7 @@
 """The Granite 4.0-H family: IBM's hybrids of Mamba2 layers and attention (transformers'
 `GraniteMoeHybridForCausalLM`, `granitemoehybrid`; llama.cpp's `granitehybrid`), their
-dense sizes (350M, 1B, 3B: `num_local_experts` 0; the mixture-of-experts sizes are
-refused).
+dense sizes (350M, 1B, 3B: `num_local_experts` 0) and its mixture-of-experts sizes (Tiny
+7B-A1B, Small: experts in every layer, their shared MLP a shared expert without a gate).
 
 Its block beside Llama's (kvlm.config): most layers (`layer_types` "mamba", transformers'
 "linear_attention") mix positions by a Mamba2 layer (`layer_mixers` "mamba2",
@@ -37,7 +37,18 @@ import torch
 
 from kvlm.arch.family import LAYER_NAMES, Family, fold_a_log, unpermute_qk
 from kvlm.arch.readers import gguf_config, gguf_kv_pattern, hf_config, hf_layer_mixers
-from kvlm.config import CONV_KERNEL, LIMITS, REQUIRED, Fields, Mamba2, ModelConfig, limits, value
+from kvlm.config import (
+    CONV_KERNEL,
+    EXPERTS,
+    LIMITS,
+    REQUIRED,
+    Experts,
+    Fields,
+    Mamba2,
+    ModelConfig,
+    limits,
+    value,
+)
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 
 ARCHITECTURE = "granitehybrid"  # llama.cpp's general.architecture
@@ -50,7 +61,12 @@ DEFAULTS = {"mamba_n_heads": 128, "mamba_n_groups": 1, "mamba_d_state": 256,
 KERNEL = {"lo": CONV_KERNEL[0], "hi": CONV_KERNEL[1]}  # the convolution's positions
 # a checkpoint's names -> the model's: the MLP's (gate|up one tensor)
 HF_NAMES = {"shared_mlp.input_linear": "mlp.gate_up_proj",
-            "shared_mlp.output_linear": "mlp.down_proj"}  # fmt: skip
+            "shared_mlp.output_linear": "mlp.down_proj",
+            # the MoE sizes' experts: every expert's gate|up stacked (E, 2 I, H), down
+            # (E, H, I), the router; the shared MLP above is their shared expert
+            "block_sparse_moe.input_linear": "mlp.experts.gate_up_proj",
+            "block_sparse_moe.output_linear": "mlp.experts.down_proj",
+            "block_sparse_moe.router.layer": "mlp.gate"}  # fmt: skip
 # llama.cpp's names of the Mamba2 layers' tensors -> the model's (`ssm_a`, `ssm_d` and
 # `ssm_dt.bias` named whole: family.py)
 GGUF_NAMES = LAYER_NAMES | {
@@ -66,14 +82,17 @@ GGUF_NAMES = LAYER_NAMES | {
 
 def from_hf(cfg: dict[str, Any], arch: str, name: str) -> ModelConfig:
     hf = Fields(cfg, f"{name}: config.json" if name else "config.json")
-    experts = hf("num_local_experts", int, 8, lo=0)  # transformers' default
-    if experts:
-        raise UnsupportedModelError(f"{hf.where}: num_local_experts {experts}: Granite's "
-                                    "mixture-of-experts sizes are not supported yet (its "
-                                    "dense sizes are: num_local_experts 0)")  # fmt: skip
-    # the MLP is the shared one: its width is the model's intermediate size
-    cfg = {**cfg, "intermediate_size": hf("shared_intermediate_size", int, 1024,
-                                          **limits("intermediate_size"))}  # fmt: skip
+    count = hf("num_local_experts", int, 8, lo=0, hi=EXPERTS[1])  # transformers' default
+    # the MLP is the shared one: its width is the model's intermediate size; the MoE
+    # sizes' experts are of intermediate_size (softmax over the top k's logits: the
+    # renormalised softmax), the shared MLP their shared expert (no gate)
+    shared = hf("shared_intermediate_size", int, 1024, **limits("intermediate_size"))
+    moe = {}
+    if count:
+        width = hf("intermediate_size", int, **limits("intermediate_size"))
+        top_k = hf("num_experts_per_tok", int, lo=1, hi=count)
+        moe = {"experts": Experts(count=count, top_k=top_k, intermediate=width, shared=shared)}
+    cfg = {**cfg, "intermediate_size": shared}
 
     def part(cfg: dict[str, Any], hf: Fields, arch: str, hidden: int, heads: int) -> dict:
         act = hf("hidden_act", str, "silu")
@@ -97,6 +116,7 @@ def from_hf(cfg: dict[str, Any], arch: str, name: str) -> ModelConfig:
             "mamba2": _hf_mamba2(hf, hidden) if "mamba2" in mixers else None,
             "rope": position == "rope",
             **_hf_multipliers(hf),
+            **({"layer_ffns": ("experts",) * layers, **moe} if moe else {}),
         }
 
     return hf_config(cfg, arch, name, part)
@@ -159,13 +179,20 @@ def _hf_mamba2(hf: Fields, hidden: int) -> Mamba2:
 
 def from_gguf(g: Fields, arch: str, name: str) -> ModelConfig:
     g, mixers = gguf_kv_pattern(g, arch, "mamba2")
-    experts = g(f"{arch}.expert_count", int, 0, lo=0)
-    if experts:
-        raise UnsupportedModelError(f"{g.where}: {arch}.expert_count {experts}: Granite's "
-                                    "mixture-of-experts sizes are not supported yet")  # fmt: skip
+    count = g(f"{arch}.expert_count", int, 0, lo=0, hi=EXPERTS[1])
     # the dense MLP is the shared one: its width, where the file names it, is the model's
     shared = g(f"{arch}.expert_shared_feed_forward_length", int, None,
                **limits("intermediate_size"))  # fmt: skip
+    moe = {}
+    if count:  # the MoE sizes: experts of feed_forward_length (as llama.cpp's converter
+        # writes a Granite's: expert_feed_forward_length where a file names one), the
+        # shared expert of expert_shared_feed_forward_length
+        width = limits("intermediate_size")
+        ff = g(f"{arch}.feed_forward_length", int, **width)
+        moe = {"experts": Experts(
+            count=count, top_k=g(f"{arch}.expert_used_count", int, lo=1, hi=count),
+            intermediate=g(f"{arch}.expert_feed_forward_length", int, ff, **width),
+            shared=g(f"{arch}.expert_shared_feed_forward_length", int, **width))}  # fmt: skip
     if shared is not None:
         g = Fields({**g.data, f"{arch}.feed_forward_length": shared}, g.where)
 
@@ -183,6 +210,7 @@ def from_gguf(g: Fields, arch: str, name: str) -> ModelConfig:
             "mamba2": _gguf_mamba2(g, arch) if "mamba2" in layer_mixers else None,
             "rope": g(f"{arch}.rope.scaling.finetuned", bool, True),
             **_multipliers(lambda k: g(f"{arch}.{scales[k]}", float, None, lo=0.0)),
+            **({"layer_ffns": ("experts",) * layers, **moe} if moe else {}),
         }
 
     return gguf_config(g, arch, name, part)

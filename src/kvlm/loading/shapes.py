@@ -91,6 +91,8 @@ def _expert_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
         for name, rows, cols, why in parts:
             out[f"{p}.experts.{name}.weight"] = ((x.count, rows, cols), f"{es}, {why}")
             out |= {f"{p}.experts.{e}.{name}.weight": ((rows, cols), why) for e in range(x.count)}
+        out[f"{p}.experts.gate_up_proj.weight"] = ((x.count, 2 * x.intermediate, h),
+                                                   f"{es}, 2 x {ins}, {hs}")  # fmt: skip
         if x.shared:
             sh = f"shared expert intermediate {x.shared}"
             out |= {f"{p}.shared_expert.gate_proj.weight": ((x.shared, h), f"{sh}, {hs}"),
@@ -263,6 +265,13 @@ def check_shapes(
             head, part = name.rsplit(".mlp.experts.", 1)
             each = [f"{head}.mlp.experts.{e}.{part}" for e in range(c.experts.count)]
             if name not in have and all(n in have for n in each):
+                continue
+            if part != "down_proj.weight" and f"{head}.mlp.experts.gate_up_proj.weight" in have:
+                continue  # gate and up stacked as one
+        if ".mlp.shared_expert." in name and name not in have:  # or under the MLP's names
+            head, part = name.rsplit(".mlp.shared_expert.", 1)
+            fused_up = part != "down_proj.weight" and f"{head}.mlp.gate_up_proj.weight" in have
+            if fused_up or f"{head}.mlp.{part}" in have:
                 continue
         if name not in have:
             raise ModelLoadError(f"{where}: no tensor {file_name(name)} (the model has "

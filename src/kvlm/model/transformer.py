@@ -607,25 +607,43 @@ class _WeightTaker:
         router = Linear(w, numerics=self.numerics, vocabulary=True)
         shared = gate = g = None
         if x.shared:  # the shared expert, and its gate's (1, hidden) product in fp32
-            q = f"{p}.mlp.shared_expert"
-            shared = MLP(self.fused_linear(q, ("gate_proj", "up_proj")),
-                         self._with_bias(f"{q}.down_proj"), c.activation)  # fmt: skip
+            shared = self._shared_expert(p)
         if x.shared_gate:
             g = self.take(f"{p}.mlp.shared_expert_gate.weight")
             g = g if g.dtype == torch.float64 else g.float()
             gate = Linear(g, numerics=self.numerics, vocabulary=True)
             g = g.reshape(-1).contiguous()
-        if f"{p}.mlp.experts.gate_proj.weight" not in self.available:
+        stacks = (f"{p}.mlp.experts.{n}.weight" for n in ("gate_proj", "gate_up_proj"))
+        if not any(n in self.available for n in stacks):  # one tensor an expert
             mlps = [MLP(self.fused_linear(f"{p}.mlp.experts.{e}", ("gate_proj", "up_proj")),
                         self._with_bias(f"{p}.mlp.experts.{e}.down_proj"), c.activation)
                     for e in range(x.count)]  # fmt: skip
             return Experts(x, router, mlps, w, shared, gate, g)
         names = [f"{p}.mlp.experts.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
-        gate_, up, down = (self._each_expert(n, x.count) for n in names)
-        mlps = [MLP(self._expert_linear([gate_[e], up[e]], names[0]),
+        fused = f"{p}.mlp.experts.gate_up_proj.weight"  # every expert's gate|up one stack
+        if fused in self.available:
+            gate_up = [[part] for part in self._each_expert(fused, x.count)]
+        else:
+            gate_, up = (self._each_expert(n, x.count) for n in names[:2])
+            gate_up = [[a, b] for a, b in zip(gate_, up, strict=True)]
+        down = self._each_expert(names[2], x.count)
+        mlps = [MLP(self._expert_linear(gate_up[e], names[0]),
                     self._expert_linear([down[e]], names[2]), c.activation)
                 for e in range(x.count)]  # fmt: skip
         return Experts(x, router, mlps, w, shared, gate, g)
+
+    def _shared_expert(self, p: str) -> MLP:
+        """A mixture's shared expert: `mlp.shared_expert.*`, or where the file names none,
+        the layer's MLP (Granite keeps its shared MLP under the dense MLP's names)."""
+        c = self.config
+        q = f"{p}.mlp.shared_expert"
+        if f"{q}.down_proj.weight" not in self.available:
+            q = f"{p}.mlp"
+        if f"{q}.gate_up_proj.weight" in self.available:
+            gate_up = self.linear(f"{q}.gate_up_proj.weight")
+        else:
+            gate_up = self.fused_linear(q, ("gate_proj", "up_proj"))
+        return MLP(gate_up, self._with_bias(f"{q}.down_proj"), c.activation)
 
     def _each_expert(self, name: str, count: int) -> list[quant.Blocks] | list[torch.Tensor]:
         """Each expert's matrix of the stacked tensor `name`: its blocks as stored
