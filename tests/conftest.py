@@ -190,3 +190,14 @@ def client(server, request):
 def model(client):
     """The id the module's server serves."""
     return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def child():
+    """One long-lived child process that loads hostile files (gguf_hostile.Child), a
+    module's."""
+    from gguf_hostile import Child
+
+    c = Child(timeout=20)
+    yield c
+    c.close()

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGUFValueType as V
 
-from gguf_hostile import ARCH, Child, Spec, flip_header, mutate, tiny, write, write_hf
+from gguf_hostile import ARCH, Spec, flip_header, mutate, tiny, write, write_hf
 from helpers import portable_build_params, portable_kernels
 from kvlm import kernels
 from kvlm.model import quant
@@ -141,13 +141,6 @@ FINDINGS: dict[str, tuple[str, Edit, str]] = {
     "spm-split-work": ("spm", pieces("ab" * n for n in range(3, 512)), r"splits"),
 }
 # fmt: on
-
-
-@pytest.fixture(scope="module")
-def child():
-    c = Child(timeout=20)
-    yield c
-    c.close()
 
 
 def written(tmp_path: Path, tokenizer: str, edit: Edit) -> Path:

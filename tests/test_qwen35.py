@@ -786,15 +786,6 @@ QWEN35_GGUF_FINDINGS = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def child():
-    from gguf_hostile import Child
-
-    c = Child(timeout=20)
-    yield c
-    c.close()
-
-
 def test_the_converted_file_runs_in_the_child(converted, child, tmp_path):
     """The base the edits start from, written back from its Spec, loads and generates (else
     every refusal below is vacuous)."""

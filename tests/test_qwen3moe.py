@@ -383,15 +383,6 @@ MOE_GGUF_FINDINGS = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def child():
-    from gguf_hostile import Child
-
-    c = Child(timeout=20)
-    yield c
-    c.close()
-
-
 @pytest.mark.parametrize("finding", [None, *MOE_GGUF_FINDINGS])
 def test_a_faulty_moe_gguf_is_one_clear_line(converted, child, tmp_path, finding):
     """The converted file written back from its Spec loads and generates in the child;
