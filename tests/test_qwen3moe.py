@@ -114,6 +114,26 @@ def test_inspect_counts_every_and_the_active_parameters(moe_dir, name, capsys):
     assert weight_bytes_per_token(llm) == linears - idle_bytes
 
 
+def test_memory_says_what_a_token_reads(converted, capsys):
+    """`kvlm memory` on the converter's Q8_0 file: the weights held (every expert) and
+    what one token's step reads of them (its top k of the experts, a row of the untied
+    embedding table), the latter the benchmark's own count of the loaded projections'
+    bytes but for the file's small float vectors (norms)."""
+    import json
+
+    from kvlm.bench.child import weight_bytes_per_token
+    from kvlm.cli import main
+
+    _, path = converted("qwen3moe", "q8_0")
+    assert main(["memory", "--model", str(path), "--context", "64", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    read, held = record["weight_bytes_read_per_token"], record["weight_bytes"]
+    bench = weight_bytes_per_token(LLM(model=path, progress=False))
+    assert held > 2 * read and abs(read - bench) < 0.02 * bench
+    assert main(["memory", "--model", str(path), "--context", "64"]) == 0
+    assert "of which a token reads" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_teacher_forced_logits_match_hf(moe_dir, name):
     """Every position's logits over 40 tokens, the exact path: as close to transformers'

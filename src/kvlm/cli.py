@@ -699,8 +699,38 @@ def cmd_memory(args: argparse.Namespace) -> int:
     if args.plot and not no_picture:
         _memory_plot(args.plot, config.name, p, rows)
     record = {"model": config.name, **p.to_dict(), "table": rows}
-    _print(args.json, record, _memory_report(config.name, p, rows))
+    report = _memory_report(config.name, p, rows)
+    if config.expert_layers:  # what one token's step reads of them (its speed's bound)
+        record["weight_bytes_read_per_token"] = read = _read_per_token(config, p.weight_bytes,
+                                                                       held, loaded)  # fmt: skip
+        report = report.replace(
+            f"  weights             {_mib(p.weight_bytes)}",
+            f"  weights             {_mib(p.weight_bytes)}, of which a token reads "
+            f"{_mib(read)} (its top {config.experts.top_k} of {config.experts.count} experts)",
+        )
+    _print(args.json, record, report)
     return _no_picture(no_picture)
+
+
+def _read_per_token(config: Any, weights: int, held: int | None, loaded: Any) -> int:
+    """The weights one token's step reads of a mixture of experts' model: every tensor
+    but the experts', of which top_k of count, and but an untied embedding table, of
+    which a row (the file's own bytes where it keeps its blocks, else by the parameters'
+    share)."""
+    from kvlm.cache.memory import parameter_count
+
+    x = config.experts
+    idle = 1 - x.top_k / x.count
+    if held is not None:  # the file's own bytes: the experts' stacks or tensors
+        source = loaded.weights
+        routed = sum(source.stored_bytes(n) for n in source.names() if ".mlp.experts." in n)
+        table = "model.embed_tokens.weight"
+        lookup = 0 if config.tie_word_embeddings else source.stored_bytes(table)
+        return int(weights - routed * idle - lookup)
+    active = parameter_count(config, active=True)
+    if not config.tie_word_embeddings:
+        active -= config.vocab_size * config.hidden_size
+    return int(weights * active / parameter_count(config))
 
 
 def _check_plot(path: str | None) -> str | None:
