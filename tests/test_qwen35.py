@@ -1002,7 +1002,8 @@ def test_the_snapshots_are_a_share_of_the_kv_memory(pooled):
     kv_memory holds blocks, slots and snapshots within it; a share that holds six keeps
     six, and the oldest conversations' hits go as newer ones take them, the answers
     unchanged; a share of 0 keeps none (no hits, the same tokens); a share outside [0, 1)
-    is one clear error, from the library and from `kvlm serve`."""
+    is one clear error, from the library and from `kvlm serve`; a budget the seats'
+    states alone fill, another."""
     from kvlm.engine.engine import EngineConfig, snapshot_plan
     from kvlm.errors import InvalidRequestError
 
@@ -1034,6 +1035,11 @@ def test_the_snapshots_are_a_share_of_the_kv_memory(pooled):
     for bad in (-0.1, 1.0, 2.0):
         with pytest.raises(InvalidRequestError, match="--snapshot-share"):
             EngineConfig(snapshot_share=bad)
+    # a budget the seats' states fill leaves no K/V block: one error that says what to
+    # change (the pool had held one sequence's blocks past the budget)
+    slot = none.pool.groups[1].block_nbytes
+    with pytest.raises(InvalidRequestError, match="raise --kv-memory, or lower --max-num-seqs"):
+        fresh_engine(llm, kv_memory=16 * slot, snapshot_share=0.0)
 
 
 def test_speculative_decoding_on_the_pool_equals_plain(pooled):

@@ -95,9 +95,12 @@ def run_kvlm_speculative(llm: LLM, ids: list[int], new: int, spec: Any) -> dict[
     figures, and the drafts' acceptance."""
     from kvlm.engine.batch import Stream
     from kvlm.engine.engine import Engine, EngineConfig
+    from kvlm.engine.scheduler import SchedulerConfig
 
+    # one stream: one seat (a hybrid's recurrent state a seat would fill 256 MiB at 16)
     engine = Engine(llm, EngineConfig(num_blocks=None, kv_memory=256 << 20,
-                                      prefix_caching=False, speculative=spec))  # fmt: skip
+                                      prefix_caching=False, speculative=spec,
+                                      scheduler=SchedulerConfig(max_num_seqs=1)))  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     m, st = Stream(engine, ids, params).run().metrics, engine.stats.spec
     return metrics_row(m) | {

@@ -180,10 +180,26 @@ def block_bytes(config: EngineConfig, spec: CacheSpec) -> int:
 
 def memory_blocks(config: EngineConfig, spec: CacheSpec, context: int) -> int:
     """The blocks (of the layers that see the whole context) the KV memory holds once a
-    hybrid model's other groups have their own: the pool's size by default."""
-    windowed_bytes = windowed_plan(config, spec, context).nbytes
+    hybrid model's other groups have their own: the pool's size by default. The default
+    budget (default_kv_memory) grows where those groups alone would leave less than one
+    whole context's blocks (a recurrent state of many MiB a sequence, times
+    max_num_seqs: the larger Qwen3.5 sizes at 16 seats), so a default pool always holds
+    one; a --kv-memory the user gave is kept, and where it leaves no block at all, one
+    clear error says what to change."""
+    plan = windowed_plan(config, spec, context)
     kv_memory = config.kv_memory or default_kv_memory(spec.device)
-    return (kv_memory - windowed_bytes) // block_bytes(config, spec)
+    blocks = (kv_memory - plan.nbytes) // block_bytes(config, spec)
+    if config.kv_memory is None:
+        return max(blocks, blocks_for(context, spec.block_size) + config.scheduler.reserve_blocks)
+    if blocks < 1:
+        seats = config.scheduler.max_num_seqs
+        raise InvalidRequestError(
+            f"--kv-memory {kv_memory / 2**20:,.0f} MiB cannot hold the layers' own stores "
+            f"of {seats} sequences (their windows, recurrent states and snapshots: "
+            f"{plan.nbytes / 2**20:,.0f} MiB) and any K/V block: raise --kv-memory, or "
+            "lower --max-num-seqs or --snapshot-share"
+        )
+    return blocks
 
 
 def pool_context(llm: ServedModel, config: EngineConfig, context: int) -> int:
