@@ -996,7 +996,7 @@ def test_a_prefix_hit_mid_conversation_restores_the_state(pooled):
     assert got == want and cached == 0
 
 
-def test_the_snapshots_are_a_share_of_the_kv_memory(pooled):
+def test_the_snapshots_are_a_share_of_the_kv_memory(pooled, monkeypatch):
     """The snapshots of the state take --snapshot-share of --kv-memory (as many as it
     holds, kvlm.engine.engine.snapshot_plan), inside the pool's budget: a pool of a given
     kv_memory holds blocks, slots and snapshots within it; a share that holds six keeps
@@ -1040,6 +1040,16 @@ def test_the_snapshots_are_a_share_of_the_kv_memory(pooled):
     slot = none.pool.groups[1].block_nbytes
     with pytest.raises(InvalidRequestError, match="raise --kv-memory, or lower --max-num-seqs"):
         fresh_engine(llm, kv_memory=16 * slot, snapshot_share=0.0)
+    # the default budget so filled is the K/V blocks' alone, the states beside it: the
+    # default context is the whole one, not a block
+    from kvlm.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "default_kv_memory", lambda *_: 16 * slot)
+    config = EngineConfig(snapshot_share=0.0)
+    blocks = engine_module.memory_blocks(config, llm.cache_spec("paged"), llm.max_context)
+    assert blocks == 16 * slot // engine_module.block_bytes(config, llm.cache_spec("paged"))
+    assert engine_module.pool_context(llm, config, llm.max_context) > 16
+    assert answer(fresh_engine(llm, snapshot_share=0.0), first)[0]
 
 
 def test_speculative_decoding_on_the_pool_equals_plain(pooled):

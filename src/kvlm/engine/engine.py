@@ -180,17 +180,18 @@ def block_bytes(config: EngineConfig, spec: CacheSpec) -> int:
 
 def memory_blocks(config: EngineConfig, spec: CacheSpec, context: int) -> int:
     """The blocks (of the layers that see the whole context) the KV memory holds once a
-    hybrid model's other groups have their own: the pool's size by default. The default
-    budget (default_kv_memory) grows where those groups alone would leave less than one
-    whole context's blocks (a recurrent state of many MiB a sequence, times
-    max_num_seqs: the larger Qwen3.5 sizes at 16 seats), so a default pool always holds
-    one; a --kv-memory the user gave is kept, and where it leaves no block at all, one
-    clear error says what to change."""
+    hybrid model's other groups have their own: the pool's size by default. Where those
+    groups alone fill the budget (a recurrent state of many MiB a sequence, times
+    max_num_seqs: the larger Qwen3.5 sizes at 16 seats), the default budget
+    (default_kv_memory) is group 0's alone, the groups' own stores beside it (the pool
+    had fallen back to one context's blocks and `kvlm serve`'s default context to one
+    block); a --kv-memory the user gave is kept, and one clear error says what to
+    change."""
     plan = windowed_plan(config, spec, context)
     kv_memory = config.kv_memory or default_kv_memory(spec.device)
     blocks = (kv_memory - plan.nbytes) // block_bytes(config, spec)
-    if config.kv_memory is None:
-        return max(blocks, blocks_for(context, spec.block_size) + config.scheduler.reserve_blocks)
+    if config.kv_memory is None and blocks < 1:
+        return kv_memory // block_bytes(config, spec)
     if blocks < 1:
         seats = config.scheduler.max_num_seqs
         raise InvalidRequestError(
