@@ -97,10 +97,11 @@ def run_kvlm_speculative(llm: LLM, ids: list[int], new: int, spec: Any) -> dict[
     from kvlm.engine.engine import Engine, EngineConfig
     from kvlm.engine.scheduler import SchedulerConfig
 
-    # one stream: one seat (a hybrid's recurrent state a seat would fill 256 MiB at 16)
+    # one stream, two seats (a hybrid's recurrent state a seat would fill 256 MiB at the
+    # default 16; one seat's cap of one whole context would leave no block in reserve)
     engine = Engine(llm, EngineConfig(num_blocks=None, kv_memory=256 << 20,
                                       prefix_caching=False, speculative=spec,
-                                      scheduler=SchedulerConfig(max_num_seqs=1)))  # fmt: skip
+                                      scheduler=SchedulerConfig(max_num_seqs=2)))  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     m, st = Stream(engine, ids, params).run().metrics, engine.stats.spec
     return metrics_row(m) | {

@@ -182,7 +182,7 @@ def memory_blocks(config: EngineConfig, spec: CacheSpec, context: int) -> int:
     """The blocks (of the layers that see the whole context) the KV memory holds once a
     hybrid model's other groups have their own: the pool's size by default. Where those
     groups alone fill the budget (a recurrent state of many MiB a sequence, times
-    max_num_seqs: the larger Qwen3.5 sizes at 16 seats), the default budget
+    max_num_seqs: a large hybrid's at 16 seats), the default budget
     (default_kv_memory) is group 0's alone, the groups' own stores beside it (the pool
     had fallen back to one context's blocks and `kvlm serve`'s default context to one
     block); a --kv-memory the user gave is kept, and one clear error says what to

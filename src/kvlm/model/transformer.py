@@ -634,7 +634,7 @@ class _WeightTaker:
 
     def _shared_expert(self, p: str) -> MLP:
         """A mixture's shared expert: `mlp.shared_expert.*`, or where the file names none,
-        the layer's MLP (Granite keeps its shared MLP under the dense MLP's names)."""
+        the layer's MLP (a family that keeps its shared MLP under the dense MLP's names)."""
         c = self.config
         q = f"{p}.mlp.shared_expert"
         if f"{q}.down_proj.weight" not in self.available:
