@@ -699,16 +699,13 @@ def cmd_memory(args: argparse.Namespace) -> int:
     if args.plot and not no_picture:
         _memory_plot(args.plot, config.name, p, rows)
     record = {"model": config.name, **p.to_dict(), "table": rows}
-    report = _memory_report(config.name, p, rows)
+    weights = _mib(p.weight_bytes)
     if config.expert_layers:  # what one token's step reads of them (its speed's bound)
         record["weight_bytes_read_per_token"] = read = _read_per_token(config, p.weight_bytes,
                                                                        held, loaded)  # fmt: skip
-        report = report.replace(
-            f"  weights             {_mib(p.weight_bytes)}",
-            f"  weights             {_mib(p.weight_bytes)}, of which a token reads "
-            f"{_mib(read)} (its top {config.experts.top_k} of {config.experts.count} experts)",
-        )
-    _print(args.json, record, report)
+        x = config.experts
+        weights += f", of which a token reads {_mib(read)} (its top {x.top_k} of {x.count} experts)"
+    _print(args.json, record, _memory_report(config.name, p, rows, weights))
     return _no_picture(no_picture)
 
 
@@ -796,7 +793,8 @@ def _memory_plot(path: str, name: str, p: Any, rows: list[dict]) -> None:
     print(f"kvlm: wrote {path}", file=sys.stderr)
 
 
-def _memory_report(name: str, p: Any, rows: list[dict]) -> str:
+def _memory_report(name: str, p: Any, rows: list[dict], weights: str) -> str:
+    """The plan as text; `weights`: its weights line's value."""
     fits = "?" if p.sequences_in_budget is None else f"{p.sequences_in_budget:,}"
     budget = "unknown (pass --budget)" if p.budget_bytes is None else _mib(p.budget_bytes)
     head = f"mode | kv dtype | bytes/token | total for {p.batch} x {p.context:,} tokens"
@@ -805,7 +803,7 @@ def _memory_report(name: str, p: Any, rows: list[dict]) -> str:
         f"  bytes per token     {p.bytes_per_token:,}",
         f"  per sequence        {_mib(p.bytes_per_sequence)}",
         f"  total (batch {p.batch:<3})   {_mib(p.total_bytes)}",
-        f"  weights             {_mib(p.weight_bytes)}",
+        f"  weights             {weights}",
         f"  budget              {budget}: {fits} sequences of {p.context:,} tokens",
         *_groups_report(p.layer_groups, p.batch),
         "",

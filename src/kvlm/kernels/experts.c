@@ -36,22 +36,34 @@ static int experts_ok(const kvlm_qmodel *m, const kvlm_qlayer *L) {
 /* floats of scratch a row of the step's expert layers needs (the most of any layer): the
  * logits, the chosen experts (int64, two floats each) and their weights, an expert's rows
  * gathered, their gate|up, its product and their output; a shared expert's gate|up, its
- * product, its output and its gate */
+ * product and its output */
 static int64_t experts_floats(const kvlm_qmodel *m) {
     int64_t most = 0;
     for (int64_t l = 0; l < m->n_layers; l++) {
         const kvlm_qlayer *L = m->layers + l;
         if (L->ffn != FFN_EXPERTS) continue;
         const int64_t n = L->n_experts + 3 * L->top_k + 2 * m->hidden + 3 * L->expert_inter +
-                          3 * L->shared_inter + m->hidden + 1; /* the shared expert's */
+                          3 * L->shared_inter + m->hidden; /* the shared expert's */
         most = n > most ? n : most;
     }
     return most ? most + 2 : 0; /* + 2: the int64s' alignment */
 }
 
+/* a . b over n floats in 16 running sums (element c into sum c % 16: the compiler's
+ * vector lanes), then those added in lane order: one order on every build, for any batch */
+static inline float dot16(const float *a, const float *b, int64_t n) {
+    float acc[16] = {0.0f}, s = 0.0f;
+    int64_t c = 0;
+    for (; c + 16 <= n; c += 16)
+        for (int j = 0; j < 16; j++) acc[j] += a[c + j] * b[c + j];
+    for (int j = 0; c + j < n; j++) acc[j] += a[c + j] * b[c + j];
+    for (int j = 0; j < 16; j++) s += acc[j];
+    return s;
+}
+
 /* The router of B rows (a mixture's first half, the torch model's too: kvlm_route):
- * h [B, hidden] . router [E, hidden]^T into logits [B, E] (each dot product in 16
- * running sums, column c into sum c % 16, then those in order), softmax over each row's E (exp(l - max) summed in expert order), then
+ * h [B, hidden] . router [E, hidden]^T into logits [B, E] (each dot product dot16's),
+ * softmax over each row's E (exp(l - max) summed in expert order), then
  * the top K of each row by a selection that takes the lower expert among equal ones (the
  * higher weight first), their weights divided by their sum (in chosen order) where
  * `normalize`: chosen [B, K], w [B, K]. A NaN never wins a comparison: a row of NaNs
@@ -59,19 +71,8 @@ static int64_t experts_floats(const kvlm_qmodel *m) {
 static void route_rows(const float *h, int64_t B, int64_t H, const float *router, int64_t E,
                        int64_t K, int64_t normalize, float *logits, int64_t *chosen, float *w) {
 #pragma omp parallel for schedule(static) if (B * E > 64)
-    for (int64_t i = 0; i < B * E; i++) {
-        const float *hb = h + (i / E) * H, *r = router + (i % E) * H;
-        /* 16 running sums, column c into sum c % 16 (the compiler's vector lanes), then
-         * added in lane order: one order on every build and for any batch */
-        float acc[16] = {0.0f};
-        int64_t c = 0;
-        for (; c + 16 <= H; c += 16)
-            for (int j = 0; j < 16; j++) acc[j] += hb[c + j] * r[c + j];
-        for (int j = 0; c + j < H; j++) acc[j] += hb[c + j] * r[c + j];
-        float s = 0.0f;
-        for (int j = 0; j < 16; j++) s += acc[j];
-        logits[i] = s;
-    }
+    for (int64_t i = 0; i < B * E; i++)
+        logits[i] = dot16(h + (i / E) * H, router + (i % E) * H, H);
     for (int64_t b = 0; b < B; b++) {
         float *p = logits + b * E;
         float mx = p[0], sum = 0.0f;
@@ -130,8 +131,7 @@ static int experts_ffn(const kvlm_qmodel *m, const kvlm_qlayer *L, int64_t B, co
     float *sgu = y + B * H;                     /* B 2 S: the shared expert's */
     float *sact = sgu + B * 2 * S;              /* B S */
     float *sy = sact + B * S;                   /* B H */
-    float *sg = sy + B * H;                     /* B: its gate */
-    float *tail = sg + B;
+    float *tail = sy + B * H;
     int64_t *chosen = (int64_t *)(tail + ((uintptr_t)tail % 8 ? 1 : 0)); /* B K */
     route_rows(h, B, H, L->router, E, K, L->normalize, logits, chosen, w);
     for (int64_t i = 0; i < B * H; i++) out[i] = 0.0f;
@@ -161,17 +161,8 @@ static int experts_ffn(const kvlm_qmodel *m, const kvlm_qlayer *L, int64_t B, co
         (m->gelu ? gelu_mul : silu_mul)(sgu + b * 2 * S, sgu + b * 2 * S + S, sact + b * S, S);
     if (matmul_rows(&L->down, sact, B, sy, act_down)) return -1;
     for (int64_t b = 0; b < B; b++) {
-        float g = 1.0f;
-        if (L->shared_gate) {
-            float acc[16] = {0.0f}, d = 0.0f;
-            int64_t c = 0;
-            for (; c + 16 <= H; c += 16)
-                for (int j = 0; j < 16; j++) acc[j] += h[b * H + c + j] * L->shared_gate[c + j];
-            for (int j = 0; c + j < H; j++) acc[j] += h[b * H + c + j] * L->shared_gate[c + j];
-            for (int j = 0; j < 16; j++) d += acc[j];
-            g = 1.0f / (1.0f + expf(-d));
-        }
-        sg[b] = g;
+        const float g =
+            L->shared_gate ? 1.0f / (1.0f + expf(-dot16(h + b * H, L->shared_gate, H))) : 1.0f;
         float *o = out + b * H;
         for (int64_t c = 0; c < H; c++) {
             const float t = g * sy[b * H + c];

@@ -217,7 +217,19 @@ def required(c: ModelConfig, head: bool = False) -> list[str]:
     delta_parts = [*norms, *delta, *mlp]
     mamba_parts = [*norms, *(f"mamba.{n}" for n in ("in_proj", "conv1d", "norm", "out_proj")),
                    *mlp]  # fmt: skip
-    experts = ["mlp.gate", *(f"mlp.experts.{n}" for n in ("gate_proj", "up_proj", "down_proj"))]
+
+    def routed(parts: list[str]) -> list[str]:
+        """A block's parts with a mixture of experts in place of its MLP: the router, the
+        experts, and the shared expert and its gate where the model has them."""
+        x = c.experts
+        shared = ("gate_proj", "up_proj", "down_proj") if x.shared else ()
+        return [n for n in parts if n not in mlp[:3]] + [
+            "mlp.gate",
+            *(f"mlp.experts.{n}" for n in ("gate_proj", "up_proj", "down_proj")),
+            *(f"mlp.shared_expert.{n}" for n in shared),
+            *(["mlp.shared_expert_gate"] if x.shared_gate else []),
+        ]
+
     for layer in range(c.num_layers):
         parts = attention_parts
         if layer in c.conv_layers:
@@ -229,19 +241,10 @@ def required(c: ModelConfig, head: bool = False) -> list[str]:
             parts = mamba_parts
             names += [f"model.layers.{layer}.mamba.{n}" for n in ("A_log", "D", "dt_bias")]
         if layer in c.expert_layers:  # the router and the experts in place of the MLP
-            parts = [n for n in parts if n not in mlp[:3]] + experts
-            if c.experts.shared:
-                parts += [f"mlp.shared_expert.{n}" for n in ("gate_proj", "up_proj", "down_proj")]
-            if c.experts.shared_gate:
-                parts += ["mlp.shared_expert_gate"]
+            parts = routed(parts)
         names += [f"model.layers.{layer}.{part}.weight" for part in parts]
     if head:  # an MTP head's blocks: attention blocks of the model's FFN kind
-        head_parts = attention_parts
-        if c.expert_layers:
-            head_parts = [n for n in attention_parts if n not in mlp[:3]] + experts
-            head_parts += [f"mlp.shared_expert.{n}" for n in ("gate_proj", "up_proj", "down_proj")
-                           if c.experts.shared]  # fmt: skip
-            head_parts += ["mlp.shared_expert_gate"] if c.experts.shared_gate else []
+        head_parts = routed(attention_parts) if c.expert_layers else attention_parts
         names += [f"mtp.{n}.weight" for n in ("fc", *MTP_NORMS)]
         names += [f"mtp.layers.{i}.{part}.weight" for i in range(c.mtp_layers)
                   for part in head_parts]  # fmt: skip

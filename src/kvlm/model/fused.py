@@ -339,19 +339,19 @@ def why_not(model: Transformer) -> str | None:
 
 def _block_why_not(block: Block, eps: float) -> str | None:
     """Why the step cannot run this block (None: it can)."""
-    mlps = block.mlp.experts if isinstance(block.mlp, Experts) else [block.mlp]
-    if isinstance(block.mlp, Experts) and block.mlp.shared is not None:
-        mlps = [*mlps, block.mlp.shared]
+    moe = block.mlp if isinstance(block.mlp, Experts) else None
+    mlps = [block.mlp] if moe is None else [*moe.experts]
+    if moe is not None and moe.shared is not None:
+        mlps.append(moe.shared)
     if any(m.gate_up.bias is not None or m.down.bias is not None for m in mlps):
         return "MLP biases (the step adds only the mixers' projections' biases)"
     if any(m.act != mlps[0].act for m in mlps) or mlps[0].act not in _ACTS:
         return f"the MLP's activation {mlps[0].act!r}"
-    if isinstance(block.mlp, Experts) and block.mlp.router_weight.dtype != torch.float32:
+    if moe is not None and moe.router_weight.dtype != torch.float32:
         return "a router not in fp32"
-    if isinstance(block.mlp, Experts) and block.mlp.shared is not None:
-        gate = block.mlp.shared_gate_weight
-        if gate is not None and gate.dtype != torch.float32:
-            return "a shared expert's gate not in fp32"
+    gate = None if moe is None else moe.shared_gate_weight
+    if gate is not None and gate.dtype != torch.float32:
+        return "a shared expert's gate not in fp32"
     rec = block.recurrent
     if rec is not None and not all(
         p.dtype == torch.float32 and p.is_contiguous() for p in rec.parameters(recurse=False)

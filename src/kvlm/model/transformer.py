@@ -576,17 +576,10 @@ class _WeightTaker:
         MLP's: Llama's HF name), then their output norms where the block has them. `p`:
         the tensors' prefix, layer i's by default."""
         c, p = self.config, p or f"model.layers.{i}"
-        fused = f"{p}.mlp.gate_up_proj.weight"
         # a multi-token-prediction head's block takes the model's FFN kind (a mixture of
         # experts' model: its head's block routes through experts too)
         routed = i in c.expert_layers if p.startswith("model.") else bool(c.expert_layers)
-        if routed:
-            mlp = self.experts(p)
-        elif fused in self.available:
-            mlp = MLP(self.linear(fused), self._with_bias(f"{p}.mlp.down_proj"), c.activation)
-        else:
-            gate_up = self.fused_linear(f"{p}.mlp", ("gate_proj", "up_proj"))
-            mlp = MLP(gate_up, self._with_bias(f"{p}.mlp.down_proj"), c.activation)
+        mlp = self.experts(p) if routed else self._gated_mlp(f"{p}.mlp")
         names = ["input_layernorm", "post_attention_layernorm", *out_norms(c)]
         block = Block(mixer.pop("attn", None), mlp, *(self.norm(f"{p}.{n}") for n in names),
                       residual_scale=c.residual_scale, **mixer)  # fmt: skip
@@ -602,22 +595,16 @@ class _WeightTaker:
         and each expert's gate|up and down, from one tensor an expert or from every
         expert's stacked (llama.cpp's `ffn_*_exps`: each expert's rows of its blocks)."""
         c, x = self.config, self.config.experts
-        w = self.take(f"{p}.mlp.gate.weight")
-        w = w if w.dtype == torch.float64 else w.float()
-        router = Linear(w, numerics=self.numerics, vocabulary=True)
+        router, w = self._fp32_linear(f"{p}.mlp.gate.weight")
         shared = gate = g = None
         if x.shared:  # the shared expert, and its gate's (1, hidden) product in fp32
             shared = self._shared_expert(p)
         if x.shared_gate:
-            g = self.take(f"{p}.mlp.shared_expert_gate.weight")
-            g = g if g.dtype == torch.float64 else g.float()
-            gate = Linear(g, numerics=self.numerics, vocabulary=True)
+            gate, g = self._fp32_linear(f"{p}.mlp.shared_expert_gate.weight")
             g = g.reshape(-1).contiguous()
         stacks = (f"{p}.mlp.experts.{n}.weight" for n in ("gate_proj", "gate_up_proj"))
         if not any(n in self.available for n in stacks):  # one tensor an expert
-            mlps = [MLP(self.fused_linear(f"{p}.mlp.experts.{e}", ("gate_proj", "up_proj")),
-                        self._with_bias(f"{p}.mlp.experts.{e}.down_proj"), c.activation)
-                    for e in range(x.count)]  # fmt: skip
+            mlps = [self._gated_mlp(f"{p}.mlp.experts.{e}") for e in range(x.count)]
             return Experts(x, router, mlps, w, shared, gate, g)
         names = [f"{p}.mlp.experts.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
         fused = f"{p}.mlp.experts.gate_up_proj.weight"  # every expert's gate|up one stack
@@ -635,15 +622,27 @@ class _WeightTaker:
     def _shared_expert(self, p: str) -> MLP:
         """A mixture's shared expert: `mlp.shared_expert.*`, or where the file names none,
         the layer's MLP (a family that keeps its shared MLP under the dense MLP's names)."""
-        c = self.config
         q = f"{p}.mlp.shared_expert"
-        if f"{q}.down_proj.weight" not in self.available:
-            q = f"{p}.mlp"
-        if f"{q}.gate_up_proj.weight" in self.available:
-            gate_up = self.linear(f"{q}.gate_up_proj.weight")
+        return self._gated_mlp(q if f"{q}.down_proj.weight" in self.available else f"{p}.mlp")
+
+    def _gated_mlp(self, q: str) -> MLP:
+        """The gated MLP of tensors `q`.*: its gate|up one product (`gate_up_proj` where
+        the file stores them as one, else gate_proj and up_proj joined), down with its
+        bias where the file has one."""
+        fused = f"{q}.gate_up_proj.weight"
+        if fused in self.available:
+            gate_up = self.linear(fused)
         else:
             gate_up = self.fused_linear(q, ("gate_proj", "up_proj"))
-        return MLP(gate_up, self._with_bias(f"{q}.down_proj"), c.activation)
+        return MLP(gate_up, self._with_bias(f"{q}.down_proj"), self.config.activation)
+
+    def _fp32_linear(self, name: str) -> tuple[Linear, torch.Tensor]:
+        """`name`'s weight in fp32 (an fp64 model's in fp64) whatever the weights' format,
+        never rounded to low bits, and a Linear of it on the vocabulary projection's road
+        (fp32 products, each row's its own): a router's or a shared expert's gate."""
+        w = self.take(name)
+        w = w if w.dtype == torch.float64 else w.float()
+        return Linear(w, numerics=self.numerics, vocabulary=True), w
 
     def _each_expert(self, name: str, count: int) -> list[quant.Blocks] | list[torch.Tensor]:
         """Each expert's matrix of the stacked tensor `name`: its blocks as stored
