@@ -13,8 +13,9 @@ the serving engine's aggregate tokens/s with 1, 8, 32, 64 and 128 requests at on
 with a forward per prompt chunk, then with each step's chunks and decode rows as one
 ragged forward (ModelRunner.one_forward), and for each the median time of a step in which
 every stream decodes and the share of the HBM bound it reaches: the bytes such a step must
-read (every projection weight once, every stream's K/V at the mean context) over
-HBM_BYTES_S; and transformers with its static cache, whose decode step `generate` compiles
+read (every projection weight once, every stream's K/V at the mean context) over the
+GPU's HBM bandwidth (HBM); and transformers with its static cache, whose decode step
+`generate` compiles
 with torch.compile on CUDA (mode "reduce-overhead": CUDA graphs; a warm-up run of the
 same shapes compiles it first; median of 3). bf16 weights and K/V on both. Random-weight
 files of real shapes: kvlm.bench.models.write_model.
@@ -35,7 +36,15 @@ from kvlm.bench.child import weight_bytes_per_token
 
 STREAMS = [1, 8, 32, 64, 128]
 PROMPT, NEW = 64, 128
-HBM_BYTES_S = 3.35e12  # an H100 SXM's HBM3, NVIDIA's figure
+# the HBM's bandwidth by NVIDIA's figures: an H100 SXM's HBM3, an H200's HBM3e
+HBM = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+def hbm_bytes_s() -> float:
+    import torch
+
+    name = torch.cuda.get_device_name()
+    return next((bw for key, bw in HBM.items() if key in name), HBM["H100"])
 
 
 def median(runs: list[dict]) -> dict:
@@ -48,7 +57,7 @@ def hbm_share(llm: LLM, row: dict) -> float | None:
     if "decode_step_ms" not in row:
         return None
     kv = row["streams"] * (PROMPT + NEW // 2) * llm.cache_spec("paged").bytes_per_token
-    bound_ms = 1e3 * (weight_bytes_per_token(llm) + kv) / HBM_BYTES_S
+    bound_ms = 1e3 * (weight_bytes_per_token(llm) + kv) / hbm_bytes_s()
     return round(bound_ms / row["decode_step_ms"], 3)
 
 

@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import CHATML, LFM2_TEMPLATE, assert_generation_agrees, save_tiny_model
+from helpers import (
+    CHATML,
+    LFM2_TEMPLATE,
+    assert_generation_agrees,
+    save_tiny_model,
+    sharpen_routers,
+)
 from kvlm import LLM, SamplingParams, compose
 from kvlm.engine.speculative import SpeculativeConfig
 from kvlm.errors import KvlmError
@@ -44,30 +50,10 @@ def grid_model_dir(tiny_model_dir, tmp_path_factory):
         if model not in made:
             made[model] = save_tiny_model(tmp_path_factory.mktemp(model), **SAVED[model])
             if model == "experts":
-                sharpen_routers(made[model], ROUTER_SCALE)
+                sharpen_routers(made[model])
         return made[model]
 
     return make
-
-
-# The experts model's routers times this: a random router's logits are nearly flat, so
-# its top 2 of 8 often nearly tie, and the fused step's int8 queries (an int8 K/V's
-# attention differs from the torch step's by ~0.03 in the logits) flipped such a tie at 2
-# of 20 steps, moving the logits by ~4 (a whole expert's output). Four times the spread
-# is still a router of random weights, its ties rarer; the fused cells then hold it to
-# the torch step by the top-5 rule as the dense models'. (Measured on this model, Zen 4:
-# unscaled 2 flips in 20 steps at int8 K/V; x4 and x8 none, largest step 0.16 and 0.30.)
-ROUTER_SCALE = 4.0
-
-
-def sharpen_routers(folder, scale: float) -> None:
-    from safetensors.torch import load_file, save_file
-
-    path = folder / "model.safetensors"
-    tensors = load_file(path)
-    for name in [n for n in tensors if n.endswith(".mlp.gate.weight")]:
-        tensors[name] = tensors[name] * scale
-    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def make(folder, mode, dtype, **kw) -> LLM:

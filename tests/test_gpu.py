@@ -23,6 +23,10 @@ from helpers import (
     assert_greedy_agreement,
     assert_top_k_both_ways,
     mixed_step,
+    save_tiny_model,
+    sharpen_routers,
+    staggered_answers,
+    with_mtp,
 )
 from kvlm import LLM, SamplingParams
 from kvlm.cache import load_cache, save_cache
@@ -346,3 +350,173 @@ def test_kvlm_serve_on_the_device_answers_the_openai_client(tiny_model_dir, name
                                         temperature=1.0, seed=3)  # fmt: skip
         assert len(two.choices) == 2
         wait_idle(port, "k")
+
+
+# The layer kinds of [20]-[22] on the device: short convolutions beside attention (LFM2),
+# gated DeltaNets (Qwen3.5) and Mamba2 (Granite 4.0-H) with their recurrent states, and
+# experts (Qwen3-MoE; Qwen3.5-MoE's experts beside its states): tiny random models, as
+# the CPU's tests build them
+FAMILIES = {
+    "lfm2": ("lfm2", 20, {"tokenizer": "llama3"}),
+    "qwen3_5": ("qwen3_5", 30, {"tokenizer": "qwen35"}),
+    "granite-h": ("granitemoehybrid", 42, {}),
+    "qwen3_moe": ("qwen3_moe", 40, {"tokenizer": "qwen35"}),
+    "qwen3_5_moe": ("qwen3_5_moe", 50, {"tokenizer": "qwen35"}),
+}
+LONG = " ".join(["red green blue yellow"] * 8)  # n-gram drafts find their tokens
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """name in FAMILIES -> its folder."""
+    made = {}
+
+    def make(name: str):
+        if name not in made:
+            arch, seed, overrides = FAMILIES[name]
+            made[name] = save_tiny_model(tmp_path_factory.mktemp(name), arch, seed=seed,
+                                         **overrides)  # fmt: skip
+            if "moe" in arch:  # routing decisive enough for bf16 and the GPU's sums
+                sharpen_routers(made[name])
+        return made[name]
+
+    return make
+
+
+def on_cpu(folder, dtype: str = "fp32", **kw) -> LLM:
+    return LLM(model=folder, progress=False, max_context=256, dtype=dtype, **kw)
+
+
+def mode_reference(
+    folder, mode: str, prompt: str, n: int, dtype: str
+) -> tuple[list[int], torch.Tensor]:
+    """The CPU's greedy n tokens in cache mode `mode` and `dtype`, and the logits each came
+    from, step by step through that mode's cache (a quantized K/V's error is the mode's on
+    both sides; a bf16 model's rounding, through a recurrent state too, the dtype's): what a
+    device's tokens in that mode and dtype are held to by the top-5 rule."""
+    cpu = on_cpu(folder, dtype, kv=mode)
+    tokens = cpu.generate(prompt, SamplingParams(temperature=0, max_tokens=n,
+                                                 ignore_eos=True))[0].token_ids  # fmt: skip
+    ids = cpu.tokenizer.encode(prompt)
+    if mode == "off":  # no cache to feed: the teacher-forced logits (the oracle)
+        return tokens, cpu.runner.logits(ids + tokens[:-1], cpu.new_cache("off"))[-n:].float()
+    cache = cpu.new_cache(mode)
+    logits = [cpu.runner.forward(ids, cache)[-1]]
+    logits += [cpu.runner.forward([t], cache)[-1] for t in tokens[:-1]]
+    return tokens, torch.stack(logits).float()
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_every_family_follows_the_cpu_in_every_mode(family, name, dtype):
+    """Each family's greedy tokens in every cache mode by the top-5 rule against the CPU's
+    in the same mode and dtype, and prompts fed in chunks of 3 against the CPU's one shot:
+    the states and conv rows on the device; forks of n = 3 seeded samples reproducible."""
+    folder = family(name)
+    for mode in MODES:
+        llm = on_device(folder, dtype=dtype, kv=mode)
+        assert_generation_agrees(None, llm, PROMPTS[1], N,
+                                 mode_reference(folder, mode, PROMPTS[1], N, dtype))  # fmt: skip
+    chunked = on_device(folder, dtype=dtype, kv="paged", prefill_chunk=3)
+    assert_generation_agrees(None, chunked, PROMPTS[1], N,
+                             mode_reference(folder, "paged", PROMPTS[1], N, dtype))  # fmt: skip
+    sampled = SamplingParams(temperature=1.0, max_tokens=N, ignore_eos=True, seed=7, n=3)
+    first = [s.token_ids for s in chunked.generate(PROMPTS[0], sampled)[0].outputs]
+    again = [s.token_ids for s in chunked.generate(PROMPTS[0], sampled)[0].outputs]
+    assert first == again and len({tuple(t) for t in first}) > 1
+
+
+def engine_answers(llm, prompts: list[list[int]], n: int, **config) -> tuple[dict, Engine]:
+    """Greedy answers (token, its top 5) through a fresh engine on `llm`'s pool, one more
+    request a step (prompt chunks of 4 meet decode rows), one ragged forward a step (the
+    GPU's default road; on the CPU the test's own check of it)."""
+    llm.runner.one_forward = True
+    sched = SchedulerConfig(prefill_chunk=4)
+    engine = Engine(llm, EngineConfig(num_blocks=64, scheduler=sched, **config))
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
+    return staggered_answers(engine, prompts, params), engine
+
+
+def assert_follows(got: list, reference: tuple[list[int], torch.Tensor]) -> None:
+    assert_greedy_agreement([t for t, _ in got], [top for _, top in got], *reference)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_family_on_the_engine_follows_the_cpu(family, name):
+    """The server's engine on the device in bf16: prompts in chunks of 4 arriving while
+    others decode, then a second turn that extends the longest prompt and its answer, from
+    the pool's prefix (where the family has a state, from its snapshot): greedy tokens by
+    the top-5 rule against the CPU's in bf16, every block back."""
+    folder = family(name)
+    cpu = on_cpu(folder, "bf16")
+    prompts = [cpu.tokenizer.encode(p) for p in [*PROMPTS, LONG]]
+    got, engine = engine_answers(on_device(folder, dtype="bf16"), prompts, N)
+    assert engine.pool.num_used == 0
+    for i, prompt in enumerate([*PROMPTS, LONG]):
+        assert_follows(got[str(i)], mode_reference(folder, "off", prompt, N, "bf16"))
+    turn = prompts[-1] + [t for t, _ in got[str(len(PROMPTS))]] + prompts[-1][:9]
+    hits = engine.manager.stats.hits
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=5)
+    second = staggered_answers(engine, [turn], params)["0"]
+    assert engine.manager.stats.hits - hits >= 16 and engine.pool.num_used == 0
+    ref = cpu.generate(prompt_token_ids=[turn], sampling_params=params)[0].token_ids
+    assert_follows(second, (ref, cpu.runner.logits(turn + ref[:-1], cpu.new_cache("off"))[-N:]))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_family_drafts_and_rolls_back_on_the_device(family, name):
+    """Drafts verified on the device, in the LLM's cache and in the engine's pool (the
+    states kept at each draft row, the rejected rows rolled back): the model's own file as
+    its draft (most drafts accepted) and another model of the family (most rejected);
+    greedy tokens by the top-5 rule against the CPU's plain decoding, every block back."""
+    folder = family(name)
+    n = 24
+    reference = mode_reference(folder, "off", LONG, n, "bf16")
+    own = SpeculativeConfig("draft", num_draft=4)
+    assert_generation_agrees(None, on_device(folder, dtype="bf16", speculative=own), LONG, n,
+                             reference)  # fmt: skip
+    arch, seed, overrides = FAMILIES[name]
+    other = save_tiny_model(folder.parent / "other", arch, seed=seed + 100, **overrides)
+    if "moe" in arch:
+        sharpen_routers(other)
+    for spec in (own, SpeculativeConfig("draft", num_draft=4, draft_model=str(other))):
+        ids = on_cpu(folder).tokenizer.encode(LONG)
+        got, engine = engine_answers(on_device(folder, dtype="bf16"), [ids], n, speculative=spec)
+        st = engine.stats.spec
+        assert st.drafted > 0 and engine.pool.num_used == 0, st
+        assert_follows(got["0"], reference)
+
+
+def test_the_mtp_head_drafts_on_the_device(family, tmp_path):
+    """Qwen3.5's multi-token-prediction head drafting on the device, on one cache and on
+    the engine's pool (its K/V beside the model's, the states rolled back to the accepted
+    row): greedy tokens by the top-5 rule against the CPU's plain decoding, drafts made."""
+    folder = with_mtp(family("qwen3_5"), tmp_path / "mtp")
+    n = 24
+    reference = mode_reference(folder, "off", LONG, n, "bf16")
+    spec = on_device(folder, dtype="bf16", speculative="mtp")
+    assert_generation_agrees(None, spec, LONG, n, reference)
+    ids = spec.tokenizer.encode(LONG)
+    got, engine = engine_answers(on_device(folder, dtype="bf16"), [ids], n,
+                                 speculative=SpeculativeConfig("mtp"))  # fmt: skip
+    assert engine.stats.spec.drafted > 0 and engine.pool.num_used == 0
+    assert_follows(got["0"], reference)
+
+
+@pytest.mark.parametrize("name", ["lfm2", "qwen3_5", "granite-h"])
+def test_a_saved_device_state_loads_on_the_cpu(family, name, tmp_path):
+    """A hybrid cache (attention K/V, conv rows, recurrent states) saved from the device
+    and loaded on the CPU holds the same tensors."""
+    folder = family(name)
+    gpu, cpu = on_device(folder), on_cpu(folder)
+    ids = cpu.tokenizer.encode(PROMPTS[1])
+    cache = gpu.new_cache("paged")
+    gpu.runner.forward(ids, cache)
+    save_cache(cache, tmp_path / "c.kv", gpu.fingerprint)
+    here = cpu.new_cache("paged")
+    load_cache(here, tmp_path / "c.kv", cpu.fingerprint)
+    assert here.num_tokens == cache.num_tokens
+    ours, theirs = cache.snapshot().tensors, here.snapshot().tensors
+    assert ours.keys() == theirs.keys() and len(ours) > 1
+    for key in ours:
+        torch.testing.assert_close(ours[key].cpu(), theirs[key])
