@@ -395,6 +395,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
          "--max-context / the trained context, at least 1)", {"metavar": "F"}),
     )  # fmt: skip
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
+    p.add_argument(
+        "--cpu-experts", default="0", metavar="N",
+        help="keep the routed experts of the first N mixture-of-experts layers in host "
+        "memory and run them on the CPU beside a GPU, as llama.cpp's --n-cpu-moe (the "
+        "router, the shared expert and the rest stay on --device); all: every layer; "
+        "0 (default): none",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--system", default=None, help="system prompt for the chat template")
     p.add_argument(
