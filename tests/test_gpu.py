@@ -346,3 +346,31 @@ def test_kvlm_serve_on_the_device_answers_the_openai_client(tiny_model_dir, name
                                         temperature=1.0, seed=3)  # fmt: skip
         assert len(two.choices) == 2
         wait_idle(port, "k")
+
+
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory):
+    from helpers import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("gpu-moe"), "qwen3_moe", seed=40,
+                           tokenizer="qwen35")  # fmt: skip
+
+
+@pytest.mark.parametrize("n", [2, "all"])
+def test_experts_in_host_memory_follow_the_cpu(moe_folder, n):
+    """--cpu-experts: the first n layers' routed experts on the CPU (fp32), the others'
+    and every router on the device; greedy tokens by the top-5 rule against the CPU fp32
+    road; no CUDA graphs (the routing reads the chosen experts on the host). On the CPU
+    (KVLM_TEST_GPU_DEVICE=cpu) the model runs in bf16 so the hop runs."""
+    ref = LLM(model=moe_folder, progress=False, max_context=256)
+    llm = on_device(moe_folder, dtype="bf16", cpu_experts=n)
+    device = torch.device(DEVICE).type
+    moes = [block.mlp for block in llm.model.layers]
+    host = 2 if n == 2 else len(moes)
+    assert [m.host for m in moes] == [i < host for i in range(len(moes))]
+    for i, m in enumerate(moes):
+        where = "cpu" if i < host else device
+        assert {p.device.type for e in m.experts for p in e.buffers()} == {where}
+        assert m.router_weight.device.type == device
+    assert llm.runner.graphs is None
+    assert_generation_agrees(ref, llm, PROMPTS[0], N)
