@@ -137,6 +137,25 @@ def test_memory_says_what_a_token_reads(converted, capsys):
     assert "of which a token reads" in capsys.readouterr().out
 
 
+def test_memory_leaves_host_experts_out_of_the_device(converted, capsys):
+    """`kvlm memory --cpu-experts`: the routed experts of those layers in host memory at
+    their bytes in the file (Q8_0 blocks), out of the device's weights and budget."""
+    import json
+
+    from kvlm.cli import main
+
+    _, path = converted("qwen3moe", "q8_0")
+    plans = {}
+    for n in ("0", "2", "all"):
+        args = ["memory", "--model", str(path), "--dtype", "bf16", "--cpu-experts", n]
+        assert main([*args, "--context", "64", "--budget", "1GiB", "--json"]) == 0
+        plans[n] = json.loads(capsys.readouterr().out)
+    host = plans["all"]["host_expert_bytes"]
+    assert "host_expert_bytes" not in plans["0"] and plans["2"]["host_expert_bytes"] == host / 2
+    on_device = [plans[n]["weight_bytes"] for n in ("0", "2", "all")]
+    assert on_device[0] > on_device[1] > on_device[2] and host < on_device[0] - on_device[2]
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_teacher_forced_logits_match_hf(moe_dir, name):
     """Every position's logits over 40 tokens, the exact path: as close to transformers'
