@@ -20,6 +20,14 @@ with torch.compile on CUDA (mode "reduce-overhead": CUDA graphs; a warm-up run o
 same shapes compiles it first; median of 3). bf16 weights and K/V on both. Random-weight
 files of real shapes: kvlm.bench.models.write_model.
 
+`--moe FILE`: a mixture-of-experts GGUF (e.g. `python benchmarks/make_models.py --out
+/tmp/moe --shapes qwen3-30b-a3b-8l --types Q8_0`) with every routed expert on the GPU, with
+half the expert layers' in host memory and with all of them (--cpu-experts 0, half, all):
+per road one JSON line of the load time, single-stream decode (a 128-token prompt, 64 new
+tokens, median of 3 after a warm-up) and torch.cuda.max_memory_allocated; a road whose
+load and runs would pass `--moe-seconds` (default 300) after those before is skipped
+(said in its line). `--device cpu` checks the road on the CPU (in bf16, so the hop runs).
+
 `--profile N`: torch's profiler over 10 engine steps of N streams all decoding (one
 forward per step): the GPU kernels a step and their time, the ten costliest by name.
 """
@@ -27,8 +35,11 @@ forward per step): the GPU kernels a step and their time, the ten costliest by n
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import statistics
 import sys
+import time
 
 from kvlm import LLM
 from kvlm.bench import load_hf, prompt_ids, run_hf, run_kvlm, stream_throughput
@@ -97,6 +108,37 @@ def profile_step(llm: LLM, n: int, steps: int = 10) -> dict:
     }
 
 
+def moe_host(path: str, seconds: float, device: str = "cuda") -> None:
+    """--moe: one JSON line per road, --cpu-experts 0, half the expert layers, all."""
+    import torch
+
+    cuda, start, roads, took = device == "cuda", time.perf_counter(), [0, None, "all"], 0.0
+    layers: list[int] = []  # the expert layers, read by the first road
+    for n in roads:
+        spent = time.perf_counter() - start
+        if spent + took > seconds:  # the last road's time again would pass the budget
+            print(json.dumps({"cpu_experts": n, "skipped": f"{spent:.0f} s of {seconds:.0f}"}))
+            continue
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        llm = LLM(model=path, device=device, dtype="bf16", progress=False, max_context=512,
+                  cpu_experts=n if n is not None else max(1, len(layers) // 2))  # fmt: skip
+        load = time.perf_counter() - t
+        layers = llm.config.expert_layers
+        ids = prompt_ids(llm, 128)
+        run_kvlm(llm, "contiguous", ids, 8)  # warm-up
+        runs = [run_kvlm(llm, "contiguous", ids, 64) for _ in range(3)]
+        peak = torch.cuda.max_memory_allocated() if cuda else None
+        row = {"cpu_experts": llm.cpu_experts, "of": len(layers), "load_s": round(load, 2)}
+        print(json.dumps(row | median(runs) | {"max_memory_allocated": peak}), flush=True)
+        took = time.perf_counter() - t
+        del llm
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("models", nargs="*", default=["default"])
@@ -104,7 +146,13 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--streams", default=",".join(map(str, STREAMS)))
     ap.add_argument("--roads", choices=["both", "one"], default="both")
     ap.add_argument("--profile", type=int, default=0, metavar="N")
+    ap.add_argument("--moe", metavar="FILE", help="experts on the GPU against in host memory")
+    ap.add_argument("--moe-seconds", type=float, default=300)
+    ap.add_argument("--device", default="cuda", help="with --moe: cpu checks the road")
     args = ap.parse_args(argv)
+    if args.moe:
+        moe_host(args.moe, args.moe_seconds, args.device)
+        return
     streams = [int(x) for x in args.streams.split(",")]
     for model in args.models:
         path = None if model == "default" else model

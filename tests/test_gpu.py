@@ -520,3 +520,24 @@ def test_a_saved_device_state_loads_on_the_cpu(family, name, tmp_path):
     assert ours.keys() == theirs.keys() and len(ours) > 1
     for key in ours:
         torch.testing.assert_close(ours[key].cpu(), theirs[key])
+
+
+@pytest.mark.parametrize("n", [2, "all"])
+def test_experts_in_host_memory_follow_the_cpu(family, n):
+    """--cpu-experts: the first n layers' routed experts on the CPU (fp32), the others'
+    and every router on the device; greedy tokens by the top-5 rule against the CPU fp32
+    road; no CUDA graphs (the routing reads the chosen experts on the host). On the CPU
+    (KVLM_TEST_GPU_DEVICE=cpu) the model runs in bf16 so the hop runs."""
+    folder = family("qwen3_moe")
+    ref = on_cpu(folder)
+    llm = on_device(folder, dtype="bf16", cpu_experts=n)
+    device = torch.device(DEVICE).type
+    moes = [block.mlp for block in llm.model.layers]
+    host = 2 if n == 2 else len(moes)
+    assert [m.host for m in moes] == [i < host for i in range(len(moes))]
+    for i, m in enumerate(moes):
+        where = "cpu" if i < host else device
+        assert {p.device.type for e in m.experts for p in e.buffers()} == {where}
+        assert m.router_weight.device.type == device
+    assert llm.runner.graphs is None
+    assert_generation_agrees(ref, llm, PROMPTS[0], N)

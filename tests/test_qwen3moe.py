@@ -21,6 +21,7 @@ from helpers import (
     FRANCE,
     GREEDY,
     POOL_PROMPTS,
+    assert_generation_agrees,
     assert_greedy_agreement,
     fed,
     gguf_as_folder,
@@ -31,7 +32,9 @@ from helpers import (
     save_tiny_model,
 )
 from kvlm import LLM, SamplingParams
-from kvlm.errors import ModelLoadError, UnsupportedModelError
+from kvlm.engine.runner import ModelRunner
+from kvlm.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
+from kvlm.model import graphs
 from numerics import assert_as_exact_as, max_error
 
 # name -> (seed, transformers config overrides)
@@ -132,6 +135,25 @@ def test_memory_says_what_a_token_reads(converted, capsys):
     assert held > 2 * read and abs(read - bench) < 0.02 * bench
     assert main(["memory", "--model", str(path), "--context", "64"]) == 0
     assert "of which a token reads" in capsys.readouterr().out
+
+
+def test_memory_leaves_host_experts_out_of_the_device(converted, capsys):
+    """`kvlm memory --cpu-experts`: the routed experts of those layers in host memory at
+    their bytes in the file (Q8_0 blocks), out of the device's weights and budget."""
+    import json
+
+    from kvlm.cli import main
+
+    _, path = converted("qwen3moe", "q8_0")
+    plans = {}
+    for n in ("0", "2", "all"):
+        args = ["memory", "--model", str(path), "--dtype", "bf16", "--cpu-experts", n]
+        assert main([*args, "--context", "64", "--budget", "1GiB", "--json"]) == 0
+        plans[n] = json.loads(capsys.readouterr().out)
+    host = plans["all"]["host_expert_bytes"]
+    assert "host_expert_bytes" not in plans["0"] and plans["2"]["host_expert_bytes"] == host / 2
+    on_device = [plans[n]["weight_bytes"] for n in ("0", "2", "all")]
+    assert on_device[0] > on_device[1] > on_device[2] and host < on_device[0] - on_device[2]
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -385,6 +407,56 @@ def test_the_step_refuses_experts_it_cannot_read(converted):
         assert lib.kvlm_decode_scratch(ctypes.byref(spec), 1) == -2, field
         setattr(layer, field, good)
     assert lib.kvlm_decode_scratch(ctypes.byref(spec), 1) > 0
+
+
+# ------------------------------------------------- experts in host memory (--cpu-experts)
+
+
+def test_experts_in_host_memory_follow_the_cpu_road(moe_dir, monkeypatch):
+    """--cpu-experts 2 on a bf16 model (the hop a GPU takes, here from bf16 to the host's
+    fp32 experts and back): the first two layers' experts fp32 on the CPU, the others' and
+    the routers in bf16; greedy tokens by the top-5 rule against the fp32 CPU road. A
+    model with experts replays no CUDA graphs (graphs.EXPERTS: the routing reads the
+    chosen experts on the host)."""
+    folder = moe_dir("qwen3moe")
+    llm = LLM(model=folder, dtype="bf16", cpu_experts=2, progress=False)
+    moes = [block.mlp for block in llm.model.layers]
+    assert [m.host for m in moes] == [True, True, False, False]
+    dtypes = [m.experts[0].gate_up.weight.dtype for m in moes]
+    assert dtypes == [torch.float32] * 2 + [torch.bfloat16] * 2
+    assert moes[0].router_weight.dtype == torch.float32  # the router as on every road
+    assert_generation_agrees(LLM(model=folder, progress=False), llm, FRANCE, 16)
+    monkeypatch.setattr(graphs, "enabled", lambda device: True)  # as on a GPU
+    runner = ModelRunner(llm.model)
+    assert runner.graphs is None and runner.graphs_reason == graphs.EXPERTS
+
+
+def test_cpu_experts_is_checked_before_the_load(moe_dir, tiny_model_dir):
+    """--cpu-experts: a count >= 0 or "all" (past the count: every layer), on a model with
+    experts, and not on the CPU in fp32 (every expert is in host memory there already)."""
+    folder = moe_dir("qwen3moe")
+    for bad, says in [(-1, ">= 0"), ("some", "count of layers or 'all'")]:
+        with pytest.raises(InvalidRequestError, match=says):
+            LLM(model=folder, dtype="bf16", cpu_experts=bad, progress=False)
+    with pytest.raises(InvalidRequestError, match="already there"):
+        LLM(model=folder, cpu_experts=1, progress=False)
+    with pytest.raises(InvalidRequestError, match="no mixture-of-experts"):
+        LLM(model=tiny_model_dir("llama"), dtype="bf16", cpu_experts=1, progress=False)
+    assert LLM(model=folder, dtype="bf16", cpu_experts=9, progress=False).cpu_experts == 4
+
+
+def test_host_experts_of_a_q8_0_gguf_are_its_blocks(converted):
+    """A Q8_0 file with --cpu-experts all on a bf16 model: every host expert multiplies
+    the file's own Q8_0 blocks on the CPU kernels (as the CPU road loads them), and the
+    tokens follow the file's default CPU road by the top-5 rule."""
+    _, path = converted("qwen3moe", "q8_0")
+    llm = LLM(model=path, dtype="bf16", cpu_experts="all", progress=False)
+    for block in llm.model.layers:
+        assert block.mlp.host
+        assert {(m.gate_up.quant.kind, m.down.quant.kind) for m in block.mlp.experts} == {
+            ("q8", "q8")
+        }
+    assert_generation_agrees(LLM(model=path, progress=False), llm, FRANCE, 16)
 
 
 def _drop(tensor):

@@ -132,6 +132,10 @@ def _memory_parser(sub: Any) -> None:
         help="memory for the cache (default: free RAM, or the GPU's free memory with --device)",
     )  # fmt: skip
     memory.add_argument("--device", default="cpu", help="cpu or cuda: whose free memory")
+    memory.add_argument("--cpu-experts", default="0", metavar="N",
+                        help="the routed experts of the first N expert layers in host memory "
+                        "(as kvlm generate --cpu-experts): left out of the device's weights "
+                        "and budget, said apart")  # fmt: skip
     _size_args(memory)
     memory.add_argument("--json", action="store_true", help="print the table as JSON")
     memory.add_argument("--plot", metavar="OUT.png",
@@ -395,6 +399,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
          "--max-context / the trained context, at least 1)", {"metavar": "F"}),
     )  # fmt: skip
     p.add_argument("--device", default="cpu", help="cpu, cuda or mps")
+    p.add_argument(
+        "--cpu-experts", default="0", metavar="N",
+        help="keep the routed experts of the first N mixture-of-experts layers in host "
+        "memory and run them on the CPU beside a GPU, as llama.cpp's --n-cpu-moe (the "
+        "router, the shared expert and the rest stay on --device); all: every layer; "
+        "0 (default): none",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--system", default=None, help="system prompt for the chat template")
     p.add_argument(
@@ -675,9 +686,9 @@ def _verify_numerics(args: argparse.Namespace) -> int:
 def cmd_memory(args: argparse.Namespace) -> int:
     from kvlm import defaults
     from kvlm.cache.factory import check_mode
-    from kvlm.cache.memory import parse_size, plan, table
+    from kvlm.cache.memory import parse_size, plan, table, weight_bytes
     from kvlm.dtypes import parse_dtype
-    from kvlm.llm import _check_device
+    from kvlm.llm import _check_device, _cpu_experts
     from kvlm.loading import load_model
 
     check_mode(args.kv)
@@ -693,6 +704,10 @@ def cmd_memory(args: argparse.Namespace) -> int:
     numerics = _generate_numerics(args, loaded, dtype, device)
     kv_dtypes = defaults.kv_dtypes(numerics, dtype)
     held = _held_weight_bytes(loaded, numerics.weights, dtype)
+    host, on_device = _host_experts(loaded, _cpu_experts(args.cpu_experts, config, device, dtype),
+                                    dtype)  # fmt: skip
+    if host:  # the device holds the rest: its budget is what is free less that
+        held = (weight_bytes(config, dtype) if held is None else held) - on_device
     p = plan(config, args.kv, context, args.batch, kv_dtypes, dtype, budget, device, held,
              **sizes)  # fmt: skip
     rows = table(config, context, args.batch, **sizes)
@@ -705,8 +720,26 @@ def cmd_memory(args: argparse.Namespace) -> int:
                                                                        held, loaded)  # fmt: skip
         x = config.experts
         weights += f", of which a token reads {_mib(read)} (its top {x.top_k} of {x.count} experts)"
+    if host:
+        record["host_expert_bytes"] = host
+        weights += f"; and {_mib(host)} of routed experts in host memory (--cpu-experts)"
     _print(args.json, record, _memory_report(config.name, p, rows, weights))
     return _no_picture(no_picture)
+
+
+def _host_experts(loaded: Any, n: int, dtype: Any) -> tuple[int, int]:
+    """The routed experts of the first n expert layers (--cpu-experts): their bytes in host
+    memory as the model loads them (a GGUF's low-bit stacks at their bytes in the file,
+    else fp32) and the bytes they would take on the device in `dtype`."""
+    config, source = loaded.config, loaded.weights
+    x, layers = config.experts, sorted(config.expert_layers)[:n]
+    params = len(layers) * x.count * 3 * config.hidden_size * x.intermediate if n else 0
+    host = params * 4
+    prefixes = tuple(f"model.layers.{i}.mlp.experts." for i in layers)
+    names = [name for name in source.names() if name.startswith(prefixes)]
+    if names and hasattr(source, "stored_bytes") and all(map(source.is_quantized, names)):
+        host = sum(source.stored_bytes(name) for name in names)
+    return host, params * dtype.itemsize
 
 
 def _read_per_token(config: Any, weights: int, held: int | None, loaded: Any) -> int:

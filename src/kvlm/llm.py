@@ -99,6 +99,7 @@ class LLM:
         speculative: SpeculativeConfig | str | None = None,
         rope_scaling: str | None = None,
         rope_scale: float | None = None,
+        cpu_experts: int | str = 0,
     ) -> None:
         """`weights`, `activations`, `prefill_dtype` and `kv_dtype` default to "auto" (None
         for kv_dtype): the fast path, resolved from the file and the CPU (kvlm.defaults);
@@ -110,7 +111,9 @@ class LLM:
         unchanged; not with kv="off", which keeps nothing to verify against).
         `max_context` past the model's trained context runs, with one warning, RoPE scaled
         by YaRN over it unless `rope_scaling` ("none", "linear", "yarn") and `rope_scale`
-        (the factor) say otherwise (kvlm.config.for_context)."""
+        (the factor) say otherwise (kvlm.config.for_context). `cpu_experts` (N, or "all"):
+        the routed experts of the first N expert layers kept in host memory and run on the
+        CPU kernels beside a GPU, as llama.cpp's --n-cpu-moe (kvlm.model.experts)."""
         self.speculative = _speculative_config(speculative, kv)
         _check_settings(kv, threads, prefill_chunk, weights, kv_dtype)  # before the slow load
         # None: the engine measures how many of torch's threads run fastest while it runs
@@ -156,6 +159,7 @@ class LLM:
         if past is not None:
             log.warning(past)
         self.cache_spec(kv)  # every cache setting checked before the weights load
+        self.cpu_experts = _cpu_experts(cpu_experts, self.config, self.device, self.dtype)
         self._drafters: dict[tuple[str, str | None], DraftModel] = {}  # see draft_model
         self._engine: Engine | None = None  # generate's batch engine, made on first use
         self.progress = progress
@@ -173,7 +177,7 @@ class LLM:
         numerics = ModelNumerics(self.prefill_dtype, self.activations,
                                  self.numerics.attention_bf16_from)  # fmt: skip
         return Transformer(self.config, self.loaded.weights, self.dtype, self.device,
-                           self.progress, self.weights, numerics)  # fmt: skip
+                           self.progress, self.weights, numerics, self.cpu_experts)  # fmt: skip
 
     @property
     def model_name(self) -> str:
@@ -426,6 +430,32 @@ def _check_device(device: str) -> torch.device:
     if dev.type not in ("cpu", "cuda", "mps"):
         raise InvalidRequestError(f"unsupported device {device!r} (cpu, cuda, mps)")
     return dev
+
+
+def _cpu_experts(value: int | str, config, device: torch.device, dtype: torch.dtype) -> int:
+    """How many expert layers keep their routed experts in host memory (--cpu-experts N:
+    the first N; "all", or N past the count: every one; 0: none), or one clear error."""
+    layers = len(config.expert_layers)
+    if value == "all":
+        return layers
+    try:
+        n = operator.index(int(value) if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        raise InvalidRequestError(f"--cpu-experts takes a count of layers or 'all', not "
+                                  f"{value!r}", param="cpu_experts") from None  # fmt: skip
+    if n < 0:
+        raise InvalidRequestError(f"--cpu-experts {n}: a count of layers is >= 0",
+                                  param="cpu_experts")  # fmt: skip
+    if n and not layers:
+        raise InvalidRequestError("--cpu-experts: this model has no mixture-of-experts layers",
+                                  param="cpu_experts")  # fmt: skip
+    if n and device.type == "cpu" and dtype == torch.float32:
+        raise InvalidRequestError(
+            "--cpu-experts keeps experts in host memory beside a GPU (or a model in another "
+            "dtype); on the CPU in fp32 every expert is already there",
+            param="cpu_experts",
+        )
+    return min(n, layers)
 
 
 def _speculative_config(

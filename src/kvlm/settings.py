@@ -23,7 +23,8 @@ def model_from_args(args: argparse.Namespace, **settings: Any):
 
     numerics = ("weights", "prefill_dtype", "activations", "exact", "max_context")
     rope = ("rope_scaling", "rope_scale")
-    flags = {k: getattr(args, k) for k in ("model", "dtype", "device", "threads", *numerics, *rope)}
+    own = ("model", "dtype", "device", "cpu_experts", "threads")
+    flags = {k: getattr(args, k) for k in (*own, *numerics, *rope)}
     flags["kv_dtype"] = kv_dtype_of(args)
     return LLM(**(flags | settings), progress=sys.stderr.isatty())
 

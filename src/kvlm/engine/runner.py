@@ -107,8 +107,10 @@ class ModelRunner:
         self._fused: dict[int, fused.FusedDecoder] = {}
         self.fused_rows = 0  # rows the fused step has decoded (/metrics: fused_rows)
         # On a GPU, decode steps replay CUDA graphs (kvlm.model.graphs) over the caches and
-        # pools they read: one layer group (GraphDecoder.accepts, _on_pool)
-        on = graphs.enabled(model.device)
+        # pools they read: one layer group (GraphDecoder.accepts, _on_pool); not for a
+        # model whose step cannot be captured (graphs_reason: graphs.why_not)
+        self.graphs_reason = graphs.why_not(model)
+        on = graphs.enabled(model.device) and self.graphs_reason is None
         self.graphs = graphs.GraphDecoder(model) if on else None
         # A step's prompt chunks and decode rows in one ragged forward: on a GPU (one
         # launch per op for the whole step), unless KVLM_ONE_FORWARD=0; the CPU keeps a

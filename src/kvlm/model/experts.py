@@ -18,6 +18,12 @@ so the exact path follows its sums term by term. Each expert is kvlm's gated MLP
 rows routed to it (its products' rows are their own: the same bits for a row however many
 share the expert), under the numerics of the rows the block was given: decoded rows stay
 decoded rows when they are gathered (kvlm.model.layers.feeding_prompt).
+
+Experts in host memory (`host`, --cpu-experts: llama.cpp's --n-cpu-moe) beside a model on
+a GPU (or in another dtype on the CPU): the router and the shared expert run where the
+model runs; the chosen experts, their weights and the rows (fp32) go to the host once per
+layer, each chosen expert runs there on the CPU kernels over its rows (the same bits for a
+row in any batch, as on the CPU road), their weighted sum comes back in the model's dtype.
 """
 
 from __future__ import annotations
@@ -44,7 +50,10 @@ class Experts(nn.Module):
         shared: MLP | None = None,
         shared_gate: Linear | None = None,
         shared_gate_weight: torch.Tensor | None = None,
+        host: bool = False,
     ) -> None:
+        """`host`: the routed experts live in host memory, fp32 or low-bit blocks on the
+        CPU, whatever the model's device and dtype."""
         super().__init__()
         if len(experts) != config.count or router.out_features != config.count:
             raise ValueError(f"{len(experts)} experts and a router of {router.out_features} "
@@ -59,6 +68,7 @@ class Experts(nn.Module):
         self.shared, self.shared_gate = shared, shared_gate
         # the gate's weights as they are (the fused C step reads them): (hidden,), or None
         self.shared_gate_weight = shared_gate_weight
+        self.host = host
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row of x (N, hidden): its experts (N, top_k), the higher weight first,
@@ -96,15 +106,28 @@ class Experts(nn.Module):
         flat = x.reshape(-1, shape[-1])
         with feeding_prompt(role):
             chosen, weights = self.route(flat)
-            weights = weights.to(x.dtype)
-            out = torch.zeros_like(flat)
-            for e in torch.unique(chosen).tolist():  # ascending
-                rows, slot = torch.where(chosen == e)
-                y = self.experts[e](flat[rows].unsqueeze(0))[0]
-                out.index_add_(0, rows, y * weights[rows, slot, None])
+            if (
+                self.host
+            ):  # one hop each way: (N, hidden) fp32 and (N, top_k) there, (N, hidden) back
+                cpu = torch.device("cpu")
+                rows = flat.to(cpu, torch.float32)
+                out = self._routed(rows, chosen.to(cpu), weights.to(cpu, torch.float32))
+                out = out.to(flat.device, flat.dtype)
+            else:
+                out = self._routed(flat, chosen, weights.to(x.dtype))
             if self.shared is not None:  # routed + sigmoid(gate) * shared, as transformers
                 y = self.shared(flat.unsqueeze(0))[0]
                 if self.shared_gate is not None:
                     y = torch.sigmoid(self.shared_gate(flat.to(self.router_dtype))).to(y.dtype) * y
                 out = out + y
         return out.view(shape)
+
+    def _routed(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor):
+        """The routed experts' weighted outputs (N, hidden) in flat's dtype and device:
+        each chosen expert once over its rows, added in ascending expert order."""
+        out = torch.zeros_like(flat)
+        for e in torch.unique(chosen).tolist():  # ascending (a read on the host: no graph)
+            rows, slot = torch.where(chosen == e)
+            y = self.experts[e](flat[rows].unsqueeze(0))[0]
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        return out

@@ -39,6 +39,7 @@ import torch
 
 from kvlm.cache.base import KVCache, visible
 from kvlm.cache.storage import Store
+from kvlm.model.experts import Experts
 
 log = logging.getLogger("kvlm.graphs")
 
@@ -47,12 +48,21 @@ MIN_KEYS = 128  # the smallest key bucket of a contiguous cache
 # without CUDA graphs: a graph's step reads one store through one table per row, every
 # layer with one window (the fused step reads each group through a view of its own)
 ONE_GROUP = "the CUDA graphs read one store and one block table per row: one layer group"
+# why a model with a mixture of experts decodes without CUDA graphs: its layers read which
+# experts the router chose on the host (torch.unique(...).tolist(), and with --cpu-experts
+# the hop to the host's experts), a sync no graph can hold
+EXPERTS = "the experts' routing reads the chosen experts on the host: not capturable"
 MAX_ROWS = 256  # batches of more rows run eagerly (a graph per power of two up to this)
 
 
 def enabled(device: torch.device) -> bool:
     """CUDA graphs for this device: on CUDA unless KVLM_CUDA_GRAPHS=0."""
     return device.type == "cuda" and os.environ.get("KVLM_CUDA_GRAPHS", "1") != "0"
+
+
+def why_not(model: torch.nn.Module) -> str | None:
+    """None when a decode step of `model` can be captured, else why not (EXPERTS)."""
+    return EXPERTS if any(isinstance(m, Experts) for m in model.modules()) else None
 
 
 def bucket(n: int, low: int, high: int) -> int:

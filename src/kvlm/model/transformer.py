@@ -119,6 +119,7 @@ class Transformer(nn.Module):
         progress: bool = True,
         weight_format: str | None = None,
         numerics: ModelNumerics | None = None,
+        cpu_experts: int = 0,
     ) -> None:
         """`numerics`: how the products and the prompt's attention round (fp32 without),
         handed to each layer as it is built; the runner reads them here (`numerics`).
@@ -128,14 +129,17 @@ class Transformer(nn.Module):
         Q5_1, Q4_K, Q5_K and Q6_K blocks as stored (q|k|v and gate|up of different types
         as parts of their own kinds; other quantized types as int8, named in a warning,
         float tensors as `dtype`). The embedding table stays in `dtype` (one row per
-        token)."""
+        token). `cpu_experts`: the routed experts of the first that many expert layers
+        kept in host memory and run on the CPU (`host_experts`; Experts' `host`)."""
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
         self.numerics = numerics or ModelNumerics()
+        # the layers whose routed experts live in host memory (--cpu-experts)
+        self.host_experts = frozenset(sorted(config.expert_layers)[:cpu_experts])
         loader = _WeightTaker(weights, config, dtype, self.device, progress, weight_format,
-                              self.numerics)  # fmt: skip
+                              self.numerics, self.host_experts)  # fmt: skip
         capacity = _arena_capacity(weights) if weight_format in quant.PACKED_FORMATS else 0
         arena = quant.packing_on_huge_pages(capacity) if capacity else nullcontext()
         with loader, freed_memory_returned(), arena as packed_in:
@@ -391,6 +395,7 @@ class _WeightTaker:
     progress: bool
     weight_format: str | None = None
     numerics: ModelNumerics = field(default_factory=ModelNumerics)  # a block's products
+    host_experts: frozenset[int] = frozenset()  # layers whose routed experts stay on the host
 
     def __post_init__(self) -> None:
         self.available = set(self.weights.names())
@@ -578,8 +583,10 @@ class _WeightTaker:
         c, p = self.config, p or f"model.layers.{i}"
         # a multi-token-prediction head's block takes the model's FFN kind (a mixture of
         # experts' model: its head's block routes through experts too)
-        routed = i in c.expert_layers if p.startswith("model.") else bool(c.expert_layers)
-        mlp = self.experts(p) if routed else self._gated_mlp(f"{p}.mlp")
+        layer = p.startswith("model.")
+        routed = i in c.expert_layers if layer else bool(c.expert_layers)
+        host = layer and i in self.host_experts
+        mlp = self.experts(p, host) if routed else self._gated_mlp(f"{p}.mlp")
         names = ["input_layernorm", "post_attention_layernorm", *out_norms(c)]
         block = Block(mixer.pop("attn", None), mlp, *(self.norm(f"{p}.{n}") for n in names),
                       residual_scale=c.residual_scale, **mixer)  # fmt: skip
@@ -588,13 +595,15 @@ class _WeightTaker:
         self.weights.release()
         return block
 
-    def experts(self, p: str) -> Experts:
+    def experts(self, p: str, host: bool = False) -> Experts:
         """A mixture of experts (kvlm.model.experts) of tensors `p`.mlp.*: the router, its
         weights and products fp32 (fp64 in an fp64 model) whatever the weights' format,
         as llama.cpp's quantizer leaves ffn_gate_inp (its logits pick the experts),
         and each expert's gate|up and down, from one tensor an expert or from every
-        expert's stacked (llama.cpp's `ffn_*_exps`: each expert's rows of its blocks)."""
-        c, x = self.config, self.config.experts
+        expert's stacked (llama.cpp's `ffn_*_exps`: each expert's rows of its blocks).
+        `host`: the routed experts in host memory as the CPU road loads them (`_on_host`),
+        the router and the shared expert where the rest of the model is."""
+        x = self.config.experts
         router, w = self._fp32_linear(f"{p}.mlp.gate.weight")
         shared = gate = g = None
         if x.shared:  # the shared expert, and its gate's (1, hidden) product in fp32
@@ -602,10 +611,29 @@ class _WeightTaker:
         if x.shared_gate:
             gate, g = self._fp32_linear(f"{p}.mlp.shared_expert_gate.weight")
             g = g.reshape(-1).contiguous()
+        with self._on_host() if host else nullcontext():
+            mlps = self._routed_experts(p)
+        return Experts(x, router, mlps, w, shared, gate, g, host=host)
+
+    @contextmanager
+    def _on_host(self) -> Iterator[None]:
+        """What loads inside is loaded as the CPU road loads it (--cpu-experts): on the
+        CPU, the file's own blocks where the kernels multiply them (quant.Blocks, any
+        --weights), else fp32, products in fp32; never on the model's device."""
+        saved = self.device, self.dtype, self.weight_format, self.numerics
+        self.device, self.dtype = torch.device("cpu"), torch.float32
+        self.weight_format, self.numerics = "native", ModelNumerics()
+        try:
+            yield
+        finally:
+            self.device, self.dtype, self.weight_format, self.numerics = saved
+
+    def _routed_experts(self, p: str) -> list[MLP]:
+        """Each routed expert's gated MLP of `p`.mlp.experts."""
+        c, x = self.config, self.config.experts
         stacks = (f"{p}.mlp.experts.{n}.weight" for n in ("gate_proj", "gate_up_proj"))
         if not any(n in self.available for n in stacks):  # one tensor an expert
-            mlps = [self._gated_mlp(f"{p}.mlp.experts.{e}") for e in range(x.count)]
-            return Experts(x, router, mlps, w, shared, gate, g)
+            return [self._gated_mlp(f"{p}.mlp.experts.{e}") for e in range(x.count)]
         names = [f"{p}.mlp.experts.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
         fused = f"{p}.mlp.experts.gate_up_proj.weight"  # every expert's gate|up one stack
         if fused in self.available:
@@ -614,10 +642,9 @@ class _WeightTaker:
             gate_, up = (self._each_expert(n, x.count) for n in names[:2])
             gate_up = [[a, b] for a, b in zip(gate_, up, strict=True)]
         down = self._each_expert(names[2], x.count)
-        mlps = [MLP(self._expert_linear(gate_up[e], names[0]),
+        return [MLP(self._expert_linear(gate_up[e], names[0]),
                     self._expert_linear([down[e]], names[2]), c.activation)
                 for e in range(x.count)]  # fmt: skip
-        return Experts(x, router, mlps, w, shared, gate, g)
 
     def _shared_expert(self, p: str) -> MLP:
         """A mixture's shared expert: `mlp.shared_expert.*`, or where the file names none,
