@@ -18,7 +18,7 @@ set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-phases=${*:-tests bench serve moe}
+phases=${*:-tests bench moe serve}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests:$PWD/benchmarks PYTHONUNBUFFERED=1
@@ -43,7 +43,7 @@ for phase in $phases; do
     echo "== $phase $(date -u +%T)"
     case $phase in
     tests)
-        timeout 300 python3 -m pytest -q -p no:cacheprovider --durations=20 tests/test_gpu.py \
+        timeout 220 python3 -m pytest -q -p no:cacheprovider --durations=20 tests/test_gpu.py \
             2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     bench)
         models
@@ -55,16 +55,22 @@ torch.cuda.synchronize(); s, e = torch.cuda.Event(True), torch.cuda.Event(True)
 s.record(); [y.copy_(x) for _ in range(20)]; e.record(); torch.cuda.synchronize()
 print('plain copy GB/s (read + write)', round(2 * 20 * 2**30 / (s.elapsed_time(e) / 1e3) / 1e9))
 " 2>&1 | tee "$OUT/bench.log"
-        timeout 240 python3 benchmarks/bench_gpu.py --no-hf --roads one --streams 1,8,64 \
+        timeout 130 python3 benchmarks/bench_gpu.py --no-hf --roads one --streams 1,8,64 \
             --profile 64 /tmp/smol.gguf /tmp/q05.gguf /tmp/lfm2.gguf 2>&1 | tee -a "$OUT/bench.log" ;;
     serve)
         models
-        timeout 200 python3 benchmarks/bench_serve.py --phases streams --streams 1,8,64 \
+        timeout 100 python3 benchmarks/bench_serve.py --phases streams --streams 1,8,64 \
             --requests 2 --max-tokens 128 --threads 8 --json "$OUT/serve.json" --serve-args \
             "--model /tmp/q05.gguf --device cuda --dtype bf16 --max-num-seqs 64 --max-waiting 128" \
             2>&1 | tee "$OUT/serve.log" ;;
     moe)
-        timeout 240 python3 benchmarks/bench_gpu.py --moe 2>&1 | tee "$OUT/moe.log" ;;
+        python3 -c "
+from pathlib import Path
+from kvlm.bench.models import write_model
+out = Path('/tmp/moe8l.gguf')
+out.exists() or write_model('qwen3-30b-a3b-8l', 'Q8_0', out, Path('.devmodels/tok.gguf'))"
+        timeout 175 python3 benchmarks/bench_gpu.py --moe /tmp/moe8l.gguf --moe-seconds 150 \
+            2>&1 | tee "$OUT/moe.log" ;;
     esac
 done
 echo "== done $(date -u +%T)"

@@ -363,6 +363,18 @@ FAMILIES = {
     "qwen3_moe": ("qwen3_moe", 40, {"tokenizer": "qwen35"}),
     "qwen3_5_moe": ("qwen3_5_moe", 50, {"tokenizer": "qwen35"}),
 }
+
+
+# The dtype the families' tests run in on the device: bf16 (serving's), but fp32 for the
+# experts' families. A random router's near ties flip under any rounding, and a flip moves
+# the logits by a whole expert: on the tiny Qwen3.5-MoE, transformers' own bf16 forward
+# picks another first token than its fp32 one (top 89 against 133; kvlm's bf16 on the CPU
+# 50, the GPU's 90), and routers sharpened 4, 8 or 16 times still diverge from fp32 within
+# 0-5 tokens; bf16 holds no bound there worth testing. fp32 on both sides does.
+def family_dtype(name: str) -> str:
+    return "fp32" if "moe" in FAMILIES[name][0] else "bf16"
+
+
 LONG = " ".join(["red green blue yellow"] * 8)  # n-gram drafts find their tokens
 
 
@@ -401,13 +413,15 @@ def mode_reference(
     if mode == "off":  # no cache to feed: the teacher-forced logits (the oracle)
         return tokens, cpu.runner.logits(ids + tokens[:-1], cpu.new_cache("off"))[-n:].float()
     cache = cpu.new_cache(mode)
-    logits = [cpu.runner.forward(ids, cache)[-1]]
-    logits += [cpu.runner.forward([t], cache)[-1] for t in tokens[:-1]]
+    logits = [cpu.runner.forward(ids, cache)]  # (V,): the last row's
+    logits += [cpu.runner.forward([t], cache) for t in tokens[:-1]]
     return tokens, torch.stack(logits).float()
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [(n, d) for n in FAMILIES for d in sorted({"fp32", family_dtype(n)})],
+)
 def test_every_family_follows_the_cpu_in_every_mode(family, name, dtype):
     """Each family's greedy tokens in every cache mode by the top-5 rule against the CPU's
     in the same mode and dtype, and prompts fed in chunks of 3 against the CPU's one shot:
@@ -437,23 +451,35 @@ def engine_answers(llm, prompts: list[list[int]], n: int, **config) -> tuple[dic
     return staggered_answers(engine, prompts, params), engine
 
 
-def assert_follows(got: list, reference: tuple[list[int], torch.Tensor]) -> None:
-    assert_greedy_agreement([t for t, _ in got], [top for _, top in got], *reference)
+def assert_follows(got: list, reference: tuple[list[int], torch.Tensor], exact=None) -> None:
+    """`got` (token, its top 5) by the top-5 rule against `reference`, or else against
+    `exact` (the CPU's fp32 answer, where `reference` is its bf16 one): bf16 rounds one way
+    on a GPU and another on the CPU, and either may part from the other where fp32 holds
+    (on the H200, 2026-11-30, the tiny Qwen3.5's engine in bf16 took fp32's token at step 7
+    of a prompt, 213, where the CPU's bf16 takes 118, outside each other's top 5)."""
+    ours, tops = [t for t, _ in got], [top for _, top in got]
+    try:
+        assert_greedy_agreement(ours, tops, *reference)
+    except AssertionError:
+        if exact is None:
+            raise
+        assert_greedy_agreement(ours, tops, *exact)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_every_family_on_the_engine_follows_the_cpu(family, name):
-    """The server's engine on the device in bf16: prompts in chunks of 4 arriving while
+    """The server's engine on the device (family_dtype): prompts in chunks of 4 arriving while
     others decode, then a second turn that extends the longest prompt and its answer, from
     the pool's prefix (where the family has a state, from its snapshot): greedy tokens by
-    the top-5 rule against the CPU's in bf16, every block back."""
-    folder = family(name)
-    cpu = on_cpu(folder, "bf16")
+    the top-5 rule against the CPU's in that dtype, every block back."""
+    folder, dtype = family(name), family_dtype(name)
+    cpu = on_cpu(folder, dtype)
     prompts = [cpu.tokenizer.encode(p) for p in [*PROMPTS, LONG]]
-    got, engine = engine_answers(on_device(folder, dtype="bf16"), prompts, N)
+    got, engine = engine_answers(on_device(folder, dtype=dtype), prompts, N)
     assert engine.pool.num_used == 0
     for i, prompt in enumerate([*PROMPTS, LONG]):
-        assert_follows(got[str(i)], mode_reference(folder, "off", prompt, N, "bf16"))
+        assert_follows(got[str(i)], mode_reference(folder, "off", prompt, N, dtype),
+                       mode_reference(folder, "off", prompt, N, "fp32"))  # fmt: skip
     turn = prompts[-1] + [t for t, _ in got[str(len(PROMPTS))]] + prompts[-1][:9]
     hits = engine.manager.stats.hits
     params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=5)
@@ -469,11 +495,10 @@ def test_every_family_drafts_and_rolls_back_on_the_device(family, name):
     states kept at each draft row, the rejected rows rolled back): the model's own file as
     its draft (most drafts accepted) and another model of the family (most rejected);
     greedy tokens by the top-5 rule against the CPU's plain decoding, every block back."""
-    folder = family(name)
-    n = 24
-    reference = mode_reference(folder, "off", LONG, n, "bf16")
+    folder, dtype, n = family(name), family_dtype(name), 24
+    reference = mode_reference(folder, "off", LONG, n, dtype)
     own = SpeculativeConfig("draft", num_draft=4)
-    assert_generation_agrees(None, on_device(folder, dtype="bf16", speculative=own), LONG, n,
+    assert_generation_agrees(None, on_device(folder, dtype=dtype, speculative=own), LONG, n,
                              reference)  # fmt: skip
     arch, seed, overrides = FAMILIES[name]
     other = save_tiny_model(folder.parent / "other", arch, seed=seed + 100, **overrides)
@@ -481,7 +506,7 @@ def test_every_family_drafts_and_rolls_back_on_the_device(family, name):
         sharpen_routers(other)
     for spec in (own, SpeculativeConfig("draft", num_draft=4, draft_model=str(other))):
         ids = on_cpu(folder).tokenizer.encode(LONG)
-        got, engine = engine_answers(on_device(folder, dtype="bf16"), [ids], n, speculative=spec)
+        got, engine = engine_answers(on_device(folder, dtype=dtype), [ids], n, speculative=spec)
         st = engine.stats.spec
         assert st.drafted > 0 and engine.pool.num_used == 0, st
         assert_follows(got["0"], reference)
@@ -530,7 +555,8 @@ def test_experts_in_host_memory_follow_the_cpu(family, n):
     (KVLM_TEST_GPU_DEVICE=cpu) the model runs in bf16 so the hop runs."""
     folder = family("qwen3_moe")
     ref = on_cpu(folder)
-    llm = on_device(folder, dtype="bf16", cpu_experts=n)
+    # fp32 on the GPU (family_dtype); on the CPU bf16, so that the hop runs at all
+    llm = on_device(folder, dtype="bf16" if DEVICE == "cpu" else "fp32", cpu_experts=n)
     device = torch.device(DEVICE).type
     moes = [block.mlp for block in llm.model.layers]
     host = 2 if n == 2 else len(moes)

@@ -205,7 +205,7 @@ class MtpDrafter:
         from kvlm.cache import create_cache
         from kvlm.model.mtp import head_spec
 
-        spec = head_spec(self.model.config, self.max_tokens, self.model.dtype)
+        spec = head_spec(self.model.config, self.max_tokens, self.model.dtype, self.model.device)
         return create_cache("contiguous", spec)
 
     def record(self, seq, start: int, rows) -> None:

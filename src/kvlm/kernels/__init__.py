@@ -485,6 +485,21 @@ def _built_for(path: Path) -> str:
         return ""
 
 
+def _build_with_fallback(cc: str, flags: tuple[str, ...]) -> Path:
+    """_build with `flags`; where that fails and they hold PARALLEL, the build without it
+    (one key each, so later starts find the failure noted and the plain build kept). A gcc
+    whose link-time optimizer cannot run (no lto-wrapper, no plugin: a CUDA image's gcc
+    did exactly that) still gets its kernels."""
+    try:
+        return _build(cc, flags)
+    except KernelBuildError as exc:
+        plain = tuple(f for f in flags if f not in PARALLEL)
+        if plain == flags:
+            raise
+        log.warning("building the C kernels without %s: %s", " ".join(PARALLEL), exc)
+        return _build(cc, plain)
+
+
 @cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None (see `status()`)."""
@@ -500,7 +515,7 @@ def library() -> ctypes.CDLL | None:
         _outcome.reason = "no C compiler found (set CC, or install gcc)"
         return None
     try:
-        path = _build(cc, _flags(cc))
+        path = _build_with_fallback(cc, _flags(cc))
     except (OSError, subprocess.SubprocessError) as exc:  # a KernelBuildError in its own words
         _outcome.reason = str(exc) if isinstance(exc, KernelBuildError) else f"build failed: {exc}"
         return None

@@ -28,12 +28,17 @@ from kvlm.model.layers import Linear, RMSNorm
 
 
 def head_spec(
-    config: ModelConfig, max_tokens: int, dtype: torch.dtype = torch.float32
+    config: ModelConfig,
+    max_tokens: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> CacheSpec:
     """The spec of an MTP head's own cache: a layer of the model's attention geometry a
-    block (its K/V of positions 0..t: one sequence's, `max_tokens` of them)."""
+    block (its K/V of positions 0..t: one sequence's, `max_tokens` of them), on the
+    model's device."""
     return CacheSpec(num_layers=config.mtp_layers, num_kv_heads=config.num_kv_heads,
-                     head_dim=config.head_dim, max_tokens=max_tokens, dtype=dtype)  # fmt: skip
+                     head_dim=config.head_dim, max_tokens=max_tokens, dtype=dtype,
+                     device=torch.device(device))  # fmt: skip
 
 
 class MtpHead(nn.Module):

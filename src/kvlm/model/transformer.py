@@ -319,6 +319,9 @@ class Transformer(nn.Module):
         the next draft's `hidden`). Products as the model's: prompt rows where T > 1."""
         if self.mtp is None:
             raise UnsupportedModelError("this model file carries no multi-token-prediction head")
+        # the drafter's ids and positions are made on the host: the head runs where the
+        # model does (a GPU's)
+        next_ids, positions = next_ids.to(self.device), positions.to(self.device)
         with feeding_prompt(next_ids.shape[-1] > 1):
             cos, sin, _ = self._ropes(self.rope, positions, None, hidden.dtype)
             normed = self.mtp(self.embed(next_ids), hidden, cos, sin, kv, step)
