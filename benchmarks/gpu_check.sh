@@ -7,7 +7,15 @@
 # dependencies and transformers as cp312 wheels: the machine has no network) and
 # .devmodels/tok.gguf (the default model's tokenizer alone, for random-weight files of
 # real shapes written there by kvlm.bench.models.write_model). Logs go to $OUT (the
-# device tool's folder), else ./gpu-out.
+# device tool's folder), else ./gpu-out. To make them, in the repository (both ignored):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     fastapi starlette pydantic pydantic_core uvicorn llguidance gguf openai jiter distro \
+#     sniffio jsonschema jsonschema-specifications referencing rpds-py annotated-types \
+#     typing-inspection transformers opentelemetry-api httpx2 httpcore2 truststore idna \
+#     typing_extensions anyio regex      (the versions of this venv's `pip list`)
+#   python -c "...kvlm.bench.models._copy_tokenizer(gguf.GGUFWriter('.devmodels/tok.gguf',
+#     'llama'), <the default model's file>, 49152)..." (write the header, kv data, close)
 #   tests: tests/test_gpu.py (every family, cache mode and road on the device)
 #   bench: benchmarks/bench_gpu.py on the SmolLM2-135M, Qwen2.5-0.5B and LFM2-350M shapes
 #          (single stream, engine at 1/8/64 streams, one forward a step; a profile of
