@@ -356,10 +356,13 @@ class ConvSlots(Slots):
         self.rows[:, dst * ring : (dst + 1) * ring] = self.rows[:, src * ring : (src + 1) * ring]
         self.end[dst], self.first[dst] = self.end[src], self.first[src]
 
-    def _ring(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
-        """Rows of `slot` holding `positions` (the zero row for those before 0)."""
+    def _ring(self, slot: int, positions: torch.Tensor, host: bool = False) -> torch.Tensor:
+        """Rows of `slot` holding `positions` (the zero row for those before 0), on the
+        rows' device; `host`: where `positions` are (a pool step joins a step's indices on
+        the host and moves them once: a copy a sequence, on a GPU, held its step up)."""
         rows = slot * self.ring + positions % self.ring
-        return torch.where(positions >= 0, rows, self.zero_row).to(self.rows.device)
+        rows = torch.where(positions >= 0, rows, self.zero_row)
+        return rows if host else rows.to(self.rows.device)
 
     # ------------------------------------------------------------------ prefix hits
 
@@ -467,7 +470,7 @@ class SlotStep:
         offset = n_seq * r  # buf's row of the first token's u
         for s, (slot, start, n, table) in enumerate(self.seqs):
             _check(slots, slot, start)
-            before.append(slots._ring(slot, torch.arange(start - r, start)))
+            before.append(slots._ring(slot, torch.arange(start - r, start), host=True))
 
             def at(q: torch.Tensor, s=s, start=start, offset=offset) -> torch.Tensor:
                 """buf's rows of positions q of sequence s (q >= start - (L - 1))."""
@@ -476,7 +479,7 @@ class SlotStep:
             rel = torch.arange(start, start + n)
             taps.append(torch.stack([at(rel - r + k) for k in range(r + 1)]))
             kept = torch.arange(max(start, start + n - slots.ring), start + n)
-            ring.append(slots._ring(slot, kept))
+            ring.append(slots._ring(slot, kept, host=True))
             ring_src.append(at(kept))
             if slots.holds_ends:
                 bs = slots.block_size
