@@ -408,6 +408,32 @@ def prompt_ids(llm, n: int = 40) -> list[int]:
     return ids
 
 
+def hf64(folder: Path):
+    """transformers' model of `folder` in fp64 (a mixture's experts one at a time: its
+    grouped product runs fp32 and bf16 only)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64,
+                                                experts_implementation="eager").eval()  # fmt: skip
+
+
+def assert_greedy_follows_hf(folder: Path, n: int = 32) -> None:
+    """n greedy tokens after FRANCE: in fp64 transformers' fp64 tokens (`hf64`); by
+    default (fp32) the top-5 rule against its fp32."""
+    from kvlm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
+    fp64 = LLM(model=folder, kv="off", dtype="fp64", progress=False)
+    ids = fp64.tokenizer.encode(FRANCE)
+    out = fp64.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    assert out.token_ids == hf_greedy(hf64(folder), ids, n)[0]
+    llm = LLM(model=folder, progress=False)
+    out = llm.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    ref_ids, ref_logits = hf_greedy(load_hf(folder), ids, n)
+    assert_greedy_agreement(out.token_ids, [list(lp.top) for lp in out.logprobs], ref_ids,
+                            ref_logits)  # fmt: skip
+
+
 def load_hf(folder: Path):
     from transformers import AutoModelForCausalLM
 
