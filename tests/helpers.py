@@ -262,6 +262,21 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
             layer_types=["conv", "full_attention", "conv", "full_attention"],
             rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         )  # fmt: skip
+    elif arch == "lfm2_moe":
+        from transformers import Lfm2MoeConfig
+
+        # LFM2's four layers with a dense MLP of 128 in layer 0, then 8 experts of 64, the
+        # top 2 by sigmoid score + the selection bias (save_tiny_model randomises it),
+        # renormalised and times 1.5
+        common["num_hidden_layers"] = 4
+        cfg = Lfm2MoeConfig(
+            **{k: v for k, v in common.items() if k != "rms_norm_eps"},
+            norm_eps=common["rms_norm_eps"], conv_L_cache=3, num_dense_layers=1,
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+            routed_scaling_factor=1.5, use_expert_bias=True, norm_topk_prob=True,
+            layer_types=["conv", "full_attention", "conv", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        )  # fmt: skip
     elif arch == "qwen3_5":
         from transformers import Qwen3_5TextConfig
 
@@ -356,8 +371,8 @@ def save_tiny_model(
 
 
 def _bump_norm_and_biases(model, seed: int) -> None:
-    """HF initialises norms to 1 and biases to 0; randomise them so a loader that drops or
-    misplaces one fails the comparison."""
+    """HF initialises norms to 1 and biases (a router's selection bias too) to 0; randomise
+    them so a loader that drops or misplaces one fails the comparison."""
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -365,6 +380,9 @@ def _bump_norm_and_biases(model, seed: int) -> None:
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():  # a router's selection bias (HF: zeros)
+            if name.endswith("expert_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=g))
 
 
 def hf_logits(folder_or_model, ids: list[int], dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -388,6 +406,32 @@ def prompt_ids(llm, n: int = 40) -> list[int]:
     ids = llm.tokenizer.encode(FRANCE * 8)[:n]
     assert len(ids) == n
     return ids
+
+
+def hf64(folder: Path):
+    """transformers' model of `folder` in fp64 (a mixture's experts one at a time: its
+    grouped product runs fp32 and bf16 only)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64,
+                                                experts_implementation="eager").eval()  # fmt: skip
+
+
+def assert_greedy_follows_hf(folder: Path, n: int = 32) -> None:
+    """n greedy tokens after FRANCE: in fp64 transformers' fp64 tokens (`hf64`); by
+    default (fp32) the top-5 rule against its fp32."""
+    from kvlm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
+    fp64 = LLM(model=folder, kv="off", dtype="fp64", progress=False)
+    ids = fp64.tokenizer.encode(FRANCE)
+    out = fp64.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    assert out.token_ids == hf_greedy(hf64(folder), ids, n)[0]
+    llm = LLM(model=folder, progress=False)
+    out = llm.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    ref_ids, ref_logits = hf_greedy(load_hf(folder), ids, n)
+    assert_greedy_agreement(out.token_ids, [list(lp.top) for lp in out.logprobs], ref_ids,
+                            ref_logits)  # fmt: skip
 
 
 def load_hf(folder: Path):

@@ -23,8 +23,10 @@ from helpers import (
     POOL_PROMPTS,
     assert_generation_agrees,
     assert_greedy_agreement,
+    assert_greedy_follows_hf,
     fed,
     gguf_as_folder,
+    hf64,
     hf_greedy,
     load_hf,
     on_pool,
@@ -57,15 +59,6 @@ def moe_dir(tmp_path_factory):
         return made[name]
 
     return make
-
-
-def hf64(folder):
-    """transformers' model in fp64 (its experts one at a time: its grouped product runs
-    fp32 and bf16 only)."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64,
-                                                experts_implementation="eager").eval()  # fmt: skip
 
 
 def exact_logits(folder, ids: list[int]) -> torch.Tensor:
@@ -173,16 +166,7 @@ def test_greedy_tokens_equal_hf(moe_dir):
     """32 greedy tokens: in fp64 transformers' fp64 tokens; by default (fp32) the top-5
     rule against its fp32."""
     folder = moe_dir("qwen3moe")
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
-    fp64 = LLM(model=folder, kv="off", dtype="fp64", progress=False)
-    ids = fp64.tokenizer.encode(FRANCE)
-    out = fp64.generate(prompt_token_ids=[ids], sampling_params=params)[0]
-    assert out.token_ids == hf_greedy(hf64(folder), ids, 32)[0]
-    llm = LLM(model=folder, progress=False)
-    out = llm.generate(prompt_token_ids=[ids], sampling_params=params)[0]
-    ref_ids, ref_logits = hf_greedy(load_hf(folder), ids, 32)
-    assert_greedy_agreement(out.token_ids, [list(lp.top) for lp in out.logprobs], ref_ids,
-                            ref_logits)  # fmt: skip
+    assert_greedy_follows_hf(folder)
 
 
 def test_the_router_and_the_experts_are_applied(moe_dir):

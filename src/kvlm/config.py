@@ -54,8 +54,10 @@ CONV_KERNEL = (2, 64)
 # A block's FFN: "mlp" the gated MLP, "experts" a mixture of gated MLPs a router picks from
 # for each token (kvlm.model.experts)
 FFNS = ("mlp", "experts")
-# how a router scores experts: "softmax" over every expert's logit, then the top k
-ROUTERS = ("softmax",)
+# how a router scores experts: "softmax" over every expert's logit, then the top k;
+# "sigmoid" of each logit, the top k by those scores plus a selection bias where the layer
+# has one (the bias chooses, the un-biased scores weigh)
+ROUTERS = ("softmax", "sigmoid")
 EXPERTS = (1, 1 << 12)  # experts in a layer
 
 
@@ -168,14 +170,22 @@ class Mamba2:
 class Experts:
     """A mixture-of-experts FFN (kvlm.model.experts): `count` gated MLPs of `intermediate`
     each, `top_k` of them a token, scored by `router` (ROUTERS), their weights divided by
-    their sum where `normalize` (transformers' norm_topk_prob); a shared expert of
-    `shared` beside them (0: none), gated by sigmoid(a product) where `shared_gate`."""
+    their sum where `normalize` (transformers' norm_topk_prob; plus `norm_eps` where the
+    family adds one to the sum), then times `scale` (routed_scaling_factor); a per-expert
+    selection bias (`selection_bias`: the tensor `mlp.expert_bias` of each expert layer)
+    added to the scores for choosing alone; a shared expert of `shared` beside them (0:
+    none), gated by sigmoid(a product) where `shared_gate`."""
 
     count: int
     top_k: int
     intermediate: int
     normalize: bool = True
     router: str = "softmax"
+    # the chosen scores' sum plus norm_eps divides them (where `normalize`), then times scale
+    norm_eps: float = 0.0
+    scale: float = 1.0
+    # a bias per expert added to the scores to choose the top k, not to weigh them
+    selection_bias: bool = False
     # a shared expert every token runs beside the routed ones (its intermediate size; 0:
     # none), its output times sigmoid(a gate's product) where `shared_gate`
     shared: int = 0
@@ -187,6 +197,9 @@ class Experts:
         value(self.intermediate, "an expert's intermediate size", int,
               *LIMITS["intermediate_size"], where=where)  # fmt: skip
         check_supported("expert router", self.router, ROUTERS)
+        value(self.norm_eps, "the experts' renormalisation epsilon", float, 0.0, 1.0, where=where)
+        value(self.scale, "the experts' weight scale", float, 0.0, 1e6, where=where,
+              open_low=True)  # fmt: skip
         value(self.shared, "the shared expert's intermediate size", int, 0,
               LIMITS["intermediate_size"][1], where=where)  # fmt: skip
         if self.shared_gate and not self.shared:

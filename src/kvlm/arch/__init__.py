@@ -3,7 +3,7 @@
 ModelConfig that family reads from the file.
 
 One module per family (llama.py: Llama, Mistral, Qwen2, Qwen3; gemma.py: Gemma 2 and 3;
-lfm2.py: LFM2; qwen35.py: Qwen3.5; granite.py: Granite 4.0-H; qwen3moe.py: Qwen3-MoE),
+lfm2.py: LFM2 and LFM2-MoE; qwen35.py: Qwen3.5; granite.py: Granite 4.0-H; qwen3moe.py: Qwen3-MoE),
 each imported here and nowhere else; a new family is a module and a line in FAMILIES
 (docs/ADDING_A_MODEL.md). Outside kvlm.arch, code reads the ModelConfig a family made
 and the `Family` fields (tensor names, folds, tokenizer quirks), never a family's name.

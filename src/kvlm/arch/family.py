@@ -21,7 +21,8 @@ adds its own (`gguf_names`, `gguf_globals`). A GGUF tensor that has no `.weight`
 (`blk.0.ssm_dt.bias`, the model's `linear_attn.dt_bias`), is named in `gguf_names`
 whole: the GGUF name after `blk.N.` -> the model's after `model.layers.N.`. A Hugging
 Face checkpoint whose names differ from the model's (a role named otherwise) says so in
-`hf_names` and `hf_globals`.
+`hf_names` (a key's `*` standing for an index: `experts.*.w1`, any expert's) and
+`hf_globals`.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ LAYER_NAMES = {
     "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
+    # a sigmoid router's selection bias (experts,): named whole (the model's has no .bias)
+    "exp_probs_b.bias": "mlp.expert_bias",
     # a shared expert beside them, and its gate
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
@@ -85,6 +88,7 @@ GLOBAL_NAMES = {
     "rope_freqs": "rope_freqs",
 }
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(\w+)")
+_INDEX = re.compile(r"\.(\d+)\.")  # an index inside a layer tensor's name (an expert's)
 
 # (the config, the model's name of a tensor, the tensor) -> the tensor the model takes
 Fold = Callable[[ModelConfig, str, torch.Tensor], torch.Tensor]
@@ -242,9 +246,8 @@ class Family:
         if stem in self.hf_globals:
             return f"{self.hf_globals[stem]}.{suffix}"
         m = _LAYER.fullmatch(name)
-        if m is None or m[2] not in self.hf_names:
-            return name
-        return f"model.layers.{m[1]}.{self.hf_names[m[2]]}.{m[3]}"
+        ours = None if m is None else _renamed(self.hf_names, m[2])
+        return name if ours is None else f"model.layers.{m[1]}.{ours}.{m[3]}"
 
     def to_hf_name(self, name: str) -> str:
         """The model's tensor name -> the checkpoint's (for messages)."""
@@ -253,11 +256,20 @@ class Family:
             if stem == ours:
                 return f"{theirs}.{suffix}"
         m = _LAYER.fullmatch(name)
-        if m is not None:
-            for theirs, ours in self.hf_names.items():
-                if m[2] == ours:
-                    return f"model.layers.{m[1]}.{theirs}.{m[3]}"
-        return name
+        theirs = None if m is None else _renamed({v: k for k, v in self.hf_names.items()}, m[2])
+        return name if theirs is None else f"model.layers.{m[1]}.{theirs}.{m[3]}"
+
+
+def _renamed(names: Mapping[str, str], stem: str) -> str | None:
+    """`names`' rename of a layer tensor's `stem`, where one key is the stem or, with its
+    first index segment as `*` (`experts.*.w1`: any expert's), stands for it; None: none."""
+    if stem in names:
+        return names[stem]
+    index = _INDEX.search(stem)
+    if index is None:
+        return None
+    key = f"{stem[: index.start()]}.*.{stem[index.end() :]}"
+    return names[key].replace("*", index[1], 1) if key in names else None
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -453,8 +453,9 @@ _SIGNATURES: dict[str, tuple[str, str]] = {
     "kvlm_mamba2": ("int", "pipipipppipidppipipipipiiiiii"),
     # conv.c: x, xn, xr, idx, in, L, N, C, w, wn, bias, bn, y, yn
     "kvlm_depthwise": ("int", "piipiiiipipipi"),
-    # experts.c: x, xn, M, H, router, rn, E, K, normalize, chosen, cn, w, wn, logits, ln
-    "kvlm_route": ("int", "piiipiiiipipipi"),
+    # experts.c: x, xn, M, H, router, rn, E, K, normalize, kind, bias, bn, eps, scale,
+    # chosen, cn, w, wn, logits, ln
+    "kvlm_route": ("int", "piiipiiiiipiddpipipi"),
     # decode.c
     "kvlm_decode_scratch": ("int64", "pi"),  # m, B
     # m, B, x, xn, pos, pn, cos, cn, sin, sn, views, n_views, convs, n_convs, states,

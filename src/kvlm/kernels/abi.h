@@ -10,7 +10,7 @@
 #define KVLM_ABI_H
 #include <stdint.h>
 
-#define KVLM_ABI 37 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
+#define KVLM_ABI 38 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
 
 /* the limits (fused.py: MAX_HEAD_DIM, MAX_ROWS, QMAT_PARTS; quant.py: BLOCK_ROWS, SMALL_M) */
 #define BR 16         /* weight rows per block: one per 32-bit vector lane */
@@ -35,6 +35,10 @@ enum {
     ACT_QKV = 1, ACT_O = 2, ACT_GATE_UP = 4, ACT_DOWN = 8, ACT_HEAD = 16, ACT_CONV_IN = 32,
     ACT_CONV_OUT = 64
 };
+
+/* a mixture's router (kvlm_qlayer.router_kind, kvlm_route; kvlm.config.ROUTERS): softmax
+ * over every expert, or each expert's sigmoid */
+enum { ROUTER_SOFTMAX = 0, ROUTER_SIGMOID = 1 };
 
 /* a layer's FFN (kvlm_qlayer.ffn; kvlm.config.FFNS): the gated MLP (gate_up, down), or a
  * mixture of experts (the experts' fields; experts.c) */
@@ -106,6 +110,13 @@ typedef struct {
      * output times sigmoid(shared_gate . h) where shared_gate (hidden fp32) is not NULL */
     int64_t shared_inter;
     const float *shared_gate;
+    /* FFN_EXPERTS: how the router scores (ROUTER_SOFTMAX, ROUTER_SIGMOID); a selection
+     * bias (n_experts fp32, NULL: none) added to the scores to choose, not to weigh; the
+     * chosen weights divided by (their sum + route_eps) where normalize, then times
+     * route_scale (both rounded to fp32 first) */
+    int64_t router_kind;
+    const float *expert_bias;
+    double route_eps, route_scale;
 } kvlm_qlayer;
 
 typedef struct {

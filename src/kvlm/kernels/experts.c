@@ -3,8 +3,11 @@
  *
  *     logits = h . router^T      fp32, each row's dot products in one order (any batch)
  *     p      = softmax(logits)   exp(l - max) / their sum, summed in expert order
- *     chosen = the top_k of p, the higher first, the lower expert first among equal ones
- *     w      = p[chosen], divided by their sum (in chosen order) where `normalize`
+ *              (ROUTER_SOFTMAX), or 1 / (1 + exp(-l)) each (ROUTER_SIGMOID)
+ *     chosen = the top_k of p (+ expert_bias where the layer has one: it chooses, never
+ *              weighs), the higher first, the lower expert first among equal ones
+ *     w      = p[chosen], divided by (their sum (in chosen order) + route_eps) where
+ *              `normalize`, then times route_scale
  *     out    = 0, then for each expert in ascending order, for each row routed to it:
  *              out += MLP_e(h) * w   (a product, then the sum: no fused multiply-add)
  *
@@ -19,6 +22,12 @@ static void silu_mul(const float *g, const float *u, float *y, int64_t n);
 static void gelu_mul(const float *g, const float *u, float *y, int64_t n);
 static int qmat_ok(const kvlm_qmat *w, int64_t n, int64_t k);
 
+/* Whether a router's kind, renormalisation epsilon and scale are ones route_rows takes */
+static int route_kind_ok(int64_t kind, double eps, double scale) {
+    return (kind == ROUTER_SOFTMAX || kind == ROUTER_SIGMOID) && eps >= 0.0 && eps <= 1.0 &&
+           scale > 0.0 && scale <= 1e6;
+}
+
 /* Whether layer L's experts are a mixture the step can run: counts in range, a router,
  * every expert's gate|up [2 expert_inter, hidden] and down [hidden, expert_inter] */
 static int experts_ok(const kvlm_qmodel *m, const kvlm_qlayer *L) {
@@ -26,6 +35,7 @@ static int experts_ok(const kvlm_qmodel *m, const kvlm_qlayer *L) {
     if (E < 1 || E > MAX_EXPERTS || L->top_k < 1 || L->top_k > E || I < 1 || I > (1 << 22))
         return 0;
     if ((L->normalize >> 1) || !L->router || !L->exp_gate_up || !L->exp_down) return 0;
+    if (!route_kind_ok(L->router_kind, L->route_eps, L->route_scale)) return 0;
     for (int64_t e = 0; e < E; e++)
         if (!qmat_ok(L->exp_gate_up + e, 2 * I, H) || !qmat_ok(L->exp_down + e, H, I)) return 0;
     const int64_t S = L->shared_inter; /* a shared expert: gate_up and down */
@@ -63,55 +73,77 @@ static inline float dot16(const float *a, const float *b, int64_t n) {
 
 /* The router of B rows (a mixture's first half, the torch model's too: kvlm_route):
  * h [B, hidden] . router [E, hidden]^T into logits [B, E] (each dot product dot16's),
- * softmax over each row's E (exp(l - max) summed in expert order), then
- * the top K of each row by a selection that takes the lower expert among equal ones (the
- * higher weight first), their weights divided by their sum (in chosen order) where
- * `normalize`: chosen [B, K], w [B, K]. A NaN never wins a comparison: a row of NaNs
- * takes experts 0 .. K - 1. */
+ * then each row's scores: the softmax over its E (exp(l - max) summed in expert order:
+ * ROUTER_SOFTMAX) or each logit's sigmoid 1 / (1 + exp(-l)) (ROUTER_SIGMOID), in place;
+ * the top K of each row by a selection over the scores plus `bias` (NULL: none) that
+ * takes the lower expert among equal ones (the higher first), their un-biased scores
+ * divided by (their sum (in chosen order) + eps) where `normalize`, then times `scale`
+ * (eps and scale in fp32, as transformers adds and multiplies them): chosen [B, K],
+ * w [B, K]. A NaN never wins a comparison: a row of NaNs takes experts 0 .. K - 1. */
+typedef struct {
+    int64_t kind, normalize;
+    const float *bias;
+    float eps, scale;
+} route_how;
+
 static void route_rows(const float *h, int64_t B, int64_t H, const float *router, int64_t E,
-                       int64_t K, int64_t normalize, float *logits, int64_t *chosen, float *w) {
+                       int64_t K, route_how how, float *logits, int64_t *chosen, float *w) {
 #pragma omp parallel for schedule(static) if (B * E > 64)
     for (int64_t i = 0; i < B * E; i++)
         logits[i] = dot16(h + (i / E) * H, router + (i % E) * H, H);
     for (int64_t b = 0; b < B; b++) {
         float *p = logits + b * E;
-        float mx = p[0], sum = 0.0f;
-        for (int64_t e = 1; e < E; e++) mx = p[e] > mx ? p[e] : mx;
-        for (int64_t e = 0; e < E; e++) {
-            p[e] = expf(p[e] - mx);
-            sum += p[e];
+        if (how.kind == ROUTER_SIGMOID) {
+            for (int64_t e = 0; e < E; e++) p[e] = 1.0f / (1.0f + expf(-p[e]));
+        } else {
+            float mx = p[0], sum = 0.0f;
+            for (int64_t e = 1; e < E; e++) mx = p[e] > mx ? p[e] : mx;
+            for (int64_t e = 0; e < E; e++) {
+                p[e] = expf(p[e] - mx);
+                sum += p[e];
+            }
+            for (int64_t e = 0; e < E; e++) p[e] /= sum;
         }
-        for (int64_t e = 0; e < E; e++) p[e] /= sum;
         float total = 0.0f;
         for (int64_t j = 0; j < K; j++) { /* the best not yet taken; ties: the lower one */
             int64_t best = -1;
+            float top = 0.0f;
             for (int64_t e = 0; e < E; e++) {
                 int taken = 0;
                 for (int64_t t = 0; t < j; t++) taken |= chosen[b * K + t] == e;
-                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+                const float s = how.bias ? p[e] + how.bias[e] : p[e];
+                if (!taken && (best < 0 || s > top)) best = e, top = s;
             }
             chosen[b * K + j] = best;
             w[b * K + j] = p[best];
             total += p[best];
         }
-        for (int64_t j = 0; normalize && j < K; j++) w[b * K + j] /= total;
+        if (how.normalize) {
+            const float d = total + how.eps;
+            for (int64_t j = 0; j < K; j++) w[b * K + j] /= d;
+        }
+        for (int64_t j = 0; how.scale != 1.0f && j < K; j++) w[b * K + j] *= how.scale;
     }
 }
 
-/* kvlm.model.experts' router on the CPU (route_rows): x [M, H] fp32, router [E, H] fp32
- * -> chosen [M, K] int64, w [M, K] fp32; logits [M, E] its scratch (the softmax's
- * probabilities after it). 0, or -2 for sizes out of range or buffers too small. */
+/* kvlm.model.experts' router on the CPU (route_rows): x [M, H] fp32, router [E, H] fp32,
+ * kind ROUTER_*, bias [E] fp32 or NULL (bn its length) -> chosen [M, K] int64, w [M, K]
+ * fp32; logits [M, E] its scratch (the scores after it). 0, or -2 for sizes or a kind
+ * out of range or buffers too small. */
 int kvlm_route(const float *x, int64_t xn, int64_t M, int64_t H, const float *router,
-               int64_t rn, int64_t E, int64_t K, int64_t normalize, int64_t *chosen,
+               int64_t rn, int64_t E, int64_t K, int64_t normalize, int64_t kind,
+               const float *bias, int64_t bn, double eps, double scale, int64_t *chosen,
                int64_t cn, float *w, int64_t wn, float *logits, int64_t ln) {
     int64_t need;
     if (M < 1 || H < 1 || E < 1 || E > MAX_EXPERTS || K < 1 || K > E || (normalize >> 1))
         return -2;
+    if (!route_kind_ok(kind, eps, scale) || (bias && bn < E)) return -2;
     if (!x || !router || !chosen || !w || !logits) return -2;
     if (!mul_ok(M, H, &need) || xn < need || !mul_ok(E, H, &need) || rn < need) return -2;
     if (!mul_ok(M, K, &need) || cn < need || wn < need) return -2;
     if (!mul_ok(M, E, &need) || ln < need) return -2;
-    route_rows(x, M, H, router, E, K, normalize, logits, chosen, w);
+    const route_how how = {kind, normalize, bias, (float)eps, (float)scale};
+    route_rows(x, M, H, router, E, K, how, logits, chosen, w);
     return 0;
 }
 
@@ -133,7 +165,9 @@ static int experts_ffn(const kvlm_qmodel *m, const kvlm_qlayer *L, int64_t B, co
     float *sy = sact + B * S;                   /* B H */
     float *tail = sy + B * H;
     int64_t *chosen = (int64_t *)(tail + ((uintptr_t)tail % 8 ? 1 : 0)); /* B K */
-    route_rows(h, B, H, L->router, E, K, L->normalize, logits, chosen, w);
+    const route_how how = {L->router_kind, L->normalize, L->expert_bias, (float)L->route_eps,
+                           (float)L->route_scale};
+    route_rows(h, B, H, L->router, E, K, how, logits, chosen, w);
     for (int64_t i = 0; i < B * H; i++) out[i] = 0.0f;
     for (int64_t e = 0; e < E; e++) {
         int64_t n = 0; /* the rows routed to e, in row order (a row takes e once at most) */

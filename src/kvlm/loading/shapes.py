@@ -85,6 +85,7 @@ def _expert_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
     heads = [f"mtp.layers.{i}.mlp" for i in range(c.mtp_layers)]  # an MTP head's blocks too
     for p in [f"model.layers.{layer}.mlp" for layer in c.expert_layers] + heads:
         out[f"{p}.gate.weight"] = ((x.count, h), f"{es}, {hs}")
+        out[f"{p}.expert_bias"] = ((x.count,), es)
         parts = (("gate_proj", x.intermediate, h, f"{ins}, {hs}"),
                  ("up_proj", x.intermediate, h, f"{ins}, {hs}"),
                  ("down_proj", h, x.intermediate, f"{hs}, {ins}"))  # fmt: skip
@@ -242,6 +243,8 @@ def required(c: ModelConfig, head: bool = False) -> list[str]:
             names += [f"model.layers.{layer}.mamba.{n}" for n in ("A_log", "D", "dt_bias")]
         if layer in c.expert_layers:  # the router and the experts in place of the MLP
             parts = routed(parts)
+            if c.experts.selection_bias:  # a vector with no `.weight`
+                names.append(f"model.layers.{layer}.mlp.expert_bias")
         names += [f"model.layers.{layer}.{part}.weight" for part in parts]
     if head:  # an MTP head's blocks: attention blocks of the model's FFN kind
         head_parts = routed(attention_parts) if c.expert_layers else attention_parts

@@ -5,16 +5,20 @@ MLPs for each token, and the token's output is their outputs weighted by the rou
                                            cut): on the CPU the kernels' router
                                            (kernels/experts.c kvlm_route, the fused step's
                                            too); else a Linear of the vocabulary's road
-    p      = softmax(logits)               over every expert
-    chosen = the top_k of p, the lower index first among equal ones (ties broken one way
+    p      = softmax(logits)               over every expert (router "softmax"), or
+             sigmoid(logits)               each expert's own (router "sigmoid")
+    chosen = the top_k of p (+ the selection bias where the layer has one: it chooses,
+             never weighs), the lower index first among equal ones (ties broken one way
              everywhere, so a row routes alone as in any batch)
-    w      = p[chosen], divided by their sum where the family normalises (norm_topk_prob)
+    w      = p[chosen], divided by (their sum + norm_eps) where the family normalises
+             (norm_topk_prob), then times `scale` (routed_scaling_factor)
     y      = sum over chosen, in ascending expert order, of w_e * MLP_e(x)
              (+ sigmoid(x . g) * MLP_shared(x) where the family has a shared expert)
 
 transformers' sparse MoE blocks of this router compute the same (softmax in fp32, top-k,
 the renormalisation, then the experts in ascending order, each one's rows added into zeros),
-so the exact path follows its sums term by term. Each expert is kvlm's gated MLP over the
+so the exact path follows its sums term by term; their sigmoid routers (a selection
+bias, a scale) compute it in the same order too. Each expert is kvlm's gated MLP over the
 rows routed to it (its products' rows are their own: the same bits for a row however many
 share the expert), under the numerics of the rows the block was given: decoded rows stay
 decoded rows when they are gathered (kvlm.model.layers.feeding_prompt).
@@ -35,6 +39,10 @@ from kvlm import kernels
 from kvlm.config import Experts as ExpertsConfig
 from kvlm.model.layers import MLP, Linear, feeding_prompt, prompt_rows
 
+# config.ROUTERS -> kvlm_route's and kvlm_qlayer's `router_kind` (kernels/abi.h)
+ROUTER_CODES = {"softmax": kernels.CONSTANTS["ROUTER_SOFTMAX"],
+                "sigmoid": kernels.CONSTANTS["ROUTER_SIGMOID"]}  # fmt: skip
+
 
 class Experts(nn.Module):
     """A mixture-of-experts FFN: `router` (a Linear of `router_weight`, count x hidden,
@@ -51,9 +59,11 @@ class Experts(nn.Module):
         shared_gate: Linear | None = None,
         shared_gate_weight: torch.Tensor | None = None,
         host: bool = False,
+        bias: torch.Tensor | None = None,
     ) -> None:
         """`host`: the routed experts live in host memory, fp32 or low-bit blocks on the
-        CPU, whatever the model's device and dtype."""
+        CPU, whatever the model's device and dtype. `bias`: the selection bias (count,) in
+        the router's dtype, where the config has one."""
         super().__init__()
         if len(experts) != config.count or router.out_features != config.count:
             raise ValueError(f"{len(experts)} experts and a router of {router.out_features} "
@@ -69,6 +79,10 @@ class Experts(nn.Module):
         # the gate's weights as they are (the fused C step reads them): (hidden,), or None
         self.shared_gate_weight = shared_gate_weight
         self.host = host
+        if config.selection_bias != (bias is not None):
+            raise ValueError("a selection bias where the config has none, or none where it has")
+        # the selection bias as it is (the fused C step reads it): (count,), or None
+        self.bias = None if bias is None else bias.to(self.router_dtype).contiguous()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row of x (N, hidden): its experts (N, top_k), the higher weight first,
@@ -76,25 +90,31 @@ class Experts(nn.Module):
         (kvlm_route: the fused step's own, so both roads route a row alike); else torch's
         (fp64, a GPU, no kernels), the same steps."""
         lib = kernels.library()
-        w = self.router_weight
+        w, c = self.router_weight, self.config
         if lib is not None and w.dtype == torch.float32 and x.is_cpu and x.numel():
             return self._route_kernel(lib, x.float().contiguous())
         logits = self.router(x.to(self.router_dtype))
-        probs = torch.softmax(logits, dim=-1)
-        order = torch.sort(probs, dim=-1, descending=True, stable=True).indices
-        chosen = order[:, : self.config.top_k]
+        probs = torch.sigmoid(logits) if c.router == "sigmoid" else torch.softmax(logits, dim=-1)
+        select = probs if self.bias is None else probs + self.bias.to(probs.device)
+        order = torch.sort(select, dim=-1, descending=True, stable=True).indices
+        chosen = order[:, : c.top_k]
         weights = probs.gather(1, chosen)
-        if self.config.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if c.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + c.norm_eps)
+        if c.scale != 1.0:
+            weights = weights * c.scale
         return chosen, weights
 
     def _route_kernel(self, lib, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n, (e, h), k = x.shape[0], self.router_weight.shape, self.config.top_k
+        n, (e, h), c = x.shape[0], self.router_weight.shape, self.config
+        k, bias = c.top_k, self.bias
         chosen = torch.empty(n, k, dtype=torch.int64)
         weights = torch.empty(n, k, dtype=torch.float32)
         logits = torch.empty(n, e, dtype=torch.float32)
         rc = lib.kvlm_route(x.data_ptr(), x.numel(), n, h, self.router_weight.data_ptr(),
-                            self.router_weight.numel(), e, k, int(self.config.normalize),
+                            self.router_weight.numel(), e, k, int(c.normalize),
+                            ROUTER_CODES[c.router], None if bias is None else bias.data_ptr(),
+                            0 if bias is None else bias.numel(), c.norm_eps, c.scale,
                             chosen.data_ptr(), chosen.numel(), weights.data_ptr(),
                             weights.numel(), logits.data_ptr(), logits.numel())  # fmt: skip
         if rc != 0:

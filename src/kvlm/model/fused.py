@@ -97,7 +97,7 @@ from kvlm.cache.storage import Store, key_rotation
 from kvlm.config import ModelConfig
 from kvlm.dtypes import Q4
 from kvlm.model.attention import _room
-from kvlm.model.experts import Experts
+from kvlm.model.experts import ROUTER_CODES, Experts
 from kvlm.model.layers import MLP, Linear
 from kvlm.model.quant import KIND_CODES
 from kvlm.model.transformer import Block, Transformer
@@ -154,6 +154,11 @@ class _QLayer(ctypes.Structure):
         # fp32 (hidden) (NULL: none)
         ("shared_inter", ctypes.c_int64),
         ("shared_gate", ctypes.c_void_p),
+        # the router's kind (ROUTER_*), its selection bias (NULL: none), the
+        # renormalisation's epsilon and the weights' scale
+        ("router_kind", ctypes.c_int64),
+        ("expert_bias", ctypes.c_void_p),
+        *_fields(ctypes.c_double, "route_eps route_scale"),
     ]
 
 
@@ -349,6 +354,8 @@ def _block_why_not(block: Block, eps: float) -> str | None:
         return f"the MLP's activation {mlps[0].act!r}"
     if moe is not None and moe.router_weight.dtype != torch.float32:
         return "a router not in fp32"
+    if moe is not None and moe.bias is not None and moe.bias.dtype != torch.float32:
+        return "a router's selection bias not in fp32"
     gate = None if moe is None else moe.shared_gate_weight
     if gate is not None and gate.dtype != torch.float32:
         return "a shared expert's gate not in fp32"
@@ -493,6 +500,10 @@ class FusedDecoder:
         layer.exp_gate_up, layer.exp_down = gate_up, down
         layer.n_experts, layer.top_k, layer.normalize = x.count, x.top_k, int(x.normalize)
         layer.expert_inter = x.intermediate
+        layer.router_kind, layer.route_eps, layer.route_scale = (
+            ROUTER_CODES[x.router], x.norm_eps, x.scale)  # fmt: skip
+        if moe.bias is not None:
+            layer.expert_bias = _ptr(moe.bias, moe.bias.numel())
         if moe.shared is not None:  # its products where a dense MLP's go
             layer.gate_up, layer.down = _qmat(moe.shared.gate_up), _qmat(moe.shared.down)
             layer.shared_inter = x.shared

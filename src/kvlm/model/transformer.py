@@ -601,7 +601,8 @@ class _WeightTaker:
     def experts(self, p: str, host: bool = False) -> Experts:
         """A mixture of experts (kvlm.model.experts) of tensors `p`.mlp.*: the router, its
         weights and products fp32 (fp64 in an fp64 model) whatever the weights' format,
-        as llama.cpp's quantizer leaves ffn_gate_inp (its logits pick the experts),
+        as llama.cpp's quantizer leaves ffn_gate_inp (its logits pick the experts), and
+        the selection bias where the config has one (`mlp.expert_bias`, likewise),
         and each expert's gate|up and down, from one tensor an expert or from every
         expert's stacked (llama.cpp's `ffn_*_exps`: each expert's rows of its blocks).
         `host`: the routed experts in host memory as the CPU road loads them (`_on_host`),
@@ -614,9 +615,15 @@ class _WeightTaker:
         if x.shared_gate:
             gate, g = self._fp32_linear(f"{p}.mlp.shared_expert_gate.weight")
             g = g.reshape(-1).contiguous()
+        bias = None
+        if x.selection_bias:  # the selection bias (count,), in the router's dtype
+            raw = self.take_raw(f"{p}.mlp.expert_bias")
+            if raw is None:
+                raise ModelLoadError(f"the model file has no tensor {p}.mlp.expert_bias")
+            bias = raw.to(device=w.device, dtype=w.dtype).reshape(-1).contiguous()
         with self._on_host() if host else nullcontext():
             mlps = self._routed_experts(p)
-        return Experts(x, router, mlps, w, shared, gate, g, host=host)
+        return Experts(x, router, mlps, w, shared, gate, g, host=host, bias=bias)
 
     @contextmanager
     def _on_host(self) -> Iterator[None]:
