@@ -126,9 +126,8 @@ class Experts(nn.Module):
         flat = x.reshape(-1, shape[-1])
         with feeding_prompt(role):
             chosen, weights = self.route(flat)
-            if (
-                self.host
-            ):  # one hop each way: (N, hidden) fp32 and (N, top_k) there, (N, hidden) back
+            if self.host:
+                # one hop each way: (N, hidden) fp32 and (N, top_k) there, (N, hidden) back
                 cpu = torch.device("cpu")
                 rows = flat.to(cpu, torch.float32)
                 out = self._routed(rows, chosen.to(cpu), weights.to(cpu, torch.float32))
