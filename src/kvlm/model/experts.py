@@ -9,6 +9,8 @@ MLPs for each token, and the token's output is their outputs weighted by the rou
     chosen = the top_k of p, the lower index first among equal ones (ties broken one way
              everywhere, so a row routes alone as in any batch)
     w      = p[chosen], divided by their sum where the family normalises (norm_topk_prob)
+    (router "topk_softmax": logits (+ the router's bias) -> the top_k of the logits, the
+     same ties -> w = softmax over those k logits alone)
     y      = sum over chosen, in ascending expert order, of w_e * MLP_e(x)
              (+ sigmoid(x . g) * MLP_shared(x) where the family has a shared expert)
 
@@ -77,9 +79,12 @@ class Experts(nn.Module):
         (fp64, a GPU, no kernels), the same steps."""
         lib = kernels.library()
         w = self.router_weight
-        if lib is not None and w.dtype == torch.float32 and x.is_cpu and x.numel():
+        c_road = self.kernel_refusal() is None
+        if c_road and lib is not None and w.dtype == torch.float32 and x.is_cpu and x.numel():
             return self._route_kernel(lib, x.float().contiguous())
         logits = self.router(x.to(self.router_dtype))
+        if self.config.router == "topk_softmax":
+            return self._topk_softmax(logits)
         probs = torch.softmax(logits, dim=-1)
         order = torch.sort(probs, dim=-1, descending=True, stable=True).indices
         chosen = order[:, : self.config.top_k]
@@ -87,6 +92,26 @@ class Experts(nn.Module):
         if self.config.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return chosen, weights
+
+    def kernel_refusal(self) -> str | None:
+        """Why the kernels' router and the fused step cannot run this mixture (None: they
+        can): they know the "softmax" router without a bias, experts without biases, the
+        model's activation."""
+        if self.config.router != "softmax":
+            return f"the router {self.config.router!r}"
+        if self.router.bias is not None:
+            return "a router bias"
+        if self.config.activation:
+            return f"the experts' activation {self.config.activation!r}"
+        return None
+
+    def _topk_softmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The "topk_softmax" router: the top k of the logits (ties to the lower expert),
+        their weights a softmax over those k alone (transformers' order: top k, then
+        softmax in the logits' dtype)."""
+        order = torch.sort(logits, dim=-1, descending=True, stable=True).indices
+        chosen = order[:, : self.config.top_k]
+        return chosen, torch.softmax(logits.gather(1, chosen), dim=-1)
 
     def _route_kernel(self, lib, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, (e, h), k = x.shape[0], self.router_weight.shape, self.config.top_k
