@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from kvlm.arch.family import LAYER_NAMES, Family
-from kvlm.arch.readers import gguf_config, hf_config, hf_layer_mixers, hf_window
+from kvlm.arch.readers import gguf_config, gguf_experts, hf_config, hf_layer_mixers, hf_window
 from kvlm.config import EXPERTS, Experts, Fields, ModelConfig, limits
 
 ARCH = "gpt-oss"
@@ -72,16 +72,9 @@ def from_hf(cfg: dict[str, Any], arch: str, name: str) -> ModelConfig:
 
 def from_gguf(g: Fields, arch: str, name: str) -> ModelConfig:
     def part(g: Fields, arch: str, layers: int, hidden: int, heads: int, head_dim: int) -> dict:
-        count = g(f"{arch}.expert_count", int, lo=EXPERTS[0], hi=EXPERTS[1])
-        width = limits("intermediate_size")
-        experts = Experts(
-            count=count,
-            top_k=g(f"{arch}.expert_used_count", int, lo=1, hi=count),
-            intermediate=g(f"{arch}.expert_feed_forward_length", int, **width),
-            normalize=False,
-            router="topk_softmax",
-            activation="clamped_swiglu",  # llama.cpp's graph: alpha 1.702, limit 7.0
-        )
+        # llama.cpp's graph: alpha 1.702, limit 7.0
+        experts = gguf_experts(g, arch, normalize=False, router="topk_softmax",
+                               activation="clamped_swiglu")  # fmt: skip
         window = g(f"{arch}.attention.sliding_window", int, WINDOW, **limits("sliding_window"))
         # llama.cpp's set_swa_pattern(2): the even layers windowed
         return _block(experts, tuple(window if i % 2 == 0 else None for i in range(layers)))
