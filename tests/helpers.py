@@ -340,6 +340,21 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
             num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
             decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1e6,
         )  # fmt: skip
+    elif arch == "gpt_oss":
+        from transformers import GptOssConfig
+
+        # four layers alternating a window of 8 and the whole context, 8 experts of 64 (the
+        # top 2), heads of 16, attention sinks, YaRN by 4 over 64 positions (so a prompt of
+        # 40 and its window both reach past the window), the clamped SwiGLU's limit 7
+        common["num_hidden_layers"], common["intermediate_size"] = 4, 64
+        cfg = GptOssConfig(
+            **common, head_dim=16, tie_word_embeddings=False, num_local_experts=8,
+            num_experts_per_tok=2, sliding_window=8, swiglu_limit=7.0,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False},
+        )  # fmt: skip
     else:
         raise ValueError(arch)
     for key, value in overrides.items():
@@ -374,12 +389,17 @@ def _bump_norm_and_biases(model, seed: int) -> None:
     """HF initialises norms to 1 and biases (a router's selection bias too) to 0; randomise
     them so a loader that drops or misplaces one fails the comparison."""
     g = torch.Generator().manual_seed(seed + 1)
+    # gpt-oss's experts' biases (`gate_up_proj_bias`) and its attention sinks (a logit a
+    # head, the softmax's extra column) too
+    more = ("proj_bias", "sinks") if model.config.model_type == "gpt_oss" else ()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", *more)):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            if name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=g))
         for name, b in model.named_buffers():  # a router's selection bias (HF: zeros)
             if name.endswith("expert_bias"):
                 b.copy_(0.05 * torch.randn(b.shape, generator=g))

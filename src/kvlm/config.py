@@ -56,8 +56,13 @@ CONV_KERNEL = (2, 64)
 FFNS = ("mlp", "experts")
 # how a router scores experts: "softmax" over every expert's logit, then the top k;
 # "sigmoid" of each logit, the top k by those scores plus a selection bias where the layer
-# has one (the bias chooses, the un-biased scores weigh)
-ROUTERS = ("softmax", "sigmoid")
+# has one (the bias chooses, the un-biased scores weigh); "topk_softmax" the top k of the
+# logits, then a softmax over those k alone
+ROUTERS = ("softmax", "sigmoid", "topk_softmax")
+# an expert's activation other than the model's (Experts.activation): "clamped_swiglu"
+# gate clamped to at most `limit`, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha
+# gate) (kvlm.model.layers.MLP)
+EXPERT_ACTIVATIONS = ("clamped_swiglu",)
 EXPERTS = (1, 1 << 12)  # experts in a layer
 
 
@@ -190,6 +195,11 @@ class Experts:
     # none), its output times sigmoid(a gate's product) where `shared_gate`
     shared: int = 0
     shared_gate: bool = False
+    # the experts' activation where it is not the model's ("": the model's), and the
+    # clamped SwiGLU's alpha and limit (EXPERT_ACTIVATIONS)
+    activation: str = ""
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def check(self, where: str) -> None:
         value(self.count, "experts count", int, *EXPERTS, where=where)
@@ -204,6 +214,10 @@ class Experts:
               LIMITS["intermediate_size"][1], where=where)  # fmt: skip
         if self.shared_gate and not self.shared:
             raise UnsupportedModelError("a shared expert's gate without a shared expert")
+        if self.activation:
+            check_supported("expert activation", self.activation, EXPERT_ACTIVATIONS)
+            value(self.swiglu_alpha, "swiglu alpha", float, 0.0, where=where, open_low=True)
+            value(self.swiglu_limit, "swiglu limit", float, 0.0, where=where, open_low=True)
 
 
 @dataclass(slots=True, frozen=True)
@@ -230,6 +244,9 @@ class ModelConfig:
     # RoPE base of the layers with a window, where it is not rope_theta (e.g. 10,000 locally,
     # 1,000,000 globally; the global layers alone take `rope_scaling`)
     rope_local_theta: float | None = None
+    # attention sinks: a learned logit a query head (`self_attn.sinks`, (num_heads,)) that
+    # joins each row's softmax denominator (kvlm.model.attention.attend_explicit)
+    attn_sinks: bool = field(default=False, metadata={"fingerprint": False})
     # attention's score scale, where it is not head_dim ** -0.5 (query_pre_attn_scalar)
     query_scale: float | None = None
     # tanh soft-capping of the final logits (cap * tanh(logits / cap)) and of the attention

@@ -144,23 +144,24 @@ class Family:
     """One family file's entry in the registry (kvlm.arch).
 
     `architectures`: the ModelConfig.architecture values it covers, each also the GGUF
-    `general.architecture` of its files; `hf_model_types`: config.json's `model_type` ->
-    one of those; `from_hf(config.json's dict, architecture, name)` and
-    `from_gguf(the metadata's Fields, architecture, name)`: its ModelConfig
-    (kvlm.arch.readers); `gguf_names`: its GGUF files' layer tensors -> the model's names;
-    `hf_names`: a checkpoint's layer tensors whose names are not the model's -> the
-    model's; `gguf_globals`, `hf_globals`: the tensors outside the layers (their names
-    without the `.weight`) -> the model's, in each format, where a family's differ;
-    `fold_hf`: a Hugging Face tensor -> what the model multiplies; `gguf_rows`:
-    a GGUF tensor's rows in Hugging Face's order (the row order alone, so that low-bit
-    blocks take it as they are packed); `gguf_cols`: its columns (the last dimension) in
-    Hugging Face's order (low-bit blocks take it where it moves whole blocks, else the
-    tensor is decoded); `fold_gguf`: a GGUF vector's values (decoded, in Hugging Face's
-    order) -> what the model takes, where the converter changed them (a 1-D tensor's
-    only: no low-bit kernel reads one); `vocabularies`: the GGUF architectures whose
-    SentencePiece vocabulary reads by `tokenizing`; `pre_tokenizers`: a byte-level
-    vocabulary's `tokenizer.ggml.pre` -> the llama.cpp pre-tokenizer it reads as (its
-    files name their own); `shapes`: real models' sizes."""
+    `general.architecture` of its files; `hf_model_types`: config.json's `model_type` -> one
+    of those; `from_hf(config.json's dict, architecture, name)` and `from_gguf(the
+    metadata's Fields, architecture, name)`: its ModelConfig (kvlm.arch.readers);
+    `gguf_names`: its GGUF files' layer tensors -> the model's names; `hf_names`: a
+    checkpoint's layer tensors whose names are not the model's -> the model's (a role, or a
+    name after `model.layers.N.` whole, as `gguf_names`); `gguf_globals`, `hf_globals`: the
+    tensors outside the layers (their names without the `.weight`) -> the model's, in each
+    format, where a family's differ; `fold_hf`: a Hugging Face tensor -> what the model
+    multiplies (`hf_shape`: its shape then, where the fold changes it); `gguf_rows`: a GGUF
+    tensor's rows in Hugging Face's order (the row order alone, so that low-bit blocks take
+    it as they are packed); `gguf_cols`: its columns (the last dimension) in Hugging Face's
+    order (low-bit blocks take it where it moves whole blocks, else the tensor is decoded);
+    `fold_gguf`: a GGUF vector's values (decoded, in Hugging Face's order) -> what the model
+    takes, where the converter changed them (a 1-D tensor's only: no low-bit kernel reads
+    one); `vocabularies`: the GGUF architectures whose SentencePiece vocabulary reads by
+    `tokenizing`; `pre_tokenizers`: a byte-level vocabulary's `tokenizer.ggml.pre` -> the
+    llama.cpp pre-tokenizer it reads as (its files name their own); `shapes`: real models'
+    sizes."""
 
     name: str
     architectures: tuple[str, ...]
@@ -172,6 +173,9 @@ class Family:
     gguf_globals: Mapping[str, str] = field(default_factory=lambda: GLOBAL_NAMES)
     hf_globals: Mapping[str, str] = field(default_factory=dict)
     fold_hf: Fold | None = None
+    # (the model's name, the stored shape) -> the shape `fold_hf` gives it, where a fold
+    # changes it (a transposed stack): what the shape check holds to the config
+    hf_shape: Callable[[str, tuple[int, ...]], tuple[int, ...]] | None = None
     gguf_rows: Fold | None = None
     gguf_cols: Fold | None = None
     fold_gguf: Fold | None = None
@@ -246,6 +250,8 @@ class Family:
         if stem in self.hf_globals:
             return f"{self.hf_globals[stem]}.{suffix}"
         m = _LAYER.fullmatch(name)
+        if m is not None and f"{m[2]}.{m[3]}" in self.hf_names:  # named whole
+            return f"model.layers.{m[1]}.{self.hf_names[f'{m[2]}.{m[3]}']}"
         ours = None if m is None else _renamed(self.hf_names, m[2])
         return name if ours is None else f"model.layers.{m[1]}.{ours}.{m[3]}"
 
@@ -256,6 +262,10 @@ class Family:
             if stem == ours:
                 return f"{theirs}.{suffix}"
         m = _LAYER.fullmatch(name)
+        if m is not None:
+            for theirs, ours in self.hf_names.items():
+                if f"{m[2]}.{m[3]}" == ours:  # named whole
+                    return f"model.layers.{m[1]}.{theirs}"
         theirs = None if m is None else _renamed({v: k for k, v in self.hf_names.items()}, m[2])
         return name if theirs is None else f"model.layers.{m[1]}.{theirs}.{m[3]}"
 

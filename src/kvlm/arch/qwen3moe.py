@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvlm.arch.family import Family, Shape
-from kvlm.arch.readers import gguf_config, hf_config
+from kvlm.arch.readers import gguf_config, gguf_experts, hf_config
 from kvlm.config import EXPERTS, Experts, Fields, ModelConfig, limits, value
 
 ARCH = "qwen3moe"
@@ -48,14 +48,8 @@ def from_hf(cfg: dict[str, Any], arch: str, name: str) -> ModelConfig:
 
 def from_gguf(g: Fields, arch: str, name: str) -> ModelConfig:
     def part(g: Fields, arch: str, layers: int, hidden: int, heads: int, head_dim: int) -> dict:
-        count = g(f"{arch}.expert_count", int, lo=EXPERTS[0], hi=EXPERTS[1])
-        width = limits("intermediate_size")
-        experts = Experts(
-            count=count,
-            top_k=g(f"{arch}.expert_used_count", int, lo=1, hi=count),
-            intermediate=g(f"{arch}.expert_feed_forward_length", int, **width),
-            normalize=True,  # llama.cpp's qwen3moe graph renormalises the top k
-        )
+        # llama.cpp's qwen3moe graph renormalises the top k
+        experts = gguf_experts(g, arch, normalize=True)
         return {"qk_norm": True, "layer_ffns": ("experts",) * layers, "experts": experts}
 
     return gguf_config(g, arch, name, part)

@@ -11,7 +11,18 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from kvlm.config import LIMITS, REQUIRED, Fields, ModelConfig, RopeScaling, limits, shown, value
+from kvlm.config import (
+    EXPERTS,
+    LIMITS,
+    REQUIRED,
+    Experts,
+    Fields,
+    ModelConfig,
+    RopeScaling,
+    limits,
+    shown,
+    value,
+)
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 
 # (the config, its Fields, the architecture, hidden_size, num_heads) -> ModelConfig fields
@@ -135,6 +146,19 @@ def gguf_config(
         eos_token_ids=as_ids(eos, "tokenizer.ggml.eos_token_id", g.where),
         name=name,
         **{"mtp_layers": extra, **own},
+    )
+
+
+def gguf_experts(g: Fields, arch: str, **more: Any) -> Experts:
+    """A mixture's sizes from `{arch}.expert_count`, `.expert_used_count` and
+    `.expert_feed_forward_length` (llama.cpp's converter's keys), with the family's `more`
+    (its router, its renormalisation: what its graph hard-codes)."""
+    count = g(f"{arch}.expert_count", int, lo=EXPERTS[0], hi=EXPERTS[1])
+    return Experts(
+        count=count,
+        top_k=g(f"{arch}.expert_used_count", int, lo=1, hi=count),
+        intermediate=g(f"{arch}.expert_feed_forward_length", int, **limits("intermediate_size")),
+        **more,
     )
 
 

@@ -45,7 +45,7 @@ GGUF_MAGIC = b"GGUF"
 FLOAT_TYPES = {Q.F32: np.float32, Q.F16: np.float16, Q.BF16: np.int16}
 QUANT_TYPES = {
     Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
-    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+    Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4,
 }  # fmt: skip
 SUPPORTED_TYPES = set(FLOAT_TYPES) | QUANT_TYPES
 
@@ -225,6 +225,7 @@ def _blocks_in_order(rows: np.ndarray, cols: torch.Tensor, kind: Any) -> np.ndar
 # GGUF blocks kvlm multiplies as they are (`--weights native`), each packed from its
 # blocks as stored (QuantWeight.from_blocks) into a kind: Q8_0 and Q4_1 into q8 and q4 (the
 # kinds that `--weights int8|int4` quantize to), the others (quant.GGML_KINDS) into their
-# own. Q2_K, Q3_K and the IQ types have no kernel: dequantized, and with --weights native
-# re-quantized to int8 (kvlm.model.transformer names them at load).
+# own. Q2_K, Q3_K, MXFP4 (E2M1 values with an 8-bit exponent a 32) and the IQ types have
+# no kernel: dequantized, and with --weights native re-quantized to int8
+# (kvlm.model.transformer names them at load).
 NATIVE_BLOCKS = {Q.Q8_0: "q8", Q.Q4_1: "q4", **{Q[kind.upper()]: kind for kind in GGML_KINDS}}

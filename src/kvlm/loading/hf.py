@@ -125,7 +125,10 @@ class SafetensorsWeights:
         return list(self._where)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._where[name].get_slice(self._stored[name]).get_shape())
+        """The tensor's shape as the model takes it (Family.hf_shape: after its fold)."""
+        stored = tuple(self._where[name].get_slice(self._stored[name]).get_shape())
+        folded = self.family.hf_shape
+        return stored if folded is None else folded(name, stored)
 
     def files(self) -> list[Path]:
         return self._files

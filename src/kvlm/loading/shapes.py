@@ -63,6 +63,7 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
             out[f"{p}.{name}.bias"] = ((rows,), why.split(", ")[0])
         for n in ("q_norm", "k_norm"):
             out[f"{p}.self_attn.{n}.weight"] = ((d,), f"head_dim {d}")
+        out[f"{p}.self_attn.sinks"] = ((c.num_heads,), f"num_heads {c.num_heads}")
     if c.conv_layers:
         out |= _conv_shapes(c)
     if c.deltanet_layers:
@@ -85,15 +86,18 @@ def _expert_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
     heads = [f"mtp.layers.{i}.mlp" for i in range(c.mtp_layers)]  # an MTP head's blocks too
     for p in [f"model.layers.{layer}.mlp" for layer in c.expert_layers] + heads:
         out[f"{p}.gate.weight"] = ((x.count, h), f"{es}, {hs}")
-        out[f"{p}.expert_bias"] = ((x.count,), es)
+        out[f"{p}.expert_bias"] = ((x.count,), es)  # a selection bias (sigmoid routers)
+        out[f"{p}.gate.bias"] = ((x.count,), es)  # the router's own bias
         parts = (("gate_proj", x.intermediate, h, f"{ins}, {hs}"),
                  ("up_proj", x.intermediate, h, f"{ins}, {hs}"),
                  ("down_proj", h, x.intermediate, f"{hs}, {ins}"))  # fmt: skip
         for name, rows, cols, why in parts:
             out[f"{p}.experts.{name}.weight"] = ((x.count, rows, cols), f"{es}, {why}")
+            out[f"{p}.experts.{name}.bias"] = ((x.count, rows), f"{es}, {why.split(', ')[0]}")
             out |= {f"{p}.experts.{e}.{name}.weight": ((rows, cols), why) for e in range(x.count)}
         out[f"{p}.experts.gate_up_proj.weight"] = ((x.count, 2 * x.intermediate, h),
                                                    f"{es}, 2 x {ins}, {hs}")  # fmt: skip
+        out[f"{p}.experts.gate_up_proj.bias"] = ((x.count, 2 * x.intermediate), f"{es}, 2 x {ins}")
         if x.shared:
             sh = f"shared expert intermediate {x.shared}"
             out |= {f"{p}.shared_expert.gate_proj.weight": ((x.shared, h), f"{sh}, {hs}"),
@@ -246,6 +250,8 @@ def required(c: ModelConfig, head: bool = False) -> list[str]:
             if c.experts.selection_bias:  # a vector with no `.weight`
                 names.append(f"model.layers.{layer}.mlp.expert_bias")
         names += [f"model.layers.{layer}.{part}.weight" for part in parts]
+        if c.attn_sinks and "self_attn.q_proj" in parts:  # a logit a head (no .weight)
+            names.append(f"model.layers.{layer}.self_attn.sinks")
     if head:  # an MTP head's blocks: attention blocks of the model's FFN kind
         head_parts = routed(attention_parts) if c.expert_layers else attention_parts
         names += [f"mtp.{n}.weight" for n in ("fc", *MTP_NORMS)]

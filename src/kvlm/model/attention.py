@@ -76,6 +76,9 @@ class Attention(nn.Module):
         self.k_norm = k_norm
         self.q_scale: float | None = None  # queries times this (a score scale, no q norm)
         self.softcap: float | None = None  # scores soft-capped: cap * tanh(s / cap) (attn_softcap)
+        # attention sinks (ModelConfig.attn_sinks): a logit a query head, (H,), that joins
+        # each row's softmax denominator; None: none
+        self.sinks: torch.Tensor | None = None
         # the output times sigmoid(a gate) per element (ModelConfig.attn_output_gate): qkv's
         # rows are then q, the gate (H heads each), k, v
         self.gated = False
@@ -124,16 +127,16 @@ class Attention(nn.Module):
             q = q @ kv.key_rotation.to(q.dtype)
         if self.q_scale is not None:
             q = q * self.q_scale
-        cap = self.softcap
+        cap, sinks = self.softcap, self.sinks
         prompt = prompt_rows(x)
         bf16_from = self.prompt_bf16_from if prompt else None
         if kv.segments is not None:
-            out = attend_ragged(q, k_all, v_all, kv.segments, cap, bf16_from)
+            out = attend_ragged(q, k_all, v_all, kv.segments, cap, bf16_from, sinks)
         elif kv.rows is None and (B == 1 or not q.is_cpu):
             out = attend(q, k_all, v_all, kv.mask, kv.is_causal, softcap=cap, bf16_from=bf16_from,
-                         prompt=prompt)  # fmt: skip
+                         prompt=prompt, sinks=sinks)  # fmt: skip
         else:
-            out = attend_rows(q, k_all, v_all, kv, cap)
+            out = attend_rows(q, k_all, v_all, kv, cap, sinks)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)
@@ -187,14 +190,17 @@ def attend_ragged(
     seg: Segments,
     softcap: float | None = None,
     bf16_from: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A ragged step's attention: q (1, H, N, D), every sequence's queries one after the
     other; k, v (Tk, Hkv, D), every sequence's keys packed; -> (1, H, N, D). On a GPU in
     bf16/fp16, one call of FlashAttention's variable-length kernel (torch's varlen_attn)
     for all sequences, causal from the bottom right (a chunk after a prefix, a decode row
     over all its keys); elsewhere, SDPA per sequence over its own keys (`attend`, with
-    `bf16_from` as a lone sequence's prompt rows take it)."""
-    out = None if softcap is not None else _varlen(q, k, v, seg)
+    `bf16_from` as a lone sequence's prompt rows take it; with `softcap` or `sinks`, the
+    explicit softmax's road: `attend_explicit`)."""
+    explicit = softcap is not None or sinks is not None
+    out = None if explicit else _varlen(q, k, v, seg)
     if out is not None:
         return out
     parts = []
@@ -202,7 +208,7 @@ def attend_ragged(
         qa, qb, ka, kb = seg.cu_q[i], seg.cu_q[i + 1], seg.cu_k[i], seg.cu_k[i + 1]
         ks, vs = (x[ka:kb].transpose(0, 1)[None] for x in (k, v))  # (1, Hkv, S, D)
         parts.append(attend(q[:, :, qa:qb], ks, vs, *seg.mask(i), softcap=softcap,
-                            bf16_from=bf16_from))  # fmt: skip
+                            bf16_from=bf16_from, sinks=sinks))  # fmt: skip
     return torch.cat(parts, dim=2)
 
 
@@ -245,8 +251,9 @@ def _varlen_fn():
 
 
 def attend_rows(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVStep, softcap: float | None = None
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVStep, softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """`attend` one row at a time, each over its own keys (kv.rows) or all of them: a row
     gets the bits it gets alone, in any batch. On the CPU one SDPA call over B rows is not
     that: its kernel splits the work by the batch's size (with 2 threads, 1 to 7 rows of
@@ -258,7 +265,7 @@ def attend_rows(
         if mask is not None and mask.dim() == 4 and mask.shape[0] > 1:
             mask = mask[b : b + 1]  # a mask per row
         kb, vb = k[b : b + 1, :, :n], v[b : b + 1, :, :n]
-        out.append(attend(q[b : b + 1], kb, vb, mask, causal, softcap=softcap))
+        out.append(attend(q[b : b + 1], kb, vb, mask, causal, softcap=softcap, sinks=sinks))
     return torch.cat(out)
 
 
@@ -272,9 +279,11 @@ def attend(
     softcap: float | None = None,
     bf16_from: int | None = None,
     prompt: bool | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA of q (B, H, T, D) over k, v (B, Hkv, S, D), H a multiple of Hkv; with
-    `softcap`, the scores capped first (`attend_capped`).
+    `softcap` (the scores capped first) or `sinks` (a column more in each row's softmax),
+    which neither SDPA nor kvlm's C attention takes, the explicit road (`attend_explicit`).
 
     `prompt` (None: T > 1): the rows are a prompt's; on the CPU one sequence's prompt rows
     go to kvlm_attend at any T, a chunk of one row too, so a row's bits are its own
@@ -296,8 +305,8 @@ def attend(
     the math path and its full score matrix. There (`expand` None: decided by device) the
     K/V heads are repeated to H first, which the memory-efficient kernel takes. On CPU
     enable_gqa serves every case."""
-    if softcap is not None:
-        return attend_capped(q, k, v, mask, is_causal, softcap)
+    if softcap is not None or sinks is not None:
+        return attend_explicit(q, k, v, mask, is_causal, softcap, sinks)
     T, S = q.shape[2], k.shape[2]
     prompt = T > 1 if prompt is None else prompt
     if bf16_from is not None and q.is_cpu and q.dtype == torch.float32 and prompt:
@@ -338,29 +347,42 @@ def attend(
         )
 
 
-def attend_capped(
+def attend_explicit(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None,
     is_causal: bool,
-    cap: float,
+    cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention whose scores are soft-capped before the softmax, cap * tanh(s / cap)
-    (ModelConfig.attn_softcap), which no fused kernel takes: the scores are made whole, as
-    transformers' eager attention makes them (the softmax in fp32). q (B, H, T, D), k, v
-    (B, Hkv, S, D)."""
+    (ModelConfig.attn_softcap), or whose softmax has a sink (ModelConfig.attn_sinks: a
+    logit a query head, `sinks` (H,), joins each row's denominator and its column is
+    dropped after), which no fused kernel takes: the scores are made whole, as
+    transformers' eager attention makes them (the softmax in fp32, fp64 for an fp64 model).
+    q (B, H, T, D), k, v (B, Hkv, S, D).
+
+        p = softmax([s_1 .. s_S, sink_h])[:S]      a row that sees no key: all zeros
+    """
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    scores = torch.tanh(scores / cap) * cap
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, H, T, S)
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     if is_causal:
         T, S = q.shape[2], k.shape[2]
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(weights, v)
+    wide = torch.promote_types(q.dtype, torch.float32)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1, dtype=wide)
+    else:
+        B, H, T, _ = scores.shape
+        sink = sinks.to(scores.dtype).reshape(1, H, 1, 1).expand(B, H, T, 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=wide)[..., :-1]
+    return torch.matmul(weights.to(q.dtype), v)
 
 
 def attend_decode(

@@ -12,6 +12,8 @@ MLPs for each token, and the token's output is their outputs weighted by the rou
              everywhere, so a row routes alone as in any batch)
     w      = p[chosen], divided by (their sum + norm_eps) where the family normalises
              (norm_topk_prob), then times `scale` (routed_scaling_factor)
+    (router "topk_softmax": logits (+ the router's bias) -> the top_k of the logits, the
+     same ties -> w = softmax over those k logits alone)
     y      = sum over chosen, in ascending expert order, of w_e * MLP_e(x)
              (+ sigmoid(x . g) * MLP_shared(x) where the family has a shared expert)
 
@@ -91,9 +93,12 @@ class Experts(nn.Module):
         (fp64, a GPU, no kernels), the same steps."""
         lib = kernels.library()
         w, c = self.router_weight, self.config
-        if lib is not None and w.dtype == torch.float32 and x.is_cpu and x.numel():
+        c_road = self.kernel_refusal() is None
+        if c_road and lib is not None and w.dtype == torch.float32 and x.is_cpu and x.numel():
             return self._route_kernel(lib, x.float().contiguous())
         logits = self.router(x.to(self.router_dtype))
+        if c.router == "topk_softmax":
+            return self._topk_softmax(logits)
         probs = torch.sigmoid(logits) if c.router == "sigmoid" else torch.softmax(logits, dim=-1)
         select = probs if self.bias is None else probs + self.bias.to(probs.device)
         order = torch.sort(select, dim=-1, descending=True, stable=True).indices
@@ -104,6 +109,28 @@ class Experts(nn.Module):
         if c.scale != 1.0:
             weights = weights * c.scale
         return chosen, weights
+
+    def kernel_refusal(self) -> str | None:
+        """Why the kernels' router and the fused step cannot run this mixture (None: they
+        can): they know the "softmax" and "sigmoid" routers (a selection bias in fp32),
+        no bias of the router's own, experts without biases, the model's activation."""
+        if self.config.router not in ("softmax", "sigmoid"):
+            return f"the router {self.config.router!r}"
+        if self.router.bias is not None:
+            return "a router bias"
+        if self.bias is not None and self.bias.dtype != torch.float32:
+            return "a router's selection bias not in fp32"
+        if self.config.activation:
+            return f"the experts' activation {self.config.activation!r}"
+        return None
+
+    def _topk_softmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The "topk_softmax" router: the top k of the logits (ties to the lower expert),
+        their weights a softmax over those k alone (transformers' order: top k, then
+        softmax in the logits' dtype)."""
+        order = torch.sort(logits, dim=-1, descending=True, stable=True).indices
+        chosen = order[:, : self.config.top_k]
+        return chosen, torch.softmax(logits.gather(1, chosen), dim=-1)
 
     def _route_kernel(self, lib, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, (e, h), c = x.shape[0], self.router_weight.shape, self.config

@@ -303,6 +303,13 @@ def config_why_not(c: ModelConfig) -> str | None:
         return f"a {missing[0]} layer (the step has no kernel for one yet)"
     if c.rotary_dim % 2:
         return f"RoPE over an odd {c.rotary_dim} dimensions"
+    if c.attn_sinks:
+        return "attention sinks (the step's softmax has no sink column)"
+    x = c.experts
+    if x is not None and x.router not in ("softmax", "sigmoid"):
+        return f"an expert router {x.router!r} (the step's routers: softmax, sigmoid)"
+    if x is not None and x.activation:
+        return f"the experts' activation {x.activation!r}"
     rec = c.deltanet or c.mamba2
     if rec is not None:  # kernels/deltanet.c's and mamba2.c's limits
         d = c.deltanet
@@ -354,8 +361,8 @@ def _block_why_not(block: Block, eps: float) -> str | None:
         return f"the MLP's activation {mlps[0].act!r}"
     if moe is not None and moe.router_weight.dtype != torch.float32:
         return "a router not in fp32"
-    if moe is not None and moe.bias is not None and moe.bias.dtype != torch.float32:
-        return "a router's selection bias not in fp32"
+    if moe is not None and moe.kernel_refusal() is not None:
+        return moe.kernel_refusal()
     gate = None if moe is None else moe.shared_gate_weight
     if gate is not None and gate.dtype != torch.float32:
         return "a shared expert's gate not in fp32"

@@ -426,13 +426,18 @@ def _transient(numel: int) -> torch.Tensor:
 
 class MLP(nn.Module):
     """SwiGLU (`act` "silu"), or GeGLU with tanh's GELU (`act` "gelu_tanh"), with the gate
-    and up projections fused into one matmul (ModelConfig.activation)."""
+    and up projections fused into one matmul (ModelConfig.activation); or an expert's
+    clamped SwiGLU (`act` "clamped_swiglu", `swiglu` = (alpha, limit): `clamped_swiglu`)."""
 
-    def __init__(self, gate_up: Linear, down: Linear, act: str = "silu") -> None:
+    def __init__(
+        self, gate_up: Linear, down: Linear, act: str = "silu",
+        swiglu: tuple[float, float] = (1.702, 7.0),
+    ) -> None:  # fmt: skip
         super().__init__()
         self.gate_up = gate_up
         self.down = down
         self.act = act
+        self.swiglu = swiglu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -469,5 +474,15 @@ class MLP(nn.Module):
                                  f"{gu.shape[-1]}")  # fmt: skip
             return self.down(act)
         gate, up = gu.chunk(2, dim=-1)
+        if self.act == "clamped_swiglu":
+            return self.down(clamped_swiglu(gate, up, *self.swiglu))
         gate = F.silu(gate) if silu else F.gelu(gate, approximate="tanh")
         return self.down(gate * up)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float):
+    """An expert's clamped SwiGLU (kvlm.config.EXPERT_ACTIVATIONS), transformers' order of
+    operations: gate clamped to at most `limit`, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))

@@ -565,6 +565,8 @@ class _WeightTaker:
         attn.q_scale = None if q_norm is not None or ratio == 1.0 else ratio
         attn.softcap = c.attn_softcap
         attn.gated = c.attn_output_gate
+        if c.attn_sinks:  # a logit a query head in each row's softmax (attend_explicit)
+            attn.sinks = self.take(f"{p}.self_attn.sinks").reshape(c.num_heads)
         return self._block(i, p, attn=attn)
 
     def mtp_head(self) -> MtpHead | None:
@@ -652,9 +654,26 @@ class _WeightTaker:
             gate_, up = (self._each_expert(n, x.count) for n in names[:2])
             gate_up = [[a, b] for a, b in zip(gate_, up, strict=True)]
         down = self._each_expert(names[2], x.count)
-        return [MLP(self._expert_linear(gate_up[e], names[0]),
-                    self._expert_linear([down[e]], names[2]), c.activation)
+        gate_up_bias, down_bias = self._expert_biases(p)
+        act = x.activation or c.activation
+        return [MLP(self._expert_linear(gate_up[e], names[0], gate_up_bias[e]),
+                    self._expert_linear([down[e]], names[2], down_bias[e]), act,
+                    (x.swiglu_alpha, x.swiglu_limit))
                 for e in range(x.count)]  # fmt: skip
+
+    def _expert_biases(self, p: str) -> tuple[list, list]:
+        """Each routed expert's gate|up bias and down bias (E, rows) stacked, where the file
+        has them (a list of None where it has not): gate|up one stack (E, 2 I), or gate's
+        and up's (llama.cpp's `ffn_gate_exps.bias`, `ffn_up_exps.bias`)."""
+        count, e = self.config.experts.count, f"{p}.mlp.experts"
+        parts = [self._bias(f"{e}.gate_up_proj")]
+        if parts[0] is None:
+            parts = [self._bias(f"{e}.{n}") for n in ("gate_proj", "up_proj")]
+            if parts.count(None) == 1:
+                raise ModelLoadError(f"{e}: a bias of gate_proj or up_proj without the other")
+        gate_up = [None] * count if parts[0] is None else list(torch.cat(parts, dim=1).unbind(0))
+        down = self._bias(f"{e}.down_proj")
+        return gate_up, [None] * count if down is None else list(down.unbind(0))
 
     def _shared_expert(self, p: str) -> MLP:
         """A mixture's shared expert: `mlp.shared_expert.*`, or where the file names none,
@@ -676,10 +695,13 @@ class _WeightTaker:
     def _fp32_linear(self, name: str) -> tuple[Linear, torch.Tensor]:
         """`name`'s weight in fp32 (an fp64 model's in fp64) whatever the weights' format,
         never rounded to low bits, and a Linear of it on the vocabulary projection's road
-        (fp32 products, each row's its own): a router's or a shared expert's gate."""
+        (fp32 products, each row's its own): a router's or a shared expert's gate, with its
+        bias where the file has one (in the weight's dtype)."""
         w = self.take(name)
         w = w if w.dtype == torch.float64 else w.float()
-        return Linear(w, numerics=self.numerics, vocabulary=True), w
+        bias = self.take_raw(name.removesuffix(".weight") + ".bias")
+        bias = None if bias is None else bias.to(w.device, w.dtype)
+        return Linear(w, bias, numerics=self.numerics, vocabulary=True), w
 
     def _each_expert(self, name: str, count: int) -> list[quant.Blocks] | list[torch.Tensor]:
         """Each expert's matrix of the stacked tensor `name`: its blocks as stored
@@ -692,11 +714,13 @@ class _WeightTaker:
         raw, rows = native.raw, native.out_features // count
         return [quant.Blocks(native.kind, raw[e * rows : (e + 1) * rows]) for e in range(count)]
 
-    def _expert_linear(self, parts: list, name: str) -> Linear:
-        """One expert's projection of `parts` (gate and up joined, or down)."""
+    def _expert_linear(self, parts: list, name: str, bias: torch.Tensor | None = None) -> Linear:
+        """One expert's projection of `parts` (gate and up joined, or down), with `bias`."""
+        if bias is not None:
+            bias = bias.contiguous()
         if isinstance(parts[0], quant.Blocks):
-            return Linear.from_quant(quant.concat(parts), None, self.numerics)
-        return self._make(torch.cat(parts, dim=0), None, [name])
+            return Linear.from_quant(quant.concat(parts), bias, self.numerics)
+        return self._make(torch.cat(parts, dim=0), bias, [name])
 
     def conv_block(self, i: int) -> Block:
         """Layer i, whose mixer is a short convolution (kvlm.model.conv)."""

@@ -1,0 +1,237 @@
+"""gpt-oss: attention sinks, alternating windowed and whole-context layers, YaRN, biases,
+and a mixture of experts routed by the top k of a biased router's logits, each expert a
+clamped SwiGLU with biases: against transformers' GptOssForCausalLM (eager attention, its
+experts one at a time) on a tiny random-weight model (tests/helpers.tiny_config
+"gpt_oss": sinks and the experts' biases randomised), and from the GGUF files llama.cpp's
+own converter writes for it (tests/converter.py), MXFP4 experts among them.
+
+The fused C step, the C attention and the C router refuse what they cannot run (the
+sinks, the router, the activation), each with its reason: the torch road runs the model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import converter
+from helpers import (
+    FRANCE,
+    assert_greedy_agreement,
+    fed,
+    gguf_as_folder,
+    hf_greedy,
+    prompt_ids,
+    save_tiny_model,
+)
+from kvlm import LLM, SamplingParams
+from numerics import assert_as_exact_as, max_error
+
+SEED = 50
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("gptoss"), "gpt_oss", seed=SEED,
+                           tokenizer="qwen35")  # fmt: skip
+
+
+def hf(folder, dtype=torch.float32):
+    """transformers' model: eager attention (its sinks' road), experts one at a time (its
+    grouped product takes no fp64)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager",
+                                                experts_implementation="eager").eval()  # fmt: skip
+
+
+def hf_logits(folder, ids, dtype=torch.float32):
+    with torch.no_grad():
+        return hf(folder, dtype)(torch.tensor([ids])).logits[0]
+
+
+def test_config_read_from_folder(folder):
+    c = LLM(model=folder, kv="off", progress=False).config
+    cfg = json.loads((folder / "config.json").read_text())
+    assert c.architecture == "gpt-oss" and c.attn_sinks
+    assert c.layer_windows == (8, None, 8, None)
+    assert c.layer_ffns == ("experts",) * 4
+    x = c.experts
+    assert (x.count, x.top_k, x.intermediate, x.router, x.activation) == (
+        8, 2, 64, "topk_softmax", "clamped_swiglu")  # fmt: skip
+    assert (x.swiglu_alpha, x.swiglu_limit) == (cfg["swiglu_alpha"], cfg["swiglu_limit"])
+    s = c.rope_scaling
+    assert (s.rope_type, s.factor, s.original_max_position_embeddings, s.truncate) == (
+        "yarn", 4.0, 64, False)  # fmt: skip
+
+
+def test_teacher_forced_logits_match_hf(folder):
+    """40 positions (past the window of 8), the exact path: as close to transformers' fp64
+    as its own fp32 logits; the fused step refuses the model, saying why."""
+    llm = LLM(model=folder, kv="off", exact=True, progress=False)
+    ids = prompt_ids(llm)
+    ours = llm.runner.logits(ids, llm.new_cache("off"))
+    assert_as_exact_as(ours, hf_logits(folder, ids), hf_logits(folder, ids, torch.float64))
+
+
+def test_the_sinks_router_bias_and_experts_are_applied(folder):
+    """Each part moved (the sinks zeroed, a router bias zeroed, an expert's down bias
+    zeroed) moves the logits far more than rounding, so the test above can fail."""
+    llm = LLM(model=folder, kv="off", exact=True, progress=False)
+    ids = prompt_ids(llm)
+    exact = hf_logits(folder, ids, torch.float64)
+
+    def error() -> float:
+        return max_error(llm.runner.logits(ids, llm.new_cache("off")), exact)
+
+    before = error()
+    layer = llm.model.layers[1]
+    with torch.no_grad():
+        for part in (layer.attn.sinks, layer.mlp.router.bias):
+            saved = part.clone()
+            part.zero_()
+            assert error() > 1000 * before
+            part.copy_(saved)
+        chosen, _ = layer.mlp.route(llm.model.embed(torch.tensor(ids)))
+        layer.mlp.experts[int(chosen[0, 0])].down.bias.zero_()
+        assert error() > 1000 * before
+
+
+def test_the_c_roads_refuse_with_a_reason(folder):
+    """The fused step (config and block), the kernels' router: each refuses, saying what;
+    the model then decodes on the torch step."""
+    from kvlm.model.fused import config_why_not, why_not
+
+    llm = LLM(model=folder, weights="int8", progress=False)
+    assert "sink" in config_why_not(llm.config)
+    assert llm.describe()["decode_step"] != "fused"
+    assert why_not(llm.model) == config_why_not(llm.config)
+    moe = llm.model.layers[0].mlp
+    assert moe.kernel_refusal() == "the router 'topk_softmax'"
+
+
+def test_greedy_tokens_equal_hf(folder):
+    """24 greedy tokens past the window: in fp64 transformers' fp64 tokens; by default
+    (fp32) the top-5 rule against its fp32."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    fp64 = LLM(model=folder, kv="contiguous", dtype="fp64", progress=False)
+    ids = fp64.tokenizer.encode(FRANCE)
+    out = fp64.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    assert out.token_ids == hf_greedy(hf(folder, torch.float64), ids, 24)[0]
+    llm = LLM(model=folder, progress=False)
+    out = llm.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    ref_ids, ref_logits = hf_greedy(hf(folder), ids, 24)
+    assert_greedy_agreement(out.token_ids, [list(lp.top) for lp in out.logprobs], ref_ids,
+                            ref_logits)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["basic", "contiguous", "paged", "int8", "window"])
+def test_every_mode_chunked_equals_one_shot(folder, mode):
+    """Chunks of 7, then a token at a time, give the one-shot prefill's logits through the
+    same mode as exactly (the sinks' explicit softmax multiplies a chunk's scores as one
+    product, whose rows' bits follow the product's shape, as the soft-cap's road does:
+    not bit for bit); the exact modes' one shot is the `off` oracle's bit for bit."""
+    llm = LLM(model=folder, kv=mode, exact=True, progress=False)
+    ids = prompt_ids(llm)
+    one_shot, chunked = fed(llm, ids, [len(ids)]), fed(llm, ids, [7] * 4 + [1] * 12)
+    assert_as_exact_as(chunked, one_shot, hf_logits(folder, ids, torch.float64))
+    if mode in ("basic", "contiguous", "paged"):
+        off = LLM(model=folder, kv="off", exact=True, progress=False)
+        assert torch.equal(one_shot, off.runner.logits(ids, off.new_cache("off")))
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "paged"])
+def test_batched_forked_and_speculative_equal_alone(folder, mode):
+    """Prompts batched = each alone; n = 2 greedy samples = the one; prompt lookup's
+    drafts = plain."""
+    from kvlm.engine.speculative import SpeculativeConfig
+
+    llm = LLM(model=folder, kv=mode, progress=False)
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    prompts = [FRANCE, "One two three, one two three, one two"]
+    alone = [llm.generate(p, greedy)[0].outputs[0].token_ids for p in prompts]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == alone
+    two = llm.generate(prompts[0], SamplingParams(n=2, max_tokens=20, temperature=0.0,
+                                                  ignore_eos=True))  # fmt: skip
+    assert [s.token_ids for s in two[0].outputs] == [alone[0]] * 2
+    spec = LLM(model=folder, kv=mode, speculative=SpeculativeConfig("ngram", ngram_min=1),
+               progress=False)  # fmt: skip
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, greedy)] == alone
+
+
+# ---------------------------------------------------------------- llama.cpp's converter
+
+
+def test_gguf_from_llama_cpps_converter_reads_as_the_folder(folder):
+    """The converter's f32 file (gate|up split and de-interleaved, `attn_sinks`, the
+    router's and the experts' biases): the folder's config and logits bit for bit."""
+    path = converter.convert(folder, "f32", pre="qwen35")
+    from_gguf, from_hf = gguf_as_folder(path, folder)
+    ids = prompt_ids(from_hf)
+    ours = from_gguf.runner.logits(ids, from_gguf.new_cache("off"))
+    assert torch.equal(ours, from_hf.runner.logits(ids, from_hf.new_cache("off")))
+
+
+def _mxfp4_folder(folder, out):
+    """The tiny model as the Hub keeps gpt-oss: its experts' gate_up and down as MXFP4
+    blocks and scales (random codes, exponents near 1), `quantization_config` mxfp4."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    for f in folder.iterdir():
+        if f.suffix != ".safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (out / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(SEED)
+    tensors = {}
+    for name, t in load_file(folder / "model.safetensors").items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            e, cols, rows = t.shape  # HF's (E, in, out): blocks of 32 along `in`
+            shape = (e, rows, cols // 32)
+            tensors[name + "_blocks"] = torch.randint(0, 256, (*shape, 16), generator=g,
+                                                      dtype=torch.uint8)  # fmt: skip
+            tensors[name + "_scales"] = torch.randint(124, 129, shape, generator=g,
+                                                      dtype=torch.uint8)  # fmt: skip
+        else:
+            tensors[name] = t
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_mxfp4_experts_dequantize_as_gguf_py_does(folder, tmp_path):
+    """The converter's file of an MXFP4 checkpoint keeps the experts MXFP4
+    (`ffn_*_exps`): kvlm's values are gguf-py's `dequantize` bit for bit, and the model
+    loads and generates from them."""
+    import gguf
+
+    from kvlm.loading.gguf import GGUFWeights
+
+    path = converter.convert(_mxfp4_folder(folder, tmp_path / "mxfp4"), "f32", pre="qwen35")
+    weights = GGUFWeights(path)
+    stacks = [n for n in weights.names() if weights.stored_as(n)[1] == "MXFP4"]
+    assert len(stacks) == 3 * 4  # gate, up and down of every layer
+    reader = gguf.GGUFReader(path)
+    for t in reader.tensors:
+        if t.tensor_type == gguf.GGMLQuantizationType.MXFP4:
+            want = gguf.quants.dequantize(t.data, t.tensor_type)
+            name = weights.family.from_gguf_name(t.name, 4)
+            got = weights.get(name).numpy()
+            assert np.array_equal(got.reshape(want.shape).view(np.uint32), want.view(np.uint32))
+    llm = LLM(model=path, progress=False)
+    out = llm.generate(FRANCE, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 8
+
+
+def test_the_pool_batches_and_chunks_as_alone(folder):
+    """Through the engine's pool (ragged steps: attend_ragged reaches the sinks): the
+    prompts batched and in chunks of 5, each prompt's tokens alone."""
+    from helpers import GREEDY, POOL_PROMPTS, on_pool
+
+    llm = LLM(model=folder, kv="paged", progress=False)
+    want = [[llm.generate(p, GREEDY)[0].outputs[0].token_ids] for p in POOL_PROMPTS]
+    assert on_pool(llm, POOL_PROMPTS, GREEDY)[0] == want
+    assert on_pool(llm, POOL_PROMPTS, GREEDY, scheduler={"prefill_chunk": 5})[0] == want
