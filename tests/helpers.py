@@ -1670,13 +1670,15 @@ ROUTER_SCALE = 4.0
 
 
 def sharpen_routers(folder, scale: float = ROUTER_SCALE) -> None:
-    """Each router (`.mlp.gate.weight`) of the saved model in `folder` times `scale`: a
-    random router's logits are nearly flat, its top k near ties that any rounding flips
-    (a whole expert's output); sharpened, it is still random, its ties rarer."""
+    """Each router (`mlp.gate`, `mlp.router`, `feed_forward.gate`) of the saved model in
+    `folder` times `scale`: a random router's logits are nearly flat, its top k near ties
+    that any rounding flips (a whole expert's output); sharpened, it is still random, its
+    ties rarer."""
     from safetensors.torch import load_file, save_file
 
     path = folder / "model.safetensors"
     tensors = load_file(path)
-    for name in [n for n in tensors if n.endswith(".mlp.gate.weight")]:
+    routers = (".mlp.gate.weight", ".mlp.router.weight", ".feed_forward.gate.weight")
+    for name in [n for n in tensors if n.endswith(routers)]:
         tensors[name] = tensors[name] * scale
     save_file(tensors, path, metadata={"format": "pt"})

@@ -362,7 +362,10 @@ FAMILIES = {
     "granite-h": ("granitemoehybrid", 42, {}),
     "qwen3_moe": ("qwen3_moe", 40, {"tokenizer": "qwen35"}),
     "qwen3_5_moe": ("qwen3_5_moe", 50, {"tokenizer": "qwen35"}),
+    "lfm2_moe": ("lfm2_moe", 60, {"tokenizer": "llama3"}),  # a sigmoid router, a bias
+    "gpt_oss": ("gpt_oss", 70, {"tokenizer": "qwen35"}),  # sinks, windows, clamped SwiGLU
 }
+EXPERTS = {"qwen3_moe", "qwen3_5_moe", "lfm2_moe", "gpt_oss"}
 
 
 # The dtype the families' tests run in on the device: bf16 (serving's), but fp32 for the
@@ -372,7 +375,7 @@ FAMILIES = {
 # 50, the GPU's 90), and routers sharpened 4, 8 or 16 times still diverge from fp32 within
 # 0-5 tokens; bf16 holds no bound there worth testing. fp32 on both sides does.
 def family_dtype(name: str) -> str:
-    return "fp32" if "moe" in FAMILIES[name][0] else "bf16"
+    return "fp32" if name in EXPERTS else "bf16"
 
 
 LONG = " ".join(["red green blue yellow"] * 8)  # n-gram drafts find their tokens
@@ -388,7 +391,7 @@ def family(tmp_path_factory):
             arch, seed, overrides = FAMILIES[name]
             made[name] = save_tiny_model(tmp_path_factory.mktemp(name), arch, seed=seed,
                                          **overrides)  # fmt: skip
-            if "moe" in arch:  # routing decisive enough for bf16 and the GPU's sums
+            if name in EXPERTS:  # routing decisive enough for the GPU's sums
                 sharpen_routers(made[name])
         return made[name]
 
@@ -502,7 +505,7 @@ def test_every_family_drafts_and_rolls_back_on_the_device(family, name):
                              reference)  # fmt: skip
     arch, seed, overrides = FAMILIES[name]
     other = save_tiny_model(folder.parent / "other", arch, seed=seed + 100, **overrides)
-    if "moe" in arch:
+    if name in EXPERTS:
         sharpen_routers(other)
     for spec in (own, SpeculativeConfig("draft", num_draft=4, draft_model=str(other))):
         ids = on_cpu(folder).tokenizer.encode(LONG)
