@@ -325,6 +325,21 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
             num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
             decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1e6,
         )  # fmt: skip
+    elif arch == "olmoe":
+        from transformers import OlmoeConfig
+
+        # four layers of 8 experts of 64 (intermediate_size: an expert's), the top 3 not
+        # renormalised (norm_topk_prob False, as OLMoE's); the q and k norms over the whole
+        # projections (64 and 2 KV heads x 16 = 32: of different lengths); the vocabulary
+        # padded past the tokenizer's, as OLMoE's 50304 is past its 50280 (AutoTokenizer
+        # reads an olmoe folder with GPTNeoXTokenizer, which adds <|padding|> after them);
+        # OLMoE's eps, 1e-5, which llama.cpp's converter writes whatever the config says
+        common["num_hidden_layers"], common["intermediate_size"] = 4, 64
+        common["vocab_size"], common["rms_norm_eps"] = vocab_size + 64, 1e-5
+        cfg = OlmoeConfig(
+            **common, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=3,
+            norm_topk_prob=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        )  # fmt: skip
     else:
         raise ValueError(arch)
     for key, value in overrides.items():
