@@ -1448,6 +1448,20 @@ def staggered_answers(engine, prompts: list[list[int]], params) -> dict[str, lis
     return out
 
 
+def refused(read, good: dict, bad: dict, said: str):
+    """A family's config test: `read(good, name)` (config_from_hf or config_from_gguf)
+    reads, and `bad` (good with a hostile key) is refused in one ModelLoadError or
+    UnsupportedModelError naming `said`; returns good's config."""
+    import pytest
+
+    from kvlm.errors import ModelLoadError, UnsupportedModelError
+
+    config = read(good, "m")
+    with pytest.raises((ModelLoadError, UnsupportedModelError), match=said):
+        read(bad, "m")
+    return config
+
+
 def gguf_as_folder(path, folder):
     """The converted GGUF at `path` and its HF `folder`, each an exact kv-off LLM, their
     configs held equal (but the name, and the epsilon the file stores in fp32)."""

@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvlm.arch.family import Family, Shape
-from kvlm.arch.readers import gguf_config, hf_config
-from kvlm.config import EXPERTS, Experts, Fields, ModelConfig, limits
+from kvlm.arch.readers import gguf_config, gguf_expert_counts, hf_config, hf_expert_counts
+from kvlm.config import Experts, Fields, ModelConfig, limits
 from kvlm.errors import UnsupportedModelError
 
 ARCH = "olmoe"
@@ -33,13 +33,10 @@ def from_hf(cfg: dict[str, Any], arch: str, name: str) -> ModelConfig:
         if hf("clip_qkv", float, None) is not None:  # OLMoE's are null
             raise UnsupportedModelError(f"{hf.where}: clip_qkv (q, k and v clamped) is not "
                                         "supported")  # fmt: skip
-        # transformers 5 saves num_local_experts (its attribute_map's name) where the
-        # Hub's configs say num_experts
-        key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
-        count = hf(key, int, lo=EXPERTS[0], hi=EXPERTS[1])
+        count, top_k = hf_expert_counts(cfg, hf)
         experts = Experts(
             count=count,
-            top_k=hf("num_experts_per_tok", int, lo=1, hi=count),
+            top_k=top_k,
             intermediate=hf("intermediate_size", int, **limits("intermediate_size")),
             normalize=hf("norm_topk_prob", bool, False),
         )
@@ -50,10 +47,10 @@ def from_hf(cfg: dict[str, Any], arch: str, name: str) -> ModelConfig:
 
 def from_gguf(g: Fields, arch: str, name: str) -> ModelConfig:
     def part(g: Fields, arch: str, layers: int, hidden: int, heads: int, head_dim: int) -> dict:
-        count = g(f"{arch}.expert_count", int, lo=EXPERTS[0], hi=EXPERTS[1])
+        count, top_k = gguf_expert_counts(g, arch)
         experts = Experts(
             count=count,
-            top_k=g(f"{arch}.expert_used_count", int, lo=1, hi=count),
+            top_k=top_k,
             # the converter writes the experts' width as the feed-forward length
             intermediate=g(f"{arch}.feed_forward_length", int, **limits("intermediate_size")),
             normalize=False,  # llama.cpp's olmoe graph keeps the top k's softmax weights

@@ -11,7 +11,17 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from kvlm.config import LIMITS, REQUIRED, Fields, ModelConfig, RopeScaling, limits, shown, value
+from kvlm.config import (
+    EXPERTS,
+    LIMITS,
+    REQUIRED,
+    Fields,
+    ModelConfig,
+    RopeScaling,
+    limits,
+    shown,
+    value,
+)
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 
 # (the config, its Fields, the architecture, hidden_size, num_heads) -> ModelConfig fields
@@ -70,6 +80,21 @@ def hf_layer_mixers(types: Any, kinds: dict[str, str], hf: Fields, layers: int) 
         raise UnsupportedModelError(f"{hf.where}: unsupported layer types {unknown} "
                                     f"(supported: {', '.join(kinds)})")  # fmt: skip
     return tuple(kinds[t] for t in types)
+
+
+def hf_expert_counts(cfg: dict[str, Any], hf: Fields) -> tuple[int, int]:
+    """A mixture of experts' experts a layer and those a token runs: `num_experts` (the
+    Hub's configs; transformers 5 saves `num_local_experts`, its attribute_map's name),
+    `num_experts_per_tok` (1 to the experts)."""
+    key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+    count = hf(key, int, lo=EXPERTS[0], hi=EXPERTS[1])
+    return count, hf("num_experts_per_tok", int, lo=1, hi=count)
+
+
+def gguf_expert_counts(g: Fields, arch: str) -> tuple[int, int]:
+    """The same from llama.cpp's `{arch}.expert_count` and `{arch}.expert_used_count`."""
+    count = g(f"{arch}.expert_count", int, lo=EXPERTS[0], hi=EXPERTS[1])
+    return count, g(f"{arch}.expert_used_count", int, lo=1, hi=count)
 
 
 def hf_window(hf: Fields) -> int | None:
