@@ -355,6 +355,21 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
                              "original_max_position_embeddings": 64, "beta_fast": 32.0,
                              "beta_slow": 1.0, "truncate": False},
         )  # fmt: skip
+    elif arch == "olmoe":
+        from transformers import OlmoeConfig
+
+        # four layers of 8 experts of 64 (intermediate_size: an expert's), the top 3 not
+        # renormalised (norm_topk_prob False, as OLMoE's); the q and k norms over the whole
+        # projections (64 and 2 KV heads x 16 = 32: of different lengths); the vocabulary
+        # padded past the tokenizer's, as OLMoE's 50304 is past its 50280 (AutoTokenizer
+        # reads an olmoe folder with GPTNeoXTokenizer, which adds <|padding|> after them);
+        # OLMoE's eps, 1e-5, which llama.cpp's converter writes whatever the config says
+        common["num_hidden_layers"], common["intermediate_size"] = 4, 64
+        common["vocab_size"], common["rms_norm_eps"] = vocab_size + 64, 1e-5
+        cfg = OlmoeConfig(
+            **common, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=3,
+            norm_topk_prob=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        )  # fmt: skip
     else:
         raise ValueError(arch)
     for key, value in overrides.items():
@@ -1495,6 +1510,20 @@ def staggered_answers(engine, prompts: list[list[int]], params) -> dict[str, lis
                 (t, list(lp.top)) for t, lp in zip(ev.token_ids, ev.logprobs, strict=True)
             )
     return out
+
+
+def refused(read, good: dict, bad: dict, said: str):
+    """A family's config test: `read(good, name)` (config_from_hf or config_from_gguf)
+    reads, and `bad` (good with a hostile key) is refused in one ModelLoadError or
+    UnsupportedModelError naming `said`; returns good's config."""
+    import pytest
+
+    from kvlm.errors import ModelLoadError, UnsupportedModelError
+
+    config = read(good, "m")
+    with pytest.raises((ModelLoadError, UnsupportedModelError), match=said):
+        read(bad, "m")
+    return config
 
 
 def gguf_as_folder(path, folder):

@@ -222,3 +222,10 @@ def test_no_module_outside_the_family_file_and_the_registry_names_granite():
     NoPE and its multipliers ModelConfig fields, not the family's."""
     naming = {m for m, path in MODS.items() if "granite" in path.read_text().lower()}
     assert naming == {"kvlm.arch.granite", "kvlm.arch"}
+
+
+def test_no_module_outside_the_family_file_and_the_registry_names_olmoe():
+    """The same for OLMoE: its q/k norms over the whole projections are a ModelConfig
+    field (qk_norm_extent), its experts the FFN kind, not the family's."""
+    naming = {m for m, path in MODS.items() if "olmoe" in path.read_text().lower()}
+    assert naming == {"kvlm.arch.olmoe", "kvlm.arch"}

@@ -40,6 +40,10 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 # Where a block's RMSNorms are: "pre" one before attention and one before the MLP; "sandwich"
 # also one on each one's output before it is added to the residual stream
 NORM_LAYOUTS = ("pre", "sandwich")
+# What the q and k RMSNorms before RoPE (`qk_norm`) each norm: "head" every head on its own
+# (a weight of head_dim), "projection" the whole q and the whole k projection before they
+# are split into heads (a weight of num_heads x head_dim and of num_kv_heads x head_dim)
+QK_NORM_EXTENTS = ("head", "projection")
 # A block's mixer, what mixes positions before its MLP: "attention" (over the whole context
 # or a window), "conv" a gated short convolution over the last `conv_kernel` positions
 # (kvlm.model.conv), "deltanet" a gated DeltaNet: a causal convolution, then the gated delta
@@ -235,6 +239,8 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qk_norm: bool = False
+    # what each of those norms spans (QK_NORM_EXTENTS): a head, or the whole projection
+    qk_norm_extent: str = field(default="head", metadata={"fingerprint": False})
     # the attention window of every layer (Mistral); with `layer_windows`, of none
     sliding_window: int | None = None
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
@@ -323,6 +329,14 @@ class ModelConfig:
         return tuple(i for i, f in enumerate(self.layer_ffns) if f == "experts")
 
     @property
+    def qk_norm_sizes(self) -> tuple[int, int]:
+        """The q norm's and the k norm's weights' lengths (qk_norm_extent): head_dim each,
+        or the q and the k projections' widths."""
+        if self.qk_norm_extent == "projection":
+            return self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return self.head_dim, self.head_dim
+
+    @property
     def rotary_dim(self) -> int:
         """The dimensions of each head RoPE rotates (the first ones)."""
         return self.head_dim if self.rope_dim is None else self.rope_dim
@@ -358,6 +372,7 @@ class ModelConfig:
         check_supported("RoPE scaling", self.rope_scaling.rope_type, SUPPORTED_ROPE_TYPES)
         check_supported("activation", self.activation, ACTIVATIONS)
         check_supported("norm layout", self.norm_layout, NORM_LAYOUTS)
+        check_supported("q/k norm extent", self.qk_norm_extent, QK_NORM_EXTENTS)
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise UnsupportedModelError(
                 f"{len(self.layer_windows)} layer types for {self.num_layers} layers"

@@ -32,8 +32,15 @@ from typing import Any
 import torch
 
 from kvlm.arch.family import LAYER_NAMES, Family
-from kvlm.arch.readers import gguf_config, gguf_experts, hf_config, hf_layer_mixers, hf_window
-from kvlm.config import EXPERTS, Experts, Fields, ModelConfig, limits
+from kvlm.arch.readers import (
+    gguf_config,
+    gguf_experts,
+    hf_config,
+    hf_expert_counts,
+    hf_layer_mixers,
+    hf_window,
+)
+from kvlm.config import Experts, Fields, ModelConfig, limits
 
 ARCH = "gpt-oss"
 WINDOW, ALPHA, LIMIT = 128, 1.702, 7.0  # transformers' defaults, llama.cpp's constants
@@ -48,10 +55,10 @@ def _block(experts: Experts, windows: tuple[int | None, ...]) -> dict[str, Any]:
 def from_hf(cfg: dict[str, Any], arch: str, name: str) -> ModelConfig:
     def part(cfg: dict[str, Any], hf: Fields, arch: str, hidden: int, heads: int) -> dict:
         layers = hf("num_hidden_layers", int, **limits("num_layers"))
-        count = hf("num_local_experts", int, lo=EXPERTS[0], hi=EXPERTS[1])
+        count, top_k = hf_expert_counts(cfg, hf)
         experts = Experts(
             count=count,
-            top_k=hf("num_experts_per_tok", int, lo=1, hi=count),
+            top_k=top_k,
             intermediate=hf("intermediate_size", int, **limits("intermediate_size")),
             normalize=False,
             router="topk_softmax",

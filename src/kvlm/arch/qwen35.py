@@ -48,9 +48,14 @@ from typing import Any
 import torch
 
 from kvlm.arch.family import LAYER_NAMES, Family, fold_a_log
-from kvlm.arch.readers import gguf_config, hf_config, hf_layer_mixers
+from kvlm.arch.readers import (
+    gguf_config,
+    gguf_expert_counts,
+    hf_config,
+    hf_expert_counts,
+    hf_layer_mixers,
+)
 from kvlm.config import (
-    EXPERTS,
     LIMITS,
     REQUIRED,
     DeltaNet,
@@ -124,10 +129,9 @@ def _hf_experts(cfg: dict[str, Any], hf: Fields, layers: int) -> dict[str, Any]:
     """The MoE sizes' FFN: experts in every layer (softmax, the top k renormalised, as
     transformers' Qwen3_5MoeTopKRouter always does), a shared expert beside them gated by
     sigmoid(shared_expert_gate)."""
-    key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
-    count = hf(key, int, lo=EXPERTS[0], hi=EXPERTS[1])
+    count, top_k = hf_expert_counts(cfg, hf)
     width = limits("intermediate_size")
-    experts = Experts(count=count, top_k=hf("num_experts_per_tok", int, lo=1, hi=count),
+    experts = Experts(count=count, top_k=top_k,
                       intermediate=hf("moe_intermediate_size", int, **width),
                       shared=hf("shared_expert_intermediate_size", int, **width),
                       shared_gate=True)  # fmt: skip
@@ -136,9 +140,9 @@ def _hf_experts(cfg: dict[str, Any], hf: Fields, layers: int) -> dict[str, Any]:
 
 def _gguf_experts(g: Fields, arch: str, layers: int) -> dict[str, Any]:
     """The same from llama.cpp's `qwen35moe` keys (its graph renormalises the top k)."""
-    count = g(f"{arch}.expert_count", int, lo=EXPERTS[0], hi=EXPERTS[1])
+    count, top_k = gguf_expert_counts(g, arch)
     width = limits("intermediate_size")
-    experts = Experts(count=count, top_k=g(f"{arch}.expert_used_count", int, lo=1, hi=count),
+    experts = Experts(count=count, top_k=top_k,
                       intermediate=g(f"{arch}.expert_feed_forward_length", int, **width),
                       shared=g(f"{arch}.expert_shared_feed_forward_length", int, **width),
                       shared_gate=True)  # fmt: skip

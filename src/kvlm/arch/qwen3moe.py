@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvlm.arch.family import Family, Shape
-from kvlm.arch.readers import gguf_config, gguf_experts, hf_config
-from kvlm.config import EXPERTS, Experts, Fields, ModelConfig, limits, value
+from kvlm.arch.readers import gguf_config, gguf_experts, hf_config, hf_expert_counts
+from kvlm.config import Experts, Fields, ModelConfig, limits, value
 
 ARCH = "qwen3moe"
 
@@ -25,12 +25,10 @@ ARCH = "qwen3moe"
 def from_hf(cfg: dict[str, Any], arch: str, name: str) -> ModelConfig:
     def part(cfg: dict[str, Any], hf: Fields, arch: str, hidden: int, heads: int) -> dict:
         layers = hf("num_hidden_layers", int, **limits("num_layers"))
-        # the Hub's configs say num_experts; transformers 5 saves num_local_experts
-        key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
-        count = hf(key, int, lo=EXPERTS[0], hi=EXPERTS[1])
+        count, top_k = hf_expert_counts(cfg, hf)
         experts = Experts(
             count=count,
-            top_k=hf("num_experts_per_tok", int, lo=1, hi=count),
+            top_k=top_k,
             intermediate=hf("moe_intermediate_size", int, **limits("intermediate_size")),
             normalize=hf("norm_topk_prob", bool, False),
         )

@@ -83,6 +83,21 @@ def hf_layer_mixers(types: Any, kinds: dict[str, str], hf: Fields, layers: int) 
     return tuple(kinds[t] for t in types)
 
 
+def hf_expert_counts(cfg: dict[str, Any], hf: Fields) -> tuple[int, int]:
+    """A mixture of experts' experts a layer and those a token runs: `num_experts` (the
+    Hub's configs; transformers 5 saves `num_local_experts`, its attribute_map's name),
+    `num_experts_per_tok` (1 to the experts)."""
+    key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+    count = hf(key, int, lo=EXPERTS[0], hi=EXPERTS[1])
+    return count, hf("num_experts_per_tok", int, lo=1, hi=count)
+
+
+def gguf_expert_counts(g: Fields, arch: str) -> tuple[int, int]:
+    """The same from llama.cpp's `{arch}.expert_count` and `{arch}.expert_used_count`."""
+    count = g(f"{arch}.expert_count", int, lo=EXPERTS[0], hi=EXPERTS[1])
+    return count, g(f"{arch}.expert_used_count", int, lo=1, hi=count)
+
+
 def hf_window(hf: Fields) -> int | None:
     """The config's `sliding_window` (None where it has none)."""
     return hf("sliding_window", int, None, **limits("sliding_window"))
@@ -153,10 +168,10 @@ def gguf_experts(g: Fields, arch: str, **more: Any) -> Experts:
     """A mixture's sizes from `{arch}.expert_count`, `.expert_used_count` and
     `.expert_feed_forward_length` (llama.cpp's converter's keys), with the family's `more`
     (its router, its renormalisation: what its graph hard-codes)."""
-    count = g(f"{arch}.expert_count", int, lo=EXPERTS[0], hi=EXPERTS[1])
+    count, top_k = gguf_expert_counts(g, arch)
     return Experts(
         count=count,
-        top_k=g(f"{arch}.expert_used_count", int, lo=1, hi=count),
+        top_k=top_k,
         intermediate=g(f"{arch}.expert_feed_forward_length", int, **limits("intermediate_size")),
         **more,
     )

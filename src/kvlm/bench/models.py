@@ -221,9 +221,9 @@ def write_model(shape_name: str, file_type: str, out: Path, tokenizer_from: Path
         if shape.qkv_bias:
             for part, n in (("attn_q", hq * d), ("attn_k", hkv * d), ("attn_v", hkv * d)):
                 w.add_tensor(f"{p}.{part}.bias", rng.normal(0, STD, n).astype(np.float32))
-        if config.qk_norm:  # per-head q/k norms
-            vector(f"{p}.attn_q_norm.weight", d)
-            vector(f"{p}.attn_k_norm.weight", d)
+        if config.qk_norm:  # q/k norms (a head's, or the whole projection's)
+            vector(f"{p}.attn_q_norm.weight", config.qk_norm_sizes[0])
+            vector(f"{p}.attn_k_norm.weight", config.qk_norm_sizes[1])
         weight(f"{p}.attn_output", h, hq * d, i)
         if config.norm_layout == "sandwich":  # the attention's and the MLP's outputs normed
             vector(f"{p}.post_attention_norm.weight", h)

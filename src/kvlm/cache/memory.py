@@ -69,7 +69,7 @@ def parameter_count(config: ModelConfig, active: bool = False) -> int:
     kv = c.num_kv_heads * c.head_dim
     per_layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
     norms = 4 if c.norm_layout == "sandwich" else 2
-    per_layer += norms * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)
+    per_layer += norms * c.hidden_size + (sum(c.qk_norm_sizes) if c.qk_norm else 0)
     embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
     total = c.num_layers * per_layer + embeddings + c.hidden_size
     x = c.experts

@@ -10,7 +10,7 @@
 #define KVLM_ABI_H
 #include <stdint.h>
 
-#define KVLM_ABI 38 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
+#define KVLM_ABI 39 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
 
 /* the limits (fused.py: MAX_HEAD_DIM, MAX_ROWS, QMAT_PARTS; quant.py: BLOCK_ROWS, SMALL_M) */
 #define BR 16         /* weight rows per block: one per 32-bit vector lane */
@@ -66,8 +66,9 @@ typedef struct {
     const float *input_norm, *post_norm;
     kvlm_qmat qkv, o, gate_up, down;
     /* NULL when the model has none: the q|k|v bias (Qwen2; Llama's attention_bias), added
-     * after the product as torch's Linear does; o_proj's bias; the per-head RMSNorm
-     * weights (head_dim each) of the queries and keys before RoPE (Qwen3, Gemma 3) */
+     * after the product as torch's Linear does; o_proj's bias; the RMSNorm weights of
+     * the queries and keys before RoPE: a head's (head_dim each; Qwen3, Gemma 3), or each
+     * whole projection's (n_heads and n_kv_heads x head_dim) where qk_norm_whole */
     const float *qkv_bias, *o_bias, *q_norm, *k_norm;
     /* Gemma's sandwich norms (NULL: none): the attention's output after o_proj and the
      * MLP's after down, each normed before it is added to the residual */
@@ -156,6 +157,8 @@ typedef struct {
      * (a DeltaNet's nv, a Mamba2's heads), a value head's channels (dv; head_dim), a key
      * head's (dk; the state size N), and the key heads (nk; the groups G) */
     int64_t rec_heads, rec_head_dim, rec_key_dim, rec_groups;
+    int64_t qk_norm_whole;   /* 1: the q and k norms each over the whole projection
+                                (ModelConfig.qk_norm_extent "projection"); 0: each head */
 } kvlm_qmodel;
 
 /* Where a group of layers keeps its K/V: K of layer l at k + l * k_layer bytes, a

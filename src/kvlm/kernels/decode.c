@@ -152,7 +152,8 @@ static int model_ok(const kvlm_qmodel *m) {
         I > (1 << 22))
         return 0;
     if (D < 2 || D > MAX_HEAD_DIM || Hq < 1 || Hq > 4096 || Hkv < 1 || Hkv > Hq) return 0;
-    if (m->rotary_dim < 2 || m->rotary_dim > D || m->rotary_dim % 2 || (m->attn_gate >> 1))
+    if (m->rotary_dim < 2 || m->rotary_dim > D || m->rotary_dim % 2 || (m->attn_gate >> 1) ||
+        (m->qk_norm_whole >> 1))
         return 0;
     if (m->slots < 1 || m->slots > ((int64_t)1 << 26) || !m->layers || !m->final_norm) return 0;
     for (int64_t l = 0; l < m->n_layers; l++) {
@@ -451,7 +452,10 @@ static void prepare_rows(const kvlm_qmodel *m, const kvlm_qlayer *L, const layer
     for (int64_t b = 0; b < B; b++) {
         float *q = s->qkv + b * QKV;
         const int64_t p = pos[b];
-        if (L->q_norm) /* per head, before RoPE (Attention.forward) */
+        if (L->q_norm && m->qk_norm_whole) { /* each whole projection, before RoPE */
+            rms_norm(q, L->q_norm, Hq * D, m->eps, q);
+            rms_norm(q + Hq * D, L->k_norm, Hkv * D, m->eps, q + Hq * D);
+        } else if (L->q_norm) /* per head, before RoPE (Attention.forward) */
             for (int64_t j = 0; j < Hq + Hkv; j++)
                 rms_norm(q + j * D, j < Hq ? L->q_norm : L->k_norm, D, m->eps, q + j * D);
         for (int64_t j = 0; j < Hq + Hkv; j++) rope(q + j * D, c + p * R, sn + p * R, R);

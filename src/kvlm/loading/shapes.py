@@ -61,8 +61,9 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
         ):
             out[f"{p}.{name}.weight"] = ((rows, cols), why)
             out[f"{p}.{name}.bias"] = ((rows,), why.split(", ")[0])
-        for n in ("q_norm", "k_norm"):
-            out[f"{p}.self_attn.{n}.weight"] = ((d,), f"head_dim {d}")
+        for n, size in zip(("q_norm", "k_norm"), c.qk_norm_sizes, strict=True):
+            why = f"head_dim {d}" if c.qk_norm_extent == "head" else f"the projection's {size}"
+            out[f"{p}.self_attn.{n}.weight"] = ((size,), why)
         out[f"{p}.self_attn.sinks"] = ((c.num_heads,), f"num_heads {c.num_heads}")
     if c.conv_layers:
         out |= _conv_shapes(c)

@@ -74,6 +74,9 @@ class Attention(nn.Module):
         self.o_proj = o_proj
         self.q_norm = q_norm
         self.k_norm = k_norm
+        # the q and k norms over each whole projection (ModelConfig.qk_norm_extent
+        # "projection"), not each head
+        self.norm_projections = False
         self.q_scale: float | None = None  # queries times this (a score scale, no q norm)
         self.softcap: float | None = None  # scores soft-capped: cap * tanh(s / cap) (attn_softcap)
         # attention sinks (ModelConfig.attn_sinks): a logit a query head, (H,), that joins
@@ -110,9 +113,14 @@ class Attention(nn.Module):
             qkv = self.qkv(x).view(B, T, H + 2 * Hkv, self.head_dim)
         prepared = key_rope is None and self._norm_rope_in_c(qkv, cos, sin)
         qk, v = qkv.split([H + Hkv, Hkv], dim=2)  # q and k heads side by side
-        if self.q_norm is not None and not prepared:  # Qwen3: per-head RMSNorm before RoPE
+        if self.q_norm is not None and not prepared:  # RMSNorms before RoPE
             q, k = qk.split([H, Hkv], dim=2)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+            if self.norm_projections:  # each over the whole projection, then its heads again
+                q = self.q_norm(q.reshape(B, T, H * self.head_dim)).view(q.shape)
+                k = self.k_norm(k.reshape(B, T, Hkv * self.head_dim)).view(k.shape)
+            else:  # each head's own (Qwen3)
+                q, k = self.q_norm(q), self.k_norm(k)
+            qk = torch.cat([q, k], dim=2)
         if key_rope is None and not prepared:
             qk = apply_rope(qk, cos, sin)  # one rotation for all q and k heads
         q, k = qk.transpose(1, 2).split([H, Hkv], dim=1)  # (B, H, T, D), (B, Hkv, T, D)
@@ -143,9 +151,10 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
     def _norm_rope_in_c(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-        """The q and k heads' RMSNorm (Qwen3) and RoPE in place, in one C pass over the
-        rows (torch's cat, three products and an add per layer, and six passes per norm:
-        ~10% of a Qwen3 prompt), with apply_rope's bits (a partial rotary factor's too:
+        """The q and k heads' RMSNorm (Qwen3; or each whole projection's, a pass before:
+        `norm_projections`) and RoPE in place, in one C pass over the rows (torch's cat,
+        three products and an add per layer, and six passes per norm: ~10% of a Qwen3
+        prompt), with apply_rope's bits (a partial rotary factor's too:
         cos/sin of R < D dims rotate each head's first R); False where it does not apply
         (not fp32 on the CPU, no kernels, cos/sin not one row per query row)."""
         B, T, heads, D = qkv.shape
@@ -161,11 +170,14 @@ class Attention(nn.Module):
             qn, kn = self.q_norm.c_weight(), self.k_norm.c_weight()
             if qn is None or kn is None or self.q_norm.eps != self.k_norm.eps:
                 return False
-            if qn.numel() != kn.numel():  # the kernel takes one length for both
+            if qn.numel() != kn.numel() and not self.norm_projections:  # one length for both
                 return False
         lib = kernels.library()
         if lib is None or qkv.numel() == 0:
             return False
+        if self.norm_projections:  # the projections' norms first, in place: RoPE alone after
+            self._norm_projections_in_c(lib, qkv, qn, kn)
+            qn = kn = None
         # each buffer's length from the tensor itself: the kernel refuses (-2) sizes that
         # disagree (a caller's bug: everything it does not take is declined above)
         rc = lib.kvlm_qk_norm_rope(
@@ -181,6 +193,21 @@ class Attention(nn.Module):
                 + ("" if qn is None else f", norm weights of {qn.numel()}")
             )
         return True
+
+    def _norm_projections_in_c(
+        self, lib, qkv: torch.Tensor, qn: torch.Tensor, kn: torch.Tensor
+    ) -> None:
+        """The q and the k projections of each row of q|k|v (B, T, heads, D) RMSNormed in
+        place, each as one vector (RMSNorm.forward's C rows: the same bits)."""
+        B, T, heads, D = qkv.shape
+        rs, eps, q = heads * D, self.q_norm.eps, self.num_heads * D
+        for at, n, w in ((0, q, qn), (q, self.num_kv_heads * D, kn)):
+            x = qkv.data_ptr() + at * qkv.element_size()
+            rc = lib.kvlm_rms_norm(x, qkv.numel() - at, B * T, n, rs, w.data_ptr(), w.numel(),
+                                   eps, x, qkv.numel() - at, rs)  # fmt: skip
+            if rc != 0:
+                raise ValueError(f"the kernels refused the q/k projections' norms of q|k|v "
+                                 f"{list(qkv.shape)} by weights of {w.numel()}")  # fmt: skip
 
 
 def attend_ragged(

@@ -34,7 +34,8 @@ does).
 
 Every block the families describe (kvlm.config.ModelConfig): the q|k|v bias (Qwen2) and
 o_proj's (Llama's attention_bias) added after their products, as torch's Linear adds them;
-the per-head q/k RMSNorm before RoPE (ModelConfig.qk_norm); the model's sliding window
+the q/k RMSNorms before RoPE (ModelConfig.qk_norm), each head's or each whole
+projection's (qk_norm_extent); the model's sliding window
 (Mistral), the query at p seeing keys p - W < s <= p as kvlm.cache.base.causal_mask does
 (its chunks then cover the visible keys from the multiple of 16 below the first, boundaries
 still set by p alone); a window per layer (layer_windows: 0 on the global ones) and a RoPE
@@ -183,6 +184,7 @@ class _QModel(ctypes.Structure):
         # a recurrent layer's value heads, their channels, a key head's (the state size),
         # the key heads (groups)
         *_fields(ctypes.c_int64, "rec_heads rec_head_dim rec_key_dim rec_groups"),
+        ("qk_norm_whole", ctypes.c_int64),  # 1: the q/k norms over each whole projection
     ]
 
 
@@ -439,6 +441,7 @@ class FusedDecoder:
         self.spec.attn_softcap = c.attn_softcap or 0.0
         self.spec.rope_tables = self.cos.shape[0]
         self.spec.rotary_dim, self.spec.attn_gate = c.rotary_dim, int(c.attn_output_gate)
+        self.spec.qk_norm_whole = int(c.qk_norm_extent == "projection")
         self.spec.residual_scale = c.residual_scale or 0.0
         self._recurrent_sizes(model)
         self.final_softcap, self.logit_scale = c.final_softcap, c.logit_scale
@@ -483,10 +486,12 @@ class FusedDecoder:
             return self._conv_layer(block, norms, outs)
         if block.recurrent is not None:
             return self._recurrent_layer(block, norms, outs, self.model.config.layer_mixers[i])
-        attn, d = block.attn, self.model.config.head_dim
+        attn = block.attn
         mats = [_qmat(lin) for lin in block_products(block)]
         biases = [_ptr(lin.bias, lin.out_features) for lin in (attn.qkv, attn.o_proj)]
-        qk = [_ptr(None if n is None else n.weight, d) for n in (attn.q_norm, attn.k_norm)]
+        sizes = self.model.config.qk_norm_sizes  # a head's, or each whole projection's
+        qk = [_ptr(None if n is None else n.weight, size)
+              for n, size in zip((attn.q_norm, attn.k_norm), sizes, strict=True)]  # fmt: skip
         windows = self.model.config.layer_windows
         window = (windows[i] or 0) if windows else -1  # -1: the step's (Mistral's)
         return _QLayer(*norms, *mats, *biases, *qk, *outs, window, self.model._rope_of[i], 0, i)

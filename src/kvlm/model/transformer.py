@@ -551,7 +551,7 @@ class _WeightTaker:
         K/V at layer i of its cache."""
         c = self.config
         q_norm = k_norm = None
-        if c.qk_norm:  # each q and k head normed before RoPE
+        if c.qk_norm:  # q and k normed before RoPE (each head, or each whole projection)
             q_norm, k_norm = (self.norm(f"{p}.self_attn.{q}_norm") for q in ("q", "k"))
         # another score scale than head_dim ** -0.5: the queries scaled by the ratio, in
         # their norm where they have one (RoPE is linear); exactly 1 where the two agree
@@ -563,6 +563,7 @@ class _WeightTaker:
         attn = Attention(i, c.num_heads, c.num_kv_heads, c.head_dim, qkv, o_proj, q_norm, k_norm,
                          self.numerics)  # fmt: skip
         attn.q_scale = None if q_norm is not None or ratio == 1.0 else ratio
+        attn.norm_projections = c.qk_norm_extent == "projection"
         attn.softcap = c.attn_softcap
         attn.gated = c.attn_output_gate
         if c.attn_sinks:  # a logit a query head in each row's softmax (attend_explicit)
