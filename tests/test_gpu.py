@@ -364,8 +364,9 @@ FAMILIES = {
     "qwen3_5_moe": ("qwen3_5_moe", 50, {"tokenizer": "qwen35"}),
     "lfm2_moe": ("lfm2_moe", 60, {"tokenizer": "llama3"}),  # a sigmoid router, a bias
     "gpt_oss": ("gpt_oss", 70, {"tokenizer": "qwen35"}),  # sinks, windows, clamped SwiGLU
+    "olmoe": ("olmoe", 80, {"tokenizer": "qwen35"}),  # q/k norms over the projections
 }
-EXPERTS = {"qwen3_moe", "qwen3_5_moe", "lfm2_moe", "gpt_oss"}
+EXPERTS = {"qwen3_moe", "qwen3_5_moe", "lfm2_moe", "gpt_oss", "olmoe"}
 
 
 # The dtype the families' tests run in on the device: bf16 (serving's), but fp32 for the
