@@ -256,8 +256,11 @@ def test_the_engine_starts_a_request_after_idle_on_the_free_cores(tiny_model_dir
         engine = Engine(llm, EngineConfig(num_blocks=64))
         _stat(stat, 0)
         engine.tuner.free = free = FreeCores(clock, str(stat))
-        clock.now += 1.0
-        _stat(stat, free.tick * (len(free.cpus) - 1))  # a neighbour took all cores but one
+        # a neighbour took all cores but one for 10 s: this process's own CPU time since the
+        # look began (counted out: a full suite's leftovers, a collection, ran up to 0.5 s
+        # in 1 s and read as a free core) weighs a tenth
+        clock.now += 10.0
+        _stat(stat, free.tick * (len(free.cpus) - 1) * 10)
         engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2))
         engine.step()  # the prompt's step: on one thread, before any decode step is measured
         assert torch.get_num_threads() == 1

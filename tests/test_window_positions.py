@@ -151,8 +151,9 @@ def attention_calls(monkeypatch):
     calls: list[tuple[torch.Tensor, ...]] = []
     real = attention.attend
 
-    def record(q, k, v, mask, is_causal, expand=None, softcap=None, bf16_from=None, prompt=None):
-        out = real(q, k, v, mask, is_causal, expand, softcap, bf16_from, prompt)
+    def record(q, k, v, mask, is_causal, expand=None, softcap=None, bf16_from=None, prompt=None,
+               sinks=None):  # fmt: skip
+        out = real(q, k, v, mask, is_causal, expand, softcap, bf16_from, prompt, sinks=sinks)
         calls.append((q, k, v, mask, out))
         return out
 
