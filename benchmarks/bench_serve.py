@@ -5,6 +5,7 @@ without a prefix hit, and a soak run watching memory and errors.
     python benchmarks/bench_serve.py --soak-seconds 600    # the 10-minute soak
     python benchmarks/bench_serve.py --phases streams,prefix --json out.json
     python benchmarks/bench_serve.py --phases streams --serve-args "--weights native"
+    python benchmarks/bench_serve.py --phases streams --peer llama-cpp --serve-args "--model F"
 
 It starts the server itself on 127.0.0.1 (a free port), with the default model, and talks
 raw HTTP + SSE (http.client) so the client costs little CPU beside the server. Everything
@@ -53,7 +54,7 @@ class Server(ServeProcess):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(["--threads", str(args.threads), "--max-context", str(args.max_context),
                           "--max-num-seqs", "16", "--max-waiting", "64", "--log-level",
-                          "warning", *args.serve_args.split()])  # fmt: skip
+                          "warning", *args.serve_args.split()], peer=args.peer)  # fmt: skip
 
     def rss_mib(self) -> float:
         with open(f"/proc/{self.proc.pid}/status") as f:
@@ -221,6 +222,9 @@ def main() -> None:
     p.add_argument("--soak-seconds", type=int, default=600)
     p.add_argument("--soak-clients", type=int, default=8)
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--peer", choices=("kvlm", "llama-cpp"), default="kvlm",
+                   help="llama-cpp: llama-cpp-python's server on --serve-args's --model, "
+                   "its threads and context (the streams phase)")  # fmt: skip
     p.add_argument("--serve-args", default="", help="more `kvlm serve` flags, e.g. "
                    "'--weights native --activations int8 --kv-dtype int8'")  # fmt: skip
     args = p.parse_args()
