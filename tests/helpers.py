@@ -400,6 +400,21 @@ def save_tiny_model(
     return folder
 
 
+def model_maker(tmp_path_factory, arch: str, models: dict, **common):
+    """A fixture's factory: name in `models` ({name: (seed, overrides)}) -> the folder of
+    that tiny `arch` model (save_tiny_model, `common` for every one), each made once."""
+    made: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in made:
+            seed, overrides = models[name]
+            made[name] = save_tiny_model(tmp_path_factory.mktemp(name), arch, seed=seed,
+                                         **common, **overrides)  # fmt: skip
+        return made[name]
+
+    return make
+
+
 def _bump_norm_and_biases(model, seed: int) -> None:
     """HF initialises norms to 1 and biases (a router's selection bias too) to 0; randomise
     them so a loader that drops or misplaces one fails the comparison."""

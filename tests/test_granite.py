@@ -33,6 +33,7 @@ from helpers import (
     hf_greedy,
     hf_logits,
     load_hf,
+    model_maker,
     on_pool,
     prompt_ids,
     save_tiny_model,
@@ -60,16 +61,7 @@ GRANITE_MODELS = {
 
 @pytest.fixture(scope="module")
 def granite_dir(tmp_path_factory):
-    made = {}
-
-    def make(name: str):
-        if name not in made:
-            seed, overrides = GRANITE_MODELS[name]
-            made[name] = save_tiny_model(tmp_path_factory.mktemp(name), "granitemoehybrid",
-                                         seed=seed, **overrides)  # fmt: skip
-        return made[name]
-
-    return make
+    return model_maker(tmp_path_factory, "granitemoehybrid", GRANITE_MODELS)
 
 
 def _lifted(fn, *edits: tuple[str, str]):

@@ -44,11 +44,11 @@ from helpers import (
     hf_greedy,
     hf_logits,
     load_hf,
+    model_maker,
     on_pool,
     portable_build_params,
     portable_kernels,
     prompt_ids,
-    save_tiny_model,
     staggered_on_pool,
 )
 from kvlm import LLM, SamplingParams
@@ -72,17 +72,8 @@ LFM2_MODELS = {
 def lfm2_dir(tmp_path_factory):
     """name in LFM2_MODELS -> its folder: weights, config, an LFM2-like tokenizer
     (Llama 3's split, a BOS on every text) and LFM2.5's chat template."""
-    made = {}
-
-    def make(name: str):
-        if name not in made:
-            seed, overrides = LFM2_MODELS[name]
-            made[name] = save_tiny_model(tmp_path_factory.mktemp(name), "lfm2", seed=seed,
-                                         chat_template=LFM2_TEMPLATE, tokenizer="llama3",
-                                         **overrides)  # fmt: skip
-        return made[name]
-
-    return make
+    return model_maker(tmp_path_factory, "lfm2", LFM2_MODELS, chat_template=LFM2_TEMPLATE,
+                       tokenizer="llama3")  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(LFM2_MODELS))

@@ -24,9 +24,9 @@ from helpers import (
     fed,
     hf64,
     load_hf,
+    model_maker,
     on_pool,
     prompt_ids,
-    save_tiny_model,
 )
 from kvlm import LLM, SamplingParams, kernels
 from kvlm.errors import ModelLoadError, UnsupportedModelError
@@ -43,16 +43,7 @@ MODELS = {
 
 @pytest.fixture(scope="session")
 def moe_dir(tmp_path_factory):
-    made = {}
-
-    def make(name: str):
-        if name not in made:
-            seed, overrides = MODELS[name]
-            made[name] = save_tiny_model(tmp_path_factory.mktemp(name), "lfm2_moe", seed=seed,
-                                         tokenizer="llama3", **overrides)  # fmt: skip
-        return made[name]
-
-    return make
+    return model_maker(tmp_path_factory, "lfm2_moe", MODELS, tokenizer="llama3")
 
 
 def test_config_read_from_folder(moe_dir):

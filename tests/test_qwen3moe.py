@@ -29,6 +29,7 @@ from helpers import (
     hf64,
     hf_greedy,
     load_hf,
+    model_maker,
     on_pool,
     prompt_ids,
     refused,
@@ -50,16 +51,7 @@ MODELS = {
 
 @pytest.fixture(scope="session")
 def moe_dir(tmp_path_factory):
-    made = {}
-
-    def make(name: str):
-        if name not in made:
-            seed, overrides = MODELS[name]
-            made[name] = save_tiny_model(tmp_path_factory.mktemp(name), "qwen3_moe", seed=seed,
-                                         tokenizer="qwen35", **overrides)  # fmt: skip
-        return made[name]
-
-    return make
+    return model_maker(tmp_path_factory, "qwen3_moe", MODELS, tokenizer="qwen35")
 
 
 def exact_logits(folder, ids: list[int]) -> torch.Tensor:

@@ -34,7 +34,13 @@ from __future__ import annotations
 from typing import Any
 
 from kvlm.arch.family import CONV_NAMES, GLOBAL_NAMES, LAYER_NAMES, Family, Shape
-from kvlm.arch.readers import gguf_config, gguf_kv_pattern, hf_config, hf_layer_mixers
+from kvlm.arch.readers import (
+    gguf_config,
+    gguf_experts,
+    gguf_kv_pattern,
+    hf_config,
+    hf_layer_mixers,
+)
 from kvlm.config import (
     CONV_KERNEL,
     EXPERTS,
@@ -182,20 +188,12 @@ def _gguf_experts(g: Fields, arch: str, layers: int) -> dict:
     """An lfm2moe file's FFNs as llama.cpp runs them: dense in the first
     `leading_dense_block_count`, then experts behind the sigmoid router with the
     selection bias (`exp_probs_b`), renormalised always, unscaled."""
-    count = g(f"{arch}.expert_count", int, lo=EXPERTS[0], hi=EXPERTS[1])
     gating = g(f"{arch}.expert_gating_func", int, GATING_SIGMOID)
     if gating != GATING_SIGMOID:
         raise UnsupportedModelError(f"{g.where}: {arch}.expert_gating_func is {gating}; "
                                     f"llama.cpp runs {arch} files by sigmoid "
                                     f"({GATING_SIGMOID})")  # fmt: skip
-    experts = Experts(
-        count=count,
-        top_k=g(f"{arch}.expert_used_count", int, lo=1, hi=count),
-        intermediate=g(f"{arch}.expert_feed_forward_length", int, **limits("intermediate_size")),
-        normalize=True,
-        router="sigmoid",
-        selection_bias=True,
-    )
+    experts = gguf_experts(g, arch, normalize=True, router="sigmoid", selection_bias=True)
     dense = g(f"{arch}.leading_dense_block_count", int, 0, lo=0, hi=layers)
     return {"layer_ffns": ("mlp",) * dense + ("experts",) * (layers - dense), "experts": experts}
 

@@ -50,7 +50,7 @@ import torch
 from kvlm.arch.family import LAYER_NAMES, Family, fold_a_log
 from kvlm.arch.readers import (
     gguf_config,
-    gguf_expert_counts,
+    gguf_experts,
     hf_config,
     hf_expert_counts,
     hf_layer_mixers,
@@ -140,12 +140,8 @@ def _hf_experts(cfg: dict[str, Any], hf: Fields, layers: int) -> dict[str, Any]:
 
 def _gguf_experts(g: Fields, arch: str, layers: int) -> dict[str, Any]:
     """The same from llama.cpp's `qwen35moe` keys (its graph renormalises the top k)."""
-    count, top_k = gguf_expert_counts(g, arch)
-    width = limits("intermediate_size")
-    experts = Experts(count=count, top_k=top_k,
-                      intermediate=g(f"{arch}.expert_feed_forward_length", int, **width),
-                      shared=g(f"{arch}.expert_shared_feed_forward_length", int, **width),
-                      shared_gate=True)  # fmt: skip
+    shared = g(f"{arch}.expert_shared_feed_forward_length", int, **limits("intermediate_size"))
+    experts = gguf_experts(g, arch, shared=shared, shared_gate=True)
     return {"layer_ffns": ("experts",) * layers, "experts": experts}
 
 

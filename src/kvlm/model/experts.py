@@ -114,7 +114,7 @@ class Experts(nn.Module):
         """Why the kernels' router and the fused step cannot run this mixture (None: they
         can): they know the "softmax" and "sigmoid" routers (a selection bias in fp32),
         no bias of the router's own, experts without biases, the model's activation."""
-        if self.config.router not in ("softmax", "sigmoid"):
+        if self.config.router not in ROUTER_CODES:
             return f"the router {self.config.router!r}"
         if self.router.bias is not None:
             return "a router bias"

@@ -308,8 +308,8 @@ def config_why_not(c: ModelConfig) -> str | None:
     if c.attn_sinks:
         return "attention sinks (the step's softmax has no sink column)"
     x = c.experts
-    if x is not None and x.router not in ("softmax", "sigmoid"):
-        return f"an expert router {x.router!r} (the step's routers: softmax, sigmoid)"
+    if x is not None and x.router not in ROUTER_CODES:
+        return f"an expert router {x.router!r} (the step's routers: {', '.join(ROUTER_CODES)})"
     if x is not None and x.activation:
         return f"the experts' activation {x.activation!r}"
     rec = c.deltanet or c.mamba2

@@ -431,12 +431,14 @@ class MLP(nn.Module):
 
     def __init__(
         self, gate_up: Linear, down: Linear, act: str = "silu",
-        swiglu: tuple[float, float] = (1.702, 7.0),
+        swiglu: tuple[float, float] | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         self.gate_up = gate_up
         self.down = down
         self.act = act
+        if act == "clamped_swiglu" and swiglu is None:
+            raise ValueError("a clamped SwiGLU needs its (alpha, limit)")
         self.swiglu = swiglu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -474,7 +476,7 @@ class MLP(nn.Module):
                                  f"{gu.shape[-1]}")  # fmt: skip
             return self.down(act)
         gate, up = gu.chunk(2, dim=-1)
-        if self.act == "clamped_swiglu":
+        if self.act == "clamped_swiglu":  # its alpha and limit the config's (Experts)
             return self.down(clamped_swiglu(gate, up, *self.swiglu))
         gate = F.silu(gate) if silu else F.gelu(gate, approximate="tanh")
         return self.down(gate * up)
