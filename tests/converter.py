@@ -34,6 +34,8 @@ SDIST = f"llama_cpp_python-{VERSION}.tar.gz"
 CACHE = Path(os.environ.get("KVLM_TEST_CACHE", Path.home() / ".cache" / "kvlm-tests"))
 # what of the sdist the converter needs (under its vendor/llama.cpp/)
 PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+# llama.cpp's copies of the Hub's chat templates (models/templates/), read by `template`
+TEMPLATES = "models/templates/"
 FETCH_TIMEOUT_S = 600
 CONVERT_TIMEOUT_S = 600
 
@@ -81,6 +83,25 @@ def converter() -> Path:
     except OSError:
         shutil.rmtree(partial, ignore_errors=True)
     return vendor
+
+
+def template(name: str) -> str:
+    """A chat template as llama.cpp keeps it (vendor/llama.cpp/models/templates/`name`: the
+    Hub model's own, e.g. "openai-gpt-oss-120b.jinja"), read out of the sdist once and kept
+    beside the converter; the calling test is skipped where the sdist cannot be had."""
+    vendor = converter()
+    path = vendor / TEMPLATES / name
+    if not path.is_file():
+        member = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/{TEMPLATES}{name}"
+        if not (CACHE / SDIST).is_file():
+            _fetch(CACHE / SDIST)
+        with tarfile.open(CACHE / SDIST) as tar:
+            text = tar.extractfile(member).read()  # type: ignore[union-attr]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + f".part{os.getpid()}")
+        partial.write_bytes(text)
+        partial.rename(path)
+    return path.read_text()
 
 
 def _fetch(sdist: Path) -> None:

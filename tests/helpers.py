@@ -154,7 +154,10 @@ QWEN35_SPLIT = (
 # text, as LFM2's tokenizer is; "qwen35", Qwen 3.5's split (QWEN35_SPLIT) after NFC and
 # its `<|endoftext|>` among the special tokens (transformers' Qwen3_5Tokenizer adds one
 # where the file has none), as Qwen 3.5's tokenizer.json is
-TOKENIZER_STYLES = ("gpt2", "llama3", "qwen35")
+TOKENIZER_STYLES = ("gpt2", "llama3", "qwen35", "harmony")
+# the harmony format's markers (kvlm.server.harmony), special tokens of a "harmony" vocabulary
+HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+                  "<|return|>", "<|call|>"]  # fmt: skip
 
 
 def train_tiny_tokenizer(vocab_size: int = 320, style: str = "gpt2"):
@@ -171,7 +174,7 @@ def train_tiny_tokenizer(vocab_size: int = 320, style: str = "gpt2"):
 
     tok = Tokenizer(models.BPE(ignore_merges=style == "llama3"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    split = {"llama3": LLAMA3_SPLIT, "qwen35": QWEN35_SPLIT}.get(style)
+    split = {"llama3": LLAMA3_SPLIT, "qwen35": QWEN35_SPLIT, "harmony": QWEN35_SPLIT}.get(style)
     if split is not None:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(split), behavior="isolated"),
@@ -182,7 +185,8 @@ def train_tiny_tokenizer(vocab_size: int = 320, style: str = "gpt2"):
     tok.decoder = decoders.ByteLevel()
     trainer = BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS + (["<|endoftext|>"] if style == "qwen35" else []),
+        special_tokens=SPECIAL_TOKENS
+        + {"qwen35": ["<|endoftext|>"], "harmony": HARMONY_TOKENS}.get(style, []),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -388,7 +392,8 @@ def save_tiny_model(
     folder.mkdir(parents=True, exist_ok=True)
     tok = train_tiny_tokenizer(style=tokenizer)
     tok.save(str(folder / "tokenizer.json"))
-    tok_config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": chat_template}
+    eos = "<|return|>" if tokenizer == "harmony" else "</s>"  # as the harmony files name it
+    tok_config = {"bos_token": "<s>", "eos_token": eos, "chat_template": chat_template}
     if tokenizer == "llama3":
         tok_config["add_bos_token"] = True
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))

@@ -153,13 +153,14 @@ def _serve_parser(sub: Any) -> None:
     serve.add_argument("--served-model-name", default=None, help="the model id clients use")
     _speculative_args(serve)
     serve.add_argument(
-        "--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+        "--tool-call-parser", choices=("hermes", "llama3_json", "harmony"), default=None,
         help="the model's tool-call format (default: read off its chat template)",
     )  # fmt: skip
     serve.add_argument(
-        "--reasoning-parser", choices=("auto", "none", "qwen3", "deepseek_r1"), default="auto",
-        help="split <think> text out of replies into reasoning_content (auto: when the chat "
-        "template writes </think>)",
+        "--reasoning-parser", choices=("auto", "none", "qwen3", "deepseek_r1", "harmony"),
+        default="auto",
+        help="split reasoning out of replies into reasoning_content (auto: <think> text when "
+        "the chat template writes </think>, the analysis channel of a harmony template)",
     )  # fmt: skip
     _serve_sampling_args(serve)
     _pool_args(serve)

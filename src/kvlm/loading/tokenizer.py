@@ -95,6 +95,9 @@ _TOKEN_USER_DEFINED = 4
 _TOKEN_BYTE = 6
 
 
+HARMONY_ENDS = ("<|return|>", "<|call|>")
+
+
 class Tokenizer:
     """Text <-> token ids, special tokens, and the model's chat template."""
 
@@ -113,8 +116,14 @@ class Tokenizer:
         self.chat_template = chat_template
         self.template_limits = TemplateLimits()  # what one render may spend
         eos = [self.token_to_id(eos_token)] if eos_token else []
+        # a harmony vocabulary's replies end at either of its two ends (a file names one
+        # as its EOS), never at <|end|>, which closes a message within a reply
+        # (kvlm.server.harmony); llama.cpp's vocabulary reads them the same way
+        ends = [self.token_to_id(t) for t in HARMONY_ENDS]
+        if None in ends:
+            ends = []
         self.eos_token_ids: tuple[int, ...] = tuple(
-            dict.fromkeys(i for i in (*eos, *extra_eos_ids) if i is not None)
+            dict.fromkeys(i for i in (*eos, *extra_eos_ids, *ends) if i is not None)
         )
 
     @property

@@ -57,7 +57,7 @@ from kvlm.engine.scheduler import QueueFullError
 from kvlm.engine.sequence import common_prefix
 from kvlm.engine.served import ServedModel
 from kvlm.errors import InvalidRequestError, KvlmError
-from kvlm.server import anthropic, defaults, ollama, openapi, reasoning, responses_api
+from kvlm.server import anthropic, defaults, harmony, ollama, openapi, reasoning, responses_api
 from kvlm.server import slots as slots_mod
 from kvlm.server import tools as tools_mod
 from kvlm.server.limits import RequestLimits, ServerLimits
@@ -100,8 +100,8 @@ class _Served:
     max_len: int  # prompt and completion together
     max_prompts: int  # a completions request's prompts
     fingerprint: str  # system_fingerprint: kvlm's version, the model file, its numerics
-    tool_parser: str | None
-    reasoning_parser: str | None  # kvlm.server.reasoning: <think> text split out
+    tool_parser: str | None  # kvlm.server.tools' format, or "harmony"
+    reasoning_parser: str | None  # kvlm.server.reasoning: <think> text split out; "harmony"
     limits: ServerLimits
     started: int  # the models list's "created"
     responses: responses_api.ResponseStore  # stored responses (/v1/responses)
@@ -134,7 +134,7 @@ def create_app(
         engine, model_name, info.tokenizer, info.max_model_len,
         min(MAX_PROMPTS, engine.max_requests),
         "fp_" + hashlib.sha256(made_by.encode()).hexdigest()[:10],
-        tool_parser or tools_mod.parser_for(info.tokenizer.chat_template),
+        tool_parser or _tool_format(info.tokenizer.chat_template),
         _reasoning(reasoning_parser, info.tokenizer.chat_template), limits,
         int(time.time()), _response_store(engine, replica_tag),
         sampling or defaults.SamplingDefaults(),
@@ -164,13 +164,24 @@ def create_app(
     return app
 
 
+def _tool_format(template: str | None) -> str:
+    """The tool-call format a template teaches: harmony's own (its calls are messages to
+    `functions.NAME`: kvlm.server.harmony), else kvlm.server.tools'."""
+    return "harmony" if harmony.is_harmony(template) else tools_mod.parser_for(template)
+
+
 def _reasoning(parser: str, template: str | None) -> str | None:
-    """--reasoning-parser: auto (read off the template), none, or a parser's name."""
+    """--reasoning-parser: auto (read off the template), none, or a parser's name. A
+    harmony template's replies are read as harmony whatever is named (their channels are
+    their format): none keeps the analysis channel in the content."""
     if parser == "auto":
-        parser = reasoning.parser_for(template) or "none"
+        parser = "harmony" if harmony.is_harmony(template) else reasoning.parser_for(template)
+        parser = parser or "none"
         if parser != "none":
-            log.info("replies' <think> text goes to reasoning_content (--reasoning-parser "
-                     "none keeps it in the content)")  # fmt: skip
+            log.info("replies' reasoning goes to reasoning_content (--reasoning-parser none "
+                     "keeps it in the content)")  # fmt: skip
+    elif parser != "none" and harmony.is_harmony(template):
+        parser = "harmony"
     return None if parser == "none" else parser
 
 
@@ -442,9 +453,16 @@ async def _chat_parts(
     # a guided reply (a forced call, a format) takes its guide's shape from its first
     # token: a <think> the prompt opened does not hold for it
     think = s.reasoning_parser is not None
-    opened = think and params.guide is None and reasoning.starts_thinking(
+    # a harmony reply's messages are read off its text with their markers (special
+    # tokens) kept (read off the template, or named); a forced call's JSON array is no run
+    # of messages
+    messages = forced is None and "harmony" in (s.tool_parser, s.reasoning_parser)
+    if messages:
+        params.skip_special_tokens = False
+    opened = think and not messages and params.guide is None and reasoning.starts_thinking(
         s.tokenizer.decode(ids[-_PROMPT_TAIL:], skip_special_tokens=False))  # fmt: skip
-    if tools and forced is None and params.guide is None and s.tool_parser == "hermes":
+    lazy = tools and forced is None and params.guide is None and not messages
+    if lazy and s.tool_parser == "hermes":
         calls = tools_mod.auto_guide(tools)  # a call, once begun, is well formed
     if calls is not None:  # compiled now: what it left out of the schemas is checked after
         calls = params.guide = await s.engine.compile_guide(calls)
@@ -452,9 +470,10 @@ async def _chat_parts(
                       prompts=[ids] * params.n,
                       want_prompt_logprobs=body.prompt_logprobs is not None,
                       tools=tools is not None,
-                      tool_parser=None if forced is not None else s.tool_parser,
+                      tool_parser=None if forced is not None
+                      else "hermes" if messages else s.tool_parser,
                       tool_checks=tool_checks(tools, calls),
-                      reasoning=think, thinking=opened)  # fmt: skip
+                      reasoning=think, thinking=opened, harmony=messages)  # fmt: skip
     return ids, params, choices
 
 

@@ -142,7 +142,7 @@ class ToolCall(_Ollama):
 class Message(_Ollama):
     role: Literal["system", "user", "assistant", "tool"]
     content: Text = ""
-    thinking: Text | None = None  # an earlier turn's: dropped, as templates drop it
+    thinking: Text | None = None  # an earlier turn's: the template's to keep or drop
     images: list[Text] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_name: Text | None = None  # a tool reply's tool
@@ -310,6 +310,8 @@ def _messages(turns: list[Message]) -> list[dict[str, Any]]:
     open_calls: list[tuple[str, str]] = []  # (id, name) of calls not answered yet
     for n, m in enumerate(turns):
         msg: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.thinking is not None and m.role == "assistant":
+            msg["reasoning_content"] = m.thinking
         if m.tool_calls:
             calls = []
             for i, call in enumerate(m.tool_calls):

@@ -294,6 +294,11 @@ class ChatMessage(_Body):
     refusal: Text | None = None
     function_call: FunctionCall | None = None  # the deprecated form of tool_calls
     audio: dict[str, Any] | None = None  # a previous audio reply's id: refused below
+    # an earlier reply's reasoning as this server returned it (vLLM's names, both taken):
+    # to the template as `reasoning_content` (Qwen3's reads it) and `thinking` (harmony's
+    # renders an analysis message from it before a tool call)
+    reasoning_content: Text | None = None
+    reasoning: Text | None = None
 
     @model_validator(mode="after")
     def _shape(self) -> ChatMessage:
@@ -333,8 +338,10 @@ class ChatMessage(_Body):
              "function": {"name": c.function.name, "arguments": _arguments(c.function)}}
             for c in calls
         ]  # fmt: skip
+        thought = self.reasoning_content if self.reasoning_content is not None else self.reasoning
         out = {"role": role, "content": self.text() or "", "name": self.name,
-               "tool_calls": tool_calls or None, "tool_call_id": self.tool_call_id}  # fmt: skip
+               "tool_calls": tool_calls or None, "tool_call_id": self.tool_call_id,
+               "reasoning_content": thought, "thinking": thought}  # fmt: skip
         return {k: v for k, v in out.items() if v is not None}  # a field not given: absent
 
 

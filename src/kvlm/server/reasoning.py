@@ -72,7 +72,7 @@ class ReasoningStream:
                     reasoning += self.held[:end]
                     self.held, self.state = self.held[end + len(CLOSE) :], "after"
                     continue
-                keep = _partial(self.held, CLOSE)
+                keep = partial_tail(self.held, (CLOSE,))
                 reasoning += self.held[: len(self.held) - keep]
                 self.held = self.held[len(self.held) - keep :]
                 break
@@ -92,9 +92,10 @@ class ReasoningStream:
         return "", held.lstrip("\n") if self.state == "after" else held
 
 
-def _partial(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
+def partial_tail(text: str, tags: tuple[str, ...]) -> int:
+    """The length of the longest end of `text` that begins one of `tags` (text to hold
+    until the next piece says whether it is the tag)."""
+    for n in range(min(max(map(len, tags)) - 1, len(text)), 0, -1):
+        if any(tag.startswith(text[-n:]) for tag in tags):
             return n
     return 0

@@ -26,6 +26,8 @@ from typing import Any
 from kvlm.engine.engine import StepOutput
 from kvlm.engine.sampling import TokenLogprob
 from kvlm.loading.tokenizer import Tokenizer
+from kvlm.server import harmony as harmony_format
+from kvlm.server.harmony import HarmonyStream
 from kvlm.server.reasoning import ReasoningStream, split
 from kvlm.server.tool_check import ToolChecks
 from kvlm.server.tools import ToolStream, parse
@@ -41,7 +43,8 @@ class _Choice:
     started: bool = False  # its first event arrived (an echo opens it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     tools: ToolStream | None = None  # a chat choice that may answer with tool calls
-    think: ReasoningStream | None = None  # a chat choice whose reasoning is split out
+    # a chat choice whose reasoning is split out (or, harmony, whose messages are read)
+    think: ReasoningStream | HarmonyStream | None = None
 
 
 @dataclass
@@ -56,7 +59,9 @@ class Choices:
     (None), as a JSON array of calls; `tool_checks`: the calls are checked against their
     tools' whole schemas (kvlm.server.tool_check). `reasoning`: a chat choice's `<think>`
     text goes to `reasoning_content` (kvlm.server.reasoning; `thinking`: the prompt left
-    it open)."""
+    it open). `harmony`: each chat choice is a run of harmony messages
+    (kvlm.server.harmony): its analysis channel is the reasoning (with `reasoning`), its
+    calls reach the tool parser in the hermes form (`tool_parser` "hermes")."""
 
     tokenizer: Tokenizer
     count: int
@@ -71,6 +76,7 @@ class Choices:
     tool_checks: ToolChecks | None = None
     reasoning: bool = False
     thinking: bool = False
+    harmony: bool = False
     # per engine request: its prompt tokens cached
     cached: dict[str, int] = field(default_factory=dict, init=False)
     # token id -> its text: a scored prompt names ~21 ids per position (4,000 positions:
@@ -79,9 +85,19 @@ class Choices:
 
     def __post_init__(self) -> None:
         streams = functools.partial(ToolStream, self.tool_parser, self.tool_checks)
-        self.state = [_Choice(i, tools=streams() if self.tools else None,
-                              think=ReasoningStream(self.thinking) if self.reasoning else None)
+        self.state = [_Choice(i, tools=streams() if self.tools else None, think=self._think())
                       for i in range(self.count)]  # fmt: skip
+
+    def _think(self) -> ReasoningStream | HarmonyStream | None:
+        if self.harmony:
+            return HarmonyStream(self.reasoning, self.tools)
+        return ReasoningStream(self.thinking) if self.reasoning else None
+
+    def _split(self, text: str) -> tuple[str | None, str]:
+        """(reasoning or None, content) of a whole reply, as its stream reads it."""
+        if self.harmony:
+            return harmony_format.split(text, self.reasoning, self.tools)
+        return split(text, self.thinking) if self.reasoning else (None, text)
 
     def head(self, request_id: str, model: str) -> dict[str, Any]:
         return {"id": request_id, "object": "chat.completion" if self.chat else "text_completion",
@@ -123,7 +139,7 @@ class Choices:
         completion = sum(c.tokens for c in self.state)
         thought = 0
         if self.reasoning:  # their reasoning's tokens, as the tokenizer writes it again
-            parts = (split(c.text, self.thinking)[0] for c in self.state)
+            parts = (self._split(c.text)[0] for c in self.state)
             thought = sum(
                 len(self.tokenizer.encode(p, add_special_tokens=False)) for p in parts if p
             )
@@ -143,7 +159,7 @@ class Choices:
     def final(self) -> list[dict[str, Any]]:
         out = []
         for c in self.state:
-            reasoning, text = split(c.text, self.thinking) if self.reasoning else (None, c.text)
+            reasoning, text = self._split(c.text)
             body = self._choice(c.index, text, c.logprobs, c.finish_reason)
             if self.tools:
                 self._with_calls(body, text, c.finish_reason)
@@ -249,7 +265,8 @@ class Choices:
         finish = choice.finish_reason if event.finish_reason is not None else None
         calls: list[dict[str, Any]] = []
         thought = ""
-        if choice.think is not None:  # <think> text apart; the rest goes on as content
+        if choice.think is not None:  # <think> text (harmony: messages) apart; the rest
+            # goes on as content
             thought, text = choice.think.push(text)
             if finish is not None:
                 more, rest = choice.think.finish()
