@@ -235,3 +235,37 @@ def test_the_pool_batches_and_chunks_as_alone(folder):
     want = [[llm.generate(p, GREEDY)[0].outputs[0].token_ids] for p in POOL_PROMPTS]
     assert on_pool(llm, POOL_PROMPTS, GREEDY)[0] == want
     assert on_pool(llm, POOL_PROMPTS, GREEDY, scheduler={"prefill_chunk": 5})[0] == want
+
+
+def test_a_benchmark_shape_writes_sinks_biases_and_mxfp4_experts(tmp_path, monkeypatch):
+    """kvlm.bench.models' random-weight file of a gpt-oss shape (a small one here: the real
+    ones are "gpt-oss-20b" and its 4-layer slice) as the Hub's files come, MXFP4_MOE: the
+    experts MXFP4, the rest Q8_0, a sink a query head, the biases of the attention, the
+    router and the experts, YaRN's keys, the MLP's norm under llama.cpp's name for it;
+    kvlm reads each and generates."""
+    import gguf
+
+    from kvlm.bench import models
+    from kvlm.loading.default import default_model_path
+
+    shape = models.Shape("gpt-oss", 64, 2, 4, 2, 16, 64, 49152, False, 150000.0, 4096, 1e-5,
+                         window=8, experts=8, experts_used=2, expert_inter=64, biases=True,
+                         yarn=(32.0, 256))  # fmt: skip
+    monkeypatch.setitem(models.SHAPES, "tiny-gptoss", shape)
+    path = models.write_model("tiny-gptoss", "MXFP4_MOE", tmp_path / "g.gguf", default_model_path())
+    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert kinds["blk.1.ffn_down_exps.weight"] == "MXFP4" and kinds["output.weight"] == "Q8_0"
+    for name in ("attn_sinks.weight", "attn_output.bias", "ffn_gate_inp.bias",
+                 "ffn_up_exps.bias", "post_attention_norm.weight"):  # fmt: skip
+        assert f"blk.0.{name}" in kinds
+    llm = LLM(str(path), threads=1, progress=False)
+    c = llm.config
+    assert c.attn_sinks and c.layer_windows == (8, None) and c.experts.count == 8
+    assert (
+        c.rope_scaling.rope_type == "yarn"
+        and c.rope_scaling.original_max_position_embeddings == 256
+    )
+    attn, moe = llm.model.layers[0].attn, llm.model.layers[0].mlp
+    assert attn.sinks is not None and attn.o_proj.bias is not None and moe.router.bias is not None
+    out = llm.generate("a b c", SamplingParams(max_tokens=4, temperature=0))[0]
+    assert len(out.outputs[0].token_ids) == 4

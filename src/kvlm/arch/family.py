@@ -113,7 +113,9 @@ class Shape:
     `llama3_rope` whether its file carries Llama 3.x's rope_freqs factors;
     `attention_layers` the layers that attend where the others mix by a short convolution
     of `conv_kernel` positions (None: every layer attends); `experts` the experts of every
-    layer's FFN (0: a gated MLP)."""
+    layer's FFN (0: a gated MLP); `biases` whether its attention projections (q, k, v and
+    the output), its router and its experts have biases; `yarn` YaRN's (factor, original
+    context) where its RoPE is stretched so."""
 
     arch: str
     hidden: int
@@ -137,6 +139,8 @@ class Shape:
     experts: int = 0
     experts_used: int = 0
     expert_inter: int = 0
+    biases: bool = False
+    yarn: tuple[float, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

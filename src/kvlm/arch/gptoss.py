@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from kvlm.arch.family import LAYER_NAMES, Family
+from kvlm.arch.family import LAYER_NAMES, Family, Shape
 from kvlm.arch.readers import (
     gguf_config,
     gguf_experts,
@@ -102,7 +102,7 @@ HF_NAMES = {
     "mlp.experts.down_proj_bias": "mlp.experts.down_proj.bias",
 }
 GGUF_NAMES = {
-    **LAYER_NAMES,
+    **{k: v for k, v in LAYER_NAMES.items() if k != "ffn_norm"},
     "post_attention_norm": "post_attention_layernorm",  # the MLP's input norm here
     "attn_sinks.weight": "self_attn.sinks",
 }
@@ -127,6 +127,19 @@ def fold_hf(config: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tenso
     return tensor.contiguous()
 
 
+# gpt-oss-20b's config.json: 24 layers of 32 experts (4 a token) of 2880, 64 query heads of
+# 64 over 8 KV heads, a 201,088-token vocabulary, YaRN x32 over 4,096; its slice of 4
+# layers keeps every tensor's shape (the vocabulary's projections are then a larger share
+# of what a token reads than in the whole model)
+_20B = dict(arch=ARCH, hidden=2880, heads=64, kv_heads=8, head_dim=64, inter=2880,
+            vocab=201088, tied=False, rope_theta=150000.0, context=131072, eps=1e-5,
+            window=WINDOW, experts=32, experts_used=4, expert_inter=2880, biases=True,
+            yarn=(32.0, 4096))  # fmt: skip
+SHAPES = {
+    "gpt-oss-20b": Shape(layers=24, **_20B),
+    "gpt-oss-20b-4l": Shape(layers=4, **_20B),
+}
+
 FAMILY = Family(
     name="gptoss",
     architectures=(ARCH,),
@@ -137,4 +150,5 @@ FAMILY = Family(
     hf_names=HF_NAMES,
     fold_hf=fold_hf,
     hf_shape=_hf_shape,
+    shapes=SHAPES,
 )

@@ -31,7 +31,7 @@ except ImportError as exc:  # pragma: no cover - gguf is a declared dependency
 
 
 # llama.cpp's file types (llama_model_ftype) kvlm writes
-FILE_TYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+FILE_TYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "MXFP4_MOE": 38}
 
 # bytes per block and the fp16 fields (offset, what) of each block type; the rest of a
 # block (codes, packed sub-block scales) takes any bit pattern
@@ -54,6 +54,7 @@ _SPREAD = {
 # zero offsets so that the mean weight is ~0: m = -d * (mean code), dmin ~ d * mean code
 _MEAN_CODE = {Q.Q4_1: 7.5, Q.Q5_1: 15.5, Q.Q4_K: 7.5, Q.Q5_K: 15.5}
 STD = 0.02  # the spread of a random weight (initializer-sized)
+MXFP4_EXPONENT = 120  # an MXFP4 block's scale 2^-8: random codes' weights spread ~0.023
 
 _K_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}  # rows not a multiple of 256
 
@@ -64,7 +65,10 @@ def _use_more_bits(i: int, n: int) -> bool:
 
 
 def tensor_type(file_type: str, name: str, layer: int | None, layers: int, tied: bool) -> Q:
-    """The type llama.cpp's quantizer (llama_tensor_get_type) gives a 2-D weight."""
+    """The type llama.cpp's quantizer (llama_tensor_get_type) gives a 2-D weight (MXFP4_MOE:
+    the experts' stacks MXFP4, as the Hub's checkpoints keep them, the rest Q8_0)."""
+    if file_type == "MXFP4_MOE":
+        return Q.MXFP4 if name.endswith("_exps") else Q.Q8_0
     if file_type == "Q8_0":
         return Q.Q8_0
     if name == "output" or (tied and name == "token_embd") or file_type == "Q6_K":
@@ -85,6 +89,9 @@ def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> n
         raise ValueError(f"{qtype.name} needs rows of a multiple of {block}, not {cols}")
     n = rows * (cols // block)
     data = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    if qtype == Q.MXFP4:  # E2M1 codes (doubled values up to 12, rms ~5.9) times 2^(e - 128)
+        data[:, 0] = MXFP4_EXPONENT
+        return data.reshape(rows, -1)
     d = float(np.float16(STD / _SPREAD[qtype]))
     # m (Q4_1 / Q5_1: w = d q + m) and dmin (w = d sc q - dmin m, sc and m alike on average)
     mean = _MEAN_CODE.get(qtype, 0.0)
@@ -128,6 +135,10 @@ def add_shape(w: gguf.GGUFWriter, shape: Shape) -> None:
         w.add_expert_count(shape.experts)
         w.add_expert_used_count(shape.experts_used)
         w.add_expert_feed_forward_length(shape.expert_inter)
+    if shape.yarn is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(shape.yarn[0])
+        w.add_rope_scaling_orig_ctx_len(shape.yarn[1])
 
 
 def _kv_heads(shape: Shape) -> int | list[int]:
@@ -153,6 +164,9 @@ def shape_config(shape: Shape) -> ModelConfig:
     if shape.experts:
         sizes |= {K.LLM.EXPERT_COUNT: shape.experts, K.LLM.EXPERT_USED_COUNT: shape.experts_used,
                   K.LLM.EXPERT_FEED_FORWARD_LENGTH: shape.expert_inter}  # fmt: skip
+    if shape.yarn is not None:
+        sizes |= {K.Rope.SCALING_TYPE: "yarn", K.Rope.SCALING_FACTOR: shape.yarn[0],
+                  K.Rope.SCALING_ORIG_CTX_LEN: shape.yarn[1]}  # fmt: skip
     meta = {k.format(arch=a): v for k, v in sizes.items() if v is not None}
     return config_from_gguf({K.General.ARCHITECTURE: a, **meta})
 
@@ -189,15 +203,23 @@ def write_model(shape_name: str, file_type: str, out: Path, tokenizer_from: Path
     def vector(name: str, n: int, value: float = 1.0) -> None:
         w.add_tensor(name, np.full(n, value, np.float32))
 
+    def bias(name: str, *size: int) -> None:
+        if shape.biases:
+            w.add_tensor(f"{name}.bias", rng.normal(0, STD, size).astype(np.float32))
+
+    gguf_name = family(shape.arch).to_gguf_name
+
     def mlp(p: str, i: int) -> None:
-        vector(f"{p}.ffn_norm.weight", h)
+        # the MLP's input norm, by the family's name for it (ffn_norm for most)
+        vector(gguf_name(f"model.layers.{i}.post_attention_layernorm.weight"), h)
         if shape.experts:  # the router (never quantized, as llama.cpp's quantizer leaves it)
             n, e = shape.experts, shape.expert_inter
             router = rng.normal(0, STD, (n, h)).astype(np.float32)
             w.add_tensor(f"{p}.ffn_gate_inp.weight", router)
-            weight(f"{p}.ffn_gate_exps", e, h, i, stack=n)
-            weight(f"{p}.ffn_up_exps", e, h, i, stack=n)
-            weight(f"{p}.ffn_down_exps", h, e, i, stack=n)
+            bias(f"{p}.ffn_gate_inp", n)
+            for part, rows, cols in (("gate", e, h), ("up", e, h), ("down", h, e)):
+                weight(f"{p}.ffn_{part}_exps", rows, cols, i, stack=n)
+                bias(f"{p}.ffn_{part}_exps", n, rows)
             return
         weight(f"{p}.ffn_gate", shape.inter, h, i)
         weight(f"{p}.ffn_up", shape.inter, h, i)
@@ -218,13 +240,16 @@ def write_model(shape_name: str, file_type: str, out: Path, tokenizer_from: Path
         weight(f"{p}.attn_q", hq * d, h, i)
         weight(f"{p}.attn_k", hkv * d, h, i)
         weight(f"{p}.attn_v", hkv * d, h, i)
-        if shape.qkv_bias:
+        if shape.qkv_bias or shape.biases:
             for part, n in (("attn_q", hq * d), ("attn_k", hkv * d), ("attn_v", hkv * d)):
                 w.add_tensor(f"{p}.{part}.bias", rng.normal(0, STD, n).astype(np.float32))
         if config.qk_norm:  # q/k norms (a head's, or the whole projection's)
             vector(f"{p}.attn_q_norm.weight", config.qk_norm_sizes[0])
             vector(f"{p}.attn_k_norm.weight", config.qk_norm_sizes[1])
+        if config.attn_sinks:  # a logit a query head
+            w.add_tensor(f"{p}.attn_sinks.weight", rng.normal(0, 1, hq).astype(np.float32))
         weight(f"{p}.attn_output", h, hq * d, i)
+        bias(f"{p}.attn_output", h)
         if config.norm_layout == "sandwich":  # the attention's and the MLP's outputs normed
             vector(f"{p}.post_attention_norm.weight", h)
             vector(f"{p}.post_ffw_norm.weight", h)
