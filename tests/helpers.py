@@ -446,8 +446,10 @@ def hf_logits(folder_or_model, ids: list[int], dtype: torch.dtype | None = None)
     from transformers import AutoModelForCausalLM
 
     model = folder_or_model
-    if dtype is not None:
-        model = AutoModelForCausalLM.from_pretrained(folder_or_model, dtype=dtype).eval()
+    if dtype is not None:  # a mixture's experts one at a time (no fp64 grouped product)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder_or_model, dtype=dtype, experts_implementation="eager"
+        ).eval()
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0]
 

@@ -30,6 +30,7 @@ from helpers import (
     conversation,
     fed,
     fresh_engine,
+    hf64,
     hf_greedy,
     hf_logits,
     load_hf,
@@ -57,11 +58,14 @@ GRANITE_MODELS = {
                                "logits_scaling": 1.0, "mamba_proj_bias": True,
                                "attention_bias": True}),
 }  # fmt: skip
+# the MoE sizes (Tiny, Small): 8 experts of the MLP's width, the top 2, the shared MLP beside
+# them; read from GGUF here (tests/test_qwen3moe.py: the folder)
+GRANITE_MOE = {"granite-moe": (60, {"num_local_experts": 8, "num_experts_per_tok": 2})}
 
 
 @pytest.fixture(scope="module")
 def granite_dir(tmp_path_factory):
-    return model_maker(tmp_path_factory, "granitemoehybrid", GRANITE_MODELS)
+    return model_maker(tmp_path_factory, "granitemoehybrid", GRANITE_MODELS | GRANITE_MOE)
 
 
 def _lifted(fn, *edits: tuple[str, str]):
@@ -524,7 +528,7 @@ def converted(granite_dir, tmp_path_factory):
     return make
 
 
-@pytest.mark.parametrize("name", ["granite", "granite-one-group"])
+@pytest.mark.parametrize("name", ["granite", "granite-one-group", "granite-moe"])
 def test_gguf_from_llama_cpps_converter_reads_as_the_folder(granite_dir, converted, name):
     """The converter's f32 file (its q/k rows permuted, A_log as -exp(A_log), D and the
     norm reshaped, gate|up split, the MLP's width as the shared expert's) reads to the
@@ -537,7 +541,8 @@ def test_gguf_from_llama_cpps_converter_reads_as_the_folder(granite_dir, convert
     gguf = LLM(model=path, kv="off", exact=True, progress=False)
     hf = LLM(model=folder, kv="off", exact=True, progress=False)
     same = ("layer_mixers", "mamba2", "rope", "query_scale", "embed_scale", "residual_scale",
-            "logit_scale", "intermediate_size", "num_kv_heads")  # fmt: skip
+            "logit_scale", "intermediate_size", "num_kv_heads", "experts",
+            "layer_ffns")  # fmt: skip
     for field in same:
         assert getattr(gguf.config, field) == getattr(hf.config, field), field
     ids = prompt_ids(hf)
@@ -547,10 +552,7 @@ def test_gguf_from_llama_cpps_converter_reads_as_the_folder(granite_dir, convert
     fp64 = LLM(model=path, kv="off", dtype="fp64", progress=False)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     out = fp64.generate(prompt_token_ids=[ids], sampling_params=params)[0]
-    from transformers import AutoModelForCausalLM
-
-    hf64 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
-    assert out.token_ids == hf_greedy(hf64, ids, 12)[0]
+    assert out.token_ids == hf_greedy(hf64(folder), ids, 12)[0]
 
 
 def test_a_q8_0_gguf_runs_native_on_the_pool(converted):
