@@ -304,11 +304,12 @@ static inline __attribute__((always_inline)) __m512i shift_lanes(__m512i x, int 
 
 /* Vector v of a group's codes (c: its first byte) as bytes: lo = elements 4v .. 4v + 3 of
  * each row, hi = elements 16 + 4v ..; unsigned (0 .. 2^bits - 1; mxfp4: kv[q] + 12, its
- * nibbles through the table). hb0, hb1: the group's high-bit vectors (loaded once per
+ * nibbles through the table, or with `values` kv[q] itself, signed, from a table 12 less
+ * that the compiler folds). hb0, hb1: the group's high-bit vectors (loaded once per
  * group). */
 static inline __attribute__((always_inline)) void
-code_vectors(int kind, const uint8_t *c, int v, __m512i hb0, __m512i hb1, __m512i *lo,
-             __m512i *hi) {
+code_vectors(int kind, const uint8_t *c, int v, __m512i hb0, __m512i hb1, int values,
+             __m512i *lo, __m512i *hi) {
     const __m512i nib = _mm512_set1_epi8(0x0F);
     const __m512i raw = _mm512_loadu_si512(c + 64 * v);
     *lo = _mm512_and_si512(raw, nib);
@@ -326,8 +327,9 @@ code_vectors(int kind, const uint8_t *c, int v, __m512i hb0, __m512i hb1, __m512
             0x00040608, 0x090A0B0C, 0x18141210, 0x0F0E0D0C, 0x00040608, 0x090A0B0C,
             0x18141210, 0x0F0E0D0C, 0x00040608, 0x090A0B0C, 0x18141210, 0x0F0E0D0C,
             0x00040608, 0x090A0B0C, 0x18141210, 0x0F0E0D0C);
-        *lo = _mm512_shuffle_epi8(table, *lo);
-        *hi = _mm512_shuffle_epi8(table, *hi);
+        const __m512i signed_table = _mm512_sub_epi8(table, _mm512_set1_epi8(12));
+        *lo = _mm512_shuffle_epi8(values ? signed_table : table, *lo);
+        *hi = _mm512_shuffle_epi8(values ? signed_table : table, *hi);
     }
 }
 
@@ -339,15 +341,21 @@ static inline __m512 load_f16x16(const void *p) {
  * s1 for 16..31 (different for q6_k only), z (zero where the kind has none) */
 static inline __attribute__((always_inline)) void
 group_params(int kind, kvlm_block B, int64_t g, __m512 *s0, __m512 *s1, __m512 *z) {
-    if (kind == MXFP4) { /* e8m0_half per lane: (e -sat 1) << 23 | 0x00400000 >> t, t = e ^ 1
-                            (1 for e = 0, 0 for e = 1) + 32 (e -sat 1) (>= 32, none, else) */
+    if (kind == MXFP4) { /* e8m0_half's bits per lane */
         const __m128i e8 = _mm_loadu_si128((const __m128i *)(codes_of(kind, B, g) + code_bytes(kind)));
         const __m512i e = _mm512_cvtepu8_epi32(e8);
+#if KVLM_V512 == 512 /* (e - 1) << 23, or 0x00200000 << e in the lanes where e < 2 */
+        const __m512i bits = _mm512_mask_sllv_epi32(
+            _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23),
+            _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), _mm512_set1_epi32(0x00200000), e);
+#else /* without masks: (e -sat 1) << 23 | 0x00400000 >> t, t = (e ^ 1) + 32 (e -sat 1):
+         1 for e = 0, 0 for e = 1, at least 32 (a shift to nothing) for the others */
         const __m512i em1 = _mm512_cvtepu8_epi32(_mm_subs_epu8(e8, _mm_set1_epi8(1)));
         const __m512i t = _mm512_add_epi32(_mm512_xor_si512(e, _mm512_set1_epi32(1)),
                                            _mm512_slli_epi32(em1, 5));
         const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(em1, 23),
                                              _mm512_srlv_epi32(_mm512_set1_epi32(0x00400000), t));
+#endif
         *s0 = *s1 = _mm512_castsi512_ps(bits);
         *z = _mm512_setzero_ps();
         return;
@@ -455,8 +463,9 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
             const __m512i hb1 = high_bits(kind) == 2 ? _mm512_loadu_si512(c + 8 * G + 64) : hb0;
             for (int v = 0; v < 4; v++) {
                 __m512i half[2];
-                code_vectors(kind, c, v, hb0, hb1, &half[0], &half[1]);
-                for (int h = 0; h < 2 && code_offset(kind) && kind != Q40; h++) /* q - offset */
+                code_vectors(kind, c, v, hb0, hb1, 1, &half[0], &half[1]); /* mxfp4: kv[q] */
+                const int less = code_offset(kind) && kind != Q40 && kind != MXFP4;
+                for (int h = 0; h < 2 && less; h++) /* q - offset */
                     half[h] = _mm512_sub_epi8(half[h], _mm512_set1_epi8((char)code_offset(kind)));
                 for (int h = 0; h < 2; h++)
                     for (int j = 0; j < 4; j++) {
@@ -743,7 +752,7 @@ block_product_i8(int kind, const int R, const int FINE, kvlm_block B, int64_t gr
             const __m512i hb1 = high_bits(kind) == 2 ? _mm512_loadu_si512(c + 8 * G + 64) : hb0;
             for (int v = 0; v < 4; v++) {
                 __m512i lo, hi;
-                code_vectors(kind, c, v, hb0, hb1, &lo, &hi);
+                code_vectors(kind, c, v, hb0, hb1, 0, &lo, &hi);
                 for (int t = 0; t < R; t++) {
                     const int32_t *xw = (const int32_t *)(a[t].c + g * G);
                     p[t][0] = dpbusd_word(p[t][0], lo, xw + v);
