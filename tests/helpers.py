@@ -975,12 +975,14 @@ PACKERS = {"Q4_K": pack_q4_k, "Q5_K": pack_q5_k, "Q6_K": pack_q6_k, "Q4_0": pack
 # byte offsets of each block's fp16 fields (d, dmin, m)
 _F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q5_1": (0, 2),
                "Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q3_K": (108,),
-               "Q2_K": (80, 82)}  # fmt: skip
+               "Q2_K": (80, 82), "MXFP4": ()}  # fmt: skip
 
 
 def random_blocks(qtype_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Blocks of random bytes (every code, scale byte and high bit pattern, int8 scales
-    down to -128), their fp16 fields finite, of either sign, some subnormal or zero."""
+    down to -128), their fp16 fields finite, of either sign, some subnormal or zero;
+    MXFP4's exponent bytes 110 .. 135 (scales 2^-18 .. 2^7: values of a model's weights,
+    none overflowing fp32)."""
     import gguf
 
     per, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype_name]]
@@ -989,6 +991,8 @@ def random_blocks(qtype_name: str, rows: int, cols: int, rng: np.random.Generato
         d = rng.uniform(-0.02, 0.02, (rows, cols // per)) * (rng.random((rows, cols // per)) < 0.95)
         d[..., :1] *= 2.0**-12  # fp16 subnormals
         b[..., at : at + 2] = d.astype(np.float16)[..., None].view(np.uint8)
+    if qtype_name == "MXFP4":
+        b[..., 0] = rng.integers(110, 136, (rows, cols // per), dtype=np.uint8)
     return b.reshape(rows, -1)
 
 

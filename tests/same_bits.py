@@ -148,7 +148,7 @@ def record_products(out: dict) -> None:
     from kvlm.model import quant
 
     sources = {"q8": "Q8_0", "q4": "Q4_1", "q4_0": "Q4_0", "q5_0": "Q5_0", "q5_1": "Q5_1",
-               "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}  # fmt: skip
+               "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "mxfp4": "MXFP4"}  # fmt: skip
     n, k = 40, 512  # 40 rows: a block of 16 padded
     for i, (kind, qtype) in enumerate(sources.items()):
         blocks = random_blocks(qtype, n, k, np.random.default_rng(i))

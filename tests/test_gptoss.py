@@ -202,13 +202,18 @@ def _mxfp4_folder(folder, out):
     return out
 
 
-def test_mxfp4_experts_dequantize_as_gguf_py_does(folder, tmp_path):
+def test_mxfp4_experts_dequantize_as_gguf_py_does(folder, tmp_path, capsys):
     """The converter's file of an MXFP4 checkpoint keeps the experts MXFP4
     (`ffn_*_exps`): kvlm's values are gguf-py's `dequantize` bit for bit, and the model
-    loads and generates from them."""
+    loads them as they are (--weights native, the CPU's default for a low-bit file: each
+    expert's gate|up and down an "mxfp4" weight at the file's 4.25 bits a weight, its
+    values gguf-py's rows of the stack) and generates from them; `kvlm memory` counts them
+    at their bytes in the file, `kvlm inspect` names the type."""
     import gguf
 
+    from kvlm.cli import main
     from kvlm.loading.gguf import GGUFWeights
+    from kvlm.model.quant import QuantWeight
 
     path = converter.convert(_mxfp4_folder(folder, tmp_path / "mxfp4"), "f32", pre="qwen35")
     weights = GGUFWeights(path)
@@ -222,8 +227,26 @@ def test_mxfp4_experts_dequantize_as_gguf_py_does(folder, tmp_path):
             got = weights.get(name).numpy()
             assert np.array_equal(got.reshape(want.shape).view(np.uint32), want.view(np.uint32))
     llm = LLM(model=path, progress=False)
+    dense = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors}
+    held = 0
+    for i, layer in enumerate(llm.model.layers):
+        for e, mlp in enumerate(layer.mlp.experts):
+            for linear, parts in ((mlp.gate_up, ("gate", "up")), (mlp.down, ("down",))):
+                q = linear.quant
+                assert isinstance(q, QuantWeight) and q.kind == "mxfp4"
+                assert q.nbytes == -(-q.out_features // 16) * 16 * q.in_features * 17 // 32
+                held += q.out_features * q.in_features * 17 // 32
+                want = np.concatenate([dense[f"blk.{i}.ffn_{p}_exps.weight"][e] for p in parts])
+                assert np.array_equal(q.dense().numpy().view(np.uint32), want.view(np.uint32))
+    assert held == sum(weights.stored_bytes(n) for n in stacks)
     out = llm.generate(FRANCE, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 8
+    assert main(["memory", "--model", str(path), "--context", "64", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    others = sum(np.prod(weights.shape(n)) * 4 for n in weights.names() if n not in stacks)
+    assert record["weight_bytes"] == held + others  # the experts at 17 bytes a 32 weights
+    assert main(["inspect", "--model", str(path), "--json"]) == 0
+    assert "MXFP4" in json.loads(capsys.readouterr().out)["weight_types"]
 
 
 def test_the_pool_batches_and_chunks_as_alone(folder):

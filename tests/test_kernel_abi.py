@@ -143,7 +143,7 @@ def test_pythons_numbers_are_abi_hs():
     assert (c["MAX_BATCH"], c["QMAT_PARTS"]) == (fused.MAX_ROWS, fused.QMAT_PARTS)
     assert set(fused._KV_DTYPE.values()) == {c[k] for k in c if k.startswith("KV_")}
     assert sum(fused._ACT_BITS) == sum(c[k] for k in c if k.startswith("ACT_"))
-    header = {k: c[k] for k in ("Q8", "Q4", "Q40", "Q50", "Q51", "Q4K", "Q5K", "Q6K")}
+    header = {k: c[k] for k in ("Q8", "Q4", "Q40", "Q50", "Q51", "Q4K", "Q5K", "Q6K", "MXFP4")}
     assert {
         name.upper().replace("_", ""): code for name, code in quant.KIND_CODES.items()
     } == header

@@ -16,7 +16,8 @@ model's (E, rows, columns) stacks, gate's rows then up's, as llama.cpp's convert
 them (`ffn_gate_exps`, `ffn_up_exps`, their biases). The Hub's own checkpoints keep the
 experts as MXFP4 blocks and scales (`gate_up_proj_blocks`): kvlm reads a folder of float
 tensors (transformers' dequantized save) and GGUF files, whose MXFP4 experts the loader
-dequantizes (kvlm.loading.gguf).
+keeps as stored, the weight kind "mxfp4" (kvlm.loading.gguf, kvlm.model.quant; dequantized
+where the weights are not native: --exact, a GPU, --weights f32/bf16).
 
 llama.cpp's graph hard-codes what its files do not store: the window on every other
 layer, the first one windowed (its `set_swa_pattern(2)`), and the clamped SwiGLU's alpha

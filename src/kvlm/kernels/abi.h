@@ -10,7 +10,7 @@
 #define KVLM_ABI_H
 #include <stdint.h>
 
-#define KVLM_ABI 39 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
+#define KVLM_ABI 40 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
 
 /* the limits (fused.py: MAX_HEAD_DIM, MAX_ROWS, QMAT_PARTS; quant.py: BLOCK_ROWS, SMALL_M) */
 #define BR 16         /* weight rows per block: one per 32-bit vector lane */
@@ -23,8 +23,10 @@
  * state is the one at a multiple of it, beside the rows since */
 #define DELTA_CHUNK 16
 
-/* the weight kinds (kvlm.model.quant.KIND_CODES) */
-enum { Q8 = 8, Q4 = 4, Q40 = 40, Q50 = 50, Q51 = 51, Q4K = 104, Q5K = 105, Q6K = 106 };
+/* the weight kinds (kvlm.model.quant.KIND_CODES); MXFP4's code is ggml's type number */
+enum {
+    Q8 = 8, Q4 = 4, Q40 = 40, Q50 = 50, Q51 = 51, Q4K = 104, Q5K = 105, Q6K = 106, MXFP4 = 39
+};
 
 /* K's and V's storage (kvlm_qmodel.k_dtype, v_dtype) */
 enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_F16 = 3, KV_Q4 = 4 };
@@ -50,7 +52,7 @@ enum { FFN_MLP = 0, FFN_EXPERTS = 1 };
 enum { MIX_ATTENTION = 0, MIX_CONV = 1, MIX_DELTA = 2, MIX_MAMBA2 = 3 };
 
 typedef struct {
-    int64_t kind;        /* Q8, Q4, Q40, Q50, Q51, Q4K, Q5K or Q6K */
+    int64_t kind;        /* Q8, Q4, Q40, Q50, Q51, Q4K, Q5K, Q6K or MXFP4 */
     const uint8_t *data; /* packed (see the top of weights.c) */
     int64_t n;           /* its rows */
     int64_t bytes;       /* data's bytes: checked against what n rows of k take */

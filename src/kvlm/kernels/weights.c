@@ -8,20 +8,26 @@
  *   q4_0: 4-bit codes, d per group:             w = d * (q - 8)           (Q4_0)
  *   q5_0: 5-bit codes, d per group:             w = d * (q - 16)          (Q5_0)
  *   q5_1: 5-bit codes, (d, m) per group:        w = d * q + m             (Q5_1)
+ *   mxfp4: 4-bit E2M1 codes, an E8M0 e per group: w = h(e) * kv[q]        (MXFP4)
+ *         kv = (0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12), E2M1's values doubled, and
+ *         h(e) = 2^(e - 128), their half-scale (ggml's e8m0_to_fp32_half: an exact power
+ *         of two in fp32, subnormal for e = 0, 1), so w = h(e) (c - 12) with c = kv[q] + 12
+ *         an unsigned code 0 .. 24 (a 16-entry byte shuffle of the nibble) and offset 12
  * or in llama.cpp's K-quant super-blocks of 256 (8 groups of 32):
  *   q4_k: 4-bit codes, (d, dmin) per 256, 6-bit (sc, mn) per 32: w = (d sc) q - dmin mn (Q4_K)
  *   q5_k: the same with 5-bit codes                                                     (Q5_K)
  *   q6_k: 6-bit codes, d per 256, int8 sc per 16:                w = (d sc) (q - 32)    (Q6_K)
  * each product of parameters in fp32 as ggml and gguf-py compute it (d sc and dmin mn are
- * exact), so a dequantized weight is gguf-py's, bit for bit.
+ * exact; mxfp4's h(e) kv[q] too), so a dequantized weight is gguf-py's, bit for bit.
  *
  * Stored row-interleaved (kvlm.model.quant packs them): blocks of 16 rows, one row per
  * vector lane, so one 64-byte load holds 4 consecutive bytes of 16 rows and a product
  * accumulates 16 outputs in one register (no horizontal sums, no per-row overhead; the
  * layout of llama.cpp's repacked Q4_0x8 / ARM kernels). Block b (rows 16b .. 16b + 15,
  * zero rows past N) is a row of records, one stream to read:
- *   q8, q4, q4_0, q5_0, q5_1: K / 32 records, one group each:
- *       codes [CB], scale [16] fp16 (s or d of each row), then q4 and q5_1: zero [16] fp16 (m)
+ *   q8, q4, q4_0, q5_0, q5_1, mxfp4: K / 32 records, one group each:
+ *       codes [CB], scale [16] fp16 (s or d of each row), then q4 and q5_1: zero [16] fp16 (m);
+ *       mxfp4: codes [CB], e [16] (each row's exponent byte, as stored)
  *   q4_k, q5_k: K / 256 records, each a header then the 8 groups' codes [CB]:
  *       header: the rows' 12 bytes of 6-bit scales and mins, ggml's own packing, as three
  *       vectors (lane i of the first = row i's bytes 0-3, the second's 4-7, the third's
@@ -38,7 +44,7 @@
  *           4v + j (the first) or 16 + 4v + j (the second),
  *       so a shift and a mask put vector v's high bits beside its nibbles.
  * Bytes per weight: q8 1.0625, q4 0.625, q4_0 0.5625, q5_0 0.6875, q5_1 0.75, q4_k 0.5625,
- * q5_k 0.6875, q6_k 0.8203125: the GGUF file's own sizes; a block of 16 rows is 16 of the
+ * q5_k 0.6875, q6_k 0.8203125, mxfp4 0.53125: the GGUF file's own sizes; a block of 16 rows is 16 of the
  * file's rows long, so blocks of weights stacked along N are their packed bytes one after
  * another. kvlm_qpack writes this layout straight from a GGUF tensor's blocks.
  *
@@ -70,7 +76,7 @@
 
 static inline int known_kind(int64_t kind) {
     return kind == Q8 || kind == Q4 || kind == Q40 || kind == Q50 || kind == Q51 ||
-           kind == Q4K || kind == Q5K || kind == Q6K;
+           kind == Q4K || kind == Q5K || kind == Q6K || kind == MXFP4;
 }
 
 static inline int is_k(int kind) { return kind == Q4K || kind == Q5K || kind == Q6K; }
@@ -84,6 +90,7 @@ static inline int64_t ggml_block_bytes(int kind) {
     case Q40: return 18;
     case Q50: return 22;
     case Q51: return 24;
+    case MXFP4: return 17;
     case Q4K: return 144;
     case Q5K: return 176;
     default: return 210;
@@ -115,7 +122,21 @@ static inline int has_zero(int kind) {
 }
 
 static inline int code_offset(int kind) {
-    return kind == Q40 ? 8 : kind == Q50 ? 16 : kind == Q6K ? 32 : 0;
+    return kind == Q40 ? 8 : kind == Q50 ? 16 : kind == Q6K ? 32 : kind == MXFP4 ? 12 : 0;
+}
+
+/* mxfp4's nibble -> unsigned code kv[q] + 12 (the top of this file), a byte shuffle's
+ * table (the same 16 bytes in each 128-bit lane) */
+#define MXFP4_CODES 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0
+static const uint8_t mxfp4_code[16] = {MXFP4_CODES};
+
+/* ggml's e8m0_to_fp32_half: 2^(e - 128) as fp32's bits, 0x00200000 << e for e < 2 (the
+ * subnormals 2^-128 and 2^-127), else (e - 1) << 23 */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
 }
 
 /* groups per record */
@@ -126,9 +147,10 @@ static inline int64_t code_bytes(int kind) {
     return kind == Q8 ? 16 * G : 8 * G + 64 * high_bits(kind);
 }
 
-/* fp16 parameters after each group's codes (the per-group kinds) */
+/* parameters after each group's codes (the per-group kinds): fp16 d (and m), or mxfp4's
+ * exponent byte, one a row */
 static inline int64_t param_bytes(int kind) {
-    return is_k(kind) ? 0 : (has_zero(kind) ? 4 : 2) * BR;
+    return is_k(kind) ? 0 : kind == MXFP4 ? BR : (has_zero(kind) ? 4 : 2) * BR;
 }
 
 /* a K-quant record's header */
@@ -170,7 +192,8 @@ static inline int32_t load32(const uint8_t *p) {
     return v;
 }
 
-/* Row i's group g as its 32 codes in element order: q8's int8 bytes, else 0 .. 2^bits - 1 */
+/* Row i's group g as its 32 codes in element order: q8's int8 bytes, mxfp4's kv[q] + 12,
+ * else 0 .. 2^bits - 1 */
 static inline void row_codes(int kind, kvlm_block B, int64_t g, int i, uint8_t *q) {
     const uint8_t *c = codes_of(kind, B, g);
     if (kind == Q8) {
@@ -188,6 +211,9 @@ static inline void row_codes(int kind, kvlm_block B, int64_t g, int i, uint8_t *
             } else if (high_bits(kind) == 2) {
                 lo |= (uint8_t)(((hb[j] >> (2 * v)) & 3) << 4);
                 hi |= (uint8_t)(((hb[64 + j] >> (2 * v)) & 3) << 4);
+            } else if (kind == MXFP4) {
+                lo = mxfp4_code[lo];
+                hi = mxfp4_code[hi];
             }
             q[4 * v + j] = lo;
             q[16 + 4 * v + j] = hi;
@@ -209,6 +235,11 @@ static inline void scale_min_k4(const uint8_t *q, int s, int *sc, int *mn) {
 /* Row i's parameters of group g: w_j = s[j / 16] (q_j - code_offset) + z, in fp32 as ggml
  * computes them (q6_k: d sc per 16; q4_k, q5_k: d sc, and z = -(dmin mn), exact) */
 static inline void row_params(int kind, kvlm_block B, int64_t g, int i, float *s, float *z) {
+    if (kind == MXFP4) {
+        s[0] = s[1] = e8m0_half(codes_of(kind, B, g)[code_bytes(kind) + i]);
+        *z = 0.f;
+        return;
+    }
     if (!is_k(kind)) {
         const uint16_t *p = scales_of(kind, B, g);
         s[0] = s[1] = from_f16(p[i]);
@@ -272,11 +303,13 @@ static inline __attribute__((always_inline)) __m512i shift_lanes(__m512i x, int 
 }
 
 /* Vector v of a group's codes (c: its first byte) as bytes: lo = elements 4v .. 4v + 3 of
- * each row, hi = elements 16 + 4v ..; unsigned (0 .. 2^bits - 1). hb0, hb1: the group's
- * high-bit vectors (loaded once per group). */
+ * each row, hi = elements 16 + 4v ..; unsigned (0 .. 2^bits - 1; mxfp4: kv[q] + 12, its
+ * nibbles through the table, or with `values` kv[q] itself, signed, from a table 12 less
+ * that the compiler folds). hb0, hb1: the group's high-bit vectors (loaded once per
+ * group). */
 static inline __attribute__((always_inline)) void
-code_vectors(int kind, const uint8_t *c, int v, __m512i hb0, __m512i hb1, __m512i *lo,
-             __m512i *hi) {
+code_vectors(int kind, const uint8_t *c, int v, __m512i hb0, __m512i hb1, int values,
+             __m512i *lo, __m512i *hi) {
     const __m512i nib = _mm512_set1_epi8(0x0F);
     const __m512i raw = _mm512_loadu_si512(c + 64 * v);
     *lo = _mm512_and_si512(raw, nib);
@@ -289,6 +322,14 @@ code_vectors(int kind, const uint8_t *c, int v, __m512i hb0, __m512i hb1, __m512
         const __m512i bits = _mm512_set1_epi8(0x30);
         *lo = _mm512_ternarylogic_epi32(*lo, shift_lanes(hb0, 4 - 2 * v), bits, 0xF8);
         *hi = _mm512_ternarylogic_epi32(*hi, shift_lanes(hb1, 4 - 2 * v), bits, 0xF8);
+    } else if (kind == MXFP4) { /* nibble -> kv + 12: vpshufb, the table in each 128 bits */
+        const __m512i table = _mm512_set_epi32( /* MXFP4_CODES, 4 bytes a lane, high first */
+            0x00040608, 0x090A0B0C, 0x18141210, 0x0F0E0D0C, 0x00040608, 0x090A0B0C,
+            0x18141210, 0x0F0E0D0C, 0x00040608, 0x090A0B0C, 0x18141210, 0x0F0E0D0C,
+            0x00040608, 0x090A0B0C, 0x18141210, 0x0F0E0D0C);
+        const __m512i signed_table = _mm512_sub_epi8(table, _mm512_set1_epi8(12));
+        *lo = _mm512_shuffle_epi8(values ? signed_table : table, *lo);
+        *hi = _mm512_shuffle_epi8(values ? signed_table : table, *hi);
     }
 }
 
@@ -300,6 +341,25 @@ static inline __m512 load_f16x16(const void *p) {
  * s1 for 16..31 (different for q6_k only), z (zero where the kind has none) */
 static inline __attribute__((always_inline)) void
 group_params(int kind, kvlm_block B, int64_t g, __m512 *s0, __m512 *s1, __m512 *z) {
+    if (kind == MXFP4) { /* e8m0_half's bits per lane */
+        const __m128i e8 = _mm_loadu_si128((const __m128i *)(codes_of(kind, B, g) + code_bytes(kind)));
+        const __m512i e = _mm512_cvtepu8_epi32(e8);
+#if KVLM_V512 == 512 /* (e - 1) << 23, or 0x00200000 << e in the lanes where e < 2 */
+        const __m512i bits = _mm512_mask_sllv_epi32(
+            _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23),
+            _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), _mm512_set1_epi32(0x00200000), e);
+#else /* without masks: (e -sat 1) << 23 | 0x00400000 >> t, t = (e ^ 1) + 32 (e -sat 1):
+         1 for e = 0, 0 for e = 1, at least 32 (a shift to nothing) for the others */
+        const __m512i em1 = _mm512_cvtepu8_epi32(_mm_subs_epu8(e8, _mm_set1_epi8(1)));
+        const __m512i t = _mm512_add_epi32(_mm512_xor_si512(e, _mm512_set1_epi32(1)),
+                                           _mm512_slli_epi32(em1, 5));
+        const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(em1, 23),
+                                             _mm512_srlv_epi32(_mm512_set1_epi32(0x00400000), t));
+#endif
+        *s0 = *s1 = _mm512_castsi512_ps(bits);
+        *z = _mm512_setzero_ps();
+        return;
+    }
     if (!is_k(kind)) {
         const uint16_t *p = scales_of(kind, B, g);
         *s0 = *s1 = load_f16x16(p);
@@ -403,8 +463,9 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
             const __m512i hb1 = high_bits(kind) == 2 ? _mm512_loadu_si512(c + 8 * G + 64) : hb0;
             for (int v = 0; v < 4; v++) {
                 __m512i half[2];
-                code_vectors(kind, c, v, hb0, hb1, &half[0], &half[1]);
-                for (int h = 0; h < 2 && code_offset(kind) && kind != Q40; h++) /* q - offset */
+                code_vectors(kind, c, v, hb0, hb1, 1, &half[0], &half[1]); /* mxfp4: kv[q] */
+                const int less = code_offset(kind) && kind != Q40 && kind != MXFP4;
+                for (int h = 0; h < 2 && less; h++) /* q - offset */
                     half[h] = _mm512_sub_epi8(half[h], _mm512_set1_epi8((char)code_offset(kind)));
                 for (int h = 0; h < 2; h++)
                     for (int j = 0; j < 4; j++) {
@@ -421,8 +482,10 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
         /* q4_0: d q - 8d, as a zero term (-8d exact): the codes stay unsigned, as q4's */
         if (kind == Q40) z = negate(_mm512_mul_ps(s0, _mm512_set1_ps(8.f)));
         const __m512 unit = _mm512_set1_ps(5.9604644775390625e-8f); /* 2^-24: codes came scaled */
-        s0 = _mm512_mul_ps(s0, unit);
-        s1 = _mm512_mul_ps(s1, unit);
+        if (kind != MXFP4) { /* mxfp4's scale is down to 2^-128: its sums take the 2^-24 */
+            s0 = _mm512_mul_ps(s0, unit);
+            s1 = _mm512_mul_ps(s1, unit);
+        }
         for (int t = 0; t < R; t++) {
             if (kind == Q6K) {
                 acc[t] = _mm512_fmadd_ps(part[t][0], s0, acc[t]);
@@ -430,6 +493,7 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
             } else {
                 __m512 p = part[t][0];
                 for (int k = 1; k < C; k++) p = _mm512_add_ps(p, part[t][k]);
+                if (kind == MXFP4) p = _mm512_mul_ps(p, unit); /* exact: a power of two */
                 acc[t] = _mm512_fmadd_ps(p, s0, acc[t]);
             }
             if (has_zero(kind) || kind == Q40)
@@ -498,6 +562,7 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
         case Q51: LOOP(M, N, Q51, BODY) break;                                               \
         case Q4K: LOOP(M, N, Q4K, BODY) break;                                               \
         case Q5K: LOOP(M, N, Q5K, BODY) break;                                               \
+        case MXFP4: LOOP(M, N, MXFP4, BODY) break;                                           \
         default: LOOP(M, N, Q6K, BODY) break;                                                \
         }                                                                                    \
     } while (0)
@@ -687,7 +752,7 @@ block_product_i8(int kind, const int R, const int FINE, kvlm_block B, int64_t gr
             const __m512i hb1 = high_bits(kind) == 2 ? _mm512_loadu_si512(c + 8 * G + 64) : hb0;
             for (int v = 0; v < 4; v++) {
                 __m512i lo, hi;
-                code_vectors(kind, c, v, hb0, hb1, &lo, &hi);
+                code_vectors(kind, c, v, hb0, hb1, 0, &lo, &hi);
                 for (int t = 0; t < R; t++) {
                     const int32_t *xw = (const int32_t *)(a[t].c + g * G);
                     p[t][0] = dpbusd_word(p[t][0], lo, xw + v);
@@ -880,6 +945,10 @@ dequant_row(int kind, int bf16, int64_t groups, kvlm_block B, int i, void *out) 
                 const __m128i hb = _mm_set1_epi32(load32(c + 8 * G + 64));
                 codes[0] = _mm_or_si128(codes[0], _mm_slli_epi32(_mm_and_si128(_mm_srlv_epi32(ha, even), three), 4));
                 codes[1] = _mm_or_si128(codes[1], _mm_slli_epi32(_mm_and_si128(_mm_srlv_epi32(hb, even), three), 4));
+            } else if (kind == MXFP4) { /* nibble -> kv + 12 */
+                const __m128i table = _mm_loadu_si128((const __m128i *)mxfp4_code);
+                codes[0] = _mm_shuffle_epi8(table, codes[0]);
+                codes[1] = _mm_shuffle_epi8(table, codes[1]);
             }
             float s[2], z;
             row_params(kind, B, g, i, s, &z);
@@ -925,6 +994,7 @@ dequant_row(int kind, int bf16, int64_t groups, kvlm_block B, int i, void *out) 
     case Q4K: DO(Q4K); break;                                                                \
     case Q5K: DO(Q5K); break;                                                                \
     case Q6K: DO(Q6K); break;                                                                \
+    case MXFP4: DO(MXFP4); break;                                                            \
     default: return -2;                                                                      \
     }
 
@@ -986,6 +1056,7 @@ int kvlm_qdequant_rows(int64_t kind, int64_t K, const uint8_t *w, int64_t wn, in
  *   q8 <- block_q8_0 (d, qs[32] int8)         q4 <- block_q4_1 (d, m, qs[16])
  *   q4_0 <- block_q4_0 (d, qs[16])            q5_0 <- block_q5_0 (d, qh[4], qs[16])
  *   q5_1 <- block_q5_1 (d, m, qh[4], qs[16])
+ *   mxfp4 <- block_mxfp4 (e, qs[16])
  *   q4_k <- block_q4_K (d, dmin, scales[12], qs[128])
  *   q5_k <- block_q5_K (d, dmin, scales[12], qh[32], qs[128])
  *   q6_k <- block_q6_K (ql[128], qh[64], scales[16], d)
@@ -1025,6 +1096,11 @@ static inline __attribute__((always_inline)) void pack_row(int kind, const uint8
         for (int64_t g = 0; g < K / G; g++) {
             const uint8_t *blk = s + g * size;
             uint8_t *r = out + g * rec;
+            if (kind == MXFP4) { /* e, then the nibbles as q4_0's */
+                r[cb + i] = blk[0];
+                for (int v = 0; v < 4; v++) memcpy(r + 64 * v + 4 * i, blk + 1 + 4 * v, 4);
+                continue;
+            }
             memcpy(r + cb + 2 * i, blk, 2); /* d */
             if (kind == Q8) {
                 for (int v = 0; v < 8; v++) memcpy(r + 64 * v + 4 * i, blk + 2 + 4 * v, 4);

@@ -11,7 +11,7 @@ dequantized with the `gguf` package, one at a time, rows and columns in Hugging 
 order (`Family.gguf_rows`: Llama's q/k, which llama.cpp's converter permutes for its
 interleaved RoPE; `Family.gguf_cols`); `--weights native` takes the blocks of the types
 kvlm has kernels for as they are instead (`get_quant`: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
-Q5_K, Q6_K), whole rows of blocks put in that order as they are packed, and the blocks of
+Q5_K, Q6_K, MXFP4), whole rows of blocks put in that order as they are packed, and the blocks of
 each row in theirs where a column order moves whole blocks (else the tensor is decoded).
 Values are the file's: a quirk llama.cpp's converter folded into the weights (1 + w
 norms) stays folded; a vector whose values it changed otherwise the family takes back
@@ -225,7 +225,7 @@ def _blocks_in_order(rows: np.ndarray, cols: torch.Tensor, kind: Any) -> np.ndar
 # GGUF blocks kvlm multiplies as they are (`--weights native`), each packed from its
 # blocks as stored (QuantWeight.from_blocks) into a kind: Q8_0 and Q4_1 into q8 and q4 (the
 # kinds that `--weights int8|int4` quantize to), the others (quant.GGML_KINDS) into their
-# own. Q2_K, Q3_K, MXFP4 (E2M1 values with an 8-bit exponent a 32) and the IQ types have
-# no kernel: dequantized, and with --weights native re-quantized to int8
+# own (MXFP4, E2M1 values with an 8-bit exponent a 32, into "mxfp4"). Q2_K, Q3_K and the
+# IQ types have no kernel: dequantized, and with --weights native re-quantized to int8
 # (kvlm.model.transformer names them at load).
 NATIVE_BLOCKS = {Q.Q8_0: "q8", Q.Q4_1: "q4", **{Q[kind.upper()]: kind for kind in GGML_KINDS}}

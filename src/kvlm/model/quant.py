@@ -8,6 +8,8 @@
     q4_k, q5_k: 4/5-bit codes, super-blocks of 256: fp16 (d, dmin), 6-bit (sc, mn) per 32:
                                                      w = (d sc) q - dmin mn   (Q4_K, Q5_K)
     q6_k: 6-bit codes, fp16 d per 256, int8 sc per 16: w = (d sc) (q - 32)    (Q6_K)
+    mxfp4: 4-bit E2M1 codes, an 8-bit exponent e per group: w = 2^(e - 128) kv[q]  (MXFP4)
+           kv = MXFP4_VALUES (E2M1's values doubled), 2^(e - 128) = ggml's e8m0 half-scale
 
 A QuantWeight comes either from a float weight (`quantize(w, "q8" | "q4")`: `--weights
 int8|int4`) or straight from a GGUF file's blocks (`--weights native`: the file's own
@@ -53,10 +55,13 @@ GGML_KINDS = {
     "q4_k": (256, 144),
     "q5_k": (256, 176),
     "q6_k": (256, 210),
+    "mxfp4": (32, 17),
 }
 KINDS = ("q8", "q4", *GGML_KINDS)
 KIND_CODES = {"q8": 8, "q4": 4, "q4_0": 40, "q5_0": 50, "q5_1": 51, "q4_k": 104, "q5_k": 105,
-              "q6_k": 106}  # fmt: skip
+              "q6_k": 106, "mxfp4": 39}  # fmt: skip
+# MXFP4's nibble -> its E2M1 value doubled (gguf-py's MXFP4.kvalues, ggml's kvalues_mxfp4)
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 # The blocks from_blocks reads, per kind: the GGML_KINDS', and q8 from Q8_0 (f16 d, int8
 # q[32]), q4 from Q4_1 (f16 d, f16 m, nibbles[16]).
 BLOCK_FORMATS = {"q8": (32, 34), "q4": (32, 20), **GGML_KINDS}
@@ -127,10 +132,10 @@ class QuantWeight:
 
     and every kind from a GGUF tensor's blocks (`from_blocks`: BLOCK_FORMATS; the
     GGML_KINDS only so). Scales are stored in fp16 (a GGUF file's own d and m are fp16:
-    kept exactly). `unpacked()` gives the natural arrays back (the ggml blocks, for the
-    GGML_KINDS). A weight of row parts of different kinds (`concat`) has kind MIXED: its
-    parts are packed one after another in `data`, each in its own kind (`parts()`). Every
-    packed buffer comes from `_new_data`."""
+    kept exactly; mxfp4's as the file's exponent byte). `unpacked()` gives the natural
+    arrays back (the ggml blocks, for the GGML_KINDS). A weight of row parts of different
+    kinds (`concat`) has kind MIXED: its parts are packed one after another in `data`, each
+    in its own kind (`parts()`). Every packed buffer comes from `_new_data`."""
 
     __slots__ = ("_dense_rows", "_parts", "data", "in_features", "kind", "out_features")
 
@@ -163,7 +168,8 @@ class QuantWeight:
     ) -> QuantWeight:
         """A weight from its blocks as GGUF stores them: uint8 [N, K / weights_per_block *
         bytes_per_block] (BLOCK_FORMATS: ggml's block_q8_0, block_q4_1, block_q4_0,
-        block_q5_0, block_q5_1, block_q4_K, block_q5_K, block_q6_K, row after row), a tensor
+        block_q5_0, block_q5_1, block_q4_K, block_q5_K, block_q6_K, block_mxfp4, row after
+        row), a tensor
         or a numpy array (a view of the file's map: read where it lies, not copied).
         `order`: row i of the weight is row order[i] of the blocks (a permutation, applied
         as they are packed). `reference`: packed by the torch code (what the C packer is
@@ -624,19 +630,27 @@ def _f16_bytes(t: torch.Tensor) -> torch.Tensor:
 # ---- every kind's blocks (BLOCK_FORMATS) <-> fields <-> the packed layout ----
 #
 # Fields: "codes" uint8 [N, K], each weight's code (0 .. 2^bits - 1; q8: the int8 code's
-# byte) in column order, and the parameters as stored, bytes per row and block: "d"
-# [N, U, 2] (fp16), "m" (q4, q5_1) and "dmin" (q4_k, q5_k) [N, U, 2], "scales" [N, U, 12]
-# (q4_k, q5_k: ggml's packed 6-bit scales and mins) or [N, U, 16] (q6_k: int8 per 16),
-# U = blocks per row.
+# byte; mxfp4: the nibble, not its value) in column order, and the parameters as stored,
+# bytes per row and block: "d" [N, U, 2] (fp16), "m" (q4, q5_1) and "dmin" (q4_k, q5_k)
+# [N, U, 2], "scales" [N, U, 12] (q4_k, q5_k: ggml's packed 6-bit scales and mins) or
+# [N, U, 16] (q6_k: int8 per 16), "e" [N, U, 1] (mxfp4's exponent byte), U = blocks per
+# row.
 
 # code bits above the low nibble (q8: a whole byte per code, 512 code bytes a record)
-_HIGH_BITS = {"q8": 4, "q4": 0, "q4_0": 0, "q5_0": 1, "q5_1": 1, "q5_k": 1, "q6_k": 2, "q4_k": 0}
+_HIGH_BITS = {"q8": 4, "q4": 0, "q4_0": 0, "q5_0": 1, "q5_1": 1, "q5_k": 1, "q6_k": 2, "q4_k": 0,
+              "mxfp4": 0}  # fmt: skip
 # a record per group of 32 (no super-blocks): its parameters, in order
-_PER_GROUP = {"q8": ("d",), "q4": ("d", "m"), "q4_0": ("d",), "q5_0": ("d",), "q5_1": ("d", "m")}
+_PER_GROUP = {"q8": ("d",), "q4": ("d", "m"), "q4_0": ("d",), "q5_0": ("d",), "q5_1": ("d", "m"),
+              "mxfp4": ("e",)}  # fmt: skip
+# bytes of a per-group parameter (fp16, but mxfp4's exponent byte)
+_PARAM_BYTES = {"d": 2, "m": 2, "e": 1}
 _K4_HEAD = (("scales", 12, 4), ("d", 2, 2), ("dmin", 2, 2))  # the packed scales: 3 vectors
 # the parameters of a packed record, in order: (field, bytes per row, lane width)
 _PACKED_PARAMS = {
-    **{kind: tuple((p, 2, 2) for p in params) for kind, params in _PER_GROUP.items()},
+    **{
+        kind: tuple((p, _PARAM_BYTES[p], _PARAM_BYTES[p]) for p in params)
+        for kind, params in _PER_GROUP.items()
+    },
     "q4_k": _K4_HEAD,
     "q5_k": _K4_HEAD,
     "q6_k": (("d", 2, 2), ("scales", 16, 1)),  # d [16], sc [16 sub-blocks][16 rows]
@@ -653,10 +667,12 @@ def _ggml_fields(kind: str, blocks: torch.Tensor) -> dict[str, torch.Tensor]:
     n = blocks.shape[0]
     b = blocks.view(n, -1, size)
     u = b.shape[1]
-    if kind in _PER_GROUP:  # d, (m), (qh: bit e = weight e's fifth), qs: e and e + 16
-        f = {p: b[..., 2 * i : 2 * i + 2] for i, p in enumerate(_PER_GROUP[kind])}
+    if kind in _PER_GROUP:  # d (mxfp4: e), (m), (qh: bit j = weight j's fifth), qs: j, j + 16
+        f, at = {}, 0
+        for p in _PER_GROUP[kind]:
+            f[p], at = b[..., at : at + _PARAM_BYTES[p]], at + _PARAM_BYTES[p]
         qh = 4 if _HIGH_BITS[kind] == 1 else 0  # bytes of fifth bits
-        at = 2 * len(f) + qh
+        at += qh
         qs = b[..., at:]
         codes = qs if kind == "q8" else torch.cat((qs & 15, qs >> 4), -1)  # q8: bytes
         if qh:
@@ -800,6 +816,17 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16)[..., 0].float()
 
 
+_MXFP4 = torch.tensor(MXFP4_VALUES, dtype=torch.float32)
+
+
+def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """Exponent bytes -> fp32 2^(e - 128), exactly as ggml's e8m0_to_fp32_half makes its
+    bits: 0x00200000 << e for e < 2 (subnormals), else (e - 1) << 23."""
+    e = e.to(torch.int32)
+    small = torch.full_like(e, 0x00200000) << e.clamp(max=2)
+    return torch.where(e < 2, small, (e - 1).clamp(min=0) << 23).view(torch.float32)
+
+
 def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ggml's 12 packed bytes [..., 12] -> the 8 sub-blocks' 6-bit scales and mins."""
     d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
@@ -813,6 +840,8 @@ def _dense_fields(kind: str, f: dict[str, torch.Tensor]) -> torch.Tensor:
     per, _ = BLOCK_FORMATS[kind]
     n, k = f["codes"].shape
     q = f["codes"].view(n, k // per, -1, 16 if kind == "q6_k" else 32)
+    if kind == "mxfp4":  # the exponent's half-scale times the nibble's value
+        return (_e8m0_half(f["e"][..., 0])[..., None, None] * _MXFP4[q.long()]).reshape(n, k)
     d = _f16(f["d"])[..., None, None]
     if kind == "q8":
         w = d * q.view(torch.int8).float()

@@ -126,8 +126,8 @@ class Transformer(nn.Module):
         `weight_format` (kvlm.model.layers.Linear.convert): None keeps the projections
         in `dtype`; "bf16", "int8", "int4" convert each as it loads (int4 keeps the vocabulary
         projection at int8); "native" multiplies a GGUF file's Q8_0, Q4_0, Q4_1, Q5_0,
-        Q5_1, Q4_K, Q5_K and Q6_K blocks as stored (q|k|v and gate|up of different types
-        as parts of their own kinds; other quantized types as int8, named in a warning,
+        Q5_1, Q4_K, Q5_K, Q6_K and MXFP4 blocks as stored (q|k|v and gate|up of different
+        types as parts of their own kinds; other quantized types as int8, named in a warning,
         float tensors as `dtype`). The embedding table stays in `dtype` (one row per
         token). `cpu_experts`: the routed experts of the first that many expert layers
         kept in host memory and run on the CPU (`host_experts`; Experts' `host`)."""
