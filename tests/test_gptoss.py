@@ -5,8 +5,9 @@ experts one at a time) on a tiny random-weight model (tests/helpers.tiny_config
 "gpt_oss": sinks and the experts' biases randomised), and from the GGUF files llama.cpp's
 own converter writes for it (tests/converter.py), MXFP4 experts among them.
 
-The fused C step, the C attention and the C router refuse what they cannot run (the
-sinks, the router, the activation), each with its reason: the torch road runs the model."""
+The C attention (kvlm_attend, kvlm_attend_row) takes the sinks, against the explicit
+softmax's road; the fused C step and the C router refuse what they cannot run (the sinks,
+the router, the activation), each with its reason: the torch road runs the model."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ from helpers import (
     prompt_ids,
     save_tiny_model,
 )
-from kvlm import LLM, SamplingParams
-from numerics import assert_as_exact_as, max_error
+from kvlm import LLM, SamplingParams, kernels
+from numerics import assert_as_exact_as, attention_bound, max_error
 
 SEED = 50
 
@@ -130,16 +131,25 @@ def test_greedy_tokens_equal_hf(folder):
 @pytest.mark.parametrize("mode", ["basic", "contiguous", "paged", "int8", "window"])
 def test_every_mode_chunked_equals_one_shot(folder, mode):
     """Chunks of 7, then a token at a time, give the one-shot prefill's logits through the
-    same mode as exactly (the sinks' explicit softmax multiplies a chunk's scores as one
-    product, whose rows' bits follow the product's shape, as the soft-cap's road does:
-    not bit for bit); the exact modes' one shot is the `off` oracle's bit for bit."""
+    same mode as exactly; on the pool's modes bit for bit (the sinks in kvlm_attend: a
+    row's bits depend on its query and the keys it sees alone, every key where a one-shot
+    prompt has it), and there the `off` oracle's one shot too. A ring (basic and
+    contiguous keep each window's layers in one, window every layer) hands the kernels a
+    window layer's keys at other offsets of their blocks of keys: as exact, not bit for
+    bit."""
     llm = LLM(model=folder, kv=mode, exact=True, progress=False)
     ids = prompt_ids(llm)
     one_shot, chunked = fed(llm, ids, [len(ids)]), fed(llm, ids, [7] * 4 + [1] * 12)
-    assert_as_exact_as(chunked, one_shot, hf_logits(folder, ids, torch.float64))
-    if mode in ("basic", "contiguous", "paged"):
-        off = LLM(model=folder, kv="off", exact=True, progress=False)
-        assert torch.equal(one_shot, off.runner.logits(ids, off.new_cache("off")))
+    exact = hf_logits(folder, ids, torch.float64)
+    assert_as_exact_as(chunked, one_shot, exact)
+    off = LLM(model=folder, kv="off", exact=True, progress=False)
+    oracle = off.runner.logits(ids, off.new_cache("off"))
+    if mode in ("paged", "int8"):
+        assert torch.equal(chunked, one_shot)
+    if mode == "paged":
+        assert torch.equal(one_shot, oracle)
+    elif mode in ("basic", "contiguous"):
+        assert_as_exact_as(one_shot, oracle, exact)
 
 
 @pytest.mark.parametrize("mode", ["contiguous", "paged"])
@@ -235,3 +245,51 @@ def test_the_pool_batches_and_chunks_as_alone(folder):
     want = [[llm.generate(p, GREEDY)[0].outputs[0].token_ids] for p in POOL_PROMPTS]
     assert on_pool(llm, POOL_PROMPTS, GREEDY)[0] == want
     assert on_pool(llm, POOL_PROMPTS, GREEDY, scheduler={"prefill_chunk": 5})[0] == want
+
+
+# ------------------------------------------------------------------ the C roads
+
+
+def _c_kernels(build: str):
+    from helpers import portable_kernels
+
+    lib = kernels.library() if build == "native" else portable_kernels(build)
+    if lib is None:
+        pytest.skip("no C kernels")
+    return lib
+
+
+@pytest.mark.parametrize("build", ["native", "x86-64"])
+@pytest.mark.parametrize("D", [16, 64, 128])
+def test_the_c_attention_takes_the_sinks(build, D, monkeypatch):
+    """kvlm_attend (a prompt's rows: causal from the top left, and a window's mask after a
+    prefix) and kvlm_attend_row (a decode row over a mask) with a sink a query head: the
+    explicit softmax's road within the attention bound (one key more: the sink's column);
+    a row that sees no key is zeros; without the sinks the output moves far past it."""
+    from kvlm.model.attention import _attend_kernel, attend, attend_explicit
+
+    lib = _c_kernels(build)
+    monkeypatch.setattr(kernels, "library", lambda: lib)
+    g = torch.Generator().manual_seed(D)
+    H, Hkv, S = 4, 2, 70
+    k, v = (torch.randn(1, Hkv, S, D, generator=g) for _ in range(2))
+    sinks = torch.randn(H, generator=g) * 3
+    seen = torch.ones(S, S, dtype=torch.bool).tril()
+    window = seen & ~seen.tril(-9)  # the query at p sees p - 8 .. p
+    cases = [(S, None, True, False), (23, window[-23:], False, False),
+             (1, torch.rand(1, S, generator=g) < 0.5, False, True)]  # fmt: skip
+    for T, mask, causal, decode in cases:
+        q = torch.randn(1, H, T, D, generator=g)
+        got = _attend_kernel(q, k, v, mask, causal, decode=decode, sinks=sinks)
+        assert got is not None, (T, causal, decode)
+        want = attend_explicit(q, k, v, mask, causal, None, sinks)
+        bound = attention_bound(q, k, v, n_keys=S + 1)
+        assert max_error(got, want) <= bound, (T, causal, decode)
+        assert max_error(got, attend_explicit(q, k, v, mask, causal)) > 10 * bound
+        # `attend` takes the kernels for a sink layer on the CPU now, not the explicit road
+        assert torch.equal(attend(q, k, v, mask, causal, sinks=sinks, prompt=not decode), got)
+    blind = torch.zeros(1, S, dtype=torch.bool)
+    q = torch.randn(1, H, 1, D, generator=g)
+    for decode in (True, False):
+        out = _attend_kernel(q, k, v, blind, False, decode=decode, sinks=sinks)
+        assert torch.equal(out, torch.zeros_like(out))

@@ -437,10 +437,11 @@ _SIGNATURES: dict[str, tuple[str, str]] = {
     # prompt.c
     "kvlm_silu_mul": ("int", "piiipi"),  # gu, gn, M, I, out, on
     # q, qn, H, T, D, qsh, qst, k, kn, v, vn, Hkv, S, ksh, kst, vsh, vst, mask, mn, mst,
-    # causal, scale, out, on, bf16_from
-    "kvlm_attend": ("int", "piiiiiipipiiiiiiipiiidpii"),
-    # q, qn, H, D, qsh, k, kn, v, vn, Hkv, S, ksh, kst, vsh, vst, mask, mn, scale, out, on
-    "kvlm_attend_row": ("int", "piiiipipiiiiiiipidpi"),
+    # causal, scale, out, on, bf16_from, sinks, sn
+    "kvlm_attend": ("int", "piiiiiipipiiiiiiipiiidpiipi"),
+    # q, qn, H, D, qsh, k, kn, v, vn, Hkv, S, ksh, kst, vsh, vst, mask, mn, scale, out, on,
+    # sinks, sn
+    "kvlm_attend_row": ("int", "piiiipipiiiiiiipidpipi"),
     "kvlm_rms_norm": ("int", "piiiipidpii"),  # x, xn, M, N, xs, w, wn, eps, y, yn, ys
     # qkv, qkvn, M, rs, nq, nk, D, qn, kn, nn, eps, cos, cn, sin, sn, cs, R
     "kvlm_qk_norm_rope": ("int", "piiiiiippidpipiii"),
