@@ -455,8 +455,8 @@ _SIGNATURES: dict[str, tuple[str, str]] = {
     # conv.c: x, xn, xr, idx, in, L, N, C, w, wn, bias, bn, y, yn
     "kvlm_depthwise": ("int", "piipiiiipipipi"),
     # experts.c: x, xn, M, H, router, rn, E, K, normalize, kind, bias, bn, eps, scale,
-    # chosen, cn, w, wn, logits, ln
-    "kvlm_route": ("int", "piiipiiiiipiddpipipi"),
+    # chosen, cn, w, wn, logits, ln, router_bias, rbn
+    "kvlm_route": ("int", "piiipiiiiipiddpipipipi"),
     # decode.c
     "kvlm_decode_scratch": ("int64", "pi"),  # m, B
     # m, B, x, xn, pos, pn, cos, cn, sin, sn, views, n_views, convs, n_convs, states,
