@@ -5,12 +5,16 @@ experts one at a time) on a tiny random-weight model (tests/helpers.tiny_config
 "gpt_oss": sinks and the experts' biases randomised), and from the GGUF files llama.cpp's
 own converter writes for it (tests/converter.py), MXFP4 experts among them.
 
-The fused C step, the C attention and the C router refuse what they cannot run (the
-sinks, the router, the activation), each with its reason: the torch road runs the model."""
+The C roads take the model: the C attention (kvlm_attend, kvlm_attend_row) with the sinks
+against the explicit softmax's road, the C router ("topk_softmax" with the router's bias)
+against torch's, and the fused C decode step (the sinks, the q/k/v/o biases, alternating
+windowed layers on the hybrid cache, the experts' biases and the clamped SwiGLU) against
+the torch step, alone and on the engine's pool (batched, forked, drafted)."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -26,16 +30,23 @@ from helpers import (
     prompt_ids,
     save_tiny_model,
 )
-from kvlm import LLM, SamplingParams
-from numerics import assert_as_exact_as, max_error
+from kvlm import LLM, SamplingParams, kernels
+from numerics import U32, assert_as_exact_as, attention_bound, max_error, product_bound
 
 SEED = 50
+ALPHA, LIMIT = 1.702, 7.0  # the clamped SwiGLU's, as the config's defaults
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("gptoss"), "gpt_oss", seed=SEED,
                            tokenizer="qwen35")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def q8_0(folder):
+    """The GGUF llama.cpp's converter writes for the tiny model at --outtype q8_0."""
+    return converter.convert(folder, "q8_0", pre="qwen35")
 
 
 def hf(folder, dtype=torch.float32):
@@ -99,17 +110,25 @@ def test_the_sinks_router_bias_and_experts_are_applied(folder):
         assert error() > 1000 * before
 
 
-def test_the_c_roads_refuse_with_a_reason(folder):
-    """The fused step (config and block), the kernels' router: each refuses, saying what;
-    the model then decodes on the torch step."""
+def test_the_c_roads_take_the_model_and_refuse_what_they_cannot_run(folder):
+    """The fused step (config and block) and the kernels' router take the model; what the
+    step still cannot run (here: some experts with biases and some without, fp64) it
+    refuses, saying what, and the model then decodes on the torch step."""
     from kvlm.model.fused import config_why_not, why_not
 
     llm = LLM(model=folder, weights="int8", progress=False)
-    assert "sink" in config_why_not(llm.config)
-    assert llm.describe()["decode_step"] != "fused"
-    assert why_not(llm.model) == config_why_not(llm.config)
+    assert config_why_not(llm.config) is None and why_not(llm.model) is None
+    assert llm.describe()["decode_step"] == "fused"
     moe = llm.model.layers[0].mlp
-    assert moe.kernel_refusal() == "the router 'topk_softmax'"
+    assert moe.kernel_refusal() is None
+    saved, moe.experts[3].down.bias = moe.experts[3].down.bias, None
+    try:
+        assert why_not(llm.model) == "biases on some experts and not on others"
+    finally:
+        moe.experts[3].down.bias = saved
+    fp64 = LLM(model=folder, dtype="fp64", progress=False)
+    assert why_not(fp64.model) == "needs fp32 activations on the CPU"
+    assert fp64.describe()["decode_step"] != "fused"
 
 
 def test_greedy_tokens_equal_hf(folder):
@@ -130,16 +149,25 @@ def test_greedy_tokens_equal_hf(folder):
 @pytest.mark.parametrize("mode", ["basic", "contiguous", "paged", "int8", "window"])
 def test_every_mode_chunked_equals_one_shot(folder, mode):
     """Chunks of 7, then a token at a time, give the one-shot prefill's logits through the
-    same mode as exactly (the sinks' explicit softmax multiplies a chunk's scores as one
-    product, whose rows' bits follow the product's shape, as the soft-cap's road does:
-    not bit for bit); the exact modes' one shot is the `off` oracle's bit for bit."""
+    same mode as exactly; on the pool's modes bit for bit (the sinks in kvlm_attend: a
+    row's bits depend on its query and the keys it sees alone, every key where a one-shot
+    prompt has it), and there the `off` oracle's one shot too. A ring (basic and
+    contiguous keep each window's layers in one, window every layer) hands the kernels a
+    window layer's keys at other offsets of their blocks of keys: as exact, not bit for
+    bit."""
     llm = LLM(model=folder, kv=mode, exact=True, progress=False)
     ids = prompt_ids(llm)
     one_shot, chunked = fed(llm, ids, [len(ids)]), fed(llm, ids, [7] * 4 + [1] * 12)
-    assert_as_exact_as(chunked, one_shot, hf_logits(folder, ids, torch.float64))
-    if mode in ("basic", "contiguous", "paged"):
-        off = LLM(model=folder, kv="off", exact=True, progress=False)
-        assert torch.equal(one_shot, off.runner.logits(ids, off.new_cache("off")))
+    exact = hf_logits(folder, ids, torch.float64)
+    assert_as_exact_as(chunked, one_shot, exact)
+    off = LLM(model=folder, kv="off", exact=True, progress=False)
+    oracle = off.runner.logits(ids, off.new_cache("off"))
+    if mode in ("paged", "int8"):
+        assert torch.equal(chunked, one_shot)
+    if mode == "paged":
+        assert torch.equal(one_shot, oracle)
+    elif mode in ("basic", "contiguous"):
+        assert_as_exact_as(one_shot, oracle, exact)
 
 
 @pytest.mark.parametrize("mode", ["contiguous", "paged"])
@@ -292,3 +320,181 @@ def test_a_benchmark_shape_writes_sinks_biases_and_mxfp4_experts(tmp_path, monke
     assert attn.sinks is not None and attn.o_proj.bias is not None and moe.router.bias is not None
     out = llm.generate("a b c", SamplingParams(max_tokens=4, temperature=0))[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+# ------------------------------------------------------------------ the C roads
+
+
+def _c_kernels(build: str):
+    from helpers import portable_kernels
+
+    lib = kernels.library() if build == "native" else portable_kernels(build)
+    if lib is None:
+        pytest.skip("no C kernels")
+    return lib
+
+
+@pytest.mark.parametrize("build", ["native", "x86-64"])
+@pytest.mark.parametrize("D", [16, 64, 128])
+def test_the_c_attention_takes_the_sinks(build, D, monkeypatch):
+    """kvlm_attend (a prompt's rows: causal from the top left, and a window's mask after a
+    prefix) and kvlm_attend_row (a decode row over a mask) with a sink a query head: the
+    explicit softmax's road within the attention bound (one key more: the sink's column);
+    a row that sees no key is zeros; without the sinks the output moves far past it."""
+    from kvlm.model.attention import _attend_kernel, attend, attend_explicit
+
+    lib = _c_kernels(build)
+    monkeypatch.setattr(kernels, "library", lambda: lib)
+    g = torch.Generator().manual_seed(D)
+    H, Hkv, S = 4, 2, 70
+    k, v = (torch.randn(1, Hkv, S, D, generator=g) for _ in range(2))
+    sinks = torch.randn(H, generator=g) * 3
+    seen = torch.ones(S, S, dtype=torch.bool).tril()
+    window = seen & ~seen.tril(-9)  # the query at p sees p - 8 .. p
+    cases = [(S, None, True, False), (23, window[-23:], False, False),
+             (1, torch.rand(1, S, generator=g) < 0.5, False, True)]  # fmt: skip
+    for T, mask, causal, decode in cases:
+        q = torch.randn(1, H, T, D, generator=g)
+        got = _attend_kernel(q, k, v, mask, causal, decode=decode, sinks=sinks)
+        assert got is not None, (T, causal, decode)
+        want = attend_explicit(q, k, v, mask, causal, None, sinks)
+        bound = attention_bound(q, k, v, n_keys=S + 1)
+        assert max_error(got, want) <= bound, (T, causal, decode)
+        assert max_error(got, attend_explicit(q, k, v, mask, causal)) > 10 * bound
+        # `attend` takes the kernels for a sink layer on the CPU now, not the explicit road
+        assert torch.equal(attend(q, k, v, mask, causal, sinks=sinks, prompt=not decode), got)
+    blind = torch.zeros(1, S, dtype=torch.bool)
+    q = torch.randn(1, H, 1, D, generator=g)
+    for decode in (True, False):
+        out = _attend_kernel(q, k, v, blind, False, decode=decode, sinks=sinks)
+        assert torch.equal(out, torch.zeros_like(out))
+
+
+def _topk_moe(router: torch.Tensor, bias: torch.Tensor, top_k: int = 2):
+    """A mixture routed by "topk_softmax" over `router` (E, hidden) with the router's own
+    `bias` (E,) (its experts unread: the router alone is tested)."""
+    from kvlm.config import Experts as Sizes
+    from kvlm.model.experts import Experts
+    from kvlm.model.layers import MLP, Linear
+
+    e, h = router.shape
+    sizes = Sizes(e, top_k, 1, False, router="topk_softmax", activation="clamped_swiglu",
+                  swiglu_alpha=ALPHA, swiglu_limit=LIMIT)  # fmt: skip
+    mlps = [MLP(Linear(torch.ones(2, h)), Linear(torch.ones(h, 1)), "clamped_swiglu",
+                (ALPHA, LIMIT)) for _ in range(e)]  # fmt: skip
+    return Experts(sizes, Linear(router, bias, vocabulary=True), mlps, router)
+
+
+def test_the_kernels_router_takes_topk_softmax_and_its_bias(folder, monkeypatch):
+    """The router "topk_softmax" with the router's own bias: the kernels' (kvlm_route, the
+    fused step's, which the torch road calls on the CPU) picks the torch road's experts
+    with the torch road's weights. Logits exact in fp32 in any order (weights, bias and
+    rows in eighths): the same experts, the weights within each side's exp, sum and
+    division (each weight within (K + 3) u of exact relatively, twice that apart), ties
+    to the lower expert on both; on the tiny model's own router and random rows, each
+    weight within the product bound's move of the softmax, the experts the same where the
+    logits' k-th and next are further apart than twice the bound."""
+    if kernels.library() is None:
+        pytest.skip("no C kernels")
+
+    def both(moe, x):
+        got = moe.route(x)
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "library", lambda: None)
+            return got, moe.route(x)
+
+    g = torch.Generator().manual_seed(SEED)
+    count, hidden, k = 8, 32, 2
+    router = torch.randint(-8, 9, (count, hidden), generator=g) / 8
+    router[5] = router[2]  # experts 2 and 5 alike: with equal biases, a tie
+    bias = torch.randint(-8, 9, (count,), generator=g) / 8
+    bias[5] = bias[2]
+    moe = _topk_moe(router, bias, k)
+    assert moe.kernel_refusal() is None
+    x = torch.randint(-4, 5, (64, hidden), generator=g) / 8
+    (chosen, w), (t_chosen, t_w) = both(moe, x)
+    assert torch.equal(chosen, t_chosen)
+    assert ((w - t_w).abs() <= 2 * (k + 3) * U32 * t_w).all()
+    two, five = (chosen == 2).any(1), (chosen == 5).any(1)
+    one = two ^ five  # room for one of the tied pair: always the lower
+    assert one.any() and not five[one].any()
+    assert (chosen[two & five] == torch.tensor([2, 5])).all()  # both: the lower first
+    # the bias moves the choice: without it other experts win
+    assert not torch.equal(_topk_moe(router, torch.zeros(count), k).route(x)[0], chosen)
+    # the tiny model's router (random fp32 weights and bias) on random rows
+    real = LLM(model=folder, kv="off", progress=False).model.layers[1].mlp
+    w0, b0 = real.router_weight, real.router_bias()
+    x = torch.randn(64, w0.shape[1], generator=g)
+    k = real.config.top_k
+    (chosen, w), (t_chosen, t_w) = both(real, x)
+    logits = (x.double() @ w0.double().T + b0.double()).sort(dim=1, descending=True).values
+    d = float(product_bound(x, w0).max()) + 4 * U32 * float(logits.abs().max())
+    clear = (logits[:, k - 1] - logits[:, k]) > 2 * d
+    assert clear.sum() > 48 and torch.equal(chosen[clear], t_chosen[clear])
+    assert ((w[clear] - t_w[clear]).abs() <= math.expm1(4 * d) + 2 * (k + 3) * U32).all()
+
+
+def test_the_fused_step_runs_the_model(q8_0, folder):
+    """The converter's Q8_0 file decodes on the fused C step (the sinks, the q/k/v/o
+    biases, every other layer windowed over the hybrid cache's rings, the biased router,
+    the experts' biases and clamped SwiGLU): 32 greedy steps, contiguous and paged, its
+    logits as exact as the torch step's (fp32 products on both; the same file's model in
+    fp64 the exact one) and the top-5 rule both ways under the defaults."""
+    from helpers import assert_top_k_both_ways, fused_and_torch, low_bit_llm
+
+    exact = LLM(model=q8_0, kv="off", dtype="fp64", progress=False)
+    for mode in ("contiguous", "paged"):
+        llm = low_bit_llm(model=q8_0, kv=mode)
+        assert llm.runner.fused_reason is None and llm.describe()["decode_step"] == "fused"
+        prompt = prompt_ids(llm, 16)
+        tokens, fused, ref, cache, _ = fused_and_torch(llm, prompt, 32, mode)
+        if mode == "contiguous":  # the windowed layers' ring beside the whole ones'
+            assert type(cache).__name__ == "HybridCache"
+        ids = prompt + tokens
+        want = exact.runner.logits(ids, exact.new_cache("off"))[len(prompt) : len(ids)]
+        assert_as_exact_as(fused, ref, want)
+        default = LLM(model=q8_0, kv=mode, progress=False)
+        _, fused, ref, _, _ = fused_and_torch(default, prompt, 32, mode)
+        assert_top_k_both_ways(fused, ref)
+
+
+def test_the_fused_step_reads_the_sinks_biases_and_activation(q8_0):
+    """Each part the step reads moves its logits far past the rounding it agrees to the
+    torch step within: the sinks, the router's bias, the experts' down biases and the
+    clamped SwiGLU's limit, each changed in the step's own structs alone."""
+    from helpers import low_bit_llm
+
+    llm = low_bit_llm(model=q8_0, kv="contiguous")
+    prompt = prompt_ids(llm, 16)
+    cache = llm.new_cache("contiguous")
+    token = int(llm.runner.forward(prompt, cache).argmax())
+    fused = llm.runner.fused_for(cache)
+    before = llm.runner.forward([token], cache)
+    cache.rollback(1)
+    again = llm.runner.forward([token], cache)
+    assert torch.equal(before, again)
+    layer = fused.spec.layers[1]
+    for field, off in (("sinks", None), ("router_bias", None), ("exp_down_bias", None),
+                       ("swiglu_limit", 0.5)):  # fmt: skip
+        saved = getattr(layer, field)
+        setattr(layer, field, off)
+        try:
+            cache.rollback(1)
+            moved = llm.runner.forward([token], cache)
+        finally:
+            setattr(layer, field, saved)
+        assert max_error(moved, before) > 1000 * max(max_error(again, before), 1e-6), field
+
+
+def test_the_pools_fused_step_batches_forks_and_drafts_as_alone(q8_0, monkeypatch):
+    """On the engine's pool every decode row through the fused step (its calls counted:
+    it ran, no fallback): batched, n = 2, drafts (prompt lookup's, the file's int8 self's)
+    = each prompt alone, bit for bit; a draft's rows rolled back leave each kept row's
+    logits those of the row alone."""
+    from helpers import assert_pool_fused_as_alone, fused_draft_rolled_back
+
+    llm = LLM(model=q8_0, kv="paged", progress=False)
+    assert_pool_fused_as_alone(llm, monkeypatch, "int8")
+    alone = LLM(model=q8_0, kv="contiguous", progress=False)
+    ids = prompt_ids(alone, 20)
+    fused_draft_rolled_back(alone, ids, ids[3:7], 2, monkeypatch)

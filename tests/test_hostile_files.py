@@ -740,16 +740,18 @@ def test_prompt_attention_checks_its_buffers(build):
     """kvlm_attend: q, k, v, the mask and out each within its count at the strides it is
     given ((H - 1) qsh + (T - 1) qst + D elements of q, and so on), no stride negative, H a
     multiple of Hkv. A shape the kernel does not take is -3 (declined: torch's SDPA), not
-    the -2 of sizes that disagree."""
+    the -2 of sizes that disagree. Sinks, where given, are one a query head."""
     lib = _kernels(build)
     H, T, D, Hkv, S = 2, 3, 16, 1, 3
+    sinks = torch.zeros(H)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(n, L, D, generator=g) for n, L in ((H, T), (Hkv, S), (Hkv, S)))
     mask = torch.ones(T, S, dtype=torch.bool).tril()
     on = T * H * D
     good = {"qn": q.numel(), "H": H, "T": T, "qsh": T * D, "qst": D, "kn": k.numel(),
             "vn": v.numel(), "Hkv": Hkv, "S": S, "ksh": S * D, "kst": D, "vsh": S * D, "vst": D,
-            "mn": mask.numel(), "mst": S, "on": on, "bf16_from": T}  # fmt: skip
+            "mn": mask.numel(), "mst": S, "on": on, "bf16_from": T, "sinks": None,
+            "sn": 0}  # fmt: skip
 
     def call(out: torch.Tensor, **given) -> int:
         a = {**good, **given}
@@ -757,14 +759,15 @@ def test_prompt_attention_checks_its_buffers(build):
             q.data_ptr(), a["qn"], a["H"], a["T"], D, a["qsh"], a["qst"], k.data_ptr(),
             a["kn"], v.data_ptr(), a["vn"], a["Hkv"], a["S"], a["ksh"], a["kst"], a["vsh"],
             a["vst"], mask.data_ptr(), a["mn"], a["mst"], 0, D**-0.5, out.data_ptr(), a["on"],
-            a["bf16_from"],
+            a["bf16_from"], a["sinks"], a["sn"],
         )  # fmt: skip
 
     bad = [{"qn": q.numel() - 1}, {"kn": k.numel() - 1}, {"vn": v.numel() - 1},
            {"mn": mask.numel() - 1}, {"on": on - 1}, {"qst": D + 1}, {"kst": D + 1},
            {"vst": D + 1}, {"mst": S + 1}, {"qst": -D}, {"qn": -1}, {"on": -1},
            {"H": 3, "Hkv": 2}, {"T": 0}, {"S": 0}, {"kst": HUGE, "kn": ANY},
-           {"T": HUGE, "qst": 0, "mst": 0, "on": ANY}]  # fmt: skip
+           {"T": HUGE, "qst": 0, "mst": 0, "on": ANY},
+           {"sinks": sinks.data_ptr(), "sn": H - 1}]  # fmt: skip
     for given in bad:
         out = _guarded(on)
         assert call(out, **given) == -2 and _untouched(out), given
@@ -780,29 +783,33 @@ def test_prompt_attention_checks_its_buffers(build):
 def test_a_decode_rows_attention_checks_its_buffers(build):
     """kvlm_attend_row (one query row per head, a decoded token's): q's H heads at stride qsh,
     k and v's Hkv heads of S keys at their strides, the mask's S and out's H D, each within
-    its count; H a multiple of Hkv. The result is SDPA's up to summation order."""
+    its count; H a multiple of Hkv; sinks, where given, one a query head. The result is
+    SDPA's up to summation order."""
     lib = _kernels(build)
     H, D, Hkv, S = 4, 16, 2, 5
+    sinks = torch.zeros(H)
     g = torch.Generator().manual_seed(1)
     q, k, v = torch.randn(H, D, generator=g), *(torch.randn(Hkv, S, D, generator=g)
                                                  for _ in range(2))  # fmt: skip
     mask = torch.tensor([True, False, True, True, False])
     on = H * D
     good = {"qn": q.numel(), "H": H, "qsh": D, "kn": k.numel(), "vn": v.numel(), "Hkv": Hkv,
-            "S": S, "ksh": S * D, "kst": D, "vsh": S * D, "vst": D, "mn": S, "on": on}  # fmt: skip
+            "S": S, "ksh": S * D, "kst": D, "vsh": S * D, "vst": D, "mn": S, "on": on,
+            "sinks": None, "sn": 0}  # fmt: skip
 
     def call(out: torch.Tensor, **given) -> int:
         a = {**good, **given}
         return lib.kvlm_attend_row(
             q.data_ptr(), a["qn"], a["H"], D, a["qsh"], k.data_ptr(), a["kn"], v.data_ptr(),
             a["vn"], a["Hkv"], a["S"], a["ksh"], a["kst"], a["vsh"], a["vst"], mask.data_ptr(),
-            a["mn"], D**-0.5, out.data_ptr(), a["on"],
+            a["mn"], D**-0.5, out.data_ptr(), a["on"], a["sinks"], a["sn"],
         )  # fmt: skip
 
     bad = [{"qn": q.numel() - 1}, {"kn": k.numel() - 1}, {"vn": v.numel() - 1},
            {"mn": S - 1}, {"on": on - 1}, {"qsh": D + 1}, {"kst": D + 1}, {"vst": D + 1},
            {"qsh": -D}, {"on": -1}, {"H": 3}, {"S": 0}, {"H": 0},
-           {"kst": HUGE, "kn": ANY}, {"S": HUGE, "mn": ANY}]  # fmt: skip
+           {"kst": HUGE, "kn": ANY}, {"S": HUGE, "mn": ANY},
+           {"sinks": sinks.data_ptr(), "sn": H - 1}]  # fmt: skip
     for given in bad:
         out = _guarded(on)
         assert call(out, **given) == -2 and _untouched(out), given

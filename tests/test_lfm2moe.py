@@ -149,8 +149,8 @@ def test_the_sigmoid_router_on_both_roads_and_as_transformers(monkeypatch):
 
 
 def test_the_kernels_refuse_a_router_kind_they_do_not_know():
-    """kvlm_route: a kind past ROUTER_SIGMOID, a scale of 0, a bias shorter than the
-    experts are refused (-2) before anything is read."""
+    """kvlm_route: a kind past ROUTER_TOPK_SOFTMAX, a scale of 0, a selection bias or a
+    router bias shorter than the experts are refused (-2) before anything is read."""
     import ctypes
 
     from kvlm.model.experts import ROUTER_CODES
@@ -161,14 +161,15 @@ def test_the_kernels_refuse_a_router_kind_they_do_not_know():
     x, r, b = torch.ones(1, 4), torch.ones(3, 4), torch.zeros(3)
     out = (torch.empty(1, 2, dtype=torch.int64), torch.empty(1, 2), torch.empty(1, 3))
 
-    def call(kind=ROUTER_CODES["sigmoid"], bn=3, scale=1.0):
+    def call(kind=ROUTER_CODES["sigmoid"], bn=3, scale=1.0, rbn=3):
         c, w, lg = out
         return lib.kvlm_route(x.data_ptr(), 4, 1, 4, r.data_ptr(), 12, 3, 2, 1, kind,
                               ctypes.c_void_p(b.data_ptr()), bn, 0.0, scale, c.data_ptr(), 2,
-                              w.data_ptr(), 2, lg.data_ptr(), 3)  # fmt: skip
+                              w.data_ptr(), 2, lg.data_ptr(), 3, b.data_ptr(), rbn)  # fmt: skip
 
     assert call() == 0
-    assert call(kind=2) == call(bn=2) == call(scale=0.0) == -2
+    assert max(ROUTER_CODES.values()) == 2
+    assert call(kind=3) == call(bn=2) == call(scale=0.0) == call(rbn=2) == -2
 
 
 ROW_MODES = ["basic", "contiguous", "paged", "int8", "window"]

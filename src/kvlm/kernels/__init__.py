@@ -437,10 +437,11 @@ _SIGNATURES: dict[str, tuple[str, str]] = {
     # prompt.c
     "kvlm_silu_mul": ("int", "piiipi"),  # gu, gn, M, I, out, on
     # q, qn, H, T, D, qsh, qst, k, kn, v, vn, Hkv, S, ksh, kst, vsh, vst, mask, mn, mst,
-    # causal, scale, out, on, bf16_from
-    "kvlm_attend": ("int", "piiiiiipipiiiiiiipiiidpii"),
-    # q, qn, H, D, qsh, k, kn, v, vn, Hkv, S, ksh, kst, vsh, vst, mask, mn, scale, out, on
-    "kvlm_attend_row": ("int", "piiiipipiiiiiiipidpi"),
+    # causal, scale, out, on, bf16_from, sinks, sn
+    "kvlm_attend": ("int", "piiiiiipipiiiiiiipiiidpiipi"),
+    # q, qn, H, D, qsh, k, kn, v, vn, Hkv, S, ksh, kst, vsh, vst, mask, mn, scale, out, on,
+    # sinks, sn
+    "kvlm_attend_row": ("int", "piiiipipiiiiiiipidpipi"),
     "kvlm_rms_norm": ("int", "piiiipidpii"),  # x, xn, M, N, xs, w, wn, eps, y, yn, ys
     # qkv, qkvn, M, rs, nq, nk, D, qn, kn, nn, eps, cos, cn, sin, sn, cs, R
     "kvlm_qk_norm_rope": ("int", "piiiiiippidpipiii"),
@@ -454,8 +455,8 @@ _SIGNATURES: dict[str, tuple[str, str]] = {
     # conv.c: x, xn, xr, idx, in, L, N, C, w, wn, bias, bn, y, yn
     "kvlm_depthwise": ("int", "piipiiiipipipi"),
     # experts.c: x, xn, M, H, router, rn, E, K, normalize, kind, bias, bn, eps, scale,
-    # chosen, cn, w, wn, logits, ln
-    "kvlm_route": ("int", "piiipiiiiipiddpipipi"),
+    # chosen, cn, w, wn, logits, ln, router_bias, rbn
+    "kvlm_route": ("int", "piiipiiiiipiddpipipipi"),
     # decode.c
     "kvlm_decode_scratch": ("int64", "pi"),  # m, B
     # m, B, x, xn, pos, pn, cos, cn, sin, sn, views, n_views, convs, n_convs, states,

@@ -10,7 +10,7 @@
 #define KVLM_ABI_H
 #include <stdint.h>
 
-#define KVLM_ABI 40 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
+#define KVLM_ABI 41 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
 
 /* the limits (fused.py: MAX_HEAD_DIM, MAX_ROWS, QMAT_PARTS; quant.py: BLOCK_ROWS, SMALL_M) */
 #define BR 16         /* weight rows per block: one per 32-bit vector lane */
@@ -39,8 +39,14 @@ enum {
 };
 
 /* a mixture's router (kvlm_qlayer.router_kind, kvlm_route; kvlm.config.ROUTERS): softmax
- * over every expert, or each expert's sigmoid */
-enum { ROUTER_SOFTMAX = 0, ROUTER_SIGMOID = 1 };
+ * over every expert, each expert's sigmoid, or the top k of the logits with a softmax over
+ * those k alone */
+enum { ROUTER_SOFTMAX = 0, ROUTER_SIGMOID = 1, ROUTER_TOPK_SOFTMAX = 2 };
+
+/* an expert's activation (kvlm_qlayer.exp_act; kvlm.config.EXPERT_ACTIVATIONS): the
+ * model's gated MLP's (kvlm_qmodel.gelu), or the clamped SwiGLU (gate clamped to at most
+ * swiglu_limit, up to [-limit, limit], then (up + 1) gate sigmoid(swiglu_alpha gate)) */
+enum { EXP_ACT_MODEL = 0, EXP_ACT_CLAMPED_SWIGLU = 1 };
 
 /* a layer's FFN (kvlm_qlayer.ffn; kvlm.config.FFNS): the gated MLP (gate_up, down), or a
  * mixture of experts (the experts' fields; experts.c) */
@@ -120,6 +126,17 @@ typedef struct {
     int64_t router_kind;
     const float *expert_bias;
     double route_eps, route_scale;
+    /* FFN_EXPERTS: the router's own bias (n_experts fp32, NULL: none), added to its
+     * logits after the product (a Linear's bias); each expert's gate|up bias and down bias
+     * stacked (n_experts x 2 expert_inter and n_experts x hidden fp32, NULL: none), each
+     * added after its product; the experts' activation (EXP_ACT_*) and the clamped
+     * SwiGLU's alpha and limit (unread otherwise) */
+    const float *router_bias, *exp_gate_up_bias, *exp_down_bias;
+    int64_t exp_act;
+    float swiglu_alpha, swiglu_limit;
+    /* MIX_ATTENTION: attention sinks (n_heads fp32, NULL: none), a logit a query head that
+     * joins each row's softmax denominator, its column without a value */
+    const float *sinks;
 } kvlm_qlayer;
 
 typedef struct {

@@ -533,9 +533,12 @@ static void attend_item(const kvlm_qmodel *m, const layer_kv *lk, const step_buf
 }
 
 /* The layer's attention for every row into s->att: work items (row, KV head, chunk) across
- * the threads, then each head's chunks merged by log-sum-exp */
+ * the threads, then each head's chunks merged by log-sum-exp. `sinks` (n_heads, NULL:
+ * none): a head's sink logit joins the merge as a chunk of its own with no value, the max
+ * starting at it and the sum at exp(sink - max), before the chunks' terms (the chunks
+ * themselves do not see it: K's and V's dtypes' kernels are the same with or without). */
 static void attend_layer(const kvlm_qmodel *m, const layer_kv *lk, const step_bufs *s,
-                         int64_t B, const int64_t *pos) {
+                         int64_t B, const int64_t *pos, const float *sinks) {
     const int64_t D = m->head_dim, Hq = m->n_heads, Hkv = m->n_kv_heads;
     int64_t first[MAX_BATCH + 1]; /* row b's work items start at first[b] */
     first[0] = 0;
@@ -555,9 +558,11 @@ static void attend_layer(const kvlm_qmodel *m, const layer_kv *lk, const step_bu
         const int64_t chunks = chunks_of(pos[b], lk->window).chunks;
         for (int64_t j = b * Hq; j < (b + 1) * Hq; j++) {
             const float *pj = s->part + j * MAX_CHUNKS * (D + 2);
-            float M = -INFINITY, Lsum = 0.f, *out = s->att + j * D;
+            const float sink = sinks ? sinks[j - b * Hq] : -INFINITY;
+            float M = sink, Lsum = 0.f, *out = s->att + j * D;
             for (int64_t c = 0; c < chunks; c++)
                 M = pj[c * (D + 2) + D] > M ? pj[c * (D + 2) + D] : M;
+            if (sinks) Lsum = expf(sink - M);
             memset(out, 0, D * sizeof(float));
             for (int64_t c = 0; c < chunks; c++) {
                 const float *pc = pj + c * (D + 2);
@@ -609,7 +614,7 @@ static int attention_mix(const kvlm_qmodel *m, const kvlm_qlayer *L, const kvlm_
             memmove(s->qkv + b * QKV + Hq * D, row + 2 * Hq * D, (QKV - Hq * D) * sizeof(float));
         }
     prepare_rows(m, L, &lk, B, pos, cos, sin, s);
-    attend_layer(m, &lk, s, B, pos);
+    attend_layer(m, &lk, s, B, pos, L->sinks);
     if (m->attn_gate) /* the output times sigmoid(gate), element by element */
         for (int64_t i = 0; i < B * Hq * D; i++)
             s->att[i] = s->att[i] * (1.0f / (1.0f + expf(-s->gate[i])));

@@ -152,7 +152,8 @@ block_seen(const int R, const int NK, int64_t j0, int64_t t0, int64_t S, int cau
 }
 
 /* One row's online softmax over a block of its scores s[0 .. NK - 1] (16 keys each, before
- * the scale): the running max *m and sum *l updated, e[h] = exp(scale s - max) for the
+ * the scale): the running max *m and sum *l updated (their start: -inf and 0, or a sink's
+ * logit and 1: the sink's column, exp(sink - max), in the sum from the start), e[h] = exp(scale s - max) for the
  * keys it sees and 0 for the rest; returns the factor the row's outputs so far take
  * (exp(old max - new max)), or -1, touching nothing, when it sees none of the block's keys
  * (they weigh nothing). */
@@ -191,19 +192,22 @@ block_softmax(const int NK, const __m512 *s, const __mmask16 *valid, float scale
  * order: a row's result depends on its own query, the keys it sees and nothing else (not
  * R, not T, not the keys past those it sees: a block it sees none of is skipped, a key it
  * does not see weighs exactly 0), so a prompt gets the same bits chunked or whole.
+ * `sink`: the head's sink logit (-INFINITY: none), a column of each row's softmax with no
+ * value: the running max starts at it and the sum at 1 (exp(sink - sink)), so the sink
+ * joins the denominator as the blocks rescale it; with none they start at -inf and 0.
  * DV = D / 16; R, NK, DV literals where inlined (scores and outputs stay in registers). */
 static inline __attribute__((always_inline)) void
 attend_prompt_rows(const int R, const int NK, const int DV, const float *q, int64_t qst,
                    int64_t t0, const float *kt, const float *v, int64_t vst, int64_t S,
-                   const uint8_t *mask, int64_t mst, int causal, float scale, float *out,
-                   int64_t ost) {
+                   const uint8_t *mask, int64_t mst, int causal, float scale, float sink,
+                   float *out, int64_t ost) {
     const int KB = 16 * NK;
     __m512 O[4][16];
     float m[4], l[4];
     float p[4][64] __attribute__((aligned(64)));
     _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
-        m[r] = -INFINITY;
-        l[r] = 0.f;
+        m[r] = sink;
+        l[r] = sink > -INFINITY ? 1.f : 0.f;
         _Pragma("GCC unroll 16") for (int dv = 0; dv < DV; dv++) O[r][dv] = _mm512_setzero_ps();
     }
     const int64_t D = 16 * (int64_t)DV;
@@ -269,8 +273,8 @@ attend_prompt_rows(const int R, const int NK, const int DV, const float *q, int6
 static inline __attribute__((always_inline)) void
 attend_prompt_rows_bf16(const int R, const int NK, const int DV, const float *q, int64_t qst,
                         int64_t t0, const uint16_t *kt, const uint16_t *vp, int64_t S,
-                        const uint8_t *mask, int64_t mst, int causal, float scale, float *out,
-                        int64_t ost) {
+                        const uint8_t *mask, int64_t mst, int causal, float scale, float sink,
+                        float *out, int64_t ost) {
     const int KB = 16 * NK;
     __m512 O[4][16];
     float m[4], l[4];
@@ -278,8 +282,8 @@ attend_prompt_rows_bf16(const int R, const int NK, const int DV, const float *q,
     uint32_t pp[4][32] __attribute__((aligned(64)));  /* a block's weights, bf16 pairs */
     const int64_t D = 16 * (int64_t)DV;
     _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {
-        m[r] = -INFINITY;
-        l[r] = 0.f;
+        m[r] = sink; /* the sink's start, as attend_prompt_rows' */
+        l[r] = sink > -INFINITY ? 1.f : 0.f;
         _Pragma("GCC unroll 16") for (int dv = 0; dv < DV; dv++) O[r][dv] = _mm512_setzero_ps();
         for (int64_t d = 0; d < D; d += 32) {
             const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + r * qst + d + 16),
@@ -357,19 +361,23 @@ static inline uint16_t bf16_round(float x) {
  * rounded to bf16, multiplied in pairs (vdpbf16ps), scores, softmax and sums in fp32
  * (attend_prompt_rows_bf16; AVX512-BF16 only); the rows before it in fp32
  * (attend_prompt_rows). Either way a row's bits depend on its own query and the keys it
- * sees alone. qn, kn, vn, mn, on: the elements of q, k, v, mask and out from each pointer
- * on. Returns 0; -1 when scratch memory cannot be had; -2, touching nothing, for sizes
+ * sees alone. `sinks` (sn floats; NULL: none): head h's sink logit, a column of each of
+ * its rows' softmax with no value (the online softmax's max starts at it and its sum at 1),
+ * so a row's weights are exp(s - m) / (exp(sink - m) + their sum). qn, kn, vn, mn, on:
+ * the elements of q, k, v, mask and out from each pointer on. Returns 0; -1 when scratch memory cannot be had; -2, touching nothing, for sizes
  * that disagree (attend_ok); -3, touching nothing, for a shape it does not take (D not a
  * multiple of 16 or over 256 (bf16 rows: not 64 or 128), no AVX-512 (bf16 rows: no
  * AVX512-BF16): the caller uses torch's SDPA). */
 static int attend_prompt_bf16(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh,
                        int64_t qst, const float *k, const float *v, int64_t Hkv, int64_t S,
                        int64_t ksh, int64_t kst, int64_t vsh, int64_t vst, const uint8_t *mask,
-                       int64_t mst, int64_t causal, double scale, float *out, int64_t r0);
+                       int64_t mst, int64_t causal, double scale, const float *sinks,
+                       float *out, int64_t r0);
 static int attend_prompt_f32(const float *q, int64_t H, int64_t D, int64_t qsh,
                        int64_t qst, const float *k, const float *v, int64_t Hkv, int64_t S,
                        int64_t ksh, int64_t kst, int64_t vsh, int64_t vst, const uint8_t *mask,
-                       int64_t mst, int64_t causal, double scale, float *out, int64_t r1);
+                       int64_t mst, int64_t causal, double scale, const float *sinks,
+                       float *out, int64_t r1);
 
 /* the keys rows before r1 can read: a causal call's rows see none past their own, but the
  * kernels read whole blocks of KB = 16 NK <= 64 keys up to a row group's end (t0 + R <=
@@ -383,12 +391,14 @@ static inline int64_t keys_read(int64_t S, int64_t causal, int64_t r1) {
  * each row's scores, max, sum and p.V over its keys in key order, so a row's bits are its
  * own whichever chunk it comes in (torch's SDPA, the fallback before, split a chunk's rows
  * and keys by its shape). Row t sees key j < S when j <= t if `causal`, and where mask[t
- * mst + j] is nonzero if `mask` is given. A row that sees no key is 0. */
+ * mst + j] is nonzero if `mask` is given. A row that sees no key is 0. `sinks` (NULL:
+ * none): head h's sink logit, a column of its softmax with no value: the max starts at it
+ * and the sum at exp(sink - max), before the keys' terms. */
 static int attend_prompt_scalar(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh,
                                 int64_t qst, const float *k, const float *v, int64_t Hkv,
                                 int64_t S, int64_t ksh, int64_t kst, int64_t vsh, int64_t vst,
                                 const uint8_t *mask, int64_t mst, int64_t causal, double scale,
-                                float *out) {
+                                const float *sinks, float *out) {
     const int64_t group = H / Hkv;
     int failed = 0;
 #pragma omp parallel for schedule(static)
@@ -402,7 +412,8 @@ static int attend_prompt_scalar(const float *q, int64_t H, int64_t T, int64_t D,
             failed = 1;
             continue;
         }
-        float mx = -INFINITY;
+        const float sink = sinks ? sinks[h] : -INFINITY;
+        float mx = sink;
         for (int64_t j = 0; j < S; j++) {
             sr[j] = -INFINITY;
             if ((causal && j > t) || (mask && !mask[t * mst + j])) continue;
@@ -412,7 +423,7 @@ static int attend_prompt_scalar(const float *q, int64_t H, int64_t T, int64_t D,
             if (sr[j] > mx) mx = sr[j];
         }
         for (int64_t d = 0; d < D; d++) o[d] = 0.f;
-        float sum = 0.f;
+        float sum = sink > -INFINITY ? expf(sink - mx) : 0.f;
         for (int64_t j = 0; j < S && mx > -INFINITY; j++) {
             if (sr[j] == -INFINITY) continue;
             const float e = expf(sr[j] - mx);
@@ -448,9 +459,10 @@ int kvlm_attend(const float *q, int64_t qn, int64_t H, int64_t T, int64_t D, int
                 int64_t qst, const float *k, int64_t kn, const float *v, int64_t vn, int64_t Hkv,
                 int64_t S, int64_t ksh, int64_t kst, int64_t vsh, int64_t vst,
                 const uint8_t *mask, int64_t mn, int64_t mst, int64_t causal, double scale,
-                float *out, int64_t on, int64_t bf16_from) {
+                float *out, int64_t on, int64_t bf16_from, const float *sinks, int64_t sn) {
     if (!attend_ok(qn, H, T, D, qsh, qst, kn, vn, Hkv, S, ksh, kst, vsh, vst, mask, mn, mst, on))
         return -2;
+    if (sinks && sn < H) return -2; /* a sink logit a query head */
     const int64_t b = bf16_from < 0 ? 0 : bf16_from > T ? T : bf16_from;
 #if !defined(KVLM_ATTEND_BF16)
     if (b < T) return -3;
@@ -459,16 +471,16 @@ int kvlm_attend(const float *q, int64_t qn, int64_t H, int64_t T, int64_t D, int
 #if !KVLM_V512
     if (b > 0) /* the scalar build: every row in fp32, one key after another */
         return attend_prompt_scalar(q, H, T, D, qsh, qst, k, v, Hkv, S, ksh, kst, vsh, vst,
-                                    mask, mst, causal, scale, out);
+                                    mask, mst, causal, scale, sinks, out);
 #endif
     if (b > 0 && (D % 16 || D > 256)) return -3;
     int rc = 0;
     if (b < T) /* the longest rows first */
         rc = attend_prompt_bf16(q, H, T, D, qsh, qst, k, v, Hkv, S, ksh, kst, vsh, vst, mask,
-                                mst, causal, scale, out, b);
+                                mst, causal, scale, sinks, out, b);
     if (rc == 0 && b > 0)
         rc = attend_prompt_f32(q, H, D, qsh, qst, k, v, Hkv, S, ksh, kst, vsh, vst, mask,
-                               mst, causal, scale, out, b);
+                               mst, causal, scale, sinks, out, b);
     return rc;
 }
 
@@ -482,16 +494,20 @@ int kvlm_attend(const float *q, int64_t qn, int64_t H, int64_t T, int64_t D, int
  * threads), and no copy of K is made (kvlm_attend's prompt kernel transposes K for many
  * rows). A row that sees no key is 0. Returns 0; -1 when scratch memory cannot be had;
  * -2, touching nothing, for sizes that disagree (attend_ok with T = 1); -3, touching
- * nothing, for D not a multiple of 16 or over 256 in a vector build. */
+ * nothing, for D not a multiple of 16 or over 256 in a vector build. `sinks` (sn floats;
+ * NULL: none): head h's sink logit, a column of its softmax with no value (the max starts
+ * at it, the sum at exp(sink - max) before the keys' terms). */
 int kvlm_attend_row(const float *q, int64_t qn, int64_t H, int64_t D, int64_t qsh,
                     const float *k, int64_t kn, const float *v, int64_t vn, int64_t Hkv,
                     int64_t S, int64_t ksh, int64_t kst, int64_t vsh, int64_t vst,
-                    const uint8_t *mask, int64_t mn, double scale, float *out, int64_t on) {
+                    const uint8_t *mask, int64_t mn, double scale, float *out, int64_t on,
+                    const float *sinks, int64_t sn) {
     if (!attend_ok(qn, H, 1, D, qsh, 0, kn, vn, Hkv, S, ksh, kst, vsh, vst, mask, mn, 0, on))
         return -2;
+    if (sinks && sn < H) return -2; /* a sink logit a query head */
 #if !KVLM_V512 /* the scalar build: its prompt loop, one row */
     return attend_prompt_scalar(q, H, 1, D, qsh, 0, k, v, Hkv, S, ksh, kst, vsh, vst, mask, 0,
-                                0, scale, out);
+                                0, scale, sinks, out);
 #else
     if (D % 16 || D > MAX_HEAD_DIM) return -3;
     const int64_t group = H / Hkv, C = D / 16;
@@ -506,7 +522,8 @@ int kvlm_attend_row(const float *q, int64_t qn, int64_t H, int64_t D, int64_t qs
             failed = 1;
             continue;
         }
-        float mx = -INFINITY, sum = 0.f;
+        const float sink = sinks ? sinks[h] : -INFINITY;
+        float mx = sink;
         __m512 qv[MAX_HEAD_DIM / 16], O[MAX_HEAD_DIM / 16];
         for (int64_t c = 0; c < C; c++) {
             qv[c] = _mm512_loadu_ps(qh + 16 * c);
@@ -521,6 +538,7 @@ int kvlm_attend_row(const float *q, int64_t qn, int64_t H, int64_t D, int64_t qs
             sr[j] = _mm512_reduce_add_ps(acc) * sc;
             if (sr[j] > mx) mx = sr[j];
         }
+        float sum = sink > -INFINITY ? expf(sink - mx) : 0.f;
         for (int64_t j = 0; j < S && mx > -INFINITY; j++) {
             if (sr[j] == -INFINITY) continue;
             const float e = expf(sr[j] - mx);
@@ -541,11 +559,12 @@ int kvlm_attend_row(const float *q, int64_t qn, int64_t H, int64_t D, int64_t qs
 static int attend_prompt_f32(const float *q, int64_t H, int64_t D, int64_t qsh,
                        int64_t qst, const float *k, const float *v, int64_t Hkv, int64_t S,
                        int64_t ksh, int64_t kst, int64_t vsh, int64_t vst, const uint8_t *mask,
-                       int64_t mst, int64_t causal, double scale, float *out, int64_t r1) {
+                       int64_t mst, int64_t causal, double scale, const float *sinks,
+                       float *out, int64_t r1) {
 #if !KVLM_V512
     (void)q, (void)H, (void)D, (void)qsh, (void)qst, (void)k, (void)v, (void)Hkv;
     (void)S, (void)ksh, (void)kst, (void)vsh, (void)vst, (void)mask, (void)mst, (void)causal;
-    (void)scale, (void)out, (void)r1;
+    (void)scale, (void)sinks, (void)out, (void)r1;
     return -3;
 #else
     /* rows per pass and key vectors per block: D = 64 4 x 2, D = 128 2 x 4, else 1 x 2 */
@@ -572,9 +591,10 @@ static int attend_prompt_f32(const float *q, int64_t H, int64_t D, int64_t qsh,
         const int rows = r1 - t0 < R ? (int)(r1 - t0) : R;
         const float *qh = q + h * qsh + t0 * qst, *kg = kt + (h / group) * D * Sp;
         const float *vg = v + (h / group) * vsh;
+        const float sink = sinks ? sinks[h] : -INFINITY;
         float *oh = out + h * D;
 #define ATTEND_ROWS(RR, NKK, DVV) \
-    attend_prompt_rows(RR, NKK, DVV, qh, qst, t0, kg, vg, vst, S, mask, mst, (int)causal, sc, oh, H * D)
+    attend_prompt_rows(RR, NKK, DVV, qh, qst, t0, kg, vg, vst, S, mask, mst, (int)causal, sc, sink, oh, H * D)
         if (D == 64) {
             switch (rows) {
             case 1: ATTEND_ROWS(1, 2, 4); break;
@@ -588,7 +608,7 @@ static int attend_prompt_f32(const float *q, int64_t H, int64_t D, int64_t qsh,
         } else {
             for (int r = 0; r < rows; r++)
                 attend_prompt_rows(1, 2, (int)(D / 16), qh + r * qst, qst, t0 + r, kg, vg, vst,
-                                   S, mask, mst, (int)causal, sc, oh, H * D);
+                                   S, mask, mst, (int)causal, sc, sink, oh, H * D);
         }
 #undef ATTEND_ROWS
     }
@@ -603,11 +623,12 @@ static int attend_prompt_f32(const float *q, int64_t H, int64_t D, int64_t qsh,
 static int attend_prompt_bf16(const float *q, int64_t H, int64_t T, int64_t D, int64_t qsh,
                        int64_t qst, const float *k, const float *v, int64_t Hkv, int64_t S,
                        int64_t ksh, int64_t kst, int64_t vsh, int64_t vst, const uint8_t *mask,
-                       int64_t mst, int64_t causal, double scale, float *out, int64_t r0) {
+                       int64_t mst, int64_t causal, double scale, const float *sinks,
+                       float *out, int64_t r0) {
 #if !defined(KVLM_ATTEND_BF16)
     (void)q, (void)H, (void)T, (void)D, (void)qsh, (void)qst, (void)k, (void)v, (void)Hkv;
     (void)S, (void)ksh, (void)kst, (void)vsh, (void)vst, (void)mask, (void)mst, (void)causal;
-    (void)scale, (void)out, (void)r0;
+    (void)scale, (void)sinks, (void)out, (void)r0;
     return -3;
 #else
     /* rows per pass and key vectors per block as the fp32 kernel's */
@@ -638,9 +659,10 @@ static int attend_prompt_bf16(const float *q, int64_t H, int64_t T, int64_t D, i
         const int rows = T - t0 < R ? (int)(T - t0) : R;
         const float *qh = q + h * qsh + t0 * qst;
         const uint16_t *kg = kt + (h / group) * D * Sp, *vg = vp + (h / group) * D * Sp;
+        const float sink = sinks ? sinks[h] : -INFINITY;
         float *oh = out + h * D;
 #define ATTEND_ROWS(RR, NKK, DVV) \
-    attend_prompt_rows_bf16(RR, NKK, DVV, qh, qst, t0, kg, vg, S, mask, mst, (int)causal, sc, oh, H * D)
+    attend_prompt_rows_bf16(RR, NKK, DVV, qh, qst, t0, kg, vg, S, mask, mst, (int)causal, sc, sink, oh, H * D)
         if (D == 64) {
             switch (rows) {
             case 1: ATTEND_ROWS(1, 2, 4); break;

@@ -224,8 +224,9 @@ def attend_ragged(
     bf16/fp16, one call of FlashAttention's variable-length kernel (torch's varlen_attn)
     for all sequences, causal from the bottom right (a chunk after a prefix, a decode row
     over all its keys); elsewhere, SDPA per sequence over its own keys (`attend`, with
-    `bf16_from` as a lone sequence's prompt rows take it; with `softcap` or `sinks`, the
-    explicit softmax's road: `attend_explicit`)."""
+    `bf16_from` as a lone sequence's prompt rows take it; with `softcap`, the explicit
+    softmax's road, `attend_explicit`; with `sinks`, `attend`'s C kernels where they
+    apply)."""
     explicit = softcap is not None or sinks is not None
     out = None if explicit else _varlen(q, k, v, seg)
     if out is not None:
@@ -309,8 +310,11 @@ def attend(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA of q (B, H, T, D) over k, v (B, Hkv, S, D), H a multiple of Hkv; with
-    `softcap` (the scores capped first) or `sinks` (a column more in each row's softmax),
-    which neither SDPA nor kvlm's C attention takes, the explicit road (`attend_explicit`).
+    `softcap` (the scores capped first), which neither SDPA nor kvlm's C attention takes,
+    the explicit road (`attend_explicit`); with `sinks` (a column more in each row's
+    softmax, (H,)), which SDPA does not take, kvlm's C attention where it applies (one
+    sequence in fp32 on the CPU: its online softmax starts at the sink), else the explicit
+    road.
 
     `prompt` (None: T > 1): the rows are a prompt's; on the CPU one sequence's prompt rows
     go to kvlm_attend at any T, a chunk of one row too, so a row's bits are its own
@@ -332,7 +336,7 @@ def attend(
     the math path and its full score matrix. There (`expand` None: decided by device) the
     K/V heads are repeated to H first, which the memory-efficient kernel takes. On CPU
     enable_gqa serves every case."""
-    if softcap is not None or sinks is not None:
+    if softcap is not None:
         return attend_explicit(q, k, v, mask, is_causal, softcap, sinks)
     T, S = q.shape[2], k.shape[2]
     prompt = T > 1 if prompt is None else prompt
@@ -340,10 +344,11 @@ def attend(
         first = min(T, max(0, bf16_from - (S - T)))  # the call's first row in bf16
         out = None
         if q.shape[0] == 1 and first < T:
-            out = _attend_kernel(q, k, v, mask, is_causal, bf16_row=first)
+            out = _attend_kernel(q, k, v, mask, is_causal, bf16_row=first, sinks=sinks)
         if out is not None:
             return out
-        if bf16_from == 0:  # every row: torch's road where kvlm's does not apply
+        if bf16_from == 0 and sinks is None:  # every row: torch's road where kvlm's does not
+            # apply (no SDPA takes a sink: a sink's rows go on in fp32 below)
             out = F.scaled_dot_product_attention(
                 q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=mask, is_causal=is_causal,
                 enable_gqa=q.shape[1] != k.shape[1],
@@ -352,9 +357,11 @@ def attend(
     # decode rows too: torch's CPU SDPA splits one query row's keys across threads, so its
     # bits followed the thread count, which the engine changes with the load (FreeCores)
     if q.is_cpu and q.shape[0] == 1:
-        out = _attend_kernel(q, k, v, mask, is_causal, decode=not prompt)
+        out = _attend_kernel(q, k, v, mask, is_causal, decode=not prompt, sinks=sinks)
         if out is not None:
             return out
+    if sinks is not None:  # where kvlm's C attention does not apply (fp64, a GPU, a batch)
+        return attend_explicit(q, k, v, mask, is_causal, None, sinks)
     gqa = q.shape[1] != k.shape[1]
     if not q.is_cpu and q.shape[2] == 1 and mask is not None and expand is None:
         return attend_decode(q, k, v, mask)
@@ -439,6 +446,16 @@ def _room(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
 
 
+def _base(t: torch.Tensor | None) -> int | None:
+    """t's address for a kernel (None: NULL)."""
+    return None if t is None else t.data_ptr()
+
+
+def _count(t: torch.Tensor | None) -> int:
+    """t's elements (0: None)."""
+    return 0 if t is None else t.numel()
+
+
 def _attend_kernel(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -447,6 +464,7 @@ def _attend_kernel(
     causal: bool,
     bf16_row: int | None = None,
     decode: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """One sequence's prompt rows (T > 1) through kvlm's C attention (kvlm_attend: ~4x
     torch's CPU SDPA at a 512-token prompt; rows from `bf16_row` on (0: all; None: none)
@@ -457,9 +475,14 @@ def _attend_kernel(
     whole or in chunks. `decode`: the rows are decoded tokens, a one-row call of which goes
     to kvlm_attend_row (no copy of K; its keys in order). Either way a row gets the same
     bits on any thread count (each head's row is one thread's work). The fused step has
-    its own attention."""
+    its own attention. `sinks` (H,): a sink logit a query head, a column of each row's
+    softmax without a value (the kernels' online softmax starts at it: m = sink, l = 1)."""
     if not (q.dtype == k.dtype == v.dtype == torch.float32):
         return None
+    if sinks is not None:
+        if sinks.dtype != torch.float32 or not sinks.is_cpu or sinks.numel() != q.shape[1]:
+            return None
+        sinks = sinks.contiguous()
     if mask is not None:
         if mask.dim() == 4 and mask.shape[:2] == (1, 1):
             mask = mask.reshape(mask.shape[-2:])
@@ -487,7 +510,7 @@ def _attend_kernel(
             q.data_ptr(), _room(q), H, D, q.stride(1), k.data_ptr(), _room(k), v.data_ptr(),
             _room(v), Hkv, S, k.stride(1), k.stride(2), v.stride(1), v.stride(2),
             None if mask is None else mask.data_ptr(), 0 if mask is None else _room(mask),
-            D**-0.5, out.data_ptr(), out.numel(),
+            D**-0.5, out.data_ptr(), out.numel(), _base(sinks), _count(sinks),
         )  # fmt: skip
     if rc == -3:  # not a decode row, or a head size the row kernel does not take
         rc = lib.kvlm_attend(
@@ -495,7 +518,8 @@ def _attend_kernel(
             v.data_ptr(), _room(v), Hkv, S, k.stride(1), k.stride(2), v.stride(1), v.stride(2),
             None if mask is None else mask.data_ptr(), 0 if mask is None else _room(mask),
             0 if mask is None else mask.stride(0), int(causal and mask is None), D**-0.5,
-            out.data_ptr(), out.numel(), T if bf16_row is None else bf16_row,
+            out.data_ptr(), out.numel(), T if bf16_row is None else bf16_row, _base(sinks),
+            _count(sinks),
         )  # fmt: skip
     if rc == -3:  # a head size or CPU it does not take
         return None

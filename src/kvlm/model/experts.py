@@ -43,7 +43,11 @@ from kvlm.model.layers import MLP, Linear, feeding_prompt, prompt_rows
 
 # config.ROUTERS -> kvlm_route's and kvlm_qlayer's `router_kind` (kernels/abi.h)
 ROUTER_CODES = {"softmax": kernels.CONSTANTS["ROUTER_SOFTMAX"],
-                "sigmoid": kernels.CONSTANTS["ROUTER_SIGMOID"]}  # fmt: skip
+                "sigmoid": kernels.CONSTANTS["ROUTER_SIGMOID"],
+                "topk_softmax": kernels.CONSTANTS["ROUTER_TOPK_SOFTMAX"]}  # fmt: skip
+# config.EXPERT_ACTIVATIONS ("": the model's own) -> kvlm_qlayer's `exp_act`
+EXPERT_ACT_CODES = {"": kernels.CONSTANTS["EXP_ACT_MODEL"],
+                    "clamped_swiglu": kernels.CONSTANTS["EXP_ACT_CLAMPED_SWIGLU"]}  # fmt: skip
 
 
 class Experts(nn.Module):
@@ -112,15 +116,16 @@ class Experts(nn.Module):
 
     def kernel_refusal(self) -> str | None:
         """Why the kernels' router and the fused step cannot run this mixture (None: they
-        can): they know the "softmax" and "sigmoid" routers (a selection bias in fp32),
-        no bias of the router's own, experts without biases, the model's activation."""
+        can): they know the routers of ROUTER_CODES (a selection bias and a router bias in
+        fp32) and the activations of EXPERT_ACT_CODES (the model's own, or the clamped
+        SwiGLU; the experts' biases: the fused step's `_block_why_not`)."""
         if self.config.router not in ROUTER_CODES:
             return f"the router {self.config.router!r}"
-        if self.router.bias is not None:
-            return "a router bias"
+        if self.router.bias is not None and self.router.bias.dtype != torch.float32:
+            return "a router bias not in fp32"
         if self.bias is not None and self.bias.dtype != torch.float32:
             return "a router's selection bias not in fp32"
-        if self.config.activation:
+        if self.config.activation not in EXPERT_ACT_CODES:
             return f"the experts' activation {self.config.activation!r}"
         return None
 
@@ -132,9 +137,15 @@ class Experts(nn.Module):
         chosen = order[:, : self.config.top_k]
         return chosen, torch.softmax(logits.gather(1, chosen), dim=-1)
 
+    def router_bias(self) -> torch.Tensor | None:
+        """The router's own bias (count,) fp32 as the kernels read it (added to its
+        logits after the product, as the router's Linear adds it), or None."""
+        b = self.router.bias
+        return None if b is None else b.detach().reshape(-1).contiguous()
+
     def _route_kernel(self, lib, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, (e, h), c = x.shape[0], self.router_weight.shape, self.config
-        k, bias = c.top_k, self.bias
+        k, bias, rb = c.top_k, self.bias, self.router_bias()
         chosen = torch.empty(n, k, dtype=torch.int64)
         weights = torch.empty(n, k, dtype=torch.float32)
         logits = torch.empty(n, e, dtype=torch.float32)
@@ -143,7 +154,9 @@ class Experts(nn.Module):
                             ROUTER_CODES[c.router], None if bias is None else bias.data_ptr(),
                             0 if bias is None else bias.numel(), c.norm_eps, c.scale,
                             chosen.data_ptr(), chosen.numel(), weights.data_ptr(),
-                            weights.numel(), logits.data_ptr(), logits.numel())  # fmt: skip
+                            weights.numel(), logits.data_ptr(), logits.numel(),
+                            None if rb is None else rb.data_ptr(),
+                            0 if rb is None else rb.numel())  # fmt: skip
         if rc != 0:
             raise ValueError(f"the kernels refused a router of {e} experts over {h}")
         return chosen, weights

@@ -67,10 +67,15 @@ conv rows moved on in place as a conv layer's; one row a sequence (a draft's row
 each row's state: the torch step's). Gated attention (q|gate|k|v, the output times
 sigmoid(gate)) and partial RoPE (the first rotary_dim of each head), a residual
 multiplier (each output times it before the add) and logit divisor (after the call) and
-NoPE (RoPE tables of zero frequencies: cos 1, sin 0).
+NoPE (RoPE tables of zero frequencies: cos 1, sin 0). Attention sinks (a logit a query
+head in each row's softmax denominator: the merge of a head's chunks starts at it). A
+mixture of experts (kernels/experts.c): the routers "softmax", "sigmoid" (a selection
+bias) and "topk_softmax", the router's own bias, the routed experts' gate|up and down
+biases, their activation the model's or the clamped SwiGLU, a shared expert beside them.
 
 It applies where that is the whole story: CPU, fp32 activations, low-bit weights in every
-projection (`--weights int8|int4|native`), no MLP biases, and fp32, bf16, fp16, int8 or q4 K/V
+projection (`--weights int8|int4|native`), no biases on a dense or shared MLP (a routed
+expert's it adds), and fp32, bf16, fp16, int8 or q4 K/V
 in a contiguous, paged or hybrid contiguous cache (a conv model's rows, a recurrent model's
 states beside either) or the engine's pool (a conv group's slots, a state group's too:
 `pool_why_not`).
@@ -98,7 +103,7 @@ from kvlm.cache.storage import Store, key_rotation
 from kvlm.config import ModelConfig
 from kvlm.dtypes import Q4
 from kvlm.model.attention import _room
-from kvlm.model.experts import ROUTER_CODES, Experts
+from kvlm.model.experts import EXPERT_ACT_CODES, ROUTER_CODES, Experts
 from kvlm.model.layers import MLP, Linear
 from kvlm.model.quant import KIND_CODES
 from kvlm.model.transformer import Block, Transformer
@@ -160,6 +165,12 @@ class _QLayer(ctypes.Structure):
         ("router_kind", ctypes.c_int64),
         ("expert_bias", ctypes.c_void_p),
         *_fields(ctypes.c_double, "route_eps route_scale"),
+        # the router's own bias, the experts' gate|up and down biases stacked (NULL: none),
+        # their activation (EXP_ACT_*) and the clamped SwiGLU's alpha and limit
+        *_fields(ctypes.c_void_p, "router_bias exp_gate_up_bias exp_down_bias"),
+        ("exp_act", ctypes.c_int64),
+        *_fields(ctypes.c_float, "swiglu_alpha swiglu_limit"),
+        ("sinks", ctypes.c_void_p),  # attention sinks: a logit a query head (NULL: none)
     ]
 
 
@@ -280,6 +291,12 @@ def _bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else _room(t) * t.element_size()
 
 
+def _stacked(biases: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """Every expert's bias of one product stacked, (experts, rows) contiguous fp32, or None
+    where they have none (_block_why_not: all or none of them have one)."""
+    return None if biases[0] is None else torch.stack(biases).float().contiguous()
+
+
 def _ptr(t: torch.Tensor | None, n: int) -> int | None:
     """The address of an fp32 CPU vector of n elements (None: NULL)."""
     if t is None:
@@ -305,12 +322,10 @@ def config_why_not(c: ModelConfig) -> str | None:
         return f"a {missing[0]} layer (the step has no kernel for one yet)"
     if c.rotary_dim % 2:
         return f"RoPE over an odd {c.rotary_dim} dimensions"
-    if c.attn_sinks:
-        return "attention sinks (the step's softmax has no sink column)"
     x = c.experts
     if x is not None and x.router not in ROUTER_CODES:
         return f"an expert router {x.router!r} (the step's routers: {', '.join(ROUTER_CODES)})"
-    if x is not None and x.activation:
+    if x is not None and x.activation not in EXPERT_ACT_CODES:
         return f"the experts' activation {x.activation!r}"
     rec = c.deltanet or c.mamba2
     if rec is not None:  # kernels/deltanet.c's and mamba2.c's limits
@@ -354,12 +369,16 @@ def why_not(model: Transformer) -> str | None:
 def _block_why_not(block: Block, eps: float) -> str | None:
     """Why the step cannot run this block (None: it can)."""
     moe = block.mlp if isinstance(block.mlp, Experts) else None
-    mlps = [block.mlp] if moe is None else [*moe.experts]
-    if moe is not None and moe.shared is not None:
-        mlps.append(moe.shared)
-    if any(m.gate_up.bias is not None or m.down.bias is not None for m in mlps):
-        return "MLP biases (the step adds only the mixers' projections' biases)"
-    if any(m.act != mlps[0].act for m in mlps) or mlps[0].act not in _ACTS:
+    routed = [] if moe is None else [*moe.experts]
+    dense = [block.mlp] if moe is None else [] if moe.shared is None else [moe.shared]
+    if any(m.gate_up.bias is not None or m.down.bias is not None for m in dense):
+        return "MLP biases (the step adds a routed expert's, not a dense or shared MLP's)"
+    if len({(m.gate_up.bias is None, m.down.bias is None) for m in routed}) > 1:
+        return "biases on some experts and not on others"
+    # the activations the model's own (kvlm_qmodel.gelu): the dense MLP's, the shared
+    # expert's, and the routed experts' where the config names none of theirs
+    mlps = dense + ([] if moe is None or moe.config.activation else routed)
+    if mlps and (any(m.act != mlps[0].act for m in mlps) or mlps[0].act not in _ACTS):
         return f"the MLP's activation {mlps[0].act!r}"
     if moe is not None and moe.router_weight.dtype != torch.float32:
         return "a router not in fp32"
@@ -430,7 +449,9 @@ class FusedDecoder:
                  c.intermediate_size)  # fmt: skip
         head = (_ptr(model.norm.weight, c.hidden_size), _qmat(model.lm_head))  # final_norm, lm_head
         self.spec = _QModel(*shape, slots, c.rms_norm_eps, layers, *head)
-        self.spec.gelu = _ACTS[_mlp(model.layers[0]).act]
+        # the model's gated MLPs' activation (why_not: every dense MLP's, shared expert's
+        # and routed expert's without one of its own; unread where there are none)
+        self.spec.gelu = _ACTS.get(c.activation, 0)
         # the first block of each mixer, whose products' activation settings every block
         # of its kind shares (_set_storage)
         self._firsts = list({_slot_of(b)[0]: b for b in reversed(model.layers)}.values())
@@ -494,7 +515,10 @@ class FusedDecoder:
               for n, size in zip((attn.q_norm, attn.k_norm), sizes, strict=True)]  # fmt: skip
         windows = self.model.config.layer_windows
         window = (windows[i] or 0) if windows else -1  # -1: the step's (Mistral's)
-        return _QLayer(*norms, *mats, *biases, *qk, *outs, window, self.model._rope_of[i], 0, i)
+        layer = _QLayer(*norms, *mats, *biases, *qk, *outs, window, self.model._rope_of[i], 0, i)
+        if attn.sinks is not None:  # attention sinks: fp32 (H,), the model's own tensor
+            layer.sinks = _ptr(attn.sinks.detach(), attn.num_heads)
+        return layer
 
     def _ffn(self, layer: _QLayer, block: Block) -> None:
         """kvlm_qlayer's FFN fields: FFN_MLP (gate_up and down, set with the layer), or a
@@ -516,6 +540,16 @@ class FusedDecoder:
             ROUTER_CODES[x.router], x.norm_eps, x.scale)  # fmt: skip
         if moe.bias is not None:
             layer.expert_bias = _ptr(moe.bias, moe.bias.numel())
+        # the router's own bias; each expert's biases stacked (kept alive with the arrays)
+        rb = moe.router_bias()
+        biases = [_stacked([getattr(e, part).bias for e in moe.experts])
+                  for part in ("gate_up", "down")]  # fmt: skip
+        self._experts.append((rb, *biases))
+        layer.router_bias = _ptr(rb, x.count)
+        layer.exp_gate_up_bias = _ptr(biases[0], x.count * 2 * x.intermediate)
+        layer.exp_down_bias = _ptr(biases[1], x.count * self.model.config.hidden_size)
+        layer.exp_act = EXPERT_ACT_CODES[x.activation]
+        layer.swiglu_alpha, layer.swiglu_limit = x.swiglu_alpha, x.swiglu_limit
         if moe.shared is not None:  # its products where a dense MLP's go
             layer.gate_up, layer.down = _qmat(moe.shared.gate_up), _qmat(moe.shared.down)
             layer.shared_inter = x.shared
