@@ -498,3 +498,36 @@ def test_the_pools_fused_step_batches_forks_and_drafts_as_alone(q8_0, monkeypatc
     alone = LLM(model=q8_0, kv="contiguous", progress=False)
     ids = prompt_ids(alone, 20)
     fused_draft_rolled_back(alone, ids, ids[3:7], 2, monkeypatch)
+
+
+def test_the_hubs_mxfp4_checkpoint_loads_as_the_converters_file(folder, tmp_path):
+    """A folder as the Hub keeps gpt-oss (its experts MXFP4 `_blocks` and `_scales`) reads
+    natively: its experts the converter's GGUF blocks bit for bit (gate|up de-interleaved
+    as the float stack's fold does it), packed as MXFP4, the logits the GGUF file's; their
+    values (`get`) gguf-py's decoding of those blocks."""
+    from kvlm.loading.gguf import GGUFWeights
+    from kvlm.loading.hf import SafetensorsWeights
+    from kvlm.model.quant import QuantWeight
+
+    hub = _mxfp4_folder(folder, tmp_path / "hub")
+    path = converter.convert(hub, "f32", pre="qwen35")
+    mine, theirs = SafetensorsWeights(hub), GGUFWeights(path)
+    e = "model.layers.1.mlp.experts"
+    assert mine.stored_as(f"{e}.gate_up_proj.weight")[1] == "MXFP4"
+    gate_up = torch.cat([theirs.get(f"{e}.gate_proj.weight"), theirs.get(f"{e}.up_proj.weight")], 1)
+    for got, want in (
+        (mine.get(f"{e}.gate_up_proj.weight"), gate_up),
+        (mine.get(f"{e}.down_proj.weight"), theirs.get(f"{e}.down_proj.weight")),
+    ):
+        assert torch.equal(got.view(torch.int32), want.float().view(torch.int32))  # fmt: skip
+    a, b = (LLM(model=m, kv="off", progress=False) for m in (hub, path))
+    experts = a.model.layers[0].mlp.experts[0]
+    assert isinstance(experts.gate_up.quant, QuantWeight) and experts.gate_up.quant.kind == "mxfp4"
+    # the experts at their 17 bytes a group of 32, as the converter's file holds them
+    assert mine.stored_bytes(f"{e}.down_proj.weight") == theirs.stored_bytes(
+        f"{e}.down_proj.weight"
+    )
+    ids = prompt_ids(a)
+    assert torch.equal(
+        a.runner.logits(ids, a.new_cache("off")), b.runner.logits(ids, b.new_cache("off"))
+    )

@@ -3,25 +3,42 @@
 config.json becomes a ModelConfig through the family of its `model_type` (kvlm.arch);
 tensors get the model's names (`text_model_name`, then `Family.from_hf_name`) and values
 (`Family.fold_hf`: a quirk folded into the weights as llama.cpp's converter folds it).
+
+A checkpoint quantized to MXFP4 (transformers' `quant_method` "mxfp4": a stack NAME kept
+as `NAME_blocks`, (E, rows, groups, 16) bytes of E2M1 nibbles, two elements a byte in
+order, and `NAME_scales`, (E, rows, groups) E8M0 exponents, a group of 32 along the
+input) is read as GGUF's MXFP4 blocks, as llama.cpp's converter rewrites them (a group's
+exponent, then element j in the low nibble and j + 16 in the high one): its blocks as they
+are for the kernels (`get_quant`: --weights native, the default for such a folder), rows
+in the order the family's fold gives the float stack's rows (gpt-oss's gate|up
+de-interleaved), or their values (`get`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import gguf
+import numpy as np
 import torch
 from safetensors import safe_open
 
 from kvlm.arch import config_from_hf, family
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 from kvlm.loading.shapes import check_shapes
+from kvlm.model.quant import Blocks
 from kvlm.model.weights import fingerprint_of
 
 # the safetensors dtypes kvlm reads (as safetensors names them)
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+# an MXFP4 stack's two tensors, a group's elements and a GGUF block's bytes (an exponent
+# and 16 bytes of nibbles)
+MXFP4_BLOCKS, MXFP4_SCALES, MXFP4_GROUP, MXFP4_BLOCK_BYTES = "_blocks", "_scales", 32, 17
+_ITEM_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "U8": 1, "I8": 1, "I32": 4, "I64": 8}
 
 
 # generation_config.json's sampling fields: the model's recommended sampling, which `kvlm
@@ -114,10 +131,26 @@ class SafetensorsWeights:
             for stored in handle.keys():  # noqa: SIM118 - safe_open: no __iter__
                 name = self.family.from_hf_name(text_model_name(stored))
                 self._where[name], self._stored[name] = handle, stored
+        # MXFP4 stacks: the model's name of NAME -> (its blocks' and its scales' stored names)
+        self._mxfp4: dict[str, tuple[str, str]] = {}
+        for stored in [s for s in self._stored.values() if s.endswith(MXFP4_BLOCKS)]:
+            base = stored.removesuffix(MXFP4_BLOCKS)
+            scales = base + MXFP4_SCALES
+            if scales not in self._stored.values():
+                raise ModelLoadError(f"{folder.name}: {stored} has no {scales}")
+            name = self.family.from_hf_name(text_model_name(base))
+            for part in (stored, scales):
+                part_name = self.family.from_hf_name(text_model_name(part))
+                self._where[name] = self._where.pop(part_name)
+                del self._stored[part_name]
+            self._mxfp4[name] = (stored, scales)
+            self._stored[name] = stored
         self.dtypes = sorted({str(self.stored_as(n)[1]) for n in self._where})
         for name in check_shapes(self, self.config, folder.name, self.family.to_hf_name):
             stored, dtype = self.stored_as(name)
-            if dtype not in FLOAT_DTYPES:
+            if name in self._mxfp4:
+                self._check_mxfp4(name)
+            elif dtype not in FLOAT_DTYPES:
                 raise UnsupportedModelError(f"{folder.name}: tensor {stored} is {dtype}; kvlm "
                                             f"reads {', '.join(FLOAT_DTYPES)}")  # fmt: skip
 
@@ -125,8 +158,11 @@ class SafetensorsWeights:
         return list(self._where)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        """The tensor's shape as the model takes it (Family.hf_shape: after its fold)."""
+        """The tensor's shape as the model takes it (Family.hf_shape: after its fold; an
+        MXFP4 stack's (E, rows, groups x 32) as its blocks lie)."""
         stored = tuple(self._where[name].get_slice(self._stored[name]).get_shape())
+        if name in self._mxfp4:
+            return (*stored[:-2], stored[-2] * MXFP4_GROUP) if len(stored) > 1 else stored
         folded = self.family.hf_shape
         return stored if folded is None else folded(name, stored)
 
@@ -134,14 +170,32 @@ class SafetensorsWeights:
         return self._files
 
     def is_quantized(self, name: str) -> bool:
-        return False  # safetensors holds float tensors
+        return name in self._mxfp4  # else a float tensor
+
+    def stored_bytes(self, name: str) -> int:
+        """The tensor's bytes in the file: an MXFP4 stack's as --weights native keeps them
+        (17 a group of 32), a float tensor's at its stored dtype's size."""
+        if name in self._mxfp4:
+            return math.prod(self.shape(name)) // MXFP4_GROUP * MXFP4_BLOCK_BYTES
+        stored = self._where[name].get_slice(self._stored[name])
+        size = _ITEM_BYTES.get(str(stored.get_dtype()))
+        if size is None:
+            raise UnsupportedModelError(f"tensor {self._stored[name]} is {stored.get_dtype()}")
+        return math.prod(stored.get_shape()) * size
 
     def stored_as(self, name: str) -> tuple[str, str]:
         stored = self._stored[name]
+        if name in self._mxfp4:
+            return stored, "MXFP4"
         return stored, str(self._where[name].get_slice(stored).get_dtype())
 
-    def get_quant(self, name: str, packed: bool = True) -> None:
-        return None
+    def get_quant(self, name: str, packed: bool = True) -> Blocks | None:
+        """An MXFP4 stack's blocks (E x rows rows of GGUF's MXFP4 blocks, in the model's row
+        order), packed or (`packed=False`) not yet; None for a float tensor."""
+        if name not in self._mxfp4:
+            return None
+        blocks = Blocks("mxfp4", self._mxfp4_rows(name))
+        return blocks.pack() if packed else blocks
 
     def release(self) -> None:
         pass
@@ -156,9 +210,58 @@ class SafetensorsWeights:
         return fingerprint_of(config, _bytes(norm), _bytes(embed[:8]))
 
     def get(self, name: str) -> torch.Tensor:
+        if name in self._mxfp4:  # its values, (E, rows, K) in the model's order already
+            rows = self._mxfp4_rows(name)
+            # gguf-py's own MXFP4 decoding (the blocks' reference, as for a GGUF file)
+            values = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType.MXFP4)
+            return torch.from_numpy(np.ascontiguousarray(values)).reshape(self.shape(name))
         tensor = self._stored_tensor(name)
         fold = self.family.fold_hf
         return tensor if fold is None else fold(self.config, name, tensor)
+
+    def _check_mxfp4(self, name: str) -> None:
+        """An MXFP4 stack's blocks (E, rows, groups, 16) and scales (E, rows, groups) uint8."""
+        blocks, scales = self._mxfp4[name]
+        b, s = (self._where[name].get_slice(n) for n in (blocks, scales))
+        shape_b, shape_s = tuple(b.get_shape()), tuple(s.get_shape())
+        if (str(b.get_dtype()), str(s.get_dtype())) != ("U8", "U8") or (
+            len(shape_b) != 4 or shape_b[-1] != MXFP4_GROUP // 2 or shape_b[:-1] != shape_s
+        ):
+            raise ModelLoadError(f"{blocks} {b.get_dtype()} {list(shape_b)} and {scales} "
+                                 f"{s.get_dtype()} {list(shape_s)} are not MXFP4 blocks and "
+                                 "their scales (uint8, (E, rows, groups, 16) and (E, rows, "
+                                 "groups))")  # fmt: skip
+
+    def _mxfp4_rows(self, name: str) -> np.ndarray:
+        """An MXFP4 stack as GGUF's blocks, E x rows rows of groups x 17 bytes, the rows in
+        the order the family's fold gives the float stack's (E, rows, K)."""
+        blocks, scales = (self._stored_tensor_named(name, n).numpy() for n in self._mxfp4[name])
+        e, rows, groups, _ = blocks.shape
+        pairs = np.stack((blocks & 0x0F, blocks >> 4), axis=-1).reshape(e, rows, groups, 32)
+        ggml = pairs[..., :16] | (pairs[..., 16:] << 4)  # element j low, j + 16 high
+        out = np.concatenate((scales[..., None], ggml), axis=-1).reshape(e * rows, -1)
+        order = self._row_order(name, e, rows)
+        return out if order is None else np.ascontiguousarray(out[order])
+
+    def _row_order(self, name: str, e: int, rows: int) -> np.ndarray | None:
+        """The rows of a stack (E, rows, K) in the order the family's fold puts the float
+        stack's (its index passed through `fold_hf` as the float tensor would be: stored
+        (E, K, rows) where `hf_shape` turns it, else (E, rows, K)); None: as stored."""
+        fold = self.family.fold_hf
+        if fold is None:
+            return None
+        index = torch.arange(e * rows).reshape(e, rows, 1)
+        turned = self.family.hf_shape
+        if turned is not None and turned(name, (e, 1, rows)) == (e, rows, 1):
+            index = index.transpose(1, 2)  # stored (E, K, rows): one column of K here
+        order = fold(self.config, name, index).reshape(-1).numpy()
+        return None if np.array_equal(order, np.arange(e * rows)) else order
+
+    def _stored_tensor_named(self, name: str, stored: str) -> torch.Tensor:
+        try:
+            return self._where[name].get_tensor(stored)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot read tensor {stored}: {exc}") from exc
 
     def _stored_tensor(self, name: str) -> torch.Tensor:
         try:
