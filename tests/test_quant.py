@@ -780,3 +780,23 @@ def test_prefill_products_dequantize_in_bounded_tiles(monkeypatch, dtype):
     else:
         assert_product_close(q.matmul(x), x @ w.t(), x, w)
     assert all(b.numel() <= quant.TILE_WEIGHTS for b in quant._SCRATCH.values())
+
+
+def test_the_arena_faults_its_pages_in_ahead_and_at_most_a_step_past_its_slices():
+    """The arena's pages come in PREFAULT_BYTES at a time ahead of the slices it hands out
+    (kvlm_prefault, every thread), never more than a step past the last one, and what a
+    slice holds is what was written there; the kernel refuses a page under 4 KiB."""
+    lib = kernels.library()
+    if lib is None:
+        pytest.skip("no C kernels")
+    size = 3 * quant.PREFAULT_BYTES
+    with quant.packing_on_huge_pages(size) as arena:
+        if arena is None:
+            pytest.skip("no huge pages here")
+        w = quant.quantize(torch.randn(64, 64), "q8")
+    assert arena.faulted == quant.PREFAULT_BYTES >= arena.used
+    want = quant.quantize(w.dense(), "q8")
+    assert torch.equal(w.data, want.data)
+    part = arena.take(quant.PREFAULT_BYTES)  # past the first step: the second comes in
+    assert part is not None and arena.faulted == 2 * quant.PREFAULT_BYTES
+    assert lib.kvlm_prefault(arena.buffer.data_ptr(), 4096, 2048) == -2

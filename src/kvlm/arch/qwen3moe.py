@@ -53,15 +53,16 @@ def from_gguf(g: Fields, arch: str, name: str) -> ModelConfig:
     return gguf_config(g, arch, name, part)
 
 
-# The configurations of the models named (their config.json on the Hub); "-8l": the first
-# 8 of its 48 layers, every tensor of the real shape (the whole file and its peer's do not
-# fit a 24 GiB machine together)
+# The configurations of the models named (their config.json on the Hub); "-8l", "-16l":
+# the first 8 or 16 of its 48 layers, every tensor of the real shape (the whole file and
+# its peer's do not fit a 24 GiB machine together)
 _30B = dict(arch=ARCH, hidden=2048, heads=32, kv_heads=4, head_dim=128, inter=6144,
             vocab=151936, tied=False, rope_theta=1e6, context=40960, experts=128,
             experts_used=8, expert_inter=768)  # fmt: skip
 SHAPES = {
     "qwen3-30b-a3b": Shape(layers=48, **_30B),
     "qwen3-30b-a3b-8l": Shape(layers=8, **_30B),
+    "qwen3-30b-a3b-16l": Shape(layers=16, **_30B),
 }
 
 FAMILY = Family(

@@ -434,6 +434,7 @@ _SIGNATURES: dict[str, tuple[str, str]] = {
     "kvlm_qdequant": ("int", "iiipiipi"),  # kind, bf16, K, w, wn, N, out, on (bytes)
     "kvlm_qdequant_rows": ("int", "iipiipipi"),  # kind, K, w, wn, N, rows, n, out, on
     "kvlm_qpack": ("int", "ipiiippi"),  # kind, blocks, sn, N, K, order, out, dn
+    "kvlm_prefault": ("int", "pii"),  # buf, n (bytes), page
     # prompt.c
     "kvlm_silu_mul": ("int", "piiipi"),  # gu, gn, M, I, out, on
     # q, qn, H, T, D, qsh, qst, k, kn, v, vn, Hkv, S, ksh, kst, vsh, vst, mask, mn, mst,

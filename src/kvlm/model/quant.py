@@ -385,18 +385,33 @@ def _new_data(nbytes: int) -> torch.Tensor:
 class HugePageArena:
     """One huge-page buffer (kernels.huge_page_buffer) handed out front to back, each slice
     from a 64-byte boundary. Reserved whole, resident only as far as it is written: the
-    anonymous map's untouched pages cost address space, not memory."""
+    anonymous map's untouched pages cost address space, not memory. The pages ahead of the
+    slices handed out are faulted in PREFAULT_BYTES at a time by every thread at once
+    (kvlm_prefault), at most that much past the last slice: a slice's first touch in a
+    pack (one 2 MiB page zeroed at ~1 GB/s on one thread while the other waited) was most
+    of a mixture of experts' load (BENCHMARKS 25.4)."""
 
     def __init__(self, buffer: torch.Tensor) -> None:
         self.buffer = buffer
         self.used = 0
+        self.faulted = 0  # bytes from the start whose pages are in
 
     def take(self, nbytes: int) -> torch.Tensor | None:
         start = -(-self.used // 64) * 64
         if start + nbytes > self.buffer.numel():
             return None  # full: the caller's weight goes to ordinary memory
         self.used = start + nbytes
+        if self.used > self.faulted:
+            self._fault_to(self.used)
         return self.buffer[start : start + nbytes]
+
+    def _fault_to(self, end: int) -> None:
+        lib = kernels.library()
+        upto = min(self.buffer.numel(), -(-end // PREFAULT_BYTES) * PREFAULT_BYTES)
+        if lib is not None and upto > self.faulted:
+            lib.kvlm_prefault(self.buffer.data_ptr() + self.faulted, upto - self.faulted,
+                              kernels.HUGE_PAGE)  # fmt: skip
+        self.faulted = upto
 
     def holds(self, t: torch.Tensor) -> bool:
         base = self.buffer.data_ptr()
@@ -404,6 +419,7 @@ class HugePageArena:
 
 
 _ARENAS: list[HugePageArena | None] = []
+PREFAULT_BYTES = 16 << 20  # the arena's pages faulted in ahead of its slices, at a time
 
 
 def packing_on_huge_pages(capacity: int) -> AbstractContextManager[HugePageArena | None]:
