@@ -782,21 +782,26 @@ def test_prefill_products_dequantize_in_bounded_tiles(monkeypatch, dtype):
     assert all(b.numel() <= quant.TILE_WEIGHTS for b in quant._SCRATCH.values())
 
 
-def test_the_arena_faults_its_pages_in_ahead_and_at_most_a_step_past_its_slices():
-    """The arena's pages come in PREFAULT_BYTES at a time ahead of the slices it hands out
-    (kvlm_prefault, every thread), never more than a step past the last one, and what a
-    slice holds is what was written there; the kernel refuses a page under 4 KiB."""
+def test_the_arena_faults_its_pages_in_ahead_and_at_most_a_slice_past_them():
+    """The arena's pages come in ahead of the slices it hands out (kvlm_prefault, every
+    thread): a slice's, and as many bytes again (at most PREFAULT_BYTES), whole huge pages,
+    those no slice took given back when the packing ends; what a slice holds is what was
+    written there; the kernel refuses a page under 4 KiB."""
     lib = kernels.library()
     if lib is None:
         pytest.skip("no C kernels")
-    size = 3 * quant.PREFAULT_BYTES
-    with quant.packing_on_huge_pages(size) as arena:
+    page = kernels.HUGE_PAGE
+    with quant.packing_on_huge_pages(3 * quant.PREFAULT_BYTES) as arena:
         if arena is None:
             pytest.skip("no huge pages here")
         w = quant.quantize(torch.randn(64, 64), "q8")
-    assert arena.faulted == quant.PREFAULT_BYTES >= arena.used
-    want = quant.quantize(w.dense(), "q8")
-    assert torch.equal(w.data, want.data)
-    part = arena.take(quant.PREFAULT_BYTES)  # past the first step: the second comes in
-    assert part is not None and arena.faulted == 2 * quant.PREFAULT_BYTES
+    assert arena.faulted == page  # a small slice: its page (trimmed to it as packing ended)
+    assert torch.equal(w.data, quant.quantize(w.dense(), "q8").data)
+    part = arena.take(5 * page)
+    assert part is not None
+    assert arena.faulted == -(-(arena.used + 5 * page) // page) * page  # and 5 pages ahead
+    arena.take(quant.PREFAULT_BYTES)  # a big slice: at most PREFAULT_BYTES ahead
+    assert arena.faulted <= arena.used + quant.PREFAULT_BYTES + page
+    arena.trim()  # as the packing ends: the pages no slice took given back
+    assert arena.faulted == -(-arena.used // page) * page
     assert lib.kvlm_prefault(arena.buffer.data_ptr(), 4096, 2048) == -2

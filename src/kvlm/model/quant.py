@@ -386,10 +386,11 @@ class HugePageArena:
     """One huge-page buffer (kernels.huge_page_buffer) handed out front to back, each slice
     from a 64-byte boundary. Reserved whole, resident only as far as it is written: the
     anonymous map's untouched pages cost address space, not memory. The pages ahead of the
-    slices handed out are faulted in PREFAULT_BYTES at a time by every thread at once
-    (kvlm_prefault), at most that much past the last slice: a slice's first touch in a
-    pack (one 2 MiB page zeroed at ~1 GB/s on one thread while the other waited) was most
-    of a mixture of experts' load (BENCHMARKS 25.4)."""
+    slices handed out are faulted in by every thread at once (kvlm_prefault): a slice's
+    own, and as many bytes again ahead (at most PREFAULT_BYTES), so at most one slice's
+    worth past the last one is resident unused. A slice's first touch in a pack (one 2 MiB
+    page zeroed at ~1 GB/s on one thread while the other waited) was most of a mixture of
+    experts' load (BENCHMARKS 25.4)."""
 
     def __init__(self, buffer: torch.Tensor) -> None:
         self.buffer = buffer
@@ -401,17 +402,25 @@ class HugePageArena:
         if start + nbytes > self.buffer.numel():
             return None  # full: the caller's weight goes to ordinary memory
         self.used = start + nbytes
-        if self.used > self.faulted:
-            self._fault_to(self.used)
+        if self.used > self.faulted:  # this slice's pages, and as many again ahead
+            self._fault_to(self.used + min(nbytes, PREFAULT_BYTES))
         return self.buffer[start : start + nbytes]
 
+    def trim(self) -> None:
+        """Give back the pages faulted in ahead that no slice took (whole pages past the
+        last slice's: zeros, never written), once the packing is over."""
+        page = kernels.HUGE_PAGE
+        start = -(-self.used // page) * page
+        if self.faulted > start:
+            _release_pages(self.buffer.data_ptr() + start, self.faulted - start)
+            self.faulted = start
+
     def _fault_to(self, end: int) -> None:
-        lib = kernels.library()
-        upto = min(self.buffer.numel(), -(-end // PREFAULT_BYTES) * PREFAULT_BYTES)
+        lib, page = kernels.library(), kernels.HUGE_PAGE
+        upto = min(self.buffer.numel(), -(-end // page) * page)
         if lib is not None and upto > self.faulted:
-            lib.kvlm_prefault(self.buffer.data_ptr() + self.faulted, upto - self.faulted,
-                              kernels.HUGE_PAGE)  # fmt: skip
-        self.faulted = upto
+            lib.kvlm_prefault(self.buffer.data_ptr() + self.faulted, upto - self.faulted, page)
+        self.faulted = max(self.faulted, upto)
 
     def holds(self, t: torch.Tensor) -> bool:
         base = self.buffer.data_ptr()
@@ -419,7 +428,7 @@ class HugePageArena:
 
 
 _ARENAS: list[HugePageArena | None] = []
-PREFAULT_BYTES = 16 << 20  # the arena's pages faulted in ahead of its slices, at a time
+PREFAULT_BYTES = 16 << 20  # the most of the arena's pages faulted in ahead of its slices
 
 
 def packing_on_huge_pages(capacity: int) -> AbstractContextManager[HugePageArena | None]:
@@ -446,6 +455,8 @@ def _packing_into(arena: HugePageArena | None) -> Iterator[HugePageArena | None]
         yield arena
     finally:
         _ARENAS.pop()
+        if arena is not None:
+            arena.trim()
 
 
 def packed_bytes(kind: str, n: int, k: int) -> int:
@@ -580,8 +591,8 @@ def _file_backed(a: np.ndarray) -> bool:
 
 def _release_pages(addr: int, nbytes: int) -> None:
     """MADV_DONTNEED the whole pages inside [addr, addr + nbytes) of a file's map (a later
-    read faults them in again from the file). Best effort: nothing where the OS or libc
-    has no madvise."""
+    read faults them in again from the file), or of anonymous memory that holds nothing
+    (a later touch gets zeros). Best effort: nothing where the OS or libc has no madvise."""
     advice = getattr(mmap, "MADV_DONTNEED", None)
     libc = _libc()
     if advice is None or libc is None:
