@@ -413,7 +413,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 _TRANSIENT = threading.local()
 # A low-bit MLP takes a prompt this many rows at a time: its gate|up buffer and SwiGLU's
 # are those of PIECE_ROWS rows (a row's results are its own in any piece). 256, not 512:
-# the 350M LFM2 shape's Q8_0 peak RSS 709-716 MiB instead of 729-732 for a 512-token
+# a 350M-parameter Q8_0 model's peak RSS 709-716 MiB instead of 729-732 for a 512-token
 # prompt, TTFT within the runs' spread (BENCHMARKS 24.14)
 PIECE_ROWS = 256
 
