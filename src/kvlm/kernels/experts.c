@@ -116,20 +116,27 @@ typedef struct {
     float eps, scale;
 } route_how;
 
-/* ROUTER_TOPK_SOFTMAX of one row's logits p [E]: the top K (the higher first, the lower
- * expert first among equal ones), then their softmax alone, exp(l - p[chosen[0]]) over
- * their sum in chosen order (route_rows) */
-static void topk_softmax_row(const float *p, int64_t E, int64_t K, int64_t *chosen, float *w) {
-    for (int64_t j = 0; j < K; j++) { /* the best not yet taken; ties: the lower one */
+/* The top K of one row's scores p [E] (plus `bias` where given: it chooses, never weighs)
+ * into chosen [K]: the best not yet taken each time, the higher first, the lower expert
+ * first among equal ones; a NaN never wins a comparison */
+static void top_k(const float *p, const float *bias, int64_t E, int64_t K, int64_t *chosen) {
+    for (int64_t j = 0; j < K; j++) {
         int64_t best = -1;
         float top = 0.0f;
         for (int64_t e = 0; e < E; e++) {
             int taken = 0;
             for (int64_t t = 0; t < j; t++) taken |= chosen[t] == e;
-            if (!taken && (best < 0 || p[e] > top)) best = e, top = p[e];
+            const float s = bias ? p[e] + bias[e] : p[e];
+            if (!taken && (best < 0 || s > top)) best = e, top = s;
         }
         chosen[j] = best;
     }
+}
+
+/* ROUTER_TOPK_SOFTMAX of one row's logits p [E]: the top K (top_k), then their softmax
+ * alone, exp(l - p[chosen[0]]) over their sum in chosen order (route_rows) */
+static void topk_softmax_row(const float *p, int64_t E, int64_t K, int64_t *chosen, float *w) {
+    top_k(p, NULL, E, K, chosen);
     const float mx = p[chosen[0]];
     float sum = 0.0f;
     for (int64_t j = 0; j < K; j++) {
@@ -162,19 +169,11 @@ static void route_rows(const float *h, int64_t B, int64_t H, const float *router
             }
             for (int64_t e = 0; e < E; e++) p[e] /= sum;
         }
+        top_k(p, how.bias, E, K, chosen + b * K);
         float total = 0.0f;
-        for (int64_t j = 0; j < K; j++) { /* the best not yet taken; ties: the lower one */
-            int64_t best = -1;
-            float top = 0.0f;
-            for (int64_t e = 0; e < E; e++) {
-                int taken = 0;
-                for (int64_t t = 0; t < j; t++) taken |= chosen[b * K + t] == e;
-                const float s = how.bias ? p[e] + how.bias[e] : p[e];
-                if (!taken && (best < 0 || s > top)) best = e, top = s;
-            }
-            chosen[b * K + j] = best;
-            w[b * K + j] = p[best];
-            total += p[best];
+        for (int64_t j = 0; j < K; j++) {
+            w[b * K + j] = p[chosen[b * K + j]];
+            total += w[b * K + j];
         }
         if (how.normalize) {
             const float d = total + how.eps;
