@@ -102,7 +102,7 @@ from kvlm.cache.paged import BlockPool
 from kvlm.cache.storage import Store, key_rotation
 from kvlm.config import ModelConfig
 from kvlm.dtypes import Q4
-from kvlm.model.attention import _room
+from kvlm.model.attention import _base, _room
 from kvlm.model.experts import EXPERT_ACT_CODES, ROUTER_CODES, Experts
 from kvlm.model.layers import MLP, Linear
 from kvlm.model.quant import KIND_CODES
@@ -274,10 +274,6 @@ def _qmat(lin: Linear) -> _QMat:
     if len(parts) > QMAT_PARTS:
         raise ValueError(f"a projection of {len(parts)} parts of different kinds")
     return _QMat(q.out_features, q.in_features, len(parts), (_QPart * QMAT_PARTS)(*parts))
-
-
-def _base(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 def _layer_bytes(t: torch.Tensor | None) -> int:
