@@ -48,6 +48,9 @@ REPLIES = [
      (None, "<|channel|>final" + "x" * HEADER_MAX, [])),
     (A + "a<|end|>\n<|start|>assistant<|channel|>final<|message|>b<|return|>", True,
      ("a", "b", [])),
+    # text outside any message: content as written, but the whitespace after a message's end
+    (A + "a<|end|> stray  text <|start|>assistant<|channel|>final<|message|>b", True,
+     ("a", "stray  text b", [])),
 ]  # fmt: skip
 
 

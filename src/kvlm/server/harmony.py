@@ -63,6 +63,7 @@ class HarmonyStream:
         self.held = ""
         self.route = "content"  # a message's text: "reasoning" | "content" | "call" | "drop"
         self.thought = False  # an analysis message was opened
+        self.spoke = False  # between messages: text other than whitespace came
 
     def push(self, text: str) -> tuple[str, str]:
         self.held += text
@@ -77,24 +78,38 @@ class HarmonyStream:
             elif self.state == "body":
                 if not self._body(out):
                     break
-            else:  # between messages: until the next <|start|>; text outside any message is content
-                at = self.held.find(START)
-                if at < 0:
-                    keep = partial_tail(self.held, (START,))
-                    out["content"] += self.held[: len(self.held) - keep].strip()
-                    self.held = self.held[len(self.held) - keep :]
-                    break
-                out["content"] += self.held[:at].strip()
-                self.held, self.state = self.held[at + len(START) :], "header"
+            elif not self._between(out):
+                break
         return out["reasoning"], out["content"]
+
+    def _between(self, out: dict[str, str]) -> bool:
+        """Text after a message's end, up to the next `<|start|>`: the whitespace right
+        after the end dropped (as it comes: the same whatever the pieces), other text
+        content as written; False: wait for more text."""
+        if not self.spoke:
+            rest = self.held.lstrip()
+            if not rest:
+                self.held = ""
+                return False
+            self.held, self.spoke = rest, True
+        at = self.held.find(START)
+        if at < 0:
+            keep = partial_tail(self.held, (START,))
+            out["content"] += self.held[: len(self.held) - keep]
+            self.held = self.held[len(self.held) - keep :]
+            return False
+        out["content"] += self.held[:at]
+        self.held, self.state = self.held[at + len(START) :], "header"
+        return True
 
     def finish(self) -> tuple[str, str]:
         """What was held, at the end of the reply: the last message's text goes where its
         message went, a call closed (its end, `<|call|>`, ended the generation; cut off by
         max_tokens, kvlm.server.tools reads the arguments as far as they came); a header
-        cut off is nothing, but the first (the reply was not harmony)."""
+        cut off is nothing, but the first (the reply was not harmony); text between
+        messages is content."""
         held, self.held = self.held, ""
-        if self.state in ("first", "plain"):
+        if self.state in ("first", "plain", "between"):
             return "", held
         if self.state != "body" or self.route == "drop":
             return "", ""
@@ -151,7 +166,7 @@ class HarmonyStream:
         if self.route == "call":
             out["content"] += "}\n" + HERMES_CLOSE
         self.held = self.held[at + len(marker) :]
-        self.state = "header" if marker == START else "between"
+        self.state, self.spoke = ("header" if marker == START else "between"), False
         return True
 
     def _emit(self, text: str, out: dict[str, str]) -> None:
