@@ -531,3 +531,30 @@ def test_the_hubs_mxfp4_checkpoint_loads_as_the_converters_file(folder, tmp_path
     assert torch.equal(
         a.runner.logits(ids, a.new_cache("off")), b.runner.logits(ids, b.new_cache("off"))
     )
+
+
+def test_an_mxfp4_stacks_blocks_and_scales_read_from_different_shards(folder, tmp_path):
+    """A sharded checkpoint may keep a stack's blocks and its scales in different files:
+    read as from one."""
+    from safetensors.torch import load_file, save_file
+
+    from kvlm.loading.hf import SafetensorsWeights
+
+    hub = _mxfp4_folder(folder, tmp_path / "hub")
+    split = tmp_path / "split"
+    split.mkdir()
+    for f in hub.iterdir():
+        if f.suffix != ".safetensors":
+            (split / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(hub / "model.safetensors")
+    scales = {n: t for n, t in tensors.items() if n.endswith("_scales")}
+    rest = {n: t for n, t in tensors.items() if n not in scales}
+    save_file(rest, split / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    save_file(scales, split / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+    one, two = SafetensorsWeights(hub), SafetensorsWeights(split)
+    for part in ("gate_up_proj", "down_proj"):
+        name = f"model.layers.2.mlp.experts.{part}.weight"
+        assert torch.equal(two.get(name).view(torch.int32), one.get(name).view(torch.int32))
+        assert np.array_equal(
+            two.get_quant(name, packed=False).raw, one.get_quant(name, packed=False).raw
+        )

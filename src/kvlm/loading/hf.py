@@ -131,20 +131,20 @@ class SafetensorsWeights:
             for stored in handle.keys():  # noqa: SIM118 - safe_open: no __iter__
                 name = self.family.from_hf_name(text_model_name(stored))
                 self._where[name], self._stored[name] = handle, stored
-        # MXFP4 stacks: the model's name of NAME -> (its blocks' and its scales' stored names)
-        self._mxfp4: dict[str, tuple[str, str]] = {}
-        for stored in [s for s in self._stored.values() if s.endswith(MXFP4_BLOCKS)]:
+        # MXFP4 stacks under the model's name of NAME: its blocks where every tensor is
+        # (`_where`, `_stored`), its scales' file and name here (a shard of their own maybe)
+        self._mxfp4: dict[str, tuple[Any, str]] = {}
+        named = {stored: name for name, stored in self._stored.items()}
+        for stored in [s for s in named if s.endswith(MXFP4_BLOCKS)]:
             base = stored.removesuffix(MXFP4_BLOCKS)
             scales = base + MXFP4_SCALES
-            if scales not in self._stored.values():
+            if scales not in named:
                 raise ModelLoadError(f"{folder.name}: {stored} has no {scales}")
             name = self.family.from_hf_name(text_model_name(base))
-            for part in (stored, scales):
-                part_name = self.family.from_hf_name(text_model_name(part))
-                self._where[name] = self._where.pop(part_name)
-                del self._stored[part_name]
-            self._mxfp4[name] = (stored, scales)
-            self._stored[name] = stored
+            self._where[name] = self._where.pop(named[stored])
+            self._stored[name] = self._stored.pop(named[stored])
+            self._mxfp4[name] = (self._where.pop(named[scales]), scales)
+            del self._stored[named[scales]]
         self.dtypes = sorted({str(self.stored_as(n)[1]) for n in self._where})
         for name in check_shapes(self, self.config, folder.name, self.family.to_hf_name):
             stored, dtype = self.stored_as(name)
@@ -221,8 +221,8 @@ class SafetensorsWeights:
 
     def _check_mxfp4(self, name: str) -> None:
         """An MXFP4 stack's blocks (E, rows, groups, 16) and scales (E, rows, groups) uint8."""
-        blocks, scales = self._mxfp4[name]
-        b, s = (self._where[name].get_slice(n) for n in (blocks, scales))
+        (where, scales), blocks = self._mxfp4[name], self._stored[name]
+        b, s = self._where[name].get_slice(blocks), where.get_slice(scales)
         shape_b, shape_s = tuple(b.get_shape()), tuple(s.get_shape())
         if (str(b.get_dtype()), str(s.get_dtype())) != ("U8", "U8") or (
             len(shape_b) != 4 or shape_b[-1] != MXFP4_GROUP // 2 or shape_b[:-1] != shape_s
@@ -235,11 +235,21 @@ class SafetensorsWeights:
     def _mxfp4_rows(self, name: str) -> np.ndarray:
         """An MXFP4 stack as GGUF's blocks, E x rows rows of groups x 17 bytes, the rows in
         the order the family's fold gives the float stack's (E, rows, K)."""
-        blocks, scales = (self._stored_tensor_named(name, n).numpy() for n in self._mxfp4[name])
+        where, scales = self._mxfp4[name]
+        blocks = self._stored_tensor(name).numpy()
         e, rows, groups, _ = blocks.shape
-        pairs = np.stack((blocks & 0x0F, blocks >> 4), axis=-1).reshape(e, rows, groups, 32)
-        ggml = pairs[..., :16] | (pairs[..., 16:] << 4)  # element j low, j + 16 high
-        out = np.concatenate((scales[..., None], ggml), axis=-1).reshape(e * rows, -1)
+        # byte i of the Hub's holds elements 2i (low) and 2i + 1 (high); GGUF's byte j holds
+        # element j (low) and j + 16 (high): its even bytes take low nibbles, its odd ones
+        # high ones, of the first eight bytes and (shifted) of the last eight
+        out = np.empty((e, rows, groups, MXFP4_BLOCK_BYTES), dtype=np.uint8)
+        try:
+            out[..., 0] = where.get_tensor(scales).numpy()
+        except Exception as exc:
+            raise ModelLoadError(f"cannot read tensor {scales}: {exc}") from exc
+        low, high = blocks & 0x0F, blocks >> 4
+        out[..., 1::2] = low[..., :8] | (low[..., 8:] << 4)
+        out[..., 2::2] = high[..., :8] | (high[..., 8:] << 4)
+        out = out.reshape(e * rows, -1)
         order = self._row_order(name, e, rows)
         return out if order is None else np.ascontiguousarray(out[order])
 
@@ -256,12 +266,6 @@ class SafetensorsWeights:
             index = index.transpose(1, 2)  # stored (E, K, rows): one column of K here
         order = fold(self.config, name, index).reshape(-1).numpy()
         return None if np.array_equal(order, np.arange(e * rows)) else order
-
-    def _stored_tensor_named(self, name: str, stored: str) -> torch.Tensor:
-        try:
-            return self._where[name].get_tensor(stored)
-        except Exception as exc:
-            raise ModelLoadError(f"cannot read tensor {stored}: {exc}") from exc
 
     def _stored_tensor(self, name: str) -> torch.Tensor:
         try:
