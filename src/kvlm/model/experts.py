@@ -30,6 +30,24 @@ a GPU (or in another dtype on the CPU): the router and the shared expert run whe
 model runs; the chosen experts, their weights and the rows (fp32) go to the host once per
 layer, each chosen expert runs there on the CPU kernels over its rows (the same bits for a
 row in any batch, as on the CPU road), their weighted sum comes back in the model's dtype.
+
+The device road (a GPU's experts, dense in the model's dtype: `Experts.stacks`): every
+expert's gate|up stacked once (E, 2 I, H), down (E, H, I), their biases (E, 2 I), (E, H)
+where they have them, each expert's Linear a view of its slice (no second copy), and the
+routed product with no read on the host, every shape N and top_k's (a CUDA graph holds it):
+
+    a      = the N * top_k assignments, each row's experts in ascending order
+    grouped  (`grouped_ok`: CUDA sm90/sm100, bf16, H and I multiples of 16): the assignments
+             sorted by expert (stable), each expert's end = searchsorted, and
+             torch._grouped_mm over the sorted rows for gate|up and for down
+    gather   (else: fp32 or fp64 on a GPU, the CPU's tests): each assignment's expert's
+             matrices gathered (w[e]) and one bmm, GATHER_ROWS assignments at a time
+    y      = a row's weighted outputs added in ascending expert order, as the loop adds them
+
+A GPU's rows take grouped where it runs, else gather when the step is being captured or
+its assignments are at most GATHER_ROWS (a decode step's); else (an eager prompt in fp32)
+the loop road, which reads each chosen expert's weights once. The CPU keeps the loop (its
+kernels, the fused step) unless `ROAD` names a road (tests).
 """
 
 from __future__ import annotations
@@ -39,7 +57,7 @@ from torch import nn
 
 from kvlm import kernels
 from kvlm.config import Experts as ExpertsConfig
-from kvlm.model.layers import MLP, Linear, feeding_prompt, prompt_rows
+from kvlm.model.layers import MLP, Linear, feeding_prompt, gated, prompt_rows
 
 # config.ROUTERS -> kvlm_route's and kvlm_qlayer's `router_kind` (kernels/abi.h)
 ROUTER_CODES = {"softmax": kernels.CONSTANTS["ROUTER_SOFTMAX"],
@@ -48,6 +66,13 @@ ROUTER_CODES = {"softmax": kernels.CONSTANTS["ROUTER_SOFTMAX"],
 # config.EXPERT_ACTIVATIONS ("": the model's own) -> kvlm_qlayer's `exp_act`
 EXPERT_ACT_CODES = {"": kernels.CONSTANTS["EXP_ACT_MODEL"],
                     "clamped_swiglu": kernels.CONSTANTS["EXP_ACT_CLAMPED_SWIGLU"]}  # fmt: skip
+# the device road's product where `grouped_ok` does not hold, or "loop": None picks
+# (`Experts.road`); "grouped" or "gather" forces that road wherever the experts are stacked,
+# and stacks them on the CPU too (tests: the roads against each other without a GPU)
+ROAD: str | None = None
+# assignments (rows x top_k) one gathered product takes: its gathered matrices are this many
+# experts' (a bound on its buffer), and an eager step of more takes the loop road
+GATHER_ROWS = 64
 
 
 class Experts(nn.Module):
@@ -89,6 +114,36 @@ class Experts(nn.Module):
             raise ValueError("a selection bias where the config has none, or none where it has")
         # the selection bias as it is (the fused C step reads it): (count,), or None
         self.bias = None if bias is None else bias.to(self.router_dtype).contiguous()
+        # the device road's stacked (gate_up, down, gate_up bias, down bias), or None
+        self.stacks = None if host else self._stack()
+
+    def _stack(self) -> tuple | None:
+        """Stack the experts' dense weights (and biases) once, each expert's Linear left a
+        view of its slice: on a GPU (or where `ROAD` says), with every expert's projection
+        a plain [out, in] tensor (kernel "torch") of one dtype, shape and device, and the
+        biases on all or none; else None (the loop road)."""
+        lins = [[getattr(e, n) for e in self.experts] for n in ("gate_up", "down")]
+        first = lins[0][0].weight
+        if first.is_cpu and ROAD is None:
+            return None
+        for part in lins:
+            w, b = part[0].weight, part[0].bias
+            for lin in part:
+                v = lin.weight
+                same = (v.dtype, v.shape, v.device) == (w.dtype, w.shape, w.device)
+                if lin.kernel != "torch" or not same:
+                    return None
+                if (lin.bias is None) != (b is None):
+                    return None
+        e0 = self.experts[0]
+        if any((e.act, e.swiglu) != (e0.act, e0.swiglu) for e in self.experts):
+            return None
+        stacks = []
+        for part in lins:
+            stacks.append(_stacked(part, "weight"))
+        for part in lins:
+            stacks.append(None if part[0].bias is None else _stacked(part, "bias"))
+        return tuple(stacks)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row of x (N, hidden): its experts (N, top_k), the higher weight first,
@@ -173,7 +228,11 @@ class Experts(nn.Module):
                 out = self._routed(rows, chosen.to(cpu), weights.to(cpu, torch.float32))
                 out = out.to(flat.device, flat.dtype)
             else:
-                out = self._routed(flat, chosen, weights.to(x.dtype))
+                road = self.road(flat)
+                if road == "loop":
+                    out = self._routed(flat, chosen, weights.to(x.dtype))
+                else:
+                    out = self._device(flat, chosen, weights.to(x.dtype), road)
             if self.shared is not None:  # routed + sigmoid(gate) * shared, as transformers
                 y = self.shared(flat.unsqueeze(0))[0]
                 if self.shared_gate is not None:
@@ -190,3 +249,95 @@ class Experts(nn.Module):
             y = self.experts[e](flat[rows].unsqueeze(0))[0]
             out.index_add_(0, rows, y * weights[rows, slot, None])
         return out
+
+    def road(self, flat: torch.Tensor) -> str:
+        """Which product the routed experts of `flat` (N, hidden) take: "grouped",
+        "gather" or "loop" (the module's docstring)."""
+        if self.stacks is None or self.host or not flat.shape[0]:
+            return "loop"
+        if ROAD is not None:
+            return ROAD
+        if flat.is_cpu:
+            return "loop"
+        if grouped_ok(flat, self.stacks[0], self.stacks[1]):
+            return "grouped"
+        n = flat.shape[0] * self.config.top_k
+        capturing = flat.is_cuda and torch.cuda.is_current_stream_capturing()
+        return "gather" if capturing or n <= GATHER_ROWS else "loop"
+
+    def _device(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                road: str) -> torch.Tensor:  # fmt: skip
+        """The routed experts' weighted outputs (N, hidden) on the stacked weights, with no
+        read on the host: "grouped" or "gather" (`road`); a row's terms added in ascending
+        expert order, as `_routed` adds them."""
+        n, k = chosen.shape
+        chosen, slot = torch.sort(chosen, dim=1, stable=True)  # each row's experts ascending
+        w = weights.gather(1, slot).reshape(-1, 1)
+        ids = chosen.reshape(-1)  # (N k,): assignment a is row a // k's
+        rows = torch.arange(n * k, device=flat.device) // k
+        if road == "grouped":
+            y = self._grouped(flat, ids, rows)
+        elif road == "gather":
+            y = torch.cat([self._gathered(flat[rows[i : i + GATHER_ROWS]], ids[i : i + GATHER_ROWS])
+                           for i in range(0, n * k, GATHER_ROWS)])  # fmt: skip
+        else:
+            raise ValueError(f"no experts' road {road!r}")
+        y = (y * w).view(n, k, -1)
+        out = y[:, 0]
+        for j in range(1, k):  # ascending expert order, one term at a time
+            out = out + y[:, j]
+        return out
+
+    def _activation(self, gu: torch.Tensor) -> torch.Tensor:
+        e = self.experts[0]
+        return gated(gu, e.act, e.swiglu)
+
+    def _gathered(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Assignments' rows x (n, hidden) through their experts `ids` (n,): each one's
+        matrices gathered, one bmm (baddbmm with the bias, as a Linear's addmm)."""
+        gate_up, down, gate_up_b, down_b = self.stacks
+        y = _bmm(x[:, None], gate_up[ids], None if gate_up_b is None else gate_up_b[ids])
+        return _bmm(self._activation(y), down[ids], None if down_b is None else down_b[ids])[:, 0]
+
+    def _grouped(self, flat: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor):
+        """The assignments (ids (N k,) of rows `rows`) sorted by expert, one grouped product
+        for gate|up and one for down over every expert's run of them, back in their order."""
+        gate_up, down, gate_up_b, down_b = self.stacks
+        ids, order = torch.sort(ids, stable=True)
+        experts = torch.arange(gate_up.shape[0], device=ids.device)
+        ends = torch.searchsorted(ids, experts, right=True).to(torch.int32)
+        x = flat[rows[order]]
+        y = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=ends)
+        y = self._activation(y if gate_up_b is None else y + gate_up_b[ids])
+        y = torch._grouped_mm(y, down.transpose(-2, -1), offs=ends)
+        y = y if down_b is None else y + down_b[ids]
+        return torch.empty_like(y).index_copy_(0, order, y)
+
+
+def grouped_ok(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm multiplies these on their device with no read on the host:
+    CUDA of compute capability 9 or 10 (its CUTLASS kernels; elsewhere a loop over the
+    groups that reads their ends on the host), bf16, every dimension a multiple of 16
+    (its 16-byte strides)."""
+    if not x.is_cuda or not hasattr(torch, "_grouped_mm"):
+        return False
+    if {x.dtype, gate_up.dtype, down.dtype} != {torch.bfloat16}:
+        return False
+    if any(d % 16 for d in (*gate_up.shape[1:], *down.shape[1:])):
+        return False
+    return torch.cuda.get_device_capability(x.device)[0] in (9, 10)
+
+
+def _bmm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x (n, 1, in) by each w (n, out, in) transposed, plus b (n, out): (n, 1, out)."""
+    if b is None:
+        return torch.bmm(x, w.transpose(1, 2))
+    return torch.baddbmm(b[:, None], x, w.transpose(1, 2))
+
+
+def _stacked(lins: list[Linear], name: str) -> torch.Tensor:
+    """The Linears' `name` buffer stacked (E, ...); each Linear's becomes a view of it."""
+    stack = torch.stack([getattr(lin, name) for lin in lins])
+    for lin, view in zip(lins, stack.unbind(0), strict=True):
+        setattr(lin, name, view)
+    return stack

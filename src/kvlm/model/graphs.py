@@ -48,9 +48,11 @@ MIN_KEYS = 128  # the smallest key bucket of a contiguous cache
 # without CUDA graphs: a graph's step reads one store through one table per row, every
 # layer with one window (the fused step reads each group through a view of its own)
 ONE_GROUP = "the CUDA graphs read one store and one block table per row: one layer group"
-# why a model with a mixture of experts decodes without CUDA graphs: its layers read which
-# experts the router chose on the host (torch.unique(...).tolist(), and with --cpu-experts
-# the hop to the host's experts), a sync no graph can hold
+# why a model with a mixture of experts decodes without CUDA graphs: a layer off the
+# experts' device road (kvlm.model.experts: Experts.stacks; its experts in host memory,
+# --cpu-experts, or not dense on the device) reads which experts the router chose on the
+# host (torch.unique(...).tolist(), and the hop to the host's experts), a sync no graph
+# can hold
 EXPERTS = "the experts' routing reads the chosen experts on the host: not capturable"
 MAX_ROWS = 256  # batches of more rows run eagerly (a graph per power of two up to this)
 
@@ -61,8 +63,10 @@ def enabled(device: torch.device) -> bool:
 
 
 def why_not(model: torch.nn.Module) -> str | None:
-    """None when a decode step of `model` can be captured, else why not (EXPERTS)."""
-    return EXPERTS if any(isinstance(m, Experts) for m in model.modules()) else None
+    """None when a decode step of `model` can be captured, else why not (EXPERTS: a
+    mixture of experts off the device road)."""
+    moes = [m for m in model.modules() if isinstance(m, Experts)]
+    return EXPERTS if any(m.host or m.stacks is None for m in moes) else None
 
 
 def bucket(n: int, low: int, high: int) -> int:

@@ -479,11 +479,18 @@ class MLP(nn.Module):
                 raise ValueError(f"the kernels refused SwiGLU of {rows} rows of "
                                  f"{gu.shape[-1]}")  # fmt: skip
             return self.down(act)
-        gate, up = gu.chunk(2, dim=-1)
-        if self.act == "clamped_swiglu":  # its alpha and limit the config's (Experts)
-            return self.down(clamped_swiglu(gate, up, *self.swiglu))
-        gate = F.silu(gate) if silu else F.gelu(gate, approximate="tanh")
-        return self.down(gate * up)
+        return self.down(gated(gu, self.act, self.swiglu))
+
+
+def gated(gu: torch.Tensor, act: str, swiglu: tuple[float, float] | None = None) -> torch.Tensor:
+    """The gated MLP's activation of its gate|up product gu (..., 2 I) -> (..., I) in
+    torch's ops (MLP's `act` and `swiglu`; the CPU's fp32 SwiGLU runs the kernels' instead):
+    MLP's and the experts' device road's (kvlm.model.experts) one copy."""
+    gate, up = gu.chunk(2, dim=-1)
+    if act == "clamped_swiglu":  # its alpha and limit the config's (Experts)
+        return clamped_swiglu(gate, up, *swiglu)
+    gate = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+    return gate * up
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float):
