@@ -571,3 +571,37 @@ def test_experts_in_host_memory_follow_the_cpu(family, n):
         assert m.router_weight.device.type == device
     assert llm.runner.graphs is None
     assert_generation_agrees(ref, llm, PROMPTS[0], N)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="CUDA graphs and the device's experts road")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_experts_decode_replays_graphs(family, dtype):
+    """A mixture of experts on the device takes the device road (kvlm.model.experts: the
+    weights stacked; bf16: grouped on compute capability 9 or 10, else gather) and its
+    decode steps replay CUDA graphs (no read on the host in the step): greedy tokens by
+    the top-5 rule against the CPU in the same dtype (bf16: or else fp32's, as
+    assert_follows), one layer's road run with the host's syncs an error."""
+    from kvlm.model.experts import Experts, grouped_ok
+
+    folder = family("qwen3_moe")
+    gpu = on_device(folder, dtype=dtype)
+    moes = [m for m in gpu.model.modules() if isinstance(m, Experts)]
+    assert moes and all(m.stacks is not None for m in moes)
+    assert gpu.runner.graphs is not None, gpu.runner.graphs_reason
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=5)
+    out = gpu.generate(PROMPTS[1], params)[0]
+    assert gpu.runner.graphs.captured > 0 and gpu.runner.graphs.replays >= N - 2
+    got = list(zip(out.token_ids, [list(lp.top) for lp in out.logprobs], strict=True))
+    fp32 = mode_reference(folder, "off", PROMPTS[1], N, "fp32")
+    assert_follows(got, mode_reference(folder, "off", PROMPTS[1], N, dtype), fp32)
+    moe = moes[0]
+    x = torch.randn(3, moe.router_weight.shape[1], device=gpu.model.device,
+                    dtype=moe.stacks[0].dtype)  # fmt: skip
+    road = "grouped" if grouped_ok(x, moe.stacks[0], moe.stacks[1]) else "gather"
+    assert moe.road(x) == road
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
