@@ -393,8 +393,9 @@ def test_experts_in_host_memory_follow_the_cpu_road(moe_dir, monkeypatch):
     """--cpu-experts 2 on a bf16 model (the hop a GPU takes, here from bf16 to the host's
     fp32 experts and back): the first two layers' experts fp32 on the CPU, the others' and
     the routers in bf16; greedy tokens by the top-5 rule against the fp32 CPU road. A
-    model with experts replays no CUDA graphs (graphs.EXPERTS: the routing reads the
-    chosen experts on the host)."""
+    model with experts off the device road (in host memory, or the CPU's packed weights)
+    replays no CUDA graphs (graphs.EXPERTS: the routing reads the chosen experts on the
+    host)."""
     folder = moe_dir("qwen3moe")
     llm = LLM(model=folder, dtype="bf16", cpu_experts=2, progress=False)
     moes = [block.mlp for block in llm.model.layers]
