@@ -35,8 +35,10 @@ forward per step): the GPU kernels a step and their time, the ten costliest by n
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -94,6 +96,20 @@ def profile_step(llm: LLM, n: int, steps: int = 10) -> dict:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
+    # the host's side of the same steps: wall time a step and Python's costliest functions
+    # by their own time (cProfile's overhead inflates the sum, not the order)
+    host = cProfile.Profile()
+    t = time.perf_counter()
+    host.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    host.disable()
+    wall_ms = (time.perf_counter() - t) / steps * 1e3
+    stats = pstats.Stats(host).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, _)
+    own = sorted(stats.items(), key=lambda kv: -kv[1][2])[:15]
+    host_top = [(f"{f.rsplit('/', 1)[-1]}:{line}:{name}", v[1] // steps,
+                 round(v[2] / steps * 1e3, 3)) for (f, line, name), v in own]  # fmt: skip
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
     by_name: dict[str, list[float]] = {}
     for e in kernels:
@@ -105,14 +121,18 @@ def profile_step(llm: LLM, n: int, steps: int = 10) -> dict:
         "kernels_per_step": round(len(kernels) / steps, 1),
         "gpu_ms_per_step": round(sum(e.device_time for e in kernels) / steps / 1e3, 3),
         "top": [(name, len(t) // steps, round(sum(t) / steps / 1e3, 3)) for name, t in top],
+        "profiled_step_ms": round(wall_ms, 3),
+        "host_top": host_top,
     }
 
 
-def moe_host(path: str, seconds: float, device: str = "cuda") -> None:
-    """--moe: one JSON line per road, --cpu-experts 0, half the expert layers, all."""
+def moe_host(path: str, seconds: float, device: str = "cuda", roads: str = "0,half,all") -> None:
+    """--moe: one JSON line per road (--moe-roads: --cpu-experts 0, half the expert layers,
+    all)."""
     import torch
 
-    cuda, start, roads, took = device == "cuda", time.perf_counter(), [0, None, "all"], 0.0
+    cuda, start, took = device == "cuda", time.perf_counter(), 0.0
+    roads = [None if r == "half" else r if r == "all" else int(r) for r in roads.split(",")]
     layers: list[int] = []  # the expert layers, read by the first road
     for n in roads:
         spent = time.perf_counter() - start
@@ -130,7 +150,8 @@ def moe_host(path: str, seconds: float, device: str = "cuda") -> None:
         run_kvlm(llm, "contiguous", ids, 8)  # warm-up
         runs = [run_kvlm(llm, "contiguous", ids, 64) for _ in range(3)]
         peak = torch.cuda.max_memory_allocated() if cuda else None
-        row = {"cpu_experts": llm.cpu_experts, "of": len(layers), "load_s": round(load, 2)}
+        row = {"cpu_experts": llm.cpu_experts, "of": len(layers), "load_s": round(load, 2),
+               "graphs": llm.runner.graphs is not None}  # fmt: skip
         print(json.dumps(row | median(runs) | {"max_memory_allocated": peak}), flush=True)
         took = time.perf_counter() - t
         del llm
@@ -149,9 +170,10 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--moe", metavar="FILE", help="experts on the GPU against in host memory")
     ap.add_argument("--moe-seconds", type=float, default=300)
     ap.add_argument("--device", default="cuda", help="with --moe: cpu checks the road")
+    ap.add_argument("--moe-roads", default="0,half,all", help="with --moe: the --cpu-experts")
     args = ap.parse_args(argv)
     if args.moe:
-        moe_host(args.moe, args.moe_seconds, args.device)
+        moe_host(args.moe, args.moe_seconds, args.device, args.moe_roads)
         return
     streams = [int(x) for x in args.streams.split(",")]
     for model in args.models:
