@@ -5,8 +5,18 @@ The public names load on first use, so `kvlm --help` does not pay for importing 
 
 from __future__ import annotations
 
+import os
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
+
+# MKL (torch's fp32 and fp64 GEMMs on x86) splits a product's sums across threads where it
+# sees fit: on an AMX Xeon a 128 x 1536 -> 576 fp32 product differs between 1 and 2
+# threads, so a prompt row's bits would follow the engine's thread count (kvlm.engine.
+# threads moves it). Intel's strict conditional numerical reproducibility gives ?gemm one
+# answer on any thread count (measured: 0-10% on 128-row products, docs/BENCHMARKS.md
+# 20.4). MKL reads this at its first call, so it is set here, before any; a user's own
+# setting stands.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 if TYPE_CHECKING:
     from kvlm.engine.request import RequestOutput
