@@ -28,8 +28,9 @@ tokens, median of 3 after a warm-up) and torch.cuda.max_memory_allocated; a road
 load and runs would pass `--moe-seconds` (default 300) after those before is skipped
 (said in its line). `--device cpu` checks the road on the CPU (in bf16, so the hop runs).
 
-`--profile N`: torch's profiler over 10 engine steps of N streams all decoding (one
-forward per step): the GPU kernels a step and their time, the ten costliest by name.
+`--profile N[,N...]`: torch's profiler over 10 engine steps of N streams all decoding (one
+forward per step): the GPU kernels a step and their time, the ten costliest by name; then
+the host's side of 10 more (cProfile: wall time a step, the costliest functions by own time).
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--no-hf", action="store_true", help="kvlm only")
     ap.add_argument("--streams", default=",".join(map(str, STREAMS)))
     ap.add_argument("--roads", choices=["both", "one"], default="both")
-    ap.add_argument("--profile", type=int, default=0, metavar="N")
+    ap.add_argument("--profile", default="", metavar="N[,N...]")
     ap.add_argument("--moe", metavar="FILE", help="experts on the GPU against in host memory")
     ap.add_argument("--moe-seconds", type=float, default=300)
     ap.add_argument("--device", default="cuda", help="with --moe: cpu checks the road")
@@ -191,8 +192,8 @@ def main(argv: list[str]) -> None:
                 row["hbm_share"] = hbm_share(llm, row)
             road = "one forward per step" if one else "a forward per chunk"
             print(model, "streams,", road, rows, flush=True)
-        if args.profile:
-            print(model, "profile", profile_step(llm, args.profile), flush=True)
+        for n in [int(v) for v in args.profile.split(",") if v]:
+            print(model, "profile", n, profile_step(llm, n), flush=True)
         if not args.no_hf:
             hf = load_hf(llm)
             run_hf(hf, ids, 128, True)  # compiles the decode step for these shapes

@@ -25,6 +25,8 @@
 #          (single stream, engine at 1/8/64 streams, one forward a step; a profile of
 #          a 64-row step on the 0.5B shape) and the device's plain copy bandwidth
 #   serve: benchmarks/bench_serve.py through a real `kvlm serve --device cuda` (0.5B shape)
+#   streams: the engine at 1/8/64 streams on LFM2-350M and the Qwen3-30B-A3B 8-layer slice,
+#          each step profiled at 1 and 64 streams (GPU kernels and the host's side)
 #   moe:   benchmarks/bench_gpu.py --moe: experts on the GPU against --cpu-experts, on the
 #          Qwen3-30B-A3B shape's 8-layer slice (Q8_0) and gpt-oss-20b's 4-layer slice
 #          (MXFP4), and the whole gpt-oss-20b with its experts on the host
@@ -60,9 +62,9 @@ moe_models() {
 # every file the phases read, written in the background beside the kernels' build and the
 # tests (16 cores); a phase waits for the writer of its files (a killed writer leaves only
 # a .part, written again by the next run)
-case "$phases" in *bench*|*serve*) models > "$OUT/models.log" 2>&1 & DENSE=$!;; esac
+case "$phases" in *bench*|*serve*|*streams*) models > "$OUT/models.log" 2>&1 & DENSE=$!;; esac
 # (PREP_MOE=1: the moe phase's files too, for a next run on the same warm machine)
-if [[ "$phases" == *moe* || -n "$PREP_MOE" ]]; then
+if [[ "$phases" == *moe* || "$phases" == *streams* || -n "$PREP_MOE" ]]; then
     moe_models > "$OUT/moe_models.log" 2>&1 &
     MOE=$!
 fi
@@ -90,6 +92,14 @@ print('plain copy GB/s (read + write)', round(2 * 20 * 2**30 / (s.elapsed_time(e
             --requests 2 --max-tokens 128 --threads 8 --json "$OUT/serve.json" --serve-args \
             "--model /tmp/q05.gguf --device cuda --dtype bf16 --max-num-seqs 64 --max-waiting 128" \
             2>&1 | tee "$OUT/serve.log" ;;
+    streams)
+        wait $DENSE
+        timeout 70 python3 benchmarks/bench_gpu.py --no-hf --roads one --streams 1,8,64 \
+            --profile 1,64 /tmp/lfm2.gguf 2>&1 | tee "$OUT/streams.log"
+        # the 8-layer slice is the writer's first file: no wait for the gpt-oss ones after it
+        until [ -e /tmp/moe8l.gguf ] || ! kill -0 "$MOE" 2>/dev/null; do sleep 1; done
+        timeout 120 python3 benchmarks/bench_gpu.py --no-hf --roads one --streams 1,8,64 \
+            --profile 1,64 /tmp/moe8l.gguf 2>&1 | tee -a "$OUT/streams.log" ;;
     moe)
         wait $MOE
         timeout 100 python3 benchmarks/bench_gpu.py --moe /tmp/moe8l.gguf --moe-roads 0,all \

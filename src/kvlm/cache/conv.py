@@ -49,6 +49,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvlm.cache.base import CacheSpec, CacheStep, ConvView, KVCache, KVPair, Taps
@@ -356,13 +357,12 @@ class ConvSlots(Slots):
         self.rows[:, dst * ring : (dst + 1) * ring] = self.rows[:, src * ring : (src + 1) * ring]
         self.end[dst], self.first[dst] = self.end[src], self.first[src]
 
-    def _ring(self, slot: int, positions: torch.Tensor, host: bool = False) -> torch.Tensor:
+    def _ring(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
         """Rows of `slot` holding `positions` (the zero row for those before 0), on the
-        rows' device; `host`: where `positions` are (a pool step joins a step's indices on
-        the host and moves them once: a copy a sequence, on a GPU, held its step up)."""
+        rows' device (SlotStep computes a step's with numpy, the same way)."""
         rows = slot * self.ring + positions % self.ring
         rows = torch.where(positions >= 0, rows, self.zero_row)
-        return rows if host else rows.to(self.rows.device)
+        return rows.to(self.rows.device)
 
     # ------------------------------------------------------------------ prefix hits
 
@@ -465,32 +465,52 @@ class SlotStep:
         self.slots = slots
         self.start = pieces[0][1] if pieces else 0  # the first row's (Transformer checks it)
         self.seqs = sequences(pieces)
-        r, n_seq = slots.kind.rows, len(self.seqs)
-        before, taps, ring, ring_src, ends, ends_src = [], [], [], [], [], []
-        offset = n_seq * r  # buf's row of the first token's u
-        for s, (slot, start, n, table) in enumerate(self.seqs):
+        for slot, start, _, _ in self.seqs:
             _check(slots, slot, start)
-            before.append(slots._ring(slot, torch.arange(start - r, start), host=True))
+        # every index of the step computed on the host with numpy, all sequences at once,
+        # and moved to the rows' device in one copy (a step of 64 sequences had made ~700
+        # small torch tensors on the host, a tenth of an eager GPU step)
+        r, ring, n_seq = slots.kind.rows, slots.ring, len(self.seqs)
+        slot, start, n = (np.array([q[i] for q in self.seqs], dtype=np.int64).reshape(-1)
+                          for i in range(3))  # fmt: skip
+        offset = n_seq * r + np.cumsum(n) - n  # buf's row of each sequence's first token's u
+        seq = np.arange(n_seq)
 
-            def at(q: torch.Tensor, s=s, start=start, offset=offset) -> torch.Tensor:
-                """buf's rows of positions q of sequence s (q >= start - (L - 1))."""
-                return torch.where(q >= start, offset + q - start, s * r + r + q - start)
+        def at(s: np.ndarray, q: np.ndarray) -> np.ndarray:
+            """buf's rows of positions q of sequences s (q >= start - (L - 1))."""
+            return np.where(q >= start[s], offset[s] + q - start[s], s * r + r + q - start[s])
 
-            rel = torch.arange(start, start + n)
-            taps.append(torch.stack([at(rel - r + k) for k in range(r + 1)]))
-            kept = torch.arange(max(start, start + n - slots.ring), start + n)
-            ring.append(slots._ring(slot, kept, host=True))
-            ring_src.append(at(kept))
-            if slots.holds_ends:
-                bs = slots.block_size
-                for b in range(-(-(start + 1) // bs) * bs, start + n + 1, bs):
-                    ends.append(table[b // bs - 1] * r + torch.arange(r))
-                    ends_src.append(at(torch.arange(b - r, b)))
-            offset += n
-        dev = slots.rows.device
-        self._before, self._taps = _joined(before, dev), torch.cat(taps, dim=1).to(dev)  # (L, N)
-        self._ring, self._ring_src = _joined(ring, dev), _joined(ring_src, dev)
-        self._ends, self._ends_src = _joined(ends, dev), _joined(ends_src, dev)
+        def ring_rows(s: np.ndarray, q: np.ndarray) -> np.ndarray:
+            """ConvSlots._ring: the rows of sequences s's slots holding positions q."""
+            return np.where(q >= 0, slot[s] * ring + q % ring, slots.zero_row)
+
+        s_before = np.repeat(seq, r)
+        before = ring_rows(s_before, np.repeat(start, r) + np.tile(np.arange(-r, 0), n_seq))
+        tok = np.repeat(seq, n)  # each token's sequence, tokens in order
+        rel = start[tok] + np.arange(len(tok)) - np.repeat(offset - n_seq * r, n)
+        taps = np.stack([at(tok, rel - r + k) for k in range(r + 1)])  # (L, N)
+        keep = np.minimum(n, ring)  # each sequence's last rows the ring keeps
+        s_kept = np.repeat(seq, keep)
+        kept = (np.repeat(start + n - keep, keep) + np.arange(len(s_kept))
+                - np.repeat(np.cumsum(keep) - keep, keep))  # fmt: skip
+        ends, ends_src = [], []
+        if slots.holds_ends:
+            bs = slots.block_size
+            for i, (_, st, m, table) in enumerate(self.seqs):
+                for b in range(-(-(st + 1) // bs) * bs, st + m + 1, bs):
+                    ends.append(table[b // bs - 1] * r + np.arange(r))
+                    ends_src.append(at(np.full(r, i), np.arange(b - r, b)))
+        parts = [
+            before,
+            taps.reshape(-1),
+            ring_rows(s_kept, kept),
+            at(s_kept, kept),
+            *(np.concatenate(e) if e else np.zeros(0, np.int64) for e in (ends, ends_src)),
+        ]
+        flat = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(slots.rows.device)
+        (self._before, taps_flat, self._ring, self._ring_src, self._ends,
+         self._ends_src) = flat.split([len(x) for x in parts])  # fmt: skip
+        self._taps = taps_flat.view(r + 1, -1)
         self.staged: list[torch.Tensor | None] = [None] * slots.rows.shape[0]
 
     def taps(self, layer: int, u: torch.Tensor) -> Taps:
@@ -528,10 +548,3 @@ def _check(slots: ConvSlots, slot: int, start: int) -> None:
             f"{slots.end[slot] - 1}; a step at {start} reads from {first_read} (a rollback "
             f"past the {RING_SLACK} rows of slack: the sequence must be recomputed)"
         )
-
-
-def _joined(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Index tensors end to end, on `device` (an empty one for none)."""
-    if not parts:
-        return torch.zeros(0, dtype=torch.long, device=device)
-    return torch.cat(parts).to(device)
