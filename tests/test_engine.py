@@ -124,6 +124,17 @@ def test_preemption_recomputes_and_changes_no_token(tiny):
     assert tight.scheduler.preemptions > 0
 
 
+def test_one_sequence_at_a_time_gets_a_pool_that_holds_it(tiny):
+    """--max-num-seqs 1 with the pool at its default size: one full context and the
+    reserve (the cap of max_num_seqs full contexts had left out the reserve, and the
+    engine refused to start); a request then answers as on a roomy pool."""
+    engine = Engine(tiny, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1)))
+    bs = engine.pool.block_size
+    assert engine.pool.num_blocks == -(-tiny.max_context // bs) + 1
+    reqs = {PROMPTS[0]: (tiny.tokenizer.encode(PROMPTS[0]), GREEDY)}
+    assert run(engine, reqs) == run(Engine(tiny, EngineConfig(num_blocks=64)), reqs)
+
+
 def test_chunked_prefill_changes_no_token(tiny):
     long_prompt = " ".join(PROMPTS)
     ids = tiny.tokenizer.encode(long_prompt)

@@ -605,3 +605,26 @@ def test_experts_decode_replays_graphs(family, dtype):
         moe(x)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_no_cudnn_attention_plans_on_the_device(family, monkeypatch):
+    """Every SDPA call on the device runs with cuDNN's backend off: it builds a plan for
+    each new shape, and a lone stream's eager decode steps on a hybrid model's pool (LFM2)
+    took ~52 ms each until every key count had been seen once, 9.3 ms without it (H200,
+    docs/BENCHMARKS.md 26)."""
+    if DEVICE == "cpu":
+        pytest.skip("cuDNN is a GPU's")
+    from kvlm.model import attention
+
+    seen: list[bool] = []
+    real = attention.F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    llm = on_device(family("lfm2"), dtype="bf16")
+    got, engine = engine_answers(llm, [llm.tokenizer.encode(PROMPTS[1])], N)
+    assert len(got["0"]) == N and engine.pool.num_used == 0
+    assert seen and not any(seen), f"{sum(seen)} of {len(seen)} calls with cuDNN on"

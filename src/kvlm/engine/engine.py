@@ -349,8 +349,10 @@ class Engine:
         bs = spec.block_size
         least = blocks_for(llm.max_context, bs) + sched.reserve_blocks
         plan = windowed_plan(self.config, spec, llm.max_context)
+        # at most max_num_seqs full contexts (and the reserve beside them: with one
+        # sequence, the cap was one block short of `least`, and the engine refused to start)
         num_blocks = self.config.num_blocks or min(
-            blocks_for(llm.max_context, bs) * sched.max_num_seqs,
+            blocks_for(llm.max_context, bs) * sched.max_num_seqs + sched.reserve_blocks,
             max(least, memory_blocks(self.config, spec, llm.max_context)),
         )
         if num_blocks < least:

@@ -19,7 +19,7 @@ from kvlm.model.numerics import ModelNumerics
 if TYPE_CHECKING:
     from kvlm.cache.paged import Segments
 
-GPU_PROMPT_BACKENDS = [
+GPU_BACKENDS = [
     SDPBackend.FLASH_ATTENTION,
     SDPBackend.EFFICIENT_ATTENTION,
     SDPBackend.MATH,
@@ -371,11 +371,12 @@ def attend(
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         gqa = False
-    # prompt rows on a GPU: not cuDNN's kernel, which builds a plan for every new prompt
-    # length (~0.65 ms of CPU a call, measured on an H100: more than the attention itself
-    # for prompts of a few hundred tokens)
-    gpu_prompt = not q.is_cpu and q.shape[2] > 1
-    with sdpa_kernel(GPU_PROMPT_BACKENDS) if gpu_prompt else nullcontext():
+    # on a GPU: not cuDNN's kernel, which builds a plan for every new shape: for prompt
+    # rows ~0.65 ms of CPU a call (an H100), more than the attention itself for prompts of a
+    # few hundred tokens; for an eager decode step every layer at every new key count (a
+    # lone stream on a hybrid model's pool, LFM2-350M on the H200: 52 ms a step until each
+    # length had been seen once, 9.3 ms with it off; docs/BENCHMARKS.md 26)
+    with sdpa_kernel(GPU_BACKENDS) if not q.is_cpu else nullcontext():
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa
         )
