@@ -1737,3 +1737,37 @@ def sharpen_routers(folder, scale: float = ROUTER_SCALE) -> None:
     for name in [n for n in tensors if n.endswith(routers)]:
         tensors[name] = tensors[name] * scale
     save_file(tensors, path, metadata={"format": "pt"})
+
+
+# The layer kinds of [20]-[22] as tiny random models (save_tiny_model): short convolutions
+# beside attention (LFM2), gated DeltaNets (Qwen3.5) and Mamba2 (Granite 4.0-H) with their
+# recurrent states, and experts: name -> (arch, seed, overrides). tests/test_gpu.py runs
+# each on the device, tests/test_experts_device.py the experts' device road on the CPU.
+LAYER_KIND_FAMILIES = {
+    "lfm2": ("lfm2", 20, {"tokenizer": "llama3"}),
+    "qwen3_5": ("qwen3_5", 30, {"tokenizer": "qwen35"}),
+    "granite-h": ("granitemoehybrid", 42, {}),
+    "qwen3_moe": ("qwen3_moe", 40, {"tokenizer": "qwen35"}),
+    "qwen3_5_moe": ("qwen3_5_moe", 50, {"tokenizer": "qwen35"}),
+    "lfm2_moe": ("lfm2_moe", 60, {"tokenizer": "llama3"}),  # a sigmoid router, a bias
+    "gpt_oss": ("gpt_oss", 70, {"tokenizer": "qwen35"}),  # sinks, windows, clamped SwiGLU
+    "olmoe": ("olmoe", 80, {"tokenizer": "qwen35"}),  # q/k norms over the projections
+}
+EXPERT_FAMILIES = {"qwen3_moe", "qwen3_5_moe", "lfm2_moe", "gpt_oss", "olmoe"}
+
+
+def family_maker(tmp_path_factory):
+    """A fixture's factory: name in LAYER_KIND_FAMILIES -> its folder, made once; the
+    experts' routers sharpened (sharpen_routers: routing decisive enough for a GPU's sums)."""
+    made: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in made:
+            arch, seed, overrides = LAYER_KIND_FAMILIES[name]
+            made[name] = save_tiny_model(tmp_path_factory.mktemp(name), arch, seed=seed,
+                                         **overrides)  # fmt: skip
+            if name in EXPERT_FAMILIES:
+                sharpen_routers(made[name])
+        return made[name]
+
+    return make

@@ -9,37 +9,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import save_tiny_model, sharpen_routers
+from helpers import family_maker
 from kvlm import LLM, SamplingParams
 from kvlm.model import experts, graphs, layers
 from kvlm.model.experts import Experts
 from kvlm.model.layers import gated
 from numerics import assert_as_exact_as, fp64_reorder_bound, max_error
 
-# the families with experts, as tests/test_gpu.py's FAMILIES builds them: arch, seed, overrides
-FAMILIES = {
-    "qwen3_moe": ("qwen3_moe", 40, {"tokenizer": "qwen35"}),
-    "lfm2_moe": ("lfm2_moe", 60, {"tokenizer": "llama3"}),  # a sigmoid router, a bias
-    "gpt_oss": ("gpt_oss", 70, {"tokenizer": "qwen35"}),  # clamped SwiGLU, expert biases
-    "olmoe": ("olmoe", 80, {"tokenizer": "qwen35"}),
-}
+# the families with experts (helpers.LAYER_KIND_FAMILIES; Qwen3.5-MoE's states aside)
+FAMILIES = ["qwen3_moe", "lfm2_moe", "gpt_oss", "olmoe"]
 ROADS = ["gather", "grouped"]
 PROMPT = "Once upon a time"
 
 
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
-    made = {}
-
-    def make(name: str):
-        if name not in made:
-            arch, seed, overrides = FAMILIES[name]
-            made[name] = save_tiny_model(tmp_path_factory.mktemp(name), arch, seed=seed,
-                                         **overrides)  # fmt: skip
-            sharpen_routers(made[name])
-        return made[name]
-
-    return make
+    return family_maker(tmp_path_factory)
 
 
 def dense_llm(folder, monkeypatch, dtype: str = "fp32", road: str | None = "gather", **kw) -> LLM:
@@ -71,7 +56,7 @@ def exact_routed(moe: Experts, x, chosen, weights) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("road", ROADS)
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", FAMILIES)
 def test_a_layer_on_the_device_road_is_the_loop_roads(family, monkeypatch, name, road):
     """One layer's routed experts over the same routing: in fp32 as close to the exact
     (fp64) sum as the loop road's; in fp64 (gather: _grouped_mm has no fp64) within two
@@ -96,7 +81,7 @@ def test_a_layer_on_the_device_road_is_the_loop_roads(family, monkeypatch, name,
         assert max_error(ours64, loop64) <= fp64_reorder_bound(max_error(loop, exact))
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", FAMILIES)
 def test_greedy_tokens_are_the_loop_roads(family, monkeypatch, name):
     """Greedy tokens in fp32 on each device road equal the loop road's, the device road
     having run (prompt and decode rows)."""

@@ -19,9 +19,12 @@ import pytest
 import torch
 
 from helpers import (
+    EXPERT_FAMILIES,
+    LAYER_KIND_FAMILIES,
     assert_generation_agrees,
     assert_greedy_agreement,
     assert_top_k_both_ways,
+    family_maker,
     mixed_step,
     save_tiny_model,
     sharpen_routers,
@@ -352,21 +355,9 @@ def test_kvlm_serve_on_the_device_answers_the_openai_client(tiny_model_dir, name
         wait_idle(port, "k")
 
 
-# The layer kinds of [20]-[22] on the device: short convolutions beside attention (LFM2),
-# gated DeltaNets (Qwen3.5) and Mamba2 (Granite 4.0-H) with their recurrent states, and
-# experts (Qwen3-MoE; Qwen3.5-MoE's experts beside its states): tiny random models, as
-# the CPU's tests build them
-FAMILIES = {
-    "lfm2": ("lfm2", 20, {"tokenizer": "llama3"}),
-    "qwen3_5": ("qwen3_5", 30, {"tokenizer": "qwen35"}),
-    "granite-h": ("granitemoehybrid", 42, {}),
-    "qwen3_moe": ("qwen3_moe", 40, {"tokenizer": "qwen35"}),
-    "qwen3_5_moe": ("qwen3_5_moe", 50, {"tokenizer": "qwen35"}),
-    "lfm2_moe": ("lfm2_moe", 60, {"tokenizer": "llama3"}),  # a sigmoid router, a bias
-    "gpt_oss": ("gpt_oss", 70, {"tokenizer": "qwen35"}),  # sinks, windows, clamped SwiGLU
-    "olmoe": ("olmoe", 80, {"tokenizer": "qwen35"}),  # q/k norms over the projections
-}
-EXPERTS = {"qwen3_moe", "qwen3_5_moe", "lfm2_moe", "gpt_oss", "olmoe"}
+# The layer kinds of [20]-[22] on the device (helpers.LAYER_KIND_FAMILIES)
+FAMILIES = LAYER_KIND_FAMILIES
+EXPERTS = EXPERT_FAMILIES
 
 
 # The dtype the families' tests run in on the device: bf16 (serving's), but fp32 for the
@@ -385,18 +376,7 @@ LONG = " ".join(["red green blue yellow"] * 8)  # n-gram drafts find their token
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     """name in FAMILIES -> its folder."""
-    made = {}
-
-    def make(name: str):
-        if name not in made:
-            arch, seed, overrides = FAMILIES[name]
-            made[name] = save_tiny_model(tmp_path_factory.mktemp(name), arch, seed=seed,
-                                         **overrides)  # fmt: skip
-            if name in EXPERTS:  # routing decisive enough for the GPU's sums
-                sharpen_routers(made[name])
-        return made[name]
-
-    return make
+    return family_maker(tmp_path_factory)
 
 
 def on_cpu(folder, dtype: str = "fp32", **kw) -> LLM:
