@@ -244,9 +244,10 @@ def test_a_failed_build_is_not_retried_until_its_marker_goes(tmp_path, monkeypat
 
 
 def test_a_build_whose_link_time_optimizer_fails_is_built_without_it(tmp_path, monkeypatch,
-                                                                     cache):  # fmt: skip
+                                                                     cache, caplog):  # fmt: skip
     """A gcc whose -flto cannot run (a CUDA image's: "could not run lto-wrapper") gets the
-    kernels built without it; the next start goes straight to that build."""
+    kernels built without it, said once; the next start goes straight to that build and
+    says nothing of building."""
     lto_fails = (
         "case \"$(tr '\\0' ' ' < /proc/$$/cmdline)\" in *-flto*) "
         'echo "ld: error: could not run lto-wrapper" >&2; exit 1;; esac; '
@@ -255,12 +256,18 @@ def test_a_build_whose_link_time_optimizer_fails_is_built_without_it(tmp_path, m
     cc, log = fake_cc(tmp_path, lto_fails)
     monkeypatch.setenv("CC", cc)
     monkeypatch.setattr(kernels, "_flags", lambda cc: kernels.FLAGS + kernels.PARALLEL)
-    kernels.library()  # the fake's "library" does not load: the builds are what is checked
+    said = "building the C kernels without"
+    with caplog.at_level(logging.INFO, logger=kernels.log.name):
+        kernels.library()  # the fake's "library" does not load: the builds are what is checked
     assert len(builds(log)) == 2 and len(list(cache.glob("qgemm-*.failed"))) == 1
     assert len(list(cache.glob("qgemm-*.so"))) == 1
+    assert said in caplog.text
+    caplog.clear()
     kernels.library.cache_clear()  # the next start
-    kernels.library()
+    with caplog.at_level(logging.INFO, logger=kernels.log.name):
+        kernels.library()
     assert len(builds(log)) == 2  # neither build again
+    assert said not in caplog.text
 
 
 # --- nothing temporary survives a build --------------------------------------------------

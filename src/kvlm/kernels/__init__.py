@@ -499,7 +499,12 @@ def _build_with_fallback(cc: str, flags: tuple[str, ...]) -> Path:
         plain = tuple(f for f in flags if f not in PARALLEL)
         if plain == flags:
             raise
-        log.warning("building the C kernels without %s: %s", " ".join(PARALLEL), exc)
+        # said once, when the plain build is made; every later start finds it built (a
+        # line "building ..." at each start, as the H200's runs printed, said what was not)
+        built = os.path.lexists(_open_folder() / f"qgemm-{_key(cc, plain)}.so")
+        (log.debug if built else log.warning)(
+            "building the C kernels without %s: %s", " ".join(PARALLEL), exc
+        )
         return _build(cc, plain)
 
 
