@@ -593,3 +593,23 @@ def test_rows_are_the_dense_weights_rows(kind, monkeypatch):
     fresh = quant.QuantWeight.from_blocks(kind, torch.from_numpy(_blocks(kind, 40, 11))) if (
         kind not in ("q8", "q4")) else q  # fmt: skip
     assert torch.equal(_bits(fresh.rows(ids)), _bits(dense[ids]))
+
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_a_files_tensors_dequantize_through_the_kernels_as_gguf_py(k_files, mix, monkeypatch):
+    """A low-bit tensor read whole (a GPU's load, every dense weight: GGUFWeights.get)
+    takes the kernels' road, on every core, and gives gguf-py's fp32 values bit for bit."""
+    import gguf
+
+    from kvlm.loading import gguf as loader
+
+    src = loader.GGUFWeights(k_files[mix])
+    names = [n for n in src.names() if src.is_quantized(n)]
+    assert names
+    for name in names:
+        t, shape = src._tensors[name], src.shape(name)
+        ref = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(shape)
+        assert torch.equal(loader._dequantized(t, shape).reshape(shape), ref), name
+    whole = {n: src.get(n) for n in names}
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda *a: pytest.fail("gguf-py's road"))
+    assert all(torch.equal(src.get(n), whole[n]) for n in names)
