@@ -374,7 +374,7 @@ def attend(
     # on a GPU: not cuDNN's kernel, which builds a plan for every new shape: for prompt
     # rows ~0.65 ms of CPU a call (an H100), more than the attention itself for prompts of a
     # few hundred tokens; for an eager decode step every layer at every new key count (a
-    # lone stream on a hybrid model's pool, LFM2-350M on the H200: 52 ms a step until each
+    # lone stream on a hybrid model's pool, a 350M one on the H200: 52 ms a step until each
     # length had been seen once, 9.3 ms with it off; docs/BENCHMARKS.md 26)
     with sdpa_kernel(GPU_BACKENDS) if not q.is_cpu else nullcontext():
         return F.scaled_dot_product_attention(
