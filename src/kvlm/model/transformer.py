@@ -191,7 +191,7 @@ class Transformer(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear) and m.quant is not None:
                 inside = packed_in is not None and packed_in.holds(m.quant.data)
-                if id(m.quant) not in owners and not inside:
+                if id(m.quant) not in owners and not inside and not m.quant.in_place:
                     packed.append(m.quant)
                 owners.setdefault(id(m.quant), []).append(m)
 
@@ -706,14 +706,18 @@ class _WeightTaker:
 
     def _each_expert(self, name: str, count: int) -> list[quant.Blocks] | list[torch.Tensor]:
         """Each expert's matrix of the stacked tensor `name`: its blocks as stored
-        (--weights native, a view of the file's), else its values."""
+        (--weights native, a view of the file's; Q8_0's multiplied there, quant.ROWS_KIND,
+        never copied), else its values."""
         native = self._native(name, packed=False)
         if native is None:
             stack = self.take(name)
             return list(stack.unbind(0))
         self.bar.update(1)
         raw, rows = native.raw, native.out_features // count
-        return [quant.Blocks(native.kind, raw[e * rows : (e + 1) * rows]) for e in range(count)]
+        kind = native.kind
+        if kind == "q8" and native.order is None:
+            kind = quant.ROWS_KIND  # the map's own rows
+        return [quant.Blocks(kind, raw[e * rows : (e + 1) * rows]) for e in range(count)]
 
     def _expert_linear(self, parts: list, name: str, bias: torch.Tensor | None = None) -> Linear:
         """One expert's projection of `parts` (gate and up joined, or down), with `bias`."""
