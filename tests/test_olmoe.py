@@ -197,6 +197,60 @@ def test_the_pools_fused_step_batches_forks_and_drafts_as_alone(converted, monke
     assert_pool_fused_as_alone(llm, monkeypatch, "int4")
 
 
+def _mapped_ranges(path) -> list[tuple[int, int]]:
+    """The address ranges this process maps `path` at (/proc/self/maps)."""
+    import os
+
+    want, out = os.path.realpath(path), []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] == want:
+                lo, hi = (int(v, 16) for v in fields[0].split("-"))
+                out.append((lo, hi))
+    return out
+
+
+def test_q8_0_experts_are_read_where_they_lie_in_the_map(converted, monkeypatch):
+    """The Q8_0 file's expert stacks are multiplied in the file's map (quant.ROWS_KIND:
+    every expert's gate and up parts and down inside the mapped file, nothing copied), and
+    the model computes what it did with them packed as q8 (the loader's road before), bit
+    for bit: a prompt's logits, and 8 greedy steps on the fused step and on the torch
+    step."""
+    import sys
+
+    from helpers import fused_and_torch
+    from kvlm.model import quant
+
+    path = converted("q8_0")
+    llm = LLM(model=path, progress=False)
+    ranges = _mapped_ranges(path)
+    assert ranges
+    for block in llm.model.layers:
+        for e in block.mlp.experts:
+            for part in (*e.gate_up.quant.parts(), e.down.quant):
+                lo, hi = part.data.data_ptr(), part.data.data_ptr() + part.data.numel()
+                assert part.kind == quant.ROWS_KIND
+                assert any(a <= lo and hi <= b for a, b in ranges)
+    transformer = sys.modules["kvlm.model.transformer"]
+    each = transformer._WeightTaker._each_expert
+
+    def packed(self, name, count):  # the road before: each expert packed as q8
+        return [quant.Blocks("q8", b.raw) if getattr(b, "kind", None) == quant.ROWS_KIND
+                else b for b in each(self, name, count)]  # fmt: skip
+
+    with monkeypatch.context() as m:
+        m.setattr(transformer._WeightTaker, "_each_expert", packed)
+        before = LLM(model=path, progress=False)
+    assert {e.down.quant.kind for e in before.model.layers[0].mlp.experts} == {"q8"}
+    ids = prompt_ids(llm, 16)
+    assert torch.equal(llm.runner.logits(ids, llm.new_cache("contiguous")),
+                       before.runner.logits(ids, before.new_cache("contiguous")))  # fmt: skip
+    now, then = fused_and_torch(llm, ids, 8), fused_and_torch(before, ids, 8)
+    assert now[0] == then[0]
+    assert torch.equal(now[1], then[1]) and torch.equal(now[2], then[2])
+
+
 def test_memory_says_what_a_token_reads(converted, capsys):
     """`kvlm memory` on the Q8_0 file: every expert held, a token's top k read."""
     import json
