@@ -220,6 +220,41 @@ static kvlm_block rows_block(const uint8_t *w, int64_t groups, int64_t N, int64_
     }
     const int rows = N - b * BR < BR ? (int)(N - b * BR) : BR;
     if (rows < BR) memset(rows_buf, 0, need);
+#if KVLM_V512 == 512
+    if (rows == BR) { /* per group: rows i and i + 8 in one register, an 8 x 8 transpose
+                         of 32-bit words in each 256-bit half (lane i of vector v = row i's
+                         word v), the scales copied */
+        const uint8_t *r0 = w + b * BR * row;
+        const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+        const __m512i hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *c = r0 + g * 34 + 2;
+            uint8_t *o = rows_buf + g * rec;
+            __m512i z[8], t[8], u[8];
+            for (int i = 0; i < 8; i++)
+                z[i] = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(c + i * row))),
+                    _mm256_loadu_si256((const __m256i *)(c + (i + 8) * row)), 1);
+            for (int i = 0; i < 8; i += 2) {
+                t[i] = _mm512_unpacklo_epi32(z[i], z[i + 1]);
+                t[i + 1] = _mm512_unpackhi_epi32(z[i], z[i + 1]);
+            }
+            for (int h = 0; h < 8; h += 4) {
+                u[h] = _mm512_unpacklo_epi64(t[h], t[h + 2]);
+                u[h + 1] = _mm512_unpackhi_epi64(t[h], t[h + 2]);
+                u[h + 2] = _mm512_unpacklo_epi64(t[h + 1], t[h + 3]);
+                u[h + 3] = _mm512_unpackhi_epi64(t[h + 1], t[h + 3]);
+            }
+            for (int v = 0; v < 4; v++) {
+                _mm512_storeu_si512(o + 64 * v, _mm512_permutex2var_epi64(u[v], lo, u[v + 4]));
+                _mm512_storeu_si512(o + 64 * (v + 4), _mm512_permutex2var_epi64(u[v], hi, u[v + 4]));
+            }
+            for (int i = 0; i < BR; i++) memcpy(o + 16 * G + 2 * i, c - 2 + i * row, 2);
+        }
+        r.p = rows_buf;
+        return r;
+    }
+#endif
     for (int i = 0; i < rows; i++) {
         const uint8_t *s = w + (b * BR + i) * row;
         for (int64_t g = 0; g < groups; g++) {
