@@ -212,18 +212,23 @@ def _mapped_ranges(path) -> list[tuple[int, int]]:
 
 
 def test_q8_0_experts_are_read_where_they_lie_in_the_map(converted, monkeypatch):
-    """The Q8_0 file's expert stacks are multiplied in the file's map (quant.ROWS_KIND:
-    every expert's gate and up parts and down inside the mapped file, nothing copied), and
-    the model computes what it did with them packed as q8 (the loader's road before), bit
-    for bit: a prompt's logits, and 8 greedy steps on the fused step and on the torch
-    step."""
+    """A Q8_0 file larger than the memory available at load (IN_PLACE_SHARE 0 here) has
+    its expert stacks multiplied in the file's map (quant.ROWS_KIND: every expert's gate
+    and up parts and down inside the mapped file, nothing copied); one that fits packs
+    them (q8, the faster products); the two compute the same bits: a prompt's logits, and
+    8 greedy steps on the fused step and on the torch step."""
     import sys
 
     from helpers import fused_and_torch
     from kvlm.model import quant
 
     path = converted("q8_0")
-    llm = LLM(model=path, progress=False)
+    transformer = sys.modules["kvlm.model.transformer"]
+    packed_now = LLM(model=path, progress=False)  # a file that fits: packed, the faster road
+    assert {e.down.quant.kind for e in packed_now.model.layers[0].mlp.experts} == {"q8"}
+    with monkeypatch.context() as m:  # as where the file passes the memory available
+        m.setattr(transformer, "IN_PLACE_SHARE", 0.0)
+        llm = LLM(model=path, progress=False)
     ranges = _mapped_ranges(path)
     assert ranges
     for block in llm.model.layers:
@@ -232,17 +237,7 @@ def test_q8_0_experts_are_read_where_they_lie_in_the_map(converted, monkeypatch)
                 lo, hi = part.data.data_ptr(), part.data.data_ptr() + part.data.numel()
                 assert part.kind == quant.ROWS_KIND
                 assert any(a <= lo and hi <= b for a, b in ranges)
-    transformer = sys.modules["kvlm.model.transformer"]
-    each = transformer._WeightTaker._each_expert
-
-    def packed(self, name, count):  # the road before: each expert packed as q8
-        return [quant.Blocks("q8", b.raw) if getattr(b, "kind", None) == quant.ROWS_KIND
-                else b for b in each(self, name, count)]  # fmt: skip
-
-    with monkeypatch.context() as m:
-        m.setattr(transformer._WeightTaker, "_each_expert", packed)
-        before = LLM(model=path, progress=False)
-    assert {e.down.quant.kind for e in before.model.layers[0].mlp.experts} == {"q8"}
+    before = packed_now
     ids = prompt_ids(llm, 16)
     assert torch.equal(llm.runner.logits(ids, llm.new_cache("contiguous")),
                        before.runner.logits(ids, before.new_cache("contiguous")))  # fmt: skip

@@ -294,8 +294,7 @@ def test_a_q8_0_gguf_runs_each_expert_from_its_blocks(converted):
     llm = LLM(model=path, progress=False, prefill_dtype="fp32", activations="fp32",
               kv_dtype="fp32")  # fmt: skip
     moe = llm.model.layers[0].mlp
-    kinds = {p.kind for m in moe.experts for p in (*m.gate_up.quant.parts(), m.down.quant)}
-    assert kinds == {"q8_0_rows"}  # in the file's map (tests/test_q8_rows.py)
+    assert {m.gate_up.quant.kind for m in moe.experts} == {"q8"}
     ids = prompt_ids(llm)
     dequantized = LLM(model=path, kv="off", exact=True, progress=False)
     ref = dequantized.runner.logits(ids, dequantized.new_cache("off"))
@@ -432,8 +431,9 @@ def test_host_experts_of_a_q8_0_gguf_are_its_blocks(converted):
     llm = LLM(model=path, dtype="bf16", cpu_experts="all", progress=False)
     for block in llm.model.layers:
         assert block.mlp.host
-        assert {p.kind for m in block.mlp.experts
-                for p in (*m.gate_up.quant.parts(), m.down.quant)} == {"q8_0_rows"}  # fmt: skip
+        assert {(m.gate_up.quant.kind, m.down.quant.kind) for m in block.mlp.experts} == {
+            ("q8", "q8")
+        }
     assert_generation_agrees(LLM(model=path, progress=False), llm, FRANCE, 16)
 
 
