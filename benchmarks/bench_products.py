@@ -10,7 +10,8 @@ process, run alone on an idle box:
 3. `rows`: every packed weight once in model order (the vocabulary projection's too) at
    1, 2, 4 rows, int16 and int8 activations, in ms; medians of 5, beside the plain read.
 4. `experts` (no file): a stack of 32 experts of [2880, 2880] (gpt-oss's expert matrices)
-   in each of mxfp4, q4_0 and q8 from random blocks, on huge pages, every expert once in
+   in each of mxfp4, q4_0 and q8 from random blocks, on huge pages, and in q8_0_rows (Q8_0
+   read in place: on ordinary pages, as a file's map holds it), every expert once in
    turn (the stack far larger than the caches: read from memory) at 1 and 4 rows, int16,
    int8 and fp32 activations, in GB/s of the kind's bytes; medians of 5 rounds, each
    beside a plain read of 512 MiB.
@@ -137,10 +138,11 @@ def experts(threads: int) -> None:
     rng = np.random.default_rng(0)
     n, k = EXPERT_SHAPE
     stacks = {}
-    for kind in ("mxfp4", "q4_0", "q8"):
+    for kind in ("mxfp4", "q4_0", "q8", quant.ROWS_KIND):
         stacks[kind] = [quant.QuantWeight.from_blocks(kind, torch.from_numpy(
             expert_blocks(kind, n, k, rng))) for _ in range(EXPERTS)]  # fmt: skip
-    huge = quant.move_to_huge_pages([w for ws in stacks.values() for w in ws])
+    packed = [w for ws in stacks.values() for w in ws if not w.in_place]
+    huge = quant.move_to_huge_pages(packed)
     print(
         f"{EXPERTS} experts of {list(EXPERT_SHAPE)}, {threads} threads, huge pages {huge}:",
         {kind: f"{sum(w.nbytes for w in ws) / 2**20:.0f} MiB" for kind, ws in stacks.items()},

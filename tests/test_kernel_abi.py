@@ -144,6 +144,7 @@ def test_pythons_numbers_are_abi_hs():
     assert set(fused._KV_DTYPE.values()) == {c[k] for k in c if k.startswith("KV_")}
     assert sum(fused._ACT_BITS) == sum(c[k] for k in c if k.startswith("ACT_"))
     header = {k: c[k] for k in ("Q8", "Q4", "Q40", "Q50", "Q51", "Q4K", "Q5K", "Q6K", "MXFP4")}
+    header["Q80ROWS"] = c["Q8R"]  # quant.ROWS_KIND
     assert {
         name.upper().replace("_", ""): code for name, code in quant.KIND_CODES.items()
     } == header

@@ -197,6 +197,55 @@ def test_the_pools_fused_step_batches_forks_and_drafts_as_alone(converted, monke
     assert_pool_fused_as_alone(llm, monkeypatch, "int4")
 
 
+def _mapped_ranges(path) -> list[tuple[int, int]]:
+    """The address ranges this process maps `path` at (/proc/self/maps)."""
+    import os
+
+    want, out = os.path.realpath(path), []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] == want:
+                lo, hi = (int(v, 16) for v in fields[0].split("-"))
+                out.append((lo, hi))
+    return out
+
+
+def test_q8_0_experts_are_read_where_they_lie_in_the_map(converted, monkeypatch):
+    """A Q8_0 file larger than the memory available at load (IN_PLACE_SHARE 0 here) has
+    its expert stacks multiplied in the file's map (quant.ROWS_KIND: every expert's gate
+    and up parts and down inside the mapped file, nothing copied); one that fits packs
+    them (q8, the faster products); the two compute the same bits: a prompt's logits, and
+    8 greedy steps on the fused step and on the torch step."""
+    import sys
+
+    from helpers import fused_and_torch
+    from kvlm.model import quant
+
+    path = converted("q8_0")
+    transformer = sys.modules["kvlm.model.transformer"]
+    packed_now = LLM(model=path, progress=False)  # a file that fits: packed, the faster road
+    assert {e.down.quant.kind for e in packed_now.model.layers[0].mlp.experts} == {"q8"}
+    with monkeypatch.context() as m:  # as where the file passes the memory available
+        m.setattr(transformer, "IN_PLACE_SHARE", 0.0)
+        llm = LLM(model=path, progress=False)
+    ranges = _mapped_ranges(path)
+    assert ranges
+    for block in llm.model.layers:
+        for e in block.mlp.experts:
+            for part in (*e.gate_up.quant.parts(), e.down.quant):
+                lo, hi = part.data.data_ptr(), part.data.data_ptr() + part.data.numel()
+                assert part.kind == quant.ROWS_KIND
+                assert any(a <= lo and hi <= b for a, b in ranges)
+    before = packed_now
+    ids = prompt_ids(llm, 16)
+    assert torch.equal(llm.runner.logits(ids, llm.new_cache("contiguous")),
+                       before.runner.logits(ids, before.new_cache("contiguous")))  # fmt: skip
+    now, then = fused_and_torch(llm, ids, 8), fused_and_torch(before, ids, 8)
+    assert now[0] == then[0]
+    assert torch.equal(now[1], then[1]) and torch.equal(now[2], then[2])
+
+
 def test_memory_says_what_a_token_reads(converted, capsys):
     """`kvlm memory` on the Q8_0 file: every expert held, a token's top k read."""
     import json

@@ -10,7 +10,7 @@
 #define KVLM_ABI_H
 #include <stdint.h>
 
-#define KVLM_ABI 41 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
+#define KVLM_ABI 42 /* kvlm_kernel_abi(): kvlm.kernels loads no library that answers another */
 
 /* the limits (fused.py: MAX_HEAD_DIM, MAX_ROWS, QMAT_PARTS; quant.py: BLOCK_ROWS, SMALL_M) */
 #define BR 16         /* weight rows per block: one per 32-bit vector lane */
@@ -23,9 +23,11 @@
  * state is the one at a multiple of it, beside the rows since */
 #define DELTA_CHUNK 16
 
-/* the weight kinds (kvlm.model.quant.KIND_CODES); MXFP4's code is ggml's type number */
+/* the weight kinds (kvlm.model.quant.KIND_CODES); MXFP4's code is ggml's type number;
+ * Q8R is Q8_0 as ggml stores it, rows of blocks in place (weights.c), not packed */
 enum {
-    Q8 = 8, Q4 = 4, Q40 = 40, Q50 = 50, Q51 = 51, Q4K = 104, Q5K = 105, Q6K = 106, MXFP4 = 39
+    Q8 = 8, Q4 = 4, Q40 = 40, Q50 = 50, Q51 = 51, Q4K = 104, Q5K = 105, Q6K = 106, MXFP4 = 39,
+    Q8R = 80
 };
 
 /* K's and V's storage (kvlm_qmodel.k_dtype, v_dtype) */
@@ -58,8 +60,8 @@ enum { FFN_MLP = 0, FFN_EXPERTS = 1 };
 enum { MIX_ATTENTION = 0, MIX_CONV = 1, MIX_DELTA = 2, MIX_MAMBA2 = 3 };
 
 typedef struct {
-    int64_t kind;        /* Q8, Q4, Q40, Q50, Q51, Q4K, Q5K, Q6K or MXFP4 */
-    const uint8_t *data; /* packed (see the top of weights.c) */
+    int64_t kind;        /* Q8, Q4, Q40, Q50, Q51, Q4K, Q5K, Q6K, MXFP4 or Q8R */
+    const uint8_t *data; /* packed (see the top of weights.c); Q8R: ggml's rows */
     int64_t n;           /* its rows */
     int64_t bytes;       /* data's bytes: checked against what n rows of k take */
 } kvlm_qpart;

@@ -48,6 +48,14 @@
  * file's rows long, so blocks of weights stacked along N are their packed bytes one after
  * another. kvlm_qpack writes this layout straight from a GGUF tensor's blocks.
  *
+ * q8_0_rows (Q8R) is Q8_0 left as the file stores it, read where it lies in the file's
+ * map (a stack of experts, not copied at load): ggml's block_q8_0 (fp16 d, int8 qs[32]:
+ * 34 bytes a group), K / 32 of them a row, rows one after another, N x K / 32 x 34
+ * bytes, no padding. Its products pack each block of 16 rows into this layout's q8
+ * records in the thread's scratch (rows_block; 16 x K bytes, in L1/L2) and run q8's
+ * kernel on them, so a row's numbers are q8's bit for bit at any row count; its
+ * dequantization reads the rows directly (the same exact products).
+ *
  * Decode reads every weight once per token, so the loop runs over blocks, split across
  * OpenMP threads (torch's own runtime: torch is loaded first and ships the same
  * libgomp.so.1), each block used for up to 4 rows of x per pass. fp32 activations: codes
@@ -76,7 +84,7 @@
 
 static inline int known_kind(int64_t kind) {
     return kind == Q8 || kind == Q4 || kind == Q40 || kind == Q50 || kind == Q51 ||
-           kind == Q4K || kind == Q5K || kind == Q6K || kind == MXFP4;
+           kind == Q4K || kind == Q5K || kind == Q6K || kind == MXFP4 || kind == Q8R;
 }
 
 static inline int is_k(int kind) { return kind == Q4K || kind == Q5K || kind == Q6K; }
@@ -85,7 +93,8 @@ static inline int is_k(int kind) { return kind == Q4K || kind == Q5K || kind == 
  * holds: a row of K weights is K / weights blocks */
 static inline int64_t ggml_block_bytes(int kind) {
     switch (kind) {
-    case Q8: return 34;
+    case Q8:
+    case Q8R: return 34;
     case Q4: return 20;
     case Q40: return 18;
     case Q50: return 22;
@@ -100,13 +109,14 @@ static inline int64_t ggml_block_bytes(int kind) {
 static inline int64_t ggml_block_weights(int kind) { return is_k(kind) ? 256 : G; }
 
 /* *r = bytes of a packed [n, k] weight of a known kind (quant.packed_bytes): ceil(n / 16)
- * blocks of 16 rows of k / weights stored blocks each. 0 when n < 0, k < 1, k is not
- * whole blocks of the kind, or the size overflows. */
+ * blocks of 16 rows of k / weights stored blocks each (Q8R: n rows, unpadded). 0 when
+ * n < 0, k < 1, k is not whole blocks of the kind, or the size overflows. */
 static int packed_size(int kind, int64_t n, int64_t k, int64_t *r) {
     int64_t row, block;
     if (n < 0 || k < 1 || k % ggml_block_weights(kind)) return 0;
-    return mul_ok(k / ggml_block_weights(kind), ggml_block_bytes(kind), &row) &&
-           mul_ok(row, BR, &block) && mul_ok(n / BR + (n % BR != 0), block, r);
+    if (!mul_ok(k / ggml_block_weights(kind), ggml_block_bytes(kind), &row)) return 0;
+    if (kind == Q8R) return mul_ok(n, row, r);
+    return mul_ok(row, BR, &block) && mul_ok(n / BR + (n % BR != 0), block, r);
 }
 
 /* ---- the packed layout ---- */
@@ -191,6 +201,80 @@ static inline int32_t load32(const uint8_t *p) {
     memcpy(&v, p, 4);
     return v;
 }
+
+/* Q8R's block b (rows 16b .. 16b + 15 of w's N rows of `groups` block_q8_0 each) as q8's
+ * packed records, in this thread's scratch (zero rows past N); {NULL} when no scratch
+ * could be had. The products' loops take it where a packed kind takes block_at's. */
+static __thread uint8_t *rows_buf;
+static __thread size_t rows_cap;
+
+static kvlm_block rows_block(const uint8_t *w, int64_t groups, int64_t N, int64_t b) {
+    kvlm_block r = {NULL};
+    const int64_t row = groups * 34, rec = rec_bytes(Q8);
+    const size_t need = (size_t)(groups * rec);
+    if (need > rows_cap) {
+        free(rows_buf);
+        rows_buf = aligned_alloc(64, (need + 63) / 64 * 64);
+        rows_cap = rows_buf ? need : 0;
+        if (!rows_buf) return r;
+    }
+    const int rows = N - b * BR < BR ? (int)(N - b * BR) : BR;
+    if (rows < BR) memset(rows_buf, 0, need);
+#if KVLM_V512 == 512
+    if (rows == BR) { /* per group: rows i and i + 8 in one register, an 8 x 8 transpose
+                         of 32-bit words in each 256-bit half (lane i of vector v = row i's
+                         word v), the scales copied */
+        const uint8_t *r0 = w + b * BR * row;
+        const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+        const __m512i hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *c = r0 + g * 34 + 2;
+            uint8_t *o = rows_buf + g * rec;
+            __m512i z[8], t[8], u[8];
+            for (int i = 0; i < 8; i++)
+                z[i] = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(c + i * row))),
+                    _mm256_loadu_si256((const __m256i *)(c + (i + 8) * row)), 1);
+            for (int i = 0; i < 8; i += 2) {
+                t[i] = _mm512_unpacklo_epi32(z[i], z[i + 1]);
+                t[i + 1] = _mm512_unpackhi_epi32(z[i], z[i + 1]);
+            }
+            for (int h = 0; h < 8; h += 4) {
+                u[h] = _mm512_unpacklo_epi64(t[h], t[h + 2]);
+                u[h + 1] = _mm512_unpackhi_epi64(t[h], t[h + 2]);
+                u[h + 2] = _mm512_unpacklo_epi64(t[h + 1], t[h + 3]);
+                u[h + 3] = _mm512_unpackhi_epi64(t[h + 1], t[h + 3]);
+            }
+            for (int v = 0; v < 4; v++) {
+                _mm512_storeu_si512(o + 64 * v, _mm512_permutex2var_epi64(u[v], lo, u[v + 4]));
+                _mm512_storeu_si512(o + 64 * (v + 4), _mm512_permutex2var_epi64(u[v], hi, u[v + 4]));
+            }
+            for (int i = 0; i < BR; i++) memcpy(o + 16 * G + 2 * i, c - 2 + i * row, 2);
+        }
+        r.p = rows_buf;
+        return r;
+    }
+#endif
+    for (int i = 0; i < rows; i++) {
+        const uint8_t *s = w + (b * BR + i) * row;
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *blk = s + g * 34;
+            uint8_t *o = rows_buf + g * rec;
+            memcpy(o + 16 * G + 2 * i, blk, 2); /* d */
+            for (int v = 0; v < 8; v++) memcpy(o + 64 * v + 4 * i, blk + 2 + 4 * v, 4);
+        }
+    }
+    r.p = rows_buf;
+    return r;
+}
+
+/* block b of w as a product reads it (KIND a literal once inlined), and the kind its
+ * records are */
+static inline kvlm_block take_block(int kind, const uint8_t *w, int64_t groups, int64_t N,
+                                    int64_t b) {
+    return kind == Q8R ? rows_block(w, groups, N, b) : block_at(kind, w, groups, b);
+}
+#define PACKED(KIND) ((KIND) == Q8R ? Q8 : (KIND))
 
 /* Row i's group g as its 32 codes in element order: q8's int8 bytes, mxfp4's kv[q] + 12,
  * else 0 .. 2^bits - 1 */
@@ -539,6 +623,11 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
 #define FOR_BLOCKS(M, N, KIND, BODY)                                                         \
     _Pragma("omp parallel for schedule(static)")                                             \
     for (int64_t b = 0; b < ((N) + BR - 1) / BR; b++) {                                      \
+        const kvlm_block blk = take_block(KIND, w, groups, N, b);                            \
+        if (!blk.p) {                                                                        \
+            _Pragma("omp atomic write") no_scratch = 1;                                      \
+            continue;                                                                        \
+        }                                                                                    \
         int64_t m0 = 0;                                                                      \
         ROWS_BY_MT(M, m0, KIND, BODY)                                                        \
     }
@@ -547,6 +636,11 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
 #define FOR_BLOCKS_WIDE(M, N, KIND, BODY)                                                    \
     _Pragma("omp parallel for schedule(static)")                                             \
     for (int64_t b = 0; b < ((N) + BR - 1) / BR; b++) {                                      \
+        const kvlm_block blk = take_block(KIND, w, groups, N, b);                            \
+        if (!blk.p) {                                                                        \
+            _Pragma("omp atomic write") no_scratch = 1;                                      \
+            continue;                                                                        \
+        }                                                                                    \
         int64_t m0 = 0;                                                                      \
         for (; (M) - m0 >= MT_I8; m0 += MT_I8) BODY(KIND, MT_I8, m0);                        \
         ROWS_BY_MT(M, m0, KIND, BODY)                                                        \
@@ -556,6 +650,7 @@ block_product(int kind, const int R, kvlm_block B, int64_t groups, const float *
     do {                                                                                     \
         switch (kind) {                                                                      \
         case Q8: LOOP(M, N, Q8, BODY) break;                                                 \
+        case Q8R: LOOP(M, N, Q8R, BODY) break;                                               \
         case Q4: LOOP(M, N, Q4, BODY) break;                                                 \
         case Q40: LOOP(M, N, Q40, BODY) break;                                               \
         case Q50: LOOP(M, N, Q50, BODY) break;                                               \
@@ -599,10 +694,11 @@ int kvlm_qgemm(int64_t kind, const float *x, int64_t xn, int64_t M, int64_t K,
         xs[t] = s;
 #endif
     }
+    int no_scratch = 0;
 #define QGEMM_BODY(KIND, R, m0) \
-    block_product(KIND, R, block_at(KIND, w, groups, b), groups, x, K, xs, y, ldy, N, b * BR, m0)
+    block_product(PACKED(KIND), R, blk, groups, x, K, xs, y, ldy, N, b * BR, m0)
     FOR_KIND_BLOCKS(kind, M, N, QGEMM_BODY);
-    return 0;
+    return no_scratch ? -1 : 0;
 }
 
 /* ------------------------------------------------------------------------------------
@@ -867,17 +963,18 @@ int kvlm_qgemm_i8(int64_t kind, const float *x, int64_t xn, int64_t M, int64_t K
         quantize_act_row(x + t * K, K, buf + t * actrow_bytes(K, F), F);
         rows[t] = actrow_at(buf, K, t, F);
     }
+    int no_scratch = 0;
 #define QGEMM_I8_BODY(KIND, R, m0) \
-    block_product_i8(KIND, R, 0, block_at(KIND, w, groups, b), groups, rows + (m0), y, ldy, N, b * BR, m0)
+    block_product_i8(PACKED(KIND), R, 0, blk, groups, rows + (m0), y, ldy, N, b * BR, m0)
 #define QGEMM_I16_BODY(KIND, R, m0) \
-    block_product_i8(KIND, R, 1, block_at(KIND, w, groups, b), groups, rows + (m0), y, ldy, N, b * BR, m0)
+    block_product_i8(PACKED(KIND), R, 1, blk, groups, rows + (m0), y, ldy, N, b * BR, m0)
     if (F) {
         FOR_KIND_BLOCKS(kind, M, N, QGEMM_I16_BODY);
-        return 0;
+        return no_scratch ? -1 : 0;
     }
     if (M <= SMALL_ROWS) {
         FOR_KIND_BLOCKS(kind, M, N, QGEMM_I8_BODY);
-        return 0;
+        return no_scratch ? -1 : 0;
     }
     /* Many rows: every weight block is multiplied by all of them, so they are streamed
      * once per block of 16 weight rows; in chunks that stay in L2 (each chunk against all
@@ -891,11 +988,11 @@ int kvlm_qgemm_i8(int64_t kind, const float *x, int64_t xn, int64_t M, int64_t K
         const kvlm_actrow *rows_c = rows + c0;
         float *y_c = y + c0 * ldy;
 #define QGEMM_I8_CHUNK(KIND, R, m0) \
-    block_product_i8(KIND, R, 0, block_at(KIND, w, groups, b), groups, rows_c + (m0), y_c, ldy, N, b * BR, m0)
+    block_product_i8(PACKED(KIND), R, 0, blk, groups, rows_c + (m0), y_c, ldy, N, b * BR, m0)
         FOR_KIND_LOOP(FOR_BLOCKS_WIDE, kind, mc, N, QGEMM_I8_CHUNK);
 #undef QGEMM_I8_CHUNK
     }
-    return 0;
+    return no_scratch ? -1 : 0;
 }
 
 /* ---- dequantization (prefill) ---- */
@@ -983,10 +1080,39 @@ dequant_row(int kind, int bf16, int64_t groups, kvlm_block B, int i, void *out) 
     }
 }
 
+/* Row n of Q8R's w (rows of `groups` block_q8_0) as dequant_row gives q8's: s q, exact */
+static inline void dequant_rows_row(int bf16, int64_t groups, const uint8_t *w, int64_t n,
+                                    void *out) {
+    const uint8_t *s = w + n * groups * 34;
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *blk = s + g * 34;
+        uint16_t d;
+        memcpy(&d, blk, 2);
+        const float sc = from_f16(d);
+        for (int j = 0; j < G; j++) {
+            const float v = sc * (float)(int8_t)blk[2 + j];
+            if (bf16)
+                ((uint16_t *)out)[g * G + j] = to_bf16(v);
+            else
+                ((float *)out)[g * G + j] = v;
+        }
+    }
+}
+
+/* row n of w of `kind` into out (KIND a literal once inlined) */
+static inline __attribute__((always_inline)) void
+dequant_any(int kind, int bf16, int64_t groups, const uint8_t *w, int64_t n, void *out) {
+    if (kind == Q8R)
+        dequant_rows_row(bf16, groups, w, n, out);
+    else
+        dequant_row(kind, bf16, groups, block_at(kind, w, groups, n / BR), (int)(n % BR), out);
+}
+
 /* DO(KIND) with KIND a literal for each known kind; an unknown kind returns -2 */
 #define EACH_KIND(kind, DO)                                                                  \
     switch (kind) {                                                                          \
     case Q8: DO(Q8); break;                                                                  \
+    case Q8R: DO(Q8R); break;                                                                \
     case Q4: DO(Q4); break;                                                                  \
     case Q40: DO(Q40); break;                                                                \
     case Q50: DO(Q50); break;                                                                \
@@ -1003,8 +1129,7 @@ dequant_row(int kind, int bf16, int64_t groups, kvlm_block B, int i, void *out) 
     do {                                                                                     \
         _Pragma("omp parallel for schedule(static)")                                         \
         for (int64_t n = 0; n < N; n++)                                                      \
-            dequant_row(KIND, BF16, groups, block_at(KIND, w, groups, n / BR), (int)(n % BR), \
-                        (char *)out + n * K * ((BF16) ? 2 : 4));                             \
+            dequant_any(KIND, BF16, groups, w, n, (char *)out + n * K * ((BF16) ? 2 : 4));   \
     } while (0)
 
 #define DEQUANT_KIND(KIND)                                                                   \
@@ -1043,8 +1168,7 @@ int kvlm_qdequant_rows(int64_t kind, int64_t K, const uint8_t *w, int64_t wn, in
         if (rows[t] < 0 || rows[t] >= N) return -2;
 #define DEQUANT_PICKED(KIND)                                                                 \
     for (int64_t t = 0; t < n; t++)                                                          \
-        dequant_row(KIND, 0, groups, block_at(KIND, w, groups, rows[t] / BR),                \
-                    (int)(rows[t] % BR), out + t * K)
+        dequant_any(KIND, 0, groups, w, rows[t], out + t * K)
     EACH_KIND(kind, DEQUANT_PICKED);
 #undef DEQUANT_PICKED
     return 0;
@@ -1182,13 +1306,15 @@ int kvlm_prefault(uint8_t *buf, int64_t n, int64_t page) {
  * (order NULL: row n; a permutation applied as the rows are read, llama's q/k rows), each
  * K / per * bytes long; dst: ceil(N / 16) blocks of 16 x that many bytes, every byte
  * written (rows past N zero). Blocks of 16 rows in parallel. src holds sn bytes, dst dn.
- * Returns 0, or -2, nothing written, for an unknown kind, a K that is not whole blocks, a
- * buffer shorter than its shape needs (src N rows, dst the packed [N, K]), or an order
+ * Returns 0, or -2, nothing written, for an unknown kind (or Q8R, never packed), a K that
+ * is not whole blocks, a buffer shorter than its shape needs (src N rows, dst the packed
+ * [N, K]), or an order
  * entry outside [0, N). */
 int kvlm_qpack(int64_t kind, const uint8_t *src, int64_t sn, int64_t N, int64_t K,
                const int64_t *order, uint8_t *dst, int64_t dn) {
     int64_t need;
-    if (!known_kind(kind) || !packed_size((int)kind, N, K, &need) || dn < need) return -2;
+    if (!known_kind(kind) || kind == Q8R || !packed_size((int)kind, N, K, &need) || dn < need)
+        return -2; /* Q8R is not packed: its rows are read in place */
     const int64_t row_bytes = K / ggml_block_weights((int)kind) * ggml_block_bytes((int)kind);
     if (!mul_ok(N, row_bytes, &need) || sn < need) return -2; /* row_bytes: packed_size's */
     for (int64_t n = 0; order && n < N; n++)

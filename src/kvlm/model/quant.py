@@ -10,6 +10,8 @@
     q6_k: 6-bit codes, fp16 d per 256, int8 sc per 16: w = (d sc) (q - 32)    (Q6_K)
     mxfp4: 4-bit E2M1 codes, an 8-bit exponent e per group: w = 2^(e - 128) kv[q]  (MXFP4)
            kv = MXFP4_VALUES (E2M1's values doubled), 2^(e - 128) = ggml's e8m0 half-scale
+    q8_0_rows: Q8_0's blocks as the file stores them, row after row, not packed: read
+           where they lie in the file's map (ROWS_KIND; a stack of experts), q8's numbers
 
 A QuantWeight comes either from a float weight (`quantize(w, "q8" | "q4")`: `--weights
 int8|int4`) or straight from a GGUF file's blocks (`--weights native`: the file's own
@@ -36,6 +38,7 @@ import ctypes
 import functools
 import itertools
 import mmap
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -57,14 +60,18 @@ GGML_KINDS = {
     "q6_k": (256, 210),
     "mxfp4": (32, 17),
 }
-KINDS = ("q8", "q4", *GGML_KINDS)
+# Q8_0 kept as stored (ggml's block_q8_0 rows, 34 bytes a group, rows one after another):
+# `data` is a view of the blocks (the file's map), never packed; the kernels pack each block
+# of 16 rows into q8's records as they read it, so its products are q8's bit for bit.
+ROWS_KIND = "q8_0_rows"
+KINDS = ("q8", "q4", *GGML_KINDS, ROWS_KIND)
 KIND_CODES = {"q8": 8, "q4": 4, "q4_0": 40, "q5_0": 50, "q5_1": 51, "q4_k": 104, "q5_k": 105,
-              "q6_k": 106, "mxfp4": 39}  # fmt: skip
+              "q6_k": 106, "mxfp4": 39, ROWS_KIND: 80}  # fmt: skip
 # MXFP4's nibble -> its E2M1 value doubled (gguf-py's MXFP4.kvalues, ggml's kvalues_mxfp4)
 MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 # The blocks from_blocks reads, per kind: the GGML_KINDS', and q8 from Q8_0 (f16 d, int8
 # q[32]), q4 from Q4_1 (f16 d, f16 m, nibbles[16]).
-BLOCK_FORMATS = {"q8": (32, 34), "q4": (32, 20), **GGML_KINDS}
+BLOCK_FORMATS = {"q8": (32, 34), "q4": (32, 20), **GGML_KINDS, ROWS_KIND: (32, 34)}
 PACK_WEIGHTS = 1 << 24  # weights per piece that the torch packer packs at a time
 MIXED = "mixed"  # the kind of a weight of row parts of different kinds (`concat`)
 FORMATS = {"int8": "q8", "int4": "q4"}  # --weights name -> kind
@@ -146,7 +153,7 @@ class QuantWeight:
         scale: torch.Tensor,
         zero: torch.Tensor | None = None,
     ) -> None:
-        if kind in GGML_KINDS:
+        if kind in GGML_KINDS or kind == ROWS_KIND:
             raise ValueError(f"{kind} weights are built from ggml blocks (QuantWeight.from_blocks)")
         if kind not in KINDS:
             raise ValueError(f"unknown quantized kind {kind!r}")
@@ -173,8 +180,13 @@ class QuantWeight:
         or a numpy array (a view of the file's map: read where it lies, not copied).
         `order`: row i of the weight is row order[i] of the blocks (a permutation, applied
         as they are packed). `reference`: packed by the torch code (what the C packer is
-        tested against; the path without the compiled kernels)."""
+        tested against; the path without the compiled kernels). ROWS_KIND: `blocks` itself
+        (a view, not a copy; rows in order, contiguous)."""
         n, k = _block_shape(kind, blocks)
+        if kind == ROWS_KIND:
+            if order is not None:
+                raise ValueError(f"{kind} weights are read in place: no row order")
+            return cls._wrap(kind, n, k, _in_place(blocks))
         data = _new_data(packed_bytes(kind, n, k)).view(-(-n // BLOCK_ROWS), -1)
         _pack_blocks(kind, blocks, order, data, reference)
         return cls._wrap(kind, n, k, data)
@@ -186,7 +198,7 @@ class QuantWeight:
         n: int,
         k: int,
         data: torch.Tensor,
-        parts: tuple[tuple[str, int, int, int], ...] | None = None,
+        parts: tuple[tuple[str, int, int, int], ...] | tuple[QuantWeight, ...] | None = None,
     ) -> QuantWeight:
         q = cls.__new__(cls)
         q.kind, q.out_features, q.in_features, q.data, q._parts = kind, n, k, data, parts
@@ -194,14 +206,22 @@ class QuantWeight:
 
     def parts(self) -> list[QuantWeight]:
         """The row parts, each of one kind, top to bottom (views of `data`): [self] for a
-        weight of one kind."""
+        weight of one kind. A weight joined from weights in place (`concat` of ROWS_KIND
+        parts): those weights."""
         if self._parts is None:
             return [self]
+        if isinstance(self._parts[0], QuantWeight):
+            return list(self._parts)  # type: ignore[arg-type]
         k = self.in_features
         return [
             QuantWeight._wrap(kind, n, k, self.data[a:b].view(-(-n // BLOCK_ROWS), -1))
             for kind, n, a, b in self._parts
         ]
+
+    @property
+    def in_place(self) -> bool:
+        """Whether a part is read where it lies (ROWS_KIND: the file's map, not to move)."""
+        return any(p.kind == ROWS_KIND for p in self.parts())
 
     @property
     def nbytes(self) -> int:
@@ -213,6 +233,8 @@ class QuantWeight:
         blocks [N, bytes], None, None) for the GGML_KINDS. A MIXED weight: unpack each of
         its parts()."""
         blocks = _blocks_of(self)
+        if self.kind == ROWS_KIND:
+            return _block_arrays("q8", blocks)
         return (blocks, None, None) if self.kind in GGML_KINDS else _block_arrays(self.kind, blocks)
 
     def dense(
@@ -240,14 +262,15 @@ class QuantWeight:
         m, k = x.shape
         xd = x.to(dtype)
         y = torch.empty(m, self.out_features, dtype=torch.float32)
-        per = max(1, TILE_WEIGHTS // (BLOCK_ROWS * k))  # blocks per tile
         col = 0
         for p in self.parts():
+            u = _data_rows(p.kind)  # rows an entry of p.data holds; q8's tiles for ROWS_KIND
+            per = max(1, TILE_WEIGHTS // (BLOCK_ROWS * k)) * BLOCK_ROWS // u  # entries a tile
             for b0 in range(0, p.data.shape[0], per):
-                rows = min(p.out_features, (b0 + per) * BLOCK_ROWS) - b0 * BLOCK_ROWS
+                rows = min(p.out_features, (b0 + per) * u) - b0 * u
                 w = _scratch(rows * k, dtype).view(rows, k)
                 _dequant(lib, p, p.data[b0:], w)
-                at = col + b0 * BLOCK_ROWS
+                at = col + b0 * u
                 y[:, at : at + rows] = row_blocks(xd, lambda xb, w=w: torch.matmul(xb, w.t()), rows)
             col += p.out_features
         return y
@@ -353,6 +376,22 @@ class QuantWeight:
 
 
 BLOCK_ROWS = 16  # rows per packed block: one per 32-bit lane of a 512-bit vector
+
+
+def _data_rows(kind: str) -> int:
+    """Rows of the weight an entry (first-axis index) of its `data` holds."""
+    return 1 if kind == ROWS_KIND else BLOCK_ROWS
+
+
+def _in_place(blocks: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """ROWS_KIND's data: the blocks as a tensor sharing their memory (a map's read-only
+    view too: the kernels only read it), rows contiguous."""
+    if isinstance(blocks, torch.Tensor):
+        return blocks.contiguous()
+    a = np.ascontiguousarray(blocks)
+    with warnings.catch_warnings():  # read-only: torch warns that writes would fail
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -461,9 +500,9 @@ def _packing_into(arena: HugePageArena | None) -> Iterator[HugePageArena | None]
 
 def packed_bytes(kind: str, n: int, k: int) -> int:
     """Bytes of a packed [n, k] weight of `kind`: per block of 16 rows, 16 of the file's
-    rows (rows past n padded)."""
+    rows (rows past n padded); ROWS_KIND's n rows as stored."""
     per, size = BLOCK_FORMATS[kind]
-    return -(-n // BLOCK_ROWS) * BLOCK_ROWS * (k // per * size)
+    return -(-n // _data_rows(kind)) * _data_rows(kind) * (k // per * size)
 
 
 @dataclass(slots=True)
@@ -901,6 +940,9 @@ def _scratch(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 def _dense_torch(q: QuantWeight) -> torch.Tensor:
     if q._parts is not None:
         return torch.cat([_dense_torch(p) for p in q.parts()])
+    if q.kind == ROWS_KIND:  # s q, exact in fp32
+        codes, scale, _ = _block_arrays("q8", q.data)
+        return codes.float() * scale.repeat_interleave(GROUP, dim=1)
     return _dense_fields(q.kind, _unpack_fields(q.kind, q.data, q.out_features, q.in_features))
 
 
@@ -994,6 +1036,8 @@ def concat(parts: Sequence[QuantWeight | Blocks]) -> QuantWeight:
     flat = [one for p in parts for one in (p.parts() if isinstance(p, QuantWeight) else [p])]
     if len(flat) == 1 and isinstance(flat[0], QuantWeight):
         return flat[0]
+    if any(p.kind == ROWS_KIND for p in flat):
+        return _joined([p.pack() if isinstance(p, Blocks) else p for p in flat], k)
     runs = [list(run) for _, run in itertools.groupby(flat, key=lambda p: p.kind)]
     spec, at = [], 0
     for run in runs:  # each run's bytes from a 64-byte boundary
@@ -1010,6 +1054,17 @@ def concat(parts: Sequence[QuantWeight | Blocks]) -> QuantWeight:
         return QuantWeight._wrap(kind, n, k, data.view(-(-n // BLOCK_ROWS), -1))
     n = sum(n for _, n, _, _ in spec)
     return QuantWeight._wrap(MIXED, n, k, data, tuple(spec))
+
+
+def _joined(parts: list[QuantWeight], k: int) -> QuantWeight:
+    """Parts stacked along their outputs without a copy (ROWS_KIND's stay in place): a
+    MIXED weight of those weights, each its own buffer; at most QMAT_PARTS (abi.h)."""
+    if len(parts) == 1:
+        return parts[0]
+    if len(parts) > 3:
+        raise ValueError(f"{len(parts)} parts: a weight joined in place takes at most 3")
+    n = sum(p.out_features for p in parts)
+    return QuantWeight._wrap(MIXED, n, k, parts[0].data, tuple(parts))
 
 
 def _fill(kind: str, run: Sequence[QuantWeight | Blocks], out: torch.Tensor) -> None:
@@ -1032,6 +1087,8 @@ def _blocks_of(p: QuantWeight | Blocks) -> torch.Tensor:
     """A weight's blocks as stored ([N, bytes], rows in order): Q8_0 / Q4_1 for q8 / q4."""
     if isinstance(p, Blocks):
         return p.rows()
+    if p.kind == ROWS_KIND:
+        return p.data
     if p._parts is not None:
         raise ValueError("a weight of parts of different kinds: unpack each of parts()")
     return _ggml_blocks(p.kind, _unpack_fields(p.kind, p.data, p.out_features, p.in_features))

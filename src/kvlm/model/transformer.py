@@ -24,6 +24,7 @@ from torch import nn
 from tqdm import tqdm
 
 from kvlm.cache.kinds import ConvWindow, recurrent_state
+from kvlm.cache.memory import available_memory
 from kvlm.cache.recurrent import DeltaRows, DeltaStep
 from kvlm.config import ModelConfig, RopeScaling
 from kvlm.errors import ModelLoadError, UnsupportedModelError
@@ -191,7 +192,7 @@ class Transformer(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear) and m.quant is not None:
                 inside = packed_in is not None and packed_in.holds(m.quant.data)
-                if id(m.quant) not in owners and not inside:
+                if id(m.quant) not in owners and not inside and not m.quant.in_place:
                     packed.append(m.quant)
                 owners.setdefault(id(m.quant), []).append(m)
 
@@ -387,6 +388,11 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
+# Q8_0 expert stacks are read in place where the model's files pass this share of the
+# memory available at load (_WeightTaker._experts_in_place)
+IN_PLACE_SHARE = 1.0
+
+
 @dataclass
 class _WeightTaker:
     """Pulls named tensors from a WeightSource, converting each at once (one in flight)."""
@@ -402,6 +408,7 @@ class _WeightTaker:
 
     def __post_init__(self) -> None:
         self.available = set(self.weights.names())
+        self._in_place: bool | None = None  # _experts_in_place, decided once a load
         # --weights native: what had no kernel, (file name pattern, type) -> (outcome, count)
         self.requantized: dict[tuple[str, str], tuple[str, int]] = {}
         self.bar = tqdm(
@@ -706,14 +713,31 @@ class _WeightTaker:
 
     def _each_expert(self, name: str, count: int) -> list[quant.Blocks] | list[torch.Tensor]:
         """Each expert's matrix of the stacked tensor `name`: its blocks as stored
-        (--weights native, a view of the file's), else its values."""
+        (--weights native, a view of the file's; Q8_0's multiplied there, quant.ROWS_KIND,
+        never copied), else its values."""
         native = self._native(name, packed=False)
         if native is None:
             stack = self.take(name)
             return list(stack.unbind(0))
         self.bar.update(1)
         raw, rows = native.raw, native.out_features // count
-        return [quant.Blocks(native.kind, raw[e * rows : (e + 1) * rows]) for e in range(count)]
+        kind = native.kind
+        if kind == "q8" and native.order is None and self._experts_in_place():
+            kind = quant.ROWS_KIND  # the map's own rows
+        return [quant.Blocks(kind, raw[e * rows : (e + 1) * rows]) for e in range(count)]
+
+    def _experts_in_place(self) -> bool:
+        """Whether Q8_0 expert stacks are multiplied where they lie in the file's map
+        (quant.ROWS_KIND) rather than packed: where the model's files are larger than the
+        memory available at load, so a packed copy would not fit beside them (llama.cpp
+        maps every such file; a mapped model larger than memory still runs, its pages read
+        again as they are needed). Else packed: its products run ~1.4x the in-place ones'
+        (docs/NOTES-moe.md item 2), at the copy's load time and memory."""
+        if self._in_place is None:
+            size = sum(f.stat().st_size for f in self.weights.files())
+            free = available_memory("cpu")
+            self._in_place = free is not None and size > free * IN_PLACE_SHARE
+        return self._in_place
 
     def _expert_linear(self, parts: list, name: str, bias: torch.Tensor | None = None) -> Linear:
         """One expert's projection of `parts` (gate and up joined, or down), with `bias`."""
