@@ -1496,14 +1496,19 @@ def assert_pool_fused_as_alone(llm, monkeypatch, draft_weights: str, after=None)
             after(engine)
         if params is GREEDY:
             assert sum(calls) == engine.stats.decode_rows and max(calls) == len(POOL_PROMPTS)
+    rolled_back = 0
     for spec in (SpeculativeConfig("ngram", num_draft=4, ngram_min=1),
                  SpeculativeConfig("draft", draft_weights=draft_weights)):  # fmt: skip
         calls.clear()
         drafted, engine = on_pool(llm, POOL_PROMPTS, GREEDY, speculative=spec)
         st = engine.stats.spec
-        assert drafted == want and st.drafted > st.accepted  # some rolled back
+        assert drafted == want
+        rolled_back += st.drafted - st.accepted
         assert_all_fused(calls, engine)
         assert sum(calls) > engine.stats.decode_rows  # the drafts' rows went through it
+    # some rows rolled back (which drafter's depends on the CPU's numerics: on an AMX Xeon
+    # the int8 draft model's 48 drafts were all accepted, prompt lookup's 8 all rejected)
+    assert rolled_back > 0
     assert st.accepted > 0  # the draft model's: rows of a draft checked as one sequence
 
 

@@ -292,7 +292,33 @@ def test_prompt_attention_in_bf16_is_within_its_rounding(H, Hkv, D, T, S, declin
     err = float((got.double() - want).abs().max())
     assert err <= bound
     fp32 = attend(q, k, v, mask, causal)
-    assert not torch.equal(got, fp32)  # it did round: not the fp32 road's bits
+    pairs = not torch.equal(_attend_kernel(q, k, v, mask, causal, bf16_row=0),
+                            _attend_kernel(q, k, v, mask, causal))  # fmt: skip
+    # it did round (not the fp32 road's bits), but where this CPU's kernels have no bf16
+    # pairs: there every row is fp32, as chunk-invariant as the rest of kvlm_attend
+    assert torch.equal(got, fp32) == (not declined and not pairs)
+
+
+@needs_kernels
+@pytest.mark.parametrize("D", [32, 96, 256])
+def test_bf16_rows_at_a_head_size_the_pairs_do_not_take_are_fp32_rows(D):
+    """--prefill-dtype bf16 (the AMX CPUs' default: every prompt row in bf16) at a head
+    size kvlm_attend's bf16 pairs do not take (64 and 128 only): every row through its
+    fp32 kernel, whole or in chunks the same bits. It went to torch's bf16 flash
+    attention, which splits a chunk's rows by its length: on the AMX Xeon a tiny
+    Qwen3-MoE (head 32) answered a prompt in chunks 9 + 1 + 30 otherwise than whole."""
+    from kvlm.cache.base import causal_mask
+
+    torch.manual_seed(D)
+    H, Hkv, T = 4, 2, 40
+    q, k, v = torch.randn(1, H, T, D), torch.randn(1, Hkv, T, D), torch.randn(1, Hkv, T, D)
+    whole = attend(q, k, v, None, True, bf16_from=0)
+    assert torch.equal(whole, attend(q, k, v, None, True))
+    for a, b in ((0, 9), (9, 10), (10, 40)):
+        mask, causal = causal_mask(a, b - a, b, None, q.device)
+        part = attend(q[:, :, a:b], k[:, :, :b], v[:, :, :b], mask, causal, bf16_from=0,
+                      prompt=True)  # fmt: skip
+        assert torch.equal(part, whole[:, :, a:b])
 
 
 @needs_vector_kernels

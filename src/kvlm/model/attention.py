@@ -324,11 +324,12 @@ def attend(
     and v rounded to bf16, fp32 scores and softmax, the weights rounded to bf16 for p.V,
     in kvlm_attend's bf16 pairs (vdpbf16ps; on a Zen 4 1.4-1.55x its fp32 from 512 keys,
     where torch's bf16 flash attention is 0.4-0.85x of it: docs/BENCHMARKS.md 19.8,
-    19.10), every row fp32 where its pairs do not apply (with 0, --prefill-dtype bf16:
-    torch's bf16 flash attention there). With AMX too: torch's flash attention on the
-    tiles (2-4x kvlm_attend's fp32 from 1,024 keys on the AMX Xeon) splits a chunk's rows
-    by its length, so a row's bits followed its chunk. The prompt's largest cost at long
-    contexts.
+    19.10), every row fp32 where its pairs do not apply (the head size, the CPU); torch's
+    bf16 flash attention only without the kernels (with 0, --prefill-dtype bf16). With AMX
+    too: torch's flash attention on the tiles (2-4x kvlm_attend's fp32 from 1,024 keys on
+    the AMX Xeon) splits a chunk's rows by its length, so a row's bits followed its chunk
+    (and did, for a head of 32 or 256, until the pairs' refusal fell back to fp32 rows).
+    The prompt's largest cost at long contexts.
 
     On CUDA a grouped-query call with an explicit mask (a prefill chunk after the first, a
     batch of rows at different positions, a window step) finds no fused kernel: flash
@@ -513,15 +514,21 @@ def _attend_kernel(
             None if mask is None else mask.data_ptr(), 0 if mask is None else _room(mask),
             D**-0.5, out.data_ptr(), out.numel(), _base(sinks), _count(sinks),
         )  # fmt: skip
-    if rc == -3:  # not a decode row, or a head size the row kernel does not take
+    # not a decode row, or a head size the row kernel does not take: every row in fp32
+    # where the bf16 pairs do not take the head size (64 and 128 only): SDPA instead (as
+    # ran on an AMX CPU, whose rows are all bf16 ones, for a head of 32 or 256) split a
+    # chunk's rows by its length, so a row's bits followed its chunk
+    first_bf16 = T if bf16_row is None else bf16_row
+    for from_row in dict.fromkeys((first_bf16, T)) if rc == -3 else ():
         rc = lib.kvlm_attend(
             q.data_ptr(), _room(q), H, T, D, q.stride(1), q.stride(2), k.data_ptr(), _room(k),
             v.data_ptr(), _room(v), Hkv, S, k.stride(1), k.stride(2), v.stride(1), v.stride(2),
             None if mask is None else mask.data_ptr(), 0 if mask is None else _room(mask),
             0 if mask is None else mask.stride(0), int(causal and mask is None), D**-0.5,
-            out.data_ptr(), out.numel(), T if bf16_row is None else bf16_row, _base(sinks),
-            _count(sinks),
+            out.data_ptr(), out.numel(), from_row, _base(sinks), _count(sinks),
         )  # fmt: skip
+        if rc != -3:
+            break
     if rc == -3:  # a head size or CPU it does not take
         return None
     if rc == -2:
