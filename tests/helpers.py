@@ -1776,3 +1776,44 @@ def family_maker(tmp_path_factory):
         return made[name]
 
     return make
+
+
+def assert_kind_refuses_short_buffers(q, kind: str, n: int, k: int) -> None:
+    """A low-bit weight `q` of `kind` (n rows of k): every product and dequantizing entry
+    point takes its shape's buffers (0) and refuses (-2, nothing read or written) one a
+    byte or an element shorter, a width that is not whole groups, a bf16 flag of 2, and a
+    row past the weight's."""
+    import torch
+
+    from kvlm import kernels
+    from kvlm.model import quant
+
+    lib, code = kernels.library(), quant.KIND_CODES[kind]
+    w, wn = q.data.data_ptr(), q.data.numel()
+    x, y = torch.randn(3, k), torch.empty(3, n)
+    xp, yp = x.data_ptr(), y.data_ptr()
+    for fine in (None, 0, 1):
+
+        def product(xn, wn_, yn, kk=k, fine=fine):
+            args = (code, xp, xn, 3, kk, w, wn_, n, yp, yn, n)
+            return lib.kvlm_qgemm(*args) if fine is None else lib.kvlm_qgemm_i8(*args, fine)
+
+        assert product(3 * k, wn, 3 * n) == 0
+        assert product(3 * k - 1, wn, 3 * n) == -2
+        assert product(3 * k, wn - 1, 3 * n) == -2
+        assert product(3 * k, wn, 3 * n - 1) == -2
+        assert product(3 * 48, wn, 3 * n, kk=48) == -2  # 48: not whole groups
+    out = torch.empty(n, k)
+    assert lib.kvlm_qdequant(code, 0, k, w, wn, n, out.data_ptr(), 4 * n * k) == 0
+    assert lib.kvlm_qdequant(code, 0, k, w, wn - 1, n, out.data_ptr(), 4 * n * k) == -2
+    assert lib.kvlm_qdequant(code, 0, k, w, wn, n, out.data_ptr(), 4 * n * k - 1) == -2
+    assert lib.kvlm_qdequant(code, 2, k, w, wn, n, out.data_ptr(), 4 * n * k) == -2  # bf16 2
+    ids = torch.tensor([0, n - 1])
+    args = (code, k, w, wn, n, ids.data_ptr(), 2, out.data_ptr())
+    assert lib.kvlm_qdequant_rows(*args, 2 * k) == 0
+    assert lib.kvlm_qdequant_rows(*args, 2 * k - 1) == -2
+    assert lib.kvlm_qdequant_rows(code, k, w, wn - 1, n, ids.data_ptr(), 2, out.data_ptr(),
+                                  2 * k) == -2  # fmt: skip
+    bad = torch.tensor([0, n])
+    assert lib.kvlm_qdequant_rows(code, k, w, wn, n, bad.data_ptr(), 2, out.data_ptr(),
+                                  2 * k) == -2  # fmt: skip

@@ -15,7 +15,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from helpers import needs_kernels, needs_vector_kernels, portable_build_params, portable_kernels
+from helpers import (
+    assert_kind_refuses_short_buffers,
+    needs_kernels,
+    needs_vector_kernels,
+    portable_build_params,
+    portable_kernels,
+)
 from kvlm import kernels
 from kvlm.model import quant
 from numerics import assert_product_close
@@ -171,32 +177,9 @@ def test_the_kernels_refuse_short_buffers():
     code, n, k = quant.KIND_CODES["mxfp4"], 20, 64
     raw = torch.from_numpy(_blocks(n, k, seed=2))
     q = quant.QuantWeight.from_blocks("mxfp4", raw)
-    w, wn = q.data.data_ptr(), q.data.numel()
+    wn = q.data.numel()
     assert wn == 32 * 2 * BLOCK
-    x = torch.randn(3, k)
-    y = torch.empty(3, n)
-    xp, yp = x.data_ptr(), y.data_ptr()
-    for fine in (None, 0, 1):
-
-        def product(xn, wn_, yn, kk=k, fine=fine):
-            args = (code, xp, xn, 3, kk, w, wn_, n, yp, yn, n)
-            return lib.kvlm_qgemm(*args) if fine is None else lib.kvlm_qgemm_i8(*args, fine)
-
-        assert product(3 * k, wn, 3 * n) == 0
-        assert product(3 * k - 1, wn, 3 * n) == -2
-        assert product(3 * k, wn - 1, 3 * n) == -2
-        assert product(3 * k, wn, 3 * n - 1) == -2
-        assert product(3 * 48, wn, 3 * n, kk=48) == -2  # 48: not whole groups
-    out = torch.empty(n, k)
-    assert lib.kvlm_qdequant(code, 0, k, w, wn, n, out.data_ptr(), 4 * n * k) == 0
-    assert lib.kvlm_qdequant(code, 0, k, w, wn - 1, n, out.data_ptr(), 4 * n * k) == -2
-    assert lib.kvlm_qdequant(code, 0, k, w, wn, n, out.data_ptr(), 4 * n * k - 1) == -2
-    ids = torch.tensor([0, 19])
-    args = (code, k, w, wn, n, ids.data_ptr(), 2, out.data_ptr())
-    assert lib.kvlm_qdequant_rows(*args, 2 * k) == 0
-    assert lib.kvlm_qdequant_rows(*args, 2 * k - 1) == -2
-    assert lib.kvlm_qdequant_rows(code, k, w, wn - 1, n, ids.data_ptr(), 2, out.data_ptr(),
-                                  2 * k) == -2  # fmt: skip
+    assert_kind_refuses_short_buffers(q, "mxfp4", n, k)
     dst = torch.empty(wn, dtype=torch.uint8)
     src, sn = raw.data_ptr(), raw.numel()
     assert lib.kvlm_qpack(code, src, sn, n, k, None, dst.data_ptr(), wn) == 0
@@ -204,7 +187,6 @@ def test_the_kernels_refuse_short_buffers():
     assert lib.kvlm_qpack(code, src, sn - 1, n, k, None, dst.data_ptr(), wn) == -2
     assert lib.kvlm_qpack(code, src, sn, n, k, None, dst.data_ptr(), wn - 1) == -2
     assert lib.kvlm_qpack(code, src, sn, n, k + 32, None, dst.data_ptr(), 10 * wn) == -2
-    assert lib.kvlm_qdequant(code, 2, k, w, wn, n, out.data_ptr(), 4 * n * k) == -2  # bf16 2
 
 
 # ---- products -------------------------------------------------------------------------

@@ -14,7 +14,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from helpers import needs_kernels, needs_vector_kernels, portable_build_params, portable_kernels
+from helpers import (
+    assert_kind_refuses_short_buffers,
+    needs_kernels,
+    needs_vector_kernels,
+    portable_build_params,
+    portable_kernels,
+)
 from kvlm import kernels
 from kvlm.model import quant
 from numerics import assert_product_close
@@ -122,34 +128,7 @@ def test_the_kernels_refuse_short_buffers():
     q = quant.QuantWeight.from_blocks(ROWS, raw)
     w, wn = q.data.data_ptr(), q.data.numel()
     assert wn == n * 2 * BLOCK  # unpadded: 20 rows, not 32
-    x = torch.randn(3, k)
-    y = torch.empty(3, n)
-    xp, yp = x.data_ptr(), y.data_ptr()
-    for fine in (None, 0, 1):
-
-        def product(xn, wn_, yn, kk=k, fine=fine):
-            args = (code, xp, xn, 3, kk, w, wn_, n, yp, yn, n)
-            return lib.kvlm_qgemm(*args) if fine is None else lib.kvlm_qgemm_i8(*args, fine)
-
-        assert product(3 * k, wn, 3 * n) == 0
-        assert product(3 * k - 1, wn, 3 * n) == -2
-        assert product(3 * k, wn - 1, 3 * n) == -2
-        assert product(3 * k, wn, 3 * n - 1) == -2
-        assert product(3 * 48, wn, 3 * n, kk=48) == -2  # 48: not whole groups
-    out = torch.empty(n, k)
-    assert lib.kvlm_qdequant(code, 0, k, w, wn, n, out.data_ptr(), 4 * n * k) == 0
-    assert lib.kvlm_qdequant(code, 0, k, w, wn - 1, n, out.data_ptr(), 4 * n * k) == -2
-    assert lib.kvlm_qdequant(code, 0, k, w, wn, n, out.data_ptr(), 4 * n * k - 1) == -2
-    assert lib.kvlm_qdequant(code, 2, k, w, wn, n, out.data_ptr(), 4 * n * k) == -2  # bf16 2
-    ids = torch.tensor([0, 19])
-    args = (code, k, w, wn, n, ids.data_ptr(), 2, out.data_ptr())
-    assert lib.kvlm_qdequant_rows(*args, 2 * k) == 0
-    assert lib.kvlm_qdequant_rows(*args, 2 * k - 1) == -2
-    assert lib.kvlm_qdequant_rows(code, k, w, wn - 1, n, ids.data_ptr(), 2, out.data_ptr(),
-                                  2 * k) == -2  # fmt: skip
-    bad = torch.tensor([0, 20])
-    assert lib.kvlm_qdequant_rows(code, k, w, wn, n, bad.data_ptr(), 2, out.data_ptr(),
-                                  2 * k) == -2  # fmt: skip
+    assert_kind_refuses_short_buffers(q, ROWS, n, k)
     dst = torch.empty(32 * 2 * BLOCK, dtype=torch.uint8)
     assert lib.kvlm_qpack(code, w, wn, n, k, None, dst.data_ptr(), dst.numel()) == -2
 
