@@ -1076,7 +1076,10 @@ def test_speculative_decoding_on_the_pool_equals_plain(pooled):
     answer(engine, first)
     got, cached = answer(engine, second)
     assert got == plain and cached >= (len(first) // 16) * 16 > 0
-    assert engine.stats.spec.drafted > engine.stats.spec.accepted > 0
+    # drafts made and accepted; rejected ones too where this CPU's numerics part the int8
+    # draft from the model (on the AMX Xeon all 32 of this turn's were accepted; the pool
+    # prompts above reject some on every CPU the suite ran on)
+    assert engine.stats.spec.drafted >= engine.stats.spec.accepted > 0
 
 
 def test_a_disk_tier_restores_the_state_snapshots(pooled, tmp_path, monkeypatch):
