@@ -357,12 +357,15 @@ class ConvSlots(Slots):
         self.rows[:, dst * ring : (dst + 1) * ring] = self.rows[:, src * ring : (src + 1) * ring]
         self.end[dst], self.first[dst] = self.end[src], self.first[src]
 
+    def ring_rows(self, slot: int | np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Rows of `slot` (or each position's slot) holding `positions` (the zero row for
+        those before 0), on the host."""
+        return np.where(positions >= 0, slot * self.ring + positions % self.ring, self.zero_row)
+
     def _ring(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
-        """Rows of `slot` holding `positions` (the zero row for those before 0), on the
-        rows' device (SlotStep computes a step's with numpy, the same way)."""
-        rows = slot * self.ring + positions % self.ring
-        rows = torch.where(positions >= 0, rows, self.zero_row)
-        return rows.to(self.rows.device)
+        """`ring_rows` on the rows' device."""
+        rows = self.ring_rows(slot, positions.numpy())
+        return torch.from_numpy(rows.astype(np.int64)).to(self.rows.device)
 
     # ------------------------------------------------------------------ prefix hits
 
@@ -480,12 +483,8 @@ class SlotStep:
             """buf's rows of positions q of sequences s (q >= start - (L - 1))."""
             return np.where(q >= start[s], offset[s] + q - start[s], s * r + r + q - start[s])
 
-        def ring_rows(s: np.ndarray, q: np.ndarray) -> np.ndarray:
-            """ConvSlots._ring: the rows of sequences s's slots holding positions q."""
-            return np.where(q >= 0, slot[s] * ring + q % ring, slots.zero_row)
-
-        s_before = np.repeat(seq, r)
-        before = ring_rows(s_before, np.repeat(start, r) + np.tile(np.arange(-r, 0), n_seq))
+        back = np.repeat(start, r) + np.tile(np.arange(-r, 0), n_seq)  # the rows before each
+        before = slots.ring_rows(np.repeat(slot, r), back)
         tok = np.repeat(seq, n)  # each token's sequence, tokens in order
         rel = start[tok] + np.arange(len(tok)) - np.repeat(offset - n_seq * r, n)
         taps = np.stack([at(tok, rel - r + k) for k in range(r + 1)])  # (L, N)
@@ -503,7 +502,7 @@ class SlotStep:
         parts = [
             before,
             taps.reshape(-1),
-            ring_rows(s_kept, kept),
+            slots.ring_rows(slot[s_kept], kept),
             at(s_kept, kept),
             *(np.concatenate(e) if e else np.zeros(0, np.int64) for e in (ends, ends_src)),
         ]

@@ -514,21 +514,25 @@ def _attend_kernel(
             None if mask is None else mask.data_ptr(), 0 if mask is None else _room(mask),
             D**-0.5, out.data_ptr(), out.numel(), _base(sinks), _count(sinks),
         )  # fmt: skip
-    # not a decode row, or a head size the row kernel does not take: every row in fp32
-    # where the bf16 pairs do not take the head size (64 and 128 only): SDPA instead (as
-    # ran on an AMX CPU, whose rows are all bf16 ones, for a head of 32 or 256) split a
-    # chunk's rows by its length, so a row's bits followed its chunk
-    first_bf16 = T if bf16_row is None else bf16_row
-    for from_row in dict.fromkeys((first_bf16, T)) if rc == -3 else ():
-        rc = lib.kvlm_attend(
+
+    def every_row(bf16_from: int) -> int:
+        """kvlm_attend over every row, those from `bf16_from` on in bf16."""
+        return lib.kvlm_attend(
             q.data_ptr(), _room(q), H, T, D, q.stride(1), q.stride(2), k.data_ptr(), _room(k),
             v.data_ptr(), _room(v), Hkv, S, k.stride(1), k.stride(2), v.stride(1), v.stride(2),
             None if mask is None else mask.data_ptr(), 0 if mask is None else _room(mask),
             0 if mask is None else mask.stride(0), int(causal and mask is None), D**-0.5,
-            out.data_ptr(), out.numel(), from_row, _base(sinks), _count(sinks),
+            out.data_ptr(), out.numel(), bf16_from, _base(sinks), _count(sinks),
         )  # fmt: skip
-        if rc != -3:
-            break
+
+    first_bf16 = T if bf16_row is None else bf16_row
+    if rc == -3:  # not a decode row, or a head size the row kernel does not take
+        rc = every_row(first_bf16)
+    if rc == -3 and first_bf16 < T:
+        # the bf16 pairs take heads of 64 and 128 only (or this CPU has none): every row in
+        # fp32. SDPA instead (as ran on an AMX CPU, whose rows are all bf16 ones, for a head
+        # of 32 or 256) split a chunk's rows by its length, so a row's bits followed it
+        rc = every_row(T)
     if rc == -3:  # a head size or CPU it does not take
         return None
     if rc == -2:
