@@ -377,12 +377,17 @@ def _compile(cc: str, flags: tuple[str, ...], target: Path, failed: Path, work: 
     os.replace(built, target)
 
 
+def _target(folder: Path, cc: str, flags: tuple[str, ...]) -> Path:
+    """The library's path for this source/compiler/flags/CPU in the cache `folder`."""
+    return folder / f"qgemm-{_key(cc, flags)}.so"
+
+
 def _build(cc: str, flags: tuple[str, ...] = FLAGS) -> Path:
     """The library for this source/compiler/flags/CPU, compiled unless there; raises
     KernelBuildError (an OSError) if the cache is unsafe or the build failed, now or
     earlier. (Tests pass other `flags` to check the portable code paths on this CPU.)"""
     folder = _open_folder()
-    target = folder / f"qgemm-{_key(cc, flags)}.so"
+    target = _target(folder, cc, flags)
     failed = target.with_suffix(".failed")
     if os.path.lexists(target):
         _check_private(target, "kernel library", stat.S_ISREG, "delete it to rebuild")
@@ -501,7 +506,7 @@ def _build_with_fallback(cc: str, flags: tuple[str, ...]) -> Path:
             raise
         # said once, when the plain build is made; every later start finds it built (a
         # line "building ..." at each start, as the H200's runs printed, said what was not)
-        built = os.path.lexists(_open_folder() / f"qgemm-{_key(cc, plain)}.so")
+        built = os.path.lexists(_target(_open_folder(), cc, plain))
         (log.debug if built else log.warning)(
             "building the C kernels without %s: %s", " ".join(PARALLEL), exc
         )
