@@ -29,6 +29,7 @@ the top-k rule (tests/helpers.py: assert_greedy_agreement), not to a tolerance.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -106,12 +107,40 @@ def max_error(got: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 def assert_as_exact_as(
-    got: torch.Tensor, ref: torch.Tensor, exact: torch.Tensor, factor: float = SAME_ROUNDING
+    got: torch.Tensor,
+    ref: torch.Tensor | list[torch.Tensor],
+    exact: torch.Tensor,
+    factor: float = SAME_ROUNDING,
 ) -> None:
     """`got` (fp32) is as close to `exact` (fp64) as `ref` (fp32, the same mathematics in
-    another order) is, within `factor`."""
-    mine, theirs = max_error(got, exact), max_error(ref, exact)
+    another order) is, within `factor`. `ref` may be several such evaluations (see
+    `nudged`): the reference's own error is then the largest of theirs."""
+    refs = ref if isinstance(ref, list) else [ref]
+    mine, theirs = max_error(got, exact), max(max_error(r, exact) for r in refs)
     assert mine <= factor * theirs, f"error {mine:.3g} vs the reference's own {theirs:.3g}"
+
+
+@contextlib.contextmanager
+def nudged(module: torch.nn.Module, seed: int):
+    """While inside: each element of `module`'s fp32 output moved one ulp up or down (a
+    seeded coin each), the rounding another evaluation order could have given it.
+
+    For models whose error is chaotic in one layer's rounding (a random-weight recurrent
+    layer: Qwen3.5's first DeltaNet measured 0.00038-0.00108 max logit error over eight
+    such nudges of its input norm, HF's own evaluation 0.00023, on an AMX Xeon): one fp32
+    evaluation of the reference samples its error once, and `assert_as_exact_as` takes the
+    largest over the reference and a few nudged runs of it."""
+
+    def hook(_mod, _inp, out):
+        g = torch.Generator().manual_seed(seed)
+        up = torch.rand(out.shape, generator=g) < 0.5
+        return torch.nextafter(out, torch.where(up, torch.inf, -torch.inf).to(out.dtype))
+
+    handle = module.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def fp64_reorder_bound(err32: float) -> float:
