@@ -1,0 +1,132 @@
+"""The DeepSeek-V2 family: latent attention and a mixture of experts (DeepSeek-V2,
+DeepSeek-V2-Lite, DeepSeek-Coder-V2; transformers' `DeepseekV2ForCausalLM`, model_type
+`deepseek_v2`; llama.cpp's `deepseek2`).
+
+Every layer's mixer is latent attention (`layer_mixers` "latent", kvlm.model.mla; its sizes
+`Latent`): `kv_lora_rank` the latent the cache keeps, `qk_rope_head_dim` the shared key
+part RoPE rotates, `qk_nope_head_dim` and `v_head_dim` each head's key and value rows of
+kv_b, `q_lora_rank` a compressed query (null: one q_proj). Their RMSNorms (q_a_layernorm,
+kv_a_layernorm) take transformers' fixed 1e-6, not rms_norm_eps. Scores scale by
+(nope + rope) ** -0.5, times mscale(factor, mscale_all_dim) ** 2 under YaRN
+(`query_scale`); cos/sin by YaRN's own factor (RopeScaling.attention_scaling).
+
+RoPE turns (x[2i], x[2i+1]) pairs (transformers' complex `apply_rotary_emb`), not kvlm's
+halves: `fold_hf` reorders the rotated rows of q (each head's last rope rows) and of the
+key part (kv_a's last rope rows) evens first, then odds; a score is the same sum of
+products in another order, bit for bit up to the order of a dot product's terms.
+
+FFN: the first `first_k_dense_replace` layers a gated MLP of `intermediate_size`, the
+others (every `moe_layer_freq`-th) `n_routed_experts` experts of `moe_intermediate_size`,
+the top `num_experts_per_tok` of a softmax over all (`topk_method` "greedy"; transformers
+does not renormalise them whatever `norm_topk_prob` says), times `routed_scaling_factor`,
+beside `n_shared_experts` shared experts as one MLP of n x moe_intermediate_size
+(`mlp.shared_experts`). "group_limited_greedy" (the 236B model's) is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from kvlm.arch.family import Family
+from kvlm.arch.readers import hf_config
+from kvlm.config import EXPERTS, Experts, Fields, Latent, ModelConfig, limits
+from kvlm.errors import UnsupportedModelError
+
+ARCH = "deepseek2"
+# transformers' DeepseekV2RMSNorm of the latent and the compressed query: its default eps
+LATENT_NORM_EPS = 1e-6
+HF_NAMES = {f"mlp.shared_experts.{n}": f"mlp.shared_expert.{n}"
+            for n in ("gate_proj", "up_proj", "down_proj")}  # fmt: skip
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def from_hf(cfg: dict[str, Any], arch: str, name: str) -> ModelConfig:
+    sizes: dict[str, int] = {}
+
+    def part(cfg: dict[str, Any], hf: Fields, arch: str, hidden: int, heads: int) -> dict:
+        layers = hf("num_hidden_layers", int, **limits("num_layers"))
+        dim = dict(lo=1, hi=1 << 14)
+        latent = Latent(
+            kv_rank=hf("kv_lora_rank", int, **dim),
+            q_rank=hf("q_lora_rank", int, None, **dim) or 0,
+            nope_dim=hf("qk_nope_head_dim", int, **dim),
+            rope_dim=hf("qk_rope_head_dim", int, **dim),
+            v_dim=hf("v_head_dim", int, **dim),
+            norm_eps=LATENT_NORM_EPS,
+        )
+        sizes["head_dim"] = latent.qk_dim
+        method = hf("topk_method", str, "greedy")
+        if method != "greedy":
+            raise UnsupportedModelError(f"{hf.where}: topk_method {method!r}: kvlm's router "
+                                        "takes the top k of all experts (greedy) only")  # fmt: skip
+        count = hf("n_routed_experts", int, lo=EXPERTS[0], hi=EXPERTS[1])
+        top_k = hf("num_experts_per_tok", int, lo=1, hi=count)
+        inter = hf("moe_intermediate_size", int, **limits("intermediate_size"))
+        shared = hf("n_shared_experts", int, 0, lo=0, hi=1 << 10)
+        experts = Experts(
+            count=count, top_k=top_k, intermediate=inter, normalize=False, router="softmax",
+            scale=hf("routed_scaling_factor", float, 1.0, lo=0.0),
+            shared=shared * inter,
+        )  # fmt: skip
+        dense = hf("first_k_dense_replace", int, 0, lo=0, hi=layers)
+        every = hf("moe_layer_freq", int, 1, lo=1, hi=layers)
+        ffns = tuple("experts" if i >= dense and i % every == 0 else "mlp" for i in range(layers))
+        return {"layer_mixers": ("latent",) * layers, "latent": latent, "layer_ffns": ffns,
+                "experts": experts if "experts" in ffns else None,
+                "rope_dim": latent.rope_dim}  # fmt: skip
+
+    config = hf_config(cfg, arch, name, part)
+    # head_dim: the q/k heads' (nope + rope; the file's head_dim is the rotated part's)
+    config = replace(config, head_dim=sizes["head_dim"], num_kv_heads=config.num_heads)
+    scale = sizes["head_dim"] ** -0.5
+    s = config.rope_scaling
+    if s.rope_type == "yarn" and s.mscale_all_dim:
+        scale *= _yarn_mscale(s.factor, s.mscale_all_dim) ** 2
+        config = replace(config, query_scale=scale)
+    return config
+
+
+def from_gguf(g: Fields, arch: str, name: str) -> ModelConfig:
+    raise UnsupportedModelError(f"{name or g.where}: kvlm reads {arch} models from their "
+                                "Hugging Face folder; not from GGUF yet")  # fmt: skip
+
+
+def _evens_first(rows: torch.Tensor) -> torch.Tensor:
+    """The rotated rows (dim 0, or dim 1 of a head-major view) as pairs (2i, 2i + 1)
+    turn in transformers -> kvlm's halves: the even ones, then the odd ones."""
+    return torch.cat([rows[0::2], rows[1::2]])
+
+
+def fold_hf(config: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """q's and the key part's RoPE rows from interleaved pairs to halves (module
+    docstring)."""
+    x = config.latent
+    if x is None:
+        return tensor
+    if name.endswith((".self_attn.q_b_proj.weight", ".self_attn.q_proj.weight")):
+        heads = tensor.reshape(config.num_heads, x.qk_dim, -1)
+        nope, rot = heads.split([x.nope_dim, x.rope_dim], dim=1)
+        rot = torch.cat([rot[:, 0::2], rot[:, 1::2]], dim=1)
+        return torch.cat([nope, rot], dim=1).reshape(tensor.shape)
+    if name.endswith((".self_attn.kv_a_proj_with_mqa.weight",
+                      ".self_attn.kv_a_proj_with_mqa.bias")):  # fmt: skip
+        return torch.cat([tensor[: x.kv_rank], _evens_first(tensor[x.kv_rank :])])
+    return tensor
+
+
+FAMILY = Family(
+    name="deepseek2",
+    architectures=(ARCH,),
+    from_hf=from_hf,
+    from_gguf=from_gguf,
+    hf_model_types={"deepseek_v2": ARCH},
+    hf_names=HF_NAMES,
+    fold_hf=fold_hf,
+)
