@@ -344,7 +344,7 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
             num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
             decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1e6,
         )  # fmt: skip
-    elif arch == "deepseek_v2":
+    elif arch in ("deepseek_v2", "deepseek2"):  # transformers' model_type, kvlm's name
         from transformers import DeepseekV2Config
 
         # three layers of latent attention (a compressed query of 48, a latent of 32, heads

@@ -339,8 +339,8 @@ class ModelConfig:
     # sizes are `experts`.
     layer_ffns: tuple[str, ...] = ()
     experts: Experts | None = None
-    # A "latent" layer's sizes (None: no such layer; head_dim is then its q/k heads',
-    # nope_dim + rope_dim, and rope_dim its rotated part)
+    # A "latent" layer's sizes (None: no such layer; head_dim is then its rotated part's,
+    # rope_dim, as transformers' config has it: RoPE's dimensions)
     latent: Latent | None = None
 
     @property

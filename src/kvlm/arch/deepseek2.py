@@ -61,7 +61,7 @@ def from_hf(cfg: dict[str, Any], arch: str, name: str) -> ModelConfig:
             v_dim=hf("v_head_dim", int, **dim),
             norm_eps=LATENT_NORM_EPS,
         )
-        sizes["head_dim"] = latent.qk_dim
+        sizes["qk_dim"], sizes["rope_dim"] = latent.qk_dim, latent.rope_dim
         method = hf("topk_method", str, "greedy")
         if method != "greedy":
             raise UnsupportedModelError(f"{hf.where}: topk_method {method!r}: kvlm's router "
@@ -79,13 +79,13 @@ def from_hf(cfg: dict[str, Any], arch: str, name: str) -> ModelConfig:
         every = hf("moe_layer_freq", int, 1, lo=1, hi=layers)
         ffns = tuple("experts" if i >= dense and i % every == 0 else "mlp" for i in range(layers))
         return {"layer_mixers": ("latent",) * layers, "latent": latent, "layer_ffns": ffns,
-                "experts": experts if "experts" in ffns else None,
-                "rope_dim": latent.rope_dim}  # fmt: skip
+                "experts": experts if "experts" in ffns else None}  # fmt: skip
 
     config = hf_config(cfg, arch, name, part)
-    # head_dim: the q/k heads' (nope + rope; the file's head_dim is the rotated part's)
-    config = replace(config, head_dim=sizes["head_dim"], num_kv_heads=config.num_heads)
-    scale = sizes["head_dim"] ** -0.5
+    # head_dim: the rotated part's, as transformers' config has it (the Hub's configs name
+    # none: not hidden / heads); the heads' own sizes are the Latent's
+    config = replace(config, head_dim=sizes["rope_dim"], num_kv_heads=config.num_heads)
+    scale = sizes["qk_dim"] ** -0.5
     s = config.rope_scaling
     if s.rope_type == "yarn" and s.mscale_all_dim:
         scale *= _yarn_mscale(s.factor, s.mscale_all_dim) ** 2
