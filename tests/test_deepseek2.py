@@ -15,12 +15,14 @@ import json
 import pytest
 import torch
 
+import converter
 from helpers import (
     FRANCE,
     GREEDY,
     POOL_PROMPTS,
     assert_greedy_follows_hf,
     fed,
+    gguf_as_folder,
     hf64,
     load_hf,
     on_pool,
@@ -29,8 +31,8 @@ from helpers import (
     save_tiny_model,
 )
 from kvlm import LLM, SamplingParams
-from kvlm.arch import config_from_gguf, config_from_hf
-from kvlm.errors import UnsupportedModelError
+from kvlm.arch import config_from_hf
+from kvlm.errors import ModelLoadError, UnsupportedModelError
 from kvlm.model.fused import why_not
 from kvlm.model.mla import LatentAttention
 from numerics import assert_as_exact_as
@@ -195,7 +197,7 @@ def test_the_pool_batches_chunks_and_hits_as_alone(ds_dir):
 
 def test_what_it_cannot_run_is_refused_in_one_line(ds_dir):
     """The window cache (keys turned where they sit) and the fused C step (no kernel for
-    latent attention: the torch step decodes) refuse by name; so does a GGUF file."""
+    latent attention: the torch step decodes) refuse by name."""
     folder = ds_dir("deepseek2")
     with pytest.raises(UnsupportedModelError, match=r"latent attention .* window cache"):
         LLM(model=folder, kv="window", progress=False)
@@ -204,9 +206,6 @@ def test_what_it_cannot_run_is_refused_in_one_line(ds_dir):
         llm.new_cache("window")
     int8 = LLM(model=folder, weights="int8", progress=False)
     assert "latent layer" in why_not(int8.model)
-    meta = {"general.architecture": "deepseek2", "deepseek2.embedding_length": 64}
-    with pytest.raises(UnsupportedModelError, match="not from GGUF yet"):
-        config_from_gguf(meta, "m.gguf")
 
 
 def test_hostile_config_keys_are_refused(ds_dir):
@@ -251,3 +250,64 @@ def test_a_yarn_model_matches_hf(tmp_path):
         ref = load_hf(folder)(torch.tensor([ids])).logits[0]
     exact = exact_logits(folder, ids)
     assert_as_exact_as(ours, ref, exact)
+
+
+@pytest.fixture(scope="module")
+def converted(ds_dir):
+    """(name, outtype) -> (the folder, the GGUF llama.cpp's converter writes for it)."""
+    return lambda name, outtype="f32": (
+        ds_dir(name), converter.convert(ds_dir(name), outtype, pre="gpt2"),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_gguf_from_llama_cpps_converter_reads_as_the_folder(converted, name):
+    """The file users get (kv_b split per head, `attn_k_b` transposed and `attn_v_b`; the
+    MQA view's key_length; the experts stacked; RoPE's pairs as transformers' rows): the
+    folder's config and its logits bit for bit, and its tokenizer's ids."""
+    folder, path = converted(name)
+    from_gguf, from_hf = gguf_as_folder(path, folder)
+    ids = prompt_ids(from_hf)
+    assert from_gguf.tokenizer.encode(FRANCE) == from_hf.tokenizer.encode(FRANCE)
+    ours = from_gguf.runner.logits(ids, from_gguf.new_cache("off"))
+    assert torch.equal(ours, from_hf.runner.logits(ids, from_hf.new_cache("off")))
+
+
+def test_a_q8_0_gguf_generates_as_the_folder(converted):
+    """--outtype q8_0, its blocks multiplied as stored (the default path): 16 greedy
+    tokens, each of the folder's in the file's top 5 until they part, as the low-bit
+    paths are held (helpers.assert_greedy_agreement)."""
+    from helpers import assert_greedy_agreement
+
+    folder, path = converted("deepseek2", "q8_0")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    out = LLM(model=path, progress=False).generate(FRANCE, params)[0].outputs[0]
+    ref = LLM(model=folder, progress=False, kv="off", exact=True)
+    ids = ref.tokenizer.encode(FRANCE)
+    ref_out = ref.generate(FRANCE, params)[0].outputs[0]
+    logits = ref.runner.logits(ids + ref_out.token_ids, ref.new_cache("off"))[len(ids) - 1 :]
+    assert_greedy_agreement(out.token_ids, [list(lp.top) for lp in out.logprobs],
+                            ref_out.token_ids, logits)  # fmt: skip
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("deepseek2.attention.key_length_mla", 8, "key_length_mla 8 is not more than"),
+    ("deepseek2.attention.kv_lora_rank", 31, r"kv_a_layernorm|attn_kv_a"),
+    ("deepseek2.expert_gating_func", 2, "expert_gating_func 2"),
+    ("deepseek2.leading_dense_block_count", 9, "leading_dense_block_count"),
+])  # fmt: skip
+def test_a_faulty_gguf_is_one_clear_line(converted, tmp_path, key, value, says):
+    """A converted file with a latent size, the router or the dense layers' count edited:
+    one ModelLoadError / UnsupportedModelError line naming it."""
+    from gguf_hostile import read, set_key, write
+
+    _, path = converted("deepseek2")
+    spec = read(path)
+    if key not in spec.meta:  # a key the converter leaves out for its default: as an int
+        from gguf import GGUFValueType
+
+        spec.set(key, value, GGUFValueType.UINT32, None)
+    else:
+        set_key(key, value)(spec)
+    with pytest.raises((ModelLoadError, UnsupportedModelError), match=says):
+        LLM(model=write(spec, tmp_path / "m.gguf"), progress=False)

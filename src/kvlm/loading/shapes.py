@@ -97,6 +97,8 @@ def _latent_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
             ("kv_a_layernorm.weight", (x.kv_rank,), kv),
             ("kv_b_proj.weight", (H * (x.nope_dim + x.v_dim), x.kv_rank),
              f"{heads} x (nope {x.nope_dim} + v {x.v_dim}), {kv}"),
+            ("k_b_proj.weight", (H, x.kv_rank, x.nope_dim), f"{heads}, {kv}, nope {x.nope_dim}"),
+            ("v_b_proj.weight", (H, x.v_dim, x.kv_rank), f"{heads}, v {x.v_dim}, {kv}"),
             ("o_proj.weight", (h, H * x.v_dim), f"{hs}, {heads} x v_head_dim {x.v_dim}"),
         ):  # fmt: skip
             out[f"{a}.{name}"] = (shape, why)
@@ -315,6 +317,9 @@ def check_shapes(
                 continue
             if part != "down_proj.weight" and f"{head}.mlp.experts.gate_up_proj.weight" in have:
                 continue  # gate and up stacked as one
+        split = [name.replace("kv_b", p) for p in ("k_b", "v_b")]  # kv_b split per head
+        if name.endswith(".self_attn.kv_b_proj.weight") and all(n in have for n in split):
+            continue
         if ".mlp.shared_expert." in name and name not in have:  # or under the MLP's names
             head, part = name.rsplit(".mlp.shared_expert.", 1)
             fused_up = part != "down_proj.weight" and f"{head}.mlp.gate_up_proj.weight" in have

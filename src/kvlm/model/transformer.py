@@ -575,7 +575,7 @@ class _WeightTaker:
         attn = LatentAttention(
             i, c.num_heads, x, q, self._with_bias(f"{a}.kv_a_proj_with_mqa"),
             RMSNorm(self.take(f"{a}.kv_a_layernorm.weight"), x.norm_eps),
-            self.take(f"{a}.kv_b_proj.weight"),
+            self._latent_kv_b(a),
             self._with_bias(f"{a}.o_proj"), scale, q_a, q_norm, self.numerics,
         )  # fmt: skip
         return self._block(i, p, attn=attn)
@@ -603,6 +603,15 @@ class _WeightTaker:
         if c.attn_sinks:  # a logit a query head in each row's softmax (attend_explicit)
             attn.sinks = self.take(f"{p}.self_attn.sinks").reshape(c.num_heads)
         return self._block(i, p, attn=attn)
+
+    def _latent_kv_b(self, a: str) -> torch.Tensor:
+        """A latent attention's kv_b (H x (nope + v), kv_rank): `a`.kv_b_proj, or where a
+        file keeps it split per head, `k_b_proj` (H, kv_rank, nope: each head's K rows
+        transposed) and `v_b_proj` (H, v, kv_rank) joined back."""
+        if f"{a}.kv_b_proj.weight" in self.available:
+            return self.take(f"{a}.kv_b_proj.weight")
+        k_b, v_b = self.take(f"{a}.k_b_proj.weight"), self.take(f"{a}.v_b_proj.weight")
+        return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
 
     def mtp_head(self) -> MtpHead | None:
         """The file's multi-token-prediction head (`mtp.*`), or None where it has none (a
