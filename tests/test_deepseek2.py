@@ -144,6 +144,23 @@ def test_the_latent_rows_are_what_the_cache_keeps(ds_dir, capsys):
     assert bf16[0]["bytes_per_token"] == 3 * (32 + 8) * 2
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_inspect_counts_every_and_the_active_parameters(ds_dir, name, capsys):
+    """`kvlm inspect`: the parameters transformers' model has (latent attention's
+    products and norms, the shared expert), and those one token runs (top_k of the
+    routed experts)."""
+    from kvlm.cli import main
+
+    folder = ds_dir(name)
+    hf, c = load_hf(folder), LLM(model=folder, kv="off", progress=False).config
+    every = sum(p.numel() for p in hf.parameters())
+    x = c.experts
+    idle = len(c.expert_layers) * (x.count - x.top_k) * 3 * c.hidden_size * x.intermediate
+    assert main(["inspect", "--model", str(folder), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["parameters"], info["active_parameters"]) == (every, every - idle)
+
+
 ROW_MODES = ["basic", "contiguous", "paged", "int8"]
 
 
