@@ -350,7 +350,9 @@ def layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
     kind_of(its window, ModelConfig.layer_windows). () where every layer keeps the same:
     every row of every token (a window every layer shares, Mistral's, is the masks'
     business: CacheSpec.for_model makes it the spec's sliding_window). A conv layer's
-    (ModelConfig.layer_mixers "conv") is ConvWindow(kernel - 1, hidden)."""
+    (ModelConfig.layer_mixers "conv") is ConvWindow(kernel - 1, hidden). Latent attention
+    is every layer's of its model or none's (ModelConfig.latent): () too, the spec's
+    geometry then the LatentAttention kind's (`cache_geometry`)."""
     windows = config.layer_windows or (config.sliding_window,) * config.num_layers
     kinds = [kind_of(w) for w in windows]
     if len(set(config.layer_windows)) < 2:
