@@ -63,6 +63,9 @@ TINY_MODELS = {
         8,
         {"head_dim": 64, "num_key_value_heads": 1, "sliding_window": 150},
     ),
+    # DeepSeek-V2: latent attention (the cache keeps a latent of 32 and a rotated key part
+    # of 8 a token), a dense first layer, then 8 experts (the top 2) and a shared expert
+    "deepseek2": ("deepseek2", 90, {}),
 }
 
 

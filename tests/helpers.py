@@ -344,6 +344,22 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
             num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
             decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1e6,
         )  # fmt: skip
+    elif arch in ("deepseek_v2", "deepseek2"):  # transformers' model_type, kvlm's name
+        from transformers import DeepseekV2Config
+
+        # three layers of latent attention (a compressed query of 48, a latent of 32, heads
+        # of nope 16 + rope 8 and values of 16: the cache keeps 40 values a token and
+        # layer); the first layer's FFN dense (first_k_dense_replace), the others 8 experts
+        # of 32, the top 2 (greedy, unrenormalised, times routed_scaling_factor 2) beside a
+        # shared expert of 2 x 32
+        common["num_hidden_layers"], common["num_key_value_heads"] = 3, 4
+        cfg = DeepseekV2Config(
+            **common, tie_word_embeddings=False, q_lora_rank=48, kv_lora_rank=32,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1,
+            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2,
+            moe_intermediate_size=32, routed_scaling_factor=2.0, topk_method="greedy",
+            norm_topk_prob=False, rope_theta=10000.0,
+        )  # fmt: skip
     elif arch == "gpt_oss":
         from transformers import GptOssConfig
 

@@ -229,3 +229,12 @@ def test_no_module_outside_the_family_file_and_the_registry_names_olmoe():
     field (qk_norm_extent), its experts the FFN kind, not the family's."""
     naming = {m for m, path in MODS.items() if "olmoe" in path.read_text().lower()}
     assert naming == {"kvlm.arch.olmoe", "kvlm.arch"}
+
+
+def test_no_module_outside_the_family_file_and_the_registry_names_deepseek2():
+    """The same for DeepSeek-V2: its latent attention is a layer kind (kvlm.model.mla, the
+    cache kind LatentAttention), its sizes ModelConfig's `latent`, not the family's. (Other
+    modules may name DeepSeek for other things: YaRN's mscale pair, a reasoning format.)"""
+    names = ("deepseek2", "deepseek_v2", "deepseek-v2")
+    naming = {m for m, path in MODS.items() if any(n in path.read_text().lower() for n in names)}
+    assert naming == {"kvlm.arch.deepseek2", "kvlm.arch"}

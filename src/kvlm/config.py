@@ -48,8 +48,10 @@ QK_NORM_EXTENTS = ("head", "projection")
 # or a window), "conv" a gated short convolution over the last `conv_kernel` positions
 # (kvlm.model.conv), "deltanet" a gated DeltaNet: a causal convolution, then the gated delta
 # rule's recurrent state (kvlm.model.deltanet), "mamba2" a Mamba2 layer: a causal convolution,
-# then a selective state space's recurrent state (kvlm.model.mamba2)
-MIXERS = ("attention", "conv", "deltanet", "mamba2")
+# then a selective state space's recurrent state (kvlm.model.mamba2), "latent" latent
+# attention: K and V made from one compressed latent a token, which is what the cache keeps
+# (kvlm.model.mla; its sizes `latent`)
+MIXERS = ("attention", "conv", "deltanet", "mamba2", "latent")
 # the mixers that keep a recurrent state a sequence (kvlm.cache.recurrent); a model has
 # layers of one of them at most
 RECURRENT_MIXERS = ("deltanet", "mamba2")
@@ -173,6 +175,42 @@ class Mamba2:
         if self.heads % self.groups:
             raise UnsupportedModelError(f"mamba2 heads={self.heads} is not a multiple of "
                                         f"groups={self.groups}")  # fmt: skip
+
+
+@dataclass(slots=True, frozen=True)
+class Latent:
+    """The sizes of a latent attention layer (kvlm.model.mla): each token's hidden state
+    compressed to a latent of `kv_rank` (RMSNormed) and one shared key part of `rope_dim`
+    that RoPE rotates; each head's key is kv_b's `nope_dim` rows of the latent and the shared
+    rotated part, its value kv_b's `v_dim` rows. The queries: `q_rank` a compressed query
+    (q_a, its RMSNorm, q_b) or 0 for one projection, `nope_dim` + `rope_dim` a head. The
+    cache keeps a token's latent and rotated key part alone: kv_rank + rope_dim a layer.
+    `norm_eps`: the latent's and the compressed query's RMSNorms' epsilon."""
+
+    kv_rank: int
+    q_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    # the epsilon of the latent's and the compressed query's RMSNorms
+    norm_eps: float = 1e-6
+
+    @property
+    def qk_dim(self) -> int:
+        """A query's and a key's dimensions a head."""
+        return self.nope_dim + self.rope_dim
+
+    @property
+    def row(self) -> int:
+        """What the cache keeps a token and layer: the latent and the rotated key part."""
+        return self.kv_rank + self.rope_dim
+
+    def check(self, where: str) -> None:
+        for name in ("kv_rank", "nope_dim", "rope_dim", "v_dim"):
+            value(getattr(self, name), f"latent {name}", int, 1, 1 << 14, where=where)
+        value(self.q_rank, "latent q_rank", int, 0, 1 << 16, where=where)
+        if self.rope_dim % 2:
+            raise UnsupportedModelError(f"latent rope_dim={self.rope_dim} must be even for RoPE")
 
 
 @dataclass(slots=True, frozen=True)
@@ -301,6 +339,9 @@ class ModelConfig:
     # sizes are `experts`.
     layer_ffns: tuple[str, ...] = ()
     experts: Experts | None = None
+    # A "latent" layer's sizes (None: no such layer; head_dim is then its rotated part's,
+    # rope_dim, as transformers' config has it: RoPE's dimensions)
+    latent: Latent | None = None
 
     @property
     def conv_layers(self) -> tuple[int, ...]:
@@ -322,6 +363,11 @@ class ModelConfig:
         """The layers that keep a recurrent state (RECURRENT_MIXERS), in order: the state
         group of a cache (kvlm.cache.kinds.recurrent_state)."""
         return tuple(i for i, m in enumerate(self.layer_mixers) if m in RECURRENT_MIXERS)
+
+    @property
+    def latent_layers(self) -> tuple[int, ...]:
+        """The layers whose mixer is latent attention, in order."""
+        return tuple(i for i, m in enumerate(self.layer_mixers) if m == "latent")
 
     @property
     def expert_layers(self) -> tuple[int, ...]:
@@ -403,6 +449,14 @@ class ModelConfig:
         if self.deltanet_layers and self.mamba2_layers:
             raise UnsupportedModelError("gated DeltaNet and Mamba2 layers in one model (one "
                                         "kind of recurrent state a model)")  # fmt: skip
+        if self.latent_layers and self.latent is None:
+            raise UnsupportedModelError("latent attention layers without their sizes")
+        if self.latent is not None:
+            self.latent.check(self.name)
+            if len(self.latent_layers) != self.num_layers:  # one cache geometry a model
+                raise UnsupportedModelError(
+                    "latent attention in some layers and not in others (all or none)"
+                )
         if self.layer_ffns and len(self.layer_ffns) != self.num_layers:
             raise UnsupportedModelError(f"{len(self.layer_ffns)} layer FFNs for "
                                         f"{self.num_layers} layers")  # fmt: skip
@@ -424,7 +478,10 @@ class ModelConfig:
 
     @property
     def kv_elements_per_token(self) -> int:
-        """K and V elements one token occupies across all layers (times itemsize = bytes)."""
+        """K and V elements one token occupies across all layers (times itemsize = bytes):
+        a latent attention layer's its latent and rotated key part (kvlm.cache.kinds)."""
+        if self.latent is not None:
+            return self.num_layers * 2 * ((self.latent.row + 1) // 2)
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 

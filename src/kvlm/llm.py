@@ -30,7 +30,7 @@ from kvlm.engine.sampling import SamplingParams
 from kvlm.engine.scheduler import SchedulerConfig
 from kvlm.engine.speculative import DraftModel, SpeculativeConfig, check_mtp
 from kvlm.engine.threads import FreeCores
-from kvlm.errors import InvalidRequestError
+from kvlm.errors import InvalidRequestError, UnsupportedModelError
 from kvlm.loading import load_model
 from kvlm.model.numerics import ACTIVATIONS, PREFILL_DTYPES, ModelNumerics
 from kvlm.model.transformer import Transformer
@@ -201,6 +201,10 @@ class LLM:
 
     def cache_spec(self, mode: str | None = None) -> CacheSpec:
         """The spec of a cache of `mode` (the LLM's by default) for this model."""
+        if (mode or self.kv_mode) == "window" and self.config.latent_layers:
+            from kvlm.model.mla import KEYS_UNROTATED
+
+            raise UnsupportedModelError(KEYS_UNROTATED)
         o = asdict(self.cache_options)  # CacheSpec's fields of the same names
         spec = CacheSpec.for_model(self.config, self.max_context, self.kv_dtype, self.device, **o)
         return mode_spec(mode or self.kv_mode, spec)

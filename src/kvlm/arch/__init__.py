@@ -4,7 +4,7 @@ ModelConfig that family reads from the file.
 
 One module per family (llama.py: Llama, Mistral, Qwen2, Qwen3; gemma.py: Gemma 2 and 3;
 lfm2.py: LFM2 and LFM2-MoE; qwen35.py: Qwen3.5; granite.py: Granite 4.0-H; qwen3moe.py:
-Qwen3-MoE; gptoss.py: gpt-oss; olmoe.py: OLMoE), each imported here and nowhere else; a new
+Qwen3-MoE; gptoss.py: gpt-oss; olmoe.py: OLMoE; deepseek2.py: DeepSeek-V2), each imported
 family is a module and a line in FAMILIES (docs/ADDING_A_MODEL.md). Outside kvlm.arch,
 code reads the ModelConfig a family made and the `Family` fields (tensor names, folds,
 tokenizer quirks), never a family's name.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvlm.arch import gemma, gptoss, granite, lfm2, llama, olmoe, qwen3moe, qwen35
+from kvlm.arch import deepseek2, gemma, gptoss, granite, lfm2, llama, olmoe, qwen3moe, qwen35
 from kvlm.arch.family import Family, Shape, Tokenizing
 from kvlm.config import Fields, ModelConfig, check_supported
 from kvlm.errors import ModelLoadError
@@ -32,6 +32,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen3moe.FAMILY,
     gptoss.FAMILY,
     olmoe.FAMILY,
+    deepseek2.FAMILY,
 )
 _BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.architectures}
 # ModelConfig.architecture values, each also a GGUF general.architecture

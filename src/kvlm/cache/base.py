@@ -43,7 +43,7 @@ from typing import ClassVar
 
 import torch
 
-from kvlm.cache.kinds import FullAttention, LayerKind, layer_kinds
+from kvlm.cache.kinds import FullAttention, LayerKind, cache_geometry, layer_kinds
 from kvlm.cache.storage import Store, key_rotation
 from kvlm.config import ModelConfig
 from kvlm.dtypes import kv_dtype_name
@@ -135,13 +135,14 @@ class CacheSpec:
         num_blocks, window, sinks."""
         k, v = dtype if isinstance(dtype, tuple) else (dtype, dtype)
         kinds = layer_kinds(config)
+        heads, head_dim = cache_geometry(config)  # a latent attention model's: its latent rows
         window = config.sliding_window  # a window every layer shares: the masks'
         if not kinds and config.layer_windows:
             window = config.layer_windows[0]
         return cls(
             num_layers=config.num_layers,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
+            num_kv_heads=heads,
+            head_dim=head_dim,
             max_tokens=max_tokens,
             dtype=k,
             v_dtype=None if v == k else v,

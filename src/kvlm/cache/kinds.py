@@ -8,6 +8,7 @@ next token is computed without the text before it again. What it keeps is its ki
     window        K/V rows of the last W + RING_SLACK   SlidingWindow(W)   <= W+32   T - W + 1
     conv          the last L - 1 input rows (+ slack)   ConvWindow(L-1, H) 0 (state) T - L + 1
     state         a recurrent state + its L - 1 rows    RecurrentState(..) 0 (state) T
+    latent        a latent + rotated key part a token   LatentAttention(.) T         0
 
 A spec is a frozen value (equal specs: one group of layers, kvlm.cache.groups). It answers
 the window its masks use (`window`), how many positions a sequence keeps behind its end
@@ -259,9 +260,33 @@ class RecurrentState(LayerKind):
         return self.sequence_bytes(spec) - window * state_dtype(spec.kv_dtypes[0]).itemsize
 
 
+@dataclass(frozen=True, slots=True)
+class LatentAttention(LayerKind):
+    """Latent attention's (kvlm.model.mla): every token's compressed latent (`rank`, after
+    its RMSNorm) and its rotated key part (`rope`, one shared head), nothing per head; the
+    heads' K and V are made from them at attention time. Kept as the rows of one KV head
+    of half the row each (`shape`): the latent and key part side by side, the first half
+    in K's place and the rest in V's (a zero past an odd length), so every cache mode, the
+    pool, its files and its plans keep and price it as they keep rows:
+    2 x ceil((rank + rope) / 2) values a token and layer."""
+
+    name: ClassVar[str] = "latent"
+    code: ClassVar[int] = 4
+    rank: int
+    rope: int
+
+    @property
+    def half(self) -> int:
+        """The width of each of the two rows a token: half the latent row, rounded up."""
+        return (self.rank + self.rope + 1) // 2
+
+    def shape(self, spec: Geometry) -> tuple[int, int]:
+        return 1, self.half
+
+
 # Every kind by its code (a file's `groups` layout): a new kind takes the next number
 KINDS: dict[int, type[LayerKind]] = {
-    k.code: k for k in (FullAttention, SlidingWindow, ConvWindow, RecurrentState)
+    k.code: k for k in (FullAttention, SlidingWindow, ConvWindow, RecurrentState, LatentAttention)
 }
 # The kinds that keep a fixed state a sequence, no rows per token (a cache's part of their
 # own beside the mode's cache of the others: kvlm.cache.hybrid)
@@ -299,6 +324,22 @@ def kind_from(code: int, fields: dict[str, int]) -> LayerKind:
     return cls(**fields)
 
 
+def latent_kind(config: ModelConfig) -> LatentAttention | None:
+    """What each of `config`'s latent attention layers keeps (None: it has none)."""
+    x = config.latent
+    return None if x is None or not config.latent_layers else LatentAttention(x.kv_rank, x.rope_dim)
+
+
+def cache_geometry(config: ModelConfig) -> tuple[int, int]:
+    """(KV heads, head_dim) of `config`'s cache rows: its attention's, or where every layer
+    is latent attention (ModelConfig.latent: all layers or none), the latent kind's
+    (one head of half a latent row)."""
+    latent = latent_kind(config)
+    if latent is not None:
+        return latent.shape(None)  # type: ignore[arg-type]
+    return config.num_kv_heads, config.head_dim
+
+
 def kind_of(window: int | None) -> LayerKind:
     """What an attention layer with model window `window` keeps (None: the whole context)."""
     return FullAttention() if window is None else SlidingWindow(window)
@@ -309,7 +350,9 @@ def layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
     kind_of(its window, ModelConfig.layer_windows). () where every layer keeps the same:
     every row of every token (a window every layer shares, Mistral's, is the masks'
     business: CacheSpec.for_model makes it the spec's sliding_window). A conv layer's
-    (ModelConfig.layer_mixers "conv") is ConvWindow(kernel - 1, hidden)."""
+    (ModelConfig.layer_mixers "conv") is ConvWindow(kernel - 1, hidden). Latent attention
+    is every layer's of its model or none's (ModelConfig.latent): () too, the spec's
+    geometry then the LatentAttention kind's (`cache_geometry`)."""
     windows = config.layer_windows or (config.sliding_window,) * config.num_layers
     kinds = [kind_of(w) for w in windows]
     if len(set(config.layer_windows)) < 2:

@@ -63,7 +63,8 @@ def parameter_count(config: ModelConfig, active: bool = False) -> int:
     attention and gated MLP products (a mixture of experts' layers: the router and every
     expert, or with `active` the experts one token runs, top_k of them), the norms (the
     q/k norms where it has them, and the norms on attention's and the MLP's outputs in
-    the "sandwich" layout)."""
+    the "sandwich" layout; a shared expert and its gate; latent attention's products and
+    norms in place of q/k/v/o)."""
     c = config
     q = c.num_heads * c.head_dim
     kv = c.num_kv_heads * c.head_dim
@@ -76,7 +77,17 @@ def parameter_count(config: ModelConfig, active: bool = False) -> int:
     if x is not None and c.expert_layers:  # experts in place of those layers' MLP
         used = x.top_k if active else x.count
         moe = x.count * c.hidden_size + used * 3 * c.hidden_size * x.intermediate
+        moe += 3 * c.hidden_size * x.shared + (c.hidden_size if x.shared_gate else 0)
         total += len(c.expert_layers) * (moe - 3 * c.hidden_size * c.intermediate_size)
+    m = c.latent
+    if m is not None and c.latent_layers:  # latent attention in place of q/k/v/o
+        h, heads = c.hidden_size, c.num_heads
+        queries = h * heads * m.qk_dim
+        if m.q_rank:  # a compressed query: q_a, its norm, q_b
+            queries = h * m.q_rank + m.q_rank + m.q_rank * heads * m.qk_dim
+        keys = h * m.row + m.kv_rank + m.kv_rank * heads * (m.nope_dim + m.v_dim)
+        latent = queries + keys + heads * m.v_dim * h
+        total += len(c.latent_layers) * (latent - h * (2 * q + 2 * kv))
     return total
 
 

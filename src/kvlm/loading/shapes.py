@@ -73,6 +73,35 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
         out |= _mamba2_shapes(c)
     if c.expert_layers:
         out |= _expert_shapes(c)
+    if c.latent_layers:
+        out |= _latent_shapes(c)
+    return out
+
+
+def _latent_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
+    """The latent attention layers' tensors (kvlm.model.mla)."""
+    x, h, H = c.latent, c.hidden_size, c.num_heads
+    hs, heads = f"hidden_size {h}", f"num_heads {H}"
+    qk, kv = f"{heads} x (nope {x.nope_dim} + rope {x.rope_dim})", f"kv_lora_rank {x.kv_rank}"
+    out: dict[str, tuple[Shape, str]] = {}
+    for i in c.latent_layers:
+        a = f"model.layers.{i}.self_attn"
+        for name, shape, why in (
+            ("q_proj.weight", (H * x.qk_dim, h), f"{qk}, {hs}"),
+            ("q_a_proj.weight", (x.q_rank, h), f"q_lora_rank {x.q_rank}, {hs}"),
+            ("q_a_proj.bias", (x.q_rank,), f"q_lora_rank {x.q_rank}"),
+            ("q_a_layernorm.weight", (x.q_rank,), f"q_lora_rank {x.q_rank}"),
+            ("q_b_proj.weight", (H * x.qk_dim, x.q_rank), f"{qk}, q_lora_rank {x.q_rank}"),
+            ("kv_a_proj_with_mqa.weight", (x.row, h), f"{kv} + rope {x.rope_dim}, {hs}"),
+            ("kv_a_proj_with_mqa.bias", (x.row,), f"{kv} + rope {x.rope_dim}"),
+            ("kv_a_layernorm.weight", (x.kv_rank,), kv),
+            ("kv_b_proj.weight", (H * (x.nope_dim + x.v_dim), x.kv_rank),
+             f"{heads} x (nope {x.nope_dim} + v {x.v_dim}), {kv}"),
+            ("k_b_proj.weight", (H, x.kv_rank, x.nope_dim), f"{heads}, {kv}, nope {x.nope_dim}"),
+            ("v_b_proj.weight", (H, x.v_dim, x.kv_rank), f"{heads}, v {x.v_dim}, {kv}"),
+            ("o_proj.weight", (h, H * x.v_dim), f"{hs}, {heads} x v_head_dim {x.v_dim}"),
+        ):  # fmt: skip
+            out[f"{a}.{name}"] = (shape, why)
     return out
 
 
@@ -221,6 +250,11 @@ def required(c: ModelConfig, head: bool = False) -> list[str]:
         )
     ]
     delta_parts = [*norms, *delta, *mlp]
+    x = c.latent
+    query = ["self_attn.q_a_proj", "self_attn.q_a_layernorm", "self_attn.q_b_proj"]
+    latent_parts = [*norms, *(query if x and x.q_rank else ["self_attn.q_proj"]),
+                    *(f"self_attn.{n}" for n in ("kv_a_proj_with_mqa", "kv_a_layernorm",
+                                                 "kv_b_proj", "o_proj")), *mlp]  # fmt: skip
     mamba_parts = [*norms, *(f"mamba.{n}" for n in ("in_proj", "conv1d", "norm", "out_proj")),
                    *mlp]  # fmt: skip
 
@@ -243,6 +277,8 @@ def required(c: ModelConfig, head: bool = False) -> list[str]:
         elif layer in c.deltanet_layers:
             parts = delta_parts
             names += [f"model.layers.{layer}.linear_attn.{n}" for n in ("A_log", "dt_bias")]
+        elif layer in c.latent_layers:
+            parts = latent_parts
         elif layer in c.mamba2_layers:
             parts = mamba_parts
             names += [f"model.layers.{layer}.mamba.{n}" for n in ("A_log", "D", "dt_bias")]
@@ -281,6 +317,9 @@ def check_shapes(
                 continue
             if part != "down_proj.weight" and f"{head}.mlp.experts.gate_up_proj.weight" in have:
                 continue  # gate and up stacked as one
+        split = [name.replace("kv_b", p) for p in ("k_b", "v_b")]  # kv_b split per head
+        if name.endswith(".self_attn.kv_b_proj.weight") and all(n in have for n in split):
+            continue
         if ".mlp.shared_expert." in name and name not in have:  # or under the MLP's names
             head, part = name.rsplit(".mlp.shared_expert.", 1)
             fused_up = part != "down_proj.weight" and f"{head}.mlp.gate_up_proj.weight" in have

@@ -35,6 +35,7 @@ from kvlm.model.deltanet import GatedDeltaNet
 from kvlm.model.experts import Experts
 from kvlm.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding, feeding_prompt
 from kvlm.model.mamba2 import Mamba2Mixer
+from kvlm.model.mla import LatentAttention
 from kvlm.model.mtp import MtpHead
 from kvlm.model.numerics import ModelNumerics
 from kvlm.model.weights import WeightSource, out_norms
@@ -65,7 +66,7 @@ class Block(nn.Module):
 
     def __init__(
         self,
-        attn: Attention | None,
+        attn: Attention | LatentAttention | None,
         mlp: MLP | Experts,
         input_norm: RMSNorm,
         post_norm: RMSNorm,
@@ -551,7 +552,33 @@ class _WeightTaker:
             return self.deltanet_block(i)
         if c.layer_mixers and c.layer_mixers[i] == "mamba2":
             return self.mamba2_block(i)
+        if c.layer_mixers and c.layer_mixers[i] == "latent":
+            return self.latent_block(i, p)
         return self.attention_block(i, p)
+
+    def latent_block(self, i: int, p: str) -> Block:
+        """A latent attention block (kvlm.model.mla): its queries from `self_attn.q_proj`,
+        or with a compressed query `q_a_proj`, `q_a_layernorm` and `q_b_proj`; the latent
+        and key part from `kv_a_proj_with_mqa`, the latent's `kv_a_layernorm`, the heads'
+        K/V rows `kv_b_proj` (kept dense in the model's dtype: both roads read its rows by
+        head), `o_proj`. Scores scaled by query_scale, else the q/k head's size ** -0.5."""
+        c, x = self.config, self.config.latent
+        a = f"{p}.self_attn"
+        q_a = q_norm = None
+        if x.q_rank:
+            q_a = self._with_bias(f"{a}.q_a_proj")
+            q_norm = RMSNorm(self.take(f"{a}.q_a_layernorm.weight"), x.norm_eps)
+            q = self.linear(f"{a}.q_b_proj.weight")
+        else:
+            q = self.linear(f"{a}.q_proj.weight")
+        scale = c.query_scale if c.query_scale is not None else x.qk_dim**-0.5
+        attn = LatentAttention(
+            i, c.num_heads, x, q, self._with_bias(f"{a}.kv_a_proj_with_mqa"),
+            RMSNorm(self.take(f"{a}.kv_a_layernorm.weight"), x.norm_eps),
+            self._latent_kv_b(a),
+            self._with_bias(f"{a}.o_proj"), scale, q_a, q_norm, self.numerics,
+        )  # fmt: skip
+        return self._block(i, p, attn=attn)
 
     def attention_block(self, i: int, p: str) -> Block:
         """The attention block of tensors `p`.* (a layer's, or an MTP head's block), its
@@ -576,6 +603,15 @@ class _WeightTaker:
         if c.attn_sinks:  # a logit a query head in each row's softmax (attend_explicit)
             attn.sinks = self.take(f"{p}.self_attn.sinks").reshape(c.num_heads)
         return self._block(i, p, attn=attn)
+
+    def _latent_kv_b(self, a: str) -> torch.Tensor:
+        """A latent attention's kv_b (H x (nope + v), kv_rank): `a`.kv_b_proj, or where a
+        file keeps it split per head, `k_b_proj` (H, kv_rank, nope: each head's K rows
+        transposed) and `v_b_proj` (H, v, kv_rank) joined back."""
+        if f"{a}.kv_b_proj.weight" in self.available:
+            return self.take(f"{a}.kv_b_proj.weight")
+        k_b, v_b = self.take(f"{a}.k_b_proj.weight"), self.take(f"{a}.v_b_proj.weight")
+        return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
 
     def mtp_head(self) -> MtpHead | None:
         """The file's multi-token-prediction head (`mtp.*`), or None where it has none (a
