@@ -30,7 +30,7 @@ from helpers import (
     refused,
     save_tiny_model,
 )
-from kvlm import LLM, SamplingParams, compose
+from kvlm import LLM, SamplingParams
 from kvlm.arch import config_from_hf
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 from kvlm.model.fused import why_not
@@ -328,27 +328,3 @@ def test_a_faulty_gguf_is_one_clear_line(converted, tmp_path, key, value, says):
         set_key(key, value)(spec)
     with pytest.raises((ModelLoadError, UnsupportedModelError), match=says):
         LLM(model=write(spec, tmp_path / "m.gguf"), progress=False)
-
-
-VARIANTS = [v[1:] for v in compose.variants() if v[0] == "llama" and v[1] != "window"]
-
-
-@pytest.mark.parametrize(("mode", "dtype"), VARIANTS, ids=[f"{m}-{d}" for m, d in VARIANTS])
-def test_the_composition_grid_holds(ds_dir, mode, dtype, tmp_path):
-    """The grid's own checks (tests/test_composition.py) on latent attention, each cache
-    mode and K/V dtype of the grid but the window cache (refused, above): every feature
-    composes or is refused as the grid says (the fused step: by its reason, the layer)."""
-    import re
-
-    from kvlm.errors import KvlmError
-    from test_composition import RUNNERS
-
-    for feature, run in RUNNERS.items():
-        why = compose.refusal("llama", mode, dtype, feature)
-        if feature == "fused low-bit step":
-            why = "a latent layer"
-        if why is None:
-            run(ds_dir("deepseek2"), mode, dtype, tmp_path)
-        else:
-            with pytest.raises(KvlmError, match=re.escape(why)):
-                run(ds_dir("deepseek2"), mode, dtype, tmp_path)

@@ -16,6 +16,7 @@ from kvlm.cache.factory import CACHE_MODES, FUSED_MODES
 from kvlm.cache.recurrent import NO_ROLLBACK
 from kvlm.llm import NO_SPECULATION
 from kvlm.model import fused
+from kvlm.model.mla import KEYS_UNROTATED
 from kvlm.settings import table
 
 STORAGE_MODES = ("contiguous", "paged")  # modes whose K/V dtype is --kv-dtype's
@@ -40,9 +41,10 @@ FEATURES = {
 # The models of the grid: the Llama family (every layer one attention), a hybrid one
 # (layers with a window of 8 and layers that see the whole context), a conv one (short
 # convolutions beside attention), a state one (gated DeltaNets, a recurrent state a
-# sequence, beside attention) and an experts one (a mixture of experts for every layer's
-# FFN): tests/test_composition.py builds them
-MODELS = ("llama", "hybrid", "conv", "state", "experts")
+# sequence, beside attention), an experts one (a mixture of experts for every layer's
+# FFN) and a latent one (latent attention: each token's compressed latent and key part
+# cached, K and V made from them): tests/test_composition.py builds them
+MODELS = ("llama", "hybrid", "conv", "state", "experts", "latent")
 
 
 def variants() -> list[tuple[str, str, str | None]]:
@@ -56,10 +58,14 @@ def refusal(model: str, mode: str, kv_dtype: str | None, feature: str) -> str | 
     it composes."""
     if feature not in FEATURES:
         raise ValueError(f"unknown feature {feature!r}")
+    if model == "latent" and mode == "window":  # refused as the cache is made
+        return KEYS_UNROTATED
     if mode == "off" and feature in ("save/load", "rollback"):
         return "keeps no cache" if feature == "save/load" else "cannot roll back"
     if feature == "speculative decoding" and mode in NO_SPECULATION:
         return NO_SPECULATION[mode]
+    if model == "latent" and feature == "fused low-bit step":  # the layer, whatever the cache
+        return f"torch step: {fused.mixer_why_not('latent')}"
     if feature == "fused low-bit step" and mode not in FUSED_MODES:
         return f"torch step: {fused.NOT_THIS_CACHE}"
     if model == "state" and feature == "rollback":  # but to a state it kept (a draft's)

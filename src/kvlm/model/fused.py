@@ -306,6 +306,11 @@ MAX_HEAD_DIM = _ABI["MAX_HEAD_DIM"]  # the attention's buffers (the widest head 
 _REC_MAX_DIM = 512  # kernels/deltanet.c's DELTA_MAX_DIM, mamba2.c's MAMBA_MAX_DIM
 
 
+def mixer_why_not(mixer: str) -> str | None:
+    """Why the fused step cannot run a layer of this mixer kind (None: it can)."""
+    return None if mixer in _MIXERS else f"a {mixer} layer (the step has no kernel for one yet)"
+
+
 def config_why_not(c: ModelConfig) -> str | None:
     """The reason the fused step cannot run any model of this config (None: it may, as
     far as the config says; `why_not` checks the built model too). kvlm.defaults reads
@@ -315,7 +320,7 @@ def config_why_not(c: ModelConfig) -> str | None:
         return "disabled by KVLM_NO_FUSED"
     missing = sorted({m for m in c.layer_mixers if m not in _MIXERS})
     if missing:  # a layer kind kernels/ has no part for yet
-        return f"a {missing[0]} layer (the step has no kernel for one yet)"
+        return mixer_why_not(missing[0])
     if c.rotary_dim % 2:
         return f"RoPE over an odd {c.rotary_dim} dimensions"
     x = c.experts
