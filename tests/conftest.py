@@ -58,6 +58,9 @@ TINY_MODELS = {
     "gemma3": ("gemma3", 9, {}),
     # Gemma 2: every second layer windowed, attention scores and logits soft-capped
     "gemma2": ("gemma2", 10, {}),
+    # Gemma 4: local and wider global layers, K = V on the globals, the last two layers
+    # reading earlier layers' K/V, per-layer inputs (helpers.tiny_config)
+    "gemma4": ("gemma4", 11, {}),
     "mistral-hd64-window": (
         "mistral",
         8,

@@ -253,6 +253,26 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
             },
         )  # fmt: skip
+    elif arch == "gemma4":
+        from transformers import Gemma4TextConfig
+
+        # six layers, local (window 8, heads of 16) and global (heads of 32, one KV head,
+        # K = V, proportional RoPE over a quarter of the pairs); the last two layers read
+        # the K/V of layers 2 and 3; per-layer inputs of 8; the logits soft-capped
+        # (the overrides given to the constructor: it derives the layers' geometry)
+        common["num_hidden_layers"] = 6
+        kwargs = dict(
+            common, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+            sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 3,
+            attention_k_eq_v=True, num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=vocab_size, final_logit_softcapping=30.0,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1e6},
+            },
+        )  # fmt: skip
+        return Gemma4TextConfig(**(kwargs | overrides))
     elif arch == "lfm2":
         from transformers import Lfm2Config
 
@@ -454,6 +474,8 @@ def _bump_norm_and_biases(model, seed: int) -> None:
         for name, b in model.named_buffers():  # a router's selection bias (HF: zeros)
             if name.endswith("expert_bias"):
                 b.copy_(0.05 * torch.randn(b.shape, generator=g))
+            if name.endswith("layer_scalar"):  # a layer's output scale (HF: ones)
+                b.copy_(1 + 0.2 * torch.randn(b.shape, generator=g))
 
 
 def hf_logits(folder_or_model, ids: list[int], dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -188,7 +188,15 @@ def test_no_module_outside_the_family_file_and_the_registry_names_gemma():
     Gemma's family file and the registry only (a comment naming it elsewhere is knowledge
     of the family outside its file too)."""
     naming = {m for m, path in MODS.items() if "gemma" in path.read_text().lower()}
-    assert naming == {"kvlm.arch.gemma", "kvlm.arch"}
+    assert naming == {"kvlm.arch.gemma", "kvlm.arch.gemma4", "kvlm.arch"}
+
+
+def test_no_module_outside_the_family_file_and_the_registry_names_gemma4():
+    """The same for Gemma 4: its K = V layers, the layers that read an earlier layer's
+    K/V, its per-layer inputs and layers of their own head size are ModelConfig fields."""
+    names = ("gemma4", "gemma 4")
+    naming = {m for m, path in MODS.items() if any(n in path.read_text().lower() for n in names)}
+    assert naming == {"kvlm.arch.gemma4", "kvlm.arch"}
 
 
 def test_no_module_outside_the_family_file_and_the_registry_names_lfm2():

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvlm.errors import InvalidRequestError, ModelLoadError, UnsupportedModelError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 # What a user may ask RoPE to be scaled by for a context (--rope-scaling, LLM(rope_scaling=)):
 # none, as the file gives it; linear or YaRN in place of the file's (for_context)
 ROPE_SCALINGS = ("none", "linear", "yarn")
@@ -80,7 +80,9 @@ class RopeScaling:
     (`low_freq_factor`, `high_freq_factor`); `yarn` (YaRN, Peng et al. 2023) the fast
     dimensions kept, those turning fewer than `beta_slow` times over
     `original_max_position_embeddings` divided by `factor`, a ramp between (from
-    `beta_fast` turns), and cos/sin times `attention_scaling`."""
+    `beta_fast` turns), and cos/sin times `attention_scaling`; `proportional` the first
+    `proportion` x D/2 frequencies of a head of D (exponents over D), the others 0 (those
+    dimensions not turned), each divided by `factor`."""
 
     rope_type: str = "default"
     factor: float = 1.0
@@ -95,6 +97,8 @@ class RopeScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True  # YaRN's ramp ends rounded to whole dimensions
+    # proportional RoPE's share of a head's frequency pairs that turn (partial_rotary_factor)
+    proportion: float = 1.0
 
     @property
     def attention_scaling(self) -> float:
@@ -342,6 +346,45 @@ class ModelConfig:
     # A "latent" layer's sizes (None: no such layer; head_dim is then its rotated part's,
     # rope_dim, as transformers' config has it: RoPE's dimensions)
     latent: Latent | None = None
+    # Per layer: its attention's head size and KV heads where a layer's are its own (empty:
+    # every layer's head_dim and num_kv_heads); its q/k norms and RoPE are of that size
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    # Per layer: whether its K = V (one projection, k_proj, read as both before the k norm)
+    layer_k_eq_v: tuple[bool, ...] = ()
+    # V RMSNormed (without a weight) before the cache, as K is by its k norm
+    v_norm: bool = False
+    # Per layer: the layer whose K/V it attends over (itself: its own). A layer that reads
+    # an earlier layer's keeps no K/V (no projection, no rows in any cache); it reads what
+    # that layer's step stored and returned, with that layer's window
+    kv_sources: tuple[int, ...] = ()
+    # Per-layer inputs: each layer's output gets a (per_layer_input)-wide input of its own,
+    # from a table of `per_layer_vocab` rows and a projection of the embeddings (0: none)
+    per_layer_input: int = 0
+    per_layer_vocab: int = 0
+    # each layer's output times its own scalar (the tensor `layer_scalar` of the layer)
+    layer_scalars: bool = False
+
+    def head_dim_of(self, layer: int) -> int:
+        """Layer `layer`'s attention head size."""
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        """Layer `layer`'s KV heads."""
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
+
+    def k_eq_v(self, layer: int) -> bool:
+        """Whether layer `layer`'s K = V."""
+        return bool(self.layer_k_eq_v) and self.layer_k_eq_v[layer]
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V layer `layer` attends over (itself where it keeps its own)."""
+        return self.kv_sources[layer] if self.kv_sources else layer
+
+    @property
+    def cache_layers(self) -> tuple[int, ...]:
+        """The layers that keep K/V of their own, in order: a cache's layers."""
+        return tuple(i for i in range(self.num_layers) if self.kv_source(i) == i)
 
     @property
     def conv_layers(self) -> tuple[int, ...]:
@@ -424,6 +467,7 @@ class ModelConfig:
                 f"{len(self.layer_windows)} layer types for {self.num_layers} layers"
             )
         self._check_mixers()
+        self._check_layer_attention()
         for name in ("final_softcap", "attn_softcap"):
             cap = getattr(self, name)
             if cap is not None and not 0 < cap < math.inf:  # cap * tanh(x / cap)
@@ -471,6 +515,45 @@ class ModelConfig:
             if self.rope_dim % 2:
                 raise UnsupportedModelError(f"rope_dim={self.rope_dim} must be even for RoPE")
 
+    def _check_layer_attention(self) -> None:
+        """Each layer's own head size, KV heads, K = V and K/V source."""
+        for name in ("layer_head_dims", "layer_kv_heads", "layer_k_eq_v", "kv_sources"):
+            n = len(getattr(self, name))
+            if n and n != self.num_layers:
+                raise UnsupportedModelError(f"{n} {name} for {self.num_layers} layers")
+        for i in range(self.num_layers if self.layer_head_dims else 0):
+            value(self.layer_head_dims[i], "a layer's head_dim", int, *LIMITS["head_dim"],
+                  where=self.name)  # fmt: skip
+            if self.layer_head_dims[i] % 2:
+                raise UnsupportedModelError(f"layer {i}'s head_dim must be even for RoPE")
+        for i in range(self.num_layers if self.layer_kv_heads else 0):
+            heads = value(self.layer_kv_heads[i], "a layer's num_kv_heads", int,
+                          *LIMITS["num_kv_heads"], where=self.name)  # fmt: skip
+            if self.num_heads % heads:
+                raise UnsupportedModelError(f"num_heads={self.num_heads} is not a multiple "
+                                            f"of layer {i}'s {heads} KV heads")  # fmt: skip
+        windows = self.layer_windows or (self.sliding_window,) * self.num_layers
+        for i in range(self.num_layers if self.kv_sources else 0):
+            j = self.kv_sources[i]
+            if type(j) is not int or not 0 <= j <= i or self.kv_source(j) != j:
+                raise UnsupportedModelError(f"layer {i} reads the K/V of layer {j!r}: not an "
+                                            "earlier layer that keeps its own")  # fmt: skip
+            same = (windows[j], self.head_dim_of(j), self.kv_heads_of(j)) == (
+                windows[i],
+                self.head_dim_of(i),
+                self.kv_heads_of(i),
+            )
+            if j != i and not same:
+                raise UnsupportedModelError(f"layer {i} reads the K/V of layer {j}, whose "
+                                            "window or head geometry is not its own")  # fmt: skip
+        if self.per_layer_input:
+            value(self.per_layer_input, "per_layer_input", int, 1, 1 << 14, where=self.name)
+            value(self.per_layer_vocab, "per_layer_vocab", int, self.vocab_size,
+                  LIMITS["vocab_size"][1], where=self.name)  # fmt: skip
+        if self.rope_scaling.rope_type == "proportional":
+            value(self.rope_scaling.proportion, "RoPE's partial_rotary_factor", float, 0.0, 1.0,
+                  where=self.name)  # fmt: skip
+
     @property
     def hybrid(self) -> bool:
         """Layers with a window and layers without."""
@@ -482,7 +565,8 @@ class ModelConfig:
         a latent attention layer's its latent and rotated key part (kvlm.cache.kinds)."""
         if self.latent is not None:
             return self.num_layers * 2 * ((self.latent.row + 1) // 2)
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+        # the layers that keep K/V (cache_layers), each its own geometry
+        return 2 * sum(self.kv_heads_of(i) * self.head_dim_of(i) for i in self.cache_layers)
 
 
 def for_context(

@@ -3,6 +3,7 @@
 ModelConfig that family reads from the file.
 
 One module per family (llama.py: Llama, Mistral, Qwen2, Qwen3; gemma.py: Gemma 2 and 3;
+gemma4.py: Gemma 4 (text);
 lfm2.py: LFM2 and LFM2-MoE; qwen35.py: Qwen3.5; granite.py: Granite 4.0-H; qwen3moe.py:
 Qwen3-MoE; gptoss.py: gpt-oss; olmoe.py: OLMoE; deepseek2.py: DeepSeek-V2), each imported
 family is a module and a line in FAMILIES (docs/ADDING_A_MODEL.md). Outside kvlm.arch,
@@ -14,7 +15,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvlm.arch import deepseek2, gemma, gptoss, granite, lfm2, llama, olmoe, qwen3moe, qwen35
+from kvlm.arch import (
+    deepseek2,
+    gemma,
+    gemma4,
+    gptoss,
+    granite,
+    lfm2,
+    llama,
+    olmoe,
+    qwen3moe,
+    qwen35,
+)
 from kvlm.arch.family import Family, Shape, Tokenizing
 from kvlm.config import Fields, ModelConfig, check_supported
 from kvlm.errors import ModelLoadError
@@ -26,6 +38,7 @@ __all__ = ["FAMILIES", "SHAPES", "SUPPORTED_ARCHITECTURES", "Family", "Shape", "
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY,
     gemma.FAMILY,
+    gemma4.FAMILY,
     lfm2.FAMILY,
     qwen35.FAMILY,
     granite.FAMILY,

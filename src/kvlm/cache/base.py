@@ -140,7 +140,7 @@ class CacheSpec:
         if not kinds and config.layer_windows:
             window = config.layer_windows[0]
         return cls(
-            num_layers=config.num_layers,
+            num_layers=len(config.cache_layers),  # the layers that keep K/V
             num_kv_heads=heads,
             head_dim=head_dim,
             max_tokens=max_tokens,

@@ -352,11 +352,18 @@ def layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
     business: CacheSpec.for_model makes it the spec's sliding_window). A conv layer's
     (ModelConfig.layer_mixers "conv") is ConvWindow(kernel - 1, hidden). Latent attention
     is every layer's of its model or none's (ModelConfig.latent): () too, the spec's
-    geometry then the LatentAttention kind's (`cache_geometry`)."""
+    geometry then the LatentAttention kind's (`cache_geometry`). A layer of its own head
+    geometry (ModelConfig.layer_head_dims, layer_kv_heads) keeps its kind with it. Only
+    the layers that keep K/V have a kind (ModelConfig.cache_layers: a layer that reads an
+    earlier layer's K/V keeps nothing), so the kinds index a cache's layers."""
     windows = config.layer_windows or (config.sliding_window,) * config.num_layers
     kinds = [kind_of(w) for w in windows]
     if len(set(config.layer_windows)) < 2:
         kinds = [FullAttention()] * config.num_layers  # a shared window: the masks'
+    for i in range(config.num_layers):  # a layer's own head geometry: its kind's rows
+        heads, dim = config.kv_heads_of(i), config.head_dim_of(i)
+        if (heads, dim) != (config.num_kv_heads, config.head_dim):
+            kinds[i] = dataclasses.replace(kinds[i], heads=heads, head_dim=dim)
     if config.conv_layers:
         conv = ConvWindow(config.conv_kernel - 1, config.hidden_size)  # type: ignore[operator]
         for i in config.conv_layers:
@@ -365,4 +372,7 @@ def layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
     if state is not None:
         for i in config.recurrent_layers:
             kinds[i] = state
+    # the layers that read an earlier layer's K/V keep none: the cache's layers are the
+    # others (ModelConfig.cache_layers), in order
+    kinds = [kinds[i] for i in config.cache_layers]
     return tuple(kinds) if len(set(kinds)) > 1 else ()

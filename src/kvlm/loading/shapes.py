@@ -47,8 +47,16 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
     if c.mtp_layers:
         out["mtp.fc.weight"] = ((h, 2 * h), f"{hs}, 2 x {hs}")
         out |= {f"mtp.{n}.weight": ((h,), hs) for n in MTP_NORMS}
-    for p in blocks:
+    for n_block, p in enumerate(blocks):
         out |= {f"{p}.{n}.weight": ((h,), hs) for n in norms}
+        # a layer's own head geometry (ModelConfig.layer_head_dims, layer_kv_heads)
+        own = n_block < c.num_layers
+        d = c.head_dim_of(n_block) if own else c.head_dim
+        hkv = c.kv_heads_of(n_block) if own else c.num_kv_heads
+        q, kv = c.num_heads * d, hkv * d
+        qg = 2 * q if c.attn_output_gate else q
+        qgs = f"{'2 x ' if c.attn_output_gate else ''}num_heads {c.num_heads} x head_dim {d}"
+        qs, kvs = f"num_heads {c.num_heads} x head_dim {d}", f"num_kv_heads {hkv} x head_dim {d}"
         for name, rows, cols, why in (
             ("self_attn.q_proj", qg, h, f"{qgs}, {hs}"),
             ("self_attn.k_proj", kv, h, f"{kvs}, {hs}"),
@@ -61,10 +69,27 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
         ):
             out[f"{p}.{name}.weight"] = ((rows, cols), why)
             out[f"{p}.{name}.bias"] = ((rows,), why.split(", ")[0])
-        for n, size in zip(("q_norm", "k_norm"), c.qk_norm_sizes, strict=True):
+        sizes = c.qk_norm_sizes if c.qk_norm_extent == "projection" else (d, d)
+        for n, size in zip(("q_norm", "k_norm"), sizes, strict=True):
             why = f"head_dim {d}" if c.qk_norm_extent == "head" else f"the projection's {size}"
             out[f"{p}.self_attn.{n}.weight"] = ((size,), why)
         out[f"{p}.self_attn.sinks"] = ((c.num_heads,), f"num_heads {c.num_heads}")
+        if n_block < c.num_layers:
+            out[f"{p}.layer_scalar"] = ((1,), "one scalar a layer")
+        if n_block < c.num_layers and c.per_layer_input:
+            w = c.per_layer_input
+            ws = f"per_layer_input {w}"
+            out[f"{p}.per_layer_input_gate.weight"] = ((w, h), f"{ws}, {hs}")
+            out[f"{p}.per_layer_projection.weight"] = ((h, w), f"{hs}, {ws}")
+            out[f"{p}.post_per_layer_input_norm.weight"] = ((h,), hs)
+    if c.per_layer_input:  # the per-layer inputs' table, projection and norm
+        w, n = c.per_layer_input, c.num_layers
+        every = f"layers {n} x per_layer_input {w}"
+        out["model.embed_tokens_per_layer.weight"] = ((c.per_layer_vocab, n * w),
+                                                      f"per_layer_vocab {c.per_layer_vocab}, "
+                                                      f"{every}")  # fmt: skip
+        out["model.per_layer_model_projection.weight"] = ((n * w, h), f"{every}, {hs}")
+        out["model.per_layer_projection_norm.weight"] = ((w,), f"per_layer_input {w}")
     if c.conv_layers:
         out |= _conv_shapes(c)
     if c.deltanet_layers:
@@ -230,6 +255,10 @@ def required(c: ModelConfig, head: bool = False) -> list[str]:
     embeddings are tied; nor biases or the RoPE factors); with `head`, its
     multi-token-prediction head's too (a file that has one has it whole)."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if c.per_layer_input:
+        names += ["model.embed_tokens_per_layer.weight",
+                  "model.per_layer_model_projection.weight",
+                  "model.per_layer_projection_norm.weight"]  # fmt: skip
     norms = ["input_layernorm", "post_attention_layernorm"]
     mlp = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", *out_norms(c)]
     attention = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
@@ -286,6 +315,16 @@ def required(c: ModelConfig, head: bool = False) -> list[str]:
             parts = routed(parts)
             if c.experts.selection_bias:  # a vector with no `.weight`
                 names.append(f"model.layers.{layer}.mlp.expert_bias")
+        if parts is attention_parts and c.kv_source(layer) != layer:  # reads another's K/V
+            parts = [n for n in parts if n not in ("self_attn.k_proj", "self_attn.v_proj",
+                                                   "self_attn.k_norm")]  # fmt: skip
+        elif parts is attention_parts and c.k_eq_v(layer):  # one projection for K and V
+            parts = [n for n in parts if n != "self_attn.v_proj"]
+        if c.per_layer_input:
+            parts = [*parts, "per_layer_input_gate", "per_layer_projection",
+                     "post_per_layer_input_norm"]  # fmt: skip
+        if c.layer_scalars:
+            names.append(f"model.layers.{layer}.layer_scalar")
         names += [f"model.layers.{layer}.{part}.weight" for part in parts]
         if c.attn_sinks and "self_attn.q_proj" in parts:  # a logit a head (no .weight)
             names.append(f"model.layers.{layer}.self_attn.sinks")

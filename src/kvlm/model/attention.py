@@ -89,6 +89,19 @@ class Attention(nn.Module):
         # --prefill-dtype bf16; None: none): the model's numerics (kvlm.defaults), `attend`
         n = numerics or ModelNumerics()
         self.prompt_bf16_from: int | None = n.attention_bf16_from
+        # K = V (ModelConfig.layer_k_eq_v): qkv's rows are q and k alone, V the k
+        # projection as it is before the k norm
+        self.k_eq_v = False
+        # V's RMSNorm (ModelConfig.v_norm: a weight of ones) before the cache, or None
+        self.v_norm: RMSNorm | None = None
+        # a layer that reads an earlier layer's K/V (ModelConfig.kv_sources): that layer's
+        # Attention, in a tuple (not a submodule of this one); qkv's rows are q alone and
+        # the step stores nothing of this layer's
+        self.kv_from: tuple[Attention] | None = None
+        # a layer whose K/V a later one reads: the keys and values its step returned, kept
+        # until the model's forward ends (`kept`)
+        self.keeps_kv = False
+        self.kept: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self,
@@ -103,8 +116,13 @@ class Attention(nn.Module):
         the queries are rotated before update(), and every key it returns after."""
         B, T, _ = x.shape
         H, Hkv = self.num_heads, self.num_kv_heads
+        if self.kv_from is not None:
+            return self._forward_reading(x, cos, sin, kv)
         gate = None
-        if self.gated:
+        if self.k_eq_v:  # V is the k projection (a copy: the k heads are normed in place)
+            qk_ = self.qkv(x).view(B, T, H + Hkv, self.head_dim)
+            qkv = torch.cat([qk_, qk_[:, :, H:]], dim=2)
+        elif self.gated:
             qgkv = self.qkv(x).view(B, T, 2 * H + 2 * Hkv, self.head_dim)
             q, gate, kv_ = qgkv.split([H, H, 2 * Hkv], dim=2)
             gate = gate.reshape(B, T, H * self.head_dim)
@@ -126,11 +144,40 @@ class Attention(nn.Module):
         q, k = qk.transpose(1, 2).split([H, Hkv], dim=1)  # (B, H, T, D), (B, Hkv, T, D)
         if key_rope is not None:
             q = apply_rope(q, cos.transpose(1, 2), sin.transpose(1, 2))
+        if self.v_norm is not None:
+            v = self.v_norm(v.contiguous())
         v = v.transpose(1, 2)  # (B, Hkv, T, D)
         # The cache stores this step's K/V and returns everything the queries may see.
         k_all, v_all = kv.update(self.layer_idx, k, v)  # (B, Hkv, S, D)
         if key_rope is not None:  # keys came back before RoPE: rotate them where they sit
             k_all = apply_rope(k_all, *key_rope)
+        if self.keeps_kv:  # a later layer reads them
+            self.kept = (k_all, v_all)
+        return self._attend_all(x, q, k_all, v_all, kv, gate)
+
+    def _forward_reading(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVStep
+    ) -> torch.Tensor:
+        """A layer that reads an earlier layer's K/V (`kv_from`): its queries alone, over
+        the keys and values that layer's step returned (rotated where they sit), with its
+        step (`kv`: the same kind's masks)."""
+        B, T, _ = x.shape
+        kept = self.kv_from[0].kept
+        if kept is None:
+            raise ValueError(f"layer {self.layer_idx}'s K/V source ran no step before it")
+        q = self.qkv(x).view(B, T, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q.contiguous())
+        q = apply_rope(q, cos, sin).transpose(1, 2)  # (B, H, T, D)
+        return self._attend_all(x, q, *kept, kv, None)
+
+    def _attend_all(
+        self, x: torch.Tensor, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
+        kv: KVStep, gate: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The queries q (B, H, T, D) over the keys and values the step returned: scores,
+        softmax and the weighted sum as the step's masks say, then o_proj."""
+        B, T, _ = x.shape
         if kv.key_rotation is not None:  # keys came back as k @ R: rotate the queries too
             q = q @ kv.key_rotation.to(q.dtype)
         if self.q_scale is not None:

@@ -350,9 +350,15 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     D is the dimensions rotated (`ModelConfig.rotary_dim`: head_dim but for a partial
     rotary factor)."""
     dim = config.rotary_dim
+    scaling = config.rope_scaling
+    if scaling.rope_type == "proportional":  # the first pairs turn, over exponents of dim
+        turning = int(scaling.proportion * dim // 2)
+        exponent = torch.arange(0, 2 * turning, 2, dtype=torch.int64).float() / dim
+        inv_freq = torch.cat([1.0 / (config.rope_theta**exponent),
+                              torch.zeros(dim // 2 - turning)])  # fmt: skip
+        return inv_freq / scaling.factor
     exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (config.rope_theta**exponent)
-    scaling = config.rope_scaling
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":

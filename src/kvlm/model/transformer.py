@@ -20,6 +20,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
@@ -75,8 +76,12 @@ class Block(nn.Module):
         conv: ShortConv | None = None,
         recurrent: GatedDeltaNet | Mamba2Mixer | None = None,
         residual_scale: float | None = None,
+        per_layer: PerLayerInput | None = None,
+        scalar: torch.Tensor | None = None,
     ):
         super().__init__()
+        self.per_layer = per_layer  # the layer's per-layer input (ModelConfig.per_layer_input)
+        self.scalar = scalar  # the output times this (ModelConfig.layer_scalars)
         self.attn = attn
         self.conv = conv
         self.recurrent = recurrent
@@ -96,6 +101,7 @@ class Block(nn.Module):
         key_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         rows: ConvStep | None = None,
         state: DeltaStep | None = None,
+        per_layer_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
         h = self.input_norm(x)
         if self.conv is not None:
@@ -108,7 +114,24 @@ class Block(nn.Module):
         x = x + (a if self.residual_scale is None else a * self.residual_scale)
         m = self.mlp(self.post_norm(x))
         m = m if self.mlp_out_norm is None else self.mlp_out_norm(m)
-        return x + (m if self.residual_scale is None else m * self.residual_scale)
+        x = x + (m if self.residual_scale is None else m * self.residual_scale)
+        if self.per_layer is not None:
+            x = x + self.per_layer(x, per_layer_input)
+        return x if self.scalar is None else x * self.scalar
+
+
+class PerLayerInput(nn.Module):
+    """A layer's per-layer input (ModelConfig.per_layer_input), added to its output:
+    norm(proj(act(gate(x)) * its input)), the activation the MLP's."""
+
+    def __init__(self, gate: Linear, proj: Linear, norm: RMSNorm, activation: str) -> None:
+        super().__init__()
+        self.gate, self.proj, self.norm, self.activation = gate, proj, norm, activation
+
+    def forward(self, x: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        g = self.gate(x)
+        g = F.silu(g) if self.activation == "silu" else F.gelu(g, approximate="tanh")
+        return self.norm(self.proj(g * inputs))
 
 
 class Transformer(nn.Module):
@@ -163,17 +186,32 @@ class Transformer(nn.Module):
                 self.lm_head = loader.linear("model.embed_tokens.weight", embed, vocabulary=True)
             # Tied: read embeddings out of lm_head's weight unless it is packed.
             self._embed_table = embed if not tied or self.lm_head.rows() is None else None
+            # the per-layer inputs' table, projection and norm (ModelConfig.per_layer_input)
+            self.per_layer_table = self.per_layer_proj = self.per_layer_norm = None
+            if config.per_layer_input:
+                self.per_layer_table = loader.take("model.embed_tokens_per_layer.weight")
+                self.per_layer_proj = loader.linear("model.per_layer_model_projection.weight")
+                self.per_layer_norm = loader.norm("model.per_layer_projection_norm")
             freq_factors = loader.take_raw("rope_freqs.weight")
             if freq_factors is not None and not bool((freq_factors.float() > 0).all()):
                 raise ModelLoadError("rope_freqs.weight holds a factor that is not a positive "
                                      "number (RoPE frequencies are divided by them)")  # fmt: skip
             weights.release()  # the vocabulary table's pages
-        self.rope = RotaryEmbedding(config, self.device, freq_factors)
+        # each RoPE turns heads of its layers' size (ModelConfig.layer_head_dims)
+        full_dim, window_dim = _rope_head_dims(config)
+        self.rope = RotaryEmbedding(replace(config, head_dim=full_dim), self.device, freq_factors)
         # the layers with a window turn at their own base where they have one, unscaled
         self.local_rope = None
         if config.rope_local_theta is not None:
-            local = replace(config, rope_theta=config.rope_local_theta, rope_scaling=RopeScaling())
+            local = replace(config, rope_theta=config.rope_local_theta, rope_scaling=RopeScaling(),
+                            head_dim=window_dim)  # fmt: skip
             self.local_rope = RotaryEmbedding(local, self.device)
+        # each layer's index in the cache (the layers that keep K/V: a layer that reads an
+        # earlier one's is at that one's), and the layers whose K/V a later layer reads
+        at = {i: n for n, i in enumerate(config.cache_layers)}
+        self._cache_index = [at[config.kv_source(i)] for i in range(config.num_layers)]
+        self._kv_keepers = [b.attn for b in self.layers
+                            if isinstance(b.attn, Attention) and b.attn.keeps_kv]  # fmt: skip
         # each layer's RoPE: 0 self.rope, 1 self.local_rope (a layer with a window)
         two = self.local_rope is not None
         self._rope_of = [int(two and w is not None) for w in config.layer_windows]
@@ -282,9 +320,15 @@ class Transformer(nn.Module):
             # layers (of each RoPE base).
             ropes = [self._ropes(r, positions, kv.key_rope_positions, x.dtype)
                      for r in (self.rope, self.local_rope) if r is not None]  # fmt: skip
-            for i, layer in enumerate(self.layers):
-                cos, sin, key_rope = ropes[self._rope_of[i]]
-                x = layer(x, cos, sin, kv.for_layer(i), key_rope, conv, recurrent)
+            inputs = None if self.per_layer_table is None else self._per_layer(input_ids, x)
+            try:
+                for i, layer in enumerate(self.layers):
+                    cos, sin, key_rope = ropes[self._rope_of[i]]
+                    x = layer(x, cos, sin, kv.for_layer(self._cache_index[i]), key_rope, conv,
+                              recurrent, None if inputs is None else inputs[:, :, i])  # fmt: skip
+            finally:
+                for attn in self._kv_keepers:  # the K/V later layers read: this step's
+                    attn.kept = None
             normed = self.norm(x) if hidden else None  # a row's norm is its own: same bits
             rows = x if normed is None else normed
             if kv.logit_rows is not None:  # a ragged step: each sequence's rows it asks for
@@ -293,6 +337,18 @@ class Transformer(nn.Module):
                 rows = rows[:, -1:]
             logits = self._logits(self.norm(rows) if normed is None else rows.contiguous())
         return logits if normed is None else (logits, normed)
+
+    def _per_layer(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Every layer's per-layer input (B, T, layers, width) (ModelConfig.per_layer_input):
+        (norm(projection(embeddings) / sqrt(hidden)) + table[ids] * sqrt(width)) / sqrt(2),
+        the table's scale rounded to fp32 first as the embeddings' is."""
+        c = self.config
+        n, width = c.num_layers, c.per_layer_input
+        proj = self.per_layer_proj(x) * c.hidden_size**-0.5
+        proj = self.per_layer_norm(proj.reshape(*x.shape[:-1], n, width))
+        scale = torch.tensor(width**0.5, dtype=torch.float32).to(x.dtype)
+        table = self.per_layer_table[ids.to(self.per_layer_table.device)] * scale
+        return (proj + table.reshape(*ids.shape, n, width)) * 2.0**-0.5
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         """The vocabulary projection of final-normed rows, soft-capped and scaled as the
@@ -344,6 +400,24 @@ class Transformer(nn.Module):
         """(cos, sin, the keys' cos/sin or None) of one RoPE base for a step."""
         cos, sin = rope(positions, dtype)
         return cos, sin, None if keys_at is None else rope.for_keys(keys_at, dtype)
+
+
+def _rope_head_dims(config: ModelConfig) -> tuple[int, int]:
+    """The head size of the layers without a window and of those with one (each RoPE's):
+    head_dim, or where layers have their own (ModelConfig.layer_head_dims), theirs, one
+    size a RoPE."""
+    if not config.layer_head_dims:
+        return config.head_dim, config.head_dim
+    windows = config.layer_windows or (config.sliding_window,) * config.num_layers
+    split = config.rope_local_theta is not None  # else one RoPE for every layer
+    dims = []
+    for windowed in (False, True):
+        sizes = {d for d, w in zip(config.layer_head_dims, windows, strict=True)
+                 if not split or (w is not None) == windowed}  # fmt: skip
+        if len(sizes) > 1:
+            raise UnsupportedModelError(f"layers of head sizes {sorted(sizes)} under one RoPE")
+        dims.append(sizes.pop() if sizes else config.head_dim)
+    return dims[0], dims[1]
 
 
 def _arena_capacity(weights: WeightSource) -> int:
@@ -409,6 +483,8 @@ class _WeightTaker:
 
     def __post_init__(self) -> None:
         self.available = set(self.weights.names())
+        # layer -> its Attention, for the later layers that read its K/V (kv_sources)
+        self.kv_sources: dict[int, Attention] = {}
         self._in_place: bool | None = None  # _experts_in_place, decided once a load
         # --weights native: what had no kernel, (file name pattern, type) -> (outcome, count)
         self.requantized: dict[tuple[str, str], tuple[str, int]] = {}
@@ -584,18 +660,36 @@ class _WeightTaker:
         """The attention block of tensors `p`.* (a layer's, or an MTP head's block), its
         K/V at layer i of its cache."""
         c = self.config
+        layer = p.startswith("model.")  # not an MTP head's block: the layer's own geometry
+        d = c.head_dim_of(i) if layer else c.head_dim
+        hkv = c.kv_heads_of(i) if layer else c.num_kv_heads
+        source = c.kv_source(i) if layer else i  # another layer's K/V: no K/V of its own
+        reads = source != i
         q_norm = k_norm = None
         if c.qk_norm:  # q and k normed before RoPE (each head, or each whole projection)
-            q_norm, k_norm = (self.norm(f"{p}.self_attn.{q}_norm") for q in ("q", "k"))
+            q_norm = self.norm(f"{p}.self_attn.q_norm")
+            k_norm = None if reads else self.norm(f"{p}.self_attn.k_norm")
         # another score scale than head_dim ** -0.5: the queries scaled by the ratio, in
         # their norm where they have one (RoPE is linear); exactly 1 where the two agree
-        ratio = 1.0 if c.query_scale is None else c.query_scale / c.head_dim**-0.5
+        ratio = 1.0 if c.query_scale is None else c.query_scale / d**-0.5
         if q_norm is not None:
             q_norm.weight *= ratio
-        qkv = self.fused_linear(f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"))
+        parts = ("q_proj",) if reads else ("q_proj", "k_proj") if c.k_eq_v(i) and layer else (
+            "q_proj", "k_proj", "v_proj")  # fmt: skip
+        qkv = self.fused_linear(f"{p}.self_attn", parts)
         o_proj = self._with_bias(f"{p}.self_attn.o_proj")
-        attn = Attention(i, c.num_heads, c.num_kv_heads, c.head_dim, qkv, o_proj, q_norm, k_norm,
+        at = c.cache_layers.index(source) if layer else i  # its cache's layer
+        attn = Attention(at, c.num_heads, hkv, d, qkv, o_proj, q_norm, k_norm,
                          self.numerics)  # fmt: skip
+        attn.k_eq_v = len(parts) == 2
+        if c.v_norm and not reads:  # V normed without a weight (ones: the same values)
+            attn.v_norm = RMSNorm(torch.ones(d, dtype=self.dtype, device=self.device),
+                                  c.rms_norm_eps)  # fmt: skip
+        if reads:
+            self.kv_sources[source].keeps_kv = True
+            attn.kv_from = (self.kv_sources[source],)
+        elif layer:
+            self.kv_sources[i] = attn
         attn.q_scale = None if q_norm is not None or ratio == 1.0 else ratio
         attn.norm_projections = c.qk_norm_extent == "projection"
         attn.softcap = c.attn_softcap
@@ -637,8 +731,17 @@ class _WeightTaker:
         host = layer and i in self.host_experts
         mlp = self.experts(p, host) if routed else self._gated_mlp(f"{p}.mlp")
         names = ["input_layernorm", "post_attention_layernorm", *out_norms(c)]
+        per_layer = scalar = None
+        if layer and c.per_layer_input:  # the layer's per-layer input
+            per_layer = PerLayerInput(self.linear(f"{p}.per_layer_input_gate.weight"),
+                                      self.linear(f"{p}.per_layer_projection.weight"),
+                                      self.norm(f"{p}.post_per_layer_input_norm"),
+                                      c.activation)  # fmt: skip
+        if layer and c.layer_scalars:
+            scalar = self.take(f"{p}.layer_scalar").reshape(1)
         block = Block(mixer.pop("attn", None), mlp, *(self.norm(f"{p}.{n}") for n in names),
-                      residual_scale=c.residual_scale, **mixer)  # fmt: skip
+                      residual_scale=c.residual_scale, per_layer=per_layer, scalar=scalar,
+                      **mixer)  # fmt: skip
         # the file's pages read so far are the model's own copies now: given back, so the
         # file and the packed model are never both resident (a layer at a time)
         self.weights.release()
