@@ -14,8 +14,9 @@ from kvlm.cache.hybrid import HybridCache, ring_spec
 from kvlm.cache.kinds import STATE_KINDS
 from kvlm.cache.off import OffCache
 from kvlm.cache.paged import Int8PagedCache, PagedCache
+from kvlm.cache.storage import CODECS
 from kvlm.cache.window import WindowCache
-from kvlm.errors import InvalidRequestError
+from kvlm.errors import InvalidRequestError, UnsupportedModelError
 
 CACHE_MODES: dict[str, type[KVCache]] = {
     "off": OffCache,
@@ -31,6 +32,9 @@ CACHE_MODES: dict[str, type[KVCache]] = {
 # int8 on a pool with a block table per layer group (kvlm.cache.paged)
 HYBRID_MODES = ("basic", "contiguous", "paged", "int8")
 RING_MODES = ("basic", "contiguous")
+# Modes whose caches keep one head geometry (one K rotation, one ring) for all layers: a
+# model whose layers have heads of their own sizes (LayerKind.heads, head_dim) is refused
+OWN_GEOMETRY_REFUSED = ("window", "int8")
 # Modes whose attention equals full attention over the whole sequence, bit for bit in the
 # stored dtype (int8 quantizes; window drops what falls out of it).
 EXACT_MODES = ("off", "basic", "contiguous", "paged")
@@ -68,6 +72,14 @@ def create_cache(mode: str, spec: CacheSpec) -> KVCache:
     paged and int8 keep them apart on their own (a block table per layer group)."""
     cls, spec = check_mode(mode), mode_spec(mode, spec)
     groups = layer_groups(spec)
+    own = any(g.kind.head_dim or g.kind.heads for g in groups)
+    if own and (mode in OWN_GEOMETRY_REFUSED or spec.kv_dtypes[0] in CODECS):
+        what = f"the {mode} cache" if mode in OWN_GEOMETRY_REFUSED else "a cache of int8/q4 K"
+        raise UnsupportedModelError(
+            f"{what} keeps one head geometry (one K rotation) for every layer, and this "
+            "model's layers have heads of their own sizes (use contiguous, basic or paged "
+            "with fp32, bf16 or fp16 K/V)"
+        )
     if len(groups) > 1 and (mode in RING_MODES or (mode != "off" and state_group(groups))):
         return HybridCache(cls, spec)
     return cls(spec)

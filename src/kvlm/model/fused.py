@@ -323,6 +323,15 @@ def config_why_not(c: ModelConfig) -> str | None:
         return mixer_why_not(missing[0])
     if c.rotary_dim % 2:
         return f"RoPE over an odd {c.rotary_dim} dimensions"
+    # what kernels/ has no part for yet (the torch step runs them)
+    if c.layer_head_dims or c.layer_kv_heads:
+        return "layers of their own head size or KV heads"
+    if any(c.layer_k_eq_v) or c.v_norm:
+        return "K = V layers, or V normed"
+    if len(c.cache_layers) != c.num_layers:
+        return "layers that read an earlier layer's K/V"
+    if c.per_layer_input or c.layer_scalars:
+        return "per-layer inputs, or a scalar on each layer's output"
     x = c.experts
     if x is not None and x.router not in ROUTER_CODES:
         return f"an expert router {x.router!r} (the step's routers: {', '.join(ROUTER_CODES)})"

@@ -1,0 +1,190 @@
+"""Gemma 4 (text) against transformers' Gemma4ForCausalLM on the tiny random-weight model
+of conftest.TINY_MODELS "gemma4" (helpers.tiny_config): six layers, local ones (a window
+of 8, heads of 16, two KV heads) and global ones (heads of 32, one KV head, K = V,
+proportional RoPE over a quarter of the pairs), the last two reading the K/V of layers 2
+and 3, per-layer inputs of 8, layer scalars, soft-capped logits; prompts past the window.
+
+The cache keeps K/V for the four layers that make their own (the two that read an earlier
+layer's keep nothing), each group of its own geometry; a K = V layer's K and V are stored
+apart still (V is normed otherwise than K: docs/NOTES-gemma4.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import fed, hf64, load_hf, save_tiny_model
+from kvlm import LLM
+from kvlm.config import ModelConfig
+from kvlm.errors import KvlmError, ModelLoadError, UnsupportedModelError
+from numerics import assert_as_exact_as, max_error
+
+PROMPT = "What is the capital of France? The capital of France is Paris, and of Spain"
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_model_dir):
+    return tiny_model_dir("gemma4")
+
+
+def exact_logits(folder, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf64(folder)(torch.tensor([ids])).logits[0]
+
+
+def hf32_logits(folder, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return load_hf(folder)(torch.tensor([ids])).logits[0]
+
+
+def prompt_ids(llm: LLM) -> list[int]:
+    ids = llm.tokenizer.encode(PROMPT * 2)[:40]
+    assert len(ids) == 40  # five times the window
+    return ids
+
+
+def test_config_read_from_folder(folder):
+    c = LLM(model=folder, kv="off", progress=False).config
+    hf = json.loads((folder / "config.json").read_text())
+    assert c.architecture == "gemma4" and c.layer_windows == (8, None) * 3
+    layer = hf["per_layer_config"]
+    assert c.layer_head_dims == tuple(layer.get(str(i), {}).get("head_dim", 16) for i in range(6))
+    assert c.layer_head_dims == (16, 32) * 3 and c.layer_kv_heads == (2, 1) * 3
+    assert c.layer_k_eq_v == (False, True) * 3 and c.v_norm and c.query_scale == 1.0
+    assert c.kv_sources == (0, 1, 2, 3, 2, 3) and c.cache_layers == (0, 1, 2, 3)
+    assert (c.per_layer_input, c.per_layer_vocab) == (8, c.vocab_size) and c.layer_scalars
+    assert c.rope_scaling.rope_type == "proportional" and c.rope_scaling.proportion == 0.25
+    assert (c.rope_theta, c.rope_local_theta, c.final_softcap) == (1e6, 1e4, 30.0)
+
+
+def test_exact_logits_as_close_as_transformers_fp32(folder):
+    """The exact path's logits of 40 tokens (past the window) through the cache modes
+    that run this model, one shot and in chunks: as close to transformers' fp64 as its
+    own fp32 are."""
+    for mode in ("off", "contiguous", "basic", "paged"):
+        llm = LLM(model=folder, kv=mode, exact=True, progress=False)
+        ids = prompt_ids(llm)
+        exact, ref = exact_logits(folder, ids), hf32_logits(folder, ids)
+        assert_as_exact_as(fed(llm, ids, [len(ids)]), ref, exact)
+        if mode != "off":  # chunks of 7 then rows one at a time (the decode road)
+            assert_as_exact_as(fed(llm, ids, [7] * 4 + [1] * 12), ref, exact)
+
+
+def test_each_part_of_the_block_is_applied(folder):
+    """A layer's scalar, a per-layer input's gate, the queries of a layer that reads an
+    earlier one's K/V, a K = V layer's V (its norm): each changed moves the logits far
+    more than rounding (so the test above can fail)."""
+    llm = LLM(model=folder, kv="off", exact=True, progress=False)
+    ids = prompt_ids(llm)
+    exact = exact_logits(folder, ids)
+    before = max_error(llm.runner.logits(ids, llm.new_cache("off")), exact)
+    for change in (
+        lambda layers: layers[2].scalar.mul_(2),
+        lambda layers: layers[0].per_layer.gate.weight.mul_(2),
+        lambda layers: layers[4].attn.q_norm.weight.mul_(2),  # reads layer 2's K/V
+        # a global layer's V (K = V), each channel scaled otherwise (a scale of all of
+        # them would be normed away by the attention's output norm)
+        lambda layers: layers[1].attn.v_norm.weight.copy_(torch.linspace(0.5, 1.5, 32)),
+    ):
+        llm = LLM(model=folder, kv="off", exact=True, progress=False)
+        with torch.no_grad():
+            change(llm.model.layers)
+        assert max_error(llm.runner.logits(ids, llm.new_cache("off")), exact) > 100 * before
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "paged"])
+def test_composes(folder, mode, tmp_path):
+    """The composition grid's own checks (tests/test_composition.py): batched = alone,
+    chunked prefill = one shot, speculative (prompt lookup) = plain, rollback."""
+    from test_composition import batching, chunked_prefill, rollback, speculative
+
+    for check in (batching, chunked_prefill, speculative, rollback):
+        check(folder, mode, None, tmp_path)
+
+
+def test_memory_counts_the_layers_that_keep_k_v(folder, capsys):
+    """`kvlm memory`: bytes a token for the four layers that keep K/V (none for the two
+    that read an earlier layer's), each group at its own geometry: two local layers of 2
+    KV heads x 16 and two global of 1 x 32, K and V each, in fp32."""
+    from kvlm.cli import main
+
+    assert main(["memory", "--model", str(folder), "--context", "64", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    want = 2 * (2 * 16) * 2 * 4 + 2 * (1 * 32) * 2 * 4
+    assert record["bytes_per_token"] == want == 1024
+    groups = {g["kind"]: g["layers"] for g in record["layer_groups"]}
+    assert groups == {"attention": 2, "window": 2}
+    llm = LLM(model=folder, progress=False)
+    assert llm.new_cache("contiguous").spec.num_layers == 4
+    assert llm.config.kv_elements_per_token * 4 == want
+
+
+@pytest.mark.parametrize(
+    ("mode", "dtype"), [("window", None), ("int8", None), ("paged", "int8"), ("paged", "q4")]
+)
+def test_modes_of_one_head_geometry_are_refused(folder, mode, dtype):
+    llm = LLM(model=folder, kv="off", progress=False)
+    with pytest.raises(UnsupportedModelError, match="heads of their own sizes"):
+        llm.new_cache(mode) if dtype is None else LLM(
+            model=folder, kv=mode, kv_dtype=dtype, progress=False
+        ).new_cache(mode)
+
+
+def test_the_fused_step_says_why_not(folder):
+    from kvlm.model.fused import why_not
+
+    llm = LLM(model=folder, weights="int8", progress=False)
+    assert why_not(llm.model) == "layers of their own head size or KV heads"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "error", "said"),
+    [
+        ("enable_moe_block", True, UnsupportedModelError, "enable_moe_block"),
+        ("use_double_wide_mlp", True, UnsupportedModelError, "use_double_wide_mlp"),
+        ("per_layer_config", {"1": {"head_dim": "wide"}}, ModelLoadError, "head_dim"),
+        ("per_layer_config", {"9": {"head_dim": 32}}, ModelLoadError, "per_layer_config"),
+        ("layer_types", ["sliding_attention"] * 5, ModelLoadError, "layer_types"),
+        ("num_kv_shared_layers", 6, ModelLoadError, "num_kv_shared_layers"),
+        ("rope_parameters", {"full_attention": {"rope_type": "yarn", "rope_theta": 1e6}},
+         UnsupportedModelError, "RoPE type 'yarn'"),
+    ],
+)  # fmt: skip
+def test_what_is_not_run_yet_or_bad_is_one_line(folder, tmp_path, key, value, error, said):
+    from kvlm.arch import config_from_hf
+
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg[key] = value
+    with pytest.raises(error, match=said) as info:
+        config_from_hf(cfg, "tiny")
+    assert isinstance(info.value, KvlmError) and "\n" not in str(info.value)
+
+
+def test_a_multimodal_folder_runs_its_text_model(tmp_path):
+    """Gemma4ForConditionalGeneration (`text_config`, weights under
+    `model.language_model.`): kvlm runs the language model, as transformers' forward over
+    text alone does."""
+    import shutil
+
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    from helpers import tiny_config
+
+    text = tiny_config("gemma4", 320)
+    cfg = Gemma4Config(text_config=text.to_dict(), vision_config=None, audio_config=None)
+    torch.manual_seed(13)
+    hf = Gemma4ForConditionalGeneration(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    donor = save_tiny_model(tmp_path / "donor", "llama")  # tokenizer files
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(donor / f, tmp_path / f)
+    llm = LLM(model=tmp_path, kv="off", exact=True, progress=False)
+    assert isinstance(llm.config, ModelConfig) and llm.config.kv_sources == (0, 1, 2, 3, 2, 3)
+    ids = [0, *range(10, 50)]
+    ours = llm.runner.logits(ids, llm.new_cache("off"))
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0]
+        exact = hf.double()(input_ids=torch.tensor([ids])).logits[0]
+    assert_as_exact_as(ours, ref, exact)
