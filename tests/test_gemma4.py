@@ -116,6 +116,11 @@ def test_memory_counts_the_layers_that_keep_k_v(folder, capsys):
     assert record["bytes_per_token"] == want == 1024
     groups = {g["kind"]: g["layers"] for g in record["layer_groups"]}
     assert groups == {"attention": 2, "window": 2}
+    # the table's rows: the modes and K dtypes that keep these layers (no window or int8
+    # cache, no int8/q4 K: test_modes_of_one_head_geometry_are_refused)
+    rows = {(r["mode"], r["kv_dtype"]) for r in record["table"]}
+    assert {m for m, _ in rows} == {"off", "basic", "contiguous", "paged"}
+    assert not any("int8" in k or "q4" in k for _, k in rows - {("off", "fp32")})
     llm = LLM(model=folder, progress=False)
     assert llm.new_cache("contiguous").spec.num_layers == 4
     assert llm.config.kv_elements_per_token * 4 == want

@@ -72,17 +72,25 @@ def create_cache(mode: str, spec: CacheSpec) -> KVCache:
     paged and int8 keep them apart on their own (a block table per layer group)."""
     cls, spec = check_mode(mode), mode_spec(mode, spec)
     groups = layer_groups(spec)
-    own = any(g.kind.head_dim or g.kind.heads for g in groups)
-    if own and (mode in OWN_GEOMETRY_REFUSED or spec.kv_dtypes[0] in CODECS):
-        what = f"the {mode} cache" if mode in OWN_GEOMETRY_REFUSED else "a cache of int8/q4 K"
-        raise UnsupportedModelError(
-            f"{what} keeps one head geometry (one K rotation) for every layer, and this "
-            "model's layers have heads of their own sizes (use contiguous, basic or paged "
-            "with fp32, bf16 or fp16 K/V)"
-        )
+    reason = refused(mode, spec)
+    if reason is not None:
+        raise UnsupportedModelError(reason)
     if len(groups) > 1 and (mode in RING_MODES or (mode != "off" and state_group(groups))):
         return HybridCache(cls, spec)
     return cls(spec)
+
+
+def refused(mode: str, spec: CacheSpec) -> str | None:
+    """Why a cache of `mode` (its spec as mode_spec makes it) cannot keep `spec`'s layers,
+    or None: a mode or K dtype of one head geometry for every layer (OWN_GEOMETRY_REFUSED,
+    int8/q4 K: one K rotation) where layers have heads of their own sizes."""
+    own = any(g.kind.head_dim or g.kind.heads for g in layer_groups(spec))
+    if own and (mode in OWN_GEOMETRY_REFUSED or spec.kv_dtypes[0] in CODECS):
+        what = f"the {mode} cache" if mode in OWN_GEOMETRY_REFUSED else "a cache of int8/q4 K"
+        return (f"{what} keeps one head geometry (one K rotation) for every layer, and this "
+                "model's layers have heads of their own sizes (use contiguous, basic or paged "
+                "with fp32, bf16 or fp16 K/V)")  # fmt: skip
+    return None
 
 
 def state_group(groups: tuple[LayerGroup, ...]) -> LayerGroup | None:

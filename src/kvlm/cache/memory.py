@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from kvlm.cache.base import CacheSpec
-from kvlm.cache.factory import mode_spec, planned_nbytes, planned_parts
+from kvlm.cache.factory import mode_spec, planned_nbytes, planned_parts, refused
 from kvlm.cache.groups import layer_groups as spec_groups
 from kvlm.cache.kinds import FullAttention, RecurrentState
 from kvlm.config import ModelConfig
@@ -200,6 +200,7 @@ def spec_table(base: CacheSpec, context: int, batch: int) -> list[dict]:
             "total_bytes": planned_nbytes(mode, spec, context, batch),
         }
         for mode, spec in specs
+        if refused(mode, spec) is None  # a mode that cannot keep these layers: no row
     ]
 
 
