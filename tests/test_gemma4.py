@@ -5,8 +5,8 @@ proportional RoPE over a quarter of the pairs), the last two reading the K/V of 
 and 3, per-layer inputs of 8, layer scalars, soft-capped logits; prompts past the window.
 
 The cache keeps K/V for the four layers that make their own (the two that read an earlier
-layer's keep nothing), each group of its own geometry; a K = V layer's K and V are stored
-apart still (V is normed otherwise than K: docs/NOTES-gemma4.md)."""
+layer's keep nothing), each group of its own geometry; a K = V layer's one tensor (V: its
+K is V times the k norm's weight, rotated at each key's position when it is read)."""
 
 from __future__ import annotations
 
@@ -107,13 +107,13 @@ def test_composes(folder, mode, tmp_path):
 def test_memory_counts_the_layers_that_keep_k_v(folder, capsys):
     """`kvlm memory`: bytes a token for the four layers that keep K/V (none for the two
     that read an earlier layer's), each group at its own geometry: two local layers of 2
-    KV heads x 16 and two global of 1 x 32, K and V each, in fp32."""
+    KV heads x 16, K and V, and two global of 1 x 32, K = V: one tensor, in fp32."""
     from kvlm.cli import main
 
     assert main(["memory", "--model", str(folder), "--context", "64", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
-    want = 2 * (2 * 16) * 2 * 4 + 2 * (1 * 32) * 2 * 4
-    assert record["bytes_per_token"] == want == 1024
+    want = 2 * (2 * 16) * 2 * 4 + 2 * (1 * 32) * 1 * 4  # a K = V layer's V alone
+    assert record["bytes_per_token"] == want == 768
     groups = {g["kind"]: g["layers"] for g in record["layer_groups"]}
     assert groups == {"attention": 2, "window": 2}
     # the table's rows: the modes and K dtypes that keep these layers (no window or int8
@@ -193,3 +193,58 @@ def test_a_multimodal_folder_runs_its_text_model(tmp_path):
         ref = hf(input_ids=torch.tensor([ids])).logits[0]
         exact = hf.double()(input_ids=torch.tensor([ids])).logits[0]
     assert_as_exact_as(ours, ref, exact)
+
+
+def test_one_ragged_forward_a_step_follows_a_forward_per_chunk(folder, monkeypatch):
+    """The engine's steps as one ragged forward (RaggedStep, the GPU's road: each
+    sequence's keys packed, a K = V layer's keys made at each sequence's own positions):
+    greedy tokens held to the forward-per-chunk road's by the top-5 rule, requests
+    arriving while others decode, prompts in chunks of 4."""
+    from helpers import assert_greedy_agreement
+    from kvlm import SamplingParams
+    from kvlm.cache.paged import RaggedStep
+    from kvlm.engine.engine import Engine, EngineConfig
+    from kvlm.engine.scheduler import SchedulerConfig
+
+    made = []
+    real = RaggedStep.__init__
+
+    def spy(self, *args, **kwargs):
+        made.append(self)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(RaggedStep, "__init__", spy)
+    llm = LLM(model=folder, kv="paged", progress=False)
+    prompts = [llm.tokenizer.encode(p) for p in (PROMPT, "Once upon a time there was",
+                                                 "Red, green and blue")]  # fmt: skip
+
+    def run(one_forward: bool) -> dict[str, list]:
+        engine = Engine(llm, EngineConfig(num_blocks=64,
+                                          scheduler=SchedulerConfig(prefill_chunk=4)))  # fmt: skip
+        engine.runner.one_forward = one_forward
+        out: dict[str, list] = {}
+        try:
+            params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=5)
+            for step in range(200):
+                if step < len(prompts):
+                    engine.add_request(str(step), prompts[step], params)
+                if not engine.has_work():
+                    break
+                for ev in engine.step():
+                    out.setdefault(ev.request_id, []).extend(ev.logprobs)
+        finally:
+            engine.runner.one_forward = False
+        return out
+
+    ragged = run(True)
+    assert made, "no ragged step"
+    split = run(False)
+    for rid, lps in split.items():
+        logits = torch.full((len(lps), llm.config.vocab_size), -torch.inf)
+        for i, lp in enumerate(lps):
+            for t, v in lp.top.items():
+                logits[i, t] = v
+        ours = ragged[rid]
+        assert len(ours) == len(lps) == 12
+        assert_greedy_agreement([lp.token_id for lp in ours], [list(lp.top) for lp in ours],
+                                [lp.token_id for lp in lps], logits)  # fmt: skip

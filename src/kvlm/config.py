@@ -350,7 +350,8 @@ class ModelConfig:
     # every layer's head_dim and num_kv_heads); its q/k norms and RoPE are of that size
     layer_head_dims: tuple[int, ...] = ()
     layer_kv_heads: tuple[int, ...] = ()
-    # Per layer: whether its K = V (one projection, k_proj, read as both before the k norm)
+    # Per layer: whether its K = V (one projection, k_proj: V is it normed without a weight,
+    # K that times the k norm's weight, rotated; the cache keeps V alone, kv_row_dim)
     layer_k_eq_v: tuple[bool, ...] = ()
     # V RMSNormed (without a weight) before the cache, as K is by its k norm
     v_norm: bool = False
@@ -376,6 +377,13 @@ class ModelConfig:
     def k_eq_v(self, layer: int) -> bool:
         """Whether layer `layer`'s K = V."""
         return bool(self.layer_k_eq_v) and self.layer_k_eq_v[layer]
+
+    def kv_row_dim(self, layer: int) -> int:
+        """The width of layer `layer`'s K and V rows in a cache: its head size, or for a
+        K = V layer half of it (one tensor a token, its first half kept in K's row and the
+        rest in V's; the attention makes K from it)."""
+        d = self.head_dim_of(layer)
+        return (d + 1) // 2 if self.k_eq_v(layer) else d
 
     def kv_source(self, layer: int) -> int:
         """The layer whose K/V layer `layer` attends over (itself where it keeps its own)."""
@@ -566,7 +574,7 @@ class ModelConfig:
         if self.latent is not None:
             return self.num_layers * 2 * ((self.latent.row + 1) // 2)
         # the layers that keep K/V (cache_layers), each its own geometry
-        return 2 * sum(self.kv_heads_of(i) * self.head_dim_of(i) for i in self.cache_layers)
+        return 2 * sum(self.kv_heads_of(i) * self.kv_row_dim(i) for i in self.cache_layers)
 
 
 def for_context(

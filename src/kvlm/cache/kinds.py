@@ -337,7 +337,10 @@ def cache_geometry(config: ModelConfig) -> tuple[int, int]:
     latent = latent_kind(config)
     if latent is not None:
         return latent.shape(None)  # type: ignore[arg-type]
-    return config.num_kv_heads, config.head_dim
+    # rows of their own (ModelConfig.kv_row_dim, kv_heads_of) the same in every layer
+    # that keeps K/V: the spec's geometry
+    rows = {(config.kv_heads_of(i), config.kv_row_dim(i)) for i in config.cache_layers}
+    return rows.pop() if len(rows) == 1 else (config.num_kv_heads, config.head_dim)
 
 
 def kind_of(window: int | None) -> LayerKind:
@@ -355,14 +358,15 @@ def layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
     geometry then the LatentAttention kind's (`cache_geometry`). A layer of its own head
     geometry (ModelConfig.layer_head_dims, layer_kv_heads) keeps its kind with it. Only
     the layers that keep K/V have a kind (ModelConfig.cache_layers: a layer that reads an
-    earlier layer's K/V keeps nothing), so the kinds index a cache's layers."""
+    earlier layer's K/V keeps nothing), so the kinds index a cache's layers; a K = V
+    layer's rows are half its head (ModelConfig.kv_row_dim: one tensor a token)."""
     windows = config.layer_windows or (config.sliding_window,) * config.num_layers
     kinds = [kind_of(w) for w in windows]
     if len(set(config.layer_windows)) < 2:
         kinds = [FullAttention()] * config.num_layers  # a shared window: the masks'
-    for i in range(config.num_layers):  # a layer's own head geometry: its kind's rows
-        heads, dim = config.kv_heads_of(i), config.head_dim_of(i)
-        if (heads, dim) != (config.num_kv_heads, config.head_dim):
+    for i in range(config.num_layers):  # a layer's own row geometry: its kind's rows
+        heads, dim = config.kv_heads_of(i), config.kv_row_dim(i)
+        if (heads, dim) != cache_geometry(config):
             kinds[i] = dataclasses.replace(kinds[i], heads=heads, head_dim=dim)
     if config.conv_layers:
         conv = ConvWindow(config.conv_kernel - 1, config.hidden_size)  # type: ignore[operator]

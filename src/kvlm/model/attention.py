@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvlm import kernels
+from kvlm.errors import UnsupportedModelError
 from kvlm.model.layers import Linear, RMSNorm, apply_rope, prompt_rows
 from kvlm.model.numerics import ModelNumerics
 
@@ -89,9 +90,13 @@ class Attention(nn.Module):
         # --prefill-dtype bf16; None: none): the model's numerics (kvlm.defaults), `attend`
         n = numerics or ModelNumerics()
         self.prompt_bf16_from: int | None = n.attention_bf16_from
-        # K = V (ModelConfig.layer_k_eq_v): qkv's rows are q and k alone, V the k
-        # projection as it is before the k norm
+        # K = V (ModelConfig.layer_k_eq_v): qkv's rows are q and k alone; V is the k
+        # projection normed without a weight (v_norm), K that times the k norm's weight,
+        # rotated. The cache keeps V alone, its first half in K's row and the rest in V's
+        # (ModelConfig.kv_row_dim); K is made from it over every key, at its position, by
+        # `key_rope` (the layer's RotaryEmbedding, set by the model)
         self.k_eq_v = False
+        self.key_rope = None
         # V's RMSNorm (ModelConfig.v_norm: a weight of ones) before the cache, or None
         self.v_norm: RMSNorm | None = None
         # a layer that reads an earlier layer's K/V (ModelConfig.kv_sources): that layer's
@@ -118,11 +123,10 @@ class Attention(nn.Module):
         H, Hkv = self.num_heads, self.num_kv_heads
         if self.kv_from is not None:
             return self._forward_reading(x, cos, sin, kv)
+        if self.k_eq_v:
+            return self._forward_k_eq_v(x, cos, sin, kv)
         gate = None
-        if self.k_eq_v:  # V is the k projection (a copy: the k heads are normed in place)
-            qk_ = self.qkv(x).view(B, T, H + Hkv, self.head_dim)
-            qkv = torch.cat([qk_, qk_[:, :, H:]], dim=2)
-        elif self.gated:
+        if self.gated:
             qgkv = self.qkv(x).view(B, T, 2 * H + 2 * Hkv, self.head_dim)
             q, gate, kv_ = qgkv.split([H, H, 2 * Hkv], dim=2)
             gate = gate.reshape(B, T, H * self.head_dim)
@@ -154,6 +158,48 @@ class Attention(nn.Module):
         if self.keeps_kv:  # a later layer reads them
             self.kept = (k_all, v_all)
         return self._attend_all(x, q, k_all, v_all, kv, gate)
+
+    def _forward_k_eq_v(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVStep
+    ) -> torch.Tensor:
+        """A K = V layer (`k_eq_v`): V = the k projection normed without a weight, stored
+        alone (its halves in K's and V's rows); every key made from the V the step returns,
+        K = RoPE(V * the k norm's weight) at the key's position (as transformers' k norm
+        makes it from the same normed rows: the same bits)."""
+        if kv.key_rope_positions is not None or kv.key_rotation is not None:
+            raise UnsupportedModelError(
+                "a K = V layer's cache rows are V alone: a cache that keeps its K rotated or "
+                "before RoPE cannot keep them"
+            )
+        B, T, _ = x.shape
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q, raw = self.qkv(x).view(B, T, H + Hkv, D).split([H, Hkv], dim=2)
+        if self.q_norm is not None:
+            q = self.q_norm(q.contiguous())
+        q = apply_rope(q, cos, sin).transpose(1, 2)  # (B, H, T, D)
+        v = self.v_norm(raw.contiguous()).transpose(1, 2)  # (B, Hkv, T, D)
+        half = (D + 1) // 2
+        first, rest = kv.update(self.layer_idx, v[..., :half].contiguous(),
+                                v[..., half:].contiguous())  # fmt: skip
+        v_all = torch.cat([first, rest[..., : D - half]], dim=-1)
+        k_all = v_all * self.k_norm.weight.to(v_all.dtype)
+        k_all = apply_rope(k_all, *self._keys_rope(kv, k_all))
+        if self.keeps_kv:  # a later layer reads them
+            self.kept = (k_all, v_all)
+        return self._attend_all(x, q, k_all, v_all, kv, None)
+
+    def _keys_rope(self, kv: KVStep, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of every key the step returned, at its position: the i-th key of a
+        sequence at position i (a layer that sees the whole context); a ragged step's keys
+        (Tk, Hkv, D) each sequence's from 0, the others' (B, Hkv, S, D) 0 .. S - 1."""
+        seg = kv.segments
+        if seg is not None:
+            spans = [seg.cu_k[i + 1] - seg.cu_k[i] for i in range(len(seg))]
+            at = torch.cat([torch.arange(n) for n in spans]).to(keys.device)
+            cos, sin = self.key_rope.for_keys(at, keys.dtype)  # (1, 1, Tk, D)
+            return cos[0].transpose(0, 1), sin[0].transpose(0, 1)  # (Tk, 1, D)
+        at = torch.arange(keys.shape[2], device=keys.device)
+        return self.key_rope.for_keys(at, keys.dtype)  # (1, 1, S, D)
 
     def _forward_reading(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVStep

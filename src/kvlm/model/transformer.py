@@ -216,6 +216,9 @@ class Transformer(nn.Module):
         two = self.local_rope is not None
         self._rope_of = [int(two and w is not None) for w in config.layer_windows]
         self._rope_of = self._rope_of or [0] * config.num_layers
+        for i, b in enumerate(self.layers):  # a K = V layer makes its keys at their positions
+            if isinstance(b.attn, Attention) and b.attn.k_eq_v:
+                b.attn.key_rope = self.local_rope if self._rope_of[i] else self.rope
         # what each conv layer keeps of a sequence: its last kernel - 1 input rows
         self.conv_window = None
         if config.conv_layers:
