@@ -72,6 +72,17 @@ def test_exact_logits_as_close_as_transformers_fp32(folder):
             assert_as_exact_as(fed(llm, ids, [7] * 4 + [1] * 12), ref, exact)
 
 
+def test_the_double_wide_mlp_of_the_layers_that_read_k_v(tmp_path):
+    """`use_double_wide_mlp`: the two layers that read an earlier layer's K/V have an MLP
+    of twice the intermediate size; logits as exact as transformers' fp32."""
+    folder = save_tiny_model(tmp_path, "gemma4", seed=12, use_double_wide_mlp=True)
+    llm = LLM(model=folder, kv="contiguous", exact=True, progress=False)
+    assert llm.config.layer_intermediate_sizes == (128,) * 4 + (256,) * 2
+    ids = prompt_ids(llm)
+    assert_as_exact_as(fed(llm, ids, [len(ids)]), hf32_logits(folder, ids),
+                       exact_logits(folder, ids))  # fmt: skip
+
+
 def test_each_part_of_the_block_is_applied(folder):
     """A layer's scalar, a per-layer input's gate, the queries of a layer that reads an
     earlier one's K/V, a K = V layer's V (its norm): each changed moves the logits far
@@ -151,7 +162,6 @@ def test_the_fused_step_says_why_not(folder):
     ("key", "value", "error", "said"),
     [
         ("enable_moe_block", True, UnsupportedModelError, "enable_moe_block"),
-        ("use_double_wide_mlp", True, UnsupportedModelError, "use_double_wide_mlp"),
         ("per_layer_config", {"1": {"head_dim": "wide"}}, ModelLoadError, "head_dim"),
         ("per_layer_config", {"9": {"head_dim": 32}}, ModelLoadError, "per_layer_config"),
         ("layer_types", ["sliding_attention"] * 5, ModelLoadError, "layer_types"),

@@ -365,6 +365,13 @@ class ModelConfig:
     per_layer_vocab: int = 0
     # each layer's output times its own scalar (the tensor `layer_scalar` of the layer)
     layer_scalars: bool = False
+    # Per layer: its gated MLP's intermediate size (empty: every layer's intermediate_size)
+    layer_intermediate_sizes: tuple[int, ...] = ()
+
+    def intermediate_of(self, layer: int) -> int:
+        """Layer `layer`'s gated MLP's intermediate size."""
+        sizes = self.layer_intermediate_sizes
+        return sizes[layer] if sizes else self.intermediate_size
 
     def head_dim_of(self, layer: int) -> int:
         """Layer `layer`'s attention head size."""
@@ -525,7 +532,8 @@ class ModelConfig:
 
     def _check_layer_attention(self) -> None:
         """Each layer's own head size, KV heads, K = V and K/V source."""
-        for name in ("layer_head_dims", "layer_kv_heads", "layer_k_eq_v", "kv_sources"):
+        for name in ("layer_head_dims", "layer_kv_heads", "layer_k_eq_v", "kv_sources",
+                     "layer_intermediate_sizes"):  # fmt: skip
             n = len(getattr(self, name))
             if n and n != self.num_layers:
                 raise UnsupportedModelError(f"{n} {name} for {self.num_layers} layers")
@@ -540,6 +548,9 @@ class ModelConfig:
             if self.num_heads % heads:
                 raise UnsupportedModelError(f"num_heads={self.num_heads} is not a multiple "
                                             f"of layer {i}'s {heads} KV heads")  # fmt: skip
+        for size in self.layer_intermediate_sizes:
+            value(size, "a layer's intermediate_size", int, *LIMITS["intermediate_size"],
+                  where=self.name)  # fmt: skip
         windows = self.layer_windows or (self.sliding_window,) * self.num_layers
         for i in range(self.num_layers if self.kv_sources else 0):
             j = self.kv_sources[i]

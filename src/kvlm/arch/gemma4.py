@@ -16,11 +16,12 @@ RMSNormed without a weight (`v_norm`), and, as transformers' modeling_gemma4 com
   type (`kv_sources`: they keep none);
 - per-layer inputs (`hidden_size_per_layer_input`): a table of per-layer embeddings and a
   projection of the embeddings, added to each layer's output through its own gate;
-- each layer's output times its `layer_scalar`; the final logits soft-capped.
+- each layer's output times its `layer_scalar`; the final logits soft-capped;
+- `use_double_wide_mlp`: the layers that read an earlier layer's K/V have an MLP twice
+  as wide (`layer_intermediate_sizes`).
 
-Not yet: the mixture-of-experts block (`enable_moe_block`), the double-wide MLP of the
-shared layers (`use_double_wide_mlp`), bidirectional attention, and GGUF files (refused
-by name: the registry has no GGUF architecture `gemma4` until its reader is written).
+Not yet: the mixture-of-experts block (`enable_moe_block`), bidirectional attention, and
+GGUF files (refused by name: no GGUF reader for `gemma4` yet).
 """
 
 from __future__ import annotations
@@ -83,9 +84,9 @@ def _hf_fields(cfg: dict[str, Any], hf: Fields, heads: int) -> dict[str, Any]:
     """The layer pattern and each layer's window, head size, KV heads, K = V and K/V
     source; the local layers' RoPE base and the globals' proportion; the per-layer inputs;
     the soft-cap. What kvlm does not run yet is refused here, in one line."""
-    for key in ("enable_moe_block", "use_double_wide_mlp"):
-        if hf(key, bool, False):
-            raise UnsupportedModelError(f"{hf.where}: {key} (Gemma 4's) is not supported yet")
+    if hf("enable_moe_block", bool, False):
+        raise UnsupportedModelError(f"{hf.where}: enable_moe_block (Gemma 4's mixture of "
+                                    "experts beside the MLP) is not supported yet")  # fmt: skip
     if cfg.get("use_bidirectional_attention"):
         raise UnsupportedModelError("bidirectional attention is not supported")
     act = hf("hidden_activation", str, "gelu_pytorch_tanh")
@@ -112,6 +113,12 @@ def _hf_fields(cfg: dict[str, Any], hf: Fields, heads: int) -> dict[str, Any]:
                                     f"{local.data['rope_type']!r} is not supported")  # fmt: skip
     full = Fields(rope.get("full_attention") or {}, f"{hf.where} rope_parameters")
     per_layer = hf("hidden_size_per_layer_input", int, PER_LAYER_INPUT, lo=0, hi=1 << 14)
+    sources = _kv_sources(types, hf("num_kv_shared_layers", int, 0, hi=layers - 1))
+    # the layers that read an earlier layer's K/V: an MLP twice as wide (use_double_wide_mlp)
+    wide = ()
+    if hf("use_double_wide_mlp", bool, False):
+        inter = hf("intermediate_size", int, lo=1)
+        wide = tuple(inter * (2 if j != i else 1) for i, j in enumerate(sources))
     return {
         "layer_windows": tuple(window if t == "sliding_attention" else None for t in types),
         "rope_local_theta": local("rope_theta", float, 10_000.0, lo=0.0),
@@ -123,7 +130,8 @@ def _hf_fields(cfg: dict[str, Any], hf: Fields, heads: int) -> dict[str, Any]:
         "layer_head_dims": dims,
         "layer_kv_heads": kvs,
         "layer_k_eq_v": tuple(k_eq_v and t == "full_attention" for t in types),
-        "kv_sources": _kv_sources(types, hf("num_kv_shared_layers", int, 0, hi=layers - 1)),
+        "kv_sources": sources,
+        "layer_intermediate_sizes": wide,
         "per_layer_input": per_layer,
         "per_layer_vocab": hf("vocab_size_per_layer_input", int, PER_LAYER_VOCAB, lo=1)
         if per_layer

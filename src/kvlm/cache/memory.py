@@ -73,6 +73,8 @@ def parameter_count(config: ModelConfig, active: bool = False) -> int:
     per_layer += norms * c.hidden_size + (sum(c.qk_norm_sizes) if c.qk_norm else 0)
     embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
     total = c.num_layers * per_layer + embeddings + c.hidden_size
+    for i in range(c.num_layers if c.layer_intermediate_sizes else 0):  # a layer's own MLP
+        total += 3 * c.hidden_size * (c.intermediate_of(i) - c.intermediate_size)
     x = c.experts
     if x is not None and c.expert_layers:  # experts in place of those layers' MLP
         used = x.top_k if active else x.count

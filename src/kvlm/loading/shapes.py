@@ -57,6 +57,8 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
         qg = 2 * q if c.attn_output_gate else q
         qgs = f"{'2 x ' if c.attn_output_gate else ''}num_heads {c.num_heads} x head_dim {d}"
         qs, kvs = f"num_heads {c.num_heads} x head_dim {d}", f"num_kv_heads {hkv} x head_dim {d}"
+        i = c.intermediate_of(n_block) if own else c.intermediate_size  # the layer's own
+        inter = f"intermediate_size {i}"
         for name, rows, cols, why in (
             ("self_attn.q_proj", qg, h, f"{qgs}, {hs}"),
             ("self_attn.k_proj", kv, h, f"{kvs}, {hs}"),

@@ -332,6 +332,8 @@ def config_why_not(c: ModelConfig) -> str | None:
         return "layers that read an earlier layer's K/V"
     if c.per_layer_input or c.layer_scalars:
         return "per-layer inputs, or a scalar on each layer's output"
+    if c.layer_intermediate_sizes:
+        return "layers of their own MLP width"
     x = c.experts
     if x is not None and x.router not in ROUTER_CODES:
         return f"an expert router {x.router!r} (the step's routers: {', '.join(ROUTER_CODES)})"

@@ -577,6 +577,9 @@ class _WeightTaker:
         it whole)."""
         c = self.config
         part = name.split(".")[-2]
+        found = re.match(r"model\.layers\.(\d+)\.mlp\.", name)  # a layer's own MLP width
+        if found and part in ("gate_proj", "up_proj"):
+            return c.intermediate_of(int(found.group(1)))
         q_rows = c.num_heads * c.head_dim * (2 if c.attn_output_gate else 1)  # q|gate
         known = {"q_proj": q_rows, "k_proj": c.num_kv_heads * c.head_dim,
                  "v_proj": c.num_kv_heads * c.head_dim, "gate_proj": c.intermediate_size,
