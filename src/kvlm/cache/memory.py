@@ -64,7 +64,8 @@ def parameter_count(config: ModelConfig, active: bool = False) -> int:
     expert, or with `active` the experts one token runs, top_k of them), the norms (the
     q/k norms where it has them, and the norms on attention's and the MLP's outputs in
     the "sandwich" layout; a shared expert and its gate; latent attention's products and
-    norms in place of q/k/v/o)."""
+    norms in place of q/k/v/o; layers of their own head geometry, MLP width, K = V or
+    reading an earlier layer's K/V; per-layer inputs and layer scalars)."""
     c = config
     q = c.num_heads * c.head_dim
     kv = c.num_kv_heads * c.head_dim
@@ -75,6 +76,13 @@ def parameter_count(config: ModelConfig, active: bool = False) -> int:
     total = c.num_layers * per_layer + embeddings + c.hidden_size
     for i in range(c.num_layers if c.layer_intermediate_sizes else 0):  # a layer's own MLP
         total += 3 * c.hidden_size * (c.intermediate_of(i) - c.intermediate_size)
+    if c.layer_head_dims or c.layer_kv_heads or c.kv_sources or any(c.layer_k_eq_v):
+        same = c.hidden_size * (2 * q + 2 * kv) + (sum(c.qk_norm_sizes) if c.qk_norm else 0)
+        total += sum(_own_attention(c, i) - same for i in range(c.num_layers))
+    if c.per_layer_input:  # the table, the projection and its norm; each layer's gate,
+        w, n, h = c.per_layer_input, c.num_layers, c.hidden_size  # projection and norm
+        total += c.per_layer_vocab * n * w + n * w * h + w + n * (2 * h * w + h)
+    total += c.num_layers if c.layer_scalars else 0
     x = c.experts
     if x is not None and c.expert_layers:  # experts in place of those layers' MLP
         used = x.top_k if active else x.count
@@ -91,6 +99,15 @@ def parameter_count(config: ModelConfig, active: bool = False) -> int:
         latent = queries + keys + heads * m.v_dim * h
         total += len(c.latent_layers) * (latent - h * (2 * q + 2 * kv))
     return total
+
+
+def _own_attention(c: ModelConfig, i: int) -> int:
+    """Layer i's attention parameters where layers have their own head geometry, K = V
+    (no v_proj) or read an earlier layer's K/V (q and o alone, and the q norm)."""
+    d, h = c.head_dim_of(i), c.hidden_size
+    kv_mats = 0 if c.kv_source(i) != i else 1 if c.k_eq_v(i) else 2
+    norms = (1 if kv_mats == 0 else 2) * d if c.qk_norm else 0
+    return h * (2 * c.num_heads * d + kv_mats * c.kv_heads_of(i) * d) + norms
 
 
 def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
