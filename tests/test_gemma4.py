@@ -261,3 +261,15 @@ def test_one_ragged_forward_a_step_follows_a_forward_per_chunk(folder, monkeypat
         assert len(ours) == len(lps) == 12
         assert_greedy_agreement([lp.token_id for lp in ours], [list(lp.top) for lp in ours],
                                 [lp.token_id for lp in lps], logits)  # fmt: skip
+
+
+@pytest.mark.parametrize("weights", ["int8", "bf16"])
+def test_low_bit_weights_run_on_the_torch_step(folder, weights):
+    """Low-bit or bf16 projections (the per-layer inputs' too) on the torch step (the fused
+    one refuses the model): 20 greedy tokens held to the fp32 model's by the top-5 rule."""
+    from helpers import FRANCE, assert_generation_agrees
+
+    ref = LLM(model=folder, progress=False)
+    llm = LLM(model=folder, weights=weights, progress=False)
+    assert llm.describe()["decode_step"].startswith("torch step")
+    assert_generation_agrees(ref, llm, FRANCE, 20)
