@@ -238,8 +238,15 @@ class CacheStep(ABC):
             self.key_rotation = key_rotation(store.head_dim).to(device)
 
     def _keys_in(self, k: torch.Tensor) -> torch.Tensor:
-        """K as the store keeps it (rotated for int8)."""
-        return k if self.key_rotation is None else k @ self.key_rotation.to(k.dtype)
+        """K as the store keeps it (rotated for int8), by the rotation of its rows' width: a
+        layer kind of its own head size (LayerKind.head_dim) has its own, which its view of
+        the step (for_layer) keeps from its first update on, so attention reads it there."""
+        r = self.key_rotation
+        if r is None:
+            return k
+        if r.shape[0] != k.shape[-1]:
+            r = self.key_rotation = key_rotation(k.shape[-1]).to(r.device)
+        return k @ r.to(k.dtype)
 
 
 class DraftRows:

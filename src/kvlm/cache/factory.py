@@ -14,7 +14,6 @@ from kvlm.cache.hybrid import HybridCache, ring_spec
 from kvlm.cache.kinds import STATE_KINDS
 from kvlm.cache.off import OffCache
 from kvlm.cache.paged import Int8PagedCache, PagedCache
-from kvlm.cache.storage import CODECS
 from kvlm.cache.window import WindowCache
 from kvlm.errors import InvalidRequestError, UnsupportedModelError
 
@@ -32,9 +31,9 @@ CACHE_MODES: dict[str, type[KVCache]] = {
 # int8 on a pool with a block table per layer group (kvlm.cache.paged)
 HYBRID_MODES = ("basic", "contiguous", "paged", "int8")
 RING_MODES = ("basic", "contiguous")
-# Modes whose caches keep one head geometry (one K rotation, one ring) for all layers: a
-# model whose layers have heads of their own sizes (LayerKind.heads, head_dim) is refused
-OWN_GEOMETRY_REFUSED = ("window", "int8")
+# Modes whose caches keep one head geometry (one ring) for all layers: a model whose
+# layers have heads of their own sizes (LayerKind.heads, head_dim) is refused
+OWN_GEOMETRY_REFUSED = ("window",)
 # Modes whose attention equals full attention over the whole sequence, bit for bit in the
 # stored dtype (int8 quantizes; window drops what falls out of it).
 EXACT_MODES = ("off", "basic", "contiguous", "paged")
@@ -85,11 +84,10 @@ def refused(mode: str, spec: CacheSpec) -> str | None:
     or None: a mode or K dtype of one head geometry for every layer (OWN_GEOMETRY_REFUSED,
     int8/q4 K: one K rotation) where layers have heads of their own sizes."""
     own = any(g.kind.head_dim or g.kind.heads for g in layer_groups(spec))
-    if own and (mode in OWN_GEOMETRY_REFUSED or spec.kv_dtypes[0] in CODECS):
-        what = f"the {mode} cache" if mode in OWN_GEOMETRY_REFUSED else "a cache of int8/q4 K"
-        return (f"{what} keeps one head geometry (one K rotation) for every layer, and this "
-                "model's layers have heads of their own sizes (use contiguous, basic or paged "
-                "with fp32, bf16 or fp16 K/V)")  # fmt: skip
+    if own and mode in OWN_GEOMETRY_REFUSED:
+        return (f"the {mode} cache keeps one head geometry for every layer, and this model's "
+                "layers have heads of their own sizes (use contiguous, basic, paged or "
+                "int8)")  # fmt: skip
     return None
 
 

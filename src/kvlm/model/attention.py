@@ -166,10 +166,10 @@ class Attention(nn.Module):
         alone (its halves in K's and V's rows); every key made from the V the step returns,
         K = RoPE(V * the k norm's weight) at the key's position (as transformers' k norm
         makes it from the same normed rows: the same bits)."""
-        if kv.key_rope_positions is not None or kv.key_rotation is not None:
+        if kv.key_rope_positions is not None:
             raise UnsupportedModelError(
-                "a K = V layer's cache rows are V alone: a cache that keeps its K rotated or "
-                "before RoPE cannot keep them"
+                "a K = V layer's cache rows are V alone: a cache that keeps its K before "
+                "RoPE cannot keep them"
             )
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -181,12 +181,14 @@ class Attention(nn.Module):
         half = (D + 1) // 2
         first, rest = kv.update(self.layer_idx, v[..., :half].contiguous(),
                                 v[..., half:].contiguous())  # fmt: skip
+        if kv.key_rotation is not None:  # K's row came back rotated (int8/q4 K): undone
+            first = first @ kv.key_rotation.to(first.dtype).T  # (R orthonormal)
         v_all = torch.cat([first, rest[..., : D - half]], dim=-1)
         k_all = v_all * self.k_norm.weight.to(v_all.dtype)
         k_all = apply_rope(k_all, *self._keys_rope(kv, k_all))
         if self.keeps_kv:  # a later layer reads them
             self.kept = (k_all, v_all)
-        return self._attend_all(x, q, k_all, v_all, kv, None)
+        return self._attend_all(x, q, k_all, v_all, kv, None, rotated=False)
 
     def _keys_rope(self, kv: KVStep, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of every key the step returned, at its position: the i-th key of a
@@ -215,16 +217,17 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.contiguous())
         q = apply_rope(q, cos, sin).transpose(1, 2)  # (B, H, T, D)
-        return self._attend_all(x, q, *kept, kv, None)
+        return self._attend_all(x, q, *kept, kv, None, rotated=not self.kv_from[0].k_eq_v)
 
     def _attend_all(
         self, x: torch.Tensor, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
-        kv: KVStep, gate: torch.Tensor | None,
+        kv: KVStep, gate: torch.Tensor | None, rotated: bool = True,
     ) -> torch.Tensor:  # fmt: skip
         """The queries q (B, H, T, D) over the keys and values the step returned: scores,
-        softmax and the weighted sum as the step's masks say, then o_proj."""
+        softmax and the weighted sum as the step's masks say, then o_proj. `rotated`
+        False: keys made by the layer (K = V), never in the step's K rotation."""
         B, T, _ = x.shape
-        if kv.key_rotation is not None:  # keys came back as k @ R: rotate the queries too
+        if kv.key_rotation is not None and rotated:  # keys came back as k @ R: q @ R too
             q = q @ kv.key_rotation.to(q.dtype)
         if self.q_scale is not None:
             q = q * self.q_scale
