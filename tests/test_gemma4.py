@@ -291,3 +291,16 @@ def test_low_bit_weights_run_on_the_torch_step(folder, weights):
     llm = LLM(model=folder, weights=weights, progress=False)
     assert llm.describe()["decode_step"].startswith("torch step")
     assert_generation_agrees(ref, llm, FRANCE, 20)
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "paged"])
+def test_chunks_longer_than_the_window_equal_one_shot(folder, mode):
+    """Prefill chunks of 12 and 20 past the window of 8 (a ring stages a chunk's own K/V,
+    which the layers reading a local layer's K/V read there too) give the one-shot
+    tokens."""
+    from test_composition import make, tokens
+
+    prompt = "The quick brown fox jumps over the lazy dog and runs far away" * 2
+    want = tokens(make(folder, mode, None), prompt)
+    for chunk in (12, 20):
+        assert tokens(make(folder, mode, None, prefill_chunk=chunk), prompt) == want
