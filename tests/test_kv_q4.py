@@ -24,12 +24,16 @@ from kvlm.cache.storage import (
     dequantize_q4,
     itemsize,
     key_rotation,
+    q4_group,
     quantize_q4,
+    v_rotated,
+    value_rotation,
 )
 from kvlm.dtypes import Q4, dtype_name, parse_kv_dtype
 from kvlm.engine.engine import Engine, EngineConfig
 from kvlm.engine.speculative import SpeculativeConfig
 from kvlm.errors import InvalidRequestError
+from numerics import U32, attention_bound, gamma
 
 
 def test_the_rounding_is_q4_0s_and_reads_back_exactly():
@@ -72,8 +76,8 @@ def kv(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("mode", ["contiguous", "paged", "window"])
 def test_a_cache_returns_its_own_dequantized_rows_exactly(mode):
-    """What a step's update returns is what was stored, read back: K rotated by R, V as
-    given, each the store's round trip of the fp32 rows, bit for bit; the bytes are q4's."""
+    """What a step's update returns is what was stored, read back: K and V rotated by R,
+    each the store's round trip of the fp32 rows, bit for bit; the bytes are q4's."""
     cache = create_cache(mode, SPEC)
     r = key_rotation(SPEC.head_dim)
     for step_no, n in enumerate((5, 1, 3)):
@@ -88,7 +92,8 @@ def test_a_cache_returns_its_own_dequantized_rows_exactly(mode):
                 assert torch.allclose(keys[..., -n:, :], back, rtol=0, atol=tol)
             else:
                 assert torch.equal(keys[..., -n:, :], stored)
-            assert torch.equal(values[..., -n:, :], dequantize_q4(*quantize_q4(v), v.dtype))
+            assert step.value_rotation is not None  # V through R too (a power-of-two D)
+            assert torch.equal(values[..., -n:, :], dequantize_q4(*quantize_q4(v @ r), v.dtype))
         cache.commit(step)
     fp16 = create_cache(mode, replace(SPEC, dtype=torch.float16))
     d = SPEC.head_dim  # a row: d / 2 bytes of codes and one fp16 scale per 32 values
@@ -205,3 +210,40 @@ def test_the_disk_tier_round_trips_q4_blocks(tiny_model_dir, tmp_path, monkeypat
     assert cached == 0 and cached_again == 96 and got == want
     assert second.pool.store.v_dtype == Q4 and second.tiers.stats["disk"].hits == 6
     second.close()
+
+
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
+def test_the_value_rotation_round_trips(d):
+    """x R R^T = x within fp32 rounding: two D-term products, each element of |x| |R| |R^T|
+    being ||x||_1 (|R_ij| = D^-1/2), plus R's own entries rounded (1/sqrt(D) within u)."""
+    r = value_rotation(d)
+    x = torch.randn(16, d, generator=torch.Generator().manual_seed(d))
+    back = (x @ r) @ r.T
+    bound = (2 * gamma(d) + 2 * U32) * x.abs().sum(-1, keepdim=True)
+    assert ((back - x).abs() <= bound).all()
+    assert value_rotation(96) is None and not v_rotated(Q4, 96)  # no symmetric R: V plain
+    assert v_rotated(Q4, d) and v_rotated(torch.int8, d) and not v_rotated(torch.float16, d)
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "paged"])  # a window's V: the test above
+def test_attention_over_rotated_q4_v_is_attention_over_fp32_v_within_its_step(mode):
+    """fp32 K, q4 V stored as v R: softmax(q k) (v R)^ R^T against softmax(q k) v differs by
+    the rows' quantization error carried back through R^T: at most max_s ||e_s||_1 / sqrt(D)
+    with |e| <= |d_g| (half a step, a clamped code a step, m's own fp16 rounding within)
+    per element of group g, plus both sides' fp32 rounding (attention_bound) and R^T's."""
+    spec = replace(SPEC, dtype=torch.float32, v_dtype=Q4)
+    cache = create_cache(mode, spec)
+    g = torch.Generator().manual_seed(3)
+    n, d = 9, spec.head_dim
+    k, v = (torch.randn(1, spec.num_kv_heads, n, d, generator=g) for _ in range(2))
+    q = torch.randn(1, spec.num_kv_heads, n, d, generator=g)
+    step = cache.begin(n)
+    keys, values = step.update(0, k, v)
+    r = step.value_rotation
+    assert r is not None
+    out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, is_causal=True) @ r.T
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    _, scales = quantize_q4(v @ r)
+    err_l1 = (scales.float().abs() * q4_group(d)).sum(-1).max() / d**0.5
+    slack = attention_bound(q, k, v) + 2 * gamma(d) * float((v @ r).abs().sum(-1).max())
+    assert float((out - ref).abs().max()) <= float(err_l1) + slack

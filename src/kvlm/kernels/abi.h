@@ -180,6 +180,9 @@ typedef struct {
     int64_t rec_heads, rec_head_dim, rec_key_dim, rec_groups;
     int64_t qk_norm_whole;   /* 1: the q and k norms each over the whole projection
                                 (ModelConfig.qk_norm_extent "projection"); 0: each head */
+    const float *val_rot;    /* V in KV_I8 or KV_Q4 stored rotated (Store.v_rotated): R
+                                (head_dim x head_dim); V rows are stored as v R and each
+                                head's output is multiplied by R^T. NULL: V as it is */
 } kvlm_qmodel;
 
 /* Where a group of layers keeps its K/V: K of layer l at k + l * k_layer bytes, a

@@ -379,7 +379,8 @@ static void write_row(const kv_half *h, int64_t blk, int64_t g, int64_t slot, co
 }
 
 /* Row b's new K/V (k, v: head_dim each, KV head g) into its slot of the layer's store; a
- * quantized K through R first (stored as k R) */
+ * quantized K through R first (stored as k R), a quantized V through val_rot where it is
+ * set (stored as v R; attend_layer undoes it on the output) */
 static void write_kv(const kvlm_qmodel *m, const layer_kv *lk, int64_t b, int64_t p,
                      int64_t g, const float *k, const float *v, float *rot) {
     const int64_t D = m->head_dim, t = slot_of(lk->ring, p), slot = t % lk->bs;
@@ -389,7 +390,22 @@ static void write_kv(const kvlm_qmodel *m, const layer_kv *lk, int64_t b, int64_
         k = rot;
     }
     write_row(&lk->k, blk, g, slot, k, D);
+    if (m->val_rot && kv_quantized(lk->v.dt)) { /* rot is free again: K is written */
+        rotate(v, m->val_rot, D, rot);
+        v = rot;
+    }
     write_row(&lk->v, blk, g, slot, v, D);
+}
+
+/* x = x R^T in place (R: D x D, row-major, orthonormal): undoes x R */
+static void unrotate(float *x, const float *R, int64_t D) {
+    float y[MAX_HEAD_DIM];
+    for (int64_t j = 0; j < D; j++) {
+        float acc = 0.f;
+        for (int64_t i = 0; i < D; i++) acc += R[j * D + i] * x[i];
+        y[j] = acc;
+    }
+    memcpy(x, y, D * sizeof(float));
 }
 
 /* The step's buffers in its scratch (kvlm_decode_scratch) */
@@ -533,7 +549,8 @@ static void attend_item(const kvlm_qmodel *m, const layer_kv *lk, const step_buf
 }
 
 /* The layer's attention for every row into s->att: work items (row, KV head, chunk) across
- * the threads, then each head's chunks merged by log-sum-exp. `sinks` (n_heads, NULL:
+ * the threads, then each head's chunks merged by log-sum-exp (and times R^T where V is
+ * stored rotated, val_rot). `sinks` (n_heads, NULL:
  * none): a head's sink logit joins the merge as a chunk of its own with no value, the max
  * starting at it and the sum at exp(sink - max), before the chunks' terms (the chunks
  * themselves do not see it: K's and V's dtypes' kernels are the same with or without). */
@@ -571,6 +588,7 @@ static void attend_layer(const kvlm_qmodel *m, const layer_kv *lk, const step_bu
                 axpy_kv(w, (const char *)pc, KV_F32, out, D);
             }
             for (int64_t i = 0; i < D; i++) out[i] /= Lsum;
+            if (m->val_rot && kv_quantized(lk->v.dt)) unrotate(out, m->val_rot, D); /* o R R^T */
         }
     }
 }
