@@ -397,17 +397,6 @@ static void write_kv(const kvlm_qmodel *m, const layer_kv *lk, int64_t b, int64_
     write_row(&lk->v, blk, g, slot, v, D);
 }
 
-/* x = x R^T in place (R: D x D, row-major, orthonormal): undoes x R */
-static void unrotate(float *x, const float *R, int64_t D) {
-    float y[MAX_HEAD_DIM];
-    for (int64_t j = 0; j < D; j++) {
-        float acc = 0.f;
-        for (int64_t i = 0; i < D; i++) acc += R[j * D + i] * x[i];
-        y[j] = acc;
-    }
-    memcpy(x, y, D * sizeof(float));
-}
-
 /* The step's buffers in its scratch (kvlm_decode_scratch) */
 typedef struct {
     float *h, *qkv, *att, *gate, *gu, *act, *tmp, *scores, *part, *qsc, *qsum, *qgs, *rot;
@@ -588,7 +577,8 @@ static void attend_layer(const kvlm_qmodel *m, const layer_kv *lk, const step_bu
                 axpy_kv(w, (const char *)pc, KV_F32, out, D);
             }
             for (int64_t i = 0; i < D; i++) out[i] /= Lsum;
-            if (m->val_rot && kv_quantized(lk->v.dt)) unrotate(out, m->val_rot, D); /* o R R^T */
+            if (m->val_rot && kv_quantized(lk->v.dt)) /* o R R^T: R^T = R (Hadamard's) */
+                rotate(out, m->val_rot, D, out);
         }
     }
 }
@@ -823,7 +813,8 @@ static int recurrent_mix(const kvlm_qmodel *m, const kvlm_qlayer *L,
  * Returns 0; -2 when an argument is out of range (a weight not of the shape the model's
  * sizes give it, a buffer shorter than its shape, a position past the slots or a table,
  * a block id past its pool, a pool past its store's bytes, a ring shorter than a layer's
- * window, conv rows that do not hold the rows before a step's: nothing is written); -1
+ * window, conv rows that do not hold the rows before a step's, a key_rot or val_rot not
+ * Hadamard's where it must be: nothing is written); -1
  * when a product found no scratch memory (the conv rows as they were). */
 int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, int64_t xn, const int64_t *pos,
                       int64_t pn, const float *cos, int64_t cn, const float *sin, int64_t sn,
@@ -838,6 +829,11 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, int64_t xn, con
     if (m->window < 0 || m->k_dtype < KV_F32 || m->k_dtype > KV_Q4) return -2;
     if (m->v_dtype < KV_F32 || m->v_dtype > KV_Q4) return -2;
     if (kv_quantized(m->k_dtype) && !m->key_rot) return -2;
+    /* rotate() takes a power-of-two D's R as Hadamard's (butterflies), and V's R^T as R */
+    const int pow2 = !(D & (D - 1));
+    if (m->key_rot && pow2 && !is_hadamard(m->key_rot, D)) return -2;
+    if (m->val_rot && !(pow2 && m->val_rot == m->key_rot) && !is_hadamard(m->val_rot, D))
+        return -2;
     /* the per-call buffers: x [B, hidden], pos [B], cos and sin [rope_tables, slots,
      * head_dim], the scratch, logits [B, vocab] */
     if (xn < B * H || pn < B || scn < scratch_floats(m, B)) return -2;
