@@ -216,13 +216,19 @@ def old_fed(mode: str):
 def test_hybrid_files_of_kvlm_cache_1_still_load(name, modes):
     """A `hybrid` file of kvlm-cache/1 reads as the `groups` snapshot it is (its whole
     layers group 0, its ring group 1) and loads into today's caches of its dtype: each then
-    holds exactly what today's cache fed the same K/V holds, and goes on alike."""
+    holds exactly what today's cache fed the same K/V holds, and goes on alike. The int8
+    file's V is plain, today's int8 V rotated: refused in one line, never misread."""
     path = DATA / name
     with safe_open(str(path), framework="pt") as f:
         assert (f.metadata()["format"], f.metadata()["layout"]) == ("kvlm-cache/1", "hybrid")
     saved = SavedCache.read(path)
     assert saved.snap.layout == "groups" and saved.spec().layer_kinds == OLD_SPEC.layer_kinds
     assert [g["layers"] for g in saved.summary()["layer_groups"]] == [[2], [0, 1, 3]]
+    if modes == ["int8"]:  # its V plain: today's int8 V is stored rotated (value_rotation)
+        with pytest.raises(CacheFileError, match=r"holds int8 values but this cache stores "
+                                                 r"int8\+vrot"):  # fmt: skip
+            load_cache(create_cache("int8", OLD_SPEC), path, "fp-old")
+        return
     for mode in modes:
         made, loaded = old_fed(modes[0]), create_cache(mode, OLD_SPEC)
         assert load_cache(loaded, path, "fp-old") == {"made_by": "kvlm 80b6b6d"}

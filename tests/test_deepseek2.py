@@ -40,6 +40,9 @@ from numerics import assert_as_exact_as
 MODELS = {
     "deepseek2": (90, {}),
     "deepseek2-q": (91, {"q_lora_rank": None}),  # one q_proj, no compressed query
+    # a latent of 24 + a key part of 8: halves of 16, a power of two, so a quantized
+    # cache stores both halves through Hadamard's R (kvlm.cache.storage)
+    "deepseek2-pow2": (92, {"kv_lora_rank": 24}),
 }
 
 
@@ -328,3 +331,18 @@ def test_a_faulty_gguf_is_one_clear_line(converted, tmp_path, key, value, says):
         set_key(key, value)(spec)
     with pytest.raises((ModelLoadError, UnsupportedModelError), match=says):
         LLM(model=write(spec, tmp_path / "m.gguf"), progress=False)
+
+
+def test_a_quantized_latent_stored_rotated_reads_back(ds_dir):
+    """An int8 cache of a latent whose halves are a power of two keeps both halves through
+    R (K's rotation and V's, "+vrot"): the mixer turns both back, so its teacher-forced
+    logits follow the fp32 cache's by the top-5 rule (a half left turned would not)."""
+    from helpers import assert_top_k_both_ways
+
+    folder = ds_dir("deepseek2-pow2")
+    q = LLM(model=folder, kv="contiguous", kv_dtype="int8", progress=False)
+    assert q.cache_spec("contiguous").kv_format == "int8+vrot"
+    f = LLM(model=folder, kv="contiguous", kv_dtype="fp32", progress=False)
+    ids = prompt_ids(q)
+    cut = len(ids) - 12
+    assert_top_k_both_ways(decode_logits(q, ids, cut), decode_logits(f, ids, cut))

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import assert_greedy_agreement
+from helpers import assert_greedy_agreement, prompt_ids
 from kvlm import LLM, SamplingParams
 from kvlm.cache import CacheFileError
 from kvlm.cache.base import CacheSpec
@@ -20,16 +20,22 @@ from kvlm.cache.factory import create_cache
 from kvlm.cache.files import load_cache, save_cache
 from kvlm.cache.storage import (
     PARAM_DTYPE,
+    V_ROTATED,
     Store,
     dequantize_q4,
     itemsize,
     key_rotation,
+    q4_group,
     quantize_q4,
+    v_rotated,
+    value_rotation,
 )
 from kvlm.dtypes import Q4, dtype_name, parse_kv_dtype
+from kvlm.engine.batch import Stream
 from kvlm.engine.engine import Engine, EngineConfig
 from kvlm.engine.speculative import SpeculativeConfig
 from kvlm.errors import InvalidRequestError
+from numerics import U32, attention_bound, fp64_reorder_bound, gamma, max_error
 
 
 def test_the_rounding_is_q4_0s_and_reads_back_exactly():
@@ -72,8 +78,8 @@ def kv(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("mode", ["contiguous", "paged", "window"])
 def test_a_cache_returns_its_own_dequantized_rows_exactly(mode):
-    """What a step's update returns is what was stored, read back: K rotated by R, V as
-    given, each the store's round trip of the fp32 rows, bit for bit; the bytes are q4's."""
+    """What a step's update returns is what was stored, read back: K and V rotated by R,
+    each the store's round trip of the fp32 rows, bit for bit; the bytes are q4's."""
     cache = create_cache(mode, SPEC)
     r = key_rotation(SPEC.head_dim)
     for step_no, n in enumerate((5, 1, 3)):
@@ -88,7 +94,8 @@ def test_a_cache_returns_its_own_dequantized_rows_exactly(mode):
                 assert torch.allclose(keys[..., -n:, :], back, rtol=0, atol=tol)
             else:
                 assert torch.equal(keys[..., -n:, :], stored)
-            assert torch.equal(values[..., -n:, :], dequantize_q4(*quantize_q4(v), v.dtype))
+            assert step.value_rotation is not None  # V through R too (a power-of-two D)
+            assert torch.equal(values[..., -n:, :], dequantize_q4(*quantize_q4(v @ r), v.dtype))
         cache.commit(step)
     fp16 = create_cache(mode, replace(SPEC, dtype=torch.float16))
     d = SPEC.head_dim  # a row: d / 2 bytes of codes and one fp16 scale per 32 values
@@ -134,16 +141,21 @@ def fp16_default():
 
 @pytest.mark.parametrize("mode", ["contiguous", "paged", "window"])
 def test_the_default_model_on_q4_follows_fp16_by_the_top_5_rule(q4_default, fp16_default, mode):
-    """24 greedy steps on q4 K/V, each step's logits against fp16 K/V's on the same prefix
-    (teacher-forced through a cache of the mode): the same best tokens until the first
-    divergence, there each side's best in the other's top 5 (the rule for paths that round
-    on purpose, tests/numerics.py). Not every later step: on a flat step 4-bit K/V reorders
-    near-ties as any quantizer does (an AMX Xeon, step 15: fp16's top six within 0.71, its
-    best 6th on q4, the step's KL 0.12 as its neighbours')."""
-    ids = q4_default.encode("Explain what a KV cache is in two sentences.", chat=True)
+    """24 greedy steps of fp16 K/V (the reference's own answer), each step's logits on q4
+    K/V against fp16 K/V's on the same prefix (teacher-forced through a cache of the mode):
+    the same best tokens until the first divergence, there each side's best in the other's
+    top 5 (the rule for paths that round on purpose, tests/numerics.py). Not every later
+    step: on a flat step 4-bit K/V reorders near-ties as any quantizer does (an AMX Xeon,
+    step 15: fp16's top six within 0.71, its best 6th on q4, the step's KL 0.12 as its
+    neighbours'). The prefix is fp16's, not q4's own: q4's greedy answer comes from the
+    fused C step, so its rounding chose the prefix every mode is then checked on (the C
+    rotation as butterflies moved one near-tie at step 10, and the window mode, which the
+    C step does not run, met a flat step 13 on that prefix: fp16's six within 0.96, q4's
+    best the 6th, 0.09 under the 5th, the step's KL 0.09 as its neighbours')."""
+    ids = fp16_default.encode("Explain what a KV cache is in two sentences.", chat=True)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    tokens = q4_default.generate(prompt_token_ids=[ids], sampling_params=params,
-                                 use_tqdm=False)[0].token_ids  # fmt: skip
+    tokens = fp16_default.generate(prompt_token_ids=[ids], sampling_params=params,
+                                   use_tqdm=False)[0].token_ids  # fmt: skip
     seq = ids + tokens[:-1]
     ours = _stepped(q4_default, mode, seq, len(ids))
     theirs = torch.stack(_stepped(fp16_default, mode, seq, len(ids)))
@@ -205,3 +217,94 @@ def test_the_disk_tier_round_trips_q4_blocks(tiny_model_dir, tmp_path, monkeypat
     assert cached == 0 and cached_again == 96 and got == want
     assert second.pool.store.v_dtype == Q4 and second.tiers.stats["disk"].hits == 6
     second.close()
+
+
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
+def test_the_value_rotation_round_trips(d):
+    """x R R^T = x within fp32 rounding: two D-term products, each element of |x| |R| |R^T|
+    being ||x||_1 (|R_ij| = D^-1/2), plus R's own entries rounded (1/sqrt(D) within u)."""
+    r = value_rotation(d)
+    x = torch.randn(16, d, generator=torch.Generator().manual_seed(d))
+    back = (x @ r) @ r.T
+    bound = (2 * gamma(d) + 2 * U32) * x.abs().sum(-1, keepdim=True)
+    assert ((back - x).abs() <= bound).all()
+    assert value_rotation(96) is None and not v_rotated(Q4, 96)  # no symmetric R: V plain
+    assert v_rotated(Q4, d) and v_rotated(torch.int8, d) and not v_rotated(torch.float16, d)
+
+
+@pytest.mark.parametrize("mode", ["contiguous", "paged"])  # a window's V: the test above
+def test_attention_over_rotated_q4_v_is_attention_over_fp32_v_within_its_step(mode):
+    """fp32 K, q4 V stored as v R: softmax(q k) (v R)^ R^T against softmax(q k) v differs by
+    the rows' quantization error carried back through R^T: at most max_s ||e_s||_1 / sqrt(D)
+    with |e| <= |d_g| (half a step, a clamped code a step, m's own fp16 rounding within)
+    per element of group g, plus both sides' fp32 rounding (attention_bound) and R^T's."""
+    spec = replace(SPEC, dtype=torch.float32, v_dtype=Q4)
+    cache = create_cache(mode, spec)
+    g = torch.Generator().manual_seed(3)
+    n, d = 9, spec.head_dim
+    k, v = (torch.randn(1, spec.num_kv_heads, n, d, generator=g) for _ in range(2))
+    q = torch.randn(1, spec.num_kv_heads, n, d, generator=g)
+    step = cache.begin(n)
+    keys, values = step.update(0, k, v)
+    r = step.value_rotation
+    assert r is not None
+    out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, is_causal=True) @ r.T
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    _, scales = quantize_q4(v @ r)
+    err_l1 = (scales.float().abs() * q4_group(d)).sum(-1).max() / d**0.5
+    slack = attention_bound(q, k, v) + 2 * gamma(d) * float((v @ r).abs().sum(-1).max())
+    assert float((out - ref).abs().max()) <= float(err_l1) + slack
+
+
+@pytest.fixture(scope="module")
+def rotated_tiny(tiny_model_dir):
+    """kv_dtype -> the tiny llama (head_dim 16: a quantized V stored rotated) on those K/V,
+    (fp64, fp32, int4 weights: its decode steps the fused C step's), each made once."""
+    made: dict[str, tuple[LLM, LLM, LLM]] = {}
+
+    def get(kv_dtype: str) -> tuple[LLM, LLM, LLM]:
+        if kv_dtype not in made:
+            common = {"model": tiny_model_dir("llama"), "progress": False,
+                      "max_context": 256, "kv_dtype": kv_dtype}  # fmt: skip
+            made[kv_dtype] = (LLM(**common, dtype="fp64"), LLM(**common),
+                              LLM(**common, weights="int4"))  # fmt: skip
+        return made[kv_dtype]
+
+    return get
+
+
+@pytest.mark.parametrize("kv_dtype", ["q4", "int8/q4"])
+@pytest.mark.parametrize("mode", ["contiguous", "paged"])
+def test_chunked_prefill_on_rotated_v_equals_one_shot(rotated_tiny, kv_dtype, mode):
+    """A 40-token prompt in chunks of 7 (across q4's groups and the paged blocks of 16)
+    against one shot, V stored as v R: test_cache_family's contract for a quantized cache.
+    In fp64 within fp64 reordering of one shot (codes from values equal to ~1e-16 round
+    alike); in fp32 (int4 weights: the fused C step decodes, rotating the new V rows and
+    un-rotating the outputs) 13 greedy tokens by the top-5 rule, a code on a rounding
+    boundary free to take the other side."""
+    llm64, llm32, fused = rotated_tiny(kv_dtype)
+    assert llm64.cache_spec(mode).kv_format.endswith(V_ROTATED)
+    ids = prompt_ids(llm32, 40)
+    exact = _chunked(llm64, ids, mode, len(ids))
+    err32 = max_error(_chunked(llm32, ids, mode, len(ids)), exact)
+    assert max_error(_chunked(llm64, ids, mode, 7), exact) <= fp64_reorder_bound(err32)
+    params = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True, logprobs=5)
+    whole, chunked = (
+        Stream(fused.cache_engine(fused.new_cache(mode), prefill_chunk=c), ids, params).run()
+        for c in (None, 7)
+    )
+    assert fused.runner.fused_for(fused.new_cache(mode)) is not None, fused.runner.fused_reason
+    assert len(chunked.token_ids) == len(whole.token_ids) == 13
+    if chunked.token_ids != whole.token_ids:  # the rule reads the reference only there
+        ref = fused.runner.logits(ids + whole.token_ids[:-1], fused.new_cache("off"))
+        assert_greedy_agreement(chunked.token_ids, [list(lp.top) for lp in chunked.logprobs],
+                                whole.token_ids, ref[len(ids) - 1 :])  # fmt: skip
+
+
+def _chunked(llm: LLM, ids: list[int], mode: str, chunk: int) -> torch.Tensor:
+    """The last logits of `ids` fed to a fresh cache of `mode` `chunk` tokens a forward."""
+    cache = llm.new_cache(mode)
+    for start in range(0, len(ids), chunk):
+        logits = llm.runner.forward(ids[start : start + chunk], cache)
+    assert cache.num_tokens == len(ids)
+    return logits

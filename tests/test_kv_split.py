@@ -94,8 +94,8 @@ def kv_rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize(("k", "v"), PAIRS)
 @pytest.mark.parametrize("mode", ["contiguous", "paged", "window"])
 def test_a_cache_returns_each_ones_own_dequantized_rows_exactly(mode, k, v):
-    """What a step's update returns is what was stored, read back: K in its dtype (through
-    R when quantized), V in its own, each the store's round trip of the fp32 rows."""
+    """What a step's update returns is what was stored, read back: K in its dtype, V in its
+    own (each through R when quantized), each the store's round trip of the fp32 rows."""
     cache = create_cache(mode, replace(SPEC, dtype=k, v_dtype=v))
     r = key_rotation(SPEC.head_dim)
     for step_no, n in enumerate((5, 1, 3)):
@@ -113,7 +113,10 @@ def test_a_cache_returns_each_ones_own_dequantized_rows_exactly(mode, k, v):
                     assert torch.equal(keys[..., -n:, :], stored)
             else:
                 assert torch.equal(keys[..., -n:, :], _roundtrip(k_new, k))
-            assert torch.equal(values[..., -n:, :], _roundtrip(v_new, v))
+            # a quantized V through R too (value_rotation: head_dim a power of two)
+            assert (step.value_rotation is not None) == (v in CODECS)
+            v_in = v_new @ r if v in CODECS else v_new
+            assert torch.equal(values[..., -n:, :], _roundtrip(v_in, v))
         cache.commit(step)
     assert cache.spec.kv_name == f"{kv_dtype_name(k)}/{kv_dtype_name(v)}"
 
@@ -134,7 +137,9 @@ def test_a_cache_file_keeps_both_and_another_pair_is_refused(mode, tmp_path):
     assert back.num_tokens == 7
     assert torch.equal(back.snapshot().tensors["k.values"], cache.snapshot().tensors["k.values"])
     assert torch.equal(back.snapshot().tensors["v.scales"], cache.snapshot().tensors["v.scales"])
-    with pytest.raises(CacheFileError, match=r"holds int8/q4 values but this cache stores q4/int8"):
+    with pytest.raises(
+        CacheFileError, match=r"holds int8/q4\+vrot values but this cache stores q4/int8\+vrot"
+    ):
         load_cache(create_cache(mode, replace(SPEC, dtype=Q4, v_dtype=I8)), path, "fp")
     if mode != "contiguous":
         return

@@ -44,7 +44,7 @@ from typing import ClassVar
 import torch
 
 from kvlm.cache.kinds import FullAttention, LayerKind, cache_geometry, layer_kinds
-from kvlm.cache.storage import Store, key_rotation
+from kvlm.cache.storage import V_ROTATED, Store, key_rotation, v_rotated, value_rotation
 from kvlm.config import ModelConfig
 from kvlm.dtypes import kv_dtype_name
 from kvlm.errors import CacheOverflowError, InvalidRequestError, KvlmError
@@ -95,6 +95,13 @@ class CacheSpec:
     def kv_name(self) -> str:
         """The storage as one name: "fp16", or K's and V's, "int8/q4"."""
         return kv_dtype_name(*self.kv_dtypes)
+
+    @property
+    def kv_format(self) -> str:
+        """The storage as files and tier records name it: kv_name, marked "+vrot" where V
+        is stored rotated (kvlm.cache.storage.value_rotation): "q4+vrot", "fp16/q4+vrot"."""
+        rotated = v_rotated(self.kv_dtypes[1], self.head_dim)
+        return self.kv_name + (V_ROTATED if rotated else "")
 
     def store(self, shape: tuple[int, ...], zero: bool = True) -> Store:
         """A Store of this spec's K/V dtypes on its device."""
@@ -185,6 +192,10 @@ class CacheStep(ABC):
         # When set, the keys update() returns are k @ R (int8 caches quantize K in a rotated
         # basis, kvlm.cache.storage) and attention must use q @ R: (qR).(kR) = q.k.
         self.key_rotation: torch.Tensor | None = None
+        # When set, the values update() returns are v @ R (a quantized V, power-of-two
+        # head_dim: kvlm.cache.storage.value_rotation) and attention's output o R is
+        # multiplied by R^T, per head.
+        self.value_rotation: torch.Tensor | None = None
         # When set (S,), update() takes and returns K before RoPE, and the model rotates the
         # returned keys at these positions (the window cache's positions inside the cache).
         self.key_rope_positions: torch.Tensor | None = None
@@ -231,11 +242,15 @@ class CacheStep(ABC):
         """Store this step's k, v (B, Hkv, T, D) for `layer`; return all visible (B, Hkv, S, D)."""
 
     def _over(self, store: Store) -> None:
-        """This step reads and writes `store`; an int8 or q4 store keeps K rotated."""
+        """This step reads and writes `store`; an int8 or q4 store keeps K rotated (and a
+        quantized V, value_rotation)."""
         self.store = store
         if store.k_quantized:
             device = next(iter(store.parts.values())).device
             self.key_rotation = key_rotation(store.head_dim).to(device)
+        if store.v_rotated:
+            device = next(iter(store.parts.values())).device
+            self.value_rotation = value_rotation(store.head_dim).to(device)
 
     def _keys_in(self, k: torch.Tensor) -> torch.Tensor:
         """K as the store keeps it (rotated for int8), by the rotation of its rows' width: a
@@ -247,6 +262,10 @@ class CacheStep(ABC):
         if r.shape[0] != k.shape[-1]:
             r = self.key_rotation = key_rotation(k.shape[-1]).to(r.device)
         return k @ r.to(k.dtype)
+
+    def _values_in(self, v: torch.Tensor) -> torch.Tensor:
+        """V as the store keeps it (rotated for a quantized V, value_rotation)."""
+        return v if self.value_rotation is None else v @ self.value_rotation.to(v.dtype)
 
 
 class DraftRows:
@@ -553,7 +572,7 @@ class KVCache(ABC):
         """A copy of the contents that outlives later writes (restore() brings it back)."""
         return CacheSnapshot(
             layout=self.layout,
-            dtype=self.spec.kv_name,
+            dtype=self.spec.kv_format,
             length=self._length,
             batch=self.batch,
             geometry=self.spec.geometry(),
@@ -581,10 +600,11 @@ class KVCache(ABC):
             raise CacheFileError(
                 f"{source}: a {snap.layout} cache cannot be restored into --kv {self.mode}"
             )
-        if snap.dtype != self.spec.kv_name:
+        if snap.dtype != self.spec.kv_format:
             raise CacheFileError(
                 f"{source} holds {snap.dtype} values but this cache stores "
-                f"{self.spec.kv_name} (use the same --kv-dtype, or --k-dtype/--v-dtype)"
+                f"{self.spec.kv_format} (use the same --kv-dtype, or --k-dtype/--v-dtype; "
+                f"{V_ROTATED}: V stored Hadamard-rotated)"
             )
         if snap.geometry != self.spec.geometry():
             raise CacheFileError(

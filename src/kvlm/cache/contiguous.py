@@ -32,7 +32,7 @@ class _ContiguousStep(DenseStep):
         self._over(cache.store)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVPair:
-        k = self._keys_in(k)
+        k, v = self._keys_in(k), self._values_in(v)
         new = slice(self.start, self.start + self.n_new)
         seen = slice(0, self.start + self.n_new)
         self.store.put((layer, 0, ALL, ALL, new), k)

@@ -37,7 +37,7 @@ from kvlm.cache.kinds import (
     state_dtype,
 )
 from kvlm.cache.recurrent import CHECKPOINTS, state_layout
-from kvlm.cache.storage import part_layout
+from kvlm.cache.storage import CODECS, V_ROTATED, part_layout
 from kvlm.dtypes import NAMES, Q4, dtype_name
 from kvlm.errors import CacheOverflowError
 
@@ -279,10 +279,14 @@ def _as_groups(snap: CacheSnapshot) -> CacheSnapshot:
 
 def file_kv_dtypes(name: object) -> tuple[torch.dtype, torch.dtype] | None:
     """K's and V's dtypes from a file's dtype: "fp16", or "int8/q4" (K/V); None if it
-    names no dtype kvlm stores, in the one spelling kvlm writes (kv_dtype_name)."""
+    names no dtype kvlm stores, in the one spelling kvlm writes (CacheSpec.kv_format: a
+    rotated V's mark, "+vrot", only where V is quantized)."""
     if not isinstance(name, str):
         return None
-    k, _, v = name.partition("/")
+    rotated = name.endswith(V_ROTATED)
+    k, _, v = name.removesuffix(V_ROTATED).partition("/")
+    if rotated and FILE_DTYPES.get(v or k) not in CODECS:
+        return None
     if k not in FILE_DTYPES or (v and (v not in FILE_DTYPES or v == k)):
         return None
     return FILE_DTYPES[k], FILE_DTYPES[v or k]

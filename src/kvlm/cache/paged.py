@@ -393,7 +393,7 @@ class _PagedStep(CacheStep):
 
     def _write(self, part: _Part, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v (B, Hkv, T, D) at each token's block and slot."""
-        k = self._keys_in(k)
+        k, v = self._keys_in(k), self._values_in(v)
         # (layer, K/V, block[B,T], :, slot[B,T]) addresses (B, T, heads, D)
         where = (part.write_blocks, ALL, self.write_slots)
         part.store.put((index, 0, *where), k.transpose(1, 2))

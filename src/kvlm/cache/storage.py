@@ -12,7 +12,11 @@ both as fp16 (`params`, trailing dim 2). K is quantized in a rotated basis: k' =
 R orthonormal (Hadamard when head_dim is a power of two, key_rotation()), which spreads a
 few outlier channels over all of them so one per-token range fits; attention multiplies
 the queries by R too, since (q R).(k R) = q.k, a T x D x D product on the queries rather
-than un-rotating the whole history (QuaRot's trick). V is stored as it is.
+than un-rotating the whole history (QuaRot's trick). A quantized V is stored through the
+same R when head_dim is a power of two (value_rotation(): Hadamard's R is symmetric, so
+R^T = R), v' = v R: the attention output over rotated V is o R, and attention multiplies
+it by R^T per head (llama.cpp rotates both whenever K or V is quantized, PR 21038). V of
+another head_dim is stored as it is (no symmetric R to undo it with in the C step).
 
 Measured on the default model (benchmarks/bench_int8.py, three prompts x 256 greedy tokens
 against the fp32 oracle): all four candidates agree on ~99.35% of greedy tokens (the misses
@@ -67,6 +71,22 @@ def key_rotation(head_dim: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=g))
     return q * torch.sign(torch.diagonal(r))  # a unique, deterministic orthogonal matrix
+
+
+def value_rotation(head_dim: int) -> torch.Tensor | None:
+    """The R a quantized V is stored through (v R; the output undone by R^T = R): K's
+    Hadamard R for a power-of-two head_dim, else None (V stored as it is)."""
+    return key_rotation(head_dim) if head_dim & (head_dim - 1) == 0 else None
+
+
+def v_rotated(v_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether V of this dtype and head_dim is stored through R (value_rotation)."""
+    return v_dtype in CODECS and value_rotation(head_dim) is not None
+
+
+# A storage name's mark for V stored through R (CacheSpec.kv_format): cache files and tier
+# records name it, so rotated rows are never read as plain ones, nor the reverse
+V_ROTATED = "+vrot"
 
 
 def itemsize(dtype: torch.dtype, head_dim: int) -> float:
@@ -221,6 +241,8 @@ class Store:
         self.split = self.k_dtype != self.v_dtype
         self.k_quantized = self.k_dtype in CODECS  # codes and scales; K through R
         self.quantized = self.k_quantized or self.v_dtype in CODECS
+        # a quantized V through R (value_rotation): a power-of-two head_dim's
+        self.v_rotated = v_rotated(self.v_dtype, self.head_dim)
         make = torch.zeros if zero else torch.empty
         layout = part_layout(self.shape, self.k_dtype, self.v_dtype)
         # by name, as snapshots, cache files and tier records hold them

@@ -110,6 +110,7 @@ class _WindowStep(CacheStep):
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVPair:
         if self._basis is not None:
             k = k @ self._basis.to(k.dtype)
+        v = self._values_in(v)  # V has no RoPE: kept and returned in its stored basis
         self.staged[layer] = self._stage(k, v)  # written by commit, after every layer has read
         k_all, v_all = self._read(layer, 0, k), self._read(layer, 1, v)
         if self._basis is not None and self.key_rotation is None:

@@ -399,7 +399,7 @@ class Engine:
             ns = namespace(
                 "kvlm/tiers/v2", llm.fingerprint, numerics.weights, numerics.activations,
                 numerics.prefill_dtype, numerics.attention_bf16_from, llm.dtype,
-                spec.device.type, spec.kv_name, block,
+                spec.device.type, spec.kv_format, block,
             )  # fmt: skip
             if g:  # a windowed group: which layers, which window
                 ns = namespace(ns, "layer group", g, group.window, list(group.group.layers))

@@ -156,7 +156,9 @@ typedef struct {
     int64_t act_int16;       /* which of those keep an int8 residual too, x to 16 bits a
                                 value (--activations int16; kvlm_actrow) */
     const float *key_rot;    /* K in KV_I8 or KV_Q4: R (head_dim x head_dim); K rows are
-                                stored as k R */
+                                stored as k R. A power-of-two head_dim: Sylvester's
+                                Hadamard matrix / sqrt(head_dim) (applied as butterflies;
+                                any other R refused) */
     int64_t window;          /* the step's attention window (Mistral) for the layers whose
                                 own is -1: the query at p sees keys p - window < s <= p; 0:
                                 all of 0 .. p */
@@ -180,6 +182,11 @@ typedef struct {
     int64_t rec_heads, rec_head_dim, rec_key_dim, rec_groups;
     int64_t qk_norm_whole;   /* 1: the q and k norms each over the whole projection
                                 (ModelConfig.qk_norm_extent "projection"); 0: each head */
+    const float *val_rot;    /* V in KV_I8 or KV_Q4 stored rotated (Store.v_rotated): R
+                                (head_dim x head_dim); V rows are stored as v R and each
+                                head's output is multiplied by R^T. Sylvester's Hadamard
+                                matrix / sqrt(head_dim), a power of two (R^T = R; any other
+                                refused). NULL: V as it is */
 } kvlm_qmodel;
 
 /* Where a group of layers keeps its K/V: K of layer l at k + l * k_layer bytes, a

@@ -379,7 +379,8 @@ static void write_row(const kv_half *h, int64_t blk, int64_t g, int64_t slot, co
 }
 
 /* Row b's new K/V (k, v: head_dim each, KV head g) into its slot of the layer's store; a
- * quantized K through R first (stored as k R) */
+ * quantized K through R first (stored as k R), a quantized V through val_rot where it is
+ * set (stored as v R; attend_layer undoes it on the output) */
 static void write_kv(const kvlm_qmodel *m, const layer_kv *lk, int64_t b, int64_t p,
                      int64_t g, const float *k, const float *v, float *rot) {
     const int64_t D = m->head_dim, t = slot_of(lk->ring, p), slot = t % lk->bs;
@@ -389,6 +390,10 @@ static void write_kv(const kvlm_qmodel *m, const layer_kv *lk, int64_t b, int64_
         k = rot;
     }
     write_row(&lk->k, blk, g, slot, k, D);
+    if (m->val_rot && kv_quantized(lk->v.dt)) { /* rot is free again: K is written */
+        rotate(v, m->val_rot, D, rot);
+        v = rot;
+    }
     write_row(&lk->v, blk, g, slot, v, D);
 }
 
@@ -533,7 +538,8 @@ static void attend_item(const kvlm_qmodel *m, const layer_kv *lk, const step_buf
 }
 
 /* The layer's attention for every row into s->att: work items (row, KV head, chunk) across
- * the threads, then each head's chunks merged by log-sum-exp. `sinks` (n_heads, NULL:
+ * the threads, then each head's chunks merged by log-sum-exp (and times R^T where V is
+ * stored rotated, val_rot). `sinks` (n_heads, NULL:
  * none): a head's sink logit joins the merge as a chunk of its own with no value, the max
  * starting at it and the sum at exp(sink - max), before the chunks' terms (the chunks
  * themselves do not see it: K's and V's dtypes' kernels are the same with or without). */
@@ -571,6 +577,8 @@ static void attend_layer(const kvlm_qmodel *m, const layer_kv *lk, const step_bu
                 axpy_kv(w, (const char *)pc, KV_F32, out, D);
             }
             for (int64_t i = 0; i < D; i++) out[i] /= Lsum;
+            if (m->val_rot && kv_quantized(lk->v.dt)) /* o R R^T: R^T = R (Hadamard's) */
+                rotate(out, m->val_rot, D, out);
         }
     }
 }
@@ -805,7 +813,8 @@ static int recurrent_mix(const kvlm_qmodel *m, const kvlm_qlayer *L,
  * Returns 0; -2 when an argument is out of range (a weight not of the shape the model's
  * sizes give it, a buffer shorter than its shape, a position past the slots or a table,
  * a block id past its pool, a pool past its store's bytes, a ring shorter than a layer's
- * window, conv rows that do not hold the rows before a step's: nothing is written); -1
+ * window, conv rows that do not hold the rows before a step's, a key_rot or val_rot not
+ * Hadamard's where it must be: nothing is written); -1
  * when a product found no scratch memory (the conv rows as they were). */
 int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, int64_t xn, const int64_t *pos,
                       int64_t pn, const float *cos, int64_t cn, const float *sin, int64_t sn,
@@ -820,6 +829,11 @@ int kvlm_decode_batch(const kvlm_qmodel *m, int64_t B, float *x, int64_t xn, con
     if (m->window < 0 || m->k_dtype < KV_F32 || m->k_dtype > KV_Q4) return -2;
     if (m->v_dtype < KV_F32 || m->v_dtype > KV_Q4) return -2;
     if (kv_quantized(m->k_dtype) && !m->key_rot) return -2;
+    /* rotate() takes a power-of-two D's R as Hadamard's (butterflies), and V's R^T as R */
+    const int pow2 = !(D & (D - 1));
+    if (m->key_rot && pow2 && !is_hadamard(m->key_rot, D)) return -2;
+    if (m->val_rot && !(pow2 && m->val_rot == m->key_rot) && !is_hadamard(m->val_rot, D))
+        return -2;
     /* the per-call buffers: x [B, hidden], pos [B], cos and sin [rope_tables, slots,
      * head_dim], the scratch, logits [B, vocab] */
     if (xn < B * H || pn < B || scn < scratch_floats(m, B)) return -2;

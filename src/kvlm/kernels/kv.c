@@ -205,8 +205,66 @@ static void softmax_pieces(int ng, float *p, int64_t S, int64_t s0, int64_t v0, 
     }
 }
 
-/* y = x R (R: D x D, row-major) */
+/* Whether R (D x D, row-major) is Sylvester's Hadamard matrix times R[0] > 0: entry (i, j)
+ * is R[0] or -R[0] by the parity of i & j (storage.key_rotation's R for a power-of-two D) */
+static int is_hadamard(const float *R, int64_t D) {
+    if (D < 1 || (D & (D - 1)) || !(R[0] > 0.f)) return 0;
+    for (int64_t i = 0; i < D; i++)
+        for (int64_t j = 0; j < D; j++)
+            if (R[i * D + j] != (__builtin_popcountll((uint64_t)(i & j)) & 1 ? -R[0] : R[0]))
+                return 0;
+    return 1;
+}
+
+/* y = x R (R: D x D, row-major; y may be x). A power-of-two D: R is Sylvester's Hadamard
+ * matrix / sqrt(D) (is_hadamard, checked by kvlm_decode_batch), taken as the fast
+ * Walsh-Hadamard transform: log2(D) rounds of butterflies (a + b, a - b: each a single
+ * rounding, nothing reassociated or fused, so the same bits whatever the order within a
+ * round, on every build and vector width), then one product by R[0] = 1/sqrt(D): the
+ * first three rounds on 8 values at a time, the later ones 8 lanes at a time (loops of 8
+ * the compiler vectorises). D log D operations for D^2, and no chain of dependent sums:
+ * ~0.1 us at D = 64 against ~0.3 for the AVX-512 product below. Other D: the product. */
 static void rotate(const float *x, const float *R, int64_t D, float *y) {
+    if ((D & (D - 1)) == 0) {
+        int64_t h = 1;
+        for (int64_t i = 0; i + 8 <= D; i += 8) { /* rounds h = 1, 2, 4 */
+            float t[8], u[8];
+            for (int k = 0; k < 8; k++) t[k] = x[i + k];
+            for (int k = 0; k < 8; k += 2) {
+                u[k] = t[k] + t[k + 1];
+                u[k + 1] = t[k] - t[k + 1];
+            }
+            for (int k = 0; k < 8; k += 4)
+                for (int q = k; q < k + 2; q++) {
+                    t[q] = u[q] + u[q + 2];
+                    t[q + 2] = u[q] - u[q + 2];
+                }
+            for (int q = 0; q < 4; q++) {
+                y[i + q] = t[q] + t[q + 4];
+                y[i + q + 4] = t[q] - t[q + 4];
+            }
+            h = 8;
+        }
+        if (h == 1 && y != x) memcpy(y, x, D * sizeof(float));
+        for (; h < D && h < 8; h *= 2) /* D < 8: a pair at a time */
+            for (int64_t i = 0; i < D; i += 2 * h)
+                for (int64_t j = i; j < i + h; j++) {
+                    const float a = y[j], b = y[j + h];
+                    y[j] = a + b;
+                    y[j + h] = a - b;
+                }
+        for (; h < D; h *= 2) /* rounds h = 8 .. D / 2, 8 lanes at a time */
+            for (int64_t i = 0; i < D; i += 2 * h)
+                for (int64_t j = i; j < i + h; j += 8)
+                    for (int k = 0; k < 8; k++) {
+                        const float a = y[j + k], b = y[j + h + k];
+                        y[j + k] = a + b;
+                        y[j + h + k] = a - b;
+                    }
+        const float r = R[0];
+        for (int64_t j = 0; j < D; j++) y[j] *= r;
+        return;
+    }
 #if KVLM_V512
     if (D % 16 == 0 && D <= MAX_HEAD_DIM) { /* y in registers, one x[i] per row of R */
         __m512 acc[MAX_HEAD_DIM / 16];

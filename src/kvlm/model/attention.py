@@ -33,6 +33,8 @@ class KVStep(Protocol):
     mask: torch.Tensor | None
     is_causal: bool
     key_rotation: torch.Tensor | None
+    # R when the values update() returns are v @ R: the output is then o R, times R^T
+    value_rotation: torch.Tensor | None
     # (S,) int64 when update() takes and returns K *before* RoPE and the keys it returns are
     # to be rotated at these positions (the window cache's positions inside the cache).
     key_rope_positions: torch.Tensor | None
@@ -241,6 +243,8 @@ class Attention(nn.Module):
                          prompt=prompt, sinks=sinks)  # fmt: skip
         else:
             out = attend_rows(q, k_all, v_all, kv, cap, sinks)
+        if kv.value_rotation is not None:  # values came back as v @ R: each head's o R R^T
+            out = out @ kv.value_rotation.T.to(out.dtype)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)

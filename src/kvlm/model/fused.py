@@ -99,7 +99,7 @@ from kvlm.cache import KVCache
 from kvlm.cache.base import CacheStep, ConvView, KVView, StateView
 from kvlm.cache.factory import FUSED_MODES
 from kvlm.cache.paged import BlockPool
-from kvlm.cache.storage import Store, key_rotation
+from kvlm.cache.storage import Store, key_rotation, value_rotation
 from kvlm.config import ModelConfig
 from kvlm.dtypes import Q4
 from kvlm.model.attention import _base, _room
@@ -196,6 +196,7 @@ class _QModel(ctypes.Structure):
         # the key heads (groups)
         *_fields(ctypes.c_int64, "rec_heads rec_head_dim rec_key_dim rec_groups"),
         ("qk_norm_whole", ctypes.c_int64),  # 1: the q/k norms over each whole projection
+        ("val_rot", ctypes.c_void_p),  # a quantized V stored as v R: R (NULL: V as it is)
     ]
 
 
@@ -867,10 +868,12 @@ class FusedDecoder:
         return logits
 
     def _set_storage(self, store: Store, window: int | None) -> None:
-        """The step's cache dtype, int8 rotation, products' settings and window."""
+        """The step's cache dtype, K's and V's rotations, products' settings and window."""
         self.spec.k_dtype, self.spec.v_dtype = _KV_DTYPE[store.k_dtype], _KV_DTYPE[store.v_dtype]
         if store.k_quantized:  # codes + (step, zero) or scales per row; K stored rotated by R
             self.spec.key_rot = key_rotation(store.head_dim).data_ptr()  # cached, fp32
+        # V stored as v R (value_rotation, cached, fp32), or as it is
+        self.spec.val_rot = value_rotation(store.head_dim).data_ptr() if store.v_rotated else None
         # --activations int8 / int16: each product's act_int8 and act_int16, the same in
         # every block of a kind (LLM sets them: the first attention block's and conv
         # block's are read), then the vocabulary projection's own (fp32 under the

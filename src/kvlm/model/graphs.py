@@ -86,6 +86,7 @@ class StaticStep:
 
     is_causal = False
     key_rotation = None
+    value_rotation = None
     key_rope_positions = None
     rows = None
     segments = None

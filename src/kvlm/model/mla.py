@@ -103,6 +103,8 @@ class LatentAttention(nn.Module):
                                  row[..., None, half:].transpose(1, 2))  # fmt: skip
         if kv.key_rotation is not None:  # K's half came back as k @ R (R orthonormal)
             k_all = k_all @ kv.key_rotation.to(k_all.dtype).T
+        if kv.value_rotation is not None:  # V's half likewise (a quantized V, value_rotation)
+            v_all = v_all @ kv.value_rotation.to(v_all.dtype).T
         lat = torch.cat([k_all, v_all], dim=-1)[..., : s.row]  # (B, 1, S, row) or (Tk, 1, row)
         qn, qr = qn.transpose(1, 2), qr.transpose(1, 2)  # (B, H, T, *)
         prompt = prompt_rows(x)
