@@ -151,11 +151,11 @@ def test_the_window_cache_is_refused(folder):
     ("mode", "dtype"), [("int8", None), ("paged", "int8"), ("paged", "q4"), ("contiguous", "int8")]
 )
 def test_low_bit_k_v(folder, mode, dtype):
-    """int8 and q4 K/V (K kept in a rotated basis, each group's own rotation; a K = V
-    layer's V half in K's row rotated back): greedy tokens held to the fp32 cache's by
-    the top-5 rule (int8), and the logits' error under half the logits' scale (int8:
-    2.6 of 7.4, Gemma 4's unscaled scores being sharp; where the K = V rows were left
-    rotated it was 7.8 for int8 and q4 alike) or their scale (q4: 6.4)."""
+    """int8 and q4 K/V (K, and a quantized V, kept in a rotated basis of each group's
+    own width; a K = V layer's halves in K's and V's rows each rotated back): greedy
+    tokens held to the fp32 cache's by the top-5 rule (int8), and the logits' error
+    under 0.3 of the logits' scale (int8: 1.0 of 7.4 in paged; with the V half left
+    rotated 7.5, with the K half 7.8) or their scale (q4: 5.8)."""
     from helpers import FRANCE, assert_generation_agrees
 
     ref = LLM(model=folder, kv="paged", progress=False)
@@ -164,7 +164,7 @@ def test_low_bit_k_v(folder, mode, dtype):
     ids = prompt_ids(llm)
     exact = exact_logits(folder, ids)
     error = max_error(fed(llm, ids, [len(ids)]), exact)
-    assert error < (0.5 if dtype != "q4" else 1.0) * float(exact.abs().max())
+    assert error < (0.3 if dtype != "q4" else 1.0) * float(exact.abs().max())
     if dtype != "q4":
         assert_generation_agrees(ref, llm, FRANCE, 20)
 

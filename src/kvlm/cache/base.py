@@ -264,8 +264,13 @@ class CacheStep(ABC):
         return k @ r.to(k.dtype)
 
     def _values_in(self, v: torch.Tensor) -> torch.Tensor:
-        """V as the store keeps it (rotated for a quantized V, value_rotation)."""
-        return v if self.value_rotation is None else v @ self.value_rotation.to(v.dtype)
+        """V as the store keeps it (rotated for a quantized V, value_rotation), by the
+        rotation of its rows' width, as `_keys_in` (none for a width that has none)."""
+        r = self.value_rotation
+        if r is not None and r.shape[0] != v.shape[-1]:
+            own = value_rotation(v.shape[-1])
+            r = self.value_rotation = None if own is None else own.to(r.device)
+        return v if r is None else v @ r.to(v.dtype)
 
 
 class DraftRows:

@@ -185,6 +185,8 @@ class Attention(nn.Module):
                                 v[..., half:].contiguous())  # fmt: skip
         if kv.key_rotation is not None:  # K's row came back rotated (int8/q4 K): undone
             first = first @ kv.key_rotation.to(first.dtype).T  # (R orthonormal)
+        if kv.value_rotation is not None:  # V's likewise (a quantized V, value_rotation)
+            rest = rest @ kv.value_rotation.to(rest.dtype).T
         v_all = torch.cat([first, rest[..., : D - half]], dim=-1)
         k_all = v_all * self.k_norm.weight.to(v_all.dtype)
         k_all = apply_rope(k_all, *self._keys_rope(kv, k_all))
@@ -227,7 +229,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # fmt: skip
         """The queries q (B, H, T, D) over the keys and values the step returned: scores,
         softmax and the weighted sum as the step's masks say, then o_proj. `rotated`
-        False: keys made by the layer (K = V), never in the step's K rotation."""
+        False: keys and values the layer turned back or made (K = V), in neither of the
+        step's rotations."""
         B, T, _ = x.shape
         if kv.key_rotation is not None and rotated:  # keys came back as k @ R: q @ R too
             q = q @ kv.key_rotation.to(q.dtype)
@@ -243,7 +246,7 @@ class Attention(nn.Module):
                          prompt=prompt, sinks=sinks)  # fmt: skip
         else:
             out = attend_rows(q, k_all, v_all, kv, cap, sinks)
-        if kv.value_rotation is not None:  # values came back as v @ R: each head's o R R^T
+        if kv.value_rotation is not None and rotated:  # values came back as v @ R: o R R^T
             out = out @ kv.value_rotation.T.to(out.dtype)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         if gate is not None:
