@@ -31,8 +31,9 @@ PROMPT = "The quick brown fox jumps over the lazy dog and then runs far away int
 # the grid's models (kvlm.compose.MODELS): tiny random ones of conftest.TINY_MODELS, and
 # "conv": an LFM2 (conv, attention, conv, attention) with its chat template; "state": a
 # Qwen3.5 (DeltaNet, attention, DeltaNet, attention); "experts": a Qwen3-MoE (8 experts,
-# the top 2, in all four layers); "latent": conftest's DeepSeek-V2 (latent attention)
-MODEL_DIRS = {"llama": "llama", "hybrid": "gemma3", "latent": "deepseek2"}
+# the top 2, in all four layers); "latent": conftest's DeepSeek-V2 (latent attention);
+# "shared": conftest's Gemma 4 (own head sizes, K = V, layers reading others' K/V)
+MODEL_DIRS = {"llama": "llama", "hybrid": "gemma3", "latent": "deepseek2", "shared": "gemma4"}
 SAVED = {
     "conv": dict(arch="lfm2", seed=20, chat_template=LFM2_TEMPLATE, tokenizer="llama3"),
     "state": dict(arch="qwen3_5", seed=30, chat_template=CHATML, tokenizer="qwen35"),

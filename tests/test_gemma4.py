@@ -105,19 +105,6 @@ def test_each_part_of_the_block_is_applied(folder):
         assert max_error(llm.runner.logits(ids, llm.new_cache("off")), exact) > 100 * before
 
 
-@pytest.mark.parametrize("mode", ["contiguous", "basic", "paged"])
-def test_composes(folder, mode, tmp_path):
-    """The composition grid's own checks (tests/test_composition.py RUNNERS) but the fused
-    step's (refused: test_the_fused_step_says_why_not): batched = alone, chunked prefill =
-    one shot, n > 1 = each alone, a chat's prefix reused, a saved session resumed,
-    rollback, speculative (prompt lookup) = plain."""
-    from test_composition import RUNNERS
-
-    for feature, check in RUNNERS.items():
-        if feature != "fused low-bit step":
-            check(folder, mode, None, tmp_path)
-
-
 def test_memory_counts_the_layers_that_keep_k_v(folder, capsys):
     """`kvlm memory`: bytes a token for the four layers that keep K/V (none for the two
     that read an earlier layer's), each group at its own geometry: two local layers of 2

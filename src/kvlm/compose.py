@@ -12,7 +12,7 @@ why. (Nobody asks for the fused step: where it does not run, `LLM.describe()
 
 from __future__ import annotations
 
-from kvlm.cache.factory import CACHE_MODES, FUSED_MODES
+from kvlm.cache.factory import CACHE_MODES, FUSED_MODES, ONE_GEOMETRY, OWN_GEOMETRY_REFUSED
 from kvlm.cache.recurrent import NO_ROLLBACK
 from kvlm.llm import NO_SPECULATION
 from kvlm.model import fused
@@ -42,9 +42,11 @@ FEATURES = {
 # (layers with a window of 8 and layers that see the whole context), a conv one (short
 # convolutions beside attention), a state one (gated DeltaNets, a recurrent state a
 # sequence, beside attention), an experts one (a mixture of experts for every layer's
-# FFN) and a latent one (latent attention: each token's compressed latent and key part
-# cached, K and V made from them): tests/test_composition.py builds them
-MODELS = ("llama", "hybrid", "conv", "state", "experts", "latent")
+# FFN), a latent one (latent attention: each token's compressed latent and key part
+# cached, K and V made from them) and a shared one (layers of their own head sizes, K = V
+# layers keeping one tensor, the last layers reading an earlier layer's K/V, per-layer
+# inputs): tests/test_composition.py builds them
+MODELS = ("llama", "hybrid", "conv", "state", "experts", "latent", "shared")
 
 
 def variants() -> list[tuple[str, str, str | None]]:
@@ -60,12 +62,16 @@ def refusal(model: str, mode: str, kv_dtype: str | None, feature: str) -> str | 
         raise ValueError(f"unknown feature {feature!r}")
     if model == "latent" and mode == "window":  # refused as the cache is made
         return KEYS_UNROTATED
+    if model == "shared" and mode in OWN_GEOMETRY_REFUSED:  # refused as the cache is made
+        return ONE_GEOMETRY
     if mode == "off" and feature in ("save/load", "rollback"):
         return "keeps no cache" if feature == "save/load" else "cannot roll back"
     if feature == "speculative decoding" and mode in NO_SPECULATION:
         return NO_SPECULATION[mode]
     if model == "latent" and feature == "fused low-bit step":  # the layer, whatever the cache
         return f"torch step: {fused.mixer_why_not('latent')}"
+    if model == "shared" and feature == "fused low-bit step":  # the layers, whatever the cache
+        return f"torch step: {fused.OWN_HEADS}"
     if feature == "fused low-bit step" and mode not in FUSED_MODES:
         return f"torch step: {fused.NOT_THIS_CACHE}"
     if model == "state" and feature == "rollback":  # but to a state it kept (a draft's)

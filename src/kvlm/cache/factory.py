@@ -34,6 +34,8 @@ RING_MODES = ("basic", "contiguous")
 # Modes whose caches keep one head geometry (one ring) for all layers: a model whose
 # layers have heads of their own sizes (LayerKind.heads, head_dim) is refused
 OWN_GEOMETRY_REFUSED = ("window",)
+ONE_GEOMETRY = ("keeps one head geometry for every layer, and this model's layers have heads "
+                "of their own sizes (use contiguous, basic, paged or int8)")  # fmt: skip
 # Modes whose attention equals full attention over the whole sequence, bit for bit in the
 # stored dtype (int8 quantizes; window drops what falls out of it).
 EXACT_MODES = ("off", "basic", "contiguous", "paged")
@@ -85,9 +87,7 @@ def refused(mode: str, spec: CacheSpec) -> str | None:
     int8/q4 K: one K rotation) where layers have heads of their own sizes."""
     own = any(g.kind.head_dim or g.kind.heads for g in layer_groups(spec))
     if own and mode in OWN_GEOMETRY_REFUSED:
-        return (f"the {mode} cache keeps one head geometry for every layer, and this model's "
-                "layers have heads of their own sizes (use contiguous, basic, paged or "
-                "int8)")  # fmt: skip
+        return f"the {mode} cache {ONE_GEOMETRY}"
     return None
 
 

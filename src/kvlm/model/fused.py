@@ -307,6 +307,9 @@ MAX_HEAD_DIM = _ABI["MAX_HEAD_DIM"]  # the attention's buffers (the widest head 
 _REC_MAX_DIM = 512  # kernels/deltanet.c's DELTA_MAX_DIM, mamba2.c's MAMBA_MAX_DIM
 
 
+OWN_HEADS = "layers of their own head size or KV heads"  # no part in kernels/ yet
+
+
 def mixer_why_not(mixer: str) -> str | None:
     """Why the fused step cannot run a layer of this mixer kind (None: it can)."""
     return None if mixer in _MIXERS else f"a {mixer} layer (the step has no kernel for one yet)"
@@ -326,7 +329,7 @@ def config_why_not(c: ModelConfig) -> str | None:
         return f"RoPE over an odd {c.rotary_dim} dimensions"
     # what kernels/ has no part for yet (the torch step runs them)
     if c.layer_head_dims or c.layer_kv_heads:
-        return "layers of their own head size or KV heads"
+        return OWN_HEADS
     if any(c.layer_k_eq_v) or c.v_norm:
         return "K = V layers, or V normed"
     if len(c.cache_layers) != c.num_layers:
