@@ -125,9 +125,11 @@ def make_machine(mode: str, dtype: torch.dtype, positions: str = "cache"):
 
         @staticmethod
         def as_stored(step, kv):
-            """int8 caches return keys rotated by step.key_rotation (queries follow)."""
+            """int8 caches return keys rotated by step.key_rotation (queries follow), and a
+            quantized V by step.value_rotation (the output turned back)."""
             k, v = kv
-            return (k if step.key_rotation is None else k @ step.key_rotation, v)
+            k = k if step.key_rotation is None else k @ step.key_rotation
+            return (k, v if step.value_rotation is None else v @ step.value_rotation)
 
         def assert_rows_equal(self, got: torch.Tensor, want: torch.Tensor) -> None:
             if dtype == torch.int8 or mode == "int8":

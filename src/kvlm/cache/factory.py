@@ -85,7 +85,10 @@ def refused(mode: str, spec: CacheSpec) -> str | None:
     """Why a cache of `mode` (its spec as mode_spec makes it) cannot keep `spec`'s layers,
     or None: a mode or K dtype of one head geometry for every layer (OWN_GEOMETRY_REFUSED,
     int8/q4 K: one K rotation) where layers have heads of their own sizes."""
-    own = any(g.kind.head_dim or g.kind.heads for g in layer_groups(spec))
+    # attention rows of their own geometry (a state kind's `heads` are its state's, and
+    # every mode keeps a state group beside the mode's own cache)
+    own = any(g.kind.head_dim or g.kind.heads for g in layer_groups(spec)
+              if not isinstance(g.kind, STATE_KINDS))  # fmt: skip
     if own and mode in OWN_GEOMETRY_REFUSED:
         return f"the {mode} cache {ONE_GEOMETRY}"
     return None
