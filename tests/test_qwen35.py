@@ -302,15 +302,23 @@ def test_every_mode_keeps_the_state_chunked_equals_one_shot(qwen35_dir, mode):
 @pytest.mark.parametrize("mode", STATE_MODES)
 def test_generate_in_every_mode_and_forks_equal_kv_off(qwen35_dir, mode):
     """Greedy tokens through LLM.generate in every mode = kv off's (which feeds every
-    forward from position 0); n = 2 greedy samples (a fork of the prompt's cache, state
-    and all) = the one; two prompts (batched on the engine's pool in paged and int8, a
-    slot of state a sequence) = each alone."""
+    forward from position 0; int8, which rounds K/V, by the top-5 rule); n = 2 greedy
+    samples (a fork of the prompt's cache, state and all) = the one; two prompts (batched
+    on the engine's pool in paged and int8, a slot of state a sequence) = each alone."""
     folder = qwen35_dir("qwen35")
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = [PROMPT, "One two three, one two three, one two"]
     off = LLM(model=folder, kv="off", progress=False)
     alone = [off.generate(p, greedy)[0].outputs[0].token_ids for p in prompts]
     llm = LLM(model=folder, kv=mode, progress=False)
+    if mode == "int8":  # K/V rounded on purpose: off's tokens by the top-5 rule, then
+        for p, want in zip(prompts, alone, strict=True):  # batched and forks = its own
+            got = llm.generate(p, replace(greedy, logprobs=5))[0].outputs[0]
+            ids = off.encode(p)
+            ref = off.runner.logits(ids + want[:-1], off.new_cache("off"))[len(ids) - 1 :]
+            tops = [list(lp.top) for lp in got.logprobs]
+            assert_greedy_agreement(got.token_ids, tops, want, ref)
+        alone = [llm.generate(p, greedy)[0].outputs[0].token_ids for p in prompts]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == alone
     two = llm.generate(prompts[0], replace(greedy, n=2))
     assert [s.token_ids for s in two[0].outputs] == [alone[0]] * 2

@@ -305,7 +305,7 @@ def cache_png(saved: SavedCache, path: str | Path, block_size: int = 16) -> Path
         (3.6, lambda f: _norms(f, saved)),
         (4.6 if ring else 3.6, bytes_panel),
     ]
-    if saved.snap.dtype == "int8":  # the per-token (step, zero) scales
+    if saved.int8:  # the per-token (step, zero) scales
         panels.append((3.2, lambda f: _scales(f, saved)))
     if saved.mode in PAGED_MODES:
         view = saved.block_map(block_size)

@@ -123,15 +123,21 @@ class SavedCache:
 
     def contents(self, row: int = 0) -> torch.Tensor:
         """(layers, 2, kv_heads, T, head_dim) fp32: sequence `row`'s K and V as stored
-        (int8 and q4 dequantized; their K in its rotated basis, which keeps norms; window K
-        before RoPE in its default positions, which keeps norms too)."""
+        (int8 and q4 dequantized; their K, and a quantized V, in the rotated basis, which
+        keeps norms; window K before RoPE in its default positions, which keeps norms
+        too)."""
         parts = {name: t[:, :, row] for name, t in self._stored().items() if t.dim() == 6}
         values = parts_as(parts, *file_kv_dtypes(self.snap.dtype), torch.float32)
         return self._columns(values.float())
 
+    @property
+    def int8(self) -> bool:
+        """K and V both int8 (the file's per-token step and zero point: `scales`)."""
+        return file_kv_dtypes(self.snap.dtype) == (torch.int8, torch.int8)
+
     def scales(self, row: int = 0) -> torch.Tensor:
         """int8: (layers, 2, kv_heads, T, 2) fp32 step and zero point of each token row."""
-        if self.snap.dtype != "int8":
+        if not self.int8:
             raise ValueError(f"a {self.snap.dtype} file has no int8 scales")
         return self._columns(self._stored()["scales"][:, :, row].float())
 
