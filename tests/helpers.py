@@ -588,6 +588,35 @@ def assert_greedy_agreement(
     return None
 
 
+def forward_in_chunks(llm, ids: list[int], mode: str, chunk: int) -> torch.Tensor:
+    """The last logits of `ids` fed to a fresh cache of `mode` `chunk` tokens a forward."""
+    cache = llm.new_cache(mode)
+    for start in range(0, len(ids), chunk):
+        logits = llm.runner.forward(ids[start : start + chunk], cache)
+    assert cache.num_tokens == len(ids)
+    return logits
+
+
+def assert_same_greedy(llm, ids: list[int], mode: str, params, chunk: int) -> None:
+    """Greedy tokens of a chunked prefill (`params` with logprobs) held to the one-shot
+    run's by the top-5 rule, each a request through the engine's one loop on a fresh cache
+    of `mode`."""
+    from kvlm.engine.batch import Stream
+
+    def run(prefill_chunk):
+        engine = llm.cache_engine(llm.new_cache(mode), prefill_chunk=prefill_chunk)
+        return Stream(engine, ids, params).run()
+
+    whole, chunked = run(None), run(chunk)
+    assert len(chunked.token_ids) == len(whole.token_ids) == params.max_tokens
+    if chunked.token_ids == whole.token_ids:
+        return  # the rule reads the reference's logits only at a divergence
+    ref_logits = llm.runner.logits(ids + whole.token_ids[:-1], llm.new_cache("off"))
+    ref_logits = ref_logits[len(ids) - 1 :]
+    our_top = [list(lp.top) for lp in chunked.logprobs]
+    assert_greedy_agreement(chunked.token_ids, our_top, whole.token_ids, ref_logits)
+
+
 # ---------------------------------------------------------------------------- GGUF writing
 
 

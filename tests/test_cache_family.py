@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_greedy_agreement
+from helpers import assert_same_greedy, forward_in_chunks
 from kvlm import LLM, SamplingParams
 from kvlm.cache import CacheFileError
 from kvlm.cache.base import blocks_for
@@ -70,14 +70,6 @@ def test_exact_modes_match_off_over_32_greedy_tokens(llm, oracle, mode):
     assert logits.argmax(-1).tolist() == got
 
 
-def forward_in_chunks(llm: LLM, ids: list[int], mode: str, chunk: int) -> torch.Tensor:
-    cache = llm.new_cache(mode)
-    for start in range(0, len(ids), chunk):
-        logits = llm.runner.forward(ids[start : start + chunk], cache)
-    assert cache.num_tokens == len(ids)
-    return logits
-
-
 @pytest.fixture(scope="module")
 def one_shot(llm, llm64):
     """ids -> the last logits of one paged forward over them, (fp64, fp32); each once."""
@@ -123,20 +115,6 @@ def test_chunked_prefill_equals_one_shot(llm, llm64, one_shot, mode, chunk):
         assert_as_exact_as(forward_in_chunks(llm, ids, mode, chunk), one_shot_32, exact)
     params = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True, logprobs=5)
     assert_same_greedy(llm, ids, mode, params, chunk)
-
-
-def assert_same_greedy(llm: LLM, ids: list[int], mode: str, params: SamplingParams, chunk: int):
-    """Greedy tokens of a chunked prefill held to the one-shot run by the top-5 rule."""
-    cache = llm.new_cache(mode)
-    whole = run(llm, cache, ids, params)
-    chunked = run(llm, llm.new_cache(mode), ids, params, chunk)
-    assert len(chunked.token_ids) == len(whole.token_ids) == params.max_tokens
-    if chunked.token_ids == whole.token_ids:
-        return  # the rule reads the reference's logits only at a divergence
-    ref_logits = llm.runner.logits(ids + whole.token_ids[:-1], llm.new_cache("off"))
-    ref_logits = ref_logits[len(ids) - 1 :]
-    our_top = [list(lp.top) for lp in chunked.logprobs]
-    assert_greedy_agreement(chunked.token_ids, our_top, whole.token_ids, ref_logits)
 
 
 def test_fan_out_shares_the_prompt_blocks(llm):

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from helpers import assert_greedy_agreement, prompt_ids
+from helpers import assert_greedy_agreement, assert_same_greedy, forward_in_chunks, prompt_ids
 from kvlm import LLM, SamplingParams
 from kvlm.cache import CacheFileError
 from kvlm.cache.base import CacheSpec
@@ -31,7 +31,6 @@ from kvlm.cache.storage import (
     value_rotation,
 )
 from kvlm.dtypes import Q4, dtype_name, parse_kv_dtype
-from kvlm.engine.batch import Stream
 from kvlm.engine.engine import Engine, EngineConfig
 from kvlm.engine.speculative import SpeculativeConfig
 from kvlm.errors import InvalidRequestError
@@ -285,26 +284,9 @@ def test_chunked_prefill_on_rotated_v_equals_one_shot(rotated_tiny, kv_dtype, mo
     llm64, llm32, fused = rotated_tiny(kv_dtype)
     assert llm64.cache_spec(mode).kv_format.endswith(V_ROTATED)
     ids = prompt_ids(llm32, 40)
-    exact = _chunked(llm64, ids, mode, len(ids))
-    err32 = max_error(_chunked(llm32, ids, mode, len(ids)), exact)
-    assert max_error(_chunked(llm64, ids, mode, 7), exact) <= fp64_reorder_bound(err32)
+    exact = forward_in_chunks(llm64, ids, mode, len(ids))
+    err32 = max_error(forward_in_chunks(llm32, ids, mode, len(ids)), exact)
+    assert max_error(forward_in_chunks(llm64, ids, mode, 7), exact) <= fp64_reorder_bound(err32)
     params = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True, logprobs=5)
-    whole, chunked = (
-        Stream(fused.cache_engine(fused.new_cache(mode), prefill_chunk=c), ids, params).run()
-        for c in (None, 7)
-    )
     assert fused.runner.fused_for(fused.new_cache(mode)) is not None, fused.runner.fused_reason
-    assert len(chunked.token_ids) == len(whole.token_ids) == 13
-    if chunked.token_ids != whole.token_ids:  # the rule reads the reference only there
-        ref = fused.runner.logits(ids + whole.token_ids[:-1], fused.new_cache("off"))
-        assert_greedy_agreement(chunked.token_ids, [list(lp.top) for lp in chunked.logprobs],
-                                whole.token_ids, ref[len(ids) - 1 :])  # fmt: skip
-
-
-def _chunked(llm: LLM, ids: list[int], mode: str, chunk: int) -> torch.Tensor:
-    """The last logits of `ids` fed to a fresh cache of `mode` `chunk` tokens a forward."""
-    cache = llm.new_cache(mode)
-    for start in range(0, len(ids), chunk):
-        logits = llm.runner.forward(ids[start : start + chunk], cache)
-    assert cache.num_tokens == len(ids)
-    return logits
+    assert_same_greedy(fused, ids, mode, params, 7)
