@@ -55,6 +55,17 @@ class KVStep(Protocol):
         ...
 
 
+def turned_back(kv: KVStep, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows update() returned, as they were given: K times R^T where the store keeps K
+    as k R (int8/q4 K), V likewise (a quantized V, value_rotation); R orthonormal. For a
+    mixer whose rows are not K and V heads (a latent, a K = V layer's halves)."""
+    if kv.key_rotation is not None:
+        k = k @ kv.key_rotation.to(k.dtype).T
+    if kv.value_rotation is not None:
+        v = v @ kv.value_rotation.to(v.dtype).T
+    return k, v
+
+
 class Attention(nn.Module):
     def __init__(
         self,
@@ -183,10 +194,7 @@ class Attention(nn.Module):
         half = (D + 1) // 2
         first, rest = kv.update(self.layer_idx, v[..., :half].contiguous(),
                                 v[..., half:].contiguous())  # fmt: skip
-        if kv.key_rotation is not None:  # K's row came back rotated (int8/q4 K): undone
-            first = first @ kv.key_rotation.to(first.dtype).T  # (R orthonormal)
-        if kv.value_rotation is not None:  # V's likewise (a quantized V, value_rotation)
-            rest = rest @ kv.value_rotation.to(rest.dtype).T
+        first, rest = turned_back(kv, first, rest)  # V's halves, as given
         v_all = torch.cat([first, rest[..., : D - half]], dim=-1)
         k_all = v_all * self.k_norm.weight.to(v_all.dtype)
         k_all = apply_rope(k_all, *self._keys_rope(kv, k_all))

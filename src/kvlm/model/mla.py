@@ -29,7 +29,7 @@ from torch import nn
 
 from kvlm.config import Latent
 from kvlm.errors import UnsupportedModelError
-from kvlm.model.attention import KVStep, attend
+from kvlm.model.attention import KVStep, attend, turned_back
 from kvlm.model.layers import Linear, RMSNorm, apply_rope, prompt_rows
 from kvlm.model.numerics import ModelNumerics
 
@@ -101,10 +101,7 @@ class LatentAttention(nn.Module):
             row = F.pad(row, (0, 1))
         k_all, v_all = kv.update(self.layer_idx, row[..., None, :half].transpose(1, 2),
                                  row[..., None, half:].transpose(1, 2))  # fmt: skip
-        if kv.key_rotation is not None:  # K's half came back as k @ R (R orthonormal)
-            k_all = k_all @ kv.key_rotation.to(k_all.dtype).T
-        if kv.value_rotation is not None:  # V's half likewise (a quantized V, value_rotation)
-            v_all = v_all @ kv.value_rotation.to(v_all.dtype).T
+        k_all, v_all = turned_back(kv, k_all, v_all)  # the row's halves, as given
         lat = torch.cat([k_all, v_all], dim=-1)[..., : s.row]  # (B, 1, S, row) or (Tk, 1, row)
         qn, qr = qn.transpose(1, 2), qr.transpose(1, 2)  # (B, H, T, *)
         prompt = prompt_rows(x)
