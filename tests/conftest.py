@@ -1,7 +1,18 @@
 from __future__ import annotations
 
+import collections
+import os
 import sys
 from pathlib import Path
+
+# Under pytest-xdist (the README's `-n 3`) the workers share the cores, each with its own
+# OpenMP teams (torch's, the kernels', a `kvlm serve` child's): OpenMP's default spin at a
+# barrier then burns the core another worker needs. PASSIVE sleeps instead. Measured on
+# an Intel Xeon with AMX (2 vCPUs): test_scoring_fair's scored prompt beside
+# test_fused_arch took 85.1 s spinning, 23.9 s passive (13.7 s alone). Read by libgomp when
+# it loads, so set before torch is imported; a `kvlm serve` child inherits it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import torch
@@ -207,3 +218,38 @@ def child():
     c = Child(timeout=20)
     yield c
     c.close()
+
+
+# The files that take longest, longest first (seconds of the suite under `-n 3` on an
+# Intel Xeon with AMX, BENCHMARKS 16): handed out first so the workers end together
+# (longest first). A file not named here follows, most tests first (xdist's own order).
+LONGEST_FIRST = (
+    "test_cluster.py", "test_composition.py", "test_cache_family.py", "test_one_answer.py",
+    "test_fused_arch.py", "test_ray_cluster.py", "test_server_fuzz.py", "test_speculative.py",
+    "test_default_model.py", "test_quant.py", "test_qwen35.py", "test_agent_codex.py",
+    "test_engine.py", "test_first_minutes.py", "test_agents.py", "test_llm_batch.py",
+    "test_bench_suite.py", "test_hostile_files.py", "test_anthropic.py", "test_lm_eval.py",
+    "test_server_edges.py", "test_tools.py", "test_lfm2.py", "test_plots.py",
+)  # fmt: skip
+
+
+def pytest_configure(config):
+    # `--dist loadfile` hands out files in the order collected (below), not by test count
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist only: the files in LONGEST_FIRST's order, then the rest by test count
+    (a plain run keeps pytest's order)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    rank = {name: n for n, name in enumerate(LONGEST_FIRST)}
+    count = collections.Counter(item.path.name for item in items)
+    items.sort(
+        key=lambda item: (
+            rank.get(item.path.name, len(rank)),
+            -count[item.path.name],
+            item.path.name,
+        )
+    )  # a stable sort: in-file order kept
