@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from helpers import fed, hf64, load_hf, save_tiny_model
+from helpers import fed, fresh_engine, hf64, load_hf, save_tiny_model
 from kvlm import LLM
 from kvlm.config import ModelConfig
 from kvlm.errors import KvlmError, ModelLoadError, UnsupportedModelError
@@ -115,8 +115,24 @@ def test_memory_counts_the_layers_that_keep_k_v(folder, capsys):
     record = json.loads(capsys.readouterr().out)
     want = 2 * (2 * 16) * 2 * 4 + 2 * (1 * 32) * 1 * 4  # a K = V layer's V alone
     assert record["bytes_per_token"] == want == 768
-    groups = {g["kind"]: g["layers"] for g in record["layer_groups"]}
-    assert groups == {"attention": 2, "window": 2}
+    groups = {
+        g["kind"]: (g["layers"], g["keeps"], g.get("shared_by")) for g in record["layer_groups"]
+    }
+    # the globals keep one row (K = V), the locals K and V; layer 4 reads layer 2's, 5 3's
+    assert groups == {"attention": (2, "K = V", [5]), "window": (2, "K/V", [4])}
+    assert main(["memory", "--model", str(folder), "--context", "64"]) == 0
+    text = capsys.readouterr().out
+    assert "2 attention layers (one row a token, their K and their V)" in text
+    assert "1 more layer read their K/V and keep none" in text
+    # `kvlm inspect` and /v1/kv (the dashboard's table) name the same, the pool's groups
+    assert main(["inspect", "--model", str(folder), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["kv_layer_groups"]
+    assert [(g["layers"], g["keeps"], g["shared_by"]) for g in shown] == [
+        ([1, 3], "K = V", [5]), ([0, 2], "K/V", [4])]  # fmt: skip
+    assert [g["kv_bytes_per_token"] for g in shown] == [2 * 32 * 4, 2 * 2 * 16 * 2 * 4]
+    view = fresh_engine(LLM(model=folder, progress=False, max_context=64)).kv_view()["groups"]
+    assert [(g["layers"], g["keeps"], g["shared_by"]) for g in view] == [
+        ([1, 3], "K = V", [5]), ([0, 2], "K/V", [4])]  # fmt: skip
     # the table's rows: every mode but the window cache's (one ring of one head geometry:
     # test_the_window_cache_is_refused), int8 and q4 K/V among them
     rows = {(r["mode"], r["kv_dtype"]) for r in record["table"]}

@@ -92,3 +92,75 @@ def test_the_parameter_count_is_the_files(tiny_model_dir, name):
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         stored = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118 (a safe_open is not iterable)
     assert parameter_count(config) == stored
+
+
+# Two real shapes' config.json as transformers writes them (the Hub's values; no weights:
+# `kvlm memory` plans from a folder of config.json alone)
+GEMMA4_E2B = {  # google/gemma-4-E2B-it's text model: 35 layers, 4 local to 1 global,
+    # the last 20 reading the K/V of the last earlier layer of their kind
+    "model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": 1536,
+    "intermediate_size": 6144, "num_hidden_layers": 35, "num_attention_heads": 8,
+    "num_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512,
+    "sliding_window": 512, "num_kv_shared_layers": 20, "hidden_size_per_layer_input": 256,
+    "vocab_size_per_layer_input": 262144, "use_double_wide_mlp": True,
+    "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7,
+    "max_position_embeddings": 131072, "final_logit_softcapping": 30.0,
+}  # fmt: skip
+DEEPSEEK_V2_LITE = {  # deepseek-ai/DeepSeek-V2-Lite: a latent of 512 and a rotated key
+    # part of 64 a token and layer, a dense first layer, then 64 experts (6 a token)
+    "model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048,
+    "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "kv_lora_rank": 512,
+    "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "n_routed_experts": 64, "n_shared_experts": 2,
+    "num_experts_per_tok": 6, "first_k_dense_replace": 1, "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+    "max_position_embeddings": 163840, "rope_theta": 10000.0,
+}  # fmt: skip
+
+
+def _memory(tmp_path, capsys, config: dict, *flags: str) -> tuple[dict, str]:
+    """`kvlm memory` on a folder of `config` as config.json alone: its JSON and its text."""
+    from kvlm.cli import main
+
+    folder = tmp_path / config["model_type"]
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    args = ["memory", "--model", str(folder), "--kv-dtype", "fp16", *flags]
+    assert main([*args, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    return record, capsys.readouterr().out
+
+
+def test_a_gemma4_e2b_shape_keeps_under_a_fifth_of_every_layer_whole_at_32k(tmp_path, capsys):
+    """`kvlm memory` at 32k on the Gemma 4 E2B shape: the 20 layers that read an earlier
+    layer's K/V keep nothing, the 12 local layers of the other 15 a window of 512 (and the
+    ring's slack), the 3 global ones every token at their 512-wide heads: 0.148x of a
+    cache that keeps all 35 layers whole with their own K and V (the issue: <= 0.2x)."""
+    record, text = _memory(tmp_path, capsys, GEMMA4_E2B, "--context", "32768")
+    context, fp16 = 32768, 2
+    whole = context * fp16 * 2 * (28 * 256 + 7 * 512)  # K and V, every layer, one KV head
+    groups = {g["kind"]: g for g in record["layer_groups"]}
+    assert (groups["attention"]["layers"], groups["window"]["layers"]) == (3, 12)
+    assert groups["attention"]["tokens"] == context and groups["window"]["window"] == 512
+    assert groups["attention"]["keeps"] == groups["window"]["keeps"] == "K/V"
+    assert groups["attention"]["shared_by"] == [19, 24, 29, 34]  # the later global layers
+    assert len(groups["window"]["shared_by"]) == 16
+    assert record["bytes_per_sequence"] == sum(g["bytes"] for g in groups.values())
+    assert record["bytes_per_sequence"] <= 0.2 * whole
+    assert "4 more layers read their K/V and keep none" in text
+    print(f"E2B at 32k: {record['bytes_per_sequence'] / whole:.3f} of every layer whole")
+
+
+def test_a_deepseek_v2_lite_shape_keeps_the_latent_alone(tmp_path, capsys):
+    """`kvlm memory` on the DeepSeek-V2-Lite shape: the latent's bytes exactly (27 layers
+    x (512 + 64) fp16 values = 31,104 B a token, against 276,480 for its 16 heads' K
+    (192 wide) and V (128) materialised), one group that says it keeps a latent."""
+    record, text = _memory(tmp_path, capsys, DEEPSEEK_V2_LITE, "--context", "32768")
+    assert record["bytes_per_token"] == 27 * (512 + 64) * 2 == 31104
+    assert record["bytes_per_sequence"] == 32768 * 31104
+    assert 27 * 16 * (192 + 128) * 2 == 276480  # what a materialised cache would keep
+    [group] = record["layer_groups"]
+    assert (group["keeps"], group["layers"]) == ("latent", 27)
+    assert "27 attention layers (a latent and a rotated key part a token)" in text

@@ -263,10 +263,13 @@ def test_kvlm_inspect_names_the_layer_groups(folder, capsys):
 
     assert main(["inspect", "--model", str(folder), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
+    row = 2 * 2 * 32 * 4  # a layer's K and V a token: 2 KV heads x 32, fp32
     assert info["kv_layer_groups"] == [
-        {"kind": "attention", "window": None, "layers": [2]},
-        {"kind": "window", "window": 8, "layers": [0, 1, 3]},
-    ]
+        {"kind": "attention", "window": None, "layers": [2], "keeps": "K/V",
+         "kv_bytes_per_token": row},
+        {"kind": "window", "window": 8, "layers": [0, 1, 3], "keeps": "K/V",
+         "kv_bytes_per_token": 3 * row},
+    ]  # fmt: skip
 
 
 def test_one_ragged_forward_per_step_on_the_hybrid_pool(folder, monkeypatch):

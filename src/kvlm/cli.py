@@ -116,7 +116,8 @@ def _verify_parser(sub: Any) -> None:
 
 def _memory_parser(sub: Any) -> None:
     memory = sub.add_parser("memory", help="KV cache bytes for a model, context and batch")
-    memory.add_argument("--model", help=MODEL_HELP)
+    memory.add_argument("--model", help=MODEL_HELP + "; a folder of config.json alone "
+                        "(the weights not downloaded yet) plans too")  # fmt: skip
     memory.add_argument("--context", type=int, default=None, help="tokens per sequence")
     memory.add_argument("--batch", type=int, default=1, help="sequences")
     memory.add_argument("--kv", default="contiguous", help=KV_HELP)
@@ -696,7 +697,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     no_picture = _check_plot(args.plot)
     device = _check_device(args.device)  # no GPU: one line, before the model loads
     budget = parse_size(args.budget) if args.budget else None
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, config_only=True)  # a config.json alone plans too
     config, dtype = loaded.config, parse_dtype(args.dtype)
     context = args.context or config.max_position_embeddings
     if not 0 < context <= config.max_position_embeddings:
@@ -854,8 +855,9 @@ def _groups_report(groups: list[dict], batch: int) -> list[str]:
     from kvlm.cache.recurrent import SNAPSHOT_EVERY
     from kvlm.engine.engine import SNAPSHOT_SHARE, default_kv_memory
 
-    if len(groups) < 2:
-        return []
+    first = groups[0]
+    if len(groups) < 2 and first.get("keeps", "K/V") == "K/V" and "shared_by" not in first:
+        return []  # one group of plain K/V: the lines above say it all
     lines = []
     for g in groups:
         kept = "the whole context" if g["window"] is None else f"a window of {g['window']:,}"
@@ -877,9 +879,19 @@ def _groups_report(groups: list[dict], batch: int) -> list[str]:
                          f"{g['snapshot_bytes'] / 2**10:,.1f} KiB in the default "
                          f"{_mib(pool)}")  # fmt: skip
             continue
-        lines.append(f"  {g['layers']} {g['kind']} layers, {kept}: {g['tokens']:,} tokens, "
-                     f"{_mib(g['bytes'])}")  # fmt: skip
+        keeps = _KEEPS.get(g.get("keeps", "K/V"), g.get("keeps"))
+        line = (f"  {g['layers']} {g['kind']} layers ({keeps}), {kept}: {g['tokens']:,} "
+                f"tokens, {_mib(g['bytes'])}")  # fmt: skip
+        if g.get("shared_by"):  # later layers that read these layers' K/V
+            n = len(g["shared_by"])
+            line += f"; {n} more layer{'s' * (n > 1)} read their K/V and keep none"
+        lines.append(line)
     return lines
+
+
+# What a group's layers keep (kvlm.cache.kinds.keeps), as `kvlm memory` says it
+_KEEPS = {"K/V": "K and V of their own", "K = V": "one row a token, their K and their V",
+          "latent": "a latent and a rotated key part a token"}  # fmt: skip
 
 
 def _mib(n: int) -> str:
@@ -1040,12 +1052,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         held = "mtp.fc.weight" in loaded.weights.names()
         info["mtp_head"] = (f"{cfg.mtp_layers} block(s)" if held else
                             "named by the config, not in the file (runs without)")  # fmt: skip
-    if cfg.hybrid:  # what each layer group keeps (kvlm memory: its bytes at a context)
-        from kvlm.cache.base import CacheSpec
-        from kvlm.cache.groups import layer_groups
+    from kvlm.cache.base import CacheSpec
+    from kvlm.cache.groups import layer_groups
+    from kvlm.cache.kinds import shown
 
-        groups = layer_groups(CacheSpec.for_model(cfg, 1))
-        info["kv_layer_groups"] = [g.described for g in groups]
+    # what each layer group keeps (kvlm memory: its bytes at a context)
+    spec = CacheSpec.for_model(cfg, 1)
+    groups = [g.described | shown(cfg, g.layers) for g in layer_groups(spec)]
+    for g, group in zip(groups, layer_groups(spec), strict=True):
+        g["kv_bytes_per_token"] = group.token_bytes(spec)  # at the model's dtype (fp32)
+    if len(groups) > 1 or groups[0]["keeps"] != "K/V" or "shared_by" in groups[0]:
+        info["kv_layer_groups"] = groups
     return _print_info(info, args.json, 24)
 
 

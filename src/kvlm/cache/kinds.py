@@ -380,3 +380,34 @@ def layer_kinds(config: ModelConfig) -> tuple[LayerKind, ...]:
     # others (ModelConfig.cache_layers), in order
     kinds = [kinds[i] for i in config.cache_layers]
     return tuple(kinds) if len(set(kinds)) > 1 else ()
+
+
+def keeps(config: ModelConfig, layer: int) -> str:
+    """What `config`'s layer `layer` keeps a token, as `kvlm memory`, `kvlm inspect`,
+    /v1/kv and the dashboard name it: "K/V" (a K row and a V row of its own), "K = V" (one
+    row that is its K and its V), "latent" (latent attention's latent and rotated key
+    part), "shared" (nothing: it reads an earlier layer's K/V), or a state kind's name
+    ("conv" rows, a recurrent "state")."""
+    if layer in config.latent_layers:
+        return "latent"
+    if config.kv_source(layer) != layer:
+        return "shared"
+    if layer in config.conv_layers:
+        return ConvWindow.name
+    if layer in config.recurrent_layers:
+        return RecurrentState.name
+    return "K = V" if config.k_eq_v(layer) else "K/V"
+
+
+def shown(config: ModelConfig, layers: list[int]) -> dict:
+    """A group of `config`'s cache layers (`layers`: indices of ModelConfig.cache_layers)
+    as it is shown: what they keep ("keeps": `keeps` of each, the forms joined by " and "),
+    and where later layers read their K/V instead of keeping their own, those layers
+    ("shared_by", model layer indices; absent where none do)."""
+    own = [config.cache_layers[i] for i in layers]
+    forms = dict.fromkeys(keeps(config, i) for i in own)
+    out: dict = {"keeps": " and ".join(forms)}
+    readers = [j for j in range(config.num_layers) if j not in own and config.kv_source(j) in own]
+    if readers:
+        out["shared_by"] = readers
+    return out

@@ -15,7 +15,7 @@ import torch
 from kvlm.cache.base import CacheSpec
 from kvlm.cache.factory import mode_spec, planned_nbytes, planned_parts, refused
 from kvlm.cache.groups import layer_groups as spec_groups
-from kvlm.cache.kinds import FullAttention, RecurrentState
+from kvlm.cache.kinds import FullAttention, RecurrentState, shown
 from kvlm.config import ModelConfig
 from kvlm.dtypes import Q4
 from kvlm.errors import InvalidRequestError
@@ -168,11 +168,13 @@ def plan(
         weight_bytes=weights,
         budget_bytes=budget,
         sequences_in_budget=fits,
-        layer_groups=layer_groups(mode, spec, context, batch),
+        layer_groups=layer_groups(mode, spec, context, batch, config),
     )
 
 
-def layer_groups(mode: str, spec: CacheSpec, context: int, batch: int) -> list[dict]:
+def layer_groups(
+    mode: str, spec: CacheSpec, context: int, batch: int, config: ModelConfig | None = None
+) -> list[dict]:
     """The layers by what a `mode` cache keeps of `batch` sequences of `context` tokens:
     {"kind" (kvlm.cache.kinds, or the mode's own: "window" for the window cache, "none"
     for off), "layers", "window" (None: the whole context), "tokens" each keeps, "bytes"},
@@ -181,7 +183,9 @@ def layer_groups(mode: str, spec: CacheSpec, context: int, batch: int) -> list[d
     state at its end, which a hit there restores; LayerGroup.end_bytes).
     One group, but for a hybrid model's cache of a HYBRID_MODES mode: a group per
     kvlm.cache.groups.layer_groups (a ring, or a paged pool's windowed block-table group), as
-    factory.planned_parts plans them."""
+    factory.planned_parts plans them. With the model's `config`, each row also says what
+    its layers keep and which later layers read their K/V (kinds.shown: "keeps",
+    "shared_by")."""
     parts = planned_parts(mode, spec, context, batch)
     groups = spec_groups(spec)
     if len(parts) == len(groups):
@@ -198,6 +202,11 @@ def layer_groups(mode: str, spec: CacheSpec, context: int, batch: int) -> list[d
                 row["block_end_bytes"] = group.end_bytes(spec)
             if isinstance(group.kind, RecurrentState):  # a sequence's snapshot
                 row["snapshot_bytes"] = group.snapshot_bytes(spec)
+    if config is not None:  # each row's cache layers: its group's, or every one
+        every = [list(range(spec.num_layers))]
+        lists = [list(g.layers) for g in groups] if len(parts) == len(groups) else every
+        for row, layers in zip(out, lists, strict=True):
+            row |= shown(config, layers)
     return out
 
 

@@ -31,7 +31,7 @@ from kvlm.cache.base import CacheSpec, blocks_for
 from kvlm.cache.conv import ConvSlots
 from kvlm.cache.factory import pool_mode
 from kvlm.cache.groups import layer_groups as spec_groups
-from kvlm.cache.kinds import CONV_ROW_DTYPE, STATE_KINDS, RecurrentState
+from kvlm.cache.kinds import CONV_ROW_DTYPE, STATE_KINDS, RecurrentState, shown
 from kvlm.cache.paged import BlockPool, window_blocks
 from kvlm.cache.prefix import BlockManager, check_salt
 from kvlm.cache.recurrent import StateSlots
@@ -803,7 +803,9 @@ class Engine:
             | self._other_groups(s)
             for s in seqs
         ]  # fmt: skip
-        view["groups"] = layer_groups(self.pool)
+        # each group's blocks, and what its layers keep (kinds.shown: K/V, K = V, latent,
+        # the later layers that read their K/V)
+        view["groups"] = [g | shown(self.llm.config, g["layers"]) for g in layer_groups(self.pool)]
         snap = self.snapshot()
         counters = ["queries", "hits", "hit_rate", "evictions"]
         if self.pool.hybrid:  # lookups whose windowed layers' blocks were there, or not

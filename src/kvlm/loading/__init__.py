@@ -46,10 +46,16 @@ def resolve_model_path(model: str | Path | None) -> Path:
     raise ModelLoadError(f"model not found: {model}")
 
 
-def load_model(model: str | Path | None = None) -> LoadedModel:
+def load_model(model: str | Path | None = None, config_only: bool = False) -> LoadedModel:
+    """`config_only`: a Hugging Face folder of config.json without weights loads too (no
+    tensors, no tokenizer: `tokenizer` None), for what needs the config alone."""
     path = resolve_model_path(model)
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
+        bare = config_only and not any(path.glob("*.safetensors"))
+        if (path / "config.json").is_file() and bare:
+            hf = SafetensorsWeights(path, tensors=False)
+            return LoadedModel(path, "hf", hf.config, hf, None, [], hf.sampling)  # type: ignore[arg-type]
         if (path / "config.json").is_file():
             hf = SafetensorsWeights(path)
             tokenizer = tokenizer_from_hf_folder(path, hf.config.eos_token_ids,

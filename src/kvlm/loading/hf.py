@@ -105,7 +105,9 @@ def json_kind(value: Any) -> str:
 class SafetensorsWeights:
     """A `WeightSource` over the safetensors shards of one folder."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, tensors: bool = True) -> None:
+        """`tensors` False: a folder with config.json alone is read too, as a source of no
+        tensors (`kvlm memory` plans from the config before the weights are downloaded)."""
         raw = read_json(folder / "config.json")
         gen_path = folder / "generation_config.json"
         gen = read_json(gen_path) if gen_path.is_file() else {}
@@ -117,12 +119,16 @@ class SafetensorsWeights:
             for name in GENERATION_SAMPLING if gen.get(name) is not None
         }  # fmt: skip
         files = self._files = sorted(folder.glob("*.safetensors"))
+        self._where: dict[str, Any] = {}
+        self._stored: dict[str, str] = {}  # kvlm's name -> the file's
+        self._mxfp4: dict[str, tuple[Any, str]] = {}
+        if not files and not tensors:
+            self.dtypes: list[str] = []
+            return
         if not files:
             raise ModelLoadError(
                 f"{folder} has no *.safetensors files (pytorch_model.bin is not supported)"
             )
-        self._where: dict[str, Any] = {}
-        self._stored: dict[str, str] = {}  # kvlm's name -> the file's
         for file in files:
             try:
                 handle = safe_open(str(file), framework="pt")
@@ -133,7 +139,6 @@ class SafetensorsWeights:
                 self._where[name], self._stored[name] = handle, stored
         # MXFP4 stacks under the model's name of NAME: its blocks where every tensor is
         # (`_where`, `_stored`), its scales' file and name here (a shard of their own maybe)
-        self._mxfp4: dict[str, tuple[Any, str]] = {}
         named = {stored: name for name, stored in self._stored.items()}
         for stored in [s for s in named if s.endswith(MXFP4_BLOCKS)]:
             base = stored.removesuffix(MXFP4_BLOCKS)
