@@ -246,6 +246,16 @@ class Experts:
     activation: str = ""
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # the router's input RMSNormed by a weight of its own first (`mlp.router_norm`); each
+    # chosen expert's weight times that expert's own scale last (`mlp.expert_scale`,
+    # after the renormalisation and `scale`)
+    router_norm: bool = False
+    expert_scale: bool = False
+    # the experts beside the layer's dense MLP rather than in its place: the router reads
+    # the residual stream, the experts their own norm of it (`experts_in_norm`), the MLP
+    # and the experts each an output norm (`dense_out_norm`, `experts_out_norm`), summed
+    # before the block's MLP output norm (kvlm.model.transformer.ExpertsBeside)
+    beside_mlp: bool = False
 
     def check(self, where: str) -> None:
         value(self.count, "experts count", int, *EXPERTS, where=where)

@@ -11,7 +11,11 @@ MLPs for each token, and the token's output is their outputs weighted by the rou
              never weighs), the lower index first among equal ones (ties broken one way
              everywhere, so a row routes alone as in any batch)
     w      = p[chosen], divided by (their sum + norm_eps) where the family normalises
-             (norm_topk_prob), then times `scale` (routed_scaling_factor)
+             (norm_topk_prob), then times `scale` (routed_scaling_factor), then each
+             times its expert's own scale where the router has them (`expert_scale`)
+    (a router with an input norm of its own, `router_norm`: x RMSNormed by its weight
+     before the logits; the experts beside a dense MLP: the router reads the residual
+     stream, the experts their own norm of it, `route_from`)
     (router "topk_softmax": logits (+ the router's bias) -> the top_k of the logits, the
      same ties -> w = softmax over those k logits alone)
     y      = sum over chosen, in ascending expert order, of w_e * MLP_e(x)
@@ -57,7 +61,7 @@ from torch import nn
 
 from kvlm import kernels
 from kvlm.config import Experts as ExpertsConfig
-from kvlm.model.layers import MLP, Linear, feeding_prompt, gated, prompt_rows
+from kvlm.model.layers import MLP, Linear, RMSNorm, feeding_prompt, gated, prompt_rows
 
 # config.ROUTERS -> kvlm_route's and kvlm_qlayer's `router_kind` (kernels/abi.h)
 ROUTER_CODES = {"softmax": kernels.CONSTANTS["ROUTER_SOFTMAX"],
@@ -91,10 +95,13 @@ class Experts(nn.Module):
         shared_gate_weight: torch.Tensor | None = None,
         host: bool = False,
         bias: torch.Tensor | None = None,
+        router_norm: RMSNorm | None = None,
+        expert_scale: torch.Tensor | None = None,
     ) -> None:
         """`host`: the routed experts live in host memory, fp32 or low-bit blocks on the
         CPU, whatever the model's device and dtype. `bias`: the selection bias (count,) in
-        the router's dtype, where the config has one."""
+        the router's dtype, where the config has one. `router_norm` (its weight in the
+        router's dtype) and `expert_scale` (count,): where the config has them."""
         super().__init__()
         if len(experts) != config.count or router.out_features != config.count:
             raise ValueError(f"{len(experts)} experts and a router of {router.out_features} "
@@ -114,6 +121,15 @@ class Experts(nn.Module):
             raise ValueError("a selection bias where the config has none, or none where it has")
         # the selection bias as it is (the fused C step reads it): (count,), or None
         self.bias = None if bias is None else bias.to(self.router_dtype).contiguous()
+        if (config.router_norm, config.expert_scale) != (
+            router_norm is not None,
+            expert_scale is not None,
+        ):
+            raise ValueError("a router norm or expert scales where the config has none, or "
+                             "none where it has")  # fmt: skip
+        # the router's input norm and each expert's weight scale (count,), or None
+        self.router_norm = router_norm
+        self.expert_scale = None if expert_scale is None else expert_scale.to(self.router_dtype)
         # the device road's stacked (gate_up, down, gate_up bias, down bias), or None
         self.stacks = None if host else self._stack()
 
@@ -146,6 +162,18 @@ class Experts(nn.Module):
         return tuple(stacks)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row of x (N, hidden): its experts (N, top_k) and their weights (N, top_k)
+        in the router's dtype: through the router's own input norm first, and each weight
+        times its expert's scale last, where it has them (row by row, so around either
+        road of `_scores`)."""
+        if self.router_norm is not None:
+            x = self.router_norm(x.to(self.router_dtype))
+        chosen, weights = self._scores(x)
+        if self.expert_scale is not None:
+            weights = weights * self.expert_scale[chosen]
+        return chosen, weights
+
+    def _scores(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row of x (N, hidden): its experts (N, top_k), the higher weight first,
         and their weights (N, top_k) fp32. On the CPU in fp32 the kernels' router
         (kvlm_route: the fused step's own, so both roads route a row alike); else torch's
@@ -216,11 +244,14 @@ class Experts(nn.Module):
             raise ValueError(f"the kernels refused a router of {e} experts over {h}")
         return chosen, weights
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, route_from: torch.Tensor | None = None) -> torch.Tensor:
+        """The mixture's output for the rows of x (..., hidden); `route_from` (x's shape):
+        the rows the router reads where they are not x (experts beside a dense MLP)."""
         role, shape = prompt_rows(x), x.shape
         flat = x.reshape(-1, shape[-1])
         with feeding_prompt(role):
-            chosen, weights = self.route(flat)
+            routed = flat if route_from is None else route_from.reshape(flat.shape)
+            chosen, weights = self.route(routed)
             if self.host:
                 # one hop each way: (N, hidden) fp32 and (N, top_k) there, (N, hidden) back
                 cpu = torch.device("cpu")
