@@ -63,9 +63,11 @@ def parameter_count(config: ModelConfig, active: bool = False) -> int:
     attention and gated MLP products (a mixture of experts' layers: the router and every
     expert, or with `active` the experts one token runs, top_k of them), the norms (the
     q/k norms where it has them, and the norms on attention's and the MLP's outputs in
-    the "sandwich" layout; a shared expert and its gate; latent attention's products and
-    norms in place of q/k/v/o; layers of their own head geometry, MLP width, K = V or
-    reading an earlier layer's K/V; per-layer inputs and layer scalars)."""
+    the "sandwich" layout; a shared expert and its gate; a router's input norm and its
+    experts' scales; experts beside the dense MLP and their three norms; latent
+    attention's products and norms in place of q/k/v/o; layers of their own head
+    geometry, MLP width, K = V or reading an earlier layer's K/V; per-layer inputs and
+    layer scalars)."""
     c = config
     q = c.num_heads * c.head_dim
     kv = c.num_kv_heads * c.head_dim
@@ -84,11 +86,14 @@ def parameter_count(config: ModelConfig, active: bool = False) -> int:
         total += c.per_layer_vocab * n * w + n * w * h + w + n * (2 * h * w + h)
     total += c.num_layers if c.layer_scalars else 0
     x = c.experts
-    if x is not None and c.expert_layers:  # experts in place of those layers' MLP
-        used = x.top_k if active else x.count
+    if x is not None and c.expert_layers:  # experts in place of those layers' MLP (or
+        used = x.top_k if active else x.count  # beside it, with three norms of their own)
         moe = x.count * c.hidden_size + used * 3 * c.hidden_size * x.intermediate
         moe += 3 * c.hidden_size * x.shared + (c.hidden_size if x.shared_gate else 0)
-        total += len(c.expert_layers) * (moe - 3 * c.hidden_size * c.intermediate_size)
+        moe += (c.hidden_size if x.router_norm else 0) + (x.count if x.expert_scale else 0)
+        dense = 3 * c.hidden_size * c.intermediate_size
+        moe += 3 * c.hidden_size if x.beside_mlp else -dense
+        total += len(c.expert_layers) * moe
     m = c.latent
     if m is not None and c.latent_layers:  # latent attention in place of q/k/v/o
         h, heads = c.hidden_size, c.num_heads

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from kvlm.config import ModelConfig
 from kvlm.errors import ModelLoadError
-from kvlm.model.weights import WeightSource, out_norms
+from kvlm.model.weights import BESIDE_NORMS, WeightSource, out_norms
 
 Shape = tuple[int, ...]
 # a multi-token-prediction head's norms (kvlm.model.mtp)
@@ -143,6 +143,10 @@ def _expert_shapes(c: ModelConfig) -> dict[str, tuple[Shape, str]]:
     heads = [f"mtp.layers.{i}.mlp" for i in range(c.mtp_layers)]  # an MTP head's blocks too
     for p in [f"model.layers.{layer}.mlp" for layer in c.expert_layers] + heads:
         out[f"{p}.gate.weight"] = ((x.count, h), f"{es}, {hs}")
+        out[f"{p}.router_norm.weight"] = ((h,), hs)  # the router's input norm
+        out[f"{p}.expert_scale"] = ((x.count,), es)  # each expert's weight scale
+        if x.beside_mlp:  # the norms around the experts beside the dense MLP
+            out |= {f"{p.removesuffix('.mlp')}.{n}.weight": ((h,), hs) for n in BESIDE_NORMS}
         out[f"{p}.expert_bias"] = ((x.count,), es)  # a selection bias (sigmoid routers)
         out[f"{p}.gate.bias"] = ((x.count,), es)  # the router's own bias
         parts = (("gate_proj", x.intermediate, h, f"{ins}, {hs}"),
@@ -294,11 +298,16 @@ def required(c: ModelConfig, head: bool = False) -> list[str]:
         experts, and the shared expert and its gate where the model has them."""
         x = c.experts
         shared = ("gate_proj", "up_proj", "down_proj") if x.shared else ()
-        return [n for n in parts if n not in mlp[:3]] + [
+        # beside the dense MLP (Experts.beside_mlp): the MLP kept, and the experts' norms
+        kept = parts if x.beside_mlp else [n for n in parts if n not in mlp[:3]]
+        return [
+            *kept,
             "mlp.gate",
             *(f"mlp.experts.{n}" for n in ("gate_proj", "up_proj", "down_proj")),
             *(f"mlp.shared_expert.{n}" for n in shared),
             *(["mlp.shared_expert_gate"] if x.shared_gate else []),
+            *(["mlp.router_norm"] if x.router_norm else []),
+            *(BESIDE_NORMS if x.beside_mlp else ()),
         ]
 
     for layer in range(c.num_layers):
@@ -313,15 +322,17 @@ def required(c: ModelConfig, head: bool = False) -> list[str]:
         elif layer in c.mamba2_layers:
             parts = mamba_parts
             names += [f"model.layers.{layer}.mamba.{n}" for n in ("A_log", "D", "dt_bias")]
-        if layer in c.expert_layers:  # the router and the experts in place of the MLP
-            parts = routed(parts)
-            if c.experts.selection_bias:  # a vector with no `.weight`
-                names.append(f"model.layers.{layer}.mlp.expert_bias")
         if parts is attention_parts and c.kv_source(layer) != layer:  # reads another's K/V
             parts = [n for n in parts if n not in ("self_attn.k_proj", "self_attn.v_proj",
                                                    "self_attn.k_norm")]  # fmt: skip
         elif parts is attention_parts and c.k_eq_v(layer):  # one projection for K and V
             parts = [n for n in parts if n != "self_attn.v_proj"]
+        if layer in c.expert_layers:  # the router and the experts in place of the MLP
+            parts = routed(parts)
+            if c.experts.selection_bias:  # a vector with no `.weight`
+                names.append(f"model.layers.{layer}.mlp.expert_bias")
+            if c.experts.expert_scale:  # likewise
+                names.append(f"model.layers.{layer}.mlp.expert_scale")
         if c.per_layer_input:
             parts = [*parts, "per_layer_input_gate", "per_layer_projection",
                      "post_per_layer_input_norm"]  # fmt: skip

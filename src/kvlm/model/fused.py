@@ -308,6 +308,9 @@ _REC_MAX_DIM = 512  # kernels/deltanet.c's DELTA_MAX_DIM, mamba2.c's MAMBA_MAX_D
 
 
 OWN_HEADS = "layers of their own head size or KV heads"  # no part in kernels/ yet
+# kvlm_qlayer has one FFN a layer, and kernels/experts.c's router no input norm or
+# per-expert scale (Experts.beside_mlp, router_norm, expert_scale)
+BESIDE = "experts beside a dense MLP, or a router's input norm or per-expert scales"
 
 
 def mixer_why_not(mixer: str) -> str | None:
@@ -343,6 +346,8 @@ def config_why_not(c: ModelConfig) -> str | None:
         return f"an expert router {x.router!r} (the step's routers: {', '.join(ROUTER_CODES)})"
     if x is not None and x.activation not in EXPERT_ACT_CODES:
         return f"the experts' activation {x.activation!r}"
+    if x is not None and (x.beside_mlp or x.router_norm or x.expert_scale):
+        return BESIDE
     rec = c.deltanet or c.mamba2
     if rec is not None:  # kernels/deltanet.c's and mamba2.c's limits
         d = c.deltanet

@@ -39,7 +39,7 @@ from kvlm.model.mamba2 import Mamba2Mixer
 from kvlm.model.mla import LatentAttention
 from kvlm.model.mtp import MtpHead
 from kvlm.model.numerics import ModelNumerics
-from kvlm.model.weights import WeightSource, out_norms
+from kvlm.model.weights import BESIDE_NORMS, WeightSource, out_norms
 
 VOCAB_WEIGHTS = ("lm_head.weight", "model.embed_tokens.weight")
 log = logging.getLogger("kvlm.loading")
@@ -63,7 +63,8 @@ class Block(nn.Module):
     gated DeltaNet or a Mamba2 layer: `recurrent`) and MLP, each added to the residual
     stream (times `residual_scale` where it is not None: ModelConfig's). A "sandwich"
     block (ModelConfig.norm_layout) also norms each one's output before adding it
-    (`attn_out_norm`, `mlp_out_norm`)."""
+    (`attn_out_norm`, `mlp_out_norm`); a mixture of experts beside the MLP (`beside`:
+    Experts.beside_mlp) adds its output to the MLP's before that norm."""
 
     def __init__(
         self,
@@ -78,8 +79,10 @@ class Block(nn.Module):
         residual_scale: float | None = None,
         per_layer: PerLayerInput | None = None,
         scalar: torch.Tensor | None = None,
+        beside: ExpertsBeside | None = None,
     ):
         super().__init__()
+        self.beside = beside  # experts beside the MLP (ModelConfig.experts.beside_mlp)
         self.per_layer = per_layer  # the layer's per-layer input (ModelConfig.per_layer_input)
         self.scalar = scalar  # the output times this (ModelConfig.layer_scalars)
         self.attn = attn
@@ -113,11 +116,32 @@ class Block(nn.Module):
         a = a if self.attn_out_norm is None else self.attn_out_norm(a)
         x = x + (a if self.residual_scale is None else a * self.residual_scale)
         m = self.mlp(self.post_norm(x))
+        m = m if self.beside is None else self.beside(x, m)
         m = m if self.mlp_out_norm is None else self.mlp_out_norm(m)
         x = x + (m if self.residual_scale is None else m * self.residual_scale)
         if self.per_layer is not None:
             x = x + self.per_layer(x, per_layer_input)
         return x if self.scalar is None else x * self.scalar
+
+
+class ExpertsBeside(nn.Module):
+    """A mixture of experts beside a layer's dense MLP (Experts.beside_mlp), on the
+    residual stream x after the mixer:
+
+        dense_out_norm(m) + experts_out_norm(experts(experts_in_norm(x)))
+
+    where m is the dense MLP's output (of the block's MLP input norm of x, as ever) and
+    the router reads x itself (through its own input norm: Experts' `router_norm`)."""
+
+    def __init__(self, experts: Experts, in_norm: RMSNorm, dense_out_norm: RMSNorm,
+                 out_norm: RMSNorm) -> None:  # fmt: skip
+        super().__init__()
+        self.experts, self.in_norm = experts, in_norm
+        self.dense_out_norm, self.out_norm = dense_out_norm, out_norm
+
+    def forward(self, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        y = self.experts(self.in_norm(x), route_from=x)
+        return self.dense_out_norm(m) + self.out_norm(y)
 
 
 class PerLayerInput(nn.Module):
@@ -735,6 +759,11 @@ class _WeightTaker:
         layer = p.startswith("model.")
         routed = i in c.expert_layers if layer else bool(c.expert_layers)
         host = layer and i in self.host_experts
+        beside = None
+        if routed and c.experts.beside_mlp:  # the dense MLP, and the experts beside it
+            beside = ExpertsBeside(self.experts(p, host),
+                                   *(self.norm(f"{p}.{n}") for n in BESIDE_NORMS))  # fmt: skip
+            routed = False
         mlp = self.experts(p, host) if routed else self._gated_mlp(f"{p}.mlp")
         names = ["input_layernorm", "post_attention_layernorm", *out_norms(c)]
         per_layer = scalar = None
@@ -747,7 +776,7 @@ class _WeightTaker:
             scalar = self.take(f"{p}.layer_scalar").reshape(1)
         block = Block(mixer.pop("attn", None), mlp, *(self.norm(f"{p}.{n}") for n in names),
                       residual_scale=c.residual_scale, per_layer=per_layer, scalar=scalar,
-                      **mixer)  # fmt: skip
+                      beside=beside, **mixer)  # fmt: skip
         # the file's pages read so far are the model's own copies now: given back, so the
         # file and the packed model are never both resident (a layer at a time)
         self.weights.release()
@@ -764,6 +793,12 @@ class _WeightTaker:
         the router and the shared expert where the rest of the model is."""
         x = self.config.experts
         router, w = self._fp32_linear(f"{p}.mlp.gate.weight")
+        norm = scale = None
+        if x.router_norm:  # the router's input norm, in the router's dtype
+            norm = RMSNorm(self._router_vector(f"{p}.mlp.router_norm.weight", w),
+                           self.config.rms_norm_eps)  # fmt: skip
+        if x.expert_scale:  # each expert's weight scale (count,)
+            scale = self._router_vector(f"{p}.mlp.expert_scale", w)
         shared = gate = g = None
         if x.shared:  # the shared expert, and its gate's (1, hidden) product in fp32
             shared = self._shared_expert(p)
@@ -772,13 +807,31 @@ class _WeightTaker:
             g = g.reshape(-1).contiguous()
         bias = None
         if x.selection_bias:  # the selection bias (count,), in the router's dtype
-            raw = self.take_raw(f"{p}.mlp.expert_bias")
-            if raw is None:
-                raise ModelLoadError(f"the model file has no tensor {p}.mlp.expert_bias")
-            bias = raw.to(device=w.device, dtype=w.dtype).reshape(-1).contiguous()
+            bias = self._router_vector(f"{p}.mlp.expert_bias", w)
         with self._on_host() if host else nullcontext():
             mlps = self._routed_experts(p)
-        return Experts(x, router, mlps, w, shared, gate, g, host=host, bias=bias)
+        return Experts(
+            x,
+            router,
+            mlps,
+            w,
+            shared,
+            gate,
+            g,
+            host=host,
+            bias=bias,
+            router_norm=norm,
+            expert_scale=scale,
+        )
+
+    def _router_vector(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """A router's vector `name` (a selection bias, an input norm's weight, the experts'
+        scales) flat in the router weight `w`'s dtype and device, never the model's dtype
+        first."""
+        raw = self.take_raw(name)
+        if raw is None:
+            raise ModelLoadError(f"the model file has no tensor {name}")
+        return raw.to(device=w.device, dtype=w.dtype).reshape(-1).contiguous()
 
     @contextmanager
     def _on_host(self) -> Iterator[None]:

@@ -62,6 +62,12 @@ class WeightSource(Protocol):
         ...
 
 
+# the model's names of the norms of a mixture of experts beside a layer's dense MLP
+# (Experts.beside_mlp; kvlm.model.transformer.ExpertsBeside): the experts' input norm, the
+# dense MLP's output norm, the experts' output norm
+BESIDE_NORMS = ("experts_in_norm", "dense_out_norm", "experts_out_norm")
+
+
 def out_norms(config: ModelConfig) -> list[str]:
     """The model's names of a block's output norms (the attention's, the MLP's): those of
     a "sandwich" block (ModelConfig.norm_layout), none for another."""
