@@ -72,6 +72,20 @@ TINY_MODELS = {
     # Gemma 4: local and wider global layers, K = V on the globals, the last two layers
     # reading earlier layers' K/V, per-layer inputs (helpers.tiny_config)
     "gemma4": ("gemma4", 11, {}),
+    # Gemma 4's experts beside every layer's MLP (enable_moe_block): 8 of 32 (the top 2);
+    # four layers, local and global (K = V), the last two reading layers 0 and 1's K/V
+    "gemma4-moe": (
+        "gemma4",
+        13,
+        {
+            "num_hidden_layers": 4,
+            "enable_moe_block": True,
+            "num_experts": 8,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 32,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+        },
+    ),
     "mistral-hd64-window": (
         "mistral",
         8,

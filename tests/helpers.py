@@ -463,10 +463,17 @@ def _bump_norm_and_biases(model, seed: int) -> None:
     # gpt-oss's experts' biases (`gate_up_proj_bias`) and its attention sinks (a logit a
     # head, the softmax's extra column) too
     more = ("proj_bias", "sinks") if model.config.model_type == "gpt_oss" else ()
+    # Gemma 4's norms around its experts (`post_feedforward_layernorm_1`, ...)
+    norms = ("norm.weight", "norm_1.weight", "norm_2.weight")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(norms):
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("router.per_expert_scale"):  # Gemma 4's (HF: ones)
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("router.scale"):  # Gemma 4's router's input scale (HF:
+                # ones): random, and its router sharpened as sharpen_routers does others'
+                p.copy_(ROUTER_SCALE * (1 + 0.1 * torch.randn(p.shape, generator=g)))
             elif name.endswith((".bias", *more)):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
             if name.endswith("sinks"):

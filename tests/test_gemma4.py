@@ -182,7 +182,7 @@ def test_the_fused_step_says_why_not(folder):
 @pytest.mark.parametrize(
     ("key", "value", "error", "said"),
     [
-        ("enable_moe_block", True, UnsupportedModelError, "enable_moe_block"),
+        ("enable_moe_block", True, ModelLoadError, "num_experts"),  # none given
         ("per_layer_config", {"1": {"head_dim": "wide"}}, ModelLoadError, "head_dim"),
         ("per_layer_config", {"9": {"head_dim": 32}}, ModelLoadError, "per_layer_config"),
         ("layer_types", ["sliding_attention"] * 5, ModelLoadError, "layer_types"),

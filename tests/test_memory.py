@@ -77,7 +77,7 @@ def test_parse_size_refuses_nonsense(text):
         parse_size(text)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2", "gemma3", "gemma4"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2", "gemma3", "gemma4", "gemma4-moe"])
 def test_the_parameter_count_is_the_files(tiny_model_dir, name):
     """kvlm.cache.memory.parameter_count (what `kvlm memory` and Ollama's /api/show say)
     from the shapes alone: the tensors the file holds (a Gemma layer's two output norms

@@ -18,10 +18,18 @@ RMSNormed without a weight (`v_norm`), and, as transformers' modeling_gemma4 com
   projection of the embeddings, added to each layer's output through its own gate;
 - each layer's output times its `layer_scalar`; the final logits soft-capped;
 - `use_double_wide_mlp`: the layers that read an earlier layer's K/V have an MLP twice
-  as wide (`layer_intermediate_sizes`).
+  as wide (`layer_intermediate_sizes`);
+- `enable_moe_block` (the 26B-A4B's layers): a mixture of experts beside every layer's
+  dense MLP (kvlm.model.experts, `Experts.beside_mlp`): the router reads the residual
+  stream through an RMSNorm of its own (`router.scale` times hidden ** -0.5, folded here:
+  `router_norm`), a softmax over `num_experts`, the top `top_k_experts` renormalised,
+  each times its expert's `per_expert_scale` (`expert_scale`); the experts (GeGLU of
+  `moe_intermediate_size`, gate|up one stack) read `pre_feedforward_layernorm_2` of the
+  stream; the MLP's output through `post_feedforward_layernorm_1`, the experts' through
+  `post_feedforward_layernorm_2`, their sum through `post_feedforward_layernorm`.
 
-Not yet: the mixture-of-experts block (`enable_moe_block`), bidirectional attention, and
-GGUF files (refused by name: no GGUF reader for `gemma4` yet).
+Not yet: bidirectional attention, and GGUF files (refused by name: no GGUF reader for
+`gemma4` yet).
 """
 
 from __future__ import annotations
@@ -29,9 +37,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from kvlm.arch.family import LAYER_NAMES, OUT_NORM_NAMES, Family, Tokenizing
 from kvlm.arch.readers import hf_config, hf_window
-from kvlm.config import Fields, ModelConfig, shown
+from kvlm.config import EXPERTS, Experts, Fields, ModelConfig, limits, shown
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 
 ARCHITECTURES = ("gemma4",)
@@ -51,6 +61,17 @@ HF_NAMES = {
     "post_attention_layernorm": "attn_out_norm",  # the attention's output norm
     "pre_feedforward_layernorm": "post_attention_layernorm",  # the MLP's input norm
     "post_feedforward_layernorm": "mlp_out_norm",
+    # the experts beside the MLP (enable_moe_block): the router, its input norm's scale
+    # and its experts' scales, the experts' stacks (those four named whole: no `.weight`),
+    # and the norms around the experts and on the MLP's own output
+    "router.proj": "mlp.gate",
+    "router.scale": "mlp.router_norm.weight",
+    "router.per_expert_scale": "mlp.expert_scale",
+    "experts.gate_up_proj": "mlp.experts.gate_up_proj.weight",
+    "experts.down_proj": "mlp.experts.down_proj.weight",
+    "pre_feedforward_layernorm_2": "experts_in_norm",
+    "post_feedforward_layernorm_1": "dense_out_norm",
+    "post_feedforward_layernorm_2": "experts_out_norm",
 }
 
 
@@ -83,10 +104,8 @@ def from_hf(cfg: dict[str, Any], arch: str, name: str) -> ModelConfig:
 def _hf_fields(cfg: dict[str, Any], hf: Fields, heads: int) -> dict[str, Any]:
     """The layer pattern and each layer's window, head size, KV heads, K = V and K/V
     source; the local layers' RoPE base and the globals' proportion; the per-layer inputs;
-    the soft-cap. What kvlm does not run yet is refused here, in one line."""
-    if hf("enable_moe_block", bool, False):
-        raise UnsupportedModelError(f"{hf.where}: enable_moe_block (Gemma 4's mixture of "
-                                    "experts beside the MLP) is not supported yet")  # fmt: skip
+    the soft-cap; the experts beside the MLP. What kvlm does not run yet is refused here,
+    in one line."""
     if cfg.get("use_bidirectional_attention"):
         raise UnsupportedModelError("bidirectional attention is not supported")
     act = hf("hidden_activation", str, "gelu_pytorch_tanh")
@@ -120,6 +139,7 @@ def _hf_fields(cfg: dict[str, Any], hf: Fields, heads: int) -> dict[str, Any]:
         inter = hf("intermediate_size", int, lo=1)
         wide = tuple(inter * (2 if j != i else 1) for i, j in enumerate(sources))
     return {
+        **_moe_fields(hf, layers),
         "layer_windows": tuple(window if t == "sliding_attention" else None for t in types),
         "rope_local_theta": local("rope_theta", float, 10_000.0, lo=0.0),
         "proportion": full("partial_rotary_factor", float, 1.0, lo=0.0, hi=1.0),
@@ -138,6 +158,28 @@ def _hf_fields(cfg: dict[str, Any], hf: Fields, heads: int) -> dict[str, Any]:
         else 0,
         "layer_scalars": True,
     }
+
+
+def _moe_fields(hf: Fields, layers: int) -> dict[str, Any]:
+    """`enable_moe_block`: every layer's experts (beside its MLP), as transformers'
+    Gemma4TextRouter routes them; else none."""
+    if not hf("enable_moe_block", bool, False):
+        return {}
+    count = hf("num_experts", int, lo=EXPERTS[0], hi=EXPERTS[1])
+    experts = Experts(count=count, top_k=hf("top_k_experts", int, lo=1, hi=count),
+                      intermediate=hf("moe_intermediate_size", int,
+                                      **limits("intermediate_size")),
+                      normalize=True, router_norm=True, expert_scale=True,
+                      beside_mlp=True)  # fmt: skip
+    return {"layer_ffns": ("experts",) * layers, "experts": experts}
+
+
+def fold_hf(config: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The router's input scale times hidden ** -0.5 (transformers multiplies the normed
+    rows by both), in fp64: the router's norm's weight, one rounding to its dtype."""
+    if name.endswith(".mlp.router_norm.weight"):
+        return tensor.to(torch.float64) * config.hidden_size**-0.5
+    return tensor
 
 
 def _global_geometry(
@@ -197,6 +239,7 @@ FAMILY = Family(
     hf_model_types={"gemma4": "gemma4", "gemma4_text": "gemma4"},
     gguf_names=LAYER_NAMES | OUT_NORM_NAMES,
     hf_names=HF_NAMES,
+    fold_hf=fold_hf,
     # as Gemma's SentencePiece vocabularies read (arch/gemma.py)
     tokenizing=Tokenizing(spaces_as_pieces=True, merges_in_vocab_order=True),
     vocabularies=ARCHITECTURES,
