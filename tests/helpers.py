@@ -153,8 +153,10 @@ QWEN35_SPLIT = (
 # (LLAMA3_SPLIT), whole-word hits before merges (`ignore_merges`) and a BOS before every
 # text, as LFM2's tokenizer is; "qwen35", Qwen 3.5's split (QWEN35_SPLIT) after NFC and
 # its `<|endoftext|>` among the special tokens (transformers' Qwen3_5Tokenizer adds one
-# where the file has none), as Qwen 3.5's tokenizer.json is
-TOKENIZER_STYLES = ("gpt2", "llama3", "qwen35", "harmony")
+# where the file has none), as Qwen 3.5's tokenizer.json is; "glm", GPT-2's with GLM's
+# special tokens (GLM_TOKENS: llama.cpp's converter names its BOS and end of turn by them)
+TOKENIZER_STYLES = ("gpt2", "llama3", "qwen35", "harmony", "glm")
+GLM_TOKENS = ["<|endoftext|>", "[gMASK]", "<|user|>", "<|observation|>"]
 # the harmony format's markers (kvlm.server.harmony), special tokens of a "harmony" vocabulary
 HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
                   "<|return|>", "<|call|>"]  # fmt: skip
@@ -186,7 +188,9 @@ def train_tiny_tokenizer(vocab_size: int = 320, style: str = "gpt2"):
     trainer = BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS
-        + {"qwen35": ["<|endoftext|>"], "harmony": HARMONY_TOKENS}.get(style, []),
+        + {"qwen35": ["<|endoftext|>"], "harmony": HARMONY_TOKENS, "glm": GLM_TOKENS}.get(
+            style, []
+        ),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -380,6 +384,32 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
             moe_intermediate_size=32, routed_scaling_factor=2.0, topk_method="greedy",
             norm_topk_prob=False, rope_theta=10000.0,
         )  # fmt: skip
+    elif arch in ("glm4_moe_lite", "deepseek_v3"):
+        from transformers import DeepseekV3Config, Glm4MoeLiteConfig
+
+        # deepseek_v2's three layers of latent attention with DeepSeek-V3's router: the
+        # first layer's FFN dense (GLM: mlp_layer_types' default; first_k_dense_replace 1
+        # beside it, as GLM-4.7-Flash's config.json names it for llama.cpp's converter),
+        # the others 8 experts of 32, the top 2 by sigmoid + the selection bias
+        # (e_score_correction_bias: save_tiny_model randomises it), renormalised, times
+        # routed_scaling_factor, beside a shared expert of 32; GLM in one group (as
+        # GLM-4.7-Flash), DeepSeek-V3 among the 2 best of 4 groups of 2 (n_group /
+        # topk_group overrides give GLM groups)
+        common["num_hidden_layers"], common["num_key_value_heads"] = 3, 4
+        glm = arch == "glm4_moe_lite"
+        cls = Glm4MoeLiteConfig if glm else DeepseekV3Config
+        cfg = cls(
+            **common, tie_word_embeddings=False, q_lora_rank=48, kv_lora_rank=32,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+            num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+            routed_scaling_factor=1.8 if glm else 2.5, norm_topk_prob=True,
+            n_group=1 if glm else 4, topk_group=1 if glm else 2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6 if glm else 1e4},
+        )  # fmt: skip
+        # scoring_func as DeepSeek-V3's config.json names it: llama.cpp's converter writes
+        # the sigmoid gating from it (GLM-4.7-Flash's names none: llama.cpp's loader takes
+        # the sigmoid from its shape, test_glm4moelite)
+        cfg.first_k_dense_replace, cfg.scoring_func = 1, "sigmoid"
     elif arch == "gpt_oss":
         from transformers import GptOssConfig
 
@@ -479,7 +509,7 @@ def _bump_norm_and_biases(model, seed: int) -> None:
             if name.endswith("sinks"):
                 p.copy_(torch.randn(p.shape, generator=g))
         for name, b in model.named_buffers():  # a router's selection bias (HF: zeros)
-            if name.endswith("expert_bias"):
+            if name.endswith(("expert_bias", "e_score_correction_bias")):
                 b.copy_(0.05 * torch.randn(b.shape, generator=g))
             if name.endswith("layer_scalar"):  # a layer's output scale (HF: ones)
                 b.copy_(1 + 0.2 * torch.randn(b.shape, generator=g))

@@ -11,6 +11,7 @@ made from them: both are held to transformers' fp64 as closely as its own fp32 i
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ from kvlm.arch import config_from_hf
 from kvlm.errors import ModelLoadError, UnsupportedModelError
 from kvlm.model.fused import why_not
 from kvlm.model.mla import LatentAttention
-from numerics import assert_as_exact_as
+from numerics import assert_as_exact_as, max_error
 
 MODELS = {
     "deepseek2": (90, {}),
@@ -237,8 +238,31 @@ def test_hostile_config_keys_are_refused(ds_dir):
                      ("first_k_dense_replace", 9)):  # fmt: skip
         refused(config_from_hf, good, {**good, key: bad}, key)
     refused(config_from_hf, good, {**good, "qk_rope_head_dim": 7}, "rope_dim=7")
-    refused(config_from_hf, good, {**good, "topk_method": "group_limited_greedy"},
-            "group_limited_greedy")  # fmt: skip
+    refused(config_from_hf, good, {**good, "topk_method": "noaux_tc"}, "noaux_tc")
+
+
+def test_group_limited_greedy_matches_hf(tmp_path):
+    """topk_method "group_limited_greedy" (DeepSeek-V2's 236B model's): the softmax's top
+    2 among the experts of the best of 4 groups, a group scored by its best expert
+    (Experts.group_score "max"; were 2 of the 4 groups chosen, the top 2 would be every
+    expert's top 2: their groups are the best by their best): the exact path as close to
+    transformers' fp64 as its own fp32, and routing every expert moves the logits far
+    more."""
+    groups = {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 1}
+    folder = save_tiny_model(tmp_path / "glg", "deepseek2", seed=96, **groups)
+    llm = LLM(model=folder, kv="off", exact=True, progress=False)
+    x = llm.config.experts
+    assert (x.router, x.groups, x.groups_used, x.group_score) == ("softmax", 4, 1, "max")
+    ids = prompt_ids(llm)
+    ours = llm.runner.logits(ids, llm.new_cache("off"))
+    with torch.no_grad():
+        ref = load_hf(folder)(torch.tensor([ids])).logits[0]
+    exact = exact_logits(folder, ids)
+    assert_as_exact_as(ours, ref, exact)
+    for block in llm.model.layers[1:]:
+        block.mlp.config = replace(block.mlp.config, groups_used=4)
+    every = llm.runner.logits(ids, llm.new_cache("off"))
+    assert max_error(every, exact) > 100 * max_error(ours, exact)
 
 
 def test_yarn_scales_the_scores_by_mscale(ds_dir):
@@ -313,7 +337,7 @@ def test_a_q8_0_gguf_generates_as_the_folder(converted):
 @pytest.mark.parametrize("key,value,says", [
     ("deepseek2.attention.key_length_mla", 8, "key_length_mla 8 is not more than"),
     ("deepseek2.attention.kv_lora_rank", 31, r"kv_a_layernorm|attn_kv_a"),
-    ("deepseek2.expert_gating_func", 2, "expert_gating_func 2"),
+    ("deepseek2.expert_gating_func", 3, "expert_gating_func 3"),
     ("deepseek2.leading_dense_block_count", 9, "leading_dense_block_count"),
 ])  # fmt: skip
 def test_a_faulty_gguf_is_one_clear_line(converted, tmp_path, key, value, says):

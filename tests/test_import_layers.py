@@ -246,3 +246,12 @@ def test_no_module_outside_the_family_file_and_the_registry_names_deepseek2():
     names = ("deepseek2", "deepseek_v2", "deepseek-v2")
     naming = {m for m, path in MODS.items() if any(n in path.read_text().lower() for n in names)}
     assert naming == {"kvlm.arch.deepseek2", "kvlm.arch"}
+
+
+def test_no_module_outside_the_family_file_and_the_registry_names_glm_or_deepseek_v3():
+    """The same for GLM-4.7-Flash and DeepSeek-V3, read by the DeepSeek-V2 family file:
+    their router (a sigmoid, a selection bias, group-limited routing) is the experts'
+    FFN kind's, its fields Experts', not the family's."""
+    names = ("glm", "deepseek_v3", "deepseek-v3")
+    naming = {m for m, path in MODS.items() if any(n in path.read_text().lower() for n in names)}
+    assert naming == {"kvlm.arch.deepseek2", "kvlm.arch"}

@@ -65,6 +65,10 @@ FFNS = ("mlp", "experts")
 # has one (the bias chooses, the un-biased scores weigh); "topk_softmax" the top k of the
 # logits, then a softmax over those k alone
 ROUTERS = ("softmax", "sigmoid", "topk_softmax")
+# how a group of experts scores where routing is group-limited (Experts.groups): "top2" the
+# sum of its two highest selection scores (a sigmoid router's with its selection bias),
+# "max" its highest (a softmax router's)
+GROUP_SCORES = ("top2", "max")
 # an expert's activation other than the model's (Experts.activation): "clamped_swiglu"
 # gate clamped to at most `limit`, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha
 # gate) (kvlm.model.layers.MLP)
@@ -224,8 +228,10 @@ class Experts:
     their sum where `normalize` (transformers' norm_topk_prob; plus `norm_eps` where the
     family adds one to the sum), then times `scale` (routed_scaling_factor); a per-expert
     selection bias (`selection_bias`: the tensor `mlp.expert_bias` of each expert layer)
-    added to the scores for choosing alone; a shared expert of `shared` beside them (0:
-    none), gated by sigmoid(a product) where `shared_gate`."""
+    added to the scores for choosing alone; group-limited routing where `groups_used` <
+    `groups` (the experts in `groups` equal runs, each scored by `group_score`; a row's top
+    k chosen among its top `groups_used` groups' experts alone); a shared expert of
+    `shared` beside them (0: none), gated by sigmoid(a product) where `shared_gate`."""
 
     count: int
     top_k: int
@@ -237,6 +243,12 @@ class Experts:
     scale: float = 1.0
     # a bias per expert added to the scores to choose the top k, not to weigh them
     selection_bias: bool = False
+    # the experts in `groups` equal runs (0..E/G-1 the first), a row choosing among the
+    # experts of its `groups_used` best groups by `group_score` (GROUP_SCORES); both 1 (or
+    # equal): every expert
+    groups: int = 1
+    groups_used: int = 1
+    group_score: str = "top2"
     # a shared expert every token runs beside the routed ones (its intermediate size; 0:
     # none), its output times sigmoid(a gate's product) where `shared_gate`
     shared: int = 0
@@ -268,12 +280,38 @@ class Experts:
               open_low=True)  # fmt: skip
         value(self.shared, "the shared expert's intermediate size", int, 0,
               LIMITS["intermediate_size"][1], where=where)  # fmt: skip
+        self._check_groups(where)
         if self.shared_gate and not self.shared:
             raise UnsupportedModelError("a shared expert's gate without a shared expert")
         if self.activation:
             check_supported("expert activation", self.activation, EXPERT_ACTIVATIONS)
             value(self.swiglu_alpha, "swiglu alpha", float, 0.0, where=where, open_low=True)
             value(self.swiglu_limit, "swiglu limit", float, 0.0, where=where, open_low=True)
+
+    @property
+    def group_limited(self) -> bool:
+        """Whether a row chooses among some groups' experts only."""
+        return self.groups_used < self.groups
+
+    def _check_groups(self, where: str) -> None:
+        """The groups divide the experts, `groups_used` is 1 to `groups`, a "top2" group
+        has two experts or more, and the chosen groups hold top_k experts at least (else
+        transformers' top k would take masked ones: refused)."""
+        value(self.groups, "expert groups", int, 1, self.count, where=where)
+        value(self.groups_used, "expert groups used", int, 1, self.groups, where=where)
+        check_supported("expert group score", self.group_score, GROUP_SCORES)
+        size = self.count // self.groups
+        if self.count % self.groups:
+            raise UnsupportedModelError(f"{where}: {self.count} experts do not divide into "
+                                        f"{self.groups} groups")  # fmt: skip
+        if not self.group_limited:
+            return
+        if self.group_score == "top2" and size < 2:
+            raise UnsupportedModelError(f"{where}: groups of {size} expert: a group's score "
+                                        "is its two best experts' sum")  # fmt: skip
+        if self.top_k > self.groups_used * size:
+            raise UnsupportedModelError(f"{where}: {self.top_k} experts a token from "
+                                        f"{self.groups_used} groups of {size}")  # fmt: skip
 
 
 @dataclass(slots=True, frozen=True)

@@ -5,8 +5,9 @@ ModelConfig that family reads from the file.
 One module per family (llama.py: Llama, Mistral, Qwen2, Qwen3; gemma.py: Gemma 2 and 3;
 gemma4.py: Gemma 4 (text);
 lfm2.py: LFM2 and LFM2-MoE; qwen35.py: Qwen3.5; granite.py: Granite 4.0-H; qwen3moe.py:
-Qwen3-MoE; gptoss.py: gpt-oss; olmoe.py: OLMoE; deepseek2.py: DeepSeek-V2), each imported
-family is a module and a line in FAMILIES (docs/ADDING_A_MODEL.md). Outside kvlm.arch,
+Qwen3-MoE; gptoss.py: gpt-oss; olmoe.py: OLMoE; deepseek2.py: DeepSeek-V2, and on the
+same layers DeepSeek-V3 and GLM-4.7-Flash), each imported family is a module and a line in
+FAMILIES (docs/ADDING_A_MODEL.md). Outside kvlm.arch,
 code reads the ModelConfig a family made and the `Family` fields (tensor names, folds,
 tokenizer quirks), never a family's name.
 """

@@ -9,7 +9,12 @@ MLPs for each token, and the token's output is their outputs weighted by the rou
              sigmoid(logits)               each expert's own (router "sigmoid")
     chosen = the top_k of p (+ the selection bias where the layer has one: it chooses,
              never weighs), the lower index first among equal ones (ties broken one way
-             everywhere, so a row routes alone as in any batch)
+             everywhere, so a row routes alone as in any batch); group-limited (groups_used
+             < groups: the torch road alone) among the experts of the row's groups_used
+             best groups, each group scored by its two best selection scores' sum
+             ("top2") or its best ("max"), the groups and then the experts chosen by
+             torch.topk as transformers chooses them (equal scores go where its topk
+             puts them, on the same device)
     w      = p[chosen], divided by (their sum + norm_eps) where the family normalises
              (norm_topk_prob), then times `scale` (routed_scaling_factor), then each
              times its expert's own scale where the router has them (`expert_scale`)
@@ -24,10 +29,10 @@ MLPs for each token, and the token's output is their outputs weighted by the rou
 transformers' sparse MoE blocks of this router compute the same (softmax in fp32, top-k,
 the renormalisation, then the experts in ascending order, each one's rows added into zeros),
 so the exact path follows its sums term by term; their sigmoid routers (a selection
-bias, a scale) compute it in the same order too. Each expert is kvlm's gated MLP over the
-rows routed to it (its products' rows are their own: the same bits for a row however many
-share the expert), under the numerics of the rows the block was given: decoded rows stay
-decoded rows when they are gathered (kvlm.model.layers.feeding_prompt).
+bias, a scale, groups) compute it in the same order too. Each expert is kvlm's gated MLP
+over the rows routed to it (its products' rows are their own: the same bits for a row
+however many share the expert), under the numerics of the rows the block was given:
+decoded rows stay decoded rows when they are gathered (kvlm.model.layers.feeding_prompt).
 
 Experts in host memory (`host`, --cpu-experts: llama.cpp's --n-cpu-moe) beside a model on
 a GPU (or in another dtype on the CPU): the router and the shared expert run where the
@@ -67,6 +72,8 @@ from kvlm.model.layers import MLP, Linear, RMSNorm, feeding_prompt, gated, promp
 ROUTER_CODES = {"softmax": kernels.CONSTANTS["ROUTER_SOFTMAX"],
                 "sigmoid": kernels.CONSTANTS["ROUTER_SIGMOID"],
                 "topk_softmax": kernels.CONSTANTS["ROUTER_TOPK_SOFTMAX"]}  # fmt: skip
+# why kvlm_route and the fused step refuse group-limited routing (the torch road routes it)
+GROUPS_REFUSED = "group-limited routing (the kernels' router takes the top k of every expert)"
 # config.EXPERT_ACTIVATIONS ("": the model's own) -> kvlm_qlayer's `exp_act`
 EXPERT_ACT_CODES = {"": kernels.CONSTANTS["EXP_ACT_MODEL"],
                     "clamped_swiglu": kernels.CONSTANTS["EXP_ACT_CLAMPED_SWIGLU"]}  # fmt: skip
@@ -188,8 +195,10 @@ class Experts(nn.Module):
             return self._topk_softmax(logits)
         probs = torch.sigmoid(logits) if c.router == "sigmoid" else torch.softmax(logits, dim=-1)
         select = probs if self.bias is None else probs + self.bias.to(probs.device)
-        order = torch.sort(select, dim=-1, descending=True, stable=True).indices
-        chosen = order[:, : c.top_k]
+        if c.group_limited:
+            chosen = self._group_limited(select)
+        else:
+            chosen = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, : c.top_k]
         weights = probs.gather(1, chosen)
         if c.normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + c.norm_eps)
@@ -197,13 +206,35 @@ class Experts(nn.Module):
             weights = weights * c.scale
         return chosen, weights
 
+    def _group_limited(self, select: torch.Tensor) -> torch.Tensor:
+        """Each row's top_k experts (N, top_k), the higher selection score first, among
+        the experts of its `groups_used` best groups (the others' scores -inf): a group
+        scored by its two best scores' sum or its best; transformers' calls (topk(2) and
+        its sum, then topk unsorted for the groups and for the experts), so that equal
+        scores fall as in its router."""
+        c, n = self.config, select.shape[0]
+        grouped = select.view(n, c.groups, -1)  # (N, groups, experts a group)
+        if c.group_score == "max":
+            score = grouped.amax(dim=-1)
+        else:
+            score = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        best = torch.topk(score, c.groups_used, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(score, dtype=torch.bool).scatter_(1, best, True)
+        select = grouped.masked_fill(~keep[..., None], float("-inf")).view(n, -1)
+        top = torch.topk(select, c.top_k, dim=-1, sorted=False)
+        order = torch.sort(top.values, dim=-1, descending=True, stable=True).indices
+        return top.indices.gather(1, order)
+
     def kernel_refusal(self) -> str | None:
         """Why the kernels' router and the fused step cannot run this mixture (None: they
         can): they know the routers of ROUTER_CODES (a selection bias and a router bias in
-        fp32) and the activations of EXPERT_ACT_CODES (the model's own, or the clamped
-        SwiGLU; the experts' biases: the fused step's `_block_why_not`)."""
+        fp32) over every expert (not group-limited routing) and the activations of
+        EXPERT_ACT_CODES (the model's own, or the clamped SwiGLU; the experts' biases: the
+        fused step's `_block_why_not`)."""
         if self.config.router not in ROUTER_CODES:
             return f"the router {self.config.router!r}"
+        if self.config.group_limited:
+            return GROUPS_REFUSED
         if self.router.bias is not None and self.router.bias.dtype != torch.float32:
             return "a router bias not in fp32"
         if self.bias is not None and self.bias.dtype != torch.float32:

@@ -70,8 +70,9 @@ multiplier (each output times it before the add) and logit divisor (after the ca
 NoPE (RoPE tables of zero frequencies: cos 1, sin 0). Attention sinks (a logit a query
 head in each row's softmax denominator: the merge of a head's chunks starts at it). A
 mixture of experts (kernels/experts.c): the routers "softmax", "sigmoid" (a selection
-bias) and "topk_softmax", the router's own bias, the routed experts' gate|up and down
-biases, their activation the model's or the clamped SwiGLU, a shared expert beside them.
+bias) and "topk_softmax" over every expert (not group-limited routing: the torch step
+routes it), the router's own bias, the routed experts' gate|up and down biases, their
+activation the model's or the clamped SwiGLU, a shared expert beside them.
 
 It applies where that is the whole story: CPU, fp32 activations, low-bit weights in every
 projection (`--weights int8|int4|native`), no biases on a dense or shared MLP (a routed
@@ -103,7 +104,7 @@ from kvlm.cache.storage import Store, key_rotation, value_rotation
 from kvlm.config import ModelConfig
 from kvlm.dtypes import Q4
 from kvlm.model.attention import _base, _room
-from kvlm.model.experts import EXPERT_ACT_CODES, ROUTER_CODES, Experts
+from kvlm.model.experts import EXPERT_ACT_CODES, GROUPS_REFUSED, ROUTER_CODES, Experts
 from kvlm.model.layers import MLP, Linear
 from kvlm.model.quant import KIND_CODES
 from kvlm.model.transformer import Block, Transformer
@@ -344,6 +345,8 @@ def config_why_not(c: ModelConfig) -> str | None:
     x = c.experts
     if x is not None and x.router not in ROUTER_CODES:
         return f"an expert router {x.router!r} (the step's routers: {', '.join(ROUTER_CODES)})"
+    if x is not None and x.group_limited:
+        return GROUPS_REFUSED
     if x is not None and x.activation not in EXPERT_ACT_CODES:
         return f"the experts' activation {x.activation!r}"
     if x is not None and (x.beside_mlp or x.router_norm or x.expert_scale):
