@@ -168,3 +168,19 @@ def test_a_byte_level_vocabulary_without_add_bos_token_reads_as_llama_cpp_does(p
     assert ids == ([0, 3] if bos else [3])
     meta["tokenizer.ggml.add_bos_token"] = not bos  # the key, where there is one, decides
     assert tokenizer_from_gguf(meta).encode("ab") == ([3] if bos else [0, 3])
+
+
+@pytest.mark.parametrize("pre", ["glm4", "glm5", "chatglm-bpe"])
+def test_glm_pre_tokenizers_read_as_llama_cpp_reads_them(pre):
+    """GLM's pre-tokenizers (GLM-4.7-Flash's GGUF says "glm4"): Llama 3's split, no BOS
+    even where the file names one and asks for it, and for glm4/glm5 a whole word of the
+    vocabulary taken before any merge (llama.cpp's ignore_merges: "abc" is one token, where
+    merging "a b" alone makes "ab" "c")."""
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+            "tokenizer.ggml.tokens": ["<s>", "a", "b", "ab", "c", "abc"],
+            "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.bos_token_id": 0,
+            "tokenizer.ggml.add_bos_token": True}  # fmt: skip
+    ours = tokenizer_from_gguf(meta)
+    assert ours.encode("abc") == ([3, 4] if pre == "chatglm-bpe" else [5])
+    assert ours.encode("ab") == [3]  # no BOS
+    assert ours.bos_token is None

@@ -76,13 +76,17 @@ For each function call, return a json object with function name and arguments wi
 {{"name": <function-name>, "arguments": <args-json-object>}}
 </tool_call>"""
 _TOOLS_VARIABLE = re.compile(r"\btools\b")
-_IGNORE_MERGES = ("llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe")
+_IGNORE_MERGES = ("llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe", "glm4", "glm5")
 _BOS_PRE = ("llama3", "llama-bpe", "llama-v3")  # llama.cpp's add_bos default: true
+# GLM's pre-tokenizers (GLM-4.x, GLM-4.7-Flash's "glm4"): Llama 3's split, and no BOS token
+# whatever the file says (llama.cpp drops its bos id; GLM's templates write [gMASK]<sop>)
+_NO_BOS_PRE = ("chatglm-bpe", "glm4", "glm5")
 PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("gpt2", "gpt-2", "mpt", "olmo"), (_GPT2,)),
     **dict.fromkeys(_IGNORE_MERGES, (_LLAMA3,)),
     **dict.fromkeys(("qwen2", "stablelm2"), (_QWEN2,)),
     "qwen35": (_QWEN35,),
+    "chatglm-bpe": (_LLAMA3,),
     **dict.fromkeys(
         ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"), (r"\p{N}", _GPT2)
     ),
@@ -342,6 +346,8 @@ def tokenizer_from_gguf(meta: dict[str, Any], where: str = "GGUF metadata") -> T
     backend.add_tokens([t for t in specials if not t.special])
     ids = {k: f(f"tokenizer.ggml.{k}_token_id", int, None, hi=last) for k in _SPECIAL_IDS}
     bos, eos = (None if ids[k] is None else tokens[ids[k]] for k in ("bos", "eos"))
+    if kind == "gpt2" and pre in _NO_BOS_PRE:
+        bos = None
     add_bos = f("tokenizer.ggml.add_bos_token", bool, bos_by_default)
     if add_bos and bos is not None:
         backend.post_processor = processors.TemplateProcessing(
