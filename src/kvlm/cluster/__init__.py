@@ -179,6 +179,11 @@ def _import_ray():
     return ray, serve
 
 
+# Ray Serve's proxy checks (ray/serve/_private/constants.py) and the seconds kvlm gives them
+PROXY_CHECKS = ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S")
+PROXY_CHECK_S = 60
+
+
 def _init_ray(ray, address: str | None, cpus_wanted: int) -> None:
     """Join the cluster at `address` ("auto": the one started on this machine), or start
     Ray here with CPUs enough for the replicas (oversubscribed rather than never placed)."""
@@ -188,6 +193,13 @@ def _init_ray(ray, address: str | None, cpus_wanted: int) -> None:
             ray.init(address=address, **quiet)
         else:
             cpus = max(os.cpu_count() or 1, cpus_wanted)
+            # Serve's proxy must answer its readiness check in 5 s and health checks in
+            # 10 (else it is killed, and here the start fails: "the replicas did not
+            # start: The actor died unexpectedly"): on a busy 2-core box, with replicas
+            # loading their models beside it, it missed them. The actors of a cluster
+            # started here inherit this process's environment; a user's setting wins.
+            for name in PROXY_CHECKS:
+                os.environ.setdefault(name, str(PROXY_CHECK_S))
             ray.init(address="local", num_cpus=cpus, object_store_memory=256 << 20, **quiet)
     except (ConnectionError, RuntimeError) as exc:
         raise KvlmError(f"could not start or join Ray ({address or 'local'}): {exc}") from exc
