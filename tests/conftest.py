@@ -5,7 +5,7 @@ import os
 import sys
 from pathlib import Path
 
-# Under pytest-xdist (the README's `-n 3`) the workers share the cores, each with its own
+# Under pytest-xdist (`-n 3 --dist loadfile`, README) the workers share the cores, each with its own
 # OpenMP teams (torch's, the kernels', a `kvlm serve` child's): OpenMP's default spin at a
 # barrier then burns the core another worker needs. PASSIVE sleeps instead. Measured on
 # an Intel Xeon with AMX (2 vCPUs): test_scoring_fair's scored prompt beside

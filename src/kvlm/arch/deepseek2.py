@@ -328,4 +328,11 @@ FAMILY = Family(
     hf_names=HF_NAMES,
     fold_hf=fold_hf,
     gguf_rows=fold_hf,  # llama.cpp turns the same pairs (its NORM RoPE): the same rows
+    # GLM's GGUF pre-tokenizers as llama.cpp reads them (its CHATGLM4 type): Llama 3's
+    # split, no BOS token; "glm4"/"glm5" (GLM-4.7-Flash's) with ignore_merges
+    pre_tokenizers={
+        "glm4": "llama3-nobos",
+        "glm5": "llama3-nobos",
+        "chatglm-bpe": "llama3-nobos-merges",
+    },
 )

@@ -76,17 +76,17 @@ For each function call, return a json object with function name and arguments wi
 {{"name": <function-name>, "arguments": <args-json-object>}}
 </tool_call>"""
 _TOOLS_VARIABLE = re.compile(r"\btools\b")
-_IGNORE_MERGES = ("llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe", "glm4", "glm5")
+# Llama 3's split without a BOS token whatever the file says (llama.cpp drops its bos id),
+# with or without ignore_merges: the types a family's own names read as (Family.pre_tokenizers)
+_NO_BOS_PRE = ("llama3-nobos", "llama3-nobos-merges")
+_IGNORE_MERGES = ("llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe", "llama3-nobos")
 _BOS_PRE = ("llama3", "llama-bpe", "llama-v3")  # llama.cpp's add_bos default: true
-# GLM's pre-tokenizers (GLM-4.x, GLM-4.7-Flash's "glm4"): Llama 3's split, and no BOS token
-# whatever the file says (llama.cpp drops its bos id; GLM's templates write [gMASK]<sop>)
-_NO_BOS_PRE = ("chatglm-bpe", "glm4", "glm5")
 PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("gpt2", "gpt-2", "mpt", "olmo"), (_GPT2,)),
     **dict.fromkeys(_IGNORE_MERGES, (_LLAMA3,)),
     **dict.fromkeys(("qwen2", "stablelm2"), (_QWEN2,)),
     "qwen35": (_QWEN35,),
-    "chatglm-bpe": (_LLAMA3,),
+    "llama3-nobos-merges": (_LLAMA3,),
     **dict.fromkeys(
         ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"), (r"\p{N}", _GPT2)
     ),
