@@ -23,7 +23,7 @@ from helpers import (
     POOL_PROMPTS,
     assert_greedy_follows_hf,
     fed,
-    hf64,
+    hf_logits,
     load_hf,
     on_pool,
 )
@@ -37,11 +37,6 @@ PROMPT = "What is the capital of France? The capital of France is Paris, and of 
 @pytest.fixture(scope="module")
 def folder(tiny_model_dir):
     return tiny_model_dir("gemma4-moe")
-
-
-def exact_logits(folder, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf64(folder)(torch.tensor([ids])).logits[0]
 
 
 def prompt_ids(llm: LLM) -> list[int]:
@@ -73,12 +68,11 @@ def test_exact_logits_as_close_as_transformers_fp32(folder):
     """The exact path's logits of 40 tokens through off, contiguous and paged, one shot
     and (contiguous, paged) in chunks of 7 then single rows: as close to transformers'
     fp64 as its own fp32 are."""
-    for mode in ("off", "contiguous", "paged"):
-        llm = LLM(model=folder, kv=mode, exact=True, progress=False)
-        ids = prompt_ids(llm)
-        exact = exact_logits(folder, ids)
-        with torch.no_grad():
-            ref = load_hf(folder)(torch.tensor([ids])).logits[0]
+    modes = ("off", "contiguous", "paged")
+    llms = {mode: LLM(model=folder, kv=mode, exact=True, progress=False) for mode in modes}
+    ids = prompt_ids(llms["off"])
+    exact, ref = hf_logits(folder, ids, torch.float64), hf_logits(load_hf(folder), ids)
+    for mode, llm in llms.items():
         assert_as_exact_as(fed(llm, ids, [len(ids)]), ref, exact)
         if mode != "off":
             assert_as_exact_as(fed(llm, ids, [7] * 4 + [1] * 12), ref, exact)
@@ -96,7 +90,7 @@ def test_each_part_of_the_experts_is_applied(folder):
     the logits far more than rounding (so the tests above can fail)."""
     llm = LLM(model=folder, kv="off", exact=True, progress=False)
     ids = prompt_ids(llm)
-    exact = exact_logits(folder, ids)
+    exact = hf_logits(folder, ids, torch.float64)
     before = max_error(llm.runner.logits(ids, llm.new_cache("off")), exact)
     spread = torch.linspace(0.5, 1.5, 64)  # each channel scaled otherwise
     for change in (
@@ -127,7 +121,7 @@ def test_the_device_road_follows_transformers(folder, monkeypatch):
     with torch.no_grad():
         ref = load_hf(folder)(torch.tensor([ids])).logits[0]
     assert_as_exact_as(llm.runner.logits(ids, llm.new_cache("off")), ref,
-                       exact_logits(folder, ids))  # fmt: skip
+                       hf_logits(folder, ids, torch.float64))  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["contiguous", "paged"])

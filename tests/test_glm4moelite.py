@@ -25,7 +25,7 @@ from helpers import (
     FRANCE,
     assert_greedy_follows_hf,
     fed,
-    hf64,
+    hf_logits,
     load_hf,
     on_pool,
     prompt_ids,
@@ -66,8 +66,7 @@ def glm_dir(tmp_path_factory):
 @functools.cache
 def exact_logits(folder, ids: tuple[int, ...]) -> torch.Tensor:
     """transformers' fp64 teacher-forced logits (the exact result both are held to)."""
-    with torch.no_grad():
-        return hf64(folder)(torch.tensor([ids])).logits[0]
+    return hf_logits(folder, list(ids), torch.float64)
 
 
 def expert_layers(llm) -> list[Experts]:
@@ -108,9 +107,7 @@ def test_teacher_forced_logits_match_hf(glm_dir, name):
     llm = LLM(model=folder, kv="off", exact=True, progress=False)
     ids = prompt_ids(llm)
     ours = llm.runner.logits(ids, llm.new_cache("off"))
-    with torch.no_grad():
-        ref = load_hf(folder)(torch.tensor([ids])).logits[0]
-    exact = exact_logits(folder, tuple(ids))
+    ref, exact = hf_logits(load_hf(folder), ids), exact_logits(folder, tuple(ids))
     assert_as_exact_as(ours, ref, exact)
     moes = expert_layers(llm)
     if name == "glm":
