@@ -25,6 +25,7 @@ from helpers import (
     fed,
     gguf_as_folder,
     hf64,
+    hf_logits,
     load_hf,
     on_pool,
     prompt_ids,
@@ -95,8 +96,7 @@ def test_teacher_forced_logits_match_hf(ds_dir, name):
     llm = LLM(model=folder, kv="off", exact=True, progress=False)
     ids = prompt_ids(llm)
     ours = llm.runner.logits(ids, llm.new_cache("off"))
-    with torch.no_grad():
-        ref = load_hf(folder)(torch.tensor([ids])).logits[0]
+    ref = hf_logits(load_hf(folder), ids)
     assert_as_exact_as(ours, ref, exact_logits(folder, ids))
 
 
@@ -255,8 +255,7 @@ def test_group_limited_greedy_matches_hf(tmp_path):
     assert (x.router, x.groups, x.groups_used, x.group_score) == ("softmax", 4, 1, "max")
     ids = prompt_ids(llm)
     ours = llm.runner.logits(ids, llm.new_cache("off"))
-    with torch.no_grad():
-        ref = load_hf(folder)(torch.tensor([ids])).logits[0]
+    ref = hf_logits(load_hf(folder), ids)
     exact = exact_logits(folder, ids)
     assert_as_exact_as(ours, ref, exact)
     for block in llm.model.layers[1:]:
@@ -290,8 +289,7 @@ def test_a_yarn_model_matches_hf(tmp_path):
     assert llm.config.query_scale is not None
     ids = prompt_ids(llm)
     ours = llm.runner.logits(ids, llm.new_cache("off"))
-    with torch.no_grad():
-        ref = load_hf(folder)(torch.tensor([ids])).logits[0]
+    ref = hf_logits(load_hf(folder), ids)
     exact = exact_logits(folder, ids)
     assert_as_exact_as(ours, ref, exact)
 
