@@ -4,6 +4,7 @@ of its routing (the ring, the route key, the /metrics sum) on their own."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -335,6 +336,21 @@ def test_answers_equal_a_single_kvlm_serve(port, client, model, reference):
     m = wait_for(lambda: (m := metrics(port))["kvlm_replicas"] == 2 and m, timeout=60, step=1)
     assert m and m["kvlm_kv_blocks_total"] == 2 * blocks
     assert json.loads(get(port, "/health")[1]) == {"status": "ok", "replicas": 2}
+
+
+@pytest.mark.slow
+def test_the_proxy_and_replicas_run_at_the_servers_priority(server):
+    """Ray lowers its workers to niceness 15; on a cluster kvlm starts they are the server
+    (Serve's proxy starved beside three test workers at 0 and never answered)."""
+    _, proc = server
+    ours = psutil.Process(proc.pid)
+    assert len(_replica_pids(proc)) == 2
+    workers = {}
+    for child in ours.children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # gone meanwhile
+            if child.name().startswith(("ray::ProxyActor", REPLICA_PROCESS)):
+                workers[child.pid] = child.nice()
+    assert len(workers) == 3 and set(workers.values()) == {ours.nice()}, workers
 
 
 @pytest.mark.slow

@@ -182,6 +182,7 @@ def _import_ray():
 # Ray Serve's proxy checks (ray/serve/_private/constants.py) and the seconds kvlm gives them
 PROXY_CHECKS = ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S")
 PROXY_CHECK_S = 60
+WORKER_NICENESS = "RAY_worker_niceness"  # Ray's setting for its workers' niceness (15)
 
 
 def _init_ray(ray, address: str | None, cpus_wanted: int) -> None:
@@ -200,6 +201,13 @@ def _init_ray(ray, address: str | None, cpus_wanted: int) -> None:
             # started here inherit this process's environment; a user's setting wins.
             for name in PROXY_CHECKS:
                 os.environ.setdefault(name, str(PROXY_CHECK_S))
+            # Ray lowers its workers to niceness 15 (RAY_worker_niceness), below the driver:
+            # here the workers are the server (Serve's proxy, the replicas), and at 15
+            # anything else on the box starves them (the proxy never got through its
+            # imports beside three test workers at 0 on two cores). They run at this
+            # process's priority, as a one-process `kvlm serve` does; `nice kvlm serve`
+            # lowers both.
+            os.environ.setdefault(WORKER_NICENESS, "0")
             ray.init(address="local", num_cpus=cpus, object_store_memory=256 << 20, **quiet)
     except (ConnectionError, RuntimeError) as exc:
         raise KvlmError(f"could not start or join Ray ({address or 'local'}): {exc}") from exc
