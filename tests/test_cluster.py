@@ -4,7 +4,6 @@ of its routing (the ring, the route key, the /metrics sum) on their own."""
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import os
@@ -343,14 +342,10 @@ def test_the_proxy_and_replicas_run_at_the_servers_priority(server):
     """Ray lowers its workers to niceness 15; on a cluster kvlm starts they are the server
     (Serve's proxy starved beside three test workers at 0 and never answered)."""
     _, proc = server
-    ours = psutil.Process(proc.pid)
     assert len(_replica_pids(proc)) == 2
-    workers = {}
-    for child in ours.children(recursive=True):
-        with contextlib.suppress(psutil.Error):  # gone meanwhile
-            if child.name().startswith(("ray::ProxyActor", REPLICA_PROCESS)):
-                workers[child.pid] = child.nice()
-    assert len(workers) == 3 and set(workers.values()) == {ours.nice()}, workers
+    workers = {pid: psutil.Process(pid).nice()
+               for pid in _replica_pids(proc, ("ray::ProxyActor", REPLICA_PROCESS))}  # fmt: skip
+    assert len(workers) == 3 and set(workers.values()) == {psutil.Process(proc.pid).nice()}, workers
 
 
 @pytest.mark.slow
@@ -501,13 +496,15 @@ def test_a_client_that_hangs_up_has_its_request_aborted_on_its_replica(port, cli
     assert wait_for(settled, timeout=30), metrics(port)
 
 
-def _replica_pids(proc: subprocess.Popen) -> list[int]:
-    """The replicas' worker processes: descendants of this cluster's `kvlm serve` (its
-    local Ray), whatever else runs on the machine."""
+def _replica_pids(
+    proc: subprocess.Popen, titles: tuple[str, ...] = (REPLICA_PROCESS,)
+) -> list[int]:
+    """The replicas' worker processes (or those of other `titles`): descendants of this
+    cluster's `kvlm serve` (its local Ray), whatever else runs on the machine."""
     pids = []
     for child in psutil.Process(proc.pid).children(recursive=True):
         try:
-            if child.name().startswith(REPLICA_PROCESS) and child.status() != "zombie":
+            if child.name().startswith(titles) and child.status() != "zombie":
                 pids.append(child.pid)
         except psutil.Error:  # gone meanwhile
             pass
