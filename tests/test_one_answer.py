@@ -257,9 +257,11 @@ def test_a_decode_row_has_its_bits_on_any_thread_count(tiny_model_dir, name):
 
 def test_mkls_products_have_their_bits_on_any_thread_count():
     """kvlm sets MKL's strict reproducibility (MKL_CBWR) before MKL's first call: torch's
-    fp32 and fp64 GEMMs of a prompt block's shapes give the same bits on 1 and 2 threads
-    (on an AMX Xeon, without it, 128 x 1536 -> 576 in fp32 did not). A fresh process:
-    MKL reads the setting once."""
+    fp32 GEMMs of a prompt block's shapes give the same bits on 1 and 2 threads (on an AMX
+    Xeon, without it, 128 x 1536 -> 576 did not). A fresh process: MKL reads the setting
+    once. Not fp64: that road is the tests' reference alone (quant.py's fp64 sums), bound
+    by no contract, and on the CI's AVX2-only CPU MKL's fp64 128 x 8192 -> 2048 differed
+    between 1 and 2 threads even under STRICT."""
     import os
     import subprocess
     import sys
@@ -268,14 +270,13 @@ def test_mkls_products_have_their_bits_on_any_thread_count():
 import os, kvlm, torch
 assert os.environ["MKL_CBWR"] == "AUTO,STRICT"
 torch.manual_seed(0)
-for dtype in (torch.float32, torch.float64):
-    for m, k, n in ((128, 1536, 576), (128, 576, 1536), (128, 8192, 2048), (16, 2048, 64)):
-        x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
-        got = []
-        for t in (1, 2):
-            torch.set_num_threads(t)
-            got.append(torch.matmul(x, w.t()))
-        assert torch.equal(*got), (dtype, m, k, n)
+for m, k, n in ((128, 1536, 576), (128, 576, 1536), (128, 8192, 2048), (16, 2048, 64)):
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    got = []
+    for t in (1, 2):
+        torch.set_num_threads(t)
+        got.append(torch.matmul(x, w.t()))
+    assert torch.equal(*got), (m, k, n)
 """
     env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
